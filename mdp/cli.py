@@ -1,0 +1,133 @@
+"""The ``mdp`` console script.
+
+``mdp call --broker ENDPOINT SERVICE FRAME...``
+    Send one request and print each reply frame on its own line (PARTIALs as
+    they arrive, then the FINAL).  Exit status 1 with a message on stderr on
+    timeout or error.
+
+``mdp demo``
+    Start a broker, an echo worker and a client in one process over real
+    ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+from twisted.internet import defer, task
+from twisted.python import usage
+
+from mdp.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
+from mdp.errors import MDPError
+from mdp.tap import DEFAULT_ENDPOINT
+
+
+def _show(frame: bytes) -> str:
+    try:
+        text = frame.decode("utf-8")
+    except UnicodeDecodeError:
+        return repr(frame)
+    return text if text.isprintable() else repr(frame)
+
+
+class CallOptions(usage.Options):
+    synopsis = "[--broker ENDPOINT] [--timeout S] [--retries N] SERVICE FRAME [FRAME...]"
+    optParameters: list[Any] = [
+        ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
+        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
+    ]
+    optFlags = [["delimiter", None, "Put an empty frame before the MDP header."]]
+
+    def parseArgs(self, service: str, *frames: str) -> None:
+        if not frames:
+            raise usage.UsageError("give at least one request frame")
+        self["service"] = service
+        self["frames"] = [f.encode("utf-8") for f in frames]
+
+
+class DemoOptions(usage.Options):
+    synopsis = "[--endpoint ENDPOINT] [--requests N]"
+    optParameters: list[Any] = [
+        ["endpoint", "e", "zmq:tcp://127.0.0.1:*",
+         "Where the demo broker binds (default: a free port on 127.0.0.1)."],
+        ["requests", "n", 3, "Requests to send.", int],
+    ]
+
+
+class Options(usage.Options):
+    synopsis = "mdp call|demo [options]"
+    subCommands = [
+        ["call", None, CallOptions, "Send one request through a broker."],
+        ["demo", None, DemoOptions, "Broker + echo worker + client, in one process."],
+    ]
+
+    def postOptions(self) -> None:
+        if self.subCommand is None:
+            raise usage.UsageError("choose a command: call or demo")
+
+
+async def call(reactor: Any, options: CallOptions) -> None:
+    from mdp.client import Client
+
+    client = Client(options["broker"].split(","), reactor, timeout=options["timeout"],
+                    retries=options["retries"], delimiter=options["delimiter"])
+
+    def partial(frames: list[bytes]) -> None:
+        for frame in frames:
+            print(_show(frame))
+
+    try:
+        reply = await client.request(options["service"], *options["frames"], onPartial=partial)
+    except MDPError as e:
+        print(f"mdp call: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        await client.close()
+    for frame in reply:
+        print(_show(frame))
+    sys.stdout.flush()
+
+
+async def demo(reactor: Any, options: DemoOptions) -> None:
+    from mdp.broker import Broker
+    from mdp.client import Client
+    from mdp.handlers import echo
+    from mdp.worker import Worker
+
+    broker = Broker(reactor)
+    bound = await broker.listen(options["endpoint"])
+    print(f"broker listening on {bound.endpoint}")
+    worker = Worker(bound.endpoint, "echo", echo, reactor)
+    worker.start()
+    print("echo worker started")
+    client = Client(bound.endpoint, reactor)
+    try:
+        for n in range(options["requests"]):
+            reply = await client.request("echo", f"hello {n}")
+            print(f"echo replied: {' | '.join(_show(f) for f in reply)}")
+    except MDPError as e:
+        print(f"mdp demo: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        await client.close()
+        await worker.stop()
+        await broker.close()
+    print("demo done")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of the ``mdp`` console script."""
+    options = Options()
+    try:
+        options.parseOptions(list(sys.argv[1:] if argv is None else argv))
+    except usage.UsageError as e:
+        print(f"{options}\nmdp: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    command = call if options.subCommand == "call" else demo
+    task.react(lambda reactor: defer.ensureDeferred(command(reactor, options.subOptions)))
+
+
+if __name__ == "__main__":
+    main()

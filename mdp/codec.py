@@ -1,0 +1,307 @@
+"""MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back.
+
+Pure functions over lists of ``bytes`` frames: no I/O, no clock, no Twisted.
+The routing-id frame a ROUTER socket prepends is *not* part of these frames;
+the transport strips it.
+
+Two framings exist in the wild.  The RFC puts the protocol header in frame 0.
+The older Guide examples and the ``majortomo`` package put an empty delimiter
+frame first.  :func:`strip_delimiter` tells them apart; :func:`encode` adds the
+delimiter back on request, so a broker can answer each peer in its own style.
+
+Error replies
+-------------
+MDP/0.2 has no error command.  When the broker or a worker must fail a request,
+it sends an ordinary FINAL whose body is exactly three frames::
+
+    [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
+
+``ERROR_MARKER`` starts with a NUL byte so that it cannot be mistaken for a
+printable payload.  A plain MDP/0.2 client sees a well-formed FINAL; our client
+turns it into :class:`~mdp.errors.WorkerError` (500),
+:class:`~mdp.errors.ServiceUnavailable` (503) or
+:class:`~mdp.errors.ServiceOverloaded` (429).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import attrs
+
+from mdp.errors import ProtocolError
+
+CLIENT_HEADER = b"MDPC02"
+WORKER_HEADER = b"MDPW02"
+
+# MDP/Client command bytes
+C_REQUEST = b"\x01"
+C_PARTIAL = b"\x02"
+C_FINAL = b"\x03"
+
+# MDP/Worker command bytes
+W_READY = b"\x01"
+W_REQUEST = b"\x02"
+W_PARTIAL = b"\x03"
+W_FINAL = b"\x04"
+W_HEARTBEAT = b"\x05"
+W_DISCONNECT = b"\x06"
+
+ERROR_MARKER = b"\x00MDP-ERROR"
+STATUS_WORKER_ERROR = b"500"
+STATUS_UNAVAILABLE = b"503"
+STATUS_OVERLOADED = b"429"
+
+#: Longest service name accepted; the RFC sets none, 255 keeps tables sane.
+MAX_SERVICE_LENGTH = 255
+
+Frames = list[bytes]
+
+
+# --- commands -------------------------------------------------------------
+
+@attrs.frozen(slots=True)
+class ClientRequest:
+    """MDP/Client REQUEST: client to broker."""
+
+    service: bytes
+    body: Sequence[bytes]
+
+
+@attrs.frozen(slots=True)
+class ClientPartial:
+    """MDP/Client PARTIAL: broker to client, zero or more per request."""
+
+    service: bytes
+    body: Sequence[bytes]
+
+
+@attrs.frozen(slots=True)
+class ClientFinal:
+    """MDP/Client FINAL: broker to client, exactly one per request."""
+
+    service: bytes
+    body: Sequence[bytes]
+
+
+@attrs.frozen(slots=True)
+class Ready:
+    """MDP/Worker READY: a worker registers for one service."""
+
+    service: bytes
+
+
+@attrs.frozen(slots=True)
+class WorkerRequest:
+    """MDP/Worker REQUEST: broker hands a request to a worker."""
+
+    client: bytes
+    body: Sequence[bytes]
+
+
+@attrs.frozen(slots=True)
+class WorkerPartial:
+    """MDP/Worker PARTIAL: part of a reply, worker to broker."""
+
+    client: bytes
+    body: Sequence[bytes]
+
+
+@attrs.frozen(slots=True)
+class WorkerFinal:
+    """MDP/Worker FINAL: last part of a reply, worker to broker."""
+
+    client: bytes
+    body: Sequence[bytes]
+
+
+@attrs.frozen(slots=True)
+class Heartbeat:
+    """MDP/Worker HEARTBEAT, both directions."""
+
+
+@attrs.frozen(slots=True)
+class Disconnect:
+    """MDP/Worker DISCONNECT, both directions."""
+
+
+ClientCommand = Union[ClientRequest, ClientPartial, ClientFinal]
+WorkerCommand = Union[
+    Ready, WorkerRequest, WorkerPartial, WorkerFinal, Heartbeat, Disconnect
+]
+Command = Union[ClientCommand, WorkerCommand]
+
+HEARTBEAT = Heartbeat()
+DISCONNECT = Disconnect()
+
+_CLIENT_NAMES = {C_REQUEST: "REQUEST", C_PARTIAL: "PARTIAL", C_FINAL: "FINAL"}
+_CLIENT_TYPES = {C_REQUEST: ClientRequest, C_PARTIAL: ClientPartial, C_FINAL: ClientFinal}
+_WORKER_NAMES = {
+    W_READY: "READY",
+    W_REQUEST: "REQUEST",
+    W_PARTIAL: "PARTIAL",
+    W_FINAL: "FINAL",
+    W_HEARTBEAT: "HEARTBEAT",
+    W_DISCONNECT: "DISCONNECT",
+}
+_WORKER_ENVELOPED = {
+    W_REQUEST: WorkerRequest,
+    W_PARTIAL: WorkerPartial,
+    W_FINAL: WorkerFinal,
+}
+
+
+# --- validation helpers ---------------------------------------------------
+
+def validate_service(service: bytes) -> bytes:
+    """Return *service* if it is a non-empty printable ASCII name, else raise."""
+    if not service:
+        raise ProtocolError("empty service name")
+    if len(service) > MAX_SERVICE_LENGTH:
+        raise ProtocolError(
+            f"service name is {len(service)} bytes, longer than {MAX_SERVICE_LENGTH}"
+        )
+    for byte in service:
+        if byte < 0x20 or byte > 0x7E:
+            raise ProtocolError(
+                f"service name {service!r} holds non-printable byte 0x{byte:02x}"
+            )
+    return service
+
+
+def service_name(service: Union[str, bytes]) -> bytes:
+    """Normalise an API-level service name (``str`` or ``bytes``) to wire bytes."""
+    if isinstance(service, str):
+        try:
+            service = service.encode("ascii")
+        except UnicodeEncodeError:
+            raise ProtocolError(f"service name {service!r} is not ASCII") from None
+    return validate_service(bytes(service))
+
+
+def strip_delimiter(frames: Sequence[bytes]) -> tuple[bool, Sequence[bytes]]:
+    """Split off the empty delimiter frame some peers send before the header.
+
+    Returns ``(delimited, frames)``: whether the message used the delimiter, and
+    the frames starting at the protocol header.
+    """
+    if len(frames) > 1 and frames[0] == b"":
+        return True, frames[1:]
+    return False, frames
+
+
+# --- decoding -------------------------------------------------------------
+
+def decode(frames: Sequence[bytes]) -> Command:
+    """Decode one MDP/0.2 message (client or worker) starting at its header.
+
+    Raises :class:`~mdp.errors.ProtocolError` with a precise reason when the
+    frames are not a valid command.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    header = frames[0]
+    if header == WORKER_HEADER:
+        return decode_worker(frames)
+    if header == CLIENT_HEADER:
+        return decode_client(frames)
+    raise ProtocolError(f"unknown protocol header {bytes(header[:16])!r}")
+
+
+def decode_client(frames: Sequence[bytes]) -> ClientCommand:
+    """Decode an MDP/Client command (REQUEST, PARTIAL or FINAL)."""
+    if not frames or frames[0] != CLIENT_HEADER:
+        raise ProtocolError("missing MDPC02 header")
+    if len(frames) < 2:
+        raise ProtocolError("MDPC02 message has no command frame")
+    command = frames[1]
+    kind = _CLIENT_TYPES.get(command)
+    if kind is None:
+        raise ProtocolError(f"unknown MDP/Client command {bytes(command[:8])!r}")
+    if len(frames) < 4:
+        name = _CLIENT_NAMES[command]
+        what = "service name" if len(frames) < 3 else "body"
+        raise ProtocolError(
+            f"MDP/Client {name} needs at least 4 frames, got {len(frames)} (missing {what})"
+        )
+    return kind(validate_service(frames[2]), list(frames[3:]))
+
+
+def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
+    """Decode an MDP/Worker command."""
+    if not frames or frames[0] != WORKER_HEADER:
+        raise ProtocolError("missing MDPW02 header")
+    if len(frames) < 2:
+        raise ProtocolError("MDPW02 message has no command frame")
+    command = frames[1]
+    count = len(frames)
+    if command == W_HEARTBEAT or command == W_DISCONNECT:
+        if count != 2:
+            raise ProtocolError(
+                f"MDP/Worker {_WORKER_NAMES[command]} takes 2 frames, got {count}"
+            )
+        return HEARTBEAT if command == W_HEARTBEAT else DISCONNECT
+    kind = _WORKER_ENVELOPED.get(command)
+    if kind is not None:
+        if count < 5:
+            raise ProtocolError(
+                f"MDP/Worker {_WORKER_NAMES[command]} needs at least 5 frames, got {count}"
+            )
+        if frames[3] != b"":
+            raise ProtocolError(
+                f"MDP/Worker {_WORKER_NAMES[command]}: frame 3 must be the empty "
+                "envelope delimiter"
+            )
+        return kind(frames[2], list(frames[4:]))
+    if command == W_READY:
+        if count != 3:
+            raise ProtocolError(f"MDP/Worker READY takes 3 frames, got {count}")
+        return Ready(validate_service(frames[2]))
+    raise ProtocolError(f"unknown MDP/Worker command {bytes(command[:8])!r}")
+
+
+# --- encoding -------------------------------------------------------------
+
+def encode(command: Command, delimiter: bool = False) -> Frames:
+    """Encode *command* to frames, optionally with a leading empty delimiter."""
+    frames = _encode(command)
+    if delimiter:
+        frames.insert(0, b"")
+    return frames
+
+
+def _encode(command: Command) -> Frames:
+    kind = type(command)
+    if kind is Heartbeat:
+        return [WORKER_HEADER, W_HEARTBEAT]
+    if kind is Disconnect:
+        return [WORKER_HEADER, W_DISCONNECT]
+    if kind is Ready:
+        return [WORKER_HEADER, W_READY, command.service]  # type: ignore[union-attr]
+    if kind is WorkerRequest:
+        return [WORKER_HEADER, W_REQUEST, command.client, b"", *command.body]  # type: ignore[union-attr]
+    if kind is WorkerPartial:
+        return [WORKER_HEADER, W_PARTIAL, command.client, b"", *command.body]  # type: ignore[union-attr]
+    if kind is WorkerFinal:
+        return [WORKER_HEADER, W_FINAL, command.client, b"", *command.body]  # type: ignore[union-attr]
+    if kind is ClientRequest:
+        return [CLIENT_HEADER, C_REQUEST, command.service, *command.body]  # type: ignore[union-attr]
+    if kind is ClientPartial:
+        return [CLIENT_HEADER, C_PARTIAL, command.service, *command.body]  # type: ignore[union-attr]
+    if kind is ClientFinal:
+        return [CLIENT_HEADER, C_FINAL, command.service, *command.body]  # type: ignore[union-attr]
+    raise TypeError(f"not an MDP command: {command!r}")
+
+
+# --- error replies ----------------------------------------------------------
+
+def error_body(code: bytes, message: str) -> Frames:
+    """The reply body that signals an error (see the module docstring)."""
+    return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
+
+
+def parse_error_body(body: Sequence[bytes]) -> tuple[bytes, str] | None:
+    """Return ``(code, message)`` if *body* is an error reply, else ``None``."""
+    if len(body) == 3 and body[0] == ERROR_MARKER:
+        return bytes(body[1]), bytes(body[2]).decode("utf-8", "replace")
+    return None

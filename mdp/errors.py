@@ -1,0 +1,65 @@
+"""Every exception the library raises, in one module.
+
+Callers catch :class:`MDPError` for anything of ours, or the precise subclass for
+one failure.  Errors a client receives from the far side of a broker map onto
+the same classes (see :mod:`mdp.codec` for the wire form of error replies).
+"""
+
+from __future__ import annotations
+
+
+class MDPError(Exception):
+    """Base class of all errors raised by this library."""
+
+
+class ProtocolError(MDPError):
+    """A message broke the wire protocol (bad header, command, frame count, ...)."""
+
+
+class TransportError(MDPError):
+    """An endpoint string could not be understood or a transport failed."""
+
+
+class RequestTimeout(MDPError):
+    """No FINAL reply arrived within the request's timeout."""
+
+    def __init__(self, service: bytes, attempts: int, elapsed: float) -> None:
+        self.service = service
+        self.attempts = attempts
+        self.elapsed = elapsed
+        super().__init__(
+            f"request to service {service.decode('ascii', 'replace')!r} timed out "
+            f"after {attempts} attempt(s) and {elapsed:.3f}s"
+        )
+
+
+class RemoteError(MDPError):
+    """The broker or a worker answered the request with an error reply."""
+
+    #: The status code carried by the error reply (for example ``b"500"``).
+    code: bytes = b"500"
+
+    def __init__(self, service: bytes, code: bytes, message: str) -> None:
+        self.service = service
+        self.code = code
+        self.message = message
+        super().__init__(
+            f"service {service.decode('ascii', 'replace')!r} answered "
+            f"{code.decode('ascii', 'replace')}: {message}"
+        )
+
+
+class WorkerError(RemoteError):
+    """The worker's handler raised an exception while serving the request (500)."""
+
+
+class ServiceUnavailable(RemoteError):
+    """No worker served the service before the broker expired the request (503)."""
+
+
+class ServiceOverloaded(RemoteError):
+    """The broker refused the request because its queues are full (429)."""
+
+
+class ClientClosed(MDPError):
+    """The client was closed while the request was pending."""

@@ -1,0 +1,109 @@
+"""The contracts between the layers: transports, the protocols they drive, roles.
+
+A *message* is a ``list`` of ``bytes`` frames.  A transport moves messages and
+reports connection events; it knows nothing of MDP.  A state machine (broker,
+worker, client, ...) implements one of the receiver interfaces and sends through
+the matching transport interface; it never imports zmq, txzmq or socket.
+"""
+
+from __future__ import annotations
+
+from zope.interface import Attribute, Interface
+
+
+class IRouterReceiver(Interface):
+    """The protocol side of a bound, ROUTER-like transport (e.g. a broker)."""
+
+    def messageReceived(peer: bytes, frames: list[bytes]) -> None:
+        """A message arrived from the peer identified by *peer*."""
+
+    def peerDisconnected(peer: bytes) -> None:
+        """*peer* went away.  Only stream transports (TCP, loopback) know this;
+        ZeroMQ never calls it, heartbeats cover that case."""
+
+
+class IRouterTransport(Interface):
+    """A bound socket that addresses many peers by opaque id (ZeroMQ ROUTER)."""
+
+    endpoint = Attribute(
+        "An endpoint string a peer can connect to; with port 0 or ``*`` it "
+        "names the port the OS picked."
+    )
+    reportsDisconnects = Attribute(
+        "True if the transport calls peerDisconnected (TCP, loopback)."
+    )
+
+    def sendMessage(peer: bytes, frames: list[bytes]) -> None:
+        """Send *frames* to *peer*.  Unknown peers are dropped silently, as a
+        ZeroMQ ROUTER does."""
+
+    def disconnectPeer(peer: bytes) -> None:
+        """Drop the connection to *peer* if the medium has connections."""
+
+    def close():
+        """Stop listening and drop every peer.  Returns a Deferred."""
+
+
+class IDealerReceiver(Interface):
+    """The protocol side of a connecting, DEALER-like transport."""
+
+    def connectionMade() -> None:
+        """A (new) pipe to the far side is ready.  Called asynchronously after
+        the transport was created, and again after each reconnection."""
+
+    def messageReceived(frames: list[bytes]) -> None:
+        """A message arrived from the far side."""
+
+    def connectionLost(reason: object) -> None:
+        """The pipe broke.  Stream transports reconnect by themselves and call
+        connectionMade again; ZeroMQ never calls this."""
+
+
+class IDealerTransport(Interface):
+    """One outgoing pipe to a bound peer (ZeroMQ DEALER)."""
+
+    endpoint = Attribute("The endpoint string this transport connects to.")
+    connected = Attribute("True while the pipe is believed usable.")
+
+    def sendMessage(frames: list[bytes]) -> None:
+        """Send *frames*; while disconnected they are queued (bounded) and sent
+        after the next connectionMade."""
+
+    def reconnect() -> None:
+        """Drop the current pipe and open a fresh one (a new socket, so a new
+        identity on ZeroMQ).  Queued messages are discarded."""
+
+    def close():
+        """Close for good.  Returns a Deferred."""
+
+
+class IBroker(IRouterReceiver):
+    """An MDP/0.2 broker."""
+
+    def listen(endpoint: str, clients: bool = True, workers: bool = True):
+        """Bind an endpoint; returns a Deferred firing with its IRouterTransport."""
+
+    def close():
+        """Unbind everything; returns a Deferred."""
+
+
+class IWorker(Interface):
+    """An MDP/0.2 worker serving one service."""
+
+    service = Attribute("The service name, bytes.")
+
+    def start() -> None:
+        """Connect to the broker and register."""
+
+    def stop():
+        """Send DISCONNECT and close; returns a Deferred."""
+
+
+class IClient(Interface):
+    """An MDP/0.2 client."""
+
+    def request(service, *frames, timeout=None, onPartial=None):
+        """Send a request; returns a Deferred firing with the FINAL body frames."""
+
+    def close():
+        """Fail pending requests and close connections; returns a Deferred."""

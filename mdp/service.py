@@ -1,0 +1,77 @@
+"""Twisted services, to add a broker or a worker to an existing Application."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from twisted.application.service import Service
+from twisted.internet import defer
+
+from mdp.broker import DEFAULT_REQUEST_EXPIRY, Broker
+from mdp.policy import Backoff, HeartbeatPolicy
+from mdp.worker import Handler, Worker
+
+
+class BrokerService(Service):
+    """Runs a :class:`~mdp.broker.Broker` bound to *endpoint* (clients and
+    workers) or to a separate *frontend* (clients) and *backend* (workers)."""
+
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        backend: Optional[str] = None,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
+        reactor: Optional[Any] = None,
+    ) -> None:
+        if endpoint is None and backend is None:
+            raise ValueError("BrokerService needs an endpoint, a backend or both")
+        self.endpoint = endpoint
+        self.backend = backend
+        self.broker = Broker(reactor, heartbeat=heartbeat, requestExpiry=requestExpiry)
+        self.transports: list[Any] = []
+
+    def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().startService()
+        listening = []
+        if self.endpoint is not None:
+            listening.append(self.broker.listen(self.endpoint, clients=True,
+                                                workers=self.backend is None))
+        if self.backend is not None:
+            listening.append(self.broker.listen(self.backend, clients=self.endpoint is None,
+                                                workers=True))
+        return defer.gatherResults(listening, consumeErrors=True).addCallback(
+            self._listening
+        )
+
+    def _listening(self, transports: list[Any]) -> None:
+        self.transports = transports
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self.broker.close()
+
+
+class WorkerService(Service):
+    """Runs a :class:`~mdp.worker.Worker` for one service."""
+
+    def __init__(
+        self,
+        endpoint: Union[str, Sequence[str]],
+        service: Union[str, bytes],
+        handler: Handler,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        backoff: Backoff = Backoff(),
+        delimiter: bool = False,
+        reactor: Optional[Any] = None,
+    ) -> None:
+        self.worker = Worker(endpoint, service, handler, reactor=reactor,
+                             heartbeat=heartbeat, backoff=backoff, delimiter=delimiter)
+
+    def startService(self) -> None:
+        super().startService()
+        self.worker.start()
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self.worker.stop()

@@ -1,0 +1,225 @@
+"""In-memory transport for deterministic tests: ``loopback:NAME``.
+
+Every delivery and connection event is scheduled with ``callLater(0)`` on the
+reactor the transport was given, so nothing is re-entrant and a test driving a
+:class:`twisted.internet.task.Clock` decides exactly when messages move
+(``clock.advance(0)`` delivers everything pending, in order).
+
+A dealer whose listener does not exist yet waits for it, as a ZeroMQ DEALER
+does; when a listener closes, its dealers see ``connectionLost`` and wait for a
+new listener under the same name.  Peers are reported disconnected at once, as
+on TCP.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Optional
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp.errors import TransportError
+from mdp.interfaces import (
+    IDealerReceiver,
+    IDealerTransport,
+    IRouterReceiver,
+    IRouterTransport,
+)
+
+log = Logger()
+
+_ids = itertools.count(1)
+
+
+def _new_peer_id() -> bytes:
+    return b"\x00" + next(_ids).to_bytes(4, "big")
+
+
+class ConnectionDone(Exception):
+    """The loopback connection was closed by the other side."""
+
+
+class LoopbackNetwork:
+    """A namespace of loopback listeners.  Most code uses :data:`network`."""
+
+    def __init__(self) -> None:
+        self.listeners: dict[str, LoopbackRouter] = {}
+        self.waiting: dict[str, list[LoopbackDealer]] = {}
+
+    def bind(self, name: str, router: LoopbackRouter) -> None:
+        if name in self.listeners:
+            raise TransportError(f"loopback:{name} is already bound")
+        self.listeners[name] = router
+        for dealer in self.waiting.pop(name, []):
+            dealer._attach()
+
+    def unbind(self, name: str, router: LoopbackRouter) -> None:
+        if self.listeners.get(name) is router:
+            del self.listeners[name]
+
+    def wait(self, name: str, dealer: LoopbackDealer) -> None:
+        self.waiting.setdefault(name, []).append(dealer)
+
+    def stopWaiting(self, name: str, dealer: LoopbackDealer) -> None:
+        waiting = self.waiting.get(name, [])
+        if dealer in waiting:
+            waiting.remove(dealer)
+        if not waiting:
+            self.waiting.pop(name, None)
+
+
+#: The process-wide loopback namespace used by ``loopback:NAME`` strings.
+network = LoopbackNetwork()
+
+
+@implementer(IRouterTransport)
+class LoopbackRouter:
+    """The bound side: many dealers, each known by an opaque peer id."""
+
+    reportsDisconnects = True
+
+    def __init__(
+        self,
+        name: str,
+        receiver: IRouterReceiver,
+        reactor: IReactorTime,
+        net: LoopbackNetwork = network,
+    ) -> None:
+        self.name = name
+        self.endpoint = f"loopback:{name}"
+        self.receiver = receiver
+        self.reactor = reactor
+        self.network = net
+        self.peers: dict[bytes, LoopbackDealer] = {}
+        self.closed = False
+        net.bind(name, self)
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        dealer = self.peers.get(peer)
+        if dealer is not None:
+            dealer.reactor.callLater(0, dealer._deliver, peer, list(frames))
+
+    def disconnectPeer(self, peer: bytes) -> None:
+        dealer = self.peers.get(peer)
+        if dealer is not None:
+            dealer._dropped(peer)
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.closed:
+            self.closed = True
+            self.network.unbind(self.name, self)
+            for peer, dealer in list(self.peers.items()):
+                dealer._dropped(peer)
+        return defer.succeed(None)
+
+    # called by dealers
+    def _connect(self, peer: bytes, dealer: LoopbackDealer) -> None:
+        self.peers[peer] = dealer
+
+    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+        if peer in self.peers and not self.closed:
+            self.receiver.messageReceived(peer, frames)
+
+    def _peerGone(self, peer: bytes) -> None:
+        if self.peers.pop(peer, None) is not None and not self.closed:
+            self.receiver.peerDisconnected(peer)
+
+
+@implementer(IDealerTransport)
+class LoopbackDealer:
+    """The connecting side: one pipe to the router bound under *name*."""
+
+    #: Messages kept while no listener exists; older ones are dropped beyond it.
+    maxQueued = 1000
+
+    def __init__(
+        self,
+        name: str,
+        receiver: IDealerReceiver,
+        reactor: IReactorTime,
+        net: LoopbackNetwork = network,
+    ) -> None:
+        self.name = name
+        self.endpoint = f"loopback:{name}"
+        self.receiver = receiver
+        self.reactor = reactor
+        self.network = net
+        self.router: Optional[LoopbackRouter] = None
+        self.peer: Optional[bytes] = None
+        self.queue: deque[list[bytes]] = deque(maxlen=self.maxQueued)
+        self.closed = False
+        self._attach()
+
+    @property
+    def connected(self) -> bool:
+        return self.router is not None
+
+    def _attach(self) -> None:
+        router = self.network.listeners.get(self.name)
+        if router is None:
+            self.network.wait(self.name, self)
+            return
+        self.router = router
+        self.peer = _new_peer_id()
+        router._connect(self.peer, self)
+        self.reactor.callLater(0, self._made, self.peer)
+
+    def _made(self, peer: bytes) -> None:
+        if peer != self.peer or self.closed:
+            return
+        self.receiver.connectionMade()
+        while self.queue and self.peer == peer:
+            self.sendMessage(self.queue.popleft())
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        if self.closed:
+            return
+        router, peer = self.router, self.peer
+        if router is None or peer is None:
+            self.queue.append(list(frames))
+            return
+        router.reactor.callLater(0, router._deliver, peer, list(frames))
+
+    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+        if peer == self.peer and not self.closed:
+            self.receiver.messageReceived(frames)
+
+    def _detach(self) -> None:
+        router, peer = self.router, self.peer
+        self.router = self.peer = None
+        if router is not None and peer is not None:
+            router.reactor.callLater(0, router._peerGone, peer)
+
+    def _dropped(self, peer: bytes) -> None:
+        """The router side dropped us: report, then wait for a listener."""
+        if peer != self.peer:
+            return
+        self._detach()
+        self.reactor.callLater(0, self._lost)
+
+    def _lost(self) -> None:
+        if self.closed:
+            return
+        self.receiver.connectionLost(Failure(ConnectionDone("loopback peer closed")))
+        if self.router is None:
+            self._attach()
+
+    def reconnect(self) -> None:
+        if self.closed:
+            return
+        self.queue.clear()
+        self.network.stopWaiting(self.name, self)
+        self._detach()
+        self._attach()
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.closed:
+            self.closed = True
+            self.network.stopWaiting(self.name, self)
+            self._detach()
+        return defer.succeed(None)

@@ -1,0 +1,175 @@
+"""ZeroMQ ROUTER/DEALER transports over txzmq: ``zmq:tcp://…``, ``zmq:ipc://…``.
+
+Thin adapters around :class:`txzmq.ZmqRouterConnection` and
+:class:`txzmq.ZmqDealerConnection`.  Socket options are set explicitly instead
+of txzmq's defaults: a high-water mark of 1000 messages (txzmq's 0 means
+unbounded queues) and a short linger.  ZeroMQ hides connection state, so these
+transports never report disconnects; MDP heartbeats cover that.
+
+``import txzmq`` installs the default reactor; this module imports it only when
+a ``zmq:`` endpoint is actually used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp.errors import TransportError
+from mdp.interfaces import (
+    IDealerReceiver,
+    IDealerTransport,
+    IRouterReceiver,
+    IRouterTransport,
+)
+
+log = Logger()
+
+HIGH_WATER_MARK = 1000
+LINGER_MS = 200
+
+_factory: Any = None
+_classes: Optional[tuple[type, type]] = None
+
+
+def zmq_factory() -> Any:
+    """The process-wide txzmq factory (one ZeroMQ context), shut down with the
+    reactor."""
+    global _factory
+    if _factory is None:
+        import txzmq
+
+        _factory = txzmq.ZmqFactory()
+        _factory.lingerPeriod = LINGER_MS
+        _factory.registerForShutdown()
+    return _factory
+
+
+def _connection_classes() -> tuple[type, type]:
+    global _classes
+    if _classes is None:
+        import txzmq
+
+        class Router(txzmq.ZmqRouterConnection):
+            highWaterMark = HIGH_WATER_MARK
+            owner: ZmqRouter
+
+            def gotMessage(self, sender: bytes, *frames: bytes) -> None:
+                self.owner.receiver.messageReceived(sender, list(frames))
+
+        class Dealer(txzmq.ZmqDealerConnection):
+            highWaterMark = HIGH_WATER_MARK
+            owner: ZmqDealer
+
+            def gotMessage(self, *frames: bytes) -> None:
+                self.owner._received(self, list(frames))
+
+        _classes = (Router, Dealer)
+    return _classes
+
+
+def _address(endpoint: str) -> str:
+    if not endpoint.startswith("zmq:"):
+        raise TransportError(f"not a zmq endpoint: {endpoint!r}")
+    return endpoint[len("zmq:"):]
+
+
+@implementer(IRouterTransport)
+class ZmqRouter:
+    """A bound ZeroMQ ROUTER socket."""
+
+    reportsDisconnects = False
+
+    def __init__(self, endpoint: str, receiver: IRouterReceiver) -> None:
+        import txzmq
+        import zmq
+
+        router_class, _ = _connection_classes()
+        self.receiver = receiver
+        try:
+            self.connection = router_class(
+                zmq_factory(), txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, _address(endpoint))
+            )
+        except zmq.ZMQError as e:
+            raise TransportError(f"cannot bind {endpoint}: {e}") from e
+        self.connection.owner = self
+        bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = "zmq:" + bound.replace("0.0.0.0", "127.0.0.1")
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        import zmq
+
+        try:
+            self.connection.send([peer, *frames])
+        except zmq.ZMQError as e:
+            log.warn("zmq router could not send to {peer!r}: {error}", peer=peer, error=e)
+
+    def disconnectPeer(self, peer: bytes) -> None:
+        """ZeroMQ has no per-peer connection to drop."""
+
+    def close(self) -> defer.Deferred[None]:
+        if self.connection.socket is not None:
+            self.connection.shutdown()
+        return defer.succeed(None)
+
+
+@implementer(IDealerTransport)
+class ZmqDealer:
+    """A connecting ZeroMQ DEALER socket; :meth:`reconnect` opens a new one."""
+
+    connected = True
+
+    def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver) -> None:
+        self.reactor = reactor
+        self.endpoint = endpoint
+        self.address = _address(endpoint)
+        self.receiver = receiver
+        self.connection: Any = None
+        self._open()
+
+    def _open(self) -> None:
+        import txzmq
+
+        _, dealer_class = _connection_classes()
+        connection = dealer_class(
+            zmq_factory(), txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)
+        )
+        connection.owner = self
+        self.connection = connection
+        self.reactor.callLater(0, self._made, connection)
+
+    def _made(self, connection: Any) -> None:
+        if connection is self.connection:
+            self.receiver.connectionMade()
+
+    def _received(self, connection: Any, frames: list[bytes]) -> None:
+        if connection is self.connection:
+            self.receiver.messageReceived(frames)
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        import zmq
+
+        if self.connection is None:
+            return
+        try:
+            self.connection.send(frames)
+        except zmq.ZMQError as e:
+            log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
+
+    def _shutdown(self) -> None:
+        connection, self.connection = self.connection, None
+        if connection is not None and connection.socket is not None:
+            connection.shutdown()
+
+    def reconnect(self) -> None:
+        if self.connection is None:
+            return
+        self._shutdown()
+        self._open()
+
+    def close(self) -> defer.Deferred[None]:
+        self._shutdown()
+        return defer.succeed(None)

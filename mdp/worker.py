@@ -1,0 +1,299 @@
+"""The MDP/0.2 worker: serves one service through a broker.
+
+The handler receives the request body (``list[bytes]``) and may return:
+
+* ``bytes``/``str`` or a list of them — sent as one FINAL;
+* a :class:`~twisted.internet.defer.Deferred` or a coroutine — its result is
+  sent as above when it fires;
+* a generator or async generator — every item it yields is sent at once as a
+  PARTIAL, except an item wrapped in :class:`Final`, which ends the reply; a
+  generator that ends without yielding :class:`Final` is closed with a FINAL
+  holding one empty frame.
+
+A handler exception is logged and answered with an error FINAL
+(``codec.error_body(b"500", ...)``) that our client raises as
+:class:`~mdp.errors.WorkerError`.
+
+Reliability follows the Guide's Paranoid Pirate: heartbeats both ways; a broker
+silent for ``interval × liveness`` is dead, and the worker reconnects on a fresh
+socket after a backoff delay (1 s doubling to 32 s), rotating through its list of
+broker endpoints.  DISCONNECT from the broker makes it reconnect at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence, Union
+
+import attrs
+from twisted.internet import defer, task
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp import codec, transport
+from mdp.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
+from mdp.errors import ProtocolError
+from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
+from mdp.policy import Backoff, HeartbeatPolicy
+
+log = Logger()
+
+Handler = Callable[[list[bytes]], Any]
+
+
+@attrs.frozen
+class Final:
+    """Wraps the last item of a streaming handler: sent as the FINAL reply."""
+
+    frames: Any
+
+
+def reply_frames(value: Any) -> list[bytes]:
+    """Normalise a handler's reply to a non-empty list of ``bytes`` frames."""
+    if value is None:
+        return [b""]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return [bytes(value)]
+    if isinstance(value, str):
+        return [value.encode("utf-8")]
+    frames = []
+    for item in value:
+        if isinstance(item, str):
+            frames.append(item.encode("utf-8"))
+        elif isinstance(item, (bytes, bytearray, memoryview)):
+            frames.append(bytes(item))
+        else:
+            raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
+    return frames or [b""]
+
+
+@implementer(IWorker, IDealerReceiver)
+class Worker:
+    """An MDP/0.2 worker for one *service*, connected to one broker at a time."""
+
+    def __init__(
+        self,
+        endpoint: Union[str, Sequence[str]],
+        service: Union[str, bytes],
+        handler: Handler,
+        reactor: Optional[Any] = None,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        backoff: Backoff = Backoff(),
+        delimiter: bool = False,
+    ) -> None:
+        if reactor is None:
+            from twisted.internet import reactor
+        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not self.endpoints:
+            raise ValueError("a worker needs at least one broker endpoint")
+        self.service = codec.service_name(service)
+        self.handler = handler
+        self.reactor = reactor
+        self.heartbeat = heartbeat
+        self.backoff = backoff
+        self.delimiter = delimiter
+        self.transport: Optional[IDealerTransport] = None
+        self.connected = False
+        self.lastSeen = 0.0
+        self.lastSent = 0.0
+        self.failures = 0  # reconnections since the broker last spoke
+        self.current: Optional[bytes] = None  # client address being served
+        self.generation = 0  # bumped on every new connection; stale replies are dropped
+        self.requestsServed = 0
+        self._endpointIndex = 0
+        self._reconnectCall: Any = None
+        self._running = False
+        self._ticker = task.LoopingCall(self.tick)
+        self._ticker.clock = reactor
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._endpointIndex]
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect to the broker; READY is sent once the pipe is up."""
+        if self._running:
+            return
+        self._running = True
+        self._open()
+        self._ticker.start(self.heartbeat.interval, now=False)
+
+    def stop(self) -> defer.Deferred[None]:
+        """Say DISCONNECT to the broker and close."""
+        self._running = False
+        if self._ticker.running:
+            self._ticker.stop()
+        if self._reconnectCall is not None and self._reconnectCall.active():
+            self._reconnectCall.cancel()
+        self._reconnectCall = None
+        transport_, self.transport = self.transport, None
+        if transport_ is None:
+            return defer.succeed(None)
+        if self.connected:
+            transport_.sendMessage(codec.encode(codec.DISCONNECT, self.delimiter))
+        self.connected = False
+        self.generation += 1
+        return transport_.close()
+
+    def _open(self) -> None:
+        self.transport = transport.connect(
+            self.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy()
+        )
+
+    def _reconnect(self, delay: float) -> None:
+        """Close the socket, wait *delay*, open a fresh one (Paranoid Pirate)."""
+        self.connected = False
+        self.current = None
+        self.generation += 1
+        transport_, self.transport = self.transport, None
+        if transport_ is not None:
+            transport_.close()
+        if len(self.endpoints) > 1:
+            self._endpointIndex = (self._endpointIndex + 1) % len(self.endpoints)
+        self._reconnectCall = self.reactor.callLater(delay, self._reopen)
+
+    def _reopen(self) -> None:
+        self._reconnectCall = None
+        if self._running and self.transport is None:
+            self._open()
+
+    # --- IDealerReceiver ---------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self.generation += 1
+        self.connected = True
+        self.current = None
+        now = self.reactor.seconds()
+        self.lastSeen = now
+        self._send(codec.Ready(self.service))
+        log.info("worker for {service} sent READY to {endpoint}",
+                 service=self.service, endpoint=self.endpoint)
+
+    def connectionLost(self, reason: object) -> None:
+        if self.connected:
+            log.info("worker for {service} lost {endpoint}; reconnecting",
+                     service=self.service, endpoint=self.endpoint)
+        self.connected = False
+        self.current = None
+        self.generation += 1
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        try:
+            _, body = codec.strip_delimiter(frames)
+            command = codec.decode_worker(body)
+        except ProtocolError as e:
+            log.warn("worker for {service} dropped invalid message from broker: {reason}",
+                     service=self.service, reason=e)
+            return
+        self.lastSeen = self.reactor.seconds()
+        self.failures = 0
+        kind = type(command)
+        if kind is Heartbeat:
+            return
+        if kind is WorkerRequest:
+            if self.current is not None:
+                log.warn("worker for {service} got a REQUEST while busy; dropped",
+                         service=self.service)
+                return
+            self._serve(command)  # type: ignore[arg-type]
+        elif kind is Disconnect:
+            log.info("worker for {service} got DISCONNECT; re-registering", service=self.service)
+            self._reconnect(0)
+        else:
+            log.warn("worker for {service} dropped unexpected {command} from broker",
+                     service=self.service, command=kind.__name__)
+
+    # --- serving -------------------------------------------------------------
+
+    def _serve(self, request: WorkerRequest) -> None:
+        client = request.client
+        self.current = client
+        generation = self.generation
+        try:
+            result = self.handler(list(request.body))
+        except Exception:
+            self._failed(Failure(), generation, client)
+            return
+        if inspect.iscoroutine(result):
+            result = defer.ensureDeferred(result)
+        if isinstance(result, defer.Deferred):
+            result.addCallbacks(
+                lambda value: self._finish(value, generation, client),
+                lambda failure: self._failed(failure, generation, client),
+            )
+        elif inspect.isasyncgen(result) or inspect.isgenerator(result):
+            defer.ensureDeferred(self._stream(result, generation, client)).addErrback(
+                self._failed, generation, client
+            )
+        else:
+            self._finish(result, generation, client)
+
+    async def _stream(self, parts: Any, generation: int, client: bytes) -> None:
+        if inspect.isgenerator(parts):
+            source = parts
+
+            async def iterate() -> Any:
+                for item in source:
+                    yield item
+
+            parts = iterate()
+        async for item in parts:
+            if generation != self.generation:
+                await parts.aclose()
+                return
+            if isinstance(item, Final):
+                await parts.aclose()
+                self._finish(item.frames, generation, client)
+                return
+            self._reply(WorkerPartial, reply_frames(item), generation, client)
+        self._finish(None, generation, client)
+
+    def _finish(self, value: Any, generation: int, client: bytes) -> None:
+        try:
+            frames = reply_frames(value)
+        except TypeError:
+            self._failed(Failure(), generation, client)
+            return
+        if self._reply(WorkerFinal, frames, generation, client):
+            self.requestsServed += 1
+
+    def _failed(self, failure: Failure, generation: int, client: bytes) -> None:
+        log.failure("handler for {service} failed", failure, service=self.service)
+        message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
+        self._reply(WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message),
+                    generation, client)
+
+    def _reply(self, kind: type, frames: list[bytes], generation: int, client: bytes) -> bool:
+        """Send a PARTIAL or FINAL unless the connection it belongs to is gone."""
+        if generation != self.generation or not self.connected or self.current != client:
+            return False
+        self._send(kind(client, frames))
+        if kind is WorkerFinal:
+            self.current = None
+        return True
+
+    # --- time ----------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Once per heartbeat interval: detect a dead broker, send HEARTBEAT."""
+        if not self.connected:
+            return
+        now = self.reactor.seconds()
+        silence = now - self.lastSeen
+        if silence > self.heartbeat.expiry:
+            delay = self.backoff.delay(self.failures)
+            self.failures += 1
+            log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
+                     "reconnects in {delay:g}s",
+                     endpoint=self.endpoint, silence=silence, service=self.service, delay=delay)
+            self._reconnect(delay)
+        elif now - self.lastSent >= self.heartbeat.interval:
+            self._send(codec.HEARTBEAT)
+
+    def _send(self, command: Any) -> None:
+        if self.transport is not None:
+            self.transport.sendMessage(codec.encode(command, self.delimiter))
+            self.lastSent = self.reactor.seconds()
