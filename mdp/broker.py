@@ -368,7 +368,7 @@ class Broker:
                          peer=peer_label(worker.key[1]), service=worker.service.name,
                          silence=now - worker.lastSeen)
                 self._removeWorker(worker)
-            elif now - worker.lastSent >= interval:
+            elif now - worker.lastSent >= interval / 2:
                 self._send(worker.key, worker.delimited, codec.HEARTBEAT)
                 worker.lastSent = now
         deadline = now - self.requestExpiry

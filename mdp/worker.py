@@ -290,7 +290,7 @@ class Worker:
                      "reconnects in {delay:g}s",
                      endpoint=self.endpoint, silence=silence, service=self.service, delay=delay)
             self._reconnect(delay)
-        elif now - self.lastSent >= self.heartbeat.interval:
+        elif now - self.lastSent >= self.heartbeat.interval / 2:
             self._send(codec.HEARTBEAT)
 
     def _send(self, command: Any) -> None:

@@ -1,0 +1,180 @@
+"""Shared fixtures: the same scenarios run over loopback (Clock), TCP and ZeroMQ."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Optional
+
+import pytest_twisted
+from twisted.internet import defer, task
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp import transport
+from mdp.interfaces import IDealerReceiver, IRouterReceiver
+
+_names = itertools.count()
+
+
+class Net:
+    """How a test reaches a transport and waits for things to happen.
+
+    ``wait(d)`` returns the result of Deferred *d*; ``until(predicate)`` returns
+    once *predicate()* is true.  Both fail the test after *timeout* seconds
+    (fake seconds on loopback, real ones otherwise): a hung scenario fails.
+    """
+
+    kind: str
+    reactor: Any
+
+    def __init__(self) -> None:
+        self.cleanups: list[Callable[[], Any]] = []
+
+    def bind_endpoint(self) -> str:
+        raise NotImplementedError
+
+    def addCleanup(self, fn: Callable[[], Any]) -> None:
+        self.cleanups.append(fn)
+
+    async def cleanup(self) -> None:
+        for fn in reversed(self.cleanups):
+            result = fn()
+            if isinstance(result, defer.Deferred):
+                await self.wait(result)
+
+
+class LoopbackNet(Net):
+    kind = "loopback"
+    step = 0.01
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reactor = task.Clock()
+
+    def bind_endpoint(self) -> str:
+        return f"loopback:test-{next(_names)}"
+
+    def advance(self, seconds: float) -> None:
+        """Move fake time forward in small steps, delivering as it goes."""
+        end = self.reactor.seconds() + seconds
+        self.reactor.advance(0)
+        while self.reactor.seconds() < end:
+            self.reactor.advance(min(self.step, end - self.reactor.seconds()))
+
+    async def wait(self, d: defer.Deferred, timeout: float = 30.0) -> Any:
+        box: list[Any] = []
+        d.addBoth(box.append)
+        self.reactor.advance(0)
+        deadline = self.reactor.seconds() + timeout
+        while not box and self.reactor.seconds() < deadline:
+            self.reactor.advance(self.step)
+        if not box:
+            d.cancel()
+            raise AssertionError(f"Deferred did not fire within {timeout} fake seconds")
+        if isinstance(box[0], Failure):
+            box[0].raiseException()
+        return box[0]
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+        self.reactor.advance(0)
+        deadline = self.reactor.seconds() + timeout
+        while not predicate():
+            if self.reactor.seconds() >= deadline:
+                raise AssertionError(f"condition not met within {timeout} fake seconds")
+            self.reactor.advance(self.step)
+
+
+class RealNet(Net):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        from twisted.internet import reactor
+
+        self.kind = kind
+        self.reactor = reactor
+
+    def bind_endpoint(self) -> str:
+        return "tcp:host=127.0.0.1:port=0" if self.kind == "tcp" else "zmq:tcp://127.0.0.1:*"
+
+    def advance(self, seconds: float) -> None:
+        raise NotImplementedError("real time cannot be advanced")
+
+    async def wait(self, d: defer.Deferred, timeout: float = 30.0) -> Any:
+        return await d.addTimeout(timeout, self.reactor)
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = self.reactor.seconds() + timeout
+        while not predicate():
+            if self.reactor.seconds() >= deadline:
+                raise AssertionError(f"condition not met within {timeout}s")
+            await task.deferLater(self.reactor, 0.005)
+
+
+@pytest_twisted.async_yield_fixture(params=["loopback", "tcp", "zmq"])
+async def net(request: Any) -> Any:
+    n: Net = LoopbackNet() if request.param == "loopback" else RealNet(request.param)
+    yield n
+    await n.cleanup()
+
+
+@pytest_twisted.async_yield_fixture
+async def clocknet() -> Any:
+    n = LoopbackNet()
+    yield n
+    await n.cleanup()
+
+
+@implementer(IDealerReceiver)
+class RawPeer:
+    """A scripted DEALER peer that records what it receives."""
+
+    def __init__(self, net: Net, endpoint: str) -> None:
+        self.net = net
+        self.received: list[list[bytes]] = []
+        self.connections = 0
+        self.transport = transport.connect(endpoint, self, net.reactor)
+        net.addCleanup(self.transport.close)
+
+    def connectionMade(self) -> None:
+        self.connections += 1
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.received.append(frames)
+
+    def send(self, *frames: bytes) -> None:
+        self.transport.sendMessage(list(frames))
+
+    async def next_message(self, timeout: float = 10.0) -> list[bytes]:
+        count = len(self.received)
+        await self.net.until(lambda: len(self.received) > count, timeout)
+        return self.received[count]
+
+
+@implementer(IRouterReceiver)
+class RawRouter:
+    """A scripted bound peer (a fake broker) that records what it receives."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[float, bytes, list[bytes]]] = []
+        self.disconnected: list[bytes] = []
+        self.transport: Optional[Any] = None
+        self.clock: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.received.append((self.clock.seconds(), peer, frames))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.disconnected.append(peer)
+
+    def send(self, peer: bytes, *frames: bytes) -> None:
+        self.transport.sendMessage(peer, list(frames))
+
+
+async def raw_router(net: Net) -> RawRouter:
+    router = RawRouter()
+    router.clock = net.reactor
+    router.transport = await net.wait(transport.listen(net.bind_endpoint(), router, net.reactor))
+    net.addCleanup(router.transport.close)
+    return router
