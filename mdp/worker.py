@@ -139,6 +139,9 @@ class Worker:
         return transport_.close()
 
     def _open(self) -> None:
+        # a pipe that never comes up counts as silence, so the worker fails
+        # over even when the broker cannot be reached at all
+        self.lastSeen = self.reactor.seconds()
         self.transport = transport.connect(
             self.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy()
         )
@@ -278,9 +281,10 @@ class Worker:
     # --- time ----------------------------------------------------------------
 
     def tick(self) -> None:
-        """Once per heartbeat interval: detect a dead broker, send HEARTBEAT."""
-        if not self.connected:
-            return
+        """Once per heartbeat interval: detect a dead (or unreachable) broker,
+        send HEARTBEAT."""
+        if self.transport is None:
+            return  # waiting out a reconnect delay
         now = self.reactor.seconds()
         silence = now - self.lastSeen
         if silence > self.heartbeat.expiry:
@@ -290,7 +294,7 @@ class Worker:
                      "reconnects in {delay:g}s",
                      endpoint=self.endpoint, silence=silence, service=self.service, delay=delay)
             self._reconnect(delay)
-        elif now - self.lastSent >= self.heartbeat.interval / 2:
+        elif self.connected and now - self.lastSent >= self.heartbeat.interval / 2:
             self._send(codec.HEARTBEAT)
 
     def _send(self, command: Any) -> None:

@@ -54,12 +54,18 @@ class LoopbackNet(Net):
     def bind_endpoint(self) -> str:
         return f"loopback:test-{next(_names)}"
 
+    def _step(self, end: float) -> None:
+        # set the time exactly (no float drift from repeated additions), then
+        # run everything due
+        self.reactor.rightNow = round(min(self.reactor.seconds() + self.step, end), 9)
+        self.reactor.advance(0)
+
     def advance(self, seconds: float) -> None:
         """Move fake time forward in small steps, delivering as it goes."""
-        end = self.reactor.seconds() + seconds
+        end = round(self.reactor.seconds() + seconds, 9)
         self.reactor.advance(0)
         while self.reactor.seconds() < end:
-            self.reactor.advance(min(self.step, end - self.reactor.seconds()))
+            self._step(end)
 
     async def wait(self, d: defer.Deferred, timeout: float = 30.0) -> Any:
         box: list[Any] = []
@@ -67,7 +73,7 @@ class LoopbackNet(Net):
         self.reactor.advance(0)
         deadline = self.reactor.seconds() + timeout
         while not box and self.reactor.seconds() < deadline:
-            self.reactor.advance(self.step)
+            self._step(deadline)
         if not box:
             d.cancel()
             raise AssertionError(f"Deferred did not fire within {timeout} fake seconds")
@@ -81,7 +87,7 @@ class LoopbackNet(Net):
         while not predicate():
             if self.reactor.seconds() >= deadline:
                 raise AssertionError(f"condition not met within {timeout} fake seconds")
-            self.reactor.advance(self.step)
+            self._step(deadline)
 
 
 class RealNet(Net):

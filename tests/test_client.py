@@ -1,0 +1,152 @@
+"""Client state machine against a scripted broker, on loopback with a Clock."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer
+
+from mdp import Client, ClientClosed, RequestTimeout, codec
+from tests.conftest import LoopbackNet, raw_router
+
+
+def requests(router) -> list[tuple[float, bytes, list[bytes]]]:
+    return [(t, p, f) for t, p, f in router.received if f[:2] == [codec.CLIENT_HEADER, codec.C_REQUEST]]
+
+
+def final(router, peer: bytes, service: bytes, *body: bytes) -> None:
+    router.send(peer, codec.CLIENT_HEADER, codec.C_FINAL, service, *body)
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_frames_on_the_wire(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor)
+    clocknet.addCleanup(client.close)
+    d = client.request("echo", b"a", "b")
+    clocknet.advance(0)
+    (_, peer, frames), = requests(router)
+    assert frames == [b"MDPC02", b"\x01", b"echo", b"a", b"b"]
+    router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"echo", b"p")
+    final(router, peer, b"echo", b"f1", b"f2")
+    assert await clocknet.wait(d) == [b"f1", b"f2"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_timeout_retries_on_fresh_connections_then_fails(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, timeout=1.0, retries=3)
+    clocknet.addCleanup(client.close)
+    d = client.request("svc", b"x")
+    with pytest.raises(RequestTimeout) as info:
+        await clocknet.wait(d)
+    sent = requests(router)
+    assert [t for t, _, _ in sent] == pytest.approx([0.0, 1.0, 2.0])
+    assert len({p for _, p, _ in sent}) == 3  # a new socket per attempt
+    assert info.value.attempts == 3
+    assert info.value.elapsed == pytest.approx(3.0)
+    assert info.value.service == b"svc"
+
+
+@pytest_twisted.ensureDeferred
+async def test_late_reply_to_an_abandoned_attempt_is_never_delivered(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, timeout=1.0, retries=2)
+    clocknet.addCleanup(client.close)
+    d = client.request("svc", b"x")
+    clocknet.advance(1.5)  # first attempt timed out, second in flight
+    (_, first, _), (_, second, _) = requests(router)
+    final(router, first, b"svc", b"stale")
+    clocknet.advance(0)
+    assert not d.called
+    final(router, second, b"svc", b"fresh")
+    assert await clocknet.wait(d) == [b"fresh"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrent_requests_are_correlated_by_connection(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor)
+    clocknet.addCleanup(client.close)
+    ds = [client.request("svc", str(n).encode()) for n in range(10)]
+    clocknet.advance(0)
+    sent = requests(router)
+    assert len({p for _, p, _ in sent}) == 10
+    for _, peer, frames in reversed(sent):  # answer in reverse order
+        final(router, peer, b"svc", b"re:" + frames[3])
+    results = await clocknet.wait(defer.gatherResults(ds))
+    assert results == [[b"re:" + str(n).encode()] for n in range(10)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_pool_is_bounded_and_connections_are_reused(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2)
+    clocknet.addCleanup(client.close)
+    ds = [client.request("svc", str(n).encode()) for n in range(5)]
+    answered = 0
+    while answered < 5:
+        clocknet.advance(0)
+        pending = requests(router)[answered:]
+        assert len(pending) <= 2
+        for _, peer, frames in pending:
+            final(router, peer, b"svc", frames[3])
+            answered += 1
+    assert await clocknet.wait(defer.gatherResults(ds)) == [[str(n).encode()] for n in range(5)]
+    assert len({p for _, p, _ in requests(router)}) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_cancel_abandons_the_request(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, timeout=5)
+    clocknet.addCleanup(client.close)
+    d = client.request("svc", b"x")
+    clocknet.advance(0)
+    (_, peer, _), = requests(router)
+    d.cancel()
+    with pytest.raises(defer.CancelledError):
+        await clocknet.wait(d)
+    final(router, peer, b"svc", b"ignored")
+    clocknet.advance(10)  # no timer left behind, no retry
+    assert len(requests(router)) == 1
+    assert clocknet.reactor.getDelayedCalls() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_reply_for_another_service_is_dropped(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, timeout=5)
+    clocknet.addCleanup(client.close)
+    d = client.request("svc", b"x")
+    clocknet.advance(0)
+    (_, peer, _), = requests(router)
+    final(router, peer, b"other", b"wrong")
+    router.send(peer, b"garbage")
+    clocknet.advance(0)
+    assert not d.called
+    final(router, peer, b"svc", b"right")
+    assert await clocknet.wait(d) == [b"right"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_fails_pending_requests(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=1)
+    d1 = client.request("svc", b"in flight")
+    d2 = client.request("svc", b"queued")
+    clocknet.advance(0)
+    await clocknet.wait(client.close())
+    for d in (d1, d2):
+        with pytest.raises(ClientClosed):
+            await clocknet.wait(d)
+    with pytest.raises(ClientClosed):
+        await clocknet.wait(client.request("svc", b"after"))
+
+
+def test_a_request_needs_a_body() -> None:
+    from twisted.internet import task
+
+    client = Client("loopback:nowhere", task.Clock())
+    with pytest.raises(ValueError):
+        client.request("svc")

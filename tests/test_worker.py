@@ -1,0 +1,151 @@
+"""Worker state machine against a scripted broker, on loopback with a Clock."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer
+
+from mdp import Backoff, HeartbeatPolicy, Worker, codec
+from tests.conftest import LoopbackNet, raw_router
+
+HB = HeartbeatPolicy(interval=1.0, liveness=3)
+
+
+def readies(router) -> list[tuple[float, bytes]]:
+    return [(t, peer) for t, peer, frames in router.received if frames[1] == codec.W_READY]
+
+
+@pytest_twisted.ensureDeferred
+async def test_ready_then_heartbeats(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    clocknet.advance(0)
+    assert [f for _, _, f in router.received] == [[codec.WORKER_HEADER, codec.W_READY, b"svc"]]
+    clocknet.advance(2.5)
+    beats = [t for t, _, f in router.received if f == [codec.WORKER_HEADER, codec.W_HEARTBEAT]]
+    assert beats == pytest.approx([1.0, 2.0])
+
+
+@pytest_twisted.ensureDeferred
+async def test_silent_broker_reconnects_with_doubling_backoff(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
+                    heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    clocknet.advance(200)
+    times = [t for t, _ in readies(router)]
+    peers = {p for _, p in readies(router)}
+    assert len(peers) == len(times)  # every registration on a fresh socket
+    # silence is noticed 4 s after the last sign of life (ticks of 1 s, expiry 3 s);
+    # what remains of each gap is the backoff delay
+    delays = [b - a - 4 for a, b in zip(times, times[1:])]
+    assert delays[:7] == pytest.approx([1, 2, 4, 8, 16, 32, 32], abs=0.02)
+
+
+@pytest_twisted.ensureDeferred
+async def test_backoff_resets_once_the_broker_speaks(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
+                    heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    await clocknet.until(lambda: len(readies(router)) == 4)  # after three failures
+    assert worker.failures == 3
+    last_peer = readies(router)[-1][1]
+    router.send(last_peer, codec.WORKER_HEADER, codec.W_HEARTBEAT)
+    clocknet.advance(0)
+    assert worker.failures == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_disconnect_from_broker_reregisters_on_a_new_socket(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    clocknet.advance(0)
+    (_, first), = readies(router)
+    router.send(first, codec.WORKER_HEADER, codec.W_DISCONNECT)
+    clocknet.advance(0.1)
+    assert len(readies(router)) == 2
+    assert readies(router)[1][1] != first
+
+
+@pytest_twisted.ensureDeferred
+async def test_reply_from_before_a_reconnection_is_dropped(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    pending: list[defer.Deferred] = []
+
+    def slow(frames: list[bytes]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    worker = Worker(router.transport.endpoint, "svc", slow, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    clocknet.advance(0)
+    (_, peer), = readies(router)
+    router.send(peer, codec.WORKER_HEADER, codec.W_REQUEST, b"client", b"", b"job")
+    clocknet.advance(0)
+    assert len(pending) == 1
+    clocknet.advance(10)  # broker silent: the worker re-registers elsewhere
+    assert len(readies(router)) >= 2
+    pending[0].callback([b"too late"])
+    clocknet.advance(0)
+    finals = [f for _, _, f in router.received if f[1] == codec.W_FINAL]
+    assert finals == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_sends_disconnect(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.advance(0)
+    await clocknet.wait(worker.stop())
+    clocknet.advance(0)
+    assert router.received[-1][2] == [codec.WORKER_HEADER, codec.W_DISCONNECT]
+
+
+@pytest_twisted.ensureDeferred
+async def test_delimiter_mode_puts_an_empty_frame_first(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
+                    heartbeat=HB, delimiter=True)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    clocknet.advance(0)
+    _, peer, frames = router.received[0]
+    assert frames == [b"", codec.WORKER_HEADER, codec.W_READY, b"svc"]
+    router.send(peer, b"", codec.WORKER_HEADER, codec.W_REQUEST, b"c", b"", b"ping")
+    clocknet.advance(0)
+    assert router.received[-1][2] == [b"", codec.WORKER_HEADER, codec.W_FINAL, b"c", b"", b"ping"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_fails_over_to_the_next_broker(clocknet: LoopbackNet) -> None:
+    silent = await raw_router(clocknet)
+    alive = await raw_router(clocknet)
+    endpoints = [silent.transport.endpoint, alive.transport.endpoint]
+    worker = Worker(endpoints, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    await clocknet.until(lambda: bool(readies(alive)))
+    assert len(readies(silent)) == 1
+    assert worker.endpoint == alive.transport.endpoint
+
+
+@pytest_twisted.ensureDeferred
+async def test_unreachable_broker_counts_as_dead(clocknet: LoopbackNet) -> None:
+    alive = await raw_router(clocknet)
+    endpoints = ["loopback:nobody-listens-here", alive.transport.endpoint]
+    worker = Worker(endpoints, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    await clocknet.until(lambda: bool(readies(alive)), timeout=10)
+    assert worker.connected
