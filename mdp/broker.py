@@ -6,8 +6,8 @@ used first).  A single timer tick per heartbeat interval sends heartbeats,
 expires silent workers (re-queueing the request each held) and expires queued
 requests of services that have no worker.
 
-The broker answers every peer in the framing it used: RFC framing, or with the
-empty delimiter frame that ``majortomo`` and the Guide's examples put first.
+The broker answers every peer in the dialect it used (see :mod:`mdp.codec`):
+RFC 18, or majortomo's (an empty delimiter frame first, other client codes).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class PendingRequest:
     client: PeerKey
     service: bytes
     body: Sequence[bytes]
-    delimited: bool
+    dialect: str
     queuedAt: float
 
 
@@ -87,7 +87,7 @@ class WorkerRef:
 
     key: PeerKey
     service: ServiceQueue
-    delimited: bool
+    dialect: str
     lastSeen: float
     lastSent: float
     current: Optional[PendingRequest] = None
@@ -208,8 +208,8 @@ class Broker:
     def messageReceived(self, key: PeerKey, frames: list[bytes]) -> None:  # type: ignore[override]
         """Entry point for every message from every binding."""
         try:
-            delimited, body = codec.strip_delimiter(frames)
-            command = codec.decode(body)
+            dialect, body = codec.split(frames)
+            command = codec.decode(body, dialect)
         except ProtocolError as e:
             self._invalid(key, str(e))
             return
@@ -219,14 +219,14 @@ class Broker:
                 if not key[0].clients:
                     self._invalid(key, "client command on a worker-only endpoint")
                 elif kind is ClientRequest:
-                    self._onRequest(key, command, delimited)  # type: ignore[arg-type]
+                    self._onRequest(key, command, dialect)  # type: ignore[arg-type]
                 else:
                     log.warn("dropping {command} from client {peer}: only REQUEST is valid",
                              command=kind.__name__, peer=peer_label(key[1]))
             elif not key[0].workers:
                 self._invalid(key, "worker command on a client-only endpoint")
             else:
-                self._onWorkerCommand(key, command, delimited)
+                self._onWorkerCommand(key, command, dialect)
         except Exception:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
 
@@ -243,10 +243,10 @@ class Broker:
 
     # --- clients ------------------------------------------------------------
 
-    def _onRequest(self, key: PeerKey, command: ClientRequest, delimited: bool) -> None:
+    def _onRequest(self, key: PeerKey, command: ClientRequest, dialect: str) -> None:
         service = self._service(command.service)
         service.enqueue(
-            PendingRequest(key, command.service, command.body, delimited, self.reactor.seconds())
+            PendingRequest(key, command.service, command.body, dialect, self.reactor.seconds())
         )
         self._dispatch(service)
 
@@ -262,20 +262,20 @@ class Broker:
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
         command = (ClientFinal if final else ClientPartial)(request.service, body)
-        request.client[0].send(request.client[1], codec.encode(command, request.delimited))
+        request.client[0].send(request.client[1], codec.encode(command, request.dialect))
 
     # --- workers ------------------------------------------------------------
 
-    def _onWorkerCommand(self, key: PeerKey, command: Any, delimited: bool) -> None:
+    def _onWorkerCommand(self, key: PeerKey, command: Any, dialect: str) -> None:
         worker = self.workers.get(key)
         kind = type(command)
         if worker is None:
             if kind is Ready:
-                self._register(key, command.service, delimited)
+                self._register(key, command.service, dialect)
             elif kind is not Disconnect:
                 log.warn("{command} from unregistered worker {peer}: sending DISCONNECT",
                          command=kind.__name__, peer=peer_label(key[1]))
-                self._send(key, delimited, codec.DISCONNECT)
+                self._send(key, dialect, codec.DISCONNECT)
             return
         worker.lastSeen = self.reactor.seconds()
         if kind is Heartbeat:
@@ -300,10 +300,10 @@ class Broker:
         else:  # READY again, or REQUEST from a worker: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
 
-    def _register(self, key: PeerKey, name: bytes, delimited: bool) -> None:
+    def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
         now = self.reactor.seconds()
         service = self._service(name)
-        worker = WorkerRef(key, service, delimited, now, now)
+        worker = WorkerRef(key, service, dialect, now, now)
         self.workers[key] = worker
         service.workers += 1
         log.info("worker {peer} ready for {service}", peer=peer_label(key[1]), service=name)
@@ -319,7 +319,7 @@ class Broker:
             _, worker = service.idle.popitem(last=False)
             request = service.next_request()
             worker.current = request
-            self._send(worker.key, worker.delimited,
+            self._send(worker.key, worker.dialect,
                        WorkerRequest(request.client[1], request.body))
             worker.lastSent = self.reactor.seconds()
 
@@ -339,7 +339,7 @@ class Broker:
     def _unexpected(self, worker: WorkerRef, what: str) -> None:
         log.warn("unexpected {what} from worker {peer}: sending DISCONNECT",
                  what=what, peer=peer_label(worker.key[1]))
-        self._send(worker.key, worker.delimited, codec.DISCONNECT)
+        self._send(worker.key, worker.dialect, codec.DISCONNECT)
         self._removeWorker(worker)
 
     def _invalid(self, key: PeerKey, reason: str) -> None:
@@ -349,11 +349,11 @@ class Broker:
                  peer=peer_label(key[1]), reason=reason)
         worker = self.workers.get(key)
         if worker is not None:
-            self._send(key, worker.delimited, codec.DISCONNECT)
+            self._send(key, worker.dialect, codec.DISCONNECT)
             self._removeWorker(worker)
 
-    def _send(self, key: PeerKey, delimited: bool, command: Any) -> None:
-        key[0].send(key[1], codec.encode(command, delimited))
+    def _send(self, key: PeerKey, dialect: str, command: Any) -> None:
+        key[0].send(key[1], codec.encode(command, dialect))
 
     # --- time ----------------------------------------------------------------
 
@@ -369,7 +369,7 @@ class Broker:
                          silence=now - worker.lastSeen)
                 self._removeWorker(worker)
             elif now - worker.lastSent >= interval / 2:
-                self._send(worker.key, worker.delimited, codec.HEARTBEAT)
+                self._send(worker.key, worker.dialect, codec.HEARTBEAT)
                 worker.lastSent = now
         deadline = now - self.requestExpiry
         for service in list(self.services.values()):

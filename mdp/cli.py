@@ -37,8 +37,8 @@ class CallOptions(usage.Options):
         ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo."],
     ]
-    optFlags = [["delimiter", None, "Put an empty frame before the MDP header."]]
 
     def parseArgs(self, service: str, *frames: str) -> None:
         if not frames:
@@ -72,7 +72,7 @@ async def call(reactor: Any, options: CallOptions) -> None:
     from mdp.client import Client
 
     client = Client(options["broker"].split(","), reactor, timeout=options["timeout"],
-                    retries=options["retries"], delimiter=options["delimiter"])
+                    retries=options["retries"], dialect=options["dialect"])
 
     def partial(frames: list[bytes]) -> None:
         for frame in frames:

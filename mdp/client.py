@@ -130,7 +130,7 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         maxConnections: int = DEFAULT_MAX_CONNECTIONS,
-        delimiter: bool = False,
+        dialect: str = codec.RFC,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -143,7 +143,7 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self.maxConnections = maxConnections
-        self.delimiter = delimiter
+        self.dialect = codec.check_dialect(dialect)
         self._endpointIndex = 0
         self._idle: list[_Channel] = []
         self._channels: set[_Channel] = set()
@@ -230,7 +230,7 @@ class Client:
 
     def _send(self, channel: _Channel, call: _Call) -> None:
         channel.transport.sendMessage(
-            codec.encode(codec.ClientRequest(call.service, call.body), self.delimiter)
+            codec.encode(codec.ClientRequest(call.service, call.body), self.dialect)
         )
 
     def _discard(self, channel: _Channel) -> None:
@@ -255,14 +255,14 @@ class Client:
     def _received(self, channel: _Channel, frames: list[bytes]) -> None:
         call = channel.call
         try:
-            _, body = codec.strip_delimiter(frames)
-            command = codec.decode_client(body)
+            _, body = codec.split(frames)
+            command = codec.decode_client(body, self.dialect)
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
                 raise ProtocolError(f"broker sent a client {kind.__name__}")
             if call is None:
                 raise ProtocolError("reply on a connection with no request in flight")
-            if command.service != call.service:
+            if command.service != call.service and self.dialect == codec.RFC:
                 raise ProtocolError(
                     f"reply for service {command.service!r} to a request for {call.service!r}"
                 )

@@ -4,10 +4,23 @@ Pure functions over lists of ``bytes`` frames: no I/O, no clock, no Twisted.
 The routing-id frame a ROUTER socket prepends is *not* part of these frames;
 the transport strips it.
 
-Two framings exist in the wild.  The RFC puts the protocol header in frame 0.
-The older Guide examples and the ``majortomo`` package put an empty delimiter
-frame first.  :func:`strip_delimiter` tells them apart; :func:`encode` adds the
-delimiter back on request, so a broker can answer each peer in its own style.
+Dialects
+--------
+Two dialects exist in the wild:
+
+``"rfc"`` (:data:`RFC`)
+    As RFC 18 says: the protocol header is frame 0; MDP/Client commands are
+    REQUEST 0x01, PARTIAL 0x02, FINAL 0x03.
+
+``"majortomo"`` (:data:`MAJORTOMO`)
+    As the ``majortomo`` package (PyPI) speaks it: an empty delimiter frame
+    comes before the header; MDP/Client commands reuse the MDP/Worker codes
+    (REQUEST 0x02, PARTIAL 0x03, FINAL 0x04); and PARTIAL and FINAL carry no
+    service-name frame (``["", "MDPC02", 0x04, body...]``), so they decode with
+    ``service == b""``.  MDP/Worker commands are as in the RFC.
+
+:func:`split` recognises the dialect of an incoming message by its delimiter
+frame, so a broker can answer each peer in its own dialect.
 
 Error replies
 -------------
@@ -34,7 +47,11 @@ from mdp.errors import ProtocolError
 CLIENT_HEADER = b"MDPC02"
 WORKER_HEADER = b"MDPW02"
 
-# MDP/Client command bytes
+RFC = "rfc"
+MAJORTOMO = "majortomo"
+DIALECTS = (RFC, MAJORTOMO)
+
+# MDP/Client command bytes (RFC dialect)
 C_REQUEST = b"\x01"
 C_PARTIAL = b"\x02"
 C_FINAL = b"\x03"
@@ -134,8 +151,15 @@ Command = Union[ClientCommand, WorkerCommand]
 HEARTBEAT = Heartbeat()
 DISCONNECT = Disconnect()
 
-_CLIENT_NAMES = {C_REQUEST: "REQUEST", C_PARTIAL: "PARTIAL", C_FINAL: "FINAL"}
-_CLIENT_TYPES = {C_REQUEST: ClientRequest, C_PARTIAL: ClientPartial, C_FINAL: ClientFinal}
+_CLIENT_TYPES = {
+    RFC: {C_REQUEST: ClientRequest, C_PARTIAL: ClientPartial, C_FINAL: ClientFinal},
+    MAJORTOMO: {b"\x02": ClientRequest, b"\x03": ClientPartial, b"\x04": ClientFinal},
+}
+_CLIENT_CODES = {
+    dialect: {kind: code for code, kind in table.items()}
+    for dialect, table in _CLIENT_TYPES.items()
+}
+_CLIENT_NAMES = {ClientRequest: "REQUEST", ClientPartial: "PARTIAL", ClientFinal: "FINAL"}
 _WORKER_NAMES = {
     W_READY: "READY",
     W_REQUEST: "REQUEST",
@@ -179,20 +203,26 @@ def service_name(service: Union[str, bytes]) -> bytes:
     return validate_service(bytes(service))
 
 
-def strip_delimiter(frames: Sequence[bytes]) -> tuple[bool, Sequence[bytes]]:
-    """Split off the empty delimiter frame some peers send before the header.
+def check_dialect(dialect: str) -> str:
+    """Return *dialect* if it is one we speak, else raise ``ValueError``."""
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown MDP dialect {dialect!r}; choose one of {DIALECTS}")
+    return dialect
 
-    Returns ``(delimited, frames)``: whether the message used the delimiter, and
-    the frames starting at the protocol header.
+
+def split(frames: Sequence[bytes]) -> tuple[str, Sequence[bytes]]:
+    """Recognise an incoming message's dialect by its leading empty frame.
+
+    Returns ``(dialect, frames)``, the frames starting at the protocol header.
     """
     if len(frames) > 1 and frames[0] == b"":
-        return True, frames[1:]
-    return False, frames
+        return MAJORTOMO, frames[1:]
+    return RFC, frames
 
 
 # --- decoding -------------------------------------------------------------
 
-def decode(frames: Sequence[bytes]) -> Command:
+def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
     """Decode one MDP/0.2 message (client or worker) starting at its header.
 
     Raises :class:`~mdp.errors.ProtocolError` with a precise reason when the
@@ -204,22 +234,31 @@ def decode(frames: Sequence[bytes]) -> Command:
     if header == WORKER_HEADER:
         return decode_worker(frames)
     if header == CLIENT_HEADER:
-        return decode_client(frames)
+        return decode_client(frames, dialect)
     raise ProtocolError(f"unknown protocol header {bytes(header[:16])!r}")
 
 
-def decode_client(frames: Sequence[bytes]) -> ClientCommand:
+def decode_client(frames: Sequence[bytes], dialect: str = RFC) -> ClientCommand:
     """Decode an MDP/Client command (REQUEST, PARTIAL or FINAL)."""
     if not frames or frames[0] != CLIENT_HEADER:
         raise ProtocolError("missing MDPC02 header")
     if len(frames) < 2:
         raise ProtocolError("MDPC02 message has no command frame")
     command = frames[1]
-    kind = _CLIENT_TYPES.get(command)
+    kind = _CLIENT_TYPES[dialect].get(command)
     if kind is None:
-        raise ProtocolError(f"unknown MDP/Client command {bytes(command[:8])!r}")
+        raise ProtocolError(
+            f"unknown MDP/Client command {bytes(command[:8])!r} ({dialect} dialect)"
+        )
+    if dialect == MAJORTOMO and kind is not ClientRequest:
+        if len(frames) < 3:
+            raise ProtocolError(
+                f"MDP/Client {_CLIENT_NAMES[kind]} needs at least 3 frames in the "
+                f"majortomo dialect, got {len(frames)} (missing body)"
+            )
+        return kind(b"", list(frames[2:]))
     if len(frames) < 4:
-        name = _CLIENT_NAMES[command]
+        name = _CLIENT_NAMES[kind]
         what = "service name" if len(frames) < 3 else "body"
         raise ProtocolError(
             f"MDP/Client {name} needs at least 4 frames, got {len(frames)} (missing {what})"
@@ -262,15 +301,21 @@ def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
 
 # --- encoding -------------------------------------------------------------
 
-def encode(command: Command, delimiter: bool = False) -> Frames:
-    """Encode *command* to frames, optionally with a leading empty delimiter."""
-    frames = _encode(command)
-    if delimiter:
-        frames.insert(0, b"")
+def encode(command: Command, dialect: str = RFC) -> Frames:
+    """Encode *command* to frames in *dialect* (see the module docstring)."""
+    if dialect == RFC:
+        return _encode(command, _RFC_CODES)
+    frames = _encode(command, _CLIENT_CODES[dialect])
+    if type(command) is ClientPartial or type(command) is ClientFinal:
+        del frames[2]  # majortomo replies carry no service name
+    frames.insert(0, b"")
     return frames
 
 
-def _encode(command: Command) -> Frames:
+_RFC_CODES = _CLIENT_CODES[RFC]
+
+
+def _encode(command: Command, client_codes: dict[type, bytes]) -> Frames:
     kind = type(command)
     if kind is Heartbeat:
         return [WORKER_HEADER, W_HEARTBEAT]
@@ -284,12 +329,9 @@ def _encode(command: Command) -> Frames:
         return [WORKER_HEADER, W_PARTIAL, command.client, b"", *command.body]  # type: ignore[union-attr]
     if kind is WorkerFinal:
         return [WORKER_HEADER, W_FINAL, command.client, b"", *command.body]  # type: ignore[union-attr]
-    if kind is ClientRequest:
-        return [CLIENT_HEADER, C_REQUEST, command.service, *command.body]  # type: ignore[union-attr]
-    if kind is ClientPartial:
-        return [CLIENT_HEADER, C_PARTIAL, command.service, *command.body]  # type: ignore[union-attr]
-    if kind is ClientFinal:
-        return [CLIENT_HEADER, C_FINAL, command.service, *command.body]  # type: ignore[union-attr]
+    code = client_codes.get(kind)
+    if code is not None:
+        return [CLIENT_HEADER, code, command.service, *command.body]  # type: ignore[union-attr]
     raise TypeError(f"not an MDP command: {command!r}")
 
 

@@ -62,11 +62,11 @@ class WorkerService(Service):
         handler: Handler,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
-        delimiter: bool = False,
+        dialect: str = "rfc",
         reactor: Optional[Any] = None,
     ) -> None:
         self.worker = Worker(endpoint, service, handler, reactor=reactor,
-                             heartbeat=heartbeat, backoff=backoff, delimiter=delimiter)
+                             heartbeat=heartbeat, backoff=backoff, dialect=dialect)
 
     def startService(self) -> None:
         super().startService()

@@ -27,6 +27,12 @@ def _positive(value: str) -> float:
 _positive.coerceDoc = "A positive number of seconds."  # type: ignore[attr-defined]
 
 
+def _dialect(value: str) -> str:
+    from mdp.codec import check_dialect
+
+    return check_dialect(value)
+
+
 class _HeartbeatOptions(usage.Options):
     optParameters: list[Any] = [
         ["heartbeat", None, 2.5, "Heartbeat interval in seconds.", _positive],
@@ -67,8 +73,8 @@ class WorkerOptions(_HeartbeatOptions):
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
         ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.", _positive],
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
     ]
-    optFlags = [["delimiter", None, "Put an empty frame before the MDP header."]]
 
     def postOptions(self) -> None:
         if not self["service"]:
@@ -108,5 +114,5 @@ class WorkerServiceMaker:
             load_handler(options["handler"]),
             heartbeat=options.heartbeatPolicy(),
             backoff=Backoff(maximum=options["backoff-max"]),
-            delimiter=options["delimiter"],
+            dialect=options["dialect"],
         )

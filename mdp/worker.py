@@ -80,7 +80,7 @@ class Worker:
         reactor: Optional[Any] = None,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
-        delimiter: bool = False,
+        dialect: str = codec.RFC,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -92,7 +92,7 @@ class Worker:
         self.reactor = reactor
         self.heartbeat = heartbeat
         self.backoff = backoff
-        self.delimiter = delimiter
+        self.dialect = codec.check_dialect(dialect)
         self.transport: Optional[IDealerTransport] = None
         self.connected = False
         self.lastSeen = 0.0
@@ -133,7 +133,7 @@ class Worker:
         if transport_ is None:
             return defer.succeed(None)
         if self.connected:
-            transport_.sendMessage(codec.encode(codec.DISCONNECT, self.delimiter))
+            transport_.sendMessage(codec.encode(codec.DISCONNECT, self.dialect))
         self.connected = False
         self.generation += 1
         return transport_.close()
@@ -185,7 +185,7 @@ class Worker:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         try:
-            _, body = codec.strip_delimiter(frames)
+            _, body = codec.split(frames)
             command = codec.decode_worker(body)
         except ProtocolError as e:
             log.warn("worker for {service} dropped invalid message from broker: {reason}",
@@ -299,5 +299,5 @@ class Worker:
 
     def _send(self, command: Any) -> None:
         if self.transport is not None:
-            self.transport.sendMessage(codec.encode(command, self.delimiter))
+            self.transport.sendMessage(codec.encode(command, self.dialect))
             self.lastSent = self.reactor.seconds()

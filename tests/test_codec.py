@@ -23,13 +23,29 @@ COMMANDS = [
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: type(c).__name__)
-@pytest.mark.parametrize("delimiter", [False, True])
-def test_round_trip(command: codec.Command, delimiter: bool) -> None:
-    frames = codec.encode(command, delimiter)
-    assert (frames[0] == b"") is delimiter
-    used, rest = codec.strip_delimiter(frames)
-    assert used is delimiter
-    assert codec.decode(rest) == command
+@pytest.mark.parametrize("dialect", codec.DIALECTS)
+def test_round_trip(command: codec.Command, dialect: str) -> None:
+    frames = codec.encode(command, dialect)
+    assert (frames[0] == b"") is (dialect == codec.MAJORTOMO)
+    used, rest = codec.split(frames)
+    assert used == dialect
+    decoded = codec.decode(rest, dialect)
+    if dialect == codec.MAJORTOMO and isinstance(command, (codec.ClientPartial, codec.ClientFinal)):
+        assert decoded == type(command)(b"", command.body)  # no service frame in this dialect
+    else:
+        assert decoded == command
+
+
+def test_majortomo_dialect_uses_worker_codes_for_client_commands() -> None:
+    assert codec.encode(codec.ClientRequest(b"s", [b"b"]), codec.MAJORTOMO) == [
+        b"", b"MDPC02", b"\x02", b"s", b"b"]
+    assert codec.encode(codec.ClientPartial(b"s", [b"b"]), codec.MAJORTOMO) == [
+        b"", b"MDPC02", b"\x03", b"b"]
+    assert codec.encode(codec.ClientFinal(b"s", [b"b"]), codec.MAJORTOMO) == [
+        b"", b"MDPC02", b"\x04", b"b"]
+    assert codec.encode(codec.Ready(b"s"), codec.MAJORTOMO) == [b"", b"MDPW02", b"\x01", b"s"]
+    with pytest.raises(ProtocolError, match="majortomo dialect"):
+        codec.decode([b"MDPC02", b"\x01", b"s", b"b"], codec.MAJORTOMO)
 
 
 def test_wire_layout_matches_rfc() -> None:
@@ -90,9 +106,10 @@ def test_error_body_round_trip() -> None:
     assert codec.parse_error_body([codec.ERROR_MARKER]) is None
 
 
-def test_delimiter_detection_leaves_rfc_frames_alone() -> None:
-    assert codec.strip_delimiter([b"MDPC02", b"\x01"]) == (False, [b"MDPC02", b"\x01"])
-    assert codec.strip_delimiter([b""]) == (False, [b""])
+def test_dialect_detection_leaves_rfc_frames_alone() -> None:
+    assert codec.split([b"MDPC02", b"\x01"]) == (codec.RFC, [b"MDPC02", b"\x01"])
+    assert codec.split([b""]) == (codec.RFC, [b""])
+    assert codec.split([b"", b"MDPC02"]) == (codec.MAJORTOMO, [b"MDPC02"])
 
 
 @given(st.lists(st.binary(max_size=12), max_size=8))

@@ -185,10 +185,10 @@ async def test_second_ready_gets_disconnect_and_worker_is_removed(net: Net) -> N
 async def test_final_from_idle_worker_gets_disconnect(net: Net) -> None:
     broker, endpoint = await start_broker(net)
     peer = RawPeer(net, endpoint)
-    peer.send(b"", codec.WORKER_HEADER, codec.W_READY, b"svc")  # delimiter style
+    peer.send(b"", codec.WORKER_HEADER, codec.W_READY, b"svc")  # majortomo dialect
     await net.until(lambda: len(broker.workers) == 1)
     peer.send(b"", codec.WORKER_HEADER, codec.W_FINAL, b"someone", b"", b"body")
-    # answered in the style the peer used
+    # answered in the dialect the peer used
     assert await peer.next_message() == [b"", codec.WORKER_HEADER, codec.W_DISCONNECT]
     assert broker.workers == {}
 

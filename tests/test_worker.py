@@ -113,10 +113,10 @@ async def test_stop_sends_disconnect(clocknet: LoopbackNet) -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_delimiter_mode_puts_an_empty_frame_first(clocknet: LoopbackNet) -> None:
+async def test_majortomo_dialect_puts_an_empty_frame_first(clocknet: LoopbackNet) -> None:
     router = await raw_router(clocknet)
     worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
-                    heartbeat=HB, delimiter=True)
+                    heartbeat=HB, dialect="majortomo")
     worker.start()
     clocknet.addCleanup(worker.stop)
     clocknet.advance(0)

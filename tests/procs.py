@@ -1,0 +1,121 @@
+"""Child processes for integration tests: spawn, read their output, always reap."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from typing import Any, Optional
+
+from twisted.internet import defer, protocol
+from twisted.python.failure import Failure
+
+
+class _Collector(protocol.ProcessProtocol):
+    def __init__(self, proc: Process) -> None:
+        self.proc = proc
+
+    def outReceived(self, data: bytes) -> None:
+        self.proc._output(data)
+
+    def errReceived(self, data: bytes) -> None:
+        self.proc._output(data)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.proc._ended(reason)
+
+
+class Process:
+    """A child process whose combined stdout/stderr is kept and searchable."""
+
+    def __init__(self, reactor: Any, args: list[str], env: Optional[dict[str, str]] = None) -> None:
+        self.reactor = reactor
+        self.args = args
+        self.output = b""
+        self.exitCode: Optional[int] = None
+        self.signal: Optional[int] = None
+        self._ended_d: defer.Deferred[None] = defer.Deferred()
+        self._watchers: list[tuple[re.Pattern[bytes], defer.Deferred[re.Match[bytes]]]] = []
+        full_env = dict(os.environ)
+        full_env["PYTHONUNBUFFERED"] = "1"
+        full_env.update(env or {})
+        self.transport = reactor.spawnProcess(_Collector(self), args[0], args, env=full_env)
+
+    @property
+    def running(self) -> bool:
+        return not self._ended_d.called
+
+    def _output(self, data: bytes) -> None:
+        self.output += data
+        for pattern, d in list(self._watchers):
+            match = pattern.search(self.output)
+            if match:
+                self._watchers.remove((pattern, d))
+                d.callback(match)
+
+    def _ended(self, reason: Failure) -> None:
+        self.exitCode = getattr(reason.value, "exitCode", None)
+        self.signal = getattr(reason.value, "signal", None)
+        for _, d in self._watchers:
+            d.errback(AssertionError(
+                f"{self.args} exited ({self.exitCode}, signal {self.signal}) before printing "
+                f"the expected line; output:\n{self.output.decode(errors='replace')}"
+            ))
+        self._watchers = []
+        self._ended_d.callback(None)
+
+    def waitFor(self, pattern: str, timeout: float = 30.0) -> defer.Deferred[re.Match[bytes]]:
+        """Fire with the first match of *pattern* in the output so far or later."""
+        regex = re.compile(pattern.encode())
+        match = regex.search(self.output)
+        if match:
+            return defer.succeed(match)
+        if not self.running:
+            return defer.fail(AssertionError(f"{self.args} already exited:\n{self.output!r}"))
+        d: defer.Deferred[re.Match[bytes]] = defer.Deferred()
+        self._watchers.append((regex, d))
+        return d.addTimeout(timeout, self.reactor, onTimeoutCancel=self._timedOut(pattern))
+
+    def _timedOut(self, pattern: str) -> Any:
+        def describe(result: Any, timeout: float) -> Any:
+            raise AssertionError(
+                f"{self.args} did not print {pattern!r} within {timeout}s; output:\n"
+                f"{self.output.decode(errors='replace')}"
+            )
+        return describe
+
+    def ended(self, timeout: float = 30.0) -> defer.Deferred[None]:
+        """Fire when the process has exited (a copy of the internal Deferred)."""
+        d: defer.Deferred[None] = defer.Deferred()
+        self._ended_d.addBoth(lambda r: (d.callback(None), r)[1])
+        return d.addTimeout(timeout, self.reactor)
+
+    def signalProcess(self, sig: int) -> None:
+        if self.running:
+            try:
+                self.transport.signalProcess(sig)
+            except Exception:
+                pass
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not gone within *timeout*; reaped."""
+        if not self.running:
+            return
+        self.signalProcess(signal.SIGCONT)
+        self.signalProcess(signal.SIGTERM)
+        try:
+            await self.ended(timeout)
+        except defer.TimeoutError:
+            self.signalProcess(signal.SIGKILL)
+            await self.ended(timeout)
+
+
+def python(*args: str) -> list[str]:
+    """Argument list running this interpreter."""
+    return [sys.executable, *args]
+
+
+def script(name: str) -> str:
+    """Path of an executable installed beside this interpreter (e.g. ``twist``)."""
+    return os.path.join(os.path.dirname(sys.executable), name)

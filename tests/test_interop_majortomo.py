@@ -1,0 +1,119 @@
+"""Wire compatibility with majortomo 0.2.0 (PyPI), over real ZeroMQ sockets.
+
+majortomo speaks its own dialect of MDP/0.2 (see :mod:`mdp.codec`): an empty
+frame before the header, worker command codes for client commands, and no
+service frame in replies.  Our broker recognises it per peer and answers in
+kind; our client and worker speak it when given ``dialect="majortomo"``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import majortomo  # noqa: F401  (a missing majortomo must fail, not skip)
+import pytest_twisted
+from twisted.internet import defer, threads
+
+from mdp import Broker, Client, Final, HeartbeatPolicy, Worker
+from tests.procs import Process, python
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = os.path.join(HERE, "majortomo_peers.py")
+HB = HeartbeatPolicy(interval=0.5, liveness=6)
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+def majortomo_request(endpoint: str, service: bytes, frames: list[bytes]) -> list[bytes]:
+    """A blocking majortomo client call (run in a thread)."""
+    from majortomo import Client as MTClient
+
+    with MTClient(endpoint) as client:
+        client.send(service, *frames)
+        return client.recv_all_as_list(timeout=15)
+
+
+async def our_broker() -> tuple[Broker, str]:
+    broker = Broker(reactor(), heartbeat=HB)
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    return broker, bound.endpoint
+
+
+async def with_timeout(d: defer.Deferred, seconds: float = 30) -> Any:
+    return await d.addTimeout(seconds, reactor())
+
+
+@pytest_twisted.ensureDeferred
+async def test_majortomo_client_through_our_broker_to_majortomo_worker() -> None:
+    broker, endpoint = await our_broker()
+    address = endpoint[len("zmq:"):]
+    worker = Process(reactor(), python(PEERS, "worker", address, "upper"))
+    try:
+        await with_timeout(worker.waitFor("WORKER STARTED"))
+        reply = await with_timeout(threads.deferToThread(
+            majortomo_request, address, b"upper", [b"one", b"two"]))
+        assert reply == [b"mt:one", b"mt:two"]
+        # the broker registered the worker in the majortomo dialect
+        (ref,) = broker.workers.values()
+        assert ref.dialect == "majortomo"
+    finally:
+        await worker.stop()
+        await broker.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_our_client_through_majortomo_broker_to_our_worker() -> None:
+    mt_broker = Process(reactor(), python(PEERS, "broker"))
+    worker = client = None
+    try:
+        match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
+        endpoint = "zmq:" + match.group(1).decode()
+
+        async def stream(frames: list[bytes]) -> Any:
+            yield [b"partial"] + frames
+            yield Final([b"final"] + frames)
+
+        worker = Worker(endpoint, "ours", stream, reactor(), heartbeat=HB, dialect="majortomo")
+        worker.start()
+        client = Client(endpoint, reactor(), timeout=10, retries=1, dialect="majortomo")
+        partials: list[list[bytes]] = []
+        reply = await with_timeout(client.request("ours", b"x", onPartial=partials.append))
+        assert partials == [[b"partial", b"x"]]
+        assert reply == [b"final", b"x"]
+        for n in range(5):
+            assert await with_timeout(client.request("ours", str(n))) == [b"final", str(n).encode()]
+    finally:
+        if client is not None:
+            await client.close()
+        if worker is not None:
+            await worker.stop()
+        await mt_broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mixed_framings_on_one_broker() -> None:
+    """majortomo client → our broker → our worker (RFC framing), and
+    our client (RFC framing) → our broker → majortomo worker."""
+    broker, endpoint = await our_broker()
+    address = endpoint[len("zmq:"):]
+    ours = Worker(endpoint, "ours", lambda frames: [b"ours:" + f for f in frames], reactor(),
+                  heartbeat=HB)
+    ours.start()
+    mt_worker = Process(reactor(), python(PEERS, "worker", address, "theirs"))
+    client = Client(endpoint, reactor(), timeout=15, retries=1)
+    try:
+        await with_timeout(mt_worker.waitFor("WORKER STARTED"))
+        reply = await with_timeout(threads.deferToThread(
+            majortomo_request, address, b"ours", [b"a"]))
+        assert reply == [b"ours:a"]
+        assert await with_timeout(client.request("theirs", b"b")) == [b"mt:b"]
+    finally:
+        await client.close()
+        await ours.stop()
+        await mt_worker.stop()
+        await broker.close()
