@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Optional, Sequence, Union
 
 from twisted.application.service import Service
 from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from mdp.broker import DEFAULT_REQUEST_EXPIRY, Broker
 from mdp.policy import Backoff, HeartbeatPolicy
 from mdp.worker import Handler, Worker
 
+log = Logger()
+
 
 class BrokerService(Service):
     """Runs a :class:`~mdp.broker.Broker` bound to *endpoint* (clients and
-    workers) or to a separate *frontend* (clients) and *backend* (workers)."""
+    workers) or to a separate *frontend* (clients) and *backend* (workers).
+
+    With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
+    logs the reason, stops the reactor and exits with status 1 instead of
+    idling unbound."""
 
     def __init__(
         self,
@@ -23,12 +33,14 @@ class BrokerService(Service):
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
         reactor: Optional[Any] = None,
+        exitOnFailure: bool = False,
     ) -> None:
         if endpoint is None and backend is None:
             raise ValueError("BrokerService needs an endpoint, a backend or both")
         self.endpoint = endpoint
         self.backend = backend
         self.broker = Broker(reactor, heartbeat=heartbeat, requestExpiry=requestExpiry)
+        self.exitOnFailure = exitOnFailure
         self.transports: list[Any] = []
 
     def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
@@ -40,12 +52,31 @@ class BrokerService(Service):
         if self.backend is not None:
             listening.append(self.broker.listen(self.backend, clients=self.endpoint is None,
                                                 workers=True))
-        return defer.gatherResults(listening, consumeErrors=True).addCallback(
-            self._listening
+        return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
+            self._listening, self._failed
         )
 
     def _listening(self, transports: list[Any]) -> None:
         self.transports = transports
+
+    def _failed(self, failure: Failure) -> Optional[Failure]:
+        if isinstance(failure.value, defer.FirstError):
+            failure = failure.value.subFailure
+        log.critical("MDP broker cannot listen: {error}", error=failure.getErrorMessage())
+        if not self.exitOnFailure:
+            return failure
+        self.broker.close()
+        reactor = self.broker.reactor
+        reactor.addSystemEventTrigger("after", "shutdown", _exit, 1)
+        reactor.callWhenRunning(reactor.stop)
+        return None
+
+
+def _exit(status: int) -> None:
+    """Exit at once with *status* (twist itself always exits 0)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()

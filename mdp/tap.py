@@ -95,6 +95,7 @@ class BrokerServiceMaker:
             backend=options["backend"],
             heartbeat=options.heartbeatPolicy(),
             requestExpiry=options["request-expiry"],
+            exitOnFailure=True,
         )
 
 

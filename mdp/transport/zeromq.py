@@ -89,13 +89,16 @@ class ZmqRouter:
 
         router_class, _ = _connection_classes()
         self.receiver = receiver
-        try:
-            self.connection = router_class(
-                zmq_factory(), txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, _address(endpoint))
-            )
-        except zmq.ZMQError as e:
-            raise TransportError(f"cannot bind {endpoint}: {e}") from e
+        address = _address(endpoint)
+        # bind after construction: a bind error inside txzmq's constructor would
+        # leave an unclosed socket that blocks the context's term() at shutdown
+        self.connection = router_class(zmq_factory())
         self.connection.owner = self
+        try:
+            self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
+        except zmq.ZMQError as e:
+            self.connection.shutdown()
+            raise TransportError(f"cannot bind {endpoint}: {e}") from e
         bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
         self.endpoint = "zmq:" + bound.replace("0.0.0.0", "127.0.0.1")
 

@@ -1,0 +1,110 @@
+"""The installed entry points, as separate processes over real sockets:
+``twist mdp-broker``, ``twist mdp-worker`` and ``mdp call`` / ``mdp demo``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import pytest_twisted
+
+from tests.procs import Process, script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {"PYTHONPATH": ROOT}
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+async def run(args: list[str], timeout: float = 60) -> Process:
+    """Run a command to completion and return it (output, exit code)."""
+    proc = Process(reactor(), args, ENV)
+    try:
+        await proc.ended(timeout)
+    finally:
+        await proc.stop()
+    return proc
+
+
+async def start_broker(endpoint: str) -> tuple[Process, str]:
+    broker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
+                                 "--endpoint", endpoint,
+                                 "--heartbeat", "0.5"], ENV)
+    match = await broker.waitFor(r"MDP broker listening on (\S+)", timeout=60)
+    return broker, match.group(1).decode()
+
+
+@pytest.mark.parametrize("bind", ["zmq:tcp://127.0.0.1:*", "tcp:host=127.0.0.1:port=0"])
+@pytest_twisted.ensureDeferred
+async def test_twist_broker_worker_and_mdp_call(bind: str) -> None:
+    broker, endpoint = await start_broker(bind)
+    workers = []
+    try:
+        for service, handler in (("echo", "echo"), ("upper", "tests.handlers_for_tests:upper")):
+            worker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-worker",
+                                         "--broker", endpoint,
+                                         "--service", service, "--handler", handler,
+                                         "--heartbeat", "0.5"], ENV)
+            workers.append(worker)
+            await worker.waitFor("sent READY", timeout=60)
+
+        call = await run([script("mdp"), "call", "--broker", endpoint, "--timeout", "10",
+                          "echo", "hello", "world"])
+        assert call.exitCode == 0, call.output
+        assert call.output.decode().splitlines() == ["hello", "world"]
+
+        call = await run([script("mdp"), "call", "--broker", endpoint, "--timeout", "10",
+                          "upper", "shout"])
+        assert call.exitCode == 0, call.output
+        assert call.output.decode().splitlines() == ["SHOUT"]
+    finally:
+        for worker in workers:
+            await worker.stop()
+        await broker.stop()
+    assert b"Main loop terminated." in broker.output  # SIGTERM shuts down cleanly
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_call_times_out_with_a_clear_message() -> None:
+    broker, endpoint = await start_broker("zmq:tcp://127.0.0.1:*")
+    try:
+        call = await run([script("mdp"), "call", "--broker", endpoint, "--timeout", "0.5",
+                          "--retries", "2", "nobody-serves-this", "x"])
+    finally:
+        await broker.stop()
+    assert call.exitCode == 1
+    assert b"timed out after 2 attempt(s)" in call.output
+    assert b"nobody-serves-this" in call.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_call_usage_error() -> None:
+    call = await run([script("mdp"), "call", "echo"])
+    assert call.exitCode == 2
+    assert b"at least one request frame" in call.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_twist_broker_that_cannot_bind_exits_with_the_reason() -> None:
+    broker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
+                                 "--endpoint", "zmq:tcp://256.1.1.1:1"], ENV)
+    try:
+        await broker.ended(60)
+    finally:
+        await broker.stop()
+    assert broker.exitCode == 1
+    assert b"MDP broker cannot listen: cannot bind zmq:tcp://256.1.1.1:1" in broker.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_demo() -> None:
+    demo = await run([script("mdp"), "demo"])
+    assert demo.exitCode == 0, demo.output
+    out = demo.output.decode()
+    assert "echo replied: hello 0" in out
+    assert "demo done" in out
