@@ -11,8 +11,16 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp import Broker, Client, Final, HeartbeatPolicy, ServiceUnavailable, Worker, WorkerError
-from mdp import codec
+from mdp import (
+    Broker,
+    Client,
+    Final,
+    HeartbeatPolicy,
+    ServiceUnavailable,
+    Worker,
+    WorkerError,
+    codec,
+)
 from tests.conftest import Net, RawPeer
 
 # Fast heartbeats so that real-time expiry tests finish quickly; the margins

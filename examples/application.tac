@@ -1,0 +1,17 @@
+"""Broker and worker inside one Twisted Application:  twistd -ny examples/application.tac
+
+A client can then call it:  mdp call --broker zmq:tcp://127.0.0.1:5555 reverse hello
+"""
+
+from twisted.application.service import Application
+
+from mdp import BrokerService, WorkerService
+
+
+def reverse(frames):
+    return [frame[::-1] for frame in frames]
+
+
+application = Application("txmajordomo example")
+BrokerService("zmq:tcp://127.0.0.1:5555").setServiceParent(application)
+WorkerService("zmq:tcp://127.0.0.1:5555", "reverse", reverse).setServiceParent(application)
