@@ -18,11 +18,17 @@ def final(router, peer: bytes, service: bytes, *body: bytes) -> None:
     router.send(peer, codec.CLIENT_HEADER, codec.C_FINAL, service, *body)
 
 
+async def broker_and_client(clocknet: LoopbackNet, **kwargs):
+    """A scripted broker and a client of it, closed after the test."""
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, **kwargs)
+    clocknet.addCleanup(client.close)
+    return router, client
+
+
 @pytest_twisted.ensureDeferred
 async def test_request_frames_on_the_wire(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet)
     d = client.request("echo", b"a", "b")
     clocknet.advance(0)
     (_, peer, frames), = requests(router)
@@ -34,9 +40,7 @@ async def test_request_frames_on_the_wire(clocknet: LoopbackNet) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_timeout_retries_on_fresh_connections_then_fails(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, timeout=1.0, retries=3)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet, timeout=1.0, retries=3)
     d = client.request("svc", b"x")
     with pytest.raises(RequestTimeout) as info:
         await clocknet.wait(d)
@@ -50,9 +54,7 @@ async def test_timeout_retries_on_fresh_connections_then_fails(clocknet: Loopbac
 
 @pytest_twisted.ensureDeferred
 async def test_late_reply_to_an_abandoned_attempt_is_never_delivered(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, timeout=1.0, retries=2)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet, timeout=1.0, retries=2)
     d = client.request("svc", b"x")
     clocknet.advance(1.5)  # first attempt timed out, second in flight
     (_, first, _), (_, second, _) = requests(router)
@@ -65,9 +67,7 @@ async def test_late_reply_to_an_abandoned_attempt_is_never_delivered(clocknet: L
 
 @pytest_twisted.ensureDeferred
 async def test_concurrent_requests_are_correlated_by_connection(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet)
     ds = [client.request("svc", str(n).encode()) for n in range(10)]
     clocknet.advance(0)
     sent = requests(router)
@@ -80,9 +80,7 @@ async def test_concurrent_requests_are_correlated_by_connection(clocknet: Loopba
 
 @pytest_twisted.ensureDeferred
 async def test_pool_is_bounded_and_connections_are_reused(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet, maxConnections=2)
     ds = [client.request("svc", str(n).encode()) for n in range(5)]
     answered = 0
     while answered < 5:
@@ -98,9 +96,7 @@ async def test_pool_is_bounded_and_connections_are_reused(clocknet: LoopbackNet)
 
 @pytest_twisted.ensureDeferred
 async def test_cancel_abandons_the_request(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, timeout=5)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet, timeout=5)
     d = client.request("svc", b"x")
     clocknet.advance(0)
     (_, peer, _), = requests(router)
@@ -115,9 +111,7 @@ async def test_cancel_abandons_the_request(clocknet: LoopbackNet) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_reply_for_another_service_is_dropped(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, timeout=5)
-    clocknet.addCleanup(client.close)
+    router, client = await broker_and_client(clocknet, timeout=5)
     d = client.request("svc", b"x")
     clocknet.advance(0)
     (_, peer, _), = requests(router)

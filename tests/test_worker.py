@@ -16,12 +16,18 @@ def readies(router) -> list[tuple[float, bytes]]:
     return [(t, peer) for t, peer, frames in router.received if frames[1] == codec.W_READY]
 
 
-@pytest_twisted.ensureDeferred
-async def test_ready_then_heartbeats(clocknet: LoopbackNet) -> None:
+async def broker_and_worker(clocknet: LoopbackNet, handler=lambda f: f, **kwargs):
+    """A scripted broker and a started worker of service "svc", stopped after the test."""
     router = await raw_router(clocknet)
-    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker = Worker(router.transport.endpoint, "svc", handler, clocknet.reactor, **kwargs)
     worker.start()
     clocknet.addCleanup(worker.stop)
+    return router, worker
+
+
+@pytest_twisted.ensureDeferred
+async def test_ready_then_heartbeats(clocknet: LoopbackNet) -> None:
+    router, worker = await broker_and_worker(clocknet, heartbeat=HB)
     clocknet.advance(0)
     assert [f for _, _, f in router.received] == [[codec.WORKER_HEADER, codec.W_READY, b"svc"]]
     clocknet.advance(2.5)
@@ -31,11 +37,7 @@ async def test_ready_then_heartbeats(clocknet: LoopbackNet) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_silent_broker_reconnects_with_doubling_backoff(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
-                    heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
-    worker.start()
-    clocknet.addCleanup(worker.stop)
+    router, worker = await broker_and_worker(clocknet, heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
     clocknet.advance(200)
     times = [t for t, _ in readies(router)]
     peers = {p for _, p in readies(router)}
@@ -48,11 +50,7 @@ async def test_silent_broker_reconnects_with_doubling_backoff(clocknet: Loopback
 
 @pytest_twisted.ensureDeferred
 async def test_backoff_resets_once_the_broker_speaks(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
-                    heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
-    worker.start()
-    clocknet.addCleanup(worker.stop)
+    router, worker = await broker_and_worker(clocknet, heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
     await clocknet.until(lambda: len(readies(router)) == 4)  # after three failures
     assert worker.failures == 3
     last_peer = readies(router)[-1][1]
@@ -63,10 +61,7 @@ async def test_backoff_resets_once_the_broker_speaks(clocknet: LoopbackNet) -> N
 
 @pytest_twisted.ensureDeferred
 async def test_disconnect_from_broker_reregisters_on_a_new_socket(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
-    worker.start()
-    clocknet.addCleanup(worker.stop)
+    router, worker = await broker_and_worker(clocknet, heartbeat=HB)
     clocknet.advance(0)
     (_, first), = readies(router)
     router.send(first, codec.WORKER_HEADER, codec.W_DISCONNECT)
@@ -114,11 +109,7 @@ async def test_stop_sends_disconnect(clocknet: LoopbackNet) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_majortomo_dialect_puts_an_empty_frame_first(clocknet: LoopbackNet) -> None:
-    router = await raw_router(clocknet)
-    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
-                    heartbeat=HB, dialect="majortomo")
-    worker.start()
-    clocknet.addCleanup(worker.stop)
+    router, worker = await broker_and_worker(clocknet, heartbeat=HB, dialect="majortomo")
     clocknet.advance(0)
     _, peer, frames = router.received[0]
     assert frames == [b"", codec.WORKER_HEADER, codec.W_READY, b"svc"]
