@@ -3,8 +3,15 @@
 One :class:`ServiceQueue` per service holds the requests waiting for a worker
 (served fairly: round-robin over clients) and the idle workers (least recently
 used first).  A single timer tick per heartbeat interval sends heartbeats,
-expires silent workers (re-queueing the request each held) and expires queued
-requests of services that have no worker.
+expires silent workers (re-queueing the request each held), expires queued
+requests of services that have no worker and forgets services whose last worker
+left more than ``serviceLinger`` seconds ago.
+
+Memory is bounded: at most ``maxQueue`` queued requests in all and
+``maxServiceQueue`` per service (beyond, a request is refused at once with a
+429 error reply), and at most ``maxWorkers`` registered workers (beyond, READY
+gets DISCONNECT).  Requests to ``mmi.*`` services are answered by the broker
+itself (:mod:`mdp.mmi`).
 
 The broker answers every peer in the dialect it used (see :mod:`mdp.codec`):
 RFC 18, or majortomo's (an empty delimiter frame first, other client codes).
@@ -20,7 +27,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import codec, transport
+from mdp import codec, mmi, transport
 from mdp.codec import (
     ClientFinal,
     ClientPartial,
@@ -39,6 +46,10 @@ from mdp.policy import HeartbeatPolicy
 log = Logger()
 
 DEFAULT_REQUEST_EXPIRY = 30.0
+DEFAULT_SERVICE_LINGER = 10.0
+DEFAULT_MAX_QUEUE = 100_000
+DEFAULT_MAX_SERVICE_QUEUE = 50_000
+DEFAULT_MAX_WORKERS = 10_000
 
 
 def peer_label(peer: bytes) -> str:
@@ -102,6 +113,8 @@ class ServiceQueue:
         self.idle: OrderedDict[PeerKey, WorkerRef] = OrderedDict()
         self.workers = 0
         self.size = 0
+        #: when the last worker left (None while the service has workers or never had one)
+        self.abandonedAt: Optional[float] = None
 
     def enqueue(self, request: PendingRequest) -> None:
         queue = self.pending.get(request.client)
@@ -161,12 +174,21 @@ class Broker:
         reactor: Optional[Any] = None,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
+        serviceLinger: float = DEFAULT_SERVICE_LINGER,
+        maxQueue: int = DEFAULT_MAX_QUEUE,
+        maxServiceQueue: int = DEFAULT_MAX_SERVICE_QUEUE,
+        maxWorkers: int = DEFAULT_MAX_WORKERS,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
         self.reactor = reactor
         self.heartbeat = heartbeat
         self.requestExpiry = requestExpiry
+        self.serviceLinger = serviceLinger
+        self.maxQueue = maxQueue
+        self.maxServiceQueue = maxServiceQueue
+        self.maxWorkers = maxWorkers
+        self.queued = 0  # requests waiting in all service queues
         self.bindings: list[Binding] = []
         self.services: dict[bytes, ServiceQueue] = {}
         self.workers: dict[PeerKey, WorkerRef] = {}
@@ -201,6 +223,7 @@ class Broker:
         closing = [b.transport.close() for b in bindings if b.transport is not None]
         self.workers.clear()
         self.services.clear()
+        self.queued = 0
         return defer.DeferredList(closing).addCallback(lambda _: None)
 
     # --- inbound -------------------------------------------------------------
@@ -238,16 +261,32 @@ class Broker:
                      peer=peer_label(key[1]), service=worker.service.name)
             self._removeWorker(worker)
         for service in list(self.services.values()):
-            service.drop_client(key)
+            self.queued -= service.drop_client(key)
             self._forgetIfEmpty(service)
 
     # --- clients ------------------------------------------------------------
 
     def _onRequest(self, key: PeerKey, command: ClientRequest, dialect: str) -> None:
-        service = self._service(command.service)
-        service.enqueue(
-            PendingRequest(key, command.service, command.body, dialect, self.reactor.seconds())
-        )
+        request = PendingRequest(key, command.service, command.body, dialect, self.reactor.seconds())
+        if command.service.startswith(mmi.PREFIX):
+            self._reply(request, mmi.answer(self, command.service, command.body), final=True)
+            return
+        service = self.services.get(command.service)
+        queued = service.size if service is not None else 0
+        if self.queued >= self.maxQueue or queued >= self.maxServiceQueue:
+            log.warn("refused a request for {service} from {peer}: queue full "
+                     "({queued} for the service, {total} in all)",
+                     service=command.service, peer=peer_label(key[1]),
+                     queued=queued, total=self.queued)
+            self._reply(request, codec.error_body(
+                codec.STATUS_OVERLOADED,
+                f"broker queue full for service {command.service.decode('ascii')!r}",
+            ), final=True)
+            return
+        if service is None:
+            service = self._service(command.service)
+        service.enqueue(request)
+        self.queued += 1
         self._dispatch(service)
 
     def _service(self, name: bytes) -> ServiceQueue:
@@ -257,8 +296,24 @@ class Broker:
         return service
 
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
-        if not service.workers and not service.size and self.services.get(service.name) is service:
+        """Drop a service with no worker and no request, once its linger is over."""
+        if service.workers or service.size or self.services.get(service.name) is not service:
+            return
+        if service.abandonedAt is None or (
+            self.reactor.seconds() - service.abandonedAt >= self.serviceLinger
+        ):
             del self.services[service.name]
+
+    def isServiceAvailable(self, name: bytes) -> bool:
+        """True if *name* has a live worker, or lost its last one less than
+        ``serviceLinger`` seconds ago (workers restarting keep it known)."""
+        service = self.services.get(name)
+        if service is None:
+            return False
+        if service.workers:
+            return True
+        return (service.abandonedAt is not None
+                and self.reactor.seconds() - service.abandonedAt < self.serviceLinger)
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
         command = (ClientFinal if final else ClientPartial)(request.service, body)
@@ -270,7 +325,11 @@ class Broker:
         worker = self.workers.get(key)
         kind = type(command)
         if worker is None:
-            if kind is Ready:
+            if kind is Ready and len(self.workers) >= self.maxWorkers:
+                log.warn("refused READY from {peer}: {count} workers already registered",
+                         peer=peer_label(key[1]), count=len(self.workers))
+                self._send(key, dialect, codec.DISCONNECT)
+            elif kind is Ready:
                 self._register(key, command.service, dialect)
             elif kind is not Disconnect:
                 log.warn("{command} from unregistered worker {peer}: sending DISCONNECT",
@@ -306,6 +365,7 @@ class Broker:
         worker = WorkerRef(key, service, dialect, now, now)
         self.workers[key] = worker
         service.workers += 1
+        service.abandonedAt = None
         log.info("worker {peer} ready for {service}", peer=peer_label(key[1]), service=name)
         self._makeIdle(worker)
         self._dispatch(service)
@@ -318,6 +378,7 @@ class Broker:
         while service.size and service.idle:
             _, worker = service.idle.popitem(last=False)
             request = service.next_request()
+            self.queued -= 1
             worker.current = request
             self._send(worker.key, worker.dialect,
                        WorkerRequest(request.client[1], request.body))
@@ -330,9 +391,13 @@ class Broker:
         service = worker.service
         service.idle.pop(worker.key, None)
         service.workers -= 1
+        if not service.workers:
+            service.abandonedAt = self.reactor.seconds()
         request, worker.current = worker.current, None
         if request is not None:
+            # accepted work is never dropped, even past the queue bounds
             service.requeue(request)
+            self.queued += 1
             self._dispatch(service)
         self._forgetIfEmpty(service)
 
@@ -374,7 +439,9 @@ class Broker:
         deadline = now - self.requestExpiry
         for service in list(self.services.values()):
             if not service.workers and service.size:
-                for request in service.expire(deadline):
+                expired = service.expire(deadline)
+                self.queued -= len(expired)
+                for request in expired:
                     self._reply(request, codec.error_body(
                         codec.STATUS_UNAVAILABLE,
                         f"no worker for service {service.name.decode('ascii')!r} within "

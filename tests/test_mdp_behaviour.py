@@ -300,3 +300,18 @@ async def test_separate_frontend_and_backend(net: Net) -> None:
     stray.send(codec.WORKER_HEADER, codec.W_READY, b"echo")
     await net.wait(client.request("echo", b"again"))
     assert broker.services[b"echo"].workers == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_fails_over_to_the_next_broker(net: Net) -> None:
+    from tests.conftest import raw_router
+
+    silent = await raw_router(net)  # accepts requests, never answers
+    _, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    client = make_client(net, [silent.transport.endpoint, endpoint], timeout=0.5, retries=3)
+    assert await net.wait(client.request("echo", b"first")) == [b"first"]
+    assert len(silent.received) == 1  # tried there first, then moved on
+    assert client.endpoint == endpoint
+    assert await net.wait(client.request("echo", b"second")) == [b"second"]
+    assert len(silent.received) == 1  # and stays on the broker that answers

@@ -1,0 +1,124 @@
+"""Broker features beyond plain MDP/0.2: MMI, service linger, bounded queues."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer
+
+from mdp import Broker, HeartbeatPolicy, ServiceOverloaded, codec
+from tests.conftest import LoopbackNet, Net, RawPeer
+from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
+
+
+def check_counts(broker: Broker) -> None:
+    """The broker's running total matches its queues."""
+    assert broker.queued == sum(s.size for s in broker.services.values())
+    for service in broker.services.values():
+        assert service.size == sum(len(q) for q in service.pending.values())
+        assert service.workers == sum(1 for w in broker.workers.values() if w.service is service)
+
+
+@pytest_twisted.ensureDeferred
+async def test_mmi_service(net: Net) -> None:
+    broker, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    client = make_client(net, endpoint)
+    await net.wait(client.request("echo", b"warm up"))
+    assert await net.wait(client.request("mmi.service", b"echo")) == [b"200"]
+    assert await net.wait(client.request("mmi.service", b"nothing")) == [b"404"]
+    assert await net.wait(client.request("mmi.bogus", b"x")) == [b"501"]
+    # MMI requests are answered by the broker, never queued
+    assert set(broker.services) == {b"echo"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_mmi_services_and_workers(net: Net) -> None:
+    broker, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    start_worker(net, endpoint, "echo", echo)
+    start_worker(net, endpoint, "other", echo)
+    await net.until(lambda: len(broker.workers) == 3)
+    client = make_client(net, endpoint)
+    (services,) = await net.wait(client.request("mmi.services", b""))
+    assert json.loads(services) == {
+        "echo": {"workers": 2, "idle": 2, "queued": 0},
+        "other": {"workers": 1, "idle": 1, "queued": 0},
+    }
+    (workers,) = await net.wait(client.request("mmi.workers", b"echo"))
+    listed = json.loads(workers)
+    assert [w["service"] for w in listed] == ["echo", "echo"]
+    assert all(w["busy"] is False and w["dialect"] == "rfc" for w in listed)
+    (everyone,) = await net.wait(client.request("mmi.workers", b""))
+    assert len(json.loads(everyone)) == 3
+
+
+@pytest_twisted.ensureDeferred
+async def test_service_of_a_dead_worker_lingers_then_is_404(clocknet: LoopbackNet) -> None:
+    hb = HeartbeatPolicy(interval=1.0, liveness=3)
+    broker, endpoint = await start_broker(clocknet, heartbeat=hb, serviceLinger=5.0)
+    ghost = RawPeer(clocknet, endpoint)
+    ghost.send(codec.WORKER_HEADER, codec.W_READY, b"flaky")
+    await clocknet.until(lambda: len(broker.workers) == 1)
+    # the worker goes silent: expired after 3-4 s, the service then lingers 5 s
+    assert broker.isServiceAvailable(b"flaky")
+    await clocknet.until(lambda: not broker.workers)
+    died = clocknet.reactor.seconds()
+    assert broker.isServiceAvailable(b"flaky")
+    client = make_client(clocknet, endpoint)
+    assert await clocknet.wait(client.request("mmi.service", b"flaky")) == [b"200"]
+    await clocknet.until(lambda: not broker.isServiceAvailable(b"flaky"))
+    assert clocknet.reactor.seconds() - died == pytest.approx(5.0, abs=0.05)
+    assert await clocknet.wait(client.request("mmi.service", b"flaky")) == [b"404"]
+    await clocknet.until(lambda: b"flaky" not in broker.services, timeout=2)  # and forgotten
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_returning_within_the_linger_keeps_the_service(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet, serviceLinger=5.0)
+    first = RawPeer(clocknet, endpoint)
+    first.send(codec.WORKER_HEADER, codec.W_READY, b"svc")
+    await clocknet.until(lambda: len(broker.workers) == 1)
+    first.send(codec.WORKER_HEADER, codec.W_DISCONNECT)
+    clocknet.advance(2)
+    assert broker.isServiceAvailable(b"svc")
+    start_worker(clocknet, endpoint, "svc", echo)
+    clocknet.advance(10)
+    assert broker.isServiceAvailable(b"svc")
+
+
+@pytest_twisted.ensureDeferred
+async def test_full_service_queue_refuses_with_service_overloaded(net: Net) -> None:
+    broker, endpoint = await start_broker(net, maxServiceQueue=3, maxQueue=5)
+    client = make_client(net, endpoint, timeout=30, retries=1)
+    waiting = [client.request("slow", str(n)) for n in range(3)]
+    await net.until(lambda: broker.queued == 3)
+    with pytest.raises(ServiceOverloaded) as info:
+        await net.wait(client.request("slow", b"one too many"))
+    assert info.value.code == b"429"
+    # the broker-wide bound
+    others = [client.request("other", str(n)) for n in range(2)]
+    await net.until(lambda: broker.queued == 5)
+    with pytest.raises(ServiceOverloaded):
+        await net.wait(client.request("third", b"x"))
+    check_counts(broker)
+    # nothing already accepted is lost: workers drain everything
+    start_worker(net, endpoint, "slow", echo)
+    start_worker(net, endpoint, "other", echo)
+    replies = await net.wait(defer.gatherResults(waiting + others))
+    assert replies == [[b"0"], [b"1"], [b"2"], [b"0"], [b"1"]]
+    check_counts(broker)
+    assert broker.queued == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_table_is_bounded(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet, maxWorkers=2)
+    peers = [RawPeer(clocknet, endpoint) for _ in range(3)]
+    for peer in peers:
+        peer.send(codec.WORKER_HEADER, codec.W_READY, b"svc")
+    clocknet.advance(0)
+    assert len(broker.workers) == 2
+    assert peers[2].received == [[codec.WORKER_HEADER, codec.W_DISCONNECT]]
