@@ -9,6 +9,10 @@ time**: a reply on a connection belongs to the one request in flight on it.
 ``request()`` takes an idle connection, opens a new one while the pool is below
 ``maxConnections``, or waits in a local FIFO queue.
 
+With ``stamp=True`` every request carries this client's id and a sequence
+number, the same on each retry, so that workers with a reply store run it once
+(:mod:`mdp.idempotence`).
+
 Reliability (Lazy Pirate)
 -------------------------
 Each attempt has ``timeout`` seconds.  When it passes, the connection is closed
@@ -21,6 +25,8 @@ is noticed at once and the in-flight request is resent when it comes back.
 
 from __future__ import annotations
 
+import itertools
+import uuid
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -28,7 +34,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import codec, transport
+from mdp import codec, idempotence, transport
 from mdp.codec import ClientFinal, ClientPartial
 from mdp.errors import (
     ClientClosed,
@@ -131,6 +137,7 @@ class Client:
         retries: int = DEFAULT_RETRIES,
         maxConnections: int = DEFAULT_MAX_CONNECTIONS,
         dialect: str = codec.RFC,
+        stamp: bool = False,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -144,6 +151,9 @@ class Client:
         self.retries = retries
         self.maxConnections = maxConnections
         self.dialect = codec.check_dialect(dialect)
+        self.stamp = stamp
+        self.clientId = uuid.uuid4().bytes
+        self._sequence = itertools.count(1)
         self._endpointIndex = 0
         self._idle: list[_Channel] = []
         self._channels: set[_Channel] = set()
@@ -174,9 +184,12 @@ class Client:
         """
         if self._closed:
             return defer.fail(ClientClosed("client is closed"))
+        body = request_frames(frames)
+        if self.stamp:
+            body = idempotence.stamp(self.clientId, next(self._sequence), body)
         call = _Call(
             codec.service_name(service),
-            request_frames(frames),
+            body,
             self.timeout if timeout is None else timeout,
             self.retries if retries is None else retries,
             onPartial,

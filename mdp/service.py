@@ -94,10 +94,11 @@ class WorkerService(Service):
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
         dialect: str = "rfc",
+        replies: Optional[Any] = None,
         reactor: Optional[Any] = None,
     ) -> None:
-        self.worker = Worker(endpoint, service, handler, reactor=reactor,
-                             heartbeat=heartbeat, backoff=backoff, dialect=dialect)
+        self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,
+                             backoff=backoff, dialect=dialect, replies=replies)
 
     def startService(self) -> None:
         super().startService()

@@ -10,6 +10,10 @@ The handler receives the request body (``list[bytes]``) and may return:
   generator that ends without yielding :class:`Final` is closed with a FINAL
   holding one empty frame.
 
+Requests stamped by the client (see :mod:`mdp.idempotence`) are unstamped
+before the handler sees them; given a reply store (``replies=``), the worker
+answers a stamped request it has already answered from the store.
+
 A handler exception is logged and answered with an error FINAL
 (``codec.error_body(b"500", ...)``) that our client raises as
 :class:`~mdp.errors.WorkerError`.
@@ -31,7 +35,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp import codec, transport
+from mdp import codec, idempotence, transport
 from mdp.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
 from mdp.errors import ProtocolError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
@@ -68,6 +72,15 @@ def reply_frames(value: Any) -> list[bytes]:
     return frames or [b""]
 
 
+@attrs.frozen
+class _Job:
+    """One request being served: where its reply goes and whether it still may."""
+
+    client: bytes  # the client address frame to reply to
+    generation: int  # the connection it arrived on
+    key: Optional[idempotence.StampKey]  # its stamp, if the client stamped it
+
+
 @implementer(IWorker, IDealerReceiver)
 class Worker:
     """An MDP/0.2 worker for one *service*, connected to one broker at a time."""
@@ -81,6 +94,7 @@ class Worker:
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
         dialect: str = codec.RFC,
+        replies: Optional[idempotence.IReplyStore] = None,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -93,6 +107,7 @@ class Worker:
         self.heartbeat = heartbeat
         self.backoff = backoff
         self.dialect = codec.check_dialect(dialect)
+        self.replies = replies
         self.transport: Optional[IDealerTransport] = None
         self.connected = False
         self.lastSeen = 0.0
@@ -212,29 +227,41 @@ class Worker:
     # --- serving -------------------------------------------------------------
 
     def _serve(self, request: WorkerRequest) -> None:
-        client = request.client
-        self.current = client
-        generation = self.generation
+        key, body = idempotence.unstamp(request.body)
+        job = _Job(request.client, self.generation, key)
+        self.current = request.client
+        if key is None or self.replies is None:
+            self._run(job, body)
+            return
+
+        def lookedUp(stored: Optional[list[bytes]]) -> None:
+            if stored is None:
+                self._run(job, body)
+            else:
+                self._reply(job, WorkerFinal, list(stored), store=False)
+
+        def storeFailed(failure: Failure) -> None:
+            log.failure("reply store lookup failed; running the request", failure)
+            self._run(job, body)
+
+        defer.maybeDeferred(self.replies.get, key).addCallbacks(lookedUp, storeFailed)
+
+    def _run(self, job: _Job, body: list[bytes]) -> None:
         try:
-            result = self.handler(list(request.body))
+            result = self.handler(body)
         except Exception:
-            self._failed(Failure(), generation, client)
+            self._failed(Failure(), job)
             return
         if inspect.iscoroutine(result):
             result = defer.ensureDeferred(result)
         if isinstance(result, defer.Deferred):
-            result.addCallbacks(
-                lambda value: self._finish(value, generation, client),
-                lambda failure: self._failed(failure, generation, client),
-            )
+            result.addCallbacks(self._finish, self._failed, (job,), None, (job,))
         elif inspect.isasyncgen(result) or inspect.isgenerator(result):
-            defer.ensureDeferred(self._stream(result, generation, client)).addErrback(
-                self._failed, generation, client
-            )
+            defer.ensureDeferred(self._stream(result, job)).addErrback(self._failed, job)
         else:
-            self._finish(result, generation, client)
+            self._finish(result, job)
 
-    async def _stream(self, parts: Any, generation: int, client: bytes) -> None:
+    async def _stream(self, parts: Any, job: _Job) -> None:
         if inspect.isgenerator(parts):
             source = parts
 
@@ -244,36 +271,40 @@ class Worker:
 
             parts = iterate()
         async for item in parts:
-            if generation != self.generation:
+            if job.generation != self.generation:
                 await parts.aclose()
                 return
             if isinstance(item, Final):
                 await parts.aclose()
-                self._finish(item.frames, generation, client)
+                self._finish(item.frames, job)
                 return
-            self._reply(WorkerPartial, reply_frames(item), generation, client)
-        self._finish(None, generation, client)
+            self._reply(job, WorkerPartial, reply_frames(item))
+        self._finish(None, job)
 
-    def _finish(self, value: Any, generation: int, client: bytes) -> None:
+    def _finish(self, value: Any, job: _Job) -> None:
         try:
             frames = reply_frames(value)
         except TypeError:
-            self._failed(Failure(), generation, client)
+            self._failed(Failure(), job)
             return
-        if self._reply(WorkerFinal, frames, generation, client):
+        if self._reply(job, WorkerFinal, frames):
             self.requestsServed += 1
 
-    def _failed(self, failure: Failure, generation: int, client: bytes) -> None:
+    def _failed(self, failure: Failure, job: _Job) -> None:
         log.failure("handler for {service} failed", failure, service=self.service)
         message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
-        self._reply(WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message),
-                    generation, client)
+        self._reply(job, WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message))
 
-    def _reply(self, kind: type, frames: list[bytes], generation: int, client: bytes) -> bool:
-        """Send a PARTIAL or FINAL unless the connection it belongs to is gone."""
-        if generation != self.generation or not self.connected or self.current != client:
+    def _reply(self, job: _Job, kind: type, frames: list[bytes], store: bool = True) -> bool:
+        """Send a PARTIAL or FINAL unless the connection it belongs to is gone;
+        remember a stamped request's FINAL in the reply store."""
+        if kind is WorkerFinal and store and job.key is not None and self.replies is not None:
+            defer.maybeDeferred(self.replies.put, job.key, frames).addErrback(
+                lambda f: log.failure("reply store could not keep a reply", f)
+            )
+        if job.generation != self.generation or not self.connected or self.current != job.client:
             return False
-        self._send(kind(client, frames))
+        self._send(kind(job.client, frames))
         if kind is WorkerFinal:
             self.current = None
         return True
