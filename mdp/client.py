@@ -268,8 +268,7 @@ class Client:
     def _received(self, channel: _Channel, frames: list[bytes]) -> None:
         call = channel.call
         try:
-            _, body = codec.split(frames)
-            command = codec.decode_client(body, self.dialect)
+            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
                 raise ProtocolError(f"broker sent a client {kind.__name__}")

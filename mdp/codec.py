@@ -220,6 +220,19 @@ def split(frames: Sequence[bytes]) -> tuple[str, Sequence[bytes]]:
     return RFC, frames
 
 
+def expect(frames: Sequence[bytes], dialect: str) -> Sequence[bytes]:
+    """Frames from the header on, for a peer that knows its *dialect*
+    (our client and worker); a message framed for the other dialect is a
+    :class:`~mdp.errors.ProtocolError` that names the likely mismatch."""
+    found, rest = split(frames)
+    if found != dialect:
+        raise ProtocolError(
+            f"message framed for the {found} dialect, expected {dialect} "
+            "(is the peer configured with the same dialect?)"
+        )
+    return rest
+
+
 # --- decoding -------------------------------------------------------------
 
 def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:

@@ -200,8 +200,7 @@ class Worker:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         try:
-            _, body = codec.split(frames)
-            command = codec.decode_worker(body)
+            command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
             log.warn("worker for {service} dropped invalid message from broker: {reason}",
                      service=self.service, reason=e)

@@ -112,6 +112,14 @@ def test_dialect_detection_leaves_rfc_frames_alone() -> None:
     assert codec.split([b"", b"MDPC02"]) == (codec.MAJORTOMO, [b"MDPC02"])
 
 
+def test_expect_rejects_the_other_dialect() -> None:
+    assert codec.expect([b"", b"MDPW02", b"\x05"], codec.MAJORTOMO) == [b"MDPW02", b"\x05"]
+    with pytest.raises(ProtocolError, match="framed for the majortomo dialect, expected rfc"):
+        codec.expect([b"", b"MDPW02", b"\x05"], codec.RFC)
+    with pytest.raises(ProtocolError, match="framed for the rfc dialect, expected majortomo"):
+        codec.expect([b"MDPW02", b"\x05"], codec.MAJORTOMO)
+
+
 @given(st.lists(st.binary(max_size=12), max_size=8))
 def test_decode_never_raises_anything_but_protocol_error(frames: list[bytes]) -> None:
     try:
