@@ -119,3 +119,27 @@ def python(*args: str) -> list[str]:
 def script(name: str) -> str:
     """Path of an executable installed beside this interpreter (e.g. ``twist``)."""
     return os.path.join(os.path.dirname(sys.executable), name)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: children import test handlers (tests.handlers_for_tests) from the checkout
+ENV = {"PYTHONPATH": ROOT}
+
+
+async def twist_broker(reactor: Any, endpoint: str, *options: str) -> tuple[Process, str]:
+    """Start ``twist mdp-broker``; return it and the endpoint it bound."""
+    broker = Process(reactor, [script("twist"), "--log-format", "text", "mdp-broker",
+                               "--endpoint", endpoint, *options], ENV)
+    try:
+        match = await broker.waitFor(r"MDP broker listening on (\S+)", timeout=60)
+    except Exception:
+        await broker.stop()
+        raise
+    return broker, match.group(1).decode()
+
+
+def twist_worker(reactor: Any, endpoint: str, service: str, handler: str, *options: str) -> Process:
+    """Start ``twist mdp-worker`` (wait for ``sent READY`` to know it registered)."""
+    return Process(reactor, [script("twist"), "--log-format", "text", "mdp-worker",
+                             "--broker", endpoint, "--service", service, "--handler", handler,
+                             *options], ENV)

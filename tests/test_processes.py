@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import pytest_twisted
 
-from tests.procs import Process, script
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {"PYTHONPATH": ROOT}
+from tests.procs import ENV, Process, script, twist_broker, twist_worker
 
 
 def reactor() -> Any:
@@ -32,11 +28,7 @@ async def run(args: list[str], timeout: float = 60) -> Process:
 
 
 async def start_broker(endpoint: str) -> tuple[Process, str]:
-    broker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
-                                 "--endpoint", endpoint,
-                                 "--heartbeat", "0.5"], ENV)
-    match = await broker.waitFor(r"MDP broker listening on (\S+)", timeout=60)
-    return broker, match.group(1).decode()
+    return await twist_broker(reactor(), endpoint, "--heartbeat", "0.5")
 
 
 @pytest.mark.parametrize("bind", ["zmq:tcp://127.0.0.1:*", "tcp:host=127.0.0.1:port=0"])
@@ -46,10 +38,7 @@ async def test_twist_broker_worker_and_mdp_call(bind: str) -> None:
     workers = []
     try:
         for service, handler in (("echo", "echo"), ("upper", "tests.handlers_for_tests:upper")):
-            worker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-worker",
-                                         "--broker", endpoint,
-                                         "--service", service, "--handler", handler,
-                                         "--heartbeat", "0.5"], ENV)
+            worker = twist_worker(reactor(), endpoint, service, handler, "--heartbeat", "0.5")
             workers.append(worker)
             await worker.waitFor("sent READY", timeout=60)
 

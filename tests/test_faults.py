@@ -1,0 +1,185 @@
+"""Fault tests with real processes over ZeroMQ and TCP.
+
+Workers SIGKILLed and restarted under load, the broker SIGKILLed and restarted
+mid-run, a worker frozen with SIGSTOP.  Every process is stopped in a
+``finally``; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, task
+
+from mdp import Client
+from tests.procs import Process, twist_broker, twist_worker
+
+BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
+# fast heartbeats: a dead worker or broker is noticed within about a second
+BROKER_HB = ("--heartbeat", "0.25", "--liveness", "4")
+WORKER_HB = ("--heartbeat", "0.25", "--liveness", "4", "--backoff-max", "2")
+HANDLER = "tests.handlers_for_tests:tagged"
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+class Cluster:
+    """A broker process and worker processes, all stopped by :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.broker: Process | None = None
+        self.endpoint = ""
+        self.workers: list[Process] = []
+        self.clients: list[Client] = []
+
+    async def start_broker(self, bind: str) -> None:
+        self.broker, self.endpoint = await twist_broker(reactor(), bind, *BROKER_HB)
+
+    def start_worker(self) -> Process:
+        worker = twist_worker(reactor(), self.endpoint, "work", HANDLER, *WORKER_HB)
+        self.workers.append(worker)
+        return worker
+
+    def client(self, **kwargs: Any) -> Client:
+        client = Client(self.endpoint, reactor(), **kwargs)
+        self.clients.append(client)
+        return client
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            await client.close()
+        for worker in self.workers:
+            await worker.stop()
+        if self.broker is not None:
+            await self.broker.stop()
+
+
+async def bounded(d: defer.Deferred, seconds: float) -> Any:
+    return await d.addTimeout(seconds, reactor())
+
+
+async def run_requests(client: Client, tag: str, count: int) -> list[tuple[str, list[bytes]]]:
+    """*count* requests one after another; each reply with what was asked."""
+    results = []
+    for n in range(count):
+        body = f"{tag}-{n}"
+        results.append((body, await client.request("work", body)))
+    return results
+
+
+def check_replies(results: list[tuple[str, list[bytes]]]) -> set[bytes]:
+    """Every reply answers its own request; returns the pids that served."""
+    pids = set()
+    for body, reply in results:
+        assert len(reply) == 2 and reply[1] == body.encode(), (body, reply)
+        pids.add(reply[0])
+    return pids
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_workers_killed_every_200ms_lose_no_request(kind: str) -> None:
+    cluster = Cluster()
+    kills = 0
+    try:
+        await cluster.start_broker(BINDS[kind])
+        for _ in range(4):
+            cluster.start_worker()
+        for worker in cluster.workers:
+            await bounded(worker.waitFor("sent READY"), 60)
+
+        def kill_one() -> None:
+            nonlocal kills
+            alive = [w for w in cluster.workers if w.running]
+            if alive and kills < 200:
+                random.choice(alive).signalProcess(signal.SIGKILL)
+                kills += 1
+                cluster.start_worker()
+
+        killer = task.LoopingCall(kill_one)
+        killer.start(0.2, now=False)
+        try:
+            clients = [cluster.client(timeout=2.0, retries=30) for _ in range(4)]
+            runs = [defer.ensureDeferred(run_requests(c, f"c{i}", 500)) for i, c in enumerate(clients)]
+            results = await bounded(defer.gatherResults(runs, consumeErrors=True), 240)
+        finally:
+            killer.stop()
+        flat = [r for per_client in results for r in per_client]
+        assert len(flat) == 2000
+        served_by = check_replies(flat)
+        assert kills >= 5, f"only {kills} kills happened during the run"
+        assert len(served_by) > 4  # replacements served too
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_broker_killed_and_restarted_mid_run(kind: str) -> None:
+    cluster = Cluster()
+    try:
+        await cluster.start_broker(BINDS[kind])
+        for _ in range(2):
+            cluster.start_worker()
+        for worker in cluster.workers:
+            await bounded(worker.waitFor("sent READY"), 60)
+        clients = [cluster.client(timeout=1.0, retries=60) for _ in range(2)]
+        runs = [defer.ensureDeferred(run_requests(c, f"c{i}", 300)) for i, c in enumerate(clients)]
+
+        # let the run get going, then kill the broker and start a new one on
+        # the same endpoint
+        first = cluster.broker
+        await bounded(defer.ensureDeferred(wait_until(lambda: first.output.count(b"ready for") >= 2)), 30)
+        await task.deferLater(reactor(), 0.3)  # mid-run: requests are flowing
+        first.signalProcess(signal.SIGKILL)
+        await first.ended(30)
+        await cluster.start_broker(cluster.endpoint)
+
+        results = await bounded(defer.gatherResults(runs, consumeErrors=True), 120)
+        flat = [r for per_client in results for r in per_client]
+        assert len(flat) == 600
+        check_replies(flat)
+        # the workers re-registered by themselves with the new broker
+        assert cluster.broker.output.count(b"ready for b'work'") >= 2
+        assert all(w.running for w in cluster.workers)
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_frozen_worker_is_detected_and_its_request_requeued(kind: str) -> None:
+    cluster = Cluster()
+    frozen = None
+    try:
+        await cluster.start_broker(BINDS[kind])
+        frozen = cluster.start_worker()
+        await bounded(frozen.waitFor("sent READY"), 60)
+        await bounded(cluster.broker.waitFor("ready for b'work'"), 30)
+        frozen.signalProcess(signal.SIGSTOP)
+        # the only registered worker is frozen: the request goes to it
+        client = cluster.client(timeout=60, retries=1)
+        reply = client.request("work", "held")
+        rescuer = cluster.start_worker()
+        await bounded(rescuer.waitFor("sent READY"), 60)
+        pid, body = await bounded(reply, 60)
+        assert body == b"held"
+        assert pid == str(rescuer.transport.pid).encode()
+        assert b"silent for" in cluster.broker.output  # found out by heartbeats
+    finally:
+        if frozen is not None:
+            frozen.signalProcess(signal.SIGCONT)
+        await cluster.stop()
+
+
+async def wait_until(predicate: Any, step: float = 0.01) -> None:
+    while not predicate():
+        await task.deferLater(reactor(), step)
