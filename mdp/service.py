@@ -11,7 +11,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from mdp.broker import DEFAULT_REQUEST_EXPIRY, Broker
+from mdp.broker import Broker
 from mdp.policy import Backoff, HeartbeatPolicy
 from mdp.worker import Handler, Worker
 
@@ -22,6 +22,10 @@ class BrokerService(Service):
     """Runs a :class:`~mdp.broker.Broker` bound to *endpoint* (clients and
     workers) or to a separate *frontend* (clients) and *backend* (workers).
 
+    Other keyword arguments (``heartbeat``, ``requestExpiry``, ``serviceLinger``,
+    ``maxQueue``, ``maxServiceQueue``, ``maxWorkers``) go to the
+    :class:`~mdp.broker.Broker`.
+
     With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
     logs the reason, stops the reactor and exits with status 1 instead of
     idling unbound."""
@@ -30,16 +34,15 @@ class BrokerService(Service):
         self,
         endpoint: Optional[str] = None,
         backend: Optional[str] = None,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
         reactor: Optional[Any] = None,
         exitOnFailure: bool = False,
+        **brokerOptions: Any,
     ) -> None:
         if endpoint is None and backend is None:
             raise ValueError("BrokerService needs an endpoint, a backend or both")
         self.endpoint = endpoint
         self.backend = backend
-        self.broker = Broker(reactor, heartbeat=heartbeat, requestExpiry=requestExpiry)
+        self.broker = Broker(reactor, **brokerOptions)
         self.exitOnFailure = exitOnFailure
         self.transports: list[Any] = []
 

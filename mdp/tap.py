@@ -11,7 +11,7 @@ from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
-from mdp.broker import DEFAULT_REQUEST_EXPIRY
+from mdp import broker
 from mdp.policy import Backoff, HeartbeatPolicy
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
@@ -58,8 +58,15 @@ class BrokerOptions(_HeartbeatOptions):
         ["endpoint", "e", DEFAULT_ENDPOINT,
          "Endpoint for clients (and workers, unless --backend is given)."],
         ["backend", "b", None, "Separate endpoint for workers."],
-        ["request-expiry", None, DEFAULT_REQUEST_EXPIRY,
+        ["request-expiry", None, broker.DEFAULT_REQUEST_EXPIRY,
          "Seconds a request waits for a service that has no worker.", _positive],
+        ["service-linger", None, broker.DEFAULT_SERVICE_LINGER,
+         "Seconds a service stays known (mmi.service 200) after its last worker left.",
+         _positive],
+        ["max-queue", None, broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", int],
+        ["max-service-queue", None, broker.DEFAULT_MAX_SERVICE_QUEUE,
+         "Most requests queued for one service.", int],
+        ["max-workers", None, broker.DEFAULT_MAX_WORKERS, "Most registered workers.", int],
     ]
 
 
@@ -74,6 +81,9 @@ class WorkerOptions(_HeartbeatOptions):
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
         ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.", _positive],
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
+        ["reply-store", None, 0,
+         "Remember the replies to this many stamped requests and answer their retries "
+         "from memory (0: off).", int],
     ]
 
     def postOptions(self) -> None:
@@ -95,6 +105,10 @@ class BrokerServiceMaker:
             backend=options["backend"],
             heartbeat=options.heartbeatPolicy(),
             requestExpiry=options["request-expiry"],
+            serviceLinger=options["service-linger"],
+            maxQueue=options["max-queue"],
+            maxServiceQueue=options["max-service-queue"],
+            maxWorkers=options["max-workers"],
             exitOnFailure=True,
         )
 
@@ -107,6 +121,7 @@ class WorkerServiceMaker:
 
     def makeService(self, options: WorkerOptions) -> Any:
         from mdp.handlers import load_handler
+        from mdp.idempotence import MemoryReplyStore
         from mdp.service import WorkerService
 
         return WorkerService(
@@ -116,4 +131,5 @@ class WorkerServiceMaker:
             heartbeat=options.heartbeatPolicy(),
             backoff=Backoff(maximum=options["backoff-max"]),
             dialect=options["dialect"],
+            replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
         )

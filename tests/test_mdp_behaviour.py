@@ -315,3 +315,17 @@ async def test_client_fails_over_to_the_next_broker(net: Net) -> None:
     assert client.endpoint == endpoint
     assert await net.wait(client.request("echo", b"second")) == [b"second"]
     assert len(silent.received) == 1  # and stays on the broker that answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_client_pipelines_many_requests_across_workers(net: Net) -> None:
+    broker, endpoint = await start_broker(net)
+    for _ in range(4):
+        start_worker(net, endpoint, "work", lambda frames: [b"done"] + frames)
+    # 300 in flight from one client object, over a pool of 40 connections
+    client = make_client(net, endpoint, timeout=30, retries=1, maxConnections=40)
+    requests = [client.request("work", str(n)) for n in range(300)]
+    replies = await net.wait(defer.gatherResults(requests))
+    assert replies == [[b"done", str(n).encode()] for n in range(300)]
+    assert len(client._channels) <= 40
+    assert broker.queued == 0
