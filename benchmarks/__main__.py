@@ -1,0 +1,302 @@
+"""Run the benchmark suite: ``python -m benchmarks [--smoke] [--repeat R] [--only NAME...]``.
+
+Every case starts its own processes (broker, workers, clients; all separate,
+127.0.0.1, ports picked by the OS), warms up, then times the clients together.
+Each case runs ``--repeat`` times; the table shows the median and the range.
+Results are compared as ratios against baselines measured in the same run, and
+written as JSON (``--json``, default ``benchmarks/results/latest.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+from benchmarks.harness import Processes, cpu_seconds, rss_bytes, zmq_mmi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
+
+# (broker, workers, clients, dialect of our peers)
+STACKS = {
+    "ours": ("ours", "ours", "ours", "rfc"),
+    "majortomo": ("majortomo", "majortomo", "majortomo", None),
+    "bare+ours": ("bare", "ours", "ours", "rfc"),
+    "ours-broker+majortomo-peers": ("ours", "majortomo", "majortomo", None),
+    "majortomo-broker+our-peers": ("majortomo", "ours", "ours", "majortomo"),
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, n: int,
+             warmup: int, size: int, window: int = 1) -> dict[str, Any]:
+    """One repetition of one case; returns throughput, latency and CPU."""
+    broker_impl, worker_impl, client_impl, dialect = STACKS[stack]
+    with Processes() as procs:
+        broker = procs.start("broker", broker_impl, BINDS[transport])
+        endpoint = broker.ready()
+        peers_options = ["--dialect", dialect] if dialect else []
+        service = ["--service", "stream"] if mode == "stream" else []
+        servers = [broker] + [
+            procs.start("worker", worker_impl, endpoint, *peers_options, *service)
+            for _ in range(workers)
+        ]
+        for worker in servers[1:]:
+            worker.ready()
+        per_client = n // clients
+        drivers = [
+            procs.start("client", client_impl, endpoint, mode, str(per_client), str(warmup),
+                        str(size), str(window), *peers_options)
+            for _ in range(clients)
+        ]
+        for driver in drivers:
+            driver.ready(timeout=120)
+        cpu_before = sum(cpu_seconds(p.pid) for p in servers)
+        for driver in drivers:
+            driver.go()
+        results = [driver.result(timeout=300) for driver in drivers]
+        cpu_servers = sum(cpu_seconds(p.pid) for p in servers) - cpu_before
+    return summarise(results, cpu_servers, per_client * clients)
+
+
+def run_inproc(mode: str, clients: int, workers: int, n: int, warmup: int, size: int,
+               window: int = 1) -> dict[str, Any]:
+    with Processes() as procs:
+        proc = procs.start("inproc", mode, str(n // clients), str(warmup), str(size),
+                           str(clients), str(workers), str(window))
+        proc.ready(timeout=120)
+        proc.go()
+        res = proc.result(timeout=300)
+    return summarise([res], 0.0, (n // clients) * clients)
+
+
+def summarise(results: list[dict[str, Any]], cpu_servers: float, count: int) -> dict[str, Any]:
+    latencies = [x for r in results for x in r["latencies"]]
+    elapsed = max(r["end"] for r in results) - min(r["start"] for r in results)
+    cpu = cpu_servers + sum(r["cpu"] for r in results)
+    return {
+        "requests": count,
+        "elapsed": elapsed,
+        "rate": count / elapsed if elapsed > 0 else float("nan"),
+        "p50_us": percentile(latencies, 0.50) * 1e6,
+        "p99_us": percentile(latencies, 0.99) * 1e6,
+        "cpu_s_per_1k": cpu / count * 1000 if count else float("nan"),
+    }
+
+
+def heartbeat_cost(idle: int, services: int, seconds: float) -> dict[str, Any]:
+    """Broker CPU (fraction of one core) while *idle* workers only heartbeat."""
+    with Processes() as procs:
+        broker = procs.start("broker", "ours", BINDS["zmq"])
+        endpoint = broker.ready()
+        time.sleep(1.0)
+        base0, t0 = cpu_seconds(broker.pid), time.monotonic()
+        time.sleep(seconds)
+        baseline = (cpu_seconds(broker.pid) - base0) / (time.monotonic() - t0)
+        farm = procs.start("farm", endpoint, str(idle), str(services))
+        farm.ready(timeout=120)
+        deadline = time.monotonic() + 60
+        while zmq_mmi(endpoint, b"mmi.workers").count(b'"id"') < idle:
+            if time.monotonic() > deadline:
+                raise RuntimeError("idle workers did not all register")
+            time.sleep(0.2)
+        c0, t0 = cpu_seconds(broker.pid), time.monotonic()
+        time.sleep(seconds)
+        busy = (cpu_seconds(broker.pid) - c0) / (time.monotonic() - t0)
+    return {"idle_workers": idle, "seconds": seconds, "core_fraction": busy,
+            "core_fraction_without_workers": baseline}
+
+
+def drain(n: int, workers: int) -> dict[str, Any]:
+    """Queue *n* requests with no worker, then drain them with *workers*."""
+    with Processes() as procs:
+        broker = procs.start("broker", "ours", BINDS["zmq"])
+        endpoint = broker.ready()
+        time.sleep(0.5)
+        rss0 = rss_bytes(broker.pid)
+        filler = procs.start("filler", endpoint, str(n))
+        filler.ready(timeout=120)
+        deadline = time.monotonic() + 120
+        while json.loads(zmq_mmi(endpoint, b"mmi.services")).get("echo", {}).get("queued", 0) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("requests were not all queued")
+            time.sleep(0.1)
+        rss_full = rss_bytes(broker.pid)
+        drainers = [procs.start("worker", "ours", endpoint) for _ in range(workers)]
+        for worker in drainers:
+            worker.ready()
+        filler.go()
+        res = filler.result(timeout=300)
+    elapsed = res["end"] - res["start"]
+    return {"queued": n, "rss_before_mb": rss0 / 2**20, "rss_full_mb": rss_full / 2**20,
+            "rss_growth_mb": (rss_full - rss0) / 2**20, "drain_seconds": elapsed,
+            "drain_rate": n / elapsed if elapsed > 0 else float("nan")}
+
+
+def repeat(fn: Any, times: int) -> dict[str, Any]:
+    runs = [fn() for _ in range(times)]
+    rates = [r["rate"] for r in runs]
+    return {
+        "runs": runs,
+        "rate": statistics.median(rates),
+        "rate_min": min(rates),
+        "rate_max": max(rates),
+        "p50_us": statistics.median(r["p50_us"] for r in runs),
+        "p99_us": statistics.median(r["p99_us"] for r in runs),
+        "cpu_s_per_1k": statistics.median(r["cpu_s_per_1k"] for r in runs),
+    }
+
+
+def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
+    """(name, description, thunk) for every case, baselines included."""
+    n_sync = 200 if smoke else 4000
+    n_pipe = 400 if smoke else 10000
+    warm = 20 if smoke else 300
+    big = 65536
+    out: list[tuple[str, dict[str, Any], Any]] = []
+
+    def add(name: str, **kw: Any) -> None:
+        stack = kw.get("stack", "ours")
+        transport = kw.get("transport", "zmq")
+        if transport == "loopback":
+            def thunk(kw: dict[str, Any] = kw) -> dict[str, Any]:
+                return run_inproc(kw["mode"], kw["clients"], kw["workers"], kw["n"], warm,
+                                  kw.get("size", 16), kw.get("window", 1))
+        else:
+            def thunk(kw: dict[str, Any] = kw, stack: str = stack, transport: str = transport) -> dict[str, Any]:
+                return run_case(stack, transport, kw["mode"], kw["clients"], kw["workers"], kw["n"],
+                                warm, kw.get("size", 16), kw.get("window", 1))
+        out.append((name, {"stack": stack, "transport": transport, **kw}, thunk))
+
+    for stack in STACKS:
+        add(f"sync 1x1 / {stack}", stack=stack, mode="sync", clients=1, workers=1, n=n_sync // 2)
+        add(f"sync 4x4 / {stack}", stack=stack, mode="sync", clients=4, workers=4, n=n_sync)
+    for stack in ("ours", "bare+ours", "majortomo-broker+our-peers"):
+        add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1, workers=4,
+            n=n_pipe, window=100)
+    for stack in ("ours", "bare+ours", "majortomo"):
+        add(f"sync 4x4 64KiB / {stack}", stack=stack, mode="sync", clients=4, workers=4,
+            n=n_sync // 4, size=big)
+    add("stream 1000 partials / ours", mode="stream", clients=1, workers=1, n=2 if smoke else 20)
+    for transport in ("tcp", "loopback"):
+        add(f"sync 1x1 / ours over {transport}", transport=transport, mode="sync", clients=1,
+            workers=1, n=n_sync // 2)
+        add(f"sync 4x4 / ours over {transport}", transport=transport, mode="sync", clients=4,
+            workers=4, n=n_sync)
+        add(f"pipelined w100 x4 / ours over {transport}", transport=transport, mode="pipelined",
+            clients=1, workers=4, n=n_pipe, window=100)
+    return out
+
+
+def ratio(table: dict[str, Any], a: str, b: str, key: str = "rate") -> Optional[float]:
+    if a in table and b in table and table[b][key]:
+        return table[a][key] / table[b][key]
+    return None
+
+
+def targets(table: dict[str, Any], scale: dict[str, Any]) -> list[dict[str, Any]]:
+    checks = []
+
+    def check(name: str, value: Optional[float], goal: float, higher: bool = True) -> None:
+        ok = value is not None and (value >= goal if higher else value <= goal)
+        checks.append({"target": name, "value": value, "goal": goal,
+                       "comparison": ">=" if higher else "<=", "met": ok})
+
+    check("4x4 sync zmq: ours / majortomo", ratio(table, "sync 4x4 / ours", "sync 4x4 / majortomo"), 2.5)
+    check("1x1 sync: our broker / bare forwarder (same peers)",
+          ratio(table, "sync 1x1 / ours", "sync 1x1 / bare+ours"), 0.9)
+    check("4x4 sync: our broker / bare forwarder (same peers)",
+          ratio(table, "sync 4x4 / ours", "sync 4x4 / bare+ours"), 0.9)
+    check("pipelined: our broker / bare forwarder (same peers)",
+          ratio(table, "pipelined w100 x4 / ours", "pipelined w100 x4 / bare+ours"), 0.9)
+    check("1x1 p50 latency: ours / bare forwarder",
+          ratio(table, "sync 1x1 / ours", "sync 1x1 / bare+ours", "p50_us"), 1.2, higher=False)
+    if "heartbeat" in scale:
+        check("1000 idle workers: broker CPU (fraction of a core)",
+              scale["heartbeat"]["core_fraction"], 0.05, higher=False)
+    if "drain" in scale:
+        check("10,000 queued: broker RSS growth (MB)", scale["drain"]["rss_growth_mb"], 50, higher=False)
+    return checks
+
+
+def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str, Any]]) -> str:
+    lines = ["| case | req/s (median) | range | p50 µs | p99 µs | CPU s / 1k req |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, row in table.items():
+        lines.append(f"| {name} | {row['rate']:,.0f} | {row['rate_min']:,.0f}–{row['rate_max']:,.0f} "
+                     f"| {row['p50_us']:,.0f} | {row['p99_us']:,.0f} | {row['cpu_s_per_1k']:.3f} |")
+    if "heartbeat" in scale:
+        hb = scale["heartbeat"]
+        lines.append(f"\nHeartbeat cost: {hb['idle_workers']} idle workers keep the broker at "
+                     f"{hb['core_fraction'] * 100:.2f}% of one core "
+                     f"({hb['core_fraction_without_workers'] * 100:.2f}% with none).")
+    if "drain" in scale:
+        dr = scale["drain"]
+        lines.append(f"\nQueue: {dr['queued']:,} requests queued grew the broker's RSS by "
+                     f"{dr['rss_growth_mb']:.1f} MB; 4 workers drained them at "
+                     f"{dr['drain_rate']:,.0f} req/s.")
+    lines.append("\n| target | value | goal | met |\n|---|---:|---:|---|")
+    for c in checks:
+        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
+        lines.append(f"| {c['target']} | {value} | {c['comparison']} {c['goal']} | "
+                     f"{'yes' if c['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny N, one repetition (for CI)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="run cases whose name contains one of these")
+    parser.add_argument("--no-scale", action="store_true", help="skip the scale scenarios")
+    parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "latest.json"))
+    args = parser.parse_args(argv)
+    repetitions = 1 if args.smoke else args.repeat
+
+    table: dict[str, Any] = {}
+    described: dict[str, Any] = {}
+    for name, description, thunk in cases(args.smoke):
+        if args.only and not any(word in name for word in args.only):
+            continue
+        print(f"… {name}", file=sys.stderr, flush=True)
+        table[name] = repeat(thunk, repetitions)
+        described[name] = description
+    scale: dict[str, Any] = {}
+    if not args.no_scale and not args.only:
+        print("… scale: idle workers' heartbeats", file=sys.stderr, flush=True)
+        scale["heartbeat"] = heartbeat_cost(100 if args.smoke else 1000, 100, 1.0 if args.smoke else 10.0)
+        print("… scale: draining a long queue", file=sys.stderr, flush=True)
+        scale["drain"] = drain(1000 if args.smoke else 10000, 4)
+    checks = targets(table, scale)
+    report = {
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "platform": platform.platform()},
+        "smoke": args.smoke,
+        "repetitions": repetitions,
+        "cases": {name: {**described[name], **row} for name, row in table.items()},
+        "scale": scale,
+        "targets": checks,
+    }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(markdown(table, scale, checks))
+    print(f"\nJSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

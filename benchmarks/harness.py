@@ -1,0 +1,118 @@
+"""Child processes for benchmarks: start, read their lines with a deadline,
+measure CPU and memory from /proc, always kill them."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def zmq_mmi(endpoint: str, service: bytes, body: bytes = b"", timeout: float = 10.0) -> bytes:
+    """Ask our broker an MMI question over a throwaway pyzmq DEALER."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint.removeprefix("zmq:"))
+        socket.send_multipart([b"MDPC02", b"\x01", service, body])
+        if not socket.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no answer to {service!r} from {endpoint}")
+        return socket.recv_multipart()[-1]
+    finally:
+        socket.close()
+
+
+class Child:
+    """One ``python -m benchmarks.roles`` process."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.roles", *args],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            bufsize=0,
+        )
+        self.pid = self.proc.pid
+        self._buffer = b""
+
+    def readline(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.args}: no output within {timeout}s")
+            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"{self.args} exited ({self.proc.wait()}) early")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def expect(self, word: str, timeout: float) -> str:
+        line = self.readline(timeout)
+        if not line.startswith(word):
+            raise RuntimeError(f"{self.args}: expected {word}, got {line[:200]!r}")
+        return line[len(word):].strip()
+
+    def ready(self, timeout: float = 60.0) -> str:
+        return self.expect("READY", timeout)
+
+    def go(self) -> None:
+        self.proc.stdin.write(b"GO\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 300.0) -> dict[str, Any]:
+        return json.loads(self.expect("RESULT", timeout))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+class Processes:
+    """Starts children; kills every one of them on exit, whatever happened."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, *args: str) -> Child:
+        child = Child(*args)
+        self.children.append(child)
+        return child
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for child in reversed(self.children):
+            child.kill()

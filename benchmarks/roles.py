@@ -1,0 +1,380 @@
+"""The processes a benchmark run is made of: ``python -m benchmarks.roles ROLE ...``.
+
+Every role prints ``READY [info]`` on stdout once set up.  Client roles then
+wait for a ``GO`` line on stdin, run the timed requests and print ``RESULT
+<json>`` with their latencies (seconds), wall-clock start/end and the CPU
+seconds they used while timed.
+
+Roles:
+  broker  ours|majortomo|bare  BIND           (prints READY <endpoint>)
+  worker  ours|majortomo  ENDPOINT [--dialect D] [--service echo|stream]
+  farm    ENDPOINT COUNT SERVICES             (COUNT idle workers of ours in one process)
+  client  ours|majortomo  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
+          MODE: sync | pipelined | stream
+  filler  ENDPOINT N                          (queues N requests on one raw socket; after
+                                               GO, reads the N replies)
+  inproc  MODE N WARMUP SIZE CLIENTS WORKERS [WINDOW] (everything over loopback, one process)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+SERVICE = b"echo"
+
+
+def emit(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def wait_go() -> None:
+    line = sys.stdin.readline()
+    if line.strip() != "GO":
+        raise SystemExit(f"expected GO, got {line!r}")
+
+
+def result(latencies: list[float], start: float, end: float, cpu: float, **extra: Any) -> None:
+    emit("RESULT " + json.dumps({"latencies": latencies, "start": start, "end": end,
+                                 "cpu": cpu, **extra}))
+
+
+# --- brokers -----------------------------------------------------------------
+
+def broker_ours(bind: str) -> None:
+    from twisted.internet import reactor
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
+
+    from mdp import Broker
+
+    predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)
+    globalLogBeginner.beginLoggingTo(
+        [FilteringLogObserver(textFileLogObserver(sys.stderr), [predicate])],
+        redirectStandardIO=False,
+    )
+    broker = Broker(reactor)
+
+    def bound(transport: Any) -> None:
+        emit(f"READY {transport.endpoint}")
+
+    broker.listen(bind).addCallback(bound)
+    reactor.run()
+
+
+def broker_majortomo(bind: str) -> None:
+    import logging.config
+
+    import figcan
+    import zmq
+    from majortomo.broker import Broker
+    from majortomo.config import default_config
+
+    # as shipped: majortomo's own default logging configuration (INFO)
+    logging.config.dictConfig(figcan.Configuration(default_config)["logging"])
+    broker = Broker(bind=bind.removeprefix("zmq:"))
+    broker.bind()
+    emit("READY zmq:" + broker._socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+    while True:  # Broker.run() without its second bind()
+        message = broker.receive()
+        if message:
+            broker.handle_message(message)
+
+
+def broker_bare(bind: str) -> None:
+    """The ceiling: a minimal pyzmq loop passing READY, REQUEST and FINAL (and
+    answering HEARTBEAT so workers stay registered).  No validation, no queues
+    per service, no timers: an LRU of worker ids and one FIFO of requests."""
+    from collections import deque
+
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind(bind.removeprefix("zmq:"))
+    emit("READY zmq:" + socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+    workers: deque[bytes] = deque()
+    requests: deque[list[bytes]] = deque()
+    recv, send = socket.recv_multipart, socket.send_multipart
+    while True:
+        frames = recv()
+        sender, header, command = frames[0], frames[1], frames[2]
+        if header == b"MDPC02":  # REQUEST: [client, MDPC02, 01, service, body...]
+            if workers:
+                send([workers.popleft(), b"MDPW02", b"\x02", sender, b"", *frames[4:]])
+            else:
+                requests.append(frames)
+        elif command == b"\x04":  # FINAL: [worker, MDPW02, 04, client, "", body...]
+            send([frames[3], b"MDPC02", b"\x03", SERVICE, *frames[5:]])
+            if requests:
+                pending = requests.popleft()
+                send([sender, b"MDPW02", b"\x02", pending[0], b"", *pending[4:]])
+            else:
+                workers.append(sender)
+        elif command == b"\x01":  # READY
+            if requests:
+                pending = requests.popleft()
+                send([sender, b"MDPW02", b"\x02", pending[0], b"", *pending[4:]])
+            else:
+                workers.append(sender)
+        elif command == b"\x05":  # HEARTBEAT
+            send([sender, b"MDPW02", b"\x05"])
+
+
+# --- workers -----------------------------------------------------------------
+
+def worker_ours(endpoint: str, dialect: str = "rfc", service: str = "echo") -> None:
+    """An echo worker, or with service "stream" one answering N PARTIALs + FINAL
+    (N from the second request frame)."""
+    from twisted.internet import reactor
+
+    from mdp import Final, Worker
+
+    async def stream(frames: list[bytes]) -> Any:
+        for _ in range(int(frames[1])):
+            yield frames[:1]
+        yield Final(frames[:1])
+
+    handler = stream if service == "stream" else (lambda frames: frames)
+    Worker(endpoint, service, handler, reactor, dialect=dialect).start()
+    emit("READY")
+    reactor.run()
+
+
+def worker_majortomo(endpoint: str) -> None:
+    from majortomo import Worker
+    from majortomo.worker import WorkerRequestsIterator
+
+    requests = WorkerRequestsIterator(Worker(endpoint.removeprefix("zmq:"), SERVICE))
+    emit("READY")
+    for request in requests:
+        requests.send_reply_final(request)
+
+
+def farm(endpoint: str, count: int, services: int) -> None:
+    from twisted.internet import reactor
+
+    from mdp import Worker
+
+    for n in range(count):
+        Worker(endpoint, f"idle-{n % services}", lambda frames: frames, reactor).start()
+    emit("READY")
+    reactor.run()
+
+
+# --- clients -----------------------------------------------------------------
+
+def client_ours(endpoint: str, mode: str, n: int, warmup: int, size: int, window: int = 1,
+                dialect: str = "rfc") -> None:
+    from twisted.internet import defer, reactor, task
+
+    from mdp import Client
+
+    body = b"x" * size
+    client = Client(endpoint, reactor, timeout=60, retries=1, maxConnections=max(window, 1),
+                    dialect=dialect)
+    clock = time.perf_counter
+
+    async def timed_sync(count: int, latencies: list[float]) -> None:
+        for _ in range(count):
+            t0 = clock()
+            await client.request(SERVICE, body)
+            latencies.append(clock() - t0)
+
+    async def timed_window(count: int, latencies: list[float]) -> None:
+        issued = 0
+        done: defer.Deferred = defer.Deferred()
+        outstanding = 0
+
+        def one() -> None:
+            nonlocal issued, outstanding
+            issued += 1
+            outstanding += 1
+            t0 = clock()
+            client.request(SERVICE, body).addCallback(finished, t0)
+
+        def finished(_: Any, t0: float) -> None:
+            nonlocal outstanding
+            latencies.append(clock() - t0)
+            outstanding -= 1
+            if issued < count:
+                one()
+            elif outstanding == 0:
+                done.callback(None)
+
+        for _ in range(min(window, count)):
+            one()
+        await done
+
+    async def timed_stream(count: int, latencies: list[float]) -> None:
+        for _ in range(count):
+            t0 = clock()
+            parts = 0
+            async for _part in client.stream(b"stream", body, b"1000"):
+                parts += 1
+            assert parts == 1001, parts
+            latencies.append(clock() - t0)
+
+    run = {"sync": timed_sync, "pipelined": timed_window, "stream": timed_stream}[mode]
+
+    async def main(_: Any) -> None:
+        await run(warmup, [])
+        emit("READY")
+        await threads_wait_go(reactor)
+        latencies: list[float] = []
+        cpu0, start = time.process_time(), time.time()
+        await run(n, latencies)
+        end, cpu = time.time(), time.process_time() - cpu0
+        result(latencies, start, end, cpu)
+        await client.close()
+
+    task.react(lambda r: defer.ensureDeferred(main(r)))
+
+
+async def threads_wait_go(reactor: Any) -> None:
+    from twisted.internet import threads
+
+    await threads.deferToThread(wait_go)
+
+
+def client_majortomo(endpoint: str, mode: str, n: int, warmup: int, size: int) -> None:
+    from majortomo import Client
+
+    if mode != "sync":
+        raise SystemExit("majortomo's client is synchronous only")
+    body = b"x" * size
+    client = Client(endpoint.removeprefix("zmq:"))
+    client.connect()
+
+    def once() -> None:
+        client.send(SERVICE, body)
+        client.recv_all_as_list(timeout=60)
+
+    for _ in range(warmup):
+        once()
+    emit("READY")
+    wait_go()
+    latencies = []
+    clock = time.perf_counter
+    cpu0, start = time.process_time(), time.time()
+    for _ in range(n):
+        t0 = clock()
+        once()
+        latencies.append(clock() - t0)
+    end, cpu = time.time(), time.process_time() - cpu0
+    result(latencies, start, end, cpu)
+    client.close()
+
+
+# --- queue drain -------------------------------------------------------------
+
+def filler(endpoint: str, n: int) -> None:
+    """Queue N requests on one raw DEALER, then count the N replies."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.connect(endpoint.removeprefix("zmq:"))
+    for i in range(n):
+        socket.send_multipart([b"MDPC02", b"\x01", SERVICE, b"%016d" % i])
+    emit("READY")
+    wait_go()
+    start = time.time()
+    for _ in range(n):
+        socket.recv_multipart()
+    end = time.time()
+    result([], start, end, 0.0)
+
+
+# --- everything in one process over loopback ---------------------------------
+
+def inproc(mode: str, n: int, warmup: int, size: int, clients: int, workers: int,
+           window: int = 1) -> None:
+    from twisted.internet import defer, reactor, task
+
+    from mdp import Broker, Client, Worker
+
+    body = b"x" * size
+    clock = time.perf_counter
+
+    async def main(_: Any) -> None:
+        broker = Broker(reactor)
+        bound = await broker.listen(f"loopback:bench-{os.getpid()}")
+        for _ in range(workers):
+            Worker(bound.endpoint, SERVICE, lambda frames: frames, reactor).start()
+        pool = [Client(bound.endpoint, reactor, timeout=60, retries=1, maxConnections=window)
+                for _ in range(clients)]
+
+        async def run(client: Client, count: int, latencies: list[float]) -> None:
+            if mode == "sync":
+                for _ in range(count):
+                    t0 = clock()
+                    await client.request(SERVICE, body)
+                    latencies.append(clock() - t0)
+            else:
+                async def lane(k: int) -> None:
+                    for _ in range(k):
+                        t0 = clock()
+                        await client.request(SERVICE, body)
+                        latencies.append(clock() - t0)
+                per = [count // window + (1 if i < count % window else 0) for i in range(window)]
+                await defer.gatherResults([defer.ensureDeferred(lane(k)) for k in per])
+
+        await defer.gatherResults([defer.ensureDeferred(run(c, warmup, [])) for c in pool])
+        emit("READY")
+        await threads_wait_go(reactor)
+        latencies: list[float] = []
+        cpu0, start = time.process_time(), time.time()
+        await defer.gatherResults([defer.ensureDeferred(run(c, n, latencies)) for c in pool])
+        end, cpu = time.time(), time.process_time() - cpu0
+        result(latencies, start, end, cpu)
+
+    task.react(lambda r: defer.ensureDeferred(main(r)))
+
+
+def main(argv: list[str]) -> None:
+    role, rest = argv[0], argv[1:]
+    options: dict[str, str] = {}
+    args = []
+    while rest:
+        item = rest.pop(0)
+        if item.startswith("--"):
+            options[item[2:]] = rest.pop(0)
+        else:
+            args.append(item)
+    if role == "broker":
+        {"ours": broker_ours, "majortomo": broker_majortomo, "bare": broker_bare}[args[0]](args[1])
+    elif role == "worker":
+        if args[0] == "ours":
+            worker_ours(args[1], options.get("dialect", "rfc"), options.get("service", "echo"))
+        else:
+            worker_majortomo(args[1])
+    elif role == "farm":
+        farm(args[0], int(args[1]), int(args[2]))
+    elif role == "client":
+        impl, endpoint, mode = args[0], args[1], args[2]
+        n, warmup, size = int(args[3]), int(args[4]), int(args[5])
+        if impl == "ours":
+            window = int(args[6]) if len(args) > 6 else 1
+            client_ours(endpoint, mode, n, warmup, size, window, options.get("dialect", "rfc"))
+        else:
+            client_majortomo(endpoint, mode, n, warmup, size)
+    elif role == "filler":
+        filler(args[0], int(args[1]))
+    elif role == "inproc":
+        inproc(args[0], *map(int, args[1:]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
