@@ -176,9 +176,10 @@ def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
                 return run_inproc(kw["mode"], kw["clients"], kw["workers"], kw["n"], warm,
                                   kw.get("size", 16), kw.get("window", 1))
         else:
-            def thunk(kw: dict[str, Any] = kw, stack: str = stack, transport: str = transport) -> dict[str, Any]:
-                return run_case(stack, transport, kw["mode"], kw["clients"], kw["workers"], kw["n"],
-                                warm, kw.get("size", 16), kw.get("window", 1))
+            def thunk(kw: dict[str, Any] = kw, stack: str = stack,
+                      transport: str = transport) -> dict[str, Any]:
+                return run_case(stack, transport, kw["mode"], kw["clients"], kw["workers"],
+                                kw["n"], warm, kw.get("size", 16), kw.get("window", 1))
         out.append((name, {"stack": stack, "transport": transport, **kw}, thunk))
 
     for stack in STACKS:

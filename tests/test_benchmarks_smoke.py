@@ -1,0 +1,40 @@
+"""The benchmark suite runs end to end (tiny N) and writes well-formed JSON.
+
+Only a smoke run: no speed is asserted here (see docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| case |" in proc.stdout and "| target |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True
+    expected = {"sync 1x1 / ours", "sync 4x4 / ours", "sync 4x4 / majortomo",
+                "sync 4x4 / bare+ours", "pipelined w100 x4 / ours",
+                "stream 1000 partials / ours", "sync 4x4 / ours over tcp",
+                "sync 4x4 / ours over loopback", "sync 4x4 64KiB / ours"}
+    assert expected <= set(report["cases"])
+    for name, case in report["cases"].items():
+        assert case["rate"] > 0, name
+        assert case["p50_us"] <= case["p99_us"], name
+        assert case["cpu_s_per_1k"] > 0, name
+        assert len(case["runs"]) == 1
+    assert report["scale"]["heartbeat"]["idle_workers"] == 100
+    assert report["scale"]["drain"]["queued"] == 1000
+    assert {c["target"] for c in report["targets"]} >= {
+        "4x4 sync zmq: ours / majortomo",
+        "pipelined: our broker / bare forwarder (same peers)",
+    }
