@@ -12,3 +12,12 @@ def tagged(frames: list[bytes]):
     from twisted.internet import reactor, task
 
     return task.deferLater(reactor, 0.005, lambda: [str(os.getpid()).encode(), *frames])
+
+
+def burst(frames: list[bytes]):
+    """Stream int(frames[0]) PARTIALs in one burst, then a FINAL."""
+    from mdp import Final
+
+    for n in range(int(frames[0])):
+        yield str(n)
+    yield Final(b"end")

@@ -97,3 +97,27 @@ async def test_mdp_demo() -> None:
     out = demo.output.decode()
     assert "echo replied: hello 0" in out
     assert "demo done" in out
+
+
+@pytest_twisted.ensureDeferred
+async def test_streams_cross_processes_without_loss() -> None:
+    """Bursts of PARTIALs longer than socket buffers, broker and worker in
+    their own processes: every part arrives, in order."""
+    from mdp import Client
+
+    broker, endpoint = await start_broker("zmq:tcp://127.0.0.1:*")
+    worker = twist_worker(reactor(), endpoint, "burst", "tests.handlers_for_tests:burst",
+                          "--heartbeat", "0.5")
+    client = Client(endpoint, reactor(), timeout=60, retries=1)
+    try:
+        await worker.waitFor("sent READY", timeout=60)
+        for _ in range(20):
+            parts: list[list[bytes]] = []
+            final = await client.request("burst", b"2000", onPartial=parts.append).addTimeout(
+                60, reactor())
+            assert final == [b"end"]
+            assert parts == [[str(n).encode()] for n in range(2000)]
+    finally:
+        await client.close()
+        await worker.stop()
+        await broker.stop()

@@ -2,8 +2,8 @@
 
 Thin adapters around :class:`txzmq.ZmqRouterConnection` and
 :class:`txzmq.ZmqDealerConnection`.  Socket options are set explicitly instead
-of txzmq's defaults: a high-water mark of 1000 messages (txzmq's 0 means
-unbounded queues) and a short linger.  ZeroMQ hides connection state, so these
+of txzmq's defaults: a high-water mark of 100,000 messages per pipe (txzmq's 0
+means unbounded queues) and a short linger.  ZeroMQ hides connection state, so these
 transports never report disconnects; MDP heartbeats cover that.
 
 ``import txzmq`` installs the default reactor; this module imports it only when
@@ -28,7 +28,11 @@ from mdp.interfaces import (
 
 log = Logger()
 
-HIGH_WATER_MARK = 1000
+#: Per-pipe queue bound.  High enough that a handler streaming thousands of
+#: PARTIALs in one burst is not cut short (a DEALER refuses and a ROUTER drops
+#: messages beyond it), low enough to bound memory; txzmq's default of 0 would
+#: mean unbounded.
+HIGH_WATER_MARK = 100_000
 LINGER_MS = 200
 
 _factory: Any = None
