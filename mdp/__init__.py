@@ -10,6 +10,7 @@ from mdp.client import Client, ReplyStream
 from mdp.errors import (
     ClientClosed,
     MDPError,
+    NoServerAvailable,
     ProtocolError,
     RemoteError,
     RequestTimeout,
@@ -33,6 +34,7 @@ __all__ = [
     "Final",
     "HeartbeatPolicy",
     "MDPError",
+    "NoServerAvailable",
     "ProtocolError",
     "RemoteError",
     "ReplyStream",

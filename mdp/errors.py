@@ -63,3 +63,8 @@ class ServiceOverloaded(RemoteError):
 
 class ClientClosed(MDPError):
     """The client was closed while the request was pending."""
+
+
+class NoServerAvailable(MDPError):
+    """Every server a Freelance client knows is known to be dead (or it knows none)."""
+

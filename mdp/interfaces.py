@@ -107,3 +107,26 @@ class IClient(Interface):
 
     def close():
         """Fail pending requests and close connections; returns a Deferred."""
+
+
+class IPeerRouterReceiver(Interface):
+    """The protocol side of a connecting ROUTER (a Freelance agent)."""
+
+    def messageReceived(endpoint: str, frames: list[bytes]) -> None:
+        """A message arrived from the server at *endpoint*."""
+
+
+class IPeerRouterTransport(Interface):
+    """One ROUTER-like connection to many servers, each addressed by the
+    endpoint string it was connected with (ZeroMQ: a ROUTER socket that
+    connects, naming each peer with ZMQ_CONNECT_ROUTING_ID)."""
+
+    def connect(endpoint: str) -> None:
+        """Add a server.  Messages to it may be lost until its pipe is up."""
+
+    def sendMessage(endpoint: str, frames: list[bytes]) -> None:
+        """Send *frames* to the server at *endpoint*; dropped if unknown or
+        not connected, as a ZeroMQ ROUTER does."""
+
+    def close():
+        """Close every connection.  Returns a Deferred."""

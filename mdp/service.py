@@ -110,3 +110,22 @@ class WorkerService(Service):
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
         return self.worker.stop()
+
+
+class FreelanceServerService(Service):
+    """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
+
+    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None) -> None:
+        from mdp.freelance import FreelanceServer
+
+        self.endpoint = endpoint
+        self.server = FreelanceServer(handler, reactor)
+
+    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
+        super().startService()
+        return self.server.listen(self.endpoint)
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self.server.close()
+

@@ -133,3 +133,27 @@ class WorkerServiceMaker:
             dialect=options["dialect"],
             replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
         )
+
+
+class FreelanceServerOptions(usage.Options):
+    """Options of ``twist mdp-freelance-server``."""
+
+    synopsis = "--endpoint ENDPOINT --handler echo|module:callable"
+    optParameters: list[Any] = [
+        ["endpoint", "e", "zmq:tcp://127.0.0.1:5556", "Where the server binds."],
+        ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
+    ]
+
+
+@implementer(IServiceMaker, IPlugin)
+class FreelanceServerServiceMaker:
+    tapname = "mdp-freelance-server"
+    description = "Freelance (brokerless) request-reply server, answering PING with PONG."
+    options = FreelanceServerOptions
+
+    def makeService(self, options: FreelanceServerOptions) -> Any:
+        from mdp.handlers import load_handler
+        from mdp.service import FreelanceServerService
+
+        return FreelanceServerService(options["endpoint"], load_handler(options["handler"]))
+

@@ -38,6 +38,7 @@ from zope.interface import implementer
 from mdp import codec, idempotence, transport
 from mdp.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
 from mdp.errors import ProtocolError
+from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.policy import Backoff, HeartbeatPolicy
 
@@ -51,25 +52,6 @@ class Final:
     """Wraps the last item of a streaming handler: sent as the FINAL reply."""
 
     frames: Any
-
-
-def reply_frames(value: Any) -> list[bytes]:
-    """Normalise a handler's reply to a non-empty list of ``bytes`` frames."""
-    if value is None:
-        return [b""]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return [bytes(value)]
-    if isinstance(value, str):
-        return [value.encode("utf-8")]
-    frames = []
-    for item in value:
-        if isinstance(item, str):
-            frames.append(item.encode("utf-8"))
-        elif isinstance(item, (bytes, bytearray, memoryview)):
-            frames.append(bytes(item))
-        else:
-            raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
-    return frames or [b""]
 
 
 @attrs.frozen

@@ -121,3 +121,30 @@ async def test_streams_cross_processes_without_loss() -> None:
         await client.close()
         await worker.stop()
         await broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_twist_freelance_server_with_agent_client() -> None:
+    from mdp.freelance import AgentClient
+
+    servers, endpoints = [], []
+    try:
+        for _ in range(2):
+            server = Process(reactor(), [script("twist"), "--log-format", "text",
+                                         "mdp-freelance-server", "--endpoint",
+                                         "zmq:tcp://127.0.0.1:*", "--handler", "echo"], ENV)
+            servers.append(server)
+            match = await server.waitFor(r"Freelance server listening on (\S+)", timeout=60)
+            endpoints.append(match.group(1).decode())
+        client = AgentClient(endpoints, reactor())
+        try:
+            assert await client.request(b"hello").addTimeout(30, reactor()) == [b"hello"]
+            await servers[0].stop()  # the agent moves on to the other server
+            for n in range(3):
+                reply = await client.request(str(n)).addTimeout(30, reactor())
+                assert reply == [str(n).encode()]
+        finally:
+            await client.close()
+    finally:
+        for server in servers:
+            await server.stop()

@@ -20,6 +20,8 @@ from mdp.errors import TransportError
 from mdp.interfaces import (
     IDealerReceiver,
     IDealerTransport,
+    IPeerRouterReceiver,
+    IPeerRouterTransport,
     IRouterReceiver,
     IRouterTransport,
 )
@@ -92,3 +94,12 @@ def connect(
         return StreamDealer(reactor, endpoint, receiver, retryPolicy=retryPolicy)
     except (ValueError, KeyError, TypeError) as e:
         raise TransportError(f"bad endpoint {endpoint!r}: {e}") from e
+
+
+def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None) -> IPeerRouterTransport:
+    """A connecting ROUTER (:class:`IPeerRouterTransport`) for *receiver*;
+    add servers with its ``connect(endpoint)``."""
+    from mdp.transport.peers import PeerRouter
+
+    return PeerRouter(receiver, _reactor(reactor))
+

@@ -163,7 +163,10 @@ class ZmqRouter:
         address = _address(endpoint)
         # bind after construction: a bind error inside txzmq's constructor would
         # leave an unclosed socket that blocks the context's term() at shutdown
-        self.connection = router_class(zmq_factory())
+        # with a fixed port, announce the endpoint as identity (the Guide's
+        # Freelance model 3 clients address servers that way)
+        identity = address.encode() if "*" not in address else None
+        self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
@@ -243,3 +246,43 @@ class ZmqDealer:
     def close(self) -> defer.Deferred[None]:
         self._shutdown()
         return defer.succeed(None)
+
+
+class ZmqPeerRouter:
+    """A ROUTER socket that *connects* to servers and names each one by its
+    endpoint string (ZMQ_CONNECT_ROUTING_ID), so the server's own identity
+    does not matter and ports picked by the OS work."""
+
+    def __init__(self, receiver: Any) -> None:
+        router_class, _ = _connection_classes()
+        self.target = receiver
+        self.receiver = self  # the connection delivers to owner.receiver
+        self.endpoints: set[str] = set()
+        self.connection = router_class(zmq_factory())
+        self.connection.owner = self
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.target.messageReceived(peer.decode("utf-8", "replace"), frames)
+
+    def connect(self, endpoint: str) -> None:
+        import zmq
+
+        socket = self.connection.socket
+        socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.encode())
+        socket.connect(_address(endpoint))
+        self.endpoints.add(endpoint)
+
+    def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
+        if self.connection.socket is None:
+            return
+        try:
+            self.connection.send([endpoint.encode(), *frames])
+        except _zmq_error() as e:
+            log.warn("zmq peer router could not send to {endpoint}: {error}",
+                     endpoint=endpoint, error=e)
+
+    def close(self) -> defer.Deferred[None]:
+        if self.connection.socket is not None:
+            self.connection.shutdown()
+        return defer.succeed(None)
+

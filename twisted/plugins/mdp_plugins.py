@@ -1,6 +1,8 @@
-"""Twisted plugin dropin: ``twist mdp-broker`` and ``twist mdp-worker``."""
+"""Twisted plugin dropin: ``twist mdp-broker``, ``twist mdp-worker``,
+``twist mdp-freelance-server``."""
 
-from mdp.tap import BrokerServiceMaker, WorkerServiceMaker
+from mdp.tap import BrokerServiceMaker, FreelanceServerServiceMaker, WorkerServiceMaker
 
 mdpBroker = BrokerServiceMaker()
 mdpWorker = WorkerServiceMaker()
+mdpFreelanceServer = FreelanceServerServiceMaker()

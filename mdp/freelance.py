@@ -1,0 +1,460 @@
+"""Brokerless reliable request-reply: the Guide's Freelance pattern, models 1-3.
+
+Wire protocol (as the Guide's model 3):
+
+* a client sends ``[b"PING"]``, a server answers ``[b"PONG"]``;
+* a client sends ``[sequence, body...]``, a server answers
+  ``[sequence, reply...]``; a handler error is answered with
+  ``[sequence, *codec.error_body(b"500", ...)]`` and raised as
+  :class:`~mdp.errors.WorkerError`.
+
+Clients, all with ``request(*frames) -> Deferred[list[bytes]]`` and ``close()``:
+
+:class:`SequentialClient` (model 1)
+    tries each server in turn, each on a fresh connection with its own timeout.
+:class:`ShotgunClient` (model 2)
+    sends every request to all servers; the first reply wins, the rest are
+    dropped.
+:class:`AgentClient` (model 3)
+    one ROUTER-like connection to all servers; PING/PONG heartbeats tell which
+    are alive; each request goes to the first live server and, after
+    ``attemptTimeout``, to the next; ``timeout`` bounds it in all.  When every
+    known server is known dead, requests fail at once with
+    :class:`~mdp.errors.NoServerAvailable`.
+
+No state machine here imports a transport implementation: they use
+:func:`mdp.transport.listen`, :func:`~mdp.transport.connect` and
+:func:`~mdp.transport.connect_peers`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence, Union
+
+from twisted.internet import defer, task
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp import codec, transport
+from mdp.client import remote_error, request_frames
+from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout
+from mdp.handlers import call_handler
+from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+
+log = Logger()
+
+PING = b"PING"
+PONG = b"PONG"
+SERVICE = b"freelance"  # what RequestTimeout names
+
+Handler = Callable[[list[bytes]], Any]
+
+
+def _reactor(reactor: Optional[Any]) -> Any:
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        return global_reactor
+    return reactor
+
+
+def _result(call_deferred: defer.Deferred, reply: list[bytes]) -> None:
+    """Fire a request's Deferred with a reply body, or its error."""
+    error = remote_error(SERVICE, reply)
+    if error is not None:
+        call_deferred.errback(error)
+    else:
+        call_deferred.callback(reply)
+
+
+# --- server --------------------------------------------------------------------
+
+@implementer(IRouterReceiver)
+class FreelanceServer:
+    """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence,
+    handler(body)...]``.  The handler is as a worker's (frames in; frames, a
+    Deferred or a coroutine out)."""
+
+    def __init__(self, handler: Handler, reactor: Optional[Any] = None) -> None:
+        self.handler = handler
+        self.reactor = _reactor(reactor)
+        self.transports: list[Any] = []
+        self.served = 0
+
+    def listen(self, endpoint: str) -> defer.Deferred:
+        """Bind *endpoint*; fires with the transport (its ``endpoint`` is the
+        string clients connect to)."""
+
+        binding = _Binding(self)
+
+        def bound(routerTransport: Any) -> Any:
+            binding.transport = routerTransport
+            self.transports.append(routerTransport)
+            log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
+            return routerTransport
+
+        return transport.listen(endpoint, binding, self.reactor).addCallback(bound)
+
+    def close(self) -> defer.Deferred:
+        transports, self.transports = self.transports, []
+        return defer.DeferredList([t.close() for t in transports]).addCallback(lambda _: None)
+
+    def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
+        if frames == [PING]:
+            routerTransport.sendMessage(peer, [PONG])
+            return
+        if len(frames) < 2:
+            log.warn("Freelance server dropped a {count}-frame message from {peer}: "
+                     "neither PING nor [sequence, body...]", count=len(frames), peer=peer.hex())
+            return
+        sequence, body = frames[0], frames[1:]
+
+        def failed(failure: Any) -> list[bytes]:
+            log.failure("Freelance handler failed", failure)
+            return codec.error_body(codec.STATUS_WORKER_ERROR,
+                                    f"{failure.type.__name__}: {failure.getErrorMessage()}")
+
+        def reply(frames_: list[bytes]) -> None:
+            self.served += 1
+            routerTransport.sendMessage(peer, [sequence, *frames_])
+
+        call_handler(self.handler, body).addErrback(failed).addCallback(reply)
+
+
+@implementer(IRouterReceiver)
+class _Binding:
+    def __init__(self, server: FreelanceServer) -> None:
+        self.server = server
+        self.transport: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.transport is not None:
+            self.server.received(self.transport, peer, frames)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        pass
+
+
+# --- shared client plumbing ------------------------------------------------------
+
+class _Call:
+    __slots__ = ("sequence", "body", "deferred", "startedAt", "attempts", "timer",
+                 "attemptTimer", "tried", "server")
+
+    def __init__(self, sequence: bytes, body: list[bytes], startedAt: float) -> None:
+        self.sequence = sequence
+        self.body = body
+        self.startedAt = startedAt
+        self.deferred: defer.Deferred = defer.Deferred()
+        self.attempts = 0
+        self.timer: Any = None
+        self.attemptTimer: Any = None
+        self.tried: list[str] = []
+        self.server: Optional[str] = None
+
+
+def _cancel(delayed: Any) -> None:
+    if delayed is not None and delayed.active():
+        delayed.cancel()
+
+
+class _FreelanceClient:
+    """What the three models share: sequence numbers, pending requests, the
+    total timeout and close()."""
+
+    def __init__(self, endpoints: Sequence[str], reactor: Optional[Any], timeout: float) -> None:
+        self.reactor = _reactor(reactor)
+        self.endpoints: list[str] = []
+        self.timeout = timeout
+        self.pending: dict[bytes, _Call] = {}
+        self._sequence = itertools.count(1)
+        self._closed = False
+        for endpoint in endpoints:
+            self.connect(endpoint)
+
+    def connect(self, endpoint: str) -> None:
+        if endpoint not in self.endpoints:
+            self.endpoints.append(endpoint)
+
+    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None) -> defer.Deferred:
+        """Send a request; the Deferred fires with the reply body frames."""
+        if self._closed:
+            return defer.fail(ClientClosed("client is closed"))
+        if not self.endpoints:
+            return defer.fail(NoServerAvailable("no Freelance server configured"))
+        call = _Call(str(next(self._sequence)).encode(), request_frames(frames),
+                     self.reactor.seconds())
+        call.deferred = defer.Deferred(lambda d: self._finish(call))
+        self.pending[call.sequence] = call
+        call.timer = self.reactor.callLater(self.timeout if timeout is None else timeout,
+                                            self._expired, call)
+        self._start(call)
+        return call.deferred
+
+    def _finish(self, call: _Call) -> bool:
+        """Forget *call*; False if it was already finished."""
+        if self.pending.pop(call.sequence, None) is None:
+            return False
+        _cancel(call.timer)
+        _cancel(call.attemptTimer)
+        return True
+
+    def _expired(self, call: _Call) -> None:
+        call.timer = None
+        if self._finish(call):
+            call.deferred.errback(RequestTimeout(
+                SERVICE, call.attempts, self.reactor.seconds() - call.startedAt))
+
+    def _fail(self, call: _Call, error: Exception) -> None:
+        if self._finish(call):
+            call.deferred.errback(error)
+
+    def _reply(self, frames: list[bytes]) -> None:
+        """A ``[sequence, reply...]`` arrived; stale or unknown ones are dropped."""
+        if len(frames) < 2:
+            return
+        call = self.pending.get(frames[0])
+        if call is not None and self._finish(call):
+            _result(call.deferred, frames[1:])
+
+    def close(self) -> defer.Deferred:
+        self._closed = True
+        for call in list(self.pending.values()):
+            self._fail(call, ClientClosed("client closed"))
+        return defer.succeed(None)
+
+    def _start(self, call: _Call) -> None:
+        raise NotImplementedError
+
+
+# --- model 1 -----------------------------------------------------------------------
+
+@implementer(IDealerReceiver)
+class _Attempt:
+    """One request on one fresh connection (model 1)."""
+
+    def __init__(self, client: SequentialClient, call: _Call, endpoint: str) -> None:
+        self.client = client
+        self.call = call
+        self.transport = transport.connect(endpoint, self, client.reactor)
+        self.transport.sendMessage([call.sequence, *call.body])
+
+    def connectionMade(self) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.client._reply(frames)
+
+
+class SequentialClient(_FreelanceClient):
+    """Model 1: try each server in turn, each attempt on a fresh connection
+    with *attemptTimeout* seconds; fail after a full round (or *timeout*)."""
+
+    def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
+                 attemptTimeout: float = 1.0, timeout: float = 30.0) -> None:
+        self.attemptTimeout = attemptTimeout
+        self.attempts: dict[bytes, _Attempt] = {}
+        super().__init__(endpoints, reactor, timeout)
+
+    def _start(self, call: _Call) -> None:
+        self._next(call)
+
+    def _next(self, call: _Call) -> None:
+        self._drop(call)
+        if call.attempts >= len(self.endpoints):
+            self._fail(call, RequestTimeout(SERVICE, call.attempts,
+                                            self.reactor.seconds() - call.startedAt))
+            return
+        endpoint = self.endpoints[call.attempts]
+        call.attempts += 1
+        call.server = endpoint
+        self.attempts[call.sequence] = _Attempt(self, call, endpoint)
+        call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._next, call)
+
+    def _drop(self, call: _Call) -> None:
+        attempt = self.attempts.pop(call.sequence, None)
+        if attempt is not None:
+            attempt.transport.close()
+
+    def _finish(self, call: _Call) -> bool:
+        finished = super()._finish(call)
+        self._drop(call)
+        return finished
+
+
+# --- model 2 -----------------------------------------------------------------------
+
+@implementer(IDealerReceiver)
+class _Link:
+    def __init__(self, client: ShotgunClient, endpoint: str) -> None:
+        self.client = client
+        self.transport = transport.connect(endpoint, self, client.reactor)
+
+    def connectionMade(self) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.client._reply(frames)
+
+
+class ShotgunClient(_FreelanceClient):
+    """Model 2: send every request to all servers; the first reply wins."""
+
+    def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
+                 timeout: float = 3.0) -> None:
+        self.links: dict[str, _Link] = {}
+        super().__init__(endpoints, reactor, timeout)
+
+    def connect(self, endpoint: str) -> None:
+        super().connect(endpoint)
+        if endpoint not in self.links:
+            self.links[endpoint] = _Link(self, endpoint)
+
+    def _start(self, call: _Call) -> None:
+        call.attempts = len(self.links)
+        for link in self.links.values():
+            link.transport.sendMessage([call.sequence, *call.body])
+
+    def close(self) -> defer.Deferred:
+        super().close()
+        links, self.links = self.links, {}
+        return defer.DeferredList([link.transport.close() for link in links.values()]).addCallback(
+            lambda _: None)
+
+
+# --- model 3 -----------------------------------------------------------------------
+
+class ServerState:
+    """What the agent knows of one server."""
+
+    __slots__ = ("endpoint", "alive", "lastHeard", "since")
+
+    def __init__(self, endpoint: str, now: float) -> None:
+        self.endpoint = endpoint
+        self.alive: Optional[bool] = None  # None: not heard from yet
+        self.lastHeard = 0.0
+        self.since = now
+
+
+@implementer(IPeerRouterReceiver)
+class AgentClient(_FreelanceClient):
+    """Model 3, the full agent (see the module docstring)."""
+
+    def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
+                 heartbeat: float = 1.0, liveness: int = 3, attemptTimeout: float = 1.0,
+                 timeout: float = 3.0) -> None:
+        reactor = _reactor(reactor)
+        self.heartbeat = heartbeat
+        self.ttl = heartbeat * liveness
+        self.attemptTimeout = attemptTimeout
+        self.servers: OrderedDict[str, ServerState] = OrderedDict()
+        self.waiting: list[_Call] = []  # requests with no live server to go to yet
+        self.router = transport.connect_peers(self, reactor)
+        self._ticker = task.LoopingCall(self.tick)
+        self._ticker.clock = reactor
+        super().__init__(endpoints, reactor, timeout)
+        self._ticker.start(heartbeat, now=False)
+
+    def connect(self, endpoint: str) -> None:
+        """Add a server at runtime; it is used once it answers a PING."""
+        super().connect(endpoint)
+        if endpoint not in self.servers:
+            self.servers[endpoint] = ServerState(endpoint, self.reactor.seconds())
+            self.router.connect(endpoint)
+            self.router.sendMessage(endpoint, [PING])
+
+    def live(self) -> list[str]:
+        return [s.endpoint for s in self.servers.values() if s.alive]
+
+    def _allDead(self) -> bool:
+        return bool(self.servers) and all(s.alive is False for s in self.servers.values())
+
+    # --- requests
+    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None) -> defer.Deferred:
+        if self._allDead():
+            return defer.fail(NoServerAvailable(
+                f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}"))
+        return super().request(*frames, timeout=timeout)
+
+    def _start(self, call: _Call) -> None:
+        self._send(call)
+
+    def _send(self, call: _Call) -> None:
+        """Send *call* to the first live server it has not tried yet (or, all
+        tried, to the first live one again)."""
+        _cancel(call.attemptTimer)
+        live = self.live()
+        if not live:
+            if call not in self.waiting:
+                self.waiting.append(call)
+            return
+        fresh = [e for e in live if e not in call.tried]
+        endpoint = (fresh or live)[0]
+        if not fresh:
+            call.tried = []
+        call.tried.append(endpoint)
+        call.server = endpoint
+        call.attempts += 1
+        self.router.sendMessage(endpoint, [call.sequence, *call.body])
+        call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._send, call)
+
+    def _finish(self, call: _Call) -> bool:
+        if call in self.waiting:
+            self.waiting.remove(call)
+        return super()._finish(call)
+
+    # --- IPeerRouterReceiver
+    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:  # type: ignore[override]
+        server = self.servers.get(endpoint)
+        if server is None:
+            return
+        server.lastHeard = self.reactor.seconds()
+        if not server.alive:
+            server.alive = True
+            log.info("Freelance server {endpoint} is alive", endpoint=endpoint)
+            waiting, self.waiting = self.waiting, []
+            for call in waiting:
+                if call.sequence in self.pending:
+                    self._send(call)
+        if frames != [PONG]:
+            self._reply(frames)
+
+    # --- time
+    def tick(self) -> None:
+        """Once per heartbeat: PING every server, declare silent ones dead."""
+        now = self.reactor.seconds()
+        for server in self.servers.values():
+            heard = server.lastHeard if server.alive is not None else server.since
+            if server.alive is not False and now - heard > self.ttl:
+                server.alive = False
+                log.warn("Freelance server {endpoint} is dead", endpoint=server.endpoint)
+                for call in list(self.pending.values()):
+                    if call.server == server.endpoint:
+                        self._send(call)  # do not wait for its attempt to time out
+            self.router.sendMessage(server.endpoint, [PING])
+        if self._allDead():
+            for call in list(self.pending.values()):
+                self._fail(call, NoServerAvailable("every Freelance server is dead"))
+
+    def close(self) -> defer.Deferred:
+        super().close()
+        if self._ticker.running:
+            self._ticker.stop()
+        return self.router.close()
+
+
+def freelance_client(endpoints: Sequence[str], model: int = 3, reactor: Optional[Any] = None,
+                     **options: Any) -> _FreelanceClient:
+    """A Freelance client of the Guide's *model* (1, 2 or 3)."""
+    kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
+    if model not in kinds:
+        raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")
+    return kinds[model](endpoints, reactor, **options)

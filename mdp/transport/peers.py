@@ -1,0 +1,77 @@
+"""A connecting ROUTER: one transport to many servers, addressed by endpoint.
+
+ZeroMQ endpoints share one native ROUTER socket (:class:`ZmqPeerRouter`); any
+other endpoint gets its own DEALER-like pipe behind the same interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from twisted.internet import defer
+from zope.interface import implementer
+
+from mdp import transport
+from mdp.interfaces import IDealerTransport, IPeerRouterReceiver, IPeerRouterTransport
+
+
+class _Pipe:
+    """Receives for one endpoint's DEALER and forwards with the endpoint name."""
+
+    def __init__(self, owner: PeerRouter, endpoint: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.connected = False
+
+    def connectionMade(self) -> None:
+        self.connected = True
+
+    def connectionLost(self, reason: object) -> None:
+        self.connected = False
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.owner.receiver.messageReceived(self.endpoint, frames)
+
+
+@implementer(IPeerRouterTransport)
+class PeerRouter:
+    """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through
+    one pipe each."""
+
+    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any) -> None:
+        self.receiver = receiver
+        self.reactor = reactor
+        self.pipes: dict[str, tuple[_Pipe, IDealerTransport]] = {}
+        self.zmq: Optional[Any] = None
+
+    def connect(self, endpoint: str) -> None:
+        if endpoint in self.pipes or (self.zmq is not None and endpoint in self.zmq.endpoints):
+            return
+        if transport.scheme(endpoint) == "zmq":
+            if self.zmq is None:
+                from mdp.transport.zeromq import ZmqPeerRouter
+
+                self.zmq = ZmqPeerRouter(self.receiver)
+            self.zmq.connect(endpoint)
+            return
+        pipe = _Pipe(self, endpoint)
+        # the agent's PINGs find out when a server is back; reconnect quickly
+        self.pipes[endpoint] = (pipe, transport.connect(
+            endpoint, pipe, self.reactor, retryPolicy=lambda attempt: min(0.25 * attempt, 2.0)))
+
+    def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
+        entry = self.pipes.get(endpoint)
+        if entry is not None:
+            pipe, dealer = entry
+            if pipe.connected:  # like a ROUTER: nothing is queued for an absent peer
+                dealer.sendMessage(frames)
+        elif self.zmq is not None:
+            self.zmq.sendMessage(endpoint, frames)
+
+    def close(self) -> defer.Deferred[None]:
+        closing = [dealer.close() for _, dealer in self.pipes.values()]
+        self.pipes.clear()
+        if self.zmq is not None:
+            closing.append(self.zmq.close())
+            self.zmq = None
+        return defer.DeferredList(closing).addCallback(lambda _: None)

@@ -1,0 +1,170 @@
+"""Freelance (brokerless) request-reply, models 1-3, over every transport."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer
+
+from mdp import NoServerAvailable, RequestTimeout, WorkerError
+from mdp.freelance import FreelanceServer, freelance_client
+from tests.conftest import Net
+
+FAST = {"heartbeat": 0.2, "liveness": 3, "attemptTimeout": 0.3, "timeout": 5.0}
+
+
+class Server(FreelanceServer):
+    """A server that can be frozen (answers nothing, not even PING) or killed."""
+
+    def __init__(self, name: str, reactor: Any, handler: Any = None) -> None:
+        super().__init__(handler or (lambda frames: [name.encode(), *frames]), reactor)
+        self.name = name
+        self.frozen = False
+        self.endpoint = ""
+
+    def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
+        if not self.frozen:
+            super().received(routerTransport, peer, frames)
+
+
+async def start_server(net: Net, name: str, endpoint: str = "", handler: Any = None) -> Server:
+    server = Server(name, net.reactor, handler)
+    bound = await net.wait(server.listen(endpoint or net.bind_endpoint()))
+    server.endpoint = bound.endpoint
+    net.addCleanup(server.close)
+    return server
+
+
+def client_for(net: Net, endpoints: list[str], model: int = 3, **options: Any) -> Any:
+    if model == 3:
+        options = {**FAST, **options}
+    client = freelance_client(endpoints, model, net.reactor, **options)
+    net.addCleanup(client.close)
+    return client
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_every_model_gets_replies(net: Net, model: int) -> None:
+    servers = [await start_server(net, name) for name in ("a", "b", "c")]
+    client = client_for(net, [s.endpoint for s in servers], model)
+    for n in range(5):
+        reply = await net.wait(client.request(b"req", str(n)))
+        assert reply[0] in (b"a", b"b", b"c")
+        assert reply[1:] == [b"req", str(n).encode()]
+
+
+@pytest.mark.parametrize("model", [2, 3])
+@pytest_twisted.ensureDeferred
+async def test_concurrent_requests_are_correlated(net: Net, model: int) -> None:
+    servers = [await start_server(net, name) for name in ("a", "b")]
+    client = client_for(net, [s.endpoint for s in servers], model)
+    replies = await net.wait(defer.gatherResults([client.request(str(n)) for n in range(30)]))
+    assert [r[1:] for r in replies] == [[str(n).encode()] for n in range(30)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_model3_answers_with_one_server_killed_and_one_frozen(net: Net) -> None:
+    killed, frozen, healthy = [await start_server(net, n) for n in ("killed", "frozen", "healthy")]
+    client = client_for(net, [killed.endpoint, frozen.endpoint, healthy.endpoint])
+    await net.until(lambda: len(client.live()) == 3)
+    await net.wait(killed.close())
+    frozen.frozen = True
+    before = healthy.served
+    for n in range(20):
+        reply = await net.wait(client.request(str(n)), timeout=FAST["timeout"] + 1)
+        assert reply == [b"healthy", str(n).encode()]
+    assert healthy.served - before == 20
+    assert client.live() == [healthy.endpoint]  # both others found dead by heartbeats
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_that_comes_back_is_used_again(net: Net) -> None:
+    first = await start_server(net, "first")
+    second = await start_server(net, "second")
+    client = client_for(net, [first.endpoint, second.endpoint])
+    await net.until(lambda: len(client.live()) == 2)
+    await net.wait(first.close())
+    await net.until(lambda: client.live() == [second.endpoint])
+    assert (await net.wait(client.request(b"x")))[0] == b"second"
+
+    revived = await start_server(net, "revived", endpoint=first.endpoint)  # same endpoint
+    await net.until(lambda: len(client.live()) == 2)  # its PONG came back
+    await net.wait(second.close())
+    await net.until(lambda: client.live() == [first.endpoint])
+    assert await net.wait(client.request(b"y")) == [b"revived", b"y"]
+    assert revived.served == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_reply_after_the_client_gave_up_is_ignored(net: Net) -> None:
+    held: list[defer.Deferred] = []
+
+    def slow_first(frames: list[bytes]) -> Any:
+        if frames == [b"too slow"]:
+            d: defer.Deferred = defer.Deferred()
+            held.append(d)
+            return d
+        return frames
+
+    server = await start_server(net, "slow", handler=slow_first)
+    client = client_for(net, [server.endpoint], timeout=1.0, attemptTimeout=5.0)
+    with pytest.raises(RequestTimeout):
+        await net.wait(client.request(b"too slow"))
+    assert client.pending == {}
+    held[0].callback([b"late"])  # the server answers after the client gave up
+    assert await net.wait(client.request(b"next")) == [b"next"]  # not the late reply
+    assert client.pending == {}
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_server_available_at_once_when_all_are_dead(net: Net) -> None:
+    servers = [await start_server(net, name) for name in ("a", "b")]
+    client = client_for(net, [s.endpoint for s in servers])
+    await net.until(lambda: len(client.live()) == 2)
+    pending = client.request(b"in flight")  # answered before the servers go away
+    await net.wait(pending)
+    for server in servers:
+        await net.wait(server.close())
+    await net.until(lambda: all(s.alive is False for s in client.servers.values()))
+    d = client.request(b"x")
+    assert d.called  # at once, not after the timeout
+    with pytest.raises(NoServerAvailable):
+        await net.wait(d)
+
+
+@pytest_twisted.ensureDeferred
+async def test_servers_added_at_runtime(net: Net) -> None:
+    client = client_for(net, [])
+    with pytest.raises(NoServerAvailable):
+        await net.wait(client.request(b"nobody"))
+    server = await start_server(net, "late")
+    client.connect(server.endpoint)
+    assert await net.wait(client.request(b"hi")) == [b"late", b"hi"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_handler_error_is_a_worker_error(net: Net) -> None:
+    def broken(frames: list[bytes]) -> None:
+        raise ValueError("bad input")
+
+    server = await start_server(net, "broken", handler=broken)
+    client = client_for(net, [server.endpoint])
+    with pytest.raises(WorkerError, match="ValueError: bad input"):
+        await net.wait(client.request(b"x"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_model1_skips_a_dead_server_after_its_timeout(net: Net) -> None:
+    dead = await start_server(net, "dead")
+    alive = await start_server(net, "alive")
+    dead.frozen = True
+    client = client_for(net, [dead.endpoint, alive.endpoint], model=1, attemptTimeout=0.3)
+    assert await net.wait(client.request(b"x")) == [b"alive", b"x"]
+
+
+def test_an_unknown_model_is_refused() -> None:
+    with pytest.raises(ValueError):
+        freelance_client([], model=4)
