@@ -14,6 +14,8 @@ Roles:
   filler  ENDPOINT N                          (queues N requests on one raw socket; after
                                                GO, reads the N replies)
   inproc  MODE N WARMUP SIZE CLIENTS WORKERS [WINDOW] (everything over loopback, one process)
+  fserver BIND                                (a Freelance echo server; READY <endpoint>)
+  fclient MODEL N WARMUP ENDPOINT...          (a Freelance client of model 1, 2 or 3)
 """
 
 from __future__ import annotations
@@ -341,6 +343,46 @@ def inproc(mode: str, n: int, warmup: int, size: int, clients: int, workers: int
     task.react(lambda r: defer.ensureDeferred(main(r)))
 
 
+# --- Freelance ----------------------------------------------------------------
+
+def freelance_server(bind: str) -> None:
+    from twisted.internet import reactor
+
+    from mdp.freelance import FreelanceServer
+
+    server = FreelanceServer(lambda frames: frames, reactor)
+    server.listen(bind).addCallback(lambda t: emit(f"READY {t.endpoint}"))
+    reactor.run()
+
+
+def freelance_client(model: int, n: int, warmup: int, endpoints: list[str]) -> None:
+    from twisted.internet import defer, reactor, task
+
+    from mdp.freelance import freelance_client as make
+
+    options = {1: {"attemptTimeout": 0.25}, 2: {}, 3: {"attemptTimeout": 0.25}}[model]
+    client = make(endpoints, model, reactor, **options)
+    clock = time.perf_counter
+
+    async def run(count: int, latencies: list[float]) -> None:
+        for _ in range(count):
+            t0 = clock()
+            await client.request(b"x" * 16)
+            latencies.append(clock() - t0)
+
+    async def main(_: Any) -> None:
+        await run(warmup, [])
+        emit("READY")
+        await threads_wait_go(reactor)
+        latencies: list[float] = []
+        cpu0, start = time.process_time(), time.time()
+        await run(n, latencies)
+        result(latencies, start, time.time(), time.process_time() - cpu0)
+        await client.close()
+
+    task.react(lambda r: defer.ensureDeferred(main(r)))
+
+
 def main(argv: list[str]) -> None:
     role, rest = argv[0], argv[1:]
     options: dict[str, str] = {}
@@ -370,6 +412,10 @@ def main(argv: list[str]) -> None:
             client_majortomo(endpoint, mode, n, warmup, size)
     elif role == "filler":
         filler(args[0], int(args[1]))
+    elif role == "fserver":
+        freelance_server(args[0])
+    elif role == "fclient":
+        freelance_client(int(args[0]), int(args[1]), int(args[2]), args[3:])
     elif role == "inproc":
         inproc(args[0], *map(int, args[1:]))
     else:

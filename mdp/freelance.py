@@ -18,7 +18,8 @@ Clients, all with ``request(*frames) -> Deferred[list[bytes]]`` and ``close()``:
 :class:`AgentClient` (model 3)
     one ROUTER-like connection to all servers; PING/PONG heartbeats tell which
     are alive; each request goes to the first live server and, after
-    ``attemptTimeout``, to the next; ``timeout`` bounds it in all.  When every
+    ``attemptTimeout``, to the next; ``timeout`` bounds it in all.  A server
+    that let an attempt time out gets no new requests until it answers again.  When every
     known server is known dead, requests fail at once with
     :class:`~mdp.errors.NoServerAvailable`.
 
@@ -404,7 +405,17 @@ class AgentClient(_FreelanceClient):
         call.server = endpoint
         call.attempts += 1
         self.router.sendMessage(endpoint, [call.sequence, *call.body])
-        call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._send, call)
+        call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._retry, call)
+
+    def _retry(self, call: _Call) -> None:
+        """An attempt went unanswered: suspect that server (no new requests go
+        to it until it answers again, e.g. its next PONG) and try another."""
+        call.attemptTimer = None
+        server = self.servers.get(call.server or "")
+        if server is not None and server.alive:
+            server.alive = None
+            server.since = server.lastHeard
+        self._send(call)
 
     def _finish(self, call: _Call) -> bool:
         if call in self.waiting:

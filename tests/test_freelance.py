@@ -168,3 +168,20 @@ async def test_model1_skips_a_dead_server_after_its_timeout(net: Net) -> None:
 def test_an_unknown_model_is_refused() -> None:
     with pytest.raises(ValueError):
         freelance_client([], model=4)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_that_let_an_attempt_time_out_gets_no_new_requests(clocknet: Net) -> None:
+    stuck = await start_server(clocknet, "stuck")
+    good = await start_server(clocknet, "good")
+    client = client_for(clocknet, [stuck.endpoint, good.endpoint], heartbeat=1.0, liveness=3,
+                        attemptTimeout=0.3, timeout=5.0)
+    await clocknet.until(lambda: len(client.live()) == 2)
+    stuck.frozen = True
+    start = clocknet.reactor.seconds()
+    assert await clocknet.wait(client.request(b"1")) == [b"good", b"1"]
+    assert clocknet.reactor.seconds() - start >= 0.3  # the first one waited for its attempt
+    start = clocknet.reactor.seconds()
+    assert await clocknet.wait(client.request(b"2")) == [b"good", b"2"]
+    assert clocknet.reactor.seconds() - start < 0.3  # the next went straight to "good"
+    assert client.live() == [good.endpoint]
