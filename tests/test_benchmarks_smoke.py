@@ -38,3 +38,16 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "4x4 sync zmq: ours / majortomo",
         "pipelined: our broker / bare forwarder (same peers)",
     }
+
+
+def test_freelance_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "freelance.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.freelance", "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["model"], r["first_server_killed"]) for r in runs] == [
+        (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
+    assert all(r["rate"] > 0 and r["p50_us"] <= r["p99_us"] for r in runs)
