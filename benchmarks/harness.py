@@ -9,7 +9,7 @@ import select
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -47,14 +47,16 @@ def zmq_mmi(endpoint: str, service: bytes, body: bytes = b"", timeout: float = 1
 
 
 class Child:
-    """One ``python -m benchmarks.roles`` process."""
+    """One ``python -m benchmarks.roles`` process (or, with *argv*, any command,
+    its stderr merged into what :meth:`readline` reads)."""
 
-    def __init__(self, *args: str) -> None:
-        self.args = args
+    def __init__(self, *args: str, argv: Optional[list[str]] = None) -> None:
+        self.args = tuple(argv) if argv else args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.roles", *args],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            bufsize=0,
+            argv or [sys.executable, "-m", "benchmarks.roles", *args],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if argv else subprocess.DEVNULL,
+            bufsize=0, env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"},
         )
         self.pid = self.proc.pid
         self._buffer = b""
@@ -73,6 +75,14 @@ class Child:
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
+
+    def waitFor(self, marker: str, timeout: float) -> str:
+        """The first line containing *marker* (earlier lines are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.readline(max(deadline - time.monotonic(), 0.001))
+            if marker in line:
+                return line
 
     def expect(self, word: str, timeout: float) -> str:
         line = self.readline(timeout)
@@ -105,8 +115,8 @@ class Processes:
     def __init__(self) -> None:
         self.children: list[Child] = []
 
-    def start(self, *args: str) -> Child:
-        child = Child(*args)
+    def start(self, *args: str, argv: Optional[list[str]] = None) -> Child:
+        child = Child(*args, argv=argv)
         self.children.append(child)
         return child
 

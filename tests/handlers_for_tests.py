@@ -21,3 +21,11 @@ def burst(frames: list[bytes]):
     for n in range(int(frames[0])):
         yield str(n)
     yield Final(b"end")
+
+
+def slow_upper(frames: list[bytes]):
+    """Upper-case the frames after 1 ms of "work" (so a job lasts long enough
+    to lose a worker in the middle)."""
+    from twisted.internet import reactor, task
+
+    return task.deferLater(reactor, 0.001, lambda: [frame.upper() for frame in frames])

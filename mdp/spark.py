@@ -1,0 +1,298 @@
+"""Push Spark data through MDP services: one request per row, replies in a column.
+
+``call_service(df, service, broker=...)`` maps every Arrow batch of every
+partition through an MDP service (``DataFrame.mapInArrow``), keeping each row's
+reply on that row and the row order within each partition.
+
+Threading model
+---------------
+Twisted's reactor cannot be restarted and Spark reuses its Python worker
+processes, so each executor process runs the reactor **once**, in a daemon
+thread started by crochet the first time a task needs it, and calls into it
+thread-safely.  Clients (the library's own :class:`mdp.Client`, with retries,
+timeouts and broker failover) are cached per process and configuration, so
+later tasks and jobs reuse their connections.  Each batch is sent with up to
+``window`` requests in flight.  Nothing starts a reactor in the driver.
+
+Every call is bounded: an attempt lasts ``timeout`` seconds and a request
+``retries`` attempts; with ``on_error="fail"`` the first failed row fails the
+task at once (after at most ``timeout × retries`` seconds) with an
+:class:`MDPSparkError` naming the broker and the service.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import attrs
+
+from mdp.errors import MDPError
+
+ON_ERROR = ("fail", "null", "column")
+OUTPUT_TYPES = ("binary", "string", "frames")
+
+
+class MDPSparkError(MDPError):
+    """A row's request failed and ``on_error="fail"``."""
+
+
+@attrs.frozen
+class ServiceCall:
+    """Everything an executor needs to call the service (picklable)."""
+
+    service: str
+    brokers: tuple[str, ...]
+    timeout: float = 2.5
+    retries: int = 3
+    window: int = 64
+    dialect: str = "rfc"
+    on_error: str = "fail"
+
+    def describe(self) -> str:
+        return f"service {self.service!r} via broker {', '.join(self.brokers)}"
+
+
+# --- executor side ---------------------------------------------------------------
+
+_lock = threading.Lock()
+_clients: dict[ServiceCall, Any] = {}
+_started = False
+
+
+def _reactor_thread() -> None:
+    """Start the reactor in this process's crochet thread, once."""
+    global _started
+    with _lock:
+        if not _started:
+            import crochet
+
+            crochet.setup()
+            _started = True
+
+
+def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
+    """Send *requests* (None for a row that cannot be sent) and return, in the
+    same order, each reply's frames or the exception it failed with.  Blocks
+    the calling thread; never longer than about ``timeout × retries`` per
+    window of requests."""
+    import crochet
+
+    _reactor_thread()
+    bound = call.timeout * call.retries * (len(requests) // max(call.window, 1) + 1) + 30
+    eventual = crochet.run_in_reactor(_call_many)(call, list(requests))
+    try:
+        return eventual.wait(timeout=bound)
+    except crochet.TimeoutError:
+        eventual.cancel()
+        raise MDPSparkError(f"{call.describe()}: no answer within {bound:.0f}s") from None
+
+
+def _client(call: ServiceCall) -> Any:
+    from mdp.client import Client
+
+    client = _clients.get(call)
+    if client is None:
+        client = _clients[call] = Client(list(call.brokers), timeout=call.timeout,
+                                         retries=call.retries, maxConnections=call.window,
+                                         dialect=call.dialect)
+    return client
+
+
+def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
+    """In the reactor thread: all requests of a batch, the client's pool keeping
+    at most ``window`` in flight."""
+    from twisted.internet import defer
+    from twisted.python.failure import Failure
+
+    client = _client(call)
+    results: list[Any] = [None] * len(requests)
+    pending: list[defer.Deferred] = []
+    done: defer.Deferred = defer.Deferred()
+    remaining = len(requests)
+
+    def finished(value: Any, index: int) -> None:
+        nonlocal remaining
+        if done.called:
+            return
+        if isinstance(value, Failure):
+            value = value.value
+            if call.on_error == "fail":
+                for d in pending:
+                    d.cancel()
+                done.errback(MDPSparkError(f"{call.describe()}: {value}"))
+                return
+        results[index] = value
+        remaining -= 1
+        if remaining == 0:
+            done.callback(results)
+
+    for index, frames in enumerate(requests):
+        if frames is None:
+            finished(Failure(ValueError("null input")), index)
+            continue
+        d = client.request(call.service, *frames)
+        pending.append(d)
+        d.addBoth(finished, index)
+    if remaining == 0 and not done.called:
+        done.callback(results)
+    return done
+
+
+def _encode(value: Any) -> Optional[bytes]:
+    if value is None:
+        return None
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+
+
+def _frames_of_rows(columns: list[list[Any]]) -> list[Optional[list[bytes]]]:
+    requests: list[Optional[list[bytes]]] = []
+    for row in zip(*columns):
+        frames = [_encode(v) for v in row]
+        requests.append(None if any(f is None for f in frames) else frames)  # type: ignore[misc]
+    return requests
+
+
+def _arrow_mapper(call: ServiceCall, inputs: list[str], output_col: str, output_type: str,
+                  error_col: Optional[str]) -> Any:
+    def mapper(batches: Iterable[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        reply_type = {"binary": pa.binary(), "string": pa.string(),
+                      "frames": pa.list_(pa.binary())}[output_type]
+        for batch in batches:
+            columns = [batch.column(name).to_pylist() for name in inputs]
+            results = call_many(call, _frames_of_rows(columns)) if batch.num_rows else []
+            replies, errors = [], []
+            for result in results:
+                if isinstance(result, BaseException):
+                    replies.append(None)
+                    errors.append(f"{type(result).__name__}: {result}")
+                else:
+                    errors.append(None)
+                    if output_type == "frames":
+                        replies.append(result)
+                    elif output_type == "string":
+                        replies.append(result[0].decode("utf-8", "replace"))
+                    else:
+                        replies.append(result[0])
+            arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
+            names = list(batch.schema.names) + [output_col]
+            if error_col is not None:
+                arrays.append(pa.array(errors, type=pa.string()))
+                names.append(error_col)
+            yield pa.RecordBatch.from_arrays(arrays, names=names)
+
+    return mapper
+
+
+# --- driver side -----------------------------------------------------------------
+
+def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
+                  retries: int, window: int, dialect: str, on_error: str) -> ServiceCall:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
+    if window < 1:
+        raise ValueError("window must be at least 1")
+    brokers = (broker,) if isinstance(broker, str) else tuple(broker)
+    if not brokers:
+        raise ValueError("give at least one broker endpoint")
+    name = service.decode("ascii") if isinstance(service, bytes) else service
+    return ServiceCall(name, brokers, timeout, retries, window, dialect, on_error)
+
+
+def call_service(
+    df: Any,
+    service: Union[str, bytes],
+    broker: Union[str, Sequence[str]],
+    input_col: Union[str, Sequence[str]] = "value",
+    output_col: str = "reply",
+    *,
+    output_type: str = "binary",
+    on_error: str = "fail",
+    error_col: str = "error",
+    window: int = 64,
+    timeout: float = 2.5,
+    retries: int = 3,
+    dialect: str = "rfc",
+) -> Any:
+    """One MDP request per row of *df*; returns *df* with the reply added.
+
+    *input_col*: a string or binary column, or a list of them (one request
+    frame each, in order; strings are sent UTF-8 encoded).  *output_type*:
+    ``"binary"`` (the reply's first frame), ``"string"`` (it, decoded as UTF-8) or
+    ``"frames"`` (all reply frames, ``array<binary>``).  *on_error*: ``"fail"``
+    fails the task, ``"null"`` leaves the reply null, ``"column"`` also adds
+    *error_col* with the reason.  A row with a null input is an error too.
+    """
+    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
+
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, not {output_type!r}")
+    inputs = [input_col] if isinstance(input_col, str) else list(input_col)
+    if not inputs:
+        raise ValueError("give at least one input column")
+    fields = {f.name: f for f in df.schema.fields}
+    for name in inputs:
+        if name not in fields:
+            raise ValueError(f"no column {name!r} in {sorted(fields)}")
+        if not isinstance(fields[name].dataType, (StringType, BinaryType)):
+            raise ValueError(f"column {name!r} is {fields[name].dataType.simpleString()}; "
+                             "only string and binary columns can be sent")
+    for name in (output_col, error_col if on_error == "column" else None):
+        if name is not None and name in fields:
+            raise ValueError(f"column {name!r} already exists")
+    call = _service_call(service, broker, timeout, retries, window, dialect, on_error)
+    reply_type = {"binary": BinaryType(), "string": StringType(),
+                  "frames": ArrayType(BinaryType())}[output_type]
+    schema = StructType(list(df.schema.fields) + [StructField(output_col, reply_type, True)]
+                        + ([StructField(error_col, StringType(), True)] if on_error == "column" else []))
+    mapper = _arrow_mapper(call, inputs, output_col, output_type,
+                           error_col if on_error == "column" else None)
+    return df.mapInArrow(mapper, schema)
+
+
+def call_service_rdd(
+    rdd: Any,
+    service: Union[str, bytes],
+    broker: Union[str, Sequence[str]],
+    *,
+    batch: int = 1000,
+    on_error: str = "fail",
+    window: int = 64,
+    timeout: float = 2.5,
+    retries: int = 3,
+    dialect: str = "rfc",
+) -> Any:
+    """The RDD variant: each element (``bytes``, ``str`` or a sequence of them,
+    one frame each) becomes one request; the result RDD holds, in the same
+    order, each reply's frames (``list[bytes]``).  With ``on_error="null"`` a
+    failed element gives ``None``; ``"column"`` gives ``(frames or None, error
+    or None)`` pairs."""
+    call = _service_call(service, broker, timeout, retries, window, dialect, on_error)
+
+    def partition(elements: Iterable[Any]) -> Iterator[Any]:
+        chunk: list[Any] = []
+        for element in elements:
+            chunk.append(element)
+            if len(chunk) >= batch:
+                yield from _rdd_chunk(call, chunk)
+                chunk = []
+        if chunk:
+            yield from _rdd_chunk(call, chunk)
+
+    return rdd.mapPartitions(partition)
+
+
+def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
+    requests = []
+    for element in chunk:
+        single = isinstance(element, (str, bytes, bytearray)) or element is None
+        row = [element] if single else list(element)
+        requests.append(_frames_of_rows([[v] for v in row])[0] if row else None)
+    for result in call_many(call, requests):
+        failed = isinstance(result, BaseException)
+        if call.on_error == "column":
+            yield (None, f"{type(result).__name__}: {result}") if failed else (result, None)
+        else:
+            yield None if failed else result

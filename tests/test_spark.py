@@ -1,0 +1,150 @@
+"""The PySpark bridge against a real broker and real workers over ZeroMQ.
+
+One quiet ``local[2]`` SparkSession for the module (UI off, driver on
+127.0.0.1); broker and workers are ``twist`` processes, stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import pyspark  # noqa: F401  (installed by the test extra: a missing Spark must fail)
+import pytest
+
+from benchmarks.harness import Processes
+
+TWIST = os.path.join(os.path.dirname(sys.executable), "twist")
+HB = ["--heartbeat", "0.25", "--liveness", "4"]
+
+
+def twist(procs: Processes, *args: str) -> Any:
+    return procs.start(argv=[TWIST, "--log-format", "text", *args])
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("txmajordomo-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "2000")
+        .config("spark.python.worker.reuse", "true")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, Any]]:
+    with Processes() as procs:
+        broker = twist(procs, "mdp-broker", "--endpoint", "zmq:tcp://127.0.0.1:*", *HB)
+        line = broker.waitFor("MDP broker listening on", 60)
+        endpoint = line.split("listening on ")[1].split()[0]
+        workers = [twist(procs, "mdp-worker", "--broker", endpoint, "--service", "upper",
+                         "--handler", "tests.handlers_for_tests:slow_upper", *HB)
+                   for _ in range(2)]
+        for worker in workers:
+            worker.waitFor("sent READY", 60)
+        yield {"endpoint": endpoint, "procs": procs, "workers": workers}
+
+
+def test_ten_thousand_rows_each_get_their_own_reply(spark: Any, cluster: dict) -> None:
+    from mdp.spark import call_service
+
+    df = spark.range(10_000).selectExpr("id", "concat('row-', cast(id as string)) as value")
+    out = call_service(df, "upper", broker=cluster["endpoint"], output_type="string")
+    rows = out.collect()
+    assert len(rows) == 10_000
+    assert all(r.reply == f"ROW-{r.id}" for r in rows)
+    # order within each partition is kept
+    first = out.rdd.glom().first()
+    assert [r.id for r in first] == sorted(r.id for r in first)
+
+
+def test_jobs_in_a_row_reuse_executors(spark: Any, cluster: dict) -> None:
+    from mdp.spark import call_service
+
+    for n in range(3):
+        df = spark.createDataFrame([(f"job{n}-{i}".encode(), f"x{i}") for i in range(500)],
+                                   "value binary, extra string")
+        out = call_service(df, "upper", cluster["endpoint"], input_col=["value", "extra"],
+                           output_type="frames").collect()
+        assert [r.reply for r in out] == [[f"JOB{n}-{i}".encode(), f"X{i}".encode()]
+                                          for i in range(500)]
+
+
+def test_rdd_variant(spark: Any, cluster: dict) -> None:
+    from mdp.spark import call_service_rdd
+
+    rdd = spark.sparkContext.parallelize([b"a", "b", (b"c", "d")], 2)
+    assert call_service_rdd(rdd, "upper", cluster["endpoint"]).collect() == [
+        [b"A"], [b"B"], [b"C", b"D"]]
+
+
+def test_errors_as_null_or_column(spark: Any, cluster: dict) -> None:
+    from mdp.spark import call_service
+
+    df = spark.createDataFrame([("ok",), (None,)], "value string")
+    nulls = call_service(df, "upper", cluster["endpoint"], on_error="null").collect()
+    assert [r.reply for r in nulls] == [b"OK", None]
+    column = call_service(df, "upper", cluster["endpoint"], on_error="column").collect()
+    assert column[0].error is None and column[1].error == "ValueError: null input"
+
+
+def test_worker_killed_mid_job_loses_and_duplicates_nothing(spark: Any, cluster: dict) -> None:
+    from mdp.spark import call_service
+
+    procs, endpoint = cluster["procs"], cluster["endpoint"]
+    victim = cluster["workers"][0]
+    df = spark.range(10_000).selectExpr("id", "cast(id as string) as value")
+    out = call_service(df, "upper", endpoint, output_type="string", timeout=2.0, retries=5)
+
+    def kill_soon() -> None:
+        time.sleep(1.5)  # the job is running by then (it takes several seconds)
+        victim.proc.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_soon, daemon=True)
+    killer.start()
+    rows = out.collect()
+    killer.join(10)
+    assert victim.proc.wait(10) == -signal.SIGKILL
+    assert len(rows) == 10_000
+    assert sorted(r.id for r in rows) == list(range(10_000))  # none lost, none twice
+    assert all(r.reply == str(r.id) for r in rows)
+    # put a worker back for any later test
+    cluster["workers"][0] = twist(procs, "mdp-worker", "--broker", endpoint, "--service", "upper",
+                                  "--handler", "tests.handlers_for_tests:slow_upper", *HB)
+    cluster["workers"][0].waitFor("sent READY", 60)
+
+
+def test_broker_down_fails_the_job_in_time_naming_broker_and_service(spark: Any) -> None:
+    import socket
+
+    from mdp.spark import call_service
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"zmq:tcp://127.0.0.1:{port}"
+    df = spark.createDataFrame([("x",)] * 10, "value string")
+    started = time.monotonic()
+    with pytest.raises(Exception) as info:
+        call_service(df, "upper", dead, timeout=0.5, retries=2).collect()
+    elapsed = time.monotonic() - started
+    assert dead in str(info.value) and "'upper'" in str(info.value)
+    assert elapsed < 60  # a bound, not a speed: timeout × retries plus Spark's own overhead
