@@ -1,6 +1,6 @@
 """The PySpark bridge against a real broker and real workers over ZeroMQ.
 
-One quiet ``local[2]`` SparkSession for the module (UI off, driver on
+One quiet ``local[2]`` SparkSession for the test session (UI off, driver on
 127.0.0.1); broker and workers are ``twist`` processes, stopped afterwards.
 """
 
@@ -26,7 +26,7 @@ def twist(procs: Processes, *args: str) -> Any:
     return procs.start(argv=[TWIST, "--log-format", "text", *args])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["PYSPARK_PYTHON"] = sys.executable
