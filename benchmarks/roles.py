@@ -176,7 +176,7 @@ def farm(endpoint: str, count: int, services: int) -> None:
 
 def client_ours(endpoint: str, mode: str, n: int, warmup: int, size: int, window: int = 1,
                 dialect: str = "rfc") -> None:
-    from twisted.internet import defer, reactor, task
+    from twisted.internet import defer, reactor
 
     from mdp import Client
 
@@ -226,25 +226,25 @@ def client_ours(endpoint: str, mode: str, n: int, warmup: int, size: int, window
             latencies.append(clock() - t0)
 
     run = {"sync": timed_sync, "pipelined": timed_window, "stream": timed_stream}[mode]
+    timed(run, n, warmup, client.close)
+
+
+def timed(run: Any, n: int, warmup: int, close: Any) -> None:
+    """Under the reactor: warm up, say READY, wait for GO, time *run* over *n*
+    requests, print the RESULT, then *close*."""
+    from twisted.internet import defer, task, threads
 
     async def main(_: Any) -> None:
         await run(warmup, [])
         emit("READY")
-        await threads_wait_go(reactor)
+        await threads.deferToThread(wait_go)
         latencies: list[float] = []
         cpu0, start = time.process_time(), time.time()
         await run(n, latencies)
-        end, cpu = time.time(), time.process_time() - cpu0
-        result(latencies, start, end, cpu)
-        await client.close()
+        result(latencies, start, time.time(), time.process_time() - cpu0)
+        await close()
 
     task.react(lambda r: defer.ensureDeferred(main(r)))
-
-
-async def threads_wait_go(reactor: Any) -> None:
-    from twisted.internet import threads
-
-    await threads.deferToThread(wait_go)
 
 
 def client_majortomo(endpoint: str, mode: str, n: int, warmup: int, size: int) -> None:
@@ -301,7 +301,7 @@ def filler(endpoint: str, n: int) -> None:
 
 def inproc(mode: str, n: int, warmup: int, size: int, clients: int, workers: int,
            window: int = 1) -> None:
-    from twisted.internet import defer, reactor, task
+    from twisted.internet import defer, reactor, task, threads
 
     from mdp import Broker, Client, Worker
 
@@ -333,7 +333,7 @@ def inproc(mode: str, n: int, warmup: int, size: int, clients: int, workers: int
 
         await defer.gatherResults([defer.ensureDeferred(run(c, warmup, [])) for c in pool])
         emit("READY")
-        await threads_wait_go(reactor)
+        await threads.deferToThread(wait_go)
         latencies: list[float] = []
         cpu0, start = time.process_time(), time.time()
         await defer.gatherResults([defer.ensureDeferred(run(c, n, latencies)) for c in pool])
@@ -356,7 +356,7 @@ def freelance_server(bind: str) -> None:
 
 
 def freelance_client(model: int, n: int, warmup: int, endpoints: list[str]) -> None:
-    from twisted.internet import defer, reactor, task
+    from twisted.internet import reactor
 
     from mdp.freelance import freelance_client as make
 
@@ -370,17 +370,7 @@ def freelance_client(model: int, n: int, warmup: int, endpoints: list[str]) -> N
             await client.request(b"x" * 16)
             latencies.append(clock() - t0)
 
-    async def main(_: Any) -> None:
-        await run(warmup, [])
-        emit("READY")
-        await threads_wait_go(reactor)
-        latencies: list[float] = []
-        cpu0, start = time.process_time(), time.time()
-        await run(n, latencies)
-        result(latencies, start, time.time(), time.process_time() - cpu0)
-        await client.close()
-
-    task.react(lambda r: defer.ensureDeferred(main(r)))
+    timed(run, n, warmup, client.close)
 
 
 def main(argv: list[str]) -> None:

@@ -233,14 +233,13 @@ class _FreelanceClient:
 # --- model 1 -----------------------------------------------------------------------
 
 @implementer(IDealerReceiver)
-class _Attempt:
-    """One request on one fresh connection (model 1)."""
+class _Pipe:
+    """A connection to one server whose replies go to the client's matcher
+    (model 1: one per attempt; model 2: one per server)."""
 
-    def __init__(self, client: SequentialClient, call: _Call, endpoint: str) -> None:
+    def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
         self.client = client
-        self.call = call
         self.transport = transport.connect(endpoint, self, client.reactor)
-        self.transport.sendMessage([call.sequence, *call.body])
 
     def connectionMade(self) -> None:
         pass
@@ -259,7 +258,7 @@ class SequentialClient(_FreelanceClient):
     def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
                  attemptTimeout: float = 1.0, timeout: float = 30.0) -> None:
         self.attemptTimeout = attemptTimeout
-        self.attempts: dict[bytes, _Attempt] = {}
+        self.attempts: dict[bytes, _Pipe] = {}
         super().__init__(endpoints, reactor, timeout)
 
     def _start(self, call: _Call) -> None:
@@ -274,7 +273,8 @@ class SequentialClient(_FreelanceClient):
         endpoint = self.endpoints[call.attempts]
         call.attempts += 1
         call.server = endpoint
-        self.attempts[call.sequence] = _Attempt(self, call, endpoint)
+        attempt = self.attempts[call.sequence] = _Pipe(self, endpoint)
+        attempt.transport.sendMessage([call.sequence, *call.body])
         call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._next, call)
 
     def _drop(self, call: _Call) -> None:
@@ -290,34 +290,18 @@ class SequentialClient(_FreelanceClient):
 
 # --- model 2 -----------------------------------------------------------------------
 
-@implementer(IDealerReceiver)
-class _Link:
-    def __init__(self, client: ShotgunClient, endpoint: str) -> None:
-        self.client = client
-        self.transport = transport.connect(endpoint, self, client.reactor)
-
-    def connectionMade(self) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        self.client._reply(frames)
-
-
 class ShotgunClient(_FreelanceClient):
     """Model 2: send every request to all servers; the first reply wins."""
 
     def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
                  timeout: float = 3.0) -> None:
-        self.links: dict[str, _Link] = {}
+        self.links: dict[str, _Pipe] = {}
         super().__init__(endpoints, reactor, timeout)
 
     def connect(self, endpoint: str) -> None:
         super().connect(endpoint)
         if endpoint not in self.links:
-            self.links[endpoint] = _Link(self, endpoint)
+            self.links[endpoint] = _Pipe(self, endpoint)
 
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.links)
