@@ -54,6 +54,8 @@ def zmq_factory() -> Any:
 
 #: Messages handled per doRead before yielding to the reactor.
 READ_BATCH = 64
+#: Frames at least this long are sent without copying.
+ZERO_COPY_BYTES = 65536
 
 
 def _connection_classes() -> tuple[type, type]:
@@ -114,7 +116,10 @@ def _connection_classes() -> tuple[type, type]:
                 socket = self.socket
                 last = len(frames) - 1
                 for i, frame in enumerate(frames):
-                    send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE)
+                    # large frames go zero-copy (ZeroMQ keeps a reference), as
+                    # pyzmq's own send_multipart does past its copy threshold
+                    send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
+                         len(frame) < ZERO_COPY_BYTES)
                 if self.read_scheduled is None and get(socket, EVENTS) & POLLIN:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
