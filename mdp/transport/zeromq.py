@@ -84,6 +84,7 @@ def _connection_classes() -> tuple[type, type]:
             read_scheduled: Any
             socket: Any
             factory: Any
+            reading = False
 
             def doRead(self) -> None:
                 if self.read_scheduled is not None:
@@ -94,21 +95,27 @@ def _connection_classes() -> tuple[type, type]:
                 if socket is None:
                     return
                 deliver = self.deliver
-                for _ in range(READ_BATCH):
-                    # asking EVENTS is cheaper than the Again a failed recv raises
-                    if not get(socket, EVENTS) & POLLIN:
-                        return
-                    frame = recv(socket, NOBLOCK, False)
-                    frames = [frame.bytes]
-                    while frame.more:
+                # sends made while reading need no EVENTS check of their own:
+                # the loop asks EVENTS again before it returns
+                self.reading = True
+                try:
+                    for _ in range(READ_BATCH):
+                        # asking EVENTS is cheaper than the Again a failed recv raises
+                        if not get(socket, EVENTS) & POLLIN:
+                            return
                         frame = recv(socket, NOBLOCK, False)
-                        frames.append(frame.bytes)
-                    try:
-                        deliver(frames)
-                    except Exception:
-                        log.failure("zmq message handler failed")
-                    if self.socket is None:
-                        return
+                        frames = [frame.bytes]
+                        while frame.more:
+                            frame = recv(socket, NOBLOCK, False)
+                            frames.append(frame.bytes)
+                        try:
+                            deliver(frames)
+                        except Exception:
+                            log.failure("zmq message handler failed")
+                        if self.socket is None:
+                            return
+                finally:
+                    self.reading = False
                 # more may be waiting: let the reactor run other work first
                 self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
@@ -120,7 +127,7 @@ def _connection_classes() -> tuple[type, type]:
                     # pyzmq's own send_multipart does past its copy threshold
                     send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
                          len(frame) < ZERO_COPY_BYTES)
-                if self.read_scheduled is None and get(socket, EVENTS) & POLLIN:
+                if not self.reading and self.read_scheduled is None and get(socket, EVENTS) & POLLIN:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
         class Router(FastIO, txzmq.ZmqRouterConnection):
