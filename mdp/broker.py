@@ -104,11 +104,23 @@ class WorkerRef:
     current: Optional[PendingRequest] = None
 
 
-class ServiceQueue:
-    """Requests waiting for one service and the workers able to serve it."""
+class QueueTotal:
+    """Requests waiting in all of a broker's service queues, kept by the queues."""
 
-    def __init__(self, name: bytes) -> None:
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class ServiceQueue:
+    """Requests waiting for one service and the workers able to serve it.
+
+    Every change to its size is also counted in the broker-wide *total*."""
+
+    def __init__(self, name: bytes, total: Optional[QueueTotal] = None) -> None:
         self.name = name
+        self.total = total if total is not None else QueueTotal()
         self.pending: OrderedDict[PeerKey, deque[PendingRequest]] = OrderedDict()
         self.idle: OrderedDict[PeerKey, WorkerRef] = OrderedDict()
         self.workers = 0
@@ -121,7 +133,7 @@ class ServiceQueue:
         if queue is None:
             queue = self.pending[request.client] = deque()
         queue.append(request)
-        self.size += 1
+        self._grow(1)
 
     def requeue(self, request: PendingRequest) -> None:
         """Put a request back at the head: it has waited longest."""
@@ -130,7 +142,7 @@ class ServiceQueue:
             queue = self.pending[request.client] = deque()
         queue.appendleft(request)
         self.pending.move_to_end(request.client, last=False)
-        self.size += 1
+        self._grow(1)
 
     def next_request(self) -> PendingRequest:
         """Round-robin over clients: take the first client's oldest request and
@@ -141,14 +153,14 @@ class ServiceQueue:
             self.pending.move_to_end(client)
         else:
             del self.pending[client]
-        self.size -= 1
+        self._grow(-1)
         return request
 
     def drop_client(self, client: PeerKey) -> int:
         queue = self.pending.pop(client, None)
         if not queue:
             return 0
-        self.size -= len(queue)
+        self._grow(-len(queue))
         return len(queue)
 
     def expire(self, deadline: float) -> list[PendingRequest]:
@@ -160,8 +172,12 @@ class ServiceQueue:
                 expired.append(queue.popleft())
             if not queue:
                 del self.pending[client]
-        self.size -= len(expired)
+        self._grow(-len(expired))
         return expired
+
+    def _grow(self, by: int) -> None:
+        self.size += by
+        self.total.count += by
 
 
 @implementer(IBroker)
@@ -188,7 +204,7 @@ class Broker:
         self.maxQueue = maxQueue
         self.maxServiceQueue = maxServiceQueue
         self.maxWorkers = maxWorkers
-        self.queued = 0  # requests waiting in all service queues
+        self._total = QueueTotal()
         self.bindings: list[Binding] = []
         self.services: dict[bytes, ServiceQueue] = {}
         self.workers: dict[PeerKey, WorkerRef] = {}
@@ -223,7 +239,7 @@ class Broker:
         closing = [b.transport.close() for b in bindings if b.transport is not None]
         self.workers.clear()
         self.services.clear()
-        self.queued = 0
+        self._total = QueueTotal()
         return defer.DeferredList(closing).addCallback(lambda _: None)
 
     # --- inbound -------------------------------------------------------------
@@ -261,7 +277,7 @@ class Broker:
                      peer=peer_label(key[1]), service=worker.service.name)
             self._removeWorker(worker)
         for service in list(self.services.values()):
-            self.queued -= service.drop_client(key)
+            service.drop_client(key)
             self._forgetIfEmpty(service)
 
     # --- clients ------------------------------------------------------------
@@ -286,22 +302,19 @@ class Broker:
         if service is None:
             service = self._service(command.service)
         service.enqueue(request)
-        self.queued += 1
         self._dispatch(service)
 
     def _service(self, name: bytes) -> ServiceQueue:
         service = self.services.get(name)
         if service is None:
-            service = self.services[name] = ServiceQueue(name)
+            service = self.services[name] = ServiceQueue(name, self._total)
         return service
 
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
         """Drop a service with no worker and no request, once its linger is over."""
         if service.workers or service.size or self.services.get(service.name) is not service:
             return
-        if service.abandonedAt is None or (
-            self.reactor.seconds() - service.abandonedAt >= self.serviceLinger
-        ):
+        if not self._lingering(service):
             del self.services[service.name]
 
     def isServiceAvailable(self, name: bytes) -> bool:
@@ -310,10 +323,17 @@ class Broker:
         service = self.services.get(name)
         if service is None:
             return False
-        if service.workers:
-            return True
+        return bool(service.workers) or self._lingering(service)
+
+    def _lingering(self, service: ServiceQueue) -> bool:
+        """Its last worker left less than ``serviceLinger`` seconds ago."""
         return (service.abandonedAt is not None
                 and self.reactor.seconds() - service.abandonedAt < self.serviceLinger)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in all service queues."""
+        return self._total.count
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
         command = (ClientFinal if final else ClientPartial)(request.service, body)
@@ -378,7 +398,6 @@ class Broker:
         while service.size and service.idle:
             _, worker = service.idle.popitem(last=False)
             request = service.next_request()
-            self.queued -= 1
             worker.current = request
             self._send(worker.key, worker.dialect,
                        WorkerRequest(request.client[1], request.body))
@@ -397,7 +416,6 @@ class Broker:
         if request is not None:
             # accepted work is never dropped, even past the queue bounds
             service.requeue(request)
-            self.queued += 1
             self._dispatch(service)
         self._forgetIfEmpty(service)
 
@@ -439,9 +457,7 @@ class Broker:
         deadline = now - self.requestExpiry
         for service in list(self.services.values()):
             if not service.workers and service.size:
-                expired = service.expire(deadline)
-                self.queued -= len(expired)
-                for request in expired:
+                for request in service.expire(deadline):
                     self._reply(request, codec.error_body(
                         codec.STATUS_UNAVAILABLE,
                         f"no worker for service {service.name.decode('ascii')!r} within "
