@@ -57,18 +57,15 @@ class ServiceCall:
 
 _lock = threading.Lock()
 _clients: dict[ServiceCall, Any] = {}
-_started = False
 
 
 def _reactor_thread() -> None:
-    """Start the reactor in this process's crochet thread, once."""
-    global _started
-    with _lock:
-        if not _started:
-            import crochet
+    """Start the reactor in this process's crochet thread (crochet does it
+    once; the lock keeps two threads from racing through its check)."""
+    import crochet
 
-            crochet.setup()
-            _started = True
+    with _lock:
+        crochet.setup()
 
 
 def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
