@@ -204,9 +204,10 @@ class _FreelanceClient:
 
     def _expired(self, call: _Call) -> None:
         call.timer = None
-        if self._finish(call):
-            call.deferred.errback(RequestTimeout(
-                SERVICE, call.attempts, self.reactor.seconds() - call.startedAt))
+        self._fail(call, self._timeout(call))
+
+    def _timeout(self, call: _Call) -> RequestTimeout:
+        return RequestTimeout(SERVICE, call.attempts, self.reactor.seconds() - call.startedAt)
 
     def _fail(self, call: _Call, error: Exception) -> None:
         if self._finish(call):
@@ -267,8 +268,7 @@ class SequentialClient(_FreelanceClient):
     def _next(self, call: _Call) -> None:
         self._drop(call)
         if call.attempts >= len(self.endpoints):
-            self._fail(call, RequestTimeout(SERVICE, call.attempts,
-                                            self.reactor.seconds() - call.startedAt))
+            self._fail(call, self._timeout(call))
             return
         endpoint = self.endpoints[call.attempts]
         call.attempts += 1
