@@ -30,6 +30,9 @@ STACKS = {
     "bare+ours": ("bare", "ours", "ours", "rfc"),
     "ours-broker+majortomo-peers": ("ours", "majortomo", "majortomo", None),
     "majortomo-broker+our-peers": ("majortomo", "ours", "ours", "majortomo"),
+    # the ceiling for any Python MDP stack: bare forwarder and blocking pyzmq peers
+    "bare": ("bare", "bare", "bare", None),
+    "ours-broker+bare-peers": ("ours", "bare", "bare", None),
 }
 
 
@@ -64,12 +67,18 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
         ]
         for driver in drivers:
             driver.ready(timeout=120)
-        cpu_before = sum(cpu_seconds(p.pid) for p in servers)
+        cpu_before = [cpu_seconds(p.pid) for p in servers]
         for driver in drivers:
             driver.go()
         results = [driver.result(timeout=300) for driver in drivers]
-        cpu_servers = sum(cpu_seconds(p.pid) for p in servers) - cpu_before
-    return summarise(results, cpu_servers, per_client * clients)
+        used = [cpu_seconds(p.pid) - before for p, before in zip(servers, cpu_before)]
+    count = per_client * clients
+    row = summarise(results, sum(used), count)
+    # where the CPU went, per role
+    row["cpu_broker_s_per_1k"] = used[0] / count * 1000
+    row["cpu_workers_s_per_1k"] = sum(used[1:]) / count * 1000
+    row["cpu_clients_s_per_1k"] = sum(r["cpu"] for r in results) / count * 1000
+    return row
 
 
 def run_inproc(mode: str, clients: int, workers: int, n: int, warmup: int, size: int,
@@ -157,6 +166,9 @@ def repeat(fn: Any, times: int) -> dict[str, Any]:
         "p50_us": statistics.median(r["p50_us"] for r in runs),
         "p99_us": statistics.median(r["p99_us"] for r in runs),
         "cpu_s_per_1k": statistics.median(r["cpu_s_per_1k"] for r in runs),
+        **{key: statistics.median(r[key] for r in runs)
+           for key in ("cpu_broker_s_per_1k", "cpu_workers_s_per_1k", "cpu_clients_s_per_1k")
+           if key in runs[0]},
     }
 
 
@@ -235,12 +247,35 @@ def targets(table: dict[str, Any], scale: dict[str, Any]) -> list[dict[str, Any]
     return checks
 
 
-def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str, Any]]) -> str:
-    lines = ["| case | req/s (median) | range | p50 µs | p99 µs | CPU s / 1k req |",
-             "|---|---:|---:|---:|---:|---:|"]
+def references(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Same-run ratios that bound what the targets can reach: the bare stack
+    (bare forwarder and blocking pyzmq peers, no Twisted, no checks) is the
+    fastest any Python MDP stack over ZeroMQ can be on this machine."""
+    rows = [
+        ("4x4 sync zmq: ceiling (bare stack) / majortomo", "sync 4x4 / bare", "sync 4x4 / majortomo"),
+        ("4x4 sync zmq: ours / ceiling (bare stack)", "sync 4x4 / ours", "sync 4x4 / bare"),
+        ("4x4 sync zmq: our broker / bare forwarder (blocking pyzmq peers)",
+         "sync 4x4 / ours-broker+bare-peers", "sync 4x4 / bare"),
+        ("4x4 sync zmq: our peers / blocking pyzmq peers (our broker)",
+         "sync 4x4 / ours", "sync 4x4 / ours-broker+bare-peers"),
+    ]
+    return [{"reference": name, "value": ratio(table, a, b)} for name, a, b in rows
+            if ratio(table, a, b) is not None]
+
+
+def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str, Any]],
+             refs: Optional[list[dict[str, Any]]] = None) -> str:
+    lines = ["| case | req/s (median) | range | p50 µs | p99 µs | CPU s / 1k req "
+             "| broker / workers / clients |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, row in table.items():
+        split = "–"
+        if "cpu_broker_s_per_1k" in row:
+            split = (f"{row['cpu_broker_s_per_1k']:.3f} / {row['cpu_workers_s_per_1k']:.3f} / "
+                     f"{row['cpu_clients_s_per_1k']:.3f}")
         lines.append(f"| {name} | {row['rate']:,.0f} | {row['rate_min']:,.0f}–{row['rate_max']:,.0f} "
-                     f"| {row['p50_us']:,.0f} | {row['p99_us']:,.0f} | {row['cpu_s_per_1k']:.3f} |")
+                     f"| {row['p50_us']:,.0f} | {row['p99_us']:,.0f} | {row['cpu_s_per_1k']:.3f} "
+                     f"| {split} |")
     if "heartbeat" in scale:
         hb = scale["heartbeat"]
         lines.append(f"\nHeartbeat cost: {hb['idle_workers']} idle workers keep the broker at "
@@ -256,6 +291,9 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
         value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
         lines.append(f"| {c['target']} | {value} | {c['comparison']} {c['goal']} | "
                      f"{'yes' if c['met'] else 'NO'} |")
+    if refs:
+        lines.append("\n| reference (same run) | ratio |\n|---|---:|")
+        lines.extend(f"| {r['reference']} | {r['value']:.3f} |" for r in refs)
     return "\n".join(lines)
 
 
@@ -284,6 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("… scale: draining a long queue", file=sys.stderr, flush=True)
         scale["drain"] = drain(1000 if args.smoke else 10000, 4)
     checks = targets(table, scale)
+    refs = references(table)
     report = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "platform": platform.platform()},
@@ -292,11 +331,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "cases": {name: {**described[name], **row} for name, row in table.items()},
         "scale": scale,
         "targets": checks,
+        "references": refs,
     }
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
-    print(markdown(table, scale, checks))
+    print(markdown(table, scale, checks, refs))
     print(f"\nJSON written to {args.json}")
     return 0
 

@@ -7,9 +7,9 @@ seconds they used while timed.
 
 Roles:
   broker  ours|majortomo|bare  BIND           (prints READY <endpoint>)
-  worker  ours|majortomo  ENDPOINT [--dialect D] [--service echo|stream]
+  worker  ours|majortomo|bare  ENDPOINT [--dialect D] [--service echo|stream]
   farm    ENDPOINT COUNT SERVICES             (COUNT idle workers of ours in one process)
-  client  ours|majortomo  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
+  client  ours|majortomo|bare  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
           MODE: sync | pipelined | stream
   filler  ENDPOINT N                          (queues N requests on one raw socket; after
                                                GO, reads the N replies)
@@ -161,6 +161,24 @@ def worker_majortomo(endpoint: str) -> None:
         requests.send_reply_final(request)
 
 
+def worker_bare(endpoint: str) -> None:
+    """The cheapest possible echo worker: a blocking pyzmq loop, READY then
+    REQUEST -> FINAL; it answers a broker's HEARTBEAT but sends none of its own."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint.removeprefix("zmq:"))
+    socket.send_multipart([b"MDPW02", b"\x01", SERVICE])
+    emit("READY")
+    recv, send = socket.recv_multipart, socket.send_multipart
+    while True:
+        frames = recv()  # [MDPW02, 02, client, "", body...]
+        if frames[1] == b"\x02":
+            send([b"MDPW02", b"\x04", frames[2], b"", *frames[4:]])
+        elif frames[1] == b"\x05":
+            send([b"MDPW02", b"\x05"])
+
+
 def farm(endpoint: str, count: int, services: int) -> None:
     from twisted.internet import reactor
 
@@ -276,6 +294,34 @@ def client_majortomo(endpoint: str, mode: str, n: int, warmup: int, size: int) -
     client.close()
 
 
+def client_bare(endpoint: str, mode: str, n: int, warmup: int, size: int) -> None:
+    """The cheapest possible synchronous client: a blocking pyzmq DEALER."""
+    import zmq
+
+    if mode != "sync":
+        raise SystemExit("the bare client is synchronous only")
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint.removeprefix("zmq:"))
+    request = [b"MDPC02", b"\x01", SERVICE, b"x" * size]
+    recv, send = socket.recv_multipart, socket.send_multipart
+    for _ in range(warmup):
+        send(request)
+        recv()
+    emit("READY")
+    wait_go()
+    latencies = []
+    clock = time.perf_counter
+    cpu0, start = time.process_time(), time.time()
+    for _ in range(n):
+        t0 = clock()
+        send(request)
+        recv()
+        latencies.append(clock() - t0)
+    end, cpu = time.time(), time.process_time() - cpu0
+    result(latencies, start, end, cpu)
+    socket.close(0)
+
+
 # --- queue drain -------------------------------------------------------------
 
 def filler(endpoint: str, n: int) -> None:
@@ -388,6 +434,8 @@ def main(argv: list[str]) -> None:
     elif role == "worker":
         if args[0] == "ours":
             worker_ours(args[1], options.get("dialect", "rfc"), options.get("service", "echo"))
+        elif args[0] == "bare":
+            worker_bare(args[1])
         else:
             worker_majortomo(args[1])
     elif role == "farm":
@@ -398,6 +446,8 @@ def main(argv: list[str]) -> None:
         if impl == "ours":
             window = int(args[6]) if len(args) > 6 else 1
             client_ours(endpoint, mode, n, warmup, size, window, options.get("dialect", "rfc"))
+        elif impl == "bare":
+            client_bare(endpoint, mode, n, warmup, size)
         else:
             client_majortomo(endpoint, mode, n, warmup, size)
     elif role == "filler":

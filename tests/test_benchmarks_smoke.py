@@ -25,19 +25,26 @@ def test_benchmark_smoke_run(tmp_path) -> None:
     expected = {"sync 1x1 / ours", "sync 4x4 / ours", "sync 4x4 / majortomo",
                 "sync 4x4 / bare+ours", "pipelined w100 x4 / ours",
                 "stream 1000 partials / ours", "sync 4x4 / ours over tcp",
-                "sync 4x4 / ours over loopback", "sync 4x4 64KiB / ours"}
+                "sync 4x4 / ours over loopback", "sync 4x4 64KiB / ours",
+                "sync 4x4 / bare", "sync 4x4 / ours-broker+bare-peers"}
     assert expected <= set(report["cases"])
     for name, case in report["cases"].items():
         assert case["rate"] > 0, name
         assert case["p50_us"] <= case["p99_us"], name
         assert case["cpu_s_per_1k"] > 0, name
         assert len(case["runs"]) == 1
+        if case["transport"] != "loopback":  # where the CPU went, per role
+            parts = [case[f"cpu_{role}_s_per_1k"] for role in ("broker", "workers", "clients")]
+            assert abs(sum(parts) - case["cpu_s_per_1k"]) < 1e-6, name
     assert report["scale"]["heartbeat"]["idle_workers"] == 100
     assert report["scale"]["drain"]["queued"] == 1000
     assert {c["target"] for c in report["targets"]} >= {
         "4x4 sync zmq: ours / majortomo",
         "pipelined: our broker / bare forwarder (same peers)",
     }
+    assert "4x4 sync zmq: ceiling (bare stack) / majortomo" in {
+        r["reference"] for r in report["references"]}
+    assert "| reference (same run) |" in proc.stdout
 
 
 def test_freelance_benchmark_smoke_run(tmp_path) -> None:
