@@ -86,7 +86,8 @@ class _Call:
                  "attempts", "startedAt", "timer", "channel")
 
     def __init__(self, service: bytes, body: list[bytes], timeout: float, retries: int,
-                 onPartial: Optional[Callable[[list[bytes]], Any]], startedAt: float) -> None:
+                 onPartial: Optional[Callable[[list[bytes]], Any]], startedAt: float,
+                 canceller: Callable[[_Call], None]) -> None:
         self.service = service
         self.body = body
         self.timeout = timeout
@@ -96,7 +97,7 @@ class _Call:
         self.attempts = 0
         self.timer: Any = None
         self.channel: Optional[_Channel] = None
-        self.deferred: defer.Deferred[list[bytes]] = defer.Deferred()
+        self.deferred: defer.Deferred[list[bytes]] = defer.Deferred(lambda _: canceller(self))
 
 
 @implementer(IDealerReceiver)
@@ -194,8 +195,8 @@ class Client:
             self.retries if retries is None else retries,
             onPartial,
             self.reactor.seconds(),
+            self._cancel,
         )
-        call.deferred = defer.Deferred(lambda d: self._cancel(call))
         self._waiting.append(call)
         self._pump()
         return call.deferred

@@ -38,6 +38,7 @@ turns it into :class:`~mdp.errors.WorkerError` (500),
 
 from __future__ import annotations
 
+import re
 from typing import Sequence, Union
 
 import attrs
@@ -177,8 +178,13 @@ _WORKER_ENVELOPED = {
 
 # --- validation helpers ---------------------------------------------------
 
+_PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match
+
+
 def validate_service(service: bytes) -> bytes:
     """Return *service* if it is a non-empty printable ASCII name, else raise."""
+    if _PRINTABLE_NAME(service) is not None:  # the common case, in one C call
+        return service
     if not service:
         raise ProtocolError("empty service name")
     if len(service) > MAX_SERVICE_LENGTH:

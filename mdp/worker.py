@@ -233,6 +233,10 @@ class Worker:
         except Exception:
             self._failed(Failure(), job)
             return
+        kind = type(result)
+        if kind is list or kind is bytes:  # the common, synchronous answer
+            self._finish(result, job)
+            return
         if inspect.iscoroutine(result):
             result = defer.ensureDeferred(result)
         if isinstance(result, defer.Deferred):
