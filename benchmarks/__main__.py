@@ -2,8 +2,9 @@
 
 Every case starts its own processes (broker, workers, clients; all separate,
 127.0.0.1, ports picked by the OS), warms up, then times the clients together.
-Each case runs ``--repeat`` times; the table shows the median and the range.
-Results are compared as ratios against baselines measured in the same run, and
+Cases run round-robin, ``--repeat`` rounds; the table shows the median and the
+range.  Results are compared as ratios against baselines measured in the same
+run (the median of the per-round ratios), and
 written as JSON (``--json``, default ``benchmarks/results/latest.json``).
 """
 
@@ -155,8 +156,8 @@ def drain(n: int, workers: int) -> dict[str, Any]:
             "drain_rate": n / elapsed if elapsed > 0 else float("nan")}
 
 
-def repeat(fn: Any, times: int) -> dict[str, Any]:
-    runs = [fn() for _ in range(times)]
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and range of one case's repetitions."""
     rates = [r["rate"] for r in runs]
     return {
         "runs": runs,
@@ -196,8 +197,10 @@ def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
                                 kw["n"], warmup, kw.get("size", 16), kw.get("window", 1))
         out.append((name, {"stack": stack, "transport": transport, **kw}, thunk))
 
+    # the stacks a ratio compares run one after the other
     for stack in STACKS:
         add(f"sync 1x1 / {stack}", stack=stack, mode="sync", clients=1, workers=1, n=n_sync // 2)
+    for stack in STACKS:
         add(f"sync 4x4 / {stack}", stack=stack, mode="sync", clients=4, workers=4, n=n_sync)
     for stack in ("ours", "bare+ours", "majortomo-broker+our-peers"):
         add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1, workers=4,
@@ -217,9 +220,16 @@ def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
 
 
 def ratio(table: dict[str, Any], a: str, b: str, key: str = "rate") -> Optional[float]:
-    if a in table and b in table and table[b][key]:
-        return table[a][key] / table[b][key]
-    return None
+    """*a* / *b*: the median of the ratios of the repetitions run in the same
+    round (cases run interleaved, so a slow spell of the machine hits both
+    sides of a ratio alike), or of the medians if the rounds do not pair up."""
+    if a not in table or b not in table:
+        return None
+    runs_a, runs_b = table[a]["runs"], table[b]["runs"]
+    pairs = [x[key] / y[key] for x, y in zip(runs_a, runs_b) if y[key]]
+    if len(runs_a) == len(runs_b) and len(pairs) == len(runs_a):
+        return statistics.median(pairs)
+    return table[a][key] / table[b][key] if table[b][key] else None
 
 
 def targets(table: dict[str, Any], scale: dict[str, Any]) -> list[dict[str, Any]]:
@@ -300,21 +310,24 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny N, one repetition (for CI)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5, help="rounds (default 5)")
     parser.add_argument("--only", nargs="*", help="run cases whose name contains one of these")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale scenarios")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "latest.json"))
     args = parser.parse_args(argv)
     repetitions = 1 if args.smoke else args.repeat
 
-    table: dict[str, Any] = {}
-    described: dict[str, Any] = {}
-    for name, description, thunk in cases(args.smoke):
-        if args.only and not any(word in name for word in args.only):
-            continue
-        print(f"… {name}", file=sys.stderr, flush=True)
-        table[name] = repeat(thunk, repetitions)
-        described[name] = description
+    selected = [(name, description, thunk) for name, description, thunk in cases(args.smoke)
+                if not args.only or any(word in name for word in args.only)]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in selected}
+    # round-robin: every case once per round, so that the machine's slow and
+    # fast spells spread over all cases instead of landing on a few
+    for round_ in range(repetitions):
+        for name, _, thunk in selected:
+            print(f"… [{round_ + 1}/{repetitions}] {name}", file=sys.stderr, flush=True)
+            runs[name].append(thunk())
+    table = {name: aggregate(runs[name]) for name, _, _ in selected}
+    described = {name: description for name, description, _ in selected}
     scale: dict[str, Any] = {}
     if not args.no_scale and not args.only:
         print("… scale: idle workers' heartbeats", file=sys.stderr, flush=True)

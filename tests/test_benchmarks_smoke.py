@@ -58,3 +58,16 @@ def test_freelance_benchmark_smoke_run(tmp_path) -> None:
     assert [(r["model"], r["first_server_killed"]) for r in runs] == [
         (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
     assert all(r["rate"] > 0 and r["p50_us"] <= r["p99_us"] for r in runs)
+
+
+def test_ratios_pair_repetitions_of_the_same_round() -> None:
+    """A slow round slows both sides of a ratio: the suite compares round by
+    round, so one bad round does not skew the result as a ratio of medians would."""
+    from benchmarks.__main__ import aggregate, ratio
+
+    a = [{"rate": r, "p50_us": 1.0, "p99_us": 2.0, "cpu_s_per_1k": 1.0} for r in (90, 45, 92)]
+    b = [{"rate": r, "p50_us": 1.0, "p99_us": 2.0, "cpu_s_per_1k": 1.0} for r in (100, 50, 46)]
+    table = {"a": aggregate(a), "b": aggregate(b)}
+    assert ratio(table, "a", "b") == 0.9  # rounds: 0.9, 0.9, 2.0
+    assert table["a"]["rate"] / table["b"]["rate"] == 1.8  # what medians alone would say
+    assert ratio(table, "a", "missing") is None
