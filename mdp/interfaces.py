@@ -64,10 +64,20 @@ class IDealerTransport(Interface):
 
     endpoint = Attribute("The endpoint string this transport connects to.")
     connected = Attribute("True while the pipe is believed usable.")
+    writable = Attribute(
+        "False while the medium takes no more (its queue is full): what is sent "
+        "meanwhile waits, in order, in a local backlog.  Senders of bursts "
+        "(streaming handlers) wait on drained() instead of growing it."
+    )
 
     def sendMessage(frames: list[bytes]) -> None:
         """Send *frames*; while disconnected they are queued (bounded) and sent
-        after the next connectionMade."""
+        after the next connectionMade.  Never dropped for a full queue: see
+        ``writable``."""
+
+    def drained():
+        """A Deferred that fires once the transport is writable again (at
+        once if it is), or when the pipe it waits on is dropped."""
 
     def reconnect() -> None:
         """Drop the current pipe and open a fresh one (a new socket, so a new

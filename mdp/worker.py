@@ -98,6 +98,7 @@ class Worker:
         self.current: Optional[bytes] = None  # client address being served
         self.generation = 0  # bumped on every new connection; stale replies are dropped
         self.requestsServed = 0
+        self.streamPauses = 0  # times a streaming handler waited for a full queue to drain
         self._endpointIndex = 0
         self._reconnectCall: Any = None
         self._running = False
@@ -264,6 +265,12 @@ class Worker:
                 self._finish(item.frames, job)
                 return
             self._reply(job, WorkerPartial, reply_frames(item))
+            transport = self.transport
+            if transport is not None and not transport.writable:
+                # the broker takes PARTIALs slower than the handler makes them:
+                # pause the handler rather than pile them up
+                self.streamPauses += 1
+                await transport.drained()
         self._finish(None, job)
 
     def _finish(self, value: Any, job: _Job) -> None:

@@ -349,3 +349,31 @@ async def test_long_stream_of_partials_arrives_whole_and_in_order(net: Net) -> N
     final = await net.wait(client.request("burst", str(count), onPartial=partials.append), 60)
     assert final == [b"end"]
     assert partials == [[str(n).encode()] for n in range(count)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_beyond_the_send_queue_waits_instead_of_dropping(net: Net, monkeypatch: Any) -> None:
+    """A handler streaming faster than the broker takes PARTIALs in is paused
+    while the worker's send queue is full: none are lost.  (On ZeroMQ the
+    queue's high-water mark is made tiny so that the burst overflows it.)"""
+    if net.kind == "zmq":
+        from mdp.transport import zeromq
+
+        _, dealer = zeromq._connection_classes()
+        monkeypatch.setattr(dealer, "highWaterMark", 20)
+    _, endpoint = await start_broker(net)
+
+    async def burst(frames: list[bytes]) -> Any:
+        for n in range(int(frames[0])):
+            yield [str(n).encode(), b"x" * 512]
+        yield Final(b"end")
+
+    worker = start_worker(net, endpoint, "burst", burst)
+    client = make_client(net, endpoint, timeout=60, retries=1)
+    partials: list[list[bytes]] = []
+    count = 2000 if net.kind == "loopback" else 20000
+    final = await net.wait(client.request("burst", str(count), onPartial=partials.append), 60)
+    assert final == [b"end"]
+    assert [p[0] for p in partials] == [str(n).encode() for n in range(count)]
+    if net.kind != "loopback":  # real sockets filled up and the handler waited
+        assert worker.streamPauses > 0

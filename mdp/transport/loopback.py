@@ -155,9 +155,15 @@ class LoopbackDealer:
         self.closed = False
         self._attach()
 
+    #: Delivery is a call on the reactor: there is no queue to fill.
+    writable = True
+
     @property
     def connected(self) -> bool:
         return self.router is not None
+
+    def drained(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
 
     def _attach(self) -> None:
         router = self.network.listeners.get(self.name)

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 from twisted.application.internet import ClientService
 from twisted.internet import defer
 from twisted.internet.endpoints import clientFromString, serverFromString
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import IListeningPort, IPushProducer
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
@@ -38,6 +38,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.transport.flow import DrainWaiters
 
 log = Logger()
 
@@ -215,16 +216,33 @@ class StreamRouter:
         return defer.maybeDeferred(port.stopListening)
 
 
+@implementer(IPushProducer)
 class _DealerConnection(FramedProtocol):
+    """The connecting side's protocol; it registers itself as the producer of
+    its transport, which pauses it while its write buffer is full."""
+
     dealer: StreamDealer
+    paused = False
 
     def connectionMade(self) -> None:
         self.MAX_LENGTH = self.dealer.maxLength
         self.onMessage = self.dealer.receiver.messageReceived
+        self.transport.registerProducer(self, True)
         self.dealer._made(self)
 
     def connectionLost(self, reason: object = None) -> None:
+        self.paused = False
         self.dealer._lost(self, reason)
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        self.dealer._resumed(self)
+
+    def stopProducing(self) -> None:
+        self.paused = False
 
 
 def default_retry_policy(initial: float = 0.5, maximum: float = 32.0) -> Callable[[int], float]:
@@ -256,6 +274,7 @@ class StreamDealer:
         self.protocol: Optional[_DealerConnection] = None
         self.queue: deque[list[bytes]] = deque(maxlen=self.maxQueued)
         self._dropping: Optional[_DealerConnection] = None
+        self._waiters = DrainWaiters()
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
         self.service = ClientService(
@@ -275,6 +294,19 @@ class StreamDealer:
     def connected(self) -> bool:
         return self.protocol is not None
 
+    @property
+    def writable(self) -> bool:
+        return self.protocol is None or not self.protocol.paused
+
+    def drained(self) -> defer.Deferred[None]:
+        if self.writable:
+            return defer.succeed(None)
+        return self._waiters.wait()
+
+    def _resumed(self, proto: _DealerConnection) -> None:
+        if proto is self.protocol:
+            self._waiters.fire()
+
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto
         self.receiver.connectionMade()
@@ -284,6 +316,7 @@ class StreamDealer:
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
         if self.protocol is proto:
             self.protocol = None
+            self._waiters.fire()
         if self._dropping is proto:
             self._dropping = None
             return
@@ -302,7 +335,9 @@ class StreamDealer:
         if proto is not None:
             self._dropping = proto
             proto.transport.abortConnection()
+        self._waiters.fire()
 
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()
+        self._waiters.fire()
         return self.service.stopService()

@@ -12,6 +12,7 @@ a ``zmq:`` endpoint is actually used.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Optional
 
 from twisted.internet import defer
@@ -25,6 +26,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.transport.flow import DrainWaiters
 
 log = Logger()
 
@@ -141,6 +143,13 @@ def _connection_classes() -> tuple[type, type]:
             highWaterMark = HIGH_WATER_MARK
             owner: ZmqDealer
 
+            def doRead(self) -> None:
+                # ZeroMQ signals its FD when a full pipe drains, too
+                owner = getattr(self, "owner", None)
+                if owner is not None and owner._backlog:
+                    owner._flush()
+                FastIO.doRead(self)
+
             def deliver(self, frames: list[bytes]) -> None:
                 self.owner._received(self, frames)
 
@@ -152,6 +161,13 @@ def _zmq_error() -> type:
     import zmq
 
     return zmq.ZMQError
+
+
+def _zmq_errors() -> tuple[type, type]:
+    """(Again, ZMQError): a full queue, and any other ZeroMQ error."""
+    import zmq
+
+    return zmq.Again, zmq.ZMQError
 
 
 def _address(endpoint: str) -> str:
@@ -205,9 +221,17 @@ class ZmqRouter:
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER socket; :meth:`reconnect` opens a new one."""
+    """A connecting ZeroMQ DEALER socket; :meth:`reconnect` opens a new one.
+
+    At the high-water mark a DEALER refuses messages; they are kept, in order,
+    in a backlog that is flushed as the pipe drains (``writable`` is false
+    meanwhile), so nothing given to :meth:`sendMessage` is dropped while the
+    socket lives."""
 
     connected = True
+    #: Seconds between flush attempts while backlogged, besides the ones
+    #: ZeroMQ's own "writable again" signal triggers.
+    flushInterval = 0.005
 
     def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver) -> None:
         self.reactor = reactor
@@ -215,7 +239,42 @@ class ZmqDealer:
         self.address = _address(endpoint)
         self.receiver = receiver
         self.connection: Any = None
+        self._backlog: deque[list[bytes]] = deque()
+        self._waiters = DrainWaiters()
+        self._retry: Any = None
         self._open()
+
+    @property
+    def writable(self) -> bool:
+        return not self._backlog
+
+    def drained(self) -> defer.Deferred[None]:
+        if not self._backlog:
+            return defer.succeed(None)
+        return self._waiters.wait()
+
+    def _flush(self) -> None:
+        """Send what waits in the backlog, until ZeroMQ refuses again."""
+        if self._retry is not None:
+            if self._retry.active():
+                self._retry.cancel()
+            self._retry = None
+        connection = self.connection
+        if connection is None:
+            return
+        backlog = self._backlog
+        again, error = _zmq_errors()
+        while backlog:
+            try:
+                connection.send(backlog[0])
+            except again:
+                self._retry = self.reactor.callLater(self.flushInterval, self._flush)
+                return
+            except error as e:
+                log.warn("zmq dealer to {endpoint} could not send: {error}",
+                         endpoint=self.endpoint, error=e)
+            backlog.popleft()
+        self._waiters.fire()
 
     def _open(self) -> None:
         import txzmq
@@ -239,13 +298,27 @@ class ZmqDealer:
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.connection is None:
             return
+        if self._backlog:  # keep the order: behind what waits already
+            self._backlog.append(frames)
+            return
         try:
             self.connection.send(frames)
         except _zmq_error() as e:
+            again, _ = _zmq_errors()
+            if isinstance(e, again):
+                self._backlog.append(frames)
+                self._retry = self.reactor.callLater(self.flushInterval, self._flush)
+                return
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
 
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
+        self._backlog.clear()
+        if self._retry is not None:
+            if self._retry.active():
+                self._retry.cancel()
+            self._retry = None
+        self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
 

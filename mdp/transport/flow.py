@@ -1,0 +1,28 @@
+"""Flow control for connecting transports: who waits for a full queue to drain."""
+
+from __future__ import annotations
+
+from twisted.internet import defer
+
+
+class DrainWaiters:
+    """Deferreds waiting for a transport's send backlog to empty.
+
+    A transport whose medium refuses more (ZeroMQ at its high-water mark, a
+    Twisted transport asking its producer to pause) keeps what it was given
+    and hands out :meth:`wait` Deferreds; :meth:`fire` wakes them all once it
+    can take more, or when the connection goes away (the waiter then finds
+    out for itself that its work is void)."""
+
+    def __init__(self) -> None:
+        self._waiting: list[defer.Deferred[None]] = []
+
+    def wait(self) -> defer.Deferred[None]:
+        d: defer.Deferred[None] = defer.Deferred()
+        self._waiting.append(d)
+        return d
+
+    def fire(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.callback(None)
