@@ -377,3 +377,54 @@ async def test_stream_beyond_the_send_queue_waits_instead_of_dropping(net: Net, 
     assert [p[0] for p in partials] == [str(n).encode() for n in range(count)]
     if net.kind != "loopback":  # real sockets filled up and the handler waited
         assert worker.streamPauses > 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_broker_reports_replies_a_slow_client_has_no_room_for(monkeypatch: Any) -> None:
+    """ZeroMQ: a client that reads slower than its replies come fills its
+    queue; the broker then drops what does not fit, and says so (peer and
+    reason) instead of dropping silently, and goes on serving."""
+    import zmq
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    from mdp.transport import zeromq
+    from tests.conftest import RealNet
+
+    router, _ = zeromq._connection_classes()
+    monkeypatch.setattr(router, "highWaterMark", 10)
+    net = RealNet("zmq")
+    try:
+        broker, endpoint = await start_broker(net)
+        bound = broker.bindings[0].transport
+
+        async def burst(frames: list[bytes]) -> Any:
+            for _ in range(int(frames[0])):
+                yield b"x" * 1024
+            yield Final(b"end")
+
+        start_worker(net, endpoint, "burst", burst)
+        lines: list[str] = []
+
+        def observe(event: dict) -> None:
+            if "dropped a message" in (event.get("log_format") or ""):
+                lines.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        net.addCleanup(lambda: globalLogPublisher.removeObserver(observe))
+        # a client that never reads, with a tiny receive queue of its own
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.RCVHWM, 10)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"slow-client")
+        raw.connect(endpoint.removeprefix("zmq:"))
+        net.addCleanup(raw.close)
+        raw.send_multipart([b"MDPC02", b"\x01", b"burst", b"20000"])
+        await net.until(lambda: bool(lines), timeout=30)
+        assert "b'slow-client'" in lines[0] and "queue is full" in lines[0]
+        assert bound.dropped > 0
+        # the broker still serves others
+        client = make_client(net, endpoint, timeout=10, retries=1)
+        start_worker(net, endpoint, "echo", lambda frames: frames)
+        assert await net.wait(client.request("echo", b"hi"), 15) == [b"hi"]
+    finally:
+        await net.cleanup()

@@ -12,6 +12,7 @@ a ``zmq:`` endpoint is actually used.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Optional
 
@@ -196,6 +197,11 @@ class ZmqRouter:
         identity = address.encode() if "*" not in address else None
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
+        # refuse (and so report) a message to a full or unknown peer instead
+        # of ZeroMQ's silent drop
+        self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
+        self.dropped = 0
+        self._warnedAt = float("-inf")
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
         except zmq.ZMQError as e:
@@ -208,7 +214,25 @@ class ZmqRouter:
         try:
             self.connection.send([peer, *frames])
         except _zmq_error() as e:
-            log.warn("zmq router could not send to {peer!r}: {error}", peer=peer, error=e)
+            self._refused(peer, e)
+
+    def _refused(self, peer: bytes, error: Any) -> None:
+        import errno
+
+        self.dropped += 1
+        if error.errno == errno.EHOSTUNREACH:  # the peer closed its socket
+            log.debug("zmq router {endpoint}: peer {peer!r} is gone; message dropped",
+                      endpoint=self.endpoint, peer=peer)
+            return
+        now = time.monotonic()
+        if now - self._warnedAt < 1.0:  # at most one line a second for a flood
+            return
+        self._warnedAt = now
+        reason = ("its queue is full (it reads slower than it is sent to)"
+                  if error.errno == errno.EAGAIN else str(error))
+        log.warn("zmq router {endpoint} dropped a message to {peer!r}: {reason}; "
+                 "{dropped} dropped so far", endpoint=self.endpoint, peer=peer,
+                 reason=reason, dropped=self.dropped)
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
