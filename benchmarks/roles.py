@@ -278,6 +278,13 @@ def client_majortomo(endpoint: str, mode: str, n: int, warmup: int, size: int) -
         client.send(SERVICE, body)
         client.recv_all_as_list(timeout=60)
 
+    timed_blocking(once, n, warmup)
+    client.close()
+
+
+def timed_blocking(once: Any, n: int, warmup: int) -> None:
+    """For blocking clients: warm up, say READY, wait for GO, time *n* calls
+    of *once*, print the RESULT."""
     for _ in range(warmup):
         once()
     emit("READY")
@@ -291,7 +298,6 @@ def client_majortomo(endpoint: str, mode: str, n: int, warmup: int, size: int) -
         latencies.append(clock() - t0)
     end, cpu = time.time(), time.process_time() - cpu0
     result(latencies, start, end, cpu)
-    client.close()
 
 
 def client_bare(endpoint: str, mode: str, n: int, warmup: int, size: int) -> None:
@@ -304,21 +310,12 @@ def client_bare(endpoint: str, mode: str, n: int, warmup: int, size: int) -> Non
     socket.connect(endpoint.removeprefix("zmq:"))
     request = [b"MDPC02", b"\x01", SERVICE, b"x" * size]
     recv, send = socket.recv_multipart, socket.send_multipart
-    for _ in range(warmup):
+
+    def once() -> None:
         send(request)
         recv()
-    emit("READY")
-    wait_go()
-    latencies = []
-    clock = time.perf_counter
-    cpu0, start = time.process_time(), time.time()
-    for _ in range(n):
-        t0 = clock()
-        send(request)
-        recv()
-        latencies.append(clock() - t0)
-    end, cpu = time.time(), time.process_time() - cpu0
-    result(latencies, start, end, cpu)
+
+    timed_blocking(once, n, warmup)
     socket.close(0)
 
 

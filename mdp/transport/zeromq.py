@@ -90,10 +90,7 @@ def _connection_classes() -> tuple[type, type]:
             reading = False
 
             def doRead(self) -> None:
-                if self.read_scheduled is not None:
-                    if self.read_scheduled.active():
-                        self.read_scheduled.cancel()
-                    self.read_scheduled = None
+                self.read_scheduled = _cancel(self.read_scheduled)
                 socket = self.socket
                 if socket is None:
                     return
@@ -156,6 +153,12 @@ def _connection_classes() -> tuple[type, type]:
 
         _classes = (Router, Dealer)
     return _classes
+
+
+def _cancel(call: Any) -> None:
+    """Cancel a pending delayed call (if any); returns None to store back."""
+    if call is not None and call.active():
+        call.cancel()
 
 
 def _zmq_error() -> type:
@@ -279,10 +282,7 @@ class ZmqDealer:
 
     def _flush(self) -> None:
         """Send what waits in the backlog, until ZeroMQ refuses again."""
-        if self._retry is not None:
-            if self._retry.active():
-                self._retry.cancel()
-            self._retry = None
+        self._retry = _cancel(self._retry)
         connection = self.connection
         if connection is None:
             return
@@ -338,10 +338,7 @@ class ZmqDealer:
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
         self._backlog.clear()
-        if self._retry is not None:
-            if self._retry.active():
-                self._retry.cancel()
-            self._retry = None
+        self._retry = _cancel(self._retry)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
