@@ -37,7 +37,6 @@ from mdp.codec import (
     Ready,
     WorkerFinal,
     WorkerPartial,
-    WorkerRequest,
 )
 from mdp.errors import ProtocolError
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
@@ -288,6 +287,10 @@ class Broker:
             self._reply(request, mmi.answer(self, command.service, command.body), final=True)
             return
         service = self.services.get(command.service)
+        if service is not None and service.idle and not service.size:
+            # a worker is waiting and no request is ahead: hand it over
+            self._assign(service.idle.popitem(last=False)[1], request)
+            return
         queued = service.size if service is not None else 0
         if self.queued >= self.maxQueue or queued >= self.maxServiceQueue:
             log.warn("refused a request for {service} from {peer}: queue full "
@@ -336,8 +339,9 @@ class Broker:
         return self._total.count
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
-        command = (ClientFinal if final else ClientPartial)(request.service, body)
-        request.client[0].send(request.client[1], codec.encode(command, request.dialect))
+        client = request.client
+        client[0].send(client[1], codec.encode_client_reply(request.service, body, final,
+                                                            request.dialect))
 
     # --- workers ------------------------------------------------------------
 
@@ -397,11 +401,15 @@ class Broker:
         """Hand queued requests to idle workers, least recently used first."""
         while service.size and service.idle:
             _, worker = service.idle.popitem(last=False)
-            request = service.next_request()
-            worker.current = request
-            self._send(worker.key, worker.dialect,
-                       WorkerRequest(request.client[1], request.body))
-            worker.lastSent = self.reactor.seconds()
+            self._assign(worker, service.next_request())
+
+    def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
+        """Send *request* to the idle *worker*."""
+        worker.current = request
+        key = worker.key
+        key[0].send(key[1], codec.encode_worker_request(request.client[1], request.body,
+                                                         worker.dialect))
+        worker.lastSent = self.reactor.seconds()
 
     def _removeWorker(self, worker: WorkerRef) -> None:
         """Forget *worker*; re-queue the request it held (workers are idempotent)."""

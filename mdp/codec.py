@@ -334,6 +334,24 @@ def encode(command: Command, dialect: str = RFC) -> Frames:
 _RFC_CODES = _CLIENT_CODES[RFC]
 
 
+def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = RFC) -> Frames:
+    """``encode(WorkerRequest(client, body), dialect)`` without the command
+    object: the broker's hot path."""
+    if dialect == RFC:
+        return [WORKER_HEADER, W_REQUEST, client, b"", *body]
+    return [b"", WORKER_HEADER, W_REQUEST, client, b"", *body]
+
+
+def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool,
+                        dialect: str = RFC) -> Frames:
+    """``encode(ClientFinal(service, body), dialect)`` (or ClientPartial)
+    without the command object: the broker's hot path."""
+    if dialect == RFC:
+        return [CLIENT_HEADER, C_FINAL if final else C_PARTIAL, service, *body]
+    code = _CLIENT_CODES[dialect][ClientFinal if final else ClientPartial]
+    return [b"", CLIENT_HEADER, code, *body]  # majortomo replies carry no service name
+
+
 def _encode(command: Command, client_codes: dict[type, bytes]) -> Frames:
     kind = type(command)
     if kind is Heartbeat:

@@ -141,3 +141,20 @@ def test_decode_of_headed_messages_is_total(header: bytes, command: bytes, rest:
         return
     # whatever decodes re-encodes to the same frames
     assert codec.encode(decoded) == frames
+
+
+@given(
+    client=st.binary(min_size=1, max_size=32),
+    service=st.binary(min_size=1, max_size=20).map(lambda b: bytes(0x20 + x % 95 for x in b)),
+    body=st.lists(st.binary(max_size=16), min_size=1, max_size=4),
+    dialect=st.sampled_from(codec.DIALECTS),
+)
+def test_hot_path_encoders_match_encode(client: bytes, service: bytes, body: list[bytes],
+                                        dialect: str) -> None:
+    """The broker's object-free encoders give exactly the frames of encode()."""
+    assert codec.encode_worker_request(client, body, dialect) == codec.encode(
+        codec.WorkerRequest(client, body), dialect)
+    assert codec.encode_client_reply(service, body, True, dialect) == codec.encode(
+        codec.ClientFinal(service, body), dialect)
+    assert codec.encode_client_reply(service, body, False, dialect) == codec.encode(
+        codec.ClientPartial(service, body), dialect)
