@@ -161,17 +161,11 @@ def _cancel(call: Any) -> None:
         call.cancel()
 
 
-def _zmq_error() -> type:
+def _zmq() -> Any:
+    """The zmq module (imported late: see the module docstring)."""
     import zmq
 
-    return zmq.ZMQError
-
-
-def _zmq_errors() -> tuple[type, type]:
-    """(Again, ZMQError): a full queue, and any other ZeroMQ error."""
-    import zmq
-
-    return zmq.Again, zmq.ZMQError
+    return zmq
 
 
 def _address(endpoint: str) -> str:
@@ -216,7 +210,7 @@ class ZmqRouter:
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         try:
             self.connection.send([peer, *frames])
-        except _zmq_error() as e:
+        except _zmq().ZMQError as e:
             self._refused(peer, e)
 
     def _refused(self, peer: bytes, error: Any) -> None:
@@ -283,22 +277,26 @@ class ZmqDealer:
     def _flush(self) -> None:
         """Send what waits in the backlog, until ZeroMQ refuses again."""
         self._retry = _cancel(self._retry)
-        connection = self.connection
-        if connection is None:
+        if self.connection is None:
             return
         backlog = self._backlog
-        again, error = _zmq_errors()
         while backlog:
-            try:
-                connection.send(backlog[0])
-            except again:
+            if not self._trySend(backlog[0]):
                 self._retry = self.reactor.callLater(self.flushInterval, self._flush)
                 return
-            except error as e:
-                log.warn("zmq dealer to {endpoint} could not send: {error}",
-                         endpoint=self.endpoint, error=e)
             backlog.popleft()
         self._waiters.fire()
+
+    def _trySend(self, frames: list[bytes]) -> bool:
+        """Send *frames* now; False if ZeroMQ refused them for a full queue.
+        Any other error is logged and the message dropped."""
+        try:
+            self.connection.send(frames)
+        except _zmq().ZMQError as e:
+            if isinstance(e, _zmq().Again):  # a full queue
+                return False
+            log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
+        return True
 
     def _open(self) -> None:
         import txzmq
@@ -322,18 +320,12 @@ class ZmqDealer:
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.connection is None:
             return
-        if self._backlog:  # keep the order: behind what waits already
-            self._backlog.append(frames)
+        # behind what waits already, to keep the order
+        if not self._backlog and self._trySend(frames):
             return
-        try:
-            self.connection.send(frames)
-        except _zmq_error() as e:
-            again, _ = _zmq_errors()
-            if isinstance(e, again):
-                self._backlog.append(frames)
-                self._retry = self.reactor.callLater(self.flushInterval, self._flush)
-                return
-            log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
+        self._backlog.append(frames)
+        if self._retry is None:
+            self._retry = self.reactor.callLater(self.flushInterval, self._flush)
 
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
@@ -383,7 +375,7 @@ class ZmqPeerRouter:
             return
         try:
             self.connection.send([endpoint.encode(), *frames])
-        except _zmq_error() as e:
+        except _zmq().ZMQError as e:
             log.warn("zmq peer router could not send to {endpoint}: {error}",
                      endpoint=endpoint, error=e)
 
