@@ -15,7 +15,9 @@ number, the same on each retry, so that workers with a reply store run it once
 
 Reliability (Lazy Pirate)
 -------------------------
-Each attempt has ``timeout`` seconds.  When it passes, the connection is closed
+Each attempt has ``timeout`` seconds, watched by one timer for the whole client
+(set for the earliest deadline; a timer per request would be created and
+cancelled for nearly every request).  When it passes, the connection is closed
 and thrown away — so a late reply can never reach the caller — and the request
 is resent on a fresh connection, to the next broker endpoint if several are
 given, up to ``retries`` attempts in all; then the Deferred fails with
@@ -83,7 +85,7 @@ class _Call:
     """One request: its Deferred, attempts so far and current connection."""
 
     __slots__ = ("service", "body", "deferred", "onPartial", "timeout", "retries",
-                 "attempts", "startedAt", "timer", "channel")
+                 "attempts", "startedAt", "deadline", "channel")
 
     def __init__(self, service: bytes, body: list[bytes], timeout: float, retries: int,
                  onPartial: Optional[Callable[[list[bytes]], Any]], startedAt: float,
@@ -95,7 +97,7 @@ class _Call:
         self.onPartial = onPartial
         self.startedAt = startedAt
         self.attempts = 0
-        self.timer: Any = None
+        self.deadline = 0.0  # when the current attempt times out
         self.channel: Optional[_Channel] = None
         self.deferred: defer.Deferred[list[bytes]] = defer.Deferred(lambda _: canceller(self))
 
@@ -160,6 +162,7 @@ class Client:
         self._channels: set[_Channel] = set()
         self._waiting: deque[_Call] = deque()
         self._closed = False
+        self._timer: Any = None  # the one DelayedCall, for the earliest deadline
 
     @property
     def endpoint(self) -> str:
@@ -220,8 +223,8 @@ class Client:
             call = channel.call
             self._discard(channel)
             if call is not None:
-                self._stopTimer(call)
                 call.deferred.errback(ClientClosed("client closed"))
+        self._stopTimer()
         return defer.succeed(None)
 
     # --- pool ----------------------------------------------------------------
@@ -239,7 +242,8 @@ class Client:
             channel.call = call
             call.channel = channel
             call.attempts += 1
-            call.timer = self.reactor.callLater(call.timeout, self._timedOut, call)
+            call.deadline = self.reactor.seconds() + call.timeout
+            self._armTimer(call.deadline)
             self._send(channel, call)
 
     def _send(self, channel: _Channel, call: _Call) -> None:
@@ -258,11 +262,32 @@ class Client:
         self._idle.append(channel)
         self._pump()
 
-    @staticmethod
-    def _stopTimer(call: _Call) -> None:
-        if call.timer is not None and call.timer.active():
-            call.timer.cancel()
-        call.timer = None
+    def _armTimer(self, deadline: float) -> None:
+        """Make sure the timer fires by *deadline*."""
+        timer = self._timer
+        if timer is not None and timer.active():
+            if timer.getTime() <= deadline:
+                return
+            timer.cancel()
+        self._timer = self.reactor.callLater(max(0.0, deadline - self.reactor.seconds()),
+                                             self._sweep)
+
+    def _stopTimer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _sweep(self) -> None:
+        """The timer: time out the attempts whose deadline has come, then wait
+        for the next deadline."""
+        self._timer = None
+        now = self.reactor.seconds() + 1e-9  # a deadline met to the float is met
+        expired = [c.call for c in self._channels if c.call is not None and c.call.deadline <= now]
+        for call in expired:
+            self._timedOut(call)
+        pending = [c.call.deadline for c in self._channels if c.call is not None]
+        if pending:
+            self._armTimer(min(pending))
 
     # --- events --------------------------------------------------------------
 
@@ -290,7 +315,6 @@ class Client:
                 except Exception:
                     log.failure("onPartial callback for {service} failed", service=call.service)
             return
-        self._stopTimer(call)
         self._release(channel)
         error = remote_error(call.service, command.body)
         if error is not None:
@@ -299,7 +323,6 @@ class Client:
             call.deferred.callback(list(command.body))
 
     def _timedOut(self, call: _Call) -> None:
-        call.timer = None
         channel, call.channel = call.channel, None
         if channel is not None:
             self._discard(channel)
@@ -318,7 +341,6 @@ class Client:
         )
 
     def _cancel(self, call: _Call) -> None:
-        self._stopTimer(call)
         if call in self._waiting:
             self._waiting.remove(call)
         channel, call.channel = call.channel, None

@@ -138,6 +138,40 @@ async def test_close_fails_pending_requests(clocknet: LoopbackNet) -> None:
         await clocknet.wait(client.request("svc", b"after"))
 
 
+@pytest_twisted.ensureDeferred
+async def test_each_request_times_out_at_its_own_deadline(clocknet: LoopbackNet) -> None:
+    """One timer serves the whole client: a shorter deadline set later still
+    fires first, a reply cancels nothing the others need, and the timer stops
+    when no request is in flight."""
+    router, client = await broker_and_client(clocknet, timeout=5.0, retries=1)
+    timedOut: dict[str, float] = {}
+
+    def watch(d: defer.Deferred, name: str) -> None:
+        d.addErrback(lambda f: f.trap(RequestTimeout) and timedOut.setdefault(
+            name, clocknet.reactor.seconds()))
+
+    watch(client.request("svc", b"slow"), "slow")  # deadline 5.0
+    clocknet.advance(1.0)
+    watch(client.request("svc", b"fast", timeout=1.5), "fast")  # deadline 2.5
+    answered = client.request("svc", b"answered")  # deadline 6.0
+    clocknet.advance(0)
+    peer = next(p for _, p, f in requests(router) if f[-1] == b"answered")
+    final(router, peer, b"svc", b"ok")
+    assert await clocknet.wait(answered) == [b"ok"]
+    clocknet.advance(6.0)
+    assert timedOut == {"fast": pytest.approx(2.5), "slow": pytest.approx(5.0)}
+    assert not clocknet.reactor.getDelayedCalls()
+    # a retry's later deadline does not hide an earlier one of another request
+    start = clocknet.reactor.seconds()
+    timedOut.clear()
+    watch(client.request("svc", b"retried", timeout=1.0, retries=2), "retried")  # +1, then +2
+    clocknet.advance(0.5)
+    watch(client.request("svc", b"between", timeout=1.0), "between")  # +1.5
+    clocknet.advance(3.0)
+    assert {k: v - start for k, v in timedOut.items()} == {
+        "retried": pytest.approx(2.0), "between": pytest.approx(1.5)}
+
+
 def test_a_request_needs_a_body() -> None:
     from twisted.internet import task
 
