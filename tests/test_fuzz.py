@@ -146,13 +146,19 @@ def test_broker_survives_fuzzing_and_keeps_serving(script: list[tuple[int, list[
     assert failures == []
 
 
+def loopback_router(clock: task.Clock, name: str) -> RawRouter:
+    """A scripted broker bound on a fresh loopback name, driven by *clock*."""
+    router = RawRouter()
+    router.clock = clock
+    router.transport = transport.listen(f"loopback:{name}-{next(_names)}", router, clock).result
+    return router
+
+
 @given(st.lists(messages, max_size=30))
 @FUZZ
 def test_worker_survives_fuzzing_from_its_broker(script: list[list[bytes]]) -> None:
     clock = task.Clock()
-    router = RawRouter()
-    router.clock = clock
-    router.transport = transport.listen(f"loopback:fuzz-worker-{next(_names)}", router, clock).result
+    router = loopback_router(clock, "fuzz-worker")
     worker = Worker(router.transport.endpoint, "echo", lambda f: f, clock,
                     heartbeat=HeartbeatPolicy(1.0, 3))
     with failures_logged() as failures:
@@ -184,9 +190,7 @@ def test_worker_survives_fuzzing_from_its_broker(script: list[list[bytes]]) -> N
 @FUZZ
 def test_client_survives_fuzzing_from_its_broker(script: list[list[bytes]]) -> None:
     clock = task.Clock()
-    router = RawRouter()
-    router.clock = clock
-    router.transport = transport.listen(f"loopback:fuzz-client-{next(_names)}", router, clock).result
+    router = loopback_router(clock, "fuzz-client")
     client = Client(router.transport.endpoint, clock, timeout=30, retries=1)
     with failures_logged() as failures:
         reply = result_of(client.request("svc", b"q"))

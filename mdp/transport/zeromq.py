@@ -12,6 +12,7 @@ a ``zmq:`` endpoint is actually used.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import deque
 from typing import Any, Optional
@@ -214,8 +215,6 @@ class ZmqRouter:
             self._refused(peer, e)
 
     def _refused(self, peer: bytes, error: Any) -> None:
-        import errno
-
         self.dropped += 1
         if error.errno == errno.EHOSTUNREACH:  # the peer closed its socket
             log.debug("zmq router {endpoint}: peer {peer!r} is gone; message dropped",
