@@ -1,24 +1,47 @@
 """The MDP/0.2 broker state machine.
 
+Theory of operation
+-------------------
 One :class:`ServiceQueue` per service holds the requests waiting for a worker
 (served fairly: round-robin over clients) and the idle workers (least recently
-used first).  A single timer tick per heartbeat interval sends heartbeats,
-expires silent workers (re-queueing the request each held), expires queued
-requests of services that have no worker and forgets services whose last worker
-left more than ``serviceLinger`` seconds ago.
+used first).  A request that meets an idle worker and an empty queue goes
+straight to it.
 
-Memory is bounded: at most ``maxQueue`` queued requests in all and
-``maxServiceQueue`` per service (beyond, a request is refused at once with a
-429 error reply), and at most ``maxWorkers`` registered workers (beyond, READY
-gets DISCONNECT).  Requests to ``mmi.*`` services are answered by the broker
-itself (:mod:`mdp.mmi`).
+Each time the broker hands a request to a worker it gives that *assignment* an
+envelope of its own (the client address frame of the worker REQUEST), and it
+forwards a worker's PARTIAL or FINAL only if it carries the envelope of the
+worker's current assignment.  So exactly one FINAL reaches the client per
+request: a second FINAL for the same assignment, or a reply to an assignment
+that was taken back, can never complete another request of that client.
 
-The broker answers every peer in the dialect it used (see :mod:`mdp.codec`):
-RFC 18, or majortomo's (an empty delimiter frame first, other client codes).
+A single timer tick per heartbeat interval sends heartbeats, removes silent
+workers (re-queueing the request each held), expires requests queued longer
+than ``requestExpiry`` (503), and forgets services whose last worker left
+more than ``serviceLinger`` seconds ago.
+
+Limits (``docs/reliability.md`` has the table)
+----------------------------------------------
+* Queues: at most ``maxQueue`` requests and ``maxQueueBytes`` of request
+  bodies in all, and ``maxServiceQueue`` / ``maxServiceQueueBytes`` per
+  service; beyond, a request is refused at once with a 429 error reply.
+  Requests taken back from a lost worker are re-queued even past the bounds:
+  accepted work is never dropped for space.
+* Workers: at most ``maxWorkers`` in all and ``maxServiceWorkers`` per
+  service; beyond, READY gets DISCONNECT (the worker backs off).
+* Messages: a request whose REQUEST to a worker, or a reply whose message to
+  the client, would exceed ``limits`` fails that request at once with a 413
+  error reply.  A request whose worker is lost ``maxDeliveries`` times fails
+  with a 500 error reply instead of being handed to worker after worker.
+* Logs of bad input are throttled (one line a second per kind).
+
+Requests to ``mmi.*`` services are answered by the broker itself
+(:mod:`mdp.mmi`).  The broker answers every peer in the dialect it used (see
+:mod:`mdp.codec`): RFC 18, or majortomo's.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from typing import Any, Optional, Sequence
 
@@ -40,7 +63,7 @@ from mdp.codec import (
 )
 from mdp.errors import ProtocolError
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
-from mdp.policy import HeartbeatPolicy
+from mdp.policy import HeartbeatPolicy, Limits, LogThrottle, MiB
 
 log = Logger()
 
@@ -48,7 +71,17 @@ DEFAULT_REQUEST_EXPIRY = 30.0
 DEFAULT_SERVICE_LINGER = 10.0
 DEFAULT_MAX_QUEUE = 100_000
 DEFAULT_MAX_SERVICE_QUEUE = 50_000
+DEFAULT_MAX_QUEUE_BYTES = 1024 * MiB
+DEFAULT_MAX_SERVICE_QUEUE_BYTES = 512 * MiB
 DEFAULT_MAX_WORKERS = 10_000
+DEFAULT_MAX_SERVICE_WORKERS = 1_000
+DEFAULT_MAX_DELIVERIES = 5
+
+#: Bytes of frame content a worker REQUEST adds to the request body besides the
+#: client's peer id: the header, the command and the 8-byte assignment number
+#: of the envelope; and the frames it adds (with majortomo's leading empty frame).
+_REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
+_REQUEST_FRAMES = 5
 
 
 def peer_label(peer: bytes) -> str:
@@ -79,6 +112,9 @@ class Binding:
 
 PeerKey = tuple[Binding, bytes]
 
+# what a request is doing
+QUEUED, ASSIGNED, DONE = "queued", "assigned", "done"
+
 
 @attrs.define(eq=False, slots=True)
 class PendingRequest:
@@ -89,6 +125,12 @@ class PendingRequest:
     body: Sequence[bytes]
     dialect: str
     queuedAt: float
+    size: int  # bytes of body
+    state: str = QUEUED
+    envelope: bytes = b""  # of its current assignment
+    deliveries: int = 0  # times handed to a worker
+    partials: int = 0  # PARTIALs forwarded to the client by its current worker
+    failed: bool = False  # answered with an error while its worker still runs
 
 
 @attrs.define(eq=False, slots=True)
@@ -101,47 +143,80 @@ class WorkerRef:
     lastSeen: float
     lastSent: float
     current: Optional[PendingRequest] = None
+    #: envelope of the assignment it finished last (a second FINAL for it is dropped)
+    lastEnvelope: bytes = b""
 
 
-class QueueTotal:
-    """Requests waiting in all of a broker's service queues, kept by the queues."""
-
-    __slots__ = ("count",)
+class QueueLedger:
+    """What all of a broker's service queues hold, kept up to date by the
+    queues: requests and bytes in all, the services where each client has
+    requests waiting, and every queued request in the order it was queued
+    (for expiry; requests that left the queue are skipped lazily)."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.bytes = 0
+        self.byClient: dict[PeerKey, set[ServiceQueue]] = {}
+        self.byAge: deque[tuple[float, PendingRequest]] = deque()
+
+    def compact(self) -> None:
+        """Drop entries of requests no longer queued once they outnumber the
+        queued ones: the age list stays within twice the queue."""
+        if len(self.byAge) > 2 * self.count + 1024:
+            self.byAge = deque(e for e in self.byAge
+                               if e[1].state is QUEUED and e[1].queuedAt == e[0])
 
 
 class ServiceQueue:
     """Requests waiting for one service and the workers able to serve it.
 
-    Every change to its size is also counted in the broker-wide *total*."""
+    Every change is also counted in the broker-wide *ledger*."""
 
-    def __init__(self, name: bytes, total: Optional[QueueTotal] = None) -> None:
+    def __init__(self, name: bytes, ledger: Optional[QueueLedger] = None) -> None:
         self.name = name
-        self.total = total if total is not None else QueueTotal()
+        self.ledger = ledger if ledger is not None else QueueLedger()
         self.pending: OrderedDict[PeerKey, deque[PendingRequest]] = OrderedDict()
         self.idle: OrderedDict[PeerKey, WorkerRef] = OrderedDict()
         self.workers = 0
         self.size = 0
+        self.bytes = 0
         #: when the last worker left (None while the service has workers or never had one)
         self.abandonedAt: Optional[float] = None
 
-    def enqueue(self, request: PendingRequest) -> None:
-        queue = self.pending.get(request.client)
+    def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
+        queue = self.pending.get(client)
         if queue is None:
-            queue = self.pending[request.client] = deque()
-        queue.append(request)
-        self._grow(1)
+            queue = self.pending[client] = deque()
+            services = self.ledger.byClient.get(client)
+            if services is None:
+                services = self.ledger.byClient[client] = set()
+            services.add(self)
+        return queue
+
+    def _dropClientQueue(self, client: PeerKey) -> None:
+        del self.pending[client]
+        services = self.ledger.byClient.get(client)
+        if services is not None:
+            services.discard(self)
+            if not services:
+                del self.ledger.byClient[client]
+
+    def enqueue(self, request: PendingRequest) -> None:
+        self._clientQueue(request.client).append(request)
+        self._added(request)
 
     def requeue(self, request: PendingRequest) -> None:
         """Put a request back at the head: it has waited longest."""
-        queue = self.pending.get(request.client)
-        if queue is None:
-            queue = self.pending[request.client] = deque()
-        queue.appendleft(request)
+        self._clientQueue(request.client).appendleft(request)
         self.pending.move_to_end(request.client, last=False)
-        self._grow(1)
+        self._added(request)
+
+    def _added(self, request: PendingRequest) -> None:
+        request.state = QUEUED
+        self._grow(1, request.size)
+        ledger = self.ledger
+        ledger.byAge.append((request.queuedAt, request))
+        ledger.compact()
 
     def next_request(self) -> PendingRequest:
         """Round-robin over clients: take the first client's oldest request and
@@ -151,32 +226,35 @@ class ServiceQueue:
         if queue:
             self.pending.move_to_end(client)
         else:
-            del self.pending[client]
-        self._grow(-1)
+            self._dropClientQueue(client)
+        self._grow(-1, -request.size)
         return request
 
+    def remove(self, request: PendingRequest) -> None:
+        """Take one queued request out of the queue."""
+        queue = self.pending[request.client]
+        queue.remove(request)
+        if not queue:
+            self._dropClientQueue(request.client)
+        request.state = DONE
+        self._grow(-1, -request.size)
+
     def drop_client(self, client: PeerKey) -> int:
-        queue = self.pending.pop(client, None)
+        """Forget every request *client* has queued here; returns how many."""
+        queue = self.pending.get(client)
         if not queue:
             return 0
-        self._grow(-len(queue))
+        self._dropClientQueue(client)
+        for request in queue:
+            request.state = DONE
+        self._grow(-len(queue), -sum(r.size for r in queue))
         return len(queue)
 
-    def expire(self, deadline: float) -> list[PendingRequest]:
-        """Remove and return requests queued at or before *deadline*."""
-        expired = []
-        for client in list(self.pending):
-            queue = self.pending[client]
-            while queue and queue[0].queuedAt <= deadline:
-                expired.append(queue.popleft())
-            if not queue:
-                del self.pending[client]
-        self._grow(-len(expired))
-        return expired
-
-    def _grow(self, by: int) -> None:
+    def _grow(self, by: int, size: int) -> None:
         self.size += by
-        self.total.count += by
+        self.bytes += size
+        self.ledger.count += by
+        self.ledger.bytes += size
 
 
 @implementer(IBroker)
@@ -193,20 +271,38 @@ class Broker:
         maxQueue: int = DEFAULT_MAX_QUEUE,
         maxServiceQueue: int = DEFAULT_MAX_SERVICE_QUEUE,
         maxWorkers: int = DEFAULT_MAX_WORKERS,
+        maxQueueBytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        maxServiceQueueBytes: int = DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+        maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
+        maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
+        limits: Limits = Limits(),
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
+        if maxDeliveries < 1:
+            raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
         self.reactor = reactor
         self.heartbeat = heartbeat
         self.requestExpiry = requestExpiry
         self.serviceLinger = serviceLinger
         self.maxQueue = maxQueue
         self.maxServiceQueue = maxServiceQueue
+        self.maxQueueBytes = maxQueueBytes
+        self.maxServiceQueueBytes = maxServiceQueueBytes
         self.maxWorkers = maxWorkers
-        self._total = QueueTotal()
+        self.maxServiceWorkers = maxServiceWorkers
+        self.maxDeliveries = maxDeliveries
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
+        self._ledger = QueueLedger()
+        self._assignments = itertools.count(1)
+        #: services whose last worker left, by when (checked for linger's end)
+        self._abandoned: deque[tuple[float, ServiceQueue]] = deque()
         self.bindings: list[Binding] = []
         self.services: dict[bytes, ServiceQueue] = {}
         self.workers: dict[PeerKey, WorkerRef] = {}
+        #: messages dropped as invalid or unexpected
+        self.invalid = 0
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
 
@@ -228,7 +324,7 @@ class Broker:
                 self._ticker.start(self.heartbeat.interval, now=False)
             return routerTransport
 
-        return transport.listen(endpoint, binding, self.reactor).addCallback(bound)
+        return transport.listen(endpoint, binding, self.reactor, self.limits).addCallback(bound)
 
     def close(self) -> defer.Deferred[None]:
         """Unbind every endpoint and stop the heartbeat tick."""
@@ -238,7 +334,8 @@ class Broker:
         closing = [b.transport.close() for b in bindings if b.transport is not None]
         self.workers.clear()
         self.services.clear()
-        self._total = QueueTotal()
+        self._ledger = QueueLedger()
+        self._abandoned.clear()
         return defer.DeferredList(closing).addCallback(lambda _: None)
 
     # --- inbound -------------------------------------------------------------
@@ -259,8 +356,7 @@ class Broker:
                 elif kind is ClientRequest:
                     self._onRequest(key, command, dialect)  # type: ignore[arg-type]
                 else:
-                    log.warn("dropping {command} from client {peer}: only REQUEST is valid",
-                             command=kind.__name__, peer=peer_label(key[1]))
+                    self._invalid(key, f"client sent {kind.__name__}: only REQUEST is valid")
             elif not key[0].workers:
                 self._invalid(key, "worker command on a client-only endpoint")
             else:
@@ -269,22 +365,32 @@ class Broker:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
 
     def peerDisconnected(self, key: PeerKey) -> None:  # type: ignore[override]
-        """A stream transport lost a peer: forget it at once."""
+        """A transport lost a peer (or cut it off): forget it at once."""
         worker = self.workers.get(key)
         if worker is not None:
             log.info("worker {peer} for {service} disconnected",
                      peer=peer_label(key[1]), service=worker.service.name)
             self._removeWorker(worker)
-        for service in list(self.services.values()):
-            service.drop_client(key)
-            self._forgetIfEmpty(service)
+        services = self._ledger.byClient.get(key)
+        if services:
+            for service in list(services):
+                service.drop_client(key)
+                self._forgetIfEmpty(service)
 
     # --- clients ------------------------------------------------------------
 
     def _onRequest(self, key: PeerKey, command: ClientRequest, dialect: str) -> None:
-        request = PendingRequest(key, command.service, command.body, dialect, self.reactor.seconds())
+        body = command.body
+        request = PendingRequest(key, command.service, body, dialect, self.reactor.seconds(),
+                                 sum(map(len, body)))
         if command.service.startswith(mmi.PREFIX):
-            self._reply(request, mmi.answer(self, command.service, command.body), final=True)
+            self._reply(request, mmi.answer(self, command.service, body), final=True)
+            return
+        tooLarge = self.limits.oversize(request.size + len(key[1]) + _REQUEST_OVERHEAD,
+                                        len(body) + _REQUEST_FRAMES)
+        if tooLarge is not None:
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
+                         f"request too large for a worker: {tooLarge}")
             return
         service = self.services.get(command.service)
         if service is not None and service.idle and not service.size:
@@ -292,25 +398,32 @@ class Broker:
             self._assign(service.idle.popitem(last=False)[1], request)
             return
         queued = service.size if service is not None else 0
-        if self.queued >= self.maxQueue or queued >= self.maxServiceQueue:
-            log.warn("refused a request for {service} from {peer}: queue full "
-                     "({queued} for the service, {total} in all)",
-                     service=command.service, peer=peer_label(key[1]),
-                     queued=queued, total=self.queued)
-            self._reply(request, codec.error_body(
-                codec.STATUS_OVERLOADED,
-                f"broker queue full for service {command.service.decode('ascii')!r}",
-            ), final=True)
+        queuedBytes = service.bytes if service is not None else 0
+        ledger = self._ledger
+        if (ledger.count >= self.maxQueue or queued >= self.maxServiceQueue
+                or ledger.bytes + request.size > self.maxQueueBytes
+                or queuedBytes + request.size > self.maxServiceQueueBytes):
+            self._refuse(request, codec.STATUS_OVERLOADED, "overloaded",
+                         f"broker queue full for service {command.service.decode('ascii')!r} "
+                         f"({queued} requests, {queuedBytes} bytes queued for it; "
+                         f"{ledger.count} requests, {ledger.bytes} bytes in all)")
             return
         if service is None:
             service = self._service(command.service)
         service.enqueue(request)
         self._dispatch(service)
 
+    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str) -> None:
+        """Answer *request* at once with an error reply, logged (throttled)."""
+        self.throttle.warn(log, kind, "refused a request for {service} from {peer}: {message}",
+                           service=request.service, peer=peer_label(request.client[1]),
+                           message=message)
+        self._reply(request, codec.error_body(code, message), final=True)
+
     def _service(self, name: bytes) -> ServiceQueue:
         service = self.services.get(name)
         if service is None:
-            service = self.services[name] = ServiceQueue(name, self._total)
+            service = self.services[name] = ServiceQueue(name, self._ledger)
         return service
 
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
@@ -336,7 +449,12 @@ class Broker:
     @property
     def queued(self) -> int:
         """Requests waiting in all service queues."""
-        return self._total.count
+        return self._ledger.count
+
+    @property
+    def queuedBytes(self) -> int:
+        """Bytes of request bodies waiting in all service queues."""
+        return self._ledger.bytes
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
         client = request.client
@@ -349,15 +467,12 @@ class Broker:
         worker = self.workers.get(key)
         kind = type(command)
         if worker is None:
-            if kind is Ready and len(self.workers) >= self.maxWorkers:
-                log.warn("refused READY from {peer}: {count} workers already registered",
-                         peer=peer_label(key[1]), count=len(self.workers))
-                self._send(key, dialect, codec.DISCONNECT)
-            elif kind is Ready:
-                self._register(key, command.service, dialect)
+            if kind is Ready:
+                self._onReady(key, command.service, dialect)
             elif kind is not Disconnect:
-                log.warn("{command} from unregistered worker {peer}: sending DISCONNECT",
-                         command=kind.__name__, peer=peer_label(key[1]))
+                self.throttle.warn(log, "unregistered", "{command} from unregistered worker {peer}: "
+                                   "sending DISCONNECT", command=kind.__name__,
+                                   peer=peer_label(key[1]))
                 self._send(key, dialect, codec.DISCONNECT)
             return
         worker.lastSeen = self.reactor.seconds()
@@ -365,15 +480,21 @@ class Broker:
             return
         if kind is WorkerFinal or kind is WorkerPartial:
             request = worker.current
-            if request is None:
-                self._unexpected(worker, f"{kind.__name__} while idle")
-            elif command.client != request.client[1]:
-                self._invalid(key, f"{kind.__name__} addressed to a client it does not serve")
+            if request is None or command.client != request.envelope:
+                if command.client == worker.lastEnvelope:
+                    self.throttle.warn(log, "stale", "dropped a second {command} from worker {peer} "
+                                       "for a request it already answered",
+                                       command=kind.__name__, peer=peer_label(key[1]))
+                elif request is None:
+                    self._unexpected(worker, f"{kind.__name__} while idle")
+                else:
+                    self._invalid(key, f"{kind.__name__} for a request it does not serve")
             elif kind is WorkerPartial:
-                self._reply(request, command.body, final=False)
+                self._forward(worker, request, command.body, final=False)
             else:
-                self._reply(request, command.body, final=True)
                 worker.current = None
+                worker.lastEnvelope = request.envelope
+                self._forward(worker, request, command.body, final=True)
                 self._makeIdle(worker)
                 self._dispatch(worker.service)
         elif kind is Disconnect:
@@ -382,6 +503,42 @@ class Broker:
             self._removeWorker(worker)
         else:  # READY again, or REQUEST from a worker: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
+
+    def _forward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
+                 final: bool) -> None:
+        """Pass a worker's reply part to the client, unless it would be too
+        large for the link back (then the request fails with 413)."""
+        if final:
+            request.state = DONE
+        if request.failed:
+            return  # already answered with an error; the worker's rest is void
+        size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
+        tooLarge = self.limits.oversize(size, len(body) + 4)
+        if tooLarge is not None:
+            request.failed = True
+            self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is too "
+                               "large for the client: {reason}", peer=peer_label(worker.key[1]),
+                               service=request.service, reason=tooLarge)
+            self._reply(request, codec.error_body(codec.STATUS_TOO_LARGE,
+                                                  f"reply too large for the client: {tooLarge}"),
+                        final=True)
+            return
+        if not final:
+            request.partials += 1
+        self._reply(request, body, final)
+
+    def _onReady(self, key: PeerKey, name: bytes, dialect: str) -> None:
+        service = self.services.get(name)
+        if len(self.workers) >= self.maxWorkers:
+            why = f"{len(self.workers)} workers already registered"
+        elif service is not None and service.workers >= self.maxServiceWorkers:
+            why = f"{service.workers} workers already serve {name.decode('ascii')!r}"
+        else:
+            self._register(key, name, dialect)
+            return
+        self.throttle.warn(log, "refused-ready", "refused READY from {peer}: {why}",
+                           peer=peer_label(key[1]), why=why)
+        self._send(key, dialect, codec.DISCONNECT)
 
     def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
         now = self.reactor.seconds()
@@ -404,40 +561,64 @@ class Broker:
             self._assign(worker, service.next_request())
 
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
-        """Send *request* to the idle *worker*."""
+        """Send *request* to the idle *worker*, under a new envelope."""
         worker.current = request
+        request.state = ASSIGNED
+        request.deliveries += 1
+        request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
         key = worker.key
-        key[0].send(key[1], codec.encode_worker_request(request.client[1], request.body,
-                                                         worker.dialect))
+        key[0].send(key[1], codec.encode_worker_request(envelope, request.body, worker.dialect))
         worker.lastSent = self.reactor.seconds()
 
     def _removeWorker(self, worker: WorkerRef) -> None:
-        """Forget *worker*; re-queue the request it held (workers are idempotent)."""
+        """Forget *worker*; re-queue the request it held (workers are
+        idempotent), unless it has been handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
         service = worker.service
         service.idle.pop(worker.key, None)
         service.workers -= 1
         if not service.workers:
-            service.abandonedAt = self.reactor.seconds()
+            service.abandonedAt = now = self.reactor.seconds()
+            self._abandoned.append((now, service))
         request, worker.current = worker.current, None
-        if request is not None:
-            # accepted work is never dropped, even past the queue bounds
-            service.requeue(request)
-            self._dispatch(service)
+        if request is not None and request.state is ASSIGNED:
+            self._takeBack(request, service)
         self._forgetIfEmpty(service)
 
+    def _takeBack(self, request: PendingRequest, service: ServiceQueue) -> None:
+        """The worker serving *request* is gone: queue it again."""
+        if request.failed:  # already answered (413): nothing is owed
+            request.state = DONE
+            return
+        if request.deliveries >= self.maxDeliveries:
+            request.state = DONE
+            self._refuse(request, codec.STATUS_WORKER_ERROR, "poison",
+                         f"request abandoned: the {request.deliveries} workers given it were "
+                         "each lost while serving it")
+            return
+        if request.partials:
+            # the next worker starts the reply over: tell the client first
+            request.partials = 0
+            self._reply(request, [codec.RESTART_MARKER], final=False)
+        # accepted work is never dropped, even past the queue bounds
+        request.queuedAt = self.reactor.seconds()
+        service.requeue(request)
+        self._dispatch(service)
+
     def _unexpected(self, worker: WorkerRef, what: str) -> None:
-        log.warn("unexpected {what} from worker {peer}: sending DISCONNECT",
-                 what=what, peer=peer_label(worker.key[1]))
+        self.invalid += 1
+        self.throttle.warn(log, "unexpected", "unexpected {what} from worker {peer}: sending "
+                           "DISCONNECT", what=what, peer=peer_label(worker.key[1]))
         self._send(worker.key, worker.dialect, codec.DISCONNECT)
         self._removeWorker(worker)
 
     def _invalid(self, key: PeerKey, reason: str) -> None:
         """Drop an invalid message; a registered worker that sent it is no
         longer trusted and is disconnected."""
-        log.warn("dropped invalid message from {peer}: {reason}",
-                 peer=peer_label(key[1]), reason=reason)
+        self.invalid += 1
+        self.throttle.warn(log, "invalid", "dropped invalid message from {peer}: {reason}",
+                           peer=peer_label(key[1]), reason=reason)
         worker = self.workers.get(key)
         if worker is not None:
             self._send(key, worker.dialect, codec.DISCONNECT)
@@ -449,7 +630,8 @@ class Broker:
     # --- time ----------------------------------------------------------------
 
     def tick(self) -> None:
-        """Once per heartbeat interval: heartbeats, dead workers, expired requests."""
+        """Once per heartbeat interval: heartbeats, dead workers, expired
+        requests, services at the end of their linger."""
         now = self.reactor.seconds()
         interval = self.heartbeat.interval
         expiry = self.heartbeat.expiry
@@ -462,13 +644,24 @@ class Broker:
             elif now - worker.lastSent >= interval / 2:
                 self._send(worker.key, worker.dialect, codec.HEARTBEAT)
                 worker.lastSent = now
-        deadline = now - self.requestExpiry
-        for service in list(self.services.values()):
-            if not service.workers and service.size:
-                for request in service.expire(deadline):
-                    self._reply(request, codec.error_body(
-                        codec.STATUS_UNAVAILABLE,
-                        f"no worker for service {service.name.decode('ascii')!r} within "
-                        f"{self.requestExpiry:g}s",
-                    ), final=True)
+        self._expire(now - self.requestExpiry)
+        abandoned = self._abandoned
+        while abandoned and abandoned[0][0] + self.serviceLinger <= now:
+            self._forgetIfEmpty(abandoned.popleft()[1])
+
+    def _expire(self, deadline: float) -> None:
+        """Answer 503 to every request queued at or before *deadline*."""
+        byAge = self._ledger.byAge
+        while byAge and byAge[0][0] <= deadline:
+            queuedAt, request = byAge.popleft()
+            if request.state is not QUEUED or request.queuedAt != queuedAt:
+                continue  # it left the queue (or was queued again) since
+            service = self.services[request.service]
+            service.remove(request)
+            why = ("no worker for service" if not service.workers
+                   else "no worker free for service")
+            self._reply(request, codec.error_body(
+                codec.STATUS_UNAVAILABLE,
+                f"{why} {service.name.decode('ascii')!r} within {self.requestExpiry:g}s",
+            ), final=True)
             self._forgetIfEmpty(service)

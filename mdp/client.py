@@ -9,24 +9,53 @@ time**: a reply on a connection belongs to the one request in flight on it.
 ``request()`` takes an idle connection, opens a new one while the pool is below
 ``maxConnections``, or waits in a local FIFO queue.
 
+A connection (a *channel*) alone decides when its request goes on the wire:
+when it is given the request while its pipe is up, or when the pipe comes up,
+and once more after the pipe broke and came back (the broker forgot the old
+connection and what it carried).  It never hands a message to a pipe that is
+down, so no transport queue holds a copy of its own: a request is sent at
+most once per pipe, and the broker can never answer it twice on one
+connection.  A reply arriving on a channel with no request in flight is
+discarded and the channel replaced, so it cannot complete a later request.
+
 With ``stamp=True`` every request carries this client's id and a sequence
 number, the same on each retry, so that workers with a reply store run it once
 (:mod:`mdp.idempotence`).
 
 Reliability (Lazy Pirate)
 -------------------------
-Each attempt has ``timeout`` seconds, watched by one timer for the whole client
-(set for the earliest deadline; a timer per request would be created and
-cancelled for nearly every request).  When it passes, the connection is closed
-and thrown away — so a late reply can never reach the caller — and the request
-is resent on a fresh connection, to the next broker endpoint if several are
-given, up to ``retries`` attempts in all; then the Deferred fails with
+Each attempt has ``timeout`` seconds.  The first starts when ``request()`` is
+called, whether the request then waits in the client's queue or goes out at
+once; each later one when the one before ran out.  One timer serves the whole
+client (set for the earliest deadline).  When an attempt on the wire runs out,
+its connection is closed and thrown away — so a late reply can never reach the
+caller — and the request is resent on a fresh connection, to the next broker
+endpoint if several are given; one that ran out while waiting keeps its place.
+After ``retries`` attempts in all the Deferred fails with
 :class:`~mdp.errors.RequestTimeout`.  On stream transports a broken connection
 is noticed at once and the in-flight request is resent when it comes back.
+
+Cancelling
+----------
+``Deferred.cancel()`` never raises.  A waiting request leaves the queue.  A
+request in flight is *abandoned*: its connection keeps it until its reply
+(discarded) or its deadline, then serves other requests; no connection is
+opened or closed for it.
+
+Restarted streams
+-----------------
+If a request's reply had begun streaming (PARTIALs were delivered) and then
+starts over — the broker gave it to another worker after its worker died
+(``codec.RESTART_MARKER``), or the client resends it after a broken connection
+or a timeout — the client calls ``onRestart()`` before the new attempt's
+parts.  Without ``onRestart`` such a request is not run again silently: it
+fails with :class:`~mdp.errors.StreamRestarted` (or, after a timeout, with
+:class:`~mdp.errors.RequestTimeout` instead of a retry).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import uuid
 from collections import deque
@@ -40,14 +69,17 @@ from mdp import codec, idempotence, transport
 from mdp.codec import ClientFinal, ClientPartial
 from mdp.errors import (
     ClientClosed,
+    MessageTooLarge,
     ProtocolError,
     RemoteError,
     RequestTimeout,
     ServiceOverloaded,
     ServiceUnavailable,
+    StreamRestarted,
     WorkerError,
 )
 from mdp.interfaces import IClient, IDealerReceiver
+from mdp.policy import Limits, LogThrottle
 
 log = Logger()
 
@@ -59,6 +91,7 @@ _ERRORS = {
     codec.STATUS_WORKER_ERROR: WorkerError,
     codec.STATUS_UNAVAILABLE: ServiceUnavailable,
     codec.STATUS_OVERLOADED: ServiceOverloaded,
+    codec.STATUS_TOO_LARGE: MessageTooLarge,
 }
 
 Frame = Union[bytes, str]
@@ -82,43 +115,66 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
 
 
 class _Call:
-    """One request: its Deferred, attempts so far and current connection."""
+    """One request: its Deferred, its attempts and where it is."""
 
-    __slots__ = ("service", "body", "deferred", "onPartial", "timeout", "retries",
-                 "attempts", "startedAt", "deadline", "channel")
+    __slots__ = ("service", "message", "deferred", "onPartial", "onRestart", "timeout",
+                 "retries", "attempts", "startedAt", "deadline", "channel", "queued", "done",
+                 "parts")
 
-    def __init__(self, service: bytes, body: list[bytes], timeout: float, retries: int,
-                 onPartial: Optional[Callable[[list[bytes]], Any]], startedAt: float,
+    def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
+                 onPartial: Optional[Callable[[list[bytes]], Any]],
+                 onRestart: Optional[Callable[[], Any]], startedAt: float,
                  canceller: Callable[[_Call], None]) -> None:
         self.service = service
-        self.body = body
+        self.message = message  # the encoded REQUEST, the same on every attempt
         self.timeout = timeout
         self.retries = retries
         self.onPartial = onPartial
+        self.onRestart = onRestart
         self.startedAt = startedAt
-        self.attempts = 0
-        self.deadline = 0.0  # when the current attempt times out
-        self.channel: Optional[_Channel] = None
+        self.attempts = 1
+        self.deadline = startedAt + timeout  # when the current attempt runs out
+        self.channel: Optional[_Channel] = None  # the connection carrying it
+        self.queued = False  # in the client's waiting queue
+        self.done = False  # answered, failed or cancelled
+        self.parts = 0  # PARTIALs delivered in the current attempt
         self.deferred: defer.Deferred[list[bytes]] = defer.Deferred(lambda _: canceller(self))
 
 
 @implementer(IDealerReceiver)
 class _Channel:
-    """One connection of the pool, with at most one request in flight."""
+    """One connection of the pool, with at most one request in flight (see
+    the module docstring: it alone decides when that request is sent)."""
 
     def __init__(self, client: Client, endpoint: str) -> None:
         self.client = client
+        #: the request in flight; a done one is abandoned, its reply still due
         self.call: Optional[_Call] = None
-        self.lost = False
-        self.transport = transport.connect(endpoint, self, client.reactor)
+        self.up = False  # the pipe is up (connectionMade, no connectionLost since)
+        self.sent = False  # the call went out on the current pipe
+        self.transport = transport.connect(endpoint, self, client.reactor, limits=client.limits)
+
+    def carry(self, call: _Call) -> None:
+        self.call = call
+        call.channel = self
+        self.sent = False
+        self.send()
+
+    def send(self) -> None:
+        call = self.call
+        if (call is not None and not self.sent and not call.done and self.up
+                and self.transport.connected):
+            self.sent = True
+            self.transport.sendMessage(call.message)
 
     def connectionMade(self) -> None:
-        if self.lost and self.call is not None:
-            self.client._send(self, self.call)
-        self.lost = False
+        self.up = True
+        self.send()
 
     def connectionLost(self, reason: object) -> None:
-        self.lost = True
+        self.up = False
+        self.sent = False
+        self.client._channelLost(self)
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self.client._received(self, frames)
@@ -141,6 +197,7 @@ class Client:
         maxConnections: int = DEFAULT_MAX_CONNECTIONS,
         dialect: str = codec.RFC,
         stamp: bool = False,
+        limits: Limits = Limits(),
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -155,13 +212,19 @@ class Client:
         self.maxConnections = maxConnections
         self.dialect = codec.check_dialect(dialect)
         self.stamp = stamp
+        self.limits = limits
         self.clientId = uuid.uuid4().bytes
+        self._throttle = LogThrottle(reactor)
         self._sequence = itertools.count(1)
         self._endpointIndex = 0
         self._idle: list[_Channel] = []
         self._channels: set[_Channel] = set()
         self._waiting: deque[_Call] = deque()
+        self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
         self._closed = False
+        #: (deadline, order, call) for every attempt; stale entries are skipped
+        self._deadlines: list[tuple[float, int, _Call]] = []
+        self._order = itertools.count()
         self._timer: Any = None  # the one DelayedCall, for the earliest deadline
 
     @property
@@ -178,89 +241,138 @@ class Client:
         timeout: Optional[float] = None,
         retries: Optional[int] = None,
         onPartial: Optional[Callable[[list[bytes]], Any]] = None,
+        onRestart: Optional[Callable[[], Any]] = None,
     ) -> defer.Deferred[list[bytes]]:
         """Send a request; the Deferred fires with the FINAL body frames.
 
-        *onPartial* is called with the body of every PARTIAL before that.
+        *onPartial* is called with the body of every PARTIAL before that, and
+        *onRestart* when the reply starts over (see the module docstring).
         Errors: :class:`RequestTimeout`, :class:`WorkerError`,
-        :class:`ServiceUnavailable`, :class:`ClientClosed`; cancelling the
-        Deferred abandons the request.
+        :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
+        :class:`MessageTooLarge` (also before sending, for a request over
+        ``limits``), :class:`StreamRestarted`, :class:`ClientClosed`;
+        cancelling the Deferred abandons the request.
         """
         if self._closed:
             return defer.fail(ClientClosed("client is closed"))
         body = request_frames(frames)
         if self.stamp:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
+        name = codec.service_name(service)
+        message = codec.encode(codec.ClientRequest(name, body), self.dialect)
+        tooLarge = self.limits.refuse(message)
+        if tooLarge is not None:
+            return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE,
+                                              f"request not sent: {tooLarge}"))
         call = _Call(
-            codec.service_name(service),
-            body,
+            name,
+            message,
             self.timeout if timeout is None else timeout,
             self.retries if retries is None else retries,
             onPartial,
+            onRestart,
             self.reactor.seconds(),
             self._cancel,
         )
-        self._waiting.append(call)
+        self._schedule(call)
+        self._enqueue(call)
         self._pump()
         return call.deferred
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
                timeout: Optional[float] = None) -> ReplyStream:
         """Send a request and iterate its reply parts: ``async for part in
-        client.stream(...)`` yields every PARTIAL body, then the FINAL body."""
+        client.stream(...)`` yields every PARTIAL body, then the FINAL body
+        (see :class:`ReplyStream` for restarts)."""
         replies = ReplyStream()
-        d = self.request(service, *frames, timeout=timeout, onPartial=replies._put)
+        d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
+                         onRestart=replies._restart)
         d.addCallbacks(replies._final, replies._fail)
         return replies
 
     def close(self) -> defer.Deferred[None]:
         """Fail every pending request with :class:`ClientClosed` and close."""
         self._closed = True
-        waiting, self._waiting = self._waiting, deque()
-        for call in waiting:
-            call.deferred.errback(ClientClosed("client closed"))
+        calls = [c for c in self._waiting if not c.done]
+        self._waiting.clear()
         for channel in list(self._channels):
-            call = channel.call
+            if channel.call is not None and not channel.call.done:
+                calls.append(channel.call)
             self._discard(channel)
-            if call is not None:
-                call.deferred.errback(ClientClosed("client closed"))
         self._stopTimer()
+        self._deadlines.clear()
+        for call in calls:
+            call.queued = False
+            call.channel = None
+            self._fail(call, ClientClosed("client closed"))
         return defer.succeed(None)
 
     # --- pool ----------------------------------------------------------------
 
+    def _enqueue(self, call: _Call, first: bool = False) -> None:
+        call.queued = True
+        if first:
+            self._waiting.appendleft(call)
+        else:
+            self._waiting.append(call)
+
     def _pump(self) -> None:
-        while self._waiting:
+        waiting = self._waiting
+        while waiting:
+            call = waiting[0]
+            if call.done:
+                waiting.popleft()
+                call.queued = False
+                self._waitingDone -= 1
+                continue
             if self._idle:
                 channel = self._idle.pop()
             elif len(self._channels) < self.maxConnections:
-                channel = _Channel(self, self.endpoint)
+                try:
+                    channel = _Channel(self, self.endpoint)
+                except Exception as e:  # a bad endpoint: nothing can be sent
+                    waiting.popleft()
+                    call.queued = False
+                    self._fail(call, e)
+                    continue
                 self._channels.add(channel)
             else:
                 return
-            call = self._waiting.popleft()
-            channel.call = call
-            call.channel = channel
-            call.attempts += 1
-            call.deadline = self.reactor.seconds() + call.timeout
-            self._armTimer(call.deadline)
-            self._send(channel, call)
-
-    def _send(self, channel: _Channel, call: _Call) -> None:
-        channel.transport.sendMessage(
-            codec.encode(codec.ClientRequest(call.service, call.body), self.dialect)
-        )
+            waiting.popleft()
+            call.queued = False
+            channel.carry(call)
 
     def _discard(self, channel: _Channel) -> None:
         self._channels.discard(channel)
         if channel in self._idle:
             self._idle.remove(channel)
+        call = channel.call
+        if call is not None and call.channel is channel:
+            call.channel = None
         channel.close()
 
     def _release(self, channel: _Channel) -> None:
-        channel.call = None
+        """*channel* carries nothing any more: it serves the next request."""
+        call, channel.call = channel.call, None
+        if call is not None and call.channel is channel:
+            call.channel = None
         self._idle.append(channel)
         self._pump()
+
+    # --- time ----------------------------------------------------------------
+
+    def _schedule(self, call: _Call) -> None:
+        heapq.heappush(self._deadlines, (call.deadline, next(self._order), call))
+        self._armTimer(call.deadline)
+
+    @staticmethod
+    def _watched(entry: tuple[float, int, _Call]) -> bool:
+        """Does this deadline still matter: its call is pending on this
+        attempt, or abandoned on a connection it holds?"""
+        deadline, _, call = entry
+        if call.deadline != deadline:
+            return False
+        return not call.done or call.channel is not None
 
     def _armTimer(self, deadline: float) -> None:
         """Make sure the timer fires by *deadline*."""
@@ -278,16 +390,22 @@ class Client:
             timer.cancel()
 
     def _sweep(self) -> None:
-        """The timer: time out the attempts whose deadline has come, then wait
-        for the next deadline."""
+        """The timer: end the attempts whose deadline has come, then wait for
+        the next deadline that matters."""
         self._timer = None
         now = self.reactor.seconds() + 1e-9  # a deadline met to the float is met
-        expired = [c.call for c in self._channels if c.call is not None and c.call.deadline <= now]
-        for call in expired:
-            self._timedOut(call)
-        pending = [c.call.deadline for c in self._channels if c.call is not None]
-        if pending:
-            self._armTimer(min(pending))
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._watched(entry):
+                self._expired(entry[2])
+        while heap and not self._watched(heap[0]):
+            heapq.heappop(heap)
+        if len(heap) > 2 * len(self._channels) + 2 * len(self._waiting) + 1024:
+            self._deadlines = heap = [e for e in heap if self._watched(e)]
+            heapq.heapify(heap)
+        if heap:
+            self._armTimer(heap[0][0])
 
     # --- events --------------------------------------------------------------
 
@@ -298,63 +416,149 @@ class Client:
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
                 raise ProtocolError(f"broker sent a client {kind.__name__}")
-            if call is None:
-                raise ProtocolError("reply on a connection with no request in flight")
-            if command.service != call.service and self.dialect == codec.RFC:
+            if call is not None and command.service != call.service and self.dialect == codec.RFC:
                 raise ProtocolError(
                     f"reply for service {command.service!r} to a request for {call.service!r}"
                 )
         except ProtocolError as e:
-            log.warn("client dropped a message from {endpoint}: {reason}",
-                     endpoint=channel.transport.endpoint, reason=e)
+            self._throttle.warn(log, "invalid", "client dropped a message from {endpoint}: {reason}",
+                                endpoint=channel.transport.endpoint, reason=e)
             return
+        if call is None:
+            self._throttle.warn(log, "unexpected", "client got a {command} from {endpoint} on a "
+                                "connection with no request in flight: discarded, connection "
+                                "replaced", command=kind.__name__, endpoint=channel.transport.endpoint)
+            self._discard(channel)
+            return
+        if call.done:  # abandoned: its reply is discarded
+            if kind is ClientFinal:
+                self._release(channel)
+            return
+        body = command.body
         if kind is ClientPartial:
+            if len(body) == 1 and body[0] == codec.RESTART_MARKER:
+                self._restart(call)
+                return
+            call.parts += 1
             if call.onPartial is not None:
                 try:
-                    call.onPartial(list(command.body))
+                    call.onPartial(list(body))
                 except Exception:
                     log.failure("onPartial callback for {service} failed", service=call.service)
             return
         self._release(channel)
-        error = remote_error(call.service, command.body)
+        error = remote_error(call.service, body)
         if error is not None:
-            call.deferred.errback(error)
-        else:
-            call.deferred.callback(list(command.body))
+            self._fail(call, error)
+        elif self._done(call):
+            call.deferred.callback(list(body))
 
-    def _timedOut(self, call: _Call) -> None:
-        channel, call.channel = call.channel, None
+    def _channelLost(self, channel: _Channel) -> None:
+        """A pipe broke; its request goes out again when it is back."""
+        call = channel.call
+        if call is None:
+            return
+        if not call.done:
+            self._restart(call)
+        if call.done:  # an abandoned reply can no longer come on this connection
+            self._release(channel)
+
+    def _restart(self, call: _Call) -> None:
+        """The reply of *call* starts over: tell the caller, or fail the call
+        if it had already received parts and gave no ``onRestart``."""
+        if not call.parts:
+            return
+        call.parts = 0
+        if call.onRestart is None:
+            self._fail(call, StreamRestarted(
+                f"the reply stream of the request to {call.service.decode('ascii', 'replace')!r} "
+                "started over; pass onRestart to accept restarts"))
+            return
+        try:
+            call.onRestart()
+        except Exception:
+            log.failure("onRestart callback for {service} failed", service=call.service)
+
+    def _expired(self, call: _Call) -> None:
+        """The current attempt of *call* ran out (or, abandoned, its reply never came)."""
+        channel = call.channel
+        if call.done:  # abandoned and unanswered: its connection is of no more use
+            if channel is not None:
+                self._discard(channel)
+                self._pump()
+            return
         if channel is not None:
             self._discard(channel)
-        if len(self.endpoints) > 1:
-            self._endpointIndex = (self._endpointIndex + 1) % len(self.endpoints)
-        if call.attempts < call.retries:
-            log.info("no reply from {service} in {timeout:g}s; retrying ({attempt}/{retries})",
-                     service=call.service, timeout=call.timeout,
-                     attempt=call.attempts + 1, retries=call.retries)
-            self._waiting.appendleft(call)
+            if len(self.endpoints) > 1:
+                self._endpointIndex = (self._endpointIndex + 1) % len(self.endpoints)
+        if call.attempts >= call.retries or (call.parts and call.onRestart is None):
+            self._fail(call, RequestTimeout(call.service, call.attempts,
+                                            self.reactor.seconds() - call.startedAt))
             self._pump()
             return
+        self._restart(call)
+        log.info("no reply from {service} in {timeout:g}s; retrying ({attempt}/{retries})",
+                 service=call.service, timeout=call.timeout,
+                 attempt=call.attempts + 1, retries=call.retries)
+        call.attempts += 1
+        call.deadline = self.reactor.seconds() + call.timeout
+        self._schedule(call)
+        if not call.queued:
+            self._enqueue(call, first=True)
         self._pump()
-        call.deferred.errback(
-            RequestTimeout(call.service, call.attempts, self.reactor.seconds() - call.startedAt)
-        )
+
+    def _done(self, call: _Call) -> bool:
+        """Mark *call* finished; False if it already was."""
+        if call.done:
+            return False
+        call.done = True
+        if call.queued:
+            self._waitingDone += 1
+            if self._waitingDone > 64 and 2 * self._waitingDone > len(self._waiting):
+                for waiting in self._waiting:
+                    if waiting.done:
+                        waiting.queued = False
+                self._waiting = deque(c for c in self._waiting if not c.done)
+                self._waitingDone = 0
+        return True
+
+    def _fail(self, call: _Call, error: BaseException) -> None:
+        if self._done(call):
+            call.deferred.errback(error)
 
     def _cancel(self, call: _Call) -> None:
-        if call in self._waiting:
-            self._waiting.remove(call)
-        channel, call.channel = call.channel, None
-        if channel is not None and channel.call is call:
-            self._discard(channel)
-            self._pump()
+        """The canceller of every request's Deferred: never raises (the
+        Deferred then fails with CancelledError)."""
+        try:
+            self._done(call)
+        except Exception:
+            log.failure("cancelling a request to {service} failed", service=call.service)
+
+
+_RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 
 
 class ReplyStream:
     """Async iterator over the reply parts of one request (see
-    :meth:`Client.stream`)."""
+    :meth:`Client.stream`).
+
+    If the reply starts over after some of its parts were taken, the next
+    ``__anext__`` raises :class:`~mdp.errors.StreamRestarted` (parts of the
+    abandoned attempt not taken yet are discarded); iterating again then yields
+    the new attempt's parts from the beginning::
+
+        while True:
+            try:
+                async for part in stream:
+                    handle(part)
+                break
+            except StreamRestarted:
+                start_over()
+    """
 
     def __init__(self) -> None:
-        self._parts: deque[list[bytes]] = deque()
+        self._parts: deque[Any] = deque()
+        self._taken = 0  # parts of the current attempt handed out
         self._done = False
         self._error: Any = None
         self._waiter: Optional[defer.Deferred[None]] = None
@@ -366,6 +570,13 @@ class ReplyStream:
 
     def _put(self, frames: list[bytes]) -> None:
         self._parts.append(frames)
+        self._wake()
+
+    def _restart(self) -> None:
+        while self._parts and self._parts[-1] is not _RESTARTED:
+            self._parts.pop()  # not taken yet: discarded
+        if not self._parts and self._taken:  # the caller saw parts of the abandoned attempt
+            self._parts.append(_RESTARTED)
         self._wake()
 
     def _final(self, frames: list[bytes]) -> None:
@@ -390,4 +601,10 @@ class ReplyStream:
                 raise StopAsyncIteration
             self._waiter = defer.Deferred()
             await self._waiter
-        return self._parts.popleft()
+        part = self._parts.popleft()
+        if part is _RESTARTED:
+            self._taken = 0
+            raise StreamRestarted("the reply stream started over; the parts taken so far "
+                                  "belong to an abandoned attempt")
+        self._taken += 1
+        return part

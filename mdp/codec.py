@@ -32,8 +32,16 @@ it sends an ordinary FINAL whose body is exactly three frames::
 ``ERROR_MARKER`` starts with a NUL byte so that it cannot be mistaken for a
 printable payload.  A plain MDP/0.2 client sees a well-formed FINAL; our client
 turns it into :class:`~mdp.errors.WorkerError` (500),
-:class:`~mdp.errors.ServiceUnavailable` (503) or
-:class:`~mdp.errors.ServiceOverloaded` (429).
+:class:`~mdp.errors.ServiceUnavailable` (503),
+:class:`~mdp.errors.ServiceOverloaded` (429) or
+:class:`~mdp.errors.MessageTooLarge` (413).
+
+Restarted streams
+-----------------
+When a worker dies after some PARTIALs of a reply were forwarded, the broker
+gives the request to another worker, whose PARTIALs start from the beginning.
+Before them, the broker sends one PARTIAL whose body is exactly
+``[RESTART_MARKER]``, so a client can discard what it had.
 """
 
 from __future__ import annotations
@@ -69,6 +77,12 @@ ERROR_MARKER = b"\x00MDP-ERROR"
 STATUS_WORKER_ERROR = b"500"
 STATUS_UNAVAILABLE = b"503"
 STATUS_OVERLOADED = b"429"
+STATUS_TOO_LARGE = b"413"
+
+#: Body of the PARTIAL a broker sends when it gives a request whose reply had
+#: begun streaming to another worker: the client discards what it had (see
+#: :class:`~mdp.errors.StreamRestarted`).
+RESTART_MARKER = b"\x00MDP-RESTART"
 
 #: Longest service name accepted; the RFC sets none, 255 keeps tables sane.
 MAX_SERVICE_LENGTH = 255

@@ -61,6 +61,20 @@ class ServiceOverloaded(RemoteError):
     """The broker refused the request because its queues are full (429)."""
 
 
+class MessageTooLarge(RemoteError):
+    """A request or reply exceeds a message limit (413): raised by our client
+    before it sends an oversized request, and for a 413 error reply from the
+    broker or a worker (a request too large for a worker, a reply too large for
+    the link back to the client)."""
+
+
+class StreamRestarted(MDPError):
+    """The reply stream of a request started over: the PARTIALs delivered so
+    far belong to an attempt that was abandoned (its worker died and the
+    broker gave the request to another, or the client retried after a
+    timeout).  Raised only when the caller gave no ``onRestart`` callback."""
+
+
 class ClientClosed(MDPError):
     """The client was closed while the request was pending."""
 

@@ -11,12 +11,18 @@ by the broker itself.
                           ...]``, only NAME's workers if a non-empty NAME is given
 any other ``mmi.*``       ``501``
 ========================  =====================================================
+
+Replies are bounded: ``mmi.services`` lists at most :data:`MAX_ENTRIES`
+services (the first by name) and ``mmi.workers`` at most :data:`MAX_ENTRIES`
+workers; when there were more, a second frame says so:
+``{"truncated": true, "total": n}``.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from mdp.broker import Broker
@@ -26,24 +32,39 @@ FOUND = b"200"
 NOT_FOUND = b"404"
 NOT_IMPLEMENTED = b"501"
 
+#: Most entries in one ``mmi.services`` or ``mmi.workers`` reply.
+MAX_ENTRIES = 1000
+
+
+def _listing(entries: Any, total: int) -> list[bytes]:
+    """The reply frames for *entries* (at most MAX_ENTRIES) out of *total*."""
+    frames = [json.dumps(entries, sort_keys=True).encode()]
+    if total > len(entries):
+        frames.append(json.dumps({"truncated": True, "total": total}).encode())
+    return frames
+
 
 def answer(broker: Broker, service: bytes, body: Sequence[bytes]) -> list[bytes]:
     """The FINAL body answering an ``mmi.*`` request."""
     if service == b"mmi.service":
         return [FOUND if broker.isServiceAvailable(bytes(body[0])) else NOT_FOUND]
     if service == b"mmi.services":
+        services = broker.services
+        names = heapq.nsmallest(MAX_ENTRIES, services)
         table = {
             name.decode("ascii"): {
-                "workers": queue.workers,
-                "idle": len(queue.idle),
-                "queued": queue.size,
+                "workers": services[name].workers,
+                "idle": len(services[name].idle),
+                "queued": services[name].size,
             }
-            for name, queue in sorted(broker.services.items())
+            for name in names
         }
-        return [json.dumps(table, sort_keys=True).encode()]
+        return _listing(table, len(services))
     if service == b"mmi.workers":
         wanted = bytes(body[0]) if body and body[0] else None
         now = broker.reactor.seconds()
+        chosen = [w for w in broker.workers.values()
+                  if wanted is None or w.service.name == wanted]
         workers = [
             {
                 "id": worker.key[1].hex(),
@@ -52,8 +73,7 @@ def answer(broker: Broker, service: bytes, body: Sequence[bytes]) -> list[bytes]
                 "dialect": worker.dialect,
                 "silence": round(now - worker.lastSeen, 3),
             }
-            for worker in broker.workers.values()
-            if wanted is None or worker.service.name == wanted
+            for worker in chosen[:MAX_ENTRIES]
         ]
-        return [json.dumps(workers).encode()]
+        return _listing(workers, len(chosen))
     return [NOT_IMPLEMENTED]

@@ -25,6 +25,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.policy import Limits
 
 
 def _reactor(reactor: Optional[Any]) -> Any:
@@ -46,23 +47,27 @@ def scheme(endpoint: str) -> str:
 
 
 def listen(
-    endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None
+    endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None,
+    limits: Limits = Limits(),
 ) -> defer.Deferred[IRouterTransport]:
-    """Bind *endpoint*; the Deferred fires with an :class:`IRouterTransport`."""
+    """Bind *endpoint*; the Deferred fires with an :class:`IRouterTransport`
+    that enforces *limits* on what it receives and on what each peer leaves
+    unread."""
     kind = scheme(endpoint)
     reactor = _reactor(reactor)
     try:
         if kind == "loopback":
             from mdp.transport.loopback import LoopbackRouter
 
-            return defer.succeed(LoopbackRouter(endpoint.partition(":")[2], receiver, reactor))
+            return defer.succeed(LoopbackRouter(endpoint.partition(":")[2], receiver, reactor,
+                                                limits=limits))
         if kind == "zmq":
             from mdp.transport.zeromq import ZmqRouter
 
-            return defer.succeed(ZmqRouter(endpoint, receiver))
+            return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits))
         from mdp.transport.stream import StreamRouter
 
-        return StreamRouter.listen(reactor, endpoint, receiver)  # type: ignore[return-value]
+        return StreamRouter.listen(reactor, endpoint, receiver, limits)  # type: ignore[return-value]
     except (ValueError, KeyError, TypeError) as e:
         return defer.fail(TransportError(f"bad endpoint {endpoint!r}: {e}"))
     except TransportError as e:
@@ -74,32 +79,34 @@ def connect(
     receiver: IDealerReceiver,
     reactor: Optional[Any] = None,
     retryPolicy: Optional[Any] = None,
+    limits: Limits = Limits(),
 ) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint*.  ``receiver.connectionMade`` is
     called later, once the pipe is usable.  *retryPolicy* (attempt → seconds)
-    paces reconnection on stream transports."""
+    paces reconnection on stream transports; *limits* bound what is received."""
     kind = scheme(endpoint)
     reactor = _reactor(reactor)
     try:
         if kind == "loopback":
             from mdp.transport.loopback import LoopbackDealer
 
-            return LoopbackDealer(endpoint.partition(":")[2], receiver, reactor)
+            return LoopbackDealer(endpoint.partition(":")[2], receiver, reactor, limits=limits)
         if kind == "zmq":
             from mdp.transport.zeromq import ZmqDealer
 
-            return ZmqDealer(reactor, endpoint, receiver)
+            return ZmqDealer(reactor, endpoint, receiver, limits)
         from mdp.transport.stream import StreamDealer
 
-        return StreamDealer(reactor, endpoint, receiver, retryPolicy=retryPolicy)
+        return StreamDealer(reactor, endpoint, receiver, retryPolicy=retryPolicy, limits=limits)
     except (ValueError, KeyError, TypeError) as e:
         raise TransportError(f"bad endpoint {endpoint!r}: {e}") from e
 
 
-def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None) -> IPeerRouterTransport:
+def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None,
+                  limits: Limits = Limits()) -> IPeerRouterTransport:
     """A connecting ROUTER (:class:`IPeerRouterTransport`) for *receiver*;
     add servers with its ``connect(endpoint)``."""
     from mdp.transport.peers import PeerRouter
 
-    return PeerRouter(receiver, _reactor(reactor))
+    return PeerRouter(receiver, _reactor(reactor), limits)
 

@@ -5,6 +5,9 @@ reactor the transport was given, so nothing is re-entrant and a test driving a
 :class:`twisted.internet.task.Clock` decides exactly when messages move
 (``clock.advance(0)`` delivers everything pending, in order).
 
+The message limits (:class:`~mdp.policy.Limits`) hold as on streams: an
+oversized message ends the pipe that carried it, logged.
+
 A dealer whose listener does not exist yet waits for it, as a ZeroMQ DEALER
 does; when a listener closes, its dealers see ``connectionLost`` and wait for a
 new listener under the same name.  Peers are reported disconnected at once, as
@@ -30,6 +33,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.policy import Limits, LogThrottle
 
 log = Logger()
 
@@ -89,12 +93,15 @@ class LoopbackRouter:
         receiver: IRouterReceiver,
         reactor: IReactorTime,
         net: LoopbackNetwork = network,
+        limits: Limits = Limits(),
     ) -> None:
         self.name = name
         self.endpoint = f"loopback:{name}"
         self.receiver = receiver
         self.reactor = reactor
         self.network = net
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
         self.peers: dict[bytes, LoopbackDealer] = {}
         self.closed = False
         net.bind(name, self)
@@ -123,6 +130,12 @@ class LoopbackRouter:
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if peer in self.peers and not self.closed:
+            reason = self.limits.refuse(frames)
+            if reason is not None:
+                self.throttle.warn(log, "oversized", "loopback:{name} dropping peer {peer}: {reason}",
+                                   name=self.name, peer=peer.hex(), reason=reason)
+                self.disconnectPeer(peer)
+                return
             self.receiver.messageReceived(peer, frames)
 
     def _peerGone(self, peer: bytes) -> None:
@@ -143,12 +156,15 @@ class LoopbackDealer:
         receiver: IDealerReceiver,
         reactor: IReactorTime,
         net: LoopbackNetwork = network,
+        limits: Limits = Limits(),
     ) -> None:
         self.name = name
         self.endpoint = f"loopback:{name}"
         self.receiver = receiver
         self.reactor = reactor
         self.network = net
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
         self.router: Optional[LoopbackRouter] = None
         self.peer: Optional[bytes] = None
         self.queue: deque[list[bytes]] = deque(maxlen=self.maxQueued)
@@ -193,6 +209,12 @@ class LoopbackDealer:
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if peer == self.peer and not self.closed:
+            reason = self.limits.refuse(frames)
+            if reason is not None:
+                self.throttle.warn(log, "oversized", "loopback dealer to {name} dropping its pipe: "
+                                   "{reason}", name=self.name, reason=reason)
+                self._dropped(peer)
+                return
             self.receiver.messageReceived(frames)
 
     def _detach(self) -> None:

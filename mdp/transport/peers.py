@@ -13,6 +13,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.interfaces import IDealerTransport, IPeerRouterReceiver, IPeerRouterTransport
+from mdp.policy import Limits
 
 
 class _Pipe:
@@ -38,9 +39,10 @@ class PeerRouter:
     """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through
     one pipe each."""
 
-    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any) -> None:
+    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any, limits: Limits = Limits()) -> None:
         self.receiver = receiver
         self.reactor = reactor
+        self.limits = limits
         self.pipes: dict[str, tuple[_Pipe, IDealerTransport]] = {}
         self.zmq: Optional[Any] = None
 
@@ -51,13 +53,14 @@ class PeerRouter:
             if self.zmq is None:
                 from mdp.transport.zeromq import ZmqPeerRouter
 
-                self.zmq = ZmqPeerRouter(self.receiver)
+                self.zmq = ZmqPeerRouter(self.receiver, self.reactor, self.limits)
             self.zmq.connect(endpoint)
             return
         pipe = _Pipe(self, endpoint)
         # the agent's PINGs find out when a server is back; reconnect quickly
         self.pipes[endpoint] = (pipe, transport.connect(
-            endpoint, pipe, self.reactor, retryPolicy=lambda attempt: min(0.25 * attempt, 2.0)))
+            endpoint, pipe, self.reactor, retryPolicy=lambda attempt: min(0.25 * attempt, 2.0),
+            limits=self.limits))
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
         entry = self.pipes.get(endpoint)

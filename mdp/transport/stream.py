@@ -1,34 +1,36 @@
 """Multi-frame messages over any Twisted stream endpoint (tcp, tls, unix).
 
-Framing (documented in ``docs/transports.md``): each message is one record::
+Each message is one length-prefixed record (:mod:`mdp.transport.framing`,
+documented in ``docs/transports.md``).  A record over the message limits, or a
+payload whose frame lengths do not add up, ends the connection, logged with
+the peer.
 
-    record  = length:uint32be  payload          ; length = len(payload)
-    payload = *( frame-length:uint32be  frame-bytes )
+The bound side (:class:`StreamRouter`) gives each accepted connection an
+opaque peer id and reports its loss at once.  It defends itself
+(:class:`~mdp.policy.Limits`): a connection must send its first message within
+``handshakeTimeout`` and complete every record it starts within
+``recordTimeout``; at most ``maxConnections`` are open (at the cap, the oldest
+connection that has not yet sent a message makes room, or the newcomer is
+refused); and what a peer does not read is kept, beyond Twisted's own write
+buffer, only up to ``maxOutputBytes``, after which that peer alone is
+disconnected.
 
-so a message of frames ``[b"MDPC02", b"\\x01"]`` is
-``00 00 00 0f | 00 00 00 06 "MDPC02" | 00 00 00 01 01``.  A record longer than
-``maxLength`` (16 MiB by default) or a payload whose frame lengths do not add up
-ends the connection, logged with the peer.
-
-The bound side gives each accepted connection an opaque peer id and reports its
-loss at once.  The connecting side uses :class:`ClientService`, so it
-reconnects with exponential backoff by itself.
+The connecting side uses :class:`ClientService`, so it reconnects with
+exponential backoff by itself.
 """
 
 from __future__ import annotations
 
 import itertools
-import struct
-from collections import deque
-from typing import Callable, Optional
+from collections import OrderedDict, deque
+from typing import Any, Callable, Optional
 
 from twisted.application.internet import ClientService
 from twisted.internet import defer
 from twisted.internet.endpoints import clientFromString, serverFromString
 from twisted.internet.interfaces import IListeningPort, IPushProducer
-from twisted.internet.protocol import Factory
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
-from twisted.protocols.basic import Int32StringReceiver
 from zope.interface import implementer
 
 from mdp.errors import ProtocolError
@@ -38,76 +40,57 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.policy import Limits, LogThrottle
 from mdp.transport.flow import DrainWaiters
+from mdp.transport.framing import RecordDecoder, encode_record
 
 log = Logger()
 
-DEFAULT_MAX_LENGTH = 16 * 1024 * 1024
-
-_pack = struct.Struct(">I").pack
-_unpack_from = struct.Struct(">I").unpack_from
 _ids = itertools.count(1)
 
 
-def encode_record(frames: list[bytes]) -> bytes:
-    """Payload of one record (without the outer length, which the
-    Int32StringReceiver adds)."""
-    parts = []
-    for frame in frames:
-        parts.append(_pack(len(frame)))
-        parts.append(frame)
-    return b"".join(parts)
-
-
-def decode_record(payload: bytes) -> list[bytes]:
-    """Split one record's payload back into frames."""
-    frames = []
-    offset = 0
-    end = len(payload)
-    view = memoryview(payload)
-    while offset < end:
-        if end - offset < 4:
-            raise ProtocolError("truncated frame length in stream record")
-        (size,) = _unpack_from(payload, offset)
-        offset += 4
-        if size > end - offset:
-            raise ProtocolError(
-                f"frame of {size} bytes overruns its record ({end - offset} left)"
-            )
-        frames.append(bytes(view[offset : offset + size]))
-        offset += size
-    return frames
-
-
-class FramedProtocol(Int32StringReceiver):
+class FramedProtocol(Protocol):
     """One stream connection carrying framed multi-frame messages."""
 
-    MAX_LENGTH = DEFAULT_MAX_LENGTH
-
+    limits: Limits = Limits()
     onMessage: Callable[[list[bytes]], None]
+    throttle: Optional[LogThrottle] = None
+    dropped = False  # drop() was called: deliver nothing more
+
+    def connectionMade(self) -> None:
+        self.decoder = RecordDecoder(self.limits)
 
     def sendFrames(self, frames: list[bytes]) -> None:
-        self.sendString(encode_record(frames))
+        self.transport.write(encode_record(frames))
 
-    def stringReceived(self, payload: bytes) -> None:
+    def dataReceived(self, data: bytes) -> None:
         try:
-            frames = decode_record(payload)
+            messages = self.decoder.feed(data)
         except ProtocolError as e:
-            log.warn("dropping stream peer {peer}: {reason}", peer=self._peerName(), reason=e)
-            self.transport.loseConnection()
+            self.drop("{reason}", reason=e)
             return
-        self.onMessage(frames)
+        for frames in messages:
+            self.onMessage(frames)
+            if self.closing:
+                return
 
-    def lengthLimitExceeded(self, length: int) -> None:
-        log.warn(
-            "dropping stream peer {peer}: record of {length} bytes exceeds {limit}",
-            peer=self._peerName(),
-            length=length,
-            limit=self.MAX_LENGTH,
-        )
-        self.transport.loseConnection()
+    @property
+    def closing(self) -> bool:
+        return self.dropped or self.transport.disconnecting
 
-    def _peerName(self) -> str:
+    def drop(self, why: str, **fields: Any) -> None:
+        """End the connection at once, logging *why* with the peer."""
+        if self.dropped:
+            return
+        self.dropped = True
+        fields["peer"] = self.peerName()
+        if self.throttle is not None:
+            self.throttle.warn(log, "drop", "dropping stream peer {peer}: " + why, **fields)
+        else:
+            log.warn("dropping stream peer {peer}: " + why, **fields)
+        self.transport.abortConnection()
+
+    def peerName(self) -> str:
         try:
             return str(self.transport.getPeer())
         except Exception:
@@ -142,20 +125,102 @@ def connect_description(kind: str, port: IListeningPort) -> str:
     return f"{kind}:host={host}:port={address.port}"
 
 
+@implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
+    """An accepted connection.  It is the push producer of its transport:
+    while Twisted's write buffer is full it keeps what is sent in a backlog of
+    its own, counted in bytes."""
+
     router: StreamRouter
     peer: bytes
+    greeted = False  # a first complete message arrived
+    paused = False
 
     def connectionMade(self) -> None:
+        router = self.router
+        self.limits = router.limits
+        self.throttle = router.throttle
+        super().connectionMade()
         self.peer = b"\x00" + next(_ids).to_bytes(4, "big")
-        self.MAX_LENGTH = self.router.maxLength
-        self.router.connections[self.peer] = self
         self.onMessage = self._deliver
+        self.backlog: deque[bytes] = deque()
+        self.backlogBytes = 0
+        self._recordsAtArm = -1
+        router.connections[self.peer] = self
+        router.ungreeted[self.peer] = self
+        self.transport.registerProducer(self, True)
+        self._timer: Any = router.reactor.callLater(
+            self.limits.handshakeTimeout, self._timedOut,
+            "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
 
     def _deliver(self, frames: list[bytes]) -> None:
+        if not self.greeted:
+            self.greeted = True
+            self.router.ungreeted.pop(self.peer, None)
+            self._cancelTimer()
         self.router.receiver.messageReceived(self.peer, frames)
 
+    def dataReceived(self, data: bytes) -> None:
+        super().dataReceived(data)
+        if not self.greeted or self.closing:
+            return  # the handshake deadline covers a first record
+        decoder = self.decoder
+        if decoder.inRecord:
+            if self._timer is None or self._recordsAtArm != decoder.records:
+                # a record has begun since the timer was armed (or none is armed)
+                self._cancelTimer()
+                self._recordsAtArm = decoder.records
+                self._timer = self.router.reactor.callLater(
+                    self.limits.recordTimeout, self._timedOut,
+                    "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)",
+                    self.limits.recordTimeout)
+        elif self._timer is not None:
+            self._cancelTimer()
+
+    def _timedOut(self, why: str, seconds: float) -> None:
+        self._timer = None
+        self.drop(why, seconds=seconds, held=self.decoder.buffered)
+
+    def _cancelTimer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.closing:
+            return
+        record = encode_record(frames)
+        if not self.paused and not self.backlog:
+            self.transport.write(record)
+            return
+        self.backlog.append(record)
+        self.backlogBytes += len(record)
+        if self.backlogBytes > self.limits.maxOutputBytes:
+            self.router.overflows += 1
+            self.drop("it reads slower than it is sent to ({held} bytes unsent, over the limit "
+                      "of {limit})", held=self.backlogBytes, limit=self.limits.maxOutputBytes)
+            self.backlog.clear()
+            self.backlogBytes = 0
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        backlog = self.backlog
+        while backlog and not self.paused:
+            record = backlog.popleft()
+            self.backlogBytes -= len(record)
+            self.transport.write(record)
+
+    def stopProducing(self) -> None:
+        self.backlog.clear()
+        self.backlogBytes = 0
+
     def connectionLost(self, reason: object = None) -> None:
+        self._cancelTimer()
+        self.backlog.clear()
+        self.router.ungreeted.pop(self.peer, None)
         if self.router.connections.pop(self.peer, None) is not None:
             self.router.receiver.peerDisconnected(self.peer)
 
@@ -166,28 +231,55 @@ class StreamRouter:
 
     reportsDisconnects = True
 
-    def __init__(self, receiver: IRouterReceiver, maxLength: int = DEFAULT_MAX_LENGTH) -> None:
+    def __init__(self, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits()) -> None:
         self.receiver = receiver
-        self.maxLength = maxLength
+        self.reactor = reactor
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
+        #: connections that have not yet sent a message, oldest first
+        self.ungreeted: OrderedDict[bytes, _RouterConnection] = OrderedDict()
         self.port: Optional[IListeningPort] = None
         self.endpoint = ""
+        #: peers disconnected for not reading their messages
+        self.overflows = 0
+        #: connections refused at maxConnections
+        self.refused = 0
 
-    def buildProtocol(self, addr: object) -> _RouterConnection:
+    def buildProtocol(self, addr: object) -> Optional[_RouterConnection]:
+        if len(self.connections) >= self.limits.maxConnections:
+            if self.ungreeted:  # make room: the oldest one that has said nothing
+                _, idle = self.ungreeted.popitem(last=False)
+                idle.drop("making room for a new connection ({limit} open) before it sent a message",
+                          limit=self.limits.maxConnections)
+                self._forget(idle)
+            else:
+                self.refused += 1
+                self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
+                                   "from {address}: {limit} connections open",
+                                   endpoint=self.endpoint, address=str(addr),
+                                   limit=self.limits.maxConnections)
+                return None
         proto = _RouterConnection()
         proto.router = self
         return proto
 
+    def _forget(self, connection: _RouterConnection) -> None:
+        """Stop counting an aborted connection at once (its connectionLost
+        comes a reactor turn later)."""
+        if self.connections.pop(connection.peer, None) is not None:
+            self.receiver.peerDisconnected(connection.peer)
+
     @classmethod
     def listen(
-        cls, reactor: object, endpoint: str, receiver: IRouterReceiver,
-        maxLength: int = DEFAULT_MAX_LENGTH,
+        cls, reactor: Any, endpoint: str, receiver: IRouterReceiver, limits: Limits = Limits(),
     ) -> defer.Deferred[StreamRouter]:
-        router = cls(receiver, maxLength)
+        router = cls(receiver, reactor, limits)
         description = server_description(endpoint)
         server = serverFromString(reactor, description)
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = router.buildProtocol  # type: ignore[method-assign]
+        factory.noisy = False
 
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
@@ -199,7 +291,7 @@ class StreamRouter:
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)
         if connection is not None:
-            connection.sendFrames(frames)
+            connection.send(frames)
 
     def disconnectPeer(self, peer: bytes) -> None:
         connection = self.connections.get(peer)
@@ -211,6 +303,7 @@ class StreamRouter:
         for connection in list(self.connections.values()):
             connection.transport.abortConnection()
         self.connections.clear()
+        self.ungreeted.clear()
         if port is None:
             return defer.succeed(None)
         return defer.maybeDeferred(port.stopListening)
@@ -225,7 +318,8 @@ class _DealerConnection(FramedProtocol):
     paused = False
 
     def connectionMade(self) -> None:
-        self.MAX_LENGTH = self.dealer.maxLength
+        self.limits = self.dealer.limits
+        super().connectionMade()
         self.onMessage = self.dealer.receiver.messageReceived
         self.transport.registerProducer(self, True)
         self.dealer._made(self)
@@ -256,27 +350,34 @@ def default_retry_policy(initial: float = 0.5, maximum: float = 32.0) -> Callabl
 
 @implementer(IDealerTransport)
 class StreamDealer:
-    """The connecting side: one :class:`ClientService`-managed connection."""
+    """The connecting side: one :class:`ClientService`-managed connection.
+
+    Messages sent while no connection is up wait (at most ``maxQueued`` of
+    them and ``limits.maxOutputBytes`` in all; beyond, they are refused with a
+    warning) and go out after the next ``connectionMade``."""
 
     maxQueued = 1000
 
     def __init__(
         self,
-        reactor: object,
+        reactor: Any,
         endpoint: str,
         receiver: IDealerReceiver,
         retryPolicy: Optional[Callable[[int], float]] = None,
-        maxLength: int = DEFAULT_MAX_LENGTH,
+        limits: Limits = Limits(),
     ) -> None:
         self.endpoint = endpoint
         self.receiver = receiver
-        self.maxLength = maxLength
+        self.limits = limits
         self.protocol: Optional[_DealerConnection] = None
-        self.queue: deque[list[bytes]] = deque(maxlen=self.maxQueued)
+        self.queue: deque[list[bytes]] = deque()
+        self.queuedBytes = 0
+        self._throttle = LogThrottle(reactor)
         self._dropping: Optional[_DealerConnection] = None
         self._waiters = DrainWaiters()
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
+        factory.noisy = False
         self.service = ClientService(
             clientFromString(reactor, endpoint),
             factory,
@@ -312,6 +413,8 @@ class StreamDealer:
         self.receiver.connectionMade()
         while self.queue and self.protocol is proto:
             proto.sendFrames(self.queue.popleft())
+        if not self.queue:
+            self.queuedBytes = 0
 
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
         if self.protocol is proto:
@@ -326,11 +429,21 @@ class StreamDealer:
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.protocol is not None:
             self.protocol.sendFrames(frames)
-        elif self.service.running:
-            self.queue.append(list(frames))
+            return
+        if not self.service.running:
+            return
+        size = sum(map(len, frames))
+        if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
+            self._throttle.warn(log, "full", "stream dealer to {endpoint} refused a message: "
+                                "{count} messages ({bytes} bytes) already wait for the connection",
+                                endpoint=self.endpoint, count=len(self.queue), bytes=self.queuedBytes)
+            return
+        self.queue.append(list(frames))
+        self.queuedBytes += size
 
     def reconnect(self) -> None:
         self.queue.clear()
+        self.queuedBytes = 0
         proto, self.protocol = self.protocol, None
         if proto is not None:
             self._dropping = proto
@@ -339,5 +452,6 @@ class StreamDealer:
 
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()
+        self.queuedBytes = 0
         self._waiters.fire()
         return self.service.stopService()

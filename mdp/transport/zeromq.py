@@ -2,9 +2,14 @@
 
 Thin adapters around :class:`txzmq.ZmqRouterConnection` and
 :class:`txzmq.ZmqDealerConnection`.  Socket options are set explicitly instead
-of txzmq's defaults: a high-water mark of 100,000 messages per pipe (txzmq's 0
-means unbounded queues) and a short linger.  ZeroMQ hides connection state, so these
-transports never report disconnects; MDP heartbeats cover that.
+of txzmq's defaults (whose high-water mark of 0 means unbounded queues): a
+high-water mark per pipe (1,000 messages on a ROUTER, libzmq's default, and
+100,000 on a DEALER), ``ZMQ_MAXMSGSIZE`` from the message limit (libzmq drops
+a peer that sends a larger frame) and a short linger.  A message whose frames
+together exceed the limits is read off the socket and discarded without being
+kept.  ZeroMQ hides connection state, so these transports report no
+disconnects, except of a peer a ROUTER cuts off for not reading (below); MDP
+heartbeats cover the rest.
 
 ``import txzmq`` installs the default reactor; this module imports it only when
 a ``zmq:`` endpoint is actually used.
@@ -13,7 +18,6 @@ a ``zmq:`` endpoint is actually used.
 from __future__ import annotations
 
 import errno
-import time
 from collections import deque
 from typing import Any, Optional
 
@@ -28,15 +32,18 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.policy import Limits, LogThrottle
 from mdp.transport.flow import DrainWaiters
 
 log = Logger()
 
-#: Per-pipe queue bound.  High enough that a handler streaming thousands of
-#: PARTIALs in one burst is not cut short (a DEALER refuses and a ROUTER drops
-#: messages beyond it), low enough to bound memory; txzmq's default of 0 would
-#: mean unbounded.
+#: Per-pipe queue bound of a DEALER.  High enough that a handler streaming
+#: thousands of PARTIALs in one burst rarely waits (beyond it the DEALER keeps
+#: messages in its backlog); txzmq's default of 0 would mean unbounded.
 HIGH_WATER_MARK = 100_000
+#: Per-pipe queue bound of a ROUTER (libzmq's default).  Beyond it, messages for
+#: a peer wait in that peer's backlog, which is bounded in bytes.
+ROUTER_HIGH_WATER_MARK = 1000
 LINGER_MS = 200
 
 _factory: Any = None
@@ -83,12 +90,17 @@ def _connection_classes() -> tuple[type, type]:
             flag instead of a RCVMORE lookup, an EVENTS check instead of the
             exception a failed recv raises, at most READ_BATCH messages per
             reactor turn, and an extra read after a send only when ZeroMQ says
-            input is pending (its FD is edge-triggered)."""
+            input is pending (its FD is edge-triggered).  Frames beyond the
+            message limits are received and dropped, never copied."""
 
             read_scheduled: Any
             socket: Any
             factory: Any
             reading = False
+            #: frames of routing envelope before the message (1 on a ROUTER)
+            envelope = 0
+            maxBytes = Limits().maxMessageBytes
+            maxFrames = Limits().maxFrames
 
             def doRead(self) -> None:
                 self.read_scheduled = _cancel(self.read_scheduled)
@@ -96,6 +108,8 @@ def _connection_classes() -> tuple[type, type]:
                 if socket is None:
                     return
                 deliver = self.deliver
+                maxBytes = self.maxBytes
+                maxFrames = self.maxFrames + self.envelope
                 # sends made while reading need no EVENTS check of their own:
                 # the loop asks EVENTS again before it returns
                 self.reading = True
@@ -106,9 +120,18 @@ def _connection_classes() -> tuple[type, type]:
                             return
                         frame = recv(socket, NOBLOCK, False)
                         frames = [frame.bytes]
+                        size = 0 if self.envelope else len(frames[0])
+                        count = 1
                         while frame.more:
                             frame = recv(socket, NOBLOCK, False)
+                            count += 1
+                            if count > maxFrames or size > maxBytes:
+                                continue  # over a limit: read off and drop the rest
+                            size += len(frame)
                             frames.append(frame.bytes)
+                        if count > maxFrames or size > maxBytes:
+                            self.oversized(frames, count - self.envelope, size)
+                            continue
                         try:
                             deliver(frames)
                         except Exception:
@@ -132,15 +155,22 @@ def _connection_classes() -> tuple[type, type]:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
         class Router(FastIO, txzmq.ZmqRouterConnection):
-            highWaterMark = HIGH_WATER_MARK
-            owner: ZmqRouter
+            highWaterMark = ROUTER_HIGH_WATER_MARK
+            envelope = 1
+            owner: Any
 
             def deliver(self, frames: list[bytes]) -> None:
-                self.owner.receiver.messageReceived(frames[0], frames[1:])
+                self.owner.delivered(frames[0], frames[1:])
+
+            def oversized(self, frames: list[bytes], count: int, size: int) -> None:
+                self.owner.oversized(frames[0], count, size)
 
         class Dealer(FastIO, txzmq.ZmqDealerConnection):
             highWaterMark = HIGH_WATER_MARK
             owner: ZmqDealer
+
+            def oversized(self, frames: list[bytes], count: int, size: int) -> None:
+                self.owner.oversized(None, count, size)
 
             def doRead(self) -> None:
                 # ZeroMQ signals its FD when a full pipe drains, too
@@ -175,18 +205,173 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
+def _limit(connection: Any, limits: Limits) -> None:
+    """Apply the message limits to a socket (before it binds or connects)."""
+    import zmq
+
+    connection.maxBytes = limits.maxMessageBytes
+    connection.maxFrames = limits.maxFrames
+    connection.socket.set(zmq.MAXMSGSIZE, limits.maxMessageBytes)
+
+
+class _Backlog:
+    """Messages a ROUTER keeps for one peer whose pipe is full, in order."""
+
+    __slots__ = ("messages", "bytes")
+
+    def __init__(self) -> None:
+        self.messages: deque[list[bytes]] = deque()
+        self.bytes = 0
+
+
+class _RoutedSocket:
+    """What a bound and a connecting ROUTER share: sending to a peer through a
+    per-peer backlog bounded in bytes, and cutting off a peer that does not
+    read.
+
+    With ``ZMQ_ROUTER_MANDATORY`` a message for a peer whose pipe is full is
+    refused instead of silently dropped.  It then waits, with what follows for
+    the same peer, in that peer's backlog, flushed every ``flushInterval``
+    seconds; other peers are never held back.  When a backlog exceeds
+    ``maxOutputBytes`` the peer is cut off: its backlog is dropped, messages
+    for it are discarded until it sends again, and (bound ROUTERs only) the
+    receiver hears ``peerDisconnected``.  libzmq itself holds at most the
+    high-water mark of messages per pipe besides."""
+
+    flushInterval = 0.005
+    connection: Any
+    endpoint: str
+    reactor: Any
+    limits: Limits
+    receiver: Any
+
+    def _setup(self, reactor: Any, limits: Limits) -> None:
+        import zmq
+
+        self.reactor = reactor
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
+        self.backlogs: dict[bytes, _Backlog] = {}
+        self.cut: set[bytes] = set()
+        #: messages discarded: for a gone peer or a peer cut off
+        self.dropped = 0
+        #: peers cut off for not reading
+        self.overflows = 0
+        #: messages discarded for exceeding the message limits
+        self.oversizedCount = 0
+        self._flushCall: Any = None
+        _limit(self.connection, limits)
+        self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
+
+    def _send(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.backlogs or self.cut:
+            if peer in self.cut:
+                self.dropped += 1
+                return
+            backlog = self.backlogs.get(peer)
+            if backlog is not None:
+                self._hold(peer, backlog, frames)
+                return
+        try:
+            self.connection.send([peer, *frames])
+        except _zmq().ZMQError as e:
+            if e.errno == errno.EAGAIN:
+                backlog = self.backlogs[peer] = _Backlog()
+                self._hold(peer, backlog, frames)
+            else:
+                self._refused(peer, e)
+
+    def _hold(self, peer: bytes, backlog: _Backlog, frames: list[bytes]) -> None:
+        backlog.messages.append(frames)
+        backlog.bytes += sum(map(len, frames))
+        if backlog.bytes > self.limits.maxOutputBytes:
+            self._cutOff(peer, backlog)
+        elif self._flushCall is None:
+            self._flushCall = self.reactor.callLater(self.flushInterval, self._flush)
+
+    def _flush(self) -> None:
+        self._flushCall = None
+        if self.connection.socket is None:
+            return
+        send = self.connection.send
+        Again = _zmq().Again
+        for peer, backlog in list(self.backlogs.items()):
+            messages = backlog.messages
+            try:
+                while messages:
+                    send([peer, *messages[0]])
+                    backlog.bytes -= sum(map(len, messages.popleft()))
+            except Again:
+                continue
+            except _zmq().ZMQError as e:
+                self._refused(peer, e)
+                self.dropped += len(messages)
+            del self.backlogs[peer]
+        if self.backlogs:
+            self._flushCall = self.reactor.callLater(self.flushInterval, self._flush)
+
+    def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
+        del self.backlogs[peer]
+        self.cut.add(peer)
+        self.overflows += 1
+        self.dropped += len(backlog.messages)
+        self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
+                           "slower than it is sent to ({held} bytes unsent, over the limit of "
+                           "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
+                           peer=peer.hex(), held=backlog.bytes, limit=self.limits.maxOutputBytes,
+                           count=self.overflows)
+        self._peerCut(peer)
+
+    def _peerCut(self, peer: bytes) -> None:
+        pass
+
+    def delivered(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.cut:
+            self.cut.discard(peer)  # it speaks again: messages for it go out again
+        self._deliver(peer, frames)
+
+    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def oversized(self, peer: Optional[bytes], count: int, size: int) -> None:
+        self.oversizedCount += 1
+        self.throttle.warn(log, "oversized", "zmq {endpoint} dropped a message from {peer}: "
+                           "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
+                           "{frames} frames", endpoint=self.endpoint,
+                           peer=peer.hex() if peer is not None else "?", size=size, count=count,
+                           limit=self.limits.maxMessageBytes, frames=self.limits.maxFrames)
+
+    def _refused(self, peer: bytes, error: Any) -> None:
+        self.dropped += 1
+        if error.errno == errno.EHOSTUNREACH:  # the peer closed its socket
+            log.debug("zmq router {endpoint}: peer {peer} is gone; message dropped",
+                      endpoint=self.endpoint, peer=peer.hex())
+            return
+        self.throttle.warn(log, "refused", "zmq router {endpoint} dropped a message to {peer}: "
+                           "{error}", endpoint=self.endpoint, peer=peer.hex(), error=error)
+
+    def _shutdown(self) -> None:
+        self._flushCall = _cancel(self._flushCall)
+        self.backlogs.clear()
+        self.cut.clear()
+        if self.connection.socket is not None:
+            self.connection.shutdown()
+
+
 @implementer(IRouterTransport)
-class ZmqRouter:
+class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket."""
 
     reportsDisconnects = False
 
-    def __init__(self, endpoint: str, receiver: IRouterReceiver) -> None:
+    def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None,
+                 limits: Limits = Limits()) -> None:
         import txzmq
         import zmq
 
         router_class, _ = _connection_classes()
         self.receiver = receiver
+        self.endpoint = endpoint
         address = _address(endpoint)
         # bind after construction: a bind error inside txzmq's constructor would
         # leave an unclosed socket that blocks the context's term() at shutdown
@@ -195,11 +380,9 @@ class ZmqRouter:
         identity = address.encode() if "*" not in address else None
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
-        # refuse (and so report) a message to a full or unknown peer instead
-        # of ZeroMQ's silent drop
-        self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
-        self.dropped = 0
-        self._warnedAt = float("-inf")
+        if reactor is None:
+            from twisted.internet import reactor
+        self._setup(reactor, limits)
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
         except zmq.ZMQError as e:
@@ -208,34 +391,25 @@ class ZmqRouter:
         bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
         self.endpoint = "zmq:" + bound.replace("0.0.0.0", "127.0.0.1")
 
-    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
-        try:
-            self.connection.send([peer, *frames])
-        except _zmq().ZMQError as e:
-            self._refused(peer, e)
+    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+        self.receiver.messageReceived(peer, frames)
 
-    def _refused(self, peer: bytes, error: Any) -> None:
-        self.dropped += 1
-        if error.errno == errno.EHOSTUNREACH:  # the peer closed its socket
-            log.debug("zmq router {endpoint}: peer {peer!r} is gone; message dropped",
-                      endpoint=self.endpoint, peer=peer)
-            return
-        now = time.monotonic()
-        if now - self._warnedAt < 1.0:  # at most one line a second for a flood
-            return
-        self._warnedAt = now
-        reason = ("its queue is full (it reads slower than it is sent to)"
-                  if error.errno == errno.EAGAIN else str(error))
-        log.warn("zmq router {endpoint} dropped a message to {peer!r}: {reason}; "
-                 "{dropped} dropped so far", endpoint=self.endpoint, peer=peer,
-                 reason=reason, dropped=self.dropped)
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        self._send(peer, frames)
+
+    def _peerCut(self, peer: bytes) -> None:
+        # reported a turn later: the receiver may be in the middle of sending
+        self.reactor.callLater(0, self._reportCut, peer)
+
+    def _reportCut(self, peer: bytes) -> None:
+        if peer in self.cut:
+            self.receiver.peerDisconnected(peer)
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
 
     def close(self) -> defer.Deferred[None]:
-        if self.connection.socket is not None:
-            self.connection.shutdown()
+        self._shutdown()
         return defer.succeed(None)
 
 
@@ -253,11 +427,14 @@ class ZmqDealer:
     #: ZeroMQ's own "writable again" signal triggers.
     flushInterval = 0.005
 
-    def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver) -> None:
+    def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver,
+                 limits: Limits = Limits()) -> None:
         self.reactor = reactor
         self.endpoint = endpoint
         self.address = _address(endpoint)
         self.receiver = receiver
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
         self.connection: Any = None
         self._backlog: deque[list[bytes]] = deque()
         self._waiters = DrainWaiters()
@@ -301,10 +478,10 @@ class ZmqDealer:
         import txzmq
 
         _, dealer_class = _connection_classes()
-        connection = dealer_class(
-            zmq_factory(), txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)
-        )
+        connection = dealer_class(zmq_factory())
         connection.owner = self
+        _limit(connection, self.limits)
+        connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)])
         self.connection = connection
         self.reactor.callLater(0, self._made, connection)
 
@@ -315,6 +492,12 @@ class ZmqDealer:
     def _received(self, connection: Any, frames: list[bytes]) -> None:
         if connection is self.connection:
             self.receiver.messageReceived(frames)
+
+    def oversized(self, peer: None, count: int, size: int) -> None:
+        self.throttle.warn(log, "oversized", "zmq dealer to {endpoint} dropped a message of "
+                           "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
+                           "{frames} frames", endpoint=self.endpoint, size=size, count=count,
+                           limit=self.limits.maxMessageBytes, frames=self.limits.maxFrames)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.connection is None:
@@ -345,21 +528,22 @@ class ZmqDealer:
         return defer.succeed(None)
 
 
-class ZmqPeerRouter:
+class ZmqPeerRouter(_RoutedSocket):
     """A ROUTER socket that *connects* to servers and names each one by its
     endpoint string (ZMQ_CONNECT_ROUTING_ID), so the server's own identity
     does not matter and ports picked by the OS work."""
 
-    def __init__(self, receiver: Any) -> None:
+    def __init__(self, receiver: Any, reactor: Any, limits: Limits = Limits()) -> None:
         router_class, _ = _connection_classes()
-        self.target = receiver
-        self.receiver = self  # the connection delivers to owner.receiver
+        self.receiver = receiver
+        self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
         self.connection = router_class(zmq_factory())
         self.connection.owner = self
+        self._setup(reactor, limits)
 
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.target.messageReceived(peer.decode("utf-8", "replace"), frames)
+    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+        self.receiver.messageReceived(peer.decode("utf-8", "replace"), frames)
 
     def connect(self, endpoint: str) -> None:
         import zmq
@@ -372,14 +556,9 @@ class ZmqPeerRouter:
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
         if self.connection.socket is None:
             return
-        try:
-            self.connection.send([endpoint.encode(), *frames])
-        except _zmq().ZMQError as e:
-            log.warn("zmq peer router could not send to {endpoint}: {error}",
-                     endpoint=endpoint, error=e)
+        self._send(endpoint.encode(), frames)
 
     def close(self) -> defer.Deferred[None]:
-        if self.connection.socket is not None:
-            self.connection.shutdown()
+        self._shutdown()
         return defer.succeed(None)
 

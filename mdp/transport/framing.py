@@ -1,0 +1,149 @@
+"""Multi-frame messages as length-prefixed records on a byte stream.
+
+Pure code, no I/O: :func:`encode_record` turns a message into bytes and a
+:class:`RecordDecoder` turns bytes, fed in whatever pieces the stream delivers,
+back into messages.  The wire form (``docs/transports.md``)::
+
+    record  = length:uint32be  payload          ; length = len(payload)
+    payload = *( frame-length:uint32be  frame-bytes )
+
+Limits (:class:`~mdp.policy.Limits`) are enforced before anything is buffered:
+a record whose length announces more than ``maxMessageBytes`` of frames plus
+their length prefixes is refused from its 4-byte header, and decoding stops at
+the first frame beyond ``maxFrames``.  A record that arrives in many small
+pieces is kept as a list of those pieces and joined once, when complete, so a
+trickle costs time in proportion to its bytes, not to their square.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+from mdp.errors import ProtocolError
+from mdp.policy import Limits
+
+_length = struct.Struct(">I")
+_pack = _length.pack
+_unpack_from = _length.unpack_from
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class RecordTooLarge(ProtocolError):
+    """A record exceeds the message limits (refused before it is buffered)."""
+
+
+def encode_record(frames: list[bytes]) -> bytes:
+    """One whole record (length prefix included) holding *frames*."""
+    parts = [b""]
+    size = 0
+    for frame in frames:
+        parts.append(_pack(len(frame)))
+        parts.append(frame)
+        size += 4 + len(frame)
+    parts[0] = _pack(size)
+    return b"".join(parts)
+
+
+def record_size(frames: list[bytes]) -> int:
+    """Bytes :func:`encode_record` makes of *frames*."""
+    return 4 + 4 * len(frames) + sum(map(len, frames))
+
+
+def decode_payload(buffer: Buffer, start: int, end: int, limits: Limits) -> list[bytes]:
+    """Split the payload ``buffer[start:end]`` into frames."""
+    frames = []
+    view = memoryview(buffer)
+    offset = start
+    maxFrames = limits.maxFrames
+    while offset < end:
+        if len(frames) == maxFrames:
+            raise RecordTooLarge(f"record holds more than {maxFrames} frames")
+        if end - offset < 4:
+            raise ProtocolError("truncated frame length in stream record")
+        (size,) = _unpack_from(buffer, offset)
+        offset += 4
+        if size > end - offset:
+            raise ProtocolError(f"frame of {size} bytes overruns its record ({end - offset} left)")
+        frames.append(bytes(view[offset:offset + size]))
+        offset += size
+    content = (end - start) - 4 * len(frames)
+    if content > limits.maxMessageBytes:
+        raise RecordTooLarge(
+            f"record holds {content} bytes of frames, over the limit of {limits.maxMessageBytes}")
+    return frames
+
+
+def decode_record(payload: Buffer, limits: Limits = Limits()) -> list[bytes]:
+    """Split one record's payload (without its length prefix) into frames."""
+    return decode_payload(payload, 0, len(payload), limits)
+
+
+class RecordDecoder:
+    """Turns a byte stream into messages, one record at a time.
+
+    :meth:`feed` returns the messages completed by a piece of the stream, or
+    raises :class:`~mdp.errors.ProtocolError` (:class:`RecordTooLarge` for a
+    limit): the stream is then unusable and the connection should end."""
+
+    def __init__(self, limits: Limits = Limits()) -> None:
+        self.limits = limits
+        #: longest payload accepted: the message limit plus a prefix per frame
+        self.maxRecord = limits.maxMessageBytes + 4 * limits.maxFrames
+        #: records completed so far
+        self.records = 0
+        self._header = b""  # the first bytes of a length prefix split across pieces
+        self._need = -1  # payload length of the record in progress; -1 between records
+        self._chunks: list[bytes] = []
+        self._have = 0
+
+    @property
+    def inRecord(self) -> bool:
+        """True while a record has begun and is not complete."""
+        return self._need >= 0 or bool(self._header)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for the record in progress."""
+        return self._have + len(self._header)
+
+    def feed(self, data: bytes) -> list[list[bytes]]:
+        messages: list[list[bytes]] = []
+        pos = 0
+        end = len(data)
+        while pos < end:
+            if self._need < 0:
+                if self._header or end - pos < 4:
+                    take = min(4 - len(self._header), end - pos)
+                    self._header += data[pos:pos + take]
+                    pos += take
+                    if len(self._header) < 4:
+                        break
+                    (length,) = _length.unpack(self._header)
+                    self._header = b""
+                else:
+                    (length,) = _unpack_from(data, pos)
+                    pos += 4
+                if length > self.maxRecord:
+                    raise RecordTooLarge(
+                        f"record of {length} bytes announced, over the limit of {self.maxRecord} "
+                        f"({self.limits.maxMessageBytes} bytes in at most {self.limits.maxFrames} frames)")
+                if end - pos >= length:  # all here: decode in place, no copy of the buffer
+                    messages.append(decode_payload(data, pos, pos + length, self.limits))
+                    pos += length
+                    self.records += 1
+                    continue
+                self._need = length
+            take = min(self._need - self._have, end - pos)
+            self._chunks.append(data[pos:pos + take])
+            self._have += take
+            pos += take
+            if self._have == self._need:
+                payload = b"".join(self._chunks)
+                self._chunks = []
+                self._need = -1
+                self._have = 0
+                messages.append(decode_payload(payload, 0, len(payload), self.limits))
+                self.records += 1
+        return messages
