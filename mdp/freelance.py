@@ -8,6 +8,14 @@ Wire protocol (as the Guide's model 3):
   ``[sequence, *codec.error_body(b"500", ...)]`` and raised as
   :class:`~mdp.errors.WorkerError`.
 
+A server bounds what clients may cost it: its transport enforces the message
+and per-peer output limits (:class:`~mdp.policy.Limits`; a client that does
+not read its replies is disconnected), at most ``maxPending`` requests and
+``maxPendingBytes`` of request bodies are being handled at once (beyond, a
+request is answered at once with a 429 error, raised as
+:class:`~mdp.errors.ServiceOverloaded`), and a reply over the message limits
+is replaced by a 413 error (:class:`~mdp.errors.MessageTooLarge`).
+
 Clients, all with ``request(*frames) -> Deferred[list[bytes]]`` and ``close()``:
 
 :class:`SequentialClient` (model 1)
@@ -43,12 +51,15 @@ from mdp.client import remote_error, request_frames
 from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.policy import Limits, LogThrottle, MiB
 
 log = Logger()
 
 PING = b"PING"
 PONG = b"PONG"
 SERVICE = b"freelance"  # what RequestTimeout names
+DEFAULT_MAX_PENDING = 10_000
+DEFAULT_MAX_PENDING_BYTES = 256 * MiB
 
 Handler = Callable[[list[bytes]], Any]
 
@@ -78,11 +89,20 @@ class FreelanceServer:
     handler(body)...]``.  The handler is as a worker's (frames in; frames, a
     Deferred or a coroutine out)."""
 
-    def __init__(self, handler: Handler, reactor: Optional[Any] = None) -> None:
+    def __init__(self, handler: Handler, reactor: Optional[Any] = None, limits: Limits = Limits(),
+                 maxPending: int = DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.handler = handler
         self.reactor = _reactor(reactor)
+        self.limits = limits
+        self.maxPending = maxPending
+        self.maxPendingBytes = maxPendingBytes
+        self.throttle = LogThrottle(self.reactor)
         self.transports: list[Any] = []
         self.served = 0
+        self.refused = 0  # requests answered 429
+        self.pending = 0  # requests being handled
+        self.pendingBytes = 0
 
     def listen(self, endpoint: str) -> defer.Deferred:
         """Bind *endpoint*; fires with the transport (its ``endpoint`` is the
@@ -96,7 +116,7 @@ class FreelanceServer:
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
             return routerTransport
 
-        return transport.listen(endpoint, binding, self.reactor).addCallback(bound)
+        return transport.listen(endpoint, binding, self.reactor, self.limits).addCallback(bound)
 
     def close(self) -> defer.Deferred:
         transports, self.transports = self.transports, []
@@ -107,10 +127,22 @@ class FreelanceServer:
             routerTransport.sendMessage(peer, [PONG])
             return
         if len(frames) < 2:
-            log.warn("Freelance server dropped a {count}-frame message from {peer}: "
-                     "neither PING nor [sequence, body...]", count=len(frames), peer=peer.hex())
+            self.throttle.warn(log, "invalid", "Freelance server dropped a {count}-frame message "
+                               "from {peer}: neither PING nor [sequence, body...]",
+                               count=len(frames), peer=peer.hex())
             return
         sequence, body = frames[0], frames[1:]
+        size = sum(map(len, body))
+        if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
+            self.refused += 1
+            self.throttle.warn(log, "overloaded", "Freelance server refused a request from {peer}: "
+                               "{pending} requests ({bytes} bytes) already in hand",
+                               peer=peer.hex(), pending=self.pending, bytes=self.pendingBytes)
+            routerTransport.sendMessage(peer, [sequence, *codec.error_body(
+                codec.STATUS_OVERLOADED, f"server busy: {self.pending} requests in hand")])
+            return
+        self.pending += 1
+        self.pendingBytes += size
 
         def failed(failure: Any) -> list[bytes]:
             log.failure("Freelance handler failed", failure)
@@ -118,8 +150,17 @@ class FreelanceServer:
                                     f"{failure.type.__name__}: {failure.getErrorMessage()}")
 
         def reply(frames_: list[bytes]) -> None:
+            self.pending -= 1
+            self.pendingBytes -= size
+            message = [sequence, *frames_]
+            tooLarge = self.limits.refuse(message)
+            if tooLarge is not None:
+                log.warn("Freelance server answers 413: its reply is too large ({reason})",
+                         reason=tooLarge)
+                message = [sequence, *codec.error_body(codec.STATUS_TOO_LARGE,
+                                                       f"reply too large to send: {tooLarge}")]
             self.served += 1
-            routerTransport.sendMessage(peer, [sequence, *frames_])
+            routerTransport.sendMessage(peer, message)
 
         call_handler(self.handler, body).addErrback(failed).addCallback(reply)
 

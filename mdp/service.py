@@ -12,7 +12,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from mdp.broker import Broker
-from mdp.policy import Backoff, HeartbeatPolicy
+from mdp.policy import Backoff, HeartbeatPolicy, Limits
 from mdp.worker import Handler, Worker
 
 log = Logger()
@@ -23,7 +23,7 @@ class BrokerService(Service):
     workers) or to a separate *frontend* (clients) and *backend* (workers).
 
     Other keyword arguments (``heartbeat``, ``requestExpiry``, ``serviceLinger``,
-    ``maxQueue``, ``maxServiceQueue``, ``maxWorkers``) go to the
+    the queue, worker and delivery bounds, ``limits``) go to the
     :class:`~mdp.broker.Broker`.
 
     With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
@@ -62,6 +62,12 @@ class BrokerService(Service):
     def _listening(self, transports: list[Any]) -> None:
         self.transports = transports
 
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        """Unbind every endpoint and stop the broker's heartbeat tick."""
+        super().stopService()
+        self.transports = []
+        return self.broker.close()
+
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
@@ -81,10 +87,6 @@ def _exit(status: int) -> None:
     sys.stderr.flush()
     os._exit(status)
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
-        return self.broker.close()
-
 
 class WorkerService(Service):
     """Runs a :class:`~mdp.worker.Worker` for one service."""
@@ -99,9 +101,10 @@ class WorkerService(Service):
         dialect: str = "rfc",
         replies: Optional[Any] = None,
         reactor: Optional[Any] = None,
+        limits: Limits = Limits(),
     ) -> None:
         self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,
-                             backoff=backoff, dialect=dialect, replies=replies)
+                             backoff=backoff, dialect=dialect, replies=replies, limits=limits)
 
     def startService(self) -> None:
         super().startService()
@@ -115,11 +118,12 @@ class WorkerService(Service):
 class FreelanceServerService(Service):
     """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
 
-    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None) -> None:
+    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None,
+                 **serverOptions: Any) -> None:
         from mdp.freelance import FreelanceServer
 
         self.endpoint = endpoint
-        self.server = FreelanceServer(handler, reactor)
+        self.server = FreelanceServer(handler, reactor, **serverOptions)
 
     def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
         super().startService()

@@ -4,6 +4,7 @@ them)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from twisted.application.service import IServiceMaker
@@ -12,9 +13,25 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from mdp import broker
-from mdp.policy import Backoff, HeartbeatPolicy
+from mdp.freelance import DEFAULT_MAX_PENDING
+from mdp.policy import Backoff, HeartbeatPolicy, Limits
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
+
+_UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2,
+          "g": 1024 ** 3, "gib": 1024 ** 3}
+
+
+def byte_size(value: str) -> int:
+    """A number of bytes, optionally with a binary unit: ``65536``, ``64k``,
+    ``16MiB``, ``1G``."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {value!r} (try 65536, 64KiB, 16MiB or 1GiB)")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+byte_size.coerceDoc = "Bytes; K/KiB, M/MiB and G/GiB suffixes allowed."  # type: ignore[attr-defined]
 
 
 def _positive(value: str) -> float:
@@ -46,6 +63,39 @@ class _HeartbeatOptions(usage.Options):
             raise usage.UsageError(str(e)) from e
 
 
+_DEFAULT_LIMITS = Limits()
+
+#: --max-message-bytes and --max-frames, for every role
+_MESSAGE_OPTIONS: list[Any] = [
+    ["max-message-bytes", None, _DEFAULT_LIMITS.maxMessageBytes,
+     "Largest message sent or received, in bytes of frames (the same on every node).", byte_size],
+    ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.", int],
+]
+#: what a listening node allows each peer
+_PEER_OPTIONS: list[Any] = [
+    ["max-output-bytes", None, _DEFAULT_LIMITS.maxOutputBytes,
+     "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.", byte_size],
+    ["max-connections", None, _DEFAULT_LIMITS.maxConnections,
+     "Most open connections per stream endpoint (tcp, tls, unix).", int],
+    ["handshake-timeout", None, _DEFAULT_LIMITS.handshakeTimeout,
+     "Seconds a new stream connection has to send its first message.", _positive],
+    ["record-timeout", None, _DEFAULT_LIMITS.recordTimeout,
+     "Seconds a stream peer has to complete a message it started.", _positive],
+]
+
+
+def limits_of(options: usage.Options) -> Limits:
+    """The :class:`~mdp.policy.Limits` the parsed *options* ask for."""
+    names = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
+             "max-output-bytes": "maxOutputBytes", "max-connections": "maxConnections",
+             "handshake-timeout": "handshakeTimeout", "record-timeout": "recordTimeout"}
+    try:
+        return Limits(**{field: options[option] for option, field in names.items()
+                         if option in options})
+    except ValueError as e:
+        raise usage.UsageError(str(e)) from e
+
+
 class BrokerOptions(_HeartbeatOptions):
     """Options of ``twist mdp-broker``."""
 
@@ -66,8 +116,16 @@ class BrokerOptions(_HeartbeatOptions):
         ["max-queue", None, broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", int],
         ["max-service-queue", None, broker.DEFAULT_MAX_SERVICE_QUEUE,
          "Most requests queued for one service.", int],
+        ["max-queue-bytes", None, broker.DEFAULT_MAX_QUEUE_BYTES,
+         "Most bytes of request bodies queued in all.", byte_size],
+        ["max-service-queue-bytes", None, broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+         "Most bytes of request bodies queued for one service.", byte_size],
         ["max-workers", None, broker.DEFAULT_MAX_WORKERS, "Most registered workers.", int],
-    ]
+        ["max-service-workers", None, broker.DEFAULT_MAX_SERVICE_WORKERS,
+         "Most registered workers for one service.", int],
+        ["max-deliveries", None, broker.DEFAULT_MAX_DELIVERIES,
+         "Times a request is given to a worker that is then lost, before it fails.", int],
+    ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
 
 class WorkerOptions(_HeartbeatOptions):
@@ -84,7 +142,7 @@ class WorkerOptions(_HeartbeatOptions):
         ["reply-store", None, 0,
          "Remember the replies to this many stamped requests and answer their retries "
          "from memory (0: off).", int],
-    ]
+    ] + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
         if not self["service"]:
@@ -108,7 +166,12 @@ class BrokerServiceMaker:
             serviceLinger=options["service-linger"],
             maxQueue=options["max-queue"],
             maxServiceQueue=options["max-service-queue"],
+            maxQueueBytes=options["max-queue-bytes"],
+            maxServiceQueueBytes=options["max-service-queue-bytes"],
             maxWorkers=options["max-workers"],
+            maxServiceWorkers=options["max-service-workers"],
+            maxDeliveries=options["max-deliveries"],
+            limits=limits_of(options),
             exitOnFailure=True,
         )
 
@@ -132,6 +195,7 @@ class WorkerServiceMaker:
             backoff=Backoff(maximum=options["backoff-max"]),
             dialect=options["dialect"],
             replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
+            limits=limits_of(options),
         )
 
 
@@ -142,7 +206,9 @@ class FreelanceServerOptions(usage.Options):
     optParameters: list[Any] = [
         ["endpoint", "e", "zmq:tcp://127.0.0.1:5556", "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-    ]
+        ["max-pending", None, DEFAULT_MAX_PENDING,
+         "Most requests being handled at once; beyond, requests are refused (429).", int],
+    ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -155,5 +221,6 @@ class FreelanceServerServiceMaker:
         from mdp.handlers import load_handler
         from mdp.service import FreelanceServerService
 
-        return FreelanceServerService(options["endpoint"], load_handler(options["handler"]))
+        return FreelanceServerService(options["endpoint"], load_handler(options["handler"]),
+                                      limits=limits_of(options), maxPending=options["max-pending"])
 

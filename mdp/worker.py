@@ -16,12 +16,18 @@ answers a stamped request it has already answered from the store.
 
 A handler exception is logged and answered with an error FINAL
 (``codec.error_body(b"500", ...)``) that our client raises as
-:class:`~mdp.errors.WorkerError`.
+:class:`~mdp.errors.WorkerError`.  A reply (or a PARTIAL) too large for the
+message limits is not sent: the request is answered with a 413 error FINAL
+(:class:`~mdp.errors.MessageTooLarge`) and a streaming handler is closed, so
+an oversized reply never costs the worker its connection.
 
 Reliability follows the Guide's Paranoid Pirate: heartbeats both ways; a broker
 silent for ``interval × liveness`` is dead, and the worker reconnects on a fresh
 socket after a backoff delay (1 s doubling to 32 s), rotating through its list of
-broker endpoints.  DISCONNECT from the broker makes it reconnect at once.
+broker endpoints.  DISCONNECT from the broker makes it register again on a fresh
+socket: at once the first time, then, while the broker keeps refusing it
+(DISCONNECT again before any HEARTBEAT or REQUEST, e.g. at its worker limit),
+after the same backoff delays.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from mdp.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerR
 from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
-from mdp.policy import Backoff, HeartbeatPolicy
+from mdp.policy import Backoff, HeartbeatPolicy, Limits
 
 log = Logger()
 
@@ -77,6 +83,7 @@ class Worker:
         backoff: Backoff = Backoff(),
         dialect: str = codec.RFC,
         replies: Optional[idempotence.IReplyStore] = None,
+        limits: Limits = Limits(),
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -90,11 +97,13 @@ class Worker:
         self.backoff = backoff
         self.dialect = codec.check_dialect(dialect)
         self.replies = replies
+        self.limits = limits
         self.transport: Optional[IDealerTransport] = None
         self.connected = False
         self.lastSeen = 0.0
         self.lastSent = 0.0
         self.failures = 0  # reconnections since the broker last spoke
+        self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
         self.current: Optional[bytes] = None  # client address being served
         self.generation = 0  # bumped on every new connection; stale replies are dropped
         self.requestsServed = 0
@@ -141,7 +150,8 @@ class Worker:
         # over even when the broker cannot be reached at all
         self.lastSeen = self.reactor.seconds()
         self.transport = transport.connect(
-            self.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy()
+            self.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy(),
+            limits=self.limits,
         )
 
     def _reconnect(self, delay: float) -> None:
@@ -192,16 +202,21 @@ class Worker:
         self.failures = 0
         kind = type(command)
         if kind is Heartbeat:
+            self.refusals = 0
             return
         if kind is WorkerRequest:
+            self.refusals = 0
             if self.current is not None:
                 log.warn("worker for {service} got a REQUEST while busy; dropped",
                          service=self.service)
                 return
             self._serve(command)  # type: ignore[arg-type]
         elif kind is Disconnect:
-            log.info("worker for {service} got DISCONNECT; re-registering", service=self.service)
-            self._reconnect(0)
+            delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
+            self.refusals += 1
+            log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
+                     service=self.service, delay=delay)
+            self._reconnect(delay)
         else:
             log.warn("worker for {service} dropped unexpected {command} from broker",
                      service=self.service, command=kind.__name__)
@@ -257,14 +272,16 @@ class Worker:
 
             parts = iterate()
         async for item in parts:
-            if job.generation != self.generation:
-                await parts.aclose()
+            if job.generation != self.generation or self.current != job.client:
+                await parts.aclose()  # the request is void, or was answered (413)
                 return
             if isinstance(item, Final):
                 await parts.aclose()
                 self._finish(item.frames, job)
                 return
-            self._reply(job, WorkerPartial, reply_frames(item))
+            if not self._reply(job, WorkerPartial, reply_frames(item)):
+                await parts.aclose()  # the request is void, or was answered (413)
+                return
             transport = self.transport
             if transport is not None and not transport.writable:
                 # the broker takes PARTIALs slower than the handler makes them:
@@ -289,17 +306,29 @@ class Worker:
 
     def _reply(self, job: _Job, kind: type, frames: list[bytes], store: bool = True) -> bool:
         """Send a PARTIAL or FINAL unless the connection it belongs to is gone;
-        remember a stamped request's FINAL in the reply store."""
+        remember a stamped request's FINAL in the reply store.  A part over
+        the message limits is replaced by a 413 error FINAL."""
+        if job.generation != self.generation or not self.connected or self.current != job.client:
+            self._store(job, kind, frames, store)
+            return False
+        size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
+        tooLarge = self.limits.oversize(size, len(frames) + 5)
+        if tooLarge is not None:
+            log.warn("worker for {service} answers 413: its {command} is too large ({reason})",
+                     service=self.service, command=kind.__name__, reason=tooLarge)
+            kind, store = WorkerFinal, False
+            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
+        self._store(job, kind, frames, store)
+        self._send(kind(job.client, frames))
+        if kind is WorkerFinal:
+            self.current = None
+        return tooLarge is None
+
+    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
         if kind is WorkerFinal and store and job.key is not None and self.replies is not None:
             defer.maybeDeferred(self.replies.put, job.key, frames).addErrback(
                 lambda f: log.failure("reply store could not keep a reply", f)
             )
-        if job.generation != self.generation or not self.connected or self.current != job.client:
-            return False
-        self._send(kind(job.client, frames))
-        if kind is WorkerFinal:
-            self.current = None
-        return True
 
     # --- time ----------------------------------------------------------------
 
