@@ -10,16 +10,18 @@ from mdp.client import Client, ReplyStream
 from mdp.errors import (
     ClientClosed,
     MDPError,
+    MessageTooLarge,
     NoServerAvailable,
     ProtocolError,
     RemoteError,
     RequestTimeout,
     ServiceOverloaded,
     ServiceUnavailable,
+    StreamRestarted,
     TransportError,
     WorkerError,
 )
-from mdp.policy import Backoff, HeartbeatPolicy
+from mdp.policy import Backoff, HeartbeatPolicy, Limits
 from mdp.service import BrokerService, WorkerService
 from mdp.worker import Final, Worker
 
@@ -33,7 +35,9 @@ __all__ = [
     "ClientClosed",
     "Final",
     "HeartbeatPolicy",
+    "Limits",
     "MDPError",
+    "MessageTooLarge",
     "NoServerAvailable",
     "ProtocolError",
     "RemoteError",
@@ -41,6 +45,7 @@ __all__ = [
     "RequestTimeout",
     "ServiceOverloaded",
     "ServiceUnavailable",
+    "StreamRestarted",
     "TransportError",
     "Worker",
     "WorkerError",

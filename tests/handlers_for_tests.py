@@ -29,3 +29,19 @@ def slow_upper(frames: list[bytes]):
     from twisted.internet import reactor, task
 
     return task.deferLater(reactor, 0.001, lambda: [frame.upper() for frame in frames])
+
+
+def big_stream(frames: list[bytes]):
+    """Stream int(frames[0]) PARTIALs of 64 KiB each as fast as the broker
+    takes them, then a FINAL ``end``."""
+    from mdp import Final
+
+    part = b"x" * (64 * 1024)
+    for _ in range(int(frames[0])):
+        yield part
+    yield Final(b"end")
+
+
+def sized(frames: list[bytes]) -> bytes:
+    """Reply with int(frames[0]) bytes."""
+    return b"x" * int(frames[0])
