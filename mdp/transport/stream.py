@@ -90,6 +90,13 @@ class FramedProtocol(Protocol):
             log.warn("dropping stream peer {peer}: " + why, **fields)
         self.transport.abortConnection()
 
+    def closeGracefully(self) -> None:
+        """Close once what is written is sent.  A registered producer is
+        unregistered first: Twisted keeps a connection whose paused producer
+        is still registered open for good, waiting for more."""
+        self.transport.unregisterProducer()
+        self.transport.loseConnection()
+
     def peerName(self) -> str:
         try:
             return str(self.transport.getPeer())
@@ -217,6 +224,11 @@ class _RouterConnection(FramedProtocol):
         self.backlog.clear()
         self.backlogBytes = 0
 
+    def closeGracefully(self) -> None:
+        self.transport.writeSequence(list(self.backlog))
+        self.stopProducing()
+        super().closeGracefully()
+
     def connectionLost(self, reason: object = None) -> None:
         self._cancelTimer()
         self.backlog.clear()
@@ -296,7 +308,7 @@ class StreamRouter:
     def disconnectPeer(self, peer: bytes) -> None:
         connection = self.connections.get(peer)
         if connection is not None:
-            connection.transport.loseConnection()
+            connection.closeGracefully()
 
     def close(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
@@ -454,4 +466,7 @@ class StreamDealer:
         self.queue.clear()
         self.queuedBytes = 0
         self._waiters.fire()
+        if self.protocol is not None:
+            # the ClientService closes with loseConnection(): see closeGracefully
+            self.protocol.transport.unregisterProducer()
         return self.service.stopService()

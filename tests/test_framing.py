@@ -1,0 +1,84 @@
+"""The stream framing (:mod:`mdp.transport.framing`): pure, no I/O."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mdp.errors import ProtocolError
+from mdp.policy import Limits
+from mdp.transport.framing import RecordDecoder, RecordTooLarge, decode_record, encode_record
+
+messages = st.lists(st.lists(st.binary(max_size=40), max_size=6), min_size=1, max_size=8)
+
+
+@given(messages, st.lists(st.integers(1, 50), max_size=30))
+@settings(max_examples=300, deadline=None)
+def test_any_split_of_the_stream_gives_back_the_messages(msgs: list[list[bytes]],
+                                                         cuts: list[int]) -> None:
+    stream = b"".join(encode_record(m) for m in msgs)
+    decoder = RecordDecoder()
+    out: list[list[bytes]] = []
+    pos = 0
+    for cut in cuts:
+        out += decoder.feed(stream[pos:pos + cut])
+        pos += cut
+    out += decoder.feed(stream[pos:])
+    assert out == msgs
+    assert not decoder.inRecord and decoder.buffered == 0
+
+
+def test_wire_form() -> None:
+    assert encode_record([b"MDPC02", b"\x01"]) == bytes.fromhex("0000000f 00000006") + b"MDPC02" + \
+        bytes.fromhex("00000001 01")
+    assert decode_record(encode_record([b"", b"x"])[4:]) == [b"", b"x"]
+
+
+def test_a_record_over_the_limit_is_refused_from_its_header() -> None:
+    limits = Limits(maxMessageBytes=1000, maxFrames=10)
+    decoder = RecordDecoder(limits)
+    with pytest.raises(RecordTooLarge):
+        decoder.feed(struct.pack(">I", 1000 + 4 * 10 + 1))  # nothing of the payload yet
+    assert decoder.buffered == 0
+    # exactly at the limit is fine
+    ok = RecordDecoder(limits)
+    assert ok.feed(encode_record([b"x" * 1000])) == [[b"x" * 1000]]
+
+
+def test_frames_beyond_the_limit_stop_decoding() -> None:
+    limits = Limits(maxMessageBytes=1 << 20, maxFrames=100)
+    assert RecordDecoder(limits).feed(encode_record([b""] * 100)) == [[b""] * 100]
+    # a record that fits in bytes but holds many empty frames
+    payload = struct.pack(">I", 0) * 200
+    with pytest.raises(RecordTooLarge, match="more than 100 frames"):
+        RecordDecoder(limits).feed(struct.pack(">I", len(payload)) + payload)
+
+
+def test_frame_bytes_beyond_the_limit_are_refused() -> None:
+    limits = Limits(maxMessageBytes=100, maxFrames=100)
+    record = encode_record([b"x" * 60, b"y" * 60])  # 128 bytes of payload: within the record bound
+    with pytest.raises(RecordTooLarge, match="120 bytes of frames"):
+        RecordDecoder(limits).feed(record)
+
+
+def test_inconsistent_frame_lengths_are_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="overruns"):
+        RecordDecoder().feed(struct.pack(">II", 8, 100) + b"abcd")
+
+
+def test_a_trickled_record_is_kept_in_pieces_and_joined_once() -> None:
+    """A record arriving 64 bytes at a time is not re-copied on every piece:
+    the pieces are kept as they came until the record is complete."""
+    record = encode_record([b"z" * 100_000])
+    decoder = RecordDecoder()
+    pieces = [record[i:i + 64] for i in range(0, len(record), 64)]
+    for piece in pieces[:-1]:
+        assert decoder.feed(piece) == []
+        assert decoder.inRecord
+    assert len(decoder._chunks) == len(pieces) - 1  # one per piece, none joined
+    assert decoder.buffered == len(record) - 4 - len(pieces[-1])
+    assert decoder.feed(pieces[-1]) == [[b"z" * 100_000]]
+    assert decoder._chunks == [] and decoder.records == 1

@@ -1,0 +1,476 @@
+"""Memory and CPU bounded in bytes, no poison message, no lockout: a test for
+every limit (docs/reliability.md lists them), over the transports it concerns."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, protocol
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.logger import globalLogPublisher
+
+from mdp import (
+    Broker,
+    Final,
+    Limits,
+    MessageTooLarge,
+    ServiceOverloaded,
+    WorkerError,
+    codec,
+    mmi,
+)
+from mdp.broker import ServiceQueue
+from mdp.freelance import FreelanceServer, SequentialClient
+from mdp.transport.framing import encode_record
+from tests.conftest import LoopbackNet, Net, RawPeer
+from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, start_worker
+
+W = codec.WORKER_HEADER
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def binding_of(broker: Broker) -> Any:
+    return broker.bindings[0].transport
+
+
+class RawStream(protocol.Protocol):
+    """A TCP peer of our own making: sends what it is told, reads nothing
+    once ``stopReading()`` is called."""
+
+    def __init__(self) -> None:
+        self.lost: defer.Deferred[None] = defer.Deferred()
+        self.received = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+    def connectionLost(self, reason: object = None) -> None:
+        self.lost.callback(None)
+
+    def sendFrames(self, *frames: bytes) -> None:
+        self.transport.write(encode_record(list(frames)))
+
+    def stopReading(self) -> None:
+        self.transport.pauseProducing()
+
+
+async def raw_stream(net: Net, endpoint: str) -> RawStream:
+    """Connect a :class:`RawStream` to ``tcp:host=…:port=…``; closed after the test."""
+    port = int(endpoint.rpartition("port=")[2])
+    proto = RawStream()
+    await net.wait(connectProtocol(TCP4ClientEndpoint(net.reactor, "127.0.0.1", port), proto))
+    net.addCleanup(lambda: proto.transport.abortConnection())
+    return proto
+
+
+class LogLines:
+    """Collects the formatted log lines whose format contains *needle*."""
+
+    def __init__(self, net: Net, needle: str) -> None:
+        from twisted.logger import formatEvent
+
+        self.lines: list[str] = []
+
+        def observe(event: dict) -> None:
+            if needle in (event.get("log_format") or ""):
+                self.lines.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        net.addCleanup(lambda: globalLogPublisher.removeObserver(observe))
+
+
+# --- roles never send what the other side would refuse ------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_client_refuses_an_oversized_request_without_sending_it(clocknet: LoopbackNet) -> None:
+    from tests.test_client import broker_and_client, requests
+
+    router, client = await broker_and_client(clocknet, limits=Limits(maxMessageBytes=1000))
+    with pytest.raises(MessageTooLarge) as info:
+        await clocknet.wait(client.request("svc", b"x" * 1000))
+    assert info.value.code == b"413" and "1010 bytes exceeds the limit of 1000" in info.value.message
+    with pytest.raises(MessageTooLarge):
+        await clocknet.wait(client.request("svc", *[b""] * Limits().maxFrames))
+    clocknet.advance(0)
+    assert requests(router) == []
+
+
+def sized(frames: list[bytes]) -> bytes:
+    return b"r" * int(frames[0])
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_answers_413_for_a_reply_too_large_and_keeps_serving(net: Net) -> None:
+    limits = Limits(maxMessageBytes=64 * KiB)
+    broker, endpoint = await start_broker(net, limits=limits)
+    worker = start_worker(net, endpoint, "sized", sized, limits=limits)
+    client = make_client(net, endpoint, timeout=10, retries=1, limits=limits)
+    for _ in range(3):
+        with pytest.raises(MessageTooLarge, match="reply too large to send"):
+            await net.wait(client.request("sized", b"70000"))
+        assert await net.wait(client.request("sized", b"10")) == [b"r" * 10]
+    assert len(broker.workers) == 1 and worker.connected
+    assert worker.generation == 1  # never reconnected
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_closes_a_stream_whose_part_is_too_large(net: Net) -> None:
+    limits = Limits(maxMessageBytes=64 * KiB)
+    _, endpoint = await start_broker(net, limits=limits)
+    closed: list[bool] = []
+
+    async def parts(frames: list[bytes]) -> Any:
+        try:
+            yield b"small"
+            yield b"p" * 70_000
+            yield b"never"
+            yield Final(b"never")
+        finally:
+            closed.append(True)
+
+    start_worker(net, endpoint, "parts", parts, limits=limits)
+    client = make_client(net, endpoint, timeout=10, retries=1)
+    got: list[list[bytes]] = []
+    with pytest.raises(MessageTooLarge):
+        await net.wait(client.request("parts", b"go", onPartial=got.append))
+    assert got == [[b"small"]] and closed == [True]
+
+
+@pytest_twisted.ensureDeferred
+async def test_broker_answers_413_for_a_request_too_large_for_a_worker(net: Net) -> None:
+    limits = Limits(maxMessageBytes=4096)
+    broker, endpoint = await start_broker(net, limits=limits)
+    worker = RawPeer(net, endpoint)
+    worker.send(W, codec.W_READY, b"s")
+    await net.until(lambda: len(broker.workers) == 1)
+    client = make_client(net, endpoint, timeout=10, retries=1)
+    # fits in the client's REQUEST (8 bytes of header, command and name), not in
+    # the worker REQUEST (a longer envelope)
+    with pytest.raises(MessageTooLarge, match="request too large for a worker"):
+        await net.wait(client.request("s", b"b" * 4086))
+    assert [m for m in worker.received if m[1] == codec.W_REQUEST] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_broker_answers_413_for_a_reply_too_large_for_the_client(net: Net) -> None:
+    limits = Limits(maxMessageBytes=4096)
+    service = "s" * 200  # the client's FINAL carries the name: 200 bytes more than the worker's
+    broker, endpoint = await start_broker(net, limits=limits)
+    start_worker(net, endpoint, service, sized, limits=Limits())  # a worker with bigger limits
+    client = make_client(net, endpoint, timeout=10, retries=1)
+    with pytest.raises(MessageTooLarge, match="reply too large for the client"):
+        await net.wait(client.request(service, b"4000"))
+    assert await net.wait(client.request(service, b"5")) == [b"r" * 5]
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_whose_workers_keep_being_lost_fails_after_max_deliveries(net: Net) -> None:
+    """Workers whose limits are smaller than the broker's lose their connection
+    on a request too large for them; after maxDeliveries the request fails
+    instead of going round the workers, and other requests are still served."""
+    broker, endpoint = await start_broker(net, heartbeat=FAST, maxDeliveries=3)
+    for _ in range(3):
+        start_worker(net, endpoint, "echo", echo, heartbeat=FAST,
+                     limits=Limits(maxMessageBytes=1000))
+    await net.until(lambda: len(broker.workers) == 3)
+    client = make_client(net, endpoint, timeout=30, retries=1)
+    with pytest.raises(WorkerError, match="the 3 workers given it were each lost"):
+        await net.wait(client.request("echo", b"p" * 2000))
+    await net.until(lambda: len(broker.workers) == 3, timeout=30)
+    assert await net.wait(client.request("echo", b"fine")) == [b"fine"]
+
+
+# --- queues in bytes ------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_queue_bytes_are_bounded_per_service_and_in_all(net: Net) -> None:
+    broker, endpoint = await start_broker(net, maxServiceQueueBytes=1000, maxQueueBytes=1500)
+    client = make_client(net, endpoint, timeout=30, retries=1)
+    queued = [client.request("a", b"x" * 400) for _ in range(2)]  # 800 bytes for "a"
+    await net.until(lambda: broker.queued == 2)
+    with pytest.raises(ServiceOverloaded, match="800 bytes queued for it"):
+        await net.wait(client.request("a", b"x" * 400))
+    queued.append(client.request("b", b"y" * 600))  # 1400 in all
+    await net.until(lambda: broker.queued == 3)
+    with pytest.raises(ServiceOverloaded, match="1400 bytes in all"):
+        await net.wait(client.request("c", b"z" * 200))
+    assert broker.queuedBytes == 1400
+    start_worker(net, endpoint, "a", echo)
+    start_worker(net, endpoint, "b", echo)
+    replies = await net.wait(defer.gatherResults(queued))
+    assert replies == [[b"x" * 400], [b"x" * 400], [b"y" * 600]]  # accepted work is served
+    assert broker.queuedBytes == 0
+
+
+# --- what a peer that does not read may cost -----------------------------------------
+
+async def fast_stream(frames: list[bytes]) -> Any:
+    for _ in range(int(frames[0])):
+        yield b"s" * (64 * KiB)
+    yield Final(b"end")
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_broker_disconnects_a_client_that_does_not_read(net: Net) -> None:
+    if net.kind != "tcp":
+        pytest.skip("a peer's unread output is a real socket's (ZeroMQ: test_mdp_behaviour)")
+    limit = 1 * MiB
+    broker, endpoint = await start_broker(net, limits=Limits(maxOutputBytes=limit))
+    start_worker(net, endpoint, "stream", fast_stream)
+    start_worker(net, endpoint, "echo", echo)
+    lines = LogLines(net, "reads slower than it is sent to")
+    slow = await raw_stream(net, endpoint)
+    slow.stopReading()
+    slow.sendFrames(codec.CLIENT_HEADER, codec.C_REQUEST, b"stream", b"2000")  # 125 MiB of reply
+    client = make_client(net, endpoint, timeout=10, retries=1)
+    assert await net.wait(client.request("echo", b"meanwhile")) == [b"meanwhile"]
+    bound = binding_of(broker)
+    await net.until(lambda: bound.overflows == 1, timeout=30)
+    assert len(lines.lines) == 1
+    assert all(c.backlogBytes <= limit for c in bound.connections.values())
+    slow.transport.resumeProducing()  # it reads again, and finds its connection gone
+    await net.wait(slow.lost, timeout=10)
+    assert await net.wait(client.request("echo", b"after")) == [b"after"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_freelance_server_disconnects_a_client_that_does_not_read(net: Net) -> None:
+    if net.kind != "tcp":
+        pytest.skip("a real socket's unread output (ZeroMQ shares the broker's ROUTER code)")
+    server = FreelanceServer(echo, net.reactor, limits=Limits(maxOutputBytes=1 * MiB))
+    bound = await net.wait(server.listen(net.bind_endpoint()))
+    net.addCleanup(server.close)
+    slow = await raw_stream(net, bound.endpoint)
+    slow.stopReading()
+    sent = 0
+    while not bound.overflows and sent < 400:  # up to 400 MiB, never read
+        slow.sendFrames(str(sent).encode(), b"q" * MiB)
+        sent += 1
+        await net.until(lambda: server.served == sent or bound.overflows > 0)
+    assert bound.overflows == 1 and sent < 400
+    slow.transport.resumeProducing()
+    await net.wait(slow.lost, timeout=10)
+    # the server still answers others
+    client = SequentialClient([bound.endpoint], net.reactor, attemptTimeout=5, timeout=10)
+    net.addCleanup(client.close)
+    assert await net.wait(client.request(b"hi")) == [b"hi"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_freelance_server_bounds_requests_in_hand_and_replies(clocknet: LoopbackNet) -> None:
+    held: list[defer.Deferred] = []
+
+    def handler(frames: list[bytes]) -> Any:
+        if frames[0] == b"big":
+            return b"B" * 5000
+        held.append(defer.Deferred())
+        return held[-1]
+
+    server = FreelanceServer(handler, clocknet.reactor, maxPending=2,
+                             limits=Limits(maxMessageBytes=4096))
+    bound = await clocknet.wait(server.listen(clocknet.bind_endpoint()))
+    clocknet.addCleanup(server.close)
+    client = SequentialClient([bound.endpoint], clocknet.reactor, attemptTimeout=30, timeout=30)
+    clocknet.addCleanup(client.close)
+    waiting = [client.request(b"slow") for _ in range(2)]
+    await clocknet.until(lambda: server.pending == 2)
+    with pytest.raises(ServiceOverloaded):
+        await clocknet.wait(client.request(b"one more"))
+    for d in held:
+        d.callback(b"done")
+    assert await clocknet.wait(defer.gatherResults(waiting)) == [[b"done"], [b"done"]]
+    with pytest.raises(MessageTooLarge):
+        await clocknet.wait(client.request(b"big"))
+    assert server.pending == 0 and server.pendingBytes == 0
+
+
+# --- stream connections ----------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_connection_that_says_nothing_is_dropped_after_the_handshake_timeout(net: Net) -> None:
+    if net.kind != "tcp":
+        pytest.skip("stream connections only")
+    broker, endpoint = await start_broker(net, limits=Limits(handshakeTimeout=0.3))
+    silent = await raw_stream(net, endpoint)
+    await net.wait(silent.lost, timeout=10)
+    assert binding_of(broker).connections == {}
+    greeted = await raw_stream(net, endpoint)
+    greeted.sendFrames(codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service", b"x")
+    await net.until(lambda: b"404" in greeted.received)
+    assert len(binding_of(broker).connections) == 1  # a peer that spoke may stay idle
+
+
+@pytest_twisted.ensureDeferred
+async def test_record_left_incomplete_is_dropped_after_the_record_timeout(net: Net) -> None:
+    if net.kind != "tcp":
+        pytest.skip("stream connections only")
+    broker, endpoint = await start_broker(net, limits=Limits(recordTimeout=0.3))
+    peer = await raw_stream(net, endpoint)
+    peer.sendFrames(codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service", b"x")
+    await net.until(lambda: b"404" in peer.received)
+    peer.transport.write(struct.pack(">I", 10 * MiB) + b"a trickle that never ends")
+    await net.wait(peer.lost, timeout=10)
+    assert binding_of(broker).connections == {}
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_peer_announcing_an_oversized_record_is_dropped_at_once(net: Net) -> None:
+    if net.kind != "tcp":
+        pytest.skip("stream connections only")
+    broker, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    vandal = await raw_stream(net, endpoint)
+    vandal.transport.write(struct.pack(">I", 1 << 30))  # 1 GiB announced
+    await net.wait(vandal.lost, timeout=10)
+    client = make_client(net, endpoint)
+    assert await net.wait(client.request("echo", b"unharmed")) == [b"unharmed"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_connection_cap_makes_room_from_silent_connections_then_refuses(net: Net) -> None:
+    if net.kind != "tcp":
+        pytest.skip("stream connections only")
+    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=2))
+    bound = binding_of(broker)
+    silent = [await raw_stream(net, endpoint) for _ in range(2)]
+    await net.until(lambda: len(bound.connections) == 2)
+    worker = start_worker(net, endpoint, "echo", echo)  # a third: the oldest silent one goes
+    await net.until(lambda: len(broker.workers) == 1)
+    await net.wait(silent[0].lost)
+    assert not silent[1].lost.called
+    client = make_client(net, endpoint)  # the other silent one makes room
+    assert await net.wait(client.request("echo", b"in")) == [b"in"]
+    await net.wait(silent[1].lost)
+    late = await raw_stream(net, endpoint)  # two peers that spoke: no room
+    await net.wait(late.lost)
+    assert bound.refused == 1 and worker.connected
+
+
+# --- ZeroMQ message limits -------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_zmq_drops_messages_over_the_limits_without_keeping_them(net: Net) -> None:
+    if net.kind != "zmq":
+        pytest.skip("ZeroMQ's own limits")
+    import zmq
+
+    limits = Limits(maxMessageBytes=4096, maxFrames=16)
+    broker, endpoint = await start_broker(net, limits=limits)
+    bound = binding_of(broker)
+    assert bound.connection.socket.get(zmq.MAXMSGSIZE) == 4096
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint.removeprefix("zmq:"))
+    net.addCleanup(raw.close)
+    raw.send_multipart([codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service"] + [b"f"] * 100)
+    raw.send_multipart([codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service"] + [b"b" * 1000] * 5)
+    raw.send_multipart([codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service", b"x"])
+    await net.until(lambda: raw.poll(0))
+    assert raw.recv_multipart() == [codec.CLIENT_HEADER, codec.C_FINAL, b"mmi.service", b"404"]
+    assert bound.oversizedCount == 2 and broker.invalid == 0
+
+
+# --- logs, tables, MMI -------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_bad_input_logs_are_throttled(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet)
+    lines = LogLines(clocknet, "dropped invalid message")
+    vandal = RawPeer(clocknet, endpoint)
+    for n in range(1000):
+        vandal.send(b"garbage", str(n).encode())
+    clocknet.advance(0)
+    assert broker.invalid == 1000 and len(lines.lines) == 1
+    clocknet.advance(1.0)
+    vandal.send(b"garbage")
+    clocknet.advance(0)
+    assert len(lines.lines) == 2 and "999 similar held back" in lines.lines[1]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_departing_client_costs_only_the_services_it_used(clocknet: LoopbackNet,
+                                                                   monkeypatch: Any) -> None:
+    broker, endpoint = await start_broker(clocknet)
+    crowd = RawPeer(clocknet, endpoint)
+    for n in range(3000):
+        crowd.send(codec.CLIENT_HEADER, codec.C_REQUEST, b"svc-%d" % n, b"x")
+    leaver = RawPeer(clocknet, endpoint)
+    for name in (b"svc-1", b"svc-2"):
+        leaver.send(codec.CLIENT_HEADER, codec.C_REQUEST, name, b"y")
+    await clocknet.until(lambda: broker.queued == 3002)
+    calls: list[bytes] = []
+    original = ServiceQueue.drop_client
+
+    def counted(self: ServiceQueue, client: Any) -> int:
+        calls.append(self.name)
+        return original(self, client)
+
+    monkeypatch.setattr(ServiceQueue, "drop_client", counted)
+    await clocknet.wait(leaver.transport.close())
+    await clocknet.until(lambda: broker.queued == 3000)
+    assert sorted(calls) == [b"svc-1", b"svc-2"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_mmi_listings_are_bounded(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet)
+    crowd = RawPeer(clocknet, endpoint)
+    total = mmi.MAX_ENTRIES + 200
+    for n in range(total):
+        crowd.send(codec.CLIENT_HEADER, codec.C_REQUEST, b"svc-%04d" % n, b"x")
+    await clocknet.until(lambda: len(broker.services) == total)
+    client = make_client(clocknet, endpoint)
+    listing, more = await clocknet.wait(client.request("mmi.services", b""))
+    services = json.loads(listing)
+    assert len(services) == mmi.MAX_ENTRIES and min(services) == "svc-0000"
+    assert json.loads(more) == {"truncated": True, "total": total}
+    (workers,) = await clocknet.wait(client.request("mmi.workers", b""))
+    assert json.loads(workers) == []
+
+
+# --- workers: no lockout, no reconnect storm --------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_refused_worker_backs_off(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet, maxWorkers=1)
+    start_worker(clocknet, endpoint, "a", echo)
+    await clocknet.until(lambda: len(broker.workers) == 1)
+    refused = start_worker(clocknet, endpoint, "b", echo)
+    readies: list[float] = []
+    original = refused.connectionMade
+
+    def counted() -> None:
+        readies.append(clocknet.reactor.seconds())
+        original()
+
+    refused.connectionMade = counted  # type: ignore[method-assign]
+    clocknet.advance(20)
+    # at once, then after 1, 2, 4 and 8 s of backoff (it used to be ~1,100 a second)
+    assert len(readies) <= 6
+    assert broker.workers.keys() == {k for k, w in broker.workers.items() if w.service.name == b"a"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_per_service_worker_limit(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet, maxServiceWorkers=2)
+    for _ in range(3):
+        start_worker(clocknet, endpoint, "crowded", echo)
+    other = start_worker(clocknet, endpoint, "other", echo)
+    clocknet.advance(5)
+    assert broker.services[b"crowded"].workers == 2
+    assert broker.services[b"other"].workers == 1 and other.connected
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError):
+        Limits(maxMessageBytes=0)
+    with pytest.raises(ValueError):
+        Broker(maxDeliveries=0)
+    assert Limits().oversize(10, 2) is None
+
+
