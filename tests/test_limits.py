@@ -251,7 +251,7 @@ async def test_freelance_server_disconnects_a_client_that_does_not_read(net: Net
     while not bound.overflows and sent < 400:  # up to 400 MiB, never read
         slow.sendFrames(str(sent).encode(), b"q" * MiB)
         sent += 1
-        await net.until(lambda: server.served == sent or bound.overflows > 0)
+        await net.until(lambda n=sent: server.served == n or bound.overflows > 0)
     assert bound.overflows == 1 and sent < 400
     slow.transport.resumeProducing()
     await net.wait(slow.lost, timeout=10)
