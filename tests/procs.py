@@ -8,7 +8,7 @@ import signal
 import sys
 from typing import Any, Optional
 
-from twisted.internet import defer, protocol
+from twisted.internet import defer, protocol, task
 from twisted.python.failure import Failure
 
 
@@ -143,3 +143,76 @@ def twist_worker(reactor: Any, endpoint: str, service: str, handler: str, *optio
     return Process(reactor, [script("twist"), "--log-format", "text", "mdp-worker",
                              "--broker", endpoint, "--service", service, "--handler", handler,
                              *options], ENV)
+
+
+# fast heartbeats: a dead worker or broker is noticed within about a second
+BROKER_HB = ("--heartbeat", "0.25", "--liveness", "4")
+WORKER_HB = ("--heartbeat", "0.25", "--liveness", "4", "--backoff-max", "2")
+#: replies [pid, body]: who served a request, and whether it was this request
+TAGGED = "tests.handlers_for_tests:tagged"
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+async def bounded(d: defer.Deferred, seconds: float) -> Any:
+    return await d.addTimeout(seconds, reactor())
+
+
+async def wait_until(predicate: Any, seconds: float, step: float = 0.01) -> None:
+    """Poll *predicate* until it is true; fail after *seconds*."""
+    deadline = reactor().seconds() + seconds
+    while not predicate():
+        if reactor().seconds() > deadline:
+            raise AssertionError(f"condition not met within {seconds}s: {predicate}")
+        await task.deferLater(reactor(), step)
+
+
+class Cluster:
+    """A broker process, worker processes and clients, all stopped by
+    :meth:`stop`.  *brokerOptions* go to every broker it starts."""
+
+    def __init__(self, *brokerOptions: str) -> None:
+        self.brokerOptions = brokerOptions
+        self.broker: Optional[Process] = None
+        self.endpoint = ""
+        self.workers: list[Process] = []
+        self.clients: list[Any] = []
+
+    async def start_broker(self, bind: str) -> Process:
+        self.broker, self.endpoint = await twist_broker(reactor(), bind, *BROKER_HB,
+                                                        *self.brokerOptions)
+        return self.broker
+
+    def start_worker(self, service: str = "work", handler: str = TAGGED, *options: str) -> Process:
+        worker = twist_worker(reactor(), self.endpoint, service, handler, *WORKER_HB, *options)
+        self.workers.append(worker)
+        return worker
+
+    async def start_workers(self, count: int, service: str, handler: str, *options: str) -> list[Process]:
+        """Start *count* workers and wait until the broker has registered them."""
+        started = [self.start_worker(service, handler, *options) for _ in range(count)]
+        for worker in started:
+            await bounded(worker.waitFor("sent READY", timeout=60), 60)
+        broker = self.broker
+        assert broker is not None
+        await wait_until(lambda: broker.output.count(f"ready for b'{service}'".encode()) >= count, 30)
+        return started
+
+    def client(self, **kwargs: Any) -> Any:
+        from mdp import Client
+
+        client = Client(self.endpoint, reactor(), **kwargs)
+        self.clients.append(client)
+        return client
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            await client.close()
+        for worker in self.workers:
+            await worker.stop()
+        if self.broker is not None:
+            await self.broker.stop()

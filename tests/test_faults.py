@@ -9,61 +9,15 @@ from __future__ import annotations
 
 import random
 import signal
-from typing import Any
 
 import pytest
 import pytest_twisted
 from twisted.internet import defer, task
 
 from mdp import Client
-from tests.procs import Process, twist_broker, twist_worker
+from tests.procs import Cluster, bounded, reactor, wait_until
 
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
-# fast heartbeats: a dead worker or broker is noticed within about a second
-BROKER_HB = ("--heartbeat", "0.25", "--liveness", "4")
-WORKER_HB = ("--heartbeat", "0.25", "--liveness", "4", "--backoff-max", "2")
-HANDLER = "tests.handlers_for_tests:tagged"
-
-
-def reactor() -> Any:
-    from twisted.internet import reactor as r
-
-    return r
-
-
-class Cluster:
-    """A broker process and worker processes, all stopped by :meth:`stop`."""
-
-    def __init__(self) -> None:
-        self.broker: Process | None = None
-        self.endpoint = ""
-        self.workers: list[Process] = []
-        self.clients: list[Client] = []
-
-    async def start_broker(self, bind: str) -> None:
-        self.broker, self.endpoint = await twist_broker(reactor(), bind, *BROKER_HB)
-
-    def start_worker(self) -> Process:
-        worker = twist_worker(reactor(), self.endpoint, "work", HANDLER, *WORKER_HB)
-        self.workers.append(worker)
-        return worker
-
-    def client(self, **kwargs: Any) -> Client:
-        client = Client(self.endpoint, reactor(), **kwargs)
-        self.clients.append(client)
-        return client
-
-    async def stop(self) -> None:
-        for client in self.clients:
-            await client.close()
-        for worker in self.workers:
-            await worker.stop()
-        if self.broker is not None:
-            await self.broker.stop()
-
-
-async def bounded(d: defer.Deferred, seconds: float) -> Any:
-    return await d.addTimeout(seconds, reactor())
 
 
 async def run_requests(client: Client, tag: str, count: int) -> list[tuple[str, list[bytes]]]:
@@ -137,7 +91,7 @@ async def test_broker_killed_and_restarted_mid_run(kind: str) -> None:
         # let the run get going, then kill the broker and start a new one on
         # the same endpoint
         first = cluster.broker
-        await bounded(defer.ensureDeferred(wait_until(lambda: first.output.count(b"ready for") >= 2)), 30)
+        await wait_until(lambda: first.output.count(b"ready for") >= 2, 30)
         await task.deferLater(reactor(), 0.3)  # mid-run: requests are flowing
         first.signalProcess(signal.SIGKILL)
         await first.ended(30)
@@ -178,8 +132,3 @@ async def test_frozen_worker_is_detected_and_its_request_requeued(kind: str) -> 
         if frozen is not None:
             frozen.signalProcess(signal.SIGCONT)
         await cluster.stop()
-
-
-async def wait_until(predicate: Any, step: float = 0.01) -> None:
-    while not predicate():
-        await task.deferLater(reactor(), step)

@@ -388,11 +388,13 @@ class ZmqRouter(_RoutedSocket):
         except zmq.ZMQError as e:
             self.connection.shutdown()
             raise TransportError(f"cannot bind {endpoint}: {e}") from e
-        bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
-        self.endpoint = "zmq:" + bound.replace("0.0.0.0", "127.0.0.1")
+        self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
+        self._closing = False
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
-        self.receiver.messageReceived(peer, frames)
+        if not self._closing:
+            self.receiver.messageReceived(peer, frames)
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         self._send(peer, frames)
@@ -408,9 +410,58 @@ class ZmqRouter(_RoutedSocket):
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
 
+    #: Longest wait in close() for libzmq to release a bound address.
+    unbindTimeout = 2.0
+
     def close(self) -> defer.Deferred[None]:
-        self._shutdown()
-        return defer.succeed(None)
+        """Close the socket; fires once the address it was bound to is free
+        again (libzmq releases it in its own thread, a moment after the
+        close: its monitor says when)."""
+        socket = self.connection.socket
+        if socket is None or self._closing:
+            return defer.succeed(None)
+        self._closing = True
+        if not self._bound.startswith(("tcp://", "ipc://")):
+            self._shutdown()
+            return defer.succeed(None)
+        zmq = _zmq()
+        from zmq.utils.monitor import recv_monitor_message
+
+        monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
+        closed: defer.Deferred[None] = defer.Deferred()
+        deadline = self.reactor.seconds() + self.unbindTimeout
+
+        def done() -> None:
+            if closed.called:
+                return
+            if trigger is not None:
+                self.reactor.removeSystemEventTrigger(trigger)
+            socket.disable_monitor()
+            monitor.close(linger=0)  # an open socket would block the context's term()
+            self._shutdown()
+            closed.callback(None)
+
+        trigger = None
+        if hasattr(self.reactor, "addSystemEventTrigger"):
+            trigger = self.reactor.addSystemEventTrigger("before", "shutdown", done)
+
+        def poll() -> None:
+            try:
+                while recv_monitor_message(monitor, zmq.NOBLOCK)["event"] != zmq.EVENT_CLOSED:
+                    pass
+            except zmq.Again:
+                if self.reactor.seconds() < deadline and not closed.called:
+                    self.reactor.callLater(0.001, poll)
+                    return
+            done()
+
+        try:
+            socket.unbind(self._bound)
+        except zmq.ZMQError:
+            done()
+            return closed
+        poll()
+        return closed
 
 
 @implementer(IDealerTransport)
