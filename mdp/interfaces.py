@@ -18,8 +18,11 @@ class IRouterReceiver(Interface):
         """A message arrived from the peer identified by *peer*."""
 
     def peerDisconnected(peer: bytes) -> None:
-        """*peer* went away.  Only stream transports (TCP, loopback) know this;
-        ZeroMQ never calls it, heartbeats cover that case."""
+        """*peer* went away, or the transport disconnected it (it broke the
+        message limits, or left more than ``maxOutputBytes`` unread).  Stream
+        transports (TCP, loopback) report every loss; ZeroMQ only the peers it
+        cuts off, heartbeats cover the rest.  Called from the reactor, never
+        from inside ``sendMessage``."""
 
 
 class IRouterTransport(Interface):
@@ -34,8 +37,10 @@ class IRouterTransport(Interface):
     )
 
     def sendMessage(peer: bytes, frames: list[bytes]) -> None:
-        """Send *frames* to *peer*.  Unknown peers are dropped silently, as a
-        ZeroMQ ROUTER does."""
+        """Send *frames* to *peer*.  Messages for an unknown peer are dropped,
+        as a ZeroMQ ROUTER does.  What a peer does not read waits for it, up to
+        ``Limits.maxOutputBytes``; beyond, that peer is disconnected (never are
+        other peers held back)."""
 
     def disconnectPeer(peer: bytes) -> None:
         """Drop the connection to *peer* if the medium has connections."""
@@ -71,9 +76,11 @@ class IDealerTransport(Interface):
     )
 
     def sendMessage(frames: list[bytes]) -> None:
-        """Send *frames*; while disconnected they are queued (bounded) and sent
-        after the next connectionMade.  Never dropped for a full queue: see
-        ``writable``."""
+        """Send *frames*; while disconnected they are queued (bounded in count
+        and bytes: beyond, refused with a warning) and sent after the next
+        connectionMade.  Never dropped for a full queue while connected: see
+        ``writable``.  A receiver that resends after connectionLost must not
+        also rely on this queue (our client sends only while connected)."""
 
     def drained():
         """A Deferred that fires once the transport is writable again (at

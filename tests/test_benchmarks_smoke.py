@@ -71,3 +71,16 @@ def test_ratios_pair_repetitions_of_the_same_round() -> None:
     assert ratio(table, "a", "b") == 0.9  # rounds: 0.9, 0.9, 2.0
     assert table["a"]["rate"] / table["b"]["rate"] == 1.8  # what medians alone would say
     assert ratio(table, "a", "missing") is None
+
+
+def test_framing_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "framing.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.framing", "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["pieces"] > 1000
+    for name in ("ours", "twisted_int32"):
+        assert row[name]["trickle_s"] > 0 and row[name]["whole_s"] > 0
