@@ -386,11 +386,11 @@ class Broker:
         if command.service.startswith(mmi.PREFIX):
             self._reply(request, mmi.answer(self, command.service, body), final=True)
             return
-        tooLarge = self.limits.oversize(request.size + len(key[1]) + _REQUEST_OVERHEAD,
-                                        len(body) + _REQUEST_FRAMES)
-        if tooLarge is not None:
-            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
-                         f"request too large for a worker: {tooLarge}")
+        limits = self.limits
+        size = request.size + len(key[1]) + _REQUEST_OVERHEAD
+        if size > limits.maxMessageBytes or len(body) + _REQUEST_FRAMES > limits.maxFrames:
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large", "request too large for a "
+                         f"worker: {limits.oversize(size, len(body) + _REQUEST_FRAMES)}")
             return
         service = self.services.get(command.service)
         if service is not None and service.idle and not service.size:
@@ -512,9 +512,22 @@ class Broker:
             request.state = DONE
         if request.failed:
             return  # already answered with an error; the worker's rest is void
+        # the worker's message was within the limits, and the client's has one
+        # frame less and the service name for the envelope: it can only be
+        # larger when the name is longer
+        if len(request.service) > len(request.envelope):
+            self._checkedForward(worker, request, body, final)
+            return
+        if not final:
+            request.partials += 1
+        self._reply(request, body, final)
+
+    def _checkedForward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
+                        final: bool) -> None:
         size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
-        tooLarge = self.limits.oversize(size, len(body) + 4)
-        if tooLarge is not None:
+        limits = self.limits
+        if size > limits.maxMessageBytes or len(body) + 4 > limits.maxFrames:
+            tooLarge = limits.oversize(size, len(body) + 4)
             request.failed = True
             self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is too "
                                "large for the client: {reason}", peer=peer_label(worker.key[1]),

@@ -157,8 +157,9 @@ class _Channel:
     def carry(self, call: _Call) -> None:
         self.call = call
         call.channel = self
-        self.sent = False
-        self.send()
+        self.sent = self.up and self.transport.connected
+        if self.sent:
+            self.transport.sendMessage(call.message)
 
     def send(self) -> None:
         call = self.call
@@ -225,7 +226,8 @@ class Client:
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
         self._order = itertools.count()
-        self._timer: Any = None  # the one DelayedCall, for the earliest deadline
+        self._timer: Any = None  # the one DelayedCall, for the earliest deadline, while pending
+        self._timerAt = 0.0  # when it fires
 
     @property
     def endpoint(self) -> str:
@@ -260,10 +262,11 @@ class Client:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
         name = codec.service_name(service)
         message = codec.encode(codec.ClientRequest(name, body), self.dialect)
-        tooLarge = self.limits.refuse(message)
-        if tooLarge is not None:
-            return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE,
-                                              f"request not sent: {tooLarge}"))
+        limits = self.limits
+        size = sum(map(len, message))
+        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
+            return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE, "request not sent: "
+                                              f"{limits.oversize(size, len(message))}"))
         call = _Call(
             name,
             message,
@@ -275,7 +278,8 @@ class Client:
             self._cancel,
         )
         self._schedule(call)
-        self._enqueue(call)
+        call.queued = True
+        self._waiting.append(call)
         self._pump()
         return call.deferred
 
@@ -362,8 +366,10 @@ class Client:
     # --- time ----------------------------------------------------------------
 
     def _schedule(self, call: _Call) -> None:
-        heapq.heappush(self._deadlines, (call.deadline, next(self._order), call))
-        self._armTimer(call.deadline)
+        deadline = call.deadline
+        heapq.heappush(self._deadlines, (deadline, next(self._order), call))
+        if self._timer is None or self._timerAt > deadline:
+            self._armTimer(deadline)
 
     @staticmethod
     def _watched(entry: tuple[float, int, _Call]) -> bool:
@@ -377,10 +383,11 @@ class Client:
     def _armTimer(self, deadline: float) -> None:
         """Make sure the timer fires by *deadline*."""
         timer = self._timer
-        if timer is not None and timer.active():
-            if timer.getTime() <= deadline:
+        if timer is not None:
+            if self._timerAt <= deadline:
                 return
             timer.cancel()
+        self._timerAt = deadline
         self._timer = self.reactor.callLater(max(0.0, deadline - self.reactor.seconds()),
                                              self._sweep)
 

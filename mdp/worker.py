@@ -309,16 +309,20 @@ class Worker:
         remember a stamped request's FINAL in the reply store.  A part over
         the message limits is replaced by a 413 error FINAL."""
         if job.generation != self.generation or not self.connected or self.current != job.client:
-            self._store(job, kind, frames, store)
+            if job.key is not None:
+                self._store(job, kind, frames, store)
             return False
         size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
-        tooLarge = self.limits.oversize(size, len(frames) + 5)
-        if tooLarge is not None:
+        limits = self.limits
+        tooLarge = None
+        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
+            tooLarge = limits.oversize(size, len(frames) + 5)
             log.warn("worker for {service} answers 413: its {command} is too large ({reason})",
                      service=self.service, command=kind.__name__, reason=tooLarge)
             kind, store = WorkerFinal, False
             frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
-        self._store(job, kind, frames, store)
+        if job.key is not None:
+            self._store(job, kind, frames, store)
         self._send(kind(job.client, frames))
         if kind is WorkerFinal:
             self.current = None

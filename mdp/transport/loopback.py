@@ -130,10 +130,10 @@ class LoopbackRouter:
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if peer in self.peers and not self.closed:
-            reason = self.limits.refuse(frames)
-            if reason is not None:
+            limits = self.limits
+            if len(frames) > limits.maxFrames or sum(map(len, frames)) > limits.maxMessageBytes:
                 self.throttle.warn(log, "oversized", "loopback:{name} dropping peer {peer}: {reason}",
-                                   name=self.name, peer=peer.hex(), reason=reason)
+                                   name=self.name, peer=peer.hex(), reason=limits.refuse(frames))
                 self.disconnectPeer(peer)
                 return
             self.receiver.messageReceived(peer, frames)
@@ -209,10 +209,10 @@ class LoopbackDealer:
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if peer == self.peer and not self.closed:
-            reason = self.limits.refuse(frames)
-            if reason is not None:
+            limits = self.limits
+            if len(frames) > limits.maxFrames or sum(map(len, frames)) > limits.maxMessageBytes:
                 self.throttle.warn(log, "oversized", "loopback dealer to {name} dropping its pipe: "
-                                   "{reason}", name=self.name, reason=reason)
+                                   "{reason}", name=self.name, reason=limits.refuse(frames))
                 self._dropped(peer)
                 return
             self.receiver.messageReceived(frames)
