@@ -75,7 +75,7 @@ DEFAULT_MAX_QUEUE_BYTES = 1024 * MiB
 DEFAULT_MAX_SERVICE_QUEUE_BYTES = 512 * MiB
 DEFAULT_MAX_WORKERS = 10_000
 DEFAULT_MAX_SERVICE_WORKERS = 1_000
-DEFAULT_MAX_DELIVERIES = 5
+DEFAULT_MAX_DELIVERIES = 20
 
 #: Bytes of frame content a worker REQUEST adds to the request body besides the
 #: client's peer id: the header, the command and the 8-byte assignment number

@@ -174,15 +174,14 @@ MAX_OUTPUT = 16 * MiB
 # MiB, peak = VmHWM):
 # * tcp: the 16 MiB backlog and Twisted's write buffer.  Measured growth 15.5-16
 #   MiB (peak 51.5 MiB).
-# * zmq: the 16 MiB backlog plus what libzmq holds in the pipes (SNDHWM 1000
-#   messages of 64 KiB towards the client: 64 MiB; the worker's messages not
-#   yet read, up to the same again) and allocator slack.  Measured growth 85-123
-#   MiB (peak 124-161 MiB).
+# * zmq: the 16 MiB backlog plus what libzmq holds in its pipes (64 messages of
+#   64 KiB each way) and allocator slack.  Measured growth 22.5-24 MiB (peak
+#   61-62.5 MiB).
 # Without the limit (--max-output-bytes 4GiB) the broker keeps the whole stream:
 # measured growth 311 MiB (tcp) and 351 MiB (zmq) for a 312 MiB stream, so
 # about 500+ MiB for this one; 2.5-3 GB in the original report.
-RSS_GROWTH_BOUND = {"tcp": 64 * MiB, "zmq": 200 * MiB}
-RSS_ABSOLUTE_BOUND = 300 * MiB
+RSS_GROWTH_BOUND = {"tcp": 64 * MiB, "zmq": 64 * MiB}
+RSS_ABSOLUTE_BOUND = 150 * MiB
 
 
 def rss(pid: int, field: str = "VmRSS") -> int:

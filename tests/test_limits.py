@@ -215,10 +215,9 @@ async def fast_stream(frames: list[bytes]) -> Any:
     yield Final(b"end")
 
 
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_stream_broker_disconnects_a_client_that_does_not_read(net: Net) -> None:
-    if net.kind != "tcp":
-        pytest.skip("a peer's unread output is a real socket's (ZeroMQ: test_mdp_behaviour)")
     limit = 1 * MiB
     broker, endpoint = await start_broker(net, limits=Limits(maxOutputBytes=limit))
     start_worker(net, endpoint, "stream", fast_stream)
@@ -238,10 +237,37 @@ async def test_stream_broker_disconnects_a_client_that_does_not_read(net: Net) -
     assert await net.wait(client.request("echo", b"after")) == [b"after"]
 
 
+@pytest.mark.parametrize("net", ["zmq"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_freelance_server_cuts_off_a_zmq_client_that_does_not_read(net: Net) -> None:
+    """1 MiB requests from a client that never reads: replies pile up in the
+    server's pipe to it (64 messages) and then in its backlog, until that
+    passes maxOutputBytes (it used to reach 3 GB in 6 s)."""
+    import zmq
+
+    server = FreelanceServer(echo, net.reactor, limits=Limits(maxOutputBytes=8 * MiB))
+    bound = await net.wait(server.listen(net.bind_endpoint()))
+    net.addCleanup(server.close)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVHWM, 1)
+    raw.connect(bound.endpoint.removeprefix("zmq:"))
+    net.addCleanup(raw.close)
+    sent = 0
+    while not bound.overflows and sent < 400:  # up to 400 MiB, never read
+        raw.send_multipart([str(sent).encode(), b"q" * MiB])
+        sent += 1
+        await net.until(lambda n=sent: server.served == n or bound.overflows > 0)
+    assert bound.overflows == 1 and sent < 200
+    assert bound.backlogs == {}  # dropped with the peer
+    client = SequentialClient([bound.endpoint], net.reactor, attemptTimeout=5, timeout=10)
+    net.addCleanup(client.close)
+    assert await net.wait(client.request(b"hi")) == [b"hi"]
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_freelance_server_disconnects_a_client_that_does_not_read(net: Net) -> None:
-    if net.kind != "tcp":
-        pytest.skip("a real socket's unread output (ZeroMQ shares the broker's ROUTER code)")
     server = FreelanceServer(echo, net.reactor, limits=Limits(maxOutputBytes=1 * MiB))
     bound = await net.wait(server.listen(net.bind_endpoint()))
     net.addCleanup(server.close)
@@ -291,10 +317,9 @@ async def test_freelance_server_bounds_requests_in_hand_and_replies(clocknet: Lo
 
 # --- stream connections ----------------------------------------------------------------
 
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_connection_that_says_nothing_is_dropped_after_the_handshake_timeout(net: Net) -> None:
-    if net.kind != "tcp":
-        pytest.skip("stream connections only")
     broker, endpoint = await start_broker(net, limits=Limits(handshakeTimeout=0.3))
     silent = await raw_stream(net, endpoint)
     await net.wait(silent.lost, timeout=10)
@@ -305,10 +330,9 @@ async def test_connection_that_says_nothing_is_dropped_after_the_handshake_timeo
     assert len(binding_of(broker).connections) == 1  # a peer that spoke may stay idle
 
 
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_record_left_incomplete_is_dropped_after_the_record_timeout(net: Net) -> None:
-    if net.kind != "tcp":
-        pytest.skip("stream connections only")
     broker, endpoint = await start_broker(net, limits=Limits(recordTimeout=0.3))
     peer = await raw_stream(net, endpoint)
     peer.sendFrames(codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service", b"x")
@@ -318,10 +342,9 @@ async def test_record_left_incomplete_is_dropped_after_the_record_timeout(net: N
     assert binding_of(broker).connections == {}
 
 
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_stream_peer_announcing_an_oversized_record_is_dropped_at_once(net: Net) -> None:
-    if net.kind != "tcp":
-        pytest.skip("stream connections only")
     broker, endpoint = await start_broker(net)
     start_worker(net, endpoint, "echo", echo)
     vandal = await raw_stream(net, endpoint)
@@ -331,10 +354,9 @@ async def test_stream_peer_announcing_an_oversized_record_is_dropped_at_once(net
     assert await net.wait(client.request("echo", b"unharmed")) == [b"unharmed"]
 
 
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_connection_cap_makes_room_from_silent_connections_then_refuses(net: Net) -> None:
-    if net.kind != "tcp":
-        pytest.skip("stream connections only")
     broker, endpoint = await start_broker(net, limits=Limits(maxConnections=2))
     bound = binding_of(broker)
     silent = [await raw_stream(net, endpoint) for _ in range(2)]
@@ -353,10 +375,9 @@ async def test_connection_cap_makes_room_from_silent_connections_then_refuses(ne
 
 # --- ZeroMQ message limits -------------------------------------------------------------
 
+@pytest.mark.parametrize("net", ["zmq"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_zmq_drops_messages_over_the_limits_without_keeping_them(net: Net) -> None:
-    if net.kind != "zmq":
-        pytest.skip("ZeroMQ's own limits")
     import zmq
 
     limits = Limits(maxMessageBytes=4096, maxFrames=16)

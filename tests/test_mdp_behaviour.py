@@ -253,10 +253,9 @@ async def test_worker_disconnect_requeues_its_request(net: Net) -> None:
     assert await net.wait(reply) == [b"second", b"job"]
 
 
+@pytest.mark.parametrize("net", ["loopback", "tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_lost_connection_requeues_at_once_on_stream_transports(net: Net) -> None:
-    if net.kind == "zmq":
-        pytest.skip("ZeroMQ does not report disconnects; heartbeats cover it")
     # heartbeats far too slow to matter: only the disconnect report can help
     broker, endpoint = await start_broker(net, heartbeat=HeartbeatPolicy(60, 3))
     dying = RawPeer(net, endpoint)

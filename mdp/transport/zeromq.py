@@ -3,9 +3,10 @@
 Thin adapters around :class:`txzmq.ZmqRouterConnection` and
 :class:`txzmq.ZmqDealerConnection`.  Socket options are set explicitly instead
 of txzmq's defaults (whose high-water mark of 0 means unbounded queues): a
-high-water mark per pipe (1,000 messages on a ROUTER, libzmq's default, and
-100,000 on a DEALER), ``ZMQ_MAXMSGSIZE`` from the message limit (libzmq drops
-a peer that sends a larger frame) and a short linger.  A message whose frames
+high-water mark per pipe (64 messages on a ROUTER, beyond which a peer's
+messages wait in its byte-bounded backlog; 100,000 on a DEALER, whose burst of
+PARTIALs then rarely waits), ``ZMQ_MAXMSGSIZE`` from the message
+limit (libzmq drops a peer that sends a larger frame) and a short linger.  A message whose frames
 together exceed the limits is read off the socket and discarded without being
 kept.  ZeroMQ hides connection state, so these transports report no
 disconnects, except of a peer a ROUTER cuts off for not reading (below); MDP
@@ -37,13 +38,16 @@ from mdp.transport.flow import DrainWaiters
 
 log = Logger()
 
-#: Per-pipe queue bound of a DEALER.  High enough that a handler streaming
-#: thousands of PARTIALs in one burst rarely waits (beyond it the DEALER keeps
-#: messages in its backlog); txzmq's default of 0 would mean unbounded.
+#: Messages libzmq queues per pipe on a DEALER: a worker's burst of PARTIALs
+#: rarely has to wait in the backlog (a small mark costs streams most of their
+#: throughput: each message then crosses libzmq's threads on its own).
 HIGH_WATER_MARK = 100_000
-#: Per-pipe queue bound of a ROUTER (libzmq's default).  Beyond it, messages for
-#: a peer wait in that peer's backlog, which is bounded in bytes.
-ROUTER_HIGH_WATER_MARK = 1000
+#: Per pipe on a ROUTER.  libzmq counts messages, not bytes, so this is kept
+#: small: beyond it a peer's messages wait in its backlog, which is bounded in
+#: bytes, and a peer that does not read costs at most that backlog plus 64
+#: messages here (1,000, libzmq's default, let 1 MiB replies pin a gigabyte;
+#: 16 halves the throughput of streams, 64 keeps it).
+ROUTER_HIGH_WATER_MARK = 64
 LINGER_MS = 200
 
 _factory: Any = None
@@ -146,18 +150,30 @@ def _connection_classes() -> tuple[type, type]:
             def send(self, frames: list[bytes]) -> None:
                 socket = self.socket
                 last = len(frames) - 1
-                for i, frame in enumerate(frames):
-                    # large frames go zero-copy (ZeroMQ keeps a reference), as
-                    # pyzmq's own send_multipart does past its copy threshold
-                    send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
-                         len(frame) < ZERO_COPY_BYTES)
-                if not self.reading and self.read_scheduled is None and get(socket, EVENTS) & POLLIN:
-                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+                try:
+                    for i, frame in enumerate(frames):
+                        # large frames go zero-copy (ZeroMQ keeps a reference), as
+                        # pyzmq's own send_multipart does past its copy threshold
+                        send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
+                             len(frame) < ZERO_COPY_BYTES)
+                finally:
+                    # a send, refused or not, may have taken the FD's (edge-
+                    # triggered) signal of pending input: look for it ourselves
+                    if (not self.reading and self.read_scheduled is None
+                            and self.socket is not None and get(socket, EVENTS) & POLLIN):
+                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
         class Router(FastIO, txzmq.ZmqRouterConnection):
             highWaterMark = ROUTER_HIGH_WATER_MARK
             envelope = 1
             owner: Any
+
+            def doRead(self) -> None:
+                # ZeroMQ signals its FD when a full pipe drains, too
+                owner = getattr(self, "owner", None)
+                if owner is not None and owner.backlogs:
+                    owner._flush()
+                FastIO.doRead(self)
 
             def deliver(self, frames: list[bytes]) -> None:
                 self.owner.delivered(frames[0], frames[1:])
@@ -186,6 +202,25 @@ def _connection_classes() -> tuple[type, type]:
     return _classes
 
 
+class FlushPacer:
+    """When to try a full pipe again.  libzmq says a full pipe has drained by
+    signalling its socket, but any send or EVENTS check may consume that
+    (edge-triggered) signal, so the backlogs are also retried on a timer: at
+    once while they drain, backing off (doubling up to ``longest`` seconds)
+    while they do not, so a peer that stops reading costs little CPU."""
+
+    shortest = 0.0005
+    longest = 0.05
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    def next(self, progressed: bool) -> float:
+        """The delay before the next try, after a try that *progressed* or not."""
+        self.delay = 0.0 if progressed else min(self.longest, max(self.shortest, self.delay * 2))
+        return self.delay
+
+
 def _cancel(call: Any) -> None:
     """Cancel a pending delayed call (if any); returns None to store back."""
     if call is not None and call.active():
@@ -206,7 +241,7 @@ def _address(endpoint: str) -> str:
 
 
 def _limit(connection: Any, limits: Limits) -> None:
-    """Apply the message limits to a socket (before it binds or connects)."""
+    """Apply the limits to a socket (before it binds or connects)."""
     import zmq
 
     connection.maxBytes = limits.maxMessageBytes
@@ -231,14 +266,14 @@ class _RoutedSocket:
 
     With ``ZMQ_ROUTER_MANDATORY`` a message for a peer whose pipe is full is
     refused instead of silently dropped.  It then waits, with what follows for
-    the same peer, in that peer's backlog, flushed every ``flushInterval``
-    seconds; other peers are never held back.  When a backlog exceeds
+    the same peer, in that peer's backlog, flushed when libzmq signals the
+    socket and as a :class:`FlushPacer` says; other peers are never held
+    back.  When a backlog exceeds
     ``maxOutputBytes`` the peer is cut off: its backlog is dropped, messages
     for it are discarded until it sends again, and (bound ROUTERs only) the
     receiver hears ``peerDisconnected``.  libzmq itself holds at most the
     high-water mark of messages per pipe besides."""
 
-    flushInterval = 0.005
     connection: Any
     endpoint: str
     reactor: Any
@@ -260,6 +295,7 @@ class _RoutedSocket:
         #: messages discarded for exceeding the message limits
         self.oversizedCount = 0
         self._flushCall: Any = None
+        self._pacer = FlushPacer()
         _limit(self.connection, limits)
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
@@ -287,20 +323,24 @@ class _RoutedSocket:
         if backlog.bytes > self.limits.maxOutputBytes:
             self._cutOff(peer, backlog)
         elif self._flushCall is None:
-            self._flushCall = self.reactor.callLater(self.flushInterval, self._flush)
+            self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _flush(self) -> None:
-        self._flushCall = None
+        """Send what waits in the backlogs (called by the timer, and when
+        libzmq signals the socket: a full pipe may have drained)."""
+        self._flushCall = _cancel(self._flushCall)
         if self.connection.socket is None:
             return
         send = self.connection.send
         Again = _zmq().Again
+        progressed = False
         for peer, backlog in list(self.backlogs.items()):
             messages = backlog.messages
             try:
                 while messages:
                     send([peer, *messages[0]])
                     backlog.bytes -= sum(map(len, messages.popleft()))
+                    progressed = True
             except Again:
                 continue
             except _zmq().ZMQError as e:
@@ -308,7 +348,7 @@ class _RoutedSocket:
                 self.dropped += len(messages)
             del self.backlogs[peer]
         if self.backlogs:
-            self._flushCall = self.reactor.callLater(self.flushInterval, self._flush)
+            self._flushCall = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
         del self.backlogs[peer]
@@ -474,9 +514,6 @@ class ZmqDealer:
     socket lives."""
 
     connected = True
-    #: Seconds between flush attempts while backlogged, besides the ones
-    #: ZeroMQ's own "writable again" signal triggers.
-    flushInterval = 0.005
 
     def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver,
                  limits: Limits = Limits()) -> None:
@@ -490,6 +527,7 @@ class ZmqDealer:
         self._backlog: deque[list[bytes]] = deque()
         self._waiters = DrainWaiters()
         self._retry: Any = None
+        self._pacer = FlushPacer()
         self._open()
 
     @property
@@ -507,11 +545,13 @@ class ZmqDealer:
         if self.connection is None:
             return
         backlog = self._backlog
+        progressed = False
         while backlog:
             if not self._trySend(backlog[0]):
-                self._retry = self.reactor.callLater(self.flushInterval, self._flush)
+                self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
                 return
             backlog.popleft()
+            progressed = True
         self._waiters.fire()
 
     def _trySend(self, frames: list[bytes]) -> bool:
@@ -558,7 +598,7 @@ class ZmqDealer:
             return
         self._backlog.append(frames)
         if self._retry is None:
-            self._retry = self.reactor.callLater(self.flushInterval, self._flush)
+            self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
