@@ -82,3 +82,19 @@ def test_a_trickled_record_is_kept_in_pieces_and_joined_once() -> None:
     assert decoder.buffered == len(record) - 4 - len(pieces[-1])
     assert decoder.feed(pieces[-1]) == [[b"z" * 100_000]]
     assert decoder._chunks == [] and decoder.records == 1
+
+
+@given(st.binary(max_size=300), st.lists(st.integers(1, 40), max_size=20))
+@settings(max_examples=500, deadline=None)
+def test_garbage_gives_messages_or_a_protocol_error_and_nothing_else(data: bytes,
+                                                                      cuts: list[int]) -> None:
+    decoder = RecordDecoder(Limits(maxMessageBytes=256, maxFrames=8))
+    pos = 0
+    try:
+        for cut in [*cuts, len(data)]:
+            for message in decoder.feed(data[pos:pos + cut]):
+                assert len(message) <= 8 and sum(map(len, message)) <= 256
+            pos += cut
+    except ProtocolError:
+        pass
+    assert decoder.buffered <= 256 + 4 * 8 + 4
