@@ -12,13 +12,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_benchmark_smoke_run(tmp_path) -> None:
-    out = tmp_path / "bench.json"
+def smoke_run(module: str, out: object, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m MODULE --smoke --json OUT`` from the checkout; it must succeed."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", module, "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    proc = smoke_run("benchmarks", out, 600)
     assert "| case |" in proc.stdout and "| target |" in proc.stdout
     report = json.loads(out.read_text())
     assert report["smoke"] is True
@@ -75,11 +81,7 @@ def test_ratios_pair_repetitions_of_the_same_round() -> None:
 
 def test_framing_benchmark_smoke_run(tmp_path) -> None:
     out = tmp_path / "framing.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.framing", "--smoke", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    smoke_run("benchmarks.framing", out, 120)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["pieces"] > 1000
     for name in ("ours", "twisted_int32"):

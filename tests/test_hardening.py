@@ -230,6 +230,17 @@ async def test_timeout_counts_time_spent_waiting_in_the_client_queue(clocknet: L
 
 # --- 5. restarted streams ----------------------------------------------------------
 
+def counting(prefix: bytes) -> Any:
+    """A streaming handler: int(frames[0]) PARTIALs ``prefix-N``, then FINAL ``done``."""
+
+    async def count(frames: list[bytes]) -> Any:
+        for n in range(int(frames[0])):
+            yield b"%s-%d" % (prefix, n)
+        yield Final(b"done")
+
+    return count
+
+
 async def streaming_request_whose_worker_dies(net: Net, **options: Any) -> tuple[Any, list, Any]:
     """A request whose first worker streams two PARTIALs and leaves; a second
     worker streams three and a FINAL."""
@@ -245,13 +256,7 @@ async def streaming_request_whose_worker_dies(net: Net, **options: Any) -> tuple
         first.send(W, codec.W_PARTIAL, request[2], b"", b"first-%d" % n)
     await net.until(lambda: len(parts) == 2)
     first.send(W, codec.W_DISCONNECT)
-
-    async def count(frames: list[bytes]) -> Any:
-        for n in range(int(frames[0])):
-            yield b"second-%d" % n
-        yield Final(b"done")
-
-    start_worker(net, endpoint, "count", count)
+    start_worker(net, endpoint, "count", counting(b"second"))
     return reply, parts, client
 
 
@@ -293,13 +298,7 @@ async def test_reply_stream_raises_restarted_then_yields_the_new_attempt(net: Ne
                     seen.append(part)
                     if part == [b"old"]:
                         first.send(W, codec.W_DISCONNECT)
-
-                        async def count(frames: list[bytes]) -> Any:
-                            for n in range(int(frames[0])):
-                                yield b"new-%d" % n
-                            yield Final(b"done")
-
-                        start_worker(net, endpoint, "count", count)
+                        start_worker(net, endpoint, "count", counting(b"new"))
                 return
             except StreamRestarted:
                 seen.append("restarted")
