@@ -222,6 +222,7 @@ class Client:
         self._channels: set[_Channel] = set()
         self._waiting: deque[_Call] = deque()
         self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
+        self._live = 0  # calls not done
         self._closed = False
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
@@ -277,9 +278,9 @@ class Client:
             self.reactor.seconds(),
             self._cancel,
         )
+        self._live += 1
         self._schedule(call)
-        call.queued = True
-        self._waiting.append(call)
+        self._enqueue(call)
         self._pump()
         return call.deferred
 
@@ -297,11 +298,11 @@ class Client:
     def close(self) -> defer.Deferred[None]:
         """Fail every pending request with :class:`ClientClosed` and close."""
         self._closed = True
-        calls = [c for c in self._waiting if not c.done]
+        # every call not yet done has an entry for its current attempt
+        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
         self._waiting.clear()
+        self._waitingDone = 0
         for channel in list(self._channels):
-            if channel.call is not None and not channel.call.done:
-                calls.append(channel.call)
             self._discard(channel)
         self._stopTimer()
         self._deadlines.clear()
@@ -321,6 +322,8 @@ class Client:
             self._waiting.append(call)
 
     def _pump(self) -> None:
+        if self._closed:
+            return
         waiting = self._waiting
         while waiting:
             call = waiting[0]
@@ -367,7 +370,13 @@ class Client:
 
     def _schedule(self, call: _Call) -> None:
         deadline = call.deadline
-        heapq.heappush(self._deadlines, (deadline, next(self._order), call))
+        heap = self._deadlines
+        if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
+            # entries of calls already finished: drop them now rather than
+            # when their deadlines come round
+            self._deadlines = heap = [e for e in heap if self._watched(e)]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, next(self._order), call))
         if self._timer is None or self._timerAt > deadline:
             self._armTimer(deadline)
 
@@ -408,9 +417,6 @@ class Client:
                 self._expired(entry[2])
         while heap and not self._watched(heap[0]):
             heapq.heappop(heap)
-        if len(heap) > 2 * len(self._channels) + 2 * len(self._waiting) + 1024:
-            self._deadlines = heap = [e for e in heap if self._watched(e)]
-            heapq.heapify(heap)
         if heap:
             self._armTimer(heap[0][0])
 
@@ -503,15 +509,17 @@ class Client:
                                             self.reactor.seconds() - call.startedAt))
             self._pump()
             return
-        self._restart(call)
-        log.info("no reply from {service} in {timeout:g}s; retrying ({attempt}/{retries})",
-                 service=call.service, timeout=call.timeout,
-                 attempt=call.attempts + 1, retries=call.retries)
+        self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
+                            "({attempt}/{retries})", service=call.service, timeout=call.timeout,
+                            attempt=call.attempts + 1, retries=call.retries)
         call.attempts += 1
         call.deadline = self.reactor.seconds() + call.timeout
         self._schedule(call)
         if not call.queued:
             self._enqueue(call, first=True)
+        # the retry is in place before the caller hears of it: its onRestart
+        # may cancel the request or close the client
+        self._restart(call)
         self._pump()
 
     def _done(self, call: _Call) -> bool:
@@ -519,13 +527,18 @@ class Client:
         if call.done:
             return False
         call.done = True
+        self._live -= 1
+        call.message = call.onPartial = call.onRestart = None  # nothing more is sent or told
         if call.queued:
             self._waitingDone += 1
-            if self._waitingDone > 64 and 2 * self._waitingDone > len(self._waiting):
-                for waiting in self._waiting:
-                    if waiting.done:
-                        waiting.queued = False
-                self._waiting = deque(c for c in self._waiting if not c.done)
+            waiting = self._waiting
+            if self._waitingDone > 64 and 2 * self._waitingDone > len(waiting):
+                # in place: _pump may be iterating this very deque
+                kept = [c for c in waiting if not c.done]
+                for c in waiting:
+                    c.queued = not c.done
+                waiting.clear()
+                waiting.extend(kept)
                 self._waitingDone = 0
         return True
 
@@ -537,7 +550,12 @@ class Client:
         """The canceller of every request's Deferred: never raises (the
         Deferred then fails with CancelledError)."""
         try:
-            self._done(call)
+            if not self._done(call):
+                return
+            channel = call.channel
+            if channel is not None and channel.call is call and not channel.sent:
+                # it never went out: no reply will come, the connection is free
+                self._release(channel)
         except Exception:
             log.failure("cancelling a request to {service} failed", service=call.service)
 

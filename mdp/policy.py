@@ -124,6 +124,13 @@ class LogThrottle:
     def warn(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
         """Log *format* (a twisted.logger format) at warn level unless a line
         of *kind* went out less than *interval* seconds ago; True if logged."""
+        return self._emit(logger.warn, kind, format, fields)
+
+    def info(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
+        """As :meth:`warn`, at info level."""
+        return self._emit(logger.info, kind, format, fields)
+
+    def _emit(self, emit: Any, kind: str, format: str, fields: dict[str, Any]) -> bool:
         now = self.clock.seconds()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval:
@@ -134,5 +141,5 @@ class LogThrottle:
         if held:
             format += " ({held} similar held back in the last {interval:g}s)"
             fields.update(held=held, interval=self.interval)
-        logger.warn(format, **fields)
+        emit(format, **fields)
         return True

@@ -12,6 +12,7 @@ import pytest_twisted
 from twisted.internet import defer
 
 from mdp import (
+    ClientClosed,
     Final,
     RequestTimeout,
     ServiceUnavailable,
@@ -209,6 +210,52 @@ async def test_cancelling_ten_thousand_zmq_requests(net: Net) -> None:
     assert frames[-1] == b"after" and peer in peers  # a freed connection, not a new one
     final(router, peer, b"svc", b"re:after")
     assert await net.wait(after) == [b"re:after"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_cancelled_before_it_went_out_frees_its_connection_at_once(
+        clocknet: LoopbackNet) -> None:
+    endpoint = clocknet.bind_endpoint()  # nothing listens yet: the pipe is not up
+    client = make_client(clocknet, endpoint, maxConnections=1, timeout=60, retries=1)
+    never = client.request("svc", b"cancelled")
+    clocknet.advance(0)
+    never.cancel()
+    later = client.request("svc", b"after", timeout=5)
+    router = await rebind(clocknet, endpoint)
+    clocknet.advance(0.1)
+    assert [f[-1] for _, _, f in requests(router)] == [b"after"]  # not held for 60 s
+    final(router, requests(router)[0][1], b"svc", b"re:after")
+    assert await clocknet.wait(later) == [b"re:after"]
+    with pytest.raises(defer.CancelledError):
+        await clocknet.wait(never)
+
+
+@pytest_twisted.ensureDeferred
+async def test_finished_requests_are_not_kept_until_their_deadline(clocknet: LoopbackNet) -> None:
+    router, client = await broker_and_client(clocknet, timeout=600)
+    for n in range(3000):
+        d = client.request("svc", b"x" * 1000, str(n))
+        clocknet.reactor.advance(0)
+        final(router, requests(router)[-1][1], b"svc", b"ok")
+        clocknet.reactor.advance(0)
+        assert d.called
+    assert len(client._deadlines) <= 1024 + 2 * len(client._channels) + 1
+    # what an entry still refers to is a finished call without its request
+    assert all(call.done and call.message is None for _, _, call in client._deadlines)
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_from_a_callback_during_a_retry_opens_nothing(clocknet: LoopbackNet) -> None:
+    router, client = await broker_and_client(clocknet, timeout=1.0, retries=3)
+    d = client.request("svc", b"x", onPartial=lambda p: None, onRestart=lambda: client.close())
+    clocknet.advance(0)
+    router.send(requests(router)[0][1], codec.CLIENT_HEADER, codec.C_PARTIAL, b"svc", b"p")
+    clocknet.advance(1.0)  # the retry calls onRestart, which closes the client
+    with pytest.raises(ClientClosed):
+        await clocknet.wait(d)
+    clocknet.advance(5)
+    assert client._channels == set() and len(requests(router)) == 1
+    assert clocknet.reactor.getDelayedCalls() == []
 
 
 # --- 4. the timeout counts time in the client's own queue ---------------------------
