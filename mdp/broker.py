@@ -63,7 +63,7 @@ from mdp.codec import (
 )
 from mdp.errors import ProtocolError
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
-from mdp.policy import HeartbeatPolicy, Limits, LogThrottle, MiB
+from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, LogThrottle, MiB
 
 log = Logger()
 
@@ -109,6 +109,12 @@ class Binding:
         if self.transport is not None:
             self.transport.sendMessage(peer, frames)
 
+    def disconnect(self, peer: bytes) -> None:
+        """Close *peer*'s connection once what was sent to it is out (a no-op
+        on ZeroMQ, which has no connection per peer)."""
+        if self.transport is not None:
+            self.transport.disconnectPeer(peer)
+
 
 PeerKey = tuple[Binding, bytes]
 
@@ -125,7 +131,7 @@ class PendingRequest:
     body: Sequence[bytes]
     dialect: str
     queuedAt: float
-    size: int  # bytes of body
+    size: int  # what holding its body costs (policy.held_bytes)
     state: str = QUEUED
     envelope: bytes = b""  # of its current assignment
     deliveries: int = 0  # times handed to a worker
@@ -381,16 +387,17 @@ class Broker:
 
     def _onRequest(self, key: PeerKey, command: ClientRequest, dialect: str) -> None:
         body = command.body
+        content = sum(map(len, body))
         request = PendingRequest(key, command.service, body, dialect, self.reactor.seconds(),
-                                 sum(map(len, body)))
+                                 content + FRAME_OVERHEAD * len(body))
         if command.service.startswith(mmi.PREFIX):
             self._reply(request, mmi.answer(self, command.service, body), final=True)
             return
-        limits = self.limits
-        size = request.size + len(key[1]) + _REQUEST_OVERHEAD
-        if size > limits.maxMessageBytes or len(body) + _REQUEST_FRAMES > limits.maxFrames:
-            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large", "request too large for a "
-                         f"worker: {limits.oversize(size, len(body) + _REQUEST_FRAMES)}")
+        tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
+                                        len(body) + _REQUEST_FRAMES)
+        if tooLarge is not None:
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
+                         f"request too large for a worker: {tooLarge}")
             return
         service = self.services.get(command.service)
         if service is not None and service.idle and not service.size:
@@ -473,7 +480,7 @@ class Broker:
                 self.throttle.warn(log, "unregistered", "{command} from unregistered worker {peer}: "
                                    "sending DISCONNECT", command=kind.__name__,
                                    peer=peer_label(key[1]))
-                self._send(key, dialect, codec.DISCONNECT)
+                self._sendDisconnect(key, dialect)
             return
         worker.lastSeen = self.reactor.seconds()
         if kind is Heartbeat:
@@ -525,9 +532,8 @@ class Broker:
     def _checkedForward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
                         final: bool) -> None:
         size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
-        limits = self.limits
-        if size > limits.maxMessageBytes or len(body) + 4 > limits.maxFrames:
-            tooLarge = limits.oversize(size, len(body) + 4)
+        tooLarge = self.limits.oversize(size, len(body) + 4)
+        if tooLarge is not None:
             request.failed = True
             self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is too "
                                "large for the client: {reason}", peer=peer_label(worker.key[1]),
@@ -551,7 +557,7 @@ class Broker:
             return
         self.throttle.warn(log, "refused-ready", "refused READY from {peer}: {why}",
                            peer=peer_label(key[1]), why=why)
-        self._send(key, dialect, codec.DISCONNECT)
+        self._sendDisconnect(key, dialect)
 
     def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
         now = self.reactor.seconds()
@@ -623,19 +629,30 @@ class Broker:
         self.invalid += 1
         self.throttle.warn(log, "unexpected", "unexpected {what} from worker {peer}: sending "
                            "DISCONNECT", what=what, peer=peer_label(worker.key[1]))
-        self._send(worker.key, worker.dialect, codec.DISCONNECT)
         self._removeWorker(worker)
+        self._sendDisconnect(worker.key, worker.dialect)
 
     def _invalid(self, key: PeerKey, reason: str) -> None:
-        """Drop an invalid message; a registered worker that sent it is no
-        longer trusted and is disconnected."""
+        """Drop an invalid message, and the connection that carried it (on
+        transports that have one per peer: a peer that sends garbage holds no
+        connection slot); a registered worker that sent it is no longer
+        trusted: it gets DISCONNECT and is forgotten."""
         self.invalid += 1
         self.throttle.warn(log, "invalid", "dropped invalid message from {peer}: {reason}",
                            peer=peer_label(key[1]), reason=reason)
         worker = self.workers.get(key)
         if worker is not None:
-            self._send(key, worker.dialect, codec.DISCONNECT)
             self._removeWorker(worker)
+            self._sendDisconnect(key, worker.dialect)
+        else:
+            key[0].disconnect(key[1])
+
+    def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
+        """DISCONNECT, then close the connection (MDP: the worker must close
+        its socket and reconnect; closing ours as well keeps a peer that only
+        gets DISCONNECTs from holding a connection slot)."""
+        self._send(key, dialect, codec.DISCONNECT)
+        key[0].disconnect(key[1])
 
     def _send(self, key: PeerKey, dialect: str, command: Any) -> None:
         key[0].send(key[1], codec.encode(command, dialect))

@@ -263,11 +263,10 @@ class Client:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
         name = codec.service_name(service)
         message = codec.encode(codec.ClientRequest(name, body), self.dialect)
-        limits = self.limits
-        size = sum(map(len, message))
-        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
-            return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE, "request not sent: "
-                                              f"{limits.oversize(size, len(message))}"))
+        tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
+        if tooLarge is not None:
+            return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE,
+                                              f"request not sent: {tooLarge}"))
         call = _Call(
             name,
             message,

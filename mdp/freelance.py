@@ -51,7 +51,7 @@ from mdp.client import remote_error, request_frames
 from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
-from mdp.policy import Limits, LogThrottle, MiB
+from mdp.policy import Limits, LogThrottle, MiB, held_bytes
 
 log = Logger()
 
@@ -128,11 +128,12 @@ class FreelanceServer:
             return
         if len(frames) < 2:
             self.throttle.warn(log, "invalid", "Freelance server dropped a {count}-frame message "
-                               "from {peer}: neither PING nor [sequence, body...]",
-                               count=len(frames), peer=peer.hex())
+                               "from {peer}, and its connection: neither PING nor "
+                               "[sequence, body...]", count=len(frames), peer=peer.hex())
+            routerTransport.disconnectPeer(peer)
             return
         sequence, body = frames[0], frames[1:]
-        size = sum(map(len, body))
+        size = held_bytes(body)
         if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
             self.refused += 1
             self.throttle.warn(log, "overloaded", "Freelance server refused a request from {peer}: "
@@ -155,8 +156,8 @@ class FreelanceServer:
             message = [sequence, *frames_]
             tooLarge = self.limits.refuse(message)
             if tooLarge is not None:
-                log.warn("Freelance server answers 413: its reply is too large ({reason})",
-                         reason=tooLarge)
+                self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
+                                   "too large ({reason})", reason=tooLarge)
                 message = [sequence, *codec.error_body(codec.STATUS_TOO_LARGE,
                                                        f"reply too large to send: {tooLarge}")]
             self.served += 1

@@ -68,6 +68,18 @@ DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_RECORD_TIMEOUT = 30.0
 
 
+#: What a frame costs held in memory beyond its bytes: a Python bytes object and
+#: its slot in a list (libzmq's zmq_msg_t is about as much).  Byte bounds on
+#: what is held count it, so that a message of many empty frames is not free.
+FRAME_OVERHEAD = 64
+
+
+def held_bytes(frames: Sequence[bytes]) -> int:
+    """What holding *frames* costs, as the byte bounds on queues, backlogs and
+    requests in hand count it: their bytes plus FRAME_OVERHEAD each."""
+    return sum(map(len, frames)) + FRAME_OVERHEAD * len(frames)
+
+
 def _at_least(minimum: float) -> object:
     def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
         if value < minimum:
@@ -98,7 +110,8 @@ class Limits:
     recordTimeout: float = attrs.field(default=DEFAULT_RECORD_TIMEOUT, validator=_at_least(0.001))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
-        """Why a message of *size* bytes in *frames* frames is refused, or ``None``."""
+        """Why a message of *size* bytes of frames in *frames* frames is
+        refused, or ``None`` (fast when it is not)."""
         if size > self.maxMessageBytes:
             return f"message of {size} bytes exceeds the limit of {self.maxMessageBytes}"
         if frames > self.maxFrames:

@@ -313,10 +313,8 @@ class Worker:
                 self._store(job, kind, frames, store)
             return False
         size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
-        limits = self.limits
-        tooLarge = None
-        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
-            tooLarge = limits.oversize(size, len(frames) + 5)
+        tooLarge = self.limits.oversize(size, len(frames) + 5)
+        if tooLarge is not None:
             log.warn("worker for {service} answers 413: its {command} is too large ({reason})",
                      service=self.service, command=kind.__name__, reason=tooLarge)
             kind, store = WorkerFinal, False

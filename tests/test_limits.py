@@ -188,18 +188,31 @@ async def test_request_whose_workers_keep_being_lost_fails_after_max_deliveries(
 # --- queues in bytes ------------------------------------------------------------------
 
 @pytest_twisted.ensureDeferred
+async def test_empty_frames_are_not_free(clocknet: LoopbackNet) -> None:
+    """300 requests of 9,990 empty frames used to count as 0 bytes queued."""
+    broker, endpoint = await start_broker(clocknet, maxQueueBytes=4 * MiB)
+    crowd = RawPeer(clocknet, endpoint)
+    for _ in range(300):
+        crowd.send(codec.CLIENT_HEADER, codec.C_REQUEST, b"svc", *[b""] * 9990)
+    clocknet.advance(0)
+    assert broker.queued == 6  # 6 x 639,360 bytes fit in 4 MiB; the rest were refused
+    assert broker.queuedBytes == 6 * 9990 * 64
+
+
+@pytest_twisted.ensureDeferred
 async def test_queue_bytes_are_bounded_per_service_and_in_all(net: Net) -> None:
-    broker, endpoint = await start_broker(net, maxServiceQueueBytes=1000, maxQueueBytes=1500)
+    """Bodies count their bytes plus FRAME_OVERHEAD (64) per frame."""
+    broker, endpoint = await start_broker(net, maxServiceQueueBytes=1000, maxQueueBytes=1700)
     client = make_client(net, endpoint, timeout=30, retries=1)
-    queued = [client.request("a", b"x" * 400) for _ in range(2)]  # 800 bytes for "a"
+    queued = [client.request("a", b"x" * 400) for _ in range(2)]  # 2 x 464 bytes for "a"
     await net.until(lambda: broker.queued == 2)
-    with pytest.raises(ServiceOverloaded, match="800 bytes queued for it"):
+    with pytest.raises(ServiceOverloaded, match="928 bytes queued for it"):
         await net.wait(client.request("a", b"x" * 400))
-    queued.append(client.request("b", b"y" * 600))  # 1400 in all
+    queued.append(client.request("b", b"y" * 600))  # 1592 in all
     await net.until(lambda: broker.queued == 3)
-    with pytest.raises(ServiceOverloaded, match="1400 bytes in all"):
+    with pytest.raises(ServiceOverloaded, match="1592 bytes in all"):
         await net.wait(client.request("c", b"z" * 200))
-    assert broker.queuedBytes == 1400
+    assert broker.queuedBytes == 1592
     start_worker(net, endpoint, "a", echo)
     start_worker(net, endpoint, "b", echo)
     replies = await net.wait(defer.gatherResults(queued))
@@ -371,6 +384,25 @@ async def test_connection_cap_makes_room_from_silent_connections_then_refuses(ne
     late = await raw_stream(net, endpoint)  # two peers that spoke: no room
     await net.wait(late.lost)
     assert bound.refused == 1 and worker.connected
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_connections_that_send_garbage_hold_no_slot(net: Net) -> None:
+    """Four bytes (an empty record) used to greet a connection for good, so
+    10,000 x 4 bytes locked workers out; garbage, or a command answered with
+    DISCONNECT, now costs the sender its connection."""
+    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=3))
+    vandals = [await raw_stream(net, endpoint) for _ in range(3)]
+    vandals[0].transport.write(b"\x00\x00\x00\x00")  # an empty record
+    vandals[1].sendFrames(b"garbage")
+    vandals[2].sendFrames(W, codec.W_HEARTBEAT)  # before READY: DISCONNECT
+    for vandal in vandals:
+        await net.wait(vandal.lost)
+    assert b"\x06" in vandals[2].received  # it was told why, then closed
+    start_worker(net, endpoint, "echo", echo)
+    await net.until(lambda: len(broker.workers) == 1)
+    assert binding_of(broker).refused == 0
 
 
 # --- ZeroMQ message limits -------------------------------------------------------------

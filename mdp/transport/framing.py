@@ -46,11 +46,6 @@ def encode_record(frames: list[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def record_size(frames: list[bytes]) -> int:
-    """Bytes :func:`encode_record` makes of *frames*."""
-    return 4 + 4 * len(frames) + sum(map(len, frames))
-
-
 def decode_payload(buffer: Buffer, start: int, end: int, limits: Limits) -> list[bytes]:
     """Split the payload ``buffer[start:end]`` into frames."""
     frames = []

@@ -112,9 +112,11 @@ class LoopbackRouter:
             dealer.reactor.callLater(0, dealer._deliver, peer, list(frames))
 
     def disconnectPeer(self, peer: bytes) -> None:
+        """Drop *peer* once what was sent to it is delivered (as a graceful
+        close of a stream does)."""
         dealer = self.peers.get(peer)
         if dealer is not None:
-            dealer._dropped(peer)
+            dealer.reactor.callLater(0, dealer._dropped, peer)
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
@@ -130,10 +132,10 @@ class LoopbackRouter:
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if peer in self.peers and not self.closed:
-            limits = self.limits
-            if len(frames) > limits.maxFrames or sum(map(len, frames)) > limits.maxMessageBytes:
+            reason = self.limits.refuse(frames)
+            if reason is not None:
                 self.throttle.warn(log, "oversized", "loopback:{name} dropping peer {peer}: {reason}",
-                                   name=self.name, peer=peer.hex(), reason=limits.refuse(frames))
+                                   name=self.name, peer=peer.hex(), reason=reason)
                 self.disconnectPeer(peer)
                 return
             self.receiver.messageReceived(peer, frames)
@@ -209,10 +211,10 @@ class LoopbackDealer:
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if peer == self.peer and not self.closed:
-            limits = self.limits
-            if len(frames) > limits.maxFrames or sum(map(len, frames)) > limits.maxMessageBytes:
+            reason = self.limits.refuse(frames)
+            if reason is not None:
                 self.throttle.warn(log, "oversized", "loopback dealer to {name} dropping its pipe: "
-                                   "{reason}", name=self.name, reason=limits.refuse(frames))
+                                   "{reason}", name=self.name, reason=reason)
                 self._dropped(peer)
                 return
             self.receiver.messageReceived(frames)

@@ -40,7 +40,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle
+from mdp.policy import Limits, LogThrottle, held_bytes
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.framing import RecordDecoder, encode_record
 
@@ -444,7 +444,7 @@ class StreamDealer:
             return
         if not self.service.running:
             return
-        size = sum(map(len, frames))
+        size = held_bytes(frames)
         if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "stream dealer to {endpoint} refused a message: "
                                 "{count} messages ({bytes} bytes) already wait for the connection",

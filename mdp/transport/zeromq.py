@@ -33,7 +33,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle
+from mdp.policy import Limits, LogThrottle, held_bytes
 from mdp.transport.flow import DrainWaiters
 
 log = Logger()
@@ -319,7 +319,7 @@ class _RoutedSocket:
 
     def _hold(self, peer: bytes, backlog: _Backlog, frames: list[bytes]) -> None:
         backlog.messages.append(frames)
-        backlog.bytes += sum(map(len, frames))
+        backlog.bytes += held_bytes(frames)
         if backlog.bytes > self.limits.maxOutputBytes:
             self._cutOff(peer, backlog)
         elif self._flushCall is None:
@@ -339,7 +339,7 @@ class _RoutedSocket:
             try:
                 while messages:
                     send([peer, *messages[0]])
-                    backlog.bytes -= sum(map(len, messages.popleft()))
+                    backlog.bytes -= held_bytes(messages.popleft())
                     progressed = True
             except Again:
                 continue
