@@ -497,7 +497,11 @@ class Broker:
                 else:
                     self._invalid(key, f"{kind.__name__} for a request it does not serve")
             elif kind is WorkerPartial:
-                self._forward(worker, request, command.body, final=False)
+                if len(command.body) == 1 and command.body[0] == codec.RESTART_MARKER:
+                    # only the broker may say a reply starts over
+                    self._invalid(key, "PARTIAL holding the broker's restart marker")
+                else:
+                    self._forward(worker, request, command.body, final=False)
             else:
                 worker.current = None
                 worker.lastEnvelope = request.envelope

@@ -70,6 +70,7 @@ from mdp.codec import ClientFinal, ClientPartial
 from mdp.errors import (
     ClientClosed,
     MessageTooLarge,
+    OversizedMessage,
     ProtocolError,
     RemoteError,
     RequestTimeout,
@@ -175,7 +176,7 @@ class _Channel:
     def connectionLost(self, reason: object) -> None:
         self.up = False
         self.sent = False
-        self.client._channelLost(self)
+        self.client._channelLost(self, getattr(reason, "value", None))
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self.client._received(self, frames)
@@ -465,11 +466,16 @@ class Client:
         elif self._done(call):
             call.deferred.callback(list(body))
 
-    def _channelLost(self, channel: _Channel) -> None:
-        """A pipe broke; its request goes out again when it is back."""
+    def _channelLost(self, channel: _Channel, why: object = None) -> None:
+        """A pipe broke; its request goes out again when it is back, unless
+        the pipe ended because the reply was over this client's limits (sent
+        again, it would only run again)."""
         call = channel.call
         if call is None:
             return
+        if not call.done and isinstance(why, OversizedMessage):
+            self._fail(call, MessageTooLarge(call.service, codec.STATUS_TOO_LARGE,
+                                             f"reply too large for this client: {why}"))
         if not call.done:
             self._restart(call)
         if call.done:  # an abandoned reply can no longer come on this connection

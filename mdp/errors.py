@@ -16,6 +16,11 @@ class ProtocolError(MDPError):
     """A message broke the wire protocol (bad header, command, frame count, ...)."""
 
 
+class OversizedMessage(ProtocolError):
+    """A transport refused a message over its limits (``mdp.policy.Limits``).
+    When it ends a connection for one, ``connectionLost`` carries this."""
+
+
 class TransportError(MDPError):
     """An endpoint string could not be understood or a transport failed."""
 

@@ -119,8 +119,10 @@ class IWorker(Interface):
 class IClient(Interface):
     """An MDP/0.2 client."""
 
-    def request(service, *frames, timeout=None, onPartial=None):
-        """Send a request; returns a Deferred firing with the FINAL body frames."""
+    def request(service, *frames, timeout=None, retries=None, onPartial=None, onRestart=None):
+        """Send a request; returns a Deferred firing with the FINAL body frames.
+        *onPartial* gets each PARTIAL body, *onRestart* is called when the
+        reply starts over (see :mod:`mdp.client`)."""
 
     def close():
         """Fail pending requests and close connections; returns a Deferred."""

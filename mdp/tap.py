@@ -13,7 +13,7 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from mdp import broker
-from mdp.freelance import DEFAULT_MAX_PENDING
+from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
@@ -208,6 +208,8 @@ class FreelanceServerOptions(usage.Options):
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
         ["max-pending", None, DEFAULT_MAX_PENDING,
          "Most requests being handled at once; beyond, requests are refused (429).", int],
+        ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
+         "Most bytes of requests being handled at once; beyond, refused (429).", byte_size],
     ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
 
@@ -222,5 +224,6 @@ class FreelanceServerServiceMaker:
         from mdp.service import FreelanceServerService
 
         return FreelanceServerService(options["endpoint"], load_handler(options["handler"]),
-                                      limits=limits_of(options), maxPending=options["max-pending"])
+                                      limits=limits_of(options), maxPending=options["max-pending"],
+                                      maxPendingBytes=options["max-pending-bytes"])
 

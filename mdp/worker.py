@@ -46,7 +46,7 @@ from mdp.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerR
 from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
-from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from mdp.policy import Backoff, HeartbeatPolicy, Limits, LogThrottle
 
 log = Logger()
 
@@ -98,6 +98,7 @@ class Worker:
         self.dialect = codec.check_dialect(dialect)
         self.replies = replies
         self.limits = limits
+        self.throttle = LogThrottle(reactor)
         self.transport: Optional[IDealerTransport] = None
         self.connected = False
         self.lastSeen = 0.0
@@ -195,8 +196,8 @@ class Worker:
         try:
             command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
-            log.warn("worker for {service} dropped invalid message from broker: {reason}",
-                     service=self.service, reason=e)
+            self.throttle.warn(log, "invalid", "worker for {service} dropped invalid message from "
+                               "broker: {reason}", service=self.service, reason=e)
             return
         self.lastSeen = self.reactor.seconds()
         self.failures = 0
@@ -207,8 +208,8 @@ class Worker:
         if kind is WorkerRequest:
             self.refusals = 0
             if self.current is not None:
-                log.warn("worker for {service} got a REQUEST while busy; dropped",
-                         service=self.service)
+                self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
+                                   "dropped", service=self.service)
                 return
             self._serve(command)  # type: ignore[arg-type]
         elif kind is Disconnect:
@@ -218,8 +219,8 @@ class Worker:
                      service=self.service, delay=delay)
             self._reconnect(delay)
         else:
-            log.warn("worker for {service} dropped unexpected {command} from broker",
-                     service=self.service, command=kind.__name__)
+            self.throttle.warn(log, "unexpected", "worker for {service} dropped unexpected "
+                               "{command} from broker", service=self.service, command=kind.__name__)
 
     # --- serving -------------------------------------------------------------
 
@@ -315,8 +316,9 @@ class Worker:
         size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
         tooLarge = self.limits.oversize(size, len(frames) + 5)
         if tooLarge is not None:
-            log.warn("worker for {service} answers 413: its {command} is too large ({reason})",
-                     service=self.service, command=kind.__name__, reason=tooLarge)
+            self.throttle.warn(log, "too-large", "worker for {service} answers 413: its {command} "
+                               "is too large ({reason})", service=self.service,
+                               command=kind.__name__, reason=tooLarge)
             kind, store = WorkerFinal, False
             frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
         if job.key is not None:

@@ -168,6 +168,26 @@ async def test_broker_answers_413_for_a_reply_too_large_for_the_client(net: Net)
     assert await net.wait(client.request(service, b"5")) == [b"r" * 5]
 
 
+@pytest.mark.parametrize("net", ["loopback", "tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_reply_over_the_clients_own_limits_fails_the_request_without_a_rerun(net: Net) -> None:
+    """A client configured with smaller limits than the broker: its transport
+    ends the connection that brought the reply, and the request fails instead
+    of going out again (which would run it again)."""
+    _, endpoint = await start_broker(net)
+    runs: list[bytes] = []
+
+    def big(frames: list[bytes]) -> bytes:
+        runs.append(frames[0])
+        return b"r" * 10_000
+
+    start_worker(net, endpoint, "big", big)
+    client = make_client(net, endpoint, timeout=30, retries=3, limits=Limits(maxMessageBytes=4096))
+    with pytest.raises(MessageTooLarge, match="reply too large for this client"):
+        await net.wait(client.request("big", b"once"))
+    assert runs == [b"once"]
+
+
 @pytest_twisted.ensureDeferred
 async def test_request_whose_workers_keep_being_lost_fails_after_max_deliveries(net: Net) -> None:
     """Workers whose limits are smaller than the broker's lose their connection
@@ -426,6 +446,39 @@ async def test_zmq_drops_messages_over_the_limits_without_keeping_them(net: Net)
     await net.until(lambda: raw.poll(0))
     assert raw.recv_multipart() == [codec.CLIENT_HEADER, codec.C_FINAL, b"mmi.service", b"404"]
     assert bound.oversizedCount == 2 and broker.invalid == 0
+
+
+@pytest.mark.parametrize("net", ["zmq"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_zmq_reads_off_a_huge_message_over_many_reactor_turns(net: Net, monkeypatch: Any) -> None:
+    """A message of very many frames is dropped a bounded number of frames per
+    reactor turn (it used to stall the reactor for seconds)."""
+    import zmq
+
+    from mdp.transport import zeromq
+
+    monkeypatch.setattr(zeromq, "FRAMES_PER_TURN", 100)
+    broker, endpoint = await start_broker(net, limits=Limits(maxFrames=16))
+    bound = binding_of(broker)
+    turns: list[int] = []
+    connection = bound.connection
+    original = connection.doRead
+
+    def counted() -> None:
+        turns.append(1)
+        original()
+
+    monkeypatch.setattr(connection, "doRead", counted)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint.removeprefix("zmq:"))
+    net.addCleanup(raw.close)
+    raw.send_multipart([codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service"] + [b""] * 20_000)
+    raw.send_multipart([codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service", b"x"])
+    await net.until(lambda: raw.poll(0))
+    assert raw.recv_multipart()[-1] == b"404"
+    assert bound.oversizedCount == 1
+    assert len(turns) >= 20_000 // 100
 
 
 # --- logs, tables, MMI -------------------------------------------------------------------

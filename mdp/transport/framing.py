@@ -11,8 +11,8 @@ Limits (:class:`~mdp.policy.Limits`) are enforced before anything is buffered:
 a record whose length announces more than ``maxMessageBytes`` of frames plus
 their length prefixes is refused from its 4-byte header, and decoding stops at
 the first frame beyond ``maxFrames``.  A record that arrives in many small
-pieces is kept as a list of those pieces and joined once, when complete, so a
-trickle costs time in proportion to its bytes, not to their square.
+pieces is appended to one growing buffer (never re-joined with what came
+before), so a trickle costs time and memory in proportion to its bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 from typing import Union
 
-from mdp.errors import ProtocolError
+from mdp.errors import OversizedMessage, ProtocolError
 from mdp.policy import Limits
 
 _length = struct.Struct(">I")
@@ -30,7 +30,7 @@ _unpack_from = _length.unpack_from
 Buffer = Union[bytes, bytearray, memoryview]
 
 
-class RecordTooLarge(ProtocolError):
+class RecordTooLarge(OversizedMessage):
     """A record exceeds the message limits (refused before it is buffered)."""
 
 
@@ -90,8 +90,7 @@ class RecordDecoder:
         self.records = 0
         self._header = b""  # the first bytes of a length prefix split across pieces
         self._need = -1  # payload length of the record in progress; -1 between records
-        self._chunks: list[bytes] = []
-        self._have = 0
+        self._buf = bytearray()  # what came of it so far
 
     @property
     def inRecord(self) -> bool:
@@ -101,7 +100,7 @@ class RecordDecoder:
     @property
     def buffered(self) -> int:
         """Bytes held for the record in progress."""
-        return self._have + len(self._header)
+        return len(self._buf) + len(self._header)
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         messages: list[list[bytes]] = []
@@ -130,15 +129,12 @@ class RecordDecoder:
                     self.records += 1
                     continue
                 self._need = length
-            take = min(self._need - self._have, end - pos)
-            self._chunks.append(data[pos:pos + take])
-            self._have += take
+            take = min(self._need - len(self._buf), end - pos)
+            self._buf += memoryview(data)[pos:pos + take]
             pos += take
-            if self._have == self._need:
-                payload = b"".join(self._chunks)
-                self._chunks = []
+            if len(self._buf) == self._need:
+                payload, self._buf = self._buf, bytearray()
                 self._need = -1
-                self._have = 0
                 messages.append(decode_payload(payload, 0, len(payload), self.limits))
                 self.records += 1
         return messages

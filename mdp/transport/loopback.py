@@ -26,14 +26,14 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp.errors import TransportError
+from mdp.errors import OversizedMessage, TransportError
 from mdp.interfaces import (
     IDealerReceiver,
     IDealerTransport,
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle
+from mdp.policy import Limits, LogThrottle, held_bytes
 
 log = Logger()
 
@@ -149,7 +149,8 @@ class LoopbackRouter:
 class LoopbackDealer:
     """The connecting side: one pipe to the router bound under *name*."""
 
-    #: Messages kept while no listener exists; older ones are dropped beyond it.
+    #: Messages kept while no listener exists (and ``limits.maxOutputBytes``);
+    #: beyond, refused with a warning.
     maxQueued = 1000
 
     def __init__(
@@ -169,7 +170,8 @@ class LoopbackDealer:
         self.throttle = LogThrottle(reactor)
         self.router: Optional[LoopbackRouter] = None
         self.peer: Optional[bytes] = None
-        self.queue: deque[list[bytes]] = deque(maxlen=self.maxQueued)
+        self.queue: deque[list[bytes]] = deque()
+        self.queuedBytes = 0
         self.closed = False
         self._attach()
 
@@ -198,14 +200,22 @@ class LoopbackDealer:
             return
         self.receiver.connectionMade()
         while self.queue and self.peer == peer:
-            self.sendMessage(self.queue.popleft())
+            frames = self.queue.popleft()
+            self.queuedBytes -= held_bytes(frames)
+            self.sendMessage(frames)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.closed:
             return
         router, peer = self.router, self.peer
         if router is None or peer is None:
+            size = held_bytes(frames)
+            if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
+                self.throttle.warn(log, "full", "loopback dealer to {name} refused a message: {count} "
+                                   "wait for a listener", name=self.name, count=len(self.queue))
+                return
             self.queue.append(list(frames))
+            self.queuedBytes += size
             return
         router.reactor.callLater(0, router._deliver, peer, list(frames))
 
@@ -215,7 +225,7 @@ class LoopbackDealer:
             if reason is not None:
                 self.throttle.warn(log, "oversized", "loopback dealer to {name} dropping its pipe: "
                                    "{reason}", name=self.name, reason=reason)
-                self._dropped(peer)
+                self._dropped(peer, OversizedMessage(reason))
                 return
             self.receiver.messageReceived(frames)
 
@@ -225,17 +235,18 @@ class LoopbackDealer:
         if router is not None and peer is not None:
             router.reactor.callLater(0, router._peerGone, peer)
 
-    def _dropped(self, peer: bytes) -> None:
-        """The router side dropped us: report, then wait for a listener."""
+    def _dropped(self, peer: bytes, why: Optional[Exception] = None) -> None:
+        """The pipe is gone (the router side dropped us, or we refused what
+        came on it: *why*): report, then wait for a listener."""
         if peer != self.peer:
             return
         self._detach()
-        self.reactor.callLater(0, self._lost)
+        self.reactor.callLater(0, self._lost, why or ConnectionDone("loopback peer closed"))
 
-    def _lost(self) -> None:
+    def _lost(self, why: Exception) -> None:
         if self.closed:
             return
-        self.receiver.connectionLost(Failure(ConnectionDone("loopback peer closed")))
+        self.receiver.connectionLost(Failure(why))
         if self.router is None:
             self._attach()
 
@@ -243,6 +254,7 @@ class LoopbackDealer:
         if self.closed:
             return
         self.queue.clear()
+        self.queuedBytes = 0
         self.network.stopWaiting(self.name, self)
         self._detach()
         self._attach()

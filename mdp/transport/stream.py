@@ -31,6 +31,7 @@ from twisted.internet.endpoints import clientFromString, serverFromString
 from twisted.internet.interfaces import IListeningPort, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.errors import ProtocolError
@@ -56,6 +57,8 @@ class FramedProtocol(Protocol):
     onMessage: Callable[[list[bytes]], None]
     throttle: Optional[LogThrottle] = None
     dropped = False  # drop() was called: deliver nothing more
+    #: why the stream was refused (reported with connectionLost), if it was
+    refusal: Optional[ProtocolError] = None
 
     def connectionMade(self) -> None:
         self.decoder = RecordDecoder(self.limits)
@@ -67,6 +70,7 @@ class FramedProtocol(Protocol):
         try:
             messages = self.decoder.feed(data)
         except ProtocolError as e:
+            self.refusal = e
             self.drop("{reason}", reason=e)
             return
         for frames in messages:
@@ -338,7 +342,7 @@ class _DealerConnection(FramedProtocol):
 
     def connectionLost(self, reason: object = None) -> None:
         self.paused = False
-        self.dealer._lost(self, reason)
+        self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
 
     def pauseProducing(self) -> None:
         self.paused = True

@@ -69,6 +69,11 @@ def zmq_factory() -> Any:
 
 #: Messages handled per doRead before yielding to the reactor.
 READ_BATCH = 64
+#: Peers a ROUTER remembers as cut off (messages for them are discarded).
+MAX_CUT_OFF = 10_000
+#: Frames of a message over the limits read off per doRead: a message of
+#: millions of frames is dropped over many reactor turns, not in one stall.
+FRAMES_PER_TURN = 10_000
 #: Frames at least this long are sent without copying.
 ZERO_COPY_BYTES = 65536
 
@@ -106,46 +111,79 @@ def _connection_classes() -> tuple[type, type]:
             maxBytes = Limits().maxMessageBytes
             maxFrames = Limits().maxFrames
 
+            #: a message over the limits being read off, over as many reactor
+            #: turns as it takes: [first frame, frames, bytes, more to come]
+            skipping: Any = None
+
             def doRead(self) -> None:
                 self.read_scheduled = _cancel(self.read_scheduled)
                 socket = self.socket
                 if socket is None:
                     return
                 deliver = self.deliver
-                maxBytes = self.maxBytes
-                maxFrames = self.maxFrames + self.envelope
+                budget = FRAMES_PER_TURN
                 # sends made while reading need no EVENTS check of their own:
                 # the loop asks EVENTS again before it returns
                 self.reading = True
                 try:
                     for _ in range(READ_BATCH):
-                        # asking EVENTS is cheaper than the Again a failed recv raises
-                        if not get(socket, EVENTS) & POLLIN:
-                            return
-                        frame = recv(socket, NOBLOCK, False)
-                        frames = [frame.bytes]
-                        size = 0 if self.envelope else len(frames[0])
-                        count = 1
-                        while frame.more:
-                            frame = recv(socket, NOBLOCK, False)
-                            count += 1
-                            if count > maxFrames or size > maxBytes:
-                                continue  # over a limit: read off and drop the rest
-                            size += len(frame)
-                            frames.append(frame.bytes)
-                        if count > maxFrames or size > maxBytes:
-                            self.oversized(frames, count - self.envelope, size)
-                            continue
-                        try:
-                            deliver(frames)
-                        except Exception:
-                            log.failure("zmq message handler failed")
-                        if self.socket is None:
-                            return
+                        if self.skipping is None:
+                            # asking EVENTS is cheaper than the Again a failed recv raises
+                            if not get(socket, EVENTS) & POLLIN:
+                                return
+                            frames = self._readMessage(socket)
+                            if frames is not None:
+                                try:
+                                    deliver(frames)
+                                except Exception:
+                                    log.failure("zmq message handler failed")
+                                if self.socket is None:
+                                    return
+                                continue
+                        budget = self._skip(socket, budget)
+                        if self.skipping is not None:
+                            break  # out of this turn's budget: the rest next turn
                 finally:
                     self.reading = False
                 # more may be waiting: let the reactor run other work first
                 self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+
+            def _readMessage(self, socket: Any) -> Optional[list[bytes]]:
+                """Read one message; None if it is over the limits (then it
+                is being read off: ``skipping``).  Nothing over the limits
+                is copied."""
+                maxBytes = self.maxBytes
+                maxFrames = self.maxFrames + self.envelope
+                frame = recv(socket, NOBLOCK, False)
+                frames = [frame.bytes]
+                size = 0 if self.envelope else len(frames[0])
+                count = 1
+                while frame.more:
+                    frame = recv(socket, NOBLOCK, False)
+                    count += 1
+                    size += len(frame)
+                    if count > maxFrames or size > maxBytes:
+                        self.skipping = [frames[0], count, size, frame.more]
+                        return None
+                    frames.append(frame.bytes)
+                return frames
+
+            def _skip(self, socket: Any, budget: int) -> int:
+                """Read off up to *budget* frames of the message over the
+                limits; returns the budget left."""
+                head, count, size, more = self.skipping
+                while more and budget > 0:
+                    frame = recv(socket, NOBLOCK, False)
+                    count += 1
+                    size += len(frame)
+                    more = frame.more
+                    budget -= 1
+                if more:
+                    self.skipping = [head, count, size, more]
+                    return 0
+                self.skipping = None
+                self.oversized([head], count - self.envelope, size)
+                return budget
 
             def send(self, frames: list[bytes]) -> None:
                 socket = self.socket
@@ -287,7 +325,8 @@ class _RoutedSocket:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self.backlogs: dict[bytes, _Backlog] = {}
-        self.cut: set[bytes] = set()
+        #: peers cut off, oldest first (a bounded, ordered set)
+        self.cut: dict[bytes, None] = {}
         #: messages discarded: for a gone peer or a peer cut off
         self.dropped = 0
         #: peers cut off for not reading
@@ -300,6 +339,8 @@ class _RoutedSocket:
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.connection.socket is None:
+            return  # closed
         if self.backlogs or self.cut:
             if peer in self.cut:
                 self.dropped += 1
@@ -352,7 +393,9 @@ class _RoutedSocket:
 
     def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
         del self.backlogs[peer]
-        self.cut.add(peer)
+        self.cut[peer] = None
+        if len(self.cut) > MAX_CUT_OFF:  # forget the oldest: they never spoke again
+            del self.cut[next(iter(self.cut))]
         self.overflows += 1
         self.dropped += len(backlog.messages)
         self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
@@ -367,7 +410,7 @@ class _RoutedSocket:
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
-            self.cut.discard(peer)  # it speaks again: messages for it go out again
+            self.cut.pop(peer, None)  # it speaks again: messages for it go out again
         self._deliver(peer, frames)
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
@@ -471,10 +514,10 @@ class ZmqRouter(_RoutedSocket):
         closed: defer.Deferred[None] = defer.Deferred()
         deadline = self.reactor.seconds() + self.unbindTimeout
 
-        def done() -> None:
+        def done(atShutdown: bool = False) -> None:
             if closed.called:
                 return
-            if trigger is not None:
+            if trigger is not None and not atShutdown:
                 self.reactor.removeSystemEventTrigger(trigger)
             socket.disable_monitor()
             monitor.close(linger=0)  # an open socket would block the context's term()
@@ -483,7 +526,7 @@ class ZmqRouter(_RoutedSocket):
 
         trigger = None
         if hasattr(self.reactor, "addSystemEventTrigger"):
-            trigger = self.reactor.addSystemEventTrigger("before", "shutdown", done)
+            trigger = self.reactor.addSystemEventTrigger("before", "shutdown", done, True)
 
         def poll() -> None:
             try:
@@ -510,8 +553,9 @@ class ZmqDealer:
 
     At the high-water mark a DEALER refuses messages; they are kept, in order,
     in a backlog that is flushed as the pipe drains (``writable`` is false
-    meanwhile), so nothing given to :meth:`sendMessage` is dropped while the
-    socket lives."""
+    meanwhile; streaming workers wait for ``drained()``).  The backlog holds at
+    most ``limits.maxOutputBytes``; a message beyond is refused with a warning,
+    never dropped silently."""
 
     connected = True
 
@@ -525,6 +569,7 @@ class ZmqDealer:
         self.throttle = LogThrottle(reactor)
         self.connection: Any = None
         self._backlog: deque[list[bytes]] = deque()
+        self._backlogBytes = 0
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
@@ -550,7 +595,7 @@ class ZmqDealer:
             if not self._trySend(backlog[0]):
                 self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
                 return
-            backlog.popleft()
+            self._backlogBytes -= held_bytes(backlog.popleft())
             progressed = True
         self._waiters.fire()
 
@@ -596,13 +641,21 @@ class ZmqDealer:
         # behind what waits already, to keep the order
         if not self._backlog and self._trySend(frames):
             return
+        size = held_bytes(frames)
+        if self._backlogBytes + size > self.limits.maxOutputBytes:
+            self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
+                               "bytes already wait for its pipe to drain", endpoint=self.endpoint,
+                               bytes=self._backlogBytes)
+            return
         self._backlog.append(frames)
+        self._backlogBytes += size
         if self._retry is None:
             self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
         self._backlog.clear()
+        self._backlogBytes = 0
         self._retry = _cancel(self._retry)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
