@@ -527,25 +527,18 @@ class Broker:
         # frame less and the service name for the envelope: it can only be
         # larger when the name is longer
         if len(request.service) > len(request.envelope):
-            self._checkedForward(worker, request, body, final)
-            return
-        if not final:
-            request.partials += 1
-        self._reply(request, body, final)
-
-    def _checkedForward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
-                        final: bool) -> None:
-        size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
-        tooLarge = self.limits.oversize(size, len(body) + 4)
-        if tooLarge is not None:
-            request.failed = True
-            self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is too "
-                               "large for the client: {reason}", peer=peer_label(worker.key[1]),
-                               service=request.service, reason=tooLarge)
-            self._reply(request, codec.error_body(codec.STATUS_TOO_LARGE,
-                                                  f"reply too large for the client: {tooLarge}"),
-                        final=True)
-            return
+            size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
+            tooLarge = self.limits.oversize(size, len(body) + 4)
+            if tooLarge is not None:
+                request.failed = True
+                self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is "
+                                   "too large for the client: {reason}",
+                                   peer=peer_label(worker.key[1]), service=request.service,
+                                   reason=tooLarge)
+                self._reply(request, codec.error_body(
+                    codec.STATUS_TOO_LARGE, f"reply too large for the client: {tooLarge}"),
+                    final=True)
+                return
         if not final:
             request.partials += 1
         self._reply(request, body, final)
