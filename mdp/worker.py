@@ -310,8 +310,7 @@ class Worker:
         remember a stamped request's FINAL in the reply store.  A part over
         the message limits is replaced by a 413 error FINAL."""
         if job.generation != self.generation or not self.connected or self.current != job.client:
-            if job.key is not None:
-                self._store(job, kind, frames, store)
+            self._store(job, kind, frames, store)
             return False
         size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
         tooLarge = self.limits.oversize(size, len(frames) + 5)
@@ -321,8 +320,7 @@ class Worker:
                                command=kind.__name__, reason=tooLarge)
             kind, store = WorkerFinal, False
             frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
-        if job.key is not None:
-            self._store(job, kind, frames, store)
+        self._store(job, kind, frames, store)
         self._send(kind(job.client, frames))
         if kind is WorkerFinal:
             self.current = None

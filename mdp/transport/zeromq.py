@@ -5,10 +5,10 @@ Thin adapters around :class:`txzmq.ZmqRouterConnection` and
 of txzmq's defaults (whose high-water mark of 0 means unbounded queues): a
 high-water mark per pipe (64 messages on a ROUTER, beyond which a peer's
 messages wait in its byte-bounded backlog; 100,000 on a DEALER, whose burst of
-PARTIALs then rarely waits), ``ZMQ_MAXMSGSIZE`` from the message
-limit (libzmq drops a peer that sends a larger frame) and a short linger.  A message whose frames
-together exceed the limits is read off the socket and discarded without being
-kept.  ZeroMQ hides connection state, so these transports report no
+PARTIALs then rarely waits), ``ZMQ_MAXMSGSIZE`` from the message limit (libzmq
+drops a peer that sends a larger frame) and a short linger.  A message whose
+frames together exceed the limits is read off the socket and discarded without
+being kept.  ZeroMQ hides connection state, so these transports report no
 disconnects, except of a peer a ROUTER cuts off for not reading (below); MDP
 heartbeats cover the rest.
 
@@ -120,6 +120,12 @@ def _connection_classes() -> tuple[type, type]:
                 socket = self.socket
                 if socket is None:
                     return
+                # ZeroMQ signals its FD when a full pipe drains, too
+                owner = getattr(self, "owner", None)
+                if owner is not None and owner.backlogged:
+                    owner._flush()
+                    if self.socket is None:
+                        return
                 deliver = self.deliver
                 budget = FRAMES_PER_TURN
                 # sends made while reading need no EVENTS check of their own:
@@ -182,7 +188,8 @@ def _connection_classes() -> tuple[type, type]:
                     self.skipping = [head, count, size, more]
                     return 0
                 self.skipping = None
-                self.oversized([head], count - self.envelope, size)
+                # on a ROUTER the first frame is the sender's id
+                self.owner.oversized(head if self.envelope else None, count - self.envelope, size)
                 return budget
 
             def send(self, frames: list[bytes]) -> None:
@@ -206,32 +213,12 @@ def _connection_classes() -> tuple[type, type]:
             envelope = 1
             owner: Any
 
-            def doRead(self) -> None:
-                # ZeroMQ signals its FD when a full pipe drains, too
-                owner = getattr(self, "owner", None)
-                if owner is not None and owner.backlogs:
-                    owner._flush()
-                FastIO.doRead(self)
-
             def deliver(self, frames: list[bytes]) -> None:
                 self.owner.delivered(frames[0], frames[1:])
-
-            def oversized(self, frames: list[bytes], count: int, size: int) -> None:
-                self.owner.oversized(frames[0], count, size)
 
         class Dealer(FastIO, txzmq.ZmqDealerConnection):
             highWaterMark = HIGH_WATER_MARK
             owner: ZmqDealer
-
-            def oversized(self, frames: list[bytes], count: int, size: int) -> None:
-                self.owner.oversized(None, count, size)
-
-            def doRead(self) -> None:
-                # ZeroMQ signals its FD when a full pipe drains, too
-                owner = getattr(self, "owner", None)
-                if owner is not None and owner._backlog:
-                    owner._flush()
-                FastIO.doRead(self)
 
             def deliver(self, frames: list[bytes]) -> None:
                 self.owner._received(self, frames)
@@ -306,11 +293,10 @@ class _RoutedSocket:
     refused instead of silently dropped.  It then waits, with what follows for
     the same peer, in that peer's backlog, flushed when libzmq signals the
     socket and as a :class:`FlushPacer` says; other peers are never held
-    back.  When a backlog exceeds
-    ``maxOutputBytes`` the peer is cut off: its backlog is dropped, messages
-    for it are discarded until it sends again, and (bound ROUTERs only) the
-    receiver hears ``peerDisconnected``.  libzmq itself holds at most the
-    high-water mark of messages per pipe besides."""
+    back.  When a backlog exceeds ``maxOutputBytes`` the peer is cut off: its
+    backlog is dropped, messages for it are discarded until it sends again,
+    and (bound ROUTERs only) the receiver hears ``peerDisconnected``.  libzmq
+    itself holds at most the high-water mark of messages per pipe besides."""
 
     connection: Any
     endpoint: str
@@ -357,6 +343,10 @@ class _RoutedSocket:
                 self._hold(peer, backlog, frames)
             else:
                 self._refused(peer, e)
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.backlogs)
 
     def _hold(self, peer: bytes, backlog: _Backlog, frames: list[bytes]) -> None:
         backlog.messages.append(frames)
@@ -578,6 +568,10 @@ class ZmqDealer:
     @property
     def writable(self) -> bool:
         return not self._backlog
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self._backlog)
 
     def drained(self) -> defer.Deferred[None]:
         if not self._backlog:
