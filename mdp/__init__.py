@@ -5,8 +5,7 @@ The public API::
     from mdp import Broker, Worker, Client, BrokerService, WorkerService
 """
 
-from mdp.broker import Broker
-from mdp.client import Client, ReplyStream
+from mdp.app.service import BrokerService, WorkerService
 from mdp.errors import (
     ClientClosed,
     MDPError,
@@ -21,9 +20,10 @@ from mdp.errors import (
     TransportError,
     WorkerError,
 )
+from mdp.majordomo.broker import Broker
+from mdp.majordomo.client import Client, ReplyStream
+from mdp.majordomo.worker import Final, Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
-from mdp.service import BrokerService, WorkerService
-from mdp.worker import Final, Worker
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 Callers catch :class:`MDPError` for anything of ours, or the precise subclass for
 one failure.  Errors a client receives from the far side of a broker map onto
-the same classes (see :mod:`mdp.codec` for the wire form of error replies).
+the same classes (see :mod:`mdp.majordomo.codec` for the wire form of error replies).
 """
 
 from __future__ import annotations

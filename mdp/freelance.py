@@ -46,11 +46,12 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import codec, transport
-from mdp.client import remote_error, request_frames
+from mdp import transport
 from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.majordomo import codec
+from mdp.majordomo.client import remote_error, request_frames
 from mdp.policy import Limits, LogThrottle, MiB, held_bytes
 
 log = Logger()

@@ -122,7 +122,7 @@ class IClient(Interface):
     def request(service, *frames, timeout=None, retries=None, onPartial=None, onRestart=None):
         """Send a request; returns a Deferred firing with the FINAL body frames.
         *onPartial* gets each PARTIAL body, *onRestart* is called when the
-        reply starts over (see :mod:`mdp.client`)."""
+        reply starts over (see :mod:`mdp.majordomo.client`)."""
 
     def close():
         """Fail pending requests and close connections; returns a Deferred."""

@@ -86,7 +86,7 @@ def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> l
 
 
 def _client(call: ServiceCall) -> Any:
-    from mdp.client import Client
+    from mdp.majordomo.client import Client
 
     client = _clients.get(call)
     if client is None:

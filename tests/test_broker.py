@@ -8,7 +8,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp import Broker, HeartbeatPolicy, ServiceOverloaded, codec
+from mdp import Broker, HeartbeatPolicy, ServiceOverloaded
+from mdp.majordomo import codec
 from tests.conftest import LoopbackNet, Net, RawPeer
 from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
 

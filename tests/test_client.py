@@ -6,7 +6,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp import Client, ClientClosed, RequestTimeout, codec
+from mdp import Client, ClientClosed, RequestTimeout
+from mdp.majordomo import codec
 from tests.conftest import LoopbackNet, raw_router
 
 

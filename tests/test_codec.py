@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mdp import codec
 from mdp.errors import ProtocolError
+from mdp.majordomo import codec
 
 COMMANDS = [
     codec.ClientRequest(b"echo", [b"a", b"b"]),

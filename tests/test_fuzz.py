@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from twisted.internet import defer, task
 from twisted.logger import globalLogPublisher
 
-from mdp import Broker, Client, HeartbeatPolicy, Worker, codec, transport
+from mdp import Broker, Client, HeartbeatPolicy, Worker, transport
+from mdp.majordomo import codec
 from tests.conftest import RawRouter
 from tests.test_broker import check_counts
 

@@ -17,10 +17,10 @@ from mdp import (
     RequestTimeout,
     ServiceUnavailable,
     StreamRestarted,
-    codec,
     transport,
 )
-from mdp.idempotence import MemoryReplyStore
+from mdp.majordomo import codec
+from mdp.majordomo.idempotence import MemoryReplyStore
 from tests.conftest import LoopbackNet, Net, RawPeer, RawRouter, raw_router
 from tests.test_client import broker_and_client, final, requests
 from tests.test_mdp_behaviour import FAST, make_client, start_broker, start_worker

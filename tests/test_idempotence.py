@@ -6,7 +6,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp.idempotence import STAMP_MARKER, MemoryReplyStore, stamp, unstamp
+from mdp.majordomo.idempotence import STAMP_MARKER, MemoryReplyStore, stamp, unstamp
 from tests.conftest import LoopbackNet
 from tests.test_mdp_behaviour import make_client, start_broker, start_worker
 

@@ -1,6 +1,6 @@
 """Wire compatibility with majortomo 0.2.0 (PyPI), over real ZeroMQ sockets.
 
-majortomo speaks its own dialect of MDP/0.2 (see :mod:`mdp.codec`): an empty
+majortomo speaks its own dialect of MDP/0.2 (see :mod:`mdp.majordomo.codec`): an empty
 frame before the header, worker command codes for client commands, and no
 service frame in replies.  Our broker recognises it per peer and answers in
 kind; our client and worker speak it when given ``dialect="majortomo"``.

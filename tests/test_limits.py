@@ -20,11 +20,10 @@ from mdp import (
     MessageTooLarge,
     ServiceOverloaded,
     WorkerError,
-    codec,
-    mmi,
 )
-from mdp.broker import ServiceQueue
 from mdp.freelance import FreelanceServer, SequentialClient
+from mdp.majordomo import codec, mmi
+from mdp.majordomo.broker import ServiceQueue
 from mdp.transport.framing import encode_record
 from tests.conftest import LoopbackNet, Net, RawPeer
 from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, start_worker

@@ -19,8 +19,8 @@ from mdp import (
     ServiceUnavailable,
     Worker,
     WorkerError,
-    codec,
 )
+from mdp.majordomo import codec
 from tests.conftest import Net, RawPeer
 
 # Fast heartbeats so that real-time expiry tests finish quickly; the margins

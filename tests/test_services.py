@@ -9,7 +9,7 @@ import pytest
 import pytest_twisted
 
 from mdp import BrokerService, WorkerService
-from mdp.service import FreelanceServerService
+from mdp.app.service import FreelanceServerService
 from tests.conftest import Net, raw_router
 from tests.test_mdp_behaviour import echo, make_client
 
@@ -55,7 +55,7 @@ async def test_broker_service_with_separate_frontend_and_backend(net: Net) -> No
 
 @pytest_twisted.ensureDeferred
 async def test_worker_service_registers_and_says_goodbye(net: Net) -> None:
-    from mdp import codec
+    from mdp.majordomo import codec
 
     router = await raw_router(net)
     service = WorkerService(router.transport.endpoint, "echo", echo, reactor=net.reactor)

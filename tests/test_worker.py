@@ -6,7 +6,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp import Backoff, HeartbeatPolicy, Worker, codec
+from mdp import Backoff, HeartbeatPolicy, Worker
+from mdp.majordomo import codec
 from tests.conftest import LoopbackNet, raw_router
 
 HB = HeartbeatPolicy(interval=1.0, liveness=3)

@@ -1,7 +1,7 @@
 """Twisted plugin dropin: ``twist mdp-broker``, ``twist mdp-worker``,
 ``twist mdp-freelance-server``."""
 
-from mdp.tap import BrokerServiceMaker, FreelanceServerServiceMaker, WorkerServiceMaker
+from mdp.app.tap import BrokerServiceMaker, FreelanceServerServiceMaker, WorkerServiceMaker
 
 mdpBroker = BrokerServiceMaker()
 mdpWorker = WorkerServiceMaker()

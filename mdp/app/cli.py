@@ -18,9 +18,9 @@ from typing import Any, Optional, Sequence
 from twisted.internet import defer, task
 from twisted.python import usage
 
-from mdp.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
+from mdp.app.tap import DEFAULT_ENDPOINT
 from mdp.errors import MDPError
-from mdp.tap import DEFAULT_ENDPOINT
+from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
 
 def _show(frame: bytes) -> str:
@@ -69,7 +69,7 @@ class Options(usage.Options):
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
-    from mdp.client import Client
+    from mdp.majordomo.client import Client
 
     client = Client(options["broker"].split(","), reactor, timeout=options["timeout"],
                     retries=options["retries"], dialect=options["dialect"])
@@ -91,10 +91,10 @@ async def call(reactor: Any, options: CallOptions) -> None:
 
 
 async def demo(reactor: Any, options: DemoOptions) -> None:
-    from mdp.broker import Broker
-    from mdp.client import Client
     from mdp.handlers import echo
-    from mdp.worker import Worker
+    from mdp.majordomo.broker import Broker
+    from mdp.majordomo.client import Client
+    from mdp.majordomo.worker import Worker
 
     broker = Broker(reactor)
     bound = await broker.listen(options["endpoint"])

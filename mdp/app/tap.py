@@ -12,8 +12,8 @@ from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
-from mdp import broker
 from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
+from mdp.majordomo import broker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
@@ -45,7 +45,7 @@ _positive.coerceDoc = "A positive number of seconds."  # type: ignore[attr-defin
 
 
 def _dialect(value: str) -> str:
-    from mdp.codec import check_dialect
+    from mdp.majordomo.codec import check_dialect
 
     return check_dialect(value)
 
@@ -156,7 +156,7 @@ class BrokerServiceMaker:
     options = BrokerOptions
 
     def makeService(self, options: BrokerOptions) -> Any:
-        from mdp.service import BrokerService
+        from mdp.app.service import BrokerService
 
         return BrokerService(
             options["endpoint"],
@@ -183,9 +183,9 @@ class WorkerServiceMaker:
     options = WorkerOptions
 
     def makeService(self, options: WorkerOptions) -> Any:
+        from mdp.app.service import WorkerService
         from mdp.handlers import load_handler
-        from mdp.idempotence import MemoryReplyStore
-        from mdp.service import WorkerService
+        from mdp.majordomo.idempotence import MemoryReplyStore
 
         return WorkerService(
             options["broker"].split(","),
@@ -220,8 +220,8 @@ class FreelanceServerServiceMaker:
     options = FreelanceServerOptions
 
     def makeService(self, options: FreelanceServerOptions) -> Any:
+        from mdp.app.service import FreelanceServerService
         from mdp.handlers import load_handler
-        from mdp.service import FreelanceServerService
 
         return FreelanceServerService(options["endpoint"], load_handler(options["handler"]),
                                       limits=limits_of(options), maxPending=options["max-pending"],

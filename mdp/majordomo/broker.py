@@ -35,8 +35,8 @@ Limits (``docs/reliability.md`` has the table)
 * Logs of bad input are throttled (one line a second per kind).
 
 Requests to ``mmi.*`` services are answered by the broker itself
-(:mod:`mdp.mmi`).  The broker answers every peer in the dialect it used (see
-:mod:`mdp.codec`): RFC 18, or majortomo's.
+(:mod:`mdp.majordomo.mmi`).  The broker answers every peer in the dialect it used (see
+:mod:`mdp.majordomo.codec`): RFC 18, or majortomo's.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import codec, mmi, transport
-from mdp.codec import (
+from mdp import transport
+from mdp.errors import ProtocolError
+from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
+from mdp.majordomo import codec, mmi
+from mdp.majordomo.codec import (
     ClientFinal,
     ClientPartial,
     ClientRequest,
@@ -61,8 +64,6 @@ from mdp.codec import (
     WorkerFinal,
     WorkerPartial,
 )
-from mdp.errors import ProtocolError
-from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
 from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, LogThrottle, MiB
 
 log = Logger()

@@ -25,7 +25,7 @@ import json
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from mdp.broker import Broker
+    from mdp.majordomo.broker import Broker
 
 PREFIX = b"mmi."
 FOUND = b"200"

@@ -10,7 +10,7 @@ The handler receives the request body (``list[bytes]``) and may return:
   generator that ends without yielding :class:`Final` is closed with a FINAL
   holding one empty frame.
 
-Requests stamped by the client (see :mod:`mdp.idempotence`) are unstamped
+Requests stamped by the client (see :mod:`mdp.majordomo.idempotence`) are unstamped
 before the handler sees them; given a reply store (``replies=``), the worker
 answers a stamped request it has already answered from the store.
 
@@ -41,11 +41,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp import codec, idempotence, transport
-from mdp.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
+from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
+from mdp.majordomo import codec, idempotence
+from mdp.majordomo.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
 from mdp.policy import Backoff, HeartbeatPolicy, Limits, LogThrottle
 
 log = Logger()

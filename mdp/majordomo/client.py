@@ -20,7 +20,7 @@ discarded and the channel replaced, so it cannot complete a later request.
 
 With ``stamp=True`` every request carries this client's id and a sequence
 number, the same on each retry, so that workers with a reply store run it once
-(:mod:`mdp.idempotence`).
+(:mod:`mdp.majordomo.idempotence`).
 
 Reliability (Lazy Pirate)
 -------------------------
@@ -65,8 +65,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import codec, idempotence, transport
-from mdp.codec import ClientFinal, ClientPartial
+from mdp import transport
 from mdp.errors import (
     ClientClosed,
     MessageTooLarge,
@@ -80,6 +79,8 @@ from mdp.errors import (
     WorkerError,
 )
 from mdp.interfaces import IClient, IDealerReceiver
+from mdp.majordomo import codec, idempotence
+from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.policy import Limits, LogThrottle
 
 log = Logger()

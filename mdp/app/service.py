@@ -11,20 +11,20 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from mdp.broker import Broker
+from mdp.majordomo.broker import Broker
+from mdp.majordomo.worker import Handler, Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
-from mdp.worker import Handler, Worker
 
 log = Logger()
 
 
 class BrokerService(Service):
-    """Runs a :class:`~mdp.broker.Broker` bound to *endpoint* (clients and
+    """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
     workers) or to a separate *frontend* (clients) and *backend* (workers).
 
     Other keyword arguments (``heartbeat``, ``requestExpiry``, ``serviceLinger``,
     the queue, worker and delivery bounds, ``limits``) go to the
-    :class:`~mdp.broker.Broker`.
+    :class:`~mdp.majordomo.broker.Broker`.
 
     With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
     logs the reason, stops the reactor and exits with status 1 instead of
@@ -89,7 +89,7 @@ def _exit(status: int) -> None:
 
 
 class WorkerService(Service):
-    """Runs a :class:`~mdp.worker.Worker` for one service."""
+    """Runs a :class:`~mdp.majordomo.worker.Worker` for one service."""
 
     def __init__(
         self,
