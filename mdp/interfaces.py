@@ -32,10 +32,6 @@ class IRouterTransport(Interface):
         "An endpoint string a peer can connect to; with port 0 or ``*`` it "
         "names the port the OS picked."
     )
-    reportsDisconnects = Attribute(
-        "True if the transport calls peerDisconnected (TCP, loopback)."
-    )
-
     def sendMessage(peer: bytes, frames: list[bytes]) -> None:
         """Send *frames* to *peer*.  Messages for an unknown peer are dropped,
         as a ZeroMQ ROUTER does.  What a peer does not read waits for it, up to
@@ -43,7 +39,9 @@ class IRouterTransport(Interface):
         other peers held back)."""
 
     def disconnectPeer(peer: bytes) -> None:
-        """Drop the connection to *peer* if the medium has connections."""
+        """Close the connection to *peer* once what was sent to it is out (the
+        broker says DISCONNECT and then this).  A no-op where the medium has
+        no connection per peer (ZeroMQ)."""
 
     def close():
         """Stop listening and drop every peer.  Returns a Deferred."""
@@ -86,15 +84,44 @@ class IDealerTransport(Interface):
         """A Deferred that fires once the transport is writable again (at
         once if it is), or when the pipe it waits on is dropped."""
 
-    def reconnect() -> None:
-        """Drop the current pipe and open a fresh one (a new socket, so a new
-        identity on ZeroMQ).  Queued messages are discarded."""
-
     def close():
         """Close for good.  Returns a Deferred."""
 
 
-class IBroker(IRouterReceiver):
+class IStreamDecoder(Interface):
+    """Turns the bytes of one stream connection into messages (pure, no I/O)."""
+
+    records = Attribute("Messages completed so far.")
+    inRecord = Attribute("True while a message has begun and is not complete.")
+    buffered = Attribute("Bytes held for the message in progress.")
+    identity = Attribute("The identity the peer announced in its greeting, or None.")
+
+    def feed(data: bytes) -> list[list[bytes]]:
+        """The messages completed by *data*.  Raises
+        :class:`~mdp.errors.ProtocolError` (``OversizedMessage`` for a limit,
+        checked before anything is buffered): the stream is then unusable."""
+
+
+class IFraming(Interface):
+    """How messages become bytes on a stream: a part of the stream transport
+    separate from its connection handling (connect, reconnect, limits, flow
+    control, disconnects), so a new wire mapping is one small class."""
+
+    name = Attribute("A short name for logs and docs.")
+
+    def greeting(identity: object) -> bytes:
+        """What a connection sends before any message (``b""`` for nothing).
+        The connecting side passes the identity it wants the far side to see
+        (or None); the accepting side passes None."""
+
+    def encode(frames: list[bytes]) -> bytes:
+        """One message as bytes."""
+
+    def decoder(limits: object) -> IStreamDecoder:
+        """A fresh decoder for one connection, enforcing *limits*."""
+
+
+class IBroker(Interface):
     """An MDP/0.2 broker."""
 
     def listen(endpoint: str, clients: bool = True, workers: bool = True):

@@ -1,5 +1,10 @@
-"""Policies shared by every pattern: heartbeating, reconnect backoff, the limits
-that bound what a peer may cost, and throttled warnings."""
+"""Policies shared by every pattern: heartbeating and peer liveness, reconnect
+backoff, endpoint rotation for failover, the limits that bound what a peer may
+cost, throttled warnings, and the two reactor helpers every node uses.
+
+Every pattern takes these objects instead of growing its own: a broker, worker,
+client or Freelance client that says "a peer silent for 7.5 s is dead" says it
+with a :class:`HeartbeatPolicy` and a :class:`Liveness`."""
 
 from __future__ import annotations
 
@@ -33,6 +38,75 @@ class HeartbeatPolicy:
         return self.interval * self.liveness
 
 
+class Liveness:
+    """When a peer was last heard from, judged by a :class:`HeartbeatPolicy`.
+
+    Every message from the peer counts (:meth:`heard`); it is dead once silent
+    for ``policy.expiry`` seconds, and it is time to send a heartbeat once we
+    have said nothing for ``policy.interval`` (:meth:`sent`, :meth:`due`)."""
+
+    __slots__ = ("policy", "lastHeard", "lastSent")
+
+    def __init__(self, policy: HeartbeatPolicy, now: float) -> None:
+        self.policy = policy
+        self.lastHeard = now
+        self.lastSent = now
+
+    def heard(self, now: float) -> None:
+        self.lastHeard = now
+
+    def sent(self, now: float) -> None:
+        self.lastSent = now
+
+    def silence(self, now: float) -> float:
+        return now - self.lastHeard
+
+    def dead(self, now: float) -> bool:
+        """Silent for longer than ``interval × liveness``."""
+        return now - self.lastHeard > self.policy.expiry
+
+    def due(self, now: float, fraction: float = 1.0) -> bool:
+        """True if nothing was sent for ``fraction × interval`` seconds."""
+        return now - self.lastSent >= self.policy.interval * fraction
+
+    def deadline(self) -> float:
+        """When the peer will count as dead if it stays silent."""
+        return self.lastHeard + self.policy.expiry
+
+
+class EndpointRotation:
+    """The endpoints of a failover list and which one is in use.
+
+    :meth:`advance` moves to the next one (round-robin) after a failure; with
+    a single endpoint it stays put.  Used by MDP clients and workers given
+    several brokers and by the Freelance clients."""
+
+    __slots__ = ("endpoints", "index")
+
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        self.endpoints = list(endpoints)
+        if not self.endpoints:
+            raise ValueError("at least one endpoint is required")
+        self.index = 0
+
+    @property
+    def current(self) -> str:
+        return self.endpoints[self.index]
+
+    def advance(self) -> str:
+        """Rotate to the next endpoint and return it."""
+        self.index = (self.index + 1) % len(self.endpoints)
+        return self.endpoints[self.index]
+
+    def __len__(self) -> int:
+        return len(self.endpoints)
+
+    def __iter__(self) -> Any:
+        return iter(self.endpoints)
+
+
 @attrs.frozen
 class Backoff:
     """Exponential backoff: *initial* seconds, doubling up to *maximum*
@@ -50,6 +124,23 @@ class Backoff:
         """The same schedule as a :class:`ClientService` retry policy
         (attempt counts from 1)."""
         return lambda attempt: self.delay(max(attempt - 1, 0))
+
+
+def default_reactor(reactor: Optional[Any] = None) -> Any:
+    """*reactor*, or the global one (imported only when needed, so a test can
+    pass a :class:`~twisted.internet.task.Clock` before any reactor is
+    installed)."""
+    if reactor is None:
+        from twisted.internet import reactor as globalReactor
+
+        return globalReactor
+    return reactor
+
+
+def cancel_call(call: Any) -> None:
+    """Cancel a delayed call if it is still pending (``None`` is fine)."""
+    if call is not None and call.active():
+        call.cancel()
 
 
 KiB = 1024

@@ -1,18 +1,26 @@
-"""Choose a transport from an endpoint string.
+"""Message transports, chosen by the scheme of an endpoint string.
 
-==============================  ===============================================
-``zmq:tcp://127.0.0.1:5555``    ZeroMQ ROUTER/DEALER (also ``ipc://``,
-                                ``inproc://``; bind ``tcp://127.0.0.1:*`` for a
-                                port picked by the OS)
-``tcp:host=127.0.0.1:port=5555``  length-prefixed frames over any Twisted
-                                endpoint string (``tcp``, ``ssl``, ``unix``, ...)
-``loopback:NAME``               in memory, for deterministic tests
-==============================  ===============================================
+==================================  ===========================================
+``zmq:tcp://127.0.0.1:5555``        ZeroMQ ROUTER/DEALER (also ``ipc://``,
+                                    ``inproc://``; bind ``tcp://127.0.0.1:*``
+                                    for a port picked by the OS)
+``tcp:host=127.0.0.1:port=5555``    length-prefixed records over a Twisted
+                                    stream endpoint (``tcp``, ``tcp6``,
+                                    ``ssl``, ``tls``, ``unix``, or one a Twisted
+                                    plugin provides)
+``loopback:NAME``                   in memory, for deterministic tests
+==================================  ===========================================
+
+Schemes live in a registry (:mod:`mdp.transport.registry`): a new transport
+registers itself with :func:`register` and every node can use it.  Endpoints
+are checked before anything starts: a mistake raises
+:class:`~mdp.errors.TransportError` synchronously, from :func:`listen` and
+:func:`connect` alike.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 
@@ -25,25 +33,32 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits
+from mdp.policy import Limits, default_reactor
+from mdp.transport.registry import (
+    CONNECT,
+    LISTEN,
+    Scheme,
+    check,
+    check_port,
+    lookup,
+    register,
+    schemes,
+    unregister,
+)
 
-
-def _reactor(reactor: Optional[Any]) -> Any:
-    if reactor is None:
-        from twisted.internet import reactor as global_reactor
-
-        return global_reactor
-    return reactor
-
-
-def scheme(endpoint: str) -> str:
-    """``"zmq"``, ``"loopback"`` or ``"stream"`` for an endpoint string."""
-    if not isinstance(endpoint, str) or ":" not in endpoint:
-        raise TransportError(f"not an endpoint string: {endpoint!r}")
-    prefix = endpoint.partition(":")[0]
-    if prefix in ("zmq", "loopback"):
-        return prefix
-    return "stream"
+__all__ = [
+    "CONNECT",
+    "LISTEN",
+    "Scheme",
+    "check",
+    "connect",
+    "connect_peers",
+    "listen",
+    "lookup",
+    "register",
+    "schemes",
+    "unregister",
+]
 
 
 def listen(
@@ -52,54 +67,44 @@ def listen(
 ) -> defer.Deferred[IRouterTransport]:
     """Bind *endpoint*; the Deferred fires with an :class:`IRouterTransport`
     that enforces *limits* on what it receives and on what each peer leaves
-    unread."""
-    kind = scheme(endpoint)
-    reactor = _reactor(reactor)
+    unread.  A malformed endpoint raises :class:`TransportError` at once; a
+    failure to bind (port in use, ...) fails the Deferred with one."""
+    scheme = lookup(endpoint, LISTEN)
+    assert scheme.listen is not None
     try:
-        if kind == "loopback":
-            from mdp.transport.loopback import LoopbackRouter
-
-            return defer.succeed(LoopbackRouter(endpoint.partition(":")[2], receiver, reactor,
-                                                limits=limits))
-        if kind == "zmq":
-            from mdp.transport.zeromq import ZmqRouter
-
-            return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits))
-        from mdp.transport.stream import StreamRouter
-
-        return StreamRouter.listen(reactor, endpoint, receiver, limits)  # type: ignore[return-value]
-    except (ValueError, KeyError, TypeError) as e:
-        return defer.fail(TransportError(f"bad endpoint {endpoint!r}: {e}"))
+        return scheme.listen(endpoint, receiver, default_reactor(reactor), limits)
     except TransportError as e:
         return defer.fail(e)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return defer.fail(TransportError(f"cannot listen on {endpoint!r}: {e}"))
 
 
 def connect(
     endpoint: str,
     receiver: IDealerReceiver,
     reactor: Optional[Any] = None,
-    retryPolicy: Optional[Any] = None,
+    retryPolicy: Optional[Callable[[int], float]] = None,
     limits: Limits = Limits(),
+    identity: Optional[bytes] = None,
 ) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint*.  ``receiver.connectionMade`` is
     called later, once the pipe is usable.  *retryPolicy* (attempt → seconds)
-    paces reconnection on stream transports; *limits* bound what is received."""
-    kind = scheme(endpoint)
-    reactor = _reactor(reactor)
+    paces reconnection on stream transports; *limits* bound what is received;
+    *identity* (1-255 bytes, not starting with a zero byte) is the peer id
+    the far side's router sees instead of one it makes up."""
+    scheme = lookup(endpoint, CONNECT)
+    if identity is not None:
+        if not isinstance(identity, bytes) or not 0 < len(identity) < 256 or identity[0] == 0:
+            raise ValueError("an identity is 1 to 255 bytes and does not start with a zero byte, "
+                             f"got {identity!r}")
+        if not scheme.identities:
+            raise TransportError(f"{scheme.name}: endpoints cannot choose their identity")
+    assert scheme.connect is not None
     try:
-        if kind == "loopback":
-            from mdp.transport.loopback import LoopbackDealer
-
-            return LoopbackDealer(endpoint.partition(":")[2], receiver, reactor, limits=limits)
-        if kind == "zmq":
-            from mdp.transport.zeromq import ZmqDealer
-
-            return ZmqDealer(reactor, endpoint, receiver, limits)
-        from mdp.transport.stream import StreamDealer
-
-        return StreamDealer(reactor, endpoint, receiver, retryPolicy=retryPolicy, limits=limits)
-    except (ValueError, KeyError, TypeError) as e:
-        raise TransportError(f"bad endpoint {endpoint!r}: {e}") from e
+        return scheme.connect(endpoint, receiver, default_reactor(reactor), limits, retryPolicy,
+                              identity)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
 
 
 def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None,
@@ -108,5 +113,83 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None,
     add servers with its ``connect(endpoint)``."""
     from mdp.transport.peers import PeerRouter
 
-    return PeerRouter(receiver, _reactor(reactor), limits)
+    return PeerRouter(receiver, default_reactor(reactor), limits)
 
+
+# --- the built-in schemes -----------------------------------------------------
+
+
+_ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
+
+
+def _check_zmq(endpoint: str, role: str) -> None:
+    address = endpoint.partition(":")[2]
+    kind, sep, rest = address.partition("://")
+    if not sep or kind not in _ZMQ_TRANSPORTS:
+        raise TransportError(f"bad endpoint {endpoint!r}: ZeroMQ endpoints are "
+                             "zmq:tcp://HOST:PORT, zmq:ipc://PATH or zmq:inproc://NAME")
+    if kind != "tcp":
+        if not rest:
+            raise TransportError(f"bad endpoint {endpoint!r}: no {kind} name")
+        return
+    if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
+        raise TransportError(f"bad endpoint {endpoint!r}: no port; did you mean "
+                             f"zmq:tcp://{rest or '127.0.0.1'}:5555"
+                             f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")
+    host, _, port = rest.rpartition(":")
+    if not host:
+        raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. zmq:tcp://127.0.0.1:{port}")
+    if host == "*" and role == CONNECT:
+        raise TransportError(f"bad endpoint {endpoint!r}: cannot connect to host '*'; "
+                             "did you mean zmq:tcp://127.0.0.1:" + port + "?")
+    check_port(endpoint, port, role, wildcard=True)
+
+
+def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
+    from mdp.transport.zeromq import ZmqRouter
+
+    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits))
+
+
+def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
+                 retryPolicy: Any, identity: Optional[bytes]) -> Any:
+    from mdp.transport.zeromq import ZmqDealer
+
+    return ZmqDealer(reactor, endpoint, receiver, limits, identity=identity)
+
+
+def _check_loopback(endpoint: str, role: str) -> None:
+    if not endpoint.partition(":")[2]:
+        raise TransportError(f"bad endpoint {endpoint!r}: no name; e.g. loopback:broker")
+
+
+def _listen_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
+    from mdp.transport.loopback import LoopbackRouter
+
+    return defer.succeed(LoopbackRouter(endpoint.partition(":")[2], receiver, reactor,
+                                        limits=limits))
+
+
+def _connect_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
+                      retryPolicy: Any, identity: Optional[bytes]) -> Any:
+    from mdp.transport.loopback import LoopbackDealer
+
+    return LoopbackDealer(endpoint.partition(":")[2], receiver, reactor, limits=limits,
+                          identity=identity)
+
+
+register(Scheme("zmq", _check_zmq, _listen_zmq, _connect_zmq,
+                "ZeroMQ ROUTER/DEALER: zmq:tcp://HOST:PORT, zmq:ipc://PATH, zmq:inproc://NAME",
+                identities=True))
+register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback,
+                "in memory, for deterministic tests: loopback:NAME", identities=True))
+
+
+def _register_streams() -> None:
+    from mdp.transport import stream
+
+    for name in stream.STREAM_SCHEMES:
+        register(stream.scheme(name))
+
+
+_register_streams()

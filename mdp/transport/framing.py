@@ -4,8 +4,16 @@ Pure code, no I/O: :func:`encode_record` turns a message into bytes and a
 :class:`RecordDecoder` turns bytes, fed in whatever pieces the stream delivers,
 back into messages.  The wire form (``docs/transports.md``)::
 
-    record  = length:uint32be  payload          ; length = len(payload)
-    payload = *( frame-length:uint32be  frame-bytes )
+    stream   = [ greeting ] *record
+    greeting = %xFF.FF.FF.FF  id-length:uint8  id-bytes   ; connecting side only
+    record   = length:uint32be  payload          ; length = len(payload)
+    payload  = *( frame-length:uint32be  frame-bytes )
+
+The optional greeting carries the identity a connecting peer chose (1-255
+bytes, not starting with a zero byte, as ZeroMQ's routing ids): the bound side
+then knows it by that id instead of one it makes up.  No record can have the
+length ``0xFFFFFFFF`` (it is over every message limit), so a decoder that does
+not know the greeting refuses it as oversized instead of misreading it.
 
 Limits (:class:`~mdp.policy.Limits`) are enforced before anything is buffered:
 a record whose length announces more than ``maxMessageBytes`` of frames plus
@@ -18,9 +26,12 @@ before), so a trickle costs time and memory in proportion to its bytes.
 from __future__ import annotations
 
 import struct
-from typing import Union
+from typing import Optional, Union
+
+from zope.interface import implementer
 
 from mdp.errors import OversizedMessage, ProtocolError
+from mdp.interfaces import IFraming, IStreamDecoder
 from mdp.policy import Limits
 
 _length = struct.Struct(">I")
@@ -75,6 +86,15 @@ def decode_record(payload: Buffer, limits: Limits = Limits()) -> list[bytes]:
     return decode_payload(payload, 0, len(payload), limits)
 
 
+GREETING_MARK = b"\xff\xff\xff\xff"
+
+
+def encode_greeting(identity: bytes) -> bytes:
+    """The greeting that announces *identity*."""
+    return GREETING_MARK + bytes([len(identity)]) + identity
+
+
+@implementer(IStreamDecoder)
 class RecordDecoder:
     """Turns a byte stream into messages, one record at a time.
 
@@ -91,21 +111,50 @@ class RecordDecoder:
         self._header = b""  # the first bytes of a length prefix split across pieces
         self._need = -1  # payload length of the record in progress; -1 between records
         self._buf = bytearray()  # what came of it so far
+        #: the identity the peer's greeting announced, if it sent one
+        self.identity: Optional[bytes] = None
+        #: bytes of the greeting still to come (-1 before its length is known)
+        self._greeting: Optional[bytearray] = None
 
     @property
     def inRecord(self) -> bool:
         """True while a record has begun and is not complete."""
-        return self._need >= 0 or bool(self._header)
+        return self._need >= 0 or bool(self._header) or self._greeting is not None
 
     @property
     def buffered(self) -> int:
         """Bytes held for the record in progress."""
         return len(self._buf) + len(self._header)
 
+    def _feedGreeting(self, data: bytes, pos: int) -> int:
+        """Take what *data* holds of the greeting from *pos*; return where it
+        ends."""
+        greeting = self._greeting
+        assert greeting is not None
+        if not greeting and pos < len(data):
+            greeting.append(data[pos])
+            pos += 1
+            if greeting[0] == 0:
+                raise ProtocolError("greeting announces an empty identity")
+        if greeting:
+            take = min(greeting[0] + 1 - len(greeting), len(data) - pos)
+            greeting += data[pos:pos + take]
+            pos += take
+            if len(greeting) == greeting[0] + 1:
+                identity = bytes(greeting[1:])
+                if identity[0] == 0:
+                    raise ProtocolError("greeting announces an identity starting with a zero byte "
+                                        "(those are the router's own)")
+                self.identity = identity
+                self._greeting = None
+        return pos
+
     def feed(self, data: bytes) -> list[list[bytes]]:
         messages: list[list[bytes]] = []
         pos = 0
         end = len(data)
+        if self._greeting is not None:
+            pos = self._feedGreeting(data, pos)
         while pos < end:
             if self._need < 0:
                 if self._header or end - pos < 4:
@@ -119,6 +168,10 @@ class RecordDecoder:
                 else:
                     (length,) = _unpack_from(data, pos)
                     pos += 4
+                if length == 0xFFFFFFFF and self.records == 0 and self.identity is None:
+                    self._greeting = bytearray()
+                    pos = self._feedGreeting(data, pos)
+                    continue
                 if length > self.maxRecord:
                     raise RecordTooLarge(
                         f"record of {length} bytes announced, over the limit of {self.maxRecord} "
@@ -138,3 +191,24 @@ class RecordDecoder:
                 messages.append(decode_payload(payload, 0, len(payload), self.limits))
                 self.records += 1
         return messages
+
+
+@implementer(IFraming)
+class LengthPrefixedFraming:
+    """Today's stream framing: 32-bit length-prefixed multipart records, and
+    the optional identity greeting (see the module's docstring)."""
+
+    name = "records32"
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        return encode_greeting(identity) if identity else b""
+
+    def encode(self, frames: list[bytes]) -> bytes:
+        return encode_record(frames)
+
+    def decoder(self, limits: Limits) -> RecordDecoder:
+        return RecordDecoder(limits)
+
+
+#: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.
+RECORDS = LengthPrefixedFraming()

@@ -85,7 +85,6 @@ network = LoopbackNetwork()
 class LoopbackRouter:
     """The bound side: many dealers, each known by an opaque peer id."""
 
-    reportsDisconnects = True
 
     def __init__(
         self,
@@ -128,6 +127,11 @@ class LoopbackRouter:
 
     # called by dealers
     def _connect(self, peer: bytes, dealer: LoopbackDealer) -> None:
+        """A dealer arrives.  One that reuses the identity of a connected
+        dealer takes it over (ZMQ_ROUTER_HANDOVER): the old one is dropped."""
+        previous = self.peers.get(peer)
+        if previous is not None and previous is not dealer:
+            previous.reactor.callLater(0, previous._dropped, peer)
         self.peers[peer] = dealer
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
@@ -140,8 +144,11 @@ class LoopbackRouter:
                 return
             self.receiver.messageReceived(peer, frames)
 
-    def _peerGone(self, peer: bytes) -> None:
-        if self.peers.pop(peer, None) is not None and not self.closed:
+    def _peerGone(self, peer: bytes, dealer: LoopbackDealer) -> None:
+        if self.peers.get(peer) is not dealer:
+            return  # its identity was taken over by a newer dealer
+        del self.peers[peer]
+        if not self.closed:
             self.receiver.peerDisconnected(peer)
 
 
@@ -160,6 +167,7 @@ class LoopbackDealer:
         reactor: IReactorTime,
         net: LoopbackNetwork = network,
         limits: Limits = Limits(),
+        identity: Optional[bytes] = None,
     ) -> None:
         self.name = name
         self.endpoint = f"loopback:{name}"
@@ -167,6 +175,8 @@ class LoopbackDealer:
         self.reactor = reactor
         self.network = net
         self.limits = limits
+        #: the peer id the router sees (None: a fresh one per connection)
+        self.identity = identity
         self.throttle = LogThrottle(reactor)
         self.router: Optional[LoopbackRouter] = None
         self.peer: Optional[bytes] = None
@@ -191,7 +201,7 @@ class LoopbackDealer:
             self.network.wait(self.name, self)
             return
         self.router = router
-        self.peer = _new_peer_id()
+        self.peer = self.identity or _new_peer_id()
         router._connect(self.peer, self)
         self.reactor.callLater(0, self._made, self.peer)
 
@@ -233,7 +243,7 @@ class LoopbackDealer:
         router, peer = self.router, self.peer
         self.router = self.peer = None
         if router is not None and peer is not None:
-            router.reactor.callLater(0, router._peerGone, peer)
+            router.reactor.callLater(0, router._peerGone, peer, self)
 
     def _dropped(self, peer: bytes, why: Optional[Exception] = None) -> None:
         """The pipe is gone (the router side dropped us, or we refused what
@@ -249,15 +259,6 @@ class LoopbackDealer:
         self.receiver.connectionLost(Failure(why))
         if self.router is None:
             self._attach()
-
-    def reconnect(self) -> None:
-        if self.closed:
-            return
-        self.queue.clear()
-        self.queuedBytes = 0
-        self.network.stopWaiting(self.name, self)
-        self._detach()
-        self._attach()
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:

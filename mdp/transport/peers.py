@@ -49,7 +49,7 @@ class PeerRouter:
     def connect(self, endpoint: str) -> None:
         if endpoint in self.pipes or (self.zmq is not None and endpoint in self.zmq.endpoints):
             return
-        if transport.scheme(endpoint) == "zmq":
+        if transport.lookup(endpoint, transport.CONNECT).name == "zmq":
             if self.zmq is None:
                 from mdp.transport.zeromq import ZmqPeerRouter
 

@@ -1,9 +1,17 @@
 """Multi-frame messages over any Twisted stream endpoint (tcp, tls, unix).
 
-Each message is one length-prefixed record (:mod:`mdp.transport.framing`,
-documented in ``docs/transports.md``).  A record over the message limits, or a
-payload whose frame lengths do not add up, ends the connection, logged with
-the peer.
+This module is the connection handling, written once: listen, connect,
+reconnect with backoff, peer ids, flow control, disconnect reporting and the
+limits.  How a message becomes bytes is a separate, pluggable
+:class:`~mdp.interfaces.IFraming`: by default the length-prefixed records of
+:mod:`mdp.transport.framing` (documented in ``docs/transports.md``).  Input the
+framing refuses (over the message limits, or malformed) ends the connection,
+logged with the peer.
+
+A connecting side may choose the identity the bound side knows it by (the
+framing's greeting carries it); a newer connection with the same identity
+takes it over from an older one.  Without one, the bound side makes up an id
+per connection.
 
 The bound side (:class:`StreamRouter`) gives each accepted connection an
 opaque peer id and reports its loss at once.  It defends itself
@@ -34,16 +42,18 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp.errors import ProtocolError
+from mdp.errors import ProtocolError, TransportError
 from mdp.interfaces import (
     IDealerReceiver,
     IDealerTransport,
+    IFraming,
     IRouterReceiver,
     IRouterTransport,
 )
 from mdp.policy import Limits, LogThrottle, held_bytes
 from mdp.transport.flow import DrainWaiters
-from mdp.transport.framing import RecordDecoder, encode_record
+from mdp.transport.framing import RECORDS
+from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
 
 log = Logger()
 
@@ -54,6 +64,9 @@ class FramedProtocol(Protocol):
     """One stream connection carrying framed multi-frame messages."""
 
     limits: Limits = Limits()
+    framing: IFraming = RECORDS
+    #: the identity this side announces in its greeting (connecting side)
+    identity: Optional[bytes] = None
     onMessage: Callable[[list[bytes]], None]
     throttle: Optional[LogThrottle] = None
     dropped = False  # drop() was called: deliver nothing more
@@ -61,10 +74,14 @@ class FramedProtocol(Protocol):
     refusal: Optional[ProtocolError] = None
 
     def connectionMade(self) -> None:
-        self.decoder = RecordDecoder(self.limits)
+        self.decoder = self.framing.decoder(self.limits)
+        self.encode = self.framing.encode
+        greeting = self.framing.greeting(self.identity)
+        if greeting:
+            self.transport.write(greeting)
 
     def sendFrames(self, frames: list[bytes]) -> None:
-        self.transport.write(encode_record(frames))
+        self.transport.write(self.encode(frames))
 
     def dataReceived(self, data: bytes) -> None:
         try:
@@ -109,7 +126,8 @@ class FramedProtocol(Protocol):
 
 
 def server_description(endpoint: str) -> str:
-    """Accept the client form ``tcp:host=H:port=P`` for listening too."""
+    """Accept the client forms ``tcp:host=H:port=P`` and ``unix:path=P`` for
+    listening too."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
         rest = ":".join(
@@ -117,6 +135,8 @@ def server_description(endpoint: str) -> str:
             for p in rest.split(":")
         )
         return f"{kind}:{rest}"
+    if kind == "unix" and rest.startswith("path="):
+        return f"unix:address={rest[len('path='):]}"
     return endpoint
 
 
@@ -150,6 +170,7 @@ class _RouterConnection(FramedProtocol):
     def connectionMade(self) -> None:
         router = self.router
         self.limits = router.limits
+        self.framing = router.framing
         self.throttle = router.throttle
         super().connectionMade()
         self.peer = b"\x00" + next(_ids).to_bytes(4, "big")
@@ -164,7 +185,24 @@ class _RouterConnection(FramedProtocol):
             self.limits.handshakeTimeout, self._timedOut,
             "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
 
+    def _rename(self, identity: bytes) -> None:
+        """The peer announced *identity*: know it by that from now on.  An
+        older connection with the same identity is dropped (handover)."""
+        router = self.router
+        old = router.connections.get(identity)
+        if old is not None and old is not self:
+            old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
+            router._forget(old)
+        router.connections.pop(self.peer, None)
+        ungreeted = router.ungreeted.pop(self.peer, None) is not None
+        self.peer = identity
+        router.connections[identity] = self
+        if ungreeted:
+            router.ungreeted[identity] = self
+
     def _deliver(self, frames: list[bytes]) -> None:
+        if self.decoder.identity is not None and self.decoder.identity != self.peer:
+            self._rename(self.decoder.identity)
         if not self.greeted:
             self.greeted = True
             self.router.ungreeted.pop(self.peer, None)
@@ -200,7 +238,7 @@ class _RouterConnection(FramedProtocol):
     def send(self, frames: list[bytes]) -> None:
         if self.closing:
             return
-        record = encode_record(frames)
+        record = self.encode(frames)
         if not self.paused and not self.backlog:
             self.transport.write(record)
             return
@@ -236,21 +274,29 @@ class _RouterConnection(FramedProtocol):
     def connectionLost(self, reason: object = None) -> None:
         self._cancelTimer()
         self.backlog.clear()
-        self.router.ungreeted.pop(self.peer, None)
-        if self.router.connections.pop(self.peer, None) is not None:
-            self.router.receiver.peerDisconnected(self.peer)
+        router = self.router
+        if router.ungreeted.get(self.peer) is self:
+            del router.ungreeted[self.peer]
+        if router.connections.get(self.peer) is self:
+            del router.connections[self.peer]
+            router.receiver.peerDisconnected(self.peer)
 
 
 @implementer(IRouterTransport)
 class StreamRouter:
-    """The bound side over a Twisted server endpoint."""
+    """The bound side over a Twisted server endpoint.
 
-    reportsDisconnects = True
+    :meth:`listen` binds an endpoint string; :meth:`factory` is the same thing
+    as a plain :class:`~twisted.internet.interfaces.IProtocolFactory`, for
+    listening with an endpoint, a TLS wrapper or an ``Application`` of one's
+    own."""
 
-    def __init__(self, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits()) -> None:
+    def __init__(self, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(),
+                 framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
         self.reactor = reactor
         self.limits = limits
+        self.framing = framing
         self.throttle = LogThrottle(reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
         #: connections that have not yet sent a message, oldest first
@@ -283,19 +329,26 @@ class StreamRouter:
     def _forget(self, connection: _RouterConnection) -> None:
         """Stop counting an aborted connection at once (its connectionLost
         comes a reactor turn later)."""
-        if self.connections.pop(connection.peer, None) is not None:
+        if self.connections.get(connection.peer) is connection:
+            del self.connections[connection.peer]
             self.receiver.peerDisconnected(connection.peer)
+
+    def factory(self) -> Factory:
+        """An :class:`IProtocolFactory` whose connections this router serves."""
+        factory = Factory.forProtocol(lambda: None)
+        factory.buildProtocol = self.buildProtocol  # type: ignore[method-assign]
+        factory.noisy = False
+        return factory
 
     @classmethod
     def listen(
         cls, reactor: Any, endpoint: str, receiver: IRouterReceiver, limits: Limits = Limits(),
+        framing: IFraming = RECORDS,
     ) -> defer.Deferred[StreamRouter]:
-        router = cls(receiver, reactor, limits)
+        router = cls(receiver, reactor, limits, framing)
         description = server_description(endpoint)
         server = serverFromString(reactor, description)
-        factory = Factory.forProtocol(lambda: None)
-        factory.buildProtocol = router.buildProtocol  # type: ignore[method-assign]
-        factory.noisy = False
+        factory = router.factory()
 
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
@@ -335,6 +388,8 @@ class _DealerConnection(FramedProtocol):
 
     def connectionMade(self) -> None:
         self.limits = self.dealer.limits
+        self.framing = self.dealer.framing
+        self.identity = self.dealer.identity
         super().connectionMade()
         self.onMessage = self.dealer.receiver.messageReceived
         self.transport.registerProducer(self, True)
@@ -381,15 +436,18 @@ class StreamDealer:
         receiver: IDealerReceiver,
         retryPolicy: Optional[Callable[[int], float]] = None,
         limits: Limits = Limits(),
+        framing: IFraming = RECORDS,
+        identity: Optional[bytes] = None,
     ) -> None:
         self.endpoint = endpoint
         self.receiver = receiver
         self.limits = limits
+        self.framing = framing
+        self.identity = identity
         self.protocol: Optional[_DealerConnection] = None
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
         self._throttle = LogThrottle(reactor)
-        self._dropping: Optional[_DealerConnection] = None
         self._waiters = DrainWaiters()
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
@@ -436,9 +494,6 @@ class StreamDealer:
         if self.protocol is proto:
             self.protocol = None
             self._waiters.fire()
-        if self._dropping is proto:
-            self._dropping = None
-            return
         if self.service.running:
             self.receiver.connectionLost(reason)
 
@@ -457,15 +512,6 @@ class StreamDealer:
         self.queue.append(list(frames))
         self.queuedBytes += size
 
-    def reconnect(self) -> None:
-        self.queue.clear()
-        self.queuedBytes = 0
-        proto, self.protocol = self.protocol, None
-        if proto is not None:
-            self._dropping = proto
-            proto.transport.abortConnection()
-        self._waiters.fire()
-
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()
         self.queuedBytes = 0
@@ -474,3 +520,65 @@ class StreamDealer:
             # the ClientService closes with loseConnection(): see closeGracefully
             self.protocol.transport.unregisterProducer()
         return self.service.stopService()
+
+
+# --- endpoint schemes ---------------------------------------------------------
+
+#: The Twisted stream endpoint types registered at import (``tls:`` connects only).
+STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
+
+
+def check_endpoint(endpoint: str, role: str) -> None:
+    """Check a Twisted stream endpoint string for *role* without starting
+    anything: the address parts we can judge (host, port, path) ourselves,
+    the rest by having Twisted build (not start) the endpoint."""
+    name, _, rest = endpoint.partition(":")
+    args, kwargs = split_description(rest)
+    if name in ("tcp", "tcp6", "ssl", "tls"):
+        if role == LISTEN:
+            if name == "tls":
+                raise TransportError(f"bad endpoint {endpoint!r}: tls: endpoints only connect; "
+                                     "listen with ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
+            port = kwargs.get("port", args[0] if args else None)
+            if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
+                port = args[1]  # the client form tcp:HOST:PORT
+        else:
+            host = kwargs.get("host", args[0] if args else None)
+            if not host:
+                raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
+                                     f"{name}:host=127.0.0.1:port=5555")
+            port = kwargs.get("port", args[1] if len(args) > 1 else None)
+        check_port(endpoint, port, role)
+    elif name == "unix":
+        path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
+        if not path:
+            raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
+    from twisted.internet.task import Clock
+
+    try:
+        if role == LISTEN:
+            serverFromString(Clock(), server_description(endpoint))
+        else:
+            clientFromString(Clock(), endpoint)
+    except (NameError, ImportError) as e:
+        raise TransportError(f"bad endpoint {endpoint!r}: {name}: needs pyOpenSSL and "
+                             f"service_identity (pip install 'twisted[tls]'): {e}") from None
+    except Exception as e:  # Twisted's parsers raise ValueError, TypeError, KeyError, ...
+        raise TransportError(f"bad endpoint {endpoint!r}: {e}") from None
+
+
+def _listen(endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits) -> Any:
+    return StreamRouter.listen(reactor, endpoint, receiver, limits)
+
+
+def _connect(endpoint: str, receiver: IDealerReceiver, reactor: Any, limits: Limits,
+             retryPolicy: Optional[Callable[[int], float]], identity: Optional[bytes]) -> Any:
+    return StreamDealer(reactor, endpoint, receiver, retryPolicy=retryPolicy, limits=limits,
+                        identity=identity)
+
+
+def scheme(name: str) -> Scheme:
+    """The registry entry for the Twisted stream endpoint type *name*, with
+    the length-prefixed record framing."""
+    return Scheme(name, check_endpoint, _listen if name != "tls" else None, _connect,
+                  f"length-prefixed records over Twisted's {name}: endpoints", identities=True)

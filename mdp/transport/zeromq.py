@@ -435,7 +435,6 @@ class _RoutedSocket:
 class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket."""
 
-    reportsDisconnects = False
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None,
                  limits: Limits = Limits()) -> None:
@@ -453,6 +452,8 @@ class ZmqRouter(_RoutedSocket):
         identity = address.encode() if "*" not in address else None
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
+        # a peer that reconnects with the identity it chose takes it over
+        self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if reactor is None:
             from twisted.internet import reactor
         self._setup(reactor, limits)
@@ -539,7 +540,7 @@ class ZmqRouter(_RoutedSocket):
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER socket; :meth:`reconnect` opens a new one.
+    """A connecting ZeroMQ DEALER socket.
 
     At the high-water mark a DEALER refuses messages; they are kept, in order,
     in a backlog that is flushed as the pipe drains (``writable`` is false
@@ -550,9 +551,11 @@ class ZmqDealer:
     connected = True
 
     def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), identity: Optional[bytes] = None) -> None:
         self.reactor = reactor
         self.endpoint = endpoint
+        #: the routing id the far side's ROUTER sees (None: one it makes up)
+        self.identity = identity
         self.address = _address(endpoint)
         self.receiver = receiver
         self.limits = limits
@@ -608,7 +611,7 @@ class ZmqDealer:
         import txzmq
 
         _, dealer_class = _connection_classes()
-        connection = dealer_class(zmq_factory())
+        connection = dealer_class(zmq_factory(), identity=self.identity)
         connection.owner = self
         _limit(connection, self.limits)
         connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)])
@@ -654,12 +657,6 @@ class ZmqDealer:
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
-
-    def reconnect(self) -> None:
-        if self.connection is None:
-            return
-        self._shutdown()
-        self._open()
 
     def close(self) -> defer.Deferred[None]:
         self._shutdown()

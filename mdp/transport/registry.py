@@ -1,0 +1,173 @@
+"""Endpoint schemes and the transports behind them.
+
+An endpoint string starts with a scheme (``zmq:``, ``tcp:``, ``unix:``,
+``loopback:``, ...).  Each scheme is registered once, as a :class:`Scheme`: a
+``check`` that validates an endpoint synchronously, before anything starts,
+and factories that listen on it or connect to it.  A new transport is one
+module plus one :func:`register` call; nothing else changes.
+
+Every mistake in an endpoint string (an unknown scheme, a missing port, a port
+out of range, a pyzmq or nng URL where one of ours is expected) raises one
+:class:`~mdp.errors.TransportError` naming the endpoint and, where it helps,
+what was probably meant.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterator, Optional
+
+import attrs
+
+from mdp.errors import TransportError
+
+LISTEN = "listen"
+CONNECT = "connect"
+
+Check = Callable[[str, str], None]
+"""``check(endpoint, role)`` raises :class:`TransportError` if *endpoint* is
+not usable for *role* (:data:`LISTEN` or :data:`CONNECT`)."""
+
+
+@attrs.frozen
+class Scheme:
+    """What one endpoint scheme offers.
+
+    *listen* is ``(endpoint, receiver, reactor, limits) -> Deferred`` firing
+    with an :class:`~mdp.interfaces.IRouterTransport`; *connect* is
+    ``(endpoint, receiver, reactor, limits, retryPolicy, identity) ->
+    IDealerTransport``.  Either may be ``None`` for a scheme that only does
+    the other."""
+
+    name: str
+    check: Check
+    listen: Optional[Callable[..., Any]] = None
+    connect: Optional[Callable[..., Any]] = None
+    #: a line for ``docs/transports.md`` and error messages
+    summary: str = ""
+    #: connect() can choose the identity the far side sees
+    identities: bool = False
+
+
+_schemes: dict[str, Scheme] = {}
+
+
+def register(scheme: Scheme, replace: bool = False) -> None:
+    """Make *scheme* available for endpoint strings ``NAME:...``."""
+    if scheme.name in _schemes and not replace:
+        raise ValueError(f"endpoint scheme {scheme.name!r} is already registered")
+    _schemes[scheme.name] = scheme
+
+
+def unregister(name: str) -> None:
+    """Forget the scheme *name* (tests that register their own use this)."""
+    _schemes.pop(name, None)
+
+
+def schemes() -> Iterator[Scheme]:
+    return iter(list(_schemes.values()))
+
+
+_URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
+
+
+def _hint_for_url(endpoint: str) -> str:
+    """What a pyzmq/nng-style URL was probably meant to be."""
+    match = _URL.match(endpoint)
+    assert match is not None
+    kind, rest = match.group("kind").lower(), match.group("rest")
+    if kind == "tcp":
+        host, _, port = rest.rpartition(":")
+        host = host or "127.0.0.1"
+        if host in ("*", "0.0.0.0"):
+            stream = f"tcp:{port or 'PORT'}"
+        else:
+            stream = f"tcp:host={host}:port={port or 'PORT'}"
+        return f"did you mean zmq:{endpoint} (ZeroMQ) or {stream} (framed TCP)?"
+    if kind in ("ipc", "inproc"):
+        return f"did you mean zmq:{endpoint}?"
+    return "endpoints look like zmq:tcp://HOST:PORT, tcp:host=HOST:port=PORT or unix:path=PATH"
+
+
+def lookup(endpoint: object, role: str) -> Scheme:
+    """The :class:`Scheme` for *endpoint*, after checking *endpoint* for
+    *role*; raises :class:`TransportError` for anything unusable."""
+    if not isinstance(endpoint, str):
+        raise TransportError(f"an endpoint is a string, not {type(endpoint).__name__}: {endpoint!r}")
+    if _URL.match(endpoint) and endpoint.partition(":")[0] not in ("zmq", "loopback"):
+        raise TransportError(f"bad endpoint {endpoint!r}: this is a URL, not an endpoint; "
+                             + _hint_for_url(endpoint))
+    name, colon, _ = endpoint.partition(":")
+    if not colon or not name:
+        raise TransportError(f"bad endpoint {endpoint!r}: no scheme (zmq:, tcp:, unix:, loopback:, ...)")
+    scheme = _schemes.get(name)
+    if scheme is None:
+        scheme = _twisted_plugin_scheme(name)
+    if scheme is None:
+        known = ", ".join(sorted(_schemes))
+        raise TransportError(f"bad endpoint {endpoint!r}: unknown scheme {name!r} (known: {known})")
+    factory = scheme.listen if role == LISTEN else scheme.connect
+    if factory is None:
+        raise TransportError(f"bad endpoint {endpoint!r}: {name}: endpoints cannot {role}")
+    scheme.check(endpoint, role)
+    return scheme
+
+
+def check(endpoint: object, role: str = CONNECT) -> None:
+    """Raise :class:`TransportError` unless *endpoint* can be used to *role*."""
+    lookup(endpoint, role)
+
+
+def _twisted_plugin_scheme(name: str) -> Optional[Scheme]:
+    """A stream scheme for an endpoint type a Twisted plugin provides (say
+    ``tor:``): Twisted knows how to reach it, we frame messages over it."""
+    from twisted.internet import endpoints
+    from twisted.plugin import getPlugins
+
+    interfaces = (endpoints.IStreamClientEndpointStringParserWithReactor,
+                  endpoints.IStreamServerEndpointStringParser)
+    for interface in interfaces:
+        for plugin in getPlugins(interface):
+            if plugin.prefix == name:
+                from mdp.transport import stream
+
+                return stream.scheme(name)
+    return None
+
+
+def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
+    """Twisted's endpoint description syntax: ``:``-separated, ``\\:`` escapes a
+    colon, ``key=value`` or positional."""
+    args: list[str] = []
+    kwargs: dict[str, str] = {}
+    if not rest:
+        return args, kwargs
+    for part in re.split(r"(?<!\\):", rest):
+        part = part.replace("\\:", ":")
+        key, eq, value = part.partition("=")
+        if eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            kwargs[key] = value
+        else:
+            args.append(part)
+    return args, kwargs
+
+
+def check_port(endpoint: str, port: Optional[str], role: str, wildcard: bool = False) -> None:
+    """A port is an integer in 1..65535 (0, or ``*`` with *wildcard*, when
+    listening, for one the OS picks)."""
+    if port is None or port == "":
+        pick = "" if role == CONNECT else " (0 lets the OS pick one)"
+        raise TransportError(f"bad endpoint {endpoint!r}: no port; add one, e.g. :port=5555{pick}")
+    if wildcard and port == "*":
+        if role == LISTEN:
+            return
+        raise TransportError(f"bad endpoint {endpoint!r}: '*' picks a port when binding; "
+                             "to connect, give the port the server is bound to")
+    try:
+        number = int(port)
+    except ValueError:
+        raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number") from None
+    low = 0 if role == LISTEN else 1
+    if not low <= number <= 65535:
+        raise TransportError(f"bad endpoint {endpoint!r}: port {number} is out of range "
+                             f"({low}..65535)")
