@@ -1,0 +1,296 @@
+"""Drive a node's state machine by a list of events, with no transport.
+
+The h11 way: feed a node events (a message from a peer, a peer gone, a pipe
+up, time passes) and read back what it wants done (send these frames there,
+drop that peer, open a pipe) and when it next needs the clock.  No socket, no
+reactor: the node's transports are stand-ins that record, and its clock is a
+:class:`~twisted.internet.task.Clock`.  A rule becomes a short test::
+
+    script = Script()
+    broker = Broker(reactor=script.clock)
+    broker.listen(script.endpoint("b"))
+    actions = script.feed(Receive(b"W", [b"", b"MDPW02", b"\\x01", b"echo"]),
+                          Receive(b"C", [b"MDPC02", b"\\x01", b"echo", b"hi"]))
+    assert Send(b"W", ...) in actions
+
+Endpoints from :meth:`Script.endpoint` use the ``script:`` scheme, which the
+first :class:`Script` registers in the transport registry (it is a transport
+only in the sense that it implements the interfaces).  A node that listens
+gets a router that records :class:`Send` / :class:`Disconnect` by peer id; a
+node that connects gets a pipe, named ``ENDPOINT#N`` (N counts the pipes to
+that endpoint), that records :class:`Open`, :class:`Send` and :class:`Close`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Union
+
+import attrs
+from twisted.internet import defer, task
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp import transport
+from mdp.errors import TransportError
+from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
+from mdp.policy import Limits
+
+Frames = tuple[bytes, ...]
+
+# --- events --------------------------------------------------------------------
+
+
+@attrs.frozen
+class Receive:
+    """A message arrives: from router peer *source* (bytes) or on pipe
+    *source* (a pipe name, or an endpoint for its latest pipe)."""
+
+    source: Union[bytes, str]
+    frames: Frames = attrs.field(converter=tuple)
+
+
+@attrs.frozen
+class Connected:
+    """The pipe *pipe* (or the latest pipe to an endpoint) is up."""
+
+    pipe: str
+
+
+@attrs.frozen
+class Lost:
+    """Router peer *source* went away, or pipe *source* broke."""
+
+    source: Union[bytes, str]
+
+
+@attrs.frozen
+class Elapse:
+    """*seconds* of time pass; timers fire in order as they come due."""
+
+    seconds: float
+
+
+Event = Union[Receive, Connected, Lost, Elapse]
+
+# --- actions -------------------------------------------------------------------
+
+
+@attrs.frozen
+class Send:
+    """The node sends *frames* to router peer *to* (bytes) or on pipe *to*."""
+
+    to: Union[bytes, str]
+    frames: Frames = attrs.field(converter=tuple)
+
+
+@attrs.frozen
+class Disconnect:
+    """The node drops router peer *peer*."""
+
+    peer: bytes
+
+
+@attrs.frozen
+class Open:
+    """The node opened pipe *pipe* (a connecting transport)."""
+
+    pipe: str
+
+
+@attrs.frozen
+class Close:
+    """The node closed pipe or listening endpoint *name*."""
+
+    name: str
+
+
+Action = Union[Send, Disconnect, Open, Close]
+
+_scripts: dict[str, Script] = {}
+_ids = itertools.count(1)
+
+
+@implementer(IRouterTransport)
+class _Router:
+    def __init__(self, script: Script, endpoint: str, receiver: IRouterReceiver) -> None:
+        self.script = script
+        self.endpoint = endpoint
+        self.receiver = receiver
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        self.script.actions.append(Send(peer, frames))
+
+    def disconnectPeer(self, peer: bytes) -> None:
+        self.script.actions.append(Disconnect(peer))
+
+    def close(self) -> defer.Deferred[None]:
+        self.script.routers.pop(self.endpoint, None)
+        self.script.actions.append(Close(self.endpoint))
+        return defer.succeed(None)
+
+
+@implementer(IDealerTransport)
+class _Pipe:
+    writable = True
+
+    def __init__(self, script: Script, endpoint: str, name: str, receiver: IDealerReceiver) -> None:
+        self.script = script
+        self.endpoint = endpoint
+        self.name = name
+        self.receiver = receiver
+        self.connected = False
+        self.closed = False
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        if not self.closed:
+            self.script.actions.append(Send(self.name, frames))
+
+    def drained(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.closed:
+            self.closed = True
+            self.connected = False
+            self.script.actions.append(Close(self.name))
+        return defer.succeed(None)
+
+
+class Script:
+    """A fake world for one node: a clock, recorded actions, scripted events.
+
+    With *autoConnect*, a pipe the node opens is up as soon as the node next
+    gets control (as a ZeroMQ DEALER is); otherwise feed :class:`Connected`."""
+
+    def __init__(self, autoConnect: bool = False, start: float = 0.0) -> None:
+        self.clock = task.Clock()
+        self.clock.advance(start)
+        self.autoConnect = autoConnect
+        self.actions: list[Action] = []
+        self.routers: dict[str, _Router] = {}
+        self.pipes: dict[str, _Pipe] = {}
+        self._latest: dict[str, _Pipe] = {}
+        self._counts: dict[str, itertools.count] = {}
+        self.id = str(next(_ids))
+        _scripts[self.id] = self
+        _ensure_registered()
+
+    def endpoint(self, name: str) -> str:
+        """An endpoint string of this script (``script:ID/NAME``)."""
+        return f"script:{self.id}/{name}"
+
+    # --- what the node sees ---------------------------------------------------
+
+    def _listen(self, endpoint: str, receiver: IRouterReceiver) -> _Router:
+        router = _Router(self, endpoint, receiver)
+        self.routers[endpoint] = router
+        return router
+
+    def _connect(self, endpoint: str, receiver: IDealerReceiver) -> _Pipe:
+        count = self._counts.setdefault(endpoint, itertools.count(1))
+        pipe = _Pipe(self, endpoint, f"{endpoint}#{next(count)}", receiver)
+        self.pipes[pipe.name] = self._latest[endpoint] = pipe
+        self.actions.append(Open(pipe.name))
+        if self.autoConnect:
+            self.clock.callLater(0, self._up, pipe)
+        return pipe
+
+    def _up(self, pipe: _Pipe) -> None:
+        if not pipe.closed and not pipe.connected:
+            pipe.connected = True
+            pipe.receiver.connectionMade()
+
+    # --- driving --------------------------------------------------------------
+
+    def pipe(self, name: str) -> _Pipe:
+        """The pipe called *name*, or the latest pipe to endpoint *name*."""
+        pipe = self.pipes.get(name) or self._latest.get(name)
+        if pipe is None:
+            raise KeyError(f"no pipe {name!r}; open ones: {sorted(self.pipes)}")
+        return pipe
+
+    def _router(self, via: Optional[str]) -> _Router:
+        if via is not None:
+            return self.routers[via]
+        if len(self.routers) != 1:
+            raise KeyError(f"say which endpoint: {sorted(self.routers)}")
+        return next(iter(self.routers.values()))
+
+    def feed(self, *events: Event, via: Optional[str] = None) -> list[Action]:
+        """Apply *events* in order (after each, let the node run what it
+        scheduled for "now"); return the actions they caused.  *via* picks
+        the listening endpoint for router events when there are several."""
+        mark = len(self.actions)
+        self.clock.advance(0)
+        for event in events:
+            if isinstance(event, Elapse):
+                self.elapse(event.seconds)
+            elif isinstance(event, Connected):
+                self._up(self.pipe(event.pipe))
+            elif isinstance(event, Receive):
+                if isinstance(event.source, bytes):
+                    self._router(via).receiver.messageReceived(event.source, list(event.frames))
+                else:
+                    self.pipe(event.source).receiver.messageReceived(list(event.frames))
+            elif isinstance(event, Lost):
+                if isinstance(event.source, bytes):
+                    self._router(via).receiver.peerDisconnected(event.source)
+                else:
+                    pipe = self.pipe(event.source)
+                    pipe.connected = False
+                    pipe.receiver.connectionLost(Failure(ConnectionError("pipe broke")))
+            else:
+                raise TypeError(f"not an event: {event!r}")
+            self.clock.advance(0)
+        return self.actions[mark:]
+
+    def elapse(self, seconds: float) -> None:
+        """Let *seconds* pass, firing each timer at its own time."""
+        end = self.clock.seconds() + seconds
+        while True:
+            wake = self.nextWake()
+            if wake is None or wake > end:
+                break
+            self.clock.advance(max(wake - self.clock.seconds(), 0))
+        self.clock.advance(max(end - self.clock.seconds(), 0))
+
+    def nextWake(self) -> Optional[float]:
+        """When the node next needs the clock (an absolute time), if ever."""
+        calls = self.clock.getDelayedCalls()
+        return min((c.getTime() for c in calls), default=None)
+
+    def sent(self, actions: Optional[list[Action]] = None) -> list[Send]:
+        """Only the :class:`Send` actions (of *actions*, or of all so far)."""
+        return [a for a in (self.actions if actions is None else actions) if isinstance(a, Send)]
+
+    def forget(self) -> None:
+        """Unregister this script's endpoints."""
+        _scripts.pop(self.id, None)
+
+
+def _owner(endpoint: str) -> Script:
+    script = _scripts.get(endpoint.partition(":")[2].partition("/")[0])
+    if script is None:
+        raise TransportError(f"bad endpoint {endpoint!r}: no such script")
+    return script
+
+
+def _check(endpoint: str, role: str) -> None:
+    _owner(endpoint)
+
+
+def _listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
+    return defer.succeed(_owner(endpoint)._listen(endpoint, receiver))
+
+
+def _connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
+             identity: Optional[bytes]) -> Any:
+    return _owner(endpoint)._connect(endpoint, receiver)
+
+
+def _ensure_registered() -> None:
+    if not any(s.name == "script" for s in transport.schemes()):
+        transport.register(transport.Scheme(
+            "script", _check, _listen, _connect,
+            "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
