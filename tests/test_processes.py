@@ -78,6 +78,34 @@ async def test_mdp_call_usage_error() -> None:
     assert b"at least one request frame" in call.output
 
 
+@pytest.mark.parametrize("endpoint, says", [
+    ("zmq:tcp://127.0.0.1", b"no port; did you mean zmq:tcp://127.0.0.1:5555?"),
+    ("tcp://127.0.0.1:5555", b"did you mean zmq:tcp://127.0.0.1:5555 (ZeroMQ) or "
+                             b"tcp:host=127.0.0.1:port=5555 (framed TCP)?"),
+    ("zmq:tcp://127.0.0.1:70000", b"port 70000 is out of range"),
+    ("carrier-pigeon:coop", b"unknown scheme 'carrier-pigeon'"),
+])
+@pytest_twisted.ensureDeferred
+async def test_mdp_call_rejects_a_bad_endpoint_at_once_in_one_line(endpoint: str, says: bytes) -> None:
+    """Before anything is sent or started: exit status 2 and one line that
+    names the endpoint and says what was probably meant."""
+    call = await run([script("mdp"), "call", "--broker", endpoint, "echo", "x"], timeout=30)
+    assert call.exitCode == 2
+    lines = call.output.strip().splitlines()
+    assert len(lines) == 1, call.output
+    assert endpoint.encode() in lines[0] and says in lines[0]
+    assert b"Traceback" not in call.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_twist_refuses_a_bad_endpoint_as_a_usage_error() -> None:
+    for args in (["mdp-broker", "--endpoint", "zmq:tcp://127.0.0.1:70000"],
+                 ["mdp-worker", "--service", "echo", "--broker", "tcp://127.0.0.1:5555"]):
+        proc = await run([script("twist"), *args], timeout=30)
+        assert proc.exitCode != 0
+        assert b"Error: --" in proc.output and b"bad endpoint" in proc.output, proc.output
+
+
 @pytest_twisted.ensureDeferred
 async def test_twist_broker_that_cannot_bind_exits_with_the_reason() -> None:
     broker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",

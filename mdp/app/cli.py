@@ -3,7 +3,8 @@
 ``mdp call --broker ENDPOINT SERVICE FRAME...``
     Send one request and print each reply frame on its own line (PARTIALs as
     they arrive, then the FINAL).  Exit status 1 with a message on stderr on
-    timeout or error.
+    timeout or error; 2, with one line on stderr, for a usage mistake (a bad
+    endpoint among them), before anything is sent.
 
 ``mdp demo``
     Start a broker, an echo worker and a client in one process over real
@@ -18,7 +19,8 @@ from typing import Any, Optional, Sequence
 from twisted.internet import defer, task
 from twisted.python import usage
 
-from mdp.app.tap import DEFAULT_ENDPOINT
+from mdp import transport
+from mdp.app.tap import DEFAULT_ENDPOINT, checked_endpoints
 from mdp.errors import MDPError
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
@@ -46,6 +48,13 @@ class CallOptions(usage.Options):
         self["service"] = service
         self["frames"] = [f.encode("utf-8") for f in frames]
 
+    def postOptions(self) -> None:
+        self["brokers"] = checked_endpoints(self["broker"], transport.CONNECT, "broker")
+        if self["timeout"] <= 0:
+            raise usage.UsageError("--timeout must be positive")
+        if self["retries"] < 1:
+            raise usage.UsageError("--retries must be at least 1")
+
 
 class DemoOptions(usage.Options):
     synopsis = "[--endpoint ENDPOINT] [--requests N]"
@@ -54,6 +63,9 @@ class DemoOptions(usage.Options):
          "Where the demo broker binds (default: a free port on 127.0.0.1)."],
         ["requests", "n", 3, "Requests to send.", int],
     ]
+
+    def postOptions(self) -> None:
+        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
 
 
 class Options(usage.Options):
@@ -71,7 +83,7 @@ class Options(usage.Options):
 async def call(reactor: Any, options: CallOptions) -> None:
     from mdp.majordomo.client import Client
 
-    client = Client(options["broker"].split(","), reactor, timeout=options["timeout"],
+    client = Client(options["brokers"], reactor, timeout=options["timeout"],
                     retries=options["retries"], dialect=options["dialect"])
 
     def partial(frames: list[bytes]) -> None:
@@ -123,7 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
     except usage.UsageError as e:
-        print(f"{options}\nmdp: {e}", file=sys.stderr)
+        command = f"mdp {options.subCommand}" if options.subCommand else "mdp"
+        print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
     command = call if options.subCommand == "call" else demo
     task.react(lambda reactor: defer.ensureDeferred(command(reactor, options.subOptions)))

@@ -11,6 +11,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from mdp import transport
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.worker import Handler, Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
@@ -26,7 +27,8 @@ class BrokerService(Service):
     the queue, worker and delivery bounds, ``limits``) go to the
     :class:`~mdp.majordomo.broker.Broker`.
 
-    With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
+    A malformed endpoint raises :class:`~mdp.errors.TransportError` here, at
+    once.  With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
     logs the reason, stops the reactor and exits with status 1 instead of
     idling unbound."""
 
@@ -40,6 +42,9 @@ class BrokerService(Service):
     ) -> None:
         if endpoint is None and backend is None:
             raise ValueError("BrokerService needs an endpoint, a backend or both")
+        for bound in (endpoint, backend):
+            if bound is not None:
+                transport.check(bound, transport.LISTEN)
         self.endpoint = endpoint
         self.backend = backend
         self.broker = Broker(reactor, **brokerOptions)
@@ -122,6 +127,7 @@ class FreelanceServerService(Service):
                  **serverOptions: Any) -> None:
         from mdp.freelance import FreelanceServer
 
+        transport.check(endpoint, transport.LISTEN)
         self.endpoint = endpoint
         self.server = FreelanceServer(handler, reactor, **serverOptions)
 

@@ -5,13 +5,15 @@ them)."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from twisted.application.service import IServiceMaker
 from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
+from mdp import transport
+from mdp.errors import TransportError
 from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.majordomo import broker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
@@ -84,6 +86,22 @@ _PEER_OPTIONS: list[Any] = [
 ]
 
 
+def checked_endpoints(value: Optional[str], role: str, option: str) -> list[str]:
+    """The comma-separated endpoints of *option*, each checked for *role*;
+    a bad one is a usage error naming the option."""
+    if value is None:
+        return []
+    endpoints = [e.strip() for e in value.split(",") if e.strip()]
+    if not endpoints:
+        raise usage.UsageError(f"--{option}: no endpoint given")
+    for endpoint in endpoints:
+        try:
+            transport.check(endpoint, role)
+        except TransportError as e:
+            raise usage.UsageError(f"--{option}: {e}") from None
+    return endpoints
+
+
 def limits_of(options: usage.Options) -> Limits:
     """The :class:`~mdp.policy.Limits` the parsed *options* ask for."""
     names = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
@@ -127,6 +145,10 @@ class BrokerOptions(_HeartbeatOptions):
          "Times a request is given to a worker that is then lost, before it fails.", int],
     ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
+    def postOptions(self) -> None:
+        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        checked_endpoints(self["backend"], transport.LISTEN, "backend")
+
 
 class WorkerOptions(_HeartbeatOptions):
     """Options of ``twist mdp-worker``."""
@@ -147,6 +169,7 @@ class WorkerOptions(_HeartbeatOptions):
     def postOptions(self) -> None:
         if not self["service"]:
             raise usage.UsageError("--service is required")
+        checked_endpoints(self["broker"], transport.CONNECT, "broker")
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -211,6 +234,9 @@ class FreelanceServerOptions(usage.Options):
         ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
          "Most bytes of requests being handled at once; beyond, refused (429).", byte_size],
     ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
+
+    def postOptions(self) -> None:
+        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
 
 
 @implementer(IServiceMaker, IPlugin)
