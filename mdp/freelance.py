@@ -52,7 +52,17 @@ from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
 from mdp.majordomo import codec
 from mdp.majordomo.client import remote_error, request_frames
-from mdp.policy import Limits, LogThrottle, MiB, held_bytes
+from mdp.policy import (
+    EndpointRotation,
+    HeartbeatPolicy,
+    Limits,
+    Liveness,
+    LogThrottle,
+    MiB,
+    cancel_call,
+    default_reactor,
+    held_bytes,
+)
 
 log = Logger()
 
@@ -63,14 +73,6 @@ DEFAULT_MAX_PENDING = 10_000
 DEFAULT_MAX_PENDING_BYTES = 256 * MiB
 
 Handler = Callable[[list[bytes]], Any]
-
-
-def _reactor(reactor: Optional[Any]) -> Any:
-    if reactor is None:
-        from twisted.internet import reactor as global_reactor
-
-        return global_reactor
-    return reactor
 
 
 def _result(call_deferred: defer.Deferred, reply: list[bytes]) -> None:
@@ -94,7 +96,7 @@ class FreelanceServer:
                  maxPending: int = DEFAULT_MAX_PENDING,
                  maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.handler = handler
-        self.reactor = _reactor(reactor)
+        self.reactor = default_reactor(reactor)
         self.limits = limits
         self.maxPending = maxPending
         self.maxPendingBytes = maxPendingBytes
@@ -185,7 +187,7 @@ class _Binding:
 
 class _Call:
     __slots__ = ("sequence", "body", "deferred", "startedAt", "attempts", "timer",
-                 "attemptTimer", "tried", "server")
+                 "attemptTimer", "tried", "server", "rotation")
 
     def __init__(self, sequence: bytes, body: list[bytes], startedAt: float) -> None:
         self.sequence = sequence
@@ -197,11 +199,7 @@ class _Call:
         self.attemptTimer: Any = None
         self.tried: list[str] = []
         self.server: Optional[str] = None
-
-
-def _cancel(delayed: Any) -> None:
-    if delayed is not None and delayed.active():
-        delayed.cancel()
+        self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
 
 
 class _FreelanceClient:
@@ -209,7 +207,7 @@ class _FreelanceClient:
     total timeout and close()."""
 
     def __init__(self, endpoints: Sequence[str], reactor: Optional[Any], timeout: float) -> None:
-        self.reactor = _reactor(reactor)
+        self.reactor = default_reactor(reactor)
         self.endpoints: list[str] = []
         self.timeout = timeout
         self.pending: dict[bytes, _Call] = {}
@@ -241,8 +239,8 @@ class _FreelanceClient:
         """Forget *call*; False if it was already finished."""
         if self.pending.pop(call.sequence, None) is None:
             return False
-        _cancel(call.timer)
-        _cancel(call.attemptTimer)
+        cancel_call(call.timer)
+        cancel_call(call.attemptTimer)
         return True
 
     def _expired(self, call: _Call) -> None:
@@ -306,14 +304,17 @@ class SequentialClient(_FreelanceClient):
         super().__init__(endpoints, reactor, timeout)
 
     def _start(self, call: _Call) -> None:
+        call.rotation = EndpointRotation(self.endpoints)
         self._next(call)
 
     def _next(self, call: _Call) -> None:
         self._drop(call)
-        if call.attempts >= len(self.endpoints):
+        rotation = call.rotation
+        assert rotation is not None
+        if call.attempts >= len(rotation):
             self._fail(call, self._timeout(call))
             return
-        endpoint = self.endpoints[call.attempts]
+        endpoint = rotation.current if call.attempts == 0 else rotation.advance()
         call.attempts += 1
         call.server = endpoint
         attempt = self.attempts[call.sequence] = _Pipe(self, endpoint)
@@ -363,13 +364,13 @@ class ShotgunClient(_FreelanceClient):
 class ServerState:
     """What the agent knows of one server."""
 
-    __slots__ = ("endpoint", "alive", "lastHeard", "since")
+    __slots__ = ("endpoint", "alive", "liveness")
 
-    def __init__(self, endpoint: str, now: float) -> None:
+    def __init__(self, endpoint: str, liveness: Liveness) -> None:
         self.endpoint = endpoint
-        self.alive: Optional[bool] = None  # None: not heard from yet
-        self.lastHeard = 0.0
-        self.since = now
+        self.alive: Optional[bool] = None  # None: not heard from yet, or suspect
+        #: silent since it was added, or since it last spoke
+        self.liveness = liveness
 
 
 @implementer(IPeerRouterReceiver)
@@ -377,11 +378,12 @@ class AgentClient(_FreelanceClient):
     """Model 3, the full agent (see the module docstring)."""
 
     def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
-                 heartbeat: float = 1.0, liveness: int = 3, attemptTimeout: float = 1.0,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3), attemptTimeout: float = 1.0,
                  timeout: float = 3.0) -> None:
-        reactor = _reactor(reactor)
+        reactor = default_reactor(reactor)
+        if not isinstance(heartbeat, HeartbeatPolicy):
+            raise TypeError(f"heartbeat is a HeartbeatPolicy, not {type(heartbeat).__name__}")
         self.heartbeat = heartbeat
-        self.ttl = heartbeat * liveness
         self.attemptTimeout = attemptTimeout
         self.servers: OrderedDict[str, ServerState] = OrderedDict()
         self.waiting: list[_Call] = []  # requests with no live server to go to yet
@@ -389,15 +391,17 @@ class AgentClient(_FreelanceClient):
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
         super().__init__(endpoints, reactor, timeout)
-        self._ticker.start(heartbeat, now=False)
+        self._ticker.start(heartbeat.interval, now=False)
 
     def connect(self, endpoint: str) -> None:
         """Add a server at runtime; it is used once it answers a PING."""
         super().connect(endpoint)
         if endpoint not in self.servers:
-            self.servers[endpoint] = ServerState(endpoint, self.reactor.seconds())
+            now = self.reactor.seconds()
+            server = self.servers[endpoint] = ServerState(endpoint, Liveness(self.heartbeat, now))
             self.router.connect(endpoint)
             self.router.sendMessage(endpoint, [PING])
+            server.liveness.sent(now)
 
     def live(self) -> list[str]:
         return [s.endpoint for s in self.servers.values() if s.alive]
@@ -418,7 +422,7 @@ class AgentClient(_FreelanceClient):
     def _send(self, call: _Call) -> None:
         """Send *call* to the first live server it has not tried yet (or, all
         tried, to the first live one again)."""
-        _cancel(call.attemptTimer)
+        cancel_call(call.attemptTimer)
         live = self.live()
         if not live:
             if call not in self.waiting:
@@ -440,8 +444,7 @@ class AgentClient(_FreelanceClient):
         call.attemptTimer = None
         server = self.servers.get(call.server or "")
         if server is not None and server.alive:
-            server.alive = None
-            server.since = server.lastHeard
+            server.alive = None  # dead if it stays silent until liveness.deadline()
         self._send(call)
 
     def _finish(self, call: _Call) -> bool:
@@ -454,7 +457,7 @@ class AgentClient(_FreelanceClient):
         server = self.servers.get(endpoint)
         if server is None:
             return
-        server.lastHeard = self.reactor.seconds()
+        server.liveness.heard(self.reactor.seconds())
         if not server.alive:
             server.alive = True
             log.info("Freelance server {endpoint} is alive", endpoint=endpoint)
@@ -470,14 +473,14 @@ class AgentClient(_FreelanceClient):
         """Once per heartbeat: PING every server, declare silent ones dead."""
         now = self.reactor.seconds()
         for server in self.servers.values():
-            heard = server.lastHeard if server.alive is not None else server.since
-            if server.alive is not False and now - heard > self.ttl:
+            if server.alive is not False and server.liveness.dead(now):
                 server.alive = False
                 log.warn("Freelance server {endpoint} is dead", endpoint=server.endpoint)
                 for call in list(self.pending.values()):
                     if call.server == server.endpoint:
                         self._send(call)  # do not wait for its attempt to time out
             self.router.sendMessage(server.endpoint, [PING])
+            server.liveness.sent(now)
         if self._allDead():
             for call in list(self.pending.values()):
                 self._fail(call, NoServerAvailable("every Freelance server is dead"))

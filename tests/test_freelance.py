@@ -10,9 +10,10 @@ from twisted.internet import defer
 
 from mdp import NoServerAvailable, RequestTimeout, WorkerError
 from mdp.freelance import FreelanceServer, freelance_client
+from mdp.policy import HeartbeatPolicy
 from tests.conftest import Net
 
-FAST = {"heartbeat": 0.2, "liveness": 3, "attemptTimeout": 0.3, "timeout": 5.0}
+FAST = {"heartbeat": HeartbeatPolicy(0.2, 3), "attemptTimeout": 0.3, "timeout": 5.0}
 
 
 class Server(FreelanceServer):
@@ -174,7 +175,7 @@ def test_an_unknown_model_is_refused() -> None:
 async def test_a_server_that_let_an_attempt_time_out_gets_no_new_requests(clocknet: Net) -> None:
     stuck = await start_server(clocknet, "stuck")
     good = await start_server(clocknet, "good")
-    client = client_for(clocknet, [stuck.endpoint, good.endpoint], heartbeat=1.0, liveness=3,
+    client = client_for(clocknet, [stuck.endpoint, good.endpoint], heartbeat=HeartbeatPolicy(1.0, 3),
                         attemptTimeout=0.3, timeout=5.0)
     await clocknet.until(lambda: len(client.live()) == 2)
     stuck.frozen = True
