@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         reader: Any = spark.read
         df = (reader.parquet(source) if source.endswith(".parquet")
               else reader.option("header", True).csv(source))
-        enriched = call_service(df, SERVICE, broker, input_col=args.column,
-                                output_col="enriched", output_type="string",
-                                on_error="column", timeout=5.0, retries=3)
+        enriched = call_service(df, SERVICE, broker, inputCol=args.column,
+                                outputCol="enriched", outputType="string",
+                                onError="column", timeout=5.0, retries=3)
         enriched.write.mode("overwrite").parquet(args.output)
         written = spark.read.parquet(args.output)
         print(f"wrote {written.count()} rows to {args.output}")

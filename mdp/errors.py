@@ -1,8 +1,23 @@
 """Every exception the library raises, in one module.
 
-Callers catch :class:`MDPError` for anything of ours, or the precise subclass for
-one failure.  Errors a client receives from the far side of a broker map onto
-the same classes (see :mod:`mdp.majordomo.codec` for the wire form of error replies).
+The taxonomy:
+
+* **Caller mistakes raise at once**, synchronously, from the call that made
+  them: ``TypeError`` / ``ValueError`` for bad arguments (a frame that is not
+  ``bytes``/``str``, a negative timeout, a request over the message limits:
+  :class:`RequestTooLarge`), :class:`TransportError` for a malformed endpoint.
+* **Everything that happens later fails the Deferred** the call returned:
+  :class:`RequestTimeout`, :class:`ClientClosed`, :class:`StreamRestarted`,
+  :class:`NoServerAvailable`, a :class:`TransportError` from binding, ...
+* **What a peer said is told apart from what happened here**: a
+  :class:`RemoteError` (and its subclasses, one per status code) carries an
+  error reply from the broker or a worker; a :class:`ProtocolError` is input
+  from a peer that broke the wire protocol (transports log these and drop the
+  peer; callers rarely see them).  Every other :class:`MDPError` is local.
+
+Callers catch :class:`MDPError` for anything of ours, or the precise subclass
+for one failure.  See :mod:`mdp.majordomo.codec` for the wire form of error
+replies.
 """
 
 from __future__ import annotations
@@ -21,8 +36,18 @@ class OversizedMessage(ProtocolError):
     When it ends a connection for one, ``connectionLost`` carries this."""
 
 
+class RecordTooLarge(OversizedMessage):
+    """A stream record exceeds the message limits (refused from its header,
+    before it is buffered)."""
+
+
 class TransportError(MDPError):
-    """An endpoint string could not be understood or a transport failed."""
+    """An endpoint string could not be understood (raised at once, naming the
+    endpoint and what was probably meant) or a transport failed to bind."""
+
+
+class RequestTooLarge(MDPError, ValueError):
+    """A request over the message limits, refused before it is sent."""
 
 
 class RequestTimeout(MDPError):
@@ -67,10 +92,8 @@ class ServiceOverloaded(RemoteError):
 
 
 class MessageTooLarge(RemoteError):
-    """A request or reply exceeds a message limit (413): raised by our client
-    before it sends an oversized request, and for a 413 error reply from the
-    broker or a worker (a request too large for a worker, a reply too large for
-    the link back to the client)."""
+    """A 413 error reply from the broker or a worker: a request too large for
+    a worker, or a reply too large for the link back to the client."""
 
 
 class StreamRestarted(MDPError):
@@ -87,3 +110,8 @@ class ClientClosed(MDPError):
 class NoServerAvailable(MDPError):
     """Every server a Freelance client knows is known to be dead (or it knows none)."""
 
+
+
+class MDPSparkError(MDPError):
+    """A Spark task's call through MDP failed; the message names the broker
+    and the service."""

@@ -15,7 +15,7 @@ later tasks and jobs reuse their connections.  Each batch is sent with up to
 ``window`` requests in flight.  Nothing starts a reactor in the driver.
 
 Every call is bounded: an attempt lasts ``timeout`` seconds and a request
-``retries`` attempts; with ``on_error="fail"`` the first failed row fails the
+``retries`` attempts; with ``onError="fail"`` the first failed row fails the
 task at once (after at most ``timeout × retries`` seconds) with an
 :class:`MDPSparkError` naming the broker and the service.
 """
@@ -27,14 +27,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import attrs
 
-from mdp.errors import MDPError
+from mdp.errors import MDPSparkError
 
 ON_ERROR = ("fail", "null", "column")
 OUTPUT_TYPES = ("binary", "string", "frames")
-
-
-class MDPSparkError(MDPError):
-    """A row's request failed and ``on_error="fail"``."""
 
 
 @attrs.frozen
@@ -47,7 +43,7 @@ class ServiceCall:
     retries: int = 3
     window: int = 64
     dialect: str = "rfc"
-    on_error: str = "fail"
+    onError: str = "fail"
 
     def describe(self) -> str:
         return f"service {self.service!r} via broker {', '.join(self.brokers)}"
@@ -114,7 +110,7 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
             return
         if isinstance(value, Failure):
             value = value.value
-            if call.on_error == "fail":
+            if call.onError == "fail":
                 for d in pending:
                     d.cancel()
                 done.errback(MDPSparkError(f"{call.describe()}: {value}"))
@@ -150,13 +146,13 @@ def _frames_of_rows(columns: list[list[Any]]) -> list[Optional[list[bytes]]]:
     return requests
 
 
-def _arrow_mapper(call: ServiceCall, inputs: list[str], output_col: str, output_type: str,
-                  error_col: Optional[str]) -> Any:
+def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
+                  errorCol: Optional[str]) -> Any:
     def mapper(batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
         reply_type = {"binary": pa.binary(), "string": pa.string(),
-                      "frames": pa.list_(pa.binary())}[output_type]
+                      "frames": pa.list_(pa.binary())}[outputType]
         for batch in batches:
             columns = [batch.column(name).to_pylist() for name in inputs]
             results = call_many(call, _frames_of_rows(columns)) if batch.num_rows else []
@@ -167,17 +163,17 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], output_col: str, output_
                     errors.append(f"{type(result).__name__}: {result}")
                 else:
                     errors.append(None)
-                    if output_type == "frames":
+                    if outputType == "frames":
                         replies.append(result)
-                    elif output_type == "string":
+                    elif outputType == "string":
                         replies.append(result[0].decode("utf-8", "replace"))
                     else:
                         replies.append(result[0])
             arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
-            names = list(batch.schema.names) + [output_col]
-            if error_col is not None:
+            names = list(batch.schema.names) + [outputCol]
+            if errorCol is not None:
                 arrays.append(pa.array(errors, type=pa.string()))
-                names.append(error_col)
+                names.append(errorCol)
             yield pa.RecordBatch.from_arrays(arrays, names=names)
 
     return mapper
@@ -186,28 +182,28 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], output_col: str, output_
 # --- driver side -----------------------------------------------------------------
 
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
-                  retries: int, window: int, dialect: str, on_error: str) -> ServiceCall:
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
+                  retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
+    if onError not in ON_ERROR:
+        raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
     if window < 1:
         raise ValueError("window must be at least 1")
     brokers = (broker,) if isinstance(broker, str) else tuple(broker)
     if not brokers:
         raise ValueError("give at least one broker endpoint")
     name = service.decode("ascii") if isinstance(service, bytes) else service
-    return ServiceCall(name, brokers, timeout, retries, window, dialect, on_error)
+    return ServiceCall(name, brokers, timeout, retries, window, dialect, onError)
 
 
 def call_service(
     df: Any,
     service: Union[str, bytes],
     broker: Union[str, Sequence[str]],
-    input_col: Union[str, Sequence[str]] = "value",
-    output_col: str = "reply",
+    inputCol: Union[str, Sequence[str]] = "value",
+    outputCol: str = "reply",
     *,
-    output_type: str = "binary",
-    on_error: str = "fail",
-    error_col: str = "error",
+    outputType: str = "binary",
+    onError: str = "fail",
+    errorCol: str = "error",
     window: int = 64,
     timeout: float = 2.5,
     retries: int = 3,
@@ -215,18 +211,18 @@ def call_service(
 ) -> Any:
     """One MDP request per row of *df*; returns *df* with the reply added.
 
-    *input_col*: a string or binary column, or a list of them (one request
-    frame each, in order; strings are sent UTF-8 encoded).  *output_type*:
+    *inputCol*: a string or binary column, or a list of them (one request
+    frame each, in order; strings are sent UTF-8 encoded).  *outputType*:
     ``"binary"`` (the reply's first frame), ``"string"`` (it, decoded as UTF-8) or
-    ``"frames"`` (all reply frames, ``array<binary>``).  *on_error*: ``"fail"``
+    ``"frames"`` (all reply frames, ``array<binary>``).  *onError*: ``"fail"``
     fails the task, ``"null"`` leaves the reply null, ``"column"`` also adds
-    *error_col* with the reason.  A row with a null input is an error too.
+    *errorCol* with the reason.  A row with a null input is an error too.
     """
     from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, not {output_type!r}")
-    inputs = [input_col] if isinstance(input_col, str) else list(input_col)
+    if outputType not in OUTPUT_TYPES:
+        raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
+    inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     if not inputs:
         raise ValueError("give at least one input column")
     fields = {f.name: f for f in df.schema.fields}
@@ -236,16 +232,16 @@ def call_service(
         if not isinstance(fields[name].dataType, (StringType, BinaryType)):
             raise ValueError(f"column {name!r} is {fields[name].dataType.simpleString()}; "
                              "only string and binary columns can be sent")
-    for name in (output_col, error_col if on_error == "column" else None):
+    for name in (outputCol, errorCol if onError == "column" else None):
         if name is not None and name in fields:
             raise ValueError(f"column {name!r} already exists")
-    call = _service_call(service, broker, timeout, retries, window, dialect, on_error)
+    call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     reply_type = {"binary": BinaryType(), "string": StringType(),
-                  "frames": ArrayType(BinaryType())}[output_type]
-    schema = StructType(list(df.schema.fields) + [StructField(output_col, reply_type, True)]
-                        + ([StructField(error_col, StringType(), True)] if on_error == "column" else []))
-    mapper = _arrow_mapper(call, inputs, output_col, output_type,
-                           error_col if on_error == "column" else None)
+                  "frames": ArrayType(BinaryType())}[outputType]
+    schema = StructType(list(df.schema.fields) + [StructField(outputCol, reply_type, True)]
+                        + ([StructField(errorCol, StringType(), True)] if onError == "column" else []))
+    mapper = _arrow_mapper(call, inputs, outputCol, outputType,
+                           errorCol if onError == "column" else None)
     return df.mapInArrow(mapper, schema)
 
 
@@ -255,7 +251,7 @@ def call_service_rdd(
     broker: Union[str, Sequence[str]],
     *,
     batch: int = 1000,
-    on_error: str = "fail",
+    onError: str = "fail",
     window: int = 64,
     timeout: float = 2.5,
     retries: int = 3,
@@ -263,10 +259,10 @@ def call_service_rdd(
 ) -> Any:
     """The RDD variant: each element (``bytes``, ``str`` or a sequence of them,
     one frame each) becomes one request; the result RDD holds, in the same
-    order, each reply's frames (``list[bytes]``).  With ``on_error="null"`` a
+    order, each reply's frames (``list[bytes]``).  With ``onError="null"`` a
     failed element gives ``None``; ``"column"`` gives ``(frames or None, error
     or None)`` pairs."""
-    call = _service_call(service, broker, timeout, retries, window, dialect, on_error)
+    call = _service_call(service, broker, timeout, retries, window, dialect, onError)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         chunk: list[Any] = []
@@ -289,7 +285,7 @@ def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
         requests.append(_frames_of_rows([[v] for v in row])[0] if row else None)
     for result in call_many(call, requests):
         failed = isinstance(result, BaseException)
-        if call.on_error == "column":
+        if call.onError == "column":
             yield (None, f"{type(result).__name__}: {result}") if failed else (result, None)
         else:
             yield None if failed else result

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mdp.errors import ProtocolError
+from mdp.errors import ProtocolError, RecordTooLarge
 from mdp.policy import Limits
-from mdp.transport.framing import RecordDecoder, RecordTooLarge, decode_record, encode_record
+from mdp.transport.framing import RecordDecoder, decode_record, encode_record
 
 messages = st.lists(st.lists(st.binary(max_size=40), max_size=6), min_size=1, max_size=8)
 

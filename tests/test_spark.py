@@ -67,7 +67,7 @@ def test_ten_thousand_rows_each_get_their_own_reply(spark: Any, cluster: dict) -
     from mdp.spark import call_service
 
     df = spark.range(10_000).selectExpr("id", "concat('row-', cast(id as string)) as value")
-    out = call_service(df, "upper", broker=cluster["endpoint"], output_type="string")
+    out = call_service(df, "upper", broker=cluster["endpoint"], outputType="string")
     rows = out.collect()
     assert len(rows) == 10_000
     assert all(r.reply == f"ROW-{r.id}" for r in rows)
@@ -82,8 +82,8 @@ def test_jobs_in_a_row_reuse_executors(spark: Any, cluster: dict) -> None:
     for n in range(3):
         df = spark.createDataFrame([(f"job{n}-{i}".encode(), f"x{i}") for i in range(500)],
                                    "value binary, extra string")
-        out = call_service(df, "upper", cluster["endpoint"], input_col=["value", "extra"],
-                           output_type="frames").collect()
+        out = call_service(df, "upper", cluster["endpoint"], inputCol=["value", "extra"],
+                           outputType="frames").collect()
         assert [r.reply for r in out] == [[f"JOB{n}-{i}".encode(), f"X{i}".encode()]
                                           for i in range(500)]
 
@@ -100,9 +100,9 @@ def test_errors_as_null_or_column(spark: Any, cluster: dict) -> None:
     from mdp.spark import call_service
 
     df = spark.createDataFrame([("ok",), (None,)], "value string")
-    nulls = call_service(df, "upper", cluster["endpoint"], on_error="null").collect()
+    nulls = call_service(df, "upper", cluster["endpoint"], onError="null").collect()
     assert [r.reply for r in nulls] == [b"OK", None]
-    column = call_service(df, "upper", cluster["endpoint"], on_error="column").collect()
+    column = call_service(df, "upper", cluster["endpoint"], onError="column").collect()
     assert column[0].error is None and column[1].error == "ValueError: null input"
 
 
@@ -112,7 +112,7 @@ def test_worker_killed_mid_job_loses_and_duplicates_nothing(spark: Any, cluster:
     procs, endpoint = cluster["procs"], cluster["endpoint"]
     victim = cluster["workers"][0]
     df = spark.range(10_000).selectExpr("id", "cast(id as string) as value")
-    out = call_service(df, "upper", endpoint, output_type="string", timeout=2.0, retries=5)
+    out = call_service(df, "upper", endpoint, outputType="string", timeout=2.0, retries=5)
 
     def kill_soon() -> None:
         time.sleep(1.5)  # the job is running by then (it takes several seconds)

@@ -30,7 +30,7 @@ from typing import Optional, Union
 
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, ProtocolError
+from mdp.errors import ProtocolError, RecordTooLarge
 from mdp.interfaces import IFraming, IStreamDecoder
 from mdp.policy import Limits
 
@@ -39,10 +39,6 @@ _pack = _length.pack
 _unpack_from = _length.unpack_from
 
 Buffer = Union[bytes, bytearray, memoryview]
-
-
-class RecordTooLarge(OversizedMessage):
-    """A record exceeds the message limits (refused before it is buffered)."""
 
 
 def encode_record(frames: list[bytes]) -> bytes:

@@ -21,6 +21,7 @@ from collections import deque
 from typing import Optional
 
 from twisted.internet import defer
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -42,10 +43,6 @@ _ids = itertools.count(1)
 
 def _new_peer_id() -> bytes:
     return b"\x00" + next(_ids).to_bytes(4, "big")
-
-
-class ConnectionDone(Exception):
-    """The loopback connection was closed by the other side."""
 
 
 class LoopbackNetwork:
