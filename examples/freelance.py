@@ -21,7 +21,8 @@ async def main(reactor) -> None:
         server = FreelanceServer(lambda frames, name=name: [name, *frames], reactor)
         endpoints.append((await server.listen("zmq:tcp://127.0.0.1:*")).endpoint)
         servers.append(server)
-    client = AgentClient(endpoints, reactor)
+    # each attempt (one server) may take timeout seconds, the whole request deadline
+    client = AgentClient(endpoints, reactor, timeout=1.0, deadline=3.0)
     print(await client.request("hello"))            # served by the first live server
     await servers[0].close()                         # alpha goes away
     for n in range(3):

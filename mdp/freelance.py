@@ -19,14 +19,15 @@ is replaced by a 413 error (:class:`~mdp.errors.MessageTooLarge`).
 Clients, all with ``request(*frames) -> Deferred[list[bytes]]`` and ``close()``:
 
 :class:`SequentialClient` (model 1)
-    tries each server in turn, each on a fresh connection with its own timeout.
+    tries each server in turn, each on a fresh connection with its own
+    ``timeout``; ``deadline`` bounds the request in all.
 :class:`ShotgunClient` (model 2)
     sends every request to all servers; the first reply wins, the rest are
-    dropped.
+    dropped; ``timeout`` bounds the one round.
 :class:`AgentClient` (model 3)
     one ROUTER-like connection to all servers; PING/PONG heartbeats tell which
     are alive; each request goes to the first live server and, after
-    ``attemptTimeout``, to the next; ``timeout`` bounds it in all.  A server
+    ``timeout``, to the next; ``deadline`` bounds it in all.  A server
     that let an attempt time out gets no new requests until it answers again.  When every
     known server is known dead, requests fail at once with
     :class:`~mdp.errors.NoServerAvailable`.
@@ -39,6 +40,7 @@ No state machine here imports a transport implementation: they use
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -185,70 +187,128 @@ class _Binding:
 
 # --- shared client plumbing ------------------------------------------------------
 
-class _Call:
-    __slots__ = ("sequence", "body", "deferred", "startedAt", "attempts", "timer",
-                 "attemptTimer", "tried", "server", "rotation")
+#: Defaults: seconds per attempt (``timeout``) and for the whole request
+#: (``deadline``; ``None``: no bound beyond the attempts) of each model.
+SEQUENTIAL_TIMEOUT, SEQUENTIAL_DEADLINE = 1.0, 30.0
+SHOTGUN_TIMEOUT = 3.0
+AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
-    def __init__(self, sequence: bytes, body: list[bytes], startedAt: float) -> None:
+
+class _Default(float):
+    """A default value, told apart from the same number passed explicitly
+    (only for reading the deprecated ``attemptTimeout`` spelling)."""
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} is a number of seconds, not {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _renamed(attemptTimeout: Optional[float], timeout: float,
+             deadline: Optional[float]) -> tuple[float, Optional[float]]:
+    """``(timeout, deadline)`` from the constructor arguments, also in the old
+    spelling: ``attemptTimeout`` (now ``timeout``) with ``timeout`` for the
+    whole request (now ``deadline``)."""
+    if attemptTimeout is None:
+        return timeout, deadline
+    warnings.warn("attemptTimeout is deprecated: it is now timeout (seconds per attempt), and "
+                  "what timeout meant with it (the whole request) is now deadline",
+                  DeprecationWarning, stacklevel=3)
+    if not isinstance(deadline, _Default):
+        raise TypeError("pass timeout and deadline, not attemptTimeout with deadline")
+    return attemptTimeout, (deadline if isinstance(timeout, _Default) else timeout)
+
+
+class _Call:
+    __slots__ = ("sequence", "body", "deferred", "startedAt", "timeout", "deadline", "attempts",
+                 "deadlineTimer", "attemptTimer", "tried", "server", "rotation")
+
+    def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
+                 deadline: Optional[float]) -> None:
         self.sequence = sequence
         self.body = body
         self.startedAt = startedAt
+        self.timeout = timeout  # seconds per attempt
+        self.deadline = deadline  # seconds for the whole request, or None
         self.deferred: defer.Deferred = defer.Deferred()
         self.attempts = 0
-        self.timer: Any = None
+        self.deadlineTimer: Any = None
         self.attemptTimer: Any = None
-        self.tried: list[str] = []
-        self.server: Optional[str] = None
+        self.tried: list[str] = []  # model 3: servers tried in this round
+        self.server: Optional[str] = None  # where the current attempt went
         self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
 
 
 class _FreelanceClient:
     """What the three models share: sequence numbers, pending requests, the
-    total timeout and close()."""
+    deadline, and close()."""
 
-    def __init__(self, endpoints: Sequence[str], reactor: Optional[Any], timeout: float) -> None:
+    def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any],
+                 timeout: float, deadline: Optional[float]) -> None:
         self.reactor = default_reactor(reactor)
+        self.timeout = _positive("timeout", timeout)
+        self.deadline = None if deadline is None else _positive("deadline", deadline)
         self.endpoints: list[str] = []
-        self.timeout = timeout
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
         self._closed = False
-        for endpoint in endpoints:
+        for endpoint in [endpoints] if isinstance(endpoints, str) else endpoints:
             self.connect(endpoint)
 
     def connect(self, endpoint: str) -> None:
+        """Add a server."""
         if endpoint not in self.endpoints:
             self.endpoints.append(endpoint)
 
-    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None) -> defer.Deferred:
-        """Send a request; the Deferred fires with the reply body frames."""
+    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
+                deadline: Optional[float] = None) -> defer.Deferred:
+        """Send a request; the Deferred fires with the reply body frames.
+
+        *timeout* (seconds one attempt may take) and *deadline* (seconds the
+        whole request may take) override the client's own for this request.
+        Errors: :class:`~mdp.errors.RequestTimeout`,
+        :class:`~mdp.errors.NoServerAvailable`, the remote errors of a server
+        (:class:`~mdp.errors.WorkerError`, ...),
+        :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
+        request (a late reply is dropped)."""
+        body = request_frames(frames)
+        timeout = self.timeout if timeout is None else _positive("timeout", timeout)
+        deadline = self.deadline if deadline is None else _positive("deadline", deadline)
         if self._closed:
             return defer.fail(ClientClosed("client is closed"))
-        if not self.endpoints:
-            return defer.fail(NoServerAvailable("no Freelance server configured"))
-        call = _Call(str(next(self._sequence)).encode(), request_frames(frames),
-                     self.reactor.seconds())
+        refusal = self._refusal()
+        if refusal is not None:
+            return defer.fail(refusal)
+        call = _Call(str(next(self._sequence)).encode(), body, self.reactor.seconds(), timeout,
+                     deadline)
         call.deferred = defer.Deferred(lambda d: self._finish(call))
         self.pending[call.sequence] = call
-        call.timer = self.reactor.callLater(self.timeout if timeout is None else timeout,
-                                            self._expired, call)
+        if deadline is not None:
+            call.deadlineTimer = self.reactor.callLater(deadline, self._expired, call)
         self._start(call)
         return call.deferred
+
+    def _refusal(self) -> Optional[Exception]:
+        """Why a new request fails at once, if it does."""
+        if not self.endpoints:
+            return NoServerAvailable("no Freelance server configured")
+        return None
 
     def _finish(self, call: _Call) -> bool:
         """Forget *call*; False if it was already finished."""
         if self.pending.pop(call.sequence, None) is None:
             return False
-        cancel_call(call.timer)
+        cancel_call(call.deadlineTimer)
         cancel_call(call.attemptTimer)
         return True
 
     def _expired(self, call: _Call) -> None:
-        call.timer = None
-        self._fail(call, self._timeout(call))
-
-    def _timeout(self, call: _Call) -> RequestTimeout:
-        return RequestTimeout(SERVICE, call.attempts, self.reactor.seconds() - call.startedAt)
+        """The deadline, or the last attempt, ran out."""
+        self._fail(call, RequestTimeout(SERVICE, call.attempts,
+                                        self.reactor.seconds() - call.startedAt))
 
     def _fail(self, call: _Call, error: Exception) -> None:
         if self._finish(call):
@@ -263,6 +323,8 @@ class _FreelanceClient:
             _result(call.deferred, frames[1:])
 
     def close(self) -> defer.Deferred:
+        """Fail every pending request with :class:`~mdp.errors.ClientClosed`
+        and close the connections."""
         self._closed = True
         for call in list(self.pending.values()):
             self._fail(call, ClientClosed("client closed"))
@@ -294,14 +356,17 @@ class _Pipe:
 
 
 class SequentialClient(_FreelanceClient):
-    """Model 1: try each server in turn, each attempt on a fresh connection
-    with *attemptTimeout* seconds; fail after a full round (or *timeout*)."""
+    """Model 1: try each server in turn, in list order, each attempt on a
+    fresh connection with *timeout* seconds; :class:`RequestTimeout` after
+    every server was tried once, or after *deadline* seconds in all
+    (``None``: no bound beyond the round), whichever comes first."""
 
-    def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
-                 attemptTimeout: float = 1.0, timeout: float = 30.0) -> None:
-        self.attemptTimeout = attemptTimeout
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 timeout: float = _Default(SEQUENTIAL_TIMEOUT),
+                 deadline: Optional[float] = _Default(SEQUENTIAL_DEADLINE), *,
+                 attemptTimeout: Optional[float] = None) -> None:
         self.attempts: dict[bytes, _Pipe] = {}
-        super().__init__(endpoints, reactor, timeout)
+        super().__init__(endpoints, reactor, *_renamed(attemptTimeout, timeout, deadline))
 
     def _start(self, call: _Call) -> None:
         call.rotation = EndpointRotation(self.endpoints)
@@ -312,14 +377,14 @@ class SequentialClient(_FreelanceClient):
         rotation = call.rotation
         assert rotation is not None
         if call.attempts >= len(rotation):
-            self._fail(call, self._timeout(call))
+            self._expired(call)
             return
         endpoint = rotation.current if call.attempts == 0 else rotation.advance()
         call.attempts += 1
         call.server = endpoint
         attempt = self.attempts[call.sequence] = _Pipe(self, endpoint)
         attempt.transport.sendMessage([call.sequence, *call.body])
-        call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._next, call)
+        call.attemptTimer = self.reactor.callLater(call.timeout, self._next, call)
 
     def _drop(self, call: _Call) -> None:
         attempt = self.attempts.pop(call.sequence, None)
@@ -335,12 +400,14 @@ class SequentialClient(_FreelanceClient):
 # --- model 2 -----------------------------------------------------------------------
 
 class ShotgunClient(_FreelanceClient):
-    """Model 2: send every request to all servers; the first reply wins."""
+    """Model 2: send every request to all servers; the first reply wins.  The
+    one round is the only attempt: :class:`RequestTimeout` after *timeout*
+    seconds (or *deadline*, if given and shorter)."""
 
-    def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
-                 timeout: float = 3.0) -> None:
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None) -> None:
         self.links: dict[str, _Pipe] = {}
-        super().__init__(endpoints, reactor, timeout)
+        super().__init__(endpoints, reactor, timeout, deadline)
 
     def connect(self, endpoint: str) -> None:
         super().connect(endpoint)
@@ -351,6 +418,7 @@ class ShotgunClient(_FreelanceClient):
         call.attempts = len(self.links)
         for link in self.links.values():
             link.transport.sendMessage([call.sequence, *call.body])
+        call.attemptTimer = self.reactor.callLater(call.timeout, self._expired, call)
 
     def close(self) -> defer.Deferred:
         super().close()
@@ -375,22 +443,25 @@ class ServerState:
 
 @implementer(IPeerRouterReceiver)
 class AgentClient(_FreelanceClient):
-    """Model 3, the full agent (see the module docstring)."""
+    """Model 3, the full agent (see the module docstring): each attempt goes
+    to one live server and has *timeout* seconds; *deadline* bounds the
+    request in all (``None``: until answered or every server is dead)."""
 
-    def __init__(self, endpoints: Sequence[str] = (), reactor: Optional[Any] = None,
-                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3), attemptTimeout: float = 1.0,
-                 timeout: float = 3.0) -> None:
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
+                 timeout: float = _Default(AGENT_TIMEOUT),
+                 deadline: Optional[float] = _Default(AGENT_DEADLINE), *,
+                 attemptTimeout: Optional[float] = None) -> None:
         reactor = default_reactor(reactor)
         if not isinstance(heartbeat, HeartbeatPolicy):
             raise TypeError(f"heartbeat is a HeartbeatPolicy, not {type(heartbeat).__name__}")
         self.heartbeat = heartbeat
-        self.attemptTimeout = attemptTimeout
         self.servers: OrderedDict[str, ServerState] = OrderedDict()
         self.waiting: list[_Call] = []  # requests with no live server to go to yet
         self.router = transport.connect_peers(self, reactor)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
-        super().__init__(endpoints, reactor, timeout)
+        super().__init__(endpoints, reactor, *_renamed(attemptTimeout, timeout, deadline))
         self._ticker.start(heartbeat.interval, now=False)
 
     def connect(self, endpoint: str) -> None:
@@ -410,11 +481,11 @@ class AgentClient(_FreelanceClient):
         return bool(self.servers) and all(s.alive is False for s in self.servers.values())
 
     # --- requests
-    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None) -> defer.Deferred:
+    def _refusal(self) -> Optional[Exception]:
         if self._allDead():
-            return defer.fail(NoServerAvailable(
-                f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}"))
-        return super().request(*frames, timeout=timeout)
+            return NoServerAvailable(
+                f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
+        return super()._refusal()
 
     def _start(self, call: _Call) -> None:
         self._send(call)
@@ -436,7 +507,7 @@ class AgentClient(_FreelanceClient):
         call.server = endpoint
         call.attempts += 1
         self.router.sendMessage(endpoint, [call.sequence, *call.body])
-        call.attemptTimer = self.reactor.callLater(self.attemptTimeout, self._retry, call)
+        call.attemptTimer = self.reactor.callLater(call.timeout, self._retry, call)
 
     def _retry(self, call: _Call) -> None:
         """An attempt went unanswered: suspect that server (no new requests go
@@ -470,7 +541,7 @@ class AgentClient(_FreelanceClient):
 
     # --- time
     def tick(self) -> None:
-        """Once per heartbeat: PING every server, declare silent ones dead."""
+        """Once per heartbeat interval: PING every server, declare silent ones dead."""
         now = self.reactor.seconds()
         for server in self.servers.values():
             if server.alive is not False and server.liveness.dead(now):
@@ -492,9 +563,10 @@ class AgentClient(_FreelanceClient):
         return self.router.close()
 
 
-def freelance_client(endpoints: Sequence[str], model: int = 3, reactor: Optional[Any] = None,
-                     **options: Any) -> _FreelanceClient:
-    """A Freelance client of the Guide's *model* (1, 2 or 3)."""
+def freelance_client(endpoints: Union[str, Sequence[str]], model: int = 3,
+                     reactor: Optional[Any] = None, **options: Any) -> _FreelanceClient:
+    """A Freelance client of the Guide's *model* (1, 2 or 3); *options* are
+    the constructor's (``timeout``, ``deadline``; ``heartbeat`` for model 3)."""
     kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
     if model not in kinds:
         raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")

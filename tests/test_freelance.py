@@ -13,7 +13,7 @@ from mdp.freelance import FreelanceServer, freelance_client
 from mdp.policy import HeartbeatPolicy
 from tests.conftest import Net
 
-FAST = {"heartbeat": HeartbeatPolicy(0.2, 3), "attemptTimeout": 0.3, "timeout": 5.0}
+FAST = {"heartbeat": HeartbeatPolicy(0.2, 3), "timeout": 0.3, "deadline": 5.0}
 
 
 class Server(FreelanceServer):
@@ -75,7 +75,7 @@ async def test_model3_answers_with_one_server_killed_and_one_frozen(net: Net) ->
     frozen.frozen = True
     before = healthy.served
     for n in range(20):
-        reply = await net.wait(client.request(str(n)), timeout=FAST["timeout"] + 1)
+        reply = await net.wait(client.request(str(n)), timeout=FAST["deadline"] + 1)
         assert reply == [b"healthy", str(n).encode()]
     assert healthy.served - before == 20
     assert client.live() == [healthy.endpoint]  # both others found dead by heartbeats
@@ -111,7 +111,7 @@ async def test_reply_after_the_client_gave_up_is_ignored(net: Net) -> None:
         return frames
 
     server = await start_server(net, "slow", handler=slow_first)
-    client = client_for(net, [server.endpoint], timeout=1.0, attemptTimeout=5.0)
+    client = client_for(net, [server.endpoint], timeout=5.0, deadline=1.0)
     with pytest.raises(RequestTimeout):
         await net.wait(client.request(b"too slow"))
     assert client.pending == {}
@@ -162,7 +162,7 @@ async def test_model1_skips_a_dead_server_after_its_timeout(net: Net) -> None:
     dead = await start_server(net, "dead")
     alive = await start_server(net, "alive")
     dead.frozen = True
-    client = client_for(net, [dead.endpoint, alive.endpoint], model=1, attemptTimeout=0.3)
+    client = client_for(net, [dead.endpoint, alive.endpoint], model=1, timeout=0.3)
     assert await net.wait(client.request(b"x")) == [b"alive", b"x"]
 
 
@@ -176,7 +176,7 @@ async def test_a_server_that_let_an_attempt_time_out_gets_no_new_requests(clockn
     stuck = await start_server(clocknet, "stuck")
     good = await start_server(clocknet, "good")
     client = client_for(clocknet, [stuck.endpoint, good.endpoint], heartbeat=HeartbeatPolicy(1.0, 3),
-                        attemptTimeout=0.3, timeout=5.0)
+                        timeout=0.3, deadline=5.0)
     await clocknet.until(lambda: len(client.live()) == 2)
     stuck.frozen = True
     start = clocknet.reactor.seconds()
@@ -186,3 +186,66 @@ async def test_a_server_that_let_an_attempt_time_out_gets_no_new_requests(clockn
     assert await clocknet.wait(client.request(b"2")) == [b"good", b"2"]
     assert clocknet.reactor.seconds() - start < 0.3  # the next went straight to "good"
     assert client.live() == [good.endpoint]
+
+
+# --- timeout (per attempt) and deadline (the whole request) -----------------------
+
+def test_timeouts_default_to_the_guides_values() -> None:
+    from twisted.internet.task import Clock
+
+    from mdp.freelance import AgentClient, SequentialClient, ShotgunClient
+
+    clock = Clock()
+    assert (SequentialClient([], clock).timeout, SequentialClient([], clock).deadline) == (1.0, 30.0)
+    assert (ShotgunClient([], clock).timeout, ShotgunClient([], clock).deadline) == (3.0, None)
+    agent = AgentClient([], clock)
+    assert (agent.timeout, agent.deadline, agent.heartbeat) == (1.0, 3.0, HeartbeatPolicy(1.0, 3))
+    agent.close()
+
+
+def test_the_old_attempt_timeout_spelling_still_means_the_same() -> None:
+    from twisted.internet.task import Clock
+
+    from mdp.freelance import AgentClient, SequentialClient
+
+    clock = Clock()
+    with pytest.warns(DeprecationWarning, match="attemptTimeout"):
+        old = SequentialClient([], clock, attemptTimeout=5, timeout=10)
+    assert (old.timeout, old.deadline) == (5.0, 10.0)
+    with pytest.warns(DeprecationWarning):
+        agent = AgentClient([], clock, attemptTimeout=0.25)
+    assert (agent.timeout, agent.deadline) == (0.25, 3.0)
+    agent.close()
+    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
+        SequentialClient([], clock, attemptTimeout=5, deadline=10)
+
+
+@pytest.mark.parametrize("deadline, attempts, elapsed", [(None, 3, 3.0), (2.5, 3, 2.5), (30, 3, 3.0)])
+@pytest_twisted.ensureDeferred
+async def test_model1_timeout_is_per_server_and_deadline_bounds_the_round(
+        clocknet: Net, deadline: Any, attempts: int, elapsed: float) -> None:
+    servers = [await start_server(clocknet, name) for name in ("a", "b", "c")]
+    for server in servers:
+        server.frozen = True
+    client = client_for(clocknet, [s.endpoint for s in servers], model=1, timeout=1.0,
+                        deadline=deadline)
+    with pytest.raises(RequestTimeout) as failure:
+        await clocknet.wait(client.request(b"x"))
+    assert failure.value.attempts == attempts
+    assert failure.value.elapsed == pytest.approx(elapsed, abs=0.02)
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_request_overrides_timeout_and_deadline(clocknet: Net, model: int) -> None:
+    server = await start_server(clocknet, "frozen")
+    slow = {"heartbeat": HeartbeatPolicy(1.0, 3)} if model == 3 else {}  # not dead within 0.7 s
+    client = client_for(clocknet, [server.endpoint], model=model, **slow)
+    if model == 3:
+        await clocknet.until(lambda: client.live() == [server.endpoint])
+    server.frozen = True
+    start = clocknet.reactor.seconds()
+    with pytest.raises(RequestTimeout):
+        await clocknet.wait(client.request(b"x", timeout=0.5, deadline=0.7))
+    limit = 0.5 if model in (1, 2) else 0.7  # one server: model 1's round is one attempt
+    assert clocknet.reactor.seconds() - start == pytest.approx(limit, abs=0.02)
