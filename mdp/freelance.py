@@ -16,21 +16,91 @@ request is answered at once with a 429 error, raised as
 :class:`~mdp.errors.ServiceOverloaded`), and a reply over the message limits
 is replaced by a 413 error (:class:`~mdp.errors.MessageTooLarge`).
 
-Clients, all with ``request(*frames) -> Deferred[list[bytes]]`` and ``close()``:
+Clients, all with ``request(*frames, timeout=None, deadline=None) ->
+Deferred[list[bytes]]`` and ``close()``.  As in the MDP client, ``timeout``
+is the seconds **one attempt** may take and ``deadline`` the seconds the
+**whole request** may take (``None``: no bound beyond the attempts); both
+are constructor arguments, and ``request()`` overrides either for one call.
 
 :class:`SequentialClient` (model 1)
     tries each server in turn, each on a fresh connection with its own
-    ``timeout``; ``deadline`` bounds the request in all.
+    ``timeout`` (1 s); ``deadline`` (30 s) bounds the request in all.
 :class:`ShotgunClient` (model 2)
     sends every request to all servers; the first reply wins, the rest are
-    dropped; ``timeout`` bounds the one round.
+    dropped; ``timeout`` (3 s) bounds the one round, which is the whole
+    request (``deadline``: ``None``).
 :class:`AgentClient` (model 3)
-    one ROUTER-like connection to all servers; PING/PONG heartbeats tell which
-    are alive; each request goes to the first live server and, after
-    ``timeout``, to the next; ``deadline`` bounds it in all.  A server
-    that let an attempt time out gets no new requests until it answers again.  When every
+    one ROUTER-like connection to all servers; PING/PONG heartbeats
+    (:class:`~mdp.policy.HeartbeatPolicy`, 1 s × 3) tell which are alive; each
+    request goes to the first live server and, after ``timeout`` (1 s), to
+    the next; ``deadline`` (3 s) bounds it in all.  A server that let an
+    attempt time out gets no new requests until it answers again.  When every
     known server is known dead, requests fail at once with
     :class:`~mdp.errors.NoServerAvailable`.
+
+Theory of operation
+-------------------
+Every node here is a state machine.  It changes state only on an event (a
+message from a transport, a timer of the reactor it was given, a call of its
+API) and acts only through a transport (send, open or close a pipe, drop a
+peer) or by firing a Deferred.  :mod:`mdp.testing` drives each one by a list
+of events, with no transport.  The states are :class:`RequestState` (every
+client) and :class:`ServerState` (the agent's view of each server); the
+tables below are what the code does.
+
+A request, in every client::
+
+    state         event                          action                          next
+    (new)         request(), client closed       ClientClosed                    -
+    (new)         request(), no server known     NoServerAvailable               -
+    WAITING/SENT  [sequence, reply...]           fire (an error reply: raise)    DONE
+    WAITING/SENT  deadline timer                 RequestTimeout                  DONE
+    WAITING/SENT  cancel() / close()             CancelledError / ClientClosed   DONE
+    DONE          [sequence, reply...]           dropped                         DONE
+
+Model 1 (:class:`SequentialClient`; leaving SENT closes the attempt's pipe)::
+
+    (new)  request()                             pipe to the first server,       SENT
+                                                 send, attempt timer
+    SENT   attempt timer, a server left          close; pipe to the next, send   SENT
+    SENT   attempt timer, every server tried     RequestTimeout                  DONE
+
+Model 2 (:class:`ShotgunClient`)::
+
+    (new)  request()                             send on every server's pipe,    SENT
+                                                 attempt timer (the round)
+    SENT   attempt timer                         RequestTimeout                  DONE
+
+Model 3 (:class:`AgentClient`), each server::
+
+    state                  event                        action                         next
+    (new)                  connect(endpoint)            PING                           UNKNOWN
+    any                    any message from it          WAITING requests go out        ALIVE
+    ALIVE                  an attempt to it timed out   -                              SUSPECT
+    UNKNOWN/ALIVE/SUSPECT  tick: silent > expiry        its SENT requests go elsewhere DEAD
+    any                    tick (every interval)        PING                           same
+
+and each request (only ALIVE servers get requests)::
+
+    (new)    request(), every server DEAD   NoServerAvailable                      -
+    (new)    request(), a server ALIVE      send to the first ALIVE, attempt timer SENT
+    (new)    request(), none ALIVE          queue                                  WAITING
+    WAITING  a server becomes ALIVE         send to it, attempt timer              SENT
+    SENT     attempt timer, or its server   send to the next ALIVE server not      SENT
+             becomes DEAD                   tried this round (all tried: the
+                                            first ALIVE); none ALIVE: queue        WAITING
+    any      tick: every server DEAD        NoServerAvailable                      DONE
+
+The server (:class:`FreelanceServer`) keeps no state per client, only what
+it has in hand::
+
+    [PING]                                  [PONG]
+    [sequence, body...], room in hand       handler(body); its reply as
+                                            [sequence, reply...] (a failure:
+                                            500; a reply over the limits: 413)
+    [sequence, body...], maxPending or      [sequence, 429 error] at once
+    maxPendingBytes reached
+    anything else                           dropped, the peer disconnected
 
 No state machine here imports a transport implementation: they use
 :func:`mdp.transport.listen`, :func:`~mdp.transport.connect` and
@@ -39,6 +109,7 @@ No state machine here imports a transport implementation: they use
 
 from __future__ import annotations
 
+import enum
 import itertools
 import warnings
 from collections import OrderedDict
@@ -75,6 +146,32 @@ DEFAULT_MAX_PENDING = 10_000
 DEFAULT_MAX_PENDING_BYTES = 256 * MiB
 
 Handler = Callable[[list[bytes]], Any]
+
+
+class RequestState(enum.Enum):
+    """Where a client's request is (see "Theory of operation")."""
+
+    #: accepted, not sent: no server to send it to yet (model 3 only)
+    WAITING = "waiting"
+    #: an attempt is out (to ``call.server``, or to every server in model 2)
+    #: and its timer runs
+    SENT = "sent"
+    #: answered, failed, timed out, cancelled or closed: forgotten; a late
+    #: reply with its sequence number is dropped
+    DONE = "done"
+
+
+class ServerState(enum.Enum):
+    """What the agent (model 3) believes of one server."""
+
+    #: added, not heard from yet: PINGed, gets no requests
+    UNKNOWN = "unknown"
+    #: heard from within ``heartbeat.expiry``: gets requests
+    ALIVE = "alive"
+    #: let an attempt time out: no new requests until it speaks again
+    SUSPECT = "suspect"
+    #: silent for longer than ``heartbeat.expiry``: still PINGed, no requests
+    DEAD = "dead"
 
 
 def _result(call_deferred: defer.Deferred, reply: list[bytes]) -> None:
@@ -223,8 +320,8 @@ def _renamed(attemptTimeout: Optional[float], timeout: float,
 
 
 class _Call:
-    __slots__ = ("sequence", "body", "deferred", "startedAt", "timeout", "deadline", "attempts",
-                 "deadlineTimer", "attemptTimer", "tried", "server", "rotation")
+    __slots__ = ("sequence", "body", "deferred", "state", "startedAt", "timeout", "deadline",
+                 "attempts", "deadlineTimer", "attemptTimer", "tried", "server", "rotation")
 
     def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
                  deadline: Optional[float]) -> None:
@@ -234,6 +331,7 @@ class _Call:
         self.timeout = timeout  # seconds per attempt
         self.deadline = deadline  # seconds for the whole request, or None
         self.deferred: defer.Deferred = defer.Deferred()
+        self.state = RequestState.WAITING  # until the model sends it
         self.attempts = 0
         self.deadlineTimer: Any = None
         self.attemptTimer: Any = None
@@ -298,9 +396,11 @@ class _FreelanceClient:
         return None
 
     def _finish(self, call: _Call) -> bool:
-        """Forget *call*; False if it was already finished."""
-        if self.pending.pop(call.sequence, None) is None:
+        """*call* is DONE: forget it; False if it already was."""
+        if call.state is RequestState.DONE:
             return False
+        call.state = RequestState.DONE
+        del self.pending[call.sequence]
         cancel_call(call.deadlineTimer)
         cancel_call(call.attemptTimer)
         return True
@@ -318,7 +418,7 @@ class _FreelanceClient:
         """A ``[sequence, reply...]`` arrived; stale or unknown ones are dropped."""
         if len(frames) < 2:
             return
-        call = self.pending.get(frames[0])
+        call = self.pending.get(frames[0])  # DONE requests are not pending
         if call is not None and self._finish(call):
             _result(call.deferred, frames[1:])
 
@@ -382,6 +482,7 @@ class SequentialClient(_FreelanceClient):
         endpoint = rotation.current if call.attempts == 0 else rotation.advance()
         call.attempts += 1
         call.server = endpoint
+        call.state = RequestState.SENT
         attempt = self.attempts[call.sequence] = _Pipe(self, endpoint)
         attempt.transport.sendMessage([call.sequence, *call.body])
         call.attemptTimer = self.reactor.callLater(call.timeout, self._next, call)
@@ -416,6 +517,7 @@ class ShotgunClient(_FreelanceClient):
 
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.links)
+        call.state = RequestState.SENT
         for link in self.links.values():
             link.transport.sendMessage([call.sequence, *call.body])
         call.attemptTimer = self.reactor.callLater(call.timeout, self._expired, call)
@@ -429,23 +531,25 @@ class ShotgunClient(_FreelanceClient):
 
 # --- model 3 -----------------------------------------------------------------------
 
-class ServerState:
-    """What the agent knows of one server."""
+class KnownServer:
+    """What the agent knows of one server: its :class:`ServerState` and when
+    it was last heard from (since it was added, if never)."""
 
-    __slots__ = ("endpoint", "alive", "liveness")
+    __slots__ = ("endpoint", "state", "liveness")
 
     def __init__(self, endpoint: str, liveness: Liveness) -> None:
         self.endpoint = endpoint
-        self.alive: Optional[bool] = None  # None: not heard from yet, or suspect
-        #: silent since it was added, or since it last spoke
+        self.state = ServerState.UNKNOWN
         self.liveness = liveness
 
 
 @implementer(IPeerRouterReceiver)
 class AgentClient(_FreelanceClient):
-    """Model 3, the full agent (see the module docstring): each attempt goes
-    to one live server and has *timeout* seconds; *deadline* bounds the
-    request in all (``None``: until answered or every server is dead)."""
+    """Model 3, the full agent (see the module docstring): PINGs every server
+    each ``heartbeat.interval`` and counts one silent for ``heartbeat.expiry``
+    as dead; each attempt goes to one live server and has *timeout* seconds;
+    *deadline* bounds the request in all (``None``: until answered or every
+    server is dead)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
@@ -456,8 +560,8 @@ class AgentClient(_FreelanceClient):
         if not isinstance(heartbeat, HeartbeatPolicy):
             raise TypeError(f"heartbeat is a HeartbeatPolicy, not {type(heartbeat).__name__}")
         self.heartbeat = heartbeat
-        self.servers: OrderedDict[str, ServerState] = OrderedDict()
-        self.waiting: list[_Call] = []  # requests with no live server to go to yet
+        self.servers: OrderedDict[str, KnownServer] = OrderedDict()
+        self.waiting: list[_Call] = []  # WAITING requests, oldest first
         self.router = transport.connect_peers(self, reactor)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
@@ -469,18 +573,40 @@ class AgentClient(_FreelanceClient):
         super().connect(endpoint)
         if endpoint not in self.servers:
             now = self.reactor.seconds()
-            server = self.servers[endpoint] = ServerState(endpoint, Liveness(self.heartbeat, now))
+            server = self.servers[endpoint] = KnownServer(endpoint, Liveness(self.heartbeat, now))
             self.router.connect(endpoint)
-            self.router.sendMessage(endpoint, [PING])
-            server.liveness.sent(now)
+            self._ping(server, now)
 
     def live(self) -> list[str]:
-        return [s.endpoint for s in self.servers.values() if s.alive]
+        """The endpoints of the ALIVE servers, in the order they were added."""
+        return [s.endpoint for s in self.servers.values() if s.state is ServerState.ALIVE]
 
     def _allDead(self) -> bool:
-        return bool(self.servers) and all(s.alive is False for s in self.servers.values())
+        return bool(self.servers) and all(s.state is ServerState.DEAD
+                                          for s in self.servers.values())
 
-    # --- requests
+    def _ping(self, server: KnownServer, now: float) -> None:
+        self.router.sendMessage(server.endpoint, [PING])
+        server.liveness.sent(now)
+
+    # --- server transitions
+    def _becomes(self, server: KnownServer, state: ServerState) -> None:
+        """Move *server* to *state* and do what that entails."""
+        if server.state is state:
+            return
+        server.state = state
+        if state is ServerState.ALIVE:
+            log.info("Freelance server {endpoint} is alive", endpoint=server.endpoint)
+            waiting, self.waiting = self.waiting, []
+            for call in waiting:
+                self._send(call)
+        elif state is ServerState.DEAD:
+            log.warn("Freelance server {endpoint} is dead", endpoint=server.endpoint)
+            for call in list(self.pending.values()):
+                if call.state is RequestState.SENT and call.server == server.endpoint:
+                    self._send(call)  # do not wait for its attempt to time out
+
+    # --- request transitions
     def _refusal(self) -> Optional[Exception]:
         if self._allDead():
             return NoServerAvailable(
@@ -491,67 +617,60 @@ class AgentClient(_FreelanceClient):
         self._send(call)
 
     def _send(self, call: _Call) -> None:
-        """Send *call* to the first live server it has not tried yet (or, all
-        tried, to the first live one again)."""
+        """Send *call* to the first live server it has not tried this round
+        (all tried: a new round, from the first live one); none: WAITING."""
         cancel_call(call.attemptTimer)
         live = self.live()
         if not live:
-            if call not in self.waiting:
-                self.waiting.append(call)
+            call.state = RequestState.WAITING
+            self.waiting.append(call)
             return
         fresh = [e for e in live if e not in call.tried]
-        endpoint = (fresh or live)[0]
         if not fresh:
             call.tried = []
+        endpoint = (fresh or live)[0]
         call.tried.append(endpoint)
         call.server = endpoint
         call.attempts += 1
+        call.state = RequestState.SENT
         self.router.sendMessage(endpoint, [call.sequence, *call.body])
         call.attemptTimer = self.reactor.callLater(call.timeout, self._retry, call)
 
     def _retry(self, call: _Call) -> None:
-        """An attempt went unanswered: suspect that server (no new requests go
-        to it until it answers again, e.g. its next PONG) and try another."""
+        """An attempt went unanswered: its server, if ALIVE, becomes SUSPECT
+        (no new requests until it speaks again); try another."""
         call.attemptTimer = None
         server = self.servers.get(call.server or "")
-        if server is not None and server.alive:
-            server.alive = None  # dead if it stays silent until liveness.deadline()
+        if server is not None and server.state is ServerState.ALIVE:
+            self._becomes(server, ServerState.SUSPECT)
         self._send(call)
 
     def _finish(self, call: _Call) -> bool:
-        if call in self.waiting:
+        if call.state is RequestState.WAITING:
             self.waiting.remove(call)
         return super()._finish(call)
 
-    # --- IPeerRouterReceiver
+    # --- events: IPeerRouterReceiver
     def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:  # type: ignore[override]
+        """A PONG or a reply from the server at *endpoint*: it is ALIVE."""
         server = self.servers.get(endpoint)
         if server is None:
             return
         server.liveness.heard(self.reactor.seconds())
-        if not server.alive:
-            server.alive = True
-            log.info("Freelance server {endpoint} is alive", endpoint=endpoint)
-            waiting, self.waiting = self.waiting, []
-            for call in waiting:
-                if call.sequence in self.pending:
-                    self._send(call)
+        self._becomes(server, ServerState.ALIVE)
         if frames != [PONG]:
             self._reply(frames)
 
-    # --- time
+    # --- events: time
     def tick(self) -> None:
-        """Once per heartbeat interval: PING every server, declare silent ones dead."""
+        """Every ``heartbeat.interval``: servers silent for longer than
+        ``heartbeat.expiry`` become DEAD; PING every server; if every one is
+        DEAD, fail what is pending with NoServerAvailable."""
         now = self.reactor.seconds()
-        for server in self.servers.values():
-            if server.alive is not False and server.liveness.dead(now):
-                server.alive = False
-                log.warn("Freelance server {endpoint} is dead", endpoint=server.endpoint)
-                for call in list(self.pending.values()):
-                    if call.server == server.endpoint:
-                        self._send(call)  # do not wait for its attempt to time out
-            self.router.sendMessage(server.endpoint, [PING])
-            server.liveness.sent(now)
+        for server in list(self.servers.values()):
+            if server.state is not ServerState.DEAD and server.liveness.dead(now):
+                self._becomes(server, ServerState.DEAD)
+            self._ping(server, now)
         if self._allDead():
             for call in list(self.pending.values()):
                 self._fail(call, NoServerAvailable("every Freelance server is dead"))

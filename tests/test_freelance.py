@@ -9,7 +9,7 @@ import pytest_twisted
 from twisted.internet import defer
 
 from mdp import NoServerAvailable, RequestTimeout, WorkerError
-from mdp.freelance import FreelanceServer, freelance_client
+from mdp.freelance import FreelanceServer, ServerState, freelance_client
 from mdp.policy import HeartbeatPolicy
 from tests.conftest import Net
 
@@ -129,7 +129,7 @@ async def test_no_server_available_at_once_when_all_are_dead(net: Net) -> None:
     await net.wait(pending)
     for server in servers:
         await net.wait(server.close())
-    await net.until(lambda: all(s.alive is False for s in client.servers.values()))
+    await net.until(lambda: all(s.state is ServerState.DEAD for s in client.servers.values()))
     d = client.request(b"x")
     assert d.called  # at once, not after the timeout
     with pytest.raises(NoServerAvailable):
