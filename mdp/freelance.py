@@ -185,11 +185,14 @@ def _result(call_deferred: defer.Deferred, reply: list[bytes]) -> None:
 
 # --- server --------------------------------------------------------------------
 
-@implementer(IRouterReceiver)
 class FreelanceServer:
     """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence,
     handler(body)...]``.  The handler is as a worker's (frames in; frames, a
-    Deferred or a coroutine out)."""
+    Deferred or a coroutine out).
+
+    One server may listen on several endpoints; each bound transport gets its
+    own :class:`~mdp.interfaces.IRouterReceiver` (a ``_Binding``) that hands
+    its messages to :meth:`received` with the transport to answer on."""
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
@@ -270,6 +273,8 @@ class FreelanceServer:
 
 @implementer(IRouterReceiver)
 class _Binding:
+    """The receiver of one bound transport of a :class:`FreelanceServer`."""
+
     def __init__(self, server: FreelanceServer) -> None:
         self.server = server
         self.transport: Any = None

@@ -249,3 +249,34 @@ async def test_request_overrides_timeout_and_deadline(clocknet: Net, model: int)
         await clocknet.wait(client.request(b"x", timeout=0.5, deadline=0.7))
     limit = 0.5 if model in (1, 2) else 0.7  # one server: model 1's round is one attempt
     assert clocknet.reactor.seconds() - start == pytest.approx(limit, abs=0.02)
+
+
+# --- interfaces --------------------------------------------------------------------
+
+def test_every_declared_interface_verifies() -> None:
+    from zope.interface import implementedBy
+    from zope.interface.verify import verifyObject
+
+    from mdp import freelance
+    from mdp.freelance import AgentClient, ShotgunClient
+    from mdp.testing import Script
+
+    script = Script()
+    server = FreelanceServer(lambda frames: frames, script.clock)
+    bound = server.listen(script.endpoint("server"))
+    binding = script.routers[script.endpoint("server")].receiver
+    shotgun = ShotgunClient([script.endpoint("s")], script.clock)
+    agent = AgentClient([script.endpoint("a")], script.clock)
+    instances = [binding, shotgun.links[script.endpoint("s")], agent, server]
+    declared = {cls for cls in vars(freelance).values()
+                if isinstance(cls, type) and cls.__module__ == freelance.__name__
+                and list(implementedBy(cls))}
+    assert declared <= {type(obj) for obj in instances}  # every @implementer class is checked
+    for obj in instances:
+        for interface in implementedBy(type(obj)):
+            assert verifyObject(interface, obj)
+    assert not list(implementedBy(FreelanceServer))  # its bindings are the receivers
+    assert bound.called
+    agent.close()
+    shotgun.close()
+    script.forget()
