@@ -124,7 +124,7 @@ from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
 from mdp.majordomo import codec
-from mdp.majordomo.client import remote_error, request_frames
+from mdp.majordomo.client import remote_error
 from mdp.policy import (
     EndpointRotation,
     HeartbeatPolicy,
@@ -211,7 +211,9 @@ class FreelanceServer:
 
     def listen(self, endpoint: str) -> defer.Deferred:
         """Bind *endpoint*; fires with the transport (its ``endpoint`` is the
-        string clients connect to)."""
+        string clients connect to).  A malformed endpoint raises
+        :class:`~mdp.errors.TransportError` at once; a failure to bind fails
+        the Deferred."""
 
         binding = _Binding(self)
 
@@ -309,6 +311,33 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
+def _request_body(frames: Sequence[Any]) -> list[bytes]:
+    """The request frames as bytes (``str`` is UTF-8 encoded); a caller's
+    mistake raises at once: TypeError for a frame that is neither bytes nor
+    str, ValueError for no frame at all."""
+    body = []
+    for index, frame in enumerate(frames):
+        if isinstance(frame, str):
+            body.append(frame.encode("utf-8"))
+        elif isinstance(frame, (bytes, bytearray, memoryview)):
+            body.append(bytes(frame))
+        else:
+            raise TypeError(f"request frame {index} is {type(frame).__name__}, "
+                            "not bytes or str")
+    if not body:
+        raise ValueError("a Freelance request needs at least one frame")
+    return body
+
+
+def _endpoint_list(endpoints: Union[str, Sequence[str]]) -> list[str]:
+    """*endpoints* (one string, or several), each checked for connecting:
+    :class:`~mdp.errors.TransportError` at once for a malformed one."""
+    listed = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    for endpoint in listed:
+        transport.check(endpoint, transport.CONNECT)
+    return listed
+
+
 def _renamed(attemptTimeout: Optional[float], timeout: float,
              deadline: Optional[float]) -> tuple[float, Optional[float]]:
     """``(timeout, deadline)`` from the constructor arguments, also in the old
@@ -358,11 +387,13 @@ class _FreelanceClient:
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
         self._closed = False
-        for endpoint in [endpoints] if isinstance(endpoints, str) else endpoints:
+        for endpoint in _endpoint_list(endpoints):  # all checked before any is used
             self.connect(endpoint)
 
     def connect(self, endpoint: str) -> None:
-        """Add a server."""
+        """Add a server (:class:`~mdp.errors.TransportError` at once for a
+        malformed endpoint)."""
+        transport.check(endpoint, transport.CONNECT)
         if endpoint not in self.endpoints:
             self.endpoints.append(endpoint)
 
@@ -376,8 +407,9 @@ class _FreelanceClient:
         :class:`~mdp.errors.NoServerAvailable`, the remote errors of a server
         (:class:`~mdp.errors.WorkerError`, ...),
         :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
-        request (a late reply is dropped)."""
-        body = request_frames(frames)
+        request (a late reply is dropped).  Frames are bytes or str (UTF-8);
+        anything else raises TypeError at once, no frame ValueError."""
+        body = _request_body(frames)
         timeout = self.timeout if timeout is None else _positive("timeout", timeout)
         deadline = self.deadline if deadline is None else _positive("deadline", deadline)
         if self._closed:

@@ -280,3 +280,72 @@ def test_every_declared_interface_verifies() -> None:
     agent.close()
     shotgun.close()
     script.forget()
+
+
+# --- caller mistakes raise at once ---------------------------------------------------
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+def test_a_frame_that_is_not_bytes_or_str_raises_type_error_at_once(model: int) -> None:
+    from mdp.testing import Script
+
+    script = Script()
+    client = freelance_client([script.endpoint("s")], model, script.clock)
+    with pytest.raises(TypeError, match="request frame 1 is int"):
+        client.request(b"ok", 5)
+    with pytest.raises(TypeError, match="request frame 0 is NoneType"):
+        client.request(None)
+    with pytest.raises(ValueError):
+        client.request()
+    assert client.pending == {}
+    assert script.sent() == []  # nothing went out
+    client.close()
+    with pytest.raises(TypeError):  # a closed client too: the call itself is wrong
+        client.request(["a list"])
+    script.forget()
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "zmq:tcp://127.0.0.1", "nowhere",
+                                      "tcp:host=127.0.0.1:port=0"])
+def test_a_malformed_endpoint_raises_transport_error_at_once(model: int, endpoint: str) -> None:
+    from twisted.internet.task import Clock
+
+    from mdp.errors import TransportError
+    from mdp.testing import Script
+
+    script = Script()
+    good = script.endpoint("good")
+    with pytest.raises(TransportError):
+        freelance_client([good, endpoint], model, script.clock)
+    assert script.actions == []  # checked before the good one was opened
+    client = freelance_client([good], model, Clock())
+    with pytest.raises(TransportError):
+        client.connect(endpoint)
+    assert client.endpoints == [good]
+    client.close()
+    script.forget()
+
+
+def test_listen_on_a_malformed_endpoint_raises_transport_error_at_once() -> None:
+    from twisted.internet.task import Clock
+
+    from mdp.errors import TransportError
+
+    server = FreelanceServer(lambda frames: frames, Clock())
+    for endpoint in ("tcp://127.0.0.1:5555", "zmq:tcp://127.0.0.1", "tcp:host=127.0.0.1", ""):
+        with pytest.raises(TransportError):
+            server.listen(endpoint)
+    assert server.transports == []
+
+
+def test_a_heartbeat_that_is_not_a_policy_is_refused() -> None:
+    from twisted.internet.task import Clock
+
+    from mdp.freelance import AgentClient
+
+    with pytest.raises(TypeError, match="HeartbeatPolicy"):
+        AgentClient([], Clock(), heartbeat=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        freelance_client([], 1, Clock(), timeout=0)
+    with pytest.raises(TypeError):
+        freelance_client([], 2, Clock(), deadline="soon")
