@@ -141,3 +141,25 @@ async def test_unreachable_broker_counts_as_dead(clocknet: LoopbackNet) -> None:
     clocknet.addCleanup(worker.stop)
     await clocknet.until(lambda: bool(readies(alive)), timeout=10)
     assert worker.connected
+
+
+def test_a_malformed_endpoint_raises_at_once() -> None:
+    from mdp.errors import TransportError
+
+    with pytest.raises(TransportError, match="bad endpoint"):
+        Worker("tcp:host=127.0.0.1", "svc", lambda f: f)
+    with pytest.raises(TransportError, match="bad endpoint"):
+        Worker(["loopback:fine", "zmq:tcp://127.0.0.1"], "svc", lambda f: f)
+    with pytest.raises(ValueError):
+        Worker([], "svc", lambda f: f)
+
+
+def test_provides_its_interfaces() -> None:
+    from twisted.internet import task
+    from zope.interface.verify import verifyObject
+
+    from mdp.interfaces import IDealerReceiver, IWorker
+
+    worker = Worker("loopback:nobody", "svc", lambda f: f, task.Clock())
+    assert verifyObject(IWorker, worker)
+    assert verifyObject(IDealerReceiver, worker)

@@ -21,17 +21,53 @@ message limits is not sent: the request is answered with a 413 error FINAL
 (:class:`~mdp.errors.MessageTooLarge`) and a streaming handler is closed, so
 an oversized reply never costs the worker its connection.
 
-Reliability follows the Guide's Paranoid Pirate: heartbeats both ways; a broker
-silent for ``interval × liveness`` is dead, and the worker reconnects on a fresh
-socket after a backoff delay (1 s doubling to 32 s), rotating through its list of
-broker endpoints.  DISCONNECT from the broker makes it register again on a fresh
-socket: at once the first time, then, while the broker keeps refusing it
-(DISCONNECT again before any HEARTBEAT or REQUEST, e.g. at its worker limit),
-after the same backoff delays.
+Theory of operation
+-------------------
+A worker is in one :class:`WorkerState` at a time; its connection to the
+broker is one pipe (one DEALER socket on ZeroMQ), opened to the current
+endpoint of its failover list (:class:`~mdp.policy.EndpointRotation`).
+Silence is judged by a :class:`~mdp.policy.Liveness`: every message from the
+broker counts, and so does opening a pipe (a pipe that never comes up counts
+as silence, so the worker fails over even from a broker it cannot reach).
+
+=============  ==================================  =============  ==============================
+state          event                               next state     actions
+=============  ==================================  =============  ==============================
+STOPPED        ``start()``                         CONNECTING     open a pipe; start the tick
+CONNECTING     pipe up (``connectionMade``)        READY          send READY
+READY          pipe broke (``connectionLost``)     CONNECTING     drop the request in hand (the
+                                                                  transport reconnects by itself)
+READY          HEARTBEAT                           READY          reset failures and refusals
+READY          REQUEST while idle                  READY          run the handler; PARTIAL*,
+                                                                  FINAL
+READY          DISCONNECT                          BACKING_OFF    close the pipe, next endpoint,
+                                                                  wait 0 s the first time, then
+                                                                  ``backoff.delay(refusals-1)``
+CONNECTING,    tick, broker silent for more than   BACKING_OFF    close the pipe, next endpoint,
+READY          ``interval × liveness``                            wait ``backoff.delay(failures)``
+READY          tick, nothing sent for half an      READY          send HEARTBEAT
+               interval
+BACKING_OFF    the delay is over                   CONNECTING     open a fresh pipe
+any            ``stop()``                          STOPPED        DISCONNECT if READY; close
+=============  ==================================  =============  ==============================
+
+Every message from the broker resets ``failures`` (the backoff of silence);
+HEARTBEAT and REQUEST also reset ``refusals`` (the backoff of DISCONNECTs: a
+broker that refuses READY, e.g. at its worker limit, sends DISCONNECT again
+before anything else).  Messages arriving while STOPPED or BACKING_OFF come
+from a pipe already closed and are ignored.  Every new or lost pipe bumps the
+*generation*: a reply computed for an older one is dropped, since the broker
+has re-queued that request elsewhere.
+
+This is the Guide's Paranoid Pirate: heartbeats both ways; a broker silent for
+``interval × liveness`` is dead, and the worker reconnects on a fresh socket
+after a backoff delay (1 s doubling to 32 s), rotating through its list of
+broker endpoints.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -47,11 +83,38 @@ from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
-from mdp.policy import Backoff, HeartbeatPolicy, Limits, LogThrottle
+from mdp.policy import (
+    Backoff,
+    EndpointRotation,
+    HeartbeatPolicy,
+    Limits,
+    Liveness,
+    LogThrottle,
+    cancel_call,
+    default_reactor,
+)
 
 log = Logger()
 
 Handler = Callable[[list[bytes]], Any]
+
+
+class WorkerState(enum.Enum):
+    """Where a worker's connection to the broker stands (see the table in the
+    module docstring)."""
+
+    #: not started, or stopped: no pipe, no timer
+    STOPPED = "stopped"
+    #: a pipe is open and not up yet (or broke and its transport reconnects)
+    CONNECTING = "connecting"
+    #: the pipe is up and READY went out on it
+    READY = "ready"
+    #: the pipe was closed; a fresh one opens once the backoff delay is over
+    BACKING_OFF = "backing off"
+
+
+STOPPED, CONNECTING, READY, BACKING_OFF = (
+    WorkerState.STOPPED, WorkerState.CONNECTING, WorkerState.READY, WorkerState.BACKING_OFF)
 
 
 @attrs.frozen
@@ -72,7 +135,10 @@ class _Job:
 
 @implementer(IWorker, IDealerReceiver)
 class Worker:
-    """An MDP/0.2 worker for one *service*, connected to one broker at a time."""
+    """An MDP/0.2 worker for one *service*, connected to one broker at a time.
+
+    *endpoint* is one broker endpoint or a failover list; each is checked at
+    once (a malformed one raises :class:`~mdp.errors.TransportError`)."""
 
     def __init__(
         self,
@@ -86,11 +152,13 @@ class Worker:
         replies: Optional[idempotence.IReplyStore] = None,
         limits: Limits = Limits(),
     ) -> None:
-        if reactor is None:
-            from twisted.internet import reactor
-        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
-        if not self.endpoints:
+        reactor = default_reactor(reactor)
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not endpoints:
             raise ValueError("a worker needs at least one broker endpoint")
+        for each in endpoints:
+            transport.check(each, transport.CONNECT)
+        self._rotation = EndpointRotation(endpoints)
         self.service = codec.service_name(service)
         self.handler = handler
         self.reactor = reactor
@@ -100,107 +168,118 @@ class Worker:
         self.replies = replies
         self.limits = limits
         self.throttle = LogThrottle(reactor)
+        self.state = STOPPED
         self.transport: Optional[IDealerTransport] = None
-        self.connected = False
-        self.lastSeen = 0.0
-        self.lastSent = 0.0
+        #: when the broker was last heard from and last sent to
+        self.liveness = Liveness(heartbeat, reactor.seconds())
         self.failures = 0  # reconnections since the broker last spoke
         self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
         self.current: Optional[bytes] = None  # client address being served
-        self.generation = 0  # bumped on every new connection; stale replies are dropped
+        self.generation = 0  # bumped on every new or lost pipe; stale replies are dropped
         self.requestsServed = 0
         self.streamPauses = 0  # times a streaming handler waited for a full queue to drain
-        self._endpointIndex = 0
         self._reconnectCall: Any = None
-        self._running = False
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
 
     @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self._rotation.endpoints
+
+    @property
     def endpoint(self) -> str:
-        return self.endpoints[self._endpointIndex]
+        """The broker endpoint in use (or next to be tried)."""
+        return self._rotation.current
+
+    @property
+    def connected(self) -> bool:
+        """The pipe is up and READY went out on it (state READY)."""
+        return self.state is READY
 
     # --- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
         """Connect to the broker; READY is sent once the pipe is up."""
-        if self._running:
+        if self.state is not STOPPED:
             return
-        self._running = True
         self._open()
         self._ticker.start(self.heartbeat.interval, now=False)
 
     def stop(self) -> defer.Deferred[None]:
-        """Say DISCONNECT to the broker and close."""
-        self._running = False
+        """Say DISCONNECT to the broker (if registered) and close."""
+        wasReady = self.state is READY
+        self.state = STOPPED
         if self._ticker.running:
             self._ticker.stop()
-        if self._reconnectCall is not None and self._reconnectCall.active():
-            self._reconnectCall.cancel()
+        cancel_call(self._reconnectCall)
         self._reconnectCall = None
         transport_, self.transport = self.transport, None
         if transport_ is None:
             return defer.succeed(None)
-        if self.connected:
+        if wasReady:
             transport_.sendMessage(codec.encode(codec.DISCONNECT, self.dialect))
-        self.connected = False
         self.generation += 1
         return transport_.close()
 
     def _open(self) -> None:
+        """Open a pipe to the current endpoint: CONNECTING."""
+        self.state = CONNECTING
         # a pipe that never comes up counts as silence, so the worker fails
         # over even when the broker cannot be reached at all
-        self.lastSeen = self.reactor.seconds()
+        self.liveness.heard(self.reactor.seconds())
         self.transport = transport.connect(
             self.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy(),
             limits=self.limits,
         )
 
     def _reconnect(self, delay: float) -> None:
-        """Close the socket, wait *delay*, open a fresh one (Paranoid Pirate)."""
-        self.connected = False
+        """Close the socket, wait *delay*, open a fresh one to the next
+        endpoint (Paranoid Pirate): BACKING_OFF."""
+        self.state = BACKING_OFF
         self.current = None
         self.generation += 1
         transport_, self.transport = self.transport, None
         if transport_ is not None:
             transport_.close()
-        if len(self.endpoints) > 1:
-            self._endpointIndex = (self._endpointIndex + 1) % len(self.endpoints)
+        self._rotation.advance()
+        cancel_call(self._reconnectCall)
         self._reconnectCall = self.reactor.callLater(delay, self._reopen)
 
     def _reopen(self) -> None:
         self._reconnectCall = None
-        if self._running and self.transport is None:
+        if self.state is BACKING_OFF:
             self._open()
 
     # --- IDealerReceiver ---------------------------------------------------
 
     def connectionMade(self) -> None:
         self.generation += 1
-        self.connected = True
+        self.state = READY
         self.current = None
-        now = self.reactor.seconds()
-        self.lastSeen = now
+        self.liveness.heard(self.reactor.seconds())
         self._send(codec.Ready(self.service))
         log.info("worker for {service} sent READY to {endpoint}",
                  service=self.service, endpoint=self.endpoint)
 
     def connectionLost(self, reason: object) -> None:
-        if self.connected:
+        if self.state is READY:
             log.info("worker for {service} lost {endpoint}; reconnecting",
                      service=self.service, endpoint=self.endpoint)
-        self.connected = False
+            self.state = CONNECTING
         self.current = None
         self.generation += 1
 
     def messageReceived(self, frames: list[bytes]) -> None:
+        if self.state is STOPPED or self.state is BACKING_OFF:
+            return  # from a pipe already closed
         try:
             command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
             self.throttle.warn(log, "invalid", "worker for {service} dropped invalid message from "
                                "broker: {reason}", service=self.service, reason=e)
             return
-        self.lastSeen = self.reactor.seconds()
+        self.liveness.heard(self.reactor.seconds())
         self.failures = 0
         kind = type(command)
         if kind is Heartbeat:
@@ -310,7 +389,7 @@ class Worker:
         """Send a PARTIAL or FINAL unless the connection it belongs to is gone;
         remember a stamped request's FINAL in the reply store.  A part over
         the message limits is replaced by a 413 error FINAL."""
-        if job.generation != self.generation or not self.connected or self.current != job.client:
+        if job.generation != self.generation or self.state is not READY or self.current != job.client:
             self._store(job, kind, frames, store)
             return False
         size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
@@ -338,21 +417,22 @@ class Worker:
     def tick(self) -> None:
         """Once per heartbeat interval: detect a dead (or unreachable) broker,
         send HEARTBEAT."""
-        if self.transport is None:
+        state = self.state
+        if state is not CONNECTING and state is not READY:
             return  # waiting out a reconnect delay
         now = self.reactor.seconds()
-        silence = now - self.lastSeen
-        if silence > self.heartbeat.expiry:
+        liveness = self.liveness
+        if liveness.dead(now):
             delay = self.backoff.delay(self.failures)
             self.failures += 1
             log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
-                     "reconnects in {delay:g}s",
-                     endpoint=self.endpoint, silence=silence, service=self.service, delay=delay)
+                     "reconnects in {delay:g}s", endpoint=self.endpoint,
+                     silence=liveness.silence(now), service=self.service, delay=delay)
             self._reconnect(delay)
-        elif self.connected and now - self.lastSent >= self.heartbeat.interval / 2:
+        elif state is READY and liveness.due(now, 0.5):
             self._send(codec.HEARTBEAT)
 
     def _send(self, command: Any) -> None:
         if self.transport is not None:
             self.transport.sendMessage(codec.encode(command, self.dialect))
-            self.lastSent = self.reactor.seconds()
+            self.liveness.sent(self.reactor.seconds())
