@@ -104,7 +104,9 @@ it has in hand::
 
 No state machine here imports a transport implementation: they use
 :func:`mdp.transport.listen`, :func:`~mdp.transport.connect` and
-:func:`~mdp.transport.connect_peers`.
+:func:`~mdp.transport.connect_peers`.  The one exception is
+:meth:`FreelanceServer.streamFactory`, which hands the stream transport's
+protocol factory to a caller who listens with a Twisted endpoint of their own.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer, task
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -225,7 +228,24 @@ class FreelanceServer:
 
         return transport.listen(endpoint, binding, self.reactor, self.limits).addCallback(bound)
 
+    def streamFactory(self) -> IProtocolFactory:
+        """This server as a plain Twisted :class:`IProtocolFactory` speaking
+        the stream transports' framing, for listening with an endpoint, a TLS
+        wrapper or an ``Application`` of one's own (``listen`` binds an
+        endpoint string instead).  Clients reach it as ``tcp:host=H:port=P``
+        (or ``unix:``, ``tls:``, ...).  The same limits apply; :meth:`close`
+        drops its connections, stopping the listening port is the caller's.
+        """
+        from mdp.transport.stream import StreamRouter
+
+        binding = _Binding(self)
+        router = StreamRouter(binding, self.reactor, self.limits)
+        binding.transport = router
+        self.transports.append(router)
+        return router.factory()
+
     def close(self) -> defer.Deferred:
+        """Close every transport: stop listening, drop every client."""
         transports, self.transports = self.transports, []
         return defer.DeferredList([t.close() for t in transports]).addCallback(lambda _: None)
 

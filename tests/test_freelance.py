@@ -349,3 +349,29 @@ def test_a_heartbeat_that_is_not_a_policy_is_refused() -> None:
         freelance_client([], 1, Clock(), timeout=0)
     with pytest.raises(TypeError):
         freelance_client([], 2, Clock(), deadline="soon")
+
+
+# --- embedding ---------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_stream_factory_serves_on_a_port_the_caller_listens_on() -> None:
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+    from twisted.internet.interfaces import IProtocolFactory
+
+    from mdp.freelance import SequentialClient
+
+    server = FreelanceServer(lambda frames: [b"embedded", *frames], reactor)
+    factory = server.streamFactory()
+    assert IProtocolFactory.providedBy(factory)
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
+    client = SequentialClient([f"tcp:host=127.0.0.1:port={port.getHost().port}"], reactor,
+                              timeout=10.0)
+    try:
+        assert await client.request(b"hi", "there").addTimeout(20, reactor) == [
+            b"embedded", b"hi", b"there"]
+        assert server.served == 1
+    finally:
+        await client.close()
+        await server.close()
+        await port.stopListening()
