@@ -177,13 +177,13 @@ class ServerState(enum.Enum):
     DEAD = "dead"
 
 
-def _result(call_deferred: defer.Deferred, reply: list[bytes]) -> None:
+def _result(deferred: defer.Deferred, reply: list[bytes]) -> None:
     """Fire a request's Deferred with a reply body, or its error."""
     error = remote_error(SERVICE, reply)
     if error is not None:
-        call_deferred.errback(error)
+        deferred.errback(error)
     else:
-        call_deferred.callback(reply)
+        deferred.callback(reply)
 
 
 # --- server --------------------------------------------------------------------
@@ -250,6 +250,8 @@ class FreelanceServer:
         return defer.DeferredList([t.close() for t in transports]).addCallback(lambda _: None)
 
     def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
+        """A message from *peer* on *routerTransport* (see the server's table
+        in the module docstring)."""
         if frames == [PING]:
             routerTransport.sendMessage(peer, [PONG])
             return
@@ -277,10 +279,10 @@ class FreelanceServer:
             return codec.error_body(codec.STATUS_WORKER_ERROR,
                                     f"{failure.type.__name__}: {failure.getErrorMessage()}")
 
-        def reply(frames_: list[bytes]) -> None:
+        def reply(replyFrames: list[bytes]) -> None:
             self.pending -= 1
             self.pendingBytes -= size
-            message = [sequence, *frames_]
+            message = [sequence, *replyFrames]
             tooLarge = self.limits.refuse(message)
             if tooLarge is not None:
                 self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
