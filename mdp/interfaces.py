@@ -59,7 +59,9 @@ class IDealerReceiver(Interface):
 
     def connectionLost(reason: object) -> None:
         """The pipe broke.  Stream transports reconnect by themselves and call
-        connectionMade again; ZeroMQ never calls this."""
+        connectionMade again.  ZeroMQ hides broken connections (heartbeats
+        find them) and calls this only when it dropped the pipe itself, for a
+        message over the limits; a fresh socket follows at once."""
 
 
 class IDealerTransport(Interface):

@@ -180,7 +180,7 @@ def _connect_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits
 
 register(Scheme("zmq", _check_zmq, _listen_zmq, _connect_zmq,
                 "ZeroMQ ROUTER/DEALER: zmq:tcp://HOST:PORT, zmq:ipc://PATH, zmq:inproc://NAME",
-                identities=True))
+                identities=True, connections=False))
 register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback,
                 "in memory, for deterministic tests: loopback:NAME", identities=True))
 

@@ -128,6 +128,7 @@ class LoopbackRouter:
         dealer takes it over (ZMQ_ROUTER_HANDOVER): the old one is dropped."""
         previous = self.peers.get(peer)
         if previous is not None and previous is not dealer:
+            previous.supplanted = True  # it does not come back and take it again
             previous.reactor.callLater(0, previous._dropped, peer)
         self.peers[peer] = dealer
 
@@ -250,11 +251,14 @@ class LoopbackDealer:
         self._detach()
         self.reactor.callLater(0, self._lost, why or ConnectionDone("loopback peer closed"))
 
+    #: a newer dealer took over our identity: we stay detached
+    supplanted = False
+
     def _lost(self, why: Exception) -> None:
         if self.closed:
             return
         self.receiver.connectionLost(Failure(why))
-        if self.router is None:
+        if self.router is None and not self.supplanted:
             self._attach()
 
     def close(self) -> defer.Deferred[None]:

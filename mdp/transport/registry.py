@@ -47,6 +47,9 @@ class Scheme:
     summary: str = ""
     #: connect() can choose the identity the far side sees
     identities: bool = False
+    #: the medium has a connection per peer, so its loss is reported
+    #: (``peerDisconnected``, ``connectionLost``); ZeroMQ hides connections
+    connections: bool = True
 
 
 _schemes: dict[str, Scheme] = {}

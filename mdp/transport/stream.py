@@ -150,9 +150,9 @@ def connect_description(kind: str, port: IListeningPort) -> str:
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    if ":" in host:
+    if ":" in host:  # IPv6: Twisted's tcp: client endpoint connects to it
         host = host.replace(":", r"\:")
-        kind = "tcp6" if kind == "tcp" else kind
+        kind = "tcp" if kind == "tcp6" else kind
     return f"{kind}:host={host}:port={address.port}"
 
 
@@ -355,7 +355,13 @@ class StreamRouter:
             router.endpoint = connect_description(description.partition(":")[0], port)
             return router
 
-        return server.listen(factory).addCallback(listening)
+        def failed(failure: Failure) -> Failure:
+            if failure.check(TransportError):
+                return failure
+            return Failure(TransportError(f"cannot listen on {endpoint}: "
+                                          f"{failure.getErrorMessage()}"))
+
+        return server.listen(factory).addCallbacks(listening, failed)
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)
@@ -512,19 +518,26 @@ class StreamDealer:
         self.queue.append(list(frames))
         self.queuedBytes += size
 
+    _closing: Optional[defer.Deferred[None]] = None
+
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()
         self.queuedBytes = 0
         self._waiters.fire()
-        if self.protocol is not None:
-            # the ClientService closes with loseConnection(): see closeGracefully
-            self.protocol.transport.unregisterProducer()
-        return self.service.stopService()
+        if self._closing is None:
+            if self.protocol is not None:
+                # the ClientService closes with loseConnection(): see closeGracefully
+                self.protocol.transport.unregisterProducer()
+            self._closing = self.service.stopService()
+        closed: defer.Deferred[None] = defer.Deferred()
+        self._closing.addBoth(lambda result: (closed.callback(None), result)[1])
+        return closed
 
 
 # --- endpoint schemes ---------------------------------------------------------
 
-#: The Twisted stream endpoint types registered at import (``tls:`` connects only).
+#: The Twisted stream endpoint types registered at import (``tls:`` only
+#: connects, ``tcp6:`` only listens: ``tcp:`` connects to IPv6 hosts too).
 STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
 
 
@@ -580,5 +593,6 @@ def _connect(endpoint: str, receiver: IDealerReceiver, reactor: Any, limits: Lim
 def scheme(name: str) -> Scheme:
     """The registry entry for the Twisted stream endpoint type *name*, with
     the length-prefixed record framing."""
-    return Scheme(name, check_endpoint, _listen if name != "tls" else None, _connect,
+    return Scheme(name, check_endpoint, _listen if name != "tls" else None,
+                  _connect if name != "tcp6" else None,
                   f"length-prefixed records over Twisted's {name}: endpoints", identities=True)

@@ -24,9 +24,10 @@ from typing import Any, Optional
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp.errors import TransportError
+from mdp.errors import OversizedMessage, TransportError
 from mdp.interfaces import (
     IDealerReceiver,
     IDealerTransport,
@@ -164,6 +165,9 @@ def _connection_classes() -> tuple[type, type]:
                 frames = [frame.bytes]
                 size = 0 if self.envelope else len(frames[0])
                 count = 1
+                if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
+                    self.skipping = [b"", count, size, frame.more]
+                    return None
                 while frame.more:
                     frame = recv(socket, NOBLOCK, False)
                     count += 1
@@ -265,13 +269,20 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
-def _limit(connection: Any, limits: Limits) -> None:
-    """Apply the limits to a socket (before it binds or connects)."""
+def _limit(connection: Any, limits: Limits, native: bool = True) -> None:
+    """Apply the limits to a socket (before it binds or connects).
+
+    Our reader drops a message over the limits on every socket.  A bound
+    socket also sets ``ZMQ_MAXMSGSIZE``, so libzmq cuts off a peer that sends
+    a frame over the limit before buffering it.  A connecting socket must not:
+    libzmq treats that as a protocol error and never reconnects the pipe, so
+    one oversized message from a server would leave the socket dead for good."""
     import zmq
 
     connection.maxBytes = limits.maxMessageBytes
     connection.maxFrames = limits.maxFrames
-    connection.socket.set(zmq.MAXMSGSIZE, limits.maxMessageBytes)
+    if native:
+        connection.socket.set(zmq.MAXMSGSIZE, limits.maxMessageBytes)
 
 
 class _Backlog:
@@ -304,6 +315,9 @@ class _RoutedSocket:
     limits: Limits
     receiver: Any
 
+    #: the socket connects (to servers) rather than binds
+    connects = False
+
     def _setup(self, reactor: Any, limits: Limits) -> None:
         import zmq
 
@@ -321,7 +335,7 @@ class _RoutedSocket:
         self.oversizedCount = 0
         self._flushCall: Any = None
         self._pacer = FlushPacer()
-        _limit(self.connection, limits)
+        _limit(self.connection, limits, native=not self.connects)
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
@@ -613,7 +627,7 @@ class ZmqDealer:
         _, dealer_class = _connection_classes()
         connection = dealer_class(zmq_factory(), identity=self.identity)
         connection.owner = self
-        _limit(connection, self.limits)
+        _limit(connection, self.limits, native=False)
         connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)])
         self.connection = connection
         self.reactor.callLater(0, self._made, connection)
@@ -627,10 +641,24 @@ class ZmqDealer:
             self.receiver.messageReceived(frames)
 
     def oversized(self, peer: None, count: int, size: int) -> None:
+        """A message over the limits came: drop it and the pipe that carried
+        it, as stream transports do, so the receiver learns (through
+        ``connectionLost``) that something it may be waiting for will not come;
+        a fresh socket (so a fresh identity) replaces it."""
         self.throttle.warn(log, "oversized", "zmq dealer to {endpoint} dropped a message of "
                            "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
-                           "{frames} frames", endpoint=self.endpoint, size=size, count=count,
-                           limit=self.limits.maxMessageBytes, frames=self.limits.maxFrames)
+                           "{frames} frames, and opens a new connection", endpoint=self.endpoint,
+                           size=size, count=count, limit=self.limits.maxMessageBytes,
+                           frames=self.limits.maxFrames)
+        self.reactor.callLater(0, self._replace, self.connection, OversizedMessage(
+            f"a message of {size}+ bytes in {count} frames is over the limits"))
+
+    def _replace(self, connection: Any, why: Exception) -> None:
+        if connection is not self.connection or connection is None:
+            return  # closed, or replaced already
+        self._shutdown()
+        self._open()
+        self.receiver.connectionLost(Failure(why))
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.connection is None:
@@ -667,6 +695,8 @@ class ZmqPeerRouter(_RoutedSocket):
     """A ROUTER socket that *connects* to servers and names each one by its
     endpoint string (ZMQ_CONNECT_ROUTING_ID), so the server's own identity
     does not matter and ports picked by the OS work."""
+
+    connects = True
 
     def __init__(self, receiver: Any, reactor: Any, limits: Limits = Limits()) -> None:
         router_class, _ = _connection_classes()

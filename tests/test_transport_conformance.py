@@ -1,0 +1,438 @@
+"""The contract every registered transport keeps, checked over each of them.
+
+A transport moves lists of byte frames between a bound side
+(:class:`~mdp.interfaces.IRouterTransport`) and connecting sides
+(:class:`~mdp.interfaces.IDealerTransport`).  Whatever the medium: messages
+arrive whole and in order, frames keep their boundaries (empty ones too),
+large messages pass and messages over the limit never do, the loss of a
+peer is reported where the medium has connections, ``writable``/``drained()``
+tell a sender when to wait, ``close()`` may be called twice, and every
+mistake is a :class:`~mdp.errors.TransportError`.
+
+Each registered scheme is listed in ``BINDS`` below; a scheme registered
+without an entry fails :func:`test_every_registered_scheme_is_covered`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import itertools
+import os
+from typing import Any, Callable, Optional
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, task
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
+
+from mdp import transport
+from mdp.errors import TransportError
+from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
+from mdp.policy import Limits
+
+_names = itertools.count()
+
+#: schemes that are stand-ins, not media (they move no message)
+NOT_MEDIA = {"script"}
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+def _certificate(directory: str) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 / localhost: (key, cert) paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    keyPath = os.path.join(directory, "key.pem")
+    certPath = os.path.join(directory, "cert.pem")
+    with open(keyPath, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    with open(certPath, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    return keyPath, certPath
+
+
+def _port(endpoint: str) -> str:
+    return endpoint.rpartition("port=")[2].partition(":")[0]
+
+
+# scheme -> (bind endpoint for a temp directory, how to reach the bound endpoint)
+BINDS: dict[str, tuple[Callable[[str], str], Callable[[str, str], str]]] = {
+    "zmq": (lambda d: "zmq:tcp://127.0.0.1:*", lambda bound, d: bound),
+    "loopback": (lambda d: f"loopback:conformance-{next(_names)}", lambda bound, d: bound),
+    "tcp": (lambda d: "tcp:host=127.0.0.1:port=0", lambda bound, d: bound),
+    # tcp6: only listens; tcp: connects to IPv6 hosts
+    "tcp6": (lambda d: r"tcp6:port=0:interface=\:\:1", lambda bound, d: bound),
+    "unix": (lambda d: f"unix:path={d}/s.sock", lambda bound, d: f"unix:path={d}/s.sock"),
+    "ssl": (lambda d: f"ssl:0:interface=127.0.0.1:privateKey={d}/key.pem:certKey={d}/cert.pem"
+            , lambda bound, d: f"ssl:host=127.0.0.1:port={_port(bound)}"),
+    # tls: only connects; it reaches an ssl: listener and checks its certificate
+    "tls": (lambda d: f"ssl:0:interface=127.0.0.1:privateKey={d}/key.pem:certKey={d}/cert.pem"
+            ,
+            lambda bound, d: f"tls:host=127.0.0.1:port={_port(bound)}:trustRoots={d}/roots"),
+}
+SCHEMES = sorted(BINDS)
+
+
+def test_every_registered_scheme_is_covered() -> None:
+    registered = {s.name for s in transport.schemes()} - NOT_MEDIA
+    assert registered <= set(BINDS), f"no conformance entry for {registered - set(BINDS)}"
+
+
+@implementer(IRouterReceiver)
+class Router:
+    def __init__(self) -> None:
+        self.received: list[tuple[bytes, list[bytes]]] = []
+        self.gone: list[bytes] = []
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.received.append((peer, frames))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.gone.append(peer)
+
+
+@implementer(IDealerReceiver)
+class Dealer:
+    def __init__(self) -> None:
+        self.received: list[list[bytes]] = []
+        self.made = 0
+        self.lost: list[Any] = []
+
+    def connectionMade(self) -> None:
+        self.made += 1
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.received.append(frames)
+
+    def connectionLost(self, reason: object) -> None:
+        self.lost.append(reason)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    r = reactor()
+    deadline = r.seconds() + timeout
+    while not predicate():
+        if r.seconds() >= deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await task.deferLater(r, 0.002)
+
+
+class Pair:
+    """A bound router and a way to connect dealers to it, closed at the end."""
+
+    def __init__(self, scheme: str, directory: str) -> None:
+        self.scheme = scheme
+        self.directory = directory
+        self.closing: list[Any] = []
+        self.router = Router()
+        self.bound: Optional[Any] = None
+
+    async def listen(self, limits: Limits = Limits()) -> Any:
+        bind, _ = BINDS[self.scheme]
+        self.bound = await transport.listen(bind(self.directory), self.router, reactor(), limits)
+        self.closing.append(self.bound)
+        return self.bound
+
+    @property
+    def endpoint(self) -> str:
+        assert self.bound is not None
+        return BINDS[self.scheme][1](self.bound.endpoint, self.directory)
+
+    async def connect(self, limits: Limits = Limits(), identity: Optional[bytes] = None
+                      ) -> tuple[Dealer, Any]:
+        receiver = Dealer()
+        pipe = transport.connect(self.endpoint, receiver, reactor(), limits=limits,
+                                 retryPolicy=lambda attempt: 0.05, identity=identity)
+        self.closing.append(pipe)
+        await until(lambda: receiver.made >= 1)
+        return receiver, pipe
+
+    async def hello(self, pipe: Any) -> bytes:
+        """Send one message so the router learns the peer; return its id."""
+        count = len(self.router.received)
+        pipe.sendMessage([b"hello"])
+        await until(lambda: len(self.router.received) > count)
+        return self.router.received[-1][0]
+
+    async def close(self) -> None:
+        for t in reversed(self.closing):
+            await t.close()
+
+
+@pytest_twisted.async_yield_fixture(params=SCHEMES)
+async def pair(request: Any, tmp_path: Any) -> Any:
+    directory = str(tmp_path)
+    if request.param in ("ssl", "tls"):
+        _, cert = _certificate(directory)
+        os.mkdir(f"{directory}/roots")
+        os.link(cert, f"{directory}/roots/root.pem")
+    p = Pair(request.param, directory)
+    yield p
+    await p.close()
+
+
+def connections(p: Pair) -> bool:
+    return transport.lookup(p.endpoint, transport.CONNECT).connections
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_interfaces_are_provided(pair: Pair) -> None:
+    bound = await pair.listen()
+    _, pipe = await pair.connect()
+    verifyObject(IRouterTransport, bound)
+    verifyObject(IDealerTransport, pipe)
+    assert isinstance(bound.endpoint, str) and bound.endpoint
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_order_multipart_and_empty_frames_both_ways(pair: Pair) -> None:
+    await pair.listen()
+    dealer, pipe = await pair.connect()
+    peer = await pair.hello(pipe)
+    messages = [[b"%d" % n, b"", b"x" * (n % 7), b""] for n in range(200)]
+    for m in messages:
+        pipe.sendMessage(m)
+    await until(lambda: len(pair.router.received) == 201)
+    assert [frames for _, frames in pair.router.received[1:]] == messages
+    assert {p for p, _ in pair.router.received} == {peer}
+    for m in messages:
+        pair.bound.sendMessage(peer, m)
+    await until(lambda: len(dealer.received) == 200)
+    assert dealer.received == messages
+    pipe.sendMessage([b""])  # a message of one empty frame
+    await until(lambda: len(pair.router.received) == 202)
+    assert pair.router.received[-1] == (peer, [b""])
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_large_messages_pass(pair: Pair) -> None:
+    await pair.listen()
+    dealer, pipe = await pair.connect()
+    peer = await pair.hello(pipe)
+    big = [os.urandom(4 * 1024 * 1024), b"tail"]
+    pipe.sendMessage(big)
+    pair.bound.sendMessage(peer, big)
+    await until(lambda: len(pair.router.received) == 2 and len(dealer.received) == 1)
+    assert pair.router.received[1][1] == big
+    assert dealer.received[0] == big
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_message_over_the_limit_is_never_delivered(pair: Pair) -> None:
+    limits = Limits(maxMessageBytes=1000)
+    await pair.listen(limits)
+    dealer, pipe = await pair.connect(limits)
+    peer = await pair.hello(pipe)
+    pipe.sendMessage([b"x" * 1001])
+    pipe.sendMessage([b"after"])
+    if connections(pair):
+        # the offending connection ends, and its loss is reported
+        await until(lambda: peer in pair.router.gone)
+    else:
+        # libzmq drops the offending pipe (ZMQ_MAXMSGSIZE), with what followed
+        # on it, and the DEALER reconnects under a new routing id
+        for _n in range(200):
+            if any(f == [b"after"] for _, f in pair.router.received[1:]):
+                break
+            pipe.sendMessage([b"after"])
+            await task.deferLater(reactor(), 0.02)
+        assert any(f == [b"after"] for _, f in pair.router.received[1:])
+    assert all(len(b"".join(f)) <= 1000 for _, f in pair.router.received)
+    # the dealer side refuses oversized input as well
+    dealer2, pipe2 = await pair.connect(limits)
+    peer2 = await pair.hello(pipe2)
+    pair.bound.sendMessage(peer2, [b"y" * 1001])
+    pair.bound.sendMessage(peer2, [b"small"])
+    # every transport ends the pipe that carried it, and says so
+    await until(lambda: len(dealer2.lost) >= 1)
+    await until(lambda: dealer2.made >= 2)  # and a new one comes up
+    assert [b"y" * 1001] not in dealer2.received
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_disconnects_are_reported_where_the_medium_has_connections(pair: Pair) -> None:
+    await pair.listen()
+    dealer, pipe = await pair.connect()
+    peer = await pair.hello(pipe)
+    if not connections(pair):
+        pytest.skip("ZeroMQ hides connections; heartbeats find lost peers")
+    await pipe.close()
+    await until(lambda: pair.router.gone == [peer])
+    # and the other way: the router drops a peer, the dealer hears of it
+    dealer2, pipe2 = await pair.connect()
+    peer2 = await pair.hello(pipe2)
+    pair.bound.disconnectPeer(peer2)
+    await until(lambda: len(dealer2.lost) == 1)
+    assert pair.router.gone[-1] == peer2
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_writable_and_drained(pair: Pair) -> None:
+    """drained() fires at once while writable; after a burst larger than any
+    buffer it fires once the far side has read, and nothing is lost."""
+    await pair.listen()
+    dealer, pipe = await pair.connect()
+    await pair.hello(pipe)
+    assert pipe.writable is True
+    fired: list[Any] = []
+    pipe.drained().addBoth(fired.append)
+    assert fired == [None]
+    chunk = b"z" * 65536
+    for n in range(256):  # 16 MiB: past socket buffers and high-water marks
+        pipe.sendMessage([b"%d" % n, chunk])
+    await pipe.drained()
+    await until(lambda: len(pair.router.received) == 257, timeout=30)
+    assert [f[0] for _, f in pair.router.received[1:]] == [b"%d" % n for n in range(256)]
+    assert pipe.writable is True
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_close_is_idempotent(pair: Pair) -> None:
+    bound = await pair.listen()
+    _, pipe = await pair.connect()
+    for t in (pipe, bound):
+        await t.close()
+        await t.close()
+    pipe.sendMessage([b"after close"])  # ignored, never raises
+    bound.sendMessage(b"nobody", [b"after close"])
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_connect_can_choose_the_identity_the_router_sees(pair: Pair) -> None:
+    await pair.listen()
+    dealer, pipe = await pair.connect(identity=b"session-42")
+    assert await pair.hello(pipe) == b"session-42"
+    pair.bound.sendMessage(b"session-42", [b"to you"])
+    await until(lambda: dealer.received == [[b"to you"]])
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_binding_twice_fails_with_a_transport_error(pair: Pair) -> None:
+    bound = await pair.listen()
+    if pair.scheme in ("tcp", "tcp6", "ssl", "tls", "zmq"):
+        again = bound.endpoint if pair.scheme != "tls" else None
+        if pair.scheme == "ssl" or pair.scheme == "tls":
+            again = BINDS["ssl"][0](pair.directory).replace(":0:", f":{_port(bound.endpoint)}:")
+        elif pair.scheme in ("tcp", "tcp6"):
+            again = bound.endpoint.replace("host=", "interface=")
+    else:
+        again = BINDS[pair.scheme][0](pair.directory) if pair.scheme == "unix" else bound.endpoint
+    with pytest.raises(TransportError):
+        second = await transport.listen(again, Router(), reactor())
+        pair.closing.append(second)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_malformed_endpoints_raise_a_transport_error_at_once(scheme: str) -> None:
+    broken = {"zmq": "zmq:tcp://127.0.0.1", "loopback": "loopback:", "tcp": "tcp:host=127.0.0.1",
+              "tcp6": "tcp:host=\\:\\:1", "unix": "unix:", "ssl": "ssl:host=127.0.0.1",
+              "tls": "tls:host=127.0.0.1"}[scheme]
+    with pytest.raises(TransportError, match="bad endpoint"):
+        transport.connect(broken, Dealer(), task.Clock())
+    unbindable = {"zmq": "zmq:tcp://127.0.0.1:65536", "loopback": "loopback:",
+                  "tcp": "tcp:port=x", "tcp6": "tcp6:port=99999", "unix": "unix:",
+                  "ssl": "ssl:0:privateKey=/nonexistent.pem", "tls": "tls:host=a:port=1"}[scheme]
+    with pytest.raises(TransportError, match="bad endpoint"):
+        transport.listen(unbindable, Router(), task.Clock())
+
+
+@pytest.mark.parametrize("endpoint, says", [
+    ("tcp://127.0.0.1:5555", "did you mean zmq:tcp://127.0.0.1:5555"),
+    ("zmq:tcp://127.0.0.1", "no port; did you mean zmq:tcp://127.0.0.1:5555?"),
+    ("zmq:tcp://127.0.0.1:70000", "port 70000 is out of range"),
+    ("zmq:tcp://127.0.0.1:*", "'*' picks a port when binding"),
+    ("nope:1", "unknown scheme 'nope'"),
+    ("5555", "no scheme"),
+    ("tcp:host=127.0.0.1:port=0", "port 0 is out of range"),
+])
+def test_endpoint_mistakes_name_the_endpoint_and_what_was_meant(endpoint: str, says: str) -> None:
+    with pytest.raises(TransportError) as caught:
+        transport.connect(endpoint, Dealer(), task.Clock())
+    assert endpoint in str(caught.value) and says in str(caught.value)
+
+
+def test_a_new_scheme_is_one_registration() -> None:
+    made: list[str] = []
+
+    def check(endpoint: str, role: str) -> None:
+        if endpoint.endswith(":"):
+            raise TransportError(f"bad endpoint {endpoint!r}: empty")
+
+    def connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
+                identity: Optional[bytes]) -> Any:
+        made.append(endpoint)
+        return object()
+
+    transport.register(transport.Scheme("pigeon", check, None, connect, "by bird"))
+    try:
+        transport.connect("pigeon:coop", Dealer(), task.Clock())
+        assert made == ["pigeon:coop"]
+        with pytest.raises(TransportError, match="empty"):
+            transport.connect("pigeon:", Dealer(), task.Clock())
+        with pytest.raises(TransportError, match="cannot listen"):
+            transport.listen("pigeon:coop", Router(), task.Clock())
+        with pytest.raises(ValueError, match="already registered"):
+            transport.register(transport.Scheme("pigeon", check))
+    finally:
+        transport.unregister("pigeon")
+    with pytest.raises(TransportError, match="unknown scheme"):
+        transport.connect("pigeon:coop", Dealer(), task.Clock())
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_loopback_identity_handover() -> None:
+    """A second dealer with the same identity takes it over; the first is
+    told its pipe is gone."""
+    router = Router()
+    name = f"loopback:handover-{next(_names)}"
+    bound = await transport.listen(name, router, reactor())
+    first, second = Dealer(), Dealer()
+    a = transport.connect(name, first, reactor(), identity=b"me")
+    await until(lambda: first.made == 1)
+    b = transport.connect(name, second, reactor(), identity=b"me")
+    await until(lambda: second.made == 1 and len(first.lost) == 1)
+    bound.sendMessage(b"me", [b"hi"])
+    await until(lambda: second.received == [[b"hi"]])
+    assert first.received == [] and router.gone == []
+    for t in (a, b, bound):
+        await t.close()
+
+
+def test_every_connect_time_error_is_a_transport_error() -> None:
+    with pytest.raises(ValueError, match="identity"):
+        transport.connect("loopback:x", Dealer(), task.Clock(), identity=b"\x00zero")
+    with pytest.raises(TransportError):
+        transport.connect(42, Dealer(), task.Clock())  # type: ignore[arg-type]
+    assert isinstance(defer.Deferred(), defer.Deferred)
