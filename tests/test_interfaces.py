@@ -1,0 +1,233 @@
+"""Every class that declares an interface provides it (``verifyObject``).
+
+The test finds the declaring classes itself, by walking the package: a new
+``@implementer`` class without an entry in ``FACTORIES`` fails
+:func:`test_every_declaring_class_is_verified`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from typing import Any, Callable
+
+import pytest
+import pytest_twisted
+from twisted.internet import task
+from zope.interface import implementedBy
+from zope.interface.verify import verifyObject
+
+import mdp
+from mdp.handlers import echo
+
+
+def _modules() -> list[Any]:
+    found = []
+    for info in pkgutil.walk_packages(mdp.__path__, "mdp."):
+        if info.name == "mdp.spark":
+            continue  # needs the spark extra; declares no interface
+        found.append(importlib.import_module(info.name))
+    return found
+
+
+def declaring_classes() -> dict[str, type]:
+    classes = {}
+    for module in _modules():
+        for name, cls in vars(module).items():
+            if inspect.isclass(cls) and cls.__module__ == module.__name__:
+                if list(implementedBy(cls).declared):
+                    classes[f"{module.__name__}.{name}"] = cls
+    return classes
+
+
+# --- how to make one of each, with no network --------------------------------------
+
+def _clock() -> task.Clock:
+    return task.Clock()
+
+
+def _broker() -> Any:
+    from mdp import Broker
+
+    return Broker(_clock())
+
+
+def _binding() -> Any:
+    from mdp.majordomo.broker import Binding
+
+    return Binding(_broker(), True, True)
+
+
+def _worker() -> Any:
+    from mdp import Worker
+
+    return Worker("loopback:verify", "echo", echo, _clock())
+
+
+def _client() -> Any:
+    from mdp import Client
+
+    return Client("loopback:verify", _clock())
+
+
+def _channel() -> Any:
+    from mdp.majordomo.client import _Channel
+
+    return _Channel(_client(), "loopback:verify")
+
+
+def _freelance_binding() -> Any:
+    from mdp.freelance import FreelanceServer, _Binding
+
+    return _Binding(FreelanceServer(echo, _clock()))
+
+
+def _freelance_pipe() -> Any:
+    from mdp.freelance import SequentialClient, _Pipe
+
+    return _Pipe(SequentialClient(["loopback:verify"], _clock()), "loopback:verify")
+
+
+def _agent() -> Any:
+    from mdp.freelance import AgentClient
+
+    return AgentClient(["loopback:verify"], _clock())
+
+
+def _loopback_router() -> Any:
+    from mdp.transport.loopback import LoopbackNetwork, LoopbackRouter
+
+    return LoopbackRouter("verify", _Receiver(), _clock(), LoopbackNetwork())
+
+
+def _loopback_dealer() -> Any:
+    from mdp.transport.loopback import LoopbackDealer, LoopbackNetwork
+
+    return LoopbackDealer("verify", _Receiver(), _clock(), LoopbackNetwork())
+
+
+class _Receiver:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args: None
+
+
+def _stream_router() -> Any:
+    from mdp.transport.stream import StreamRouter
+
+    return StreamRouter(_Receiver(), _clock())
+
+
+def _stream_dealer() -> Any:
+    from mdp.transport.stream import StreamDealer
+
+    dealer = StreamDealer(_clock(), "tcp:host=127.0.0.1:port=1", _Receiver())
+    dealer.close()
+    return dealer
+
+
+def _zmq_router() -> Any:
+    from mdp.transport.zeromq import ZmqRouter
+
+    return ZmqRouter("zmq:inproc://verify-router", _Receiver(), _clock())
+
+
+def _zmq_dealer() -> Any:
+    from mdp.transport.zeromq import ZmqDealer
+
+    return ZmqDealer(_clock(), "zmq:inproc://verify-router", _Receiver())
+
+
+def _peer_router() -> Any:
+    from mdp.transport.peers import PeerRouter
+
+    return PeerRouter(_Receiver(), _clock())
+
+
+def _script_router() -> Any:
+    from mdp.testing import Script, _Router
+
+    return _Router(Script(), "script:x/y", _Receiver())
+
+
+def _script_pipe() -> Any:
+    from mdp.testing import Script, _Pipe
+
+    return _Pipe(Script(), "script:x/y", "script:x/y#1", _Receiver())
+
+
+def _maker(name: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from mdp.app import tap
+
+        return getattr(tap, name)()
+
+    return make
+
+
+def _bare(path: str) -> Callable[[], Any]:
+    def make() -> Any:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)()
+
+    return make
+
+
+FACTORIES: dict[str, Callable[[], Any]] = {
+    "mdp.majordomo.broker.Broker": _broker,
+    "mdp.majordomo.broker.Binding": _binding,
+    "mdp.majordomo.worker.Worker": _worker,
+    "mdp.majordomo.client.Client": _client,
+    "mdp.majordomo.client._Channel": _channel,
+    "mdp.majordomo.idempotence.MemoryReplyStore": _bare("mdp.majordomo.idempotence.MemoryReplyStore"),
+    "mdp.freelance._Binding": _freelance_binding,
+    "mdp.freelance._Pipe": _freelance_pipe,
+    "mdp.freelance.AgentClient": _agent,
+    "mdp.transport.framing.RecordDecoder": _bare("mdp.transport.framing.RecordDecoder"),
+    "mdp.transport.framing.LengthPrefixedFraming": _bare("mdp.transport.framing.LengthPrefixedFraming"),
+    "mdp.transport.loopback.LoopbackRouter": _loopback_router,
+    "mdp.transport.loopback.LoopbackDealer": _loopback_dealer,
+    "mdp.transport.stream.StreamRouter": _stream_router,
+    "mdp.transport.stream.StreamDealer": _stream_dealer,
+    "mdp.transport.stream._RouterConnection": _bare("mdp.transport.stream._RouterConnection"),
+    "mdp.transport.stream._DealerConnection": _bare("mdp.transport.stream._DealerConnection"),
+    "mdp.transport.zeromq.ZmqRouter": _zmq_router,
+    "mdp.transport.zeromq.ZmqDealer": _zmq_dealer,
+    "mdp.transport.peers.PeerRouter": _peer_router,
+    "mdp.testing._Router": _script_router,
+    "mdp.testing._Pipe": _script_pipe,
+    "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),
+    "mdp.app.tap.WorkerServiceMaker": _maker("WorkerServiceMaker"),
+    "mdp.app.tap.FreelanceServerServiceMaker": _maker("FreelanceServerServiceMaker"),
+}
+
+
+def test_every_declaring_class_is_verified() -> None:
+    missing = sorted(set(declaring_classes()) - set(FACTORIES))
+    assert not missing, f"add a factory for {missing}"
+
+
+@pytest.mark.parametrize("path", sorted(FACTORIES))
+@pytest_twisted.ensureDeferred
+async def test_declared_interfaces_are_provided(path: str) -> None:
+    classes = declaring_classes()
+    assert path in classes, f"{path} no longer declares an interface: drop its factory"
+    obj = FACTORIES[path]()
+    try:
+        for interface in implementedBy(classes[path]).declared:
+            assert verifyObject(interface, obj)
+    finally:
+        close = getattr(obj, "close", None)
+        if close is not None and path.startswith("mdp.transport.zeromq"):
+            await close()
+
+
+def test_twisted_plugins_verify() -> None:
+    from twisted.application.service import IServiceMaker
+    from twisted.plugin import IPlugin, getPlugins
+
+    makers = [p for p in getPlugins(IServiceMaker) if p.tapname.startswith("mdp-")]
+    assert sorted(p.tapname for p in makers) == ["mdp-broker", "mdp-freelance-server", "mdp-worker"]
+    for maker in makers:
+        verifyObject(IServiceMaker, maker)
+        verifyObject(IPlugin, maker)
