@@ -99,3 +99,40 @@ def test_garbage_gives_messages_or_a_protocol_error_and_nothing_else(data: bytes
     except ProtocolError:
         pass
     assert decoder.buffered <= 256 + 4 * 8 + 4
+
+
+# --- the identity greeting ------------------------------------------------------
+
+def test_greeting_announces_an_identity_in_any_pieces() -> None:
+    from mdp.transport.framing import RECORDS
+
+    wire = RECORDS.greeting(b"session-7") + encode_record([b"a", b""]) + encode_record([b"b"])
+    for cut in range(1, len(wire)):
+        decoder = RecordDecoder()
+        out = decoder.feed(wire[:cut]) + decoder.feed(wire[cut:])
+        assert out == [[b"a", b""], [b"b"]]
+        assert decoder.identity == b"session-7"
+
+
+def test_no_greeting_without_an_identity() -> None:
+    from mdp.transport.framing import RECORDS
+
+    assert RECORDS.greeting(None) == b""
+    decoder = RecordDecoder()
+    assert decoder.feed(encode_record([b"x"])) == [[b"x"]]
+    assert decoder.identity is None
+
+
+@pytest.mark.parametrize("identity", [b"", b"\x00router-made"])
+def test_a_greeting_with_an_empty_or_reserved_identity_is_refused(identity: bytes) -> None:
+    from mdp.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match="identity"):
+        RecordDecoder().feed(b"\xff\xff\xff\xff" + bytes([len(identity)]) + identity)
+
+
+def test_a_greeting_after_the_first_record_is_an_oversized_record() -> None:
+    decoder = RecordDecoder()
+    decoder.feed(encode_record([b"first"]))
+    with pytest.raises(RecordTooLarge):
+        decoder.feed(b"\xff\xff\xff\xff\x02me")
