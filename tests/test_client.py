@@ -179,3 +179,62 @@ def test_a_request_needs_a_body() -> None:
     client = Client("loopback:nowhere", task.Clock())
     with pytest.raises(ValueError):
         client.request("svc")
+
+
+def test_caller_mistakes_raise_at_once() -> None:
+    from twisted.internet import task
+
+    clock = task.Clock()
+    client = Client("loopback:nowhere", clock)
+    # a frame of another type: bytes(5) would have sent five zero bytes
+    with pytest.raises(TypeError, match="not int"):
+        client.request("echo", 5)
+    with pytest.raises(TypeError, match="not NoneType"):
+        client.request("echo", b"ok", None)
+    with pytest.raises(TypeError, match="service name"):
+        client.request(5, b"x")
+    with pytest.raises(TypeError):
+        client.stream("echo", 1.5)
+    with pytest.raises(ValueError, match="empty service name"):
+        client.request("", b"x")
+    with pytest.raises(ValueError, match="not ASCII"):
+        client.request("écho", b"x")
+    with pytest.raises(ValueError, match="timeout"):
+        client.request("echo", b"x", timeout=-1)
+    with pytest.raises(ValueError, match="retries"):
+        client.request("echo", b"x", retries=0)
+    with pytest.raises(ValueError, match="timeout"):
+        client.stream("echo", b"x", timeout=-0.5)
+    # nothing was queued or opened for any of them
+    assert client._channels == set() and not clock.getDelayedCalls()
+    with pytest.raises(ValueError):
+        Client("loopback:nowhere", clock, timeout=-1)
+    with pytest.raises(ValueError):
+        Client("loopback:nowhere", clock, retries=0)
+
+
+def test_a_malformed_endpoint_raises_at_once() -> None:
+    from mdp.errors import TransportError
+
+    with pytest.raises(TransportError, match="bad endpoint"):
+        Client("tcp:host=127.0.0.1")
+    with pytest.raises(TransportError, match="bad endpoint"):
+        Client(["loopback:fine", "zmq:tcp://127.0.0.1"])
+    with pytest.raises(TransportError, match="unknown scheme"):
+        Client("nope:whatever")
+    with pytest.raises(ValueError):
+        Client([])
+
+
+def test_provides_its_interfaces() -> None:
+    from twisted.internet import task
+    from zope.interface.verify import verifyObject
+
+    from mdp.interfaces import IClient, IDealerReceiver
+    from mdp.majordomo.client import _Channel
+
+    client = Client("loopback:nowhere", task.Clock())
+    assert verifyObject(IClient, client)
+    channel = _Channel(client, client.endpoint)
+    assert verifyObject(IDealerReceiver, channel)
+    channel.close()

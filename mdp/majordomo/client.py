@@ -18,15 +18,68 @@ most once per pipe, and the broker can never answer it twice on one
 connection.  A reply arriving on a channel with no request in flight is
 discarded and the channel replaced, so it cannot complete a later request.
 
+Theory of operation
+-------------------
+Two kinds of machine: one per request (a ``_Call``, in a :class:`CallState`)
+and one per connection of the pool (a ``_Channel``, in a
+:class:`ChannelState`).  A request's states:
+
+===========  ===================================  ===========  ================================
+state        event                                next state   actions
+===========  ===================================  ===========  ================================
+(new)        ``request()``                        QUEUED       attempt 1 starts; the request
+                                                               waits in the client's FIFO
+QUEUED       a connection is idle, or one may     IN_FLIGHT    the connection sends it now, or
+             be opened (< ``maxConnections``)                  once its pipe is up
+IN_FLIGHT    PARTIAL                              STREAMING    ``onPartial(body)``
+STREAMING    PARTIAL                              STREAMING    ``onPartial(body)``
+IN_FLIGHT,   FINAL                                DONE         connection freed; the Deferred
+STREAMING                                                      fires (fails for an error reply)
+IN_FLIGHT    pipe broke                           IN_FLIGHT    sent again once the pipe is back
+STREAMING    pipe broke, or the restart marker    IN_FLIGHT    ``onRestart()`` (without one:
+                                                               DONE, ``StreamRestarted``)
+IN_FLIGHT,   the attempt runs out                 QUEUED       connection discarded, next
+STREAMING                                         (at head)    endpoint; ``onRestart()`` if it
+                                                               was STREAMING
+QUEUED       the attempt runs out                 QUEUED       keeps its place in the FIFO
+any          the last attempt runs out            DONE         ``RequestTimeout`` (also after
+                                                               a timeout while STREAMING
+                                                               without ``onRestart``)
+any          ``cancel()``                         DONE         leaves the FIFO; one in flight
+                                                               is *abandoned*: its connection
+                                                               keeps it until its reply or
+                                                               deadline
+any          ``close()``                          DONE         ``ClientClosed``
+===========  ===================================  ===========  ================================
+
+A connection's states (it carries at most one request; see Correlation):
+
+=====  ============================================  =====  ================================
+state  event                                         next   actions
+=====  ============================================  =====  ================================
+DOWN   pipe up                                       UP     send its request, if any: SENT
+UP     given a request                               SENT   send it
+SENT   FINAL (request done), or a request it         UP     serve the next request
+       never sent is cancelled
+UP,    pipe broke                                    DOWN   tell the client (the request's
+SENT                                                        reply may start over)
+=====  ============================================  =====  ================================
+
+A reply on a connection carrying nothing discards that connection; a
+connection whose request timed out is discarded too.  One timer, set for the
+earliest deadline, serves every request of the client.
+
 With ``stamp=True`` every request carries this client's id and a sequence
 number, the same on each retry, so that workers with a reply store run it once
 (:mod:`mdp.majordomo.idempotence`).
 
 Reliability (Lazy Pirate)
 -------------------------
-Each attempt has ``timeout`` seconds.  The first starts when ``request()`` is
-called, whether the request then waits in the client's queue or goes out at
-once; each later one when the one before ran out.  One timer serves the whole
+``timeout`` is the time of **one attempt**, and a request makes at most
+``retries`` attempts: it fails after at most ``timeout × retries`` seconds.
+The first attempt starts when ``request()`` is called, whether the request
+then waits in the client's queue or goes out at once; each later one when the
+one before ran out.  One timer serves the whole
 client (set for the earliest deadline).  When an attempt on the wire runs out,
 its connection is closed and thrown away — so a late reply can never reach the
 caller — and the request is resent on a fresh connection, to the next broker
@@ -55,6 +108,7 @@ fails with :class:`~mdp.errors.StreamRestarted` (or, after a timeout, with
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import uuid
@@ -81,7 +135,7 @@ from mdp.errors import (
 from mdp.interfaces import IClient, IDealerReceiver
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
-from mdp.policy import Limits, LogThrottle
+from mdp.policy import EndpointRotation, Limits, LogThrottle, cancel_call, default_reactor
 
 log = Logger()
 
@@ -100,11 +154,27 @@ Frame = Union[bytes, str]
 
 
 def request_frames(frames: Sequence[Frame]) -> list[bytes]:
-    """Normalise request body frames (``str`` is UTF-8 encoded)."""
-    body = [f.encode("utf-8") if isinstance(f, str) else bytes(f) for f in frames]
+    """Normalise request body frames (``str`` is UTF-8 encoded); ``TypeError``
+    for a frame of any other type, ``ValueError`` for no frame at all."""
+    body = [f if type(f) is bytes else _frame(f) for f in frames]
     if not body:
         raise ValueError("an MDP request needs at least one body frame")
     return body
+
+
+def _frame(frame: object) -> bytes:
+    if isinstance(frame, str):
+        return frame.encode("utf-8")
+    if isinstance(frame, bytes):
+        return bytes(frame)
+    raise TypeError(f"a request frame is bytes or str, not {type(frame).__name__}")
+
+
+def _check_attempts(timeout: float, retries: int) -> None:
+    if timeout < 0:
+        raise ValueError(f"timeout must not be negative, got {timeout}")
+    if retries < 1:
+        raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
 
 
 def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]:
@@ -116,12 +186,43 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
     return _ERRORS.get(code, RemoteError)(service, code, message)
 
 
+class CallState(enum.Enum):
+    """Where one request stands (see the table in the module docstring)."""
+
+    #: waiting in the client's FIFO for a connection
+    QUEUED = "queued"
+    #: carried by a connection, which sends it (again) whenever its pipe is up
+    IN_FLIGHT = "in flight"
+    #: in flight, and PARTIALs of the current attempt were delivered
+    STREAMING = "streaming"
+    #: answered, failed or cancelled (a cancelled one may still be carried,
+    #: abandoned, until its reply or deadline)
+    DONE = "done"
+
+
+QUEUED, IN_FLIGHT, STREAMING, DONE = (
+    CallState.QUEUED, CallState.IN_FLIGHT, CallState.STREAMING, CallState.DONE)
+
+
+class ChannelState(enum.Enum):
+    """Where one connection of the pool stands."""
+
+    #: its pipe is not up (not yet, or broke and is coming back)
+    DOWN = "down"
+    #: its pipe is up; its request, if it has one, is not sent on it yet
+    UP = "up"
+    #: its pipe is up and its request went out on it
+    SENT = "sent"
+
+
+DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
+
+
 class _Call:
     """One request: its Deferred, its attempts and where it is."""
 
     __slots__ = ("service", "message", "deferred", "onPartial", "onRestart", "timeout",
-                 "retries", "attempts", "startedAt", "deadline", "channel", "queued", "done",
-                 "parts")
+                 "retries", "attempts", "startedAt", "deadline", "channel", "state")
 
     def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
                  onPartial: Optional[Callable[[list[bytes]], Any]],
@@ -137,10 +238,15 @@ class _Call:
         self.attempts = 1
         self.deadline = startedAt + timeout  # when the current attempt runs out
         self.channel: Optional[_Channel] = None  # the connection carrying it
-        self.queued = False  # in the client's waiting queue
-        self.done = False  # answered, failed or cancelled
-        self.parts = 0  # PARTIALs delivered in the current attempt
+        #: QUEUED exactly while it is in the client's FIFO (a DONE one may
+        #: linger there until it reaches the head)
+        self.state = QUEUED
         self.deferred: defer.Deferred[list[bytes]] = defer.Deferred(lambda _: canceller(self))
+
+    @property
+    def done(self) -> bool:
+        """Answered, failed or cancelled."""
+        return self.state is DONE
 
 
 @implementer(IDealerReceiver)
@@ -152,31 +258,47 @@ class _Channel:
         self.client = client
         #: the request in flight; a done one is abandoned, its reply still due
         self.call: Optional[_Call] = None
-        self.up = False  # the pipe is up (connectionMade, no connectionLost since)
-        self.sent = False  # the call went out on the current pipe
+        self.state = DOWN
         self.transport = transport.connect(endpoint, self, client.reactor, limits=client.limits)
+
+    @property
+    def up(self) -> bool:
+        """The pipe is up (connectionMade, no connectionLost since)."""
+        return self.state is not DOWN
+
+    @property
+    def sent(self) -> bool:
+        """Its request went out on the current pipe."""
+        return self.state is SENT
 
     def carry(self, call: _Call) -> None:
         self.call = call
         call.channel = self
-        self.sent = self.up and self.transport.connected
-        if self.sent:
-            self.transport.sendMessage(call.message)
+        call.state = IN_FLIGHT
+        if self.state is not DOWN:
+            self.state = UP
+            self.send()
 
     def send(self) -> None:
         call = self.call
-        if (call is not None and not self.sent and not call.done and self.up
+        if (self.state is UP and call is not None and call.state is not DONE
                 and self.transport.connected):
-            self.sent = True
+            self.state = SENT
             self.transport.sendMessage(call.message)
 
+    def release(self) -> None:
+        """It carries nothing any more."""
+        self.call = None
+        if self.state is SENT:
+            self.state = UP
+
     def connectionMade(self) -> None:
-        self.up = True
+        if self.state is DOWN:
+            self.state = UP
         self.send()
 
     def connectionLost(self, reason: object) -> None:
-        self.up = False
-        self.sent = False
+        self.state = DOWN
         self.client._channelLost(self, getattr(reason, "value", None))
 
     def messageReceived(self, frames: list[bytes]) -> None:
@@ -189,7 +311,14 @@ class _Channel:
 
 @implementer(IClient)
 class Client:
-    """An MDP/0.2 client of one broker (or of the first live one of several)."""
+    """An MDP/0.2 client of one broker (or of the first live one of several).
+
+    *endpoint* is one broker endpoint or a failover list; each is checked at
+    once (a malformed one raises :class:`~mdp.errors.TransportError`).
+    *timeout* is the seconds of **one attempt** and *retries* the number of
+    attempts in all, so a request fails with :class:`RequestTimeout` after at
+    most ``timeout × retries`` seconds.  At most *maxConnections* requests are
+    in flight at once (one per connection); more wait in a local FIFO."""
 
     def __init__(
         self,
@@ -202,13 +331,14 @@ class Client:
         stamp: bool = False,
         limits: Limits = Limits(),
     ) -> None:
-        if reactor is None:
-            from twisted.internet import reactor
-        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
-        if not self.endpoints:
+        reactor = default_reactor(reactor)
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not endpoints:
             raise ValueError("a client needs at least one broker endpoint")
-        if retries < 1:
-            raise ValueError("retries counts attempts and must be at least 1")
+        for each in endpoints:
+            transport.check(each, transport.CONNECT)
+        _check_attempts(timeout, retries)
+        self._rotation = EndpointRotation(endpoints)
         self.reactor = reactor
         self.timeout = timeout
         self.retries = retries
@@ -219,7 +349,6 @@ class Client:
         self.clientId = uuid.uuid4().bytes
         self._throttle = LogThrottle(reactor)
         self._sequence = itertools.count(1)
-        self._endpointIndex = 0
         self._idle: list[_Channel] = []
         self._channels: set[_Channel] = set()
         self._waiting: deque[_Call] = deque()
@@ -233,9 +362,14 @@ class Client:
         self._timerAt = 0.0  # when it fires
 
     @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self._rotation.endpoints
+
+    @property
     def endpoint(self) -> str:
         """The broker endpoint new connections go to."""
-        return self.endpoints[self._endpointIndex]
+        return self._rotation.current
 
     # --- public API ----------------------------------------------------------
 
@@ -250,35 +384,40 @@ class Client:
     ) -> defer.Deferred[list[bytes]]:
         """Send a request; the Deferred fires with the FINAL body frames.
 
+        *timeout* (default: the client's) is the seconds of **one attempt**;
+        *retries* (default: the client's) is the number of attempts in all.
+        The request fails with :class:`RequestTimeout` after at most
+        ``timeout × retries`` seconds, counted from this call.
+
         *onPartial* is called with the body of every PARTIAL before that, and
         *onRestart* when the reply starts over (see the module docstring).
-        Errors: :class:`RequestTimeout`, :class:`WorkerError`,
+
+        Caller mistakes raise at once: ``TypeError`` if *service* or a frame
+        is not ``bytes``/``str``; ``ValueError`` for no frame, an empty (or
+        non-ASCII, or too long) service name, a negative *timeout* or
+        *retries* below 1.  Everything else fails the Deferred:
+        :class:`RequestTimeout`, :class:`WorkerError`,
         :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
         :class:`MessageTooLarge` (also before sending, for a request over
         ``limits``), :class:`StreamRestarted`, :class:`ClientClosed`;
         cancelling the Deferred abandons the request.
         """
+        name = codec.api_service_name(service)
+        body = request_frames(frames)
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        _check_attempts(timeout, retries)
         if self._closed:
             return defer.fail(ClientClosed("client is closed"))
-        body = request_frames(frames)
         if self.stamp:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
-        name = codec.service_name(service)
         message = codec.encode(codec.ClientRequest(name, body), self.dialect)
         tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
         if tooLarge is not None:
             return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE,
                                               f"request not sent: {tooLarge}"))
-        call = _Call(
-            name,
-            message,
-            self.timeout if timeout is None else timeout,
-            self.retries if retries is None else retries,
-            onPartial,
-            onRestart,
-            self.reactor.seconds(),
-            self._cancel,
-        )
+        call = _Call(name, message, timeout, retries, onPartial, onRestart,
+                     self.reactor.seconds(), self._cancel)
         self._live += 1
         self._schedule(call)
         self._enqueue(call)
@@ -289,7 +428,8 @@ class Client:
                timeout: Optional[float] = None) -> ReplyStream:
         """Send a request and iterate its reply parts: ``async for part in
         client.stream(...)`` yields every PARTIAL body, then the FINAL body
-        (see :class:`ReplyStream` for restarts)."""
+        (see :class:`ReplyStream` for restarts).  *timeout* is per attempt,
+        and arguments are checked at once, as for :meth:`request`."""
         replies = ReplyStream()
         d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
                          onRestart=replies._restart)
@@ -302,21 +442,20 @@ class Client:
         # every call not yet done has an entry for its current attempt
         calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
         self._waiting.clear()
-        self._waitingDone = 0
         for channel in list(self._channels):
             self._discard(channel)
         self._stopTimer()
         self._deadlines.clear()
         for call in calls:
-            call.queued = False
             call.channel = None
             self._fail(call, ClientClosed("client closed"))
+        self._waitingDone = 0  # the FIFO was emptied above
         return defer.succeed(None)
 
     # --- pool ----------------------------------------------------------------
 
     def _enqueue(self, call: _Call, first: bool = False) -> None:
-        call.queued = True
+        call.state = QUEUED
         if first:
             self._waiting.appendleft(call)
         else:
@@ -328,9 +467,8 @@ class Client:
         waiting = self._waiting
         while waiting:
             call = waiting[0]
-            if call.done:
+            if call.state is DONE:
                 waiting.popleft()
-                call.queued = False
                 self._waitingDone -= 1
                 continue
             if self._idle:
@@ -338,16 +476,13 @@ class Client:
             elif len(self._channels) < self.maxConnections:
                 try:
                     channel = _Channel(self, self.endpoint)
-                except Exception as e:  # a bad endpoint: nothing can be sent
-                    waiting.popleft()
-                    call.queued = False
-                    self._fail(call, e)
+                except Exception as e:  # the transport refused: nothing can be sent
+                    self._fail(call, e)  # DONE: dropped from the FIFO on the next turn
                     continue
                 self._channels.add(channel)
             else:
                 return
             waiting.popleft()
-            call.queued = False
             channel.carry(call)
 
     def _discard(self, channel: _Channel) -> None:
@@ -361,7 +496,8 @@ class Client:
 
     def _release(self, channel: _Channel) -> None:
         """*channel* carries nothing any more: it serves the next request."""
-        call, channel.call = channel.call, None
+        call = channel.call
+        channel.release()
         if call is not None and call.channel is channel:
             call.channel = None
         self._idle.append(channel)
@@ -403,8 +539,7 @@ class Client:
 
     def _stopTimer(self) -> None:
         timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        cancel_call(timer)
 
     def _sweep(self) -> None:
         """The timer: end the attempts whose deadline has come, then wait for
@@ -453,7 +588,7 @@ class Client:
             if len(body) == 1 and body[0] == codec.RESTART_MARKER:
                 self._restart(call)
                 return
-            call.parts += 1
+            call.state = STREAMING
             if call.onPartial is not None:
                 try:
                     call.onPartial(list(body))
@@ -483,11 +618,16 @@ class Client:
             self._release(channel)
 
     def _restart(self, call: _Call) -> None:
-        """The reply of *call* starts over: tell the caller, or fail the call
-        if it had already received parts and gave no ``onRestart``."""
-        if not call.parts:
-            return
-        call.parts = 0
+        """The reply of *call* starts over on its connection: if PARTIALs of
+        it were delivered (STREAMING), it is IN_FLIGHT again and the caller
+        is told."""
+        if call.state is STREAMING:
+            call.state = IN_FLIGHT
+            self._restarted(call)
+
+    def _restarted(self, call: _Call) -> None:
+        """Tell the caller that the reply of *call* starts over, or fail the
+        call if it gave no ``onRestart``."""
         if call.onRestart is None:
             self._fail(call, StreamRestarted(
                 f"the reply stream of the request to {call.service.decode('ascii', 'replace')!r} "
@@ -501,16 +641,16 @@ class Client:
     def _expired(self, call: _Call) -> None:
         """The current attempt of *call* ran out (or, abandoned, its reply never came)."""
         channel = call.channel
-        if call.done:  # abandoned and unanswered: its connection is of no more use
+        if call.state is DONE:  # abandoned and unanswered: its connection is of no more use
             if channel is not None:
                 self._discard(channel)
                 self._pump()
             return
+        streamed = call.state is STREAMING
         if channel is not None:
             self._discard(channel)
-            if len(self.endpoints) > 1:
-                self._endpointIndex = (self._endpointIndex + 1) % len(self.endpoints)
-        if call.attempts >= call.retries or (call.parts and call.onRestart is None):
+            self._rotation.advance()
+        if call.attempts >= call.retries or (streamed and call.onRestart is None):
             self._fail(call, RequestTimeout(call.service, call.attempts,
                                             self.reactor.seconds() - call.startedAt))
             self._pump()
@@ -521,28 +661,28 @@ class Client:
         call.attempts += 1
         call.deadline = self.reactor.seconds() + call.timeout
         self._schedule(call)
-        if not call.queued:
+        if call.state is not QUEUED:
             self._enqueue(call, first=True)
         # the retry is in place before the caller hears of it: its onRestart
         # may cancel the request or close the client
-        self._restart(call)
+        if streamed:
+            self._restarted(call)
         self._pump()
 
     def _done(self, call: _Call) -> bool:
-        """Mark *call* finished; False if it already was."""
-        if call.done:
+        """Mark *call* DONE; False if it already was."""
+        state = call.state
+        if state is DONE:
             return False
-        call.done = True
+        call.state = DONE
         self._live -= 1
         call.message = call.onPartial = call.onRestart = None  # nothing more is sent or told
-        if call.queued:
+        if state is QUEUED:  # it stays in the FIFO until it reaches the head
             self._waitingDone += 1
             waiting = self._waiting
             if self._waitingDone > 64 and 2 * self._waitingDone > len(waiting):
                 # in place: _pump may be iterating this very deque
-                kept = [c for c in waiting if not c.done]
-                for c in waiting:
-                    c.queued = not c.done
+                kept = [c for c in waiting if c.state is not DONE]
                 waiting.clear()
                 waiting.extend(kept)
                 self._waitingDone = 0

@@ -223,6 +223,18 @@ def service_name(service: Union[str, bytes]) -> bytes:
     return validate_service(bytes(service))
 
 
+def api_service_name(service: object) -> bytes:
+    """A service name given by a caller (``str`` or ``bytes``) as wire bytes:
+    ``TypeError`` for any other type, ``ValueError`` for a name MDP cannot
+    carry (empty, too long, not printable ASCII)."""
+    if not isinstance(service, (bytes, str)):
+        raise TypeError(f"a service name is bytes or str, not {type(service).__name__}")
+    try:
+        return service_name(service)
+    except ProtocolError as e:
+        raise ValueError(str(e)) from None
+
+
 def check_dialect(dialect: str) -> str:
     """Return *dialect* if it is one we speak, else raise ``ValueError``."""
     if dialect not in DIALECTS:
