@@ -121,7 +121,7 @@ def _stream_router() -> Any:
 def _stream_dealer() -> Any:
     from mdp.transport.stream import StreamDealer
 
-    dealer = StreamDealer(_clock(), "tcp:host=127.0.0.1:port=1", _Receiver())
+    dealer = StreamDealer("tcp:host=127.0.0.1:port=1", _Receiver(), _clock())
     dealer.close()
     return dealer
 
@@ -135,7 +135,7 @@ def _zmq_router() -> Any:
 def _zmq_dealer() -> Any:
     from mdp.transport.zeromq import ZmqDealer
 
-    return ZmqDealer(_clock(), "zmq:inproc://verify-router", _Receiver())
+    return ZmqDealer("zmq:inproc://verify-router", _Receiver(), _clock())
 
 
 def _peer_router() -> Any:

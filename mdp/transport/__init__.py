@@ -155,7 +155,7 @@ def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                  retryPolicy: Any, identity: Optional[bytes]) -> Any:
     from mdp.transport.zeromq import ZmqDealer
 
-    return ZmqDealer(reactor, endpoint, receiver, limits, identity=identity)
+    return ZmqDealer(endpoint, receiver, reactor, limits=limits, identity=identity)
 
 
 def _check_loopback(endpoint: str, role: str) -> None:

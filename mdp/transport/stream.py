@@ -342,10 +342,10 @@ class StreamRouter:
 
     @classmethod
     def listen(
-        cls, reactor: Any, endpoint: str, receiver: IRouterReceiver, limits: Limits = Limits(),
+        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
         framing: IFraming = RECORDS,
     ) -> defer.Deferred[StreamRouter]:
-        router = cls(receiver, reactor, limits, framing)
+        router = cls(receiver, reactor, limits=limits, framing=framing)
         description = server_description(endpoint)
         server = serverFromString(reactor, description)
         factory = router.factory()
@@ -437,9 +437,10 @@ class StreamDealer:
 
     def __init__(
         self,
-        reactor: Any,
         endpoint: str,
         receiver: IDealerReceiver,
+        reactor: Any,
+        *,
         retryPolicy: Optional[Callable[[int], float]] = None,
         limits: Limits = Limits(),
         framing: IFraming = RECORDS,
@@ -581,12 +582,12 @@ def check_endpoint(endpoint: str, role: str) -> None:
 
 
 def _listen(endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits) -> Any:
-    return StreamRouter.listen(reactor, endpoint, receiver, limits)
+    return StreamRouter.listen(endpoint, receiver, reactor, limits=limits)
 
 
 def _connect(endpoint: str, receiver: IDealerReceiver, reactor: Any, limits: Limits,
              retryPolicy: Optional[Callable[[int], float]], identity: Optional[bytes]) -> Any:
-    return StreamDealer(reactor, endpoint, receiver, retryPolicy=retryPolicy, limits=limits,
+    return StreamDealer(endpoint, receiver, reactor, retryPolicy=retryPolicy, limits=limits,
                         identity=identity)
 
 

@@ -564,7 +564,7 @@ class ZmqDealer:
 
     connected = True
 
-    def __init__(self, reactor: Any, endpoint: str, receiver: IDealerReceiver,
+    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), identity: Optional[bytes] = None) -> None:
         self.reactor = reactor
         self.endpoint = endpoint
