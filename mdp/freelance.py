@@ -239,7 +239,7 @@ class FreelanceServer:
         from mdp.transport.stream import StreamRouter
 
         binding = _Binding(self)
-        router = StreamRouter(binding, self.reactor, self.limits)
+        router = StreamRouter(binding, self.reactor, limits=self.limits)
         binding.transport = router
         self.transports.append(router)
         return router.factory()
