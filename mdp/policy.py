@@ -138,9 +138,11 @@ def default_reactor(reactor: Optional[Any] = None) -> Any:
 
 
 def cancel_call(call: Any) -> None:
-    """Cancel a delayed call if it is still pending (``None`` is fine)."""
+    """Cancel a delayed call if it is still pending (``None`` is fine).
+    Returns None, to store back: ``self.timer = cancel_call(self.timer)``."""
     if call is not None and call.active():
         call.cancel()
+    return None
 
 
 KiB = 1024

@@ -50,7 +50,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle, held_bytes
+from mdp.policy import Limits, LogThrottle, cancel_call, held_bytes
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.framing import RECORDS
 from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
@@ -231,9 +231,7 @@ class _RouterConnection(FramedProtocol):
         self.drop(why, seconds=seconds, held=self.decoder.buffered)
 
     def _cancelTimer(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        self._timer = cancel_call(self._timer)
 
     def send(self, frames: list[bytes]) -> None:
         if self.closing:

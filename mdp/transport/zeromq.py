@@ -34,7 +34,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle, held_bytes
+from mdp.policy import Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.flow import DrainWaiters
 
 log = Logger()
@@ -117,7 +117,7 @@ def _connection_classes() -> tuple[type, type]:
             skipping: Any = None
 
             def doRead(self) -> None:
-                self.read_scheduled = _cancel(self.read_scheduled)
+                self.read_scheduled = cancel_call(self.read_scheduled)
                 socket = self.socket
                 if socket is None:
                     return
@@ -250,12 +250,6 @@ class FlushPacer:
         return self.delay
 
 
-def _cancel(call: Any) -> None:
-    """Cancel a pending delayed call (if any); returns None to store back."""
-    if call is not None and call.active():
-        call.cancel()
-
-
 def _zmq() -> Any:
     """The zmq module (imported late: see the module docstring)."""
     import zmq
@@ -373,7 +367,7 @@ class _RoutedSocket:
     def _flush(self) -> None:
         """Send what waits in the backlogs (called by the timer, and when
         libzmq signals the socket: a full pipe may have drained)."""
-        self._flushCall = _cancel(self._flushCall)
+        self._flushCall = cancel_call(self._flushCall)
         if self.connection.socket is None:
             return
         send = self.connection.send
@@ -438,7 +432,7 @@ class _RoutedSocket:
                            "{error}", endpoint=self.endpoint, peer=peer.hex(), error=error)
 
     def _shutdown(self) -> None:
-        self._flushCall = _cancel(self._flushCall)
+        self._flushCall = cancel_call(self._flushCall)
         self.backlogs.clear()
         self.cut.clear()
         if self.connection.socket is not None:
@@ -468,9 +462,7 @@ class ZmqRouter(_RoutedSocket):
         self.connection.owner = self
         # a peer that reconnects with the identity it chose takes it over
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if reactor is None:
-            from twisted.internet import reactor
-        self._setup(reactor, limits)
+        self._setup(default_reactor(reactor), limits)
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
         except zmq.ZMQError as e:
@@ -597,7 +589,7 @@ class ZmqDealer:
 
     def _flush(self) -> None:
         """Send what waits in the backlog, until ZeroMQ refuses again."""
-        self._retry = _cancel(self._retry)
+        self._retry = cancel_call(self._retry)
         if self.connection is None:
             return
         backlog = self._backlog
@@ -681,7 +673,7 @@ class ZmqDealer:
         connection, self.connection = self.connection, None
         self._backlog.clear()
         self._backlogBytes = 0
-        self._retry = _cancel(self._retry)
+        self._retry = cancel_call(self._retry)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
