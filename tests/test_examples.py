@@ -1,0 +1,31 @@
+"""The examples run as documented."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import pytest_twisted
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_embedded_broker_serves_through_a_factory_on_our_own_port() -> None:
+    """examples/embedded_broker.py: a broker's streamFactory() behind a
+    listener the test (not the broker) owns, on a port the OS picks."""
+    from twisted.internet import reactor
+
+    example = load("embedded_broker")
+    reply = await example.main(reactor, "tcp:0:interface=127.0.0.1")
+    assert reply == [b"HELLO FROM YOUR OWN SERVER"]
