@@ -123,3 +123,114 @@ async def test_worker_table_is_bounded(clocknet: LoopbackNet) -> None:
     clocknet.advance(0)
     assert len(broker.workers) == 2
     assert peers[2].received == [[codec.WORKER_HEADER, codec.W_DISCONNECT]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_snapshot_is_a_read_only_view(clocknet: LoopbackNet) -> None:
+    from mdp.majordomo.broker import BrokerSnapshot, ServiceSnapshot
+
+    broker, endpoint = await start_broker(clocknet)
+    busy = RawPeer(clocknet, endpoint)
+    busy.send(codec.WORKER_HEADER, codec.W_READY, b"echo")
+    start_worker(clocknet, endpoint, "echo", echo)
+    start_worker(clocknet, endpoint, "other", echo)
+    await clocknet.until(lambda: len(broker.workers) == 3)
+    client = make_client(clocknet, endpoint, timeout=30, retries=1)
+    # the raw worker was first in line and never answers: it stays busy
+    client.request("echo", b"held")
+    client.request("nobody", b"queued")
+    await clocknet.until(lambda: broker.queued == 1)
+    clocknet.advance(0.5)
+    snapshot = broker.snapshot()
+    assert isinstance(snapshot, BrokerSnapshot)
+    assert snapshot.at == clocknet.reactor.seconds()
+    assert snapshot.services == (
+        ServiceSnapshot(b"echo", idle=1, busy=1, queued=0, queuedBytes=0),
+        ServiceSnapshot(b"nobody", idle=0, busy=0, queued=1, queuedBytes=6 + 64),
+        ServiceSnapshot(b"other", idle=1, busy=0, queued=0, queuedBytes=0),
+    )
+    assert snapshot.services[0].workers == 2
+    assert (snapshot.serviceCount, snapshot.workerCount) == (3, 3)
+    assert (snapshot.queued, snapshot.queuedBytes) == (1, 70)
+    assert [(w.service, w.busy, w.dialect) for w in snapshot.workers] == [
+        (b"echo", True, "rfc"), (b"echo", False, "rfc"), (b"other", False, "rfc")]
+    assert all(0 <= w.silence <= 2.5 for w in snapshot.workers)
+    assert all(len(w.peer) % 2 == 0 and int(w.peer, 16) >= 0 for w in snapshot.workers)
+    # limits and a service filter
+    some = broker.snapshot(serviceLimit=1, workerLimit=1, service=b"echo")
+    assert [s.name for s in some.services] == [b"echo"] and some.serviceCount == 3
+    assert [w.service for w in some.workers] == [b"echo"] and some.workerCount == 2
+    # frozen
+    with pytest.raises(AttributeError):
+        snapshot.queued = 0  # type: ignore[misc]
+
+
+def test_mmi_reads_only_the_public_view() -> None:
+    """mmi.py uses the broker's snapshot and isServiceAvailable, nothing private."""
+    import ast
+    import inspect
+
+    from mdp.majordomo import mmi
+
+    tree = ast.parse(inspect.getsource(mmi))
+    used = {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "broker"}
+    assert used == {"snapshot", "isServiceAvailable"}
+
+
+def test_provides_its_interfaces() -> None:
+    from twisted.internet import task
+    from zope.interface.verify import verifyObject
+
+    from mdp.interfaces import IBroker, IRouterReceiver
+    from mdp.majordomo.broker import Binding
+
+    broker = Broker(task.Clock())
+    assert verifyObject(IBroker, broker)
+    assert verifyObject(IRouterReceiver, Binding(broker, True, True))
+    assert not IRouterReceiver.providedBy(broker)
+
+
+def test_a_malformed_endpoint_raises_at_once() -> None:
+    from twisted.internet import task
+
+    from mdp.errors import TransportError
+
+    broker = Broker(task.Clock())
+    for endpoint in ("tcp:host=127.0.0.1", "zmq:tcp://127.0.0.1", "tcp:port=http",
+                     "nope:x", "loopback:"):
+        with pytest.raises(TransportError, match="bad endpoint"):
+            broker.listen(endpoint)
+    assert broker.bindings == [] and not broker._ticker.running
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_factory_serves_a_port_of_ones_own() -> None:
+    """A broker embedded with serverFromString(...).listen(broker.streamFactory())."""
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import serverFromString
+
+    from mdp import Client, Worker
+    from tests.conftest import RealNet
+
+    net = RealNet("tcp")
+    broker = Broker(reactor)
+    factory = broker.streamFactory()
+    assert broker._ticker.running and len(broker.bindings) == 1
+    port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(factory)
+    try:
+        endpoint = f"tcp:host=127.0.0.1:port={port.getHost().port}"
+        worker = Worker(endpoint, "echo", echo, reactor)
+        worker.start()
+        client = Client(endpoint, reactor, timeout=10, retries=1)
+        try:
+            assert await net.wait(client.request("echo", b"over", b"tcp"), 15) == [b"over", b"tcp"]
+            assert [w.service for w in broker.snapshot().workers] == [b"echo"]
+        finally:
+            await client.close()
+            await worker.stop()
+    finally:
+        await port.stopListening()
+        await broker.close()
+    assert broker.bindings == [] and not broker._ticker.running

@@ -509,13 +509,13 @@ async def test_a_departing_client_costs_only_the_services_it_used(clocknet: Loop
         leaver.send(codec.CLIENT_HEADER, codec.C_REQUEST, name, b"y")
     await clocknet.until(lambda: broker.queued == 3002)
     calls: list[bytes] = []
-    original = ServiceQueue.drop_client
+    original = ServiceQueue.dropClient
 
     def counted(self: ServiceQueue, client: Any) -> int:
         calls.append(self.name)
         return original(self, client)
 
-    monkeypatch.setattr(ServiceQueue, "drop_client", counted)
+    monkeypatch.setattr(ServiceQueue, "dropClient", counted)
     await clocknet.wait(leaver.transport.close())
     await clocknet.until(lambda: broker.queued == 3000)
     assert sorted(calls) == [b"svc-1", b"svc-2"]

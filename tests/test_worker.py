@@ -152,6 +152,10 @@ def test_a_malformed_endpoint_raises_at_once() -> None:
         Worker(["loopback:fine", "zmq:tcp://127.0.0.1"], "svc", lambda f: f)
     with pytest.raises(ValueError):
         Worker([], "svc", lambda f: f)
+    with pytest.raises(ValueError, match="empty service name"):
+        Worker("loopback:fine", "", lambda f: f)
+    with pytest.raises(TypeError, match="service name"):
+        Worker("loopback:fine", 5, lambda f: f)
 
 
 def test_provides_its_interfaces() -> None:

@@ -17,7 +17,60 @@ that was taken back, can never complete another request of that client.
 A single timer tick per heartbeat interval sends heartbeats, removes silent
 workers (re-queueing the request each held), expires requests queued longer
 than ``requestExpiry`` (503), and forgets services whose last worker left
-more than ``serviceLinger`` seconds ago.
+more than ``serviceLinger`` seconds ago.  Each worker's silence is judged by
+a :class:`~mdp.policy.Liveness`.
+
+Every message from every binding enters through :meth:`Broker.received`, and
+every peer a transport loses through :meth:`Broker.peerGone`.
+
+A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
+
+=========  ===========================================  =========  ============================
+state      event                                        next       actions
+=========  ===========================================  =========  ============================
+(none)     READY, within ``maxWorkers`` and             IDLE       joins the back of its
+           ``maxServiceWorkers``                                   service's idle line
+(none)     READY beyond them; any other command         (none)     DISCONNECT
+IDLE       a request for its service, none ahead        BUSY       REQUEST under a new envelope
+BUSY       PARTIAL with the current envelope            BUSY       PARTIAL to the client
+BUSY       FINAL with the current envelope              IDLE       FINAL to the client; the next
+                                                                   queued request, if any: BUSY
+BUSY       FINAL with the envelope it answered last     BUSY/IDLE  dropped (a second FINAL)
+IDLE,      any message                                  same       heard: its silence restarts
+BUSY
+IDLE,      tick, nothing sent for half an interval      same       HEARTBEAT
+BUSY
+IDLE,      DISCONNECT; peer lost; silent for more       GONE       its request is taken back
+BUSY       than ``interval × liveness``
+IDLE,      invalid or unexpected command (PARTIAL or    GONE       DISCONNECT; its request is
+BUSY       FINAL while IDLE or for another envelope,               taken back
+           READY again, REQUEST)
+=========  ===========================================  =========  ============================
+
+A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
+
+=========  ===========================================  =========  ============================
+state      event                                        next       actions
+=========  ===========================================  =========  ============================
+NEW        an idle worker and nothing queued            ASSIGNED   REQUEST to the worker
+NEW        no idle worker, queues within bounds         QUEUED     waits in its service's queue
+NEW        ``mmi.*``; too large (413); queues full      DONE       answered at once
+           (429)
+QUEUED     a worker of its service is idle              ASSIGNED   REQUEST to the worker
+QUEUED     waited ``requestExpiry``                     DONE       503 error reply
+QUEUED     its client is lost                           DONE       forgotten
+ASSIGNED   PARTIAL                                      ASSIGNED   PARTIAL to the client
+ASSIGNED   FINAL                                        DONE       FINAL to the client
+ASSIGNED   a reply part too large for the client        ANSWERED   413 error reply (a FINAL too
+                                                        (DONE)     large: DONE)
+ANSWERED   PARTIAL                                      ANSWERED   dropped
+ANSWERED   FINAL, or its worker is GONE                 DONE       dropped
+ASSIGNED   its worker is GONE                           QUEUED     at the head; the restart
+                                                                   marker first if PARTIALs
+                                                                   went out
+ASSIGNED   its worker is GONE, ``maxDeliveries``        DONE       500 error reply
+           reached
+=========  ===========================================  =========  ============================
 
 Limits (``docs/reliability.md`` has the table)
 ----------------------------------------------
@@ -41,12 +94,15 @@ Requests to ``mmi.*`` services are answered by the broker itself
 
 from __future__ import annotations
 
+import enum
+import heapq
 import itertools
 from collections import OrderedDict, deque
 from typing import Any, Optional, Sequence
 
 import attrs
 from twisted.internet import defer, task
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -64,7 +120,16 @@ from mdp.majordomo.codec import (
     WorkerFinal,
     WorkerPartial,
 )
-from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, LogThrottle, MiB
+from mdp.policy import (
+    FRAME_OVERHEAD,
+    HeartbeatPolicy,
+    Limits,
+    Liveness,
+    LogThrottle,
+    MiB,
+    default_reactor,
+)
+from mdp.transport.stream import StreamRouter
 
 log = Logger()
 
@@ -101,10 +166,10 @@ class Binding:
         self.transport: Optional[IRouterTransport] = None
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.broker.messageReceived((self, peer), frames)
+        self.broker.received((self, peer), frames)
 
     def peerDisconnected(self, peer: bytes) -> None:
-        self.broker.peerDisconnected((self, peer))
+        self.broker.peerGone((self, peer))
 
     def send(self, peer: bytes, frames: list[bytes]) -> None:
         if self.transport is not None:
@@ -119,8 +184,39 @@ class Binding:
 
 PeerKey = tuple[Binding, bytes]
 
-# what a request is doing
-QUEUED, ASSIGNED, DONE = "queued", "assigned", "done"
+class RequestState(enum.Enum):
+    """What a client request is doing (see the table in the module docstring)."""
+
+    #: accepted, not yet queued or assigned
+    NEW = "new"
+    #: waiting in its service's queue
+    QUEUED = "queued"
+    #: handed to a worker, whose reply is forwarded to the client
+    ASSIGNED = "assigned"
+    #: handed to a worker, but already answered with an error (413): the
+    #: rest of the worker's reply is dropped
+    ANSWERED = "answered"
+    #: finished: answered, expired, or its client is gone
+    DONE = "done"
+
+
+NEW, QUEUED, ASSIGNED, ANSWERED, DONE = (
+    RequestState.NEW, RequestState.QUEUED, RequestState.ASSIGNED, RequestState.ANSWERED,
+    RequestState.DONE)
+
+
+class WorkerState(enum.Enum):
+    """What a registered worker is doing (see the table in the module docstring)."""
+
+    #: in its service's idle line
+    IDLE = "idle"
+    #: serving one request (``WorkerRef.current``)
+    BUSY = "busy"
+    #: forgotten: disconnected, lost, silent or misbehaving
+    GONE = "gone"
+
+
+IDLE, BUSY, GONE = WorkerState.IDLE, WorkerState.BUSY, WorkerState.GONE
 
 
 @attrs.define(eq=False, slots=True)
@@ -133,11 +229,10 @@ class PendingRequest:
     dialect: str
     queuedAt: float
     size: int  # what holding its body costs (policy.held_bytes)
-    state: str = QUEUED
+    state: RequestState = NEW
     envelope: bytes = b""  # of its current assignment
     deliveries: int = 0  # times handed to a worker
     partials: int = 0  # PARTIALs forwarded to the client by its current worker
-    failed: bool = False  # answered with an error while its worker still runs
 
 
 @attrs.define(eq=False, slots=True)
@@ -147,11 +242,51 @@ class WorkerRef:
     key: PeerKey
     service: ServiceQueue
     dialect: str
-    lastSeen: float
-    lastSent: float
-    current: Optional[PendingRequest] = None
+    liveness: Liveness
+    state: WorkerState = IDLE
+    current: Optional[PendingRequest] = None  # the request it serves while BUSY
     #: envelope of the assignment it finished last (a second FINAL for it is dropped)
     lastEnvelope: bytes = b""
+
+
+@attrs.frozen
+class ServiceSnapshot:
+    """One service as :meth:`Broker.snapshot` saw it."""
+
+    name: bytes
+    idle: int  # workers waiting for a request
+    busy: int  # workers serving one
+    queued: int  # requests waiting
+    queuedBytes: int  # what they hold (as the queue bounds count it)
+
+    @property
+    def workers(self) -> int:
+        """Registered workers, idle or busy."""
+        return self.idle + self.busy
+
+
+@attrs.frozen
+class WorkerSnapshot:
+    """One registered worker as :meth:`Broker.snapshot` saw it."""
+
+    peer: str  # its peer id, printable (hex)
+    service: bytes
+    dialect: str
+    busy: bool
+    silence: float  # seconds since it was last heard from
+
+
+@attrs.frozen
+class BrokerSnapshot:
+    """A read-only view of a broker at one moment (:meth:`Broker.snapshot`)."""
+
+    at: float  # the broker's clock
+    services: tuple[ServiceSnapshot, ...]  # by name (the first ``serviceLimit``)
+    workers: tuple[WorkerSnapshot, ...]  # by registration (the first ``workerLimit``)
+    serviceCount: int  # services known, listed or not
+    workerCount: int  # registered workers (of the service asked for), listed or not
+    queued: int  # requests waiting, in all
+    queuedBytes: int
 
 
 class QueueLedger:
@@ -225,7 +360,7 @@ class ServiceQueue:
         ledger.byAge.append((request.queuedAt, request))
         ledger.compact()
 
-    def next_request(self) -> PendingRequest:
+    def nextRequest(self) -> PendingRequest:
         """Round-robin over clients: take the first client's oldest request and
         move that client to the back."""
         client, queue = next(iter(self.pending.items()))
@@ -246,7 +381,7 @@ class ServiceQueue:
         request.state = DONE
         self._grow(-1, -request.size)
 
-    def drop_client(self, client: PeerKey) -> int:
+    def dropClient(self, client: PeerKey) -> int:
         """Forget every request *client* has queued here; returns how many."""
         queue = self.pending.get(client)
         if not queue:
@@ -284,8 +419,7 @@ class Broker:
         maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
         limits: Limits = Limits(),
     ) -> None:
-        if reactor is None:
-            from twisted.internet import reactor
+        reactor = default_reactor(reactor)
         if maxDeliveries < 1:
             raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
         self.reactor = reactor
@@ -318,20 +452,42 @@ class Broker:
     def listen(
         self, endpoint: str, clients: bool = True, workers: bool = True
     ) -> defer.Deferred[IRouterTransport]:
-        """Bind *endpoint*; it accepts clients, workers or both."""
+        """Bind *endpoint*; it accepts clients, workers or both.  A malformed
+        endpoint raises :class:`~mdp.errors.TransportError` at once; a failure
+        to bind fails the Deferred."""
         binding = Binding(self, clients, workers)
 
         def bound(routerTransport: IRouterTransport) -> IRouterTransport:
-            binding.transport = routerTransport
-            self.bindings.append(binding)
-            roles = "+".join(r for r, on in (("clients", clients), ("workers", workers)) if on)
-            log.info("MDP broker listening on {endpoint} for {roles}",
-                     endpoint=routerTransport.endpoint, roles=roles)
-            if not self._ticker.running:
-                self._ticker.start(self.heartbeat.interval, now=False)
+            self._bind(binding, routerTransport)
             return routerTransport
 
         return transport.listen(endpoint, binding, self.reactor, self.limits).addCallback(bound)
+
+    def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
+        """An :class:`IProtocolFactory` whose connections (speaking the
+        stream transport's records) this broker serves, for listening with a
+        Twisted endpoint, a TLS wrapper or an ``Application`` of one's own::
+
+            port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
+                broker.streamFactory())
+
+        Its peers connect with ``tcp:host=HOST:port=PORT`` (or the matching
+        stream scheme).  :meth:`close` drops its connections; stopping the
+        port is the caller's."""
+        binding = Binding(self, clients, workers)
+        router = StreamRouter(binding, self.reactor, self.limits)
+        self._bind(binding, router)
+        return router.factory()
+
+    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
+        binding.transport = routerTransport
+        self.bindings.append(binding)
+        roles = "+".join(r for r, on in (("clients", binding.clients),
+                                         ("workers", binding.workers)) if on)
+        log.info("MDP broker listening on {endpoint} for {roles}",
+                 endpoint=routerTransport.endpoint or "a protocol factory", roles=roles)
+        if not self._ticker.running:
+            self._ticker.start(self.heartbeat.interval, now=False)
 
     def close(self) -> defer.Deferred[None]:
         """Unbind every endpoint and stop the heartbeat tick."""
@@ -347,8 +503,9 @@ class Broker:
 
     # --- inbound -------------------------------------------------------------
 
-    def messageReceived(self, key: PeerKey, frames: list[bytes]) -> None:  # type: ignore[override]
-        """Entry point for every message from every binding."""
+    def received(self, key: PeerKey, frames: list[bytes]) -> None:
+        """Entry point for every message from every binding: *key* is the
+        (binding, peer id) it came from."""
         try:
             dialect, body = codec.split(frames)
             command = codec.decode(body, dialect)
@@ -371,8 +528,8 @@ class Broker:
         except Exception:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
 
-    def peerDisconnected(self, key: PeerKey) -> None:  # type: ignore[override]
-        """A transport lost a peer (or cut it off): forget it at once."""
+    def peerGone(self, key: PeerKey) -> None:
+        """A transport lost the peer *key* (or cut it off): forget it at once."""
         worker = self.workers.get(key)
         if worker is not None:
             log.info("worker {peer} for {service} disconnected",
@@ -381,7 +538,7 @@ class Broker:
         services = self._ledger.byClient.get(key)
         if services:
             for service in list(services):
-                service.drop_client(key)
+                service.dropClient(key)
                 self._forgetIfEmpty(service)
 
     # --- clients ------------------------------------------------------------
@@ -392,6 +549,7 @@ class Broker:
         request = PendingRequest(key, command.service, body, dialect, self.reactor.seconds(),
                                  content + FRAME_OVERHEAD * len(body))
         if command.service.startswith(mmi.PREFIX):
+            request.state = DONE
             self._reply(request, mmi.answer(self, command.service, body), final=True)
             return
         tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
@@ -423,6 +581,7 @@ class Broker:
 
     def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str) -> None:
         """Answer *request* at once with an error reply, logged (throttled)."""
+        request.state = DONE
         self.throttle.warn(log, kind, "refused a request for {service} from {peer}: {message}",
                            service=request.service, peer=peer_label(request.client[1]),
                            message=message)
@@ -464,6 +623,35 @@ class Broker:
         """Bytes of request bodies waiting in all service queues."""
         return self._ledger.bytes
 
+    def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
+                 service: Optional[bytes] = None) -> BrokerSnapshot:
+        """A read-only view of the broker now: its services (by name; only the
+        first *serviceLimit* if given) and registered workers (in the order
+        they registered; only *service*'s if given, and only the first
+        *workerLimit*), with the totals.  Costs a pass over the workers and,
+        with a *serviceLimit*, a partial sort of the service names."""
+        now = self.reactor.seconds()
+        services = self.services
+        if serviceLimit is None:
+            names = sorted(services)
+        else:
+            names = heapq.nsmallest(serviceLimit, services)
+        serviceViews = []
+        for name in names:
+            queue = services[name]
+            idle = len(queue.idle)
+            serviceViews.append(ServiceSnapshot(name, idle, queue.workers - idle, queue.size,
+                                                queue.bytes))
+        chosen = [w for w in self.workers.values()
+                  if service is None or w.service.name == service]
+        workers = chosen if workerLimit is None else chosen[:workerLimit]
+        workerViews = tuple(
+            WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect, w.state is BUSY,
+                           w.liveness.silence(now))
+            for w in workers)
+        return BrokerSnapshot(now, tuple(serviceViews), workerViews, len(services), len(chosen),
+                              self._ledger.count, self._ledger.bytes)
+
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
         client = request.client
         client[0].send(client[1], codec.encode_client_reply(request.service, body, final,
@@ -483,7 +671,7 @@ class Broker:
                                    peer=peer_label(key[1]))
                 self._sendDisconnect(key, dialect)
             return
-        worker.lastSeen = self.reactor.seconds()
+        worker.liveness.heard(self.reactor.seconds())
         if kind is Heartbeat:
             return
         if kind is WorkerFinal or kind is WorkerPartial:
@@ -520,10 +708,13 @@ class Broker:
                  final: bool) -> None:
         """Pass a worker's reply part to the client, unless it would be too
         large for the link back (then the request fails with 413)."""
+        if request.state is ANSWERED:
+            # already answered with an error: the worker's rest is void
+            if final:
+                request.state = DONE
+            return
         if final:
             request.state = DONE
-        if request.failed:
-            return  # already answered with an error; the worker's rest is void
         # the worker's message was within the limits, and the client's has one
         # frame less and the service name for the envelope: it can only be
         # larger when the name is longer
@@ -531,7 +722,8 @@ class Broker:
             size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
             tooLarge = self.limits.oversize(size, len(body) + 4)
             if tooLarge is not None:
-                request.failed = True
+                if not final:
+                    request.state = ANSWERED
                 self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is "
                                    "too large for the client: {reason}",
                                    peer=peer_label(worker.key[1]), service=request.service,
@@ -558,9 +750,8 @@ class Broker:
         self._sendDisconnect(key, dialect)
 
     def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
-        now = self.reactor.seconds()
         service = self._service(name)
-        worker = WorkerRef(key, service, dialect, now, now)
+        worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.reactor.seconds()))
         self.workers[key] = worker
         service.workers += 1
         service.abandonedAt = None
@@ -569,29 +760,32 @@ class Broker:
         self._dispatch(service)
 
     def _makeIdle(self, worker: WorkerRef) -> None:
+        worker.state = IDLE
         worker.service.idle[worker.key] = worker
 
     def _dispatch(self, service: ServiceQueue) -> None:
         """Hand queued requests to idle workers, least recently used first."""
         while service.size and service.idle:
             _, worker = service.idle.popitem(last=False)
-            self._assign(worker, service.next_request())
+            self._assign(worker, service.nextRequest())
 
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
         """Send *request* to the idle *worker*, under a new envelope."""
+        worker.state = BUSY
         worker.current = request
         request.state = ASSIGNED
         request.deliveries += 1
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
         key = worker.key
         key[0].send(key[1], codec.encode_worker_request(envelope, request.body, worker.dialect))
-        worker.lastSent = self.reactor.seconds()
+        worker.liveness.sent(self.reactor.seconds())
 
     def _removeWorker(self, worker: WorkerRef) -> None:
         """Forget *worker*; re-queue the request it held (workers are
         idempotent), unless it has been handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
+        worker.state = GONE
         service = worker.service
         service.idle.pop(worker.key, None)
         service.workers -= 1
@@ -599,13 +793,13 @@ class Broker:
             service.abandonedAt = now = self.reactor.seconds()
             self._abandoned.append((now, service))
         request, worker.current = worker.current, None
-        if request is not None and request.state is ASSIGNED:
+        if request is not None:
             self._takeBack(request, service)
         self._forgetIfEmpty(service)
 
     def _takeBack(self, request: PendingRequest, service: ServiceQueue) -> None:
         """The worker serving *request* is gone: queue it again."""
-        if request.failed:  # already answered (413): nothing is owed
+        if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
             request.state = DONE
             return
         if request.deliveries >= self.maxDeliveries:
@@ -661,17 +855,16 @@ class Broker:
         """Once per heartbeat interval: heartbeats, dead workers, expired
         requests, services at the end of their linger."""
         now = self.reactor.seconds()
-        interval = self.heartbeat.interval
-        expiry = self.heartbeat.expiry
         for worker in list(self.workers.values()):
-            if now - worker.lastSeen > expiry:
+            liveness = worker.liveness
+            if liveness.dead(now):
                 log.warn("worker {peer} for {service} silent for {silence:.1f}s: removed",
                          peer=peer_label(worker.key[1]), service=worker.service.name,
-                         silence=now - worker.lastSeen)
+                         silence=liveness.silence(now))
                 self._removeWorker(worker)
-            elif now - worker.lastSent >= interval / 2:
+            elif liveness.due(now, 0.5):
                 self._send(worker.key, worker.dialect, codec.HEARTBEAT)
-                worker.lastSent = now
+                liveness.sent(now)
         self._expire(now - self.requestExpiry)
         abandoned = self._abandoned
         while abandoned and abandoned[0][0] + self.serviceLinger <= now:

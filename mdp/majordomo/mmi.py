@@ -16,11 +16,14 @@ Replies are bounded: ``mmi.services`` lists at most :data:`MAX_ENTRIES`
 services (the first by name) and ``mmi.workers`` at most :data:`MAX_ENTRIES`
 workers; when there were more, a second frame says so:
 ``{"truncated": true, "total": n}``.
+
+Answers come from the broker's public, read-only view only
+(:meth:`~mdp.majordomo.broker.Broker.snapshot` and
+:meth:`~mdp.majordomo.broker.Broker.isServiceAvailable`).
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -49,31 +52,28 @@ def answer(broker: Broker, service: bytes, body: Sequence[bytes]) -> list[bytes]
     if service == b"mmi.service":
         return [FOUND if broker.isServiceAvailable(bytes(body[0])) else NOT_FOUND]
     if service == b"mmi.services":
-        services = broker.services
-        names = heapq.nsmallest(MAX_ENTRIES, services)
+        snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0)
         table = {
-            name.decode("ascii"): {
-                "workers": services[name].workers,
-                "idle": len(services[name].idle),
-                "queued": services[name].size,
+            each.name.decode("ascii"): {
+                "workers": each.workers,
+                "idle": each.idle,
+                "queued": each.queued,
             }
-            for name in names
+            for each in snapshot.services
         }
-        return _listing(table, len(services))
+        return _listing(table, snapshot.serviceCount)
     if service == b"mmi.workers":
         wanted = bytes(body[0]) if body and body[0] else None
-        now = broker.reactor.seconds()
-        chosen = [w for w in broker.workers.values()
-                  if wanted is None or w.service.name == wanted]
+        snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted)
         workers = [
             {
-                "id": worker.key[1].hex(),
-                "service": worker.service.name.decode("ascii"),
-                "busy": worker.current is not None,
+                "id": worker.peer,
+                "service": worker.service.decode("ascii"),
+                "busy": worker.busy,
                 "dialect": worker.dialect,
-                "silence": round(now - worker.lastSeen, 3),
+                "silence": round(worker.silence, 3),
             }
-            for worker in chosen[:MAX_ENTRIES]
+            for worker in snapshot.workers
         ]
-        return _listing(workers, len(chosen))
+        return _listing(workers, snapshot.workerCount)
     return [NOT_IMPLEMENTED]

@@ -159,7 +159,7 @@ class Worker:
         for each in endpoints:
             transport.check(each, transport.CONNECT)
         self._rotation = EndpointRotation(endpoints)
-        self.service = codec.service_name(service)
+        self.service = codec.api_service_name(service)
         self.handler = handler
         self.reactor = reactor
         self.heartbeat = heartbeat
