@@ -475,7 +475,7 @@ class Broker:
         stream scheme).  :meth:`close` drops its connections; stopping the
         port is the caller's."""
         binding = Binding(self, clients, workers)
-        router = StreamRouter(binding, self.reactor, self.limits)
+        router = StreamRouter(binding, self.reactor, limits=self.limits)
         self._bind(binding, router)
         return router.factory()
 

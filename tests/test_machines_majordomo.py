@@ -1,0 +1,323 @@
+"""The Majordomo state machines driven by lists of events (mdp.testing.Script):
+no transport, no reactor, every action and its time exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.python.failure import Failure
+
+from mdp import Backoff, Broker, Client, HeartbeatPolicy, Worker
+from mdp.errors import RequestTimeout, StreamRestarted
+from mdp.majordomo import codec
+from mdp.majordomo.broker import WorkerState as BrokerWorkerState
+from mdp.majordomo.client import CallState
+from mdp.majordomo.worker import WorkerState
+from mdp.testing import Close, Connected, Disconnect, Elapse, Lost, Open, Receive, Script, Send
+
+HB = HeartbeatPolicy(interval=1.0, liveness=3)  # dead after more than 3 s of silence
+
+W, C = codec.WORKER_HEADER, codec.CLIENT_HEADER
+READY = (W, codec.W_READY, b"echo")
+HEARTBEAT = (W, codec.W_HEARTBEAT)
+DISCONNECT = (W, codec.W_DISCONNECT)
+
+
+def envelope(client: bytes, assignment: int) -> bytes:
+    """The client address frame of the broker's *assignment*-th REQUEST."""
+    return client + assignment.to_bytes(8, "big")
+
+
+def upper(frames: list[bytes]) -> list[bytes]:
+    return [f.upper() for f in frames]
+
+
+def outcome(d: Any) -> list[Any]:
+    box: list[Any] = []
+    d.addBoth(box.append)
+    return box
+
+
+# --- broker --------------------------------------------------------------------
+
+
+def broker_script(**kwargs: Any) -> tuple[Script, Broker]:
+    script = Script()
+    broker = Broker(reactor=script.clock, heartbeat=HB, **kwargs)
+    broker.listen(script.endpoint("broker"))
+    return script, broker
+
+
+def worker_states(broker: Broker) -> dict[bytes, BrokerWorkerState]:
+    return {key[1]: ref.state for key, ref in broker.workers.items()}
+
+
+def test_broker_hands_a_request_to_a_ready_worker_under_an_envelope() -> None:
+    script, broker = broker_script()
+    assert script.feed(Receive(b"W", READY)) == []
+    assert worker_states(broker) == {b"W": BrokerWorkerState.IDLE}
+    assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"])) == [
+        Send(b"W", [W, codec.W_REQUEST, envelope(b"C", 1), b"", b"hi"])]
+    assert worker_states(broker) == {b"W": BrokerWorkerState.BUSY}
+    # a PARTIAL and the FINAL under that envelope go to the client
+    assert script.feed(Receive(b"W", [W, codec.W_PARTIAL, envelope(b"C", 1), b"", b"h"]),
+                       Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"])) == [
+        Send(b"C", [C, codec.C_PARTIAL, b"echo", b"h"]),
+        Send(b"C", [C, codec.C_FINAL, b"echo", b"HI"])]
+    assert worker_states(broker) == {b"W": BrokerWorkerState.IDLE}
+    # a second FINAL for the same assignment is dropped: it never reaches the client
+    assert script.feed(Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"again"])) == []
+    # the next request gets an envelope of its own
+    assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"echo", b"two"])) == [
+        Send(b"W", [W, codec.W_REQUEST, envelope(b"C", 2), b"", b"two"])]
+
+
+def test_broker_requeues_the_request_of_a_silent_worker_to_another() -> None:
+    script, broker = broker_script()
+    script.feed(Receive(b"W1", READY), Receive(b"W2", READY))
+    assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"])) == [
+        Send(b"W1", [W, codec.W_REQUEST, envelope(b"C", 1), b"", b"hi"])]
+    # W2 speaks at 2.5 s, W1 never does: heartbeats go to both at 1, 2 and 3 s
+    assert script.feed(Elapse(2.5), Receive(b"W2", HEARTBEAT)) == [
+        Send(b"W1", HEARTBEAT), Send(b"W2", HEARTBEAT)] * 2
+    # at 4 s W1 has been silent for more than 3 s: gone, its request goes to W2
+    assert script.feed(Elapse(1.5)) == [
+        Send(b"W1", HEARTBEAT), Send(b"W2", HEARTBEAT),
+        Send(b"W2", [W, codec.W_REQUEST, envelope(b"C", 2), b"", b"hi"])]
+    assert worker_states(broker) == {b"W2": BrokerWorkerState.BUSY}
+    # W1's late reply completes nothing: it is told to go away
+    assert script.feed(Receive(b"W1", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"late"])) == [
+        Send(b"W1", DISCONNECT), Disconnect(b"W1")]
+    assert script.feed(Receive(b"W2", [W, codec.W_FINAL, envelope(b"C", 2), b"", b"HI"])) == [
+        Send(b"C", [C, codec.C_FINAL, b"echo", b"HI"])]
+
+
+def test_broker_answers_503_to_a_request_queued_past_its_expiry() -> None:
+    script, broker = broker_script(requestExpiry=5.0)
+    assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"nobody", b"hi"])) == []
+    assert broker.queued == 1
+    assert script.feed(Elapse(4.9)) == []
+    assert script.feed(Elapse(0.1)) == [Send(b"C", [
+        C, codec.C_FINAL, b"nobody", codec.ERROR_MARKER, codec.STATUS_UNAVAILABLE,
+        b"no worker for service 'nobody' within 5s"])]
+    assert broker.queued == 0
+
+
+def test_broker_heartbeats_on_its_tick_only_to_workers_it_has_not_just_sent_to() -> None:
+    script, broker = broker_script()
+    assert script.nextWake() == 1.0  # the tick starts with the first binding
+    script.feed(Receive(b"W", READY))
+    assert script.feed(Elapse(1.0)) == [Send(b"W", HEARTBEAT)]
+    assert script.nextWake() == 2.0
+    # a REQUEST at 1.7 s counts as traffic: no heartbeat at 2 s (0.3 s < half an interval)
+    assert script.feed(Elapse(0.7), Receive(b"C", [C, codec.C_REQUEST, b"echo", b"x"])) == [
+        Send(b"W", [W, codec.W_REQUEST, envelope(b"C", 1), b"", b"x"])]
+    assert script.feed(Elapse(0.3), Receive(b"W", HEARTBEAT)) == []
+    assert script.nextWake() == 3.0
+    assert script.feed(Elapse(1.0)) == [Send(b"W", HEARTBEAT)]
+    broker.close()
+    assert script.nextWake() is None
+
+
+def test_broker_refuses_ready_beyond_its_worker_limit() -> None:
+    script, broker = broker_script(maxWorkers=1)
+    assert script.feed(Receive(b"W1", READY)) == []
+    assert script.feed(Receive(b"W2", READY)) == [Send(b"W2", DISCONNECT), Disconnect(b"W2")]
+    assert list(worker_states(broker)) == [b"W1"]
+
+
+# --- worker --------------------------------------------------------------------
+
+
+def test_worker_sends_ready_when_its_pipe_is_up_and_answers_a_request() -> None:
+    script = Script()
+    pipe = script.endpoint("broker") + "#1"
+    worker = Worker(script.endpoint("broker"), "echo", upper, reactor=script.clock, heartbeat=HB)
+    worker.start()
+    assert script.actions == [Open(pipe)]
+    assert worker.state is WorkerState.CONNECTING
+    assert script.feed(Connected(pipe)) == [Send(pipe, READY)]
+    assert worker.state is WorkerState.READY
+    assert script.feed(Receive(pipe, [W, codec.W_REQUEST, b"client", b"", b"hi", b"there"])) == [
+        Send(pipe, [W, codec.W_FINAL, b"client", b"", b"HI", b"THERE"])]
+    assert worker.requestsServed == 1
+
+
+def test_worker_streams_partials_then_a_final() -> None:
+    from mdp import Final
+
+    def count(frames: list[bytes]) -> Any:
+        yield b"1"
+        yield b"2"
+        yield Final(b"done")
+
+    script = Script(autoConnect=True)
+    pipe = script.endpoint("broker") + "#1"
+    Worker(script.endpoint("broker"), "echo", count, reactor=script.clock, heartbeat=HB).start()
+    script.feed()
+    assert script.feed(Receive(pipe, [W, codec.W_REQUEST, b"c", b"", b"go"])) == [
+        Send(pipe, [W, codec.W_PARTIAL, b"c", b"", b"1"]),
+        Send(pipe, [W, codec.W_PARTIAL, b"c", b"", b"2"]),
+        Send(pipe, [W, codec.W_FINAL, b"c", b"", b"done"])]
+
+
+def test_worker_fails_over_to_the_next_broker_after_silence_with_backoff() -> None:
+    script = Script(autoConnect=True)
+    first, second = script.endpoint("b1"), script.endpoint("b2")
+    worker = Worker([first, second], "echo", upper, reactor=script.clock, heartbeat=HB,
+                    backoff=Backoff(initial=1.0, maximum=32.0))
+    worker.start()
+    assert script.feed() == [Send(first + "#1", READY)]
+    # heartbeats at 1, 2, 3 s; at 4 s the broker has been silent for more than 3 s
+    assert script.feed(Elapse(4.0)) == [Send(first + "#1", HEARTBEAT)] * 3 + [Close(first + "#1")]
+    assert worker.state is WorkerState.BACKING_OFF and worker.endpoint == second
+    assert script.nextWake() == 5.0  # backoff.delay(0) = 1 s
+    assert script.feed(Elapse(1.0)) == [Open(second + "#1"), Send(second + "#1", READY)]
+    assert worker.state is WorkerState.READY
+    # silent again: gone at 9 s, and now the delay doubles to 2 s, back to the first broker
+    assert script.feed(Elapse(4.0)) == [Send(second + "#1", HEARTBEAT)] * 3 + [Close(second + "#1")]
+    assert script.feed(Elapse(1.99)) == []
+    assert script.feed(Elapse(0.01)) == [Open(first + "#2"), Send(first + "#2", READY)]
+    # the broker speaks: the backoff starts over
+    script.feed(Receive(first + "#2", HEARTBEAT))
+    assert worker.failures == 0
+
+
+def test_worker_registers_again_after_disconnect_backing_off_while_refused() -> None:
+    script = Script(autoConnect=True)
+    broker = script.endpoint("broker")
+    worker = Worker(broker, "echo", upper, reactor=script.clock, heartbeat=HB,
+                    backoff=Backoff(initial=1.0, maximum=32.0))
+    worker.start()
+    script.feed()
+    # the first DISCONNECT: a fresh pipe at once
+    assert script.feed(Receive(broker + "#1", DISCONNECT)) == [
+        Close(broker + "#1"), Open(broker + "#2"), Send(broker + "#2", READY)]
+    # DISCONNECT again before anything else (a broker at its worker limit): 1 s, then 2 s
+    assert script.feed(Receive(broker + "#2", DISCONNECT)) == [Close(broker + "#2")]
+    assert worker.state is WorkerState.BACKING_OFF
+    assert script.feed(Elapse(0.99)) == []
+    assert script.feed(Elapse(0.01)) == [Open(broker + "#3"), Send(broker + "#3", READY)]
+    assert script.feed(Receive(broker + "#3", DISCONNECT)) == [Close(broker + "#3")]
+    assert script.feed(Elapse(1.99)) == []
+    assert script.feed(Elapse(0.01)) == [Open(broker + "#4"), Send(broker + "#4", READY)]
+    # a HEARTBEAT means it is registered: the next DISCONNECT reconnects at once again
+    script.feed(Receive(broker + "#4", HEARTBEAT))
+    assert script.feed(Receive(broker + "#4", DISCONNECT)) == [
+        Close(broker + "#4"), Open(broker + "#5"), Send(broker + "#5", READY)]
+
+
+def test_worker_stop_says_disconnect_and_closes() -> None:
+    script = Script(autoConnect=True)
+    pipe = script.endpoint("broker") + "#1"
+    worker = Worker(script.endpoint("broker"), "echo", upper, reactor=script.clock, heartbeat=HB)
+    worker.start()
+    script.feed()
+    mark = len(script.actions)
+    worker.stop()
+    assert script.actions[mark:] == [Send(pipe, DISCONNECT), Close(pipe)]
+    assert worker.state is WorkerState.STOPPED and script.nextWake() is None
+
+
+# --- client --------------------------------------------------------------------
+
+
+def request(service: bytes, *body: bytes) -> list[bytes]:
+    return [C, codec.C_REQUEST, service, *body]
+
+
+def test_client_sends_a_request_once_its_pipe_is_up_and_fires_on_the_reply() -> None:
+    script = Script()
+    pipe = script.endpoint("broker") + "#1"
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=1.0, retries=3)
+    result = outcome(client.request("echo", b"hi"))
+    assert script.actions == [Open(pipe)]  # nothing is handed to a pipe that is down
+    assert script.feed(Connected(pipe)) == [Send(pipe, request(b"echo", b"hi"))]
+    assert script.feed(Receive(pipe, [C, codec.C_FINAL, b"echo", b"HI"])) == []
+    assert result == [[b"HI"]]
+    # the timer, left armed, finds nothing to do at the old deadline and stops
+    assert script.feed(Elapse(1.0)) == [] and script.nextWake() is None
+
+
+def test_client_retries_on_a_fresh_pipe_then_times_out() -> None:
+    script = Script(autoConnect=True)
+    broker = script.endpoint("broker")
+    client = Client(broker, reactor=script.clock, timeout=1.0, retries=3)
+    result = outcome(client.request("echo", b"hi"))
+    assert script.feed() == [Send(broker + "#1", request(b"echo", b"hi"))]
+    # each attempt has 1 s: its connection is thrown away, the request resent on a new one
+    assert script.feed(Elapse(0.99)) == []
+    assert script.feed(Elapse(0.01)) == [
+        Close(broker + "#1"), Open(broker + "#2"), Send(broker + "#2", request(b"echo", b"hi"))]
+    # a late reply on the discarded connection never reaches the caller
+    assert script.feed(Receive(broker + "#1", [C, codec.C_FINAL, b"echo", b"late"])) == []
+    assert result == []
+    assert script.feed(Elapse(1.0)) == [
+        Close(broker + "#2"), Open(broker + "#3"), Send(broker + "#3", request(b"echo", b"hi"))]
+    assert script.feed(Elapse(1.0)) == [Close(broker + "#3")]
+    (failure,) = result
+    assert isinstance(failure, Failure) and failure.check(RequestTimeout)
+    assert "3 attempt(s)" in str(failure.value)
+
+
+def test_client_rotates_endpoints_on_timeout() -> None:
+    script = Script(autoConnect=True)
+    first, second = script.endpoint("b1"), script.endpoint("b2")
+    client = Client([first, second], reactor=script.clock, timeout=1.0, retries=2)
+    outcome(client.request("echo", b"hi"))
+    assert script.feed() == [Send(first + "#1", request(b"echo", b"hi"))]
+    assert script.feed(Elapse(1.0)) == [
+        Close(first + "#1"), Open(second + "#1"), Send(second + "#1", request(b"echo", b"hi"))]
+    assert client.endpoint == second
+
+
+def test_client_resends_when_a_broken_pipe_comes_back() -> None:
+    script = Script(autoConnect=True)
+    pipe = script.endpoint("broker") + "#1"
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=5.0, retries=1)
+    result = outcome(client.request("echo", b"hi"))
+    assert script.feed() == [Send(pipe, request(b"echo", b"hi"))]
+    # the broker forgot the old connection and what it carried: sent again when back, once
+    assert script.feed(Lost(pipe)) == []
+    assert script.feed(Connected(pipe)) == [Send(pipe, request(b"echo", b"hi"))]
+    assert script.feed(Receive(pipe, [C, codec.C_FINAL, b"echo", b"HI"])) == []
+    assert result == [[b"HI"]]
+
+
+def test_client_tells_a_streaming_request_that_its_reply_starts_over() -> None:
+    script = Script(autoConnect=True)
+    pipe = script.endpoint("broker") + "#1"
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=5.0, retries=1)
+    seen: list[Any] = []
+    result = outcome(client.request("echo", b"hi", onPartial=seen.append,
+                                    onRestart=lambda: seen.append("restart")))
+    plain = outcome(client.request("echo", b"plain", onPartial=seen.append))
+    script.feed()
+    (call, other) = sorted((c.call for c in client._channels), key=lambda c: c.message[-1])
+    assert call.state is CallState.IN_FLIGHT
+    partial = [C, codec.C_PARTIAL, b"echo", b"part"]
+    script.feed(Receive(pipe, partial))
+    assert call.state is CallState.STREAMING
+    # the broker gave it to another worker: the marker, then the parts from the start
+    script.feed(Receive(pipe, [C, codec.C_PARTIAL, b"echo", codec.RESTART_MARKER]),
+                Receive(pipe, partial), Receive(pipe, [C, codec.C_FINAL, b"echo", b"end"]))
+    assert seen == [[b"part"], "restart", [b"part"]] and result == [[b"end"]]
+    # without onRestart a restart fails the request rather than repeat its parts
+    other_pipe = script.endpoint("broker") + "#2"
+    script.feed(Receive(other_pipe, partial), Lost(other_pipe))
+    (failure,) = plain
+    assert failure.check(StreamRestarted) and other.state is CallState.DONE
+
+
+@pytest.mark.parametrize("timeout, retries", [(1.0, 1), (2.0, 3)])
+def test_client_timeout_is_per_attempt(timeout: float, retries: int) -> None:
+    """A request fails after timeout × retries, never sooner, never later."""
+    script = Script(autoConnect=True)
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=timeout,
+                    retries=retries)
+    result = outcome(client.request("echo", b"hi"))
+    script.feed(Elapse(timeout * retries - 0.01))
+    assert result == []
+    script.feed(Elapse(0.01))
+    assert result and result[0].check(RequestTimeout)
