@@ -36,6 +36,8 @@ STREAMING    PARTIAL                              STREAMING    ``onPartial(body)
 IN_FLIGHT,   FINAL                                DONE         connection freed; the Deferred
 STREAMING                                                      fires (fails for an error reply)
 IN_FLIGHT    pipe broke                           IN_FLIGHT    sent again once the pipe is back
+IN_FLIGHT,   pipe ended by a reply over this      DONE         ``MessageTooLarge`` (sent
+STREAMING    client's limits                                   again, it would only run again)
 STREAMING    pipe broke, or the restart marker    IN_FLIGHT    ``onRestart()`` (without one:
                                                                DONE, ``StreamRestarted``)
 IN_FLIGHT,   the attempt runs out                 QUEUED       connection discarded, next
@@ -57,12 +59,14 @@ A connection's states (it carries at most one request; see Correlation):
 =====  ============================================  =====  ================================
 state  event                                         next   actions
 =====  ============================================  =====  ================================
-DOWN   pipe up                                       UP     send its request, if any: SENT
+DOWN   given a request                               DOWN   none yet
+DOWN   pipe up                                       UP     send its request, if it carries
+                                                            one not DONE: SENT
 UP     given a request                               SENT   send it
-SENT   FINAL (request done), or a request it         UP     serve the next request
-       never sent is cancelled
-UP,    pipe broke                                    DOWN   tell the client (the request's
-SENT                                                        reply may start over)
+SENT   FINAL                                         UP     carries nothing: serves the next
+                                                            request
+UP,    pipe broke                                    DOWN   tell the client (a STREAMING
+SENT                                                        request restarts)
 =====  ============================================  =====  ================================
 
 A reply on a connection carrying nothing discards that connection; a
