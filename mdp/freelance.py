@@ -5,8 +5,10 @@ Wire protocol (as the Guide's model 3):
 * a client sends ``[b"PING"]``, a server answers ``[b"PONG"]``;
 * a client sends ``[sequence, body...]``, a server answers
   ``[sequence, reply...]``; a handler error is answered with
-  ``[sequence, *codec.error_body(b"500", ...)]`` and raised as
-  :class:`~mdp.errors.WorkerError`.
+  ``[sequence, b"\x00MDP-ERROR", b"500", message]`` and raised as
+  :class:`~mdp.errors.WorkerError` (the error body of MDP replies, so that
+  both patterns raise the same errors for the same codes; this module has its
+  own copy, as patterns do not import each other).
 
 A server bounds what clients may cost it: its transport enforces the message
 and per-peer output limits (:class:`~mdp.policy.Limits`; a client that does
@@ -123,11 +125,18 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from mdp import transport
-from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout
+from mdp.errors import (
+    ClientClosed,
+    MessageTooLarge,
+    NoServerAvailable,
+    RemoteError,
+    RequestTimeout,
+    ServiceOverloaded,
+    ServiceUnavailable,
+    WorkerError,
+)
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
-from mdp.majordomo import codec
-from mdp.majordomo.client import remote_error
 from mdp.policy import (
     EndpointRotation,
     HeartbeatPolicy,
@@ -177,9 +186,38 @@ class ServerState(enum.Enum):
     DEAD = "dead"
 
 
+# --- error replies: [sequence, ERROR_MARKER, code, message] -----------------------
+
+ERROR_MARKER = b"\x00MDP-ERROR"  # as MDP's error body (mdp.majordomo.codec)
+STATUS_WORKER_ERROR = b"500"  # the handler failed
+STATUS_OVERLOADED = b"429"  # maxPending or maxPendingBytes reached
+STATUS_TOO_LARGE = b"413"  # the reply is over the message limits
+_ERRORS = {
+    STATUS_WORKER_ERROR: WorkerError,
+    b"503": ServiceUnavailable,
+    STATUS_OVERLOADED: ServiceOverloaded,
+    STATUS_TOO_LARGE: MessageTooLarge,
+}
+
+
+def error_body(code: bytes, message: str) -> list[bytes]:
+    """The reply body that stands for error *code*."""
+    return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
+
+
+def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
+    """The error a reply body stands for (a :class:`~mdp.errors.RemoteError`
+    subclass by its code), or ``None`` for an ordinary reply."""
+    if len(body) != 3 or body[0] != ERROR_MARKER:
+        return None
+    code = bytes(body[1])
+    return _ERRORS.get(code, RemoteError)(SERVICE, code,
+                                          bytes(body[2]).decode("utf-8", "replace"))
+
+
 def _result(deferred: defer.Deferred, reply: list[bytes]) -> None:
     """Fire a request's Deferred with a reply body, or its error."""
-    error = remote_error(SERVICE, reply)
+    error = remote_error(reply)
     if error is not None:
         deferred.errback(error)
     else:
@@ -268,15 +306,15 @@ class FreelanceServer:
             self.throttle.warn(log, "overloaded", "Freelance server refused a request from {peer}: "
                                "{pending} requests ({bytes} bytes) already in hand",
                                peer=peer.hex(), pending=self.pending, bytes=self.pendingBytes)
-            routerTransport.sendMessage(peer, [sequence, *codec.error_body(
-                codec.STATUS_OVERLOADED, f"server busy: {self.pending} requests in hand")])
+            routerTransport.sendMessage(peer, [sequence, *error_body(
+                STATUS_OVERLOADED, f"server busy: {self.pending} requests in hand")])
             return
         self.pending += 1
         self.pendingBytes += size
 
         def failed(failure: Any) -> list[bytes]:
             log.failure("Freelance handler failed", failure)
-            return codec.error_body(codec.STATUS_WORKER_ERROR,
+            return error_body(STATUS_WORKER_ERROR,
                                     f"{failure.type.__name__}: {failure.getErrorMessage()}")
 
         def reply(replyFrames: list[bytes]) -> None:
@@ -287,8 +325,8 @@ class FreelanceServer:
             if tooLarge is not None:
                 self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
                                    "too large ({reason})", reason=tooLarge)
-                message = [sequence, *codec.error_body(codec.STATUS_TOO_LARGE,
-                                                       f"reply too large to send: {tooLarge}")]
+                message = [sequence, *error_body(STATUS_TOO_LARGE,
+                                                 f"reply too large to send: {tooLarge}")]
             self.served += 1
             routerTransport.sendMessage(peer, message)
 

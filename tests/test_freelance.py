@@ -375,3 +375,21 @@ async def test_stream_factory_serves_on_a_port_the_caller_listens_on() -> None:
         await client.close()
         await server.close()
         await port.stopListening()
+
+
+def test_error_replies_are_mdps_error_bodies_and_raise_the_same_errors() -> None:
+    from mdp import freelance
+    from mdp.errors import MessageTooLarge, RemoteError, ServiceOverloaded, ServiceUnavailable
+    from mdp.majordomo import codec
+    from mdp.majordomo.client import remote_error
+
+    assert freelance.ERROR_MARKER == codec.ERROR_MARKER
+    for code in (b"500", b"503", b"429", b"413", b"418"):
+        body = freelance.error_body(code, "why ✓")
+        assert body == codec.error_body(code, "why ✓")
+        ours, mdps = freelance.remote_error(body), remote_error(b"freelance", body)
+        assert type(ours) is type(mdps) and (ours.code, ours.message) == (code, "why ✓")
+    assert {type(freelance.remote_error(freelance.error_body(c, ""))) for c in
+            (b"500", b"503", b"429", b"413", b"418")} == {
+        WorkerError, ServiceUnavailable, ServiceOverloaded, MessageTooLarge, RemoteError}
+    assert freelance.remote_error([b"an", b"ordinary", b"reply"]) is None

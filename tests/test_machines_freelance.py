@@ -12,6 +12,7 @@ from twisted.python.failure import Failure
 
 from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout, WorkerError
 from mdp.freelance import (
+    ERROR_MARKER,
     PING,
     PONG,
     AgentClient,
@@ -21,7 +22,6 @@ from mdp.freelance import (
     ServerState,
     ShotgunClient,
 )
-from mdp.majordomo.codec import ERROR_MARKER
 from mdp.policy import HeartbeatPolicy, Limits
 from mdp.testing import Close, Disconnect, Elapse, Lost, Open, Receive, Script, Send
 
