@@ -129,6 +129,13 @@ class IBroker(Interface):
     def listen(endpoint: str, clients: bool = True, workers: bool = True):
         """Bind an endpoint; returns a Deferred firing with its IRouterTransport."""
 
+    def streamFactory(clients: bool = True, workers: bool = True):
+        """An ``IProtocolFactory`` to listen with on an endpoint of one's own."""
+
+    def snapshot():
+        """A read-only view of services, queues and workers (what MMI and
+        operators read)."""
+
     def close():
         """Unbind everything; returns a Deferred."""
 
@@ -152,6 +159,9 @@ class IClient(Interface):
         """Send a request; returns a Deferred firing with the FINAL body frames.
         *onPartial* gets each PARTIAL body, *onRestart* is called when the
         reply starts over (see :mod:`mdp.majordomo.client`)."""
+
+    def stream(service, *frames, timeout=None):
+        """An async iterator over every PARTIAL body and then the FINAL body."""
 
     def close():
         """Fail pending requests and close connections; returns a Deferred."""

@@ -35,8 +35,9 @@ class BrokerService(Service):
     def __init__(
         self,
         endpoint: Optional[str] = None,
-        backend: Optional[str] = None,
         reactor: Optional[Any] = None,
+        *,
+        backend: Optional[str] = None,
         exitOnFailure: bool = False,
         **brokerOptions: Any,
     ) -> None:
@@ -101,11 +102,12 @@ class WorkerService(Service):
         endpoint: Union[str, Sequence[str]],
         service: Union[str, bytes],
         handler: Handler,
+        reactor: Optional[Any] = None,
+        *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
         dialect: str = "rfc",
         replies: Optional[Any] = None,
-        reactor: Optional[Any] = None,
         limits: Limits = Limits(),
     ) -> None:
         self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,

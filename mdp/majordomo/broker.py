@@ -407,6 +407,7 @@ class Broker:
     def __init__(
         self,
         reactor: Optional[Any] = None,
+        *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
         serviceLinger: float = DEFAULT_SERVICE_LINGER,

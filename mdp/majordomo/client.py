@@ -131,6 +131,7 @@ from mdp.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeout,
+    RequestTooLarge,
     ServiceOverloaded,
     ServiceUnavailable,
     StreamRestarted,
@@ -328,6 +329,7 @@ class Client:
         self,
         endpoint: Union[str, Sequence[str]],
         reactor: Optional[Any] = None,
+        *,
         timeout: float = DEFAULT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         maxConnections: int = DEFAULT_MAX_CONNECTIONS,
@@ -399,11 +401,12 @@ class Client:
         Caller mistakes raise at once: ``TypeError`` if *service* or a frame
         is not ``bytes``/``str``; ``ValueError`` for no frame, an empty (or
         non-ASCII, or too long) service name, a negative *timeout* or
-        *retries* below 1.  Everything else fails the Deferred:
+        *retries* below 1; :class:`RequestTooLarge` (a ``ValueError``) for a
+        request over ``limits``, unsent.  Everything else fails the Deferred:
         :class:`RequestTimeout`, :class:`WorkerError`,
         :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
-        :class:`MessageTooLarge` (also before sending, for a request over
-        ``limits``), :class:`StreamRestarted`, :class:`ClientClosed`;
+        :class:`MessageTooLarge` (a 413 error reply, or a reply over this
+        client's own limits), :class:`StreamRestarted`, :class:`ClientClosed`;
         cancelling the Deferred abandons the request.
         """
         name = codec.api_service_name(service)
@@ -418,8 +421,7 @@ class Client:
         message = codec.encode(codec.ClientRequest(name, body), self.dialect)
         tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
         if tooLarge is not None:
-            return defer.fail(MessageTooLarge(name, codec.STATUS_TOO_LARGE,
-                                              f"request not sent: {tooLarge}"))
+            raise RequestTooLarge(f"request to {name.decode()!r} not sent: {tooLarge}")
         call = _Call(name, message, timeout, retries, onPartial, onRestart,
                      self.reactor.seconds(), self._cancel)
         self._live += 1

@@ -146,6 +146,7 @@ class Worker:
         service: Union[str, bytes],
         handler: Handler,
         reactor: Optional[Any] = None,
+        *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
         dialect: str = codec.RFC,
