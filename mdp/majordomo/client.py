@@ -129,17 +129,14 @@ from mdp.errors import (
     MessageTooLarge,
     OversizedMessage,
     ProtocolError,
-    RemoteError,
     RequestTimeout,
     RequestTooLarge,
-    ServiceOverloaded,
-    ServiceUnavailable,
     StreamRestarted,
-    WorkerError,
 )
 from mdp.interfaces import IClient, IDealerReceiver
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
+from mdp.messages import remote_error, request_frames
 from mdp.policy import EndpointRotation, Limits, LogThrottle, cancel_call, default_reactor
 
 log = Logger()
@@ -148,31 +145,7 @@ DEFAULT_TIMEOUT = 2.5
 DEFAULT_RETRIES = 3
 DEFAULT_MAX_CONNECTIONS = 64
 
-_ERRORS = {
-    codec.STATUS_WORKER_ERROR: WorkerError,
-    codec.STATUS_UNAVAILABLE: ServiceUnavailable,
-    codec.STATUS_OVERLOADED: ServiceOverloaded,
-    codec.STATUS_TOO_LARGE: MessageTooLarge,
-}
-
 Frame = Union[bytes, str]
-
-
-def request_frames(frames: Sequence[Frame]) -> list[bytes]:
-    """Normalise request body frames (``str`` is UTF-8 encoded); ``TypeError``
-    for a frame of any other type, ``ValueError`` for no frame at all."""
-    body = [f if type(f) is bytes else _frame(f) for f in frames]
-    if not body:
-        raise ValueError("an MDP request needs at least one body frame")
-    return body
-
-
-def _frame(frame: object) -> bytes:
-    if isinstance(frame, str):
-        return frame.encode("utf-8")
-    if isinstance(frame, bytes):
-        return bytes(frame)
-    raise TypeError(f"a request frame is bytes or str, not {type(frame).__name__}")
 
 
 def _check_attempts(timeout: float, retries: int) -> None:
@@ -180,15 +153,6 @@ def _check_attempts(timeout: float, retries: int) -> None:
         raise ValueError(f"timeout must not be negative, got {timeout}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
-
-
-def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]:
-    """The typed exception an error reply stands for, or ``None``."""
-    parsed = codec.parse_error_body(body)
-    if parsed is None:
-        return None
-    code, message = parsed
-    return _ERRORS.get(code, RemoteError)(service, code, message)
 
 
 class CallState(enum.Enum):

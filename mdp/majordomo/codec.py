@@ -25,7 +25,8 @@ frame, so a broker can answer each peer in its own dialect.
 Error replies
 -------------
 MDP/0.2 has no error command.  When the broker or a worker must fail a request,
-it sends an ordinary FINAL whose body is exactly three frames::
+it sends an ordinary FINAL whose body is exactly three frames (the convention
+of :mod:`mdp.messages`, which Freelance shares)::
 
     [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
 
@@ -53,6 +54,15 @@ import attrs
 
 from mdp.errors import ProtocolError
 
+# error replies are a convention every pattern shares: re-exported from mdp.messages
+from mdp.messages import ERROR_MARKER as ERROR_MARKER
+from mdp.messages import STATUS_OVERLOADED as STATUS_OVERLOADED
+from mdp.messages import STATUS_TOO_LARGE as STATUS_TOO_LARGE
+from mdp.messages import STATUS_UNAVAILABLE as STATUS_UNAVAILABLE
+from mdp.messages import STATUS_WORKER_ERROR as STATUS_WORKER_ERROR
+from mdp.messages import error_body as error_body
+from mdp.messages import parse_error_body as parse_error_body
+
 CLIENT_HEADER = b"MDPC02"
 WORKER_HEADER = b"MDPW02"
 
@@ -73,11 +83,6 @@ W_FINAL = b"\x04"
 W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
 
-ERROR_MARKER = b"\x00MDP-ERROR"
-STATUS_WORKER_ERROR = b"500"
-STATUS_UNAVAILABLE = b"503"
-STATUS_OVERLOADED = b"429"
-STATUS_TOO_LARGE = b"413"
 
 #: Body of the PARTIAL a broker sends when it gives a request whose reply had
 #: begun streaming to another worker: the client discards what it had (see
@@ -398,15 +403,3 @@ def _encode(command: Command, client_codes: dict[type, bytes]) -> Frames:
     raise TypeError(f"not an MDP command: {command!r}")
 
 
-# --- error replies ----------------------------------------------------------
-
-def error_body(code: bytes, message: str) -> Frames:
-    """The reply body that signals an error (see the module docstring)."""
-    return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
-
-
-def parse_error_body(body: Sequence[bytes]) -> tuple[bytes, str] | None:
-    """Return ``(code, message)`` if *body* is an error reply, else ``None``."""
-    if len(body) == 3 and body[0] == ERROR_MARKER:
-        return bytes(body[1]), bytes(body[2]).decode("utf-8", "replace")
-    return None

@@ -1,0 +1,79 @@
+"""What every pattern agrees on about message bodies: frames from a caller's
+arguments, and error replies with their status codes.
+
+MDP/0.2 has no error command, and neither has Freelance.  When a broker, a
+worker or a Freelance server must fail a request, it sends an ordinary reply
+whose body is exactly three frames::
+
+    [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
+
+``ERROR_MARKER`` starts with a NUL byte so that it cannot be mistaken for a
+printable payload.  A client that does not know the convention sees a
+well-formed reply; ours raise the :class:`~mdp.errors.RemoteError` subclass
+for the code (:func:`remote_error`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from mdp.errors import (
+    MessageTooLarge,
+    RemoteError,
+    ServiceOverloaded,
+    ServiceUnavailable,
+    WorkerError,
+)
+
+ERROR_MARKER = b"\x00MDP-ERROR"
+STATUS_WORKER_ERROR = b"500"
+STATUS_UNAVAILABLE = b"503"
+STATUS_OVERLOADED = b"429"
+STATUS_TOO_LARGE = b"413"
+
+_ERRORS: dict[bytes, type[RemoteError]] = {
+    STATUS_WORKER_ERROR: WorkerError,
+    STATUS_UNAVAILABLE: ServiceUnavailable,
+    STATUS_OVERLOADED: ServiceOverloaded,
+    STATUS_TOO_LARGE: MessageTooLarge,
+}
+
+Frame = Union[bytes, str]
+
+
+def error_body(code: bytes, message: str) -> list[bytes]:
+    """The reply body that signals an error."""
+    return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
+
+
+def parse_error_body(body: Sequence[bytes]) -> Optional[tuple[bytes, str]]:
+    """Return ``(code, message)`` if *body* is an error reply, else ``None``."""
+    if len(body) == 3 and body[0] == ERROR_MARKER:
+        return bytes(body[1]), bytes(body[2]).decode("utf-8", "replace")
+    return None
+
+
+def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]:
+    """The typed exception an error reply stands for, or ``None``."""
+    parsed = parse_error_body(body)
+    if parsed is None:
+        return None
+    code, message = parsed
+    return _ERRORS.get(code, RemoteError)(service, code, message)
+
+
+def request_frames(frames: Sequence[Frame]) -> list[bytes]:
+    """Normalise request body frames (``str`` is UTF-8 encoded); ``TypeError``
+    for a frame of any other type, ``ValueError`` for no frame at all."""
+    body = [f if type(f) is bytes else _frame(f) for f in frames]
+    if not body:
+        raise ValueError("a request needs at least one body frame")
+    return body
+
+
+def _frame(frame: object) -> bytes:
+    if isinstance(frame, str):
+        return frame.encode("utf-8")
+    if isinstance(frame, bytes):
+        return bytes(frame)
+    raise TypeError(f"a request frame is bytes or str, not {type(frame).__name__}")
