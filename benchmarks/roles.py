@@ -403,7 +403,7 @@ def freelance_client(model: int, n: int, warmup: int, endpoints: list[str]) -> N
 
     from mdp.freelance import freelance_client as make
 
-    options = {1: {"attemptTimeout": 0.25}, 2: {}, 3: {"attemptTimeout": 0.25}}[model]
+    options = {1: {"timeout": 0.25}, 2: {}, 3: {"timeout": 0.25}}[model]
     client = make(endpoints, model, reactor, **options)
     clock = time.perf_counter
 

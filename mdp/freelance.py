@@ -115,7 +115,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -124,19 +123,16 @@ from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import transport
+from mdp import messages, transport
 from mdp.errors import (
     ClientClosed,
-    MessageTooLarge,
     NoServerAvailable,
     RemoteError,
     RequestTimeout,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    WorkerError,
 )
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
     EndpointRotation,
     HeartbeatPolicy,
@@ -186,33 +182,13 @@ class ServerState(enum.Enum):
     DEAD = "dead"
 
 
-# --- error replies: [sequence, ERROR_MARKER, code, message] -----------------------
-
-ERROR_MARKER = b"\x00MDP-ERROR"  # as MDP's error body (mdp.majordomo.codec)
-STATUS_WORKER_ERROR = b"500"  # the handler failed
-STATUS_OVERLOADED = b"429"  # maxPending or maxPendingBytes reached
-STATUS_TOO_LARGE = b"413"  # the reply is over the message limits
-_ERRORS = {
-    STATUS_WORKER_ERROR: WorkerError,
-    b"503": ServiceUnavailable,
-    STATUS_OVERLOADED: ServiceOverloaded,
-    STATUS_TOO_LARGE: MessageTooLarge,
-}
-
-
-def error_body(code: bytes, message: str) -> list[bytes]:
-    """The reply body that stands for error *code*."""
-    return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
+# --- error replies: [sequence, *messages.error_body(code, message)] ------------------
 
 
 def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
     """The error a reply body stands for (a :class:`~mdp.errors.RemoteError`
     subclass by its code), or ``None`` for an ordinary reply."""
-    if len(body) != 3 or body[0] != ERROR_MARKER:
-        return None
-    code = bytes(body[1])
-    return _ERRORS.get(code, RemoteError)(SERVICE, code,
-                                          bytes(body[2]).decode("utf-8", "replace"))
+    return messages.remote_error(SERVICE, body)
 
 
 def _result(deferred: defer.Deferred, reply: list[bytes]) -> None:
@@ -235,7 +211,7 @@ class FreelanceServer:
     own :class:`~mdp.interfaces.IRouterReceiver` (a ``_Binding``) that hands
     its messages to :meth:`received` with the transport to answer on."""
 
-    def __init__(self, handler: Handler, reactor: Optional[Any] = None, limits: Limits = Limits(),
+    def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
                  maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.handler = handler
@@ -358,35 +334,12 @@ SHOTGUN_TIMEOUT = 3.0
 AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
 
-class _Default(float):
-    """A default value, told apart from the same number passed explicitly
-    (only for reading the deprecated ``attemptTimeout`` spelling)."""
-
-
 def _positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} is a number of seconds, not {type(value).__name__}")
     if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
-
-
-def _request_body(frames: Sequence[Any]) -> list[bytes]:
-    """The request frames as bytes (``str`` is UTF-8 encoded); a caller's
-    mistake raises at once: TypeError for a frame that is neither bytes nor
-    str, ValueError for no frame at all."""
-    body = []
-    for index, frame in enumerate(frames):
-        if isinstance(frame, str):
-            body.append(frame.encode("utf-8"))
-        elif isinstance(frame, (bytes, bytearray, memoryview)):
-            body.append(bytes(frame))
-        else:
-            raise TypeError(f"request frame {index} is {type(frame).__name__}, "
-                            "not bytes or str")
-    if not body:
-        raise ValueError("a Freelance request needs at least one frame")
-    return body
 
 
 def _endpoint_list(endpoints: Union[str, Sequence[str]]) -> list[str]:
@@ -396,21 +349,6 @@ def _endpoint_list(endpoints: Union[str, Sequence[str]]) -> list[str]:
     for endpoint in listed:
         transport.check(endpoint, transport.CONNECT)
     return listed
-
-
-def _renamed(attemptTimeout: Optional[float], timeout: float,
-             deadline: Optional[float]) -> tuple[float, Optional[float]]:
-    """``(timeout, deadline)`` from the constructor arguments, also in the old
-    spelling: ``attemptTimeout`` (now ``timeout``) with ``timeout`` for the
-    whole request (now ``deadline``)."""
-    if attemptTimeout is None:
-        return timeout, deadline
-    warnings.warn("attemptTimeout is deprecated: it is now timeout (seconds per attempt), and "
-                  "what timeout meant with it (the whole request) is now deadline",
-                  DeprecationWarning, stacklevel=3)
-    if not isinstance(deadline, _Default):
-        raise TypeError("pass timeout and deadline, not attemptTimeout with deadline")
-    return attemptTimeout, (deadline if isinstance(timeout, _Default) else timeout)
 
 
 class _Call:
@@ -469,7 +407,7 @@ class _FreelanceClient:
         :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
         request (a late reply is dropped).  Frames are bytes or str (UTF-8);
         anything else raises TypeError at once, no frame ValueError."""
-        body = _request_body(frames)
+        body = messages.request_frames(frames)
         timeout = self.timeout if timeout is None else _positive("timeout", timeout)
         deadline = self.deadline if deadline is None else _positive("deadline", deadline)
         if self._closed:
@@ -559,11 +497,10 @@ class SequentialClient(_FreelanceClient):
     (``None``: no bound beyond the round), whichever comes first."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 timeout: float = _Default(SEQUENTIAL_TIMEOUT),
-                 deadline: Optional[float] = _Default(SEQUENTIAL_DEADLINE), *,
-                 attemptTimeout: Optional[float] = None) -> None:
+                 *, timeout: float = SEQUENTIAL_TIMEOUT,
+                 deadline: Optional[float] = SEQUENTIAL_DEADLINE) -> None:
         self.attempts: dict[bytes, _Pipe] = {}
-        super().__init__(endpoints, reactor, *_renamed(attemptTimeout, timeout, deadline))
+        super().__init__(endpoints, reactor, timeout, deadline)
 
     def _start(self, call: _Call) -> None:
         call.rotation = EndpointRotation(self.endpoints)
@@ -603,7 +540,7 @@ class ShotgunClient(_FreelanceClient):
     seconds (or *deadline*, if given and shorter)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None) -> None:
+                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None) -> None:
         self.links: dict[str, _Pipe] = {}
         super().__init__(endpoints, reactor, timeout, deadline)
 
@@ -649,10 +586,9 @@ class AgentClient(_FreelanceClient):
     server is dead)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
-                 timeout: float = _Default(AGENT_TIMEOUT),
-                 deadline: Optional[float] = _Default(AGENT_DEADLINE), *,
-                 attemptTimeout: Optional[float] = None) -> None:
+                 *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
+                 timeout: float = AGENT_TIMEOUT,
+                 deadline: Optional[float] = AGENT_DEADLINE) -> None:
         reactor = default_reactor(reactor)
         if not isinstance(heartbeat, HeartbeatPolicy):
             raise TypeError(f"heartbeat is a HeartbeatPolicy, not {type(heartbeat).__name__}")
@@ -662,7 +598,7 @@ class AgentClient(_FreelanceClient):
         self.router = transport.connect_peers(self, reactor)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
-        super().__init__(endpoints, reactor, *_renamed(attemptTimeout, timeout, deadline))
+        super().__init__(endpoints, reactor, timeout, deadline)
         self._ticker.start(heartbeat.interval, now=False)
 
     def connect(self, endpoint: str) -> None:

@@ -65,15 +65,15 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
 def request_frames(frames: Sequence[Frame]) -> list[bytes]:
     """Normalise request body frames (``str`` is UTF-8 encoded); ``TypeError``
     for a frame of any other type, ``ValueError`` for no frame at all."""
-    body = [f if type(f) is bytes else _frame(f) for f in frames]
+    body = [f if type(f) is bytes else _frame(i, f) for i, f in enumerate(frames)]
     if not body:
         raise ValueError("a request needs at least one body frame")
     return body
 
 
-def _frame(frame: object) -> bytes:
+def _frame(index: int, frame: object) -> bytes:
     if isinstance(frame, str):
         return frame.encode("utf-8")
     if isinstance(frame, bytes):
         return bytes(frame)
-    raise TypeError(f"a request frame is bytes or str, not {type(frame).__name__}")
+    raise TypeError(f"request frame {index} is {type(frame).__name__}, not bytes or str")

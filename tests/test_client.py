@@ -187,9 +187,9 @@ def test_caller_mistakes_raise_at_once() -> None:
     clock = task.Clock()
     client = Client("loopback:nowhere", clock)
     # a frame of another type: bytes(5) would have sent five zero bytes
-    with pytest.raises(TypeError, match="not int"):
+    with pytest.raises(TypeError, match="request frame 0 is int"):
         client.request("echo", 5)
-    with pytest.raises(TypeError, match="not NoneType"):
+    with pytest.raises(TypeError, match="request frame 1 is NoneType"):
         client.request("echo", b"ok", None)
     with pytest.raises(TypeError, match="service name"):
         client.request(5, b"x")

@@ -203,56 +203,6 @@ def test_timeouts_default_to_the_guides_values() -> None:
     agent.close()
 
 
-def test_the_old_attempt_timeout_spelling_still_means_the_same() -> None:
-    from twisted.internet.task import Clock
-
-    from mdp.freelance import AgentClient, SequentialClient
-
-    clock = Clock()
-    with pytest.warns(DeprecationWarning, match="attemptTimeout"):
-        old = SequentialClient([], clock, attemptTimeout=5, timeout=10)
-    assert (old.timeout, old.deadline) == (5.0, 10.0)
-    with pytest.warns(DeprecationWarning):
-        agent = AgentClient([], clock, attemptTimeout=0.25)
-    assert (agent.timeout, agent.deadline) == (0.25, 3.0)
-    agent.close()
-    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
-        SequentialClient([], clock, attemptTimeout=5, deadline=10)
-
-
-@pytest.mark.parametrize("deadline, attempts, elapsed", [(None, 3, 3.0), (2.5, 3, 2.5), (30, 3, 3.0)])
-@pytest_twisted.ensureDeferred
-async def test_model1_timeout_is_per_server_and_deadline_bounds_the_round(
-        clocknet: Net, deadline: Any, attempts: int, elapsed: float) -> None:
-    servers = [await start_server(clocknet, name) for name in ("a", "b", "c")]
-    for server in servers:
-        server.frozen = True
-    client = client_for(clocknet, [s.endpoint for s in servers], model=1, timeout=1.0,
-                        deadline=deadline)
-    with pytest.raises(RequestTimeout) as failure:
-        await clocknet.wait(client.request(b"x"))
-    assert failure.value.attempts == attempts
-    assert failure.value.elapsed == pytest.approx(elapsed, abs=0.02)
-
-
-@pytest.mark.parametrize("model", [1, 2, 3])
-@pytest_twisted.ensureDeferred
-async def test_request_overrides_timeout_and_deadline(clocknet: Net, model: int) -> None:
-    server = await start_server(clocknet, "frozen")
-    slow = {"heartbeat": HeartbeatPolicy(1.0, 3)} if model == 3 else {}  # not dead within 0.7 s
-    client = client_for(clocknet, [server.endpoint], model=model, **slow)
-    if model == 3:
-        await clocknet.until(lambda: client.live() == [server.endpoint])
-    server.frozen = True
-    start = clocknet.reactor.seconds()
-    with pytest.raises(RequestTimeout):
-        await clocknet.wait(client.request(b"x", timeout=0.5, deadline=0.7))
-    limit = 0.5 if model in (1, 2) else 0.7  # one server: model 1's round is one attempt
-    assert clocknet.reactor.seconds() - start == pytest.approx(limit, abs=0.02)
-
-
-# --- interfaces --------------------------------------------------------------------
-
 def test_every_declared_interface_verifies() -> None:
     from zope.interface import implementedBy
     from zope.interface.verify import verifyObject
@@ -381,15 +331,14 @@ def test_error_replies_are_mdps_error_bodies_and_raise_the_same_errors() -> None
     from mdp import freelance
     from mdp.errors import MessageTooLarge, RemoteError, ServiceOverloaded, ServiceUnavailable
     from mdp.majordomo import codec
-    from mdp.majordomo.client import remote_error
+    from mdp.messages import error_body, remote_error
 
-    assert freelance.ERROR_MARKER == codec.ERROR_MARKER
     for code in (b"500", b"503", b"429", b"413", b"418"):
-        body = freelance.error_body(code, "why ✓")
+        body = error_body(code, "why ✓")
         assert body == codec.error_body(code, "why ✓")
         ours, mdps = freelance.remote_error(body), remote_error(b"freelance", body)
         assert type(ours) is type(mdps) and (ours.code, ours.message) == (code, "why ✓")
-    assert {type(freelance.remote_error(freelance.error_body(c, ""))) for c in
+    assert {type(freelance.remote_error(error_body(c, ""))) for c in
             (b"500", b"503", b"429", b"413", b"418")} == {
         WorkerError, ServiceUnavailable, ServiceOverloaded, MessageTooLarge, RemoteError}
     assert freelance.remote_error([b"an", b"ordinary", b"reply"]) is None

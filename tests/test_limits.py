@@ -293,7 +293,7 @@ async def test_freelance_server_cuts_off_a_zmq_client_that_does_not_read(net: Ne
         await net.until(lambda n=sent: server.served == n or bound.overflows > 0)
     assert bound.overflows == 1 and sent < 200
     assert bound.backlogs == {}  # dropped with the peer
-    client = SequentialClient([bound.endpoint], net.reactor, attemptTimeout=5, timeout=10)
+    client = SequentialClient([bound.endpoint], net.reactor, timeout=5, deadline=10)
     net.addCleanup(client.close)
     assert await net.wait(client.request(b"hi")) == [b"hi"]
 
@@ -315,7 +315,7 @@ async def test_freelance_server_disconnects_a_client_that_does_not_read(net: Net
     slow.transport.resumeProducing()
     await net.wait(slow.lost, timeout=10)
     # the server still answers others
-    client = SequentialClient([bound.endpoint], net.reactor, attemptTimeout=5, timeout=10)
+    client = SequentialClient([bound.endpoint], net.reactor, timeout=5, deadline=10)
     net.addCleanup(client.close)
     assert await net.wait(client.request(b"hi")) == [b"hi"]
 
@@ -334,7 +334,7 @@ async def test_freelance_server_bounds_requests_in_hand_and_replies(clocknet: Lo
                              limits=Limits(maxMessageBytes=4096))
     bound = await clocknet.wait(server.listen(clocknet.bind_endpoint()))
     clocknet.addCleanup(server.close)
-    client = SequentialClient([bound.endpoint], clocknet.reactor, attemptTimeout=30, timeout=30)
+    client = SequentialClient([bound.endpoint], clocknet.reactor, timeout=30, deadline=30)
     clocknet.addCleanup(client.close)
     waiting = [client.request(b"slow") for _ in range(2)]
     await clocknet.until(lambda: server.pending == 2)

@@ -12,7 +12,6 @@ from twisted.python.failure import Failure
 
 from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout, WorkerError
 from mdp.freelance import (
-    ERROR_MARKER,
     PING,
     PONG,
     AgentClient,
@@ -22,6 +21,7 @@ from mdp.freelance import (
     ServerState,
     ShotgunClient,
 )
+from mdp.messages import ERROR_MARKER
 from mdp.policy import HeartbeatPolicy, Limits
 from mdp.testing import Close, Disconnect, Elapse, Lost, Open, Receive, Script, Send
 

@@ -72,7 +72,7 @@ async def test_freelance_server_service_releases_its_endpoint(net: Net) -> None:
 
     service = FreelanceServerService(net.bind_endpoint(), echo, reactor=net.reactor)
     bound: Any = await net.wait(service.startService())
-    client = SequentialClient([bound.endpoint], net.reactor, attemptTimeout=5, timeout=10)
+    client = SequentialClient([bound.endpoint], net.reactor, timeout=5, deadline=10)
     net.addCleanup(client.close)
     assert await net.wait(client.request(b"hi")) == [b"hi"]
     await net.wait(service.stopService())
