@@ -30,7 +30,7 @@ class Net:
     def __init__(self) -> None:
         self.cleanups: list[Callable[[], Any]] = []
 
-    def bind_endpoint(self) -> str:
+    def bindEndpoint(self) -> str:
         raise NotImplementedError
 
     def addCleanup(self, fn: Callable[[], Any]) -> None:
@@ -51,7 +51,7 @@ class LoopbackNet(Net):
         super().__init__()
         self.reactor = task.Clock()
 
-    def bind_endpoint(self) -> str:
+    def bindEndpoint(self) -> str:
         return f"loopback:test-{next(_names)}"
 
     def _step(self, end: float) -> None:
@@ -98,7 +98,7 @@ class RealNet(Net):
         self.kind = kind
         self.reactor = reactor
 
-    def bind_endpoint(self) -> str:
+    def bindEndpoint(self) -> str:
         return "tcp:host=127.0.0.1:port=0" if self.kind == "tcp" else "zmq:tcp://127.0.0.1:*"
 
     def advance(self, seconds: float) -> None:
@@ -152,7 +152,7 @@ class RawPeer:
     def send(self, *frames: bytes) -> None:
         self.transport.sendMessage(list(frames))
 
-    async def next_message(self, timeout: float = 10.0) -> list[bytes]:
+    async def nextMessage(self, timeout: float = 10.0) -> list[bytes]:
         count = len(self.received)
         await self.net.until(lambda: len(self.received) > count, timeout)
         return self.received[count]
@@ -181,6 +181,6 @@ class RawRouter:
 async def raw_router(net: Net) -> RawRouter:
     router = RawRouter()
     router.clock = net.reactor
-    router.transport = await net.wait(transport.listen(net.bind_endpoint(), router, net.reactor))
+    router.transport = await net.wait(transport.listen(net.bindEndpoint(), router, net.reactor))
     net.addCleanup(router.transport.close)
     return router

@@ -182,19 +182,19 @@ class Cluster:
         self.workers: list[Process] = []
         self.clients: list[Any] = []
 
-    async def start_broker(self, bind: str) -> Process:
+    async def startBroker(self, bind: str) -> Process:
         self.broker, self.endpoint = await twist_broker(reactor(), bind, *BROKER_HB,
                                                         *self.brokerOptions)
         return self.broker
 
-    def start_worker(self, service: str = "work", handler: str = TAGGED, *options: str) -> Process:
+    def startWorker(self, service: str = "work", handler: str = TAGGED, *options: str) -> Process:
         worker = twist_worker(reactor(), self.endpoint, service, handler, *WORKER_HB, *options)
         self.workers.append(worker)
         return worker
 
-    async def start_workers(self, count: int, service: str, handler: str, *options: str) -> list[Process]:
+    async def startWorkers(self, count: int, service: str, handler: str, *options: str) -> list[Process]:
         """Start *count* workers and wait until the broker has registered them."""
-        started = [self.start_worker(service, handler, *options) for _ in range(count)]
+        started = [self.startWorker(service, handler, *options) for _ in range(count)]
         for worker in started:
             await bounded(worker.waitFor("sent READY", timeout=60), 60)
         broker = self.broker

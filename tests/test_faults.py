@@ -18,6 +18,8 @@ from mdp import Client
 from tests.procs import Cluster, bounded, reactor, wait_until
 
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
+#: which worker each kill picks is drawn from this seed, so a failure replays
+SEED = 20261122
 
 
 async def run_requests(client: Client, tag: str, count: int) -> list[tuple[str, list[bytes]]]:
@@ -43,10 +45,11 @@ def check_replies(results: list[tuple[str, list[bytes]]]) -> set[bytes]:
 async def test_workers_killed_every_200ms_lose_no_request(kind: str) -> None:
     cluster = Cluster()
     kills = 0
+    pick = random.Random(SEED)
     try:
-        await cluster.start_broker(BINDS[kind])
+        await cluster.startBroker(BINDS[kind])
         for _ in range(4):
-            cluster.start_worker()
+            cluster.startWorker()
         for worker in cluster.workers:
             await bounded(worker.waitFor("sent READY"), 60)
 
@@ -54,9 +57,9 @@ async def test_workers_killed_every_200ms_lose_no_request(kind: str) -> None:
             nonlocal kills
             alive = [w for w in cluster.workers if w.running]
             if alive and kills < 200:
-                random.choice(alive).signalProcess(signal.SIGKILL)
+                pick.choice(alive).signalProcess(signal.SIGKILL)
                 kills += 1
-                cluster.start_worker()
+                cluster.startWorker()
 
         killer = task.LoopingCall(kill_one)
         killer.start(0.2, now=False)
@@ -80,9 +83,9 @@ async def test_workers_killed_every_200ms_lose_no_request(kind: str) -> None:
 async def test_broker_killed_and_restarted_mid_run(kind: str) -> None:
     cluster = Cluster()
     try:
-        await cluster.start_broker(BINDS[kind])
+        await cluster.startBroker(BINDS[kind])
         for _ in range(2):
-            cluster.start_worker()
+            cluster.startWorker()
         for worker in cluster.workers:
             await bounded(worker.waitFor("sent READY"), 60)
         clients = [cluster.client(timeout=1.0, retries=60) for _ in range(2)]
@@ -95,7 +98,7 @@ async def test_broker_killed_and_restarted_mid_run(kind: str) -> None:
         await task.deferLater(reactor(), 0.3)  # mid-run: requests are flowing
         first.signalProcess(signal.SIGKILL)
         await first.ended(30)
-        await cluster.start_broker(cluster.endpoint)
+        await cluster.startBroker(cluster.endpoint)
 
         results = await bounded(defer.gatherResults(runs, consumeErrors=True), 120)
         flat = [r for per_client in results for r in per_client]
@@ -114,15 +117,15 @@ async def test_frozen_worker_is_detected_and_its_request_requeued(kind: str) -> 
     cluster = Cluster()
     frozen = None
     try:
-        await cluster.start_broker(BINDS[kind])
-        frozen = cluster.start_worker()
+        await cluster.startBroker(BINDS[kind])
+        frozen = cluster.startWorker()
         await bounded(frozen.waitFor("sent READY"), 60)
         await bounded(cluster.broker.waitFor("ready for b'work'"), 30)
         frozen.signalProcess(signal.SIGSTOP)
         # the only registered worker is frozen: the request goes to it
         client = cluster.client(timeout=60, retries=1)
         reply = client.request("work", "held")
-        rescuer = cluster.start_worker()
+        rescuer = cluster.startWorker()
         await bounded(rescuer.waitFor("sent READY"), 60)
         pid, body = await bounded(reply, 60)
         assert body == b"held"

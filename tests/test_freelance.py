@@ -32,7 +32,7 @@ class Server(FreelanceServer):
 
 async def start_server(net: Net, name: str, endpoint: str = "", handler: Any = None) -> Server:
     server = Server(name, net.reactor, handler)
-    bound = await net.wait(server.listen(endpoint or net.bind_endpoint()))
+    bound = await net.wait(server.listen(endpoint or net.bindEndpoint()))
     server.endpoint = bound.endpoint
     net.addCleanup(server.close)
     return server

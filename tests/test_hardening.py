@@ -215,7 +215,7 @@ async def test_cancelling_ten_thousand_zmq_requests(net: Net) -> None:
 @pytest_twisted.ensureDeferred
 async def test_request_cancelled_before_it_went_out_frees_its_connection_at_once(
         clocknet: LoopbackNet) -> None:
-    endpoint = clocknet.bind_endpoint()  # nothing listens yet: the pipe is not up
+    endpoint = clocknet.bindEndpoint()  # nothing listens yet: the pipe is not up
     client = make_client(clocknet, endpoint, maxConnections=1, timeout=60, retries=1)
     never = client.request("svc", b"cancelled")
     clocknet.advance(0)

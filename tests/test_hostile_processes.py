@@ -68,8 +68,8 @@ async def test_broker_killed_under_pooled_tcp_client_gives_no_wrong_reply(patien
     completes with its own reply."""
     cluster = Cluster()
     try:
-        await cluster.start_broker(BINDS["tcp"])
-        workers = await cluster.start_workers(3, "work", HANDLERS + "tagged")
+        await cluster.startBroker(BINDS["tcp"])
+        workers = await cluster.startWorkers(3, "work", HANDLERS + "tagged")
         pids = {str(w.transport.pid).encode() for w in workers}
         client = cluster.client(**TIMEOUTS[patience])
         # 30 at once first: the pool opens 30 connections, so that 10 of them
@@ -105,7 +105,7 @@ async def test_broker_killed_under_pooled_tcp_client_gives_no_wrong_reply(patien
         # down (on idle connections of the pool, which it has seen break)
         runs += [defer.ensureDeferred(loop(f"down{i}", 10)) for i in range(10)]
         assert issued == issuedAtKill + 10
-        await cluster.start_broker(cluster.endpoint)
+        await cluster.startBroker(cluster.endpoint)
 
         results = await bounded(defer.gatherResults(runs, consumeErrors=True), 120)
         flat = [r for per_loop in results for r in per_loop]
@@ -129,8 +129,8 @@ async def test_broker_killed_under_single_connection_client_gives_no_wrong_reply
     previous reply)."""
     cluster = Cluster()
     try:
-        await cluster.start_broker(BINDS["tcp"])
-        workers = await cluster.start_workers(2, "work", HANDLERS + "tagged")
+        await cluster.startBroker(BINDS["tcp"])
+        workers = await cluster.startWorkers(2, "work", HANDLERS + "tagged")
         pids = {str(w.transport.pid).encode() for w in workers}
         client = cluster.client(**TIMEOUTS[patience], maxConnections=1)
         results: list[tuple[str, list[bytes]]] = []
@@ -153,7 +153,7 @@ async def test_broker_killed_under_single_connection_client_gives_no_wrong_reply
             bodies = [f"down-{next(counter)}" for _ in range(3)]
             pending = [client.request("work", body) for body in bodies]
             assert not any(d.called for d in pending)
-            await cluster.start_broker(cluster.endpoint)
+            await cluster.startBroker(cluster.endpoint)
             replies = await bounded(defer.gatherResults(pending, consumeErrors=True), 60)
             results.extend(zip(bodies, replies))
             await sequential(35)
@@ -240,9 +240,9 @@ async def test_client_not_reading_a_fast_stream_keeps_broker_rss_bounded(kind: s
     reader: Optional[NonReader] = None
     sampler: Optional[task.LoopingCall] = None
     try:
-        broker = await cluster.start_broker(BINDS[kind])
-        await cluster.start_workers(1, "bigstream", HANDLERS + "big_stream")
-        await cluster.start_workers(1, "echo", "echo")
+        broker = await cluster.startBroker(BINDS[kind])
+        await cluster.startWorkers(1, "bigstream", HANDLERS + "big_stream")
+        await cluster.startWorkers(1, "echo", "echo")
         pid = broker.transport.pid
         base = rss(pid)
         samples = [base]
@@ -287,8 +287,8 @@ async def test_oversized_reply_is_413_and_no_worker_is_lost(kind: str) -> None:
     limit = ("--max-message-bytes", "1MiB")
     cluster = Cluster(*limit)
     try:
-        broker = await cluster.start_broker(BINDS[kind])
-        workers = await cluster.start_workers(3, "sized", HANDLERS + "sized", *limit)
+        broker = await cluster.startBroker(BINDS[kind])
+        workers = await cluster.startWorkers(3, "sized", HANDLERS + "sized", *limit)
         client = cluster.client(timeout=5, retries=1)
         tooLarge = 0
 

@@ -279,7 +279,7 @@ async def test_freelance_server_cuts_off_a_zmq_client_that_does_not_read(net: Ne
     import zmq
 
     server = FreelanceServer(echo, net.reactor, limits=Limits(maxOutputBytes=8 * MiB))
-    bound = await net.wait(server.listen(net.bind_endpoint()))
+    bound = await net.wait(server.listen(net.bindEndpoint()))
     net.addCleanup(server.close)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -302,7 +302,7 @@ async def test_freelance_server_cuts_off_a_zmq_client_that_does_not_read(net: Ne
 @pytest_twisted.ensureDeferred
 async def test_freelance_server_disconnects_a_client_that_does_not_read(net: Net) -> None:
     server = FreelanceServer(echo, net.reactor, limits=Limits(maxOutputBytes=1 * MiB))
-    bound = await net.wait(server.listen(net.bind_endpoint()))
+    bound = await net.wait(server.listen(net.bindEndpoint()))
     net.addCleanup(server.close)
     slow = await raw_stream(net, bound.endpoint)
     slow.stopReading()
@@ -332,7 +332,7 @@ async def test_freelance_server_bounds_requests_in_hand_and_replies(clocknet: Lo
 
     server = FreelanceServer(handler, clocknet.reactor, maxPending=2,
                              limits=Limits(maxMessageBytes=4096))
-    bound = await clocknet.wait(server.listen(clocknet.bind_endpoint()))
+    bound = await clocknet.wait(server.listen(clocknet.bindEndpoint()))
     clocknet.addCleanup(server.close)
     client = SequentialClient([bound.endpoint], clocknet.reactor, timeout=30, deadline=30)
     clocknet.addCleanup(client.close)

@@ -30,7 +30,7 @@ FAST = HeartbeatPolicy(interval=0.2, liveness=3)
 
 async def start_broker(net: Net, **kwargs: Any) -> tuple[Broker, str]:
     broker = Broker(net.reactor, **kwargs)
-    bound = await net.wait(broker.listen(net.bind_endpoint()))
+    bound = await net.wait(broker.listen(net.bindEndpoint()))
     net.addCleanup(broker.close)
     return broker, bound.endpoint
 
@@ -174,7 +174,7 @@ async def test_heartbeat_before_ready_gets_disconnect(net: Net) -> None:
     broker, endpoint = await start_broker(net)
     peer = RawPeer(net, endpoint)
     peer.send(codec.WORKER_HEADER, codec.W_HEARTBEAT)
-    assert await peer.next_message() == [codec.WORKER_HEADER, codec.W_DISCONNECT]
+    assert await peer.nextMessage() == [codec.WORKER_HEADER, codec.W_DISCONNECT]
     assert broker.workers == {}
 
 
@@ -185,7 +185,7 @@ async def test_second_ready_gets_disconnect_and_worker_is_removed(net: Net) -> N
     peer.send(codec.WORKER_HEADER, codec.W_READY, b"svc")
     await net.until(lambda: len(broker.workers) == 1)
     peer.send(codec.WORKER_HEADER, codec.W_READY, b"svc")
-    assert await peer.next_message() == [codec.WORKER_HEADER, codec.W_DISCONNECT]
+    assert await peer.nextMessage() == [codec.WORKER_HEADER, codec.W_DISCONNECT]
     assert broker.workers == {}
 
 
@@ -197,7 +197,7 @@ async def test_final_from_idle_worker_gets_disconnect(net: Net) -> None:
     await net.until(lambda: len(broker.workers) == 1)
     peer.send(b"", codec.WORKER_HEADER, codec.W_FINAL, b"someone", b"", b"body")
     # answered in the dialect the peer used
-    assert await peer.next_message() == [b"", codec.WORKER_HEADER, codec.W_DISCONNECT]
+    assert await peer.nextMessage() == [b"", codec.WORKER_HEADER, codec.W_DISCONNECT]
     assert broker.workers == {}
 
 
@@ -289,8 +289,8 @@ async def test_workers_are_used_least_recently_used_first(net: Net) -> None:
 async def test_separate_frontend_and_backend(net: Net) -> None:
     broker = Broker(net.reactor)
     net.addCleanup(broker.close)
-    front = await net.wait(broker.listen(net.bind_endpoint(), clients=True, workers=False))
-    back = await net.wait(broker.listen(net.bind_endpoint(), clients=False, workers=True))
+    front = await net.wait(broker.listen(net.bindEndpoint(), clients=True, workers=False))
+    back = await net.wait(broker.listen(net.bindEndpoint(), clients=False, workers=True))
     start_worker(net, back.endpoint, "echo", echo)
     client = make_client(net, front.endpoint)
     assert await net.wait(client.request("echo", b"split")) == [b"split"]

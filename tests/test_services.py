@@ -17,7 +17,7 @@ from tests.test_mdp_behaviour import echo, make_client
 @pytest.mark.parametrize("net", ["tcp", "zmq"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_broker_service_releases_its_endpoint_and_stops_ticking(net: Net) -> None:
-    service = BrokerService(net.bind_endpoint(), reactor=net.reactor)
+    service = BrokerService(net.bindEndpoint(), reactor=net.reactor)
     await net.wait(service.startService())
     (bound,) = service.transports
     assert service.running and service.broker._ticker.running
@@ -40,7 +40,7 @@ async def test_broker_service_releases_its_endpoint_and_stops_ticking(net: Net) 
 
 @pytest_twisted.ensureDeferred
 async def test_broker_service_with_separate_frontend_and_backend(net: Net) -> None:
-    service = BrokerService(net.bind_endpoint(), backend=net.bind_endpoint(), reactor=net.reactor)
+    service = BrokerService(net.bindEndpoint(), backend=net.bindEndpoint(), reactor=net.reactor)
     await net.wait(service.startService())
     front, back = service.transports
     worker = WorkerService(back.endpoint, "echo", echo, reactor=net.reactor)
@@ -70,7 +70,7 @@ async def test_worker_service_registers_and_says_goodbye(net: Net) -> None:
 async def test_freelance_server_service_releases_its_endpoint(net: Net) -> None:
     from mdp.freelance import SequentialClient
 
-    service = FreelanceServerService(net.bind_endpoint(), echo, reactor=net.reactor)
+    service = FreelanceServerService(net.bindEndpoint(), echo, reactor=net.reactor)
     bound: Any = await net.wait(service.startService())
     client = SequentialClient([bound.endpoint], net.reactor, timeout=5, deadline=10)
     net.addCleanup(client.close)
