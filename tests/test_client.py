@@ -213,6 +213,19 @@ def test_caller_mistakes_raise_at_once() -> None:
         Client("loopback:nowhere", clock, retries=0)
 
 
+def test_a_client_needs_at_least_one_connection() -> None:
+    from twisted.internet import task
+
+    clock = task.Clock()
+    # with no connection allowed, every request would wait for one until it timed out
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="maxConnections must be at least 1, got"):
+            Client("loopback:nowhere", clock, maxConnections=bad)
+    with pytest.raises(TypeError, match="maxConnections"):
+        Client("loopback:nowhere", clock, maxConnections=2.5)
+    assert Client("loopback:nowhere", clock, maxConnections=1).maxConnections == 1
+
+
 def test_a_malformed_endpoint_raises_at_once() -> None:
     from mdp.errors import TransportError
 

@@ -286,8 +286,9 @@ class Client:
     once (a malformed one raises :class:`~mdp.errors.TransportError`).
     *timeout* is the seconds of **one attempt** and *retries* the number of
     attempts in all, so a request fails with :class:`RequestTimeout` after at
-    most ``timeout × retries`` seconds.  At most *maxConnections* requests are
-    in flight at once (one per connection); more wait in a local FIFO."""
+    most ``timeout × retries`` seconds.  At most *maxConnections* (at least 1)
+    requests are in flight at once (one per connection); more wait in a local
+    FIFO."""
 
     def __init__(
         self,
@@ -308,6 +309,11 @@ class Client:
         for each in endpoints:
             transport.check(each, transport.CONNECT)
         _check_attempts(timeout, retries)
+        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
+            raise TypeError(f"maxConnections is a number of connections, "
+                            f"not {type(maxConnections).__name__}")
+        if maxConnections < 1:
+            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
         self._rotation = EndpointRotation(endpoints)
         self.reactor = reactor
         self.timeout = timeout
