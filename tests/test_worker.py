@@ -158,6 +158,14 @@ def test_a_malformed_endpoint_raises_at_once() -> None:
         Worker("loopback:fine", 5, lambda f: f)
 
 
+def test_a_handler_that_is_not_callable_raises_at_once() -> None:
+    # accepted, it would have answered every request with a 500
+    with pytest.raises(TypeError, match="a handler is a callable .*not int: 5"):
+        Worker("loopback:fine", "echo", 5)
+    with pytest.raises(TypeError, match="not NoneType"):
+        Worker("loopback:fine", "echo", None)
+
+
 def test_provides_its_interfaces() -> None:
     from twisted.internet import task
     from zope.interface.verify import verifyObject

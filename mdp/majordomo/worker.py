@@ -138,7 +138,8 @@ class Worker:
     """An MDP/0.2 worker for one *service*, connected to one broker at a time.
 
     *endpoint* is one broker endpoint or a failover list; each is checked at
-    once (a malformed one raises :class:`~mdp.errors.TransportError`)."""
+    once (a malformed one raises :class:`~mdp.errors.TransportError`); a
+    *handler* that is not callable raises ``TypeError``."""
 
     def __init__(
         self,
@@ -159,6 +160,9 @@ class Worker:
             raise ValueError("a worker needs at least one broker endpoint")
         for each in endpoints:
             transport.check(each, transport.CONNECT)
+        if not callable(handler):
+            raise TypeError(f"a handler is a callable taking the request body, "
+                            f"not {type(handler).__name__}: {handler!r}")
         self._rotation = EndpointRotation(endpoints)
         self.service = codec.api_service_name(service)
         self.handler = handler
