@@ -213,6 +213,23 @@ def test_caller_mistakes_raise_at_once() -> None:
         Client("loopback:nowhere", clock, retries=0)
 
 
+def test_a_timeout_must_be_positive() -> None:
+    from twisted.internet import task
+
+    clock = task.Clock()
+    # as for the Freelance clients and `mdp call`: an attempt of no time cannot be answered
+    for bad in (0, 0.0, -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be positive, got"):
+            Client("loopback:nowhere", clock, timeout=bad)
+    client = Client("loopback:nowhere", clock)
+    for bad in (0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be positive, got"):
+            client.request("echo", b"x", timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be positive, got"):
+            client.stream("echo", b"x", timeout=bad)
+    assert client._channels == set() and not clock.getDelayedCalls()
+
+
 def test_a_client_needs_at_least_one_connection() -> None:
     from twisted.internet import task
 

@@ -149,8 +149,8 @@ Frame = Union[bytes, str]
 
 
 def _check_attempts(timeout: float, retries: int) -> None:
-    if timeout < 0:
-        raise ValueError(f"timeout must not be negative, got {timeout}")
+    if not timeout > 0:  # NaN too
+        raise ValueError(f"timeout must be positive, got {timeout}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
 
@@ -370,7 +370,7 @@ class Client:
 
         Caller mistakes raise at once: ``TypeError`` if *service* or a frame
         is not ``bytes``/``str``; ``ValueError`` for no frame, an empty (or
-        non-ASCII, or too long) service name, a negative *timeout* or
+        non-ASCII, or too long) service name, a *timeout* that is not positive or
         *retries* below 1; :class:`RequestTooLarge` (a ``ValueError``) for a
         request over ``limits``, unsent.  Everything else fails the Deferred:
         :class:`RequestTimeout`, :class:`WorkerError`,
