@@ -256,6 +256,18 @@ def test_a_malformed_endpoint_raises_at_once() -> None:
         Client([])
 
 
+def test_endpoints_given_as_bytes_raise_a_clear_type_error() -> None:
+    from twisted.internet import task
+
+    clock = task.Clock()
+    # bytes were iterated: "an endpoint is a string, not int: 122"
+    for bad in (b"zmq:tcp://127.0.0.1:5555", bytearray(b"loopback:x"), memoryview(b"x"), 5555,
+                None):
+        with pytest.raises(TypeError, match=f"endpoints are str .*not {type(bad).__name__}"):
+            Client(bad, clock)
+    assert Client(("loopback:a", "loopback:b"), clock).endpoints == ["loopback:a", "loopback:b"]
+
+
 def test_provides_its_interfaces() -> None:
     from twisted.internet import task
     from zope.interface.verify import verifyObject

@@ -158,6 +158,15 @@ def test_a_malformed_endpoint_raises_at_once() -> None:
         Worker("loopback:fine", 5, lambda f: f)
 
 
+def test_endpoints_given_as_bytes_raise_a_clear_type_error() -> None:
+    # bytes were iterated: "an endpoint is a string, not int: 122"
+    for bad in (b"zmq:tcp://127.0.0.1:5555", bytearray(b"loopback:x"), 5555, None):
+        with pytest.raises(TypeError, match=f"endpoints are str .*not {type(bad).__name__}"):
+            Worker(bad, "svc", lambda f: f)
+    assert Worker(("loopback:a", "loopback:b"), "svc", lambda f: f).endpoints == [
+        "loopback:a", "loopback:b"]
+
+
 def test_a_handler_that_is_not_callable_raises_at_once() -> None:
     # accepted, it would have answered every request with a 500
     with pytest.raises(TypeError, match="a handler is a callable .*not int: 5"):
