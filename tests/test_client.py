@@ -40,6 +40,16 @@ async def test_request_frames_on_the_wire(clocknet: LoopbackNet) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_bytearray_and_memoryview_frames_are_sent_as_bytes(clocknet: LoopbackNet) -> None:
+    router, client = await broker_and_client(clocknet)
+    d = client.request("echo", bytearray(b"x"), memoryview(b"y"))
+    clocknet.advance(0)
+    (_, peer, frames), = requests(router)
+    assert frames == [b"MDPC02", b"\x01", b"echo", b"x", b"y"]
+    assert all(type(f) is bytes for f in frames)
+    final(router, peer, b"echo", b"ok")
+    assert await clocknet.wait(d) == [b"ok"]
+@pytest_twisted.ensureDeferred
 async def test_timeout_retries_on_fresh_connections_then_fails(clocknet: LoopbackNet) -> None:
     router, client = await broker_and_client(clocknet, timeout=1.0, retries=3)
     d = client.request("svc", b"x")

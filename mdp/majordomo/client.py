@@ -382,6 +382,9 @@ class Client:
         *onPartial* is called with the body of every PARTIAL before that, and
         *onRestart* when the reply starts over (see the module docstring).
 
+        A ``str`` frame is sent UTF-8 encoded, a ``bytearray`` or
+        ``memoryview`` as its bytes.
+
         Caller mistakes raise at once: ``TypeError`` if *service* or a frame
         is not ``bytes``/``str``; ``ValueError`` for no frame, an empty (or
         non-ASCII, or too long) service name, a *timeout* that is not positive or
