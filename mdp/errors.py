@@ -16,8 +16,7 @@ The taxonomy:
   peer; callers rarely see them).  Every other :class:`MDPError` is local.
 
 Callers catch :class:`MDPError` for anything of ours, or the precise subclass
-for one failure.  See :mod:`mdp.majordomo.codec` for the wire form of error
-replies.
+for one failure.  See :mod:`mdp.messages` for the wire form of error replies.
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ class FreelanceServer:
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
             return routerTransport
 
-        return transport.listen(endpoint, binding, self.reactor, self.limits).addCallback(bound)
+        return transport.listen(endpoint, binding, self.reactor, limits=self.limits).addCallback(bound)
 
     def streamFactory(self) -> IProtocolFactory:
         """This server as a plain Twisted :class:`IProtocolFactory` speaking

@@ -74,6 +74,6 @@ def request_frames(frames: Sequence[Frame]) -> list[bytes]:
 def _frame(index: int, frame: object) -> bytes:
     if isinstance(frame, str):
         return frame.encode("utf-8")
-    if isinstance(frame, bytes):
+    if isinstance(frame, (bytes, bytearray, memoryview)):
         return bytes(frame)
     raise TypeError(f"request frame {index} is {type(frame).__name__}, not bytes or str")

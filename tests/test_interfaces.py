@@ -98,13 +98,13 @@ def _agent() -> Any:
 def _loopback_router() -> Any:
     from mdp.transport.loopback import LoopbackNetwork, LoopbackRouter
 
-    return LoopbackRouter("verify", _Receiver(), _clock(), LoopbackNetwork())
+    return LoopbackRouter("verify", _Receiver(), _clock(), net=LoopbackNetwork())
 
 
 def _loopback_dealer() -> Any:
     from mdp.transport.loopback import LoopbackDealer, LoopbackNetwork
 
-    return LoopbackDealer("verify", _Receiver(), _clock(), LoopbackNetwork())
+    return LoopbackDealer("verify", _Receiver(), _clock(), net=LoopbackNetwork())
 
 
 class _Receiver:

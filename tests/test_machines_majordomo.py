@@ -1,5 +1,6 @@
 """The Majordomo state machines driven by lists of events (mdp.testing.Script):
-no transport, no reactor, every action and its time exact."""
+recording stand-ins for transports, a Clock for the reactor: every action and
+its time exact."""
 
 from __future__ import annotations
 

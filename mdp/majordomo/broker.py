@@ -462,7 +462,7 @@ class Broker:
             self._bind(binding, routerTransport)
             return routerTransport
 
-        return transport.listen(endpoint, binding, self.reactor, self.limits).addCallback(bound)
+        return transport.listen(endpoint, binding, self.reactor, limits=self.limits).addCallback(bound)
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
         """An :class:`IProtocolFactory` whose connections (speaking the

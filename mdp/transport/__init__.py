@@ -20,6 +20,7 @@ are checked before anything starts: a mistake raises
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -62,7 +63,7 @@ __all__ = [
 
 
 def listen(
-    endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None,
+    endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
     limits: Limits = Limits(),
 ) -> defer.Deferred[IRouterTransport]:
     """Bind *endpoint*; the Deferred fires with an :class:`IRouterTransport`
@@ -75,7 +76,7 @@ def listen(
         return scheme.listen(endpoint, receiver, default_reactor(reactor), limits)
     except TransportError as e:
         return defer.fail(e)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
         return defer.fail(TransportError(f"cannot listen on {endpoint!r}: {e}"))
 
 
@@ -83,6 +84,7 @@ def connect(
     endpoint: str,
     receiver: IDealerReceiver,
     reactor: Optional[Any] = None,
+    *,
     retryPolicy: Optional[Callable[[int], float]] = None,
     limits: Limits = Limits(),
     identity: Optional[bytes] = None,
@@ -103,23 +105,26 @@ def connect(
     try:
         return scheme.connect(endpoint, receiver, default_reactor(reactor), limits, retryPolicy,
                               identity)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except TransportError:
+        raise
+    except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
         raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
 
 
-def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None,
+def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, *,
                   limits: Limits = Limits()) -> IPeerRouterTransport:
     """A connecting ROUTER (:class:`IPeerRouterTransport`) for *receiver*;
     add servers with its ``connect(endpoint)``."""
     from mdp.transport.peers import PeerRouter
 
-    return PeerRouter(receiver, default_reactor(reactor), limits)
+    return PeerRouter(receiver, default_reactor(reactor), limits=limits)
 
 
 # --- the built-in schemes -----------------------------------------------------
 
 
 _ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
+_ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-Za-z0-9._-]*)$")
 
 
 def _check_zmq(endpoint: str, role: str) -> None:
@@ -139,6 +144,9 @@ def _check_zmq(endpoint: str, role: str) -> None:
     host, _, port = rest.rpartition(":")
     if not host:
         raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. zmq:tcp://127.0.0.1:{port}")
+    if not _ZMQ_HOST.match(host):
+        raise TransportError(f"bad endpoint {endpoint!r}: {host!r} is not a host name, an "
+                             "address, [an IPv6 address] or *")
     if host == "*" and role == CONNECT:
         raise TransportError(f"bad endpoint {endpoint!r}: cannot connect to host '*'; "
                              "did you mean zmq:tcp://127.0.0.1:" + port + "?")
@@ -148,7 +156,7 @@ def _check_zmq(endpoint: str, role: str) -> None:
 def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
     from mdp.transport.zeromq import ZmqRouter
 
-    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits))
+    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits))
 
 
 def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,

@@ -88,6 +88,7 @@ class LoopbackRouter:
         name: str,
         receiver: IRouterReceiver,
         reactor: IReactorTime,
+        *,
         net: LoopbackNetwork = network,
         limits: Limits = Limits(),
     ) -> None:
@@ -163,6 +164,7 @@ class LoopbackDealer:
         name: str,
         receiver: IDealerReceiver,
         reactor: IReactorTime,
+        *,
         net: LoopbackNetwork = network,
         limits: Limits = Limits(),
         identity: Optional[bytes] = None,

@@ -13,7 +13,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.interfaces import IDealerTransport, IPeerRouterReceiver, IPeerRouterTransport
-from mdp.policy import Limits
+from mdp.policy import Backoff, Limits, default_reactor
 
 
 class _Pipe:
@@ -34,14 +34,20 @@ class _Pipe:
         self.owner.receiver.messageReceived(self.endpoint, frames)
 
 
+#: Reconnection to a server that went away: quick (0.25 s doubling to 2 s), as
+#: the agent PINGs every second and wants to see a returning server soon.
+RECONNECT = Backoff(initial=0.25, maximum=2.0)
+
+
 @implementer(IPeerRouterTransport)
 class PeerRouter:
     """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through
     one pipe each."""
 
-    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any, limits: Limits = Limits()) -> None:
+    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any = None, *,
+                 limits: Limits = Limits()) -> None:
         self.receiver = receiver
-        self.reactor = reactor
+        self.reactor = default_reactor(reactor)
         self.limits = limits
         self.pipes: dict[str, tuple[_Pipe, IDealerTransport]] = {}
         self.zmq: Optional[Any] = None
@@ -53,14 +59,13 @@ class PeerRouter:
             if self.zmq is None:
                 from mdp.transport.zeromq import ZmqPeerRouter
 
-                self.zmq = ZmqPeerRouter(self.receiver, self.reactor, self.limits)
+                self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits)
             self.zmq.connect(endpoint)
             return
         pipe = _Pipe(self, endpoint)
         # the agent's PINGs find out when a server is back; reconnect quickly
         self.pipes[endpoint] = (pipe, transport.connect(
-            endpoint, pipe, self.reactor, retryPolicy=lambda attempt: min(0.25 * attempt, 2.0),
-            limits=self.limits))
+            endpoint, pipe, self.reactor, retryPolicy=RECONNECT.retryPolicy(), limits=self.limits))
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
         entry = self.pipes.get(endpoint)

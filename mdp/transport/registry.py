@@ -43,7 +43,7 @@ class Scheme:
     check: Check
     listen: Optional[Callable[..., Any]] = None
     connect: Optional[Callable[..., Any]] = None
-    #: a line for ``docs/transports.md`` and error messages
+    #: one line saying what the scheme is and how its endpoints look
     summary: str = ""
     #: connect() can choose the identity the far side sees
     identities: bool = False
@@ -55,7 +55,7 @@ class Scheme:
 _schemes: dict[str, Scheme] = {}
 
 
-def register(scheme: Scheme, replace: bool = False) -> None:
+def register(scheme: Scheme, *, replace: bool = False) -> None:
     """Make *scheme* available for endpoint strings ``NAME:...``."""
     if scheme.name in _schemes and not replace:
         raise ValueError(f"endpoint scheme {scheme.name!r} is already registered")
@@ -74,21 +74,37 @@ def schemes() -> Iterator[Scheme]:
 _URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
 
 
-def _hint_for_url(endpoint: str) -> str:
+def _split_host_port(rest: str) -> tuple[str, str]:
+    """``host:port`` (or ``[v6]:port``, or a bare host) into its parts."""
+    if rest.startswith("["):
+        host, _, tail = rest[1:].partition("]")
+        return host, tail[1:] if tail.startswith(":") else ""
+    host, colon, port = rest.rpartition(":")
+    return (host, port) if colon else (rest, "")
+
+
+def _hint_for_url(endpoint: str, role: str) -> str:
     """What a pyzmq/nng-style URL was probably meant to be."""
     match = _URL.match(endpoint)
     assert match is not None
     kind, rest = match.group("kind").lower(), match.group("rest")
     if kind == "tcp":
-        host, _, port = rest.rpartition(":")
-        host = host or "127.0.0.1"
-        if host in ("*", "0.0.0.0"):
-            stream = f"tcp:{port or 'PORT'}"
+        host, port = _split_host_port(rest)
+        port = port or "PORT"
+        wildcard = host in ("*", "0.0.0.0", "")
+        if role == CONNECT and wildcard:
+            host = "127.0.0.1"
+        zmqHost = f"[{host}]" if ":" in host else host
+        zmqPort = "*" if role == LISTEN and port == "0" else port
+        zmq = f"zmq:tcp://{zmqHost}:{zmqPort}"
+        escaped = host.replace(":", "\\:")
+        if role == LISTEN:
+            stream = f"tcp:{port}" if wildcard else f"tcp:{port}:interface={escaped}"
         else:
-            stream = f"tcp:host={host}:port={port or 'PORT'}"
-        return f"did you mean zmq:{endpoint} (ZeroMQ) or {stream} (framed TCP)?"
+            stream = f"tcp:host={escaped}:port={port}"
+        return f"did you mean {zmq} (ZeroMQ) or {stream} (framed TCP)?"
     if kind in ("ipc", "inproc"):
-        return f"did you mean zmq:{endpoint}?"
+        return f"did you mean zmq:{kind}://{rest}?"
     return "endpoints look like zmq:tcp://HOST:PORT, tcp:host=HOST:port=PORT or unix:path=PATH"
 
 
@@ -99,7 +115,7 @@ def lookup(endpoint: object, role: str) -> Scheme:
         raise TransportError(f"an endpoint is a string, not {type(endpoint).__name__}: {endpoint!r}")
     if _URL.match(endpoint) and endpoint.partition(":")[0] not in ("zmq", "loopback"):
         raise TransportError(f"bad endpoint {endpoint!r}: this is a URL, not an endpoint; "
-                             + _hint_for_url(endpoint))
+                             + _hint_for_url(endpoint, role))
     name, colon, _ = endpoint.partition(":")
     if not colon or not name:
         raise TransportError(f"bad endpoint {endpoint!r}: no scheme (zmq:, tcp:, unix:, loopback:, ...)")
@@ -161,15 +177,14 @@ def check_port(endpoint: str, port: Optional[str], role: str, wildcard: bool = F
     if port is None or port == "":
         pick = "" if role == CONNECT else " (0 lets the OS pick one)"
         raise TransportError(f"bad endpoint {endpoint!r}: no port; add one, e.g. :port=5555{pick}")
+    if not (port.isascii() and port.isdigit()) and not (wildcard and port == "*"):
+        raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number")
     if wildcard and port == "*":
         if role == LISTEN:
             return
         raise TransportError(f"bad endpoint {endpoint!r}: '*' picks a port when binding; "
                              "to connect, give the port the server is bound to")
-    try:
-        number = int(port)
-    except ValueError:
-        raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number") from None
+    number = int(port)
     low = 0 if role == LISTEN else 1
     if not low <= number <= 65535:
         raise TransportError(f"bad endpoint {endpoint!r}: port {number} is out of range "

@@ -50,7 +50,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle, cancel_call, held_bytes
+from mdp.policy import Backoff, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.framing import RECORDS
 from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
@@ -191,8 +191,11 @@ class _RouterConnection(FramedProtocol):
         router = self.router
         old = router.connections.get(identity)
         if old is not None and old is not self:
+            # the identity lives on in this connection: the old one's loss is
+            # not the peer's (its connectionLost finds it no longer registered)
+            if router.ungreeted.get(identity) is old:
+                del router.ungreeted[identity]
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
-            router._forget(old)
         router.connections.pop(self.peer, None)
         ungreeted = router.ungreeted.pop(self.peer, None) is not None
         self.peer = identity
@@ -289,10 +292,10 @@ class StreamRouter:
     listening with an endpoint, a TLS wrapper or an ``Application`` of one's
     own."""
 
-    def __init__(self, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(),
-                 framing: IFraming = RECORDS) -> None:
+    def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
+                 limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
-        self.reactor = reactor
+        self.reactor = default_reactor(reactor)
         self.limits = limits
         self.framing = framing
         self.throttle = LogThrottle(reactor)
@@ -414,13 +417,9 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
 
 
-def default_retry_policy(initial: float = 0.5, maximum: float = 32.0) -> Callable[[int], float]:
-    """Exponential backoff doubling from *initial*, capped at *maximum*, no jitter."""
-
-    def policy(attempt: int) -> float:
-        return min(initial * (2.0 ** min(attempt - 1, 64)), maximum)
-
-    return policy
+#: How a connecting side without a policy of its own paces reconnection:
+#: 0.5 s doubling to 32 s.
+RECONNECT = Backoff(initial=0.5, maximum=32.0)
 
 
 @implementer(IDealerTransport)
@@ -460,7 +459,7 @@ class StreamDealer:
         self.service = ClientService(
             clientFromString(reactor, endpoint),
             factory,
-            retryPolicy=retryPolicy or default_retry_policy(),
+            retryPolicy=retryPolicy or RECONNECT.retryPolicy(),
             clock=reactor,
         )
         self.service.startService()
@@ -557,6 +556,9 @@ def check_endpoint(endpoint: str, role: str) -> None:
         else:
             host = kwargs.get("host", args[0] if args else None)
             if not host:
+                if "::" in rest or "=[" in rest:
+                    raise TransportError(f"bad endpoint {endpoint!r}: escape the colons of an "
+                                         f"IPv6 address, e.g. {name}:host=\\:\\:1:port=5555")
                 raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
                                      f"{name}:host=127.0.0.1:port=5555")
             port = kwargs.get("port", args[1] if len(args) > 1 else None)

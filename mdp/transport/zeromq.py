@@ -444,7 +444,7 @@ class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket."""
 
 
-    def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None,
+    def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits()) -> None:
         import txzmq
         import zmq
@@ -690,14 +690,14 @@ class ZmqPeerRouter(_RoutedSocket):
 
     connects = True
 
-    def __init__(self, receiver: Any, reactor: Any, limits: Limits = Limits()) -> None:
+    def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits()) -> None:
         router_class, _ = _connection_classes()
         self.receiver = receiver
         self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
         self.connection = router_class(zmq_factory())
         self.connection.owner = self
-        self._setup(reactor, limits)
+        self._setup(default_reactor(reactor), limits)
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         self.receiver.messageReceived(peer.decode("utf-8", "replace"), frames)
