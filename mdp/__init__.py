@@ -13,6 +13,7 @@ from mdp.errors import (
     NoServerAvailable,
     ProtocolError,
     RemoteError,
+    ReplyTooLarge,
     RequestTimeout,
     RequestTooLarge,
     ServiceOverloaded,
@@ -23,6 +24,7 @@ from mdp.errors import (
 )
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.client import Client, ReplyStream
+from mdp.majordomo.idempotence import MemoryReplyStore
 from mdp.majordomo.worker import Final, Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
 
@@ -38,11 +40,13 @@ __all__ = [
     "HeartbeatPolicy",
     "Limits",
     "MDPError",
+    "MemoryReplyStore",
     "MessageTooLarge",
     "NoServerAvailable",
     "ProtocolError",
     "RemoteError",
     "ReplyStream",
+    "ReplyTooLarge",
     "RequestTimeout",
     "RequestTooLarge",
     "ServiceOverloaded",

@@ -24,6 +24,7 @@ that endpoint), that records :class:`Open`, :class:`Send` and :class:`Close`.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Optional, Union
 
 import attrs
@@ -107,7 +108,7 @@ class Close:
 
 Action = Union[Send, Disconnect, Open, Close]
 
-_scripts: dict[str, Script] = {}
+_scripts: weakref.WeakValueDictionary[str, Script] = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
 
 

@@ -35,9 +35,9 @@ class BrokerService(Service):
     def __init__(
         self,
         endpoint: Optional[str] = None,
+        backend: Optional[str] = None,
         reactor: Optional[Any] = None,
         *,
-        backend: Optional[str] = None,
         exitOnFailure: bool = False,
         **brokerOptions: Any,
     ) -> None:
