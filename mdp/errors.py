@@ -49,6 +49,13 @@ class RequestTooLarge(MDPError, ValueError):
     """A request over the message limits, refused before it is sent."""
 
 
+class ReplyTooLarge(MDPError):
+    """A reply was over this client's own message limits, so its connection
+    dropped it; the request fails with this instead of waiting for its
+    timeout (sent again, it would only run again).  Local: a 413 error reply
+    from a peer is a :class:`MessageTooLarge`."""
+
+
 class RequestTimeout(MDPError):
     """No FINAL reply arrived within the request's timeout."""
 

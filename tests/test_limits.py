@@ -18,6 +18,8 @@ from mdp import (
     Final,
     Limits,
     MessageTooLarge,
+    RemoteError,
+    ReplyTooLarge,
     RequestTooLarge,
     ServiceOverloaded,
     WorkerError,
@@ -183,8 +185,11 @@ async def test_reply_over_the_clients_own_limits_fails_the_request_without_a_rer
 
     start_worker(net, endpoint, "big", big)
     client = make_client(net, endpoint, timeout=30, retries=3, limits=Limits(maxMessageBytes=4096))
-    with pytest.raises(MessageTooLarge, match="reply too large for this client"):
+    with pytest.raises(ReplyTooLarge, match="reply from service 'big' too large for this client"
+                       ) as raised:
         await net.wait(client.request("big", b"once"))
+    # a local condition, not an error reply from a peer
+    assert not isinstance(raised.value, RemoteError)
     assert runs == [b"once"]
 
 

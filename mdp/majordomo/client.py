@@ -36,7 +36,7 @@ STREAMING    PARTIAL                              STREAMING    ``onPartial(body)
 IN_FLIGHT,   FINAL                                DONE         connection freed; the Deferred
 STREAMING                                                      fires (fails for an error reply)
 IN_FLIGHT    pipe broke                           IN_FLIGHT    sent again once the pipe is back
-IN_FLIGHT,   pipe ended by a reply over this      DONE         ``MessageTooLarge`` (sent
+IN_FLIGHT,   pipe ended by a reply over this      DONE         ``ReplyTooLarge`` (sent
 STREAMING    client's limits                                   again, it would only run again)
 STREAMING    pipe broke, or the restart marker    IN_FLIGHT    ``onRestart()`` (without one:
                                                                DONE, ``StreamRestarted``)
@@ -126,9 +126,9 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import (
     ClientClosed,
-    MessageTooLarge,
     OversizedMessage,
     ProtocolError,
+    ReplyTooLarge,
     RequestTimeout,
     RequestTooLarge,
     StreamRestarted,
@@ -392,8 +392,9 @@ class Client:
         request over ``limits``, unsent.  Everything else fails the Deferred:
         :class:`RequestTimeout`, :class:`WorkerError`,
         :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
-        :class:`MessageTooLarge` (a 413 error reply, or a reply over this
-        client's own limits), :class:`StreamRestarted`, :class:`ClientClosed`;
+        :class:`MessageTooLarge` (a 413 error reply), :class:`ReplyTooLarge`
+        (a reply over this client's own limits, dropped),
+        :class:`StreamRestarted`, :class:`ClientClosed`;
         cancelling the Deferred abandons the request.
         """
         name = codec.api_service_name(service)
@@ -603,8 +604,9 @@ class Client:
         if call is None:
             return
         if not call.done and isinstance(why, OversizedMessage):
-            self._fail(call, MessageTooLarge(call.service, codec.STATUS_TOO_LARGE,
-                                             f"reply too large for this client: {why}"))
+            self._fail(call, ReplyTooLarge(
+                f"reply from service {call.service.decode('ascii', 'replace')!r} too large "
+                f"for this client, dropped: {why}"))
         if not call.done:
             self._restart(call)
         if call.done:  # an abandoned reply can no longer come on this connection
