@@ -29,7 +29,14 @@ from zope.interface.verify import verifyObject
 
 from mdp import transport
 from mdp.errors import TransportError
-from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
+from mdp.interfaces import (
+    IDealerReceiver,
+    IDealerTransport,
+    IPeerRouterReceiver,
+    IPeerRouterTransport,
+    IRouterReceiver,
+    IRouterTransport,
+)
 from mdp.policy import Limits
 
 _names = itertools.count()
@@ -487,3 +494,40 @@ def test_identities_and_endpoints_are_checked_for_type() -> None:
         transport.connect("loopback:x", Dealer(), task.Clock(), identity=b"\x00zero")
     with pytest.raises(TransportError, match="an endpoint is a string"):
         transport.connect(42, Dealer(), task.Clock())  # type: ignore[arg-type]
+
+
+@implementer(IPeerRouterReceiver)
+class PeerReceiver:
+    def __init__(self) -> None:
+        self.received: list[tuple[str, list[bytes]]] = []
+
+    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:
+        self.received.append((endpoint, frames))
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_connecting_router_addresses_servers_by_endpoint(pair: Pair) -> None:
+    """IPeerRouterTransport (the Freelance agent's): one connection to many
+    servers, each named by the endpoint it was connected with; nothing is
+    queued for a server whose pipe is not up, as on a ZeroMQ ROUTER."""
+    await pair.listen()
+    receiver = PeerReceiver()
+    peers = transport.connect_peers(receiver, reactor())
+    verifyObject(IPeerRouterTransport, peers)
+    try:
+        peers.connect(pair.endpoint)
+        peers.connect(pair.endpoint)  # again: no second connection
+        for _ in range(500):
+            if pair.router.received:
+                break
+            peers.sendMessage(pair.endpoint, [b"PING"])
+            await task.deferLater(reactor(), 0.01)
+        peer, frames = pair.router.received[0]
+        assert frames == [b"PING"]
+        pair.bound.sendMessage(peer, [b"PONG", b""])
+        await until(lambda: receiver.received == [(pair.endpoint, [b"PONG", b""])])
+        peers.sendMessage("tcp:host=127.0.0.1:port=9", [b"to nobody"])  # unknown: dropped
+    finally:
+        await peers.close()
+        await peers.close()
