@@ -78,6 +78,16 @@ async def test_mdp_call_usage_error() -> None:
     assert b"at least one request frame" in call.output
 
 
+@pytest_twisted.ensureDeferred
+async def test_mdp_call_rejects_an_unknown_dialect_in_one_line() -> None:
+    call = await run([script("mdp"), "call", "--dialect", "bogus", "echo", "x"], timeout=30)
+    assert call.exitCode == 2, call.output
+    lines = call.output.strip().splitlines()
+    assert len(lines) == 1, call.output
+    assert lines[0].startswith(b"mdp call: ") and b"unknown MDP dialect 'bogus'" in lines[0]
+    assert b"Traceback" not in call.output
+
+
 @pytest.mark.parametrize("endpoint, says", [
     ("zmq:tcp://127.0.0.1", b"no port; did you mean zmq:tcp://127.0.0.1:5555?"),
     ("tcp://127.0.0.1:5555", b"did you mean zmq:tcp://127.0.0.1:5555 (ZeroMQ) or "

@@ -20,7 +20,7 @@ from twisted.internet import defer, task
 from twisted.python import usage
 
 from mdp import transport
-from mdp.app.tap import DEFAULT_ENDPOINT, checked_endpoints
+from mdp.app.tap import DEFAULT_ENDPOINT, _dialect, checked_endpoints
 from mdp.errors import MDPError
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
@@ -39,7 +39,7 @@ class CallOptions(usage.Options):
         ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo."],
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
     ]
 
     def parseArgs(self, service: str, *frames: str) -> None:
