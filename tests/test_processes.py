@@ -137,6 +137,24 @@ async def test_mdp_demo() -> None:
     assert "demo done" in out
 
 
+@pytest.mark.parametrize("form", ["tcp:host=127.0.0.1:port={}", "zmq:tcp://127.0.0.1:{}"])
+@pytest_twisted.ensureDeferred
+async def test_mdp_demo_on_a_port_in_use_exits_with_the_reason_in_one_line(form: str) -> None:
+    from twisted.internet import protocol
+
+    taken = reactor().listenTCP(0, protocol.Factory(), interface="127.0.0.1")
+    try:
+        endpoint = form.format(taken.getHost().port)
+        demo = await run([script("mdp"), "demo", "--endpoint", endpoint], timeout=30)
+    finally:
+        await taken.stopListening()
+    assert demo.exitCode == 1, demo.output
+    lines = demo.output.strip().splitlines()
+    assert len(lines) == 1, demo.output
+    assert lines[0].startswith(b"mdp demo: ") and endpoint.encode() in lines[0], demo.output
+    assert b"Traceback" not in demo.output
+
+
 @pytest_twisted.ensureDeferred
 async def test_streams_cross_processes_without_loss() -> None:
     """Bursts of PARTIALs longer than socket buffers, broker and worker in

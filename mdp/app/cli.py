@@ -8,7 +8,9 @@
 
 ``mdp demo``
     Start a broker, an echo worker and a client in one process over real
-    ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.
+    ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
+    status 1 with one line on stderr if the broker cannot bind (or a request
+    fails).
 """
 
 from __future__ import annotations
@@ -109,7 +111,12 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
     from mdp.majordomo.worker import Worker
 
     broker = Broker(reactor)
-    bound = await broker.listen(options["endpoint"])
+    try:
+        bound = await broker.listen(options["endpoint"])
+    except MDPError as e:  # cannot bind (the port is taken, ...): one line, no traceback
+        await broker.close()
+        print(f"mdp demo: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(f"broker listening on {bound.endpoint}")
     worker = Worker(bound.endpoint, "echo", echo, reactor)
     worker.start()
