@@ -183,14 +183,36 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
                   retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
+    """Check every argument on the driver, so that a mistake raises here, at
+    once, rather than inside each executor task: ``TransportError`` for a
+    malformed broker endpoint, ``TypeError``/``ValueError`` for the rest."""
+    from mdp import transport
+    from mdp.majordomo import codec
+
     if onError not in ON_ERROR:
         raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
+    for option, value in (("timeout", timeout), ("retries", retries), ("window", window)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{option} is a number, not {type(value).__name__}")
+    if not timeout > 0:  # NaN too
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if retries < 1:
+        raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
     if window < 1:
-        raise ValueError("window must be at least 1")
-    brokers = (broker,) if isinstance(broker, str) else tuple(broker)
+        raise ValueError(f"window must be at least 1, got {window}")
+    codec.check_dialect(dialect)
+    if isinstance(broker, str):
+        brokers: tuple[str, ...] = (broker,)
+    elif isinstance(broker, (bytes, bytearray, memoryview)) or not isinstance(broker, Iterable):
+        raise TypeError(f"broker endpoints are str (one, or a sequence of them), "
+                        f"not {type(broker).__name__}: {broker!r}")
+    else:
+        brokers = tuple(broker)
     if not brokers:
         raise ValueError("give at least one broker endpoint")
-    name = service.decode("ascii") if isinstance(service, bytes) else service
+    for endpoint in brokers:
+        transport.check(endpoint, transport.CONNECT)
+    name = codec.api_service_name(service).decode("ascii")
     return ServiceCall(name, brokers, timeout, retries, window, dialect, onError)
 
 
@@ -217,7 +239,13 @@ def call_service(
     ``"frames"`` (all reply frames, ``array<binary>``).  *onError*: ``"fail"``
     fails the task, ``"null"`` leaves the reply null, ``"column"`` also adds
     *errorCol* with the reason.  A row with a null input is an error too.
+
+    Every argument is checked here, on the driver, before *df* is touched:
+    ``TransportError`` for a malformed broker endpoint, ``TypeError`` /
+    ``ValueError`` for the rest (a *timeout* or *window* that is not
+    positive, *retries* below 1, an unknown *dialect*, ...).
     """
+    call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
     if outputType not in OUTPUT_TYPES:
@@ -235,7 +263,6 @@ def call_service(
     for name in (outputCol, errorCol if onError == "column" else None):
         if name is not None and name in fields:
             raise ValueError(f"column {name!r} already exists")
-    call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     reply_type = {"binary": BinaryType(), "string": StringType(),
                   "frames": ArrayType(BinaryType())}[outputType]
     schema = StructType(list(df.schema.fields) + [StructField(outputCol, reply_type, True)]
@@ -261,7 +288,8 @@ def call_service_rdd(
     one frame each) becomes one request; the result RDD holds, in the same
     order, each reply's frames (``list[bytes]``).  With ``onError="null"`` a
     failed element gives ``None``; ``"column"`` gives ``(frames or None, error
-    or None)`` pairs."""
+    or None)`` pairs.  Arguments are checked at once, on the driver, as for
+    :func:`call_service`."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:

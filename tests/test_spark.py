@@ -17,6 +17,7 @@ import pyspark  # noqa: F401  (installed by the test extra: a missing Spark must
 import pytest
 
 from benchmarks.harness import Processes
+from mdp.errors import TransportError
 
 TWIST = os.path.join(os.path.dirname(sys.executable), "twist")
 HB = ["--heartbeat", "0.25", "--liveness", "4"]
@@ -148,3 +149,39 @@ def test_broker_down_fails_the_job_in_time_naming_broker_and_service(spark: Any)
     elapsed = time.monotonic() - started
     assert dead in str(info.value) and "'upper'" in str(info.value)
     assert elapsed < 60  # a bound, not a speed: timeout × retries plus Spark's own overhead
+
+
+class _Untouchable:
+    """Stands for a DataFrame or an RDD: any use of it fails the test (the
+    arguments must be checked before it is touched, and without Spark)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"touched .{name} before checking the arguments")
+
+
+@pytest.mark.parametrize("kwargs, error, says", [
+    ({"broker": "tcp://127.0.0.1:5555"}, TransportError, "this is a URL, not an endpoint"),
+    ({"broker": ["zmq:tcp://127.0.0.1:5555", "zmq:tcp://127.0.0.1"]}, TransportError, "no port"),
+    ({"broker": b"zmq:tcp://127.0.0.1:5555"}, TypeError, "broker endpoints are str"),
+    ({"broker": []}, ValueError, "at least one broker endpoint"),
+    ({"timeout": 0}, ValueError, "timeout must be positive, got 0"),
+    ({"timeout": -1.5}, ValueError, "timeout must be positive"),
+    ({"timeout": "2"}, TypeError, "timeout is a number"),
+    ({"retries": 0}, ValueError, "retries counts attempts and must be at least 1, got 0"),
+    ({"window": 0}, ValueError, "window must be at least 1, got 0"),
+    ({"window": -3}, ValueError, "window must be at least 1"),
+    ({"dialect": "bogus"}, ValueError, "unknown MDP dialect 'bogus'"),
+    ({"service": ""}, ValueError, "empty service name"),
+    ({"onError": "ignore"}, ValueError, "onError must be one of"),
+])
+def test_arguments_are_checked_on_the_driver_before_any_task(kwargs: dict, error: Any,
+                                                             says: str) -> None:
+    """Not only inside each executor task, once Spark has started the job."""
+    from mdp.spark import call_service, call_service_rdd
+
+    arguments = {"service": "upper", "broker": "zmq:tcp://127.0.0.1:5555", **kwargs}
+    service, broker = arguments.pop("service"), arguments.pop("broker")
+    with pytest.raises(error, match=says):
+        call_service(_Untouchable(), service, broker, **arguments)
+    with pytest.raises(error, match=says):
+        call_service_rdd(_Untouchable(), service, broker, **arguments)
