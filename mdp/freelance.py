@@ -342,13 +342,6 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-def _endpoint_list(endpoints: Union[str, Sequence[str]]) -> list[str]:
-    """*endpoints* (one string, or several), each checked for connecting:
-    :class:`~mdp.errors.TransportError` at once for a malformed one."""
-    listed = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-    for endpoint in listed:
-        transport.check(endpoint, transport.CONNECT)
-    return listed
 
 
 class _Call:
@@ -385,7 +378,7 @@ class _FreelanceClient:
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
         self._closed = False
-        for endpoint in _endpoint_list(endpoints):  # all checked before any is used
+        for endpoint in transport.endpoint_list(endpoints, empty=True):  # all checked before any is used
             self.connect(endpoint)
 
     def connect(self, endpoint: str) -> None:

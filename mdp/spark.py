@@ -201,17 +201,7 @@ def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]],
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
     codec.check_dialect(dialect)
-    if isinstance(broker, str):
-        brokers: tuple[str, ...] = (broker,)
-    elif isinstance(broker, (bytes, bytearray, memoryview)) or not isinstance(broker, Iterable):
-        raise TypeError(f"broker endpoints are str (one, or a sequence of them), "
-                        f"not {type(broker).__name__}: {broker!r}")
-    else:
-        brokers = tuple(broker)
-    if not brokers:
-        raise ValueError("give at least one broker endpoint")
-    for endpoint in brokers:
-        transport.check(endpoint, transport.CONNECT)
+    brokers = tuple(transport.endpoint_list(broker))
     name = codec.api_service_name(service).decode("ascii")
     return ServiceCall(name, brokers, timeout, retries, window, dialect, onError)
 

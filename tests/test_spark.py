@@ -162,8 +162,8 @@ class _Untouchable:
 @pytest.mark.parametrize("kwargs, error, says", [
     ({"broker": "tcp://127.0.0.1:5555"}, TransportError, "this is a URL, not an endpoint"),
     ({"broker": ["zmq:tcp://127.0.0.1:5555", "zmq:tcp://127.0.0.1"]}, TransportError, "no port"),
-    ({"broker": b"zmq:tcp://127.0.0.1:5555"}, TypeError, "broker endpoints are str"),
-    ({"broker": []}, ValueError, "at least one broker endpoint"),
+    ({"broker": b"zmq:tcp://127.0.0.1:5555"}, TypeError, "endpoints are str"),
+    ({"broker": []}, ValueError, "at least one broker or server endpoint"),
     ({"timeout": 0}, ValueError, "timeout must be positive, got 0"),
     ({"timeout": -1.5}, ValueError, "timeout must be positive"),
     ({"timeout": "2"}, TypeError, "timeout is a number"),

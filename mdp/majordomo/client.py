@@ -117,7 +117,7 @@ import heapq
 import itertools
 import uuid
 from collections import deque
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -155,22 +155,6 @@ def _check_attempts(timeout: float, retries: int) -> None:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
 
 
-def _endpoint_list(endpoint: object) -> list[str]:
-    """One endpoint or a failover list of them, each checked for connecting.
-    ``TypeError`` for anything but a ``str`` or a sequence (``bytes`` would
-    otherwise be iterated, an int at a time)."""
-    if isinstance(endpoint, str):
-        endpoints = [endpoint]
-    elif isinstance(endpoint, (bytes, bytearray, memoryview)) or not isinstance(endpoint, Iterable):
-        raise TypeError(f"endpoints are str (one, or a sequence of them), "
-                        f"not {type(endpoint).__name__}: {endpoint!r}")
-    else:
-        endpoints = list(endpoint)
-    if not endpoints:
-        raise ValueError("a client needs at least one broker endpoint")
-    for each in endpoints:
-        transport.check(each, transport.CONNECT)
-    return endpoints
 
 
 class CallState(enum.Enum):
@@ -321,7 +305,7 @@ class Client:
         limits: Limits = Limits(),
     ) -> None:
         reactor = default_reactor(reactor)
-        endpoints = _endpoint_list(endpoint)
+        endpoints = transport.endpoint_list(endpoint)
         _check_attempts(timeout, retries)
         if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
             raise TypeError(f"maxConnections is a number of connections, "

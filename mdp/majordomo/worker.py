@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import attrs
 from twisted.internet import defer, task
@@ -99,22 +99,6 @@ log = Logger()
 Handler = Callable[[list[bytes]], Any]
 
 
-def _endpoint_list(endpoint: object) -> list[str]:
-    """One endpoint or a failover list of them, each checked for connecting.
-    ``TypeError`` for anything but a ``str`` or a sequence (``bytes`` would
-    otherwise be iterated, an int at a time)."""
-    if isinstance(endpoint, str):
-        endpoints = [endpoint]
-    elif isinstance(endpoint, (bytes, bytearray, memoryview)) or not isinstance(endpoint, Iterable):
-        raise TypeError(f"endpoints are str (one, or a sequence of them), "
-                        f"not {type(endpoint).__name__}: {endpoint!r}")
-    else:
-        endpoints = list(endpoint)
-    if not endpoints:
-        raise ValueError("a worker needs at least one broker endpoint")
-    for each in endpoints:
-        transport.check(each, transport.CONNECT)
-    return endpoints
 
 
 class WorkerState(enum.Enum):
@@ -173,7 +157,7 @@ class Worker:
         limits: Limits = Limits(),
     ) -> None:
         reactor = default_reactor(reactor)
-        endpoints = _endpoint_list(endpoint)
+        endpoints = transport.endpoint_list(endpoint)
         if not callable(handler):
             raise TypeError(f"a handler is a callable taking the request body, "
                             f"not {type(handler).__name__}: {handler!r}")

@@ -21,7 +21,7 @@ are checked before anything starts: a mistake raises
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from twisted.internet import defer
 
@@ -54,12 +54,33 @@ __all__ = [
     "check",
     "connect",
     "connect_peers",
+    "endpoint_list",
     "listen",
     "lookup",
     "register",
     "schemes",
     "unregister",
 ]
+
+
+def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -> list[str]:
+    """One endpoint or a sequence of them (a failover list), each checked for
+    *role*.  ``TypeError`` for anything but a ``str`` or a sequence of them
+    (``bytes`` would otherwise be iterated an int at a time), ``ValueError``
+    for none at all (unless *empty*), :class:`TransportError` for a malformed
+    one: all at once, before anything starts."""
+    if isinstance(endpoints, str):
+        listed = [endpoints]
+    elif isinstance(endpoints, (bytes, bytearray, memoryview)) or not isinstance(endpoints, Iterable):
+        raise TypeError(f"endpoints are str (one, or a sequence of them), "
+                        f"not {type(endpoints).__name__}: {endpoints!r}")
+    else:
+        listed = list(endpoints)
+    if not listed and not empty:
+        raise ValueError("give at least one broker or server endpoint")
+    for endpoint in listed:
+        check(endpoint, role)
+    return listed
 
 
 def listen(
