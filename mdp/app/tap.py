@@ -91,15 +91,10 @@ def checked_endpoints(value: Optional[str], role: str, option: str) -> list[str]
     a bad one is a usage error naming the option."""
     if value is None:
         return []
-    endpoints = [e.strip() for e in value.split(",") if e.strip()]
-    if not endpoints:
-        raise usage.UsageError(f"--{option}: no endpoint given")
-    for endpoint in endpoints:
-        try:
-            transport.check(endpoint, role)
-        except TransportError as e:
-            raise usage.UsageError(f"--{option}: {e}") from None
-    return endpoints
+    try:
+        return transport.endpoint_list([e.strip() for e in value.split(",") if e.strip()], role)
+    except (TransportError, ValueError) as e:
+        raise usage.UsageError(f"--{option}: {e}") from None
 
 
 def limits_of(options: usage.Options) -> Limits:
