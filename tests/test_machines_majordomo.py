@@ -322,3 +322,42 @@ def test_client_timeout_is_per_attempt(timeout: float, retries: int) -> None:
     assert result == []
     script.feed(Elapse(0.01))
     assert result and result[0].check(RequestTimeout)
+
+
+# --- the broker's machine alone: no reactor, no Clock, no transport --------------------
+
+class Endpoint:
+    """What a peer key's first half tells the machine: the roles it accepts."""
+
+    clients = True
+    workers = True
+
+
+def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
+    from mdp.majordomo.broker import BrokerMachine, DropPeer
+    from mdp.majordomo.broker import Send as BrokerSend
+
+    machine = BrokerMachine(heartbeat=HB, requestExpiry=5.0)
+    bound = Endpoint()
+    worker, client = (bound, b"W"), (bound, b"C")
+    assert machine.wakeEvery == 1.0
+    assert machine.handleMessage(worker, [b"", *READY], now=0.0) == []
+    assert machine.handleMessage(client, [C, codec.C_REQUEST, b"echo", b"hi"], now=0.5) == [
+        BrokerSend(worker, [b"", W, codec.W_REQUEST, envelope(b"C", 1), b"", b"hi"])]
+    # silent past 3 s: at the tick after, the worker is gone; its request waits
+    assert machine.handleTick(now=1.0) == [BrokerSend(worker, [b"", *HEARTBEAT])]
+    assert machine.handleTick(now=4.0) == []
+    assert machine.workers == {} and machine.queued == 1
+    # queued since 4.0 with no worker: a 503 at the first tick past 9.0
+    assert machine.handleTick(now=8.0) == []
+    [reply] = machine.handleTick(now=9.0)
+    assert reply.key == client and reply.frames[:4] == [C, codec.C_FINAL, b"echo",
+                                                       codec.ERROR_MARKER]
+    assert reply.frames[4] == codec.STATUS_UNAVAILABLE
+    # garbage: the machine wants that peer's connection closed
+    assert machine.handleMessage((bound, b"X"), [b"junk"], now=9.5) == [DropPeer((bound, b"X"))]
+    # a client on a worker-only endpoint is refused the same way
+    workersOnly = Endpoint()
+    workersOnly.clients = False
+    assert machine.handleMessage((workersOnly, b"C2"), [C, codec.C_REQUEST, b"echo", b"x"],
+                                 now=10.0) == [DropPeer((workersOnly, b"C2"))]

@@ -20,8 +20,13 @@ than ``requestExpiry`` (503), and forgets services whose last worker left
 more than ``serviceLinger`` seconds ago.  Each worker's silence is judged by
 a :class:`~mdp.policy.Liveness`.
 
-Every message from every binding enters through :meth:`Broker.received`, and
-every peer a transport loses through :meth:`Broker.peerGone`.
+The decisions live in :class:`BrokerMachine`, which knows no reactor, no
+transport and no Deferred: it is fed events with their time
+(``handleMessage``, ``handlePeerGone``, ``handleTick``) and returns what it
+wants done (:class:`Send`, :class:`DropPeer`).  :class:`Broker` is its driver:
+it owns the bindings and the one periodic timer, passes every message from
+every binding in (:meth:`Broker.received`, :meth:`Broker.peerGone`) and
+performs the actions.
 
 A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
 
@@ -399,14 +404,37 @@ class ServiceQueue:
         self.ledger.bytes += size
 
 
-@implementer(IBroker)
-class Broker:
-    """An MDP/0.2 broker.  Bind it with :meth:`listen` (several times for
-    separate client and worker endpoints)."""
+@attrs.frozen(slots=True)
+class Send:
+    """The machine's wish: send *frames* to the peer *key* (binding, peer id)."""
+
+    key: PeerKey
+    frames: list[bytes]
+
+
+@attrs.frozen(slots=True)
+class DropPeer:
+    """The machine's wish: close the connection of peer *key* once what was
+    sent to it is out (a no-op on media without connections)."""
+
+    key: PeerKey
+
+
+Action = Any  # Send | DropPeer
+
+
+class BrokerMachine:
+    """The broker's decisions, and nothing else: no reactor, no transport, no
+    Deferred.  Feed it events with the time they happen
+    (:meth:`handleMessage`, :meth:`handlePeerGone`, :meth:`handleTick`, the
+    latter every ``wakeEvery`` seconds); each returns the actions it wants
+    done, in order (:class:`Send`, :class:`DropPeer`).  A peer key is a
+    ``(binding, peer id)`` pair whose binding says which roles it accepts
+    (``.clients``, ``.workers``).  :class:`Broker` drives it over real
+    transports."""
 
     def __init__(
         self,
-        reactor: Optional[Any] = None,
         *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
@@ -419,11 +447,10 @@ class Broker:
         maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
         maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
         limits: Limits = Limits(),
+        now: float = 0.0,
     ) -> None:
-        reactor = default_reactor(reactor)
         if maxDeliveries < 1:
             raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
-        self.reactor = reactor
         self.heartbeat = heartbeat
         self.requestExpiry = requestExpiry
         self.serviceLinger = serviceLinger
@@ -435,78 +462,66 @@ class Broker:
         self.maxServiceWorkers = maxServiceWorkers
         self.maxDeliveries = maxDeliveries
         self.limits = limits
-        self.throttle = LogThrottle(reactor)
+        #: the time of the event being handled (the last one, between events)
+        self.now = now
+        self.throttle = LogThrottle(self)
+        self._outbox: list[Action] = []
         self._ledger = QueueLedger()
         self._assignments = itertools.count(1)
         #: services whose last worker left, by when (checked for linger's end)
         self._abandoned: deque[tuple[float, ServiceQueue]] = deque()
-        self.bindings: list[Binding] = []
         self.services: dict[bytes, ServiceQueue] = {}
         self.workers: dict[PeerKey, WorkerRef] = {}
         #: messages dropped as invalid or unexpected
         self.invalid = 0
-        self._ticker = task.LoopingCall(self.tick)
-        self._ticker.clock = reactor
 
-    # --- lifecycle -----------------------------------------------------------
+    @property
+    def wakeEvery(self) -> float:
+        """How often :meth:`handleTick` wants to run: one heartbeat interval."""
+        return self.heartbeat.interval
 
-    def listen(
-        self, endpoint: str, clients: bool = True, workers: bool = True
-    ) -> defer.Deferred[IRouterTransport]:
-        """Bind *endpoint*; it accepts clients, workers or both.  A malformed
-        endpoint raises :class:`~mdp.errors.TransportError` at once; a failure
-        to bind fails the Deferred."""
-        binding = Binding(self, clients, workers)
+    def seconds(self) -> float:
+        """The machine's clock (for its log throttle): the current event's time."""
+        return self.now
 
-        def bound(routerTransport: IRouterTransport) -> IRouterTransport:
-            self._bind(binding, routerTransport)
-            return routerTransport
+    def _emit(self, action: Action) -> None:
+        self._outbox.append(action)
 
-        return transport.listen(endpoint, binding, self.reactor, limits=self.limits).addCallback(bound)
+    def _drain(self) -> list[Action]:
+        actions, self._outbox = self._outbox, []
+        return actions
 
-    def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
-        """An :class:`IProtocolFactory` whose connections (speaking the
-        stream transport's records) this broker serves, for listening with a
-        Twisted endpoint, a TLS wrapper or an ``Application`` of one's own::
+    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float) -> list[Action]:
+        """A message from peer *key* at time *now*."""
+        self.now = now
+        self._received(key, frames)
+        return self._drain()
 
-            port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
-                broker.streamFactory())
+    def handlePeerGone(self, key: PeerKey, now: float) -> list[Action]:
+        """A transport lost the peer *key* (or cut it off)."""
+        self.now = now
+        self._peerGone(key)
+        return self._drain()
 
-        Its peers connect with ``tcp:host=HOST:port=PORT`` (or the matching
-        stream scheme).  :meth:`close` drops its connections; stopping the
-        port is the caller's."""
-        binding = Binding(self, clients, workers)
-        router = StreamRouter(binding, self.reactor, limits=self.limits)
-        self._bind(binding, router)
-        return router.factory()
+    def handleTick(self, now: float) -> list[Action]:
+        """The periodic tick (every ``wakeEvery`` seconds)."""
+        self.now = now
+        self._tick(now)
+        return self._drain()
 
-    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
-        binding.transport = routerTransport
-        self.bindings.append(binding)
-        roles = "+".join(r for r, on in (("clients", binding.clients),
-                                         ("workers", binding.workers)) if on)
-        log.info("MDP broker listening on {endpoint} for {roles}",
-                 endpoint=routerTransport.endpoint or "a protocol factory", roles=roles)
-        if not self._ticker.running:
-            self._ticker.start(self.heartbeat.interval, now=False)
-
-    def close(self) -> defer.Deferred[None]:
-        """Unbind every endpoint and stop the heartbeat tick."""
-        if self._ticker.running:
-            self._ticker.stop()
-        bindings, self.bindings = self.bindings, []
-        closing = [b.transport.close() for b in bindings if b.transport is not None]
+    def reset(self) -> None:
+        """Forget every worker, service and queued request."""
         self.workers.clear()
         self.services.clear()
         self._ledger = QueueLedger()
         self._abandoned.clear()
-        return defer.DeferredList(closing).addCallback(lambda _: None)
+        self._outbox = []
 
     # --- inbound -------------------------------------------------------------
 
-    def received(self, key: PeerKey, frames: list[bytes]) -> None:
-        """Entry point for every message from every binding: *key* is the
-        (binding, peer id) it came from."""
+    def _received(self, key: PeerKey, frames: list[bytes]) -> None:
+        """Every message from every binding: *key* is the (binding, peer id)
+        it came from."""
         try:
             dialect, body = codec.split(frames)
             command = codec.decode(body, dialect)
@@ -529,7 +544,7 @@ class Broker:
         except Exception:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
 
-    def peerGone(self, key: PeerKey) -> None:
+    def _peerGone(self, key: PeerKey) -> None:
         """A transport lost the peer *key* (or cut it off): forget it at once."""
         worker = self.workers.get(key)
         if worker is not None:
@@ -547,7 +562,7 @@ class Broker:
     def _onRequest(self, key: PeerKey, command: ClientRequest, dialect: str) -> None:
         body = command.body
         content = sum(map(len, body))
-        request = PendingRequest(key, command.service, body, dialect, self.reactor.seconds(),
+        request = PendingRequest(key, command.service, body, dialect, self.now,
                                  content + FRAME_OVERHEAD * len(body))
         if command.service.startswith(mmi.PREFIX):
             request.state = DONE
@@ -612,7 +627,7 @@ class Broker:
     def _lingering(self, service: ServiceQueue) -> bool:
         """Its last worker left less than ``serviceLinger`` seconds ago."""
         return (service.abandonedAt is not None
-                and self.reactor.seconds() - service.abandonedAt < self.serviceLinger)
+                and self.now - service.abandonedAt < self.serviceLinger)
 
     @property
     def queued(self) -> int:
@@ -631,7 +646,7 @@ class Broker:
         they registered; only *service*'s if given, and only the first
         *workerLimit*), with the totals.  Costs a pass over the workers and,
         with a *serviceLimit*, a partial sort of the service names."""
-        now = self.reactor.seconds()
+        now = self.now
         services = self.services
         if serviceLimit is None:
             names = sorted(services)
@@ -654,9 +669,8 @@ class Broker:
                               self._ledger.count, self._ledger.bytes)
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
-        client = request.client
-        client[0].send(client[1], codec.encode_client_reply(request.service, body, final,
-                                                            request.dialect))
+        self._emit(Send(request.client, codec.encode_client_reply(request.service, body, final,
+                                                                  request.dialect)))
 
     # --- workers ------------------------------------------------------------
 
@@ -672,7 +686,7 @@ class Broker:
                                    peer=peer_label(key[1]))
                 self._sendDisconnect(key, dialect)
             return
-        worker.liveness.heard(self.reactor.seconds())
+        worker.liveness.heard(self.now)
         if kind is Heartbeat:
             return
         if kind is WorkerFinal or kind is WorkerPartial:
@@ -752,7 +766,7 @@ class Broker:
 
     def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
         service = self._service(name)
-        worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.reactor.seconds()))
+        worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
         self.workers[key] = worker
         service.workers += 1
         service.abandonedAt = None
@@ -777,9 +791,9 @@ class Broker:
         request.state = ASSIGNED
         request.deliveries += 1
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
-        key = worker.key
-        key[0].send(key[1], codec.encode_worker_request(envelope, request.body, worker.dialect))
-        worker.liveness.sent(self.reactor.seconds())
+        self._emit(Send(worker.key, codec.encode_worker_request(envelope, request.body,
+                                                                worker.dialect)))
+        worker.liveness.sent(self.now)
 
     def _removeWorker(self, worker: WorkerRef) -> None:
         """Forget *worker*; re-queue the request it held (workers are
@@ -791,7 +805,7 @@ class Broker:
         service.idle.pop(worker.key, None)
         service.workers -= 1
         if not service.workers:
-            service.abandonedAt = now = self.reactor.seconds()
+            service.abandonedAt = now = self.now
             self._abandoned.append((now, service))
         request, worker.current = worker.current, None
         if request is not None:
@@ -814,7 +828,7 @@ class Broker:
             request.partials = 0
             self._reply(request, [codec.RESTART_MARKER], final=False)
         # accepted work is never dropped, even past the queue bounds
-        request.queuedAt = self.reactor.seconds()
+        request.queuedAt = self.now
         service.requeue(request)
         self._dispatch(service)
 
@@ -838,24 +852,23 @@ class Broker:
             self._removeWorker(worker)
             self._sendDisconnect(key, worker.dialect)
         else:
-            key[0].disconnect(key[1])
+            self._emit(DropPeer(key))
 
     def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
         """DISCONNECT, then close the connection (MDP: the worker must close
         its socket and reconnect; closing ours as well keeps a peer that only
         gets DISCONNECTs from holding a connection slot)."""
         self._send(key, dialect, codec.DISCONNECT)
-        key[0].disconnect(key[1])
+        self._emit(DropPeer(key))
 
     def _send(self, key: PeerKey, dialect: str, command: Any) -> None:
-        key[0].send(key[1], codec.encode(command, dialect))
+        self._emit(Send(key, codec.encode(command, dialect)))
 
     # --- time ----------------------------------------------------------------
 
-    def tick(self) -> None:
+    def _tick(self, now: float) -> None:
         """Once per heartbeat interval: heartbeats, dead workers, expired
         requests, services at the end of their linger."""
-        now = self.reactor.seconds()
         for worker in list(self.workers.values()):
             liveness = worker.liveness
             if liveness.dead(now):
@@ -887,3 +900,98 @@ class Broker:
                 f"{why} {service.name.decode('ascii')!r} within {self.requestExpiry:g}s",
             ), final=True)
             self._forgetIfEmpty(service)
+
+
+@implementer(IBroker)
+class Broker(BrokerMachine):
+    """An MDP/0.2 broker: the :class:`BrokerMachine` driven over real
+    transports.  Bind it with :meth:`listen` (several times for separate
+    client and worker endpoints) or hand out :meth:`streamFactory`.  The
+    driver owns the bindings, the one periodic timer and the Deferreds; every
+    decision is the machine's."""
+
+    def __init__(self, reactor: Optional[Any] = None, **options: Any) -> None:
+        self.reactor = default_reactor(reactor)
+        super().__init__(now=self.reactor.seconds(), **options)
+        self.bindings: list[Binding] = []
+        self._ticker = task.LoopingCall(self.tick)
+        self._ticker.clock = self.reactor
+
+    def received(self, key: PeerKey, frames: list[bytes]) -> None:
+        """A message from peer *key* (the (binding, peer id) it came from)."""
+        self._perform(self.handleMessage(key, frames, self.reactor.seconds()))
+
+    def peerGone(self, key: PeerKey) -> None:
+        """A transport lost the peer *key*."""
+        self._perform(self.handlePeerGone(key, self.reactor.seconds()))
+
+    def tick(self) -> None:
+        self._perform(self.handleTick(self.reactor.seconds()))
+
+    def _perform(self, actions: list[Action]) -> None:
+        for action in actions:
+            binding, peer = action.key
+            if type(action) is Send:
+                binding.send(peer, action.frames)
+            else:
+                binding.disconnect(peer)
+
+    def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
+                 service: Optional[bytes] = None) -> BrokerSnapshot:
+        self.now = self.reactor.seconds()
+        return super().snapshot(serviceLimit, workerLimit, service)
+
+    def isServiceAvailable(self, name: bytes) -> bool:
+        self.now = self.reactor.seconds()
+        return super().isServiceAvailable(name)
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def listen(
+        self, endpoint: str, clients: bool = True, workers: bool = True
+    ) -> defer.Deferred[IRouterTransport]:
+        """Bind *endpoint*; it accepts clients, workers or both.  A malformed
+        endpoint raises :class:`~mdp.errors.TransportError` at once; a failure
+        to bind fails the Deferred."""
+        binding = Binding(self, clients, workers)
+
+        def bound(routerTransport: IRouterTransport) -> IRouterTransport:
+            self._bind(binding, routerTransport)
+            return routerTransport
+
+        return transport.listen(endpoint, binding, self.reactor, limits=self.limits).addCallback(bound)
+
+    def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
+        """An :class:`IProtocolFactory` whose connections (speaking the
+        stream transport's records) this broker serves, for listening with a
+        Twisted endpoint, a TLS wrapper or an ``Application`` of one's own::
+
+            port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
+                broker.streamFactory())
+
+        Its peers connect with ``tcp:host=HOST:port=PORT`` (or the matching
+        stream scheme).  :meth:`close` drops its connections; stopping the
+        port is the caller's."""
+        binding = Binding(self, clients, workers)
+        router = StreamRouter(binding, self.reactor, limits=self.limits)
+        self._bind(binding, router)
+        return router.factory()
+
+    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
+        binding.transport = routerTransport
+        self.bindings.append(binding)
+        roles = "+".join(r for r, on in (("clients", binding.clients),
+                                         ("workers", binding.workers)) if on)
+        log.info("MDP broker listening on {endpoint} for {roles}",
+                 endpoint=routerTransport.endpoint or "a protocol factory", roles=roles)
+        if not self._ticker.running:
+            self._ticker.start(self.heartbeat.interval, now=False)
+
+    def close(self) -> defer.Deferred[None]:
+        """Unbind every endpoint and stop the heartbeat tick."""
+        if self._ticker.running:
+            self._ticker.stop()
+        bindings, self.bindings = self.bindings, []
+        closing = [b.transport.close() for b in bindings if b.transport is not None]
+        self.reset()
+        return defer.DeferredList(closing).addCallback(lambda _: None)
