@@ -361,3 +361,32 @@ def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
     workersOnly.clients = False
     assert machine.handleMessage((workersOnly, b"C2"), [C, codec.C_REQUEST, b"echo", b"x"],
                                  now=10.0) == [DropPeer((workersOnly, b"C2"))]
+
+
+def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
+    from mdp.majordomo.worker import (
+        ClosePipe,
+        OpenPipe,
+        ReopenAfter,
+        SendToBroker,
+        Serve,
+        WorkerMachine,
+    )
+
+    machine = WorkerMachine(["a", "b"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0))
+    assert machine.handleStart(now=0.0) == [OpenPipe("a")]
+    assert machine.handlePipeUp(now=0.1) == [SendToBroker([*READY])]
+    [serve] = machine.handleMessage([W, codec.W_REQUEST, b"C1", b"", b"hi"], now=0.2)
+    assert isinstance(serve, Serve) and serve.body == [b"hi"] and machine.current == b"C1"
+    sent, actions = machine.handleReply(serve.job, codec.WorkerFinal, [b"HI"], now=0.3)
+    assert sent and actions == [SendToBroker([W, codec.W_FINAL, b"C1", b"", b"HI"])]
+    # half an interval with nothing sent: a heartbeat at the tick
+    assert machine.handleTick(now=1.0) == [SendToBroker([*HEARTBEAT])]
+    # silent for more than 3 s since the REQUEST at 0.2: close, next endpoint, after backoff.delay(0) = 1 s
+    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(1.0)]
+    assert machine.handleReopen(now=4.3) == [OpenPipe("b")]
+    # a reply for the request of the old pipe is void
+    assert machine.handleReply(serve.job, codec.WorkerFinal, [b"late"], now=4.4) == (False, [])
+    # DISCONNECT on the new pipe: register again at once the first time
+    machine.handlePipeUp(now=4.5)
+    assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0)]

@@ -23,6 +23,13 @@ an oversized reply never costs the worker its connection.
 
 Theory of operation
 -------------------
+The decisions live in :class:`WorkerMachine`, which knows no reactor, no
+transport, no Deferred and no handler: it is fed events with their time and
+returns actions (:class:`SendToBroker`, :class:`OpenPipe`, :class:`ClosePipe`,
+:class:`ReopenAfter`, :class:`Serve`, :class:`StoreReply`).  :class:`Worker`
+is its driver: it owns the pipe and the timers, runs the handler and the
+reply store, and reports each reply part back (``handleReply``).
+
 A worker is in one :class:`WorkerState` at a time; its connection to the
 broker is one pipe (one DEALER socket on ZeroMQ), opened to the current
 endpoint of its failover list (:class:`~mdp.policy.EndpointRotation`).
@@ -135,9 +142,300 @@ class _Job:
     key: Optional[idempotence.StampKey]  # its stamp, if the client stamped it
 
 
+@attrs.frozen(slots=True)
+class SendToBroker:
+    """The machine's wish: send *frames* on the pipe."""
+
+    frames: list[bytes]
+
+
+@attrs.frozen(slots=True)
+class OpenPipe:
+    """The machine's wish: open a pipe to *endpoint*."""
+
+    endpoint: str
+
+
+@attrs.frozen(slots=True)
+class ClosePipe:
+    """The machine's wish: close the pipe (what was sent on it goes first)."""
+
+
+@attrs.frozen(slots=True)
+class ReopenAfter:
+    """The machine's wish: call :meth:`WorkerMachine.handleReopen` after
+    *delay* seconds (replacing any such call still pending)."""
+
+    delay: float
+
+
+@attrs.frozen(slots=True)
+class Serve:
+    """The machine's wish: answer request *job* with body *body* (from the
+    reply store, or by running the handler), then report each part through
+    :meth:`WorkerMachine.handleReply`."""
+
+    job: _Job
+    body: list[bytes]
+
+
+@attrs.frozen(slots=True)
+class StoreReply:
+    """The machine's wish: keep *frames* as the reply to stamp *key*."""
+
+    key: idempotence.StampKey
+    frames: list[bytes]
+
+
+Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
+
+
+class WorkerMachine:
+    """The worker's decisions (the table in the module docstring), and
+    nothing else: no reactor, no transport, no Deferred, no handler.  Feed it
+    events with their time; each ``handle*`` returns the actions it wants done,
+    in order.  :class:`Worker` drives it."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        service: bytes,
+        *,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        backoff: Backoff = Backoff(),
+        dialect: str = codec.RFC,
+        limits: Limits = Limits(),
+        now: float = 0.0,
+    ) -> None:
+        self._rotation = EndpointRotation(endpoints)
+        self.service = service
+        self.heartbeat = heartbeat
+        self.backoff = backoff
+        self.dialect = codec.check_dialect(dialect)
+        self.limits = limits
+        #: the time of the event being handled (the last one, between events)
+        self.now = now
+        self.throttle = LogThrottle(self)
+        self.state = STOPPED
+        #: when the broker was last heard from and last sent to
+        self.liveness = Liveness(heartbeat, now)
+        self.failures = 0  # reconnections since the broker last spoke
+        self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
+        self.current: Optional[bytes] = None  # client address being served
+        self.generation = 0  # bumped on every new or lost pipe; stale replies are dropped
+        self._outbox: list[Action] = []
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self._rotation.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint in use (or next to be tried)."""
+        return self._rotation.current
+
+    @property
+    def connected(self) -> bool:
+        """The pipe is up and READY went out on it (state READY)."""
+        return self.state is READY
+
+    @property
+    def wakeEvery(self) -> float:
+        """How often :meth:`handleTick` wants to run: one heartbeat interval."""
+        return self.heartbeat.interval
+
+    def seconds(self) -> float:
+        """The machine's clock (for its log throttle): the current event's time."""
+        return self.now
+
+    def _at(self, now: float) -> None:
+        self.now = now
+
+    def _drain(self) -> list[Action]:
+        actions, self._outbox = self._outbox, []
+        return actions
+
+    def isCurrent(self, job: _Job) -> bool:
+        """*job* may still be answered: its pipe lives and it is the request
+        in hand."""
+        return job.generation == self.generation and self.current == job.client
+
+    # --- events ----------------------------------------------------------------
+
+    def handleStart(self, now: float) -> list[Action]:
+        """Connect: READY goes out once the pipe is up."""
+        self._at(now)
+        if self.state is STOPPED:
+            self._open()
+        return self._drain()
+
+    def handleStop(self, now: float) -> list[Action]:
+        """Say DISCONNECT (if registered) and close."""
+        self._at(now)
+        state, self.state = self.state, STOPPED
+        if state is READY:
+            self._send(codec.DISCONNECT)
+        if state is READY or state is CONNECTING:
+            self._outbox.append(ClosePipe())
+            self.generation += 1
+        return self._drain()
+
+    def handleReopen(self, now: float) -> list[Action]:
+        """The backoff delay is over."""
+        self._at(now)
+        if self.state is BACKING_OFF:
+            self._open()
+        return self._drain()
+
+    def handlePipeUp(self, now: float) -> list[Action]:
+        self._at(now)
+        self.generation += 1
+        self.state = READY
+        self.current = None
+        self.liveness.heard(now)
+        self._send(codec.Ready(self.service))
+        log.info("worker for {service} sent READY to {endpoint}",
+                 service=self.service, endpoint=self.endpoint)
+        return self._drain()
+
+    def handlePipeLost(self, now: float) -> list[Action]:
+        self._at(now)
+        if self.state is READY:
+            log.info("worker for {service} lost {endpoint}; reconnecting",
+                     service=self.service, endpoint=self.endpoint)
+            self.state = CONNECTING
+        self.current = None
+        self.generation += 1
+        return self._drain()
+
+    def handleMessage(self, frames: list[bytes], now: float) -> list[Action]:
+        """A message from the broker."""
+        self._at(now)
+        self._received(frames)
+        return self._drain()
+
+    def handleReply(self, job: _Job, kind: type, frames: list[bytes], now: float,
+                    store: bool = True) -> tuple[bool, list[Action]]:
+        """A PARTIAL or FINAL for *job*: sent unless its pipe is gone (a
+        stamped request's FINAL is stored either way); a part over the
+        message limits is replaced by a 413 error FINAL.  Returns whether the
+        part went out as itself, and the actions."""
+        self._at(now)
+        sent = self._replyPart(job, kind, frames, store)
+        return sent, self._drain()
+
+    def handleTick(self, now: float) -> list[Action]:
+        """Once per heartbeat interval: detect a dead (or unreachable) broker,
+        send HEARTBEAT."""
+        self._at(now)
+        self._tick(now)
+        return self._drain()
+
+    # --- decisions -------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Open a pipe to the current endpoint: CONNECTING."""
+        self.state = CONNECTING
+        # a pipe that never comes up counts as silence, so the worker fails
+        # over even when the broker cannot be reached at all
+        self.liveness.heard(self.now)
+        self._outbox.append(OpenPipe(self.endpoint))
+
+    def _reconnect(self, delay: float) -> None:
+        """Close the socket, wait *delay*, open a fresh one to the next
+        endpoint (Paranoid Pirate): BACKING_OFF."""
+        self.state = BACKING_OFF
+        self.current = None
+        self.generation += 1
+        self._outbox.append(ClosePipe())
+        self._rotation.advance()
+        self._outbox.append(ReopenAfter(delay))
+
+    def _received(self, frames: list[bytes]) -> None:
+        if self.state is STOPPED or self.state is BACKING_OFF:
+            return  # from a pipe already closed
+        try:
+            command = codec.decode_worker(codec.expect(frames, self.dialect))
+        except ProtocolError as e:
+            self.throttle.warn(log, "invalid", "worker for {service} dropped invalid message from "
+                               "broker: {reason}", service=self.service, reason=e)
+            return
+        self.liveness.heard(self.now)
+        self.failures = 0
+        kind = type(command)
+        if kind is Heartbeat:
+            self.refusals = 0
+            return
+        if kind is WorkerRequest:
+            self.refusals = 0
+            if self.current is not None:
+                self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
+                                   "dropped", service=self.service)
+                return
+            key, body = idempotence.unstamp(command.body)  # type: ignore[attr-defined]
+            self.current = command.client  # type: ignore[attr-defined]
+            self._outbox.append(Serve(_Job(command.client, self.generation, key),  # type: ignore[attr-defined]
+                                      body))
+        elif kind is Disconnect:
+            delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
+            self.refusals += 1
+            log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
+                     service=self.service, delay=delay)
+            self._reconnect(delay)
+        else:
+            self.throttle.warn(log, "unexpected", "worker for {service} dropped unexpected "
+                               "{command} from broker", service=self.service, command=kind.__name__)
+
+    def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
+        if job.generation != self.generation or self.state is not READY or self.current != job.client:
+            self._store(job, kind, frames, store)
+            return False
+        size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
+        tooLarge = self.limits.oversize(size, len(frames) + 5)
+        if tooLarge is not None:
+            self.throttle.warn(log, "too-large", "worker for {service} answers 413: its {command} "
+                               "is too large ({reason})", service=self.service,
+                               command=kind.__name__, reason=tooLarge)
+            kind, store = WorkerFinal, False
+            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
+        self._store(job, kind, frames, store)
+        self._send(kind(job.client, frames))
+        if kind is WorkerFinal:
+            self.current = None
+        return tooLarge is None
+
+    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
+        if kind is WorkerFinal and store and job.key is not None:
+            self._outbox.append(StoreReply(job.key, frames))
+
+    def _tick(self, now: float) -> None:
+        state = self.state
+        if state is not CONNECTING and state is not READY:
+            return  # waiting out a reconnect delay
+        liveness = self.liveness
+        if liveness.dead(now):
+            delay = self.backoff.delay(self.failures)
+            self.failures += 1
+            log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
+                     "reconnects in {delay:g}s", endpoint=self.endpoint,
+                     silence=liveness.silence(now), service=self.service, delay=delay)
+            self._reconnect(delay)
+        elif state is READY and liveness.due(now, 0.5):
+            self._send(codec.HEARTBEAT)
+
+    def _send(self, command: Any) -> None:
+        self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
+        self.liveness.sent(self.now)
+
+
 @implementer(IWorker, IDealerReceiver)
-class Worker:
-    """An MDP/0.2 worker for one *service*, connected to one broker at a time.
+class Worker(WorkerMachine):
+    """An MDP/0.2 worker for one *service*, connected to one broker at a time:
+    the :class:`WorkerMachine` driven over a real transport.  The driver owns
+    the pipe, the tick and the backoff timer, runs the handler (Deferreds,
+    coroutines, generators, pacing a stream by ``drained()``) and the reply
+    store; every decision is the machine's.
 
     *endpoint* is one broker endpoint or a failover list; each is checked at
     once (a malformed one raises :class:`~mdp.errors.TransportError`); a
@@ -161,44 +459,17 @@ class Worker:
         if not callable(handler):
             raise TypeError(f"a handler is a callable taking the request body, "
                             f"not {type(handler).__name__}: {handler!r}")
-        self._rotation = EndpointRotation(endpoints)
-        self.service = codec.api_service_name(service)
+        super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
+                         backoff=backoff, dialect=dialect, limits=limits, now=reactor.seconds())
         self.handler = handler
         self.reactor = reactor
-        self.heartbeat = heartbeat
-        self.backoff = backoff
-        self.dialect = codec.check_dialect(dialect)
         self.replies = replies
-        self.limits = limits
-        self.throttle = LogThrottle(reactor)
-        self.state = STOPPED
         self.transport: Optional[IDealerTransport] = None
-        #: when the broker was last heard from and last sent to
-        self.liveness = Liveness(heartbeat, reactor.seconds())
-        self.failures = 0  # reconnections since the broker last spoke
-        self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
-        self.current: Optional[bytes] = None  # client address being served
-        self.generation = 0  # bumped on every new or lost pipe; stale replies are dropped
         self.requestsServed = 0
         self.streamPauses = 0  # times a streaming handler waited for a full queue to drain
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self._rotation.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint in use (or next to be tried)."""
-        return self._rotation.current
-
-    @property
-    def connected(self) -> bool:
-        """The pipe is up and READY went out on it (state READY)."""
-        return self.state is READY
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -206,112 +477,67 @@ class Worker:
         """Connect to the broker; READY is sent once the pipe is up."""
         if self.state is not STOPPED:
             return
-        self._open()
+        self._perform(self.handleStart(self.reactor.seconds()))
         self._ticker.start(self.heartbeat.interval, now=False)
 
     def stop(self) -> defer.Deferred[None]:
         """Say DISCONNECT to the broker (if registered) and close."""
-        wasReady = self.state is READY
-        self.state = STOPPED
         if self._ticker.running:
             self._ticker.stop()
-        cancel_call(self._reconnectCall)
-        self._reconnectCall = None
-        transport_, self.transport = self.transport, None
-        if transport_ is None:
-            return defer.succeed(None)
-        if wasReady:
-            transport_.sendMessage(codec.encode(codec.DISCONNECT, self.dialect))
-        self.generation += 1
-        return transport_.close()
-
-    def _open(self) -> None:
-        """Open a pipe to the current endpoint: CONNECTING."""
-        self.state = CONNECTING
-        # a pipe that never comes up counts as silence, so the worker fails
-        # over even when the broker cannot be reached at all
-        self.liveness.heard(self.reactor.seconds())
-        self.transport = transport.connect(
-            self.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy(),
-            limits=self.limits,
-        )
-
-    def _reconnect(self, delay: float) -> None:
-        """Close the socket, wait *delay*, open a fresh one to the next
-        endpoint (Paranoid Pirate): BACKING_OFF."""
-        self.state = BACKING_OFF
-        self.current = None
-        self.generation += 1
-        transport_, self.transport = self.transport, None
-        if transport_ is not None:
-            transport_.close()
-        self._rotation.advance()
-        cancel_call(self._reconnectCall)
-        self._reconnectCall = self.reactor.callLater(delay, self._reopen)
+        self._reconnectCall = cancel_call(self._reconnectCall)
+        closing = self._perform(self.handleStop(self.reactor.seconds()))
+        return closing if closing is not None else defer.succeed(None)
 
     def _reopen(self) -> None:
         self._reconnectCall = None
-        if self.state is BACKING_OFF:
-            self._open()
+        self._perform(self.handleReopen(self.reactor.seconds()))
+
+    def tick(self) -> None:
+        self._perform(self.handleTick(self.reactor.seconds()))
+
+    def _perform(self, actions: list[Action]) -> Optional[defer.Deferred[None]]:
+        """Do what the machine asked, in order; returns the closing of a pipe
+        it closed, if it did."""
+        closing = None
+        for action in actions:
+            kind = type(action)
+            if kind is SendToBroker:
+                if self.transport is not None:
+                    self.transport.sendMessage(action.frames)
+            elif kind is Serve:
+                self._serve(action.job, action.body)
+            elif kind is StoreReply:
+                if self.replies is not None:
+                    defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
+                        lambda f: log.failure("reply store could not keep a reply", f))
+            elif kind is OpenPipe:
+                self.transport = transport.connect(
+                    action.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy(),
+                    limits=self.limits)
+            elif kind is ClosePipe:
+                pipe, self.transport = self.transport, None
+                if pipe is not None:
+                    closing = pipe.close()
+            elif kind is ReopenAfter:
+                cancel_call(self._reconnectCall)
+                self._reconnectCall = self.reactor.callLater(action.delay, self._reopen)
+        return closing
 
     # --- IDealerReceiver ---------------------------------------------------
 
     def connectionMade(self) -> None:
-        self.generation += 1
-        self.state = READY
-        self.current = None
-        self.liveness.heard(self.reactor.seconds())
-        self._send(codec.Ready(self.service))
-        log.info("worker for {service} sent READY to {endpoint}",
-                 service=self.service, endpoint=self.endpoint)
+        self._perform(self.handlePipeUp(self.reactor.seconds()))
 
     def connectionLost(self, reason: object) -> None:
-        if self.state is READY:
-            log.info("worker for {service} lost {endpoint}; reconnecting",
-                     service=self.service, endpoint=self.endpoint)
-            self.state = CONNECTING
-        self.current = None
-        self.generation += 1
+        self._perform(self.handlePipeLost(self.reactor.seconds()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        if self.state is STOPPED or self.state is BACKING_OFF:
-            return  # from a pipe already closed
-        try:
-            command = codec.decode_worker(codec.expect(frames, self.dialect))
-        except ProtocolError as e:
-            self.throttle.warn(log, "invalid", "worker for {service} dropped invalid message from "
-                               "broker: {reason}", service=self.service, reason=e)
-            return
-        self.liveness.heard(self.reactor.seconds())
-        self.failures = 0
-        kind = type(command)
-        if kind is Heartbeat:
-            self.refusals = 0
-            return
-        if kind is WorkerRequest:
-            self.refusals = 0
-            if self.current is not None:
-                self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
-                                   "dropped", service=self.service)
-                return
-            self._serve(command)  # type: ignore[arg-type]
-        elif kind is Disconnect:
-            delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
-            self.refusals += 1
-            log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
-                     service=self.service, delay=delay)
-            self._reconnect(delay)
-        else:
-            self.throttle.warn(log, "unexpected", "worker for {service} dropped unexpected "
-                               "{command} from broker", service=self.service, command=kind.__name__)
+        self._perform(self.handleMessage(frames, self.reactor.seconds()))
 
     # --- serving -------------------------------------------------------------
 
-    def _serve(self, request: WorkerRequest) -> None:
-        key, body = idempotence.unstamp(request.body)
-        job = _Job(request.client, self.generation, key)
-        self.current = request.client
-        if key is None or self.replies is None:
+    def _serve(self, job: _Job, body: list[bytes]) -> None:
+        if job.key is None or self.replies is None:
             self._run(job, body)
             return
 
@@ -325,7 +551,7 @@ class Worker:
             log.failure("reply store lookup failed; running the request", failure)
             self._run(job, body)
 
-        defer.maybeDeferred(self.replies.get, key).addCallbacks(lookedUp, storeFailed)
+        defer.maybeDeferred(self.replies.get, job.key).addCallbacks(lookedUp, storeFailed)
 
     def _run(self, job: _Job, body: list[bytes]) -> None:
         try:
@@ -356,7 +582,7 @@ class Worker:
 
             parts = iterate()
         async for item in parts:
-            if job.generation != self.generation or self.current != job.client:
+            if not self.isCurrent(job):
                 await parts.aclose()  # the request is void, or was answered (413)
                 return
             if isinstance(item, Final):
@@ -389,53 +615,8 @@ class Worker:
         self._reply(job, WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message))
 
     def _reply(self, job: _Job, kind: type, frames: list[bytes], store: bool = True) -> bool:
-        """Send a PARTIAL or FINAL unless the connection it belongs to is gone;
-        remember a stamped request's FINAL in the reply store.  A part over
-        the message limits is replaced by a 413 error FINAL."""
-        if job.generation != self.generation or self.state is not READY or self.current != job.client:
-            self._store(job, kind, frames, store)
-            return False
-        size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
-        tooLarge = self.limits.oversize(size, len(frames) + 5)
-        if tooLarge is not None:
-            self.throttle.warn(log, "too-large", "worker for {service} answers 413: its {command} "
-                               "is too large ({reason})", service=self.service,
-                               command=kind.__name__, reason=tooLarge)
-            kind, store = WorkerFinal, False
-            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
-        self._store(job, kind, frames, store)
-        self._send(kind(job.client, frames))
-        if kind is WorkerFinal:
-            self.current = None
-        return tooLarge is None
-
-    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
-        if kind is WorkerFinal and store and job.key is not None and self.replies is not None:
-            defer.maybeDeferred(self.replies.put, job.key, frames).addErrback(
-                lambda f: log.failure("reply store could not keep a reply", f)
-            )
-
-    # --- time ----------------------------------------------------------------
-
-    def tick(self) -> None:
-        """Once per heartbeat interval: detect a dead (or unreachable) broker,
-        send HEARTBEAT."""
-        state = self.state
-        if state is not CONNECTING and state is not READY:
-            return  # waiting out a reconnect delay
-        now = self.reactor.seconds()
-        liveness = self.liveness
-        if liveness.dead(now):
-            delay = self.backoff.delay(self.failures)
-            self.failures += 1
-            log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
-                     "reconnects in {delay:g}s", endpoint=self.endpoint,
-                     silence=liveness.silence(now), service=self.service, delay=delay)
-            self._reconnect(delay)
-        elif state is READY and liveness.due(now, 0.5):
-            self._send(codec.HEARTBEAT)
-
-    def _send(self, command: Any) -> None:
-        if self.transport is not None:
-            self.transport.sendMessage(codec.encode(command, self.dialect))
-            self.liveness.sent(self.reactor.seconds())
+        """Hand a reply part to the machine and do what it says; True if the
+        part went out as itself."""
+        sent, actions = self.handleReply(job, kind, frames, self.reactor.seconds(), store)
+        self._perform(actions)
+        return sent
