@@ -404,7 +404,7 @@ class ServiceQueue:
         self.ledger.bytes += size
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class Send:
     """The machine's wish: send *frames* to the peer *key* (binding, peer id)."""
 
@@ -412,7 +412,7 @@ class Send:
     frames: list[bytes]
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class DropPeer:
     """The machine's wish: close the connection of peer *key* once what was
     sent to it is out (a no-op on media without connections)."""

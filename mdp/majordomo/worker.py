@@ -142,26 +142,26 @@ class _Job:
     key: Optional[idempotence.StampKey]  # its stamp, if the client stamped it
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class SendToBroker:
     """The machine's wish: send *frames* on the pipe."""
 
     frames: list[bytes]
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class OpenPipe:
     """The machine's wish: open a pipe to *endpoint*."""
 
     endpoint: str
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class ClosePipe:
     """The machine's wish: close the pipe (what was sent on it goes first)."""
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class ReopenAfter:
     """The machine's wish: call :meth:`WorkerMachine.handleReopen` after
     *delay* seconds (replacing any such call still pending)."""
@@ -169,7 +169,7 @@ class ReopenAfter:
     delay: float
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class Serve:
     """The machine's wish: answer request *job* with body *body* (from the
     reply store, or by running the handler), then report each part through
@@ -179,7 +179,7 @@ class Serve:
     body: list[bytes]
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, weakref_slot=False)
 class StoreReply:
     """The machine's wish: keep *frames* as the reply to stamp *key*."""
 
@@ -249,9 +249,6 @@ class WorkerMachine:
         """The machine's clock (for its log throttle): the current event's time."""
         return self.now
 
-    def _at(self, now: float) -> None:
-        self.now = now
-
     def _drain(self) -> list[Action]:
         actions, self._outbox = self._outbox, []
         return actions
@@ -265,14 +262,14 @@ class WorkerMachine:
 
     def handleStart(self, now: float) -> list[Action]:
         """Connect: READY goes out once the pipe is up."""
-        self._at(now)
+        self.now = now
         if self.state is STOPPED:
             self._open()
         return self._drain()
 
     def handleStop(self, now: float) -> list[Action]:
         """Say DISCONNECT (if registered) and close."""
-        self._at(now)
+        self.now = now
         state, self.state = self.state, STOPPED
         if state is READY:
             self._send(codec.DISCONNECT)
@@ -283,13 +280,13 @@ class WorkerMachine:
 
     def handleReopen(self, now: float) -> list[Action]:
         """The backoff delay is over."""
-        self._at(now)
+        self.now = now
         if self.state is BACKING_OFF:
             self._open()
         return self._drain()
 
     def handlePipeUp(self, now: float) -> list[Action]:
-        self._at(now)
+        self.now = now
         self.generation += 1
         self.state = READY
         self.current = None
@@ -300,7 +297,7 @@ class WorkerMachine:
         return self._drain()
 
     def handlePipeLost(self, now: float) -> list[Action]:
-        self._at(now)
+        self.now = now
         if self.state is READY:
             log.info("worker for {service} lost {endpoint}; reconnecting",
                      service=self.service, endpoint=self.endpoint)
@@ -311,7 +308,7 @@ class WorkerMachine:
 
     def handleMessage(self, frames: list[bytes], now: float) -> list[Action]:
         """A message from the broker."""
-        self._at(now)
+        self.now = now
         self._received(frames)
         return self._drain()
 
@@ -321,14 +318,14 @@ class WorkerMachine:
         stamped request's FINAL is stored either way); a part over the
         message limits is replaced by a 413 error FINAL.  Returns whether the
         part went out as itself, and the actions."""
-        self._at(now)
+        self.now = now
         sent = self._replyPart(job, kind, frames, store)
         return sent, self._drain()
 
     def handleTick(self, now: float) -> list[Action]:
         """Once per heartbeat interval: detect a dead (or unreachable) broker,
         send HEARTBEAT."""
-        self._at(now)
+        self.now = now
         self._tick(now)
         return self._drain()
 
