@@ -281,6 +281,10 @@ def call_service_rdd(
     or None)`` pairs.  Arguments are checked at once, on the driver, as for
     :func:`call_service`."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
+    if isinstance(batch, bool) or not isinstance(batch, int):
+        raise TypeError(f"batch is a number of elements, not {type(batch).__name__}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         chunk: list[Any] = []

@@ -185,3 +185,11 @@ def test_arguments_are_checked_on_the_driver_before_any_task(kwargs: dict, error
         call_service(_Untouchable(), service, broker, **arguments)
     with pytest.raises(error, match=says):
         call_service_rdd(_Untouchable(), service, broker, **arguments)
+
+
+@pytest.mark.parametrize("batch, error", [(0, ValueError), (-1, ValueError), ("9", TypeError)])
+def test_the_rdd_batch_is_checked_on_the_driver(batch: Any, error: Any) -> None:
+    from mdp.spark import call_service_rdd
+
+    with pytest.raises(error, match="batch"):
+        call_service_rdd(_Untouchable(), "upper", "zmq:tcp://127.0.0.1:5555", batch=batch)
