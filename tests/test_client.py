@@ -283,10 +283,8 @@ def test_provides_its_interfaces() -> None:
     from zope.interface.verify import verifyObject
 
     from mdp.interfaces import IClient, IDealerReceiver
-    from mdp.majordomo.client import _Channel
+    from mdp.majordomo.client import _Channel, _ChannelPipe
 
     client = Client("loopback:nowhere", task.Clock())
     assert verifyObject(IClient, client)
-    channel = _Channel(client, client.endpoint)
-    assert verifyObject(IDealerReceiver, channel)
-    channel.close()
+    assert verifyObject(IDealerReceiver, _ChannelPipe(client, _Channel(client.endpoint)))

@@ -72,9 +72,9 @@ def _client() -> Any:
 
 
 def _channel() -> Any:
-    from mdp.majordomo.client import _Channel
+    from mdp.majordomo.client import _Channel, _ChannelPipe
 
-    return _Channel(_client(), "loopback:verify")
+    return _ChannelPipe(_client(), _Channel("loopback:verify"))
 
 
 def _freelance_binding() -> Any:
@@ -178,7 +178,7 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.majordomo.broker.Binding": _binding,
     "mdp.majordomo.worker.Worker": _worker,
     "mdp.majordomo.client.Client": _client,
-    "mdp.majordomo.client._Channel": _channel,
+    "mdp.majordomo.client._ChannelPipe": _channel,
     "mdp.majordomo.idempotence.MemoryReplyStore": _bare("mdp.majordomo.idempotence.MemoryReplyStore"),
     "mdp.freelance._Binding": _freelance_binding,
     "mdp.freelance._Pipe": _freelance_pipe,

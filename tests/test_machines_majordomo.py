@@ -390,3 +390,49 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
     # DISCONNECT on the new pipe: register again at once the first time
     machine.handlePipeUp(now=4.5)
     assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0)]
+
+
+def test_client_machine_is_a_function_of_events_and_their_times() -> None:
+    from mdp.errors import ClientClosed
+    from mdp.majordomo.client import (
+        ClientMachine,
+        CloseChannel,
+        Complete,
+        Fail,
+        OpenChannel,
+        SendOn,
+        WakeAt,
+        _Call,
+    )
+
+    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+
+    def call(now: float, timeout: float = 2.0, retries: int = 2) -> _Call:
+        return _Call(b"echo", list(request), timeout, retries, None, None, now, lambda c: None)
+
+    first, second = call(0.0), call(0.0)
+    opened = machine.handleRequest(first, now=0.0)
+    assert [type(a) for a in opened] == [WakeAt, OpenChannel]
+    channel = opened[1].channel
+    assert opened[0].when == 2.0 and channel.endpoint == "a"
+    assert machine.handleRequest(second, now=0.0) == []  # one connection: it waits
+    assert machine.handlePipeUp(channel, now=0.1) == [SendOn(channel, request)]
+    # the reply completes the first; the freed connection carries the second
+    done = machine.handleMessage(channel, [C, codec.C_FINAL, b"echo", b"HI"], now=0.2)
+    assert done == [SendOn(channel, request), Complete(first, [b"HI"])]
+    # no reply for the second: its attempt runs out at 2.0; a fresh connection
+    # to the next endpoint carries the retry, which runs out at 4.0
+    retry = machine.handleWake(now=2.0)
+    assert [type(a) for a in retry] == [CloseChannel, WakeAt, OpenChannel]
+    assert retry[1].when == 4.0 and retry[2].channel.endpoint == "b"
+    closing, failed = machine.handleWake(now=4.0)
+    assert closing == CloseChannel(retry[2].channel)
+    assert isinstance(failed, Fail) and failed.call is second
+    assert isinstance(failed.error, RequestTimeout) and failed.error.attempts == 2
+    # closing fails what is left and needs no more wake-ups
+    third = call(4.5)
+    machine.handleRequest(third, now=4.5)
+    closed = machine.handleClose(now=5.0)
+    assert WakeAt(None) in closed and Fail(third, closed[-1].error) in closed
+    assert isinstance(closed[-1].error, ClientClosed)

@@ -20,6 +20,15 @@ discarded and the channel replaced, so it cannot complete a later request.
 
 Theory of operation
 -------------------
+The decisions live in :class:`ClientMachine`, which knows no reactor, no
+transport and no Deferred: it is fed events with their time (a request, a
+pipe up or lost, a message on a connection, a cancel, the wake-up it asked
+for, close) and returns actions (:class:`OpenChannel`, :class:`CloseChannel`,
+:class:`SendOn`, :class:`Partial`, :class:`Restarted`, :class:`Complete`,
+:class:`Fail`, :class:`WakeAt`).  :class:`Client` is its driver: it owns the
+transports, the one timer and the Deferreds, and calls ``onPartial`` and
+``onRestart``.
+
 Two kinds of machine: one per request (a ``_Call``, in a :class:`CallState`)
 and one per connection of the pool (a ``_Channel``, in a
 :class:`ChannelState`).  A request's states:
@@ -119,6 +128,7 @@ import uuid
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
+import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -190,7 +200,9 @@ DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
 
 
 class _Call:
-    """One request: its Deferred, its attempts and where it is."""
+    """One request: its attempts and where it is.  The driver hangs its
+    Deferred and callbacks on it; the machine only reads whether the caller
+    accepts restarts (``onRestart``)."""
 
     __slots__ = ("service", "message", "deferred", "onPartial", "onRestart", "timeout",
                  "retries", "attempts", "startedAt", "deadline", "channel", "state")
@@ -220,17 +232,19 @@ class _Call:
         return self.state is DONE
 
 
-@implementer(IDealerReceiver)
 class _Channel:
     """One connection of the pool, with at most one request in flight (see
-    the module docstring: it alone decides when that request is sent)."""
+    the module docstring: it alone decides when that request is sent).  The
+    machine's record of it; the driver hangs the transport on ``pipe``."""
 
-    def __init__(self, client: Client, endpoint: str) -> None:
-        self.client = client
+    __slots__ = ("endpoint", "call", "state", "pipe")
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
         #: the request in flight; a done one is abandoned, its reply still due
         self.call: Optional[_Call] = None
         self.state = DOWN
-        self.transport = transport.connect(endpoint, self, client.reactor, limits=client.limits)
+        self.pipe: Any = None  # the driver's
 
     @property
     def up(self) -> bool:
@@ -242,47 +256,457 @@ class _Channel:
         """Its request went out on the current pipe."""
         return self.state is SENT
 
-    def carry(self, call: _Call) -> None:
-        self.call = call
-        call.channel = self
+
+# --- what the machine asks its driver to do -------------------------------------------
+
+@attrs.define(slots=True, weakref_slot=False)
+class OpenChannel:
+    channel: _Channel
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class CloseChannel:
+    channel: _Channel
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class SendOn:
+    channel: _Channel
+    frames: list[bytes]
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Partial:
+    """Tell the caller of *call* about a PARTIAL (``onPartial``)."""
+
+    call: _Call
+    body: list[bytes]
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Restarted:
+    """Tell the caller of *call* that its reply starts over (``onRestart``)."""
+
+    call: _Call
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Complete:
+    """Fire the Deferred of *call* with the FINAL body."""
+
+    call: _Call
+    body: list[bytes]
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Fail:
+    """Fail the Deferred of *call* with *error*."""
+
+    call: _Call
+    error: BaseException
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class WakeAt:
+    """Call :meth:`ClientMachine.handleWake` at time *when* (replacing the
+    wake-up asked for before); ``None``: no wake-up is needed."""
+
+    when: Optional[float]
+
+
+Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail | WakeAt
+
+
+class ClientMachine:
+    """The client's decisions (the tables in the module docstring), and
+    nothing else: no reactor, no transport, no Deferred.  Feed it events
+    with their time; each ``handle*`` returns the actions it wants done, in
+    order.  :class:`Client` drives it over real transports."""
+
+    def __init__(self, endpoints: list[str], *, maxConnections: int, dialect: str,
+                 now: float = 0.0) -> None:
+        self._rotation = EndpointRotation(endpoints)
+        self.maxConnections = maxConnections
+        self.dialect = dialect
+        self.now = now
+        self._throttle = LogThrottle(self)
+        self._outbox: list[Action] = []
+        self._idle: list[_Channel] = []
+        self._channels: set[_Channel] = set()
+        self._waiting: deque[_Call] = deque()
+        self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
+        self._live = 0  # calls not done
+        self._closed = False
+        #: (deadline, order, call) for every attempt; stale entries are skipped
+        self._deadlines: list[tuple[float, int, _Call]] = []
+        self._order = itertools.count()
+        self._wakeAt: Optional[float] = None  # the wake-up asked for, while pending
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self._rotation.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self._rotation.current
+
+    def seconds(self) -> float:
+        """The machine's clock (for its log throttle): the current event's time."""
+        return self.now
+
+    def _drain(self) -> list[Action]:
+        actions, self._outbox = self._outbox, []
+        return actions
+
+    # --- events ----------------------------------------------------------------
+
+    def handleRequest(self, call: _Call, now: float) -> list[Action]:
+        """A new request (its first attempt starts now)."""
+        self.now = now
+        self._live += 1
+        self._schedule(call)
+        self._enqueue(call)
+        self._pump()
+        return self._drain()
+
+    def handlePipeUp(self, channel: _Channel, now: float) -> list[Action]:
+        self.now = now
+        if channel.state is DOWN:
+            channel.state = UP
+        self._sendOn(channel)
+        return self._drain()
+
+    def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
+        self.now = now
+        channel.state = DOWN
+        self._channelLost(channel, why)
+        return self._drain()
+
+    def handleOpenFailed(self, channel: _Channel, error: BaseException,
+                         now: float) -> list[Action]:
+        """The transport refused to open *channel*: its request cannot be sent."""
+        self.now = now
+        call = channel.call
+        self._channels.discard(channel)
+        if call is not None:
+            call.channel = None
+            self._fail(call, error)
+        return self._drain()
+
+    def handleMessage(self, channel: _Channel, frames: list[bytes], now: float) -> list[Action]:
+        self.now = now
+        self._received(channel, frames)
+        return self._drain()
+
+    def handleCancel(self, call: _Call, now: float) -> list[Action]:
+        """The caller cancelled *call* (never raises)."""
+        self.now = now
+        try:
+            if self._done(call):
+                channel = call.channel
+                if channel is not None and channel.call is call and not channel.sent:
+                    # it never went out: no reply will come, the connection is free
+                    self._release(channel)
+        except Exception:
+            log.failure("cancelling a request to {service} failed", service=call.service)
+        return self._drain()
+
+    def handleWake(self, now: float) -> list[Action]:
+        """The wake-up asked for: end the attempts whose deadline has come."""
+        self.now = now
+        self._wakeAt = None
+        self._sweep()
+        return self._drain()
+
+    def handleClose(self, now: float) -> list[Action]:
+        """Fail every pending request with :class:`ClientClosed`, close every
+        connection."""
+        self.now = now
+        self._closed = True
+        # every call not yet done has an entry for its current attempt
+        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
+        self._waiting.clear()
+        for channel in list(self._channels):
+            self._discard(channel)
+        if self._wakeAt is not None:
+            self._wakeAt = None
+            self._outbox.append(WakeAt(None))
+        self._deadlines.clear()
+        for call in calls:
+            call.channel = None
+            self._fail(call, ClientClosed("client closed"))
+        self._waitingDone = 0  # the FIFO was emptied above
+        return self._drain()
+
+    # --- connections -------------------------------------------------------------
+
+    def _carry(self, channel: _Channel, call: _Call) -> None:
+        channel.call = call
+        call.channel = channel
         call.state = IN_FLIGHT
-        if self.state is not DOWN:
-            self.state = UP
-            self.send()
+        if channel.state is not DOWN:
+            channel.state = UP
+            self._sendOn(channel)
 
-    def send(self) -> None:
-        call = self.call
-        if (self.state is UP and call is not None and call.state is not DONE
-                and self.transport.connected):
-            self.state = SENT
-            self.transport.sendMessage(call.message)
+    def _sendOn(self, channel: _Channel) -> None:
+        call = channel.call
+        if channel.state is UP and call is not None and call.state is not DONE:
+            channel.state = SENT
+            self._outbox.append(SendOn(channel, call.message))  # type: ignore[arg-type]
 
-    def release(self) -> None:
-        """It carries nothing any more."""
-        self.call = None
-        if self.state is SENT:
-            self.state = UP
+    def _enqueue(self, call: _Call, first: bool = False) -> None:
+        call.state = QUEUED
+        if first:
+            self._waiting.appendleft(call)
+        else:
+            self._waiting.append(call)
+
+    def _pump(self) -> None:
+        if self._closed:
+            return
+        waiting = self._waiting
+        while waiting:
+            call = waiting[0]
+            if call.state is DONE:
+                waiting.popleft()
+                self._waitingDone -= 1
+                continue
+            if self._idle:
+                channel = self._idle.pop()
+            elif len(self._channels) < self.maxConnections:
+                channel = _Channel(self.endpoint)
+                self._channels.add(channel)
+                self._outbox.append(OpenChannel(channel))
+            else:
+                return
+            waiting.popleft()
+            self._carry(channel, call)
+
+    def _discard(self, channel: _Channel) -> None:
+        self._channels.discard(channel)
+        if channel in self._idle:
+            self._idle.remove(channel)
+        call = channel.call
+        if call is not None and call.channel is channel:
+            call.channel = None
+        channel.call = None
+        self._outbox.append(CloseChannel(channel))
+
+    def _release(self, channel: _Channel) -> None:
+        """*channel* carries nothing any more: it serves the next request."""
+        call = channel.call
+        channel.call = None
+        if channel.state is SENT:
+            channel.state = UP
+        if call is not None and call.channel is channel:
+            call.channel = None
+        self._idle.append(channel)
+        self._pump()
+
+    # --- time ----------------------------------------------------------------
+
+    def _schedule(self, call: _Call) -> None:
+        deadline = call.deadline
+        heap = self._deadlines
+        if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
+            # entries of calls already finished: drop them now rather than
+            # when their deadlines come round
+            self._deadlines = heap = [e for e in heap if self._watched(e)]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, next(self._order), call))
+        self._wakeBy(deadline)
+
+    @staticmethod
+    def _watched(entry: tuple[float, int, _Call]) -> bool:
+        """Does this deadline still matter: its call is pending on this
+        attempt, or abandoned on a connection it holds?"""
+        deadline, _, call = entry
+        if call.deadline != deadline:
+            return False
+        return not call.done or call.channel is not None
+
+    def _wakeBy(self, deadline: float) -> None:
+        """Make sure a wake-up comes by *deadline*."""
+        if self._wakeAt is not None and self._wakeAt <= deadline:
+            return
+        self._wakeAt = deadline
+        self._outbox.append(WakeAt(deadline))
+
+    def _sweep(self) -> None:
+        now = self.now + 1e-9  # a deadline met to the float is met
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._watched(entry):
+                self._expired(entry[2])
+        while heap and not self._watched(heap[0]):
+            heapq.heappop(heap)
+        if heap:
+            self._wakeBy(heap[0][0])
+
+    # --- decisions -------------------------------------------------------------
+
+    def _received(self, channel: _Channel, frames: list[bytes]) -> None:
+        call = channel.call
+        try:
+            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
+            kind = type(command)
+            if kind is not ClientPartial and kind is not ClientFinal:
+                raise ProtocolError(f"broker sent a client {kind.__name__}")
+            if call is not None and command.service != call.service and self.dialect == codec.RFC:
+                raise ProtocolError(
+                    f"reply for service {command.service!r} to a request for {call.service!r}"
+                )
+        except ProtocolError as e:
+            self._throttle.warn(log, "invalid", "client dropped a message from {endpoint}: {reason}",
+                                endpoint=channel.endpoint, reason=e)
+            return
+        if call is None:
+            self._throttle.warn(log, "unexpected", "client got a {command} from {endpoint} on a "
+                                "connection with no request in flight: discarded, connection "
+                                "replaced", command=kind.__name__, endpoint=channel.endpoint)
+            self._discard(channel)
+            return
+        if call.done:  # abandoned: its reply is discarded
+            if kind is ClientFinal:
+                self._release(channel)
+            return
+        body = command.body
+        if kind is ClientPartial:
+            if len(body) == 1 and body[0] == codec.RESTART_MARKER:
+                self._restart(call)
+                return
+            call.state = STREAMING
+            self._outbox.append(Partial(call, list(body)))
+            return
+        self._release(channel)
+        error = remote_error(call.service, body)
+        if error is not None:
+            self._fail(call, error)
+        elif self._done(call):
+            self._outbox.append(Complete(call, list(body)))
+
+    def _channelLost(self, channel: _Channel, why: object = None) -> None:
+        """A pipe broke; its request goes out again when it is back, unless
+        the pipe ended because the reply was over this client's limits (sent
+        again, it would only run again)."""
+        call = channel.call
+        if call is None:
+            return
+        if not call.done and isinstance(why, OversizedMessage):
+            self._fail(call, ReplyTooLarge(
+                f"reply from service {call.service.decode('ascii', 'replace')!r} too large "
+                f"for this client, dropped: {why}"))
+        if not call.done:
+            self._restart(call)
+        if call.done:  # an abandoned reply can no longer come on this connection
+            self._release(channel)
+
+    def _restart(self, call: _Call) -> None:
+        """The reply of *call* starts over on its connection: if PARTIALs of
+        it were delivered (STREAMING), it is IN_FLIGHT again and the caller
+        is told."""
+        if call.state is STREAMING:
+            call.state = IN_FLIGHT
+            self._restarted(call)
+
+    def _restarted(self, call: _Call) -> None:
+        """Tell the caller that the reply of *call* starts over, or fail the
+        call if it gave no ``onRestart``."""
+        if call.onRestart is None:
+            self._fail(call, StreamRestarted(
+                f"the reply stream of the request to {call.service.decode('ascii', 'replace')!r} "
+                "started over; pass onRestart to accept restarts"))
+            return
+        self._outbox.append(Restarted(call))
+
+    def _expired(self, call: _Call) -> None:
+        """The current attempt of *call* ran out (or, abandoned, its reply never came)."""
+        channel = call.channel
+        if call.state is DONE:  # abandoned and unanswered: its connection is of no more use
+            if channel is not None:
+                self._discard(channel)
+                self._pump()
+            return
+        streamed = call.state is STREAMING
+        if channel is not None:
+            self._discard(channel)
+            self._rotation.advance()
+        if call.attempts >= call.retries or (streamed and call.onRestart is None):
+            self._fail(call, RequestTimeout(call.service, call.attempts,
+                                            self.now - call.startedAt))
+            self._pump()
+            return
+        self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
+                            "({attempt}/{retries})", service=call.service, timeout=call.timeout,
+                            attempt=call.attempts + 1, retries=call.retries)
+        call.attempts += 1
+        call.deadline = self.now + call.timeout
+        self._schedule(call)
+        if call.state is not QUEUED:
+            self._enqueue(call, first=True)
+        # the retry is in place before the caller hears of it (the actions
+        # are done in order, after this): its onRestart may cancel the
+        # request or close the client
+        if streamed:
+            self._restarted(call)
+        self._pump()
+
+    def _done(self, call: _Call) -> bool:
+        """Mark *call* DONE; False if it already was."""
+        state = call.state
+        if state is DONE:
+            return False
+        call.state = DONE
+        self._live -= 1
+        call.message = None  # nothing more is sent
+        if state is QUEUED:  # it stays in the FIFO until it reaches the head
+            self._waitingDone += 1
+            waiting = self._waiting
+            if self._waitingDone > 64 and 2 * self._waitingDone > len(waiting):
+                # in place: _pump may be iterating this very deque
+                kept = [c for c in waiting if c.state is not DONE]
+                waiting.clear()
+                waiting.extend(kept)
+                self._waitingDone = 0
+        return True
+
+    def _fail(self, call: _Call, error: BaseException) -> None:
+        if self._done(call):
+            self._outbox.append(Fail(call, error))
+
+
+@implementer(IDealerReceiver)
+class _ChannelPipe:
+    """The receiver of one channel's transport: hands its events to the client."""
+
+    __slots__ = ("client", "channel")
+
+    def __init__(self, client: Client, channel: _Channel) -> None:
+        self.client = client
+        self.channel = channel
 
     def connectionMade(self) -> None:
-        if self.state is DOWN:
-            self.state = UP
-        self.send()
+        self.client._perform(self.client.handlePipeUp(self.channel, self.client.reactor.seconds()))
 
     def connectionLost(self, reason: object) -> None:
-        self.state = DOWN
-        self.client._channelLost(self, getattr(reason, "value", None))
+        client = self.client
+        client._perform(client.handlePipeLost(self.channel, getattr(reason, "value", None),
+                                              client.reactor.seconds()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        self.client._received(self, frames)
-
-    def close(self) -> None:
-        self.call = None
-        self.transport.close()
+        client = self.client
+        client._perform(client.handleMessage(self.channel, frames, client.reactor.seconds()))
 
 
 @implementer(IClient)
-class Client:
-    """An MDP/0.2 client of one broker (or of the first live one of several).
+class Client(ClientMachine):
+    """An MDP/0.2 client of one broker (or of the first live one of several):
+    the :class:`ClientMachine` driven over real transports.  The driver owns
+    the connections, the one timer and the Deferreds, and calls
+    ``onPartial``/``onRestart``; every decision is the machine's.
 
     *endpoint* is one broker endpoint or a failover list; each is checked at
     once (a malformed one raises :class:`~mdp.errors.TransportError`).
@@ -312,38 +736,16 @@ class Client:
                             f"not {type(maxConnections).__name__}")
         if maxConnections < 1:
             raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
-        self._rotation = EndpointRotation(endpoints)
+        super().__init__(endpoints, maxConnections=maxConnections,
+                         dialect=codec.check_dialect(dialect), now=reactor.seconds())
         self.reactor = reactor
         self.timeout = timeout
         self.retries = retries
-        self.maxConnections = maxConnections
-        self.dialect = codec.check_dialect(dialect)
         self.stamp = stamp
         self.limits = limits
         self.clientId = uuid.uuid4().bytes
-        self._throttle = LogThrottle(reactor)
         self._sequence = itertools.count(1)
-        self._idle: list[_Channel] = []
-        self._channels: set[_Channel] = set()
-        self._waiting: deque[_Call] = deque()
-        self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
-        self._live = 0  # calls not done
-        self._closed = False
-        #: (deadline, order, call) for every attempt; stale entries are skipped
-        self._deadlines: list[tuple[float, int, _Call]] = []
-        self._order = itertools.count()
-        self._timer: Any = None  # the one DelayedCall, for the earliest deadline, while pending
-        self._timerAt = 0.0  # when it fires
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self._rotation.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
-        return self._rotation.current
+        self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
 
     # --- public API ----------------------------------------------------------
 
@@ -394,12 +796,9 @@ class Client:
         tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
         if tooLarge is not None:
             raise RequestTooLarge(f"request to {name.decode()!r} not sent: {tooLarge}")
-        call = _Call(name, message, timeout, retries, onPartial, onRestart,
-                     self.reactor.seconds(), self._cancel)
-        self._live += 1
-        self._schedule(call)
-        self._enqueue(call)
-        self._pump()
+        now = self.reactor.seconds()
+        call = _Call(name, message, timeout, retries, onPartial, onRestart, now, self._cancel)
+        self._perform(self.handleRequest(call, now))
         return call.deferred
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
@@ -416,273 +815,73 @@ class Client:
 
     def close(self) -> defer.Deferred[None]:
         """Fail every pending request with :class:`ClientClosed` and close."""
-        self._closed = True
-        # every call not yet done has an entry for its current attempt
-        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
-        self._waiting.clear()
-        for channel in list(self._channels):
-            self._discard(channel)
-        self._stopTimer()
-        self._deadlines.clear()
-        for call in calls:
-            call.channel = None
-            self._fail(call, ClientClosed("client closed"))
-        self._waitingDone = 0  # the FIFO was emptied above
+        self._perform(self.handleClose(self.reactor.seconds()))
         return defer.succeed(None)
 
-    # --- pool ----------------------------------------------------------------
-
-    def _enqueue(self, call: _Call, first: bool = False) -> None:
-        call.state = QUEUED
-        if first:
-            self._waiting.appendleft(call)
-        else:
-            self._waiting.append(call)
-
-    def _pump(self) -> None:
-        if self._closed:
-            return
-        waiting = self._waiting
-        while waiting:
-            call = waiting[0]
-            if call.state is DONE:
-                waiting.popleft()
-                self._waitingDone -= 1
-                continue
-            if self._idle:
-                channel = self._idle.pop()
-            elif len(self._channels) < self.maxConnections:
-                try:
-                    channel = _Channel(self, self.endpoint)
-                except Exception as e:  # the transport refused: nothing can be sent
-                    self._fail(call, e)  # DONE: dropped from the FIFO on the next turn
-                    continue
-                self._channels.add(channel)
-            else:
-                return
-            waiting.popleft()
-            channel.carry(call)
-
-    def _discard(self, channel: _Channel) -> None:
-        self._channels.discard(channel)
-        if channel in self._idle:
-            self._idle.remove(channel)
-        call = channel.call
-        if call is not None and call.channel is channel:
-            call.channel = None
-        channel.close()
-
-    def _release(self, channel: _Channel) -> None:
-        """*channel* carries nothing any more: it serves the next request."""
-        call = channel.call
-        channel.release()
-        if call is not None and call.channel is channel:
-            call.channel = None
-        self._idle.append(channel)
-        self._pump()
-
-    # --- time ----------------------------------------------------------------
-
-    def _schedule(self, call: _Call) -> None:
-        deadline = call.deadline
-        heap = self._deadlines
-        if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
-            # entries of calls already finished: drop them now rather than
-            # when their deadlines come round
-            self._deadlines = heap = [e for e in heap if self._watched(e)]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (deadline, next(self._order), call))
-        if self._timer is None or self._timerAt > deadline:
-            self._armTimer(deadline)
-
-    @staticmethod
-    def _watched(entry: tuple[float, int, _Call]) -> bool:
-        """Does this deadline still matter: its call is pending on this
-        attempt, or abandoned on a connection it holds?"""
-        deadline, _, call = entry
-        if call.deadline != deadline:
-            return False
-        return not call.done or call.channel is not None
-
-    def _armTimer(self, deadline: float) -> None:
-        """Make sure the timer fires by *deadline*."""
-        timer = self._timer
-        if timer is not None:
-            if self._timerAt <= deadline:
-                return
-            timer.cancel()
-        self._timerAt = deadline
-        self._timer = self.reactor.callLater(max(0.0, deadline - self.reactor.seconds()),
-                                             self._sweep)
-
-    def _stopTimer(self) -> None:
-        timer, self._timer = self._timer, None
-        cancel_call(timer)
-
-    def _sweep(self) -> None:
-        """The timer: end the attempts whose deadline has come, then wait for
-        the next deadline that matters."""
-        self._timer = None
-        now = self.reactor.seconds() + 1e-9  # a deadline met to the float is met
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            if self._watched(entry):
-                self._expired(entry[2])
-        while heap and not self._watched(heap[0]):
-            heapq.heappop(heap)
-        if heap:
-            self._armTimer(heap[0][0])
-
-    # --- events --------------------------------------------------------------
-
-    def _received(self, channel: _Channel, frames: list[bytes]) -> None:
-        call = channel.call
-        try:
-            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
-            kind = type(command)
-            if kind is not ClientPartial and kind is not ClientFinal:
-                raise ProtocolError(f"broker sent a client {kind.__name__}")
-            if call is not None and command.service != call.service and self.dialect == codec.RFC:
-                raise ProtocolError(
-                    f"reply for service {command.service!r} to a request for {call.service!r}"
-                )
-        except ProtocolError as e:
-            self._throttle.warn(log, "invalid", "client dropped a message from {endpoint}: {reason}",
-                                endpoint=channel.transport.endpoint, reason=e)
-            return
-        if call is None:
-            self._throttle.warn(log, "unexpected", "client got a {command} from {endpoint} on a "
-                                "connection with no request in flight: discarded, connection "
-                                "replaced", command=kind.__name__, endpoint=channel.transport.endpoint)
-            self._discard(channel)
-            return
-        if call.done:  # abandoned: its reply is discarded
-            if kind is ClientFinal:
-                self._release(channel)
-            return
-        body = command.body
-        if kind is ClientPartial:
-            if len(body) == 1 and body[0] == codec.RESTART_MARKER:
-                self._restart(call)
-                return
-            call.state = STREAMING
-            if call.onPartial is not None:
-                try:
-                    call.onPartial(list(body))
-                except Exception:
-                    log.failure("onPartial callback for {service} failed", service=call.service)
-            return
-        self._release(channel)
-        error = remote_error(call.service, body)
-        if error is not None:
-            self._fail(call, error)
-        elif self._done(call):
-            call.deferred.callback(list(body))
-
-    def _channelLost(self, channel: _Channel, why: object = None) -> None:
-        """A pipe broke; its request goes out again when it is back, unless
-        the pipe ended because the reply was over this client's limits (sent
-        again, it would only run again)."""
-        call = channel.call
-        if call is None:
-            return
-        if not call.done and isinstance(why, OversizedMessage):
-            self._fail(call, ReplyTooLarge(
-                f"reply from service {call.service.decode('ascii', 'replace')!r} too large "
-                f"for this client, dropped: {why}"))
-        if not call.done:
-            self._restart(call)
-        if call.done:  # an abandoned reply can no longer come on this connection
-            self._release(channel)
-
-    def _restart(self, call: _Call) -> None:
-        """The reply of *call* starts over on its connection: if PARTIALs of
-        it were delivered (STREAMING), it is IN_FLIGHT again and the caller
-        is told."""
-        if call.state is STREAMING:
-            call.state = IN_FLIGHT
-            self._restarted(call)
-
-    def _restarted(self, call: _Call) -> None:
-        """Tell the caller that the reply of *call* starts over, or fail the
-        call if it gave no ``onRestart``."""
-        if call.onRestart is None:
-            self._fail(call, StreamRestarted(
-                f"the reply stream of the request to {call.service.decode('ascii', 'replace')!r} "
-                "started over; pass onRestart to accept restarts"))
-            return
-        try:
-            call.onRestart()
-        except Exception:
-            log.failure("onRestart callback for {service} failed", service=call.service)
-
-    def _expired(self, call: _Call) -> None:
-        """The current attempt of *call* ran out (or, abandoned, its reply never came)."""
-        channel = call.channel
-        if call.state is DONE:  # abandoned and unanswered: its connection is of no more use
-            if channel is not None:
-                self._discard(channel)
-                self._pump()
-            return
-        streamed = call.state is STREAMING
-        if channel is not None:
-            self._discard(channel)
-            self._rotation.advance()
-        if call.attempts >= call.retries or (streamed and call.onRestart is None):
-            self._fail(call, RequestTimeout(call.service, call.attempts,
-                                            self.reactor.seconds() - call.startedAt))
-            self._pump()
-            return
-        self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
-                            "({attempt}/{retries})", service=call.service, timeout=call.timeout,
-                            attempt=call.attempts + 1, retries=call.retries)
-        call.attempts += 1
-        call.deadline = self.reactor.seconds() + call.timeout
-        self._schedule(call)
-        if call.state is not QUEUED:
-            self._enqueue(call, first=True)
-        # the retry is in place before the caller hears of it: its onRestart
-        # may cancel the request or close the client
-        if streamed:
-            self._restarted(call)
-        self._pump()
-
-    def _done(self, call: _Call) -> bool:
-        """Mark *call* DONE; False if it already was."""
-        state = call.state
-        if state is DONE:
-            return False
-        call.state = DONE
-        self._live -= 1
-        call.message = call.onPartial = call.onRestart = None  # nothing more is sent or told
-        if state is QUEUED:  # it stays in the FIFO until it reaches the head
-            self._waitingDone += 1
-            waiting = self._waiting
-            if self._waitingDone > 64 and 2 * self._waitingDone > len(waiting):
-                # in place: _pump may be iterating this very deque
-                kept = [c for c in waiting if c.state is not DONE]
-                waiting.clear()
-                waiting.extend(kept)
-                self._waitingDone = 0
-        return True
-
-    def _fail(self, call: _Call, error: BaseException) -> None:
-        if self._done(call):
-            call.deferred.errback(error)
+    # --- the driver ------------------------------------------------------------
 
     def _cancel(self, call: _Call) -> None:
         """The canceller of every request's Deferred: never raises (the
         Deferred then fails with CancelledError)."""
-        try:
-            if not self._done(call):
-                return
-            channel = call.channel
-            if channel is not None and channel.call is call and not channel.sent:
-                # it never went out: no reply will come, the connection is free
-                self._release(channel)
-        except Exception:
-            log.failure("cancelling a request to {service} failed", service=call.service)
+        self._perform(self.handleCancel(call, self.reactor.seconds()))
+        call.onPartial = call.onRestart = None  # nothing more is told
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._perform(self.handleWake(self.reactor.seconds()))
+
+    def _perform(self, actions: list[Action]) -> None:
+        """Do what the machine asked, in order.  What a caller's callback does
+        meanwhile (cancel, close, a new request) is a new event, handled at
+        once; the actions left over still apply to their own objects."""
+        for action in actions:
+            kind = type(action)
+            if kind is SendOn:
+                channel = action.channel
+                pipe = channel.pipe
+                # a callback run by an earlier action may have cancelled it
+                if (pipe is not None and pipe.connected and channel.call is not None
+                        and not channel.call.done):
+                    pipe.sendMessage(action.frames)
+            elif kind is Complete:
+                action.call.deferred.callback(action.body)
+                action.call.onPartial = action.call.onRestart = None
+            elif kind is Fail:
+                action.call.deferred.errback(action.error)
+                action.call.onPartial = action.call.onRestart = None
+            elif kind is Partial:
+                onPartial = action.call.onPartial
+                if onPartial is not None and not action.call.done:
+                    try:
+                        onPartial(action.body)
+                    except Exception:
+                        log.failure("onPartial callback for {service} failed",
+                                    service=action.call.service)
+            elif kind is OpenChannel:
+                channel = action.channel
+                try:
+                    channel.pipe = transport.connect(channel.endpoint,
+                                                     _ChannelPipe(self, channel), self.reactor,
+                                                     limits=self.limits)
+                except Exception as e:  # the transport refused: nothing can be sent
+                    self._perform(self.handleOpenFailed(channel, e, self.reactor.seconds()))
+            elif kind is CloseChannel:
+                pipe, action.channel.pipe = action.channel.pipe, None
+                if pipe is not None:
+                    pipe.close()
+            elif kind is Restarted:
+                onRestart = action.call.onRestart
+                if onRestart is not None and not action.call.done:
+                    try:
+                        onRestart()
+                    except Exception:
+                        log.failure("onRestart callback for {service} failed",
+                                    service=action.call.service)
+            elif kind is WakeAt:
+                self._timer = cancel_call(self._timer)
+                if action.when is not None:
+                    self._timer = self.reactor.callLater(
+                        max(0.0, action.when - self.reactor.seconds()), self._wake)
 
 
 _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
