@@ -42,11 +42,16 @@ are constructor arguments, and ``request()`` overrides either for one call.
 
 Theory of operation
 -------------------
-Every node here is a state machine.  It changes state only on an event (a
-message from a transport, a timer of the reactor it was given, a call of its
-API) and acts only through a transport (send, open or close a pipe, drop a
-peer) or by firing a Deferred.  :mod:`mdp.testing` drives each one by a list
-of events, with no transport.  The states are :class:`RequestState` (every
+Every node here is a state machine.  The clients' decisions live in
+:class:`SequentialMachine`, :class:`ShotgunMachine` and :class:`AgentMachine`
+(on :class:`FreelanceMachine`), which know no reactor, no transport and no
+Deferred: ``handle*`` events with their time in (a server added, a request, a
+reply, a timer, a tick, a cancel, close), actions out (:class:`Later`,
+:class:`Cancel`, :class:`OpenPipe`, :class:`ClosePipe`, :class:`SendPipe`,
+:class:`ConnectPeer`, :class:`SendPeer`, :class:`Resolve`, :class:`Reject`).
+Each client class is its machine's driver: it owns the timers of each
+request, the connections and the Deferreds.  :mod:`mdp.testing` drives the
+drivers by a list of events, with no transport.  The states are :class:`RequestState` (every
 client) and :class:`ServerState` (the agent's view of each server); the
 tables below are what the code does.
 
@@ -118,6 +123,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
+import attrs
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
@@ -189,15 +195,6 @@ def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
     """The error a reply body stands for (a :class:`~mdp.errors.RemoteError`
     subclass by its code), or ``None`` for an ordinary reply."""
     return messages.remote_error(SERVICE, body)
-
-
-def _result(deferred: defer.Deferred, reply: list[bytes]) -> None:
-    """Fire a request's Deferred with a reply body, or its error."""
-    error = remote_error(reply)
-    if error is not None:
-        deferred.errback(error)
-    else:
-        deferred.callback(reply)
 
 
 # --- server --------------------------------------------------------------------
@@ -345,8 +342,11 @@ def _positive(name: str, value: Any) -> float:
 
 
 class _Call:
+    """One request: its attempts and where it is.  The driver hangs its
+    Deferred on it; the machine never touches that."""
+
     __slots__ = ("sequence", "body", "deferred", "state", "startedAt", "timeout", "deadline",
-                 "attempts", "deadlineTimer", "attemptTimer", "tried", "server", "rotation")
+                 "attempts", "tried", "server", "rotation")
 
     def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
                  deadline: Optional[float]) -> None:
@@ -355,73 +355,181 @@ class _Call:
         self.startedAt = startedAt
         self.timeout = timeout  # seconds per attempt
         self.deadline = deadline  # seconds for the whole request, or None
-        self.deferred: defer.Deferred = defer.Deferred()
+        self.deferred: Any = None
         self.state = RequestState.WAITING  # until the model sends it
         self.attempts = 0
-        self.deadlineTimer: Any = None
-        self.attemptTimer: Any = None
         self.tried: list[str] = []  # model 3: servers tried in this round
         self.server: Optional[str] = None  # where the current attempt went
         self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
 
 
-class _FreelanceClient:
-    """What the three models share: sequence numbers, pending requests, the
-    deadline, and close()."""
+# --- what a client machine asks its driver to do ----------------------------------------
 
-    def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any],
-                 timeout: float, deadline: Optional[float]) -> None:
-        self.reactor = default_reactor(reactor)
+DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Later:
+    """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing that
+    timer of *call* if it is pending)."""
+
+    call: _Call
+    kind: str
+    delay: float
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Cancel:
+    """Forget that timer of *call*, if pending."""
+
+    call: _Call
+    kind: str
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class OpenPipe:
+    """Open a connection to *endpoint*, known as *key*; its messages come back
+    through ``handleReply``."""
+
+    key: Any
+    endpoint: str
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class ClosePipe:
+    key: Any
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class SendPipe:
+    key: Any
+    frames: list[bytes]
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class ConnectPeer:
+    """Add *endpoint* to the connecting router (model 3)."""
+
+    endpoint: str
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class SendPeer:
+    """Send *frames* to the server at *endpoint* through the router (model 3)."""
+
+    endpoint: str
+    frames: list[bytes]
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Resolve:
+    """Fire the Deferred of *call* with *frames*."""
+
+    call: _Call
+    frames: list[bytes]
+
+
+@attrs.define(slots=True, weakref_slot=False)
+class Reject:
+    """Fail the Deferred of *call* with *error*."""
+
+    call: _Call
+    error: BaseException
+
+
+Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
+
+
+class FreelanceMachine:
+    """What the three models decide alike (sequence numbers, pending
+    requests, the deadline, replies, close), with no reactor, no transport and
+    no Deferred: ``handle*`` events with their time in, actions out.  The
+    models add their own rules; each client class drives its machine."""
+
+    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         self.timeout = _positive("timeout", timeout)
         self.deadline = None if deadline is None else _positive("deadline", deadline)
+        self.now = now
         self.endpoints: list[str] = []
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
         self._closed = False
-        for endpoint in transport.endpoint_list(endpoints, empty=True):  # all checked before any is used
-            self.connect(endpoint)
+        self._outbox: list[Action] = []
 
-    def connect(self, endpoint: str) -> None:
-        """Add a server (:class:`~mdp.errors.TransportError` at once for a
-        malformed endpoint)."""
-        transport.check(endpoint, transport.CONNECT)
-        if endpoint not in self.endpoints:
-            self.endpoints.append(endpoint)
+    def _drain(self) -> list[Action]:
+        actions, self._outbox = self._outbox, []
+        return actions
 
-    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
-                deadline: Optional[float] = None) -> defer.Deferred:
-        """Send a request; the Deferred fires with the reply body frames.
-
-        *timeout* (seconds one attempt may take) and *deadline* (seconds the
-        whole request may take) override the client's own for this request.
-        Errors: :class:`~mdp.errors.RequestTimeout`,
-        :class:`~mdp.errors.NoServerAvailable`, the remote errors of a server
-        (:class:`~mdp.errors.WorkerError`, ...),
-        :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
-        request (a late reply is dropped).  Frames are bytes or str (UTF-8);
-        anything else raises TypeError at once, no frame ValueError."""
-        body = messages.request_frames(frames)
-        timeout = self.timeout if timeout is None else _positive("timeout", timeout)
-        deadline = self.deadline if deadline is None else _positive("deadline", deadline)
-        if self._closed:
-            return defer.fail(ClientClosed("client is closed"))
-        refusal = self._refusal()
-        if refusal is not None:
-            return defer.fail(refusal)
-        call = _Call(str(next(self._sequence)).encode(), body, self.reactor.seconds(), timeout,
-                     deadline)
-        call.deferred = defer.Deferred(lambda d: self._finish(call))
-        self.pending[call.sequence] = call
-        if deadline is not None:
-            call.deadlineTimer = self.reactor.callLater(deadline, self._expired, call)
-        self._start(call)
-        return call.deferred
-
-    def _refusal(self) -> Optional[Exception]:
+    def refusal(self) -> Optional[Exception]:
         """Why a new request fails at once, if it does."""
+        if self._closed:
+            return ClientClosed("client is closed")
         if not self.endpoints:
             return NoServerAvailable("no Freelance server configured")
         return None
+
+    def newCall(self, body: list[bytes], timeout: float, deadline: Optional[float]) -> _Call:
+        """A request with the next sequence number, starting now."""
+        return _Call(str(next(self._sequence)).encode(), body, self.now, timeout, deadline)
+
+    # --- events ------------------------------------------------------------------
+
+    def handleConnect(self, endpoint: str, now: float) -> list[Action]:
+        """A server to use (already checked)."""
+        self.now = now
+        if endpoint not in self.endpoints:
+            self.endpoints.append(endpoint)
+        self._connected(endpoint)
+        return self._drain()
+
+    def handleRequest(self, call: _Call, now: float) -> list[Action]:
+        """Start *call* (made by :meth:`newCall`; :meth:`refusal` said yes)."""
+        self.now = now
+        self.pending[call.sequence] = call
+        if call.deadline is not None:
+            self._outbox.append(Later(call, DEADLINE, call.deadline))
+        self._start(call)
+        return self._drain()
+
+    def handleReply(self, frames: list[bytes], now: float) -> list[Action]:
+        """A ``[sequence, reply...]`` arrived; stale or unknown ones are dropped."""
+        self.now = now
+        self._reply(frames)
+        return self._drain()
+
+    def handleTimer(self, call: _Call, kind: str, now: float) -> list[Action]:
+        self.now = now
+        if call.state is not RequestState.DONE:
+            if kind == DEADLINE:
+                self._expired(call)
+            else:
+                self._attemptOver(call)
+        return self._drain()
+
+    def handleCancel(self, call: _Call, now: float) -> list[Action]:
+        """The caller cancelled *call*: forget it (a late reply is dropped)."""
+        self.now = now
+        self._finish(call)
+        return self._drain()
+
+    def handleClose(self, now: float) -> list[Action]:
+        """Fail every pending request with ClientClosed."""
+        self.now = now
+        self._closed = True
+        for call in list(self.pending.values()):
+            self._fail(call, ClientClosed("client closed"))
+        return self._drain()
+
+    # --- decisions -----------------------------------------------------------------
+
+    def _connected(self, endpoint: str) -> None:
+        """A model's own work for a new server."""
+
+    def _start(self, call: _Call) -> None:
+        raise NotImplementedError
+
+    def _attemptOver(self, call: _Call) -> None:
+        raise NotImplementedError
 
     def _finish(self, call: _Call) -> bool:
         """*call* is DONE: forget it; False if it already was."""
@@ -429,74 +537,40 @@ class _FreelanceClient:
             return False
         call.state = RequestState.DONE
         del self.pending[call.sequence]
-        cancel_call(call.deadlineTimer)
-        cancel_call(call.attemptTimer)
+        self._outbox.append(Cancel(call, DEADLINE))
+        self._outbox.append(Cancel(call, ATTEMPT))
         return True
 
     def _expired(self, call: _Call) -> None:
         """The deadline, or the last attempt, ran out."""
-        self._fail(call, RequestTimeout(SERVICE, call.attempts,
-                                        self.reactor.seconds() - call.startedAt))
+        self._fail(call, RequestTimeout(SERVICE, call.attempts, self.now - call.startedAt))
 
     def _fail(self, call: _Call, error: Exception) -> None:
         if self._finish(call):
-            call.deferred.errback(error)
+            self._outbox.append(Reject(call, error))
 
     def _reply(self, frames: list[bytes]) -> None:
-        """A ``[sequence, reply...]`` arrived; stale or unknown ones are dropped."""
         if len(frames) < 2:
             return
         call = self.pending.get(frames[0])  # DONE requests are not pending
         if call is not None and self._finish(call):
-            _result(call.deferred, frames[1:])
-
-    def close(self) -> defer.Deferred:
-        """Fail every pending request with :class:`~mdp.errors.ClientClosed`
-        and close the connections."""
-        self._closed = True
-        for call in list(self.pending.values()):
-            self._fail(call, ClientClosed("client closed"))
-        return defer.succeed(None)
-
-    def _start(self, call: _Call) -> None:
-        raise NotImplementedError
+            body = frames[1:]
+            error = remote_error(body)
+            self._outbox.append(Resolve(call, body) if error is None else Reject(call, error))
 
 
-# --- model 1 -----------------------------------------------------------------------
+class SequentialMachine(FreelanceMachine):
+    """Model 1's rules: each server in turn, each attempt on a fresh pipe."""
 
-@implementer(IDealerReceiver)
-class _Pipe:
-    """A connection to one server whose replies go to the client's matcher
-    (model 1: one per attempt; model 2: one per server)."""
-
-    def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
-        self.client = client
-        self.transport = transport.connect(endpoint, self, client.reactor)
-
-    def connectionMade(self) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        self.client._reply(frames)
-
-
-class SequentialClient(_FreelanceClient):
-    """Model 1: try each server in turn, in list order, each attempt on a
-    fresh connection with *timeout* seconds; :class:`RequestTimeout` after
-    every server was tried once, or after *deadline* seconds in all
-    (``None``: no bound beyond the round), whichever comes first."""
-
-    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = SEQUENTIAL_TIMEOUT,
-                 deadline: Optional[float] = SEQUENTIAL_DEADLINE) -> None:
-        self.attempts: dict[bytes, _Pipe] = {}
-        super().__init__(endpoints, reactor, timeout, deadline)
+    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
+        super().__init__(timeout, deadline, now)
+        self.attempts: dict[bytes, str] = {}  # the open pipe of each request, by sequence
 
     def _start(self, call: _Call) -> None:
         call.rotation = EndpointRotation(self.endpoints)
+        self._next(call)
+
+    def _attemptOver(self, call: _Call) -> None:
         self._next(call)
 
     def _next(self, call: _Call) -> None:
@@ -510,14 +584,14 @@ class SequentialClient(_FreelanceClient):
         call.attempts += 1
         call.server = endpoint
         call.state = RequestState.SENT
-        attempt = self.attempts[call.sequence] = _Pipe(self, endpoint)
-        attempt.transport.sendMessage([call.sequence, *call.body])
-        call.attemptTimer = self.reactor.callLater(call.timeout, self._next, call)
+        self.attempts[call.sequence] = endpoint
+        self._outbox.append(OpenPipe(call.sequence, endpoint))
+        self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body]))
+        self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _drop(self, call: _Call) -> None:
-        attempt = self.attempts.pop(call.sequence, None)
-        if attempt is not None:
-            attempt.transport.close()
+        if self.attempts.pop(call.sequence, None) is not None:
+            self._outbox.append(ClosePipe(call.sequence))
 
     def _finish(self, call: _Call) -> bool:
         finished = super()._finish(call)
@@ -525,38 +599,33 @@ class SequentialClient(_FreelanceClient):
         return finished
 
 
-# --- model 2 -----------------------------------------------------------------------
+class ShotgunMachine(FreelanceMachine):
+    """Model 2's rules: one pipe per server, every request to all."""
 
-class ShotgunClient(_FreelanceClient):
-    """Model 2: send every request to all servers; the first reply wins.  The
-    one round is the only attempt: :class:`RequestTimeout` after *timeout*
-    seconds (or *deadline*, if given and shorter)."""
+    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
+        super().__init__(timeout, deadline, now)
+        self.linked: list[str] = []  # servers with a pipe open
 
-    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None) -> None:
-        self.links: dict[str, _Pipe] = {}
-        super().__init__(endpoints, reactor, timeout, deadline)
-
-    def connect(self, endpoint: str) -> None:
-        super().connect(endpoint)
-        if endpoint not in self.links:
-            self.links[endpoint] = _Pipe(self, endpoint)
+    def _connected(self, endpoint: str) -> None:
+        if endpoint not in self.linked:
+            self.linked.append(endpoint)
+            self._outbox.append(OpenPipe(endpoint, endpoint))
 
     def _start(self, call: _Call) -> None:
-        call.attempts = len(self.links)
+        call.attempts = len(self.linked)
         call.state = RequestState.SENT
-        for link in self.links.values():
-            link.transport.sendMessage([call.sequence, *call.body])
-        call.attemptTimer = self.reactor.callLater(call.timeout, self._expired, call)
+        for endpoint in self.linked:
+            self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body]))
+        self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
-    def close(self) -> defer.Deferred:
-        super().close()
-        links, self.links = self.links, {}
-        return defer.DeferredList([link.transport.close() for link in links.values()]).addCallback(
-            lambda _: None)
+    def _attemptOver(self, call: _Call) -> None:
+        self._expired(call)
 
+    def handleClose(self, now: float) -> list[Action]:
+        actions = super().handleClose(now)
+        linked, self.linked = self.linked, []
+        return actions + [ClosePipe(endpoint) for endpoint in linked]
 
-# --- model 3 -----------------------------------------------------------------------
 
 class KnownServer:
     """What the agent knows of one server: its :class:`ServerState` and when
@@ -570,38 +639,23 @@ class KnownServer:
         self.liveness = liveness
 
 
-@implementer(IPeerRouterReceiver)
-class AgentClient(_FreelanceClient):
-    """Model 3, the full agent (see the module docstring): PINGs every server
-    each ``heartbeat.interval`` and counts one silent for ``heartbeat.expiry``
-    as dead; each attempt goes to one live server and has *timeout* seconds;
-    *deadline* bounds the request in all (``None``: until answered or every
-    server is dead)."""
+class AgentMachine(FreelanceMachine):
+    """Model 3's rules (the server table of the module docstring): PING every
+    ``heartbeat.interval`` (:meth:`handleTick`, every ``wakeEvery`` seconds),
+    requests only to ALIVE servers."""
 
-    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
-                 timeout: float = AGENT_TIMEOUT,
-                 deadline: Optional[float] = AGENT_DEADLINE) -> None:
-        reactor = default_reactor(reactor)
+    def __init__(self, heartbeat: HeartbeatPolicy, timeout: float, deadline: Optional[float],
+                 now: float = 0.0) -> None:
         if not isinstance(heartbeat, HeartbeatPolicy):
             raise TypeError(f"heartbeat is a HeartbeatPolicy, not {type(heartbeat).__name__}")
+        super().__init__(timeout, deadline, now)
         self.heartbeat = heartbeat
         self.servers: OrderedDict[str, KnownServer] = OrderedDict()
         self.waiting: list[_Call] = []  # WAITING requests, oldest first
-        self.router = transport.connect_peers(self, reactor)
-        self._ticker = task.LoopingCall(self.tick)
-        self._ticker.clock = reactor
-        super().__init__(endpoints, reactor, timeout, deadline)
-        self._ticker.start(heartbeat.interval, now=False)
 
-    def connect(self, endpoint: str) -> None:
-        """Add a server at runtime; it is used once it answers a PING."""
-        super().connect(endpoint)
-        if endpoint not in self.servers:
-            now = self.reactor.seconds()
-            server = self.servers[endpoint] = KnownServer(endpoint, Liveness(self.heartbeat, now))
-            self.router.connect(endpoint)
-            self._ping(server, now)
+    @property
+    def wakeEvery(self) -> float:
+        return self.heartbeat.interval
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""
@@ -611,11 +665,50 @@ class AgentClient(_FreelanceClient):
         return bool(self.servers) and all(s.state is ServerState.DEAD
                                           for s in self.servers.values())
 
-    def _ping(self, server: KnownServer, now: float) -> None:
-        self.router.sendMessage(server.endpoint, [PING])
-        server.liveness.sent(now)
+    def refusal(self) -> Optional[Exception]:
+        if not self._closed and self._allDead():
+            return NoServerAvailable(
+                f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
+        return super().refusal()
 
-    # --- server transitions
+    # --- events
+    def handleMessage(self, endpoint: str, frames: list[bytes], now: float) -> list[Action]:
+        """A PONG or a reply from the server at *endpoint*: it is ALIVE."""
+        self.now = now
+        server = self.servers.get(endpoint)
+        if server is not None:
+            server.liveness.heard(now)
+            self._becomes(server, ServerState.ALIVE)
+            if frames != [PONG]:
+                self._reply(frames)
+        return self._drain()
+
+    def handleTick(self, now: float) -> list[Action]:
+        """Every ``heartbeat.interval``: servers silent for longer than
+        ``heartbeat.expiry`` become DEAD; PING every server; if every one is
+        DEAD, fail what is pending with NoServerAvailable."""
+        self.now = now
+        for server in list(self.servers.values()):
+            if server.state is not ServerState.DEAD and server.liveness.dead(now):
+                self._becomes(server, ServerState.DEAD)
+            self._ping(server)
+        if self._allDead():
+            for call in list(self.pending.values()):
+                self._fail(call, NoServerAvailable("every Freelance server is dead"))
+        return self._drain()
+
+    # --- decisions
+    def _connected(self, endpoint: str) -> None:
+        if endpoint not in self.servers:
+            server = self.servers[endpoint] = KnownServer(endpoint,
+                                                          Liveness(self.heartbeat, self.now))
+            self._outbox.append(ConnectPeer(endpoint))
+            self._ping(server)
+
+    def _ping(self, server: KnownServer) -> None:
+        self._outbox.append(SendPeer(server.endpoint, [PING]))
+        server.liveness.sent(self.now)
+
     def _becomes(self, server: KnownServer, state: ServerState) -> None:
         """Move *server* to *state* and do what that entails."""
         if server.state is state:
@@ -632,20 +725,13 @@ class AgentClient(_FreelanceClient):
                 if call.state is RequestState.SENT and call.server == server.endpoint:
                     self._send(call)  # do not wait for its attempt to time out
 
-    # --- request transitions
-    def _refusal(self) -> Optional[Exception]:
-        if self._allDead():
-            return NoServerAvailable(
-                f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
-        return super()._refusal()
-
     def _start(self, call: _Call) -> None:
         self._send(call)
 
     def _send(self, call: _Call) -> None:
         """Send *call* to the first live server it has not tried this round
         (all tried: a new round, from the first live one); none: WAITING."""
-        cancel_call(call.attemptTimer)
+        self._outbox.append(Cancel(call, ATTEMPT))
         live = self.live()
         if not live:
             call.state = RequestState.WAITING
@@ -659,13 +745,12 @@ class AgentClient(_FreelanceClient):
         call.server = endpoint
         call.attempts += 1
         call.state = RequestState.SENT
-        self.router.sendMessage(endpoint, [call.sequence, *call.body])
-        call.attemptTimer = self.reactor.callLater(call.timeout, self._retry, call)
+        self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body]))
+        self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
-    def _retry(self, call: _Call) -> None:
+    def _attemptOver(self, call: _Call) -> None:
         """An attempt went unanswered: its server, if ALIVE, becomes SUSPECT
         (no new requests until it speaks again); try another."""
-        call.attemptTimer = None
         server = self.servers.get(call.server or "")
         if server is not None and server.state is ServerState.ALIVE:
             self._becomes(server, ServerState.SUSPECT)
@@ -676,30 +761,174 @@ class AgentClient(_FreelanceClient):
             self.waiting.remove(call)
         return super()._finish(call)
 
-    # --- events: IPeerRouterReceiver
-    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:  # type: ignore[override]
-        """A PONG or a reply from the server at *endpoint*: it is ALIVE."""
-        server = self.servers.get(endpoint)
-        if server is None:
-            return
-        server.liveness.heard(self.reactor.seconds())
-        self._becomes(server, ServerState.ALIVE)
-        if frames != [PONG]:
-            self._reply(frames)
 
-    # --- events: time
+# --- the drivers ---------------------------------------------------------------------
+
+@implementer(IDealerReceiver)
+class _Pipe:
+    """A connection to one server whose replies go to the client's machine
+    (model 1: one per attempt; model 2: one per server)."""
+
+    def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
+        self.client = client
+        self.transport = transport.connect(endpoint, self, client.reactor)
+
+    def connectionMade(self) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        client = self.client
+        client._perform(client.handleReply(frames, client.reactor.seconds()))
+
+
+class _FreelanceClient(FreelanceMachine):
+    """The driver the three models share: it owns the Deferreds, the timers
+    of each request and the connections, and does what the machine asks."""
+
+    reactor: Any
+    router: Any = None
+
+    def _drive(self, reactor: Optional[Any], endpoints: Union[str, Sequence[str]]) -> None:
+        self.reactor = default_reactor(reactor)
+        self.now = self.reactor.seconds()
+        self.pipes: dict[Any, _Pipe] = {}
+        self._timers: dict[tuple[bytes, str], Any] = {}
+        for endpoint in transport.endpoint_list(endpoints, empty=True):  # all checked before any is used
+            self.connect(endpoint)
+
+    def connect(self, endpoint: str) -> None:
+        """Add a server (:class:`~mdp.errors.TransportError` at once for a
+        malformed endpoint)."""
+        transport.check(endpoint, transport.CONNECT)
+        self._perform(self.handleConnect(endpoint, self.reactor.seconds()))
+
+    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
+                deadline: Optional[float] = None) -> defer.Deferred:
+        """Send a request; the Deferred fires with the reply body frames.
+
+        *timeout* (seconds one attempt may take) and *deadline* (seconds the
+        whole request may take) override the client's own for this request.
+        Errors: :class:`~mdp.errors.RequestTimeout`,
+        :class:`~mdp.errors.NoServerAvailable`, the remote errors of a server
+        (:class:`~mdp.errors.WorkerError`, ...),
+        :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
+        request (a late reply is dropped).  Frames are bytes or str (UTF-8);
+        anything else raises TypeError at once, no frame ValueError."""
+        body = messages.request_frames(frames)
+        timeout = self.timeout if timeout is None else _positive("timeout", timeout)
+        deadline = self.deadline if deadline is None else _positive("deadline", deadline)
+        refusal = self.refusal()
+        if refusal is not None:
+            return defer.fail(refusal)
+        now = self.now = self.reactor.seconds()
+        call = self.newCall(body, timeout, deadline)
+        call.deferred = defer.Deferred(
+            lambda d: self._perform(self.handleCancel(call, self.reactor.seconds())))
+        self._perform(self.handleRequest(call, now))
+        return call.deferred
+
+    def close(self) -> defer.Deferred:
+        """Fail every pending request with :class:`~mdp.errors.ClientClosed`
+        and close the connections."""
+        closing = self._perform(self.handleClose(self.reactor.seconds()))
+        return defer.DeferredList(closing).addCallback(lambda _: None)
+
+    def _fire(self, call: _Call, kind: str) -> None:
+        self._timers.pop((call.sequence, kind), None)
+        self._perform(self.handleTimer(call, kind, self.reactor.seconds()))
+
+    def _perform(self, actions: list[Action]) -> list[defer.Deferred]:
+        """Do what the machine asked, in order; returns the closings of the
+        pipes it closed."""
+        closing = []
+        for action in actions:
+            kind = type(action)
+            if kind is Later:
+                key = (action.call.sequence, action.kind)
+                cancel_call(self._timers.get(key))
+                self._timers[key] = self.reactor.callLater(action.delay, self._fire,
+                                                           action.call, action.kind)
+            elif kind is Cancel:
+                cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
+            elif kind is SendPeer:
+                self.router.sendMessage(action.endpoint, action.frames)
+            elif kind is SendPipe:
+                pipe = self.pipes.get(action.key)
+                if pipe is not None:
+                    pipe.transport.sendMessage(action.frames)
+            elif kind is Resolve:
+                action.call.deferred.callback(action.frames)
+            elif kind is Reject:
+                action.call.deferred.errback(action.error)
+            elif kind is OpenPipe:
+                self.pipes[action.key] = _Pipe(self, action.endpoint)
+            elif kind is ClosePipe:
+                pipe = self.pipes.pop(action.key, None)
+                if pipe is not None:
+                    closing.append(pipe.transport.close())
+            elif kind is ConnectPeer:
+                self.router.connect(action.endpoint)
+        return closing
+
+
+class SequentialClient(_FreelanceClient, SequentialMachine):
+    """Model 1: try each server in turn, in list order, each attempt on a
+    fresh connection with *timeout* seconds; :class:`RequestTimeout` after
+    every server was tried once, or after *deadline* seconds in all
+    (``None``: no bound beyond the round), whichever comes first."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 *, timeout: float = SEQUENTIAL_TIMEOUT,
+                 deadline: Optional[float] = SEQUENTIAL_DEADLINE) -> None:
+        SequentialMachine.__init__(self, timeout, deadline)
+        self._drive(reactor, endpoints)
+
+
+class ShotgunClient(_FreelanceClient, ShotgunMachine):
+    """Model 2: send every request to all servers; the first reply wins.  The
+    one round is the only attempt: :class:`RequestTimeout` after *timeout*
+    seconds (or *deadline*, if given and shorter)."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None) -> None:
+        ShotgunMachine.__init__(self, timeout, deadline)
+        self._drive(reactor, endpoints)
+
+    @property
+    def links(self) -> dict[str, _Pipe]:
+        """The connection to each server."""
+        return dict(self.pipes)
+
+
+@implementer(IPeerRouterReceiver)
+class AgentClient(_FreelanceClient, AgentMachine):
+    """Model 3, the full agent (see the module docstring): PINGs every server
+    each ``heartbeat.interval`` and counts one silent for ``heartbeat.expiry``
+    as dead; each attempt goes to one live server and has *timeout* seconds;
+    *deadline* bounds the request in all (``None``: until answered or every
+    server is dead)."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
+                 timeout: float = AGENT_TIMEOUT,
+                 deadline: Optional[float] = AGENT_DEADLINE) -> None:
+        AgentMachine.__init__(self, heartbeat, timeout, deadline)
+        reactor = default_reactor(reactor)
+        self.router = transport.connect_peers(self, reactor)
+        self._ticker = task.LoopingCall(self.tick)
+        self._ticker.clock = reactor
+        self._drive(reactor, endpoints)
+        self._ticker.start(heartbeat.interval, now=False)
+
+    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:  # type: ignore[override]
+        """A PONG or a reply from the server at *endpoint*."""
+        self._perform(self.handleMessage(endpoint, frames, self.reactor.seconds()))
+
     def tick(self) -> None:
-        """Every ``heartbeat.interval``: servers silent for longer than
-        ``heartbeat.expiry`` become DEAD; PING every server; if every one is
-        DEAD, fail what is pending with NoServerAvailable."""
-        now = self.reactor.seconds()
-        for server in list(self.servers.values()):
-            if server.state is not ServerState.DEAD and server.liveness.dead(now):
-                self._becomes(server, ServerState.DEAD)
-            self._ping(server, now)
-        if self._allDead():
-            for call in list(self.pending.values()):
-                self._fail(call, NoServerAvailable("every Freelance server is dead"))
+        self._perform(self.handleTick(self.reactor.seconds()))
 
     def close(self) -> defer.Deferred:
         super().close()

@@ -444,3 +444,63 @@ def test_agent_close_fails_pending_requests_and_stops_pinging(connected: Script)
     outcome.error(ClientClosed)
     assert connected.nextWake() is None
     assert connected.feed(Lost(f"{a}#1"), Elapse(5.0)) == []
+
+
+# --- the client machines alone: no reactor, no Clock, no transport ----------------------
+
+def test_sequential_machine_is_a_function_of_events_and_their_times() -> None:
+    from mdp.freelance import (
+        ATTEMPT,
+        DEADLINE,
+        Cancel,
+        ClosePipe,
+        Later,
+        OpenPipe,
+        Reject,
+        Resolve,
+        SendPipe,
+        SequentialMachine,
+    )
+
+    machine = SequentialMachine(timeout=1.0, deadline=30.0)
+    machine.handleConnect("a", now=0.0)
+    machine.handleConnect("b", now=0.0)
+    call = machine.newCall([b"hi"], 1.0, 30.0)
+    assert machine.handleRequest(call, now=0.0) == [
+        Later(call, DEADLINE, 30.0), OpenPipe(b"1", "a"), SendPipe(b"1", [b"1", b"hi"]),
+        Later(call, ATTEMPT, 1.0)]
+    # "a" is silent for the attempt: a fresh pipe to "b"
+    assert machine.handleTimer(call, ATTEMPT, now=1.0) == [
+        ClosePipe(b"1"), OpenPipe(b"1", "b"), SendPipe(b"1", [b"1", b"hi"]),
+        Later(call, ATTEMPT, 1.0)]
+    assert machine.handleReply([b"1", b"HI"], now=1.5) == [
+        Cancel(call, DEADLINE), Cancel(call, ATTEMPT), ClosePipe(b"1"), Resolve(call, [b"HI"])]
+    assert machine.handleReply([b"1", b"again"], now=1.6) == []  # late: dropped
+    # every server silent: RequestTimeout after the round
+    other = machine.newCall([b"x"], 1.0, 30.0)
+    machine.handleRequest(other, now=2.0)
+    machine.handleTimer(other, ATTEMPT, now=3.0)
+    *_, failed = machine.handleTimer(other, ATTEMPT, now=4.0)
+    assert isinstance(failed, Reject) and isinstance(failed.error, RequestTimeout)
+
+
+def test_agent_machine_is_a_function_of_events_and_their_times() -> None:
+    from mdp.freelance import ATTEMPT, AgentMachine, ConnectPeer, Later, SendPeer
+
+    machine = AgentMachine(HeartbeatPolicy(1.0, 3), timeout=1.0, deadline=None)
+    assert machine.wakeEvery == 1.0
+    assert machine.handleConnect("a", now=0.0) == [ConnectPeer("a"), SendPeer("a", [PING])]
+    call = machine.newCall([b"hi"], 1.0, None)
+    actions = machine.handleRequest(call, now=0.1)
+    assert call.state is RequestState.WAITING and machine.waiting == [call]
+    # the PONG makes "a" ALIVE, and the waiting request goes to it
+    actions = machine.handleMessage("a", [PONG], now=0.2)
+    assert SendPeer("a", [b"1", b"hi"]) in actions and Later(call, ATTEMPT, 1.0) in actions
+    assert machine.live() == ["a"]
+    # silent past 3 s: DEAD at the tick, and what is pending fails
+    machine.handleTick(now=1.0)
+    actions = machine.handleTick(now=4.0)
+    assert machine.servers["a"].state is ServerState.DEAD
+    assert [type(a).__name__ for a in actions][-1] == "Reject"
+    assert isinstance(actions[-1].error, NoServerAvailable)
+    assert isinstance(machine.refusal(), NoServerAvailable)
