@@ -138,6 +138,7 @@ from mdp.errors import (
 )
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.machine import Machine
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
     EndpointRotation,
@@ -440,25 +441,20 @@ class Reject:
 Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
 
 
-class FreelanceMachine:
+class FreelanceMachine(Machine):
     """What the three models decide alike (sequence numbers, pending
     requests, the deadline, replies, close), with no reactor, no transport and
     no Deferred: ``handle*`` events with their time in, actions out.  The
     models add their own rules; each client class drives its machine."""
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
+        super().__init__(now)
         self.timeout = _positive("timeout", timeout)
         self.deadline = None if deadline is None else _positive("deadline", deadline)
-        self.now = now
         self.endpoints: list[str] = []
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
         self._closed = False
-        self._outbox: list[Action] = []
-
-    def _drain(self) -> list[Action]:
-        actions, self._outbox = self._outbox, []
-        return actions
 
     def refusal(self) -> Optional[Exception]:
         """Why a new request fails at once, if it does."""

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "mdp"
 
-GROUND = {"mdp.interfaces", "mdp.errors", "mdp.policy", "mdp.handlers", "mdp.messages"}
+GROUND = {"mdp.interfaces", "mdp.errors", "mdp.policy", "mdp.handlers", "mdp.messages", "mdp.machine"}
 #: modules that may import from every layer below them
 ENTRY = ("mdp.app", "mdp.spark", "mdp.testing", "mdp")
 

@@ -114,6 +114,7 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
+from mdp.machine import Machine
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.codec import (
     ClientFinal,
@@ -423,7 +424,7 @@ class DropPeer:
 Action = Any  # Send | DropPeer
 
 
-class BrokerMachine:
+class BrokerMachine(Machine):
     """The broker's decisions, and nothing else: no reactor, no transport, no
     Deferred.  Feed it events with the time they happen
     (:meth:`handleMessage`, :meth:`handlePeerGone`, :meth:`handleTick`, the
@@ -451,6 +452,7 @@ class BrokerMachine:
     ) -> None:
         if maxDeliveries < 1:
             raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
+        super().__init__(now)
         self.heartbeat = heartbeat
         self.requestExpiry = requestExpiry
         self.serviceLinger = serviceLinger
@@ -462,10 +464,7 @@ class BrokerMachine:
         self.maxServiceWorkers = maxServiceWorkers
         self.maxDeliveries = maxDeliveries
         self.limits = limits
-        #: the time of the event being handled (the last one, between events)
-        self.now = now
         self.throttle = LogThrottle(self)
-        self._outbox: list[Action] = []
         self._ledger = QueueLedger()
         self._assignments = itertools.count(1)
         #: services whose last worker left, by when (checked for linger's end)
@@ -479,17 +478,6 @@ class BrokerMachine:
     def wakeEvery(self) -> float:
         """How often :meth:`handleTick` wants to run: one heartbeat interval."""
         return self.heartbeat.interval
-
-    def seconds(self) -> float:
-        """The machine's clock (for its log throttle): the current event's time."""
-        return self.now
-
-    def _emit(self, action: Action) -> None:
-        self._outbox.append(action)
-
-    def _drain(self) -> list[Action]:
-        actions, self._outbox = self._outbox, []
-        return actions
 
     def handleMessage(self, key: PeerKey, frames: list[bytes], now: float) -> list[Action]:
         """A message from peer *key* at time *now*."""

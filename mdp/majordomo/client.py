@@ -144,6 +144,7 @@ from mdp.errors import (
     StreamRestarted,
 )
 from mdp.interfaces import IClient, IDealerReceiver
+from mdp.machine import Machine
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import remote_error, request_frames
@@ -317,7 +318,7 @@ class WakeAt:
 Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail | WakeAt
 
 
-class ClientMachine:
+class ClientMachine(Machine):
     """The client's decisions (the tables in the module docstring), and
     nothing else: no reactor, no transport, no Deferred.  Feed it events
     with their time; each ``handle*`` returns the actions it wants done, in
@@ -325,12 +326,11 @@ class ClientMachine:
 
     def __init__(self, endpoints: list[str], *, maxConnections: int, dialect: str,
                  now: float = 0.0) -> None:
+        super().__init__(now)
         self._rotation = EndpointRotation(endpoints)
         self.maxConnections = maxConnections
         self.dialect = dialect
-        self.now = now
         self._throttle = LogThrottle(self)
-        self._outbox: list[Action] = []
         self._idle: list[_Channel] = []
         self._channels: set[_Channel] = set()
         self._waiting: deque[_Call] = deque()
@@ -351,14 +351,6 @@ class ClientMachine:
     def endpoint(self) -> str:
         """The broker endpoint new connections go to."""
         return self._rotation.current
-
-    def seconds(self) -> float:
-        """The machine's clock (for its log throttle): the current event's time."""
-        return self.now
-
-    def _drain(self) -> list[Action]:
-        actions, self._outbox = self._outbox, []
-        return actions
 
     # --- events ----------------------------------------------------------------
 

@@ -88,6 +88,7 @@ from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
+from mdp.machine import Machine
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
 from mdp.policy import (
@@ -190,7 +191,7 @@ class StoreReply:
 Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
 
 
-class WorkerMachine:
+class WorkerMachine(Machine):
     """The worker's decisions (the table in the module docstring), and
     nothing else: no reactor, no transport, no Deferred, no handler.  Feed it
     events with their time; each ``handle*`` returns the actions it wants done,
@@ -207,14 +208,13 @@ class WorkerMachine:
         limits: Limits = Limits(),
         now: float = 0.0,
     ) -> None:
+        super().__init__(now)
         self._rotation = EndpointRotation(endpoints)
         self.service = service
         self.heartbeat = heartbeat
         self.backoff = backoff
         self.dialect = codec.check_dialect(dialect)
         self.limits = limits
-        #: the time of the event being handled (the last one, between events)
-        self.now = now
         self.throttle = LogThrottle(self)
         self.state = STOPPED
         #: when the broker was last heard from and last sent to
@@ -223,7 +223,6 @@ class WorkerMachine:
         self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
         self.current: Optional[bytes] = None  # client address being served
         self.generation = 0  # bumped on every new or lost pipe; stale replies are dropped
-        self._outbox: list[Action] = []
 
     @property
     def endpoints(self) -> list[str]:
@@ -244,14 +243,6 @@ class WorkerMachine:
     def wakeEvery(self) -> float:
         """How often :meth:`handleTick` wants to run: one heartbeat interval."""
         return self.heartbeat.interval
-
-    def seconds(self) -> float:
-        """The machine's clock (for its log throttle): the current event's time."""
-        return self.now
-
-    def _drain(self) -> list[Action]:
-        actions, self._outbox = self._outbox, []
-        return actions
 
     def isCurrent(self, job: _Job) -> bool:
         """*job* may still be answered: its pipe lives and it is the request
