@@ -121,3 +121,9 @@ class NoServerAvailable(MDPError):
 class MDPSparkError(MDPError):
     """A Spark task's call through MDP failed; the message names the broker
     and the service."""
+
+
+class StoreError(MDPError):
+    """A store (Titanic's requests and replies) cannot be opened or used: a
+    damaged or unreadable file, named in the message.  Never ignored: a store
+    that refuses to open stops its service."""

@@ -156,6 +156,12 @@ def _script_pipe() -> Any:
     return _Pipe(Script(), "script:x/y", "script:x/y#1", _Receiver())
 
 
+def _sqlite_store() -> Any:
+    from mdp.titanic.store import SQLiteStore
+
+    return SQLiteStore(":memory:", _clock())
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -196,6 +202,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.peers.PeerRouter": _peer_router,
     "mdp.testing._Router": _script_router,
     "mdp.testing._Pipe": _script_pipe,
+    "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
+    "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),
     "mdp.app.tap.WorkerServiceMaker": _maker("WorkerServiceMaker"),
     "mdp.app.tap.FreelanceServerServiceMaker": _maker("FreelanceServerServiceMaker"),

@@ -1,0 +1,259 @@
+"""Where Titanic keeps requests and replies: the store interface and two stores.
+
+* :class:`SQLiteStore` (the default): stdlib :mod:`sqlite3` in WAL mode with
+  ``synchronous=FULL``, so a request is on disk (its WAL frame fsynced) when
+  :meth:`~ITitanicStore.add` fires, and survives a killed process or a power
+  loss.  All database work runs on one writer thread of its own, so the
+  reactor never waits on the disk.  A file that is not a database, or fails
+  SQLite's ``quick_check``, refuses to open with :class:`~mdp.errors.StoreError`
+  naming the file: never silent loss.
+* :class:`MemoryStore`: the Guide's "faster and less reliable" mode; gone with
+  the process.
+
+Frames are kept as one blob each for the request and the reply, in the stream
+transport's record form (:func:`mdp.transport.framing.encode_record`).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sqlite3
+import uuid
+from collections import OrderedDict
+from typing import Any, Optional
+
+import attrs
+from twisted.internet import defer, threads
+from twisted.python.threadpool import ThreadPool
+from zope.interface import Interface, implementer
+
+from mdp.errors import StoreError
+from mdp.policy import default_reactor
+from mdp.transport.framing import decode_record, encode_record
+
+
+class ReplyStatus(enum.Enum):
+    """What the store knows of a request's reply."""
+
+    #: the reply is stored
+    DONE = "done"
+    #: the request is stored, its reply not yet
+    PENDING = "pending"
+    #: no such request (never stored, or closed)
+    UNKNOWN = "unknown"
+
+
+@attrs.frozen
+class StoredRequest:
+    """A request waiting for its reply, as the dispatcher reads it back."""
+
+    id: str
+    service: bytes
+    frames: list[bytes]
+    created: float
+
+
+class ITitanicStore(Interface):
+    """Durable (or not) storage of requests and replies.  Every method returns
+    a Deferred; each fires once the change is committed."""
+
+    def open():
+        """Open (and check) the storage; fails with StoreError if unusable."""
+
+    def add(service: bytes, frames: list[bytes], now: float):
+        """Store a request; fires with its id (RFC 4122 text) once committed."""
+
+    def pending(limit: int):
+        """Up to *limit* requests without a reply, oldest first."""
+
+    def complete(requestId: str, reply: list[bytes], now: float):
+        """Store the reply of a request (ignored if it was closed meanwhile)."""
+
+    def reply(requestId: str):
+        """``(ReplyStatus, frames)``: the reply if DONE, else an empty list."""
+
+    def forget(requestId: str):
+        """Drop a request and its reply (idempotent)."""
+
+    def purge(before: float):
+        """Drop replies completed before *before*; fires with how many."""
+
+    def close():
+        """Release the storage."""
+
+
+def new_id() -> str:
+    """A fresh request id: an RFC 4122 UUID (version 4) as text."""
+    return str(uuid.uuid4())
+
+
+@implementer(ITitanicStore)
+class MemoryStore:
+    """Everything in memory: fast, and lost with the process."""
+
+    def __init__(self) -> None:
+        #: id -> [service, frames, created, reply or None, completed]
+        self._entries: OrderedDict[str, list[Any]] = OrderedDict()
+
+    def open(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+    def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
+        requestId = new_id()
+        self._entries[requestId] = [bytes(service), list(frames), now, None, None]
+        return defer.succeed(requestId)
+
+    def pending(self, limit: int) -> defer.Deferred[list[StoredRequest]]:
+        found: list[StoredRequest] = []
+        for requestId, (service, frames, created, reply, _) in self._entries.items():
+            if len(found) >= limit:
+                break
+            if reply is None:
+                found.append(StoredRequest(requestId, service, list(frames), created))
+        return defer.succeed(found)
+
+    def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
+        entry = self._entries.get(requestId)
+        if entry is not None and entry[3] is None:
+            entry[3], entry[4] = list(reply), now
+        return defer.succeed(None)
+
+    def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
+        entry = self._entries.get(requestId)
+        if entry is None:
+            return defer.succeed((ReplyStatus.UNKNOWN, []))
+        if entry[3] is None:
+            return defer.succeed((ReplyStatus.PENDING, []))
+        return defer.succeed((ReplyStatus.DONE, list(entry[3])))
+
+    def forget(self, requestId: str) -> defer.Deferred[None]:
+        self._entries.pop(requestId, None)
+        return defer.succeed(None)
+
+    def purge(self, before: float) -> defer.Deferred[int]:
+        old = [k for k, e in self._entries.items() if e[4] is not None and e[4] < before]
+        for requestId in old:
+            del self._entries[requestId]
+        return defer.succeed(len(old))
+
+    def close(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
+    id        TEXT NOT NULL UNIQUE,
+    service   BLOB NOT NULL,
+    request   BLOB NOT NULL,
+    created   REAL NOT NULL,
+    reply     BLOB,
+    completed REAL
+);
+CREATE INDEX IF NOT EXISTS requests_pending ON requests (seq) WHERE reply IS NULL;
+CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
+"""
+
+
+@implementer(ITitanicStore)
+class SQLiteStore:
+    """Requests and replies in one SQLite file (see the module docstring for
+    what "committed" means).  *path* ``":memory:"`` gives a database that
+    lives as long as the store (tests)."""
+
+    def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
+        self.path = path
+        self.reactor = default_reactor(reactor)
+        self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {path}")
+        self._db: Optional[sqlite3.Connection] = None
+
+    def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
+        return threads.deferToThreadPool(self.reactor, self._pool, work, *args)
+
+    # --- on the writer thread -------------------------------------------------------
+
+    def _connect(self) -> None:
+        if self.path != ":memory:" and os.path.exists(self.path) and not os.path.isfile(self.path):
+            raise StoreError(f"Titanic store {self.path}: not a file")
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            check = db.execute("PRAGMA quick_check").fetchone()
+            if not check or check[0] != "ok":
+                db.close()
+                raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
+            if self.path != ":memory:":
+                mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if mode.lower() != "wal":
+                    raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(_SCHEMA)
+        except sqlite3.Error as e:
+            raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
+        self._db = db
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+        assert self._db is not None
+        with self._db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
+            return self._db.execute(sql, args).rowcount
+
+    def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        assert self._db is not None
+        return self._db.execute(sql, args).fetchall()
+
+    # --- ITitanicStore ----------------------------------------------------------------
+
+    def open(self) -> defer.Deferred[None]:
+        self._pool.start()
+        self.reactor.addSystemEventTrigger("during", "shutdown", self._stopPool)
+        return self._run(self._connect)
+
+    def _stopPool(self) -> None:
+        if self._pool.started:
+            self._pool.stop()
+
+    def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
+        requestId = new_id()
+        d = self._run(self._write, "INSERT INTO requests (id, service, request, created) "
+                      "VALUES (?, ?, ?, ?)", (requestId, bytes(service), encode_record(frames), now))
+        return d.addCallback(lambda _: requestId)
+
+    def pending(self, limit: int) -> defer.Deferred[list[StoredRequest]]:
+        d = self._run(self._read, "SELECT id, service, request, created FROM requests "
+                      "WHERE reply IS NULL ORDER BY seq LIMIT ?", (limit,))
+        return d.addCallback(lambda rows: [
+            StoredRequest(r[0], bytes(r[1]), decode_record(r[2][4:]), r[3]) for r in rows])
+
+    def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
+        return self._run(self._write, "UPDATE requests SET reply = ?, completed = ? "
+                         "WHERE id = ? AND reply IS NULL",
+                         (encode_record(reply), now, requestId)).addCallback(lambda _: None)
+
+    def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
+        def status(rows: list[tuple[Any, ...]]) -> tuple[ReplyStatus, list[bytes]]:
+            if not rows:
+                return ReplyStatus.UNKNOWN, []
+            if rows[0][0] is None:
+                return ReplyStatus.PENDING, []
+            return ReplyStatus.DONE, decode_record(rows[0][0][4:])
+
+        return self._run(self._read, "SELECT reply FROM requests WHERE id = ?",
+                         (requestId,)).addCallback(status)
+
+    def forget(self, requestId: str) -> defer.Deferred[None]:
+        return self._run(self._write, "DELETE FROM requests WHERE id = ?",
+                         (requestId,)).addCallback(lambda _: None)
+
+    def purge(self, before: float) -> defer.Deferred[int]:
+        return self._run(self._write, "DELETE FROM requests WHERE reply IS NOT NULL "
+                         "AND completed < ?", (before,))
+
+    def close(self) -> defer.Deferred[None]:
+        def shut() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        if not self._pool.started:
+            return defer.succeed(None)
+        return self._run(shut).addBoth(lambda result: (self._stopPool(), result)[1])

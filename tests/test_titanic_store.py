@@ -1,0 +1,102 @@
+"""Titanic's stores: the same contract in memory and in SQLite; SQLite keeps
+what it acknowledged across a restart and refuses a damaged file."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import pytest_twisted
+
+from mdp.errors import StoreError
+from mdp.titanic.store import MemoryStore, ReplyStatus, SQLiteStore
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+@pytest_twisted.async_yield_fixture(params=["memory", "sqlite"])
+async def store(request: Any, tmp_path: Any) -> Any:
+    s = MemoryStore() if request.param == "memory" else SQLiteStore(str(tmp_path / "t.db"), reactor())
+    await s.open()
+    yield s
+    await s.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_request_is_pending_until_its_reply_then_done(store: Any) -> None:
+    first = await store.add(b"echo", [b"a", b""], 1.0)
+    second = await store.add(b"upper", [b"b"], 2.0)
+    assert str(uuid.UUID(first)) == first and first != second
+    pending = await store.pending(10)
+    assert [(p.id, p.service, p.frames) for p in pending] == [
+        (first, b"echo", [b"a", b""]), (second, b"upper", [b"b"])]  # oldest first
+    assert await store.reply(first) == (ReplyStatus.PENDING, [])
+    await store.complete(first, [b"A", b""], 3.0)
+    assert await store.reply(first) == (ReplyStatus.DONE, [b"A", b""])
+    assert [p.id for p in await store.pending(10)] == [second]
+    assert [p.id for p in await store.pending(0)] == []
+    await store.complete(first, [b"again"], 4.0)  # a second reply changes nothing
+    assert await store.reply(first) == (ReplyStatus.DONE, [b"A", b""])
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_forget_is_idempotent_and_unknown_ids_are_unknown(store: Any) -> None:
+    requestId = await store.add(b"echo", [b"x"], 1.0)
+    await store.forget(requestId)
+    await store.forget(requestId)
+    assert await store.reply(requestId) == (ReplyStatus.UNKNOWN, [])
+    assert await store.reply(str(uuid.uuid4())) == (ReplyStatus.UNKNOWN, [])
+    await store.complete(requestId, [b"late"], 2.0)  # closed meanwhile: ignored
+    assert await store.reply(requestId) == (ReplyStatus.UNKNOWN, [])
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_purge_drops_replies_completed_before_a_time_only(store: Any) -> None:
+    old = await store.add(b"s", [b"1"], 0.0)
+    recent = await store.add(b"s", [b"2"], 0.0)
+    waiting = await store.add(b"s", [b"3"], 0.0)
+    await store.complete(old, [b"r"], 10.0)
+    await store.complete(recent, [b"r"], 20.0)
+    assert await store.purge(15.0) == 1
+    assert (await store.reply(old))[0] is ReplyStatus.UNKNOWN
+    assert (await store.reply(recent))[0] is ReplyStatus.DONE
+    assert (await store.reply(waiting))[0] is ReplyStatus.PENDING
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_sqlite_keeps_what_it_acknowledged_across_a_restart(tmp_path: Any) -> None:
+    path = str(tmp_path / "titanic.db")
+    first = SQLiteStore(path, reactor())
+    await first.open()
+    requestId = await first.add(b"echo", [b"kept"], 1.0)
+    done = await first.add(b"echo", [b"answered"], 2.0)
+    await first.complete(done, [b"ANSWERED"], 3.0)
+    await first.close()
+    again = SQLiteStore(path, reactor())
+    await again.open()
+    try:
+        assert [(p.id, p.frames) for p in await again.pending(10)] == [(requestId, [b"kept"])]
+        assert await again.reply(done) == (ReplyStatus.DONE, [b"ANSWERED"])
+    finally:
+        await again.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_sqlite_refuses_a_file_that_is_not_a_database(tmp_path: Any) -> None:
+    path = tmp_path / "titanic.db"
+    path.write_bytes(b"this is not a database, and never was " * 200)
+    broken = SQLiteStore(str(path), reactor())
+    with pytest.raises(StoreError, match=str(path)):
+        await broken.open()
+    await broken.close()
+    assert path.read_bytes().startswith(b"this is not a database")  # left as it was
