@@ -1,0 +1,78 @@
+"""The Titanic Service Protocol (ZeroMQ RFC 9) as pure functions: no I/O.
+
+Three MDP services, each answered with a status frame first:
+
+=====================  ===========================  ==========================================
+service                request body                 reply
+=====================  ===========================  ==========================================
+``titanic.request``    service name, frame, ...     ``200`` + request id, once it is stored
+``titanic.reply``      request id                   ``200`` + the reply frames; ``300`` while
+                                                    pending; ``400`` unknown or closed id
+``titanic.close``      request id                   ``200`` (also for an unknown id)
+=====================  ===========================  ==========================================
+
+A request id is an RFC 4122 UUID as text (``8-4-4-4-12`` hex digits).  A
+malformed body (no service name, an empty or non-ASCII one, no request frame,
+an id that is not a UUID, extra frames) is answered ``500`` + a message
+frame saying what is wrong; a store that fails is answered ``500`` too.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Sequence
+
+from mdp.errors import ProtocolError
+
+REQUEST = b"titanic.request"
+REPLY = b"titanic.reply"
+CLOSE = b"titanic.close"
+SERVICES = (REQUEST, REPLY, CLOSE)
+
+OK = b"200"
+PENDING = b"300"
+UNKNOWN = b"400"
+FAILED = b"500"
+
+#: longest service name a stored request may name (as MDP's own bound)
+MAX_SERVICE_NAME = 255
+
+
+class MalformedTitanicRequest(ProtocolError):
+    """A Titanic request body that breaks the protocol (answered ``500``)."""
+
+
+def parse_request(body: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
+    """``titanic.request``: the service to call and the request frames."""
+    if len(body) < 2:
+        raise MalformedTitanicRequest("titanic.request needs a service name and at least one "
+                                      "request frame")
+    service = bytes(body[0])
+    if not service or len(service) > MAX_SERVICE_NAME:
+        raise MalformedTitanicRequest(f"service name of {len(service)} bytes (1 to "
+                                      f"{MAX_SERVICE_NAME})")
+    if not service.isascii() or not service.decode("ascii").isprintable():
+        raise MalformedTitanicRequest(f"service name {service!r} is not printable ASCII")
+    if service.startswith(b"titanic."):
+        raise MalformedTitanicRequest(f"{service.decode('ascii')} is Titanic's own service")
+    return service, [bytes(f) for f in body[1:]]
+
+
+def parse_id(body: Sequence[bytes], service: bytes) -> str:
+    """``titanic.reply`` / ``titanic.close``: the request id, as canonical text."""
+    if len(body) != 1:
+        raise MalformedTitanicRequest(f"{service.decode('ascii')} takes one frame, the request "
+                                      f"id; got {len(body)}")
+    try:
+        text = bytes(body[0]).decode("ascii")
+        parsed = uuid.UUID(text)
+    except (UnicodeDecodeError, ValueError):
+        raise MalformedTitanicRequest(f"{bytes(body[0])[:64]!r} is not a request id (a UUID)") from None
+    if str(parsed) != text.lower():
+        raise MalformedTitanicRequest(f"{text!r} is not a request id in RFC 4122 text form")
+    return str(parsed)
+
+
+def failed(reason: str) -> list[bytes]:
+    """The ``500`` reply saying *reason*."""
+    return [FAILED, reason.encode("utf-8", "replace")]

@@ -1,0 +1,106 @@
+"""Titanic's three MDP services over a store (:mod:`mdp.titanic.store`).
+
+:class:`TitanicServer` registers ``titanic.request``, ``titanic.reply`` and
+``titanic.close`` with a broker, as three ordinary MDP workers, and answers
+them from its store (see :mod:`mdp.titanic.protocol` for the dialog).  A
+request is acknowledged (``200`` + its id) only once the store has committed
+it.  Whoever dispatches stored requests to their services learns of a new one
+through *onStored*.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from mdp.majordomo.worker import Worker
+from mdp.policy import Backoff, HeartbeatPolicy, Limits, default_reactor
+from mdp.titanic import protocol
+from mdp.titanic.store import ITitanicStore, ReplyStatus
+
+log = Logger()
+
+
+class TitanicServer:
+    """The Titanic services of one store, registered with the broker at
+    *broker* (one endpoint or a failover list).  :meth:`start` connects,
+    :meth:`stop` disconnects; the store is the caller's to open and close."""
+
+    def __init__(
+        self,
+        broker: Union[str, Sequence[str]],
+        store: ITitanicStore,
+        reactor: Optional[Any] = None,
+        *,
+        onStored: Optional[Callable[[str], Any]] = None,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        backoff: Backoff = Backoff(),
+        limits: Limits = Limits(),
+    ) -> None:
+        self.reactor = default_reactor(reactor)
+        self.store = store
+        self.onStored = onStored
+        handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
+                    protocol.CLOSE: self.close}
+        self.workers = [Worker(broker, name, handler, self.reactor, heartbeat=heartbeat,
+                               backoff=backoff, limits=limits)
+                        for name, handler in handlers.items()]
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+
+    def stop(self) -> defer.Deferred[None]:
+        return defer.gatherResults([w.stop() for w in self.workers]).addCallback(lambda _: None)
+
+    # --- the three services --------------------------------------------------------
+
+    def request(self, body: list[bytes]) -> Any:
+        """``titanic.request``: store it; ``200`` + its id once committed."""
+        try:
+            service, frames = protocol.parse_request(body)
+        except protocol.MalformedTitanicRequest as e:
+            return protocol.failed(str(e))
+
+        def stored(requestId: str) -> list[bytes]:
+            if self.onStored is not None:
+                try:
+                    self.onStored(requestId)
+                except Exception:
+                    log.failure("Titanic's onStored failed for {id}", id=requestId)
+            return [protocol.OK, requestId.encode("ascii")]
+
+        d = self.store.add(service, frames, self.reactor.seconds())
+        return d.addCallbacks(stored, self._storeFailed, errbackArgs=("store",))
+
+    def reply(self, body: list[bytes]) -> Any:
+        """``titanic.reply``: ``200`` + the reply, ``300`` pending, ``400`` unknown."""
+        try:
+            requestId = protocol.parse_id(body, protocol.REPLY)
+        except protocol.MalformedTitanicRequest as e:
+            return protocol.failed(str(e))
+
+        def answer(found: tuple[ReplyStatus, list[bytes]]) -> list[bytes]:
+            status, frames = found
+            if status is ReplyStatus.DONE:
+                return [protocol.OK, *frames]
+            return [protocol.PENDING if status is ReplyStatus.PENDING else protocol.UNKNOWN]
+
+        return self.store.reply(requestId).addCallbacks(answer, self._storeFailed,
+                                                        errbackArgs=("read",))
+
+    def close(self, body: list[bytes]) -> Any:
+        """``titanic.close``: forget the request and its reply; ``200``."""
+        try:
+            requestId = protocol.parse_id(body, protocol.CLOSE)
+        except protocol.MalformedTitanicRequest as e:
+            return protocol.failed(str(e))
+        return self.store.forget(requestId).addCallbacks(lambda _: [protocol.OK],
+                                                         self._storeFailed,
+                                                         errbackArgs=("forget",))
+
+    def _storeFailed(self, failure: Any, what: str) -> list[bytes]:
+        log.failure("Titanic's store failed to {what}", failure, what=what)
+        return protocol.failed(f"the store failed to {what}: {failure.getErrorMessage()}")
