@@ -123,7 +123,6 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
-import attrs
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
@@ -138,7 +137,7 @@ from mdp.errors import (
 )
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
-from mdp.machine import Machine
+from mdp.machine import Machine, action_class
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
     EndpointRotation,
@@ -369,7 +368,7 @@ class _Call:
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Later:
     """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing that
     timer of *call* if it is pending)."""
@@ -379,7 +378,7 @@ class Later:
     delay: float
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Cancel:
     """Forget that timer of *call*, if pending."""
 
@@ -387,7 +386,7 @@ class Cancel:
     kind: str
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class OpenPipe:
     """Open a connection to *endpoint*, known as *key*; its messages come back
     through ``handleReply``."""
@@ -396,25 +395,25 @@ class OpenPipe:
     endpoint: str
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class ClosePipe:
     key: Any
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class SendPipe:
     key: Any
     frames: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class ConnectPeer:
     """Add *endpoint* to the connecting router (model 3)."""
 
     endpoint: str
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class SendPeer:
     """Send *frames* to the server at *endpoint* through the router (model 3)."""
 
@@ -422,7 +421,7 @@ class SendPeer:
     frames: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Resolve:
     """Fire the Deferred of *call* with *frames*."""
 
@@ -430,7 +429,7 @@ class Resolve:
     frames: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Reject:
     """Fail the Deferred of *call* with *error*."""
 
@@ -917,7 +916,7 @@ class AgentClient(_FreelanceClient, AgentMachine):
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
         self._drive(reactor, endpoints)
-        self._ticker.start(heartbeat.interval, now=False)
+        self._ticker.start(self.wakeEvery, now=False)
 
     def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:  # type: ignore[override]
         """A PONG or a reply from the server at *endpoint*."""

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
+#: The decorator of action classes.  Plain slotted attrs classes: frozen ones
+#: set every field through ``object.__setattr__``, which costs on the hot path
+#: (docs/performance.md).
+action_class = attrs.define(slots=True, weakref_slot=False)
+
 
 class Machine:
     """The current event's time and the outbox of actions."""

@@ -69,9 +69,6 @@ class Liveness:
         """True if nothing was sent for ``fraction × interval`` seconds."""
         return now - self.lastSent >= self.policy.interval * fraction
 
-    def deadline(self) -> float:
-        """When the peer will count as dead if it stays silent."""
-        return self.lastHeard + self.policy.expiry
 
 
 class EndpointRotation:
@@ -103,8 +100,6 @@ class EndpointRotation:
     def __len__(self) -> int:
         return len(self.endpoints)
 
-    def __iter__(self) -> Any:
-        return iter(self.endpoints)
 
 
 @attrs.frozen

@@ -114,7 +114,7 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
-from mdp.machine import Machine
+from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.codec import (
     ClientFinal,
@@ -405,7 +405,7 @@ class ServiceQueue:
         self.ledger.bytes += size
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Send:
     """The machine's wish: send *frames* to the peer *key* (binding, peer id)."""
 
@@ -413,7 +413,7 @@ class Send:
     frames: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class DropPeer:
     """The machine's wish: close the connection of peer *key* once what was
     sent to it is out (a no-op on media without connections)."""
@@ -973,7 +973,7 @@ class Broker(BrokerMachine):
         log.info("MDP broker listening on {endpoint} for {roles}",
                  endpoint=routerTransport.endpoint or "a protocol factory", roles=roles)
         if not self._ticker.running:
-            self._ticker.start(self.heartbeat.interval, now=False)
+            self._ticker.start(self.wakeEvery, now=False)
 
     def close(self) -> defer.Deferred[None]:
         """Unbind every endpoint and stop the heartbeat tick."""

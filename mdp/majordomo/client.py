@@ -128,7 +128,6 @@ import uuid
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
-import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -144,10 +143,10 @@ from mdp.errors import (
     StreamRestarted,
 )
 from mdp.interfaces import IClient, IDealerReceiver
-from mdp.machine import Machine
+from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
-from mdp.messages import remote_error, request_frames
+from mdp.messages import Frame, remote_error, request_frames
 from mdp.policy import EndpointRotation, Limits, LogThrottle, cancel_call, default_reactor
 
 log = Logger()
@@ -156,7 +155,6 @@ DEFAULT_TIMEOUT = 2.5
 DEFAULT_RETRIES = 3
 DEFAULT_MAX_CONNECTIONS = 64
 
-Frame = Union[bytes, str]
 
 
 def _check_attempts(timeout: float, retries: int) -> None:
@@ -260,23 +258,23 @@ class _Channel:
 
 # --- what the machine asks its driver to do -------------------------------------------
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class OpenChannel:
     channel: _Channel
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class CloseChannel:
     channel: _Channel
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class SendOn:
     channel: _Channel
     frames: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Partial:
     """Tell the caller of *call* about a PARTIAL (``onPartial``)."""
 
@@ -284,14 +282,14 @@ class Partial:
     body: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Restarted:
     """Tell the caller of *call* that its reply starts over (``onRestart``)."""
 
     call: _Call
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Complete:
     """Fire the Deferred of *call* with the FINAL body."""
 
@@ -299,7 +297,7 @@ class Complete:
     body: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Fail:
     """Fail the Deferred of *call* with *error*."""
 
@@ -307,7 +305,7 @@ class Fail:
     error: BaseException
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class WakeAt:
     """Call :meth:`ClientMachine.handleWake` at time *when* (replacing the
     wake-up asked for before); ``None``: no wake-up is needed."""

@@ -88,7 +88,7 @@ from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
-from mdp.machine import Machine
+from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
 from mdp.policy import (
@@ -143,26 +143,26 @@ class _Job:
     key: Optional[idempotence.StampKey]  # its stamp, if the client stamped it
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class SendToBroker:
     """The machine's wish: send *frames* on the pipe."""
 
     frames: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class OpenPipe:
     """The machine's wish: open a pipe to *endpoint*."""
 
     endpoint: str
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class ClosePipe:
     """The machine's wish: close the pipe (what was sent on it goes first)."""
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class ReopenAfter:
     """The machine's wish: call :meth:`WorkerMachine.handleReopen` after
     *delay* seconds (replacing any such call still pending)."""
@@ -170,7 +170,7 @@ class ReopenAfter:
     delay: float
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class Serve:
     """The machine's wish: answer request *job* with body *body* (from the
     reply store, or by running the handler), then report each part through
@@ -180,7 +180,7 @@ class Serve:
     body: list[bytes]
 
 
-@attrs.define(slots=True, weakref_slot=False)
+@action_class
 class StoreReply:
     """The machine's wish: keep *frames* as the reply to stamp *key*."""
 
@@ -466,7 +466,7 @@ class Worker(WorkerMachine):
         if self.state is not STOPPED:
             return
         self._perform(self.handleStart(self.reactor.seconds()))
-        self._ticker.start(self.heartbeat.interval, now=False)
+        self._ticker.start(self.wakeEvery, now=False)
 
     def stop(self) -> defer.Deferred[None]:
         """Say DISCONNECT to the broker (if registered) and close."""
