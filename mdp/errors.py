@@ -127,3 +127,13 @@ class StoreError(MDPError):
     """A store (Titanic's requests and replies) cannot be opened or used: a
     damaged or unreadable file, named in the message.  Never ignored: a store
     that refuses to open stops its service."""
+
+
+class TitanicError(MDPError):
+    """Titanic refused or failed a request (status ``500``: a malformed body,
+    or a store that failed); the message says which."""
+
+
+class UnknownRequest(TitanicError):
+    """Titanic knows no request of that id (status ``400``): never stored,
+    closed, or its reply purged."""

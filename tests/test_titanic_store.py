@@ -100,3 +100,15 @@ async def test_sqlite_refuses_a_file_that_is_not_a_database(tmp_path: Any) -> No
         await broken.open()
     await broken.close()
     assert path.read_bytes().startswith(b"this is not a database")  # left as it was
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_pending_leaves_out_parked_services_and_held_requests(store: Any) -> None:
+    a = await store.add(b"echo", [b"a"], 1.0)
+    b = await store.add(b"down", [b"b"], 2.0)
+    c = await store.add(b"echo", [b"c"], 3.0)
+    d = await store.add(b"upper", [b"d"], 4.0)
+    assert [p.id for p in await store.pending(10, skipServices=[b"down"])] == [a, c, d]
+    assert [p.id for p in await store.pending(10, skipIds=[a, d])] == [b, c]
+    assert [p.id for p in await store.pending(1, skipServices=[b"echo"], skipIds=[b])] == [d]

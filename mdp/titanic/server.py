@@ -1,4 +1,5 @@
-"""Titanic's three MDP services over a store (:mod:`mdp.titanic.store`).
+"""Titanic's three MDP services over a store (:mod:`mdp.titanic.store`), and
+:class:`Titanic`: those services, the dispatcher and the store in one.
 
 :class:`TitanicServer` registers ``titanic.request``, ``titanic.reply`` and
 ``titanic.close`` with a broker, as three ordinary MDP workers, and answers
@@ -17,8 +18,9 @@ from twisted.logger import Logger
 
 from mdp.majordomo.worker import Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits, default_reactor
-from mdp.titanic import protocol
-from mdp.titanic.store import ITitanicStore, ReplyStatus
+from mdp.titanic import dispatcher, protocol
+from mdp.titanic.dispatcher import Dispatcher
+from mdp.titanic.store import ITitanicStore, MemoryStore, ReplyStatus, SQLiteStore
 
 log = Logger()
 
@@ -104,3 +106,72 @@ class TitanicServer:
     def _storeFailed(self, failure: Any, what: str) -> list[bytes]:
         log.failure("Titanic's store failed to {what}", failure, what=what)
         return protocol.failed(f"the store failed to {what}: {failure.getErrorMessage()}")
+
+
+def open_store(db: str, reactor: Optional[Any] = None) -> ITitanicStore:
+    """The store for *db*: ``":memory:"`` is the memory store (fast, not
+    durable), anything else the path of a SQLite file (made if missing)."""
+    if db == ":memory:":
+        return MemoryStore()
+    if not db:
+        raise ValueError("the Titanic database path is empty (give a file, or :memory:)")
+    return SQLiteStore(db, reactor)
+
+
+class Titanic:
+    """A whole Titanic: the three services, the dispatcher and the store.
+
+    *store* is a :class:`~mdp.titanic.store.ITitanicStore` or a database path
+    (see :func:`open_store`); Titanic opens it in :meth:`start` and closes it
+    in :meth:`stop`.  *concurrency* requests go out at once, each attempt for
+    at most *timeout* seconds; a parked service is asked again after
+    *backoff*; replies are kept *keep* seconds after they are stored."""
+
+    def __init__(
+        self,
+        broker: Union[str, Sequence[str]],
+        store: Union[str, ITitanicStore],
+        reactor: Optional[Any] = None,
+        *,
+        concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
+        timeout: float = dispatcher.DEFAULT_TIMEOUT,
+        backoff: Backoff = dispatcher.DEFAULT_BACKOFF,
+        keep: float = dispatcher.DEFAULT_KEEP,
+        purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        limits: Limits = Limits(),
+    ) -> None:
+        self.reactor = default_reactor(reactor)
+        self.store = open_store(store, self.reactor) if isinstance(store, str) else store
+        self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
+                                     timeout=timeout, backoff=backoff, keep=keep,
+                                     purgeEvery=purgeEvery, limits=limits)
+        self.server = TitanicServer(broker, self.store, self.reactor,
+                                    onStored=self.dispatcher.stored, heartbeat=heartbeat,
+                                    limits=limits)
+        self._started = False
+
+    async def _start(self) -> None:
+        await self.store.open()
+        self._started = True
+        self.server.start()
+        self.dispatcher.start()
+
+    def start(self) -> defer.Deferred[None]:
+        """Open the store (failing with :class:`~mdp.errors.StoreError` if it
+        is damaged or unreadable), then serve and dispatch."""
+        return defer.ensureDeferred(self._start())
+
+    async def _stop(self) -> None:
+        if not self._started:
+            await self.store.close()
+            return
+        self._started = False
+        await self.dispatcher.stop()
+        await self.server.stop()
+        await self.store.close()
+
+    def stop(self) -> defer.Deferred[None]:
+        """Stop dispatching and serving, and close the store; requests out
+        stay pending and go out again on the next start."""
+        return defer.ensureDeferred(self._stop())

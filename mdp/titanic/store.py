@@ -21,7 +21,7 @@ import os
 import sqlite3
 import uuid
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import attrs
 from twisted.internet import defer, threads
@@ -64,8 +64,11 @@ class ITitanicStore(Interface):
     def add(service: bytes, frames: list[bytes], now: float):
         """Store a request; fires with its id (RFC 4122 text) once committed."""
 
-    def pending(limit: int):
-        """Up to *limit* requests without a reply, oldest first."""
+    def pending(limit: int, skipServices: Collection[bytes] = (),
+                skipIds: Collection[str] = ()):
+        """Up to *limit* requests without a reply, oldest first, leaving out
+        those for *skipServices* and those in *skipIds* (the dispatcher's
+        parked services and the requests it already holds)."""
 
     def complete(requestId: str, reply: list[bytes], now: float):
         """Store the reply of a request (ignored if it was closed meanwhile)."""
@@ -104,12 +107,14 @@ class MemoryStore:
         self._entries[requestId] = [bytes(service), list(frames), now, None, None]
         return defer.succeed(requestId)
 
-    def pending(self, limit: int) -> defer.Deferred[list[StoredRequest]]:
+    def pending(self, limit: int, skipServices: Collection[bytes] = (),
+                skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
         found: list[StoredRequest] = []
+        skipServices, skipIds = set(skipServices), set(skipIds)
         for requestId, (service, frames, created, reply, _) in self._entries.items():
             if len(found) >= limit:
                 break
-            if reply is None:
+            if reply is None and service not in skipServices and requestId not in skipIds:
                 found.append(StoredRequest(requestId, service, list(frames), created))
         return defer.succeed(found)
 
@@ -218,9 +223,15 @@ class SQLiteStore:
                       "VALUES (?, ?, ?, ?)", (requestId, bytes(service), encode_record(frames), now))
         return d.addCallback(lambda _: requestId)
 
-    def pending(self, limit: int) -> defer.Deferred[list[StoredRequest]]:
-        d = self._run(self._read, "SELECT id, service, request, created FROM requests "
-                      "WHERE reply IS NULL ORDER BY seq LIMIT ?", (limit,))
+    def pending(self, limit: int, skipServices: Collection[bytes] = (),
+                skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
+        services, ids = [bytes(s) for s in skipServices], list(skipIds)
+        sql = "SELECT id, service, request, created FROM requests WHERE reply IS NULL"
+        if services:
+            sql += f" AND service NOT IN ({','.join('?' * len(services))})"
+        if ids:
+            sql += f" AND id NOT IN ({','.join('?' * len(ids))})"
+        d = self._run(self._read, sql + " ORDER BY seq LIMIT ?", (*services, *ids, limit))
         return d.addCallback(lambda rows: [
             StoredRequest(r[0], bytes(r[1]), decode_record(r[2][4:]), r[3]) for r in rows])
 

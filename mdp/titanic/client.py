@@ -1,0 +1,155 @@
+"""A client of Titanic: submit a request now, collect its reply later.
+
+A request id outlives the process that got it: write it down, and any
+process can ask for the reply (``mdp titanic result``).  The reply frames are
+the worker's own; a worker's error reply (its handler raised, or the message
+was too large) is raised as the same typed error as from
+:meth:`Client.request <mdp.majordomo.client.Client.request>`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional, Sequence, Union
+
+from twisted.internet import defer, task
+
+from mdp.errors import TitanicError, UnknownRequest
+from mdp.majordomo import codec
+from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
+from mdp.messages import Frame, remote_error, request_frames
+from mdp.policy import Limits, default_reactor
+from mdp.titanic import protocol
+
+#: Seconds between two ``titanic.reply`` polls.
+DEFAULT_POLL_INTERVAL = 1.0
+
+
+def _check_id(requestId: str) -> bytes:
+    if not isinstance(requestId, str):
+        raise TypeError(f"a request id is str, not {type(requestId).__name__}")
+    try:
+        return str(uuid.UUID(requestId)).encode("ascii")
+    except ValueError:
+        raise ValueError(f"{requestId!r} is not a Titanic request id (a UUID)") from None
+
+
+class TitanicClient:
+    """Titanic's services through the broker at *broker* (one endpoint or a
+    failover list).  *timeout* and *retries* are those of each call to Titanic
+    itself (see :class:`~mdp.majordomo.client.Client`); *pollInterval* the
+    seconds between two polls of :meth:`result`."""
+
+    def __init__(
+        self,
+        broker: Union[str, Sequence[str]],
+        reactor: Optional[Any] = None,
+        *,
+        pollInterval: float = DEFAULT_POLL_INTERVAL,
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        limits: Limits = Limits(),
+    ) -> None:
+        if not pollInterval > 0:
+            raise ValueError(f"pollInterval must be a positive number of seconds, "
+                             f"got {pollInterval!r}")
+        self.reactor = default_reactor(reactor)
+        self.pollInterval = pollInterval
+        self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
+                             limits=limits)
+        #: the service of each request submitted here, to name it in errors
+        self._services: dict[str, bytes] = {}
+
+    async def _titanic(self, service: bytes, *body: bytes) -> list[bytes]:
+        reply = await self.client.request(service, *body)
+        if reply[:1] == [protocol.FAILED]:
+            message = b" ".join(reply[1:]).decode("utf-8", "replace")
+            raise TitanicError(f"{service.decode()} failed: {message}")
+        return reply
+
+    def submit(self, service: Union[str, bytes], *frames: Frame) -> defer.Deferred[str]:
+        """Store a request for *service*; fires with its id (a UUID as text)
+        once Titanic has committed it.  Arguments are checked at once, as by
+        :meth:`Client.request <mdp.majordomo.client.Client.request>`."""
+        name = codec.api_service_name(service)
+        body = request_frames(frames)
+
+        async def submit() -> str:
+            reply = await self._titanic(protocol.REQUEST, name, *body)
+            if reply[:1] != [protocol.OK] or len(reply) != 2:
+                raise TitanicError(f"titanic.request answered {reply[:2]!r}")
+            requestId = reply[1].decode("ascii")
+            self._services[requestId] = name
+            return requestId
+
+        return defer.ensureDeferred(submit())
+
+    def poll(self, requestId: str) -> defer.Deferred[Optional[list[bytes]]]:
+        """Ask once: the reply frames, or ``None`` while pending.  Fails with
+        :class:`~mdp.errors.UnknownRequest` for an unknown or closed id."""
+        wire = _check_id(requestId)
+
+        async def poll() -> Optional[list[bytes]]:
+            reply = await self._titanic(protocol.REPLY, wire)
+            if reply[0] == protocol.PENDING:
+                return None
+            if reply[0] == protocol.UNKNOWN:
+                raise UnknownRequest(f"Titanic knows no request {requestId} "
+                                     f"(never stored, closed, or purged)")
+            if reply[0] != protocol.OK:
+                raise TitanicError(f"titanic.reply answered {reply[0]!r}")
+            frames = reply[1:]
+            error = remote_error(self._services.get(requestId, b"titanic.reply"), frames)
+            if error is not None:
+                raise error
+            return frames
+
+        return defer.ensureDeferred(poll())
+
+    def result(self, requestId: str, *,
+               pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
+        """The reply frames of a request, polling every *pollInterval*
+        seconds (default: the client's) until it is done.  Cancel the
+        Deferred to stop polling."""
+        _check_id(requestId)
+        interval = self.pollInterval if pollInterval is None else pollInterval
+        if not interval > 0:
+            raise ValueError(f"pollInterval must be positive, got {interval!r}")
+
+        async def result() -> list[bytes]:
+            while True:
+                frames = await self.poll(requestId)
+                if frames is not None:
+                    return frames
+                await task.deferLater(self.reactor, interval, lambda: None)
+
+        return defer.ensureDeferred(result())
+
+    def close(self, requestId: str) -> defer.Deferred[None]:
+        """Have Titanic forget a request and its reply (idempotent)."""
+        wire = _check_id(requestId)
+
+        async def close() -> None:
+            await self._titanic(protocol.CLOSE, wire)
+            self._services.pop(requestId, None)
+
+        return defer.ensureDeferred(close())
+
+    def call(self, service: Union[str, bytes], *frames: Frame,
+             pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
+        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames."""
+        submitted = self.submit(service, *frames)
+
+        async def call() -> list[bytes]:
+            requestId = await submitted
+            try:
+                return await self.result(requestId, pollInterval=pollInterval)
+            finally:
+                await self.close(requestId)
+
+        return defer.ensureDeferred(call())
+
+    def disconnect(self) -> defer.Deferred[None]:
+        """Close the connection to the broker (pending calls fail with
+        :class:`~mdp.errors.ClientClosed`)."""
+        return self.client.close()

@@ -1,0 +1,540 @@
+"""Titanic's dispatcher: stored requests to their services, replies to the store.
+
+:class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
+drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
+
+* It reads pending requests from the store oldest first, a window at a time
+  (never the whole store), leaving out the requests it already holds and the
+  services it has parked.
+* Before it sends a service its first request it asks the broker
+  ``mmi.service``; a service with no worker is **parked** and so is one whose
+  request failed or timed out.  A parked service is asked again after a
+  backoff (per service, doubling up to a maximum) and its requests wait in the
+  store meanwhile, so they never hold up other services' requests.
+* At most *concurrency* requests are out at once.  A reply (or a final error
+  reply: the worker's handler raised, or the message is too large) is stored;
+  the request counts as done once the store has committed it.  A request
+  whose attempt failed stays pending and is sent again, as long as it is not
+  closed: Titanic retries forever (close a request to give it up).
+* On start it simply reads the store, so pending work resumes after a restart.
+  A request that was out when the process died is sent again: delivery is
+  at-least-once, like every MDP retry.
+* Replies are kept *keep* seconds after they are stored, then purged.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Sequence, Union
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from mdp.errors import (
+    ClientClosed,
+    RemoteError,
+    ReplyTooLarge,
+    RequestTimeout,
+    RequestTooLarge,
+    ServiceOverloaded,
+    ServiceUnavailable,
+    TransportError,
+)
+from mdp.machine import Machine, action_class
+from mdp.majordomo.client import Client
+from mdp.messages import STATUS_TOO_LARGE, error_body
+from mdp.policy import Backoff, Limits, cancel_call, default_reactor
+from mdp.titanic.store import ITitanicStore, StoredRequest
+
+log = Logger()
+
+#: Seconds a reply is kept after it is stored (then purged): one day.
+DEFAULT_KEEP = 24 * 3600.0
+#: Seconds between purges.
+DEFAULT_PURGE_EVERY = 60.0
+#: Requests out at once.
+DEFAULT_CONCURRENCY = 4
+#: Seconds one attempt of a request may take before it is tried again.
+DEFAULT_TIMEOUT = 30.0
+#: Wait before asking again about a parked service: 1 s doubling to 32 s.
+DEFAULT_BACKOFF = Backoff(1.0, 32.0)
+#: Seconds an ``mmi.service`` answer of ``200`` is trusted.
+DEFAULT_RECHECK = 5.0
+
+
+class ServiceState(enum.Enum):
+    """What the dispatcher knows of a service."""
+
+    #: not asked yet (or the last answer is too old)
+    UNKNOWN = "unknown"
+    #: ``mmi.service`` asked, no answer yet
+    CHECKING = "checking"
+    #: it has a worker: requests go out
+    AVAILABLE = "available"
+    #: no worker, or a request failed: ask again later
+    PARKED = "parked"
+
+
+class _Service:
+    __slots__ = ("name", "state", "failures", "until", "reason")
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.state = ServiceState.UNKNOWN
+        #: parks since the last stored reply (the backoff step)
+        self.failures = 0
+        #: AVAILABLE: trusted until; PARKED: parked until
+        self.until = 0.0
+        self.reason = ""
+
+
+# --- actions ----------------------------------------------------------------------
+
+
+@action_class
+class LoadPending:
+    """Read up to *limit* pending requests, oldest first, without these."""
+
+    limit: int
+    skipServices: list[bytes]
+    skipIds: list[str]
+
+
+@action_class
+class CheckService:
+    """Ask the broker ``mmi.service`` *service*."""
+
+    service: bytes
+
+
+@action_class
+class Dispatch:
+    """Send a stored request to its service."""
+
+    request: StoredRequest
+
+
+@action_class
+class StoreReply:
+    """Store the reply of a request."""
+
+    requestId: str
+    frames: list[bytes]
+
+
+@action_class
+class Purge:
+    """Drop replies stored before *before*."""
+
+    before: float
+
+
+@action_class
+class Parked:
+    """A service was parked for *delay* seconds (for the log)."""
+
+    service: bytes
+    delay: float
+    reason: str
+
+
+@action_class
+class WakeAt:
+    """Call :meth:`DispatchMachine.handleWake` at *when* (``None``: never)."""
+
+    when: Optional[float]
+
+
+Action = Union[LoadPending, CheckService, Dispatch, StoreReply, Purge, Parked, WakeAt]
+
+
+class DispatchMachine(Machine):
+    """Which stored request goes out when, with no store, client or reactor."""
+
+    def __init__(
+        self,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        keep: float = DEFAULT_KEEP,
+        purgeEvery: float = DEFAULT_PURGE_EVERY,
+        recheck: float = DEFAULT_RECHECK,
+        window: Optional[int] = None,
+        now: float = 0.0,
+    ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a whole number of at least 1, got {concurrency!r}")
+        for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck)):
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        super().__init__(now)
+        self.concurrency = concurrency
+        self.backoff = backoff
+        self.keep = keep
+        self.purgeEvery = purgeEvery
+        self.recheck = recheck
+        #: most requests held at once (out + waiting to go out)
+        self.window = window if window is not None else max(2 * concurrency, 16)
+        self.running = False
+        #: loaded, not yet out, oldest first
+        self.queue: list[StoredRequest] = []
+        #: out (or their reply being stored), by id
+        self.inflight: dict[str, StoredRequest] = {}
+        self.services: dict[bytes, _Service] = {}
+        self._dirty = False  # the store may hold pending requests we have not read
+        self._loading = False
+        self._storeFailures = 0
+        self._storeRetryAt: Optional[float] = None
+        self._nextPurge = now
+        self._wake: Optional[float] = None
+
+    # --- events -----------------------------------------------------------------------
+
+    def handleStart(self, now: float) -> list[Action]:
+        self.now = now
+        self.running = True
+        self._dirty = True
+        self._nextPurge = now
+        self._tick()
+        return self._drain()
+
+    def handleStored(self, requestId: str, now: float) -> list[Action]:
+        """A request was committed to the store."""
+        self.now = now
+        self._dirty = True
+        self._pump()
+        return self._drain()
+
+    def handleLoaded(self, requests: Sequence[StoredRequest], limit: int,
+                     now: float) -> list[Action]:
+        """The answer to LoadPending(*limit*)."""
+        self.now = now
+        self._loading = False
+        self._storeFailures = 0
+        if len(requests) >= limit:
+            self._dirty = True  # there may be more
+        if self.running:
+            held = set(self.inflight) | {r.id for r in self.queue}
+            self.queue.extend(r for r in requests if r.id not in held)
+        self._pump()
+        return self._drain()
+
+    def handleLoadFailed(self, reason: str, now: float) -> list[Action]:
+        self.now = now
+        self._loading = False
+        self._storeTrouble()
+        return self._drain()
+
+    def handleChecked(self, service: bytes, available: bool, reason: str,
+                      now: float) -> list[Action]:
+        """The answer to CheckService (*reason* says why it is not available)."""
+        self.now = now
+        entry = self.services.get(service)
+        if entry is not None and entry.state is ServiceState.CHECKING:
+            if available:
+                entry.state = ServiceState.AVAILABLE
+                entry.until = now + self.recheck
+            else:
+                self._park(entry, reason)
+        self._pump()
+        return self._drain()
+
+    def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
+        """A request's final reply (or final error reply) arrived."""
+        self.now = now
+        if self.running and requestId in self.inflight:
+            self._emit(StoreReply(requestId, frames))
+        return self._drain()
+
+    def handleFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
+        """An attempt failed in a way worth retrying (timeout, no worker,
+        overload, broker unreachable): the request stays pending."""
+        self.now = now
+        request = self.inflight.pop(requestId, None)
+        if request is not None:
+            self._park(self._service(request.service), reason)
+            self._dirty = True
+        self._pump()
+        return self._drain()
+
+    def handleReplyStored(self, requestId: str, now: float) -> list[Action]:
+        self.now = now
+        request = self.inflight.pop(requestId, None)
+        if request is not None:
+            self._service(request.service).failures = 0
+        self._storeFailures = 0
+        self._pump()
+        return self._drain()
+
+    def handleStoreFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
+        """The reply could not be stored: the request stays pending (and is
+        sent again once the store works)."""
+        self.now = now
+        self.inflight.pop(requestId, None)
+        self._dirty = True
+        self._storeTrouble()
+        return self._drain()
+
+    def handleWake(self, now: float) -> list[Action]:
+        self.now = now
+        self._wake = None
+        self._tick()
+        return self._drain()
+
+    def handleStop(self, now: float) -> list[Action]:
+        """Send nothing more; what is out stays pending in the store."""
+        self.now = now
+        self.running = False
+        self.queue.clear()
+        self.inflight.clear()
+        self._setWake(None)
+        return self._drain()
+
+    # --- decisions --------------------------------------------------------------------
+
+    def _service(self, name: bytes) -> _Service:
+        entry = self.services.get(name)
+        if entry is None:
+            entry = self.services[name] = _Service(name)
+        return entry
+
+    def _park(self, entry: _Service, reason: str) -> None:
+        if entry.state is ServiceState.PARKED:
+            return  # one outage, one step of backoff
+        delay = self.backoff.delay(entry.failures)
+        entry.failures += 1
+        entry.state = ServiceState.PARKED
+        entry.until = self.now + delay
+        entry.reason = reason
+        self._emit(Parked(entry.name, delay, reason))
+
+    def _storeTrouble(self) -> None:
+        self._storeRetryAt = self.now + self.backoff.delay(self._storeFailures)
+        self._storeFailures += 1
+        self._dirty = True
+        self._pump()
+
+    def _tick(self) -> None:
+        """What is due at :attr:`now`: unpark, retry the store, purge."""
+        if not self.running:
+            return
+        for entry in self.services.values():
+            if entry.state is ServiceState.PARKED and entry.until <= self.now:
+                entry.state = ServiceState.UNKNOWN
+                self._dirty = True
+        if self._storeRetryAt is not None and self._storeRetryAt <= self.now:
+            self._storeRetryAt = None
+        if self._nextPurge <= self.now:
+            self._emit(Purge(self.now - self.keep))
+            self._nextPurge = self.now + self.purgeEvery
+        self._pump()
+
+    def _pump(self) -> None:
+        if not self.running:
+            return
+        waiting: list[StoredRequest] = []
+        for request in self.queue:
+            entry = self._service(request.service)
+            if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
+                entry.state = ServiceState.UNKNOWN  # trusted long enough: ask again
+            if entry.state is ServiceState.PARKED:
+                continue  # back to the store's keeping; read again once unparked
+            if entry.state is ServiceState.UNKNOWN:
+                entry.state = ServiceState.CHECKING
+                self._emit(CheckService(entry.name))
+            if entry.state is ServiceState.AVAILABLE and len(self.inflight) < self.concurrency:
+                self.inflight[request.id] = request
+                self._emit(Dispatch(request))
+            else:
+                waiting.append(request)
+        self.queue = waiting
+        room = self.window - len(self.queue) - len(self.inflight)
+        if self._dirty and not self._loading and self._storeRetryAt is None and room > 0:
+            self._dirty = False
+            self._loading = True
+            parked = sorted(e.name for e in self.services.values()
+                            if e.state is ServiceState.PARKED)
+            held = [r.id for r in self.queue] + list(self.inflight)
+            self._emit(LoadPending(room, parked, held))
+        self._setWake(self._nextWake())
+
+    def _nextWake(self) -> Optional[float]:
+        times = [e.until for e in self.services.values() if e.state is ServiceState.PARKED]
+        if self._storeRetryAt is not None:
+            times.append(self._storeRetryAt)
+        times.append(self._nextPurge)
+        return min(times)
+
+    def _setWake(self, when: Optional[float]) -> None:
+        if when != self._wake:
+            self._wake = when
+            self._emit(WakeAt(when))
+
+
+#: Errors after which a request is tried again later.
+RETRY = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError, ClientClosed)
+
+
+def final_error_body(error: BaseException) -> Optional[list[bytes]]:
+    """The error reply to store for an attempt that failed for good, or
+    ``None`` if the request should be tried again."""
+    if isinstance(error, RETRY):
+        return None
+    if isinstance(error, (ReplyTooLarge, RequestTooLarge)):
+        return error_body(STATUS_TOO_LARGE, str(error))
+    if isinstance(error, RemoteError):  # the handler raised, a 413, ...
+        return error_body(error.code, error.message)
+    return None
+
+
+class Dispatcher(DispatchMachine):
+    """The :class:`DispatchMachine` driven with *store* and a client of the
+    broker at *broker* (one endpoint or a failover list).  :meth:`start` and
+    :meth:`stop`; :meth:`stored` tells it of a newly committed request."""
+
+    def __init__(
+        self,
+        broker: Union[str, Sequence[str]],
+        store: ITitanicStore,
+        reactor: Optional[Any] = None,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        timeout: float = DEFAULT_TIMEOUT,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        keep: float = DEFAULT_KEEP,
+        purgeEvery: float = DEFAULT_PURGE_EVERY,
+        recheck: float = DEFAULT_RECHECK,
+        limits: Limits = Limits(),
+    ) -> None:
+        reactor = default_reactor(reactor)
+        super().__init__(concurrency=concurrency, backoff=backoff, keep=keep,
+                         purgeEvery=purgeEvery, recheck=recheck, now=reactor.seconds())
+        self.reactor = reactor
+        self.store = store
+        self.timeout = timeout
+        # every request out, and room for the service checks beside them
+        self.client = Client(broker, reactor, timeout=timeout, retries=1,
+                             maxConnections=concurrency + 2, limits=limits)
+        self._timer: Any = None
+        self._events: list[tuple[Any, tuple[Any, ...]]] = []
+        self._busy = False
+        self._calls: set[defer.Deferred[Any]] = set()
+
+    def start(self) -> None:
+        self._feed(self.handleStart)
+
+    def stored(self, requestId: str) -> None:
+        """A request was committed: look for it (Titanic's ``onStored``)."""
+        self._feed(self.handleStored, requestId)
+
+    def stop(self) -> defer.Deferred[None]:
+        """Stop sending; requests out stay pending in the store."""
+        self._feed(self.handleStop)
+        for d in list(self._calls):
+            d.cancel()
+        return self.client.close()
+
+    # --- the driver ---------------------------------------------------------------------
+
+    def _feed(self, handler: Any, *args: Any) -> None:
+        """Handle events one at a time, in order, even when an action's
+        result arrives synchronously (a memory store)."""
+        self._events.append((handler, args))
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            while self._events:
+                handler, args = self._events.pop(0)
+                self._perform(handler(*args, self.reactor.seconds()))
+        finally:
+            self._busy = False
+
+    def _track(self, d: defer.Deferred[Any]) -> defer.Deferred[Any]:
+        self._calls.add(d)
+        return d.addBoth(lambda result: (self._calls.discard(d), result)[1])
+
+    def _perform(self, actions: list[Action]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is Dispatch:
+                self._dispatch(action.request)
+            elif kind is StoreReply:
+                self._storeReply(action.requestId, action.frames)
+            elif kind is LoadPending:
+                self._load(action)
+            elif kind is CheckService:
+                self._check(action.service)
+            elif kind is Purge:
+                self._purge(action.before)
+            elif kind is Parked:
+                log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
+                         service=action.service.decode("ascii", "replace"),
+                         delay=action.delay, reason=action.reason)
+            elif kind is WakeAt:
+                self._timer = cancel_call(self._timer)
+                if action.when is not None:
+                    self._timer = self.reactor.callLater(
+                        max(action.when - self.reactor.seconds(), 0), self._wakeUp)
+
+    def _wakeUp(self) -> None:
+        self._timer = None
+        self._feed(self.handleWake)
+
+    def _load(self, action: LoadPending) -> None:
+        def failed(failure: Failure) -> None:
+            log.failure("Titanic could not read pending requests", failure)
+            self._feed(self.handleLoadFailed, failure.getErrorMessage())
+
+        self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
+            lambda requests: self._feed(self.handleLoaded, requests, action.limit), failed)
+
+    def _check(self, service: bytes) -> None:
+        def answered(reply: list[bytes]) -> None:
+            available = reply[:1] == [b"200"]
+            self._feed(self.handleChecked, service, available,
+                       "" if available else "no worker (mmi.service)")
+
+        def failed(failure: Failure) -> None:
+            if not failure.check(defer.CancelledError):
+                self._feed(self.handleChecked, service, False,
+                           f"mmi.service failed: {failure.getErrorMessage()}")
+
+        d = self._track(self.client.request(b"mmi.service", service,
+                                            timeout=min(self.timeout, 5.0)))
+        d.addCallbacks(answered, failed)
+
+    def _dispatch(self, request: StoredRequest) -> None:
+        def failed(failure: Failure) -> None:
+            if failure.check(defer.CancelledError) or not self.running:
+                return
+            final = final_error_body(failure.value)
+            if final is not None:
+                self._feed(self.handleReply, request.id, final)
+            else:
+                self._feed(self.handleFailed, request.id, failure.getErrorMessage())
+
+        try:
+            d = self._track(self.client.request(request.service, *request.frames))
+        except RequestTooLarge as e:  # over this client's limits: it never will fit
+            self._feed(self.handleReply, request.id, error_body(STATUS_TOO_LARGE, str(e)))
+            return
+        d.addCallbacks(lambda reply: self._feed(self.handleReply, request.id, reply), failed)
+
+    def _storeReply(self, requestId: str, frames: list[bytes]) -> None:
+        def failed(failure: Failure) -> None:
+            log.failure("Titanic could not store the reply to {id}", failure, id=requestId)
+            self._feed(self.handleStoreFailed, requestId, failure.getErrorMessage())
+
+        self.store.complete(requestId, frames, self.reactor.seconds()).addCallbacks(
+            lambda _: self._feed(self.handleReplyStored, requestId), failed)
+
+    def _purge(self, before: float) -> None:
+        def purged(count: int) -> None:
+            if count:
+                log.info("Titanic purged {count} replies older than {keep:.0f} s",
+                         count=count, keep=self.keep)
+
+        self.store.purge(before).addCallbacks(
+            purged, lambda f: log.failure("Titanic could not purge old replies", f))

@@ -1,0 +1,193 @@
+"""Titanic's dispatcher as a pure machine: events with their time in, actions
+out, no store, client or reactor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mdp.policy import Backoff
+from mdp.titanic.dispatcher import (
+    CheckService,
+    Dispatch,
+    DispatchMachine,
+    LoadPending,
+    Parked,
+    Purge,
+    ServiceState,
+    StoreReply,
+    WakeAt,
+)
+from mdp.titanic.store import StoredRequest
+
+
+def req(n: int, service: bytes = b"echo") -> StoredRequest:
+    return StoredRequest(f"id-{n}", service, [b"%d" % n], float(n))
+
+
+def kinds(actions: list[Any], kind: type) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def started(**options: Any) -> tuple[DispatchMachine, LoadPending]:
+    options.setdefault("keep", 100.0)
+    options.setdefault("purgeEvery", 60.0)
+    machine = DispatchMachine(backoff=Backoff(1.0, 8.0), **options)
+    actions = machine.handleStart(0.0)
+    (load,) = kinds(actions, LoadPending)
+    return machine, load
+
+
+def test_start_purges_old_replies_and_reads_a_window_of_pending_requests() -> None:
+    machine = DispatchMachine(concurrency=2, keep=100.0, purgeEvery=60.0, window=5)
+    actions = machine.handleStart(1000.0)
+    assert actions == [Purge(900.0), LoadPending(5, [], []), WakeAt(1060.0)]
+
+
+def test_each_service_is_asked_once_before_its_first_request_goes_out() -> None:
+    machine, load = started(concurrency=4)
+    actions = machine.handleLoaded([req(1), req(2, b"down"), req(3)], load.limit, 1.0)
+    assert kinds(actions, CheckService) == [CheckService(b"echo"), CheckService(b"down")]
+    assert kinds(actions, Dispatch) == []
+    actions = machine.handleChecked(b"echo", True, "", 1.1)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-3"]  # oldest first
+    actions = machine.handleChecked(b"down", False, "no worker", 1.2)
+    assert kinds(actions, Parked) == [Parked(b"down", 1.0, "no worker")]
+    assert machine.services[b"down"].state is ServiceState.PARKED
+    assert machine.queue == [] and kinds(actions, Dispatch) == []
+    assert kinds(actions, WakeAt) == [WakeAt(2.2)]
+
+
+def test_at_most_concurrency_requests_are_out_and_the_next_goes_when_one_is_stored() -> None:
+    machine, load = started(concurrency=2)
+    machine.handleLoaded([req(1), req(2), req(3)], load.limit, 1.0)
+    actions = machine.handleChecked(b"echo", True, "", 1.0)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-2"]
+    assert machine.handleReply("id-2", [b"two"], 2.0) == [StoreReply("id-2", [b"two"])]
+    assert kinds(machine.handleReply("id-9", [b"?"], 2.0), StoreReply) == []  # not ours
+    actions = machine.handleReplyStored("id-2", 2.1)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-3"]
+    assert set(machine.inflight) == {"id-1", "id-3"}
+
+
+def test_a_failed_attempt_parks_the_service_with_growing_backoff_and_reads_it_again() -> None:
+    machine, load = started(concurrency=1)
+    machine.handleLoaded([req(1), req(2, b"other")], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    machine.handleChecked(b"other", True, "", 0.0)
+    assert list(machine.inflight) == ["id-1"]
+    actions = machine.handleFailed("id-1", "timed out", 3.0)
+    assert kinds(actions, Parked) == [Parked(b"echo", 1.0, "timed out")]
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-2"]  # others go on
+    (reload,) = kinds(actions, LoadPending)
+    assert reload.skipServices == [b"echo"] and reload.skipIds == ["id-2"]
+    machine.handleLoaded([], reload.limit, 3.0)
+    machine.handleReply("id-2", [b"x"], 3.5)
+    machine.handleReplyStored("id-2", 3.5)
+    actions = machine.handleWake(4.0)  # echo unparked: read again, ask again
+    (again,) = kinds(actions, LoadPending)
+    assert again.skipServices == []
+    actions = machine.handleLoaded([req(1)], again.limit, 4.0)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    actions = machine.handleChecked(b"echo", False, "no worker", 4.1)
+    assert kinds(actions, Parked) == [Parked(b"echo", 2.0, "no worker")]  # doubled
+    assert machine.queue == [] and kinds(actions, WakeAt) == [WakeAt(6.1)]
+
+
+def test_backoff_restarts_once_a_reply_of_the_service_is_stored() -> None:
+    machine, load = started(concurrency=1)
+    machine.handleLoaded([req(1)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    machine.handleFailed("id-1", "timed out", 1.0)
+    assert machine.services[b"echo"].failures == 1
+    machine.handleWake(2.0)
+    machine.handleLoaded([req(1)], 1, 2.0)
+    machine.handleChecked(b"echo", True, "", 2.0)
+    machine.handleReply("id-1", [b"ok"], 3.0)
+    machine.handleReplyStored("id-1", 3.0)
+    assert machine.services[b"echo"].failures == 0
+
+
+def test_concurrent_failures_of_one_outage_park_the_service_once() -> None:
+    machine, load = started(concurrency=3)
+    machine.handleLoaded([req(1), req(2), req(3)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    parks = []
+    for n in (1, 2, 3):
+        parks += kinds(machine.handleFailed(f"id-{n}", "timed out", 5.0), Parked)
+    assert parks == [Parked(b"echo", 1.0, "timed out")]
+
+
+def test_reads_leave_out_held_requests_and_stop_when_the_store_has_no_more() -> None:
+    machine, load = started(concurrency=1, window=3)
+    assert load == LoadPending(3, [], [])
+    actions = machine.handleLoaded([req(1), req(2), req(3)], 3, 0.0)  # full: maybe more
+    assert kinds(actions, LoadPending) == []  # but no room
+    machine.handleChecked(b"echo", True, "", 0.0)
+    actions = machine.handleReply("id-1", [b"1"], 1.0) + machine.handleReplyStored("id-1", 1.0)
+    assert kinds(actions, LoadPending) == [LoadPending(1, [], ["id-3", "id-2"])]
+    actions = machine.handleLoaded([], 1, 1.0)  # the store has no more
+    machine.handleReply("id-2", [b"2"], 2.0)
+    actions = machine.handleReplyStored("id-2", 2.0)
+    assert kinds(actions, LoadPending) == []  # nothing new was stored: no read
+    actions = machine.handleStored("id-4", 2.5)
+    assert kinds(actions, LoadPending) == [LoadPending(2, [], ["id-3"])]
+
+
+def test_a_store_that_fails_is_read_again_after_a_backoff() -> None:
+    machine, load = started(concurrency=1)
+    actions = machine.handleLoadFailed("disk I/O error", 0.0)
+    assert kinds(actions, LoadPending) == [] and kinds(actions, WakeAt) == [WakeAt(1.0)]
+    assert kinds(machine.handleStored("id-1", 0.5), LoadPending) == []  # still waiting
+    assert len(kinds(machine.handleWake(1.0), LoadPending)) == 1
+
+
+def test_a_reply_the_store_could_not_keep_leaves_the_request_pending() -> None:
+    machine, load = started(concurrency=1)
+    machine.handleLoaded([req(1)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    machine.handleReply("id-1", [b"1"], 1.0)
+    actions = machine.handleStoreFailed("id-1", "disk full", 1.0)
+    assert machine.inflight == {} and kinds(actions, LoadPending) == []
+    (reload,) = kinds(machine.handleWake(2.0), LoadPending)
+    assert reload.skipIds == []  # id-1 is read again and goes out again
+
+
+def test_replies_are_purged_every_purge_interval() -> None:
+    machine, _ = started(concurrency=1, keep=100.0, purgeEvery=60.0)
+    assert kinds(machine.handleWake(59.0), Purge) == []
+    assert kinds(machine.handleWake(60.0), Purge) == [Purge(-40.0)]
+    assert kinds(machine.handleWake(120.0), Purge) == [Purge(20.0)]
+
+
+def test_an_available_answer_is_trusted_for_recheck_seconds() -> None:
+    machine, load = started(concurrency=1, recheck=5.0)
+    machine.handleLoaded([req(1), req(2)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    machine.handleReply("id-1", [b"1"], 1.0)
+    actions = machine.handleReplyStored("id-1", 1.0)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-2"]
+    machine.handleReply("id-2", [b"2"], 9.0)
+    machine.handleStored("id-3", 9.0)
+    actions = machine.handleReplyStored("id-2", 9.0)
+    actions += machine.handleLoaded([req(3)], 1, 9.0)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    assert kinds(actions, Dispatch) == []
+
+
+def test_stop_forgets_what_is_held_and_sends_nothing_more() -> None:
+    machine, load = started(concurrency=1)
+    machine.handleLoaded([req(1), req(2)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    assert machine.handleStop(1.0) == [WakeAt(None)]
+    assert machine.handleReply("id-1", [b"late"], 2.0) == []
+    assert machine.handleStored("id-3", 2.0) == []
+    assert machine.handleLoaded([req(3)], 1, 2.0) == []
+
+
+@pytest.mark.parametrize("options", [dict(concurrency=0), dict(concurrency=True),
+                                     dict(keep=0), dict(purgeEvery=-1), dict(recheck=0)])
+def test_bad_settings_are_refused_at_once(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        DispatchMachine(**options)
