@@ -8,12 +8,15 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.internet import defer
 
-from mdp.titanic import protocol
+from mdp.errors import TitanicError, UnknownRequest, WorkerError
+from mdp.policy import Backoff
+from mdp.titanic import Titanic, TitanicClient, protocol
 from mdp.titanic.server import TitanicServer
 from mdp.titanic.store import MemoryStore
 from tests.conftest import LoopbackNet
-from tests.test_mdp_behaviour import make_client, start_broker
+from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
 
 
 async def titanic(net: LoopbackNet, store: Any = None) -> tuple[Any, Any, Any]:
@@ -65,9 +68,7 @@ async def test_malformed_bodies_get_500_saying_why(clocknet: LoopbackNet, servic
 
 class FailingStore(MemoryStore):
     def add(self, service: bytes, frames: list[bytes], now: float) -> Any:
-        from twisted.internet import defer
-
-        return defer.fail(OSError("disk full"))
+            return defer.fail(OSError("disk full"))
 
 
 @pytest_twisted.ensureDeferred
@@ -76,3 +77,127 @@ async def test_a_request_the_store_cannot_keep_is_not_acknowledged(clocknet: Loo
     reply = await clocknet.wait(client.request(protocol.REQUEST, b"echo", b"x"))
     assert reply == [protocol.FAILED, b"the store failed to store: disk full"]
     assert stored == []
+
+
+# --- the whole Titanic: services, dispatcher and store over loopback ------------------
+
+
+async def whole(net: LoopbackNet, store: Any = None,
+                **options: Any) -> tuple[Any, Any, str, Any]:
+    broker, endpoint = await start_broker(net)
+    store = store if store is not None else MemoryStore()
+    node = Titanic(endpoint, store, net.reactor, **options)
+    await net.wait(node.start())
+    net.addCleanup(node.stop)
+    await net.until(lambda: len(broker.workers) == 3)
+    client = TitanicClient(endpoint, net.reactor, pollInterval=0.5)
+    net.addCleanup(client.disconnect)
+    return broker, client, endpoint, node
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_for_a_service_with_no_worker_is_done_once_one_starts(
+        clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet, backoff=Backoff(1.0, 4.0))
+    requestId = await clocknet.wait(client.submit("upper", b"hello", b""))
+    for _ in range(30):  # asked mmi.service first: nothing waits in the broker for "upper"
+        clocknet.advance(1)
+        assert all(s.queued == 0 for s in broker.snapshot().services)
+    assert await clocknet.wait(client.poll(requestId)) is None  # still pending
+    start_worker(clocknet, endpoint, "upper", lambda frames: [f.upper() for f in frames])
+    assert await clocknet.wait(client.result(requestId)) == [b"HELLO", b""]
+    await clocknet.wait(client.close(requestId))
+    with pytest.raises(UnknownRequest):
+        await clocknet.wait(client.poll(requestId))
+
+
+@pytest_twisted.ensureDeferred
+async def test_call_is_submit_result_close(clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet)
+    start_worker(clocknet, endpoint, "echo", echo)
+    assert await clocknet.wait(client.call("echo", b"a", "b")) == [b"a", b"b"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_handler_that_raises_is_stored_and_raised_as_worker_error(
+        clocknet: LoopbackNet) -> None:
+    def broken(frames: list[bytes]) -> list[bytes]:
+        raise RuntimeError("no can do")
+
+    calls: list[int] = []
+    broker, client, endpoint, node = await whole(clocknet)
+    start_worker(clocknet, endpoint, "broken", lambda f: (calls.append(1), broken(f))[1])
+    requestId = await clocknet.wait(client.submit("broken", b"x"))
+    with pytest.raises(WorkerError, match="no can do") as raised:
+        await clocknet.wait(client.result(requestId))
+    assert raised.value.service == b"broken"
+    assert len(calls) == 1  # a final error is not retried
+
+
+@pytest_twisted.ensureDeferred
+async def test_at_most_concurrency_requests_are_out_at_once(clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet, concurrency=2)
+    held: list[defer.Deferred] = []
+
+    def slow(frames: list[bytes]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        held.append(d)
+        return d.addCallback(lambda _: frames)
+
+    for _ in range(3):
+        start_worker(clocknet, endpoint, "slow", slow)
+    ids = [await clocknet.wait(client.submit("slow", b"%d" % n)) for n in range(4)]
+    await clocknet.until(lambda: len(held) == 2)
+    clocknet.advance(5)
+    assert len(held) == 2  # three workers, but two requests out
+    held[0].callback(None)
+    await clocknet.until(lambda: len(held) == 3)
+    for d in held[1:]:
+        d.callback(None)
+    await clocknet.until(lambda: len(held) == 4)
+    held[3].callback(None)
+    replies = [await clocknet.wait(client.result(i)) for i in ids]
+    assert replies == [[b"0"], [b"1"], [b"2"], [b"3"]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_pending_work_resumes_when_titanic_starts_again(clocknet: LoopbackNet) -> None:
+    store = MemoryStore()  # outlives both Titanics, as a file outlives a process
+    broker, client, endpoint, node = await whole(clocknet, store)
+    ids = [await clocknet.wait(client.submit("later", b"%d" % n)) for n in range(3)]
+    await clocknet.wait(node.stop())
+    await clocknet.until(lambda: len(broker.workers) == 0)
+    again = Titanic(endpoint, store, clocknet.reactor)
+    await clocknet.wait(again.start())
+    clocknet.addCleanup(again.stop)
+    start_worker(clocknet, endpoint, "later", echo)
+    replies = [await clocknet.wait(client.result(i)) for i in ids]
+    assert replies == [[b"0"], [b"1"], [b"2"]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_replies_are_purged_after_the_keep_time(clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet, keep=100.0, purgeEvery=10.0)
+    start_worker(clocknet, endpoint, "echo", echo)
+    requestId = await clocknet.wait(client.submit("echo", b"x"))
+    assert await clocknet.wait(client.result(requestId)) == [b"x"]
+    clocknet.advance(50)
+    assert await clocknet.wait(client.poll(requestId)) == [b"x"]  # kept
+    clocknet.advance(70)
+    with pytest.raises(UnknownRequest):
+        await clocknet.wait(client.poll(requestId))
+
+
+@pytest_twisted.ensureDeferred
+async def test_titanic_errors_are_typed(clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet, FailingStore())
+    with pytest.raises(TitanicError, match="disk full"):
+        await clocknet.wait(client.submit("echo", b"x"))
+    with pytest.raises(UnknownRequest):
+        await clocknet.wait(client.poll(str(uuid.uuid4())))
+    with pytest.raises(ValueError, match="not a Titanic request id"):
+        client.poll("nope")
+    with pytest.raises(TypeError):
+        client.submit("echo", 3)
+    with pytest.raises(ValueError):
+        client.submit("echo")
