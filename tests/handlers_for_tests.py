@@ -14,6 +14,16 @@ def tagged(frames: list[bytes]):
     return task.deferLater(reactor, 0.005, lambda: [str(os.getpid()).encode(), *frames])
 
 
+def slow_tagged(frames: list[bytes]):
+    """:func:`tagged` after 20 ms of "work" (so a run lasts long enough to kill
+    processes in the middle of it)."""
+    import os
+
+    from twisted.internet import reactor, task
+
+    return task.deferLater(reactor, 0.02, lambda: [str(os.getpid()).encode(), *frames])
+
+
 def burst(frames: list[bytes]):
     """Stream int(frames[0]) PARTIALs in one burst, then a FINAL."""
     from mdp import Final

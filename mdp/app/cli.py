@@ -6,6 +6,15 @@
     timeout or error; 2, with one line on stderr, for a usage mistake (a bad
     endpoint among them), before anything is sent.
 
+``mdp titanic submit --broker ENDPOINT SERVICE FRAME...``
+    Store a request with Titanic; print its id.
+``mdp titanic result --broker ENDPOINT ID``
+    Print the reply frames of a stored request, one per line; exit status 3
+    (printing nothing) while it is pending, or wait for it with ``--wait``.
+    Exit status 1 for an unknown (or closed, or purged) id.
+``mdp titanic close --broker ENDPOINT ID``
+    Have Titanic forget a request and its reply.
+
 ``mdp demo``
     Start a broker, an echo worker and a client in one process over real
     ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
@@ -70,16 +79,82 @@ class DemoOptions(usage.Options):
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
 
 
+class _TitanicCommon(usage.Options):
+    optParameters: list[Any] = [
+        ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
+        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
+    ]
+
+    def postOptions(self) -> None:
+        self["brokers"] = checked_endpoints(self["broker"], transport.CONNECT, "broker")
+        if self["timeout"] <= 0:
+            raise usage.UsageError("--timeout must be positive")
+        if self["retries"] < 1:
+            raise usage.UsageError("--retries must be at least 1")
+
+
+class TitanicSubmitOptions(_TitanicCommon):
+    synopsis = "[--broker ENDPOINT] SERVICE FRAME [FRAME...]"
+
+    def parseArgs(self, service: str, *frames: str) -> None:
+        if not frames:
+            raise usage.UsageError("give at least one request frame")
+        self["service"] = service
+        self["frames"] = [f.encode("utf-8") for f in frames]
+
+
+def _request_id(value: str) -> str:
+    import uuid
+
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
+
+
+class TitanicResultOptions(_TitanicCommon):
+    synopsis = "[--broker ENDPOINT] [--wait] [--poll SECONDS] ID"
+    optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
+    optParameters: list[Any] = [
+        ["poll", "p", 1.0, "Seconds between polls with --wait.", float],
+    ]
+
+    def parseArgs(self, requestId: str) -> None:
+        self["id"] = _request_id(requestId)
+
+
+class TitanicCloseOptions(_TitanicCommon):
+    synopsis = "[--broker ENDPOINT] ID"
+
+    def parseArgs(self, requestId: str) -> None:
+        self["id"] = _request_id(requestId)
+
+
+class TitanicOptions(usage.Options):
+    synopsis = "mdp titanic submit|result|close [options]"
+    subCommands = [
+        ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
+        ["result", None, TitanicResultOptions, "Print a stored request's reply."],
+        ["close", None, TitanicCloseOptions, "Forget a request and its reply."],
+    ]
+
+    def postOptions(self) -> None:
+        if self.subCommand is None:
+            raise usage.UsageError("choose a command: submit, result or close")
+
+
 class Options(usage.Options):
-    synopsis = "mdp call|demo [options]"
+    synopsis = "mdp call|titanic|demo [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
+        ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
         ["demo", None, DemoOptions, "Broker + echo worker + client, in one process."],
     ]
 
     def postOptions(self) -> None:
         if self.subCommand is None:
-            raise usage.UsageError("choose a command: call or demo")
+            raise usage.UsageError("choose a command: call, titanic or demo")
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
@@ -102,6 +177,42 @@ async def call(reactor: Any, options: CallOptions) -> None:
     for frame in reply:
         print(_show(frame))
     sys.stdout.flush()
+
+
+#: ``mdp titanic result`` while the reply is not there yet
+EXIT_PENDING = 3
+
+
+async def titanic(reactor: Any, options: TitanicOptions) -> None:
+    from mdp.titanic import TitanicClient
+
+    command, sub = options.subCommand, options.subOptions
+    client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
+                           retries=sub["retries"])
+    status = 0
+    try:
+        if command == "submit":
+            print(await client.submit(sub["service"], *sub["frames"]))
+        elif command == "result":
+            if sub["wait"]:
+                reply = await client.result(sub["id"], pollInterval=sub["poll"])
+            else:
+                reply = await client.poll(sub["id"])
+            if reply is None:
+                status = EXIT_PENDING
+            else:
+                for frame in reply:
+                    print(_show(frame))
+        else:
+            await client.close(sub["id"])
+    except MDPError as e:
+        print(f"mdp titanic {command}: {e}", file=sys.stderr)
+        status = 1
+    finally:
+        await client.disconnect()
+    sys.stdout.flush()
+    if status:
+        raise SystemExit(status)
 
 
 async def demo(reactor: Any, options: DemoOptions) -> None:
@@ -142,10 +253,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
     except usage.UsageError as e:
-        command = f"mdp {options.subCommand}" if options.subCommand else "mdp"
+        words = ["mdp"]
+        if options.subCommand:
+            words.append(options.subCommand)
+            inner = getattr(options.subOptions, "subCommand", None)
+            if inner:
+                words.append(inner)
+        command = " ".join(words)
         print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
-    command = call if options.subCommand == "call" else demo
+    command = {"call": call, "titanic": titanic, "demo": demo}[options.subCommand]
     task.react(lambda reactor: defer.ensureDeferred(command(reactor, options.subOptions)))
 
 

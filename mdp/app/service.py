@@ -1,4 +1,5 @@
-"""Twisted services, to add a broker or a worker to an existing Application."""
+"""Twisted services, to add a broker, a worker, a Freelance server or Titanic
+to an existing Application."""
 
 from __future__ import annotations
 
@@ -141,3 +142,35 @@ class FreelanceServerService(Service):
         super().stopService()
         return self.server.close()
 
+
+
+class TitanicService(Service):
+    """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and
+    store.  A store that cannot be opened (a damaged or unreadable file) is
+    logged; with *exitOnFailure* (as ``twist mdp-titanic`` uses it) the
+    process then exits with status 1 instead of idling without its data."""
+
+    def __init__(self, broker: Union[str, Sequence[str]], store: Any,
+                 reactor: Optional[Any] = None, *, exitOnFailure: bool = False,
+                 **titanicOptions: Any) -> None:
+        from mdp.titanic import Titanic
+
+        self.titanic = Titanic(broker, store, reactor, **titanicOptions)
+        self.exitOnFailure = exitOnFailure
+
+    def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return self.titanic.start().addErrback(self._failed)
+
+    def _failed(self, failure: Failure) -> Optional[Failure]:
+        log.critical("Titanic cannot start: {error}", error=failure.getErrorMessage())
+        if not self.exitOnFailure:
+            return failure
+        reactor = self.titanic.reactor
+        reactor.addSystemEventTrigger("after", "shutdown", _exit, 1)
+        reactor.callWhenRunning(reactor.stop)
+        return None
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self.titanic.stop()

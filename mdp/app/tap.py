@@ -1,6 +1,6 @@
-"""Command-line options and service makers behind ``twist mdp-broker`` and
-``twist mdp-worker`` (the plugin module in ``twisted/plugins`` only exposes
-them)."""
+"""Command-line options and service makers behind ``twist mdp-broker``,
+``twist mdp-worker``, ``twist mdp-freelance-server`` and ``twist mdp-titanic``
+(the plugin module in ``twisted/plugins`` only exposes them)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from mdp.errors import TransportError
 from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.majordomo import broker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from mdp.titanic import dispatcher as titanic_dispatcher
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 
@@ -248,3 +249,66 @@ class FreelanceServerServiceMaker:
                                       limits=limits_of(options), maxPending=options["max-pending"],
                                       maxPendingBytes=options["max-pending-bytes"])
 
+
+
+def _concurrency(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return number
+
+
+_concurrency.coerceDoc = "A whole number, at least 1."  # type: ignore[attr-defined]
+
+
+class TitanicOptions(_HeartbeatOptions):
+    """Options of ``twist mdp-titanic``."""
+
+    synopsis = "--broker ENDPOINT --db PATH|:memory: [--concurrency N]"
+    longdesc = (
+        "Run Titanic: the titanic.request, titanic.reply and titanic.close services "
+        "and the dispatcher that sends stored requests to their services.  --db is a "
+        "SQLite file (made if missing; WAL, synchronous=FULL) or :memory: (fast, lost "
+        "with the process)."
+    )
+    optParameters: list[Any] = _HeartbeatOptions.optParameters + [
+        ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint; repeat with commas for failover."],
+        ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
+        ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
+         "Stored requests out to their services at once.", _concurrency],
+        ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
+         "Seconds one attempt of a stored request may take before it is tried again.",
+         _positive],
+        ["backoff-max", None, titanic_dispatcher.DEFAULT_BACKOFF.maximum,
+         "Longest wait before asking again about a service with no worker.", _positive],
+        ["keep", None, titanic_dispatcher.DEFAULT_KEEP,
+         "Seconds a reply is kept after it is stored, then purged.", _positive],
+    ] + _MESSAGE_OPTIONS
+
+    def postOptions(self) -> None:
+        checked_endpoints(self["broker"], transport.CONNECT, "broker")
+        if not self["db"]:
+            raise usage.UsageError("--db: give a database file, or :memory:")
+
+
+@implementer(IServiceMaker, IPlugin)
+class TitanicServiceMaker:
+    tapname = "mdp-titanic"
+    description = "Titanic: disk-backed, disconnected requests through an MDP broker."
+    options = TitanicOptions
+
+    def makeService(self, options: TitanicOptions) -> Any:
+        from mdp.app.service import TitanicService
+
+        return TitanicService(
+            checked_endpoints(options["broker"], transport.CONNECT, "broker"),
+            options["db"],
+            concurrency=options["concurrency"],
+            timeout=options["timeout"],
+            backoff=Backoff(titanic_dispatcher.DEFAULT_BACKOFF.initial,
+                            max(options["backoff-max"], titanic_dispatcher.DEFAULT_BACKOFF.initial)),
+            keep=options["keep"],
+            heartbeat=options.heartbeatPolicy(),
+            limits=limits_of(options),
+            exitOnFailure=True,
+        )

@@ -156,6 +156,11 @@ class Titanic:
         self._started = True
         self.server.start()
         self.dispatcher.start()
+        where = getattr(self.store, "path", None)
+        log.info("Titanic started: store {store}, {concurrency} request(s) out at once, "
+                 "broker {broker}", store=where or type(self.store).__name__,
+                 concurrency=self.dispatcher.concurrency,
+                 broker=" or ".join(self.dispatcher.client.endpoints))
 
     def start(self) -> defer.Deferred[None]:
         """Open the store (failing with :class:`~mdp.errors.StoreError` if it

@@ -1,0 +1,154 @@
+"""Titanic with real processes over ZeroMQ: nothing it acknowledged is lost
+when its client, its workers, the broker or Titanic itself are killed."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+from typing import Any
+
+import pytest
+import pytest_twisted
+
+from mdp.titanic import TitanicClient
+from tests.procs import (
+    ENV,
+    Cluster,
+    Process,
+    bounded,
+    python,
+    reactor,
+    script,
+    wait_until,
+)
+
+SLOW_TAGGED = "tests.handlers_for_tests:slow_tagged"
+
+
+def start_titanic(endpoint: str, db: str) -> Process:
+    return Process(reactor(), [script("twist"), "--log-format", "text", "mdp-titanic",
+                               "--broker", endpoint, "--db", db, "--concurrency", "4",
+                               "--timeout", "2", "--backoff-max", "1",
+                               "--heartbeat", "0.25", "--liveness", "4"], ENV)
+
+
+async def titanic_up(cluster: Cluster, db: str) -> Process:
+    titanic = start_titanic(cluster.endpoint, db)
+    await bounded(titanic.waitFor("Titanic started", timeout=60), 60)
+    broker = cluster.broker
+    assert broker is not None
+    ready = broker.output.count(b"ready for b'titanic.request'")
+    await wait_until(lambda: broker.output.count(b"ready for b'titanic.request'") > ready, 30)
+    return titanic
+
+
+async def kill(proc: Process) -> None:
+    proc.signalProcess(signal.SIGKILL)
+    await proc.ended(30)
+
+
+def done(db: str) -> int:
+    """Replies committed so far (read as another process would: read-only)."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+        return conn.execute("SELECT count(*) FROM requests WHERE reply IS NOT NULL").fetchone()[0]
+
+
+@pytest.mark.timeout(300)
+@pytest_twisted.ensureDeferred
+async def test_500_requests_survive_killed_clients_workers_titanic_and_broker(
+        tmp_path: Any) -> None:
+    db, ids = str(tmp_path / "titanic.db"), str(tmp_path / "ids")
+    cluster = Cluster()
+    titanics: list[Process] = []
+    helpers: list[Process] = []
+    try:
+        await cluster.startBroker("zmq:tcp://127.0.0.1:*")
+        titanics.append(await titanic_up(cluster, db))
+        # a client submits 500 requests to a service with no worker, and goes away
+        submitter = Process(reactor(), python("-m", "tests.titanic_clients", "submit",
+                                              cluster.endpoint, "work", "500", ids), ENV)
+        helpers.append(submitter)
+        await bounded(submitter.waitFor("submitted 500", timeout=120), 120)
+        await bounded(submitter.ended(30), 30)
+        assert submitter.exitCode == 0 and done(db) == 0
+
+        # workers start later; everything gets killed while Titanic dispatches
+        for _ in range(2):
+            cluster.startWorker("work", SLOW_TAGGED)
+        await wait_until(lambda: done(db) >= 40, 60)
+        await kill(cluster.workers[0])
+        cluster.startWorker("work", SLOW_TAGGED)
+
+        await wait_until(lambda: done(db) >= 100, 60)
+        await kill(titanics[-1])
+        titanics.append(await titanic_up(cluster, db))
+
+        await wait_until(lambda: done(db) >= 200, 60)
+        first = cluster.broker
+        assert first is not None
+        await kill(first)
+        await cluster.startBroker(cluster.endpoint)  # the same endpoint
+
+        await wait_until(lambda: done(db) >= 300, 60)
+        await kill(cluster.workers[1])
+        cluster.startWorker("work", SLOW_TAGGED)
+        await kill(titanics[-1])
+        titanics.append(await titanic_up(cluster, db))
+
+        # a new client process collects all 500 replies by id
+        collector = Process(reactor(), python("-m", "tests.titanic_clients", "collect",
+                                              cluster.endpoint, ids), ENV)
+        helpers.append(collector)
+        await bounded(collector.ended(180), 180)
+        assert collector.exitCode == 0, collector.output.decode(errors="replace")
+        assert b"collected 500 ok" in collector.output
+        assert done(db) == 500
+        assert len(titanics) == 3 and not titanics[0].running and not titanics[1].running
+    finally:
+        for proc in helpers + titanics:
+            await proc.stop()
+        await cluster.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest_twisted.ensureDeferred
+async def test_a_request_acknowledged_just_before_titanic_is_killed_is_done(
+        tmp_path: Any) -> None:
+    db = str(tmp_path / "titanic.db")
+    cluster = Cluster()
+    titanics: list[Process] = []
+    client = None
+    try:
+        await cluster.startBroker("zmq:tcp://127.0.0.1:*")
+        titanics.append(await titanic_up(cluster, db))
+        client = TitanicClient(cluster.endpoint, reactor(), pollInterval=0.1)
+        requestId = await bounded(client.submit("work", b"keep me"), 30)
+        titanics[0].signalProcess(signal.SIGKILL)  # the moment the 200 arrived
+        await titanics[0].ended(30)
+
+        titanics.append(await titanic_up(cluster, db))
+        cluster.startWorker("work", SLOW_TAGGED)
+        reply = await bounded(client.result(requestId), 60)
+        assert reply[1] == b"keep me"
+    finally:
+        if client is not None:
+            await client.disconnect()
+        for proc in titanics:
+            await proc.stop()
+        await cluster.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_damaged_database_stops_titanic_with_a_clear_error(tmp_path: Any) -> None:
+    db = tmp_path / "titanic.db"
+    db.write_bytes(b"this is not a database, it is a shopping list\n" * 100)
+    titanic = start_titanic("zmq:tcp://127.0.0.1:5", str(db))
+    try:
+        await bounded(titanic.ended(30), 30)
+        assert titanic.exitCode == 1
+        assert str(db).encode() in titanic.output
+        assert b"Titanic cannot start" in titanic.output
+        assert db.read_bytes().startswith(b"this is not a database")  # left as it was
+    finally:
+        await titanic.stop()
