@@ -29,3 +29,17 @@ async def test_embedded_broker_serves_through_a_factory_on_our_own_port() -> Non
     example = load("embedded_broker")
     reply = await example.main(reactor, "tcp:0:interface=127.0.0.1")
     assert reply == [b"HELLO FROM YOUR OWN SERVER"]
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_titanic_example_keeps_a_request_until_a_worker_comes(tmp_path) -> None:
+    """examples/titanic.py: the request is stored in the given file, pending
+    while no worker offers the service, and done once one does."""
+    from twisted.internet import reactor
+
+    example = load("titanic")
+    database = tmp_path / "example.db"
+    reply = await example.main(reactor, str(database))
+    assert reply == [b"HELLO, WHENEVER YOU CAN"]
+    assert database.exists()

@@ -207,6 +207,7 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),
     "mdp.app.tap.WorkerServiceMaker": _maker("WorkerServiceMaker"),
     "mdp.app.tap.FreelanceServerServiceMaker": _maker("FreelanceServerServiceMaker"),
+    "mdp.app.tap.TitanicServiceMaker": _maker("TitanicServiceMaker"),
 }
 
 
@@ -235,7 +236,8 @@ def test_twisted_plugins_verify() -> None:
     from twisted.plugin import IPlugin, getPlugins
 
     makers = [p for p in getPlugins(IServiceMaker) if p.tapname.startswith("mdp-")]
-    assert sorted(p.tapname for p in makers) == ["mdp-broker", "mdp-freelance-server", "mdp-worker"]
+    assert sorted(p.tapname for p in makers) == ["mdp-broker", "mdp-freelance-server", "mdp-titanic",
+                                                         "mdp-worker"]
     for maker in makers:
         verifyObject(IServiceMaker, maker)
         verifyObject(IPlugin, maker)

@@ -152,3 +152,39 @@ async def test_a_damaged_database_stops_titanic_with_a_clear_error(tmp_path: Any
         assert db.read_bytes().startswith(b"this is not a database")  # left as it was
     finally:
         await titanic.stop()
+
+
+async def mdp(*args: str) -> Process:
+    proc = Process(reactor(), [script("mdp"), *args], ENV)
+    await bounded(proc.ended(60), 60)
+    return proc
+
+
+@pytest.mark.timeout(120)
+@pytest_twisted.ensureDeferred
+async def test_the_mdp_titanic_commands(tmp_path: Any) -> None:
+    cluster = Cluster()
+    titanic = None
+    try:
+        await cluster.startBroker("zmq:tcp://127.0.0.1:*")
+        titanic = await titanic_up(cluster, ":memory:")
+        broker = ("--broker", cluster.endpoint)
+        submitted = await mdp("titanic", "submit", *broker, "work", "one", "two")
+        assert submitted.exitCode == 0, submitted.output
+        requestId = submitted.output.decode().strip()
+        assert len(requestId) == 36, submitted.output
+        pending = await mdp("titanic", "result", *broker, requestId)
+        assert pending.exitCode == 3 and pending.output == b""
+        cluster.startWorker("work", SLOW_TAGGED)
+        result = await mdp("titanic", "result", *broker, "--wait", "--poll", "0.1", requestId)
+        assert result.exitCode == 0 and result.output.decode().splitlines()[1:] == ["one", "two"]
+        closed = await mdp("titanic", "close", *broker, requestId)
+        assert closed.exitCode == 0 and closed.output == b""
+        unknown = await mdp("titanic", "result", *broker, requestId)
+        assert unknown.exitCode == 1 and b"knows no request" in unknown.output
+        bad = await mdp("titanic", "result", *broker, "12345")
+        assert bad.exitCode == 2 and b"not a request id" in bad.output
+    finally:
+        if titanic is not None:
+            await titanic.stop()
+        await cluster.stop()
