@@ -53,6 +53,7 @@ async def test_request_reply_close_dialog(clocknet: LoopbackNet) -> None:
     (protocol.REQUEST, [b"", b"x"], b"service name of 0 bytes"),
     (protocol.REQUEST, [b"ech\xffo", b"x"], b"not printable ASCII"),
     (protocol.REQUEST, [b"titanic.request", b"x"], b"Titanic's own service"),
+    (protocol.REQUEST, [b"mmi.service", b"echo"], b"answered by the broker at once"),
     (protocol.REPLY, [b"not-a-uuid"], b"is not a request id"),
     (protocol.REPLY, [b"a", b"b"], b"takes one frame"),
     (protocol.CLOSE, [b"{12345678-1234-5678-1234-567812345678}"], b"RFC 4122 text form"),

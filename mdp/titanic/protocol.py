@@ -12,9 +12,10 @@ service                request body                 reply
 =====================  ===========================  ==========================================
 
 A request id is an RFC 4122 UUID as text (``8-4-4-4-12`` hex digits).  A
-malformed body (no service name, an empty or non-ASCII one, no request frame,
-an id that is not a UUID, extra frames) is answered ``500`` + a message
-frame saying what is wrong; a store that fails is answered ``500`` too.
+malformed body (no service name, an empty or non-ASCII one, Titanic's own or
+an ``mmi.*`` service, no request frame, an id that is not a UUID, extra
+frames) is answered ``500`` + a message frame saying what is wrong; a store
+that fails is answered ``500`` too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def parse_request(body: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
         raise MalformedTitanicRequest(f"service name {service!r} is not printable ASCII")
     if service.startswith(b"titanic."):
         raise MalformedTitanicRequest(f"{service.decode('ascii')} is Titanic's own service")
+    if service.startswith(b"mmi."):
+        raise MalformedTitanicRequest(f"{service.decode('ascii')} is answered by the broker at "
+                                      f"once; call it directly")
     return service, [bytes(f) for f in body[1:]]
 
 
