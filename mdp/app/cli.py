@@ -44,20 +44,14 @@ def _show(frame: bytes) -> str:
     return text if text.isprintable() else repr(frame)
 
 
-class CallOptions(usage.Options):
-    synopsis = "[--broker ENDPOINT] [--timeout S] [--retries N] SERVICE FRAME [FRAME...]"
+class _ClientOptions(usage.Options):
+    """What every command that talks to a broker takes."""
+
     optParameters: list[Any] = [
         ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
     ]
-
-    def parseArgs(self, service: str, *frames: str) -> None:
-        if not frames:
-            raise usage.UsageError("give at least one request frame")
-        self["service"] = service
-        self["frames"] = [f.encode("utf-8") for f in frames]
 
     def postOptions(self) -> None:
         self["brokers"] = checked_endpoints(self["broker"], transport.CONNECT, "broker")
@@ -65,6 +59,32 @@ class CallOptions(usage.Options):
             raise usage.UsageError("--timeout must be positive")
         if self["retries"] < 1:
             raise usage.UsageError("--retries must be at least 1")
+
+
+class _RequestOptions(_ClientOptions):
+    """A service and its request frames, as arguments."""
+
+    def parseArgs(self, service: str, *frames: str) -> None:
+        if not frames:
+            raise usage.UsageError("give at least one request frame")
+        self["service"] = service
+        self["frames"] = [f.encode("utf-8") for f in frames]
+
+
+class _Commands(usage.Options):
+    """Options that are only a choice of sub-command."""
+
+    def postOptions(self) -> None:
+        if self.subCommand is None:
+            names = [command[0] for command in self.subCommands]
+            raise usage.UsageError(f"choose a command: {', '.join(names[:-1])} or {names[-1]}")
+
+
+class CallOptions(_RequestOptions):
+    synopsis = "[--broker ENDPOINT] [--timeout S] [--retries N] SERVICE FRAME [FRAME...]"
+    optParameters: list[Any] = [
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
+    ]
 
 
 class DemoOptions(usage.Options):
@@ -79,29 +99,8 @@ class DemoOptions(usage.Options):
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
 
 
-class _TitanicCommon(usage.Options):
-    optParameters: list[Any] = [
-        ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
-        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
-        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
-    ]
-
-    def postOptions(self) -> None:
-        self["brokers"] = checked_endpoints(self["broker"], transport.CONNECT, "broker")
-        if self["timeout"] <= 0:
-            raise usage.UsageError("--timeout must be positive")
-        if self["retries"] < 1:
-            raise usage.UsageError("--retries must be at least 1")
-
-
-class TitanicSubmitOptions(_TitanicCommon):
+class TitanicSubmitOptions(_RequestOptions):
     synopsis = "[--broker ENDPOINT] SERVICE FRAME [FRAME...]"
-
-    def parseArgs(self, service: str, *frames: str) -> None:
-        if not frames:
-            raise usage.UsageError("give at least one request frame")
-        self["service"] = service
-        self["frames"] = [f.encode("utf-8") for f in frames]
 
 
 def _request_id(value: str) -> str:
@@ -113,7 +112,7 @@ def _request_id(value: str) -> str:
         raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
 
 
-class TitanicResultOptions(_TitanicCommon):
+class TitanicResultOptions(_ClientOptions):
     synopsis = "[--broker ENDPOINT] [--wait] [--poll SECONDS] ID"
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [
@@ -124,14 +123,14 @@ class TitanicResultOptions(_TitanicCommon):
         self["id"] = _request_id(requestId)
 
 
-class TitanicCloseOptions(_TitanicCommon):
+class TitanicCloseOptions(_ClientOptions):
     synopsis = "[--broker ENDPOINT] ID"
 
     def parseArgs(self, requestId: str) -> None:
         self["id"] = _request_id(requestId)
 
 
-class TitanicOptions(usage.Options):
+class TitanicOptions(_Commands):
     synopsis = "mdp titanic submit|result|close [options]"
     subCommands = [
         ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
@@ -139,22 +138,14 @@ class TitanicOptions(usage.Options):
         ["close", None, TitanicCloseOptions, "Forget a request and its reply."],
     ]
 
-    def postOptions(self) -> None:
-        if self.subCommand is None:
-            raise usage.UsageError("choose a command: submit, result or close")
 
-
-class Options(usage.Options):
+class Options(_Commands):
     synopsis = "mdp call|titanic|demo [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
         ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
         ["demo", None, DemoOptions, "Broker + echo worker + client, in one process."],
     ]
-
-    def postOptions(self) -> None:
-        if self.subCommand is None:
-            raise usage.UsageError("choose a command: call, titanic or demo")
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
