@@ -16,6 +16,8 @@ Roles:
   inproc  MODE N WARMUP SIZE CLIENTS WORKERS [WINDOW] (everything over loopback, one process)
   fserver BIND                                (a Freelance echo server; READY <endpoint>)
   fclient MODEL N WARMUP ENDPOINT...          (a Freelance client of model 1, 2 or 3)
+  tclient ENDPOINT N WARMUP SIZE WINDOW POLL  (a Titanic client, two timed phases: see
+                                               titanic_client)
 """
 
 from __future__ import annotations
@@ -416,6 +418,79 @@ def freelance_client(model: int, n: int, warmup: int, endpoints: list[str]) -> N
     timed(run, n, warmup, client.close)
 
 
+# --- Titanic ------------------------------------------------------------------
+
+def titanic_client(endpoint: str, n: int, warmup: int, size: int, window: int,
+                   poll: float) -> None:
+    """A :class:`~mdp.titanic.TitanicClient` timed in two phases, each after
+    its own READY / GO (so that the caller can read Titanic's CPU around each):
+
+    1. *stored*: *n* submits one after the other (each awaited: the request is
+       committed when it fires); RESULT with each submit's latency.
+    2. *end-to-end*: *n* submits with up to *window* outstanding, then the *n*
+       replies collected with ``result`` (polling every *poll* seconds), again
+       up to *window* at once; RESULT with when the submits were all acknowledged.
+
+    Between the phases the requests of phase 1 are collected and closed
+    (untimed), so phase 2 starts with an idle Titanic and an empty store.
+    Nothing is closed while timed."""
+    from twisted.internet import defer, task, threads
+
+    from mdp.titanic import TitanicClient
+
+    body = b"x" * size
+    clock = time.perf_counter
+
+    async def windowed(items: list[Any], one: Any, width: int) -> list[Any]:
+        """``await one(item)`` for every item, at most *width* at once; the
+        results in the items' order."""
+        results: list[Any] = [None] * len(items)
+        positions = iter(range(len(items)))
+
+        async def lane() -> None:
+            for i in positions:
+                results[i] = await one(items[i])
+
+        await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(width)])
+        return results
+
+    async def main(reactor: Any) -> None:
+        client = TitanicClient(endpoint, reactor, pollInterval=poll, timeout=60, retries=1)
+        for _ in range(warmup):  # the dispatcher's mmi.service check, connections, the store
+            await client.call(SERVICE, body)
+        emit("READY")
+
+        await threads.deferToThread(wait_go)
+        latencies: list[float] = []
+        ids: list[str] = []
+        cpu0, start = time.process_time(), time.time()
+        for _ in range(n):
+            t0 = clock()
+            ids.append(await client.submit(SERVICE, body))
+            latencies.append(clock() - t0)
+        result(latencies, start, time.time(), time.process_time() - cpu0)
+
+        async def collect_and_close(requestId: str) -> None:
+            await client.result(requestId)
+            await client.close(requestId)
+
+        await windowed(ids, collect_and_close, window)
+
+        emit("READY")
+        await threads.deferToThread(wait_go)
+        cpu0, start = time.process_time(), time.time()
+        ids = await windowed(list(range(n)), lambda _: client.submit(SERVICE, body), window)
+        submitted = time.time()
+        replies = await windowed(ids, client.result, window)
+        end, cpu = time.time(), time.process_time() - cpu0
+        if any(reply != [body] for reply in replies):
+            raise SystemExit("a Titanic reply is not the echo of its request")
+        result([], start, end, cpu, submitted=submitted)
+        await client.disconnect()
+
+    task.react(lambda r: defer.ensureDeferred(main(r)))
+
+
 def main(argv: list[str]) -> None:
     role, rest = argv[0], argv[1:]
     options: dict[str, str] = {}
@@ -453,6 +528,9 @@ def main(argv: list[str]) -> None:
         freelance_server(args[0])
     elif role == "fclient":
         freelance_client(int(args[0]), int(args[1]), int(args[2]), args[3:])
+    elif role == "tclient":
+        titanic_client(args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4]),
+                       float(args[5]))
     elif role == "inproc":
         inproc(args[0], *map(int, args[1:]))
     else:

@@ -86,3 +86,19 @@ def test_framing_benchmark_smoke_run(tmp_path) -> None:
     assert row["pieces"] > 1000
     for name in ("ours", "twisted_int32"):
         assert row[name]["trickle_s"] > 0 and row[name]["whole_s"] > 0
+
+
+def test_titanic_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "titanic.json"
+    proc = smoke_run("benchmarks.titanic", out, 300)
+    assert "| case |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and report["repetitions"] == 1
+    cases = {"plain Client.request", "titanic stored / sqlite", "titanic end-to-end / sqlite",
+             "titanic stored / memory", "titanic end-to-end / memory"}
+    assert set(report["cases"]) == cases
+    for name, case in report["cases"].items():
+        assert case["rate"] > 0, name
+        assert len(case["runs"]) == 1, name
+    assert set(report["ratios_to_plain"]) == cases - {"plain Client.request"}
+    assert all(value > 0 for value in report["ratios_to_plain"].values())
