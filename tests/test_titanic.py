@@ -27,7 +27,7 @@ async def titanic(net: LoopbackNet, store: Any = None) -> tuple[Any, Any, Any]:
     server = TitanicServer(endpoint, store, net.reactor, onStored=stored.append)
     server.start()
     net.addCleanup(server.stop)
-    await net.until(lambda: len(broker.workers) == 3)
+    await net.until(lambda: len(broker.workers) == len(server.workers) == 12)
     return make_client(net, endpoint), store, stored
 
 
@@ -90,7 +90,7 @@ async def whole(net: LoopbackNet, store: Any = None,
     node = Titanic(endpoint, store, net.reactor, **options)
     await net.wait(node.start())
     net.addCleanup(node.stop)
-    await net.until(lambda: len(broker.workers) == 3)
+    await net.until(lambda: len(broker.workers) == len(node.server.workers))
     client = TitanicClient(endpoint, net.reactor, pollInterval=0.5)
     net.addCleanup(client.disconnect)
     return broker, client, endpoint, node
@@ -202,3 +202,33 @@ async def test_titanic_errors_are_typed(clocknet: LoopbackNet) -> None:
         client.submit("echo", 3)
     with pytest.raises(ValueError):
         client.submit("echo")
+
+
+class HeldStore(MemoryStore):
+    """Adds are committed only when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[defer.Deferred] = []
+
+    def add(self, service: bytes, frames: list[bytes], now: float) -> Any:
+        d: defer.Deferred = defer.Deferred()
+        self.held.append(d)
+        return d.addCallback(lambda _: super(HeldStore, self).add(service, frames, now))
+
+
+@pytest_twisted.ensureDeferred
+async def test_submissions_are_stored_several_at_once_and_acknowledged_only_once_committed(
+        clocknet: LoopbackNet) -> None:
+    store = HeldStore()
+    broker, client, endpoint, node = await whole(clocknet, store, workers=3)
+    submits = [client.submit("echo", b"%d" % n) for n in range(4)]
+    await clocknet.until(lambda: len(store.held) == 3)  # three workers, three at once
+    clocknet.advance(1)
+    assert len(store.held) == 3 and not any(d.called for d in submits)
+    for d in list(store.held):
+        d.callback(None)
+    await clocknet.until(lambda: len(store.held) == 4)
+    store.held[3].callback(None)
+    ids = [await clocknet.wait(d) for d in submits]
+    assert len(set(ids)) == 4

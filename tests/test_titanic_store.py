@@ -112,3 +112,27 @@ async def test_pending_leaves_out_parked_services_and_held_requests(store: Any) 
     assert [p.id for p in await store.pending(10, skipServices=[b"down"])] == [a, c, d]
     assert [p.id for p in await store.pending(10, skipIds=[a, d])] == [b, c]
     assert [p.id for p in await store.pending(1, skipServices=[b"echo"], skipIds=[b])] == [d]
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_sqlite_commits_concurrent_writes_together_and_close_waits_for_them(
+        tmp_path: Any) -> None:
+    path = str(tmp_path / "titanic.db")
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    commits: list[int] = []
+    commit = store._commit
+    store._commit = lambda statements: (commits.append(len(statements)), commit(statements))[1]
+    adds = [store.add(b"echo", [b"%d" % n], float(n)) for n in range(20)]
+    closed = store.close()  # asked before any of the adds is committed
+    ids = [await d for d in adds]
+    await closed
+    assert len(commits) < 20 and sum(commits) == 20  # fewer transactions than writes
+    again = SQLiteStore(path, reactor())
+    await again.open()
+    try:
+        pending = await again.pending(100)
+        assert [p.id for p in pending] == ids and pending[19].frames == [b"19"]
+    finally:
+        await again.close()

@@ -18,6 +18,7 @@ from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.majordomo import broker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
 from mdp.titanic import dispatcher as titanic_dispatcher
+from mdp.titanic import server as titanic_server
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 
@@ -283,6 +284,8 @@ class TitanicOptions(_HeartbeatOptions):
          "Longest wait before asking again about a service with no worker.", _positive],
         ["keep", None, titanic_dispatcher.DEFAULT_KEEP,
          "Seconds a reply is kept after it is stored, then purged.", _positive],
+        ["service-workers", None, titanic_server.DEFAULT_SERVICE_WORKERS,
+         "MDP workers per Titanic service (requests stored at once).", _concurrency],
     ] + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
@@ -308,6 +311,7 @@ class TitanicServiceMaker:
             backoff=Backoff(titanic_dispatcher.DEFAULT_BACKOFF.initial,
                             max(options["backoff-max"], titanic_dispatcher.DEFAULT_BACKOFF.initial)),
             keep=options["keep"],
+            workers=options["service-workers"],
             heartbeat=options.heartbeatPolicy(),
             limits=limits_of(options),
             exitOnFailure=True,

@@ -24,11 +24,17 @@ from mdp.titanic.store import ITitanicStore, MemoryStore, ReplyStatus, SQLiteSto
 
 log = Logger()
 
+#: MDP workers per Titanic service: requests stored (and replies read) at once,
+#: so that commits of concurrent submissions share one transaction
+DEFAULT_SERVICE_WORKERS = 4
+
 
 class TitanicServer:
     """The Titanic services of one store, registered with the broker at
-    *broker* (one endpoint or a failover list).  :meth:`start` connects,
-    :meth:`stop` disconnects; the store is the caller's to open and close."""
+    *broker* (one endpoint or a failover list), each served by *workers* MDP
+    workers (so that several requests are stored at once).  :meth:`start`
+    connects, :meth:`stop` disconnects; the store is the caller's to open and
+    close."""
 
     def __init__(
         self,
@@ -37,10 +43,13 @@ class TitanicServer:
         reactor: Optional[Any] = None,
         *,
         onStored: Optional[Callable[[str], Any]] = None,
+        workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
         limits: Limits = Limits(),
     ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a whole number of at least 1, got {workers!r}")
         self.reactor = default_reactor(reactor)
         self.store = store
         self.onStored = onStored
@@ -48,7 +57,7 @@ class TitanicServer:
                     protocol.CLOSE: self.close}
         self.workers = [Worker(broker, name, handler, self.reactor, heartbeat=heartbeat,
                                backoff=backoff, limits=limits)
-                        for name, handler in handlers.items()]
+                        for name, handler in handlers.items() for _ in range(workers)]
 
     def start(self) -> None:
         for worker in self.workers:
@@ -125,7 +134,8 @@ class Titanic:
     (see :func:`open_store`); Titanic opens it in :meth:`start` and closes it
     in :meth:`stop`.  *concurrency* requests go out at once, each attempt for
     at most *timeout* seconds; a parked service is asked again after
-    *backoff*; replies are kept *keep* seconds after they are stored."""
+    *backoff*; replies are kept *keep* seconds after they are stored; each
+    Titanic service has *workers* MDP workers."""
 
     def __init__(
         self,
@@ -138,6 +148,7 @@ class Titanic:
         backoff: Backoff = dispatcher.DEFAULT_BACKOFF,
         keep: float = dispatcher.DEFAULT_KEEP,
         purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
+        workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         limits: Limits = Limits(),
     ) -> None:
@@ -147,8 +158,8 @@ class Titanic:
                                      timeout=timeout, backoff=backoff, keep=keep,
                                      purgeEvery=purgeEvery, limits=limits)
         self.server = TitanicServer(broker, self.store, self.reactor,
-                                    onStored=self.dispatcher.stored, heartbeat=heartbeat,
-                                    limits=limits)
+                                    onStored=self.dispatcher.stored, workers=workers,
+                                    heartbeat=heartbeat, limits=limits)
         self._started = False
 
     async def _start(self) -> None:

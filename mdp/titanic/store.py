@@ -4,7 +4,10 @@
   ``synchronous=FULL``, so a request is on disk (its WAL frame fsynced) when
   :meth:`~ITitanicStore.add` fires, and survives a killed process or a power
   loss.  All database work runs on one writer thread of its own, so the
-  reactor never waits on the disk.  A file that is not a database, or fails
+  reactor never waits on the disk.  Writes that arrive while a commit is
+  under way are committed together in the next transaction (group commit:
+  one fsync for many requests); each write's Deferred fires once its
+  transaction is committed.  A file that is not a database, or fails
   SQLite's ``quick_check``, refuses to open with :class:`~mdp.errors.StoreError`
   naming the file: never silent loss.
 * :class:`MemoryStore`: the Guide's "faster and less reliable" mode; gone with
@@ -20,11 +23,11 @@ import enum
 import os
 import sqlite3
 import uuid
-from collections import OrderedDict
 from typing import Any, Collection, Optional
 
 import attrs
 from twisted.internet import defer, threads
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from zope.interface import Interface, implementer
 
@@ -97,7 +100,12 @@ class MemoryStore:
 
     def __init__(self) -> None:
         #: id -> [service, frames, created, reply or None, completed]
-        self._entries: OrderedDict[str, list[Any]] = OrderedDict()
+        self._entries: dict[str, list[Any]] = {}
+        #: the ids without a reply, oldest first (so reading them costs no
+        #: pass over the replies kept)
+        self._pending: dict[str, None] = {}
+        #: the ids with a reply, in the order they got it (what purge drops first)
+        self._done: dict[str, float] = {}
 
     def open(self) -> defer.Deferred[None]:
         return defer.succeed(None)
@@ -105,16 +113,18 @@ class MemoryStore:
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
         requestId = new_id()
         self._entries[requestId] = [bytes(service), list(frames), now, None, None]
+        self._pending[requestId] = None
         return defer.succeed(requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
         found: list[StoredRequest] = []
         skipServices, skipIds = set(skipServices), set(skipIds)
-        for requestId, (service, frames, created, reply, _) in self._entries.items():
+        for requestId in self._pending:
             if len(found) >= limit:
                 break
-            if reply is None and service not in skipServices and requestId not in skipIds:
+            service, frames, created, _, _ = self._entries[requestId]
+            if service not in skipServices and requestId not in skipIds:
                 found.append(StoredRequest(requestId, service, list(frames), created))
         return defer.succeed(found)
 
@@ -122,6 +132,8 @@ class MemoryStore:
         entry = self._entries.get(requestId)
         if entry is not None and entry[3] is None:
             entry[3], entry[4] = list(reply), now
+            del self._pending[requestId]
+            self._done[requestId] = now
         return defer.succeed(None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
@@ -134,12 +146,18 @@ class MemoryStore:
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._entries.pop(requestId, None)
+        self._pending.pop(requestId, None)
+        self._done.pop(requestId, None)
         return defer.succeed(None)
 
     def purge(self, before: float) -> defer.Deferred[int]:
-        old = [k for k, e in self._entries.items() if e[4] is not None and e[4] < before]
+        old = []
+        for requestId, completed in self._done.items():
+            if completed >= before:
+                break  # completed in time order: the rest are younger
+            old.append(requestId)
         for requestId in old:
-            del self._entries[requestId]
+            del self._done[requestId], self._entries[requestId]
         return defer.succeed(len(old))
 
     def close(self) -> defer.Deferred[None]:
@@ -172,6 +190,10 @@ class SQLiteStore:
         self.reactor = default_reactor(reactor)
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {path}")
         self._db: Optional[sqlite3.Connection] = None
+        #: writes waiting for the next transaction (reactor thread only)
+        self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
+        self._committing = False
+        self._drained: list[defer.Deferred[None]] = []
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         return threads.deferToThreadPool(self.reactor, self._pool, work, *args)
@@ -197,10 +219,41 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+    def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
         assert self._db is not None
         with self._db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
-            return self._db.execute(sql, args).rowcount
+            self._db.execute("BEGIN IMMEDIATE")
+            return [self._db.execute(sql, args).rowcount for sql, args in statements]
+
+    # --- on the reactor thread ------------------------------------------------------
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> defer.Deferred[int]:
+        """Run one statement in the next transaction; fires with its row count."""
+        d: defer.Deferred[int] = defer.Deferred()
+        self._writes.append((sql, args, d))
+        if not self._committing:
+            self._nextCommit()
+        return d
+
+    def _nextCommit(self) -> None:
+        batch, self._writes = self._writes, []
+        if not batch:
+            self._committing = False
+            drained, self._drained = self._drained, []
+            for d in drained:
+                d.callback(None)
+            return
+        self._committing = True
+
+        def committed(result: Any) -> None:
+            for index, (_, _, d) in enumerate(batch):
+                if isinstance(result, Failure):
+                    d.errback(result)
+                else:
+                    d.callback(result[index])
+            self._nextCommit()
+
+        self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
     def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         assert self._db is not None
@@ -219,7 +272,7 @@ class SQLiteStore:
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
         requestId = new_id()
-        d = self._run(self._write, "INSERT INTO requests (id, service, request, created) "
+        d = self._write("INSERT INTO requests (id, service, request, created) "
                       "VALUES (?, ?, ?, ?)", (requestId, bytes(service), encode_record(frames), now))
         return d.addCallback(lambda _: requestId)
 
@@ -236,7 +289,7 @@ class SQLiteStore:
             StoredRequest(r[0], bytes(r[1]), decode_record(r[2][4:]), r[3]) for r in rows])
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
-        return self._run(self._write, "UPDATE requests SET reply = ?, completed = ? "
+        return self._write("UPDATE requests SET reply = ?, completed = ? "
                          "WHERE id = ? AND reply IS NULL",
                          (encode_record(reply), now, requestId)).addCallback(lambda _: None)
 
@@ -252,11 +305,11 @@ class SQLiteStore:
                          (requestId,)).addCallback(status)
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
-        return self._run(self._write, "DELETE FROM requests WHERE id = ?",
+        return self._write("DELETE FROM requests WHERE id = ?",
                          (requestId,)).addCallback(lambda _: None)
 
     def purge(self, before: float) -> defer.Deferred[int]:
-        return self._run(self._write, "DELETE FROM requests WHERE reply IS NOT NULL "
+        return self._write("DELETE FROM requests WHERE reply IS NOT NULL "
                          "AND completed < ?", (before,))
 
     def close(self) -> defer.Deferred[None]:
@@ -267,4 +320,9 @@ class SQLiteStore:
 
         if not self._pool.started:
             return defer.succeed(None)
-        return self._run(shut).addBoth(lambda result: (self._stopPool(), result)[1])
+        drained: defer.Deferred[None] = defer.succeed(None)
+        if self._committing:  # the writes already asked for are committed first
+            drained = defer.Deferred()
+            self._drained.append(drained)
+        d = drained.addCallback(lambda _: self._run(shut))
+        return d.addBoth(lambda result: (self._stopPool(), result)[1])
