@@ -136,3 +136,44 @@ async def test_sqlite_commits_concurrent_writes_together_and_close_waits_for_the
         assert [p.id for p in pending] == ids and pending[19].frames == [b"19"]
     finally:
         await again.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_one_sqlite_file_has_one_store_at_a_time(tmp_path: Any) -> None:
+    path = str(tmp_path / "titanic.db")
+    first = SQLiteStore(path, reactor())
+    await first.open()
+    second = SQLiteStore(path, reactor())
+    with pytest.raises(StoreError, match="in use by another Titanic"):
+        await second.open()
+    await first.close()
+    with pytest.raises(StoreError, match="is closed"):
+        await first.add(b"echo", [b"x"], 1.0)
+    with pytest.raises(StoreError, match="is closed"):
+        await first.pending(1)
+    await second.open()  # free again
+    try:
+        assert await second.pending(1) == []
+    finally:
+        await second.close()
+    await first.open()  # and a closed store opens again
+    await first.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_write_that_fails_fails_alone_in_its_group(tmp_path: Any) -> None:
+    store = SQLiteStore(str(tmp_path / "titanic.db"), reactor())
+    await store.open()
+    try:
+        first = store.add(b"echo", [b"0"], 0.0)  # committed alone; the rest wait for it
+        grouped = [store.add(b"echo", [b"1"], 1.0),
+                   store._write("INSERT INTO nowhere VALUES (1)", ()),
+                   store.add(b"echo", [b"2"], 2.0)]
+        ids = [await first, await grouped[0], await grouped[2]]
+        with pytest.raises(Exception, match="no such table"):
+            await grouped[1]
+        assert [p.id for p in await store.pending(10)] == ids
+    finally:
+        await store.close()

@@ -20,8 +20,11 @@ transport's record form (:func:`mdp.transport.framing.encode_record`).
 from __future__ import annotations
 
 import enum
+import fcntl
+import json
 import os
 import sqlite3
+import sys
 import uuid
 from typing import Any, Collection, Optional
 
@@ -31,8 +34,8 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from zope.interface import Interface, implementer
 
-from mdp.errors import StoreError
-from mdp.policy import default_reactor
+from mdp.errors import ProtocolError, StoreError
+from mdp.policy import Limits, default_reactor
 from mdp.transport.framing import decode_record, encode_record
 
 
@@ -179,16 +182,37 @@ CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE repl
 """
 
 
+#: Stored frames are read back whatever the current message limits: the store
+#: keeps only what it accepted.
+_UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
+
+
+def _frames(blob: bytes) -> list[bytes]:
+    """The frames of a stored record, or ``[]`` if it cannot be read (the
+    dispatcher answers such a request with an error instead of sending it)."""
+    try:
+        return decode_record(memoryview(blob)[4:], _UNBOUNDED)
+    except (ProtocolError, ValueError):
+        return []
+
+
 @implementer(ITitanicStore)
 class SQLiteStore:
     """Requests and replies in one SQLite file (see the module docstring for
     what "committed" means).  *path* ``":memory:"`` gives a database that
-    lives as long as the store (tests)."""
+    lives as long as the store (tests).
+
+    One store per file: :meth:`open` takes an exclusive lock (``PATH.lock``,
+    ``flock``) and fails with :class:`~mdp.errors.StoreError` while another
+    process (or store) holds it.  After :meth:`close`, every call fails with
+    :class:`~mdp.errors.StoreError` until :meth:`open` again."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
         self.path = path
         self.reactor = default_reactor(reactor)
-        self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {path}")
+        self._pool: Optional[ThreadPool] = None
+        self._trigger: Any = None
+        self._lock: Optional[int] = None
         self._db: Optional[sqlite3.Connection] = None
         #: writes waiting for the next transaction (reactor thread only)
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
@@ -196,6 +220,8 @@ class SQLiteStore:
         self._drained: list[defer.Deferred[None]] = []
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
+        if self._pool is None:
+            return defer.fail(StoreError(f"Titanic store {self.path} is closed"))
         return threads.deferToThreadPool(self.reactor, self._pool, work, *args)
 
     # --- on the writer thread -------------------------------------------------------
@@ -219,16 +245,41 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
 
-    def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
-        assert self._db is not None
-        with self._db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
-            self._db.execute("BEGIN IMMEDIATE")
-            return [self._db.execute(sql, args).rowcount for sql, args in statements]
+    def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Commit *statements* in one transaction; if that fails, each in a
+        transaction of its own, so that one bad write fails alone.  Returns
+        each statement's row count, or the exception it raised."""
+        db = self._db
+        if db is None:
+            return [StoreError(f"Titanic store {self.path} is closed")] * len(statements)
+        try:
+            with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
+                db.execute("BEGIN IMMEDIATE")
+                return [db.execute(sql, args).rowcount for sql, args in statements]
+        except sqlite3.Error as e:
+            if len(statements) == 1:
+                return [e]
+        results: list[Any] = []
+        for sql, args in statements:
+            try:
+                with db:
+                    db.execute("BEGIN IMMEDIATE")
+                    results.append(db.execute(sql, args).rowcount)
+            except sqlite3.Error as e:
+                results.append(e)
+        return results
+
+    def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if self._db is None:
+            raise StoreError(f"Titanic store {self.path} is closed")
+        return self._db.execute(sql, args).fetchall()
 
     # --- on the reactor thread ------------------------------------------------------
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> defer.Deferred[int]:
         """Run one statement in the next transaction; fires with its row count."""
+        if self._pool is None:
+            return defer.fail(StoreError(f"Titanic store {self.path} is closed"))
         d: defer.Deferred[int] = defer.Deferred()
         self._writes.append((sql, args, d))
         if not self._committing:
@@ -245,53 +296,93 @@ class SQLiteStore:
             return
         self._committing = True
 
-        def committed(result: Any) -> None:
+        def committed(results: Any) -> None:
             for index, (_, _, d) in enumerate(batch):
-                if isinstance(result, Failure):
-                    d.errback(result)
+                outcome = results if isinstance(results, Failure) else results[index]
+                if isinstance(outcome, Failure):
+                    d.errback(outcome)
+                elif isinstance(outcome, BaseException):
+                    d.errback(Failure(outcome))
                 else:
-                    d.callback(result[index])
+                    d.callback(outcome)
             self._nextCommit()
 
         self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
-    def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        assert self._db is not None
-        return self._db.execute(sql, args).fetchall()
+    def _takeLock(self) -> None:
+        if self.path == ":memory:":
+            return
+        lockPath = self.path + ".lock"
+        try:
+            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"Titanic store {self.path}: cannot open {lockPath}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
+                             f"(lock {lockPath} is held)") from None
+        self._lock = fd
+
+    def _release(self) -> None:
+        if self._pool is not None:
+            if self._pool.started:
+                self._pool.stop()
+            self._pool = None
+        if self._trigger is not None:
+            try:
+                self.reactor.removeSystemEventTrigger(self._trigger)
+            except (ValueError, KeyError):
+                pass
+            self._trigger = None
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     # --- ITitanicStore ----------------------------------------------------------------
 
     def open(self) -> defer.Deferred[None]:
+        if self._pool is not None:
+            return defer.fail(StoreError(f"Titanic store {self.path} is already open"))
+        try:
+            self._takeLock()
+        except StoreError:
+            return defer.fail()
+        self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
-        self.reactor.addSystemEventTrigger("during", "shutdown", self._stopPool)
-        return self._run(self._connect)
+        self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
 
-    def _stopPool(self) -> None:
-        if self._pool.started:
-            self._pool.stop()
+        def failed(failure: Failure) -> Failure:
+            self._release()
+            return failure
+
+        return self._run(self._connect).addErrback(failed)
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
         requestId = new_id()
         d = self._write("INSERT INTO requests (id, service, request, created) "
-                      "VALUES (?, ?, ?, ?)", (requestId, bytes(service), encode_record(frames), now))
+                        "VALUES (?, ?, ?, ?)",
+                        (requestId, bytes(service), encode_record(frames), now))
         return d.addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        services, ids = [bytes(s) for s in skipServices], list(skipIds)
-        sql = "SELECT id, service, request, created FROM requests WHERE reply IS NULL"
-        if services:
-            sql += f" AND service NOT IN ({','.join('?' * len(services))})"
-        if ids:
-            sql += f" AND id NOT IN ({','.join('?' * len(ids))})"
-        d = self._run(self._read, sql + " ORDER BY seq LIMIT ?", (*services, *ids, limit))
+        # one JSON parameter per list: no bound on how many are left out
+        services = json.dumps([bytes(s).hex().upper() for s in skipServices])
+        ids = json.dumps(list(skipIds))
+        d = self._run(self._read, "SELECT id, service, request, created FROM requests "
+                      "WHERE reply IS NULL "
+                      "AND hex(service) NOT IN (SELECT value FROM json_each(?)) "
+                      "AND id NOT IN (SELECT value FROM json_each(?)) "
+                      "ORDER BY seq LIMIT ?", (services, ids, limit))
         return d.addCallback(lambda rows: [
-            StoredRequest(r[0], bytes(r[1]), decode_record(r[2][4:]), r[3]) for r in rows])
+            StoredRequest(r[0], bytes(r[1]), _frames(r[2]), r[3]) for r in rows])
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         return self._write("UPDATE requests SET reply = ?, completed = ? "
-                         "WHERE id = ? AND reply IS NULL",
-                         (encode_record(reply), now, requestId)).addCallback(lambda _: None)
+                           "WHERE id = ? AND reply IS NULL",
+                           (encode_record(reply), now, requestId)).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
         def status(rows: list[tuple[Any, ...]]) -> tuple[ReplyStatus, list[bytes]]:
@@ -299,18 +390,18 @@ class SQLiteStore:
                 return ReplyStatus.UNKNOWN, []
             if rows[0][0] is None:
                 return ReplyStatus.PENDING, []
-            return ReplyStatus.DONE, decode_record(rows[0][0][4:])
+            return ReplyStatus.DONE, decode_record(memoryview(rows[0][0])[4:], _UNBOUNDED)
 
         return self._run(self._read, "SELECT reply FROM requests WHERE id = ?",
                          (requestId,)).addCallback(status)
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         return self._write("DELETE FROM requests WHERE id = ?",
-                         (requestId,)).addCallback(lambda _: None)
+                           (requestId,)).addCallback(lambda _: None)
 
     def purge(self, before: float) -> defer.Deferred[int]:
         return self._write("DELETE FROM requests WHERE reply IS NOT NULL "
-                         "AND completed < ?", (before,))
+                           "AND completed < ?", (before,))
 
     def close(self) -> defer.Deferred[None]:
         def shut() -> None:
@@ -318,11 +409,11 @@ class SQLiteStore:
                 self._db.close()
                 self._db = None
 
-        if not self._pool.started:
+        if self._pool is None:
             return defer.succeed(None)
         drained: defer.Deferred[None] = defer.succeed(None)
         if self._committing:  # the writes already asked for are committed first
             drained = defer.Deferred()
             self._drained.append(drained)
         d = drained.addCallback(lambda _: self._run(shut))
-        return d.addBoth(lambda result: (self._stopPool(), result)[1])
+        return d.addBoth(lambda result: (self._release(), result)[1])
