@@ -143,15 +143,55 @@ def test_a_store_that_fails_is_read_again_after_a_backoff() -> None:
     assert len(kinds(machine.handleWake(1.0), LoadPending)) == 1
 
 
-def test_a_reply_the_store_could_not_keep_leaves_the_request_pending() -> None:
+def test_a_reply_the_store_could_not_keep_is_stored_again_not_run_again() -> None:
     machine, load = started(concurrency=1)
-    machine.handleLoaded([req(1)], load.limit, 0.0)
+    machine.handleLoaded([req(1), req(2)], load.limit, 0.0)
     machine.handleChecked(b"echo", True, "", 0.0)
     machine.handleReply("id-1", [b"1"], 1.0)
     actions = machine.handleStoreFailed("id-1", "disk full", 1.0)
-    assert machine.inflight == {} and kinds(actions, LoadPending) == []
-    (reload,) = kinds(machine.handleWake(2.0), LoadPending)
-    assert reload.skipIds == []  # id-1 is read again and goes out again
+    assert list(machine.inflight) == ["id-1"]  # still out: id-2 waits, id-1 is not re-run
+    assert kinds(actions, Dispatch) == [] and kinds(actions, WakeAt) == [WakeAt(2.0)]
+    assert kinds(machine.handleWake(2.0), StoreReply) == [StoreReply("id-1", [b"1"])]
+    actions = machine.handleStoreFailed("id-1", "disk full", 2.0)
+    assert kinds(actions, WakeAt) == [WakeAt(4.0)]  # the backoff grows
+    assert kinds(machine.handleLoaded([], 1, 3.0), Dispatch) == []  # a read is no write
+    assert kinds(machine.handleWake(4.0), StoreReply) == [StoreReply("id-1", [b"1"])]
+    actions = machine.handleReplyStored("id-1", 4.1)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-2"]
+    machine.handleReply("id-2", [b"2"], 5.0)
+    machine.handleStoreFailed("id-2", "disk full", 5.0)
+    assert kinds(machine.handleWake(6.0), StoreReply) == [StoreReply("id-2", [b"2"])]  # reset
+
+
+def test_a_closed_request_that_waits_to_go_out_does_not() -> None:
+    machine, load = started(concurrency=1)
+    machine.handleLoaded([req(1), req(2), req(3)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    machine.handleClosed("id-2", 0.5)
+    machine.handleReply("id-1", [b"1"], 1.0)
+    actions = machine.handleReplyStored("id-1", 1.0)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-3"]
+
+
+def test_reloaded_requests_take_their_place_by_age() -> None:
+    machine, load = started(concurrency=1)
+    machine.handleLoaded([req(1), req(5), req(6)], load.limit, 0.0)
+    machine.handleChecked(b"echo", True, "", 0.0)
+    machine.handleLoaded([req(2)], 1, 0.5)  # an older one read later
+    machine.handleReply("id-1", [b"1"], 1.0)
+    actions = machine.handleReplyStored("id-1", 1.0)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-2"]
+
+
+def test_services_nothing_is_held_for_are_forgotten() -> None:
+    machine, load = started(concurrency=1, recheck=5.0)
+    machine.handleLoaded([req(1, b"once")], load.limit, 0.0)
+    machine.handleChecked(b"once", True, "", 0.0)
+    machine.handleReply("id-1", [b"1"], 1.0)
+    machine.handleReplyStored("id-1", 1.0)
+    assert b"once" in machine.services
+    machine.handleWake(60.0)
+    assert b"once" not in machine.services
 
 
 def test_replies_are_purged_every_purge_interval() -> None:

@@ -232,3 +232,79 @@ async def test_submissions_are_stored_several_at_once_and_acknowledged_only_once
     store.held[3].callback(None)
     ids = [await clocknet.wait(d) for d in submits]
     assert len(set(ids)) == 4
+
+
+class SlowOpenStore(MemoryStore):
+    """Opens only when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opening: defer.Deferred = defer.Deferred()
+        self.closed = 0
+
+    def open(self) -> Any:
+        return self.opening
+
+    def close(self) -> Any:
+        self.closed += 1
+        return defer.succeed(None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_while_the_store_opens_leaves_nothing_running(clocknet: LoopbackNet) -> None:
+    broker, endpoint = await start_broker(clocknet)
+    store = SlowOpenStore()
+    node = Titanic(endpoint, store, clocknet.reactor)
+    started = node.start()
+    stopped = node.stop()
+    clocknet.advance(1)
+    assert not stopped.called  # it waits for the open to finish, then undoes it
+    store.opening.callback(None)
+    await clocknet.wait(stopped)
+    await clocknet.wait(started)
+    clocknet.advance(5)
+    assert broker.workers == {} and not node.dispatcher.running and store.closed == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stopped_titanic_starts_again_and_finishes_its_work(clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet)
+    requestId = await clocknet.wait(client.submit("later", b"x"))
+    await clocknet.wait(node.stop())
+    await clocknet.until(lambda: broker.workers == {})
+    restarted = node.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        node.start()
+    await clocknet.wait(restarted)
+    await clocknet.until(lambda: len(broker.workers) == len(node.server.workers))
+    start_worker(clocknet, endpoint, "later", echo)
+    assert await clocknet.wait(client.result(requestId)) == [b"x"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_streamed_reply_is_stored_as_its_parts_then_its_final(
+        clocknet: LoopbackNet) -> None:
+    from mdp import Final
+
+    def stream(frames: list[bytes]) -> Any:
+        yield b"part1"
+        yield [b"part2", b"more"]
+        yield Final(b"end")
+
+    broker, client, endpoint, node = await whole(clocknet)
+    start_worker(clocknet, endpoint, "stream", stream)
+    assert await clocknet.wait(client.call("stream", b"go")) == [b"part1", b"part2", b"more",
+                                                                 b"end"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_result_polls_on_while_titanic_is_away(clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet)
+    requestId = await clocknet.wait(client.submit("echo", b"x"))
+    await clocknet.wait(node.stop())
+    result = client.result(requestId)
+    clocknet.advance(60)  # far beyond one poll's 3 attempts of 2.5 s
+    assert not result.called
+    await clocknet.wait(node.start())
+    start_worker(clocknet, endpoint, "echo", echo)
+    assert await clocknet.wait(result) == [b"x"]

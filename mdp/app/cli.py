@@ -65,9 +65,14 @@ class _RequestOptions(_ClientOptions):
     """A service and its request frames, as arguments."""
 
     def parseArgs(self, service: str, *frames: str) -> None:
+        from mdp.majordomo.codec import api_service_name
+
         if not frames:
             raise usage.UsageError("give at least one request frame")
-        self["service"] = service
+        try:
+            self["service"] = api_service_name(service)
+        except (TypeError, ValueError) as e:
+            raise usage.UsageError(str(e)) from None
         self["frames"] = [f.encode("utf-8") for f in frames]
 
 
@@ -121,6 +126,11 @@ class TitanicResultOptions(_ClientOptions):
 
     def parseArgs(self, requestId: str) -> None:
         self["id"] = _request_id(requestId)
+
+    def postOptions(self) -> None:
+        super().postOptions()
+        if not self["poll"] > 0:
+            raise usage.UsageError("--poll must be positive")
 
 
 class TitanicCloseOptions(_ClientOptions):

@@ -162,14 +162,13 @@ class TitanicService(Service):
         super().startService()
         return self.titanic.start().addErrback(self._failed)
 
-    def _failed(self, failure: Failure) -> Optional[Failure]:
+    def _failed(self, failure: Failure) -> None:
         log.critical("Titanic cannot start: {error}", error=failure.getErrorMessage())
         if not self.exitOnFailure:
-            return failure
+            return  # logged: a parent service would drop the failure unseen
         reactor = self.titanic.reactor
         reactor.addSystemEventTrigger("after", "shutdown", _exit, 1)
         reactor.callWhenRunning(reactor.stop)
-        return None
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()

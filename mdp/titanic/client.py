@@ -13,16 +13,32 @@ import uuid
 from typing import Any, Optional, Sequence, Union
 
 from twisted.internet import defer, task
+from twisted.logger import Logger
 
-from mdp.errors import TitanicError, UnknownRequest
+from mdp.errors import (
+    RemoteError,
+    RequestTimeout,
+    ServiceOverloaded,
+    ServiceUnavailable,
+    TitanicError,
+    TransportError,
+    UnknownRequest,
+)
 from mdp.majordomo import codec
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
 from mdp.messages import Frame, remote_error, request_frames
 from mdp.policy import Limits, default_reactor
 from mdp.titanic import protocol
 
+log = Logger()
+
 #: Seconds between two ``titanic.reply`` polls.
 DEFAULT_POLL_INTERVAL = 1.0
+#: Requests submitted here whose service is remembered (to name it in errors).
+_REMEMBERED = 10_000
+#: Failures of a poll that say nothing about the request: Titanic (or the
+#: broker) is away for a while; :meth:`TitanicClient.result` polls on.
+TRANSIENT = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError)
 
 
 def _check_id(requestId: str) -> bytes:
@@ -79,6 +95,8 @@ class TitanicClient:
             if reply[:1] != [protocol.OK] or len(reply) != 2:
                 raise TitanicError(f"titanic.request answered {reply[:2]!r}")
             requestId = reply[1].decode("ascii")
+            if len(self._services) >= _REMEMBERED:
+                del self._services[next(iter(self._services))]
             self._services[requestId] = name
             return requestId
 
@@ -91,6 +109,8 @@ class TitanicClient:
 
         async def poll() -> Optional[list[bytes]]:
             reply = await self._titanic(protocol.REPLY, wire)
+            if not reply:
+                raise TitanicError("titanic.reply answered with no status frame")
             if reply[0] == protocol.PENDING:
                 return None
             if reply[0] == protocol.UNKNOWN:
@@ -109,7 +129,9 @@ class TitanicClient:
     def result(self, requestId: str, *,
                pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
         """The reply frames of a request, polling every *pollInterval*
-        seconds (default: the client's) until it is done.  Cancel the
+        seconds (default: the client's) until it is done.  A poll that times
+        out or finds Titanic away (:data:`TRANSIENT`) is logged and polled
+        again: the request waits in Titanic's store meanwhile.  Cancel the
         Deferred to stop polling."""
         _check_id(requestId)
         interval = self.pollInterval if pollInterval is None else pollInterval
@@ -118,8 +140,14 @@ class TitanicClient:
 
         async def result() -> list[bytes]:
             while True:
-                frames = await self.poll(requestId)
+                try:
+                    frames = await self.poll(requestId)
+                except TRANSIENT as e:
+                    log.warn("Titanic is not answering about {id} ({error}); polling on",
+                             id=requestId, error=e)
+                    frames = None
                 if frames is not None:
+                    self._services.pop(requestId, None)
                     return frames
                 await task.deferLater(self.reactor, interval, lambda: None)
 
@@ -137,15 +165,21 @@ class TitanicClient:
 
     def call(self, service: Union[str, bytes], *frames: Frame,
              pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames."""
+        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.
+        The request is closed once its reply (or its error reply) is in hand;
+        if :meth:`result` is cancelled, it is left to Titanic (and its keep
+        time)."""
         submitted = self.submit(service, *frames)
 
         async def call() -> list[bytes]:
             requestId = await submitted
             try:
-                return await self.result(requestId, pollInterval=pollInterval)
-            finally:
+                reply = await self.result(requestId, pollInterval=pollInterval)
+            except RemoteError:  # the worker's own error reply: done with, too
                 await self.close(requestId)
+                raise
+            await self.close(requestId)
+            return reply
 
         return defer.ensureDeferred(call())
 

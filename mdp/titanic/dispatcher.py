@@ -31,6 +31,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from mdp import transport
 from mdp.errors import (
     ClientClosed,
     RemoteError,
@@ -43,7 +44,7 @@ from mdp.errors import (
 )
 from mdp.machine import Machine, action_class
 from mdp.majordomo.client import Client
-from mdp.messages import STATUS_TOO_LARGE, error_body
+from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import Backoff, Limits, cancel_call, default_reactor
 from mdp.titanic.store import ITitanicStore, StoredRequest
 
@@ -182,6 +183,10 @@ class DispatchMachine(Machine):
         #: out (or their reply being stored), by id
         self.inflight: dict[str, StoredRequest] = {}
         self.services: dict[bytes, _Service] = {}
+        #: replies being stored, by request id (kept until committed)
+        self._storing: dict[str, list[bytes]] = {}
+        #: replies whose store failed, to store again once the store works
+        self._unsaved: set[str] = set()
         self._dirty = False  # the store may hold pending requests we have not read
         self._loading = False
         self._storeFailures = 0
@@ -211,12 +216,16 @@ class DispatchMachine(Machine):
         """The answer to LoadPending(*limit*)."""
         self.now = now
         self._loading = False
-        self._storeFailures = 0
+        if not self._unsaved:
+            self._storeFailures = 0
         if len(requests) >= limit:
             self._dirty = True  # there may be more
         if self.running:
             held = set(self.inflight) | {r.id for r in self.queue}
             self.queue.extend(r for r in requests if r.id not in held)
+            # reloaded requests (a service unparked, an attempt failed) take
+            # their place by age again
+            self.queue.sort(key=lambda r: r.created)
         self._pump()
         return self._drain()
 
@@ -243,7 +252,8 @@ class DispatchMachine(Machine):
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
         """A request's final reply (or final error reply) arrived."""
         self.now = now
-        if self.running and requestId in self.inflight:
+        if self.running and requestId in self.inflight and requestId not in self._storing:
+            self._storing[requestId] = frames
             self._emit(StoreReply(requestId, frames))
         return self._drain()
 
@@ -261,6 +271,7 @@ class DispatchMachine(Machine):
     def handleReplyStored(self, requestId: str, now: float) -> list[Action]:
         self.now = now
         request = self.inflight.pop(requestId, None)
+        self._storing.pop(requestId, None)
         if request is not None:
             self._service(request.service).failures = 0
         self._storeFailures = 0
@@ -268,12 +279,19 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleStoreFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
-        """The reply could not be stored: the request stays pending (and is
-        sent again once the store works)."""
+        """The reply could not be stored: keep it (the request stays out, so
+        it is not run again) and store it again after a backoff."""
         self.now = now
-        self.inflight.pop(requestId, None)
-        self._dirty = True
+        if self.running and requestId in self._storing:
+            self._unsaved.add(requestId)
         self._storeTrouble()
+        return self._drain()
+
+    def handleClosed(self, requestId: str, now: float) -> list[Action]:
+        """A request was closed: if it waits to go out, it does not."""
+        self.now = now
+        self.queue = [r for r in self.queue if r.id != requestId]
+        self._pump()
         return self._drain()
 
     def handleWake(self, now: float) -> list[Action]:
@@ -288,6 +306,12 @@ class DispatchMachine(Machine):
         self.running = False
         self.queue.clear()
         self.inflight.clear()
+        self.services.clear()
+        self._storing.clear()
+        self._unsaved.clear()
+        self._dirty = self._loading = False
+        self._storeFailures = 0
+        self._storeRetryAt = None
         self._setWake(None)
         return self._drain()
 
@@ -325,10 +349,27 @@ class DispatchMachine(Machine):
                 self._dirty = True
         if self._storeRetryAt is not None and self._storeRetryAt <= self.now:
             self._storeRetryAt = None
+            for requestId in sorted(self._unsaved):
+                self._emit(StoreReply(requestId, self._storing[requestId]))
+            self._unsaved.clear()
+        self._forgetIdleServices()
         if self._nextPurge <= self.now:
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
         self._pump()
+
+    def _forgetIdleServices(self) -> None:
+        """Drop what is known of services nothing is held for: unasked ones,
+        and ones unparked long ago and not seen since (so the table does not
+        grow with every name ever submitted)."""
+        held = {r.service for r in self.queue} | {r.service for r in self.inflight.values()}
+        stale = self.now - 2 * self.backoff.maximum
+        for name, entry in list(self.services.items()):
+            if name in held or entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
+                continue
+            if entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
+                                        or entry.until <= self.now) or entry.until < stale:
+                del self.services[name]
 
     def _pump(self) -> None:
         if not self.running:
@@ -391,7 +432,12 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 class Dispatcher(DispatchMachine):
     """The :class:`DispatchMachine` driven with *store* and a client of the
     broker at *broker* (one endpoint or a failover list).  :meth:`start` and
-    :meth:`stop`; :meth:`stored` tells it of a newly committed request."""
+    :meth:`stop` (and start again); :meth:`stored` and :meth:`closed` tell it
+    of requests committed and closed.
+
+    A reply streamed in PARTIALs is stored as the frames of every PARTIAL, in
+    order, followed by those of the FINAL (if the stream starts over, the
+    parts so far are dropped)."""
 
     def __init__(
         self,
@@ -413,26 +459,45 @@ class Dispatcher(DispatchMachine):
         self.reactor = reactor
         self.store = store
         self.timeout = timeout
-        # every request out, and room for the service checks beside them
-        self.client = Client(broker, reactor, timeout=timeout, retries=1,
-                             maxConnections=concurrency + 2, limits=limits)
+        self.limits = limits
+        self.endpoints = transport.endpoint_list(broker)
+        self.client = self._newClient()
         self._timer: Any = None
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
         self._calls: set[defer.Deferred[Any]] = set()
+        #: bumped by stop: results of what an earlier run asked are ignored
+        self._generation = 0
+        self._warnedNoMMI = False
+        self._clientClosed = False
+
+    def _newClient(self) -> Client:
+        # every request out, and room for the service checks beside them
+        return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
+                      maxConnections=self.concurrency + 2, limits=self.limits)
 
     def start(self) -> None:
+        if self.running:
+            return
+        if self._clientClosed:
+            self.client, self._clientClosed = self._newClient(), False
         self._feed(self.handleStart)
 
     def stored(self, requestId: str) -> None:
         """A request was committed: look for it (Titanic's ``onStored``)."""
         self._feed(self.handleStored, requestId)
 
+    def closed(self, requestId: str) -> None:
+        """A request was closed: do not send it (Titanic's ``onClosed``)."""
+        self._feed(self.handleClosed, requestId)
+
     def stop(self) -> defer.Deferred[None]:
         """Stop sending; requests out stay pending in the store."""
+        self._generation += 1
         self._feed(self.handleStop)
         for d in list(self._calls):
             d.cancel()
+        self._clientClosed = True
         return self.client.close()
 
     # --- the driver ---------------------------------------------------------------------
@@ -450,6 +515,17 @@ class Dispatcher(DispatchMachine):
                 self._perform(handler(*args, self.reactor.seconds()))
         finally:
             self._busy = False
+
+    def _then(self, handler: Any) -> Any:
+        """A callback feeding *handler*, unless the dispatcher was stopped
+        since it was made."""
+        generation = self._generation
+
+        def feed(*args: Any) -> None:
+            if generation == self._generation:
+                self._feed(handler, *args)
+
+        return feed
 
     def _track(self, d: defer.Deferred[Any]) -> defer.Deferred[Any]:
         self._calls.add(d)
@@ -483,52 +559,74 @@ class Dispatcher(DispatchMachine):
         self._feed(self.handleWake)
 
     def _load(self, action: LoadPending) -> None:
-        def failed(failure: Failure) -> None:
+        loaded, failed = self._then(self.handleLoaded), self._then(self.handleLoadFailed)
+
+        def trouble(failure: Failure) -> None:
             log.failure("Titanic could not read pending requests", failure)
-            self._feed(self.handleLoadFailed, failure.getErrorMessage())
+            failed(failure.getErrorMessage())
 
         self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
-            lambda requests: self._feed(self.handleLoaded, requests, action.limit), failed)
+            lambda requests: loaded(requests, action.limit), trouble)
 
     def _check(self, service: bytes) -> None:
+        checked = self._then(self.handleChecked)
+
         def answered(reply: list[bytes]) -> None:
+            if reply[:1] == [b"501"]:  # a broker without MMI: send, and see
+                if not self._warnedNoMMI:
+                    self._warnedNoMMI = True
+                    log.warn("Titanic: the broker does not answer mmi.service (501); "
+                             "sending requests without asking")
+                checked(service, True, "")
+                return
             available = reply[:1] == [b"200"]
-            self._feed(self.handleChecked, service, available,
-                       "" if available else "no worker (mmi.service)")
+            checked(service, available, "" if available else "no worker (mmi.service)")
 
         def failed(failure: Failure) -> None:
             if not failure.check(defer.CancelledError):
-                self._feed(self.handleChecked, service, False,
-                           f"mmi.service failed: {failure.getErrorMessage()}")
+                checked(service, False, f"mmi.service failed: {failure.getErrorMessage()}")
 
         d = self._track(self.client.request(b"mmi.service", service,
                                             timeout=min(self.timeout, 5.0)))
         d.addCallbacks(answered, failed)
 
     def _dispatch(self, request: StoredRequest) -> None:
+        replied, failedFor = self._then(self.handleReply), self._then(self.handleFailed)
+        parts: list[bytes] = []
+
+        def final(body: list[bytes]) -> None:
+            replied(request.id, parts + body)
+
         def failed(failure: Failure) -> None:
-            if failure.check(defer.CancelledError) or not self.running:
+            if failure.check(defer.CancelledError):
                 return
-            final = final_error_body(failure.value)
-            if final is not None:
-                self._feed(self.handleReply, request.id, final)
+            body = final_error_body(failure.value)
+            if body is not None:
+                replied(request.id, body)
             else:
-                self._feed(self.handleFailed, request.id, failure.getErrorMessage())
+                failedFor(request.id, failure.getErrorMessage())
 
         try:
-            d = self._track(self.client.request(request.service, *request.frames))
+            d = self.client.request(request.service, *request.frames,
+                                    onPartial=parts.extend, onRestart=parts.clear)
         except RequestTooLarge as e:  # over this client's limits: it never will fit
-            self._feed(self.handleReply, request.id, error_body(STATUS_TOO_LARGE, str(e)))
+            replied(request.id, error_body(STATUS_TOO_LARGE, str(e)))
             return
-        d.addCallbacks(lambda reply: self._feed(self.handleReply, request.id, reply), failed)
+        except (ValueError, TypeError) as e:  # a stored request that cannot be sent
+            replied(request.id, error_body(STATUS_WORKER_ERROR,
+                                           f"the stored request cannot be sent: {e}"))
+            return
+        self._track(d).addCallbacks(final, failed)
 
     def _storeReply(self, requestId: str, frames: list[bytes]) -> None:
-        def failed(failure: Failure) -> None:
+        stored, failed = self._then(self.handleReplyStored), self._then(self.handleStoreFailed)
+
+        def trouble(failure: Failure) -> None:
             log.failure("Titanic could not store the reply to {id}", failure, id=requestId)
-            self._feed(self.handleStoreFailed, requestId, failure.getErrorMessage())
+            failed(requestId, failure.getErrorMessage())
 
         self.store.complete(requestId, frames, self.reactor.seconds()).addCallbacks(
-            lambda _: self._feed(self.handleReplyStored, requestId), failed)
+            lambda _: stored(requestId), trouble)
 
     def _purge(self, before: float) -> None:
         def purged(count: int) -> None:

@@ -43,6 +43,7 @@ class TitanicServer:
         reactor: Optional[Any] = None,
         *,
         onStored: Optional[Callable[[str], Any]] = None,
+        onClosed: Optional[Callable[[str], Any]] = None,
         workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
@@ -53,6 +54,7 @@ class TitanicServer:
         self.reactor = default_reactor(reactor)
         self.store = store
         self.onStored = onStored
+        self.onClosed = onClosed
         handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
                     protocol.CLOSE: self.close}
         self.workers = [Worker(broker, name, handler, self.reactor, heartbeat=heartbeat,
@@ -76,11 +78,7 @@ class TitanicServer:
             return protocol.failed(str(e))
 
         def stored(requestId: str) -> list[bytes]:
-            if self.onStored is not None:
-                try:
-                    self.onStored(requestId)
-                except Exception:
-                    log.failure("Titanic's onStored failed for {id}", id=requestId)
+            self._tell(self.onStored, requestId)
             return [protocol.OK, requestId.encode("ascii")]
 
         d = self.store.add(service, frames, self.reactor.seconds())
@@ -108,9 +106,20 @@ class TitanicServer:
             requestId = protocol.parse_id(body, protocol.CLOSE)
         except protocol.MalformedTitanicRequest as e:
             return protocol.failed(str(e))
-        return self.store.forget(requestId).addCallbacks(lambda _: [protocol.OK],
-                                                         self._storeFailed,
+        def forgotten(_: None) -> list[bytes]:
+            self._tell(self.onClosed, requestId)
+            return [protocol.OK]
+
+        return self.store.forget(requestId).addCallbacks(forgotten, self._storeFailed,
                                                          errbackArgs=("forget",))
+
+    @staticmethod
+    def _tell(hook: Optional[Callable[[str], Any]], requestId: str) -> None:
+        if hook is not None:
+            try:
+                hook(requestId)
+            except Exception:
+                log.failure("Titanic's hook {hook} failed for {id}", hook=hook, id=requestId)
 
     def _storeFailed(self, failure: Any, what: str) -> list[bytes]:
         log.failure("Titanic's store failed to {what}", failure, what=what)
@@ -158,12 +167,17 @@ class Titanic:
                                      timeout=timeout, backoff=backoff, keep=keep,
                                      purgeEvery=purgeEvery, limits=limits)
         self.server = TitanicServer(broker, self.store, self.reactor,
-                                    onStored=self.dispatcher.stored, workers=workers,
+                                    onStored=self.dispatcher.stored,
+                                    onClosed=self.dispatcher.closed, workers=workers,
                                     heartbeat=heartbeat, limits=limits)
         self._started = False
+        self._starting: Optional[defer.Deferred[None]] = None
+        self._stopping = False
 
     async def _start(self) -> None:
         await self.store.open()
+        if self._stopping:  # stopped while the store was opening: stop closes it
+            return
         self._started = True
         self.server.start()
         self.dispatcher.start()
@@ -171,20 +185,28 @@ class Titanic:
         log.info("Titanic started: store {store}, {concurrency} request(s) out at once, "
                  "broker {broker}", store=where or type(self.store).__name__,
                  concurrency=self.dispatcher.concurrency,
-                 broker=" or ".join(self.dispatcher.client.endpoints))
+                 broker=" or ".join(self.dispatcher.endpoints))
 
     def start(self) -> defer.Deferred[None]:
         """Open the store (failing with :class:`~mdp.errors.StoreError` if it
-        is damaged or unreadable), then serve and dispatch."""
-        return defer.ensureDeferred(self._start())
+        is damaged, unreadable or in use), then serve and dispatch."""
+        if self._started or (self._starting is not None and not self._starting.called):
+            raise RuntimeError("Titanic is already started")
+        self._stopping = False
+        self._starting = defer.ensureDeferred(self._start())
+        return self._starting
 
     async def _stop(self) -> None:
-        if not self._started:
-            await self.store.close()
-            return
-        self._started = False
-        await self.dispatcher.stop()
-        await self.server.stop()
+        self._stopping = True
+        starting = self._starting
+        if starting is not None and not starting.called:
+            done: defer.Deferred[None] = defer.Deferred()
+            starting.addBoth(lambda result: (done.callback(None), result)[1])
+            await done  # what start does is undone below; its failure is start's
+        if self._started:
+            self._started = False
+            await self.dispatcher.stop()
+            await self.server.stop()
         await self.store.close()
 
     def stop(self) -> defer.Deferred[None]:
