@@ -1,0 +1,147 @@
+"""The Binary Star state machine: every (state, event) pair of the Guide's
+table, the client vote, the configuration guard, with no transport."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from mdp.binarystar import (
+    BinaryStarMachine,
+    Changed,
+    Conflict,
+    Event,
+    Fatal,
+    PublishState,
+    Role,
+    State,
+)
+
+PEER_ROLE = {State.PRIMARY: Role.BACKUP, State.BACKUP: Role.PRIMARY,
+             State.ACTIVE: Role.BACKUP, State.PASSIVE: Role.BACKUP}
+
+# (state, event) -> (state after, served?, fatal?) with the peer heard from
+# just now (so a client's vote does not count), as the Guide's table says
+EXPECTED: dict[tuple[State, Event], tuple[State, bool, bool]] = {
+    (State.PRIMARY, Event.PEER_PRIMARY): (State.PRIMARY, False, False),
+    (State.PRIMARY, Event.PEER_BACKUP): (State.ACTIVE, False, False),
+    (State.PRIMARY, Event.PEER_ACTIVE): (State.PASSIVE, False, False),
+    (State.PRIMARY, Event.PEER_PASSIVE): (State.PRIMARY, False, False),
+    (State.PRIMARY, Event.CLIENT_REQUEST): (State.PRIMARY, False, False),
+    (State.BACKUP, Event.PEER_PRIMARY): (State.BACKUP, False, False),
+    (State.BACKUP, Event.PEER_BACKUP): (State.BACKUP, False, False),
+    (State.BACKUP, Event.PEER_ACTIVE): (State.PASSIVE, False, False),
+    (State.BACKUP, Event.PEER_PASSIVE): (State.BACKUP, False, False),
+    (State.BACKUP, Event.CLIENT_REQUEST): (State.BACKUP, False, False),
+    (State.ACTIVE, Event.PEER_PRIMARY): (State.ACTIVE, False, False),
+    (State.ACTIVE, Event.PEER_BACKUP): (State.ACTIVE, False, False),
+    (State.ACTIVE, Event.PEER_ACTIVE): (State.ACTIVE, False, True),
+    (State.ACTIVE, Event.PEER_PASSIVE): (State.ACTIVE, False, False),
+    (State.ACTIVE, Event.CLIENT_REQUEST): (State.ACTIVE, True, False),
+    (State.PASSIVE, Event.PEER_PRIMARY): (State.ACTIVE, False, False),
+    (State.PASSIVE, Event.PEER_BACKUP): (State.ACTIVE, False, False),
+    (State.PASSIVE, Event.PEER_ACTIVE): (State.PASSIVE, False, False),
+    (State.PASSIVE, Event.PEER_PASSIVE): (State.PASSIVE, False, True),
+    (State.PASSIVE, Event.CLIENT_REQUEST): (State.PASSIVE, False, False),
+}
+
+
+def machine_in(state: State, now: float = 10.0) -> BinaryStarMachine:
+    """A machine in *state*, the peer heard from at *now*."""
+    role = Role.BACKUP if state is State.BACKUP else Role.PRIMARY
+    machine = BinaryStarMachine(role, now=0.0)
+    machine.state = state
+    machine.peerExpiry = now + machine.failoverTimeout
+    machine.now = now
+    return machine
+
+
+def test_the_table_covers_every_pair() -> None:
+    assert set(EXPECTED) == set(itertools.product(State, Event))
+
+
+@pytest.mark.parametrize("state, event", sorted(EXPECTED))
+def test_every_state_and_event(state: State, event: Event) -> None:
+    after, served, fatal = EXPECTED[(state, event)]
+    machine = machine_in(state)
+    if event is Event.CLIENT_REQUEST:
+        accepted, actions = machine.handleClientRequest(10.5)
+        assert accepted is served
+    else:
+        peerRole = Role.BACKUP if machine.role is Role.PRIMARY else Role.PRIMARY
+        actions = machine.handlePeerState(int(event), peerRole, 5.0, 10.5)
+    assert machine.state is after
+    assert [type(a) for a in actions if isinstance(a, Fatal)] == ([Fatal] if fatal else [])
+    changes = [a for a in actions if isinstance(a, Changed)]
+    assert changes == ([Changed(state, after, changes[0].reason)] if after is not state else [])
+    if fatal:
+        assert machine.stopped and not machine.serving
+        assert machine.handleClientRequest(11.0)[0] is False  # stopped for good
+
+
+def test_a_passive_server_takes_over_on_a_client_request_after_the_failover_timeout() -> None:
+    machine = machine_in(State.PASSIVE, now=10.0)  # heartbeat 1 s: timeout 2 s
+    assert machine.handleClientRequest(11.9) == (False, [])
+    accepted, actions = machine.handleClientRequest(12.0)
+    assert accepted and machine.state is State.ACTIVE
+    assert actions == [Changed(State.PASSIVE, State.ACTIVE,
+                               "failover: a client request, the peer silent")]
+
+
+def test_silence_alone_changes_nothing_without_a_client_vote() -> None:
+    machine = machine_in(State.PASSIVE, now=10.0)
+    assert machine.handleTick(100.0) == [PublishState(State.PASSIVE, Role.PRIMARY, 100.0)]
+    assert machine.state is State.PASSIVE
+
+
+def test_a_primary_alone_serves_once_the_failover_timeout_has_passed_since_start() -> None:
+    machine = BinaryStarMachine(Role.PRIMARY, heartbeat=1.0, now=100.0)
+    assert machine.handleClientRequest(101.0)[0] is False  # the backup may be active
+    accepted, actions = machine.handleClientRequest(102.0)
+    assert accepted and [type(a) for a in actions] == [Changed]
+
+
+def test_a_backup_alone_never_serves() -> None:
+    machine = BinaryStarMachine(Role.BACKUP, now=0.0)
+    assert machine.handleClientRequest(1000.0)[0] is False
+
+
+def test_each_peer_message_puts_the_failover_back() -> None:
+    machine = machine_in(State.PASSIVE, now=0.0)
+    for t in (1.5, 3.0, 4.5):
+        machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, t, t)
+        assert machine.handleClientRequest(t + 1.9)[0] is False
+    assert machine.handleClientRequest(6.5)[0] is True
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_both_configured_alike_stops_the_later_one(role: Role) -> None:
+    later = BinaryStarMachine(role, now=50.0)
+    actions = later.handlePeerState(int(later.state), role, 30.0, 51.0)  # up 1 s, peer 30 s
+    assert [type(a) for a in actions] == [Fatal]
+    assert f"both servers are configured {role.value}" in actions[0].reason
+    assert later.stopped and later.handleTick(52.0) == []
+    earlier = BinaryStarMachine(role, now=0.0)
+    actions = earlier.handlePeerState(int(earlier.state), role, 1.0, 30.0)
+    assert [type(a) for a in actions] == [Conflict] and earlier.stopped is None
+
+
+def test_a_message_that_is_no_state_is_ignored() -> None:
+    machine = machine_in(State.PASSIVE, now=0.0)
+    assert machine.handlePeerState(9, Role.BACKUP, 1.0, 1.0) == []
+    assert machine.handlePeerState(int(Event.CLIENT_REQUEST), Role.BACKUP, 1.0, 1.0) == []
+    assert machine.handleClientRequest(2.0)[0] is True  # and did not count as a heartbeat
+
+
+@pytest.mark.parametrize("args, error", [((("primary",)), TypeError),
+                                         (((Role.PRIMARY,)), None)])
+def test_the_role_is_a_role(args: Any, error: Any) -> None:
+    if error is None:
+        BinaryStarMachine(*args)
+    else:
+        with pytest.raises(error):
+            BinaryStarMachine(*args)
+    with pytest.raises(ValueError):
+        BinaryStarMachine(Role.BACKUP, heartbeat=0)
