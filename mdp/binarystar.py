@@ -38,6 +38,7 @@ import enum
 from typing import Optional, Union
 
 from mdp.machine import Machine, action_class
+from mdp.policy import positive_seconds
 
 #: Seconds between two state messages to the peer.
 DEFAULT_HEARTBEAT = 1.0
@@ -152,11 +153,9 @@ class BinaryStarMachine(Machine):
                  now: float = 0.0) -> None:
         if not isinstance(role, Role):
             raise TypeError(f"role is a Role (PRIMARY or BACKUP), not {role!r}")
-        if not heartbeat > 0:
-            raise ValueError(f"heartbeat must be a positive number of seconds, got {heartbeat!r}")
         super().__init__(now)
         self.role = role
-        self.heartbeat = heartbeat
+        self.heartbeat = positive_seconds("heartbeat", heartbeat)
         self.state = State.PRIMARY if role is Role.PRIMARY else State.BACKUP
         self.started = now
         #: when the peer counts as gone, unless it is heard from before

@@ -149,6 +149,7 @@ from mdp.policy import (
     cancel_call,
     default_reactor,
     held_bytes,
+    positive_seconds,
 )
 
 log = Logger()
@@ -331,14 +332,6 @@ SHOTGUN_TIMEOUT = 3.0
 AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
 
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} is a number of seconds, not {type(value).__name__}")
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
 
 
 class _Call:
@@ -448,8 +441,8 @@ class FreelanceMachine(Machine):
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         super().__init__(now)
-        self.timeout = _positive("timeout", timeout)
-        self.deadline = None if deadline is None else _positive("deadline", deadline)
+        self.timeout = positive_seconds("timeout", timeout)
+        self.deadline = None if deadline is None else positive_seconds("deadline", deadline)
         self.endpoints: list[str] = []
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
@@ -813,8 +806,8 @@ class _FreelanceClient(FreelanceMachine):
         request (a late reply is dropped).  Frames are bytes or str (UTF-8);
         anything else raises TypeError at once, no frame ValueError."""
         body = messages.request_frames(frames)
-        timeout = self.timeout if timeout is None else _positive("timeout", timeout)
-        deadline = self.deadline if deadline is None else _positive("deadline", deadline)
+        timeout = self.timeout if timeout is None else positive_seconds("timeout", timeout)
+        deadline = self.deadline if deadline is None else positive_seconds("deadline", deadline)
         refusal = self.refusal()
         if refusal is not None:
             return defer.fail(refusal)

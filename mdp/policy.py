@@ -1,6 +1,7 @@
 """Policies shared by every pattern: heartbeating and peer liveness, reconnect
 backoff, endpoint rotation for failover, the limits that bound what a peer may
-cost, throttled warnings, and the two reactor helpers every node uses.
+cost, throttled warnings, the reactor helpers every node uses, and the check
+of a duration argument.
 
 Every pattern takes these objects instead of growing its own: a broker, worker,
 client or Freelance client that says "a peer silent for 7.5 s is dead" says it
@@ -130,6 +131,16 @@ def default_reactor(reactor: Optional[Any] = None) -> Any:
 
         return globalReactor
     return reactor
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """*value* as seconds: ``TypeError`` if it is no number, ``ValueError``
+    (naming *name*) if it is not positive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} is a number of seconds, not {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def cancel_call(call: Any) -> None:

@@ -27,7 +27,7 @@ from mdp.errors import (
 from mdp.majordomo import codec
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
 from mdp.messages import Frame, remote_error, request_frames
-from mdp.policy import Limits, default_reactor
+from mdp.policy import Limits, default_reactor, positive_seconds
 from mdp.titanic import protocol
 
 log = Logger()
@@ -66,11 +66,8 @@ class TitanicClient:
         retries: int = DEFAULT_RETRIES,
         limits: Limits = Limits(),
     ) -> None:
-        if not pollInterval > 0:
-            raise ValueError(f"pollInterval must be a positive number of seconds, "
-                             f"got {pollInterval!r}")
         self.reactor = default_reactor(reactor)
-        self.pollInterval = pollInterval
+        self.pollInterval = positive_seconds("pollInterval", pollInterval)
         self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
                              limits=limits)
         #: the service of each request submitted here, to name it in errors
@@ -134,9 +131,8 @@ class TitanicClient:
         again: the request waits in Titanic's store meanwhile.  Cancel the
         Deferred to stop polling."""
         _check_id(requestId)
-        interval = self.pollInterval if pollInterval is None else pollInterval
-        if not interval > 0:
-            raise ValueError(f"pollInterval must be positive, got {interval!r}")
+        interval = (self.pollInterval if pollInterval is None
+                    else positive_seconds("pollInterval", pollInterval))
 
         async def result() -> list[bytes]:
             while True:

@@ -45,7 +45,7 @@ from mdp.errors import (
 from mdp.machine import Machine, action_class
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import Backoff, Limits, cancel_call, default_reactor
+from mdp.policy import Backoff, Limits, cancel_call, default_reactor, positive_seconds
 from mdp.titanic.store import ITitanicStore, StoredRequest
 
 log = Logger()
@@ -167,8 +167,7 @@ class DispatchMachine(Machine):
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a whole number of at least 1, got {concurrency!r}")
         for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck)):
-            if not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            positive_seconds(name, value)
         super().__init__(now)
         self.concurrency = concurrency
         self.backoff = backoff
