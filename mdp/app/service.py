@@ -82,14 +82,18 @@ class BrokerService(Service):
         if not self.exitOnFailure:
             return failure
         self.broker.close()
-        reactor = self.broker.reactor
-        reactor.addSystemEventTrigger("after", "shutdown", _exit, 1)
-        reactor.callWhenRunning(reactor.stop)
+        _stop_and_exit(self.broker.reactor, 1)
         return None
 
 
+def _stop_and_exit(reactor: Any, status: int) -> None:
+    """Stop *reactor*, then exit with *status* (twist itself always exits 0)."""
+    reactor.addSystemEventTrigger("after", "shutdown", _exit, status)
+    reactor.callWhenRunning(reactor.stop)
+
+
 def _exit(status: int) -> None:
-    """Exit at once with *status* (twist itself always exits 0)."""
+    """Exit at once with *status*."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -166,9 +170,7 @@ class TitanicService(Service):
         log.critical("Titanic cannot start: {error}", error=failure.getErrorMessage())
         if not self.exitOnFailure:
             return  # logged: a parent service would drop the failure unseen
-        reactor = self.titanic.reactor
-        reactor.addSystemEventTrigger("after", "shutdown", _exit, 1)
-        reactor.callWhenRunning(reactor.stop)
+        _stop_and_exit(self.titanic.reactor, 1)
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
