@@ -143,6 +143,16 @@ def positive_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def call_at(call: Any, reactor: Any, when: Optional[float], fn: Any) -> Any:
+    """Replace the delayed call *call* (or ``None``) with one of *fn* at the
+    time *when* of *reactor* (at once if it is past), or with none if *when*
+    is ``None``: a machine's ``WakeAt``.  Store the result back."""
+    cancel_call(call)
+    if when is None:
+        return None
+    return reactor.callLater(max(0.0, when - reactor.seconds()), fn)
+
+
 def cancel_call(call: Any) -> None:
     """Cancel a delayed call if it is still pending (``None`` is fine).
     Returns None, to store back: ``self.timer = cancel_call(self.timer)``."""

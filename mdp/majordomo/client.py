@@ -147,7 +147,7 @@ from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
-from mdp.policy import EndpointRotation, Limits, LogThrottle, cancel_call, default_reactor
+from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_reactor
 
 log = Logger()
 
@@ -868,10 +868,7 @@ class Client(ClientMachine):
                         log.failure("onRestart callback for {service} failed",
                                     service=action.call.service)
             elif kind is WakeAt:
-                self._timer = cancel_call(self._timer)
-                if action.when is not None:
-                    self._timer = self.reactor.callLater(
-                        max(0.0, action.when - self.reactor.seconds()), self._wake)
+                self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
 
 
 _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here

@@ -45,7 +45,13 @@ from mdp.errors import (
 from mdp.machine import Machine, action_class
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import Backoff, Limits, cancel_call, default_reactor, positive_seconds
+from mdp.policy import (
+    Backoff,
+    Limits,
+    call_at,
+    default_reactor,
+    positive_seconds,
+)
 from mdp.titanic.store import ITitanicStore, StoredRequest
 
 log = Logger()
@@ -548,10 +554,7 @@ class Dispatcher(DispatchMachine):
                          service=action.service.decode("ascii", "replace"),
                          delay=action.delay, reason=action.reason)
             elif kind is WakeAt:
-                self._timer = cancel_call(self._timer)
-                if action.when is not None:
-                    self._timer = self.reactor.callLater(
-                        max(action.when - self.reactor.seconds(), 0), self._wakeUp)
+                self._timer = call_at(self._timer, self.reactor, action.when, self._wakeUp)
 
     def _wakeUp(self) -> None:
         self._timer = None
