@@ -252,19 +252,21 @@ class SQLiteStore:
         db = self._db
         if db is None:
             return [StoreError(f"Titanic store {self.path} is closed")] * len(statements)
-        try:
+
+        def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
             with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
                 db.execute("BEGIN IMMEDIATE")
-                return [db.execute(sql, args).rowcount for sql, args in statements]
+                return [db.execute(sql, args).rowcount for sql, args in group]
+
+        try:
+            return transaction(statements)
         except sqlite3.Error as e:
             if len(statements) == 1:
                 return [e]
         results: list[Any] = []
-        for sql, args in statements:
+        for statement in statements:
             try:
-                with db:
-                    db.execute("BEGIN IMMEDIATE")
-                    results.append(db.execute(sql, args).rowcount)
+                results.extend(transaction([statement]))
             except sqlite3.Error as e:
                 results.append(e)
         return results
