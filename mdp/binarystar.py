@@ -76,32 +76,20 @@ REFUSE = "refuse"
 FATAL = "fatal"
 VOTE = "vote"  # ACTIVE if the peer is silent beyond the failover timeout, else refuse
 
-TABLE: dict[tuple[State, Event], Union[State, str]] = {
-    (State.PRIMARY, Event.PEER_BACKUP): State.ACTIVE,
-    (State.PRIMARY, Event.PEER_ACTIVE): State.PASSIVE,
-    (State.PRIMARY, Event.CLIENT_REQUEST): VOTE,
-    (State.BACKUP, Event.PEER_ACTIVE): State.PASSIVE,
-    (State.BACKUP, Event.CLIENT_REQUEST): REFUSE,
-    (State.ACTIVE, Event.PEER_ACTIVE): FATAL,
-    (State.PASSIVE, Event.PEER_PRIMARY): State.ACTIVE,
-    (State.PASSIVE, Event.PEER_BACKUP): State.ACTIVE,
-    (State.PASSIVE, Event.PEER_PASSIVE): FATAL,
-    (State.PASSIVE, Event.CLIENT_REQUEST): VOTE,
-}
-
-_FATAL_REASONS = {
-    State.ACTIVE: "dual actives: the peer is active too (split brain)",
-    State.PASSIVE: "dual passives: the peer is passive too, no one would serve",
-}
-
-_REASONS = {
-    (State.PRIMARY, Event.PEER_BACKUP): "connected to the backup (passive)",
-    (State.PRIMARY, Event.PEER_ACTIVE): "connected to the backup (active)",
-    (State.PRIMARY, Event.CLIENT_REQUEST): "a client request, the backup silent",
-    (State.BACKUP, Event.PEER_ACTIVE): "connected to the primary (active)",
-    (State.PASSIVE, Event.PEER_PRIMARY): "the primary (passive) restarts",
-    (State.PASSIVE, Event.PEER_BACKUP): "the backup (passive) restarts",
-    (State.PASSIVE, Event.CLIENT_REQUEST): "failover: a client request, the peer silent",
+#: (state, event) -> (outcome, why: what the log line says on a change)
+TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
+    (State.PRIMARY, Event.PEER_BACKUP): (State.ACTIVE, "connected to the backup (passive)"),
+    (State.PRIMARY, Event.PEER_ACTIVE): (State.PASSIVE, "connected to the backup (active)"),
+    (State.PRIMARY, Event.CLIENT_REQUEST): (VOTE, "a client request, the backup silent"),
+    (State.BACKUP, Event.PEER_ACTIVE): (State.PASSIVE, "connected to the primary (active)"),
+    (State.BACKUP, Event.CLIENT_REQUEST): (REFUSE, "a backup waiting for its primary"),
+    (State.ACTIVE, Event.PEER_ACTIVE): (
+        FATAL, "dual actives: the peer is active too (split brain)"),
+    (State.PASSIVE, Event.PEER_PRIMARY): (State.ACTIVE, "the primary (passive) restarts"),
+    (State.PASSIVE, Event.PEER_BACKUP): (State.ACTIVE, "the backup (passive) restarts"),
+    (State.PASSIVE, Event.PEER_PASSIVE): (
+        FATAL, "dual passives: the peer is passive too, no one would serve"),
+    (State.PASSIVE, Event.CLIENT_REQUEST): (VOTE, "failover: a client request, the peer silent"),
 }
 
 
@@ -216,14 +204,14 @@ class BinaryStarMachine(Machine):
     # --- the table ------------------------------------------------------------------
 
     def _apply(self, event: Event) -> None:
-        outcome = TABLE.get((self.state, event), IGNORE)
+        outcome, why = TABLE.get((self.state, event), (IGNORE, ""))
         if outcome == VOTE:
             outcome = State.ACTIVE if self.now >= self.peerExpiry else REFUSE
         if outcome == FATAL:
-            self._stop(_FATAL_REASONS[self.state])
+            self._stop(why)
         elif isinstance(outcome, State):
             old, self.state = self.state, outcome
-            self._emit(Changed(old, outcome, _REASONS[(old, event)]))
+            self._emit(Changed(old, outcome, why))
 
     def _stop(self, reason: str) -> None:
         self.stopped = reason
