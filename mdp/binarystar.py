@@ -30,15 +30,51 @@ started later stops with a fatal error (:class:`Fatal`), the other logs it.
 
 The failover timeout is ``2 × heartbeat`` (1 s by default), counted from the
 last state message of the peer, or from the start.
+
+:class:`BinaryStar` drives the machine: it exchanges states with the peer
+(its *state channel*, on endpoints of its own, see below) and answers, for
+the server it guards, whether a client request is served
+(:meth:`BinaryStar.admitClient`, the client's vote) and whether a worker may
+register (:meth:`BinaryStar.admitWorker`).  A broker takes it as its
+``admission``; any other server asks it where it takes a request (see
+``examples/binarystar_freelance.py``).
+
+The state channel
+-----------------
+Each server *publishes* its state on its ``local`` endpoint and *subscribes*
+to the peer's on its ``remote`` one, over any transport of the registry::
+
+    subscriber (connects to remote)         publisher (bound at local)
+    [BSTAR01, SUB]           every heartbeat, and when a pipe comes up  ->
+                         <-  [BSTAR01, STATE, state, role, uptime] to every
+                             subscriber heard within the failover timeout,
+                             every heartbeat and at once to a new one
+
+*state* is the state's number in ASCII (``1``..``4``), *role* ``primary`` or
+``backup``, *uptime* the publisher's seconds since start (``%.3f``).  As the
+Guide's PUB socket, the publisher sends only to subscribers it has heard
+from and keeps nothing for an absent one: a server that comes back never
+reads states its peer had while it was away (a stale BACKUP followed by
+ACTIVE would take a restarted primary to ACTIVE, then to a fatal dual
+active).  What a subscriber sends while the peer is away is harmless.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
+from twisted.internet import defer, task
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp import transport
+from mdp.errors import ProtocolError
+from mdp.interfaces import IAdmission, IDealerReceiver, IRouterReceiver
 from mdp.machine import Machine, action_class
-from mdp.policy import positive_seconds
+from mdp.policy import Backoff, Limits, LogThrottle, default_reactor, positive_seconds
+
+log = Logger()
 
 #: Seconds between two state messages to the peer.
 DEFAULT_HEARTBEAT = 1.0
@@ -216,3 +252,324 @@ class BinaryStarMachine(Machine):
     def _stop(self, reason: str) -> None:
         self.stopped = reason
         self._emit(Fatal(reason))
+
+
+# --- the state channel's wire form ----------------------------------------------------
+
+#: first frame of every state-channel message
+HEADER = b"BSTAR01"
+SUBSCRIBE = b"SUB"
+STATE = b"STATE"
+#: most subscribers one publisher serves (the peer, and a few monitors)
+MAX_SUBSCRIBERS = 16
+
+_ROLES = {role.value.encode(): role for role in Role}
+
+
+def encode_state(state: State, role: Role, uptime: float) -> list[bytes]:
+    """The message publishing *state*."""
+    return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.3f" % uptime]
+
+
+def decode_state(frames: Sequence[bytes]) -> tuple[State, Role, float]:
+    """(state, role, uptime) of a STATE message; :class:`ProtocolError` for
+    anything else."""
+    if len(frames) != 5 or frames[0] != HEADER or frames[1] != STATE:
+        raise ProtocolError(f"not a Binary Star state message: {list(frames)[:3]!r}")
+    try:
+        state = State(int(frames[2]))
+        role = _ROLES[bytes(frames[3])]
+        uptime = float(frames[4])
+    except (ValueError, KeyError):
+        raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
+    if not uptime >= 0:
+        raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
+    return state, role, uptime
+
+
+# --- the driver -----------------------------------------------------------------------
+
+
+@implementer(IRouterReceiver)
+class _Publisher:
+    """The local endpoint: who subscribed, and when they were last heard."""
+
+    def __init__(self, star: BinaryStar) -> None:
+        self.star = star
+        self.transport: Any = None
+        #: subscriber -> when it stops counting, unless heard from again
+        self.subscribers: dict[bytes, float] = {}
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.star._subscribeFrom(peer, frames)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.subscribers.pop(peer, None)
+
+
+@implementer(IDealerReceiver)
+class _Subscriber:
+    """The pipe to the peer's endpoint: asks for its states, reads them."""
+
+    def __init__(self, star: BinaryStar) -> None:
+        self.star = star
+        self.transport: Any = None
+
+    def connectionMade(self) -> None:
+        self.star._subscribe()
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.star._stateFrom(frames)
+
+    def connectionLost(self, reason: object) -> None:
+        pass  # the transport reconnects; silence is what counts
+
+
+Observer = Callable[[str], Any]
+
+
+@implementer(IAdmission)
+class BinaryStar:
+    """One server of a Binary Star pair, over real transports.
+
+    *role* is :class:`Role` (or ``"primary"``/``"backup"``); the server
+    publishes its state on *local* (an endpoint to listen on) and reads the
+    peer's from *remote* (the peer's *local*).  :meth:`start` binds and
+    connects; from then on:
+
+    * :meth:`admitClient` is the client's vote: call it for every client
+      request, and serve the request only if it answers True;
+    * :meth:`admitWorker` says whether to accept a worker (only while active);
+    * :meth:`onActive`, :meth:`onPassive` and :meth:`onFatal` register
+      observers, called with the reason; after a fatal error (a split brain,
+      a dual passive, the same role on both sides) the server must stop: this
+      object has already closed its state channel and serves nothing more.
+
+    Endpoints are checked at once (:class:`~mdp.errors.TransportError`)."""
+
+    def __init__(self, role: Union[Role, str], local: str, remote: str,
+                 reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
+                 limits: Limits = Limits()) -> None:
+        if isinstance(role, str):
+            try:
+                role = Role(role)
+            except ValueError:
+                raise ValueError(f"role is 'primary' or 'backup', not {role!r}") from None
+        transport.check(local, transport.LISTEN)
+        transport.check(remote, transport.CONNECT)
+        self.reactor = default_reactor(reactor)
+        self.local = local
+        self.remote = remote
+        self.limits = limits
+        self.machine = BinaryStarMachine(role, heartbeat=heartbeat, now=self.reactor.seconds())
+        self.throttle = LogThrottle(self.reactor)
+        #: the peer's last state, when it was heard, and its role
+        self.peerState: Optional[State] = None
+        self.peerHeard: Optional[float] = None
+        self._observers: dict[str, list[Observer]] = {"active": [], "passive": [], "fatal": []}
+        self._publisher = _Publisher(self)
+        self._subscriber = _Subscriber(self)
+        self._ticker = task.LoopingCall(self._tick)
+        self._ticker.clock = self.reactor
+        self._running = False
+
+    # --- what servers ask -------------------------------------------------------------
+
+    @property
+    def role(self) -> Role:
+        return self.machine.role
+
+    @property
+    def state(self) -> State:
+        return self.machine.state
+
+    @property
+    def serving(self) -> bool:
+        """Whether this server serves clients now (it is active)."""
+        return self._running and self.machine.serving
+
+    @property
+    def endpoint(self) -> Optional[str]:
+        """The bound state endpoint (with the port the OS picked), once started."""
+        bound = self._publisher.transport
+        return bound.endpoint if bound is not None else None
+
+    def admitClient(self, now: Optional[float] = None) -> bool:
+        """A client request arrived: the client's vote.  True if it is to be
+        served (this server is, or just became, active)."""
+        if not self._running:
+            return False
+        served, actions = self.machine.handleClientRequest(self._now(now))
+        self._perform(actions)
+        if not served:
+            self.throttle.info(log, "refused", "Binary Star {role} is {state}: a client request "
+                               "is not served here", role=self.role.value,
+                               state=self.state.name.lower())
+        return served
+
+    def admitWorker(self, now: Optional[float] = None) -> bool:
+        """A worker may register only while this server is active."""
+        return self.serving
+
+    def status(self, now: Optional[float] = None) -> dict[str, Any]:
+        """Role, state and what is known of the peer (``mmi.binarystar``)."""
+        now = self._now(now)
+        return {
+            "role": self.role.value,
+            "state": self.state.name.lower(),
+            "serving": self.serving,
+            "peer": self.peerState.name.lower() if self.peerState is not None else None,
+            "peerSilence": (round(now - self.peerHeard, 3)
+                            if self.peerHeard is not None else None),
+            "failoverTimeout": self.machine.failoverTimeout,
+            "stopped": self.machine.stopped,
+        }
+
+    def onActive(self, observer: Observer) -> None:
+        """Call *observer(reason)* when this server becomes active."""
+        self._observers["active"].append(observer)
+
+    def onPassive(self, observer: Observer) -> None:
+        """Call *observer(reason)* when this server becomes passive."""
+        self._observers["passive"].append(observer)
+
+    def onFatal(self, observer: Observer) -> None:
+        """Call *observer(reason)* when the pair is broken and this server must stop."""
+        self._observers["fatal"].append(observer)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> defer.Deferred[None]:
+        """Bind the local state endpoint, subscribe to the peer's, start
+        publishing.  The failover timeout counts from now."""
+        if self._running or self.machine.stopped is not None:
+            raise RuntimeError("this BinaryStar has already been started")
+        now = self.reactor.seconds()
+        self.machine.started = now
+        self.machine.peerExpiry = now + self.machine.failoverTimeout
+        self._running = True
+        log.info("Binary Star {role}: starting as {state}, state on {local}, peer at {remote}",
+                 role=self.role.value, state=self.state.name.lower(), local=self.local,
+                 remote=self.remote)
+
+        def bound(router: Any) -> None:
+            self._publisher.transport = router
+            if not self._running:
+                router.close()
+                return
+            retry = Backoff(initial=min(0.1, self.machine.heartbeat),
+                            maximum=self.machine.heartbeat).retryPolicy()
+            self._subscriber.transport = transport.connect(
+                self.remote, self._subscriber, self.reactor, retryPolicy=retry,
+                limits=self.limits)
+            self._ticker.start(self.machine.heartbeat, now=True)
+
+        def failed(failure: Any) -> Any:
+            self._running = False
+            return failure
+
+        return transport.listen(self.local, self._publisher, self.reactor,
+                                limits=self.limits).addCallbacks(bound, failed)
+
+    def stop(self) -> defer.Deferred[None]:
+        """Stop publishing and close both endpoints."""
+        self._running = False
+        if self._ticker.running:
+            self._ticker.stop()
+        closing = []
+        for end in (self._subscriber, self._publisher):
+            if end.transport is not None:
+                closing.append(end.transport.close())
+                end.transport = None
+        self._publisher.subscribers.clear()
+        return defer.DeferredList(closing).addCallback(lambda _: None)
+
+    # --- the state channel --------------------------------------------------------------
+
+    def _now(self, now: Optional[float]) -> float:
+        return self.reactor.seconds() if now is None else now
+
+    def _tick(self) -> None:
+        now = self.reactor.seconds()
+        subscribers = self._publisher.subscribers
+        for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
+            del subscribers[peer]
+        self._subscribe()
+        self._perform(self.machine.handleTick(now))
+
+    def _subscribe(self) -> None:
+        pipe = self._subscriber.transport
+        if self._running and pipe is not None and pipe.connected:
+            pipe.sendMessage([HEADER, SUBSCRIBE])
+
+    def _subscribeFrom(self, peer: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 2 or frames[0] != HEADER or frames[1] != SUBSCRIBE:
+            self.throttle.warn(log, "bad-subscribe", "Binary Star {role}: dropped a message "
+                               "that is not a subscription from {peer}: {frames!r}",
+                               role=self.role.value, peer=peer.hex(), frames=frames[:3])
+            return
+        subscribers = self._publisher.subscribers
+        known = peer in subscribers
+        if not known and len(subscribers) >= MAX_SUBSCRIBERS:
+            self.throttle.warn(log, "subscribers", "Binary Star {role}: refused subscriber "
+                               "{peer}: {count} already", role=self.role.value, peer=peer.hex(),
+                               count=len(subscribers))
+            return
+        now = self.reactor.seconds()
+        subscribers[peer] = now + self.machine.failoverTimeout
+        if not known and self._running and self.machine.stopped is None:
+            self._publisher.transport.sendMessage(
+                peer, encode_state(self.state, self.role, now - self.machine.started))
+
+    def _stateFrom(self, frames: list[bytes]) -> None:
+        if not self._running:
+            return
+        try:
+            state, role, uptime = decode_state(frames)
+        except ProtocolError as e:
+            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message "
+                               "from {remote}: {error}", role=self.role.value,
+                               remote=self.remote, error=str(e))
+            return
+        now = self.reactor.seconds()
+        if self.peerState is None or (self.peerHeard is not None
+                                      and now - self.peerHeard > self.machine.failoverTimeout):
+            log.info("Binary Star {role}: peer ({peerRole}, {peerState}) heard at {remote}",
+                     role=self.role.value, peerRole=role.value, peerState=state.name.lower(),
+                     remote=self.remote)
+        self.peerState, self.peerHeard = state, now
+        self._perform(self.machine.handlePeerState(state, role, uptime, now))
+
+    def _perform(self, actions: list[Action]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is PublishState:
+                router = self._publisher.transport
+                if router is not None:
+                    message = encode_state(action.state, action.role, action.uptime)
+                    for peer in list(self._publisher.subscribers):
+                        router.sendMessage(peer, message)
+            elif kind is Changed:
+                log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
+                         old=action.old.name.lower(), new=action.new.name.lower(),
+                         reason=action.reason)
+                if action.new is State.ACTIVE:
+                    self._notify("active", action.reason)
+                elif action.new is State.PASSIVE:
+                    self._notify("passive", action.reason)
+            elif kind is Conflict:
+                log.error("Binary Star {role}: {reason}", role=self.role.value,
+                          reason=action.reason)
+            elif kind is Fatal:
+                log.critical("Binary Star {role}: fatal: {reason}; this server stops",
+                             role=self.role.value, reason=action.reason)
+                self.stop()
+                self._notify("fatal", action.reason)
+
+    def _notify(self, kind: str, reason: str) -> None:
+        for observer in list(self._observers[kind]):
+            try:
+                observer(reason)
+            except Exception:
+                log.failure("Binary Star {kind} observer failed", kind=kind)
+

@@ -123,6 +123,23 @@ class IFraming(Interface):
         """A fresh decoder for one connection, enforcing *limits*."""
 
 
+class IAdmission(Interface):
+    """Whether a server serves at all just now: what a broker asks before it
+    takes a client request or registers a worker (Binary Star's active or
+    passive, :class:`mdp.binarystar.BinaryStar`).  Each call is told the
+    time; a refusal is silent to the peer, which retries elsewhere."""
+
+    def admitClient(now: float) -> bool:
+        """A client request arrived (it may change the state: the client's
+        vote); serve it?"""
+
+    def admitWorker(now: float) -> bool:
+        """A worker wants to register; accept it?"""
+
+    def status(now: float) -> dict:
+        """What operators see (JSON-ready): the role, state, peer, ..."""
+
+
 class IBroker(Interface):
     """An MDP/0.2 broker."""
 

@@ -166,7 +166,8 @@ async def test_snapshot_is_a_read_only_view(clocknet: LoopbackNet) -> None:
 
 
 def test_mmi_reads_only_the_public_view() -> None:
-    """mmi.py uses the broker's snapshot and isServiceAvailable, nothing private."""
+    """mmi.py uses the broker's snapshot, isServiceAvailable and
+    admissionStatus, nothing private."""
     import ast
     import inspect
 
@@ -176,7 +177,7 @@ def test_mmi_reads_only_the_public_view() -> None:
     used = {node.attr for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
             and node.value.id == "broker"}
-    assert used == {"snapshot", "isServiceAvailable"}
+    assert used == {"snapshot", "isServiceAvailable", "admissionStatus"}
 
 
 def test_provides_its_interfaces() -> None:

@@ -162,6 +162,21 @@ def _sqlite_store() -> Any:
     return SQLiteStore(":memory:", _clock())
 
 
+def _binarystar() -> Any:
+    from mdp.binarystar import BinaryStar
+
+    return BinaryStar("primary", "loopback:bstar-a", "loopback:bstar-b", _clock())
+
+
+def _bstar_end(name: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from mdp import binarystar
+
+        return getattr(binarystar, name)(_binarystar())
+
+    return make
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -202,6 +217,9 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.peers.PeerRouter": _peer_router,
     "mdp.testing._Router": _script_router,
     "mdp.testing._Pipe": _script_pipe,
+    "mdp.binarystar.BinaryStar": _binarystar,
+    "mdp.binarystar._Publisher": _bstar_end("_Publisher"),
+    "mdp.binarystar._Subscriber": _bstar_end("_Subscriber"),
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),

@@ -31,7 +31,7 @@ from twisted.internet import defer, task
 from twisted.python import usage
 
 from mdp import transport
-from mdp.app.tap import DEFAULT_ENDPOINT, _dialect, checked_endpoints
+from mdp.app.tap import BrokerListOptions, _dialect, checked_endpoints
 from mdp.errors import MDPError
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
@@ -44,17 +44,16 @@ def _show(frame: bytes) -> str:
     return text if text.isprintable() else repr(frame)
 
 
-class _ClientOptions(usage.Options):
+class _ClientOptions(BrokerListOptions):
     """What every command that talks to a broker takes."""
 
     optParameters: list[Any] = [
-        ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint (commas for failover)."],
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
     ]
 
     def postOptions(self) -> None:
-        self["brokers"] = checked_endpoints(self["broker"], transport.CONNECT, "broker")
+        BrokerListOptions.postOptions(self)
         if self["timeout"] <= 0:
             raise usage.UsageError("--timeout must be positive")
         if self["retries"] < 1:

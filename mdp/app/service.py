@@ -13,6 +13,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from mdp import transport
+from mdp.binarystar import BinaryStar
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.worker import Handler, Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
@@ -28,6 +29,11 @@ class BrokerService(Service):
     the queue, worker and delivery bounds, ``limits``) go to the
     :class:`~mdp.majordomo.broker.Broker`.
 
+    Given a *binaryStar* (:class:`~mdp.binarystar.BinaryStar`), the broker is
+    one of a primary/backup pair: the service starts its state exchange
+    before it binds, the broker serves only while it is active, and a fatal
+    error of the pair closes the broker (and, with *exitOnFailure*, exits 1).
+
     A malformed endpoint raises :class:`~mdp.errors.TransportError` here, at
     once.  With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
     logs the reason, stops the reactor and exits with status 1 instead of
@@ -40,6 +46,7 @@ class BrokerService(Service):
         reactor: Optional[Any] = None,
         *,
         exitOnFailure: bool = False,
+        binaryStar: Optional[BinaryStar] = None,
         **brokerOptions: Any,
     ) -> None:
         if endpoint is None and backend is None:
@@ -49,12 +56,27 @@ class BrokerService(Service):
                 transport.check(bound, transport.LISTEN)
         self.endpoint = endpoint
         self.backend = backend
+        self.binaryStar = binaryStar
+        if binaryStar is not None:
+            brokerOptions["admission"] = binaryStar
+            binaryStar.onFatal(self._fatal)
         self.broker = Broker(reactor, **brokerOptions)
         self.exitOnFailure = exitOnFailure
         self.transports: list[Any] = []
 
     def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().startService()
+        if self.binaryStar is None:
+            return self._listen()
+        return self.binaryStar.start().addCallbacks(lambda _: self._listen(), self._failed)
+
+    def _fatal(self, reason: str) -> None:
+        """The Binary Star pair is broken: this broker stops."""
+        self.broker.close()
+        if self.exitOnFailure:
+            _stop_and_exit(self.broker.reactor, 1)
+
+    def _listen(self) -> defer.Deferred[None]:
         listening = []
         if self.endpoint is not None:
             listening.append(self.broker.listen(self.endpoint, clients=True,
@@ -73,7 +95,10 @@ class BrokerService(Service):
         """Unbind every endpoint and stop the broker's heartbeat tick."""
         super().stopService()
         self.transports = []
-        return self.broker.close()
+        closing = [self.broker.close()]
+        if self.binaryStar is not None:
+            closing.append(self.binaryStar.stop())
+        return defer.gatherResults(closing).addCallback(lambda _: None)
 
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if isinstance(failure.value, defer.FirstError):
@@ -81,6 +106,8 @@ class BrokerService(Service):
         log.critical("MDP broker cannot listen: {error}", error=failure.getErrorMessage())
         if not self.exitOnFailure:
             return failure
+        if self.binaryStar is not None:
+            self.binaryStar.stop()
         self.broker.close()
         _stop_and_exit(self.broker.reactor, 1)
         return None

@@ -13,6 +13,7 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from mdp import transport
+from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
 from mdp.errors import TransportError
 from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.majordomo import broker
@@ -99,6 +100,26 @@ def checked_endpoints(value: Optional[str], role: str, option: str) -> list[str]
         raise usage.UsageError(f"--{option}: {e}") from None
 
 
+class BrokerListOptions(usage.Options):
+    """``--broker`` / ``-b``, given once per broker (or with commas) for a
+    failover list such as a Binary Star pair; after parsing, ``self["brokers"]``
+    is the checked list (the default endpoint when none is given)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["broker"] = []
+
+    def opt_broker(self, endpoint: str) -> None:
+        """Broker endpoint; once per broker (or commas) for failover [default: zmq:tcp://127.0.0.1:5555]"""
+        self["broker"].append(endpoint)
+
+    opt_b = opt_broker
+
+    def postOptions(self) -> None:
+        given = ",".join(self["broker"]) or DEFAULT_ENDPOINT
+        self["brokers"] = checked_endpoints(given, transport.CONNECT, "broker")
+
+
 def limits_of(options: usage.Options) -> Limits:
     """The :class:`~mdp.policy.Limits` the parsed *options* ask for."""
     names = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
@@ -140,20 +161,34 @@ class BrokerOptions(_HeartbeatOptions):
          "Most registered workers for one service.", int],
         ["max-deliveries", None, broker.DEFAULT_MAX_DELIVERIES,
          "Times a request is given to a worker that is then lost, before it fails.", int],
+        ["bstar", None, None,
+         "Run as one of a Binary Star pair: primary or backup (needs --bstar-local and "
+         "--bstar-remote)."],
+        ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
+        ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
+        ["bstar-heartbeat", None, DEFAULT_BSTAR_HEARTBEAT,
+         "Binary Star: seconds between state messages; the peer is gone after twice this.",
+         _positive],
     ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_endpoints(self["backend"], transport.LISTEN, "backend")
+        bstar = (self["bstar"], self["bstar-local"], self["bstar-remote"])
+        if any(bstar) and not all(bstar):
+            raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
+        if self["bstar"] is not None and self["bstar"] not in ("primary", "backup"):
+            raise usage.UsageError(f"--bstar is primary or backup, not {self['bstar']!r}")
+        if self["bstar"] is not None:
+            checked_endpoints(self["bstar-local"], transport.LISTEN, "bstar-local")
+            checked_endpoints(self["bstar-remote"], transport.CONNECT, "bstar-remote")
 
 
-class WorkerOptions(_HeartbeatOptions):
+class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     """Options of ``twist mdp-worker``."""
 
-    synopsis = "--broker ENDPOINT --service NAME --handler echo|module:callable"
+    synopsis = "--broker ENDPOINT [--broker ENDPOINT...] --service NAME --handler echo|module:callable"
     optParameters: list[Any] = _HeartbeatOptions.optParameters + [
-        ["broker", "b", DEFAULT_ENDPOINT,
-         "Broker endpoint; repeat with commas for failover."],
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
         ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.", _positive],
@@ -166,7 +201,7 @@ class WorkerOptions(_HeartbeatOptions):
     def postOptions(self) -> None:
         if not self["service"]:
             raise usage.UsageError("--service is required")
-        checked_endpoints(self["broker"], transport.CONNECT, "broker")
+        BrokerListOptions.postOptions(self)
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -178,8 +213,16 @@ class BrokerServiceMaker:
     def makeService(self, options: BrokerOptions) -> Any:
         from mdp.app.service import BrokerService
 
+        binaryStar = None
+        if options["bstar"] is not None:
+            from mdp.binarystar import BinaryStar
+
+            binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
+                                    options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
+                                    limits=limits_of(options))
         return BrokerService(
             options["endpoint"],
+            binaryStar=binaryStar,
             backend=options["backend"],
             heartbeat=options.heartbeatPolicy(),
             requestExpiry=options["request-expiry"],
@@ -208,7 +251,7 @@ class WorkerServiceMaker:
         from mdp.majordomo.idempotence import MemoryReplyStore
 
         return WorkerService(
-            options["broker"].split(","),
+            options["brokers"],
             options["service"],
             load_handler(options["handler"]),
             heartbeat=options.heartbeatPolicy(),
@@ -262,7 +305,7 @@ def _concurrency(value: str) -> int:
 _concurrency.coerceDoc = "A whole number, at least 1."  # type: ignore[attr-defined]
 
 
-class TitanicOptions(_HeartbeatOptions):
+class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     """Options of ``twist mdp-titanic``."""
 
     synopsis = "--broker ENDPOINT --db PATH|:memory: [--concurrency N]"
@@ -273,7 +316,6 @@ class TitanicOptions(_HeartbeatOptions):
         "with the process)."
     )
     optParameters: list[Any] = _HeartbeatOptions.optParameters + [
-        ["broker", "b", DEFAULT_ENDPOINT, "Broker endpoint; repeat with commas for failover."],
         ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
          "Stored requests out to their services at once.", _concurrency],
@@ -289,7 +331,7 @@ class TitanicOptions(_HeartbeatOptions):
     ] + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
-        checked_endpoints(self["broker"], transport.CONNECT, "broker")
+        BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
 
@@ -304,7 +346,7 @@ class TitanicServiceMaker:
         from mdp.app.service import TitanicService
 
         return TitanicService(
-            checked_endpoints(options["broker"], transport.CONNECT, "broker"),
+            options["brokers"],
             options["db"],
             concurrency=options["concurrency"],
             timeout=options["timeout"],

@@ -35,7 +35,9 @@ state      event                                        next       actions
 =========  ===========================================  =========  ============================
 (none)     READY, within ``maxWorkers`` and             IDLE       joins the back of its
            ``maxServiceWorkers``                                   service's idle line
-(none)     READY beyond them; any other command         (none)     DISCONNECT
+(none)     READY beyond them, or refused by the         (none)     DISCONNECT
+           ``admission`` (a passive Binary Star); any
+           other command
 IDLE       a request for its service, none ahead        BUSY       REQUEST under a new envelope
 BUSY       PARTIAL with the current envelope            BUSY       PARTIAL to the client
 BUSY       FINAL with the current envelope              IDLE       FINAL to the client; the next
@@ -57,6 +59,8 @@ A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
 =========  ===========================================  =========  ============================
 state      event                                        next       actions
 =========  ===========================================  =========  ============================
+NEW        refused by the ``admission`` (a passive      DONE       none: the client times out
+           Binary Star); not ``mmi.binarystar``                    and tries another broker
 NEW        an idle worker and nothing queued            ASSIGNED   REQUEST to the worker
 NEW        no idle worker, queues within bounds         QUEUED     waits in its service's queue
 NEW        ``mmi.*``; too large (413); queues full      DONE       answered at once
@@ -92,6 +96,14 @@ Limits (``docs/reliability.md`` has the table)
   with a 500 error reply instead of being handed to worker after worker.
 * Logs of bad input are throttled (one line a second per kind).
 
+Binary Star
+-----------
+Given an ``admission`` (an :class:`~mdp.interfaces.IAdmission`, e.g. a
+:class:`mdp.binarystar.BinaryStar`), the broker asks it before it takes each
+client request (the client's vote) and registers each worker.  A passive
+broker answers nothing but ``mmi.binarystar`` and sends DISCONNECT to every
+READY, so clients and workers given both brokers move to the active one.
+
 Requests to ``mmi.*`` services are answered by the broker itself
 (:mod:`mdp.majordomo.mmi`).  The broker answers every peer in the dialect it used (see
 :mod:`mdp.majordomo.codec`): RFC 18, or majortomo's.
@@ -113,7 +125,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import ProtocolError
-from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
+from mdp.interfaces import IAdmission, IBroker, IRouterReceiver, IRouterTransport
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.codec import (
@@ -448,6 +460,7 @@ class BrokerMachine(Machine):
         maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
         maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
         limits: Limits = Limits(),
+        admission: Optional[IAdmission] = None,
         now: float = 0.0,
     ) -> None:
         if maxDeliveries < 1:
@@ -464,6 +477,9 @@ class BrokerMachine(Machine):
         self.maxServiceWorkers = maxServiceWorkers
         self.maxDeliveries = maxDeliveries
         self.limits = limits
+        #: asked before a client request is taken or a worker registered
+        #: (Binary Star: only the active broker of a pair serves)
+        self.admission = admission
         self.throttle = LogThrottle(self)
         self._ledger = QueueLedger()
         self._assignments = itertools.count(1)
@@ -552,6 +568,10 @@ class BrokerMachine(Machine):
         content = sum(map(len, body))
         request = PendingRequest(key, command.service, body, dialect, self.now,
                                  content + FRAME_OVERHEAD * len(body))
+        admission = self.admission
+        if (admission is not None and command.service != mmi.BINARYSTAR
+                and not admission.admitClient(self.now)):
+            return  # not serving: the client times out and tries elsewhere
         if command.service.startswith(mmi.PREFIX):
             request.state = DONE
             self._reply(request, mmi.answer(self, command.service, body), final=True)
@@ -611,6 +631,11 @@ class BrokerMachine(Machine):
         if service is None:
             return False
         return bool(service.workers) or self._lingering(service)
+
+    def admissionStatus(self) -> Optional[dict[str, Any]]:
+        """What the ``admission`` says of itself (``mmi.binarystar``), or None
+        without one."""
+        return self.admission.status(self.now) if self.admission is not None else None
 
     def _lingering(self, service: ServiceQueue) -> bool:
         """Its last worker left less than ``serviceLinger`` seconds ago."""
@@ -741,7 +766,9 @@ class BrokerMachine(Machine):
 
     def _onReady(self, key: PeerKey, name: bytes, dialect: str) -> None:
         service = self.services.get(name)
-        if len(self.workers) >= self.maxWorkers:
+        if self.admission is not None and not self.admission.admitWorker(self.now):
+            why = "this broker is not serving (Binary Star passive)"
+        elif len(self.workers) >= self.maxWorkers:
             why = f"{len(self.workers)} workers already registered"
         elif service is not None and service.workers >= self.maxServiceWorkers:
             why = f"{service.workers} workers already serve {name.decode('ascii')!r}"
@@ -932,6 +959,10 @@ class Broker(BrokerMachine):
     def isServiceAvailable(self, name: bytes) -> bool:
         self.now = self.reactor.seconds()
         return super().isServiceAvailable(name)
+
+    def admissionStatus(self) -> Optional[dict[str, Any]]:
+        self.now = self.reactor.seconds()
+        return super().admissionStatus()
 
     # --- lifecycle -----------------------------------------------------------
 

@@ -9,6 +9,12 @@ by the broker itself.
 ``mmi.workers`` [NAME]    one JSON frame: ``[{"id": hex, "service": name, "busy":
                           bool, "dialect": "rfc"|"majortomo", "silence": seconds},
                           ...]``, only NAME's workers if a non-empty NAME is given
+``mmi.binarystar``        one JSON frame: the Binary Star state of this broker
+                          (``{"role", "state", "serving", "peer",
+                          "peerSilence", "failoverTimeout", "stopped"}``,
+                          :meth:`mdp.binarystar.BinaryStar.status`), answered
+                          whether the broker is active or passive; ``501``
+                          for a broker outside a pair
 any other ``mmi.*``       ``501``
 ========================  =====================================================
 
@@ -18,8 +24,9 @@ workers; when there were more, a second frame says so:
 ``{"truncated": true, "total": n}``.
 
 Answers come from the broker's public, read-only view only
-(:meth:`~mdp.majordomo.broker.Broker.snapshot` and
-:meth:`~mdp.majordomo.broker.Broker.isServiceAvailable`).
+(:meth:`~mdp.majordomo.broker.Broker.snapshot`,
+:meth:`~mdp.majordomo.broker.Broker.isServiceAvailable` and
+:meth:`~mdp.majordomo.broker.Broker.admissionStatus`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ if TYPE_CHECKING:
     from mdp.majordomo.broker import Broker
 
 PREFIX = b"mmi."
+BINARYSTAR = b"mmi.binarystar"
 FOUND = b"200"
 NOT_FOUND = b"404"
 NOT_IMPLEMENTED = b"501"
@@ -76,4 +84,8 @@ def answer(broker: Broker, service: bytes, body: Sequence[bytes]) -> list[bytes]
             for worker in snapshot.workers
         ]
         return _listing(workers, snapshot.workerCount)
+    if service == BINARYSTAR:
+        status = broker.admissionStatus()
+        if status is not None:
+            return [json.dumps(status, sort_keys=True).encode()]
     return [NOT_IMPLEMENTED]
