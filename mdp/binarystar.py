@@ -53,10 +53,10 @@ to the peer's on its ``remote`` one, over any transport of the registry::
 *state* is the state's number in ASCII (``1``..``4``), *role* ``primary`` or
 ``backup``, *uptime* the publisher's seconds since start (``%.3f``).  As the
 Guide's PUB socket, the publisher sends only to subscribers it has heard
-from and keeps nothing for an absent one: a server that comes back never
-reads states its peer had while it was away (a stale BACKUP followed by
-ACTIVE would take a restarted primary to ACTIVE, then to a fatal dual
-active).  What a subscriber sends while the peer is away is harmless.
+from and keeps nothing for an absent one: a state is news only while it is
+fresh (each one restarts the peer's failover timer), so none is delivered
+late to a server that comes back.  What a subscriber sends while the peer
+is away is harmless.
 """
 
 from __future__ import annotations

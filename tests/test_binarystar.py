@@ -1,0 +1,363 @@
+"""Binary Star over transports, driven by a Clock: the state exchange, the
+client vote, failover and recovery, the configuration guard, and a pair of
+MDP brokers with a worker and a client that fail over between them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import task
+from twisted.logger import globalLogPublisher
+
+from mdp import Broker, Client, Worker
+from mdp.binarystar import (
+    HEADER,
+    MAX_SUBSCRIBERS,
+    SUBSCRIBE,
+    BinaryStar,
+    Role,
+    State,
+    decode_state,
+    encode_state,
+)
+from mdp.errors import ProtocolError, RequestTimeout, TransportError
+from mdp.policy import HeartbeatPolicy
+from tests.conftest import LoopbackNet, RawPeer
+
+
+class Pair:
+    """Two state endpoints on a loopback net, and the servers started on them."""
+
+    def __init__(self, net: LoopbackNet) -> None:
+        self.net = net
+        name = net.bindEndpoint()
+        self.endpoints = {Role.PRIMARY: f"{name}-primary", Role.BACKUP: f"{name}-backup"}
+        self.events: list[tuple[str, str, str]] = []
+
+    def start(self, role: Role, *, configured: Role | None = None, **options: Any) -> BinaryStar:
+        """A server of *role* (configured as *configured*, to test the guard)."""
+        other = Role.BACKUP if role is Role.PRIMARY else Role.PRIMARY
+        star = BinaryStar(configured or role, self.endpoints[role], self.endpoints[other],
+                          self.net.reactor, **options)
+        label = role.value
+        star.onActive(lambda why: self.events.append((label, "active", why)))
+        star.onPassive(lambda why: self.events.append((label, "passive", why)))
+        star.onFatal(lambda why: self.events.append((label, "fatal", why)))
+        self.net.reactor.advance(0)
+        star.start()
+        self.net.addCleanup(star.stop)
+        return star
+
+    def kinds(self, label: str) -> list[str]:
+        return [kind for who, kind, _ in self.events if who == label]
+
+
+@pytest.fixture
+def logged() -> Any:
+    lines: list[str] = []
+
+    def observer(event: dict) -> None:
+        from twisted.logger import formatEvent
+
+        lines.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(observer)
+    yield lines
+    globalLogPublisher.removeObserver(observer)
+
+
+# --- the wire form --------------------------------------------------------------------
+
+
+def test_state_message_round_trip() -> None:
+    frames = encode_state(State.PASSIVE, Role.BACKUP, 12.5)
+    assert frames == [HEADER, b"STATE", b"4", b"backup", b"12.500"]
+    assert decode_state(frames) == (State.PASSIVE, Role.BACKUP, 12.5)
+
+
+@pytest.mark.parametrize("frames", [
+    [],
+    [HEADER, SUBSCRIBE],
+    [b"BSTAR02", b"STATE", b"1", b"primary", b"0"],
+    [HEADER, b"STATE", b"5", b"primary", b"0"],
+    [HEADER, b"STATE", b"x", b"primary", b"0"],
+    [HEADER, b"STATE", b"1", b"leader", b"0"],
+    [HEADER, b"STATE", b"1", b"primary", b"-1"],
+    [HEADER, b"STATE", b"1", b"primary", b"nan"],
+    [HEADER, b"STATE", b"1", b"primary", b"0", b"extra"],
+])
+def test_bad_state_messages_are_refused(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_state(frames)
+
+
+def test_configuration_is_checked_at_once() -> None:
+    clock = task.Clock()
+    with pytest.raises(ValueError, match="primary' or 'backup"):
+        BinaryStar("leader", "loopback:a", "loopback:b", clock)
+    with pytest.raises(TypeError):
+        BinaryStar(1, "loopback:a", "loopback:b", clock)  # type: ignore[arg-type]
+    with pytest.raises(TransportError):
+        BinaryStar("primary", "tcp://127.0.0.1:5000", "loopback:b", clock)
+    with pytest.raises(TransportError):
+        BinaryStar("primary", "loopback:a", "nowhere:b", clock)
+    with pytest.raises(ValueError):
+        BinaryStar("primary", "loopback:a", "loopback:b", clock, heartbeat=0)
+
+
+# --- a pair ---------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("first", [Role.PRIMARY, Role.BACKUP])
+async def test_pair_settles_primary_active_backup_passive(clocknet: LoopbackNet,
+                                                          first: Role) -> None:
+    pair = Pair(clocknet)
+    second = Role.BACKUP if first is Role.PRIMARY else Role.PRIMARY
+    stars = {first: pair.start(first)}
+    clocknet.advance(1.5)  # alone, within the failover timeout
+    stars[second] = pair.start(second)
+    await clocknet.until(lambda: stars[Role.PRIMARY].state is State.ACTIVE
+                         and stars[Role.BACKUP].state is State.PASSIVE, timeout=5)
+    assert pair.kinds("primary") == ["active"] and pair.kinds("backup") == ["passive"]
+    assert stars[Role.PRIMARY].serving and not stars[Role.BACKUP].serving
+    clocknet.advance(10)  # the pair stays as it is
+    assert pair.kinds("primary") == ["active"] and pair.kinds("backup") == ["passive"]
+    # a client request at the passive one is refused while the primary talks
+    assert stars[Role.BACKUP].admitClient() is False
+    assert stars[Role.PRIMARY].admitClient() is True
+    status = stars[Role.BACKUP].status()
+    assert status["role"] == "backup" and status["state"] == "passive"
+    assert status["peer"] == "active" and status["peerSilence"] <= 1.0
+    assert status["serving"] is False
+
+
+@pytest_twisted.ensureDeferred
+async def test_failover_needs_a_client_vote_and_the_failover_timeout(
+        clocknet: LoopbackNet, logged: list[str]) -> None:
+    pair = Pair(clocknet)
+    primary, backup = pair.start(Role.PRIMARY), pair.start(Role.BACKUP)
+    await clocknet.until(lambda: backup.state is State.PASSIVE, timeout=5)
+    await clocknet.wait(primary.stop())  # the primary dies
+    died = clocknet.reactor.seconds()
+    clocknet.advance(1.5)
+    assert backup.admitClient() is False  # silent for less than 2 s
+    clocknet.advance(10)
+    assert backup.state is State.PASSIVE  # no vote, no takeover
+    assert backup.admitClient() is True  # the client's vote
+    assert backup.state is State.ACTIVE and backup.serving
+    assert pair.kinds("backup") == ["passive", "active"]
+    assert clocknet.reactor.seconds() - died >= backup.machine.failoverTimeout
+    assert any("backup: passive -> active" in line for line in logged)
+
+    # the primary comes back: passive, as there is no automatic fail-back
+    primary2 = pair.start(Role.PRIMARY)
+    await clocknet.until(lambda: primary2.state is State.PASSIVE, timeout=5)
+    clocknet.advance(5)
+    assert backup.state is State.ACTIVE and primary2.state is State.PASSIVE
+    assert primary2.admitClient() is False
+    # then the backup dies: the primary takes over on the next vote
+    await clocknet.wait(backup.stop())
+    clocknet.advance(2.5)
+    assert primary2.admitClient() is True and primary2.state is State.ACTIVE
+
+
+@pytest_twisted.ensureDeferred
+async def test_states_are_kept_for_no_one(clocknet: LoopbackNet) -> None:
+    """Like the Guide's PUB socket: states published while no one listens
+    are gone; a subscriber that comes later gets the current state only."""
+    pair = Pair(clocknet)
+    backup = pair.start(Role.BACKUP)
+    clocknet.advance(30)  # 30 states published to no one
+    assert backup.state is State.BACKUP and backup.admitClient() is False  # waits for a primary
+    late = RawPeer(clocknet, pair.endpoints[Role.BACKUP])
+    clocknet.reactor.advance(0)
+    late.send(HEADER, SUBSCRIBE)
+    clocknet.advance(0.5)
+    assert len(late.received) == 1
+    state, role, uptime = decode_state(late.received[0])
+    assert (state, role) == (State.BACKUP, Role.BACKUP) and uptime >= 30
+    # a backup started first waits for its primary, then goes passive
+    primary = pair.start(Role.PRIMARY)
+    await clocknet.until(lambda: backup.state is State.PASSIVE, timeout=5)
+    assert primary.state is State.ACTIVE
+    assert pair.kinds("primary") == ["active"] and pair.kinds("backup") == ["passive"]
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("role", [Role.PRIMARY, Role.BACKUP])
+async def test_the_same_role_twice_stops_the_later_server(clocknet: LoopbackNet,
+                                                          logged: list[str], role: Role) -> None:
+    pair = Pair(clocknet)
+    earlier = pair.start(Role.PRIMARY, configured=role)
+    clocknet.advance(0.5)
+    later = pair.start(Role.BACKUP, configured=role)
+    await clocknet.until(lambda: later.machine.stopped is not None, timeout=5)
+    assert pair.kinds("backup") == ["fatal"]  # the later one, on the backup's endpoints
+    assert not later.serving and later.admitClient() is False
+    assert later.endpoint is None  # its state channel is closed
+    assert earlier.machine.stopped is None
+    assert any(f"both servers are configured {role.value}; this one started later" in line
+               for line in logged)
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_input_on_the_state_endpoint_is_dropped_and_logged(
+        clocknet: LoopbackNet, logged: list[str]) -> None:
+    pair = Pair(clocknet)
+    primary = pair.start(Role.PRIMARY)
+    clocknet.advance(0.1)
+    intruder = RawPeer(clocknet, pair.endpoints[Role.PRIMARY])
+    clocknet.reactor.advance(0)
+    intruder.send(b"hello")
+    clocknet.advance(0.1)
+    assert any("not a subscription" in line for line in logged)
+    # a subscriber gets the state at once, then every heartbeat
+    intruder.send(HEADER, SUBSCRIBE)
+    first = await intruder.nextMessage()
+    assert decode_state(first)[:2] == (State.PRIMARY, Role.PRIMARY)
+    # a bad state from the "peer" is dropped, and is no state
+    fake = RawRouterPeer(clocknet, pair.endpoints[Role.BACKUP])
+    await fake.listen()
+    await clocknet.until(lambda: fake.subscribers, timeout=5)
+    fake.send([HEADER, b"STATE", b"9", b"backup", b"0"])
+    clocknet.advance(0.1)
+    assert any("dropped a bad message" in line for line in logged)
+    assert primary.peerState is None and primary.state is State.PRIMARY
+
+
+@pytest_twisted.ensureDeferred
+async def test_subscribers_are_bounded(clocknet: LoopbackNet, logged: list[str]) -> None:
+    pair = Pair(clocknet)
+    primary = pair.start(Role.PRIMARY)
+    clocknet.advance(0.1)
+    peers = [RawPeer(clocknet, pair.endpoints[Role.PRIMARY]) for _ in range(MAX_SUBSCRIBERS + 2)]
+    clocknet.reactor.advance(0)
+    for peer in peers:
+        peer.send(HEADER, SUBSCRIBE)
+    clocknet.advance(0.1)
+    assert len(primary._publisher.subscribers) == MAX_SUBSCRIBERS
+    assert any("refused subscriber" in line for line in logged)
+    # silent subscribers are forgotten after the failover timeout
+    clocknet.advance(2 * primary.machine.failoverTimeout)
+    assert not primary._publisher.subscribers
+
+
+class RawRouterPeer:
+    """A bound endpoint standing in for a peer's publisher."""
+
+    def __init__(self, net: LoopbackNet, endpoint: str) -> None:
+        self.net = net
+        self.endpoint = endpoint
+        self.subscribers: list[bytes] = []
+        self.transport: Any = None
+
+    async def listen(self) -> None:
+        from mdp import transport
+
+        self.transport = await self.net.wait(transport.listen(self.endpoint, self,
+                                                              self.net.reactor))
+        self.net.addCleanup(self.transport.close)
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        if peer not in self.subscribers:
+            self.subscribers.append(peer)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        pass
+
+    def send(self, frames: list[bytes]) -> None:
+        for peer in self.subscribers:
+            self.transport.sendMessage(peer, frames)
+
+
+# --- a pair of brokers ------------------------------------------------------------------
+
+HB = HeartbeatPolicy(0.25, 4)
+
+
+async def start_broker(net: LoopbackNet, pair: Pair, role: Role) -> tuple[Broker, BinaryStar, str]:
+    star = pair.start(role)
+    broker = Broker(net.reactor, heartbeat=HB, admission=star)
+    endpoint = f"{pair.endpoints[role]}-mdp"
+    await net.wait(broker.listen(endpoint))
+    net.addCleanup(broker.close)
+    return broker, star, endpoint
+
+
+async def binarystar_status(net: LoopbackNet, endpoint: str) -> dict:
+    client = Client(endpoint, net.reactor, timeout=1, retries=1)
+    try:
+        reply = await net.wait(client.request("mmi.binarystar", b""))
+    finally:
+        await net.wait(client.close())
+    return json.loads(reply[0])
+
+
+@pytest_twisted.ensureDeferred
+async def test_brokers_fail_over_with_their_clients_and_workers(clocknet: LoopbackNet) -> None:
+    pair = Pair(clocknet)
+    primary, primaryStar, a = await start_broker(clocknet, pair, Role.PRIMARY)
+    backup, backupStar, b = await start_broker(clocknet, pair, Role.BACKUP)
+    await clocknet.until(lambda: backupStar.state is State.PASSIVE, timeout=5)
+
+    worker = Worker([b, a], "echo", lambda frames: frames, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    client = Client([a, b], clocknet.reactor, timeout=1.0, retries=10)
+    clocknet.addCleanup(client.close)
+    # the worker tried the passive backup first: refused there, registered at the primary
+    assert await clocknet.wait(client.request("echo", b"1")) == [b"1"]
+    assert len(primary.workers) == 1 and not backup.workers
+    assert (await binarystar_status(clocknet, a))["state"] == "active"
+    passive = await binarystar_status(clocknet, b)  # answered, though passive
+    assert passive["state"] == "passive" and passive["peer"] == "active"
+    # the passive broker answers no other request
+    lost = Client(b, clocknet.reactor, timeout=1, retries=2)
+    clocknet.addCleanup(lost.close)
+    with pytest.raises(RequestTimeout):
+        await clocknet.wait(lost.request("echo", b"x"))
+    with pytest.raises(RequestTimeout):
+        await clocknet.wait(lost.request("mmi.service", b"echo"))
+
+    # the primary dies: its broker and state channel go at once
+    await clocknet.wait(primaryStar.stop())
+    await clocknet.wait(primary.close())
+    died = clocknet.reactor.seconds()
+    replies = [client.request("echo", b"%d" % n) for n in range(5)]
+    for n, d in enumerate(replies):
+        assert await clocknet.wait(d) == [b"%d" % n]
+    assert backupStar.state is State.ACTIVE and len(backup.workers) == 1
+    assert clocknet.reactor.seconds() - died < 10
+
+    # the primary comes back: passive, it refuses workers and clients
+    primary2 = Broker(clocknet.reactor, heartbeat=HB)
+    star2 = BinaryStar("primary", pair.endpoints[Role.PRIMARY], pair.endpoints[Role.BACKUP],
+                       clocknet.reactor)
+    primary2.admission = star2
+    star2.start()
+    clocknet.addCleanup(star2.stop)
+    await clocknet.wait(primary2.listen(a))
+    clocknet.addCleanup(primary2.close)
+    await clocknet.until(lambda: star2.state is State.PASSIVE, timeout=5)
+    assert await clocknet.wait(client.request("echo", b"again")) == [b"again"]
+    assert not primary2.workers
+    # recovery by hand: stop the backup, the primary takes over on a vote
+    await clocknet.wait(backupStar.stop())
+    await clocknet.wait(backup.close())
+    assert await clocknet.wait(client.request("echo", b"back")) == [b"back"]
+    assert star2.state is State.ACTIVE and len(primary2.workers) == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_mmi_binarystar_without_a_pair_is_not_implemented(clocknet: LoopbackNet) -> None:
+    broker = Broker(clocknet.reactor)
+    endpoint = clocknet.bindEndpoint()
+    await clocknet.wait(broker.listen(endpoint))
+    clocknet.addCleanup(broker.close)
+    client = Client(endpoint, clocknet.reactor)
+    clocknet.addCleanup(client.close)
+    assert await clocknet.wait(client.request("mmi.binarystar", b"")) == [b"501"]
