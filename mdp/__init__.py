@@ -6,6 +6,7 @@ The public API::
 """
 
 from mdp.app.service import BrokerService, WorkerService
+from mdp.binarystar import BinaryStar
 from mdp.errors import (
     ClientClosed,
     MDPError,
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backoff",
+    "BinaryStar",
     "Broker",
     "BrokerService",
     "Client",

@@ -448,15 +448,15 @@ class BinaryStar:
         self.machine.started = now
         self.machine.peerExpiry = now + self.machine.failoverTimeout
         self._running = True
-        log.info("Binary Star {role}: starting as {state}, state on {local}, peer at {remote}",
-                 role=self.role.value, state=self.state.name.lower(), local=self.local,
-                 remote=self.remote)
 
         def bound(router: Any) -> None:
             self._publisher.transport = router
             if not self._running:
                 router.close()
                 return
+            log.info("Binary Star {role}: {state}, state published on {endpoint}, peer's read "
+                     "from {remote}", role=self.role.value, state=self.state.name.lower(),
+                     endpoint=router.endpoint, remote=self.remote)
             retry = Backoff(initial=min(0.1, self.machine.heartbeat),
                             maximum=self.machine.heartbeat).retryPolicy()
             self._subscriber.transport = transport.connect(

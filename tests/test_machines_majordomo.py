@@ -170,15 +170,15 @@ def test_worker_fails_over_to_the_next_broker_after_silence_with_backoff() -> No
                     backoff=Backoff(initial=1.0, maximum=32.0))
     worker.start()
     assert script.feed() == [Send(first + "#1", READY)]
-    # heartbeats at 1, 2, 3 s; at 4 s the broker has been silent for more than 3 s
-    assert script.feed(Elapse(4.0)) == [Send(first + "#1", HEARTBEAT)] * 3 + [Close(first + "#1")]
-    assert worker.state is WorkerState.BACKING_OFF and worker.endpoint == second
-    assert script.nextWake() == 5.0  # backoff.delay(0) = 1 s
-    assert script.feed(Elapse(1.0)) == [Open(second + "#1"), Send(second + "#1", READY)]
-    assert worker.state is WorkerState.READY
-    # silent again: gone at 9 s, and now the delay doubles to 2 s, back to the first broker
-    assert script.feed(Elapse(4.0)) == [Send(second + "#1", HEARTBEAT)] * 3 + [Close(second + "#1")]
-    assert script.feed(Elapse(1.99)) == []
+    # heartbeats at 1, 2, 3 s; at 3.5 s (a tick every half interval) the broker
+    # has been silent for more than 3 s
+    # and another broker is there to try: at once
+    assert script.feed(Elapse(3.5)) == [Send(first + "#1", HEARTBEAT)] * 3 + [
+        Close(first + "#1"), Open(second + "#1"), Send(second + "#1", READY)]
+    assert worker.state is WorkerState.READY and worker.endpoint == second
+    # silent again: gone at 7 s, and now the delay is backoff.delay(0) = 1 s, back to the first
+    assert script.feed(Elapse(3.5)) == [Send(second + "#1", HEARTBEAT)] * 3 + [Close(second + "#1")]
+    assert script.feed(Elapse(0.99)) == []
     assert script.feed(Elapse(0.01)) == [Open(first + "#2"), Send(first + "#2", READY)]
     # the broker speaks: the backoff starts over
     script.feed(Receive(first + "#2", HEARTBEAT))
@@ -380,10 +380,11 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
     assert isinstance(serve, Serve) and serve.body == [b"hi"] and machine.current == b"C1"
     sent, actions = machine.handleReply(serve.job, codec.WorkerFinal, [b"HI"], now=0.3)
     assert sent and actions == [SendToBroker([W, codec.W_FINAL, b"C1", b"", b"HI"])]
-    # half an interval with nothing sent: a heartbeat at the tick
-    assert machine.handleTick(now=1.0) == [SendToBroker([*HEARTBEAT])]
-    # silent for more than 3 s since the REQUEST at 0.2: close, next endpoint, after backoff.delay(0) = 1 s
-    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(1.0)]
+    # ¾ of an interval with nothing sent: a heartbeat at the tick
+    assert machine.handleTick(now=1.1) == [SendToBroker([*HEARTBEAT])]
+    # silent for more than 3 s since the REQUEST at 0.2: close, and on to the
+    # next endpoint at once (the next time after backoff.delay(0) = 1 s)
+    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(0.0)]
     assert machine.handleReopen(now=4.3) == [OpenPipe("b")]
     # a reply for the request of the old pipe is void
     assert machine.handleReply(serve.job, codec.WorkerFinal, [b"late"], now=4.4) == (False, [])

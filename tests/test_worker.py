@@ -43,9 +43,9 @@ async def test_silent_broker_reconnects_with_doubling_backoff(clocknet: Loopback
     times = [t for t, _ in readies(router)]
     peers = {p for _, p in readies(router)}
     assert len(peers) == len(times)  # every registration on a fresh socket
-    # silence is noticed 4 s after the last sign of life (ticks of 1 s, expiry 3 s);
-    # what remains of each gap is the backoff delay
-    delays = [b - a - 4 for a, b in zip(times, times[1:])]
+    # silence is noticed 3.5 s after the last sign of life (ticks of half an
+    # interval, 0.5 s, expiry 3 s); what remains of each gap is the backoff delay
+    delays = [b - a - 3.5 for a, b in zip(times, times[1:])]
     assert delays[:7] == pytest.approx([1, 2, 4, 8, 16, 32, 32], abs=0.02)
 
 

@@ -52,8 +52,11 @@ READY          DISCONNECT                          BACKING_OFF    close the pipe
                                                                   ``backoff.delay(refusals-1)``
 CONNECTING,    tick, broker silent for more than   BACKING_OFF    close the pipe, next endpoint,
 READY          ``interval × liveness``                            wait ``backoff.delay(failures)``
-READY          tick, nothing sent for half an      READY          send HEARTBEAT
-               interval
+                                                                  (with several endpoints: 0 s the
+                                                                  first time, then
+                                                                  ``backoff.delay(failures-1)``)
+READY          tick (every half interval), nothing  READY          send HEARTBEAT
+               sent for ¾ of an interval
 BACKING_OFF    the delay is over                   CONNECTING     open a fresh pipe
 any            ``stop()``                          STOPPED        DISCONNECT if READY; close
 =============  ==================================  =============  ==============================
@@ -241,8 +244,10 @@ class WorkerMachine(Machine):
 
     @property
     def wakeEvery(self) -> float:
-        """How often :meth:`handleTick` wants to run: one heartbeat interval."""
-        return self.heartbeat.interval
+        """How often :meth:`handleTick` wants to run: half a heartbeat
+        interval, so a silent broker is noticed within half an interval of
+        its expiry (a HEARTBEAT still goes out once an interval)."""
+        return self.heartbeat.interval / 2
 
     def isCurrent(self, job: _Job) -> bool:
         """*job* may still be answered: its pipe lives and it is the request
@@ -403,13 +408,16 @@ class WorkerMachine(Machine):
             return  # waiting out a reconnect delay
         liveness = self.liveness
         if liveness.dead(now):
-            delay = self.backoff.delay(self.failures)
+            if self.failures or len(self._rotation.endpoints) == 1:
+                delay = self.backoff.delay(self.failures - (len(self._rotation.endpoints) > 1))
+            else:
+                delay = 0.0  # another broker to try (a Binary Star pair): at once
             self.failures += 1
             log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
                      "reconnects in {delay:g}s", endpoint=self.endpoint,
                      silence=liveness.silence(now), service=self.service, delay=delay)
             self._reconnect(delay)
-        elif state is READY and liveness.due(now, 0.5):
+        elif state is READY and liveness.due(now, 0.75):
             self._send(codec.HEARTBEAT)
 
     def _send(self, command: Any) -> None:
