@@ -85,7 +85,8 @@ class _Commands(usage.Options):
 
 
 class CallOptions(_RequestOptions):
-    synopsis = "[--broker ENDPOINT] [--timeout S] [--retries N] SERVICE FRAME [FRAME...]"
+    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--timeout S] [--retries N] "
+                "SERVICE FRAME [FRAME...]")
     optParameters: list[Any] = [
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
     ]
