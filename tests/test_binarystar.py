@@ -361,3 +361,67 @@ async def test_mmi_binarystar_without_a_pair_is_not_implemented(clocknet: Loopba
     client = Client(endpoint, clocknet.reactor)
     clocknet.addCleanup(client.close)
     assert await clocknet.wait(client.request("mmi.binarystar", b"")) == [b"501"]
+
+
+# --- options ----------------------------------------------------------------------------
+
+
+def test_twist_broker_bstar_options() -> None:
+    from twisted.python import usage
+
+    from mdp.app.tap import BrokerOptions, BrokerServiceMaker
+
+    def parse(*args: str) -> BrokerOptions:
+        options = BrokerOptions()
+        options.parseOptions(list(args))
+        return options
+
+    pair = ("--bstar-local", "zmq:tcp://127.0.0.1:5003", "--bstar-remote", "zmq:tcp://127.0.0.1:5004")
+    with pytest.raises(usage.UsageError, match="go together"):
+        parse("--bstar", "primary")
+    with pytest.raises(usage.UsageError, match="go together"):
+        parse(*pair)
+    with pytest.raises(usage.UsageError, match="primary or backup"):
+        parse("--bstar", "leader", *pair)
+    with pytest.raises(usage.UsageError, match="--bstar-remote: bad endpoint"):
+        parse("--bstar", "backup", "--bstar-local", "zmq:tcp://127.0.0.1:5003",
+              "--bstar-remote", "tcp://127.0.0.1:5004")
+    service = BrokerServiceMaker().makeService(parse("--bstar", "backup", "--bstar-heartbeat",
+                                                     "0.5", *pair))
+    star = service.binaryStar
+    assert star.role is Role.BACKUP and star.machine.heartbeat == 0.5
+    assert (star.local, star.remote) == ("zmq:tcp://127.0.0.1:5003", "zmq:tcp://127.0.0.1:5004")
+    assert service.broker.admission is star
+    assert BrokerServiceMaker().makeService(parse()).binaryStar is None
+
+
+@pytest.mark.parametrize("args, brokers", [
+    ([], ["zmq:tcp://127.0.0.1:5555"]),
+    (["--broker", "zmq:tcp://a:1"], ["zmq:tcp://a:1"]),
+    (["--broker", "zmq:tcp://a:1", "-b", "tcp:host=b:port=2"], ["zmq:tcp://a:1", "tcp:host=b:port=2"]),
+    (["--broker", "zmq:tcp://a:1,zmq:tcp://b:2", "--broker", "zmq:tcp://c:3"],
+     ["zmq:tcp://a:1", "zmq:tcp://b:2", "zmq:tcp://c:3"]),
+])
+def test_broker_given_once_per_broker(args: list[str], brokers: list[str]) -> None:
+    from mdp.app.cli import CallOptions
+    from mdp.app.tap import TitanicOptions, WorkerOptions
+
+    worker = WorkerOptions()
+    worker.parseOptions([*args, "--service", "echo"])
+    assert worker["brokers"] == brokers
+    titanic = TitanicOptions()
+    titanic.parseOptions(args)
+    assert titanic["brokers"] == brokers
+    call = CallOptions()
+    call.parseOptions([*args, "echo", "x"])
+    assert call["brokers"] == brokers
+
+
+def test_a_bad_broker_among_several_is_a_usage_error() -> None:
+    from twisted.python import usage
+
+    from mdp.app.tap import WorkerOptions
+
+    with pytest.raises(usage.UsageError, match="--broker: bad endpoint 'tcp://b:2'"):
+        WorkerOptions().parseOptions(["--broker", "zmq:tcp://a:1", "--broker", "tcp://b:2",
+                                      "--service", "echo"])

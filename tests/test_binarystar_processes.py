@@ -272,3 +272,25 @@ async def test_a_cut_state_channel_makes_no_split_brain(kind: str) -> None:
         if stream is not None and stream.running:
             stream.running = False
         await pair.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_primaries_the_later_one_exits_with_a_fatal_error() -> None:
+    pair = Pair("zmq")
+    try:
+        first = await pair.start("primary")
+        await bounded(first.waitFor("state published on", 30), 30)
+        # a second broker, also configured primary, on the backup's place
+        second = Process(reactor(), [
+            script("twist"), "--log-format", "text", "mdp-broker",
+            "--endpoint", BIND["zmq"], "--bstar", "primary", "--bstar-local", BIND["zmq"],
+            "--bstar-remote", state_endpoint("zmq", pair.proxies["primary"].address)], ENV)
+        pair.old.append(second)
+        state = await bounded(second.waitFor(r"state published on (\S+),", 60), 60)
+        pair.proxies["backup"].port = port_of(state.group(1).decode())
+        await second.ended(30)
+        assert second.exitCode == 1
+        assert b"fatal: both servers are configured primary; this one started later" in second.output
+        assert first.running
+    finally:
+        await pair.stop()
