@@ -196,6 +196,15 @@ def _connection_classes() -> tuple[type, type]:
                 self.owner.oversized(head if self.envelope else None, count - self.envelope, size)
                 return budget
 
+            def attached(self) -> None:
+                """After a bind or connect, look for input a turn later.
+                libzmq attaches an inproc pipe within the call itself, without
+                signalling the FD: a ROUTER that binds an address DEALERs
+                connected to first finds their messages queued already, and
+                their later ones signal nothing until it has read those."""
+                if self.read_scheduled is None and self.socket is not None:
+                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+
             def send(self, frames: list[bytes]) -> None:
                 socket = self.socket
                 last = len(frames) - 1
@@ -468,6 +477,7 @@ class ZmqRouter(_RoutedSocket):
         except zmq.ZMQError as e:
             self.connection.shutdown()
             raise TransportError(f"cannot bind {endpoint}: {e}") from e
+        self.connection.attached()
         self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
         self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
         self._closing = False
@@ -627,6 +637,8 @@ class ZmqDealer:
     def _made(self, connection: Any) -> None:
         if connection is self.connection:
             self.receiver.connectionMade()
+            if connection.socket is not None:
+                connection.attached()  # after connectionMade: nothing is delivered before it
 
     def _received(self, connection: Any, frames: list[bytes]) -> None:
         if connection is self.connection:
@@ -708,6 +720,7 @@ class ZmqPeerRouter(_RoutedSocket):
         socket = self.connection.socket
         socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.encode())
         socket.connect(_address(endpoint))
+        self.connection.attached()
         self.endpoints.add(endpoint)
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
