@@ -43,3 +43,15 @@ async def test_titanic_example_keeps_a_request_until_a_worker_comes(tmp_path) ->
     reply = await example.main(reactor, str(database))
     assert reply == [b"HELLO, WHENEVER YOU CAN"]
     assert database.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_binarystar_example_fails_over_to_the_backup_freelance_server() -> None:
+    """examples/binarystar_freelance.py: the primary answers while active;
+    once it is gone, the backup takes over on the agent's votes."""
+    from twisted.internet import reactor
+
+    example = load("binarystar_freelance")
+    replies = await example.main(reactor)
+    assert replies == [[b"primary", b"hello"], [b"backup", b"still there?"]]
