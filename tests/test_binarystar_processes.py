@@ -191,7 +191,7 @@ async def settle(pair: Pair, first: str) -> None:
 
 @pytest_twisted.ensureDeferred
 @pytest.mark.parametrize("kind,first", [("zmq", "primary"), ("tcp", "backup")])
-async def test_failover_and_back_under_a_steady_stream(kind: str, first: str) -> None:
+async def test_failover_and_back_under_a_steady_stream(kind: str, first: str, capsys: Any) -> None:
     pair = Pair(kind)
     stream: Optional[Stream] = None
     try:
@@ -209,7 +209,8 @@ async def test_failover_and_back_under_a_steady_stream(kind: str, first: str) ->
         backup = pair.brokers["backup"]
         await bounded(backup.waitFor("backup: passive -> active", 30), 30)
         failover = await stream.resumedAfter(killed)
-        print(f"\n{kind}: failover to the backup took {failover:.2f} s")
+        with capsys.disabled():
+            print(f"\n{kind}: failover to the backup took {failover:.2f} s")
         assert failover < 10
         assert b"client request, the peer silent" in backup.output
 
@@ -225,7 +226,8 @@ async def test_failover_and_back_under_a_steady_stream(kind: str, first: str) ->
         killed = reactor().seconds()
         await bounded(restarted.waitFor("primary: passive -> active", 30), 30)
         failback = await stream.resumedAfter(killed)
-        print(f"{kind}: failover to the restarted primary took {failback:.2f} s")
+        with capsys.disabled():
+            print(f"{kind}: failover to the restarted primary took {failback:.2f} s")
         assert failback < 10
         await stream.stop()
         assert not stream.failed, stream.failed[:5]
