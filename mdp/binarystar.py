@@ -46,12 +46,17 @@ to the peer's on its ``remote`` one, over any transport of the registry::
 
     subscriber (connects to remote)         publisher (bound at local)
     [BSTAR01, SUB]           every heartbeat, and when a pipe comes up  ->
-                         <-  [BSTAR01, STATE, state, role, uptime] to every
+                         <-  [BSTAR01, STATE, state, role, uptime,
+                              instance, heartbeat] to every
                              subscriber heard within the failover timeout,
                              every heartbeat and at once to a new one
 
 *state* is the state's number in ASCII (``1``..``4``), *role* ``primary`` or
-``backup``, *uptime* the publisher's seconds since start (``%.3f``).  As the
+``backup``, *uptime* the publisher's seconds since start (``%.3f``), then
+``instance`` (16 hex digits, new at each start) and ``heartbeat`` (seconds):
+a server that hears its own instance subscribed to itself, and the two
+heartbeats must be equal (the failover timeout depends on them); either
+mistake is fatal.  As the
 Guide's PUB socket, the publisher sends only to subscribers it has heard
 from and keeps nothing for an absent one: a state is news only while it is
 fresh (each one restarts the peer's failover timer), so none is delivered
@@ -62,7 +67,9 @@ is away is harmless.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Optional, Sequence, Union
+import os
+import re
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
@@ -116,7 +123,7 @@ VOTE = "vote"  # ACTIVE if the peer is silent beyond the failover timeout, else 
 TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
     (State.PRIMARY, Event.PEER_BACKUP): (State.ACTIVE, "connected to the backup (passive)"),
     (State.PRIMARY, Event.PEER_ACTIVE): (State.PASSIVE, "connected to the backup (active)"),
-    (State.PRIMARY, Event.CLIENT_REQUEST): (VOTE, "a client request, the backup silent"),
+    (State.PRIMARY, Event.CLIENT_REQUEST): (VOTE, "a vote, the backup silent"),
     (State.BACKUP, Event.PEER_ACTIVE): (State.PASSIVE, "connected to the primary (active)"),
     (State.BACKUP, Event.CLIENT_REQUEST): (REFUSE, "a backup waiting for its primary"),
     (State.ACTIVE, Event.PEER_ACTIVE): (
@@ -125,7 +132,7 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
     (State.PASSIVE, Event.PEER_BACKUP): (State.ACTIVE, "the backup (passive) restarts"),
     (State.PASSIVE, Event.PEER_PASSIVE): (
         FATAL, "dual passives: the peer is passive too, no one would serve"),
-    (State.PASSIVE, Event.CLIENT_REQUEST): (VOTE, "failover: a client request, the peer silent"),
+    (State.PASSIVE, Event.CLIENT_REQUEST): (VOTE, "failover: a vote, the peer silent"),
 }
 
 
@@ -157,11 +164,13 @@ class Conflict:
 
 @action_class
 class PublishState:
-    """Send our state (and role and uptime) to the peer."""
+    """Send our state (and role, uptime, run id and heartbeat) to the peer."""
 
     state: State
     role: Role
     uptime: float
+    instance: str = ""
+    heartbeat: float = DEFAULT_HEARTBEAT
 
 
 Action = Union[Changed, Fatal, Conflict, PublishState]
@@ -174,16 +183,21 @@ class BinaryStarMachine(Machine):
     *heartbeat* seconds (it publishes the state)."""
 
     def __init__(self, role: Role, *, heartbeat: float = DEFAULT_HEARTBEAT,
-                 now: float = 0.0) -> None:
+                 instance: str = "", now: float = 0.0) -> None:
         if not isinstance(role, Role):
             raise TypeError(f"role is a Role (PRIMARY or BACKUP), not {role!r}")
         super().__init__(now)
         self.role = role
         self.heartbeat = positive_seconds("heartbeat", heartbeat)
+        #: this run's id, told to the peer: hearing it back means the state
+        #: channel leads to ourselves; it also breaks a tie of start times
+        self.instance = instance
         self.state = State.PRIMARY if role is Role.PRIMARY else State.BACKUP
         self.started = now
         #: when the peer counts as gone, unless it is heard from before
         self.peerExpiry = now + self.failoverTimeout
+        #: since when a peer configured as we are keeps talking
+        self.conflictSince: Optional[float] = None
         self.stopped: Optional[str] = None
 
     @property
@@ -199,9 +213,11 @@ class BinaryStarMachine(Machine):
     # --- events ---------------------------------------------------------------------
 
     def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float,
-                        now: float) -> list[Action]:
-        """A state message from the peer (its state number, its configured
-        role if it says, and how long it has been running)."""
+                        now: float, *, peerInstance: str = "",
+                        peerHeartbeat: Optional[float] = None) -> list[Action]:
+        """A state message from the peer: its state number, its configured
+        role, how long it has been running, and (when it says) its run's id
+        and its heartbeat."""
         self.now = now
         if self.stopped is not None:
             return self._drain()
@@ -211,17 +227,42 @@ class BinaryStarMachine(Machine):
             return self._drain()  # not a state: the driver logs what it got
         if event is Event.CLIENT_REQUEST:
             return self._drain()
+        if self.instance and peerInstance == self.instance:
+            self._stop("this server hears its own state: its remote state endpoint leads "
+                       "back to its local one")
+            return self._drain()
+        if peerHeartbeat is not None and peerHeartbeat != self.heartbeat:
+            self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
+                       f"{self.heartbeat:g} s: both must be the same")
+            return self._drain()
         self.peerExpiry = now + self.failoverTimeout
         if peerRole is self.role:
-            uptime = now - self.started
-            reason = f"both servers are configured {self.role.value}"
-            if uptime < peerUptime or (uptime == peerUptime and self.role is Role.BACKUP):
-                self._stop(f"{reason}; this one started later and stops")
-            else:
-                self._emit(Conflict(f"{reason}; the peer started later and must stop"))
+            self._sameRole(peerUptime, peerInstance)
             return self._drain()
+        self.conflictSince = None
         self._apply(event)
         return self._drain()
+
+    def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
+        """Both configured alike: the one started later stops.  Starts closer
+        than a heartbeat are a tie, broken by the run's id; should the peer
+        judge otherwise and carry on, this one stops too after the failover
+        timeout."""
+        reason = f"both servers are configured {self.role.value}"
+        peerStarted = self.now - peerUptime
+        if abs(self.started - peerStarted) < self.heartbeat:
+            later = self.instance > peerInstance
+        else:
+            later = self.started > peerStarted
+        if later:
+            self._stop(f"{reason}; this one started later and stops")
+            return
+        if self.conflictSince is None:
+            self.conflictSince = self.now
+        elif self.now - self.conflictSince > self.failoverTimeout:
+            self._stop(f"{reason}; the peer, which started later, did not stop")
+            return
+        self._emit(Conflict(f"{reason}; the peer started later and must stop"))
 
     def handleClientRequest(self, now: float) -> tuple[bool, list[Action]]:
         """A client request: whether to serve it, and the actions."""
@@ -234,7 +275,8 @@ class BinaryStarMachine(Machine):
         """Time to publish our state."""
         self.now = now
         if self.stopped is None:
-            self._emit(PublishState(self.state, self.role, now - self.started))
+            self._emit(PublishState(self.state, self.role, now - self.started, self.instance,
+                                    self.heartbeat))
         return self._drain()
 
     # --- the table ------------------------------------------------------------------
@@ -266,25 +308,49 @@ MAX_SUBSCRIBERS = 16
 _ROLES = {role.value.encode(): role for role in Role}
 
 
-def encode_state(state: State, role: Role, uptime: float) -> list[bytes]:
+class PeerState(NamedTuple):
+    """What a STATE message says."""
+
+    state: State
+    role: Role
+    uptime: float
+    instance: str
+    heartbeat: float
+
+
+_INSTANCE = re.compile(rb"^[0-9a-f]{16}$")
+
+
+def new_instance() -> str:
+    """A fresh run id: 16 hex digits."""
+    return os.urandom(8).hex()
+
+
+def encode_state(state: State, role: Role, uptime: float, instance: str,
+                 heartbeat: float) -> list[bytes]:
     """The message publishing *state*."""
-    return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.3f" % uptime]
+    return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.3f" % uptime,
+            instance.encode("ascii"), repr(float(heartbeat)).encode("ascii")]
 
 
-def decode_state(frames: Sequence[bytes]) -> tuple[State, Role, float]:
-    """(state, role, uptime) of a STATE message; :class:`ProtocolError` for
-    anything else."""
-    if len(frames) != 5 or frames[0] != HEADER or frames[1] != STATE:
+def decode_state(frames: Sequence[bytes]) -> PeerState:
+    """What a STATE message says; :class:`ProtocolError` for anything else."""
+    if len(frames) != 7 or frames[0] != HEADER or frames[1] != STATE:
         raise ProtocolError(f"not a Binary Star state message: {list(frames)[:3]!r}")
     try:
         state = State(int(frames[2]))
         role = _ROLES[bytes(frames[3])]
         uptime = float(frames[4])
+        heartbeat = float(frames[6])
     except (ValueError, KeyError):
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
     if not uptime >= 0:
         raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
-    return state, role, uptime
+    if not 0 < heartbeat < float("inf"):
+        raise ProtocolError(f"bad heartbeat in Binary Star state message: {frames[6]!r}")
+    if not _INSTANCE.match(bytes(frames[5])):
+        raise ProtocolError(f"bad run id in Binary Star state message: {frames[5]!r}")
+    return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
 
 
 # --- the driver -----------------------------------------------------------------------
@@ -337,13 +403,17 @@ class BinaryStar:
     peer's from *remote* (the peer's *local*).  :meth:`start` binds and
     connects; from then on:
 
-    * :meth:`admitClient` is the client's vote: call it for every client
-      request, and serve the request only if it answers True;
-    * :meth:`admitWorker` says whether to accept a worker (only while active);
+    * :meth:`admitClient` is the application's vote: call it for every
+      client request (and every other message that means "serve me"), and
+      serve the request only if it answers True;
+    * :meth:`admitWorker` is the same for a worker's READY: a worker that
+      comes to the backup because the primary went silent votes for it too;
     * :meth:`onActive`, :meth:`onPassive` and :meth:`onFatal` register
       observers, called with the reason; after a fatal error (a split brain,
-      a dual passive, the same role on both sides) the server must stop: this
-      object has already closed its state channel and serves nothing more.
+      a dual passive, the same role on both sides) the server must stop:
+      this object has already closed its state channel and admits nothing
+      more, and the server should close (``BrokerService`` closes its broker;
+      a broker of your own keeps what it had queued until you close it).
 
     Endpoints are checked at once (:class:`~mdp.errors.TransportError`)."""
 
@@ -361,7 +431,8 @@ class BinaryStar:
         self.local = local
         self.remote = remote
         self.limits = limits
-        self.machine = BinaryStarMachine(role, heartbeat=heartbeat, now=self.reactor.seconds())
+        self.machine = BinaryStarMachine(role, heartbeat=heartbeat, instance=new_instance(),
+                                         now=self.reactor.seconds())
         self.throttle = LogThrottle(self.reactor)
         #: the peer's last state, when it was heard, and its role
         self.peerState: Optional[State] = None
@@ -402,14 +473,15 @@ class BinaryStar:
         served, actions = self.machine.handleClientRequest(self._now(now))
         self._perform(actions)
         if not served:
-            self.throttle.info(log, "refused", "Binary Star {role} is {state}: a client request "
-                               "is not served here", role=self.role.value,
-                               state=self.state.name.lower())
+            self.throttle.info(log, "refused", "Binary Star {role} is {state}: not serving",
+                               role=self.role.value, state=self.state.name.lower())
         return served
 
     def admitWorker(self, now: Optional[float] = None) -> bool:
-        """A worker may register only while this server is active."""
-        return self.serving
+        """A worker wants to register: a vote as a client's request is (the
+        Guide's "application connection requests").  True if this server is,
+        or just became, active."""
+        return self.admitClient(now)
 
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
         """Role, state and what is known of the peer (``mmi.binarystar``)."""
@@ -441,17 +513,22 @@ class BinaryStar:
 
     def start(self) -> defer.Deferred[None]:
         """Bind the local state endpoint, subscribe to the peer's, start
-        publishing.  The failover timeout counts from now."""
-        if self._running or self.machine.stopped is not None:
-            raise RuntimeError("this BinaryStar has already been started")
-        now = self.reactor.seconds()
-        self.machine.started = now
-        self.machine.peerExpiry = now + self.machine.failoverTimeout
+        publishing.  Each start is a fresh run: the state is the role's first
+        (PRIMARY or BACKUP), the peer unknown, the failover timeout counted
+        from now."""
+        if self._running:
+            raise RuntimeError("this BinaryStar is running already")
+        machine = self.machine
+        self.machine = BinaryStarMachine(machine.role, heartbeat=machine.heartbeat,
+                                         instance=new_instance(), now=self.reactor.seconds())
+        self.peerState = self.peerHeard = None
         self._running = True
+        run = self.machine
 
         def bound(router: Any) -> None:
             self._publisher.transport = router
-            if not self._running:
+            if not self._running or self.machine is not run:
+                self._publisher.transport = None
                 router.close()
                 return
             log.info("Binary Star {role}: {state}, state published on {endpoint}, peer's read "
@@ -465,11 +542,11 @@ class BinaryStar:
             self._ticker.start(self.machine.heartbeat, now=True)
 
         def failed(failure: Any) -> Any:
-            self._running = False
+            self.stop()  # whatever got open closes again
             return failure
 
         return transport.listen(self.local, self._publisher, self.reactor,
-                                limits=self.limits).addCallbacks(bound, failed)
+                                limits=self.limits).addCallback(bound).addErrback(failed)
 
     def stop(self) -> defer.Deferred[None]:
         """Stop publishing and close both endpoints."""
@@ -511,21 +588,26 @@ class BinaryStar:
         subscribers = self._publisher.subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
-            self.throttle.warn(log, "subscribers", "Binary Star {role}: refused subscriber "
-                               "{peer}: {count} already", role=self.role.value, peer=peer.hex(),
-                               count=len(subscribers))
-            return
+            # the least recently heard makes room: the peer, which asks every
+            # heartbeat, is never crowded out for long
+            oldest = min(subscribers, key=subscribers.__getitem__)
+            del subscribers[oldest]
+            self.throttle.warn(log, "subscribers", "Binary Star {role}: {count} subscribers; "
+                               "dropped {oldest}, the least recently heard, for {peer}",
+                               role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
+                               peer=peer.hex())
         now = self.reactor.seconds()
         subscribers[peer] = now + self.machine.failoverTimeout
         if not known and self._running and self.machine.stopped is None:
-            self._publisher.transport.sendMessage(
-                peer, encode_state(self.state, self.role, now - self.machine.started))
+            self._publisher.transport.sendMessage(peer, encode_state(
+                self.state, self.role, now - self.machine.started, self.machine.instance,
+                self.machine.heartbeat))
 
     def _stateFrom(self, frames: list[bytes]) -> None:
         if not self._running:
             return
         try:
-            state, role, uptime = decode_state(frames)
+            peer = decode_state(frames)
         except ProtocolError as e:
             self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message "
                                "from {remote}: {error}", role=self.role.value,
@@ -535,10 +617,12 @@ class BinaryStar:
         if self.peerState is None or (self.peerHeard is not None
                                       and now - self.peerHeard > self.machine.failoverTimeout):
             log.info("Binary Star {role}: peer ({peerRole}, {peerState}) heard at {remote}",
-                     role=self.role.value, peerRole=role.value, peerState=state.name.lower(),
-                     remote=self.remote)
-        self.peerState, self.peerHeard = state, now
-        self._perform(self.machine.handlePeerState(state, role, uptime, now))
+                     role=self.role.value, peerRole=peer.role.value,
+                     peerState=peer.state.name.lower(), remote=self.remote)
+        self.peerState, self.peerHeard = peer.state, now
+        self._perform(self.machine.handlePeerState(
+            peer.state, peer.role, peer.uptime, now, peerInstance=peer.instance,
+            peerHeartbeat=peer.heartbeat))
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
@@ -546,7 +630,8 @@ class BinaryStar:
             if kind is PublishState:
                 router = self._publisher.transport
                 if router is not None:
-                    message = encode_state(action.state, action.role, action.uptime)
+                    message = encode_state(action.state, action.role, action.uptime,
+                                           action.instance, action.heartbeat)
                     for peer in list(self._publisher.subscribers):
                         router.sendMessage(peer, message)
             elif kind is Changed:
@@ -558,13 +643,22 @@ class BinaryStar:
                 elif action.new is State.PASSIVE:
                     self._notify("passive", action.reason)
             elif kind is Conflict:
-                log.error("Binary Star {role}: {reason}", role=self.role.value,
-                          reason=action.reason)
+                self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
+                                   role=self.role.value, reason=action.reason)
             elif kind is Fatal:
                 log.critical("Binary Star {role}: fatal: {reason}; this server stops",
                              role=self.role.value, reason=action.reason)
-                self.stop()
+                # serve nothing from now on; close the channel outside the
+                # transport's own callback that brought the news
+                self._running = False
+                if self._ticker.running:
+                    self._ticker.stop()
+                self.reactor.callLater(0, self._stopAfterFatal)
                 self._notify("fatal", action.reason)
+
+    def _stopAfterFatal(self) -> None:
+        self.stop().addErrback(lambda f: log.failure("Binary Star could not close its state "
+                                                     "channel", f))
 
     def _notify(self, kind: str, reason: str) -> None:
         for observer in list(self._observers[kind]):

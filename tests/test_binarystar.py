@@ -72,22 +72,37 @@ def logged() -> Any:
 # --- the wire form --------------------------------------------------------------------
 
 
+RUN = "0123456789abcdef"
+
+
 def test_state_message_round_trip() -> None:
-    frames = encode_state(State.PASSIVE, Role.BACKUP, 12.5)
-    assert frames == [HEADER, b"STATE", b"4", b"backup", b"12.500"]
-    assert decode_state(frames) == (State.PASSIVE, Role.BACKUP, 12.5)
+    frames = encode_state(State.PASSIVE, Role.BACKUP, 12.5, RUN, 1.0)
+    assert frames == [HEADER, b"STATE", b"4", b"backup", b"12.500", RUN.encode(), b"1.0"]
+    assert decode_state(frames) == (State.PASSIVE, Role.BACKUP, 12.5, RUN, 1.0)
+
+
+def state(*fields: bytes) -> list[bytes]:
+    """A STATE message: *fields* replace the first of state, role, uptime, run, heartbeat."""
+    good = [b"1", b"primary", b"0", RUN.encode(), b"1.0"]
+    return [HEADER, b"STATE", *fields, *good[len(fields):]]
 
 
 @pytest.mark.parametrize("frames", [
     [],
     [HEADER, SUBSCRIBE],
-    [b"BSTAR02", b"STATE", b"1", b"primary", b"0"],
-    [HEADER, b"STATE", b"5", b"primary", b"0"],
-    [HEADER, b"STATE", b"x", b"primary", b"0"],
-    [HEADER, b"STATE", b"1", b"leader", b"0"],
-    [HEADER, b"STATE", b"1", b"primary", b"-1"],
-    [HEADER, b"STATE", b"1", b"primary", b"nan"],
-    [HEADER, b"STATE", b"1", b"primary", b"0", b"extra"],
+    [b"BSTAR02", *state()[1:]],
+    state()[:5],
+    [*state(), b"extra"],
+    state(b"5"),
+    state(b"x"),
+    state(b"1", b"leader"),
+    state(b"1", b"primary", b"-1"),
+    state(b"1", b"primary", b"nan"),
+    state(b"1", b"primary", b"0", b"short"),
+    state(b"1", b"primary", b"0", b"0123456789ABCDEF"),
+    state(b"1", b"primary", b"0", RUN.encode(), b"0"),
+    state(b"1", b"primary", b"0", RUN.encode(), b"inf"),
+    state(b"1", b"primary", b"0", RUN.encode(), b"one"),
 ])
 def test_bad_state_messages_are_refused(frames: list[bytes]) -> None:
     with pytest.raises(ProtocolError):
@@ -178,8 +193,8 @@ async def test_states_are_kept_for_no_one(clocknet: LoopbackNet) -> None:
     late.send(HEADER, SUBSCRIBE)
     clocknet.advance(0.5)
     assert len(late.received) == 1
-    state, role, uptime = decode_state(late.received[0])
-    assert (state, role) == (State.BACKUP, Role.BACKUP) and uptime >= 30
+    heard = decode_state(late.received[0])
+    assert (heard.state, heard.role) == (State.BACKUP, Role.BACKUP) and heard.uptime >= 30
     # a backup started first waits for its primary, then goes passive
     primary = pair.start(Role.PRIMARY)
     await clocknet.until(lambda: backup.state is State.PASSIVE, timeout=5)
@@ -193,7 +208,7 @@ async def test_the_same_role_twice_stops_the_later_server(clocknet: LoopbackNet,
                                                           logged: list[str], role: Role) -> None:
     pair = Pair(clocknet)
     earlier = pair.start(Role.PRIMARY, configured=role)
-    clocknet.advance(0.5)
+    clocknet.advance(1.5)  # more than a heartbeat: no tie
     later = pair.start(Role.BACKUP, configured=role)
     await clocknet.until(lambda: later.machine.stopped is not None, timeout=5)
     assert pair.kinds("backup") == ["fatal"]  # the later one, on the backup's endpoints
@@ -223,7 +238,7 @@ async def test_bad_input_on_the_state_endpoint_is_dropped_and_logged(
     fake = RawRouterPeer(clocknet, pair.endpoints[Role.BACKUP])
     await fake.listen()
     await clocknet.until(lambda: fake.subscribers, timeout=5)
-    fake.send([HEADER, b"STATE", b"9", b"backup", b"0"])
+    fake.send(state(b"9", b"backup"))
     clocknet.advance(0.1)
     assert any("dropped a bad message" in line for line in logged)
     assert primary.peerState is None and primary.state is State.PRIMARY
@@ -239,8 +254,13 @@ async def test_subscribers_are_bounded(clocknet: LoopbackNet, logged: list[str])
     for peer in peers:
         peer.send(HEADER, SUBSCRIBE)
     clocknet.advance(0.1)
-    assert len(primary._publisher.subscribers) == MAX_SUBSCRIBERS
-    assert any("refused subscriber" in line for line in logged)
+    subscribers = primary._publisher.subscribers
+    assert len(subscribers) == MAX_SUBSCRIBERS
+    assert any("the least recently heard" in line for line in logged)
+    # the peer, which asks every heartbeat, gets a place back at once
+    peers[0].send(HEADER, SUBSCRIBE)
+    clocknet.advance(0.1)
+    assert len(subscribers) == MAX_SUBSCRIBERS and len(peers[0].received) == 2
     # silent subscribers are forgotten after the failover timeout
     clocknet.advance(2 * primary.machine.failoverTimeout)
     assert not primary._publisher.subscribers
@@ -331,7 +351,7 @@ async def test_brokers_fail_over_with_their_clients_and_workers(clocknet: Loopba
     for n, d in enumerate(replies):
         assert await clocknet.wait(d) == [b"%d" % n]
     assert backupStar.state is State.ACTIVE and len(backup.workers) == 1
-    assert clocknet.reactor.seconds() - died < 10
+    assert clocknet.reactor.seconds() - died < 4  # vote after 2 s, the worker within 1.25 s
 
     # the primary comes back: passive, it refuses workers and clients
     primary2 = Broker(clocknet.reactor, heartbeat=HB)
@@ -425,3 +445,115 @@ def test_a_bad_broker_among_several_is_a_usage_error() -> None:
     with pytest.raises(usage.UsageError, match="--broker: bad endpoint 'tcp://b:2'"):
         WorkerOptions().parseOptions(["--broker", "zmq:tcp://a:1", "--broker", "tcp://b:2",
                                       "--service", "echo"])
+
+
+# --- configuration mistakes and restarts ------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("role", [Role.PRIMARY, Role.BACKUP])
+async def test_the_same_role_started_together_stops_exactly_one(clocknet: LoopbackNet,
+                                                                role: Role) -> None:
+    """Starts closer than a heartbeat are a tie: the run ids decide, the same
+    way on both sides."""
+    pair = Pair(clocknet)
+    one = pair.start(Role.PRIMARY, configured=role)
+    two = pair.start(Role.BACKUP, configured=role)
+    await clocknet.until(lambda: one.machine.stopped or two.machine.stopped, timeout=5)
+    clocknet.advance(10)
+    assert sorted(kind for _, kind, _ in pair.events) == ["fatal"]
+    stopped = one if one.machine.stopped else two
+    kept = two if stopped is one else one
+    assert stopped.machine.instance > kept.machine.instance
+    assert kept.machine.stopped is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_subscribed_to_itself_stops(clocknet: LoopbackNet) -> None:
+    name = clocknet.bindEndpoint()
+    star = BinaryStar("primary", name, name, clocknet.reactor)
+    fatal: list[str] = []
+    star.onFatal(fatal.append)
+    star.start()
+    clocknet.addCleanup(star.stop)
+    await clocknet.until(lambda: bool(fatal), timeout=5)
+    assert "hears its own state" in fatal[0]
+    assert not star.serving
+
+
+@pytest_twisted.ensureDeferred
+async def test_different_heartbeats_stop_both(clocknet: LoopbackNet) -> None:
+    pair = Pair(clocknet)
+    primary = pair.start(Role.PRIMARY, heartbeat=1.0)
+    backup = pair.start(Role.BACKUP, heartbeat=3.0)
+    await clocknet.until(lambda: primary.machine.stopped and backup.machine.stopped, timeout=10)
+    assert "heartbeat is 3 s, this one's 1 s" in primary.machine.stopped
+    assert "heartbeat is 1 s, this one's 3 s" in backup.machine.stopped
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_restart_is_a_fresh_run(clocknet: LoopbackNet) -> None:
+    """stop() then start(): back to the role's first state, the peer unknown;
+    here the peer took over meanwhile, so the primary comes back passive."""
+    pair = Pair(clocknet)
+    primary, backup = pair.start(Role.PRIMARY), pair.start(Role.BACKUP)
+    await clocknet.until(lambda: primary.serving and backup.state is State.PASSIVE, timeout=5)
+    first = primary.machine.instance
+    await clocknet.wait(primary.stop())
+    clocknet.advance(3)
+    assert backup.admitClient() is True
+    started = primary.start()
+    assert primary.state is State.PRIMARY and not primary.serving and primary.peerState is None
+    assert primary.machine.instance != first
+    await clocknet.wait(started)
+    await clocknet.until(lambda: primary.state is State.PASSIVE, timeout=5)
+    assert backup.state is State.ACTIVE and backup.machine.stopped is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_broker_that_cannot_bind_closes_its_state_channel(clocknet: LoopbackNet) -> None:
+    from mdp import BrokerService
+    from mdp.errors import TransportError as Taken
+    from tests.conftest import raw_router
+
+    taken = await raw_router(clocknet)
+    pair = Pair(clocknet)
+    star = BinaryStar("primary", pair.endpoints[Role.PRIMARY], pair.endpoints[Role.BACKUP],
+                      clocknet.reactor)
+    service = BrokerService(taken.transport.endpoint, reactor=clocknet.reactor, binaryStar=star)
+    with pytest.raises(Taken):
+        await clocknet.wait(service.startService())
+    assert star.endpoint is None and not star._ticker.running
+    # the state endpoint is free again
+    again = BinaryStar("primary", pair.endpoints[Role.PRIMARY], pair.endpoints[Role.BACKUP],
+                       clocknet.reactor)
+    await clocknet.wait(again.start())
+    await clocknet.wait(again.stop())
+
+
+@pytest_twisted.ensureDeferred
+async def test_workers_vote_after_a_quiet_failover(clocknet: LoopbackNet) -> None:
+    """Default heartbeats, no client traffic when the primary dies: the
+    worker's READY at the backup is a vote, so the first request afterwards
+    completes within a client's default budget."""
+    pair = Pair(clocknet)
+    stars, brokers, endpoints = {}, {}, {}
+    for role in (Role.PRIMARY, Role.BACKUP):
+        stars[role] = pair.start(role)
+        brokers[role] = Broker(clocknet.reactor, admission=stars[role])
+        endpoints[role] = f"{pair.endpoints[role]}-mdp"
+        await clocknet.wait(brokers[role].listen(endpoints[role]))
+        clocknet.addCleanup(brokers[role].close)
+    both = [endpoints[Role.PRIMARY], endpoints[Role.BACKUP]]
+    worker = Worker(both, "echo", lambda frames: frames, clocknet.reactor)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    await clocknet.until(lambda: bool(brokers[Role.PRIMARY].workers)
+                         and stars[Role.BACKUP].state is State.PASSIVE, timeout=30)
+    await clocknet.wait(stars[Role.PRIMARY].stop())
+    await clocknet.wait(brokers[Role.PRIMARY].close())
+    clocknet.advance(300)  # nobody asks for anything meanwhile
+    assert stars[Role.BACKUP].serving and len(brokers[Role.BACKUP].workers) == 1
+    client = Client(both, clocknet.reactor)  # 3 attempts of 2.5 s
+    clocknet.addCleanup(client.close)
+    assert await clocknet.wait(client.request("echo", b"later")) == [b"later"]

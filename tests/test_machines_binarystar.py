@@ -87,7 +87,7 @@ def test_a_passive_server_takes_over_on_a_client_request_after_the_failover_time
     accepted, actions = machine.handleClientRequest(12.0)
     assert accepted and machine.state is State.ACTIVE
     assert actions == [Changed(State.PASSIVE, State.ACTIVE,
-                               "failover: a client request, the peer silent")]
+                               "failover: a vote, the peer silent")]
 
 
 def test_silence_alone_changes_nothing_without_a_client_vote() -> None:
@@ -145,3 +145,37 @@ def test_the_role_is_a_role(args: Any, error: Any) -> None:
             BinaryStarMachine(*args)
     with pytest.raises(ValueError):
         BinaryStarMachine(Role.BACKUP, heartbeat=0)
+
+
+def test_a_server_hearing_its_own_run_id_stops() -> None:
+    machine = BinaryStarMachine(Role.PRIMARY, instance="0123456789abcdef", now=0.0)
+    actions = machine.handlePeerState(int(State.PRIMARY), Role.PRIMARY, 0.5, 0.5,
+                                      peerInstance="0123456789abcdef")
+    assert [type(a) for a in actions] == [Fatal] and "hears its own state" in machine.stopped
+
+
+def test_a_different_heartbeat_is_fatal() -> None:
+    machine = BinaryStarMachine(Role.PRIMARY, heartbeat=1.0, instance="a" * 16, now=0.0)
+    actions = machine.handlePeerState(int(State.BACKUP), Role.BACKUP, 0.5, 0.5,
+                                      peerInstance="b" * 16, peerHeartbeat=2.0)
+    assert [type(a) for a in actions] == [Fatal] and machine.state is State.PRIMARY
+
+
+@pytest.mark.parametrize("mine, theirs, stops", [("b" * 16, "a" * 16, True),
+                                                  ("a" * 16, "b" * 16, False)])
+def test_a_tie_of_start_times_is_broken_by_the_run_id(mine: str, theirs: str, stops: bool) -> None:
+    machine = BinaryStarMachine(Role.PRIMARY, instance=mine, now=10.0)
+    # the peer started 0.3 s earlier: closer than a heartbeat, a tie
+    actions = machine.handlePeerState(int(State.PRIMARY), Role.PRIMARY, 0.8, 10.5,
+                                      peerInstance=theirs)
+    assert [type(a) for a in actions] == ([Fatal] if stops else [Conflict])
+
+
+def test_a_peer_that_does_not_stop_for_a_conflict_stops_this_one() -> None:
+    machine = BinaryStarMachine(Role.BACKUP, instance="a" * 16, now=0.0)
+    for t in (30.0, 31.0, 32.0):  # the peer says it started at 29, this one at 0
+        assert [type(a) for a in machine.handlePeerState(
+            int(State.BACKUP), Role.BACKUP, t - 29.0, t, peerInstance="b" * 16)] == [Conflict]
+    actions = machine.handlePeerState(int(State.BACKUP), Role.BACKUP, 4.5, 33.5,
+                                      peerInstance="b" * 16)
+    assert [type(a) for a in actions] == [Fatal] and "did not stop" in machine.stopped

@@ -104,10 +104,11 @@ class BrokerService(Service):
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
         log.critical("MDP broker cannot listen: {error}", error=failure.getErrorMessage())
+        if self.binaryStar is not None:
+            # a broker that does not serve must not tell its peer it is there
+            self.binaryStar.stop()
         if not self.exitOnFailure:
             return failure
-        if self.binaryStar is not None:
-            self.binaryStar.stop()
         self.broker.close()
         _stop_and_exit(self.broker.reactor, 1)
         return None

@@ -767,7 +767,7 @@ class BrokerMachine(Machine):
     def _onReady(self, key: PeerKey, name: bytes, dialect: str) -> None:
         service = self.services.get(name)
         if self.admission is not None and not self.admission.admitWorker(self.now):
-            why = "this broker is not serving (Binary Star passive)"
+            why = "this broker is not the active one of its Binary Star pair"
         elif len(self.workers) >= self.maxWorkers:
             why = f"{len(self.workers)} workers already registered"
         elif service is not None and service.workers >= self.maxServiceWorkers:
