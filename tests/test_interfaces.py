@@ -186,10 +186,10 @@ def _maker(name: str) -> Callable[[], Any]:
     return make
 
 
-def _bare(path: str) -> Callable[[], Any]:
+def _bare(path: str, *args: Any) -> Callable[[], Any]:
     def make() -> Any:
         module, _, name = path.rpartition(".")
-        return getattr(importlib.import_module(module), name)()
+        return getattr(importlib.import_module(module), name)(*args)
 
     return make
 
@@ -206,6 +206,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.freelance.AgentClient": _agent,
     "mdp.transport.framing.RecordDecoder": _bare("mdp.transport.framing.RecordDecoder"),
     "mdp.transport.framing.LengthPrefixedFraming": _bare("mdp.transport.framing.LengthPrefixedFraming"),
+    "mdp.transport.spframing.SPFraming": _bare("mdp.transport.spframing.SPFraming", 0x31),
+    "mdp.transport.spframing.SPDecoder": _bare("mdp.transport.spframing.SPDecoder", 0x30),
     "mdp.transport.loopback.LoopbackRouter": _loopback_router,
     "mdp.transport.loopback.LoopbackDealer": _loopback_dealer,
     "mdp.transport.stream.StreamRouter": _stream_router,
