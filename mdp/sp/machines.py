@@ -1,0 +1,341 @@
+"""SP REQ and REP as pure state machines: events with their time in, actions
+out (see :mod:`mdp.machine`).  A *channel* is one connection to a peer (a
+transport's peer id, or a connecting pipe); the drivers say when channels
+come and go and what arrives on them.
+
+:class:`ReqMachine` (end to end, and hop by hop):
+
+=====================  =================================================================
+event                  what happens
+=====================  =================================================================
+request(payload)       a new request id (31 bits, +1 with wrap, top bit set); sent on
+                       the next channel round-robin, or held until one is up
+channel up             held requests go out, round-robin
+channel down           its requests go out again at once on other channels (or wait)
+reply on a channel     the first word is a request id in flight: that request
+                       completes; any other reply (stray, late, duplicate) is dropped
+resend interval over   the request goes out again, on the next channel
+cancel                 the request is forgotten; a late reply is dropped
+=====================  =================================================================
+
+:class:`RepMachine` (end to end; :class:`DeviceMachine` is the hop-by-hop REP
+side of a device):
+
+=====================  =================================================================
+event                  what happens
+=====================  =================================================================
+channel up             gets a 31-bit channel id (the first random per start, then +1)
+request on a channel   the backtrace is split off; none, or over the hop limit:
+                       dropped; the same backtrace from the same channel already in
+                       hand (a resend): dropped; else the handler runs
+reply from handler     sent back with the backtrace, if its channel is still up
+handler cancels        no reply; a resend may run it again
+=====================  =================================================================
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Hashable, Optional, Union
+
+from mdp.errors import ProtocolError
+from mdp.machine import Machine, action_class
+from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, IdSequence, pop_word, split_backtrace, word
+
+#: Seconds before a request without a reply is sent again (nng's default).
+DEFAULT_RESEND = 60.0
+
+Channel = Hashable
+
+
+@action_class
+class SendOn:
+    """Send *body* on *channel*."""
+
+    channel: Any
+    body: bytes
+
+
+@action_class
+class Complete:
+    """Request *requestId* has its reply."""
+
+    requestId: int
+    payload: bytes
+
+
+@action_class
+class Serve:
+    """Run the handler on *payload*; answer with *token*."""
+
+    token: Any
+    payload: bytes
+
+
+@action_class
+class Dropped:
+    """Something was dropped (the driver logs it, throttled)."""
+
+    channel: Any
+    reason: str
+
+
+@action_class
+class WakeAt:
+    """Call ``handleWake`` at *when* (None: no timer needed)."""
+
+    when: Optional[float]
+
+
+class _Request:
+    __slots__ = ("requestId", "body", "channel", "resendAt")
+
+    def __init__(self, requestId: int, body: bytes) -> None:
+        self.requestId = requestId
+        self.body = body
+        self.channel: Optional[Channel] = None
+        self.resendAt = 0.0
+
+
+class ReqMachine(Machine):
+    """The requesting side.  *firstId* seeds the request ids (random per
+    start in the driver)."""
+
+    def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
+                 now: float = 0.0) -> None:
+        super().__init__(now)
+        if not resend > 0:
+            raise ValueError(f"resend must be positive seconds, got {resend!r}")
+        self.resend = resend
+        self.ids = IdSequence(firstId)
+        #: channels that are up, in the order they take turns
+        self.channels: list[Channel] = []
+        self._turn = 0
+        #: requests not yet answered, by id
+        self.requests: dict[int, _Request] = {}
+        #: requests waiting for a channel, oldest first
+        self._held: OrderedDict[int, _Request] = OrderedDict()
+        self._wake: Optional[float] = None
+
+    # --- events -----------------------------------------------------------------------
+
+    def handleRequest(self, payload: bytes, now: float) -> tuple[int, list[Any]]:
+        self.now = now
+        requestId = self.ids.next() | BOTTOM
+        request = _Request(requestId, word(requestId) + payload)
+        self.requests[requestId] = request
+        self._send(request)
+        self._rearm()
+        return requestId, self._drain()
+
+    def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
+        self.now = now
+        if channel not in self.channels:
+            self.channels.append(channel)
+        while self._held:
+            _, request = self._held.popitem(last=False)
+            self._send(request)
+        self._rearm()
+        return self._drain()
+
+    def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
+        self.now = now
+        if channel in self.channels:
+            index = self.channels.index(channel)
+            self.channels.remove(channel)
+            if index < self._turn:
+                self._turn -= 1
+            if self.channels:
+                self._turn %= len(self.channels)
+            else:
+                self._turn = 0
+        for request in list(self.requests.values()):
+            if request.channel == channel:
+                request.channel = None
+                self._send(request)
+        self._rearm()
+        return self._drain()
+
+    def handleReply(self, channel: Channel, body: bytes, now: float) -> list[Any]:
+        self.now = now
+        try:
+            requestId, payload = pop_word(body)
+        except ProtocolError as e:
+            self._emit(Dropped(channel, str(e)))
+            return self._drain()
+        request = self.requests.pop(requestId, None)
+        if request is None:
+            self._emit(Dropped(channel, f"reply to request 0x{requestId:08x}, which is not "
+                                        "in flight (late, duplicate or stray)"))
+            return self._drain()
+        self._held.pop(requestId, None)
+        self._emit(Complete(requestId, payload))
+        self._rearm()
+        return self._drain()
+
+    def handleCancel(self, requestId: int, now: float) -> list[Any]:
+        self.now = now
+        self.requests.pop(requestId, None)
+        self._held.pop(requestId, None)
+        self._rearm()
+        return self._drain()
+
+    def handleWake(self, now: float) -> list[Any]:
+        self.now = now
+        self._wake = None
+        for request in list(self.requests.values()):
+            if request.requestId not in self._held and request.resendAt <= now:
+                self._send(request)
+        self._rearm()
+        return self._drain()
+
+    # --- inside ---------------------------------------------------------------------------
+
+    def _send(self, request: _Request) -> None:
+        if not self.channels:
+            request.channel = None
+            self._held[request.requestId] = request
+            return
+        channel = self.channels[self._turn % len(self.channels)]
+        self._turn = (self._turn + 1) % len(self.channels)
+        request.channel = channel
+        request.resendAt = self.now + self.resend
+        self._emit(SendOn(channel, request.body))
+
+    def _rearm(self) -> None:
+        due = [r.resendAt for r in self.requests.values() if r.requestId not in self._held]
+        when = min(due) if due else None
+        if when != self._wake:
+            self._wake = when
+            self._emit(WakeAt(when))
+
+
+class _Channels:
+    """31-bit ids for the channels of a REP side: the first from *firstId*,
+    then +1 with wrap, never one in use."""
+
+    def __init__(self, firstId: int) -> None:
+        self.ids = IdSequence(firstId)
+        self.byChannel: dict[Channel, int] = {}
+        self.byId: dict[int, Channel] = {}
+
+    def up(self, channel: Channel) -> int:
+        known = self.byChannel.get(channel)
+        if known is not None:
+            return known
+        number = self.ids.next()
+        while number in self.byId:
+            number = self.ids.next()
+        self.byChannel[channel] = number
+        self.byId[number] = channel
+        return number
+
+    def down(self, channel: Channel) -> None:
+        number = self.byChannel.pop(channel, None)
+        if number is not None:
+            del self.byId[number]
+
+
+class RepMachine(Machine):
+    """The replying end: splits backtraces, runs each request once per
+    backtrace and channel at a time, routes replies back."""
+
+    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
+                 now: float = 0.0) -> None:
+        super().__init__(now)
+        self.maxHops = maxHops
+        self.channels = _Channels(firstChannelId)
+        #: (channel, backtrace) of requests being handled
+        self.inHand: set[tuple[Channel, bytes]] = set()
+
+    def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
+        self.now = now
+        self.channels.up(channel)
+        return self._drain()
+
+    def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
+        self.now = now
+        self.channels.down(channel)
+        return self._drain()
+
+    def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
+        self.now = now
+        self.channels.up(channel)
+        try:
+            backtrace, payload = split_backtrace(body, self.maxHops)
+        except ProtocolError as e:
+            self._emit(Dropped(channel, str(e)))
+            return self._drain()
+        token = (channel, backtrace)
+        if token in self.inHand:
+            self._emit(Dropped(channel, "a resent copy of a request in hand"))
+            return self._drain()
+        self.inHand.add(token)
+        self._emit(Serve(token, payload))
+        return self._drain()
+
+    def handleReply(self, token: tuple[Channel, bytes], payload: Optional[bytes],
+                    now: float) -> list[Any]:
+        """The handler's reply for *token* (None: it cancelled, no reply)."""
+        self.now = now
+        if token not in self.inHand:
+            return self._drain()
+        self.inHand.discard(token)
+        channel, backtrace = token
+        if payload is None:
+            return self._drain()
+        if channel not in self.channels.byChannel:
+            self._emit(Dropped(channel, "reply for a channel that is gone"))
+            return self._drain()
+        self._emit(SendOn(channel, backtrace + payload))
+        return self._drain()
+
+
+class DeviceMachine(Machine):
+    """A device's REP side, hop by hop: a request from a channel goes upstream
+    with that channel's id pushed on its backtrace; a reply from upstream goes
+    to the channel its first word names, that word popped."""
+
+    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
+                 now: float = 0.0) -> None:
+        super().__init__(now)
+        self.maxHops = maxHops
+        self.channels = _Channels(firstChannelId)
+
+    def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
+        self.now = now
+        self.channels.up(channel)
+        return self._drain()
+
+    def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
+        self.now = now
+        self.channels.down(channel)
+        return self._drain()
+
+    def handleRequest(self, channel: Channel, body: bytes, now: float) -> Union[bytes, list[Any]]:
+        """The request to pass upstream (bytes), or the actions saying why not."""
+        self.now = now
+        number = self.channels.up(channel)
+        try:
+            # one more hop than the request has: it must still be within the limit
+            split_backtrace(word(number) + body, self.maxHops)
+        except ProtocolError as e:
+            self._emit(Dropped(channel, str(e)))
+            return self._drain()
+        return word(number) + body
+
+    def handleReply(self, body: bytes, now: float) -> list[Any]:
+        """A reply from upstream."""
+        self.now = now
+        try:
+            number, rest = pop_word(body)
+        except ProtocolError as e:
+            self._emit(Dropped(None, str(e)))
+            return self._drain()
+        channel = self.channels.byId.get(number & ID_MASK) if not number & BOTTOM else None
+        if channel is None:
+            self._emit(Dropped(None, f"reply for channel 0x{number:08x}, which is not "
+                                     "one of ours"))
+            return self._drain()
+        self._emit(SendOn(channel, rest))
+        return self._drain()

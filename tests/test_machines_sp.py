@@ -1,0 +1,143 @@
+"""SP REQ/REP machines with no transport: ids, resend, cancellation, stray
+replies, round-robin as channels come and go, REP's drop rules and
+duplicates, a device's hops."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from mdp.sp.codec import BOTTOM, word
+from mdp.sp.machines import (
+    Complete,
+    DeviceMachine,
+    Dropped,
+    RepMachine,
+    ReqMachine,
+    SendOn,
+    Serve,
+    WakeAt,
+)
+
+
+def sends(actions: list) -> list[tuple]:
+    return [(a.channel, a.body) for a in actions if isinstance(a, SendOn)]
+
+
+def test_request_ids_count_up_with_the_top_bit_set_and_wrap() -> None:
+    req = ReqMachine(0x7FFFFFFF)
+    req.handleChannelUp("a", 0.0)
+    first, actions = req.handleRequest(b"x", 0.0)
+    second, _ = req.handleRequest(b"y", 0.0)
+    assert (first, second) == (0xFFFFFFFF, BOTTOM)
+    assert sends(actions) == [("a", word(0xFFFFFFFF) + b"x")]
+
+
+def test_a_request_waits_for_a_channel_then_resends_until_answered() -> None:
+    req = ReqMachine(5, resend=60.0)
+    rid, actions = req.handleRequest(b"hi", 0.0)
+    assert sends(actions) == [] and WakeAt(None) not in actions
+    actions = req.handleChannelUp("a", 1.0)
+    assert sends(actions) == [("a", word(rid) + b"hi")] and WakeAt(61.0) in actions
+    assert sends(req.handleWake(61.0)) == [("a", word(rid) + b"hi")]
+    actions = req.handleReply("a", word(rid) + b"HI", 70.0)
+    assert Complete(rid, b"HI") in actions and WakeAt(None) in actions
+    # the same reply again, and one nobody asked for: dropped
+    assert [type(a) for a in req.handleReply("a", word(rid) + b"HI", 71.0)] == [Dropped]
+    assert [type(a) for a in req.handleReply("a", word(BOTTOM | 999) + b"?", 71.0)] == [Dropped]
+    assert [type(a) for a in req.handleReply("a", b"ab", 71.0)] == [Dropped]
+
+
+def test_a_cancelled_request_is_not_resent_and_its_reply_is_dropped() -> None:
+    req = ReqMachine(1, resend=1.0)
+    req.handleChannelUp("a", 0.0)
+    rid, _ = req.handleRequest(b"x", 0.0)
+    assert WakeAt(None) in req.handleCancel(rid, 0.5)
+    assert sends(req.handleWake(1.0)) == []
+    assert [type(a) for a in req.handleReply("a", word(rid) + b"late", 2.0)] == [Dropped]
+
+
+def test_round_robin_stays_fair_as_channels_come_and_go() -> None:
+    req = ReqMachine(1)
+    for channel in "abc":
+        req.handleChannelUp(channel, 0.0)
+    used = [sends(req.handleRequest(b"%d" % n, 0.0)[1])[0][0] for n in range(6)]
+    assert used == list("abcabc")
+    req.handleChannelDown("b", 0.0)
+    req.handleChannelUp("d", 0.0)
+    used = [sends(req.handleRequest(b"x", 0.0)[1])[0][0] for _ in range(30)]
+    assert Counter(used) == {"a": 10, "c": 10, "d": 10}
+
+
+def test_requests_of_a_lost_channel_go_out_again_at_once() -> None:
+    req = ReqMachine(1)
+    req.handleChannelUp("a", 0.0)
+    req.handleChannelUp("b", 0.0)
+    ra, _ = req.handleRequest(b"1", 0.0)  # on a
+    rb, _ = req.handleRequest(b"2", 0.0)  # on b
+    assert sends(req.handleChannelDown("a", 1.0)) == [("b", word(ra) + b"1")]
+    assert sends(req.handleChannelDown("b", 2.0)) == []  # both wait for a channel
+    assert sorted(sends(req.handleChannelUp("c", 3.0))) == sorted(
+        [("c", word(ra) + b"1"), ("c", word(rb) + b"2")])
+
+
+def test_resend_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        ReqMachine(1, resend=0)
+
+
+# --- REP ----------------------------------------------------------------------------------
+
+
+def test_rep_serves_once_per_backtrace_and_routes_the_reply_back() -> None:
+    rep = RepMachine(100)
+    request = word(BOTTOM | 7) + b"payload"
+    [serve] = rep.handleRequest("a", request, 0.0)
+    assert isinstance(serve, Serve) and serve.payload == b"payload"
+    # a resend of the same request while in hand: answered once
+    assert [type(a) for a in rep.handleRequest("a", request, 1.0)] == [Dropped]
+    assert sends(rep.handleReply(serve.token, b"done", 2.0)) == [("a", word(BOTTOM | 7) + b"done")]
+    assert rep.handleReply(serve.token, b"again", 2.0) == []  # answered already
+    # once answered, a new copy runs again (nng resends until it hears)
+    assert [type(a) for a in rep.handleRequest("a", request, 3.0)] == [Serve]
+
+
+def test_rep_drop_rules() -> None:
+    rep = RepMachine(1)
+    for bad in (b"", word(1) + word(2), word(1) * 9 + word(BOTTOM)):
+        assert [type(a) for a in rep.handleRequest("a", bad, 0.0)] == [Dropped]
+    [serve] = rep.handleRequest("a", word(BOTTOM | 1) + b"x", 0.0)
+    rep.handleChannelDown("a", 1.0)
+    assert [type(a) for a in rep.handleReply(serve.token, b"y", 2.0)] == [Dropped]
+    [serve] = rep.handleRequest("b", word(BOTTOM | 2) + b"x", 3.0)
+    assert rep.handleReply(serve.token, None, 4.0) == []  # the handler cancelled
+
+
+def test_channel_ids_start_where_told_wrap_and_skip_those_in_use() -> None:
+    rep = RepMachine(0x7FFFFFFE)
+    for channel in "abc":
+        rep.handleChannelUp(channel, 0.0)
+    assert rep.channels.byChannel == {"a": 0x7FFFFFFE, "b": 0x7FFFFFFF, "c": 0}
+
+
+# --- device -------------------------------------------------------------------------------
+
+
+def test_a_device_pushes_and_pops_its_channel_id() -> None:
+    device = DeviceMachine(40)
+    upstream = device.handleRequest("client", word(BOTTOM | 9) + b"q", 0.0)
+    assert upstream == word(40) + word(BOTTOM | 9) + b"q"
+    assert sends(device.handleReply(word(40) + word(BOTTOM | 9) + b"r", 1.0)) == [
+        ("client", word(BOTTOM | 9) + b"r")]
+    for bad in (word(41) + b"x", word(BOTTOM | 40) + b"x", b"ab"):
+        assert [type(a) for a in device.handleReply(bad, 2.0)] == [Dropped]
+
+
+def test_a_device_drops_a_request_that_would_go_over_the_hops() -> None:
+    device = DeviceMachine(1)
+    seven = b"".join(word(n) for n in range(7))
+    assert isinstance(device.handleRequest("c", seven + word(BOTTOM) + b"x", 0.0), bytes)
+    eight = seven + word(7)
+    assert [type(a) for a in device.handleRequest("c", eight + word(BOTTOM) + b"x", 0.0)] == [
+        Dropped]
