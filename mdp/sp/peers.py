@@ -1,0 +1,225 @@
+"""SP REQ/REP over TCP, wire-compatible with nng: :class:`SPClient` (REQ)
+and :class:`SPServer` (REP), the drivers of :mod:`mdp.sp.machines` on the
+stream transport with the SP framing (:mod:`mdp.transport.spframing`).
+
+Endpoints are nng URLs (``tcp://127.0.0.1:5555``; ``tcp://127.0.0.1:0`` or
+``tcp://*:0`` to listen on a port the OS picks) or Twisted endpoint strings.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import struct
+from typing import Any, Callable, Optional, Sequence, Union
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp.errors import ClientClosed
+from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.policy import Backoff, Limits, LogThrottle, cancel_call, default_reactor
+from mdp.sp import machines
+from mdp.sp.codec import DEFAULT_MAX_HOPS, endpoint_of
+from mdp.transport.spframing import REP, REQ, SPFraming
+from mdp.transport.stream import StreamDealer, StreamRouter
+
+log = Logger()
+
+
+def random_id() -> int:
+    """A random 31-bit start for ids (different on every start)."""
+    return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
+
+
+@implementer(IDealerReceiver)
+class _Pipe:
+    """One dialed connection of a client."""
+
+    def __init__(self, client: SPClient, url: str) -> None:
+        self.client = client
+        self.url = url
+        self.transport: Any = None
+
+    def connectionMade(self) -> None:
+        self.client._perform(self.client.machine.handleChannelUp(self, self.client._now()))
+
+    def connectionLost(self, reason: object) -> None:
+        self.client._perform(self.client.machine.handleChannelDown(self, self.client._now()))
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.client._perform(self.client.machine.handleReply(self, frames[0], self.client._now()))
+
+
+class SPClient:
+    """An SP REQ socket dialing *endpoints*: :meth:`request` sends a payload
+    and returns a Deferred firing with the reply's payload; the request is
+    sent again every *resend* seconds until a reply comes or the Deferred is
+    cancelled.  Connections are re-dialed with backoff."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 resend: float = machines.DEFAULT_RESEND, limits: Limits = Limits(),
+                 backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
+        urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not urls:
+            raise ValueError("an SPClient needs at least one endpoint")
+        dials = [endpoint_of(url, listen=False) for url in urls]
+        self.reactor = default_reactor(reactor)
+        self.machine = machines.ReqMachine(random_id(), resend=resend, now=self._now())
+        self.throttle = LogThrottle(self.reactor)
+        self._waiting: dict[int, defer.Deferred[bytes]] = {}
+        self._timer: Any = None
+        self._closed = False
+        self.pipes = []
+        for url, dial in zip(urls, dials):
+            pipe = _Pipe(self, url)
+            pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=limits,
+                                          framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
+            self.pipes.append(pipe)
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    def request(self, payload: bytes) -> defer.Deferred[bytes]:
+        """Send *payload*; the Deferred fires with the reply's payload."""
+        if not isinstance(payload, (bytes, bytearray)):
+            raise TypeError(f"an SP request is bytes, not {type(payload).__name__}")
+        if self._closed:
+            return defer.fail(ClientClosed("this SPClient is closed"))
+        requestId: list[int] = []
+
+        def cancel(d: defer.Deferred) -> None:
+            self._waiting.pop(requestId[0], None)
+            self._perform(self.machine.handleCancel(requestId[0], self._now()))
+
+        d: defer.Deferred[bytes] = defer.Deferred(cancel)
+        rid, actions = self.machine.handleRequest(bytes(payload), self._now())
+        requestId.append(rid)
+        self._waiting[rid] = d
+        self._perform(actions)
+        return d
+
+    def _perform(self, actions: list[Any]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is machines.SendOn:
+                action.channel.transport.sendMessage([action.body])
+            elif kind is machines.Complete:
+                d = self._waiting.pop(action.requestId, None)
+                if d is not None:
+                    d.callback(action.payload)
+            elif kind is machines.WakeAt:
+                self._timer = cancel_call(self._timer)
+                if action.when is not None and not self._closed:
+                    self._timer = self.reactor.callLater(max(0.0, action.when - self._now()),
+                                                         self._wake)
+            elif kind is machines.Dropped:
+                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
+                                   "{reason}", url=getattr(action.channel, "url", "?"),
+                                   reason=action.reason)
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._perform(self.machine.handleWake(self._now()))
+
+    def close(self) -> defer.Deferred[None]:
+        """Close every connection; requests still waiting fail with ClientClosed."""
+        self._closed = True
+        self._timer = cancel_call(self._timer)
+        waiting, self._waiting = self._waiting, {}
+        for d in waiting.values():
+            d.errback(ClientClosed("SPClient closed"))
+        return defer.DeferredList([p.transport.close() for p in self.pipes]).addCallback(
+            lambda _: None)
+
+
+@implementer(IRouterReceiver)
+class _Listener:
+    def __init__(self, server: SPServer) -> None:
+        self.server = server
+        self.transport: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.server._request(self, peer, frames[0])
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.server._perform(self, self.server.machine.handleChannelDown(
+            (self, peer), self.server._now()))
+
+
+class SPServer:
+    """An SP REP socket: :meth:`listen` on endpoints; each request's payload
+    goes to *handler* (bytes in; bytes, a Deferred or a coroutine out; None
+    or a cancelled Deferred: no reply), and the reply goes back along the
+    request's backtrace."""
+
+    def __init__(self, handler: Callable[[bytes], Any], reactor: Optional[Any] = None, *,
+                 maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits()) -> None:
+        self.handler = handler
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.machine = machines.RepMachine(random_id(), maxHops=maxHops, now=self._now())
+        self.throttle = LogThrottle(self.reactor)
+        self.routers: list[StreamRouter] = []
+        self.served = 0
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
+        """Listen on *endpoint*; fires with the router (its ``endpoint`` is
+        a Twisted client string reaching it)."""
+        listener = _Listener(self)
+
+        def bound(router: StreamRouter) -> StreamRouter:
+            listener.transport = router
+            self.routers.append(router)
+            log.info("SP REP listening on {endpoint}", endpoint=router.endpoint)
+            return router
+
+        return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
+                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+
+    def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
+        self._perform(listener, self.machine.handleRequest((listener, peer), body, self._now()))
+
+    def _perform(self, listener: _Listener, actions: list[Any]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is machines.Serve:
+                self._serve(action.token, action.payload)
+            elif kind is machines.SendOn:
+                owner, peer = action.channel
+                if owner.transport is not None:
+                    owner.transport.sendMessage(peer, [action.body])
+                    self.served += 1
+            elif kind is machines.Dropped:
+                self.throttle.info(log, "dropped", "SP server dropped a request from {peer}: "
+                                   "{reason}", peer=action.channel[1].hex(), reason=action.reason)
+
+    def _serve(self, token: Any, payload: bytes) -> None:
+        def run() -> Any:
+            result = self.handler(payload)
+            return defer.ensureDeferred(result) if inspect.iscoroutine(result) else result
+
+        def done(reply: Any) -> None:
+            if isinstance(reply, str):
+                reply = reply.encode("utf-8")
+            if reply is not None and not isinstance(reply, (bytes, bytearray)):
+                log.error("SP handler returned {kind}, not bytes; no reply",
+                          kind=type(reply).__name__)
+                reply = None
+            self._perform(token[0], self.machine.handleReply(
+                token, bytes(reply) if reply is not None else None, self._now()))
+
+        def failed(failure: Any) -> None:
+            if not failure.check(defer.CancelledError):
+                log.failure("SP handler failed; no reply", failure)
+            self._perform(token[0], self.machine.handleReply(token, None, self._now()))
+
+        defer.maybeDeferred(run).addCallbacks(done, failed)
+
+    def close(self) -> defer.Deferred[None]:
+        routers, self.routers = self.routers, []
+        return defer.DeferredList([r.close() for r in routers]).addCallback(lambda _: None)

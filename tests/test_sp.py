@@ -1,0 +1,109 @@
+"""SPClient and SPServer over TCP on 127.0.0.1, and against pynng."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, task, threads
+
+from mdp.sp.peers import SPClient, SPServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def reactor() -> Any:
+    from twisted.internet import reactor as r
+
+    return r
+
+
+def url_of(router: Any) -> str:
+    return f"tcp://127.0.0.1:{router.port.getHost().port}"
+
+
+@pytest_twisted.ensureDeferred
+async def test_our_req_and_rep_many_in_flight() -> None:
+    server = SPServer(lambda payload: payload.upper(), reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    client = SPClient(url_of(router), reactor())
+    try:
+        replies = await defer.gatherResults([client.request(b"m%d" % n) for n in range(50)])
+        assert replies == [b"M%d" % n for n in range(50)]
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_pynng_req0_to_our_rep_and_our_req_to_pynng_rep0() -> None:
+    import pynng
+
+    server = SPServer(lambda payload: b"ours:" + payload, reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    address = url_of(router)
+
+    def ask() -> list[bytes]:
+        with pynng.Req0(dial=address, recv_timeout=10_000) as req:
+            out = []
+            for n in range(5):
+                req.send(b"%d" % n)
+                out.append(req.recv())
+            return out
+
+    try:
+        assert await threads.deferToThread(ask) == [b"ours:%d" % n for n in range(5)]
+    finally:
+        await server.close()
+
+    rep = pynng.Rep0(listen="tcp://127.0.0.1:0", recv_timeout=10_000)
+    # pynng 0.9's local_address.port is in network byte order; its str() is right
+    port = int(str(rep.listeners[0].local_address).rpartition(":")[2])
+
+    def answer(count: int) -> None:
+        for _ in range(count):
+            rep.send(b"nng:" + rep.recv())
+
+    client = SPClient(f"tcp://127.0.0.1:{port}", reactor())
+    try:
+        serving = threads.deferToThread(answer, 5)
+        for n in range(5):
+            assert await client.request(b"%d" % n) == b"nng:%d" % n
+        await serving
+    finally:
+        await client.close()
+        rep.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_cancelled_request_gets_no_reply_and_the_client_goes_on() -> None:
+    held: list[defer.Deferred] = []
+
+    def slow(payload: bytes) -> Any:
+        if payload == b"hold":
+            d: defer.Deferred = defer.Deferred()
+            held.append(d)
+            return d
+        return payload
+
+    server = SPServer(slow, reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    client = SPClient(url_of(router), reactor(), resend=0.2)
+    try:
+        waiting = client.request(b"hold")
+        deadline = reactor().seconds() + 10
+        while not held:
+            assert reactor().seconds() < deadline
+            await task.deferLater(reactor(), 0.01)
+        waiting.cancel()
+        with pytest.raises(defer.CancelledError):
+            await waiting
+        assert await client.request(b"next") == b"next"
+        # resends of the held request came while it was in hand: run once
+        assert len(held) == 1
+    finally:
+        for d in held:
+            d.cancel()
+        await client.close()
+        await server.close()
