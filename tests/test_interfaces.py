@@ -177,6 +177,19 @@ def _bstar_end(name: str) -> Callable[[], Any]:
     return make
 
 
+def _sp_pipe() -> Any:
+    from mdp.sp.peers import SPClient, _Pipe
+
+    client = SPClient("tcp://127.0.0.1:9", _clock())
+    return _Pipe(client, "tcp://127.0.0.1:9")
+
+
+def _sp_listener() -> Any:
+    from mdp.sp.peers import SPServer, _Listener
+
+    return _Listener(SPServer(lambda payload: payload, _clock()))
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -222,6 +235,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.binarystar.BinaryStar": _binarystar,
     "mdp.binarystar._Publisher": _bstar_end("_Publisher"),
     "mdp.binarystar._Subscriber": _bstar_end("_Subscriber"),
+    "mdp.sp.peers._Pipe": _sp_pipe,
+    "mdp.sp.peers._Listener": _sp_listener,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),
