@@ -190,6 +190,18 @@ def _sp_listener() -> Any:
     return _Listener(SPServer(lambda payload: payload, _clock()))
 
 
+def _sp_device_end(name: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from mdp.sp import peers
+
+        device = peers.SPDevice("tcp://127.0.0.1:9", _clock())
+        if name == "_DeviceBack":
+            return peers._DeviceBack(device, "tcp://127.0.0.1:9")
+        return peers._DeviceFront(device)
+
+    return make
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -237,6 +249,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.binarystar._Subscriber": _bstar_end("_Subscriber"),
     "mdp.sp.peers._Pipe": _sp_pipe,
     "mdp.sp.peers._Listener": _sp_listener,
+    "mdp.sp.peers._DeviceFront": _sp_device_end("_DeviceFront"),
+    "mdp.sp.peers._DeviceBack": _sp_device_end("_DeviceBack"),
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),

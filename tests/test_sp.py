@@ -107,3 +107,43 @@ async def test_a_cancelled_request_gets_no_reply_and_the_client_goes_on() -> Non
             d.cancel()
         await client.close()
         await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_pynng_req0_through_two_of_our_devices_to_pynng_rep0() -> None:
+    import pynng
+
+    from mdp.sp.peers import SPDevice
+
+    rep = pynng.Rep0(listen="tcp://127.0.0.1:0", recv_timeout=10_000)
+    port = int(str(rep.listeners[0].local_address).rpartition(":")[2])
+    inner = SPDevice(f"tcp://127.0.0.1:{port}", reactor())
+    innerFront = await inner.listen("tcp://127.0.0.1:0")
+    outer = SPDevice(url_of(innerFront), reactor())
+    outerFront = await outer.listen("tcp://127.0.0.1:0")
+    address = url_of(outerFront)
+
+    def answer(count: int) -> list[bytes]:
+        seen = []
+        for _ in range(count):
+            request = rep.recv()
+            seen.append(request)
+            rep.send(b"nng:" + request)
+        return seen
+
+    def ask(count: int) -> list[bytes]:
+        with pynng.Req0(dial=address, recv_timeout=10_000) as req:
+            out = []
+            for n in range(count):
+                req.send(b"%d" % n)
+                out.append(req.recv())
+            return out
+
+    try:
+        serving = threads.deferToThread(answer, 5)
+        assert await threads.deferToThread(ask, 5) == [b"nng:%d" % n for n in range(5)]
+        assert await serving == [b"%d" % n for n in range(5)]
+    finally:
+        await outer.close()
+        await inner.close()
+        rep.close()

@@ -223,3 +223,112 @@ class SPServer:
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []
         return defer.DeferredList([r.close() for r in routers]).addCallback(lambda _: None)
+
+
+@implementer(IRouterReceiver)
+class _DeviceFront:
+    def __init__(self, device: SPDevice) -> None:
+        self.device = device
+        self.transport: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.device._request(self, peer, frames[0])
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.device.machine.handleChannelDown((self, peer), self.device._now())
+
+
+@implementer(IDealerReceiver)
+class _DeviceBack:
+    def __init__(self, device: SPDevice, url: str) -> None:
+        self.device = device
+        self.url = url
+        self.transport: Any = None
+        self.up = False
+
+    def connectionMade(self) -> None:
+        self.up = True
+
+    def connectionLost(self, reason: object) -> None:
+        self.up = False
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.device._reply(frames[0])
+
+
+class SPDevice:
+    """A device: a REP side listening on *front* and a REQ side dialing
+    *back* (one endpoint or several), forwarding requests upstream with the
+    channel they came on pushed on their backtrace, and replies back down.
+    It keeps no state of its own: the requesters resend."""
+
+    def __init__(self, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
+                 backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
+        urls = [back] if isinstance(back, str) else list(back)
+        if not urls:
+            raise ValueError("an SPDevice needs at least one endpoint to forward to")
+        dials = [endpoint_of(url, listen=False) for url in urls]
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.machine = machines.DeviceMachine(random_id(), maxHops=maxHops, now=self._now())
+        self.throttle = LogThrottle(self.reactor)
+        self.routers: list[StreamRouter] = []
+        self._turn = 0
+        self.backs = []
+        for url, dial in zip(urls, dials):
+            end = _DeviceBack(self, url)
+            end.transport = StreamDealer(dial, end, self.reactor, limits=limits,
+                                         framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
+            self.backs.append(end)
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    def listen(self, front: str) -> defer.Deferred[StreamRouter]:
+        """Take requests on *front*."""
+        listener = _DeviceFront(self)
+
+        def bound(router: StreamRouter) -> StreamRouter:
+            listener.transport = router
+            self.routers.append(router)
+            log.info("SP device listening on {endpoint}, forwarding to {back}",
+                     endpoint=router.endpoint, back=", ".join(b.url for b in self.backs))
+            return router
+
+        return StreamRouter.listen(endpoint_of(front, listen=True), listener, self.reactor,
+                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+
+    def _request(self, front: _DeviceFront, peer: bytes, body: bytes) -> None:
+        upstream = self.machine.handleRequest((front, peer), body, self._now())
+        if not isinstance(upstream, bytes):
+            self._log(upstream)
+            return
+        live = [b for b in self.backs if b.up]
+        if not live:
+            self.throttle.info(log, "no-upstream", "SP device dropped a request: no upstream "
+                               "connection (the requester resends)")
+            return
+        end = live[self._turn % len(live)]
+        self._turn += 1
+        end.transport.sendMessage([upstream])
+
+    def _reply(self, body: bytes) -> None:
+        for action in self.machine.handleReply(body, self._now()):
+            if type(action) is machines.SendOn:
+                front, peer = action.channel
+                if front.transport is not None:
+                    front.transport.sendMessage(peer, [action.body])
+            else:
+                self._log([action])
+
+    def _log(self, actions: list[Any]) -> None:
+        for action in actions:
+            if type(action) is machines.Dropped:
+                self.throttle.info(log, "dropped", "SP device dropped a message: {reason}",
+                                   reason=action.reason)
+
+    def close(self) -> defer.Deferred[None]:
+        routers, self.routers = self.routers, []
+        closing = [r.close() for r in routers] + [b.transport.close() for b in self.backs]
+        return defer.DeferredList(closing).addCallback(lambda _: None)
