@@ -257,6 +257,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.app.tap.WorkerServiceMaker": _maker("WorkerServiceMaker"),
     "mdp.app.tap.FreelanceServerServiceMaker": _maker("FreelanceServerServiceMaker"),
     "mdp.app.tap.TitanicServiceMaker": _maker("TitanicServiceMaker"),
+    "mdp.app.tap.SPRepServiceMaker": _maker("SPRepServiceMaker"),
+    "mdp.app.tap.SPDeviceServiceMaker": _maker("SPDeviceServiceMaker"),
 }
 
 
@@ -284,9 +286,9 @@ def test_twisted_plugins_verify() -> None:
     from twisted.application.service import IServiceMaker
     from twisted.plugin import IPlugin, getPlugins
 
-    makers = [p for p in getPlugins(IServiceMaker) if p.tapname.startswith("mdp-")]
+    makers = [p for p in getPlugins(IServiceMaker) if p.tapname.startswith(("mdp-", "sp-"))]
     assert sorted(p.tapname for p in makers) == ["mdp-broker", "mdp-freelance-server", "mdp-titanic",
-                                                         "mdp-worker"]
+                                                         "mdp-worker", "sp-device", "sp-rep"]
     for maker in makers:
         verifyObject(IServiceMaker, maker)
         verifyObject(IPlugin, maker)

@@ -147,3 +147,39 @@ async def test_pynng_req0_through_two_of_our_devices_to_pynng_rep0() -> None:
         await outer.close()
         await inner.close()
         rep.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_twist_sp_rep_and_sp_device_and_mdp_sp_request() -> None:
+    """The entry points as processes: a pynng Req0 and ``mdp sp-request``
+    through ``twist sp-device`` to ``twist sp-rep``."""
+    import pynng
+
+    from tests.procs import ENV, Process, bounded, script
+
+    rep = Process(reactor(), [script("twist"), "--log-format", "text", "sp-rep",
+                              "--endpoint", "tcp://127.0.0.1:0", "--handler", "echo"], ENV)
+    processes = [rep]
+    try:
+        bound = await bounded(rep.waitFor(r"SP REP listening on tcp:host=127.0.0.1:port=(\d+)", 60), 60)
+        device = Process(reactor(), [script("twist"), "--log-format", "text", "sp-device",
+                                     "--front", "tcp://127.0.0.1:0",
+                                     "--back", f"tcp://127.0.0.1:{int(bound.group(1))}"], ENV)
+        processes.append(device)
+        front = await bounded(device.waitFor(
+            r"SP device listening on tcp:host=127.0.0.1:port=(\d+)", 60), 60)
+        address = f"tcp://127.0.0.1:{int(front.group(1))}"
+
+        def ask() -> bytes:
+            with pynng.Req0(dial=address, recv_timeout=10_000) as req:
+                req.send(b"via the device")
+                return req.recv()
+
+        assert await threads.deferToThread(ask) == b"via the device"
+        call = Process(reactor(), [script("mdp"), "sp-request", "--endpoint", address, "hello"], ENV)
+        processes.append(call)
+        await call.ended(30)
+        assert call.exitCode == 0 and call.output.strip() == b"hello", call.output
+    finally:
+        for process in processes:
+            await process.stop()

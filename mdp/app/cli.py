@@ -15,6 +15,10 @@
 ``mdp titanic close --broker ENDPOINT ID``
     Have Titanic forget a request and its reply.
 
+``mdp sp-request --endpoint URL PAYLOAD``
+    Send one SP (nng) request and print the reply; exit status 1 with a
+    message on stderr when none comes within ``--timeout``.
+
 ``mdp demo``
     Start a broker, an echo worker and a client in one process over real
     ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
@@ -149,11 +153,31 @@ class TitanicOptions(_Commands):
     ]
 
 
+class SPRequestOptions(usage.Options):
+    synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
+    optParameters: list[Any] = [
+        ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
+        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", float],
+        ["resend", None, 60.0, "Seconds before the request is sent again.", float],
+    ]
+
+    def parseArgs(self, payload: str) -> None:
+        self["payload"] = payload.encode("utf-8")
+
+    def postOptions(self) -> None:
+        from mdp.app.tap import _sp_endpoint
+
+        _sp_endpoint(self["endpoint"], False, "endpoint")
+        if self["timeout"] <= 0 or self["resend"] <= 0:
+            raise usage.UsageError("--timeout and --resend must be positive")
+
+
 class Options(_Commands):
-    synopsis = "mdp call|titanic|demo [options]"
+    synopsis = "mdp call|titanic|sp-request|demo [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
         ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
+        ["sp-request", None, SPRequestOptions, "Send one SP (nng) request; print the reply."],
         ["demo", None, DemoOptions, "Broker + echo worker + client, in one process."],
     ]
 
@@ -177,6 +201,22 @@ async def call(reactor: Any, options: CallOptions) -> None:
         await client.close()
     for frame in reply:
         print(_show(frame))
+    sys.stdout.flush()
+
+
+async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
+    from mdp.sp.peers import SPClient
+
+    client = SPClient(options["endpoint"], reactor, resend=options["resend"])
+    try:
+        reply = await client.request(options["payload"]).addTimeout(options["timeout"], reactor)
+    except defer.TimeoutError:
+        print(f"mdp sp-request: no reply from {options['endpoint']} within "
+              f"{options['timeout']:g} s", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        await client.close()
+    print(_show(reply))
     sys.stdout.flush()
 
 
@@ -263,7 +303,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         command = " ".join(words)
         print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
-    command = {"call": call, "titanic": titanic, "demo": demo}[options.subCommand]
+    command = {"call": call, "titanic": titanic, "sp-request": sp_request,
+               "demo": demo}[options.subCommand]
     task.react(lambda reactor: defer.ensureDeferred(command(reactor, options.subOptions)))
 
 

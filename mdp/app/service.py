@@ -176,6 +176,54 @@ class FreelanceServerService(Service):
 
 
 
+class SPServerService(Service):
+    """Runs an :class:`~mdp.sp.peers.SPServer` (SP REP) on *endpoint*."""
+
+    def __init__(self, endpoint: str, handler: Any, reactor: Optional[Any] = None,
+                 **serverOptions: Any) -> None:
+        from mdp.sp.codec import endpoint_of
+        from mdp.sp.peers import SPServer
+
+        transport.check(endpoint_of(endpoint, listen=True), transport.LISTEN)
+        self.endpoint = endpoint
+        self.server = SPServer(handler, reactor, **serverOptions)
+
+    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
+        super().startService()
+        return self.server.listen(self.endpoint)
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self.server.close()
+
+
+class SPDeviceService(Service):
+    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*."""
+
+    def __init__(self, front: str, back: Union[str, Sequence[str]],
+                 reactor: Optional[Any] = None, **deviceOptions: Any) -> None:
+        from mdp.sp.codec import endpoint_of
+        from mdp.sp.peers import SPDevice
+
+        transport.check(endpoint_of(front, listen=True), transport.LISTEN)
+        self.front = front
+        self.back = back
+        self.reactor = reactor
+        self.deviceOptions = deviceOptions
+        self.device: Optional[SPDevice] = None
+        self._make = SPDevice
+
+    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
+        super().startService()
+        self.device = self._make(self.back, self.reactor, **self.deviceOptions)
+        return self.device.listen(self.front)
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        device, self.device = self.device, None
+        return device.close() if device is not None else defer.succeed(None)
+
+
 class TitanicService(Service):
     """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and
     store.  A store that cannot be opened (a damaged or unreadable file) is

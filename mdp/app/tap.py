@@ -295,6 +295,89 @@ class FreelanceServerServiceMaker:
 
 
 
+def _sp_endpoint(value: str, listen: bool, option: str) -> str:
+    from mdp.sp.codec import endpoint_of
+
+    try:
+        transport.check(endpoint_of(value, listen), transport.LISTEN if listen else transport.CONNECT)
+    except TransportError as e:
+        raise usage.UsageError(f"--{option}: {e}") from None
+    return value
+
+
+def sp_handler(spec: str) -> Any:
+    """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
+    if spec == "echo":
+        return lambda payload: payload
+    from mdp.handlers import load_handler
+
+    return load_handler(spec)
+
+
+class SPRepOptions(usage.Options):
+    """Options of ``twist sp-rep``."""
+
+    synopsis = "--endpoint tcp://127.0.0.1:5555 --handler echo|module:callable"
+    longdesc = "Answer SP (nng) REQ requests: the handler takes the payload bytes and returns bytes."
+    optParameters: list[Any] = [
+        ["endpoint", "e", "tcp://127.0.0.1:5555", "nng URL or Twisted endpoint to listen on."],
+        ["handler", None, "echo", "'echo' or 'module:callable' taking the payload bytes."],
+    ] + _MESSAGE_OPTIONS
+
+    def postOptions(self) -> None:
+        _sp_endpoint(self["endpoint"], True, "endpoint")
+
+
+class SPDeviceOptions(usage.Options):
+    """Options of ``twist sp-device``."""
+
+    synopsis = "--front tcp://127.0.0.1:5555 --back tcp://HOST:PORT [--back ...]"
+    longdesc = "Forward SP (nng) requests from --front to the REP peers at --back, replies back."
+    optParameters: list[Any] = [
+        ["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."],
+    ] + _MESSAGE_OPTIONS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["back"] = []
+
+    def opt_back(self, endpoint: str) -> None:
+        """Where to forward requests (once per REP peer or device)."""
+        self["back"].append(endpoint)
+
+    def postOptions(self) -> None:
+        _sp_endpoint(self["front"], True, "front")
+        if not self["back"]:
+            raise usage.UsageError("--back is required")
+        for back in self["back"]:
+            _sp_endpoint(back, False, "back")
+
+
+@implementer(IServiceMaker, IPlugin)
+class SPRepServiceMaker:
+    tapname = "sp-rep"
+    description = "SP (nng) REP server running a handler."
+    options = SPRepOptions
+
+    def makeService(self, options: SPRepOptions) -> Any:
+        from mdp.app.service import SPServerService
+
+        return SPServerService(options["endpoint"], sp_handler(options["handler"]),
+                               limits=limits_of(options))
+
+
+@implementer(IServiceMaker, IPlugin)
+class SPDeviceServiceMaker:
+    tapname = "sp-device"
+    description = "SP (nng) REQ/REP device forwarding requests upstream."
+    options = SPDeviceOptions
+
+    def makeService(self, options: SPDeviceOptions) -> Any:
+        from mdp.app.service import SPDeviceService
+
+        return SPDeviceService(options["front"], options["back"], limits=limits_of(options))
+
+
 def _concurrency(value: str) -> int:
     number = int(value)
     if number < 1:

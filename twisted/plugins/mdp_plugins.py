@@ -1,9 +1,12 @@
 """Twisted plugin dropin: ``twist mdp-broker``, ``twist mdp-worker``,
-``twist mdp-freelance-server``, ``twist mdp-titanic``."""
+``twist mdp-freelance-server``, ``twist mdp-titanic``, ``twist sp-rep``,
+``twist sp-device``."""
 
 from mdp.app.tap import (
     BrokerServiceMaker,
     FreelanceServerServiceMaker,
+    SPDeviceServiceMaker,
+    SPRepServiceMaker,
     TitanicServiceMaker,
     WorkerServiceMaker,
 )
@@ -12,3 +15,5 @@ mdpBroker = BrokerServiceMaker()
 mdpWorker = WorkerServiceMaker()
 mdpFreelanceServer = FreelanceServerServiceMaker()
 mdpTitanic = TitanicServiceMaker()
+spRep = SPRepServiceMaker()
+spDevice = SPDeviceServiceMaker()
