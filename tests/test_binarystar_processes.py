@@ -284,6 +284,8 @@ async def test_two_primaries_the_later_one_exits_with_a_fatal_error() -> None:
     try:
         first = await pair.start("primary")
         await bounded(first.waitFor("state published on", 30), 30)
+        # clearly later: starts less than a heartbeat apart are a tie, decided by run id
+        await task.deferLater(reactor(), 1.5)
         # a second broker, also configured primary, on the backup's place
         second = Process(reactor(), [
             script("twist"), "--log-format", "text", "mdp-broker",
