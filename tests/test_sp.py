@@ -183,3 +183,35 @@ async def test_twist_sp_rep_and_sp_device_and_mdp_sp_request() -> None:
     finally:
         for process in processes:
             await process.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pynng_rep_killed_and_restarted_mid_stream_loses_no_request() -> None:
+    """Our client resends what the killed REP never answered, to the REP
+    restarted on the same port: every request completes."""
+    import signal
+
+    from tests.procs import ENV, Process, bounded, python, wait_until
+
+    rep = Process(reactor(), python("-m", "tests.sp_peers", "rep", "tcp://127.0.0.1:0"), ENV)
+    processes = [rep]
+    client = None
+    try:
+        port = int((await bounded(rep.waitFor(r"listening on (\d+)", 60), 60)).group(1))
+        client = SPClient(f"tcp://127.0.0.1:{port}", reactor(), resend=0.5)
+        replies = [client.request(b"%d" % n) for n in range(20)]
+        await wait_until(lambda: replies[0].called, 30)
+        rep.signalProcess(signal.SIGKILL)
+        await rep.ended(30)
+        later = [client.request(b"%d" % n) for n in range(20, 40)]
+        again = Process(reactor(), python("-m", "tests.sp_peers", "rep",
+                                          f"tcp://127.0.0.1:{port}"), ENV)
+        processes.append(again)
+        await bounded(again.waitFor("listening on", 60), 60)
+        got = await bounded(defer.gatherResults(replies + later), 30)
+        assert got == [b"nng:%d" % n for n in range(40)]
+    finally:
+        if client is not None:
+            await client.close()
+        for process in processes:
+            await process.stop()
