@@ -215,3 +215,70 @@ async def test_a_pynng_rep_killed_and_restarted_mid_stream_loses_no_request() ->
             await client.close()
         for process in processes:
             await process.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_hop_limit_is_nng_s() -> None:
+    """Raw requests with 7 and 8 hop words: nng's Rep0 answers the first and
+    drops the second, and so does our REP."""
+    import pynng
+
+    from mdp.sp.codec import BOTTOM, word
+    from mdp.transport.spframing import REQ, SPFraming
+    from mdp.transport.stream import StreamDealer
+    from tests.procs import wait_until
+
+    def raw(hops: int) -> bytes:
+        return b"".join(word(n) for n in range(hops)) + word(BOTTOM | hops) + b"p"
+
+    class Raw:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+            self.up = False
+
+        def connectionMade(self) -> None:
+            self.up = True
+
+        def connectionLost(self, reason: object) -> None:
+            self.up = False
+
+        def messageReceived(self, frames: list[bytes]) -> None:
+            self.got.append(frames[0])
+
+    async def answered(port: int, serve: Any = None) -> list[int]:
+        peer = Raw()
+        dealer = StreamDealer(f"tcp:host=127.0.0.1:port={port}", peer, reactor(),
+                              framing=SPFraming(REQ))
+        try:
+            await wait_until(lambda: peer.up, 10)
+            for hops in (7, 8):
+                dealer.sendMessage([raw(hops)])
+            if serve is not None:
+                await threads.deferToThread(serve)
+            await wait_until(lambda: len(peer.got) >= 1, 10)
+            await task.deferLater(reactor(), 0.3)  # time for a second, wrong reply
+            return [(len(m) - 1) // 4 - 1 for m in peer.got]  # hop words of each reply
+        finally:
+            await dealer.close()
+
+    rep = pynng.Rep0(listen="tcp://127.0.0.1:0", recv_timeout=500)
+    port = int(str(rep.listeners[0].local_address).rpartition(":")[2])
+
+    def serve() -> None:
+        for _ in range(2):
+            try:
+                rep.send(rep.recv())
+            except pynng.Timeout:
+                return
+
+    try:
+        assert await answered(port, serve) == [7]
+    finally:
+        rep.close()
+
+    server = SPServer(lambda payload: payload, reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    try:
+        assert await answered(router.port.getHost().port) == [7]
+    finally:
+        await server.close()

@@ -8,8 +8,10 @@ request id at the bottom of the stack (top bit set)::
     request = *hop-id  request-id  payload      ; hop-id < 2^31 <= request-id
 
 A reply carries the same backtrace back; each hop pops its word to learn where
-to send it.  nng drops a request whose backtrace has more than
-:data:`DEFAULT_MAX_HOPS` hop words (its ``NNG_OPT_MAXTTL``), and so do we.
+to send it.  A request reaching its REP has taken one hop more than it has hop
+words; nng drops one over :data:`DEFAULT_MAX_HOPS` hops (its
+``NNG_OPT_MAXTTL``): 7 hop words pass, 8 do not (measured against nng), and
+so do we.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def word(value: int) -> bytes:
 def split_backtrace(message: bytes, maxHops: int = DEFAULT_MAX_HOPS) -> tuple[bytes, bytes]:
     """``(backtrace, payload)`` of a request: the backtrace is every hop word
     and the request id.  :class:`ProtocolError` if the stack has no bottom
-    word, or more than *maxHops* hop words above it."""
+    word, or *maxHops* hop words or more above it (over *maxHops* hops)."""
     offset = 0
     while True:
         if len(message) - offset < 4:
@@ -44,7 +46,7 @@ def split_backtrace(message: bytes, maxHops: int = DEFAULT_MAX_HOPS) -> tuple[by
         offset += 4
         if value & BOTTOM:
             return message[:offset], message[offset:]
-        if offset // 4 > maxHops:
+        if offset // 4 >= maxHops:
             raise ProtocolError(f"SP request over {maxHops} hops")
 
 
