@@ -102,3 +102,14 @@ def test_titanic_benchmark_smoke_run(tmp_path) -> None:
         assert len(case["runs"]) == 1, name
     assert set(report["ratios_to_plain"]) == cases - {"plain Client.request"}
     assert all(value > 0 for value in report["ratios_to_plain"].values())
+
+
+def test_sp_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "sp.json"
+    proc = smoke_run("benchmarks.sp", out, 300)
+    assert "| case |" in proc.stdout and "ours / pynng" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and report["repetitions"] == 1
+    assert set(report["cases"]) == {"pynng Req0 -> Rep0", "our SPClient -> twist sp-rep"}
+    assert all(case["rate"] > 0 for case in report["cases"].values())
+    assert report["ratio_ours_to_pynng"] > 0
