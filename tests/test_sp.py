@@ -282,3 +282,25 @@ async def test_the_hop_limit_is_nng_s() -> None:
         assert await answered(router.port.getHost().port) == [7]
     finally:
         await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_our_req_through_an_nng_device_to_our_rep() -> None:
+    """nng's own device (raw Rep0 + raw Req0, nng_device) in its own process
+    between our SPClient and our SPServer."""
+    from tests.procs import ENV, Process, bounded, python
+
+    server = SPServer(lambda payload: b"ours:" + payload, reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    device = Process(reactor(), python("-m", "tests.sp_peers", "device", url_of(router)), ENV)
+    client = None
+    try:
+        port = int((await bounded(device.waitFor(r"listening on (\d+)", 60), 60)).group(1))
+        client = SPClient(f"tcp://127.0.0.1:{port}", reactor(), resend=1.0)
+        got = await bounded(defer.gatherResults([client.request(b"%d" % n) for n in range(20)]), 30)
+        assert got == [b"ours:%d" % n for n in range(20)]
+    finally:
+        if client is not None:
+            await client.close()
+        await device.stop()
+        await server.close()
