@@ -155,7 +155,22 @@ class WorkerService(Service):
         return self.worker.stop()
 
 
-class FreelanceServerService(Service):
+class _ServerService(Service):
+    """A server object (``listen(endpoint)``, ``close()``) on one endpoint."""
+
+    endpoint: str
+    server: Any
+
+    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
+        super().startService()
+        return self.server.listen(self.endpoint)
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self.server.close()
+
+
+class FreelanceServerService(_ServerService):
     """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
 
     def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None,
@@ -166,17 +181,8 @@ class FreelanceServerService(Service):
         self.endpoint = endpoint
         self.server = FreelanceServer(handler, reactor, **serverOptions)
 
-    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
-        super().startService()
-        return self.server.listen(self.endpoint)
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
-        return self.server.close()
-
-
-
-class SPServerService(Service):
+class SPServerService(_ServerService):
     """Runs an :class:`~mdp.sp.peers.SPServer` (SP REP) on *endpoint*."""
 
     def __init__(self, endpoint: str, handler: Any, reactor: Optional[Any] = None,
@@ -187,14 +193,6 @@ class SPServerService(Service):
         transport.check(endpoint_of(endpoint, listen=True), transport.LISTEN)
         self.endpoint = endpoint
         self.server = SPServer(handler, reactor, **serverOptions)
-
-    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
-        super().startService()
-        return self.server.listen(self.endpoint)
-
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
-        return self.server.close()
 
 
 class SPDeviceService(Service):

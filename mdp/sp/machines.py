@@ -236,17 +236,15 @@ class _Channels:
             del self.byId[number]
 
 
-class RepMachine(Machine):
-    """The replying end: splits backtraces, runs each request once per
-    backtrace and channel at a time, routes replies back."""
+class _ChannelMachine(Machine):
+    """What a REP side and a device's REP side share: the channels' ids and
+    the hop limit."""
 
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
                  now: float = 0.0) -> None:
         super().__init__(now)
         self.maxHops = maxHops
         self.channels = _Channels(firstChannelId)
-        #: (channel, backtrace) of requests being handled
-        self.inHand: set[tuple[Channel, bytes]] = set()
 
     def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
@@ -257,6 +255,17 @@ class RepMachine(Machine):
         self.now = now
         self.channels.down(channel)
         return self._drain()
+
+
+class RepMachine(_ChannelMachine):
+    """The replying end: splits backtraces, runs each request once per
+    backtrace and channel at a time, routes replies back."""
+
+    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
+                 now: float = 0.0) -> None:
+        super().__init__(firstChannelId, maxHops=maxHops, now=now)
+        #: (channel, backtrace) of requests being handled
+        self.inHand: set[tuple[Channel, bytes]] = set()
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
         self.now = now
@@ -291,26 +300,10 @@ class RepMachine(Machine):
         return self._drain()
 
 
-class DeviceMachine(Machine):
+class DeviceMachine(_ChannelMachine):
     """A device's REP side, hop by hop: a request from a channel goes upstream
     with that channel's id pushed on its backtrace; a reply from upstream goes
     to the channel its first word names, that word popped."""
-
-    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
-                 now: float = 0.0) -> None:
-        super().__init__(now)
-        self.maxHops = maxHops
-        self.channels = _Channels(firstChannelId)
-
-    def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
-        self.now = now
-        self.channels.up(channel)
-        return self._drain()
-
-    def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
-        self.now = now
-        self.channels.down(channel)
-        return self._drain()
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> Union[bytes, list[Any]]:
         """The request to pass upstream (bytes), or the actions saying why not."""
