@@ -9,6 +9,7 @@ import pytest_twisted
 from twisted.internet import defer, task, threads
 
 from mdp.sp.peers import SPClient, SPServer
+from tests.sp_peers import pynng_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,8 +59,7 @@ async def test_pynng_req0_to_our_rep_and_our_req_to_pynng_rep0() -> None:
         await server.close()
 
     rep = pynng.Rep0(listen="tcp://127.0.0.1:0", recv_timeout=10_000)
-    # pynng 0.9's local_address.port is in network byte order; its str() is right
-    port = int(str(rep.listeners[0].local_address).rpartition(":")[2])
+    port = pynng_port(rep)
 
     def answer(count: int) -> None:
         for _ in range(count):
@@ -116,7 +116,7 @@ async def test_pynng_req0_through_two_of_our_devices_to_pynng_rep0() -> None:
     from mdp.sp.peers import SPDevice
 
     rep = pynng.Rep0(listen="tcp://127.0.0.1:0", recv_timeout=10_000)
-    port = int(str(rep.listeners[0].local_address).rpartition(":")[2])
+    port = pynng_port(rep)
     inner = SPDevice(f"tcp://127.0.0.1:{port}", reactor())
     innerFront = await inner.listen("tcp://127.0.0.1:0")
     outer = SPDevice(url_of(innerFront), reactor())
@@ -262,7 +262,7 @@ async def test_the_hop_limit_is_nng_s() -> None:
             await dealer.close()
 
     rep = pynng.Rep0(listen="tcp://127.0.0.1:0", recv_timeout=500)
-    port = int(str(rep.listeners[0].local_address).rpartition(":")[2])
+    port = pynng_port(rep)
 
     def serve() -> None:
         for _ in range(2):

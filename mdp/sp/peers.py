@@ -33,6 +33,15 @@ def random_id() -> int:
     return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
 
 
+def _dials(endpoints: Union[str, Sequence[str]], none: str) -> list[tuple[str, str]]:
+    """(URL, Twisted endpoint) of each endpoint to dial (one, or a sequence);
+    ``ValueError(none)`` for an empty sequence, a TransportError for a bad one."""
+    urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    if not urls:
+        raise ValueError(none)
+    return [(url, endpoint_of(url, listen=False)) for url in urls]
+
+
 @implementer(IDealerReceiver)
 class _Pipe:
     """One dialed connection of a client."""
@@ -61,10 +70,7 @@ class SPClient:
     def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  resend: float = machines.DEFAULT_RESEND, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        if not urls:
-            raise ValueError("an SPClient needs at least one endpoint")
-        dials = [endpoint_of(url, listen=False) for url in urls]
+        dials = _dials(endpoints, "an SPClient needs at least one endpoint")
         self.reactor = default_reactor(reactor)
         self.machine = machines.ReqMachine(random_id(), resend=resend, now=self._now())
         self.throttle = LogThrottle(self.reactor)
@@ -72,7 +78,7 @@ class SPClient:
         self._timer: Any = None
         self._closed = False
         self.pipes = []
-        for url, dial in zip(urls, dials):
+        for url, dial in dials:
             pipe = _Pipe(self, url)
             pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=limits,
                                           framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
@@ -265,10 +271,7 @@ class SPDevice:
     def __init__(self, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        urls = [back] if isinstance(back, str) else list(back)
-        if not urls:
-            raise ValueError("an SPDevice needs at least one endpoint to forward to")
-        dials = [endpoint_of(url, listen=False) for url in urls]
+        dials = _dials(back, "an SPDevice needs at least one endpoint to forward to")
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.machine = machines.DeviceMachine(random_id(), maxHops=maxHops, now=self._now())
@@ -276,7 +279,7 @@ class SPDevice:
         self.routers: list[StreamRouter] = []
         self._turn = 0
         self.backs = []
-        for url, dial in zip(urls, dials):
+        for url, dial in dials:
             end = _DeviceBack(self, url)
             end.transport = StreamDealer(dial, end, self.reactor, limits=limits,
                                          framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
