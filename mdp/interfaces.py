@@ -205,3 +205,48 @@ class IPeerRouterTransport(Interface):
 
     def close():
         """Close every connection.  Returns a Deferred."""
+
+
+class IDatagramReceiver(Interface):
+    """What hears datagrams (ZRE beacons)."""
+
+    def datagramReceived(data: bytes, host: str) -> None:
+        """*data* came from the address *host*."""
+
+
+class IDatagramTransport(Interface):
+    """A datagram socket that sends to one fixed destination (a broadcast
+    address or a multicast group) and hears whatever comes to its port."""
+
+    host = Attribute("Our address, as the receivers of what we send see it.")
+
+    def send(data: bytes) -> None:
+        """Send *data* to the destination; errors are logged, not raised."""
+
+    def close():
+        """Stop listening.  Returns a Deferred."""
+
+
+class IDiscoveryListener(Interface):
+    """The node side of a discovery mechanism."""
+
+    def beaconReceived(uuid: object, host: str, port: int) -> None:
+        """The node *uuid* has its ROUTER on *port* at *host* (port 0: it is
+        leaving)."""
+
+    def dialPeer(endpoint: str) -> None:
+        """Reach the node at the ZRE *endpoint*, whose UUID is not known yet."""
+
+
+class IDiscovery(Interface):
+    """How a Harmony node finds its peers (beacons, a list of endpoints)."""
+
+    host = Attribute("The address our ROUTER binds to and announces.")
+
+    def start(listener: IDiscoveryListener, uuid: object, port: int):
+        """Begin announcing ourselves (ROUTER on *port*) and telling
+        *listener* what is found.  Returns a Deferred."""
+
+    def stop():
+        """Say we are leaving (where the mechanism can), then stop.  Returns
+        a Deferred."""

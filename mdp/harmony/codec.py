@@ -1,0 +1,316 @@
+"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the UDP beacon.
+
+A peer message is one ZeroMQ frame with the header and the fields, followed
+by the content frames of WHISPER and SHOUT::
+
+    signature  2 bytes  0xAAA1
+    id         1 byte   HELLO 1, WHISPER 2, SHOUT 3, JOIN 4, LEAVE 5, PING 6, PING-OK 7
+    version    1 byte   2
+    sequence   2 bytes  big-endian, per outgoing connection, 1 for HELLO
+    fields     HELLO:   endpoint string, groups strings, status u8, name string,
+                        headers hash
+               SHOUT:   group string;  JOIN, LEAVE: group string, status u8
+
+A *string* is a u8 length and that many bytes of UTF-8; a *long string* a u32
+length and the bytes; *strings* a u32 count of long strings; a *hash* a u32
+count of (string key, long string value).  Lengths are in bytes.
+
+Strings that are not valid UTF-8 are read with U+FFFD in place of the bad
+bytes: zeromq-pyre writes the length of a non-ASCII string in characters and
+cuts the bytes to that length, so its ``"aé"`` arrives as ``b"a\\xc3"``; the
+message is kept (the name or group is just cut short).  We always write
+whole strings with their length in bytes.
+
+The beacon is exactly 22 bytes: ``ZRE``, version 1, the sender's 16-byte
+UUID and its ROUTER port, big-endian; port 0 says the sender is leaving.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Mapping, Sequence, Union
+from uuid import UUID
+
+import attrs
+
+from mdp.errors import ProtocolError
+
+SIGNATURE = 0xAAA1
+VERSION = 2
+
+HELLO = 1
+WHISPER = 2
+SHOUT = 3
+JOIN = 4
+LEAVE = 5
+PING = 6
+PING_OK = 7
+
+COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LEAVE: "LEAVE",
+            PING: "PING", PING_OK: "PING-OK"}
+
+#: The sequence numbers a sender uses: 1, 2, ... 65534, then 0 again (as
+#: zeromq-pyre counts).  A receiver also accepts 65535 after 65534 (Zyre's C
+#: counter), see :func:`next_sequence_ok`.
+SEQUENCE_MODULUS = 65535
+
+BEACON_PREFIX = b"ZRE\x01"
+BEACON_SIZE = 22
+#: The UDP port ZRE beacons go to.
+DISCOVERY_PORT = 5670
+
+
+class MalformedZre(ProtocolError):
+    """A ZRE message or beacon that cannot be read (the reason says why)."""
+
+
+class UnknownCommand(MalformedZre):
+    """A well-formed header with a message id ZRE v2 does not have."""
+
+
+@attrs.frozen
+class Hello:
+    """Greets a peer so it connects back to us: the Harmony pattern's OHAI."""
+
+    sequence: int
+    endpoint: str
+    groups: tuple[str, ...]
+    status: int
+    name: str
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+    id = HELLO
+
+
+@attrs.frozen
+class Whisper:
+    sequence: int
+    content: tuple[bytes, ...] = ()
+    id = WHISPER
+
+
+@attrs.frozen
+class Shout:
+    sequence: int
+    group: str
+    content: tuple[bytes, ...] = ()
+    id = SHOUT
+
+
+@attrs.frozen
+class Join:
+    sequence: int
+    group: str
+    status: int
+    id = JOIN
+
+
+@attrs.frozen
+class Leave:
+    sequence: int
+    group: str
+    status: int
+    id = LEAVE
+
+
+@attrs.frozen
+class Ping:
+    sequence: int
+    id = PING
+
+
+@attrs.frozen
+class PingOk:
+    sequence: int
+    id = PING_OK
+
+
+Message = Union[Hello, Whisper, Shout, Join, Leave, Ping, PingOk]
+
+_HEADER = struct.Struct(">HBBH")
+
+
+def with_sequence(message: Message, sequence: int) -> Message:
+    """*message* numbered *sequence*."""
+    return attrs.evolve(message, sequence=sequence)
+
+
+def next_sequence(sent: int) -> int:
+    """The number after *sent* on an outgoing connection."""
+    return (sent + 1) % SEQUENCE_MODULUS
+
+
+def next_sequence_ok(previous: int, sequence: int) -> bool:
+    """Whether *sequence* may follow *previous* from a peer: the next number,
+    with either wrap (pyre's 65534 → 0, or a 16-bit counter's 65534 → 65535
+    → 0)."""
+    return sequence == (previous + 1) & 0xFFFF or (previous == 65534 and sequence == 0)
+
+
+# --- encoding ---------------------------------------------------------------
+
+
+def _string(value: str, what: str) -> bytes:
+    data = value.encode("utf-8")
+    if len(data) > 255:
+        raise ValueError(f"a ZRE {what} is at most 255 bytes of UTF-8, got {len(data)}: {value[:40]!r}...")
+    return bytes((len(data),)) + data
+
+
+def _long_string(value: str) -> bytes:
+    data = value.encode("utf-8")
+    return struct.pack(">I", len(data)) + data
+
+
+def check_string(value: object, what: str) -> str:
+    """*value* if it can be a ZRE string (a group or peer name): a ``str`` of
+    at most 255 bytes in UTF-8; ``TypeError``/``ValueError`` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"a {what} is a str, not {type(value).__name__}: {value!r}")
+    _string(value, what)
+    return value
+
+
+def encode(message: Message) -> list[bytes]:
+    """The frames of *message*: the ZRE frame, then any content frames."""
+    head = _HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)
+    content: Sequence[bytes] = ()
+    if isinstance(message, Hello):
+        parts = [head, _string(message.endpoint, "endpoint"),
+                 struct.pack(">I", len(message.groups))]
+        parts += [_long_string(g) for g in message.groups]
+        parts.append(bytes((message.status & 0xFF,)))
+        parts.append(_string(message.name, "name"))
+        parts.append(struct.pack(">I", len(message.headers)))
+        for key, value in message.headers.items():
+            parts += [_string(key, "header name"), _long_string(value)]
+        body = b"".join(parts)
+    elif isinstance(message, Whisper):
+        body, content = head, message.content
+    elif isinstance(message, Shout):
+        body, content = head + _string(message.group, "group"), message.content
+    elif isinstance(message, (Join, Leave)):
+        body = head + _string(message.group, "group") + bytes((message.status & 0xFF,))
+    else:
+        body = head
+    return [body, *content]
+
+
+# --- decoding ---------------------------------------------------------------
+
+
+class _Reader:
+    """Reads the fields of one frame, in order."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, size: int, what: str) -> bytes:
+        end = self.at + size
+        if end > len(self.data):
+            raise MalformedZre(f"{what} runs past the end of the frame "
+                               f"({size} bytes at offset {self.at} of {len(self.data)})")
+        chunk = self.data[self.at:end]
+        self.at = end
+        return chunk
+
+    def u8(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def u16(self, what: str) -> int:
+        return int.from_bytes(self.take(2, what), "big")
+
+    def u32(self, what: str) -> int:
+        return int.from_bytes(self.take(4, what), "big")
+
+    def _text(self, length: int, what: str) -> str:
+        return self.take(length, what).decode("utf-8", "replace")
+
+    def string(self, what: str) -> str:
+        return self._text(self.u8(what), what)
+
+    def long_string(self, what: str) -> str:
+        return self._text(self.u32(what), what)
+
+    def count(self, what: str, smallest: int) -> int:
+        """A u32 count of items at least *smallest* bytes each, checked
+        against what is left (a huge count is malformed, not a long loop)."""
+        number = self.u32(what)
+        if number * smallest > len(self.data) - self.at:
+            raise MalformedZre(f"{what}: {number} items cannot fit in the "
+                               f"{len(self.data) - self.at} bytes left")
+        return number
+
+    def done(self) -> None:
+        if self.at != len(self.data):
+            raise MalformedZre(f"{len(self.data) - self.at} bytes after the last field")
+
+
+def decode(frames: Sequence[bytes]) -> Message:
+    """The message in *frames* (what a ROUTER delivers after the peer's
+    identity).  Raises :class:`MalformedZre` (or its :class:`UnknownCommand`)
+    for anything that is not a ZRE v2 message."""
+    if not frames:
+        raise MalformedZre("no frames")
+    return _decode(frames)
+
+
+def _decode(frames: Sequence[bytes]) -> Message:
+    reader = _Reader(bytes(frames[0]))
+    signature = reader.u16("signature")
+    if signature != SIGNATURE:
+        raise MalformedZre(f"signature 0x{signature:04X} is not 0x{SIGNATURE:04X}")
+    command = reader.u8("message id")
+    version = reader.u8("version")
+    if version != VERSION:
+        raise MalformedZre(f"version {version} is not {VERSION}")
+    if command not in COMMANDS:
+        raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
+    sequence = reader.u16("sequence")
+    content = tuple(bytes(f) for f in frames[1:])
+    message: Message
+    if command == HELLO:
+        endpoint = reader.string("endpoint")
+        groups = tuple(reader.long_string("group") for _ in range(reader.count("groups", 4)))
+        status = reader.u8("status")
+        name = reader.string("name")
+        headers = {}
+        for _ in range(reader.count("headers", 5)):
+            key = reader.string("header name")
+            headers[key] = reader.long_string("header value")
+        message = Hello(sequence, endpoint, groups, status, name, headers)
+    elif command == WHISPER:
+        message = Whisper(sequence, content)
+    elif command == SHOUT:
+        message = Shout(sequence, reader.string("group"), content)
+    elif command in (JOIN, LEAVE):
+        group = reader.string("group")
+        message = (Join if command == JOIN else Leave)(sequence, group, reader.u8("status"))
+    elif command == PING:
+        message = Ping(sequence)
+    else:
+        message = PingOk(sequence)
+    reader.done()
+    if content and command not in (WHISPER, SHOUT):
+        raise MalformedZre(f"{COMMANDS[command]} carries {len(content)} content frames")
+    return message
+
+
+# --- beacons ----------------------------------------------------------------
+
+
+def encode_beacon(uuid: UUID, port: int) -> bytes:
+    """The 22-byte beacon announcing *uuid*'s ROUTER on *port* (0: leaving)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range")
+    return BEACON_PREFIX + uuid.bytes + port.to_bytes(2, "big")
+
+
+def decode_beacon(data: bytes) -> tuple[UUID, int]:
+    """``(uuid, port)`` from a beacon; :class:`MalformedZre` unless *data* is
+    exactly 22 bytes starting ``ZRE`` and version 1."""
+    if len(data) != BEACON_SIZE:
+        raise MalformedZre(f"a beacon is {BEACON_SIZE} bytes, not {len(data)}")
+    if not data.startswith(BEACON_PREFIX):
+        raise MalformedZre(f"a beacon starts with {BEACON_PREFIX!r}, not {bytes(data[:4])!r}")
+    return UUID(bytes=bytes(data[4:20])), int.from_bytes(data[20:22], "big")

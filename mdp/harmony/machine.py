@@ -1,0 +1,504 @@
+"""A Harmony (ZRE) peer as a pure state machine: events with their time in,
+actions out (see :mod:`mdp.machine`).
+
+A *link* is one outgoing pipe (a DEALER whose identity is ``0x01`` + our
+UUID) to one peer's ROUTER; everything a peer says arrives on our one ROUTER,
+tagged with its identity.  The driver opens and closes links, delivers what
+the ROUTER receives, beacons heard, and a tick every second or so.
+
+==========================  ================================================================
+event                       what happens
+==========================  ================================================================
+beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first on it (a
+                            peer already known at that endpoint under another UUID
+                            restarted: it EXITs); a known one is refreshed
+beacon with port 0          the peer is leaving: EXIT
+dial(endpoint)              a link to an endpoint from a list, HELLO first on it; the peer
+                            is known once its HELLO names that endpoint
+HELLO from a new peer       a link back to the endpoint it names (unless there is one), and
+                            ENTER, then a JOIN for each of its groups
+HELLO from a known peer     it restarted: EXIT, then as a new peer
+other message, no HELLO     dropped (a peer talks only after its HELLO)
+sequence gap                "messages lost": the peer is dropped (EXIT) and found again
+unknown or malformed        logged; the peer is dropped (EXIT), as its sequence is lost
+WHISPER, SHOUT              an event to the application
+JOIN, LEAVE                 the peer's group set and status (+1) change; an event
+PING                        PING-OK back
+any message or beacon       the peer is alive: its evasive and expiry times move on
+tick                        silent past *evasive*: PING it (every tick) and one EVASIVE
+                            event; silent past *expired*: EXIT
+==========================  ================================================================
+
+Our own status goes up by one (mod 256) on every JOIN and LEAVE we send, as
+ZRE says (zeromq-pyre insists on exactly that); our outgoing sequence numbers
+count 1, 2, ... 65534, 0, ... per link, HELLO first.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping, Optional
+from uuid import UUID
+
+import attrs
+from twisted.logger import Logger
+
+from mdp.harmony import codec
+from mdp.harmony.codec import MalformedZre, UnknownCommand
+from mdp.machine import Machine, action_class
+from mdp.policy import LogThrottle
+
+log = Logger()
+
+#: Silence (seconds) after which a peer is PINGed and reported EVASIVE.
+DEFAULT_EVASIVE = 5.0
+#: Silence (seconds) after which a peer is dropped (EXIT).
+DEFAULT_EXPIRED = 30.0
+#: Peers a node keeps; beacons or HELLOs beyond are ignored, logged.
+DEFAULT_MAX_PEERS = 1000
+
+IDENTITY_PREFIX = b"\x01"
+
+ENTER = "ENTER"
+EXIT = "EXIT"
+JOIN = "JOIN"
+LEAVE = "LEAVE"
+WHISPER = "WHISPER"
+SHOUT = "SHOUT"
+EVASIVE = "EVASIVE"
+EVENTS = (ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE)
+
+
+@attrs.frozen
+class Event:
+    """What the application hears about a peer: *kind* is one of
+    :data:`EVENTS`; *group* is set for JOIN, LEAVE and SHOUT, *frames* for
+    WHISPER and SHOUT, *headers* and *endpoint* for ENTER."""
+
+    kind: str
+    peer: UUID
+    name: str
+    group: Optional[str] = None
+    frames: tuple[bytes, ...] = ()
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+    endpoint: str = ""
+
+
+@action_class
+class OpenLink:
+    """Connect a new link *link* to *endpoint* (a ZRE endpoint, such as
+    ``tcp://192.168.1.5:49152``), with our identity."""
+
+    link: int
+    endpoint: str
+
+
+@action_class
+class CloseLink:
+    link: int
+
+
+@action_class
+class SendOn:
+    """Send *frames* on *link*."""
+
+    link: int
+    frames: list
+
+
+@action_class
+class Emit:
+    """Tell the application: *event*."""
+
+    event: Event
+
+
+class UnknownPeer(KeyError):
+    """No peer has this UUID (it never came, or it has gone)."""
+
+
+def identity_of(uuid: UUID) -> bytes:
+    """The routing id a node's links carry: ``0x01`` and the 16-byte UUID."""
+    return IDENTITY_PREFIX + uuid.bytes
+
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "0.0.0.0", "*"}
+_TCP = re.compile(r"^tcp://(?P<host>\[[^]]*\]|[^:]*):(?P<port>\d+)$")
+
+
+def same_endpoint(one: str, other: str) -> bool:
+    """Whether two ZRE endpoints name the same ROUTER: equal, or TCP on the
+    same port at two names of this machine (``localhost``, ``127.0.0.1``)."""
+    if one == other:
+        return True
+    a, b = _TCP.match(one), _TCP.match(other)
+    return bool(a and b and a["port"] == b["port"]
+                and a["host"] in _LOCAL_HOSTS and b["host"] in _LOCAL_HOSTS)
+
+
+@attrs.define
+class Peer:
+    """What we know of one peer."""
+
+    uuid: UUID
+    endpoint: str
+    link: int
+    name: str = ""
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+    groups: set[str] = attrs.field(factory=set)
+    #: it has sent its HELLO: it may talk, and the application knows it
+    ready: bool = False
+    status: int = 0
+    sent: int = 0
+    received: int = 0
+    evasiveAt: float = 0.0
+    expiredAt: float = 0.0
+    evasive: bool = False
+
+
+@attrs.define
+class _Dial:
+    """A link opened to an endpoint from a list, before we know who is there."""
+
+    link: int
+    endpoint: str
+    sent: int
+
+
+class HarmonyMachine(Machine):
+    """One ZRE node: its peers, their groups, ours, and the sequence numbers.
+
+    *headers* go out in every HELLO; *evasive* and *expired* are the
+    silences (seconds) after which a peer is PINGed and dropped; *maxPeers*
+    bounds the table against a flood of made-up UUIDs."""
+
+    def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
+                 evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
+                 maxPeers: int = DEFAULT_MAX_PEERS, now: float = 0.0) -> None:
+        super().__init__(now)
+        if not 0 < evasive < expired:
+            raise ValueError(f"need 0 < evasive < expired, got evasive={evasive} expired={expired}")
+        self.uuid = uuid
+        self.name = codec.check_string(name, "node name")
+        self.headers = dict(headers or {})
+        for key, value in self.headers.items():
+            codec.check_string(key, "header name")
+            if not isinstance(value, str):
+                raise TypeError(f"header {key!r}: a value is a str, not {type(value).__name__}")
+        self.evasive = evasive
+        self.expired = expired
+        self.maxPeers = maxPeers
+        #: our ZRE endpoint, once started
+        self.endpoint = ""
+        self.status = 0
+        self.ownGroups: dict[str, None] = {}
+        self.peers: dict[UUID, Peer] = {}
+        #: links to listed endpoints not yet known as a peer, by endpoint
+        self.dials: dict[str, _Dial] = {}
+        #: endpoints dialled again when the peer there goes
+        self.listed: list[str] = []
+        self._links = 0
+        self.running = False
+        self.throttle = LogThrottle(self)
+
+    # --- what the application asks ------------------------------------------
+
+    def handleStart(self, endpoint: str, now: float) -> list[Any]:
+        """We listen at *endpoint* (what our HELLOs announce)."""
+        self.now = now
+        self.endpoint = endpoint
+        self.running = True
+        return self._drain()
+
+    def handleStop(self, now: float) -> list[Any]:
+        """Close every link and forget every peer (no events: we are the
+        one leaving)."""
+        self.now = now
+        self.running = False
+        for peer in self.peers.values():
+            self._emit(CloseLink(peer.link))
+        for dial in self.dials.values():
+            self._emit(CloseLink(dial.link))
+        self.peers.clear()
+        self.dials.clear()
+        return self._drain()
+
+    def join(self, group: str, now: float) -> list[Any]:
+        """Join *group*: every peer hears JOIN with our new status.  Joining
+        a group we are in does nothing."""
+        self.now = now
+        codec.check_string(group, "group")
+        if group not in self.ownGroups:
+            self.ownGroups[group] = None
+            self.status = (self.status + 1) & 0xFF
+            self._broadcast(codec.Join(0, group, self.status))
+        return self._drain()
+
+    def leave(self, group: str, now: float) -> list[Any]:
+        """Leave *group*: every peer hears LEAVE.  Leaving a group we are not
+        in does nothing."""
+        self.now = now
+        codec.check_string(group, "group")
+        if group in self.ownGroups:
+            del self.ownGroups[group]
+            self.status = (self.status + 1) & 0xFF
+            self._broadcast(codec.Leave(0, group, self.status))
+        return self._drain()
+
+    def whisper(self, peer: UUID, frames: Iterable[bytes], now: float) -> list[Any]:
+        """Send *frames* to *peer*; :class:`UnknownPeer` if there is none."""
+        self.now = now
+        found = self.peers.get(peer)
+        if found is None:
+            raise UnknownPeer(peer)
+        self._send(found, codec.Whisper(0, tuple(frames)))
+        return self._drain()
+
+    def shout(self, group: str, frames: Iterable[bytes], now: float) -> list[Any]:
+        """Send *frames* to every peer in *group* (none there: nothing)."""
+        self.now = now
+        codec.check_string(group, "group")
+        message = codec.Shout(0, group, tuple(frames))
+        for peer in self.peers.values():
+            if group in peer.groups:
+                self._send(peer, message)
+        return self._drain()
+
+    # --- discovery --------------------------------------------------------------
+
+    def handleBeacon(self, uuid: UUID, endpoint: Optional[str], now: float) -> list[Any]:
+        """A beacon from *uuid* whose ROUTER is at *endpoint* (None: port 0,
+        it is leaving)."""
+        self.now = now
+        if uuid == self.uuid or not self.running:
+            return self._drain()
+        if endpoint is None:
+            peer = self.peers.get(uuid)
+            if peer is not None:
+                self._remove(peer, "it is leaving (beacon with port 0)")
+            return self._drain()
+        peer = self._require(uuid, endpoint)
+        if peer is not None:
+            self._refresh(peer)
+        return self._drain()
+
+    def handleDial(self, endpoint: str, now: float) -> list[Any]:
+        """Reach the node at *endpoint* without a beacon (a list of peers):
+        a link there, HELLO first, and again whenever the peer there goes."""
+        self.now = now
+        if endpoint not in self.listed:
+            self.listed.append(endpoint)
+        self._dial(endpoint)
+        return self._drain()
+
+    def _dial(self, endpoint: str) -> None:
+        if not self.running or same_endpoint(endpoint, self.endpoint):
+            return
+        if any(same_endpoint(endpoint, d) for d in self.dials):
+            return
+        if any(same_endpoint(endpoint, p.endpoint) for p in self.peers.values()):
+            return
+        link = self._newLink(endpoint)
+        self._emit(SendOn(link, codec.encode(self._hello(1))))
+        self.dials[endpoint] = _Dial(link, endpoint, 1)
+
+    def handleLinkFailed(self, link: int, now: float) -> list[Any]:
+        """The link *link* could not be opened (a peer announced an endpoint
+        we cannot reach): forget that peer or dial."""
+        self.now = now
+        for peer in list(self.peers.values()):
+            if peer.link == link:
+                self._remove(peer, "its endpoint cannot be reached", redial=False)
+        for endpoint, dial in list(self.dials.items()):
+            if dial.link == link:
+                del self.dials[endpoint]
+        return self._drain()
+
+    # --- what peers say ---------------------------------------------------------
+
+    def handleMessage(self, identity: bytes, frames: list[bytes], now: float) -> list[Any]:
+        """*frames* arrived on our ROUTER from the link whose identity is
+        *identity*."""
+        self.now = now
+        if not self.running:
+            return self._drain()
+        if len(identity) != 17 or not identity.startswith(IDENTITY_PREFIX):
+            self.throttle.warn(log, "identity", "ZRE: dropped a message from a peer whose "
+                               "identity {identity!r} is not 0x01 and a UUID", identity=identity)
+            return self._drain()
+        uuid = UUID(bytes=identity[1:])
+        if uuid == self.uuid:
+            return self._drain()
+        peer = self.peers.get(uuid)
+        try:
+            message = codec.decode(frames)
+        except MalformedZre as e:
+            what = "unknown" if isinstance(e, UnknownCommand) else "malformed"
+            self.throttle.warn(log, "malformed", "ZRE: {what} message from {who}: {reason}"
+                               "{dropping}", what=what, who=self._who(uuid, peer), reason=e,
+                               dropping="; dropping the peer" if peer is not None else "")
+            if peer is not None:
+                self._remove(peer, f"it sent a {what} message")
+            return self._drain()
+        if isinstance(message, codec.Hello):
+            if peer is not None and peer.ready:
+                self._remove(peer, "it said HELLO again (restarted)")
+                peer = None
+            elif peer is not None and same_endpoint(peer.endpoint, self.endpoint):
+                return self._drain()
+            peer = self._require(uuid, message.endpoint)
+            if peer is None:
+                return self._drain()
+            peer.ready = True
+            peer.received = 0
+        if peer is None or not peer.ready:
+            self.throttle.info(log, "unready", "ZRE: dropped {command} from {who}, which has "
+                               "not said HELLO", command=codec.COMMANDS[message.id],
+                               who=self._who(uuid, peer))
+            return self._drain()
+        if not self._inSequence(peer, message):
+            return self._drain()
+        self._handle(peer, message)
+        self._refresh(peer)
+        return self._drain()
+
+    def _inSequence(self, peer: Peer, message: codec.Message) -> bool:
+        if isinstance(message, codec.Hello):
+            good = message.sequence == 1
+        else:
+            good = codec.next_sequence_ok(peer.received, message.sequence)
+        if not good:
+            log.warn("ZRE: messages lost from {who}: {command} numbered {got} after {last}; "
+                     "dropping the peer", who=self._who(peer.uuid, peer),
+                     command=codec.COMMANDS[message.id], got=message.sequence, last=peer.received)
+            self._remove(peer, "messages were lost")
+            return False
+        peer.received = message.sequence
+        return True
+
+    def _handle(self, peer: Peer, message: codec.Message) -> None:
+        if isinstance(message, codec.Hello):
+            peer.name = message.name
+            peer.headers = dict(message.headers)
+            log.info("ZRE: {name} ({uuid}) entered from {endpoint}", name=peer.name,
+                     uuid=peer.uuid, endpoint=peer.endpoint)
+            self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
+                                  endpoint=peer.endpoint)))
+            for group in message.groups:
+                self._peerJoins(peer, group)
+            peer.status = message.status
+        elif isinstance(message, codec.Whisper):
+            self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))
+        elif isinstance(message, codec.Shout):
+            self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group,
+                                  frames=message.content)))
+        elif isinstance(message, codec.Ping):
+            self._send(peer, codec.PingOk(0))
+        elif isinstance(message, (codec.Join, codec.Leave)):
+            joins = isinstance(message, codec.Join)
+            if joins:
+                self._peerJoins(peer, message.group)
+            elif message.group in peer.groups:
+                peer.groups.discard(message.group)
+                self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=message.group)))
+            peer.status = (peer.status + 1) & 0xFF
+            if message.status != peer.status:
+                self.throttle.warn(log, "status", "ZRE: {who} sent {command} with status "
+                                   "{got}, expected {want}; taking its count",
+                                   who=self._who(peer.uuid, peer),
+                                   command="JOIN" if joins else "LEAVE",
+                                   got=message.status, want=peer.status)
+                peer.status = message.status
+
+    def _peerJoins(self, peer: Peer, group: str) -> None:
+        if group not in peer.groups:
+            peer.groups.add(group)
+            self._emit(Emit(Event(JOIN, peer.uuid, peer.name, group=group)))
+
+    # --- time -------------------------------------------------------------------
+
+    def handleTick(self, now: float) -> list[Any]:
+        """Check every peer's silence: PING the evasive, drop the expired."""
+        self.now = now
+        for peer in list(self.peers.values()):
+            if now >= peer.expiredAt:
+                log.info("ZRE: {who} expired after {silence:.1f} s of silence",
+                         who=self._who(peer.uuid, peer), silence=self.expired)
+                self._remove(peer, "it expired")
+            elif now >= peer.evasiveAt:
+                self._send(peer, codec.Ping(0))
+                if not peer.evasive and peer.ready:
+                    peer.evasive = True
+                    self._emit(Emit(Event(EVASIVE, peer.uuid, peer.name)))
+        return self._drain()
+
+    # --- helpers ----------------------------------------------------------------
+
+    def _hello(self, sequence: int) -> codec.Hello:
+        return codec.Hello(sequence, self.endpoint, tuple(self.ownGroups), self.status,
+                           self.name, dict(self.headers))
+
+    def _newLink(self, endpoint: str) -> int:
+        self._links += 1
+        self._emit(OpenLink(self._links, endpoint))
+        return self._links
+
+    def _require(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
+        """The peer *uuid*, with a link to *endpoint* made (HELLO first) if it
+        is new; None if the table is full."""
+        peer = self.peers.get(uuid)
+        if peer is not None:
+            return peer
+        if len(self.peers) >= self.maxPeers:
+            self.throttle.warn(log, "full", "ZRE: ignoring {uuid} at {endpoint}: {count} peers "
+                               "already (maxPeers)", uuid=uuid, endpoint=endpoint,
+                               count=len(self.peers))
+            return None
+        for other in list(self.peers.values()):
+            if same_endpoint(other.endpoint, endpoint):
+                self._remove(other, f"{uuid} now answers at its endpoint", redial=False)
+        dial = next((d for e, d in self.dials.items() if same_endpoint(e, endpoint)), None)
+        if dial is not None:
+            del self.dials[dial.endpoint]
+            peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)
+        else:
+            peer = Peer(uuid, endpoint, self._newLink(endpoint))
+            self._send(peer, self._hello(0))
+        self.peers[uuid] = peer
+        self._refresh(peer)
+        return peer
+
+    def _refresh(self, peer: Peer) -> None:
+        peer.evasiveAt = self.now + self.evasive
+        peer.expiredAt = self.now + self.expired
+        peer.evasive = False
+
+    def _remove(self, peer: Peer, reason: str, redial: bool = True) -> None:
+        if self.peers.get(peer.uuid) is not peer:
+            return
+        del self.peers[peer.uuid]
+        self._emit(CloseLink(peer.link))
+        if peer.ready:
+            log.info("ZRE: {who} left: {reason}", who=self._who(peer.uuid, peer), reason=reason)
+            self._emit(Emit(Event(EXIT, peer.uuid, peer.name, endpoint=peer.endpoint)))
+        if redial:
+            listed = next((e for e in self.listed if same_endpoint(e, peer.endpoint)), None)
+            if listed is not None:
+                self._dial(listed)
+
+    def _send(self, peer: Peer, message: codec.Message) -> None:
+        peer.sent = codec.next_sequence(peer.sent)
+        self._emit(SendOn(peer.link, codec.encode(codec.with_sequence(message, peer.sent))))
+
+    def _broadcast(self, message: codec.Message) -> None:
+        for peer in self.peers.values():
+            self._send(peer, message)
+        for dial in self.dials.values():
+            dial.sent = codec.next_sequence(dial.sent)
+            self._emit(SendOn(dial.link, codec.encode(codec.with_sequence(message, dial.sent))))
+
+    @staticmethod
+    def _who(uuid: UUID, peer: Optional[Peer]) -> str:
+        if peer is None:
+            return f"unknown peer {uuid}"
+        return f"{peer.name or 'peer'} ({uuid}) at {peer.endpoint}"

@@ -1,0 +1,472 @@
+"""The Twisted driver of a Harmony (ZRE) node, and its discovery mechanisms.
+
+:class:`Node` owns one bound ROUTER, one DEALER per peer, a tick and a
+discovery mechanism; :class:`~mdp.harmony.machine.HarmonyMachine` decides.
+Discovery is pluggable (:class:`~mdp.interfaces.IDiscovery`):
+:class:`BeaconDiscovery` sends and hears ZRE's UDP beacons,
+:class:`EndpointDiscovery` dials a given list of endpoints (the Harmony
+pattern's "external mechanism" to bootstrap each connection).
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid as uuidlib
+from collections import deque
+from typing import Any, Callable, Iterable, Optional, Sequence
+from uuid import UUID
+
+from twisted.internet import defer, task
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp.errors import TransportError
+from mdp.harmony import codec
+from mdp.harmony.machine import (
+    DEFAULT_EVASIVE,
+    DEFAULT_EXPIRED,
+    DEFAULT_MAX_PEERS,
+    CloseLink,
+    Emit,
+    Event,
+    HarmonyMachine,
+    OpenLink,
+    SendOn,
+    UnknownPeer,
+    identity_of,
+)
+from mdp.interfaces import (
+    IDatagramReceiver,
+    IDatagramTransport,
+    IDealerReceiver,
+    IDiscovery,
+    IDiscoveryListener,
+    IRouterReceiver,
+)
+from mdp.policy import Limits, LogThrottle, default_reactor
+from mdp.transport import connect, datagram, listen
+
+log = Logger()
+
+#: Seconds between beacons, and between checks of the peers' silence.
+DEFAULT_INTERVAL = 1.0
+
+
+def wire_endpoint(endpoint: str) -> str:
+    """Our transport endpoint as ZRE writes it: ``zmq:tcp://h:p`` →
+    ``tcp://h:p``; ``loopback:`` endpoints stay as they are."""
+    return endpoint[4:] if endpoint.startswith("zmq:") else endpoint
+
+
+def transport_endpoint(endpoint: str) -> str:
+    """A ZRE endpoint as one of our transport endpoints: ``tcp://h:p`` →
+    ``zmq:tcp://h:p``."""
+    if endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        return "zmq:" + endpoint
+    return endpoint
+
+
+# --- discovery ----------------------------------------------------------------
+
+
+@implementer(IDiscovery, IDatagramReceiver)
+class BeaconDiscovery:
+    """ZRE's UDP beacons: 22 bytes every *interval* seconds to the datagram
+    *endpoint* (:mod:`mdp.transport.datagram`: ``udp:5670`` broadcasts on the
+    first real interface, ``udp:5670:interface=127.0.0.1`` multicasts on
+    loopback, ``loopback:NAME`` is in memory).  Our own beacons, and
+    anything that is not a 22-byte beacon, are ignored."""
+
+    def __init__(self, endpoint: str = f"udp:{codec.DISCOVERY_PORT}", *,
+                 interval: float = DEFAULT_INTERVAL, reactor: Optional[Any] = None) -> None:
+        self.spec = datagram.resolve(endpoint)
+        self.endpoint = endpoint
+        self.host = self.spec.host
+        self.interval = interval
+        self.reactor = default_reactor(reactor)
+        self.throttle = LogThrottle(self.reactor, interval=10.0)
+        self.socket: Optional[IDatagramTransport] = None
+        self.listener: Optional[IDiscoveryListener] = None
+        self.beacon = b""
+        self.uuid: Optional[UUID] = None
+        self.loop: Optional[task.LoopingCall] = None
+
+    @defer.inlineCallbacks
+    def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> Any:
+        self.listener, self.uuid = listener, uuid
+        self.beacon = codec.encode_beacon(uuid, port)
+        self.socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
+        log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})",
+                 interval=self.interval, host=self.host,
+                 to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port
+                 else self.spec.network, endpoint=self.endpoint)
+        self.loop = task.LoopingCall(self._send)
+        self.loop.clock = self.reactor
+        self.loop.start(self.interval, now=True)
+
+    def _send(self) -> None:
+        if self.socket is not None:
+            self.socket.send(self.beacon)
+
+    def datagramReceived(self, data: bytes, host: str) -> None:
+        if not data.startswith(codec.BEACON_PREFIX[:3]) or self.listener is None:
+            return
+        try:
+            uuid, port = codec.decode_beacon(data)
+        except codec.MalformedZre as e:
+            self.throttle.warn(log, "beacon", "ignoring a beacon from {host}: {reason}",
+                               host=host, reason=e)
+            return
+        if uuid != self.uuid:
+            self.listener.beaconReceived(uuid, host, port)
+
+    @defer.inlineCallbacks
+    def stop(self) -> Any:
+        if self.loop is not None and self.loop.running:
+            self.loop.stop()
+        socket, self.socket = self.socket, None
+        if socket is not None:
+            if self.uuid is not None:
+                socket.send(codec.encode_beacon(self.uuid, 0))
+            yield socket.close()
+        self.listener = None
+
+
+@implementer(IDiscovery)
+class EndpointDiscovery:
+    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT`` as the peers
+    announce themselves, or ``zmq:tcp://HOST:PORT``), and again whenever the
+    peer there goes.  *host* is the address our ROUTER binds to and
+    announces; give the peers a fixed port (``Node(..., endpoint=...)``) so
+    their lists stay true."""
+
+    def __init__(self, endpoints: Iterable[str] = (), *, host: str = "127.0.0.1") -> None:
+        self.endpoints = [wire_endpoint(e) for e in endpoints]
+        for endpoint in self.endpoints:
+            if not isinstance(endpoint, str):
+                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}")
+        self.host = host
+
+    def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> defer.Deferred[None]:
+        for endpoint in self.endpoints:
+            listener.dialPeer(endpoint)
+        return defer.succeed(None)
+
+    def stop(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+
+# --- events as an async iterator ----------------------------------------------
+
+
+class EventStream:
+    """The node's events, for ``async for``.  Holds at most *size* unread
+    events; beyond, the oldest go (logged).  Ends when the node stops."""
+
+    def __init__(self, node: Node, size: int = 10_000) -> None:
+        self.node = node
+        self.size = size
+        self.queue: deque[Event] = deque()
+        self.waiting: Optional[defer.Deferred[Event]] = None
+        self.ended = False
+        self.dropped = 0
+
+    def _put(self, event: Event) -> None:
+        if self.waiting is not None:
+            waiting, self.waiting = self.waiting, None
+            waiting.callback(event)
+            return
+        if len(self.queue) >= self.size:
+            self.queue.popleft()
+            self.dropped += 1
+            self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is "
+                                    "{size} events behind; dropping the oldest ({dropped} so "
+                                    "far)", name=self.node.name, size=self.size,
+                                    dropped=self.dropped)
+        self.queue.append(event)
+
+    def _end(self) -> None:
+        self.ended = True
+        if self.waiting is not None:
+            waiting, self.waiting = self.waiting, None
+            waiting.errback(StopAsyncIteration())
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    def __anext__(self) -> defer.Deferred[Event]:
+        if self.queue:
+            return defer.succeed(self.queue.popleft())
+        if self.ended:
+            return defer.fail(StopAsyncIteration())
+        if self.waiting is not None:
+            raise RuntimeError("one reader at a time: this stream is already awaited")
+        self.waiting = defer.Deferred(lambda _: self._cancelled())
+        return self.waiting
+
+    def _cancelled(self) -> None:
+        self.waiting = None
+
+    def close(self) -> None:
+        """Stop receiving events."""
+        self.node._streams.discard(self)
+        self._end()
+
+    aclose = close
+
+
+# --- the node -------------------------------------------------------------------
+
+
+@implementer(IRouterReceiver)
+class _Inbox:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.node._perform(self.node.machine.handleMessage(peer, frames, self.node._now()))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        """ZRE knows peers by their messages, not their connections."""
+
+
+@implementer(IDealerReceiver)
+class _Link:
+    """The receiving side of a link: a ZRE peer never answers on it."""
+
+    def connectionMade(self) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+
+_loopbackPorts = itertools.count(49152)
+
+
+@implementer(IDiscoveryListener)
+class Node:
+    """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).
+
+    *name* is what peers see; *headers* go out in our HELLO.  *discovery*
+    finds peers (default: :class:`BeaconDiscovery` on UDP 5670); *endpoint*
+    is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
+    discovery's address; ``loopback:HOST:*`` in memory).  A peer silent for
+    *evasive* seconds is PINGed, for *expired* seconds dropped.
+
+    Events (:class:`~mdp.harmony.machine.Event`: ENTER, EXIT, JOIN, LEAVE,
+    WHISPER, SHOUT, EVASIVE) go to :meth:`subscribe` callbacks and to
+    ``async for event in node`` (or :meth:`events`)."""
+
+    def __init__(self, name: str, reactor: Optional[Any] = None, *,
+                 headers: Optional[dict[str, str]] = None,
+                 discovery: Optional[IDiscovery] = None, endpoint: Optional[str] = None,
+                 evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
+                 interval: float = DEFAULT_INTERVAL, maxPeers: int = DEFAULT_MAX_PEERS,
+                 limits: Limits = Limits()) -> None:
+        self.reactor = default_reactor(reactor)
+        self.uuid: UUID = uuidlib.uuid4()
+        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive,
+                                      expired=expired, maxPeers=maxPeers, now=self._now())
+        self.name = name
+        self.discovery: IDiscovery = (discovery if discovery is not None
+                                      else BeaconDiscovery(reactor=self.reactor))
+        self.bindEndpoint = endpoint or f"zmq:tcp://{self.discovery.host}:*"
+        self.interval = interval
+        self.limits = limits
+        self.throttle = LogThrottle(self.reactor)
+        self.router: Any = None
+        self.links: dict[int, Any] = {}
+        self.endpoint = ""
+        self.port = 0
+        self._subscribers: list[Callable[[Event], Any]] = []
+        self._streams: set[EventStream] = set()
+        self._tick: Optional[task.LoopingCall] = None
+        self.running = False
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    # --- life ---------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def start(self) -> Any:
+        """Bind the ROUTER, start discovery and the tick.  Fires with None once
+        the node is announcing itself."""
+        if self.running:
+            return
+        bind = self.bindEndpoint
+        if bind.startswith("loopback:") and bind.endswith(":*"):
+            bind = f"{bind[:-2]}:{next(_loopbackPorts)}"
+        self.router = yield listen(bind, _Inbox(self), self.reactor, limits=self.limits)
+        self.endpoint = wire_endpoint(self.router.endpoint)
+        self.port = int(self.endpoint.rpartition(":")[2])
+        if bind.startswith(("zmq:tcp://*:", "zmq:tcp://0.0.0.0:")):
+            # bound on every address: announce the one discovery uses
+            self.endpoint = f"tcp://{self.discovery.host}:{self.port}"
+        self.running = True
+        self._perform(self.machine.handleStart(self.endpoint, self._now()))
+        try:
+            yield self.discovery.start(self, self.uuid, self.port)
+        except Exception:
+            self.running = False
+            yield self.router.close()
+            raise
+        self._tick = task.LoopingCall(self._onTick)
+        self._tick.clock = self.reactor
+        self._tick.start(self.interval, now=False)
+        log.info("ZRE node {name} ({uuid}) at {endpoint}", name=self.name, uuid=self.uuid,
+                 endpoint=self.endpoint)
+
+    @defer.inlineCallbacks
+    def stop(self) -> Any:
+        """Say we are leaving (a beacon with port 0), close every link and the
+        ROUTER, and end the event streams.  Fires with None when done."""
+        if not self.running:
+            return
+        self.running = False
+        if self._tick is not None and self._tick.running:
+            self._tick.stop()
+        try:
+            yield self.discovery.stop()
+        finally:
+            self._perform(self.machine.handleStop(self._now()))
+            router, self.router = self.router, None
+            if router is not None:
+                yield router.close()
+            for stream in list(self._streams):
+                stream._end()
+            self._streams.clear()
+
+    def _onTick(self) -> None:
+        self._perform(self.machine.handleTick(self._now()))
+
+    # --- discovery listener -----------------------------------------------------------
+
+    def beaconReceived(self, uuid: UUID, host: str, port: int) -> None:
+        endpoint = None
+        if port:
+            if self.endpoint.startswith("loopback:"):
+                endpoint = f"loopback:{host}:{port}"
+            else:
+                endpoint = f"tcp://{host}:{port}"
+        self._perform(self.machine.handleBeacon(uuid, endpoint, self._now()))
+
+    def dialPeer(self, endpoint: str) -> None:
+        self._perform(self.machine.handleDial(wire_endpoint(endpoint), self._now()))
+
+    # --- the application's side -----------------------------------------------------
+
+    def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
+        """Call *callback(event)* for every event; returns a function that
+        unsubscribes.  An exception in a callback is logged, not raised."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def events(self, size: int = 10_000) -> EventStream:
+        """A new async iterator over the events from now on (at most *size*
+        unread; it ends when the node stops)."""
+        stream = EventStream(self, size)
+        if self.running:
+            self._streams.add(stream)
+        else:
+            stream._end()
+        return stream
+
+    def __aiter__(self) -> EventStream:
+        return self.events()
+
+    def whisper(self, peer: UUID, *frames: bytes) -> None:
+        """Send *frames* to *peer*; :class:`UnknownPeer` if it is not known."""
+        self._perform(self.machine.whisper(peer, _frames(frames), self._now()))
+
+    def shout(self, group: str, *frames: bytes) -> None:
+        """Send *frames* to every peer in *group*."""
+        self._perform(self.machine.shout(group, _frames(frames), self._now()))
+
+    def join(self, group: str) -> None:
+        """Join *group* (before or after :meth:`start`)."""
+        self._perform(self.machine.join(group, self._now()))
+
+    def leave(self, group: str) -> None:
+        """Leave *group*."""
+        self._perform(self.machine.leave(group, self._now()))
+
+    def peers(self) -> list[UUID]:
+        """The peers that have said HELLO."""
+        return [p.uuid for p in self.machine.peers.values() if p.ready]
+
+    def _peer(self, peer: UUID) -> Any:
+        found = self.machine.peers.get(peer)
+        if found is None or not found.ready:
+            raise UnknownPeer(peer)
+        return found
+
+    def peerName(self, peer: UUID) -> str:
+        return self._peer(peer).name
+
+    def peerEndpoint(self, peer: UUID) -> str:
+        return self._peer(peer).endpoint
+
+    def peerHeaders(self, peer: UUID) -> dict[str, str]:
+        return dict(self._peer(peer).headers)
+
+    def peerGroups(self) -> list[str]:
+        """The groups our peers are in (sorted)."""
+        return sorted({g for p in self.machine.peers.values() if p.ready for g in p.groups})
+
+    def peersByGroup(self, group: str) -> list[UUID]:
+        return [p.uuid for p in self.machine.peers.values() if p.ready and group in p.groups]
+
+    def ownGroups(self) -> list[str]:
+        """The groups we are in, in the order we joined them."""
+        return list(self.machine.ownGroups)
+
+    # --- actions ---------------------------------------------------------------------
+
+    def _perform(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, SendOn):
+                link = self.links.get(action.link)
+                if link is not None:
+                    link.sendMessage(action.frames)
+            elif isinstance(action, Emit):
+                self._deliver(action.event)
+            elif isinstance(action, OpenLink):
+                try:
+                    self.links[action.link] = connect(
+                        transport_endpoint(action.endpoint), _Link(), self.reactor,
+                        limits=self.limits, identity=identity_of(self.uuid))
+                except (TransportError, ValueError) as e:
+                    self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
+                                       "{endpoint}: {error}", name=self.name,
+                                       endpoint=action.endpoint, error=e)
+                    self._perform(self.machine.handleLinkFailed(action.link, self._now()))
+            elif isinstance(action, CloseLink):
+                link = self.links.pop(action.link, None)
+                if link is not None:
+                    link.close()
+
+    def _deliver(self, event: Event) -> None:
+        for callback in list(self._subscribers):
+            try:
+                callback(event)
+            except Exception:
+                log.failure("ZRE node {name}: an event callback failed on {kind}",
+                            name=self.name, kind=event.kind)
+        for stream in list(self._streams):
+            stream._put(event)
+
+
+def _frames(frames: Sequence[object]) -> list[bytes]:
+    for frame in frames:
+        if not isinstance(frame, bytes):
+            raise TypeError(f"a frame is bytes, not {type(frame).__name__}: {frame!r}")
+    return list(frames)  # type: ignore[arg-type]
+
+
+__all__ = ["BeaconDiscovery", "EndpointDiscovery", "EventStream", "Node", "UnknownPeer",
+           "transport_endpoint", "wire_endpoint"]

@@ -1,0 +1,272 @@
+"""Datagram transports, for discovery beacons: ``udp:`` and ``loopback:``.
+
+=========================================  ==========================================
+``udp:5670``                               UDP port 5670 on the first interface that is
+                                           up and not loopback, to its subnet's
+                                           broadcast address; with none (a network
+                                           namespace with only ``lo``), 127.0.0.1 and
+                                           multicast group 225.25.25.25
+``udp:5670:interface=eth0``                that interface (a name or an address)
+``udp:5670:interface=127.0.0.1``           loopback: multicast, as no broadcast works
+``udp:5670:group=239.1.2.3``               multicast to that group
+``udp:5670:broadcast=10.0.0.255``          broadcast to that address
+``loopback:NAME:host=10.0.0.1``            in memory, for deterministic tests: every
+                                           socket on network NAME hears every datagram
+                                           sent on it (its own too), from *host*
+=========================================  ==========================================
+
+The socket is bound to the port on every address with ``SO_REUSEADDR`` and
+``SO_REUSEPORT``, so several nodes on one machine (and other ZRE
+implementations) share it; broadcast and multicast datagrams reach them all.
+Multicast is sent with TTL 1 (the local network) and loops back to this
+machine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import defaultdict
+from typing import Any, Optional
+
+import attrs
+from twisted.internet import defer
+from twisted.internet.protocol import DatagramProtocol
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp.errors import TransportError
+from mdp.interfaces import IDatagramReceiver, IDatagramTransport
+from mdp.policy import LogThrottle, default_reactor
+from mdp.transport.registry import check_port, split_description
+
+log = Logger()
+
+#: The multicast group beacons go to where broadcast cannot (loopback), as
+#: Zyre and zeromq-pyre do.
+DEFAULT_GROUP = "225.25.25.25"
+
+
+@attrs.frozen
+class DatagramSpec:
+    """A checked datagram endpoint: where we listen and where we send."""
+
+    endpoint: str
+    scheme: str
+    port: int
+    #: our address (the source of what we send)
+    host: str
+    #: where datagrams go (a broadcast address or a multicast group)
+    destination: str
+    multicast: bool
+    #: the loopback network's name
+    network: str = ""
+
+
+def _adapters() -> list[tuple[str, ipaddress.IPv4Interface]]:
+    """(interface name, IPv4 address/prefix) of this machine, in the OS's order."""
+    import ifaddr
+
+    found = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str):
+                found.append((adapter.nice_name or adapter.name,
+                              ipaddress.IPv4Interface(f"{ip.ip}/{ip.network_prefix}")))
+    return found
+
+
+def pick_interface(interface: Optional[str] = None) -> ipaddress.IPv4Interface:
+    """The IPv4 address (with its prefix) beacons use: *interface* (a name or
+    an address of this machine), or the first that is neither loopback nor
+    link-local, or 127.0.0.1/8 when there is none."""
+    adapters = _adapters()
+    if interface is None:
+        for _, address in adapters:
+            if not (address.is_loopback or address.is_link_local):
+                return address
+        return ipaddress.IPv4Interface("127.0.0.1/8")
+    for name, address in adapters:
+        if interface in (name, str(address.ip)):
+            return address
+    try:
+        literal = ipaddress.IPv4Address(interface)
+    except ValueError:
+        literal = None
+    if literal is not None and literal.is_loopback:
+        return ipaddress.IPv4Interface(f"{literal}/8")
+    names = ", ".join(f"{name} ({address.ip})" for name, address in adapters)
+    raise TransportError(f"no IPv4 interface {interface!r} on this machine (there are: {names})")
+
+
+def resolve(endpoint: str) -> DatagramSpec:
+    """Check a datagram *endpoint* and work out its addresses; raises
+    :class:`TransportError` for anything unusable."""
+    if not isinstance(endpoint, str):
+        raise TransportError(f"a datagram endpoint is a string, not {type(endpoint).__name__}")
+    scheme, _, rest = endpoint.partition(":")
+    args, kwargs = split_description(rest)
+    if scheme == "loopback":
+        if len(args) != 1 or not args[0] or set(kwargs) - {"host"}:
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: "
+                                 "loopback:NAME[:host=ADDRESS]")
+        host = kwargs.get("host", "127.0.0.1")
+        return DatagramSpec(endpoint, scheme, 0, host, "*", True, network=args[0])
+    if scheme != "udp":
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: udp:PORT[:interface=IF]"
+                             "[:group=ADDRESS|:broadcast=ADDRESS] or loopback:NAME")
+    unknown = set(kwargs) - {"interface", "group", "broadcast", "port"}
+    if unknown or len(args) > 1:
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: unknown "
+                             f"{', '.join(sorted(unknown)) or 'arguments'}; "
+                             "udp:PORT[:interface=IF][:group=ADDRESS|:broadcast=ADDRESS]")
+    port = kwargs.get("port", args[0] if args else "")
+    check_port(endpoint, port, "connect")
+    if "group" in kwargs and "broadcast" in kwargs:
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast "
+                             "address, not both")
+    address = pick_interface(kwargs.get("interface"))
+    if "group" in kwargs:
+        destination, multicast = kwargs["group"], True
+        if not _is_ipv4(destination) or not ipaddress.IPv4Address(destination).is_multicast:
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} "
+                                 "is not an IPv4 multicast group (224.0.0.0/4)")
+    elif "broadcast" in kwargs:
+        destination, multicast = kwargs["broadcast"], False
+        if not _is_ipv4(destination):
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} "
+                                 "is not an IPv4 address")
+    elif address.is_loopback:
+        destination, multicast = DEFAULT_GROUP, True
+    else:
+        destination, multicast = str(address.network.broadcast_address), False
+    return DatagramSpec(endpoint, scheme, int(port), str(address.ip), destination, multicast)
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
+                   reactor: Optional[Any] = None) -> defer.Deferred[IDatagramTransport]:
+    """Listen on the datagram *endpoint* (see the module's table); the
+    Deferred fires with an :class:`IDatagramTransport`.  A malformed endpoint
+    raises :class:`TransportError` at once; a socket that cannot be set up
+    fails the Deferred with one."""
+    spec = resolve(endpoint)
+    reactor = default_reactor(reactor)
+    if spec.scheme == "loopback":
+        return defer.succeed(LoopbackDatagrams(spec, receiver, reactor))
+    return UDPDatagrams.open(spec, receiver, reactor)
+
+
+class _Protocol(DatagramProtocol):
+    noisy = False
+
+    def __init__(self, owner: UDPDatagrams) -> None:
+        self.owner = owner
+
+    def datagramReceived(self, data: bytes, addr: Any) -> None:
+        self.owner.receiver.datagramReceived(data, addr[0])
+
+
+@implementer(IDatagramTransport)
+class UDPDatagrams:
+    """A UDP socket bound to the port on every address, shared with other
+    listeners of the port, sending to a broadcast address or a group."""
+
+    def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any) -> None:
+        self.spec = spec
+        self.host = spec.host
+        self.receiver = receiver
+        self.reactor = reactor
+        self.throttle = LogThrottle(reactor, interval=10.0)
+        self.protocol = _Protocol(self)
+        self.port: Any = None
+
+    @classmethod
+    def open(cls, spec: DatagramSpec, receiver: IDatagramReceiver,
+             reactor: Any) -> defer.Deferred[IDatagramTransport]:
+        self = cls(spec, receiver, reactor)
+        try:
+            self.port = reactor.listenMulticast(spec.port, self.protocol, listenMultiple=True)
+        except Exception as e:
+            return defer.fail(TransportError(f"cannot listen on {spec.endpoint}: {e}"))
+        transport = self.protocol.transport
+        if not spec.multicast:
+            transport.setBroadcastAllowed(True)
+            return defer.succeed(self)
+        transport.setTTL(1)
+        transport.setLoopbackMode(1)
+
+        def failed(reason: Any) -> Any:
+            self.port.stopListening()
+            return defer.fail(TransportError(f"cannot join multicast group {spec.destination} "
+                                             f"on {spec.host} ({spec.endpoint}): "
+                                             f"{reason.getErrorMessage()}"))
+
+        joined = transport.setOutgoingInterface(spec.host)
+        joined.addCallback(lambda _: transport.joinGroup(spec.destination, spec.host))
+        joined.addCallbacks(lambda _: self, failed)
+        return joined
+
+    def send(self, data: bytes) -> None:
+        if self.port is None:
+            return
+        try:
+            self.protocol.transport.write(data, (self.spec.destination, self.spec.port))
+        except Exception as e:  # the network is down, unreachable, ...: try again next time
+            self.throttle.warn(log, "send", "cannot send a datagram to {to}:{port} from {host}: "
+                               "{error}", to=self.spec.destination, port=self.spec.port,
+                               host=self.host, error=e)
+
+    def close(self) -> defer.Deferred[None]:
+        port, self.port = self.port, None
+        if port is None:
+            return defer.succeed(None)
+        return defer.maybeDeferred(port.stopListening)
+
+
+class LoopbackDatagramNetwork:
+    """Named in-memory datagram networks (most code uses :data:`network`)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, list[LoopbackDatagrams]] = defaultdict(list)
+
+
+network = LoopbackDatagramNetwork()
+
+
+@implementer(IDatagramTransport)
+class LoopbackDatagrams:
+    """An in-memory datagram socket: every member of the named network hears
+    what any member sends (itself included), one reactor turn later."""
+
+    def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any, *,
+                 net: LoopbackDatagramNetwork = network) -> None:
+        self.spec = spec
+        self.host = spec.host
+        self.receiver = receiver
+        self.reactor = reactor
+        self.net = net
+        self.closed = False
+        net.members[spec.network].append(self)
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        for member in list(self.net.members[self.spec.network]):
+            member.reactor.callLater(0, member._deliver, bytes(data), self.host)
+
+    def _deliver(self, data: bytes, host: str) -> None:
+        if not self.closed:
+            self.receiver.datagramReceived(data, host)
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.closed:
+            self.closed = True
+            self.net.members[self.spec.network].remove(self)
+        return defer.succeed(None)

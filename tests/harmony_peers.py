@@ -1,0 +1,132 @@
+"""Harmony nodes run as separate processes by the network-namespace tests.
+
+    python -m tests.harmony_peers ours NAME [GROUP...]    # our mdp.harmony.Node
+    python -m tests.harmony_peers pyre NAME [GROUP...]    # a zeromq-pyre node
+
+Both speak the same line protocol.  Commands come on stdin, one JSON object a
+line: ``{"op": "join"|"leave", "group": G}``, ``{"op": "whisper", "peer": HEX,
+"frames": [TEXT, ...]}``, ``{"op": "shout", "group": G, "frames": [...]}``,
+``{"op": "stop"}``.  Each event goes to stdout as ``EVENT {json}`` with
+``kind``, ``peer`` (hex UUID), ``name``, ``group`` and ``frames`` (text); the
+node announces itself with ``READY {"uuid": HEX, "endpoint": EP}``.
+
+Timing comes from the environment: ``HARMONY_EVASIVE`` and ``HARMONY_EXPIRED``
+(seconds; pyre's are class constants of ``PyrePeer``, set here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+EVASIVE = float(os.environ.get("HARMONY_EVASIVE", "1"))
+EXPIRED = float(os.environ.get("HARMONY_EXPIRED", "3"))
+
+
+def emit(tag: str, payload: dict[str, Any]) -> None:
+    sys.stdout.write(f"{tag} {json.dumps(payload)}\n")
+    sys.stdout.flush()
+
+
+def event(kind: str, peer: Any, name: str, group: Any = None, frames: Any = ()) -> None:
+    emit("EVENT", {"kind": kind, "peer": peer.hex, "name": name, "group": group,
+                   "frames": [f.decode("utf-8", "replace") for f in frames or ()]})
+
+
+def ours(name: str, *groups: str) -> None:
+    from twisted.internet import reactor, stdio
+    from twisted.logger import globalLogBeginner, textFileLogObserver
+    from twisted.protocols.basic import LineReceiver
+
+    globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stderr)])
+
+    from mdp.harmony import BeaconDiscovery, Node
+
+    beacon = os.environ.get("HARMONY_BEACON", "udp:5670")
+    node = Node(name, reactor, headers={"X-ROLE": "ours"}, evasive=EVASIVE, expired=EXPIRED,
+                discovery=BeaconDiscovery(beacon, reactor=reactor))
+    node.subscribe(lambda e: event(e.kind, e.peer, e.name, e.group, e.frames))
+    for group in groups:
+        node.join(group)
+
+    class Commands(LineReceiver):
+        delimiter = b"\n"
+
+        def lineReceived(self, line: bytes) -> None:
+            command = json.loads(line)
+            op = command["op"]
+            frames = [f.encode() for f in command.get("frames", [])]
+            if op == "join":
+                node.join(command["group"])
+            elif op == "leave":
+                node.leave(command["group"])
+            elif op == "whisper":
+                import uuid
+
+                node.whisper(uuid.UUID(hex=command["peer"]), *frames)
+            elif op == "shout":
+                node.shout(command["group"], *frames)
+            elif op == "stop":
+                stop()
+
+        def connectionLost(self, reason: Any) -> None:
+            stop()
+
+    def stop() -> None:
+        if node.running:
+            node.stop().addBoth(lambda _: reactor.stop())
+
+    stdio.StandardIO(Commands())
+    node.start().addCallback(lambda _: emit("READY", {"uuid": node.uuid.hex,
+                                                      "endpoint": node.endpoint}))
+    reactor.run()
+
+
+def pyre_node(name: str, *groups: str) -> None:
+    import uuid
+
+    import pyre
+    import zmq
+    from pyre.pyre_peer import PyrePeer
+
+    PyrePeer.PEER_EVASIVE = int(EVASIVE)  # pyre sizes its queue from these: whole seconds
+    PyrePeer.PEER_EXPIRED = int(EXPIRED)
+    node = pyre.Pyre(name)
+    node.set_header("X-ROLE", "pyre")
+    for group in groups:
+        node.join(group)
+    node.start()
+    emit("READY", {"uuid": node.uuid().hex, "endpoint": node.endpoint()})
+    poller = zmq.Poller()
+    poller.register(node.socket(), zmq.POLLIN)
+    poller.register(sys.stdin, zmq.POLLIN)
+    while True:
+        items = dict(poller.poll(1000))
+        if node.socket() in items:
+            e = pyre.PyreEvent(node)
+            event(e.type, e.peer_uuid, e.peer_name, e.group, e.msg)
+        if sys.stdin.fileno() in items or sys.stdin in items:
+            line = sys.stdin.readline()
+            if not line:
+                break
+            command = json.loads(line)
+            op = command["op"]
+            frames = [f.encode() for f in command.get("frames", [])]
+            if op == "join":
+                node.join(command["group"])
+            elif op == "leave":
+                node.leave(command["group"])
+            elif op == "whisper":
+                node.whisper(uuid.UUID(hex=command["peer"]), frames)
+            elif op == "shout":
+                node.shout(command["group"], frames)
+            elif op == "stop":
+                break
+    node.stop()
+    emit("STOPPED", {})
+
+
+if __name__ == "__main__":
+    {"ours": ours, "pyre": pyre_node}[sys.argv[1]](*sys.argv[2:])
