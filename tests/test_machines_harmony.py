@@ -1,0 +1,311 @@
+"""HarmonyMachine alone: events with their time in, actions out."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mdp.harmony import codec
+from mdp.harmony.machine import (
+    CloseLink,
+    Emit,
+    HarmonyMachine,
+    OpenLink,
+    SendOn,
+    UnknownPeer,
+    identity_of,
+)
+
+US = uuid.UUID(int=1)
+PEER = uuid.UUID(int=2)
+OTHER = uuid.UUID(int=3)
+OUR_EP = "tcp://10.0.0.1:40001"
+PEER_EP = "tcp://10.0.0.2:40002"
+
+
+def started(**options: Any) -> HarmonyMachine:
+    machine = HarmonyMachine(US, "us", headers={"X-US": "yes"}, **options)
+    machine.handleStart(OUR_EP, 0.0)
+    return machine
+
+
+def sent(actions: list[Any]) -> list[codec.Message]:
+    return [codec.decode(a.frames) for a in actions if isinstance(a, SendOn)]
+
+
+def events(actions: list[Any]) -> list[tuple[str, Optional[str]]]:
+    return [(a.event.kind, a.event.group) for a in actions if isinstance(a, Emit)]
+
+
+def hello(sequence: int = 1, endpoint: str = PEER_EP, groups: tuple[str, ...] = (),
+          status: int = 0, name: str = "peer") -> list[bytes]:
+    return codec.encode(codec.Hello(sequence, endpoint, groups, status, name, {"X-P": "1"}))
+
+
+def greeted(machine: HarmonyMachine, peer: uuid.UUID = PEER, groups: tuple[str, ...] = (),
+            now: float = 0.0) -> list[Any]:
+    return machine.handleMessage(identity_of(peer), hello(groups=groups), now)
+
+
+def test_a_beacon_opens_a_link_with_hello_first_and_announces_nothing() -> None:
+    machine = started()
+    machine.join("chat", 0.0)
+    actions = machine.handleBeacon(PEER, PEER_EP, 0.5)
+    assert isinstance(actions[0], OpenLink) and actions[0].endpoint == PEER_EP
+    assert sent(actions) == [codec.Hello(1, OUR_EP, ("chat",), 1, "us", {"X-US": "yes"})]
+    assert events(actions) == []
+    assert machine.handleBeacon(PEER, PEER_EP, 0.7) == []  # known: refreshed only
+
+
+def test_hello_announces_the_peer_then_its_groups_on_the_link_already_open() -> None:
+    machine = started()
+    machine.handleBeacon(PEER, PEER_EP, 0.0)
+    actions = greeted(machine, groups=("a", "b"))
+    assert events(actions) == [("ENTER", None), ("JOIN", "a"), ("JOIN", "b")]
+    enter = actions[0].event
+    assert (enter.peer, enter.name, enter.headers, enter.endpoint) == (PEER, "peer", {"X-P": "1"},
+                                                                      PEER_EP)
+    assert not any(isinstance(a, OpenLink) for a in actions)
+
+
+def test_hello_from_a_stranger_makes_us_connect_back_first() -> None:
+    machine = started()
+    actions = greeted(machine)
+    assert [type(a) for a in actions[:2]] == [OpenLink, SendOn]
+    assert actions[0].endpoint == PEER_EP
+    assert isinstance(sent(actions)[0], codec.Hello)
+    assert events(actions) == [("ENTER", None)]
+
+
+def test_nothing_counts_before_hello() -> None:
+    machine = started()
+    machine.handleBeacon(PEER, PEER_EP, 0.0)
+    whisper = codec.encode(codec.Whisper(1, (b"early",)))
+    assert events(machine.handleMessage(identity_of(PEER), whisper, 0.1)) == []
+    assert events(machine.handleMessage(identity_of(OTHER), whisper, 0.1)) == []
+    assert machine.peers[PEER].ready is False
+
+
+def test_whisper_shout_and_ping_in_sequence() -> None:
+    machine = started()
+    greeted(machine)
+    actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Whisper(2, (b"a", b"b"))), 1)
+    assert [a.event.frames for a in actions if isinstance(a, Emit)] == [(b"a", b"b")]
+    actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Shout(3, "g", (b"s",))), 1)
+    assert events(actions) == [("SHOUT", "g")]
+    actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Ping(4)), 1)
+    assert sent(actions) == [codec.PingOk(2)]  # our HELLO was 1
+
+
+def test_a_sequence_gap_drops_the_peer() -> None:
+    machine = started()
+    greeted(machine)
+    link = machine.peers[PEER].link
+    actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Ping(3)), 1)
+    assert events(actions) == [("EXIT", None)]
+    assert CloseLink(link) in actions
+    assert PEER not in machine.peers
+
+
+def test_a_repeated_sequence_number_drops_the_peer() -> None:
+    machine = started()
+    greeted(machine)
+    machine.handleMessage(identity_of(PEER), codec.encode(codec.Ping(2)), 1)
+    assert events(machine.handleMessage(identity_of(PEER), codec.encode(codec.Ping(2)), 1)) \
+        == [("EXIT", None)]
+
+
+def test_incoming_sequence_wraps_either_way() -> None:
+    for after in (0, 65535):
+        machine = started()
+        greeted(machine)
+        machine.peers[PEER].received = 65534
+        actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Ping(after)), 1)
+        assert events(actions) == [] and PEER in machine.peers
+
+
+def test_outgoing_sequence_counts_from_hello_and_wraps_as_pyre_does() -> None:
+    machine = started()
+    greeted(machine)
+    first = sent(machine.whisper(PEER, [b"x"], 1))
+    machine.peers[PEER].sent = 65533
+    later = sent(machine.whisper(PEER, [b"y"], 1) + machine.whisper(PEER, [b"z"], 1))
+    assert [m.sequence for m in first + later] == [2, 65534, 0]
+
+
+def test_our_status_goes_up_by_one_per_join_and_leave() -> None:
+    machine = started()
+    greeted(machine)
+    statuses = []
+    for step in ["a", "b", "-a", "a", "a", "-zz"]:
+        actions = machine.leave(step[1:], 1) if step.startswith("-") else machine.join(step, 1)
+        statuses += [(type(m).__name__, m.group, m.status) for m in sent(actions)]
+    assert statuses == [("Join", "a", 1), ("Join", "b", 2), ("Leave", "a", 3), ("Join", "a", 4)]
+    assert list(machine.ownGroups) == ["b", "a"]
+
+
+def test_our_status_wraps_at_256() -> None:
+    machine = started()
+    greeted(machine)
+    machine.status = 255
+    assert sent(machine.join("g", 1)) == [codec.Join(2, "g", 0)]
+
+
+def test_peer_join_and_leave_track_groups_and_status() -> None:
+    machine = started()
+    greeted(machine, groups=("a",))
+    machine.peers[PEER].status = 7
+    actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Join(2, "b", 8)), 1)
+    assert events(actions) == [("JOIN", "b")]
+    actions = machine.handleMessage(identity_of(PEER), codec.encode(codec.Leave(3, "a", 9)), 1)
+    assert events(actions) == [("LEAVE", "a")]
+    assert machine.peers[PEER].groups == {"b"} and machine.peers[PEER].status == 9
+    # a status out of step is taken as it comes (logged); the peer stays
+    machine.handleMessage(identity_of(PEER), codec.encode(codec.Join(4, "c", 42)), 1)
+    assert machine.peers[PEER].status == 42 and PEER in machine.peers
+
+
+def test_shout_goes_only_to_peers_in_the_group() -> None:
+    machine = started()
+    greeted(machine, PEER, groups=("g",))
+    machine.handleMessage(identity_of(OTHER), hello(endpoint="tcp://10.0.0.3:1"), 0)
+    actions = machine.shout("g", [b"hi"], 1)
+    assert [a.link for a in actions] == [machine.peers[PEER].link]
+    assert sent(actions) == [codec.Shout(2, "g", (b"hi",))]
+
+
+def test_whisper_to_an_unknown_peer_is_an_error() -> None:
+    machine = started()
+    try:
+        machine.whisper(PEER, [b"x"], 0)
+    except UnknownPeer:
+        pass
+    else:
+        raise AssertionError("no UnknownPeer")
+
+
+def test_silence_pings_then_expires() -> None:
+    machine = started(evasive=5.0, expired=30.0)
+    greeted(machine, now=0.0)
+    assert machine.handleTick(4.9) == []
+    first = machine.handleTick(5.0)
+    assert events(first) == [("EVASIVE", None)] and sent(first) == [codec.Ping(2)]
+    second = machine.handleTick(6.0)
+    assert events(second) == [] and sent(second) == [codec.Ping(3)]  # one EVASIVE per silence
+    machine.handleMessage(identity_of(PEER), codec.encode(codec.PingOk(2)), 6.5)
+    assert machine.handleTick(11.0) == []  # refreshed at 6.5
+    assert events(machine.handleTick(11.5)) == [("EVASIVE", None)]
+    assert events(machine.handleTick(36.4)) == []
+    assert events(machine.handleTick(36.5)) == [("EXIT", None)]
+
+
+def test_beacons_keep_a_peer_alive() -> None:
+    machine = started(evasive=5.0, expired=30.0)
+    greeted(machine)
+    for t in range(1, 40):
+        machine.handleBeacon(PEER, PEER_EP, float(t))
+        assert events(machine.handleTick(t + 0.5)) == []
+
+
+def test_port_zero_beacon_is_an_exit() -> None:
+    machine = started()
+    greeted(machine)
+    assert events(machine.handleBeacon(PEER, None, 1)) == [("EXIT", None)]
+    assert machine.handleBeacon(PEER, None, 1) == []
+
+
+def test_hello_again_is_a_restart_exit_then_enter_on_a_new_link() -> None:
+    machine = started()
+    greeted(machine)
+    old = machine.peers[PEER].link
+    actions = greeted(machine, now=2)
+    assert events(actions) == [("EXIT", None), ("ENTER", None)]
+    assert CloseLink(old) in actions
+    assert [a for a in actions if isinstance(a, OpenLink)][0].link != old
+
+
+def test_a_new_uuid_at_a_known_endpoint_replaces_the_old_peer() -> None:
+    machine = started()
+    greeted(machine)
+    actions = machine.handleBeacon(OTHER, PEER_EP, 3)
+    assert events(actions) == [("EXIT", None)]
+    assert list(machine.peers) == [OTHER]
+
+
+def test_malformed_or_unknown_messages_drop_a_known_peer_and_never_raise() -> None:
+    for bad in ([b"\xaa\xa1\x09\x02\x00\x02"], [b"garbage"], [b"\xaa\xa1\x06\x02\x00\x02\x01"]):
+        machine = started()
+        greeted(machine)
+        assert events(machine.handleMessage(identity_of(PEER), bad, 1)) == [("EXIT", None)]
+        assert machine.handleMessage(identity_of(OTHER), bad, 1) == []
+
+
+def test_identities_that_are_not_a_zre_uuid_are_ignored() -> None:
+    machine = started()
+    for identity in (b"", b"\x00" + PEER.bytes, b"\x01" + PEER.bytes[:8], b"x" * 40):
+        assert machine.handleMessage(identity, hello(), 0) == []
+    assert machine.handleMessage(identity_of(US), hello(), 0) == []  # ourselves
+    assert machine.handleBeacon(US, OUR_EP, 0) == []
+
+
+def test_a_dialled_endpoint_is_adopted_by_the_peer_whose_hello_names_it() -> None:
+    machine = started()
+    actions = machine.handleDial("tcp://localhost:40002", 0)
+    link = actions[0].link
+    assert sent(actions)[0].sequence == 1
+    actions = machine.handleMessage(identity_of(PEER), hello(endpoint="tcp://127.0.0.1:40002"), 1)
+    assert not any(isinstance(a, OpenLink) for a in actions)
+    assert machine.peers[PEER].link == link
+    assert [m.sequence for m in sent(machine.whisper(PEER, [b"x"], 1))] == [2]
+    # gone: dialled again, so a restarted node there is found
+    actions = machine.handleBeacon(PEER, None, 2)
+    assert events(actions)[0] == ("EXIT", None)
+    assert [a.endpoint for a in actions if isinstance(a, OpenLink)] == ["tcp://localhost:40002"]
+
+
+def test_dial_skips_ourselves_and_endpoints_known() -> None:
+    machine = started()
+    greeted(machine)
+    assert machine.handleDial(OUR_EP, 0) == []
+    assert machine.handleDial(PEER_EP, 0) == []
+
+
+def test_the_peer_table_is_bounded() -> None:
+    machine = started(maxPeers=2)
+    for n in range(10):
+        machine.handleBeacon(uuid.UUID(int=100 + n), f"tcp://10.0.1.{n}:1", 0)
+    assert len(machine.peers) == 2
+
+
+def test_stop_closes_every_link_without_events() -> None:
+    machine = started()
+    greeted(machine)
+    machine.handleDial("tcp://10.9.9.9:1", 0)
+    actions = machine.handleStop(1)
+    assert sorted(a.link for a in actions if isinstance(a, CloseLink)) == [1, 2]
+    assert events(actions) == [] and machine.peers == {}
+
+
+identities = st.sampled_from([identity_of(PEER), identity_of(OTHER), b"\x01" + bytes(16), b"zz"])
+garbage = st.lists(st.binary(max_size=24).map(lambda b: b"\xaa\xa1" + b) | st.binary(max_size=8),
+                   min_size=0, max_size=3)
+valid = st.sampled_from([hello(), codec.encode(codec.Ping(2)), codec.encode(codec.Whisper(3, (b"w",))),
+                         codec.encode(codec.Join(2, "g", 1))])
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(identities, valid | garbage, st.floats(0, 100)), max_size=30))
+def test_any_input_leaves_the_machine_consistent(inputs: list[tuple[bytes, list[bytes], float]]) -> None:
+    machine = started()
+    now = 0.0
+    for identity, frames, step in inputs:
+        now += step
+        machine.handleMessage(identity, frames, now)
+        machine.handleTick(now)
+        for peer in machine.peers.values():
+            assert peer.expiredAt > now
+    links = [p.link for p in machine.peers.values()]
+    assert len(links) == len(set(links))
