@@ -19,6 +19,12 @@
     Send one SP (nng) request and print the reply; exit status 1 with a
     message on stderr when none comes within ``--timeout``.
 
+``mdp chat --name NAME --group GROUP [--interface IF]``
+    A terminal chat on a Harmony (ZRE) node: what you type goes to everyone
+    in the group (``/w NAME TEXT`` to one peer), what they say is printed.
+    Peers are found with UDP beacons (or ``--peer`` endpoints); it talks to
+    Zyre and zeromq-pyre chats too.  Ctrl-D or Ctrl-C leaves.
+
 ``mdp demo``
     Start a broker, an echo worker and a client in one process over real
     ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
@@ -172,12 +178,72 @@ class SPRequestOptions(usage.Options):
             raise usage.UsageError("--timeout and --resend must be positive")
 
 
+class ChatOptions(usage.Options):
+    synopsis = "--name NAME [--group GROUP] [--interface IF] [--peer ENDPOINT]..."
+    longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; "
+                "'/w NAME TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or "
+                "Ctrl-C leaves.")
+    optParameters: list[Any] = [
+        ["name", "n", None, "Your name, as the others see it."],
+        ["group", "g", "CHAT", "The group to talk in."],
+        ["interface", "i", None, "Network interface (name or address) for beacons "
+         "[default: the first that is not loopback]."],
+        ["port", "p", 5670, "UDP port of the beacons.", int],
+        ["endpoint", "e", None, "Where to bind [default: zmq:tcp://ADDRESS:* on the "
+         "beacons' interface]."],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["peer"] = []
+
+    def opt_peer(self, endpoint: str) -> None:
+        """A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then"""
+        self["peer"].append(endpoint)
+
+    def postOptions(self) -> None:
+        from mdp.harmony import BeaconDiscovery, EndpointDiscovery
+        from mdp.harmony.codec import check_string
+
+        if not self["name"]:
+            raise usage.UsageError("--name is required")
+        try:
+            check_string(self["name"], "name")
+            check_string(self["group"], "group")
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
+        try:
+            if self["peer"]:
+                for endpoint in self["peer"]:
+                    transport.check(transport_endpoint(endpoint))
+                from mdp.transport.datagram import pick_interface
+
+                host = str(pick_interface(self["interface"]).ip) if self["interface"] else "127.0.0.1"
+                self["discovery"] = EndpointDiscovery(self["peer"], host=host)
+            else:
+                beacon = f"udp:{self['port']}"
+                if self["interface"]:
+                    beacon += ":interface=" + self["interface"].replace(":", "\\:")
+                self["discovery"] = BeaconDiscovery(beacon)
+            if self["endpoint"]:
+                transport.check(self["endpoint"], transport.LISTEN)
+        except MDPError as e:
+            raise usage.UsageError(str(e)) from None
+
+
+def transport_endpoint(endpoint: str) -> str:
+    from mdp.harmony.node import transport_endpoint as convert
+
+    return convert(endpoint)
+
+
 class Options(_Commands):
-    synopsis = "mdp call|titanic|sp-request|demo [options]"
+    synopsis = "mdp call|titanic|sp-request|chat|demo [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
         ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
         ["sp-request", None, SPRequestOptions, "Send one SP (nng) request; print the reply."],
+        ["chat", None, ChatOptions, "A terminal chat with Harmony (ZRE) peers."],
         ["demo", None, DemoOptions, "Broker + echo worker + client, in one process."],
     ]
 
@@ -288,6 +354,68 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
     print("demo done")
 
 
+async def chat(reactor: Any, options: ChatOptions) -> None:
+    from twisted.internet import stdio
+    from twisted.protocols.basic import LineReceiver
+
+    from mdp.harmony import Event, Node
+
+    group = options["group"]
+    node = Node(options["name"], reactor, discovery=options["discovery"],
+                endpoint=options["endpoint"])
+    done: defer.Deferred[None] = defer.Deferred()
+
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    def heard(event: Event) -> None:
+        if event.kind == "ENTER":
+            say(f"* {event.name} is here ({event.endpoint})")
+        elif event.kind == "EXIT":
+            say(f"* {event.name} left")
+        elif event.kind == "SHOUT" and event.group == group:
+            say(f"{event.name}: {' '.join(_show(f) for f in event.frames)}")
+        elif event.kind == "WHISPER":
+            say(f"{event.name} (to you): {' '.join(_show(f) for f in event.frames)}")
+
+    class Typed(LineReceiver):
+        delimiter = b"\n"
+
+        def lineReceived(self, line: bytes) -> None:
+            text = line.decode("utf-8", "replace").rstrip("\r")
+            if text == "/peers":
+                names = sorted(node.peerName(p) for p in node.peers())
+                say(f"* peers: {', '.join(names) or 'none yet'}")
+            elif text.startswith("/w "):
+                _, name, message = (text.split(" ", 2) + [""])[:3]
+                found = [p for p in node.peers() if node.peerName(p) == name]
+                if not found:
+                    say(f"* no peer called {name!r}")
+                for peer in found:
+                    node.whisper(peer, message.encode())
+            elif text:
+                node.shout(group, text.encode())
+
+        def connectionLost(self, reason: object) -> None:
+            if not done.called:
+                done.callback(None)
+
+    node.subscribe(heard)
+    node.join(group)
+    try:
+        await node.start()
+    except MDPError as e:
+        print(f"mdp chat: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    say(f"* {options['name']} in {group} at {node.endpoint}; Ctrl-D leaves")
+    trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
+    stdio.StandardIO(Typed(), reactor=reactor)
+    await done
+    reactor.removeSystemEventTrigger(trigger)
+    await node.stop()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``mdp`` console script."""
     options = Options()
@@ -303,7 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         command = " ".join(words)
         print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
-    command = {"call": call, "titanic": titanic, "sp-request": sp_request,
+    command = {"call": call, "titanic": titanic, "sp-request": sp_request, "chat": chat,
                "demo": demo}[options.subCommand]
     task.react(lambda reactor: defer.ensureDeferred(command(reactor, options.subOptions)))
 
