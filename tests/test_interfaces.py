@@ -202,6 +202,39 @@ def _sp_device_end(name: str) -> Callable[[], Any]:
     return make
 
 
+def _harmony_node() -> Any:
+    from mdp.harmony import EndpointDiscovery, Node
+
+    return Node("verify", _clock(), discovery=EndpointDiscovery())
+
+
+def _harmony(name: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from mdp.harmony import node
+
+        if name == "BeaconDiscovery":
+            return node.BeaconDiscovery("loopback:verify", reactor=_clock())
+        if name == "_Inbox":
+            return node._Inbox(_harmony_node())
+        return getattr(node, name)()
+
+    return make
+
+
+def _datagrams(name: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from mdp.transport import datagram
+
+        spec = datagram.resolve("loopback:verify" if name == "LoopbackDatagrams"
+                                else "udp:5670:interface=127.0.0.1")
+        made = getattr(datagram, name)(spec, None, _clock())
+        if name == "LoopbackDatagrams":
+            made.close()
+        return made
+
+    return make
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -251,6 +284,13 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.sp.peers._Listener": _sp_listener,
     "mdp.sp.peers._DeviceFront": _sp_device_end("_DeviceFront"),
     "mdp.sp.peers._DeviceBack": _sp_device_end("_DeviceBack"),
+    "mdp.harmony.node.Node": _harmony_node,
+    "mdp.harmony.node.BeaconDiscovery": _harmony("BeaconDiscovery"),
+    "mdp.harmony.node.EndpointDiscovery": _harmony("EndpointDiscovery"),
+    "mdp.harmony.node._Inbox": _harmony("_Inbox"),
+    "mdp.harmony.node._Link": _harmony("_Link"),
+    "mdp.transport.datagram.UDPDatagrams": _datagrams("UDPDatagrams"),
+    "mdp.transport.datagram.LoopbackDatagrams": _datagrams("LoopbackDatagrams"),
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),
