@@ -332,3 +332,38 @@ def test_a_node_on_zeromq_binds_at_the_discovery_address() -> None:
     clock = task.Clock()
     node = Node("z", clock, discovery=EndpointDiscovery(host="127.0.0.1"))
     assert node.bindEndpoint == "zmq:tcp://127.0.0.1:*"
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_nodes_over_zeromq_with_a_list_of_peers() -> None:
+    """Real ZeroMQ sockets on 127.0.0.1 (no UDP): bob knows alice's endpoint,
+    alice learns bob's from his HELLO and connects back."""
+    from twisted.internet import reactor
+
+    from tests.procs import wait_until
+
+    alice = Node("alice", reactor, discovery=EndpointDiscovery(),
+                 endpoint="zmq:tcp://127.0.0.1:*")
+    await alice.start()
+    bob = Node("bob", reactor, discovery=EndpointDiscovery([alice.endpoint]),
+               endpoint="zmq:tcp://127.0.0.1:*")
+    heard: list[Event] = []
+    alice.subscribe(heard.append)
+    try:
+        assert alice.endpoint.startswith("tcp://127.0.0.1:")
+        bob.join("g")
+        await bob.start()
+        await wait_until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid], 10)
+        assert alice.peerEndpoint(bob.uuid) == bob.endpoint
+        alice.join("g")
+        await wait_until(lambda: alice.uuid in bob.peersByGroup("g"), 10)
+        bob.shout("g", b"over", b"zeromq")
+        alice.whisper(bob.uuid, b"back")
+        bob.whisper(alice.uuid, b"\x00binary\xff")
+        await wait_until(lambda: [e.frames for e in heard if e.kind in ("SHOUT", "WHISPER")]
+                         == [(b"over", b"zeromq"), (b"\x00binary\xff",)], 10)
+    finally:
+        await bob.stop()
+        await alice.stop()
+    assert alice.links == {} and bob.links == {}
