@@ -102,28 +102,33 @@ def pyre_node(name: str, *groups: str) -> None:
     poller = zmq.Poller()
     poller.register(node.socket(), zmq.POLLIN)
     poller.register(sys.stdin, zmq.POLLIN)
-    while True:
+    pending = b""  # read the descriptor: lines in sys.stdin's buffer would not wake the poller
+    running = True
+    while running:
         items = dict(poller.poll(1000))
         if node.socket() in items:
             e = pyre.PyreEvent(node)
             event(e.type, e.peer_uuid, e.peer_name, e.group, e.msg)
         if sys.stdin.fileno() in items or sys.stdin in items:
-            line = sys.stdin.readline()
-            if not line:
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            if not chunk:
                 break
-            command = json.loads(line)
-            op = command["op"]
-            frames = [f.encode() for f in command.get("frames", [])]
-            if op == "join":
-                node.join(command["group"])
-            elif op == "leave":
-                node.leave(command["group"])
-            elif op == "whisper":
-                node.whisper(uuid.UUID(hex=command["peer"]), frames)
-            elif op == "shout":
-                node.shout(command["group"], frames)
-            elif op == "stop":
-                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                command = json.loads(line)
+                op = command["op"]
+                frames = [f.encode() for f in command.get("frames", [])]
+                if op == "join":
+                    node.join(command["group"])
+                elif op == "leave":
+                    node.leave(command["group"])
+                elif op == "whisper":
+                    node.whisper(uuid.UUID(hex=command["peer"]), frames)
+                elif op == "shout":
+                    node.shout(command["group"], frames)
+                elif op == "stop":
+                    running = False
+                    break
     node.stop()
     emit("STOPPED", {})
 
