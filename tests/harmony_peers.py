@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+import uuid
+from typing import Any, Callable
 
 EVASIVE = float(os.environ.get("HARMONY_EVASIVE", "1"))
 EXPIRED = float(os.environ.get("HARMONY_EXPIRED", "3"))
@@ -33,6 +34,24 @@ def emit(tag: str, payload: dict[str, Any]) -> None:
 def event(kind: str, peer: Any, name: str, group: Any = None, frames: Any = ()) -> None:
     emit("EVENT", {"kind": kind, "peer": peer.hex, "name": name, "group": group,
                    "frames": [f.decode("utf-8", "replace") for f in frames or ()]})
+
+
+def carry_out(line: bytes, join: Callable[[str], Any], leave: Callable[[str], Any],
+              whisper: Callable[[uuid.UUID, list[bytes]], Any],
+              shout: Callable[[str, list[bytes]], Any]) -> bool:
+    """Do the command on *line*; False for ``stop``."""
+    command = json.loads(line)
+    op = command["op"]
+    frames = [f.encode() for f in command.get("frames", [])]
+    if op == "join":
+        join(command["group"])
+    elif op == "leave":
+        leave(command["group"])
+    elif op == "whisper":
+        whisper(uuid.UUID(hex=command["peer"]), frames)
+    elif op == "shout":
+        shout(command["group"], frames)
+    return op != "stop"
 
 
 def ours(name: str, *groups: str) -> None:
@@ -55,20 +74,8 @@ def ours(name: str, *groups: str) -> None:
         delimiter = b"\n"
 
         def lineReceived(self, line: bytes) -> None:
-            command = json.loads(line)
-            op = command["op"]
-            frames = [f.encode() for f in command.get("frames", [])]
-            if op == "join":
-                node.join(command["group"])
-            elif op == "leave":
-                node.leave(command["group"])
-            elif op == "whisper":
-                import uuid
-
-                node.whisper(uuid.UUID(hex=command["peer"]), *frames)
-            elif op == "shout":
-                node.shout(command["group"], *frames)
-            elif op == "stop":
+            if not carry_out(line, node.join, node.leave, lambda p, f: node.whisper(p, *f),
+                             lambda g, f: node.shout(g, *f)):
                 stop()
 
         def connectionLost(self, reason: Any) -> None:
@@ -76,8 +83,11 @@ def ours(name: str, *groups: str) -> None:
 
     def stop() -> None:
         if node.running:
-            node.stop().addBoth(lambda _: reactor.stop())
+            node.stop().addBoth(lambda _: reactor.stop() if not reactor._stopped else None)
 
+    # SIGTERM: leave with a port-0 beacon before the reactor closes the sockets
+    reactor.addSystemEventTrigger("before", "shutdown",
+                                  lambda: node.stop() if node.running else None)
     stdio.StandardIO(Commands())
     node.start().addCallback(lambda _: emit("READY", {"uuid": node.uuid.hex,
                                                       "endpoint": node.endpoint}))
@@ -85,8 +95,6 @@ def ours(name: str, *groups: str) -> None:
 
 
 def pyre_node(name: str, *groups: str) -> None:
-    import uuid
-
     import pyre
     import zmq
     from pyre.pyre_peer import PyrePeer
@@ -115,18 +123,7 @@ def pyre_node(name: str, *groups: str) -> None:
                 break
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                command = json.loads(line)
-                op = command["op"]
-                frames = [f.encode() for f in command.get("frames", [])]
-                if op == "join":
-                    node.join(command["group"])
-                elif op == "leave":
-                    node.leave(command["group"])
-                elif op == "whisper":
-                    node.whisper(uuid.UUID(hex=command["peer"]), frames)
-                elif op == "shout":
-                    node.shout(command["group"], frames)
-                elif op == "stop":
+                if not carry_out(line, node.join, node.leave, node.whisper, node.shout):
                     running = False
                     break
     node.stop()

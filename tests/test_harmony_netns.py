@@ -443,3 +443,39 @@ async def test_twenty_of_ours_form_a_full_mesh(netns: Netns) -> None:
         assert node.proc.running
     print(f"\nmesh of {count}: formed {formed:.1f}s after the first spawn; SIGKILL seen by "
           f"all {len(survivors)} within {slowest:.2f}s (expiry {EXPIRED}s)")
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_mdp_chats_find_each_other_by_beacons_and_a_pyre_node_hears_them(
+        namespace: str) -> None:
+    """``mdp chat`` with its default discovery (UDP beacons), as two people
+    in two terminals would run it, plus a pyre node in the same group."""
+    from tests.procs import script
+
+    ip = shutil.which("ip")
+    assert ip is not None
+    env = {**ENV, "PYTHONUTF8": "1"}
+    chats = [Process(reactor(), [ip, "netns", "exec", namespace, script("mdp"), "chat",
+                                 "--name", name, "--group", "ROOM"], env=env)
+             for name in ("alice", "bob")]
+    ns = Netns(namespace)
+    try:
+        pyre = ns.spawn("pyre", "carol", "ROOM")
+        await pyre.ready()
+        alice, bob = chats
+        await alice.waitFor(r"\* bob is here", 30)
+        await bob.waitFor(r"\* alice is here", 30)
+        await alice.waitFor(r"\* carol is here", 30)
+        alice.transport.write("salut à tous\n".encode())
+        await bob.waitFor("alice: salut à tous", 15)
+        await pyre.expect("SHOUT", group="ROOM", frames=["salut à tous"])
+        pyre.send(op="shout", group="ROOM", frames=["hello from pyre"])
+        await bob.waitFor("carol: hello from pyre", 15)
+        alice.transport.closeStdin()  # Ctrl-D: a port-0 beacon, so the others see it at once
+        await alice.ended(15)
+        assert alice.exitCode == 0, alice.output
+        await bob.waitFor(r"\* alice left", 10)
+    finally:
+        for chat in chats:
+            await chat.stop()
+        await ns.close()

@@ -216,6 +216,11 @@ class UDPDatagrams:
     def send(self, data: bytes) -> None:
         if self.port is None:
             return
+        if self.protocol.transport is None:
+            self.throttle.warn(log, "send", "cannot send a datagram to {to}:{port}: the reactor "
+                               "closed the socket (stop the node before the reactor stops)",
+                               to=self.spec.destination, port=self.spec.port)
+            return
         try:
             self.protocol.transport.write(data, (self.spec.destination, self.spec.port))
         except Exception as e:  # the network is down, unreachable, ...: try again next time

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import errno
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -62,7 +62,21 @@ def zmq_factory() -> Any:
     if _factory is None:
         import txzmq
 
-        _factory = txzmq.ZmqFactory()
+        class Factory(txzmq.ZmqFactory):
+            """Runs ``beforeTerm`` callables (closing monitor sockets) before
+            terminating the context, which would wait for ever on an open
+            socket."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.beforeTerm: set[Callable[[], None]] = set()
+
+            def shutdown(self) -> None:
+                for callback in list(self.beforeTerm):
+                    callback()
+                super().shutdown()
+
+        _factory = Factory()
         _factory.lingerPeriod = LINGER_MS
         _factory.registerForShutdown()
     return _factory
@@ -521,19 +535,19 @@ class ZmqRouter(_RoutedSocket):
         closed: defer.Deferred[None] = defer.Deferred()
         deadline = self.reactor.seconds() + self.unbindTimeout
 
-        def done(atShutdown: bool = False) -> None:
+        def done() -> None:
             if closed.called:
                 return
-            if trigger is not None and not atShutdown:
-                self.reactor.removeSystemEventTrigger(trigger)
+            zmq_factory().beforeTerm.discard(done)
             socket.disable_monitor()
             monitor.close(linger=0)  # an open socket would block the context's term()
             self._shutdown()
             closed.callback(None)
 
-        trigger = None
-        if hasattr(self.reactor, "addSystemEventTrigger"):
-            trigger = self.reactor.addSystemEventTrigger("before", "shutdown", done, True)
+        # the reactor may shut down (and the context terminate) before the
+        # monitor says the address is free, even if close() began during the
+        # shutdown itself
+        zmq_factory().beforeTerm.add(done)
 
         def poll() -> None:
             try:
