@@ -291,9 +291,10 @@ async def test_an_unreachable_announced_endpoint_forgets_that_peer(lan: Lan) -> 
     stranger = identity_of(__import__("uuid").uuid4())
     peer.transport = connect(alice.router.endpoint, peer, lan.net.reactor, identity=stranger)
     lan.net.addCleanup(peer.transport.close)
-    peer.send(*codec.encode(codec.Hello(1, "nowhere:at-all", (), 0, "liar", {})))
+    for endpoint in ("nowhere:at-all", "inproc://broker", "tcp://10.0.0.1:5555"):
+        peer.send(*codec.encode(codec.Hello(1, endpoint, (), 0, "liar", {})))
     lan.net.advance(0.1)
-    assert alice.peers() == [] and alice.machine.peers == {}
+    assert alice.peers() == [] and alice.machine.peers == {} and alice.seen == []
 
 
 def test_datagram_endpoints_are_checked_before_anything_starts() -> None:
@@ -367,3 +368,49 @@ async def test_nodes_over_zeromq_with_a_list_of_peers() -> None:
         await bob.stop()
         await alice.stop()
     assert alice.links == {} and bob.links == {}
+
+
+@pytest_twisted.ensureDeferred
+async def test_start_right_after_stop_waits_for_it_and_works(lan: Lan) -> None:
+    alice = await lan.node("alice")
+    bob = await lan.node("bob")
+    await lan.net.until(lambda: alice.peers() and bob.peers())
+    stopping = bob.stop()
+    starting = bob.start()  # not waiting for the stop
+    await lan.net.wait(stopping)
+    await lan.net.wait(starting)
+    assert bob.running and bob.router is not None and bob.machine.running
+    await lan.net.until(lambda: ("ENTER", None) in kinds(bob) and bob.peers() == [alice.uuid])
+    assert kinds(alice, bob) == [("ENTER", None), ("EXIT", None), ("ENTER", None)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_streams_made_before_start_see_the_first_enter_and_close_cleanly(lan: Lan) -> None:
+    import gc
+
+    alice = await lan.node("alice", start=False)
+    stream = alice.events()
+    await lan.net.wait(alice.start())
+    lan.net.addCleanup(alice.stop)
+    bob = await lan.node("bob")
+    first = await lan.net.wait(stream.__anext__())
+    assert (first.kind, first.peer) == ("ENTER", bob.uuid)
+    await stream.aclose()
+    assert [e async for e in stream] == []
+    abandoned = alice.events()
+    del abandoned
+    gc.collect()
+    assert len(alice._streams) == 0  # a reader that went away is not fed for ever
+
+
+def test_endpoint_lists_and_bind_endpoints_are_checked_at_once() -> None:
+    assert EndpointDiscovery("tcp://127.0.0.1:7001").endpoints == ["tcp://127.0.0.1:7001"]
+    assert EndpointDiscovery(["zmq:tcp://h:7001"]).endpoints == ["tcp://h:7001"]
+    with pytest.raises(TypeError, match="not bytes"):
+        EndpointDiscovery([b"tcp://h:1"])  # type: ignore[list-item]
+    with pytest.raises(TransportError, match="no port"):
+        EndpointDiscovery(["tcp://h"])
+    clock = task.Clock()
+    for bad in ("zmq:ipc:///tmp/x", "tcp:host=h:port=1"):
+        with pytest.raises(TransportError, match="binds zmq:tcp"):
+            Node("n", clock, discovery=EndpointDiscovery(), endpoint=bad)

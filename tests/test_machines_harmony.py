@@ -309,3 +309,41 @@ def test_any_input_leaves_the_machine_consistent(inputs: list[tuple[bytes, list[
             assert peer.expiredAt > now
     links = [p.link for p in machine.peers.values()]
     assert len(links) == len(set(links))
+
+
+def test_a_dial_by_another_name_is_adopted_by_its_port_not_doubled() -> None:
+    """Dialled as bob.lan, the peer announces its address: one link, no
+    second HELLO (which the peer would take for a restart, again and again)."""
+    machine = started()
+    link = machine.handleDial("tcp://bob.lan:40002", 0)[0].link
+    actions = machine.handleMessage(identity_of(PEER), hello(endpoint=PEER_EP), 1)
+    assert not any(isinstance(a, OpenLink) for a in actions)
+    assert events(actions) == [("ENTER", None)] and machine.peers[PEER].link == link
+    assert machine.dials == {}
+
+
+def test_a_dial_nobody_answers_is_made_again_after_the_expiry() -> None:
+    machine = started(evasive=5.0, expired=30.0)
+    first = machine.handleDial("tcp://10.0.0.9:1", 0)[0].link
+    assert machine.handleTick(29) == []
+    actions = machine.handleTick(30)
+    assert CloseLink(first) in actions
+    assert [a.endpoint for a in actions if isinstance(a, OpenLink)] == ["tcp://10.0.0.9:1"]
+    assert [m.sequence for m in sent(actions)] == [1]
+
+
+def test_a_hello_not_numbered_one_is_dropped_without_events() -> None:
+    machine = started()
+    assert events(machine.handleMessage(identity_of(PEER), hello(sequence=2), 0)) == []
+    assert PEER not in machine.peers
+    machine.handleBeacon(PEER, PEER_EP, 0)
+    assert events(machine.handleMessage(identity_of(PEER), hello(sequence=5), 0)) == []
+    assert PEER not in machine.peers  # never announced: no EXIT either
+
+
+def test_a_peer_whose_endpoint_we_cannot_dial_is_ignored_before_any_event() -> None:
+    machine = HarmonyMachine(US, "us", reachable=lambda e: None if e.startswith("tcp://")
+                             else "is not tcp://HOST:PORT")
+    machine.handleStart(OUR_EP, 0)
+    assert machine.handleMessage(identity_of(PEER), hello(endpoint="inproc://broker"), 0) == []
+    assert machine.handleBeacon(PEER, "loopback:x", 0) == [] and machine.peers == {}

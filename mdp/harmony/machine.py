@@ -37,7 +37,7 @@ count 1, 2, ... 65534, 0, ... per link, HELLO first.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 from uuid import UUID
 
 import attrs
@@ -136,6 +136,12 @@ def same_endpoint(one: str, other: str) -> bool:
                 and a["host"] in _LOCAL_HOSTS and b["host"] in _LOCAL_HOSTS)
 
 
+def endpoint_port(endpoint: str) -> Optional[str]:
+    """The port of a ``tcp://HOST:PORT`` endpoint (None for others)."""
+    match = _TCP.match(endpoint)
+    return match["port"] if match else None
+
+
 @attrs.define
 class Peer:
     """What we know of one peer."""
@@ -163,6 +169,8 @@ class _Dial:
     link: int
     endpoint: str
     sent: int
+    #: when the HELLO went
+    since: float = 0.0
 
 
 class HarmonyMachine(Machine):
@@ -170,11 +178,15 @@ class HarmonyMachine(Machine):
 
     *headers* go out in every HELLO; *evasive* and *expired* are the
     silences (seconds) after which a peer is PINGed and dropped; *maxPeers*
-    bounds the table against a flood of made-up UUIDs."""
+    bounds the table against a flood of made-up UUIDs.  *reachable(endpoint)*
+    says why a peer's endpoint cannot be dialled (None if it can): such a
+    peer is ignored, logged, before anything is said of it."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
-                 maxPeers: int = DEFAULT_MAX_PEERS, now: float = 0.0) -> None:
+                 maxPeers: int = DEFAULT_MAX_PEERS,
+                 reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
+                 now: float = 0.0) -> None:
         super().__init__(now)
         if not 0 < evasive < expired:
             raise ValueError(f"need 0 < evasive < expired, got evasive={evasive} expired={expired}")
@@ -188,6 +200,7 @@ class HarmonyMachine(Machine):
         self.evasive = evasive
         self.expired = expired
         self.maxPeers = maxPeers
+        self.reachable = reachable
         #: our ZRE endpoint, once started
         self.endpoint = ""
         self.status = 0
@@ -300,7 +313,7 @@ class HarmonyMachine(Machine):
             return
         link = self._newLink(endpoint)
         self._emit(SendOn(link, codec.encode(self._hello(1))))
-        self.dials[endpoint] = _Dial(link, endpoint, 1)
+        self.dials[endpoint] = _Dial(link, endpoint, 1, self.now)
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
         """The link *link* could not be opened (a peer announced an endpoint
@@ -341,6 +354,12 @@ class HarmonyMachine(Machine):
                 self._remove(peer, f"it sent a {what} message")
             return self._drain()
         if isinstance(message, codec.Hello):
+            if message.sequence != 1:
+                self.throttle.warn(log, "hello", "ZRE: dropped a HELLO numbered {got}, not 1, "
+                                   "from {who}", got=message.sequence, who=self._who(uuid, peer))
+                if peer is not None:
+                    self._remove(peer, "its HELLO was out of sequence")
+                return self._drain()
             if peer is not None and peer.ready:
                 self._remove(peer, "it said HELLO again (restarted)")
                 peer = None
@@ -420,6 +439,13 @@ class HarmonyMachine(Machine):
     def handleTick(self, now: float) -> list[Any]:
         """Check every peer's silence: PING the evasive, drop the expired."""
         self.now = now
+        for dial in list(self.dials.values()):
+            if now - dial.since >= self.expired:
+                log.info("ZRE: no HELLO from {endpoint} in {silence:.0f} s; dialling it again",
+                         endpoint=dial.endpoint, silence=now - dial.since)
+                del self.dials[dial.endpoint]
+                self._emit(CloseLink(dial.link))
+                self._dial(dial.endpoint)
         for peer in list(self.peers.values()):
             if now >= peer.expiredAt:
                 log.info("ZRE: {who} expired after {silence:.1f} s of silence",
@@ -449,6 +475,11 @@ class HarmonyMachine(Machine):
         peer = self.peers.get(uuid)
         if peer is not None:
             return peer
+        why = self.reachable(endpoint)
+        if why is not None:
+            self.throttle.warn(log, "unreachable", "ZRE: ignoring {uuid}: its endpoint {endpoint!r} "
+                               "{why}", uuid=uuid, endpoint=endpoint, why=why)
+            return None
         if len(self.peers) >= self.maxPeers:
             self.throttle.warn(log, "full", "ZRE: ignoring {uuid} at {endpoint}: {count} peers "
                                "already (maxPeers)", uuid=uuid, endpoint=endpoint,
@@ -458,6 +489,11 @@ class HarmonyMachine(Machine):
             if same_endpoint(other.endpoint, endpoint):
                 self._remove(other, f"{uuid} now answers at its endpoint", redial=False)
         dial = next((d for e, d in self.dials.items() if same_endpoint(e, endpoint)), None)
+        if dial is None and endpoint_port(endpoint) is not None:
+            # a listed name (or another address) of the peer: the port tells
+            same_port = [d for d in self.dials.values()
+                         if endpoint_port(d.endpoint) == endpoint_port(endpoint)]
+            dial = same_port[0] if len(same_port) == 1 else None
         if dial is not None:
             del self.dials[dial.endpoint]
             peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)

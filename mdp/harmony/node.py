@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import itertools
 import uuid as uuidlib
+import weakref
 from collections import deque
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 from uuid import UUID
 
 from twisted.internet import defer, task
@@ -44,7 +45,7 @@ from mdp.interfaces import (
     IRouterReceiver,
 )
 from mdp.policy import Limits, LogThrottle, default_reactor
-from mdp.transport import connect, datagram, listen
+from mdp.transport import check, connect, datagram, listen
 
 log = Logger()
 
@@ -140,11 +141,15 @@ class EndpointDiscovery:
     announces; give the peers a fixed port (``Node(..., endpoint=...)``) so
     their lists stay true."""
 
-    def __init__(self, endpoints: Iterable[str] = (), *, host: str = "127.0.0.1") -> None:
-        self.endpoints = [wire_endpoint(e) for e in endpoints]
-        for endpoint in self.endpoints:
+    def __init__(self, endpoints: Union[str, Iterable[str]] = (), *,
+                 host: str = "127.0.0.1") -> None:
+        listed = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        for endpoint in listed:
             if not isinstance(endpoint, str):
-                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}")
+                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}: "
+                                f"{endpoint!r}")
+            check(transport_endpoint(endpoint))
+        self.endpoints = [wire_endpoint(e) for e in listed]
         self.host = host
 
     def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> defer.Deferred[None]:
@@ -212,7 +217,10 @@ class EventStream:
         self.node._streams.discard(self)
         self._end()
 
-    aclose = close
+    def aclose(self) -> defer.Deferred[None]:
+        """:meth:`close`, awaitable (as async generators have it)."""
+        self.close()
+        return defer.succeed(None)
 
 
 # --- the node -------------------------------------------------------------------
@@ -270,11 +278,17 @@ class Node:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
         self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive,
-                                      expired=expired, maxPeers=maxPeers, now=self._now())
+                                      expired=expired, maxPeers=maxPeers,
+                                      reachable=self._unreachable, now=self._now())
         self.name = name
         self.discovery: IDiscovery = (discovery if discovery is not None
-                                      else BeaconDiscovery(reactor=self.reactor))
+                                      else BeaconDiscovery(interval=interval, reactor=self.reactor))
         self.bindEndpoint = endpoint or f"zmq:tcp://{self.discovery.host}:*"
+        if not self.bindEndpoint.startswith(("zmq:tcp://", "loopback:")):
+            raise TransportError(f"bad endpoint {self.bindEndpoint!r}: a Harmony node binds "
+                                 "zmq:tcp://HOST:PORT (or *) or loopback:HOST:PORT (or *)")
+        if not self.bindEndpoint.endswith(":*"):
+            check(self.bindEndpoint, "listen")
         self.interval = interval
         self.limits = limits
         self.throttle = LogThrottle(self.reactor)
@@ -283,7 +297,12 @@ class Node:
         self.endpoint = ""
         self.port = 0
         self._subscribers: list[Callable[[Event], Any]] = []
-        self._streams: set[EventStream] = set()
+        #: readers that stop reading (a ``break`` out of ``async for``) go
+        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
+        #: start() and stop() one at a time: a start right after a stop waits
+        self._transition = defer.DeferredLock()
+        self._failedLinks: list[int] = []
+        self._stopped = False
         self._tick: Optional[task.LoopingCall] = None
         self.running = False
 
@@ -292,12 +311,21 @@ class Node:
 
     # --- life ---------------------------------------------------------------------
 
-    @defer.inlineCallbacks
-    def start(self) -> Any:
+    def start(self) -> defer.Deferred[None]:
         """Bind the ROUTER, start discovery and the tick.  Fires with None once
-        the node is announcing itself."""
+        the node is announcing itself (after any :meth:`stop` under way)."""
+        return self._transition.run(self._start)
+
+    def stop(self) -> defer.Deferred[None]:
+        """Say we are leaving (a beacon with port 0), close every link and the
+        ROUTER, and end the event streams.  Fires with None when done."""
+        return self._transition.run(self._stop)
+
+    @defer.inlineCallbacks
+    def _start(self) -> Any:
         if self.running:
             return
+        self._stopped = False
         bind = self.bindEndpoint
         if bind.startswith("loopback:") and bind.endswith(":*"):
             bind = f"{bind[:-2]}:{next(_loopbackPorts)}"
@@ -313,7 +341,9 @@ class Node:
             yield self.discovery.start(self, self.uuid, self.port)
         except Exception:
             self.running = False
-            yield self.router.close()
+            self._perform(self.machine.handleStop(self._now()))
+            router, self.router = self.router, None
+            yield router.close()
             raise
         self._tick = task.LoopingCall(self._onTick)
         self._tick.clock = self.reactor
@@ -322,24 +352,25 @@ class Node:
                  endpoint=self.endpoint)
 
     @defer.inlineCallbacks
-    def stop(self) -> Any:
-        """Say we are leaving (a beacon with port 0), close every link and the
-        ROUTER, and end the event streams.  Fires with None when done."""
-        if not self.running:
-            return
-        self.running = False
-        if self._tick is not None and self._tick.running:
-            self._tick.stop()
+    def _stop(self) -> Any:
+        streams, self._streams = list(self._streams), weakref.WeakSet()
+        self._stopped = True
         try:
-            yield self.discovery.stop()
+            if not self.running:
+                return
+            self.running = False
+            if self._tick is not None and self._tick.running:
+                self._tick.stop()
+            try:
+                yield self.discovery.stop()
+            finally:
+                self._perform(self.machine.handleStop(self._now()))
+                router, self.router = self.router, None
+                if router is not None:
+                    yield router.close()
         finally:
-            self._perform(self.machine.handleStop(self._now()))
-            router, self.router = self.router, None
-            if router is not None:
-                yield router.close()
-            for stream in list(self._streams):
+            for stream in streams:
                 stream._end()
-            self._streams.clear()
 
     def _onTick(self) -> None:
         self._perform(self.machine.handleTick(self._now()))
@@ -368,12 +399,13 @@ class Node:
 
     def events(self, size: int = 10_000) -> EventStream:
         """A new async iterator over the events from now on (at most *size*
-        unread; it ends when the node stops)."""
+        unread; it ends when the node stops).  Made before :meth:`start`, it
+        sees the first ENTERs too; made after :meth:`stop`, it ends at once."""
         stream = EventStream(self, size)
-        if self.running:
-            self._streams.add(stream)
+        if self._stopped:
+            stream._end()  # until the node starts again
         else:
-            stream._end()
+            self._streams.add(stream)
         return stream
 
     def __aiter__(self) -> EventStream:
@@ -428,6 +460,27 @@ class Node:
     # --- actions ---------------------------------------------------------------------
 
     def _perform(self, actions: list[Any]) -> None:
+        self._performAll(actions)
+        # after the whole batch, so its events keep their order
+        while self._failedLinks:
+            link = self._failedLinks.pop(0)
+            self._performAll(self.machine.handleLinkFailed(link, self._now()))
+
+    def _unreachable(self, endpoint: str) -> Optional[str]:
+        """Why a peer's ZRE *endpoint* is not one we dial (None if it is):
+        peers of a ZeroMQ node are at ``tcp://HOST:PORT``, of a loopback node
+        at ``loopback:``; nothing else (an ``inproc://`` of ours) is dialled."""
+        onLoopback = self.bindEndpoint.startswith("loopback:")
+        if onLoopback != endpoint.startswith("loopback:") or not (
+                onLoopback or endpoint.startswith("tcp://")):
+            return "is not " + ("loopback:HOST:PORT" if onLoopback else "tcp://HOST:PORT")
+        try:
+            check(transport_endpoint(endpoint))
+        except TransportError as e:
+            return f"is not usable: {e}"
+        return None
+
+    def _performAll(self, actions: list[Any]) -> None:
         for action in actions:
             if isinstance(action, SendOn):
                 link = self.links.get(action.link)
@@ -444,7 +497,7 @@ class Node:
                     self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
                                        "{endpoint}: {error}", name=self.name,
                                        endpoint=action.endpoint, error=e)
-                    self._perform(self.machine.handleLinkFailed(action.link, self._now()))
+                    self._failedLinks.append(action.link)
             elif isinstance(action, CloseLink):
                 link = self.links.pop(action.link, None)
                 if link is not None:
