@@ -1,0 +1,389 @@
+"""CLIENT/SERVER sessions as pure state machines: events with their time in,
+actions out (see :mod:`mdp.machine`).
+
+A *session* outlives connections: the client makes its own session id (16
+random bytes, never chosen by the application) and says HELLO with it on
+every connection; the server attaches the connection to the session it
+knows by that id.  Each direction numbers its DATA from 1 and keeps what it
+sent until the other side acknowledges it; after a re-attach, whatever is not
+acknowledged goes again, in order, and the receiver drops what it already
+has.  A network break is a lull: nothing is lost and nothing comes twice.
+
+:class:`ClientSessionMachine`:
+
+=======================  =============================================================
+event                    what happens
+=======================  =============================================================
+connected                HELLO (session id, what we have received)
+WELCOME                  attached: everything not acknowledged goes again, in order
+send(payload)            numbered and kept; sent now if attached (else on attach);
+                         beyond *maxQueued* kept: :class:`SessionQueueFull`
+DATA                     the next number: delivered; an old one: dropped (a resend)
+UNKNOWN                  the server has no such session (it restarted): HELLO again
+tick, idle               PING, at most *liveness* unanswered at a time
+tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
+disconnected             detached; sending goes on into the queue
+=======================  =============================================================
+
+:class:`ServerSessionMachine`:
+
+=======================  =============================================================
+event                    what happens
+=======================  =============================================================
+HELLO, new id            a session with the next short routing id; WELCOME
+HELLO, known id          the connection is attached to the session (a previous one is
+                         let go); WELCOME; everything not acknowledged goes again
+DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
+                         from a connection with no session: UNKNOWN
+reply(routingId, ...)    numbered, kept, sent if the session is attached
+peer gone                the session is detached, kept until it expires
+tick                     sessions silent for *expiry* seconds end (:class:`Expired`)
+=======================  =============================================================
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Hashable, Optional
+
+from twisted.logger import Logger
+
+from mdp.errors import MDPError
+from mdp.machine import Machine, action_class
+from mdp.policy import LogThrottle
+from mdp.session import codec
+from mdp.session.codec import MalformedSession
+
+log = Logger()
+
+DEFAULT_PING_INTERVAL = 1.0
+DEFAULT_LIVENESS = 3
+DEFAULT_EXPIRY = 30.0
+#: Messages a side keeps for resending (sent, not yet acknowledged).
+DEFAULT_MAX_QUEUED = 10_000
+#: An ACK goes after this many DATA received with nothing to carry the ack.
+ACK_EVERY = 32
+DEFAULT_MAX_SESSIONS = 10_000
+
+
+class SessionQueueFull(MDPError):
+    """The session already holds its limit of messages not acknowledged (the
+    other side is away or slow); nothing was queued."""
+
+
+class UnknownSession(MDPError, KeyError):
+    """No session has this routing id (it expired, or never was)."""
+
+
+@action_class
+class Send:
+    """Client: send *frames* on the connection."""
+
+    frames: list
+
+
+@action_class
+class SendTo:
+    """Server: send *frames* to the connection *peer*."""
+
+    peer: Any
+    frames: list
+
+
+@action_class
+class Deliver:
+    """Hand *payload* to the application (from *routingId*, on a server)."""
+
+    payload: tuple
+    routingId: int = 0
+
+
+@action_class
+class Reconnect:
+    """Client: drop the connection and make a new one (backoff is the
+    driver's); the session goes on."""
+
+    reason: str
+
+
+@action_class
+class Opened:
+    """Server: a new session, known to the application as *routingId*."""
+
+    routingId: int
+
+
+@action_class
+class Expired:
+    """Server: the session *routingId* ended (silent for the expiry)."""
+
+    routingId: int
+
+
+class _Sequenced:
+    """One side's numbering: what it sent and keeps, and what it received."""
+
+    def __init__(self, maxQueued: int) -> None:
+        self.maxQueued = maxQueued
+        self.sent = 0
+        self.received = 0
+        self.unacked: deque[tuple[int, tuple[bytes, ...]]] = deque()
+        #: DATA delivered since our last message to the other side
+        self.ackPending = 0
+
+    def number(self, payload: tuple[bytes, ...]) -> codec.Data:
+        if len(self.unacked) >= self.maxQueued:
+            raise SessionQueueFull(f"{len(self.unacked)} messages already wait for an "
+                                   "acknowledgement (the other side is away or slow)")
+        self.sent += 1
+        self.unacked.append((self.sent, payload))
+        return self.data(self.sent, payload)
+
+    def data(self, seq: int, payload: tuple[bytes, ...]) -> codec.Data:
+        self.ackPending = 0
+        return codec.Data(seq, self.received, payload)
+
+    def acked(self, ack: int) -> None:
+        while self.unacked and self.unacked[0][0] <= ack:
+            self.unacked.popleft()
+
+    def resend(self) -> list[codec.Data]:
+        return [self.data(seq, payload) for seq, payload in self.unacked]
+
+    def accept(self, message: codec.Data) -> bool:
+        """Whether *message* is the next one (to deliver); older ones are
+        resends, newer ones cannot come on an ordered connection."""
+        if message.seq != self.received + 1:
+            return False
+        self.received = message.seq
+        self.ackPending += 1
+        return True
+
+    def ackDue(self, force: bool) -> Optional[codec.Ack]:
+        if self.ackPending >= ACK_EVERY or (force and self.ackPending):
+            self.ackPending = 0
+            return codec.Ack(self.received)
+        return None
+
+
+class ClientSessionMachine(Machine):
+    """The client end of one session, across any number of connections.
+
+    *pingInterval*: idle time before a PING; *liveness*: PINGs unanswered at
+    most, and the server is dead after ``pingInterval * liveness`` of silence;
+    *maxQueued*: messages kept until acknowledged."""
+
+    def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
+                 liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
+                 now: float = 0.0) -> None:
+        super().__init__(now)
+        if len(session) != codec.SESSION_ID_BYTES:
+            raise ValueError(f"a session id is {codec.SESSION_ID_BYTES} bytes")
+        if pingInterval <= 0 or liveness < 1:
+            raise ValueError("pingInterval must be positive and liveness at least 1")
+        self.session = session
+        self.pingInterval = pingInterval
+        self.liveness = liveness
+        self.seq = _Sequenced(maxQueued)
+        #: "detached", "attaching" or "attached"
+        self.state = "detached"
+        self.lastHeard = now
+        self.lastSent = now
+        self.pings = 0
+        self.throttle = LogThrottle(self)
+
+    @property
+    def deadAfter(self) -> float:
+        return self.pingInterval * self.liveness
+
+    def _send(self, message: codec.Message) -> None:
+        self.lastSent = self.now
+        self._emit(Send(codec.encode(message)))
+
+    def handleConnected(self, now: float) -> list[Any]:
+        self.now = now
+        self.state = "attaching"
+        self.lastHeard = now
+        self.pings = 0
+        self._send(codec.Hello(self.session, self.seq.received))
+        return self._drain()
+
+    def handleDisconnected(self, now: float) -> list[Any]:
+        self.now = now
+        self.state = "detached"
+        return self._drain()
+
+    def send(self, payload: tuple[bytes, ...], now: float) -> list[Any]:
+        """Queue *payload* (sent at once if attached); :class:`SessionQueueFull`
+        beyond the limit."""
+        self.now = now
+        message = self.seq.number(tuple(payload))
+        if self.state == "attached":
+            self._send(message)
+        return self._drain()
+
+    def handleMessage(self, frames: list[bytes], now: float) -> list[Any]:
+        self.now = now
+        try:
+            message = codec.decode(frames)
+        except MalformedSession as e:
+            self.throttle.warn(log, "malformed", "session {session}: dropped a message from "
+                               "the server: {reason}", session=self.session.hex(), reason=e)
+            return self._drain()
+        self.lastHeard = now
+        self.pings = 0
+        if isinstance(message, codec.Unknown):
+            log.info("session {session}: the server does not know it (restarted?); "
+                     "attaching again", session=self.session.hex())
+            self.state = "attaching"
+            self._send(codec.Hello(self.session, self.seq.received))
+            return self._drain()
+        if isinstance(message, codec.Hello):
+            return self._drain()  # a server never says HELLO
+        self.seq.acked(message.ack)
+        if isinstance(message, codec.Welcome):
+            self.state = "attached"
+            for data in self.seq.resend():
+                self._send(data)
+        elif isinstance(message, codec.Data) and self.seq.accept(message):
+            self._emit(Deliver(message.payload))
+            ack = self.seq.ackDue(force=False)
+            if ack is not None:
+                self._send(ack)
+        return self._drain()
+
+    def handleTick(self, now: float) -> list[Any]:
+        self.now = now
+        if self.state == "detached":
+            return self._drain()
+        if now - self.lastHeard >= self.deadAfter:
+            self.state = "detached"
+            self._emit(Reconnect(f"nothing from the server in {now - self.lastHeard:.1f} s"))
+            return self._drain()
+        ack = self.seq.ackDue(force=True)
+        if ack is not None and self.state == "attached":
+            self._send(ack)
+        elif now - self.lastSent >= self.pingInterval and self.pings < self.liveness:
+            self.pings += 1
+            self._send(codec.Ping(self.seq.received))
+        return self._drain()
+
+
+class _Session:
+    def __init__(self, session: bytes, routingId: int, maxQueued: int, now: float) -> None:
+        self.session = session
+        self.routingId = routingId
+        self.peer: Optional[Hashable] = None
+        self.seq = _Sequenced(maxQueued)
+        self.lastHeard = now
+
+
+class ServerSessionMachine(Machine):
+    """The server's table of sessions, by session id, by connection and by
+    the short routing id the application sees."""
+
+    def __init__(self, *, expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
+                 maxSessions: int = DEFAULT_MAX_SESSIONS, now: float = 0.0) -> None:
+        super().__init__(now)
+        if expiry <= 0:
+            raise ValueError("expiry must be positive")
+        self.expiry = expiry
+        self.maxQueued = maxQueued
+        self.maxSessions = maxSessions
+        self.sessions: dict[bytes, _Session] = {}
+        self.byPeer: dict[Hashable, _Session] = {}
+        self.byRouting: dict[int, _Session] = {}
+        self._routingIds = 0
+        self.throttle = LogThrottle(self)
+
+    def _sendTo(self, session: _Session, message: codec.Message) -> None:
+        if session.peer is not None:
+            self._emit(SendTo(session.peer, codec.encode(message)))
+
+    def handleMessage(self, peer: Hashable, frames: list[bytes], now: float) -> list[Any]:
+        self.now = now
+        try:
+            message = codec.decode(frames)
+        except MalformedSession as e:
+            self.throttle.warn(log, "malformed", "sessions: dropped a message from {peer!r}: "
+                               "{reason}", peer=peer, reason=e)
+            return self._drain()
+        if isinstance(message, codec.Hello):
+            self._attach(peer, message)
+            return self._drain()
+        session = self.byPeer.get(peer)
+        if session is None:
+            self._emit(SendTo(peer, codec.encode(codec.Unknown())))
+            return self._drain()
+        session.lastHeard = now
+        if isinstance(message, (codec.Welcome, codec.Unknown)):
+            return self._drain()  # a client never says these
+        session.seq.acked(message.ack)
+        if isinstance(message, codec.Data):
+            if session.seq.accept(message):
+                self._emit(Deliver(message.payload, session.routingId))
+                ack = session.seq.ackDue(force=False)
+                if ack is not None:
+                    self._sendTo(session, ack)
+        elif isinstance(message, codec.Ping):
+            self._sendTo(session, codec.PingOk(session.seq.received))
+            session.seq.ackPending = 0
+        return self._drain()
+
+    def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
+        session = self.sessions.get(hello.session)
+        if session is None:
+            if len(self.sessions) >= self.maxSessions:
+                self.throttle.warn(log, "full", "sessions: refused a new session from {peer!r}: "
+                                   "{count} already (maxSessions)", peer=peer,
+                                   count=len(self.sessions))
+                return
+            self._routingIds += 1
+            session = _Session(hello.session, self._routingIds, self.maxQueued, self.now)
+            self.sessions[hello.session] = session
+            self.byRouting[session.routingId] = session
+            self._emit(Opened(session.routingId))
+        if session.peer is not None and session.peer != peer:
+            self.byPeer.pop(session.peer, None)
+        old = self.byPeer.get(peer)
+        if old is not None and old is not session:
+            old.peer = None  # this connection said HELLO for another session
+        session.peer = peer
+        session.lastHeard = self.now
+        self.byPeer[peer] = session
+        session.seq.acked(hello.ack)
+        self._sendTo(session, codec.Welcome(session.seq.received))
+        for data in session.seq.resend():
+            self._sendTo(session, data)
+
+    def reply(self, routingId: int, payload: tuple[bytes, ...], now: float) -> list[Any]:
+        """Send *payload* to the session *routingId* (kept until acknowledged);
+        :class:`UnknownSession`, :class:`SessionQueueFull`."""
+        self.now = now
+        session = self.byRouting.get(routingId)
+        if session is None:
+            raise UnknownSession(routingId)
+        self._sendTo(session, session.seq.number(tuple(payload)))
+        return self._drain()
+
+    def handlePeerGone(self, peer: Hashable, now: float) -> list[Any]:
+        self.now = now
+        session = self.byPeer.pop(peer, None)
+        if session is not None:
+            session.peer = None
+        return self._drain()
+
+    def handleTick(self, now: float) -> list[Any]:
+        self.now = now
+        for session in list(self.sessions.values()):
+            if now - session.lastHeard >= self.expiry:
+                del self.sessions[session.session]
+                del self.byRouting[session.routingId]
+                if session.peer is not None:
+                    self.byPeer.pop(session.peer, None)
+                self._emit(Expired(session.routingId))
+                continue
+            ack = session.seq.ackDue(force=True)
+            if ack is not None:
+                self._sendTo(session, ack)
+        return self._drain()

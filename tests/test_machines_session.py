@@ -1,0 +1,280 @@
+"""The session machines alone: a client and a server machine joined by a
+wire the test controls (it can cut the connection and lose what is in
+flight), with the time given explicitly."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mdp.session import codec
+from mdp.session.codec import MalformedSession
+from mdp.session.machines import (
+    ClientSessionMachine,
+    Deliver,
+    Expired,
+    Opened,
+    Reconnect,
+    Send,
+    SendTo,
+    ServerSessionMachine,
+    SessionQueueFull,
+    UnknownSession,
+)
+
+
+class Wire:
+    """One client machine and one server machine; each connection has a
+    new peer id on the server, as a new socket would."""
+
+    def __init__(self, **client: Any) -> None:
+        self.now = 0.0
+        self.client = ClientSessionMachine(os.urandom(16), **client)
+        self.server = ServerSessionMachine(expiry=30.0)
+        self.peer = 0
+        self.up = False
+        self.toServer: list[list[bytes]] = []
+        self.toClient: list[list[bytes]] = []
+        self.atServer: list[tuple[bytes, ...]] = []
+        self.atClient: list[tuple[bytes, ...]] = []
+        self.events: list[Any] = []
+
+    def _client(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Send) and self.up:
+                self.toServer.append(action.frames)
+            elif isinstance(action, Deliver):
+                self.atClient.append(action.payload)
+            else:
+                self.events.append(action)
+
+    def _server(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, SendTo):
+                if self.up and action.peer == self.peer:
+                    self.toClient.append(action.frames)
+            elif isinstance(action, Deliver):
+                self.atServer.append(action.payload)
+                self.routingId = action.routingId
+            else:
+                self.events.append(action)
+
+    def connect(self) -> None:
+        self.peer += 1
+        self.up = True
+        self._client(self.client.handleConnected(self.now))
+
+    def cut(self) -> None:
+        """The connection breaks: what is in flight is lost."""
+        self.up = False
+        self.toServer.clear()
+        self.toClient.clear()
+        self._client(self.client.handleDisconnected(self.now))
+        self._server(self.server.handlePeerGone(self.peer, self.now))
+
+    def flow(self, steps: int = 10_000) -> None:
+        for _ in range(steps):
+            if self.toServer:
+                self._server(self.server.handleMessage(self.peer, self.toServer.pop(0), self.now))
+            elif self.toClient:
+                self._client(self.client.handleMessage(self.toClient.pop(0), self.now))
+            else:
+                return
+
+    def send(self, *payload: bytes) -> None:
+        self._client(self.client.send(payload, self.now))
+
+    def reply(self, routingId: int, *payload: bytes) -> None:
+        self._server(self.server.reply(routingId, payload, self.now))
+
+    def tick(self, to: float, reconnect: bool = False) -> None:
+        """Time passes; with *reconnect*, a Reconnect is done as a driver
+        does it (the connection dropped, a new one made)."""
+        self.now = to
+        before = len(self.events)
+        self._client(self.client.handleTick(to))
+        self._server(self.server.handleTick(to))
+        if reconnect and any(isinstance(e, Reconnect) for e in self.events[before:]):
+            self.cut()
+            self.connect()
+
+
+def test_codec_round_trip_and_refusals() -> None:
+    messages = [codec.Hello(b"s" * 16, 3), codec.Welcome(0), codec.Data(1, 2, (b"a", b"")),
+                codec.Ack(5), codec.Ping(2**64 - 1), codec.PingOk(0), codec.Unknown()]
+    for message in messages:
+        assert codec.decode(codec.encode(message)) == message
+    assert codec.encode(codec.Data(1, 0, (b"x",))) == [b"SESS01", b"DATA", (1).to_bytes(8, "big"),
+                                                      bytes(8), b"x"]
+    for frames, reason in [([b"MDPC02"], "not a session"), ([b"SESS01", b"NOPE"], "unknown command"),
+                           ([b"SESS01", b"DATA", bytes(8), bytes(8)], "numbered 0"),
+                           ([b"SESS01", b"HELLO", b"short", bytes(8)], "16 bytes"),
+                           ([b"SESS01", b"ACK", b"\x01"], "8 bytes, not 1"),
+                           ([b"SESS01", b"PING"], "not 1")]:
+        with pytest.raises(MalformedSession, match=reason):
+            codec.decode(frames)
+
+
+def test_attach_opens_a_session_with_a_short_routing_id() -> None:
+    wire = Wire()
+    wire.connect()
+    wire.flow()
+    assert wire.client.state == "attached"
+    assert [e for e in wire.events if isinstance(e, Opened)] == [Opened(1)]
+    wire.send(b"hello")
+    wire.flow()
+    assert wire.atServer == [(b"hello",)] and wire.routingId == 1
+    wire.reply(1, b"hi", b"there")
+    wire.flow()
+    assert wire.atClient == [(b"hi", b"there")]
+
+
+def test_messages_sent_while_detached_are_delivered_once_attached() -> None:
+    wire = Wire()
+    wire.send(b"early 1")
+    wire.send(b"early 2")
+    wire.connect()
+    wire.flow()
+    assert wire.atServer == [(b"early 1",), (b"early 2",)]
+
+
+def test_a_cut_is_a_lull_nothing_lost_nothing_twice_both_ways() -> None:
+    wire = Wire()
+    wire.connect()
+    wire.flow()
+    for n in range(50):
+        wire.send(b"c%d" % n)
+        wire.reply(1, b"s%d" % n)
+        if n % 7 == 3:
+            wire.flow(steps=5)  # part of it arrives, the rest is lost with the connection
+            wire.cut()
+            wire.connect()
+    wire.flow()
+    assert wire.atServer == [(b"c%d" % n,) for n in range(50)]
+    assert wire.atClient == [(b"s%d" % n,) for n in range(50)]
+    assert [e for e in wire.events if isinstance(e, Opened)] == [Opened(1)]  # one session
+
+
+def test_duplicates_are_dropped() -> None:
+    wire = Wire()
+    wire.connect()
+    wire.flow()
+    wire.send(b"once")
+    frames = list(wire.toServer)
+    wire.flow()
+    for copy in frames * 3:
+        wire._server(wire.server.handleMessage(wire.peer, copy, 0))
+    assert wire.atServer == [(b"once",)]
+
+
+def test_acknowledged_messages_are_forgotten() -> None:
+    wire = Wire()
+    wire.connect()
+    wire.flow()
+    for n in range(100):
+        wire.send(b"%d" % n)
+    wire.flow()
+    wire.tick(0.5)  # the server's pending ACK goes
+    wire.flow()
+    assert len(wire.client.seq.unacked) == 0
+
+
+def test_idle_client_pings_at_most_liveness_times_then_reconnects() -> None:
+    wire = Wire(pingInterval=1.0, liveness=3)
+    wire.connect()
+    wire.flow()
+    wire.up = False  # the server hears nothing more, and says nothing
+    pings = []
+    for t in range(1, 10):
+        wire.toServer.clear()
+        wire.up = True
+        wire.tick(float(t))
+        pings.append(sum(1 for f in wire.toServer if f[1] == codec.PING))
+        wire.toServer.clear()
+        if any(isinstance(e, Reconnect) for e in wire.events):
+            break
+    assert pings[:2] == [1, 1] and sum(pings) <= 3
+    reconnect = [e for e in wire.events if isinstance(e, Reconnect)]
+    assert len(reconnect) == 1 and wire.now == 3.0 and "nothing from the server" in reconnect[0].reason
+
+
+def test_an_answering_server_keeps_the_client_attached() -> None:
+    wire = Wire(pingInterval=1.0, liveness=3)
+    wire.connect()
+    wire.flow()
+    for t in range(1, 30):
+        wire.tick(float(t))
+        wire.flow()
+    assert not any(isinstance(e, Reconnect) for e in wire.events)
+    assert not any(isinstance(e, Expired) for e in wire.events)
+
+
+def test_silent_sessions_expire_and_the_client_attaches_anew() -> None:
+    wire = Wire(pingInterval=100.0, liveness=3)
+    wire.connect()
+    wire.flow()
+    wire.tick(29.0)
+    assert not any(isinstance(e, Expired) for e in wire.events)
+    wire.tick(30.0)
+    assert [e for e in wire.events if isinstance(e, Expired)] == [Expired(1)]
+    with pytest.raises(UnknownSession):
+        wire.reply(1, b"too late")
+    wire.send(b"after")  # the server answers UNKNOWN; the client says HELLO again
+    wire.flow()
+    assert [e for e in wire.events if isinstance(e, Opened)] == [Opened(1), Opened(2)]
+    assert wire.atServer == [(b"after",)]
+
+
+def test_the_queue_is_bounded() -> None:
+    wire = Wire(maxQueued=3)
+    for n in range(3):
+        wire.send(b"%d" % n)
+    with pytest.raises(SessionQueueFull, match="3 messages already wait"):
+        wire.send(b"one too many")
+
+
+def test_malformed_input_is_dropped_and_unknown_connections_told() -> None:
+    server = ServerSessionMachine()
+    assert server.handleMessage("p", [b"junk"], 0) == []
+    actions = server.handleMessage("p", codec.encode(codec.Data(1, 0, (b"x",))), 0)
+    assert actions == [SendTo("p", codec.encode(codec.Unknown()))]
+    client = ClientSessionMachine(bytes(16))
+    assert client.handleMessage([b"junk"], 0) == []
+
+
+def test_sessions_are_bounded() -> None:
+    server = ServerSessionMachine(maxSessions=2)
+    for n in range(5):
+        server.handleMessage(n, codec.encode(codec.Hello(bytes([n]) * 16, 0)), 0)
+    assert len(server.sessions) == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["send", "reply", "flow", "cut", "tick"]),
+                          st.integers(0, 6)), max_size=60))
+def test_any_schedule_of_cuts_delivers_everything_once_in_order(script: list[tuple[str, int]]) -> None:
+    wire = Wire(pingInterval=1.0, liveness=3)
+    wire.connect()
+    wire.flow()
+    sent = replied = 0
+    for op, n in script:
+        if op == "send":
+            wire.send(b"c%d" % sent)
+            sent += 1
+        elif op == "reply":
+            wire.reply(1, b"s%d" % replied)
+            replied += 1
+        elif op == "flow":
+            wire.flow(steps=n)
+        elif op == "cut":
+            wire.cut()
+            wire.connect()
+        else:
+            wire.tick(wire.now + 0.5, reconnect=True)
+    wire.flow()
+    assert wire.atServer == [(b"c%d" % n,) for n in range(sent)]
+    assert wire.atClient == [(b"s%d" % n,) for n in range(replied)]
