@@ -20,8 +20,9 @@ ENTRY = ("mdp.app", "mdp.spark", "mdp.testing", "mdp")
 def layer(module: str) -> int:
     if module in GROUND:
         return 0
-    if module == "mdp.transport" or module.startswith("mdp.transport."):
-        return 1
+    if module in ("mdp.transport", "mdp.session") or module.startswith(("mdp.transport.",
+                                                                         "mdp.session.")):
+        return 1  # sessions are a transport (session+tcp:, session+zmq:)
     if module.startswith(ENTRY[0]) or module in ENTRY[1:]:
         return 3
     return 2  # a pattern

@@ -235,6 +235,24 @@ def _datagrams(name: str) -> Callable[[], Any]:
     return make
 
 
+def _session_router() -> Any:
+    from mdp.session.transport import SessionRouter
+
+    return SessionRouter(None, _clock())
+
+
+def _session_dealer() -> Any:
+    from mdp.session.transport import SessionDealer
+
+    return SessionDealer("session+loopback:verify", None, _clock())
+
+
+def _session_inner() -> Any:
+    from mdp.session.transport import _Inner
+
+    return _Inner(_session_dealer())
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -291,6 +309,9 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.harmony.node._Link": _harmony("_Link"),
     "mdp.transport.datagram.UDPDatagrams": _datagrams("UDPDatagrams"),
     "mdp.transport.datagram.LoopbackDatagrams": _datagrams("LoopbackDatagrams"),
+    "mdp.session.transport.SessionRouter": _session_router,
+    "mdp.session.transport.SessionDealer": _session_dealer,
+    "mdp.session.transport._Inner": _session_inner,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),

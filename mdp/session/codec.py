@@ -9,8 +9,8 @@ numbers are 8-byte big-endian unsigned integers::
     ACK        ack                               either way
     PING       ack                               client → server, when idle
     PING-OK    ack                               server → client
-    UNKNOWN                                      server → client: no such session here
-                                                 (say HELLO)
+    UNKNOWN                                      server → client: no such session here,
+                                                 or messages were lost (say HELLO)
 
 *ack* is the sequence number of the last DATA received in order, so the
 other side can forget what it holds for resending up to it; every message

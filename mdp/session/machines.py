@@ -18,8 +18,10 @@ connected                HELLO (session id, what we have received)
 WELCOME                  attached: everything not acknowledged goes again, in order
 send(payload)            numbered and kept; sent now if attached (else on attach);
                          beyond *maxQueued* kept: :class:`SessionQueueFull`
-DATA                     the next number: delivered; an old one: dropped (a resend)
-UNKNOWN                  the server has no such session (it restarted): HELLO again
+DATA                     the next number: delivered; an old one: dropped (a resend);
+                         a later one (some were lost unseen): HELLO again
+UNKNOWN                  the server has no such session (it restarted), or lost
+                         messages: HELLO again
 tick, idle               PING, at most *liveness* unanswered at a time
 tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
 disconnected             detached; sending goes on into the queue
@@ -34,7 +36,8 @@ HELLO, new id            a session with the next short routing id; WELCOME
 HELLO, known id          the connection is attached to the session (a previous one is
                          let go); WELCOME; everything not acknowledged goes again
 DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
-                         from a connection with no session: UNKNOWN
+                         from a connection with no session, or DATA after a gap:
+                         UNKNOWN (the client attaches again and resends)
 reply(routingId, ...)    numbered, kept, sent if the session is attached
 peer gone                the session is detached, kept until it expires
 tick                     sessions silent for *expiry* seconds end (:class:`Expired`)
@@ -150,14 +153,17 @@ class _Sequenced:
     def resend(self) -> list[codec.Data]:
         return [self.data(seq, payload) for seq, payload in self.unacked]
 
-    def accept(self, message: codec.Data) -> bool:
-        """Whether *message* is the next one (to deliver); older ones are
-        resends, newer ones cannot come on an ordered connection."""
+    def accept(self, message: codec.Data) -> str:
+        """``"next"`` (deliver it), ``"old"`` (a resend: drop it) or
+        ``"gap"`` (messages before it were lost with a connection that broke
+        unseen, as ZeroMQ's do: attach again, and they come again)."""
+        if message.seq <= self.received:
+            return "old"
         if message.seq != self.received + 1:
-            return False
+            return "gap"
         self.received = message.seq
         self.ackPending += 1
-        return True
+        return "next"
 
     def ackDue(self, force: bool) -> Optional[codec.Ack]:
         if self.ackPending >= ACK_EVERY or (force and self.ackPending):
@@ -245,12 +251,23 @@ class ClientSessionMachine(Machine):
             self.state = "attached"
             for data in self.seq.resend():
                 self._send(data)
-        elif isinstance(message, codec.Data) and self.seq.accept(message):
-            self._emit(Deliver(message.payload))
-            ack = self.seq.ackDue(force=False)
-            if ack is not None:
-                self._send(ack)
+        elif isinstance(message, codec.Data):
+            verdict = self.seq.accept(message)
+            if verdict == "next":
+                self._emit(Deliver(message.payload))
+                ack = self.seq.ackDue(force=False)
+                if ack is not None:
+                    self._send(ack)
+            elif verdict == "gap" and self.state == "attached":
+                self._lost(message.seq)
         return self._drain()
+
+    def _lost(self, seq: int) -> None:
+        log.info("session {session}: message {seq} came after {received}: some were lost "
+                 "on the way; attaching again", session=self.session.hex(), seq=seq,
+                 received=self.seq.received)
+        self.state = "attaching"
+        self._send(codec.Hello(self.session, self.seq.received))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
@@ -320,11 +337,15 @@ class ServerSessionMachine(Machine):
             return self._drain()  # a client never says these
         session.seq.acked(message.ack)
         if isinstance(message, codec.Data):
-            if session.seq.accept(message):
+            verdict = session.seq.accept(message)
+            if verdict == "next":
                 self._emit(Deliver(message.payload, session.routingId))
                 ack = session.seq.ackDue(force=False)
                 if ack is not None:
                     self._sendTo(session, ack)
+            elif verdict == "gap":
+                # some were lost on the way: the client attaches again and resends
+                self._sendTo(session, codec.Unknown())
         elif isinstance(message, codec.Ping):
             self._sendTo(session, codec.PingOk(session.seq.received))
             session.seq.ackPending = 0

@@ -222,3 +222,32 @@ def _register_streams() -> None:
 
 
 _register_streams()
+
+
+def _register_sessions() -> None:
+    """``session+zmq:``, ``session+tcp:``, ``session+loopback:``: sessions
+    (:mod:`mdp.session.transport`) over those transports."""
+
+    def check(endpoint: str, role: str) -> None:
+        from mdp.session import transport as session
+
+        session.check(endpoint, role)
+
+    def listen(*args: Any) -> Any:
+        from mdp.session import transport as session
+
+        return session.listen(*args)
+
+    def connect(*args: Any) -> Any:
+        from mdp.session import transport as session
+
+        return session.connect(*args)
+
+    for inner in ("zmq", "tcp", "loopback"):
+        register(Scheme(f"session+{inner}", check, listen, connect,
+                        f"sessions over {inner}: heartbeats and invisible reconnects, "
+                        f"session+{inner}:<a {inner}: endpoint without the scheme>",
+                        connections=False))
+
+
+_register_sessions()

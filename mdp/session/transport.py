@@ -1,0 +1,296 @@
+"""Sessions as a transport: ``session+tcp:...``, ``session+zmq:...`` (and
+``session+`` any other scheme).
+
+:class:`SessionRouter` and :class:`SessionDealer` provide the router and
+dealer interfaces over an inner transport (the endpoint without
+``session+``), so an MDP client, worker or broker runs over sessions
+unchanged.  The dealer reports ``connectionMade`` once, when the session is
+first attached, and never ``connectionLost`` for a broken connection: it
+reconnects and re-attaches by itself, and what was in flight comes again,
+once.  The router names each session by a short routing id (4 bytes), the
+same across the client's reconnections, and reports ``peerDisconnected``
+when a session expires.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import attrs
+from twisted.internet import defer, task
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp.errors import TransportError
+from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
+from mdp.policy import Limits, LogThrottle
+from mdp.session.machines import (
+    DEFAULT_EXPIRY,
+    DEFAULT_LIVENESS,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_PING_INTERVAL,
+    ClientSessionMachine,
+    Deliver,
+    Expired,
+    Reconnect,
+    Send,
+    SendTo,
+    ServerSessionMachine,
+    SessionQueueFull,
+    UnknownSession,
+)
+
+log = Logger()
+
+PREFIX = "session+"
+#: What the session protocol adds to a message: frames, and bytes at most.
+OVERHEAD_FRAMES = 4
+OVERHEAD_BYTES = 64
+
+
+def inner_endpoint(endpoint: str) -> str:
+    """``session+tcp:host=h:port=1`` → ``tcp:host=h:port=1``."""
+    if not endpoint.startswith(PREFIX):
+        raise TransportError(f"bad endpoint {endpoint!r}: a session endpoint starts with "
+                             f"{PREFIX!r}, e.g. session+tcp:host=127.0.0.1:port=5555")
+    return endpoint[len(PREFIX):]
+
+
+def inner_limits(limits: Limits) -> Limits:
+    """The inner transport's limits: room for the session's own frames, so
+    the user's limits are checked on the payload, by the session."""
+    return attrs.evolve(limits, maxMessageBytes=limits.maxMessageBytes + OVERHEAD_BYTES,
+                        maxFrames=limits.maxFrames + OVERHEAD_FRAMES)
+
+
+def routing_bytes(routingId: int) -> bytes:
+    return routingId.to_bytes(4, "big")
+
+
+@implementer(IRouterReceiver, IRouterTransport)
+class SessionRouter:
+    """A bound session server: the inner transport's connections come and go,
+    sessions stay until they expire."""
+
+    def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
+                 expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED) -> None:
+        self.receiver = receiver
+        self.reactor = reactor
+        self.limits = limits
+        self.machine = ServerSessionMachine(expiry=expiry, maxQueued=maxQueued,
+                                            now=reactor.seconds())
+        self.throttle = LogThrottle(reactor)
+        self.inner: Any = None
+        self.endpoint = ""
+        self.tick = task.LoopingCall(self._tick)
+        self.tick.clock = reactor
+
+    @classmethod
+    @defer.inlineCallbacks
+    def listen(cls, endpoint: str, receiver: IRouterReceiver, reactor: Any,
+               limits: Limits = Limits()) -> Any:
+        from mdp import transport
+
+        self = cls(receiver, reactor, limits=limits)
+        self.inner = yield transport.listen(inner_endpoint(endpoint), self, reactor,
+                                            limits=inner_limits(limits))
+        self.endpoint = PREFIX + self.inner.endpoint
+        self.tick.start(min(0.5, self.machine.expiry / 4), now=False)
+        return self
+
+    # --- the inner transport's receiver ---------------------------------------------
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds()))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self._perform(self.machine.handlePeerGone(peer, self.reactor.seconds()))
+
+    def _tick(self) -> None:
+        self._perform(self.machine.handleTick(self.reactor.seconds()))
+
+    def _perform(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, SendTo):
+                if self.inner is not None:
+                    self.inner.sendMessage(action.peer, action.frames)
+            elif isinstance(action, Deliver):
+                payload = list(action.payload)
+                reason = self.limits.refuse(payload)
+                if reason is not None:
+                    self.throttle.warn(log, "oversized", "session router at {endpoint}: dropped "
+                                       "a message from session {id}: {reason}",
+                                       endpoint=self.endpoint, id=action.routingId, reason=reason)
+                    continue
+                self.receiver.messageReceived(routing_bytes(action.routingId), payload)
+            elif isinstance(action, Expired):
+                self.receiver.peerDisconnected(routing_bytes(action.routingId))
+
+    # --- IRouterTransport -----------------------------------------------------------
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        try:
+            self._perform(self.machine.reply(int.from_bytes(peer, "big"), tuple(frames),
+                                             self.reactor.seconds()))
+        except UnknownSession:
+            pass  # as a ROUTER drops what it cannot route
+        except SessionQueueFull as e:
+            self.throttle.warn(log, "full", "session router at {endpoint}: refused a message "
+                               "for session {id}: {error}", endpoint=self.endpoint,
+                               id=int.from_bytes(peer, "big"), error=e)
+
+    def disconnectPeer(self, peer: bytes) -> None:
+        """A session has no connection to drop: it ends when it expires (as
+        ZeroMQ, where heartbeats find lost peers)."""
+
+    def close(self) -> defer.Deferred[None]:
+        if self.tick.running:
+            self.tick.stop()
+        inner, self.inner = self.inner, None
+        if inner is None:
+            return defer.succeed(None)
+        return inner.close()
+
+
+@implementer(IDealerTransport)
+class SessionDealer:
+    """The client end of a session over a connecting inner transport; it
+    re-attaches after every break, and replaces a connection that went
+    silent (``pingInterval * liveness``)."""
+
+    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
+                 limits: Limits = Limits(), retryPolicy: Any = None,
+                 pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
+                 maxQueued: int = DEFAULT_MAX_QUEUED) -> None:
+        self.endpoint = endpoint
+        self.innerEndpoint = inner_endpoint(endpoint)
+        self.receiver = receiver
+        self.reactor = reactor
+        self.limits = limits
+        self.retryPolicy = retryPolicy
+        self.machine = ClientSessionMachine(os.urandom(16), pingInterval=pingInterval,
+                                            liveness=liveness, maxQueued=maxQueued,
+                                            now=reactor.seconds())
+        self.throttle = LogThrottle(reactor)
+        self.madeOnce = False
+        self.closed = False
+        self.inner: Any = None
+        self.tick = task.LoopingCall(self._tick)
+        self.tick.clock = reactor
+        self._open()
+        self.tick.start(pingInterval / 4, now=False)
+
+    def _open(self) -> None:
+        from mdp import transport
+
+        receiver = _Inner(self)
+        self.inner = receiver.transport = transport.connect(
+            self.innerEndpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
+            limits=inner_limits(self.limits))
+
+    #: sends go into the session, which keeps them until acknowledged
+    writable = True
+
+    @property
+    def connected(self) -> bool:
+        return self.machine.state == "attached"
+
+    def drained(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    def _tick(self) -> None:
+        self._perform(self.machine.handleTick(self._now()))
+
+    def _perform(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                if self.inner is not None:
+                    self.inner.sendMessage(action.frames)
+            elif isinstance(action, Deliver):
+                payload = list(action.payload)
+                reason = self.limits.refuse(payload)
+                if reason is not None:
+                    self.throttle.warn(log, "oversized", "session dealer to {endpoint}: dropped "
+                                       "a message: {reason}", endpoint=self.endpoint,
+                                       reason=reason)
+                    continue
+                self.receiver.messageReceived(payload)
+            elif isinstance(action, Reconnect):
+                log.info("session dealer to {endpoint}: {reason}; connecting again",
+                         endpoint=self.endpoint, reason=action.reason)
+                inner, self.inner = self.inner, None
+                if inner is not None:
+                    inner.close()
+                if not self.closed:
+                    self._open()
+        if self.machine.state == "attached" and not self.madeOnce and not self.closed:
+            self.madeOnce = True
+            self.receiver.connectionMade()
+
+    # --- IDealerTransport ----------------------------------------------------------------
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        if self.closed:
+            return
+        try:
+            self._perform(self.machine.send(tuple(frames), self._now()))
+        except SessionQueueFull as e:
+            self.throttle.warn(log, "full", "session dealer to {endpoint} refused a message: "
+                               "{error}", endpoint=self.endpoint, error=e)
+
+    def close(self) -> defer.Deferred[None]:
+        self.closed = True
+        if self.tick.running:
+            self.tick.stop()
+        inner, self.inner = self.inner, None
+        if inner is None:
+            return defer.succeed(None)
+        return inner.close()
+
+
+@implementer(IDealerReceiver)
+class _Inner:
+    """Receives for one inner connection of a :class:`SessionDealer`; once
+    that connection is replaced, what it still reports is ignored."""
+
+    def __init__(self, owner: SessionDealer) -> None:
+        self.owner = owner
+        self.transport: Any = None
+
+    def _mine(self) -> bool:
+        return self.transport is not None and self.owner.inner is self.transport
+
+    def connectionMade(self) -> None:
+        if self._mine():
+            self.owner._perform(self.owner.machine.handleConnected(self.owner._now()))
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        if self._mine():
+            self.owner._perform(self.owner.machine.handleMessage(frames, self.owner._now()))
+
+    def connectionLost(self, reason: object) -> None:
+        if self._mine():
+            self.owner._perform(self.owner.machine.handleDisconnected(self.owner._now()))
+
+
+def check(endpoint: str, role: str) -> None:
+    """A session endpoint is ``session+`` and an endpoint of another scheme."""
+    from mdp import transport
+
+    inner = inner_endpoint(endpoint)
+    if inner.startswith(PREFIX):
+        raise TransportError(f"bad endpoint {endpoint!r}: one session layer is enough")
+    transport.check(inner, role)
+
+
+def listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
+    return SessionRouter.listen(endpoint, receiver, reactor, limits)
+
+
+def connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
+            identity: Optional[bytes]) -> Any:
+    return SessionDealer(endpoint, receiver, reactor, limits=limits, retryPolicy=retryPolicy)
