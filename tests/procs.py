@@ -9,6 +9,7 @@ import sys
 from typing import Any, Optional
 
 from twisted.internet import defer, protocol, task
+from twisted.protocols import portforward
 from twisted.python.failure import Failure
 
 
@@ -216,3 +217,54 @@ class Cluster:
             await worker.stop()
         if self.broker is not None:
             await self.broker.stop()
+
+
+# --- a TCP proxy the test can cut ------------------------------------------------------
+
+
+class _ProxyServer(portforward.ProxyServer):
+    def connectionMade(self) -> None:
+        if not self.factory.open or self.factory.port is None:
+            self.transport.abortConnection()
+            return
+        self.factory.connections.add(self)
+        self.factory.accepted += 1
+        super().connectionMade()
+
+    def connectionLost(self, reason: Any) -> None:
+        self.factory.connections.discard(self)
+        super().connectionLost(reason)
+
+
+class Proxy(portforward.ProxyFactory):
+    """Forwards 127.0.0.1:``listening port`` to ``self.port`` (set later);
+    :meth:`cut` closes every connection and refuses new ones until
+    :meth:`restore`."""
+
+    protocol = _ProxyServer
+
+    def __init__(self) -> None:
+        super().__init__("127.0.0.1", None)
+        self.open = True
+        self.connections: set[_ProxyServer] = set()
+        #: connections let through so far
+        self.accepted = 0
+        self.listening = reactor().listenTCP(0, self, interface="127.0.0.1")
+
+    @property
+    def address(self) -> int:
+        return self.listening.getHost().port
+
+    def cut(self) -> None:
+        self.open = False
+        for connection in list(self.connections):
+            connection.transport.abortConnection()
+            if connection.peer is not None:
+                connection.peer.transport.abortConnection()
+
+    def restore(self) -> None:
+        self.open = True
+
+    async def close(self) -> None:
+        self.cut()
+        await self.listening.stopListening()

@@ -17,9 +17,8 @@ from typing import Any, Optional
 import pytest
 import pytest_twisted
 from twisted.internet import defer, task
-from twisted.protocols import portforward
 
-from tests.procs import ENV, Process, bounded, reactor, script, twist_worker, wait_until
+from tests.procs import ENV, Process, Proxy, bounded, reactor, script, twist_worker, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,54 +33,6 @@ def port_of(endpoint: str) -> int:
     match = re.search(r"(?:port=|:)(\d+)$", endpoint)
     assert match, endpoint
     return int(match.group(1))
-
-
-# --- a TCP proxy the test can cut ------------------------------------------------------
-
-
-class _ProxyServer(portforward.ProxyServer):
-    def connectionMade(self) -> None:
-        if not self.factory.open or self.factory.port is None:
-            self.transport.abortConnection()
-            return
-        self.factory.connections.add(self)
-        super().connectionMade()
-
-    def connectionLost(self, reason: Any) -> None:
-        self.factory.connections.discard(self)
-        super().connectionLost(reason)
-
-
-class Proxy(portforward.ProxyFactory):
-    """Forwards 127.0.0.1:``listening port`` to ``self.port`` (set later);
-    :meth:`cut` closes every connection and refuses new ones until
-    :meth:`restore`."""
-
-    protocol = _ProxyServer
-
-    def __init__(self) -> None:
-        super().__init__("127.0.0.1", None)
-        self.open = True
-        self.connections: set[_ProxyServer] = set()
-        self.listening = reactor().listenTCP(0, self, interface="127.0.0.1")
-
-    @property
-    def address(self) -> int:
-        return self.listening.getHost().port
-
-    def cut(self) -> None:
-        self.open = False
-        for connection in list(self.connections):
-            connection.transport.abortConnection()
-            if connection.peer is not None:
-                connection.peer.transport.abortConnection()
-
-    def restore(self) -> None:
-        self.open = True
-
-    async def close(self) -> None:
-        self.cut()
-        await self.listening.stopListening()
 
 
 # --- a pair of broker processes --------------------------------------------------------

@@ -8,7 +8,8 @@ numbers are 8-byte big-endian unsigned integers::
     DATA       seq, ack, payload frames...       either way
     ACK        ack                               either way
     PING       ack                               client → server, when idle
-    PING-OK    ack                               server → client
+    PING-OK    ack, sent                         server → client (*sent*: the last DATA
+                                                 it numbered; the client should have it)
     UNKNOWN                                      server → client: no such session here,
                                                  or messages were lost (say HELLO)
 
@@ -73,6 +74,8 @@ class Ping:
 @attrs.frozen
 class PingOk:
     ack: int
+    #: the last DATA the server numbered (all sent before this PING-OK)
+    sent: int = 0
 
 
 @attrs.frozen
@@ -82,8 +85,8 @@ class Unknown:
 
 Message = Union[Hello, Welcome, Data, Ack, Ping, PingOk, Unknown]
 
-_ACK_ONLY = {WELCOME: Welcome, ACK: Ack, PING: Ping, PING_OK: PingOk}
-_NAMES = {Welcome: WELCOME, Ack: ACK, Ping: PING, PingOk: PING_OK}
+_ACK_ONLY = {WELCOME: Welcome, ACK: Ack, PING: Ping}
+_NAMES = {Welcome: WELCOME, Ack: ACK, Ping: PING}
 
 
 def _number(value: int) -> bytes:
@@ -98,6 +101,8 @@ def encode(message: Message) -> list[bytes]:
         return [PROTOCOL, HELLO, message.session, _number(message.ack)]
     if isinstance(message, Unknown):
         return [PROTOCOL, UNKNOWN]
+    if isinstance(message, PingOk):
+        return [PROTOCOL, PING_OK, _number(message.ack), _number(message.sent)]
     return [PROTOCOL, _NAMES[type(message)], _number(message.ack)]
 
 
@@ -127,6 +132,10 @@ def decode(frames: Sequence[bytes]) -> Message:
         if len(rest[0]) != SESSION_ID_BYTES:
             raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
         return Hello(bytes(rest[0]), _read_number(rest[1], "ack"))
+    if command == PING_OK:
+        if len(rest) != 2:
+            raise MalformedSession(f"PING-OK has {len(rest)} frames after the command, not 2")
+        return PingOk(_read_number(rest[0], "ack"), _read_number(rest[1], "sent"))
     if command == UNKNOWN:
         if rest:
             raise MalformedSession("UNKNOWN carries frames")

@@ -196,6 +196,8 @@ class ClientSessionMachine(Machine):
         self.lastHeard = now
         self.lastSent = now
         self.pings = 0
+        #: for each PING in flight, what we had sent before it
+        self.sentAtPing: deque[int] = deque()
         self.throttle = LogThrottle(self)
 
     @property
@@ -211,6 +213,7 @@ class ClientSessionMachine(Machine):
         self.state = "attaching"
         self.lastHeard = now
         self.pings = 0
+        self.sentAtPing.clear()
         self._send(codec.Hello(self.session, self.seq.received))
         return self._drain()
 
@@ -238,10 +241,19 @@ class ClientSessionMachine(Machine):
             return self._drain()
         self.lastHeard = now
         self.pings = 0
+        if isinstance(message, codec.PingOk) and self.sentAtPing:
+            before = self.sentAtPing.popleft()
+            if self.state == "attached" and (message.ack < before
+                                             or message.sent > self.seq.received):
+                # what went before the PING (or its answer) should be there by now
+                self.seq.acked(message.ack)
+                self._lost(max(message.sent, self.seq.received))
+                return self._drain()
         if isinstance(message, codec.Unknown):
             log.info("session {session}: the server does not know it (restarted?); "
                      "attaching again", session=self.session.hex())
             self.state = "attaching"
+            self.sentAtPing.clear()
             self._send(codec.Hello(self.session, self.seq.received))
             return self._drain()
         if isinstance(message, codec.Hello):
@@ -263,10 +275,11 @@ class ClientSessionMachine(Machine):
         return self._drain()
 
     def _lost(self, seq: int) -> None:
-        log.info("session {session}: message {seq} came after {received}: some were lost "
-                 "on the way; attaching again", session=self.session.hex(), seq=seq,
+        log.info("session {session}: messages were lost on the way (up to {seq}, we have "
+                 "{received}); attaching again", session=self.session.hex(), seq=seq,
                  received=self.seq.received)
         self.state = "attaching"
+        self.sentAtPing.clear()
         self._send(codec.Hello(self.session, self.seq.received))
 
     def handleTick(self, now: float) -> list[Any]:
@@ -282,6 +295,7 @@ class ClientSessionMachine(Machine):
             self._send(ack)
         elif now - self.lastSent >= self.pingInterval and self.pings < self.liveness:
             self.pings += 1
+            self.sentAtPing.append(self.seq.sent)
             self._send(codec.Ping(self.seq.received))
         return self._drain()
 
@@ -311,6 +325,8 @@ class ServerSessionMachine(Machine):
         self.byPeer: dict[Hashable, _Session] = {}
         self.byRouting: dict[int, _Session] = {}
         self._routingIds = 0
+        #: HELLOs taken (first attaches and re-attaches)
+        self.attaches = 0
         self.throttle = LogThrottle(self)
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
@@ -347,11 +363,12 @@ class ServerSessionMachine(Machine):
                 # some were lost on the way: the client attaches again and resends
                 self._sendTo(session, codec.Unknown())
         elif isinstance(message, codec.Ping):
-            self._sendTo(session, codec.PingOk(session.seq.received))
+            self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
             session.seq.ackPending = 0
         return self._drain()
 
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
+        self.attaches += 1
         session = self.sessions.get(hello.session)
         if session is None:
             if len(self.sessions) >= self.maxSessions:

@@ -1,0 +1,221 @@
+"""Sessions as a transport: on loopback with a Clock (pacing, dead server,
+expiry, the queue's bound), and over real TCP and ZeroMQ through a proxy the
+test cuts and restores while thousands of messages flow both ways."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import task
+from zope.interface import implementer
+
+from mdp import transport
+from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.session import codec
+from tests.procs import Proxy, reactor, wait_until
+
+
+@implementer(IRouterReceiver)
+class Server:
+    """Answers every message with ``re:`` + its first frame; records what
+    each session sent, in order."""
+
+    def __init__(self) -> None:
+        self.bound: Any = None
+        self.got: dict[bytes, list[bytes]] = {}
+        self.gone: list[bytes] = []
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.got.setdefault(peer, []).append(frames[0])
+        self.bound.sendMessage(peer, [b"re:" + frames[0]])
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.gone.append(peer)
+
+
+@implementer(IDealerReceiver)
+class Client:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+        self.made = 0
+        self.lost = 0
+
+    def connectionMade(self) -> None:
+        self.made += 1
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.got.append(frames[0])
+
+    def connectionLost(self, reason: object) -> None:
+        self.lost += 1
+
+
+# --- loopback, Clock ---------------------------------------------------------------------
+
+
+async def loopback_pair(net: Any, name: str, **dealer: Any) -> tuple[Server, Any, Client, Any]:
+    from mdp.session.transport import SessionDealer
+
+    server = Server()
+    server.bound = await net.wait(transport.listen(f"session+loopback:{name}", server, net.reactor))
+    net.addCleanup(server.bound.close)
+    client = Client()
+    pipe = SessionDealer(server.bound.endpoint, client, net.reactor, **dealer)
+    net.addCleanup(pipe.close)
+    await net.until(lambda: client.made == 1)
+    return server, server.bound, client, pipe
+
+
+@pytest_twisted.ensureDeferred
+async def test_cuts_are_invisible_and_lose_nothing(clocknet: Any) -> None:
+    server, bound, client, pipe = await loopback_pair(clocknet, "cuts")
+    for n in range(300):
+        pipe.sendMessage([b"%d" % n])
+        if n % 50 == 25:
+            for inner in list(bound.machine.byPeer):
+                bound.inner.disconnectPeer(inner)
+            clocknet.advance(0.05)
+    await clocknet.until(lambda: len(client.got) == 300)
+    assert list(server.got.values()) == [[b"%d" % n for n in range(300)]]
+    assert client.got == [b"re:%d" % n for n in range(300)]
+    assert (client.made, client.lost) == (1, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_idle_client_pings_once_an_interval(clocknet: Any) -> None:
+    server, bound, client, pipe = await loopback_pair(clocknet, "pings", pingInterval=1.0)
+    seen: list[float] = []
+    original = bound.machine.handleMessage
+
+    def spy(peer: Any, frames: list[bytes], now: float) -> Any:
+        if frames[1:2] == [codec.PING]:
+            seen.append(now)
+        return original(peer, frames, now)
+
+    bound.machine.handleMessage = spy
+    clocknet.advance(10)
+    assert 9 <= len(seen) <= 10
+    assert all(1.0 <= b - a <= 1.3 for a, b in zip(seen, seen[1:]))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_silent_server_is_left_and_the_session_goes_on(clocknet: Any) -> None:
+    server, bound, client, pipe = await loopback_pair(clocknet, "silent", pingInterval=1.0,
+                                                      liveness=3)
+    first = pipe.inner
+    deaf = bound.messageReceived
+    bound.messageReceived = lambda peer, frames: None  # it hears nothing, says nothing
+    pings = []
+    original = pipe.inner.sendMessage
+    pipe.inner.sendMessage = lambda frames: (pings.append(frames[1]), original(frames))
+    pipe.sendMessage([b"while deaf"])
+    clocknet.advance(3.5)
+    assert pipe.inner is not first  # after interval x liveness: a new connection
+    assert pings.count(codec.PING) <= 3  # never more than liveness unanswered
+    bound.messageReceived = deaf
+    await clocknet.until(lambda: client.got == [b"re:while deaf"])
+    assert client.made == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_session_expires_after_its_client_is_gone(clocknet: Any) -> None:
+    server, bound, client, pipe = await loopback_pair(clocknet, "expiry")
+    pipe.sendMessage([b"x"])
+    await clocknet.until(lambda: server.got)
+    peer = list(server.got)[0]
+    await clocknet.wait(pipe.close())
+    clocknet.advance(29)
+    assert server.gone == []
+    clocknet.advance(1.5)
+    assert server.gone == [peer]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_restarted_server_gets_a_new_session_and_what_was_not_acknowledged(
+        clocknet: Any) -> None:
+    server, bound, client, pipe = await loopback_pair(clocknet, "restart")
+    await clocknet.wait(bound.close())
+    pipe.sendMessage([b"while down"])
+    clocknet.advance(2)
+    again = Server()
+    listening: list[Any] = []
+    transport.listen("session+loopback:restart", again, clocknet.reactor).addCallback(
+        listening.append)  # at once on loopback, before anything is delivered
+    again.bound = listening[0]
+    clocknet.addCleanup(again.bound.close)
+    await clocknet.until(lambda: client.got == [b"re:while down"])
+    assert list(again.got.values()) == [[b"while down"]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_queue_while_away_is_bounded(clocknet: Any) -> None:
+    from mdp.session.transport import SessionDealer
+
+    client = Client()
+    pipe = SessionDealer("session+loopback:nobody-here", client, clocknet.reactor, maxQueued=5)
+    clocknet.addCleanup(pipe.close)
+    for n in range(8):
+        pipe.sendMessage([b"%d" % n])  # the last three are refused, logged, never raised
+    assert len(pipe.machine.seq.unacked) == 5
+
+
+# --- real sockets, a proxy cut and restored ------------------------------------------------
+
+
+MESSAGES = 10_000
+CLIENTS = 3
+CUTS = 5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("medium", ["tcp", "zmq"])
+@pytest_twisted.ensureDeferred
+async def test_ten_thousand_messages_both_ways_across_cuts(medium: str) -> None:
+    """Three clients send 10,000 messages in all through a TCP proxy that is
+    cut and restored five times; the server answers each.  Every message and
+    every answer arrives exactly once, in order, per session."""
+    server = Server()
+    bind = "session+tcp:host=127.0.0.1:port=0" if medium == "tcp" else \
+        "session+zmq:tcp://127.0.0.1:*"
+    server.bound = await transport.listen(bind, server, reactor())
+    proxy = Proxy()
+    proxy.port = int(server.bound.endpoint.rpartition(":")[2].rpartition("=")[2])
+    via = (f"session+tcp:host=127.0.0.1:port={proxy.address}" if medium == "tcp"
+           else f"session+zmq:tcp://127.0.0.1:{proxy.address}")
+    clients = [Client() for _ in range(CLIENTS)]
+    pipes = [transport.connect(via, c, reactor(), retryPolicy=lambda attempt: 0.05)
+             for c in clients]
+    each = MESSAGES // CLIENTS
+    try:
+        await wait_until(lambda: all(c.made == 1 for c in clients), 10)
+        cutAt = {each * (k + 1) // (CUTS + 1) for k in range(CUTS)}
+        for n in range(each):
+            for pipe in pipes:
+                pipe.sendMessage([b"%d" % n])
+            if n in cutAt:
+                await task.deferLater(reactor(), 0.01)  # some in flight, some delivered
+                before = proxy.accepted
+                proxy.cut()
+                await task.deferLater(reactor(), 0.2)
+                proxy.restore()
+                await wait_until(lambda before=before: proxy.accepted >= before + CLIENTS, 10)
+            elif n % 100 == 0:
+                await task.deferLater(reactor(), 0)
+        await wait_until(lambda: all(len(c.got) >= each for c in clients), 90)
+        expected = [b"%d" % n for n in range(each)]
+        assert len(server.got) == CLIENTS  # one session per client, whatever the cuts
+        assert proxy.accepted >= CLIENTS * (CUTS + 1)  # every cut made every client reconnect
+        if medium == "tcp":
+            assert server.bound.machine.attaches >= CLIENTS * (CUTS + 1)
+        for got in server.got.values():
+            assert got == expected
+        for client in clients:
+            assert client.got == [b"re:" + e for e in expected]
+            assert (client.made, client.lost) == (1, 0)
+    finally:
+        for pipe in pipes:
+            await pipe.close()
+        await proxy.close()
+        await server.bound.close()
