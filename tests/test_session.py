@@ -77,6 +77,7 @@ async def test_cuts_are_invisible_and_lose_nothing(clocknet: Any) -> None:
             for inner in list(bound.machine.byPeer):
                 bound.inner.disconnectPeer(inner)
             clocknet.advance(0.05)
+            assert pipe.connected  # a session is usable while it re-attaches
     await clocknet.until(lambda: len(client.got) == 300)
     assert list(server.got.values()) == [[b"%d" % n for n in range(300)]]
     assert client.got == [b"re:%d" % n for n in range(300)]
@@ -219,3 +220,48 @@ async def test_ten_thousand_messages_both_ways_across_cuts(medium: str) -> None:
             await pipe.close()
         await proxy.close()
         await server.bound.close()
+
+
+@pytest.mark.timeout(120)
+@pytest_twisted.ensureDeferred
+async def test_mdp_client_and_broker_over_sessions_ride_out_cuts_without_retrying() -> None:
+    """An MDP broker and a client over ``session+tcp``, the client through a
+    proxy cut and restored three times while requests are in flight: every
+    request completes, its handler ran once, and the client never retried
+    (one attempt each)."""
+    from twisted.internet import defer
+
+    from mdp import Broker, Client, Worker
+
+    calls: dict[bytes, int] = {}
+
+    def handler(frames: list[bytes]) -> list[bytes]:
+        calls[frames[0]] = calls.get(frames[0], 0) + 1
+        return [b"done " + frames[0]]
+
+    broker = Broker(reactor())
+    bound = await broker.listen("session+tcp:host=127.0.0.1:port=0")
+    worker = Worker(bound.endpoint, "work", handler, reactor())
+    worker.start()
+    proxy = Proxy()
+    proxy.port = int(bound.endpoint.rpartition("=")[2])
+    client = Client(f"session+tcp:host=127.0.0.1:port={proxy.address}", reactor(),
+                    timeout=30.0, retries=1)
+    try:
+        pending = []
+        for n in range(300):
+            pending.append(client.request("work", b"%d" % n))
+            if n % 100 == 50:
+                await task.deferLater(reactor(), 0.02)
+                proxy.cut()
+                await task.deferLater(reactor(), 0.3)
+                proxy.restore()
+        replies = await defer.gatherResults(pending).addTimeout(60, reactor())
+        assert replies == [[b"done %d" % n] for n in range(300)]
+        assert calls == {b"%d" % n: 1 for n in range(300)}
+        assert proxy.accepted >= 4  # the first connection and one after each cut
+    finally:
+        await client.close()
+        await worker.stop()
+        await broker.close()
+        await proxy.close()

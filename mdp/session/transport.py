@@ -194,7 +194,9 @@ class SessionDealer:
 
     @property
     def connected(self) -> bool:
-        return self.machine.state == "attached"
+        """True once the session was first attached, until closed: while it
+        re-attaches, what is sent waits in the session and goes once."""
+        return self.madeOnce and not self.closed
 
     def drained(self) -> defer.Deferred[None]:
         return defer.succeed(None)
