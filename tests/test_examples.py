@@ -55,3 +55,16 @@ async def test_binarystar_example_fails_over_to_the_backup_freelance_server() ->
     example = load("binarystar_freelance")
     replies = await example.main(reactor)
     assert replies == [[b"primary", b"hello"], [b"backup", b"still there?"]]
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_sessions_example_keeps_a_message_while_the_server_is_away() -> None:
+    """examples/sessions.py: the message sent while the server was down is
+    answered by the server that comes back; MDP runs over session+tcp."""
+    from twisted.internet import reactor
+
+    example = load("sessions")
+    answers, reply = await example.main(reactor)
+    assert answers == [[b"HELLO"], [b"SESSIONS"]]
+    assert reply == [b"over a session"]

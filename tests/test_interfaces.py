@@ -253,6 +253,18 @@ def _session_inner() -> Any:
     return _Inner(_session_dealer())
 
 
+def _session_client() -> Any:
+    from mdp.session import SessionClient
+
+    return SessionClient("loopback:verify", _clock())
+
+
+def _session_server() -> Any:
+    from mdp.session import SessionServer
+
+    return SessionServer(lambda routingId, frames: None, _clock())
+
+
 def _maker(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from mdp.app import tap
@@ -312,6 +324,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.session.transport.SessionRouter": _session_router,
     "mdp.session.transport.SessionDealer": _session_dealer,
     "mdp.session.transport._Inner": _session_inner,
+    "mdp.session.peers.SessionClient": _session_client,
+    "mdp.session.peers.SessionServer": _session_server,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
     "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),

@@ -104,15 +104,16 @@ class Wire:
 
 
 def test_codec_round_trip_and_refusals() -> None:
-    messages = [codec.Hello(b"s" * 16, 3), codec.Welcome(0), codec.Data(1, 2, (b"a", b"")),
-                codec.Ack(5), codec.Ping(2**64 - 1), codec.PingOk(0), codec.Unknown()]
+    messages = [codec.Hello(b"s" * 16, 3, 2), codec.Welcome(0), codec.Welcome(4, True),
+                codec.Data(1, 2, (b"a", b"")), codec.Ack(5), codec.Ping(2**64 - 1),
+                codec.PingOk(0, 3), codec.Unknown()]
     for message in messages:
         assert codec.decode(codec.encode(message)) == message
     assert codec.encode(codec.Data(1, 0, (b"x",))) == [b"SESS01", b"DATA", (1).to_bytes(8, "big"),
                                                       bytes(8), b"x"]
     for frames, reason in [([b"MDPC02"], "not a session"), ([b"SESS01", b"NOPE"], "unknown command"),
                            ([b"SESS01", b"DATA", bytes(8), bytes(8)], "numbered 0"),
-                           ([b"SESS01", b"HELLO", b"short", bytes(8)], "16 bytes"),
+                           ([b"SESS01", b"HELLO", b"short", bytes(8), bytes(8)], "16 bytes"),
                            ([b"SESS01", b"ACK", b"\x01"], "8 bytes, not 1"),
                            ([b"SESS01", b"PING"], "not 1")]:
         with pytest.raises(MalformedSession, match=reason):
@@ -294,3 +295,43 @@ def test_messages_lost_without_a_cut_are_sent_again_after_a_new_hello() -> None:
     wire.flow()
     assert wire.atServer == [(b"c%d" % n,) for n in range(5)]
     assert wire.atClient == [(b"s%d" % n,) for n in range(5)]
+
+
+def test_the_last_messages_lost_unseen_are_found_by_the_next_ping() -> None:
+    """No later message reveals a gap: the idle client's PING does (its answer
+    says what the server has, and what it sent)."""
+    wire = Wire(pingInterval=1.0)
+    wire.connect()
+    wire.flow()
+    wire.send(b"last from client")
+    wire.reply(1, b"last from server")
+    wire.toServer.clear()
+    wire.toClient.clear()
+    wire.tick(1.0)
+    wire.flow()
+    assert wire.atServer == [(b"last from client",)]
+    assert wire.atClient == [(b"last from server",)]
+
+
+def test_a_server_that_forgot_the_session_starts_afresh_and_gets_what_is_held() -> None:
+    """The server restarted: the client's next numbers continue, the new
+    session takes them from there, and the server's numbering starts at 1."""
+    wire = Wire()
+    wire.connect()
+    wire.flow()
+    for n in range(3):
+        wire.send(b"before %d" % n)
+        wire.reply(1, b"answer %d" % n)
+    wire.flow()
+    wire.tick(0.5)
+    wire.flow()
+    wire.cut()
+    wire.server = ServerSessionMachine(expiry=30.0)  # restarted: no sessions
+    wire.send(b"while down")
+    wire.connect()
+    wire.flow()
+    wire.reply(1, b"from the new server")
+    wire.flow()
+    assert wire.atServer[-1:] == [(b"while down",)]
+    assert wire.atClient[-1:] == [(b"from the new server",)]
+    assert wire.client.seq.received == 1

@@ -1,6 +1,9 @@
 """CLIENT/SERVER sessions: heartbeats and invisible reconnects ("Revisiting
-multipart", "Heartbeating and Sessions").  The codec and the pure machines;
-see :mod:`mdp.session.machines`."""
+multipart", "Heartbeating and Sessions").  :class:`SessionClient` and
+:class:`SessionServer` for applications; ``session+tcp:`` and
+``session+zmq:`` endpoints (:mod:`mdp.session.transport`) for MDP and the
+other patterns; the pure machines in :mod:`mdp.session.machines`.  See
+docs/sessions.md."""
 
 from mdp.session.codec import MalformedSession
 from mdp.session.machines import (
@@ -9,11 +12,14 @@ from mdp.session.machines import (
     SessionQueueFull,
     UnknownSession,
 )
+from mdp.session.peers import SessionClient, SessionServer
 
 __all__ = [
     "ClientSessionMachine",
     "MalformedSession",
     "ServerSessionMachine",
+    "SessionClient",
+    "SessionServer",
     "SessionQueueFull",
     "UnknownSession",
 ]

@@ -3,8 +3,11 @@
 Every message starts with the protocol frame ``SESS01`` and a command frame;
 numbers are 8-byte big-endian unsigned integers::
 
-    HELLO      session id (16 bytes), ack        client → server: attach (again)
-    WELCOME    ack                               server → client: attached
+    HELLO      session id (16 bytes), ack, since  client → server: attach (again); *since*:
+                                                 the last of its DATA it no longer holds
+    WELCOME    ack, new                          server → client: attached; *new* 1 if the
+                                                 server did not know the session (it
+                                                 restarted): numbering starts afresh
     DATA       seq, ack, payload frames...       either way
     ACK        ack                               either way
     PING       ack                               client → server, when idle
@@ -47,11 +50,15 @@ class MalformedSession(ProtocolError):
 class Hello:
     session: bytes
     ack: int
+    #: the client's DATA up to this number were acknowledged (it holds the rest)
+    since: int = 0
 
 
 @attrs.frozen
 class Welcome:
     ack: int
+    #: a session the server did not know: the client's received count restarts
+    new: bool = False
 
 
 @attrs.frozen
@@ -85,8 +92,8 @@ class Unknown:
 
 Message = Union[Hello, Welcome, Data, Ack, Ping, PingOk, Unknown]
 
-_ACK_ONLY = {WELCOME: Welcome, ACK: Ack, PING: Ping}
-_NAMES = {Welcome: WELCOME, Ack: ACK, Ping: PING}
+_ACK_ONLY = {ACK: Ack, PING: Ping}
+_NAMES = {Ack: ACK, Ping: PING}
 
 
 def _number(value: int) -> bytes:
@@ -98,7 +105,9 @@ def encode(message: Message) -> list[bytes]:
     if isinstance(message, Data):
         return [PROTOCOL, DATA, _number(message.seq), _number(message.ack), *message.payload]
     if isinstance(message, Hello):
-        return [PROTOCOL, HELLO, message.session, _number(message.ack)]
+        return [PROTOCOL, HELLO, message.session, _number(message.ack), _number(message.since)]
+    if isinstance(message, Welcome):
+        return [PROTOCOL, WELCOME, _number(message.ack), _number(int(message.new))]
     if isinstance(message, Unknown):
         return [PROTOCOL, UNKNOWN]
     if isinstance(message, PingOk):
@@ -127,11 +136,15 @@ def decode(frames: Sequence[bytes]) -> Message:
             raise MalformedSession("DATA numbered 0 (numbers start at 1)")
         return Data(seq, _read_number(rest[1], "ack"), tuple(bytes(f) for f in rest[2:]))
     if command == HELLO:
-        if len(rest) != 2:
-            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 2")
+        if len(rest) != 3:
+            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 3")
         if len(rest[0]) != SESSION_ID_BYTES:
             raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
-        return Hello(bytes(rest[0]), _read_number(rest[1], "ack"))
+        return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"))
+    if command == WELCOME:
+        if len(rest) != 2:
+            raise MalformedSession(f"WELCOME has {len(rest)} frames after the command, not 2")
+        return Welcome(_read_number(rest[0], "ack"), bool(_read_number(rest[1], "new")))
     if command == PING_OK:
         if len(rest) != 2:
             raise MalformedSession(f"PING-OK has {len(rest)} frames after the command, not 2")

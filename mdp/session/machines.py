@@ -150,6 +150,11 @@ class _Sequenced:
         while self.unacked and self.unacked[0][0] <= ack:
             self.unacked.popleft()
 
+    @property
+    def since(self) -> int:
+        """The last of our DATA the other side acknowledged (we hold the rest)."""
+        return self.unacked[0][0] - 1 if self.unacked else self.sent
+
     def resend(self) -> list[codec.Data]:
         return [self.data(seq, payload) for seq, payload in self.unacked]
 
@@ -198,6 +203,7 @@ class ClientSessionMachine(Machine):
         self.pings = 0
         #: for each PING in flight, what we had sent before it
         self.sentAtPing: deque[int] = deque()
+        self.helloAt = now
         self.throttle = LogThrottle(self)
 
     @property
@@ -210,11 +216,9 @@ class ClientSessionMachine(Machine):
 
     def handleConnected(self, now: float) -> list[Any]:
         self.now = now
-        self.state = "attaching"
         self.lastHeard = now
         self.pings = 0
-        self.sentAtPing.clear()
-        self._send(codec.Hello(self.session, self.seq.received))
+        self._hello()
         return self._drain()
 
     def handleDisconnected(self, now: float) -> list[Any]:
@@ -250,16 +254,22 @@ class ClientSessionMachine(Machine):
                 self._lost(max(message.sent, self.seq.received))
                 return self._drain()
         if isinstance(message, codec.Unknown):
-            log.info("session {session}: the server does not know it (restarted?); "
-                     "attaching again", session=self.session.hex())
-            self.state = "attaching"
-            self.sentAtPing.clear()
-            self._send(codec.Hello(self.session, self.seq.received))
+            if self.state == "attaching" and now - self.helloAt < self.pingInterval:
+                return self._drain()  # our HELLO is on its way
+            self.throttle.info(log, "unknown", "session {session}: the server does not know "
+                               "this connection (it restarted, or the connection was replaced); "
+                               "attaching again", session=self.session.hex())
+            self._hello()
             return self._drain()
         if isinstance(message, codec.Hello):
             return self._drain()  # a server never says HELLO
         self.seq.acked(message.ack)
         if isinstance(message, codec.Welcome):
+            if message.new and self.seq.received:
+                log.info("session {session}: the server started it afresh (it restarted); "
+                         "what it sent before is gone", session=self.session.hex())
+            if message.new:
+                self.seq.received = 0
             self.state = "attached"
             for data in self.seq.resend():
                 self._send(data)
@@ -275,12 +285,18 @@ class ClientSessionMachine(Machine):
         return self._drain()
 
     def _lost(self, seq: int) -> None:
-        log.info("session {session}: messages were lost on the way (up to {seq}, we have "
-                 "{received}); attaching again", session=self.session.hex(), seq=seq,
-                 received=self.seq.received)
+        self.throttle.info(log, "lost", "session {session}: messages were lost on the way (up "
+                           "to {seq}, we have {received}); attaching again",
+                           session=self.session.hex(), seq=seq, received=self.seq.received)
+        self._hello()
+
+    def _hello(self) -> None:
+        """Attach (again): HELLO, and wait for WELCOME (HELLO again after a
+        ping interval without one: it may have been lost)."""
         self.state = "attaching"
         self.sentAtPing.clear()
-        self._send(codec.Hello(self.session, self.seq.received))
+        self.helloAt = self.now
+        self._send(codec.Hello(self.session, self.seq.received, self.seq.since))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
@@ -289,6 +305,10 @@ class ClientSessionMachine(Machine):
         if now - self.lastHeard >= self.deadAfter:
             self.state = "detached"
             self._emit(Reconnect(f"nothing from the server in {now - self.lastHeard:.1f} s"))
+            return self._drain()
+        if self.state == "attaching":
+            if now - self.helloAt >= self.pingInterval:
+                self._hello()
             return self._drain()
         ack = self.seq.ackDue(force=True)
         if ack is not None and self.state == "attached":
@@ -369,6 +389,7 @@ class ServerSessionMachine(Machine):
 
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
         self.attaches += 1
+        new = False
         session = self.sessions.get(hello.session)
         if session is None:
             if len(self.sessions) >= self.maxSessions:
@@ -378,6 +399,9 @@ class ServerSessionMachine(Machine):
                 return
             self._routingIds += 1
             session = _Session(hello.session, self._routingIds, self.maxQueued, self.now)
+            # the client numbers on from its earlier session (with a server that is gone)
+            session.seq.received = hello.since
+            new = True
             self.sessions[hello.session] = session
             self.byRouting[session.routingId] = session
             self._emit(Opened(session.routingId))
@@ -390,7 +414,7 @@ class ServerSessionMachine(Machine):
         session.lastHeard = self.now
         self.byPeer[peer] = session
         session.seq.acked(hello.ack)
-        self._sendTo(session, codec.Welcome(session.seq.received))
+        self._sendTo(session, codec.Welcome(session.seq.received, new))
         for data in session.seq.resend():
             self._sendTo(session, data)
 

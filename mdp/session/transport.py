@@ -235,11 +235,18 @@ class SessionDealer:
 
     # --- IDealerTransport ----------------------------------------------------------------
 
+    def send(self, frames: list[bytes]) -> None:
+        """Send *frames* in the session; :class:`SessionQueueFull` if it holds
+        its limit of messages not yet acknowledged (nothing is queued then)."""
+        if self.closed:
+            raise TransportError(f"the session to {self.endpoint} is closed")
+        self._perform(self.machine.send(tuple(frames), self._now()))
+
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.closed:
             return
         try:
-            self._perform(self.machine.send(tuple(frames), self._now()))
+            self.send(frames)
         except SessionQueueFull as e:
             self.throttle.warn(log, "full", "session dealer to {endpoint} refused a message: "
                                "{error}", endpoint=self.endpoint, error=e)

@@ -1,0 +1,135 @@
+"""The application's side of sessions: :class:`SessionClient` and
+:class:`SessionServer`, for programs that speak their own messages (an MDP
+client, worker or broker uses the ``session+`` endpoints instead)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from twisted.internet import defer
+from zope.interface import implementer
+
+from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.policy import Limits, default_reactor
+from mdp.session.machines import (
+    DEFAULT_EXPIRY,
+    DEFAULT_LIVENESS,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_PING_INTERVAL,
+    UnknownSession,
+)
+from mdp.session.transport import PREFIX, SessionDealer, SessionRouter
+
+
+def session_endpoint(endpoint: str) -> str:
+    """*endpoint* with ``session+`` in front, if it has not."""
+    return endpoint if endpoint.startswith(PREFIX) else PREFIX + endpoint
+
+
+def _frames(frames: tuple[Any, ...]) -> list[bytes]:
+    for frame in frames:
+        if not isinstance(frame, bytes):
+            raise TypeError(f"a frame is bytes, not {type(frame).__name__}: {frame!r}")
+    return list(frames)
+
+
+@implementer(IDealerReceiver)
+class SessionClient:
+    """One session to a server at *endpoint* (``tcp:host=H:port=P``,
+    ``zmq:tcp://H:P``, with or without ``session+``).
+
+    ``send(*frames)`` never waits and never loses: while the connection is
+    down the message waits in the session (at most *maxQueued*; beyond,
+    :class:`~mdp.session.SessionQueueFull`).  What the server sends goes to
+    the ``subscribe`` callbacks, in order, once each.  ``attached()`` fires
+    once the session is first attached."""
+
+    def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
+                 pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
+                 maxQueued: int = DEFAULT_MAX_QUEUED, limits: Limits = Limits()) -> None:
+        self.reactor = default_reactor(reactor)
+        self._callbacks: list[Callable[[list[bytes]], Any]] = []
+        self._attached: defer.Deferred[None] = defer.Deferred()
+        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
+                                    pingInterval=pingInterval, liveness=liveness,
+                                    maxQueued=maxQueued)
+
+    def attached(self) -> defer.Deferred[None]:
+        """Fires once the session is first attached (at once if it is)."""
+        d: defer.Deferred[None] = defer.Deferred()
+        self._attached.addBoth(lambda result: (d.callback(None), result)[1])
+        return d
+
+    def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
+        """Call *callback(frames)* for every message from the server."""
+        self._callbacks.append(callback)
+
+    def send(self, *frames: bytes) -> None:
+        self.dealer.send(_frames(frames))
+
+    def close(self) -> defer.Deferred[None]:
+        return self.dealer.close()
+
+    # IDealerReceiver, for the session dealer
+    def connectionMade(self) -> None:
+        if not self._attached.called:
+            self._attached.callback(None)
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        for callback in list(self._callbacks):
+            callback(frames)
+
+    def connectionLost(self, reason: object) -> None:
+        """A session does not lose its connection (it re-attaches)."""
+
+
+@implementer(IRouterReceiver)
+class SessionServer:
+    """A table of sessions behind one bound endpoint.  Each session is
+    known by a short routing id (an ``int``, not the client's session id);
+    *handler(routingId, frames)* hears every message, in order, once, and
+    ``reply(routingId, *frames)`` answers (kept until the client has it,
+    across its reconnections).  *onExpired(routingId)* hears of sessions
+    silent for *expiry* seconds."""
+
+    def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
+                 *, expiry: float = DEFAULT_EXPIRY,
+                 onExpired: Optional[Callable[[int], Any]] = None,
+                 limits: Limits = Limits()) -> None:
+        self.reactor = default_reactor(reactor)
+        self.handler = handler
+        self.onExpired = onExpired
+        self.expiry = expiry
+        self.limits = limits
+        self.router: Optional[SessionRouter] = None
+
+    async def listen(self, endpoint: str) -> str:
+        """Bind *endpoint*; returns the endpoint clients connect to."""
+        from mdp import transport
+
+        self.router = await transport.listen(session_endpoint(endpoint), self, self.reactor,
+                                             limits=self.limits)
+        self.router.machine.expiry = self.expiry
+        return self.router.endpoint
+
+    def reply(self, routingId: int, *frames: bytes) -> None:
+        """Send *frames* to the session *routingId*;
+        :class:`~mdp.session.UnknownSession` if it expired (or never was),
+        :class:`~mdp.session.SessionQueueFull` beyond its limit."""
+        if self.router is None:
+            raise UnknownSession(routingId)
+        router = self.router
+        router._perform(router.machine.reply(routingId, tuple(_frames(frames)),
+                                             self.reactor.seconds()))
+
+    def close(self) -> defer.Deferred[None]:
+        router, self.router = self.router, None
+        return router.close() if router is not None else defer.succeed(None)
+
+    # IRouterReceiver, for the session router
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.handler(int.from_bytes(peer, "big"), frames)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        if self.onExpired is not None:
+            self.onExpired(int.from_bytes(peer, "big"))
