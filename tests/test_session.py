@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
+from twisted.internet import defer, task
 from zope.interface import implementer
 
 from mdp import transport
@@ -265,3 +265,30 @@ async def test_mdp_client_and_broker_over_sessions_ride_out_cuts_without_retryin
         await worker.stop()
         await broker.close()
         await proxy.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_messages_over_the_limits_are_refused_before_they_enter_a_session(
+        clocknet: Any) -> None:
+    """A message the far side would refuse would be resent after every
+    reconnection: it is refused at once instead, with a typed error."""
+    from mdp.errors import ReplyTooLarge, RequestTooLarge
+    from mdp.policy import Limits
+    from mdp.session import SessionClient, SessionServer
+
+    limits = Limits(maxMessageBytes=1000)
+    got: list[list[bytes]] = []
+    server = SessionServer(lambda routingId, frames: got.append(frames), clocknet.reactor,
+                           limits=limits)
+    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:limits")))
+    clocknet.addCleanup(server.close)
+    client = SessionClient(endpoint, clocknet.reactor, limits=limits)
+    clocknet.addCleanup(client.close)
+    await clocknet.wait(client.attached())
+    with pytest.raises(RequestTooLarge, match="exceeds the limit of 1000"):
+        client.send(b"x" * 1001)
+    client.send(b"fits")
+    await clocknet.until(lambda: got == [[b"fits"]])
+    with pytest.raises(ReplyTooLarge):
+        server.reply(1, b"y" * 1001)
+    assert client.dealer.machine.seq.sent == 1

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 from twisted.internet import defer
 from zope.interface import implementer
 
+from mdp.errors import ReplyTooLarge
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.policy import Limits, default_reactor
 from mdp.session.machines import (
@@ -115,10 +116,14 @@ class SessionServer:
     def reply(self, routingId: int, *frames: bytes) -> None:
         """Send *frames* to the session *routingId*;
         :class:`~mdp.session.UnknownSession` if it expired (or never was),
-        :class:`~mdp.session.SessionQueueFull` beyond its limit."""
+        :class:`~mdp.session.SessionQueueFull` beyond its limit,
+        :class:`~mdp.errors.ReplyTooLarge` over *limits*."""
         if self.router is None:
             raise UnknownSession(routingId)
         router = self.router
+        reason = self.limits.refuse(list(frames))
+        if reason is not None:
+            raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
         router._perform(router.machine.reply(routingId, tuple(_frames(frames)),
                                              self.reactor.seconds()))
 

@@ -22,7 +22,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import TransportError
+from mdp.errors import RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
 from mdp.policy import Limits, LogThrottle
 from mdp.session.machines import (
@@ -130,6 +130,12 @@ class SessionRouter:
     # --- IRouterTransport -----------------------------------------------------------
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        reason = self.limits.refuse(frames)
+        if reason is not None:
+            self.throttle.warn(log, "too large", "session router at {endpoint}: refused a "
+                               "message for session {id}: {reason}", endpoint=self.endpoint,
+                               id=int.from_bytes(peer, "big"), reason=reason)
+            return
         try:
             self._perform(self.machine.reply(int.from_bytes(peer, "big"), tuple(frames),
                                              self.reactor.seconds()))
@@ -237,9 +243,14 @@ class SessionDealer:
 
     def send(self, frames: list[bytes]) -> None:
         """Send *frames* in the session; :class:`SessionQueueFull` if it holds
-        its limit of messages not yet acknowledged (nothing is queued then)."""
+        its limit of messages not yet acknowledged, :class:`RequestTooLarge`
+        over *limits* (a message the far side would refuse would otherwise
+        be resent after every reconnection); nothing is queued then."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
+        reason = self.limits.refuse(frames)
+        if reason is not None:
+            raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
         self._perform(self.machine.send(tuple(frames), self._now()))
 
     def sendMessage(self, frames: list[bytes]) -> None:
@@ -247,7 +258,7 @@ class SessionDealer:
             return
         try:
             self.send(frames)
-        except SessionQueueFull as e:
+        except (SessionQueueFull, RequestTooLarge) as e:
             self.throttle.warn(log, "full", "session dealer to {endpoint} refused a message: "
                                "{error}", endpoint=self.endpoint, error=e)
 
