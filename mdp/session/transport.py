@@ -68,8 +68,34 @@ def routing_bytes(routingId: int) -> bytes:
     return routingId.to_bytes(4, "big")
 
 
+class _End:
+    """What both ends share: a tick, an inner transport, limits on what is
+    delivered."""
+
+    tick: task.LoopingCall
+    inner: Any
+    limits: Limits
+    throttle: LogThrottle
+    endpoint: str
+
+    def _deliverable(self, payload: list[bytes], source: str) -> bool:
+        """Whether *payload* is within our limits (else dropped, logged)."""
+        reason = self.limits.refuse(payload)
+        if reason is not None:
+            self.throttle.warn(log, "oversized", "{end} {endpoint}: dropped a message from "
+                               "{source}: {reason}", end=type(self).__name__,
+                               endpoint=self.endpoint, source=source, reason=reason)
+        return reason is None
+
+    def _shutdown(self) -> defer.Deferred[None]:
+        if self.tick.running:
+            self.tick.stop()
+        inner, self.inner = self.inner, None
+        return inner.close() if inner is not None else defer.succeed(None)
+
+
 @implementer(IRouterReceiver, IRouterTransport)
-class SessionRouter:
+class SessionRouter(_End):
     """A bound session server: the inner transport's connections come and go,
     sessions stay until they expire."""
 
@@ -117,13 +143,8 @@ class SessionRouter:
                     self.inner.sendMessage(action.peer, action.frames)
             elif isinstance(action, Deliver):
                 payload = list(action.payload)
-                reason = self.limits.refuse(payload)
-                if reason is not None:
-                    self.throttle.warn(log, "oversized", "session router at {endpoint}: dropped "
-                                       "a message from session {id}: {reason}",
-                                       endpoint=self.endpoint, id=action.routingId, reason=reason)
-                    continue
-                self.receiver.messageReceived(routing_bytes(action.routingId), payload)
+                if self._deliverable(payload, f"session {action.routingId}"):
+                    self.receiver.messageReceived(routing_bytes(action.routingId), payload)
             elif isinstance(action, Expired):
                 self.receiver.peerDisconnected(routing_bytes(action.routingId))
 
@@ -151,16 +172,11 @@ class SessionRouter:
         ZeroMQ, where heartbeats find lost peers)."""
 
     def close(self) -> defer.Deferred[None]:
-        if self.tick.running:
-            self.tick.stop()
-        inner, self.inner = self.inner, None
-        if inner is None:
-            return defer.succeed(None)
-        return inner.close()
+        return self._shutdown()
 
 
 @implementer(IDealerTransport)
-class SessionDealer:
+class SessionDealer(_End):
     """The client end of a session over a connecting inner transport; it
     re-attaches after every break, and replaces a connection that went
     silent (``pingInterval * liveness``)."""
@@ -220,13 +236,8 @@ class SessionDealer:
                     self.inner.sendMessage(action.frames)
             elif isinstance(action, Deliver):
                 payload = list(action.payload)
-                reason = self.limits.refuse(payload)
-                if reason is not None:
-                    self.throttle.warn(log, "oversized", "session dealer to {endpoint}: dropped "
-                                       "a message: {reason}", endpoint=self.endpoint,
-                                       reason=reason)
-                    continue
-                self.receiver.messageReceived(payload)
+                if self._deliverable(payload, "the server"):
+                    self.receiver.messageReceived(payload)
             elif isinstance(action, Reconnect):
                 log.info("session dealer to {endpoint}: {reason}; connecting again",
                          endpoint=self.endpoint, reason=action.reason)
@@ -264,12 +275,7 @@ class SessionDealer:
 
     def close(self) -> defer.Deferred[None]:
         self.closed = True
-        if self.tick.running:
-            self.tick.stop()
-        inner, self.inner = self.inner, None
-        if inner is None:
-            return defer.succeed(None)
-        return inner.close()
+        return self._shutdown()
 
 
 @implementer(IDealerReceiver)
