@@ -292,3 +292,64 @@ async def test_messages_over_the_limits_are_refused_before_they_enter_a_session(
     with pytest.raises(ReplyTooLarge):
         server.reply(1, b"y" * 1001)
     assert client.dealer.machine.seq.sent == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_full_session_says_so_and_drained_fires_once_acknowledged(clocknet: Any) -> None:
+    """Backpressure for streaming senders: not writable at half the bound,
+    drained() once the server has acknowledged enough."""
+    server, bound, client, pipe = await loopback_pair(clocknet, "backpressure", maxQueued=10)
+    deaf = bound.messageReceived
+    bound.messageReceived = lambda peer, frames: None
+    for n in range(5):
+        pipe.sendMessage([b"%d" % n])
+    assert pipe.writable is False
+    waiting = pipe.drained()
+    assert not waiting.called
+    bound.messageReceived = deaf
+    await clocknet.wait(waiting, timeout=10)
+    assert pipe.writable is True
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_raising_application_does_not_stop_the_session(clocknet: Any) -> None:
+    from mdp.session.transport import SessionDealer
+
+    @implementer(IRouterReceiver)
+    class Broken(Server):
+        def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+            super().messageReceived(peer, frames)
+            raise RuntimeError("application bug")
+
+        def peerDisconnected(self, peer: bytes) -> None:
+            super().peerDisconnected(peer)
+            raise RuntimeError("application bug")
+
+    server = Broken()
+    server.bound = await clocknet.wait(transport.listen("session+loopback:broken", server,
+                                                        clocknet.reactor))
+    clocknet.addCleanup(server.bound.close)
+    client = Client()
+    pipe = SessionDealer(server.bound.endpoint, client, clocknet.reactor)
+    await clocknet.until(lambda: client.made == 1)
+    for n in range(3):
+        pipe.sendMessage([b"%d" % n])
+    await clocknet.until(lambda: len(client.got) == 3)
+    await clocknet.wait(pipe.close())
+    clocknet.advance(31)
+    assert len(server.gone) == 1 and server.bound.tick.running  # the tick survived
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_session_that_cannot_take_more_ends_rather_than_lose_one(clocknet: Any) -> None:
+    server, bound, client, pipe = await loopback_pair(clocknet, "overflow")
+    pipe.sendMessage([b"x"])
+    await clocknet.until(lambda: server.got)
+    peer = list(server.got)[0]
+    bound.machine.byRouting[1].seq.maxQueued = 2
+    bound.inner.disconnectPeer(list(bound.machine.byPeer)[0])  # the client is away
+    clocknet.reactor.advance(0)
+    for n in range(5):
+        bound.sendMessage(peer, [b"%d" % n])
+    clocknet.reactor.advance(0)
+    assert server.gone == [peer] and bound.machine.sessions == {}

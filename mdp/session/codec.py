@@ -3,11 +3,12 @@
 Every message starts with the protocol frame ``SESS01`` and a command frame;
 numbers are 8-byte big-endian unsigned integers::
 
-    HELLO      session id (16 bytes), ack, since  client → server: attach (again); *since*:
-                                                 the last of its DATA it no longer holds
-    WELCOME    ack, new                          server → client: attached; *new* 1 if the
-                                                 server did not know the session (it
-                                                 restarted): numbering starts afresh
+    HELLO      session id (16 bytes), ack, since,  client → server: attach (again); *since*:
+               epoch                             the last of its DATA it no longer holds;
+                                                 *epoch*: the server incarnation *ack* is of
+    WELCOME    ack, epoch                        server → client: attached; a new *epoch*
+                                                 (the server did not know the session: it
+                                                 restarted) starts its numbering afresh
     DATA       seq, ack, payload frames...       either way
     ACK        ack                               either way
     PING       ack                               client → server, when idle
@@ -18,8 +19,9 @@ numbers are 8-byte big-endian unsigned integers::
 
 *ack* is the sequence number of the last DATA received in order, so the
 other side can forget what it holds for resending up to it; every message
-carries it.  A session's DATA is numbered from 1 in each direction, and
-numbers never go back, across any number of connections.
+carries it.  A session's DATA is numbered from 1 in each direction, across
+any number of connections; only a server that forgot the session (a new
+*epoch*) numbers its own afresh.
 """
 
 from __future__ import annotations
@@ -52,13 +54,16 @@ class Hello:
     ack: int
     #: the client's DATA up to this number were acknowledged (it holds the rest)
     since: int = 0
+    #: the server incarnation (WELCOME's epoch) that *ack* counts in; 0: none yet
+    epoch: int = 0
 
 
 @attrs.frozen
 class Welcome:
     ack: int
-    #: a session the server did not know: the client's received count restarts
-    new: bool = False
+    #: this incarnation of the session on the server (random, never 0): when it
+    #: changes, the server's numbering started afresh
+    epoch: int = 1
 
 
 @attrs.frozen
@@ -105,9 +110,10 @@ def encode(message: Message) -> list[bytes]:
     if isinstance(message, Data):
         return [PROTOCOL, DATA, _number(message.seq), _number(message.ack), *message.payload]
     if isinstance(message, Hello):
-        return [PROTOCOL, HELLO, message.session, _number(message.ack), _number(message.since)]
+        return [PROTOCOL, HELLO, message.session, _number(message.ack), _number(message.since),
+                _number(message.epoch)]
     if isinstance(message, Welcome):
-        return [PROTOCOL, WELCOME, _number(message.ack), _number(int(message.new))]
+        return [PROTOCOL, WELCOME, _number(message.ack), _number(message.epoch)]
     if isinstance(message, Unknown):
         return [PROTOCOL, UNKNOWN]
     if isinstance(message, PingOk):
@@ -136,15 +142,19 @@ def decode(frames: Sequence[bytes]) -> Message:
             raise MalformedSession("DATA numbered 0 (numbers start at 1)")
         return Data(seq, _read_number(rest[1], "ack"), tuple(bytes(f) for f in rest[2:]))
     if command == HELLO:
-        if len(rest) != 3:
-            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 3")
+        if len(rest) != 4:
+            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 4")
         if len(rest[0]) != SESSION_ID_BYTES:
             raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
-        return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"))
+        return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"),
+                     _read_number(rest[3], "epoch"))
     if command == WELCOME:
         if len(rest) != 2:
             raise MalformedSession(f"WELCOME has {len(rest)} frames after the command, not 2")
-        return Welcome(_read_number(rest[0], "ack"), bool(_read_number(rest[1], "new")))
+        epoch = _read_number(rest[1], "epoch")
+        if epoch == 0:
+            raise MalformedSession("WELCOME with epoch 0")
+        return Welcome(_read_number(rest[0], "ack"), epoch)
     if command == PING_OK:
         if len(rest) != 2:
             raise MalformedSession(f"PING-OK has {len(rest)} frames after the command, not 2")

@@ -46,7 +46,8 @@ tick                     sessions silent for *expiry* seconds end (:class:`Expir
 
 from __future__ import annotations
 
-from collections import deque
+import os
+from collections import OrderedDict, deque
 from typing import Any, Hashable, Optional
 
 from twisted.logger import Logger
@@ -67,6 +68,14 @@ DEFAULT_MAX_QUEUED = 10_000
 #: An ACK goes after this many DATA received with nothing to carry the ack.
 ACK_EVERY = 32
 DEFAULT_MAX_SESSIONS = 10_000
+#: Bytes a side keeps for resending: a resend after a re-attach stays well
+#: below a transport's output limit (``Limits.maxOutputBytes``, 64 MiB).
+DEFAULT_MAX_QUEUED_BYTES = 16 * 1024 * 1024
+
+
+def _epoch() -> int:
+    """A random, non-zero incarnation number."""
+    return int.from_bytes(os.urandom(8), "big") or 1
 
 
 class SessionQueueFull(MDPError):
@@ -126,8 +135,10 @@ class Expired:
 class _Sequenced:
     """One side's numbering: what it sent and keeps, and what it received."""
 
-    def __init__(self, maxQueued: int) -> None:
+    def __init__(self, maxQueued: int, maxQueuedBytes: int) -> None:
         self.maxQueued = maxQueued
+        self.maxQueuedBytes = maxQueuedBytes
+        self.queuedBytes = 0
         self.sent = 0
         self.received = 0
         self.unacked: deque[tuple[int, tuple[bytes, ...]]] = deque()
@@ -135,12 +146,22 @@ class _Sequenced:
         self.ackPending = 0
 
     def number(self, payload: tuple[bytes, ...]) -> codec.Data:
-        if len(self.unacked) >= self.maxQueued:
-            raise SessionQueueFull(f"{len(self.unacked)} messages already wait for an "
-                                   "acknowledgement (the other side is away or slow)")
+        size = sum(len(f) for f in payload)
+        if len(self.unacked) >= self.maxQueued or (
+                self.unacked and self.queuedBytes + size > self.maxQueuedBytes):
+            raise SessionQueueFull(f"{len(self.unacked)} messages ({self.queuedBytes} bytes) "
+                                   "already wait for an acknowledgement (the other side is "
+                                   "away or slow)")
         self.sent += 1
         self.unacked.append((self.sent, payload))
+        self.queuedBytes += size
         return self.data(self.sent, payload)
+
+    @property
+    def roomy(self) -> bool:
+        """Below half the bounds: a sender may go on without waiting."""
+        return (len(self.unacked) < self.maxQueued // 2
+                and self.queuedBytes < self.maxQueuedBytes // 2)
 
     def data(self, seq: int, payload: tuple[bytes, ...]) -> codec.Data:
         self.ackPending = 0
@@ -148,7 +169,8 @@ class _Sequenced:
 
     def acked(self, ack: int) -> None:
         while self.unacked and self.unacked[0][0] <= ack:
-            self.unacked.popleft()
+            _, payload = self.unacked.popleft()
+            self.queuedBytes -= sum(len(f) for f in payload)
 
     @property
     def since(self) -> int:
@@ -186,7 +208,7 @@ class ClientSessionMachine(Machine):
 
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 now: float = 0.0) -> None:
+                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES, now: float = 0.0) -> None:
         super().__init__(now)
         if len(session) != codec.SESSION_ID_BYTES:
             raise ValueError(f"a session id is {codec.SESSION_ID_BYTES} bytes")
@@ -195,7 +217,10 @@ class ClientSessionMachine(Machine):
         self.session = session
         self.pingInterval = pingInterval
         self.liveness = liveness
-        self.seq = _Sequenced(maxQueued)
+        self.seq = _Sequenced(maxQueued, maxQueuedBytes)
+        #: the server incarnation our received count is of (0: none yet)
+        self.epoch = 0
+        self.lastPing = now
         #: "detached", "attaching" or "attached"
         self.state = "detached"
         self.lastHeard = now
@@ -209,6 +234,12 @@ class ClientSessionMachine(Machine):
     @property
     def deadAfter(self) -> float:
         return self.pingInterval * self.liveness
+
+    @property
+    def reattachPause(self) -> float:
+        """The least time between two HELLOs (each makes the server resend
+        all it holds)."""
+        return min(self.pingInterval, 1.0)
 
     def _send(self, message: codec.Message) -> None:
         self.lastSent = self.now
@@ -254,7 +285,7 @@ class ClientSessionMachine(Machine):
                 self._lost(max(message.sent, self.seq.received))
                 return self._drain()
         if isinstance(message, codec.Unknown):
-            if self.state == "attaching" and now - self.helloAt < self.pingInterval:
+            if now - self.helloAt < self.reattachPause:
                 return self._drain()  # our HELLO is on its way
             self.throttle.info(log, "unknown", "session {session}: the server does not know "
                                "this connection (it restarted, or the connection was replaced); "
@@ -265,10 +296,12 @@ class ClientSessionMachine(Machine):
             return self._drain()  # a server never says HELLO
         self.seq.acked(message.ack)
         if isinstance(message, codec.Welcome):
-            if message.new and self.seq.received:
-                log.info("session {session}: the server started it afresh (it restarted); "
-                         "what it sent before is gone", session=self.session.hex())
-            if message.new:
+            if message.epoch != self.epoch:
+                if self.epoch:
+                    log.info("session {session}: the server started it afresh (it "
+                             "restarted); what it sent before is gone",
+                             session=self.session.hex())
+                self.epoch = message.epoch
                 self.seq.received = 0
             self.state = "attached"
             for data in self.seq.resend():
@@ -285,6 +318,8 @@ class ClientSessionMachine(Machine):
         return self._drain()
 
     def _lost(self, seq: int) -> None:
+        if self.now - self.helloAt < self.reattachPause:
+            return  # attached again a moment ago: what is missing is on its way
         self.throttle.info(log, "lost", "session {session}: messages were lost on the way (up "
                            "to {seq}, we have {received}); attaching again",
                            session=self.session.hex(), seq=seq, received=self.seq.received)
@@ -296,7 +331,7 @@ class ClientSessionMachine(Machine):
         self.state = "attaching"
         self.sentAtPing.clear()
         self.helloAt = self.now
-        self._send(codec.Hello(self.session, self.seq.received, self.seq.since))
+        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
@@ -310,22 +345,29 @@ class ClientSessionMachine(Machine):
             if now - self.helloAt >= self.pingInterval:
                 self._hello()
             return self._drain()
-        ack = self.seq.ackDue(force=True)
-        if ack is not None and self.state == "attached":
-            self._send(ack)
-        elif now - self.lastSent >= self.pingInterval and self.pings < self.liveness:
+        # a PING every interval, busy or idle (its answer finds losses no later
+        # message would show), at most *liveness* of them unanswered
+        if now - self.lastPing >= self.pingInterval and self.pings < self.liveness:
             self.pings += 1
+            self.lastPing = now
             self.sentAtPing.append(self.seq.sent)
+            self.seq.ackPending = 0
             self._send(codec.Ping(self.seq.received))
+            return self._drain()
+        ack = self.seq.ackDue(force=True)
+        if ack is not None:
+            self._send(ack)
         return self._drain()
 
 
 class _Session:
-    def __init__(self, session: bytes, routingId: int, maxQueued: int, now: float) -> None:
+    def __init__(self, session: bytes, routingId: int, epoch: int, maxQueued: int,
+                 maxQueuedBytes: int, now: float) -> None:
         self.session = session
         self.routingId = routingId
+        self.epoch = epoch
         self.peer: Optional[Hashable] = None
-        self.seq = _Sequenced(maxQueued)
+        self.seq = _Sequenced(maxQueued, maxQueuedBytes)
         self.lastHeard = now
 
 
@@ -334,12 +376,14 @@ class ServerSessionMachine(Machine):
     the short routing id the application sees."""
 
     def __init__(self, *, expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
+                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
                  maxSessions: int = DEFAULT_MAX_SESSIONS, now: float = 0.0) -> None:
         super().__init__(now)
         if expiry <= 0:
             raise ValueError("expiry must be positive")
         self.expiry = expiry
         self.maxQueued = maxQueued
+        self.maxQueuedBytes = maxQueuedBytes
         self.maxSessions = maxSessions
         self.sessions: dict[bytes, _Session] = {}
         self.byPeer: dict[Hashable, _Session] = {}
@@ -347,6 +391,8 @@ class ServerSessionMachine(Machine):
         self._routingIds = 0
         #: HELLOs taken (first attaches and re-attaches)
         self.attaches = 0
+        #: when each connection was last told UNKNOWN
+        self._told: OrderedDict[Hashable, float] = OrderedDict()
         self.throttle = LogThrottle(self)
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
@@ -366,7 +412,8 @@ class ServerSessionMachine(Machine):
             return self._drain()
         session = self.byPeer.get(peer)
         if session is None:
-            self._emit(SendTo(peer, codec.encode(codec.Unknown())))
+            if self._mayTell(peer):
+                self._emit(SendTo(peer, codec.encode(codec.Unknown())))
             return self._drain()
         session.lastHeard = now
         if isinstance(message, (codec.Welcome, codec.Unknown)):
@@ -381,15 +428,39 @@ class ServerSessionMachine(Machine):
                     self._sendTo(session, ack)
             elif verdict == "gap":
                 # some were lost on the way: the client attaches again and resends
-                self._sendTo(session, codec.Unknown())
+                if self._mayTell(peer):
+                    self._sendTo(session, codec.Unknown())
         elif isinstance(message, codec.Ping):
             self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
             session.seq.ackPending = 0
         return self._drain()
 
+    def _mayTell(self, peer: Hashable) -> bool:
+        """At most one UNKNOWN a second to a connection (each makes its
+        client attach again)."""
+        last = self._told.get(peer)
+        if last is not None and self.now - last < 1.0:
+            return False
+        self._told[peer] = self.now
+        self._told.move_to_end(peer)
+        while len(self._told) > 1024:
+            self._told.popitem(last=False)
+        return True
+
+    def end(self, routingId: int, now: float) -> list[Any]:
+        """End the session *routingId* (it cannot hold what it is given):
+        forgotten, reported :class:`Expired`."""
+        self.now = now
+        session = self.byRouting.pop(routingId, None)
+        if session is not None:
+            del self.sessions[session.session]
+            if session.peer is not None:
+                self.byPeer.pop(session.peer, None)
+            self._emit(Expired(routingId))
+        return self._drain()
+
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
         self.attaches += 1
-        new = False
         session = self.sessions.get(hello.session)
         if session is None:
             if len(self.sessions) >= self.maxSessions:
@@ -398,10 +469,10 @@ class ServerSessionMachine(Machine):
                                    count=len(self.sessions))
                 return
             self._routingIds += 1
-            session = _Session(hello.session, self._routingIds, self.maxQueued, self.now)
+            session = _Session(hello.session, self._routingIds, _epoch(), self.maxQueued,
+                               self.maxQueuedBytes, self.now)
             # the client numbers on from its earlier session (with a server that is gone)
             session.seq.received = hello.since
-            new = True
             self.sessions[hello.session] = session
             self.byRouting[session.routingId] = session
             self._emit(Opened(session.routingId))
@@ -413,8 +484,16 @@ class ServerSessionMachine(Machine):
         session.peer = peer
         session.lastHeard = self.now
         self.byPeer[peer] = session
-        session.seq.acked(hello.ack)
-        self._sendTo(session, codec.Welcome(session.seq.received, new))
+        if hello.epoch == session.epoch:
+            session.seq.acked(hello.ack)  # an ack of another incarnation means nothing here
+        if hello.since > session.seq.received:
+            # the client was told (by a server that is gone) that these arrived
+            self.throttle.warn(log, "since", "sessions: session {id} from {peer!r} holds nothing "
+                               "before {since}, but we have only {received}: those are lost",
+                               id=session.routingId, peer=peer, since=hello.since + 1,
+                               received=session.seq.received + 1)
+            session.seq.received = hello.since
+        self._sendTo(session, codec.Welcome(session.seq.received, session.epoch))
         for data in session.seq.resend():
             self._sendTo(session, data)
 

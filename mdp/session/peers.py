@@ -16,6 +16,7 @@ from mdp.session.machines import (
     DEFAULT_EXPIRY,
     DEFAULT_LIVENESS,
     DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_PING_INTERVAL,
     UnknownSession,
 )
@@ -96,11 +97,14 @@ class SessionServer:
     def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
                  *, expiry: float = DEFAULT_EXPIRY,
                  onExpired: Optional[Callable[[int], Any]] = None,
+                 maxQueued: int = DEFAULT_MAX_QUEUED, maxSessions: int = DEFAULT_MAX_SESSIONS,
                  limits: Limits = Limits()) -> None:
+        if expiry <= 0:
+            raise ValueError(f"expiry must be positive, got {expiry}")
         self.reactor = default_reactor(reactor)
         self.handler = handler
         self.onExpired = onExpired
-        self.expiry = expiry
+        self.options = {"expiry": expiry, "maxQueued": maxQueued, "maxSessions": maxSessions}
         self.limits = limits
         self.router: Optional[SessionRouter] = None
 
@@ -108,9 +112,10 @@ class SessionServer:
         """Bind *endpoint*; returns the endpoint clients connect to."""
         from mdp import transport
 
-        self.router = await transport.listen(session_endpoint(endpoint), self, self.reactor,
-                                             limits=self.limits)
-        self.router.machine.expiry = self.expiry
+        full = session_endpoint(endpoint)
+        transport.check(full, transport.LISTEN)
+        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits,
+                                                 **self.options)
         return self.router.endpoint
 
     def reply(self, routingId: int, *frames: bytes) -> None:

@@ -1,5 +1,5 @@
-"""Sessions as a transport: ``session+tcp:...``, ``session+zmq:...`` (and
-``session+`` any other scheme).
+"""Sessions as a transport: ``session+tcp:...``, ``session+zmq:...`` and
+``session+loopback:...`` (for tests).
 
 :class:`SessionRouter` and :class:`SessionDealer` provide the router and
 dealer interfaces over an inner transport (the endpoint without
@@ -15,7 +15,7 @@ when a session expires.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 from twisted.internet import defer, task
@@ -24,11 +24,13 @@ from zope.interface import implementer
 
 from mdp.errors import RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
-from mdp.policy import Limits, LogThrottle
+from mdp.policy import Backoff, Limits, LogThrottle
 from mdp.session.machines import (
     DEFAULT_EXPIRY,
     DEFAULT_LIVENESS,
     DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_QUEUED_BYTES,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_PING_INTERVAL,
     ClientSessionMachine,
     Deliver,
@@ -40,6 +42,7 @@ from mdp.session.machines import (
     SessionQueueFull,
     UnknownSession,
 )
+from mdp.transport.flow import DrainWaiters
 
 log = Logger()
 
@@ -87,6 +90,15 @@ class _End:
                                endpoint=self.endpoint, source=source, reason=reason)
         return reason is None
 
+    def _safely(self, what: str, call: Callable[..., Any], *args: Any) -> None:
+        """Call the application's *call*; what it raises is logged, so the
+        session (its tick, its numbering) goes on."""
+        try:
+            call(*args)
+        except Exception:
+            log.failure("{end} {endpoint}: {what} raised", end=type(self).__name__,
+                        endpoint=self.endpoint, what=what)
+
     def _shutdown(self) -> defer.Deferred[None]:
         if self.tick.running:
             self.tick.stop()
@@ -100,12 +112,15 @@ class SessionRouter(_End):
     sessions stay until they expire."""
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
-                 expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED) -> None:
+                 expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
+                 maxSessions: int = DEFAULT_MAX_SESSIONS) -> None:
         self.receiver = receiver
         self.reactor = reactor
         self.limits = limits
-        self.machine = ServerSessionMachine(expiry=expiry, maxQueued=maxQueued,
-                                            now=reactor.seconds())
+        self.machine = ServerSessionMachine(
+            expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
+            maxQueuedBytes=min(DEFAULT_MAX_QUEUED_BYTES, limits.maxOutputBytes // 4),
+            now=reactor.seconds())
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
         self.endpoint = ""
@@ -115,10 +130,10 @@ class SessionRouter(_End):
     @classmethod
     @defer.inlineCallbacks
     def listen(cls, endpoint: str, receiver: IRouterReceiver, reactor: Any,
-               limits: Limits = Limits()) -> Any:
+               limits: Limits = Limits(), **options: Any) -> Any:
         from mdp import transport
 
-        self = cls(receiver, reactor, limits=limits)
+        self = cls(receiver, reactor, limits=limits, **options)
         self.inner = yield transport.listen(inner_endpoint(endpoint), self, reactor,
                                             limits=inner_limits(limits))
         self.endpoint = PREFIX + self.inner.endpoint
@@ -144,9 +159,11 @@ class SessionRouter(_End):
             elif isinstance(action, Deliver):
                 payload = list(action.payload)
                 if self._deliverable(payload, f"session {action.routingId}"):
-                    self.receiver.messageReceived(routing_bytes(action.routingId), payload)
+                    self._safely("messageReceived", self.receiver.messageReceived,
+                                 routing_bytes(action.routingId), payload)
             elif isinstance(action, Expired):
-                self.receiver.peerDisconnected(routing_bytes(action.routingId))
+                self._safely("peerDisconnected", self.receiver.peerDisconnected,
+                             routing_bytes(action.routingId))
 
     # --- IRouterTransport -----------------------------------------------------------
 
@@ -163,9 +180,14 @@ class SessionRouter(_End):
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
-            self.throttle.warn(log, "full", "session router at {endpoint}: refused a message "
-                               "for session {id}: {error}", endpoint=self.endpoint,
+            # a hole in what the client gets would be worse: the session ends
+            # (reported a turn later), as a transport drops a peer that reads
+            # nothing past its output limit
+            self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
+                               "{error}", endpoint=self.endpoint,
                                id=int.from_bytes(peer, "big"), error=e)
+            self.reactor.callLater(0, lambda: self._perform(self.machine.end(
+                int.from_bytes(peer, "big"), self.reactor.seconds())))
 
     def disconnectPeer(self, peer: bytes) -> None:
         """A session has no connection to drop: it ends when it expires (as
@@ -184,16 +206,22 @@ class SessionDealer(_End):
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), retryPolicy: Any = None,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED) -> None:
+                 maxQueued: int = DEFAULT_MAX_QUEUED, backoff: Backoff = Backoff()) -> None:
         self.endpoint = endpoint
         self.innerEndpoint = inner_endpoint(endpoint)
         self.receiver = receiver
         self.reactor = reactor
         self.limits = limits
         self.retryPolicy = retryPolicy
-        self.machine = ClientSessionMachine(os.urandom(16), pingInterval=pingInterval,
-                                            liveness=liveness, maxQueued=maxQueued,
-                                            now=reactor.seconds())
+        self.machine = ClientSessionMachine(
+            os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
+            maxQueuedBytes=min(DEFAULT_MAX_QUEUED_BYTES, limits.maxOutputBytes // 4),
+            now=reactor.seconds())
+        self.backoff = backoff
+        #: new connections made for a silent server since the last attach
+        self.attempts = 0
+        self.reopening: Any = None
+        self._waiters = DrainWaiters()
         self.throttle = LogThrottle(reactor)
         self.madeOnce = False
         self.closed = False
@@ -206,13 +234,32 @@ class SessionDealer(_End):
     def _open(self) -> None:
         from mdp import transport
 
+        self.reopening = None
+        if self.closed:
+            return
         receiver = _Inner(self)
-        self.inner = receiver.transport = transport.connect(
-            self.innerEndpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
-            limits=inner_limits(self.limits))
+        try:
+            self.inner = receiver.transport = transport.connect(
+                self.innerEndpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
+                limits=inner_limits(self.limits))
+        except Exception as e:  # out of sockets, ...: try again later, never stop
+            self.throttle.warn(log, "open", "session dealer to {endpoint}: cannot connect: "
+                               "{error}", endpoint=self.endpoint, error=e)
+            self._reopen()
 
-    #: sends go into the session, which keeps them until acknowledged
-    writable = True
+    def _reopen(self) -> None:
+        """A new connection after a backoff (reset by the next attach)."""
+        delay = self.backoff.delay(self.attempts)
+        self.attempts += 1
+        self.reopening = self.reactor.callLater(delay, self._open)
+
+    @property
+    def writable(self) -> bool:
+        """False while the session holds half its bounds unacknowledged (or the
+        connection's own queue is full): a streaming sender waits on
+        :meth:`drained`."""
+        inner = self.inner
+        return self.machine.seq.roomy and (inner is None or getattr(inner, "writable", True))
 
     @property
     def connected(self) -> bool:
@@ -221,13 +268,17 @@ class SessionDealer(_End):
         return self.madeOnce and not self.closed
 
     def drained(self) -> defer.Deferred[None]:
-        return defer.succeed(None)
+        if self.writable or self.closed:
+            return defer.succeed(None)
+        return self._waiters.wait()
 
     def _now(self) -> float:
         return self.reactor.seconds()
 
     def _tick(self) -> None:
         self._perform(self.machine.handleTick(self._now()))
+        if self.writable:
+            self._waiters.fire()
 
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
@@ -237,18 +288,22 @@ class SessionDealer(_End):
             elif isinstance(action, Deliver):
                 payload = list(action.payload)
                 if self._deliverable(payload, "the server"):
-                    self.receiver.messageReceived(payload)
+                    self._safely("messageReceived", self.receiver.messageReceived, payload)
             elif isinstance(action, Reconnect):
                 log.info("session dealer to {endpoint}: {reason}; connecting again",
                          endpoint=self.endpoint, reason=action.reason)
                 inner, self.inner = self.inner, None
                 if inner is not None:
                     inner.close()
-                if not self.closed:
-                    self._open()
-        if self.machine.state == "attached" and not self.madeOnce and not self.closed:
-            self.madeOnce = True
-            self.receiver.connectionMade()
+                if not self.closed and self.reopening is None:
+                    self._reopen()
+        if self.machine.state == "attached":
+            self.attempts = 0
+            if not self.madeOnce and not self.closed:
+                self.madeOnce = True
+                self._safely("connectionMade", self.receiver.connectionMade)
+        if self.writable:
+            self._waiters.fire()
 
     # --- IDealerTransport ----------------------------------------------------------------
 
@@ -274,7 +329,15 @@ class SessionDealer(_End):
                                "{error}", endpoint=self.endpoint, error=e)
 
     def close(self) -> defer.Deferred[None]:
+        if not self.closed and self.machine.seq.unacked:
+            log.warn("session dealer to {endpoint} closed with {count} messages not "
+                     "acknowledged by the server", endpoint=self.endpoint,
+                     count=len(self.machine.seq.unacked))
         self.closed = True
+        if self.reopening is not None and self.reopening.active():
+            self.reopening.cancel()
+        self.reopening = None
+        self._waiters.fire()
         return self._shutdown()
 
 
