@@ -68,9 +68,10 @@ DEFAULT_MAX_QUEUED = 10_000
 #: An ACK goes after this many DATA received with nothing to carry the ack.
 ACK_EVERY = 32
 DEFAULT_MAX_SESSIONS = 10_000
-#: Bytes a side keeps for resending: a resend after a re-attach stays well
-#: below a transport's output limit (``Limits.maxOutputBytes``, 64 MiB).
-DEFAULT_MAX_QUEUED_BYTES = 16 * 1024 * 1024
+#: Bytes a side keeps for resending (the transports use their
+#: ``Limits.maxOutputBytes``, 64 MiB by default, and give their inner
+#: connection twice that, so a full resend fits).
+DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
 
 
 def _epoch() -> int:

@@ -29,7 +29,6 @@ from mdp.session.machines import (
     DEFAULT_EXPIRY,
     DEFAULT_LIVENESS,
     DEFAULT_MAX_QUEUED,
-    DEFAULT_MAX_QUEUED_BYTES,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_PING_INTERVAL,
     ClientSessionMachine,
@@ -62,9 +61,12 @@ def inner_endpoint(endpoint: str) -> str:
 
 def inner_limits(limits: Limits) -> Limits:
     """The inner transport's limits: room for the session's own frames, so
-    the user's limits are checked on the payload, by the session."""
+    the user's limits are checked on the payload, by the session; and twice
+    the output room, so a full resend after a re-attach (at most
+    ``maxOutputBytes``, what a session holds) always fits."""
     return attrs.evolve(limits, maxMessageBytes=limits.maxMessageBytes + OVERHEAD_BYTES,
-                        maxFrames=limits.maxFrames + OVERHEAD_FRAMES)
+                        maxFrames=limits.maxFrames + OVERHEAD_FRAMES,
+                        maxOutputBytes=2 * limits.maxOutputBytes + OVERHEAD_BYTES)
 
 
 def routing_bytes(routingId: int) -> bytes:
@@ -119,7 +121,7 @@ class SessionRouter(_End):
         self.limits = limits
         self.machine = ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
-            maxQueuedBytes=min(DEFAULT_MAX_QUEUED_BYTES, limits.maxOutputBytes // 4),
+            maxQueuedBytes=limits.maxOutputBytes,
             now=reactor.seconds())
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
@@ -215,7 +217,7 @@ class SessionDealer(_End):
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=min(DEFAULT_MAX_QUEUED_BYTES, limits.maxOutputBytes // 4),
+            maxQueuedBytes=limits.maxOutputBytes,
             now=reactor.seconds())
         self.backoff = backoff
         #: new connections made for a silent server since the last attach
