@@ -34,6 +34,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any, Optional, Sequence
 
@@ -41,7 +42,7 @@ from twisted.internet import defer, task
 from twisted.python import usage
 
 from mdp import transport
-from mdp.app.tap import BrokerListOptions, _dialect, checked_endpoints
+from mdp.app.tap import BrokerListOptions, VersionedOptions, _dialect, checked_endpoints
 from mdp.errors import MDPError
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
@@ -85,7 +86,7 @@ class _RequestOptions(_ClientOptions):
         self["frames"] = [f.encode("utf-8") for f in frames]
 
 
-class _Commands(usage.Options):
+class _Commands(VersionedOptions):
     """Options that are only a choice of sub-command."""
 
     def postOptions(self) -> None:
@@ -102,7 +103,7 @@ class CallOptions(_RequestOptions):
     ]
 
 
-class DemoOptions(usage.Options):
+class DemoOptions(VersionedOptions):
     synopsis = "[--endpoint ENDPOINT] [--requests N]"
     optParameters: list[Any] = [
         ["endpoint", "e", "zmq:tcp://127.0.0.1:*",
@@ -159,7 +160,7 @@ class TitanicOptions(_Commands):
     ]
 
 
-class SPRequestOptions(usage.Options):
+class SPRequestOptions(VersionedOptions):
     synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
@@ -178,7 +179,7 @@ class SPRequestOptions(usage.Options):
             raise usage.UsageError("--timeout and --resend must be positive")
 
 
-class ChatOptions(usage.Options):
+class ChatOptions(VersionedOptions):
     synopsis = "--name NAME [--group GROUP] [--interface IF] [--peer ENDPOINT]..."
     longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; "
                 "'/w NAME TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or "
@@ -288,6 +289,8 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
 
 #: ``mdp titanic result`` while the reply is not there yet
 EXIT_PENDING = 3
+#: Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
 
 
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
@@ -433,7 +436,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(2) from None
     command = {"call": call, "titanic": titanic, "sp-request": sp_request, "chat": chat,
                "demo": demo}[options.subCommand]
-    task.react(lambda reactor: defer.ensureDeferred(command(reactor, options.subOptions)))
+    interrupted: list[int] = []
+
+    def early(number: int, frame: Any) -> None:
+        raise SystemExit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, early)  # until the reactor runs
+
+    def run(reactor: Any) -> defer.Deferred[None]:
+        def onInterrupt(number: int, frame: Any) -> None:
+            interrupted.append(number)
+            reactor.callFromThread(reactor.stop)
+
+        # Ctrl-C: stop cleanly (leaving chats say so), then exit 130, no traceback
+        reactor.callWhenRunning(signal.signal, signal.SIGINT, onInterrupt)
+        return defer.ensureDeferred(command(reactor, options.subOptions))
+
+    try:
+        task.react(run)
+    except SystemExit:
+        if interrupted:
+            raise SystemExit(EXIT_INTERRUPTED) from None
+        raise
 
 
 if __name__ == "__main__":

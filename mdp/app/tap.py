@@ -55,7 +55,22 @@ def _dialect(value: str) -> str:
     return check_dialect(value)
 
 
-class _HeartbeatOptions(usage.Options):
+class VersionedOptions(usage.Options):
+    """The base of our option parsers: ``--version`` says txmajordomo's
+    version (usage.Options would print Twisted's)."""
+
+    def opt_version(self) -> None:
+        """Display txmajordomo's version and exit"""
+        import sys
+
+        import twisted
+        from mdp import __version__
+
+        print(f"txmajordomo {__version__} (Twisted {twisted.__version__})")
+        sys.exit(0)
+
+
+class _HeartbeatOptions(VersionedOptions):
     optParameters: list[Any] = [
         ["heartbeat", None, 2.5, "Heartbeat interval in seconds.", _positive],
         ["liveness", None, 3, "Missed heartbeats before a peer is dead.", int],
@@ -100,7 +115,7 @@ def checked_endpoints(value: Optional[str], role: str, option: str) -> list[str]
         raise usage.UsageError(f"--{option}: {e}") from None
 
 
-class BrokerListOptions(usage.Options):
+class BrokerListOptions(VersionedOptions):
     """``--broker`` / ``-b``, given once per broker (or with commas) for a
     failover list such as a Binary Star pair; after parsing, ``self["brokers"]``
     is the checked list (the default endpoint when none is given)."""
@@ -262,7 +277,7 @@ class WorkerServiceMaker:
         )
 
 
-class FreelanceServerOptions(usage.Options):
+class FreelanceServerOptions(VersionedOptions):
     """Options of ``twist mdp-freelance-server``."""
 
     synopsis = "--endpoint ENDPOINT --handler echo|module:callable"
@@ -314,7 +329,7 @@ def sp_handler(spec: str) -> Any:
     return load_handler(spec)
 
 
-class SPRepOptions(usage.Options):
+class SPRepOptions(VersionedOptions):
     """Options of ``twist sp-rep``."""
 
     synopsis = "--endpoint tcp://127.0.0.1:5555 --handler echo|module:callable"
@@ -328,7 +343,7 @@ class SPRepOptions(usage.Options):
         _sp_endpoint(self["endpoint"], True, "endpoint")
 
 
-class SPDeviceOptions(usage.Options):
+class SPDeviceOptions(VersionedOptions):
     """Options of ``twist sp-device``."""
 
     synopsis = "--front tcp://127.0.0.1:5555 --back tcp://HOST:PORT [--back ...]"
