@@ -62,11 +62,12 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
     return _ERRORS.get(code, RemoteError)(service, code, message)
 
 
-def request_frames(frames: Sequence[Frame]) -> list[bytes]:
+def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
     """Normalise request body frames (``str`` is UTF-8 encoded); ``TypeError``
-    for a frame of any other type, ``ValueError`` for no frame at all."""
+    for a frame of any other type, ``ValueError`` for no frame at all unless
+    *empty* (MMI queries such as ``mmi.services`` need none)."""
     body = [f if type(f) is bytes else _frame(i, f) for i, f in enumerate(frames)]
-    if not body:
+    if not body and not empty:
         raise ValueError("a request needs at least one body frame")
     return body
 

@@ -46,3 +46,42 @@ async def test_ctrl_c_on_mdp_call_exits_130_without_a_traceback() -> None:
     finally:
         await proc.stop()
         await silent.transport.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mmi_queries_need_no_body_from_the_api_and_the_shell() -> None:
+    """``mmi.services`` and ``mmi.workers`` with an empty body, as docs/mdp.md
+    shows them; other services still need a frame."""
+    import json
+
+    from mdp import Broker, Client, Worker
+    from mdp.handlers import echo
+
+    broker = Broker(reactor())
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    worker = Worker(bound.endpoint, "echo", echo, reactor())
+    worker.start()
+    client = Client(bound.endpoint, reactor())
+    try:
+        assert await client.request("mmi.service", b"echo") in ([b"200"], [b"404"])
+        services = json.loads((await client.request("mmi.services"))[0])
+        while not services.get("echo", {}).get("workers"):  # the worker's READY is on its way
+            services = json.loads((await client.request("mmi.services"))[0])
+        assert services["echo"]["workers"] == 1
+        workers = json.loads((await client.request("mmi.workers"))[0])
+        assert [w["service"] for w in workers] == ["echo"]
+        with pytest.raises(ValueError, match="at least one body frame"):
+            client.request("echo")
+        proc = Process(reactor(), [script("mdp"), "call", "--broker", bound.endpoint,
+                                   "mmi.services"], env=ENV)
+        await proc.ended(30)
+        assert proc.exitCode == 0, proc.output
+        assert json.loads(proc.output.strip().splitlines()[-1])["echo"]["workers"] == 1
+        refused = Process(reactor(), [script("mdp"), "call", "--broker", bound.endpoint,
+                                      "echo"], env=ENV)
+        await refused.ended(30)
+        assert refused.exitCode == 2 and b"at least one request frame" in refused.output
+    finally:
+        await client.close()
+        await worker.stop()
+        await broker.close()

@@ -77,12 +77,13 @@ class _RequestOptions(_ClientOptions):
     def parseArgs(self, service: str, *frames: str) -> None:
         from mdp.majordomo.codec import api_service_name
 
-        if not frames:
-            raise usage.UsageError("give at least one request frame")
         try:
             self["service"] = api_service_name(service)
         except (TypeError, ValueError) as e:
             raise usage.UsageError(str(e)) from None
+        if not frames and not self["service"].startswith(b"mmi."):
+            raise usage.UsageError("give at least one request frame (only mmi.* queries "
+                                   "may have none)")
         self["frames"] = [f.encode("utf-8") for f in frames]
 
 

@@ -762,10 +762,11 @@ class Client(ClientMachine):
         ``memoryview`` as its bytes.
 
         Caller mistakes raise at once: ``TypeError`` if *service* or a frame
-        is not ``bytes``/``str``; ``ValueError`` for no frame, an empty (or
-        non-ASCII, or too long) service name, a *timeout* that is not positive or
-        *retries* below 1; :class:`RequestTooLarge` (a ``ValueError``) for a
-        request over ``limits``, unsent.  Everything else fails the Deferred:
+        is not ``bytes``/``str``; ``ValueError`` for no frame (an ``mmi.*``
+        query may have none), an empty (or non-ASCII, or too long) service
+        name, a *timeout* that is not positive or *retries* below 1;
+        :class:`RequestTooLarge` (a ``ValueError``) for a request over
+        ``limits``, unsent.  Everything else fails the Deferred:
         :class:`RequestTimeout`, :class:`WorkerError`,
         :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
         :class:`MessageTooLarge` (a 413 error reply), :class:`ReplyTooLarge`
@@ -774,7 +775,9 @@ class Client(ClientMachine):
         cancelling the Deferred abandons the request.
         """
         name = codec.api_service_name(service)
-        body = request_frames(frames)
+        # an MMI query may have no frames: one empty frame on the wire, where
+        # MDP/0.2 wants a body
+        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
         timeout = self.timeout if timeout is None else timeout
         retries = self.retries if retries is None else retries
         _check_attempts(timeout, retries)
