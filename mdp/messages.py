@@ -72,6 +72,15 @@ def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
     return body
 
 
+def bytes_frames(frames: Sequence[object]) -> list[bytes]:
+    """*frames* as a list, each checked to be ``bytes`` (``TypeError``
+    otherwise): where a message is bytes and nothing is encoded for the caller."""
+    for frame in frames:
+        if not isinstance(frame, bytes):
+            raise TypeError(f"a frame is bytes, not {type(frame).__name__}: {frame!r}")
+    return list(frames)  # type: ignore[arg-type]
+
+
 def _frame(index: int, frame: object) -> bytes:
     if isinstance(frame, str):
         return frame.encode("utf-8")

@@ -14,7 +14,7 @@ import itertools
 import uuid as uuidlib
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Union
 from uuid import UUID
 
 from twisted.internet import defer, task
@@ -44,6 +44,7 @@ from mdp.interfaces import (
     IDiscoveryListener,
     IRouterReceiver,
 )
+from mdp.messages import bytes_frames
 from mdp.policy import Limits, LogThrottle, default_reactor
 from mdp.transport import check, connect, datagram, listen
 
@@ -413,11 +414,11 @@ class Node:
 
     def whisper(self, peer: UUID, *frames: bytes) -> None:
         """Send *frames* to *peer*; :class:`UnknownPeer` if it is not known."""
-        self._perform(self.machine.whisper(peer, _frames(frames), self._now()))
+        self._perform(self.machine.whisper(peer, bytes_frames(frames), self._now()))
 
     def shout(self, group: str, *frames: bytes) -> None:
         """Send *frames* to every peer in *group*."""
-        self._perform(self.machine.shout(group, _frames(frames), self._now()))
+        self._perform(self.machine.shout(group, bytes_frames(frames), self._now()))
 
     def join(self, group: str) -> None:
         """Join *group* (before or after :meth:`start`)."""
@@ -512,13 +513,6 @@ class Node:
                             name=self.name, kind=event.kind)
         for stream in list(self._streams):
             stream._put(event)
-
-
-def _frames(frames: Sequence[object]) -> list[bytes]:
-    for frame in frames:
-        if not isinstance(frame, bytes):
-            raise TypeError(f"a frame is bytes, not {type(frame).__name__}: {frame!r}")
-    return list(frames)  # type: ignore[arg-type]
 
 
 __all__ = ["BeaconDiscovery", "EndpointDiscovery", "EventStream", "Node", "UnknownPeer",

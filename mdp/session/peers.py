@@ -11,6 +11,7 @@ from zope.interface import implementer
 
 from mdp.errors import ReplyTooLarge
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
 from mdp.session.machines import (
     DEFAULT_EXPIRY,
@@ -20,19 +21,12 @@ from mdp.session.machines import (
     DEFAULT_PING_INTERVAL,
     UnknownSession,
 )
-from mdp.session.transport import PREFIX, SessionDealer, SessionRouter
+from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
 
 
 def session_endpoint(endpoint: str) -> str:
     """*endpoint* with ``session+`` in front, if it has not."""
     return endpoint if endpoint.startswith(PREFIX) else PREFIX + endpoint
-
-
-def _frames(frames: tuple[Any, ...]) -> list[bytes]:
-    for frame in frames:
-        if not isinstance(frame, bytes):
-            raise TypeError(f"a frame is bytes, not {type(frame).__name__}: {frame!r}")
-    return list(frames)
 
 
 @implementer(IDealerReceiver)
@@ -67,7 +61,7 @@ class SessionClient:
         self._callbacks.append(callback)
 
     def send(self, *frames: bytes) -> None:
-        self.dealer.send(_frames(frames))
+        self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
         return self.dealer.close()
@@ -129,7 +123,7 @@ class SessionServer:
         reason = self.limits.refuse(list(frames))
         if reason is not None:
             raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
-        router._perform(router.machine.reply(routingId, tuple(_frames(frames)),
+        router._perform(router.machine.reply(routingId, tuple(bytes_frames(frames)),
                                              self.reactor.seconds()))
 
     def close(self) -> defer.Deferred[None]:
@@ -138,8 +132,8 @@ class SessionServer:
 
     # IRouterReceiver, for the session router
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.handler(int.from_bytes(peer, "big"), frames)
+        self.handler(routing_id(peer), frames)
 
     def peerDisconnected(self, peer: bytes) -> None:
         if self.onExpired is not None:
-            self.onExpired(int.from_bytes(peer, "big"))
+            self.onExpired(routing_id(peer))

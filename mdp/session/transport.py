@@ -70,7 +70,13 @@ def inner_limits(limits: Limits) -> Limits:
 
 
 def routing_bytes(routingId: int) -> bytes:
+    """The peer id a session's routing id is reported as (4 bytes)."""
     return routingId.to_bytes(4, "big")
+
+
+def routing_id(peer: bytes) -> int:
+    """The routing id a peer id of :func:`routing_bytes` stands for."""
+    return int.from_bytes(peer, "big")
 
 
 class _End:
@@ -174,10 +180,10 @@ class SessionRouter(_End):
         if reason is not None:
             self.throttle.warn(log, "too large", "session router at {endpoint}: refused a "
                                "message for session {id}: {reason}", endpoint=self.endpoint,
-                               id=int.from_bytes(peer, "big"), reason=reason)
+                               id=routing_id(peer), reason=reason)
             return
         try:
-            self._perform(self.machine.reply(int.from_bytes(peer, "big"), tuple(frames),
+            self._perform(self.machine.reply(routing_id(peer), tuple(frames),
                                              self.reactor.seconds()))
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
@@ -187,9 +193,9 @@ class SessionRouter(_End):
             # nothing past its output limit
             self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
                                "{error}", endpoint=self.endpoint,
-                               id=int.from_bytes(peer, "big"), error=e)
+                               id=routing_id(peer), error=e)
             self.reactor.callLater(0, lambda: self._perform(self.machine.end(
-                int.from_bytes(peer, "big"), self.reactor.seconds())))
+                routing_id(peer), self.reactor.seconds())))
 
     def disconnectPeer(self, peer: bytes) -> None:
         """A session has no connection to drop: it ends when it expires (as
