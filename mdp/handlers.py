@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any, Callable
 
 from twisted.internet import defer
@@ -52,7 +54,14 @@ BUILTIN: dict[str, Callable[[list[bytes]], Any]] = {"echo": echo}
 
 
 def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
-    """Resolve ``echo`` (a built-in) or ``package.module:callable``."""
+    """Resolve ``echo`` (a built-in) or ``package.module:callable``.
+
+    The module is looked for in the current working directory too (first),
+    as ``python -m`` would: ``twist`` does not put it on ``sys.path``, and a
+    handler is most often a file next to where the command is run.  The
+    directory is on the path only while the module is imported.  Any failure
+    (no such module, no such attribute, not callable, the import raising) is
+    an :class:`~mdp.errors.MDPError` with a one-line message."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attribute = spec.partition(":")
@@ -62,11 +71,35 @@ def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
             "nor 'module:callable'"
         )
     try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
+        target: Any = _import_from_cwd(module_name)
+    except Exception as e:  # whatever the module's import raised
+        raise MDPError(f"cannot load handler {spec!r}: {_one_line(e)}") from e
+    for part in attribute.split("."):
+        try:
             target = getattr(target, part)
-    except (ImportError, AttributeError) as e:
-        raise MDPError(f"cannot load handler {spec!r}: {e}") from e
+        except AttributeError:
+            raise MDPError(f"cannot load handler {spec!r}: {module_name} has no "
+                           f"attribute {attribute!r}") from None
     if not callable(target):
-        raise MDPError(f"handler {spec!r} is not callable")
+        raise MDPError(f"handler {spec!r} is not callable (it is a {type(target).__name__})")
     return target
+
+
+def _import_from_cwd(name: str) -> Any:
+    """Import module *name* with the current directory first on ``sys.path``."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (ImportError, SyntaxError)):
+        return text
+    return f"{type(error).__name__}: {text}"

@@ -57,7 +57,26 @@ def _dialect(value: str) -> str:
 
 class VersionedOptions(usage.Options):
     """The base of our option parsers: ``--version`` says txmajordomo's
-    version (usage.Options would print Twisted's)."""
+    version (usage.Options would print Twisted's), and ``--help`` starts with
+    one usage line naming the command and its arguments (``Usage: twist
+    [options] mdp-worker --service NAME ...``, ``Usage: mdp call ...``)."""
+
+    #: what the usage line of a parser with no parent starts with
+    programName: Optional[str] = None
+
+    def getSynopsis(self) -> str:
+        words = [getattr(self, "synopsis", "[options]").rstrip()]
+        node: usage.Options = self
+        while node.parent is not None:
+            words.insert(0, node.parent.subCommand)
+            node = node.parent
+        program = getattr(node, "programName", None)
+        if program is None:  # twist (or twistd): the program's own options come first
+            import os
+            import sys
+
+            program = os.path.basename(sys.argv[0]) + ("" if node is self else " [options]")
+        return " ".join(["Usage:", program, *words])
 
     def opt_version(self) -> None:
         """Display txmajordomo's version and exit"""
@@ -147,10 +166,32 @@ def limits_of(options: usage.Options) -> Limits:
         raise usage.UsageError(str(e)) from e
 
 
+def loaded_handler(options: usage.Options, command: str, load: Any) -> Any:
+    """``load(options["handler"])``, once, kept as ``options["handler-callable"]``.
+
+    A handler that cannot be loaded is a usage mistake, found before anything
+    starts: one line on stderr naming the command and the handler, exit status
+    2 (``twist`` would print its whole help text and exit 64 for a
+    UsageError)."""
+    if "handler-callable" not in options:
+        from mdp.errors import MDPError
+
+        try:
+            options["handler-callable"] = load(options["handler"])
+        except MDPError as e:
+            import sys
+
+            print(f"{command}: --handler: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return options["handler-callable"]
+
+
 class BrokerOptions(_HeartbeatOptions):
     """Options of ``twist mdp-broker``."""
 
-    synopsis = "[--endpoint ENDPOINT] [--backend ENDPOINT] [--heartbeat SECONDS]"
+    synopsis = ("[--endpoint ENDPOINT] [--backend ENDPOINT] [--heartbeat SECONDS] [--liveness N] "
+                "[--request-expiry SECONDS] [--bstar primary|backup --bstar-local ENDPOINT "
+                "--bstar-remote ENDPOINT] [options]")
     longdesc = (
         "Run an MDP/0.2 broker.  Endpoints: zmq:tcp://HOST:PORT (port * lets the "
         "OS choose), tcp:host=HOST:port=PORT (any Twisted endpoint), loopback:NAME."
@@ -202,7 +243,12 @@ class BrokerOptions(_HeartbeatOptions):
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     """Options of ``twist mdp-worker``."""
 
-    synopsis = "--broker ENDPOINT [--broker ENDPOINT...] --service NAME --handler echo|module:callable"
+    synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] "
+                "[--handler echo|module:callable] [--heartbeat SECONDS] [--liveness N] "
+                "[--dialect rfc|majortomo] [options]")
+    longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
+                "module:callable is imported at start (the current directory is searched "
+                "too); it takes the request frames and returns the reply.")
     optParameters: list[Any] = _HeartbeatOptions.optParameters + [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
@@ -217,6 +263,9 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         if not self["service"]:
             raise usage.UsageError("--service is required")
         BrokerListOptions.postOptions(self)
+        from mdp.handlers import load_handler
+
+        loaded_handler(self, "twist mdp-worker", load_handler)
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -268,7 +317,7 @@ class WorkerServiceMaker:
         return WorkerService(
             options["brokers"],
             options["service"],
-            load_handler(options["handler"]),
+            loaded_handler(options, "twist mdp-worker", load_handler),
             heartbeat=options.heartbeatPolicy(),
             backoff=Backoff(maximum=options["backoff-max"]),
             dialect=options["dialect"],
@@ -280,7 +329,11 @@ class WorkerServiceMaker:
 class FreelanceServerOptions(VersionedOptions):
     """Options of ``twist mdp-freelance-server``."""
 
-    synopsis = "--endpoint ENDPOINT --handler echo|module:callable"
+    synopsis = ("[--endpoint ENDPOINT] [--handler echo|module:callable] [--max-pending N] "
+                "[--max-pending-bytes SIZE] [options]")
+    longdesc = ("Run a Freelance server: PING is answered PONG, [sequence, body...] with "
+                "[sequence, reply...].  --handler module:callable is imported at start (the "
+                "current directory is searched too).  Try it with mdp freelance-call.")
     optParameters: list[Any] = [
         ["endpoint", "e", "zmq:tcp://127.0.0.1:5556", "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
@@ -292,6 +345,9 @@ class FreelanceServerOptions(VersionedOptions):
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        from mdp.handlers import load_handler
+
+        loaded_handler(self, "twist mdp-freelance-server", load_handler)
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -304,10 +360,10 @@ class FreelanceServerServiceMaker:
         from mdp.app.service import FreelanceServerService
         from mdp.handlers import load_handler
 
-        return FreelanceServerService(options["endpoint"], load_handler(options["handler"]),
+        handler = loaded_handler(options, "twist mdp-freelance-server", load_handler)
+        return FreelanceServerService(options["endpoint"], handler,
                                       limits=limits_of(options), maxPending=options["max-pending"],
                                       maxPendingBytes=options["max-pending-bytes"])
-
 
 
 def _sp_endpoint(value: str, listen: bool, option: str) -> str:
@@ -332,8 +388,10 @@ def sp_handler(spec: str) -> Any:
 class SPRepOptions(VersionedOptions):
     """Options of ``twist sp-rep``."""
 
-    synopsis = "--endpoint tcp://127.0.0.1:5555 --handler echo|module:callable"
-    longdesc = "Answer SP (nng) REQ requests: the handler takes the payload bytes and returns bytes."
+    synopsis = "[--endpoint URL] [--handler echo|module:callable] [options]"
+    longdesc = ("Answer SP (nng) REQ requests: the handler takes the payload bytes and returns "
+                "bytes.  --handler module:callable is imported at start (the current directory "
+                "is searched too).")
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "nng URL or Twisted endpoint to listen on."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the payload bytes."],
@@ -341,12 +399,13 @@ class SPRepOptions(VersionedOptions):
 
     def postOptions(self) -> None:
         _sp_endpoint(self["endpoint"], True, "endpoint")
+        loaded_handler(self, "twist sp-rep", sp_handler)
 
 
 class SPDeviceOptions(VersionedOptions):
     """Options of ``twist sp-device``."""
 
-    synopsis = "--front tcp://127.0.0.1:5555 --back tcp://HOST:PORT [--back ...]"
+    synopsis = "[--front URL] --back URL [--back URL...] [options]"
     longdesc = "Forward SP (nng) requests from --front to the REP peers at --back, replies back."
     optParameters: list[Any] = [
         ["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."],
@@ -377,7 +436,8 @@ class SPRepServiceMaker:
     def makeService(self, options: SPRepOptions) -> Any:
         from mdp.app.service import SPServerService
 
-        return SPServerService(options["endpoint"], sp_handler(options["handler"]),
+        return SPServerService(options["endpoint"],
+                               loaded_handler(options, "twist sp-rep", sp_handler),
                                limits=limits_of(options))
 
 
@@ -406,7 +466,8 @@ _concurrency.coerceDoc = "A whole number, at least 1."  # type: ignore[attr-defi
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     """Options of ``twist mdp-titanic``."""
 
-    synopsis = "--broker ENDPOINT --db PATH|:memory: [--concurrency N]"
+    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:] "
+                "[--concurrency N] [--timeout SECONDS] [--keep SECONDS] [options]")
     longdesc = (
         "Run Titanic: the titanic.request, titanic.reply and titanic.close services "
         "and the dispatcher that sends stored requests to their services.  --db is a "
