@@ -85,3 +85,249 @@ async def test_mmi_queries_need_no_body_from_the_api_and_the_shell() -> None:
         await client.close()
         await worker.stop()
         await broker.close()
+
+
+# --- every command's --help ---------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (["mdp"], ["call|status|freelance-call|titanic|sp-request|chat|demo"]),
+    (["mdp", "call"], ["--broker ENDPOINT", "--dialect rfc|majortomo", "SERVICE [FRAME...]"]),
+    (["mdp", "status"], ["--broker ENDPOINT", "--timeout S", "--watch [SECONDS]"]),
+    (["mdp", "freelance-call"], ["--server ENDPOINT", "--model 1|2|3", "--deadline S",
+                                 "FRAME [FRAME...]"]),
+    (["mdp", "titanic"], ["submit|result|close"]),
+    (["mdp", "titanic", "submit"], ["--broker ENDPOINT", "SERVICE FRAME [FRAME...]"]),
+    (["mdp", "titanic", "result"], ["--broker ENDPOINT", "--wait", "ID"]),
+    (["mdp", "titanic", "close"], ["--broker ENDPOINT", "ID"]),
+    (["mdp", "sp-request"], ["--endpoint URL", "PAYLOAD"]),
+    (["mdp", "chat"], ["--name NAME", "--group GROUP", "--peer ENDPOINT"]),
+    (["mdp", "demo"], ["--endpoint ENDPOINT", "--requests N"]),
+    (["twist", "mdp-broker"], ["--endpoint ENDPOINT", "--backend ENDPOINT", "--bstar primary|backup",
+                               "[options]"]),
+    (["twist", "mdp-worker"], ["--service NAME", "--broker ENDPOINT",
+                               "--handler echo|module:callable", "[options]"]),
+    (["twist", "mdp-freelance-server"], ["--endpoint ENDPOINT", "--handler echo|module:callable"]),
+    (["twist", "mdp-titanic"], ["--broker ENDPOINT", "--db PATH|:memory:", "[options]"]),
+    (["twist", "sp-rep"], ["--endpoint URL", "--handler echo|module:callable"]),
+    (["twist", "sp-device"], ["--front URL", "--back URL"]),
+])
+@pytest_twisted.ensureDeferred
+async def test_help_starts_with_a_complete_usage_line(argv: list[str], says: list[str]) -> None:
+    """``--help`` exits 0; its first line is ``Usage:``, the command, then its
+    arguments and main options."""
+    proc = Process(reactor(), [script(argv[0]), *argv[1:], "--help"], env=ENV)
+    await proc.ended(60)
+    assert proc.exitCode == 0, proc.output
+    first = proc.output.decode().splitlines()[0]
+    program = "twist [options]" if argv[0] == "twist" else "mdp"
+    assert first.startswith(" ".join(["Usage:", program, *argv[1:]])), first
+    for words in says:
+        assert words in first, (words, first)
+
+
+# --- mdp status -----------------------------------------------------------------------
+
+async def _free_port() -> int:
+    """A port the OS just gave out and nobody listens on now."""
+    from twisted.internet import protocol
+
+    port = reactor().listenTCP(0, protocol.Factory(), interface="127.0.0.1")
+    number = port.getHost().port
+    await port.stopListening()
+    return number
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_shows_services_and_workers() -> None:
+    """An idle worker (echo), a busy one (slow), a request queued for a
+    service nobody offers: the two tables say so, row by row."""
+    import re
+
+    from twisted.internet import defer
+
+    from mdp import Broker, Client, Worker
+    from mdp.handlers import echo
+
+    broker = Broker(reactor())
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    held: defer.Deferred[list[bytes]] = defer.Deferred()
+    idle = Worker(bound.endpoint, "echo", echo, reactor())
+    busy = Worker(bound.endpoint, "slow", lambda frames: held, reactor())
+    idle.start()
+    busy.start()
+    client = Client(bound.endpoint, reactor())
+    pending = []
+    try:
+        def services() -> dict[bytes, tuple[int, int, int]]:
+            return {s.name: (s.idle, s.busy, s.queued) for s in broker.snapshot().services}
+
+        await wait_until(lambda: {b"echo", b"slow"} <= set(services()), 30)
+        pending = [client.request("slow", b"x"), client.request("nobody", b"y")]
+        await wait_until(lambda: services().get(b"slow") == (0, 1, 0)
+                         and services().get(b"nobody") == (0, 0, 1), 30)
+        proc = Process(reactor(), [script("mdp"), "status", "--broker", bound.endpoint], env=ENV)
+        await proc.ended(30)
+        assert proc.exitCode == 0, proc.output
+        lines = proc.output.decode().splitlines()
+        assert lines[0] == f"broker {bound.endpoint}"
+        rows = [line.split() for line in lines]
+        assert ["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"] in rows
+        assert ["echo", "1", "1", "0", "0"] in rows
+        assert ["slow", "1", "0", "1", "0"] in rows
+        assert ["nobody", "0", "0", "0", "1"] in rows
+        assert ["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE", "(s)"] in rows
+        workers = {row[1]: row for row in rows if len(row) == 5 and row[3] == "rfc"}
+        assert set(workers) == {"echo", "slow"}
+        assert workers["echo"][2] == "idle" and workers["slow"][2] == "busy"
+        for row in workers.values():
+            assert re.fullmatch(r"[0-9a-f]+", row[0]) and re.fullmatch(r"\d+\.\d", row[4]), row
+    finally:
+        held.callback([b"done"])
+        await client.close()
+        for d in pending:
+            d.addErrback(lambda failure: None)
+        await idle.stop()
+        await busy.stop()
+        await broker.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_watch_refreshes_until_ctrl_c() -> None:
+    from mdp import Broker
+
+    broker = Broker(reactor())
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    proc = Process(reactor(), [script("mdp"), "status", "--broker", bound.endpoint,
+                               "--watch", "0.2"], env=ENV)
+    try:
+        await proc.waitFor(r"(?s)no workers.*no workers", timeout=30)  # printed twice
+        proc.signalProcess(signal.SIGINT)
+        await proc.ended(30)
+        assert proc.exitCode == 130, proc.output
+        assert b"Traceback" not in proc.output
+        assert proc.output.count(f"broker {bound.endpoint}".encode()) >= 2
+    finally:
+        await proc.stop()
+        await broker.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_of_an_unreachable_broker_is_one_line_and_exit_1() -> None:
+    endpoint = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    proc = Process(reactor(), [script("mdp"), "status", "--broker", endpoint, "--timeout", "0.5",
+                               "--retries", "1"], env=ENV)
+    try:
+        await proc.ended(30)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == 1, proc.output
+    lines = proc.output.decode().strip().splitlines()
+    assert len(lines) == 1, proc.output
+    assert lines[0].startswith("mdp status: no answer from broker") and endpoint in lines[0]
+
+
+# --- mdp freelance-call ------------------------------------------------------------------
+
+async def _freelance_server(handler: str) -> tuple[Process, str]:
+    server = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-freelance-server",
+                                 "--endpoint", "zmq:tcp://127.0.0.1:*", "--handler", handler],
+                     env=ENV)
+    try:
+        match = await server.waitFor(r"Freelance server listening on (\S+)", timeout=60)
+    except Exception:
+        await server.stop()
+        raise
+    return server, match.group(1).decode()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_freelance_call_asks_a_twist_freelance_server() -> None:
+    server, endpoint = await _freelance_server("tests.handlers_for_tests:upper")
+    try:
+        call = Process(reactor(), [script("mdp"), "freelance-call", "--server", endpoint,
+                                   "hello", "world"], env=ENV)
+        await call.ended(30)
+        assert call.exitCode == 0, call.output
+        assert call.output.decode().splitlines() == ["HELLO", "WORLD"]
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("model", ["1", "3"])
+@pytest_twisted.ensureDeferred
+async def test_mdp_freelance_call_gets_past_a_dead_server(model: str) -> None:
+    """The first server listed is dead: the request is answered by the
+    second; with only the dead one, exit status 1 and one line."""
+    dead = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    server, endpoint = await _freelance_server("tests.handlers_for_tests:upper")
+    try:
+        call = Process(reactor(), [script("mdp"), "freelance-call", "--model", model,
+                                   "--server", dead, "--server", endpoint, "--timeout", "0.5",
+                                   "still", "there"], env=ENV)
+        await call.ended(30)
+        assert call.exitCode == 0, call.output
+        assert call.output.decode().splitlines() == ["STILL", "THERE"]
+        alone = Process(reactor(), [script("mdp"), "freelance-call", "--model", model,
+                                    "--server", dead, "--timeout", "0.5", "--deadline", "1",
+                                    "anyone?"], env=ENV)
+        await alone.ended(30)
+        assert alone.exitCode == 1, alone.output
+        lines = alone.output.decode().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mdp freelance-call: "), alone.output
+        assert dead in lines[0]
+    finally:
+        await server.stop()
+
+
+# --- --handler module:callable from the current directory --------------------------
+
+def _in_directory(directory: str, *argv: str) -> list[str]:
+    """*argv* run in *directory* (tests.procs.Process takes no working directory)."""
+    return ["/bin/sh", "-c", 'cd "$0" && exec "$@"', directory, *argv]
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_handler_module_is_found_in_the_current_directory(tmp_path) -> None:
+    from mdp import Broker, Client
+
+    (tmp_path / "mymod.py").write_text(
+        "def shout(frames):\n    return [frame.upper() + b'!' for frame in frames]\n")
+    broker = Broker(reactor())
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    worker = Process(reactor(), _in_directory(
+        str(tmp_path), script("twist"), "--log-format", "text", "mdp-worker", "--broker",
+        bound.endpoint, "--service", "shout", "--handler", "mymod:shout"), env=ENV)
+    client = Client(bound.endpoint, reactor())
+    try:
+        await worker.waitFor("sent READY", timeout=60)
+        assert await client.request("shout", b"hi").addTimeout(30, reactor()) == [b"HI!"]
+    finally:
+        await client.close()
+        await worker.stop()
+        await broker.close()
+
+
+@pytest.mark.parametrize("plugin, handler, says", [
+    ("mdp-worker", "nosuchmodule:handle", "No module named 'nosuchmodule'"),
+    ("mdp-worker", "mymod:missing", "has no attribute 'missing'"),
+    ("mdp-freelance-server", "mymod:NOT_CALLABLE", "is not callable"),
+    ("sp-rep", "broken:handle", "RuntimeError: broken on import"),
+])
+@pytest_twisted.ensureDeferred
+async def test_a_handler_that_cannot_be_loaded_is_one_line_and_exit_2(
+        tmp_path, plugin: str, handler: str, says: str) -> None:
+    (tmp_path / "mymod.py").write_text("NOT_CALLABLE = 42\n")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('broken on import')\n")
+    options = ["--service", "x"] if plugin == "mdp-worker" else []
+    proc = Process(reactor(), _in_directory(
+        str(tmp_path), script("twist"), "--log-format", "text", plugin, *options,
+        "--handler", handler), env=ENV)
+    try:
+        await proc.ended(60)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == 2, proc.output
+    lines = proc.output.decode().splitlines()
+    assert len(lines) == 1 and lines[0].strip(), proc.output
+    assert lines[0].startswith(f"twist {plugin}: --handler") and says in lines[0], lines[0]
+    assert b"Traceback" not in proc.output

@@ -6,6 +6,18 @@
     timeout or error; 2, with one line on stderr, for a usage mistake (a bad
     endpoint among them), before anything is sent.
 
+``mdp status --broker ENDPOINT [--watch [SECONDS]]``
+    Print a broker's services (workers idle and busy, requests queued) and
+    workers (service, state, seconds of silence), from ``mmi.services`` and
+    ``mmi.workers``; ``--watch`` prints them again every SECONDS (2) until
+    Ctrl-C.  Exit status 1 with one line on stderr naming the broker when it
+    does not answer.
+
+``mdp freelance-call --server ENDPOINT FRAME...``
+    Send one request to Freelance servers (``twist mdp-freelance-server``) and
+    print each reply frame on its own line; exit status 1 with one line on
+    stderr on timeout or error.
+
 ``mdp titanic submit --broker ENDPOINT SERVICE FRAME...``
     Store a request with Titanic; print its id.
 ``mdp titanic result --broker ENDPOINT ID``
@@ -43,7 +55,7 @@ from twisted.python import usage
 
 from mdp import transport
 from mdp.app.tap import BrokerListOptions, VersionedOptions, _dialect, checked_endpoints
-from mdp.errors import MDPError
+from mdp.errors import MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
 
@@ -96,12 +108,107 @@ class _Commands(VersionedOptions):
             raise usage.UsageError(f"choose a command: {', '.join(names[:-1])} or {names[-1]}")
 
 
+_BROKERS = "[--broker ENDPOINT [--broker ENDPOINT...]] [--timeout S] [--retries N]"
+
+
 class CallOptions(_RequestOptions):
-    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--timeout S] [--retries N] "
-                "SERVICE FRAME [FRAME...]")
+    synopsis = f"{_BROKERS} [--dialect rfc|majortomo] SERVICE [FRAME...]"
+    longdesc = ("Send one request through a broker; print each reply frame on its own line.  "
+                "At least one FRAME, except for mmi.* queries.")
     optParameters: list[Any] = [
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
     ]
+
+
+#: seconds between refreshes of ``mdp status --watch`` given no number
+DEFAULT_WATCH = 2.0
+
+
+class StatusOptions(_ClientOptions):
+    synopsis = f"{_BROKERS} [--watch [SECONDS]]"
+    longdesc = ("The broker's services (workers idle and busy, requests queued) and workers "
+                "(service, state, seconds since last heard from), from mmi.services and "
+                "mmi.workers.  --watch refreshes every SECONDS (default 2) until Ctrl-C.")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["watch"] = None
+
+    def opt_watch(self, seconds: str) -> None:
+        """Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch alone]"""
+        try:
+            self["watch"] = float(seconds)
+        except ValueError:
+            raise usage.UsageError(f"--watch: {seconds!r} is not a number of seconds") from None
+        if not self["watch"] > 0:
+            raise usage.UsageError("--watch must be positive")
+
+    opt_w = opt_watch
+
+    def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
+        # usage.Options has no optional option values: give --watch alone its default
+        args = list(sys.argv[1:] if options is None else options)
+        given: list[str] = []
+        for n, arg in enumerate(args):
+            given.append(arg)
+            if arg in ("--watch", "-w") and not _is_number(args[n + 1] if n + 1 < len(args) else ""):
+                given.append(str(DEFAULT_WATCH))
+        super().parseOptions(given)
+
+    def parseArgs(self, *extra: str) -> None:
+        if extra:
+            raise usage.UsageError(f"unexpected argument {extra[0]!r} (status takes options only)")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class FreelanceCallOptions(VersionedOptions):
+    synopsis = ("[--server ENDPOINT [--server ENDPOINT...]] [--model 1|2|3] [--timeout S] "
+                "[--deadline S] FRAME [FRAME...]")
+    longdesc = ("Send one request to Freelance servers (twist mdp-freelance-server) with no "
+                "broker; print each reply frame on its own line.  A Freelance request has no "
+                "service name: the frames are the request.")
+    optParameters: list[Any] = [
+        ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all "
+         "at once) or 3 (an agent: heartbeats, the first live server).", int],
+        ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; "
+         "3 s for model 2].", float],
+        ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
+         "30 s for model 1, 3 s for model 3].", float],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["server"] = []
+
+    def opt_server(self, endpoint: str) -> None:
+        """Freelance server endpoint; once per server (or commas) [default: zmq:tcp://127.0.0.1:5556]"""
+        self["server"].append(endpoint)
+
+    opt_s = opt_server
+
+    def parseArgs(self, *frames: str) -> None:
+        if not frames:
+            raise usage.UsageError("give at least one request frame")
+        self["frames"] = [f.encode("utf-8") for f in frames]
+
+    def postOptions(self) -> None:
+        from mdp.app.tap import FreelanceServerOptions
+
+        default = dict((p[0], p[2]) for p in FreelanceServerOptions.optParameters)["endpoint"]
+        self["servers"] = checked_endpoints(",".join(self["server"]) or default,
+                                            transport.CONNECT, "server")
+        if self["model"] not in (1, 2, 3):
+            raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
+        for name in ("timeout", "deadline"):
+            if self[name] is not None and not self[name] > 0:
+                raise usage.UsageError(f"--{name} must be positive")
 
 
 class DemoOptions(VersionedOptions):
@@ -117,7 +224,7 @@ class DemoOptions(VersionedOptions):
 
 
 class TitanicSubmitOptions(_RequestOptions):
-    synopsis = "[--broker ENDPOINT] SERVICE FRAME [FRAME...]"
+    synopsis = f"{_BROKERS} SERVICE FRAME [FRAME...]"
 
 
 def _request_id(value: str) -> str:
@@ -130,7 +237,7 @@ def _request_id(value: str) -> str:
 
 
 class TitanicResultOptions(_ClientOptions):
-    synopsis = "[--broker ENDPOINT] [--wait] [--poll SECONDS] ID"
+    synopsis = f"{_BROKERS} [--wait] [--poll SECONDS] ID"
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [
         ["poll", "p", 1.0, "Seconds between polls with --wait.", float],
@@ -146,14 +253,14 @@ class TitanicResultOptions(_ClientOptions):
 
 
 class TitanicCloseOptions(_ClientOptions):
-    synopsis = "[--broker ENDPOINT] ID"
+    synopsis = f"{_BROKERS} ID"
 
     def parseArgs(self, requestId: str) -> None:
         self["id"] = _request_id(requestId)
 
 
 class TitanicOptions(_Commands):
-    synopsis = "mdp titanic submit|result|close [options]"
+    synopsis = "submit|result|close [options]"
     subCommands = [
         ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
         ["result", None, TitanicResultOptions, "Print a stored request's reply."],
@@ -181,7 +288,8 @@ class SPRequestOptions(VersionedOptions):
 
 
 class ChatOptions(VersionedOptions):
-    synopsis = "--name NAME [--group GROUP] [--interface IF] [--peer ENDPOINT]..."
+    synopsis = ("--name NAME [--group GROUP] [--interface IF] [--port PORT] [--endpoint ENDPOINT] "
+                "[--peer ENDPOINT]...")
     longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; "
                 "'/w NAME TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or "
                 "Ctrl-C leaves.")
@@ -240,9 +348,13 @@ def transport_endpoint(endpoint: str) -> str:
 
 
 class Options(_Commands):
-    synopsis = "mdp call|titanic|sp-request|chat|demo [options]"
+    programName = "mdp"
+    synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
+        ["status", None, StatusOptions, "A broker's services and workers (MMI)."],
+        ["freelance-call", None, FreelanceCallOptions,
+         "Send one request to Freelance servers (no broker)."],
         ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
         ["sp-request", None, SPRequestOptions, "Send one SP (nng) request; print the reply."],
         ["chat", None, ChatOptions, "A terminal chat with Harmony (ZRE) peers."],
@@ -264,6 +376,110 @@ async def call(reactor: Any, options: CallOptions) -> None:
         reply = await client.request(options["service"], *options["frames"], onPartial=partial)
     except MDPError as e:
         print(f"mdp call: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        await client.close()
+    for frame in reply:
+        print(_show(frame))
+    sys.stdout.flush()
+
+
+def _table(headings: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int]) -> list[str]:
+    """Lines of a plain text table; the columns numbered in *right* are
+    aligned right (numbers)."""
+    cells = [list(headings)] + [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[n]) for row in cells) for n in range(len(headings))]
+    return ["  ".join(cell.rjust(widths[n]) if n in right else cell.ljust(widths[n])
+                      for n, cell in enumerate(row)).rstrip() for row in cells]
+
+
+def _listing(reply: list[bytes], what: str) -> tuple[Any, str]:
+    """The JSON of an ``mmi.services`` / ``mmi.workers`` reply, and a note
+    when the broker cut the list short."""
+    import json
+
+    note = ""
+    if len(reply) > 1:
+        extra = json.loads(reply[1])
+        if extra.get("truncated"):
+            note = f"(the first {{shown}} of {extra['total']} {what})"
+    return json.loads(reply[0]), note
+
+
+def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
+    """The two tables of ``mdp status``, from the reply bodies of
+    ``mmi.services`` and ``mmi.workers``."""
+    table, servicesNote = _listing(services, "services")
+    listed, workersNote = _listing(workers, "workers")
+    lines = []
+    if table:
+        rows = [(name, entry["workers"], entry["idle"], entry["workers"] - entry["idle"],
+                 entry["queued"]) for name, entry in sorted(table.items())]
+        lines += _table(["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"], rows, (1, 2, 3, 4))
+    else:
+        lines.append("no services")
+    if servicesNote:
+        lines.append(servicesNote.format(shown=len(table)))
+    lines.append("")
+    if listed:
+        rows = [(w["id"], w["service"], "busy" if w["busy"] else "idle", w["dialect"],
+                 f"{w['silence']:.1f}") for w in sorted(listed, key=lambda w: (w["service"], w["id"]))]
+        lines += _table(["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"], rows, (4,))
+    else:
+        lines.append("no workers")
+    if workersNote:
+        lines.append(workersNote.format(shown=len(listed)))
+    return lines
+
+
+async def status(reactor: Any, options: StatusOptions) -> None:
+    from mdp.majordomo.client import Client
+
+    client = Client(options["brokers"], reactor, timeout=options["timeout"],
+                    retries=options["retries"])
+    watch = options["watch"]
+    clear = watch is not None and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                services = await client.request("mmi.services")
+                workers = await client.request("mmi.workers")
+            except MDPError as e:
+                brokers = ", ".join(options["brokers"])
+                plural = "s" if len(options["brokers"]) > 1 else ""
+                if isinstance(e, RequestTimeout):
+                    print(f"mdp status: no answer from broker{plural} {brokers} ({e})",
+                          file=sys.stderr)
+                else:
+                    print(f"mdp status: broker{plural} {brokers}: {e}", file=sys.stderr)
+                sys.stderr.flush()
+                if watch is None:
+                    raise SystemExit(1) from None
+            else:
+                lines = [f"broker {client.endpoint}", ""] + status_lines(services, workers)
+                if clear:
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                elif watch is not None:
+                    lines.append("")
+                sys.stdout.write("\n".join(lines) + "\n")
+                sys.stdout.flush()
+            if watch is None:
+                return
+            await task.deferLater(reactor, watch)
+    finally:
+        await client.close()
+
+
+async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
+    from mdp.freelance import freelance_client
+
+    timing = {name: options[name] for name in ("timeout", "deadline") if options[name] is not None}
+    client = freelance_client(options["servers"], options["model"], reactor, **timing)
+    try:
+        reply = await client.request(*options["frames"])
+    except MDPError as e:
+        print(f"mdp freelance-call: {e} (servers: {', '.join(options['servers'])})",
+              file=sys.stderr)
         raise SystemExit(1) from None
     finally:
         await client.close()
@@ -435,7 +651,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         command = " ".join(words)
         print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
-    command = {"call": call, "titanic": titanic, "sp-request": sp_request, "chat": chat,
+    command = {"call": call, "status": status, "freelance-call": freelance_call,
+               "titanic": titanic, "sp-request": sp_request, "chat": chat,
                "demo": demo}[options.subCommand]
     interrupted: list[int] = []
 
