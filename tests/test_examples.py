@@ -68,3 +68,26 @@ async def test_sessions_example_keeps_a_message_while_the_server_is_away() -> No
     answers, reply = await example.main(reactor)
     assert answers == [[b"HELLO"], [b"SESSIONS"]]
     assert reply == [b"over a session"]
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_freelance_example_fails_over_from_server_to_server() -> None:
+    """examples/freelance.py: the agent sends to alpha while it lives, then
+    to beta once alpha is stopped, then to gamma once beta is; the same lines
+    on every run."""
+    from twisted.internet import reactor
+
+    example = load("freelance")
+    lines = await example.main(reactor)
+    assert lines == [
+        "alpha, beta and gamma are alive",
+        "request 1 answered by alpha",
+        "request 2 answered by alpha",
+        "alpha stopped",
+        "request 3 answered by beta",
+        "request 4 answered by beta",
+        "beta stopped",
+        "request 5 answered by gamma",
+    ]
+    assert all(f"    {line}\n" in example.__doc__ for line in lines)  # as its docstring says
