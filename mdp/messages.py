@@ -31,6 +31,12 @@ STATUS_UNAVAILABLE = b"503"
 STATUS_OVERLOADED = b"429"
 STATUS_TOO_LARGE = b"413"
 
+def text(name: bytes) -> str:
+    """A service name (bytes on the wire) as text, for logs and metric labels:
+    ``echo``, not ``b'echo'``; bytes that are not UTF-8 appear as escapes."""
+    return name.decode("utf-8", "backslashreplace")
+
+
 _ERRORS: dict[bytes, type[RemoteError]] = {
     STATUS_WORKER_ERROR: WorkerError,
     STATUS_UNAVAILABLE: ServiceUnavailable,

@@ -200,7 +200,7 @@ class Cluster:
             await bounded(worker.waitFor("sent READY", timeout=60), 60)
         broker = self.broker
         assert broker is not None
-        await wait_until(lambda: broker.output.count(f"ready for b'{service}'".encode()) >= count, 30)
+        await wait_until(lambda: broker.output.count(f"ready for {service}".encode()) >= count, 30)
         return started
 
     def client(self, **kwargs: Any) -> Any:

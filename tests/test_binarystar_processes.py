@@ -150,7 +150,7 @@ async def test_failover_and_back_under_a_steady_stream(kind: str, first: str, ca
         for _ in range(2):
             pair.startWorker()
         primary = pair.brokers["primary"]
-        await wait_until(lambda: primary.output.count(b"ready for b'echo'") >= 2, 60, 0.05)
+        await wait_until(lambda: primary.output.count(b"ready for echo") >= 2, 60, 0.05)
         stream = Stream([pair.client("primary", "backup") for _ in range(3)])
         await wait_until(lambda: len(stream.completed) >= 30, 30, 0.05)
 
@@ -198,7 +198,7 @@ async def test_a_cut_state_channel_makes_no_split_brain(kind: str) -> None:
         await settle(pair, "primary")
         pair.startWorker()
         primary, backup = pair.brokers["primary"], pair.brokers["backup"]
-        await wait_until(lambda: primary.output.count(b"ready for b'echo'") >= 1, 60, 0.05)
+        await wait_until(lambda: primary.output.count(b"ready for echo") >= 1, 60, 0.05)
         stream = Stream([pair.client("primary") for _ in range(2)])  # clients reach one side
         await wait_until(lambda: len(stream.completed) >= 10, 30, 0.05)
 

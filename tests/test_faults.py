@@ -105,7 +105,7 @@ async def test_broker_killed_and_restarted_mid_run(kind: str) -> None:
         assert len(flat) == 600
         check_replies(flat)
         # the workers re-registered by themselves with the new broker
-        assert cluster.broker.output.count(b"ready for b'work'") >= 2
+        assert cluster.broker.output.count(b"ready for work") >= 2
         assert all(w.running for w in cluster.workers)
     finally:
         await cluster.stop()
@@ -120,7 +120,7 @@ async def test_frozen_worker_is_detected_and_its_request_requeued(kind: str) -> 
         await cluster.startBroker(BINDS[kind])
         frozen = cluster.startWorker()
         await bounded(frozen.waitFor("sent READY"), 60)
-        await bounded(cluster.broker.waitFor("ready for b'work'"), 30)
+        await bounded(cluster.broker.waitFor("ready for work"), 30)
         frozen.signalProcess(signal.SIGSTOP)
         # the only registered worker is frozen: the request goes to it
         client = cluster.client(timeout=60, retries=1)

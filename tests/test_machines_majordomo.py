@@ -94,8 +94,70 @@ def test_broker_requeues_the_request_of_a_silent_worker_to_another() -> None:
         Send(b"C", [C, codec.C_FINAL, b"echo", b"HI"])]
 
 
+def test_a_late_reply_of_a_worker_given_up_answers_its_request_still_queued() -> None:
+    """A worker whose handler blocked its reactor looks dead to the broker;
+    its reply, when it comes, answers the request if no other worker took
+    it, so the request does not run again (and block again)."""
+    script, broker = broker_script()
+    script.feed(Receive(b"W", READY))
+    script.feed(Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"]))
+    script.feed(Elapse(4.0))  # W silent for more than 3 s: given up, its request queued again
+    assert broker.workers == {} and broker.queued == 1
+    assert script.feed(Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"])) == [
+        Send(b"C", [C, codec.C_FINAL, b"echo", b"HI"]), Send(b"W", DISCONNECT), Disconnect(b"W")]
+    assert broker.queued == 0
+    # registered again, it gets nothing to run twice
+    assert script.feed(Receive(b"W", READY)) == []
+    assert worker_states(broker) == {b"W": BrokerWorkerState.IDLE}
+    # a second copy of that reply is no answer to anything
+    assert script.feed(Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"])) == [
+        Send(b"W", DISCONNECT), Disconnect(b"W")]
+
+
+def test_a_late_partial_or_a_streamed_reply_does_not_count_as_an_answer() -> None:
+    """Only a FINAL of a reply that streamed nothing answers late: after
+    PARTIALs the client was told the reply starts over."""
+    script, broker = broker_script()
+    script.feed(Receive(b"W", READY), Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"]))
+    assert script.feed(Receive(b"W", [W, codec.W_PARTIAL, envelope(b"C", 1), b"", b"h"])) == [
+        Send(b"C", [C, codec.C_PARTIAL, b"echo", b"h"])]
+    assert script.feed(Elapse(4.0)) == [Send(b"W", HEARTBEAT)] * 3 + [
+        Send(b"C", [C, codec.C_PARTIAL, b"echo", codec.RESTART_MARKER])]
+    assert script.feed(Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"])) == [
+        Send(b"W", DISCONNECT), Disconnect(b"W")]
+    assert broker.queued == 1
+
+
+def test_broker_answers_503_for_a_service_no_worker_registered_in_time() -> None:
+    """MDP/0.2: requests for a service no worker registered are queued, and
+    expired after a configurable time: ``unknownServiceExpiry`` (5 s), from
+    the service's first request, so that a client retrying every 2.5 s hears
+    the 503 within its default 3 attempts."""
+    script, broker = broker_script()
+    assert script.feed(Receive(b"C1", [C, codec.C_REQUEST, b"nosuch", b"1"])) == []
+    assert script.feed(Elapse(2.5), Receive(b"C2", [C, codec.C_REQUEST, b"nosuch", b"2"])) == []
+    assert script.feed(Elapse(2.49)) == []
+    unavailable = [C, codec.C_FINAL, b"nosuch", codec.ERROR_MARKER, codec.STATUS_UNAVAILABLE,
+                   b"no worker for service 'nosuch': none registered within 5s"]
+    assert script.feed(Elapse(0.01)) == [Send(b"C1", unavailable), Send(b"C2", unavailable)]
+    assert broker.queued == 0 and b"nosuch" not in broker.services
+    # a later request waits afresh, and a worker that comes in time serves it
+    assert script.feed(Elapse(10), Receive(b"C1", [C, codec.C_REQUEST, b"nosuch", b"3"])) == []
+    script.feed(Elapse(4.9))
+    assert script.feed(Receive(b"W", (W, codec.W_READY, b"nosuch"))) == [
+        Send(b"W", [W, codec.W_REQUEST, envelope(b"C1", 1), b"", b"3"])]
+    # past the window, the request in hand is not answered by the broker
+    assert script.feed(Elapse(1.0), Receive(b"W", HEARTBEAT)) == []
+    assert worker_states(broker) == {b"W": BrokerWorkerState.BUSY}
+
+
+def test_unknown_service_expiry_is_positive() -> None:
+    with pytest.raises(ValueError, match="unknownServiceExpiry"):
+        Broker(unknownServiceExpiry=0)
+
+
 def test_broker_answers_503_to_a_request_queued_past_its_expiry() -> None:
-    script, broker = broker_script(requestExpiry=5.0)
+    script, broker = broker_script(requestExpiry=5.0, unknownServiceExpiry=60.0)
     assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"nobody", b"hi"])) == []
     assert broker.queued == 1
     assert script.feed(Elapse(4.9)) == []

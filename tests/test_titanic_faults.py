@@ -37,8 +37,8 @@ async def titanic_up(cluster: Cluster, db: str) -> Process:
     await bounded(titanic.waitFor("Titanic started", timeout=60), 60)
     broker = cluster.broker
     assert broker is not None
-    ready = broker.output.count(b"ready for b'titanic.request'")
-    await wait_until(lambda: broker.output.count(b"ready for b'titanic.request'") > ready, 30)
+    ready = broker.output.count(b"ready for titanic.request")
+    await wait_until(lambda: broker.output.count(b"ready for titanic.request") > ready, 30)
     return titanic
 
 

@@ -138,6 +138,7 @@ from mdp.majordomo.codec import (
     WorkerFinal,
     WorkerPartial,
 )
+from mdp.messages import text as label
 from mdp.policy import (
     FRAME_OVERHEAD,
     HeartbeatPolicy,
@@ -160,6 +161,10 @@ DEFAULT_MAX_SERVICE_QUEUE_BYTES = 512 * MiB
 DEFAULT_MAX_WORKERS = 10_000
 DEFAULT_MAX_SERVICE_WORKERS = 1_000
 DEFAULT_MAX_DELIVERIES = 20
+#: seconds a request for a service no worker has registered waits (counted
+#: from the service's first request), within a client's default budget
+#: (3 attempts of 2.5 s) so that it hears 503 rather than a timeout
+DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
 
 #: Bytes of frame content a worker REQUEST adds to the request body besides the
 #: client's peer id: the header, the command and the 8-byte assignment number
@@ -171,6 +176,11 @@ _REQUEST_FRAMES = 5
 def peer_label(peer: bytes) -> str:
     """A printable form of an opaque peer id for logs."""
     return peer.hex()
+
+
+#: how many assignments taken back from lost workers are remembered, so that
+#: a late FINAL for one still queued can answer it (:meth:`BrokerMachine._late`)
+MAX_TAKEN_BACK = 1024
 
 
 @implementer(IRouterReceiver)
@@ -245,12 +255,14 @@ class PendingRequest:
     service: bytes
     body: Sequence[bytes]
     dialect: str
-    queuedAt: float
+    queuedAt: float  # when it arrived, or was queued again
     size: int  # what holding its body costs (policy.held_bytes)
     state: RequestState = NEW
     envelope: bytes = b""  # of its current assignment
     deliveries: int = 0  # times handed to a worker
     partials: int = 0  # PARTIALs forwarded to the client by its current worker
+    arrivedAt: float = 0.0
+    assignedAt: float = 0.0  # when its current assignment began
 
 
 @attrs.define(eq=False, slots=True)
@@ -342,6 +354,8 @@ class ServiceQueue:
         self.bytes = 0
         #: when the last worker left (None while the service has workers or never had one)
         self.abandonedAt: Optional[float] = None
+        #: a worker has registered for it (else requests wait ``unknownServiceExpiry``)
+        self.registered = False
 
     def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
         queue = self.pending.get(client)
@@ -433,7 +447,15 @@ class DropPeer:
     key: PeerKey
 
 
-Action = Any  # Send | DropPeer
+@action_class
+class WakeAt:
+    """The machine's wish: :meth:`BrokerMachine.handleWake` at *time* (for a
+    deadline between two ticks)."""
+
+    time: float
+
+
+Action = Any  # Send | DropPeer | WakeAt
 
 
 class BrokerMachine(Machine):
@@ -459,15 +481,20 @@ class BrokerMachine(Machine):
         maxServiceQueueBytes: int = DEFAULT_MAX_SERVICE_QUEUE_BYTES,
         maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
         maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
+        unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
         limits: Limits = Limits(),
         admission: Optional[IAdmission] = None,
+        metrics: Optional[Any] = None,
         now: float = 0.0,
     ) -> None:
         if maxDeliveries < 1:
             raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
+        if not unknownServiceExpiry > 0:
+            raise ValueError(f"unknownServiceExpiry must be positive, got {unknownServiceExpiry}")
         super().__init__(now)
         self.heartbeat = heartbeat
         self.requestExpiry = requestExpiry
+        self.unknownServiceExpiry = unknownServiceExpiry
         self.serviceLinger = serviceLinger
         self.maxQueue = maxQueue
         self.maxServiceQueue = maxServiceQueue
@@ -487,8 +514,16 @@ class BrokerMachine(Machine):
         self._abandoned: deque[tuple[float, ServiceQueue]] = deque()
         self.services: dict[bytes, ServiceQueue] = {}
         self.workers: dict[PeerKey, WorkerRef] = {}
+        #: services no worker has registered for, by when they are given up
+        self._unknown: deque[tuple[float, ServiceQueue]] = deque()
+        #: envelopes of assignments taken back from lost workers (see _late)
+        self._takenBack: OrderedDict[bytes, PendingRequest] = OrderedDict()
         #: messages dropped as invalid or unexpected
         self.invalid = 0
+        #: a :class:`mdp.metrics.BrokerMetrics` (or None): told of each event it counts
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self)
 
     @property
     def wakeEvery(self) -> float:
@@ -513,12 +548,20 @@ class BrokerMachine(Machine):
         self._tick(now)
         return self._drain()
 
+    def handleWake(self, now: float) -> list[Action]:
+        """The wake-up asked for with :class:`WakeAt`."""
+        self.now = now
+        self._giveUpUnknown(now)
+        return self._drain()
+
     def reset(self) -> None:
         """Forget every worker, service and queued request."""
         self.workers.clear()
         self.services.clear()
         self._ledger = QueueLedger()
         self._abandoned.clear()
+        self._unknown.clear()
+        self._takenBack.clear()
         self._outbox = []
 
     # --- inbound -------------------------------------------------------------
@@ -530,19 +573,20 @@ class BrokerMachine(Machine):
             dialect, body = codec.split(frames)
             command = codec.decode(body, dialect)
         except ProtocolError as e:
-            self._invalid(key, str(e))
+            self._invalid(key, str(e), "malformed")
             return
         try:
             kind = type(command)
             if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
                 if not key[0].clients:
-                    self._invalid(key, "client command on a worker-only endpoint")
+                    self._invalid(key, "client command on a worker-only endpoint", "wrong-endpoint")
                 elif kind is ClientRequest:
                     self._onRequest(key, command, dialect)  # type: ignore[arg-type]
                 else:
-                    self._invalid(key, f"client sent {kind.__name__}: only REQUEST is valid")
+                    self._invalid(key, f"client sent {kind.__name__}: only REQUEST is valid",
+                                  "unexpected")
             elif not key[0].workers:
-                self._invalid(key, "worker command on a client-only endpoint")
+                self._invalid(key, "worker command on a client-only endpoint", "wrong-endpoint")
             else:
                 self._onWorkerCommand(key, command, dialect)
         except Exception:
@@ -553,7 +597,7 @@ class BrokerMachine(Machine):
         worker = self.workers.get(key)
         if worker is not None:
             log.info("worker {peer} for {service} disconnected",
-                     peer=peer_label(key[1]), service=worker.service.name)
+                     peer=peer_label(key[1]), service=label(worker.service.name))
             self._removeWorker(worker)
         services = self._ledger.byClient.get(key)
         if services:
@@ -567,14 +611,21 @@ class BrokerMachine(Machine):
         body = command.body
         content = sum(map(len, body))
         request = PendingRequest(key, command.service, body, dialect, self.now,
-                                 content + FRAME_OVERHEAD * len(body))
+                                 content + FRAME_OVERHEAD * len(body), arrivedAt=self.now)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.request(command.service)
         admission = self.admission
         if (admission is not None and command.service != mmi.BINARYSTAR
                 and not admission.admitClient(self.now)):
+            if metrics is not None:
+                metrics.refuse(command.service, "passive")
             return  # not serving: the client times out and tries elsewhere
         if command.service.startswith(mmi.PREFIX):
             request.state = DONE
             self._reply(request, mmi.answer(self, command.service, body), final=True)
+            if metrics is not None:
+                metrics.replied(command.service, None, None)
             return
         tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
                                         len(body) + _REQUEST_FRAMES)
@@ -600,6 +651,11 @@ class BrokerMachine(Machine):
             return
         if service is None:
             service = self._service(command.service)
+            # no worker has registered for it: its requests wait unknownServiceExpiry
+            deadline = self.now + self.unknownServiceExpiry
+            if not self._unknown:
+                self._emit(WakeAt(deadline))
+            self._unknown.append((deadline, service))
         service.enqueue(request)
         self._dispatch(service)
 
@@ -607,15 +663,26 @@ class BrokerMachine(Machine):
         """Answer *request* at once with an error reply, logged (throttled)."""
         request.state = DONE
         self.throttle.warn(log, kind, "refused a request for {service} from {peer}: {message}",
-                           service=request.service, peer=peer_label(request.client[1]),
+                           service=label(request.service), peer=peer_label(request.client[1]),
                            message=message)
         self._reply(request, codec.error_body(code, message), final=True)
+        metrics = self.metrics
+        if metrics is not None:
+            if kind == "overloaded":
+                metrics.refuse(request.service, kind)
+            metrics.replied(request.service, None, code)
 
     def _service(self, name: bytes) -> ServiceQueue:
         service = self.services.get(name)
         if service is None:
             service = self.services[name] = ServiceQueue(name, self._ledger)
         return service
+
+    def clientCount(self) -> int:
+        """Clients with a request in the broker (queued or with a worker)."""
+        clients = set(self._ledger.byClient)
+        clients.update(w.current.client for w in self.workers.values() if w.current is not None)
+        return len(clients)
 
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
         """Drop a service with no worker and no request, once its linger is over."""
@@ -694,9 +761,14 @@ class BrokerMachine(Machine):
             if kind is Ready:
                 self._onReady(key, command.service, dialect)
             elif kind is not Disconnect:
-                self.throttle.warn(log, "unregistered", "{command} from unregistered worker {peer}: "
-                                   "sending DISCONNECT", command=kind.__name__,
-                                   peer=peer_label(key[1]))
+                if kind is WorkerFinal and self._late(key, command):
+                    pass  # answered a request still queued: logged
+                else:
+                    if self.metrics is not None:
+                        self.metrics.reject("unregistered")
+                    self.throttle.warn(log, "unregistered", "{command} from unregistered worker "
+                                       "{peer}: sending DISCONNECT", command=kind.__name__,
+                                       peer=peer_label(key[1]))
                 self._sendDisconnect(key, dialect)
             return
         worker.liveness.heard(self.now)
@@ -706,17 +778,21 @@ class BrokerMachine(Machine):
             request = worker.current
             if request is None or command.client != request.envelope:
                 if command.client == worker.lastEnvelope:
+                    if self.metrics is not None:
+                        self.metrics.dropped("stale")
                     self.throttle.warn(log, "stale", "dropped a second {command} from worker {peer} "
                                        "for a request it already answered",
                                        command=kind.__name__, peer=peer_label(key[1]))
                 elif request is None:
                     self._unexpected(worker, f"{kind.__name__} while idle")
                 else:
-                    self._invalid(key, f"{kind.__name__} for a request it does not serve")
+                    self._invalid(key, f"{kind.__name__} for a request it does not serve",
+                                  "not-serving")
             elif kind is WorkerPartial:
                 if len(command.body) == 1 and command.body[0] == codec.RESTART_MARKER:
                     # only the broker may say a reply starts over
-                    self._invalid(key, "PARTIAL holding the broker's restart marker")
+                    self._invalid(key, "PARTIAL holding the broker's restart marker",
+                                  "restart-marker")
                 else:
                     self._forward(worker, request, command.body, final=False)
             else:
@@ -727,7 +803,7 @@ class BrokerMachine(Machine):
                 self._dispatch(worker.service)
         elif kind is Disconnect:
             log.info("worker {peer} for {service} disconnected",
-                     peer=peer_label(key[1]), service=worker.service.name)
+                     peer=peer_label(key[1]), service=label(worker.service.name))
             self._removeWorker(worker)
         else:  # READY again, or REQUEST from a worker: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
@@ -740,6 +816,8 @@ class BrokerMachine(Machine):
             # already answered with an error: the worker's rest is void
             if final:
                 request.state = DONE
+            if self.metrics is not None:
+                self.metrics.dropped("void")
             return
         if final:
             request.state = DONE
@@ -754,15 +832,54 @@ class BrokerMachine(Machine):
                     request.state = ANSWERED
                 self.throttle.warn(log, "too-large", "reply from worker {peer} for {service} is "
                                    "too large for the client: {reason}",
-                                   peer=peer_label(worker.key[1]), service=request.service,
+                                   peer=peer_label(worker.key[1]), service=label(request.service),
                                    reason=tooLarge)
                 self._reply(request, codec.error_body(
                     codec.STATUS_TOO_LARGE, f"reply too large for the client: {tooLarge}"),
                     final=True)
+                if self.metrics is not None:
+                    self.metrics.replied(request.service, self.now - request.assignedAt,
+                                         codec.STATUS_TOO_LARGE)
                 return
         if not final:
             request.partials += 1
+            self._reply(request, body, final)
+            return
         self._reply(request, body, final)
+        self._served(request, body, worker.key)
+
+    def _served(self, request: PendingRequest, body: Sequence[bytes], worker: PeerKey) -> None:
+        """A worker's FINAL went to the client: one debug line, and the metrics."""
+        now = self.now
+        served = now - request.assignedAt
+        log.debug("{service}: request from client {client} served by worker {worker} in "
+                  "{served:.4f}s after {queued:.4f}s queued", service=label(request.service),
+                  client=peer_label(request.client[1]), worker=peer_label(worker[1]),
+                  served=served, queued=request.assignedAt - request.arrivedAt)
+        metrics = self.metrics
+        if metrics is not None:
+            code = body[1] if len(body) == 3 and body[0] == codec.ERROR_MARKER else None
+            metrics.replied(request.service, served, code)
+
+    def _late(self, key: PeerKey, command: WorkerFinal) -> bool:
+        """A FINAL from a worker the broker gave up on (silent: its handler
+        may have blocked its reactor).  If the request it answers was queued
+        again and no other worker has it yet, that reply answers it (else
+        the request would run again, maybe as long).  True if it did."""
+        request = self._takenBack.pop(command.client, None)
+        if request is None or request.state is not QUEUED or request.envelope != command.client:
+            if request is not None and self.metrics is not None:
+                self.metrics.dropped("orphaned")
+            return False
+        service = self.services[request.service]
+        service.remove(request)
+        log.info("accepted the late reply of worker {peer} for {service}: it was given up for "
+                 "silence, and the request was still queued", peer=peer_label(key[1]),
+                 service=label(request.service))
+        self._reply(request, command.body, final=True)
+        self._served(request, command.body, key)
+        self._forgetIfEmpty(service)
+        return True
 
     def _onReady(self, key: PeerKey, name: bytes, dialect: str) -> None:
         service = self.services.get(name)
@@ -775,8 +892,8 @@ class BrokerMachine(Machine):
         else:
             self._register(key, name, dialect)
             return
-        self.throttle.warn(log, "refused-ready", "refused READY from {peer}: {why}",
-                           peer=peer_label(key[1]), why=why)
+        self.throttle.warn(log, "refused-ready", "refused READY from {peer} for {service}: {why}",
+                           peer=peer_label(key[1]), service=label(name), why=why)
         self._sendDisconnect(key, dialect)
 
     def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
@@ -785,7 +902,8 @@ class BrokerMachine(Machine):
         self.workers[key] = worker
         service.workers += 1
         service.abandonedAt = None
-        log.info("worker {peer} ready for {service}", peer=peer_label(key[1]), service=name)
+        service.registered = True
+        log.info("worker {peer} ready for {service}", peer=peer_label(key[1]), service=label(name))
         self._makeIdle(worker)
         self._dispatch(service)
 
@@ -805,6 +923,9 @@ class BrokerMachine(Machine):
         worker.current = request
         request.state = ASSIGNED
         request.deliveries += 1
+        request.assignedAt = now = self.now
+        if self.metrics is not None:
+            self.metrics.assigned(request.service, now - request.queuedAt)
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
         self._emit(Send(worker.key, codec.encode_worker_request(envelope, request.body,
                                                                 worker.dialect)))
@@ -842,6 +963,12 @@ class BrokerMachine(Machine):
             # the next worker starts the reply over: tell the client first
             request.partials = 0
             self._reply(request, [codec.RESTART_MARKER], final=False)
+        else:
+            # its worker may yet answer, late (see _late)
+            takenBack = self._takenBack
+            takenBack[request.envelope] = request
+            if len(takenBack) > MAX_TAKEN_BACK:
+                takenBack.popitem(last=False)
         # accepted work is never dropped, even past the queue bounds
         request.queuedAt = self.now
         service.requeue(request)
@@ -849,17 +976,22 @@ class BrokerMachine(Machine):
 
     def _unexpected(self, worker: WorkerRef, what: str) -> None:
         self.invalid += 1
+        if self.metrics is not None:
+            self.metrics.reject("unexpected")
         self.throttle.warn(log, "unexpected", "unexpected {what} from worker {peer}: sending "
                            "DISCONNECT", what=what, peer=peer_label(worker.key[1]))
         self._removeWorker(worker)
         self._sendDisconnect(worker.key, worker.dialect)
 
-    def _invalid(self, key: PeerKey, reason: str) -> None:
+    def _invalid(self, key: PeerKey, reason: str, kind: str) -> None:
         """Drop an invalid message, and the connection that carried it (on
         transports that have one per peer: a peer that sends garbage holds no
         connection slot); a registered worker that sent it is no longer
-        trusted: it gets DISCONNECT and is forgotten."""
+        trusted: it gets DISCONNECT and is forgotten.  *kind* is the reason's
+        metric label."""
         self.invalid += 1
+        if self.metrics is not None:
+            self.metrics.reject(kind)
         self.throttle.warn(log, "invalid", "dropped invalid message from {peer}: {reason}",
                            peer=peer_label(key[1]), reason=reason)
         worker = self.workers.get(key)
@@ -888,13 +1020,16 @@ class BrokerMachine(Machine):
             liveness = worker.liveness
             if liveness.dead(now):
                 log.warn("worker {peer} for {service} silent for {silence:.1f}s: removed",
-                         peer=peer_label(worker.key[1]), service=worker.service.name,
+                         peer=peer_label(worker.key[1]), service=label(worker.service.name),
                          silence=liveness.silence(now))
+                if self.metrics is not None:
+                    self.metrics.expired(worker.service.name)
                 self._removeWorker(worker)
             elif liveness.due(now, 0.5):
                 self._send(worker.key, worker.dialect, codec.HEARTBEAT)
                 liveness.sent(now)
         self._expire(now - self.requestExpiry)
+        self._giveUpUnknown(now)
         abandoned = self._abandoned
         while abandoned and abandoned[0][0] + self.serviceLinger <= now:
             self._forgetIfEmpty(abandoned.popleft()[1])
@@ -910,11 +1045,34 @@ class BrokerMachine(Machine):
             service.remove(request)
             why = ("no worker for service" if not service.workers
                    else "no worker free for service")
-            self._reply(request, codec.error_body(
-                codec.STATUS_UNAVAILABLE,
-                f"{why} {service.name.decode('ascii')!r} within {self.requestExpiry:g}s",
-            ), final=True)
+            self._unavailable(request, f"{why} {label(service.name)!r} within "
+                              f"{self.requestExpiry:g}s")
             self._forgetIfEmpty(service)
+
+    def _unavailable(self, request: PendingRequest, message: str) -> None:
+        self._reply(request, codec.error_body(codec.STATUS_UNAVAILABLE, message), final=True)
+        if self.metrics is not None:
+            self.metrics.replied(request.service, None, codec.STATUS_UNAVAILABLE)
+
+    def _giveUpUnknown(self, now: float) -> None:
+        """Answer 503 to the requests of each service no worker registered
+        for within ``unknownServiceExpiry`` of its first request (MDP/0.2:
+        queue requests for an unknown service, expire them after a
+        configurable time), and forget it."""
+        unknown = self._unknown
+        while unknown and unknown[0][0] <= now + 1e-9:
+            _, service = unknown.popleft()
+            if service.registered or self.services.get(service.name) is not service:
+                continue
+            message = (f"no worker for service {label(service.name)!r}: none registered "
+                       f"within {self.unknownServiceExpiry:g}s")
+            while service.size:
+                request = service.nextRequest()
+                request.state = DONE
+                self._unavailable(request, message)
+            self._forgetIfEmpty(service)
+        if unknown:
+            self._emit(WakeAt(unknown[0][0]))
 
 
 @implementer(IBroker)
@@ -931,6 +1089,7 @@ class Broker(BrokerMachine):
         self.bindings: list[Binding] = []
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = self.reactor
+        self._wakeCall: Any = None
 
     def received(self, key: PeerKey, frames: list[bytes]) -> None:
         """A message from peer *key* (the (binding, peer id) it came from)."""
@@ -943,13 +1102,29 @@ class Broker(BrokerMachine):
     def tick(self) -> None:
         self._perform(self.handleTick(self.reactor.seconds()))
 
+    def _wake(self) -> None:
+        self._wakeCall = None
+        self._perform(self.handleWake(self.reactor.seconds()))
+
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
-            binding, peer = action.key
-            if type(action) is Send:
+            kind = type(action)
+            if kind is Send:
+                binding, peer = action.key
                 binding.send(peer, action.frames)
-            else:
+            elif kind is DropPeer:
+                binding, peer = action.key
                 binding.disconnect(peer)
+            else:
+                self._wakeAt(action.time)
+
+    def _wakeAt(self, when: float) -> None:
+        call = self._wakeCall
+        if call is not None and call.active():
+            if call.getTime() <= when:
+                return
+            call.cancel()
+        self._wakeCall = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._wake)
 
     def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
                  service: Optional[bytes] = None) -> BrokerSnapshot:
@@ -1010,6 +1185,9 @@ class Broker(BrokerMachine):
         """Unbind every endpoint and stop the heartbeat tick."""
         if self._ticker.running:
             self._ticker.stop()
+        if self._wakeCall is not None and self._wakeCall.active():
+            self._wakeCall.cancel()
+        self._wakeCall = None
         bindings, self.bindings = self.bindings, []
         closing = [b.transport.close() for b in bindings if b.transport is not None]
         self.reset()

@@ -94,6 +94,7 @@ from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
+from mdp.messages import text as label
 from mdp.policy import (
     Backoff,
     EndpointRotation,
@@ -144,6 +145,7 @@ class _Job:
     client: bytes  # the client address frame to reply to
     generation: int  # the connection it arrived on
     key: Optional[idempotence.StampKey]  # its stamp, if the client stamped it
+    startedAt: float = 0.0  # when it arrived
 
 
 @action_class
@@ -289,14 +291,14 @@ class WorkerMachine(Machine):
         self.liveness.heard(now)
         self._send(codec.Ready(self.service))
         log.info("worker for {service} sent READY to {endpoint}",
-                 service=self.service, endpoint=self.endpoint)
+                 service=label(self.service), endpoint=self.endpoint)
         return self._drain()
 
     def handlePipeLost(self, now: float) -> list[Action]:
         self.now = now
         if self.state is READY:
             log.info("worker for {service} lost {endpoint}; reconnecting",
-                     service=self.service, endpoint=self.endpoint)
+                     service=label(self.service), endpoint=self.endpoint)
             self.state = CONNECTING
         self.current = None
         self.generation += 1
@@ -323,6 +325,15 @@ class WorkerMachine(Machine):
         send HEARTBEAT."""
         self.now = now
         self._tick(now)
+        return self._drain()
+
+    def handleBlocked(self, now: float) -> list[Action]:
+        """The reactor could not run until *now* (a handler blocked it): what
+        the broker sent meanwhile waits unread, so its silence is ours and
+        is not held against it (the silence clock starts again)."""
+        self.now = now
+        if self.state is READY or self.state is CONNECTING:
+            self.liveness.heard(now)
         return self._drain()
 
     # --- decisions -------------------------------------------------------------
@@ -352,7 +363,7 @@ class WorkerMachine(Machine):
             command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
             self.throttle.warn(log, "invalid", "worker for {service} dropped invalid message from "
-                               "broker: {reason}", service=self.service, reason=e)
+                               "broker: {reason}", service=label(self.service), reason=e)
             return
         self.liveness.heard(self.now)
         self.failures = 0
@@ -364,21 +375,21 @@ class WorkerMachine(Machine):
             self.refusals = 0
             if self.current is not None:
                 self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
-                                   "dropped", service=self.service)
+                                   "dropped", service=label(self.service))
                 return
             key, body = idempotence.unstamp(command.body)  # type: ignore[attr-defined]
             self.current = command.client  # type: ignore[attr-defined]
-            self._outbox.append(Serve(_Job(command.client, self.generation, key),  # type: ignore[attr-defined]
-                                      body))
+            self._outbox.append(Serve(_Job(command.client, self.generation, key,  # type: ignore[attr-defined]
+                                           self.now), body))
         elif kind is Disconnect:
             delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
             self.refusals += 1
             log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
-                     service=self.service, delay=delay)
+                     service=label(self.service), delay=delay)
             self._reconnect(delay)
         else:
             self.throttle.warn(log, "unexpected", "worker for {service} dropped unexpected "
-                               "{command} from broker", service=self.service, command=kind.__name__)
+                               "{command} from broker", service=label(self.service), command=kind.__name__)
 
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
         if job.generation != self.generation or self.state is not READY or self.current != job.client:
@@ -388,7 +399,7 @@ class WorkerMachine(Machine):
         tooLarge = self.limits.oversize(size, len(frames) + 5)
         if tooLarge is not None:
             self.throttle.warn(log, "too-large", "worker for {service} answers 413: its {command} "
-                               "is too large ({reason})", service=self.service,
+                               "is too large ({reason})", service=label(self.service),
                                command=kind.__name__, reason=tooLarge)
             kind, store = WorkerFinal, False
             frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
@@ -415,7 +426,7 @@ class WorkerMachine(Machine):
             self.failures += 1
             log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
                      "reconnects in {delay:g}s", endpoint=self.endpoint,
-                     silence=liveness.silence(now), service=self.service, delay=delay)
+                     silence=liveness.silence(now), service=label(self.service), delay=delay)
             self._reconnect(delay)
         elif state is READY and liveness.due(now, 0.75):
             self._send(codec.HEARTBEAT)
@@ -449,6 +460,7 @@ class Worker(WorkerMachine):
         dialect: str = codec.RFC,
         replies: Optional[idempotence.IReplyStore] = None,
         limits: Limits = Limits(),
+        metrics: Optional[Any] = None,
     ) -> None:
         reactor = default_reactor(reactor)
         endpoints = transport.endpoint_list(endpoint)
@@ -466,6 +478,13 @@ class Worker(WorkerMachine):
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
+        self._lastTick: Optional[float] = None
+        #: when the last block of the reactor by a handler ended (it is logged once)
+        self._handlerBlockEnded = -1.0
+        #: a :class:`mdp.metrics.WorkerMetrics` (or None)
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -480,6 +499,7 @@ class Worker(WorkerMachine):
         """Say DISCONNECT to the broker (if registered) and close."""
         if self._ticker.running:
             self._ticker.stop()
+        self._lastTick = None
         self._reconnectCall = cancel_call(self._reconnectCall)
         closing = self._perform(self.handleStop(self.reactor.seconds()))
         return closing if closing is not None else defer.succeed(None)
@@ -489,7 +509,19 @@ class Worker(WorkerMachine):
         self._perform(self.handleReopen(self.reactor.seconds()))
 
     def tick(self) -> None:
-        self._perform(self.handleTick(self.reactor.seconds()))
+        now = self.reactor.seconds()
+        last, self._lastTick = self._lastTick, now
+        if last is not None and now - last > self.wakeEvery + self.heartbeat.interval:
+            # the reactor did not run this timer on time: something blocked it
+            blocked = now - last - self.wakeEvery
+            if self._handlerBlockEnded < last:  # not the handler's block, already told
+                self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f}s "
+                                   "(worker for {service}): the broker's silence meanwhile is not "
+                                   "held against it", blocked=blocked, service=label(self.service))
+                if self.metrics is not None:
+                    self.metrics.blockedReactor(self.service)
+            self._perform(self.handleBlocked(now))
+        self._perform(self.handleTick(now))
 
     def _perform(self, actions: list[Action]) -> Optional[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns the closing of a pipe
@@ -517,6 +549,8 @@ class Worker(WorkerMachine):
             elif kind is ReopenAfter:
                 cancel_call(self._reconnectCall)
                 self._reconnectCall = self.reactor.callLater(action.delay, self._reopen)
+                if self.metrics is not None:
+                    self.metrics.reconnected(self.service)
         return closing
 
     # --- IDealerReceiver ---------------------------------------------------
@@ -533,6 +567,8 @@ class Worker(WorkerMachine):
     # --- serving -------------------------------------------------------------
 
     def _serve(self, job: _Job, body: list[bytes]) -> None:
+        if self.metrics is not None:
+            self.metrics.request(self.service)
         if job.key is None or self.replies is None:
             self._run(job, body)
             return
@@ -550,11 +586,15 @@ class Worker(WorkerMachine):
         defer.maybeDeferred(self.replies.get, job.key).addCallbacks(lookedUp, storeFailed)
 
     def _run(self, job: _Job, body: list[bytes]) -> None:
+        clock = self.reactor.seconds
+        started = clock()
         try:
             result = self.handler(body)
         except Exception:
+            self._checkBlocked(clock() - started)
             self._failed(Failure(), job)
             return
+        self._checkBlocked(clock() - started)
         kind = type(result)
         if kind is list or kind is bytes:  # the common, synchronous answer
             self._finish(result, job)
@@ -567,6 +607,22 @@ class Worker(WorkerMachine):
             defer.ensureDeferred(self._stream(result, job)).addErrback(self._failed, job)
         else:
             self._finish(result, job)
+
+    def _checkBlocked(self, blocked: float) -> None:
+        """A handler that kept the reactor for longer than a heartbeat
+        interval is told so, and the broker's silence meanwhile is not held
+        against it (the broker may still have given this worker up: its
+        late reply is then taken if the request is still queued)."""
+        if blocked < self.heartbeat.interval:
+            return
+        now = self.reactor.seconds()
+        self._handlerBlockEnded = now
+        self.throttle.warn(log, "blocked", "handler for {service} blocked the reactor for "
+                           "{blocked:.1f}s; run blocking work with deferToThread",
+                           service=label(self.service), blocked=blocked)
+        if self.metrics is not None:
+            self.metrics.blockedReactor(self.service)
+        self._perform(self.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
         if inspect.isgenerator(parts):
@@ -606,13 +662,22 @@ class Worker(WorkerMachine):
             self.requestsServed += 1
 
     def _failed(self, failure: Failure, job: _Job) -> None:
-        log.failure("handler for {service} failed", failure, service=self.service)
+        log.failure("handler for {service} failed", failure, service=label(self.service))
         message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
-        self._reply(job, WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message))
+        self._reply(job, WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message),
+                    failure="error")
 
-    def _reply(self, job: _Job, kind: type, frames: list[bytes], store: bool = True) -> bool:
+    def _reply(self, job: _Job, kind: type, frames: list[bytes], store: bool = True,
+               failure: Optional[str] = None) -> bool:
         """Hand a reply part to the machine and do what it says; True if the
         part went out as itself."""
-        sent, actions = self.handleReply(job, kind, frames, self.reactor.seconds(), store)
+        current = self.isCurrent(job)
+        now = self.reactor.seconds()
+        sent, actions = self.handleReply(job, kind, frames, now, store)
         self._perform(actions)
+        metrics = self.metrics
+        if metrics is not None and current and (kind is WorkerFinal or not sent):
+            # a FINAL went out (a part over the limits became a 413 FINAL)
+            metrics.replied(self.service, now - job.startedAt,
+                            failure if sent else "too-large")
         return sent
