@@ -1,4 +1,8 @@
-"""The README's commands and .ci/run stay in step."""
+"""The README's commands and .ci/run stay in step.
+
+Every other command of the README and of docs/ is run (or listed as one that
+cannot be, with the reason) by tests/test_docs_commands.py.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,20 @@ def read(name: str) -> str:
 
 
 def readme_commands() -> list[str]:
-    return re.findall(r"```sh\n(.+?)\n```", read("README.md"))
+    """The bodies of the README's ```sh blocks, in order."""
+    return re.findall(r"^```sh\n(.*?)\n```", read("README.md"), re.M | re.S)
 
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     demo, tests = readme_commands()[:2]
+    assert "\n" not in demo and "\n" not in tests, "the first two blocks are one command each"
     assert "mdp demo" in demo
     assert "pytest" in tests
     assert tests in read(".ci/run").splitlines()
+
+
+def test_the_demo_and_test_commands_come_first() -> None:
+    """The first screen: the demo and the test command, before any other block."""
+    text = read("README.md")
+    first_fence = text.index("```")
+    assert text[first_fence:].startswith("```sh\n" + readme_commands()[0])
