@@ -176,7 +176,17 @@ PROGRAMS: dict[str, Callable[[], list[str]]] = {
     "python": lambda: [sys.executable],
     "python3": lambda: [sys.executable],
     "cat": lambda: [_which("cat")],
+    "curl": lambda: _curl(),
 }
+
+_GET = ("import sys, urllib.request\n"
+        "sys.stdout.write(urllib.request.urlopen(sys.argv[-1], timeout=10).read().decode())\n")
+
+
+def _curl() -> list[str]:
+    """curl where installed, else the same GET in Python (the URL is the last argument)."""
+    found = shutil.which("curl")
+    return [found] if found else [sys.executable, "-c", _GET]
 
 
 def _which(program: str) -> str:
