@@ -8,6 +8,7 @@ The public API::
 from mdp.app.service import BrokerService, WorkerService
 from mdp.binarystar import BinaryStar
 from mdp.errors import (
+    BrokerUnreachable,
     ClientClosed,
     MDPError,
     MessageTooLarge,
@@ -36,6 +37,7 @@ __all__ = [
     "BinaryStar",
     "Broker",
     "BrokerService",
+    "BrokerUnreachable",
     "Client",
     "ClientClosed",
     "Final",

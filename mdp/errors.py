@@ -7,7 +7,8 @@ The taxonomy:
   ``bytes``/``str``, a negative timeout, a request over the message limits:
   :class:`RequestTooLarge`), :class:`TransportError` for a malformed endpoint.
 * **Everything that happens later fails the Deferred** the call returned:
-  :class:`RequestTimeout`, :class:`ClientClosed`, :class:`StreamRestarted`,
+  :class:`RequestTimeout`, :class:`BrokerUnreachable`, :class:`ClientClosed`,
+  :class:`StreamRestarted`,
   :class:`NoServerAvailable`, a :class:`TransportError` from binding, ...
 * **What a peer said is told apart from what happened here**: a
   :class:`RemoteError` (and its subclasses, one per status code) carries an
@@ -20,6 +21,8 @@ for one failure.  See :mod:`mdp.messages` for the wire form of error replies.
 """
 
 from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
 
 
 class MDPError(Exception):
@@ -57,16 +60,44 @@ class ReplyTooLarge(MDPError):
 
 
 class RequestTimeout(MDPError):
-    """No FINAL reply arrived within the request's timeout."""
+    """No FINAL reply arrived within the request's timeout.  The message
+    names the *endpoints* tried and, if the last connection to one failed,
+    why (``connection refused``): ``no reply from broker at
+    zmq:tcp://127.0.0.1:5555 after 3 attempts (7.5 s) to a request for
+    service 'echo'``."""
 
-    def __init__(self, service: bytes, attempts: int, elapsed: float) -> None:
+    def __init__(self, service: bytes, attempts: int, elapsed: float,
+                 endpoints: Sequence[str] = (), peer: str = "broker",
+                 failures: Optional[Mapping[str, str]] = None) -> None:
         self.service = service
         self.attempts = attempts
         self.elapsed = elapsed
+        self.endpoints = tuple(endpoints)
+        self.failures = dict(failures or {})
+        where = ""
+        if self.endpoints:
+            named = ", ".join(
+                f"{e} ({self.failures[e]})" if e in self.failures else e for e in self.endpoints)
+            where = f" from {peer if len(self.endpoints) == 1 else peer + 's'} at {named}"
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
         super().__init__(
-            f"request to service {service.decode('ascii', 'replace')!r} timed out "
-            f"after {attempts} attempt(s) and {elapsed:.3f}s"
+            f"no reply{where} after {tries} ({elapsed:.1f} s) to a request for service "
+            f"{service.decode('ascii', 'replace')!r}"
         )
+
+
+class BrokerUnreachable(MDPError):
+    """No broker of a client's list could be reached at all (the connection
+    was refused, the host or socket file does not exist) and none ever was:
+    failed at once rather than after the attempts' time.  Once a client has
+    reached a broker, a refused reconnection is retried instead (a broker
+    restarting)."""
+
+    def __init__(self, failures: Mapping[str, str]) -> None:
+        self.failures = dict(failures)
+        named = "; ".join(f"{e}: {why}" for e, why in self.failures.items())
+        super().__init__(f"cannot reach {'broker' if len(self.failures) == 1 else 'any broker'} "
+                         f"at {named}")
 
 
 class RemoteError(MDPError):

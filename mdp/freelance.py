@@ -211,7 +211,8 @@ class FreelanceServer:
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 metrics: Optional[Any] = None) -> None:
         self.handler = handler
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -223,6 +224,10 @@ class FreelanceServer:
         self.refused = 0  # requests answered 429
         self.pending = 0  # requests being handled
         self.pendingBytes = 0
+        #: a :class:`mdp.metrics.FreelanceMetrics` (or None)
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self)
 
     def listen(self, endpoint: str) -> defer.Deferred:
         """Bind *endpoint*; fires with the transport (its ``endpoint`` is the
@@ -264,10 +269,15 @@ class FreelanceServer:
     def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
         """A message from *peer* on *routerTransport* (see the server's table
         in the module docstring)."""
+        metrics = self.metrics
         if frames == [PING]:
             routerTransport.sendMessage(peer, [PONG])
+            if metrics is not None:
+                metrics.pings.inc()
             return
         if len(frames) < 2:
+            if metrics is not None:
+                metrics.rejected.inc()
             self.throttle.warn(log, "invalid", "Freelance server dropped a {count}-frame message "
                                "from {peer}, and its connection: neither PING nor "
                                "[sequence, body...]", count=len(frames), peer=peer.hex())
@@ -275,8 +285,12 @@ class FreelanceServer:
             return
         sequence, body = frames[0], frames[1:]
         size = held_bytes(body)
+        if metrics is not None:
+            metrics.requests.inc()
         if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
             self.refused += 1
+            if metrics is not None:
+                metrics.refused.inc()
             self.throttle.warn(log, "overloaded", "Freelance server refused a request from {peer}: "
                                "{pending} requests ({bytes} bytes) already in hand",
                                peer=peer.hex(), pending=self.pending, bytes=self.pendingBytes)
@@ -285,9 +299,12 @@ class FreelanceServer:
             return
         self.pending += 1
         self.pendingBytes += size
+        started = self.reactor.seconds()
+        outcome: list[str] = []
 
         def failed(failure: Any) -> list[bytes]:
             log.failure("Freelance handler failed", failure)
+            outcome.append("error")
             return error_body(STATUS_WORKER_ERROR,
                                     f"{failure.type.__name__}: {failure.getErrorMessage()}")
 
@@ -301,7 +318,12 @@ class FreelanceServer:
                                    "too large ({reason})", reason=tooLarge)
                 message = [sequence, *error_body(STATUS_TOO_LARGE,
                                                  f"reply too large to send: {tooLarge}")]
+                outcome.append("too-large")
             self.served += 1
+            if metrics is not None:
+                metrics.handlerSeconds.observe(self.reactor.seconds() - started)
+                for reason in outcome:
+                    metrics.failures.labels(reason).inc()
             routerTransport.sendMessage(peer, message)
 
         call_handler(self.handler, body).addErrback(failed).addCallback(reply)

@@ -48,7 +48,12 @@ class IRouterTransport(Interface):
 
 
 class IDealerReceiver(Interface):
-    """The protocol side of a connecting, DEALER-like transport."""
+    """The protocol side of a connecting, DEALER-like transport.
+
+    A receiver may also have a ``connectionFailed(reason)`` method (not part
+    of the interface): stream transports call it with the exception of each
+    connection attempt that failed (``ConnectionRefusedError``, ...), before
+    they retry.  ZeroMQ connects silently and never calls it."""
 
     def connectionMade() -> None:
         """A (new) pipe to the far side is ready.  Called asynchronously after

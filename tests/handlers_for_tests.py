@@ -55,3 +55,14 @@ def big_stream(frames: list[bytes]):
 def sized(frames: list[bytes]) -> bytes:
     """Reply with int(frames[0]) bytes."""
     return b"x" * int(frames[0])
+
+
+def blocking(frames: list[bytes]) -> list[bytes]:
+    """Block the reactor for float(frames[0]) seconds (what a handler must not
+    do), noting each run as a line in the file frames[1]."""
+    import time
+
+    with open(frames[1].decode(), "a") as runs:
+        runs.write("run\n")
+    time.sleep(float(frames[0]))
+    return [b"done"]

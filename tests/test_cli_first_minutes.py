@@ -223,7 +223,24 @@ async def test_mdp_status_of_an_unreachable_broker_is_one_line_and_exit_1() -> N
     assert proc.exitCode == 1, proc.output
     lines = proc.output.decode().strip().splitlines()
     assert len(lines) == 1, proc.output
-    assert lines[0].startswith("mdp status: no answer from broker") and endpoint in lines[0]
+    assert lines[0].startswith(f"mdp status: no reply from broker at {endpoint} after 1 attempt")
+
+
+@pytest.mark.parametrize("command", [["call", "echo", "hi"], ["status"]])
+@pytest_twisted.ensureDeferred
+async def test_a_refused_tcp_connection_is_reported_at_once(command: list[str]) -> None:
+    """Nobody listens: with attempts of 60 s, only a failure seen at once
+    ends the command within the test's bound."""
+    endpoint = f"tcp:host=127.0.0.1:port={await _free_port()}"
+    proc = Process(reactor(), [script("mdp"), command[0], "--broker", endpoint, "--timeout", "60",
+                               *command[1:]], env=ENV)
+    try:
+        await proc.ended(30)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == 1, proc.output
+    lines = proc.output.decode().strip().splitlines()
+    assert lines == [f"mdp {command[0]}: cannot reach broker at {endpoint}: connection refused"]
 
 
 # --- mdp freelance-call ------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import signal
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -134,4 +135,32 @@ async def test_frozen_worker_is_detected_and_its_request_requeued(kind: str) -> 
     finally:
         if frozen is not None:
             frozen.signalProcess(signal.SIGCONT)
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_a_handler_that_blocks_the_reactor_is_named_and_its_request_runs_once(
+        kind: str, tmp_path: Any) -> None:
+    """The handler sleeps 3 s in the reactor thread, past the broker's 1 s
+    expiry: the worker says so (not that the broker went silent), its late
+    reply answers the request, and the request is not handed out again."""
+    runs = tmp_path / "runs"
+    cluster = Cluster()
+    try:
+        await cluster.startBroker(BINDS[kind])
+        (worker,) = await cluster.startWorkers(1, "block", "tests.handlers_for_tests:blocking")
+        client = cluster.client(timeout=30.0, retries=1)
+        assert await bounded(client.request("block", b"3", str(runs).encode()), 60) == [b"done"]
+        broker = cluster.broker
+        assert broker is not None
+        assert b"accepted the late reply of worker" in broker.output
+        # told to register again, it does, and finds nothing to run twice
+        await wait_until(lambda: broker.output.count(b"ready for block") >= 2, 30)
+        await wait_until(lambda: b"blocked the reactor" in worker.output, 30)
+        assert b"handler for block blocked the reactor for 3.0s; run blocking work with " \
+               b"deferToThread" in worker.output
+        assert b"silent for" not in worker.output  # the broker is not blamed
+        assert runs.read_text().splitlines() == ["run"]
+    finally:
         await cluster.stop()

@@ -134,8 +134,11 @@ def test_broker_answers_503_for_a_service_no_worker_registered_in_time() -> None
     the service's first request, so that a client retrying every 2.5 s hears
     the 503 within its default 3 attempts."""
     script, broker = broker_script()
-    assert script.feed(Receive(b"C1", [C, codec.C_REQUEST, b"nosuch", b"1"])) == []
-    assert script.feed(Elapse(2.5), Receive(b"C2", [C, codec.C_REQUEST, b"nosuch", b"2"])) == []
+    assert script.feed(Receive(b"C0", [C, codec.C_REQUEST, b"nosuch", b"0"])) == []
+    # a client that retries on a new connection (the old one closed) keeps the window
+    assert script.feed(Elapse(1.0), Lost(b"C0")) == []
+    assert script.feed(Elapse(1.0), Receive(b"C1", [C, codec.C_REQUEST, b"nosuch", b"1"])) == []
+    assert script.feed(Elapse(0.5), Receive(b"C2", [C, codec.C_REQUEST, b"nosuch", b"2"])) == []
     assert script.feed(Elapse(2.49)) == []
     unavailable = [C, codec.C_FINAL, b"nosuch", codec.ERROR_MARKER, codec.STATUS_UNAVAILABLE,
                    b"no worker for service 'nosuch': none registered within 5s"]
@@ -321,7 +324,8 @@ def test_client_retries_on_a_fresh_pipe_then_times_out() -> None:
     assert script.feed(Elapse(1.0)) == [Close(broker + "#3")]
     (failure,) = result
     assert isinstance(failure, Failure) and failure.check(RequestTimeout)
-    assert "3 attempt(s)" in str(failure.value)
+    assert str(failure.value) == ("no reply from broker at " + broker + " after 3 attempts (3.0 s) "
+                                  "to a request for service 'echo'")
 
 
 def test_client_rotates_endpoints_on_timeout() -> None:
@@ -499,3 +503,49 @@ def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     closed = machine.handleClose(now=5.0)
     assert WakeAt(None) in closed and Fail(third, closed[-1].error) in closed
     assert isinstance(closed[-1].error, ClientClosed)
+
+
+def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reached() -> None:
+    """A refused connection (stream transports report it) is known at once:
+    the next endpoint is tried; when every one refused and none was ever
+    reached, the requests fail with BrokerUnreachable.  After a broker was
+    reached, refusals are retried by the transport (a broker restarting),
+    and a timeout then says why the connection failed."""
+    from twisted.internet.error import ConnectionRefusedError, TimeoutError
+
+    from mdp.errors import BrokerUnreachable
+    from mdp.majordomo.client import ClientMachine, CloseChannel, Fail, OpenChannel, _Call
+
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+
+    def call(now: float) -> _Call:
+        return _Call(b"echo", list(request), 2.0, 3, None, None, now, lambda c: None)
+
+    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
+    first, second = call(0.0), call(0.0)
+    channel = machine.handleRequest(first, now=0.0)[1].channel
+    machine.handleRequest(second, now=0.0)
+    # a timeout of a connection attempt may pass: nothing is done
+    assert machine.handleConnectFailed(channel, TimeoutError(), now=0.05) == []
+    moved = machine.handleConnectFailed(channel, ConnectionRefusedError(), now=0.1)
+    assert [type(a) for a in moved] == [CloseChannel, OpenChannel]
+    assert moved[1].channel.endpoint == "b"
+    failed = machine.handleConnectFailed(moved[1].channel, ConnectionRefusedError(), now=0.2)
+    assert [type(a) for a in failed] == [CloseChannel, Fail, Fail]
+    assert {a.call for a in failed[1:]} == {first, second}
+    error = failed[1].error
+    assert isinstance(error, BrokerUnreachable)
+    assert str(error) == "cannot reach any broker at a: connection refused; b: connection refused"
+
+    # reached once, a refusal is left to the transport's retries
+    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
+    third = call(0.0)
+    channel = machine.handleRequest(third, now=0.0)[1].channel
+    machine.handlePipeUp(channel, now=0.1)
+    machine.handlePipeLost(channel, None, now=0.5)
+    assert machine.handleConnectFailed(channel, ConnectionRefusedError(), now=1.0) == []
+    actions = machine.handleWake(now=2.0) + machine.handleWake(now=4.0)
+    assert machine.handleConnectFailed(actions[-1].channel, ConnectionRefusedError(), now=4.5) == []
+    timedOut = [a for a in machine.handleWake(now=6.0) if isinstance(a, Fail)]
+    assert str(timedOut[0].error) == ("no reply from broker at a (connection refused) after 3 "
+                                      "attempts (6.0 s) to a request for service 'echo'")

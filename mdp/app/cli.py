@@ -55,7 +55,7 @@ from twisted.python import usage
 
 from mdp import transport
 from mdp.app.tap import BrokerListOptions, VersionedOptions, _dialect, checked_endpoints
-from mdp.errors import MDPError, RequestTimeout
+from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
 
@@ -445,12 +445,11 @@ async def status(reactor: Any, options: StatusOptions) -> None:
                 services = await client.request("mmi.services")
                 workers = await client.request("mmi.workers")
             except MDPError as e:
-                brokers = ", ".join(options["brokers"])
-                plural = "s" if len(options["brokers"]) > 1 else ""
-                if isinstance(e, RequestTimeout):
-                    print(f"mdp status: no answer from broker{plural} {brokers} ({e})",
-                          file=sys.stderr)
+                if isinstance(e, (RequestTimeout, BrokerUnreachable)):
+                    print(f"mdp status: {e}", file=sys.stderr)  # names the brokers
                 else:
+                    brokers = ", ".join(options["brokers"])
+                    plural = "s" if len(options["brokers"]) > 1 else ""
                     print(f"mdp status: broker{plural} {brokers}: {e}", file=sys.stderr)
                 sys.stderr.flush()
                 if watch is None:

@@ -103,7 +103,9 @@ class BrokerService(Service):
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
-        log.critical("MDP broker cannot listen: {error}", error=failure.getErrorMessage())
+        # error, not critical: twist would print a critical line logged before
+        # its logging starts twice (on stderr, then in the log)
+        log.error("MDP broker cannot listen: {error}", error=failure.getErrorMessage())
         if self.binaryStar is not None:
             # a broker that does not serve must not tell its peer it is there
             self.binaryStar.stop()
@@ -142,9 +144,11 @@ class WorkerService(Service):
         dialect: str = "rfc",
         replies: Optional[Any] = None,
         limits: Limits = Limits(),
+        metrics: Optional[Any] = None,
     ) -> None:
         self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,
-                             backoff=backoff, dialect=dialect, replies=replies, limits=limits)
+                             backoff=backoff, dialect=dialect, replies=replies, limits=limits,
+                             metrics=metrics)
 
     def startService(self) -> None:
         super().startService()
@@ -153,6 +157,48 @@ class WorkerService(Service):
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
         return self.worker.stop()
+
+
+class MetricsService(Service):
+    """Serves a Prometheus *registry* at ``/metrics`` on *endpoint* (a
+    Twisted server endpoint string: ``tcp:9464:interface=127.0.0.1``) while
+    running.  With *exitOnFailure*, failing to listen logs the reason and
+    exits 1 (as ``twist`` plugins use it)."""
+
+    def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
+                 exitOnFailure: bool = False) -> None:
+        from mdp.policy import default_reactor
+
+        self.endpoint = endpoint
+        self.registry = registry
+        self.reactor = default_reactor(reactor)
+        self.exitOnFailure = exitOnFailure
+        self.port: Optional[Any] = None
+
+    def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        from mdp.metrics import serve_metrics
+
+        super().startService()
+        return serve_metrics(self.endpoint, self.registry, self.reactor).addCallbacks(
+            self._listening, self._failed)
+
+    def _listening(self, port: Any) -> None:
+        self.port = port
+
+    def _failed(self, failure: Failure) -> Optional[Failure]:
+        log.error("cannot serve metrics on {endpoint}: {error}", endpoint=self.endpoint,
+                  error=failure.getErrorMessage())
+        if not self.exitOnFailure:
+            return failure
+        _stop_and_exit(self.reactor, 1)
+        return None
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        port, self.port = self.port, None
+        if port is None:
+            return defer.succeed(None)
+        return defer.maybeDeferred(port.stopListening)
 
 
 class _ServerService(Service):

@@ -186,6 +186,42 @@ def loaded_handler(options: usage.Options, command: str, load: Any) -> Any:
     return options["handler-callable"]
 
 
+#: --metrics, for the roles that can serve Prometheus metrics
+_METRICS_OPTIONS: list[Any] = [
+    ["metrics", None, None, "Serve Prometheus metrics at /metrics on this Twisted endpoint "
+     "(e.g. tcp:9464:interface=127.0.0.1)."],
+]
+
+
+def checked_metrics(options: usage.Options) -> None:
+    """--metrics, if given, is a Twisted server endpoint string."""
+    if options["metrics"] is None:
+        return
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import serverFromString
+
+    try:
+        serverFromString(reactor, options["metrics"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise usage.UsageError(f"--metrics: not a Twisted server endpoint: "
+                               f"{options['metrics']!r} ({e})") from None
+
+
+def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
+    """*service*, with a :class:`~mdp.app.service.MetricsService` beside it
+    when --metrics was given (one parent service holds both)."""
+    if metrics is None:
+        return service
+    from twisted.application.service import MultiService
+
+    from mdp.app.service import MetricsService
+
+    parent = MultiService()
+    service.setServiceParent(parent)
+    MetricsService(options["metrics"], metrics.registry, exitOnFailure=True).setServiceParent(parent)
+    return parent
+
+
 class BrokerOptions(_HeartbeatOptions):
     """Options of ``twist mdp-broker``."""
 
@@ -201,7 +237,10 @@ class BrokerOptions(_HeartbeatOptions):
          "Endpoint for clients (and workers, unless --backend is given)."],
         ["backend", "b", None, "Separate endpoint for workers."],
         ["request-expiry", None, broker.DEFAULT_REQUEST_EXPIRY,
-         "Seconds a request waits for a service that has no worker.", _positive],
+         "Seconds a request waits for a worker of its service to be free.", _positive],
+        ["unknown-service-expiry", None, broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
+         "Seconds the requests for a service no worker has registered wait (from its first "
+         "request), then 503.", _positive],
         ["service-linger", None, broker.DEFAULT_SERVICE_LINGER,
          "Seconds a service stays known (mmi.service 200) after its last worker left.",
          _positive],
@@ -225,11 +264,12 @@ class BrokerOptions(_HeartbeatOptions):
         ["bstar-heartbeat", None, DEFAULT_BSTAR_HEARTBEAT,
          "Binary Star: seconds between state messages; the peer is gone after twice this.",
          _positive],
-    ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
+    ] + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_endpoints(self["backend"], transport.LISTEN, "backend")
+        checked_metrics(self)
         bstar = (self["bstar"], self["bstar-local"], self["bstar-remote"])
         if any(bstar) and not all(bstar):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
@@ -257,12 +297,13 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         ["reply-store", None, 0,
          "Remember the replies to this many stamped requests and answer their retries "
          "from memory (0: off).", int],
-    ] + _MESSAGE_OPTIONS
+    ] + _METRICS_OPTIONS + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
         if not self["service"]:
             raise usage.UsageError("--service is required")
         BrokerListOptions.postOptions(self)
+        checked_metrics(self)
         from mdp.handlers import load_handler
 
         loaded_handler(self, "twist mdp-worker", load_handler)
@@ -284,8 +325,15 @@ class BrokerServiceMaker:
             binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
                                     options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
                                     limits=limits_of(options))
-        return BrokerService(
+        metrics = None
+        if options["metrics"]:
+            from mdp.metrics import BrokerMetrics
+
+            metrics = BrokerMetrics()
+        return with_metrics(BrokerService(
             options["endpoint"],
+            metrics=metrics,
+            unknownServiceExpiry=options["unknown-service-expiry"],
             binaryStar=binaryStar,
             backend=options["backend"],
             heartbeat=options.heartbeatPolicy(),
@@ -300,7 +348,7 @@ class BrokerServiceMaker:
             maxDeliveries=options["max-deliveries"],
             limits=limits_of(options),
             exitOnFailure=True,
-        )
+        ), options, metrics)
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -314,7 +362,12 @@ class WorkerServiceMaker:
         from mdp.handlers import load_handler
         from mdp.majordomo.idempotence import MemoryReplyStore
 
-        return WorkerService(
+        metrics = None
+        if options["metrics"]:
+            from mdp.metrics import WorkerMetrics
+
+            metrics = WorkerMetrics()
+        return with_metrics(WorkerService(
             options["brokers"],
             options["service"],
             loaded_handler(options, "twist mdp-worker", load_handler),
@@ -323,7 +376,8 @@ class WorkerServiceMaker:
             dialect=options["dialect"],
             replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
             limits=limits_of(options),
-        )
+            metrics=metrics,
+        ), options, metrics)
 
 
 class FreelanceServerOptions(VersionedOptions):
@@ -341,10 +395,11 @@ class FreelanceServerOptions(VersionedOptions):
          "Most requests being handled at once; beyond, requests are refused (429).", int],
         ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
          "Most bytes of requests being handled at once; beyond, refused (429).", byte_size],
-    ] + _MESSAGE_OPTIONS + _PEER_OPTIONS
+    ] + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        checked_metrics(self)
         from mdp.handlers import load_handler
 
         loaded_handler(self, "twist mdp-freelance-server", load_handler)
@@ -361,9 +416,15 @@ class FreelanceServerServiceMaker:
         from mdp.handlers import load_handler
 
         handler = loaded_handler(options, "twist mdp-freelance-server", load_handler)
-        return FreelanceServerService(options["endpoint"], handler,
-                                      limits=limits_of(options), maxPending=options["max-pending"],
-                                      maxPendingBytes=options["max-pending-bytes"])
+        metrics = None
+        if options["metrics"]:
+            from mdp.metrics import FreelanceMetrics
+
+            metrics = FreelanceMetrics()
+        return with_metrics(FreelanceServerService(
+            options["endpoint"], handler, limits=limits_of(options),
+            maxPending=options["max-pending"], maxPendingBytes=options["max-pending-bytes"],
+            metrics=metrics), options, metrics)
 
 
 def _sp_endpoint(value: str, listen: bool, option: str) -> str:

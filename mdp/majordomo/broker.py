@@ -356,6 +356,9 @@ class ServiceQueue:
         self.abandonedAt: Optional[float] = None
         #: a worker has registered for it (else requests wait ``unknownServiceExpiry``)
         self.registered = False
+        #: until when it is kept, even empty, while no worker has registered: the
+        #: window of its first request, which a client's retries share
+        self.unknownUntil = 0.0
 
     def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
         queue = self.pending.get(client)
@@ -652,7 +655,7 @@ class BrokerMachine(Machine):
         if service is None:
             service = self._service(command.service)
             # no worker has registered for it: its requests wait unknownServiceExpiry
-            deadline = self.now + self.unknownServiceExpiry
+            service.unknownUntil = deadline = self.now + self.unknownServiceExpiry
             if not self._unknown:
                 self._emit(WakeAt(deadline))
             self._unknown.append((deadline, service))
@@ -688,6 +691,8 @@ class BrokerMachine(Machine):
         """Drop a service with no worker and no request, once its linger is over."""
         if service.workers or service.size or self.services.get(service.name) is not service:
             return
+        if not service.registered and service.unknownUntil > self.now:
+            return  # a retry of its requests waits in the same window
         if not self._lingering(service):
             del self.services[service.name]
 
@@ -1064,6 +1069,7 @@ class BrokerMachine(Machine):
             _, service = unknown.popleft()
             if service.registered or self.services.get(service.name) is not service:
                 continue
+            service.unknownUntil = 0.0
             message = (f"no worker for service {label(service.name)!r}: none registered "
                        f"within {self.unknownServiceExpiry:g}s")
             while service.size:

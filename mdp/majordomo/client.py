@@ -122,6 +122,7 @@ fails with :class:`~mdp.errors.StreamRestarted` (or, after a timeout, with
 from __future__ import annotations
 
 import enum
+import errno
 import heapq
 import itertools
 import uuid
@@ -134,6 +135,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import (
+    BrokerUnreachable,
     ClientClosed,
     OversizedMessage,
     ProtocolError,
@@ -198,13 +200,28 @@ class ChannelState(enum.Enum):
 DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
 
 
+def unreachable(error: BaseException) -> Optional[str]:
+    """Why *error* (a failed connection attempt) means nobody is there at
+    all, or None if it may be passing (a timeout, say)."""
+    from twisted.internet import error as net
+
+    if isinstance(error, net.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, net.DNSLookupError):
+        return "host not found"
+    if isinstance(error, net.ConnectError) and getattr(error, "osError", None) in (
+            errno.ENOENT, errno.ECONNREFUSED):
+        return "no such socket" if error.osError == errno.ENOENT else "connection refused"
+    return None
+
+
 class _Call:
     """One request: its attempts and where it is.  The driver hangs its
     Deferred and callbacks on it; the machine only reads whether the caller
     accepts restarts (``onRestart``)."""
 
     __slots__ = ("service", "message", "deferred", "onPartial", "onRestart", "timeout",
-                 "retries", "attempts", "startedAt", "deadline", "channel", "state")
+                 "retries", "attempts", "startedAt", "deadline", "channel", "state", "tried")
 
     def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
                  onPartial: Optional[Callable[[list[bytes]], Any]],
@@ -223,6 +240,7 @@ class _Call:
         #: QUEUED exactly while it is in the client's FIFO (a DONE one may
         #: linger there until it reaches the head)
         self.state = QUEUED
+        self.tried: list[str] = []  # the endpoints it was given to
         self.deferred: defer.Deferred[list[bytes]] = defer.Deferred(lambda _: canceller(self))
 
     @property
@@ -339,6 +357,9 @@ class ClientMachine(Machine):
         self._deadlines: list[tuple[float, int, _Call]] = []
         self._order = itertools.count()
         self._wakeAt: Optional[float] = None  # the wake-up asked for, while pending
+        self._everUp = False  # a pipe to some broker has come up
+        #: why the last connection attempt to each endpoint failed (until one is up)
+        self._failures: dict[str, str] = {}
 
     @property
     def endpoints(self) -> list[str]:
@@ -365,7 +386,47 @@ class ClientMachine(Machine):
         self.now = now
         if channel.state is DOWN:
             channel.state = UP
+        self._everUp = True
+        if self._failures:
+            self._failures.pop(channel.endpoint, None)
         self._sendOn(channel)
+        return self._drain()
+
+    def handleConnectFailed(self, channel: _Channel, error: BaseException,
+                            now: float) -> list[Action]:
+        """A connection attempt of *channel* failed (stream transports say
+        so; ZeroMQ retries silently).  Until some broker has been reached,
+        an endpoint that cannot be reached at all (refused, no such host or
+        socket file) is left for the next at once, and when every endpoint
+        is so, every pending request fails with :class:`BrokerUnreachable`.
+        Later, the transport retries (a broker restarting); the reason is
+        named if the request times out."""
+        self.now = now
+        if channel not in self._channels:
+            return self._drain()
+        why = unreachable(error)
+        self._failures[channel.endpoint] = why or str(error)
+        if self._everUp or why is None:
+            return self._drain()
+        if all(e in self._failures for e in self._rotation.endpoints):
+            failures = {e: self._failures[e] for e in self._rotation.endpoints}
+            calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
+            for other in list(self._channels):
+                self._discard(other)
+            self._waiting.clear()
+            self._waitingDone = 0
+            for call in calls:
+                call.channel = None
+                self._fail(call, BrokerUnreachable(failures))
+            self._failures.clear()  # the next request tries again
+            return self._drain()
+        call = channel.call
+        self._discard(channel)
+        while self._rotation.current in self._failures:
+            self._rotation.advance()
+        if call is not None and not call.done:
+            self._enqueue(call, first=True)
+        self._pump()
         return self._drain()
 
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
@@ -436,6 +497,9 @@ class ClientMachine(Machine):
         channel.call = call
         call.channel = channel
         call.state = IN_FLIGHT
+        tried = call.tried
+        if channel.endpoint not in tried:
+            tried.append(channel.endpoint)
         if channel.state is not DOWN:
             channel.state = UP
             self._sendOn(channel)
@@ -626,7 +690,9 @@ class ClientMachine(Machine):
             self._rotation.advance()
         if call.attempts >= call.retries or (streamed and call.onRestart is None):
             self._fail(call, RequestTimeout(call.service, call.attempts,
-                                            self.now - call.startedAt))
+                                            self.now - call.startedAt,
+                                            call.tried or [self._rotation.current],
+                                            failures=self._failures))
             self._pump()
             return
         self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
@@ -685,6 +751,10 @@ class _ChannelPipe:
         client = self.client
         client._perform(client.handlePipeLost(self.channel, getattr(reason, "value", None),
                                               client.reactor.seconds()))
+
+    def connectionFailed(self, reason: BaseException) -> None:
+        client = self.client
+        client._perform(client.handleConnectFailed(self.channel, reason, client.reactor.seconds()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client

@@ -422,6 +422,29 @@ class _DealerConnection(FramedProtocol):
 RECONNECT = Backoff(initial=0.5, maximum=32.0)
 
 
+class _ReportingEndpoint:
+    """A client endpoint that tells its dealer of each failed connection
+    attempt, and names itself by its endpoint string in ClientService's
+    retry lines (not ``<...Endpoint object at 0x...>``)."""
+
+    def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
+        self.endpoint = endpoint
+        self.description = description
+        self.failed = failed
+
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        def failed(failure: Any) -> Any:
+            self.failed(failure.value)
+            return failure
+
+        return self.endpoint.connect(factory).addErrback(failed)
+
+    def __str__(self) -> str:
+        return self.description
+
+    __repr__ = __str__
+
+
 @implementer(IDealerTransport)
 class StreamDealer:
     """The connecting side: one :class:`ClientService`-managed connection.
@@ -457,7 +480,7 @@ class StreamDealer:
         factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
         factory.noisy = False
         self.service = ClientService(
-            clientFromString(reactor, endpoint),
+            _ReportingEndpoint(clientFromString(reactor, endpoint), endpoint, self._failed),
             factory,
             retryPolicy=retryPolicy or RECONNECT.retryPolicy(),
             clock=reactor,
@@ -493,6 +516,13 @@ class StreamDealer:
             proto.sendFrames(self.queue.popleft())
         if not self.queue:
             self.queuedBytes = 0
+
+    def _failed(self, reason: Any) -> None:
+        """A connection attempt failed: a receiver with a ``connectionFailed``
+        method hears why (a refused connection, say, is then known at once)."""
+        report = getattr(self.receiver, "connectionFailed", None)
+        if report is not None and self.service.running:
+            report(reason)
 
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
         if self.protocol is proto:

@@ -1,0 +1,350 @@
+"""Prometheus metrics for brokers, workers and Freelance servers.
+
+A node given a metrics object (``Broker(metrics=BrokerMetrics())``,
+``Worker(..., metrics=WorkerMetrics())``, ``FreelanceServer(...,
+metrics=FreelanceMetrics())``) counts its events in it as they happen; what
+is a state rather than an event (queue depths, workers idle and busy, peers)
+is read from the node when the registry is scraped.  :func:`serve_metrics`
+serves a registry as ``/metrics`` on any Twisted server endpoint string.
+
+Service names become label values.  Clients choose them (a request for any
+name creates a queue), so at most ``maxServices`` distinct names are kept per
+metrics object; the rest are counted under ``_other``.  The tables of names
+are in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from twisted.internet import defer
+from twisted.internet.interfaces import IListeningPort
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from mdp.messages import text as label
+
+log = Logger()
+
+#: Histogram buckets (seconds) for queue and service times: from half a
+#: millisecond (a broker on one host) to a minute (a long job).
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Most distinct service names given their own label values.
+MAX_SERVICES = 1000
+#: The label value of services beyond ``maxServices``.
+OTHER = "_other"
+
+
+
+
+class _Labels:
+    """Service names to label values, at most *limit* of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.values: dict[bytes, str] = {}
+
+    def __call__(self, name: bytes) -> str:
+        value = self.values.get(name)
+        if value is None:
+            if len(self.values) >= self.limit:
+                return OTHER  # not kept: the table stays within its bound
+            value = self.values[name] = label(name)
+        return value
+
+
+class _Collector:
+    """Calls *collect* at scrape time (the registry's custom-collector hook)."""
+
+    def __init__(self, collect: Any) -> None:
+        self.collect = collect
+
+    def describe(self) -> list[Metric]:
+        return []  # not known before a scrape: never checked for duplicates
+
+
+class BrokerMetrics:
+    """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry*
+    (a fresh :class:`~prometheus_client.CollectorRegistry` by default)."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None, *,
+                 maxServices: int = MAX_SERVICES) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._labels = _Labels(maxServices)
+        self.requests = Counter("mdp_broker_requests", "Client requests received, by service.",
+                                ["service"], registry=r)
+        self.replies = Counter("mdp_broker_replies",
+                               "Replies (FINAL) passed from workers to clients, by service.",
+                               ["service"], registry=r)
+        self.errorReplies = Counter(
+            "mdp_broker_error_replies",
+            "Error replies to clients (the broker's own and workers'), by service and status code.",
+            ["service", "code"], registry=r)
+        self.refused = Counter(
+            "mdp_broker_requests_refused",
+            "Requests refused at once: queues full (overloaded, 429), or this broker is the "
+            "passive one of a Binary Star pair (passive).",
+            ["service", "reason"], registry=r)
+        self.queueSeconds = Histogram(
+            "mdp_broker_queue_seconds", "Time a request waited before a worker took it.",
+            ["service"], buckets=SECONDS_BUCKETS, registry=r)
+        self.workerSeconds = Histogram(
+            "mdp_broker_worker_seconds",
+            "Time from handing a request to a worker until its FINAL came back.",
+            ["service"], buckets=SECONDS_BUCKETS, registry=r)
+        self.expiries = Counter("mdp_broker_heartbeat_expiries",
+                                "Workers removed after a silence of heartbeat x liveness.",
+                                ["service"], registry=r)
+        self.droppedReplies = Counter(
+            "mdp_broker_dropped_replies",
+            "Worker replies not passed on, by reason: stale (a second FINAL), void (the rest "
+            "of a reply already answered with an error), unknown (for no request in hand).",
+            ["reason"], registry=r)
+        self.rejected = Counter(
+            "mdp_broker_rejected_messages",
+            "Messages rejected as malformed or out of place, by reason.",
+            ["reason"], registry=r)
+        self._broker: Any = None
+        self.registry.register(_Collector(self._collect))
+
+    def watch(self, broker: Any) -> None:
+        """Read *broker*'s state at each scrape (the broker calls this)."""
+        self._broker = broker
+
+    # --- events (called by the broker) --------------------------------------
+
+    def request(self, service: bytes) -> None:
+        self.requests.labels(self._labels(service)).inc()
+
+    def assigned(self, service: bytes, waited: float) -> None:
+        self.queueSeconds.labels(self._labels(service)).observe(waited)
+
+    def replied(self, service: bytes, served: Optional[float], code: Optional[bytes]) -> None:
+        """A FINAL went to the client: a worker's after *served* seconds
+        (None for the broker's own answers), an error reply if *code*."""
+        name = self._labels(service)
+        if code is not None:
+            self.errorReplies.labels(name, code.decode("ascii", "replace")).inc()
+        else:
+            self.replies.labels(name).inc()
+        if served is not None:
+            self.workerSeconds.labels(name).observe(served)
+
+    def refuse(self, service: bytes, reason: str) -> None:
+        self.refused.labels(self._labels(service), reason).inc()
+
+    def expired(self, service: bytes) -> None:
+        self.expiries.labels(self._labels(service)).inc()
+
+    def dropped(self, reason: str) -> None:
+        self.droppedReplies.labels(reason).inc()
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    # --- state (read at scrape time) -------------------------------------------
+
+    def _collect(self) -> Iterable[Metric]:
+        broker = self._broker
+        if broker is None:
+            return
+        snapshot = broker.snapshot(workerLimit=0)
+        workers = GaugeMetricFamily("mdp_broker_workers", "Registered workers, by service and "
+                                    "state (idle or busy).", labels=["service", "state"])
+        queued = GaugeMetricFamily("mdp_broker_queued_requests",
+                                   "Requests waiting for a worker, by service.", labels=["service"])
+        for service in snapshot.services:
+            name = self._labels(service.name)
+            workers.add_metric([name, "idle"], service.idle)
+            workers.add_metric([name, "busy"], service.busy)
+            queued.add_metric([name], service.queued)
+        yield workers
+        yield queued
+        yield GaugeMetricFamily("mdp_broker_queued_bytes",
+                                "Bytes of request bodies waiting, in all.", value=snapshot.queuedBytes)
+        yield GaugeMetricFamily("mdp_broker_services", "Services the broker knows.",
+                                value=snapshot.serviceCount)
+        peers = GaugeMetricFamily("mdp_broker_peers", "Peers the broker deals with: registered "
+                                  "workers, and clients with a request in the broker.",
+                                  labels=["role"])
+        peers.add_metric(["worker"], snapshot.workerCount)
+        peers.add_metric(["client"], broker.clientCount())
+        yield peers
+        yield from transport_metrics("mdp_broker", [b.transport for b in broker.bindings])
+
+
+def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric]:
+    """What bound transports count themselves: messages they could not
+    deliver (the peer is gone or was cut off), peers cut off for not
+    reading, and messages dropped for exceeding the limits."""
+    undelivered = CounterMetricFamily(
+        f"{prefix}_undelivered_messages", "Messages a transport could not deliver: the peer was "
+        "gone, or cut off for not reading.", labels=["endpoint"])
+    cut = CounterMetricFamily(f"{prefix}_slow_peers_cut", "Peers cut off for reading slower "
+                              "than they were sent to.", labels=["endpoint"])
+    oversized = CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
+                                    "arrival for exceeding the message limits.", labels=["endpoint"])
+    for bound in transports:
+        if bound is None:
+            continue
+        endpoint = str(getattr(bound, "endpoint", None) or "factory")
+        undelivered.add_metric([endpoint], getattr(bound, "dropped", 0))
+        cut.add_metric([endpoint], getattr(bound, "overflows", 0))
+        oversized.add_metric([endpoint], getattr(bound, "oversizedCount", 0))
+    yield undelivered
+    yield cut
+    yield oversized
+
+
+class WorkerMetrics:
+    """What a :class:`~mdp.majordomo.worker.Worker` counts.  Several workers
+    may share one (their service names tell them apart)."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mdp_worker_requests", "Requests handed to the handler.",
+                                ["service"], registry=r)
+        self.failures = Counter(
+            "mdp_worker_failures",
+            "Requests answered with an error: the handler raised (error), or its reply was "
+            "over the message limits (too-large).", ["service", "reason"], registry=r)
+        self.handlerSeconds = Histogram(
+            "mdp_worker_handler_seconds", "Time from a request to its FINAL.", ["service"],
+            buckets=SECONDS_BUCKETS, registry=r)
+        self.reconnects = Counter(
+            "mdp_worker_reconnects", "Times the worker gave up a broker connection (silence or "
+            "DISCONNECT) and opened a new one.", ["service"], registry=r)
+        self.blocked = Counter(
+            "mdp_worker_reactor_blocked",
+            "Times the reactor was blocked (by a handler) longer than a heartbeat interval.",
+            ["service"], registry=r)
+        self._workers: list[Any] = []
+        self.registry.register(_Collector(self._collect))
+
+    def watch(self, worker: Any) -> None:
+        self._workers.append(worker)
+
+    def request(self, service: bytes) -> None:
+        self.requests.labels(label(service)).inc()
+
+    def replied(self, service: bytes, seconds: float, failure: Optional[str]) -> None:
+        name = label(service)
+        self.handlerSeconds.labels(name).observe(seconds)
+        if failure is not None:
+            self.failures.labels(name, failure).inc()
+
+    def reconnected(self, service: bytes) -> None:
+        self.reconnects.labels(label(service)).inc()
+
+    def blockedReactor(self, service: bytes) -> None:
+        self.blocked.labels(label(service)).inc()
+
+    def _collect(self) -> Iterable[Metric]:
+        connected = GaugeMetricFamily("mdp_worker_connected", "1 while the worker is registered "
+                                      "with a broker.", labels=["service", "broker"])
+        busy = GaugeMetricFamily("mdp_worker_busy", "1 while the worker serves a request.",
+                                 labels=["service"])
+        for worker in self._workers:
+            name = label(worker.service)
+            connected.add_metric([name, worker.endpoint], 1 if worker.connected else 0)
+            busy.add_metric([name], 1 if worker.current is not None else 0)
+        yield connected
+        yield busy
+
+
+class FreelanceMetrics:
+    """What a :class:`~mdp.freelance.FreelanceServer` counts."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mdp_freelance_requests", "Requests received.", registry=r)
+        self.pings = Counter("mdp_freelance_pings", "PINGs answered with PONG.", registry=r)
+        self.refused = Counter("mdp_freelance_requests_refused",
+                               "Requests refused (429): too many in hand.", registry=r)
+        self.failures = Counter(
+            "mdp_freelance_failures", "Requests answered with an error: the handler raised "
+            "(error), or its reply was over the limits (too-large).", ["reason"], registry=r)
+        self.rejected = Counter("mdp_freelance_rejected_messages",
+                                "Messages rejected as malformed.", registry=r)
+        self.handlerSeconds = Histogram("mdp_freelance_handler_seconds",
+                                        "Time from a request to its reply.",
+                                        buckets=SECONDS_BUCKETS, registry=r)
+        self._server: Any = None
+        self.registry.register(_Collector(self._collect))
+
+    def watch(self, server: Any) -> None:
+        self._server = server
+
+    def _collect(self) -> Iterable[Metric]:
+        server = self._server
+        if server is None:
+            return
+        yield GaugeMetricFamily("mdp_freelance_pending", "Requests being handled.",
+                                value=server.pending)
+        yield from transport_metrics("mdp_freelance", server.transports)
+
+
+class MetricsResource(Resource):
+    """``/metrics``: *registry* in Prometheus' text format.  Collected in the
+    reactor thread, where the nodes' state lives (prometheus_client's own
+    Twisted resource collects in a thread pool)."""
+
+    isLeaf = True
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__()
+        self.registry = registry
+
+    def render_GET(self, request: Any) -> bytes:
+        request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode("ascii"))
+        return generate_latest(self.registry)
+
+
+class _QuietSite(Site):
+    """A Site that logs no line per request (a scraper asks every few seconds)."""
+
+    noisy = False
+
+    def log(self, request: Any) -> None:
+        pass
+
+
+def metrics_site(registry: CollectorRegistry) -> Site:
+    """A quiet :class:`~twisted.web.server.Site` serving *registry* at
+    ``/metrics`` (and ``/``)."""
+    root = Resource()
+    resource = MetricsResource(registry)
+    root.putChild(b"metrics", resource)
+    root.putChild(b"", resource)
+    site = _QuietSite(root)
+    site.displayTracebacks = False
+    return site
+
+
+def serve_metrics(endpoint: str, registry: CollectorRegistry,
+                  reactor: Optional[Any] = None) -> defer.Deferred[IListeningPort]:
+    """Serve *registry* at ``/metrics`` on the Twisted server *endpoint*
+    (``tcp:9464:interface=127.0.0.1``, ``unix:/run/mdp-metrics.sock``...);
+    fires with the listening port (``stopListening()`` ends it)."""
+    from twisted.internet.endpoints import serverFromString
+
+    from mdp.policy import default_reactor
+
+    reactor = default_reactor(reactor)
+    listening = serverFromString(reactor, endpoint).listen(metrics_site(registry))
+
+    def listened(port: IListeningPort) -> IListeningPort:
+        address = port.getHost()
+        where = f"{address.host}:{address.port}" if hasattr(address, "port") else str(address)
+        log.info("metrics at http://{where}/metrics", where=where)
+        return port
+
+    return listening.addCallback(listened)

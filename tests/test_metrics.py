@@ -1,0 +1,265 @@
+"""Prometheus metrics: counters and gauges move as the nodes work (a Clock on
+the loopback transport), and ``/metrics`` is scraped over real sockets from a
+broker, a worker and a Freelance server, in process and as ``twist``
+processes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import pytest_twisted
+from prometheus_client.parser import text_string_to_metric_families
+
+from mdp import Broker, Client, HeartbeatPolicy, Worker
+from mdp.errors import ServiceOverloaded, ServiceUnavailable, WorkerError
+from mdp.majordomo import codec
+from mdp.metrics import BrokerMetrics, FreelanceMetrics, WorkerMetrics, serve_metrics
+from tests.conftest import RawPeer
+from tests.procs import ENV, Process, reactor, script
+
+pytestmark = pytest.mark.timeout(120)
+
+HB = HeartbeatPolicy(interval=1.0, liveness=3)
+
+
+def value(metrics: Any, name: str, **labels: str) -> Optional[float]:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def upper(frames: list[bytes]) -> list[bytes]:
+    return [f.upper() for f in frames]
+
+
+def failing(frames: list[bytes]) -> list[bytes]:
+    raise RuntimeError("no")
+
+
+@pytest_twisted.ensureDeferred
+async def test_broker_counters_and_gauges_move_with_its_work(clocknet: Any) -> None:
+    metrics = BrokerMetrics()
+    broker = Broker(clocknet.reactor, heartbeat=HB, maxServiceQueue=1, metrics=metrics)
+    bound = await clocknet.wait(broker.listen(clocknet.bindEndpoint()))
+    clocknet.addCleanup(broker.close)
+    worker = Worker(bound.endpoint, "echo", upper, clocknet.reactor, heartbeat=HB)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    client = Client(bound.endpoint, clocknet.reactor, timeout=10.0, retries=1)
+    clocknet.addCleanup(client.close)
+    await clocknet.until(lambda: value(metrics, "mdp_broker_workers", service="echo",
+                                       state="idle") == 1)
+    for n in range(3):
+        assert await clocknet.wait(client.request("echo", f"r{n}")) == [f"R{n}".encode()]
+    assert value(metrics, "mdp_broker_requests_total", service="echo") == 3
+    assert value(metrics, "mdp_broker_replies_total", service="echo") == 3
+    assert value(metrics, "mdp_broker_queue_seconds_count", service="echo") == 3
+    assert value(metrics, "mdp_broker_worker_seconds_count", service="echo") == 3
+    assert value(metrics, "mdp_broker_peers", role="worker") == 1
+
+    # nobody serves "slow": one request waits, the next is refused (429)
+    waiting = client.request("slow", b"1")
+    await clocknet.until(lambda: value(metrics, "mdp_broker_queued_requests", service="slow") == 1)
+    assert value(metrics, "mdp_broker_peers", role="client") == 1
+    with pytest.raises(ServiceOverloaded):
+        await clocknet.wait(client.request("slow", b"2"))
+    assert value(metrics, "mdp_broker_requests_refused_total", service="slow",
+                  reason="overloaded") == 1
+    assert value(metrics, "mdp_broker_error_replies_total", service="slow", code="429") == 1
+    # ... and the waiting one hears 503 when no worker registered in time
+    with pytest.raises(ServiceUnavailable):
+        await clocknet.wait(waiting)
+    assert value(metrics, "mdp_broker_error_replies_total", service="slow", code="503") == 1
+    assert value(metrics, "mdp_broker_queued_requests", service="slow") is None  # forgotten
+
+    # a malformed message is rejected, by reason
+    raw = RawPeer(clocknet, bound.endpoint)
+    raw.send(b"MDPC02", b"\x09", b"what")
+    await clocknet.until(lambda: value(metrics, "mdp_broker_rejected_messages_total",
+                                       reason="malformed") == 1)
+
+    # a worker's error reply is counted by its code
+    broken = Worker(bound.endpoint, "broken", failing, clocknet.reactor, heartbeat=HB)
+    broken.start()
+    clocknet.addCleanup(broken.stop)
+    with pytest.raises(WorkerError):
+        await clocknet.wait(client.request("broken", b"x"))
+    assert value(metrics, "mdp_broker_error_replies_total", service="broken", code="500") == 1
+
+    # a worker that falls silent is removed by its heartbeat expiry
+    await clocknet.wait(worker.stop())
+    silent = RawPeer(clocknet, bound.endpoint)
+    silent.send(b"", codec.WORKER_HEADER, codec.W_READY, b"quiet")
+    await clocknet.until(lambda: value(metrics, "mdp_broker_workers", service="quiet",
+                                       state="idle") == 1)
+    clocknet.advance(HB.interval * (HB.liveness + 1.5))
+    assert value(metrics, "mdp_broker_heartbeat_expiries_total", service="quiet") == 1
+    assert value(metrics, "mdp_broker_workers", service="quiet", state="idle") in (None, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_dropped_replies_are_counted_by_reason(clocknet: Any) -> None:
+    """A second FINAL for one assignment is dropped as stale."""
+    metrics = BrokerMetrics()
+    broker = Broker(clocknet.reactor, heartbeat=HB, metrics=metrics)
+    bound = await clocknet.wait(broker.listen(clocknet.bindEndpoint()))
+    clocknet.addCleanup(broker.close)
+    worker = RawPeer(clocknet, bound.endpoint)
+    worker.send(b"", codec.WORKER_HEADER, codec.W_READY, b"echo")
+    client = Client(bound.endpoint, clocknet.reactor, timeout=10.0, retries=1)
+    clocknet.addCleanup(client.close)
+    reply = client.request("echo", b"hi")
+    request = await worker.nextMessage()
+    envelope = request[3]
+    worker.send(b"", codec.WORKER_HEADER, codec.W_FINAL, envelope, b"", b"HI")
+    worker.send(b"", codec.WORKER_HEADER, codec.W_FINAL, envelope, b"", b"again")
+    assert await clocknet.wait(reply) == [b"HI"]
+    await clocknet.until(lambda: value(metrics, "mdp_broker_dropped_replies_total",
+                                       reason="stale") == 1)
+
+
+def test_service_labels_are_bounded() -> None:
+    """Clients name services: beyond maxServices, they share one label."""
+    metrics = BrokerMetrics(maxServices=2)
+    for name in (b"a", b"b", b"c", b"d", b"a"):
+        metrics.request(name)
+    assert value(metrics, "mdp_broker_requests_total", service="a") == 2
+    assert value(metrics, "mdp_broker_requests_total", service="b") == 1
+    assert value(metrics, "mdp_broker_requests_total", service="_other") == 2
+    metrics.request(b"caf\xc3\xa9\xff")
+    assert value(metrics, "mdp_broker_requests_total", service="_other") == 3
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_counts_requests_failures_and_handler_time(clocknet: Any) -> None:
+    broker = Broker(clocknet.reactor, heartbeat=HB)
+    bound = await clocknet.wait(broker.listen(clocknet.bindEndpoint()))
+    clocknet.addCleanup(broker.close)
+    metrics = WorkerMetrics()
+
+    def handler(frames: list[bytes]) -> Any:
+        if frames == [b"fail"]:
+            raise ValueError("asked to")
+        from twisted.internet import task
+
+        return task.deferLater(clocknet.reactor, 0.5, lambda: frames)
+
+    worker = Worker(bound.endpoint, "work", handler, clocknet.reactor, heartbeat=HB, metrics=metrics)
+    worker.start()
+    clocknet.addCleanup(worker.stop)
+    client = Client(bound.endpoint, clocknet.reactor, timeout=10.0, retries=1)
+    clocknet.addCleanup(client.close)
+    await clocknet.until(lambda: value(metrics, "mdp_worker_connected", service="work",
+                                       broker=bound.endpoint) == 1)
+    assert await clocknet.wait(client.request("work", b"a")) == [b"a"]
+    with pytest.raises(WorkerError):
+        await clocknet.wait(client.request("work", b"fail"))
+    assert value(metrics, "mdp_worker_requests_total", service="work") == 2
+    assert value(metrics, "mdp_worker_failures_total", service="work", reason="error") == 1
+    assert value(metrics, "mdp_worker_handler_seconds_count", service="work") == 2
+    # the deferred one took 0.5 s of (fake) time
+    assert value(metrics, "mdp_worker_handler_seconds_bucket", service="work", le="0.25") == 1
+    assert value(metrics, "mdp_worker_handler_seconds_bucket", service="work", le="0.5") == 2
+    assert value(metrics, "mdp_worker_busy", service="work") == 0
+
+
+async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """GET *url*; the samples by name, then by sorted labels."""
+    from twisted.web.client import Agent, readBody
+
+    response = await Agent(reactor()).request(b"GET", url.encode())
+    assert response.code == 200
+    assert response.headers.getRawHeaders(b"content-type")[0].startswith(b"text/plain")
+    body = (await readBody(response)).decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freelance_server() -> None:
+    from mdp.freelance import AgentClient, FreelanceServer
+
+    brokerMetrics, workerMetrics, freelanceMetrics = BrokerMetrics(), WorkerMetrics(), FreelanceMetrics()
+    broker = Broker(reactor(), metrics=brokerMetrics)
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    worker = Worker(bound.endpoint, "echo", upper, reactor(), metrics=workerMetrics)
+    worker.start()
+    client = Client(bound.endpoint, reactor())
+    server = FreelanceServer(upper, reactor(), metrics=freelanceMetrics)
+    serverBound = await server.listen("zmq:tcp://127.0.0.1:*")
+    freelance = AgentClient([serverBound.endpoint], reactor())
+    ports = [await serve_metrics("tcp:0:interface=127.0.0.1", m.registry, reactor())
+             for m in (brokerMetrics, workerMetrics, freelanceMetrics)]
+    urls = [f"http://127.0.0.1:{p.getHost().port}/metrics" for p in ports]
+    try:
+        for n in range(4):
+            assert await client.request("echo", f"{n}") == [f"{n}".encode()]
+        assert await freelance.request(b"x") == [b"X"]
+        broker_, worker_, freelance_ = [await scrape(url) for url in urls]
+        assert broker_["mdp_broker_requests_total"][(("service", "echo"),)] == 4
+        assert broker_["mdp_broker_replies_total"][(("service", "echo"),)] == 4
+        assert broker_["mdp_broker_workers"][(("service", "echo"), ("state", "idle"))] == 1
+        assert broker_["mdp_broker_undelivered_messages_total"][(("endpoint", bound.endpoint),)] == 0
+        assert worker_["mdp_worker_requests_total"][(("service", "echo"),)] == 4
+        assert worker_["mdp_worker_handler_seconds_count"][(("service", "echo"),)] == 4
+        assert freelance_["mdp_freelance_requests_total"][()] == 1
+        assert freelance_["mdp_freelance_pings_total"][()] >= 1
+        assert freelance_["mdp_freelance_pending"][()] == 0
+        # the root path serves the same text
+        assert "mdp_broker_requests_total" in str(await scrape(urls[0].rsplit("/", 1)[0] + "/"))
+    finally:
+        for port in ports:
+            await port.stopListening()
+        await freelance.close()
+        await server.close()
+        await client.close()
+        await worker.stop()
+        await broker.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_twist_plugins_serve_metrics_with_the_metrics_option() -> None:
+    """``twist mdp-broker --metrics`` and ``twist mdp-worker --metrics``:
+    the log says where; a scrape shows the request the test sent."""
+    import re
+
+    broker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
+                                 "--endpoint", "zmq:tcp://127.0.0.1:*",
+                                 "--metrics", "tcp:0:interface=127.0.0.1"], env=ENV)
+    worker: Optional[Process] = None
+    client: Optional[Client] = None
+    try:
+        await broker.waitFor("MDP broker listening on", timeout=60)
+        await broker.waitFor("/metrics", timeout=60)
+        text = broker.output.decode()
+        endpoint = re.search(r"listening on (zmq:tcp://\S+)", text).group(1)
+        brokerUrl = re.search(r"metrics at (http://\S+/metrics)", text).group(1)
+        worker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-worker",
+                                     "--broker", endpoint, "--service", "echo",
+                                     "--metrics", "tcp:0:interface=127.0.0.1"], env=ENV)
+        await worker.waitFor("sent READY", timeout=60)
+        workerUrl = re.search(r"metrics at (http://\S+/metrics)", worker.output.decode()).group(1)
+        client = Client(endpoint, reactor())
+        assert await client.request("echo", b"hi") == [b"hi"]
+        samples = await scrape(brokerUrl)
+        assert samples["mdp_broker_replies_total"][(("service", "echo"),)] == 1
+        samples = await scrape(workerUrl)
+        assert samples["mdp_worker_requests_total"][(("service", "echo"),)] == 1
+        # a scrape is not a log line
+        assert "GET /metrics" not in broker.output.decode()
+    finally:
+        if client is not None:
+            await client.close()
+        if worker is not None:
+            await worker.stop()
+        await broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bad_metrics_endpoint_is_a_usage_error() -> None:
+    proc = Process(reactor(), [script("twist"), "mdp-broker", "--metrics", "nonsense:1"], env=ENV)
+    await proc.ended(60)
+    assert proc.exitCode != 0
+    assert b"--metrics" in proc.output
