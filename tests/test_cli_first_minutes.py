@@ -1,8 +1,10 @@
-"""The command line as a newcomer meets it: versions, and Ctrl-C."""
+"""The command line as a newcomer meets it: versions, Ctrl-C, status, Freelance calls,
+handlers, errors and logs."""
 
 from __future__ import annotations
 
 import signal
+from typing import Optional
 
 import pytest
 import pytest_twisted
@@ -348,3 +350,83 @@ async def test_a_handler_that_cannot_be_loaded_is_one_line_and_exit_2(
     assert len(lines) == 1 and lines[0].strip(), proc.output
     assert lines[0].startswith(f"twist {plugin}: --handler") and says in lines[0], lines[0]
     assert b"Traceback" not in proc.output
+
+
+# --- logs --------------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_logs_name_services_and_endpoints_as_text() -> None:
+    """At debug level the broker logs one line per request; service names
+    are text; a worker waiting for a broker names the endpoint it retries,
+    not ``<...Endpoint object at 0x...>``."""
+    import re
+
+    from mdp import Client
+
+    port = await _free_port()
+    endpoint = f"tcp:host=127.0.0.1:port={port}"
+    worker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-worker",
+                                 "--broker", endpoint, "--service", "echo"], env=ENV)
+    broker: Optional[Process] = None
+    client: Optional[Client] = None
+    try:
+        await worker.waitFor(f"Scheduling retry 1 to connect {endpoint} in", timeout=60)
+        broker = Process(reactor(), [script("twist"), "--log-format", "text", "--log-level", "debug",
+                                     "mdp-broker", "--endpoint", f"tcp:{port}:interface=127.0.0.1"],
+                         env=ENV)
+        await broker.waitFor("ready for echo", timeout=60)
+        client = Client(endpoint, reactor())
+        assert await client.request("echo", b"hi") == [b"hi"]
+        line = await broker.waitFor(r"echo: request from client \w+ served by worker \w+ in "
+                                    r"[0-9.]+s after [0-9.]+s queued", timeout=30)
+        assert line is not None
+        await worker.waitFor("sent READY", timeout=30)
+        output = worker.output + broker.output
+        assert b"object at 0x" not in output and b"b'echo'" not in output
+        assert re.search(rb"worker for echo sent READY to " + endpoint.encode(), worker.output)
+    finally:
+        if client is not None:
+            await client.close()
+        await worker.stop()
+        if broker is not None:
+            await broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_broker_that_cannot_bind_says_so_once_and_exits_1() -> None:
+    from twisted.internet import protocol
+
+    taken = reactor().listenTCP(0, protocol.Factory(), interface="127.0.0.1")
+    try:
+        proc = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
+                                   "--endpoint", f"tcp:{taken.getHost().port}:interface=127.0.0.1"],
+                       env=ENV)
+        await proc.ended(60)
+    finally:
+        await taken.stopListening()
+    assert proc.exitCode == 1, proc.output
+    assert proc.output.count(b"MDP broker cannot listen") == 1, proc.output
+    assert b"Address already in use" in proc.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_call_fails_over_along_repeated_broker_options() -> None:
+    """The first --broker refuses connections: the call goes on to the
+    second at once and is answered there."""
+    from mdp import Broker, Worker
+    from mdp.handlers import echo
+
+    broker = Broker(reactor())
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    worker = Worker(bound.endpoint, "echo", echo, reactor())
+    worker.start()
+    dead = f"tcp:host=127.0.0.1:port={await _free_port()}"
+    try:
+        proc = Process(reactor(), [script("mdp"), "call", "--broker", dead, "--broker", bound.endpoint,
+                                   "--timeout", "60", "echo", "hi"], env=ENV)
+        await proc.ended(30)
+        assert proc.exitCode == 0, proc.output
+        assert proc.output.decode().split() == ["hi"]
+    finally:
+        await worker.stop()
+        await broker.close()
