@@ -222,6 +222,14 @@ def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
     return parent
 
 
+def debug_logging(options: usage.Options) -> bool:
+    """``twist --log-level debug`` was asked for (the parent's option)."""
+    from twisted.logger import LogLevel
+
+    parent = getattr(options, "parent", None)
+    return parent is not None and parent.get("logLevel") == LogLevel.debug
+
+
 class BrokerOptions(_HeartbeatOptions):
     """Options of ``twist mdp-broker``."""
 
@@ -333,6 +341,7 @@ class BrokerServiceMaker:
         return with_metrics(BrokerService(
             options["endpoint"],
             metrics=metrics,
+            logRequests=debug_logging(options),
             unknownServiceExpiry=options["unknown-service-expiry"],
             binaryStar=binaryStar,
             backend=options["backend"],

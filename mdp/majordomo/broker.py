@@ -488,6 +488,7 @@ class BrokerMachine(Machine):
         limits: Limits = Limits(),
         admission: Optional[IAdmission] = None,
         metrics: Optional[Any] = None,
+        logRequests: bool = False,
         now: float = 0.0,
     ) -> None:
         if maxDeliveries < 1:
@@ -527,6 +528,9 @@ class BrokerMachine(Machine):
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(self)
+        #: log one debug line per request served (``twist --log-level debug``
+        #: turns it on; off, the line costs nothing)
+        self.logRequests = logRequests
 
     @property
     def wakeEvery(self) -> float:
@@ -855,12 +859,12 @@ class BrokerMachine(Machine):
 
     def _served(self, request: PendingRequest, body: Sequence[bytes], worker: PeerKey) -> None:
         """A worker's FINAL went to the client: one debug line, and the metrics."""
-        now = self.now
-        served = now - request.assignedAt
-        log.debug("{service}: request from client {client} served by worker {worker} in "
-                  "{served:.4f}s after {queued:.4f}s queued", service=label(request.service),
-                  client=peer_label(request.client[1]), worker=peer_label(worker[1]),
-                  served=served, queued=request.assignedAt - request.arrivedAt)
+        served = self.now - request.assignedAt
+        if self.logRequests:
+            log.debug("{service}: request from client {client} served by worker {worker} in "
+                      "{served:.4f}s after {queued:.4f}s queued", service=label(request.service),
+                      client=peer_label(request.client[1]), worker=peer_label(worker[1]),
+                      served=served, queued=request.assignedAt - request.arrivedAt)
         metrics = self.metrics
         if metrics is not None:
             code = body[1] if len(body) == 3 and body[0] == codec.ERROR_MARKER else None
