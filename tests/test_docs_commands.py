@@ -465,6 +465,30 @@ async def cli_freelance_call(sh: Shell, c: Any) -> None:
     assert await sh.run(c.call) == list(shown(c.call).output)
 
 
+@scenario(
+    broker="twist mdp-broker --endpoint zmq:tcp://127.0.0.1:5555 --metrics tcp:9464:interface=127.0.0.1",
+    worker="twist mdp-worker --broker zmq:tcp://127.0.0.1:5555 --service echo "
+           "--metrics tcp:9465:interface=127.0.0.1",
+    scrape="curl -s http://127.0.0.1:9464/metrics",
+)
+async def metrics_scrape(sh: Shell, c: Any) -> None:
+    """Three echo requests, then the broker's scrape counts them, as the example scrape shows."""
+    for port in (5555, 9464, 9465):
+        sh.port(port)
+    broker = await sh.start(c.broker, BROKER_READY)
+    await broker.waitFor(r"metrics at http://127\.0\.0\.1:\d+/metrics")
+    worker = await sh.start(c.worker, WORKER_READY)
+    await worker.waitFor(r"metrics at http://127\.0\.0\.1:\d+/metrics")
+    for _ in range(3):
+        assert (await sh.run("mdp call --broker zmq:tcp://127.0.0.1:5555 echo hi"))[-1] == "hi"
+    scraped = await sh.run(c.scrape)
+    for line in ('mdp_broker_requests_total{service="echo"} 3.0',
+                 'mdp_broker_replies_total{service="echo"} 3.0',
+                 'mdp_broker_workers{service="echo",state="idle"} 1.0',
+                 'mdp_broker_peers{role="worker"} 1.0'):
+        assert line in scraped, (line, scraped)
+
+
 @scenario(netns=True, env={"PYTHONUTF8": "1"},
           alice="mdp chat --name alice --group CHAT", bob="mdp chat --name bob --group CHAT")
 async def chat_in_two_terminals(sh: Shell, c: Any) -> None:
