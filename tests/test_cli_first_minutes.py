@@ -213,11 +213,9 @@ async def test_mdp_status_watch_refreshes_until_ctrl_c() -> None:
         await broker.close()
 
 
-@pytest_twisted.ensureDeferred
-async def test_mdp_status_of_an_unreachable_broker_is_one_line_and_exit_1() -> None:
-    endpoint = f"zmq:tcp://127.0.0.1:{await _free_port()}"
-    proc = Process(reactor(), [script("mdp"), "status", "--broker", endpoint, "--timeout", "0.5",
-                               "--retries", "1"], env=ENV)
+async def _failure_line(*argv: str) -> str:
+    """Run ``mdp ARGV...``; it must exit 1 with exactly one line of output."""
+    proc = Process(reactor(), [script("mdp"), *argv], env=ENV)
     try:
         await proc.ended(30)
     finally:
@@ -225,7 +223,14 @@ async def test_mdp_status_of_an_unreachable_broker_is_one_line_and_exit_1() -> N
     assert proc.exitCode == 1, proc.output
     lines = proc.output.decode().strip().splitlines()
     assert len(lines) == 1, proc.output
-    assert lines[0].startswith(f"mdp status: no reply from broker at {endpoint} after 1 attempt")
+    return lines[0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_of_an_unreachable_broker_is_one_line_and_exit_1() -> None:
+    endpoint = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    line = await _failure_line("status", "--broker", endpoint, "--timeout", "0.5", "--retries", "1")
+    assert line.startswith(f"mdp status: no reply from broker at {endpoint} after 1 attempt")
 
 
 @pytest.mark.parametrize("command", [["call", "echo", "hi"], ["status"]])
@@ -234,15 +239,8 @@ async def test_a_refused_tcp_connection_is_reported_at_once(command: list[str]) 
     """Nobody listens: with attempts of 60 s, only a failure seen at once
     ends the command within the test's bound."""
     endpoint = f"tcp:host=127.0.0.1:port={await _free_port()}"
-    proc = Process(reactor(), [script("mdp"), command[0], "--broker", endpoint, "--timeout", "60",
-                               *command[1:]], env=ENV)
-    try:
-        await proc.ended(30)
-    finally:
-        await proc.stop()
-    assert proc.exitCode == 1, proc.output
-    lines = proc.output.decode().strip().splitlines()
-    assert lines == [f"mdp {command[0]}: cannot reach broker at {endpoint}: connection refused"]
+    line = await _failure_line(command[0], "--broker", endpoint, "--timeout", "60", *command[1:])
+    assert line == f"mdp {command[0]}: cannot reach broker at {endpoint}: connection refused"
 
 
 # --- mdp freelance-call ------------------------------------------------------------------

@@ -379,7 +379,12 @@ async def call(reactor: Any, options: CallOptions) -> None:
         raise SystemExit(1) from None
     finally:
         await client.close()
-    for frame in reply:
+    _print_frames(reply)
+
+
+def _print_frames(frames: list[bytes]) -> None:
+    """The reply frames, one per line (text if printable, else repr)."""
+    for frame in frames:
         print(_show(frame))
     sys.stdout.flush()
 
@@ -482,9 +487,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
         raise SystemExit(1) from None
     finally:
         await client.close()
-    for frame in reply:
-        print(_show(frame))
-    sys.stdout.flush()
+    _print_frames(reply)
 
 
 async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
