@@ -166,7 +166,7 @@ def test_broker_answers_503_to_a_request_queued_past_its_expiry() -> None:
     assert script.feed(Elapse(4.9)) == []
     assert script.feed(Elapse(0.1)) == [Send(b"C", [
         C, codec.C_FINAL, b"nobody", codec.ERROR_MARKER, codec.STATUS_UNAVAILABLE,
-        b"no worker for service 'nobody' within 5s"])]
+        b"no worker for service 'nobody': none registered within 5s"])]
     assert broker.queued == 0
 
 
@@ -549,3 +549,37 @@ def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reache
     timedOut = [a for a in machine.handleWake(now=6.0) if isinstance(a, Fail)]
     assert str(timedOut[0].error) == ("no reply from broker at a (connection refused) after 3 "
                                       "attempts (6.0 s) to a request for service 'echo'")
+
+
+def test_a_broker_just_made_active_gives_workers_time_to_find_it() -> None:
+    """A Binary Star broker that becomes active has no workers yet: they
+    are still with its peer until their heartbeats expire.  A service it
+    does not know is given up no sooner than interval × (liveness + 1)
+    after it became active (4 s here), even with a shorter
+    unknownServiceExpiry."""
+
+    class Admission:
+        active = False
+
+        def admitClient(self, now: float) -> bool:
+            return self.active
+
+        def admitWorker(self, now: float) -> bool:
+            return self.active
+
+        def status(self, now: float) -> dict[str, Any]:
+            return {}
+
+    admission = Admission()
+    script, broker = broker_script(admission=admission, unknownServiceExpiry=2.0)
+    assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"echo", b"0"])) == []  # passive: ignored
+    admission.active = True
+    assert script.feed(Elapse(1.0), Receive(b"C", [C, codec.C_REQUEST, b"echo", b"1"])) == []
+    assert script.feed(Elapse(3.99)) == []
+    assert script.feed(Elapse(0.01)) == [Send(b"C", [
+        C, codec.C_FINAL, b"echo", codec.ERROR_MARKER, codec.STATUS_UNAVAILABLE,
+        b"no worker for service 'echo': none registered within 4s"])]
+    # once learnt, an unknown service waits unknownServiceExpiry
+    assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"other", b"2"])) == []
+    assert script.feed(Elapse(1.99)) == []
+    assert len(script.feed(Elapse(0.01))) == 1

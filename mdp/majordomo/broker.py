@@ -359,6 +359,8 @@ class ServiceQueue:
         #: until when it is kept, even empty, while no worker has registered: the
         #: window of its first request, which a client's retries share
         self.unknownUntil = 0.0
+        #: when a request first asked for it while no worker had registered
+        self.askedAt = 0.0
 
     def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
         queue = self.pending.get(client)
@@ -520,6 +522,9 @@ class BrokerMachine(Machine):
         self.workers: dict[PeerKey, WorkerRef] = {}
         #: services no worker has registered for, by when they are given up
         self._unknown: deque[tuple[float, ServiceQueue]] = deque()
+        #: when the admission last began to admit clients (a Binary Star broker
+        #: becoming active), None while it refuses or without one
+        self._activeSince: Optional[float] = None
         #: envelopes of assignments taken back from lost workers (see _late)
         self._takenBack: OrderedDict[bytes, PendingRequest] = OrderedDict()
         #: messages dropped as invalid or unexpected
@@ -569,6 +574,7 @@ class BrokerMachine(Machine):
         self._abandoned.clear()
         self._unknown.clear()
         self._takenBack.clear()
+        self._activeSince = None
         self._outbox = []
 
     # --- inbound -------------------------------------------------------------
@@ -623,11 +629,14 @@ class BrokerMachine(Machine):
         if metrics is not None:
             metrics.request(command.service)
         admission = self.admission
-        if (admission is not None and command.service != mmi.BINARYSTAR
-                and not admission.admitClient(self.now)):
-            if metrics is not None:
-                metrics.refuse(command.service, "passive")
-            return  # not serving: the client times out and tries elsewhere
+        if admission is not None and command.service != mmi.BINARYSTAR:
+            if not admission.admitClient(self.now):
+                self._activeSince = None
+                if metrics is not None:
+                    metrics.refuse(command.service, "passive")
+                return  # not serving: the client times out and tries elsewhere
+            if self._activeSince is None:
+                self._activeSince = self.now
         if command.service.startswith(mmi.PREFIX):
             request.state = DONE
             self._reply(request, mmi.answer(self, command.service, body), final=True)
@@ -659,12 +668,25 @@ class BrokerMachine(Machine):
         if service is None:
             service = self._service(command.service)
             # no worker has registered for it: its requests wait unknownServiceExpiry
-            service.unknownUntil = deadline = self.now + self.unknownServiceExpiry
+            service.unknownUntil = deadline = self._unknownDeadline()
+            service.askedAt = self.now
             if not self._unknown:
                 self._emit(WakeAt(deadline))
             self._unknown.append((deadline, service))
         service.enqueue(request)
         self._dispatch(service)
+
+    def _unknownDeadline(self) -> float:
+        """When the requests of a service first asked for now are given up
+        if no worker registers: ``unknownServiceExpiry`` from now, but not
+        before the workers of a broker that has just become active (a Binary
+        Star failover) had time to find it: ``interval × (liveness + 1)``
+        after it did (their heartbeats expire, then they move)."""
+        deadline = self.now + min(self.unknownServiceExpiry, self.requestExpiry)
+        if self._activeSince is not None:
+            learning = self._activeSince + self.heartbeat.interval * (self.heartbeat.liveness + 1)
+            deadline = max(deadline, min(learning, self.now + self.requestExpiry))
+        return deadline
 
     def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str) -> None:
         """Answer *request* at once with an error reply, logged (throttled)."""
@@ -1070,12 +1092,12 @@ class BrokerMachine(Machine):
         configurable time), and forget it."""
         unknown = self._unknown
         while unknown and unknown[0][0] <= now + 1e-9:
-            _, service = unknown.popleft()
+            deadline, service = unknown.popleft()
             if service.registered or self.services.get(service.name) is not service:
                 continue
             service.unknownUntil = 0.0
             message = (f"no worker for service {label(service.name)!r}: none registered "
-                       f"within {self.unknownServiceExpiry:g}s")
+                       f"within {deadline - service.askedAt:g}s")
             while service.size:
                 request = service.nextRequest()
                 request.state = DONE
