@@ -158,7 +158,7 @@ async def test_a_handler_that_blocks_the_reactor_is_named_and_its_request_runs_o
         # told to register again, it does, and finds nothing to run twice
         await wait_until(lambda: broker.output.count(b"ready for block") >= 2, 30)
         await wait_until(lambda: b"blocked the reactor" in worker.output, 30)
-        assert b"handler for block blocked the reactor for 3.0s; run blocking work with " \
+        assert b"handler for block blocked the reactor for 3.0 s; run blocking work with " \
                b"deferToThread" in worker.output
         assert b"silent for" not in worker.output  # the broker is not blamed
         assert runs.read_text().splitlines() == ["run"]

@@ -10,13 +10,15 @@ from typing import Any, Optional
 import pytest
 import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
+from zope.interface import implementer
 
 from mdp import Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import ServiceOverloaded, ServiceUnavailable, WorkerError
+from mdp.interfaces import IDealerReceiver
 from mdp.majordomo import codec
 from mdp.metrics import BrokerMetrics, FreelanceMetrics, WorkerMetrics, serve_metrics
 from tests.conftest import RawPeer
-from tests.procs import ENV, Process, reactor, script
+from tests.procs import ENV, Process, reactor, script, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,6 +164,20 @@ async def test_worker_counts_requests_failures_and_handler_time(clocknet: Any) -
     assert value(metrics, "mdp_worker_busy", service="work") == 0
 
 
+@implementer(IDealerReceiver)
+class Deaf:
+    """A connecting peer that only sends."""
+
+    def connectionMade(self) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        pass
+
+
 async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """GET *url*; the samples by name, then by sorted labels."""
     from twisted.web.client import Agent, readBody
@@ -179,10 +195,11 @@ async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]
 
 @pytest_twisted.ensureDeferred
 async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freelance_server() -> None:
+    from mdp import transport
     from mdp.freelance import AgentClient, FreelanceServer
 
     brokerMetrics, workerMetrics, freelanceMetrics = BrokerMetrics(), WorkerMetrics(), FreelanceMetrics()
-    broker = Broker(reactor(), metrics=brokerMetrics)
+    broker = Broker(reactor(), metrics=brokerMetrics, maxServiceQueue=1)
     bound = await broker.listen("zmq:tcp://127.0.0.1:*")
     worker = Worker(bound.endpoint, "echo", upper, reactor(), metrics=workerMetrics)
     worker.start()
@@ -193,11 +210,23 @@ async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freela
     ports = [await serve_metrics("tcp:0:interface=127.0.0.1", m.registry, reactor())
              for m in (brokerMetrics, workerMetrics, freelanceMetrics)]
     urls = [f"http://127.0.0.1:{p.getHost().port}/metrics" for p in ports]
+    raw = transport.connect(bound.endpoint, Deaf(), reactor())
+    waiting = client.request("slow", b"1")  # nobody serves it: it waits...
     try:
         for n in range(4):
             assert await client.request("echo", f"{n}") == [f"{n}".encode()]
+        with pytest.raises(ServiceOverloaded):  # ... and the next one is refused
+            await client.request("slow", b"2")
+        raw.sendMessage([b"MDPC02", b"\x09", b"junk"])  # no such command
         assert await freelance.request(b"x") == [b"X"]
+        await wait_until(lambda: value(brokerMetrics, "mdp_broker_rejected_messages_total",
+                                       reason="malformed") == 1, 30)
         broker_, worker_, freelance_ = [await scrape(url) for url in urls]
+        assert broker_["mdp_broker_requests_refused_total"][
+            (("reason", "overloaded"), ("service", "slow"))] == 1
+        assert broker_["mdp_broker_error_replies_total"][(("code", "429"), ("service", "slow"))] == 1
+        assert broker_["mdp_broker_queued_requests"][(("service", "slow"),)] == 1
+        assert broker_["mdp_broker_rejected_messages_total"][(("reason", "malformed"),)] == 1
         assert broker_["mdp_broker_requests_total"][(("service", "echo"),)] == 4
         assert broker_["mdp_broker_replies_total"][(("service", "echo"),)] == 4
         assert broker_["mdp_broker_workers"][(("service", "echo"), ("state", "idle"))] == 1
@@ -210,6 +239,8 @@ async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freela
         # the root path serves the same text
         assert "mdp_broker_requests_total" in str(await scrape(urls[0].rsplit("/", 1)[0] + "/"))
     finally:
+        waiting.addErrback(lambda _: None)
+        await raw.close()
         for port in ports:
             await port.stopListening()
         await freelance.close()

@@ -515,7 +515,7 @@ class Worker(WorkerMachine):
             # the reactor did not run this timer on time: something blocked it
             blocked = now - last - self.wakeEvery
             if self._handlerBlockEnded < last:  # not the handler's block, already told
-                self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f}s "
+                self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f} s "
                                    "(worker for {service}): the broker's silence meanwhile is not "
                                    "held against it", blocked=blocked, service=label(self.service))
                 if self.metrics is not None:
@@ -618,7 +618,7 @@ class Worker(WorkerMachine):
         now = self.reactor.seconds()
         self._handlerBlockEnded = now
         self.throttle.warn(log, "blocked", "handler for {service} blocked the reactor for "
-                           "{blocked:.1f}s; run blocking work with deferToThread",
+                           "{blocked:.1f} s; run blocking work with deferToThread",
                            service=label(self.service), blocked=blocked)
         if self.metrics is not None:
             self.metrics.blockedReactor(self.service)
