@@ -322,8 +322,8 @@ class FreelanceServer:
             self.served += 1
             if metrics is not None:
                 metrics.handlerSeconds.observe(self.reactor.seconds() - started)
-                for reason in outcome:
-                    metrics.failures.labels(reason).inc()
+                if outcome:  # one reason per request: what the client got
+                    metrics.failures.labels(outcome[-1]).inc()
             routerTransport.sendMessage(peer, message)
 
         call_handler(self.handler, body).addErrback(failed).addCallback(reply)

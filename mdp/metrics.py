@@ -15,6 +15,7 @@ are in ``docs/metrics.md``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -43,19 +44,37 @@ OTHER = "_other"
 
 
 class _Labels:
-    """Service names to label values, at most *limit* of them."""
+    """Service names to label values, at most *limit* of them.  Names a
+    client made up (no worker registered them) get at most half: they
+    cannot crowd out the services that exist."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.values: dict[bytes, str] = {}
+        self.registered: Any = lambda name: True
 
     def __call__(self, name: bytes) -> str:
         value = self.values.get(name)
         if value is None:
-            if len(self.values) >= self.limit:
+            count = len(self.values)
+            if count >= self.limit or (count >= self.limit // 2 and not self.registered(name)):
                 return OTHER  # not kept: the table stays within its bound
             value = self.values[name] = label(name)
         return value
+
+
+def _code(code: bytes) -> str:
+    """A status code as a label value: three digits, or ``other`` (workers
+    write it, and labels must stay few)."""
+    return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
+
+
+def _add(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
+    """*family* with one sample per label set (values summed: names beyond
+    the label bound share ``_other``)."""
+    for labels, total in totals.items():
+        family.add_metric(list(labels), total)
+    return family
 
 
 class _Collector:
@@ -104,7 +123,8 @@ class BrokerMetrics:
         self.droppedReplies = Counter(
             "mdp_broker_dropped_replies",
             "Worker replies not passed on, by reason: stale (a second FINAL), void (the rest "
-            "of a reply already answered with an error), unknown (for no request in hand).",
+            "of a reply already answered with an error), orphaned (a late reply of a worker "
+            "given up, for a request that went elsewhere).",
             ["reason"], registry=r)
         self.rejected = Counter(
             "mdp_broker_rejected_messages",
@@ -116,6 +136,12 @@ class BrokerMetrics:
     def watch(self, broker: Any) -> None:
         """Read *broker*'s state at each scrape (the broker calls this)."""
         self._broker = broker
+
+        def registered(name: bytes) -> bool:
+            service = broker.services.get(name)
+            return service is not None and service.registered
+
+        self._labels.registered = registered
 
     # --- events (called by the broker) --------------------------------------
 
@@ -130,7 +156,7 @@ class BrokerMetrics:
         (None for the broker's own answers), an error reply if *code*."""
         name = self._labels(service)
         if code is not None:
-            self.errorReplies.labels(name, code.decode("ascii", "replace")).inc()
+            self.errorReplies.labels(name, _code(code)).inc()
         else:
             self.replies.labels(name).inc()
         if served is not None:
@@ -155,17 +181,18 @@ class BrokerMetrics:
         if broker is None:
             return
         snapshot = broker.snapshot(workerLimit=0)
-        workers = GaugeMetricFamily("mdp_broker_workers", "Registered workers, by service and "
-                                    "state (idle or busy).", labels=["service", "state"])
-        queued = GaugeMetricFamily("mdp_broker_queued_requests",
-                                   "Requests waiting for a worker, by service.", labels=["service"])
+        workers: dict[tuple[str, ...], float] = {}
+        queued: dict[tuple[str, ...], float] = {}
         for service in snapshot.services:
             name = self._labels(service.name)
-            workers.add_metric([name, "idle"], service.idle)
-            workers.add_metric([name, "busy"], service.busy)
-            queued.add_metric([name], service.queued)
-        yield workers
-        yield queued
+            for state, count in (("idle", service.idle), ("busy", service.busy)):
+                workers[name, state] = workers.get((name, state), 0) + count
+            queued[name,] = queued.get((name,), 0) + service.queued
+        yield _add(GaugeMetricFamily("mdp_broker_workers", "Registered workers, by service and "
+                                     "state (idle or busy).", labels=["service", "state"]), workers)
+        yield _add(GaugeMetricFamily("mdp_broker_queued_requests",
+                                     "Requests waiting for a worker, by service.",
+                                     labels=["service"]), queued)
         yield GaugeMetricFamily("mdp_broker_queued_bytes",
                                 "Bytes of request bodies waiting, in all.", value=snapshot.queuedBytes)
         yield GaugeMetricFamily("mdp_broker_services", "Services the broker knows.",
@@ -176,30 +203,33 @@ class BrokerMetrics:
         peers.add_metric(["worker"], snapshot.workerCount)
         peers.add_metric(["client"], broker.clientCount())
         yield peers
-        yield from transport_metrics("mdp_broker", [b.transport for b in broker.bindings])
+        yield from transport_metrics("mdp_broker",
+                                     [b.transport for b in getattr(broker, "bindings", ())])
 
 
 def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric]:
     """What bound transports count themselves: messages they could not
     deliver (the peer is gone or was cut off), peers cut off for not
     reading, and messages dropped for exceeding the limits."""
-    undelivered = CounterMetricFamily(
-        f"{prefix}_undelivered_messages", "Messages a transport could not deliver: the peer was "
-        "gone, or cut off for not reading.", labels=["endpoint"])
-    cut = CounterMetricFamily(f"{prefix}_slow_peers_cut", "Peers cut off for reading slower "
-                              "than they were sent to.", labels=["endpoint"])
-    oversized = CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
-                                    "arrival for exceeding the message limits.", labels=["endpoint"])
+    counted: dict[str, dict[tuple[str, ...], float]] = {
+        "dropped": {}, "overflows": {}, "oversizedCount": {}}
     for bound in transports:
         if bound is None:
             continue
         endpoint = str(getattr(bound, "endpoint", None) or "factory")
-        undelivered.add_metric([endpoint], getattr(bound, "dropped", 0))
-        cut.add_metric([endpoint], getattr(bound, "overflows", 0))
-        oversized.add_metric([endpoint], getattr(bound, "oversizedCount", 0))
-    yield undelivered
-    yield cut
-    yield oversized
+        for attribute, totals in counted.items():
+            count = getattr(bound, attribute, None)  # only what the transport counts
+            if count is not None:
+                totals[endpoint,] = totals.get((endpoint,), 0) + count
+    yield _add(CounterMetricFamily(
+        f"{prefix}_undelivered_messages", "Messages a transport could not deliver: the peer was "
+        "gone, or cut off for not reading.", labels=["endpoint"]), counted["dropped"])
+    yield _add(CounterMetricFamily(f"{prefix}_slow_peers_cut", "Peers cut off for reading slower "
+                                   "than they were sent to.", labels=["endpoint"]),
+               counted["overflows"])
+    yield _add(CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
+                                   "arrival for exceeding the message limits.",
+                                   labels=["endpoint"]), counted["oversizedCount"])
 
 
 class WorkerMetrics:
@@ -225,11 +255,11 @@ class WorkerMetrics:
             "mdp_worker_reactor_blocked",
             "Times the reactor was blocked (by a handler) longer than a heartbeat interval.",
             ["service"], registry=r)
-        self._workers: list[Any] = []
+        self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.registry.register(_Collector(self._collect))
 
     def watch(self, worker: Any) -> None:
-        self._workers.append(worker)
+        self._workers.add(worker)
 
     def request(self, service: bytes) -> None:
         self.requests.labels(label(service)).inc()
@@ -247,16 +277,22 @@ class WorkerMetrics:
         self.blocked.labels(label(service)).inc()
 
     def _collect(self) -> Iterable[Metric]:
-        connected = GaugeMetricFamily("mdp_worker_connected", "1 while the worker is registered "
-                                      "with a broker.", labels=["service", "broker"])
-        busy = GaugeMetricFamily("mdp_worker_busy", "1 while the worker serves a request.",
-                                 labels=["service"])
-        for worker in self._workers:
+        connected: dict[tuple[str, ...], float] = {}
+        busy: dict[tuple[str, ...], float] = {}
+        from mdp.majordomo.worker import WorkerState
+
+        for worker in list(self._workers):
+            if worker.state is WorkerState.STOPPED:
+                continue
             name = label(worker.service)
-            connected.add_metric([name, worker.endpoint], 1 if worker.connected else 0)
-            busy.add_metric([name], 1 if worker.current is not None else 0)
-        yield connected
-        yield busy
+            key = (name, worker.endpoint)
+            connected[key] = connected.get(key, 0) + (1 if worker.registered else 0)
+            busy[name,] = busy.get((name,), 0) + (1 if worker.current is not None else 0)
+        yield _add(GaugeMetricFamily("mdp_worker_connected", "Workers registered with a broker "
+                                     "(it answered since READY).", labels=["service", "broker"]),
+                   connected)
+        yield _add(GaugeMetricFamily("mdp_worker_busy", "Workers serving a request.",
+                                     labels=["service"]), busy)
 
 
 class FreelanceMetrics:

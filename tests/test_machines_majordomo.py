@@ -583,3 +583,47 @@ def test_a_broker_just_made_active_gives_workers_time_to_find_it() -> None:
     assert script.feed(Receive(b"C", [C, codec.C_REQUEST, b"other", b"2"])) == []
     assert script.feed(Elapse(1.99)) == []
     assert len(script.feed(Elapse(0.01))) == 1
+
+
+def test_a_late_reply_counts_only_from_its_worker_and_only_without_partials() -> None:
+    """A late PARTIAL means the reply had begun: the request runs again, and
+    the FINAL after it is no answer.  Another peer that knows the envelope
+    answers nothing.  Assignments whose request left the queue are
+    forgotten at the next tick."""
+    script, broker = broker_script()
+    script.feed(Receive(b"W", READY), Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"]))
+    script.feed(Elapse(4.0))  # W given up; the request is queued again
+    assert script.feed(Receive(b"X", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"forged"])) == [
+        Send(b"X", DISCONNECT), Disconnect(b"X")]
+    assert script.feed(Receive(b"W", [W, codec.W_PARTIAL, envelope(b"C", 1), b"", b"h"]),
+                       Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"])) == [
+        Send(b"W", DISCONNECT), Disconnect(b"W")] * 2
+    assert broker.queued == 1
+    # a new worker runs it again; the entry of the old assignment goes at the tick
+    assert script.feed(Receive(b"W2", READY)) == [
+        Send(b"W2", [W, codec.W_REQUEST, envelope(b"C", 2), b"", b"hi"])]
+    script.feed(Elapse(4.0))  # W2 given up too: a new entry for its assignment
+    assert list(broker._takenBack) == [envelope(b"C", 2)]
+    script.feed(Receive(b"W3", READY))  # the request leaves the queue for W3
+    script.feed(Elapse(1.0))
+    assert broker._takenBack == {}
+
+
+def test_client_machine_names_a_broker_unreachable_only_when_every_one_refused() -> None:
+    """A connection attempt that timed out may pass: an endpoint that did so
+    is no proof that nobody is there."""
+    from twisted.internet.error import ConnectionRefusedError, TimeoutError
+
+    from mdp.majordomo.client import ClientMachine, CloseChannel, OpenChannel, _Call
+
+    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
+    call = _Call(b"echo", [C, codec.C_REQUEST, b"echo", b"hi"], 2.0, 3, None, None, 0.0,
+                 lambda c: None)
+    channel = machine.handleRequest(call, now=0.0)[1].channel
+    assert machine.handleConnectFailed(channel, TimeoutError(), now=1.0) == []
+    retry = machine.handleWake(now=2.0)  # the attempt runs out: the next goes to b
+    second = [a for a in retry if isinstance(a, OpenChannel)][0].channel
+    assert second.endpoint == "b"
+    moved = machine.handleConnectFailed(second, ConnectionRefusedError(), now=2.1)
+    assert [type(a) for a in moved] == [CloseChannel, OpenChannel]  # back to a, not failed
+    assert moved[1].channel.endpoint == "a" and not call.done

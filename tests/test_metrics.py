@@ -294,3 +294,54 @@ async def test_a_bad_metrics_endpoint_is_a_usage_error() -> None:
     await proc.ended(60)
     assert proc.exitCode != 0
     assert b"--metrics" in proc.output
+
+
+def test_label_values_stay_few_and_series_unique() -> None:
+    """Beyond the bound, services share ``_other`` and their gauges are
+    summed into one series; made-up names get at most half the labels;
+    workers cannot make up status codes."""
+    from mdp.majordomo.broker import BrokerMachine
+
+    metrics = BrokerMetrics(maxServices=2)
+    machine = BrokerMachine(metrics=metrics)
+    machine.services[b"real"] = type("S", (), {"registered": True})()
+    metrics.request(b"junk")  # made up: takes the one label made-up names may have
+    metrics.request(b"junk2")  # made up, over half the bound: _other
+    metrics.request(b"real")  # registered: still gets its own
+    assert value(metrics, "mdp_broker_requests_total", service="junk") == 1
+    assert value(metrics, "mdp_broker_requests_total", service="_other") == 1
+    assert value(metrics, "mdp_broker_requests_total", service="real") == 1
+    del machine.services[b"real"]
+    metrics.replied(b"real", 0.1, b"\x00" * 1000)
+    metrics.replied(b"real", 0.1, b"503")
+    assert value(metrics, "mdp_broker_error_replies_total", service="real", code="other") == 1
+    assert value(metrics, "mdp_broker_error_replies_total", service="real", code="503") == 1
+    # a machine without bindings scrapes, and services over the bound share one series
+    metrics = BrokerMetrics(maxServices=1)
+    machine = BrokerMachine(metrics=metrics)
+    for name in (b"a", b"b", b"c"):
+        machine.handleMessage((type("B", (), {"clients": True, "workers": True})(), b"C" + name),
+                              [codec.CLIENT_HEADER, codec.C_REQUEST, name, b"x"], 0.0)
+    from prometheus_client.exposition import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    assert text.count('mdp_broker_queued_requests{service="_other"}') == 1
+    assert value(metrics, "mdp_broker_queued_requests", service="_other") == 3  # all made up
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_with_no_broker_is_not_counted_connected() -> None:
+    """On ZeroMQ a pipe is up whether or not a broker listens: only a
+    broker's answer makes the worker registered."""
+    from tests.test_cli_first_minutes import _free_port
+
+    metrics = WorkerMetrics()
+    endpoint = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    worker = Worker(endpoint, "echo", upper, reactor(), metrics=metrics)
+    worker.start()
+    try:
+        await wait_until(lambda: worker.connected, 10)  # READY went out
+        assert value(metrics, "mdp_worker_connected", service="echo", broker=endpoint) == 0
+    finally:
+        await worker.stop()
+    assert value(metrics, "mdp_worker_connected", service="echo", broker=endpoint) is None

@@ -460,7 +460,14 @@ async def status(reactor: Any, options: StatusOptions) -> None:
                 if watch is None:
                     raise SystemExit(1) from None
             else:
-                lines = [f"broker {client.endpoint}", ""] + status_lines(services, workers)
+                try:
+                    tables = status_lines(services, workers)
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    # not our broker's MMI (another MDP broker answers 501)
+                    print(f"mdp status: broker {client.endpoint} does not describe its services "
+                          f"(mmi.services answered {services!r})", file=sys.stderr)
+                    raise SystemExit(1) from None
+                lines = [f"broker {client.endpoint}", ""] + tables
                 if clear:
                     sys.stdout.write("\x1b[H\x1b[2J")
                 elif watch is not None:

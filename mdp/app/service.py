@@ -182,10 +182,15 @@ class MetricsService(Service):
         return serve_metrics(self.endpoint, self.registry, self.reactor).addCallbacks(
             self._listening, self._failed)
 
-    def _listening(self, port: Any) -> None:
+    def _listening(self, port: Any) -> Optional[defer.Deferred[None]]:
+        if not self.running:  # stopped while it was binding
+            return defer.maybeDeferred(port.stopListening)
         self.port = port
+        return None
 
     def _failed(self, failure: Failure) -> Optional[Failure]:
+        if not self.running:
+            return None
         log.error("cannot serve metrics on {endpoint}: {error}", endpoint=self.endpoint,
                   error=failure.getErrorMessage())
         if not self.exitOnFailure:

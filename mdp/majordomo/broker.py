@@ -22,9 +22,10 @@ a :class:`~mdp.policy.Liveness`.
 
 The decisions live in :class:`BrokerMachine`, which knows no reactor, no
 transport and no Deferred: it is fed events with their time
-(``handleMessage``, ``handlePeerGone``, ``handleTick``) and returns what it
-wants done (:class:`Send`, :class:`DropPeer`).  :class:`Broker` is its driver:
-it owns the bindings and the one periodic timer, passes every message from
+(``handleMessage``, ``handlePeerGone``, ``handleTick``, ``handleWake``) and
+returns what it wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`).
+:class:`Broker` is its driver: it owns the bindings, the periodic timer and
+the wake-up timer, passes every message from
 every binding in (:meth:`Broker.received`, :meth:`Broker.peerGone`) and
 performs the actions.
 
@@ -67,6 +68,11 @@ NEW        ``mmi.*``; too large (413); queues full      DONE       answered at o
            (429)
 QUEUED     a worker of its service is idle              ASSIGNED   REQUEST to the worker
 QUEUED     waited ``requestExpiry``                     DONE       503 error reply
+QUEUED     no worker registered for its service         DONE       503 error reply
+           ``unknownServiceExpiry`` after its first
+           request
+QUEUED     a late FINAL from the worker it was taken    DONE       FINAL to the client
+           back from (none of its PARTIALs went out)
 QUEUED     its client is lost                           DONE       forgotten
 ASSIGNED   PARTIAL                                      ASSIGNED   PARTIAL to the client
 ASSIGNED   FINAL                                        DONE       FINAL to the client
@@ -181,6 +187,9 @@ def peer_label(peer: bytes) -> str:
 #: how many assignments taken back from lost workers are remembered, so that
 #: a late FINAL for one still queued can answer it (:meth:`BrokerMachine._late`)
 MAX_TAKEN_BACK = 1024
+#: how many services no worker registered are kept while empty, so that the
+#: retries of their requests share one unknownServiceExpiry window
+MAX_UNKNOWN_KEPT = 10_000
 
 
 @implementer(IRouterReceiver)
@@ -468,7 +477,7 @@ class BrokerMachine(Machine):
     Deferred.  Feed it events with the time they happen
     (:meth:`handleMessage`, :meth:`handlePeerGone`, :meth:`handleTick`, the
     latter every ``wakeEvery`` seconds); each returns the actions it wants
-    done, in order (:class:`Send`, :class:`DropPeer`).  A peer key is a
+    done, in order (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`).  A peer key is a
     ``(binding, peer id)`` pair whose binding says which roles it accepts
     (``.clients``, ``.workers``).  :class:`Broker` drives it over real
     transports."""
@@ -526,7 +535,7 @@ class BrokerMachine(Machine):
         #: becoming active), None while it refuses or without one
         self._activeSince: Optional[float] = None
         #: envelopes of assignments taken back from lost workers (see _late)
-        self._takenBack: OrderedDict[bytes, PendingRequest] = OrderedDict()
+        self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
         #: messages dropped as invalid or unexpected
         self.invalid = 0
         #: a :class:`mdp.metrics.BrokerMetrics` (or None): told of each event it counts
@@ -717,7 +726,8 @@ class BrokerMachine(Machine):
         """Drop a service with no worker and no request, once its linger is over."""
         if service.workers or service.size or self.services.get(service.name) is not service:
             return
-        if not service.registered and service.unknownUntil > self.now:
+        if (not service.registered and service.unknownUntil > self.now
+                and len(self._unknown) <= MAX_UNKNOWN_KEPT):
             return  # a retry of its requests waits in the same window
         if not self._lingering(service):
             del self.services[service.name]
@@ -792,8 +802,8 @@ class BrokerMachine(Machine):
             if kind is Ready:
                 self._onReady(key, command.service, dialect)
             elif kind is not Disconnect:
-                if kind is WorkerFinal and self._late(key, command):
-                    pass  # answered a request still queued: logged
+                if (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, command):
+                    pass  # a reply of an assignment taken back from it: logged
                 else:
                     if self.metrics is not None:
                         self.metrics.reject("unregistered")
@@ -892,16 +902,28 @@ class BrokerMachine(Machine):
             code = body[1] if len(body) == 3 and body[0] == codec.ERROR_MARKER else None
             metrics.replied(request.service, served, code)
 
-    def _late(self, key: PeerKey, command: WorkerFinal) -> bool:
-        """A FINAL from a worker the broker gave up on (silent: its handler
-        may have blocked its reactor).  If the request it answers was queued
-        again and no other worker has it yet, that reply answers it (else
-        the request would run again, maybe as long).  True if it did."""
-        request = self._takenBack.pop(command.client, None)
-        if request is None or request.state is not QUEUED or request.envelope != command.client:
-            if request is not None and self.metrics is not None:
-                self.metrics.dropped("orphaned")
+    def _late(self, key: PeerKey, command: Any) -> bool:
+        """A reply from a worker the broker gave up on (silent: its handler
+        may have blocked its reactor), for an assignment taken back from that
+        very worker.  A FINAL (with no PARTIAL before it) answers the request
+        if it was queued again and no other worker has it yet: else the
+        request would run again, maybe as long.  A PARTIAL spoils that (the
+        client would get a reply without its beginning): the request runs
+        again.  False if the reply is for no assignment taken back from it."""
+        entry = self._takenBack.get(command.client)
+        if entry is None or entry[0] != key:
             return False
+        del self._takenBack[command.client]
+        request = entry[1]
+        if (type(command) is WorkerPartial or request.state is not QUEUED
+                or request.envelope != command.client):
+            if self.metrics is not None:
+                self.metrics.dropped("orphaned")
+            log.info("dropped the late {command} of worker {peer} for {service}: it was given "
+                     "up for silence, and its request is elsewhere now or runs again",
+                     command=type(command).__name__, peer=peer_label(key[1]),
+                     service=label(request.service))
+            return True
         service = self.services[request.service]
         service.remove(request)
         log.info("accepted the late reply of worker {peer} for {service}: it was given up for "
@@ -976,11 +998,11 @@ class BrokerMachine(Machine):
             self._abandoned.append((now, service))
         request, worker.current = worker.current, None
         if request is not None:
-            self._takeBack(request, service)
+            self._takeBack(request, service, worker.key)
         self._forgetIfEmpty(service)
 
-    def _takeBack(self, request: PendingRequest, service: ServiceQueue) -> None:
-        """The worker serving *request* is gone: queue it again."""
+    def _takeBack(self, request: PendingRequest, service: ServiceQueue, worker: PeerKey) -> None:
+        """The *worker* serving *request* is gone: queue it again."""
         if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
             request.state = DONE
             return
@@ -997,7 +1019,7 @@ class BrokerMachine(Machine):
         else:
             # its worker may yet answer, late (see _late)
             takenBack = self._takenBack
-            takenBack[request.envelope] = request
+            takenBack[request.envelope] = (worker, request)
             if len(takenBack) > MAX_TAKEN_BACK:
                 takenBack.popitem(last=False)
         # accepted work is never dropped, even past the queue bounds
@@ -1061,6 +1083,20 @@ class BrokerMachine(Machine):
                 liveness.sent(now)
         self._expire(now - self.requestExpiry)
         self._giveUpUnknown(now)
+        if self._takenBack:
+            # forget assignments whose request left the queue: no late reply
+            # can answer them, and their bodies should not linger here
+            self._takenBack = OrderedDict(
+                (envelope, entry) for envelope, entry in self._takenBack.items()
+                if entry[1].state is QUEUED and entry[1].envelope == envelope)
+        admission = self.admission
+        if admission is not None:
+            # a broker that has just become active learns its workers
+            # (_unknownDeadline): notice when, even before a client asks
+            if not admission.status(now).get("serving", True):
+                self._activeSince = None
+            elif self._activeSince is None:
+                self._activeSince = now
         abandoned = self._abandoned
         while abandoned and abandoned[0][0] + self.serviceLinger <= now:
             self._forgetIfEmpty(abandoned.popleft()[1])
@@ -1132,11 +1168,17 @@ class Broker(BrokerMachine):
         self._perform(self.handlePeerGone(key, self.reactor.seconds()))
 
     def tick(self) -> None:
-        self._perform(self.handleTick(self.reactor.seconds()))
+        try:
+            self._perform(self.handleTick(self.reactor.seconds()))
+        except Exception:  # the tick must go on: heartbeats depend on it
+            log.failure("broker tick failed")
 
     def _wake(self) -> None:
         self._wakeCall = None
-        self._perform(self.handleWake(self.reactor.seconds()))
+        try:
+            self._perform(self.handleWake(self.reactor.seconds()))
+        except Exception:
+            log.failure("broker wake-up failed")
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:

@@ -360,6 +360,8 @@ class ClientMachine(Machine):
         self._everUp = False  # a pipe to some broker has come up
         #: why the last connection attempt to each endpoint failed (until one is up)
         self._failures: dict[str, str] = {}
+        #: the endpoints where nobody is at all (refused, no host, no socket file)
+        self._unreachable: dict[str, str] = {}
 
     @property
     def endpoints(self) -> list[str]:
@@ -389,6 +391,7 @@ class ClientMachine(Machine):
         self._everUp = True
         if self._failures:
             self._failures.pop(channel.endpoint, None)
+            self._unreachable.clear()
         self._sendOn(channel)
         return self._drain()
 
@@ -408,8 +411,9 @@ class ClientMachine(Machine):
         self._failures[channel.endpoint] = why or str(error)
         if self._everUp or why is None:
             return self._drain()
-        if all(e in self._failures for e in self._rotation.endpoints):
-            failures = {e: self._failures[e] for e in self._rotation.endpoints}
+        self._unreachable[channel.endpoint] = why
+        if all(e in self._unreachable for e in self._rotation.endpoints):
+            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
             calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
             for other in list(self._channels):
                 self._discard(other)
@@ -419,10 +423,11 @@ class ClientMachine(Machine):
                 call.channel = None
                 self._fail(call, BrokerUnreachable(failures))
             self._failures.clear()  # the next request tries again
+            self._unreachable.clear()
             return self._drain()
         call = channel.call
         self._discard(channel)
-        while self._rotation.current in self._failures:
+        while self._rotation.current in self._unreachable:
             self._rotation.advance()
         if call is not None and not call.done:
             self._enqueue(call, first=True)

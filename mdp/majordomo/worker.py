@@ -227,6 +227,7 @@ class WorkerMachine(Machine):
         self.failures = 0  # reconnections since the broker last spoke
         self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
         self.current: Optional[bytes] = None  # client address being served
+        self.answered = False  # the broker sent something since READY
         self.generation = 0  # bumped on every new or lost pipe; stale replies are dropped
 
     @property
@@ -243,6 +244,12 @@ class WorkerMachine(Machine):
     def connected(self) -> bool:
         """The pipe is up and READY went out on it (state READY)."""
         return self.state is READY
+
+    @property
+    def registered(self) -> bool:
+        """READY went out and the broker has answered since (a HEARTBEAT or
+        a request): on ZeroMQ a pipe is "up" whether or not anyone listens."""
+        return self.state is READY and self.answered
 
     @property
     def wakeEvery(self) -> float:
@@ -288,6 +295,7 @@ class WorkerMachine(Machine):
         self.generation += 1
         self.state = READY
         self.current = None
+        self.answered = False
         self.liveness.heard(now)
         self._send(codec.Ready(self.service))
         log.info("worker for {service} sent READY to {endpoint}",
@@ -367,6 +375,7 @@ class WorkerMachine(Machine):
             return
         self.liveness.heard(self.now)
         self.failures = 0
+        self.answered = True
         kind = type(command)
         if kind is Heartbeat:
             self.refusals = 0
@@ -671,12 +680,12 @@ class Worker(WorkerMachine):
                failure: Optional[str] = None) -> bool:
         """Hand a reply part to the machine and do what it says; True if the
         part went out as itself."""
-        current = self.isCurrent(job)
+        metrics = self.metrics
+        current = metrics is not None and self.isCurrent(job)
         now = self.reactor.seconds()
         sent, actions = self.handleReply(job, kind, frames, now, store)
         self._perform(actions)
-        metrics = self.metrics
-        if metrics is not None and current and (kind is WorkerFinal or not sent):
+        if current and (kind is WorkerFinal or not sent):
             # a FINAL went out (a part over the limits became a 413 FINAL)
             metrics.replied(self.service, now - job.startedAt,
                             failure if sent else "too-large")
