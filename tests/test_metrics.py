@@ -10,15 +10,14 @@ from typing import Any, Optional
 import pytest
 import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
-from zope.interface import implementer
 
 from mdp import Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import ServiceOverloaded, ServiceUnavailable, WorkerError
-from mdp.interfaces import IDealerReceiver
 from mdp.majordomo import codec
 from mdp.metrics import BrokerMetrics, FreelanceMetrics, WorkerMetrics, serve_metrics
 from tests.conftest import RawPeer
 from tests.procs import ENV, Process, reactor, script, wait_until
+from tests.test_fuzz import FuzzPeer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,20 +163,6 @@ async def test_worker_counts_requests_failures_and_handler_time(clocknet: Any) -
     assert value(metrics, "mdp_worker_busy", service="work") == 0
 
 
-@implementer(IDealerReceiver)
-class Deaf:
-    """A connecting peer that only sends."""
-
-    def connectionMade(self) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        pass
-
-
 async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """GET *url*; the samples by name, then by sorted labels."""
     from twisted.web.client import Agent, readBody
@@ -195,7 +180,6 @@ async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]
 
 @pytest_twisted.ensureDeferred
 async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freelance_server() -> None:
-    from mdp import transport
     from mdp.freelance import AgentClient, FreelanceServer
 
     brokerMetrics, workerMetrics, freelanceMetrics = BrokerMetrics(), WorkerMetrics(), FreelanceMetrics()
@@ -210,7 +194,7 @@ async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freela
     ports = [await serve_metrics("tcp:0:interface=127.0.0.1", m.registry, reactor())
              for m in (brokerMetrics, workerMetrics, freelanceMetrics)]
     urls = [f"http://127.0.0.1:{p.getHost().port}/metrics" for p in ports]
-    raw = transport.connect(bound.endpoint, Deaf(), reactor())
+    raw = FuzzPeer(bound.endpoint, reactor()).transport  # only sends
     waiting = client.request("slow", b"1")  # nobody serves it: it waits...
     try:
         for n in range(4):
