@@ -279,10 +279,8 @@ class WorkerMetrics:
     def _collect(self) -> Iterable[Metric]:
         connected: dict[tuple[str, ...], float] = {}
         busy: dict[tuple[str, ...], float] = {}
-        from mdp.majordomo.worker import WorkerState
-
         for worker in list(self._workers):
-            if worker.state is WorkerState.STOPPED:
+            if not worker.started:
                 continue
             name = label(worker.service)
             key = (name, worker.endpoint)

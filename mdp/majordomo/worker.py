@@ -246,6 +246,11 @@ class WorkerMachine(Machine):
         return self.state is READY
 
     @property
+    def started(self) -> bool:
+        """Started and not stopped since (any state but STOPPED)."""
+        return self.state is not STOPPED
+
+    @property
     def registered(self) -> bool:
         """READY went out and the broker has answered since (a HEARTBEAT or
         a request): on ZeroMQ a pipe is "up" whether or not anyone listens."""
