@@ -207,6 +207,16 @@ def checked_metrics(options: usage.Options) -> None:
                                f"{options['metrics']!r} ({e})") from None
 
 
+def metrics_of(options: usage.Options, kind: str) -> Any:
+    """A fresh ``mdp.metrics.<kind>`` when --metrics was given, else None
+    (a node without one counts nothing)."""
+    if not options["metrics"]:
+        return None
+    import mdp.metrics
+
+    return getattr(mdp.metrics, kind)()
+
+
 def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
     """*service*, with a :class:`~mdp.app.service.MetricsService` beside it
     when --metrics was given (one parent service holds both)."""
@@ -333,11 +343,7 @@ class BrokerServiceMaker:
             binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
                                     options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
                                     limits=limits_of(options))
-        metrics = None
-        if options["metrics"]:
-            from mdp.metrics import BrokerMetrics
-
-            metrics = BrokerMetrics()
+        metrics = metrics_of(options, "BrokerMetrics")
         return with_metrics(BrokerService(
             options["endpoint"],
             metrics=metrics,
@@ -371,11 +377,7 @@ class WorkerServiceMaker:
         from mdp.handlers import load_handler
         from mdp.majordomo.idempotence import MemoryReplyStore
 
-        metrics = None
-        if options["metrics"]:
-            from mdp.metrics import WorkerMetrics
-
-            metrics = WorkerMetrics()
+        metrics = metrics_of(options, "WorkerMetrics")
         return with_metrics(WorkerService(
             options["brokers"],
             options["service"],
@@ -425,11 +427,7 @@ class FreelanceServerServiceMaker:
         from mdp.handlers import load_handler
 
         handler = loaded_handler(options, "twist mdp-freelance-server", load_handler)
-        metrics = None
-        if options["metrics"]:
-            from mdp.metrics import FreelanceMetrics
-
-            metrics = FreelanceMetrics()
+        metrics = metrics_of(options, "FreelanceMetrics")
         return with_metrics(FreelanceServerService(
             options["endpoint"], handler, limits=limits_of(options),
             maxPending=options["max-pending"], maxPendingBytes=options["max-pending-bytes"],
