@@ -350,6 +350,9 @@ class _QuietSite(Site):
     def log(self, request: Any) -> None:
         pass
 
+    def logPrefix(self) -> str:
+        return "Metrics"  # "Metrics starting on 9464"
+
 
 def metrics_site(registry: CollectorRegistry) -> Site:
     """A quiet :class:`~twisted.web.server.Site` serving *registry* at
