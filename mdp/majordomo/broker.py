@@ -884,10 +884,9 @@ class BrokerMachine(Machine):
                 return
         if not final:
             request.partials += 1
-            self._reply(request, body, final)
-            return
         self._reply(request, body, final)
-        self._served(request, body, worker.key)
+        if final:
+            self._served(request, body, worker.key)
 
     def _served(self, request: PendingRequest, body: Sequence[bytes], worker: PeerKey) -> None:
         """A worker's FINAL went to the client: one debug line, and the metrics."""
@@ -899,8 +898,8 @@ class BrokerMachine(Machine):
                       served=served, queued=request.assignedAt - request.arrivedAt)
         metrics = self.metrics
         if metrics is not None:
-            code = body[1] if len(body) == 3 and body[0] == codec.ERROR_MARKER else None
-            metrics.replied(request.service, served, code)
+            error = codec.parse_error_body(body)
+            metrics.replied(request.service, served, error[0] if error is not None else None)
 
     def _late(self, key: PeerKey, command: Any) -> bool:
         """A reply from a worker the broker gave up on (silent: its handler

@@ -414,14 +414,7 @@ class ClientMachine(Machine):
         self._unreachable[channel.endpoint] = why
         if all(e in self._unreachable for e in self._rotation.endpoints):
             failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
-            calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
-            for other in list(self._channels):
-                self._discard(other)
-            self._waiting.clear()
-            self._waitingDone = 0
-            for call in calls:
-                call.channel = None
-                self._fail(call, BrokerUnreachable(failures))
+            self._failPending(lambda: BrokerUnreachable(failures))
             self._failures.clear()  # the next request tries again
             self._unreachable.clear()
             return self._drain()
@@ -481,20 +474,25 @@ class ClientMachine(Machine):
         connection."""
         self.now = now
         self._closed = True
+        if self._wakeAt is not None:
+            self._wakeAt = None
+            self._outbox.append(WakeAt(None))
+        self._failPending(lambda: ClientClosed("client closed"))
+        self._deadlines.clear()
+        return self._drain()
+
+    def _failPending(self, error: Callable[[], BaseException]) -> None:
+        """Fail every request not yet done, each with an *error()* of its
+        own, and close every connection."""
         # every call not yet done has an entry for its current attempt
         calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
         self._waiting.clear()
         for channel in list(self._channels):
             self._discard(channel)
-        if self._wakeAt is not None:
-            self._wakeAt = None
-            self._outbox.append(WakeAt(None))
-        self._deadlines.clear()
         for call in calls:
             call.channel = None
-            self._fail(call, ClientClosed("client closed"))
+            self._fail(call, error())
         self._waitingDone = 0  # the FIFO was emptied above
-        return self._drain()
 
     # --- connections -------------------------------------------------------------
 
