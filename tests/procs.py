@@ -131,12 +131,18 @@ async def twist_broker(reactor: Any, endpoint: str, *options: str) -> tuple[Proc
     """Start ``twist mdp-broker``; return it and the endpoint it bound."""
     broker = Process(reactor, [script("twist"), "--log-format", "text", "mdp-broker",
                                "--endpoint", endpoint, *options], ENV)
+    return broker, await bound_endpoint(broker, "MDP broker")
+
+
+async def bound_endpoint(server: Process, what: str) -> str:
+    """The endpoint *server* logs ``WHAT listening on ENDPOINT`` for; it is
+    stopped if it never does."""
     try:
-        match = await broker.waitFor(r"MDP broker listening on (\S+)", timeout=60)
+        match = await server.waitFor(what + r" listening on (\S+)", timeout=60)
     except Exception:
-        await broker.stop()
+        await server.stop()
         raise
-    return broker, match.group(1).decode()
+    return match.group(1).decode()
 
 
 def twist_worker(reactor: Any, endpoint: str, service: str, handler: str, *options: str) -> Process:

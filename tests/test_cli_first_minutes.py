@@ -10,7 +10,7 @@ import pytest
 import pytest_twisted
 
 import mdp
-from tests.procs import ENV, Process, reactor, script, wait_until
+from tests.procs import ENV, Process, bound_endpoint, reactor, script, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -249,12 +249,7 @@ async def _freelance_server(handler: str) -> tuple[Process, str]:
     server = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-freelance-server",
                                  "--endpoint", "zmq:tcp://127.0.0.1:*", "--handler", handler],
                      env=ENV)
-    try:
-        match = await server.waitFor(r"Freelance server listening on (\S+)", timeout=60)
-    except Exception:
-        await server.stop()
-        raise
-    return server, match.group(1).decode()
+    return server, await bound_endpoint(server, "Freelance server")
 
 
 @pytest_twisted.ensureDeferred
