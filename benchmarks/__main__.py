@@ -34,6 +34,10 @@ STACKS = {
     # the ceiling for any Python MDP stack: bare forwarder and blocking pyzmq peers
     "bare": ("bare", "bare", "bare", None),
     "ours-broker+bare-peers": ("ours", "bare", "bare", None),
+    # our broker and workers with our blocking client (mdp.blocking), and with
+    # the blocking pyzmq loop client it is measured against
+    "ours+blocking-client": ("ours", "ours", "blocking", None),
+    "ours+bare-client": ("ours", "ours", "bare", None),
 }
 
 

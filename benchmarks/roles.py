@@ -9,7 +9,7 @@ Roles:
   broker  ours|majortomo|bare  BIND           (prints READY <endpoint>)
   worker  ours|majortomo|bare  ENDPOINT [--dialect D] [--service echo|stream]
   farm    ENDPOINT COUNT SERVICES             (COUNT idle workers of ours in one process)
-  client  ours|majortomo|bare  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
+  client  ours|majortomo|bare|blocking  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
           MODE: sync | pipelined | stream
   filler  ENDPOINT N                          (queues N requests on one raw socket; after
                                                GO, reads the N replies)
@@ -302,6 +302,45 @@ def timed_blocking(once: Any, n: int, warmup: int) -> None:
     result(latencies, start, end, cpu)
 
 
+def client_blocking(endpoint: str, mode: str, n: int, warmup: int, size: int,
+                    window: int = 1) -> None:
+    """Our blocking client (:mod:`mdp.blocking`): no reactor."""
+    from mdp.blocking import Client
+
+    body = b"x" * size
+    client = Client(endpoint, timeout=60, retries=1, maxConnections=max(window, 1))
+    if mode == "sync":
+        request = client.request
+
+        def once() -> None:
+            request(SERVICE, body)
+
+        timed_blocking(once, n, warmup)
+    elif mode == "pipelined":
+        def run(count: int, latencies: list[float]) -> None:
+            clock = time.perf_counter
+            for _ in client.map(SERVICE, (body for _ in range(count)), window=window):
+                pass
+            latencies.append(clock())  # no per-request latency in a map
+
+        run(warmup, [])
+        emit("READY")
+        wait_go()
+        cpu0, start = time.process_time(), time.time()
+        run(n, [])
+        result([], start, time.time(), time.process_time() - cpu0)
+    else:
+        parts = []
+
+        def once() -> None:
+            parts.clear()
+            client.request(b"stream", body, b"1000", onPartial=parts.append)
+            assert len(parts) == 1000, len(parts)
+
+        timed_blocking(once, n, warmup)
+    client.close()
+
+
 def client_bare(endpoint: str, mode: str, n: int, warmup: int, size: int) -> None:
     """The cheapest possible synchronous client: a blocking pyzmq DEALER."""
     import zmq
@@ -520,6 +559,9 @@ def main(argv: list[str]) -> None:
             client_ours(endpoint, mode, n, warmup, size, window, options.get("dialect", "rfc"))
         elif impl == "bare":
             client_bare(endpoint, mode, n, warmup, size)
+        elif impl == "blocking":
+            window = int(args[6]) if len(args) > 6 else 1
+            client_blocking(endpoint, mode, n, warmup, size, window)
         else:
             client_majortomo(endpoint, mode, n, warmup, size)
     elif role == "filler":

@@ -66,3 +66,8 @@ def blocking(frames: list[bytes]) -> list[bytes]:
         runs.write("run\n")
     time.sleep(float(frames[0]))
     return [b"done"]
+
+
+def fails(frames: list[bytes]) -> list[bytes]:
+    """Always raise: the worker answers with an error reply."""
+    raise RuntimeError(f"refusing {frames!r}")

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mdp"
 
 GROUND = {"mdp.interfaces", "mdp.errors", "mdp.policy", "mdp.handlers", "mdp.messages", "mdp.machine"}
 #: modules that may import from every layer below them
-ENTRY = ("mdp.app", "mdp.spark", "mdp.testing", "mdp")
+ENTRY = ("mdp.app", "mdp.spark", "mdp.testing", "mdp.blocking", "mdp")
 
 
 def layer(module: str) -> int:

@@ -153,6 +153,10 @@ from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_r
 
 log = Logger()
 
+_HEADER, _FINAL, _ERROR_MARKER = codec.CLIENT_HEADER, codec.C_FINAL, codec.ERROR_MARKER
+#: service names a client recently asked for, normalised (at most _NAMES_KEPT)
+_NAMES_KEPT = 64
+
 DEFAULT_TIMEOUT = 2.5
 DEFAULT_RETRIES = 3
 DEFAULT_MAX_CONNECTIONS = 64
@@ -212,21 +216,24 @@ def unreachable(error: BaseException) -> Optional[str]:
     if isinstance(error, net.ConnectError) and getattr(error, "osError", None) in (
             errno.ENOENT, errno.ECONNREFUSED):
         return "no such socket" if error.osError == errno.ENOENT else "connection refused"
+    # the blocking driver's plain sockets
+    if isinstance(error, OSError) and error.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return "no such socket" if error.errno == errno.ENOENT else "connection refused"
     return None
 
 
 class _Call:
     """One request: its attempts and where it is.  The driver hangs its
-    Deferred and callbacks on it; the machine only reads whether the caller
-    accepts restarts (``onRestart``)."""
+    Deferred (or, blocking, its ``result``) and callbacks on it; the machine
+    only reads whether the caller accepts restarts (``onRestart``)."""
 
-    __slots__ = ("service", "message", "deferred", "onPartial", "onRestart", "timeout",
+    __slots__ = ("service", "message", "deferred", "result", "onPartial", "onRestart", "timeout",
                  "retries", "attempts", "startedAt", "deadline", "channel", "state", "tried")
 
     def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
                  onPartial: Optional[Callable[[list[bytes]], Any]],
                  onRestart: Optional[Callable[[], Any]], startedAt: float,
-                 canceller: Callable[[_Call], None]) -> None:
+                 canceller: Optional[Callable[[_Call], None]] = None) -> None:
         self.service = service
         self.message = message  # the encoded REQUEST, the same on every attempt
         self.timeout = timeout
@@ -241,7 +248,11 @@ class _Call:
         #: linger there until it reaches the head)
         self.state = QUEUED
         self.tried: list[str] = []  # the endpoints it was given to
-        self.deferred: defer.Deferred[list[bytes]] = defer.Deferred(lambda _: canceller(self))
+        #: the Twisted driver's (with a *canceller*)
+        self.deferred: Optional[defer.Deferred[list[bytes]]] = (
+            None if canceller is None else defer.Deferred(lambda _: canceller(self)))
+        #: the blocking driver's: the reply's frames or the error, once DONE
+        self.result: Any = None
 
     @property
     def done(self) -> bool:
@@ -607,6 +618,18 @@ class ClientMachine(Machine):
 
     def _received(self, channel: _Channel, frames: list[bytes]) -> None:
         call = channel.call
+        if (call is not None and call.state is IN_FLIGHT and len(frames) > 3
+                and frames[0] == _HEADER and frames[1] == _FINAL and frames[2] == call.service
+                and self.dialect == codec.RFC):
+            # the common case, a FINAL for the request in flight: what the
+            # general path below checks and does, without building a command
+            body = frames[3:]
+            self._release(channel)
+            if len(body) == 3 and body[0] == _ERROR_MARKER:
+                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
+            elif self._done(call):
+                self._outbox.append(Complete(call, body))
+            return
         try:
             command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
             kind = type(command)
@@ -764,8 +787,72 @@ class _ChannelPipe:
         client._perform(client.handleMessage(self.channel, frames, client.reactor.seconds()))
 
 
+class ClientCore(ClientMachine):
+    """What every driver of :class:`ClientMachine` shares: the options,
+    checked at once, and turning a caller's request into a :class:`_Call`
+    (caller mistakes raise here, before anything is sent).  :class:`Client`
+    drives it under Twisted, :class:`mdp.blocking.Client` with plain sockets."""
+
+    def __init__(self, endpoint: Union[str, Sequence[str]], now: float, *, timeout: float,
+                 retries: int, maxConnections: int, dialect: str, stamp: bool,
+                 limits: Limits) -> None:
+        endpoints = transport.endpoint_list(endpoint)
+        _check_attempts(timeout, retries)
+        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
+            raise TypeError(f"maxConnections is a number of connections, "
+                            f"not {type(maxConnections).__name__}")
+        if maxConnections < 1:
+            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
+        super().__init__(endpoints, maxConnections=maxConnections,
+                         dialect=codec.check_dialect(dialect), now=now)
+        self.timeout = timeout
+        self.retries = retries
+        self.stamp = stamp
+        self.limits = limits
+        self.clientId = uuid.uuid4().bytes
+        self._sequence = itertools.count(1)
+        self._names: dict[Union[str, bytes], bytes] = {}  # caller's name -> wire bytes
+
+    def _newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
+                 timeout: Optional[float], retries: Optional[int],
+                 onPartial: Optional[Callable[[list[bytes]], Any]],
+                 onRestart: Optional[Callable[[], Any]], now: float,
+                 canceller: Optional[Callable[[_Call], None]] = None) -> _Call:
+        """A request of the caller's, encoded once for all its attempts.
+        Raises for caller mistakes (see :meth:`Client.request`) and
+        :class:`ClientClosed` once closed."""
+        names = self._names
+        name = names.get(service) if type(service) in (str, bytes) else None
+        if name is None:
+            name = codec.api_service_name(service)
+            if len(names) >= _NAMES_KEPT:
+                names.clear()
+            names[service] = name  # type: ignore[index]
+        # an MMI query may have no frames: one empty frame on the wire, where
+        # MDP/0.2 wants a body
+        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
+        if timeout is not None or retries is not None:  # the client's own were checked
+            timeout = self.timeout if timeout is None else timeout
+            retries = self.retries if retries is None else retries
+            _check_attempts(timeout, retries)
+        else:
+            timeout, retries = self.timeout, self.retries
+        if self._closed:
+            raise ClientClosed("client is closed")
+        if self.stamp:
+            body = idempotence.stamp(self.clientId, next(self._sequence), body)
+        if self.dialect == codec.RFC:
+            message = [_HEADER, codec.C_REQUEST, name, *body]
+        else:
+            message = codec.encode(codec.ClientRequest(name, body), self.dialect)
+        tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
+        if tooLarge is not None:
+            raise RequestTooLarge(f"request to {name.decode()!r} not sent: {tooLarge}")
+        return _Call(name, message, timeout, retries, onPartial, onRestart, now, canceller)
+
+
 @implementer(IClient)
-class Client(ClientMachine):
+class Client(ClientCore):
     """An MDP/0.2 client of one broker (or of the first live one of several):
     the :class:`ClientMachine` driven over real transports.  The driver owns
     the connections, the one timer and the Deferreds, and calls
@@ -777,7 +864,7 @@ class Client(ClientMachine):
     attempts in all, so a request fails with :class:`RequestTimeout` after at
     most ``timeout × retries`` seconds.  At most *maxConnections* (at least 1)
     requests are in flight at once (one per connection); more wait in a local
-    FIFO."""
+    FIFO.  :class:`mdp.blocking.Client` is the same client without a reactor."""
 
     def __init__(
         self,
@@ -792,22 +879,10 @@ class Client(ClientMachine):
         limits: Limits = Limits(),
     ) -> None:
         reactor = default_reactor(reactor)
-        endpoints = transport.endpoint_list(endpoint)
-        _check_attempts(timeout, retries)
-        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
-            raise TypeError(f"maxConnections is a number of connections, "
-                            f"not {type(maxConnections).__name__}")
-        if maxConnections < 1:
-            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
-        super().__init__(endpoints, maxConnections=maxConnections,
-                         dialect=codec.check_dialect(dialect), now=reactor.seconds())
+        super().__init__(endpoint, reactor.seconds(), timeout=timeout, retries=retries,
+                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
+                         limits=limits)
         self.reactor = reactor
-        self.timeout = timeout
-        self.retries = retries
-        self.stamp = stamp
-        self.limits = limits
-        self.clientId = uuid.uuid4().bytes
-        self._sequence = itertools.count(1)
         self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
 
     # --- public API ----------------------------------------------------------
@@ -847,25 +922,14 @@ class Client(ClientMachine):
         :class:`StreamRestarted`, :class:`ClientClosed`;
         cancelling the Deferred abandons the request.
         """
-        name = codec.api_service_name(service)
-        # an MMI query may have no frames: one empty frame on the wire, where
-        # MDP/0.2 wants a body
-        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
-        timeout = self.timeout if timeout is None else timeout
-        retries = self.retries if retries is None else retries
-        _check_attempts(timeout, retries)
-        if self._closed:
-            return defer.fail(ClientClosed("client is closed"))
-        if self.stamp:
-            body = idempotence.stamp(self.clientId, next(self._sequence), body)
-        message = codec.encode(codec.ClientRequest(name, body), self.dialect)
-        tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
-        if tooLarge is not None:
-            raise RequestTooLarge(f"request to {name.decode()!r} not sent: {tooLarge}")
         now = self.reactor.seconds()
-        call = _Call(name, message, timeout, retries, onPartial, onRestart, now, self._cancel)
+        try:
+            call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now,
+                                 self._cancel)
+        except ClientClosed as e:
+            return defer.fail(e)
         self._perform(self.handleRequest(call, now))
-        return call.deferred
+        return call.deferred  # type: ignore[return-value]
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
                timeout: Optional[float] = None) -> ReplyStream:

@@ -1,0 +1,665 @@
+"""The MDP/0.2 client without a reactor, for scripts, notebooks and Spark
+executors.
+
+:class:`Client` is :class:`mdp.majordomo.client.ClientMachine` — the same
+decisions as the Twisted :class:`mdp.Client`: one request per connection,
+Lazy Pirate attempts and failover, the typed errors — driven by plain pyzmq
+DEALER sockets (``zmq:`` endpoints) or plain stream sockets (``tcp:``,
+``tcp6:``, ``unix:``, with the stream transport's length-prefixed records) and
+one ``zmq.Poller``.  Nothing runs between calls: the client does its work
+inside :meth:`Client.request` and :meth:`Client.map`, in the calling thread,
+and never imports or starts a Twisted reactor.
+
+::
+
+    from mdp.blocking import Client
+
+    with Client("zmq:tcp://127.0.0.1:5555", timeout=2.5, retries=3) as client:
+        reply = client.request("echo", b"hello")          # [b"hello"]
+        for reply in client.map("echo", rows, window=16):  # in order, 16 in flight
+            ...
+
+A client belongs to one thread at a time (as a ZeroMQ socket does).
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import socket
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+from mdp.errors import ClientClosed, OversizedMessage, TransportError
+from mdp.majordomo import codec
+from mdp.majordomo.client import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
+    Action,
+    ClientCore,
+    CloseChannel,
+    Complete,
+    Fail,
+    OpenChannel,
+    Partial,
+    Restarted,
+    SendOn,
+    WakeAt,
+    _Call,
+    _Channel,
+)
+from mdp.messages import Frame
+from mdp.policy import Backoff, Limits
+from mdp.transport.framing import RecordDecoder, encode_record
+from mdp.transport.registry import split_description
+
+__all__ = ["Client", "STREAM_SCHEMES"]
+
+#: stream schemes the blocking client speaks (plain sockets, no TLS)
+STREAM_SCHEMES = ("tcp", "tcp6", "unix")
+#: the reconnection schedule of a stream connection (as the Twisted transport's)
+RECONNECT = Backoff(initial=0.5, maximum=32.0)
+#: frames from this size up are sent without a copy (as pyzmq's send_multipart)
+_ZERO_COPY = 65536
+_READ_SIZE = 262144
+
+_PENDING: Any = object()  # a call's result while it is not done
+
+_forks = 0  # how many times this process is a fork's child (clients do not cross a fork)
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _zmq() -> Any:
+    import zmq
+
+    return zmq
+
+
+class _ZmqPipe:
+    """One DEALER socket: up from the start (ZeroMQ connects in the
+    background and reconnects by itself)."""
+
+    __slots__ = ("client", "channel", "socket", "key", "backlog", "up", "waitMs")
+
+    def __init__(self, client: Client, channel: _Channel, address: str) -> None:
+        zmq = _zmq()
+        self.client = client
+        self.channel = channel
+        sock = client._context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.connect(address)
+        self.socket = sock
+        self.key = sock
+        self.backlog: deque[list[bytes]] = deque()
+        self.up = True
+        self.waitMs = -1  # the socket's RCVTIMEO
+        client._poller.register(sock, zmq.POLLIN)
+        client._pipes[sock] = self
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.backlog or not self._trySend(frames):
+            self.backlog.append(frames)
+            zmq = _zmq()
+            self.client._poller.register(self.socket, zmq.POLLIN | zmq.POLLOUT)
+
+    def _trySend(self, frames: list[bytes]) -> bool:
+        send = _send
+        sock = self.socket
+        last = len(frames) - 1
+        try:
+            for i, frame in enumerate(frames):
+                send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
+                     copy=len(frame) < _ZERO_COPY)
+        except _zmq().Again:
+            return False  # only the first frame can be refused (a full pipe)
+        return True
+
+    def ready(self, events: int, now: float) -> None:
+        if events & _POLLOUT:
+            while self.backlog and self._trySend(self.backlog[0]):
+                self.backlog.popleft()
+            if not self.backlog:
+                self.client._poller.register(self.socket, _POLLIN)
+        if events & _POLLIN:
+            self._read(now)
+
+    def wait(self, timeout: int) -> None:
+        """The only socket of the client: block in ``recv`` for at most
+        *timeout* ms (-1: no limit), as a plain pyzmq loop would, instead of
+        polling; handle what came."""
+        sock = self.socket
+        current = self.waitMs
+        # a wait that ends a little late is harmless; setting RCVTIMEO on
+        # every request is not free
+        if current != timeout and (timeout < 0 or current < 0 or current < timeout // 2
+                                   or current > timeout + min(50, timeout // 20)):
+            _set(sock, _RCVTIMEO, timeout)
+            self.waitMs = current = timeout
+        try:
+            frame = _recv(sock, 0, copy=False)
+        except _zmq().Again:
+            return
+        self._take(frame, time.monotonic())
+        self._read(time.monotonic())
+
+    def _read(self, now: float) -> None:
+        sock = self.socket
+        if sock is None:
+            return
+        # at most a few messages a wake-up; the poller comes back for the rest
+        for _ in range(64):
+            if self.socket is not sock or not _get(sock, _EVENTS) & _POLLIN:
+                return
+            self._take(_recv(sock, _NOBLOCK, copy=False), now)
+
+    def _take(self, frame: Any, now: float) -> None:
+        """Read the rest of the message *frame* begins (ZeroMQ delivers a
+        message whole) and hand it to the machine."""
+        sock = self.socket
+        data = frame.bytes
+        frames = [data]
+        size = len(data)
+        while frame.more:
+            frame = _recv(sock, _NOBLOCK, copy=False)
+            data = frame.bytes
+            frames.append(data)
+            size += len(data)
+        client = self.client
+        limits = client.limits
+        if size > limits.maxMessageBytes or len(frames) > limits.maxFrames:
+            self._oversized(now, size, len(frames))
+            return
+        client._perform(client.handleMessage(self.channel, frames, now))
+
+    def _oversized(self, now: float, size: int, count: int) -> None:
+        """As the Twisted dealer: drop the message and the socket that carried
+        it, and tell the machine its pipe was lost to an oversized reply."""
+        client = self.client
+        address = self.socket.getsockopt(_zmq().LAST_ENDPOINT).decode()
+        self.close()
+        pipe = _ZmqPipe(client, self.channel, address)
+        self.channel.pipe = pipe
+        client._perform(client.handlePipeLost(self.channel, OversizedMessage(
+            f"a message of {size} bytes in {count} frames is over the limits"), now))
+        client._perform(client.handlePipeUp(self.channel, now))
+
+    def timer(self, now: float) -> Optional[float]:
+        return None
+
+    def close(self) -> None:
+        sock, self.socket = self.socket, None
+        self.up = False
+        if sock is not None:
+            self.client._pipes.pop(sock, None)
+            self.client._poller.unregister(sock)
+            sock.close(0)
+
+
+class _StreamPipe:
+    """One plain stream socket with the stream transport's records; it
+    reconnects with :data:`RECONNECT`'s backoff after a failure or a loss, as
+    the Twisted transport does."""
+
+    __slots__ = ("client", "channel", "family", "address", "socket", "key", "out", "decoder",
+                 "up", "connecting", "failures", "retryAt")
+
+    def __init__(self, client: Client, channel: _Channel, family: int, address: Any) -> None:
+        self.client = client
+        self.channel = channel
+        self.family = family
+        self.address = address
+        self.socket: Optional[socket.socket] = None
+        self.key: Any = None
+        self.out = bytearray()
+        self.decoder = RecordDecoder(client.limits)
+        self.up = False
+        self.connecting = False
+        self.failures = 0
+        self.retryAt: Optional[float] = None
+
+    def open(self, now: float) -> None:
+        """Start a connection attempt (the poller says when it is made)."""
+        self.retryAt = None
+        try:
+            if self.family == socket.AF_UNIX:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                target: Any = self.address
+            else:
+                host, port = self.address
+                info = socket.getaddrinfo(host, port, self.family, socket.SOCK_STREAM)[0]
+                sock = socket.socket(info[0], socket.SOCK_STREAM)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                target = info[4]
+        except OSError as e:
+            self._failed(e, now)
+            return
+        sock.setblocking(False)
+        code = sock.connect_ex(target)
+        if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+            sock.close()
+            self._failed(OSError(code, os.strerror(code)), now)
+            return
+        self.socket = sock
+        self.key = sock.fileno()
+        self.connecting = True
+        self.client._poller.register(self.key, _POLLOUT)
+        self.client._pipes[self.key] = self
+
+    def _failed(self, error: BaseException, now: float) -> None:
+        if isinstance(error, socket.gaierror):
+            from twisted.internet.error import DNSLookupError
+
+            error = DNSLookupError(str(error))
+        self.connecting = False
+        self.failures += 1
+        self.retryAt = now + RECONNECT.delay(self.failures - 1)
+        client = self.client
+        client._perform(client.handleConnectFailed(self.channel, error, now))
+
+    def send(self, frames: list[bytes]) -> None:
+        self.out += encode_record(frames)
+        self._flush()
+
+    def _flush(self) -> None:
+        sock = self.socket
+        if sock is None or not self.up:
+            return
+        try:
+            sent = sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return  # the poller reports the loss
+        del self.out[:sent]
+        self.client._poller.register(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+
+    def ready(self, events: int, now: float) -> None:
+        sock = self.socket
+        if sock is None:
+            return
+        if self.connecting:
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                self._drop()
+                self._failed(OSError(code, os.strerror(code)), now)
+                return
+            self.connecting = False
+            self.up = True
+            self.failures = 0
+            self.client._poller.register(self.key, _POLLIN)
+            client = self.client
+            client._perform(client.handlePipeUp(self.channel, now))
+            return
+        if events & _POLLOUT:
+            self._flush()
+        if events & (_POLLIN | _POLLERR):
+            try:
+                data = sock.recv(_READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._lost(e, now)
+                return
+            if not data:
+                self._lost(ConnectionError("connection closed by the broker"), now)
+                return
+            try:
+                messages = self.decoder.feed(data)
+            except OversizedMessage as e:
+                self._lost(e, now)
+                return
+            except Exception as e:  # ProtocolError: the stream is unusable
+                self._lost(e, now)
+                return
+            client = self.client
+            for frames in messages:
+                if self.socket is not sock:
+                    return
+                client._perform(client.handleMessage(self.channel, frames, now))
+
+    def _lost(self, why: BaseException, now: float) -> None:
+        self._drop()
+        self.retryAt = now + RECONNECT.delay(0)
+        client = self.client
+        client._perform(client.handlePipeLost(self.channel, why, now))
+
+    def _drop(self) -> None:
+        sock, self.socket = self.socket, None
+        self.up = self.connecting = False
+        self.out.clear()
+        self.decoder = RecordDecoder(self.client.limits)
+        if sock is not None:
+            self.client._pipes.pop(self.key, None)
+            self.client._poller.unregister(self.key)
+            sock.close()
+
+    def timer(self, now: float) -> Optional[float]:
+        """When this pipe wants :meth:`wake` (its next connection attempt)."""
+        return self.retryAt
+
+    def wake(self, now: float) -> None:
+        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
+            self.open(now)
+
+    def close(self) -> None:
+        self.retryAt = None
+        self._drop()
+
+
+def _stream_address(endpoint: str) -> tuple[int, Any]:
+    scheme, _, rest = endpoint.partition(":")
+    args, kwargs = split_description(rest)
+    if scheme == "unix":
+        path = kwargs.get("path") or (args[0] if args else None)
+        if not path:
+            raise TransportError(f"bad endpoint {endpoint!r}: no path")
+        return socket.AF_UNIX, path
+    host = kwargs.get("host") or (args[0] if args else None)
+    port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
+    if not host or not port:
+        raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
+    return (socket.AF_INET6 if scheme == "tcp6" else socket.AF_UNSPEC), (host, int(port))
+
+
+class Client(ClientCore):
+    """A blocking MDP/0.2 client of one broker (or the first live one of a
+    failover list): :meth:`request` returns the reply's frames and raises the
+    errors the Twisted :class:`mdp.Client`'s Deferred fails with
+    (:class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.ServiceUnavailable`,
+    :class:`~mdp.errors.WorkerError`, :class:`~mdp.errors.BrokerUnreachable`, ...);
+    :meth:`map` pipelines.
+
+    *endpoint*: ``zmq:...``, ``tcp:...``, ``tcp6:...`` or ``unix:...`` (one,
+    or a list); *timeout* is the seconds of **one attempt** and *retries* the
+    number of attempts in all.  At most *maxConnections* requests are in flight
+    at once (one per connection).  *context* is the ZeroMQ context to use (by
+    default one per process)."""
+
+    def __init__(
+        self,
+        endpoint: Union[str, Sequence[str]],
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        *,
+        maxConnections: int = DEFAULT_MAX_CONNECTIONS,
+        dialect: str = codec.RFC,
+        stamp: bool = False,
+        limits: Limits = Limits(),
+        context: Any = None,
+    ) -> None:
+        super().__init__(endpoint, time.monotonic(), timeout=timeout, retries=retries,
+                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
+                         limits=limits)
+        for each in self.endpoints:
+            scheme = each.partition(":")[0]
+            if scheme == "zmq":
+                continue
+            if scheme not in STREAM_SCHEMES:
+                raise TransportError(
+                    f"the blocking client speaks zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
+                    f"endpoints, not {each!r}")
+            _stream_address(each)
+        self._zmqContext = context
+        self._poller = _zmq().Poller()
+        self._pipes: dict[Any, Any] = {}  # poller key -> pipe
+        self._streams: set[_StreamPipe] = set()
+        self._wakeTime: Optional[float] = None
+        self._madeUp: deque[_Channel] = deque()  # zmq channels whose pipe is up, to tell
+        self._forks = _forks
+
+    def _context(self) -> Any:
+        if self._zmqContext is None:
+            self._zmqContext = _zmq().Context.instance()
+        return self._zmqContext
+
+    # --- public API ----------------------------------------------------------
+
+    def request(
+        self,
+        service: Union[str, bytes],
+        *frames: Frame,
+        timeout: Optional[float] = None,
+        retries: Optional[int] = None,
+        onPartial: Optional[Callable[[list[bytes]], Any]] = None,
+        onRestart: Optional[Callable[[], Any]] = None,
+    ) -> list[bytes]:
+        """Send a request and wait for its FINAL body frames.  Arguments and
+        errors as :meth:`mdp.Client.request`; an error is raised instead of
+        failing a Deferred.  *onPartial* and *onRestart* are called from
+        inside this call.  An exception that interrupts the wait (Ctrl-C)
+        abandons the request."""
+        call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
+        self._waitFor(call)
+        return self._outcome(call)
+
+    def map(
+        self,
+        service: Union[str, bytes],
+        requests: Iterable[Union[Frame, Sequence[Frame]]],
+        window: int = 16,
+        *,
+        timeout: Optional[float] = None,
+        retries: Optional[int] = None,
+        returnExceptions: bool = False,
+    ) -> Iterator[Any]:
+        """Send one request per item of *requests* (``bytes``/``str``: one
+        frame; a sequence: its frames), with up to *window* in flight, and
+        yield the replies' frames **in the order of the requests**.
+
+        The first failed request raises its error (the ones still in flight
+        are abandoned), unless *returnExceptions*: then the error is yielded
+        in its place.  Items are read from *requests* only as the window
+        allows.  Stopping the iteration early abandons what is in flight."""
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window is a number of requests, not {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        if window > self.maxConnections:
+            raise ValueError(f"window {window} is over maxConnections {self.maxConnections}: "
+                             "requests past it would wait, their attempts running")
+        return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
+
+    def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
+             timeout: Optional[float], retries: Optional[int],
+             returnExceptions: bool) -> Iterator[Any]:
+        pending: deque[_Call] = deque()
+        try:
+            while True:
+                while len(pending) < window:
+                    item = next(items, _PENDING)
+                    if item is _PENDING:
+                        break
+                    single = isinstance(item, (bytes, str, bytearray, memoryview))
+                    pending.append(self._submit(service, (item,) if single else tuple(item),
+                                                timeout, retries, None, None))
+                if not pending:
+                    return
+                call = pending[0]
+                self._waitFor(call)
+                pending.popleft()
+                result = call.result
+                if isinstance(result, BaseException):
+                    if not returnExceptions:
+                        raise result
+                    yield result
+                else:
+                    yield result
+        finally:
+            for call in pending:
+                self._cancel(call)
+
+    def close(self) -> None:
+        """Fail every pending request with :class:`ClientClosed` and close
+        every socket."""
+        if self._forks != _forks:  # forked: the sockets are the parent's
+            self._pipes.clear()
+            self._streams.clear()
+        self._perform(self.handleClose(time.monotonic()))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the driver ------------------------------------------------------------
+
+    def _submit(self, service: Union[str, bytes], frames: Sequence[Frame],
+                timeout: Optional[float], retries: Optional[int],
+                onPartial: Optional[Callable[[list[bytes]], Any]],
+                onRestart: Optional[Callable[[], Any]]) -> _Call:
+        if self._forks != _forks:
+            raise ClientClosed("this client belongs to the process it was made in; "
+                               "make a new one after fork()")
+        now = time.monotonic()
+        call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now)
+        call.result = _PENDING
+        self._perform(self.handleRequest(call, now))
+        return call
+
+    @staticmethod
+    def _outcome(call: _Call) -> list[bytes]:
+        result = call.result
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _cancel(self, call: _Call) -> None:
+        if call.result is _PENDING:
+            call.result = ClientClosed("request abandoned")
+            self._perform(self.handleCancel(call, time.monotonic()))
+            call.onPartial = call.onRestart = None
+
+    def _waitFor(self, call: _Call) -> None:
+        """Run the sockets and the timers until *call* is done."""
+        try:
+            while call.result is _PENDING:
+                self._turn()
+        except BaseException:
+            self._cancel(call)
+            raise
+
+    def _turn(self) -> None:
+        """Wait for a socket or the next timer, and handle what came."""
+        now = time.monotonic()
+        when = self._wakeTime
+        for pipe in self._streams:
+            retry = pipe.retryAt
+            if retry is not None and (when is None or retry < when):
+                when = retry
+        if when is None:
+            timeout = -1
+        else:
+            timeout = max(0, math.ceil((when - now) * 1000))
+        pipes = self._pipes
+        if len(pipes) == 1 and not self._streams:
+            for only in pipes.values():
+                if not only.backlog:
+                    only.wait(timeout)
+                    break
+            else:
+                self._poll(timeout)
+        else:
+            self._poll(timeout)
+        now = time.monotonic()
+        if self._wakeTime is not None and now >= self._wakeTime:
+            self._wakeTime = None
+            self._perform(self.handleWake(now))
+        for pipe in list(self._streams):
+            if pipe.retryAt is not None and now >= pipe.retryAt:
+                pipe.wake(now)
+
+    def _poll(self, timeout: int) -> None:
+        events = self._poller.poll(timeout)
+        now = time.monotonic()
+        pipes = self._pipes
+        for key, flags in events:
+            pipe = pipes.get(key)
+            if pipe is not None:
+                pipe.ready(flags, now)
+
+    def _perform(self, actions: list[Action]) -> None:
+        """Do what the machine asked, in order (as the Twisted driver)."""
+        for action in actions:
+            kind = type(action)
+            if kind is SendOn:
+                channel = action.channel
+                pipe = channel.pipe
+                if (pipe is not None and pipe.up and channel.call is not None
+                        and not channel.call.done):
+                    pipe.send(action.frames)
+            elif kind is Complete or kind is Fail:
+                call = action.call
+                if call.result is _PENDING:
+                    call.result = action.body if kind is Complete else action.error
+                call.onPartial = call.onRestart = None
+            elif kind is WakeAt:
+                self._wakeTime = action.when
+            elif kind is OpenChannel:
+                self._open(action.channel)
+            elif kind is CloseChannel:
+                pipe, action.channel.pipe = action.channel.pipe, None
+                if pipe is not None:
+                    self._streams.discard(pipe)
+                    pipe.close()
+            elif kind is Partial:
+                onPartial = action.call.onPartial
+                if onPartial is not None and not action.call.done:
+                    onPartial(action.body)
+            elif kind is Restarted:
+                onRestart = action.call.onRestart
+                if onRestart is not None and not action.call.done:
+                    onRestart()
+        while self._madeUp:
+            channel = self._madeUp.popleft()
+            if channel.pipe is not None:
+                self._perform(self.handlePipeUp(channel, time.monotonic()))
+
+    def _open(self, channel: _Channel) -> None:
+        endpoint = channel.endpoint
+        scheme = endpoint.partition(":")[0]
+        if scheme == "zmq":
+            channel.pipe = _ZmqPipe(self, channel, endpoint[len("zmq:"):])
+            self._madeUp.append(channel)
+            return
+        family, address = _stream_address(endpoint)
+        stream = _StreamPipe(self, channel, family, address)
+        channel.pipe = stream
+        self._streams.add(stream)
+        stream.open(time.monotonic())
+
+
+def _bind_zmq() -> None:
+    """pyzmq's compiled socket methods, below its Python wrappers (whose
+    IntEnum flag arithmetic costs more than the I/O on this path)."""
+    global _send, _recv, _get, _set
+    global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _POLLIN, _POLLOUT, _POLLERR
+    zmq = _zmq()
+    backend = zmq.backend.Socket
+    _send, _recv, _get, _set = backend.send, backend.recv, backend.get, backend.set
+    _RCVTIMEO = int(zmq.RCVTIMEO)
+    _NOBLOCK = int(zmq.NOBLOCK)
+    _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+    _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+    _POLLOUT, _POLLERR = int(zmq.POLLOUT), int(zmq.POLLERR)
+
+
+_send: Callable[..., Any]
+_recv: Callable[..., Any]
+_get: Callable[..., Any]
+_set: Callable[..., Any]
+_RCVTIMEO = 0
+_NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _POLLIN = _POLLOUT = _POLLERR = 0
+_bind_zmq()

@@ -1,0 +1,363 @@
+"""The blocking client (:mod:`mdp.blocking`) against real broker and worker
+processes, over ZeroMQ and TCP: the behaviour tests of the Twisted client
+that apply to it (replies, typed errors, timeouts, retries, failover, streams,
+limits, the map window, no wrong reply across a broker restart), and that it
+needs no reactor.
+
+The broker and workers run as processes under the test's reactor; each
+blocking client lives in one thread of the reactor's pool for the whole of
+what it does (``run``), as a ZeroMQ socket wants.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, task, threads
+
+from mdp import errors
+from mdp.blocking import Client
+from mdp.errors import TransportError
+from mdp.policy import Limits
+from tests.procs import ENV, ROOT, Cluster, bounded, reactor, wait_until
+
+BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
+
+
+def run(work: Callable[[], Any], seconds: float = 60) -> defer.Deferred:
+    """*work* in a thread of the reactor's pool (where it may block), bounded."""
+    return threads.deferToThread(work).addTimeout(seconds, reactor())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def cluster_with(kind: str, workers: int = 1, service: str = "work",
+                       handler: str = "tests.handlers_for_tests:tagged",
+                       *brokerOptions: str) -> Cluster:
+    cluster = Cluster(*brokerOptions)
+    await cluster.startBroker(BINDS[kind])
+    await cluster.startWorkers(workers, service, handler)
+    return cluster
+
+
+# --- replies and typed errors ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_request_returns_the_reply_frames_and_raises_typed_errors(kind: str) -> None:
+    cluster = await cluster_with(kind, 1, "work", "tests.handlers_for_tests:tagged",
+                                 "--unknown-service-expiry", "0.5")
+    try:
+        await cluster.startWorkers(1, "upper", "tests.handlers_for_tests:upper")
+        await cluster.startWorkers(1, "fail", "tests.handlers_for_tests:fails")
+
+        def work() -> dict[str, Any]:
+            seen: dict[str, Any] = {}
+            with Client(cluster.endpoint, timeout=5, retries=2) as client:
+                seen["upper"] = client.request("upper", b"hello", "world")
+                seen["tagged"] = client.request(b"work", b"one")
+                for service in ("nobody", "fail"):
+                    try:
+                        client.request(service, b"x")
+                    except Exception as e:
+                        seen[service] = e
+                # caller mistakes raise at once, nothing is sent
+                for bad in (lambda: client.request(1, b"x"),  # type: ignore[arg-type]
+                            lambda: client.request("upper", 2),  # type: ignore[arg-type]
+                            lambda: client.request("", b"x"),
+                            lambda: client.request("upper", b"x", timeout=0),
+                            lambda: client.request("upper", b"x", retries=0)):
+                    try:
+                        bad()
+                    except (TypeError, ValueError) as e:
+                        seen.setdefault("mistakes", []).append(type(e))
+                seen["after"] = client.request("upper", b"still")
+            try:
+                client.request("upper", b"closed")
+            except errors.ClientClosed as e:
+                seen["closed"] = e
+            return seen
+
+        seen = await run(work)
+        assert seen["upper"] == [b"HELLO", b"WORLD"]
+        assert seen["tagged"][1] == b"one"
+        assert isinstance(seen["nobody"], errors.ServiceUnavailable)
+        assert isinstance(seen["fail"], errors.WorkerError)
+        assert seen["mistakes"] == [TypeError, TypeError, ValueError, ValueError, ValueError]
+        assert seen["after"] == [b"STILL"]
+        assert isinstance(seen["closed"], errors.ClientClosed)
+    finally:
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_over_the_limits_is_refused_and_a_reply_over_them_dropped() -> None:
+    cluster = await cluster_with("zmq", 1, "sized", "tests.handlers_for_tests:sized")
+    try:
+        def work() -> tuple[Any, Any, Any]:
+            with Client(cluster.endpoint, timeout=5, retries=1,
+                        limits=Limits(maxMessageBytes=1000)) as client:
+                try:
+                    client.request("sized", b"x" * 2000)
+                except errors.RequestTooLarge as e:
+                    refused = e
+                try:
+                    client.request("sized", b"5000")
+                except errors.ReplyTooLarge as e:
+                    dropped = e
+                return refused, dropped, client.request("sized", b"10")
+
+        refused, dropped, fine = await run(work)
+        assert "not sent" in str(refused)
+        assert "too large" in str(dropped)
+        assert fine == [b"x" * 10]
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_partials_reach_on_partial_before_the_final(kind: str) -> None:
+    cluster = await cluster_with(kind, 1, "burst", "tests.handlers_for_tests:burst")
+    try:
+        def work() -> tuple[list[list[bytes]], list[bytes]]:
+            parts: list[list[bytes]] = []
+            with Client(cluster.endpoint, timeout=10, retries=1) as client:
+                final = client.request("burst", b"50", onPartial=parts.append)
+            return parts, final
+
+        parts, final = await run(work)
+        assert parts == [[str(n).encode()] for n in range(50)]
+        assert final == [b"end"]
+    finally:
+        await cluster.stop()
+
+
+# --- timeouts, retries, failover ---------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_no_broker_times_out_after_its_attempts_naming_the_endpoint() -> None:
+    endpoint = f"zmq:tcp://127.0.0.1:{free_port()}"
+
+    def work() -> tuple[Any, float]:
+        started = time.monotonic()
+        with Client(endpoint, timeout=0.2, retries=3) as client:
+            try:
+                client.request("echo", b"x")
+            except errors.RequestTimeout as e:
+                return e, time.monotonic() - started
+        raise AssertionError("no timeout")
+
+    error, elapsed = await run(work)
+    assert error.attempts == 3
+    assert endpoint in str(error) and "3 attempts" in str(error)
+    assert 0.55 <= elapsed < 5
+
+
+@pytest_twisted.ensureDeferred
+async def test_refused_tcp_everywhere_is_broker_unreachable_at_once() -> None:
+    endpoints = [f"tcp:host=127.0.0.1:port={free_port()}", f"unix:path={ROOT}/no-such.sock"]
+
+    def work() -> tuple[Any, float]:
+        started = time.monotonic()
+        with Client(endpoints, timeout=5, retries=3) as client:
+            try:
+                client.request("echo", b"x")
+            except errors.BrokerUnreachable as e:
+                return e, time.monotonic() - started
+        raise AssertionError("no error")
+
+    error, elapsed = await run(work)
+    assert elapsed < 4  # not after the attempts ran out
+    assert "connection refused" in str(error) and "no such socket" in str(error)
+
+
+@pytest.mark.parametrize("dead", ["zmq", "tcp"])
+@pytest_twisted.ensureDeferred
+async def test_fails_over_to_the_next_broker(dead: str) -> None:
+    cluster = await cluster_with("zmq", 1)
+    try:
+        port = free_port()
+        silent = {"zmq": f"zmq:tcp://127.0.0.1:{port}", "tcp": f"tcp:host=127.0.0.1:port={port}"}
+
+        def work() -> tuple[list[bytes], float, str]:
+            started = time.monotonic()
+            with Client([silent[dead], cluster.endpoint], timeout=0.5, retries=3) as client:
+                reply = client.request("work", b"over")
+                return reply, time.monotonic() - started, client.endpoint
+
+        reply, elapsed, now_at = await run(work)
+        assert reply[1] == b"over"
+        assert now_at == cluster.endpoint
+        if dead == "tcp":
+            assert elapsed < 0.5  # refused: left at once, not after an attempt
+    finally:
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_is_retried_until_a_worker_comes() -> None:
+    cluster = Cluster("--unknown-service-expiry", "120")
+    try:
+        await cluster.startBroker(BINDS["zmq"])
+
+        def work() -> list[bytes]:
+            with Client(cluster.endpoint, timeout=0.5, retries=120) as client:
+                return client.request("late", b"hi")
+
+        started = threads.deferToThread(work)
+        await task.deferLater(reactor(), 1.2)  # a couple of attempts run out meanwhile
+        await cluster.startWorkers(1, "late", "tests.handlers_for_tests:upper")
+        assert await bounded(started, 60) == [b"HI"]
+    finally:
+        await cluster.stop()
+
+
+# --- map ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_map_yields_replies_in_order_within_its_window(kind: str) -> None:
+    cluster = await cluster_with(kind, 4)
+    try:
+        def work() -> tuple[list[list[bytes]], list[int]]:
+            consumed = 0
+            atYield: list[int] = []
+
+            def requests() -> Any:
+                nonlocal consumed
+                for n in range(200):
+                    consumed += 1
+                    yield f"r{n}" if n % 2 else [f"r{n}".encode()]
+
+            replies = []
+            with Client(cluster.endpoint, timeout=10, retries=2) as client:
+                for reply in client.map("work", requests(), window=8):
+                    atYield.append(consumed)
+                    replies.append(reply)
+            return replies, atYield
+
+        replies, atYield = await run(work)
+        assert [r[1] for r in replies] == [f"r{n}".encode() for n in range(200)]
+        assert len({r[0] for r in replies}) == 4  # spread over the workers
+        # the window: 8 read before the first reply, one more per reply after
+        assert atYield[:5] == [8, 9, 10, 11, 12]
+        assert atYield[-1] == 200
+    finally:
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_map_raises_the_first_error_or_returns_them() -> None:
+    cluster = await cluster_with("zmq", 2, "upper", "tests.handlers_for_tests:upper",
+                                 "--unknown-service-expiry", "0.5")
+    try:
+        await cluster.startWorkers(1, "fail", "tests.handlers_for_tests:fails")
+
+        def work() -> tuple[list[Any], Any, list[Any]]:
+            with Client(cluster.endpoint, timeout=5, retries=1) as client:
+                got = []
+                try:
+                    for reply in client.map("fail", [b"a", b"b", b"c"], window=2):
+                        got.append(reply)
+                except errors.WorkerError as e:
+                    raised = e
+                mixed = list(client.map("nobody", [b"a", b"b"], window=2, returnExceptions=True))
+                after = list(client.map("upper", [b"a", b"b"], window=2))
+                try:
+                    client.map("upper", [b"a"], window=65)
+                except ValueError as e:
+                    after.append(e)
+            return got, raised, mixed + after
+
+        got, raised, rest = await run(work)
+        assert got == [] and isinstance(raised, errors.WorkerError)
+        assert [type(e) for e in rest[:2]] == [errors.ServiceUnavailable] * 2
+        assert rest[2:4] == [[b"A"], [b"B"]]
+        assert "maxConnections" in str(rest[4])
+    finally:
+        await cluster.stop()
+
+
+# --- a broker restart ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_no_wrong_reply_across_a_broker_restart(kind: str) -> None:
+    """Two blocking clients (one synchronous, one mapping with a window of 8)
+    run while the broker is SIGKILLed and restarted on the same endpoint:
+    every request is answered, each with its own body."""
+    cluster = await cluster_with(kind, 2)
+    try:
+        def sync() -> list[tuple[bytes, list[bytes]]]:
+            with Client(cluster.endpoint, timeout=1.0, retries=60) as client:
+                return [(b"s%d" % n, client.request("work", b"s%d" % n)) for n in range(300)]
+
+        def mapped() -> list[tuple[bytes, list[bytes]]]:
+            bodies = [b"m%d" % n for n in range(600)]
+            with Client(cluster.endpoint, timeout=1.0, retries=60) as client:
+                return list(zip(bodies, client.map("work", bodies, window=8)))
+
+        runs = [run(sync, 120), run(mapped, 120)]
+        first = cluster.broker
+        assert first is not None
+        await task.deferLater(reactor(), 0.5)  # mid-run: requests are flowing
+        first.signalProcess(signal.SIGKILL)
+        await first.ended(30)
+        await cluster.startBroker(cluster.endpoint)
+        results = await bounded(defer.gatherResults(runs, consumeErrors=True), 150)
+        flat = [r for per in results for r in per]
+        assert len(flat) == 900
+        for body, reply in flat:
+            assert reply[1] == body, (body, reply)
+        broker = cluster.broker
+        await wait_until(lambda: broker.output.count(b"ready for work") >= 2, 30)
+    finally:
+        await cluster.stop()
+
+
+# --- no reactor ------------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_the_blocking_client_needs_no_reactor() -> None:
+    cluster = await cluster_with("zmq", 1, "upper", "tests.handlers_for_tests:upper")
+    try:
+        program = (
+            "import sys\n"
+            "from mdp.blocking import Client\n"
+            f"with Client({cluster.endpoint!r}, timeout=5, retries=2) as c:\n"
+            "    print(c.request('upper', b'plain'))\n"
+            "    print(list(c.map('upper', [b'a', b'b'], window=2)))\n"
+            "print('twisted.internet.reactor' in sys.modules)\n"
+        )
+
+        def work() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", program], capture_output=True,
+                                  text=True, timeout=60, env={**ENV, "PATH": ""})
+
+        done = await run(work, 90)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["[b'PLAIN']", "[[b'A'], [b'B']]", "False"]
+    finally:
+        await cluster.stop()
+
+
+def test_endpoints_it_cannot_speak_are_refused_at_once() -> None:
+    for endpoint in ("ssl:host=127.0.0.1:port=1", "loopback:x", "session+tcp:host=h:port=1"):
+        with pytest.raises(TransportError):
+            Client(endpoint)
+    with pytest.raises(TransportError):
+        Client("zmq:nonsense")
+    with pytest.raises(ValueError):
+        Client("zmq:tcp://127.0.0.1:1", timeout=0)
