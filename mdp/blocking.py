@@ -419,6 +419,12 @@ class Client(ClientCore):
         self._madeUp: deque[_Channel] = deque()  # zmq channels whose pipe is up, to tell
         self._forks = _forks
 
+    @property
+    def forked(self) -> bool:
+        """This process is a fork's child of the one that made the client
+        (whose sockets it must not use)."""
+        return self._forks != _forks
+
     def _context(self) -> Any:
         if self._zmqContext is None:
             self._zmqContext = _zmq().Context.instance()

@@ -4,15 +4,23 @@
 partition through an MDP service (``DataFrame.mapInArrow``), keeping each row's
 reply on that row and the row order within each partition.
 
-Threading model
----------------
-Twisted's reactor cannot be restarted and Spark reuses its Python worker
-processes, so each executor process runs the reactor **once**, in a daemon
-thread started by crochet the first time a task needs it, and calls into it
-thread-safely.  Clients (the library's own :class:`mdp.Client`, with retries,
-timeouts and broker failover) are cached per process and configuration, so
-later tasks and jobs reuse their connections.  Each batch is sent with up to
-``window`` requests in flight.  Nothing starts a reactor in the driver.
+Which client
+------------
+An executor sends each batch with the **blocking client**
+(:class:`mdp.blocking.Client`: the same client state machine as
+:class:`mdp.Client`, with its retries, timeouts, broker failover and typed
+errors, driven by plain pyzmq or stream sockets in the task's own thread),
+``window`` requests in flight, replies taken in row order.  No reactor, no
+thread hop per batch, nothing to start or stop: a Spark Python worker can be
+reused or forked freely.  Clients are cached per thread and configuration, so
+later tasks and jobs reuse their connections; a client is never used across
+a fork.
+
+If a Twisted reactor is **already running** in the process (an application
+that embeds Spark in a Twisted program, or a crochet setup of its own), the
+batch goes through that reactor instead, with :class:`mdp.Client`, called
+thread-safely through crochet: a second event loop beside a running reactor
+would only compete with it.  Nothing starts a reactor in the driver.
 
 Every call is bounded: an attempt lasts ``timeout`` seconds and a request
 ``retries`` attempts; with ``onError="fail"`` the first failed row fails the
@@ -22,6 +30,7 @@ task at once (after at most ``timeout × retries`` seconds) with an
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -51,17 +60,19 @@ class ServiceCall:
 
 # --- executor side ---------------------------------------------------------------
 
-_lock = threading.Lock()
-_clients: dict[ServiceCall, Any] = {}
+_clients: dict[ServiceCall, Any] = {}  # the running reactor's clients (reactor thread only)
 
 
-def _reactor_thread() -> None:
-    """Start the reactor in this process's crochet thread (crochet does it
-    once; the lock keeps two threads from racing through its check)."""
-    import crochet
+def running_reactor() -> Any:
+    """The Twisted reactor running in this process, if one is and this is
+    not its thread (then batches go through it; see the module docstring).
+    Never imports, so never installs, a reactor."""
+    reactor = sys.modules.get("twisted.internet.reactor")
+    if not getattr(reactor, "running", False):
+        return None
+    from twisted.python import threadable
 
-    with _lock:
-        crochet.setup()
+    return None if threadable.isInIOThread() else reactor
 
 
 def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
@@ -69,16 +80,50 @@ def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> l
     same order, each reply's frames or the exception it failed with.  Blocks
     the calling thread; never longer than about ``timeout × retries`` per
     window of requests."""
-    import crochet
+    reactor = running_reactor()
+    if reactor is None:
+        return _call_many_blocking(call, requests)
+    return _call_many_in_reactor(call, requests, reactor)
 
-    _reactor_thread()
-    bound = call.timeout * call.retries * (len(requests) // max(call.window, 1) + 1) + 30
-    eventual = crochet.run_in_reactor(_call_many)(call, list(requests))
+
+_local = threading.local()
+
+
+def _blocking_client(call: ServiceCall) -> Any:
+    from mdp.blocking import Client
+
+    clients = getattr(_local, "clients", None)
+    if clients is None:
+        clients = _local.clients = {}
+    client = clients.get(call)
+    if client is None or client.forked:
+        client = clients[call] = Client(list(call.brokers), timeout=call.timeout,
+                                        retries=call.retries, maxConnections=call.window,
+                                        dialect=call.dialect)
+    return client
+
+
+def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
+    client = _blocking_client(call)
+    replies = client.map(call.service, (r for r in requests if r is not None), window=call.window,
+                         returnExceptions=True)
+    results: list[Any] = []
     try:
-        return eventual.wait(timeout=bound)
-    except crochet.TimeoutError:
-        eventual.cancel()
-        raise MDPSparkError(f"{call.describe()}: no answer within {bound:.0f}s") from None
+        for frames in requests:
+            value: Any = ValueError("null input") if frames is None else next(replies)
+            if isinstance(value, BaseException) and call.onError == "fail":
+                raise MDPSparkError(f"{call.describe()}: {value}") from value
+            results.append(value)
+    finally:
+        replies.close()  # abandons what is still in flight after a failure
+    return results
+
+
+def _call_many_in_reactor(call: ServiceCall, requests: Sequence[Optional[list[bytes]]],
+                          reactor: Any) -> list[Any]:
+    from twisted.internet.threads import blockingCallFromThread
+
+    return blockingCallFromThread(reactor, _call_many, call, list(requests))
 
 
 def _client(call: ServiceCall) -> Any:
@@ -111,9 +156,10 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
         if isinstance(value, Failure):
             value = value.value
             if call.onError == "fail":
+                # before cancelling the rest: each cancel comes back here
+                done.errback(MDPSparkError(f"{call.describe()}: {value}"))
                 for d in pending:
                     d.cancel()
-                done.errback(MDPSparkError(f"{call.describe()}: {value}"))
                 return
         results[index] = value
         remaining -= 1

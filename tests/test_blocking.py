@@ -361,3 +361,52 @@ def test_endpoints_it_cannot_speak_are_refused_at_once() -> None:
         Client("zmq:nonsense")
     with pytest.raises(ValueError):
         Client("zmq:tcp://127.0.0.1:1", timeout=0)
+
+
+# --- the Spark bridge's choice of client --------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_spark_batches_use_the_blocking_client_when_no_reactor_runs() -> None:
+    cluster = await cluster_with("zmq", 2, "upper", "tests.handlers_for_tests:upper")
+    try:
+        program = (
+            "import sys\n"
+            "from mdp.spark import ServiceCall, call_many, _local\n"
+            f"call = ServiceCall('upper', ({cluster.endpoint!r},), window=4, onError='column')\n"
+            "print(call_many(call, [[b'a'], None, [b'b', b'c']] + [[b'x']] * 20)[:3])\n"
+            "print(type(_local.clients[call]).__module__)\n"
+            "print('twisted.internet.reactor' in sys.modules)\n"
+        )
+
+        def work() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", program], capture_output=True,
+                                  text=True, timeout=60, env={**ENV, "PATH": ""})
+
+        done = await run(work, 90)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [
+            "[[b'A'], ValueError('null input'), [b'B', b'C']]", "mdp.blocking", "False"]
+    finally:
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_spark_batches_go_through_a_reactor_already_running() -> None:
+    from mdp import spark
+    from mdp.errors import MDPSparkError
+    from mdp.majordomo.client import Client as TwistedClient
+
+    cluster = await cluster_with("zmq", 1, "upper", "tests.handlers_for_tests:upper")
+    call = spark.ServiceCall("upper", (cluster.endpoint,), window=4)
+    try:
+        assert spark.running_reactor() is None  # this is the reactor's thread
+        replies = await run(lambda: spark.call_many(call, [[b"a"], [b"b"]]))
+        assert replies == [[b"A"], [b"B"]]
+        assert isinstance(spark._clients[call], TwistedClient)
+        with pytest.raises(MDPSparkError, match="null input"):
+            await run(lambda: spark.call_many(call, [[b"a"], None]))
+    finally:
+        client = spark._clients.pop(call, None)
+        if client is not None:
+            await client.close()
+        await cluster.stop()
