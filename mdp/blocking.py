@@ -85,18 +85,125 @@ def _zmq() -> Any:
     return zmq
 
 
+def _stream_address(endpoint: str) -> tuple[int, Any]:
+    scheme, _, rest = endpoint.partition(":")
+    args, kwargs = split_description(rest)
+    if scheme == "unix":
+        path = kwargs.get("path") or (args[0] if args else None)
+        if not path:
+            raise TransportError(f"bad endpoint {endpoint!r}: no path")
+        return socket.AF_UNIX, path
+    host = kwargs.get("host") or (args[0] if args else None)
+    port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
+    if not host or not port:
+        raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
+    return (socket.AF_INET6 if scheme == "tcp6" else socket.AF_UNSPEC), (host, int(port))
+
+
+def _check_schemes(endpoints: list[str]) -> None:
+    """Refuse (at once) an endpoint whose scheme has no blocking transport."""
+    for each in endpoints:
+        scheme = each.partition(":")[0]
+        if scheme == "zmq":
+            continue
+        if scheme not in STREAM_SCHEMES:
+            raise TransportError(
+                f"blocking nodes speak zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
+                f"endpoints, not {each!r}")
+        _stream_address(each)
+
+
+class _Loop:
+    """One ``zmq.Poller``, the pipes on it and their reconnection times: what
+    a blocking node waits on.  A pipe reports to its *owner* (the client or
+    the worker) through ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and
+    ``_pipeMessage``, each with the *tag* it was opened with."""
+
+    def __init__(self, limits: Limits, context: Any) -> None:
+        self.limits = limits
+        self._zmqContext = context
+        self.poller = _zmq().Poller()
+        self.pipes: dict[Any, Any] = {}  # poller key (socket or fd) -> pipe
+        self.streams: set[_StreamPipe] = set()
+
+    def context(self) -> Any:
+        if self._zmqContext is None:
+            self._zmqContext = _zmq().Context.instance()
+        return self._zmqContext
+
+    def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0) -> Any:
+        """A pipe to *endpoint*: a ZeroMQ one is up at once (the caller tells
+        its owner), a stream one once its connection is made."""
+        if endpoint.startswith("zmq:"):
+            return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger)
+        family, address = _stream_address(endpoint)
+        stream = _StreamPipe(self, owner, tag, family, address)
+        self.streams.add(stream)
+        stream.open(time.monotonic())
+        return stream
+
+    def close(self, pipe: Any) -> None:
+        self.streams.discard(pipe)
+        pipe.close()
+
+    def turn(self, when: Optional[float]) -> None:
+        """Wait for a socket or until *when* (or a stream's next connection
+        attempt, if sooner), and handle what came."""
+        now = time.monotonic()
+        streams = self.streams
+        for pipe in streams:
+            retry = pipe.retryAt
+            if retry is not None and (when is None or retry < when):
+                when = retry
+        timeout = -1 if when is None else max(0, math.ceil((when - now) * 1000))
+        pipes = self.pipes
+        if len(pipes) == 1 and not streams:
+            for only in pipes.values():
+                if not only.backlog:
+                    only.wait(timeout)
+                    break
+            else:
+                self._poll(timeout)
+        else:
+            self._poll(timeout)
+        if streams:
+            now = time.monotonic()
+            for pipe in list(streams):
+                if pipe.retryAt is not None and now >= pipe.retryAt:
+                    pipe.wake(now)
+
+    def _poll(self, timeout: int) -> None:
+        events = self.poller.poll(timeout)
+        now = time.monotonic()
+        pipes = self.pipes
+        for key, flags in events:
+            pipe = pipes.get(key)
+            if pipe is not None:
+                pipe.ready(flags, now)
+
+    def flush(self, pipe: Any, until: float) -> None:
+        """Wait until *pipe* has handed all it holds to the OS (or ZeroMQ),
+        or until *until*: a sender that must not pile up messages."""
+        while pipe.backlogged and time.monotonic() < until:
+            self.turn(until)
+
+
 class _ZmqPipe:
     """One DEALER socket: up from the start (ZeroMQ connects in the
     background and reconnects by itself)."""
 
-    __slots__ = ("client", "channel", "socket", "key", "backlog", "up", "waitMs")
+    __slots__ = ("loop", "owner", "tag", "socket", "key", "backlog", "up", "waitMs", "address",
+                 "linger")
 
-    def __init__(self, client: Client, channel: _Channel, address: str) -> None:
+    def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int) -> None:
         zmq = _zmq()
-        self.client = client
-        self.channel = channel
-        sock = client._context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        self.loop = loop
+        self.owner = owner
+        self.tag = tag
+        self.address = address
+        self.linger = linger
+        sock = loop.context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, linger)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.connect(address)
@@ -105,14 +212,19 @@ class _ZmqPipe:
         self.backlog: deque[list[bytes]] = deque()
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
-        client._poller.register(sock, zmq.POLLIN)
-        client._pipes[sock] = self
+        loop.poller.register(sock, _POLLIN)
+        loop.pipes[sock] = self
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.backlog)
 
     def send(self, frames: list[bytes]) -> None:
+        if self.socket is None:
+            return
         if self.backlog or not self._trySend(frames):
             self.backlog.append(frames)
-            zmq = _zmq()
-            self.client._poller.register(self.socket, zmq.POLLIN | zmq.POLLOUT)
+            self.loop.poller.register(self.socket, _POLLIN | _POLLOUT)
 
     def _trySend(self, frames: list[bytes]) -> bool:
         send = _send
@@ -130,13 +242,13 @@ class _ZmqPipe:
         if events & _POLLOUT:
             while self.backlog and self._trySend(self.backlog[0]):
                 self.backlog.popleft()
-            if not self.backlog:
-                self.client._poller.register(self.socket, _POLLIN)
+            if not self.backlog and self.socket is not None:
+                self.loop.poller.register(self.socket, _POLLIN)
         if events & _POLLIN:
             self._read(now)
 
     def wait(self, timeout: int) -> None:
-        """The only socket of the client: block in ``recv`` for at most
+        """The only socket of the loop: block in ``recv`` for at most
         *timeout* ms (-1: no limit), as a plain pyzmq loop would, instead of
         polling; handle what came."""
         sock = self.socket
@@ -166,7 +278,7 @@ class _ZmqPipe:
 
     def _take(self, frame: Any, now: float) -> None:
         """Read the rest of the message *frame* begins (ZeroMQ delivers a
-        message whole) and hand it to the machine."""
+        message whole) and hand it to the owner."""
         sock = self.socket
         data = frame.bytes
         frames = [data]
@@ -176,35 +288,34 @@ class _ZmqPipe:
             data = frame.bytes
             frames.append(data)
             size += len(data)
-        client = self.client
-        limits = client.limits
+        limits = self.loop.limits
         if size > limits.maxMessageBytes or len(frames) > limits.maxFrames:
             self._oversized(now, size, len(frames))
             return
-        client._perform(client.handleMessage(self.channel, frames, now))
+        self.owner._pipeMessage(self.tag, frames, now)
 
     def _oversized(self, now: float, size: int, count: int) -> None:
         """As the Twisted dealer: drop the message and the socket that carried
-        it, and tell the machine its pipe was lost to an oversized reply."""
-        client = self.client
-        address = self.socket.getsockopt(_zmq().LAST_ENDPOINT).decode()
-        self.close()
-        pipe = _ZmqPipe(client, self.channel, address)
-        self.channel.pipe = pipe
-        client._perform(client.handlePipeLost(self.channel, OversizedMessage(
-            f"a message of {size} bytes in {count} frames is over the limits"), now))
-        client._perform(client.handlePipeUp(self.channel, now))
-
-    def timer(self, now: float) -> Optional[float]:
-        return None
+        it (a fresh one replaces it), and tell the owner its pipe was lost to
+        an oversized message, then that it is up again."""
+        self._close()
+        self.__init__(self.loop, self.owner, self.tag, self.address, self.linger)  # type: ignore[misc]
+        self.owner._pipeLost(self.tag, OversizedMessage(
+            f"a message of {size} bytes in {count} frames is over the limits"), now)
+        if self.socket is not None:
+            self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
         sock, self.socket = self.socket, None
         self.up = False
+        self.backlog.clear()
         if sock is not None:
-            self.client._pipes.pop(sock, None)
-            self.client._poller.unregister(sock)
-            sock.close(0)
+            self.loop.pipes.pop(sock, None)
+            self.loop.poller.unregister(sock)
+            sock.close()  # after LINGER ms at most
 
 
 class _StreamPipe:
@@ -212,22 +323,29 @@ class _StreamPipe:
     reconnects with :data:`RECONNECT`'s backoff after a failure or a loss, as
     the Twisted transport does."""
 
-    __slots__ = ("client", "channel", "family", "address", "socket", "key", "out", "decoder",
+    __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt")
 
-    def __init__(self, client: Client, channel: _Channel, family: int, address: Any) -> None:
-        self.client = client
-        self.channel = channel
+    backlog = ()  # never waits in recv alone (see _Loop.turn)
+
+    def __init__(self, loop: _Loop, owner: Any, tag: Any, family: int, address: Any) -> None:
+        self.loop = loop
+        self.owner = owner
+        self.tag = tag
         self.family = family
         self.address = address
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
-        self.decoder = RecordDecoder(client.limits)
+        self.decoder = RecordDecoder(loop.limits)
         self.up = False
         self.connecting = False
         self.failures = 0
         self.retryAt: Optional[float] = None
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.out)
 
     def open(self, now: float) -> None:
         """Start a connection attempt (the poller says when it is made)."""
@@ -254,8 +372,8 @@ class _StreamPipe:
         self.socket = sock
         self.key = sock.fileno()
         self.connecting = True
-        self.client._poller.register(self.key, _POLLOUT)
-        self.client._pipes[self.key] = self
+        self.loop.poller.register(self.key, _POLLOUT)
+        self.loop.pipes[self.key] = self
 
     def _failed(self, error: BaseException, now: float) -> None:
         if isinstance(error, socket.gaierror):
@@ -265,10 +383,11 @@ class _StreamPipe:
         self.connecting = False
         self.failures += 1
         self.retryAt = now + RECONNECT.delay(self.failures - 1)
-        client = self.client
-        client._perform(client.handleConnectFailed(self.channel, error, now))
+        self.owner._pipeFailed(self.tag, error, now)
 
     def send(self, frames: list[bytes]) -> None:
+        if not self.up:
+            return
         self.out += encode_record(frames)
         self._flush()
 
@@ -283,7 +402,7 @@ class _StreamPipe:
         except OSError:
             return  # the poller reports the loss
         del self.out[:sent]
-        self.client._poller.register(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+        self.loop.poller.register(self.key, _POLLIN | (_POLLOUT if self.out else 0))
 
     def ready(self, events: int, now: float) -> None:
         sock = self.socket
@@ -298,9 +417,8 @@ class _StreamPipe:
             self.connecting = False
             self.up = True
             self.failures = 0
-            self.client._poller.register(self.key, _POLLIN)
-            client = self.client
-            client._perform(client.handlePipeUp(self.channel, now))
+            self.loop.poller.register(self.key, _POLLIN)
+            self.owner._pipeUp(self.tag, now)
             return
         if events & _POLLOUT:
             self._flush()
@@ -317,60 +435,47 @@ class _StreamPipe:
                 return
             try:
                 messages = self.decoder.feed(data)
-            except OversizedMessage as e:
+            except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 self._lost(e, now)
                 return
-            except Exception as e:  # ProtocolError: the stream is unusable
-                self._lost(e, now)
-                return
-            client = self.client
+            owner, tag = self.owner, self.tag
             for frames in messages:
                 if self.socket is not sock:
                     return
-                client._perform(client.handleMessage(self.channel, frames, now))
+                owner._pipeMessage(tag, frames, now)
 
     def _lost(self, why: BaseException, now: float) -> None:
         self._drop()
         self.retryAt = now + RECONNECT.delay(0)
-        client = self.client
-        client._perform(client.handlePipeLost(self.channel, why, now))
+        self.owner._pipeLost(self.tag, why, now)
 
     def _drop(self) -> None:
         sock, self.socket = self.socket, None
         self.up = self.connecting = False
         self.out.clear()
-        self.decoder = RecordDecoder(self.client.limits)
+        self.decoder = RecordDecoder(self.loop.limits)
         if sock is not None:
-            self.client._pipes.pop(self.key, None)
-            self.client._poller.unregister(self.key)
+            self.loop.pipes.pop(self.key, None)
+            self.loop.poller.unregister(self.key)
             sock.close()
 
-    def timer(self, now: float) -> Optional[float]:
-        """When this pipe wants :meth:`wake` (its next connection attempt)."""
-        return self.retryAt
-
     def wake(self, now: float) -> None:
+        """Time for the next connection attempt."""
         if self.retryAt is not None and now >= self.retryAt and self.socket is None:
             self.open(now)
 
     def close(self) -> None:
+        """Close, after handing the OS what waits to be sent (for at most a
+        moment: DISCONNECT on a worker's way out)."""
+        sock = self.socket
+        if sock is not None and self.up and self.out:
+            try:
+                sock.settimeout(0.2)
+                sock.sendall(self.out)
+            except OSError:
+                pass
         self.retryAt = None
         self._drop()
-
-
-def _stream_address(endpoint: str) -> tuple[int, Any]:
-    scheme, _, rest = endpoint.partition(":")
-    args, kwargs = split_description(rest)
-    if scheme == "unix":
-        path = kwargs.get("path") or (args[0] if args else None)
-        if not path:
-            raise TransportError(f"bad endpoint {endpoint!r}: no path")
-        return socket.AF_UNIX, path
-    host = kwargs.get("host") or (args[0] if args else None)
-    port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
-    if not host or not port:
-        raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
-    return (socket.AF_INET6 if scheme == "tcp6" else socket.AF_UNSPEC), (host, int(port))
 
 
 class Client(ClientCore):
@@ -402,19 +507,8 @@ class Client(ClientCore):
         super().__init__(endpoint, time.monotonic(), timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
                          limits=limits)
-        for each in self.endpoints:
-            scheme = each.partition(":")[0]
-            if scheme == "zmq":
-                continue
-            if scheme not in STREAM_SCHEMES:
-                raise TransportError(
-                    f"the blocking client speaks zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
-                    f"endpoints, not {each!r}")
-            _stream_address(each)
-        self._zmqContext = context
-        self._poller = _zmq().Poller()
-        self._pipes: dict[Any, Any] = {}  # poller key -> pipe
-        self._streams: set[_StreamPipe] = set()
+        _check_schemes(self.endpoints)
+        self._loop = _Loop(limits, context)
         self._wakeTime: Optional[float] = None
         self._madeUp: deque[_Channel] = deque()  # zmq channels whose pipe is up, to tell
         self._forks = _forks
@@ -424,11 +518,6 @@ class Client(ClientCore):
         """This process is a fork's child of the one that made the client
         (whose sockets it must not use)."""
         return self._forks != _forks
-
-    def _context(self) -> Any:
-        if self._zmqContext is None:
-            self._zmqContext = _zmq().Context.instance()
-        return self._zmqContext
 
     # --- public API ----------------------------------------------------------
 
@@ -510,8 +599,7 @@ class Client(ClientCore):
         """Fail every pending request with :class:`ClientClosed` and close
         every socket."""
         if self._forks != _forks:  # forked: the sockets are the parent's
-            self._pipes.clear()
-            self._streams.clear()
+            self._loop = _Loop(self.limits, None)
         self._perform(self.handleClose(time.monotonic()))
 
     def __enter__(self) -> Client:
@@ -558,43 +646,28 @@ class Client(ClientCore):
             raise
 
     def _turn(self) -> None:
-        """Wait for a socket or the next timer, and handle what came."""
-        now = time.monotonic()
+        """Wait for a socket or the machine's wake-up, and handle what came."""
+        self._loop.turn(self._wakeTime)
         when = self._wakeTime
-        for pipe in self._streams:
-            retry = pipe.retryAt
-            if retry is not None and (when is None or retry < when):
-                when = retry
-        if when is None:
-            timeout = -1
-        else:
-            timeout = max(0, math.ceil((when - now) * 1000))
-        pipes = self._pipes
-        if len(pipes) == 1 and not self._streams:
-            for only in pipes.values():
-                if not only.backlog:
-                    only.wait(timeout)
-                    break
-            else:
-                self._poll(timeout)
-        else:
-            self._poll(timeout)
-        now = time.monotonic()
-        if self._wakeTime is not None and now >= self._wakeTime:
-            self._wakeTime = None
-            self._perform(self.handleWake(now))
-        for pipe in list(self._streams):
-            if pipe.retryAt is not None and now >= pipe.retryAt:
-                pipe.wake(now)
+        if when is not None:
+            now = time.monotonic()
+            if now >= when:
+                self._wakeTime = None
+                self._perform(self.handleWake(now))
 
-    def _poll(self, timeout: int) -> None:
-        events = self._poller.poll(timeout)
-        now = time.monotonic()
-        pipes = self._pipes
-        for key, flags in events:
-            pipe = pipes.get(key)
-            if pipe is not None:
-                pipe.ready(flags, now)
+    # --- what the pipes report -------------------------------------------------
+
+    def _pipeUp(self, channel: _Channel, now: float) -> None:
+        self._perform(self.handlePipeUp(channel, now))
+
+    def _pipeLost(self, channel: _Channel, why: BaseException, now: float) -> None:
+        self._perform(self.handlePipeLost(channel, why, now))
+
+    def _pipeFailed(self, channel: _Channel, error: BaseException, now: float) -> None:
+        self._perform(self.handleConnectFailed(channel, error, now))
+
+    def _pipeMessage(self, channel: _Channel, frames: list[bytes], now: float) -> None:
+        self._perform(self.handleMessage(channel, frames, now))
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order (as the Twisted driver)."""
@@ -618,8 +691,7 @@ class Client(ClientCore):
             elif kind is CloseChannel:
                 pipe, action.channel.pipe = action.channel.pipe, None
                 if pipe is not None:
-                    self._streams.discard(pipe)
-                    pipe.close()
+                    self._loop.close(pipe)
             elif kind is Partial:
                 onPartial = action.call.onPartial
                 if onPartial is not None and not action.call.done:
@@ -634,17 +706,9 @@ class Client(ClientCore):
                 self._perform(self.handlePipeUp(channel, time.monotonic()))
 
     def _open(self, channel: _Channel) -> None:
-        endpoint = channel.endpoint
-        scheme = endpoint.partition(":")[0]
-        if scheme == "zmq":
-            channel.pipe = _ZmqPipe(self, channel, endpoint[len("zmq:"):])
+        pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel)
+        if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
             self._madeUp.append(channel)
-            return
-        family, address = _stream_address(endpoint)
-        stream = _StreamPipe(self, channel, family, address)
-        channel.pipe = stream
-        self._streams.add(stream)
-        stream.open(time.monotonic())
 
 
 def _bind_zmq() -> None:
