@@ -7,7 +7,7 @@ seconds they used while timed.
 
 Roles:
   broker  ours|majortomo|bare  BIND           (prints READY <endpoint>)
-  worker  ours|majortomo|bare  ENDPOINT [--dialect D] [--service echo|stream]
+  worker  ours|majortomo|bare|blocking  ENDPOINT [--dialect D] [--service echo|stream]
   farm    ENDPOINT COUNT SERVICES             (COUNT idle workers of ours in one process)
   client  ours|majortomo|bare|blocking  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
           MODE: sync | pipelined | stream
@@ -151,6 +151,21 @@ def worker_ours(endpoint: str, dialect: str = "rfc", service: str = "echo") -> N
     Worker(endpoint, service, handler, reactor, dialect=dialect).start()
     emit("READY")
     reactor.run()
+
+
+def worker_blocking(endpoint: str, service: str = "echo") -> None:
+    """Our blocking worker (:mod:`mdp.blocking`): no reactor."""
+    from mdp import Final
+    from mdp.blocking import Worker
+
+    def stream(frames: list[bytes]) -> Any:
+        for _ in range(int(frames[1])):
+            yield frames[:1]
+        yield Final(frames[:1])
+
+    worker = Worker(endpoint, service, stream if service == "stream" else (lambda frames: frames))
+    emit("READY")
+    worker.run()
 
 
 def worker_majortomo(endpoint: str) -> None:
@@ -547,6 +562,8 @@ def main(argv: list[str]) -> None:
             worker_ours(args[1], options.get("dialect", "rfc"), options.get("service", "echo"))
         elif args[0] == "bare":
             worker_bare(args[1])
+        elif args[0] == "blocking":
+            worker_blocking(args[1], options.get("service", "echo"))
         else:
             worker_majortomo(args[1])
     elif role == "farm":

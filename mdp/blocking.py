@@ -25,6 +25,7 @@ A client belongs to one thread at a time (as a ZeroMQ socket does).
 from __future__ import annotations
 
 import errno
+import inspect
 import math
 import os
 import socket
@@ -32,7 +33,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
+from twisted.logger import Logger
+
 from mdp.errors import ClientClosed, OversizedMessage, TransportError
+from mdp.handlers import reply_frames
 from mdp.majordomo import codec
 from mdp.majordomo.client import (
     DEFAULT_MAX_CONNECTIONS,
@@ -51,12 +55,28 @@ from mdp.majordomo.client import (
     _Call,
     _Channel,
 )
+from mdp.majordomo.codec import WorkerFinal, WorkerPartial
+from mdp.majordomo.worker import (
+    ClosePipe,
+    Final,
+    OpenPipe,
+    ReopenAfter,
+    SendToBroker,
+    Serve,
+    WorkerMachine,
+)
 from mdp.messages import Frame
-from mdp.policy import Backoff, Limits
+from mdp.messages import text as label
+from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from mdp.transport import endpoint_list
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
 
-__all__ = ["Client", "STREAM_SCHEMES"]
+__all__ = ["Client", "Worker", "STREAM_SCHEMES"]
+
+log = Logger()
+#: how long closing a worker's socket may take to send its DISCONNECT (ms)
+LINGER_MS = 200
 
 #: stream schemes the blocking client speaks (plain sockets, no TLS)
 STREAM_SCHEMES = ("tcp", "tcp6", "unix")
@@ -77,6 +97,17 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def _log_to_stdlib() -> None:
+    """Where nothing has begun Twisted's logging (a plain script), send the
+    library's log events to the standard :mod:`logging` module, so that a
+    blocking node's warnings (a retry, a failed handler) are not held in
+    Twisted's start-up buffer unseen."""
+    from twisted.logger import STDLibLogObserver, globalLogBeginner
+
+    if getattr(globalLogBeginner, "_temporaryObserver", None) is not None:
+        globalLogBeginner.beginLoggingTo([STDLibLogObserver()], redirectStandardIO=False)
 
 
 def _zmq() -> Any:
@@ -508,6 +539,7 @@ class Client(ClientCore):
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
                          limits=limits)
         _check_schemes(self.endpoints)
+        _log_to_stdlib()
         self._loop = _Loop(limits, context)
         self._wakeTime: Optional[float] = None
         self._madeUp: deque[_Channel] = deque()  # zmq channels whose pipe is up, to tell
@@ -709,6 +741,169 @@ class Client(ClientCore):
         pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel)
         if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
             self._madeUp.append(channel)
+
+
+class Worker(WorkerMachine):
+    """A blocking MDP/0.2 worker for one *service*: the
+    :class:`~mdp.majordomo.worker.WorkerMachine` of :class:`mdp.Worker` (READY,
+    heartbeats both ways, Paranoid Pirate reconnection with backoff and
+    failover, DISCONNECT, the 413 for a reply over the limits) driven by the
+    same sockets as :class:`Client`, in the thread that calls :meth:`run`.
+
+    *handler* takes the request's body frames and returns the reply
+    (``bytes``, ``str`` or a list of them), or is a generator that yields
+    PARTIAL bodies and then, optionally, a :class:`~mdp.Final`.  It runs in
+    the loop's thread: while it runs nothing else does, so a handler that
+    takes longer than the broker's heartbeat expiry (interval × liveness)
+    has its worker given up (use the Twisted :class:`mdp.Worker` and
+    ``deferToThread`` for such work).  A handler that raises is answered with
+    a 500 error reply (:class:`~mdp.errors.WorkerError` for the client)."""
+
+    def __init__(
+        self,
+        endpoint: Union[str, Sequence[str]],
+        service: Union[str, bytes],
+        handler: Callable[[list[bytes]], Any],
+        *,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        backoff: Backoff = Backoff(),
+        dialect: str = codec.RFC,
+        limits: Limits = Limits(),
+        context: Any = None,
+    ) -> None:
+        endpoints = endpoint_list(endpoint)
+        _check_schemes(endpoints)
+        if not callable(handler):
+            raise TypeError(f"a handler is a callable taking the request body, "
+                            f"not {type(handler).__name__}: {handler!r}")
+        super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
+                         backoff=backoff, dialect=dialect, limits=limits, now=time.monotonic())
+        self.handler = handler
+        self.requestsServed = 0
+        _log_to_stdlib()
+        self._loop = _Loop(limits, context)
+        self._pipe: Any = None
+        self._reopenAt: Optional[float] = None
+        self._nextTick = 0.0
+        self._stopping = False
+        self._madeUp = False
+
+    def stop(self) -> None:
+        """Make :meth:`run` return (after saying DISCONNECT) once the current
+        request, if any, is answered.  From a handler or a signal handler;
+        from another thread it takes effect within half a heartbeat interval."""
+        self._stopping = True
+
+    def run(self, until: Optional[Callable[[], bool]] = None) -> None:
+        """Serve until :meth:`stop` is called, *until()* is true (checked
+        after every wake-up), or an exception (Ctrl-C) ends the loop; then say
+        DISCONNECT and close."""
+        self._stopping = False
+        now = time.monotonic()
+        self._nextTick = now + self.wakeEvery
+        self._perform(self.handleStart(now))
+        try:
+            while not self._stopping and (until is None or not until()):
+                when = self._nextTick
+                if self._reopenAt is not None and self._reopenAt < when:
+                    when = self._reopenAt
+                self._loop.turn(when)
+                now = time.monotonic()
+                if self._reopenAt is not None and now >= self._reopenAt:
+                    self._reopenAt = None
+                    self._perform(self.handleReopen(now))
+                if now >= self._nextTick:
+                    if now - self._nextTick > self.heartbeat.interval:
+                        # the loop did not come round in time (a long handler,
+                        # a stopped process): the broker's silence is ours
+                        self._perform(self.handleBlocked(now))
+                    self._nextTick = now + self.wakeEvery
+                    self._perform(self.handleTick(now))
+        finally:
+            self._reopenAt = None
+            self._perform(self.handleStop(time.monotonic()))
+
+    # --- what the pipe reports -------------------------------------------------
+
+    def _pipeUp(self, tag: Any, now: float) -> None:
+        self._perform(self.handlePipeUp(now))
+
+    def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
+        self._perform(self.handlePipeLost(now))
+
+    def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
+        pass  # the stream retries; the broker's silence decides (the machine's tick)
+
+    def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
+        self._perform(self.handleMessage(frames, now))
+
+    # --- the driver ------------------------------------------------------------
+
+    def _perform(self, actions: list[Any]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is SendToBroker:
+                if self._pipe is not None:
+                    self._pipe.send(action.frames)
+            elif kind is Serve:
+                self._serve(action.job, action.body)
+            elif kind is OpenPipe:
+                pipe = self._pipe = self._loop.open(action.endpoint, self, None, LINGER_MS)
+                if pipe.up:
+                    self._madeUp = True
+            elif kind is ClosePipe:
+                pipe, self._pipe = self._pipe, None
+                if pipe is not None:
+                    self._loop.close(pipe)
+            elif kind is ReopenAfter:
+                self._reopenAt = time.monotonic() + action.delay
+            # StoreReply: a blocking worker keeps no reply store
+        if self._madeUp:
+            self._madeUp = False
+            if self._pipe is not None:
+                self._perform(self.handlePipeUp(time.monotonic()))
+
+    def _serve(self, job: Any, body: list[bytes]) -> None:
+        started = time.monotonic()
+        try:
+            result = self.handler(body)
+            if inspect.isgenerator(result):
+                self._stream(result, job)
+            else:
+                self._reply(job, WorkerFinal, reply_frames(result))
+                self.requestsServed += 1
+        except Exception as e:
+            log.failure("handler for {service} failed", service=label(self.service))
+            self._reply(job, WorkerFinal, codec.error_body(
+                codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}"))
+        if time.monotonic() - started > self.heartbeat.interval:
+            self._perform(self.handleBlocked(time.monotonic()))
+
+    def _stream(self, parts: Any, job: Any) -> None:
+        for item in parts:
+            if not self.isCurrent(job):
+                parts.close()  # the request is void, or was answered (413)
+                return
+            if isinstance(item, Final):
+                parts.close()
+                self._reply(job, WorkerFinal, reply_frames(item.frames))
+                self.requestsServed += 1
+                return
+            if not self._reply(job, WorkerPartial, reply_frames(item)):
+                parts.close()
+                return
+            pipe = self._pipe
+            if pipe is not None and pipe.backlogged:
+                # the broker takes PARTIALs slower than the handler makes
+                # them: wait rather than pile them up
+                self._loop.flush(pipe, time.monotonic() + self.heartbeat.expiry)
+        self._reply(job, WorkerFinal, [b""])
+        self.requestsServed += 1
+
+    def _reply(self, job: Any, kind: type, frames: list[bytes]) -> bool:
+        sent, actions = self.handleReply(job, kind, frames, time.monotonic())
+        self._perform(actions)
+        return sent
 
 
 def _bind_zmq() -> None:

@@ -410,3 +410,116 @@ async def test_spark_batches_go_through_a_reactor_already_running() -> None:
         if client is not None:
             await client.close()
         await cluster.stop()
+
+
+# --- the blocking worker ---------------------------------------------------------------------
+
+def streams(frames: list[bytes]) -> Any:
+    """A generator handler: int(frames[0]) PARTIALs, then a FINAL."""
+    from mdp import Final
+
+    for n in range(int(frames[0])):
+        yield str(n)
+    yield Final(b"end")
+
+
+def raises(frames: list[bytes]) -> Any:
+    raise RuntimeError("no such thing")
+
+
+def serve(endpoint: str, service: str, handler: Any) -> tuple[Any, defer.Deferred, Any]:
+    """A blocking worker running in a thread of the reactor's pool until the
+    returned event is set."""
+    import threading
+
+    from mdp.blocking import Worker
+    from mdp.policy import Backoff, HeartbeatPolicy
+
+    done = threading.Event()
+    worker = Worker(endpoint, service, handler, heartbeat=HeartbeatPolicy(0.25, 4),
+                    backoff=Backoff(0.1, 1.0))
+    return worker, threads.deferToThread(worker.run, done.is_set), done
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_blocking_worker_serves_replies_errors_and_streams(kind: str) -> None:
+    cluster = Cluster()
+    running = []
+    try:
+        await cluster.startBroker(BINDS[kind])
+        broker = cluster.broker
+        for service, handler in (("upper", lambda f: [x.upper() for x in f]),
+                                 ("fail", raises), ("burst", streams)):
+            running.append(serve(cluster.endpoint, service, handler))
+        await wait_until(lambda: broker.output.count(b"ready for") >= 3, 30)
+        client = cluster.client(timeout=5, retries=1)
+        assert await bounded(client.request("upper", b"a", b"b"), 10) == [b"A", b"B"]
+        with pytest.raises(errors.WorkerError, match="RuntimeError: no such thing"):
+            await bounded(client.request("fail", b"x"), 10)
+        parts: list[list[bytes]] = []
+        final = await bounded(client.request("burst", b"20", onPartial=parts.append), 10)
+        assert parts == [[str(n).encode()] for n in range(20)] and final == [b"end"]
+        assert running[0][0].requestsServed == 1
+        # stopping says DISCONNECT: the broker forgets the worker at once
+        for _, finished, stop in running:
+            stop.set()
+            await bounded(finished, 10)
+        await wait_until(lambda: broker.output.count(b"disconnected") >= 3, 10)
+    finally:
+        for *_, stop in running:
+            stop.set()
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_blocking_worker_registers_again_with_a_restarted_broker() -> None:
+    cluster = Cluster()
+    running = None
+    try:
+        await cluster.startBroker(BINDS["zmq"])
+        running = serve(cluster.endpoint, "upper", lambda f: [x.upper() for x in f])
+        first = cluster.broker
+        await wait_until(lambda: first.output.count(b"ready for upper") >= 1, 30)
+        first.signalProcess(signal.SIGKILL)
+        await first.ended(30)
+        await cluster.startBroker(cluster.endpoint)
+        second = cluster.broker
+        # the worker finds the broker silent (0.25 s x 4), reconnects, READY again
+        await wait_until(lambda: second.output.count(b"ready for upper") >= 1, 30)
+        client = cluster.client(timeout=5, retries=2)
+        assert await bounded(client.request("upper", b"back"), 15) == [b"BACK"]
+    finally:
+        if running is not None:
+            running[2].set()
+            await bounded(running[1], 10)
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_whole_blocking_stack_needs_no_reactor() -> None:
+    cluster = Cluster()
+    try:
+        await cluster.startBroker(BINDS["zmq"])
+        program = (
+            "import sys, threading\n"
+            "from mdp.blocking import Client, Worker\n"
+            "done = threading.Event()\n"
+            f"worker = Worker({cluster.endpoint!r}, 'upper', lambda f: [x.upper() for x in f])\n"
+            "thread = threading.Thread(target=worker.run, args=(done.is_set,))\n"
+            "thread.start()\n"
+            f"with Client({cluster.endpoint!r}, timeout=5, retries=3) as c:\n"
+            "    print(list(c.map('upper', [b'a', b'b', b'c'], window=3)))\n"
+            "done.set(); thread.join(10)\n"
+            "print(thread.is_alive(), 'twisted.internet.reactor' in sys.modules)\n"
+        )
+
+        def work() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", program], capture_output=True,
+                                  text=True, timeout=60, env={**ENV, "PATH": ""})
+
+        done = await run(work, 90)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["[[b'A'], [b'B'], [b'C']]", "False False"]
+    finally:
+        await cluster.stop()

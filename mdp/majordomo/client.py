@@ -149,6 +149,7 @@ from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
+from mdp.messages import text as label
 from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_reactor
 
 log = Logger()
@@ -470,7 +471,7 @@ class ClientMachine(Machine):
                     # it never went out: no reply will come, the connection is free
                     self._release(channel)
         except Exception:
-            log.failure("cancelling a request to {service} failed", service=call.service)
+            log.failure("cancelling a request to {service} failed", service=label(call.service))
         return self._drain()
 
     def handleWake(self, now: float) -> list[Action]:
@@ -722,7 +723,7 @@ class ClientMachine(Machine):
             self._pump()
             return
         self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
-                            "({attempt}/{retries})", service=call.service, timeout=call.timeout,
+                            "({attempt}/{retries})", service=label(call.service), timeout=call.timeout,
                             attempt=call.attempts + 1, retries=call.retries)
         call.attempts += 1
         call.deadline = self.now + call.timeout
@@ -986,7 +987,7 @@ class Client(ClientCore):
                         onPartial(action.body)
                     except Exception:
                         log.failure("onPartial callback for {service} failed",
-                                    service=action.call.service)
+                                    service=label(action.call.service))
             elif kind is OpenChannel:
                 channel = action.channel
                 try:
@@ -1006,7 +1007,7 @@ class Client(ClientCore):
                         onRestart()
                     except Exception:
                         log.failure("onRestart callback for {service} failed",
-                                    service=action.call.service)
+                                    service=label(action.call.service))
             elif kind is WakeAt:
                 self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
 
