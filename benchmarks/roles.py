@@ -332,18 +332,28 @@ def client_blocking(endpoint: str, mode: str, n: int, warmup: int, size: int,
 
         timed_blocking(once, n, warmup)
     elif mode == "pipelined":
+        from collections import deque
+
+        clock = time.perf_counter
+
         def run(count: int, latencies: list[float]) -> None:
-            clock = time.perf_counter
-            for _ in client.map(SERVICE, (body for _ in range(count)), window=window):
-                pass
-            latencies.append(clock())  # no per-request latency in a map
+            sent: deque[float] = deque()  # when each request was handed to map, in order
+
+            def bodies() -> Any:
+                for _ in range(count):
+                    sent.append(clock())
+                    yield body
+
+            for _ in client.map(SERVICE, bodies(), window=window):
+                latencies.append(clock() - sent.popleft())
 
         run(warmup, [])
         emit("READY")
         wait_go()
+        latencies: list[float] = []
         cpu0, start = time.process_time(), time.time()
-        run(n, [])
-        result([], start, time.time(), time.process_time() - cpu0)
+        run(n, latencies)
+        result(latencies, start, time.time(), time.process_time() - cpu0)
     else:
         parts = []
 

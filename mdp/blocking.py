@@ -294,8 +294,8 @@ class _ZmqPipe:
             frame = _recv(sock, 0, copy=False)
         except _zmq().Again:
             return
+        # one message a wake-up: the next recv takes what else is queued at once
         self._take(frame, time.monotonic())
-        self._read(time.monotonic())
 
     def _read(self, now: float) -> None:
         sock = self.socket
