@@ -154,7 +154,8 @@ from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_r
 
 log = Logger()
 
-_HEADER, _FINAL, _ERROR_MARKER = codec.CLIENT_HEADER, codec.C_FINAL, codec.ERROR_MARKER
+_HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
+_ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
 #: service names a client recently asked for, normalised (at most _NAMES_KEPT)
 _NAMES_KEPT = 64
 
@@ -619,18 +620,26 @@ class ClientMachine(Machine):
 
     def _received(self, channel: _Channel, frames: list[bytes]) -> None:
         call = channel.call
-        if (call is not None and call.state is IN_FLIGHT and len(frames) > 3
-                and frames[0] == _HEADER and frames[1] == _FINAL and frames[2] == call.service
-                and self.dialect == codec.RFC):
-            # the common case, a FINAL for the request in flight: what the
-            # general path below checks and does, without building a command
-            body = frames[3:]
-            self._release(channel)
-            if len(body) == 3 and body[0] == _ERROR_MARKER:
-                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
-            elif self._done(call):
-                self._outbox.append(Complete(call, body))
-            return
+        if (call is not None and len(frames) > 3 and frames[0] == _HEADER
+                and frames[2] == call.service and self.dialect == codec.RFC):
+            # the common cases, a FINAL or a PARTIAL for the request in flight:
+            # what the general path below checks and does, without building a
+            # command object
+            state = call.state
+            command = frames[1]
+            if command == _FINAL and (state is IN_FLIGHT or state is STREAMING):
+                body = frames[3:]
+                self._release(channel)
+                if len(body) == 3 and body[0] == _ERROR_MARKER:
+                    self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
+                elif self._done(call):
+                    self._outbox.append(Complete(call, body))
+                return
+            if (command == _PARTIAL and (state is IN_FLIGHT or state is STREAMING)
+                    and not (len(frames) == 4 and frames[3] == _RESTART_MARKER)):
+                call.state = STREAMING
+                self._outbox.append(Partial(call, frames[3:]))
+                return
         try:
             command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
             kind = type(command)
