@@ -135,6 +135,12 @@ from mdp.interfaces import IAdmission, IBroker, IRouterReceiver, IRouterTranspor
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.codec import (
+    C_REQUEST,
+    CLIENT_HEADER,
+    W_FINAL,
+    W_HEARTBEAT,
+    W_PARTIAL,
+    WORKER_HEADER,
     ClientFinal,
     ClientPartial,
     ClientRequest,
@@ -592,6 +598,12 @@ class BrokerMachine(Machine):
         """Every message from every binding: *key* is the (binding, peer id)
         it came from."""
         try:
+            if self._fastPath(key, frames):
+                return
+        except Exception:
+            log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
+            return
+        try:
             dialect, body = codec.split(frames)
             command = codec.decode(body, dialect)
         except ProtocolError as e:
@@ -614,6 +626,45 @@ class BrokerMachine(Machine):
         except Exception:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
 
+    def _fastPath(self, key: PeerKey, frames: list[bytes]) -> bool:
+        """The commonest messages in the RFC dialect, recognised without
+        building command objects: a client's REQUEST, and a registered
+        worker's HEARTBEAT, PARTIAL or FINAL for the request it serves.  Each
+        is checked as :func:`codec.decode` checks it; anything else (and
+        anything that would be refused) is left to the general path: returns
+        False."""
+        count = len(frames)
+        if count < 2:
+            return False
+        header = frames[0]
+        if header == WORKER_HEADER:
+            worker = self.workers.get(key)  # registered: its binding takes workers
+            if worker is None:
+                return False
+            command = frames[1]
+            if command == W_HEARTBEAT:
+                if count != 2:
+                    return False
+                worker.liveness.heard(self.now)
+                return True
+            final = command == W_FINAL
+            if not (final or command == W_PARTIAL) or count < 5 or frames[3] != b"":
+                return False
+            request = worker.current
+            if request is None or frames[2] != request.envelope:
+                return False
+            body = frames[4:]
+            if not final and count == 5 and body[0] == codec.RESTART_MARKER:
+                return False
+            worker.liveness.heard(self.now)
+            self._replyPart(worker, request, body, final)
+            return True
+        if (header == CLIENT_HEADER and count >= 4 and frames[1] == C_REQUEST
+                and key[0].clients and codec.is_service_name(frames[2])):
+            self._request(key, frames[2], frames[3:], codec.RFC)
+            return True
+        return False
+
     def _peerGone(self, key: PeerKey) -> None:
         """A transport lost the peer *key* (or cut it off): forget it at once."""
         worker = self.workers.get(key)
@@ -630,35 +681,41 @@ class BrokerMachine(Machine):
     # --- clients ------------------------------------------------------------
 
     def _onRequest(self, key: PeerKey, command: ClientRequest, dialect: str) -> None:
-        body = command.body
+        self._request(key, command.service, command.body, dialect)
+
+    def _request(self, key: PeerKey, name: bytes, body: Sequence[bytes], dialect: str) -> None:
+        """A client's REQUEST for service *name* (valid) with *body*."""
+        now = self.now
         content = sum(map(len, body))
-        request = PendingRequest(key, command.service, body, dialect, self.now,
-                                 content + FRAME_OVERHEAD * len(body), arrivedAt=self.now)
+        request = PendingRequest(key, name, body, dialect, now,
+                                 content + FRAME_OVERHEAD * len(body), arrivedAt=now)
         metrics = self.metrics
         if metrics is not None:
-            metrics.request(command.service)
+            metrics.request(name)
         admission = self.admission
-        if admission is not None and command.service != mmi.BINARYSTAR:
-            if not admission.admitClient(self.now):
+        if admission is not None and name != mmi.BINARYSTAR:
+            if not admission.admitClient(now):
                 self._activeSince = None
                 if metrics is not None:
-                    metrics.refuse(command.service, "passive")
+                    metrics.refuse(name, "passive")
                 return  # not serving: the client times out and tries elsewhere
             if self._activeSince is None:
-                self._activeSince = self.now
-        if command.service.startswith(mmi.PREFIX):
+                self._activeSince = now
+        if name.startswith(mmi.PREFIX):
             request.state = DONE
-            self._reply(request, mmi.answer(self, command.service, body), final=True)
+            self._reply(request, mmi.answer(self, name, body), final=True)
             if metrics is not None:
-                metrics.replied(command.service, None, None)
+                metrics.replied(name, None, None)
             return
-        tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
-                                        len(body) + _REQUEST_FRAMES)
-        if tooLarge is not None:
+        limits = self.limits
+        if (content + len(key[1]) + _REQUEST_OVERHEAD > limits.maxMessageBytes
+                or len(body) + _REQUEST_FRAMES > limits.maxFrames):
+            tooLarge = limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
+                                       len(body) + _REQUEST_FRAMES)
             self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
                          f"request too large for a worker: {tooLarge}")
             return
-        service = self.services.get(command.service)
+        service = self.services.get(name)
         if service is not None and service.idle and not service.size:
             # a worker is waiting and no request is ahead: hand it over
             self._assign(service.idle.popitem(last=False)[1], request)
@@ -670,12 +727,12 @@ class BrokerMachine(Machine):
                 or ledger.bytes + request.size > self.maxQueueBytes
                 or queuedBytes + request.size > self.maxServiceQueueBytes):
             self._refuse(request, codec.STATUS_OVERLOADED, "overloaded",
-                         f"broker queue full for service {command.service.decode('ascii')!r} "
+                         f"broker queue full for service {name.decode('ascii')!r} "
                          f"({queued} requests, {queuedBytes} bytes queued for it; "
                          f"{ledger.count} requests, {ledger.bytes} bytes in all)")
             return
         if service is None:
-            service = self._service(command.service)
+            service = self._service(name)
             # no worker has registered for it: its requests wait unknownServiceExpiry
             service.unknownUntil = deadline = self._unknownDeadline()
             service.askedAt = self.now
@@ -829,25 +886,33 @@ class BrokerMachine(Machine):
                 else:
                     self._invalid(key, f"{kind.__name__} for a request it does not serve",
                                   "not-serving")
-            elif kind is WorkerPartial:
-                if len(command.body) == 1 and command.body[0] == codec.RESTART_MARKER:
-                    # only the broker may say a reply starts over
-                    self._invalid(key, "PARTIAL holding the broker's restart marker",
-                                  "restart-marker")
-                else:
-                    self._forward(worker, request, command.body, final=False)
+            elif kind is WorkerPartial and len(command.body) == 1 and command.body[0] == codec.RESTART_MARKER:
+                # only the broker may say a reply starts over
+                self._invalid(key, "PARTIAL holding the broker's restart marker",
+                              "restart-marker")
             else:
-                worker.current = None
-                worker.lastEnvelope = request.envelope
-                self._forward(worker, request, command.body, final=True)
-                self._makeIdle(worker)
-                self._dispatch(worker.service)
+                self._replyPart(worker, request, command.body, kind is WorkerFinal)
         elif kind is Disconnect:
             log.info("worker {peer} for {service} disconnected",
                      peer=peer_label(key[1]), service=label(worker.service.name))
             self._removeWorker(worker)
         else:  # READY again, or REQUEST from a worker: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
+
+    def _replyPart(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
+                   final: bool) -> None:
+        """A PARTIAL or FINAL of *worker* for the *request* it serves."""
+        if final:
+            worker.current = None
+            worker.lastEnvelope = request.envelope
+            self._forward(worker, request, body, final=True)
+            service = worker.service
+            worker.state = IDLE
+            service.idle[worker.key] = worker
+            if service.size:
+                self._dispatch(service)
+        else:
+            self._forward(worker, request, body, final=False)
 
     def _forward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
                  final: bool) -> None:

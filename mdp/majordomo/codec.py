@@ -200,6 +200,12 @@ _WORKER_ENVELOPED = {
 _PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match
 
 
+def is_service_name(name: bytes) -> bool:
+    """True if *name* is a valid service name (what :func:`validate_service`
+    accepts), in one C call."""
+    return _PRINTABLE_NAME(name) is not None
+
+
 def validate_service(service: bytes) -> bytes:
     """Return *service* if it is a non-empty printable ASCII name, else raise."""
     if _PRINTABLE_NAME(service) is not None:  # the common case, in one C call
@@ -371,6 +377,15 @@ def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = R
     if dialect == RFC:
         return [WORKER_HEADER, W_REQUEST, client, b"", *body]
     return [b"", WORKER_HEADER, W_REQUEST, client, b"", *body]
+
+
+def encode_worker_reply(client: bytes, body: Sequence[bytes], final: bool,
+                        dialect: str = RFC) -> Frames:
+    """``encode(WorkerFinal(client, body), dialect)`` (or WorkerPartial)
+    without the command object: the worker's hot path."""
+    if dialect == RFC:
+        return [WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
+    return [b"", WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
 
 
 def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool,
