@@ -93,7 +93,15 @@ from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
-from mdp.majordomo.codec import Disconnect, Heartbeat, WorkerFinal, WorkerPartial, WorkerRequest
+from mdp.majordomo.codec import (
+    W_REQUEST,
+    WORKER_HEADER,
+    Disconnect,
+    Heartbeat,
+    WorkerFinal,
+    WorkerPartial,
+    WorkerRequest,
+)
 from mdp.messages import text as label
 from mdp.policy import (
     Backoff,
@@ -109,6 +117,9 @@ from mdp.policy import (
 log = Logger()
 
 Handler = Callable[[list[bytes]], Any]
+
+#: bytes a reply's envelope adds to its frames, besides the client address
+_REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 
 
 
@@ -372,6 +383,14 @@ class WorkerMachine(Machine):
     def _received(self, frames: list[bytes]) -> None:
         if self.state is STOPPED or self.state is BACKING_OFF:
             return  # from a pipe already closed
+        if (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
+                and frames[3] == b"" and self.dialect == codec.RFC):
+            # a REQUEST, checked as decode_worker checks it, without the command object
+            self.liveness.heard(self.now)
+            self.failures = self.refusals = 0
+            self.answered = True
+            self._request(frames[2], frames[4:])
+            return
         try:
             command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
@@ -387,14 +406,7 @@ class WorkerMachine(Machine):
             return
         if kind is WorkerRequest:
             self.refusals = 0
-            if self.current is not None:
-                self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
-                                   "dropped", service=label(self.service))
-                return
-            key, body = idempotence.unstamp(command.body)  # type: ignore[attr-defined]
-            self.current = command.client  # type: ignore[attr-defined]
-            self._outbox.append(Serve(_Job(command.client, self.generation, key,  # type: ignore[attr-defined]
-                                           self.now), body))
+            self._request(command.client, list(command.body))  # type: ignore[attr-defined]
         elif kind is Disconnect:
             delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
             self.refusals += 1
@@ -405,21 +417,39 @@ class WorkerMachine(Machine):
             self.throttle.warn(log, "unexpected", "worker for {service} dropped unexpected "
                                "{command} from broker", service=label(self.service), command=kind.__name__)
 
+    def _request(self, client: bytes, body: list[bytes]) -> None:
+        """A REQUEST from *client* (its body a list of our own)."""
+        if self.current is not None:
+            self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
+                               "dropped", service=label(self.service))
+            return
+        key = None
+        if len(body) >= 4 and body[0] == idempotence.STAMP_MARKER:
+            key, body = idempotence.unstamp(body)
+        self.current = client
+        self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
+
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
         if job.generation != self.generation or self.state is not READY or self.current != job.client:
             self._store(job, kind, frames, store)
             return False
-        size = sum(map(len, frames)) + len(codec.WORKER_HEADER) + 1 + len(job.client)
-        tooLarge = self.limits.oversize(size, len(frames) + 5)
-        if tooLarge is not None:
+        size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
+        limits = self.limits
+        tooLarge = None
+        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
+            tooLarge = limits.oversize(size, len(frames) + 5)
             self.throttle.warn(log, "too-large", "worker for {service} answers 413: its {command} "
                                "is too large ({reason})", service=label(self.service),
                                command=kind.__name__, reason=tooLarge)
             kind, store = WorkerFinal, False
             frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
-        self._store(job, kind, frames, store)
-        self._send(kind(job.client, frames))
-        if kind is WorkerFinal:
+        final = kind is WorkerFinal
+        if final and store and job.key is not None:
+            self._outbox.append(StoreReply(job.key, frames))
+        self._outbox.append(SendToBroker(codec.encode_worker_reply(job.client, frames, final,
+                                                                   self.dialect)))
+        self.liveness.sent(self.now)
+        if final:
             self.current = None
         return tooLarge is None
 
@@ -640,13 +670,8 @@ class Worker(WorkerMachine):
 
     async def _stream(self, parts: Any, job: _Job) -> None:
         if inspect.isgenerator(parts):
-            source = parts
-
-            async def iterate() -> Any:
-                for item in source:
-                    yield item
-
-            parts = iterate()
+            await self._streamSync(parts, job)
+            return
         async for item in parts:
             if not self.isCurrent(job):
                 await parts.aclose()  # the request is void, or was answered (413)
@@ -662,6 +687,26 @@ class Worker(WorkerMachine):
             if transport is not None and not transport.writable:
                 # the broker takes PARTIALs slower than the handler makes them:
                 # pause the handler rather than pile them up
+                self.streamPauses += 1
+                await transport.drained()
+        self._finish(None, job)
+
+    async def _streamSync(self, parts: Any, job: _Job) -> None:
+        """:meth:`_stream` for a plain generator: iterated as it is, without
+        an asynchronous generator around it."""
+        for item in parts:
+            if not self.isCurrent(job):
+                parts.close()  # the request is void, or was answered (413)
+                return
+            if isinstance(item, Final):
+                parts.close()
+                self._finish(item.frames, job)
+                return
+            if not self._reply(job, WorkerPartial, reply_frames(item)):
+                parts.close()  # the request is void, or was answered (413)
+                return
+            transport = self.transport
+            if transport is not None and not transport.writable:
                 self.streamPauses += 1
                 await transport.drained()
         self._finish(None, job)
