@@ -40,6 +40,11 @@ _unpack_from = _length.unpack_from
 
 Buffer = Union[bytes, bytearray, memoryview]
 
+#: Pieces of a frame at least this long are kept as views of what was fed
+#: (and copied once, into the frame); shorter ones are gathered in one buffer,
+#: so a trickle costs memory in proportion to its bytes.
+_PIECE_BYTES = 4096
+
 
 def encode_record(frames: list[bytes]) -> bytes:
     """One whole record (length prefix included) holding *frames*."""
@@ -105,8 +110,16 @@ class RecordDecoder:
         #: records completed so far
         self.records = 0
         self._header = b""  # the first bytes of a length prefix split across pieces
-        self._need = -1  # payload length of the record in progress; -1 between records
-        self._buf = bytearray()  # what came of it so far
+        self._need = -1  # payload bytes of the record in progress still to come; -1 between records
+        self._held = 0  # payload bytes of the record in progress taken so far
+        self._frames: list[bytes] = []  # its complete frames
+        self._flen = b""  # the first bytes of a frame's length split across pieces
+        self._fneed = -1  # bytes of the frame in progress still to come; -1 while its length is read
+        #: what came of the frame in progress: large pieces as views of what
+        #: was fed (copied once, when the frame is complete), small ones
+        #: gathered in ``_buf``
+        self._pieces: list[Buffer] = []
+        self._buf = bytearray()
         #: the identity the peer's greeting announced, if it sent one
         self.identity: Optional[bytes] = None
         #: bytes of the greeting still to come (-1 before its length is known)
@@ -120,7 +133,7 @@ class RecordDecoder:
     @property
     def buffered(self) -> int:
         """Bytes held for the record in progress."""
-        return len(self._buf) + len(self._header)
+        return self._held + len(self._header)
 
     def _feedGreeting(self, data: bytes, pos: int) -> int:
         """Take what *data* holds of the greeting from *pos*; return where it
@@ -178,15 +191,93 @@ class RecordDecoder:
                     self.records += 1
                     continue
                 self._need = length
-            take = min(self._need - len(self._buf), end - pos)
-            self._buf += memoryview(data)[pos:pos + take]
-            pos += take
-            if len(self._buf) == self._need:
-                payload, self._buf = self._buf, bytearray()
-                self._need = -1
-                messages.append(decode_payload(payload, 0, len(payload), self.limits))
-                self.records += 1
+                self._held = 0
+            # a record that spans pieces: taken frame by frame, so that each
+            # frame's bytes are copied once, into the frame
+            pos = self._feedRecord(data, pos, end)
+            if self._need == 0:
+                messages.append(self._completed())
         return messages
+
+
+    def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
+        """Take what *data* holds of the record in progress from *pos*;
+        return where it ends."""
+        frames = self._frames
+        while pos < end and self._need > 0:
+            if self._fneed < 0:  # a frame's length
+                if not self._flen:
+                    if len(frames) == self.limits.maxFrames:
+                        raise RecordTooLarge(f"record holds more than {self.limits.maxFrames} frames")
+                    if self._need < 4:
+                        raise ProtocolError("truncated frame length in stream record")
+                take = min(4 - len(self._flen), end - pos)
+                self._flen += data[pos:pos + take]
+                pos += take
+                self._need -= take
+                self._held += take
+                if len(self._flen) < 4:
+                    break
+                (size,) = _length.unpack(self._flen)
+                self._flen = b""
+                if size > self._need:
+                    raise ProtocolError(
+                        f"frame of {size} bytes overruns its record ({self._need} left)")
+                if size == 0:
+                    frames.append(b"")
+                    continue
+                self._fneed = size
+                if end - pos >= size:  # the whole frame is here: one copy
+                    frame = data if not pos and size == end else data[pos:pos + size]
+                    frames.append(frame if type(frame) is bytes else bytes(frame))
+                    pos += size
+                    self._need -= size
+                    self._held += size
+                    self._fneed = -1
+                continue
+            take = min(self._fneed, end - pos)
+            if take == self._fneed and not self._pieces and not self._buf:
+                # the whole frame is in this piece (its length came before): one copy, or none
+                frame = data if not pos and take == end else data[pos:pos + take]
+                frames.append(frame if type(frame) is bytes else bytes(frame))
+                pos += take
+                self._need -= take
+                self._held += take
+                self._fneed = -1
+                continue
+            if take >= _PIECE_BYTES:
+                if self._buf:
+                    self._pieces.append(self._buf)
+                    self._buf = bytearray()
+                self._pieces.append(memoryview(data)[pos:pos + take])
+            else:
+                self._buf += memoryview(data)[pos:pos + take]
+            pos += take
+            self._need -= take
+            self._held += take
+            self._fneed -= take
+            if not self._fneed:
+                pieces = self._pieces
+                if self._buf:
+                    pieces.append(self._buf)
+                frames.append(b"".join(pieces))
+                self._pieces = []
+                self._buf = bytearray()
+                self._fneed = -1
+        return pos
+
+    def _completed(self) -> list[bytes]:
+        """The record in progress is complete: its frames."""
+        frames, self._frames = self._frames, []
+        content = self._held - 4 * len(frames)
+        self._need = -1
+        self._held = 0
+        if content > self.limits.maxMessageBytes:
+            raise RecordTooLarge(
+                f"record holds {content} bytes of frames, over the limit of "
+                f"{self.limits.maxMessageBytes}")
+        self.records += 1
+        return frames
 
 
 @implementer(IFraming)
