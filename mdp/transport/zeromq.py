@@ -84,6 +84,9 @@ def zmq_factory() -> Any:
 
 #: Messages handled per doRead before yielding to the reactor.
 READ_BATCH = 64
+#: A doRead that delivered at least this many messages makes the next one
+#: read until a recv fails instead of asking EVENTS before every message.
+BUSY_BATCH = 4
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
 #: Frames of a message over the limits read off per doRead: a message of
@@ -106,6 +109,7 @@ def _connection_classes() -> tuple[type, type]:
         # pyzmq's compiled socket methods, below its Python-level wrappers
         backend = zmq.backend.Socket
         recv, send, get = backend.recv, backend.send, backend.get
+        Again = zmq.Again
 
         class FastIO:
             """Replaces txzmq's read and send paths (see docs/performance.md):
@@ -130,30 +134,47 @@ def _connection_classes() -> tuple[type, type]:
             #: turns as it takes: [first frame, frames, bytes, more to come]
             skipping: Any = None
 
+            #: messages the last doRead delivered: after a busy one (at least
+            #: BUSY_BATCH), the next one, once EVENTS said input is there,
+            #: reads on until a recv finds nothing (one exception a turn)
+            #: instead of asking EVENTS before every message
+            lastBatch = 0
+            owner: Any = None
+
             def doRead(self) -> None:
-                self.read_scheduled = cancel_call(self.read_scheduled)
+                if self.read_scheduled is not None:
+                    self.read_scheduled = cancel_call(self.read_scheduled)
                 socket = self.socket
                 if socket is None:
                     return
                 # ZeroMQ signals its FD when a full pipe drains, too
-                owner = getattr(self, "owner", None)
+                owner = self.owner
                 if owner is not None and owner.backlogged:
                     owner._flush()
                     if self.socket is None:
                         return
                 deliver = self.deliver
                 budget = FRAMES_PER_TURN
+                busy = self.lastBatch >= BUSY_BATCH
+                delivered = 0
                 # sends made while reading need no EVENTS check of their own:
                 # the loop asks EVENTS again before it returns
                 self.reading = True
                 try:
                     for _ in range(READ_BATCH):
                         if self.skipping is None:
-                            # asking EVENTS is cheaper than the Again a failed recv raises
-                            if not get(socket, EVENTS) & POLLIN:
-                                return
-                            frames = self._readMessage(socket)
+                            if busy and delivered:
+                                try:
+                                    frames = self._readMessage(socket)
+                                except Again:
+                                    return
+                            else:
+                                # asking EVENTS is cheaper than the Again a failed recv raises
+                                if not get(socket, EVENTS) & POLLIN:
+                                    return
+                                frames = self._readMessage(socket)
                             if frames is not None:
+                                delivered += 1
                                 try:
                                     deliver(frames)
                                 except Exception:
@@ -166,6 +187,7 @@ def _connection_classes() -> tuple[type, type]:
                             break  # out of this turn's budget: the rest next turn
                 finally:
                     self.reading = False
+                    self.lastBatch = delivered
                 # more may be waiting: let the reactor run other work first
                 self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
@@ -496,6 +518,12 @@ class ZmqRouter(_RoutedSocket):
         self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
         self._closing = False
 
+    def delivered(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.cut:
+            self.cut.pop(peer, None)  # it speaks again: messages for it go out again
+        if not self._closing:
+            self.receiver.messageReceived(peer, frames)
+
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
@@ -679,11 +707,19 @@ class ZmqDealer:
         self.receiver.connectionLost(Failure(why))
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        if self.connection is None:
+        connection = self.connection
+        if connection is None:
             return
         # behind what waits already, to keep the order
-        if not self._backlog and self._trySend(frames):
-            return
+        if not self._backlog:
+            try:
+                connection.send(frames)
+                return
+            except _zmq().ZMQError as e:
+                if not isinstance(e, _zmq().Again):  # not a full queue
+                    log.warn("zmq dealer to {endpoint} could not send: {error}",
+                             endpoint=self.endpoint, error=e)
+                    return
         size = held_bytes(frames)
         if self._backlogBytes + size > self.limits.maxOutputBytes:
             self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
