@@ -135,8 +135,11 @@ from mdp.interfaces import IAdmission, IBroker, IRouterReceiver, IRouterTranspor
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.codec import (
+    C_FINAL,
+    C_PARTIAL,
     C_REQUEST,
     CLIENT_HEADER,
+    RFC,
     W_FINAL,
     W_HEARTBEAT,
     W_PARTIAL,
@@ -209,7 +212,8 @@ class Binding:
         self.transport: Optional[IRouterTransport] = None
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.broker.received((self, peer), frames)
+        broker = self.broker
+        broker._perform(broker.handleMessage((self, peer), frames, broker.reactor.seconds()))
 
     def peerDisconnected(self, peer: bytes) -> None:
         self.broker.peerGone((self, peer))
@@ -947,11 +951,21 @@ class BrokerMachine(Machine):
                     self.metrics.replied(request.service, self.now - request.assignedAt,
                                          codec.STATUS_TOO_LARGE)
                 return
-        if not final:
-            request.partials += 1
-        self._reply(request, body, final)
         if final:
-            self._served(request, body, worker.key)
+            if request.dialect == RFC:  # _reply, inline: the hot path
+                self._outbox.append(Send(request.client, [CLIENT_HEADER, C_FINAL, request.service,
+                                                          *body]))
+            else:
+                self._reply(request, body, True)
+            if self.logRequests or self.metrics is not None:
+                self._served(request, body, worker.key)
+        else:
+            request.partials += 1
+            if request.dialect == RFC:
+                self._outbox.append(Send(request.client, [CLIENT_HEADER, C_PARTIAL, request.service,
+                                                          *body]))
+            else:
+                self._reply(request, body, False)
 
     def _served(self, request: PendingRequest, body: Sequence[bytes], worker: PeerKey) -> None:
         """A worker's FINAL went to the client: one debug line, and the metrics."""
@@ -1249,7 +1263,9 @@ class Broker(BrokerMachine):
             kind = type(action)
             if kind is Send:
                 binding, peer = action.key
-                binding.send(peer, action.frames)
+                transport = binding.transport
+                if transport is not None:
+                    transport.sendMessage(peer, action.frames)
             elif kind is DropPeer:
                 binding, peer = action.key
                 binding.disconnect(peer)

@@ -528,8 +528,7 @@ class ZmqRouter(_RoutedSocket):
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
 
-    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
-        self._send(peer, frames)
+    sendMessage = _RoutedSocket._send
 
     def _peerCut(self, peer: bytes) -> None:
         # reported a turn later: the receiver may be in the middle of sending
