@@ -577,7 +577,11 @@ class Worker(WorkerMachine):
                 if self.transport is not None:
                     self.transport.sendMessage(action.frames)
             elif kind is Serve:
-                self._serve(action.job, action.body)
+                job = action.job
+                if job.key is None and self.metrics is None:
+                    self._run(job, action.body)
+                else:
+                    self._serve(job, action.body)
             elif kind is StoreReply:
                 if self.replies is not None:
                     defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
@@ -638,7 +642,9 @@ class Worker(WorkerMachine):
             self._checkBlocked(clock() - started)
             self._failed(Failure(), job)
             return
-        self._checkBlocked(clock() - started)
+        blocked = clock() - started
+        if blocked >= self.heartbeat.interval:
+            self._checkBlocked(blocked)
         kind = type(result)
         if kind is list or kind is bytes:  # the common, synchronous answer
             self._finish(result, job)
