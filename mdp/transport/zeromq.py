@@ -84,9 +84,10 @@ def zmq_factory() -> Any:
 
 #: Messages handled per doRead before yielding to the reactor.
 READ_BATCH = 64
-#: A doRead that delivered at least this many messages makes the next one
+#: A doRead that delivered at least this many messages (a burst: a stream,
+#: pipelined requests) makes the next one
 #: read until a recv fails instead of asking EVENTS before every message.
-BUSY_BATCH = 4
+BUSY_BATCH = 8
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
 #: Frames of a message over the limits read off per doRead: a message of
