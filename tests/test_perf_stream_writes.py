@@ -115,3 +115,17 @@ async def test_a_dealer_burst_is_handed_over_as_it_grows_and_paced() -> None:
     finally:
         await pipe.close()
         await bound.close()
+
+
+@pytest.mark.parametrize("endpoint, backlog", [
+    ("tcp:host=127.0.0.1:port=0", 1024),  # a pool of 100 connections opened at once fits
+    ("tcp:host=127.0.0.1:port=0:backlog=7", 7),  # the endpoint's own wins
+])
+@pytest_twisted.ensureDeferred
+async def test_a_stream_listener_queues_a_whole_pool_of_connections(endpoint: str,
+                                                                    backlog: int) -> None:
+    bound = await transport.listen(endpoint, Fanout(), reactor())
+    try:
+        assert bound.port.backlog == backlog
+    finally:
+        await bound.close()

@@ -189,19 +189,27 @@ class FramedProtocol(Protocol):
             return "?"
 
 
+#: the listen queue of a stream listener unless the endpoint names one:
+#: Twisted's default of 50 drops the SYNs of a client that opens a pool of
+#: 100 connections at once, and each dropped one costs a second's retransmit
+LISTEN_BACKLOG = 1024
+
+
 def server_description(endpoint: str) -> str:
     """Accept the client forms ``tcp:host=H:port=P`` and ``unix:path=P`` for
-    listening too."""
+    listening too, with a listen queue of :data:`LISTEN_BACKLOG` unless
+    ``backlog=`` is given."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
         rest = ":".join(
             "interface=" + p[len("host="):] if p.startswith("host=") else p
             for p in rest.split(":")
         )
-        return f"{kind}:{rest}"
-    if kind == "unix" and rest.startswith("path="):
-        return f"unix:address={rest[len('path='):]}"
-    return endpoint
+    elif kind == "unix" and rest.startswith("path="):
+        rest = f"address={rest[len('path='):]}"
+    if kind in ("tcp", "tcp6", "ssl", "unix") and "backlog=" not in rest:
+        rest = f"{rest}:backlog={LISTEN_BACKLOG}"
+    return f"{kind}:{rest}"
 
 
 def connect_description(kind: str, port: IListeningPort) -> str:
