@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 from twisted.logger import Logger
 
 from mdp.errors import ClientClosed, OversizedMessage, TransportError
-from mdp.handlers import reply_frames
+from mdp.handlers import checked_handler, reply_frames
 from mdp.majordomo import codec
 from mdp.majordomo.client import (
     DEFAULT_MAX_CONNECTIONS,
@@ -630,7 +630,9 @@ class Client(ClientCore):
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed` and close
         every socket."""
-        if self._forks != _forks:  # forked: the sockets are the parent's
+        if self._forks != _forks:  # forked: the sockets are the parent's, left alone
+            for channel in self._channels:
+                channel.pipe = None
             self._loop = _Loop(self.limits, None)
         self._perform(self.handleClose(time.monotonic()))
 
@@ -773,12 +775,9 @@ class Worker(WorkerMachine):
     ) -> None:
         endpoints = endpoint_list(endpoint)
         _check_schemes(endpoints)
-        if not callable(handler):
-            raise TypeError(f"a handler is a callable taking the request body, "
-                            f"not {type(handler).__name__}: {handler!r}")
+        self.handler = checked_handler(handler)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits, now=time.monotonic())
-        self.handler = handler
         self.requestsServed = 0
         _log_to_stdlib()
         self._loop = _Loop(limits, context)

@@ -34,6 +34,14 @@ def reply_frames(value: Any) -> list[bytes]:
     return frames or [b""]
 
 
+def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:
+    """*handler*, or ``TypeError`` at once if it is not callable."""
+    if not callable(handler):
+        raise TypeError(f"a handler is a callable taking the request body, "
+                        f"not {type(handler).__name__}: {handler!r}")
+    return handler
+
+
 def call_handler(handler: Callable[[list[bytes]], Any], frames: list[bytes]) -> defer.Deferred:
     """Run a non-streaming handler (plain value, Deferred or coroutine); the
     Deferred fires with its reply frames or fails with its exception."""

@@ -523,3 +523,40 @@ async def test_a_whole_blocking_stack_needs_no_reactor() -> None:
         assert done.stdout.splitlines() == ["[[b'A'], [b'B'], [b'C']]", "False False"]
     finally:
         await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_does_not_cross_a_fork() -> None:
+    cluster = await cluster_with("zmq", 1, "upper", "tests.handlers_for_tests:upper")
+    try:
+        program = (
+            "import os\n"
+            "from mdp.blocking import Client\n"
+            "from mdp.errors import ClientClosed\n"
+            f"c = Client({cluster.endpoint!r}, timeout=5, retries=2)\n"
+            "print(c.request('upper', b'before'), flush=True)\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    try:\n"
+            "        c.request('upper', b'child')\n"
+            "    except ClientClosed as e:\n"
+            "        print('child:', c.forked, e, flush=True)\n"
+            "    c.close()  # leaves the parent's sockets alone\n"
+            "    with Client(c.endpoints, timeout=5, retries=2) as fresh:\n"
+            "        print('child:', fresh.request('upper', b'fresh'), flush=True)\n"
+            "    os._exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            "print(c.forked, c.request('upper', b'after'))\n"
+        )
+
+        def work() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", program], capture_output=True,
+                                  text=True, timeout=60, env={**ENV, "PATH": ""})
+
+        done = await run(work, 90)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0] == "[b'BEFORE']" and lines[-1] == "False [b'AFTER']"
+        assert lines[1].startswith("child: True") and lines[2] == "child: [b'FRESH']"
+    finally:
+        await cluster.stop()

@@ -89,7 +89,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import ProtocolError
-from mdp.handlers import reply_frames
+from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
@@ -508,12 +508,9 @@ class Worker(WorkerMachine):
     ) -> None:
         reactor = default_reactor(reactor)
         endpoints = transport.endpoint_list(endpoint)
-        if not callable(handler):
-            raise TypeError(f"a handler is a callable taking the request body, "
-                            f"not {type(handler).__name__}: {handler!r}")
+        self.handler = checked_handler(handler)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits, now=reactor.seconds())
-        self.handler = handler
         self.reactor = reactor
         self.replies = replies
         self.transport: Optional[IDealerTransport] = None
