@@ -163,14 +163,15 @@ class _Loop:
         return self._zmqContext
 
     def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0) -> Any:
-        """A pipe to *endpoint*: a ZeroMQ one is up at once (the caller tells
-        its owner), a stream one once its connection is made."""
+        """A pipe to *endpoint*, to be started (``start()``) once its owner
+        holds it: a ZeroMQ one is up at once (the caller tells its owner), a
+        stream one once its connection is made (or it reports a failure, at
+        once or later)."""
         if endpoint.startswith("zmq:"):
             return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger)
         family, address = _stream_address(endpoint)
         stream = _StreamPipe(self, owner, tag, family, address)
         self.streams.add(stream)
-        stream.open(time.monotonic())
         return stream
 
     def close(self, pipe: Any) -> None:
@@ -249,6 +250,9 @@ class _ZmqPipe:
     @property
     def backlogged(self) -> bool:
         return bool(self.backlog)
+
+    def start(self) -> None:
+        pass  # connected already: ZeroMQ connects in the background
 
     def send(self, frames: list[bytes]) -> None:
         if self.socket is None:
@@ -377,6 +381,9 @@ class _StreamPipe:
     @property
     def backlogged(self) -> bool:
         return bool(self.out)
+
+    def start(self) -> None:
+        self.open(time.monotonic())
 
     def open(self, now: float) -> None:
         """Start a connection attempt (the poller says when it is made)."""
@@ -741,6 +748,8 @@ class Client(ClientCore):
 
     def _open(self, channel: _Channel) -> None:
         pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel)
+        # a failure reported at once (no such socket file) may close the channel
+        pipe.start()
         if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
             self._madeUp.append(channel)
 
@@ -848,6 +857,7 @@ class Worker(WorkerMachine):
                 self._serve(action.job, action.body)
             elif kind is OpenPipe:
                 pipe = self._pipe = self._loop.open(action.endpoint, self, None, LINGER_MS)
+                pipe.start()
                 if pipe.up:
                     self._madeUp = True
             elif kind is ClosePipe:

@@ -175,6 +175,8 @@ async def test_refused_tcp_everywhere_is_broker_unreachable_at_once() -> None:
             try:
                 client.request("echo", b"x")
             except errors.BrokerUnreachable as e:
+                # no connection is left trying in the background
+                assert not client._loop.streams and not client._loop.pipes
                 return e, time.monotonic() - started
         raise AssertionError("no error")
 
