@@ -534,7 +534,9 @@ EXCLUDED: dict[str, str] = {
         "fetches the repository from the network",
     "pip install -e . --config-settings editable_mode=compat":
         "installs into the environment the tests run in (.ci/run installs it so)",
-    ".venv/bin/python -m benchmarks": "the full benchmark suite, about 6 minutes",
+    ".venv/bin/python -m benchmarks --repeat 3": "the full benchmark suite, about 25 minutes",
+    ".venv/bin/python -m benchmarks.spark --repeat 3":
+        "a Spark standalone cluster and three rounds, about 5 minutes",
     '.venv/bin/python -m benchmarks --repeat 3 --only "sync 4x4" pipelined':
         "three rounds of benchmarks, about a minute",
     "tox -e bench": "the full benchmark suite in a tox environment",
