@@ -228,24 +228,27 @@ class _ZmqPipe:
                  "linger")
 
     def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int) -> None:
-        zmq = _zmq()
         self.loop = loop
         self.owner = owner
         self.tag = tag
         self.address = address
         self.linger = linger
-        sock = loop.context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, linger)
+        self.backlog: deque[list[bytes]] = deque()
+        self._connect()
+
+    def _connect(self) -> None:
+        """A fresh socket, connected (a fresh routing id for the broker)."""
+        zmq = _zmq()
+        sock = self.loop.context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, self.linger)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 1000)
-        sock.connect(address)
-        self.socket = sock
-        self.key = sock
-        self.backlog: deque[list[bytes]] = deque()
+        sock.connect(self.address)
+        self.socket = self.key = sock
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
-        loop.poller.register(sock, _POLLIN)
-        loop.pipes[sock] = self
+        self.loop.poller.register(sock, _POLLIN)
+        self.loop.pipes[sock] = self
 
     @property
     def backlogged(self) -> bool:
@@ -333,17 +336,14 @@ class _ZmqPipe:
         """As the Twisted dealer: drop the message and the socket that carried
         it (a fresh one replaces it), and tell the owner its pipe was lost to
         an oversized message, then that it is up again."""
-        self._close()
-        self.__init__(self.loop, self.owner, self.tag, self.address, self.linger)  # type: ignore[misc]
+        self.close()
+        self._connect()
         self.owner._pipeLost(self.tag, OversizedMessage(
             f"a message of {size} bytes in {count} frames is over the limits"), now)
         if self.socket is not None:
             self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
         sock, self.socket = self.socket, None
         self.up = False
         self.backlog.clear()

@@ -36,6 +36,12 @@ def run(work: Callable[[], Any], seconds: float = 60) -> defer.Deferred:
     return threads.deferToThread(work).addTimeout(seconds, reactor())
 
 
+def run_program(program: str) -> defer.Deferred:
+    """``python -c PROGRAM`` (with the checkout importable), to completion."""
+    return run(lambda: subprocess.run([sys.executable, "-c", program], capture_output=True,
+                                      text=True, timeout=60, env={**ENV, "PATH": ""}), 90)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -344,11 +350,7 @@ async def test_the_blocking_client_needs_no_reactor() -> None:
             "print('twisted.internet.reactor' in sys.modules)\n"
         )
 
-        def work() -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", program], capture_output=True,
-                                  text=True, timeout=60, env={**ENV, "PATH": ""})
-
-        done = await run(work, 90)
+        done = await run_program(program)
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines() == ["[b'PLAIN']", "[[b'A'], [b'B']]", "False"]
     finally:
@@ -380,11 +382,7 @@ async def test_spark_batches_use_the_blocking_client_when_no_reactor_runs() -> N
             "print('twisted.internet.reactor' in sys.modules)\n"
         )
 
-        def work() -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", program], capture_output=True,
-                                  text=True, timeout=60, env={**ENV, "PATH": ""})
-
-        done = await run(work, 90)
+        done = await run_program(program)
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines() == [
             "[[b'A'], ValueError('null input'), [b'B', b'C']]", "mdp.blocking", "False"]
@@ -516,11 +514,7 @@ async def test_a_whole_blocking_stack_needs_no_reactor() -> None:
             "print(thread.is_alive(), 'twisted.internet.reactor' in sys.modules)\n"
         )
 
-        def work() -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", program], capture_output=True,
-                                  text=True, timeout=60, env={**ENV, "PATH": ""})
-
-        done = await run(work, 90)
+        done = await run_program(program)
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines() == ["[[b'A'], [b'B'], [b'C']]", "False False"]
     finally:
@@ -551,11 +545,7 @@ async def test_a_client_does_not_cross_a_fork() -> None:
             "print(c.forked, c.request('upper', b'after'))\n"
         )
 
-        def work() -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", program], capture_output=True,
-                                  text=True, timeout=60, env={**ENV, "PATH": ""})
-
-        done = await run(work, 90)
+        done = await run_program(program)
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert lines[0] == "[b'BEFORE']" and lines[-1] == "False [b'AFTER']"
