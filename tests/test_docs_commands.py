@@ -41,6 +41,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import pytest
 import pytest_twisted
+from twisted.internet import task
 
 from tests.procs import ENV, Process, reactor, script, wait_until
 from tests.test_harmony_netns import namespace  # noqa: F401  (the fixture, for the chat scenario)
@@ -363,7 +364,14 @@ async def binarystar_pair_of_brokers(sh: Shell, c: Any) -> None:
     await sh.start(c.b, BROKER_READY, {"*:5555": f"127.0.0.1:{b}", "*:5004": f"127.0.0.1:{b_state}"})
     await sh.start(c.worker)
     assert (await sh.run(c.call, timeout=40))[-1] == "hello"
+    # the backup turns passive once a state message of the now active primary
+    # reaches it (one a heartbeat): ask until it has, as the page's output shows
     status = json.loads((await sh.run(c.status))[-1])
+    for _ in range(20):
+        if status["state"] != "backup":
+            break
+        await task.deferLater(reactor(), 0.25)
+        status = json.loads((await sh.run(c.status))[-1])
     example = json.loads(shown(c.status).output[-1])
     assert status.keys() == example.keys()
     assert {k: status[k] for k in ("role", "state", "peer", "serving")} == {
