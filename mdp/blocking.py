@@ -71,6 +71,7 @@ from mdp.policy import Backoff, HeartbeatPolicy, Limits
 from mdp.transport import endpoint_list
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
+from mdp.transport.zeromq import ZERO_COPY_BYTES
 
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 
@@ -82,8 +83,8 @@ LINGER_MS = 200
 STREAM_SCHEMES = ("tcp", "tcp6", "unix")
 #: the reconnection schedule of a stream connection (as the Twisted transport's)
 RECONNECT = Backoff(initial=0.5, maximum=32.0)
-#: frames from this size up are sent without a copy (as pyzmq's send_multipart)
-_ZERO_COPY = 65536
+#: frames from this size up are sent without a copy (as the Twisted transport)
+_ZERO_COPY = ZERO_COPY_BYTES
 _READ_SIZE = 262144
 
 _PENDING: Any = object()  # a call's result while it is not done

@@ -93,8 +93,11 @@ MAX_CUT_OFF = 10_000
 #: Frames of a message over the limits read off per doRead: a message of
 #: millions of frames is dropped over many reactor turns, not in one stall.
 FRAMES_PER_TURN = 10_000
-#: Frames at least this long are sent without copying.
-ZERO_COPY_BYTES = 65536
+#: Frames at least this long are sent without copying.  Below it a copy is
+#: cheaper: a zero-copy frame is released through pyzmq's garbage-collector
+#: thread (a message and a thread wake-up per frame), which cost more CPU
+#: than copying up to about 1 MiB on this machine (docs/performance.md).
+ZERO_COPY_BYTES = 1 << 20
 
 
 def _connection_classes() -> tuple[type, type]:
