@@ -288,3 +288,39 @@ def test_provides_its_interfaces() -> None:
     client = Client("loopback:nowhere", task.Clock())
     assert verifyObject(IClient, client)
     assert verifyObject(IDealerReceiver, _ChannelPipe(client, _Channel(client.endpoint)))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stream_wakes_its_consumer_once_for_the_parts_of_a_read(
+        clocknet: LoopbackNet) -> None:
+    """PARTIALs that arrive together reach an ``async for`` in one wake-up
+    (one reactor turn later), in order, not one wake-up a part."""
+    router, client = await broker_and_client(clocknet)
+    stream = client.stream("echo", b"x")
+    clocknet.advance(0)
+    (_, peer, _), = requests(router)
+    seen: list[list[bytes]] = []
+    wakeups = 0
+
+    async def consume() -> None:
+        async for part in stream:
+            seen.append(part)
+
+    original = stream._wake
+
+    def counted() -> None:
+        nonlocal wakeups
+        wakeups += 1 if stream._waiter is not None else 0
+        original()
+
+    stream._wake = counted  # type: ignore[method-assign]
+    done = defer.ensureDeferred(consume())
+    for n in range(3):
+        router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"echo", b"%d" % n)
+    assert seen == []  # not yet: the consumer is woken a turn later
+    clocknet.advance(0)
+    assert seen == [[b"0"], [b"1"], [b"2"]]
+    assert wakeups == 1
+    final(router, peer, b"echo", b"end")
+    await clocknet.wait(done)
+    assert seen == [[b"0"], [b"1"], [b"2"], [b"end"]]

@@ -947,7 +947,7 @@ class Client(ClientCore):
         client.stream(...)`` yields every PARTIAL body, then the FINAL body
         (see :class:`ReplyStream` for restarts).  *timeout* is per attempt,
         and arguments are checked at once, as for :meth:`request`."""
-        replies = ReplyStream()
+        replies = ReplyStream(self.reactor)
         d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
                          onRestart=replies._restart)
         d.addCallbacks(replies._final, replies._fail)
@@ -1026,7 +1026,9 @@ _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 
 class ReplyStream:
     """Async iterator over the reply parts of one request (see
-    :meth:`Client.stream`).
+    :meth:`Client.stream`).  Given a *reactor*, a waiting consumer is woken
+    once a reactor turn for all the parts that came meanwhile (not once a
+    part: a stream of many small parts costs a wake-up a read, not a part).
 
     If the reply starts over after some of its parts were taken, the next
     ``__anext__`` raises :class:`~mdp.errors.StreamRestarted` (parts of the
@@ -1042,21 +1044,34 @@ class ReplyStream:
                 start_over()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reactor: Any = None) -> None:
         self._parts: deque[Any] = deque()
         self._taken = 0  # parts of the current attempt handed out
         self._done = False
         self._error: Any = None
         self._waiter: Optional[defer.Deferred[None]] = None
+        #: with a reactor, a waiting consumer is woken once a reactor turn
+        #: for all the parts that came meanwhile, not once a part
+        self._reactor = reactor
+        self._wakeCall: Any = None
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.callback(None)
 
+    def _wakeLater(self) -> None:
+        self._wakeCall = None
+        self._wake()
+
     def _put(self, frames: list[bytes]) -> None:
         self._parts.append(frames)
-        self._wake()
+        if self._waiter is None or self._wakeCall is not None:
+            return  # the consumer is busy, or is to be woken already
+        if self._reactor is None:
+            self._wake()
+        else:
+            self._wakeCall = self._reactor.callLater(0, self._wakeLater)
 
     def _restart(self) -> None:
         while self._parts and self._parts[-1] is not _RESTARTED:
