@@ -227,14 +227,7 @@ class RecordDecoder:
                     frames.append(b"")
                     continue
                 self._fneed = size
-                if end - pos >= size:  # the whole frame is here: one copy
-                    frame = data if not pos and size == end else data[pos:pos + size]
-                    frames.append(frame if type(frame) is bytes else bytes(frame))
-                    pos += size
-                    self._need -= size
-                    self._held += size
-                    self._fneed = -1
-                continue
+                continue  # its bytes: below
             take = min(self._fneed, end - pos)
             if take == self._fneed and not self._pieces and not self._buf:
                 # the whole frame is in this piece (its length came before): one copy, or none
