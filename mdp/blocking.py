@@ -83,8 +83,6 @@ LINGER_MS = 200
 STREAM_SCHEMES = ("tcp", "tcp6", "unix")
 #: the reconnection schedule of a stream connection (as the Twisted transport's)
 RECONNECT = Backoff(initial=0.5, maximum=32.0)
-#: frames from this size up are sent without a copy (as the Twisted transport)
-_ZERO_COPY = ZERO_COPY_BYTES
 _READ_SIZE = 262144
 
 _PENDING: Any = object()  # a call's result while it is not done
@@ -272,7 +270,7 @@ class _ZmqPipe:
         try:
             for i, frame in enumerate(frames):
                 send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
-                     copy=len(frame) < _ZERO_COPY)
+                     copy=len(frame) < ZERO_COPY_BYTES)
         except _zmq().Again:
             return False  # only the first frame can be refused (a full pipe)
         return True

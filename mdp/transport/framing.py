@@ -230,7 +230,7 @@ class RecordDecoder:
                 continue  # its bytes: below
             take = min(self._fneed, end - pos)
             if take == self._fneed and not self._pieces and not self._buf:
-                # the whole frame is in this piece (its length came before): one copy, or none
+                # the whole frame is in this piece: one copy, or none
                 frame = data if not pos and take == end else data[pos:pos + take]
                 frames.append(frame if type(frame) is bytes else bytes(frame))
                 pos += take
