@@ -6,7 +6,7 @@ decisions as the Twisted :class:`mdp.Client`: one request per connection,
 Lazy Pirate attempts and failover, the typed errors — driven by plain pyzmq
 DEALER sockets (``zmq:`` endpoints) or plain stream sockets (``tcp:``,
 ``tcp6:``, ``unix:``, with the stream transport's length-prefixed records) and
-one ``zmq.Poller``.  Nothing runs between calls: the client does its work
+one poller.  Nothing runs between calls: the client does its work
 inside :meth:`Client.request` and :meth:`Client.map`, in the calling thread,
 and never imports or starts a Twisted reactor.
 
@@ -28,6 +28,7 @@ import errno
 import inspect
 import math
 import os
+import select
 import socket
 import time
 from collections import deque
@@ -143,18 +144,68 @@ def _check_schemes(endpoints: list[str]) -> None:
         _stream_address(each)
 
 
+class _Poller:
+    """``select.epoll`` (``select.poll`` where there is none) over plain
+    descriptors, remembering what each is watched for so that watching it
+    for the same again costs no system call."""
+
+    __slots__ = ("_poller", "_flags", "_seconds")
+
+    def __init__(self) -> None:
+        epoll = getattr(select, "epoll", None)
+        self._poller: Any = epoll() if epoll is not None else select.poll()
+        self._seconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
+        self._flags: dict[int, int] = {}
+
+    def watch(self, fd: int, flags: int) -> None:
+        current = self._flags.get(fd)
+        if current == flags:
+            return
+        if current is None:
+            self._poller.register(fd, flags)
+        else:
+            self._poller.modify(fd, flags)
+        self._flags[fd] = flags
+
+    def forget(self, fd: int) -> None:
+        if self._flags.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        """Ready descriptors and their flags, waiting at most *timeout* ms
+        (-1: no limit)."""
+        if self._seconds:
+            return self._poller.poll(timeout / 1000 if timeout >= 0 else -1)
+        return self._poller.poll(timeout if timeout >= 0 else None)
+
+    def close(self) -> None:
+        if self._seconds:
+            self._poller.close()
+        self._flags.clear()
+
+
 class _Loop:
-    """One ``zmq.Poller``, the pipes on it and their reconnection times: what
-    a blocking node waits on.  A pipe reports to its *owner* (the client or
-    the worker) through ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and
-    ``_pipeMessage``, each with the *tag* it was opened with."""
+    """One poller (``epoll`` where there is one) over the descriptors of the
+    pipes, and the pipes' reconnection times: what a blocking node waits on.
+    A pipe reports to its *owner* (the client or the worker) through
+    ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``, each
+    with the *tag* it was opened with.
+
+    A ZeroMQ socket is watched through its ``ZMQ_FD``, as the Twisted
+    transport watches it: that descriptor only says "ask ``EVENTS``", and a
+    send or receive on the socket may consume its signal, so a pipe that used
+    its socket is asked ``EVENTS`` before the loop waits again (``unchecked``).
+    A wake-up costs what is ready, not a ``zmq_poll`` over every socket (a
+    pipelined client holds one per request in flight)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
         self._zmqContext = context
-        self.poller = _zmq().Poller()
-        self.pipes: dict[Any, Any] = {}  # poller key (socket or fd) -> pipe
+        self.poller = _Poller()
+        self.pipes: dict[int, Any] = {}  # descriptor -> pipe
         self.streams: set[_StreamPipe] = set()
+        #: ZeroMQ pipes whose socket was used since it was last asked EVENTS
+        self.unchecked: set[_ZmqPipe] = set()
 
     def context(self) -> Any:
         if self._zmqContext is None:
@@ -194,23 +245,39 @@ class _Loop:
                     only.wait(timeout)
                     break
             else:
-                self._poll(timeout)
+                self._poll(timeout, now)
         else:
-            self._poll(timeout)
+            self._poll(timeout, now)
         if streams:
             now = time.monotonic()
             for pipe in list(streams):
                 if pipe.retryAt is not None and now >= pipe.retryAt:
                     pipe.wake(now)
 
-    def _poll(self, timeout: int) -> None:
+    def _poll(self, timeout: int, now: float) -> None:
+        unchecked = self.unchecked
+        while unchecked:
+            # what a send or a receive left unsaid: a message that came
+            # meanwhile does not signal the descriptor again
+            pipe = unchecked.pop()
+            if pipe.check(now):
+                timeout = 0  # something was handled: look, but do not wait
         events = self.poller.poll(timeout)
         now = time.monotonic()
         pipes = self.pipes
-        for key, flags in events:
-            pipe = pipes.get(key)
+        for fd, flags in events:
+            pipe = pipes.get(fd)
             if pipe is not None:
                 pipe.ready(flags, now)
+
+    def watch(self, fd: int, flags: int) -> None:
+        """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``), replacing what it
+        was watched for."""
+        self.poller.watch(fd, flags)
+
+    def forget(self, fd: int) -> None:
+        self.pipes.pop(fd, None)
+        self.poller.forget(fd)
 
     def flush(self, pipe: Any, until: float) -> None:
         """Wait until *pipe* has handed all it holds to the OS (or ZeroMQ),
@@ -223,7 +290,7 @@ class _ZmqPipe:
     """One DEALER socket: up from the start (ZeroMQ connects in the
     background and reconnects by itself)."""
 
-    __slots__ = ("loop", "owner", "tag", "socket", "key", "backlog", "up", "waitMs", "address",
+    __slots__ = ("loop", "owner", "tag", "socket", "fd", "backlog", "up", "waitMs", "address",
                  "linger")
 
     def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int) -> None:
@@ -243,11 +310,12 @@ class _ZmqPipe:
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.connect(self.address)
-        self.socket = self.key = sock
+        self.socket = sock
+        self.fd = fd = _get(sock, _FD)
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
-        self.loop.poller.register(sock, _POLLIN)
-        self.loop.pipes[sock] = self
+        self.loop.watch(fd, _POLLIN)
+        self.loop.pipes[fd] = self
 
     @property
     def backlogged(self) -> bool:
@@ -261,7 +329,7 @@ class _ZmqPipe:
             return
         if self.backlog or not self._trySend(frames):
             self.backlog.append(frames)
-            self.loop.poller.register(self.socket, _POLLIN | _POLLOUT)
+        self.loop.unchecked.add(self)
 
     def _trySend(self, frames: list[bytes]) -> bool:
         send = _send
@@ -275,14 +343,25 @@ class _ZmqPipe:
             return False  # only the first frame can be refused (a full pipe)
         return True
 
-    def ready(self, events: int, now: float) -> None:
-        if events & _POLLOUT:
+    def ready(self, flags: int, now: float) -> None:
+        """The socket's descriptor was signalled: see what is ready."""
+        self.check(now)
+
+    def check(self, now: float) -> bool:
+        """Ask the socket's ``EVENTS``, and send what waits and read what came
+        accordingly; whether anything was."""
+        sock = self.socket
+        if sock is None:
+            return False
+        events = _get(sock, _EVENTS)
+        if events & _ZMQ_POLLOUT and self.backlog:
             while self.backlog and self._trySend(self.backlog[0]):
                 self.backlog.popleft()
-            if not self.backlog and self.socket is not None:
-                self.loop.poller.register(self.socket, _POLLIN)
-        if events & _POLLIN:
+            self.loop.unchecked.add(self)
+        if events & _ZMQ_POLLIN:
             self._read(now)
+            return True
+        return False
 
     def wait(self, timeout: int) -> None:
         """The only socket of the loop: block in ``recv`` for at most
@@ -301,17 +380,20 @@ class _ZmqPipe:
         except _zmq().Again:
             return
         # one message a wake-up: the next recv takes what else is queued at once
+        self.loop.unchecked.add(self)
         self._take(frame, time.monotonic())
 
     def _read(self, now: float) -> None:
+        """Read the messages that are there (EVENTS said one is), at most a
+        few a wake-up: the loop comes back for the rest."""
         sock = self.socket
-        if sock is None:
-            return
-        # at most a few messages a wake-up; the poller comes back for the rest
-        for _ in range(64):
-            if self.socket is not sock or not _get(sock, _EVENTS) & _POLLIN:
+        self._take(_recv(sock, _NOBLOCK, copy=False), now)
+        for _ in range(63):
+            if self.socket is not sock or not _get(sock, _EVENTS) & _ZMQ_POLLIN:
                 return
             self._take(_recv(sock, _NOBLOCK, copy=False), now)
+        if self.socket is sock:
+            self.loop.unchecked.add(self)
 
     def _take(self, frame: Any, now: float) -> None:
         """Read the rest of the message *frame* begins (ZeroMQ delivers a
@@ -346,9 +428,9 @@ class _ZmqPipe:
         sock, self.socket = self.socket, None
         self.up = False
         self.backlog.clear()
+        self.loop.unchecked.discard(self)
         if sock is not None:
-            self.loop.pipes.pop(sock, None)
-            self.loop.poller.unregister(sock)
+            self.loop.forget(self.fd)  # before the socket (and its descriptor) goes
             sock.close()  # after LINGER ms at most
 
 
@@ -409,7 +491,7 @@ class _StreamPipe:
         self.socket = sock
         self.key = sock.fileno()
         self.connecting = True
-        self.loop.poller.register(self.key, _POLLOUT)
+        self.loop.watch(self.key, _POLLOUT)
         self.loop.pipes[self.key] = self
 
     def _failed(self, error: BaseException, now: float) -> None:
@@ -439,7 +521,7 @@ class _StreamPipe:
         except OSError:
             return  # the poller reports the loss
         del self.out[:sent]
-        self.loop.poller.register(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+        self.loop.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
 
     def ready(self, events: int, now: float) -> None:
         sock = self.socket
@@ -454,12 +536,12 @@ class _StreamPipe:
             self.connecting = False
             self.up = True
             self.failures = 0
-            self.loop.poller.register(self.key, _POLLIN)
+            self.loop.watch(self.key, _POLLIN)
             self.owner._pipeUp(self.tag, now)
             return
         if events & _POLLOUT:
             self._flush()
-        if events & (_POLLIN | _POLLERR):
+        if events & (_POLLIN | _POLLERR | _POLLHUP):
             try:
                 data = sock.recv(_READ_SIZE)
             except (BlockingIOError, InterruptedError):
@@ -492,8 +574,7 @@ class _StreamPipe:
         self.out.clear()
         self.decoder = RecordDecoder(self.loop.limits)
         if sock is not None:
-            self.loop.pipes.pop(self.key, None)
-            self.loop.poller.unregister(self.key)
+            self.loop.forget(self.key)
             sock.close()
 
     def wake(self, now: float) -> None:
@@ -918,15 +999,15 @@ def _bind_zmq() -> None:
     """pyzmq's compiled socket methods, below its Python wrappers (whose
     IntEnum flag arithmetic costs more than the I/O on this path)."""
     global _send, _recv, _get, _set
-    global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _POLLIN, _POLLOUT, _POLLERR
+    global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _FD, _ZMQ_POLLIN, _ZMQ_POLLOUT
     zmq = _zmq()
     backend = zmq.backend.Socket
     _send, _recv, _get, _set = backend.send, backend.recv, backend.get, backend.set
     _RCVTIMEO = int(zmq.RCVTIMEO)
     _NOBLOCK = int(zmq.NOBLOCK)
     _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-    _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-    _POLLOUT, _POLLERR = int(zmq.POLLOUT), int(zmq.POLLERR)
+    _EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
+    _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
 
 
 _send: Callable[..., Any]
@@ -934,5 +1015,8 @@ _recv: Callable[..., Any]
 _get: Callable[..., Any]
 _set: Callable[..., Any]
 _RCVTIMEO = 0
-_NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _POLLIN = _POLLOUT = _POLLERR = 0
+_NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _FD = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
+# a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
+_POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
+_POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)
 _bind_zmq()

@@ -267,6 +267,39 @@ async def test_map_yields_replies_in_order_within_its_window(kind: str) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_wide_map_asks_only_the_sockets_that_were_signalled_or_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 requests in flight are 64 DEALER sockets: a wake-up asks ZeroMQ
+    about the ones whose descriptor was signalled or that were used since
+    (a handful a reply), not about all 64; and no reply is missed for it."""
+    from mdp import blocking
+
+    cluster = await cluster_with("zmq", 4)
+    asked = 0
+    get = blocking._get
+
+    def counting(sock: Any, option: int) -> Any:
+        nonlocal asked
+        if option == blocking._EVENTS:
+            asked += 1
+        return get(sock, option)
+
+    try:
+        def work() -> list[list[bytes]]:
+            with Client(cluster.endpoint, timeout=10, retries=2, maxConnections=64) as client:
+                list(client.map("work", [b"warm"] * 200, window=64))
+                monkeypatch.setattr(blocking, "_get", counting)
+                return list(client.map("work", [f"r{n}" for n in range(2000)], window=64))
+
+        replies = await run(work)
+        assert [r[1] for r in replies] == [f"r{n}".encode() for n in range(2000)]
+        # three a reply (signalled, read, used again); all 64 a wake-up would be 10 or more
+        assert asked < 5 * 2000, asked
+    finally:
+        await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_map_raises_the_first_error_or_returns_them() -> None:
     cluster = await cluster_with("zmq", 2, "upper", "tests.handlers_for_tests:upper",
                                  "--unknown-service-expiry", "0.5")
