@@ -22,6 +22,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole machine since boot, all cores."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / _TICKS, idle / _TICKS
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:

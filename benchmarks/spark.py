@@ -43,7 +43,7 @@ import time
 import urllib.request
 from typing import Any, Iterator, Optional
 
-from benchmarks.harness import ROOT, Processes
+from benchmarks.harness import ROOT, Processes, cpu_seconds, machine_cpu_seconds
 
 WINDOW = 64
 SIZE = 16  # bytes per row, as the plain client's requests
@@ -278,6 +278,67 @@ def _plain_round(procs: Processes, endpoint: str, rows: int) -> float:
     return plain["end"] - plain["start"]
 
 
+def _kind(pid: int, servers: list[int]) -> str:
+    """What a process is, for the CPU table: ours, Spark's JVMs, Spark's
+    Python workers, this driver, or anything else on the machine."""
+    if pid == servers[0]:
+        return "broker"
+    if pid in servers:
+        return "workers"
+    if pid == os.getpid():
+        return "driver (Python)"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "other"
+    if argv and argv[0].endswith(b"java"):
+        return "Spark JVMs"
+    if any(b"pyspark" in a for a in argv):
+        return "Spark Python workers"
+    if b"benchmarks.roles" in argv and b"client" in argv:
+        return "plain client"
+    return "other"
+
+
+def _process_cpu() -> dict[int, float]:
+    """CPU seconds of every process there is (what can be read)."""
+    seconds = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                seconds[int(name)] = cpu_seconds(int(name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return seconds
+
+
+def _measured(phase: Any, servers: list[int], rows: int, *args: Any) -> tuple[float, dict[str, Any]]:
+    """Run *phase* (which returns its seconds); with where the machine's CPU
+    went meanwhile: ms per 1,000 rows for the broker and workers
+    (*servers*: broker first), for the whole machine, and by kind of process
+    (processes that ended meanwhile are in the machine's figure only), and
+    the share of the machine's cores that was busy."""
+    before = _process_cpu()
+    busy0, idle0 = machine_cpu_seconds()
+    seconds = phase(*args)
+    busy1, idle1 = machine_cpu_seconds()
+    after = _process_cpu()
+    per1k = 1e6 / rows
+    kinds: dict[str, float] = {}
+    for pid, cpu in after.items():
+        kind = _kind(pid, servers)
+        kinds[kind] = kinds.get(kind, 0.0) + (cpu - before.get(pid, 0.0)) * per1k
+    busy = busy1 - busy0
+    return seconds, {
+        "broker_ms_per_1k": kinds.get("broker", 0.0),
+        "workers_ms_per_1k": kinds.get("workers", 0.0),
+        "machine_ms_per_1k": busy * per1k,
+        "by_kind_ms_per_1k": {k: round(v, 1) for k, v in sorted(kinds.items()) if v >= 0.5},
+        "busy_share": busy / max(busy + idle1 - idle0, 1e-9),
+    }
+
+
 def _rows_frame(spark: Any, rows: int) -> Any:
     return spark.range(rows, numPartitions=2).selectExpr(
         f"lpad(cast(id as string), {SIZE}, 'x') as value")
@@ -333,16 +394,20 @@ def run(rows: int, repeat: int, local: bool = False) -> dict[str, Any]:
             raise RuntimeError("warm-up call lost replies")
         setup["cache_and_warmup_s"] = time.monotonic() - t2
 
+        servers = [broker.proc.pid] + [w.proc.pid for w in workers]
         for n in range(repeat):
             load = os.getloadavg()[0]  # other processes on this machine skew both timings
-            plain_s = _plain_round(procs, endpoint, rows)
-            spark_s = _spark_round(df, endpoint, rows)
+            plain_s, plain_cpu = _measured(_plain_round, servers, rows, procs, endpoint, rows)
+            spark_s, spark_cpu = _measured(_spark_round, servers, rows, df, endpoint, rows)
             rounds.append({"plain_client_s": plain_s, "spark_s": spark_s,
                            "plain_client_rows_per_s": rows / plain_s,
                            "spark_rows_per_s": rows / spark_s, "ratio": plain_s / spark_s,
+                           "plain_cpu": plain_cpu, "spark_cpu": spark_cpu,
                            "load_1min_before": load})
             print(f"round {n + 1}/{repeat}: plain {rows / plain_s:,.0f} rows/s, "
-                  f"Spark {rows / spark_s:,.0f} rows/s, ratio {plain_s / spark_s:.2f}",
+                  f"Spark {rows / spark_s:,.0f} rows/s, ratio {plain_s / spark_s:.2f}; "
+                  f"CPU ms per 1k rows: plain {plain_cpu['machine_ms_per_1k']:.0f}, "
+                  f"Spark {spark_cpu['machine_ms_per_1k']:.0f} {spark_cpu['by_kind_ms_per_1k']}",
                   file=sys.stderr, flush=True)
 
     ratio = statistics.median(r["ratio"] for r in rounds)
@@ -363,13 +428,20 @@ def run(rows: int, repeat: int, local: bool = False) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     lines = [f"{report['rows']:,} rows, window {report['window']}, Spark: {report['spark']}", "",
-             "| round | plain client rows/s | Spark call_service rows/s | Spark / plain |",
-             "|---:|---:|---:|---:|"]
+             "| round | plain client rows/s | Spark call_service rows/s | Spark / plain "
+             "| CPU ms per 1k rows, plain: broker / workers / machine (busy) "
+             "| same, Spark |",
+             "|---:|---:|---:|---:|---|---|"]
+
+    def cpu(c: dict[str, float]) -> str:
+        return (f"{c['broker_ms_per_1k']:.0f} / {c['workers_ms_per_1k']:.0f} / "
+                f"{c['machine_ms_per_1k']:.0f} ({c['busy_share']:.0%})")
+
     for n, r in enumerate(report["rounds"], 1):
         lines.append(f"| {n} | {r['plain_client_rows_per_s']:,.0f} | {r['spark_rows_per_s']:,.0f} "
-                     f"| {r['ratio']:.2f} |")
+                     f"| {r['ratio']:.2f} | {cpu(r['plain_cpu'])} | {cpu(r['spark_cpu'])} |")
     lines.append(f"| median | {report['plain_client_rows_per_s']:,.0f} "
-                 f"| {report['spark_rows_per_s']:,.0f} | {report['ratio']:.2f} |")
+                 f"| {report['spark_rows_per_s']:,.0f} | {report['ratio']:.2f} | | |")
     goal = report["goal"]["ratio_at_least"]
     lines.append(f"\nSpark / plain client: {report['ratio']:.2f} "
                  f"(goal >= {goal}: {'met' if report['met'] else 'NOT met'})")
