@@ -255,13 +255,15 @@ class _Loop:
                     pipe.wake(now)
 
     def _poll(self, timeout: int, now: float) -> None:
-        unchecked = self.unchecked
-        while unchecked:
+        if self.unchecked:
             # what a send or a receive left unsaid: a message that came
             # meanwhile does not signal the descriptor again
-            pipe = unchecked.pop()
-            if pipe.check(now):
-                timeout = 0  # something was handled: look, but do not wait
+            unchecked, self.unchecked = self.unchecked, set()
+            for pipe in unchecked:
+                if pipe.check(now):
+                    timeout = 0  # something was handled: look, but do not wait
+            if self.unchecked:
+                timeout = 0  # used again meanwhile: asked at the next turn, soon
         events = self.poller.poll(timeout)
         now = time.monotonic()
         pipes = self.pipes
