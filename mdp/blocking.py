@@ -158,6 +158,8 @@ class _Poller:
         self._flags: dict[int, int] = {}
 
     def watch(self, fd: int, flags: int) -> None:
+        """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``), replacing what it
+        was watched for."""
         current = self._flags.get(fd)
         if current == flags:
             return
@@ -272,14 +274,13 @@ class _Loop:
             if pipe is not None:
                 pipe.ready(flags, now)
 
-    def watch(self, fd: int, flags: int) -> None:
-        """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``), replacing what it
-        was watched for."""
-        self.poller.watch(fd, flags)
-
     def forget(self, fd: int) -> None:
         self.pipes.pop(fd, None)
         self.poller.forget(fd)
+
+    def shutdown(self) -> None:
+        """Release the poller's descriptor (the pipes are closed already)."""
+        self.poller.close()
 
     def flush(self, pipe: Any, until: float) -> None:
         """Wait until *pipe* has handed all it holds to the OS (or ZeroMQ),
@@ -316,7 +317,7 @@ class _ZmqPipe:
         self.fd = fd = _get(sock, _FD)
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
-        self.loop.watch(fd, _POLLIN)
+        self.loop.poller.watch(fd, _POLLIN)
         self.loop.pipes[fd] = self
 
     @property
@@ -351,7 +352,7 @@ class _ZmqPipe:
 
     def check(self, now: float) -> bool:
         """Ask the socket's ``EVENTS``, and send what waits and read what came
-        accordingly; whether anything was."""
+        accordingly; whether anything was read."""
         sock = self.socket
         if sock is None:
             return False
@@ -493,7 +494,7 @@ class _StreamPipe:
         self.socket = sock
         self.key = sock.fileno()
         self.connecting = True
-        self.loop.watch(self.key, _POLLOUT)
+        self.loop.poller.watch(self.key, _POLLOUT)
         self.loop.pipes[self.key] = self
 
     def _failed(self, error: BaseException, now: float) -> None:
@@ -523,7 +524,7 @@ class _StreamPipe:
         except OSError:
             return  # the poller reports the loss
         del self.out[:sent]
-        self.loop.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+        self.loop.poller.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
 
     def ready(self, events: int, now: float) -> None:
         sock = self.socket
@@ -538,7 +539,7 @@ class _StreamPipe:
             self.connecting = False
             self.up = True
             self.failures = 0
-            self.loop.watch(self.key, _POLLIN)
+            self.loop.poller.watch(self.key, _POLLIN)
             self.owner._pipeUp(self.tag, now)
             return
         if events & _POLLOUT:
@@ -724,6 +725,7 @@ class Client(ClientCore):
                 channel.pipe = None
             self._loop = _Loop(self.limits, None)
         self._perform(self.handleClose(time.monotonic()))
+        self._loop.shutdown()
 
     def __enter__(self) -> Client:
         return self

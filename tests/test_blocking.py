@@ -11,6 +11,7 @@ what it does (``run``), as a ZeroMQ socket wants.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -398,6 +399,18 @@ def test_endpoints_it_cannot_speak_are_refused_at_once() -> None:
         Client("zmq:nonsense")
     with pytest.raises(ValueError):
         Client("zmq:tcp://127.0.0.1:1", timeout=0)
+
+
+def test_close_releases_the_clients_descriptors() -> None:
+    """The poller's descriptor goes with the client's close, not whenever
+    the client object is collected."""
+    before = len(os.listdir("/proc/self/fd"))
+    client = Client("zmq:tcp://127.0.0.1:1")
+    assert len(os.listdir("/proc/self/fd")) > before  # its poller
+    client.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    with pytest.raises(errors.ClientClosed):
+        client.request("echo", b"x")
 
 
 # --- the Spark bridge's choice of client --------------------------------------------------
