@@ -239,9 +239,33 @@ async def test_finished_requests_are_not_kept_until_their_deadline(clocknet: Loo
         final(router, requests(router)[-1][1], b"svc", b"ok")
         clocknet.reactor.advance(0)
         assert d.called
+        # answered in the order asked: nothing of it is kept (its reply
+        # would live as long as the entry, and the garbage collector would
+        # walk it in every full pass)
+        assert client._deadlines == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_finished_requests_behind_a_slow_one_are_not_kept_either(
+        clocknet: LoopbackNet) -> None:
+    router, client = await broker_and_client(clocknet, timeout=600, maxConnections=2)
+    slow = client.request("svc", b"slow")
+    clocknet.reactor.advance(0)
+    for n in range(3000):
+        d = client.request("svc", b"x" * 1000, str(n))
+        clocknet.reactor.advance(0)
+        final(router, requests(router)[-1][1], b"svc", b"ok")
+        clocknet.reactor.advance(0)
+        assert d.called
+    assert not slow.called  # its entry heads the heap: the ones after it wait for a sweep
     assert len(client._deadlines) <= 1024 + 2 * len(client._channels) + 1
     # what an entry still refers to is a finished call without its request
-    assert all(call.done and call.message is None for _, _, call in client._deadlines)
+    head = client._deadlines[0][2]
+    assert not head.done
+    assert all(call.done and call.message is None for _, _, call in client._deadlines[1:])
+    final(router, requests(router)[0][1], b"svc", b"slow done")
+    clocknet.reactor.advance(0)
+    assert slow.called and client._deadlines == []  # the rest go with it
 
 
 @pytest_twisted.ensureDeferred

@@ -583,7 +583,8 @@ class ClientMachine(Machine):
         if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
             # entries of calls already finished: drop them now rather than
             # when their deadlines come round
-            self._deadlines = heap = [e for e in heap if self._watched(e)]
+            # in place: _sweep may hold this very list
+            heap[:] = [e for e in heap if self._watched(e)]
             heapq.heapify(heap)
         heapq.heappush(heap, (deadline, next(self._order), call))
         self._wakeBy(deadline)
@@ -763,6 +764,13 @@ class ClientMachine(Machine):
                 waiting.clear()
                 waiting.extend(kept)
                 self._waitingDone = 0
+        # its deadline entry, at the head when requests end in the order they
+        # began (the usual case), goes now: entries left for the sweep would
+        # outlive many collections and make the garbage collector's full
+        # passes frequent
+        heap = self._deadlines
+        while heap and not self._watched(heap[0]):
+            heapq.heappop(heap)
         return True
 
     def _fail(self, call: _Call, error: BaseException) -> None:
