@@ -128,6 +128,11 @@ class ServiceOverloaded(RemoteError):
     """The broker refused the request because its queues are full (429)."""
 
 
+class Forbidden(RemoteError):
+    """The broker's access policy does not let this client call the service
+    (403); the request reached no worker."""
+
+
 class MessageTooLarge(RemoteError):
     """A 413 error reply from the broker or a worker: a request too large for
     a worker, or a reply too large for the link back to the client."""

@@ -8,6 +8,8 @@ the matching transport interface; it never imports zmq, txzmq or socket.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from zope.interface import Attribute, Interface
 
 
@@ -143,6 +145,28 @@ class IAdmission(Interface):
 
     def status(now: float) -> dict:
         """What operators see (JSON-ready): the role, state, peer, ..."""
+
+
+class IAccess(Interface):
+    """Who may call and who may serve which services: what a broker asks,
+    with the identity the peer's transport authenticated (``None`` for a
+    link without authentication), before it takes a client request or
+    registers a worker (:class:`mdp.policy.AccessPolicy`)."""
+
+    def mayCall(identity: Optional[str], service: bytes) -> bool:
+        """May this peer call *service* (and learn of it through MMI)?"""
+
+    def mayServe(identity: Optional[str], service: bytes) -> bool:
+        """May this peer register as a worker for *service*?"""
+
+
+class IAuthenticatedRouter(Interface):
+    """A router transport that knows who its peers are (CURVE, mutual TLS)."""
+
+    def peerIdentity(peer: bytes) -> Optional[str]:
+        """The identity the transport authenticated for *peer* (a CURVE
+        public key in Z85, a TLS certificate subject), or ``None``.  Valid at
+        least while a message from *peer* is being delivered."""
 
 
 class IBroker(Interface):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from mdp.errors import (
+    Forbidden,
     MessageTooLarge,
     RemoteError,
     ServiceOverloaded,
@@ -30,6 +31,7 @@ STATUS_WORKER_ERROR = b"500"
 STATUS_UNAVAILABLE = b"503"
 STATUS_OVERLOADED = b"429"
 STATUS_TOO_LARGE = b"413"
+STATUS_FORBIDDEN = b"403"
 
 def text(name: bytes) -> str:
     """A service name (bytes on the wire) as text, for logs and metric labels:
@@ -42,6 +44,7 @@ _ERRORS: dict[bytes, type[RemoteError]] = {
     STATUS_UNAVAILABLE: ServiceUnavailable,
     STATUS_OVERLOADED: ServiceOverloaded,
     STATUS_TOO_LARGE: MessageTooLarge,
+    STATUS_FORBIDDEN: Forbidden,
 }
 
 Frame = Union[bytes, str]

@@ -110,6 +110,11 @@ class BrokerMetrics:
             "Requests refused at once: queues full (overloaded, 429), or this broker is the "
             "passive one of a Binary Star pair (passive).",
             ["service", "reason"], registry=r)
+        self.denied = Counter(
+            "mdp_broker_access_denied",
+            "Calls (403) and READYs (DISCONNECT) the access policy refused, by service and "
+            "what was asked (call, serve).",
+            ["service", "what"], registry=r)
         self.queueSeconds = Histogram(
             "mdp_broker_queue_seconds", "Time a request waited before a worker took it.",
             ["service"], buckets=SECONDS_BUCKETS, registry=r)
@@ -164,6 +169,9 @@ class BrokerMetrics:
 
     def refuse(self, service: bytes, reason: str) -> None:
         self.refused.labels(self._labels(service), reason).inc()
+
+    def deny(self, service: bytes, what: str) -> None:
+        self.denied.labels(self._labels(service), what).inc()
 
     def expired(self, service: bytes) -> None:
         self.expiries.labels(self._labels(service)).inc()

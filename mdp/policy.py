@@ -1,7 +1,7 @@
 """Policies shared by every pattern: heartbeating and peer liveness, reconnect
 backoff, endpoint rotation for failover, the limits that bound what a peer may
-cost, throttled warnings, the reactor helpers every node uses, and the check
-of a duration argument.
+cost, who may call and serve what (:class:`AccessPolicy`), throttled warnings,
+the reactor helpers every node uses, and the check of a duration argument.
 
 Every pattern takes these objects instead of growing its own: a broker, worker,
 client or Freelance client that says "a peer silent for 7.5 s is dead" says it
@@ -9,6 +9,7 @@ with a :class:`HeartbeatPolicy` and a :class:`Liveness`."""
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Optional, Sequence
 
 import attrs
@@ -265,3 +266,117 @@ class LogThrottle:
             fields.update(held=held, interval=self.interval)
         emit(format, **fields)
         return True
+
+
+@attrs.frozen
+class AccessRule:
+    """The services one kind of peer may call and may serve: shell-style
+    patterns (``echo``, ``billing.*``, ``*``) matched against the whole
+    service name."""
+
+    call: tuple[str, ...] = ()
+    serve: tuple[str, ...] = ()
+
+    def mayCall(self, service: str) -> bool:
+        return any(fnmatch.fnmatchcase(service, pattern) for pattern in self.call)
+
+    def mayServe(self, service: str) -> bool:
+        return any(fnmatch.fnmatchcase(service, pattern) for pattern in self.serve)
+
+
+class AccessPolicy:
+    """Who may call and who may serve which services (docs/security.md).
+
+    A peer is known by the identity its transport authenticated: a CURVE
+    public key (Z85, 40 characters) or a TLS client certificate's subject
+    (RFC 4514, ``CN=worker-1,O=Example``).  *peers* maps identities to their
+    :class:`AccessRule`; an authenticated peer not listed gets *default*, and
+    a peer with no identity at all (a link without authentication) gets
+    *anonymous*.  Both allow nothing unless given.  ``mmi.*`` requests are
+    always answered, about the services the asker may call only."""
+
+    def __init__(self, peers: Optional[dict[str, AccessRule]] = None, *,
+                 default: AccessRule = AccessRule(), anonymous: AccessRule = AccessRule()) -> None:
+        self.peers = dict(peers or {})
+        self.default = default
+        self.anonymous = anonymous
+
+    def rule(self, identity: Optional[str]) -> AccessRule:
+        if identity is None:
+            return self.anonymous
+        return self.peers.get(identity, self.default)
+
+    def mayCall(self, identity: Optional[str], service: bytes) -> bool:
+        return self.rule(identity).mayCall(service.decode("utf-8", "replace"))
+
+    def mayServe(self, identity: Optional[str], service: bytes) -> bool:
+        return self.rule(identity).mayServe(service.decode("utf-8", "replace"))
+
+    @classmethod
+    def load(cls, path: str) -> AccessPolicy:
+        """Read a policy file (TOML)::
+
+            [[peer]]
+            identity = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a CURVE public key
+            call = ["echo", "billing.*"]
+
+            [[peer]]
+            identity = "CN=worker-1,O=Example"   # a TLS client certificate's subject
+            serve = ["echo"]
+
+            [default]     # authenticated peers not listed above
+            call = ["echo"]
+
+            [anonymous]   # peers of links without authentication
+            call = []
+
+        Raises ``ValueError`` naming the file and the mistake; ``OSError``
+        if it cannot be read."""
+        import tomllib
+
+        with open(path, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"access policy {path}: not TOML: {e}") from None
+        return cls.fromDict(data, source=path)
+
+    @classmethod
+    def fromDict(cls, data: dict[str, Any], source: str = "access policy") -> AccessPolicy:
+        """A policy from the structure of a policy file (see :meth:`load`)."""
+        unknown = set(data) - {"peer", "default", "anonymous"}
+        if unknown:
+            raise ValueError(f"{source}: unknown section(s) {sorted(unknown)}; "
+                             "expected [[peer]], [default], [anonymous]")
+        peers: dict[str, AccessRule] = {}
+        entries = data.get("peer", [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{source}: peers are [[peer]] tables")
+        for n, entry in enumerate(entries, 1):
+            where = f"{source}: peer {n}"
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: not a table")
+            identity = entry.get("identity")
+            if not isinstance(identity, str) or not identity:
+                raise ValueError(f"{where}: no identity (a CURVE public key or a TLS subject)")
+            if identity in peers:
+                raise ValueError(f"{where}: identity {identity!r} is listed twice")
+            peers[identity] = _rule(entry, where, {"identity", "name"})
+        default = _rule(data.get("default", {}), f"{source}: [default]")
+        anonymous = _rule(data.get("anonymous", {}), f"{source}: [anonymous]")
+        return cls(peers, default=default, anonymous=anonymous)
+
+
+def _rule(entry: Any, where: str, extra: frozenset[str] | set[str] = frozenset()) -> AccessRule:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: not a table")
+    unknown = set(entry) - {"call", "serve"} - set(extra)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected call, serve")
+    lists = []
+    for key in ("call", "serve"):
+        value = entry.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
+            raise ValueError(f"{where}: {key} is a list of service names or patterns")
+        lists.append(tuple(value))
+    return AccessRule(*lists)

@@ -125,6 +125,9 @@ class _Router:
     def disconnectPeer(self, peer: bytes) -> None:
         self.script.actions.append(Disconnect(peer))
 
+    def peerIdentity(self, peer: bytes) -> Optional[str]:
+        return self.script.identities.get(peer)
+
     def close(self) -> defer.Deferred[None]:
         self.script.routers.pop(self.endpoint, None)
         self.script.actions.append(Close(self.endpoint))
@@ -162,7 +165,9 @@ class Script:
     """A fake world for one node: a clock, recorded actions, scripted events.
 
     With *autoConnect*, a pipe the node opens is up as soon as the node next
-    gets control (as a ZeroMQ DEALER is); otherwise feed :class:`Connected`."""
+    gets control (as a ZeroMQ DEALER is); otherwise feed :class:`Connected`.
+    ``identities`` maps peer ids to the identity their routers report as
+    authenticated (CURVE keys, TLS subjects): what an access policy sees."""
 
     def __init__(self, autoConnect: bool = False, start: float = 0.0) -> None:
         self.clock = task.Clock()
@@ -170,6 +175,7 @@ class Script:
         self.autoConnect = autoConnect
         self.actions: list[Action] = []
         self.routers: dict[str, _Router] = {}
+        self.identities: dict[bytes, str] = {}
         self.pipes: dict[str, _Pipe] = {}
         self._latest: dict[str, _Pipe] = {}
         self._counts: dict[str, itertools.count] = {}

@@ -131,7 +131,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import ProtocolError
-from mdp.interfaces import IAdmission, IBroker, IRouterReceiver, IRouterTransport
+from mdp.interfaces import IAccess, IAdmission, IBroker, IRouterReceiver, IRouterTransport
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.codec import (
@@ -223,6 +223,12 @@ class Binding:
         if self.transport is not None:
             self.transport.sendMessage(peer, frames)
 
+    def identity(self, peer: bytes) -> Optional[str]:
+        """Who *peer* is, as its transport authenticated it (a CURVE public
+        key, a TLS subject), or None."""
+        peerIdentity = getattr(self.transport, "peerIdentity", None)
+        return None if peerIdentity is None else peerIdentity(peer)
+
     def disconnect(self, peer: bytes) -> None:
         """Close *peer*'s connection once what was sent to it is out (a no-op
         on ZeroMQ, which has no connection per peer)."""
@@ -231,6 +237,16 @@ class Binding:
 
 
 PeerKey = tuple[Binding, bytes]
+
+
+def _identity(key: PeerKey) -> Optional[str]:
+    """Who the peer of *key* is, as its transport authenticated it."""
+    identify = getattr(key[0], "identity", None)
+    return None if identify is None else identify(key[1])
+
+
+def _who(identity: Optional[str]) -> str:
+    return "an unauthenticated peer" if identity is None else f"peer {identity!r}"
 
 class RequestState(enum.Enum):
     """What a client request is doing (see the table in the module docstring)."""
@@ -509,6 +525,7 @@ class BrokerMachine(Machine):
         unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
         limits: Limits = Limits(),
         admission: Optional[IAdmission] = None,
+        access: Optional[IAccess] = None,
         metrics: Optional[Any] = None,
         logRequests: bool = False,
         now: float = 0.0,
@@ -533,6 +550,8 @@ class BrokerMachine(Machine):
         #: asked before a client request is taken or a worker registered
         #: (Binary Star: only the active broker of a pair serves)
         self.admission = admission
+        #: who may call and serve what (None: anyone, anything)
+        self.access = access
         self.throttle = LogThrottle(self)
         self._ledger = QueueLedger()
         self._assignments = itertools.count(1)
@@ -697,6 +716,23 @@ class BrokerMachine(Machine):
         metrics = self.metrics
         if metrics is not None:
             metrics.request(name)
+        access = self.access
+        if access is not None:
+            identity = _identity(key)
+            if name.startswith(mmi.PREFIX):
+                request.state = DONE
+                self._reply(request, mmi.answer(
+                    self, name, body, lambda service: access.mayCall(identity, service)),
+                    final=True)
+                if metrics is not None:
+                    metrics.replied(name, None, None)
+                return
+            if not access.mayCall(identity, name):
+                if metrics is not None:
+                    metrics.deny(name, "call")
+                self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
+                             f"{_who(identity)} may not call {name.decode('ascii')!r}")
+                return
         admission = self.admission
         if admission is not None and name != mmi.BINARYSTAR:
             if not admission.admitClient(now):
@@ -1015,7 +1051,12 @@ class BrokerMachine(Machine):
 
     def _onReady(self, key: PeerKey, name: bytes, dialect: str) -> None:
         service = self.services.get(name)
-        if self.admission is not None and not self.admission.admitWorker(self.now):
+        access = self.access
+        if access is not None and not access.mayServe(identity := _identity(key), name):
+            why = f"{_who(identity)} may not serve it"
+            if self.metrics is not None:
+                self.metrics.deny(name, "serve")
+        elif self.admission is not None and not self.admission.admitWorker(self.now):
             why = "this broker is not the active one of its Binary Star pair"
         elif len(self.workers) >= self.maxWorkers:
             why = f"{len(self.workers)} workers already registered"

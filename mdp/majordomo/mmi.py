@@ -18,6 +18,10 @@ by the broker itself.
 any other ``mmi.*``       ``501``
 ========================  =====================================================
 
+Under an access policy (:class:`mdp.policy.AccessPolicy`) every peer may ask,
+and hears only of the services it may call: another is ``404`` to
+``mmi.service`` and absent from ``mmi.services`` and ``mmi.workers``.
+
 Replies are bounded: ``mmi.services`` lists at most :data:`MAX_ENTRIES`
 services (the first by name) and ``mmi.workers`` at most :data:`MAX_ENTRIES`
 workers; when there were more, a second frame says so:
@@ -32,7 +36,7 @@ Answers come from the broker's public, read-only view only
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from mdp.majordomo.broker import Broker
@@ -55,35 +59,51 @@ def _listing(entries: Any, total: int) -> list[bytes]:
     return frames
 
 
-def answer(broker: Broker, service: bytes, body: Sequence[bytes]) -> list[bytes]:
-    """The FINAL body answering an ``mmi.*`` request."""
+def _worker(worker: Any) -> dict[str, Any]:
+    return {
+        "id": worker.peer,
+        "service": worker.service.decode("ascii"),
+        "busy": worker.busy,
+        "dialect": worker.dialect,
+        "silence": round(worker.silence, 3),
+    }
+
+
+def answer(broker: Broker, service: bytes, body: Sequence[bytes],
+           visible: Optional[Callable[[bytes], bool]] = None) -> list[bytes]:
+    """The FINAL body answering an ``mmi.*`` request; with *visible*, only
+    about the services it allows (the asker's, under an access policy): the
+    others are answered as if they did not exist."""
     if service == b"mmi.service":
-        return [FOUND if broker.isServiceAvailable(bytes(body[0])) else NOT_FOUND]
+        name = bytes(body[0])
+        if visible is not None and not visible(name):
+            return [NOT_FOUND]
+        return [FOUND if broker.isServiceAvailable(name) else NOT_FOUND]
     if service == b"mmi.services":
-        snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0)
+        if visible is None:
+            snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0)
+            services, total = snapshot.services, snapshot.serviceCount
+        else:
+            every = broker.snapshot(workerLimit=0).services
+            allowed = [each for each in every if visible(each.name)]
+            services, total = allowed[:MAX_ENTRIES], len(allowed)
         table = {
             each.name.decode("ascii"): {
                 "workers": each.workers,
                 "idle": each.idle,
                 "queued": each.queued,
             }
-            for each in snapshot.services
+            for each in services
         }
-        return _listing(table, snapshot.serviceCount)
+        return _listing(table, total)
     if service == b"mmi.workers":
         wanted = bytes(body[0]) if body and body[0] else None
+        if visible is not None:
+            every = broker.snapshot(serviceLimit=0, service=wanted).workers
+            allowed = [w for w in every if visible(w.service)]
+            return _listing([_worker(w) for w in allowed[:MAX_ENTRIES]], len(allowed))
         snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted)
-        workers = [
-            {
-                "id": worker.peer,
-                "service": worker.service.decode("ascii"),
-                "busy": worker.busy,
-                "dialect": worker.dialect,
-                "silence": round(worker.silence, 3),
-            }
-            for worker in snapshot.workers
-        ]
-        return _listing(workers, snapshot.workerCount)
+        return _listing([_worker(w) for w in snapshot.workers], snapshot.workerCount)
     if service == BINARYSTAR:
         status = broker.admissionStatus()
         if status is not None:
