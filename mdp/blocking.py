@@ -69,7 +69,8 @@ from mdp.majordomo.worker import (
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
-from mdp.transport import endpoint_list
+from mdp.transport import check_curve, curve_for, endpoint_list
+from mdp.transport.curve import curve_client
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
 from mdp.transport.zeromq import ZERO_COPY_BYTES
@@ -214,13 +215,14 @@ class _Loop:
             self._zmqContext = _zmq().Context.instance()
         return self._zmqContext
 
-    def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0) -> Any:
+    def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None) -> Any:
         """A pipe to *endpoint*, to be started (``start()``) once its owner
-        holds it: a ZeroMQ one is up at once (the caller tells its owner), a
-        stream one once its connection is made (or it reports a failure, at
-        once or later)."""
+        holds it: a ZeroMQ one (with *curve*, a CURVE client) is up at once
+        (the caller tells its owner), a stream one once its connection is
+        made (or it reports a failure, at once or later)."""
         if endpoint.startswith("zmq:"):
-            return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger)
+            return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger,
+                            curve_for(endpoint, curve))
         family, address = _stream_address(endpoint)
         stream = _StreamPipe(self, owner, tag, family, address)
         self.streams.add(stream)
@@ -294,14 +296,16 @@ class _ZmqPipe:
     background and reconnects by itself)."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "fd", "backlog", "up", "waitMs", "address",
-                 "linger")
+                 "linger", "curve")
 
-    def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int) -> None:
+    def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int,
+                 curve: Any = None) -> None:
         self.loop = loop
         self.owner = owner
         self.tag = tag
         self.address = address
         self.linger = linger
+        self.curve = curve
         self.backlog: deque[list[bytes]] = deque()
         self._connect()
 
@@ -312,6 +316,8 @@ class _ZmqPipe:
         sock.setsockopt(zmq.LINGER, self.linger)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 1000)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.address)
         self.socket = sock
         self.fd = fd = _get(sock, _FD)
@@ -624,10 +630,13 @@ class Client(ClientCore):
         stamp: bool = False,
         limits: Limits = Limits(),
         context: Any = None,
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         super().__init__(endpoint, time.monotonic(), timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits)
+                         limits=limits, curveServerPublic=curveServerPublic,
+                         curveSecret=curveSecret)
         _check_schemes(self.endpoints)
         _log_to_stdlib()
         self._loop = _Loop(limits, context)
@@ -831,7 +840,7 @@ class Client(ClientCore):
                 self._perform(self.handlePipeUp(channel, time.monotonic()))
 
     def _open(self, channel: _Channel) -> None:
-        pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel)
+        pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel, curve=self.curve)
         # a failure reported at once (no such socket file) may close the channel
         pipe.start()
         if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
@@ -865,10 +874,15 @@ class Worker(WorkerMachine):
         dialect: str = codec.RFC,
         limits: Limits = Limits(),
         context: Any = None,
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         endpoints = endpoint_list(endpoint)
         _check_schemes(endpoints)
         self.handler = checked_handler(handler)
+        #: the broker's public key and this worker's key pair, for zmq: endpoints
+        self.curve = curve_client(curveServerPublic, curveSecret)
+        check_curve(endpoints, self.curve)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits, now=time.monotonic())
         self.requestsServed = 0
@@ -940,7 +954,8 @@ class Worker(WorkerMachine):
             elif kind is Serve:
                 self._serve(action.job, action.body)
             elif kind is OpenPipe:
-                pipe = self._pipe = self._loop.open(action.endpoint, self, None, LINGER_MS)
+                pipe = self._pipe = self._loop.open(action.endpoint, self, None, LINGER_MS,
+                                                    curve=self.curve)
                 pipe.start()
                 if pipe.up:
                     self._madeUp = True

@@ -71,3 +71,10 @@ def blocking(frames: list[bytes]) -> list[bytes]:
 def fails(frames: list[bytes]) -> list[bytes]:
     """Always raise: the worker answers with an error reply."""
     raise RuntimeError(f"refusing {frames!r}")
+
+
+def announced(frames: list[bytes]) -> list[bytes]:
+    """Echo, after printing ``handling <first frame>`` (a test reads the
+    worker's output to see which requests reached it)."""
+    print("handling", frames[0].decode(errors="replace"), flush=True)
+    return frames

@@ -54,7 +54,14 @@ from twisted.internet import defer, task
 from twisted.python import usage
 
 from mdp import transport
-from mdp.app.tap import BrokerListOptions, VersionedOptions, _dialect, checked_endpoints
+from mdp.app.tap import (
+    CURVE_CLIENT_OPTIONS,
+    BrokerListOptions,
+    VersionedOptions,
+    _dialect,
+    checked_curve_client,
+    checked_endpoints,
+)
 from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
@@ -73,10 +80,16 @@ class _ClientOptions(BrokerListOptions):
     optParameters: list[Any] = [
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
-    ]
+    ] + CURVE_CLIENT_OPTIONS
+
+    def curve(self) -> dict[str, Any]:
+        """The CURVE options, as a client's keyword arguments."""
+        return {"curveServerPublic": self["curve-server-public"],
+                "curveSecret": self["curve-secret"]}
 
     def postOptions(self) -> None:
         BrokerListOptions.postOptions(self)
+        checked_curve_client(self)
         if self["timeout"] <= 0:
             raise usage.UsageError("--timeout must be positive")
         if self["retries"] < 1:
@@ -347,9 +360,23 @@ def transport_endpoint(endpoint: str) -> str:
     return convert(endpoint)
 
 
+class KeygenOptions(VersionedOptions):
+    synopsis = "[--dir DIRECTORY] NAME"
+    longdesc = ("Write a new CURVE key pair: NAME.key (the public key, for the peers' "
+                "allow-lists and --curve-server-public) and NAME.key_secret (keep it to "
+                "yourself: --curve-secret), in ZeroMQ's certificate format.  Existing files "
+                "are never overwritten.")
+    optParameters: list[Any] = [
+        ["dir", "d", ".", "Directory to write the two files in."],
+    ]
+
+    def parseArgs(self, name: str) -> None:
+        self["name"] = name
+
+
 class Options(_Commands):
     programName = "mdp"
-    synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo [options]"
+    synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo|keygen [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
         ["status", None, StatusOptions, "A broker's services and workers (MMI)."],
@@ -359,14 +386,27 @@ class Options(_Commands):
         ["sp-request", None, SPRequestOptions, "Send one SP (nng) request; print the reply."],
         ["chat", None, ChatOptions, "A terminal chat with Harmony (ZRE) peers."],
         ["demo", None, DemoOptions, "Broker + echo worker + client, in one process."],
+        ["keygen", None, KeygenOptions, "Write a CURVE key pair (NAME.key, NAME.key_secret)."],
     ]
+
+
+def keygen(options: KeygenOptions) -> None:
+    from mdp.transport.curve import keygen as write
+
+    try:
+        public, secret = write(options["name"], options["dir"])
+    except ValueError as e:
+        print(f"mdp keygen: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(f"public key: {public}")
+    print(f"secret key: {secret}")
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
     from mdp.majordomo.client import Client
 
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], dialect=options["dialect"])
+                    retries=options["retries"], dialect=options["dialect"], **options.curve())
 
     def partial(frames: list[bytes]) -> None:
         for frame in frames:
@@ -441,7 +481,7 @@ async def status(reactor: Any, options: StatusOptions) -> None:
     from mdp.majordomo.client import Client
 
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"])
+                    retries=options["retries"], **options.curve())
     watch = options["watch"]
     clear = watch is not None and sys.stdout.isatty()
     try:
@@ -524,7 +564,7 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
 
     command, sub = options.subCommand, options.subOptions
     client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
-                           retries=sub["retries"])
+                           retries=sub["retries"], **sub.curve())
     status = 0
     try:
         if command == "submit":
@@ -660,6 +700,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         command = " ".join(words)
         print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
+    if options.subCommand == "keygen":  # no reactor: two files and done
+        keygen(options.subOptions)
+        return
     command = {"call": call, "status": status, "freelance-call": freelance_call,
                "titanic": titanic, "sp-request": sp_request, "chat": chat,
                "demo": demo}[options.subCommand]

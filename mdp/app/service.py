@@ -145,10 +145,13 @@ class WorkerService(Service):
         replies: Optional[Any] = None,
         limits: Limits = Limits(),
         metrics: Optional[Any] = None,
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,
                              backoff=backoff, dialect=dialect, replies=replies, limits=limits,
-                             metrics=metrics)
+                             metrics=metrics, curveServerPublic=curveServerPublic,
+                             curveSecret=curveSecret)
 
     def startService(self) -> None:
         super().startService()

@@ -232,6 +232,60 @@ def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
     return parent
 
 
+#: CURVE on zmq: endpoints, for the roles that serve
+_CURVE_SERVER_OPTIONS: list[Any] = [
+    ["curve-secret", None, None, "CURVE: this server's secret key file (NAME.key_secret, "
+     "from 'mdp keygen NAME'); zmq: endpoints become encrypted."],
+    ["curve-allow", None, None, "CURVE: a directory of the public keys (*.key) of the peers "
+     "let in; without it any peer with a key is."],
+]
+#: CURVE on zmq: endpoints, for the roles that connect
+CURVE_CLIENT_OPTIONS: list[Any] = [
+    ["curve-server-public", None, None, "CURVE: the broker's public key file (NAME.key)."],
+    ["curve-secret", None, None, "CURVE: this peer's secret key file (NAME.key_secret); "
+     "without it a key made up for this process (only a server without --curve-allow "
+     "lets it in)."],
+]
+
+
+def checked_curve_server(options: usage.Options) -> None:
+    """--curve-secret and --curve-allow, read now: a missing or wrong file
+    is a usage mistake."""
+    from mdp.transport.curve import curve_server
+
+    try:
+        curve_server(options["curve-secret"], options["curve-allow"])
+    except (TransportError, ValueError) as e:
+        raise usage.UsageError(str(e)) from None
+
+
+def checked_curve_client(options: usage.Options) -> None:
+    """--curve-server-public and --curve-secret, read now."""
+    from mdp.transport.curve import curve_client
+
+    try:
+        curve_client(options["curve-server-public"], options["curve-secret"])
+    except (TransportError, ValueError) as e:
+        raise usage.UsageError(str(e)) from None
+
+
+def access_of(options: usage.Options) -> Any:
+    """The --access policy file, loaded (None without one)."""
+    if options["access"] is None:
+        return None
+    if "access-policy" not in options:
+        from mdp.policy import AccessPolicy
+
+        try:
+            options["access-policy"] = AccessPolicy.load(options["access"])
+        except OSError as e:
+            raise usage.UsageError(f"--access: cannot read {options['access']}: "
+                                   f"{e.strerror}") from None
+        except ValueError as e:
+            raise usage.UsageError(f"--access: {e}") from None
+    return options["access-policy"]
+
+
 def debug_logging(options: usage.Options) -> bool:
     """``twist --log-level debug`` was asked for (the parent's option)."""
     from twisted.logger import LogLevel
@@ -282,12 +336,16 @@ class BrokerOptions(_HeartbeatOptions):
         ["bstar-heartbeat", None, DEFAULT_BSTAR_HEARTBEAT,
          "Binary Star: seconds between state messages; the peer is gone after twice this.",
          _positive],
-    ] + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
+        ["access", None, None, "Access policy file (TOML): which peers may call and serve "
+         "which services (docs/security.md)."],
+    ] + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_endpoints(self["backend"], transport.LISTEN, "backend")
         checked_metrics(self)
+        checked_curve_server(self)
+        access_of(self)
         bstar = (self["bstar"], self["bstar-local"], self["bstar-remote"])
         if any(bstar) and not all(bstar):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
@@ -315,13 +373,14 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         ["reply-store", None, 0,
          "Remember the replies to this many stamped requests and answer their retries "
          "from memory (0: off).", int],
-    ] + _METRICS_OPTIONS + _MESSAGE_OPTIONS
+    ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
         if not self["service"]:
             raise usage.UsageError("--service is required")
         BrokerListOptions.postOptions(self)
         checked_metrics(self)
+        checked_curve_client(self)
         from mdp.handlers import load_handler
 
         loaded_handler(self, "twist mdp-worker", load_handler)
@@ -362,6 +421,9 @@ class BrokerServiceMaker:
             maxServiceWorkers=options["max-service-workers"],
             maxDeliveries=options["max-deliveries"],
             limits=limits_of(options),
+            access=access_of(options),
+            curveSecret=options["curve-secret"],
+            curveAllow=options["curve-allow"],
             exitOnFailure=True,
         ), options, metrics)
 
@@ -388,6 +450,8 @@ class WorkerServiceMaker:
             replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
             limits=limits_of(options),
             metrics=metrics,
+            curveServerPublic=options["curve-server-public"],
+            curveSecret=options["curve-secret"],
         ), options, metrics)
 
 

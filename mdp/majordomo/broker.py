@@ -164,6 +164,7 @@ from mdp.policy import (
     MiB,
     default_reactor,
 )
+from mdp.transport.curve import curve_server
 from mdp.transport.stream import StreamRouter
 
 log = Logger()
@@ -1274,8 +1275,11 @@ class Broker(BrokerMachine):
     driver owns the bindings, the one periodic timer and the Deferreds; every
     decision is the machine's."""
 
-    def __init__(self, reactor: Optional[Any] = None, **options: Any) -> None:
+    def __init__(self, reactor: Optional[Any] = None, *, curveSecret: Optional[str] = None,
+                 curveAllow: Optional[str] = None, **options: Any) -> None:
         self.reactor = default_reactor(reactor)
+        #: the key pair and allow-list of its zmq: endpoints (docs/security.md)
+        self.curve = curve_server(curveSecret, curveAllow)
         super().__init__(now=self.reactor.seconds(), **options)
         self.bindings: list[Binding] = []
         self._ticker = task.LoopingCall(self.tick)
@@ -1352,7 +1356,10 @@ class Broker(BrokerMachine):
             self._bind(binding, routerTransport)
             return routerTransport
 
-        return transport.listen(endpoint, binding, self.reactor, limits=self.limits).addCallback(bound)
+        security = transport.curve_for(endpoint, self.curve)
+        transport.warn_if_open(endpoint, security, "MDP broker")
+        return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
+                                security=security).addCallback(bound)
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
         """An :class:`IProtocolFactory` whose connections (speaking the

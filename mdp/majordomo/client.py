@@ -151,6 +151,7 @@ from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
 from mdp.messages import text as label
 from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_reactor
+from mdp.transport.curve import curve_client
 
 log = Logger()
 
@@ -813,8 +814,12 @@ class ClientCore(ClientMachine):
 
     def __init__(self, endpoint: Union[str, Sequence[str]], now: float, *, timeout: float,
                  retries: int, maxConnections: int, dialect: str, stamp: bool,
-                 limits: Limits) -> None:
+                 limits: Limits, curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         endpoints = transport.endpoint_list(endpoint)
+        #: the broker's public key and this client's key pair, for zmq: endpoints
+        self.curve = curve_client(curveServerPublic, curveSecret)
+        transport.check_curve(endpoints, self.curve)
         _check_attempts(timeout, retries)
         if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
             raise TypeError(f"maxConnections is a number of connections, "
@@ -895,11 +900,14 @@ class Client(ClientCore):
         dialect: str = codec.RFC,
         stamp: bool = False,
         limits: Limits = Limits(),
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
         super().__init__(endpoint, reactor.seconds(), timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits)
+                         limits=limits, curveServerPublic=curveServerPublic,
+                         curveSecret=curveSecret)
         self.reactor = reactor
         self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
 
@@ -1008,9 +1016,10 @@ class Client(ClientCore):
             elif kind is OpenChannel:
                 channel = action.channel
                 try:
-                    channel.pipe = transport.connect(channel.endpoint,
-                                                     _ChannelPipe(self, channel), self.reactor,
-                                                     limits=self.limits)
+                    channel.pipe = transport.connect(
+                        channel.endpoint, _ChannelPipe(self, channel), self.reactor,
+                        limits=self.limits, security=transport.curve_for(channel.endpoint,
+                                                                         self.curve))
                 except Exception as e:  # the transport refused: nothing can be sent
                     self._perform(self.handleOpenFailed(channel, e, self.reactor.seconds()))
             elif kind is CloseChannel:

@@ -113,6 +113,7 @@ from mdp.policy import (
     cancel_call,
     default_reactor,
 )
+from mdp.transport.curve import curve_client
 
 log = Logger()
 
@@ -505,10 +506,15 @@ class Worker(WorkerMachine):
         replies: Optional[idempotence.IReplyStore] = None,
         limits: Limits = Limits(),
         metrics: Optional[Any] = None,
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
         endpoints = transport.endpoint_list(endpoint)
         self.handler = checked_handler(handler)
+        #: the broker's public key and this worker's key pair, for zmq: endpoints
+        self.curve = curve_client(curveServerPublic, curveSecret)
+        transport.check_curve(endpoints, self.curve)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits, now=reactor.seconds())
         self.reactor = reactor
@@ -586,7 +592,7 @@ class Worker(WorkerMachine):
             elif kind is OpenPipe:
                 self.transport = transport.connect(
                     action.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy(),
-                    limits=self.limits)
+                    limits=self.limits, security=transport.curve_for(action.endpoint, self.curve))
             elif kind is ClosePipe:
                 pipe, self.transport = self.transport, None
                 if pipe is not None:

@@ -65,11 +65,14 @@ class TitanicClient:
         timeout: float = DEFAULT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         limits: Limits = Limits(),
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         self.reactor = default_reactor(reactor)
         self.pollInterval = positive_seconds("pollInterval", pollInterval)
         self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
-                             limits=limits)
+                             limits=limits, curveServerPublic=curveServerPublic,
+                             curveSecret=curveSecret)
         #: the service of each request submitted here, to name it in errors
         self._services: dict[str, bytes] = {}
 

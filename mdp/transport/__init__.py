@@ -24,6 +24,7 @@ import re
 from typing import Any, Callable, Iterable, Optional
 
 from twisted.internet import defer
+from twisted.logger import Logger
 
 from mdp.errors import TransportError
 from mdp.interfaces import (
@@ -47,19 +48,26 @@ from mdp.transport.registry import (
     unregister,
 )
 
+_log = Logger()
+
 __all__ = [
     "CONNECT",
     "LISTEN",
     "Scheme",
+    "authenticated",
+    "beyond_loopback",
     "check",
+    "check_curve",
     "connect",
     "connect_peers",
+    "curve_for",
     "endpoint_list",
     "listen",
     "lookup",
     "register",
     "schemes",
     "unregister",
+    "warn_if_open",
 ]
 
 
@@ -83,18 +91,102 @@ def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -
     return listed
 
 
+def curve_for(endpoint: str, curve: Any) -> Any:
+    """A node's CURVE settings, for *endpoint*: they apply to ``zmq:``
+    endpoints only (a stream endpoint carries its TLS in its string)."""
+    return curve if curve is not None and endpoint.startswith("zmq:") else None
+
+
+def check_curve(endpoints: list[str], curve: Any) -> None:
+    """``ValueError`` for CURVE settings that no endpoint would use."""
+    if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
+        raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
+                         "ssl: (TLS) instead")
+
+
+_LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+def _loopback_host(host: str) -> bool:
+    import ipaddress
+
+    host = host.strip("[]").partition("%")[0]
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name, or every interface ('*', '')
+
+
+def beyond_loopback(endpoint: str) -> bool:
+    """Does listening on *endpoint* accept peers from other machines (an
+    address that is not a loopback one, or every interface)?"""
+    kind, _, rest = endpoint.partition(":")
+    if kind.startswith("session+"):
+        return beyond_loopback(f"{kind[len('session+'):]}:{rest}")
+    if kind == "zmq":
+        transport, _, address = rest.partition("://")
+        return transport == "tcp" and not _loopback_host(address.rpartition(":")[0])
+    if kind in ("tcp", "tcp6", "ssl"):
+        from mdp.transport.registry import split_description
+
+        _, kwargs = split_description(rest)
+        return not _loopback_host(kwargs.get("interface", kwargs.get("host", "")).replace("\\", ""))
+    return False
+
+
+def authenticated(endpoint: str, security: Any = None) -> bool:
+    """Does a listener on *endpoint* (with *security*) know who its peers
+    are: CURVE with an allow-list, or mutual TLS (``ssl:`` with
+    ``caCerts=``)?"""
+    kind, _, rest = endpoint.partition(":")
+    if kind == "zmq":
+        return security is not None and getattr(security, "allow", None) is not None
+    if kind == "ssl":
+        from mdp.transport.registry import split_description
+
+        return "caCerts" in split_description(rest)[1]
+    return False
+
+
+def warn_if_open(endpoint: str, security: Any, what: str) -> bool:
+    """Log a warning if a listener on *endpoint* would accept peers from
+    other machines without authenticating them; whether it did."""
+    if not beyond_loopback(endpoint) or authenticated(endpoint, security):
+        return False
+    _log.warn("{what} listens on {endpoint}, reachable from other machines, without "
+              "authentication: anyone who can reach it may call any service or serve one. "
+              "Use CURVE (curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=); "
+              "see docs/security.md", what=what, endpoint=endpoint)
+    return True
+
+
+def _security(scheme: Scheme, endpoint: str, security: Any) -> dict[str, Any]:
+    if security is None:
+        return {}
+    if not scheme.secure:
+        raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no "
+                             f"{type(security).__name__} (CURVE is for zmq: endpoints; "
+                             "TLS is an ssl: endpoint)")
+    return {"security": security}
+
+
 def listen(
     endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
-    limits: Limits = Limits(),
+    limits: Limits = Limits(), security: Any = None,
 ) -> defer.Deferred[IRouterTransport]:
     """Bind *endpoint*; the Deferred fires with an :class:`IRouterTransport`
     that enforces *limits* on what it receives and on what each peer leaves
-    unread.  A malformed endpoint raises :class:`TransportError` at once; a
-    failure to bind (port in use, ...) fails the Deferred with one."""
+    unread.  *security* is what a secure scheme needs to serve (ZeroMQ: a
+    :class:`~mdp.transport.curve.CurveServer`).  A malformed endpoint raises
+    :class:`TransportError` at once; a failure to bind (port in use, ...)
+    fails the Deferred with one."""
     scheme = lookup(endpoint, LISTEN)
     assert scheme.listen is not None
+    extra = _security(scheme, endpoint, security)
     try:
-        return scheme.listen(endpoint, receiver, default_reactor(reactor), limits)
+        return scheme.listen(endpoint, receiver, default_reactor(reactor), limits, **extra)
     except TransportError as e:
         return defer.fail(e)
     except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
@@ -109,13 +201,17 @@ def connect(
     retryPolicy: Optional[Callable[[int], float]] = None,
     limits: Limits = Limits(),
     identity: Optional[bytes] = None,
+    security: Any = None,
 ) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint*.  ``receiver.connectionMade`` is
     called later, once the pipe is usable.  *retryPolicy* (attempt → seconds)
     paces reconnection on stream transports; *limits* bound what is received;
     *identity* (1-255 bytes, not starting with a zero byte) is the peer id
-    the far side's router sees instead of one it makes up."""
+    the far side's router sees instead of one it makes up; *security* is
+    what a secure scheme needs to connect (ZeroMQ: a
+    :class:`~mdp.transport.curve.CurveClient`)."""
     scheme = lookup(endpoint, CONNECT)
+    extra = _security(scheme, endpoint, security)
     if identity is not None:
         if not isinstance(identity, bytes) or not 0 < len(identity) < 256 or identity[0] == 0:
             raise ValueError("an identity is 1 to 255 bytes and does not start with a zero byte, "
@@ -125,7 +221,7 @@ def connect(
     assert scheme.connect is not None
     try:
         return scheme.connect(endpoint, receiver, default_reactor(reactor), limits, retryPolicy,
-                              identity)
+                              identity, **extra)
     except TransportError:
         raise
     except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
@@ -174,17 +270,27 @@ def _check_zmq(endpoint: str, role: str) -> None:
     check_port(endpoint, port, role, wildcard=True)
 
 
-def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
+def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
+                security: Any = None) -> Any:
+    from mdp.transport.curve import CurveServer
     from mdp.transport.zeromq import ZmqRouter
 
-    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits))
+    if security is not None and not isinstance(security, CurveServer):
+        raise TransportError(f"{endpoint!r}: a ZeroMQ server's security is a CurveServer, "
+                             f"not {type(security).__name__}")
+    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=security))
 
 
 def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
-                 retryPolicy: Any, identity: Optional[bytes]) -> Any:
+                 retryPolicy: Any, identity: Optional[bytes], security: Any = None) -> Any:
+    from mdp.transport.curve import CurveClient
     from mdp.transport.zeromq import ZmqDealer
 
-    return ZmqDealer(endpoint, receiver, reactor, limits=limits, identity=identity)
+    if security is not None and not isinstance(security, CurveClient):
+        raise TransportError(f"{endpoint!r}: a ZeroMQ peer's security is a CurveClient, "
+                             f"not {type(security).__name__}")
+    return ZmqDealer(endpoint, receiver, reactor, limits=limits, identity=identity,
+                     curve=security)
 
 
 def _check_loopback(endpoint: str, role: str) -> None:
@@ -209,7 +315,7 @@ def _connect_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits
 
 register(Scheme("zmq", _check_zmq, _listen_zmq, _connect_zmq,
                 "ZeroMQ ROUTER/DEALER: zmq:tcp://HOST:PORT, zmq:ipc://PATH, zmq:inproc://NAME",
-                identities=True, connections=False))
+                identities=True, connections=False, secure=True))
 register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback,
                 "in memory, for deterministic tests: loopback:NAME", identities=True))
 

@@ -50,6 +50,9 @@ class Scheme:
     #: the medium has a connection per peer, so its loss is reported
     #: (``peerDisconnected``, ``connectionLost``); ZeroMQ hides connections
     connections: bool = True
+    #: listen and connect take ``security=`` (ZeroMQ: a CurveServer, a
+    #: CurveClient); stream endpoints carry theirs in the string (``ssl:``)
+    secure: bool = False
 
 
 _schemes: dict[str, Scheme] = {}

@@ -25,6 +25,16 @@ disconnected.
 
 The connecting side uses :class:`ClientService`, so it reconnects with
 exponential backoff by itself.
+
+Mutual TLS: an ``ssl:`` listening endpoint may name the authorities whose
+client certificates it accepts, ``caCerts=CA.pem`` (one or more PEM
+certificates; our addition to Twisted's ``ssl:`` server syntax).  Such a
+listener refuses, at the handshake, a client with no certificate or one no
+listed authority signed, and knows each peer by its certificate's subject
+(RFC 4514, ``CN=worker-1,O=Example``: :meth:`StreamRouter.peerIdentity`).
+Clients connect with Twisted's own ``ssl:`` (``certKey=``, ``privateKey=``,
+``caCertsDir=``) or ``tls:`` (``certificate=``, ``privateKey=``,
+``trustRoots=``) client syntax.
 """
 
 from __future__ import annotations
@@ -212,6 +222,82 @@ def server_description(endpoint: str) -> str:
     return f"{kind}:{rest}"
 
 
+#: our addition to Twisted's ``ssl:`` server syntax: the PEM file of the
+#: authorities whose client certificates a listener accepts (mutual TLS)
+CA_CERTS = "caCerts"
+
+
+def _without_ca(description: str) -> tuple[str, Optional[str]]:
+    """*description* without its ``caCerts=FILE`` part, and FILE."""
+    kind, _, rest = description.partition(":")
+    if kind != "ssl" or f"{CA_CERTS}=" not in rest:
+        return description, None
+    parts, ca = [], None
+    for part in rest.split(":"):
+        if part.startswith(f"{CA_CERTS}="):
+            ca = part[len(CA_CERTS) + 1:]
+        else:
+            parts.append(part)
+    return f"{kind}:{':'.join(parts)}", ca
+
+
+def _authorities(path: str) -> list[Any]:
+    """The certificates in PEM file *path* (Twisted ``Certificate`` objects)."""
+    from twisted.internet import ssl
+
+    try:
+        with open(path, "rb") as f:
+            pem = f.read()
+    except OSError as e:
+        raise TransportError(f"{CA_CERTS}={path}: cannot read the authorities' certificates: "
+                             f"{e.strerror}") from None
+    marker = b"-----END CERTIFICATE-----"
+    blocks = [block + marker for block in pem.split(marker) if b"-----BEGIN" in block]
+    if not blocks:
+        raise TransportError(f"{CA_CERTS}={path}: no PEM certificate in it")
+    try:
+        return [ssl.Certificate.loadPEM(block) for block in blocks]
+    except Exception as e:
+        raise TransportError(f"{CA_CERTS}={path}: not a PEM certificate: {e}") from None
+
+
+def server_endpoint(reactor: Any, description: str) -> Any:
+    """The Twisted server endpoint for *description* (a
+    :func:`server_description`): Twisted's own, or, for ``ssl:`` with
+    ``caCerts=``, one that requires a client certificate those authorities
+    signed."""
+    plain, ca = _without_ca(description)
+    if ca is None:
+        return serverFromString(reactor, plain)
+    from twisted.internet import ssl
+    from twisted.internet.endpoints import SSL4ServerEndpoint
+
+    authorities = _authorities(ca)
+    args, kwargs = split_description(plain.partition(":")[2])
+    try:
+        with open(kwargs["privateKey"], "rb") as f:
+            key = f.read()
+        with open(kwargs.get("certKey", kwargs["privateKey"]), "rb") as f:
+            cert = f.read()
+        own = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
+    except KeyError:
+        raise TransportError(f"{description}: an ssl: listener needs privateKey= (and "
+                             "certKey=)") from None
+    except Exception as e:
+        raise TransportError(f"{description}: cannot load the server's certificate and key: "
+                             f"{e}") from None
+    # options with a trust root: OpenSSL requires a client certificate it signed
+    return SSL4ServerEndpoint(reactor, int(kwargs.get("port", args[0] if args else 0)),
+                              own.options(*authorities),
+                              backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
+                              interface=kwargs.get("interface", ""))
+
+
+def subject(certificate: Any) -> str:
+    """A TLS certificate's subject as RFC 4514 text (``CN=worker-1,O=Example``)."""
+    return certificate.to_cryptography().subject.rfc4514_string()
+
+
 def connect_description(kind: str, port: IListeningPort) -> str:
     """The client endpoint string that reaches *port*."""
     address = port.getHost()
@@ -238,6 +324,8 @@ class _RouterConnection(FramedProtocol):
     peer: bytes
     greeted = False  # a first complete message arrived
     paused = False
+    #: its TLS client certificate's subject (None: none), once asked
+    tlsSubject: Any = False
 
     def connectionMade(self) -> None:
         router = self.router
@@ -453,7 +541,10 @@ class StreamRouter:
     ) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
         description = server_description(endpoint)
-        server = serverFromString(reactor, description)
+        try:
+            server = server_endpoint(reactor, description)
+        except TransportError as e:
+            return defer.fail(e)
         factory = router.factory()
 
         def listening(port: IListeningPort) -> StreamRouter:
@@ -468,6 +559,20 @@ class StreamRouter:
                                           f"{failure.getErrorMessage()}"))
 
         return server.listen(factory).addCallbacks(listening, failed)
+
+    def peerIdentity(self, peer: bytes) -> Optional[str]:
+        """The subject of *peer*'s TLS client certificate (mutual TLS), or
+        None (no TLS, or no certificate)."""
+        connection = self.connections.get(peer)
+        if connection is None:
+            return None
+        identity = connection.tlsSubject
+        if identity is False:
+            getPeerCertificate = getattr(connection.transport, "getPeerCertificate", None)
+            certificate = getPeerCertificate() if getPeerCertificate is not None else None
+            identity = connection.tlsSubject = (
+                subject(certificate) if certificate is not None else None)
+        return identity  # type: ignore[return-value]
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)
@@ -731,6 +836,17 @@ def check_endpoint(endpoint: str, role: str) -> None:
             raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
     from twisted.internet.task import Clock
 
+    if role == LISTEN and name == "ssl":
+        description, ca = _without_ca(server_description(endpoint))
+        if ca is not None:
+            import os
+
+            if not os.path.isfile(ca):
+                raise TransportError(f"bad endpoint {endpoint!r}: {CA_CERTS}={ca}: no such file")
+            if "privateKey" not in split_description(description.partition(":")[2])[1]:
+                raise TransportError(f"bad endpoint {endpoint!r}: an ssl: listener needs "
+                                     "privateKey=KEY.pem (and certKey=CERT.pem)")
+        endpoint = description
     try:
         if role == LISTEN:
             serverFromString(Clock(), server_description(endpoint))

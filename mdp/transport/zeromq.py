@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import errno
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -36,6 +36,9 @@ from mdp.interfaces import (
 )
 from mdp.policy import Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.flow import DrainWaiters
+
+if TYPE_CHECKING:
+    from mdp.transport.curve import CurveClient, CurveServer
 
 log = Logger()
 
@@ -131,6 +134,9 @@ def _connection_classes() -> tuple[type, type]:
             reading = False
             #: frames of routing envelope before the message (1 on a ROUTER)
             envelope = 0
+            #: tell the owner who sent each message (CURVE's User-Id) before
+            #: it is delivered: ``owner.identified(peer, userId)``
+            identify = False
             maxBytes = Limits().maxMessageBytes
             maxFrames = Limits().maxFrames
 
@@ -216,6 +222,10 @@ def _connection_classes() -> tuple[type, type]:
                         self.skipping = [frames[0], count, size, frame.more]
                         return None
                     frames.append(frame.bytes)
+                if self.identify and count > 1:
+                    # every frame of a message carries its connection's
+                    # metadata but the routing id a ROUTER adds
+                    self.owner.identified(frames[0], frame.get("User-Id"))
                 return frames
 
             def _skip(self, socket: Any, budget: int) -> int:
@@ -494,11 +504,14 @@ class ZmqRouter(_RoutedSocket):
 
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
         import txzmq
         import zmq
 
         router_class, _ = _connection_classes()
+        #: the sender of the message being delivered and its CURVE User-Id
+        self._identified: tuple[Optional[bytes], Optional[str]] = (None, None)
+        self._zapDomain: Optional[str] = None
         self.receiver = receiver
         self.endpoint = endpoint
         address = _address(endpoint)
@@ -512,15 +525,40 @@ class ZmqRouter(_RoutedSocket):
         # a peer that reconnects with the identity it chose takes it over
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._setup(default_reactor(reactor), limits)
+        if curve is not None:
+            from mdp.transport import curve as curves
+
+            factory = zmq_factory()
+            self._zapDomain = curves.zap_domain(factory.context, curve, endpoint, self.reactor,
+                                                factory.beforeTerm)
+            curve.apply(self.connection.socket, self._zapDomain)
+            self.connection.identify = True
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
         except zmq.ZMQError as e:
             self.connection.shutdown()
+            self._forgetDomain()
             raise TransportError(f"cannot bind {endpoint}: {e}") from e
         self.connection.attached()
         self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
         self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
         self._closing = False
+
+    def identified(self, peer: bytes, userId: Optional[str]) -> None:
+        self._identified = (peer, userId)
+
+    def peerIdentity(self, peer: bytes) -> Optional[str]:
+        """The CURVE public key (Z85) the ZAP handler accepted for *peer*,
+        while a message of *peer*'s is being delivered; None without CURVE."""
+        identified, userId = self._identified
+        return userId if identified == peer else None
+
+    def _forgetDomain(self) -> None:
+        if self._zapDomain is not None:
+            from mdp.transport import curve as curves
+
+            curves.forget_domain(zmq_factory().context, self._zapDomain)
+            self._zapDomain = None
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
@@ -556,6 +594,7 @@ class ZmqRouter(_RoutedSocket):
         if socket is None or self._closing:
             return defer.succeed(None)
         self._closing = True
+        self._forgetDomain()
         if not self._bound.startswith(("tcp://", "ipc://")):
             self._shutdown()
             return defer.succeed(None)
@@ -612,8 +651,10 @@ class ZmqDealer:
     connected = True
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
-                 limits: Limits = Limits(), identity: Optional[bytes] = None) -> None:
+                 limits: Limits = Limits(), identity: Optional[bytes] = None,
+                 curve: Optional[CurveClient] = None) -> None:
         self.reactor = reactor
+        self.curve = curve
         self.endpoint = endpoint
         #: the routing id the far side's ROUTER sees (None: one it makes up)
         self.identity = identity
@@ -675,6 +716,8 @@ class ZmqDealer:
         connection = dealer_class(zmq_factory(), identity=self.identity)
         connection.owner = self
         _limit(connection, self.limits, native=False)
+        if self.curve is not None:
+            self.curve.apply(connection.socket)
         connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)])
         self.connection = connection
         self.reactor.callLater(0, self._made, connection)

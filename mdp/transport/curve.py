@@ -1,0 +1,240 @@
+"""CURVE on the ZeroMQ transport: encrypted links, and servers that know who
+their peers are.
+
+A server (a broker, a Freelance server) has a key pair and, usually, an
+allow-list: a directory of the public-key certificates of the peers it
+accepts, in ZeroMQ's format (``mdp keygen NAME`` writes ``NAME.key`` and
+``NAME.key_secret``).  Peers know the server's public key and have key pairs
+of their own.  The server's ZAP handler (pyzmq's :mod:`zmq.auth`, one thread
+per process) checks each peer's key during the handshake: a peer with an
+unknown key, no key, or the wrong server key gets nothing through.  A peer it
+accepts is known by its public key (Z85, 40 characters): the identity an
+access policy (:class:`mdp.policy.AccessPolicy`) names.
+
+The allow-list is read when the server starts listening; restart it (or
+listen again) to take in new certificates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from typing import Any, Optional
+
+import attrs
+from twisted.logger import Logger
+
+from mdp.errors import TransportError
+
+log = Logger()
+
+#: What ``mdp keygen`` writes and the options read: pyzmq's file names.
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+
+
+def _zmq() -> Any:
+    import zmq
+
+    return zmq
+
+
+def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
+    """The keys in certificate *path*, with errors that name the file."""
+    import zmq.auth
+
+    what = "secret key" if secret else "public key"
+    if not os.path.isfile(path):
+        raise TransportError(f"CURVE {what} file {path!r} does not exist "
+                             f"(make a key pair with: mdp keygen NAME)")
+    try:
+        public, secretKey = zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as e:
+        raise TransportError(f"CURVE {what} file {path!r} is not a ZeroMQ certificate: {e}") from e
+    if secret and secretKey is None:
+        raise TransportError(f"CURVE file {path!r} holds no secret key: give the "
+                             f"{SECRET_SUFFIX} file of the pair, not the {PUBLIC_SUFFIX}")
+    return public, secretKey
+
+
+@attrs.frozen
+class CurveServer:
+    """A server's key pair and whom it accepts: the public keys in
+    *allow* (a directory of certificates), or anyone with a key if
+    *allow* is None (encryption without authentication)."""
+
+    publicKey: bytes
+    secretKey: bytes = attrs.field(repr=False)
+    allow: Optional[frozenset[bytes]]
+    allowDir: Optional[str] = None
+
+    @classmethod
+    def fromFiles(cls, secretFile: str, allowDir: Optional[str] = None) -> CurveServer:
+        """Read the pair from *secretFile* (``NAME.key_secret``) and the
+        accepted keys from the ``*.key`` files in *allowDir*."""
+        public, secret = _load(secretFile, secret=True)
+        allow = None
+        if allowDir is not None:
+            if not os.path.isdir(allowDir):
+                raise TransportError(f"CURVE allow-list {allowDir!r} is not a directory of "
+                                     f"public-key certificates ({PUBLIC_SUFFIX} files)")
+            import zmq.auth
+
+            allow = frozenset(zmq.auth.load_certificates(allowDir))
+            if not allow:
+                log.warn("the CURVE allow-list {dir} holds no certificate: no peer will get "
+                         "through", dir=allowDir)
+        assert secret is not None
+        return cls(public, secret, allow, allowDir)
+
+    def apply(self, socket: Any, domain: str) -> None:
+        """Make *socket* (before it binds) a CURVE server checked by ZAP
+        under *domain*."""
+        zmq = _zmq()
+        socket.setsockopt(zmq.CURVE_SERVER, 1)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
+        socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+
+@attrs.frozen
+class CurveClient:
+    """What a peer needs to reach a CURVE server: the server's public key
+    and a key pair of its own (a fresh one for this process if none is
+    given: then only a server that accepts any key lets it in)."""
+
+    serverKey: bytes
+    publicKey: bytes
+    secretKey: bytes = attrs.field(repr=False)
+
+    @classmethod
+    def fromFiles(cls, serverPublicFile: str, secretFile: Optional[str] = None) -> CurveClient:
+        serverKey, _ = _load(serverPublicFile, secret=False)
+        if secretFile is None:
+            public, secret = _zmq().curve_keypair()
+        else:
+            public, secret = _load(secretFile, secret=True)  # type: ignore[assignment]
+        assert secret is not None
+        return cls(serverKey, public, secret)
+
+    def apply(self, socket: Any) -> None:
+        """Make *socket* (before it connects) a CURVE client."""
+        zmq = _zmq()
+        socket.setsockopt(zmq.CURVE_SERVERKEY, self.serverKey)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
+
+
+def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional[CurveServer]:
+    """A node's constructor arguments (``curveSecret``, ``curveAllow``) as a
+    :class:`CurveServer`, or None without a secret; raises at once for a
+    missing or wrong file."""
+    if secretFile is None:
+        if allowDir is not None:
+            raise ValueError("curveAllow needs curveSecret: the server's own key pair")
+        return None
+    return CurveServer.fromFiles(secretFile, allowDir)
+
+
+def curve_client(serverPublicFile: Optional[str],
+                 secretFile: Optional[str]) -> Optional[CurveClient]:
+    """A peer's constructor arguments (``curveServerPublic``,
+    ``curveSecret``) as a :class:`CurveClient`, or None without a server
+    key."""
+    if serverPublicFile is None:
+        if secretFile is not None:
+            raise ValueError("curveSecret needs curveServerPublic: the server's public key")
+        return None
+    return CurveClient.fromFiles(serverPublicFile, secretFile)
+
+
+class _Gate:
+    """One server's allow-list, asked by the ZAP thread for each handshake."""
+
+    def __init__(self, server: CurveServer, endpoint: str, reactor: Any) -> None:
+        self.allow = server.allow
+        self.endpoint = endpoint
+        self.reactor = reactor
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if self.allow is None or key in self.allow:
+            return True
+        # in the ZAP thread: the log line is written from the reactor's
+        self.reactor.callFromThread(
+            log.warn, "CURVE handshake on {endpoint} refused: public key {key} is not in the "
+            "allow-list", endpoint=self.endpoint, key=key.decode("ascii", "replace"))
+        return False
+
+
+class _Zap:
+    """The process's ZAP handler (pyzmq's thread authenticator) for one
+    ZeroMQ context, with one domain per CURVE server."""
+
+    def __init__(self, context: Any) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.authenticator = ThreadAuthenticator(context)
+        self.authenticator.start()
+        self.domains = itertools.count(1)
+
+    def add(self, gate: _Gate) -> str:
+        domain = f"mdp-{next(self.domains)}"
+        self.authenticator.configure_curve_callback(domain, gate)
+        return domain
+
+    def remove(self, domain: str) -> None:
+        self.authenticator.credentials_providers.pop(domain, None)
+
+    def stop(self) -> None:
+        self.authenticator.stop()
+
+
+_zaps: dict[int, _Zap] = {}
+_lock = threading.Lock()
+
+
+def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
+               beforeTerm: Optional[set[Any]] = None) -> str:
+    """Register *server*'s allow-list with the ZAP handler of *context*
+    (started the first time), as a domain of its own; the handler stops
+    before the context terminates (a callable added to *beforeTerm*)."""
+    with _lock:
+        zap = _zaps.get(id(context))
+        if zap is None:
+            zap = _zaps[id(context)] = _Zap(context)
+
+            def stop() -> None:
+                with _lock:
+                    if _zaps.get(id(context)) is zap:
+                        del _zaps[id(context)]
+                zap.stop()
+
+            if beforeTerm is not None:
+                beforeTerm.add(stop)
+        return zap.add(_Gate(server, endpoint, reactor))
+
+
+def forget_domain(context: Any, domain: str) -> None:
+    zap = _zaps.get(id(context))
+    if zap is not None:
+        zap.remove(domain)
+
+
+def keygen(name: str, directory: str = ".") -> tuple[str, str]:
+    """Write a new key pair as ``NAME.key`` (public) and ``NAME.key_secret``
+    in *directory*, in pyzmq's certificate format; refuses to overwrite.
+    Returns the two paths."""
+    import zmq.auth
+
+    if not name or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"a key name is a plain file name, not {name!r}")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory")
+    for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
+        path = os.path.join(directory, name + suffix)
+        if os.path.exists(path):
+            raise ValueError(f"{path} exists already; not overwritten")
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return public, secret

@@ -1,0 +1,253 @@
+"""Authenticated peers, encrypted links and the access policy, end to end:
+``twist mdp-broker`` and ``twist mdp-worker`` processes over CURVE
+(ZeroMQ) and mutual TLS (``ssl:``), clients in this process."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+
+from mdp import Client, RequestTimeout, blocking
+from mdp.errors import Forbidden, TransportError
+from mdp.transport import authenticated, beyond_loopback
+from mdp.transport.curve import CurveServer, keygen
+from tests.certificates import Authority
+from tests.procs import (
+    BROKER_HB,
+    ENV,
+    WORKER_HB,
+    Process,
+    bound_endpoint,
+    reactor,
+    script,
+    twist_broker,
+    twist_worker,
+    wait_until,
+)
+from tests.test_harmony_netns import namespace  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(180)
+
+ANNOUNCED = "tests.handlers_for_tests:announced"
+
+
+def public_key(path: str) -> str:
+    """The Z85 public key of a ``.key`` certificate (what the broker knows a peer by)."""
+    text = Path(path).read_text()
+    match = re.search(r'public-key = "(.{40})"', text)
+    assert match is not None
+    return match.group(1)
+
+
+def handled(workers: list[Process]) -> list[str]:
+    return sorted(line.split()[-1] for w in workers
+                  for line in w.output.decode(errors="replace").splitlines()
+                  if "handling " in line and "mdp-worker" not in line)
+
+
+async def refused(client: Client, service: str, body: bytes) -> BaseException:
+    try:
+        reply = await client.request(service, body)
+    except Exception as e:
+        return e
+    raise AssertionError(f"{body!r} got through: {reply!r}")
+
+
+class Running:
+    """Processes and clients to stop at the end of a test."""
+
+    def __init__(self) -> None:
+        self.processes: list[Process] = []
+        self.clients: list[Client] = []
+
+    def client(self, endpoint: str, **options: Any) -> Client:
+        client = Client(endpoint, reactor(), timeout=1.5, retries=1, **options)
+        self.clients.append(client)
+        return client
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            await client.close()
+        for process in reversed(self.processes):
+            await process.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_curve_lets_in_only_allowed_keys_and_the_policy_decides_what_they_do(
+        tmp_path: Path) -> None:
+    keys = {name: keygen(name, str(tmp_path))
+            for name in ("broker", "alice", "worker", "rogue", "mallory")}
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    for name in ("alice", "worker", "rogue"):
+        (allowed / f"{name}.key").write_text(Path(keys[name][0]).read_text())
+    policy = tmp_path / "access.toml"
+    policy.write_text(f"""
+[[peer]]
+identity = {json.dumps(public_key(keys["alice"][0]))}
+call = ["echo"]
+
+[[peer]]
+identity = {json.dumps(public_key(keys["worker"][0]))}
+serve = ["echo", "secret"]
+""")
+    running = Running()
+    try:
+        broker, endpoint = await twist_broker(
+            reactor(), "zmq:tcp://127.0.0.1:*", *BROKER_HB, "--curve-secret", keys["broker"][1],
+            "--curve-allow", str(allowed), "--access", str(policy))
+        running.processes.append(broker)
+        assert b"without authentication" not in broker.output
+
+        def worker(service: str, name: str) -> Process:
+            process = twist_worker(reactor(), endpoint, service, ANNOUNCED, *WORKER_HB,
+                                   "--curve-server-public", keys["broker"][0],
+                                   "--curve-secret", keys[name][1])
+            running.processes.append(process)
+            return process
+
+        workers = [worker("echo", "worker"), worker("secret", "worker")]
+        for process in workers:
+            await process.waitFor("sent READY", 60)
+        await wait_until(lambda: broker.output.count(b"ready for ") >= 2, 30)
+        # a key the broker lets in, but the policy does not let serve echo
+        rogue = worker("echo", "rogue")
+        await wait_until(lambda: b"may not serve it" in broker.output, 30)
+
+        alice = running.client(endpoint, curveServerPublic=keys["broker"][0],
+                               curveSecret=keys["alice"][1])
+        assert await alice.request("echo", b"a1") == [b"a1"]
+
+        # an unknown key, no key, the wrong server key: nothing gets through
+        mallory = running.client(endpoint, curveServerPublic=keys["broker"][0],
+                                 curveSecret=keys["mallory"][1])
+        assert isinstance(await refused(mallory, "echo", b"m1"), RequestTimeout)
+        plain = running.client(endpoint)
+        assert isinstance(await refused(plain, "echo", b"n1"), RequestTimeout)
+        impostor = running.client(endpoint, curveServerPublic=keys["mallory"][0],
+                                  curveSecret=keys["alice"][1])
+        assert isinstance(await refused(impostor, "echo", b"w1"), RequestTimeout)
+        await wait_until(lambda: b"is not in the allow-list" in broker.output, 30)
+
+        # the policy: alice may call echo only; MMI tells her of echo only
+        error = await refused(alice, "secret", b"s1")
+        assert isinstance(error, Forbidden) and error.code == b"403"
+        (services,) = await alice.request("mmi.services")
+        assert set(json.loads(services)) == {"echo"}
+        assert await alice.request("mmi.service", b"secret") == [b"404"]
+
+        # the broker serves on, and only alice's requests reached a worker
+        assert await alice.request("echo", b"a2") == [b"a2"]
+        # the blocking client takes the same keys (the broker is another process)
+        with blocking.Client(endpoint, timeout=5, retries=1, curveServerPublic=keys["broker"][0],
+                             curveSecret=keys["alice"][1]) as script:
+            assert script.request("echo", b"b1") == [b"b1"]
+        await wait_until(lambda: len(handled(workers)) == 3, 10)
+        assert handled(workers + [rogue]) == ["a1", "a2", "b1"]
+    finally:
+        await running.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mutual_tls_refuses_peers_without_a_trusted_certificate(tmp_path: Path) -> None:
+    authority = Authority(tmp_path)
+    server = authority.issue("broker", "broker")
+    worker_cert = authority.issue("worker", "worker-1", "Example")
+    alice_cert = authority.issue("alice", "alice", "Example")
+    stranger = Authority(tmp_path, "Other CA").issue("mallory", "alice", "Example")
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    (trusted / "ca.pem").write_bytes(authority.pem.read_bytes())
+    policy = tmp_path / "access.toml"
+    policy.write_text("""
+[[peer]]
+identity = "CN=alice,O=Example"
+call = ["echo"]
+
+[[peer]]
+identity = "CN=worker-1,O=Example"
+serve = ["echo", "secret"]
+""")
+    running = Running()
+
+    def peer(endpoint: str, cert: tuple[Path, Path]) -> str:
+        return f"{endpoint}:caCertsDir={trusted}:certKey={cert[0]}:privateKey={cert[1]}"
+
+    try:
+        broker, endpoint = await twist_broker(
+            reactor(), f"ssl:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
+            f":caCerts={authority.pem}", *BROKER_HB, "--access", str(policy))
+        running.processes.append(broker)
+        assert endpoint.startswith("ssl:host=127.0.0.1:port=")
+        workers = [twist_worker(reactor(), peer(endpoint, worker_cert), service, ANNOUNCED,
+                                *WORKER_HB) for service in ("echo", "secret")]
+        running.processes.extend(workers)
+        await wait_until(lambda: broker.output.count(b"ready for ") >= 2, 60)
+
+        alice = running.client(peer(endpoint, alice_cert))
+        assert await alice.request("echo", b"a1") == [b"a1"]
+        # no client certificate, or one another authority signed: refused at the handshake
+        anonymous = running.client(f"{endpoint}:caCertsDir={trusted}")
+        assert isinstance(await refused(anonymous, "echo", b"n1"), RequestTimeout)
+        impostor = running.client(peer(endpoint, stranger))
+        assert isinstance(await refused(impostor, "echo", b"m1"), RequestTimeout)
+        # the certificate's subject is the identity the policy names
+        error = await refused(alice, "secret", b"s1")
+        assert isinstance(error, Forbidden)
+        assert await alice.request("echo", b"a2") == [b"a2"]
+        assert handled(workers) == ["a1", "a2"]
+    finally:
+        await running.stop()
+
+
+def test_a_listener_beyond_loopback_without_authentication_is_named() -> None:
+    assert beyond_loopback("zmq:tcp://*:5555") and beyond_loopback("tcp:5555")
+    assert beyond_loopback("ssl:5555:interface=10.1.2.3:privateKey=k")
+    assert not beyond_loopback("zmq:tcp://127.0.0.1:5555")
+    assert not beyond_loopback("tcp:host=127.0.0.1:port=0") and not beyond_loopback("unix:path=/s")
+    curve = CurveServer(b"p" * 40, b"s" * 40, frozenset())
+    assert authenticated("zmq:tcp://*:1", curve)
+    assert not authenticated("zmq:tcp://*:1", CurveServer(b"p" * 40, b"s" * 40, None))
+    assert not authenticated("zmq:tcp://*:1") and not authenticated("tcp:5555")
+    assert authenticated("ssl:5555:privateKey=k:caCerts=ca.pem")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_broker_open_to_other_machines_without_authentication_warns(
+        namespace: str, tmp_path: Path) -> None:  # noqa: F811
+    """Bound to every interface of a network namespace that has only
+    loopback; with CURVE and an allow-list, the same broker says nothing."""
+    ip = shutil.which("ip")
+    assert ip is not None
+    keygen("broker", str(tmp_path))
+    (tmp_path / "allowed").mkdir()
+    for options, warned in (((), True), (("--curve-secret", str(tmp_path / "broker.key_secret"),
+                                          "--curve-allow", str(tmp_path / "allowed")), False)):
+        broker = Process(reactor(), [ip, "netns", "exec", namespace, script("twist"),
+                                     "--log-format", "text", "mdp-broker", "--endpoint",
+                                     "zmq:tcp://*:5555", *options], ENV)
+        try:
+            await bound_endpoint(broker, "MDP broker")
+            assert (b"reachable from other machines, without authentication"
+                    in broker.output) is warned, broker.output
+        finally:
+            await broker.stop()
+
+
+def test_curve_files_are_checked_at_once(tmp_path: Path) -> None:
+    public, secret = keygen("node", str(tmp_path))
+    with pytest.raises(TransportError, match="does not exist"):
+        Client("zmq:tcp://127.0.0.1:5555", curveServerPublic=str(tmp_path / "none.key"))
+    with pytest.raises(TransportError, match="holds no secret key"):
+        Client("zmq:tcp://127.0.0.1:5555", curveServerPublic=public, curveSecret=public)
+    with pytest.raises(ValueError, match="for zmq: endpoints"):
+        Client("tcp:host=127.0.0.1:port=5555", curveServerPublic=public)
+    with pytest.raises(ValueError, match="exists already"):
+        keygen("node", str(tmp_path))
+    assert oct(Path(secret).stat().st_mode & 0o777) == "0o600"
