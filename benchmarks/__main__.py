@@ -11,14 +11,16 @@ written as JSON (``--json``, default ``benchmarks/results/latest.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+from benchmarks import security
 from benchmarks.harness import Processes, cpu_seconds, rss_bytes, zmq_mmi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,9 +62,15 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
              warmup: int, size: int, window: int = 1) -> dict[str, Any]:
     """One repetition of one case; returns throughput, latency and CPU."""
     broker_impl, worker_impl, client_impl, dialect = STACKS[stack]
-    with Processes() as procs:
-        broker = procs.start("broker", broker_impl, BINDS[transport])
+    with Processes() as procs, secured(transport):
+        if transport == "tls":
+            bind = security.tls_bind()
+        else:
+            bind = BINDS["zmq" if transport == "curve" else transport]
+        broker = procs.start("broker", broker_impl, bind)
         endpoint = broker.ready()
+        if transport == "tls":
+            endpoint = security.tls_peer(endpoint)
         peers_options = ["--dialect", dialect] if dialect else []
         service = ["--service", "stream"] if mode == "stream" else []
         servers = [broker] + [
@@ -91,6 +99,20 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
     row["cpu_workers_s_per_1k"] = sum(used[1:]) / count * 1000
     row["cpu_clients_s_per_1k"] = sum(r["cpu"] for r in results) / count * 1000
     return row
+
+
+@contextlib.contextmanager
+def secured(transport: str) -> Iterator[None]:
+    """For the "curve" transport, the processes started meanwhile find the
+    run's keys through ``MDP_BENCH_CURVE`` (benchmarks.roles)."""
+    if transport != "curve":
+        yield
+        return
+    os.environ["MDP_BENCH_CURVE"] = security.directory()
+    try:
+        yield
+    finally:
+        del os.environ["MDP_BENCH_CURVE"]
 
 
 def run_inproc(mode: str, clients: int, workers: int, n: int, warmup: int, size: int,
@@ -229,6 +251,10 @@ def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
             workers=4, n=n_sync)
         add(f"pipelined w100 x4 / ours over {transport}", transport=transport, mode="pipelined",
             clients=1, workers=4, n=n_pipe, window=100)
+    # encrypted and authenticated links, each right after its plain transport's row
+    add("sync 4x4 / ours over curve", transport="curve", mode="sync", clients=4, workers=4,
+        n=n_sync)
+    add("sync 4x4 / ours over tls", transport="tls", mode="sync", clients=4, workers=4, n=n_sync)
     return out
 
 
@@ -308,6 +334,10 @@ def references(table: dict[str, Any]) -> list[dict[str, Any]]:
          "sync 4x4 / ours-broker+bare-peers", "sync 4x4 / bare"),
         ("4x4 sync zmq: our peers / blocking pyzmq peers (our broker)",
          "sync 4x4 / ours", "sync 4x4 / ours-broker+bare-peers"),
+        ("4x4 sync: CURVE (allow-list) / plain zmq", "sync 4x4 / ours over curve",
+         "sync 4x4 / ours"),
+        ("4x4 sync: mutual TLS (ssl:) / plain tcp", "sync 4x4 / ours over tls",
+         "sync 4x4 / ours over tcp"),
     ]
     return [{"reference": name, "value": ratio(table, a, b)} for name, a, b in rows
             if ratio(table, a, b) is not None]

@@ -31,6 +31,25 @@ from typing import Any
 SERVICE = b"echo"
 
 
+def curve_server() -> dict[str, str]:
+    """Our broker's CURVE keyword arguments when the run asks for CURVE
+    (``MDP_BENCH_CURVE``: the directory of keys, see benchmarks.security)."""
+    keys = os.environ.get("MDP_BENCH_CURVE")
+    if not keys:
+        return {}
+    return {"curveSecret": os.path.join(keys, "broker.key_secret"),
+            "curveAllow": os.path.join(keys, "allowed")}
+
+
+def curve_client() -> dict[str, str]:
+    """Our workers' and clients' CURVE keyword arguments, likewise."""
+    keys = os.environ.get("MDP_BENCH_CURVE")
+    if not keys:
+        return {}
+    return {"curveServerPublic": os.path.join(keys, "broker.key"),
+            "curveSecret": os.path.join(keys, "peer.key_secret")}
+
+
 def emit(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -66,7 +85,7 @@ def broker_ours(bind: str) -> None:
         [FilteringLogObserver(textFileLogObserver(sys.stderr), [predicate])],
         redirectStandardIO=False,
     )
-    broker = Broker(reactor)
+    broker = Broker(reactor, **curve_server())
 
     def bound(transport: Any) -> None:
         emit(f"READY {transport.endpoint}")
@@ -148,7 +167,7 @@ def worker_ours(endpoint: str, dialect: str = "rfc", service: str = "echo") -> N
         yield Final(frames[:1])
 
     handler = stream if service == "stream" else (lambda frames: frames)
-    Worker(endpoint, service, handler, reactor, dialect=dialect).start()
+    Worker(endpoint, service, handler, reactor, dialect=dialect, **curve_client()).start()
     emit("READY")
     reactor.run()
 
@@ -163,7 +182,8 @@ def worker_blocking(endpoint: str, service: str = "echo") -> None:
             yield frames[:1]
         yield Final(frames[:1])
 
-    worker = Worker(endpoint, service, stream if service == "stream" else (lambda frames: frames))
+    worker = Worker(endpoint, service, stream if service == "stream" else (lambda frames: frames),
+                    **curve_client())
     emit("READY")
     worker.run()
 
@@ -217,7 +237,7 @@ def client_ours(endpoint: str, mode: str, n: int, warmup: int, size: int, window
 
     body = b"x" * size
     client = Client(endpoint, reactor, timeout=60, retries=1, maxConnections=max(window, 1),
-                    dialect=dialect)
+                    dialect=dialect, **curve_client())
     clock = time.perf_counter
 
     async def timed_sync(count: int, latencies: list[float]) -> None:
@@ -323,7 +343,8 @@ def client_blocking(endpoint: str, mode: str, n: int, warmup: int, size: int,
     from mdp.blocking import Client
 
     body = b"x" * size
-    client = Client(endpoint, timeout=60, retries=1, maxConnections=max(window, 1))
+    client = Client(endpoint, timeout=60, retries=1, maxConnections=max(window, 1),
+                    **curve_client())
     if mode == "sync":
         request = client.request
 

@@ -151,6 +151,7 @@ from mdp.policy import (
     held_bytes,
     positive_seconds,
 )
+from mdp.transport.curve import curve_client, curve_server
 
 log = Logger()
 
@@ -212,8 +213,11 @@ class FreelanceServer:
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
                  maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 metrics: Optional[Any] = None) -> None:
+                 metrics: Optional[Any] = None, curveSecret: Optional[str] = None,
+                 curveAllow: Optional[str] = None) -> None:
         self.handler = handler
+        #: the key pair and allow-list of its zmq: endpoints (docs/security.md)
+        self.curve = curve_server(curveSecret, curveAllow)
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.maxPending = maxPending
@@ -243,7 +247,10 @@ class FreelanceServer:
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
             return routerTransport
 
-        return transport.listen(endpoint, binding, self.reactor, limits=self.limits).addCallback(bound)
+        security = transport.curve_for(endpoint, self.curve)
+        transport.warn_if_open(endpoint, security, "Freelance server")
+        return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
+                                security=security).addCallback(bound)
 
     def streamFactory(self) -> IProtocolFactory:
         """This server as a plain Twisted :class:`IProtocolFactory` speaking
@@ -781,7 +788,8 @@ class _Pipe:
 
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
         self.client = client
-        self.transport = transport.connect(endpoint, self, client.reactor)
+        self.transport = transport.connect(endpoint, self, client.reactor,
+                                           security=transport.curve_for(endpoint, client.curve))
 
     def connectionMade(self) -> None:
         pass
@@ -800,6 +808,12 @@ class _FreelanceClient(FreelanceMachine):
 
     reactor: Any
     router: Any = None
+    curve: Any = None
+
+    def _keys(self, curveServerPublic: Optional[str], curveSecret: Optional[str]) -> None:
+        """The servers' public key and this client's key pair, for zmq:
+        endpoints (every server of the list shares the key pair)."""
+        self.curve = curve_client(curveServerPublic, curveSecret)
 
     def _drive(self, reactor: Optional[Any], endpoints: Union[str, Sequence[str]]) -> None:
         self.reactor = default_reactor(reactor)
@@ -892,8 +906,11 @@ class SequentialClient(_FreelanceClient, SequentialMachine):
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, timeout: float = SEQUENTIAL_TIMEOUT,
-                 deadline: Optional[float] = SEQUENTIAL_DEADLINE) -> None:
+                 deadline: Optional[float] = SEQUENTIAL_DEADLINE,
+                 curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         SequentialMachine.__init__(self, timeout, deadline)
+        self._keys(curveServerPublic, curveSecret)
         self._drive(reactor, endpoints)
 
 
@@ -903,8 +920,11 @@ class ShotgunClient(_FreelanceClient, ShotgunMachine):
     seconds (or *deadline*, if given and shorter)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None) -> None:
+                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None,
+                 curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         ShotgunMachine.__init__(self, timeout, deadline)
+        self._keys(curveServerPublic, curveSecret)
         self._drive(reactor, endpoints)
 
     @property
@@ -924,10 +944,13 @@ class AgentClient(_FreelanceClient, AgentMachine):
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
                  timeout: float = AGENT_TIMEOUT,
-                 deadline: Optional[float] = AGENT_DEADLINE) -> None:
+                 deadline: Optional[float] = AGENT_DEADLINE,
+                 curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         AgentMachine.__init__(self, heartbeat, timeout, deadline)
+        self._keys(curveServerPublic, curveSecret)
         reactor = default_reactor(reactor)
-        self.router = transport.connect_peers(self, reactor)
+        self.router = transport.connect_peers(self, reactor, security=self.curve)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
         self._drive(reactor, endpoints)
@@ -950,7 +973,8 @@ class AgentClient(_FreelanceClient, AgentMachine):
 def freelance_client(endpoints: Union[str, Sequence[str]], model: int = 3,
                      reactor: Optional[Any] = None, **options: Any) -> _FreelanceClient:
     """A Freelance client of the Guide's *model* (1, 2 or 3); *options* are
-    the constructor's (``timeout``, ``deadline``; ``heartbeat`` for model 3)."""
+    the constructor's (``timeout``, ``deadline``, ``curveServerPublic``,
+    ``curveSecret``; ``heartbeat`` for model 3)."""
     kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
     if model not in kinds:
         raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")

@@ -23,8 +23,10 @@ that endpoint), that records :class:`Open`, :class:`Send` and :class:`Close`.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import weakref
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import attrs
@@ -301,3 +303,66 @@ def _ensure_registered() -> None:
         transport.register(transport.Scheme(
             "script", _check, _listen, _connect,
             "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
+
+
+# --- TLS certificates for tests and benchmarks ---------------------------------
+
+def _certificate_name(common: str, organization: Optional[str]) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    parts = [x509.NameAttribute(NameOID.COMMON_NAME, common)]
+    if organization is not None:
+        parts.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+    return x509.Name(parts)
+
+
+class CertificateAuthority:
+    """A TLS certificate authority for tests and benchmarks, writing PEM
+    files into *directory* (docs/security.md makes the same with ``openssl``):
+    ``issue()`` signs a certificate for a peer.  Needs ``cryptography``."""
+
+    def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        self.directory = Path(directory)
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.name = _certificate_name(name, None)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.certificate = (
+            x509.CertificateBuilder().subject_certificate_name(self.name).issuer_certificate_name(self.name)
+            .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256()))
+        self.pem = self.write("ca.pem" if name == "Test CA" else f"{name}.pem",
+                              self.certificate.public_bytes(serialization.Encoding.PEM))
+
+    def write(self, name: str, data: bytes) -> Path:
+        path = self.directory / name
+        path.write_bytes(data)
+        return path
+
+    def issue(self, file: str, common: str, organization: Optional[str] = None) -> tuple[Path, Path]:
+        """A certificate for *common* (and *organization*): (cert.pem, key.pem)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.timezone.utc)
+        certificate = (
+            x509.CertificateBuilder().subject_certificate_name(_certificate_name(common, organization))
+            .issuer_certificate_name(self.name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .sign(self.key, hashes.SHA256()))
+        cert = self.write(f"{file}.pem", certificate.public_bytes(serialization.Encoding.PEM))
+        private = self.write(f"{file}.key", key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption()))
+        return cert, private

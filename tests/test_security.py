@@ -15,9 +15,9 @@ import pytest_twisted
 
 from mdp import Client, RequestTimeout, blocking
 from mdp.errors import Forbidden, TransportError
+from mdp.testing import CertificateAuthority as Authority
 from mdp.transport import authenticated, beyond_loopback
 from mdp.transport.curve import CurveServer, keygen
-from tests.certificates import Authority
 from tests.procs import (
     BROKER_HB,
     ENV,
@@ -251,3 +251,47 @@ def test_curve_files_are_checked_at_once(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="exists already"):
         keygen("node", str(tmp_path))
     assert oct(Path(secret).stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_freelance_servers_take_curve_keys_too(tmp_path: Path, model: int) -> None:
+    from mdp.freelance import FreelanceServer, freelance_client
+
+    keys = {name: keygen(name, str(tmp_path)) for name in ("server", "alice", "mallory")}
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "alice.key").write_text(Path(keys["alice"][0]).read_text())
+    seen: list[bytes] = []
+
+    def handler(frames: list[bytes]) -> list[bytes]:
+        seen.extend(frames)
+        return frames
+
+    server = FreelanceServer(handler, reactor(), curveSecret=keys["server"][1],
+                             curveAllow=str(allowed))
+    bound = await server.listen("zmq:tcp://127.0.0.1:*")
+    clients = []
+    try:
+        for name, body in (("alice", b"a1"), ("mallory", b"m1")):
+            client = freelance_client([bound.endpoint], model, reactor(), timeout=1, deadline=1.5,
+                                      curveServerPublic=keys["server"][0],
+                                      curveSecret=keys[name][1])
+            clients.append(client)
+            if name == "alice":
+                assert await client.request(body) == [body]
+            else:
+                assert isinstance(await refused_freelance(client, body), RequestTimeout)
+        assert seen == [b"a1"]
+    finally:
+        for client in clients:
+            await client.close()
+        await server.close()
+
+
+async def refused_freelance(client: Any, body: bytes) -> BaseException:
+    try:
+        reply = await client.request(body)
+    except Exception as e:
+        return e
+    raise AssertionError(f"{body!r} got through: {reply!r}")

@@ -194,7 +194,7 @@ class FreelanceCallOptions(VersionedOptions):
          "3 s for model 2].", float],
         ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
          "30 s for model 1, 3 s for model 3].", float],
-    ]
+    ] + CURVE_CLIENT_OPTIONS
 
     def __init__(self) -> None:
         super().__init__()
@@ -222,6 +222,7 @@ class FreelanceCallOptions(VersionedOptions):
         for name in ("timeout", "deadline"):
             if self[name] is not None and not self[name] > 0:
                 raise usage.UsageError(f"--{name} must be positive")
+        checked_curve_client(self)
 
 
 class DemoOptions(VersionedOptions):
@@ -525,7 +526,9 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
     from mdp.freelance import freelance_client
 
     timing = {name: options[name] for name in ("timeout", "deadline") if options[name] is not None}
-    client = freelance_client(options["servers"], options["model"], reactor, **timing)
+    client = freelance_client(options["servers"], options["model"], reactor, **timing,
+                              curveServerPublic=options["curve-server-public"],
+                              curveSecret=options["curve-secret"])
     try:
         reply = await client.request(*options["frames"])
     except MDPError as e:

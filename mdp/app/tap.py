@@ -470,11 +470,12 @@ class FreelanceServerOptions(VersionedOptions):
          "Most requests being handled at once; beyond, requests are refused (429).", int],
         ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
          "Most bytes of requests being handled at once; beyond, refused (429).", byte_size],
-    ] + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
+    ] + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_metrics(self)
+        checked_curve_server(self)
         from mdp.handlers import load_handler
 
         loaded_handler(self, "twist mdp-freelance-server", load_handler)
@@ -495,7 +496,8 @@ class FreelanceServerServiceMaker:
         return with_metrics(FreelanceServerService(
             options["endpoint"], handler, limits=limits_of(options),
             maxPending=options["max-pending"], maxPendingBytes=options["max-pending-bytes"],
-            metrics=metrics), options, metrics)
+            metrics=metrics, curveSecret=options["curve-secret"],
+            curveAllow=options["curve-allow"]), options, metrics)
 
 
 def _sp_endpoint(value: str, listen: bool, option: str) -> str:

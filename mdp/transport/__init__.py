@@ -229,12 +229,14 @@ def connect(
 
 
 def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, *,
-                  limits: Limits = Limits()) -> IPeerRouterTransport:
+                  limits: Limits = Limits(), security: Any = None) -> IPeerRouterTransport:
     """A connecting ROUTER (:class:`IPeerRouterTransport`) for *receiver*;
-    add servers with its ``connect(endpoint)``."""
+    add servers with its ``connect(endpoint)``.  *security* (a
+    :class:`~mdp.transport.curve.CurveClient`) applies to its ``zmq:``
+    servers."""
     from mdp.transport.peers import PeerRouter
 
-    return PeerRouter(receiver, default_reactor(reactor), limits=limits)
+    return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
 
 
 # --- the built-in schemes -----------------------------------------------------

@@ -45,8 +45,9 @@ class PeerRouter:
     one pipe each."""
 
     def __init__(self, receiver: IPeerRouterReceiver, reactor: Any = None, *,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), curve: Any = None) -> None:
         self.receiver = receiver
+        self.curve = curve
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.pipes: dict[str, tuple[_Pipe, IDealerTransport]] = {}
@@ -59,7 +60,8 @@ class PeerRouter:
             if self.zmq is None:
                 from mdp.transport.zeromq import ZmqPeerRouter
 
-                self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits)
+                self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits,
+                                         curve=self.curve)
             self.zmq.connect(endpoint)
             return
         pipe = _Pipe(self, endpoint)

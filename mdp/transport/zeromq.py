@@ -798,13 +798,16 @@ class ZmqPeerRouter(_RoutedSocket):
 
     connects = True
 
-    def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits()) -> None:
+    def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits(),
+                 curve: Optional[CurveClient] = None) -> None:
         router_class, _ = _connection_classes()
         self.receiver = receiver
         self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
         self.connection = router_class(zmq_factory())
         self.connection.owner = self
+        if curve is not None:  # every server it connects to
+            curve.apply(self.connection.socket)
         self._setup(default_reactor(reactor), limits)
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
