@@ -39,11 +39,11 @@ def directory() -> str:
 def tls_bind() -> str:
     """A mutual-TLS listening endpoint on 127.0.0.1, port picked by the OS."""
     d = directory()
-    return (f"ssl:0:interface=127.0.0.1:privateKey={d}/broker.key:certKey={d}/broker.pem"
+    return (f"ssl:0:interface=127.0.0.1:privateKey={d}/broker-key.pem:certKey={d}/broker.pem"
             f":caCerts={d}/ca.pem")
 
 
 def tls_peer(endpoint: str) -> str:
     """*endpoint* (``ssl:host=…:port=…``) as a peer with a certificate reaches it."""
     d = directory()
-    return f"{endpoint}:caCertsDir={d}/trusted:certKey={d}/peer.pem:privateKey={d}/peer.key"
+    return f"{endpoint}:caCertsDir={d}/trusted:certKey={d}/peer.pem:privateKey={d}/peer-key.pem"

@@ -220,7 +220,7 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
     deliver (the peer is gone or was cut off), peers cut off for not
     reading, and messages dropped for exceeding the limits."""
     counted: dict[str, dict[tuple[str, ...], float]] = {
-        "dropped": {}, "overflows": {}, "oversizedCount": {}}
+        "dropped": {}, "overflows": {}, "oversizedCount": {}, "handshakesRefused": {}}
     for bound in transports:
         if bound is None:
             continue
@@ -238,6 +238,9 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
     yield _add(CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
                                    "arrival for exceeding the message limits.",
                                    labels=["endpoint"]), counted["oversizedCount"])
+    yield _add(CounterMetricFamily(f"{prefix}_handshakes_refused", "CURVE handshakes refused: "
+                                   "a peer key not in the allow-list.", labels=["endpoint"]),
+               counted["handshakesRefused"])
 
 
 class WorkerMetrics:

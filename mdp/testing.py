@@ -36,7 +36,13 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import TransportError
-from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
+from mdp.interfaces import (
+    IAuthenticatedRouter,
+    IDealerReceiver,
+    IDealerTransport,
+    IRouterReceiver,
+    IRouterTransport,
+)
 from mdp.policy import Limits
 
 Frames = tuple[bytes, ...]
@@ -114,7 +120,7 @@ _scripts: weakref.WeakValueDictionary[str, Script] = weakref.WeakValueDictionary
 _ids = itertools.count(1)
 
 
-@implementer(IRouterTransport)
+@implementer(IRouterTransport, IAuthenticatedRouter)
 class _Router:
     def __init__(self, script: Script, endpoint: str, receiver: IRouterReceiver) -> None:
         self.script = script
@@ -332,7 +338,7 @@ class CertificateAuthority:
         self.name = _certificate_name(name, None)
         now = datetime.datetime.now(datetime.timezone.utc)
         self.certificate = (
-            x509.CertificateBuilder().subject_certificate_name(self.name).issuer_certificate_name(self.name)
+            x509.CertificateBuilder().subject_name(self.name).issuer_name(self.name)
             .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=30))
@@ -347,7 +353,9 @@ class CertificateAuthority:
         return path
 
     def issue(self, file: str, common: str, organization: Optional[str] = None) -> tuple[Path, Path]:
-        """A certificate for *common* (and *organization*): (cert.pem, key.pem)."""
+        """A certificate for *common* (and *organization*): the paths of
+        ``FILE.pem`` and ``FILE-key.pem`` (not ``.key``: that is a CURVE
+        public key's name)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -355,14 +363,14 @@ class CertificateAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         certificate = (
-            x509.CertificateBuilder().subject_certificate_name(_certificate_name(common, organization))
-            .issuer_certificate_name(self.name).public_key(key.public_key())
+            x509.CertificateBuilder().subject_name(_certificate_name(common, organization))
+            .issuer_name(self.name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=30))
             .sign(self.key, hashes.SHA256()))
         cert = self.write(f"{file}.pem", certificate.public_bytes(serialization.Encoding.PEM))
-        private = self.write(f"{file}.key", key.private_bytes(
+        private = self.write(f"{file}-key.pem", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
             serialization.NoEncryption()))
         return cert, private

@@ -445,17 +445,17 @@ async def security_curve(sh: Shell, c: Any) -> None:
 
 
 _OPENSSL = [
-    "openssl req -x509 -newkey rsa:2048 -nodes -days 365 -subj /CN=Example-CA -keyout ca.key "
+    "openssl req -x509 -newkey rsa:2048 -nodes -days 365 -subj /CN=Example-CA -keyout ca-key.pem "
     "-out ca.pem",
-    "openssl req -newkey rsa:2048 -nodes -subj /CN=broker -keyout broker.key -out broker.csr",
-    "openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 365 "
+    "openssl req -newkey rsa:2048 -nodes -subj /CN=broker -keyout broker-key.pem -out broker.csr",
+    "openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 365 "
     "-out broker.pem",
-    "openssl req -newkey rsa:2048 -nodes -subj /O=Example/CN=worker-1 -keyout worker.key "
+    "openssl req -newkey rsa:2048 -nodes -subj /O=Example/CN=worker-1 -keyout worker-key.pem "
     "-out worker.csr",
-    "openssl x509 -req -in worker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 365 "
+    "openssl x509 -req -in worker.csr -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 365 "
     "-out worker.pem",
-    "openssl req -newkey rsa:2048 -nodes -subj /O=Example/CN=alice -keyout alice.key -out alice.csr",
-    "openssl x509 -req -in alice.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 365 "
+    "openssl req -newkey rsa:2048 -nodes -subj /O=Example/CN=alice -keyout alice-key.pem -out alice.csr",
+    "openssl x509 -req -in alice.csr -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 365 "
     "-out alice.pem",
     "mkdir trusted",
     "cp ca.pem trusted/",
@@ -464,12 +464,12 @@ _OPENSSL = [
 
 @scenario(
     **{f"step{n}": step for n, step in enumerate(_OPENSSL)},
-    broker="twist mdp-broker --endpoint ssl:5555:interface=127.0.0.1:privateKey=broker.key:"
+    broker="twist mdp-broker --endpoint ssl:5555:interface=127.0.0.1:privateKey=broker-key.pem:"
            "certKey=broker.pem:caCerts=ca.pem",
     worker="twist mdp-worker --broker ssl:host=127.0.0.1:port=5555:caCertsDir=trusted:"
-           "certKey=worker.pem:privateKey=worker.key --service echo --handler echo",
+           "certKey=worker.pem:privateKey=worker-key.pem --service echo --handler echo",
     call="mdp call --broker ssl:host=127.0.0.1:port=5555:caCertsDir=trusted:certKey=alice.pem:"
-         "privateKey=alice.key echo hello",
+         "privateKey=alice-key.pem echo hello",
     subject="openssl x509 -in worker.pem -noout -subject -nameopt RFC2253",
 )
 async def security_mutual_tls(sh: Shell, c: Any) -> None:

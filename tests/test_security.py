@@ -283,6 +283,7 @@ async def test_freelance_servers_take_curve_keys_too(tmp_path: Path, model: int)
             else:
                 assert isinstance(await refused_freelance(client, body), RequestTimeout)
         assert seen == [b"a1"]
+        assert bound.handshakesRefused >= 1  # counted (and logged) by the server's transport
     finally:
         for client in clients:
             await client.close()

@@ -152,19 +152,25 @@ def curve_client(serverPublicFile: Optional[str],
 class _Gate:
     """One server's allow-list, asked by the ZAP thread for each handshake."""
 
-    def __init__(self, server: CurveServer, endpoint: str, reactor: Any) -> None:
+    def __init__(self, server: CurveServer, endpoint: str, reactor: Any,
+                 refused: Optional[Any] = None) -> None:
         self.allow = server.allow
         self.endpoint = endpoint
         self.reactor = reactor
+        self.refused = refused
 
     def callback(self, domain: str, key: bytes) -> bool:
         if self.allow is None or key in self.allow:
             return True
-        # in the ZAP thread: the log line is written from the reactor's
-        self.reactor.callFromThread(
-            log.warn, "CURVE handshake on {endpoint} refused: public key {key} is not in the "
-            "allow-list", endpoint=self.endpoint, key=key.decode("ascii", "replace"))
+        # in the ZAP thread: logged and counted from the reactor's
+        self.reactor.callFromThread(self._refused, key.decode("ascii", "replace"))
         return False
+
+    def _refused(self, key: str) -> None:
+        log.warn("CURVE handshake on {endpoint} refused: public key {key} is not in the "
+                 "allow-list", endpoint=self.endpoint, key=key)
+        if self.refused is not None:
+            self.refused()
 
 
 class _Zap:
@@ -195,10 +201,11 @@ _lock = threading.Lock()
 
 
 def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
-               beforeTerm: Optional[set[Any]] = None) -> str:
+               beforeTerm: Optional[set[Any]] = None, refused: Optional[Any] = None) -> str:
     """Register *server*'s allow-list with the ZAP handler of *context*
     (started the first time), as a domain of its own; the handler stops
-    before the context terminates (a callable added to *beforeTerm*)."""
+    before the context terminates (a callable added to *beforeTerm*).
+    *refused()* is called, in the reactor's thread, for each key refused."""
     with _lock:
         zap = _zaps.get(id(context))
         if zap is None:
@@ -212,7 +219,7 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
 
             if beforeTerm is not None:
                 beforeTerm.add(stop)
-        return zap.add(_Gate(server, endpoint, reactor))
+        return zap.add(_Gate(server, endpoint, reactor, refused))
 
 
 def forget_domain(context: Any, domain: str) -> None:

@@ -54,6 +54,7 @@ from zope.interface import implementer
 
 from mdp.errors import ProtocolError, TransportError
 from mdp.interfaces import (
+    IAuthenticatedRouter,
     IDealerReceiver,
     IDealerTransport,
     IFraming,
@@ -462,7 +463,7 @@ class _RouterConnection(FramedProtocol):
             router.receiver.peerDisconnected(self.peer)
 
 
-@implementer(IRouterTransport)
+@implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
     """The bound side over a Twisted server endpoint.
 

@@ -29,6 +29,7 @@ from zope.interface import implementer
 
 from mdp.errors import OversizedMessage, TransportError
 from mdp.interfaces import (
+    IAuthenticatedRouter,
     IDealerReceiver,
     IDealerTransport,
     IRouterReceiver,
@@ -498,7 +499,7 @@ class _RoutedSocket:
             self.connection.shutdown()
 
 
-@implementer(IRouterTransport)
+@implementer(IRouterTransport, IAuthenticatedRouter)
 class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket."""
 
@@ -529,8 +530,10 @@ class ZmqRouter(_RoutedSocket):
             from mdp.transport import curve as curves
 
             factory = zmq_factory()
+            #: CURVE handshakes refused (a key not in the allow-list)
+            self.handshakesRefused = 0
             self._zapDomain = curves.zap_domain(factory.context, curve, endpoint, self.reactor,
-                                                factory.beforeTerm)
+                                                factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
             self.connection.identify = True
         try:
@@ -546,6 +549,9 @@ class ZmqRouter(_RoutedSocket):
 
     def identified(self, peer: bytes, userId: Optional[str]) -> None:
         self._identified = (peer, userId)
+
+    def _handshakeRefused(self) -> None:
+        self.handshakesRefused += 1
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
         """The CURVE public key (Z85) the ZAP handler accepted for *peer*,
