@@ -73,7 +73,7 @@ from mdp.transport import check_curve, curve_for, endpoint_list
 from mdp.transport.curve import curve_client
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zeromq import ZERO_COPY_BYTES
+from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity
 
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 
@@ -318,6 +318,7 @@ class _ZmqPipe:
         sock.setsockopt(zmq.RCVHWM, 1000)
         if self.curve is not None:
             self.curve.apply(sock)
+            sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
         sock.connect(self.address)
         self.socket = sock
         self.fd = fd = _get(sock, _FD)

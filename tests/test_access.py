@@ -161,3 +161,35 @@ def test_an_access_rule_matches_whole_names() -> None:
     rule = AccessRule(call=("billing.*", "echo"))
     assert rule.mayCall("billing.x") and rule.mayCall("echo")
     assert not rule.mayCall("echo2") and not rule.mayCall("xbilling.y")
+
+
+class Passive:
+    """The admission of a passive Binary Star broker: serves nobody."""
+
+    def admitClient(self, now: float) -> bool:
+        return False
+
+    def admitWorker(self, now: float) -> bool:
+        return False
+
+    def status(self, now: float) -> dict:
+        return {"state": "passive"}
+
+
+def test_a_passive_broker_under_a_policy_still_answers_nothing_but_binarystar() -> None:
+    script, broker = broker_script(AccessPolicy.fromDict({
+        "peer": [{"identity": ALICE, "call": ["echo"]}]}), admission=Passive())
+    # silent, so the client tries the other broker of the pair
+    assert script.feed(Receive(b"A", request(b"mmi.services", b""))) == []
+    assert script.feed(Receive(b"A", request(b"echo", b"x"))) == []
+    (state,) = script.feed(Receive(b"A", request(b"mmi.binarystar", b"")))
+    assert json.loads(state.frames[3]) == {"state": "passive"}
+
+
+def test_mmi_workers_leaves_out_peer_ids_under_a_policy() -> None:
+    script, broker = broker_script(AccessPolicy.fromDict({
+        "peer": [{"identity": ALICE, "call": ["echo"]}, {"identity": WORKER, "serve": ["*"]}]}))
+    script.feed(Receive(b"W", [W, codec.W_READY, b"echo"]))
+    (reply,) = script.feed(Receive(b"A", request(b"mmi.workers", b"")))
+    (entry,) = json.loads(reply.frames[3])
+    assert entry["service"] == "echo" and "id" not in entry

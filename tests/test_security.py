@@ -296,3 +296,171 @@ async def refused_freelance(client: Any, body: bytes) -> BaseException:
     except Exception as e:
         return e
     raise AssertionError(f"{body!r} got through: {reply!r}")
+
+
+class Recorder:
+    """A router receiver keeping what its transport reported, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.transport: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.events.append(("message", peer, frames[-1], self.transport.peerIdentity(peer)))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.events.append(("gone", peer))
+
+
+@pytest_twisted.ensureDeferred
+async def test_under_curve_a_peer_id_cannot_be_taken_over_by_another_key(tmp_path: Path) -> None:
+    import zmq
+
+    from mdp import transport
+    from mdp.transport.curve import CurveClient, CurveServer
+
+    for name in ("server", "alice", "mallory"):
+        keygen(name, str(tmp_path))
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    for name in ("alice", "mallory"):  # both may connect: the policy tells them apart
+        (allowed / f"{name}.key").write_text((tmp_path / f"{name}.key").read_text())
+    recorder = Recorder()
+    router = await transport.listen(
+        "zmq:tcp://127.0.0.1:*", recorder, reactor(),
+        security=CurveServer.fromFiles(str(tmp_path / "server.key_secret"), str(allowed)))
+    recorder.transport = router
+    context = zmq.Context()
+    sockets: list[Any] = []
+
+    def dealer(name: str, routingId: bytes) -> Any:
+        sock = context.socket(zmq.DEALER)
+        sock.linger = 0
+        CurveClient.fromFiles(str(tmp_path / "server.key"),
+                              str(tmp_path / f"{name}.key_secret")).apply(sock)
+        sock.routing_id = routingId
+        sock.connect(router.endpoint[len("zmq:"):])
+        sockets.append(sock)
+        return sock
+
+    try:
+        alice = dealer("alice", b"worker-1")
+        alice.send(b"from alice")
+        await wait_until(lambda: len(recorder.events) == 1, 10)
+        alice_id = recorder.events[0][3]
+        assert recorder.events == [("message", b"worker-1", b"from alice", alice_id)]
+        assert alice_id == public_key(str(tmp_path / "alice.key"))
+        # while alice holds the id, mallory's connection with it is ignored
+        mallory = dealer("mallory", b"worker-1")
+        mallory.send(b"from mallory, early")
+        router.sendMessage(b"worker-1", [b"for alice"])
+        assert await task_poll(lambda: alice.poll(0)) and alice.recv() == b"for alice"
+        # alice leaves; mallory claims the freed id anew: alice is reported gone first
+        alice.close()
+        claimer = dealer("mallory", b"worker-1")
+
+        def claimed() -> bool:
+            if len(recorder.events) > 1:
+                return True
+            claimer.send(b"from mallory")  # until the id is free and this gets through
+            return False
+
+        await wait_until(claimed, 20, step=0.05)
+        assert all(e[2] != b"from mallory, early" for e in recorder.events if e[0] == "message")
+        first = next(i for i, e in enumerate(recorder.events) if e[0] == "message"
+                     and e[3] != alice_id)
+        assert recorder.events[first - 1] == ("gone", b"worker-1")
+        assert recorder.events[first][3] == public_key(str(tmp_path / "mallory.key"))
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+        await router.close()
+
+
+async def task_poll(predicate: Any, seconds: float = 10) -> bool:
+    await wait_until(predicate, seconds)
+    return True
+
+
+def test_curve_peers_pick_peer_ids_no_one_can_guess(tmp_path: Path) -> None:
+    from mdp.transport.curve import CurveClient
+    from mdp.transport.zeromq import ZmqDealer
+
+    keygen("server", str(tmp_path))
+    curve = CurveClient.fromFiles(str(tmp_path / "server.key"))
+
+    class Nobody:
+        def connectionMade(self) -> None: ...
+        def messageReceived(self, frames: list[bytes]) -> None: ...
+        def connectionLost(self, reason: object) -> None: ...
+
+    dealers = [ZmqDealer("zmq:tcp://127.0.0.1:5555", Nobody(), reactor(), curve=curve)
+               for _ in range(2)]
+    try:
+        ids = [d.identity for d in dealers]
+        assert all(len(i) == 16 and i[0] != 0 for i in ids) and ids[0] != ids[1]
+    finally:
+        for d in dealers:
+            d.close()
+
+
+class Pipe:
+    """A dealer receiver keeping what came."""
+
+    def __init__(self) -> None:
+        self.up = 0
+        self.lost = 0
+        self.messages: list[list[bytes]] = []
+
+    def connectionMade(self) -> None:
+        self.up += 1
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.messages.append(frames)
+
+    def connectionLost(self, reason: object) -> None:
+        self.lost += 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_under_mutual_tls_an_announced_identity_stays_with_its_certificate(
+        tmp_path: Path) -> None:
+    from mdp import transport
+
+    authority = Authority(tmp_path)
+    server = authority.issue("broker", "broker")
+    certs = {name: authority.issue(name, name, "Example") for name in ("alice", "bob")}
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    (trusted / "ca.pem").write_bytes(authority.pem.read_bytes())
+    recorder = Recorder()
+    router = await transport.listen(
+        f"ssl:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
+        f":caCerts={authority.pem}", recorder, reactor())
+    recorder.transport = router
+    pipes = {name: Pipe() for name in certs}
+    dealers = {}
+    try:
+        for name in ("alice", "bob"):
+            cert, key = certs[name]
+            dealers[name] = transport.connect(
+                f"{router.endpoint}:caCertsDir={trusted}:certKey={cert}:privateKey={key}",
+                pipes[name], reactor(), identity=b"same")
+            await wait_until(lambda name=name: pipes[name].up == 1, 10)
+            dealers[name].sendMessage([f"from {name}".encode()])
+            if name == "alice":
+                await wait_until(lambda: len(recorder.events) == 1, 10)
+        # bob announced alice's identity with another certificate: dropped, unheard
+        await wait_until(lambda: pipes["bob"].lost >= 1, 10)
+        # (its own connection, under the id it had, is reported gone: not alice's)
+        assert [e for e in recorder.events if e[0] == "message"] == [
+            ("message", b"same", b"from alice", "CN=alice,O=Example")]
+        assert ("gone", b"same") not in recorder.events
+        router.sendMessage(b"same", [b"for alice"])
+        await wait_until(lambda: pipes["alice"].messages == [[b"for alice"]], 10)
+        assert pipes["bob"].messages == []
+    finally:
+        for dealer in dealers.values():
+            await dealer.close()
+        await router.close()

@@ -468,8 +468,10 @@ def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
         lines.append(servicesNote.format(shown=len(table)))
     lines.append("")
     if listed:
-        rows = [(w["id"], w["service"], "busy" if w["busy"] else "idle", w["dialect"],
-                 f"{w['silence']:.1f}") for w in sorted(listed, key=lambda w: (w["service"], w["id"]))]
+        # a broker with an access policy leaves the peer ids out
+        rows = [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
+                 f"{w['silence']:.1f}")
+                for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
         lines += _table(["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"], rows, (4,))
     else:
         lines.append("no workers")

@@ -621,12 +621,13 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
          "Seconds a reply is kept after it is stored, then purged.", _positive],
         ["service-workers", None, titanic_server.DEFAULT_SERVICE_WORKERS,
          "MDP workers per Titanic service (requests stored at once).", _concurrency],
-    ] + _MESSAGE_OPTIONS
+    ] + CURVE_CLIENT_OPTIONS + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
+        checked_curve_client(self)
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -649,5 +650,7 @@ class TitanicServiceMaker:
             workers=options["service-workers"],
             heartbeat=options.heartbeatPolicy(),
             limits=limits_of(options),
+            curveServerPublic=options["curve-server-public"],
+            curveSecret=options["curve-secret"],
             exitOnFailure=True,
         )

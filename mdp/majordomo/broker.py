@@ -121,6 +121,7 @@ import enum
 import heapq
 import itertools
 from collections import OrderedDict, deque
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import attrs
@@ -717,23 +718,6 @@ class BrokerMachine(Machine):
         metrics = self.metrics
         if metrics is not None:
             metrics.request(name)
-        access = self.access
-        if access is not None:
-            identity = _identity(key)
-            if name.startswith(mmi.PREFIX):
-                request.state = DONE
-                self._reply(request, mmi.answer(
-                    self, name, body, lambda service: access.mayCall(identity, service)),
-                    final=True)
-                if metrics is not None:
-                    metrics.replied(name, None, None)
-                return
-            if not access.mayCall(identity, name):
-                if metrics is not None:
-                    metrics.deny(name, "call")
-                self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
-                             f"{_who(identity)} may not call {name.decode('ascii')!r}")
-                return
         admission = self.admission
         if admission is not None and name != mmi.BINARYSTAR:
             if not admission.admitClient(now):
@@ -743,9 +727,21 @@ class BrokerMachine(Machine):
                 return  # not serving: the client times out and tries elsewhere
             if self._activeSince is None:
                 self._activeSince = now
+        access = self.access
+        visible = None
+        if access is not None:
+            identity = _identity(key)
+            if name.startswith(mmi.PREFIX):
+                visible = partial(access.mayCall, identity)
+            elif not access.mayCall(identity, name):
+                if metrics is not None:
+                    metrics.deny(name, "call")
+                self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
+                             f"{_who(identity)} may not call {name.decode('ascii')!r}")
+                return
         if name.startswith(mmi.PREFIX):
             request.state = DONE
-            self._reply(request, mmi.answer(self, name, body), final=True)
+            self._reply(request, mmi.answer(self, name, body, visible), final=True)
             if metrics is not None:
                 metrics.replied(name, None, None)
             return

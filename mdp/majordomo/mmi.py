@@ -20,7 +20,8 @@ any other ``mmi.*``       ``501``
 
 Under an access policy (:class:`mdp.policy.AccessPolicy`) every peer may ask,
 and hears only of the services it may call: another is ``404`` to
-``mmi.service`` and absent from ``mmi.services`` and ``mmi.workers``.
+``mmi.service`` and absent from ``mmi.services`` and ``mmi.workers``, whose
+entries then leave out the workers' peer ids.
 
 Replies are bounded: ``mmi.services`` lists at most :data:`MAX_ENTRIES`
 services (the first by name) and ``mmi.workers`` at most :data:`MAX_ENTRIES`
@@ -59,14 +60,16 @@ def _listing(entries: Any, total: int) -> list[bytes]:
     return frames
 
 
-def _worker(worker: Any) -> dict[str, Any]:
-    return {
-        "id": worker.peer,
+def _worker(worker: Any, withId: bool = True) -> dict[str, Any]:
+    entry = {
         "service": worker.service.decode("ascii"),
         "busy": worker.busy,
         "dialect": worker.dialect,
         "silence": round(worker.silence, 3),
     }
+    if withId:
+        entry["id"] = worker.peer
+    return entry
 
 
 def answer(broker: Broker, service: bytes, body: Sequence[bytes],
@@ -101,7 +104,8 @@ def answer(broker: Broker, service: bytes, body: Sequence[bytes],
         if visible is not None:
             every = broker.snapshot(serviceLimit=0, service=wanted).workers
             allowed = [w for w in every if visible(w.service)]
-            return _listing([_worker(w) for w in allowed[:MAX_ENTRIES]], len(allowed))
+            # without their peer ids: under ZeroMQ a freed id can be claimed
+            return _listing([_worker(w, False) for w in allowed[:MAX_ENTRIES]], len(allowed))
         snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted)
         return _listing([_worker(w) for w in snapshot.workers], snapshot.workerCount)
     if service == BINARYSTAR:

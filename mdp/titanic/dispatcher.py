@@ -457,8 +457,11 @@ class Dispatcher(DispatchMachine):
         purgeEvery: float = DEFAULT_PURGE_EVERY,
         recheck: float = DEFAULT_RECHECK,
         limits: Limits = Limits(),
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
+        self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         super().__init__(concurrency=concurrency, backoff=backoff, keep=keep,
                          purgeEvery=purgeEvery, recheck=recheck, now=reactor.seconds())
         self.reactor = reactor
@@ -479,7 +482,7 @@ class Dispatcher(DispatchMachine):
     def _newClient(self) -> Client:
         # every request out, and room for the service checks beside them
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
-                      maxConnections=self.concurrency + 2, limits=self.limits)
+                      maxConnections=self.concurrency + 2, limits=self.limits, **self._curve)
 
     def start(self) -> None:
         if self.running:

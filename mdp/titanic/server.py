@@ -48,6 +48,8 @@ class TitanicServer:
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = Backoff(),
         limits: Limits = Limits(),
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a whole number of at least 1, got {workers!r}")
@@ -58,7 +60,8 @@ class TitanicServer:
         handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
                     protocol.CLOSE: self.close}
         self.workers = [Worker(broker, name, handler, self.reactor, heartbeat=heartbeat,
-                               backoff=backoff, limits=limits)
+                               backoff=backoff, limits=limits,
+                               curveServerPublic=curveServerPublic, curveSecret=curveSecret)
                         for name, handler in handlers.items() for _ in range(workers)]
 
     def start(self) -> None:
@@ -160,16 +163,19 @@ class Titanic:
         workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         limits: Limits = Limits(),
+        curveServerPublic: Optional[str] = None,
+        curveSecret: Optional[str] = None,
     ) -> None:
         self.reactor = default_reactor(reactor)
         self.store = open_store(store, self.reactor) if isinstance(store, str) else store
+        curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
                                      timeout=timeout, backoff=backoff, keep=keep,
-                                     purgeEvery=purgeEvery, limits=limits)
+                                     purgeEvery=purgeEvery, limits=limits, **curve)
         self.server = TitanicServer(broker, self.store, self.reactor,
                                     onStored=self.dispatcher.stored,
                                     onClosed=self.dispatcher.closed, workers=workers,
-                                    heartbeat=heartbeat, limits=limits)
+                                    heartbeat=heartbeat, limits=limits, **curve)
         self._started = False
         self._starting: Optional[defer.Deferred[None]] = None
         self._stopping = False

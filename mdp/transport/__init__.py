@@ -93,8 +93,15 @@ def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -
 
 def curve_for(endpoint: str, curve: Any) -> Any:
     """A node's CURVE settings, for *endpoint*: they apply to ``zmq:``
-    endpoints only (a stream endpoint carries its TLS in its string)."""
-    return curve if curve is not None and endpoint.startswith("zmq:") else None
+    endpoints only (a stream endpoint carries its TLS in its string);
+    :class:`TransportError` for a ``session+zmq:`` one, which would run
+    without them."""
+    if curve is None:
+        return None
+    if endpoint.startswith("session+zmq:"):
+        raise TransportError(f"{endpoint!r}: CURVE is not available on session+zmq: endpoints; "
+                             "use zmq: (or ssl: for TLS)")
+    return curve if endpoint.startswith("zmq:") else None
 
 
 def check_curve(endpoints: list[str], curve: Any) -> None:

@@ -96,6 +96,8 @@ class CurveServer:
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
         socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        # no ZAP handler (stopped at shutdown, say): refuse, never let in
+        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 @attrs.frozen
@@ -173,6 +175,16 @@ class _Gate:
             self.refused()
 
 
+class _DenyAll:
+    """The gate of a server that closed: nobody."""
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return False
+
+
+_DENY_ALL = _DenyAll()
+
+
 class _Zap:
     """The process's ZAP handler (pyzmq's thread authenticator) for one
     ZeroMQ context, with one domain per CURVE server."""
@@ -190,7 +202,9 @@ class _Zap:
         return domain
 
     def remove(self, domain: str) -> None:
-        self.authenticator.credentials_providers.pop(domain, None)
+        # replaced, not removed: the ZAP thread may be between its lookup
+        # of the domain and its use
+        self.authenticator.credentials_providers[domain] = _DENY_ALL
 
     def stop(self) -> None:
         self.authenticator.stop()
@@ -242,6 +256,11 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
         path = os.path.join(directory, name + suffix)
         if os.path.exists(path):
             raise ValueError(f"{path} exists already; not overwritten")
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    # the secret file is never readable by others, not even for a moment
+    mask = os.umask(0o077)
+    try:
+        public, secret = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(mask)
+    os.chmod(public, 0o644)
     return public, secret

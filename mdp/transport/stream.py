@@ -275,6 +275,7 @@ def server_endpoint(reactor: Any, description: str) -> Any:
 
     authorities = _authorities(ca)
     args, kwargs = split_description(plain.partition(":")[2])
+    _check_mutual(description, args, kwargs)
     try:
         with open(kwargs["privateKey"], "rb") as f:
             key = f.read()
@@ -292,6 +293,22 @@ def server_endpoint(reactor: Any, description: str) -> Any:
                               own.options(*authorities),
                               backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
                               interface=kwargs.get("interface", ""))
+
+
+#: what an ``ssl:`` listener with ``caCerts=`` takes (its options are ours)
+_MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey"}
+
+
+def _check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> None:
+    """Refuse what an ``ssl:`` listener with ``caCerts=`` would not honour."""
+    other = sorted(set(kwargs) - _MUTUAL_KEYS)
+    if other or len(args) > 1:
+        raise TransportError(f"bad endpoint {description!r}: with {CA_CERTS}= an ssl: listener "
+                             f"takes only port, interface, backlog, privateKey and certKey "
+                             f"(not {', '.join(other) or args[1]})")
+    if "privateKey" not in kwargs:
+        raise TransportError(f"bad endpoint {description!r}: an ssl: listener needs "
+                             "privateKey=KEY.pem (and certKey=CERT.pem)")
 
 
 def subject(certificate: Any) -> str:
@@ -346,12 +363,28 @@ class _RouterConnection(FramedProtocol):
             self.limits.handshakeTimeout, self._timedOut,
             "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
 
+    def subject(self) -> Optional[str]:
+        """Its TLS client certificate's subject (None: no TLS, or no
+        certificate), asked once."""
+        identity = self.tlsSubject
+        if identity is False:
+            getPeerCertificate = getattr(self.transport, "getPeerCertificate", None)
+            certificate = getPeerCertificate() if getPeerCertificate is not None else None
+            identity = self.tlsSubject = (
+                subject(certificate) if certificate is not None else None)
+        return identity  # type: ignore[no-any-return]
+
     def _rename(self, identity: bytes) -> None:
         """The peer announced *identity*: know it by that from now on.  An
         older connection with the same identity is dropped (handover)."""
         router = self.router
         old = router.connections.get(identity)
         if old is not None and old is not self:
+            if old.subject() != self.subject():
+                # another certificate: another peer, which may not take it over
+                self.drop("it announced identity {identity}, held by a connection with another "
+                          "TLS certificate", identity=identity.hex())
+                return
             # the identity lives on in this connection: the old one's loss is
             # not the peer's (its connectionLost finds it no longer registered)
             if router.ungreeted.get(identity) is old:
@@ -367,6 +400,8 @@ class _RouterConnection(FramedProtocol):
     def _deliver(self, frames: list[bytes]) -> None:
         if self.decoder.identity is not None and self.decoder.identity != self.peer:
             self._rename(self.decoder.identity)
+            if self.closing:
+                return  # refused the identity
         if not self.greeted:
             self.greeted = True
             self.router.ungreeted.pop(self.peer, None)
@@ -565,15 +600,7 @@ class StreamRouter:
         """The subject of *peer*'s TLS client certificate (mutual TLS), or
         None (no TLS, or no certificate)."""
         connection = self.connections.get(peer)
-        if connection is None:
-            return None
-        identity = connection.tlsSubject
-        if identity is False:
-            getPeerCertificate = getattr(connection.transport, "getPeerCertificate", None)
-            certificate = getPeerCertificate() if getPeerCertificate is not None else None
-            identity = connection.tlsSubject = (
-                subject(certificate) if certificate is not None else None)
-        return identity  # type: ignore[return-value]
+        return None if connection is None else connection.subject()
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)
@@ -844,9 +871,7 @@ def check_endpoint(endpoint: str, role: str) -> None:
 
             if not os.path.isfile(ca):
                 raise TransportError(f"bad endpoint {endpoint!r}: {CA_CERTS}={ca}: no such file")
-            if "privateKey" not in split_description(description.partition(":")[2])[1]:
-                raise TransportError(f"bad endpoint {endpoint!r}: an ssl: listener needs "
-                                     "privateKey=KEY.pem (and certKey=CERT.pem)")
+            _check_mutual(endpoint, *split_description(description.partition(":")[2]))
         endpoint = description
     try:
         if role == LISTEN:

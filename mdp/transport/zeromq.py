@@ -19,7 +19,8 @@ a ``zmq:`` endpoint is actually used.
 from __future__ import annotations
 
 import errno
-from collections import deque
+import os
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from twisted.internet import defer
@@ -310,6 +311,12 @@ class FlushPacer:
         return self.delay
 
 
+def random_identity() -> bytes:
+    """16 random bytes a peer id can be (not starting with a zero byte,
+    which ZeroMQ keeps for the ids it makes up)."""
+    return bytes([os.urandom(1)[0] | 1]) + os.urandom(15)
+
+
 def _zmq() -> Any:
     """The zmq module (imported late: see the module docstring)."""
     import zmq
@@ -512,6 +519,8 @@ class ZmqRouter(_RoutedSocket):
         router_class, _ = _connection_classes()
         #: the sender of the message being delivered and its CURVE User-Id
         self._identified: tuple[Optional[bytes], Optional[str]] = (None, None)
+        #: the CURVE key each peer id spoke with last (most recent last)
+        self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
         self.receiver = receiver
         self.endpoint = endpoint
@@ -523,8 +532,10 @@ class ZmqRouter(_RoutedSocket):
         identity = address.encode() if "*" not in address else None
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
-        # a peer that reconnects with the identity it chose takes it over
-        self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # a peer that reconnects with the identity it chose takes it over;
+        # not under CURVE, where that would let one accepted key take over
+        # another's peer id (its requests, its replies)
+        self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
         self._setup(default_reactor(reactor), limits)
         if curve is not None:
             from mdp.transport import curve as curves
@@ -535,7 +546,9 @@ class ZmqRouter(_RoutedSocket):
             self._zapDomain = curves.zap_domain(factory.context, curve, endpoint, self.reactor,
                                                 factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
-            self.connection.identify = True
+            # only a key the allow-list names is an identity: without one,
+            # any key (made up on the spot) gets in, and is nobody
+            self.connection.identify = curve.allow is not None
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
         except zmq.ZMQError as e:
@@ -548,7 +561,25 @@ class ZmqRouter(_RoutedSocket):
         self._closing = False
 
     def identified(self, peer: bytes, userId: Optional[str]) -> None:
+        """The message about to be delivered came from *peer*, with the key
+        *userId*.  ZeroMQ frees a peer id when its connection ends, and
+        another connection may then claim it: a peer id that speaks with
+        another key is another peer, so the one that had it is reported
+        gone first (what it held, a worker's request, is taken back)."""
         self._identified = (peer, userId)
+        keys = self._keys
+        if peer in keys:
+            known = keys.pop(peer)
+            keys[peer] = userId
+            if known != userId and not self._closing:
+                self.throttle.warn(log, "claimed", "peer id {peer} of {endpoint} now speaks with "
+                                   "another CURVE key: the peer that had it is gone",
+                                   peer=peer.hex(), endpoint=self.endpoint)
+                self.receiver.peerDisconnected(peer)
+            return
+        keys[peer] = userId
+        if len(keys) > MAX_CUT_OFF * 10:
+            keys.popitem(last=False)
 
     def _handshakeRefused(self) -> None:
         self.handshakesRefused += 1
@@ -661,6 +692,10 @@ class ZmqDealer:
                  curve: Optional[CurveClient] = None) -> None:
         self.reactor = reactor
         self.curve = curve
+        if curve is not None and identity is None:
+            # under CURVE a peer id is not guessable: the server's ROUTER
+            # hands a freed id to whoever claims it (see ZmqRouter.identified)
+            identity = random_identity()
         self.endpoint = endpoint
         #: the routing id the far side's ROUTER sees (None: one it makes up)
         self.identity = identity
@@ -814,6 +849,7 @@ class ZmqPeerRouter(_RoutedSocket):
         self.connection.owner = self
         if curve is not None:  # every server it connects to
             curve.apply(self.connection.socket)
+            self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
         self._setup(default_reactor(reactor), limits)
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
