@@ -5,7 +5,7 @@ everything queued expires, what the reply store does and does not cover)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import pytest_twisted
@@ -230,15 +230,22 @@ async def test_request_cancelled_before_it_went_out_frees_its_connection_at_once
         await clocknet.wait(never)
 
 
-@pytest_twisted.ensureDeferred
-async def test_finished_requests_are_not_kept_until_their_deadline(clocknet: LoopbackNet) -> None:
-    router, client = await broker_and_client(clocknet, timeout=600)
-    for n in range(3000):
+def answer_each(clocknet: LoopbackNet, router: Any, client: Any, count: int) -> Iterator[None]:
+    """Send *count* requests one after the other, answering each; yields
+    after each answer."""
+    for n in range(count):
         d = client.request("svc", b"x" * 1000, str(n))
         clocknet.reactor.advance(0)
         final(router, requests(router)[-1][1], b"svc", b"ok")
         clocknet.reactor.advance(0)
         assert d.called
+        yield
+
+
+@pytest_twisted.ensureDeferred
+async def test_finished_requests_are_not_kept_until_their_deadline(clocknet: LoopbackNet) -> None:
+    router, client = await broker_and_client(clocknet, timeout=600)
+    for _ in answer_each(clocknet, router, client, 3000):
         # answered in the order asked: nothing of it is kept (its reply
         # would live as long as the entry, and the garbage collector would
         # walk it in every full pass)
@@ -251,12 +258,8 @@ async def test_finished_requests_behind_a_slow_one_are_not_kept_either(
     router, client = await broker_and_client(clocknet, timeout=600, maxConnections=2)
     slow = client.request("svc", b"slow")
     clocknet.reactor.advance(0)
-    for n in range(3000):
-        d = client.request("svc", b"x" * 1000, str(n))
-        clocknet.reactor.advance(0)
-        final(router, requests(router)[-1][1], b"svc", b"ok")
-        clocknet.reactor.advance(0)
-        assert d.called
+    for _ in answer_each(clocknet, router, client, 3000):
+        pass
     assert not slow.called  # its entry heads the heap: the ones after it wait for a sweep
     assert len(client._deadlines) <= 1024 + 2 * len(client._channels) + 1
     # what an entry still refers to is a finished call without its request
