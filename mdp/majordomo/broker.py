@@ -243,8 +243,7 @@ PeerKey = tuple[Binding, bytes]
 
 def _identity(key: PeerKey) -> Optional[str]:
     """Who the peer of *key* is, as its transport authenticated it."""
-    identify = getattr(key[0], "identity", None)
-    return None if identify is None else identify(key[1])
+    return key[0].identity(key[1])
 
 
 def _who(identity: Optional[str]) -> str:

@@ -45,6 +45,7 @@ from mdp.transport.registry import (
     lookup,
     register,
     schemes,
+    split_description,
     unregister,
 )
 
@@ -136,10 +137,8 @@ def beyond_loopback(endpoint: str) -> bool:
         transport, _, address = rest.partition("://")
         return transport == "tcp" and not _loopback_host(address.rpartition(":")[0])
     if kind in ("tcp", "tcp6", "ssl"):
-        from mdp.transport.registry import split_description
-
         _, kwargs = split_description(rest)
-        return not _loopback_host(kwargs.get("interface", kwargs.get("host", "")).replace("\\", ""))
+        return not _loopback_host(kwargs.get("interface", kwargs.get("host", "")))
     return False
 
 
@@ -151,8 +150,6 @@ def authenticated(endpoint: str, security: Any = None) -> bool:
     if kind == "zmq":
         return security is not None and getattr(security, "allow", None) is not None
     if kind == "ssl":
-        from mdp.transport.registry import split_description
-
         return "caCerts" in split_description(rest)[1]
     return False
 
