@@ -61,6 +61,7 @@ from mdp.app.tap import (
     _dialect,
     checked_curve_client,
     checked_endpoints,
+    curve_client_of,
 )
 from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
@@ -81,11 +82,6 @@ class _ClientOptions(BrokerListOptions):
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
     ] + CURVE_CLIENT_OPTIONS
-
-    def curve(self) -> dict[str, Any]:
-        """The CURVE options, as a client's keyword arguments."""
-        return {"curveServerPublic": self["curve-server-public"],
-                "curveSecret": self["curve-secret"]}
 
     def postOptions(self) -> None:
         BrokerListOptions.postOptions(self)
@@ -407,7 +403,7 @@ async def call(reactor: Any, options: CallOptions) -> None:
     from mdp.majordomo.client import Client
 
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], dialect=options["dialect"], **options.curve())
+                    retries=options["retries"], dialect=options["dialect"], **curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
         for frame in frames:
@@ -484,7 +480,7 @@ async def status(reactor: Any, options: StatusOptions) -> None:
     from mdp.majordomo.client import Client
 
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], **options.curve())
+                    retries=options["retries"], **curve_client_of(options))
     watch = options["watch"]
     clear = watch is not None and sys.stdout.isatty()
     try:
@@ -529,8 +525,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
 
     timing = {name: options[name] for name in ("timeout", "deadline") if options[name] is not None}
     client = freelance_client(options["servers"], options["model"], reactor, **timing,
-                              curveServerPublic=options["curve-server-public"],
-                              curveSecret=options["curve-secret"])
+                              **curve_client_of(options))
     try:
         reply = await client.request(*options["frames"])
     except MDPError as e:
@@ -569,7 +564,7 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
 
     command, sub = options.subCommand, options.subOptions
     client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
-                           retries=sub["retries"], **sub.curve())
+                           retries=sub["retries"], **curve_client_of(sub))
     status = 0
     try:
         if command == "submit":

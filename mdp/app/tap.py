@@ -259,6 +259,12 @@ def checked_curve_server(options: usage.Options) -> None:
         raise usage.UsageError(str(e)) from None
 
 
+def curve_client_of(options: usage.Options) -> dict[str, Any]:
+    """--curve-server-public and --curve-secret, as a peer's keyword arguments."""
+    return {"curveServerPublic": options["curve-server-public"],
+            "curveSecret": options["curve-secret"]}
+
+
 def checked_curve_client(options: usage.Options) -> None:
     """--curve-server-public and --curve-secret, read now."""
     from mdp.transport.curve import curve_client
@@ -450,8 +456,7 @@ class WorkerServiceMaker:
             replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
             limits=limits_of(options),
             metrics=metrics,
-            curveServerPublic=options["curve-server-public"],
-            curveSecret=options["curve-secret"],
+            **curve_client_of(options),
         ), options, metrics)
 
 
@@ -650,7 +655,6 @@ class TitanicServiceMaker:
             workers=options["service-workers"],
             heartbeat=options.heartbeatPolicy(),
             limits=limits_of(options),
-            curveServerPublic=options["curve-server-public"],
-            curveSecret=options["curve-secret"],
+            **curve_client_of(options),
             exitOnFailure=True,
         )

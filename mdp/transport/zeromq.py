@@ -517,8 +517,6 @@ class ZmqRouter(_RoutedSocket):
         import zmq
 
         router_class, _ = _connection_classes()
-        #: the sender of the message being delivered and its CURVE User-Id
-        self._identified: tuple[Optional[bytes], Optional[str]] = (None, None)
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
@@ -566,7 +564,6 @@ class ZmqRouter(_RoutedSocket):
         another connection may then claim it: a peer id that speaks with
         another key is another peer, so the one that had it is reported
         gone first (what it held, a worker's request, is taken back)."""
-        self._identified = (peer, userId)
         keys = self._keys
         if peer in keys:
             known = keys.pop(peer)
@@ -585,10 +582,10 @@ class ZmqRouter(_RoutedSocket):
         self.handshakesRefused += 1
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The CURVE public key (Z85) the ZAP handler accepted for *peer*,
-        while a message of *peer*'s is being delivered; None without CURVE."""
-        identified, userId = self._identified
-        return userId if identified == peer else None
+        """The CURVE public key (Z85) the ZAP handler accepted for the
+        connection *peer*'s last message came on; None without CURVE and an
+        allow-list."""
+        return self._keys.get(peer)
 
     def _forgetDomain(self) -> None:
         if self._zapDomain is not None:
