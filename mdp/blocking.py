@@ -69,8 +69,7 @@ from mdp.majordomo.worker import (
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
-from mdp.transport import check_curve, curve_for, endpoint_list
-from mdp.transport.curve import curve_client
+from mdp.transport import curve_client_for, curve_for, endpoint_list
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
 from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity
@@ -882,8 +881,7 @@ class Worker(WorkerMachine):
         _check_schemes(endpoints)
         self.handler = checked_handler(handler)
         #: the broker's public key and this worker's key pair, for zmq: endpoints
-        self.curve = curve_client(curveServerPublic, curveSecret)
-        check_curve(endpoints, self.curve)
+        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits, now=time.monotonic())
         self.requestsServed = 0

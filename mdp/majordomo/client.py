@@ -151,7 +151,6 @@ from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
 from mdp.messages import text as label
 from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_reactor
-from mdp.transport.curve import curve_client
 
 log = Logger()
 
@@ -818,8 +817,7 @@ class ClientCore(ClientMachine):
                  curveSecret: Optional[str] = None) -> None:
         endpoints = transport.endpoint_list(endpoint)
         #: the broker's public key and this client's key pair, for zmq: endpoints
-        self.curve = curve_client(curveServerPublic, curveSecret)
-        transport.check_curve(endpoints, self.curve)
+        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         _check_attempts(timeout, retries)
         if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
             raise TypeError(f"maxConnections is a number of connections, "

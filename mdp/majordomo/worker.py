@@ -113,7 +113,6 @@ from mdp.policy import (
     cancel_call,
     default_reactor,
 )
-from mdp.transport.curve import curve_client
 
 log = Logger()
 
@@ -513,8 +512,7 @@ class Worker(WorkerMachine):
         endpoints = transport.endpoint_list(endpoint)
         self.handler = checked_handler(handler)
         #: the broker's public key and this worker's key pair, for zmq: endpoints
-        self.curve = curve_client(curveServerPublic, curveSecret)
-        transport.check_curve(endpoints, self.curve)
+        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits, now=reactor.seconds())
         self.reactor = reactor

@@ -58,9 +58,9 @@ __all__ = [
     "authenticated",
     "beyond_loopback",
     "check",
-    "check_curve",
     "connect",
     "connect_peers",
+    "curve_client_for",
     "curve_for",
     "endpoint_list",
     "listen",
@@ -105,11 +105,19 @@ def curve_for(endpoint: str, curve: Any) -> Any:
     return curve if endpoint.startswith("zmq:") else None
 
 
-def check_curve(endpoints: list[str], curve: Any) -> None:
-    """``ValueError`` for CURVE settings that no endpoint would use."""
+def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
+                     secretFile: Optional[str]) -> Any:
+    """A connecting node's CURVE arguments (``curveServerPublic``,
+    ``curveSecret``) as a :class:`~mdp.transport.curve.CurveClient`, or None
+    without a server key; ``ValueError`` if none of its *endpoints* would use
+    them."""
+    from mdp.transport.curve import curve_client
+
+    curve = curve_client(serverPublicFile, secretFile)
     if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
         raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
                          "ssl: (TLS) instead")
+    return curve
 
 
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
