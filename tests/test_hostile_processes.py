@@ -17,6 +17,7 @@ Every process is stopped in a ``finally``; every wait is bounded.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import struct
@@ -28,7 +29,7 @@ from twisted.internet import defer, task
 
 from mdp import Client
 from mdp.errors import MessageTooLarge
-from tests.procs import Cluster, bounded, wait_until
+from tests.procs import Cluster, bounded, reactor, wait_until
 
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
 HANDLERS = "tests.handlers_for_tests:"
@@ -323,3 +324,77 @@ async def test_oversized_reply_is_413_and_no_worker_is_lost(kind: str) -> None:
         assert tooLarge == 8  # each answered 413 once: none was re-queued (no worker was lost)
     finally:
         await cluster.stop()
+
+
+#: starts a command with the soft and hard descriptor limits set to argv[1]
+WITH_FD_LIMIT = ("import os, resource, sys; n = int(sys.argv[1]); "
+                 "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_flood_of_idle_connections_meets_the_descriptor_budget_not_emfile() -> None:
+    """Under a descriptor limit of 256 (1,024 is a common default), far below
+    maxConnections (10,000), 300 idle TCP connections used to take every
+    descriptor: new clients, on tcp: and on zmq:, were locked out (EMFILE).
+    The listener now caps connections at what the limit leaves (256 less 64
+    kept back), dropping the oldest silent ones, and says so at start."""
+    from tests.procs import ENV, Process, bound_endpoint, python, script, twist_worker
+
+    r = reactor()
+    broker = Process(r, python("-c", WITH_FD_LIMIT, "256", script("twist"), "--log-format", "text",
+                               "mdp-broker", "--endpoint", BINDS["tcp"], "--backend", BINDS["zmq"],
+                               "--heartbeat", "0.5"), ENV)
+    idle: list[socket.socket] = []
+    worker: Optional[Any] = None
+    try:
+        frontend = await bound_endpoint(broker, "MDP broker")
+        await broker.waitFor(r"MDP broker listening on zmq:", timeout=60)
+        backend = re.search(rb"MDP broker listening on (zmq:\S+)", broker.output).group(1).decode()
+        worker = twist_worker(r, backend, "echo", "echo", "--heartbeat", "0.5")
+        await worker.waitFor("sent READY", timeout=60)
+        assert b"leaves room for 192 connections, fewer than maxConnections (10000)" in broker.output
+
+        fields = dict(part.split("=", 1) for part in frontend.split(":")[1:])
+        for _ in range(300):
+            idle.append(socket.create_connection((fields["host"], int(fields["port"])), timeout=10))
+        # a client over tcp: gets a slot at once (an idle connection makes room
+        # for it), not once the idle ones reach their handshake timeout (10 s)
+        call = Process(r, [script("mdp"), "call", "--broker", frontend, "--timeout", "5",
+                           "--retries", "1", "echo", "through"], ENV)
+        await call.ended(60)
+        assert call.exitCode == 0, call.output
+        assert call.output.decode().splitlines() == ["through"]
+
+        # the broker closed the oldest idle connections, keeping within its budget
+        def closed(sock: socket.socket) -> bool:
+            sock.setblocking(False)
+            try:
+                return sock.recv(1) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+        await wait_until(lambda: sum(map(closed, idle)) >= 300 - 192, 30)
+        assert b"making room for a new connection" in broker.output
+        assert b"EMFILE" not in broker.output, broker.output.decode(errors="replace")
+    finally:
+        for sock in idle:
+            sock.close()
+        if worker is not None:
+            await worker.stop()
+        await broker.stop()
+
+
+def test_servers_raise_the_soft_descriptor_limit_to_the_hard_one() -> None:
+    """``twist mdp-broker`` (and the other listening servers) start as a
+    server should: with the soft limit raised to the hard one."""
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048)); "
+            "from mdp.transport.stream import descriptor_budget, raise_descriptor_limit; "
+            "before = descriptor_budget(); now = raise_descriptor_limit(); "
+            "print(before, now, resource.getrlimit(resource.RLIMIT_NOFILE), descriptor_budget())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split(maxsplit=2)
+    assert out == ["192", "2048", "(2048, 2048) 1792\n"]

@@ -27,6 +27,7 @@ from mdp import (
 from mdp.freelance import FreelanceServer, SequentialClient
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.broker import ServiceQueue
+from mdp.transport import stream
 from mdp.transport.framing import encode_record
 from tests.conftest import LoopbackNet, Net, RawPeer
 from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, start_worker
@@ -409,6 +410,32 @@ async def test_connection_cap_makes_room_from_silent_connections_then_refuses(ne
     late = await raw_stream(net, endpoint)  # two peers that spoke: no room
     await net.wait(late.lost)
     assert bound.refused == 1 and worker.connected
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_the_descriptor_budget_caps_connections_as_max_connections_does(net: Net) -> None:
+    """Below maxConnections, what the process's descriptor limit leaves
+    (:func:`mdp.transport.stream.descriptor_budget`) is the cap: silent
+    connections make room, then newcomers are refused, saying why."""
+    broker, endpoint = await start_broker(net)
+    bound = binding_of(broker)
+    others = sum(len(router.connections) for router in stream._routers if router is not bound)
+    bound.descriptorBudget = lambda: others + 2
+    silent = [await raw_stream(net, endpoint) for _ in range(2)]
+    await net.until(lambda: len(bound.connections) == 2)
+    worker = start_worker(net, endpoint, "echo", echo)
+    await net.until(lambda: len(broker.workers) == 1)
+    await net.wait(silent[0].lost)
+    client = make_client(net, endpoint)
+    assert await net.wait(client.request("echo", b"in")) == [b"in"]
+    await net.wait(silent[1].lost)
+    refusals = LogLines(net, "refused a connection")
+    late = await raw_stream(net, endpoint)
+    await net.wait(late.lost)
+    assert bound.refused == 1 and worker.connected
+    assert any("all that its descriptor limit leaves room for" in line
+               for line in refusals.lines), refusals.lines
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)

@@ -20,6 +20,7 @@ from mdp.majordomo import broker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
+from mdp.transport.stream import raise_descriptor_limit
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 
@@ -401,6 +402,7 @@ class BrokerServiceMaker:
     def makeService(self, options: BrokerOptions) -> Any:
         from mdp.app.service import BrokerService
 
+        raise_descriptor_limit()
         binaryStar = None
         if options["bstar"] is not None:
             from mdp.binarystar import BinaryStar
@@ -496,6 +498,7 @@ class FreelanceServerServiceMaker:
         from mdp.app.service import FreelanceServerService
         from mdp.handlers import load_handler
 
+        raise_descriptor_limit()
         handler = loaded_handler(options, "twist mdp-freelance-server", load_handler)
         metrics = metrics_of(options, "FreelanceMetrics")
         return with_metrics(FreelanceServerService(
@@ -575,6 +578,7 @@ class SPRepServiceMaker:
     def makeService(self, options: SPRepOptions) -> Any:
         from mdp.app.service import SPServerService
 
+        raise_descriptor_limit()
         return SPServerService(options["endpoint"],
                                loaded_handler(options, "twist sp-rep", sp_handler),
                                limits=limits_of(options))
@@ -589,6 +593,7 @@ class SPDeviceServiceMaker:
     def makeService(self, options: SPDeviceOptions) -> Any:
         from mdp.app.service import SPDeviceService
 
+        raise_descriptor_limit()
         return SPDeviceService(options["front"], options["back"], limits=limits_of(options))
 
 

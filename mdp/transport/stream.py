@@ -21,7 +21,10 @@ opaque peer id and reports its loss at once.  It defends itself
 connection that has not yet sent a message makes room, or the newcomer is
 refused); and what a peer does not read is kept, beyond Twisted's own write
 buffer, only up to ``maxOutputBytes``, after which that peer alone is
-disconnected.
+disconnected.  The process's descriptor limit caps the connections too: the
+listeners of a process together keep at most what :func:`descriptor_budget`
+leaves, so that a flood of connections meets that cap, not ``EMFILE``, and
+ZeroMQ peers and files still find descriptors.
 
 The connecting side uses :class:`ClientService`, so it reconnects with
 exponential backoff by itself.
@@ -40,6 +43,7 @@ Clients connect with Twisted's own ``ssl:`` (``certKey=``, ``privateKey=``,
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict, deque
 from typing import Any, Callable, Optional
 
@@ -66,9 +70,51 @@ from mdp.transport.flow import DrainWaiters
 from mdp.transport.framing import RECORDS
 from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
 
+try:
+    import resource
+except ImportError:  # no resource module (Windows): no descriptor limit to read
+    resource = None  # type: ignore[assignment]
+
 log = Logger()
 
 _ids = itertools.count(1)
+
+#: descriptors kept back from accepted stream connections, at the least, for
+#: everything else a process opens (ZeroMQ's sockets and its peers'
+#: connections, connecting sockets, files, logs)
+DESCRIPTOR_RESERVE = 64
+
+
+def descriptor_budget() -> Optional[int]:
+    """How many accepted stream connections the process's descriptor limit
+    (the soft ``RLIMIT_NOFILE``) leaves room for: all of it but an eighth
+    (at least :data:`DESCRIPTOR_RESERVE`).  None where there is no limit."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(1, soft - max(DESCRIPTOR_RESERVE, soft // 8))
+
+
+def raise_descriptor_limit() -> int:
+    """Raise the process's soft descriptor limit to its hard limit (as a
+    server does at start: the soft limit is often 1,024) and return the soft
+    limit now in force (-1: none)."""
+    if resource is None:
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and soft != resource.RLIM_INFINITY:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a hard limit the kernel will not grant (nr_open)
+            pass
+    return -1 if soft == resource.RLIM_INFINITY else soft
+
+
+#: every listening side of the process, for the descriptor budget they share
+_routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
 
 #: Records of one batch are handed to the transport once they hold this many
@@ -529,6 +575,10 @@ class StreamRouter:
         #: connections with records waiting to be flushed
         self.dirty: list[_RouterConnection] = []
         self.flushCall: Any = None
+        #: how many connections the process's descriptors leave room for
+        #: (None: no cap), asked at each new connection
+        self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
+        _routers.add(self)
 
     def flushWrites(self) -> None:
         """Hand every connection's batch of records to its transport."""
@@ -539,22 +589,49 @@ class StreamRouter:
                 connection.flushWrites()
 
     def buildProtocol(self, addr: object) -> Optional[_RouterConnection]:
-        if len(self.connections) >= self.limits.maxConnections:
-            if self.ungreeted:  # make room: the oldest one that has said nothing
-                _, idle = self.ungreeted.popitem(last=False)
-                idle.drop("making room for a new connection ({limit} open) before it sent a message",
-                          limit=self.limits.maxConnections)
-                self._forget(idle)
+        full = self._full()
+        if full is not None:
+            # make room: the oldest connection that has said nothing, here
+            # or (at the process's cap) on another listener
+            routers = [self] if len(self.connections) >= self.limits.maxConnections else [
+                self, *(router for router in _routers if router is not self)]
+            idle = next((router for router in routers if router.ungreeted), None)
+            if idle is not None:
+                _, connection = idle.ungreeted.popitem(last=False)
+                connection.drop("making room for a new connection ({full}) before it sent a message",
+                                full=full)
+                idle._forget(connection)
             else:
                 self.refused += 1
                 self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
-                                   "from {address}: {limit} connections open",
-                                   endpoint=self.endpoint, address=str(addr),
-                                   limit=self.limits.maxConnections)
+                                   "from {address}: {full}",
+                                   endpoint=self.endpoint, address=str(addr), full=full)
                 return None
         proto = _RouterConnection()
         proto.router = self
         return proto
+
+    def _full(self) -> Optional[str]:
+        """Why no connection may be added now (a cap is reached), or None."""
+        if len(self.connections) >= self.limits.maxConnections:
+            return f"{self.limits.maxConnections} connections open (maxConnections)"
+        budget = self.descriptorBudget()
+        if budget is not None:
+            open_ = sum(len(router.connections) for router in _routers)
+            if open_ >= budget:
+                return (f"{open_} connections open in the process, all that its descriptor limit "
+                        f"leaves room for (raise it: ulimit -n)")
+        return None
+
+    def _checkBudget(self) -> None:
+        """Say at start when the descriptor limit, not maxConnections, is
+        the cap: the operator may want to raise it."""
+        budget = self.descriptorBudget()
+        if budget is not None and budget < self.limits.maxConnections:
+            log.warn("stream listener {endpoint}: the process's descriptor limit leaves room for "
+                     "{budget} connections, fewer than maxConnections ({limit}); raise it "
+                     "(ulimit -n) to let more in", endpoint=self.endpoint, budget=budget,
+                     limit=self.limits.maxConnections)
 
     def _forget(self, connection: _RouterConnection) -> None:
         """Stop counting an aborted connection at once (its connectionLost
@@ -586,6 +663,7 @@ class StreamRouter:
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
             router.endpoint = connect_description(description.partition(":")[0], port)
+            router._checkBudget()
             return router
 
         def failed(failure: Failure) -> Failure:
