@@ -1015,8 +1015,9 @@ class BrokerMachine(Machine):
 
     def _late(self, key: PeerKey, command: Any) -> bool:
         """A reply from a worker the broker gave up on (silent: its handler
-        may have blocked its reactor), for an assignment taken back from that
-        very worker.  A FINAL (with no PARTIAL before it) answers the request
+        may have blocked its reactor; or gone: a DISCONNECT, a lost
+        connection), for an assignment taken back from that very worker.
+        A FINAL (with no PARTIAL before it) answers the request
         if it was queued again and no other worker has it yet: else the
         request would run again, maybe as long.  A PARTIAL spoils that (the
         client would get a reply without its beginning): the request runs
@@ -1030,15 +1031,17 @@ class BrokerMachine(Machine):
                 or request.envelope != command.client):
             if self.metrics is not None:
                 self.metrics.dropped("orphaned")
-            log.info("dropped the late {command} of worker {peer} for {service}: it was given "
-                     "up for silence, and its request is elsewhere now or runs again",
+            log.info("dropped the late {command} of worker {peer} for {service}: the broker had "
+                     "given that worker up (silent, or gone), and its request is elsewhere now "
+                     "or runs again",
                      command=type(command).__name__, peer=peer_label(key[1]),
                      service=label(request.service))
             return True
         service = self.services[request.service]
         service.remove(request)
-        log.info("accepted the late reply of worker {peer} for {service}: it was given up for "
-                 "silence, and the request was still queued", peer=peer_label(key[1]),
+        log.info("accepted the late reply of worker {peer} for {service}: the broker had given "
+                 "that worker up (silent, or gone), and the request was still queued",
+                 peer=peer_label(key[1]),
                  service=label(request.service))
         self._reply(request, command.body, final=True)
         self._served(request, command.body, key)

@@ -116,6 +116,11 @@ def raise_descriptor_limit() -> int:
 #: every listening side of the process, for the descriptor budget they share
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
+#: connections dropped to make room whose descriptors may be still open (they
+#: close a reactor turn later) before newcomers are refused instead: an accept
+#: burst at the descriptor budget spends at most these of the reserve
+MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
+
 
 #: Records of one batch are handed to the transport once they hold this many
 #: bytes (Twisted's own write buffer size), so that a long burst still meets
@@ -388,6 +393,8 @@ class _RouterConnection(FramedProtocol):
     peer: bytes
     greeted = False  # a first complete message arrived
     paused = False
+    #: dropped to make room for a newer connection
+    makingRoom = False
     #: its TLS client certificate's subject (None: none), once asked
     tlsSubject: Any = False
 
@@ -404,6 +411,7 @@ class _RouterConnection(FramedProtocol):
         self._recordsAtArm = -1
         router.connections[self.peer] = self
         router.ungreeted[self.peer] = self
+        StreamRouter.accepted += 1
         self.transport.registerProducer(self, True)
         self._timer: Any = router.reactor.callLater(
             self.limits.handshakeTimeout, self._timedOut,
@@ -532,6 +540,9 @@ class _RouterConnection(FramedProtocol):
         super().closeGracefully()
 
     def connectionLost(self, reason: object = None) -> None:
+        StreamRouter.accepted -= 1
+        if self.makingRoom:
+            StreamRouter.makingRoom -= 1
         self._cancelTimer()
         self._out = []
         self._outBytes = 0
@@ -552,6 +563,11 @@ class StreamRouter:
     as a plain :class:`~twisted.internet.interfaces.IProtocolFactory`, for
     listening with an endpoint, a TLS wrapper or an ``Application`` of one's
     own."""
+
+    #: accepted connections open in the process (their descriptors), and of
+    #: those, the ones dropped to make room that have not closed yet
+    accepted = 0
+    makingRoom = 0
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
@@ -593,11 +609,14 @@ class StreamRouter:
         if full is not None:
             # make room: the oldest connection that has said nothing, here
             # or (at the process's cap) on another listener
-            routers = [self] if len(self.connections) >= self.limits.maxConnections else [
+            descriptors = len(self.connections) < self.limits.maxConnections
+            routers = [self] if not descriptors else [
                 self, *(router for router in _routers if router is not self)]
             idle = next((router for router in routers if router.ungreeted), None)
-            if idle is not None:
+            if idle is not None and not (descriptors and StreamRouter.makingRoom >= MAX_MAKING_ROOM):
                 _, connection = idle.ungreeted.popitem(last=False)
+                connection.makingRoom = True
+                StreamRouter.makingRoom += 1
                 connection.drop("making room for a new connection ({full}) before it sent a message",
                                 full=full)
                 idle._forget(connection)
@@ -616,11 +635,9 @@ class StreamRouter:
         if len(self.connections) >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections open (maxConnections)"
         budget = self.descriptorBudget()
-        if budget is not None:
-            open_ = sum(len(router.connections) for router in _routers)
-            if open_ >= budget:
-                return (f"{open_} connections open in the process, all that its descriptor limit "
-                        f"leaves room for (raise it: ulimit -n)")
+        if budget is not None and StreamRouter.accepted >= budget:
+            return (f"{StreamRouter.accepted} connections open in the process, all that its "
+                    f"descriptor limit leaves room for (raise it: ulimit -n)")
         return None
 
     def _checkBudget(self) -> None:
