@@ -29,7 +29,18 @@ from twisted.internet import defer, task
 
 from mdp import Client
 from mdp.errors import MessageTooLarge
-from tests.procs import Cluster, bounded, reactor, wait_until
+from tests.procs import (
+    ENV,
+    Cluster,
+    Process,
+    bound_endpoint,
+    bounded,
+    python,
+    reactor,
+    script,
+    twist_worker,
+    wait_until,
+)
 
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
 HANDLERS = "tests.handlers_for_tests:"
@@ -338,8 +349,6 @@ async def test_a_flood_of_idle_connections_meets_the_descriptor_budget_not_emfil
     descriptor: new clients, on tcp: and on zmq:, were locked out (EMFILE).
     The listener now caps connections at what the limit leaves (256 less 64
     kept back), dropping the oldest silent ones, and says so at start."""
-    from tests.procs import ENV, Process, bound_endpoint, python, script, twist_worker
-
     r = reactor()
     broker = Process(r, python("-c", WITH_FD_LIMIT, "256", script("twist"), "--log-format", "text",
                                "mdp-broker", "--endpoint", BINDS["tcp"], "--backend", BINDS["zmq"],
