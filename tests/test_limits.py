@@ -420,8 +420,8 @@ async def test_the_descriptor_budget_caps_connections_as_max_connections_does(ne
     connections make room, then newcomers are refused, saying why."""
     broker, endpoint = await start_broker(net)
     bound = binding_of(broker)
-    # room for two of this listener's: whatever else is open in the process does not count
-    bound.descriptorBudget = lambda: stream.StreamRouter.accepted - len(bound.connections) + 2
+    base = stream.StreamRouter.accepted  # open elsewhere in the process
+    bound.descriptorBudget = lambda: base + 2
     silent = [await raw_stream(net, endpoint) for _ in range(2)]
     await net.until(lambda: len(bound.connections) == 2)
     worker = start_worker(net, endpoint, "echo", echo)
@@ -436,6 +436,14 @@ async def test_the_descriptor_budget_caps_connections_as_max_connections_does(ne
     assert bound.refused == 1 and worker.connected
     assert any("all that its descriptor limit leaves room for" in line
                for line in refusals.lines), refusals.lines
+    # closed connections give their room back: two that speak get in, neither refused
+    await worker.stop()
+    await client.close()
+    await net.until(lambda: stream.StreamRouter.accepted == base)
+    for n in range(2):
+        start_worker(net, endpoint, "echo", echo)
+        await net.until(lambda n=n: len(broker.workers) == n + 1)
+    assert bound.refused == 1
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)

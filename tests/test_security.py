@@ -466,3 +466,57 @@ async def test_under_mutual_tls_an_announced_identity_stays_with_its_certificate
         for dealer in dealers.values():
             await dealer.close()
         await router.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_tls_listener_closes_the_connections_it_refuses_at_its_cap(tmp_path: Path) -> None:
+    """A TLS listener's factory is wrapped: a refused connection needs a
+    protocol that closes it (the wrapper keeps a None protocol's socket open,
+    with a traceback each).  Refused ones close; the count of open
+    descriptors comes back to what is really open."""
+    import socket
+
+    from mdp import transport
+    from mdp.transport.stream import StreamRouter
+
+    authority = Authority(tmp_path)
+    server = authority.issue("broker", "broker")
+    cert, key = authority.issue("alice", "alice", "Example")
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    (trusted / "ca.pem").write_bytes(authority.pem.read_bytes())
+    recorder = Recorder()
+    router = await transport.listen(
+        f"ssl:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
+        f":caCerts={authority.pem}", recorder, reactor())
+    recorder.transport = router
+    base = StreamRouter.accepted
+    router.descriptorBudget = lambda: base + 1  # room for alice alone
+    pipe = Pipe()
+    dealer = transport.connect(f"{router.endpoint}:caCertsDir={trusted}:certKey={cert}:privateKey={key}",
+                               pipe, reactor())
+    raw: list[socket.socket] = []
+    try:
+        await wait_until(lambda: pipe.up == 1, 10)
+        dealer.sendMessage([b"hello"])  # alice spoke: she keeps her slot
+        await wait_until(lambda: len(recorder.events) == 1, 10)
+        port = int(router.endpoint.rpartition("port=")[2])
+        for _ in range(5):
+            raw.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+
+        def closed(sock: socket.socket) -> bool:
+            sock.setblocking(False)
+            try:
+                return sock.recv(1) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+        await wait_until(lambda: all(map(closed, raw)), 10)
+        assert router.refused == 5 and pipe.lost == 0
+        await wait_until(lambda: StreamRouter.accepted == base + 1, 10)
+    finally:
+        for sock in raw:
+            sock.close()
+        await dealer.close()
+        await router.close()

@@ -24,7 +24,7 @@ buffer, only up to ``maxOutputBytes``, after which that peer alone is
 disconnected.  The process's descriptor limit caps the connections too: the
 listeners of a process together keep at most what :func:`descriptor_budget`
 leaves, so that a flood of connections meets that cap, not ``EMFILE``, and
-ZeroMQ peers and files still find descriptors.
+the rest of the process keeps a reserve of descriptors.
 
 The connecting side uses :class:`ClientService`, so it reconnects with
 exponential backoff by itself.
@@ -118,7 +118,7 @@ _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
 #: connections dropped to make room whose descriptors may be still open (they
 #: close a reactor turn later) before newcomers are refused instead: an accept
-#: burst at the descriptor budget spends at most these of the reserve
+#: burst at a cap spends at most these of the descriptor reserve
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
 
@@ -399,6 +399,7 @@ class _RouterConnection(FramedProtocol):
     tlsSubject: Any = False
 
     def connectionMade(self) -> None:
+        StreamRouter.accepted += 1  # first: connectionLost takes it off whatever happens
         router = self.router
         self.limits = router.limits
         self.framing = router.framing
@@ -411,7 +412,6 @@ class _RouterConnection(FramedProtocol):
         self._recordsAtArm = -1
         router.connections[self.peer] = self
         router.ungreeted[self.peer] = self
-        StreamRouter.accepted += 1
         self.transport.registerProducer(self, True)
         self._timer: Any = router.reactor.callLater(
             self.limits.handshakeTimeout, self._timedOut,
@@ -555,6 +555,19 @@ class _RouterConnection(FramedProtocol):
             router.receiver.peerDisconnected(self.peer)
 
 
+class _Refused(Protocol):
+    """A connection refused at a cap: closed at once (Twisted closes the
+    socket of a plain TCP or UNIX listener whose factory returns None, but a
+    TLS wrapper keeps it open), counted until its descriptor is closed."""
+
+    def connectionMade(self) -> None:
+        StreamRouter.accepted += 1
+        self.transport.abortConnection()
+
+    def connectionLost(self, reason: object = None) -> None:
+        StreamRouter.accepted -= 1
+
+
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
     """The bound side over a Twisted server endpoint.
@@ -594,6 +607,10 @@ class StreamRouter:
         #: how many connections the process's descriptors leave room for
         #: (None: no cap), asked at each new connection
         self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
+        #: its factory may be wrapped (TLS): a refused connection then needs
+        #: a protocol that closes it (a wrapper keeps a None protocol's socket
+        #: open); a plain TCP or UNIX port closes it at once
+        self.wrapped = True
         _routers.add(self)
 
     def flushWrites(self) -> None:
@@ -604,16 +621,15 @@ class StreamRouter:
             for connection in dirty:
                 connection.flushWrites()
 
-    def buildProtocol(self, addr: object) -> Optional[_RouterConnection]:
+    def buildProtocol(self, addr: object) -> Optional[Protocol]:
         full = self._full()
         if full is not None:
             # make room: the oldest connection that has said nothing, here
             # or (at the process's cap) on another listener
-            descriptors = len(self.connections) < self.limits.maxConnections
-            routers = [self] if not descriptors else [
+            routers = [self] if len(self.connections) >= self.limits.maxConnections else [
                 self, *(router for router in _routers if router is not self)]
             idle = next((router for router in routers if router.ungreeted), None)
-            if idle is not None and not (descriptors and StreamRouter.makingRoom >= MAX_MAKING_ROOM):
+            if idle is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
                 _, connection = idle.ungreeted.popitem(last=False)
                 connection.makingRoom = True
                 StreamRouter.makingRoom += 1
@@ -625,7 +641,7 @@ class StreamRouter:
                 self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
                                    "from {address}: {full}",
                                    endpoint=self.endpoint, address=str(addr), full=full)
-                return None
+                return _Refused() if self.wrapped else None
         proto = _RouterConnection()
         proto.router = self
         return proto
@@ -676,6 +692,7 @@ class StreamRouter:
         except TransportError as e:
             return defer.fail(e)
         factory = router.factory()
+        router.wrapped = description.partition(":")[0].lower() not in ("tcp", "tcp6", "unix")
 
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
