@@ -169,6 +169,18 @@ async def bounded(d: defer.Deferred, seconds: float) -> Any:
     return await d.addTimeout(seconds, reactor())
 
 
+def peer_closed(sock: Any) -> bool:
+    """The far side of plain socket *sock* has closed it (a read finds the
+    end); never blocks."""
+    sock.setblocking(False)
+    try:
+        return bool(sock.recv(1) == b"")
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 async def wait_until(predicate: Any, seconds: float, step: float = 0.01) -> None:
     """Poll *predicate* until it is true; fail after *seconds*."""
     deadline = reactor().seconds() + seconds

@@ -35,6 +35,7 @@ from tests.procs import (
     Process,
     bound_endpoint,
     bounded,
+    peer_closed,
     python,
     reactor,
     script,
@@ -375,16 +376,8 @@ async def test_a_flood_of_idle_connections_meets_the_descriptor_budget_not_emfil
         assert call.output.decode().splitlines() == ["through"]
 
         # the broker closed the oldest idle connections, keeping within its budget
-        def closed(sock: socket.socket) -> bool:
-            sock.setblocking(False)
-            try:
-                return sock.recv(1) == b""
-            except BlockingIOError:
-                return False
-            except OSError:
-                return True
         # (before the idle ones' handshake timeout, 10 s, would have closed them)
-        await wait_until(lambda: sum(map(closed, idle)) >= 300 - 192, 5)
+        await wait_until(lambda: sum(map(peer_closed, idle)) >= 300 - 192, 5)
         assert b"making room for a new connection" in broker.output
         assert b"EMFILE" not in broker.output, broker.output.decode(errors="replace")
     finally:

@@ -24,6 +24,7 @@ from tests.procs import (
     WORKER_HB,
     Process,
     bound_endpoint,
+    peer_closed,
     reactor,
     script,
     twist_broker,
@@ -425,14 +426,15 @@ class Pipe:
         self.lost += 1
 
 
-@pytest_twisted.ensureDeferred
-async def test_under_mutual_tls_an_announced_identity_stays_with_its_certificate(
-        tmp_path: Path) -> None:
+async def mutual_tls_router(tmp_path: Path, *names: str) -> tuple[Any, Recorder, dict[str, Any], Path]:
+    """A listening ``ssl:`` router requiring client certificates of a test
+    authority; the recorder of what it hears, a certificate for each of
+    *names*, and the directory trusting the authority (for the clients)."""
     from mdp import transport
 
     authority = Authority(tmp_path)
     server = authority.issue("broker", "broker")
-    certs = {name: authority.issue(name, name, "Example") for name in ("alice", "bob")}
+    certs = {name: authority.issue(name, name, "Example") for name in names}
     trusted = tmp_path / "trusted"
     trusted.mkdir()
     (trusted / "ca.pem").write_bytes(authority.pem.read_bytes())
@@ -441,6 +443,15 @@ async def test_under_mutual_tls_an_announced_identity_stays_with_its_certificate
         f"ssl:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
         f":caCerts={authority.pem}", recorder, reactor())
     recorder.transport = router
+    return router, recorder, certs, trusted
+
+
+@pytest_twisted.ensureDeferred
+async def test_under_mutual_tls_an_announced_identity_stays_with_its_certificate(
+        tmp_path: Path) -> None:
+    from mdp import transport
+
+    router, recorder, certs, trusted = await mutual_tls_router(tmp_path, "alice", "bob")
     pipes = {name: Pipe() for name in certs}
     dealers = {}
     try:
@@ -479,17 +490,8 @@ async def test_a_tls_listener_closes_the_connections_it_refuses_at_its_cap(tmp_p
     from mdp import transport
     from mdp.transport.stream import StreamRouter
 
-    authority = Authority(tmp_path)
-    server = authority.issue("broker", "broker")
-    cert, key = authority.issue("alice", "alice", "Example")
-    trusted = tmp_path / "trusted"
-    trusted.mkdir()
-    (trusted / "ca.pem").write_bytes(authority.pem.read_bytes())
-    recorder = Recorder()
-    router = await transport.listen(
-        f"ssl:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
-        f":caCerts={authority.pem}", recorder, reactor())
-    recorder.transport = router
+    router, recorder, certs, trusted = await mutual_tls_router(tmp_path, "alice")
+    cert, key = certs["alice"]
     base = StreamRouter.accepted
     router.descriptorBudget = lambda: base + 1  # room for alice alone
     pipe = Pipe()
@@ -504,15 +506,7 @@ async def test_a_tls_listener_closes_the_connections_it_refuses_at_its_cap(tmp_p
         for _ in range(5):
             raw.append(socket.create_connection(("127.0.0.1", port), timeout=10))
 
-        def closed(sock: socket.socket) -> bool:
-            sock.setblocking(False)
-            try:
-                return sock.recv(1) == b""
-            except BlockingIOError:
-                return False
-            except OSError:
-                return True
-        await wait_until(lambda: all(map(closed, raw)), 10)
+        await wait_until(lambda: all(map(peer_closed, raw)), 10)
         assert router.refused == 5 and pipe.lost == 0
         await wait_until(lambda: StreamRouter.accepted == base + 1, 10)
     finally:
