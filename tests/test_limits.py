@@ -29,7 +29,7 @@ from mdp.majordomo import codec, mmi
 from mdp.majordomo.broker import ServiceQueue
 from mdp.transport import stream
 from mdp.transport.framing import encode_record
-from tests.conftest import LoopbackNet, Net, RawPeer
+from tests.conftest import LoopbackNet, Net, RawPeer, RawRouter
 from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, start_worker
 
 W = codec.WORKER_HEADER
@@ -381,6 +381,54 @@ async def test_record_left_incomplete_is_dropped_after_the_record_timeout(net: N
     assert binding_of(broker).connections == {}
 
 
+#: the first 40 bytes of a record of one 100-byte frame
+HALF_A_RECORD = encode_record([b"x" * 100])[:40]
+
+
+class CutShort(protocol.Protocol):
+    """A stream listener of our own making that sends half a record to
+    whoever connects, then closes."""
+
+    def connectionMade(self) -> None:
+        self.transport.write(HALF_A_RECORD)
+        self.transport.loseConnection()
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_peer_that_closes_in_the_middle_of_a_message_is_logged_as_such(net: Net) -> None:
+    """A plain disconnect would hide that a message was lost on the way;
+    a close after whole messages, or one this side makes, says nothing of it."""
+    broker, endpoint = await start_broker(net)
+    bound = binding_of(broker)
+    unfinished = LogLines(net, "in the middle of a message")
+    peers = [await raw_stream(net, endpoint) for _ in range(3)]
+    for peer in peers:
+        peer.sendFrames(codec.CLIENT_HEADER, codec.C_REQUEST, b"mmi.service", b"x")
+    await net.until(lambda: all(b"404" in peer.received for peer in peers))
+    whole, cut, ours = peers
+    whole.transport.loseConnection()
+    await net.wait(whole.lost)
+    await net.until(lambda: len(bound.connections) == 2)
+    assert unfinished.lines == []
+    where = f"host='127.0.0.1', port={cut.transport.getHost().port})"
+    cut.transport.write(HALF_A_RECORD)  # then gone
+    cut.transport.loseConnection()
+    await net.until(lambda: len(unfinished.lines) == 1)
+    assert where in unfinished.lines[0] and "(36 bytes of it received)" in unfinished.lines[0]
+    ours.transport.write(HALF_A_RECORD)
+    await net.until(lambda: bound.connections[next(iter(bound.connections))].decoder.inRecord)
+    await bound.close()  # the broker's own close: the peer lost nothing it knows of
+    await net.wait(ours.lost)
+    assert len(unfinished.lines) == 1
+    # the connecting side says the same of a listener that closes mid-message
+    port = net.reactor.listenTCP(0, protocol.Factory.forProtocol(CutShort), interface="127.0.0.1")
+    net.addCleanup(port.stopListening)
+    RawPeer(net, f"tcp:host=127.0.0.1:port={port.getHost().port}")
+    await net.until(lambda: len(unfinished.lines) >= 2)
+    assert f"port={port.getHost().port})" in unfinished.lines[1], unfinished.lines
+
+
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_stream_peer_announcing_an_oversized_record_is_dropped_at_once(net: Net) -> None:
@@ -444,6 +492,67 @@ async def test_the_descriptor_budget_caps_connections_as_max_connections_does(ne
         start_worker(net, endpoint, "echo", echo)
         await net.until(lambda n=n: len(broker.workers) == n + 1)
     assert bound.refused == 1
+
+
+class FakeLimits:
+    """``resource``'s descriptor-limit calls over a soft and a hard limit,
+    granting soft limits up to *most*."""
+
+    RLIMIT_NOFILE = 7
+    RLIM_INFINITY = -1
+
+    def __init__(self, soft: int, hard: int, most: int) -> None:
+        self.limits = (soft, hard)
+        self.most = most
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        assert which == self.RLIMIT_NOFILE and limits[1] == self.limits[1]
+        if limits[0] > self.most:
+            raise ValueError("not allowed to raise maximum limit")
+        self.limits = limits
+
+
+@pytest.mark.parametrize("soft, hard, most, raised", [
+    (1024, 4096, 1 << 20, 4096),  # to the hard limit
+    (1024, 1 << 30, 1 << 20, 1024),  # a hard limit the kernel will not grant: as it was
+    (256, -1, 1 << 20, 65536),  # unlimited (macOS): a large finite one
+    (256, -1, 24576, 10240),  # ... or OPEN_MAX, which macOS grants
+    (256, -1, 200, 256),  # ... or nothing
+    (65536, 65536, 1 << 20, 65536),
+    (-1, -1, 1 << 20, -1),  # no limit at all
+])
+def test_servers_raise_the_soft_descriptor_limit_as_far_as_it_goes(
+        monkeypatch: Any, soft: int, hard: int, most: int, raised: int) -> None:
+    fake = FakeLimits(soft, hard, most)
+    monkeypatch.setattr(stream, "resource", fake)
+    assert stream.raise_descriptor_limit() == raised
+    assert fake.limits[0] == raised
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_router_on_a_port_of_the_applications_warns_of_its_descriptor_budget(
+        net: Net, monkeypatch: Any) -> None:
+    """Embedded with :meth:`StreamRouter.factory` on a port the application
+    opens, a router warns at start, as :meth:`StreamRouter.listen` does, when
+    the descriptor limit caps it below maxConnections; once each."""
+    warnings = LogLines(net, "descriptor limit leaves room for")
+    router = stream.StreamRouter(RawRouter(), net.reactor, limits=Limits(maxConnections=500))
+    router.descriptorBudget = lambda: 100
+    port = net.reactor.listenTCP(0, router.factory(), interface="127.0.0.1")
+    net.addCleanup(port.stopListening)
+    net.addCleanup(router.close)
+    assert len(warnings.lines) == 1 and "leaves room for 100 connections" in warnings.lines[0]
+    monkeypatch.setattr(stream, "descriptor_budget", lambda: 10)
+    listened = await net.wait(stream.StreamRouter.listen(
+        "tcp:host=127.0.0.1:port=0", RawRouter(), net.reactor, limits=Limits(maxConnections=50)))
+    net.addCleanup(listened.close)
+    # listen() warns once, naming the address its port got
+    assert len(warnings.lines) == 2 and f"{listened.endpoint}:" in warnings.lines[1]
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)

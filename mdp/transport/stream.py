@@ -97,20 +97,33 @@ def descriptor_budget() -> Optional[int]:
     return max(1, soft - max(DESCRIPTOR_RESERVE, soft // 8))
 
 
+#: what the soft descriptor limit is raised to where the hard limit is
+#: unlimited (macOS), in order: a kernel refuses an unlimited soft limit, and
+#: macOS grants at least OPEN_MAX (10,240)
+UNLIMITED_TARGETS = (65_536, 10_240)
+
+
 def raise_descriptor_limit() -> int:
     """Raise the process's soft descriptor limit to its hard limit (as a
-    server does at start: the soft limit is often 1,024) and return the soft
-    limit now in force (-1: none)."""
+    server does at start: the soft limit is often 1,024; where the hard limit
+    is unlimited, to the first of :data:`UNLIMITED_TARGETS` the kernel grants)
+    and return the soft limit now in force (-1: none)."""
     if resource is None:
         return -1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard and soft != resource.RLIM_INFINITY:
+    if soft == resource.RLIM_INFINITY:
+        return -1
+    if hard == resource.RLIM_INFINITY:
+        targets = [target for target in UNLIMITED_TARGETS if target > soft]
+    else:
+        targets = [hard] if hard > soft else []
+    for target in targets:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):  # a hard limit the kernel will not grant (nr_open)
-            pass
-    return -1 if soft == resource.RLIM_INFINITY else soft
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # more than the kernel grants (nr_open, OPEN_MAX)
+            continue
+        return target
+    return soft
 
 
 #: every listening side of the process, for the descriptor budget they share
@@ -152,6 +165,7 @@ class FramedProtocol(Protocol):
     onMessage: Callable[[list[bytes]], None]
     throttle: Optional[LogThrottle] = None
     dropped = False  # drop() was called: deliver nothing more
+    closedHere = False  # this side closed it (not the peer)
     #: why the stream was refused (reported with connectionLost), if it was
     refusal: Optional[ProtocolError] = None
 
@@ -240,9 +254,24 @@ class FramedProtocol(Protocol):
         """Close once what is written is sent.  A registered producer is
         unregistered first: Twisted keeps a connection whose paused producer
         is still registered open for good, waiting for more."""
+        self.closedHere = True
         self.flushWrites()
         self.transport.unregisterProducer()
         self.transport.loseConnection()
+
+    def reportUnfinished(self) -> None:
+        """At connectionLost: a peer that closed with a message begun lost
+        that message; say so (a plain disconnect says nothing of it)."""
+        decoder = getattr(self, "decoder", None)
+        if self.dropped or self.closedHere or decoder is None or not decoder.inRecord:
+            return
+        why = ("stream peer {peer} closed its connection in the middle of a message "
+               "({held} bytes of it received): that message is lost")
+        fields = {"peer": self.peerName(), "held": decoder.buffered}
+        if self.throttle is not None:
+            self.throttle.warn(log, "unfinished", why, **fields)
+        else:
+            log.warn(why, **fields)
 
     def peerName(self) -> str:
         try:
@@ -543,6 +572,7 @@ class _RouterConnection(FramedProtocol):
         StreamRouter.accepted -= 1
         if self.makingRoom:
             StreamRouter.makingRoom -= 1
+        self.reportUnfinished()
         self._cancelTimer()
         self._out = []
         self._outBytes = 0
@@ -611,6 +641,8 @@ class StreamRouter:
         #: a protocol that closes it (a wrapper keeps a None protocol's socket
         #: open); a plain TCP or UNIX port closes it at once
         self.wrapped = True
+        #: :meth:`listen` opens its port (it says what the budget is itself)
+        self._listening = False
         _routers.add(self)
 
     def flushWrites(self) -> None:
@@ -663,8 +695,14 @@ class StreamRouter:
         if budget is not None and budget < self.limits.maxConnections:
             log.warn("stream listener {endpoint}: the process's descriptor limit leaves room for "
                      "{budget} connections, fewer than maxConnections ({limit}); raise it "
-                     "(ulimit -n) to let more in", endpoint=self.endpoint, budget=budget,
-                     limit=self.limits.maxConnections)
+                     "(ulimit -n) to let more in", endpoint=self.endpoint or "(embedded)",
+                     budget=budget, limit=self.limits.maxConnections)
+
+    def _factoryStarted(self) -> None:
+        # on a port of the application's; :meth:`listen` warns once it
+        # knows its own port's address
+        if self.port is None and not self._listening:
+            self._checkBudget()
 
     def _forget(self, connection: _RouterConnection) -> None:
         """Stop counting an aborted connection at once (its connectionLost
@@ -674,9 +712,12 @@ class StreamRouter:
             self.receiver.peerDisconnected(connection.peer)
 
     def factory(self) -> Factory:
-        """An :class:`IProtocolFactory` whose connections this router serves."""
+        """An :class:`IProtocolFactory` whose connections this router serves
+        (for a port of the application's own; it warns, as :meth:`listen`
+        does, when it starts and the descriptor limit is the cap)."""
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self.buildProtocol  # type: ignore[method-assign]
+        factory.startFactory = self._factoryStarted  # type: ignore[method-assign]
         factory.noisy = False
         return factory
 
@@ -693,6 +734,7 @@ class StreamRouter:
             return defer.fail(e)
         factory = router.factory()
         router.wrapped = description.partition(":")[0].lower() not in ("tcp", "tcp6", "unix")
+        router._listening = True
 
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
@@ -729,6 +771,7 @@ class StreamRouter:
         self.flushCall = cancel_call(self.flushCall)
         self.dirty = []
         for connection in list(self.connections.values()):
+            connection.closedHere = True
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()
@@ -776,6 +819,7 @@ class _DealerConnection(FramedProtocol):
 
     def connectionLost(self, reason: object = None) -> None:
         self.paused = False
+        self.reportUnfinished()
         self._flushCall = cancel_call(self._flushCall)
         self._out = []
         self._outBytes = 0
@@ -930,6 +974,7 @@ class StreamDealer:
         self._waiters.fire()
         if self._closing is None:
             if self.protocol is not None:
+                self.protocol.closedHere = True
                 self.protocol.flushWrites()  # what was sent goes before the close
                 # the ClientService closes with loseConnection(): see closeGracefully
                 self.protocol.transport.unregisterProducer()
