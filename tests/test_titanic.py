@@ -177,6 +177,20 @@ async def test_pending_work_resumes_when_titanic_starts_again(clocknet: Loopback
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_stored_request_that_cannot_be_read_back_is_answered_500_alone(
+        clocknet: LoopbackNet) -> None:
+    """A damaged stored request comes back without frames (as SQLiteStore
+    reads one back): it is answered with an error, and the others go on."""
+    store = MemoryStore()
+    damaged = await clocknet.wait(store.add(b"echo", [], 0.0))
+    broker, client, endpoint, node = await whole(clocknet, store)
+    start_worker(clocknet, endpoint, "echo", echo)
+    assert await clocknet.wait(client.call("echo", b"fine")) == [b"fine"]
+    with pytest.raises(WorkerError, match="the stored request cannot be sent"):
+        await clocknet.wait(client.result(damaged))
+
+
+@pytest_twisted.ensureDeferred
 async def test_replies_are_purged_after_the_keep_time(clocknet: LoopbackNet) -> None:
     broker, client, endpoint, node = await whole(clocknet, keep=100.0, purgeEvery=10.0)
     start_worker(clocknet, endpoint, "echo", echo)

@@ -3,6 +3,7 @@ what it acknowledged across a restart and refuses a damaged file."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -147,6 +148,12 @@ async def test_one_sqlite_file_has_one_store_at_a_time(tmp_path: Any) -> None:
     second = SQLiteStore(path, reactor())
     with pytest.raises(StoreError, match="in use by another Titanic"):
         await second.open()
+    # nor under another name: through a symbolic link, or a hard link
+    (tmp_path / "alias.db").symlink_to(path)
+    os.link(path, tmp_path / "linked.db")
+    for other in ("alias.db", "linked.db"):
+        with pytest.raises(StoreError, match="in use by another Titanic"):
+            await SQLiteStore(str(tmp_path / other), reactor()).open()
     await first.close()
     with pytest.raises(StoreError, match="is closed"):
         await first.add(b"echo", [b"x"], 1.0)
@@ -175,5 +182,42 @@ async def test_a_write_that_fails_fails_alone_in_its_group(tmp_path: Any) -> Non
         with pytest.raises(Exception, match="no such table"):
             await grouped[1]
         assert [p.id for p in await store.pending(10)] == ids
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
+        tmp_path: Any) -> None:
+    """A value of the wrong type passes SQLite's own checks (a flipped bit
+    in a record's type byte): that request comes back without frames (the
+    dispatcher answers it with an error), the others as they were, and a
+    damaged reply fails its fetch with StoreError."""
+    import sqlite3
+
+    path = str(tmp_path / "titanic.db")
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    before = await store.add(b"echo", [b"before"], 1.0)
+    damaged = await store.add(b"echo", [b"damaged"], 2.0)
+    wrongService = await store.add(b"echo", [b"service"], 3.0)
+    after = await store.add(b"echo", [b"after"], 4.0)
+    answered = await store.add(b"echo", [b"answered"], 5.0)
+    await store.complete(answered, [b"REPLY"], 6.0)
+    await store.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE requests SET request = CAST(request AS TEXT) WHERE id = ?", (damaged,))
+    db.execute("UPDATE requests SET service = 'echo' WHERE id = ?", (wrongService,))
+    db.execute("UPDATE requests SET reply = 'garbage' WHERE id = ?", (answered,))
+    db.commit()
+    db.close()
+    await store.open()
+    try:
+        pending = [(p.id, p.service, p.frames) for p in await store.pending(10)]
+        assert pending == [(before, b"echo", [b"before"]), (damaged, b"echo", []),
+                           (wrongService, b"", []), (after, b"echo", [b"after"])]
+        with pytest.raises(StoreError, match=f"reply to {answered} is damaged"):
+            await store.reply(answered)
     finally:
         await store.close()

@@ -30,6 +30,7 @@ from typing import Any, Collection, Optional
 
 import attrs
 from twisted.internet import defer, threads
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from zope.interface import Interface, implementer
@@ -186,14 +187,35 @@ CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE repl
 #: keeps only what it accepted.
 _UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
 
+log = Logger()
 
-def _frames(blob: bytes) -> list[bytes]:
+
+def _frames(blob: Any) -> list[bytes]:
     """The frames of a stored record, or ``[]`` if it cannot be read (the
     dispatcher answers such a request with an error instead of sending it)."""
     try:
         return decode_record(memoryview(blob)[4:], _UNBOUNDED)
-    except (ProtocolError, ValueError):
+    except (ProtocolError, ValueError, TypeError):  # TypeError: a value no longer a blob
         return []
+
+
+def _stored(row: tuple[Any, ...]) -> Optional[StoredRequest]:
+    """A pending row as the dispatcher reads it.  A damaged one (a file
+    SQLite's checks pass can still hold a value of the wrong type) has no
+    frames, so it is answered with an error rather than holding up the rest;
+    None if even its id is unusable (it cannot be answered)."""
+    requestId, service, blob, created = row
+    if not isinstance(requestId, str):
+        log.error("Titanic store: a pending request's id is damaged ({id!r}): left as it is",
+                  id=requestId)
+        return None
+    frames = _frames(blob)
+    if not isinstance(service, bytes) or not isinstance(created, (int, float)) or not frames:
+        log.error("Titanic store: the stored request {id} is damaged and cannot be read back: "
+                  "it is answered with an error", id=requestId)
+        return StoredRequest(requestId, service if isinstance(service, bytes) else b"", [],
+                             created if isinstance(created, (int, float)) else 0.0)
+    return StoredRequest(requestId, service, frames, created)
 
 
 @implementer(ITitanicStore)
@@ -203,8 +225,9 @@ class SQLiteStore:
     lives as long as the store (tests).
 
     One store per file: :meth:`open` takes an exclusive lock (``PATH.lock``,
-    ``flock``) and fails with :class:`~mdp.errors.StoreError` while another
-    process (or store) holds it.  After :meth:`close`, every call fails with
+    ``flock``, beside the file a symbolic link leads to, and on the file
+    itself) and fails with :class:`~mdp.errors.StoreError` while another
+    process (or store) holds it, under whatever name.  After :meth:`close`, every call fails with
     :class:`~mdp.errors.StoreError` until :meth:`open` again."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
@@ -212,7 +235,8 @@ class SQLiteStore:
         self.reactor = default_reactor(reactor)
         self._pool: Optional[ThreadPool] = None
         self._trigger: Any = None
-        self._lock: Optional[int] = None
+        #: descriptors holding the store's locks
+        self._locks: list[int] = []
         self._db: Optional[sqlite3.Connection] = None
         #: writes waiting for the next transaction (reactor thread only)
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
@@ -312,20 +336,35 @@ class SQLiteStore:
         self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
+        """Lock ``PATH.lock`` beside the file the path leads to (through
+        symbolic links), and the database file itself (the same file under
+        another name, a hard link, has the same lock): two Titanics on one
+        file would run every request twice."""
         if self.path == ":memory:":
             return
-        lockPath = self.path + ".lock"
+        real = os.path.realpath(self.path)
+        lockPath = real + ".lock"
+        locks = [(lockPath, os.O_RDWR | os.O_CREAT)]
+        if not os.path.exists(real) or os.path.isfile(real):  # else _connect refuses it
+            locks.append((real, os.O_RDWR | os.O_CREAT))
+        fds: list[int] = []
         try:
-            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise StoreError(f"Titanic store {self.path}: cannot open {lockPath}: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
-                             f"(lock {lockPath} is held)") from None
-        self._lock = fd
+            for path, flags in locks:
+                try:
+                    fd = os.open(path, flags, 0o644)
+                except OSError as e:
+                    raise StoreError(f"Titanic store {self.path}: cannot open {path}: {e}") from e
+                fds.append(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
+                                     f"(lock {path} is held)") from None
+        except StoreError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._locks = fds
 
     def _release(self) -> None:
         if self._pool is not None:
@@ -338,9 +377,9 @@ class SQLiteStore:
             except (ValueError, KeyError):
                 pass
             self._trigger = None
-        if self._lock is not None:
-            os.close(self._lock)  # releases the flock
-            self._lock = None
+        for fd in self._locks:
+            os.close(fd)  # releases its flock
+        self._locks = []
 
     # --- ITitanicStore ----------------------------------------------------------------
 
@@ -379,7 +418,7 @@ class SQLiteStore:
                       "AND id NOT IN (SELECT value FROM json_each(?)) "
                       "ORDER BY seq LIMIT ?", (services, ids, limit))
         return d.addCallback(lambda rows: [
-            StoredRequest(r[0], bytes(r[1]), _frames(r[2]), r[3]) for r in rows])
+            stored for stored in map(_stored, rows) if stored is not None])
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         return self._write("UPDATE requests SET reply = ?, completed = ? "
@@ -392,7 +431,11 @@ class SQLiteStore:
                 return ReplyStatus.UNKNOWN, []
             if rows[0][0] is None:
                 return ReplyStatus.PENDING, []
-            return ReplyStatus.DONE, decode_record(memoryview(rows[0][0])[4:], _UNBOUNDED)
+            try:
+                return ReplyStatus.DONE, decode_record(memoryview(rows[0][0])[4:], _UNBOUNDED)
+            except (ProtocolError, ValueError, TypeError) as e:
+                raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
+                                 f"is damaged: {e}") from e
 
         return self._run(self._read, "SELECT reply FROM requests WHERE id = ?",
                          (requestId,)).addCallback(status)
