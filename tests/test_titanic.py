@@ -312,6 +312,38 @@ async def test_a_streamed_reply_is_stored_as_its_parts_then_its_final(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_streamed_reply_larger_than_a_reply_may_be_is_answered_413_not_kept(
+        clocknet: LoopbackNet) -> None:
+    """Each PARTIAL is within the limits, but a stream of them would make a
+    reply no titanic.reply could carry: Titanic keeps no more than that,
+    stores 413 and abandons the request, and serves the next."""
+    from mdp import Final, Limits, MessageTooLarge
+
+    def endless(frames: list[bytes]) -> Any:
+        for _ in range(1000):
+            yield b"x" * 1000
+        yield Final(b"end")
+
+    broker, client, endpoint, node = await whole(clocknet, limits=Limits(maxMessageBytes=10_000))
+    start_worker(clocknet, endpoint, "endless", endless)
+    start_worker(clocknet, endpoint, "echo", echo)
+    kept: list[int] = []
+    dispatcher = node.dispatcher
+    original = dispatcher.handleReply
+
+    def handleReply(requestId: str, frames: list[bytes], now: float) -> Any:
+        kept.append(sum(map(len, frames)))
+        return original(requestId, frames, now)
+
+    dispatcher.handleReply = handleReply  # type: ignore[method-assign]
+    requestId = await clocknet.wait(client.submit("endless", b"go"))
+    with pytest.raises(MessageTooLarge, match="too large to keep"):
+        await clocknet.wait(client.result(requestId))
+    assert kept and max(kept) < 10_000
+    assert await clocknet.wait(client.call("echo", b"next")) == [b"next"]
+
+
+@pytest_twisted.ensureDeferred
 async def test_result_polls_on_while_titanic_is_away(clocknet: LoopbackNet) -> None:
     broker, client, endpoint, node = await whole(clocknet)
     requestId = await clocknet.wait(client.submit("echo", b"x"))

@@ -598,12 +598,47 @@ class Dispatcher(DispatchMachine):
     def _dispatch(self, request: StoredRequest) -> None:
         replied, failedFor = self._then(self.handleReply), self._then(self.handleFailed)
         parts: list[bytes] = []
+        held = 0  # bytes in parts
+        over = False  # the stream outgrew what a reply may be: answered 413, abandoned
+        limits = self.limits
+        calls: list[defer.Deferred[Any]] = []
+
+        def overLimits(body: list[bytes]) -> bool:
+            """The stream so far and *body* would be more than one
+            ``titanic.reply`` can carry (what is kept is bounded by that):
+            answer 413 and abandon the request (a turn later: this runs
+            inside the client's handling of a message)."""
+            nonlocal held, over
+            size = held + sum(map(len, body))
+            if size <= limits.maxMessageBytes and len(parts) + len(body) <= limits.maxFrames:
+                held = size
+                return False
+            over = True
+            parts.clear()
+            replied(request.id, error_body(
+                STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more than "
+                f"{limits.maxMessageBytes} bytes or {limits.maxFrames} frames in all, the most "
+                f"a titanic.reply can carry"))
+            if calls:
+                self.reactor.callLater(0, calls[0].cancel)
+            return True
+
+        def partial(body: list[bytes]) -> None:
+            if not over and not overLimits(body):
+                parts.extend(body)
+
+        def restart() -> None:
+            nonlocal held
+            parts.clear()
+            held = 0
 
         def final(body: list[bytes]) -> None:
+            if over or (parts and overLimits(body)):
+                return
             replied(request.id, parts + body)
 
         def failed(failure: Failure) -> None:
-            if failure.check(defer.CancelledError):
+            if over or failure.check(defer.CancelledError):
                 return
             body = final_error_body(failure.value)
             if body is not None:
@@ -613,7 +648,7 @@ class Dispatcher(DispatchMachine):
 
         try:
             d = self.client.request(request.service, *request.frames,
-                                    onPartial=parts.extend, onRestart=parts.clear)
+                                    onPartial=partial, onRestart=restart)
         except RequestTooLarge as e:  # over this client's limits: it never will fit
             replied(request.id, error_body(STATUS_TOO_LARGE, str(e)))
             return
@@ -621,6 +656,7 @@ class Dispatcher(DispatchMachine):
             replied(request.id, error_body(STATUS_WORKER_ERROR,
                                            f"the stored request cannot be sent: {e}"))
             return
+        calls.append(d)
         self._track(d).addCallbacks(final, failed)
 
     def _storeReply(self, requestId: str, frames: list[bytes]) -> None:
