@@ -140,12 +140,13 @@ from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
 from mdp.machine import Machine, action_class
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_PENDING_BYTES,
     EndpointRotation,
     HeartbeatPolicy,
     Limits,
     Liveness,
     LogThrottle,
-    MiB,
     cancel_call,
     default_reactor,
     held_bytes,
@@ -158,9 +159,6 @@ log = Logger()
 PING = b"PING"
 PONG = b"PONG"
 SERVICE = b"freelance"  # what RequestTimeout names
-DEFAULT_MAX_PENDING = 10_000
-DEFAULT_MAX_PENDING_BYTES = 256 * MiB
-
 Handler = Callable[[list[bytes]], Any]
 
 

@@ -165,6 +165,11 @@ def cancel_call(call: Any) -> None:
 KiB = 1024
 MiB = 1024 * KiB
 
+#: What a server that runs handlers (a Freelance server, an SP REP) holds at
+#: most: requests being handled at once, and bytes of their bodies.
+DEFAULT_MAX_PENDING = 10_000
+DEFAULT_MAX_PENDING_BYTES = 256 * MiB
+
 #: What one message may weigh, in bytes of frame content and in frames.  16 MiB is
 #: RabbitMQ's default ``max_message_size``; the frame bound keeps a record of
 #: millions of empty frames from costing seconds of CPU.

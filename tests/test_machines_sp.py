@@ -13,6 +13,7 @@ from mdp.sp.machines import (
     Complete,
     DeviceMachine,
     Dropped,
+    Overloaded,
     RepMachine,
     ReqMachine,
     SendOn,
@@ -112,6 +113,24 @@ def test_rep_drop_rules() -> None:
     assert [type(a) for a in rep.handleReply(serve.token, b"y", 2.0)] == [Dropped]
     [serve] = rep.handleRequest("b", word(BOTTOM | 2) + b"x", 3.0)
     assert rep.handleReply(serve.token, None, 4.0) == []  # the handler cancelled
+
+
+def test_rep_holds_at_most_max_pending_requests_and_bytes_in_hand() -> None:
+    """Beyond either bound a request is dropped (its requester resends it);
+    each reply, or cancel, makes room again."""
+    rep = RepMachine(1, maxPending=2, maxPendingBytes=10)
+    serves = [rep.handleRequest("a", word(BOTTOM | n) + b"1234", 0.0)[0] for n in range(2)]
+    assert all(isinstance(serve, Serve) for serve in serves)
+    [over] = rep.handleRequest("b", word(BOTTOM | 3) + b"x", 0.0)  # a third request
+    assert isinstance(over, Overloaded) and "maxPending 2" in over.reason
+    rep.handleReply(serves[0].token, b"done", 1.0)
+    [heavy] = rep.handleRequest("b", word(BOTTOM | 4) + b"1234567", 2.0)  # 4 + 7 > 10 bytes
+    assert isinstance(heavy, Overloaded) and "(4 bytes) in hand" in heavy.reason
+    rep.handleReply(serves[1].token, None, 3.0)  # cancelled: its room is free too
+    assert [type(a) for a in rep.handleRequest("b", word(BOTTOM | 4) + b"1234567", 4.0)] == [Serve]
+    assert rep.pendingBytes == 7 and len(rep.inHand) == 1
+    with pytest.raises(ValueError):
+        RepMachine(1, maxPending=0)
 
 
 def test_channel_ids_start_where_told_wrap_and_skip_those_in_use() -> None:

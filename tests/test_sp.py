@@ -110,6 +110,40 @@ async def test_a_cancelled_request_gets_no_reply_and_the_client_goes_on() -> Non
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_rep_at_max_pending_drops_requests_until_it_has_room_and_the_resend_gets_in(
+) -> None:
+    held: list[defer.Deferred] = []
+    payloads: list[bytes] = []
+
+    def slow(payload: bytes) -> Any:
+        payloads.append(payload)
+        d: defer.Deferred = defer.Deferred()
+        held.append(d)
+        return d
+
+    server = SPServer(slow, reactor(), maxPending=1)
+    router = await server.listen("tcp://127.0.0.1:0")
+    client = SPClient(url_of(router), reactor(), resend=0.2)
+    try:
+        first, second = client.request(b"first"), client.request(b"second")
+        deadline = reactor().seconds() + 10
+        while server.overloaded < 2:  # the second, and a resend of it, met a full server
+            assert reactor().seconds() < deadline
+            await task.deferLater(reactor(), 0.01)
+        assert payloads == [b"first"]
+        held[0].callback(b"FIRST")
+        assert await first == b"FIRST"
+        while len(payloads) < 2:  # a resend of the second now gets in
+            assert reactor().seconds() < deadline
+            await task.deferLater(reactor(), 0.01)
+        held[1].callback(b"SECOND")
+        assert await second == b"SECOND" and payloads == [b"first", b"second"]
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_pynng_req0_through_two_of_our_devices_to_pynng_rep0() -> None:
     import pynng
 

@@ -15,9 +15,14 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
 from mdp.errors import TransportError
-from mdp.freelance import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.majordomo import broker
-from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from mdp.policy import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_PENDING_BYTES,
+    Backoff,
+    HeartbeatPolicy,
+    Limits,
+)
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
 from mdp.transport.stream import raise_descriptor_limit
@@ -462,6 +467,17 @@ class WorkerServiceMaker:
         ), options, metrics)
 
 
+def _pending_options(beyond: str) -> list[Any]:
+    """``--max-pending`` and ``--max-pending-bytes`` of a server that runs
+    handlers; *beyond* says what becomes of a request over them."""
+    return [
+        ["max-pending", None, DEFAULT_MAX_PENDING,
+         f"Most requests being handled at once; beyond, requests are {beyond}.", int],
+        ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
+         f"Most bytes of requests being handled at once; beyond, {beyond}.", byte_size],
+    ]
+
+
 class FreelanceServerOptions(VersionedOptions):
     """Options of ``twist mdp-freelance-server``."""
 
@@ -473,11 +489,8 @@ class FreelanceServerOptions(VersionedOptions):
     optParameters: list[Any] = [
         ["endpoint", "e", "zmq:tcp://127.0.0.1:5556", "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-        ["max-pending", None, DEFAULT_MAX_PENDING,
-         "Most requests being handled at once; beyond, requests are refused (429).", int],
-        ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
-         "Most bytes of requests being handled at once; beyond, refused (429).", byte_size],
-    ] + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
+    ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
+         + _MESSAGE_OPTIONS + _PEER_OPTIONS)
 
     def postOptions(self) -> None:
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
@@ -530,14 +543,15 @@ def sp_handler(spec: str) -> Any:
 class SPRepOptions(VersionedOptions):
     """Options of ``twist sp-rep``."""
 
-    synopsis = "[--endpoint URL] [--handler echo|module:callable] [options]"
+    synopsis = ("[--endpoint URL] [--handler echo|module:callable] [--max-pending N] "
+                "[--max-pending-bytes SIZE] [options]")
     longdesc = ("Answer SP (nng) REQ requests: the handler takes the payload bytes and returns "
                 "bytes.  --handler module:callable is imported at start (the current directory "
                 "is searched too).")
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "nng URL or Twisted endpoint to listen on."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the payload bytes."],
-    ] + _MESSAGE_OPTIONS
+    ] + _pending_options("dropped (the requester resends)") + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
         _sp_endpoint(self["endpoint"], True, "endpoint")
@@ -581,7 +595,8 @@ class SPRepServiceMaker:
         raise_descriptor_limit()
         return SPServerService(options["endpoint"],
                                loaded_handler(options, "twist sp-rep", sp_handler),
-                               limits=limits_of(options))
+                               limits=limits_of(options), maxPending=options["max-pending"],
+                               maxPendingBytes=options["max-pending-bytes"])
 
 
 @implementer(IServiceMaker, IPlugin)

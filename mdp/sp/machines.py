@@ -27,7 +27,9 @@ event                  what happens
 channel up             gets a 31-bit channel id (the first random per start, then +1)
 request on a channel   the backtrace is split off; none, or over the hop limit:
                        dropped; the same backtrace from the same channel already in
-                       hand (a resend): dropped; else the handler runs
+                       hand (a resend): dropped; maxPending requests or
+                       maxPendingBytes of payload in hand: dropped (Overloaded; the
+                       requester resends it later); else the handler runs
 reply from handler     sent back with the backtrace, if its channel is still up
 handler cancels        no reply; a resend may run it again
 =====================  =================================================================
@@ -40,6 +42,7 @@ from typing import Any, Hashable, Optional, Union
 
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_class
+from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, IdSequence, pop_word, split_backtrace, word
 
 #: Seconds before a request without a reply is sent again (nng's default).
@@ -75,6 +78,15 @@ class Serve:
 @action_class
 class Dropped:
     """Something was dropped (the driver logs it, throttled)."""
+
+    channel: Any
+    reason: str
+
+
+@action_class
+class Overloaded:
+    """A request was dropped because as many as allowed are in hand (the
+    driver warns, throttled)."""
 
     channel: Any
     reason: str
@@ -262,10 +274,18 @@ class RepMachine(_ChannelMachine):
     backtrace and channel at a time, routes replies back."""
 
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
-                 now: float = 0.0) -> None:
+                 maxPending: int = DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES, now: float = 0.0) -> None:
         super().__init__(firstChannelId, maxHops=maxHops, now=now)
-        #: (channel, backtrace) of requests being handled
-        self.inHand: set[tuple[Channel, bytes]] = set()
+        if maxPending < 1 or maxPendingBytes < 1:
+            raise ValueError(f"maxPending and maxPendingBytes must be at least 1, got "
+                             f"{maxPending} and {maxPendingBytes}")
+        self.maxPending = maxPending
+        self.maxPendingBytes = maxPendingBytes
+        #: (channel, backtrace) of requests being handled: their payload's size
+        self.inHand: dict[tuple[Channel, bytes], int] = {}
+        #: bytes of the payloads in hand
+        self.pendingBytes = 0
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
         self.now = now
@@ -279,7 +299,15 @@ class RepMachine(_ChannelMachine):
         if token in self.inHand:
             self._emit(Dropped(channel, "a resent copy of a request in hand"))
             return self._drain()
-        self.inHand.add(token)
+        size = len(payload)
+        if len(self.inHand) >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
+            self._emit(Overloaded(channel, (
+                f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as "
+                f"many as allowed (maxPending {self.maxPending}, maxPendingBytes "
+                f"{self.maxPendingBytes}); its requester sends it again later")))
+            return self._drain()
+        self.inHand[token] = size
+        self.pendingBytes += size
         self._emit(Serve(token, payload))
         return self._drain()
 
@@ -287,9 +315,10 @@ class RepMachine(_ChannelMachine):
                     now: float) -> list[Any]:
         """The handler's reply for *token* (None: it cancelled, no reply)."""
         self.now = now
-        if token not in self.inHand:
+        size = self.inHand.pop(token, None)
+        if size is None:
             return self._drain()
-        self.inHand.discard(token)
+        self.pendingBytes -= size
         channel, backtrace = token
         if payload is None:
             return self._drain()

@@ -19,7 +19,15 @@ from zope.interface import implementer
 
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
-from mdp.policy import Backoff, Limits, LogThrottle, cancel_call, default_reactor
+from mdp.policy import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_PENDING_BYTES,
+    Backoff,
+    Limits,
+    LogThrottle,
+    cancel_call,
+    default_reactor,
+)
 from mdp.sp import machines
 from mdp.sp.codec import DEFAULT_MAX_HOPS, endpoint_of
 from mdp.transport.spframing import REP, REQ, SPFraming
@@ -161,14 +169,19 @@ class SPServer:
     request's backtrace."""
 
     def __init__(self, handler: Callable[[bytes], Any], reactor: Optional[Any] = None, *,
-                 maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits()) -> None:
+                 maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
+                 maxPending: int = DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.handler = handler
         self.reactor = default_reactor(reactor)
         self.limits = limits
-        self.machine = machines.RepMachine(random_id(), maxHops=maxHops, now=self._now())
+        self.machine = machines.RepMachine(random_id(), maxHops=maxHops, maxPending=maxPending,
+                                           maxPendingBytes=maxPendingBytes, now=self._now())
         self.throttle = LogThrottle(self.reactor)
         self.routers: list[StreamRouter] = []
         self.served = 0
+        #: requests dropped at maxPending or maxPendingBytes
+        self.overloaded = 0
 
     def _now(self) -> float:
         return self.reactor.seconds()
@@ -202,6 +215,10 @@ class SPServer:
                     self.served += 1
             elif kind is machines.Dropped:
                 self.throttle.info(log, "dropped", "SP server dropped a request from {peer}: "
+                                   "{reason}", peer=action.channel[1].hex(), reason=action.reason)
+            elif kind is machines.Overloaded:
+                self.overloaded += 1
+                self.throttle.warn(log, "overloaded", "SP server dropped a request from {peer}: "
                                    "{reason}", peer=action.channel[1].hex(), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
