@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -278,6 +279,29 @@ def test_the_peer_table_is_bounded() -> None:
     for n in range(10):
         machine.handleBeacon(uuid.UUID(int=100 + n), f"tcp://10.0.1.{n}:1", 0)
     assert len(machine.peers) == 2
+
+
+def test_what_one_peer_may_make_us_keep_is_bounded() -> None:
+    """A HELLO listing more than maxGroups groups (or maxHeaders headers)
+    is refused before it is read further; a peer whose JOINs go beyond
+    maxGroups is dropped (EXIT); up to the bound all is as usual."""
+    machine = started(maxGroups=3, maxHeaders=1)
+    assert events(greeted(machine, groups=("a", "b", "c", "d"))) == []
+    assert PEER not in machine.peers
+    many = codec.encode(codec.Hello(1, PEER_EP, (), 0, "peer", {"X-1": "1", "X-2": "2"}))
+    assert events(machine.handleMessage(identity_of(PEER), many, 0.0)) == []
+    assert PEER not in machine.peers
+    assert events(greeted(machine, groups=("a", "b"))) == [("ENTER", None), ("JOIN", "a"),
+                                                            ("JOIN", "b")]
+    join = machine.handleMessage(identity_of(PEER), codec.encode(codec.Join(2, "c", 1)), 1)
+    assert events(join) == [("JOIN", "c")]
+    again = machine.handleMessage(identity_of(PEER), codec.encode(codec.Join(3, "a", 2)), 1)
+    assert events(again) == [] and PEER in machine.peers  # already in it: no growth
+    over = machine.handleMessage(identity_of(PEER), codec.encode(codec.Join(4, "d", 3)), 1)
+    assert events(over) == [("EXIT", None)] and PEER not in machine.peers
+    with pytest.raises(codec.MalformedZre, match="more than the 1024 allowed"):
+        codec.decode(codec.encode(codec.Hello(1, PEER_EP, tuple(map(str, range(1025))), 0,
+                                              "peer", {})))
 
 
 def test_stop_closes_every_link_without_events() -> None:

@@ -54,6 +54,12 @@ COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LE
 #: counter), see :func:`next_sequence_ok`.
 SEQUENCE_MODULUS = 65535
 
+#: The most groups a peer may be in, and headers it may send, by default:
+#: each costs memory and an event, far beyond its bytes on the wire (a
+#: HELLO of 11 MiB can list 1.5 million groups).
+DEFAULT_MAX_GROUPS = 1024
+DEFAULT_MAX_HEADERS = 1024
+
 BEACON_PREFIX = b"ZRE\x01"
 BEACON_SIZE = 22
 #: The UDP port ZRE beacons go to.
@@ -232,13 +238,16 @@ class _Reader:
     def long_string(self, what: str) -> str:
         return self._text(self.u32(what), what)
 
-    def count(self, what: str, smallest: int) -> int:
+    def count(self, what: str, smallest: int, most: int) -> int:
         """A u32 count of items at least *smallest* bytes each, checked
-        against what is left (a huge count is malformed, not a long loop)."""
+        against what is left (a huge count is malformed, not a long loop)
+        and against *most* (what a peer may cost us)."""
         number = self.u32(what)
         if number * smallest > len(self.data) - self.at:
             raise MalformedZre(f"{what}: {number} items cannot fit in the "
                                f"{len(self.data) - self.at} bytes left")
+        if number > most:
+            raise MalformedZre(f"{what}: {number} items, more than the {most} allowed")
         return number
 
     def done(self) -> None:
@@ -246,16 +255,18 @@ class _Reader:
             raise MalformedZre(f"{len(self.data) - self.at} bytes after the last field")
 
 
-def decode(frames: Sequence[bytes]) -> Message:
+def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
+           maxHeaders: int = DEFAULT_MAX_HEADERS) -> Message:
     """The message in *frames* (what a ROUTER delivers after the peer's
     identity).  Raises :class:`MalformedZre` (or its :class:`UnknownCommand`)
-    for anything that is not a ZRE v2 message."""
+    for anything that is not a ZRE v2 message, and for a HELLO that lists
+    more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
-    return _decode(frames)
+    return _decode(frames, maxGroups, maxHeaders)
 
 
-def _decode(frames: Sequence[bytes]) -> Message:
+def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message:
     reader = _Reader(bytes(frames[0]))
     signature = reader.u16("signature")
     if signature != SIGNATURE:
@@ -271,11 +282,12 @@ def _decode(frames: Sequence[bytes]) -> Message:
     message: Message
     if command == HELLO:
         endpoint = reader.string("endpoint")
-        groups = tuple(reader.long_string("group") for _ in range(reader.count("groups", 4)))
+        groups = tuple(reader.long_string("group")
+                       for _ in range(reader.count("groups", 4, maxGroups)))
         status = reader.u8("status")
         name = reader.string("name")
         headers = {}
-        for _ in range(reader.count("headers", 5)):
+        for _ in range(reader.count("headers", 5, maxHeaders)):
             key = reader.string("header name")
             headers[key] = reader.long_string("header value")
         message = Hello(sequence, endpoint, groups, status, name, headers)

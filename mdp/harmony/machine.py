@@ -178,13 +178,17 @@ class HarmonyMachine(Machine):
 
     *headers* go out in every HELLO; *evasive* and *expired* are the
     silences (seconds) after which a peer is PINGed and dropped; *maxPeers*
-    bounds the table against a flood of made-up UUIDs.  *reachable(endpoint)*
+    bounds the table against a flood of made-up UUIDs, *maxGroups* and
+    *maxHeaders* what one peer may make us keep (a peer beyond them is
+    dropped, logged).  *reachable(endpoint)*
     says why a peer's endpoint cannot be dialled (None if it can): such a
     peer is ignored, logged, before anything is said of it."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
                  maxPeers: int = DEFAULT_MAX_PEERS,
+                 maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
                  reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
                  now: float = 0.0) -> None:
         super().__init__(now)
@@ -200,6 +204,8 @@ class HarmonyMachine(Machine):
         self.evasive = evasive
         self.expired = expired
         self.maxPeers = maxPeers
+        self.maxGroups = maxGroups
+        self.maxHeaders = maxHeaders
         self.reachable = reachable
         #: our ZRE endpoint, once started
         self.endpoint = ""
@@ -344,7 +350,7 @@ class HarmonyMachine(Machine):
             return self._drain()
         peer = self.peers.get(uuid)
         try:
-            message = codec.decode(frames)
+            message = codec.decode(frames, maxGroups=self.maxGroups, maxHeaders=self.maxHeaders)
         except MalformedZre as e:
             what = "unknown" if isinstance(e, UnknownCommand) else "malformed"
             self.throttle.warn(log, "malformed", "ZRE: {what} message from {who}: {reason}"
@@ -416,6 +422,12 @@ class HarmonyMachine(Machine):
         elif isinstance(message, (codec.Join, codec.Leave)):
             joins = isinstance(message, codec.Join)
             if joins:
+                if len(peer.groups) >= self.maxGroups and message.group not in peer.groups:
+                    self.throttle.warn(log, "groups", "ZRE: {who} joined more than {most} "
+                                       "groups (maxGroups); dropping the peer",
+                                       who=self._who(peer.uuid, peer), most=self.maxGroups)
+                    self._remove(peer, "it joined too many groups")
+                    return
                 self._peerJoins(peer, message.group)
             elif message.group in peer.groups:
                 peer.groups.discard(message.group)

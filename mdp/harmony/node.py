@@ -275,12 +275,15 @@ class Node:
                  discovery: Optional[IDiscovery] = None, endpoint: Optional[str] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
                  interval: float = DEFAULT_INTERVAL, maxPeers: int = DEFAULT_MAX_PEERS,
+                 maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
                  limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
         self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive,
-                                      expired=expired, maxPeers=maxPeers,
-                                      reachable=self._unreachable, now=self._now())
+                                      expired=expired, maxPeers=maxPeers, maxGroups=maxGroups,
+                                      maxHeaders=maxHeaders, reachable=self._unreachable,
+                                      now=self._now())
         self.name = name
         self.discovery: IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))
