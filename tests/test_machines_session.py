@@ -19,6 +19,7 @@ from mdp.session.machines import (
     Expired,
     Opened,
     Reconnect,
+    Refusal,
     Send,
     SendTo,
     ServerSessionMachine,
@@ -106,7 +107,7 @@ class Wire:
 def test_codec_round_trip_and_refusals() -> None:
     messages = [codec.Hello(b"s" * 16, 3, 2), codec.Welcome(0), codec.Welcome(4, 2**63),
                 codec.Data(1, 2, (b"a", b"")), codec.Ack(5), codec.Ping(2**64 - 1),
-                codec.PingOk(0, 3), codec.Unknown()]
+                codec.PingOk(0, 3), codec.Unknown(), codec.Refused("full")]
     for message in messages:
         assert codec.decode(codec.encode(message)) == message
     assert codec.encode(codec.Data(1, 0, (b"x",))) == [b"SESS01", b"DATA", (1).to_bytes(8, "big"),
@@ -116,7 +117,8 @@ def test_codec_round_trip_and_refusals() -> None:
                            ([b"SESS01", b"HELLO", b"short", bytes(8), bytes(8), bytes(8)], "16 bytes"),
                            ([b"SESS01", b"WELCOME", bytes(8), bytes(8)], "epoch 0"),
                            ([b"SESS01", b"ACK", b"\x01"], "8 bytes, not 1"),
-                           ([b"SESS01", b"PING"], "not 1")]:
+                           ([b"SESS01", b"PING"], "not 1"),
+                           ([b"SESS01", b"REFUSED", b"x" * 256], "at most 255 bytes")]:
         with pytest.raises(MalformedSession, match=reason):
             codec.decode(frames)
 
@@ -252,7 +254,49 @@ def test_sessions_are_bounded() -> None:
     server = ServerSessionMachine(maxSessions=2)
     for n in range(5):
         server.handleMessage(n, codec.encode(codec.Hello(bytes([n]) * 16, 0)), 0)
-    assert len(server.sessions) == 2
+    assert len(server.sessions) == 2 and server.refused == 3
+    # a refused HELLO is answered (at most once a second a connection)
+    refused = codec.encode(codec.Refused("the server holds 2 sessions, all it may (maxSessions)"))
+    assert server.handleMessage(9, codec.encode(codec.Hello(b"\x09" * 16, 0)), 10) == [
+        SendTo(9, refused)]
+    assert server.handleMessage(9, codec.encode(codec.Hello(b"\x09" * 16, 0)), 10.5) == []
+    assert len(codec.encode(codec.Refused("\u00e9" * 200))[2]) <= codec.MAX_REASON_BYTES
+
+
+def test_one_connection_holds_one_session_it_opened() -> None:
+    """A client never opens two sessions on one connection; one that does
+    ends the first, so one connection cannot take every slot.  A session it
+    opened that another connection holds now (its client reconnected) stays."""
+    server = ServerSessionMachine()
+    server.handleMessage("a", codec.encode(codec.Hello(b"1" * 16, 0)), 0)
+    first = server.sessions[b"1" * 16].routingId
+    actions = server.handleMessage("a", codec.encode(codec.Hello(b"2" * 16, 0)), 1)
+    assert Expired(first) in actions and set(server.sessions) == {b"2" * 16}
+    server.handleMessage("b", codec.encode(codec.Hello(b"2" * 16, 0)), 2)  # moved to b
+    actions = server.handleMessage("a", codec.encode(codec.Hello(b"3" * 16, 0)), 3)
+    assert not any(isinstance(a, Expired) for a in actions)
+    assert set(server.sessions) == {b"2" * 16, b"3" * 16}
+    for n in range(100, 200):  # a flood from one connection keeps one session
+        server.handleMessage("a", codec.encode(codec.Hello(bytes([n]) * 16, 0)), 4)
+    assert len(server.sessions) == 2 and server.byPeer["a"].session == bytes([199]) * 16
+    server.handlePeerGone("a", 5)
+    assert server._opened == {}
+
+
+def test_a_refused_client_says_so_and_asks_again() -> None:
+    client = ClientSessionMachine(b"c" * 16, pingInterval=1.0)
+    client.handleConnected(0)
+    refused = codec.encode(codec.Refused("full"))
+    assert client.handleMessage(refused, 0.1) == [Refusal("full")]
+    assert client.state == "attaching"
+    [hello] = client.handleTick(1.1)
+    assert isinstance(hello, Send) and hello.frames[1] == codec.HELLO
+    client.handleMessage(codec.encode(codec.Welcome(0, 7)), 1.2)
+    assert client.state == "attached"
+    assert client.handleMessage(refused, 1.3) == []  # only an answer to a HELLO counts
+    server = ServerSessionMachine()  # and a client that says REFUSED is ignored
+    server.handleMessage("a", codec.encode(codec.Hello(b"1" * 16, 0)), 0)
+    assert server.handleMessage("a", refused, 1) == []
 
 
 @settings(max_examples=150, deadline=None)

@@ -295,6 +295,33 @@ async def test_messages_over_the_limits_are_refused_before_they_enter_a_session(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_client_the_full_server_refuses_is_told_and_gets_in_once_there_is_room(
+        clocknet: Any) -> None:
+    """At maxSessions a HELLO is answered REFUSED: attached() fails with
+    SessionRefused, and the client goes on asking; once a session expires it
+    gets in."""
+    from mdp.session import SessionClient, SessionRefused, SessionServer
+
+    server = SessionServer(lambda routingId, frames: None, clocknet.reactor, maxSessions=1)
+    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:full")))
+    clocknet.addCleanup(server.close)
+    first = SessionClient(endpoint, clocknet.reactor)
+    await clocknet.wait(first.attached())
+    second = SessionClient(endpoint, clocknet.reactor)
+    clocknet.addCleanup(second.close)
+    with pytest.raises(SessionRefused, match="maxSessions"):
+        await clocknet.wait(second.attached())
+    await clocknet.wait(first.close())
+    for _ in range(31):  # its session expires (30 s), the second asking meanwhile
+        clocknet.advance(1)
+    assert server.router.machine.refused >= 10
+    later = second.attached()  # the next HELLO gets in
+    for _ in range(3):
+        clocknet.advance(1)
+    await clocknet.wait(later)
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_full_session_says_so_and_drained_fires_once_acknowledged(clocknet: Any) -> None:
     """Backpressure for streaming senders: not writable at half the bound,
     drained() once the server has acknowledged enough."""

@@ -10,6 +10,7 @@ from mdp.session.machines import (
     ClientSessionMachine,
     ServerSessionMachine,
     SessionQueueFull,
+    SessionRefused,
     UnknownSession,
 )
 from mdp.session.peers import SessionClient, SessionServer
@@ -21,5 +22,6 @@ __all__ = [
     "SessionClient",
     "SessionServer",
     "SessionQueueFull",
+    "SessionRefused",
     "UnknownSession",
 ]

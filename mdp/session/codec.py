@@ -16,6 +16,9 @@ numbers are 8-byte big-endian unsigned integers::
                                                  it numbered; the client should have it)
     UNKNOWN                                      server → client: no such session here,
                                                  or messages were lost (say HELLO)
+    REFUSED    reason (UTF-8)                    server → client: the HELLO opens no
+                                                 session now (the server holds all it
+                                                 may); say HELLO again later
 
 *ack* is the sequence number of the last DATA received in order, so the
 other side can forget what it holds for resending up to it; every message
@@ -42,6 +45,9 @@ ACK = b"ACK"
 PING = b"PING"
 PING_OK = b"PING-OK"
 UNKNOWN = b"UNKNOWN"
+REFUSED = b"REFUSED"
+#: the longest reason a REFUSED carries, in bytes
+MAX_REASON_BYTES = 255
 
 
 class MalformedSession(ProtocolError):
@@ -95,7 +101,12 @@ class Unknown:
     pass
 
 
-Message = Union[Hello, Welcome, Data, Ack, Ping, PingOk, Unknown]
+@attrs.frozen
+class Refused:
+    reason: str
+
+
+Message = Union[Hello, Welcome, Data, Ack, Ping, PingOk, Unknown, Refused]
 
 _ACK_ONLY = {ACK: Ack, PING: Ping}
 _NAMES = {Ack: ACK, Ping: PING}
@@ -116,6 +127,10 @@ def encode(message: Message) -> list[bytes]:
         return [PROTOCOL, WELCOME, _number(message.ack), _number(message.epoch)]
     if isinstance(message, Unknown):
         return [PROTOCOL, UNKNOWN]
+    if isinstance(message, Refused):
+        return [PROTOCOL, REFUSED,
+                message.reason.encode("utf-8")[:MAX_REASON_BYTES].decode("utf-8", "ignore")
+                .encode("utf-8")]
     if isinstance(message, PingOk):
         return [PROTOCOL, PING_OK, _number(message.ack), _number(message.sent)]
     return [PROTOCOL, _NAMES[type(message)], _number(message.ack)]
@@ -163,6 +178,11 @@ def decode(frames: Sequence[bytes]) -> Message:
         if rest:
             raise MalformedSession("UNKNOWN carries frames")
         return Unknown()
+    if command == REFUSED:
+        if len(rest) != 1 or len(rest[0]) > MAX_REASON_BYTES:
+            raise MalformedSession("REFUSED carries one reason of at most "
+                                   f"{MAX_REASON_BYTES} bytes")
+        return Refused(bytes(rest[0]).decode("utf-8", "replace"))
     kind = _ACK_ONLY.get(command)
     if kind is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")

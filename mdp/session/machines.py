@@ -22,6 +22,8 @@ DATA                     the next number: delivered; an old one: dropped (a rese
                          a later one (some were lost unseen): HELLO again
 UNKNOWN                  the server has no such session (it restarted), or lost
                          messages: HELLO again
+REFUSED                  the server opens no session now (full): :class:`Refusal`
+                         (logged); HELLO again after a ping interval
 tick, idle               PING, at most *liveness* unanswered at a time
 tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
 disconnected             detached; sending goes on into the queue
@@ -32,7 +34,10 @@ disconnected             detached; sending goes on into the queue
 =======================  =============================================================
 event                    what happens
 =======================  =============================================================
-HELLO, new id            a session with the next short routing id; WELCOME
+HELLO, new id            a session with the next short routing id; WELCOME; the
+                         connection's earlier session ends unless another connection
+                         holds it now (one session per connection: a client never
+                         opens two); at maxSessions: REFUSED, and no session
 HELLO, known id          the connection is attached to the session (a previous one is
                          let go); WELCOME; everything not acknowledged goes again
 DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
@@ -88,6 +93,11 @@ class UnknownSession(MDPError, KeyError):
     """No session has this routing id (it expired, or never was)."""
 
 
+class SessionRefused(MDPError):
+    """The server would not open the session (it holds all the sessions it
+    may); the client goes on asking."""
+
+
 @action_class
 class Send:
     """Client: send *frames* on the connection."""
@@ -109,6 +119,13 @@ class Deliver:
 
     payload: tuple
     routingId: int = 0
+
+
+@action_class
+class Refusal:
+    """The server refused to open our session, saying *reason*."""
+
+    reason: str
 
 
 @action_class
@@ -293,6 +310,13 @@ class ClientSessionMachine(Machine):
                                "attaching again", session=self.session.hex())
             self._hello()
             return self._drain()
+        if isinstance(message, codec.Refused):
+            if self.state == "attaching":
+                self.throttle.warn(log, "refused", "session {session}: the server refused it: "
+                                   "{reason}; asking again", session=self.session.hex(),
+                                   reason=message.reason)
+                self._emit(Refusal(message.reason))
+            return self._drain()
         if isinstance(message, codec.Hello):
             return self._drain()  # a server never says HELLO
         self.seq.acked(message.ack)
@@ -368,6 +392,8 @@ class _Session:
         self.routingId = routingId
         self.epoch = epoch
         self.peer: Optional[Hashable] = None
+        #: the connection that opened it
+        self.openedBy: Optional[Hashable] = None
         self.seq = _Sequenced(maxQueued, maxQueuedBytes)
         self.lastHeard = now
 
@@ -394,6 +420,10 @@ class ServerSessionMachine(Machine):
         self.attaches = 0
         #: when each connection was last told UNKNOWN
         self._told: OrderedDict[Hashable, float] = OrderedDict()
+        #: the session each connection opened, while it lasts
+        self._opened: dict[Hashable, _Session] = {}
+        #: HELLOs refused at maxSessions
+        self.refused = 0
         self.throttle = LogThrottle(self)
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
@@ -417,7 +447,7 @@ class ServerSessionMachine(Machine):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
             return self._drain()
         session.lastHeard = now
-        if isinstance(message, (codec.Welcome, codec.Unknown)):
+        if isinstance(message, (codec.Welcome, codec.Unknown, codec.Refused)):
             return self._drain()  # a client never says these
         session.seq.acked(message.ack)
         if isinstance(message, codec.Data):
@@ -452,26 +482,48 @@ class ServerSessionMachine(Machine):
         """End the session *routingId* (it cannot hold what it is given):
         forgotten, reported :class:`Expired`."""
         self.now = now
-        session = self.byRouting.pop(routingId, None)
+        session = self.byRouting.get(routingId)
         if session is not None:
-            del self.sessions[session.session]
-            if session.peer is not None:
-                self.byPeer.pop(session.peer, None)
-            self._emit(Expired(routingId))
+            self._end(session)
         return self._drain()
+
+    def _end(self, session: _Session) -> None:
+        """Forget *session*, and report it :class:`Expired`."""
+        del self.sessions[session.session]
+        del self.byRouting[session.routingId]
+        if session.peer is not None and self.byPeer.get(session.peer) is session:
+            del self.byPeer[session.peer]
+        if self._opened.get(session.openedBy) is session:
+            del self._opened[session.openedBy]
+        self._emit(Expired(session.routingId))
 
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
         self.attaches += 1
         session = self.sessions.get(hello.session)
         if session is None:
+            earlier = self._opened.get(peer)
+            if earlier is not None and earlier.peer in (None, peer):
+                # a client never opens two sessions on one connection: one that
+                # does would hold any number of them
+                self.throttle.warn(log, "second", "sessions: {peer!r} opened another session; "
+                                   "the one it opened before ({id}) ends (one session per "
+                                   "connection)", peer=peer, id=earlier.routingId)
+                self._end(earlier)
             if len(self.sessions) >= self.maxSessions:
+                self.refused += 1
                 self.throttle.warn(log, "full", "sessions: refused a new session from {peer!r}: "
                                    "{count} already (maxSessions)", peer=peer,
                                    count=len(self.sessions))
+                if self._mayTell(peer):
+                    self._emit(SendTo(peer, codec.encode(codec.Refused(
+                        f"the server holds {len(self.sessions)} sessions, all it may "
+                        f"(maxSessions)"))))
                 return
             self._routingIds += 1
             session = _Session(hello.session, self._routingIds, _epoch(), self.maxQueued,
                                self.maxQueuedBytes, self.now)
+            session.openedBy = peer
+            self._opened[peer] = session
             # the client numbers on from its earlier session (with a server that is gone)
             session.seq.received = hello.since
             self.sessions[hello.session] = session
@@ -513,17 +565,14 @@ class ServerSessionMachine(Machine):
         session = self.byPeer.pop(peer, None)
         if session is not None:
             session.peer = None
+        self._opened.pop(peer, None)
         return self._drain()
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
         for session in list(self.sessions.values()):
             if now - session.lastHeard >= self.expiry:
-                del self.sessions[session.session]
-                del self.byRouting[session.routingId]
-                if session.peer is not None:
-                    self.byPeer.pop(session.peer, None)
-                self._emit(Expired(session.routingId))
+                self._end(session)
                 continue
             ack = session.seq.ackDue(force=True)
             if ack is not None:

@@ -19,6 +19,7 @@ from mdp.session.machines import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_PING_INTERVAL,
+    SessionRefused,
     UnknownSession,
 )
 from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
@@ -38,22 +39,30 @@ class SessionClient:
     down the message waits in the session (at most *maxQueued*; beyond,
     :class:`~mdp.session.SessionQueueFull`).  What the server sends goes to
     the ``subscribe`` callbacks, in order, once each.  ``attached()`` fires
-    once the session is first attached."""
+    once the session is first attached, or fails with
+    :class:`~mdp.session.SessionRefused` if the server refuses to open it
+    (the client goes on asking: ``attached()`` again waits for the next
+    answer)."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
                  maxQueued: int = DEFAULT_MAX_QUEUED, limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
-        self._attached: defer.Deferred[None] = defer.Deferred()
+        self._isAttached = False
+        self._waiting: list[defer.Deferred[None]] = []
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
                                     pingInterval=pingInterval, liveness=liveness,
                                     maxQueued=maxQueued)
 
     def attached(self) -> defer.Deferred[None]:
-        """Fires once the session is first attached (at once if it is)."""
+        """Fires once the session is first attached (at once if it is);
+        fails with :class:`~mdp.session.SessionRefused` if the server
+        refuses it first."""
+        if self._isAttached:
+            return defer.succeed(None)
         d: defer.Deferred[None] = defer.Deferred()
-        self._attached.addBoth(lambda result: (d.callback(None), result)[1])
+        self._waiting.append(d)
         return d
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
@@ -68,8 +77,16 @@ class SessionClient:
 
     # IDealerReceiver, for the session dealer
     def connectionMade(self) -> None:
-        if not self._attached.called:
-            self._attached.callback(None)
+        self._isAttached = True
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.callback(None)
+
+    def sessionRefused(self, reason: str) -> None:
+        """The server would not open the session (the dealer asks again)."""
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.errback(SessionRefused(reason))
 
     def messageReceived(self, frames: list[bytes]) -> None:
         for callback in list(self._callbacks):

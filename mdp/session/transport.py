@@ -35,6 +35,7 @@ from mdp.session.machines import (
     Deliver,
     Expired,
     Reconnect,
+    Refusal,
     Send,
     SendTo,
     ServerSessionMachine,
@@ -297,6 +298,11 @@ class SessionDealer(_End):
                 payload = list(action.payload)
                 if self._deliverable(payload, "the server"):
                     self._safely("messageReceived", self.receiver.messageReceived, payload)
+            elif isinstance(action, Refusal):
+                # the machine logs it; a receiver that waits for the session hears of it
+                refused = getattr(self.receiver, "sessionRefused", None)
+                if refused is not None:
+                    self._safely("sessionRefused", refused, action.reason)
             elif isinstance(action, Reconnect):
                 log.info("session dealer to {endpoint}: {reason}; connecting again",
                          endpoint=self.endpoint, reason=action.reason)
