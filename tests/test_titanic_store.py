@@ -221,3 +221,17 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
             await store.reply(answered)
     finally:
         await store.close()
+
+
+def test_a_store_error_is_logged_in_one_line_and_a_bug_with_its_traceback() -> None:
+    from twisted.logger import Logger, formatEvent
+    from twisted.python.failure import Failure
+
+    from mdp.titanic.store import report_failure
+
+    events: list[dict] = []
+    logger = Logger(observer=events.append)
+    report_failure(logger, Failure(StoreError("disk I/O error")), "could not store {id}", id="x")
+    report_failure(logger, Failure(RuntimeError("a bug")), "could not store {id}", id="y")
+    assert formatEvent(events[0]) == "could not store x: disk I/O error"
+    assert "log_failure" not in events[0] and events[1]["log_failure"].check(RuntimeError)

@@ -52,7 +52,7 @@ from mdp.policy import (
     default_reactor,
     positive_seconds,
 )
-from mdp.titanic.store import ITitanicStore, StoredRequest
+from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
 log = Logger()
 
@@ -567,7 +567,7 @@ class Dispatcher(DispatchMachine):
         loaded, failed = self._then(self.handleLoaded), self._then(self.handleLoadFailed)
 
         def trouble(failure: Failure) -> None:
-            log.failure("Titanic could not read pending requests", failure)
+            report_failure(log, failure, "Titanic could not read pending requests")
             failed(failure.getErrorMessage())
 
         self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
@@ -663,7 +663,7 @@ class Dispatcher(DispatchMachine):
         stored, failed = self._then(self.handleReplyStored), self._then(self.handleStoreFailed)
 
         def trouble(failure: Failure) -> None:
-            log.failure("Titanic could not store the reply to {id}", failure, id=requestId)
+            report_failure(log, failure, "Titanic could not store the reply to {id}", id=requestId)
             failed(requestId, failure.getErrorMessage())
 
         self.store.complete(requestId, frames, self.reactor.seconds()).addCallbacks(
@@ -676,4 +676,4 @@ class Dispatcher(DispatchMachine):
                          count=count, keep=self.keep)
 
         self.store.purge(before).addCallbacks(
-            purged, lambda f: log.failure("Titanic could not purge old replies", f))
+            purged, lambda f: report_failure(log, f, "Titanic could not purge old replies"))

@@ -20,7 +20,13 @@ from mdp.majordomo.worker import Worker
 from mdp.policy import Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import ITitanicStore, MemoryStore, ReplyStatus, SQLiteStore
+from mdp.titanic.store import (
+    ITitanicStore,
+    MemoryStore,
+    ReplyStatus,
+    SQLiteStore,
+    report_failure,
+)
 
 log = Logger()
 
@@ -125,7 +131,7 @@ class TitanicServer:
                 log.failure("Titanic's hook {hook} failed for {id}", hook=hook, id=requestId)
 
     def _storeFailed(self, failure: Any, what: str) -> list[bytes]:
-        log.failure("Titanic's store failed to {what}", failure, what=what)
+        report_failure(log, failure, "Titanic's store failed to {what}", what=what)
         return protocol.failed(f"the store failed to {what}: {failure.getErrorMessage()}")
 
 

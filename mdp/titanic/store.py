@@ -190,6 +190,16 @@ _UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
 log = Logger()
 
 
+def report_failure(logger: Logger, failure: Failure, format: str, **fields: Any) -> None:
+    """Log a failed store operation: a store's own error (a full disk, a
+    damaged file) in one line with its reason, anything else with its
+    traceback (a bug)."""
+    if failure.check(StoreError, sqlite3.Error):
+        logger.error(format + ": {reason}", reason=failure.getErrorMessage(), **fields)
+    else:
+        logger.failure(format, failure, **fields)
+
+
 def _frames(blob: Any) -> list[bytes]:
     """The frames of a stored record, or ``[]`` if it cannot be read (the
     dispatcher answers such a request with an error instead of sending it)."""
