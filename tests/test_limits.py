@@ -533,6 +533,22 @@ def test_servers_raise_the_soft_descriptor_limit_as_far_as_it_goes(
     assert fake.limits[0] == raised
 
 
+def test_a_select_reactor_caps_the_descriptor_budget_at_what_select_can_watch(
+        monkeypatch: Any) -> None:
+    """select() (Twisted's default reactor on macOS) cannot watch a descriptor
+    of 1,024 or more, whatever the limit was raised to."""
+    import sys
+
+    from twisted.internet.selectreactor import SelectReactor
+
+    monkeypatch.setattr(stream, "resource", FakeLimits(65536, 65536, 65536))
+    assert stream.descriptor_budget() == 65536 - 8192
+    monkeypatch.setitem(sys.modules, "twisted.internet.reactor", object.__new__(SelectReactor))
+    assert stream.descriptor_budget() == 1024 - 128
+    monkeypatch.setattr(stream, "resource", None)  # no descriptor limit at all
+    assert stream.descriptor_budget() == 1024 - 128
+
+
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_a_router_on_a_port_of_the_applications_warns_of_its_descriptor_budget(

@@ -299,6 +299,13 @@ def test_what_one_peer_may_make_us_keep_is_bounded() -> None:
     assert events(again) == [] and PEER in machine.peers  # already in it: no growth
     over = machine.handleMessage(identity_of(PEER), codec.encode(codec.Join(4, "d", 3)), 1)
     assert events(over) == [("EXIT", None)] and PEER not in machine.peers
+    for group in "xyz":  # and we keep to the bound ourselves
+        machine.join(group, 2)
+    with pytest.raises(ValueError, match="maxGroups"):
+        machine.join("w", 2)
+    machine.join("x", 2)  # one we are in: nothing to add
+    with pytest.raises(ValueError, match="maxHeaders 1"):
+        HarmonyMachine(US, "us", headers={"A": "1", "B": "2"}, maxHeaders=1)
     with pytest.raises(codec.MalformedZre, match="more than the 1024 allowed"):
         codec.decode(codec.encode(codec.Hello(1, PEER_EP, tuple(map(str, range(1025))), 0,
                                               "peer", {})))

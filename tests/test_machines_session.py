@@ -281,6 +281,13 @@ def test_one_connection_holds_one_session_it_opened() -> None:
     assert len(server.sessions) == 2 and server.byPeer["a"].session == bytes([199]) * 16
     server.handlePeerGone("a", 5)
     assert server._opened == {}
+    # nor can two connections pass sessions between them to hold more
+    pair = ServerSessionMachine()
+    for n in range(100, 150):
+        hello = codec.encode(codec.Hello(bytes([n]) * 16, 0))
+        pair.handleMessage("p", hello, 6)  # p opens it...
+        pair.handleMessage("q", hello, 6)  # ...q takes it over, leaving its last one
+    assert len(pair.sessions) <= 2
 
 
 def test_a_refused_client_says_so_and_asks_again() -> None:

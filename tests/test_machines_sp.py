@@ -129,6 +129,10 @@ def test_rep_holds_at_most_max_pending_requests_and_bytes_in_hand() -> None:
     rep.handleReply(serves[1].token, None, 3.0)  # cancelled: its room is free too
     assert [type(a) for a in rep.handleRequest("b", word(BOTTOM | 4) + b"1234567", 4.0)] == [Serve]
     assert rep.pendingBytes == 7 and len(rep.inHand) == 1
+    alone = RepMachine(1, maxPending=2, maxPendingBytes=10)  # nothing in hand: any size gets in
+    [big] = alone.handleRequest("a", word(BOTTOM | 1) + b"x" * 50, 0.0)
+    assert isinstance(big, Serve)
+    assert isinstance(alone.handleRequest("a", word(BOTTOM | 2) + b"x", 0.0)[0], Overloaded)
     with pytest.raises(ValueError):
         RepMachine(1, maxPending=0)
 

@@ -183,11 +183,13 @@ async def test_a_stored_request_that_cannot_be_read_back_is_answered_500_alone(
     reads one back): it is answered with an error, and the others go on."""
     store = MemoryStore()
     damaged = await clocknet.wait(store.add(b"echo", [], 0.0))
+    noService = await clocknet.wait(store.add(b"", [], 0.0))  # its service damaged too
     broker, client, endpoint, node = await whole(clocknet, store)
     start_worker(clocknet, endpoint, "echo", echo)
     assert await clocknet.wait(client.call("echo", b"fine")) == [b"fine"]
-    with pytest.raises(WorkerError, match="the stored request cannot be sent"):
-        await clocknet.wait(client.result(damaged))
+    for requestId in (damaged, noService):
+        with pytest.raises(WorkerError, match="the stored request cannot be sent"):
+            await clocknet.wait(client.result(requestId))
 
 
 @pytest_twisted.ensureDeferred
@@ -341,6 +343,19 @@ async def test_a_streamed_reply_larger_than_a_reply_may_be_is_answered_413_not_k
         await clocknet.wait(client.result(requestId))
     assert kept and max(kept) < 10_000
     assert await clocknet.wait(client.call("echo", b"next")) == [b"next"]
+
+    def sized(frames: list[bytes]) -> Any:  # nine parts of 1,000 bytes, then the rest
+        for _ in range(9):
+            yield b"x" * 1000
+        yield Final(b"y" * (int(frames[0]) - 9000))
+
+    start_worker(clocknet, endpoint, "sized", sized)
+    # what fits with room for titanic.reply's envelope is stored and fetched whole...
+    reply = await clocknet.wait(client.call("sized", b"9400"))
+    assert len(reply) == 10 and sum(map(len, reply)) == 9400
+    # ...and what would leave no room for it is 413 at once, not 413 at every fetch
+    with pytest.raises(MessageTooLarge, match="too large to keep: more than 9488 bytes"):
+        await clocknet.wait(client.call("sized", b"9600"))
 
 
 @pytest_twisted.ensureDeferred

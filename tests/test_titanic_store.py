@@ -148,12 +148,15 @@ async def test_one_sqlite_file_has_one_store_at_a_time(tmp_path: Any) -> None:
     second = SQLiteStore(path, reactor())
     with pytest.raises(StoreError, match="in use by another Titanic"):
         await second.open()
-    # nor under another name: through a symbolic link, or a hard link
+    # nor under another name: through a symbolic link; and a file with a
+    # second name (a hard link) is refused whoever holds it
     (tmp_path / "alias.db").symlink_to(path)
+    with pytest.raises(StoreError, match="in use by another Titanic"):
+        await SQLiteStore(str(tmp_path / "alias.db"), reactor()).open()
     os.link(path, tmp_path / "linked.db")
-    for other in ("alias.db", "linked.db"):
-        with pytest.raises(StoreError, match="in use by another Titanic"):
-            await SQLiteStore(str(tmp_path / other), reactor()).open()
+    with pytest.raises(StoreError, match="2 hard links"):
+        await SQLiteStore(str(tmp_path / "linked.db"), reactor()).open()
+    os.unlink(tmp_path / "linked.db")
     await first.close()
     with pytest.raises(StoreError, match="is closed"):
         await first.add(b"echo", [b"x"], 1.0)
@@ -201,6 +204,7 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
     await store.open()
     before = await store.add(b"echo", [b"before"], 1.0)
     damaged = await store.add(b"echo", [b"damaged"], 2.0)
+    noId = await store.add(b"echo", [b"no id"], 2.5)
     wrongService = await store.add(b"echo", [b"service"], 3.0)
     after = await store.add(b"echo", [b"after"], 4.0)
     answered = await store.add(b"echo", [b"answered"], 5.0)
@@ -208,6 +212,7 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
     await store.close()
     db = sqlite3.connect(path)
     db.execute("UPDATE requests SET request = CAST(request AS TEXT) WHERE id = ?", (damaged,))
+    db.execute("UPDATE requests SET id = CAST(id AS BLOB) WHERE id = ?", (noId,))
     db.execute("UPDATE requests SET service = 'echo' WHERE id = ?", (wrongService,))
     db.execute("UPDATE requests SET reply = 'garbage' WHERE id = ?", (answered,))
     db.commit()
@@ -217,6 +222,8 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
         pending = [(p.id, p.service, p.frames) for p in await store.pending(10)]
         assert pending == [(before, b"echo", [b"before"]), (damaged, b"echo", []),
                            (wrongService, b"", []), (after, b"echo", [b"after"])]
+        # a row that cannot even be answered (its id is damaged) takes no one's place
+        assert [p.id for p in await store.pending(3)] == [before, damaged, wrongService]
         with pytest.raises(StoreError, match=f"reply to {answered} is damaged"):
             await store.reply(answered)
     finally:

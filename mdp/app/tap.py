@@ -478,6 +478,13 @@ def _pending_options(beyond: str) -> list[Any]:
     ]
 
 
+def checked_pending(options: usage.Options) -> None:
+    """``--max-pending`` and ``--max-pending-bytes`` are at least 1."""
+    for name in ("max-pending", "max-pending-bytes"):
+        if options[name] < 1:
+            raise usage.UsageError(f"--{name} must be at least 1, got {options[name]}")
+
+
 class FreelanceServerOptions(VersionedOptions):
     """Options of ``twist mdp-freelance-server``."""
 
@@ -496,6 +503,7 @@ class FreelanceServerOptions(VersionedOptions):
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_metrics(self)
         checked_curve_server(self)
+        checked_pending(self)
         from mdp.handlers import load_handler
 
         loaded_handler(self, "twist mdp-freelance-server", load_handler)
@@ -555,6 +563,7 @@ class SPRepOptions(VersionedOptions):
 
     def postOptions(self) -> None:
         _sp_endpoint(self["endpoint"], True, "endpoint")
+        checked_pending(self)
         loaded_handler(self, "twist sp-rep", sp_handler)
 
 

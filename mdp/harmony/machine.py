@@ -206,6 +206,9 @@ class HarmonyMachine(Machine):
         self.maxPeers = maxPeers
         self.maxGroups = maxGroups
         self.maxHeaders = maxHeaders
+        if len(self.headers) > maxHeaders:
+            raise ValueError(f"{len(self.headers)} headers, more than peers take "
+                             f"(maxHeaders {maxHeaders})")
         self.reachable = reachable
         #: our ZRE endpoint, once started
         self.endpoint = ""
@@ -244,10 +247,14 @@ class HarmonyMachine(Machine):
 
     def join(self, group: str, now: float) -> list[Any]:
         """Join *group*: every peer hears JOIN with our new status.  Joining
-        a group we are in does nothing."""
+        a group we are in does nothing.  ``ValueError`` beyond *maxGroups*
+        groups: peers with the same bound would drop us."""
         self.now = now
         codec.check_string(group, "group")
         if group not in self.ownGroups:
+            if len(self.ownGroups) >= self.maxGroups:
+                raise ValueError(f"cannot join {group!r}: in {len(self.ownGroups)} groups "
+                                 f"already, the most peers take (maxGroups)")
             self.ownGroups[group] = None
             self.status = (self.status + 1) & 0xFF
             self._broadcast(codec.Join(0, group, self.status))

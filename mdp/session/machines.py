@@ -35,9 +35,9 @@ disconnected             detached; sending goes on into the queue
 event                    what happens
 =======================  =============================================================
 HELLO, new id            a session with the next short routing id; WELCOME; the
-                         connection's earlier session ends unless another connection
-                         holds it now (one session per connection: a client never
-                         opens two); at maxSessions: REFUSED, and no session
+                         session the connection held, or opened and left, ends (one
+                         session per connection: a client never uses two); at
+                         maxSessions: REFUSED, and no session
 HELLO, known id          the connection is attached to the session (a previous one is
                          let go); WELCOME; everything not acknowledged goes again
 DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
@@ -500,6 +500,14 @@ class ServerSessionMachine(Machine):
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
         self.attaches += 1
         session = self.sessions.get(hello.session)
+        held = self.byPeer.get(peer)
+        if held is not None and held is not session:
+            # a client never attaches two sessions on one connection: one that
+            # does, with a second connection's help, would hold any number
+            self.throttle.warn(log, "second", "sessions: {peer!r} attached another session; "
+                               "the one it held ({id}) ends (one session per connection)",
+                               peer=peer, id=held.routingId)
+            self._end(held)
         if session is None:
             earlier = self._opened.get(peer)
             if earlier is not None and earlier.peer in (None, peer):
@@ -531,9 +539,6 @@ class ServerSessionMachine(Machine):
             self._emit(Opened(session.routingId))
         if session.peer is not None and session.peer != peer:
             self.byPeer.pop(session.peer, None)
-        old = self.byPeer.get(peer)
-        if old is not None and old is not session:
-            old.peer = None  # this connection said HELLO for another session
         session.peer = peer
         session.lastHeard = self.now
         self.byPeer[peer] = session

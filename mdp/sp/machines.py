@@ -27,9 +27,10 @@ event                  what happens
 channel up             gets a 31-bit channel id (the first random per start, then +1)
 request on a channel   the backtrace is split off; none, or over the hop limit:
                        dropped; the same backtrace from the same channel already in
-                       hand (a resend): dropped; maxPending requests or
-                       maxPendingBytes of payload in hand: dropped (Overloaded; the
-                       requester resends it later); else the handler runs
+                       hand (a resend): dropped; maxPending requests, or
+                       maxPendingBytes of payload with this one, in hand: dropped
+                       (Overloaded; the requester resends it later); else the
+                       handler runs
 reply from handler     sent back with the backtrace, if its channel is still up
 handler cancels        no reply; a resend may run it again
 =====================  =================================================================
@@ -300,7 +301,10 @@ class RepMachine(_ChannelMachine):
             self._emit(Dropped(channel, "a resent copy of a request in hand"))
             return self._drain()
         size = len(payload)
-        if len(self.inHand) >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
+        # one request at a time always gets in, however large (within the
+        # message limits): it would never get in otherwise
+        if len(self.inHand) >= self.maxPending or (
+                self.inHand and self.pendingBytes + size > self.maxPendingBytes):
             self._emit(Overloaded(channel, (
                 f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as "
                 f"many as allowed (maxPending {self.maxPending}, maxPendingBytes "

@@ -66,6 +66,13 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT = 30.0
 #: Wait before asking again about a parked service: 1 s doubling to 32 s.
 DEFAULT_BACKOFF = Backoff(1.0, 32.0)
+#: What a ``titanic.reply`` answer adds to a stored reply on its way to the
+#: client (its status frame, the MDP headers, the service name, the client's
+#: routing id of at most 255 bytes): a streamed reply is kept only while it
+#: fits in the message limits less this.
+REPLY_RESERVE_BYTES = 512
+REPLY_RESERVE_FRAMES = 8
+
 #: Seconds an ``mmi.service`` answer of ``200`` is trusted.
 DEFAULT_RECHECK = 5.0
 
@@ -381,6 +388,15 @@ class DispatchMachine(Machine):
             return
         waiting: list[StoredRequest] = []
         for request in self.queue:
+            if not request.frames:
+                # damaged in the store (no frames could be read back): whatever its
+                # service, it goes to the driver, which answers it with an error
+                if len(self.inflight) < self.concurrency:
+                    self.inflight[request.id] = request
+                    self._emit(Dispatch(request))
+                else:
+                    waiting.append(request)
+                continue
             entry = self._service(request.service)
             if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
                 entry.state = ServiceState.UNKNOWN  # trusted long enough: ask again
@@ -600,7 +616,8 @@ class Dispatcher(DispatchMachine):
         parts: list[bytes] = []
         held = 0  # bytes in parts
         over = False  # the stream outgrew what a reply may be: answered 413, abandoned
-        limits = self.limits
+        mostBytes = max(1, self.limits.maxMessageBytes - REPLY_RESERVE_BYTES)
+        mostFrames = max(1, self.limits.maxFrames - REPLY_RESERVE_FRAMES)
         calls: list[defer.Deferred[Any]] = []
 
         def overLimits(body: list[bytes]) -> bool:
@@ -610,15 +627,15 @@ class Dispatcher(DispatchMachine):
             inside the client's handling of a message)."""
             nonlocal held, over
             size = held + sum(map(len, body))
-            if size <= limits.maxMessageBytes and len(parts) + len(body) <= limits.maxFrames:
+            if size <= mostBytes and len(parts) + len(body) <= mostFrames:
                 held = size
                 return False
             over = True
             parts.clear()
             replied(request.id, error_body(
                 STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more than "
-                f"{limits.maxMessageBytes} bytes or {limits.maxFrames} frames in all, the most "
-                f"a titanic.reply can carry"))
+                f"{mostBytes} bytes or {mostFrames} frames in all, the most a titanic.reply "
+                f"can carry"))
             if calls:
                 self.reactor.callLater(0, calls[0].cancel)
             return True

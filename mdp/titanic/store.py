@@ -235,9 +235,9 @@ class SQLiteStore:
     lives as long as the store (tests).
 
     One store per file: :meth:`open` takes an exclusive lock (``PATH.lock``,
-    ``flock``, beside the file a symbolic link leads to, and on the file
-    itself) and fails with :class:`~mdp.errors.StoreError` while another
-    process (or store) holds it, under whatever name.  After :meth:`close`, every call fails with
+    ``flock``, beside the file a symbolic link leads to) and fails with
+    :class:`~mdp.errors.StoreError` while another process (or store) holds
+    it; a file with several hard links is refused.  After :meth:`close`, every call fails with
     :class:`~mdp.errors.StoreError` until :meth:`open` again."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
@@ -347,34 +347,33 @@ class SQLiteStore:
 
     def _takeLock(self) -> None:
         """Lock ``PATH.lock`` beside the file the path leads to (through
-        symbolic links), and the database file itself (the same file under
-        another name, a hard link, has the same lock): two Titanics on one
-        file would run every request twice."""
+        symbolic links): two Titanics on one file would run every request
+        twice.  A file with several hard links is refused: SQLite names its
+        WAL after the name it was opened by, so two names of one file can
+        corrupt it (and would get past the lock)."""
         if self.path == ":memory:":
             return
         real = os.path.realpath(self.path)
-        lockPath = real + ".lock"
-        locks = [(lockPath, os.O_RDWR | os.O_CREAT)]
-        if not os.path.exists(real) or os.path.isfile(real):  # else _connect refuses it
-            locks.append((real, os.O_RDWR | os.O_CREAT))
-        fds: list[int] = []
         try:
-            for path, flags in locks:
-                try:
-                    fd = os.open(path, flags, 0o644)
-                except OSError as e:
-                    raise StoreError(f"Titanic store {self.path}: cannot open {path}: {e}") from e
-                fds.append(fd)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
-                                     f"(lock {path} is held)") from None
-        except StoreError:
-            for fd in fds:
-                os.close(fd)
-            raise
-        self._locks = fds
+            links = os.stat(real).st_nlink
+        except OSError:
+            links = 1  # not there yet: SQLite makes it
+        if links > 1:
+            raise StoreError(f"Titanic store {self.path}: the file has {links} hard links; "
+                             "SQLite keeps a database under one name only (its WAL is named "
+                             "after it): give it one")
+        lockPath = real + ".lock"
+        try:
+            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"Titanic store {self.path}: cannot open {lockPath}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
+                             f"(lock {lockPath} is held)") from None
+        self._locks = [fd]
 
     def _release(self) -> None:
         if self._pool is not None:
@@ -423,7 +422,7 @@ class SQLiteStore:
         services = json.dumps([bytes(s).hex().upper() for s in skipServices])
         ids = json.dumps(list(skipIds))
         d = self._run(self._read, "SELECT id, service, request, created FROM requests "
-                      "WHERE reply IS NULL "
+                      "WHERE reply IS NULL AND typeof(id) = 'text' "
                       "AND hex(service) NOT IN (SELECT value FROM json_each(?)) "
                       "AND id NOT IN (SELECT value FROM json_each(?)) "
                       "ORDER BY seq LIMIT ?", (services, ids, limit))

@@ -43,6 +43,7 @@ Clients connect with Twisted's own ``ssl:`` (``certKey=``, ``privateKey=``,
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections import OrderedDict, deque
 from typing import Any, Callable, Optional
@@ -85,16 +86,33 @@ _ids = itertools.count(1)
 DESCRIPTOR_RESERVE = 64
 
 
+#: select() watches descriptors below this only (FD_SETSIZE)
+SELECT_LIMIT = 1024
+
+
+def _select_based() -> bool:
+    """Whether the installed reactor waits with select() (Twisted's default
+    on macOS), which cannot watch a descriptor of SELECT_LIMIT or more."""
+    installed = sys.modules.get("twisted.internet.reactor")
+    module = sys.modules.get("twisted.internet.selectreactor")
+    return module is not None and isinstance(installed, module.SelectReactor)
+
+
 def descriptor_budget() -> Optional[int]:
     """How many accepted stream connections the process's descriptor limit
-    (the soft ``RLIMIT_NOFILE``) leaves room for: all of it but an eighth
-    (at least :data:`DESCRIPTOR_RESERVE`).  None where there is no limit."""
-    if resource is None:
+    (the soft ``RLIMIT_NOFILE``, and :data:`SELECT_LIMIT` under a select()
+    reactor) leaves room for: all of it but an eighth (at least
+    :data:`DESCRIPTOR_RESERVE`).  None where there is no limit."""
+    limit: Optional[int] = None
+    if resource is not None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY:
+            limit = soft
+    if _select_based():
+        limit = SELECT_LIMIT if limit is None else min(limit, SELECT_LIMIT)
+    if limit is None:
         return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    return max(1, soft - max(DESCRIPTOR_RESERVE, soft // 8))
+    return max(1, limit - max(DESCRIPTOR_RESERVE, limit // 8))
 
 
 #: what the soft descriptor limit is raised to where the hard limit is
