@@ -209,16 +209,13 @@ def _frames(blob: Any) -> list[bytes]:
         return []
 
 
-def _stored(row: tuple[Any, ...]) -> Optional[StoredRequest]:
-    """A pending row as the dispatcher reads it.  A damaged one (a file
-    SQLite's checks pass can still hold a value of the wrong type) has no
-    frames, so it is answered with an error rather than holding up the rest;
-    None if even its id is unusable (it cannot be answered)."""
+def _stored(row: tuple[Any, ...]) -> StoredRequest:
+    """A pending row (its id text: the query leaves out the rest, which
+    could never be answered) as the dispatcher reads it.  A damaged one (a
+    file SQLite's checks pass can still hold a value of the wrong type) has
+    no frames, so it is answered with an error rather than holding up the
+    rest."""
     requestId, service, blob, created = row
-    if not isinstance(requestId, str):
-        log.error("Titanic store: a pending request's id is damaged ({id!r}): left as it is",
-                  id=requestId)
-        return None
     frames = _frames(blob)
     if not isinstance(service, bytes) or not isinstance(created, (int, float)) or not frames:
         log.error("Titanic store: the stored request {id} is damaged and cannot be read back: "
@@ -237,16 +234,16 @@ class SQLiteStore:
     One store per file: :meth:`open` takes an exclusive lock (``PATH.lock``,
     ``flock``, beside the file a symbolic link leads to) and fails with
     :class:`~mdp.errors.StoreError` while another process (or store) holds
-    it; a file with several hard links is refused.  After :meth:`close`, every call fails with
-    :class:`~mdp.errors.StoreError` until :meth:`open` again."""
+    it; a file with several hard links is refused.  After :meth:`close`,
+    every call fails with :class:`~mdp.errors.StoreError` until :meth:`open`
+    again."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
         self.path = path
         self.reactor = default_reactor(reactor)
         self._pool: Optional[ThreadPool] = None
         self._trigger: Any = None
-        #: descriptors holding the store's locks
-        self._locks: list[int] = []
+        self._lock: Optional[int] = None
         self._db: Optional[sqlite3.Connection] = None
         #: writes waiting for the next transaction (reactor thread only)
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
@@ -373,7 +370,7 @@ class SQLiteStore:
             os.close(fd)
             raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
                              f"(lock {lockPath} is held)") from None
-        self._locks = [fd]
+        self._lock = fd
 
     def _release(self) -> None:
         if self._pool is not None:
@@ -386,9 +383,9 @@ class SQLiteStore:
             except (ValueError, KeyError):
                 pass
             self._trigger = None
-        for fd in self._locks:
-            os.close(fd)  # releases its flock
-        self._locks = []
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     # --- ITitanicStore ----------------------------------------------------------------
 
@@ -426,8 +423,7 @@ class SQLiteStore:
                       "AND hex(service) NOT IN (SELECT value FROM json_each(?)) "
                       "AND id NOT IN (SELECT value FROM json_each(?)) "
                       "ORDER BY seq LIMIT ?", (services, ids, limit))
-        return d.addCallback(lambda rows: [
-            stored for stored in map(_stored, rows) if stored is not None])
+        return d.addCallback(lambda rows: list(map(_stored, rows)))
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         return self._write("UPDATE requests SET reply = ?, completed = ? "

@@ -261,12 +261,17 @@ class FramedProtocol(Protocol):
         if self.dropped:
             return
         self.dropped = True
+        self._warn("drop", "dropping stream peer {peer}: " + why, **fields)
+        self.transport.abortConnection()
+
+    def _warn(self, kind: str, why: str, **fields: Any) -> None:
+        """Warn of *why* about the peer, throttled if the connection's owner
+        throttles its warnings."""
         fields["peer"] = self.peerName()
         if self.throttle is not None:
-            self.throttle.warn(log, "drop", "dropping stream peer {peer}: " + why, **fields)
+            self.throttle.warn(log, kind, why, **fields)
         else:
-            log.warn("dropping stream peer {peer}: " + why, **fields)
-        self.transport.abortConnection()
+            log.warn(why, **fields)
 
     def closeGracefully(self) -> None:
         """Close once what is written is sent.  A registered producer is
@@ -283,13 +288,9 @@ class FramedProtocol(Protocol):
         decoder = getattr(self, "decoder", None)
         if self.dropped or self.closedHere or decoder is None or not decoder.inRecord:
             return
-        why = ("stream peer {peer} closed its connection in the middle of a message "
-               "({held} bytes of it received): that message is lost")
-        fields = {"peer": self.peerName(), "held": decoder.buffered}
-        if self.throttle is not None:
-            self.throttle.warn(log, "unfinished", why, **fields)
-        else:
-            log.warn(why, **fields)
+        self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
+                   "message ({held} bytes of it received): that message is lost",
+                   held=decoder.buffered)
 
     def peerName(self) -> str:
         try:
