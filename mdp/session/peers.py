@@ -23,6 +23,7 @@ from mdp.session.machines import (
     UnknownSession,
 )
 from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
+from mdp.transport.flow import DrainWaiters
 
 
 def session_endpoint(endpoint: str) -> str:
@@ -50,7 +51,7 @@ class SessionClient:
         self.reactor = default_reactor(reactor)
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._isAttached = False
-        self._waiting: list[defer.Deferred[None]] = []
+        self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
                                     pingInterval=pingInterval, liveness=liveness,
                                     maxQueued=maxQueued)
@@ -61,9 +62,7 @@ class SessionClient:
         refuses it first."""
         if self._isAttached:
             return defer.succeed(None)
-        d: defer.Deferred[None] = defer.Deferred()
-        self._waiting.append(d)
-        return d
+        return self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
         """Call *callback(frames)* for every message from the server."""
@@ -78,15 +77,11 @@ class SessionClient:
     # IDealerReceiver, for the session dealer
     def connectionMade(self) -> None:
         self._isAttached = True
-        waiting, self._waiting = self._waiting, []
-        for d in waiting:
-            d.callback(None)
+        self._waiting.fire()
 
     def sessionRefused(self, reason: str) -> None:
         """The server would not open the session (the dealer asks again)."""
-        waiting, self._waiting = self._waiting, []
-        for d in waiting:
-            d.errback(SessionRefused(reason))
+        self._waiting.fail(SessionRefused(reason))
 
     def messageReceived(self, frames: list[bytes]) -> None:
         for callback in list(self._callbacks):

@@ -26,3 +26,10 @@ class DrainWaiters:
         waiting, self._waiting = self._waiting, []
         for d in waiting:
             d.callback(None)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every waiter with *error* (what they waited for will not come
+        now); later ones wait afresh."""
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.errback(error)
