@@ -510,9 +510,9 @@ class ServerSessionMachine(Machine):
             self._end(held)
         if session is None:
             earlier = self._opened.get(peer)
-            if earlier is not None and earlier.peer in (None, peer):
-                # a client never opens two sessions on one connection: one that
-                # does would hold any number of them
+            if earlier is not None and earlier.peer is None:
+                # opened here and left (one still held here ended just above): a
+                # client never opens two sessions on one connection
                 self.throttle.warn(log, "second", "sessions: {peer!r} opened another session; "
                                    "the one it opened before ({id}) ends (one session per "
                                    "connection)", peer=peer, id=earlier.routingId)
