@@ -32,6 +32,7 @@ STATUS_UNAVAILABLE = b"503"
 STATUS_OVERLOADED = b"429"
 STATUS_TOO_LARGE = b"413"
 STATUS_FORBIDDEN = b"403"
+STATUS_BAD_REQUEST = b"400"
 
 def text(name: bytes) -> str:
     """A service name (bytes on the wire) as text, for logs and metric labels:

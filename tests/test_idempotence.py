@@ -6,6 +6,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
+from mdp.errors import RemoteError
 from mdp.majordomo.idempotence import STAMP_MARKER, MemoryReplyStore, stamp, unstamp
 from tests.conftest import LoopbackNet
 from tests.test_mdp_behaviour import make_client, start_broker, start_worker
@@ -29,6 +30,59 @@ def test_memory_store_is_bounded_lru() -> None:
     assert store.get((b"c", b"1")) == [b"one"]
     with pytest.raises(ValueError):
         MemoryReplyStore(0)
+
+
+@pytest.mark.parametrize("body", [
+    [STAMP_MARKER, b"c" * 15, b"1", b"x"],  # a short client id
+    [STAMP_MARKER, b"", b"1", b"x"],
+    [STAMP_MARKER, b"c" * 1024, b"1", b"x"],
+    [STAMP_MARKER, b"c" * 16, b"1a", b"x"],  # not digits
+    [STAMP_MARKER, b"c" * 16, b"", b"x"],
+    [STAMP_MARKER, b"c" * 16, b"1" * 21, b"x"],  # longer than any 64-bit number
+    [STAMP_MARKER, b"c" * 16, b"1"],  # no body frame
+    [STAMP_MARKER],
+])
+def test_malformed_stamps_are_refused(body: list[bytes]) -> None:
+    # a key is only ever made of a well-formed stamp: two clients cannot share
+    # one by sending the same short id, nor make a store keep a key of any size
+    with pytest.raises(ValueError):
+        unstamp(body)
+
+
+def test_memory_store_is_bounded_in_bytes() -> None:
+    store = MemoryReplyStore(maxEntries=1000, maxBytes=20_000)
+    for n in range(100):
+        store.put((b"c" * 16, str(n).encode()), [b"x" * 1024])
+        assert store.heldBytes <= 20_000
+    assert 10 <= len(store) < 20
+    assert store.get((b"c" * 16, b"99")) == [b"x" * 1024]  # the newest stay
+    assert store.get((b"c" * 16, b"0")) is None
+    held = store.heldBytes
+    store.put((b"c" * 16, b"99"), [b"x" * 1024])  # stored again: counted once
+    assert store.heldBytes == held
+    store.put((b"c" * 16, b"big"), [b"x" * 30_000])  # over the bound alone: not kept
+    assert store.get((b"c" * 16, b"big")) is None
+    assert store.heldBytes == held
+    with pytest.raises(ValueError):
+        MemoryReplyStore(maxBytes=0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_malformed_stamp_is_answered_400_without_running_the_handler(
+        clocknet: LoopbackNet) -> None:
+    _, endpoint = await start_broker(clocknet)
+    runs: list[list[bytes]] = []
+    start_worker(clocknet, endpoint, "svc", lambda f: runs.append(f) or f,
+                 replies=MemoryReplyStore())
+    client = make_client(clocknet, endpoint)
+    reply = client.request("svc", STAMP_MARKER, b"short", b"1", b"x")
+    with pytest.raises(RemoteError) as caught:
+        await clocknet.wait(reply)
+    assert caught.value.code == b"400" and b"stamp" in str(caught.value).encode()
+    assert runs == []
+    # the worker serves the next request
+    assert await clocknet.wait(client.request("svc", b"y")) == [b"y"]
+    assert runs == [[b"y"]]
 
 
 @pytest_twisted.ensureDeferred

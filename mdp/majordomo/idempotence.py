@@ -38,11 +38,31 @@ def stamp(clientId: bytes, sequence: int, body: Sequence[bytes]) -> list[bytes]:
     return [STAMP_MARKER, clientId, str(sequence).encode("ascii"), *body]
 
 
+#: A stamp's client id: 16 bytes (a UUID).
+CLIENT_ID_BYTES = 16
+#: Most digits in a stamp's sequence number (a 64-bit number has 20).
+MAX_SEQUENCE_DIGITS = 20
+
+
 def unstamp(body: Sequence[bytes]) -> tuple[Optional[StampKey], list[bytes]]:
-    """Split a request body into ``(stamp key or None, handler frames)``."""
-    if len(body) >= 4 and body[0] == STAMP_MARKER:
-        return (bytes(body[1]), bytes(body[2])), list(body[3:])
-    return None, list(body)
+    """Split a request body into ``(stamp key or None, handler frames)``.
+
+    A body that begins with the marker must carry a well-formed stamp (a
+    16-byte client id, 1 to 20 ASCII digits, at least one body frame):
+    ``ValueError`` otherwise.  Keys are only ever made of well-formed
+    stamps, so a malformed one can neither collide with another client's
+    nor make the store keep a key of any size."""
+    if not body or body[0] != STAMP_MARKER:
+        return None, list(body)
+    if len(body) < 4:
+        raise ValueError("a stamped request needs a client id, a sequence number and "
+                         "at least one body frame")
+    clientId, sequence = bytes(body[1]), bytes(body[2])
+    if len(clientId) != CLIENT_ID_BYTES:
+        raise ValueError(f"a stamp's client id is {CLIENT_ID_BYTES} bytes, not {len(clientId)}")
+    if not (0 < len(sequence) <= MAX_SEQUENCE_DIGITS and sequence.isdigit()):
+        raise ValueError(f"a stamp's sequence number is 1 to {MAX_SEQUENCE_DIGITS} ASCII digits")
+    return (clientId, sequence), list(body[3:])
 
 
 class IReplyStore(Interface):
@@ -56,27 +76,52 @@ class IReplyStore(Interface):
         """Remember the FINAL body sent for *key*."""
 
 
+#: Bytes a stored reply is counted for beyond its frames and key: the
+#: entry, its list and its frames' headers.
+ENTRY_OVERHEAD = 256
+
+
+def _held(key: StampKey, reply: Sequence[bytes]) -> int:
+    return ENTRY_OVERHEAD + len(key[0]) + len(key[1]) + sum(len(f) + 64 for f in reply)
+
+
 @implementer(IReplyStore)
 class MemoryReplyStore:
-    """In-memory store keeping the *maxEntries* most recently stored replies."""
+    """In-memory store keeping the most recently used replies: at most
+    *maxEntries* of them and *maxBytes* in all (their frames, keys and a
+    fixed overhead an entry), the least recently used going first.  A reply
+    larger than *maxBytes* on its own is not kept."""
 
-    def __init__(self, maxEntries: int = 10_000) -> None:
+    def __init__(self, maxEntries: int = 10_000, maxBytes: int = 256 * 1024 * 1024) -> None:
         if maxEntries < 1:
             raise ValueError("maxEntries must be at least 1")
+        if maxBytes < 1:
+            raise ValueError("maxBytes must be at least 1")
         self.maxEntries = maxEntries
-        self._replies: OrderedDict[StampKey, list[bytes]] = OrderedDict()
+        self.maxBytes = maxBytes
+        #: bytes the kept replies are counted for
+        self.heldBytes = 0
+        self._replies: OrderedDict[StampKey, tuple[list[bytes], int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._replies)
 
     def get(self, key: StampKey) -> Optional[list[bytes]]:
-        reply = self._replies.get(key)
-        if reply is not None:
-            self._replies.move_to_end(key)
-        return reply
+        entry = self._replies.get(key)
+        if entry is None:
+            return None
+        self._replies.move_to_end(key)
+        return entry[0]
 
     def put(self, key: StampKey, reply: list[bytes]) -> None:
-        self._replies[key] = list(reply)
-        self._replies.move_to_end(key)
-        while len(self._replies) > self.maxEntries:
-            self._replies.popitem(last=False)
+        replies = self._replies
+        old = replies.pop(key, None)
+        if old is not None:
+            self.heldBytes -= old[1]
+        size = _held(key, reply)
+        if size > self.maxBytes:
+            return
+        replies[key] = (list(reply), size)
+        self.heldBytes += size
+        while len(replies) > self.maxEntries or self.heldBytes > self.maxBytes:
+            self.heldBytes -= replies.popitem(last=False)[1][1]

@@ -102,6 +102,7 @@ from mdp.majordomo.codec import (
     WorkerPartial,
     WorkerRequest,
 )
+from mdp.messages import STATUS_BAD_REQUEST
 from mdp.messages import text as label
 from mdp.policy import (
     Backoff,
@@ -424,8 +425,18 @@ class WorkerMachine(Machine):
                                "dropped", service=label(self.service))
             return
         key = None
-        if len(body) >= 4 and body[0] == idempotence.STAMP_MARKER:
-            key, body = idempotence.unstamp(body)
+        if body and body[0] == idempotence.STAMP_MARKER:
+            try:
+                key, body = idempotence.unstamp(body)
+            except ValueError as e:
+                self.throttle.warn(log, "stamp", "worker for {service} answers 400 to a request "
+                                   "with a malformed stamp: {reason}", service=label(self.service),
+                                   reason=e)
+                self._outbox.append(SendToBroker(codec.encode_worker_reply(
+                    client, codec.error_body(STATUS_BAD_REQUEST, f"malformed request stamp: {e}"),
+                    True, self.dialect)))
+                self.liveness.sent(self.now)
+                return
         self.current = client
         self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
 
