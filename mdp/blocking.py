@@ -290,6 +290,11 @@ class _Loop:
             self.turn(until)
 
 
+#: Most messages a pipe drops before a request (a DEALER holds at most its
+#: high-water mark, 1,000).
+_DISCARD_MOST = 1000
+
+
 class _ZmqPipe:
     """One DEALER socket: up from the start (ZeroMQ connects in the
     background and reconnects by itself)."""
@@ -392,6 +397,21 @@ class _ZmqPipe:
         self.loop.unchecked.add(self)
         self._take(frame, time.monotonic())
 
+    def discardReceived(self) -> int:
+        """Read off and drop the messages waiting on the socket; how many."""
+        sock = self.socket
+        dropped = 0
+        if sock is None:
+            return 0
+        for _ in range(_DISCARD_MOST):
+            if not _get(sock, _EVENTS) & _ZMQ_POLLIN:
+                break
+            frame = _recv(sock, _NOBLOCK, copy=False)
+            while frame.more:
+                frame = _recv(sock, _NOBLOCK, copy=False)
+            dropped += 1
+        return dropped
+
     def _read(self, now: float) -> None:
         """Read the messages that are there (EVENTS said one is), at most a
         few a wake-up: the loop comes back for the rest."""
@@ -449,7 +469,7 @@ class _StreamPipe:
     the Twisted transport does."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
-                 "up", "connecting", "failures", "retryAt")
+                 "up", "connecting", "failures", "retryAt", "batch")
 
     backlog = ()  # never waits in recv alone (see _Loop.turn)
 
@@ -467,6 +487,8 @@ class _StreamPipe:
         self.connecting = False
         self.failures = 0
         self.retryAt: Optional[float] = None
+        #: the messages of the read being handled, those not handed on yet
+        self.batch: Any = None
 
     @property
     def backlogged(self) -> bool:
@@ -567,10 +589,20 @@ class _StreamPipe:
                 self._lost(e, now)
                 return
             owner, tag = self.owner, self.tag
-            for frames in messages:
-                if self.socket is not sock:
-                    return
-                owner._pipeMessage(tag, frames, now)
+            batch = self.batch = iter(messages)
+            try:
+                for frames in batch:
+                    if self.socket is not sock:
+                        return
+                    owner._pipeMessage(tag, frames, now)
+            finally:
+                self.batch = None
+
+    def discardReceived(self) -> int:
+        """Drop the messages of the read being handled not handed on yet;
+        how many.  What waits unread in the socket is left to the read."""
+        batch, self.batch = self.batch, None
+        return 0 if batch is None else sum(1 for _ in batch)
 
     def _lost(self, why: BaseException, now: float) -> None:
         self._drop()
@@ -812,6 +844,8 @@ class Client(ClientCore):
                 pipe = channel.pipe
                 if (pipe is not None and pipe.up and channel.call is not None
                         and not channel.call.done):
+                    if pipe.discardReceived():
+                        self._stale(channel)
                     pipe.send(action.frames)
             elif kind is Complete or kind is Fail:
                 call = action.call

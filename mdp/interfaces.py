@@ -93,6 +93,13 @@ class IDealerTransport(Interface):
         """A Deferred that fires once the transport is writable again (at
         once if it is), or when the pipe it waits on is dropped."""
 
+    def discardReceived() -> int:
+        """Drop the messages that have come but are not delivered yet, and
+        return how many.  A client calls it before it sends a request: MDP
+        replies carry no request id, so nothing that came before the request
+        can be its reply, and a message left waiting (a broker's duplicate,
+        one sent to nobody) would otherwise be taken for it."""
+
     def close():
         """Close for good.  Returns a Deferred."""
 

@@ -679,6 +679,13 @@ class ClientMachine(Machine):
         elif self._done(call):
             self._outbox.append(Complete(call, list(body)))
 
+    def _stale(self, channel: _Channel) -> None:
+        """The driver dropped messages that came on *channel* before the
+        request it is about to send there: say so (throttled)."""
+        self._throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
+                            "request: no request was in flight there to answer",
+                            endpoint=channel.endpoint)
+
     def _channelLost(self, channel: _Channel, why: object = None) -> None:
         """A pipe broke; its request goes out again when it is back, unless
         the pipe ended because the reply was over this client's limits (sent
@@ -996,6 +1003,8 @@ class Client(ClientCore):
                 # a callback run by an earlier action may have cancelled it
                 if (pipe is not None and pipe.connected and channel.call is not None
                         and not channel.call.done):
+                    if pipe.discardReceived():
+                        self._stale(channel)
                     pipe.sendMessage(action.frames)
             elif kind is Complete:
                 action.call.deferred.callback(action.body)

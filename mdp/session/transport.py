@@ -240,6 +240,11 @@ class SessionDealer(_End):
         self._open()
         self.tick.start(pingInterval / 4, now=False)
 
+    def discardReceived(self) -> int:
+        """Nothing: a session's messages are numbered and delivered as the
+        session takes them, which its own control messages share."""
+        return 0
+
     def _open(self) -> None:
         from mdp import transport
 

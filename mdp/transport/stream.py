@@ -247,10 +247,24 @@ class FramedProtocol(Protocol):
             self.refusal = e
             self.drop("{reason}", reason=e)
             return
-        for frames in messages:
-            self.onMessage(frames)
-            if self.closing:
-                return
+        if not messages:
+            return
+        batch = self._batch = iter(messages)
+        try:
+            for frames in batch:
+                self.onMessage(frames)
+                if self.closing:
+                    return
+        finally:
+            self._batch = None
+
+    #: the messages of the read being delivered, those not delivered yet
+    _batch: Any = None
+
+    def discardBatch(self) -> int:
+        """Drop the messages of this read not delivered yet; how many."""
+        batch, self._batch = self._batch, None
+        return 0 if batch is None else sum(1 for _ in batch)
 
     @property
     def closing(self) -> bool:
@@ -947,6 +961,11 @@ class StreamDealer:
     def _resumed(self, proto: _DealerConnection) -> None:
         if proto is self.protocol:
             self._waiters.fire()
+
+    def discardReceived(self) -> int:
+        """The records of the read being delivered that are not delivered
+        yet (what has come is handed on as it is read)."""
+        return 0 if self.protocol is None else self.protocol.discardBatch()
 
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto

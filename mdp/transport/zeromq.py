@@ -230,6 +230,22 @@ def _connection_classes() -> tuple[type, type]:
                     self.owner.identified(frames[0], frame.get("User-Id"))
                 return frames
 
+            def discardQueued(self) -> int:
+                """Read off and drop the messages waiting on the socket (at
+                most READ_BATCH of them); how many.  Not while a message over
+                the limits is being read off: that one ends the pipe."""
+                socket = self.socket
+                dropped = 0
+                if socket is None or self.skipping is not None:
+                    return 0
+                for _ in range(READ_BATCH):
+                    if not get(socket, EVENTS) & POLLIN:
+                        break
+                    if self._readMessage(socket) is None:
+                        break  # over the limits: _skip and oversized() go on with it
+                    dropped += 1
+                return dropped
+
             def _skip(self, socket: Any, budget: int) -> int:
                 """Read off up to *budget* frames of the message over the
                 limits; returns the budget left."""
@@ -769,6 +785,15 @@ class ZmqDealer:
     def _received(self, connection: Any, frames: list[bytes]) -> None:
         if connection is self.connection:
             self.receiver.messageReceived(frames)
+
+    def discardReceived(self) -> int:
+        connection = self.connection
+        if connection is None:
+            return 0
+        dropped = connection.discardQueued()
+        if connection.skipping is not None and connection.read_scheduled is None:
+            connection.read_scheduled = self.reactor.callLater(0, connection.doRead)
+        return dropped
 
     def oversized(self, peer: None, count: int, size: int) -> None:
         """A message over the limits came: drop it and the pipe that carried

@@ -1,0 +1,120 @@
+"""A message that came before a request is never taken for its reply.
+
+MDP/0.2 replies carry no request id: a client knows its reply by the
+connection it sent the request on.  A broker that answers twice, or sends a
+FINAL nobody asked for, leaves a message waiting on that connection; both
+clients drop what waits there before they send the next request on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import pytest
+import pytest_twisted
+import zmq
+from twisted.internet import task
+
+from mdp import Client
+from mdp.blocking import Client as BlockingClient
+from mdp.transport.loopback import LoopbackDealer, LoopbackNetwork, LoopbackRouter
+from tests.procs import bounded, reactor
+
+HEADER, FINAL = b"MDPC02", b"\x03"
+
+
+class RogueBroker:
+    """A plain pyzmq ROUTER on 127.0.0.1 that answers every request with its
+    own body, then (*mode*) once more (``dup``) or with a FINAL nobody asked
+    for (``unsolicited``), in a thread of its own until stopped."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"zmq:tcp://127.0.0.1:{port}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock = self.socket
+        while not self.stopping.is_set():
+            if not sock.poll(50):
+                continue
+            peer, _, _, service, *body = sock.recv_multipart()
+            sock.send_multipart([peer, HEADER, FINAL, service, *body])
+            extra = body if self.mode == "dup" else [b"UNSOLICITED"]
+            sock.send_multipart([peer, HEADER, FINAL, service, *extra])
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.socket.close()
+        self.context.term()
+
+
+@pytest.fixture(params=["dup", "unsolicited"])
+def rogue(request: Any) -> Iterator[RogueBroker]:
+    broker = RogueBroker(request.param)
+    yield broker
+    broker.stop()
+
+
+def test_the_blocking_client_drops_what_came_between_requests(rogue: RogueBroker) -> None:
+    with BlockingClient(rogue.endpoint, timeout=5.0, retries=1) as client:
+        for n in range(5):
+            # the extra message is queued on the socket by the time the next
+            # request goes: the client does no I/O between requests
+            assert client.request("echo", b"req%d" % n) == [b"req%d" % n]
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_twisted_client_drops_what_came_before_its_next_request(
+        rogue: RogueBroker) -> None:
+    client = Client(rogue.endpoint, reactor(), timeout=5.0, retries=1)
+    try:
+        for n in range(5):
+            # the next request goes from the reply's callback, while the
+            # extra message waits to be read in the same turn
+            assert await bounded(client.request("echo", b"req%d" % n), 10) == [b"req%d" % n]
+    finally:
+        await bounded(client.close(), 10)
+
+
+def test_a_loopback_dealer_drops_what_it_has_not_delivered() -> None:
+    clock = task.Clock()
+    net = LoopbackNetwork()
+    got: list[list[bytes]] = []
+
+    class Receiver:
+        def connectionMade(self) -> None:
+            pass
+
+        def messageReceived(self, frames: list[bytes]) -> None:
+            got.append(frames)
+
+        def connectionLost(self, reason: object) -> None:
+            pass
+
+    class RouterReceiver:
+        def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+            pass
+
+        def peerDisconnected(self, peer: bytes) -> None:
+            pass
+
+    router = LoopbackRouter("stale", RouterReceiver(), clock, net=net)  # type: ignore[arg-type]
+    dealer = LoopbackDealer("stale", Receiver(), clock, net=net)  # type: ignore[arg-type]
+    clock.advance(0)
+    assert dealer.peer is not None
+    router.sendMessage(dealer.peer, [b"old1"])
+    router.sendMessage(dealer.peer, [b"old2"])
+    assert dealer.discardReceived() == 2
+    assert dealer.discardReceived() == 0  # counted once
+    router.sendMessage(dealer.peer, [b"new"])
+    clock.advance(0)
+    assert got == [[b"new"]]
