@@ -4,9 +4,13 @@ duplicates, a device's hops."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from typing import Optional
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mdp.sp.codec import BOTTOM, word
 from mdp.sp.machines import (
@@ -86,6 +90,128 @@ def test_requests_of_a_lost_channel_go_out_again_at_once() -> None:
 def test_resend_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ReqMachine(1, resend=0)
+
+
+def wake_of(actions: list, wake: Optional[float]) -> Optional[float]:
+    """The wake-up asked for after *actions*, *wake* before them."""
+    for action in actions:
+        if isinstance(action, WakeAt):
+            wake = action.when
+    return wake
+
+
+def test_the_resend_heap_stays_bounded_over_many_requests_and_replies() -> None:
+    """Entries of answered requests do not pile up behind one never answered,
+    whatever order the replies come in; answered in the order sent, none is
+    kept at all."""
+    req = ReqMachine(1, resend=60.0)
+    req.handleChannelUp("a", 0.0)
+    req.handleRequest(b"slow", 0.0)  # heads the heap, never answered
+    for n in range(3000):
+        now = n / 100
+        newer = [req.handleRequest(b"x", now)[0] for _ in range(3)]
+        for rid in reversed(newer):  # the newest first: the head stays live
+            req.handleReply("a", word(rid) + b"r", now)
+        assert len(req.requests) == 1
+        assert len(req._deadlines) <= 2 + req._slack
+    in_order = ReqMachine(1, resend=60.0)
+    in_order.handleChannelUp("a", 0.0)
+    for n in range(1000):
+        rids = [in_order.handleRequest(b"x", float(n))[0] for _ in range(3)]
+        in_order.handleReply("a", word(rids[0]) + b"r", float(n))
+        in_order.handleCancel(rids[1], float(n))
+        in_order.handleReply("a", word(rids[2]) + b"r", float(n))
+        assert in_order._deadlines == []
+
+
+def test_the_wake_up_after_many_replies_and_cancels_is_the_earliest_live_one() -> None:
+    """Requests answered or cancelled in a scrambled order: each wake-up asked
+    for is the earliest resend deadline of those still out."""
+    req = ReqMachine(1, resend=1000.0)
+    req._slack = 0  # rebuild the heap as often as it may be
+    req.handleChannelUp("a", 0.0)
+    sentAt: dict[int, float] = {}
+    wake: Optional[float] = None
+    for n in range(400):
+        rid, actions = req.handleRequest(b"x", float(n))
+        sentAt[rid] = float(n)
+        wake = wake_of(actions, wake)
+    order = list(sentAt)
+    random.Random(7).shuffle(order)
+    for k, rid in enumerate(order[:-5]):
+        if k % 2:
+            actions = req.handleReply("a", word(rid) + b"r", 400.0)
+        else:
+            actions = req.handleCancel(rid, 400.0)
+        del sentAt[rid]
+        wake = wake_of(actions, wake)
+        assert wake == min(sentAt.values()) + 1000.0
+        assert len(req._deadlines) <= 2 * len(sentAt)
+    for rid in order[-5:]:
+        wake = wake_of(req.handleCancel(rid, 401.0), wake)
+    assert wake is None and req._deadlines == []
+
+
+def test_a_late_wake_resends_all_that_is_due_oldest_request_first() -> None:
+    """Requests due at one wake-up go out in the order they were made, not
+    the order their deadlines fall in; what is not due stays put."""
+    req = ReqMachine(1, resend=60.0)
+    req.handleChannelUp("a", 0.0)
+    req.handleChannelUp("b", 0.0)
+    first, _ = req.handleRequest(b"1", 0.0)  # on a
+    second, _ = req.handleRequest(b"2", 0.0)  # on b
+    req.handleChannelDown("a", 1.0)  # first goes out again on b: due at 61, after second
+    req.handleRequest(b"3", 50.0)
+    assert sends(req.handleWake(59.0)) == []
+    assert [body for _, body in sends(req.handleWake(70.0))] == [word(first) + b"1",
+                                                                 word(second) + b"2"]
+    assert sorted(entry[0] for entry in req._deadlines) == [110.0, 130.0, 130.0]
+
+
+EVENTS = st.lists(st.tuples(
+    st.sampled_from(["request", "reply", "cancel", "wake", "up", "down"]),
+    st.integers(min_value=0, max_value=3),  # how far time moves on
+    st.integers(min_value=0, max_value=40)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(EVENTS, st.sampled_from([1.0, 2.0, 3.0]), st.integers(min_value=0, max_value=4))
+def test_wake_ups_and_resends_match_a_look_at_every_request(
+        events: list[tuple[str, int, int]], resend: float, slack: int) -> None:
+    """Random requests, replies, cancels, wake-ups and channels coming and
+    going: each wake-up asked for is the earliest deadline among all the
+    requests out, a wake-up resends exactly those due, oldest first, and
+    the heap stays within twice the requests out plus its slack."""
+    req = ReqMachine(1, resend=resend)
+    req._slack = slack
+    now = 0.0
+    issued: list[int] = []
+    wake: Optional[float] = None
+    for kind, step, pick in events:
+        now += step
+        chosen = issued[pick % len(issued)] if issued else BOTTOM
+        expected = None
+        if kind == "request":
+            rid, actions = req.handleRequest(b"%d" % len(issued), now)
+            issued.append(rid)
+        elif kind == "reply":
+            actions = req.handleReply("a", word(chosen) + b"r", now)
+        elif kind == "cancel":
+            actions = req.handleCancel(chosen, now)
+        elif kind == "wake":
+            expected = [r.body for r in req.requests.values()
+                        if r.requestId not in req._held and r.resendAt <= now]
+            actions = req.handleWake(now)
+        elif kind == "up":
+            actions = req.handleChannelUp("abc"[pick % 3], now)
+        else:
+            actions = req.handleChannelDown("abc"[pick % 3], now)
+        if expected is not None:
+            assert [body for _, body in sends(actions)] == expected
+        wake = wake_of(actions, wake)
+        out = [r.resendAt for r in req.requests.values() if r.requestId not in req._held]
+        assert wake == (min(out) if out else None)
+        assert len(req._deadlines) <= 2 * len(out) + slack
 
 
 # --- REP ----------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ handler cancels        no reply; a resend may run it again
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from typing import Any, Hashable, Optional, Union
 
@@ -101,18 +103,30 @@ class WakeAt:
 
 
 class _Request:
-    __slots__ = ("requestId", "body", "channel", "resendAt")
+    __slots__ = ("requestId", "body", "channel", "resendAt", "serial", "entry")
 
-    def __init__(self, requestId: int, body: bytes) -> None:
+    def __init__(self, requestId: int, body: bytes, serial: int) -> None:
         self.requestId = requestId
         self.body = body
         self.channel: Optional[Channel] = None
         self.resendAt = 0.0
+        #: when it was made, among the others: resends due together go in this order
+        self.serial = serial
+        #: the order of its deadline entry that counts (-1: none, it is held or over)
+        self.entry = -1
 
 
 class ReqMachine(Machine):
     """The requesting side.  *firstId* seeds the request ids (random per
-    start in the driver)."""
+    start in the driver).
+
+    Resend deadlines live in a heap, so a request, reply or cancel costs
+    O(log n) with n requests in flight rather than a look at every one of
+    them; entries of requests resent, held or over are skipped when they
+    reach the head, and dropped all at once when they outnumber the rest."""
+
+    #: stale heap entries allowed beyond as many as there are live ones
+    _slack = 1024
 
     def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
                  now: float = 0.0) -> None:
@@ -129,13 +143,18 @@ class ReqMachine(Machine):
         #: requests waiting for a channel, oldest first
         self._held: OrderedDict[int, _Request] = OrderedDict()
         self._wake: Optional[float] = None
+        #: (resendAt, order, request) for every send; an entry counts while
+        #: its order is the request's ``entry``, the others are stale
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        #: numbers for entries and requests: only their order matters
+        self._order = itertools.count()
 
     # --- events -----------------------------------------------------------------------
 
     def handleRequest(self, payload: bytes, now: float) -> tuple[int, list[Any]]:
         self.now = now
         requestId = self.ids.next() | BOTTOM
-        request = _Request(requestId, word(requestId) + payload)
+        request = _Request(requestId, word(requestId) + payload, next(self._order))
         self.requests[requestId] = request
         self._send(request)
         self._rearm()
@@ -152,6 +171,9 @@ class ReqMachine(Machine):
         return self._drain()
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
+        """Its requests go out again on the others, oldest first.  This looks
+        at every request in flight: a lost channel is rare, and keeping each
+        channel's requests apart would cost every send."""
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
@@ -182,23 +204,34 @@ class ReqMachine(Machine):
                                         "in flight (late, duplicate or stray)"))
             return self._drain()
         self._held.pop(requestId, None)
+        request.entry = -1
         self._emit(Complete(requestId, payload))
         self._rearm()
         return self._drain()
 
     def handleCancel(self, requestId: int, now: float) -> list[Any]:
         self.now = now
-        self.requests.pop(requestId, None)
-        self._held.pop(requestId, None)
+        request = self.requests.pop(requestId, None)
+        if request is not None:
+            self._held.pop(requestId, None)
+            request.entry = -1
         self._rearm()
         return self._drain()
 
     def handleWake(self, now: float) -> list[Any]:
+        """Resend the requests whose resend interval is over, oldest request
+        first: only the entries due come off the heap."""
         self.now = now
         self._wake = None
-        for request in list(self.requests.values()):
-            if request.requestId not in self._held and request.resendAt <= now:
-                self._send(request)
+        heap = self._deadlines
+        due = []
+        while heap and heap[0][0] <= now:
+            _, order, request = heapq.heappop(heap)
+            if request.entry == order:
+                due.append(request)
+        due.sort(key=lambda request: request.serial)
+        for request in due:
+            self._send(request)
         self._rearm()
         return self._drain()
 
@@ -207,17 +240,31 @@ class ReqMachine(Machine):
     def _send(self, request: _Request) -> None:
         if not self.channels:
             request.channel = None
+            request.entry = -1
             self._held[request.requestId] = request
             return
         channel = self.channels[self._turn % len(self.channels)]
         self._turn = (self._turn + 1) % len(self.channels)
         request.channel = channel
         request.resendAt = self.now + self.resend
+        request.entry = order = next(self._order)
+        heapq.heappush(self._deadlines, (request.resendAt, order, request))
         self._emit(SendOn(channel, request.body))
 
     def _rearm(self) -> None:
-        due = [r.resendAt for r in self.requests.values() if r.requestId not in self._held]
-        when = min(due) if due else None
+        """Ask for a wake-up at the earliest resend deadline, if it changed.
+        Stale entries at the head go first (when replies come in the order
+        the requests went, that is all of them); when stale ones outnumber
+        live ones by more than the slack, the heap is rebuilt without them,
+        so between events it holds at most twice the requests out plus the
+        slack."""
+        heap = self._deadlines
+        if len(heap) > 2 * (len(self.requests) - len(self._held)) + self._slack:
+            heap[:] = [e for e in heap if e[2].entry == e[1]]
+            heapq.heapify(heap)
+        while heap and heap[0][2].entry != heap[0][1]:
+            heapq.heappop(heap)
+        when = heap[0][0] if heap else None
         if when != self._wake:
             self._wake = when
             self._emit(WakeAt(when))
