@@ -290,9 +290,8 @@ class _Loop:
             self.turn(until)
 
 
-#: Most messages a pipe drops before a request (a DEALER holds at most its
-#: high-water mark, 1,000).
-_DISCARD_MOST = 1000
+#: Messages a DEALER of a blocking node queues each way (its HWMs).
+_HIGH_WATER_MARK = 1000
 
 
 class _ZmqPipe:
@@ -318,8 +317,8 @@ class _ZmqPipe:
         zmq = _zmq()
         sock = self.loop.context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, self.linger)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.SNDHWM, _HIGH_WATER_MARK)
+        sock.setsockopt(zmq.RCVHWM, _HIGH_WATER_MARK)
         if self.curve is not None:
             self.curve.apply(sock)
             sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
@@ -403,7 +402,7 @@ class _ZmqPipe:
         dropped = 0
         if sock is None:
             return 0
-        for _ in range(_DISCARD_MOST):
+        for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
             if not _get(sock, _EVENTS) & _ZMQ_POLLIN:
                 break
             frame = _recv(sock, _NOBLOCK, copy=False)

@@ -56,6 +56,7 @@ from mdp.errors import ProtocolError
 
 # error replies are a convention every pattern shares: re-exported from mdp.messages
 from mdp.messages import ERROR_MARKER as ERROR_MARKER
+from mdp.messages import STATUS_BAD_REQUEST as STATUS_BAD_REQUEST
 from mdp.messages import STATUS_FORBIDDEN as STATUS_FORBIDDEN
 from mdp.messages import STATUS_OVERLOADED as STATUS_OVERLOADED
 from mdp.messages import STATUS_TOO_LARGE as STATUS_TOO_LARGE

@@ -102,7 +102,6 @@ from mdp.majordomo.codec import (
     WorkerPartial,
     WorkerRequest,
 )
-from mdp.messages import STATUS_BAD_REQUEST
 from mdp.messages import text as label
 from mdp.policy import (
     Backoff,
@@ -432,10 +431,10 @@ class WorkerMachine(Machine):
                 self.throttle.warn(log, "stamp", "worker for {service} answers 400 to a request "
                                    "with a malformed stamp: {reason}", service=label(self.service),
                                    reason=e)
-                self._outbox.append(SendToBroker(codec.encode_worker_reply(
-                    client, codec.error_body(STATUS_BAD_REQUEST, f"malformed request stamp: {e}"),
-                    True, self.dialect)))
-                self.liveness.sent(self.now)
+                self.current = client
+                self._replyPart(_Job(client, self.generation, None, self.now), WorkerFinal,
+                                codec.error_body(codec.STATUS_BAD_REQUEST,
+                                                 f"malformed request stamp: {e}"), False)
                 return
         self.current = client
         self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))

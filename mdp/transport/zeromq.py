@@ -242,7 +242,10 @@ def _connection_classes() -> tuple[type, type]:
                     if not get(socket, EVENTS) & POLLIN:
                         break
                     if self._readMessage(socket) is None:
-                        break  # over the limits: _skip and oversized() go on with it
+                        # over the limits: doRead reads the rest off and reports it
+                        if not self.reading and self.read_scheduled is None:
+                            self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+                        break
                     dropped += 1
                 return dropped
 
@@ -788,12 +791,7 @@ class ZmqDealer:
 
     def discardReceived(self) -> int:
         connection = self.connection
-        if connection is None:
-            return 0
-        dropped = connection.discardQueued()
-        if connection.skipping is not None and connection.read_scheduled is None:
-            connection.read_scheduled = self.reactor.callLater(0, connection.doRead)
-        return dropped
+        return 0 if connection is None else connection.discardQueued()
 
     def oversized(self, peer: None, count: int, size: int) -> None:
         """A message over the limits came: drop it and the pipe that carried
