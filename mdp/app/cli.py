@@ -42,10 +42,18 @@
     ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
     status 1 with one line on stderr if the broker cannot bind (or a request
     fails).
+
+Every command exits with status 130 on Ctrl-C (once this module is
+imported) and 141 (128 + SIGPIPE) when
+its output's reader has gone (``mdp call ... | head -1``), with no
+traceback; with standard output closed, it sends nothing and exits with
+status 2.  Frames given as arguments are their bytes as the OS gave them.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 import sys
 from typing import Any, Optional, Sequence
@@ -75,6 +83,70 @@ def _show(frame: bytes) -> str:
     return text if text.isprintable() else repr(frame)
 
 
+def _printable(text: str) -> str:
+    """*text* with its control characters (terminal escape codes among them)
+    and other unprintable ones escaped, ``\\x1b`` for ESC: names and error
+    texts from peers are printed through it, so they cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def _error(line: str) -> None:
+    """One line on stderr, its unprintable characters escaped."""
+    print(_printable(line), file=sys.stderr)
+    sys.stderr.flush()
+
+
+#: ``mdp titanic result`` while the reply is not there yet
+EXIT_PENDING = 3
+#: Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
+#: the reader of standard output has gone (128 + SIGPIPE, as for a process the
+#: signal killed): ``mdp call ... | head -1``
+EXIT_BROKEN_PIPE = 141
+
+
+class _Output:
+    """Whether standard output's reader has gone (a broken pipe)."""
+
+    gone = False
+
+
+def _divert_output() -> None:
+    """Point standard output at /dev/null once its reader has gone, so that
+    nothing written later (the interpreter's last flush among it) fails
+    again; the exit status is then :data:`EXIT_BROKEN_PIPE`."""
+    _Output.gone = True
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _emit(*lines: str) -> bool:
+    """Write *lines* to standard output and flush it; False (and nothing
+    raised) when its reader has gone."""
+    if _Output.gone:
+        return False
+    try:
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _divert_output()
+        return False
+    return True
+
+
+def _check_seconds(value: Optional[float], option: str) -> None:
+    """Refuse a number of seconds that is not finite and positive (``nan``
+    passes a test like ``<= 0``; ``inf`` would never end); None is "not given"."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise usage.UsageError(f"--{option} must be a positive number of seconds, not {value}")
+
+
 class _ClientOptions(BrokerListOptions):
     """What every command that talks to a broker takes."""
 
@@ -86,8 +158,7 @@ class _ClientOptions(BrokerListOptions):
     def postOptions(self) -> None:
         BrokerListOptions.postOptions(self)
         checked_curve_client(self)
-        if self["timeout"] <= 0:
-            raise usage.UsageError("--timeout must be positive")
+        _check_seconds(self["timeout"], "timeout")
         if self["retries"] < 1:
             raise usage.UsageError("--retries must be at least 1")
 
@@ -105,7 +176,7 @@ class _RequestOptions(_ClientOptions):
         if not frames and not self["service"].startswith(b"mmi."):
             raise usage.UsageError("give at least one request frame (only mmi.* queries "
                                    "may have none)")
-        self["frames"] = [f.encode("utf-8") for f in frames]
+        self["frames"] = [os.fsencode(f) for f in frames]
 
 
 class _Commands(VersionedOptions):
@@ -149,8 +220,7 @@ class StatusOptions(_ClientOptions):
             self["watch"] = float(seconds)
         except ValueError:
             raise usage.UsageError(f"--watch: {seconds!r} is not a number of seconds") from None
-        if not self["watch"] > 0:
-            raise usage.UsageError("--watch must be positive")
+        _check_seconds(self["watch"], "watch")
 
     opt_w = opt_watch
 
@@ -205,7 +275,7 @@ class FreelanceCallOptions(VersionedOptions):
     def parseArgs(self, *frames: str) -> None:
         if not frames:
             raise usage.UsageError("give at least one request frame")
-        self["frames"] = [f.encode("utf-8") for f in frames]
+        self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
         from mdp.app.tap import FreelanceServerOptions
@@ -216,8 +286,7 @@ class FreelanceCallOptions(VersionedOptions):
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
         for name in ("timeout", "deadline"):
-            if self[name] is not None and not self[name] > 0:
-                raise usage.UsageError(f"--{name} must be positive")
+            _check_seconds(self[name], name)
         checked_curve_client(self)
 
 
@@ -258,8 +327,7 @@ class TitanicResultOptions(_ClientOptions):
 
     def postOptions(self) -> None:
         super().postOptions()
-        if not self["poll"] > 0:
-            raise usage.UsageError("--poll must be positive")
+        _check_seconds(self["poll"], "poll")
 
 
 class TitanicCloseOptions(_ClientOptions):
@@ -287,14 +355,14 @@ class SPRequestOptions(VersionedOptions):
     ]
 
     def parseArgs(self, payload: str) -> None:
-        self["payload"] = payload.encode("utf-8")
+        self["payload"] = os.fsencode(payload)
 
     def postOptions(self) -> None:
         from mdp.app.tap import _sp_endpoint
 
         _sp_endpoint(self["endpoint"], False, "endpoint")
-        if self["timeout"] <= 0 or self["resend"] <= 0:
-            raise usage.UsageError("--timeout and --resend must be positive")
+        _check_seconds(self["timeout"], "timeout")
+        _check_seconds(self["resend"], "resend")
 
 
 class ChatOptions(VersionedOptions):
@@ -393,10 +461,9 @@ def keygen(options: KeygenOptions) -> None:
     try:
         public, secret = write(options["name"], options["dir"])
     except ValueError as e:
-        print(f"mdp keygen: {e}", file=sys.stderr)
+        _error(f"mdp keygen: {e}")
         raise SystemExit(1) from None
-    print(f"public key: {public}")
-    print(f"secret key: {secret}")
+    _emit(f"public key: {public}", f"secret key: {secret}")
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
@@ -406,30 +473,33 @@ async def call(reactor: Any, options: CallOptions) -> None:
                     retries=options["retries"], dialect=options["dialect"], **curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
-        for frame in frames:
-            print(_show(frame))
+        if not _print_frames(frames) and request is not None:
+            request.cancel()  # nobody reads the rest
 
+    request: Optional[defer.Deferred[list[bytes]]] = None
     try:
-        reply = await client.request(options["service"], *options["frames"], onPartial=partial)
+        request = client.request(options["service"], *options["frames"], onPartial=partial)
+        reply = await request
+    except defer.CancelledError:
+        return
     except MDPError as e:
-        print(f"mdp call: {e}", file=sys.stderr)
+        _error(f"mdp call: {e}")
         raise SystemExit(1) from None
     finally:
         await client.close()
     _print_frames(reply)
 
 
-def _print_frames(frames: list[bytes]) -> None:
-    """The reply frames, one per line (text if printable, else repr)."""
-    for frame in frames:
-        print(_show(frame))
-    sys.stdout.flush()
+def _print_frames(frames: list[bytes]) -> bool:
+    """The reply frames, one per line (text if printable, else repr); False
+    when standard output's reader has gone."""
+    return _emit(*(_show(frame) for frame in frames))
 
 
 def _table(headings: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int]) -> list[str]:
     """Lines of a plain text table; the columns numbered in *right* are
     aligned right (numbers)."""
-    cells = [list(headings)] + [[str(cell) for cell in row] for row in rows]
+    cells = [list(headings)] + [[_printable(str(cell)) for cell in row] for row in rows]
     widths = [max(len(row[n]) for row in cells) for n in range(len(headings))]
     return ["  ".join(cell.rjust(widths[n]) if n in right else cell.ljust(widths[n])
                       for n, cell in enumerate(row)).rstrip() for row in cells]
@@ -448,11 +518,51 @@ def _listing(reply: list[bytes], what: str) -> tuple[Any, str]:
     return json.loads(reply[0]), note
 
 
+class UndescribedReply(ValueError):
+    """An ``mmi.services`` or ``mmi.workers`` reply that is not the JSON
+    ``mdp status`` reads (another MDP broker answers 501, say); the message
+    names the query and shows the start of the reply."""
+
+    def __init__(self, query: str, reply: list[bytes]) -> None:
+        self.query = query
+        super().__init__(f"{query} answered {_excerpt(reply)}")
+
+
+#: characters of a reply an error message shows at most
+EXCERPT = 200
+
+
+def _excerpt(frames: list[bytes]) -> str:
+    """*frames* as a bytes literal, cut after :data:`EXCERPT` characters
+    (saying how long they were): a reply may be megabytes of anything."""
+    text = repr(frames)
+    if len(text) <= EXCERPT:
+        return text
+    size = sum(len(frame) for frame in frames)
+    return f"{text[:EXCERPT]}... ({size} bytes in {len(frames)} frame{'s' * (len(frames) != 1)})"
+
+
+#: what reading a reply of the wrong shape raises (RecursionError: JSON
+#: nested too deep)
+_MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
+
+
 def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
     """The two tables of ``mdp status``, from the reply bodies of
-    ``mmi.services`` and ``mmi.workers``."""
+    ``mmi.services`` and ``mmi.workers``.  Raises :class:`UndescribedReply`,
+    naming the query, for a reply that is not what it reads."""
+    try:
+        lines = _services_lines(services)
+    except _MALFORMED:
+        raise UndescribedReply("mmi.services", services) from None
+    try:
+        return lines + [""] + _workers_lines(workers)
+    except _MALFORMED:
+        raise UndescribedReply("mmi.workers", workers) from None
+
+
+def _services_lines(services: list[bytes]) -> list[str]:
     table, servicesNote = _listing(services, "services")
-    listed, workersNote = _listing(workers, "workers")
     lines = []
     if table:
         rows = [(name, entry["workers"], entry["idle"], entry["workers"] - entry["idle"],
@@ -462,7 +572,12 @@ def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
         lines.append("no services")
     if servicesNote:
         lines.append(servicesNote.format(shown=len(table)))
-    lines.append("")
+    return lines
+
+
+def _workers_lines(workers: list[bytes]) -> list[str]:
+    listed, workersNote = _listing(workers, "workers")
+    lines = []
     if listed:
         # a broker with an access policy leaves the peer ids out
         rows = [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
@@ -490,29 +605,27 @@ async def status(reactor: Any, options: StatusOptions) -> None:
                 workers = await client.request("mmi.workers")
             except MDPError as e:
                 if isinstance(e, (RequestTimeout, BrokerUnreachable)):
-                    print(f"mdp status: {e}", file=sys.stderr)  # names the brokers
+                    _error(f"mdp status: {e}")  # names the brokers
                 else:
                     brokers = ", ".join(options["brokers"])
                     plural = "s" if len(options["brokers"]) > 1 else ""
-                    print(f"mdp status: broker{plural} {brokers}: {e}", file=sys.stderr)
-                sys.stderr.flush()
+                    _error(f"mdp status: broker{plural} {brokers}: {e}")
                 if watch is None:
                     raise SystemExit(1) from None
             else:
                 try:
                     tables = status_lines(services, workers)
-                except (ValueError, TypeError, KeyError, AttributeError):
-                    # not our broker's MMI (another MDP broker answers 501)
-                    print(f"mdp status: broker {client.endpoint} does not describe its services "
-                          f"(mmi.services answered {services!r})", file=sys.stderr)
+                except UndescribedReply as e:
+                    _error(f"mdp status: broker {client.endpoint} does not describe its "
+                           f"services ({e})")
                     raise SystemExit(1) from None
                 lines = [f"broker {client.endpoint}", ""] + tables
                 if clear:
-                    sys.stdout.write("\x1b[H\x1b[2J")
+                    lines[0] = "\x1b[H\x1b[2J" + lines[0]
                 elif watch is not None:
                     lines.append("")
-                sys.stdout.write("\n".join(lines) + "\n")
-                sys.stdout.flush()
+                if not _emit(*lines):
+                    return
             if watch is None:
                 return
             await task.deferLater(reactor, watch)
@@ -529,8 +642,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
     try:
         reply = await client.request(*options["frames"])
     except MDPError as e:
-        print(f"mdp freelance-call: {e} (servers: {', '.join(options['servers'])})",
-              file=sys.stderr)
+        _error(f"mdp freelance-call: {e} (servers: {', '.join(options['servers'])})")
         raise SystemExit(1) from None
     finally:
         await client.close()
@@ -544,19 +656,12 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
     try:
         reply = await client.request(options["payload"]).addTimeout(options["timeout"], reactor)
     except defer.TimeoutError:
-        print(f"mdp sp-request: no reply from {options['endpoint']} within "
-              f"{options['timeout']:g} s", file=sys.stderr)
+        _error(f"mdp sp-request: no reply from {options['endpoint']} within "
+               f"{options['timeout']:g} s")
         raise SystemExit(1) from None
     finally:
         await client.close()
-    print(_show(reply))
-    sys.stdout.flush()
-
-
-#: ``mdp titanic result`` while the reply is not there yet
-EXIT_PENDING = 3
-#: Ctrl-C (128 + SIGINT), as shells report it
-EXIT_INTERRUPTED = 130
+    _print_frames([reply])
 
 
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
@@ -568,7 +673,7 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
     status = 0
     try:
         if command == "submit":
-            print(await client.submit(sub["service"], *sub["frames"]))
+            _emit(await client.submit(sub["service"], *sub["frames"]))
         elif command == "result":
             if sub["wait"]:
                 reply = await client.result(sub["id"], pollInterval=sub["poll"])
@@ -577,16 +682,14 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
             if reply is None:
                 status = EXIT_PENDING
             else:
-                for frame in reply:
-                    print(_show(frame))
+                _print_frames(reply)
         else:
             await client.close(sub["id"])
     except MDPError as e:
-        print(f"mdp titanic {command}: {e}", file=sys.stderr)
+        _error(f"mdp titanic {command}: {e}")
         status = 1
     finally:
         await client.disconnect()
-    sys.stdout.flush()
     if status:
         raise SystemExit(status)
 
@@ -602,25 +705,28 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
         bound = await broker.listen(options["endpoint"])
     except MDPError as e:  # cannot bind (the port is taken, ...): one line, no traceback
         await broker.close()
-        print(f"mdp demo: {e}", file=sys.stderr)
+        _error(f"mdp demo: {e}")
         raise SystemExit(1) from None
-    print(f"broker listening on {bound.endpoint}")
     worker = Worker(bound.endpoint, "echo", echo, reactor)
-    worker.start()
-    print("echo worker started")
     client = Client(bound.endpoint, reactor)
     try:
+        if not _emit(f"broker listening on {bound.endpoint}"):
+            return
+        worker.start()
+        if not _emit("echo worker started"):
+            return
         for n in range(options["requests"]):
             reply = await client.request("echo", f"hello {n}")
-            print(f"echo replied: {' | '.join(_show(f) for f in reply)}")
+            if not _emit(f"echo replied: {' | '.join(_show(f) for f in reply)}"):
+                return
     except MDPError as e:
-        print(f"mdp demo: {e}", file=sys.stderr)
+        _error(f"mdp demo: {e}")
         raise SystemExit(1) from None
     finally:
         await client.close()
         await worker.stop()
         await broker.close()
-    print("demo done")
+    _emit("demo done")
 
 
 async def chat(reactor: Any, options: ChatOptions) -> None:
@@ -635,8 +741,8 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     done: defer.Deferred[None] = defer.Deferred()
 
     def say(line: str) -> None:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+        if not _emit(_printable(line)) and not done.called:
+            done.callback(None)  # nobody reads: leave
 
     def heard(event: Event) -> None:
         if event.kind == "ENTER":
@@ -675,7 +781,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     try:
         await node.start()
     except MDPError as e:
-        print(f"mdp chat: {e}", file=sys.stderr)
+        _error(f"mdp chat: {e}")
         raise SystemExit(1) from None
     say(f"* {options['name']} in {group} at {node.endpoint}; Ctrl-D leaves")
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
@@ -685,8 +791,39 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     await node.stop()
 
 
+def _interrupted(number: int, frame: Any) -> None:
+    """Ctrl-C before the command starts: exit at once, quietly."""
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of the ``mdp`` console script."""
+    """Entry point of the ``mdp`` console script.  Whatever the command is
+    doing, Ctrl-C exits with status 130 and a reader of its output that has
+    gone with 141, neither with a traceback."""
+    signal.signal(signal.SIGINT, _interrupted)  # until the command starts
+    _Output.gone = False
+    try:
+        try:
+            _main(argv)
+        finally:
+            if sys.stdout is not None and not _Output.gone:
+                sys.stdout.flush()  # where a broken pipe shows at the latest
+    except KeyboardInterrupt:  # before the handler above was in place
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:
+        _divert_output()
+    except SystemExit as e:
+        if e.code == EXIT_INTERRUPTED or not _Output.gone:
+            raise
+    if _Output.gone:
+        raise SystemExit(EXIT_BROKEN_PIPE)
+
+
+def _main(argv: Optional[Sequence[str]]) -> None:
+    """Read the options and run the command they name in the reactor."""
+    if sys.stdout is None:  # started with it closed (>&-): nowhere to print a reply
+        _error("mdp: standard output is closed; nothing was sent")
+        raise SystemExit(2)
     options = Options()
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
@@ -698,7 +835,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if inner:
                 words.append(inner)
         command = " ".join(words)
-        print(f"{command}: {e} (see {command} --help)", file=sys.stderr)
+        _error(f"{command}: {e} (see {command} --help)")
         raise SystemExit(2) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)
@@ -708,19 +845,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                "demo": demo}[options.subCommand]
     interrupted: list[int] = []
 
-    def early(number: int, frame: Any) -> None:
-        raise SystemExit(EXIT_INTERRUPTED)
-
-    signal.signal(signal.SIGINT, early)  # until the reactor runs
+    async def guarded(reactor: Any) -> None:
+        """The command; a broken pipe it meets is an exit status, not an error."""
+        try:
+            await command(reactor, options.subOptions)
+        except BrokenPipeError:  # written to outside _emit
+            _divert_output()
 
     def run(reactor: Any) -> defer.Deferred[None]:
         def onInterrupt(number: int, frame: Any) -> None:
             interrupted.append(number)
             reactor.callFromThread(reactor.stop)
 
-        # Ctrl-C: stop cleanly (leaving chats say so), then exit 130, no traceback
-        reactor.callWhenRunning(signal.signal, signal.SIGINT, onInterrupt)
-        return defer.ensureDeferred(command(reactor, options.subOptions))
+        # Ctrl-C: stop cleanly (leaving chats say so), then exit 130, no traceback;
+        # from now on, as the command's first steps run before the reactor does
+        signal.signal(signal.SIGINT, onInterrupt)
+        return defer.ensureDeferred(guarded(reactor))
 
     try:
         task.react(run)
