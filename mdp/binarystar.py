@@ -28,8 +28,27 @@ when ACTIVE).  A peer's state message also says how it is configured; both
 configured primary, or both backup, is a configuration error: the server that
 started later stops with a fatal error (:class:`Fatal`), the other logs it.
 
-The failover timeout is ``2 × heartbeat`` (1 s by default), counted from the
+The failover timeout is ``2 × heartbeat`` (2 s by default), counted from the
 last state message of the peer, or from the start.
+
+A stall
+-------
+A server that was itself stopped (SIGSTOP, a paused VM, a reactor blocked)
+for longer than the failover timeout cannot trust what it knew: its peer
+may have taken over on a client's vote meanwhile, and what waits on its
+sockets was sent while it did not listen.  It notices at its first event
+after the stall (its ticks come every heartbeat, so a longer gap between
+two is a stall), and then (:class:`Stalled`):
+
+* it opens a fresh state channel to the peer and ignores every state that
+  came on the old one;
+* it counts the failover timeout again from now, so no client vote makes
+  it active on stale silence;
+* if it was ACTIVE, it serves and publishes nothing until the peer is
+  heard on the fresh channel: ACTIVE there means the peer took over, and
+  this server goes PASSIVE (instead of the Guide's fatal dual actives);
+  any other state, or a failover timeout of silence, and it serves again
+  (:class:`Resumed`).
 
 :class:`BinaryStar` drives the machine: it exchanges states with the peer
 (its *state channel*, on endpoints of its own, see below) and answers, for
@@ -163,6 +182,23 @@ class Conflict:
 
 
 @action_class
+class Stalled:
+    """No tick for *seconds*: this server was stopped.  Open state channel
+    number *channel* to the peer (what came on the old one is stale)."""
+
+    seconds: float
+    channel: int
+    serving: bool  # whether it was active (it now waits to hear the peer)
+
+
+@action_class
+class Resumed:
+    """Active after a stall, and the peer did not take over: serve again."""
+
+    reason: str
+
+
+@action_class
 class PublishState:
     """Send our state (and role, uptime, run id and heartbeat) to the peer."""
 
@@ -173,7 +209,7 @@ class PublishState:
     heartbeat: float = DEFAULT_HEARTBEAT
 
 
-Action = Union[Changed, Fatal, Conflict, PublishState]
+Action = Union[Changed, Fatal, Conflict, PublishState, Stalled, Resumed]
 
 
 class BinaryStarMachine(Machine):
@@ -199,6 +235,11 @@ class BinaryStarMachine(Machine):
         #: since when a peer configured as we are keeps talking
         self.conflictSince: Optional[float] = None
         self.stopped: Optional[str] = None
+        #: the last tick, the state channel's number (one more per stall),
+        #: and whether an active server waits to hear its peer after a stall
+        self.lastTick: Optional[float] = None
+        self.channel = 0
+        self.resuming = False
 
     @property
     def failoverTimeout(self) -> float:
@@ -208,19 +249,25 @@ class BinaryStarMachine(Machine):
     @property
     def serving(self) -> bool:
         """Whether clients are served now."""
-        return self.state is State.ACTIVE and self.stopped is None
+        return self.state is State.ACTIVE and self.stopped is None and not self.resuming
+
+    @property
+    def publishing(self) -> bool:
+        """Whether this server tells its state (not after a stall while it
+        does not know whether its peer took over)."""
+        return self.stopped is None and not self.resuming
 
     # --- events ---------------------------------------------------------------------
 
     def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float,
                         now: float, *, peerInstance: str = "",
-                        peerHeartbeat: Optional[float] = None) -> list[Action]:
+                        peerHeartbeat: Optional[float] = None, channel: int = 0) -> list[Action]:
         """A state message from the peer: its state number, its configured
-        role, how long it has been running, and (when it says) its run's id
-        and its heartbeat."""
-        self.now = now
-        if self.stopped is not None:
-            return self._drain()
+        role, how long it has been running, (when it says) its run's id and
+        its heartbeat, and the number of the state channel it came on."""
+        self._wake(now)
+        if self.stopped is not None or channel < self.channel:
+            return self._drain()  # stopped, or sent before a stall: stale
         try:
             event = Event(peerState)
         except ValueError:
@@ -240,6 +287,14 @@ class BinaryStarMachine(Machine):
             self._sameRole(peerUptime, peerInstance)
             return self._drain()
         self.conflictSince = None
+        if self.resuming:
+            self.resuming = False
+            if event is Event.PEER_ACTIVE:
+                old, self.state = self.state, State.PASSIVE
+                self._emit(Changed(old, State.PASSIVE,
+                                   "the peer took over while this server was stalled"))
+                return self._drain()
+            self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
         self._apply(event)
         return self._drain()
 
@@ -266,18 +321,45 @@ class BinaryStarMachine(Machine):
 
     def handleClientRequest(self, now: float) -> tuple[bool, list[Action]]:
         """A client request: whether to serve it, and the actions."""
-        self.now = now
+        self._wake(now)
         if self.stopped is None:
+            self._resumeIfSilent()
             self._apply(Event.CLIENT_REQUEST)
         return self.serving, self._drain()
 
+    def handleSubscriber(self, now: float) -> tuple[bool, list[Action]]:
+        """A new subscriber asks for our state: whether to send it now."""
+        self._wake(now)
+        return self.publishing, self._drain()
+
     def handleTick(self, now: float) -> list[Action]:
-        """Time to publish our state."""
-        self.now = now
+        """Time to publish our state (every *heartbeat* seconds)."""
+        self._wake(now)
+        self.lastTick = now
         if self.stopped is None:
-            self._emit(PublishState(self.state, self.role, now - self.started, self.instance,
-                                    self.heartbeat))
+            self._resumeIfSilent()
+            if not self.resuming:
+                self._emit(PublishState(self.state, self.role, now - self.started,
+                                        self.instance, self.heartbeat))
         return self._drain()
+
+    def _wake(self, now: float) -> None:
+        """Every event: a gap since the last tick longer than the failover
+        timeout means this server was stopped meanwhile (see "A stall")."""
+        self.now = now
+        last = self.lastTick
+        if last is None or self.stopped is not None or now - last <= self.failoverTimeout:
+            return
+        self.lastTick = now
+        self.channel += 1
+        self.peerExpiry = now + self.failoverTimeout
+        self.resuming = self.resuming or self.state is State.ACTIVE
+        self._emit(Stalled(now - last, self.channel, self.resuming))
+
+    def _resumeIfSilent(self) -> None:
+        if self.resuming and self.now >= self.peerExpiry:
+            self.resuming = False
+            self._emit(Resumed("the peer stayed silent for the failover timeout"))
 
     # --- the table ------------------------------------------------------------------
 
@@ -375,17 +457,21 @@ class _Publisher:
 
 @implementer(IDealerReceiver)
 class _Subscriber:
-    """The pipe to the peer's endpoint: asks for its states, reads them."""
+    """The pipe to the peer's endpoint: asks for its states, reads them.
+    *channel* is the machine's state channel it serves (a new pipe after
+    each stall)."""
 
-    def __init__(self, star: BinaryStar) -> None:
+    def __init__(self, star: BinaryStar, channel: int = 0) -> None:
         self.star = star
+        self.channel = channel
         self.transport: Any = None
 
     def connectionMade(self) -> None:
-        self.star._subscribe()
+        if self.star._subscriber is self:
+            self.star._subscribe()
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        self.star._stateFrom(frames)
+        self.star._stateFrom(frames, self.channel)
 
     def connectionLost(self, reason: object) -> None:
         pass  # the transport reconnects; silence is what counts
@@ -534,11 +620,8 @@ class BinaryStar:
             log.info("Binary Star {role}: {state}, state published on {endpoint}, peer's read "
                      "from {remote}", role=self.role.value, state=self.state.name.lower(),
                      endpoint=router.endpoint, remote=self.remote)
-            retry = Backoff(initial=min(0.1, self.machine.heartbeat),
-                            maximum=self.machine.heartbeat).retryPolicy()
-            self._subscriber.transport = transport.connect(
-                self.remote, self._subscriber, self.reactor, retryPolicy=retry,
-                limits=self.limits)
+            self._subscriber = _Subscriber(self, self.machine.channel)
+            self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
 
         def failed(failure: Any) -> Any:
@@ -571,8 +654,8 @@ class BinaryStar:
         subscribers = self._publisher.subscribers
         for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
             del subscribers[peer]
-        self._subscribe()
         self._perform(self.machine.handleTick(now))
+        self._subscribe()
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport
@@ -598,13 +681,17 @@ class BinaryStar:
                                peer=peer.hex())
         now = self.reactor.seconds()
         subscribers[peer] = now + self.machine.failoverTimeout
-        if not known and self._running and self.machine.stopped is None:
+        if known or not self._running:
+            return
+        publishing, actions = self.machine.handleSubscriber(now)
+        self._perform(actions)
+        if publishing and self._running and self._publisher.transport is not None:
             self._publisher.transport.sendMessage(peer, encode_state(
                 self.state, self.role, now - self.machine.started, self.machine.instance,
                 self.machine.heartbeat))
 
-    def _stateFrom(self, frames: list[bytes]) -> None:
-        if not self._running:
+    def _stateFrom(self, frames: list[bytes], channel: int) -> None:
+        if not self._running or channel < self.machine.channel:
             return
         try:
             peer = decode_state(frames)
@@ -622,7 +709,7 @@ class BinaryStar:
         self.peerState, self.peerHeard = peer.state, now
         self._perform(self.machine.handlePeerState(
             peer.state, peer.role, peer.uptime, now, peerInstance=peer.instance,
-            peerHeartbeat=peer.heartbeat))
+            peerHeartbeat=peer.heartbeat, channel=channel))
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
@@ -642,6 +729,17 @@ class BinaryStar:
                     self._notify("active", action.reason)
                 elif action.new is State.PASSIVE:
                     self._notify("passive", action.reason)
+            elif kind is Stalled:
+                log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process "
+                         "was stopped or its reactor blocked); states received meanwhile are "
+                         "stale, the state channel to {remote} is opened again{serving}",
+                         role=self.role.value, seconds=action.seconds, remote=self.remote,
+                         serving=("; serving nothing until the peer is heard, in case it "
+                                  "took over" if action.serving else ""))
+                self._resubscribe(action.channel)
+            elif kind is Resumed:
+                log.info("Binary Star {role}: active again after the stall ({reason})",
+                         role=self.role.value, reason=action.reason)
             elif kind is Conflict:
                 self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
                                    role=self.role.value, reason=action.reason)
@@ -655,6 +753,24 @@ class BinaryStar:
                     self._ticker.stop()
                 self.reactor.callLater(0, self._stopAfterFatal)
                 self._notify("fatal", action.reason)
+
+    def _resubscribe(self, channel: int) -> None:
+        """Replace the pipe to the peer: what waits on the old one is stale."""
+        old = self._subscriber
+        self._subscriber = _Subscriber(self, channel)
+        if old.transport is not None:
+            defer.maybeDeferred(old.transport.close).addErrback(
+                lambda f: log.failure("Binary Star could not close its stale state pipe", f))
+            old.transport = None
+            self._connectSubscriber()
+            self._subscribe()
+
+    def _connectSubscriber(self) -> None:
+        retry = Backoff(initial=min(0.1, self.machine.heartbeat),
+                        maximum=self.machine.heartbeat).retryPolicy()
+        self._subscriber.transport = transport.connect(
+            self.remote, self._subscriber, self.reactor, retryPolicy=retry,
+            limits=self.limits)
 
     def _stopAfterFatal(self) -> None:
         self.stop().addErrback(lambda f: log.failure("Binary Star could not close its state "

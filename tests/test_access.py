@@ -193,3 +193,43 @@ def test_mmi_workers_leaves_out_peer_ids_under_a_policy() -> None:
     (reply,) = script.feed(Receive(b"A", request(b"mmi.workers", b"")))
     (entry,) = json.loads(reply.frames[3])
     assert entry["service"] == "echo" and "id" not in entry
+
+
+def test_mmi_services_under_a_policy_asks_once_per_service_and_sorts_only_what_is_shown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listing a peer may see is filtered first, then its first
+    MAX_ENTRIES names picked: no sort of every service, no view built of
+    services it will not see, one policy check per service."""
+    from mdp.majordomo import broker as brokerModule
+    from mdp.majordomo import mmi
+
+    script, broker = broker_script(AccessPolicy.fromDict({
+        "peer": [{"identity": ALICE, "call": ["a-*"]}], "default": {"call": ["*"]}}))
+    total = mmi.MAX_ENTRIES + 500
+    for n in range(total):  # as many services alice may not see, queued by another peer
+        script.feed(Receive(b"M", request(b"a-%05d" % n, b"x")),
+                    Receive(b"M", request(b"b-%05d" % n, b"x")))
+    assert len(broker.services) == 2 * total
+    asked: list[bytes] = []
+    mayCall = AccessPolicy.mayCall
+
+    def counted(self: AccessPolicy, identity: object, service: bytes) -> bool:
+        asked.append(service)
+        return mayCall(self, identity, service)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AccessPolicy, "mayCall", counted)
+    built: list[bytes] = []
+    view = brokerModule.ServiceSnapshot
+
+    def counting(name: bytes, *rest: object) -> object:
+        built.append(name)
+        return view(name, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(brokerModule, "ServiceSnapshot", counting)
+    (reply,) = script.feed(Receive(b"A", request(b"mmi.services", b"")))
+    listing, more = reply.frames[3:]
+    names = sorted(json.loads(listing))
+    assert names == [f"a-{n:05d}" for n in range(mmi.MAX_ENTRIES)]
+    assert json.loads(more) == {"truncated": True, "total": total}
+    assert len(built) == mmi.MAX_ENTRIES
+    assert sorted(asked) == sorted(broker.services)  # once each

@@ -557,3 +557,28 @@ async def test_workers_vote_after_a_quiet_failover(clocknet: LoopbackNet) -> Non
     client = Client(both, clocknet.reactor)  # 3 attempts of 2.5 s
     clocknet.addCleanup(client.close)
     assert await clocknet.wait(client.request("echo", b"later")) == [b"later"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pair_frozen_together_carries_on_as_it_was(clocknet: LoopbackNet,
+                                                           logged: list[str]) -> None:
+    """Both servers stopped for 5 s at once (a paused host): each notices its
+    stall, ignores what waited on its old state channel, and the pair goes on
+    as before: no takeover, no dual active, no fatal error."""
+    pair = Pair(clocknet)
+    primary, backup = pair.start(Role.PRIMARY), pair.start(Role.BACKUP)
+    await clocknet.until(lambda: backup.state is State.PASSIVE, timeout=5)
+    old = backup._subscriber
+    clocknet.reactor.advance(5.0)  # one jump: every tick was missed
+    assert primary.machine.channel == backup.machine.channel == 1
+    assert backup._subscriber is not old and old.transport is None
+    # the passive one takes no vote on stale silence
+    assert backup.admitClient() is False
+    await clocknet.until(lambda: primary.serving, timeout=5)
+    clocknet.advance(10)
+    assert primary.state is State.ACTIVE and backup.state is State.PASSIVE
+    assert pair.kinds("primary") == ["active"] and pair.kinds("backup") == ["passive"]
+    assert backup.admitClient() is False and primary.admitClient() is True
+    assert sum("heard nothing for 5.000 s" in line for line in logged) == 2
+    assert any("primary: active again after the stall (the peer is passive)" in line
+               for line in logged)

@@ -251,3 +251,48 @@ async def test_two_primaries_the_later_one_exits_with_a_fatal_error() -> None:
         assert first.running
     finally:
         await pair.stop()
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("kind", ["zmq", "tcp"])
+async def test_an_active_broker_stopped_a_while_goes_passive_when_its_peer_took_over(
+        kind: str, capsys: Any) -> None:
+    """SIGSTOP the active primary until the backup has taken over on a
+    client's vote, then SIGCONT it: it notices its stall, hears the active
+    backup on a fresh state channel and goes passive (not the Guide's fatal
+    dual actives); its workers move to the backup; every request completes."""
+    pair = Pair(kind)
+    stream: Optional[Stream] = None
+    try:
+        await settle(pair, "primary")
+        pair.startWorker()
+        primary, backup = pair.brokers["primary"], pair.brokers["backup"]
+        await wait_until(lambda: primary.output.count(b"ready for echo") >= 1, 60, 0.05)
+        stream = Stream([pair.client("primary", "backup") for _ in range(2)])
+        await wait_until(lambda: len(stream.completed) >= 10, 30, 0.05)
+
+        primary.signalProcess(signal.SIGSTOP)
+        try:
+            await bounded(backup.waitFor("backup: passive -> active", 30), 30)
+        finally:
+            primary.signalProcess(signal.SIGCONT)
+        resumed = reactor().seconds()
+        await bounded(primary.waitFor(
+            "primary: active -> passive \\(the peer took over while this server was stalled\\)",
+            30), 30)
+        assert b"heard nothing for" in primary.output
+        took = await stream.resumedAfter(resumed, 20)
+        with capsys.disabled():
+            print(f"\n{kind}: requests resumed {took:.2f} s after the stalled primary came back")
+        await wait_until(lambda: b"sent DISCONNECT to 1 idle workers" in primary.output, 30, 0.05)
+        await wait_until(lambda: backup.output.count(b"ready for echo") >= 1, 30, 0.05)
+        assert (await pair.status("primary"))["state"] == "passive"
+        assert (await pair.status("backup"))["state"] == "active"
+        await stream.stop()
+        assert not stream.failed, stream.failed[:5]
+        assert primary.running and backup.running
+        assert b"fatal" not in primary.output + backup.output
+    finally:
+        if stream is not None and stream.running:
+            stream.running = False
+        await pair.stop()

@@ -15,7 +15,9 @@ from mdp.binarystar import (
     Event,
     Fatal,
     PublishState,
+    Resumed,
     Role,
+    Stalled,
     State,
 )
 
@@ -179,3 +181,97 @@ def test_a_peer_that_does_not_stop_for_a_conflict_stops_this_one() -> None:
     actions = machine.handlePeerState(int(State.BACKUP), Role.BACKUP, 4.5, 33.5,
                                       peerInstance="b" * 16)
     assert [type(a) for a in actions] == [Fatal] and "did not stop" in machine.stopped
+
+
+# --- a stall: this server was stopped for longer than the failover timeout ---------------
+
+
+def ticking(state: State, role: Role = Role.PRIMARY) -> BinaryStarMachine:
+    """A machine in *state*, ticked every second up to 10 s, the peer heard at 10 s."""
+    machine = BinaryStarMachine(role, now=0.0)
+    machine.state = state
+    for t in range(11):
+        machine.handleTick(float(t))
+    machine.handlePeerState(int(State.PASSIVE if state is State.ACTIVE else State.ACTIVE),
+                            Role.BACKUP if role is Role.PRIMARY else Role.PRIMARY, 10.0, 10.0)
+    return machine
+
+
+def test_an_active_server_stalled_goes_passive_when_the_peer_took_over() -> None:
+    machine = ticking(State.ACTIVE)
+    # resumed at 13.5: what waited on the old channel (the peer still passive,
+    # then active) is stale, and takes no effect
+    actions = machine.handlePeerState(int(State.PASSIVE), Role.BACKUP, 11.0, 13.5)
+    assert actions == [Stalled(3.5, 1, True)]
+    assert machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 12.5, 13.5) == []
+    assert machine.state is State.ACTIVE and not machine.serving and not machine.publishing
+    assert machine.handleClientRequest(13.5) == (False, [])
+    assert machine.handleTick(13.6) == []  # nothing published: not ACTIVE, not PASSIVE
+    assert machine.handleSubscriber(13.6) == (False, [])
+    # the fresh channel says the peer is active: passive, not a fatal dual active
+    actions = machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 13.6, 13.7, channel=1)
+    assert actions == [Changed(State.ACTIVE, State.PASSIVE,
+                               "the peer took over while this server was stalled")]
+    assert machine.stopped is None and not machine.serving
+    assert machine.handleTick(14.6) == [PublishState(State.PASSIVE, Role.PRIMARY, 14.6)]
+    # from then on, the table as usual: a dual active would still be fatal
+    assert machine.handleClientRequest(15.0) == (False, [])
+
+
+def test_an_active_server_stalled_serves_again_when_the_peer_is_passive() -> None:
+    machine = ticking(State.ACTIVE)
+    assert machine.handleTick(14.0) == [Stalled(4.0, 1, True)]
+    actions = machine.handlePeerState(int(State.PASSIVE), Role.BACKUP, 14.0, 14.1, channel=1)
+    assert actions == [Resumed("the peer is passive")]
+    assert machine.state is State.ACTIVE and machine.serving
+    assert machine.handleClientRequest(14.2) == (True, [])
+    assert machine.handleTick(15.0) == [PublishState(State.ACTIVE, Role.PRIMARY, 15.0)]
+
+
+def test_an_active_server_stalled_serves_again_after_a_failover_timeout_of_silence() -> None:
+    machine = ticking(State.ACTIVE)
+    served, actions = machine.handleClientRequest(20.0)
+    assert (served, actions) == (False, [Stalled(10.0, 1, True)])
+    assert machine.handleTick(21.0) == []
+    assert machine.handleClientRequest(21.9) == (False, [])
+    served, actions = machine.handleClientRequest(22.0)
+    assert served and actions == [Resumed("the peer stayed silent for the failover timeout")]
+
+
+def test_a_passive_server_stalled_takes_no_vote_on_stale_silence() -> None:
+    machine = ticking(State.PASSIVE)
+    # a client request waited on its socket through the stall: not a vote yet,
+    # though the peer has not been heard for 10 s
+    served, actions = machine.handleClientRequest(20.0)
+    assert (served, actions) == (False, [Stalled(10.0, 1, False)])
+    assert machine.publishing  # a passive server tells its state as before
+    assert machine.handleTick(20.0) == [PublishState(State.PASSIVE, Role.PRIMARY, 20.0)]
+    assert machine.handleClientRequest(21.9)[0] is False
+    # the peer heard on the fresh channel: still passive
+    machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 20.0, 21.0, channel=1)
+    machine.handleTick(21.0)
+    machine.handleTick(22.0)
+    assert machine.handleClientRequest(22.5)[0] is False
+    # the peer really silent for the failover timeout: the vote counts
+    assert machine.handleClientRequest(23.0)[0] is True and machine.state is State.ACTIVE
+
+
+def test_gaps_within_the_failover_timeout_are_no_stall() -> None:
+    machine = ticking(State.ACTIVE)
+    assert machine.handleTick(12.0) == [PublishState(State.ACTIVE, Role.PRIMARY, 12.0)]
+    assert machine.handleClientRequest(14.0) == (True, [])
+    assert machine.channel == 0
+    # a machine never ticked knows no stall (its driver does not tick it)
+    quiet = machine_in(State.ACTIVE)
+    assert quiet.handleClientRequest(1000.0) == (True, [])
+
+
+def test_each_stall_opens_a_new_channel() -> None:
+    machine = ticking(State.ACTIVE)
+    assert machine.handleTick(14.0) == [Stalled(4.0, 1, True)]
+    assert machine.handleTick(18.0) == [Stalled(4.0, 2, True)]
+    # channel 1 is stale now too
+    assert machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 17.0, 18.0, channel=1) == []
+    assert machine.state is State.ACTIVE and not machine.serving
+    actions = machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 18.0, 18.1, channel=2)
+    assert [type(a) for a in actions] == [Changed]

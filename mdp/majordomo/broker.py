@@ -122,7 +122,7 @@ import heapq
 import itertools
 from collections import OrderedDict, deque
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import attrs
 from twisted.internet import defer, task
@@ -855,18 +855,26 @@ class BrokerMachine(Machine):
         return self._ledger.bytes
 
     def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
-                 service: Optional[bytes] = None) -> BrokerSnapshot:
+                 service: Optional[bytes] = None, *,
+                 visible: Optional[Callable[[bytes], bool]] = None) -> BrokerSnapshot:
         """A read-only view of the broker now: its services (by name; only the
         first *serviceLimit* if given) and registered workers (in the order
         they registered; only *service*'s if given, and only the first
-        *workerLimit*), with the totals.  Costs a pass over the workers and,
-        with a *serviceLimit*, a partial sort of the service names."""
+        *workerLimit*), with the totals; with *visible*, only the services
+        (and their workers) it allows, and totals of those (but with
+        *serviceLimit* 0 the total of all services, not asked).  Costs a
+        pass over the workers and, with a *serviceLimit*, a partial sort of
+        the service names."""
         now = self.now
         services = self.services
-        if serviceLimit is None:
-            names = sorted(services)
+        if visible is None or serviceLimit == 0:
+            shown: Any = services  # (no services wanted: their total unfiltered)
         else:
-            names = heapq.nsmallest(serviceLimit, services)
+            shown = [name for name in services if visible(name)]
+        if serviceLimit is None:
+            names = sorted(shown)
+        else:
+            names = heapq.nsmallest(serviceLimit, shown)
         serviceViews = []
         for name in names:
             queue = services[name]
@@ -874,13 +882,14 @@ class BrokerMachine(Machine):
             serviceViews.append(ServiceSnapshot(name, idle, queue.workers - idle, queue.size,
                                                 queue.bytes))
         chosen = [w for w in self.workers.values()
-                  if service is None or w.service.name == service]
+                  if (service is None or w.service.name == service)
+                  and (visible is None or visible(w.service.name))]
         workers = chosen if workerLimit is None else chosen[:workerLimit]
         workerViews = tuple(
             WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect, w.state is BUSY,
                            w.liveness.silence(now))
             for w in workers)
-        return BrokerSnapshot(now, tuple(serviceViews), workerViews, len(services), len(chosen),
+        return BrokerSnapshot(now, tuple(serviceViews), workerViews, len(shown), len(chosen),
                               self._ledger.count, self._ledger.bytes)
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
@@ -1215,13 +1224,29 @@ class BrokerMachine(Machine):
         if admission is not None:
             # a broker that has just become active learns its workers
             # (_unknownDeadline): notice when, even before a client asks
-            if not admission.status(now).get("serving", True):
+            status = admission.status(now)
+            if not status.get("serving", True):
                 self._activeSince = None
+                if status.get("state") == "passive" and self.workers:
+                    self._releaseIdleWorkers()
             elif self._activeSince is None:
                 self._activeSince = now
         abandoned = self._abandoned
         while abandoned and abandoned[0][0] + self.serviceLinger <= now:
             self._forgetIfEmpty(abandoned.popleft()[1])
+
+    def _releaseIdleWorkers(self) -> None:
+        """This broker went passive (its Binary Star peer took over while it
+        was stalled): DISCONNECT its idle workers so they register at the
+        active one; a busy one goes when it has replied."""
+        idle = [worker for worker in self.workers.values() if worker.current is None]
+        for worker in idle:
+            self._removeWorker(worker)
+            self._sendDisconnect(worker.key, worker.dialect)
+        if idle:
+            self.throttle.info(log, "released", "this broker is passive: sent DISCONNECT to "
+                               "{count} idle workers, so they go to the active one",
+                               count=len(idle))
 
     def _expire(self, deadline: float) -> None:
         """Answer 503 to every request queued at or before *deadline*."""
@@ -1328,9 +1353,10 @@ class Broker(BrokerMachine):
         self._wakeCall = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._wake)
 
     def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
-                 service: Optional[bytes] = None) -> BrokerSnapshot:
+                 service: Optional[bytes] = None, *,
+                 visible: Optional[Callable[[bytes], bool]] = None) -> BrokerSnapshot:
         self.now = self.reactor.seconds()
-        return super().snapshot(serviceLimit, workerLimit, service)
+        return super().snapshot(serviceLimit, workerLimit, service, visible=visible)
 
     def isServiceAvailable(self, name: bytes) -> bool:
         self.now = self.reactor.seconds()

@@ -83,13 +83,8 @@ def answer(broker: Broker, service: bytes, body: Sequence[bytes],
             return [NOT_FOUND]
         return [FOUND if broker.isServiceAvailable(name) else NOT_FOUND]
     if service == b"mmi.services":
-        if visible is None:
-            snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0)
-            services, total = snapshot.services, snapshot.serviceCount
-        else:
-            every = broker.snapshot(workerLimit=0).services
-            allowed = [each for each in every if visible(each.name)]
-            services, total = allowed[:MAX_ENTRIES], len(allowed)
+        snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0, visible=visible)
+        services, total = snapshot.services, snapshot.serviceCount
         table = {
             each.name.decode("ascii"): {
                 "workers": each.workers,
@@ -101,13 +96,11 @@ def answer(broker: Broker, service: bytes, body: Sequence[bytes],
         return _listing(table, total)
     if service == b"mmi.workers":
         wanted = bytes(body[0]) if body and body[0] else None
-        if visible is not None:
-            every = broker.snapshot(serviceLimit=0, service=wanted).workers
-            allowed = [w for w in every if visible(w.service)]
-            # without their peer ids: under ZeroMQ a freed id can be claimed
-            return _listing([_worker(w, False) for w in allowed[:MAX_ENTRIES]], len(allowed))
-        snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted)
-        return _listing([_worker(w) for w in snapshot.workers], snapshot.workerCount)
+        snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted,
+                                   visible=visible)
+        # under a policy, without their peer ids: under ZeroMQ a freed id can be claimed
+        return _listing([_worker(w, visible is None) for w in snapshot.workers],
+                        snapshot.workerCount)
     if service == BINARYSTAR:
         status = broker.admissionStatus()
         if status is not None:
