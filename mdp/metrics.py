@@ -5,7 +5,9 @@ A node given a metrics object (``Broker(metrics=BrokerMetrics())``,
 metrics=FreelanceMetrics())``) counts its events in it as they happen; what
 is a state rather than an event (queue depths, workers idle and busy, peers)
 is read from the node when the registry is scraped.  :func:`serve_metrics`
-serves a registry as ``/metrics`` on any Twisted server endpoint string.
+serves a registry as ``/metrics`` on any Twisted server endpoint string,
+within bounds a client cannot push it past (connections, time, request
+bodies, unread responses).
 
 Service names become label values.  Clients choose them (a request for any
 name creates a queue), so at most ``maxServices`` distinct names are kept per
@@ -15,6 +17,7 @@ are in ``docs/metrics.md``.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -23,11 +26,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from twisted.internet import defer
 from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
+from twisted.web.http import HTTPChannel, Request
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from mdp.messages import text as label
+from mdp.policy import LogThrottle, default_reactor, positive_seconds
 
 log = Logger()
 
@@ -340,9 +346,8 @@ class FreelanceMetrics:
 class MetricsResource(Resource):
     """``/metrics``: *registry* in Prometheus' text format.  Collected in the
     reactor thread, where the nodes' state lives (prometheus_client's own
-    Twisted resource collects in a thread pool)."""
-
-    isLeaf = True
+    Twisted resource collects in a thread pool).  It has no children: a path
+    below it (``/metrics/x``) is a 404, not another copy of the text."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__()
@@ -353,10 +358,169 @@ class MetricsResource(Resource):
         return generate_latest(self.registry)
 
 
-class _QuietSite(Site):
-    """A Site that logs no line per request (a scraper asks every few seconds)."""
+#: Connections the metrics endpoint keeps open at once; more are closed at once.
+MAX_CONNECTIONS = 64
+#: Seconds a connection has for a whole request, from connecting or from its
+#: previous response being taken, and for a response to be taken.
+REQUEST_TIMEOUT = 10.0
+#: The largest request body (bytes) the metrics endpoint reads; a scrape is a
+#: GET and has none.
+MAX_BODY_BYTES = 64 * 1024
+
+_TOO_LARGE = (b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n"
+              b"Connection: close\r\n\r\n")
+
+
+def _peer(address: Any) -> str:
+    """*address* as ``host:port`` (or as Twisted prints it)."""
+    host, port = getattr(address, "host", None), getattr(address, "port", None)
+    return f"{host}:{port}" if host is not None and port is not None else str(address)
+
+
+class _Refused(Protocol):
+    """A connection over the metrics endpoint's ``maxConnections``: closed at
+    once (a TLS wrapper would keep the socket of a ``None`` protocol open)."""
+
+    def connectionMade(self) -> None:
+        self.transport.abortConnection()
+
+
+class _MetricsChannel(HTTPChannel):
+    """twisted.web's HTTP/1.1 channel, kept within the endpoint's bounds.
+
+    - Output: the transport pauses the channel when it holds more than its
+      buffer size (64 KiB) of unsent responses.  HTTPChannel then stops
+      reading only between requests, but a scrape is answered while it is
+      being handled, so a client that pipelines requests and reads nothing
+      had every one answered into that buffer.  Here a finished request whose
+      output is over that bound is *parked*: nothing more is read or handled
+      until the transport has sent it all (and calls :meth:`resumeProducing`).
+    - Input: a body over ``maxBodyBytes``, or chunked, is answered 413 from
+      its headers, and the connection is closed without reading it.
+    - Time: input does not put the deadline off (:meth:`resetTimeout` does
+      nothing), so a whole request must arrive within ``requestTimeout`` of
+      the connection or of the previous response, or the connection is
+      aborted; a parked response must be taken within it too.  An idle
+      connection is closed at the deadline (a scraper opens another).
+    """
+
+    site: _MetricsSite
+    #: the finished request whose response the transport has not yet sent
+    _parked: Optional[Request] = None
+    #: the transport asked us to pause: it holds more than its buffer size
+    _outputFull = False
+    #: the request's body was refused (413): what still comes is dropped
+    _refused = False
+    #: closed when idle at the deadline: aborted if that does not end it in time
+    _closing = False
+
+    def connectionMade(self) -> None:
+        self.site.channels.add(self)
+        super().connectionMade()
+
+    def connectionLost(self, reason: Any) -> None:
+        self.site.channels.discard(self)
+        if self._parked is not None:  # answered: nothing to tell it
+            self.requests.remove(self._parked)
+            self._parked = None
+        super().connectionLost(reason)
+
+    def resetTimeout(self) -> None:
+        """Input does not put the deadline off: a byte every few seconds
+        would otherwise hold the connection open for ever."""
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._refused:
+            super().dataReceived(data)
+
+    def rawDataReceived(self, data: bytes) -> None:
+        if not self._refused:
+            super().rawDataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        if self.length is None or self.length > self.site.maxBodyBytes:  # None: chunked
+            self._refused = True
+            self.clearLineBuffer()
+            self.site.throttle.info(
+                log, "too-large", "metrics endpoint answered 413 to {peer}: a request body of "
+                "{length} bytes (maxBodyBytes {limit})", peer=_peer(self.transport.getPeer()),
+                length="unknown (chunked)" if self.length is None else self.length,
+                limit=self.site.maxBodyBytes)
+            self.transport.write(_TOO_LARGE)
+            self.loseConnection()
+            return
+        super().allHeadersReceived()
+
+    def requestDone(self, request: Request) -> None:
+        if self._outputFull and self.persistent:
+            self._parked = request  # handled on resumeProducing
+            self._networkProducer.pauseProducing()
+            self.setTimeout(self.site.requestTimeout)
+            return
+        super().requestDone(request)
+        if not self.persistent:  # closing once the last response is sent: in time
+            self.setTimeout(self.site.requestTimeout)
+
+    def pauseProducing(self) -> None:
+        self._outputFull = True
+        super().pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._outputFull = False
+        super().resumeProducing()
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            # reads again, and handles the requests that came meanwhile
+            super().requestDone(parked)
+
+    def timeoutConnection(self) -> None:
+        if self._parked is not None or self._outputFull:
+            why = "its responses were not taken"
+        elif self.requests or self._buffer:  # a request begun
+            why = "no whole request came"
+        elif not self._closing:  # idle between requests (a scraper keeping it open): close
+            self._closing = True
+            self.loseConnection()
+            self.setTimeout(self.site.requestTimeout)  # ... and abort it if that does not end it
+            return
+        else:
+            why = "it did not close"
+        self.site.throttle.info(log, "timeout", "metrics endpoint closed the connection from "
+                                "{peer}: {why} within {timeout:g}s (requestTimeout)",
+                                peer=_peer(self.transport.getPeer()), why=why,
+                                timeout=self.site.requestTimeout)
+        self.transport.abortConnection()
+
+
+class _MetricsSite(Site):
+    """A Site that logs no line per request (a scraper asks every few
+    seconds) and keeps its connections within bounds (see
+    :class:`_MetricsChannel`)."""
 
     noisy = False
+    protocol = _MetricsChannel  # type: ignore[assignment]  # HTTP/1.1 only
+
+    def __init__(self, resource: Resource, reactor: Any, *, maxConnections: int,
+                 requestTimeout: float, maxBodyBytes: int) -> None:
+        super().__init__(resource, timeout=requestTimeout, reactor=reactor)
+        self.maxConnections = maxConnections
+        self.requestTimeout = requestTimeout
+        self.maxBodyBytes = maxBodyBytes
+        self.displayTracebacks = False
+        self.throttle = LogThrottle(reactor)
+        #: the connections open
+        self.channels: set[_MetricsChannel] = set()
+        #: connections refused at maxConnections
+        self.refused = 0
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if len(self.channels) >= self.maxConnections:
+            self.refused += 1
+            self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
+                               "{peer}: {limit} open (maxConnections)", peer=_peer(addr),
+                               limit=self.maxConnections)
+            return _Refused()
+        return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:
         pass
@@ -365,29 +529,56 @@ class _QuietSite(Site):
         return "Metrics"  # "Metrics starting on 9464"
 
 
-def metrics_site(registry: CollectorRegistry) -> Site:
+def _count(name: str, value: Any, least: int) -> int:
+    """*value* as a count of at least *least*, or TypeError / ValueError naming *name*."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} is a whole number, not {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value!r}")
+    return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    """*value* as a finite, positive number of seconds (a deadline must come)."""
+    seconds = positive_seconds(name, value)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    return seconds
+
+
+def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
+                 maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
+                 maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
     """A quiet :class:`~twisted.web.server.Site` serving *registry* at
-    ``/metrics`` (and ``/``)."""
+    ``/metrics`` (any other path is a 404), within bounds a client cannot
+    push it past: at most *maxConnections* open (more are closed at once), a
+    whole request within *requestTimeout* seconds of connecting or of the
+    previous response (trickled bytes do not put it off), no body over
+    *maxBodyBytes* (413, and closed unread), and no request handled while the
+    previous responses are unsent beyond the transport's buffer.  *reactor*
+    keeps the time (a :class:`~twisted.internet.task.Clock` in tests)."""
     root = Resource()
-    resource = MetricsResource(registry)
-    root.putChild(b"metrics", resource)
-    root.putChild(b"", resource)
-    site = _QuietSite(root)
-    site.displayTracebacks = False
-    return site
+    root.putChild(b"metrics", MetricsResource(registry))
+    return _MetricsSite(root, default_reactor(reactor),
+                        maxConnections=_count("maxConnections", maxConnections, 1),
+                        requestTimeout=_seconds("requestTimeout", requestTimeout),
+                        maxBodyBytes=_count("maxBodyBytes", maxBodyBytes, 0))
 
 
 def serve_metrics(endpoint: str, registry: CollectorRegistry,
-                  reactor: Optional[Any] = None) -> defer.Deferred[IListeningPort]:
+                  reactor: Optional[Any] = None, *, maxConnections: int = MAX_CONNECTIONS,
+                  requestTimeout: float = REQUEST_TIMEOUT,
+                  maxBodyBytes: int = MAX_BODY_BYTES) -> defer.Deferred[IListeningPort]:
     """Serve *registry* at ``/metrics`` on the Twisted server *endpoint*
-    (``tcp:9464:interface=127.0.0.1``, ``unix:/run/mdp-metrics.sock``...);
-    fires with the listening port (``stopListening()`` ends it)."""
+    (``tcp:9464:interface=127.0.0.1``, ``unix:/run/mdp-metrics.sock``...),
+    within the bounds of :func:`metrics_site`; fires with the listening port
+    (``stopListening()`` ends it)."""
     from twisted.internet.endpoints import serverFromString
 
-    from mdp.policy import default_reactor
-
     reactor = default_reactor(reactor)
-    listening = serverFromString(reactor, endpoint).listen(metrics_site(registry))
+    site = metrics_site(registry, reactor, maxConnections=maxConnections,
+                        requestTimeout=requestTimeout, maxBodyBytes=maxBodyBytes)
+    listening = serverFromString(reactor, endpoint).listen(site)
 
     def listened(port: IListeningPort) -> IListeningPort:
         address = port.getHost()

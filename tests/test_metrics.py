@@ -10,13 +10,15 @@ from typing import Any, Optional
 import pytest
 import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet import defer
+from twisted.internet.protocol import Protocol
 
 from mdp import Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import ServiceOverloaded, ServiceUnavailable, WorkerError
 from mdp.majordomo import codec
 from mdp.metrics import BrokerMetrics, FreelanceMetrics, WorkerMetrics, serve_metrics
 from tests.conftest import RawPeer
-from tests.procs import ENV, Process, reactor, script, wait_until
+from tests.procs import ENV, Process, bounded, reactor, script, wait_until
 from tests.test_fuzz import FuzzPeer
 
 pytestmark = pytest.mark.timeout(120)
@@ -220,8 +222,6 @@ async def test_metrics_are_scraped_over_http_from_a_broker_a_worker_and_a_freela
         assert freelance_["mdp_freelance_requests_total"][()] == 1
         assert freelance_["mdp_freelance_pings_total"][()] >= 1
         assert freelance_["mdp_freelance_pending"][()] == 0
-        # the root path serves the same text
-        assert "mdp_broker_requests_total" in str(await scrape(urls[0].rsplit("/", 1)[0] + "/"))
     finally:
         waiting.addErrback(lambda _: None)
         await raw.close()
@@ -329,3 +329,316 @@ async def test_a_worker_with_no_broker_is_not_counted_connected() -> None:
     finally:
         await worker.stop()
     assert value(metrics, "mdp_worker_connected", service="echo", broker=endpoint) is None
+
+
+# --- the endpoint's bounds (a client cannot push it past them) ---------------------------
+
+
+class HTTPPeer(Protocol):
+    """A raw HTTP/1.1 client over TCP: writes what it is given and keeps what
+    it hears; with *reading* False it reads nothing until :meth:`read`.
+    ``closed`` fires when the connection ends."""
+
+    def __init__(self, reading: bool = True) -> None:
+        self.reading = reading
+        self.received = bytearray()
+        self.closed: defer.Deferred[None] = defer.Deferred()
+        self._waiting: list[tuple[Any, defer.Deferred[None]]] = []
+
+    def connectionMade(self) -> None:
+        if not self.reading:
+            self.transport.pauseProducing()
+
+    def read(self) -> None:
+        self.transport.resumeProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+        for waiting in list(self._waiting):
+            if waiting[0](self):
+                self._waiting.remove(waiting)
+                waiting[1].callback(None)
+
+    def until(self, predicate: Any) -> defer.Deferred[None]:
+        """Fires once *predicate(self)* holds after something arrives."""
+        d: defer.Deferred[None] = defer.Deferred()
+        if predicate(self):
+            d.callback(None)
+        else:
+            self._waiting.append((predicate, d))
+        return d
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.closed.callback(None)
+
+
+def responses(data: bytes) -> list[int]:
+    """The status codes of the complete responses at the start of *data*."""
+    codes, at = [], 0
+    while True:
+        end = data.find(b"\r\n\r\n", at)
+        if end < 0:
+            return codes
+        head = bytes(data[at:end]).split(b"\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in head[1:]
+                       if line.lower().startswith(b"content-length:")), 0)
+        if len(data) < end + 4 + length:
+            return codes
+        codes.append(int(head[0].split(b" ")[1]))
+        at = end + 4 + length
+
+
+GET = b"GET /metrics HTTP/1.1\r\nHost: metrics\r\n\r\n"
+
+
+async def connect(port: Any, peer: HTTPPeer) -> HTTPPeer:
+    from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+    return await connectProtocol(TCP4ClientEndpoint(reactor(), "127.0.0.1", port.getHost().port), peer)
+
+
+def bytesRead(site: Any) -> list[int]:
+    """Counts, per connection in order, the bytes *site*'s channels read."""
+    counts: list[int] = []
+    build = site.buildProtocol
+
+    def buildProtocol(addr: Any) -> Any:
+        channel = build(addr)
+        index = len(counts)
+        counts.append(0)
+        dataReceived = channel.dataReceived
+
+        def counting(data: bytes) -> None:
+            counts[index] += len(data)
+            dataReceived(data)
+
+        channel.dataReceived = counting
+        return channel
+
+    site.buildProtocol = buildProtocol
+    return counts
+
+
+@pytest_twisted.ensureDeferred
+async def test_only_the_metrics_path_is_served() -> None:
+    from twisted.web.client import Agent, readBody
+
+    from mdp.metrics import metrics_site
+
+    metrics = BrokerMetrics()
+    metrics.request(b"echo")
+    port = reactor().listenTCP(0, metrics_site(metrics.registry), interface="127.0.0.1")
+    base = f"http://127.0.0.1:{port.getHost().port}"
+    try:
+        assert "mdp_broker_requests_total" in await scrape(base + "/metrics")
+        assert "mdp_broker_requests_total" in await scrape(base + "/metrics?x=1")
+        for path in ("/", "/metrics/", "/metrics/x", "/metrics/x/y", "/other"):
+            response = await Agent(reactor()).request(b"GET", (base + path).encode())
+            body = await readBody(response)
+            assert (path, response.code) == (path, 404)
+            assert b"mdp_broker" not in body
+    finally:
+        await port.stopListening()
+
+
+def test_the_endpoint_bounds_are_checked() -> None:
+    from mdp.metrics import metrics_site
+
+    registry = BrokerMetrics().registry
+    for bad in (dict(maxConnections=0), dict(maxBodyBytes=-1), dict(requestTimeout=0),
+                dict(requestTimeout=float("inf")), dict(requestTimeout=float("nan"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            metrics_site(registry, **bad)
+    with pytest.raises(TypeError, match="maxConnections"):
+        metrics_site(registry, maxConnections=1.5)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_large_request_body_is_refused_unread() -> None:
+    """Content-Length over maxBodyBytes, or chunked: 413 and closed, from the
+    headers alone; the body is not read (nor spooled to disk)."""
+    from mdp.metrics import metrics_site
+
+    site = metrics_site(BrokerMetrics().registry)
+    read = bytesRead(site)
+    port = reactor().listenTCP(0, site, interface="127.0.0.1")
+    try:
+        body = b"x" * (4 << 20)
+        peer = await connect(port, HTTPPeer())
+        peer.transport.write(b"POST /metrics HTTP/1.1\r\nHost: metrics\r\n"
+                             b"Content-Length: 100000000000\r\n\r\n" + body)
+        await bounded(peer.closed, 30)
+        assert peer.received.startswith(b"HTTP/1.1 413 ")
+        assert read[0] < len(body) // 8  # far less than was sent
+        assert not site.channels
+
+        peer = await connect(port, HTTPPeer())
+        peer.transport.write(b"POST /metrics HTTP/1.1\r\nHost: metrics\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n10\r\n" + b"x" * 16 + b"\r\n")
+        await bounded(peer.closed, 30)
+        assert peer.received.startswith(b"HTTP/1.1 413 ")
+
+        # a small body is read (and the method still not allowed)
+        peer = await connect(port, HTTPPeer())
+        peer.transport.write(b"POST /metrics HTTP/1.1\r\nHost: metrics\r\nConnection: close\r\n"
+                             b"Content-Length: 5\r\n\r\nhello")
+        await bounded(peer.closed, 30)
+        assert responses(peer.received) == [405]
+    finally:
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_connections_beyond_max_connections_are_closed_at_once() -> None:
+    from mdp.metrics import metrics_site
+
+    site = metrics_site(BrokerMetrics().registry, maxConnections=2)
+    port = reactor().listenTCP(0, site, interface="127.0.0.1")
+    peers: list[HTTPPeer] = []
+    try:
+        for _ in range(2):
+            peer = await connect(port, HTTPPeer())
+            peers.append(peer)
+            peer.transport.write(GET)
+            await bounded(peer.until(lambda p: responses(p.received) == [200]), 30)
+        extra = await connect(port, HTTPPeer())
+        await bounded(extra.closed, 30)
+        assert extra.received == b""
+        assert site.refused == 1
+        # the two still answer, and one leaving makes room
+        peers[0].transport.write(GET)
+        await bounded(peers[0].until(lambda p: responses(p.received) == [200, 200]), 30)
+        peers[1].transport.loseConnection()
+        await bounded(peers[1].closed, 30)
+        await wait_until(lambda: len(site.channels) == 1, 30)
+        peer = await connect(port, HTTPPeer())
+        peers.append(peer)
+        peer.transport.write(GET)
+        await bounded(peer.until(lambda p: responses(p.received) == [200]), 30)
+    finally:
+        for peer in peers:
+            peer.transport.loseConnection()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_must_arrive_whole_within_the_deadline() -> None:
+    """A byte every few seconds does not put the deadline off: the connection
+    is closed requestTimeout after it opened, or after the previous response."""
+    from twisted.internet.task import Clock
+
+    from mdp.metrics import metrics_site
+
+    clock = Clock()
+    site = metrics_site(BrokerMetrics().registry, clock, requestTimeout=10.0)
+    read = bytesRead(site)
+    port = reactor().listenTCP(0, site, interface="127.0.0.1")
+    try:
+        peer = await connect(port, HTTPPeer())
+        await wait_until(lambda: site.channels, 30)
+        for sent, byte in enumerate(b"GET /metr", 1):
+            peer.transport.write(bytes([byte]))
+            await wait_until(lambda: read[0] == sent, 30)  # noqa: B023
+            clock.advance(1.0)
+        assert not peer.closed.called
+        clock.advance(0.5)  # 9.5 s
+        peer.transport.write(b"i")
+        await wait_until(lambda: read[0] == 10, 30)
+        assert not peer.closed.called
+        clock.advance(0.5)  # 10 s after connecting
+        await bounded(peer.closed, 30)
+        assert peer.received == b""
+        assert not site.channels
+
+        # after a response, the next request has requestTimeout again
+        peer = await connect(port, HTTPPeer())
+        await wait_until(lambda: site.channels, 30)
+        clock.advance(9.0)
+        peer.transport.write(GET)
+        await bounded(peer.until(lambda p: responses(p.received) == [200]), 30)
+        clock.advance(9.0)
+        assert not peer.closed.called
+        clock.advance(1.0)
+        await bounded(peer.closed, 30)
+    finally:
+        await port.stopListening()
+
+
+class Padding:
+    """A collector of about *size* bytes of text, counting its scrapes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.scrapes = 0
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        self.scrapes += 1
+        family = GaugeMetricFamily("padding", "Bytes to send.", labels=["n", "pad"])
+        for n in range(self.size // 1000):
+            family.add_metric([str(n), "p" * 980], n)
+        yield family
+
+
+@pytest_twisted.ensureDeferred
+async def test_pipelined_requests_wait_while_responses_are_not_read() -> None:
+    """A client that pipelines requests and reads nothing gets no more
+    answered than its transport's buffer holds: the endpoint stops reading
+    and handling until the responses are taken, then answers the rest; if
+    they are not taken within requestTimeout, the connection is aborted."""
+    from prometheus_client import CollectorRegistry
+    from twisted.internet.task import Clock
+
+    from mdp.metrics import metrics_site
+
+    registry = CollectorRegistry()
+    padding = Padding(50_000)
+    registry.register(padding)
+    clock = Clock()
+    site = metrics_site(registry, clock, requestTimeout=10.0)
+    port = reactor().listenTCP(0, site, interface="127.0.0.1")
+    count = 200
+
+    async def pipelining() -> tuple[HTTPPeer, Any]:
+        """A peer that sent *count* GETs and reads nothing, once the endpoint
+        stopped reading from it; and the endpoint's side of it."""
+        import socket
+
+        peer = await connect(port, HTTPPeer(reading=False))
+        await wait_until(lambda: site.channels, 30)
+        (channel,) = site.channels
+        server = channel.transport
+        # a small kernel buffer: what the kernel takes is not the test's subject
+        server.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+        peer.transport.write(GET * count)
+        await wait_until(lambda: server not in reactor().getReaders(), 30)
+        return peer, server
+
+    try:
+        peer, server = await pipelining()
+        assert padding.scrapes < count // 4
+        response = padding.size + 1000
+        buffered = len(server.dataBuffer) - server.offset + server._tempDataLen
+        assert 0 < buffered <= server.bufferSize + response
+        # taken at last: every request is answered, in order
+        peer.read()
+        await bounded(peer.until(lambda p: len(responses(p.received)) == count), 60)
+        assert responses(peer.received) == [200] * count
+        assert padding.scrapes == count
+        peer.transport.loseConnection()
+        await bounded(peer.closed, 30)
+        await wait_until(lambda: not site.channels, 30)
+
+        # never taken: aborted at the deadline
+        peer, server = await pipelining()
+        clock.advance(10.0)
+        await wait_until(lambda: not site.channels, 30)
+        peer.read()  # a peer that does not read cannot see it closed
+        await bounded(peer.closed, 30)
+        assert padding.scrapes < count + count // 4
+    finally:
+        await port.stopListening()
