@@ -10,9 +10,16 @@ with a :class:`HeartbeatPolicy` and a :class:`Liveness`."""
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Any, Optional, Sequence
 
 import attrs
+
+
+def _finite(value: Any) -> bool:
+    """*value* is a finite number: not ``nan`` or ``±inf`` (an int, however
+    large, is)."""
+    return isinstance(value, int) or math.isfinite(value)
 
 
 @attrs.frozen
@@ -26,13 +33,22 @@ class HeartbeatPolicy:
 
     @interval.validator
     def _check_interval(self, attribute: object, value: float) -> None:
-        if value <= 0:
-            raise ValueError(f"heartbeat interval must be positive, got {value}")
+        if not (_finite(value) and value > 0):
+            raise ValueError(f"heartbeat interval must be a finite positive number, got {value}")
 
     @liveness.validator
     def _check_liveness(self, attribute: object, value: int) -> None:
-        if value < 1:
+        if not (_finite(value) and value >= 1):
             raise ValueError(f"heartbeat liveness must be at least 1, got {value}")
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            expiry = self.interval * self.liveness
+        except OverflowError:
+            expiry = math.inf
+        if not math.isfinite(expiry):
+            raise ValueError(f"heartbeat interval * liveness must be finite, got "
+                             f"{self.interval} * {self.liveness}")
 
     @property
     def expiry(self) -> float:
@@ -196,8 +212,10 @@ def held_bytes(frames: Sequence[bytes]) -> int:
 
 
 def _at_least(minimum: float) -> object:
+    """An attrs validator: a finite number, at least *minimum* (``nan`` and
+    ``inf`` are refused)."""
     def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
-        if value < minimum:
+        if not (_finite(value) and value >= minimum):
             raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
 
     return check

@@ -423,3 +423,30 @@ async def test_mdp_call_fails_over_along_repeated_broker_options() -> None:
     finally:
         await worker.stop()
         await broker.close()
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("args, says", [
+    (["mdp-freelance-server", "--endpoint", "tcp:{port}:interface=127.0.0.1"],
+     b"Freelance server cannot listen"),
+    (["sp-rep", "--endpoint", "tcp://127.0.0.1:{port}"], b"SP REP server cannot listen"),
+    (["sp-device", "--front", "tcp://127.0.0.1:{port}", "--back", "tcp://127.0.0.1:1"],
+     b"SP device cannot listen"),
+])
+async def test_other_servers_that_cannot_bind_exit_1_with_the_reason(args: list[str],
+                                                                     says: bytes) -> None:
+    """Not a process that runs on serving nothing: the reason, once, and exit 1."""
+    from twisted.internet import protocol
+
+    taken = reactor().listenTCP(0, protocol.Factory(), interface="127.0.0.1")
+    port = taken.getHost().port
+    try:
+        proc = Process(reactor(), [script("twist"), "--log-format", "text",
+                                   *[a.format(port=port) for a in args]], env=ENV)
+        await proc.ended(60)
+    finally:
+        await taken.stopListening()
+    assert proc.exitCode == 1, proc.output
+    assert proc.output.count(says) == 1, proc.output
+    assert b"Address already in use" in proc.output
+    assert b"Unhandled error" not in proc.output

@@ -209,15 +209,37 @@ class MetricsService(Service):
         return defer.maybeDeferred(port.stopListening)
 
 
+def _cannotListen(service: Service, what: str, endpoint: str, reactor: Any,
+                  exitOnFailure: bool, failure: Failure) -> Optional[Failure]:
+    """*service*'s server could not bind *endpoint*: log why; with
+    *exitOnFailure* (the ``twist`` plugins), stop and exit 1 rather than run
+    serving nothing."""
+    if isinstance(failure.value, defer.FirstError):
+        failure = failure.value.subFailure
+    if not service.running:
+        return None  # stopped while binding
+    log.error("{what} cannot listen on {endpoint}: {error}", what=what, endpoint=endpoint,
+              error=failure.getErrorMessage())
+    if not exitOnFailure:
+        return failure
+    _stop_and_exit(reactor, 1)
+    return None
+
+
 class _ServerService(Service):
-    """A server object (``listen(endpoint)``, ``close()``) on one endpoint."""
+    """A server object (``listen(endpoint)``, ``close()``) on one endpoint.
+    With *exitOnFailure*, a failed bind logs why and exits 1."""
 
     endpoint: str
     server: Any
+    what = "server"
+    exitOnFailure = False
 
     def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
         super().startService()
-        return self.server.listen(self.endpoint)
+        return self.server.listen(self.endpoint).addErrback(
+            lambda f: _cannotListen(self, self.what, self.endpoint, self.server.reactor,
+                                    self.exitOnFailure, f))
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
@@ -227,25 +249,31 @@ class _ServerService(Service):
 class FreelanceServerService(_ServerService):
     """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
 
-    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None,
-                 **serverOptions: Any) -> None:
+    what = "Freelance server"
+
+    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None, *,
+                 exitOnFailure: bool = False, **serverOptions: Any) -> None:
         from mdp.freelance import FreelanceServer
 
         transport.check(endpoint, transport.LISTEN)
         self.endpoint = endpoint
+        self.exitOnFailure = exitOnFailure
         self.server = FreelanceServer(handler, reactor, **serverOptions)
 
 
 class SPServerService(_ServerService):
     """Runs an :class:`~mdp.sp.peers.SPServer` (SP REP) on *endpoint*."""
 
-    def __init__(self, endpoint: str, handler: Any, reactor: Optional[Any] = None,
-                 **serverOptions: Any) -> None:
+    what = "SP REP server"
+
+    def __init__(self, endpoint: str, handler: Any, reactor: Optional[Any] = None, *,
+                 exitOnFailure: bool = False, **serverOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
         from mdp.sp.peers import SPServer
 
         transport.check(endpoint_of(endpoint, listen=True), transport.LISTEN)
         self.endpoint = endpoint
+        self.exitOnFailure = exitOnFailure
         self.server = SPServer(handler, reactor, **serverOptions)
 
 
@@ -253,12 +281,14 @@ class SPDeviceService(Service):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*."""
 
     def __init__(self, front: str, back: Union[str, Sequence[str]],
-                 reactor: Optional[Any] = None, **deviceOptions: Any) -> None:
+                 reactor: Optional[Any] = None, *, exitOnFailure: bool = False,
+                 **deviceOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
         from mdp.sp.peers import SPDevice
 
         transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         self.front = front
+        self.exitOnFailure = exitOnFailure
         self.back = back
         self.reactor = reactor
         self.deviceOptions = deviceOptions
@@ -267,8 +297,10 @@ class SPDeviceService(Service):
 
     def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
         super().startService()
-        self.device = self._make(self.back, self.reactor, **self.deviceOptions)
-        return self.device.listen(self.front)
+        device = self.device = self._make(self.back, self.reactor, **self.deviceOptions)
+        return device.listen(self.front).addErrback(
+            lambda f: _cannotListen(self, "SP device", self.front, device.reactor,
+                                    self.exitOnFailure, f))
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()

@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from twisted.application.service import IServiceMaker
 from twisted.plugin import IPlugin
@@ -19,6 +20,7 @@ from mdp.majordomo import broker
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_PENDING_BYTES,
+    FRAME_OVERHEAD,
     Backoff,
     HeartbeatPolicy,
     Limits,
@@ -33,26 +35,84 @@ _UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2,
           "g": 1024 ** 3, "gib": 1024 ** 3}
 
 
+#: the most bytes a byte size may say: what a signed 64-bit size holds (libzmq
+#: and the OS take such sizes; more would overflow them)
+MAX_BYTE_SIZE = (1 << 63) - 1
+#: the longest payload of a stream record (its length is a uint32, and
+#: 0xFFFFFFFF marks a greeting): --max-message-bytes plus 4 bytes of length
+#: prefix per --max-frames frame must fit it
+MAX_RECORD_PAYLOAD = 0xFFFFFFFE
+#: the shortest heartbeat-like interval (--heartbeat, --bstar-heartbeat,
+#: --backoff-max) an option takes: below it a node spends its time beating
+MIN_INTERVAL = 0.01
+
+
 def byte_size(value: str) -> int:
     """A number of bytes, optionally with a binary unit: ``65536``, ``64k``,
-    ``16MiB``, ``1G``."""
+    ``16MiB``, ``1G``; at most :data:`MAX_BYTE_SIZE`."""
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"not a byte size: {value!r} (try 65536, 64KiB, 16MiB or 1GiB)")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+    size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size > MAX_BYTE_SIZE:
+        raise ValueError(f"byte size too large: {value.strip()} (at most {MAX_BYTE_SIZE} bytes)")
+    return size
 
 
 byte_size.coerceDoc = "Bytes; K/KiB, M/MiB and G/GiB suffixes allowed."  # type: ignore[attr-defined]
 
 
-def _positive(value: str) -> float:
-    number = float(value)
-    if number <= 0:
-        raise ValueError(f"must be positive, got {value}")
-    return number
+def _bytes(option: str, least: int) -> Callable[[str], int]:
+    """The coercer of the byte size option *option*: at least *least*."""
+    def coerce(value: str) -> int:
+        try:
+            size = byte_size(value)
+        except ValueError as e:
+            raise ValueError(f"--{option}: {e}") from None
+        if size < least:
+            raise ValueError(f"--{option} must be at least {least} byte{'s' * (least != 1)}, "
+                             f"got {value.strip()}")
+        return size
+
+    coerce.coerceDoc = (  # type: ignore[attr-defined]
+        f"Bytes, at least {least}; K/KiB, M/MiB and G/GiB suffixes allowed.")
+    return coerce
 
 
-_positive.coerceDoc = "A positive number of seconds."  # type: ignore[attr-defined]
+def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], float]:
+    """The coercer of the seconds option *option*: a finite number, positive
+    (or at least *least*); ``nan`` and ``inf`` are refused."""
+    def coerce(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"--{option}: not a number of seconds: {value!r}") from None
+        if least is None and not (math.isfinite(number) and number > 0):
+            raise ValueError(f"--{option} must be a positive number of seconds, got {value}")
+        if least is not None and not (math.isfinite(number) and number >= least):
+            raise ValueError(f"--{option} must be a number of seconds of at least {least:g}, "
+                             f"got {value}")
+        return number
+
+    coerce.coerceDoc = (  # type: ignore[attr-defined]
+        "A positive number of seconds." if least is None
+        else f"Seconds, at least {least:g}.")
+    return coerce
+
+
+def _whole(option: str, least: int) -> Callable[[str], int]:
+    """The coercer of the whole number option *option*: at least *least*."""
+    def coerce(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"--{option}: not a whole number: {value!r}") from None
+        if number < least:
+            raise ValueError(f"--{option} must be at least {least}, got {number}")
+        return number
+
+    coerce.coerceDoc = f"A whole number, at least {least}."  # type: ignore[attr-defined]
+    return coerce
 
 
 def _dialect(value: str) -> str:
@@ -97,15 +157,20 @@ class VersionedOptions(usage.Options):
 
 class _HeartbeatOptions(VersionedOptions):
     optParameters: list[Any] = [
-        ["heartbeat", None, 2.5, "Heartbeat interval in seconds.", _positive],
-        ["liveness", None, 3, "Missed heartbeats before a peer is dead.", int],
+        ["heartbeat", None, 2.5, "Heartbeat interval in seconds.",
+         _seconds("heartbeat", MIN_INTERVAL)],
+        ["liveness", None, 3, "Missed heartbeats before a peer is dead.", _whole("liveness", 1)],
     ]
 
     def heartbeatPolicy(self) -> HeartbeatPolicy:
+        """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and
+        --liveness; a usage error if they make none (postOptions asks, so
+        that it comes out while the options are read)."""
         try:
             return HeartbeatPolicy(self["heartbeat"], self["liveness"])
         except ValueError as e:
-            raise usage.UsageError(str(e)) from e
+            raise usage.UsageError(f"--heartbeat {self['heartbeat']} --liveness "
+                                   f"{self['liveness']}: {e}") from None
 
 
 _DEFAULT_LIMITS = Limits()
@@ -113,19 +178,25 @@ _DEFAULT_LIMITS = Limits()
 #: --max-message-bytes and --max-frames, for every role
 _MESSAGE_OPTIONS: list[Any] = [
     ["max-message-bytes", None, _DEFAULT_LIMITS.maxMessageBytes,
-     "Largest message sent or received, in bytes of frames (the same on every node).", byte_size],
-    ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.", int],
+     "Largest message sent or received, in bytes of frames (the same on every node); with "
+     "4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
+     _bytes("max-message-bytes", 64)],
+    ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.",
+     _whole("max-frames", 8)],
 ]
 #: what a listening node allows each peer
 _PEER_OPTIONS: list[Any] = [
     ["max-output-bytes", None, _DEFAULT_LIMITS.maxOutputBytes,
-     "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.", byte_size],
+     "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.",
+     _bytes("max-output-bytes", 64)],
     ["max-connections", None, _DEFAULT_LIMITS.maxConnections,
-     "Most open connections per stream endpoint (tcp, tls, unix).", int],
+     "Most open connections per stream endpoint (tcp, tls, unix).", _whole("max-connections", 1)],
     ["handshake-timeout", None, _DEFAULT_LIMITS.handshakeTimeout,
-     "Seconds a new stream connection has to send its first message.", _positive],
+     "Seconds a new stream connection has to send its first message.",
+     _seconds("handshake-timeout", 0.001)],
     ["record-timeout", None, _DEFAULT_LIMITS.recordTimeout,
-     "Seconds a stream peer has to complete a message it started.", _positive],
+     "Seconds a stream peer has to complete a message it started.",
+     _seconds("record-timeout", 0.001)],
 ]
 
 
@@ -160,16 +231,33 @@ class BrokerListOptions(VersionedOptions):
         self["brokers"] = checked_endpoints(given, transport.CONNECT, "broker")
 
 
+_LIMIT_OPTIONS = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
+                  "max-output-bytes": "maxOutputBytes", "max-connections": "maxConnections",
+                  "handshake-timeout": "handshakeTimeout", "record-timeout": "recordTimeout"}
+
+
 def limits_of(options: usage.Options) -> Limits:
-    """The :class:`~mdp.policy.Limits` the parsed *options* ask for."""
-    names = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
-             "max-output-bytes": "maxOutputBytes", "max-connections": "maxConnections",
-             "handshake-timeout": "handshakeTimeout", "record-timeout": "recordTimeout"}
+    """The :class:`~mdp.policy.Limits` the parsed *options* ask for; a usage
+    error if they make none, or a message too large for a stream record
+    (postOptions asks, so that it comes out while the options are read)."""
+    given = {field: options[option] for option, field in _LIMIT_OPTIONS.items()
+             if option in options}
     try:
-        return Limits(**{field: options[option] for option, field in names.items()
-                         if option in options})
+        limits = Limits(**given)
     except ValueError as e:
-        raise usage.UsageError(str(e)) from e
+        raise usage.UsageError(str(e)) from None
+    prefixes = 4 * limits.maxFrames  # a frame's length takes 4 bytes of the record
+    if prefixes >= MAX_RECORD_PAYLOAD:
+        raise usage.UsageError(
+            f"--max-frames {limits.maxFrames} is too large: with 4 bytes of length each, "
+            f"the frames must fit a stream record of at most {MAX_RECORD_PAYLOAD} bytes")
+    if limits.maxMessageBytes + prefixes > MAX_RECORD_PAYLOAD:
+        raise usage.UsageError(
+            f"--max-message-bytes {limits.maxMessageBytes} is too large with --max-frames "
+            f"{limits.maxFrames}: a stream record holds at most {MAX_RECORD_PAYLOAD} bytes, "
+            f"4 a frame for its length, so --max-message-bytes is at most "
+            f"{MAX_RECORD_PAYLOAD - prefixes}")
+    return limits
 
 
 def loaded_handler(options: usage.Options, command: str, load: Any) -> Any:
@@ -321,25 +409,31 @@ class BrokerOptions(_HeartbeatOptions):
          "Endpoint for clients (and workers, unless --backend is given)."],
         ["backend", "b", None, "Separate endpoint for workers."],
         ["request-expiry", None, broker.DEFAULT_REQUEST_EXPIRY,
-         "Seconds a request waits for a worker of its service to be free.", _positive],
+         "Seconds a request waits for a worker of its service to be free.",
+         _seconds("request-expiry")],
         ["unknown-service-expiry", None, broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
          "Seconds the requests for a service no worker has registered wait (from its first "
-         "request), then 503.", _positive],
+         "request), then 503.", _seconds("unknown-service-expiry")],
         ["service-linger", None, broker.DEFAULT_SERVICE_LINGER,
          "Seconds a service stays known (mmi.service 200) after its last worker left.",
-         _positive],
-        ["max-queue", None, broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", int],
+         _seconds("service-linger")],
+        ["max-queue", None, broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.",
+         _whole("max-queue", 1)],
         ["max-service-queue", None, broker.DEFAULT_MAX_SERVICE_QUEUE,
-         "Most requests queued for one service.", int],
+         "Most requests queued for one service.", _whole("max-service-queue", 1)],
         ["max-queue-bytes", None, broker.DEFAULT_MAX_QUEUE_BYTES,
-         "Most bytes of request bodies queued in all.", byte_size],
+         f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
+         _bytes("max-queue-bytes", FRAME_OVERHEAD)],
         ["max-service-queue-bytes", None, broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
-         "Most bytes of request bodies queued for one service.", byte_size],
-        ["max-workers", None, broker.DEFAULT_MAX_WORKERS, "Most registered workers.", int],
+         f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
+         _bytes("max-service-queue-bytes", FRAME_OVERHEAD)],
+        ["max-workers", None, broker.DEFAULT_MAX_WORKERS, "Most registered workers.",
+         _whole("max-workers", 1)],
         ["max-service-workers", None, broker.DEFAULT_MAX_SERVICE_WORKERS,
-         "Most registered workers for one service.", int],
+         "Most registered workers for one service.", _whole("max-service-workers", 1)],
         ["max-deliveries", None, broker.DEFAULT_MAX_DELIVERIES,
-         "Times a request is given to a worker that is then lost, before it fails.", int],
+         "Times a request is given to a worker that is then lost, before it fails.",
+         _whole("max-deliveries", 1)],
         ["bstar", None, None,
          "Run as one of a Binary Star pair: primary or backup (needs --bstar-local and "
          "--bstar-remote)."],
@@ -347,12 +441,14 @@ class BrokerOptions(_HeartbeatOptions):
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
         ["bstar-heartbeat", None, DEFAULT_BSTAR_HEARTBEAT,
          "Binary Star: seconds between state messages; the peer is gone after twice this.",
-         _positive],
+         _seconds("bstar-heartbeat", MIN_INTERVAL)],
         ["access", None, None, "Access policy file (TOML): which peers may call and serve "
          "which services (docs/security.md)."],
     ] + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
 
     def postOptions(self) -> None:
+        self.heartbeatPolicy()
+        limits_of(self)
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_endpoints(self["backend"], transport.LISTEN, "backend")
         checked_metrics(self)
@@ -380,16 +476,19 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = _HeartbeatOptions.optParameters + [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-        ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.", _positive],
+        ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.",
+         _seconds("backoff-max", MIN_INTERVAL)],
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
         ["reply-store", None, 0,
          "Remember the replies to this many stamped requests and answer their retries "
-         "from memory (0: off).", int],
+         "from memory (0: off).", _whole("reply-store", 0)],
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
         if not self["service"]:
             raise usage.UsageError("--service is required")
+        self.heartbeatPolicy()
+        limits_of(self)
         BrokerListOptions.postOptions(self)
         checked_metrics(self)
         checked_curve_client(self)
@@ -472,9 +571,11 @@ def _pending_options(beyond: str) -> list[Any]:
     handlers; *beyond* says what becomes of a request over them."""
     return [
         ["max-pending", None, DEFAULT_MAX_PENDING,
-         f"Most requests being handled at once; beyond, requests are {beyond}.", int],
+         f"Most requests being handled at once; beyond, requests are {beyond}.",
+         _whole("max-pending", 1)],
         ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
-         f"Most bytes of requests being handled at once; beyond, {beyond}.", byte_size],
+         f"Most bytes of requests being handled at once; beyond, {beyond}.",
+         _bytes("max-pending-bytes", 1)],
     ]
 
 
@@ -500,6 +601,7 @@ class FreelanceServerOptions(VersionedOptions):
          + _MESSAGE_OPTIONS + _PEER_OPTIONS)
 
     def postOptions(self) -> None:
+        limits_of(self)
         checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         checked_metrics(self)
         checked_curve_server(self)
@@ -523,7 +625,7 @@ class FreelanceServerServiceMaker:
         handler = loaded_handler(options, "twist mdp-freelance-server", load_handler)
         metrics = metrics_of(options, "FreelanceMetrics")
         return with_metrics(FreelanceServerService(
-            options["endpoint"], handler, limits=limits_of(options),
+            options["endpoint"], handler, exitOnFailure=True, limits=limits_of(options),
             maxPending=options["max-pending"], maxPendingBytes=options["max-pending-bytes"],
             metrics=metrics, curveSecret=options["curve-secret"],
             curveAllow=options["curve-allow"]), options, metrics)
@@ -562,6 +664,7 @@ class SPRepOptions(VersionedOptions):
     ] + _pending_options("dropped (the requester resends)") + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
+        limits_of(self)
         _sp_endpoint(self["endpoint"], True, "endpoint")
         checked_pending(self)
         loaded_handler(self, "twist sp-rep", sp_handler)
@@ -585,6 +688,7 @@ class SPDeviceOptions(VersionedOptions):
         self["back"].append(endpoint)
 
     def postOptions(self) -> None:
+        limits_of(self)
         _sp_endpoint(self["front"], True, "front")
         if not self["back"]:
             raise usage.UsageError("--back is required")
@@ -604,7 +708,8 @@ class SPRepServiceMaker:
         raise_descriptor_limit()
         return SPServerService(options["endpoint"],
                                loaded_handler(options, "twist sp-rep", sp_handler),
-                               limits=limits_of(options), maxPending=options["max-pending"],
+                               exitOnFailure=True, limits=limits_of(options),
+                               maxPending=options["max-pending"],
                                maxPendingBytes=options["max-pending-bytes"])
 
 
@@ -618,17 +723,8 @@ class SPDeviceServiceMaker:
         from mdp.app.service import SPDeviceService
 
         raise_descriptor_limit()
-        return SPDeviceService(options["front"], options["back"], limits=limits_of(options))
-
-
-def _concurrency(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise ValueError(f"must be at least 1, got {value}")
-    return number
-
-
-_concurrency.coerceDoc = "A whole number, at least 1."  # type: ignore[attr-defined]
+        return SPDeviceService(options["front"], options["back"], exitOnFailure=True,
+                               limits=limits_of(options))
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
@@ -645,19 +741,23 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = _HeartbeatOptions.optParameters + [
         ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
-         "Stored requests out to their services at once.", _concurrency],
+         "Stored requests out to their services at once.", _whole("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
          "Seconds one attempt of a stored request may take before it is tried again.",
-         _positive],
+         _seconds("timeout")],
         ["backoff-max", None, titanic_dispatcher.DEFAULT_BACKOFF.maximum,
-         "Longest wait before asking again about a service with no worker.", _positive],
+         "Longest wait before asking again about a service with no worker.",
+         _seconds("backoff-max", MIN_INTERVAL)],
         ["keep", None, titanic_dispatcher.DEFAULT_KEEP,
-         "Seconds a reply is kept after it is stored, then purged.", _positive],
+         "Seconds a reply is kept after it is stored, then purged.", _seconds("keep")],
         ["service-workers", None, titanic_server.DEFAULT_SERVICE_WORKERS,
-         "MDP workers per Titanic service (requests stored at once).", _concurrency],
+         "MDP workers per Titanic service (requests stored at once).",
+         _whole("service-workers", 1)],
     ] + CURVE_CLIENT_OPTIONS + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
+        self.heartbeatPolicy()
+        limits_of(self)
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
