@@ -125,6 +125,13 @@ def test_a_service_name_that_is_not_utf8_is_a_usage_error() -> None:
         cli.CallOptions().parseOptions([LATIN1, "x"])
 
 
+@pytest.mark.parametrize("host", [LATIN1, "a" * 64, "a..b"])
+def test_a_broker_host_the_resolver_cannot_take_is_a_usage_error(host: str) -> None:
+    """Not a traceback when connecting: the endpoint is refused while parsed."""
+    with pytest.raises(usage.UsageError, match="not a host name"):
+        cli.CallOptions().parseOptions(["--broker", f"tcp:host={host}:port=1", "echo", "x"])
+
+
 # --- numbers of seconds -------------------------------------------------------------------
 
 REQUEST_ID = "5f0c6f6e-3a4b-4c4d-9e8f-0123456789ab"

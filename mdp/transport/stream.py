@@ -1052,6 +1052,11 @@ def check_endpoint(endpoint: str, role: str) -> None:
                 raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
                                      f"{name}:host=127.0.0.1:port=5555")
             port = kwargs.get("port", args[1] if len(args) > 1 else None)
+            try:  # what the resolver does with it (labels of 1-63 characters, ...)
+                host.encode("idna")
+            except UnicodeError as e:
+                raise TransportError(f"bad endpoint {endpoint!r}: not a host name: {host!r} "
+                                     f"({e})") from None
         check_port(endpoint, port, role)
     elif name == "unix":
         path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
