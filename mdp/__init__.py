@@ -3,61 +3,77 @@
 The public API::
 
     from mdp import Broker, Worker, Client, BrokerService, WorkerService
+
+Each name is imported when first used (PEP 562), so that ``import mdp.x``
+costs only what ``mdp.x`` needs: the ``mdp`` command answers Ctrl-C from its
+first instant, before Twisted and ZeroMQ are loaded.
 """
 
-from mdp.app.service import BrokerService, WorkerService
-from mdp.binarystar import BinaryStar
-from mdp.errors import (
-    BrokerUnreachable,
-    ClientClosed,
-    MDPError,
-    MessageTooLarge,
-    NoServerAvailable,
-    ProtocolError,
-    RemoteError,
-    ReplyTooLarge,
-    RequestTimeout,
-    RequestTooLarge,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    StreamRestarted,
-    TransportError,
-    WorkerError,
-)
-from mdp.majordomo.broker import Broker
-from mdp.majordomo.client import Client, ReplyStream
-from mdp.majordomo.idempotence import MemoryReplyStore
-from mdp.majordomo.worker import Final, Worker
-from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names are, for type checkers and readers
+    from mdp.app.service import BrokerService, WorkerService
+    from mdp.binarystar import BinaryStar
+    from mdp.errors import (
+        BrokerUnreachable,
+        ClientClosed,
+        MDPError,
+        MessageTooLarge,
+        NoServerAvailable,
+        ProtocolError,
+        RemoteError,
+        ReplyTooLarge,
+        RequestTimeout,
+        RequestTooLarge,
+        ServiceOverloaded,
+        ServiceUnavailable,
+        StreamRestarted,
+        TransportError,
+        WorkerError,
+    )
+    from mdp.majordomo.broker import Broker
+    from mdp.majordomo.client import Client, ReplyStream
+    from mdp.majordomo.idempotence import MemoryReplyStore
+    from mdp.majordomo.worker import Final, Worker
+    from mdp.policy import Backoff, HeartbeatPolicy, Limits
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Backoff",
-    "BinaryStar",
-    "Broker",
-    "BrokerService",
-    "BrokerUnreachable",
-    "Client",
-    "ClientClosed",
-    "Final",
-    "HeartbeatPolicy",
-    "Limits",
-    "MDPError",
-    "MemoryReplyStore",
-    "MessageTooLarge",
-    "NoServerAvailable",
-    "ProtocolError",
-    "RemoteError",
-    "ReplyStream",
-    "ReplyTooLarge",
-    "RequestTimeout",
-    "RequestTooLarge",
-    "ServiceOverloaded",
-    "ServiceUnavailable",
-    "StreamRestarted",
-    "TransportError",
-    "Worker",
-    "WorkerError",
-    "WorkerService",
-]
+#: each public name -> the module that defines it
+_HOMES = {
+    "BrokerService": "mdp.app.service",
+    "WorkerService": "mdp.app.service",
+    "BinaryStar": "mdp.binarystar",
+    "Broker": "mdp.majordomo.broker",
+    "Client": "mdp.majordomo.client",
+    "ReplyStream": "mdp.majordomo.client",
+    "MemoryReplyStore": "mdp.majordomo.idempotence",
+    "Final": "mdp.majordomo.worker",
+    "Worker": "mdp.majordomo.worker",
+    "Backoff": "mdp.policy",
+    "HeartbeatPolicy": "mdp.policy",
+    "Limits": "mdp.policy",
+    **{name: "mdp.errors" for name in (
+        "BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge",
+        "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge", "RequestTimeout",
+        "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted",
+        "TransportError", "WorkerError")},
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once: later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -168,6 +168,55 @@ def test_a_nan_is_one_line_and_exit_2(capsys: Any, sigint: None) -> None:
 
 # --- Ctrl-C ---------------------------------------------------------------------------------
 
+#: the ``mdp`` script, held while it imports the command line (Twisted, ZeroMQ)
+#: until its standard input has a line: Ctrl-C can come in that instant
+HELD_IN_IMPORT = """
+import importlib.abc, sys
+class Gate(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "mdp.app.cli":
+            print("importing", flush=True)
+            sys.stdin.readline()
+        return None
+sys.meta_path.insert(0, Gate())
+from mdp.app.console import main
+main(sys.argv[1:])
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_while_the_library_loads_is_exit_130_and_quiet() -> None:
+    proc = Process(reactor(), python("-c", HELD_IN_IMPORT, "call", "echo", "x"), env=ENV)
+    try:
+        await proc.waitFor("importing", 60)
+        assert "twisted.internet.reactor" not in proc.output.decode()
+        proc.signalProcess(signal.SIGINT)
+        await proc.ended(30)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == cli.EXIT_INTERRUPTED, proc.output
+    assert proc.output == b"importing\n"
+
+
+def test_the_package_loads_its_names_when_first_used() -> None:
+    """``import mdp`` alone loads neither Twisted's reactor nor ZeroMQ (the
+    script's first instant is cheap); every public name is still there."""
+    code = ("import sys, mdp\n"
+            "assert 'zmq' not in sys.modules and 'twisted.internet.reactor' not in sys.modules\n"
+            "assert 'mdp.majordomo.broker' not in sys.modules\n"
+            "from mdp import *\n"
+            "names = [getattr(mdp, n) for n in mdp.__all__]\n"
+            "assert mdp.Broker.__module__ == 'mdp.majordomo.broker', mdp.Broker\n"
+            "print(len(names))\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == 27
+
+
 def test_ctrl_c_before_the_reactor_runs_is_exit_130(monkeypatch: Any, capsys: Any,
                                                     sigint: None) -> None:
     """While the options are read (a handler's module imported, say), before

@@ -62,6 +62,8 @@ from twisted.internet import defer, task
 from twisted.python import usage
 
 from mdp import transport
+from mdp.app.console import EXIT_INTERRUPTED
+from mdp.app.console import interrupted as _interrupted
 from mdp.app.tap import (
     CURVE_CLIENT_OPTIONS,
     BrokerListOptions,
@@ -101,8 +103,6 @@ def _error(line: str) -> None:
 
 #: ``mdp titanic result`` while the reply is not there yet
 EXIT_PENDING = 3
-#: Ctrl-C (128 + SIGINT), as shells report it
-EXIT_INTERRUPTED = 130
 #: the reader of standard output has gone (128 + SIGPIPE, as for a process the
 #: signal killed): ``mdp call ... | head -1``
 EXIT_BROKEN_PIPE = 141
@@ -789,11 +789,6 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     await done
     reactor.removeSystemEventTrigger(trigger)
     await node.stop()
-
-
-def _interrupted(number: int, frame: Any) -> None:
-    """Ctrl-C before the command starts: exit at once, quietly."""
-    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
