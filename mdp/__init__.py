@@ -63,7 +63,35 @@ _HOMES = {
         "TransportError", "WorkerError")},
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [
+    "Backoff",
+    "BinaryStar",
+    "Broker",
+    "BrokerService",
+    "BrokerUnreachable",
+    "Client",
+    "ClientClosed",
+    "Final",
+    "HeartbeatPolicy",
+    "Limits",
+    "MDPError",
+    "MemoryReplyStore",
+    "MessageTooLarge",
+    "NoServerAvailable",
+    "ProtocolError",
+    "RemoteError",
+    "ReplyStream",
+    "ReplyTooLarge",
+    "RequestTimeout",
+    "RequestTooLarge",
+    "ServiceOverloaded",
+    "ServiceUnavailable",
+    "StreamRestarted",
+    "TransportError",
+    "Worker",
+    "WorkerError",
+    "WorkerService",
+]
 
 
 def __getattr__(name: str) -> Any:

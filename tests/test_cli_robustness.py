@@ -204,6 +204,7 @@ def test_the_package_loads_its_names_when_first_used() -> None:
     code = ("import sys, mdp\n"
             "assert 'zmq' not in sys.modules and 'twisted.internet.reactor' not in sys.modules\n"
             "assert 'mdp.majordomo.broker' not in sys.modules\n"
+            "assert sorted(mdp.__all__) == sorted(mdp._HOMES)\n"
             "from mdp import *\n"
             "names = [getattr(mdp, n) for n in mdp.__all__]\n"
             "assert mdp.Broker.__module__ == 'mdp.majordomo.broker', mdp.Broker\n"
