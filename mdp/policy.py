@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from typing import Any, Optional, Sequence
 
 import attrs
@@ -299,12 +300,28 @@ class AccessRule:
 
     call: tuple[str, ...] = ()
     serve: tuple[str, ...] = ()
+    # each list as one compiled expression: a check is one match, however
+    # many patterns (mmi.services checks every service the broker knows)
+    _call: Any = attrs.field(init=False, repr=False, eq=False)
+    _serve: Any = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_call", _matcher(self.call))
+        object.__setattr__(self, "_serve", _matcher(self.serve))
 
     def mayCall(self, service: str) -> bool:
-        return any(fnmatch.fnmatchcase(service, pattern) for pattern in self.call)
+        return self._call(service) is not None
 
     def mayServe(self, service: str) -> bool:
-        return any(fnmatch.fnmatchcase(service, pattern) for pattern in self.serve)
+        return self._serve(service) is not None
+
+
+def _matcher(patterns: tuple[str, ...]) -> Any:
+    """A function matching a whole name against any of the shell-style
+    *patterns* (None for no match)."""
+    if not patterns:
+        return lambda name: None
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns)).match
 
 
 class AccessPolicy:

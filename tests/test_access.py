@@ -8,6 +8,8 @@ import json
 import pathlib
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mdp import Broker, HeartbeatPolicy
 from mdp.errors import Forbidden
@@ -233,3 +235,13 @@ def test_mmi_services_under_a_policy_asks_once_per_service_and_sorts_only_what_i
     assert json.loads(more) == {"truncated": True, "total": total}
     assert len(built) == mmi.MAX_ENTRIES
     assert sorted(asked) == sorted(broker.services)  # once each
+
+
+@given(st.lists(st.text(alphabet="ab.*?[]!-", max_size=6), max_size=4),
+       st.text(alphabet="ab.*?[]!-\n", max_size=8))
+def test_an_access_rule_matches_as_fnmatchcase_does(patterns: list[str], name: str) -> None:
+    import fnmatch
+
+    rule = AccessRule(call=tuple(patterns), serve=tuple(patterns))
+    expected = any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    assert rule.mayCall(name) is expected and rule.mayServe(name) is expected
