@@ -19,7 +19,7 @@ from twisted.internet import task
 from mdp import Client
 from mdp.blocking import Client as BlockingClient
 from mdp.transport.loopback import LoopbackDealer, LoopbackNetwork, LoopbackRouter
-from tests.procs import bounded, reactor
+from tests.procs import bounded, reactor, wait_until
 
 HEADER, FINAL = b"MDPC02", b"\x03"
 
@@ -37,6 +37,8 @@ class RogueBroker:
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"zmq:tcp://127.0.0.1:{port}"
         self.stopping = threading.Event()
+        #: extra messages sent so far
+        self.extras = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -49,6 +51,7 @@ class RogueBroker:
             sock.send_multipart([peer, HEADER, FINAL, service, *body])
             extra = body if self.mode == "dup" else [b"UNSOLICITED"]
             sock.send_multipart([peer, HEADER, FINAL, service, *extra])
+            self.extras += 1
 
     def stop(self) -> None:
         self.stopping.set()
@@ -64,23 +67,48 @@ def rogue(request: Any) -> Iterator[RogueBroker]:
     broker.stop()
 
 
+def _arrived(client: BlockingClient) -> None:
+    """Wait (bounded) until the rogue's extra message is on the client's socket."""
+    (pipe,) = client._loop.pipes.values()
+    assert pipe.socket.poll(5000, zmq.POLLIN), "the extra message never came"
+
+
 def test_the_blocking_client_drops_what_came_between_requests(rogue: RogueBroker) -> None:
     with BlockingClient(rogue.endpoint, timeout=5.0, retries=1) as client:
         for n in range(5):
-            # the extra message is queued on the socket by the time the next
-            # request goes: the client does no I/O between requests
+            # the extra message is on the socket by the time the next request
+            # goes (one that comes later still is indistinguishable from a
+            # reply: MDP replies carry no request id)
             assert client.request("echo", b"req%d" % n) == [b"req%d" % n]
+            _arrived(client)
 
 
 @pytest_twisted.ensureDeferred
 async def test_the_twisted_client_drops_what_came_before_its_next_request(
         rogue: RogueBroker) -> None:
     client = Client(rogue.endpoint, reactor(), timeout=5.0, retries=1)
+
+    def settled(n: int) -> bool:
+        """The extra message after reply *n* has reached the client: it
+        waits on the socket (the next request drops it) or was read and
+        dropped (no request in flight: the connection was replaced)."""
+        if rogue.extras <= n:
+            return False
+        channels = list(client._channels)
+        pipe = channels[0].pipe if len(channels) == 1 else None
+        if pipe is None or pipe.connection is not sockets[-1]:
+            return True
+        return bool(pipe.connection.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     try:
         for n in range(5):
-            # the next request goes from the reply's callback, while the
-            # extra message waits to be read in the same turn
-            assert await bounded(client.request("echo", b"req%d" % n), 10) == [b"req%d" % n]
+            reply = client.request("echo", b"req%d" % n)
+            (channel,) = client._channels
+            sockets = [channel.pipe.connection]
+            assert await bounded(reply, 10) == [b"req%d" % n]
+            # an extra that comes after the next request went is no longer
+            # stale: MDP replies carry no request id
+            await wait_until(lambda n=n: settled(n), 10, 0.001)  # type: ignore[misc]
     finally:
         await bounded(client.close(), 10)
 
