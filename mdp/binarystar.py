@@ -47,8 +47,10 @@ two is a stall), and then (:class:`Stalled`):
 * if it was ACTIVE, it serves and publishes nothing until the peer is
   heard on the fresh channel: ACTIVE there means the peer took over, and
   this server goes PASSIVE (instead of the Guide's fatal dual actives);
-  any other state, or a failover timeout of silence, and it serves again
-  (:class:`Resumed`).
+  any other state, or silence (a failover timeout for the primary, two for
+  the backup, so that of two servers stalled together the primary speaks
+  first), and it serves again (:class:`Resumed`).  Either way it publishes
+  its state at once, so that its peer stops counting its silence.
 
 :class:`BinaryStar` drives the machine: it exchanges states with the peer
 (its *state channel*, on endpoints of its own, see below) and answers, for
@@ -240,6 +242,8 @@ class BinaryStarMachine(Machine):
         self.lastTick: Optional[float] = None
         self.channel = 0
         self.resuming = False
+        #: when a resuming server that hears nothing serves again
+        self.resumeBy = 0.0
 
     @property
     def failoverTimeout(self) -> float:
@@ -261,10 +265,14 @@ class BinaryStarMachine(Machine):
 
     def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float,
                         now: float, *, peerInstance: str = "",
-                        peerHeartbeat: Optional[float] = None, channel: int = 0) -> list[Action]:
+                        peerHeartbeat: Optional[float] = None,
+                        channel: Optional[int] = None) -> list[Action]:
         """A state message from the peer: its state number, its configured
         role, how long it has been running, (when it says) its run's id and
-        its heartbeat, and the number of the state channel it came on."""
+        its heartbeat, and the number of the state channel it came on (the
+        current one if not said)."""
+        if channel is None:
+            channel = self.channel  # before a stall this very message reveals
         self._wake(now)
         if self.stopped is not None or channel < self.channel:
             return self._drain()  # stopped, or sent before a stall: stale
@@ -293,8 +301,10 @@ class BinaryStarMachine(Machine):
                 old, self.state = self.state, State.PASSIVE
                 self._emit(Changed(old, State.PASSIVE,
                                    "the peer took over while this server was stalled"))
-                return self._drain()
-            self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
+            else:
+                self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
+            self._emit(self._publication())
+            return self._drain()
         self._apply(event)
         return self._drain()
 
@@ -323,7 +333,8 @@ class BinaryStarMachine(Machine):
         """A client request: whether to serve it, and the actions."""
         self._wake(now)
         if self.stopped is None:
-            self._resumeIfSilent()
+            if self._resumeIfSilent():
+                self._emit(self._publication())  # at once, as a tick would
             self._apply(Event.CLIENT_REQUEST)
         return self.serving, self._drain()
 
@@ -339,9 +350,12 @@ class BinaryStarMachine(Machine):
         if self.stopped is None:
             self._resumeIfSilent()
             if not self.resuming:
-                self._emit(PublishState(self.state, self.role, now - self.started,
-                                        self.instance, self.heartbeat))
+                self._emit(self._publication())
         return self._drain()
+
+    def _publication(self) -> PublishState:
+        return PublishState(self.state, self.role, self.now - self.started, self.instance,
+                            self.heartbeat)
 
     def _wake(self, now: float) -> None:
         """Every event: a gap since the last tick longer than the failover
@@ -354,12 +368,17 @@ class BinaryStarMachine(Machine):
         self.channel += 1
         self.peerExpiry = now + self.failoverTimeout
         self.resuming = self.resuming or self.state is State.ACTIVE
+        waits = 1 if self.role is Role.PRIMARY else 2
+        self.resumeBy = now + waits * self.failoverTimeout
         self._emit(Stalled(now - last, self.channel, self.resuming))
 
-    def _resumeIfSilent(self) -> None:
-        if self.resuming and self.now >= self.peerExpiry:
+    def _resumeIfSilent(self) -> bool:
+        """A resuming server whose peer stayed silent serves again: True if so."""
+        if self.resuming and self.now >= self.resumeBy:
             self.resuming = False
-            self._emit(Resumed("the peer stayed silent for the failover timeout"))
+            self._emit(Resumed("the peer stayed silent"))
+            return True
+        return False
 
     # --- the table ------------------------------------------------------------------
 
@@ -471,7 +490,8 @@ class _Subscriber:
             self.star._subscribe()
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        self.star._stateFrom(frames, self.channel)
+        if self.star._subscriber is self:  # not a pipe replaced after a stall
+            self.star._stateFrom(frames, self.channel)
 
     def connectionLost(self, reason: object) -> None:
         pass  # the transport reconnects; silence is what counts
@@ -655,6 +675,8 @@ class BinaryStar:
         for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
             del subscribers[peer]
         self._perform(self.machine.handleTick(now))
+        if self._running and self._subscriber.transport is None:
+            self._connectSubscriber()  # it failed to open
         self._subscribe()
 
     def _subscribe(self) -> None:
@@ -701,15 +723,17 @@ class BinaryStar:
                                remote=self.remote, error=str(e))
             return
         now = self.reactor.seconds()
-        if self.peerState is None or (self.peerHeard is not None
-                                      and now - self.peerHeard > self.machine.failoverTimeout):
-            log.info("Binary Star {role}: peer ({peerRole}, {peerState}) heard at {remote}",
-                     role=self.role.value, peerRole=peer.role.value,
-                     peerState=peer.state.name.lower(), remote=self.remote)
-        self.peerState, self.peerHeard = peer.state, now
-        self._perform(self.machine.handlePeerState(
+        actions = self.machine.handlePeerState(
             peer.state, peer.role, peer.uptime, now, peerInstance=peer.instance,
-            peerHeartbeat=peer.heartbeat, channel=channel))
+            peerHeartbeat=peer.heartbeat, channel=channel)
+        if channel >= self.machine.channel:  # not found stale by a stall it revealed
+            if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
+                                          > self.machine.failoverTimeout):
+                log.info("Binary Star {role}: peer ({peerRole}, {peerState}) heard at {remote}",
+                         role=self.role.value, peerRole=peer.role.value,
+                         peerState=peer.state.name.lower(), remote=self.remote)
+            self.peerState, self.peerHeard = peer.state, now
+        self._perform(actions)
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
@@ -766,11 +790,18 @@ class BinaryStar:
             self._subscribe()
 
     def _connectSubscriber(self) -> None:
+        """Open the pipe to the peer's state endpoint; a failure (out of
+        descriptors, say) is logged, and the next tick tries again."""
         retry = Backoff(initial=min(0.1, self.machine.heartbeat),
                         maximum=self.machine.heartbeat).retryPolicy()
-        self._subscriber.transport = transport.connect(
-            self.remote, self._subscriber, self.reactor, retryPolicy=retry,
-            limits=self.limits)
+        try:
+            self._subscriber.transport = transport.connect(
+                self.remote, self._subscriber, self.reactor, retryPolicy=retry,
+                limits=self.limits)
+        except Exception as e:
+            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe "
+                               "to {remote}: {error}", role=self.role.value, remote=self.remote,
+                               error=repr(e))
 
     def _stopAfterFatal(self) -> None:
         self.stop().addErrback(lambda f: log.failure("Binary Star could not close its state "

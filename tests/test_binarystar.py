@@ -582,3 +582,116 @@ async def test_a_pair_frozen_together_carries_on_as_it_was(clocknet: LoopbackNet
     assert sum("heard nothing for 5.000 s" in line for line in logged) == 2
     assert any("primary: active again after the stall (the peer is passive)" in line
                for line in logged)
+
+
+class Switch:
+    """An admission switched by hand: active, or passive (a Binary Star peer
+    took over)."""
+
+    def __init__(self) -> None:
+        self.state = "active"
+
+    def admitClient(self, now: float) -> bool:
+        return self.state == "active"
+
+    def admitWorker(self, now: float) -> bool:
+        return self.state == "active"
+
+    def status(self, now: float) -> dict:
+        return {"state": self.state, "serving": self.state == "active"}
+
+
+def test_a_broker_gone_passive_lets_its_queue_and_workers_go() -> None:
+    """Its queued requests are answered 503 at once (their clients went to
+    the active broker), idle workers get DISCONNECT at once, busy ones when
+    they have replied; nothing more is dispatched."""
+    from mdp.majordomo import codec
+    from mdp.testing import Disconnect, Receive, Script, Send
+
+    W, C = codec.WORKER_HEADER, codec.CLIENT_HEADER
+    script = Script()
+    switch = Switch()
+    broker = Broker(reactor=script.clock, heartbeat=HeartbeatPolicy(1.0, 3), admission=switch)
+    broker.listen(script.endpoint("broker"))
+    script.feed(Receive(b"W1", [W, codec.W_READY, b"echo"]),
+                Receive(b"W2", [W, codec.W_READY, b"echo"]),
+                Receive(b"W3", [W, codec.W_READY, b"other"]))
+    sent = script.feed(*[Receive(b"A", [C, codec.C_REQUEST, b"echo", b"%d" % n])
+                         for n in range(3)])
+    assert [s.to for s in sent] == [b"W1", b"W2"] and broker.queued == 1
+    envelope = sent[0].frames[2]
+
+    switch.state = "passive"
+    mark = len(script.actions)
+    broker.admissionChanged()
+    out = script.actions[mark:]
+    refused = [a for a in out if isinstance(a, Send) and a.to == b"A"]
+    assert len(refused) == 1 and refused[0].frames[3:5] == (codec.ERROR_MARKER, b"503")
+    assert Send(b"W3", [W, codec.W_DISCONNECT]) in out and Disconnect(b"W3") in out
+    assert set(broker.workers) and broker.queued == 0  # W1, W2 busy: still there
+    # W1 replies: the reply goes to its client, W1 is let go, not given more
+    out = script.feed(Receive(b"W1", [W, codec.W_FINAL, envelope, b"", b"0"]))
+    assert out == [Send(b"A", [C, codec.C_FINAL, b"echo", b"0"]),
+                   Send(b"W1", [W, codec.W_DISCONNECT]), Disconnect(b"W1")]
+    assert [key[1] for key in broker.workers] == [b"W2"]
+
+
+class TwoClocks:
+    """A pair over loopback, each server on a Clock of its own, so that one
+    can be stopped alone (as SIGSTOP does) while the other runs on."""
+
+    def __init__(self, name: str) -> None:
+        self.clocks = {Role.PRIMARY: task.Clock(), Role.BACKUP: task.Clock()}
+        self.stars = {
+            role: BinaryStar(role, f"loopback:{name}-{role.value}",
+                             f"loopback:{name}-{other.value}", self.clocks[role])
+            for role, other in ((Role.PRIMARY, Role.BACKUP), (Role.BACKUP, Role.PRIMARY))}
+        for star in self.stars.values():
+            star.start()
+
+    def run(self, seconds: float, *roles: Role) -> None:
+        """Let time pass in steps of 10 ms for *roles* (both if none given)."""
+        for _ in range(round(seconds / 0.01)):
+            for role in roles or tuple(Role):
+                clock = self.clocks[role]
+                clock.rightNow = round(clock.rightNow + 0.01, 9)
+                clock.advance(0)
+
+    def stop(self) -> None:
+        for star in self.stars.values():
+            star.stop()
+        for clock in self.clocks.values():
+            clock.advance(1)
+
+
+@pytest.mark.parametrize("takeover", [False, True])
+def test_an_active_server_stopped_alone(takeover: bool, logged: list[str]) -> None:
+    """The primary, active, is stopped for 2.5 s (its failover timeout is 2 s)
+    while the backup runs on.  With a client's vote at the backup meanwhile,
+    the backup takes over and the primary, back, goes passive (not a fatal
+    dual active); without, the primary serves again and tells the backup at
+    once, so that a vote just after it came back is refused there."""
+    pair = TwoClocks(f"alone-{takeover}")
+    primary, backup = pair.stars[Role.PRIMARY], pair.stars[Role.BACKUP]
+    try:
+        pair.run(1.0)
+        assert primary.admitClient() and backup.state is State.PASSIVE
+        pair.run(9.5)
+        pair.run(2.5, Role.BACKUP)  # the primary is stopped
+        if takeover:
+            assert backup.admitClient() is True and backup.state is State.ACTIVE
+        pair.clocks[Role.PRIMARY].advance(2.5)  # and goes on: its missed tick at once
+        assert not primary.serving  # until it hears the backup on a fresh channel
+        pair.run(0.3)
+        if takeover:
+            assert primary.state is State.PASSIVE and backup.state is State.ACTIVE
+            assert any("primary: active -> passive (the peer took over while this server "
+                       "was stalled)" in line for line in logged)
+        else:
+            assert primary.serving
+            assert backup.admitClient() is False  # the primary was heard again
+        pair.run(5.0)
+        assert primary.machine.stopped is None and backup.machine.stopped is None
+        assert (primary.serving, backup.serving) == ((False, True) if takeover else (True, False))
+    finally:
+        pair.stop()

@@ -201,9 +201,9 @@ def test_an_active_server_stalled_goes_passive_when_the_peer_took_over() -> None
     machine = ticking(State.ACTIVE)
     # resumed at 13.5: what waited on the old channel (the peer still passive,
     # then active) is stale, and takes no effect
-    actions = machine.handlePeerState(int(State.PASSIVE), Role.BACKUP, 11.0, 13.5)
+    actions = machine.handlePeerState(int(State.PASSIVE), Role.BACKUP, 11.0, 13.5, channel=0)
     assert actions == [Stalled(3.5, 1, True)]
-    assert machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 12.5, 13.5) == []
+    assert machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 12.5, 13.5, channel=0) == []
     assert machine.state is State.ACTIVE and not machine.serving and not machine.publishing
     assert machine.handleClientRequest(13.5) == (False, [])
     assert machine.handleTick(13.6) == []  # nothing published: not ACTIVE, not PASSIVE
@@ -211,7 +211,8 @@ def test_an_active_server_stalled_goes_passive_when_the_peer_took_over() -> None
     # the fresh channel says the peer is active: passive, not a fatal dual active
     actions = machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 13.6, 13.7, channel=1)
     assert actions == [Changed(State.ACTIVE, State.PASSIVE,
-                               "the peer took over while this server was stalled")]
+                               "the peer took over while this server was stalled"),
+                       PublishState(State.PASSIVE, Role.PRIMARY, 13.7)]  # at once
     assert machine.stopped is None and not machine.serving
     assert machine.handleTick(14.6) == [PublishState(State.PASSIVE, Role.PRIMARY, 14.6)]
     # from then on, the table as usual: a dual active would still be fatal
@@ -222,7 +223,10 @@ def test_an_active_server_stalled_serves_again_when_the_peer_is_passive() -> Non
     machine = ticking(State.ACTIVE)
     assert machine.handleTick(14.0) == [Stalled(4.0, 1, True)]
     actions = machine.handlePeerState(int(State.PASSIVE), Role.BACKUP, 14.0, 14.1, channel=1)
-    assert actions == [Resumed("the peer is passive")]
+    # its state goes out at once: the peer, which has not heard it since the
+    # stall, must stop counting its silence before a vote makes it active too
+    assert actions == [Resumed("the peer is passive"),
+                       PublishState(State.ACTIVE, Role.PRIMARY, 14.1)]
     assert machine.state is State.ACTIVE and machine.serving
     assert machine.handleClientRequest(14.2) == (True, [])
     assert machine.handleTick(15.0) == [PublishState(State.ACTIVE, Role.PRIMARY, 15.0)]
@@ -235,7 +239,47 @@ def test_an_active_server_stalled_serves_again_after_a_failover_timeout_of_silen
     assert machine.handleTick(21.0) == []
     assert machine.handleClientRequest(21.9) == (False, [])
     served, actions = machine.handleClientRequest(22.0)
-    assert served and actions == [Resumed("the peer stayed silent for the failover timeout")]
+    assert served and actions == [Resumed("the peer stayed silent"),
+                                  PublishState(State.ACTIVE, Role.PRIMARY, 22.0)]
+
+
+def test_a_backup_stalled_active_waits_twice_as_long_for_its_peer() -> None:
+    """Of two servers stalled together, both active and both silent, the
+    primary speaks first and the backup hears it: no crossed ACTIVEs."""
+    primary, backup = ticking(State.ACTIVE), ticking(State.ACTIVE, Role.BACKUP)
+    assert primary.handleTick(20.0) == [Stalled(10.0, 1, True)]
+    assert backup.handleTick(20.0) == [Stalled(10.0, 1, True)]
+    for t in (21.0, 21.5):
+        assert primary.handleTick(t) == [] and backup.handleTick(t) == []
+    spoken = primary.handleTick(22.0)
+    assert spoken == [Resumed("the peer stayed silent"),
+                      PublishState(State.ACTIVE, Role.PRIMARY, 22.0)]
+    assert backup.handleTick(22.0) == [] and not backup.serving
+    actions = backup.handlePeerState(int(State.ACTIVE), Role.PRIMARY, 22.0, 22.1, channel=1)
+    assert [type(a) for a in actions] == [Changed, PublishState]
+    assert backup.state is State.PASSIVE and backup.stopped is None
+    # and the primary hears a passive backup: nothing to do
+    assert primary.handlePeerState(int(State.PASSIVE), Role.BACKUP, 22.1, 22.2,
+                                   channel=1) == []
+    assert primary.serving and primary.stopped is None
+
+
+def test_a_backup_alone_after_a_stall_serves_again_after_two_failover_timeouts() -> None:
+    backup = ticking(State.ACTIVE, Role.BACKUP)
+    assert backup.handleTick(20.0) == [Stalled(10.0, 1, True)]
+    for t in (21.0, 22.0, 23.0):
+        backup.handleTick(t)
+        assert not backup.serving
+    served, actions = backup.handleClientRequest(24.0)
+    assert served and [type(a) for a in actions] == [Resumed, PublishState]
+
+
+def test_a_state_without_its_channel_is_taken_as_current() -> None:
+    """A driver that does not number its channels is not made deaf by a stall."""
+    machine = ticking(State.ACTIVE)
+    machine.handleTick(14.0)
+    actions = machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 14.0, 14.1)
+    assert [type(a) for a in actions] == [Changed, PublishState]
 
 
 def test_a_passive_server_stalled_takes_no_vote_on_stale_silence() -> None:
@@ -274,4 +318,4 @@ def test_each_stall_opens_a_new_channel() -> None:
     assert machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 17.0, 18.0, channel=1) == []
     assert machine.state is State.ACTIVE and not machine.serving
     actions = machine.handlePeerState(int(State.ACTIVE), Role.BACKUP, 18.0, 18.1, channel=2)
-    assert [type(a) for a in actions] == [Changed]
+    assert [type(a) for a in actions] == [Changed, PublishState]

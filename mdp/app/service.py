@@ -60,6 +60,8 @@ class BrokerService(Service):
         if binaryStar is not None:
             brokerOptions["admission"] = binaryStar
             binaryStar.onFatal(self._fatal)
+            binaryStar.onActive(self._admissionChanged)
+            binaryStar.onPassive(self._admissionChanged)
         self.broker = Broker(reactor, **brokerOptions)
         self.exitOnFailure = exitOnFailure
         self.transports: list[Any] = []
@@ -69,6 +71,9 @@ class BrokerService(Service):
         if self.binaryStar is None:
             return self._listen()
         return self.binaryStar.start().addCallbacks(lambda _: self._listen(), self._failed)
+
+    def _admissionChanged(self, reason: str) -> None:
+        self.broker.admissionChanged()
 
     def _fatal(self, reason: str) -> None:
         """The Binary Star pair is broken: this broker stops."""

@@ -565,6 +565,9 @@ class BrokerMachine(Machine):
         #: when the admission last began to admit clients (a Binary Star broker
         #: becoming active), None while it refuses or without one
         self._activeSince: Optional[float] = None
+        #: the admission says passive (a Binary Star peer is active): no
+        #: dispatch, and workers are let go (see _checkAdmission)
+        self._passive = False
         #: envelopes of assignments taken back from lost workers (see _late)
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
         #: messages dropped as invalid or unexpected
@@ -600,6 +603,14 @@ class BrokerMachine(Machine):
         self._tick(now)
         return self._drain()
 
+    def handleAdmissionChange(self, now: float) -> list[Action]:
+        """The admission (a Binary Star pair) changed state: act on it now
+        rather than at the next tick."""
+        self.now = now
+        if self.admission is not None:
+            self._checkAdmission(now)
+        return self._drain()
+
     def handleWake(self, now: float) -> list[Action]:
         """The wake-up asked for with :class:`WakeAt`."""
         self.now = now
@@ -615,6 +626,7 @@ class BrokerMachine(Machine):
         self._unknown.clear()
         self._takenBack.clear()
         self._activeSince = None
+        self._passive = False
         self._outbox = []
 
     # --- inbound -------------------------------------------------------------
@@ -952,6 +964,9 @@ class BrokerMachine(Machine):
             worker.current = None
             worker.lastEnvelope = request.envelope
             self._forward(worker, request, body, final=True)
+            if self._passive:
+                self._release(worker)  # to the active broker
+                return
             service = worker.service
             worker.state = IDLE
             service.idle[worker.key] = worker
@@ -1093,8 +1108,9 @@ class BrokerMachine(Machine):
         worker.service.idle[worker.key] = worker
 
     def _dispatch(self, service: ServiceQueue) -> None:
-        """Hand queued requests to idle workers, least recently used first."""
-        while service.size and service.idle:
+        """Hand queued requests to idle workers, least recently used first
+        (none while passive)."""
+        while service.size and service.idle and not self._passive:
             _, worker = service.idle.popitem(last=False)
             self._assign(worker, service.nextRequest())
 
@@ -1220,33 +1236,47 @@ class BrokerMachine(Machine):
             self._takenBack = OrderedDict(
                 (envelope, entry) for envelope, entry in self._takenBack.items()
                 if entry[1].state is QUEUED and entry[1].envelope == envelope)
-        admission = self.admission
-        if admission is not None:
-            # a broker that has just become active learns its workers
-            # (_unknownDeadline): notice when, even before a client asks
-            status = admission.status(now)
-            if not status.get("serving", True):
-                self._activeSince = None
-                if status.get("state") == "passive" and self.workers:
-                    self._releaseIdleWorkers()
-            elif self._activeSince is None:
-                self._activeSince = now
+        if self.admission is not None:
+            self._checkAdmission(now)
         abandoned = self._abandoned
         while abandoned and abandoned[0][0] + self.serviceLinger <= now:
             self._forgetIfEmpty(abandoned.popleft()[1])
 
-    def _releaseIdleWorkers(self) -> None:
-        """This broker went passive (its Binary Star peer took over while it
-        was stalled): DISCONNECT its idle workers so they register at the
-        active one; a busy one goes when it has replied."""
-        idle = [worker for worker in self.workers.values() if worker.current is None]
-        for worker in idle:
-            self._removeWorker(worker)
-            self._sendDisconnect(worker.key, worker.dialect)
-        if idle:
-            self.throttle.info(log, "released", "this broker is passive: sent DISCONNECT to "
-                               "{count} idle workers, so they go to the active one",
-                               count=len(idle))
+    def _checkAdmission(self, now: float) -> None:
+        """What the admission says now.  A broker that has just become active
+        learns its workers (_unknownDeadline): notice when, even before a
+        client asks.  A passive one (its Binary Star peer took over while it
+        was stalled) serves nothing more: its queued requests are answered
+        503 (their clients have gone to the active broker), and its workers
+        get DISCONNECT so they register there, a busy one once it replied."""
+        status = self.admission.status(now)
+        if not status.get("serving", True):
+            self._activeSince = None
+        elif self._activeSince is None:
+            self._activeSince = now
+        self._passive = status.get("state") == "passive"
+        if self._passive and (self.workers or self._ledger.count):
+            self._giveUpQueued()
+            idle = [worker for worker in self.workers.values() if worker.current is None]
+            for worker in idle:
+                self._release(worker)
+            if idle:
+                self.throttle.info(log, "released", "this broker is passive: sent DISCONNECT "
+                                   "to {count} idle workers, so they go to the active one",
+                                   count=len(idle))
+
+    def _release(self, worker: WorkerRef) -> None:
+        self._removeWorker(worker)
+        self._sendDisconnect(worker.key, worker.dialect)
+
+    def _giveUpQueued(self) -> None:
+        for service in list(self.services.values()):
+            while service.size:
+                request = service.nextRequest()
+                request.state = DONE
+                self._unavailable(request, "this broker is passive: its Binary Star peer "
+                                  "is the active one")
+            self._forgetIfEmpty(service)
 
     def _expire(self, deadline: float) -> None:
         """Answer 503 to every request queued at or before *deadline*."""
@@ -1316,6 +1346,12 @@ class Broker(BrokerMachine):
     def peerGone(self, key: PeerKey) -> None:
         """A transport lost the peer *key*."""
         self._perform(self.handlePeerGone(key, self.reactor.seconds()))
+
+    def admissionChanged(self) -> None:
+        """Tell the broker its admission changed state (``BrokerService``
+        does, on its Binary Star's changes): a broker gone passive lets its
+        workers and queue go at once, not at its next tick."""
+        self._perform(self.handleAdmissionChange(self.reactor.seconds()))
 
     def tick(self) -> None:
         try:
