@@ -140,6 +140,15 @@ async def settle(pair: Pair, first: str) -> None:
     await bounded(pair.brokers["backup"].waitFor("backup: backup -> passive", 30), 30)
 
 
+async def with_a_worker(pair: Pair) -> tuple[Process, Process]:
+    """The pair settled, the primary active, one worker registered there."""
+    await settle(pair, "primary")
+    pair.startWorker()
+    primary, backup = pair.brokers["primary"], pair.brokers["backup"]
+    await wait_until(lambda: primary.output.count(b"ready for echo") >= 1, 60, 0.05)
+    return primary, backup
+
+
 @pytest_twisted.ensureDeferred
 @pytest.mark.parametrize("kind,first", [("zmq", "primary"), ("tcp", "backup")])
 async def test_failover_and_back_under_a_steady_stream(kind: str, first: str, capsys: Any) -> None:
@@ -195,10 +204,7 @@ async def test_a_cut_state_channel_makes_no_split_brain(kind: str) -> None:
     pair = Pair(kind)
     stream: Optional[Stream] = None
     try:
-        await settle(pair, "primary")
-        pair.startWorker()
-        primary, backup = pair.brokers["primary"], pair.brokers["backup"]
-        await wait_until(lambda: primary.output.count(b"ready for echo") >= 1, 60, 0.05)
+        primary, backup = await with_a_worker(pair)
         stream = Stream([pair.client("primary") for _ in range(2)])  # clients reach one side
         await wait_until(lambda: len(stream.completed) >= 10, 30, 0.05)
 
@@ -264,10 +270,7 @@ async def test_an_active_broker_stopped_a_while_goes_passive_when_its_peer_took_
     pair = Pair(kind)
     stream: Optional[Stream] = None
     try:
-        await settle(pair, "primary")
-        pair.startWorker()
-        primary, backup = pair.brokers["primary"], pair.brokers["backup"]
-        await wait_until(lambda: primary.output.count(b"ready for echo") >= 1, 60, 0.05)
+        primary, backup = await with_a_worker(pair)
         stream = Stream([pair.client("primary", "backup") for _ in range(2)])
         await wait_until(lambda: len(stream.completed) >= 10, 30, 0.05)
 

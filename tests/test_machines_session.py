@@ -16,6 +16,7 @@ from mdp.session.codec import MalformedSession
 from mdp.session.machines import (
     ClientSessionMachine,
     Deliver,
+    DropPeer,
     Expired,
     Opened,
     Reconnect,
@@ -243,11 +244,58 @@ def test_the_queue_is_bounded() -> None:
 
 def test_malformed_input_is_dropped_and_unknown_connections_told() -> None:
     server = ServerSessionMachine()
-    assert server.handleMessage("p", [b"junk"], 0) == []
-    actions = server.handleMessage("p", codec.encode(codec.Data(1, 0, (b"x",))), 0)
-    assert actions == [SendTo("p", codec.encode(codec.Unknown()))]
+    (drop,) = server.handleMessage("p", [b"junk"], 0)
+    assert isinstance(drop, DropPeer) and drop.peer == "p"  # its connection closed
+    assert "not a session message" in drop.reason
+    actions = server.handleMessage("q", codec.encode(codec.Data(1, 0, (b"x",))), 0)
+    assert actions == [SendTo("q", codec.encode(codec.Unknown()))]
     client = ClientSessionMachine(bytes(16))
     assert client.handleMessage([b"junk"], 0) == []
+
+
+def drops(actions: list) -> list:
+    return [(a.peer, a.reason) for a in actions if isinstance(a, DropPeer)]
+
+
+def test_no_connection_holds_a_slot_without_a_session() -> None:
+    """A session that ends closes its connection; a connection that goes on
+    without one (PINGs only, say) is closed after the expiry; one a session
+    moved away from is closed at once."""
+    server = ServerSessionMachine(expiry=30)
+    hello = codec.encode(codec.Hello(b"a" * 16, 0))
+    server.handleMessage("c1", hello, 0)
+    # the client attaches on a new connection: the one left behind is closed
+    assert drops(server.handleMessage("c2", hello, 1)) == [
+        ("c1", "its session 1 moved to another connection")]
+    # a connection that only pings, never says HELLO
+    ping = codec.encode(codec.Ping(0))
+    assert server.handleMessage("idle", ping, 2) == [SendTo("idle", codec.encode(codec.Unknown()))]
+    server.handleMessage("idle", ping, 20)
+    server.handleMessage("c2", ping, 20)  # the session is alive
+    assert drops(server.handleTick(31)) == []
+    assert drops(server.handleTick(32)) == [("idle", "no session attached within 30s")]
+    # the session falls silent: it ends, and its connection is closed
+    actions = server.handleTick(50)
+    assert drops(actions) == [("c2", "its session 1 ended: silent for 30s")]
+    assert server.sessions == {} and server.handleTick(100) == []
+
+
+def test_a_session_ended_for_being_full_closes_its_connection() -> None:
+    server = ServerSessionMachine(maxQueued=1)
+    server.handleMessage("c", codec.encode(codec.Hello(b"a" * 16, 0)), 0)
+    assert drops(server.end(1, 1)) == [("c", "its session 1 ended: it could not hold what it "
+                                             "was given")]
+
+
+def test_connections_without_a_session_are_bounded() -> None:
+    from mdp.session.machines import MAX_UNATTACHED
+
+    server = ServerSessionMachine()
+    ping = codec.encode(codec.Ping(0))
+    for n in range(MAX_UNATTACHED):
+        assert not drops(server.handleMessage(n, ping, 0))
+    assert drops(server.handleMessage("one more", ping, 0)) == [
+        (0, f"more than {MAX_UNATTACHED} connections without a session")]
 
 
 def test_sessions_are_bounded() -> None:

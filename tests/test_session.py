@@ -379,4 +379,42 @@ async def test_a_session_that_cannot_take_more_ends_rather_than_lose_one(clockne
     for n in range(5):
         bound.sendMessage(peer, [b"%d" % n])
     clocknet.reactor.advance(0)
-    assert server.gone == [peer] and bound.machine.sessions == {}
+    # ended, and its connection closed (a client that comes back opens another)
+    assert server.gone == [peer] and 1 not in bound.machine.byRouting
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connection_sending_what_is_no_session_message_is_closed() -> None:
+    """Over real TCP: a well-framed record that is not a session message
+    closes its connection, so garbage holds no ``maxConnections`` slot."""
+    from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+    from twisted.internet.protocol import Protocol
+
+    from mdp.policy import Limits
+    from mdp.transport.framing import encode_record
+
+    @implementer(IRouterReceiver)
+    class Quiet:
+        def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+            pass
+
+        def peerDisconnected(self, peer: bytes) -> None:
+            pass
+
+    class Raw(Protocol):
+        def __init__(self) -> None:
+            self.lost: defer.Deferred[None] = defer.Deferred()
+
+        def connectionLost(self, reason: Any = None) -> None:
+            self.lost.callback(None)
+
+    bound = await transport.listen("session+tcp:host=127.0.0.1:port=0", Quiet(), reactor(),
+                                   limits=Limits(maxConnections=2))
+    try:
+        port = int(bound.endpoint.rsplit("=", 1)[1])
+        for _ in range(3):  # more than the slots: each is closed in turn
+            raw = await connectProtocol(TCP4ClientEndpoint(reactor(), "127.0.0.1", port), Raw())
+            raw.transport.write(encode_record([b"not a session message"]))
+            await raw.lost.addTimeout(10, reactor())
+    finally:
+        await bound.close()

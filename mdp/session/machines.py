@@ -43,10 +43,16 @@ HELLO, known id          the connection is attached to the session (a previous o
 DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
                          from a connection with no session, or DATA after a gap:
                          UNKNOWN (the client attaches again and resends)
+not a session message    dropped, and its connection closed (:class:`DropPeer`)
 reply(routingId, ...)    numbered, kept, sent if the session is attached
 peer gone                the session is detached, kept until it expires
-tick                     sessions silent for *expiry* seconds end (:class:`Expired`)
+tick                     sessions silent for *expiry* seconds end (:class:`Expired`),
+                         their connection closed; a connection that went on
+                         without a session for *expiry* seconds is closed
 =======================  =============================================================
+
+A connection closed here holds no slot of the inner transport's
+``maxConnections`` (on transports with a connection per peer).
 """
 
 from __future__ import annotations
@@ -148,6 +154,20 @@ class Expired:
     """Server: the session *routingId* ended (silent for the expiry)."""
 
     routingId: int
+
+
+@action_class
+class DropPeer:
+    """Server: close the connection *peer* (garbage, a session that ended,
+    or none attached for the expiry): it must not hold a connection slot."""
+
+    peer: Any
+    reason: str
+
+
+#: most connections without a session a server keeps track of (the oldest
+#: beyond are closed at once)
+MAX_UNATTACHED = 4096
 
 
 class _Sequenced:
@@ -424,6 +444,8 @@ class ServerSessionMachine(Machine):
         self._opened: dict[Hashable, _Session] = {}
         #: HELLOs refused at maxSessions
         self.refused = 0
+        #: connections heard from without a session, since when
+        self._unattached: OrderedDict[Hashable, float] = OrderedDict()
         self.throttle = LogThrottle(self)
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
@@ -435,14 +457,22 @@ class ServerSessionMachine(Machine):
         try:
             message = codec.decode(frames)
         except MalformedSession as e:
-            self.throttle.warn(log, "malformed", "sessions: dropped a message from {peer!r}: "
-                               "{reason}", peer=peer, reason=e)
+            self.throttle.warn(log, "malformed", "sessions: dropped a message from {peer!r} "
+                               "and its connection: {reason}", peer=peer, reason=e)
+            self._drop(peer, f"not a session message: {e}")
             return self._drain()
         if isinstance(message, codec.Hello):
             self._attach(peer, message)
             return self._drain()
         session = self.byPeer.get(peer)
         if session is None:
+            unattached = self._unattached
+            if peer not in unattached:
+                unattached[peer] = now
+                if len(unattached) > MAX_UNATTACHED:
+                    oldest = next(iter(unattached))
+                    self._drop(oldest, f"more than {MAX_UNATTACHED} connections without a "
+                                       "session")
             if self._mayTell(peer):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
             return self._drain()
@@ -484,18 +514,27 @@ class ServerSessionMachine(Machine):
         self.now = now
         session = self.byRouting.get(routingId)
         if session is not None:
-            self._end(session)
+            self._end(session, "it could not hold what it was given")
         return self._drain()
 
-    def _end(self, session: _Session) -> None:
-        """Forget *session*, and report it :class:`Expired`."""
+    def _end(self, session: _Session, why: str, drop: bool = True) -> None:
+        """Forget *session*, report it :class:`Expired`, and (with *drop*)
+        close the connection attached to it."""
         del self.sessions[session.session]
         del self.byRouting[session.routingId]
         if session.peer is not None and self.byPeer.get(session.peer) is session:
             del self.byPeer[session.peer]
+            if drop:
+                self._drop(session.peer, f"its session {session.routingId} ended: {why}")
         if self._opened.get(session.openedBy) is session:
             del self._opened[session.openedBy]
         self._emit(Expired(session.routingId))
+
+    def _drop(self, peer: Hashable, reason: str) -> None:
+        """Close the connection *peer* and forget it."""
+        self._unattached.pop(peer, None)
+        self._told.pop(peer, None)
+        self._emit(DropPeer(peer, reason))
 
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
         self.attaches += 1
@@ -507,7 +546,7 @@ class ServerSessionMachine(Machine):
             self.throttle.warn(log, "second", "sessions: {peer!r} attached another session; "
                                "the one it held ({id}) ends (one session per connection)",
                                peer=peer, id=held.routingId)
-            self._end(held)
+            self._end(held, "another was attached on its connection", drop=False)
         if session is None:
             earlier = self._opened.get(peer)
             if earlier is not None and earlier.peer is None:
@@ -516,7 +555,7 @@ class ServerSessionMachine(Machine):
                 self.throttle.warn(log, "second", "sessions: {peer!r} opened another session; "
                                    "the one it opened before ({id}) ends (one session per "
                                    "connection)", peer=peer, id=earlier.routingId)
-                self._end(earlier)
+                self._end(earlier, "its connection opened another", drop=False)
             if len(self.sessions) >= self.maxSessions:
                 self.refused += 1
                 self.throttle.warn(log, "full", "sessions: refused a new session from {peer!r}: "
@@ -538,7 +577,11 @@ class ServerSessionMachine(Machine):
             self.byRouting[session.routingId] = session
             self._emit(Opened(session.routingId))
         if session.peer is not None and session.peer != peer:
+            # the client's earlier connection, left behind: it must not hold a slot
             self.byPeer.pop(session.peer, None)
+            self._drop(session.peer, f"its session {session.routingId} moved to another "
+                                     "connection")
+        self._unattached.pop(peer, None)
         session.peer = peer
         session.lastHeard = self.now
         self.byPeer[peer] = session
@@ -571,13 +614,20 @@ class ServerSessionMachine(Machine):
         if session is not None:
             session.peer = None
         self._opened.pop(peer, None)
+        self._unattached.pop(peer, None)
         return self._drain()
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
+        unattached = self._unattached
+        while unattached:
+            peer, since = next(iter(unattached.items()))
+            if now - since < self.expiry:
+                break
+            self._drop(peer, f"no session attached within {self.expiry:g}s")
         for session in list(self.sessions.values()):
             if now - session.lastHeard >= self.expiry:
-                self._end(session)
+                self._end(session, f"silent for {self.expiry:g}s")
                 continue
             ack = session.seq.ackDue(force=True)
             if ack is not None:

@@ -33,6 +33,7 @@ from mdp.session.machines import (
     DEFAULT_PING_INTERVAL,
     ClientSessionMachine,
     Deliver,
+    DropPeer,
     Expired,
     Reconnect,
     Refusal,
@@ -173,6 +174,12 @@ class SessionRouter(_End):
             elif isinstance(action, Expired):
                 self._safely("peerDisconnected", self.receiver.peerDisconnected,
                              routing_bytes(action.routingId))
+            elif isinstance(action, DropPeer):
+                if self.inner is not None:
+                    self.throttle.info(log, "drop", "session router at {endpoint}: closed a "
+                                       "connection: {reason}", endpoint=self.endpoint,
+                                       reason=action.reason)
+                    self.inner.disconnectPeer(action.peer)
 
     # --- IRouterTransport -----------------------------------------------------------
 
