@@ -378,3 +378,10 @@ def test_a_peer_whose_endpoint_we_cannot_dial_is_ignored_before_any_event() -> N
     machine.handleStart(OUR_EP, 0)
     assert machine.handleMessage(identity_of(PEER), hello(endpoint="inproc://broker"), 0) == []
     assert machine.handleBeacon(PEER, "loopback:x", 0) == [] and machine.peers == {}
+
+
+def test_a_peer_that_names_our_own_endpoint_is_ignored() -> None:
+    """A link to ourselves would be a peer no one answers for."""
+    machine = started()
+    assert machine.handleMessage(identity_of(PEER), hello(endpoint=OUR_EP), 0) == []
+    assert machine.handleBeacon(PEER, OUR_EP, 0) == [] and machine.peers == {}

@@ -56,7 +56,8 @@ async def test_request_reply_close_dialog(clocknet: LoopbackNet) -> None:
     (protocol.REQUEST, [b"mmi.service", b"echo"], b"answered by the broker at once"),
     (protocol.REPLY, [b"not-a-uuid"], b"is not a request id"),
     (protocol.REPLY, [b"a", b"b"], b"takes one frame"),
-    (protocol.CLOSE, [b"{12345678-1234-5678-1234-567812345678}"], b"RFC 4122 text form"),
+    (protocol.CLOSE, [b"{12345678-1234-5678-1234-567812345678}"], b"canonical text form"),
+    (protocol.REPLY, [b"0ECE3045-1234-5678-1234-567812345678"], b"8-4-4-4-12 lowercase hex"),
 ])
 @pytest_twisted.ensureDeferred
 async def test_malformed_bodies_get_500_saying_why(clocknet: LoopbackNet, service: bytes,

@@ -208,6 +208,10 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
     wrongService = await store.add(b"echo", [b"service"], 3.0)
     after = await store.add(b"echo", [b"after"], 4.0)
     answered = await store.add(b"echo", [b"answered"], 5.0)
+    # services titanic.request would have refused: asked about for ever, or
+    # calling Titanic itself
+    badNames = [await store.add(name, [b"x"], 7.0)
+                for name in (b"", b"\xff\xfe", b"titanic.request")]
     await store.complete(answered, [b"REPLY"], 6.0)
     await store.close()
     db = sqlite3.connect(path)
@@ -221,7 +225,9 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
     try:
         pending = [(p.id, p.service, p.frames) for p in await store.pending(10)]
         assert pending == [(before, b"echo", [b"before"]), (damaged, b"echo", []),
-                           (wrongService, b"", []), (after, b"echo", [b"after"])]
+                           (wrongService, b"", []), (after, b"echo", [b"after"]),
+                           (badNames[0], b"", []), (badNames[1], b"\xff\xfe", []),
+                           (badNames[2], b"titanic.request", [])]
         # a row that cannot even be answered (its id is damaged) takes no one's place
         assert [p.id for p in await store.pending(3)] == [before, damaged, wrongService]
         with pytest.raises(StoreError, match=f"reply to {answered} is damaged"):
@@ -242,3 +248,40 @@ def test_a_store_error_is_logged_in_one_line_and_a_bug_with_its_traceback() -> N
     report_failure(logger, Failure(RuntimeError("a bug")), "could not store {id}", id="y")
     assert formatEvent(events[0]) == "could not store x: disk I/O error"
     assert "log_failure" not in events[0] and events[1]["log_failure"].check(RuntimeError)
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_another_applications_database_is_refused_and_left_as_it_is(tmp_path: Any) -> None:
+    import sqlite3
+
+    for name, schema in (("theirs.db", "CREATE TABLE requests (a, b)"),
+                         ("other.db", "CREATE TABLE accounts (id, balance)")):
+        path = str(tmp_path / name)
+        db = sqlite3.connect(path)
+        db.execute(schema)
+        db.commit()
+        db.close()
+        with pytest.raises(StoreError, match="is not a Titanic store: .*left as it is"):
+            await SQLiteStore(path, reactor()).open()
+        db = sqlite3.connect(path)
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not made WAL
+        assert [n for (n,) in db.execute("SELECT name FROM sqlite_master")] == [
+            schema.split()[2]]
+        db.close()
+        assert not os.path.exists(path + "-wal")
+    # a directory is not a file, whatever its link count
+    (tmp_path / "dir.db").mkdir()
+    with pytest.raises(StoreError, match="not a file"):
+        await SQLiteStore(str(tmp_path / "dir.db"), reactor()).open()
+    # a store of its own opens again, as before
+    own = str(tmp_path / "own.db")
+    store = SQLiteStore(own, reactor())
+    await store.open()
+    await store.add(b"echo", [b"x"], 1.0)
+    await store.close()
+    await store.open()
+    try:
+        assert len(await store.pending(10)) == 1
+    finally:
+        await store.close()

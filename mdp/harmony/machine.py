@@ -495,6 +495,8 @@ class HarmonyMachine(Machine):
         if peer is not None:
             return peer
         why = self.reachable(endpoint)
+        if why is None and self.endpoint and same_endpoint(endpoint, self.endpoint):
+            why = "is this node's own (another peer cannot answer there)"
         if why is not None:
             self.throttle.warn(log, "unreachable", "ZRE: ignoring {uuid}: its endpoint {endpoint!r} "
                                "{why}", uuid=uuid, endpoint=endpoint, why=why)

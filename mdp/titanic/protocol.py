@@ -72,8 +72,9 @@ def parse_id(body: Sequence[bytes], service: bytes) -> str:
         parsed = uuid.UUID(text)
     except (UnicodeDecodeError, ValueError):
         raise MalformedTitanicRequest(f"{bytes(body[0])[:64]!r} is not a request id (a UUID)") from None
-    if str(parsed) != text.lower():
-        raise MalformedTitanicRequest(f"{text!r} is not a request id in RFC 4122 text form")
+    if str(parsed) != text:  # lowercase, as Titanic gives them out
+        raise MalformedTitanicRequest(f"{text!r} is not a request id in canonical text form "
+                                      "(8-4-4-4-12 lowercase hex)")
     return str(parsed)
 
 

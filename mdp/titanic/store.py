@@ -37,6 +37,7 @@ from zope.interface import Interface, implementer
 
 from mdp.errors import ProtocolError, StoreError
 from mdp.policy import Limits, default_reactor
+from mdp.titanic.protocol import MalformedTitanicRequest, parse_request
 from mdp.transport.framing import decode_record, encode_record
 
 
@@ -183,6 +184,26 @@ CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE repl
 """
 
 
+#: the columns of the requests table (a database holding another table of that
+#: name, or tables of its own, is someone else's: left as it is)
+_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed")
+_OURS = ("requests", "requests_pending", "requests_completed")
+
+
+def _foreign(db: sqlite3.Connection) -> Optional[str]:
+    """Why the database *db* is not a Titanic store (None if it is, or is empty)."""
+    names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
+             if not name.startswith("sqlite_")]
+    others = sorted(set(names) - set(_OURS))
+    if others:
+        return f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
+    if "requests" in names:
+        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
+        if columns != _COLUMNS:
+            return f"its requests table is not Titanic's (columns {', '.join(columns)})"
+    return None
+
+
 #: Stored frames are read back whatever the current message limits: the store
 #: keeps only what it accepted.
 _UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
@@ -217,9 +238,17 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
     rest."""
     requestId, service, blob, created = row
     frames = _frames(blob)
-    if not isinstance(service, bytes) or not isinstance(created, (int, float)) or not frames:
-        log.error("Titanic store: the stored request {id} is damaged and cannot be read back: "
-                  "it is answered with an error", id=requestId)
+    why = None
+    if isinstance(service, bytes) and frames:
+        try:  # what titanic.request accepts (a file can hold anything)
+            parse_request([service, *frames])
+        except MalformedTitanicRequest as e:
+            why = str(e)
+    if (not isinstance(service, bytes) or not isinstance(created, (int, float)) or not frames
+            or why is not None):
+        log.error("Titanic store: the stored request {id} is damaged and cannot be read back"
+                  "{why}: it is answered with an error", id=requestId,
+                  why=f" ({why})" if why else "")
         return StoredRequest(requestId, service if isinstance(service, bytes) else b"", [],
                              created if isinstance(created, (int, float)) else 0.0)
     return StoredRequest(requestId, service, frames, created)
@@ -266,6 +295,11 @@ class SQLiteStore:
             if not check or check[0] != "ok":
                 db.close()
                 raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
+            why = _foreign(db)  # before anything is written to it (WAL mode stays)
+            if why is not None:
+                db.close()
+                raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
+                                 "left as it is")
             if self.path != ":memory:":
                 mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if mode.lower() != "wal":
@@ -351,6 +385,8 @@ class SQLiteStore:
         if self.path == ":memory:":
             return
         real = os.path.realpath(self.path)
+        if os.path.exists(real) and not os.path.isfile(real):
+            raise StoreError(f"Titanic store {self.path}: not a file")
         try:
             links = os.stat(real).st_nlink
         except OSError:
