@@ -12,9 +12,14 @@ first instant, before Twisted and ZeroMQ are loaded.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # what the names are, for type checkers and readers
+#: (not typing's: importing typing takes milliseconds of the script's start;
+#: type checkers take any name TYPE_CHECKING as true)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    # what the names are, for type checkers and readers
     from mdp.app.service import BrokerService, WorkerService
     from mdp.binarystar import BinaryStar
     from mdp.errors import (
@@ -94,14 +99,23 @@ __all__ = [
 ]
 
 
+#: the subpackages and modules, loaded when first used as ``mdp.NAME`` too
+_MODULES = ("app", "binarystar", "blocking", "errors", "freelance", "handlers", "harmony",
+            "interfaces", "machine", "majordomo", "messages", "metrics", "policy", "session",
+            "sp", "spark", "testing", "titanic", "transport")
+
+
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
-    if home is None:
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"mdp.{name}")
+    else:
         raise AttributeError(f"module 'mdp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
     globals()[name] = value  # once: later uses are plain attribute reads
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+    return sorted({"__version__", *__all__, *_MODULES})

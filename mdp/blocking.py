@@ -76,6 +76,9 @@ from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity
 
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 
+#: the longest wait one poll takes (its timeout is a C int of milliseconds)
+_MAX_WAIT_MS = 2**31 - 1
+
 log = Logger()
 #: how long closing a worker's socket may take to send its DISCONNECT (ms)
 LINGER_MS = 200
@@ -240,7 +243,8 @@ class _Loop:
             retry = pipe.retryAt
             if retry is not None and (when is None or retry < when):
                 when = retry
-        timeout = -1 if when is None else max(0, math.ceil((when - now) * 1000))
+        # (poll takes at most 2**31-1 ms: a longer wait is several turns)
+        timeout = -1 if when is None else min(max(0, math.ceil((when - now) * 1000)), _MAX_WAIT_MS)
         pipes = self.pipes
         if len(pipes) == 1 and not streams:
             for only in pipes.values():

@@ -151,13 +151,21 @@ def default_reactor(reactor: Optional[Any] = None) -> Any:
     return reactor
 
 
+#: the longest time any option takes, in seconds (about 31 years): beyond,
+#: sums and timers overflow (and nothing waits that long)
+MAX_SECONDS = 1e9
+
+
 def positive_seconds(name: str, value: Any) -> float:
     """*value* as seconds: ``TypeError`` if it is no number, ``ValueError``
-    (naming *name*) if it is not positive."""
+    (naming *name*) if it is not positive, or not finite, or over
+    :data:`MAX_SECONDS`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} is a number of seconds, not {type(value).__name__}")
     if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not value <= MAX_SECONDS:  # inf too
+        raise ValueError(f"{name} must be at most {MAX_SECONDS:g} seconds, got {value!r}")
     return float(value)
 
 

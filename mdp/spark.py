@@ -234,14 +234,14 @@ def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]],
     malformed broker endpoint, ``TypeError``/``ValueError`` for the rest."""
     from mdp import transport
     from mdp.majordomo import codec
+    from mdp.policy import positive_seconds
 
     if onError not in ON_ERROR:
         raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
-    for option, value in (("timeout", timeout), ("retries", retries), ("window", window)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{option} is a number, not {type(value).__name__}")
-    if not timeout > 0:  # NaN too
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
+    for option, value in (("retries", retries), ("window", window)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{option} is a whole number, not {type(value).__name__}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
     if window < 1:

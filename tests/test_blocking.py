@@ -71,6 +71,9 @@ async def test_request_returns_the_reply_frames_and_raises_typed_errors(kind: st
 
         def work() -> dict[str, Any]:
             seen: dict[str, Any] = {}
+            # a wait longer than one poll takes (2**31 ms) is several
+            with Client(cluster.endpoint, timeout=3e6, retries=1) as patient:
+                seen["patient"] = patient.request("upper", b"long")
             with Client(cluster.endpoint, timeout=5, retries=2) as client:
                 seen["upper"] = client.request("upper", b"hello", "world")
                 seen["tagged"] = client.request(b"work", b"one")
@@ -97,7 +100,7 @@ async def test_request_returns_the_reply_frames_and_raises_typed_errors(kind: st
             return seen
 
         seen = await run(work)
-        assert seen["upper"] == [b"HELLO", b"WORLD"]
+        assert seen["upper"] == [b"HELLO", b"WORLD"] and seen["patient"] == [b"LONG"]
         assert seen["tagged"][1] == b"one"
         assert isinstance(seen["nobody"], errors.ServiceUnavailable)
         assert isinstance(seen["fail"], errors.WorkerError)
@@ -389,6 +392,12 @@ async def test_the_blocking_client_needs_no_reactor() -> None:
         assert done.stdout.splitlines() == ["[b'PLAIN']", "[[b'A'], [b'B']]", "False"]
     finally:
         await cluster.stop()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e308, float("nan"), 0])
+def test_a_timeout_no_timer_takes_is_refused_at_once(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout must be"):
+        Client("zmq:tcp://127.0.0.1:5555", timeout=timeout)
 
 
 def test_endpoints_it_cannot_speak_are_refused_at_once() -> None:

@@ -171,7 +171,9 @@ def test_a_nan_is_one_line_and_exit_2(capsys: Any, sigint: None) -> None:
 #: the ``mdp`` script, held while it imports the command line (Twisted, ZeroMQ)
 #: until its standard input has a line: Ctrl-C can come in that instant
 HELD_IN_IMPORT = """
-import importlib.abc, sys
+import importlib.abc, signal, sys
+if sys.argv[1] == "ignored":  # as a program started in the background inherits it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 class Gate(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "mdp.app.cli":
@@ -180,13 +182,14 @@ class Gate(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Gate())
 from mdp.app.console import main
-main(sys.argv[1:])
+main(sys.argv[2:])
 """
 
 
 @pytest_twisted.ensureDeferred
 async def test_ctrl_c_while_the_library_loads_is_exit_130_and_quiet() -> None:
-    proc = Process(reactor(), python("-c", HELD_IN_IMPORT, "call", "echo", "x"), env=ENV)
+    proc = Process(reactor(), python("-c", HELD_IN_IMPORT, "caught", "call", "echo", "x"),
+                   env=ENV)
     try:
         await proc.waitFor("importing", 60)
         assert "twisted.internet.reactor" not in proc.output.decode()
@@ -198,12 +201,31 @@ async def test_ctrl_c_while_the_library_loads_is_exit_130_and_quiet() -> None:
     assert proc.output == b"importing\n"
 
 
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_ignored_by_the_parent_stays_ignored() -> None:
+    proc = Process(reactor(), python("-c", HELD_IN_IMPORT, "ignored", "--version"), env=ENV)
+    try:
+        await proc.waitFor("importing", 60)
+        proc.signalProcess(signal.SIGINT)  # ignored: nothing happens
+        proc.transport.write(b"go on\n")
+        await proc.ended(30)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == 0, proc.output
+    assert b"txmajordomo" in proc.output
+
+
 def test_the_package_loads_its_names_when_first_used() -> None:
     """``import mdp`` alone loads neither Twisted's reactor nor ZeroMQ (the
     script's first instant is cheap); every public name is still there."""
     code = ("import sys, mdp\n"
             "assert 'zmq' not in sys.modules and 'twisted.internet.reactor' not in sys.modules\n"
-            "assert 'mdp.majordomo.broker' not in sys.modules\n"
+            "assert 'mdp.majordomo.broker' not in sys.modules and 'typing' not in sys.modules\n"
+            "import pkgutil\n"
+            "found = {m.name for m in pkgutil.iter_modules(mdp.__path__)}\n"
+            "assert found == set(mdp._MODULES), found ^ set(mdp._MODULES)\n"
+            "assert mdp.transport.register and mdp.policy.HeartbeatPolicy\n"
+            "assert 'TYPE_CHECKING' not in dir(mdp) and 'transport' in dir(mdp)\n"
             "assert sorted(mdp.__all__) == sorted(mdp._HOMES)\n"
             "from mdp import *\n"
             "names = [getattr(mdp, n) for n in mdp.__all__]\n"

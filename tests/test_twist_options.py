@@ -139,9 +139,13 @@ def test_a_message_and_its_frame_lengths_must_fit_a_stream_record() -> None:
 
 
 def test_an_infinite_heartbeat_expiry_is_a_usage_error_while_parsing() -> None:
-    """Both values fine on their own, their product is not: postOptions says so."""
-    with pytest.raises(usage.UsageError, match="--heartbeat 1e\\+308 --liveness 10"):
+    """Both values fine on their own, their product is not: postOptions says so
+    (a huge but finite number of seconds is refused on its own)."""
+    with pytest.raises(usage.UsageError, match="--heartbeat must be at most 1e\\+09 seconds"):
         parse(BrokerOptions, "--heartbeat", "1e308", "--liveness", "10")
+    for option in ("--bstar-heartbeat", "--request-expiry", "--handshake-timeout"):
+        with pytest.raises(usage.UsageError, match=f"{option} must be at most"):
+            parse(BrokerOptions, option, "1e308")
     with pytest.raises(usage.UsageError, match="must be finite"):
         parse(WorkerOptions, "--heartbeat", "2.5", "--liveness", "1" + "0" * 400)
 
@@ -228,3 +232,31 @@ def test_limits_still_take_any_whole_number() -> None:
     unbounded = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
     assert unbounded.oversize(10 ** 12, 10 ** 6) is None
     assert Limits(handshakeTimeout=0.001, recordTimeout=1e9).recordTimeout == 1e9
+
+
+def test_a_metrics_endpoint_whose_files_cannot_be_read_is_a_usage_error(tmp_path: Any) -> None:
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(usage.UsageError, match="--metrics: .*missing.pem"):
+        parse(BrokerOptions, "--metrics", f"ssl:0:privateKey={missing}")
+
+
+def test_two_services_failing_stop_the_reactor_once() -> None:
+    from mdp.app.service import _stop_and_exit
+
+    class Reactor:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def addSystemEventTrigger(self, *args: Any) -> None:
+            self.calls.append("trigger")
+
+        def callWhenRunning(self, f: Any) -> None:
+            self.calls.append("stop")
+
+        def stop(self) -> None:
+            pass
+
+    reactor = Reactor()
+    _stop_and_exit(reactor, 1)
+    _stop_and_exit(reactor, 1)  # the metrics endpoint failed too
+    assert reactor.calls == ["trigger", "stop"]

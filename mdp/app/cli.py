@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 from typing import Any, Optional, Sequence
 
@@ -62,7 +61,7 @@ from twisted.internet import defer, task
 from twisted.python import usage
 
 from mdp import transport
-from mdp.app.console import EXIT_INTERRUPTED
+from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
 from mdp.app.tap import (
     CURVE_CLIENT_OPTIONS,
@@ -795,7 +794,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``mdp`` console script.  Whatever the command is
     doing, Ctrl-C exits with status 130 and a reader of its output that has
     gone with 141, neither with a traceback."""
-    signal.signal(signal.SIGINT, _interrupted)  # until the command starts
+    catch_interrupt(_interrupted)  # until the command starts
     _Output.gone = False
     try:
         try:
@@ -854,7 +853,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
 
         # Ctrl-C: stop cleanly (leaving chats say so), then exit 130, no traceback;
         # from now on, as the command's first steps run before the reactor does
-        signal.signal(signal.SIGINT, onInterrupt)
+        catch_interrupt(onInterrupt)
         return defer.ensureDeferred(guarded(reactor))
 
     try:

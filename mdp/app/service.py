@@ -122,7 +122,11 @@ class BrokerService(Service):
 
 
 def _stop_and_exit(reactor: Any, status: int) -> None:
-    """Stop *reactor*, then exit with *status* (twist itself always exits 0)."""
+    """Stop *reactor*, then exit with *status* (twist itself always exits
+    0); once, however many services fail."""
+    if getattr(reactor, "_mdpExiting", False):
+        return
+    reactor._mdpExiting = True
     reactor.addSystemEventTrigger("after", "shutdown", _exit, status)
     reactor.callWhenRunning(reactor.stop)
 

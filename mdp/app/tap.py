@@ -21,6 +21,7 @@ from mdp.policy import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_PENDING_BYTES,
     FRAME_OVERHEAD,
+    MAX_SECONDS,
     Backoff,
     HeartbeatPolicy,
     Limits,
@@ -89,6 +90,8 @@ def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], floa
             raise ValueError(f"--{option}: not a number of seconds: {value!r}") from None
         if least is None and not (math.isfinite(number) and number > 0):
             raise ValueError(f"--{option} must be a positive number of seconds, got {value}")
+        if number > MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
+            raise ValueError(f"--{option} must be at most {MAX_SECONDS:g} seconds, got {value}")
         if least is not None and not (math.isfinite(number) and number >= least):
             raise ValueError(f"--{option} must be a number of seconds of at least {least:g}, "
                              f"got {value}")
@@ -299,6 +302,8 @@ def checked_metrics(options: usage.Options) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise usage.UsageError(f"--metrics: not a Twisted server endpoint: "
                                f"{options['metrics']!r} ({e})") from None
+    except OSError as e:  # ssl: a key or certificate file it cannot read
+        raise usage.UsageError(f"--metrics: {options['metrics']!r}: {e}") from None
 
 
 def metrics_of(options: usage.Options, kind: str) -> Any:

@@ -150,7 +150,14 @@ from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
 from mdp.messages import text as label
-from mdp.policy import EndpointRotation, Limits, LogThrottle, call_at, default_reactor
+from mdp.policy import (
+    MAX_SECONDS,
+    EndpointRotation,
+    Limits,
+    LogThrottle,
+    call_at,
+    default_reactor,
+)
 
 log = Logger()
 
@@ -168,6 +175,8 @@ DEFAULT_MAX_CONNECTIONS = 64
 def _check_attempts(timeout: float, retries: int) -> None:
     if not timeout > 0:  # NaN too
         raise ValueError(f"timeout must be positive, got {timeout}")
+    if not timeout <= MAX_SECONDS:  # inf too: no timer takes it
+        raise ValueError(f"timeout must be at most {MAX_SECONDS:g} seconds, got {timeout}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
 
