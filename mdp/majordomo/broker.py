@@ -1110,7 +1110,9 @@ class BrokerMachine(Machine):
     def _dispatch(self, service: ServiceQueue) -> None:
         """Hand queued requests to idle workers, least recently used first
         (none while passive)."""
-        while service.size and service.idle and not self._passive:
+        if self._passive:
+            return
+        while service.size and service.idle:
             _, worker = service.idle.popitem(last=False)
             self._assign(worker, service.nextRequest())
 
