@@ -17,7 +17,6 @@ are in ``docs/metrics.md``.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -538,14 +537,6 @@ def _count(name: str, value: Any, least: int) -> int:
     return value
 
 
-def _seconds(name: str, value: Any) -> float:
-    """*value* as a finite, positive number of seconds (a deadline must come)."""
-    seconds = positive_seconds(name, value)
-    if not math.isfinite(seconds):
-        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-    return seconds
-
-
 def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                  maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
                  maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
@@ -561,7 +552,7 @@ def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),
                         maxConnections=_count("maxConnections", maxConnections, 1),
-                        requestTimeout=_seconds("requestTimeout", requestTimeout),
+                        requestTimeout=positive_seconds("requestTimeout", requestTimeout),
                         maxBodyBytes=_count("maxBodyBytes", maxBodyBytes, 0))
 
 
