@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 from benchmarks import security
 from benchmarks.harness import Processes, cpu_seconds, rss_bytes, zmq_mmi
+from mdp import _compiled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
@@ -44,6 +45,10 @@ STACKS = {
     "ours-blocking": ("ours", "blocking", "blocking", None),
 }
 
+#: the same stacks run from the plain source (``MDP_PURE_PYTHON=1``), where the
+#: install compiled the hot modules (mdp/_compiled.py): what compiling buys
+SOURCE_STACKS = {f"{stack} (source)": stack for stack in ("ours", "ours-blocking")}
+
 #: the stream case's rate before the second round of speed work (docs/performance.md,
 #: 2026-11-22): 40 streams of 1,000 PARTIALs a second.  A baseline from another run:
 #: the old code is not in this one.
@@ -61,8 +66,8 @@ def percentile(values: list[float], q: float) -> float:
 def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, n: int,
              warmup: int, size: int, window: int = 1) -> dict[str, Any]:
     """One repetition of one case; returns throughput, latency and CPU."""
-    broker_impl, worker_impl, client_impl, dialect = STACKS[stack]
-    with Processes() as procs, secured(transport):
+    broker_impl, worker_impl, client_impl, dialect = STACKS[SOURCE_STACKS.get(stack, stack)]
+    with Processes() as procs, secured(transport), source_only(stack in SOURCE_STACKS):
         if transport == "tls":
             bind = security.tls_bind()
         else:
@@ -113,6 +118,20 @@ def secured(transport: str) -> Iterator[None]:
         yield
     finally:
         del os.environ["MDP_BENCH_CURVE"]
+
+
+@contextlib.contextmanager
+def source_only(wanted: bool) -> Iterator[None]:
+    """The processes started meanwhile run the plain source of every module
+    (mdp/_compiled.py), if *wanted*."""
+    if not wanted:
+        yield
+        return
+    os.environ[_compiled.PURE_ENV] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[_compiled.PURE_ENV]
 
 
 def run_inproc(mode: str, clients: int, workers: int, n: int, warmup: int, size: int,
@@ -233,7 +252,7 @@ def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
     # the stacks a ratio compares run one after the other
     for stack in STACKS:
         add(f"sync 1x1 / {stack}", stack=stack, mode="sync", clients=1, workers=1, n=n_sync // 2)
-    for stack in STACKS:
+    for stack in (*STACKS, *SOURCE_STACKS):
         add(f"sync 4x4 / {stack}", stack=stack, mode="sync", clients=4, workers=4, n=n_sync)
     for stack in ("ours", "bare+ours", "majortomo-broker+our-peers", "ours+blocking-client"):
         add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1, workers=4,
@@ -334,6 +353,10 @@ def references(table: dict[str, Any]) -> list[dict[str, Any]]:
          "sync 4x4 / ours-broker+bare-peers", "sync 4x4 / bare"),
         ("4x4 sync zmq: our peers / blocking pyzmq peers (our broker)",
          "sync 4x4 / ours", "sync 4x4 / ours-broker+bare-peers"),
+        ("4x4 sync zmq: our stack compiled / from source (Twisted peers)", "sync 4x4 / ours",
+         "sync 4x4 / ours (source)"),
+        ("4x4 sync zmq: our stack compiled / from source (blocking peers)",
+         "sync 4x4 / ours-blocking", "sync 4x4 / ours-blocking (source)"),
         ("4x4 sync: CURVE (allow-list) / plain zmq", "sync 4x4 / ours over curve",
          "sync 4x4 / ours"),
         ("4x4 sync: mutual TLS (ssl:) / plain tcp", "sync 4x4 / ours over tls",
@@ -421,6 +444,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "platform": platform.platform()},
+        # what the processes ran: each hot module compiled, or its source
+        "modules": _compiled.status(),
         "smoke": args.smoke,
         "repetitions": repetitions,
         "cases": {name: {**described[name], **row} for name, row in table.items()},
@@ -432,6 +457,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     print(markdown(table, scale, checks, refs))
+    kinds = sorted(set(report["modules"].values()))
+    print(f"\nHot modules: {', '.join(kinds)} (mdp/_compiled.py; the (source) stacks run the source)")
     print(f"\nJSON written to {args.json}")
     return 0
 

@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import importlib
 
+from mdp import _compiled
+
+# before any module it lists is imported: a compiled module older than its
+# source (a working tree edited since the build) does not run
+_compiled.install()
+
 #: (not typing's: importing typing takes milliseconds of the script's start;
 #: type checkers take any name TYPE_CHECKING as true)
 TYPE_CHECKING = False

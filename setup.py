@@ -1,0 +1,71 @@
+"""Build: everything is in setup.cfg, but for the hot modules, which are
+compiled with Cython where this machine can (mdp/_compiled.py lists them and
+says why).  Each is an optional extension: without Cython, a C compiler or
+Python's headers, or with MDP_PURE_PYTHON=1, the package installs as the plain
+source, which is the same code."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_compiled = runpy.run_path(os.path.join(HERE, "mdp", "_compiled.py"))
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that warns and goes on where a module does not compile (the
+    source is installed in any case)."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:  # no compiler at all: setuptools raises before any module
+            self._skipped("all", e)
+
+    def build_extension(self, ext: object) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            self._skipped(getattr(ext, "name", "?"), e)
+
+    @staticmethod
+    def _skipped(name: str, error: BaseException) -> None:
+        sys.stderr.write(f"txmajordomo: not compiled ({name}): {error}; the source runs instead\n")
+
+
+def extensions() -> list:
+    """The listed modules as Cython extensions, or none (see the docstring)."""
+    if _compiled["pure_requested"]():
+        return []
+    try:
+        from Cython.Build import cythonize
+        from setuptools import Extension
+    except ImportError:
+        sys.stderr.write("txmajordomo: Cython is not installed; the modules are not compiled\n")
+        return []
+    modules = [
+        Extension(name, [os.path.join(*name.split(".")) + ".py"], optional=True)
+        for name in _compiled["MODULES"]
+    ]
+    try:
+        return cythonize(
+            modules,
+            build_dir=os.path.join("build", "cython"),
+            quiet=True,
+            nthreads=2,
+            # plain Python semantics, Python 3 syntax; no C asserts of types:
+            # the same behaviour as the source
+            compiler_directives={"language_level": 3, "binding": True,
+                                 "annotation_typing": False, "emit_code_comments": False},
+        )
+    except Exception as e:
+        sys.stderr.write(f"txmajordomo: Cython failed ({e}); the modules are not compiled\n")
+        return []
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
