@@ -7,14 +7,28 @@ source, which is the same code."""
 from __future__ import annotations
 
 import os
+import platform
 import runpy
 import sys
+import sysconfig
+import time
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_compiled = runpy.run_path(os.path.join(HERE, "mdp", "_compiled.py"))
+PACKAGE = os.path.join(HERE, "mdp")
+_compiled = runpy.run_path(os.path.join(PACKAGE, "_compiled.py"))
+
+
+def cores() -> int:
+    """The cores this build may use (its affinity, where the OS says), at
+    most one a module."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:
+        count = os.cpu_count() or 1
+    return max(1, min(count, len(_compiled["MODULES"])))
 
 
 class OptionalBuildExt(build_ext):
@@ -23,14 +37,17 @@ class OptionalBuildExt(build_ext):
 
     def finalize_options(self) -> None:
         if self.parallel is None:
-            self.parallel = os.cpu_count() or 1
+            self.parallel = cores()
         super().finalize_options()
 
     def run(self) -> None:
+        started = time.time()
         try:
             super().run()
         except Exception as e:  # no compiler at all: setuptools raises before any module
             self._skipped("all", e)
+        # what the working tree now holds, for the import hook (mdp/_compiled.py)
+        _compiled["write_record"](PACKAGE, started)
 
     def build_extension(self, ext: object) -> None:
         try:
@@ -46,6 +63,12 @@ class OptionalBuildExt(build_ext):
 def extensions() -> list:
     """The listed modules as Cython extensions, or none (see the docstring)."""
     if _compiled["pure_requested"]():
+        # compiled modules a working tree holds from an earlier build would run
+        _compiled["remove_compiled"](PACKAGE)
+        return []
+    if platform.python_implementation() != "CPython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        # PyPy runs the source faster than compiled; on a free-threaded
+        # CPython, importing these extensions would turn the GIL back on
         return []
     try:
         from Cython.Build import cythonize
@@ -64,7 +87,11 @@ def extensions() -> list:
             modules,
             build_dir=os.path.join("build", "cython"),
             quiet=True,
-            nthreads=os.cpu_count() or 1,
+            # Cython's worker processes, where they fork (elsewhere they
+            # would run this file again)
+            nthreads=cores() if sys.platform == "linux" and sys.version_info < (3, 14) else 0,
+            # a module Cython cannot compile stays source; the others compile
+            exclude_failures=True,
             # plain Python semantics, Python 3 syntax; no C asserts of types:
             # the same behaviour as the source
             compiler_directives={"language_level": 3, "binding": True,

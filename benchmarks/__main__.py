@@ -127,11 +127,15 @@ def source_only(wanted: bool) -> Iterator[None]:
     if not wanted:
         yield
         return
+    before = os.environ.get(_compiled.PURE_ENV)
     os.environ[_compiled.PURE_ENV] = "1"
     try:
         yield
     finally:
-        del os.environ[_compiled.PURE_ENV]
+        if before is None:
+            del os.environ[_compiled.PURE_ENV]
+        else:
+            os.environ[_compiled.PURE_ENV] = before
 
 
 def run_inproc(mode: str, clients: int, workers: int, n: int, warmup: int, size: int,

@@ -4,19 +4,22 @@ the import hook that decides, module by module, whether the compiled one runs.
 The hot paths of every node (the MDP machines, their drivers, the codecs and
 the transports' framing) are plain Python; compiled, the same source costs a
 request fewer instructions in the interpreter (docs/performance.md, round
-two, item 16).  Nothing depends on it: without a C compiler, Cython or
-Python's headers, or with ``MDP_PURE_PYTHON=1`` at install, the package is
-the plain source.
+two, item 16).  Nothing depends on it: without a C compiler or Python's
+headers, on an interpreter other than CPython's, or with
+``MDP_PURE_PYTHON=1`` at install, the package is the plain source.
 
 A compiled module (``client.cpython-311-x86_64-linux-gnu.so`` beside
-``client.py``) is what Python would import first.  In a working tree, a
-source edited after the build would then be shadowed by its old compiled
-self; so the source runs instead whenever it is newer than its compiled
-module, and always when ``MDP_PURE_PYTHON`` is set in the environment.  The
-check is one ``stat`` pair per listed module, once, when it is imported.
+``client.py``) is what Python would import first.  In a working tree (an
+editable install), a source edited after the build would then be shadowed by
+its old compiled self.  So the build records, in :data:`RECORD` beside this
+file, each source's size and modification time as it was compiled, and each
+compiled module's; a module whose source or compiled file no longer matches
+its record runs from source.  ``MDP_PURE_PYTHON`` set in the environment
+runs every source.  An install from a wheel has no record: what it holds was
+built together.
 
-This module imports nothing of the package: ``setup.py`` reads :data:`MODULES`
-from it before anything is installed.
+This module imports nothing of the package: ``setup.py`` runs it before
+anything is installed.
 """
 
 from __future__ import annotations
@@ -24,11 +27,10 @@ from __future__ import annotations
 import os
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
-from importlib.util import spec_from_file_location
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from typing import Optional
 
 #: the compiled modules, in the package's own terms
@@ -46,18 +48,23 @@ MODULES = (
     "mdp.transport.zeromq",
 )
 
-#: set (to anything but "" or "0") at install: no compiling; at run time: the
-#: sources run even where compiled modules are installed
+#: set (to anything but "" or "0") at install: no compiling, and compiled
+#: modules a working tree holds are removed; at run time: the sources run
+#: even where compiled modules are installed
 PURE_ENV = "MDP_PURE_PYTHON"
 
-#: a source this much newer than its compiled module is taken as edited since
-#: the build (files written by one install differ by far less)
-_SLACK_SECONDS = 2.0
+#: the build's record in a working tree (not part of a wheel): one line a
+#: module, "name source-size source-mtime-ns compiled-size compiled-mtime-ns"
+RECORD = "_compiled.record"
 
 _LISTED = frozenset(MODULES)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: directory -> its record, read once (None: there is none)
+_records: dict[str, Optional[dict[str, tuple[int, ...]]]] = {}
 
 
-def pure_requested(environ: Optional[dict[str, str]] = None) -> bool:
+def pure_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the environment asks for the plain sources."""
     value = (os.environ if environ is None else environ).get(PURE_ENV, "")
     return value not in ("", "0")
@@ -72,19 +79,107 @@ def compiled_file(directory: str, leaf: str) -> Optional[str]:
     return None
 
 
-def stale(source: str, compiled: str) -> bool:
-    """Whether *source* was changed after *compiled* was built from it."""
+def _signature(path: str) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def _paths(package: str, name: str) -> tuple[str, str]:
+    """The directory of module *name* under *package* (the ``mdp``
+    directory) and its last name."""
+    parts = name.split(".")[1:]
+    return os.path.join(package, *parts[:-1]), parts[-1]
+
+
+def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
+    """The build record of the package directory *package*, if it has one."""
     try:
-        return os.stat(source).st_mtime > os.stat(compiled).st_mtime + _SLACK_SECONDS
+        with open(os.path.join(package, RECORD), encoding="ascii") as f:
+            lines = f.read().splitlines()
     except OSError:
+        return None
+    record = {}
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 5 and fields[0] in _LISTED:
+            try:
+                record[fields[0]] = tuple(int(x) for x in fields[1:])
+            except ValueError:
+                continue
+    return record
+
+
+def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
+    if package not in _records:
+        _records[package] = read_record(package)
+    return _records[package]
+
+
+def current(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
+    """Whether the compiled module *name* in *package* was built from its
+    source as the source is now (True where there is no record at all)."""
+    if record is None:
         return True
+    entry = record.get(name)
+    if entry is None:
+        return False
+    directory, leaf = _paths(package, name)
+    compiled = compiled_file(directory, leaf)
+    try:
+        return (compiled is not None
+                and _signature(os.path.join(directory, leaf + ".py")) == entry[:2]
+                and _signature(compiled) == entry[2:])
+    except OSError:
+        return False
+
+
+def write_record(package: str, builtSince: float) -> None:
+    """After a build in the working tree *package*: record each compiled
+    module written there since *builtSince* (a time), keep the entries of
+    those untouched since an earlier build, and forget the rest."""
+    old = read_record(package) or {}
+    lines = []
+    for name in MODULES:
+        directory, leaf = _paths(package, name)
+        compiled = compiled_file(directory, leaf)
+        if compiled is None:
+            continue
+        signature = _signature(compiled)
+        if old.get(name, ())[2:] == signature:
+            entry = old[name]  # not rebuilt: its source as it was then
+        elif os.stat(compiled).st_mtime >= builtSince:
+            entry = _signature(os.path.join(directory, leaf + ".py")) + signature
+        else:
+            continue  # from no build we know of: runs as source
+        lines.append(" ".join([name, *map(str, entry)]) + "\n")
+    path = os.path.join(package, RECORD)
+    if not lines:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    with open(path, "w", encoding="ascii") as f:
+        f.writelines(lines)
+
+
+def remove_compiled(package: str) -> None:
+    """Remove the compiled modules and the record of the working tree
+    *package* (an install that asks for the plain sources)."""
+    for name in MODULES:
+        directory, leaf = _paths(package, name)
+        compiled = compiled_file(directory, leaf)
+        if compiled is not None:
+            os.remove(compiled)
+    try:
+        os.remove(os.path.join(package, RECORD))
+    except FileNotFoundError:
+        pass
 
 
 class SourceFirst:
     """A meta path finder for :data:`MODULES`: the plain source when the
-    environment asks for it or the compiled module is older than it; else
-    nothing (the usual finder takes the compiled module, or the source where
-    there is none)."""
+    environment asks for it or the compiled module is not the build of the
+    source as it is now; else nothing (the usual finder takes the compiled
+    module, or the source where there is none)."""
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
@@ -92,14 +187,17 @@ class SourceFirst:
         if name not in _LISTED or not path:
             return None
         leaf = name.rpartition(".")[2]
+        depth = name.count(".")
         for directory in path:
             source = os.path.join(directory, leaf + ".py")
             if not os.path.isfile(source):
                 continue
-            compiled = compiled_file(directory, leaf)
-            if compiled is None:
+            if compiled_file(directory, leaf) is None:
                 return None
-            if pure_requested() or stale(source, compiled):
+            package = os.path.normpath(os.path.join(directory, *[os.pardir] * (depth - 1)))
+            if pure_requested() or not current(package, name, _record_of(package)):
+                from importlib.util import spec_from_file_location
+
                 return spec_from_file_location(name, source)
             return None
         return None
@@ -122,22 +220,19 @@ def in_use() -> dict[str, bool]:
     return loaded
 
 
-def status() -> dict[str, str]:
-    """For each listed module, what an import of it would run: ``compiled``,
-    ``source`` (none built), ``stale`` (built from an older source) or
-    ``pure`` (:data:`PURE_ENV` set), without importing it."""
-    package = os.path.dirname(os.path.abspath(__file__))
+def status(package: str = _HERE) -> dict[str, str]:
+    """For each listed module, what an import of it would run, without
+    importing it: ``compiled``, ``source`` (none built), ``stale`` (built
+    from the source as it was before) or ``pure`` (:data:`PURE_ENV` set)."""
+    record = read_record(package)
     result = {}
     for name in MODULES:
-        parts = name.split(".")[1:]
-        directory = os.path.join(package, *parts[:-1])
-        source = os.path.join(directory, parts[-1] + ".py")
-        compiled = compiled_file(directory, parts[-1])
-        if compiled is None:
+        directory, leaf = _paths(package, name)
+        if compiled_file(directory, leaf) is None:
             result[name] = "source"
         elif pure_requested():
             result[name] = "pure"
-        elif stale(source, compiled):
+        elif not current(package, name, record):
             result[name] = "stale"
         else:
             result[name] = "compiled"

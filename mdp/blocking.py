@@ -25,13 +25,13 @@ A client belongs to one thread at a time (as a ZeroMQ socket does).
 from __future__ import annotations
 
 import errno
-import inspect
 import math
 import os
 import select
 import socket
 import time
 from collections import deque
+from collections.abc import Generator
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from twisted.logger import Logger
@@ -79,7 +79,7 @@ __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 #: the longest wait one poll takes (its timeout is a C int of milliseconds)
 _MAX_WAIT_MS = 2**31 - 1
 
-log = Logger()
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 #: how long closing a worker's socket may take to send its DISCONNECT (ms)
 LINGER_MS = 200
 
@@ -1011,7 +1011,7 @@ class Worker(WorkerMachine):
         started = time.monotonic()
         try:
             result = self.handler(body)
-            if inspect.isgenerator(result):
+            if isinstance(result, Generator):
                 self._stream(result, job)
             else:
                 self._reply(job, WorkerFinal, reply_frames(result))

@@ -469,6 +469,9 @@ async def test_two_mdp_chats_find_each_other_by_beacons_and_a_pyre_node_hears_th
         alice.transport.write("salut à tous\n".encode())
         await bob.waitFor("alice: salut à tous", 15)
         await pyre.expect("SHOUT", group="ROOM", frames=["salut à tous"])
+        # pyre shouts to the peers it knows are in the group: bob's JOIN may come
+        # after alice's shout did
+        await pyre.expect("JOIN", name="bob", group="ROOM", timeout=30)
         pyre.send(op="shout", group="ROOM", frames=["hello from pyre"])
         await bob.waitFor("carol: hello from pyre", 15)
         alice.transport.closeStdin()  # Ctrl-D: a port-0 beacon, so the others see it at once

@@ -168,7 +168,7 @@ from mdp.policy import (
 from mdp.transport.curve import curve_server
 from mdp.transport.stream import StreamRouter
 
-log = Logger()
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 DEFAULT_REQUEST_EXPIRY = 30.0
 DEFAULT_SERVICE_LINGER = 10.0

@@ -159,7 +159,7 @@ from mdp.policy import (
     default_reactor,
 )
 
-log = Logger()
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
 _ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER

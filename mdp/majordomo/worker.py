@@ -78,7 +78,7 @@ broker endpoints.
 from __future__ import annotations
 
 import enum
-import inspect
+from collections.abc import AsyncGenerator, Coroutine, Generator
 from typing import Any, Callable, Optional, Sequence, Union
 
 import attrs
@@ -114,7 +114,7 @@ from mdp.policy import (
     default_reactor,
 )
 
-log = Logger()
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 Handler = Callable[[list[bytes]], Any]
 
@@ -660,11 +660,11 @@ class Worker(WorkerMachine):
         if kind is list or kind is bytes:  # the common, synchronous answer
             self._finish(result, job)
             return
-        if inspect.iscoroutine(result):
+        if isinstance(result, Coroutine):
             result = defer.ensureDeferred(result)
         if isinstance(result, defer.Deferred):
             result.addCallbacks(self._finish, self._failed, (job,), None, (job,))
-        elif inspect.isasyncgen(result) or inspect.isgenerator(result):
+        elif isinstance(result, (AsyncGenerator, Generator)):
             defer.ensureDeferred(self._stream(result, job)).addErrback(self._failed, job)
         else:
             self._finish(result, job)
@@ -686,7 +686,7 @@ class Worker(WorkerMachine):
         self._perform(self.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
-        if inspect.isgenerator(parts):
+        if isinstance(parts, Generator):
             await self._streamSync(parts, job)
             return
         async for item in parts:

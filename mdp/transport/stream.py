@@ -76,7 +76,7 @@ try:
 except ImportError:  # no resource module (Windows): no descriptor limit to read
     resource = None  # type: ignore[assignment]
 
-log = Logger()
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _ids = itertools.count(1)
 

@@ -42,7 +42,7 @@ from mdp.transport.flow import DrainWaiters
 if TYPE_CHECKING:
     from mdp.transport.curve import CurveClient, CurveServer
 
-log = Logger()
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 #: Messages libzmq queues per pipe on a DEALER: a worker's burst of PARTIALs
 #: rarely has to wait in the backlog (a small mark costs streams most of their
