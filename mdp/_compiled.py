@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
+from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec, PathFinder
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -204,9 +204,13 @@ class SourceFirst:
 
 
 def install() -> None:
-    """Put :class:`SourceFirst` ahead of the usual finders (once)."""
-    if not any(finder is SourceFirst for finder in sys.meta_path):
-        sys.meta_path.insert(0, SourceFirst)  # type: ignore[arg-type]
+    """Put :class:`SourceFirst` just ahead of the path finder (once): hooks
+    installed before it (an import checker, a profiler) still come first."""
+    if any(finder is SourceFirst for finder in sys.meta_path):
+        return
+    where = next((i for i, finder in enumerate(sys.meta_path) if finder is PathFinder),
+                 len(sys.meta_path))
+    sys.meta_path.insert(where, SourceFirst)  # type: ignore[arg-type]
 
 
 def in_use() -> dict[str, bool]:
