@@ -77,7 +77,8 @@ def extensions() -> list:
         sys.stderr.write("txmajordomo: Cython is not installed; the modules are not compiled\n")
         return []
     modules = [
-        Extension(name, [os.path.join(*name.split(".")) + ".py"], optional=True,
+        # (OptionalBuildExt does what optional=True would, for every error)
+        Extension(name, [os.path.join(*name.split(".")) + ".py"],
                   # no debug information: a third of the compiler's time
                   extra_compile_args=["-g0"] if os.name == "posix" else [])
         for name in _compiled["MODULES"]

@@ -67,7 +67,9 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
              warmup: int, size: int, window: int = 1) -> dict[str, Any]:
     """One repetition of one case; returns throughput, latency and CPU."""
     broker_impl, worker_impl, client_impl, dialect = STACKS[SOURCE_STACKS.get(stack, stack)]
-    with Processes() as procs, secured(transport), source_only(stack in SOURCE_STACKS):
+    curve = security.directory() if transport == "curve" else None
+    pure = "1" if stack in SOURCE_STACKS else None
+    with Processes() as procs, environ("MDP_BENCH_CURVE", curve), environ(_compiled.PURE_ENV, pure):
         if transport == "tls":
             bind = security.tls_bind()
         else:
@@ -107,35 +109,23 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
 
 
 @contextlib.contextmanager
-def secured(transport: str) -> Iterator[None]:
-    """For the "curve" transport, the processes started meanwhile find the
-    run's keys through ``MDP_BENCH_CURVE`` (benchmarks.roles)."""
-    if transport != "curve":
+def environ(name: str, value: Optional[str]) -> Iterator[None]:
+    """The processes started meanwhile find *name* set to *value* in their
+    environment (nothing changes if *value* is None): the run's CURVE keys
+    (``MDP_BENCH_CURVE``, benchmarks.roles), or the plain sources
+    (``MDP_PURE_PYTHON``, mdp/_compiled.py)."""
+    if value is None:
         yield
         return
-    os.environ["MDP_BENCH_CURVE"] = security.directory()
-    try:
-        yield
-    finally:
-        del os.environ["MDP_BENCH_CURVE"]
-
-
-@contextlib.contextmanager
-def source_only(wanted: bool) -> Iterator[None]:
-    """The processes started meanwhile run the plain source of every module
-    (mdp/_compiled.py), if *wanted*."""
-    if not wanted:
-        yield
-        return
-    before = os.environ.get(_compiled.PURE_ENV)
-    os.environ[_compiled.PURE_ENV] = "1"
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ[_compiled.PURE_ENV]
+            del os.environ[name]
         else:
-            os.environ[_compiled.PURE_ENV] = before
+            os.environ[name] = before
 
 
 def run_inproc(mode: str, clients: int, workers: int, n: int, warmup: int, size: int,

@@ -133,6 +133,19 @@ def current(package: str, name: str, record: Optional[Mapping[str, tuple[int, ..
         return False
 
 
+def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
+    """What an import of module *name* in *package* runs: ``compiled``;
+    ``source``, none being built; ``stale``, the source of a compiled module
+    not built from it as it is now; ``pure``, the source because
+    :data:`PURE_ENV` asks for it."""
+    directory, leaf = _paths(package, name)
+    if compiled_file(directory, leaf) is None:
+        return "source"
+    if pure_requested():
+        return "pure"
+    return "compiled" if current(package, name, record) else "stale"
+
+
 def write_record(package: str, builtSince: float) -> None:
     """After a build in the working tree *package*: record each compiled
     module written there since *builtSince* (a time), keep the entries of
@@ -147,7 +160,7 @@ def write_record(package: str, builtSince: float) -> None:
         signature = _signature(compiled)
         if old.get(name, ())[2:] == signature:
             entry = old[name]  # not rebuilt: its source as it was then
-        elif os.stat(compiled).st_mtime >= builtSince:
+        elif signature[1] >= builtSince * 1e9:
             entry = _signature(os.path.join(directory, leaf + ".py")) + signature
         else:
             continue  # from no build we know of: runs as source
@@ -192,10 +205,8 @@ class SourceFirst:
             source = os.path.join(directory, leaf + ".py")
             if not os.path.isfile(source):
                 continue
-            if compiled_file(directory, leaf) is None:
-                return None
             package = os.path.normpath(os.path.join(directory, *[os.pardir] * (depth - 1)))
-            if pure_requested() or not current(package, name, _record_of(package)):
+            if kind(package, name, _record_of(package)) in ("pure", "stale"):
                 from importlib.util import spec_from_file_location
 
                 return spec_from_file_location(name, source)
@@ -225,19 +236,7 @@ def in_use() -> dict[str, bool]:
 
 
 def status(package: str = _HERE) -> dict[str, str]:
-    """For each listed module, what an import of it would run, without
-    importing it: ``compiled``, ``source`` (none built), ``stale`` (built
-    from the source as it was before) or ``pure`` (:data:`PURE_ENV` set)."""
+    """For each listed module, what an import of it would run (:func:`kind`),
+    without importing it."""
     record = read_record(package)
-    result = {}
-    for name in MODULES:
-        directory, leaf = _paths(package, name)
-        if compiled_file(directory, leaf) is None:
-            result[name] = "source"
-        elif pure_requested():
-            result[name] = "pure"
-        elif not current(package, name, record):
-            result[name] = "stale"
-        else:
-            result[name] = "compiled"
-    return result
+    return {name: kind(package, name, record) for name in MODULES}
