@@ -14,7 +14,14 @@ from zope.interface import Attribute, Interface
 
 
 class IRouterReceiver(Interface):
-    """The protocol side of a bound, ROUTER-like transport (e.g. a broker)."""
+    """The protocol side of a bound, ROUTER-like transport (e.g. a broker).
+
+    A receiver that only passes some frames on may say so with an attribute
+    ``keepFramesFrom`` (an index into *frames*): a transport that can may
+    then deliver long frames from that index on as buffers it need not copy
+    (``zmq.Frame``: ``len``, ``bytes(frame)`` and the buffer protocol, no
+    ``bytes`` methods or comparisons).  Without the attribute every frame is
+    ``bytes``."""
 
     def messageReceived(peer: bytes, frames: list[bytes]) -> None:
         """A message arrived from the peer identified by *peer*."""
@@ -35,7 +42,8 @@ class IRouterTransport(Interface):
         "names the port the OS picked."
     )
     def sendMessage(peer: bytes, frames: list[bytes]) -> None:
-        """Send *frames* to *peer*.  Messages for an unknown peer are dropped,
+        """Send *frames* to *peer* (``bytes``; any buffer, where the transport
+        says ``acceptsBuffers = True``).  Messages for an unknown peer are dropped,
         as a ZeroMQ ROUTER does.  What a peer does not read waits for it, up to
         ``Limits.maxOutputBytes``; beyond, that peer is disconnected (never are
         other peers held back)."""
@@ -131,7 +139,8 @@ class IFraming(Interface):
         (or None); the accepting side passes None."""
 
     def encode(frames: list[bytes]) -> bytes:
-        """One message as bytes."""
+        """One message as bytes.  A framing whose ``acceptsBuffers`` is true
+        takes any buffer as a frame (a ``zmq.Frame`` a broker passes on)."""
 
     def decoder(limits: object) -> IStreamDecoder:
         """A fresh decoder for one connection, enforcing *limits*."""

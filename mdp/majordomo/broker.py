@@ -191,6 +191,15 @@ _REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
 _REQUEST_FRAMES = 5
 
 
+def as_bytes(frames: Sequence[Any]) -> list[bytes]:
+    """*frames* with every frame that is not ``bytes`` (a ``zmq.Frame`` a
+    transport did not copy) copied into ``bytes``; *frames* itself if all are."""
+    for frame in frames:
+        if type(frame) is not bytes:
+            return [f if type(f) is bytes else bytes(f) for f in frames]
+    return frames  # type: ignore[return-value]
+
+
 def peer_label(peer: bytes) -> str:
     """A printable form of an opaque peer id for logs."""
     return peer.hex()
@@ -206,13 +215,24 @@ MAX_UNKNOWN_KEPT = 10_000
 
 @implementer(IRouterReceiver)
 class Binding:
-    """One bound transport of the broker and the roles it accepts."""
+    """One bound transport of the broker and the roles it accepts.
+
+    Body frames are passed on, never read: a transport may deliver long ones
+    from ``keepFramesFrom`` on uncopied (``zmq.Frame``; a client REQUEST's
+    body starts there, a worker's command has its client address before it).
+    The machine reads only the frames before it on its fast path and
+    copies the rest into ``bytes`` before anything else reads them
+    (:func:`as_bytes`); ``copyOut`` marks a binding whose transport takes
+    only ``bytes`` while another can deliver buffers."""
+
+    keepFramesFrom = 3
 
     def __init__(self, broker: Broker, clients: bool, workers: bool) -> None:
         self.broker = broker
         self.clients = clients
         self.workers = workers
         self.transport: Optional[IRouterTransport] = None
+        self.copyOut = False
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         broker = self.broker
@@ -640,6 +660,7 @@ class BrokerMachine(Machine):
         except Exception:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(key[1]))
             return
+        frames = as_bytes(frames)  # the codec and what follows read every frame
         try:
             dialect, body = codec.split(frames)
             command = codec.decode(body, dialect)
@@ -1375,7 +1396,10 @@ class Broker(BrokerMachine):
                 binding, peer = action.key
                 transport = binding.transport
                 if transport is not None:
-                    transport.sendMessage(peer, action.frames)
+                    if binding.copyOut:
+                        transport.sendMessage(peer, as_bytes(action.frames))
+                    else:
+                        transport.sendMessage(peer, action.frames)
             elif kind is DropPeer:
                 binding, peer = action.key
                 binding.disconnect(peer)
@@ -1442,6 +1466,11 @@ class Broker(BrokerMachine):
     def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
         binding.transport = routerTransport
         self.bindings.append(binding)
+        # frames one binding delivers uncopied go out as bytes where the
+        # transport takes nothing else (loopback, a test double)
+        buffers = any(getattr(b.transport, "acceptsBuffers", False) for b in self.bindings)
+        for each in self.bindings:
+            each.copyOut = buffers and not getattr(each.transport, "acceptsBuffers", False)
         roles = "+".join(r for r, on in (("clients", binding.clients),
                                          ("workers", binding.workers)) if on)
         log.info("MDP broker listening on {endpoint} for {roles}",

@@ -279,6 +279,8 @@ class LengthPrefixedFraming:
     the optional identity greeting (see the module's docstring)."""
 
     name = "records32"
+    #: encode takes any buffer as a frame (``bytes``, ``zmq.Frame``)
+    acceptsBuffers = True
 
     def greeting(self, identity: Optional[bytes]) -> bytes:
         return encode_greeting(identity) if identity else b""

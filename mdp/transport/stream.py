@@ -651,6 +651,8 @@ class StreamRouter:
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.framing = framing
+        #: sendMessage takes any buffer as a frame where the framing does
+        self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
         self.throttle = LogThrottle(reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
         #: connections that have not yet sent a message, oldest first
