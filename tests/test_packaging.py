@@ -58,6 +58,13 @@ def source_modules() -> list[str]:
                   if "__pycache__" not in p.parts)
 
 
+def test_a_wheel_built_without_compiling_is_pure_and_ships_anywhere(wheel: Path) -> None:
+    """``MDP_PURE_PYTHON=1 pip wheel .`` is how a wheel for every platform is
+    made (README, Install): no compiled module, tagged ``py3-none-any``."""
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    assert not [n for n in wheel_names(wheel) if n.endswith((".so", ".pyd", ".c"))]
+
+
 def test_every_subpackage_is_a_package_of_the_wheel(wheel: Path) -> None:
     names = wheel_names(wheel)
     subpackages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "mdp").rglob("__init__.py"))
