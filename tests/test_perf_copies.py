@@ -161,8 +161,8 @@ def test_a_bytes_only_transport_gets_bytes_from_a_broker_that_has_both() -> None
     from mdp.majordomo.broker import Broker
 
     class Sink:
-        def __init__(self, acceptsBuffers: bool) -> None:
-            self.acceptsBuffers = acceptsBuffers
+        def __init__(self, buffers: bool) -> None:
+            self.acceptsBuffers = self.deliversBuffers = buffers
             self.sent: list[tuple[bytes, list[Any]]] = []
             self.endpoint = "sink"
 
@@ -188,6 +188,9 @@ def test_a_bytes_only_transport_gets_bytes_from_a_broker_that_has_both() -> None
         broker.received((clients, b"c"), [codec.CLIENT_HEADER, codec.C_REQUEST, b"echo", body])
         [(peer, frames)] = bytesOnly.sent
         assert peer == b"w" and type(frames[-1]) is bytes and frames[-1] == b"z" * LONG
+        # the broker holds that copy (for a requeue), not the frame as well
+        [held] = [w.current for w in broker.workers.values()]
+        assert held.body == [frames[-1]] and type(held.body[0]) is bytes
         answer = _frame(b"y" * LONG)
         broker.received((workers, b"w"), [codec.WORKER_HEADER, codec.W_FINAL, frames[2], b"",
                                           answer])

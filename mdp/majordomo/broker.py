@@ -223,7 +223,7 @@ class Binding:
     The machine reads only the frames before it on its fast path and
     copies the rest into ``bytes`` before anything else reads them
     (:func:`as_bytes`); ``copyOut`` marks a binding whose transport takes
-    only ``bytes`` while another can deliver buffers."""
+    only ``bytes`` while another delivers buffers (``deliversBuffers``)."""
 
     keepFramesFrom = 3
 
@@ -243,7 +243,7 @@ class Binding:
 
     def send(self, peer: bytes, frames: list[bytes]) -> None:
         if self.transport is not None:
-            self.transport.sendMessage(peer, frames)
+            self.transport.sendMessage(peer, as_bytes(frames) if self.copyOut else frames)
 
     def identity(self, peer: bytes) -> Optional[str]:
         """Who *peer* is, as its transport authenticated it (a CURVE public
@@ -1147,6 +1147,10 @@ class BrokerMachine(Machine):
         if self.metrics is not None:
             self.metrics.assigned(request.service, now - request.queuedAt)
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
+        if getattr(worker.key[0], "copyOut", False):
+            # the worker's transport takes bytes only: hold the copy it gets,
+            # not that and the uncopied frames too (a requeue sends it again)
+            request.body = as_bytes(request.body)
         if worker.dialect == RFC:  # codec.encode_worker_request, inline: the hot path
             frames = [WORKER_HEADER, W_REQUEST, envelope, b"", *request.body]
         else:
@@ -1468,7 +1472,7 @@ class Broker(BrokerMachine):
         self.bindings.append(binding)
         # frames one binding delivers uncopied go out as bytes where the
         # transport takes nothing else (loopback, a test double)
-        buffers = any(getattr(b.transport, "acceptsBuffers", False) for b in self.bindings)
+        buffers = any(getattr(b.transport, "deliversBuffers", False) for b in self.bindings)
         for each in self.bindings:
             each.copyOut = buffers and not getattr(each.transport, "acceptsBuffers", False)
         roles = "+".join(r for r, on in (("clients", binding.clients),

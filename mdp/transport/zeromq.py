@@ -573,7 +573,9 @@ class ZmqRouter(_RoutedSocket):
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
         keepFrom = getattr(receiver, "keepFramesFrom", None)
-        if type(keepFrom) is int:  # (not a catch-all stand-in's attribute)
+        #: the receiver gets frames that are not bytes (``keepFramesFrom``)
+        self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
+        if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
         # a peer that reconnects with the identity it chose takes it over;
         # not under CURVE, where that would let one accepted key take over
