@@ -115,20 +115,17 @@ def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     return _records[package]
 
 
-def current(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
-    """Whether the compiled module *name* in *package* was built from its
-    source as the source is now (True where there is no record at all)."""
+def current(name: str, source: str, compiled: str,
+            record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
+    """Whether *compiled*, module *name*'s compiled file, was built from
+    *source* as it is now (True where there is no record at all)."""
     if record is None:
         return True
     entry = record.get(name)
     if entry is None:
         return False
-    directory, leaf = _paths(package, name)
-    compiled = compiled_file(directory, leaf)
     try:
-        return (compiled is not None
-                and _signature(os.path.join(directory, leaf + ".py")) == entry[:2]
-                and _signature(compiled) == entry[2:])
+        return _signature(source) == entry[:2] and _signature(compiled) == entry[2:]
     except OSError:
         return False
 
@@ -139,11 +136,13 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
     not built from it as it is now; ``pure``, the source because
     :data:`PURE_ENV` asks for it."""
     directory, leaf = _paths(package, name)
-    if compiled_file(directory, leaf) is None:
+    compiled = compiled_file(directory, leaf)
+    if compiled is None:
         return "source"
     if pure_requested():
         return "pure"
-    return "compiled" if current(package, name, record) else "stale"
+    source = os.path.join(directory, leaf + ".py")
+    return "compiled" if current(name, source, compiled, record) else "stale"
 
 
 def write_record(package: str, builtSince: float) -> None:

@@ -1399,11 +1399,9 @@ class Broker(BrokerMachine):
             if kind is Send:
                 binding, peer = action.key
                 transport = binding.transport
-                if transport is not None:
-                    if binding.copyOut:
-                        transport.sendMessage(peer, as_bytes(action.frames))
-                    else:
-                        transport.sendMessage(peer, action.frames)
+                if transport is not None:  # Binding.send, inline: the hot path
+                    frames = action.frames
+                    transport.sendMessage(peer, as_bytes(frames) if binding.copyOut else frames)
             elif kind is DropPeer:
                 binding, peer = action.key
                 binding.disconnect(peer)
