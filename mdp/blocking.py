@@ -43,6 +43,7 @@ from mdp.majordomo.client import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
+    DONE,
     Action,
     ClientCore,
     CloseChannel,
@@ -703,7 +704,10 @@ class Client(ClientCore):
         abandons the request."""
         call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
         self._waitFor(call)
-        return self._outcome(call)
+        result = call.result
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[no-any-return]
 
     def map(
         self,
@@ -792,13 +796,6 @@ class Client(ClientCore):
         self._perform(self.handleRequest(call, now))
         return call
 
-    @staticmethod
-    def _outcome(call: _Call) -> list[bytes]:
-        result = call.result
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     def _cancel(self, call: _Call) -> None:
         if call.result is _PENDING:
             call.result = ClientClosed("request abandoned")
@@ -806,23 +803,21 @@ class Client(ClientCore):
             call.onPartial = call.onRestart = None
 
     def _waitFor(self, call: _Call) -> None:
-        """Run the sockets and the timers until *call* is done."""
+        """Run the sockets and the timers until *call* is done: wait for a
+        socket or the machine's wake-up, and handle what came."""
+        loop = self._loop
         try:
             while call.result is _PENDING:
-                self._turn()
+                loop.turn(self._wakeTime)
+                when = self._wakeTime
+                if when is not None:
+                    now = time.monotonic()
+                    if now >= when:
+                        self._wakeTime = None
+                        self._perform(self.handleWake(now))
         except BaseException:
             self._cancel(call)
             raise
-
-    def _turn(self) -> None:
-        """Wait for a socket or the machine's wake-up, and handle what came."""
-        self._loop.turn(self._wakeTime)
-        when = self._wakeTime
-        if when is not None:
-            now = time.monotonic()
-            if now >= when:
-                self._wakeTime = None
-                self._perform(self.handleWake(now))
 
     # --- what the pipes report -------------------------------------------------
 
@@ -845,8 +840,8 @@ class Client(ClientCore):
             if kind is SendOn:
                 channel = action.channel
                 pipe = channel.pipe
-                if (pipe is not None and pipe.up and channel.call is not None
-                        and not channel.call.done):
+                call = channel.call
+                if pipe is not None and pipe.up and call is not None and call.state is not DONE:
                     if pipe.discardReceived():
                         self._stale(channel)
                     pipe.send(action.frames)
