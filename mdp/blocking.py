@@ -92,6 +92,9 @@ _READ_SIZE = 262144
 
 _PENDING: Any = object()  # a call's result while it is not done
 
+#: what a handler returns that is certainly not a generator
+_PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
+
 _forks = 0  # how many times this process is a fork's child (clients do not cross a fork)
 
 
@@ -1006,7 +1009,8 @@ class Worker(WorkerMachine):
         started = time.monotonic()
         try:
             result = self.handler(body)
-            if isinstance(result, Generator):
+            # (the ABC check only for what is not a plain reply: it costs)
+            if type(result) not in _PLAIN_REPLIES and isinstance(result, Generator):
                 self._stream(result, job)
             else:
                 self._reply(job, WorkerFinal, reply_frames(result))

@@ -261,7 +261,7 @@ class _Call:
         self.tried: list[str] = []  # the endpoints it was given to
         #: the Twisted driver's (with a *canceller*)
         self.deferred: Optional[defer.Deferred[list[bytes]]] = (
-            None if canceller is None else defer.Deferred(lambda _: canceller(self)))
+            None if canceller is None else _cancellable(self, canceller))
         #: the blocking driver's: the reply's frames or the error, once DONE
         self.result: Any = None
 
@@ -269,6 +269,12 @@ class _Call:
     def done(self) -> bool:
         """Answered, failed or cancelled."""
         return self.state is DONE
+
+
+def _cancellable(call: _Call, canceller: Callable[[_Call], None]) -> defer.Deferred[list[bytes]]:
+    """A Deferred for *call* whose cancellation calls *canceller* (a closure
+    made here, not in ``_Call.__init__``, which every blocking request runs)."""
+    return defer.Deferred(lambda _: canceller(call))
 
 
 class _Channel:
@@ -930,9 +936,11 @@ class ClientCore(ClientMachine):
             message = [_HEADER, codec.C_REQUEST, name, *body]
         else:
             message = codec.encode(codec.ClientRequest(name, body), self.dialect)
-        tooLarge = self.limits.oversize(sum(map(len, message)), len(message))
-        if tooLarge is not None:
-            raise RequestTooLarge(f"request to {name.decode()!r} not sent: {tooLarge}")
+        limits = self.limits
+        size = sum(map(len, message))
+        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
+            raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
+                                  f"{limits.oversize(size, len(message))}")
         return _Call(name, message, timeout, retries, onPartial, onRestart, now, canceller)
 
 

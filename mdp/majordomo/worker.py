@@ -149,9 +149,11 @@ class Final:
     frames: Any
 
 
-@attrs.frozen
+@action_class
 class _Job:
-    """One request being served: where its reply goes and whether it still may."""
+    """One request being served: where its reply goes and whether it still may.
+    Not changed once made (not frozen: a frozen class sets every field
+    through ``object.__setattr__``, on every request)."""
 
     client: bytes  # the client address frame to reply to
     generation: int  # the connection it arrived on
