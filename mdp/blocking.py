@@ -25,7 +25,6 @@ A client belongs to one thread at a time (as a ZeroMQ socket does).
 from __future__ import annotations
 
 import errno
-import math
 import os
 import select
 import socket
@@ -248,7 +247,13 @@ class _Loop:
             if retry is not None and (when is None or retry < when):
                 when = retry
         # (poll takes at most 2**31-1 ms: a longer wait is several turns)
-        timeout = -1 if when is None else min(max(0, math.ceil((when - now) * 1000)), _MAX_WAIT_MS)
+        if when is None:
+            timeout = -1
+        else:
+            ms = (when - now) * 1000.0
+            # whole milliseconds, rounded up (a wait that ends a little late is
+            # harmless, one that ends early is a wasted wake-up)
+            timeout = 0 if ms <= 0 else _MAX_WAIT_MS if ms >= _MAX_WAIT_MS else int(ms) + 1
         pipes = self.pipes
         if len(pipes) == 1 and not streams:
             for only in pipes.values():
@@ -359,7 +364,7 @@ class _ZmqPipe:
         try:
             for i, frame in enumerate(frames):
                 send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
-                     copy=len(frame) < ZERO_COPY_BYTES)
+                     len(frame) < ZERO_COPY_BYTES)  # (copy: positional is cheaper)
         except _zmq().Again:
             return False  # only the first frame can be refused (a full pipe)
         return True
