@@ -627,3 +627,104 @@ def test_client_machine_names_a_broker_unreachable_only_when_every_one_refused()
     moved = machine.handleConnectFailed(second, ConnectionRefusedError(), now=2.1)
     assert [type(a) for a in moved] == [CloseChannel, OpenChannel]  # back to a, not failed
     assert moved[1].channel.endpoint == "a" and not call.done
+
+
+def test_client_machine_common_paths_act_as_the_general_ones() -> None:
+    """A request given a free connection, and the FINAL of the request in
+    flight, are handled in one place each (docs/performance.md, item 18):
+    for any sequence of events, the machine acts exactly as one that takes
+    the general path (_schedule, _enqueue, _pump; _received) every time."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mdp.majordomo.client import ClientMachine, OpenChannel, _Call, _Channel
+
+    class GeneralPaths(ClientMachine):
+        def handleRequest(self, call: _Call, now: float) -> list[Any]:
+            self.now = now
+            self._live += 1
+            self._schedule(call)
+            self._enqueue(call)
+            self._pump()
+            return self._drain()
+
+        def handleMessage(self, channel: _Channel, frames: list[bytes], now: float) -> list[Any]:
+            self.now = now
+            self._received(channel, frames)
+            return self._drain()
+
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+    replies = {
+        "final": [C, codec.C_FINAL, b"echo", b"HI"],
+        "error": [C, codec.C_FINAL, b"echo", *codec.error_body(codec.STATUS_WORKER_ERROR, "no")],
+        "other": [C, codec.C_FINAL, b"other", b"HI"],
+        "partial": [C, codec.C_PARTIAL, b"echo", b"h"],
+        "short": [C, codec.C_FINAL, b"echo"],
+    }
+    event = st.one_of(
+        st.tuples(st.just("request"), st.integers(0, 3)),
+        st.tuples(st.just("up"), st.integers(0, 3)),
+        st.tuples(st.just("lost"), st.integers(0, 3)),
+        st.tuples(st.sampled_from(sorted(replies)), st.integers(0, 3)),
+        st.tuples(st.just("wake"), st.integers(0, 3)),
+        st.tuples(st.just("cancel"), st.integers(0, 5)),
+    )
+
+    def run(kind: type, events: list[tuple[str, int]]) -> list[Any]:
+        machine = kind(["a", "b"], maxConnections=2, dialect=codec.RFC)
+        channels: list[_Channel] = []
+        calls: list[_Call] = []
+        now = 0.0
+        seen: list[Any] = []
+
+        def norm(value: Any) -> Any:
+            if isinstance(value, _Channel):
+                return ("channel", channels.index(value))
+            if isinstance(value, _Call):
+                return ("call", calls.index(value))
+            if isinstance(value, BaseException):
+                return type(value).__name__
+            if isinstance(value, list):
+                return [norm(v) for v in value]
+            return value
+
+        def record(actions: list[Any]) -> None:
+            for action in actions:
+                if isinstance(action, OpenChannel):
+                    channels.append(action.channel)
+                fields = {k: norm(getattr(action, k)) for k in type(action).__slots__
+                          if not k.startswith("__")}
+                seen.append((type(action).__name__, fields))
+
+        for name, n in events:
+            now += 0.5
+            if name == "request":
+                call = _Call(b"echo", list(request), 1.0 + n, 2, None, None, now, None)
+                calls.append(call)
+                record(machine.handleRequest(call, now))
+            elif name == "cancel":
+                if n < len(calls):
+                    record(machine.handleCancel(calls[n], now))
+            elif name == "wake":
+                record(machine.handleWake(now + n))
+                now += n
+            elif n < len(channels):
+                channel = channels[n]
+                if name == "up":
+                    record(machine.handlePipeUp(channel, now))
+                elif name == "lost":
+                    record(machine.handlePipeLost(channel, None, now))
+                else:
+                    record(machine.handleMessage(channel, list(replies[name]), now))
+            seen.append(("calls", [(c.state, list(c.tried), c.attempts, c.deadline, norm(c.channel))
+                                   for c in calls]))
+            seen.append(("channels", [(c.state, norm(c.call)) for c in channels]))
+            seen.append(("deadlines held", len(machine._deadlines)))
+        return seen
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(event, max_size=30))
+    def check(events: list[tuple[str, int]]) -> None:
+        assert run(ClientMachine, events) == run(GeneralPaths, events)
+
+    check()
