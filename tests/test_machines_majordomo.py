@@ -728,3 +728,80 @@ def test_client_machine_common_paths_act_as_the_general_ones() -> None:
         assert run(ClientMachine, events) == run(GeneralPaths, events)
 
     check()
+
+
+def test_worker_machine_common_paths_act_as_the_general_ones() -> None:
+    """An unstamped REQUEST while idle is handled in one place (item 18 of
+    docs/performance.md): for any sequence of events, the worker machine acts
+    exactly as one that takes the general path (_received) every time."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mdp.majordomo import idempotence
+    from mdp.majordomo.codec import WorkerFinal, WorkerPartial
+    from mdp.majordomo.worker import Serve, WorkerMachine
+
+    class GeneralPaths(WorkerMachine):
+        def handleMessage(self, frames: list[bytes], now: float) -> list[Any]:
+            self.now = now
+            self._received(frames)
+            return self._drain()
+
+    stamped = idempotence.stamp(b"c" * 16, 1, [b"hi"])
+    messages = {
+        "request": [W, codec.W_REQUEST, b"client", b"", b"hi"],
+        "stamped": [W, codec.W_REQUEST, b"client", b"", *stamped],
+        "no-delimiter": [W, codec.W_REQUEST, b"client", b"x", b"hi"],
+        "no-body": [W, codec.W_REQUEST, b"client", b""],
+        "heartbeat": list(HEARTBEAT),
+        "disconnect": list(DISCONNECT),
+        "junk": [b"MDPX", b"\x02"],
+    }
+    event = st.one_of(
+        st.sampled_from(sorted(messages)),
+        st.sampled_from(["up", "lost", "tick", "final", "partial", "start", "stop"]),
+    )
+
+    def run(kind: type, events: list[str]) -> list[Any]:
+        machine = kind(["a", "b"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0))
+        jobs: list[Any] = []
+        seen: list[Any] = []
+        now = 0.0
+
+        def record(actions: list[Any]) -> None:
+            for action in actions:
+                if isinstance(action, Serve):
+                    jobs.append(action.job)
+                seen.append(action)
+
+        record(machine.handleStart(now))
+        for name in events:
+            now += 0.7
+            if name in messages:
+                record(machine.handleMessage(list(messages[name]), now))
+            elif name == "up":
+                record(machine.handlePipeUp(now))
+            elif name == "lost":
+                record(machine.handlePipeLost(now))
+            elif name == "tick":
+                record(machine.handleTick(now))
+            elif name == "start":
+                record(machine.handleStart(now))
+            elif name == "stop":
+                record(machine.handleStop(now))
+            elif jobs:
+                part = WorkerFinal if name == "final" else WorkerPartial
+                sent, actions = machine.handleReply(jobs[-1], part, [b"HI"], now)
+                seen.append(sent)
+                record(actions)
+            seen.append((machine.state, machine.current, machine.generation, machine.failures,
+                         machine.refusals, machine.answered, machine.liveness.lastHeard,
+                         machine.liveness.lastSent))
+        return seen
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(event, max_size=30))
+    def check(events: list[str]) -> None:
+        assert run(WorkerMachine, events) == run(GeneralPaths, events)
+
+    check()
