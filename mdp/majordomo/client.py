@@ -1066,8 +1066,9 @@ class Client(ClientCore):
                 channel = action.channel
                 pipe = channel.pipe
                 # a callback run by an earlier action may have cancelled it
-                if (pipe is not None and pipe.connected and channel.call is not None
-                        and not channel.call.done):
+                call = channel.call
+                if (pipe is not None and pipe.connected and call is not None
+                        and call.state is not DONE):
                     if pipe.discardReceived():
                         self._stale(channel)
                     pipe.sendMessage(action.frames)
