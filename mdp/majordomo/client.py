@@ -410,19 +410,12 @@ class ClientMachine(Machine):
         self._schedule(call)
         idle = self._idle
         if idle and not self._waiting and not self._closed:
-            # the common case, a free connection and nobody ahead: what
-            # _enqueue, _pump and _carry do, in one place (a request's path is
-            # the hot one; each call it saves is code a cold cache must fetch,
-            # docs/performance.md)
-            channel = idle.pop()
-            channel.call = call
-            call.channel = channel
-            call.state = IN_FLIGHT
-            call.tried.append(channel.endpoint)
+            # the common case, a free connection and nobody ahead: carried at
+            # once, not through the FIFO (_enqueue, _pump; a request's path is
+            # the hot one, and each call it saves is code a cold cache must
+            # fetch, docs/performance.md)
+            self._carry(idle.pop(), call)
             outbox = self._outbox
-            if channel.state is not DOWN:
-                channel.state = SENT
-                outbox.append(SendOn(channel, call.message))  # type: ignore[arg-type]
             self._outbox = []
             return outbox
         self._enqueue(call)
@@ -496,8 +489,8 @@ class ClientMachine(Machine):
                 and frames[1] == _FINAL and frames[0] == _HEADER and frames[2] == call.service
                 and self.dialect == codec.RFC and not self._waiting):
             # the common case, the FINAL of the request in flight with nobody
-            # waiting for the connection: what _received, _release and _done
-            # do, in one place (see handleRequest)
+            # waiting for the connection: what _received and _release do, in
+            # one place (see handleRequest)
             body = frames[3:]
             channel.call = None
             if channel.state is SENT:
@@ -509,16 +502,7 @@ class ClientMachine(Machine):
             if len(body) == 3 and body[0] == _ERROR_MARKER:
                 self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
             else:
-                call.state = DONE
-                self._live -= 1
-                call.message = None
-                heap = self._deadlines
-                while heap:
-                    deadline, _, first = heap[0]
-                    if first.deadline == deadline and (
-                            first.state is not DONE or first.channel is not None):
-                        break  # watched (_watched)
-                    heapq.heappop(heap)
+                self._done(call)  # (it was IN_FLIGHT: not done yet)
                 outbox.append(Complete(call, body))
             self._outbox = []
             return outbox

@@ -118,8 +118,6 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 Handler = Callable[[list[bytes]], Any]
 
-_STAMP_MARKER = idempotence.STAMP_MARKER
-
 #: bytes a reply's envelope adds to its frames, besides the client address
 _REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 
@@ -335,21 +333,6 @@ class WorkerMachine(Machine):
     def handleMessage(self, frames: list[bytes], now: float) -> list[Action]:
         """A message from the broker."""
         self.now = now
-        if (self.current is None and self.state is READY and len(frames) >= 5
-                and frames[1] == W_REQUEST and frames[0] == WORKER_HEADER and frames[3] == b""
-                and frames[4] != _STAMP_MARKER and self.dialect == codec.RFC):
-            # the common case, an unstamped REQUEST while idle: what _received
-            # and _request do, in one place (each call a request saves is code
-            # a cold cache must fetch, docs/performance.md)
-            self.liveness.heard(now)
-            self.failures = self.refusals = 0
-            self.answered = True
-            client = frames[2]
-            self.current = client
-            outbox = self._outbox
-            outbox.append(Serve(_Job(client, self.generation, None, now), frames[4:]))
-            self._outbox = []
-            return outbox
         self._received(frames)
         return self._drain()
 
