@@ -28,7 +28,7 @@ def cores() -> int:
         count = len(os.sched_getaffinity(0))
     except AttributeError:
         count = os.cpu_count() or 1
-    return max(1, min(count, len(_compiled["MODULES"])))
+    return max(1, min(count, len(_compiled["MODULES"]) + len(_compiled["ACCELERATORS"])))
 
 
 class OptionalBuildExt(build_ext):
@@ -83,6 +83,15 @@ def extensions() -> list:
                   extra_compile_args=["-g0"] if os.name == "posix" else [])
         for name in _compiled["MODULES"]
     ]
+    if os.name == "posix":
+        # C only (dlopen and libzmq's own calls): no Python source to fall
+        # back on here, the callers do without it
+        modules += [
+            Extension(name, [os.path.join(*name.split(".")) + ".pyx"],
+                      extra_compile_args=["-g0"],
+                      libraries=["dl"] if sys.platform.startswith("linux") else [])
+            for name in _compiled["ACCELERATORS"]
+        ]
     try:
         return cythonize(
             modules,

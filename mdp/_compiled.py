@@ -48,6 +48,11 @@ MODULES = (
     "mdp.transport.zeromq",
 )
 
+#: modules written in Cython itself (``.pyx``: C that Python cannot say),
+#: each an optional companion of a listed module that goes on without it:
+#: ``_zmqframes`` reads ZeroMQ frames into ``bytes`` in C (its docstring)
+ACCELERATORS = ("mdp.transport._zmqframes",)
+
 #: set (to anything but "" or "0") at install: no compiling, and compiled
 #: modules a working tree holds are removed; at run time: the sources run
 #: even where compiled modules are installed
@@ -58,6 +63,7 @@ PURE_ENV = "MDP_PURE_PYTHON"
 RECORD = "_compiled.record"
 
 _LISTED = frozenset(MODULES)
+_RECORDED = (*MODULES, *ACCELERATORS)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: directory -> its record, read once (None: there is none)
@@ -84,6 +90,11 @@ def _signature(path: str) -> tuple[int, int]:
     return info.st_size, info.st_mtime_ns
 
 
+def source_of(name: str) -> str:
+    """The suffix of module *name*'s source."""
+    return ".pyx" if name in ACCELERATORS else ".py"
+
+
 def _paths(package: str, name: str) -> tuple[str, str]:
     """The directory of module *name* under *package* (the ``mdp``
     directory) and its last name."""
@@ -101,7 +112,7 @@ def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     record = {}
     for line in lines:
         fields = line.split()
-        if len(fields) == 5 and fields[0] in _LISTED:
+        if len(fields) == 5 and fields[0] in _RECORDED:
             try:
                 record[fields[0]] = tuple(int(x) for x in fields[1:])
             except ValueError:
@@ -141,7 +152,7 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
         return "source"
     if pure_requested():
         return "pure"
-    source = os.path.join(directory, leaf + ".py")
+    source = os.path.join(directory, leaf + source_of(name))
     return "compiled" if current(name, source, compiled, record) else "stale"
 
 
@@ -151,7 +162,7 @@ def write_record(package: str, builtSince: float) -> None:
     those untouched since an earlier build, and forget the rest."""
     old = read_record(package) or {}
     lines = []
-    for name in MODULES:
+    for name in _RECORDED:
         directory, leaf = _paths(package, name)
         compiled = compiled_file(directory, leaf)
         if compiled is None:
@@ -160,7 +171,7 @@ def write_record(package: str, builtSince: float) -> None:
         if old.get(name, ())[2:] == signature:
             entry = old[name]  # not rebuilt: its source as it was then
         elif signature[1] >= builtSince * 1e9:
-            entry = _signature(os.path.join(directory, leaf + ".py")) + signature
+            entry = _signature(os.path.join(directory, leaf + source_of(name))) + signature
         else:
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")
@@ -176,7 +187,7 @@ def write_record(package: str, builtSince: float) -> None:
 def remove_compiled(package: str) -> None:
     """Remove the compiled modules and the record of the working tree
     *package* (an install that asks for the plain sources)."""
-    for name in MODULES:
+    for name in _RECORDED:
         directory, leaf = _paths(package, name)
         compiled = compiled_file(directory, leaf)
         if compiled is not None:
@@ -235,7 +246,22 @@ def in_use() -> dict[str, bool]:
 
 
 def status(package: str = _HERE) -> dict[str, str]:
-    """For each listed module, what an import of it would run (:func:`kind`),
-    without importing it."""
+    """For each listed module and accelerator, what an import of it would
+    run (:func:`kind`; an accelerator's ``source`` is: none), without
+    importing it."""
     record = read_record(package)
-    return {name: kind(package, name, record) for name in MODULES}
+    return {name: kind(package, name, record) for name in _RECORDED}
+
+
+def accelerator(name: str) -> Optional[object]:
+    """The accelerator *name* (one of :data:`ACCELERATORS`), imported, if it
+    is built from its source as it is now and the sources are not asked for
+    (:func:`kind`); else None: its caller does the same in Python."""
+    if kind(_HERE, name, _record_of(_HERE)) != "compiled":
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -28,6 +28,7 @@ import errno
 import os
 import select
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Generator
@@ -72,7 +73,7 @@ from mdp.policy import Backoff, HeartbeatPolicy, Limits
 from mdp.transport import curve_client_for, curve_for, endpoint_list
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity
+from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity, zmq_frames
 
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 
@@ -311,8 +312,8 @@ class _ZmqPipe:
     """One DEALER socket: up from the start (ZeroMQ connects in the
     background and reconnects by itself)."""
 
-    __slots__ = ("loop", "owner", "tag", "socket", "fd", "backlog", "up", "waitMs", "address",
-                 "linger", "curve")
+    __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
+                 "address", "linger", "curve")
 
     def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int,
                  curve: Any = None) -> None:
@@ -337,6 +338,7 @@ class _ZmqPipe:
             sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
         sock.connect(self.address)
         self.socket = sock
+        self.handle = sock.underlying  # its address in libzmq, for _frames
         self.fd = fd = _get(sock, _FD)
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
@@ -362,6 +364,9 @@ class _ZmqPipe:
         sock = self.socket
         last = len(frames) - 1
         try:
+            if _frames is not None:
+                _frames.send(self.handle, frames, ZERO_COPY_BYTES, send, sock)
+                return True
             for i, frame in enumerate(frames):
                 send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
                      len(frame) < ZERO_COPY_BYTES)  # (copy: positional is cheaper)
@@ -402,12 +407,12 @@ class _ZmqPipe:
             _set(sock, _RCVTIMEO, timeout)
             self.waitMs = current = timeout
         try:
-            frame = _recv(sock, 0, copy=False)
+            frames = self._message(0)
         except _zmq().Again:
             return
         # one message a wake-up: the next recv takes what else is queued at once
         self.loop.unchecked.add(self)
-        self._take(frame, time.monotonic())
+        self._take(frames, time.monotonic())
 
     def discardReceived(self) -> int:
         """Read off and drop the messages waiting on the socket; how many."""
@@ -418,9 +423,7 @@ class _ZmqPipe:
         for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
             if not _get(sock, _EVENTS) & _ZMQ_POLLIN:
                 break
-            frame = _recv(sock, _NOBLOCK, copy=False)
-            while frame.more:
-                frame = _recv(sock, _NOBLOCK, copy=False)
+            self._message(_NOBLOCK)
             dropped += 1
         return dropped
 
@@ -428,29 +431,32 @@ class _ZmqPipe:
         """Read the messages that are there (EVENTS said one is), at most a
         few a wake-up: the loop comes back for the rest."""
         sock = self.socket
-        self._take(_recv(sock, _NOBLOCK, copy=False), now)
+        self._take(self._message(_NOBLOCK), now)
         for _ in range(63):
             if self.socket is not sock or not _get(sock, _EVENTS) & _ZMQ_POLLIN:
                 return
-            self._take(_recv(sock, _NOBLOCK, copy=False), now)
+            self._take(self._message(_NOBLOCK), now)
         if self.socket is sock:
             self.loop.unchecked.add(self)
 
-    def _take(self, frame: Any, now: float) -> None:
-        """Read the rest of the message *frame* begins (ZeroMQ delivers a
-        message whole) and hand it to the owner."""
+    def _message(self, flags: int) -> list[bytes]:
+        """Receive a whole message (ZeroMQ delivers one whole, or nothing:
+        ``Again``), in C where that is built (``_frames``)."""
+        if _frames is not None:
+            return _frames.read(self.handle, flags, _NEVER, 0, _NEVER, _NEVER, False)
         sock = self.socket
-        data = frame.bytes
-        frames = [data]
-        size = len(data)
+        frame = _recv(sock, flags, copy=False)
+        frames = [frame.bytes]
         while frame.more:
             frame = _recv(sock, _NOBLOCK, copy=False)
-            data = frame.bytes
-            frames.append(data)
-            size += len(data)
+            frames.append(frame.bytes)
+        return frames
+
+    def _take(self, frames: list[bytes], now: float) -> None:
+        """Hand the message *frames* to the owner, if it is within the limits."""
         limits = self.loop.limits
-        if size > limits.maxMessageBytes or len(frames) > limits.maxFrames:
-            self._oversized(now, size, len(frames))
+        if len(frames) > limits.maxFrames or sum(map(len, frames)) > limits.maxMessageBytes:
+            self._oversized(now, sum(map(len, frames)), len(frames))
             return
         self.owner._pipeMessage(self.tag, frames, now)
 
@@ -467,6 +473,7 @@ class _ZmqPipe:
 
     def close(self) -> None:
         sock, self.socket = self.socket, None
+        self.handle = 0
         self.up = False
         self.backlog.clear()
         self.loop.unchecked.discard(self)
@@ -1056,8 +1063,9 @@ class Worker(WorkerMachine):
 
 def _bind_zmq() -> None:
     """pyzmq's compiled socket methods, below its Python wrappers (whose
-    IntEnum flag arithmetic costs more than the I/O on this path)."""
-    global _send, _recv, _get, _set
+    IntEnum flag arithmetic costs more than the I/O on this path), and
+    messages in and out in C where that is built (``_frames``)."""
+    global _send, _recv, _get, _set, _frames
     global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _FD, _ZMQ_POLLIN, _ZMQ_POLLOUT
     zmq = _zmq()
     backend = zmq.backend.Socket
@@ -1067,6 +1075,7 @@ def _bind_zmq() -> None:
     _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
     _EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
     _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
+    _frames = zmq_frames()
 
 
 _send: Callable[..., Any]
@@ -1074,6 +1083,10 @@ _recv: Callable[..., Any]
 _get: Callable[..., Any]
 _set: Callable[..., Any]
 _RCVTIMEO = 0
+#: mdp.transport._zmqframes, bound (see zmq_frames), or None
+_frames: Any = None
+#: no frame kept, no limit (the blocking pipe checks a message's limits itself)
+_NEVER = sys.maxsize
 _NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _FD = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
 # a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
 _POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)

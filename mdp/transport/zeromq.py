@@ -113,6 +113,43 @@ ZERO_COPY_BYTES = 1 << 20
 KEEP_FRAME_BYTES = 16 * 1024
 
 
+_frames: Any = None
+
+
+def zmq_frames() -> Any:
+    """:mod:`mdp.transport._zmqframes` (messages read and sent in C), bound
+    to the libzmq pyzmq loaded, where it is built and current
+    (``mdp._compiled``); else None, and messages go through pyzmq's own
+    calls, as before."""
+    global _frames
+    if _frames is None:
+        _frames = False
+        from mdp import _compiled
+
+        module: Any = _compiled.accelerator("mdp.transport._zmqframes")
+        if module is not None:
+            import sys
+
+            import zmq
+
+            try:
+                backend = sys.modules[zmq.backend.Socket.__module__]
+                module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
+            except (ImportError, AttributeError, KeyError, TypeError) as e:
+                log.info("ZeroMQ messages go through pyzmq's calls: {why}", why=e)
+            else:
+                _frames = module
+    return _frames or None
+
+
+def kept_frame_type() -> type:
+    """The type of a long frame a ROUTER passes on uncopied
+    (``keepFramesFrom``): :class:`mdp.transport._zmqframes.Held`, or
+    ``zmq.Frame`` where messages go through pyzmq."""
+    frames = zmq_frames()
+    return frames.Held if frames is not None else _zmq().Frame
+
+
 def _connection_classes() -> tuple[type, type]:
     global _classes
     if _classes is None:
@@ -127,6 +164,11 @@ def _connection_classes() -> tuple[type, type]:
         backend = zmq.backend.Socket
         recv, send, get = backend.recv, backend.send, backend.get
         Again = zmq.Again
+        # whole messages in and out in C, where that is built
+        inC = zmq_frames()
+        readFrames = sendFrames = None
+        if inC is not None:
+            readFrames, sendFrames = inC.read, inC.send
 
         class FastIO:
             """Replaces txzmq's read and send paths (see docs/performance.md):
@@ -215,21 +257,35 @@ def _connection_classes() -> tuple[type, type]:
                 # more may be waiting: let the reactor run other work first
                 self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
+            #: the libzmq socket's address (readFrames, sendFrames)
+            handle = 0
+
             def _readMessage(self, socket: Any) -> Optional[list[bytes]]:
                 """Read one message; None if it is over the limits (then it
                 is being read off: ``skipping``).  Nothing over the limits
                 is copied."""
                 maxBytes = self.maxBytes
                 maxFrames = self.maxFrames + self.envelope
+                keepAfter = self.keepAfter
+                if readFrames is not None and not self.identify:
+                    handle = self.handle
+                    if not handle or socket is None:
+                        handle = self._handle(socket)
+                    got = readFrames(handle, NOBLOCK, keepAfter, KEEP_FRAME_BYTES, maxFrames,
+                                     maxBytes, self.envelope)
+                    if got.__class__ is list:
+                        return got
+                    self.skipping = got[1]
+                    return None
                 frame = recv(socket, NOBLOCK, False)
                 frames = [frame.bytes]
                 size = 0 if self.envelope else len(frames[0])
-                count = 1
+                more = frame.more
                 if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
-                    self.skipping = [b"", count, size, frame.more]
+                    self.skipping = [b"", 1, size, more]
                     return None
-                keepAfter = self.keepAfter
-                while frame.more:
+                count = len(frames)
+                while more:
                     frame = recv(socket, NOBLOCK, False)
                     count += 1
                     length = len(frame)
@@ -241,6 +297,7 @@ def _connection_classes() -> tuple[type, type]:
                         frames.append(frame)  # passed on, never read: not copied
                     else:
                         frames.append(frame.bytes)
+                    more = frame.more
                 if self.identify and count > 1:
                     # every frame of a message carries its connection's
                     # metadata but the routing id a ROUTER adds
@@ -293,10 +350,23 @@ def _connection_classes() -> tuple[type, type]:
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
+            def _handle(self, socket: Any) -> int:
+                """The address of *socket* in libzmq (a closed one has none)."""
+                if socket is None:
+                    raise zmq.ZMQError(errno.ENOTSOCK)
+                self.handle = handle = socket.underlying
+                return handle
+
             def send(self, frames: list[bytes]) -> None:
                 socket = self.socket
                 last = len(frames) - 1
                 try:
+                    if sendFrames is not None:
+                        handle = self.handle
+                        if not handle or socket is None:
+                            handle = self._handle(socket)
+                        sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket)
+                        return
                     for i, frame in enumerate(frames):
                         # large frames go zero-copy (ZeroMQ keeps a reference), as
                         # pyzmq's own send_multipart does past its copy threshold
