@@ -19,7 +19,7 @@ class IRouterReceiver(Interface):
     A receiver that only passes some frames on may say so with an attribute
     ``keepFramesFrom`` (an index into *frames*): a transport that can may
     then deliver long frames from that index on as buffers it need not copy
-    (``zmq.Frame``: ``len``, ``bytes(frame)`` and the buffer protocol, no
+    (a ``zmq.Frame`` or the like: ``len``, ``bytes(frame)`` and the buffer protocol, no
     ``bytes`` methods or comparisons).  Without the attribute every frame is
     ``bytes``."""
 
@@ -140,7 +140,7 @@ class IFraming(Interface):
 
     def encode(frames: list[bytes]) -> bytes:
         """One message as bytes.  A framing whose ``acceptsBuffers`` is true
-        takes any buffer as a frame (a ``zmq.Frame`` a broker passes on)."""
+        takes any buffer as a frame (a kept ZeroMQ frame a broker passes on)."""
 
     def decoder(limits: object) -> IStreamDecoder:
         """A fresh decoder for one connection, enforcing *limits*."""

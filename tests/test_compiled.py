@@ -116,9 +116,32 @@ def test_a_pure_install_removes_what_an_earlier_build_left(tree: Path) -> None:
     assert sorted(p.name for p in tree.rglob("*") if p.is_file()) == ["client.py"]
 
 
+def test_an_accelerator_is_recorded_from_its_cython_source(tree: Path) -> None:
+    """A module written in Cython (``ACCELERATORS``) is current while its
+    ``.pyx`` is as it was built, stale after, and removed by a pure install;
+    the import hook leaves it alone (it has no Python source to run)."""
+    name = _compiled.ACCELERATORS[0]
+    directory, leaf = _compiled._paths(str(tree), name)
+    os.makedirs(directory, exist_ok=True)
+    source = Path(directory, leaf + ".pyx")
+    source.write_text("# cython\n")
+    Path(directory, leaf + EXTENSION_SUFFIXES[0]).write_bytes(b"compiled")
+    _compiled.write_record(str(tree), builtSince=0)
+    assert name in (_compiled.read_record(str(tree)) or {})
+    assert _compiled.status(str(tree))[name] == "compiled"
+    assert _compiled.SourceFirst.find_spec(name, [directory]) is None
+    info = os.stat(source)
+    os.utime(source, ns=(info.st_atime_ns, info.st_mtime_ns + 1))
+    assert _compiled.status(str(tree))[name] == "stale"
+    _compiled.remove_compiled(str(tree))
+    assert _compiled.status(str(tree))[name] == "source"
+
+
 def test_every_listed_module_exists_and_the_hook_is_installed() -> None:
     for name in _compiled.MODULES:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+    for name in _compiled.ACCELERATORS:
+        assert (ROOT / (name.replace(".", "/") + ".pyx")).is_file(), name
     assert _compiled.SourceFirst in sys.meta_path
 
 
@@ -131,9 +154,9 @@ def test_every_listed_module_logs_under_its_own_name() -> None:
             assert log.namespace == name
 
 
-def _run(code: str, **env: str) -> str:
+def _run(code: str, timeout: float = 100, **env: str) -> str:
     environ = {k: v for k, v in os.environ.items() if k != _compiled.PURE_ENV}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env={**environ, **env}, cwd=str(ROOT))
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -166,6 +189,9 @@ def test_an_install_that_could_compile_did_and_every_module_runs_compiled() -> N
     assert json.loads(_run(_IMPORT_ALL)) == {name: True for name in _compiled.MODULES}
     assert json.loads(_run(_IMPORT_ALL, **{_compiled.PURE_ENV: "1"})) == {
         name: False for name in _compiled.MODULES}
+    # ZeroMQ messages go through the C module (tests/test_zmq_frames.py)
+    probe = "from mdp.transport import zeromq; print(zeromq.zmq_frames() is not None)"
+    assert _run(probe).strip() == "True"
 
 
 def test_the_interfaces_hold_for_the_sources_too() -> None:

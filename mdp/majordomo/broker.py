@@ -192,7 +192,7 @@ _REQUEST_FRAMES = 5
 
 
 def as_bytes(frames: Sequence[Any]) -> list[bytes]:
-    """*frames* with every frame that is not ``bytes`` (a ``zmq.Frame`` a
+    """*frames* with every frame that is not ``bytes`` (a ZeroMQ frame a
     transport did not copy) copied into ``bytes``; *frames* itself if all are."""
     for frame in frames:
         if type(frame) is not bytes:
@@ -218,7 +218,7 @@ class Binding:
     """One bound transport of the broker and the roles it accepts.
 
     Body frames are passed on, never read: a transport may deliver long ones
-    from ``keepFramesFrom`` on uncopied (``zmq.Frame``; a client REQUEST's
+    from ``keepFramesFrom`` on uncopied (libzmq's message; a client REQUEST's
     body starts there, a worker's command has its client address before it).
     The machine reads only the frames before it on its fast path and
     copies the rest into ``bytes`` before anything else reads them

@@ -104,7 +104,8 @@ FRAMES_PER_TURN = 10_000
 #: than copying up to about 1 MiB on this machine (docs/performance.md).
 ZERO_COPY_BYTES = 1 << 20
 #: A receiver that only passes body frames on (the broker) may take frames
-#: at least this long as the ``zmq.Frame`` they arrived in (see
+#: at least this long as the message libzmq received (a ``Held`` of
+#: ``_zmqframes``, or without it the ``zmq.Frame`` they arrived in; see
 #: ``IRouterReceiver.keepFramesFrom``): sending one on shares libzmq's buffer
 #: instead of copying it out into ``bytes`` and back in (a 64 KiB frame
 #: crossed a forwarder in 1.4 µs instead of 9.3).  Shorter frames may sit in
@@ -203,8 +204,8 @@ def _connection_classes() -> tuple[type, type]:
             lastBatch = 0
             owner: Any = None
             #: frames after the first this many (counting the routing id) of
-            #: at least KEEP_FRAME_BYTES are delivered as their ``zmq.Frame``
-            #: (the receiver asked: ZmqRouter); by default none is
+            #: at least KEEP_FRAME_BYTES are delivered uncopied (kept_frame_type;
+            #: the receiver asked: ZmqRouter); by default none is
             keepAfter = 1 << 62
 
             def doRead(self) -> None:
@@ -616,10 +617,10 @@ class _RoutedSocket:
 class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket.  A receiver whose ``keepFramesFrom`` is a
     number gets the frames from that index on that are at least
-    :data:`KEEP_FRAME_BYTES` long as ``zmq.Frame`` objects, not copied; it
+    :data:`KEEP_FRAME_BYTES` long uncopied (:func:`kept_frame_type`); it
     may hand them back to :meth:`sendMessage` (or to a stream router)."""
 
-    #: sendMessage takes any buffer as a frame (``bytes``, ``zmq.Frame``)
+    #: sendMessage takes any buffer as a frame (``bytes``, a kept frame)
     acceptsBuffers = True
 
 
