@@ -84,8 +84,8 @@ def extensions() -> list:
         for name in _compiled["MODULES"]
     ]
     if os.name == "posix":
-        # C only (dlopen and libzmq's own calls): no Python source to fall
-        # back on here, the callers do without it
+        # the modules written in Cython (the ZeroMQ one opens libzmq with
+        # dlopen): no Python source of their own; their callers do without
         modules += [
             Extension(name, [os.path.join(*name.split(".")) + ".pyx"],
                       extra_compile_args=["-g0"],

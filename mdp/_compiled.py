@@ -50,8 +50,9 @@ MODULES = (
 
 #: modules written in Cython itself (``.pyx``: C that Python cannot say),
 #: each an optional companion of a listed module that goes on without it:
-#: ``_zmqframes`` reads ZeroMQ frames into ``bytes`` in C (its docstring)
-ACCELERATORS = ("mdp.transport._zmqframes",)
+#: ``_zmqframes`` reads and sends ZeroMQ messages with libzmq's calls,
+#: ``_records`` encodes and splits stream records (their docstrings)
+ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 
 #: set (to anything but "" or "0") at install: no compiling, and compiled
 #: modules a working tree holds are removed; at run time: the sources run

@@ -26,10 +26,11 @@ before), so a trickle costs time and memory in proportion to its bytes.
 from __future__ import annotations
 
 import struct
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from zope.interface import implementer
 
+from mdp import _compiled
 from mdp.errors import ProtocolError, RecordTooLarge
 from mdp.interfaces import IFraming, IStreamDecoder
 from mdp.policy import Limits
@@ -40,6 +41,10 @@ _unpack_from = _length.unpack_from
 
 Buffer = Union[bytes, bytearray, memoryview]
 
+#: mdp.transport._records: the two functions below in C for ``bytes``, where
+#: that is built (else None: they run as written)
+_inC: Any = _compiled.accelerator("mdp.transport._records")
+
 #: Pieces of a frame at least this long are kept as views of what was fed
 #: (and copied once, into the frame); shorter ones are gathered in one buffer,
 #: so a trickle costs memory in proportion to its bytes.
@@ -48,6 +53,10 @@ _PIECE_BYTES = 4096
 
 def encode_record(frames: list[bytes]) -> bytes:
     """One whole record (length prefix included) holding *frames*."""
+    if _inC is not None:
+        record = _inC.encode_record(frames)
+        if record is not None:
+            return record
     parts = [b""]
     size = 0
     for frame in frames:
@@ -60,6 +69,10 @@ def encode_record(frames: list[bytes]) -> bytes:
 
 def decode_payload(buffer: Buffer, start: int, end: int, limits: Limits) -> list[bytes]:
     """Split the payload ``buffer[start:end]`` into frames."""
+    if _inC is not None:
+        decoded = _inC.decode_payload(buffer, start, end, limits.maxFrames, limits.maxMessageBytes)
+        if decoded is not None:
+            return decoded
     frames = []
     view = memoryview(buffer)
     offset = start
