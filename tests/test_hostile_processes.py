@@ -187,9 +187,9 @@ MAX_OUTPUT = 16 * MiB
 # MiB, peak = VmHWM):
 # * tcp: the 16 MiB backlog and Twisted's write buffer.  Measured growth 15.5-16
 #   MiB (peak 51.5 MiB).
-# * zmq: the 16 MiB backlog plus what libzmq holds in its pipes (64 messages of
-#   64 KiB each way) and allocator slack.  Measured growth 22.5-24 MiB (peak
-#   61-62.5 MiB).
+# * zmq: the 16 MiB backlog plus what libzmq holds in its pipes (up to 128
+#   messages of 64 KiB sent, 64 received) and allocator slack.  Measured growth
+#   22.5-24.7 MiB (peak 61-83 MiB, from a base of 39-58).
 # Without the limit (--max-output-bytes 4GiB) the broker keeps the whole stream:
 # measured growth 311 MiB (tcp) and 351 MiB (zmq) for a 312 MiB stream, so
 # about 500+ MiB for this one; 2.5-3 GB in the original report.

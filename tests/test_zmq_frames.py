@@ -120,6 +120,23 @@ def test_frames_that_are_not_bytes_or_long_go_through_pyzmq(pair: tuple[Any, Any
 
 
 @needs_c
+def test_a_message_over_large_above_is_not_sent_but_measured(pair: tuple[Any, Any]) -> None:
+    """With *largeAbove*, a larger message comes back as its size, unsent
+    (a ROUTER lowers its mark first), and one no larger goes as before."""
+    receiver, sender = pair
+    long = b"L" * 300
+    sender.send_multipart([b"x", long])
+    kept = C.read(receiver.underlying, NOBLOCK, 0, 100, NEVER, NEVER, False)[1]
+    message = [b"ab", kept, memoryview(b"cde")]
+    assert C.send(sender.underlying, message, 1 << 20, zmq.backend.Socket.send, sender,
+                  304) == 305
+    assert not receiver.poll(0)
+    assert C.send(sender.underlying, message, 1 << 20, zmq.backend.Socket.send, sender,
+                  305) is None
+    assert receiver.recv_multipart() == [b"ab", long, b"cde"]
+
+
+@needs_c
 def test_nothing_to_read_or_nowhere_to_send_raises_as_pyzmq_does(pair: tuple[Any, Any]) -> None:
     receiver, _ = pair
     with pytest.raises(zmq.Again):
@@ -196,6 +213,7 @@ PYZMQ_PATH_TESTS = [
     "tests/test_perf_copies.py",
     "tests/test_perf_zmq_reads.py",
     "tests/test_transport_conformance.py",
+    "tests/test_zmq_marks.py",
     "tests/test_blocking.py::test_a_request_over_the_limits_is_refused_and_a_reply_over_them_dropped",
     "tests/test_blocking.py::test_partials_reach_on_partial_before_the_final",
 ]

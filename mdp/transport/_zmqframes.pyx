@@ -216,18 +216,32 @@ def read(uintptr_t socket, int flags, Py_ssize_t keepAfter, Py_ssize_t keepBytes
     return frames
 
 
-def send(uintptr_t socket, list frames, Py_ssize_t copyBelow, fallback, pysocket):
+def send(uintptr_t socket, list frames, Py_ssize_t copyBelow, fallback, pysocket,
+         Py_ssize_t largeAbove=-1):
     """Send *frames* as one message on the libzmq socket at address *socket*,
     without waiting: ``bytes`` under *copyBelow* copied into libzmq, a
     :class:`Held` shared; any other frame through ``fallback(pysocket,
     frame, flags, copy)`` (pyzmq's send).  Raises as pyzmq does: ``Again``
     when the message cannot go now (nothing of it was sent: ZeroMQ takes a
-    message or refuses it at its first frame)."""
-    cdef Py_ssize_t last = len(frames) - 1, i
+    message or refuses it at its first frame).  With *largeAbove* at 0 or
+    more, a message of more bytes than that is not sent: its size is
+    returned instead (None when the message went)."""
+    cdef Py_ssize_t last = len(frames) - 1, i, total
     cdef int flags, rc
     cdef object frame
     cdef mdp_zmq_msg_t shared
     cdef Held held
+    if largeAbove >= 0:
+        total = 0
+        for frame in frames:
+            if type(frame) is bytes:
+                total += PyBytes_GET_SIZE(frame)
+            elif type(frame) is Held:
+                total += <Py_ssize_t>msg_size(&(<Held>frame).msg)
+            else:
+                total += len(frame)
+        if total > largeAbove:
+            return total
     for i in range(last + 1):
         frame = frames[i]
         flags = DONTWAIT if i == last else DONTWAIT | SNDMORE

@@ -1,0 +1,182 @@
+"""A bound ZeroMQ ROUTER's send high-water mark follows what it sends.
+
+While every message is small a pipe holds up to ``ROUTER_BURST_WATER_MARK``
+of them (a stream of PARTIALs crosses libzmq's threads in bursts); the first
+larger message brings the mark down to ``ROUTER_SEND_WATER_MARK`` before it
+goes, so libzmq never holds more than that many large messages for a peer that
+does not read (the rest wait in the peer's backlog, bounded in bytes:
+tests/test_hostile_processes.py measures the whole).  The mark rises again
+after a quiet while.  A pipe that has drained takes messages after the mark
+came down: libzmq's reading end tells the writer of its reads only every half
+of the mark it was given, and a mark lowered under that half would count the
+unreported reads as queued and refuse the pipe for good.  The backlog's
+retries and the mark's timer run on a Clock; the sockets are real.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+from twisted.internet.task import Clock
+
+from mdp.transport import zeromq
+from mdp.transport.zeromq import (
+    MARK_DOWN_FOR,
+    ROUTER_BURST_WATER_MARK,
+    ROUTER_HIGH_WATER_MARK,
+    ROUTER_SEND_WATER_MARK,
+    SMALL_MESSAGE_BYTES,
+    ZmqRouter,
+    zmq_factory,
+)
+from tests.test_transport_conformance import Router
+
+zmq = pytest.importorskip("zmq")
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = b"slow-peer"
+SMALL = [b"s" * 100]
+LARGE = [b"L" * (SMALL_MESSAGE_BYTES - len(PEER) + 1)]
+
+
+def _bound(endpoint: str) -> Iterator[tuple[ZmqRouter, Any, Clock]]:
+    clock = Clock()
+    router = ZmqRouter(endpoint, Router(), clock)
+    peer = zmq_factory().context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.ROUTING_ID, PEER)
+    peer.connect(router.endpoint.removeprefix("zmq:"))
+    # the peer is known to the ROUTER once its first message is in
+    peer.send(b"hello")
+    assert router.connection.socket.poll(5000)
+    yield router, peer, clock
+    peer.close()
+
+
+@pytest.fixture
+def bound() -> Iterator[tuple[ZmqRouter, Any, Clock]]:
+    """(router, peer, clock): a ROUTER bound on TCP on a Clock, and a DEALER
+    peer that reads only when a test says so."""
+    yield from _bound("zmq:tcp://127.0.0.1:*")
+
+
+def close(router: ZmqRouter, clock: Clock) -> None:
+    """Close the router (its wait for libzmq to free the address is on the
+    Clock: at most ``unbindTimeout`` of it)."""
+    closing = router.close()
+    for _ in range(int(router.unbindTimeout / 0.001) + 10):
+        if closing.called:
+            return
+        clock.advance(0.001)
+    raise AssertionError("the router did not close")
+
+
+def queued(router: ZmqRouter) -> int:
+    backlog = router.backlogs.get(PEER)
+    return 0 if backlog is None else len(backlog.messages)
+
+
+def mark(router: ZmqRouter) -> int:
+    return router.connection.socket.get(zmq.SNDHWM)
+
+
+def retry(router: ZmqRouter, clock: Clock) -> None:
+    """What the reactor does when the peer has read: libzmq's notice that a
+    pipe drained is taken in (an EVENTS check, as doRead makes), and the
+    backlog's retry runs (the pacer waits at most 50 ms)."""
+    router.connection.socket.get(zmq.EVENTS)
+    clock.advance(0.05)
+
+
+def read(peer: Any, count: int, router: ZmqRouter, clock: Clock) -> list[list[bytes]]:
+    """*count* messages the peer reads (the backlog retried meanwhile)."""
+    got: list[list[bytes]] = []
+    while len(got) < count and peer.poll(5000):
+        while peer.poll(0):
+            got.append(peer.recv_multipart())
+        retry(router, clock)
+    return got
+
+
+def test_the_mark_follows_message_sizes(bound: Any) -> None:
+    router, peer, clock = bound
+    connection = router.connection
+    try:
+        assert mark(router) == ROUTER_BURST_WATER_MARK == 2 * ROUTER_SEND_WATER_MARK
+        assert connection.largeAbove == SMALL_MESSAGE_BYTES
+        router.sendMessage(PEER, SMALL)
+        # small: at most that, counting the peer id frame
+        router.sendMessage(PEER, [b"x" * (SMALL_MESSAGE_BYTES - len(PEER))])
+        assert mark(router) == ROUTER_BURST_WATER_MARK
+        router.sendMessage(PEER, LARGE)
+        assert (mark(router), connection.largeAbove) == (ROUTER_SEND_WATER_MARK, -1)
+        clock.advance(MARK_DOWN_FOR)
+        assert (mark(router), connection.largeAbove) == (ROUTER_BURST_WATER_MARK,
+                                                         SMALL_MESSAGE_BYTES)
+        # large again soon after the rise: down for twice as long
+        clock.advance(MARK_DOWN_FOR / 2)
+        router.sendMessage(PEER, LARGE)
+        assert mark(router) == ROUTER_SEND_WATER_MARK
+        assert connection.markDownFor == 2 * MARK_DOWN_FOR
+        clock.advance(MARK_DOWN_FOR)
+        assert mark(router) == ROUTER_SEND_WATER_MARK
+        clock.advance(MARK_DOWN_FOR)
+        assert mark(router) == ROUTER_BURST_WATER_MARK
+        # and long after it: the usual while again
+        clock.advance(10 * MARK_DOWN_FOR)
+        router.sendMessage(PEER, LARGE)
+        assert connection.markDownFor == MARK_DOWN_FOR
+        assert read(peer, 5, router, clock) == [
+            SMALL, [b"x" * (SMALL_MESSAGE_BYTES - len(PEER))], LARGE, LARGE, LARGE]
+    finally:
+        close(router, clock)
+
+
+@pytest.mark.parametrize("count", [1, ROUTER_SEND_WATER_MARK, ROUTER_BURST_WATER_MARK - 1])
+def test_a_drained_pipe_takes_a_large_message_after_the_mark_came_down(
+        bound: Any, count: int) -> None:
+    router, peer, clock = bound
+    try:
+        for n in range(count):
+            router.sendMessage(PEER, [b"%d" % n])
+        assert queued(router) == 0
+        assert read(peer, count, router, clock) == [[b"%d" % n] for n in range(count)]
+        router.sendMessage(PEER, LARGE)
+        assert mark(router) == ROUTER_SEND_WATER_MARK
+        assert read(peer, 1, router, clock) == [LARGE]
+        assert queued(router) == 0
+    finally:
+        close(router, clock)
+
+
+def test_a_peer_that_does_not_read_still_gets_everything_in_order(bound: Any) -> None:
+    """Small and large messages mixed, more than libzmq and the sockets
+    hold: what does not fit waits in the backlog, and all of it arrives, in
+    order, once the peer reads."""
+    router, peer, clock = bound
+    try:
+        sent = [[b"%d" % n, b"x" * (SMALL_MESSAGE_BYTES if n % 3 else 0)] for n in range(3000)]
+        for message in sent:
+            router.sendMessage(PEER, message)
+        assert queued(router) > 0
+        assert read(peer, len(sent), router, clock) == sent
+        assert queued(router) == 0
+    finally:
+        close(router, clock)
+
+
+def test_inproc_and_dealers_keep_a_fixed_mark() -> None:
+    """On inproc a pipe's marks are the sum of both ends' (and so is the
+    reading end's half): the mark stays put.  A DEALER sends to one
+    server: its mark never moves either."""
+    for router, _, clock in _bound("zmq:inproc://fixed-mark"):
+        try:
+            router.sendMessage(PEER, LARGE)
+            assert mark(router) == ROUTER_HIGH_WATER_MARK
+            assert router.connection.largeAbove == -1
+        finally:
+            close(router, clock)
+    _, dealer = zeromq._connection_classes()
+    assert dealer.largeAbove == -1 and dealer.burstMark == 0
