@@ -384,7 +384,7 @@ class _ZmqPipe:
         sock = self.socket
         if sock is None:
             return False
-        events = _get(sock, _EVENTS)
+        events = self._events()
         if events & _ZMQ_POLLOUT and self.backlog:
             while self.backlog and self._trySend(self.backlog[0]):
                 self.backlog.popleft()
@@ -414,6 +414,13 @@ class _ZmqPipe:
         self.loop.unchecked.add(self)
         self._take(frames, time.monotonic())
 
+    def _events(self) -> int:
+        """The (open) socket's ``EVENTS`` bits, in C where that is built
+        (pyzmq's ``get`` makes an enum of the option first)."""
+        if _frames is not None:
+            return _frames.events(self.handle)  # type: ignore[no-any-return]
+        return _get(self.socket, _EVENTS)  # type: ignore[no-any-return]
+
     def discardReceived(self) -> int:
         """Read off and drop the messages waiting on the socket; how many."""
         sock = self.socket
@@ -421,7 +428,7 @@ class _ZmqPipe:
         if sock is None:
             return 0
         for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
-            if not _get(sock, _EVENTS) & _ZMQ_POLLIN:
+            if not self._events() & _ZMQ_POLLIN:
                 break
             self._message(_NOBLOCK)
             dropped += 1
@@ -433,7 +440,7 @@ class _ZmqPipe:
         sock = self.socket
         self._take(self._message(_NOBLOCK), now)
         for _ in range(63):
-            if self.socket is not sock or not _get(sock, _EVENTS) & _ZMQ_POLLIN:
+            if self.socket is not sock or not self._events() & _ZMQ_POLLIN:
                 return
             self._take(self._message(_NOBLOCK), now)
         if self.socket is sock:

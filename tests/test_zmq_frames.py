@@ -137,6 +137,41 @@ def test_a_message_over_large_above_is_not_sent_but_measured(pair: tuple[Any, An
 
 
 @needs_c
+def test_events_answers_as_pyzmq_does() -> None:
+    """``events`` is ``get(EVENTS)``: output only on a socket with nothing
+    come, input too once a message is there, output gone once its pipe is
+    full, and no input again once the message is read."""
+    context = zmq.Context()
+    receiver, sender = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        sender.setsockopt(zmq.SNDHWM, 1)
+        receiver.setsockopt(zmq.RCVHWM, 1)
+        receiver.bind("inproc://events")
+        sender.connect("inproc://events")
+
+        def both(socket: Any) -> tuple[int, int]:
+            return C.events(socket.underlying), int(socket.get(zmq.EVENTS))
+
+        assert both(receiver) == (zmq.POLLOUT, zmq.POLLOUT)
+        sender.send(b"one")
+        assert both(receiver) == (zmq.POLLIN | zmq.POLLOUT,) * 2
+        for _ in range(100):  # fill the pipe (it takes a few messages)
+            if not C.events(sender.underlying) & zmq.POLLOUT:
+                break
+            sender.send(b"more", zmq.NOBLOCK)
+        assert both(sender) == (0, 0)
+        for _ in range(100):
+            if not receiver.poll(0):
+                break
+            receiver.recv()
+        assert both(receiver) == (zmq.POLLOUT, zmq.POLLOUT)
+    finally:
+        receiver.close(0)
+        sender.close(0)
+        context.term()
+
+
+@needs_c
 def test_nothing_to_read_or_nowhere_to_send_raises_as_pyzmq_does(pair: tuple[Any, Any]) -> None:
     receiver, _ = pair
     with pytest.raises(zmq.Again):

@@ -184,9 +184,9 @@ def _connection_classes() -> tuple[type, type]:
         Again = zmq.Again
         # whole messages in and out in C, where that is built
         inC = zmq_frames()
-        readFrames = sendFrames = None
+        readFrames = sendFrames = eventsOf = None
         if inC is not None:
-            readFrames, sendFrames = inC.read, inC.send
+            readFrames, sendFrames, eventsOf = inC.read, inC.send, inC.events
 
         class FastIO:
             """Replaces txzmq's read and send paths (see docs/performance.md):
@@ -254,7 +254,7 @@ def _connection_classes() -> tuple[type, type]:
                                     return
                             else:
                                 # asking EVENTS is cheaper than the Again a failed recv raises
-                                if not get(socket, EVENTS) & POLLIN:
+                                if not self._events(socket) & POLLIN:
                                     return
                                 frames = self._readMessage(socket)
                             if frames is not None:
@@ -374,7 +374,7 @@ def _connection_classes() -> tuple[type, type]:
                 if socket is None or self.skipping is not None:
                     return 0
                 for _ in range(READ_BATCH):
-                    if not get(socket, EVENTS) & POLLIN:
+                    if not self._events(socket) & POLLIN:
                         break
                     if self._readMessage(socket) is None:
                         # over the limits: doRead reads the rest off and reports it
@@ -411,6 +411,16 @@ def _connection_classes() -> tuple[type, type]:
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
+            def _events(self, socket: Any) -> int:
+                """The socket's ``EVENTS`` bits, in C where that is built
+                (pyzmq's ``get`` makes an enum of the option first)."""
+                if eventsOf is not None:
+                    handle = self.handle
+                    if not handle:
+                        handle = self._handle(socket)
+                    return eventsOf(handle)  # type: ignore[no-any-return]
+                return get(socket, EVENTS)  # type: ignore[no-any-return]
+
             def _handle(self, socket: Any) -> int:
                 """The address of *socket* in libzmq (a closed one has none)."""
                 if socket is None:
@@ -443,7 +453,7 @@ def _connection_classes() -> tuple[type, type]:
                     # a send, refused or not, may have taken the FD's (edge-
                     # triggered) signal of pending input: look for it ourselves
                     if (not self.reading and self.read_scheduled is None
-                            and self.socket is not None and get(socket, EVENTS) & POLLIN):
+                            and self.socket is not None and self._events(socket) & POLLIN):
                         self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
         class Router(FastIO, txzmq.ZmqRouterConnection):
