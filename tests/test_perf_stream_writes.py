@@ -81,6 +81,47 @@ async def test_replies_to_one_read_leave_in_one_send() -> None:
 
 @pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
+async def test_a_dealer_reads_without_going_through_the_services_proxy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the TCP connection and the connecting side's protocol are the
+    endpoint's wrapper and ClientService's proxy, which forwards what it
+    lacks through ``__getattr__`` (each lookup failing first, an
+    AttributeError made): the outer one is given ``dataReceived`` itself,
+    so reads skip both."""
+    from twisted.application import _client_service
+
+    looked: list[str] = []
+    forward = _client_service._ReconnectingProtocolProxy.__getattr__
+
+    def counted(self: Any, item: str) -> Any:
+        looked.append(item)
+        return forward(self, item)
+
+    monkeypatch.setattr(_client_service._ReconnectingProtocolProxy, "__getattr__", counted)
+    router = Fanout()
+    router.count = 3
+    router.bound = await transport.listen("tcp:host=127.0.0.1:port=0", router, reactor())
+    dealer = Dealer()
+    pipe = transport.connect(router.bound.endpoint, dealer, reactor())
+    try:
+        await wait_until(lambda: dealer.made == 1, TIMEOUT)
+        protocol = pipe.protocol
+        outer = protocol.transport.protocol
+        assert isinstance(outer._wrappedProtocol, _client_service._ReconnectingProtocolProxy)
+        assert outer._wrappedProtocol._protocol is protocol
+        assert outer.dataReceived == protocol.dataReceived
+        for i in range(5):
+            pipe.sendMessage([b"%d" % i])
+            await wait_until(lambda i=i: len(dealer.received) == 3 * (i + 1), TIMEOUT)
+        assert "dataReceived" not in looked
+        assert dealer.received[-1] == [b"reply", b"2", b"4"]
+    finally:
+        await pipe.close()
+        await router.bound.close()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
 async def test_a_dealer_burst_is_handed_over_as_it_grows_and_paced() -> None:
     """A dealer sending far more than its socket takes at once (as a
     streaming worker does) hands records over every FLUSH_BYTES, so Twisted's

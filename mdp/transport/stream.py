@@ -42,6 +42,7 @@ Clients connect with Twisted's own ``ssl:`` (``certKey=``, ``privateKey=``,
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import sys
 import weakref
@@ -815,6 +816,44 @@ class StreamRouter:
         return defer.maybeDeferred(port.stopListening)
 
 
+def _forwarders() -> dict[type, str]:
+    """Twisted's protocol wrappers that only pass ``dataReceived`` on to the
+    protocol they wrap, with the attribute that holds it: the endpoint's
+    (which fires the connection's Deferred) and ClientService's proxy
+    (which reports the connection's loss).  Private classes: a Twisted
+    without them has none to skip."""
+    found = {}
+    for module, name, inner in (("twisted.internet.endpoints", "_WrappingProtocol",
+                                 "_wrappedProtocol"),
+                                ("twisted.application._client_service",
+                                 "_ReconnectingProtocolProxy", "_protocol")):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        found[cls] = inner
+    return found
+
+
+_FORWARDERS = _forwarders()
+
+
+def _shortcut_reads(protocol: Protocol) -> None:
+    """Hand *protocol*'s ``dataReceived`` to the outermost wrapper its
+    transport calls, where every wrapper between only passes reads on: a
+    read otherwise went through the endpoint's wrapper (a Python call) and
+    ClientService's proxy, which forwards through ``__getattr__`` (each
+    lookup failing first, an AttributeError made and dropped)."""
+    outer = inner = getattr(protocol.transport, "protocol", None)
+    for _ in range(len(_FORWARDERS)):
+        attribute = _FORWARDERS.get(type(inner))
+        if attribute is None:
+            break
+        inner = getattr(inner, attribute, None)
+    if inner is protocol and outer is not protocol:
+        outer.dataReceived = protocol.dataReceived  # type: ignore[union-attr]
+
+
 @implementer(IPushProducer)
 class _DealerConnection(FramedProtocol):
     """The connecting side's protocol; it registers itself as the producer of
@@ -829,6 +868,7 @@ class _DealerConnection(FramedProtocol):
         self.identity = self.dealer.identity
         super().connectionMade()
         self.onMessage = self.dealer.receiver.messageReceived
+        _shortcut_reads(self)
         self.transport.registerProducer(self, True)
         self.dealer._made(self)
 
