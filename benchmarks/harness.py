@@ -8,6 +8,7 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -56,14 +57,16 @@ def zmq_mmi(endpoint: str, service: bytes, body: bytes = b"", timeout: float = 1
 
 class Child:
     """One ``python -m benchmarks.roles`` process (or, with *argv*, any command,
-    its stderr merged into what :meth:`readline` reads)."""
+    its stderr merged into what :meth:`readline` reads).  A role's stderr is
+    kept in an unnamed file: its end is quoted if the role fails."""
 
     def __init__(self, *args: str, argv: Optional[list[str]] = None) -> None:
         self.args = tuple(argv) if argv else args
+        self.stderr = None if argv else tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv or [sys.executable, "-m", "benchmarks.roles", *args],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT if argv else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if argv else self.stderr,
             bufsize=0, env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"},
         )
         self.pid = self.proc.pid
@@ -74,15 +77,27 @@ class Child:
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{self.args}: no output within {timeout}s")
+                raise TimeoutError(f"{self.args}: no output within {timeout}s{self.said()}")
             ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
             if ready:
                 chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
                 if not chunk:
-                    raise RuntimeError(f"{self.args} exited ({self.proc.wait()}) early")
+                    raise RuntimeError(
+                        f"{self.args} exited ({self.proc.wait()}) early{self.said()}")
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
+
+    def said(self, limit: int = 4000) -> str:
+        """The end of what the role wrote to stderr, as a suffix for an
+        error message ("" if nothing)."""
+        if self.stderr is None:
+            return ""
+        self.stderr.seek(0, os.SEEK_END)
+        size = self.stderr.tell()
+        self.stderr.seek(max(size - limit, 0))
+        text = self.stderr.read().decode(errors="replace").strip()
+        return f"; its stderr ends:\n{text}" if text else ""
 
     def waitFor(self, marker: str, timeout: float) -> str:
         """The first line containing *marker* (earlier lines are skipped)."""
@@ -112,7 +127,7 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (self.proc.stdin, self.proc.stdout, self.stderr):
             if stream is not None:
                 stream.close()
 
