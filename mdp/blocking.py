@@ -29,9 +29,9 @@ import os
 import select
 import socket
 import sys
-import time
 from collections import deque
 from collections.abc import Generator
+from time import monotonic
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from twisted.logger import Logger
@@ -241,7 +241,7 @@ class _Loop:
     def turn(self, when: Optional[float]) -> None:
         """Wait for a socket or until *when* (or a stream's next connection
         attempt, if sooner), and handle what came."""
-        now = time.monotonic()
+        now = monotonic()
         streams = self.streams
         for pipe in streams:
             retry = pipe.retryAt
@@ -266,7 +266,7 @@ class _Loop:
         else:
             self._poll(timeout, now)
         if streams:
-            now = time.monotonic()
+            now = monotonic()
             for pipe in list(streams):
                 if pipe.retryAt is not None and now >= pipe.retryAt:
                     pipe.wake(now)
@@ -282,7 +282,7 @@ class _Loop:
             if self.unchecked:
                 timeout = 0  # used again meanwhile: asked at the next turn, soon
         events = self.poller.poll(timeout)
-        now = time.monotonic()
+        now = monotonic()
         pipes = self.pipes
         for fd, flags in events:
             pipe = pipes.get(fd)
@@ -300,7 +300,7 @@ class _Loop:
     def flush(self, pipe: Any, until: float) -> None:
         """Wait until *pipe* has handed all it holds to the OS (or ZeroMQ),
         or until *until*: a sender that must not pile up messages."""
-        while pipe.backlogged and time.monotonic() < until:
+        while pipe.backlogged and monotonic() < until:
             self.turn(until)
 
 
@@ -365,7 +365,7 @@ class _ZmqPipe:
         last = len(frames) - 1
         try:
             if _frames is not None:
-                _frames.send(self.handle, frames, ZERO_COPY_BYTES, send, sock)
+                _sendC(self.handle, frames, ZERO_COPY_BYTES, send, sock)
                 return True
             for i, frame in enumerate(frames):
                 send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
@@ -412,13 +412,13 @@ class _ZmqPipe:
             return
         # one message a wake-up: the next recv takes what else is queued at once
         self.loop.unchecked.add(self)
-        self._take(frames, time.monotonic())
+        self._take(frames, monotonic())
 
     def _events(self) -> int:
         """The (open) socket's ``EVENTS`` bits, in C where that is built
         (pyzmq's ``get`` makes an enum of the option first)."""
         if _frames is not None:
-            return _frames.events(self.handle)  # type: ignore[no-any-return]
+            return _eventsC(self.handle)  # type: ignore[no-any-return]
         return _get(self.socket, _EVENTS)  # type: ignore[no-any-return]
 
     def discardReceived(self) -> int:
@@ -450,7 +450,7 @@ class _ZmqPipe:
         """Receive a whole message (ZeroMQ delivers one whole, or nothing:
         ``Again``), in C where that is built (``_frames``)."""
         if _frames is not None:
-            return _frames.read(self.handle, flags, _NEVER, 0, _NEVER, _NEVER, False)
+            return _readC(self.handle, flags, _NEVER, 0, _NEVER, _NEVER, False)
         sock = self.socket
         frame = _recv(sock, flags, copy=False)
         frames = [frame.bytes]
@@ -521,7 +521,7 @@ class _StreamPipe:
         return bool(self.out)
 
     def start(self) -> None:
-        self.open(time.monotonic())
+        self.open(monotonic())
 
     def open(self, now: float) -> None:
         """Start a connection attempt (the poller says when it is made)."""
@@ -691,7 +691,7 @@ class Client(ClientCore):
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        super().__init__(endpoint, time.monotonic(), timeout=timeout, retries=retries,
+        super().__init__(endpoint, monotonic(), timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
                          limits=limits, curveServerPublic=curveServerPublic,
                          curveSecret=curveSecret)
@@ -794,7 +794,7 @@ class Client(ClientCore):
             for channel in self._channels:
                 channel.pipe = None
             self._loop = _Loop(self.limits, None)
-        self._perform(self.handleClose(time.monotonic()))
+        self._perform(self.handleClose(monotonic()))
         self._loop.shutdown()
 
     def __enter__(self) -> Client:
@@ -812,7 +812,7 @@ class Client(ClientCore):
         if self._forks != _forks:
             raise ClientClosed("this client belongs to the process it was made in; "
                                "make a new one after fork()")
-        now = time.monotonic()
+        now = monotonic()
         call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now)
         call.result = _PENDING
         self._perform(self.handleRequest(call, now))
@@ -821,7 +821,7 @@ class Client(ClientCore):
     def _cancel(self, call: _Call) -> None:
         if call.result is _PENDING:
             call.result = ClientClosed("request abandoned")
-            self._perform(self.handleCancel(call, time.monotonic()))
+            self._perform(self.handleCancel(call, monotonic()))
             call.onPartial = call.onRestart = None
 
     def _waitFor(self, call: _Call) -> None:
@@ -833,7 +833,7 @@ class Client(ClientCore):
                 loop.turn(self._wakeTime)
                 when = self._wakeTime
                 if when is not None:
-                    now = time.monotonic()
+                    now = monotonic()
                     if now >= when:
                         self._wakeTime = None
                         self._perform(self.handleWake(now))
@@ -891,7 +891,7 @@ class Client(ClientCore):
         while self._madeUp:
             channel = self._madeUp.popleft()
             if channel.pipe is not None:
-                self._perform(self.handlePipeUp(channel, time.monotonic()))
+                self._perform(self.handlePipeUp(channel, monotonic()))
 
     def _open(self, channel: _Channel) -> None:
         pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel, curve=self.curve)
@@ -937,7 +937,7 @@ class Worker(WorkerMachine):
         #: the broker's public key and this worker's key pair, for zmq: endpoints
         self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
         super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
-                         backoff=backoff, dialect=dialect, limits=limits, now=time.monotonic())
+                         backoff=backoff, dialect=dialect, limits=limits, now=monotonic())
         self.requestsServed = 0
         _log_to_stdlib()
         self._loop = _Loop(limits, context)
@@ -958,7 +958,7 @@ class Worker(WorkerMachine):
         after every wake-up), or an exception (Ctrl-C) ends the loop; then say
         DISCONNECT and close."""
         self._stopping = False
-        now = time.monotonic()
+        now = monotonic()
         self._nextTick = now + self.wakeEvery
         self._perform(self.handleStart(now))
         try:
@@ -967,7 +967,7 @@ class Worker(WorkerMachine):
                 if self._reopenAt is not None and self._reopenAt < when:
                     when = self._reopenAt
                 self._loop.turn(when)
-                now = time.monotonic()
+                now = monotonic()
                 if self._reopenAt is not None and now >= self._reopenAt:
                     self._reopenAt = None
                     self._perform(self.handleReopen(now))
@@ -980,7 +980,7 @@ class Worker(WorkerMachine):
                     self._perform(self.handleTick(now))
         finally:
             self._reopenAt = None
-            self._perform(self.handleStop(time.monotonic()))
+            self._perform(self.handleStop(monotonic()))
 
     # --- what the pipe reports -------------------------------------------------
 
@@ -1017,15 +1017,15 @@ class Worker(WorkerMachine):
                 if pipe is not None:
                     self._loop.close(pipe)
             elif kind is ReopenAfter:
-                self._reopenAt = time.monotonic() + action.delay
+                self._reopenAt = monotonic() + action.delay
             # StoreReply: a blocking worker keeps no reply store
         if self._madeUp:
             self._madeUp = False
             if self._pipe is not None:
-                self._perform(self.handlePipeUp(time.monotonic()))
+                self._perform(self.handlePipeUp(monotonic()))
 
     def _serve(self, job: Any, body: list[bytes]) -> None:
-        started = time.monotonic()
+        started = monotonic()
         try:
             result = self.handler(body)
             # (the ABC check only for what is not a plain reply: it costs)
@@ -1038,8 +1038,8 @@ class Worker(WorkerMachine):
             log.failure("handler for {service} failed", service=label(self.service))
             self._reply(job, WorkerFinal, codec.error_body(
                 codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}"))
-        if time.monotonic() - started > self.heartbeat.interval:
-            self._perform(self.handleBlocked(time.monotonic()))
+        if monotonic() - started > self.heartbeat.interval:
+            self._perform(self.handleBlocked(monotonic()))
 
     def _stream(self, parts: Any, job: Any) -> None:
         for item in parts:
@@ -1058,12 +1058,12 @@ class Worker(WorkerMachine):
             if pipe is not None and pipe.backlogged:
                 # the broker takes PARTIALs slower than the handler makes
                 # them: wait rather than pile them up
-                self._loop.flush(pipe, time.monotonic() + self.heartbeat.expiry)
+                self._loop.flush(pipe, monotonic() + self.heartbeat.expiry)
         self._reply(job, WorkerFinal, [b""])
         self.requestsServed += 1
 
     def _reply(self, job: Any, kind: type, frames: list[bytes]) -> bool:
-        sent, actions = self.handleReply(job, kind, frames, time.monotonic())
+        sent, actions = self.handleReply(job, kind, frames, monotonic())
         self._perform(actions)
         return sent
 
@@ -1072,7 +1072,7 @@ def _bind_zmq() -> None:
     """pyzmq's compiled socket methods, below its Python wrappers (whose
     IntEnum flag arithmetic costs more than the I/O on this path), and
     messages in and out in C where that is built (``_frames``)."""
-    global _send, _recv, _get, _set, _frames
+    global _send, _recv, _get, _set, _frames, _readC, _sendC, _eventsC
     global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _FD, _ZMQ_POLLIN, _ZMQ_POLLOUT
     zmq = _zmq()
     backend = zmq.backend.Socket
@@ -1083,6 +1083,8 @@ def _bind_zmq() -> None:
     _EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
     _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
     _frames = zmq_frames()
+    if _frames is not None:  # its functions themselves: a module's attribute costs a look-up
+        _readC, _sendC, _eventsC = _frames.read, _frames.send, _frames.events
 
 
 _send: Callable[..., Any]
@@ -1090,8 +1092,12 @@ _recv: Callable[..., Any]
 _get: Callable[..., Any]
 _set: Callable[..., Any]
 _RCVTIMEO = 0
-#: mdp.transport._zmqframes, bound (see zmq_frames), or None
+#: mdp.transport._zmqframes, bound (see zmq_frames), or None; and its read,
+#: send and events
 _frames: Any = None
+_readC: Callable[..., Any]
+_sendC: Callable[..., Any]
+_eventsC: Callable[..., Any]
 #: no frame kept, no limit (the blocking pipe checks a message's limits itself)
 _NEVER = sys.maxsize
 _NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _FD = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0

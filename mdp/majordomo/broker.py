@@ -154,6 +154,7 @@ from mdp.majordomo.codec import (
     Ready,
     WorkerFinal,
     WorkerPartial,
+    is_service_name,
 )
 from mdp.messages import text as label
 from mdp.policy import (
@@ -189,6 +190,8 @@ DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
 #: of the envelope; and the frames it adds (with majortomo's leading empty frame).
 _REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
 _REQUEST_FRAMES = 5
+#: (a name of this module's own: another module's attribute is a look-up each time)
+_MMI_PREFIX = mmi.PREFIX
 
 
 def as_bytes(frames: Sequence[Any]) -> list[bytes]:
@@ -718,8 +721,8 @@ class BrokerMachine(Machine):
             self._replyPart(worker, request, body, final)
             return True
         if (header == CLIENT_HEADER and count >= 4 and frames[1] == C_REQUEST
-                and key[0].clients and codec.is_service_name(frames[2])):
-            self._request(key, frames[2], frames[3:], codec.RFC)
+                and key[0].clients and is_service_name(frames[2])):
+            self._request(key, frames[2], frames[3:], RFC)
             return True
         return False
 
@@ -763,7 +766,7 @@ class BrokerMachine(Machine):
         visible = None
         if access is not None:
             identity = _identity(key)
-            if name.startswith(mmi.PREFIX):
+            if name.startswith(_MMI_PREFIX):
                 visible = partial(access.mayCall, identity)
             elif not access.mayCall(identity, name):
                 if metrics is not None:
@@ -771,7 +774,7 @@ class BrokerMachine(Machine):
                 self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
                              f"{_who(identity)} may not call {name.decode('ascii')!r}")
                 return
-        if name.startswith(mmi.PREFIX):
+        if name.startswith(_MMI_PREFIX):
             request.state = DONE
             self._reply(request, mmi.answer(self, name, body, visible), final=True)
             if metrics is not None:

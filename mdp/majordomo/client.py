@@ -123,10 +123,10 @@ from __future__ import annotations
 
 import enum
 import errno
-import heapq
 import itertools
 import uuid
 from collections import deque
+from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
@@ -163,6 +163,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
 _ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
+_RFC = codec.RFC
 #: service names a client recently asked for, normalised (at most _NAMES_KEPT)
 _NAMES_KEPT = 64
 
@@ -487,7 +488,7 @@ class ClientMachine(Machine):
         call = channel.call
         if (call is not None and call.state is IN_FLIGHT and len(frames) > 3
                 and frames[1] == _FINAL and frames[0] == _HEADER and frames[2] == call.service
-                and self.dialect == codec.RFC and not self._waiting):
+                and self.dialect == _RFC and not self._waiting):
             # the common case, the FINAL of the request in flight with nobody
             # waiting for the connection: what _received and _release do, in
             # one place (see handleRequest)
@@ -632,8 +633,8 @@ class ClientMachine(Machine):
             # when their deadlines come round
             # in place: _sweep may hold this very list
             heap[:] = [e for e in heap if self._watched(e)]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (deadline, next(self._order), call))
+            heapify(heap)
+        heappush(heap, (deadline, next(self._order), call))
         self._wakeBy(deadline)
 
     @staticmethod
@@ -656,11 +657,11 @@ class ClientMachine(Machine):
         now = self.now + 1e-9  # a deadline met to the float is met
         heap = self._deadlines
         while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
+            entry = heappop(heap)
             if self._watched(entry):
                 self._expired(entry[2])
         while heap and not self._watched(heap[0]):
-            heapq.heappop(heap)
+            heappop(heap)
         if heap:
             self._wakeBy(heap[0][0])
 
@@ -669,7 +670,7 @@ class ClientMachine(Machine):
     def _received(self, channel: _Channel, frames: list[bytes]) -> None:
         call = channel.call
         if (call is not None and len(frames) > 3 and frames[0] == _HEADER
-                and frames[2] == call.service and self.dialect == codec.RFC):
+                and frames[2] == call.service and self.dialect == _RFC):
             # the common cases, a FINAL or a PARTIAL for the request in flight:
             # what the general path below checks and does, without building a
             # command object
@@ -693,7 +694,7 @@ class ClientMachine(Machine):
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
                 raise ProtocolError(f"broker sent a client {kind.__name__}")
-            if call is not None and command.service != call.service and self.dialect == codec.RFC:
+            if call is not None and command.service != call.service and self.dialect == _RFC:
                 raise ProtocolError(
                     f"reply for service {command.service!r} to a request for {call.service!r}"
                 )
@@ -824,7 +825,7 @@ class ClientMachine(Machine):
         # passes frequent
         heap = self._deadlines
         while heap and not self._watched(heap[0]):
-            heapq.heappop(heap)
+            heappop(heap)
         return True
 
     def _fail(self, call: _Call, error: BaseException) -> None:
@@ -916,7 +917,7 @@ class ClientCore(ClientMachine):
             raise ClientClosed("client is closed")
         if self.stamp:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
-        if self.dialect == codec.RFC:
+        if self.dialect == _RFC:
             message = [_HEADER, codec.C_REQUEST, name, *body]
         else:
             message = codec.encode(codec.ClientRequest(name, body), self.dialect)

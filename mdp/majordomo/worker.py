@@ -94,6 +94,7 @@ from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import (
+    RFC,
     W_REQUEST,
     WORKER_HEADER,
     Disconnect,
@@ -101,7 +102,9 @@ from mdp.majordomo.codec import (
     WorkerFinal,
     WorkerPartial,
     WorkerRequest,
+    encode_worker_reply,
 )
+from mdp.majordomo.idempotence import STAMP_MARKER
 from mdp.messages import text as label
 from mdp.policy import (
     Backoff,
@@ -388,7 +391,7 @@ class WorkerMachine(Machine):
         if self.state is STOPPED or self.state is BACKING_OFF:
             return  # from a pipe already closed
         if (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
-                and frames[3] == b"" and self.dialect == codec.RFC):
+                and frames[3] == b"" and self.dialect == RFC):
             # a REQUEST, checked as decode_worker checks it, without the command object
             self.liveness.heard(self.now)
             self.failures = self.refusals = 0
@@ -428,7 +431,7 @@ class WorkerMachine(Machine):
                                "dropped", service=label(self.service))
             return
         key = None
-        if body and body[0] == idempotence.STAMP_MARKER:
+        if body and body[0] == STAMP_MARKER:
             try:
                 key, body = idempotence.unstamp(body)
             except ValueError as e:
@@ -460,7 +463,7 @@ class WorkerMachine(Machine):
         final = kind is WorkerFinal
         if final and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
-        self._outbox.append(SendToBroker(codec.encode_worker_reply(job.client, frames, final,
+        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final,
                                                                    self.dialect)))
         self.liveness.sent(self.now)
         if final:
