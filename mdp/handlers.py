@@ -17,6 +17,15 @@ def reply_frames(value: Any) -> list[bytes]:
     """Normalise a handler's reply to a non-empty list of ``bytes`` frames:
     ``bytes``/``str`` (UTF-8) or a list of them; ``None`` or ``[]`` become one
     empty frame."""
+    kind = type(value)
+    if kind is list:  # the common reply: checked by type first (cheaper than isinstance)
+        for item in value:
+            if type(item) is not bytes:
+                break
+        else:
+            return value[:] if value else [b""]  # (a copy: the list stays the handler's)
+    elif kind is bytes:
+        return [value]
     if value is None:
         return [b""]
     if isinstance(value, (bytes, bytearray, memoryview)):
