@@ -93,10 +93,10 @@ class Child:
         error message ("" if nothing)."""
         if self.stderr is None:
             return ""
-        self.stderr.seek(0, os.SEEK_END)
-        size = self.stderr.tell()
-        self.stderr.seek(max(size - limit, 0))
-        text = self.stderr.read().decode(errors="replace").strip()
+        fd = self.stderr.fileno()
+        size = os.fstat(fd).st_size
+        # (pread: the role shares the file's offset and may still be writing)
+        text = os.pread(fd, limit, max(size - limit, 0)).decode(errors="replace").strip()
         return f"; its stderr ends:\n{text}" if text else ""
 
     def waitFor(self, marker: str, timeout: float) -> str:
