@@ -7,10 +7,11 @@ goes, so libzmq never holds more than that many large messages for a peer that
 does not read (the rest wait in the peer's backlog, bounded in bytes:
 tests/test_hostile_processes.py measures the whole), and stays down: marks
 that rose and fell again left a drained pipe refused now and then.  A pipe
-that has drained takes messages after the mark came down: libzmq's reading end tells the writer of its reads only every half
-of the mark it was given, and a mark lowered under that half would count the
-unreported reads as queued and refuse the pipe for good.  The backlog's
-retries run on a Clock; the sockets are real.
+that has drained takes messages after the mark came down: libzmq's reading
+end tells the writer of its reads only every half of the mark it was given,
+and a mark lowered under that half would count the unreported reads as
+queued and refuse the pipe for good.  The backlog's retries run on a Clock;
+the sockets are real.
 """
 
 from __future__ import annotations
