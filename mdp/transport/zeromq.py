@@ -60,8 +60,8 @@ ROUTER_SEND_WATER_MARK = 128
 #: most): a stream of short PARTIALs then crosses libzmq's threads in larger
 #: bursts (streams of PARTIALs run about 1.15x as fast as at 64).  The first
 #: larger message brings the mark down to ROUTER_SEND_WATER_MARK before it
-#: goes, so a pipe never holds more large ones than that.  At most twice that
-#: mark: libzmq's reading end reports what it has read every half of the mark
+#: goes, for good, so a pipe never holds more large ones than that.  At most
+#: twice that mark: libzmq's reading end reports what it has read every half of the mark
 #: it was given, and a mark lowered under that half could leave a drained pipe
 #: refused for good.
 ROUTER_BURST_WATER_MARK = 2 * ROUTER_SEND_WATER_MARK
