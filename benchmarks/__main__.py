@@ -1,4 +1,5 @@
-"""Run the benchmark suite: ``python -m benchmarks [--smoke] [--repeat R] [--only NAME...]``.
+"""Run the benchmark suite: ``python -m benchmarks [--smoke] [--repeat R] [--only NAME...]
+[--reactor uvloop|epoll]``.
 
 Every case starts its own processes (broker, workers, clients; all separate,
 127.0.0.1, ports picked by the OS), warms up, then times the clients together.
@@ -21,7 +22,16 @@ import time
 from typing import Any, Iterator, Optional
 
 from benchmarks import security
-from benchmarks.harness import Processes, cpu_seconds, rss_bytes, zmq_mmi
+from benchmarks.harness import (
+    REACTOR_ENV,
+    REACTORS,
+    Processes,
+    cpu_seconds,
+    default_reactor,
+    rss_bytes,
+    use_reactor,
+    zmq_mmi,
+)
 from mdp import _compiled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +59,10 @@ STACKS = {
 #: install compiled the hot modules (mdp/_compiled.py): what compiling buys
 SOURCE_STACKS = {f"{stack} (source)": stack for stack in ("ours", "ours-blocking")}
 
+#: our Twisted stack on Twisted's default reactor, whatever the run's (--reactor):
+#: what the reactor buys (docs/performance.md, round two, item 25)
+EPOLL_STACKS = {"ours (epoll reactor)": "ours"}
+
 #: the stream case's rate before the second round of speed work (docs/performance.md,
 #: 2026-11-22): 40 streams of 1,000 PARTIALs a second.  A baseline from another run:
 #: the old code is not in this one.
@@ -66,10 +80,13 @@ def percentile(values: list[float], q: float) -> float:
 def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, n: int,
              warmup: int, size: int, window: int = 1) -> dict[str, Any]:
     """One repetition of one case; returns throughput, latency and CPU."""
-    broker_impl, worker_impl, client_impl, dialect = STACKS[SOURCE_STACKS.get(stack, stack)]
+    base = SOURCE_STACKS.get(stack) or EPOLL_STACKS.get(stack) or stack
+    broker_impl, worker_impl, client_impl, dialect = STACKS[base]
     curve = security.directory() if transport == "curve" else None
     pure = "1" if stack in SOURCE_STACKS else None
-    with Processes() as procs, environ("MDP_BENCH_CURVE", curve), environ(_compiled.PURE_ENV, pure):
+    reactor = "epoll" if stack in EPOLL_STACKS else None
+    with Processes() as procs, environ("MDP_BENCH_CURVE", curve), \
+            environ(_compiled.PURE_ENV, pure), environ(REACTOR_ENV, reactor):
         if transport == "tls":
             bind = security.tls_bind()
         else:
@@ -105,6 +122,8 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
     row["cpu_broker_s_per_1k"] = used[0] / count * 1000
     row["cpu_workers_s_per_1k"] = sum(used[1:]) / count * 1000
     row["cpu_clients_s_per_1k"] = sum(r["cpu"] for r in results) / count * 1000
+    # what the clients' Twisted code ran on (none: they ran no Twisted)
+    row["client_reactors"] = sorted({r["reactor"] for r in results if r.get("reactor")})
     return row
 
 
@@ -246,7 +265,7 @@ def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
     # the stacks a ratio compares run one after the other
     for stack in STACKS:
         add(f"sync 1x1 / {stack}", stack=stack, mode="sync", clients=1, workers=1, n=n_sync // 2)
-    for stack in (*STACKS, *SOURCE_STACKS):
+    for stack in (*STACKS, *SOURCE_STACKS, *EPOLL_STACKS):
         add(f"sync 4x4 / {stack}", stack=stack, mode="sync", clients=4, workers=4, n=n_sync)
     for stack in ("ours", "bare+ours", "majortomo-broker+our-peers", "ours+blocking-client"):
         add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1, workers=4,
@@ -351,6 +370,8 @@ def references(table: dict[str, Any]) -> list[dict[str, Any]]:
          "sync 4x4 / ours (source)"),
         ("4x4 sync zmq: our stack compiled / from source (blocking peers)",
          "sync 4x4 / ours-blocking", "sync 4x4 / ours-blocking (source)"),
+        ("4x4 sync zmq: our stack on the run's reactor / on epoll (Twisted peers)",
+         "sync 4x4 / ours", "sync 4x4 / ours (epoll reactor)"),
         ("4x4 sync: CURVE (allow-list) / plain zmq", "sync 4x4 / ours over curve",
          "sync 4x4 / ours"),
         ("4x4 sync: mutual TLS (ssl:) / plain tcp", "sync 4x4 / ours over tls",
@@ -407,8 +428,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-scale", action="store_true", help="skip the scale scenarios")
     parser.add_argument("--no-spark", action="store_true",
                         help="skip the Spark standalone cluster (target 7; never in --smoke)")
+    parser.add_argument("--reactor", choices=REACTORS, default=default_reactor(),
+                        help="what our Twisted nodes run on: uvloop (mdp.uvreactor; the "
+                             "default where it is installed) or epoll (Twisted's default)")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "latest.json"))
     args = parser.parse_args(argv)
+    use_reactor(args.reactor)
     repetitions = 1 if args.smoke else args.repeat
 
     selected = [(name, description, thunk) for name, description, thunk in cases(args.smoke)
@@ -440,6 +465,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "platform": platform.platform()},
         # what the processes ran: each hot module compiled, or its source
         "modules": _compiled.status(),
+        # what our Twisted nodes ran on (the "(epoll reactor)" stack: epoll)
+        "reactor": args.reactor,
         "smoke": args.smoke,
         "repetitions": repetitions,
         "cases": {name: {**described[name], **row} for name, row in table.items()},
@@ -453,6 +480,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(markdown(table, scale, checks, refs))
     kinds = sorted(set(report["modules"].values()))
     print(f"\nHot modules: {', '.join(kinds)} (mdp/_compiled.py; the (source) stacks run the source)")
+    print(f"\nReactor of our Twisted nodes: {args.reactor} (the (epoll reactor) stack: epoll)")
     print(f"\nJSON written to {args.json}")
     return 0
 

@@ -13,7 +13,29 @@ import time
 from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the reactor the roles that use Twisted run on (benchmarks.roles): "uvloop"
+#: (mdp.uvreactor, Twisted's asyncio reactor over uvloop) or "epoll" (Twisted's
+#: default on Linux); the environment variable passes it to the roles
+REACTOR_ENV = "MDP_BENCH_REACTOR"
+REACTORS = ("uvloop", "epoll")
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def default_reactor() -> str:
+    """uvloop where it is installed (the ``speed`` extra): the reactor
+    docs/performance.md recommends for throughput; else Twisted's default."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "epoll"
+    return "uvloop"
+
+
+def use_reactor(name: str) -> None:
+    """Roles started from now on run their Twisted code on reactor *name*."""
+    if name not in REACTORS:
+        raise ValueError(f"unknown reactor {name!r} (one of {', '.join(REACTORS)})")
+    os.environ[REACTOR_ENV] = name
 
 
 def cpu_seconds(pid: int) -> float:

@@ -18,6 +18,10 @@ Roles:
   fclient MODEL N WARMUP ENDPOINT...          (a Freelance client of model 1, 2 or 3)
   tclient ENDPOINT N WARMUP SIZE WINDOW POLL  (a Titanic client, two timed phases: see
                                                titanic_client)
+
+Roles that run Twisted run it on the reactor ``MDP_BENCH_REACTOR`` names
+(benchmarks.harness.REACTOR_ENV): ``uvloop`` installs :mod:`mdp.uvreactor`;
+anything else, or nothing, leaves Twisted's default.
 """
 
 from __future__ import annotations
@@ -63,7 +67,20 @@ def wait_go() -> None:
 
 def result(latencies: list[float], start: float, end: float, cpu: float, **extra: Any) -> None:
     emit("RESULT " + json.dumps({"latencies": latencies, "start": start, "end": end,
-                                 "cpu": cpu, **extra}))
+                                 "cpu": cpu, "reactor": reactor_name(), **extra}))
+
+
+def reactor_name() -> Any:
+    """What this role's Twisted code ran on: "uvloop", "epoll" (or another
+    reactor's class name); None if it ran no Twisted."""
+    reactor = sys.modules.get("twisted.internet.reactor")  # the reactor, once installed
+    if reactor is None:
+        return None
+    loop = getattr(reactor, "_asyncioEventloop", None)
+    if loop is not None and type(loop).__module__.startswith("uvloop"):
+        return "uvloop"
+    name = type(reactor).__name__
+    return "epoll" if name == "EPollReactor" else name
 
 
 # --- brokers -----------------------------------------------------------------
@@ -576,8 +593,25 @@ def titanic_client(endpoint: str, n: int, warmup: int, size: int, window: int,
     task.react(lambda r: defer.ensureDeferred(main(r)))
 
 
+#: (role, first argument) pairs that run on the reactor; None: every use of the role
+_TWISTED_ROLES = {("broker", "ours"), ("worker", "ours"), ("client", "ours"), ("farm", None),
+                  ("inproc", None), ("fserver", None), ("fclient", None), ("tclient", None)}
+
+
+def install_reactor(role: str, first: str) -> None:
+    """Before a role that runs Twisted imports its reactor: the one the run
+    asked for (``MDP_BENCH_REACTOR``)."""
+    if (role, first) not in _TWISTED_ROLES and (role, None) not in _TWISTED_ROLES:
+        return
+    if os.environ.get("MDP_BENCH_REACTOR") == "uvloop":
+        from mdp import uvreactor
+
+        uvreactor.install()
+
+
 def main(argv: list[str]) -> None:
     role, rest = argv[0], argv[1:]
+    install_reactor(role, rest[0] if rest else "")
     options: dict[str, str] = {}
     args = []
     while rest:

@@ -2,6 +2,7 @@
 standalone cluster, against one plain client outside Spark on the same rows.
 
     python -m benchmarks.spark [--rows 200000] [--repeat 3] [--smoke] [--local]
+                               [--reactor uvloop|epoll]
 
 Everything on 127.0.0.1, in one run:
 
@@ -14,6 +15,7 @@ Everything on 127.0.0.1, in one run:
 * the rows: *rows* 16-byte strings, a DataFrame of 2 partitions, cached.
 
 Each round (``--repeat``, default 3) times, once each: a plain client process
+(our Twisted client, on ``--reactor``: uvloop by default where it is installed)
 sending the rows with 64 requests in flight, then a Spark job sending them
 through ``call_service(df, "echo", endpoint, window=64)`` (and checking every
 reply is its row's value).  The cluster, the session and the executors (warmed
@@ -43,7 +45,15 @@ import time
 import urllib.request
 from typing import Any, Iterator, Optional
 
-from benchmarks.harness import ROOT, Processes, cpu_seconds, machine_cpu_seconds
+from benchmarks.harness import (
+    REACTORS,
+    ROOT,
+    Processes,
+    cpu_seconds,
+    default_reactor,
+    machine_cpu_seconds,
+    use_reactor,
+)
 
 WINDOW = 64
 SIZE = 16  # bytes per row, as the plain client's requests
@@ -458,9 +468,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--smoke", action="store_true", help="2,000 rows, 1 round")
     parser.add_argument("--local", action="store_true", help="local[2] instead of a cluster")
+    parser.add_argument("--reactor", choices=REACTORS, default=default_reactor(),
+                        help="the plain client's reactor, as in python -m benchmarks")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "spark-latest.json"))
     args = parser.parse_args(argv)
+    use_reactor(args.reactor)
     rows, repeat = (2_000, 1) if args.smoke else (args.rows, args.repeat)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:

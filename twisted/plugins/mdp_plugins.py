@@ -17,3 +17,9 @@ mdpFreelanceServer = FreelanceServerServiceMaker()
 mdpTitanic = TitanicServiceMaker()
 spRep = SPRepServiceMaker()
 spDevice = SPDeviceServiceMaker()
+
+# ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor)
+from twisted.application.reactors import Reactor  # noqa: E402
+
+uvloopReactor = Reactor("uvloop", "mdp.uvreactor",
+                        "Twisted's asyncio reactor over uvloop (pip install 'txmajordomo[speed]')")

@@ -1,0 +1,132 @@
+"""mdp.uvreactor: Twisted's asyncio reactor over the real uvloop package, in
+processes of their own (a reactor is installed once per process): nodes over
+ZeroMQ and TCP with their timers, ``twist --reactor=uvloop`` with a clean
+SIGTERM, and the errors of an install that cannot be done."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import textwrap
+
+import pytest
+import pytest_twisted
+
+from tests.procs import ENV, Process, bound_endpoint, reactor, script
+
+pytest.importorskip("uvloop")
+
+pytestmark = pytest.mark.timeout(120)
+
+#: a whole stack in one process on the uvloop reactor: many requests over each
+#: transport, an async handler, and a request that times out (the reactor's timers)
+STACK = textwrap.dedent("""
+    import asyncio
+    import sys
+
+    from mdp import uvreactor
+
+    reactor = uvreactor.install()
+
+    import uvloop
+    from twisted.internet import defer, task
+
+    from mdp import Broker, Client, Worker
+    from mdp.errors import RequestTimeout
+
+    assert isinstance(asyncio.get_event_loop(), uvloop.Loop), asyncio.get_event_loop()
+    assert type(reactor).__name__ == "AsyncioSelectorReactor", reactor
+
+    async def later(frames):
+        await task.deferLater(reactor, 0.01, lambda: None)
+        return [b"late:" + f for f in frames]
+
+    async def main(reactor):
+        for bind in ("zmq:tcp://127.0.0.1:*", "tcp:host=127.0.0.1:port=0"):
+            broker = Broker(reactor)
+            bound = await broker.listen(bind)
+            upper = Worker(bound.endpoint, "upper", lambda frames: [f.upper() for f in frames],
+                           reactor)
+            slow = Worker(bound.endpoint, "later", later, reactor)
+            upper.start()
+            slow.start()
+            client = Client(bound.endpoint, reactor, timeout=5, retries=1)
+            replies = await defer.gatherResults(
+                [client.request("upper", b"r%d" % i) for i in range(300)])
+            assert replies == [[b"R%d" % i] for i in range(300)], replies[:3]
+            assert await client.request("later", b"x") == [b"late:x"]
+            quick = Client(bound.endpoint, reactor, timeout=0.3, retries=1)
+            try:
+                await quick.request("nobody", b"x")
+            except RequestTimeout:
+                pass
+            else:
+                raise AssertionError("a request nobody serves did not time out")
+            for node in (quick, client, upper, slow, broker):
+                await (node.close() if hasattr(node, "close") else node.stop())
+            print("OK", bind.split(":")[0], flush=True)
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
+""")
+
+
+@pytest_twisted.ensureDeferred
+async def test_nodes_run_on_the_uvloop_reactor_over_zeromq_and_tcp() -> None:
+    proc = Process(reactor(), [sys.executable, "-c", STACK], ENV)
+    try:
+        await proc.ended(90)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == 0, proc.output
+    assert b"OK zmq" in proc.output and b"OK tcp" in proc.output, proc.output
+
+
+@pytest.mark.parametrize("bind", ["zmq:tcp://127.0.0.1:*", "tcp:host=127.0.0.1:port=0"])
+@pytest_twisted.ensureDeferred
+async def test_twist_runs_broker_and_worker_on_uvloop_and_stops_on_sigterm(bind: str) -> None:
+    uv = [script("twist"), "--reactor=uvloop", "--log-format", "text"]
+    broker = Process(reactor(), [*uv, "mdp-broker", "--endpoint", bind, "--heartbeat", "0.5"], ENV)
+    endpoint = await bound_endpoint(broker, "MDP broker")
+    worker = Process(reactor(), [*uv, "mdp-worker", "--broker", endpoint, "--service", "upper",
+                                 "--handler", "tests.handlers_for_tests:upper",
+                                 "--heartbeat", "0.5"], ENV)
+    try:
+        await worker.waitFor("sent READY", timeout=60)
+        call = Process(reactor(), [script("mdp"), "call", "--broker", endpoint, "--timeout", "10",
+                                   "upper", "shout"], ENV)
+        try:
+            await call.ended(60)
+        finally:
+            await call.stop()
+        assert call.exitCode == 0, call.output
+        assert call.output.decode().splitlines() == ["SHOUT"]
+    finally:
+        await worker.stop()
+        await broker.stop()
+    for proc in (broker, worker):
+        assert b"asyncio reactor over uvloop" in proc.output, proc.output
+        # SIGTERM: a clean stop, ending as twist ends on any reactor (by the
+        # signal it stopped for), not by the SIGKILL stop() sends after 10 s
+        assert b"Received SIGTERM, shutting down." in proc.output, proc.output
+        assert proc.signal == signal.SIGTERM, (proc.exitCode, proc.signal, proc.output)
+
+
+def test_install_refuses_when_a_reactor_is_installed_already() -> None:
+    from twisted.internet import reactor as installed
+    from twisted.internet.error import ReactorAlreadyInstalledError
+
+    from mdp import uvreactor
+
+    with pytest.raises(ReactorAlreadyInstalledError):
+        uvreactor.install()
+    from twisted.internet import reactor as after
+
+    assert after is installed
+
+
+def test_without_uvloop_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mdp import uvreactor
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
+    with pytest.raises(uvreactor.UVLoopMissing, match=r"txmajordomo\[speed\]"):
+        uvreactor.new_loop()
