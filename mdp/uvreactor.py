@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from twisted.python.usage import UsageError
+
 #: how to get uvloop, for the error that says it is missing
 INSTALL_HINT = "pip install 'txmajordomo[speed]' (or pip install uvloop)"
 
 
-class UVLoopMissing(ImportError):
+class UVLoopMissing(ImportError, UsageError):
     """uvloop is not installed (or does not import here); the message says
-    how to install it."""
+    how to install it.  Also a usage error, so that ``twist --reactor=uvloop``
+    says it in one line with its usage instead of a traceback."""
 
 
 def new_loop() -> Any:

@@ -5,9 +5,11 @@ SIGTERM, and the errors of an install that cannot be done."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -130,3 +132,22 @@ def test_without_uvloop_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
     with pytest.raises(uvreactor.UVLoopMissing, match=r"txmajordomo\[speed\]"):
         uvreactor.new_loop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_twist_without_uvloop_says_how_to_install_it_in_one_line(tmp_path: Any) -> None:
+    hidden = tmp_path / "uvloop"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text("raise ImportError('uvloop hidden by the test')\n")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV["PYTHONPATH"]])}
+    proc = Process(reactor(), [script("twist"), "--reactor=uvloop", "mdp-broker",
+                               "--endpoint", "zmq:tcp://127.0.0.1:*"], env)
+    try:
+        await proc.ended(60)
+    finally:
+        await proc.stop()
+    assert proc.exitCode == 64, proc.output  # twist's usage error
+    assert b"Traceback" not in proc.output, proc.output
+    first = proc.output.decode().splitlines()[0]
+    assert first.startswith("Error: the uvloop reactor needs uvloop: pip install "
+                            "'txmajordomo[speed]'"), proc.output
