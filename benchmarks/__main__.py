@@ -240,7 +240,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def cases(smoke: bool) -> list[tuple[str, dict[str, Any], Any]]:
     """(name, description, thunk) for every case, baselines included."""
-    n_sync = 200 if smoke else 4000
+    n_sync = 200 if smoke else 8000
     n_pipe = 400 if smoke else 10000
     warm = 20 if smoke else 300
     big = 65536
