@@ -28,6 +28,7 @@ from benchmarks.harness import (
     Processes,
     cpu_seconds,
     default_reactor,
+    reactor_of,
     rss_bytes,
     use_reactor,
     zmq_mmi,
@@ -111,6 +112,8 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
         ]
         for driver in drivers:
             driver.ready(timeout=120)
+        # what the broker and workers run on, read from outside (the clients say)
+        server_reactors = sorted({reactor_of(p.pid) for p in servers})
         cpu_before = [cpu_seconds(p.pid) for p in servers]
         for driver in drivers:
             driver.go()
@@ -124,6 +127,7 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
     row["cpu_clients_s_per_1k"] = sum(r["cpu"] for r in results) / count * 1000
     # what the clients' Twisted code ran on (none: they ran no Twisted)
     row["client_reactors"] = sorted({r["reactor"] for r in results if r.get("reactor")})
+    row["server_reactors"] = server_reactors
     return row
 
 

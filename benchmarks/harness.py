@@ -38,6 +38,14 @@ def use_reactor(name: str) -> None:
     os.environ[REACTOR_ENV] = name
 
 
+def reactor_of(pid: int) -> str:
+    """What a live role runs on, seen from outside: "uvloop" if uvloop's
+    compiled loop is mapped into it (only mdp.uvreactor imports it in a
+    role), else "epoll"."""
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
+        return "uvloop" if any("/uvloop/loop." in line for line in f) else "epoll"
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a live process."""
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:

@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.harness import REACTOR_ENV
+
 SERVICE = b"echo"
 
 
@@ -593,12 +595,8 @@ def titanic_client(endpoint: str, n: int, warmup: int, size: int, window: int,
     task.react(lambda r: defer.ensureDeferred(main(r)))
 
 
-#: (role, first argument) pairs that run on the reactor; None: every use of the role.
-#: Not the farm of idle workers: a load generator, kept on Twisted's default so
-#: that the broker's heartbeat cost is measured under the same load as before
-#: (on uvloop the farm's 1,000 heartbeat timers fire spread out, about 4.5x the
-#: broker's wake-ups, on either broker reactor; docs/performance.md item 25)
-_TWISTED_ROLES = {("broker", "ours"), ("worker", "ours"), ("client", "ours"),
+#: (role, first argument) pairs that run on the reactor; None: every use of the role
+_TWISTED_ROLES = {("broker", "ours"), ("worker", "ours"), ("client", "ours"), ("farm", None),
                   ("inproc", None), ("fserver", None), ("fclient", None), ("tclient", None)}
 
 
@@ -607,7 +605,7 @@ def install_reactor(role: str, first: str) -> None:
     asked for (``MDP_BENCH_REACTOR``)."""
     if (role, first) not in _TWISTED_ROLES and (role, None) not in _TWISTED_ROLES:
         return
-    if os.environ.get("MDP_BENCH_REACTOR") == "uvloop":
+    if os.environ.get(REACTOR_ENV) == "uvloop":
         from mdp import uvreactor
 
         uvreactor.install()

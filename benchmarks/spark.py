@@ -15,7 +15,8 @@ Everything on 127.0.0.1, in one run:
 * the rows: *rows* 16-byte strings, a DataFrame of 2 partitions, cached.
 
 Each round (``--repeat``, default 3) times, once each: a plain client process
-(our Twisted client, on ``--reactor``: uvloop by default where it is installed)
+(our Twisted client; it, the broker and the workers run on ``--reactor``: uvloop
+by default where it is installed)
 sending the rows with 64 requests in flight, then a Spark job sending them
 through ``call_service(df, "echo", endpoint, window=64)`` (and checking every
 reply is its row's value).  The cluster, the session and the executors (warmed
@@ -469,7 +470,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="2,000 rows, 1 round")
     parser.add_argument("--local", action="store_true", help="local[2] instead of a cluster")
     parser.add_argument("--reactor", choices=REACTORS, default=default_reactor(),
-                        help="the plain client's reactor, as in python -m benchmarks")
+                        help="the reactor of the broker, the workers and the plain client, "
+                             "as in python -m benchmarks")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "spark-latest.json"))
     args = parser.parse_args(argv)
