@@ -108,7 +108,7 @@ __all__ = [
 #: the subpackages and modules, loaded when first used as ``mdp.NAME`` too
 _MODULES = ("app", "binarystar", "blocking", "errors", "freelance", "handlers", "harmony",
             "interfaces", "machine", "majordomo", "messages", "metrics", "policy", "session",
-            "sp", "spark", "testing", "titanic", "transport")
+            "sp", "spark", "testing", "titanic", "transport", "uvreactor")
 
 
 def __getattr__(name: str) -> Any:
