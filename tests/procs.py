@@ -112,6 +112,18 @@ class Process:
             await self.ended(timeout)
 
 
+async def finished(args: list[str], env: Optional[dict[str, str]] = None,
+                   timeout: float = 60.0) -> Process:
+    """Run *args* to their end (stopped if they outlive *timeout*, which
+    then fails) and return the process: its output and exit status."""
+    proc = Process(reactor(), args, ENV if env is None else env)
+    try:
+        await proc.ended(timeout)
+    finally:
+        await proc.stop()
+    return proc
+
+
 def python(*args: str) -> list[str]:
     """Argument list running this interpreter."""
     return [sys.executable, *args]

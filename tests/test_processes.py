@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.procs import ENV, Process, script, twist_broker, twist_worker
+from tests.procs import ENV, Process, finished, script, twist_broker, twist_worker
 
 
 def reactor() -> Any:
@@ -19,12 +19,7 @@ def reactor() -> Any:
 
 async def run(args: list[str], timeout: float = 60) -> Process:
     """Run a command to completion and return it (output, exit code)."""
-    proc = Process(reactor(), args, ENV)
-    try:
-        await proc.ended(timeout)
-    finally:
-        await proc.stop()
-    return proc
+    return await finished(args, timeout=timeout)
 
 
 async def start_broker(endpoint: str) -> tuple[Process, str]:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.procs import ENV, Process, bound_endpoint, reactor, script
+from tests.procs import ENV, Process, bound_endpoint, finished, reactor, script
 
 pytest.importorskip("uvloop")
 
@@ -106,11 +106,7 @@ TIMERS = textwrap.dedent("""
 async def test_timers_wake_the_uvloop_reactor_once_not_until_due() -> None:
     """uvloop runs a timer under half a millisecond at once: without whole
     milliseconds, each call took about 27 wake-ups (5,500 for these 200)."""
-    proc = Process(reactor(), [sys.executable, "-c", TIMERS], ENV)
-    try:
-        await proc.ended(60)
-    finally:
-        await proc.stop()
+    proc = await finished([sys.executable, "-c", TIMERS], timeout=60)
     assert proc.exitCode == 0, proc.output
     words = proc.output.decode().split()
     ran, wakes = int(words[words.index("RAN") + 1]), int(words[words.index("WAKES") + 1])
@@ -122,11 +118,7 @@ async def test_timers_wake_the_uvloop_reactor_once_not_until_due() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_nodes_run_on_the_uvloop_reactor_over_zeromq_and_tcp() -> None:
-    proc = Process(reactor(), [sys.executable, "-c", STACK], ENV)
-    try:
-        await proc.ended(90)
-    finally:
-        await proc.stop()
+    proc = await finished([sys.executable, "-c", STACK], timeout=90)
     assert proc.exitCode == 0, proc.output
     assert b"OK zmq" in proc.output and b"OK tcp" in proc.output, proc.output
 
@@ -142,12 +134,8 @@ async def test_twist_runs_broker_and_worker_on_uvloop_and_stops_on_sigterm(bind:
                                  "--heartbeat", "0.5"], ENV)
     try:
         await worker.waitFor("sent READY", timeout=60)
-        call = Process(reactor(), [script("mdp"), "call", "--broker", endpoint, "--timeout", "10",
-                                   "upper", "shout"], ENV)
-        try:
-            await call.ended(60)
-        finally:
-            await call.stop()
+        call = await finished([script("mdp"), "call", "--broker", endpoint, "--timeout", "10",
+                               "upper", "shout"])
         assert call.exitCode == 0, call.output
         assert call.output.decode().splitlines() == ["SHOUT"]
     finally:
@@ -188,12 +176,8 @@ async def test_twist_without_uvloop_says_how_to_install_it_in_one_line(tmp_path:
     hidden.mkdir()
     (hidden / "__init__.py").write_text("raise ImportError('uvloop hidden by the test')\n")
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV["PYTHONPATH"]])}
-    proc = Process(reactor(), [script("twist"), "--reactor=uvloop", "mdp-broker",
-                               "--endpoint", "zmq:tcp://127.0.0.1:*"], env)
-    try:
-        await proc.ended(60)
-    finally:
-        await proc.stop()
+    proc = await finished([script("twist"), "--reactor=uvloop", "mdp-broker",
+                           "--endpoint", "zmq:tcp://127.0.0.1:*"], env)
     assert proc.exitCode == 64, proc.output  # twist's usage error
     assert b"Traceback" not in proc.output, proc.output
     first = proc.output.decode().splitlines()[0]
