@@ -1,4 +1,5 @@
-"""Compare the Freelance models: ``python -m benchmarks.freelance [--smoke]``.
+"""Compare the Freelance models: ``python -m benchmarks.freelance [--smoke]
+[--reactor uvloop|epoll]``.
 
 Three echo servers (separate processes) and one client process per model,
 sequential requests.  Healthy: all servers up.  Failover: the first server is
@@ -15,7 +16,7 @@ import sys
 from typing import Any
 
 from benchmarks.__main__ import percentile
-from benchmarks.harness import ROOT, Processes, cpu_seconds
+from benchmarks.harness import REACTORS, ROOT, Processes, cpu_seconds, default_reactor, use_reactor
 
 MESSAGES_PER_REQUEST = {1: "1 (per attempt)", 2: "3 (one per server)", 3: "1 (+1 PING/s per server)"}
 
@@ -44,9 +45,12 @@ def run(model: int, n: int, warmup: int, kill_first: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.freelance")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--reactor", choices=REACTORS, default=default_reactor(),
+                        help="what the servers and clients run on, as in python -m benchmarks")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "freelance-latest.json"))
     args = parser.parse_args(argv)
+    use_reactor(args.reactor)
     n, n_failover, warm = (50, 8, 5) if args.smoke else (2000, 40, 100)
     rows = []
     for kill_first in (False, True):
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{MESSAGES_PER_REQUEST[r['model']]} |")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as f:
-        json.dump({"smoke": args.smoke, "runs": rows}, f, indent=2)
+        json.dump({"smoke": args.smoke, "reactor": args.reactor, "runs": rows}, f, indent=2)
     print("\n".join(lines))
     return 0
 

@@ -1,4 +1,5 @@
-"""Titanic against plain requests: ``python -m benchmarks.titanic [--smoke] [--json PATH] [--repeat R]``.
+"""Titanic against plain requests: ``python -m benchmarks.titanic [--smoke] [--json PATH] [--repeat R]
+[--reactor uvloop|epoll]``.
 
 Every process is separate (ZeroMQ on 127.0.0.1, ports picked by the OS): our
 broker, one echo worker, and a client; for the Titanic cases also Titanic itself
@@ -36,7 +37,16 @@ import time
 from typing import Any, Optional
 
 from benchmarks.__main__ import percentile, ratio
-from benchmarks.harness import ROOT, Processes, cpu_seconds, zmq_mmi
+from benchmarks.harness import (
+    REACTOR_ENV,
+    REACTORS,
+    ROOT,
+    Processes,
+    cpu_seconds,
+    default_reactor,
+    use_reactor,
+    zmq_mmi,
+)
 
 BIND = "zmq:tcp://127.0.0.1:*"
 SIZE = 16
@@ -99,7 +109,9 @@ def run_titanic(store: str, n: int, warmup: int) -> tuple[dict[str, Any], dict[s
         worker = procs.start("worker", "ours", endpoint)
         worker.ready()
         db = os.path.join(tmp, "titanic.db") if store == "sqlite" else ":memory:"
-        titanic = procs.start(argv=[twist, "--log-format", "text", "mdp-titanic",
+        # Titanic on the run's reactor too (benchmarks.harness.use_reactor)
+        reactor = ["--reactor=uvloop"] if os.environ.get(REACTOR_ENV) == "uvloop" else []
+        titanic = procs.start(argv=[twist, *reactor, "--log-format", "text", "mdp-titanic",
                                     "--broker", endpoint, "--db", db,
                                     "--concurrency", str(CONCURRENCY)])
         titanic.waitFor("Titanic started", timeout=60)
@@ -170,9 +182,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="N=50, one round (for CI)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--reactor", choices=REACTORS, default=default_reactor(),
+                        help="what our Twisted nodes run on, as in python -m benchmarks")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "titanic-latest.json"))
     args = parser.parse_args(argv)
+    use_reactor(args.reactor)
     n, warm_plain, warm_titanic = (50, 10, 5) if args.smoke else (2000, 200, 20)
     rounds = 1 if args.smoke else max(1, args.repeat)
 
@@ -192,6 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "platform": platform.platform()},
         "smoke": args.smoke,
+        "reactor": args.reactor,
         "repetitions": rounds,
         "requests": n,
         "body_bytes": SIZE,

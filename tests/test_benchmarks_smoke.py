@@ -81,7 +81,9 @@ def test_freelance_benchmark_smoke_run(tmp_path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
+    report = json.loads(out.read_text())
+    assert report["reactor"] == default_reactor()
+    runs = report["runs"]
     assert [(r["model"], r["first_server_killed"]) for r in runs] == [
         (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
     assert all(r["rate"] > 0 and r["p50_us"] <= r["p99_us"] for r in runs)
@@ -115,6 +117,7 @@ def test_titanic_benchmark_smoke_run(tmp_path) -> None:
     assert "| case |" in proc.stdout
     report = json.loads(out.read_text())
     assert report["smoke"] is True and report["repetitions"] == 1
+    assert report["reactor"] == default_reactor()
     cases = {"plain Client.request", "titanic stored / sqlite", "titanic end-to-end / sqlite",
              "titanic stored / memory", "titanic end-to-end / memory"}
     assert set(report["cases"]) == cases
