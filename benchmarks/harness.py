@@ -38,6 +38,12 @@ def use_reactor(name: str) -> None:
     os.environ[REACTOR_ENV] = name
 
 
+def on_uvloop() -> bool:
+    """Whether the run asked for uvloop (use_reactor): roles install
+    mdp.uvreactor, ``twist`` gets ``--reactor=uvloop``."""
+    return os.environ.get(REACTOR_ENV) == "uvloop"
+
+
 def reactor_of(pid: int) -> str:
     """What a live role runs on, seen from outside: "uvloop" if uvloop's
     compiled loop is mapped into it (only mdp.uvreactor imports it in a

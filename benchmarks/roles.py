@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.harness import REACTOR_ENV
+from benchmarks.harness import on_uvloop
 
 SERVICE = b"echo"
 
@@ -605,7 +605,7 @@ def install_reactor(role: str, first: str) -> None:
     asked for (``MDP_BENCH_REACTOR``)."""
     if (role, first) not in _TWISTED_ROLES and (role, None) not in _TWISTED_ROLES:
         return
-    if os.environ.get(REACTOR_ENV) == "uvloop":
+    if on_uvloop():
         from mdp import uvreactor
 
         uvreactor.install()

@@ -38,12 +38,12 @@ from typing import Any, Optional
 
 from benchmarks.__main__ import percentile, ratio
 from benchmarks.harness import (
-    REACTOR_ENV,
     REACTORS,
     ROOT,
     Processes,
     cpu_seconds,
     default_reactor,
+    on_uvloop,
     use_reactor,
     zmq_mmi,
 )
@@ -110,7 +110,7 @@ def run_titanic(store: str, n: int, warmup: int) -> tuple[dict[str, Any], dict[s
         worker.ready()
         db = os.path.join(tmp, "titanic.db") if store == "sqlite" else ":memory:"
         # Titanic on the run's reactor too (benchmarks.harness.use_reactor)
-        reactor = ["--reactor=uvloop"] if os.environ.get(REACTOR_ENV) == "uvloop" else []
+        reactor = ["--reactor=uvloop"] if on_uvloop() else []
         titanic = procs.start(argv=[twist, *reactor, "--log-format", "text", "mdp-titanic",
                                     "--broker", endpoint, "--db", db,
                                     "--concurrency", str(CONCURRENCY)])
