@@ -54,6 +54,16 @@ MODULES = (
 #: ``_records`` encodes and splits stream records (their docstrings)
 ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 
+#: compiled modules that use another's compiled classes (their ``.pxd``
+#: files ``cimport`` them): each runs compiled only where those do too, for
+#: its compiled self cannot import over the other's source
+CIMPORTS = {
+    "mdp.majordomo.client": ("mdp.machine",),
+    "mdp.majordomo.worker": ("mdp.machine",),
+    "mdp.majordomo.broker": ("mdp.machine",),
+    "mdp.blocking": ("mdp.majordomo.client",),
+}
+
 #: set (to anything but "" or "0") at install: no compiling, and compiled
 #: modules a working tree holds are removed; at run time: the sources run
 #: even where compiled modules are installed
@@ -96,6 +106,18 @@ def source_of(name: str) -> str:
     return ".pyx" if name in ACCELERATORS else ".py"
 
 
+def source_signature(directory: str, leaf: str, name: str) -> tuple[int, int]:
+    """What the build of module *name* (*leaf* in *directory*) is made of:
+    its source and, where there is one, the ``.pxd`` declaring its compiled
+    classes (their sizes summed, the later time)."""
+    size, mtime = _signature(os.path.join(directory, leaf + source_of(name)))
+    declarations = os.path.join(directory, leaf + ".pxd")
+    if os.path.isfile(declarations):
+        extra = _signature(declarations)
+        size, mtime = size + extra[0], max(mtime, extra[1])
+    return size, mtime
+
+
 def _paths(package: str, name: str) -> tuple[str, str]:
     """The directory of module *name* under *package* (the ``mdp``
     directory) and its last name."""
@@ -127,17 +149,19 @@ def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     return _records[package]
 
 
-def current(name: str, source: str, compiled: str,
+def current(name: str, directory: str, leaf: str, compiled: str,
             record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
-    """Whether *compiled*, module *name*'s compiled file, was built from
-    *source* as it is now (True where there is no record at all)."""
+    """Whether *compiled*, module *name*'s compiled file, was built from its
+    source (*leaf* in *directory*) as it is now (True where there is no
+    record at all)."""
     if record is None:
         return True
     entry = record.get(name)
     if entry is None:
         return False
     try:
-        return _signature(source) == entry[:2] and _signature(compiled) == entry[2:]
+        return (source_signature(directory, leaf, name) == entry[:2]
+                and _signature(compiled) == entry[2:])
     except OSError:
         return False
 
@@ -145,7 +169,8 @@ def current(name: str, source: str, compiled: str,
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of module *name* in *package* runs: ``compiled``;
     ``source``, none being built; ``stale``, the source of a compiled module
-    not built from it as it is now; ``pure``, the source because
+    not built from it (or its ``.pxd``) as it is now, or of one whose
+    :data:`CIMPORTS` run from source; ``pure``, the source because
     :data:`PURE_ENV` asks for it."""
     directory, leaf = _paths(package, name)
     compiled = compiled_file(directory, leaf)
@@ -153,8 +178,11 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
         return "source"
     if pure_requested():
         return "pure"
-    source = os.path.join(directory, leaf + source_of(name))
-    return "compiled" if current(name, source, compiled, record) else "stale"
+    if not current(name, directory, leaf, compiled, record):
+        return "stale"
+    if any(kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
+        return "stale"  # what it cimports runs from source
+    return "compiled"
 
 
 def write_record(package: str, builtSince: float) -> None:
@@ -172,7 +200,7 @@ def write_record(package: str, builtSince: float) -> None:
         if old.get(name, ())[2:] == signature:
             entry = old[name]  # not rebuilt: its source as it was then
         elif signature[1] >= builtSince * 1e9:
-            entry = _signature(os.path.join(directory, leaf + source_of(name))) + signature
+            entry = source_signature(directory, leaf, name) + signature
         else:
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")

@@ -26,13 +26,16 @@ NAME = "mdp.majordomo.client"
 
 @pytest.fixture
 def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A package directory "mdp" with majordomo/client.py and a compiled
-    client module beside it (a stand-in: the finder only looks at files)."""
+    """A package directory "mdp" with majordomo/client.py and machine.py, each
+    with a compiled module beside it (stand-ins: the finder only looks at
+    files; compiled, the client's classes extend the machine's)."""
     monkeypatch.delenv(_compiled.PURE_ENV, raising=False)
     package = tmp_path / "mdp"
     (package / "majordomo").mkdir(parents=True)
     (package / "majordomo" / "client.py").write_text("WHO = 'source'\n")
     (package / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
+    (package / "machine.py").write_text("")
+    (package / ("machine" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
     return package
 
 
@@ -67,6 +70,46 @@ def test_a_source_changed_since_the_build_runs_instead_of_its_compiled_module(tr
     assert find(tree) is not None
 
 
+def test_a_declarations_file_changed_since_the_build_runs_the_source(tree: Path) -> None:
+    """The ``.pxd`` beside a source (its compiled classes' fields) is part
+    of what was built: changed or removed since, the source runs."""
+    declarations = tree / "majordomo" / "client.pxd"
+    declarations.write_text("cdef class _Call:\n    cdef public object service\n")
+    _compiled.write_record(str(tree), builtSince=0)
+    assert find(tree) is None
+    declarations.write_text("cdef class _Call:\n    cdef public object state\n")
+    assert find(tree) is not None
+    assert _compiled.status(str(tree))[NAME] == "stale"
+    declarations.unlink()
+    assert _compiled.status(str(tree))[NAME] == "stale"
+
+
+def test_a_module_whose_cimports_run_from_source_runs_from_source(tree: Path) -> None:
+    """Compiled, the client's classes extend the compiled machine's: where
+    the machine runs from source (edited since the build), so does the
+    client, whose compiled module could not import over it."""
+    assert _compiled.CIMPORTS[NAME] == ("mdp.machine",)
+    _compiled.write_record(str(tree), builtSince=0)
+    machine = tree / "machine.py"
+    info = os.stat(machine)
+    os.utime(machine, ns=(info.st_atime_ns, info.st_mtime_ns + 1))
+    assert _compiled.status(str(tree))["mdp.machine"] == "stale"
+    assert _compiled.status(str(tree))[NAME] == "stale"
+    assert find(tree) is not None
+    # and where the machine was not compiled at all
+    (tree / ("machine" + EXTENSION_SUFFIXES[0])).unlink()
+    assert _compiled.status(str(tree))["mdp.machine"] == "source"
+    assert find(tree) is not None
+
+
+def test_every_cimport_is_a_listed_module_with_its_declarations() -> None:
+    for name, others in _compiled.CIMPORTS.items():
+        assert name in _compiled.MODULES
+        for other in (name, *others):
+            directory, leaf = _compiled._paths(str(ROOT / "mdp"), other)
+            assert os.path.isfile(os.path.join(directory, leaf + ".pxd")), other
+
+
 def test_a_compiled_module_replaced_since_the_record_runs_as_source(tree: Path) -> None:
     _compiled.write_record(str(tree), builtSince=0)
     (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"another build")
@@ -84,12 +127,14 @@ def test_a_rebuild_keeps_modules_it_left_alone_and_forgets_old_ones(tree: Path) 
     compiled.write_bytes(b"from elsewhere")
     os.utime(compiled, (1, 1))
     _compiled.write_record(str(tree), builtSince=2**40)
+    assert set(_compiled.read_record(str(tree)) or {}) == {"mdp.machine"}
+    assert find(tree) is not None  # a record without it: source ...
+    for other in (compiled, tree / ("machine" + EXTENSION_SUFFIXES[0])):
+        other.write_bytes(b"from elsewhere")
+        os.utime(other, (1, 1))
+    _compiled.write_record(str(tree), builtSince=2**40)
     assert not (tree / _compiled.RECORD).exists()
-    assert find(tree) is None  # no record at all: trusted ...
-    (tree / "machine.py").write_text("")
-    (tree / ("machine" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
-    _compiled.write_record(str(tree), builtSince=100)  # machine's, just now; not client's
-    assert find(tree) is not None  # ... but a record without it: source
+    assert find(tree) is None  # ... but no record at all: trusted
 
 
 def test_the_environment_asks_for_the_sources(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,7 +158,7 @@ def test_modules_not_listed_or_not_compiled_are_left_alone(
 def test_a_pure_install_removes_what_an_earlier_build_left(tree: Path) -> None:
     _compiled.write_record(str(tree), builtSince=0)
     _compiled.remove_compiled(str(tree))
-    assert sorted(p.name for p in tree.rglob("*") if p.is_file()) == ["client.py"]
+    assert sorted(p.name for p in tree.rglob("*") if p.is_file()) == ["client.py", "machine.py"]
 
 
 def test_an_accelerator_is_recorded_from_its_cython_source(tree: Path) -> None:

@@ -1,0 +1,7 @@
+# Compiled, Machine is an extension type: its attributes are fields of a C
+# struct, which the compiled machines (client.pxd) read without a lookup.
+# The source (machine.py) is the same class; docs/performance.md, item 26.
+
+cdef class Machine:
+    cdef public object now
+    cdef public list _outbox

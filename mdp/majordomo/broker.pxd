@@ -1,0 +1,22 @@
+# Compiled, the broker's machine and its queues are extension types (see
+# client.pxd); docs/performance.md, item 26.
+
+from mdp.machine cimport Machine
+
+cdef class QueueLedger:
+    cdef public object count, bytes, byAge
+    cdef public dict byClient
+
+cdef class ServiceQueue:
+    cdef public object name, pending, idle, workers, size, bytes
+    cdef public object abandonedAt, registered, unknownUntil, askedAt
+    cdef public QueueLedger ledger
+
+cdef class BrokerMachine(Machine):
+    cdef public object heartbeat, requestExpiry, unknownServiceExpiry, serviceLinger
+    cdef public object maxQueue, maxServiceQueue, maxQueueBytes, maxServiceQueueBytes
+    cdef public object maxWorkers, maxServiceWorkers, maxDeliveries, limits, admission, access
+    cdef public object throttle, _assignments, _abandoned, _unknown, _activeSince, _passive
+    cdef public object _takenBack, invalid, metrics, logRequests
+    cdef public QueueLedger _ledger
+    cdef public dict services, workers

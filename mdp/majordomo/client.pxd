@@ -1,0 +1,30 @@
+# Compiled, the client's records and machine are extension types: their
+# attributes are fields of C structs, read and set without a lookup by the
+# machine's own methods (and by the drivers' through the same descriptors a
+# slotted class has).  The source (client.py) is the same classes, and runs
+# as it is where nothing is compiled; docs/performance.md, item 26.
+
+from mdp.machine cimport Machine
+
+cdef class _Channel
+
+cdef class _Call:
+    cdef public object service, message, deferred, result, onPartial, onRestart
+    cdef public object timeout, retries, attempts, startedAt, deadline, state
+    cdef public _Channel channel
+    cdef public list tried
+
+cdef class _Channel:
+    cdef public object endpoint, state, pipe
+    cdef public _Call call
+
+cdef class ClientMachine(Machine):
+    cdef public object _rotation, maxConnections, dialect, _throttle, _waiting
+    cdef public object _waitingDone, _live, _closed, _order, _wakeAt, _everUp
+    cdef public list _idle, _deadlines
+    cdef public set _channels
+    cdef public dict _failures, _unreachable
+
+cdef class ClientCore(ClientMachine):
+    cdef public object curve, timeout, retries, stamp, limits, clientId, _sequence
+    cdef public dict _names
