@@ -2,20 +2,35 @@
 # majordomo/client.pxd); the client keeps an instance dictionary and weak
 # references, as a class of the source would.  docs/performance.md, item 26.
 
-from mdp.majordomo.client cimport ClientCore
+from mdp.majordomo.client cimport ClientCore, _Call
 
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller
     cdef public dict pipes
     cdef public set streams, unchecked
 
+    cpdef turn(self, when)
+    cdef _poll(self, timeout, now)
+
 cdef class _ZmqPipe:
     cdef public _Loop loop
     cdef public object owner, tag, socket, handle, fd, backlog, up, waitMs, address, linger
     cdef public object curve
+
+    cpdef send(self, frames)
+    cdef bint _trySend(self, frames) except -1
+    cpdef wait(self, timeout)
+    cdef _events(self)
+    cdef _read(self, now)
+    cdef list _message(self, flags)
+    cdef _take(self, frames, now)
 
 cdef class Client(ClientCore):
     cdef dict __dict__
     cdef object __weakref__
     cdef public _Loop _loop
     cdef public object _wakeTime, _madeUp, _forks
+
+    cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
+    cdef _waitFor(self, _Call call)
+    cdef _perform(self, list actions)

@@ -5,3 +5,5 @@
 cdef class Machine:
     cdef public object now
     cdef public list _outbox
+
+    cpdef list _drain(self)

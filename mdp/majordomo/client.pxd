@@ -25,6 +25,19 @@ cdef class ClientMachine(Machine):
     cdef public set _channels
     cdef public dict _failures, _unreachable
 
+    # the request's path: C calls between the machine's own methods (cdef:
+    # only the machine calls them)
+    cpdef list handleRequest(self, _Call call, now)
+    cpdef list handleMessage(self, _Channel channel, frames, now)
+    cdef _carry(self, _Channel channel, _Call call)
+    cdef _sendOn(self, _Channel channel)
+    cpdef _schedule(self, _Call call)
+    cdef _wakeBy(self, deadline)
+    cpdef bint _done(self, _Call call) except -1
+
 cdef class ClientCore(ClientMachine):
     cdef public object curve, timeout, retries, stamp, limits, clientId, _sequence
     cdef public dict _names
+
+    cpdef _Call _newCall(self, service, frames, timeout, retries, onPartial, onRestart, now,
+                         canceller=*)
