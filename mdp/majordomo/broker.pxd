@@ -3,6 +3,16 @@
 
 from mdp.machine cimport Machine
 
+cdef class Broker
+
+# a transport's receiver (instance dictionary and weak references, as a
+# class of the source has)
+cdef class Binding:
+    cdef dict __dict__
+    cdef object __weakref__
+    cdef public Broker broker
+    cdef public object clients, workers, transport, copyOut
+
 cdef class QueueLedger:
     cdef public object count, bytes, byAge
     cdef public dict byClient
@@ -20,3 +30,13 @@ cdef class BrokerMachine(Machine):
     cdef public object _takenBack, invalid, metrics, logRequests
     cdef public QueueLedger _ledger
     cdef public dict services, workers
+
+    cpdef list handleMessage(self, key, frames, now)
+
+# the Twisted driver (instance dictionary and weak references, as above)
+cdef class Broker(BrokerMachine):
+    cdef dict __dict__
+    cdef object __weakref__
+    cdef public object reactor, curve, bindings, _ticker, _wakeCall
+
+    cpdef _perform(self, list actions)

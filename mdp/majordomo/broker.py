@@ -128,7 +128,7 @@ import attrs
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
-from zope.interface import implementer
+from zope.interface import classImplements
 
 from mdp import transport
 from mdp.errors import ProtocolError
@@ -216,7 +216,6 @@ MAX_TAKEN_BACK = 1024
 MAX_UNKNOWN_KEPT = 10_000
 
 
-@implementer(IRouterReceiver)
 class Binding:
     """One bound transport of the broker and the roles it accepts.
 
@@ -260,6 +259,9 @@ class Binding:
         if self.transport is not None:
             self.transport.disconnectPeer(peer)
 
+
+# (not a class decorator: compiled, the class is an extension type, which takes none)
+classImplements(Binding, IRouterReceiver)
 
 PeerKey = tuple[Binding, bytes]
 
@@ -1350,7 +1352,6 @@ class BrokerMachine(Machine):
             self._emit(WakeAt(unknown[0][0]))
 
 
-@implementer(IBroker)
 class Broker(BrokerMachine):
     """An MDP/0.2 broker: the :class:`BrokerMachine` driven over real
     transports.  Bind it with :meth:`listen` (several times for separate
@@ -1494,3 +1495,7 @@ class Broker(BrokerMachine):
         closing = [b.transport.close() for b in bindings if b.transport is not None]
         self.reset()
         return defer.DeferredList(closing).addCallback(lambda _: None)
+
+
+# (not a class decorator: compiled, the class is an extension type, which takes none)
+classImplements(Broker, IBroker)

@@ -41,3 +41,12 @@ cdef class ClientCore(ClientMachine):
 
     cpdef _Call _newCall(self, service, frames, timeout, retries, onPartial, onRestart, now,
                          canceller=*)
+
+# the Twisted driver: an instance dictionary and weak references, as a class
+# of the source has (a caller may hang its own attributes on a client)
+cdef class Client(ClientCore):
+    cdef dict __dict__
+    cdef object __weakref__
+    cdef public object reactor, _timer
+
+    cpdef _perform(self, list actions)

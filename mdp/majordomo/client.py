@@ -131,7 +131,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
-from zope.interface import implementer
+from zope.interface import classImplements, implementer
 
 from mdp import transport
 from mdp.errors import (
@@ -929,7 +929,6 @@ class ClientCore(ClientMachine):
         return _Call(name, message, timeout, retries, onPartial, onRestart, now, canceller)
 
 
-@implementer(IClient)
 class Client(ClientCore):
     """An MDP/0.2 client of one broker (or of the first live one of several):
     the :class:`ClientMachine` driven over real transports.  The driver owns
@@ -1095,6 +1094,9 @@ class Client(ClientCore):
             elif kind is WakeAt:
                 self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
 
+
+# (not a class decorator: compiled, the class is an extension type, which takes none)
+classImplements(Client, IClient)
 
 _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 

@@ -85,7 +85,7 @@ import attrs
 from twisted.internet import defer, task
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
+from zope.interface import classImplements
 
 from mdp import transport
 from mdp.errors import ProtocolError
@@ -497,7 +497,6 @@ class WorkerMachine(Machine):
         self.liveness.sent(self.now)
 
 
-@implementer(IWorker, IDealerReceiver)
 class Worker(WorkerMachine):
     """An MDP/0.2 worker for one *service*, connected to one broker at a time:
     the :class:`WorkerMachine` driven over a real transport.  The driver owns
@@ -764,3 +763,7 @@ class Worker(WorkerMachine):
             metrics.replied(self.service, now - job.startedAt,
                             failure if sent else "too-large")
         return sent
+
+
+# (not a class decorator: compiled, the class is an extension type, which takes none)
+classImplements(Worker, IWorker, IDealerReceiver)
