@@ -193,6 +193,24 @@ def test_provides_its_interfaces() -> None:
     assert not IRouterReceiver.providedBy(broker)
 
 
+def test_its_records_show_their_fields() -> None:
+    """A request and a worker as the broker holds them, in a log line or a
+    debugger: every field by name (plain classes, compiled as extension
+    types, show what attrs ones did)."""
+    from mdp.majordomo.broker import IDLE, NEW, PendingRequest, WorkerRef
+
+    request = PendingRequest(("binding", b"peer"), b"echo", [b"x"], codec.RFC, 1.5, 10)
+    assert repr(request) == (
+        f"PendingRequest(client=('binding', b'peer'), service=b'echo', body=[b'x'], "
+        f"dialect={codec.RFC!r}, queuedAt=1.5, size=10, state={NEW!r}, envelope=b'', "
+        "deliveries=0, partials=0, arrivedAt=0.0, assignedAt=0.0)")
+    worker = WorkerRef(("binding", b"w"), None, codec.RFC, None, current=request)  # type: ignore[arg-type]
+    assert repr(worker).startswith(f"WorkerRef(key=('binding', b'w'), service=None, "
+                                   f"dialect={codec.RFC!r}, liveness=None, state={IDLE!r}, "
+                                   "current=PendingRequest(client=")
+    assert repr(worker).endswith(", lastEnvelope=b'')")
+
+
 def test_a_malformed_endpoint_raises_at_once() -> None:
     from twisted.internet import task
 

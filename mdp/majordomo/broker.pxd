@@ -1,6 +1,8 @@
 # Compiled, the broker's machine and its queues are extension types (see
 # client.pxd); docs/performance.md, item 26.
 
+cimport cython
+
 from mdp.machine cimport Machine
 
 cdef class Broker
@@ -12,6 +14,17 @@ cdef class Binding:
     cdef object __weakref__
     cdef public Broker broker
     cdef public object clients, workers, transport, copyOut
+
+cdef class PendingRequest:
+    cdef public object client, service, body, dialect, queuedAt, size, state, envelope
+    cdef public object deliveries, partials, arrivedAt, assignedAt
+
+cdef class ServiceQueue
+
+cdef class WorkerRef:
+    cdef public object key, dialect, liveness, state, lastEnvelope
+    cdef public ServiceQueue service
+    cdef public PendingRequest current
 
 cdef class QueueLedger:
     cdef public object count, bytes, byAge
@@ -32,6 +45,15 @@ cdef class BrokerMachine(Machine):
     cdef public dict services, workers
 
     cpdef list handleMessage(self, key, frames, now)
+    # the request's path, in C (only the machine calls these)
+    @cython.locals(worker=WorkerRef, request=PendingRequest)
+    cdef bint _fastPath(self, key, frames) except -1
+    @cython.locals(request=PendingRequest, service=ServiceQueue)
+    cdef _request(self, key, name, body, dialect)
+    cdef _replyPart(self, WorkerRef worker, PendingRequest request, body, final)
+    cdef _forward(self, WorkerRef worker, PendingRequest request, body, final)
+    cdef _dispatch(self, ServiceQueue service)
+    cdef _assign(self, WorkerRef worker, PendingRequest request)
 
 # the Twisted driver (instance dictionary and weak references, as above)
 cdef class Broker(BrokerMachine):

@@ -309,36 +309,62 @@ class WorkerState(enum.Enum):
 IDLE, BUSY, GONE = WorkerState.IDLE, WorkerState.BUSY, WorkerState.GONE
 
 
-@attrs.define(eq=False, slots=True)
+def _fields_repr(record: Any) -> str:
+    """``Name(field=value, ...)``, every field of *record* (its class's
+    ``__slots__``) in order, as attrs would show it."""
+    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in record._FIELDS)
+    return f"{type(record).__name__}({fields})"
+
+
 class PendingRequest:
-    """A client request the broker has accepted and not yet answered."""
+    """A client request the broker has accepted and not yet answered.  (A
+    plain class, not attrs: compiled, it is an extension type, broker.pxd.)"""
 
-    client: PeerKey
-    service: bytes
-    body: Sequence[bytes]
-    dialect: str
-    queuedAt: float  # when it arrived, or was queued again
-    size: int  # what holding its body costs (policy.held_bytes)
-    state: RequestState = NEW
-    envelope: bytes = b""  # of its current assignment
-    deliveries: int = 0  # times handed to a worker
-    partials: int = 0  # PARTIALs forwarded to the client by its current worker
-    arrivedAt: float = 0.0
-    assignedAt: float = 0.0  # when its current assignment began
+    __slots__ = _FIELDS = ("client", "service", "body", "dialect", "queuedAt", "size", "state",
+                           "envelope", "deliveries", "partials", "arrivedAt", "assignedAt")
+
+    def __init__(self, client: PeerKey, service: bytes, body: Sequence[bytes], dialect: str,
+                 queuedAt: float, size: int, state: RequestState = NEW, envelope: bytes = b"",
+                 deliveries: int = 0, partials: int = 0, arrivedAt: float = 0.0,
+                 assignedAt: float = 0.0) -> None:
+        self.client = client
+        self.service = service
+        self.body = body
+        self.dialect = dialect
+        self.queuedAt = queuedAt  # when it arrived, or was queued again
+        self.size = size  # what holding its body costs (policy.held_bytes)
+        self.state = state
+        self.envelope = envelope  # of its current assignment
+        self.deliveries = deliveries  # times handed to a worker
+        self.partials = partials  # PARTIALs forwarded to the client by its current worker
+        self.arrivedAt = arrivedAt
+        self.assignedAt = assignedAt  # when its current assignment began
+
+    def __repr__(self) -> str:
+        return _fields_repr(self)
 
 
-@attrs.define(eq=False, slots=True)
 class WorkerRef:
-    """The broker's view of one registered worker."""
+    """The broker's view of one registered worker (a plain class, as
+    :class:`PendingRequest`)."""
 
-    key: PeerKey
-    service: ServiceQueue
-    dialect: str
-    liveness: Liveness
-    state: WorkerState = IDLE
-    current: Optional[PendingRequest] = None  # the request it serves while BUSY
-    #: envelope of the assignment it finished last (a second FINAL for it is dropped)
-    lastEnvelope: bytes = b""
+    __slots__ = _FIELDS = ("key", "service", "dialect", "liveness", "state", "current",
+                           "lastEnvelope")
+
+    def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness,
+                 state: WorkerState = IDLE, current: Optional[PendingRequest] = None,
+                 lastEnvelope: bytes = b"") -> None:
+        self.key = key
+        self.service = service
+        self.dialect = dialect
+        self.liveness = liveness
+        self.state = state
+        self.current = current  # the request it serves while BUSY
+        #: envelope of the assignment it finished last (a second FINAL for it is dropped)
+        self.lastEnvelope = lastEnvelope
+
+    def __repr__(self) -> str:
+        return _fields_repr(self)
 
 
 @attrs.frozen
