@@ -106,15 +106,30 @@ def source_of(name: str) -> str:
     return ".pyx" if name in ACCELERATORS else ".py"
 
 
-def source_signature(directory: str, leaf: str, name: str) -> tuple[int, int]:
-    """What the build of module *name* (*leaf* in *directory*) is made of:
-    its source and, where there is one, the ``.pxd`` declaring its compiled
-    classes (their sizes summed, the later time)."""
+def cimported(name: str) -> list[str]:
+    """The modules whose classes module *name*'s compiled classes use
+    (:data:`CIMPORTS`, and theirs in turn), nearest first."""
+    found: list[str] = []
+    for other in CIMPORTS.get(name, ()):
+        for module in (other, *cimported(other)):
+            if module not in found:
+                found.append(module)
+    return found
+
+
+def source_signature(package: str, name: str) -> tuple[int, int]:
+    """What the build of module *name* in *package* is made of: its source,
+    the ``.pxd`` declaring its compiled classes where there is one, and the
+    ``.pxd`` of every module it cimports (their sizes and their times
+    summed: any of them changed, even to an older time, changes it)."""
+    directory, leaf = _paths(package, name)
     size, mtime = _signature(os.path.join(directory, leaf + source_of(name)))
-    declarations = os.path.join(directory, leaf + ".pxd")
-    if os.path.isfile(declarations):
-        extra = _signature(declarations)
-        size, mtime = size + extra[0], max(mtime, extra[1])
+    for module in (name, *cimported(name)):
+        where, last = _paths(package, module)
+        declarations = os.path.join(where, last + ".pxd")
+        if os.path.isfile(declarations):
+            extra = _signature(declarations)
+            size, mtime = size + extra[0], mtime + extra[1]
     return size, mtime
 
 
@@ -149,18 +164,18 @@ def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     return _records[package]
 
 
-def current(name: str, directory: str, leaf: str, compiled: str,
+def current(package: str, name: str, compiled: str,
             record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
     """Whether *compiled*, module *name*'s compiled file, was built from its
-    source (*leaf* in *directory*) as it is now (True where there is no
-    record at all)."""
+    source in *package* as it is now (:func:`source_signature`; True where
+    there is no record at all)."""
     if record is None:
         return True
     entry = record.get(name)
     if entry is None:
         return False
     try:
-        return (source_signature(directory, leaf, name) == entry[:2]
+        return (source_signature(package, name) == entry[:2]
                 and _signature(compiled) == entry[2:])
     except OSError:
         return False
@@ -169,8 +184,8 @@ def current(name: str, directory: str, leaf: str, compiled: str,
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of module *name* in *package* runs: ``compiled``;
     ``source``, none being built; ``stale``, the source of a compiled module
-    not built from it (or its ``.pxd``) as it is now, or of one whose
-    :data:`CIMPORTS` run from source; ``pure``, the source because
+    not built from it (or the ``.pxd`` files it uses) as it is now, or of
+    one whose :data:`CIMPORTS` run from source; ``pure``, the source because
     :data:`PURE_ENV` asks for it."""
     directory, leaf = _paths(package, name)
     compiled = compiled_file(directory, leaf)
@@ -178,7 +193,7 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
         return "source"
     if pure_requested():
         return "pure"
-    if not current(name, directory, leaf, compiled, record):
+    if not current(package, name, compiled, record):
         return "stale"
     if any(kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
         return "stale"  # what it cimports runs from source
@@ -200,7 +215,7 @@ def write_record(package: str, builtSince: float) -> None:
         if old.get(name, ())[2:] == signature:
             entry = old[name]  # not rebuilt: its source as it was then
         elif signature[1] >= builtSince * 1e9:
-            entry = source_signature(directory, leaf, name) + signature
+            entry = source_signature(package, name) + signature
         else:
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")

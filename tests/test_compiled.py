@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -100,6 +101,44 @@ def test_a_module_whose_cimports_run_from_source_runs_from_source(tree: Path) ->
     (tree / ("machine" + EXTENSION_SUFFIXES[0])).unlink()
     assert _compiled.status(str(tree))["mdp.machine"] == "source"
     assert find(tree) is not None
+
+
+def test_a_module_is_stale_when_a_declarations_file_it_cimports_changed(tree: Path) -> None:
+    """The blocking client's classes extend the client's: a rebuild after
+    ``client.pxd`` changed that compiled the client again but not the
+    blocking module (it failed) leaves the old blocking module to run from
+    source, not against the new client's classes."""
+    assert "mdp.majordomo.client" in _compiled.cimported("mdp.blocking")
+    assert _compiled.cimported("mdp.blocking")[-1] == "mdp.machine"  # (through the client)
+    (tree / "blocking.py").write_text("")
+    blocking = tree / ("blocking" + EXTENSION_SUFFIXES[0])
+    blocking.write_bytes(b"compiled")
+    os.utime(blocking, (1, 1))
+    declarations = tree / "majordomo" / "client.pxd"
+    declarations.write_text("cdef class _Call:\n    cdef public object service\n")
+    _compiled.write_record(str(tree), builtSince=0)
+    assert _compiled.status(str(tree))["mdp.blocking"] == "compiled"
+    declarations.write_text("cdef class _Call:\n    cdef public object service, state\n")
+    (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"rebuilt")
+    _compiled.write_record(str(tree), builtSince=time.time() - 60)  # the client's, not blocking's
+    assert _compiled.status(str(tree))[NAME] == "compiled"
+    assert _compiled.status(str(tree))["mdp.blocking"] == "stale"
+
+
+def test_cimports_says_what_the_declarations_cimport() -> None:
+    """``CIMPORTS`` is what each ``.pxd`` of the package cimports from it."""
+    for name in _compiled.MODULES:
+        directory, leaf = _compiled._paths(str(ROOT / "mdp"), name)
+        path = Path(directory, leaf + ".pxd")
+        said = set()
+        if path.exists():
+            for line in path.read_text().splitlines():
+                words = line.split()
+                if len(words) >= 4 and words[0] == "from" and words[2] == "cimport":
+                    said.add(words[1])
+                elif len(words) >= 2 and words[0] == "cimport":
+                    said.update(w.strip(",") for w in words[1:])
+        assert {m for m in said if m.startswith("mdp.")} == set(_compiled.CIMPORTS.get(name, ())), name
 
 
 def test_every_cimport_is_a_listed_module_with_its_declarations() -> None:
@@ -237,6 +276,19 @@ def test_an_install_that_could_compile_did_and_every_module_runs_compiled() -> N
     # ZeroMQ messages go through the C module (tests/test_zmq_frames.py)
     probe = "from mdp.transport import zeromq; print(zeromq.zmq_frames() is not None)"
     assert _run(probe).strip() == "True"
+
+
+def test_the_machines_behave_the_same_from_source() -> None:
+    """Compiled, the machines and the broker's records are extension types
+    (their ``.pxd``): the machine, broker, limits and behaviour tests (over
+    the loopback transport) again, from source."""
+    if not any(_compiled.in_use().values()) and _compiled.status()[NAME] != "compiled":
+        pytest.skip("the modules run from source already")
+    out = _run("import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+               "'tests/test_machines_majordomo.py', 'tests/test_broker.py', "
+               "'tests/test_limits.py', 'tests/test_mdp_behaviour.py']))",
+               **{_compiled.PURE_ENV: "1"})
+    assert " passed" in out and "failed" not in out
 
 
 def test_the_interfaces_hold_for_the_sources_too() -> None:
