@@ -312,7 +312,7 @@ IDLE, BUSY, GONE = WorkerState.IDLE, WorkerState.BUSY, WorkerState.GONE
 def _fields_repr(record: Any) -> str:
     """``Name(field=value, ...)``, every field of *record* (its class's
     ``__slots__``) in order, as attrs would show it."""
-    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in record._FIELDS)
+    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in type(record).__slots__)
     return f"{type(record).__name__}({fields})"
 
 
@@ -320,8 +320,8 @@ class PendingRequest:
     """A client request the broker has accepted and not yet answered.  (A
     plain class, not attrs: compiled, it is an extension type, broker.pxd.)"""
 
-    __slots__ = _FIELDS = ("client", "service", "body", "dialect", "queuedAt", "size", "state",
-                           "envelope", "deliveries", "partials", "arrivedAt", "assignedAt")
+    __slots__ = ("client", "service", "body", "dialect", "queuedAt", "size", "state", "envelope",
+                 "deliveries", "partials", "arrivedAt", "assignedAt")
 
     def __init__(self, client: PeerKey, service: bytes, body: Sequence[bytes], dialect: str,
                  queuedAt: float, size: int, state: RequestState = NEW, envelope: bytes = b"",
@@ -348,8 +348,7 @@ class WorkerRef:
     """The broker's view of one registered worker (a plain class, as
     :class:`PendingRequest`)."""
 
-    __slots__ = _FIELDS = ("key", "service", "dialect", "liveness", "state", "current",
-                           "lastEnvelope")
+    __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "lastEnvelope")
 
     def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness,
                  state: WorkerState = IDLE, current: Optional[PendingRequest] = None,
