@@ -96,14 +96,16 @@ class Child:
     its stderr merged into what :meth:`readline` reads).  A role's stderr is
     kept in an unnamed file: its end is quoted if the role fails."""
 
-    def __init__(self, *args: str, argv: Optional[list[str]] = None) -> None:
+    def __init__(self, *args: str, argv: Optional[list[str]] = None, root: str = ROOT) -> None:
         self.args = tuple(argv) if argv else args
         self.stderr = None if argv else tempfile.TemporaryFile()
+        # *root*: the tree whose benchmarks.roles and mdp the child runs (this
+        # checkout, or an earlier revision's, see benchmarks.__main__.earlier_tree)
         self.proc = subprocess.Popen(
             argv or [sys.executable, "-m", "benchmarks.roles", *args],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if argv else self.stderr,
-            bufsize=0, env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"},
+            bufsize=0, env={**os.environ, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1"},
         )
         self.pid = self.proc.pid
         self._buffer = b""
@@ -171,11 +173,12 @@ class Child:
 class Processes:
     """Starts children; kills every one of them on exit, whatever happened."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str = ROOT) -> None:
         self.children: list[Child] = []
+        self.root = root
 
     def start(self, *args: str, argv: Optional[list[str]] = None) -> Child:
-        child = Child(*args, argv=argv)
+        child = Child(*args, argv=argv, root=self.root)
         self.children.append(child)
         return child
 
