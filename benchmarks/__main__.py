@@ -73,7 +73,8 @@ EPOLL_STACKS = {"ours (epoll reactor)": "ours"}
 #: for 1,000 idle workers, 40 streams of 1,000 PARTIALs a second).  The suite runs
 #: its stream case in the same run, from this revision's tree (earlier_tree).
 BEFORE_ROUND_TWO = "d2ef5ce1077dab2a3f4f581dae79c29fbf3eae71"
-EARLIER = "ours before round two"
+#: the stack that runs it (the stream case only)
+BEFORE_STACK = "ours before round two"
 #: that run's stream rate: goal 4's baseline only where the earlier tree cannot be
 #: had (no git, or a clone without the history), from another run and machine
 STREAM_BASELINE_PARTIALS_PER_S = 40_000
@@ -84,20 +85,27 @@ def earlier_tree(revision: str = BEFORE_ROUND_TWO) -> Iterator[tuple[Optional[st
     """``(directory, note)``: *revision*'s ``mdp`` and ``benchmarks`` taken from
     this checkout's history into a temporary directory (removed on the way
     out), whose roles run that code as it was (plain source, its own reactor
-    choice); ``(None, why)`` if git or the revision is not there."""
+    choice); ``(None, why)`` if git, the history or the revision is not there."""
     with tempfile.TemporaryDirectory(prefix="mdp-bench-earlier-") as directory:
+        why = ""
         try:
             archive = subprocess.run(
                 ["git", "-C", ROOT, "archive", "--format=tar", revision, "mdp", "benchmarks"],
                 capture_output=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired) as e:
-            yield None, f"git archive failed: {e}"
-            return
-        if archive.returncode != 0:
-            yield None, f"git archive {revision[:12]}: {archive.stderr.decode(errors='replace').strip()}"
+            why = f"git archive failed: {e}"
+        else:
+            if archive.returncode != 0:
+                why = (f"git archive {revision[:12]}: "
+                       f"{archive.stderr.decode(errors='replace').strip()}")
+        if why:
+            yield None, why
             return
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(directory, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(directory, filter="data")
+            else:  # a Python before extraction filters; the archive is this checkout's own
+                tar.extractall(directory)
         yield directory, f"{revision[:12]} from this checkout's history"
 
 
@@ -118,7 +126,7 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
     curve = security.directory() if transport == "curve" else None
     pure = "1" if stack in SOURCE_STACKS else None
     reactor = "epoll" if stack in EPOLL_STACKS else None
-    with Processes(root or ROOT) as procs, environ("MDP_BENCH_CURVE", curve), \
+    with (Processes() if root is None else Processes(root)) as procs, environ("MDP_BENCH_CURVE", curve), \
             environ(_compiled.PURE_ENV, pure), environ(REACTOR_ENV, reactor):
         if transport == "tls":
             bind = security.tls_bind()
@@ -274,9 +282,11 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def cases(smoke: bool, earlier: Optional[str] = None) -> list[tuple[str, dict[str, Any], Any]]:
+def cases(smoke: bool, earlier: Optional[str] = None,
+          revision: str = BEFORE_ROUND_TWO) -> list[tuple[str, dict[str, Any], Any]]:
     """(name, description, thunk) for every case, baselines included; with
-    *earlier* (a tree from earlier_tree), the stream case of that code too."""
+    *earlier* (*revision*'s tree, from earlier_tree), the stream case of that
+    code too."""
     n_sync = 200 if smoke else 8000
     n_pipe = 400 if smoke else 10000
     warm = 20 if smoke else 300
@@ -299,8 +309,6 @@ def cases(smoke: bool, earlier: Optional[str] = None) -> list[tuple[str, dict[st
                                 kw["n"], warmup, kw.get("size", 16), kw.get("window", 1),
                                 root=kw.get("root"))
         described = {k: v for k, v in kw.items() if k != "root"}
-        if "root" in kw:
-            described["revision"] = BEFORE_ROUND_TWO
         out.append((name, {"stack": stack, "transport": transport, **described}, thunk))
 
     # the stacks a ratio compares run one after the other
@@ -318,8 +326,8 @@ def cases(smoke: bool, earlier: Optional[str] = None) -> list[tuple[str, dict[st
         add(f"stream 1000 partials / {stack}", stack=stack, mode="stream", clients=1, workers=1,
             n=2 if smoke else 20)
     if earlier is not None:  # goal 4's baseline: the same case, the code before this round
-        add(f"stream 1000 partials / {EARLIER}", stack="ours", mode="stream", clients=1,
-            workers=1, n=2 if smoke else 20, root=earlier)
+        add(f"stream 1000 partials / {BEFORE_STACK}", stack="ours", mode="stream", clients=1,
+            workers=1, n=2 if smoke else 20, root=earlier, revision=revision)
     for transport in ("tcp", "loopback"):
         add(f"sync 1x1 / ours over {transport}", transport=transport, mode="sync", clients=1,
             workers=1, n=n_sync // 2)
@@ -370,9 +378,9 @@ def targets(table: dict[str, Any], scale: dict[str, Any]) -> list[dict[str, Any]
     check("3. 4x4 sync 64KiB: ours (blocking peers) / majortomo",
           ratio(table, "sync 4x4 64KiB / ours-blocking", "sync 4x4 64KiB / majortomo"), 1.0)
     stream = table.get("stream 1000 partials / ours")
-    if f"stream 1000 partials / {EARLIER}" in table:
+    if f"stream 1000 partials / {BEFORE_STACK}" in table:
         check("4. stream: PARTIALs per second / the code before this round (same run)",
-              ratio(table, "stream 1000 partials / ours", f"stream 1000 partials / {EARLIER}"),
+              ratio(table, "stream 1000 partials / ours", f"stream 1000 partials / {BEFORE_STACK}"),
               1.5)
     else:
         check("4. stream: PARTIALs per second / 40,000 (before this round; another run)",
@@ -486,8 +494,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     use_reactor(args.reactor)
     repetitions = 1 if args.smoke else args.repeat
 
-    with earlier_tree() as (earlier, earlierNote):
-        print(f"… goal 4's baseline, the code before this round: {earlierNote}",
+    with earlier_tree() as (earlier, earlier_note):
+        print(f"… goal 4's baseline, the code before this round: {earlier_note}",
               file=sys.stderr, flush=True)
         selected = [(name, description, thunk)
                     for name, description, thunk in cases(args.smoke, earlier)
@@ -524,8 +532,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "smoke": args.smoke,
         "repetitions": repetitions,
         # goal 4's baseline: the code before this round, run here, or why not
-        "before_round_two": {"revision": BEFORE_ROUND_TWO, "ran": earlier is not None,
-                             "note": earlierNote},
+        "before_round_two": {"revision": BEFORE_ROUND_TWO, "available": earlier is not None,
+                             "note": earlier_note},
         "cases": {name: {**described[name], **row} for name, row in table.items()},
         "scale": scale,
         "targets": checks,

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.harness import default_reactor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,17 +63,18 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         run = cases[name]["runs"][0]
         assert (run["client_reactors"], run["server_reactors"]) == (client, servers), name
     # goal 4's baseline: the same stream case, run from the code before the
-    # round (from this checkout's history): that code's roles ignore the run's
-    # reactor, so its processes are on epoll where ours are on uvloop
+    # round (from this checkout's history, which a clone has): that code's
+    # roles ignore the run's reactor, so its processes are on epoll where ours
+    # are on uvloop (test_the_earlier_tree... shows they import its mdp)
     earlier = report["before_round_two"]
-    if earlier["ran"]:
-        run = cases["stream 1000 partials / ours before round two"]["runs"][0]
-        assert cases["stream 1000 partials / ours before round two"]["revision"] == \
-            earlier["revision"]
-        assert run["server_reactors"] == ["epoll"]
+    assert earlier["available"] == _have_revision(earlier["revision"]), earlier["note"]
+    if earlier["available"]:
+        case = cases["stream 1000 partials / ours before round two"]
+        assert case["revision"] == earlier["revision"]
+        assert case["runs"][0]["server_reactors"] == ["epoll"]
         assert cases["stream 1000 partials / ours"]["runs"][0]["server_reactors"] == [reactor]
         goal4 = "4. stream: PARTIALs per second / the code before this round (same run)"
-    else:  # no git history here (a source tarball): the figure from another run
+    else:  # no history here (a source tarball): the figure from another run
         goal4 = "4. stream: PARTIALs per second / 40,000 (before this round; another run)"
     assert goal4 in {c["target"] for c in report["targets"]}
     assert report["scale"]["heartbeat"]["idle_workers"] == 100
@@ -153,22 +156,38 @@ def test_sp_benchmark_smoke_run(tmp_path) -> None:
     assert report["ratio_ours_to_pynng"] > 0
 
 
+def _have_revision(revision: str) -> bool:
+    """This checkout's history holds *revision* (a clone does; a tarball not)."""
+    try:
+        return subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{revision}^{{commit}}"],
+                              capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
 def test_the_earlier_tree_is_the_revision_before_the_round_or_none_with_the_reason() -> None:
     """Goal 4's baseline runs the code before the round from this checkout's
-    history; without it (no git, a revision not there) the suite says why
-    and falls back to the figure from another run."""
-    import pytest
-
+    history, its own ``mdp`` and not this checkout's; without the revision the
+    suite says why (and falls back to the figure from another run)."""
     from benchmarks.__main__ import BEFORE_ROUND_TWO, earlier_tree
+    from benchmarks.harness import Child
 
     with earlier_tree("0" * 40) as (tree, note):
         assert tree is None and "git archive" in note
     with earlier_tree() as (tree, note):
-        if tree is None:
+        if not _have_revision(BEFORE_ROUND_TWO):
+            assert tree is None
             pytest.skip(f"no history of this checkout here: {note}")
-        assert BEFORE_ROUND_TWO[:12] in note
+        assert tree is not None and BEFORE_ROUND_TWO[:12] in note
         assert os.path.isfile(os.path.join(tree, "benchmarks", "roles.py"))
-        assert os.path.isfile(os.path.join(tree, "mdp", "__init__.py"))
-        # the code as it was: no compiled module of this checkout's build in it
-        assert not os.path.exists(os.path.join(tree, "mdp", "_compiled.py"))
+        # a process started in that tree (as the suite's roles are) imports
+        # its mdp, the plain source: nothing of this checkout's build
+        child = Child(argv=[sys.executable, "-c", "import mdp; print(mdp.__file__)"], root=tree)
+        try:
+            imported = child.readline(timeout=60).strip()
+        finally:
+            child.kill()
+        assert imported == os.path.join(os.path.realpath(tree), "mdp", "__init__.py") \
+            or imported == os.path.join(tree, "mdp", "__init__.py"), imported
+        assert not [name for name in os.listdir(os.path.join(tree, "mdp")) if name.endswith(".so")]
     assert not os.path.exists(tree)
