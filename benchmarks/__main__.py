@@ -29,6 +29,7 @@ from benchmarks import security
 from benchmarks.harness import (
     REACTOR_ENV,
     REACTORS,
+    ROOT,
     Processes,
     cpu_seconds,
     default_reactor,
@@ -39,7 +40,6 @@ from benchmarks.harness import (
 )
 from mdp import _compiled
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
 
 # (broker, workers, clients, dialect of our peers)
@@ -118,15 +118,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, n: int,
-             warmup: int, size: int, window: int = 1, root: Optional[str] = None) -> dict[str, Any]:
-    """One repetition of one case; returns throughput, latency and CPU.  With
-    *root*, the processes run that tree's roles and ``mdp`` (earlier_tree)."""
+             warmup: int, size: int, window: int = 1, root: str = ROOT) -> dict[str, Any]:
+    """One repetition of one case; returns throughput, latency and CPU.  The
+    processes run *root*'s roles and ``mdp``: this checkout's, or an earlier
+    revision's (earlier_tree)."""
     base = SOURCE_STACKS.get(stack) or EPOLL_STACKS.get(stack) or stack
     broker_impl, worker_impl, client_impl, dialect = STACKS[base]
     curve = security.directory() if transport == "curve" else None
     pure = "1" if stack in SOURCE_STACKS else None
     reactor = "epoll" if stack in EPOLL_STACKS else None
-    with (Processes() if root is None else Processes(root)) as procs, environ("MDP_BENCH_CURVE", curve), \
+    with Processes(root) as procs, environ("MDP_BENCH_CURVE", curve), \
             environ(_compiled.PURE_ENV, pure), environ(REACTOR_ENV, reactor):
         if transport == "tls":
             bind = security.tls_bind()
@@ -307,7 +308,7 @@ def cases(smoke: bool, earlier: Optional[str] = None,
                       transport: str = transport) -> dict[str, Any]:
                 return run_case(stack, transport, kw["mode"], kw["clients"], kw["workers"],
                                 kw["n"], warmup, kw.get("size", 16), kw.get("window", 1),
-                                root=kw.get("root"))
+                                root=kw.get("root", ROOT))
         described = {k: v for k, v in kw.items() if k != "root"}
         out.append((name, {"stack": stack, "transport": transport, **described}, thunk))
 
