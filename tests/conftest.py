@@ -15,6 +15,24 @@ from mdp.interfaces import IDealerReceiver, IRouterReceiver
 
 _names = itertools.count()
 
+#: the test files that take longest (process, chaos, Spark and benchmark
+#: runs), longest first: the test processes (``--dist loadfile``) are handed
+#: whole files in collection order, so starting these first lets them end
+#: together instead of one waiting on a long file taken last
+LONGEST_FIRST = (
+    "test_benchmarks_smoke.py", "test_docs_commands.py", "test_faults.py", "test_spark.py",
+    "test_binarystar_processes.py", "test_blocking.py", "test_compiled.py",
+    "test_hostile_processes.py", "test_cli_first_minutes.py", "test_harmony_netns.py",
+    "test_processes.py", "test_titanic_faults.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """Move the files of :data:`LONGEST_FIRST` to the front, in that order;
+    the rest keep theirs."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 class Net:
     """How a test reaches a transport and waits for things to happen.
