@@ -42,6 +42,9 @@ class RecordTooLarge(OversizedMessage):
     """A stream record exceeds the message limits (refused from its header,
     before it is buffered)."""
 
+    #: on a connection that carries channels, the channel it came on
+    channel: Optional[bytes] = None
+
 
 class TransportError(MDPError):
     """An endpoint string could not be understood (raised at once, naming the

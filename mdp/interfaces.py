@@ -112,6 +112,21 @@ class IDealerTransport(Interface):
         """Close for good.  Returns a Deferred."""
 
 
+class IDealerChannels(Interface):
+    """Many outgoing pipes to one bound peer that share what a transport can
+    share (a stream connection: its writes, reads and reconnection), each
+    still a pipe of its own: the far side's router knows each as a peer, and
+    a pipe's loss, its stale messages and its close are its own."""
+
+    def open(receiver: object) -> IDealerTransport:
+        """A new pipe whose events go to *receiver* (an
+        :class:`IDealerReceiver`); ``connectionMade`` comes once it is up."""
+
+    def close():
+        """Close every pipe, and what they share, for good.  Returns a
+        Deferred."""
+
+
 class IStreamDecoder(Interface):
     """Turns the bytes of one stream connection into messages (pure, no I/O)."""
 

@@ -123,12 +123,61 @@ def test_no_greeting_without_an_identity() -> None:
     assert decoder.identity is None
 
 
-@pytest.mark.parametrize("identity", [b"", b"\x00router-made"])
-def test_a_greeting_with_an_empty_or_reserved_identity_is_refused(identity: bytes) -> None:
+def test_a_greeting_with_a_reserved_identity_is_refused() -> None:
     from mdp.errors import ProtocolError
 
+    identity = b"\x00router-made"
     with pytest.raises(ProtocolError, match="identity"):
         RecordDecoder().feed(b"\xff\xff\xff\xff" + bytes([len(identity)]) + identity)
+
+
+def _on(channel: int, frames: list[bytes]) -> bytes:
+    return channel.to_bytes(4, "big") + encode_record(frames)
+
+
+@given(st.lists(st.tuples(st.integers(1, 2**32 - 1),
+                          st.lists(st.binary(max_size=40), max_size=4)), max_size=8),
+       st.lists(st.integers(1, 30), max_size=20))
+def test_a_greeting_with_no_identity_starts_channels_whatever_the_pieces(
+        records: list[tuple[int, list[bytes]]], cuts: list[int]) -> None:
+    """After the channels greeting every record names its channel before its
+    length; an empty record (a channel ended) is a message of no frames."""
+    from mdp.transport.framing import CHANNELS_GREETING
+
+    stream = CHANNELS_GREETING + b"".join(_on(c, frames) for c, frames in records)
+    decoder = RecordDecoder()
+    got: list[object] = []
+    pos = 0
+    for cut in [*cuts, len(stream)]:
+        got += decoder.feed(stream[pos:pos + cut])
+        pos += cut
+    got += decoder.feed(stream[pos:])
+    assert decoder.channels and decoder.identity is None
+    assert got == [(c.to_bytes(4, "big"), frames) for c, frames in records]
+    assert not decoder.inRecord
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_an_oversized_record_on_a_channel_says_which_channel(split: bool) -> None:
+    decoder = RecordDecoder(Limits(maxMessageBytes=64))
+    decoder.channels = True
+    ok, big = _on(1, [b"a"]), _on(7, [b"x" * 65])
+    with pytest.raises(RecordTooLarge) as caught:
+        if split:  # the header of the oversized record in two pieces
+            decoder.feed(ok + big[:6])
+            decoder.feed(big[6:])
+        else:
+            decoder.feed(ok + big)
+    assert caught.value.channel == (7).to_bytes(4, "big")
+
+
+def test_a_decoder_expecting_channels_takes_no_greeting() -> None:
+    """The connecting side's decoder expects channels from the first byte:
+    a record announcing 0xFFFFFFFF bytes is oversized, not a greeting."""
+    decoder = RecordDecoder()
+    decoder.channels = True
+    with pytest.raises(RecordTooLarge):
+        decoder.feed(b"\x00\x00\x00\x01\xff\xff\xff\xff\x00")
 
 
 def test_a_greeting_after_the_first_record_is_an_oversized_record() -> None:

@@ -126,6 +126,25 @@ def _stream_dealer() -> Any:
     return dealer
 
 
+def _stream_channels() -> Any:
+    from mdp.transport.stream import StreamChannels
+
+    return StreamChannels("tcp:host=127.0.0.1:port=1", _clock())
+
+
+def _stream_channel() -> Any:
+    channels = _stream_channels()
+    channel = channels.open(_Receiver())
+    channels.close()
+    return channel
+
+
+def _separately() -> Any:
+    from mdp import transport
+
+    return transport.connect_channels("loopback:verify-channels", _clock())
+
+
 def _zmq_router() -> Any:
     from mdp.transport.zeromq import ZmqRouter
 
@@ -300,6 +319,10 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.loopback.LoopbackDealer": _loopback_dealer,
     "mdp.transport.stream.StreamRouter": _stream_router,
     "mdp.transport.stream.StreamDealer": _stream_dealer,
+    "mdp.transport.stream.StreamChannels": _stream_channels,
+    "mdp.transport.stream._StreamChannel": _stream_channel,
+    "mdp.transport.stream._ChannelsFraming": _bare("mdp.transport.stream._ChannelsFraming"),
+    "mdp.transport._Separately": _separately,
     "mdp.transport.stream._RouterConnection": _bare("mdp.transport.stream._RouterConnection"),
     "mdp.transport.stream._DealerConnection": _bare("mdp.transport.stream._DealerConnection"),
     "mdp.transport.zeromq.ZmqRouter": _zmq_router,

@@ -4,8 +4,10 @@ Correlation
 -----------
 MDP/0.2 replies carry no request id, and the broker sends every reply to the
 connection the request came from.  So the client keeps a pool of connections
-(one DEALER socket each on ZeroMQ) and lets each carry **one request at a
-time**: a reply on a connection belongs to the one request in flight on it.
+(one DEALER socket each on ZeroMQ; on stream endpoints, channels of one TCP
+connection, which the broker's router knows as peers of their own) and lets
+each carry **one request at a time**: a reply on a connection belongs to the
+one request in flight on it.
 ``request()`` takes an idle connection, opens a new one while the pool is below
 ``maxConnections``, or waits in a local FIFO queue.
 
@@ -964,6 +966,9 @@ class Client(ClientCore):
                          curveSecret=curveSecret)
         self.reactor = reactor
         self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
+        #: the connections its pipes share, by endpoint (stream endpoints
+        #: carry them all over one; transport.connect_channels)
+        self._links: dict[str, Any] = {}
 
     # --- public API ----------------------------------------------------------
 
@@ -1026,6 +1031,9 @@ class Client(ClientCore):
     def close(self) -> defer.Deferred[None]:
         """Fail every pending request with :class:`ClientClosed` and close."""
         self._perform(self.handleClose(self.reactor.seconds()))
+        links, self._links = self._links, {}
+        for link in links.values():
+            link.close()
         return defer.succeed(None)
 
     # --- the driver ------------------------------------------------------------
@@ -1073,10 +1081,12 @@ class Client(ClientCore):
             elif kind is OpenChannel:
                 channel = action.channel
                 try:
-                    channel.pipe = transport.connect(
-                        channel.endpoint, _ChannelPipe(self, channel), self.reactor,
-                        limits=self.limits, security=transport.curve_for(channel.endpoint,
-                                                                         self.curve))
+                    link = self._links.get(channel.endpoint)
+                    if link is None:
+                        link = self._links[channel.endpoint] = transport.connect_channels(
+                            channel.endpoint, self.reactor, limits=self.limits,
+                            security=transport.curve_for(channel.endpoint, self.curve))
+                    channel.pipe = link.open(_ChannelPipe(self, channel))
                 except Exception as e:  # the transport refused: nothing can be sent
                     self._perform(self.handleOpenFailed(channel, e, self.reactor.seconds()))
             elif kind is CloseChannel:

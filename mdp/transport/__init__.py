@@ -25,9 +25,11 @@ from typing import Any, Callable, Iterable, Optional
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from mdp.errors import TransportError
 from mdp.interfaces import (
+    IDealerChannels,
     IDealerReceiver,
     IDealerTransport,
     IPeerRouterReceiver,
@@ -59,6 +61,7 @@ __all__ = [
     "beyond_loopback",
     "check",
     "connect",
+    "connect_channels",
     "connect_peers",
     "curve_client_for",
     "curve_for",
@@ -237,6 +240,52 @@ def connect(
     except TransportError:
         raise
     except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
+        raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
+
+
+@implementer(IDealerChannels)
+class _Separately:
+    """Pipes over a scheme that has no channels: each connects alone."""
+
+    def __init__(self, endpoint: str, reactor: Any, retryPolicy: Optional[Callable[[int], float]],
+                 limits: Limits, security: Any) -> None:
+        self.endpoint = endpoint
+        self.reactor = reactor
+        self.retryPolicy = retryPolicy
+        self.limits = limits
+        self.security = security
+
+    def open(self, receiver: IDealerReceiver) -> IDealerTransport:
+        return connect(self.endpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
+                       limits=self.limits, security=self.security)
+
+    def close(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+
+def connect_channels(
+    endpoint: str,
+    reactor: Optional[Any] = None,
+    *,
+    retryPolicy: Optional[Callable[[int], float]] = None,
+    limits: Limits = Limits(),
+    security: Any = None,
+) -> IDealerChannels:
+    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`): over
+    one connection where the scheme can carry several (stream endpoints:
+    channels, ``docs/transports.md``), else each pipe connects alone (as
+    :func:`connect`; ZeroMQ already shares one TCP connection per socket's
+    peer among its own I/O).  The arguments are :func:`connect`'s."""
+    scheme = lookup(endpoint, CONNECT)
+    reactor = default_reactor(reactor)
+    _security(scheme, endpoint, security)  # (checked now, as connect would)
+    if scheme.channels is None:
+        return _Separately(endpoint, reactor, retryPolicy, limits, security)
+    try:
+        return scheme.channels(endpoint, reactor, limits, retryPolicy)  # type: ignore[no-any-return]
+    except TransportError:
+        raise
+    except Exception as e:
         raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
 
 

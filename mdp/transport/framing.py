@@ -11,7 +11,17 @@ back into messages.  The wire form (``docs/transports.md``)::
 
 The optional greeting carries the identity a connecting peer chose (1-255
 bytes, not starting with a zero byte, as ZeroMQ's routing ids): the bound side
-then knows it by that id instead of one it makes up.  No record can have the
+then knows it by that id instead of one it makes up.
+
+A connecting side may instead carry many pipes (*channels*) over the one
+connection; its greeting then announces an empty identity, and every record
+in both directions names its channel before its length::
+
+    greeting = %xFF.FF.FF.FF  %x00           ; channels follow
+    record   = channel:uint32be  length:uint32be  payload
+                                             ; length 0: the channel is closed
+
+The bound side knows each channel as a peer of its own.  No record can have the
 length ``0xFFFFFFFF`` (it is over every message limit), so a decoder that does
 not know the greeting refuses it as oversized instead of misreading it.
 
@@ -101,6 +111,8 @@ def decode_record(payload: Buffer, limits: Limits = Limits()) -> list[bytes]:
 
 
 GREETING_MARK = b"\xff\xff\xff\xff"
+#: the greeting of a connection that carries channels (an empty identity)
+CHANNELS_GREETING = GREETING_MARK + b"\x00"
 
 
 def encode_greeting(identity: bytes) -> bytes:
@@ -114,7 +126,13 @@ class RecordDecoder:
 
     :meth:`feed` returns the messages completed by a piece of the stream, or
     raises :class:`~mdp.errors.ProtocolError` (:class:`RecordTooLarge` for a
-    limit): the stream is then unusable and the connection should end."""
+    limit): the stream is then unusable and the connection should end.
+
+    Once the stream carries channels (:attr:`channels`: set by the peer's
+    greeting, or by the connecting side that asked for them), each message is
+    a ``(channel, frames)`` pair, ``channel`` the four bytes that name it
+    (``frames`` empty: the channel is closed), and a record refused for its
+    size says on which channel it came (the exception's ``channel``)."""
 
     def __init__(self, limits: Limits = Limits()) -> None:
         self.limits = limits
@@ -137,6 +155,9 @@ class RecordDecoder:
         self.identity: Optional[bytes] = None
         #: bytes of the greeting still to come (-1 before its length is known)
         self._greeting: Optional[bytearray] = None
+        #: every record names its channel (see the class's docstring)
+        self.channels = False
+        self._channel = b""  # the channel of the record in progress
 
     @property
     def inRecord(self) -> bool:
@@ -156,8 +177,10 @@ class RecordDecoder:
         if not greeting and pos < len(data):
             greeting.append(data[pos])
             pos += 1
-            if greeting[0] == 0:
-                raise ProtocolError("greeting announces an empty identity")
+            if greeting[0] == 0:  # no identity: channels follow
+                self.channels = True
+                self._greeting = None
+                return pos
         if greeting:
             take = min(greeting[0] + 1 - len(greeting), len(data) - pos)
             greeting += data[pos:pos + take]
@@ -177,39 +200,54 @@ class RecordDecoder:
         end = len(data)
         if self._greeting is not None:
             pos = self._feedGreeting(data, pos)
-        while pos < end:
-            if self._need < 0:
-                if self._header or end - pos < 4:
-                    take = min(4 - len(self._header), end - pos)
-                    self._header += data[pos:pos + take]
-                    pos += take
-                    if len(self._header) < 4:
-                        break
-                    (length,) = _length.unpack(self._header)
-                    self._header = b""
-                else:
-                    (length,) = _unpack_from(data, pos)
-                    pos += 4
-                if length == 0xFFFFFFFF and self.records == 0 and self.identity is None:
-                    self._greeting = bytearray()
-                    pos = self._feedGreeting(data, pos)
-                    continue
-                if length > self.maxRecord:
-                    raise RecordTooLarge(
-                        f"record of {length} bytes announced, over the limit of {self.maxRecord} "
-                        f"({self.limits.maxMessageBytes} bytes in at most {self.limits.maxFrames} frames)")
-                if end - pos >= length:  # all here: decode in place, no copy of the buffer
-                    messages.append(decode_payload(data, pos, pos + length, self.limits))
-                    pos += length
-                    self.records += 1
-                    continue
-                self._need = length
-                self._held = 0
-            # a record that spans pieces: taken frame by frame, so that each
-            # frame's bytes are copied once, into the frame
-            pos = self._feedRecord(data, pos, end)
-            if self._need == 0:
-                messages.append(self._completed())
+        try:
+            while pos < end:
+                if self._need < 0:
+                    channels = self.channels
+                    header = 8 if channels else 4
+                    if self._header or end - pos < header:
+                        take = min(header - len(self._header), end - pos)
+                        self._header += data[pos:pos + take]
+                        pos += take
+                        if len(self._header) < header:
+                            break
+                        (length,) = _unpack_from(self._header, header - 4)
+                        if channels:
+                            self._channel = self._header[:4]
+                        self._header = b""
+                    else:
+                        if channels:
+                            self._channel = data[pos:pos + 4]
+                            pos += 4
+                        (length,) = _unpack_from(data, pos)
+                        pos += 4
+                    if (length == 0xFFFFFFFF and self.records == 0 and self.identity is None
+                            and not channels):
+                        self._greeting = bytearray()
+                        pos = self._feedGreeting(data, pos)
+                        continue
+                    if length > self.maxRecord:
+                        raise RecordTooLarge(
+                            f"record of {length} bytes announced, over the limit of {self.maxRecord} "
+                            f"({self.limits.maxMessageBytes} bytes in at most {self.limits.maxFrames} frames)")
+                    if end - pos >= length:  # all here: decode in place, no copy of the buffer
+                        frames = decode_payload(data, pos, pos + length, self.limits)
+                        messages.append((self._channel, frames) if channels else frames)
+                        pos += length
+                        self.records += 1
+                        continue
+                    self._need = length
+                    self._held = 0
+                # a record that spans pieces: taken frame by frame, so that each
+                # frame's bytes are copied once, into the frame
+                pos = self._feedRecord(data, pos, end)
+                if self._need == 0:
+                    frames = self._completed()
+                    messages.append((self._channel, frames) if self.channels else frames)
+        except RecordTooLarge as e:
+            if self.channels:  # say whose record it was
+                e.channel = self._channel
+            raise
         return messages
 
 

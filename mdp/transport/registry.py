@@ -53,6 +53,9 @@ class Scheme:
     #: listen and connect take ``security=`` (ZeroMQ: a CurveServer, a
     #: CurveClient); stream endpoints carry theirs in the string (``ssl:``)
     secure: bool = False
+    #: ``(endpoint, reactor, limits, retryPolicy) -> IDealerChannels``: many
+    #: pipes over one connection (None: each pipe connects alone)
+    channels: Optional[Callable[..., Any]] = None
 
 
 _schemes: dict[str, Scheme] = {}

@@ -53,6 +53,7 @@ from twisted.application.internet import ClientService
 from twisted.internet import defer, tcp
 from twisted.internet.endpoints import clientFromString, serverFromString
 from twisted.internet.interfaces import IListeningPort, IPushProducer
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -61,6 +62,7 @@ from zope.interface import implementer
 from mdp.errors import ProtocolError, TransportError
 from mdp.interfaces import (
     IAuthenticatedRouter,
+    IDealerChannels,
     IDealerReceiver,
     IDealerTransport,
     IFraming,
@@ -69,7 +71,7 @@ from mdp.interfaces import (
 )
 from mdp.policy import Backoff, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.flow import DrainWaiters
-from mdp.transport.framing import RECORDS
+from mdp.transport.framing import CHANNELS_GREETING, RECORDS, RecordDecoder, encode_record
 from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
 
 try:
@@ -215,6 +217,18 @@ class FramedProtocol(Protocol):
         elif len(out) == 1:
             self._batchBegun()
 
+    def _queueOn(self, channel: bytes, record: bytes) -> None:
+        """Send *record* on *channel* (its four bytes go first; the record is
+        not copied to join them) with the rest of this batch."""
+        out = self._out
+        out.append(channel)
+        out.append(record)
+        self._outBytes += 4 + len(record)
+        if self._outBytes >= FLUSH_BYTES:
+            self.flushWrites()
+        elif len(out) == 2:
+            self._batchBegun()
+
     def _batchBegun(self) -> None:
         """The first record of a batch is queued: see that it is flushed."""
         raise NotImplementedError
@@ -248,8 +262,12 @@ class FramedProtocol(Protocol):
             self.refusal = e
             self.drop("{reason}", reason=e)
             return
-        if not messages:
-            return
+        if messages:
+            self._deliverAll(messages)
+
+    def _deliverAll(self, messages: list[Any]) -> None:
+        """Hand the messages of one read on, one by one, until the
+        connection closes."""
         batch = self._batch = iter(messages)
         try:
             for frames in batch:
@@ -450,7 +468,13 @@ def connect_description(kind: str, port: IListeningPort) -> str:
 class _RouterConnection(FramedProtocol):
     """An accepted connection.  It is the push producer of its transport:
     while Twisted's write buffer is full it keeps what is sent in a backlog of
-    its own, counted in bytes."""
+    its own, counted in bytes.
+
+    A connection whose greeting asks for channels carries many peers: each
+    channel is one, known to the router as the connection's id and the
+    channel's, opened by its first message and ended by an empty record from
+    either side (a channel this side ended is ignored until the peer's own
+    empty record says it knows)."""
 
     router: StreamRouter
     peer: bytes
@@ -473,6 +497,10 @@ class _RouterConnection(FramedProtocol):
         self.backlog: deque[bytes] = deque()
         self.backlogBytes = 0
         self._recordsAtArm = -1
+        #: its open channels (channel -> the peer id it is known by)
+        self.channels: dict[bytes, bytes] = {}
+        #: channels this side ended, until the peer says it knows
+        self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
         router.ungreeted[self.peer] = self
         self.transport.registerProducer(self, True)
@@ -515,6 +543,9 @@ class _RouterConnection(FramedProtocol):
             router.ungreeted[identity] = self
 
     def _deliver(self, frames: list[bytes]) -> None:
+        if self.decoder.channels:
+            self._deliverOn(frames)  # type: ignore[arg-type]
+            return
         if self.decoder.identity is not None and self.decoder.identity != self.peer:
             self._rename(self.decoder.identity)
             if self.closing:
@@ -525,11 +556,78 @@ class _RouterConnection(FramedProtocol):
             self._cancelTimer()
         self.router.receiver.messageReceived(self.peer, frames)
 
+    def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
+        """A record on one of its channels (see the class's docstring)."""
+        channel, frames = item
+        router = self.router
+        if not self.greeted:
+            self.greeted = True
+            router.ungreeted.pop(self.peer, None)
+            self._cancelTimer()
+        peer = self.channels.get(channel)
+        if not frames:  # the peer ended the channel, or knows that this side did
+            if peer is not None:
+                del self.channels[channel]
+                del router.channels[peer]
+                router.receiver.peerDisconnected(peer)
+            else:
+                self.unacknowledged.discard(channel)
+            return
+        if peer is None:
+            if channel in self.unacknowledged:
+                return  # sent before the peer knew the channel was ended
+            # (its first channel takes the connection's own place)
+            full = router._fullOfChannels() if self.channels else None
+            if full is not None:
+                router.refused += 1
+                self._warn("channel", "stream peer {peer} opened a channel over the cap ({full}): "
+                           "ended it", full=full)
+                self._end(channel)
+                return
+            peer = self.channels[channel] = self.peer + channel
+            router.channels[peer] = (self, channel)
+        router.receiver.messageReceived(peer, frames)
+
+    def _end(self, channel: bytes) -> None:
+        """Tell the peer *channel* is ended; ignore it until the peer says it
+        knows (a peer that never does, past a cap, is dropped)."""
+        self.sendOn(channel, [])
+        self.unacknowledged.add(channel)
+        if len(self.unacknowledged) > self.limits.maxConnections:
+            self.drop("it did not acknowledge the end of {count} channels",
+                      count=len(self.unacknowledged))
+
+    def endChannel(self, channel: bytes) -> None:
+        """End *channel* (the router's ``disconnectPeer``): its peer is
+        reported disconnected at the next reactor turn, as a connection's
+        would be once closed."""
+        peer = self.channels.pop(channel, None)
+        if peer is None:
+            return
+        router = self.router
+        del router.channels[peer]
+        if not self.closing:
+            self._end(channel)
+        router.reactor.callLater(0, router._channelEnded, peer)
+
+    #: (a connection that carries channels) its flush at the end of the turn
+    _turnCall: Any = None
+
     def _batchBegun(self) -> None:
+        if self.decoder.channels:
+            # it carries many peers, whose replies come from many reads in
+            # one turn (one a worker): they go out together at its end
+            if self._turnCall is None:
+                self._turnCall = self.router.reactor.callLater(0, self._flushTurn)
+            return
         router = self.router
         router.dirty.append(self)
         if not router.reading and router.flushCall is None:
             router.flushCall = router.reactor.callLater(0, router.flushWrites)
+
+    def _flushTurn(self) -> None:
+        self._turnCall = None
+        self.flushWrites()
 
     def dataReceived(self, data: bytes) -> None:
         router = self.router
@@ -572,6 +670,21 @@ class _RouterConnection(FramedProtocol):
         if not self.paused and not self.backlog:
             self._queue(record)
             return
+        self._hold(record)
+
+    def sendOn(self, channel: bytes, frames: list[bytes]) -> None:
+        """Send *frames* on *channel* (empty: end it)."""
+        if self.closing:
+            return
+        record = self.encode(frames)
+        if not self.paused and not self.backlog:
+            self._queueOn(channel, record)
+            return
+        self._hold(channel + record)
+
+    def _hold(self, record: bytes) -> None:
+        """Keep *record* while the transport's buffer is full, within
+        ``maxOutputBytes``."""
         self.backlog.append(record)
         self.backlogBytes += len(record)
         if self.backlogBytes > self.limits.maxOutputBytes:
@@ -608,15 +721,21 @@ class _RouterConnection(FramedProtocol):
             StreamRouter.makingRoom -= 1
         self.reportUnfinished()
         self._cancelTimer()
+        self._turnCall = cancel_call(self._turnCall)
         self._out = []
         self._outBytes = 0
         self.backlog.clear()
         router = self.router
         if router.ungreeted.get(self.peer) is self:
             del router.ungreeted[self.peer]
+        channels, self.channels = self.channels, {}
+        for peer in channels.values():
+            if router.channels.pop(peer, None) is not None:
+                router.receiver.peerDisconnected(peer)
         if router.connections.get(self.peer) is self:
             del router.connections[self.peer]
-            router.receiver.peerDisconnected(self.peer)
+            if not self.decoder.channels:  # (its channels were the peers)
+                router.receiver.peerDisconnected(self.peer)
 
 
 class _Refused(Protocol):
@@ -656,6 +775,11 @@ class StreamRouter:
         self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
         self.throttle = LogThrottle(reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
+        #: the channels of connections that carry them (peer id ->
+        #: connection, channel)
+        self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
+        #: close() was called
+        self.closed = False
         #: connections that have not yet sent a message, oldest first
         self.ungreeted: OrderedDict[bytes, _RouterConnection] = OrderedDict()
         self.port: Optional[IListeningPort] = None
@@ -724,6 +848,18 @@ class StreamRouter:
                     f"descriptor limit leaves room for (raise it: ulimit -n)")
         return None
 
+    def _fullOfChannels(self) -> Optional[str]:
+        """Why no more channels may be opened now, or None: every channel
+        but a connection's first counts as a connection against
+        ``maxConnections``."""
+        if len(self.connections) + len(self.channels) >= self.limits.maxConnections:
+            return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
+        return None
+
+    def _channelEnded(self, peer: bytes) -> None:
+        if not self.closed:
+            self.receiver.peerDisconnected(peer)
+
     def _checkBudget(self) -> None:
         """Say at start when the descriptor limit, not maxConnections, is
         the cap: the operator may want to raise it."""
@@ -790,20 +926,32 @@ class StreamRouter:
         """The subject of *peer*'s TLS client certificate (mutual TLS), or
         None (no TLS, or no certificate)."""
         connection = self.connections.get(peer)
+        if connection is None:
+            connection, _ = self.channels.get(peer, (None, None))
         return None if connection is None else connection.subject()
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)
         if connection is not None:
             connection.send(frames)
+            return
+        channel = self.channels.get(peer)
+        if channel is not None:
+            channel[0].sendOn(channel[1], frames)
 
     def disconnectPeer(self, peer: bytes) -> None:
         connection = self.connections.get(peer)
         if connection is not None:
             connection.closeGracefully()
+            return
+        channel = self.channels.get(peer)
+        if channel is not None:
+            channel[0].endChannel(channel[1])
 
     def close(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
+        self.closed = True
+        self.channels.clear()
         self.flushCall = cancel_call(self.flushCall)
         self.dirty = []
         for connection in list(self.connections.values()):
@@ -867,7 +1015,6 @@ class _DealerConnection(FramedProtocol):
         self.framing = self.dealer.framing
         self.identity = self.dealer.identity
         super().connectionMade()
-        self.onMessage = self.dealer.receiver.messageReceived
         _shortcut_reads(self)
         self.transport.registerProducer(self, True)
         self.dealer._made(self)
@@ -939,6 +1086,23 @@ class _ReportingEndpoint:
     __repr__ = __str__
 
 
+def _connection(owner: Any, endpoint: str,
+                retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
+    """A started :class:`ClientService` keeping one connection to *endpoint*
+    for *owner* (its ``reactor``, ``_buildProtocol`` and ``_failed``)."""
+    factory = Factory.forProtocol(lambda: None)
+    factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
+    factory.noisy = False
+    service = ClientService(
+        _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
+        factory,
+        retryPolicy=retryPolicy or RECONNECT.retryPolicy(),
+        clock=owner.reactor,
+    )
+    service.startService()
+    return service
+
+
 @implementer(IDealerTransport)
 class StreamDealer:
     """The connecting side: one :class:`ClientService`-managed connection.
@@ -971,16 +1135,7 @@ class StreamDealer:
         self.queuedBytes = 0
         self._throttle = LogThrottle(reactor)
         self._waiters = DrainWaiters()
-        factory = Factory.forProtocol(lambda: None)
-        factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
-        factory.noisy = False
-        self.service = ClientService(
-            _ReportingEndpoint(clientFromString(reactor, endpoint), endpoint, self._failed),
-            factory,
-            retryPolicy=retryPolicy or RECONNECT.retryPolicy(),
-            clock=reactor,
-        )
-        self.service.startService()
+        self.service = _connection(self, endpoint, retryPolicy)
 
     def _buildProtocol(self, addr: object) -> _DealerConnection:
         proto = _DealerConnection()
@@ -1011,6 +1166,7 @@ class StreamDealer:
 
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto
+        proto.onMessage = self.receiver.messageReceived
         self.receiver.connectionMade()
         while self.queue and self.protocol is proto:
             proto.sendFrames(self.queue.popleft())
@@ -1062,6 +1218,319 @@ class StreamDealer:
         closed: defer.Deferred[None] = defer.Deferred()
         self._closing.addBoth(lambda result: (closed.callback(None), result)[1])
         return closed
+
+
+# --- many pipes over one connection ------------------------------------------
+
+
+@implementer(IFraming)
+class _ChannelsFraming:
+    """The record framing of a connection that carries channels, as its
+    connecting side speaks it: the channels greeting, and a decoder that
+    expects a channel in every record."""
+
+    name = "records32-channels"
+    acceptsBuffers = True
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        return CHANNELS_GREETING
+
+    def encode(self, frames: list[bytes]) -> bytes:
+        return encode_record(frames)
+
+    def decoder(self, limits: Limits) -> RecordDecoder:
+        decoder = RecordDecoder(limits)
+        decoder.channels = True
+        return decoder
+
+
+_CHANNELS = _ChannelsFraming()
+
+#: what ends a channel: a record of no frames
+_END = encode_record([])
+
+
+class _ChannelsConnection(_DealerConnection):
+    """The connection of a :class:`StreamChannels`: each read's messages go
+    to it, which hands each to its channel."""
+
+    dealer: StreamChannels  # type: ignore[assignment]
+
+    def _deliverAll(self, messages: list[Any]) -> None:
+        self.dealer._dispatch(self, messages)
+
+
+@implementer(IDealerTransport)
+class _StreamChannel:
+    """One pipe of a :class:`StreamChannels`: what a connection of its own
+    would be, with its own peer id at the far end."""
+
+    #: the four bytes that name it on the connection
+    id = b""
+    up = False
+    closed = False
+    #: times the far side ended it in a row (paces opening it again)
+    ends = 0
+    _call: Any = None
+
+    def __init__(self, link: StreamChannels, receiver: IDealerReceiver) -> None:
+        self.link = link
+        self.receiver = receiver
+        self.endpoint = link.endpoint
+
+    @property
+    def connected(self) -> bool:
+        return self.up
+
+    @property
+    def writable(self) -> bool:
+        return self.link.writable
+
+    def drained(self) -> defer.Deferred[None]:
+        return self.link.drained()
+
+    def discardReceived(self) -> int:
+        """The messages for it in the read being delivered that are not
+        delivered yet (the other channels' stay)."""
+        return self.link._discard(self.id)
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        if self.up:
+            proto = self.link.protocol
+            proto._queueOn(self.id, proto.encode(frames))  # type: ignore[union-attr]
+        elif not self.closed:
+            self.link._hold(self, frames)
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.closed:
+            self.closed = True
+            self.up = False
+            self._call = cancel_call(self._call)
+            self.link._forget(self)
+        return defer.succeed(None)
+
+    def _up(self) -> None:
+        self._call = cancel_call(self._call)
+        if not self.closed and not self.up and self.link.protocol is not None:
+            self.up = True
+            self.receiver.connectionMade()
+
+    def _down(self, reason: object) -> None:
+        self._call = cancel_call(self._call)
+        if self.up:
+            self.up = False
+            self.receiver.connectionLost(reason)
+
+
+@implementer(IDealerChannels)
+class StreamChannels:
+    """The connecting side of one connection (:class:`ClientService`-managed,
+    so it reconnects with backoff) that carries many pipes, its *channels*
+    (``framing``'s docstring has the wire form).  Each pipe
+    (:meth:`open`) behaves as a connection of its own: it is up while the
+    connection is, the far side's router knows it as a peer of its own, and
+    the far side may end it alone (it is then lost, and made again after the
+    reconnection delay, under a new channel).  What the pipes send in one
+    reactor turn goes out in one write, and their replies come in one read.
+
+    The connection is opened with the first pipe and closed with the last."""
+
+    maxQueued = StreamDealer.maxQueued
+
+    def __init__(self, endpoint: str, reactor: Any, *,
+                 retryPolicy: Optional[Callable[[int], float]] = None,
+                 limits: Limits = Limits()) -> None:
+        self.endpoint = endpoint
+        self.reactor = reactor
+        self.limits = limits
+        self.framing = _CHANNELS
+        self.identity = None
+        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
+        #: the open pipes, by channel
+        self.channels: dict[bytes, _StreamChannel] = {}
+        self.protocol: Optional[_ChannelsConnection] = None
+        self.service: Optional[ClientService] = None
+        #: what pipes sent while the connection was down (none is sent twice)
+        self.queue: deque[tuple[_StreamChannel, list[bytes]]] = deque()
+        self.queuedBytes = 0
+        self._next = 0
+        self._throttle = LogThrottle(reactor)
+        self._waiters = DrainWaiters()
+        #: the messages of the read being delivered, and the next one's index
+        self._pending: Optional[list[Any]] = None
+        self._at = 0
+
+    def open(self, receiver: IDealerReceiver) -> _StreamChannel:
+        """A new pipe: ``receiver.connectionMade`` is called once it is up."""
+        channel = _StreamChannel(self, receiver)
+        self._name(channel)
+        if self.service is None:
+            self.service = _connection(self, self.endpoint, self.retryPolicy)
+        elif self.protocol is not None:  # up already: it is too, at the next turn
+            channel._call = self.reactor.callLater(0, channel._up)
+        return channel
+
+    def _name(self, channel: _StreamChannel) -> None:
+        """Give *channel* a channel not in use (none is used twice while the
+        far side may still send on it)."""
+        while True:
+            self._next = self._next % 0xFFFFFFFF + 1
+            name = self._next.to_bytes(4, "big")
+            if name not in self.channels:
+                break
+        channel.id = name
+        self.channels[name] = channel
+
+    def _buildProtocol(self, addr: object) -> _ChannelsConnection:
+        proto = _ChannelsConnection()
+        proto.dealer = self  # type: ignore[assignment]
+        return proto
+
+    @property
+    def writable(self) -> bool:
+        return self.protocol is None or not self.protocol.paused
+
+    def drained(self) -> defer.Deferred[None]:
+        if self.writable:
+            return defer.succeed(None)
+        return self._waiters.wait()
+
+    def _resumed(self, proto: _DealerConnection) -> None:
+        if proto is self.protocol:
+            self._waiters.fire()
+
+    def _made(self, proto: _DealerConnection) -> None:
+        self.protocol = proto  # type: ignore[assignment]
+        for channel in list(self.channels.values()):
+            if self.protocol is not proto:
+                return
+            channel._up()
+        queue, self.queue = self.queue, deque()
+        self.queuedBytes = 0
+        for channel, frames in queue:
+            if not channel.closed:
+                channel.sendMessage(frames)
+
+    def _failed(self, reason: Any) -> None:
+        """A connection attempt failed: the pipes' receivers that have a
+        ``connectionFailed`` hear why."""
+        if self.service is None or not self.service.running:
+            return
+        for channel in list(self.channels.values()):
+            report = getattr(channel.receiver, "connectionFailed", None)
+            if report is not None and not channel.closed:
+                report(reason)
+
+    def _lost(self, proto: _DealerConnection, reason: object) -> None:
+        if self.protocol is not proto:
+            return
+        self.protocol = None
+        self._waiters.fire()
+        # a record refused for its size was one pipe's: the others only lost
+        # the connection (what they had in flight goes again)
+        too_large = getattr(proto.refusal, "channel", None)
+        others = reason
+        if too_large is not None:
+            others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
+                                            f"record: {proto.refusal}"))
+        for channel in list(self.channels.values()):
+            channel._down(reason if channel.id == too_large or too_large is None else others)
+
+    def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
+        """Hand each message of a read to its channel, in order."""
+        self._pending = messages
+        channels = self.channels
+        try:
+            for i in range(len(messages)):
+                item = messages[i]
+                if item is None:  # discarded
+                    continue
+                self._at = i + 1
+                channel = channels.get(item[0])
+                if channel is None:
+                    continue  # ended here: what came before the far side knew
+                frames = item[1]
+                if not frames:
+                    self._endedThere(channel)
+                elif channel.up:
+                    if channel.ends:
+                        channel.ends = 0
+                    channel.receiver.messageReceived(frames)
+                if proto.closing or self.protocol is not proto:
+                    return
+        finally:
+            self._pending = None
+
+    def _discard(self, name: bytes) -> int:
+        pending = self._pending
+        if pending is None:
+            return 0
+        count = 0
+        for i in range(self._at, len(pending)):
+            item = pending[i]
+            if item is not None and item[0] == name:
+                pending[i] = None
+                count += 1
+        return count
+
+    def _endedThere(self, channel: _StreamChannel) -> None:
+        """The far side ended *channel*: say it is known, and make the pipe
+        again under a new channel after the reconnection delay."""
+        if self.protocol is not None:
+            self.protocol._queueOn(channel.id, _END)
+        del self.channels[channel.id]
+        self._name(channel)
+        channel._down(Failure(ConnectionDone("the far side ended this channel")))
+        channel.ends += 1
+        if not channel.closed:  # (its receiver may have closed it)
+            channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
+
+    def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
+        """*channel* sent *frames* while the connection is down: keep them
+        for the next one (within ``maxQueued`` and ``maxOutputBytes``)."""
+        size = held_bytes(frames)
+        if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
+            self._throttle.warn(log, "full", "stream channels to {endpoint} refused a message: "
+                                "{count} messages ({bytes} bytes) already wait for the connection",
+                                endpoint=self.endpoint, count=len(self.queue), bytes=self.queuedBytes)
+            return
+        self.queue.append((channel, list(frames)))
+        self.queuedBytes += size
+
+    def _forget(self, channel: _StreamChannel) -> None:
+        """*channel* was closed: tell the far side; close the connection
+        with the last one."""
+        if self.channels.get(channel.id) is channel:
+            del self.channels[channel.id]
+            if self.protocol is not None:
+                self.protocol._queueOn(channel.id, _END)
+        if not self.channels:
+            self._stop()
+
+    def _stop(self) -> defer.Deferred[None]:
+        service, self.service = self.service, None
+        proto, self.protocol = self.protocol, None
+        self.queue.clear()
+        self.queuedBytes = 0
+        self._waiters.fire()
+        if service is None:
+            return defer.succeed(None)
+        if proto is not None:
+            proto.closedHere = True
+            proto.flushWrites()  # what was sent goes before the close
+            proto.transport.unregisterProducer()
+        stopped: defer.Deferred[None] = defer.Deferred()
+        service.stopService().addBoth(lambda result: stopped.callback(None))
+        return stopped
+
+    def close(self) -> defer.Deferred[None]:
+        """Close every pipe and the connection."""
+        for channel in list(self.channels.values()):
+            channel.closed = True
+            channel.up = False
+            channel._call = cancel_call(channel._call)
+        self.channels.clear()
+        return self._stop()
 
 
 # --- endpoint schemes ---------------------------------------------------------
@@ -1137,9 +1606,15 @@ def _connect(endpoint: str, receiver: IDealerReceiver, reactor: Any, limits: Lim
                         identity=identity)
 
 
+def _channels(endpoint: str, reactor: Any, limits: Limits,
+              retryPolicy: Optional[Callable[[int], float]]) -> StreamChannels:
+    return StreamChannels(endpoint, reactor, retryPolicy=retryPolicy, limits=limits)
+
+
 def scheme(name: str) -> Scheme:
     """The registry entry for the Twisted stream endpoint type *name*, with
     the length-prefixed record framing."""
     return Scheme(name, check_endpoint, _listen if name != "tls" else None,
                   _connect if name != "tcp6" else None,
-                  f"length-prefixed records over Twisted's {name}: endpoints", identities=True)
+                  f"length-prefixed records over Twisted's {name}: endpoints", identities=True,
+                  channels=_channels if name != "tcp6" else None)
