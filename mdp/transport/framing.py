@@ -227,9 +227,10 @@ class RecordDecoder:
                         pos = self._feedGreeting(data, pos)
                         continue
                     if length > self.maxRecord:
+                        limits = self.limits
                         raise RecordTooLarge(
                             f"record of {length} bytes announced, over the limit of {self.maxRecord} "
-                            f"({self.limits.maxMessageBytes} bytes in at most {self.limits.maxFrames} frames)")
+                            f"({limits.maxMessageBytes} bytes in at most {limits.maxFrames} frames)")
                     if end - pos >= length:  # all here: decode in place, no copy of the buffer
                         frames = decode_payload(data, pos, pos + length, self.limits)
                         messages.append((self._channel, frames) if channels else frames)

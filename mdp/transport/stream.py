@@ -52,8 +52,8 @@ from typing import Any, Callable, Optional
 from twisted.application.internet import ClientService
 from twisted.internet import defer, tcp
 from twisted.internet.endpoints import clientFromString, serverFromString
-from twisted.internet.interfaces import IListeningPort, IPushProducer
 from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.interfaces import IListeningPort, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -567,8 +567,7 @@ class _RouterConnection(FramedProtocol):
         peer = self.channels.get(channel)
         if not frames:  # the peer ended the channel, or knows that this side did
             if peer is not None:
-                del self.channels[channel]
-                del router.channels[peer]
+                self._forgetChannel(channel)
                 router.receiver.peerDisconnected(peer)
             else:
                 self.unacknowledged.discard(channel)
@@ -576,7 +575,6 @@ class _RouterConnection(FramedProtocol):
         if peer is None:
             if channel in self.unacknowledged:
                 return  # sent before the peer knew the channel was ended
-            # (its first channel takes the connection's own place)
             full = router._fullOfChannels() if self.channels else None
             if full is not None:
                 router.refused += 1
@@ -584,9 +582,20 @@ class _RouterConnection(FramedProtocol):
                            "ended it", full=full)
                 self._end(channel)
                 return
+            if not self.channels:
+                router.carriers += 1
             peer = self.channels[channel] = self.peer + channel
             router.channels[peer] = (self, channel)
         router.receiver.messageReceived(peer, frames)
+
+    def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
+        """*channel* is no longer open: its peer id (None: it was not)."""
+        peer = self.channels.pop(channel, None)
+        if peer is not None:
+            del self.router.channels[peer]
+            if not self.channels:
+                self.router.carriers -= 1
+        return peer
 
     def _end(self, channel: bytes) -> None:
         """Tell the peer *channel* is ended; ignore it until the peer says it
@@ -601,11 +610,10 @@ class _RouterConnection(FramedProtocol):
         """End *channel* (the router's ``disconnectPeer``): its peer is
         reported disconnected at the next reactor turn, as a connection's
         would be once closed."""
-        peer = self.channels.pop(channel, None)
+        peer = self._forgetChannel(channel)
         if peer is None:
             return
         router = self.router
-        del router.channels[peer]
         if not self.closing:
             self._end(channel)
         router.reactor.callLater(0, router._channelEnded, peer)
@@ -729,6 +737,8 @@ class _RouterConnection(FramedProtocol):
         if router.ungreeted.get(self.peer) is self:
             del router.ungreeted[self.peer]
         channels, self.channels = self.channels, {}
+        if channels and not router.closed:
+            router.carriers -= 1
         for peer in channels.values():
             if router.channels.pop(peer, None) is not None:
                 router.receiver.peerDisconnected(peer)
@@ -778,6 +788,8 @@ class StreamRouter:
         #: the channels of connections that carry them (peer id ->
         #: connection, channel)
         self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
+        #: connections that carry at least one open channel
+        self.carriers = 0
         #: close() was called
         self.closed = False
         #: connections that have not yet sent a message, oldest first
@@ -849,10 +861,11 @@ class StreamRouter:
         return None
 
     def _fullOfChannels(self) -> Optional[str]:
-        """Why no more channels may be opened now, or None: every channel
-        but a connection's first counts as a connection against
-        ``maxConnections``."""
-        if len(self.connections) + len(self.channels) >= self.limits.maxConnections:
+        """Why a connection may not open one more channel now, or None:
+        every channel but a connection's first counts as a connection
+        against ``maxConnections`` (its first takes the connection's place)."""
+        peers = len(self.connections) + len(self.channels) - self.carriers
+        if peers >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
 
@@ -952,6 +965,7 @@ class StreamRouter:
         port, self.port = self.port, None
         self.closed = True
         self.channels.clear()
+        self.carriers = 0
         self.flushCall = cancel_call(self.flushCall)
         self.dirty = []
         for connection in list(self.connections.values()):

@@ -1,0 +1,229 @@
+"""Channels: a client's pipes to a stream endpoint share one connection, and
+the broker knows each as a peer of its own (docs/transports.md, "Channels")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, protocol
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+from mdp.errors import ReplyTooLarge
+from mdp.majordomo import codec
+from mdp.policy import Limits
+from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
+from mdp.transport.stream import StreamChannels
+from tests.conftest import Net
+from tests.test_limits import LogLines, binding_of
+from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
+
+pytestmark = pytest.mark.parametrize("net", ["tcp"], indirect=True)
+
+
+def on(channel: int, frames: list[bytes]) -> bytes:
+    return channel.to_bytes(4, "big") + encode_record(frames)
+
+
+class RawChannels(protocol.Protocol):
+    """A connecting side of our own making that speaks the channels wire
+    form byte by byte, as docs/transports.md gives it."""
+
+    def __init__(self) -> None:
+        self.decoder = RecordDecoder()
+        self.decoder.channels = True
+        self.received: list[tuple[bytes, list[bytes]]] = []
+        self.lost: defer.Deferred[None] = defer.Deferred()
+
+    def connectionMade(self) -> None:
+        self.transport.write(CHANNELS_GREETING)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += self.decoder.feed(data)
+
+    def connectionLost(self, reason: object = None) -> None:
+        self.lost.callback(None)
+
+
+async def raw_channels(net: Net, endpoint: str) -> RawChannels:
+    port = int(endpoint.rpartition("port=")[2])
+    proto = RawChannels()
+    await net.wait(connectProtocol(TCP4ClientEndpoint(net.reactor, "127.0.0.1", port), proto))
+    net.addCleanup(lambda: proto.transport.abortConnection())
+    return proto
+
+
+def request(body: bytes) -> list[bytes]:
+    return [codec.CLIENT_HEADER, codec.C_REQUEST, b"echo", body]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pool_of_pipes_is_one_connection_and_each_pipe_a_peer(net: Net) -> None:
+    broker, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    client = make_client(net, endpoint, maxConnections=8)
+    replies = await net.wait(defer.gatherResults(
+        [client.request("echo", b"%d" % i) for i in range(40)]))
+    assert replies == [[b"%d" % i] for i in range(40)]
+    bound = binding_of(broker)
+    assert len(bound.connections) == 2  # the worker's and the client's
+    assert len(bound.channels) == 8  # the client's pipes, each a peer
+    assert {peer[:5] for peer in bound.channels} == {
+        c.peer for c in bound.connections.values() if c.channels}
+    await client.close()
+    await net.until(lambda: len(bound.connections) == 1 and not bound.channels)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_wire_form_each_reply_on_the_channel_of_its_request(net: Net) -> None:
+    _, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    raw = await raw_channels(net, endpoint)
+    raw.transport.write(on(7, request(b"seven")) + on(0xFFFFFFFF, request(b"last")))
+    await net.until(lambda: len(raw.received) == 2)
+    replies = {channel: frames for channel, frames in raw.received}
+    assert replies == {
+        (7).to_bytes(4, "big"): [codec.CLIENT_HEADER, codec.C_FINAL, b"echo", b"seven"],
+        b"\xff" * 4: [codec.CLIENT_HEADER, codec.C_FINAL, b"echo", b"last"]}
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_ended_channel_is_a_disconnected_peer_and_the_rest_go_on(net: Net) -> None:
+    broker, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    bound = binding_of(broker)
+    gone: list[bytes] = []
+    receiver = bound.receiver
+    original = receiver.peerDisconnected
+    receiver.peerDisconnected = lambda peer: (gone.append(peer), original(peer))
+    net.addCleanup(lambda: setattr(receiver, "peerDisconnected", original))
+    raw = await raw_channels(net, endpoint)
+    raw.transport.write(on(1, request(b"a")) + on(2, request(b"b")))
+    await net.until(lambda: len(raw.received) == 2 and len(bound.channels) == 2)
+    raw.transport.write(on(1, []))  # ends channel 1
+    await net.until(lambda: len(bound.channels) == 1)
+    assert len(gone) == 1 and gone[0].endswith((1).to_bytes(4, "big"))
+    raw.transport.write(on(2, request(b"c")))
+    await net.until(lambda: len(raw.received) == 3)
+    assert raw.received[2] == ((2).to_bytes(4, "big"),
+                               [codec.CLIENT_HEADER, codec.C_FINAL, b"echo", b"c"])
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_channel_the_broker_ends_comes_back_under_a_new_one(net: Net) -> None:
+    """The router's disconnectPeer ends one channel: the broker hears that
+    peer is gone, the pipe is lost and made again under a new channel, and
+    the request it had in flight goes again there; the connection stays."""
+    broker, endpoint = await start_broker(net)
+    bound = binding_of(broker)
+    held: list[defer.Deferred[None]] = []
+
+    def slow(frames: list[bytes]) -> defer.Deferred[list[bytes]]:
+        d: defer.Deferred[None] = defer.Deferred()
+        held.append(d)
+        return d.addCallback(lambda _: frames)
+
+    start_worker(net, endpoint, "slow", slow)
+    client = make_client(net, endpoint, maxConnections=1, timeout=30)
+    first = client.request("slow", b"held")
+    await net.until(lambda: len(held) == 1)
+    (peer,) = bound.channels
+    connection = bound.channels[peer][0]
+    bound.disconnectPeer(peer)
+    await net.until(lambda: bool(bound.channels) and peer not in bound.channels)
+    held[0].callback(None)  # its reply goes to the ended peer: nowhere
+    await net.until(lambda: len(held) == 2)
+    held[1].callback(None)
+    assert await net.wait(first) == [b"held"]
+    (again,) = bound.channels
+    assert bound.channels[again][0] is connection and len(bound.connections) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_oversized_reply_fails_its_request_only(net: Net) -> None:
+    """The client's limits end the connection for one pipe's reply: that
+    request fails with ReplyTooLarge (sent again it would only run again);
+    the others in flight on the same connection go again and complete."""
+    _, endpoint = await start_broker(net)
+    runs: list[bytes] = []
+    held: list[defer.Deferred[None]] = []
+
+    def handler(frames: list[bytes]) -> Any:
+        runs.append(frames[0])
+        if frames[0] == b"big":
+            return [b"r" * 10_000]
+        d: defer.Deferred[None] = defer.Deferred()
+        held.append(d)
+        return d.addCallback(lambda _: frames)
+
+    start_worker(net, endpoint, "svc", handler)
+    start_worker(net, endpoint, "svc", handler)
+    client = make_client(net, endpoint, maxConnections=2, timeout=30,
+                         limits=Limits(maxMessageBytes=4096))
+    small = client.request("svc", b"small")
+    await net.until(lambda: len(held) == 1)
+    with pytest.raises(ReplyTooLarge):
+        await net.wait(client.request("svc", b"big"))
+    # the held request's connection was lost: it goes again once back
+    await net.until(lambda: len(held) == 2)
+    for d in held:
+        d.callback(None)
+    assert await net.wait(small) == [b"small"]
+    assert runs.count(b"big") == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_channels_count_against_max_connections(net: Net) -> None:
+    """A connection's first channel takes its own place; each further one
+    counts as a connection, and one over the cap is ended with a warning."""
+    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=3))
+    bound = binding_of(broker)
+    start_worker(net, endpoint, "echo", echo)
+    refusals = LogLines(net, "opened a channel over the cap")
+    raw = await raw_channels(net, endpoint)
+    raw.transport.write(on(1, request(b"1")) + on(2, request(b"2")) + on(3, request(b"3")))
+    await net.until(lambda: len(raw.received) == 3)
+    got = dict(raw.received)
+    assert got[(3).to_bytes(4, "big")] == []  # ended: worker + 2 channels fill the cap
+    assert got[(1).to_bytes(4, "big")][-1] == b"1" and got[(2).to_bytes(4, "big")][-1] == b"2"
+    assert bound.refused == 1 and refusals.lines
+    # until the peer says it knows, what comes on the ended channel is ignored
+    raw.transport.write(on(3, request(b"again")) + on(1, request(b"one")))
+    await net.until(lambda: len(raw.received) == 4)
+    assert raw.received[3][0] == (1).to_bytes(4, "big")
+
+
+@pytest_twisted.ensureDeferred
+async def test_pipes_discard_only_their_own_stale_messages(net: Net) -> None:
+    """discardReceived drops what is still to come, in the read being
+    delivered, for that pipe alone."""
+    links = StreamChannels("tcp:host=127.0.0.1:port=1", net.reactor)
+    seen: dict[str, list[list[bytes]]] = {"a": [], "b": []}
+    pipes: dict[str, Any] = {}
+
+    class Receiver:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def connectionMade(self) -> None:
+            pass
+
+        def connectionLost(self, reason: object) -> None:
+            pass
+
+        def messageReceived(self, frames: list[bytes]) -> None:
+            seen[self.name].append(frames)
+            if frames == [b"a1"]:
+                assert pipes["b"].discardReceived() == 2
+
+    pipes["a"] = links.open(Receiver("a"))
+    pipes["b"] = links.open(Receiver("b"))
+    proto: Any = type("P", (), {"closing": False})()
+    links.protocol = proto
+    pipes["a"].up = pipes["b"].up = True
+    a, b = pipes["a"].id, pipes["b"].id
+    links._dispatch(proto, [(b, [b"b0"]), (a, [b"a1"]), (b, [b"b1"]), (a, [b"a2"]), (b, [b"b2"])])
+    assert seen == {"a": [[b"a1"], [b"a2"]], "b": [[b"b0"]]}
+    links.protocol = None
+    await links.close()
