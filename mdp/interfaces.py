@@ -134,6 +134,10 @@ class IStreamDecoder(Interface):
     inRecord = Attribute("True while a message has begun and is not complete.")
     buffered = Attribute("Bytes held for the message in progress.")
     identity = Attribute("The identity the peer announced in its greeting, or None.")
+    channels = Attribute(
+        "True once the stream carries channels: each message is then a "
+        "``(channel, frames)`` pair (docs/transports.md); False for a framing "
+        "that has none.")
 
     def feed(data: bytes) -> list[list[bytes]]:
         """The messages completed by *data*.  Raises

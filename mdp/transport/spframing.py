@@ -69,6 +69,7 @@ class SPDecoder:
     """The peer's header, then its messages, each as ``[body]``."""
 
     identity = None  # SP peers announce no identity
+    channels = False  # nor carry channels
 
     def __init__(self, expected: int, limits: Limits = Limits()) -> None:
         self.expected = expected

@@ -464,6 +464,11 @@ def connect_description(kind: str, port: IListeningPort) -> str:
     return f"{kind}:host={host}:port={address.port}"
 
 
+#: channels a connection may have ended here without the peer saying it
+#: knows; beyond, the connection is dropped
+MAX_UNACKNOWLEDGED = 64
+
+
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
     """An accepted connection.  It is the push producer of its transport:
@@ -543,7 +548,7 @@ class _RouterConnection(FramedProtocol):
             router.ungreeted[identity] = self
 
     def _deliver(self, frames: list[bytes]) -> None:
-        if self.decoder.channels:
+        if type(frames) is tuple:  # a (channel, frames) pair: it carries channels
             self._deliverOn(frames)  # type: ignore[arg-type]
             return
         if self.decoder.identity is not None and self.decoder.identity != self.peer:
@@ -560,10 +565,6 @@ class _RouterConnection(FramedProtocol):
         """A record on one of its channels (see the class's docstring)."""
         channel, frames = item
         router = self.router
-        if not self.greeted:
-            self.greeted = True
-            router.ungreeted.pop(self.peer, None)
-            self._cancelTimer()
         peer = self.channels.get(channel)
         if not frames:  # the peer ended the channel, or knows that this side did
             if peer is not None:
@@ -586,13 +587,17 @@ class _RouterConnection(FramedProtocol):
                 router.carriers += 1
             peer = self.channels[channel] = self.peer + channel
             router.channels[peer] = (self, channel)
+        if not self.greeted:  # (a message, not an end, greets)
+            self.greeted = True
+            router.ungreeted.pop(self.peer, None)
+            self._cancelTimer()
         router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
         """*channel* is no longer open: its peer id (None: it was not)."""
         peer = self.channels.pop(channel, None)
         if peer is not None:
-            del self.router.channels[peer]
+            self.router.channels.pop(peer, None)
             if not self.channels:
                 self.router.carriers -= 1
         return peer
@@ -602,7 +607,7 @@ class _RouterConnection(FramedProtocol):
         knows (a peer that never does, past a cap, is dropped)."""
         self.sendOn(channel, [])
         self.unacknowledged.add(channel)
-        if len(self.unacknowledged) > self.limits.maxConnections:
+        if len(self.unacknowledged) > MAX_UNACKNOWLEDGED:
             self.drop("it did not acknowledge the end of {count} channels",
                       count=len(self.unacknowledged))
 
@@ -622,7 +627,7 @@ class _RouterConnection(FramedProtocol):
     _turnCall: Any = None
 
     def _batchBegun(self) -> None:
-        if self.decoder.channels:
+        if getattr(self.decoder, "channels", False):
             # it carries many peers, whose replies come from many reads in
             # one turn (one a worker): they go out together at its end
             if self._turnCall is None:
@@ -744,7 +749,7 @@ class _RouterConnection(FramedProtocol):
                 router.receiver.peerDisconnected(peer)
         if router.connections.get(self.peer) is self:
             del router.connections[self.peer]
-            if not self.decoder.channels:  # (its channels were the peers)
+            if not getattr(self.decoder, "channels", False):  # (its channels were the peers)
                 router.receiver.peerDisconnected(self.peer)
 
 
@@ -852,8 +857,8 @@ class StreamRouter:
 
     def _full(self) -> Optional[str]:
         """Why no connection may be added now (a cap is reached), or None."""
-        if len(self.connections) >= self.limits.maxConnections:
-            return f"{self.limits.maxConnections} connections open (maxConnections)"
+        if len(self.connections) + len(self.channels) - self.carriers >= self.limits.maxConnections:
+            return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         budget = self.descriptorBudget()
         if budget is not None and StreamRouter.accepted >= budget:
             return (f"{StreamRouter.accepted} connections open in the process, all that its "
@@ -970,6 +975,8 @@ class StreamRouter:
         self.dirty = []
         for connection in list(self.connections.values()):
             connection.closedHere = True
+            connection.dropped = True  # nothing more of a read under way is delivered
+            connection._turnCall = cancel_call(connection._turnCall)
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()
@@ -1309,9 +1316,9 @@ class _StreamChannel:
         return self.link._discard(self.id)
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        if self.up:
-            proto = self.link.protocol
-            proto._queueOn(self.id, proto.encode(frames))  # type: ignore[union-attr]
+        proto = self.link.protocol
+        if self.up and proto is not None:
+            proto._queueOn(self.id, proto.encode(frames))
         elif not self.closed:
             self.link._hold(self, frames)
 
@@ -1373,6 +1380,7 @@ class StreamChannels:
         #: the messages of the read being delivered, and the next one's index
         self._pending: Optional[list[Any]] = None
         self._at = 0
+        self._waiting: dict[bytes, int] = {}
 
     def open(self, receiver: IDealerReceiver) -> _StreamChannel:
         """A new pipe: ``receiver.connectionMade`` is called once it is up."""
@@ -1428,7 +1436,8 @@ class StreamChannels:
     def _failed(self, reason: Any) -> None:
         """A connection attempt failed: the pipes' receivers that have a
         ``connectionFailed`` hear why."""
-        if self.service is None or not self.service.running:
+        if self.service is None or not self.service.running or isinstance(
+                reason, defer.CancelledError):  # (a stopped service's attempt)
             return
         for channel in list(self.channels.values()):
             report = getattr(channel.receiver, "connectionFailed", None)
@@ -1447,19 +1456,32 @@ class StreamChannels:
         if too_large is not None:
             others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
                                             f"record: {proto.refusal}"))
-        for channel in list(self.channels.values()):
-            channel._down(reason if channel.id == too_large or too_large is None else others)
+        # every pipe is down before any receiver hears it (one may send on another)
+        lost = [channel for channel in self.channels.values() if channel.up]
+        for channel in lost:
+            channel.up = False
+        for channel in lost:
+            if not channel.closed:
+                channel._call = cancel_call(channel._call)
+                channel.receiver.connectionLost(
+                    reason if channel.id == too_large or too_large is None else others)
 
     def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
         """Hand each message of a read to its channel, in order."""
         self._pending = messages
         channels = self.channels
+        #: the messages still to come in this read, by channel (so that a
+        #: pipe with none there is answered without a scan)
+        waiting = self._waiting = {}
+        for item in messages:
+            waiting[item[0]] = waiting.get(item[0], 0) + 1
         try:
             for i in range(len(messages)):
                 item = messages[i]
                 if item is None:  # discarded
                     continue
                 self._at = i + 1
+                waiting[item[0]] -= 1
                 channel = channels.get(item[0])
                 if channel is None:
                     continue  # ended here: what came before the far side knew
@@ -1477,8 +1499,9 @@ class StreamChannels:
 
     def _discard(self, name: bytes) -> int:
         pending = self._pending
-        if pending is None:
+        if pending is None or not self._waiting.get(name):
             return 0
+        self._waiting[name] = 0
         count = 0
         for i in range(self._at, len(pending)):
             item = pending[i]
