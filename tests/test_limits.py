@@ -62,10 +62,11 @@ class RawStream(protocol.Protocol):
         self.transport.pauseProducing()
 
 
-async def raw_stream(net: Net, endpoint: str) -> RawStream:
-    """Connect a :class:`RawStream` to ``tcp:host=…:port=…``; closed after the test."""
+async def raw_stream(net: Net, endpoint: str, proto: Any = None) -> Any:
+    """Connect a :class:`RawStream` (or *proto*) to ``tcp:host=…:port=…``;
+    closed after the test."""
     port = int(endpoint.rpartition("port=")[2])
-    proto = RawStream()
+    proto = RawStream() if proto is None else proto
     await net.wait(connectProtocol(TCP4ClientEndpoint(net.reactor, "127.0.0.1", port), proto))
     net.addCleanup(lambda: proto.transport.abortConnection())
     return proto

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import pytest_twisted
 from twisted.internet import defer, protocol
-from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 
 from mdp.errors import ReplyTooLarge
 from mdp.majordomo import codec
@@ -16,7 +15,7 @@ from mdp.policy import Limits
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.stream import StreamChannels
 from tests.conftest import Net
-from tests.test_limits import LogLines, binding_of
+from tests.test_limits import LogLines, binding_of, raw_stream
 from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
 
 pytestmark = pytest.mark.parametrize("net", ["tcp"], indirect=True)
@@ -47,11 +46,7 @@ class RawChannels(protocol.Protocol):
 
 
 async def raw_channels(net: Net, endpoint: str) -> RawChannels:
-    port = int(endpoint.rpartition("port=")[2])
-    proto = RawChannels()
-    await net.wait(connectProtocol(TCP4ClientEndpoint(net.reactor, "127.0.0.1", port), proto))
-    net.addCleanup(lambda: proto.transport.abortConnection())
-    return proto
+    return await raw_stream(net, endpoint, RawChannels())  # type: ignore[no-any-return]
 
 
 def request(body: bytes) -> list[bytes]:

@@ -1124,8 +1124,29 @@ def _connection(owner: Any, endpoint: str,
     return service
 
 
+class _OneConnection:
+    """Flow control of a connecting side's one connection (``protocol``,
+    None while down): writable while its transport takes more."""
+
+    protocol: Optional[_DealerConnection]
+    _waiters: DrainWaiters
+
+    @property
+    def writable(self) -> bool:
+        return self.protocol is None or not self.protocol.paused
+
+    def drained(self) -> defer.Deferred[None]:
+        if self.writable:
+            return defer.succeed(None)
+        return self._waiters.wait()
+
+    def _resumed(self, proto: _DealerConnection) -> None:
+        if proto is self.protocol:
+            self._waiters.fire()
+
+
 @implementer(IDealerTransport)
-class StreamDealer:
+class StreamDealer(_OneConnection):
     """The connecting side: one :class:`ClientService`-managed connection.
 
     Messages sent while no connection is up wait (at most ``maxQueued`` of
@@ -1166,19 +1187,6 @@ class StreamDealer:
     @property
     def connected(self) -> bool:
         return self.protocol is not None
-
-    @property
-    def writable(self) -> bool:
-        return self.protocol is None or not self.protocol.paused
-
-    def drained(self) -> defer.Deferred[None]:
-        if self.writable:
-            return defer.succeed(None)
-        return self._waiters.wait()
-
-    def _resumed(self, proto: _DealerConnection) -> None:
-        if proto is self.protocol:
-            self._waiters.fire()
 
     def discardReceived(self) -> int:
         """The records of the read being delivered that are not delivered
@@ -1344,7 +1352,7 @@ class _StreamChannel:
 
 
 @implementer(IDealerChannels)
-class StreamChannels:
+class StreamChannels(_OneConnection):
     """The connecting side of one connection (:class:`ClientService`-managed,
     so it reconnects with backoff) that carries many pipes, its *channels*
     (``framing``'s docstring has the wire form).  Each pipe
@@ -1407,19 +1415,6 @@ class StreamChannels:
         proto = _ChannelsConnection()
         proto.dealer = self  # type: ignore[assignment]
         return proto
-
-    @property
-    def writable(self) -> bool:
-        return self.protocol is None or not self.protocol.paused
-
-    def drained(self) -> defer.Deferred[None]:
-        if self.writable:
-            return defer.succeed(None)
-        return self._waiters.wait()
-
-    def _resumed(self, proto: _DealerConnection) -> None:
-        if proto is self.protocol:
-            self._waiters.fire()
 
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto  # type: ignore[assignment]
