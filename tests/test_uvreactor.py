@@ -183,3 +183,33 @@ async def test_twist_without_uvloop_says_how_to_install_it_in_one_line(tmp_path:
     first = proc.output.decode().splitlines()[0]
     assert first.startswith("Error: the uvloop reactor needs uvloop: pip install "
                             "'txmajordomo[speed]'"), proc.output
+
+
+def test_call_soon_runs_at_the_end_of_the_turn_on_either_kind_of_reactor() -> None:
+    """policy.call_soon: the asyncio loop's call_soon under an asyncio
+    reactor (what mdp.uvreactor installs), callLater(0) elsewhere; both run
+    once, later, and cancel."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from twisted.internet import task
+
+    from mdp.policy import call_soon
+
+    loop = asyncio.new_event_loop()
+    try:
+        ran: list[str] = []
+        reactor = SimpleNamespace(_asyncioEventloop=loop)
+        call_soon(reactor, ran.append, "asyncio")
+        call_soon(reactor, ran.append, "cancelled").cancel()
+        assert ran == []
+        loop.run_until_complete(asyncio.sleep(0))
+        assert ran == ["asyncio"]
+    finally:
+        loop.close()
+    clock = task.Clock()
+    call_soon(clock, ran.append, "clock")
+    call_soon(clock, ran.append, "cancelled").cancel()
+    assert ran == ["asyncio"]
+    clock.advance(0)
+    assert ran == ["asyncio", "clock"]

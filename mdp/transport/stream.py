@@ -69,7 +69,15 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Backoff, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
+from mdp.policy import (
+    Backoff,
+    Limits,
+    LogThrottle,
+    call_soon,
+    cancel_call,
+    default_reactor,
+    held_bytes,
+)
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.framing import CHANNELS_GREETING, RECORDS, RecordDecoder, encode_record
 from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
@@ -631,7 +639,7 @@ class _RouterConnection(FramedProtocol):
             # it carries many peers, whose replies come from many reads in
             # one turn (one a worker): they go out together at its end
             if self._turnCall is None:
-                self._turnCall = self.router.reactor.callLater(0, self._flushTurn)
+                self._turnCall = call_soon(self.router.reactor, self._flushTurn)
             return
         router = self.router
         router.dirty.append(self)
@@ -641,6 +649,11 @@ class _RouterConnection(FramedProtocol):
     def _flushTurn(self) -> None:
         self._turnCall = None
         self.flushWrites()
+
+    def _cancelTurn(self) -> None:
+        call, self._turnCall = self._turnCall, None
+        if call is not None:  # (pending: it clears this when it runs)
+            call.cancel()
 
     def dataReceived(self, data: bytes) -> None:
         router = self.router
@@ -734,7 +747,7 @@ class _RouterConnection(FramedProtocol):
             StreamRouter.makingRoom -= 1
         self.reportUnfinished()
         self._cancelTimer()
-        self._turnCall = cancel_call(self._turnCall)
+        self._cancelTurn()
         self._out = []
         self._outBytes = 0
         self.backlog.clear()
@@ -976,7 +989,7 @@ class StreamRouter:
         for connection in list(self.connections.values()):
             connection.closedHere = True
             connection.dropped = True  # nothing more of a read under way is delivered
-            connection._turnCall = cancel_call(connection._turnCall)
+            connection._cancelTurn()
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()
