@@ -222,3 +222,41 @@ async def test_pipes_discard_only_their_own_stale_messages(net: Net) -> None:
     assert seen == {"a": [[b"a1"], [b"a2"]], "b": [[b"b0"]]}
     links.protocol = None
     await links.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_pipe_is_down_before_any_hears_the_connection_is_lost(net: Net) -> None:
+    """A receiver told of the loss may send on another pipe at once: that
+    pipe is already down, so what it sends waits for the next connection."""
+    from twisted.internet.error import ConnectionLost
+    from twisted.python.failure import Failure
+
+    links = StreamChannels("tcp:host=127.0.0.1:port=1", net.reactor)
+    told: list[str] = []
+    pipes: dict[str, Any] = {}
+
+    class Receiver:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def connectionMade(self) -> None:
+            pass
+
+        def messageReceived(self, frames: list[bytes]) -> None:
+            pass
+
+        def connectionLost(self, reason: object) -> None:
+            told.append(self.name)
+            other = pipes["b" if self.name == "a" else "a"]
+            assert not other.connected
+            other.sendMessage([b"sent while down"])
+
+    pipes["a"] = links.open(Receiver("a"))
+    pipes["b"] = links.open(Receiver("b"))
+    proto: Any = type("P", (), {"closing": False, "refusal": None})()
+    links.protocol = proto
+    pipes["a"].up = pipes["b"].up = True
+    links._lost(proto, Failure(ConnectionLost()))
+    assert sorted(told) == ["a", "b"]
+    assert [frames for _, frames in links.queue] == [[b"sent while down"]] * 2
+    await links.close()
