@@ -49,6 +49,25 @@ async def raw_channels(net: Net, endpoint: str) -> RawChannels:
     return await raw_stream(net, endpoint, RawChannels())  # type: ignore[no-any-return]
 
 
+class Pipe:
+    """A pipe's receiver that hands its messages and its loss to *onMessage*
+    and *onLost* (name, ...)."""
+
+    def __init__(self, name: str, onMessage: Any = None, onLost: Any = None) -> None:
+        self.name = name
+        self.onMessage = onMessage or (lambda name, frames: None)
+        self.onLost = onLost or (lambda name: None)
+
+    def connectionMade(self) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.onMessage(self.name, frames)
+
+    def connectionLost(self, reason: object) -> None:
+        self.onLost(self.name)
+
+
 def request(body: bytes) -> list[bytes]:
     return [codec.CLIENT_HEADER, codec.C_REQUEST, b"echo", body]
 
@@ -197,23 +216,13 @@ async def test_pipes_discard_only_their_own_stale_messages(net: Net) -> None:
     seen: dict[str, list[list[bytes]]] = {"a": [], "b": []}
     pipes: dict[str, Any] = {}
 
-    class Receiver:
-        def __init__(self, name: str) -> None:
-            self.name = name
+    def received(name: str, frames: list[bytes]) -> None:
+        seen[name].append(frames)
+        if frames == [b"a1"]:
+            assert pipes["b"].discardReceived() == 2
 
-        def connectionMade(self) -> None:
-            pass
-
-        def connectionLost(self, reason: object) -> None:
-            pass
-
-        def messageReceived(self, frames: list[bytes]) -> None:
-            seen[self.name].append(frames)
-            if frames == [b"a1"]:
-                assert pipes["b"].discardReceived() == 2
-
-    pipes["a"] = links.open(Receiver("a"))
-    pipes["b"] = links.open(Receiver("b"))
+    pipes["a"] = links.open(Pipe("a", onMessage=received))
+    pipes["b"] = links.open(Pipe("b", onMessage=received))
     proto: Any = type("P", (), {"closing": False})()
     links.protocol = proto
     pipes["a"].up = pipes["b"].up = True
@@ -235,24 +244,14 @@ async def test_every_pipe_is_down_before_any_hears_the_connection_is_lost(net: N
     told: list[str] = []
     pipes: dict[str, Any] = {}
 
-    class Receiver:
-        def __init__(self, name: str) -> None:
-            self.name = name
+    def lost(name: str) -> None:
+        told.append(name)
+        other = pipes["b" if name == "a" else "a"]
+        assert not other.connected
+        other.sendMessage([b"sent while down"])
 
-        def connectionMade(self) -> None:
-            pass
-
-        def messageReceived(self, frames: list[bytes]) -> None:
-            pass
-
-        def connectionLost(self, reason: object) -> None:
-            told.append(self.name)
-            other = pipes["b" if self.name == "a" else "a"]
-            assert not other.connected
-            other.sendMessage([b"sent while down"])
-
-    pipes["a"] = links.open(Receiver("a"))
-    pipes["b"] = links.open(Receiver("b"))
+    pipes["a"] = links.open(Pipe("a", onLost=lost))
+    pipes["b"] = links.open(Pipe("b", onLost=lost))
     proto: Any = type("P", (), {"closing": False, "refusal": None})()
     links.protocol = proto
     pipes["a"].up = pipes["b"].up = True

@@ -274,8 +274,8 @@ def connect_channels(
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`): over
     one connection where the scheme can carry several (stream endpoints:
     channels, ``docs/transports.md``), else each pipe connects alone (as
-    :func:`connect`; ZeroMQ already shares one TCP connection per socket's
-    peer among its own I/O).  The arguments are :func:`connect`'s."""
+    :func:`connect`: on ZeroMQ each pipe is a DEALER socket of its own,
+    whose socket calls libzmq's I/O thread makes).  The arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security)  # (checked now, as connect would)

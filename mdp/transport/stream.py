@@ -1088,6 +1088,14 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
         self.dealer._resumed(self)
 
+    def beforeStop(self) -> None:
+        """Its ClientService is about to close it (with loseConnection()):
+        what was sent goes first, and no producer keeps it open (see
+        closeGracefully)."""
+        self.closedHere = True
+        self.flushWrites()
+        self.transport.unregisterProducer()
+
     def stopProducing(self) -> None:
         self.paused = False
 
@@ -1139,10 +1147,33 @@ def _connection(owner: Any, endpoint: str,
 
 class _OneConnection:
     """Flow control of a connecting side's one connection (``protocol``,
-    None while down): writable while its transport takes more."""
+    None while down): writable while its transport takes more; and what is
+    sent while it is down, kept for the next one within ``maxQueued``
+    messages and ``limits.maxOutputBytes``."""
 
+    maxQueued = 1000
+    #: who refuses a message over those bounds, in the warning
+    kind = "stream dealer"
     protocol: Optional[_DealerConnection]
     _waiters: DrainWaiters
+    endpoint: str
+    limits: Limits
+    queue: deque[Any]
+    queuedBytes: int
+    _throttle: LogThrottle
+
+    def _keep(self, item: Any, frames: list[bytes]) -> None:
+        """Queue *item* (carrying *frames*) for the next connection, or
+        refuse it with a warning past the bounds."""
+        size = held_bytes(frames)
+        if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
+            self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
+                                "{count} messages ({bytes} bytes) already wait for the connection",
+                                kind=self.kind, endpoint=self.endpoint, count=len(self.queue),
+                                bytes=self.queuedBytes)
+            return
+        self.queue.append(item)
+        self.queuedBytes += size
 
     @property
     def writable(self) -> bool:
@@ -1165,8 +1196,6 @@ class StreamDealer(_OneConnection):
     Messages sent while no connection is up wait (at most ``maxQueued`` of
     them and ``limits.maxOutputBytes`` in all; beyond, they are refused with a
     warning) and go out after the next ``connectionMade``."""
-
-    maxQueued = 1000
 
     def __init__(
         self,
@@ -1235,14 +1264,7 @@ class StreamDealer(_OneConnection):
             return
         if not self.service.running:
             return
-        size = held_bytes(frames)
-        if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
-            self._throttle.warn(log, "full", "stream dealer to {endpoint} refused a message: "
-                                "{count} messages ({bytes} bytes) already wait for the connection",
-                                endpoint=self.endpoint, count=len(self.queue), bytes=self.queuedBytes)
-            return
-        self.queue.append(list(frames))
-        self.queuedBytes += size
+        self._keep(list(frames), frames)
 
     _closing: Optional[defer.Deferred[None]] = None
 
@@ -1252,10 +1274,7 @@ class StreamDealer(_OneConnection):
         self._waiters.fire()
         if self._closing is None:
             if self.protocol is not None:
-                self.protocol.closedHere = True
-                self.protocol.flushWrites()  # what was sent goes before the close
-                # the ClientService closes with loseConnection(): see closeGracefully
-                self.protocol.transport.unregisterProducer()
+                self.protocol.beforeStop()
             self._closing = self.service.stopService()
         closed: defer.Deferred[None] = defer.Deferred()
         self._closing.addBoth(lambda result: (closed.callback(None), result)[1])
@@ -1377,7 +1396,7 @@ class StreamChannels(_OneConnection):
 
     The connection is opened with the first pipe and closed with the last."""
 
-    maxQueued = StreamDealer.maxQueued
+    kind = "stream channels"
 
     def __init__(self, endpoint: str, reactor: Any, *,
                  retryPolicy: Optional[Callable[[int], float]] = None,
@@ -1533,14 +1552,7 @@ class StreamChannels(_OneConnection):
     def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
         """*channel* sent *frames* while the connection is down: keep them
         for the next one (within ``maxQueued`` and ``maxOutputBytes``)."""
-        size = held_bytes(frames)
-        if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
-            self._throttle.warn(log, "full", "stream channels to {endpoint} refused a message: "
-                                "{count} messages ({bytes} bytes) already wait for the connection",
-                                endpoint=self.endpoint, count=len(self.queue), bytes=self.queuedBytes)
-            return
-        self.queue.append((channel, list(frames)))
-        self.queuedBytes += size
+        self._keep((channel, list(frames)), frames)
 
     def _forget(self, channel: _StreamChannel) -> None:
         """*channel* was closed: tell the far side; close the connection
@@ -1561,9 +1573,7 @@ class StreamChannels(_OneConnection):
         if service is None:
             return defer.succeed(None)
         if proto is not None:
-            proto.closedHere = True
-            proto.flushWrites()  # what was sent goes before the close
-            proto.transport.unregisterProducer()
+            proto.beforeStop()
         stopped: defer.Deferred[None] = defer.Deferred()
         service.stopService().addBoth(lambda result: stopped.callback(None))
         return stopped
