@@ -33,8 +33,10 @@ from benchmarks.harness import (
     Processes,
     cpu_seconds,
     default_reactor,
+    established_to,
     reactor_of,
     rss_bytes,
+    thread_cpu_seconds,
     use_reactor,
     zmq_mmi,
 )
@@ -218,9 +220,20 @@ def summarise(results: list[dict[str, Any]], cpu_servers: float, count: int) -> 
 
 
 def heartbeat_cost(idle: int, services: int, seconds: float) -> dict[str, Any]:
-    """Broker CPU (fraction of one core) while *idle* workers only heartbeat."""
+    """Broker CPU (fraction of one core) while *idle* workers only heartbeat:
+    ours, then the bare forwarder with the same farm (the floor: it answers
+    each HEARTBEAT and does nothing else), each split into the broker's own
+    thread and libzmq's I/O thread."""
+    ours = _idle_broker("ours", idle, services, seconds)
+    bare = _idle_broker("bare", idle, services, seconds)
+    return {"idle_workers": idle, "seconds": seconds,
+            "core_fraction": ours["busy"], "core_fraction_without_workers": ours["baseline"],
+            "threads": ours["threads"], "bare": bare}
+
+
+def _idle_broker(kind: str, idle: int, services: int, seconds: float) -> dict[str, Any]:
     with Processes() as procs:
-        broker = procs.start("broker", "ours", BINDS["zmq"])
+        broker = procs.start("broker", kind, BINDS["zmq"])
         endpoint = broker.ready()
         time.sleep(1.0)
         base0, t0 = cpu_seconds(broker.pid), time.monotonic()
@@ -229,15 +242,21 @@ def heartbeat_cost(idle: int, services: int, seconds: float) -> dict[str, Any]:
         farm = procs.start("farm", endpoint, str(idle), str(services))
         farm.ready(timeout=120)
         deadline = time.monotonic() + 60
-        while zmq_mmi(endpoint, b"mmi.workers").count(b'"id"') < idle:
+        port = int(endpoint.rsplit(":", 1)[1])
+        while (zmq_mmi(endpoint, b"mmi.workers").count(b'"id"') < idle if kind == "ours"
+               else established_to(port) < idle):  # the bare forwarder has no MMI
             if time.monotonic() > deadline:
-                raise RuntimeError("idle workers did not all register")
+                raise RuntimeError(f"idle workers did not all register with {kind}")
             time.sleep(0.2)
-        c0, t0 = cpu_seconds(broker.pid), time.monotonic()
+        if kind != "ours":
+            time.sleep(2.0)  # connected: READY follows at once
+        c0, threads0, t0 = cpu_seconds(broker.pid), thread_cpu_seconds(broker.pid), time.monotonic()
         time.sleep(seconds)
-        busy = (cpu_seconds(broker.pid) - c0) / (time.monotonic() - t0)
-    return {"idle_workers": idle, "seconds": seconds, "core_fraction": busy,
-            "core_fraction_without_workers": baseline}
+        elapsed = time.monotonic() - t0
+        busy = (cpu_seconds(broker.pid) - c0) / elapsed
+        threads1 = thread_cpu_seconds(broker.pid)
+    return {"busy": busy, "baseline": baseline,
+            "threads": {k: (threads1[k] - threads0[k]) / elapsed for k in threads1}}
 
 
 def drain(n: int, workers: int) -> dict[str, Any]:
@@ -414,10 +433,13 @@ def targets(table: dict[str, Any], scale: dict[str, Any]) -> list[dict[str, Any]
     return checks
 
 
-def references(table: dict[str, Any]) -> list[dict[str, Any]]:
+def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
+               ) -> list[dict[str, Any]]:
     """Same-run ratios that bound what the targets can reach: the bare stack
     (bare forwarder and blocking pyzmq peers, no Twisted, no checks) is the
-    fastest any Python MDP stack over ZeroMQ can be on this machine."""
+    fastest any Python MDP stack over ZeroMQ can be on this machine; the
+    bare forwarder's CPU under the same idle workers is the floor of goal 6's
+    absolute one."""
     rows = [
         ("4x4 sync zmq: ceiling (bare stack) / majortomo", "sync 4x4 / bare", "sync 4x4 / majortomo"),
         ("4x4 sync zmq: ours / ceiling (bare stack)", "sync 4x4 / ours", "sync 4x4 / bare"),
@@ -436,8 +458,14 @@ def references(table: dict[str, Any]) -> list[dict[str, Any]]:
         ("4x4 sync: mutual TLS (ssl:) / plain tcp", "sync 4x4 / ours over tls",
          "sync 4x4 / ours over tcp"),
     ]
-    return [{"reference": name, "value": ratio(table, a, b)} for name, a, b in rows
-            if ratio(table, a, b) is not None]
+    out = [{"reference": name, "value": ratio(table, a, b)} for name, a, b in rows
+           if ratio(table, a, b) is not None]
+    heartbeat = (scale or {}).get("heartbeat")
+    if heartbeat and heartbeat.get("bare", {}).get("busy"):
+        out.append({"reference": f"{heartbeat['idle_workers']} idle workers: our broker's CPU / "
+                                 "the bare forwarder's (same workers)",
+                    "value": heartbeat["core_fraction"] / heartbeat["bare"]["busy"]})
+    return out
 
 
 def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str, Any]],
@@ -457,7 +485,13 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
         hb = scale["heartbeat"]
         lines.append(f"\nHeartbeat cost: {hb['idle_workers']} idle workers keep the broker at "
                      f"{hb['core_fraction'] * 100:.2f}% of one core "
-                     f"({hb['core_fraction_without_workers'] * 100:.2f}% with none).")
+                     f"({hb['core_fraction_without_workers'] * 100:.2f}% with none; its own "
+                     f"thread {hb['threads']['main'] * 100:.2f}%, libzmq's "
+                     f"{hb['threads']['zmq'] * 100:.2f}%). The bare forwarder, answering each "
+                     f"HEARTBEAT and nothing more, with the same workers: "
+                     f"{hb['bare']['busy'] * 100:.2f}% (its own thread "
+                     f"{hb['bare']['threads']['main'] * 100:.2f}%, libzmq's "
+                     f"{hb['bare']['threads']['zmq'] * 100:.2f}%).")
     if "spark" in scale:
         sp = scale["spark"]
         lines.append(f"\nSpark: {sp['rows']:,} rows through call_service on a standalone cluster "
@@ -522,7 +556,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         scale["spark"] = spark.run(rows=100_000, repeat=min(3, repetitions))
     checks = targets(table, scale)
-    refs = references(table)
+    refs = references(table, scale)
     report = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "platform": platform.platform()},

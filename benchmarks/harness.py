@@ -59,6 +59,36 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of a live process's threads, summed by kind:
+    "zmq" for libzmq's own threads (named ``ZMQbg/…``), "main" for the rest."""
+    out = {"main": 0.0, "zmq": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="ascii", errors="replace") as f:
+                name = f.read()
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        kind = "zmq" if name.startswith("ZMQbg") else "main"
+        out[kind] += (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
+
+
+def established_to(port: int) -> int:
+    """TCP connections (IPv4) established to local *port*, seen from the
+    listening side: how many peers a broker without MMI has."""
+    count = 0
+    with open("/proc/net/tcp", encoding="ascii") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
 def machine_cpu_seconds() -> tuple[float, float]:
     """(busy, idle) CPU seconds of the whole machine since boot, all cores."""
     with open("/proc/stat", encoding="ascii") as f:

@@ -53,7 +53,15 @@ def reactor_class() -> type:
     was due: 200 timers took about 5,500 wake-ups instead of about 200
     (tests/test_uvreactor.py).  Rounded up, a timer fires at most about a
     millisecond late, as on Twisted's epoll reactor, whose waits are whole
-    milliseconds too."""
+    milliseconds too.
+
+    A reader whose ``needsLogContext`` is false (our ZeroMQ sockets) is
+    called without Twisted's legacy log context: ``callWithLogger`` pushes
+    the reader's ``logPrefix()`` as the ``system`` of ``twisted.python.log``
+    messages, 2.6 µs a wake-up, on a machine where our broker spends about
+    200 µs of CPU a request at 1×1 (docs/performance.md, item 30).  Such a
+    reader logs with :mod:`twisted.logger`, which does not read that context;
+    every other reader keeps it."""
     from twisted.internet.asyncioreactor import AsyncioSelectorReactor
 
     class UVLoopReactor(AsyncioSelectorReactor):
@@ -64,6 +72,25 @@ def reactor_class() -> type:
             if wait is None or wait <= 0:
                 return wait
             return math.ceil(wait * 1000.0) / 1000.0
+
+        def addReader(self, reader: Any) -> None:
+            if (getattr(reader, "needsLogContext", True) or reader in self._readers
+                    or self._continuousPolling.isReading(reader)):
+                return super().addReader(reader)  # type: ignore[no-any-return]
+            fd = reader.fileno()
+            try:
+                self._asyncioEventloop.add_reader(fd, self._readDirect, reader)
+            except OSError:  # not pollable: Twisted's own way (it polls such readers)
+                self._unregisterFDInAsyncio(fd)
+                return super().addReader(reader)  # type: ignore[no-any-return]
+            self._readers[reader] = fd
+            return None
+
+        def _readDirect(self, reader: Any) -> None:
+            try:
+                self._readOrWrite(reader, True)
+            except Exception:  # from the reader's connectionLost: log it, as callWithLogger would
+                self._log.failure("while reading from {reader!r}", reader=reader)
 
     return UVLoopReactor
 

@@ -77,7 +77,14 @@ def test_benchmark_smoke_run(tmp_path) -> None:
     else:  # no history here (a source tarball): the figure from another run
         goal4 = "4. stream: PARTIALs per second / 40,000 (before this round; another run)"
     assert goal4 in {c["target"] for c in report["targets"]}
-    assert report["scale"]["heartbeat"]["idle_workers"] == 100
+    heartbeat = report["scale"]["heartbeat"]
+    assert heartbeat["idle_workers"] == 100
+    # goal 6's floor: the bare forwarder under the same idle workers, and
+    # both brokers' CPU split between their own thread and libzmq's
+    for measured in (heartbeat, heartbeat["bare"]):
+        assert set(measured["threads"]) == {"main", "zmq"}
+        assert all(v >= 0 for v in measured["threads"].values())
+    assert "The bare forwarder, answering each HEARTBEAT" in proc.stdout
     assert report["scale"]["drain"]["queued"] == 1000
     # every goal has its row, numbered as in docs/performance.md, with a value
     rows = {c["target"]: c for c in report["targets"]}

@@ -213,3 +213,74 @@ def test_call_soon_runs_at_the_end_of_the_turn_on_either_kind_of_reactor() -> No
     assert ran == ["asyncio"]
     clock.advance(0)
     assert ran == ["asyncio", "clock"]
+
+
+def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context() -> None:
+    """A reader whose ``needsLogContext`` is false is called straight from
+    the loop (no ``callWithLogger``); the others still run with their
+    ``logPrefix()`` as the legacy log's ``system``.  Registered once, removed
+    for good, and a failed read disconnects it as Twisted's own path does."""
+    import asyncio
+
+    from twisted.python import context, log
+
+    from mdp import uvreactor
+    from mdp.transport.zeromq import _connection_classes
+
+    assert all(cls.needsLogContext is False for cls in _connection_classes())
+    loop = uvreactor.new_loop()
+    reactor = uvreactor.reactor_class()(loop)
+    pipes = [os.pipe() for _ in range(4)]
+    try:
+        seen: dict[str, Any] = {}
+        lost: dict[str, Any] = {}
+        done = loop.create_future()
+
+        class Reader:
+            def __init__(self, name: str, fd: int, needs: Any = None, fail: bool = False) -> None:
+                self.name, self.fd, self.fail = name, fd, fail
+                if needs is not None:
+                    self.needsLogContext = needs
+
+            def fileno(self) -> int:
+                return self.fd
+
+            def logPrefix(self) -> str:
+                return self.name
+
+            def doRead(self) -> Any:
+                os.read(self.fd, 100)
+                seen[self.name] = context.get(log.ILogContext)["system"]
+                self.check()
+                return ValueError("bad read") if self.fail else None
+
+            def connectionLost(self, reason: Any) -> None:
+                lost[self.name] = reason.value
+                self.check()
+
+            def check(self) -> None:
+                if len(seen) == 4 and lost and not done.done():
+                    done.set_result(None)
+
+        readers = [Reader("plain", pipes[0][0]), Reader("legacy", pipes[1][0], needs=True),
+                   Reader("direct", pipes[2][0], needs=False),
+                   Reader("failing", pipes[3][0], needs=False, fail=True)]
+        for reader in readers:
+            reactor.addReader(reader)
+        reactor.addReader(readers[2])  # again: still one registration
+        for _, w in pipes:
+            os.write(w, b"x")
+        loop.run_until_complete(asyncio.wait_for(done, 10))
+        assert seen == {"plain": "plain", "legacy": "legacy", "direct": "-", "failing": "-"}
+        assert isinstance(lost.pop("failing"), ValueError) and not lost
+        assert readers[3] not in reactor.getReaders()
+        reactor.removeReader(readers[2])
+        assert readers[2] not in reactor.getReaders()
+        assert not loop.remove_reader(pipes[2][0])  # gone from the loop too
+    finally:
+        for reader in reactor.getReaders():
+            reactor.removeReader(reader)
+        loop.close()
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
