@@ -89,7 +89,9 @@ def reactor_class() -> type:
         def _readDirect(self, reader: Any) -> None:
             try:
                 self._readOrWrite(reader, True)
-            except Exception:  # from the reader's connectionLost: log it, as callWithLogger would
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # logged, and the loop goes on, as callWithLogger does
                 self._log.failure("while reading from {reader!r}", reader=reader)
 
     return UVLoopReactor

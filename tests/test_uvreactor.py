@@ -215,13 +215,18 @@ def test_call_soon_runs_at_the_end_of_the_turn_on_either_kind_of_reactor() -> No
     assert ran == ["asyncio", "clock"]
 
 
-def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context() -> None:
+def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
+        tmp_path: Any) -> None:
     """A reader whose ``needsLogContext`` is false is called straight from
-    the loop (no ``callWithLogger``); the others still run with their
-    ``logPrefix()`` as the legacy log's ``system``.  Registered once, removed
-    for good, and a failed read disconnects it as Twisted's own path does."""
+    the loop (no ``callWithLogger``: it sees the context the loop runs in);
+    the others still run with their ``logPrefix()`` as the legacy log's
+    ``system``.  Registered once, removed for good; a failed read
+    disconnects it as Twisted's own path does, an exception from its
+    ``connectionLost`` is logged, and a descriptor the loop cannot poll
+    falls back to Twisted's polling."""
     import asyncio
 
+    from twisted.logger import globalLogPublisher
     from twisted.python import context, log
 
     from mdp import uvreactor
@@ -230,15 +235,18 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context() 
     assert all(cls.needsLogContext is False for cls in _connection_classes())
     loop = uvreactor.new_loop()
     reactor = uvreactor.reactor_class()(loop)
-    pipes = [os.pipe() for _ in range(4)]
+    pipes = [os.pipe() for _ in range(5)]
+    logged: list[dict[str, Any]] = []
+    globalLogPublisher.addObserver(logged.append)
     try:
         seen: dict[str, Any] = {}
         lost: dict[str, Any] = {}
         done = loop.create_future()
 
         class Reader:
-            def __init__(self, name: str, fd: int, needs: Any = None, fail: bool = False) -> None:
-                self.name, self.fd, self.fail = name, fd, fail
+            def __init__(self, name: str, fd: int, needs: Any = None, fail: bool = False,
+                         failLost: bool = False) -> None:
+                self.name, self.fd, self.fail, self.failLost = name, fd, fail, failLost
                 if needs is not None:
                     self.needsLogContext = needs
 
@@ -257,29 +265,47 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context() 
             def connectionLost(self, reason: Any) -> None:
                 lost[self.name] = reason.value
                 self.check()
+                if self.failLost:
+                    raise RuntimeError("connectionLost failed")
 
             def check(self) -> None:
-                if len(seen) == 4 and lost and not done.done():
-                    done.set_result(None)
+                if len(seen) == 5 and len(lost) == 2 and not done.done():
+                    loop.call_soon(done.set_result, None)  # after this reader's disconnection
 
         readers = [Reader("plain", pipes[0][0]), Reader("legacy", pipes[1][0], needs=True),
                    Reader("direct", pipes[2][0], needs=False),
-                   Reader("failing", pipes[3][0], needs=False, fail=True)]
+                   Reader("failing", pipes[3][0], needs=False, fail=True),
+                   Reader("badLost", pipes[4][0], needs=False, fail=True, failLost=True)]
         for reader in readers:
             reactor.addReader(reader)
         reactor.addReader(readers[2])  # again: still one registration
         for _, w in pipes:
             os.write(w, b"x")
-        loop.run_until_complete(asyncio.wait_for(done, 10))
-        assert seen == {"plain": "plain", "legacy": "legacy", "direct": "-", "failing": "-"}
-        assert isinstance(lost.pop("failing"), ValueError) and not lost
+        context.call({log.ILogContext: {"system": "outer"}}, loop.run_until_complete,
+                     asyncio.wait_for(done, 10))
+        assert seen == {"plain": "plain", "legacy": "legacy", "direct": "outer",
+                        "failing": "outer", "badLost": "outer"}
+        assert {k: type(v) for k, v in lost.items()} == {"failing": ValueError,
+                                                           "badLost": ValueError}
+        assert any(e.get("log_failure") is not None
+                   and e["log_failure"].check(RuntimeError) for e in logged), logged
         assert readers[3] not in reactor.getReaders()
+        assert readers[4] not in reactor.getReaders()
         reactor.removeReader(readers[2])
         assert readers[2] not in reactor.getReaders()
         assert not loop.remove_reader(pipes[2][0])  # gone from the loop too
+        # a regular file: epoll refuses it (EPERM); Twisted polls it instead
+        with open(tmp_path / "file", "wb") as f:
+            plain = Reader("file", f.fileno(), needs=False)
+            reactor.addReader(plain)
+            assert reactor._continuousPolling.isReading(plain)
+            reactor.removeReader(plain)
+            assert not reactor._continuousPolling.isReading(plain)
     finally:
+        globalLogPublisher.removeObserver(logged.append)
         for reader in reactor.getReaders():
             reactor.removeReader(reader)
+        reactor.waker.connectionLost(None)
         loop.close()
         for r, w in pipes:
             os.close(r)
