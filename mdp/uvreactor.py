@@ -55,8 +55,9 @@ def reactor_class() -> type:
     millisecond late, as on Twisted's epoll reactor, whose waits are whole
     milliseconds too.
 
-    A reader whose ``needsLogContext`` is false (our ZeroMQ sockets) is
-    called without Twisted's legacy log context: ``callWithLogger`` pushes
+    A reader whose ``needsLogContext`` is false (our ZeroMQ sockets), or a
+    transport whose protocol's is (our stream connections), is called
+    without Twisted's legacy log context: ``callWithLogger`` pushes
     the reader's ``logPrefix()`` as the ``system`` of ``twisted.python.log``
     messages, 2.6 µs a wake-up, on a machine where our broker spends about
     200 µs of CPU a request at 1×1 (docs/performance.md, item 30).  Such a
@@ -74,8 +75,8 @@ def reactor_class() -> type:
             return math.ceil(wait * 1000.0) / 1000.0
 
         def addReader(self, reader: Any) -> None:
-            if (getattr(reader, "needsLogContext", True) or reader in self._readers
-                    or self._continuousPolling.isReading(reader)):
+            if (reader in self._readers or self._continuousPolling.isReading(reader)
+                    or _needsLogContext(reader)):
                 return super().addReader(reader)  # type: ignore[no-any-return]
             fd = reader.fileno()
             try:
@@ -95,6 +96,16 @@ def reactor_class() -> type:
                 self._log.failure("while reading from {reader!r}", reader=reader)
 
     return UVLoopReactor
+
+
+def _needsLogContext(reader: Any) -> bool:
+    """Whether *reader* must be read in Twisted's legacy log context: unless
+    it says otherwise (``needsLogContext``), or it is a transport whose
+    protocol does."""
+    needs = getattr(reader, "needsLogContext", None)
+    if needs is None:
+        needs = getattr(getattr(reader, "protocol", None), "needsLogContext", True)
+    return bool(needs)
 
 
 def install() -> Any:

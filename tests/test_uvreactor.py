@@ -217,10 +217,10 @@ def test_call_soon_runs_at_the_end_of_the_turn_on_either_kind_of_reactor() -> No
 
 def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
         tmp_path: Any) -> None:
-    """A reader whose ``needsLogContext`` is false is called straight from
-    the loop (no ``callWithLogger``: it sees the context the loop runs in);
-    the others still run with their ``logPrefix()`` as the legacy log's
-    ``system``.  Registered once, removed for good; a failed read
+    """A reader whose ``needsLogContext`` is false, or a transport whose
+    protocol's is, is called straight from the loop (no ``callWithLogger``:
+    it sees the context the loop runs in); the others still run with their
+    ``logPrefix()`` as the legacy log's ``system``.  Registered once, removed for good; a failed read
     disconnects it as Twisted's own path does, an exception from its
     ``connectionLost`` is logged, and a descriptor the loop cannot poll
     falls back to Twisted's polling."""
@@ -230,12 +230,14 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
     from twisted.python import context, log
 
     from mdp import uvreactor
+    from mdp.transport.stream import FramedProtocol
     from mdp.transport.zeromq import _connection_classes
 
     assert all(cls.needsLogContext is False for cls in _connection_classes())
+    assert FramedProtocol.needsLogContext is False
     loop = uvreactor.new_loop()
     reactor = uvreactor.reactor_class()(loop)
-    pipes = [os.pipe() for _ in range(5)]
+    pipes = [os.pipe() for _ in range(7)]
     logged: list[dict[str, Any]] = []
     globalLogPublisher.addObserver(logged.append)
     try:
@@ -245,10 +247,12 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
 
         class Reader:
             def __init__(self, name: str, fd: int, needs: Any = None, fail: bool = False,
-                         failLost: bool = False) -> None:
+                         failLost: bool = False, protocolNeeds: Any = None) -> None:
                 self.name, self.fd, self.fail, self.failLost = name, fd, fail, failLost
                 if needs is not None:
                     self.needsLogContext = needs
+                if protocolNeeds is not None:  # a transport: its protocol says
+                    self.protocol = type("P", (), {"needsLogContext": protocolNeeds})()
 
             def fileno(self) -> int:
                 return self.fd
@@ -269,13 +273,15 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
                     raise RuntimeError("connectionLost failed")
 
             def check(self) -> None:
-                if len(seen) == 5 and len(lost) == 2 and not done.done():
+                if len(seen) == 7 and len(lost) == 2 and not done.done():
                     loop.call_soon(done.set_result, None)  # after this reader's disconnection
 
         readers = [Reader("plain", pipes[0][0]), Reader("legacy", pipes[1][0], needs=True),
                    Reader("direct", pipes[2][0], needs=False),
                    Reader("failing", pipes[3][0], needs=False, fail=True),
-                   Reader("badLost", pipes[4][0], needs=False, fail=True, failLost=True)]
+                   Reader("badLost", pipes[4][0], needs=False, fail=True, failLost=True),
+                   Reader("transport", pipes[5][0], protocolNeeds=False),
+                   Reader("legacyTransport", pipes[6][0], protocolNeeds=True)]
         for reader in readers:
             reactor.addReader(reader)
         reactor.addReader(readers[2])  # again: still one registration
@@ -284,7 +290,8 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
         context.call({log.ILogContext: {"system": "outer"}}, loop.run_until_complete,
                      asyncio.wait_for(done, 10))
         assert seen == {"plain": "plain", "legacy": "legacy", "direct": "outer",
-                        "failing": "outer", "badLost": "outer"}
+                        "failing": "outer", "badLost": "outer", "transport": "outer",
+                        "legacyTransport": "legacyTransport"}
         assert {k: type(v) for k, v in lost.items()} == {"failing": ValueError,
                                                            "badLost": ValueError}
         assert any(e.get("log_failure") is not None
