@@ -52,11 +52,16 @@ def reactor_of(pid: int) -> str:
         return "uvloop" if any("/uvloop/loop." in line for line in f) else "epoll"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+def _stat_cpu_seconds(path: str) -> float:
+    """User + system CPU seconds in a ``/proc`` ``stat`` file (a process's or a thread's)."""
+    with open(path, encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -67,12 +72,10 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm", encoding="ascii", errors="replace") as f:
                 name = f.read()
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            seconds = _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
-        kind = "zmq" if name.startswith("ZMQbg") else "main"
-        out[kind] += (int(fields[11]) + int(fields[12])) / _TICKS
+        out["zmq" if name.startswith("ZMQbg") else "main"] += seconds
     return out
 
 
