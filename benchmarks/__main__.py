@@ -219,21 +219,30 @@ def summarise(results: list[dict[str, Any]], cpu_servers: float, count: int) -> 
     }
 
 
-def heartbeat_cost(idle: int, services: int, seconds: float) -> dict[str, Any]:
+def heartbeat_cost(idle: int, services: int, seconds: float,
+                   earlier: Optional[str] = None) -> dict[str, Any]:
     """Broker CPU (fraction of one core) while *idle* workers only heartbeat:
     ours, then the bare forwarder with the same farm (the floor: it answers
     each HEARTBEAT and does nothing else), each split into the broker's own
-    thread and libzmq's I/O thread."""
+    thread and libzmq's I/O thread; and, given the *earlier* tree
+    (earlier_tree), the broker of the code before this round with the same
+    farm (what the goal's "today" figure measured, on this machine)."""
     ours = _idle_broker("ours", idle, services, seconds)
     bare = _idle_broker("bare", idle, services, seconds)
-    return {"idle_workers": idle, "seconds": seconds,
-            "core_fraction": ours["busy"], "core_fraction_without_workers": ours["baseline"],
-            "threads": ours["threads"], "bare": bare}
+    result = {"idle_workers": idle, "seconds": seconds,
+              "core_fraction": ours["busy"], "core_fraction_without_workers": ours["baseline"],
+              "threads": ours["threads"], "bare": bare}
+    if earlier is not None:
+        result["before_round_two"] = _idle_broker("ours", idle, services, seconds, root=earlier)
+    return result
 
 
-def _idle_broker(kind: str, idle: int, services: int, seconds: float) -> dict[str, Any]:
-    with Processes() as procs:
-        broker = procs.start("broker", kind, BINDS["zmq"])
+def _idle_broker(kind: str, idle: int, services: int, seconds: float,
+                 root: str = ROOT) -> dict[str, Any]:
+    """*kind*'s broker, from *root*'s tree, under a farm of *idle* of this
+    tree's workers."""
+    with Processes(root) as brokers, Processes() as procs:
+        broker = brokers.start("broker", kind, BINDS["zmq"])
         endpoint = broker.ready()
         time.sleep(1.0)
         base0, t0 = cpu_seconds(broker.pid), time.monotonic()
@@ -465,6 +474,10 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
         out.append({"reference": f"{heartbeat['idle_workers']} idle workers: our broker's CPU / "
                                  "the bare forwarder's (same workers)",
                     "value": heartbeat["core_fraction"] / heartbeat["bare"]["busy"]})
+    if heartbeat and (heartbeat.get("before_round_two") or {}).get("busy"):
+        out.append({"reference": f"{heartbeat['idle_workers']} idle workers: our broker's CPU / "
+                                 f"{BEFORE_STACK}'s (same workers)",
+                    "value": heartbeat["core_fraction"] / heartbeat["before_round_two"]["busy"]})
     return out
 
 
@@ -492,6 +505,12 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
                      f"{hb['bare']['busy'] * 100:.2f}% (its own thread "
                      f"{hb['bare']['threads']['main'] * 100:.2f}%, libzmq's "
                      f"{hb['bare']['threads']['zmq'] * 100:.2f}%).")
+        if "before_round_two" in hb:
+            before = hb["before_round_two"]
+            lines.append(f"The broker of the code before this round ({BEFORE_ROUND_TWO[:7]}), "
+                         f"same workers: {before['busy'] * 100:.2f}% (its own thread "
+                         f"{before['threads']['main'] * 100:.2f}%, libzmq's "
+                         f"{before['threads']['zmq'] * 100:.2f}%).")
     if "spark" in scale:
         sp = scale["spark"]
         lines.append(f"\nSpark: {sp['rows']:,} rows through call_service on a standalone cluster "
@@ -542,12 +561,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             for name, _, thunk in selected:
                 print(f"… [{round_ + 1}/{repetitions}] {name}", file=sys.stderr, flush=True)
                 runs[name].append(thunk())
+        scale: dict[str, Any] = {}
+        if not args.no_scale and not args.only:
+            print("… scale: idle workers' heartbeats", file=sys.stderr, flush=True)
+            scale["heartbeat"] = heartbeat_cost(100 if args.smoke else 1000, 100,
+                                                1.0 if args.smoke else 10.0, earlier)
     table = {name: aggregate(runs[name]) for name, _, _ in selected}
     described = {name: description for name, description, _ in selected}
-    scale: dict[str, Any] = {}
     if not args.no_scale and not args.only:
-        print("… scale: idle workers' heartbeats", file=sys.stderr, flush=True)
-        scale["heartbeat"] = heartbeat_cost(100 if args.smoke else 1000, 100, 1.0 if args.smoke else 10.0)
         print("… scale: draining a long queue", file=sys.stderr, flush=True)
         scale["drain"] = drain(1000 if args.smoke else 10000, 4)
     if not args.no_spark and not args.only and not args.smoke:

@@ -81,7 +81,18 @@ def test_benchmark_smoke_run(tmp_path) -> None:
     assert heartbeat["idle_workers"] == 100
     # goal 6's floor: the bare forwarder under the same idle workers, and
     # both brokers' CPU split between their own thread and libzmq's
-    for measured in (heartbeat, heartbeat["bare"]):
+    # and, with the history, the broker of the code before the round (the
+    # goal's "today") under the same workers, on this machine
+    measured_brokers = [heartbeat, heartbeat["bare"]]
+    if earlier["available"]:
+        measured_brokers.append(heartbeat["before_round_two"])
+        assert heartbeat["before_round_two"]["busy"] >= 0  # 100 workers for 1 s: under a tick
+        assert "The broker of the code before this round" in proc.stdout
+        assert any(r["reference"].endswith("ours before round two's (same workers)")
+                   for r in report["references"]) == (heartbeat["before_round_two"]["busy"] > 0)
+    else:
+        assert "before_round_two" not in heartbeat
+    for measured in measured_brokers:
         assert set(measured["threads"]) == {"main", "zmq"}
         assert all(v >= 0 for v in measured["threads"].values())
     assert "The bare forwarder, answering each HEARTBEAT" in proc.stdout
