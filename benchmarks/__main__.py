@@ -73,9 +73,10 @@ EPOLL_STACKS = {"ours (epoll reactor)": "ours"}
 #: the code the second round's goals were set against: its run (docs/performance.md,
 #: 2026-11-22) gave the goals' "today" figures (0.68 of the ceiling, 1.9% of a core
 #: for 1,000 idle workers, 40 streams of 1,000 PARTIALs a second).  The suite runs
-#: its stream case in the same run, from this revision's tree (earlier_tree).
+#: its stream case (goal 4) and its broker under the idle workers (goal 6) in the
+#: same run, from this revision's tree (earlier_tree).
 BEFORE_ROUND_TWO = "d2ef5ce1077dab2a3f4f581dae79c29fbf3eae71"
-#: the stack that runs it (the stream case only)
+#: the stack that runs it (the stream case; heartbeat_cost runs its broker alone)
 BEFORE_STACK = "ours before round two"
 #: that run's stream rate: goal 4's baseline only where the earlier tree cannot be
 #: had (no git, or a clone without the history), from another run and machine
@@ -226,12 +227,13 @@ def heartbeat_cost(idle: int, services: int, seconds: float,
     each HEARTBEAT and does nothing else), each split into the broker's own
     thread and libzmq's I/O thread; and, given the *earlier* tree
     (earlier_tree), the broker of the code before this round with the same
-    farm (what the goal's "today" figure measured, on this machine)."""
+    farm (what the goal's "today" figure measured, on this machine; one
+    window each, in that order, as for ours and the bare forwarder)."""
     ours = _idle_broker("ours", idle, services, seconds)
     bare = _idle_broker("bare", idle, services, seconds)
     result = {"idle_workers": idle, "seconds": seconds,
               "core_fraction": ours["busy"], "core_fraction_without_workers": ours["baseline"],
-              "threads": ours["threads"], "bare": bare}
+              "threads": ours["threads"], "reactor": ours["reactor"], "bare": bare}
     if earlier is not None:
         result["before_round_two"] = _idle_broker("ours", idle, services, seconds, root=earlier)
     return result
@@ -264,7 +266,8 @@ def _idle_broker(kind: str, idle: int, services: int, seconds: float,
         elapsed = time.monotonic() - t0
         busy = (cpu_seconds(broker.pid) - c0) / elapsed
         threads1 = thread_cpu_seconds(broker.pid)
-    return {"busy": busy, "baseline": baseline,
+        reactor = reactor_of(broker.pid)
+    return {"busy": busy, "baseline": baseline, "reactor": reactor,
             "threads": {k: (threads1[k] - threads0[k]) / elapsed for k in threads1}}
 
 
@@ -549,7 +552,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     repetitions = 1 if args.smoke else args.repeat
 
     with earlier_tree() as (earlier, earlier_note):
-        print(f"… goal 4's baseline, the code before this round: {earlier_note}",
+        print(f"… goals 4 and 6's baseline, the code before this round: {earlier_note}",
               file=sys.stderr, flush=True)
         selected = [(name, description, thunk)
                     for name, description, thunk in cases(args.smoke, earlier)
@@ -587,7 +590,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "reactor": args.reactor,
         "smoke": args.smoke,
         "repetitions": repetitions,
-        # goal 4's baseline: the code before this round, run here, or why not
+        # goals 4 and 6's baseline: the code before this round, run here, or why not
         "before_round_two": {"revision": BEFORE_ROUND_TWO, "available": earlier is not None,
                              "note": earlier_note},
         "cases": {name: {**described[name], **row} for name, row in table.items()},

@@ -2,7 +2,7 @@
 standalone cluster, against one plain client outside Spark on the same rows.
 
     python -m benchmarks.spark [--rows 200000] [--repeat 3] [--smoke] [--local]
-                               [--reactor uvloop|epoll]
+                               [--reactor uvloop|epoll] [--executor-java-options OPTIONS]
 
 Everything on 127.0.0.1, in one run:
 
@@ -217,9 +217,10 @@ class StandaloneCluster:
 # --- the driver -----------------------------------------------------------------
 
 @contextlib.contextmanager
-def spark_session(master: str, executors: int) -> Iterator[Any]:
-    """A SparkSession on *master*, once *executors* executors are registered;
-    stopped on exit, and the driver's JVM too if this started it."""
+def spark_session(master: str, executors: int, java_options: str = "") -> Iterator[Any]:
+    """A SparkSession on *master*, once *executors* executors are registered
+    (their JVMs started with *java_options*, if any); stopped on exit, and the
+    driver's JVM too if this started it."""
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
@@ -234,6 +235,8 @@ def spark_session(master: str, executors: int) -> Iterator[Any]:
                .config("spark.driver.host", "127.0.0.1")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.executorEnv.PYTHONPATH", ROOT))
+    if java_options:
+        builder = builder.config("spark.executor.extraJavaOptions", java_options)
     if master.startswith("spark://"):
         builder = (builder.config("spark.executor.cores", "1")
                    .config("spark.cores.max", str(executors))
@@ -367,7 +370,8 @@ def _spark_round(df: Any, endpoint: str, rows: int) -> float:
     return elapsed
 
 
-def run(rows: int, repeat: int, local: bool = False) -> dict[str, Any]:
+def run(rows: int, repeat: int, local: bool = False,
+        executor_java_options: str = "") -> dict[str, Any]:
     """Run the benchmark; return the report (what main() writes as JSON)."""
     if rows < 1 or repeat < 1:
         raise ValueError(f"rows and repeat must be at least 1, got {rows}, {repeat}")
@@ -390,7 +394,7 @@ def run(rows: int, repeat: int, local: bool = False) -> dict[str, Any]:
                                                            memory="1g")).url
             setup["cluster_s"] = time.monotonic() - t0
         t1 = time.monotonic()
-        spark = stack.enter_context(spark_session(master, executors))
+        spark = stack.enter_context(spark_session(master, executors, executor_java_options))
         setup["session_s"] = time.monotonic() - t1
 
         from mdp.spark import call_service
@@ -427,6 +431,7 @@ def run(rows: int, repeat: int, local: bool = False) -> dict[str, Any]:
         "echo_workers": 4, "partitions": 2,
         "spark": (f"local[{executors}]" if local else
                   f"standalone, {executors} workers x 1 core, 1 executor each"),
+        "executor_java_options": executor_java_options,
         "setup": setup,
         "rounds": rounds,
         "plain_client_rows_per_s": statistics.median(r["plain_client_rows_per_s"] for r in rounds),
@@ -472,6 +477,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--reactor", choices=REACTORS, default=default_reactor(),
                         help="the reactor of the broker, the workers and the plain client, "
                              "as in python -m benchmarks")
+    parser.add_argument("--executor-java-options", default="", metavar="OPTIONS",
+                        help="JVM options of the executors (spark.executor.extraJavaOptions), "
+                             "e.g. '-XX:TieredStopAtLevel=1 -XX:+UseSerialGC'")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "spark-latest.json"))
     args = parser.parse_args(argv)
@@ -479,7 +487,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows, repeat = (2_000, 1) if args.smoke else (args.rows, args.repeat)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        report = run(rows, repeat, local=args.local)
+        report = run(rows, repeat, local=args.local,
+                     executor_java_options=args.executor_java_options)
     finally:
         signal.signal(signal.SIGTERM, previous)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
