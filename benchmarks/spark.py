@@ -478,7 +478,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the reactor of the broker, the workers and the plain client, "
                              "as in python -m benchmarks")
     parser.add_argument("--executor-java-options", default="", metavar="OPTIONS",
-                        help="JVM options of the executors (spark.executor.extraJavaOptions), "
+                        help="JVM options of the cluster's executors "
+                             "(spark.executor.extraJavaOptions; with --local there are none), "
                              "e.g. '-XX:TieredStopAtLevel=1 -XX:+UseSerialGC'")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results",
                                                        "spark-latest.json"))
