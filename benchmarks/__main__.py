@@ -499,21 +499,22 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
                      f"| {split} |")
     if "heartbeat" in scale:
         hb = scale["heartbeat"]
+
+        def by_thread(threads: dict[str, float]) -> str:
+            return (f"its own thread {threads['main'] * 100:.2f}%, "
+                    f"libzmq's {threads['zmq'] * 100:.2f}%")
+
         lines.append(f"\nHeartbeat cost: {hb['idle_workers']} idle workers keep the broker at "
                      f"{hb['core_fraction'] * 100:.2f}% of one core "
-                     f"({hb['core_fraction_without_workers'] * 100:.2f}% with none; its own "
-                     f"thread {hb['threads']['main'] * 100:.2f}%, libzmq's "
-                     f"{hb['threads']['zmq'] * 100:.2f}%). The bare forwarder, answering each "
+                     f"({hb['core_fraction_without_workers'] * 100:.2f}% with none; "
+                     f"{by_thread(hb['threads'])}). The bare forwarder, answering each "
                      f"HEARTBEAT and nothing more, with the same workers: "
-                     f"{hb['bare']['busy'] * 100:.2f}% (its own thread "
-                     f"{hb['bare']['threads']['main'] * 100:.2f}%, libzmq's "
-                     f"{hb['bare']['threads']['zmq'] * 100:.2f}%).")
+                     f"{hb['bare']['busy'] * 100:.2f}% ({by_thread(hb['bare']['threads'])}).")
         if "before_round_two" in hb:
             before = hb["before_round_two"]
             lines.append(f"The broker of the code before this round ({BEFORE_ROUND_TWO[:7]}), "
-                         f"same workers: {before['busy'] * 100:.2f}% (its own thread "
-                         f"{before['threads']['main'] * 100:.2f}%, libzmq's "
-                         f"{before['threads']['zmq'] * 100:.2f}%).")
+                         f"same workers: {before['busy'] * 100:.2f}% "
+                         f"({by_thread(before['threads'])}).")
     if "spark" in scale:
         sp = scale["spark"]
         lines.append(f"\nSpark: {sp['rows']:,} rows through call_service on a standalone cluster "
