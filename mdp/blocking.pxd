@@ -22,7 +22,7 @@ cdef class _ZmqPipe:
     cpdef wait(self, timeout)
     cdef _events(self)
     cdef _read(self, now)
-    cdef list _message(self, flags)
+    cdef _message(self, flags, bint limited=*)
     cdef _take(self, frames, now)
 
 cdef class Client(ClientCore):

@@ -4,9 +4,9 @@ executors.
 :class:`Client` is :class:`mdp.majordomo.client.ClientMachine` — the same
 decisions as the Twisted :class:`mdp.Client`: one request per connection,
 Lazy Pirate attempts and failover, the typed errors — driven by plain pyzmq
-DEALER sockets (``zmq:`` endpoints) or plain stream sockets (``tcp:``,
-``tcp6:``, ``unix:``, with the stream transport's length-prefixed records) and
-one poller.  Nothing runs between calls: the client does its work
+DEALER sockets (``zmq:`` endpoints) or plain stream sockets (``tcp:``, to
+IPv4 and IPv6 hosts, and ``unix:``, with the stream transport's
+length-prefixed records) and one poller.  Nothing runs between calls: the client does its work
 inside :meth:`Client.request` and :meth:`Client.map`, in the calling thread,
 and never imports or starts a Twisted reactor.
 
@@ -84,8 +84,9 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 #: how long closing a worker's socket may take to send its DISCONNECT (ms)
 LINGER_MS = 200
 
-#: stream schemes the blocking client speaks (plain sockets, no TLS)
-STREAM_SCHEMES = ("tcp", "tcp6", "unix")
+#: stream schemes the blocking client speaks (plain sockets, no TLS; as for
+#: the Twisted client, ``tcp:`` connects to IPv6 hosts too: ``tcp6:`` listens)
+STREAM_SCHEMES = ("tcp", "unix")
 #: the reconnection schedule of a stream connection (as the Twisted transport's)
 RECONNECT = Backoff(initial=0.5, maximum=32.0)
 _READ_SIZE = 262144
@@ -135,7 +136,7 @@ def _stream_address(endpoint: str) -> tuple[int, Any]:
     port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
     if not host or not port:
         raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
-    return (socket.AF_INET6 if scheme == "tcp6" else socket.AF_UNSPEC), (host, int(port))
+    return socket.AF_UNSPEC, (host, int(port))
 
 
 def _check_schemes(endpoints: list[str]) -> None:
@@ -276,9 +277,15 @@ class _Loop:
             # what a send or a receive left unsaid: a message that came
             # meanwhile does not signal the descriptor again
             unchecked, self.unchecked = self.unchecked, set()
-            for pipe in unchecked:
-                if pipe.check(now):
-                    timeout = 0  # something was handled: look, but do not wait
+            try:
+                for pipe in unchecked:
+                    if pipe.check(now):
+                        timeout = 0  # something was handled: look, but do not wait
+            except BaseException:
+                # (Ctrl-C in a caller's callback) the rest are asked next
+                # time; asking one twice is harmless
+                self.unchecked |= unchecked
+                raise
             if self.unchecked:
                 timeout = 0  # used again meanwhile: asked at the next turn, soon
         events = self.poller.poll(timeout)
@@ -329,14 +336,20 @@ class _ZmqPipe:
     def _connect(self) -> None:
         """A fresh socket, connected (a fresh routing id for the broker)."""
         zmq = _zmq()
+        self.socket = None
+        self.up = False
         sock = self.loop.context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, self.linger)
-        sock.setsockopt(zmq.SNDHWM, _HIGH_WATER_MARK)
-        sock.setsockopt(zmq.RCVHWM, _HIGH_WATER_MARK)
-        if self.curve is not None:
-            self.curve.apply(sock)
-            sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
-        sock.connect(self.address)
+        try:
+            sock.setsockopt(zmq.LINGER, self.linger)
+            sock.setsockopt(zmq.SNDHWM, _HIGH_WATER_MARK)
+            sock.setsockopt(zmq.RCVHWM, _HIGH_WATER_MARK)
+            if self.curve is not None:
+                self.curve.apply(sock)
+                sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
+            sock.connect(self.address)
+        except BaseException:
+            sock.close(0)
+            raise
         self.socket = sock
         self.handle = sock.underlying  # its address in libzmq, for _frames
         self.fd = fd = _get(sock, _FD)
@@ -430,7 +443,7 @@ class _ZmqPipe:
         for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
             if not self._events() & _ZMQ_POLLIN:
                 break
-            self._message(_NOBLOCK)
+            self._message(_NOBLOCK, False)
             dropped += 1
         return dropped
 
@@ -446,24 +459,45 @@ class _ZmqPipe:
         if self.socket is sock:
             self.loop.unchecked.add(self)
 
-    def _message(self, flags: int) -> list[bytes]:
+    def _message(self, flags: int, limited: bool = True) -> Any:
         """Receive a whole message (ZeroMQ delivers one whole, or nothing:
-        ``Again``), in C where that is built (``_frames``)."""
+        ``Again``), in C where that is built (``_frames``): its frames; or,
+        *limited* and over the limits, ``(bytes, frames)`` read so far, and
+        nothing past the limit copied (the rest goes with the socket, which
+        the caller replaces)."""
+        if limited:
+            limits = self.loop.limits
+            maxFrames, maxBytes = limits.maxFrames, limits.maxMessageBytes
+        else:
+            maxFrames = maxBytes = _NEVER
         if _frames is not None:
-            return _readC(self.handle, flags, _NEVER, 0, _NEVER, _NEVER, False)
+            got = _readC(self.handle, flags, _NEVER, 0, maxFrames, maxBytes, False)
+            if got.__class__ is list:
+                return got
+            _, count, size, _ = got[1]
+            return size, count
         sock = self.socket
         frame = _recv(sock, flags, copy=False)
+        count = 1
+        size = len(frame)
+        if size > maxBytes:
+            return size, count
         frames = [frame.bytes]
         while frame.more:
             frame = _recv(sock, _NOBLOCK, copy=False)
+            count += 1
+            size += len(frame)
+            if count > maxFrames or size > maxBytes:
+                return size, count
             frames.append(frame.bytes)
         return frames
 
-    def _take(self, frames: list[bytes], now: float) -> None:
-        """Hand the message *frames* to the owner, if it is within the limits."""
-        limits = self.loop.limits
-        if len(frames) > limits.maxFrames or sum(map(len, frames)) > limits.maxMessageBytes:
-            self._oversized(now, sum(map(len, frames)), len(frames))
+    def _take(self, frames: Any, now: float) -> None:
+        """Hand the message *frames* to the owner; or, over the limits
+        (``(bytes, frames)``), drop it with its socket."""
+        if frames.__class__ is not list:
+            size, count = frames
+            self._oversized(now, size, count)
             return
         self.owner._pipeMessage(self.tag, frames, now)
 
@@ -472,9 +506,14 @@ class _ZmqPipe:
         it (a fresh one replaces it), and tell the owner its pipe was lost to
         an oversized message, then that it is up again."""
         self.close()
-        self._connect()
-        self.owner._pipeLost(self.tag, OversizedMessage(
-            f"a message of {size} bytes in {count} frames is over the limits"), now)
+        why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")
+        try:
+            self._connect()
+        except Exception as e:  # no fresh socket (out of descriptors): the pipe stays down
+            log.error("no socket to replace the one to {address} that carried a message over "
+                      "the limits: {error}; its connection stays down", address=self.address,
+                      error=e)
+        self.owner._pipeLost(self.tag, why, now)
         if self.socket is not None:
             self.owner._pipeUp(self.tag, now)
 
@@ -495,7 +534,8 @@ class _StreamPipe:
     the Twisted transport does."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
-                 "up", "connecting", "failures", "retryAt", "batch")
+                 "up", "connecting", "failures", "retryAt", "received", "delivering",
+                 "candidates")
 
     backlog = ()  # never waits in recv alone (see _Loop.turn)
 
@@ -513,8 +553,12 @@ class _StreamPipe:
         self.connecting = False
         self.failures = 0
         self.retryAt: Optional[float] = None
-        #: the messages of the read being handled, those not handed on yet
-        self.batch: Any = None
+        #: messages read and not yet handed on, in order: a caller's callback
+        #: that waits on this loop reads more meanwhile (see ready)
+        self.received: deque[list[bytes]] = deque()
+        self.delivering = False
+        #: the addresses of this attempt's host not yet tried
+        self.candidates: list[tuple[int, Any]] = []
 
     @property
     def backlogged(self) -> bool:
@@ -524,32 +568,52 @@ class _StreamPipe:
         self.open(monotonic())
 
     def open(self, now: float) -> None:
-        """Start a connection attempt (the poller says when it is made)."""
+        """Start a connection attempt (the poller says when it is made): to
+        each address the host resolves to in turn, as Twisted's endpoints
+        do, until one takes."""
         self.retryAt = None
-        try:
-            if self.family == socket.AF_UNIX:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                target: Any = self.address
-            else:
-                host, port = self.address
-                info = socket.getaddrinfo(host, port, self.family, socket.SOCK_STREAM)[0]
-                sock = socket.socket(info[0], socket.SOCK_STREAM)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                target = info[4]
-        except OSError as e:
-            self._failed(e, now)
+        if self.family == socket.AF_UNIX:
+            self.candidates = [(socket.AF_UNIX, self.address)]
+        else:
+            host, port = self.address
+            try:
+                found = socket.getaddrinfo(host, port, self.family, socket.SOCK_STREAM)
+            except OSError as e:
+                self._failed(e, now)
+                return
+            self.candidates = [(info[0], info[4]) for info in found]
+        self._next(now, OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"))
+
+    def _next(self, now: float, error: BaseException) -> None:
+        """Connect to the next address not tried; if none is left, the
+        attempt failed with the last *error*."""
+        while self.candidates:
+            family, target = self.candidates.pop(0)
+            sock = None
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                if family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setblocking(False)
+                code = sock.connect_ex(target)
+            except OSError as e:  # no descriptor, a path too long, ...
+                if sock is not None:
+                    sock.close()
+                error = e
+                continue
+            # (EAGAIN is not "in progress": a local socket's listener has a
+            # full backlog, which a later attempt may find free)
+            if code not in (0, errno.EINPROGRESS):
+                sock.close()
+                error = OSError(code, os.strerror(code))
+                continue
+            self.socket = sock
+            self.key = sock.fileno()
+            self.connecting = True
+            self.loop.poller.watch(self.key, _POLLOUT)
+            self.loop.pipes[self.key] = self
             return
-        sock.setblocking(False)
-        code = sock.connect_ex(target)
-        if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
-            sock.close()
-            self._failed(OSError(code, os.strerror(code)), now)
-            return
-        self.socket = sock
-        self.key = sock.fileno()
-        self.connecting = True
-        self.loop.poller.watch(self.key, _POLLOUT)
-        self.loop.pipes[self.key] = self
+        self._failed(error, now)
 
     def _failed(self, error: BaseException, now: float) -> None:
         if isinstance(error, socket.gaierror):
@@ -586,9 +650,14 @@ class _StreamPipe:
             return
         if self.connecting:
             code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if not code:
+                try:
+                    sock.getpeername()
+                except OSError as e:  # writable, yet not connected
+                    code = e.errno or errno.ENOTCONN
             if code:
                 self._drop()
-                self._failed(OSError(code, os.strerror(code)), now)
+                self._next(now, OSError(code, os.strerror(code)))
                 return
             self.connecting = False
             self.up = True
@@ -614,21 +683,27 @@ class _StreamPipe:
             except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 self._lost(e, now)
                 return
+            received = self.received
+            received.extend(messages)
+            if self.delivering:
+                # a callback of an earlier message is waiting on the loop
+                # (a request from inside onPartial): these go after the
+                # ones it is holding, in order, when it returns
+                return
             owner, tag = self.owner, self.tag
-            batch = self.batch = iter(messages)
+            self.delivering = True
             try:
-                for frames in batch:
-                    if self.socket is not sock:
-                        return
-                    owner._pipeMessage(tag, frames, now)
+                while received:  # (a loss meanwhile clears it)
+                    owner._pipeMessage(tag, received.popleft(), now)
             finally:
-                self.batch = None
+                self.delivering = False
 
     def discardReceived(self) -> int:
-        """Drop the messages of the read being handled not handed on yet;
-        how many.  What waits unread in the socket is left to the read."""
-        batch, self.batch = self.batch, None
-        return 0 if batch is None else sum(1 for _ in batch)
+        """Drop the messages read and not handed on yet; how many.  What
+        waits unread in the socket is left to the read."""
+        dropped = len(self.received)
+        self.received.clear()
+        return dropped
 
     def _lost(self, why: BaseException, now: float) -> None:
         self._drop()
@@ -639,6 +714,7 @@ class _StreamPipe:
         sock, self.socket = self.socket, None
         self.up = self.connecting = False
         self.out.clear()
+        self.received.clear()
         self.decoder = RecordDecoder(self.loop.limits)
         if sock is not None:
             self.loop.forget(self.key)
@@ -671,7 +747,7 @@ class Client(ClientCore):
     :class:`~mdp.errors.WorkerError`, :class:`~mdp.errors.BrokerUnreachable`, ...);
     :meth:`map` pipelines.
 
-    *endpoint*: ``zmq:...``, ``tcp:...``, ``tcp6:...`` or ``unix:...`` (one,
+    *endpoint*: ``zmq:...``, ``tcp:...`` or ``unix:...`` (one,
     or a list); *timeout* is the seconds of **one attempt** and *retries* the
     number of attempts in all.  At most *maxConnections* requests are in flight
     at once (one per connection).  *context* is the ZeroMQ context to use (by
@@ -856,7 +932,10 @@ class Client(ClientCore):
         self._perform(self.handleMessage(channel, frames, now))
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order (as the Twisted driver)."""
+        """Do what the machine asked, in order (as the Twisted driver).  A
+        caller's callback that raises is logged; one interrupted (Ctrl-C)
+        has the rest of the actions done first, then the interrupt raised."""
+        interrupted: Optional[BaseException] = None
         for action in actions:
             kind = type(action)
             if kind is SendOn:
@@ -883,20 +962,44 @@ class Client(ClientCore):
             elif kind is Partial:
                 onPartial = action.call.onPartial
                 if onPartial is not None and not action.call.done:
-                    onPartial(action.body)
+                    try:
+                        onPartial(action.body)
+                    except Exception:
+                        log.failure("onPartial callback for {service} failed",
+                                    service=label(action.call.service))
+                    except BaseException as e:
+                        interrupted = interrupted or e
             elif kind is Restarted:
                 onRestart = action.call.onRestart
                 if onRestart is not None and not action.call.done:
-                    onRestart()
+                    try:
+                        onRestart()
+                    except Exception:
+                        log.failure("onRestart callback for {service} failed",
+                                    service=label(action.call.service))
+                    except BaseException as e:
+                        interrupted = interrupted or e
         while self._madeUp:
             channel = self._madeUp.popleft()
             if channel.pipe is not None:
                 self._perform(self.handlePipeUp(channel, monotonic()))
+        if interrupted is not None:
+            raise interrupted
 
     def _open(self, channel: _Channel) -> None:
-        pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel, curve=self.curve)
-        # a failure reported at once (no such socket file) may close the channel
-        pipe.start()
+        try:
+            pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
+                                                  curve=self.curve)
+            # a failure reported at once (no such socket file) may close the channel
+            pipe.start()
+        except Exception as e:  # no socket to be had (out of descriptors): it cannot be sent
+            pipe, channel.pipe = channel.pipe, None
+            if pipe is not None:
+                self._loop.close(pipe)
+            error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
+            error.__cause__ = e
+            self._perform(self.handleOpenFailed(channel, error, monotonic()))
+            return
         if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
             self._madeUp.append(channel)
 

@@ -157,29 +157,45 @@ async def test_cancel_takes_a_request_out_of_the_queue_and_reuses_the_connection
     for d in (inFlight, waiting):
         with pytest.raises(defer.CancelledError):
             await clocknet.wait(d)
-    later = client.request("svc", b"3")
-    clocknet.advance(0)
-    (_, peer, _), = requests(router)  # "2" never went out, "3" waits for the connection
+    (_, peer, _), = requests(router)  # "2" never went out
+    # nobody waits: "1"'s connection is kept for its reply, then serves again
     final(router, peer, b"svc", b"late reply to 1")  # discarded; the connection is free
     clocknet.advance(0)
-    assert [f[-1] for _, _, f in requests(router)] == [b"1", b"3"]
-    assert {p for _, p, _ in requests(router)} == {peer}  # no connection opened or closed
+    again = client.request("svc", b"3")
+    clocknet.advance(0)
+    assert [(p, f[-1]) for _, p, f in requests(router)] == [(peer, b"1"), (peer, b"3")]
     final(router, peer, b"svc", b"re:3")
-    assert await clocknet.wait(later) == [b"re:3"]
+    assert await clocknet.wait(again) == [b"re:3"]
+    # "4" cancelled in flight; "5" would wait for its connection with its
+    # clock running: that connection goes, a new one carries "5"
+    abandoned = client.request("svc", b"4")
+    clocknet.advance(0)
+    abandoned.cancel()
+    with pytest.raises(defer.CancelledError):
+        await clocknet.wait(abandoned)
+    later = client.request("svc", b"5")
+    clocknet.advance(0)
+    sent = requests(router)
+    assert [f[-1] for _, _, f in sent] == [b"1", b"3", b"4", b"5"]
+    assert sent[2][1] == peer and sent[3][1] != peer
+    final(router, peer, b"svc", b"late reply to 4")  # its connection is gone: nobody has it
+    final(router, sent[3][1], b"svc", b"re:5")
+    assert await clocknet.wait(later) == [b"re:5"]
 
 
 @pytest_twisted.ensureDeferred
 async def test_abandoned_request_without_a_reply_frees_its_connection_at_its_deadline(
         clocknet: LoopbackNet) -> None:
-    router, client = await broker_and_client(clocknet, timeout=2, maxConnections=1)
+    router, client = await broker_and_client(clocknet, timeout=2, maxConnections=2)
     d = client.request("svc", b"1")
     clocknet.advance(0)
     d.cancel()
-    later = client.request("svc", b"2", timeout=10)
     clocknet.advance(1.9)
-    assert len(requests(router)) == 1
+    assert len(client._channels) == 1  # kept for its reply
     clocknet.advance(0.2)  # the abandoned one's deadline: its connection goes
-    assert len(requests(router)) == 2
+    assert len(client._channels) == 0
+    later = client.request("svc", b"2", timeout=10)
+    clocknet.advance(0)
     first, second = requests(router)
     assert first[1] != second[1]
     final(router, second[1], b"svc", b"re:2")
@@ -204,6 +220,7 @@ async def test_cancelling_ten_thousand_zmq_requests(net: Net) -> None:
     peers = [p for _, p, _ in requests(router)]
     for peer in peers:  # the abandoned requests' replies arrive and are discarded
         final(router, peer, b"svc", b"late")
+    await net.until(lambda: len(client._idle) == 64)
     after = client.request("svc", b"after")
     await net.until(lambda: len(requests(router)) == 65)
     (_, peer, frames) = requests(router)[-1]

@@ -505,6 +505,52 @@ def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     assert isinstance(closed[-1].error, ClientClosed)
 
 
+def test_client_machine_gives_a_cancelled_requests_connection_to_one_waiting() -> None:
+    """A request cancelled after it was sent keeps its connection for its
+    reply (which can then go to nobody else), but not while another request
+    waits for a connection with its clock running: that one gets a fresh
+    connection in its place at once."""
+    from mdp.majordomo.client import ClientMachine, CloseChannel, OpenChannel, SendOn, _Call
+
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+
+    def call(now: float) -> _Call:
+        return _Call(b"echo", list(request), 2.0, 1, None, None, now, lambda c: None)
+
+    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
+    first, second = call(0.0), call(0.3)
+    channel = machine.handleRequest(first, now=0.0)[1].channel
+    machine.handlePipeUp(channel, now=0.1)
+    # kept for the reply while nobody needs it
+    assert machine.handleCancel(first, now=0.2) == []
+    assert channel in machine._channels
+    # a request that would wait for it: the connection goes, a new one carries it
+    closed, opened = machine.handleRequest(second, now=0.3)
+    assert closed == CloseChannel(channel)
+    assert isinstance(opened, OpenChannel) and opened.channel.call is second
+    assert machine.handlePipeUp(opened.channel, now=0.4) == [SendOn(opened.channel, request)]
+    assert machine._channels == {opened.channel}
+
+
+def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited() -> None:
+    """Attempts that end at the same wake-up all end before a freed
+    connection is given out: a waiting request whose own clock ran out is
+    failed, not sent and then failed."""
+    from mdp.majordomo.client import ClientMachine, CloseChannel, Fail, _Call
+
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
+    first, second = (_Call(b"echo", list(request), 2.0, 1, None, None, 0.0, lambda c: None)
+                     for _ in range(2))
+    channel = machine.handleRequest(first, now=0.0)[1].channel
+    machine.handleRequest(second, now=0.0)
+    machine.handlePipeUp(channel, now=0.1)
+    actions = machine.handleWake(now=2.0)
+    assert [type(a) for a in actions] == [CloseChannel, Fail, Fail]
+    assert {a.call for a in actions[1:]} == {first, second}
+    assert all(isinstance(a.error, RequestTimeout) for a in actions[1:])
+
+
 def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reached() -> None:
     """A refused connection (stream transports report it) is known at once:
     the next endpoint is tried; when every one refused and none was ever

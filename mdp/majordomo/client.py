@@ -384,6 +384,10 @@ class ClientMachine(Machine):
         self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
         self._live = 0  # calls not done
         self._closed = False
+        #: connections kept for the reply of a cancelled request (at least
+        #: this many; see _reclaim)
+        self._abandoned = 0
+        self._sweeping = False  # ending the attempts due: pump once, after
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
         self._order = itertools.count()
@@ -518,9 +522,12 @@ class ClientMachine(Machine):
         try:
             if self._done(call):
                 channel = call.channel
-                if channel is not None and channel.call is call and not channel.sent:
-                    # it never went out: no reply will come, the connection is free
-                    self._release(channel)
+                if channel is not None and channel.call is call:
+                    if not channel.sent:
+                        # it never went out: no reply will come, the connection is free
+                        self._release(channel)
+                    else:  # kept for its reply, unless a waiting request needs it
+                        self._abandoned += 1
         except Exception:
             log.failure("cancelling a request to {service} failed", service=label(call.service))
         return self._drain()
@@ -584,7 +591,7 @@ class ClientMachine(Machine):
             self._waiting.append(call)
 
     def _pump(self) -> None:
-        if self._closed:
+        if self._closed or self._sweeping:
             return
         waiting = self._waiting
         while waiting:
@@ -599,10 +606,25 @@ class ClientMachine(Machine):
                 channel = _Channel(self.endpoint)
                 self._channels.add(channel)
                 self._outbox.append(OpenChannel(channel))
+            elif self._abandoned and self._reclaim():
+                continue  # a connection less: a new one in its place
             else:
                 return
             waiting.popleft()
             self._carry(channel, call)
+
+    def _reclaim(self) -> bool:
+        """Close a connection kept only for the reply of a cancelled request,
+        for a request waiting with its clock running (closed, it can give
+        that reply to nobody); False if there is none."""
+        for channel in self._channels:
+            call = channel.call
+            if call is not None and call.state is DONE:
+                self._abandoned -= 1
+                self._discard(channel)
+                return True
+        self._abandoned = 0
+        return False
 
     def _discard(self, channel: _Channel) -> None:
         self._channels.discard(channel)
@@ -658,10 +680,17 @@ class ClientMachine(Machine):
     def _sweep(self) -> None:
         now = self.now + 1e-9  # a deadline met to the float is met
         heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            entry = heappop(heap)
-            if self._watched(entry):
-                self._expired(entry[2])
+        # every attempt due ends before a freed connection is given out: a
+        # waiting request whose clock ran out too is not sent only to fail
+        self._sweeping = True
+        try:
+            while heap and heap[0][0] <= now:
+                entry = heappop(heap)
+                if self._watched(entry):
+                    self._expired(entry[2])
+        finally:
+            self._sweeping = False
+        self._pump()
         while heap and not self._watched(heap[0]):
             heappop(heap)
         if heap:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import sys
 import weakref
 from collections import OrderedDict, deque
@@ -1593,6 +1594,10 @@ class StreamChannels(_OneConnection):
 
 # --- endpoint schemes ---------------------------------------------------------
 
+#: The longest path a local socket can have (``sun_path``: 108 bytes on
+#: Linux, 104 on the BSDs and macOS).
+UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
+
 #: The Twisted stream endpoint types registered at import (``tls:`` only
 #: connects, ``tcp6:`` only listens: ``tcp:`` connects to IPv6 hosts too).
 STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
@@ -1631,13 +1636,14 @@ def check_endpoint(endpoint: str, role: str) -> None:
         path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
         if not path:
             raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise TransportError(f"bad endpoint {endpoint!r}: a socket's path is at most "
+                                 f"{UNIX_PATH_MAX} bytes here, not {len(os.fsencode(path))}")
     from twisted.internet.task import Clock
 
     if role == LISTEN and name == "ssl":
         description, ca = _without_ca(server_description(endpoint))
         if ca is not None:
-            import os
-
             if not os.path.isfile(ca):
                 raise TransportError(f"bad endpoint {endpoint!r}: {CA_CERTS}={ca}: no such file")
             _check_mutual(endpoint, *split_description(description.partition(":")[2]))

@@ -1,0 +1,395 @@
+"""The blocking client at its edges, against small scripted brokers in
+threads of the test (plain pyzmq and plain sockets on 127.0.0.1): a caller's
+callback that raises or makes a request of its own, no socket to be had, a
+pool held by abandoned requests, a host name with several addresses, a local
+listener with a full backlog, a reply far over the limits."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import sys
+import threading
+import tracemalloc
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import pytest
+import zmq
+from twisted.logger import globalLogPublisher
+
+from mdp import errors
+from mdp.blocking import Client, _Loop, _StreamPipe
+from mdp.policy import Limits
+from mdp.transport.framing import RecordDecoder, encode_record
+from tests.procs import ENV, ROOT
+
+HEADER, PARTIAL, FINAL = b"MDPC02", b"\x02", b"\x03"
+
+#: what a scripted broker does with a request from a peer: the replies to
+#: send, (peer, command, body) each
+Reply = tuple[bytes, bytes, list[bytes]]
+Script = Callable[[bytes, list[bytes]], list[Reply]]
+
+
+class ScriptedBroker:
+    """A pyzmq ROUTER on 127.0.0.1 that answers each request as *script*
+    says, in a thread of its own until stopped; ``seen`` holds the request
+    bodies in the order they came."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"zmq:tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.seen: list[list[bytes]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock = self.socket
+        while not self.stopping.is_set():
+            if not sock.poll(50):
+                continue
+            peer, _, _, service, *body = sock.recv_multipart()
+            self.seen.append(body)
+            for to, command, reply in self.script(peer, body):
+                sock.send_multipart([to, HEADER, command, service, *reply])
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.socket.close()
+        self.context.term()
+
+
+@pytest.fixture
+def broker(request: Any) -> Iterator[ScriptedBroker]:
+    running = ScriptedBroker(request.param)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def logged_failures() -> tuple[list[str], Callable[[], None]]:
+    """The texts of the failures Twisted's logger publishes from now on,
+    and how to stop collecting them."""
+    texts: list[str] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if "log_failure" in event:
+            texts.append(event["log_format"].format(**event))
+
+    globalLogPublisher.addObserver(observe)
+    return texts, lambda: globalLogPublisher.removeObserver(observe)
+
+
+# --- a caller's callbacks ---------------------------------------------------------------
+
+attempts: dict[bytes, int] = {}
+
+
+def restarts_once(peer: bytes, body: list[bytes]) -> list[Reply]:
+    """A part, then nothing the first time (the attempt runs out); a part
+    and the end the second."""
+    if body != [b"stream"]:
+        return [(peer, FINAL, body)]
+    attempts[b"stream"] = attempts.get(b"stream", 0) + 1
+    if attempts[b"stream"] == 1:
+        return [(peer, PARTIAL, [b"p1"])]
+    return [(peer, PARTIAL, [b"p1"]), (peer, FINAL, [b"end"])]
+
+
+@pytest.mark.parametrize("broker", [restarts_once], indirect=True)
+def test_callbacks_that_raise_are_logged_and_the_request_goes_on(broker: ScriptedBroker) -> None:
+    """As the Twisted client: an exception from *onPartial* or *onRestart*
+    is logged with the service, and the request (and the next) still runs:
+    nothing the machine asked for after the callback is lost."""
+    attempts.clear()
+    parts: list[list[bytes]] = []
+
+    def onPartial(body: list[bytes]) -> None:
+        parts.append(body)
+        raise RuntimeError("the caller's part handler failed")
+
+    def onRestart() -> None:
+        parts.append([b"restart"])
+        raise RuntimeError("the caller's restart handler failed")
+
+    failures, stop = logged_failures()
+    try:
+        with Client(broker.endpoint, timeout=0.5, retries=2) as client:
+            reply = client.request("s", b"stream", onPartial=onPartial, onRestart=onRestart)
+            after = client.request("s", b"next")
+    finally:
+        stop()
+    assert reply == [b"end"] and after == [b"next"]
+    assert parts == [[b"p1"], [b"restart"], [b"p1"]]
+    assert failures.count("onPartial callback for s failed") == 2
+    assert failures.count("onRestart callback for s failed") == 1
+
+
+def test_parts_stay_in_order_while_a_callback_waits_on_the_loop() -> None:
+    """A callback that waits on the client's loop (a request made from
+    inside *onPartial*) has the same stream connection read meanwhile: what
+    that read brings is handed on after the parts already read, in order."""
+    here, there = socket.socketpair()
+    loop = _Loop(Limits(), None)
+
+    class Owner:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+
+        def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
+            self.got.append(frames[0])
+            if frames[0] == b"p1":  # the wait: the rest comes, and is read
+                there.sendall(encode_record([b"p3"]) + encode_record([b"end"]))
+                pipe.ready(select_in, now)
+                assert self.got == [b"p1"]  # not before p2
+
+    owner = Owner()
+    select_in = 1  # POLLIN
+    pipe = _StreamPipe(loop, owner, None, socket.AF_UNIX, "unused")
+    try:
+        here.setblocking(False)
+        pipe.socket, pipe.key, pipe.up = here, here.fileno(), True
+        there.sendall(encode_record([b"p1"]) + encode_record([b"p2"]))
+        pipe.ready(select_in, 0.0)
+        assert owner.got == [b"p1", b"p2", b"p3", b"end"]
+    finally:
+        here.close()
+        there.close()
+        loop.shutdown()
+
+
+# --- sockets that cannot be had ---------------------------------------------------------
+
+OUT_OF_DESCRIPTORS = r"""
+import os, resource, threading, zmq
+from mdp.blocking import Client
+from mdp.errors import TransportError
+
+context = zmq.Context()
+router = context.socket(zmq.ROUTER)
+port = router.bind_to_random_port("tcp://127.0.0.1")
+stop = threading.Event()
+def serve():
+    while not stop.is_set():
+        if router.poll(50):
+            peer, _, _, service, *body = router.recv_multipart()
+            router.send_multipart([peer, b"MDPC02", b"\x03", service, *body])
+thread = threading.Thread(target=serve)
+thread.start()
+client = Client(f"zmq:tcp://127.0.0.1:{port}", timeout=5, retries=1, context=context)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+spare = []
+try:
+    while True:
+        spare.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    client.request("s", b"x")
+except TransportError as e:
+    print("raised", type(e).__name__, "|", e)
+print("connections left", len(client._channels))
+for fd in spare:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("then", client.request("s", b"y"))
+client.close()
+stop.set()
+thread.join()
+router.close()
+context.term()
+"""
+
+
+def test_no_socket_to_be_had_fails_the_request_with_a_transport_error() -> None:
+    """Out of descriptors, a request that needs a new connection fails at
+    once with TransportError (as the Twisted client's does), holds nothing,
+    and the client works again once descriptors are free.  In a process of
+    its own: it takes every descriptor."""
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("raised TransportError | cannot open a connection to zmq:tcp://")
+    assert "Too many open files" in lines[0]
+    assert lines[1:] == ["connections left 0", "then [b'y']"]
+
+
+def test_a_local_socket_path_too_long_is_refused_at_once() -> None:
+    path = "/tmp/" + "x" * 200 + ".sock"
+    for make in (lambda: Client(f"unix:{path}"),
+                 lambda: Client(f"unix:path={path}")):
+        with pytest.raises(errors.TransportError, match="a socket's path is at most"):
+            make()
+
+
+def test_a_full_local_backlog_is_a_failed_attempt_not_a_connection(tmp_path: Any) -> None:
+    """A local listener whose backlog is full refuses a non-blocking connect
+    with EAGAIN: that attempt failed (and is retried), the connection is not
+    taken for made."""
+    path = str(tmp_path / "full.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued: list[socket.socket] = []
+    try:
+        listener.bind(path)
+        listener.listen(0)
+        while True:  # fill the backlog (never accepted)
+            waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            waiting.setblocking(False)
+            queued.append(waiting)
+            if waiting.connect_ex(path) == errno.EAGAIN:
+                break
+            assert len(queued) < 64
+        with Client(f"unix:{path}", timeout=0.5, retries=1) as client:
+            with pytest.raises(errors.RequestTimeout) as timedOut:
+                client.request("s", b"x")
+        assert os.strerror(errno.EAGAIN) in str(timedOut.value)
+    finally:
+        for each in queued:
+            each.close()
+        listener.close()
+
+
+# --- the pool -------------------------------------------------------------------------------
+
+held: list[tuple[bytes, list[bytes]]] = []
+
+
+def all_four_at_once(peer: bytes, body: list[bytes]) -> list[Reply]:
+    """``fast`` answered, ``slow...`` never; ``q...`` held until four have
+    come, then all answered: they must be in flight together."""
+    if body[0].startswith(b"slow"):
+        return []
+    if body[0].startswith(b"q"):
+        held.append((peer, body))
+        if len(held) < 4:
+            return []
+        answers = [(to, FINAL, each) for to, each in held]
+        held.clear()
+        return answers
+    return [(peer, FINAL, body)]
+
+
+@pytest.mark.parametrize("broker", [all_four_at_once], indirect=True)
+def test_requests_after_an_abandoned_map_are_sent_at_once(broker: ScriptedBroker) -> None:
+    """Leaving a map early abandons its requests in flight, whose replies
+    may still come: their connections are closed for the next requests,
+    which do not wait for those replies with their own clocks running."""
+    held.clear()
+    with Client(broker.endpoint, timeout=30, retries=1, maxConnections=4) as client:
+        for reply in client.map("s", [b"fast", b"slow1", b"slow2", b"slow3"], window=4):
+            assert reply == [b"fast"]
+            break
+        replies = list(client.map("s", [b"q0", b"q1", b"q2", b"q3"], window=4, timeout=2))
+        assert replies == [[b"q0"], [b"q1"], [b"q2"], [b"q3"]]
+        assert len(client._channels) == 4
+
+
+# --- addresses ------------------------------------------------------------------------------
+
+class RecordEcho:
+    """A plain TCP listener on 127.0.0.1 that answers each request record
+    with its body, one connection at a time, in a thread until stopped."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(0.05)
+                decoder = RecordDecoder(Limits())
+                while not self.stopping.is_set():
+                    try:
+                        data = conn.recv(65536)
+                    except socket.timeout:
+                        continue
+                    if not data:
+                        break
+                    for message in decoder.feed(data):
+                        conn.sendall(encode_record([HEADER, FINAL, *message[2:]]))
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+def test_each_address_of_a_host_is_tried_in_turn(monkeypatch: Any) -> None:
+    """A name that resolves to several addresses (``localhost``: ``::1``
+    and ``127.0.0.1``) is reached at the first that takes a connection."""
+    server = RecordEcho()
+    nobody = socket.socket()  # a port bound and not listening: refused
+    nobody.bind(("127.0.0.1", 0))
+    resolve = socket.getaddrinfo
+
+    def getaddrinfo(host: str, port: Any, *rest: Any) -> Any:
+        if host != "broker.test":
+            return resolve(host, port, *rest)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", nobody.getsockname()[1])),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", server.port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    try:
+        with Client(f"tcp:host=broker.test:port={server.port}", timeout=5, retries=1) as client:
+            assert client.request("s", b"hello") == [b"hello"]
+    finally:
+        nobody.close()
+        server.stop()
+
+
+def test_tcp6_is_not_a_blocking_client_endpoint() -> None:
+    """``tcp6:`` only listens (as for the Twisted client); ``tcp:`` reaches
+    IPv6 hosts."""
+    with pytest.raises(errors.TransportError, match="tcp6: endpoints cannot connect"):
+        Client(r"tcp6:host=\:\:1:port=5555")
+    Client(r"tcp:host=\:\:1:port=5555").close()
+
+
+# --- a reply over the limits ----------------------------------------------------------------
+
+HUGE = b"x" * (32 << 20)  # made once, before any allocation is traced
+
+
+def huge(peer: bytes, body: list[bytes]) -> list[Reply]:
+    return [(peer, FINAL, [HUGE] if body == [b"huge"] else body)]
+
+
+@pytest.mark.parametrize("broker", [huge], indirect=True)
+def test_a_reply_far_over_the_limits_is_not_copied(broker: ScriptedBroker) -> None:
+    """A 32 MiB reply to a client whose limit is 1 MB fails the request with
+    ReplyTooLarge without the client copying it into Python (the socket
+    that carried it goes, and the rest with it); the client goes on."""
+    with Client(broker.endpoint, timeout=10, retries=1,
+                limits=Limits(maxMessageBytes=1 << 20)) as client:
+        assert client.request("s", b"warm") == [b"warm"]
+        tracemalloc.start()
+        try:
+            with pytest.raises(errors.ReplyTooLarge):
+                client.request("s", b"huge")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20
+        assert client.request("s", b"after") == [b"after"]
