@@ -534,8 +534,7 @@ class _StreamPipe:
     the Twisted transport does."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
-                 "up", "connecting", "failures", "retryAt", "received", "delivering",
-                 "candidates")
+                 "up", "connecting", "failures", "retryAt", "received", "candidates")
 
     backlog = ()  # never waits in recv alone (see _Loop.turn)
 
@@ -556,7 +555,6 @@ class _StreamPipe:
         #: messages read and not yet handed on, in order: a caller's callback
         #: that waits on this loop reads more meanwhile (see ready)
         self.received: deque[list[bytes]] = deque()
-        self.delivering = False
         #: the addresses of this attempt's host not yet tried
         self.candidates: list[tuple[int, Any]] = []
 
@@ -683,20 +681,14 @@ class _StreamPipe:
             except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 self._lost(e, now)
                 return
+            # a callback of one of these may wait on the loop (a request
+            # from inside onPartial), which reads here again: that read hands
+            # on what this one has not yet, then its own, in order
             received = self.received
             received.extend(messages)
-            if self.delivering:
-                # a callback of an earlier message is waiting on the loop
-                # (a request from inside onPartial): these go after the
-                # ones it is holding, in order, when it returns
-                return
             owner, tag = self.owner, self.tag
-            self.delivering = True
-            try:
-                while received:  # (a loss meanwhile clears it)
-                    owner._pipeMessage(tag, received.popleft(), now)
-            finally:
-                self.delivering = False
+            while received:  # (a loss meanwhile clears it)
+                owner._pipeMessage(tag, received.popleft(), now)
 
     def discardReceived(self) -> int:
         """Drop the messages read and not handed on yet; how many.  What

@@ -136,8 +136,9 @@ def test_callbacks_that_raise_are_logged_and_the_request_goes_on(broker: Scripte
 
 def test_parts_stay_in_order_while_a_callback_waits_on_the_loop() -> None:
     """A callback that waits on the client's loop (a request made from
-    inside *onPartial*) has the same stream connection read meanwhile: what
-    that read brings is handed on after the parts already read, in order."""
+    inside *onPartial*) has the same stream connection read meanwhile: that
+    read hands on the parts already read, then its own, in order (and the
+    reply's FINAL, which frees its connection for the nested request)."""
     here, there = socket.socketpair()
     loop = _Loop(Limits(), None)
 
@@ -150,7 +151,7 @@ def test_parts_stay_in_order_while_a_callback_waits_on_the_loop() -> None:
             if frames[0] == b"p1":  # the wait: the rest comes, and is read
                 there.sendall(encode_record([b"p3"]) + encode_record([b"end"]))
                 pipe.ready(select_in, now)
-                assert self.got == [b"p1"]  # not before p2
+                assert self.got == [b"p1", b"p2", b"p3", b"end"]
 
     owner = Owner()
     select_in = 1  # POLLIN

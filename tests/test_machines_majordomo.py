@@ -546,9 +546,28 @@ def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited()
     machine.handleRequest(second, now=0.0)
     machine.handlePipeUp(channel, now=0.1)
     actions = machine.handleWake(now=2.0)
-    assert [type(a) for a in actions] == [CloseChannel, Fail, Fail]
-    assert {a.call for a in actions[1:]} == {first, second}
-    assert all(isinstance(a.error, RequestTimeout) for a in actions[1:])
+    assert sorted(type(a).__name__ for a in actions) == ["CloseChannel", "Fail", "Fail"]
+    assert CloseChannel(channel) in actions
+    fails = [a for a in actions if isinstance(a, Fail)]
+    assert {a.call for a in fails} == {first, second}
+    assert all(isinstance(a.error, RequestTimeout) for a in fails)
+
+
+def test_client_machine_moves_attempts_that_end_together_to_the_next_broker() -> None:
+    """Requests in flight together time out together: their retries do not
+    all go back to the broker that did not answer."""
+    from mdp.majordomo.client import ClientMachine, OpenChannel, _Call
+
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+    machine = ClientMachine(["a", "b"], maxConnections=2, dialect=codec.RFC)
+    calls = [_Call(b"echo", list(request), 2.0, 2, None, None, 0.0, lambda c: None)
+             for _ in range(2)]
+    for call in calls:
+        opened = [a for a in machine.handleRequest(call, now=0.0) if isinstance(a, OpenChannel)]
+        machine.handlePipeUp(opened[0].channel, now=0.1)
+    assert {call.channel.endpoint for call in calls} == {"a"}
+    retries = [a.channel.endpoint for a in machine.handleWake(now=2.0) if isinstance(a, OpenChannel)]
+    assert len(retries) == 2 and "b" in retries
 
 
 def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reached() -> None:

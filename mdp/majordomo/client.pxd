@@ -21,7 +21,7 @@ cdef class _Channel:
 cdef class ClientMachine(Machine):
     cdef public object _rotation, maxConnections, dialect, _throttle, _waiting
     cdef public object _waitingDone, _live, _closed, _order, _wakeAt, _everUp
-    cdef public object _abandoned, _sweeping
+    cdef public object _abandoned
     cdef public list _idle, _deadlines
     cdef public set _channels
     cdef public dict _failures, _unreachable

@@ -387,7 +387,6 @@ class ClientMachine(Machine):
         #: connections kept for the reply of a cancelled request (at least
         #: this many; see _reclaim)
         self._abandoned = 0
-        self._sweeping = False  # ending the attempts due: pump once, after
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
         self._order = itertools.count()
@@ -591,7 +590,7 @@ class ClientMachine(Machine):
             self._waiting.append(call)
 
     def _pump(self) -> None:
-        if self._closed or self._sweeping:
+        if self._closed:
             return
         waiting = self._waiting
         while waiting:
@@ -680,17 +679,22 @@ class ClientMachine(Machine):
     def _sweep(self) -> None:
         now = self.now + 1e-9  # a deadline met to the float is met
         heap = self._deadlines
-        # every attempt due ends before a freed connection is given out: a
-        # waiting request whose clock ran out too is not sent only to fail
-        self._sweeping = True
-        try:
-            while heap and heap[0][0] <= now:
-                entry = heappop(heap)
-                if self._watched(entry):
-                    self._expired(entry[2])
-        finally:
-            self._sweeping = False
-        self._pump()
+        due = []
+        while heap and heap[0][0] <= now:
+            entry = heappop(heap)
+            if self._watched(entry):
+                due.append(entry[2])
+        # the attempts of requests still waiting for a connection end first:
+        # a connection the others free is not given to one whose clock ran
+        # out too, only for it to fail
+        later = []
+        for call in due:
+            if call.state is QUEUED:
+                self._expired(call)
+            else:
+                later.append(call)
+        for call in later:
+            self._expired(call)
         while heap and not self._watched(heap[0]):
             heappop(heap)
         if heap:
