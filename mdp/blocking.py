@@ -56,6 +56,7 @@ from mdp.majordomo.client import (
     WakeAt,
     _Call,
     _Channel,
+    call_back,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
@@ -580,9 +581,9 @@ class _StreamPipe:
                 self._failed(e, now)
                 return
             self.candidates = [(info[0], info[4]) for info in found]
-        self._next(now, OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"))
+        self._next(now, None)
 
-    def _next(self, now: float, error: BaseException) -> None:
+    def _next(self, now: float, error: Optional[BaseException]) -> None:
         """Connect to the next address not tried; if none is left, the
         attempt failed with the last *error*."""
         while self.candidates:
@@ -611,7 +612,8 @@ class _StreamPipe:
             self.loop.poller.watch(self.key, _POLLOUT)
             self.loop.pipes[self.key] = self
             return
-        self._failed(error, now)
+        self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"),
+                     now)
 
     def _failed(self, error: BaseException, now: float) -> None:
         if isinstance(error, socket.gaierror):
@@ -955,21 +957,15 @@ class Client(ClientCore):
                 onPartial = action.call.onPartial
                 if onPartial is not None and not action.call.done:
                     try:
-                        onPartial(action.body)
-                    except Exception:
-                        log.failure("onPartial callback for {service} failed",
-                                    service=label(action.call.service))
-                    except BaseException as e:
+                        call_back("onPartial", action.call, onPartial, action.body)
+                    except BaseException as e:  # Ctrl-C: raised once the rest is done
                         interrupted = interrupted or e
             elif kind is Restarted:
                 onRestart = action.call.onRestart
                 if onRestart is not None and not action.call.done:
                     try:
-                        onRestart()
-                    except Exception:
-                        log.failure("onRestart callback for {service} failed",
-                                    service=label(action.call.service))
-                    except BaseException as e:
+                        call_back("onRestart", action.call, onRestart)
+                    except BaseException as e:  # Ctrl-C: raised once the rest is done
                         interrupted = interrupted or e
         while self._madeUp:
             channel = self._madeUp.popleft()

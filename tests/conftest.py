@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import pytest_twisted
+import zmq
 from twisted.internet import defer, task
+from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -202,3 +207,62 @@ async def raw_router(net: Net) -> RawRouter:
     router.transport = await net.wait(transport.listen(net.bindEndpoint(), router, net.reactor))
     net.addCleanup(router.transport.close)
     return router
+
+
+@contextlib.contextmanager
+def failures_logged() -> Iterator[list[dict]]:
+    """Collect log events that carry a failure or are errors."""
+    events: list[dict] = []
+
+    def observe(event: dict) -> None:
+        level = getattr(event.get("log_level"), "name", "")
+        if "log_failure" in event or level in ("error", "critical"):
+            events.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    try:
+        yield events
+    finally:
+        globalLogPublisher.removeObserver(observe)
+
+
+#: what a scripted broker does with a request from a peer: the replies to
+#: send, (peer, command, body) each
+ScriptReply = tuple[bytes, bytes, list[bytes]]
+Script = Callable[[bytes, list[bytes]], list[ScriptReply]]
+
+
+class ScriptedBroker:
+    """A plain pyzmq ROUTER on 127.0.0.1 that answers each MDP client
+    request as *script* says (with the request's service), in a thread of its
+    own until stopped; ``seen`` holds the request bodies in the order they
+    came, ``answered`` counts the requests whose replies were sent."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"zmq:tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.seen: list[list[bytes]] = []
+        self.answered = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock = self.socket
+        while not self.stopping.is_set():
+            if not sock.poll(50):
+                continue
+            peer, header, _, service, *body = sock.recv_multipart()
+            self.seen.append(body)
+            for to, command, reply in self.script(peer, body):
+                sock.send_multipart([to, header, command, service, *reply])
+            self.answered += 1
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.socket.close()
+        self.context.term()

@@ -14,57 +14,19 @@ import sys
 import threading
 import tracemalloc
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-import zmq
-from twisted.logger import globalLogPublisher
+from twisted.logger import formatEvent
 
 from mdp import errors
 from mdp.blocking import Client, _Loop, _StreamPipe
 from mdp.policy import Limits
 from mdp.transport.framing import RecordDecoder, encode_record
+from tests.conftest import ScriptedBroker, ScriptReply, failures_logged
 from tests.procs import ENV, ROOT
 
 HEADER, PARTIAL, FINAL = b"MDPC02", b"\x02", b"\x03"
-
-#: what a scripted broker does with a request from a peer: the replies to
-#: send, (peer, command, body) each
-Reply = tuple[bytes, bytes, list[bytes]]
-Script = Callable[[bytes, list[bytes]], list[Reply]]
-
-
-class ScriptedBroker:
-    """A pyzmq ROUTER on 127.0.0.1 that answers each request as *script*
-    says, in a thread of its own until stopped; ``seen`` holds the request
-    bodies in the order they came."""
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"zmq:tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self.seen: list[list[bytes]] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        sock = self.socket
-        while not self.stopping.is_set():
-            if not sock.poll(50):
-                continue
-            peer, _, _, service, *body = sock.recv_multipart()
-            self.seen.append(body)
-            for to, command, reply in self.script(peer, body):
-                sock.send_multipart([to, HEADER, command, service, *reply])
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        self.socket.close()
-        self.context.term()
 
 
 @pytest.fixture
@@ -76,25 +38,12 @@ def broker(request: Any) -> Iterator[ScriptedBroker]:
         running.stop()
 
 
-def logged_failures() -> tuple[list[str], Callable[[], None]]:
-    """The texts of the failures Twisted's logger publishes from now on,
-    and how to stop collecting them."""
-    texts: list[str] = []
-
-    def observe(event: dict[str, Any]) -> None:
-        if "log_failure" in event:
-            texts.append(event["log_format"].format(**event))
-
-    globalLogPublisher.addObserver(observe)
-    return texts, lambda: globalLogPublisher.removeObserver(observe)
-
-
 # --- a caller's callbacks ---------------------------------------------------------------
 
 attempts: dict[bytes, int] = {}
 
 
-def restarts_once(peer: bytes, body: list[bytes]) -> list[Reply]:
+def restarts_once(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
     """A part, then nothing the first time (the attempt runs out); a part
     and the end the second."""
     if body != [b"stream"]:
@@ -121,13 +70,11 @@ def test_callbacks_that_raise_are_logged_and_the_request_goes_on(broker: Scripte
         parts.append([b"restart"])
         raise RuntimeError("the caller's restart handler failed")
 
-    failures, stop = logged_failures()
-    try:
+    with failures_logged() as events:
         with Client(broker.endpoint, timeout=0.5, retries=2) as client:
             reply = client.request("s", b"stream", onPartial=onPartial, onRestart=onRestart)
             after = client.request("s", b"next")
-    finally:
-        stop()
+    failures = [formatEvent(event) for event in events]
     assert reply == [b"end"] and after == [b"next"]
     assert parts == [[b"p1"], [b"restart"], [b"p1"]]
     assert failures.count("onPartial callback for s failed") == 2
@@ -266,7 +213,7 @@ def test_a_full_local_backlog_is_a_failed_attempt_not_a_connection(tmp_path: Any
 held: list[tuple[bytes, list[bytes]]] = []
 
 
-def all_four_at_once(peer: bytes, body: list[bytes]) -> list[Reply]:
+def all_four_at_once(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
     """``fast`` answered, ``slow...`` never; ``q...`` held until four have
     come, then all answered: they must be in flight together."""
     if body[0].startswith(b"slow"):
@@ -373,7 +320,7 @@ def test_tcp6_is_not_a_blocking_client_endpoint() -> None:
 HUGE = b"x" * (32 << 20)  # made once, before any allocation is traced
 
 
-def huge(peer: bytes, body: list[bytes]) -> list[Reply]:
+def huge(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
     return [(peer, FINAL, [HUGE] if body == [b"huge"] else body)]
 
 

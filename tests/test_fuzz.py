@@ -8,18 +8,16 @@ stay within their bounds.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from typing import Any, Iterator
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet import defer, task
-from twisted.logger import globalLogPublisher
 
 from mdp import Broker, Client, HeartbeatPolicy, Worker, transport
 from mdp.majordomo import codec
-from tests.conftest import RawRouter
+from tests.conftest import RawRouter, failures_logged
 from tests.test_broker import check_counts
 
 _names = itertools.count()
@@ -65,23 +63,6 @@ def mutated(draw: Any) -> list[bytes]:
 messages = st.one_of(mutated(), st.lists(st.binary(max_size=10), max_size=6))
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@contextlib.contextmanager
-def failures_logged() -> Iterator[list[dict]]:
-    """Collect log events that carry a failure or are errors."""
-    events: list[dict] = []
-
-    def observe(event: dict) -> None:
-        level = getattr(event.get("log_level"), "name", "")
-        if "log_failure" in event or level in ("error", "critical"):
-            events.append(event)
-
-    globalLogPublisher.addObserver(observe)
-    try:
-        yield events
-    finally:
-        globalLogPublisher.removeObserver(observe)
 
 
 def result_of(d: defer.Deferred) -> list[Any]:

@@ -8,8 +8,8 @@ clients drop what waits there before they send the next request on it.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -19,50 +19,23 @@ from twisted.internet import task
 from mdp import Client
 from mdp.blocking import Client as BlockingClient
 from mdp.transport.loopback import LoopbackDealer, LoopbackNetwork, LoopbackRouter
+from tests.conftest import ScriptedBroker, ScriptReply
 from tests.procs import bounded, reactor, wait_until
 
-HEADER, FINAL = b"MDPC02", b"\x03"
-
-
-class RogueBroker:
-    """A plain pyzmq ROUTER on 127.0.0.1 that answers every request with its
-    own body, then (*mode*) once more (``dup``) or with a FINAL nobody asked
-    for (``unsolicited``), in a thread of its own until stopped."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"zmq:tcp://127.0.0.1:{port}"
-        self.stopping = threading.Event()
-        #: extra messages sent so far
-        self.extras = 0
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        sock = self.socket
-        while not self.stopping.is_set():
-            if not sock.poll(50):
-                continue
-            peer, _, _, service, *body = sock.recv_multipart()
-            sock.send_multipart([peer, HEADER, FINAL, service, *body])
-            extra = body if self.mode == "dup" else [b"UNSOLICITED"]
-            sock.send_multipart([peer, HEADER, FINAL, service, *extra])
-            self.extras += 1
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        self.socket.close()
-        self.context.term()
+FINAL = b"\x03"
 
 
 @pytest.fixture(params=["dup", "unsolicited"])
-def rogue(request: Any) -> Iterator[RogueBroker]:
-    broker = RogueBroker(request.param)
+def rogue(request: Any) -> Iterator[ScriptedBroker]:
+    """A broker that answers every request with its own body, then (the
+    param) once more (``dup``) or with a FINAL nobody asked for
+    (``unsolicited``); ``answered`` counts the extra messages sent so far."""
+    extra = None if request.param == "dup" else [b"UNSOLICITED"]
+
+    def script(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+        return [(peer, FINAL, body), (peer, FINAL, extra or body)]
+
+    broker = ScriptedBroker(script)
     yield broker
     broker.stop()
 
@@ -73,7 +46,7 @@ def _arrived(client: BlockingClient) -> None:
     assert pipe.socket.poll(5000, zmq.POLLIN), "the extra message never came"
 
 
-def test_the_blocking_client_drops_what_came_between_requests(rogue: RogueBroker) -> None:
+def test_the_blocking_client_drops_what_came_between_requests(rogue: ScriptedBroker) -> None:
     with BlockingClient(rogue.endpoint, timeout=5.0, retries=1) as client:
         for n in range(5):
             # the extra message is on the socket by the time the next request
@@ -85,14 +58,14 @@ def test_the_blocking_client_drops_what_came_between_requests(rogue: RogueBroker
 
 @pytest_twisted.ensureDeferred
 async def test_the_twisted_client_drops_what_came_before_its_next_request(
-        rogue: RogueBroker) -> None:
+        rogue: ScriptedBroker) -> None:
     client = Client(rogue.endpoint, reactor(), timeout=5.0, retries=1)
 
     def settled(n: int) -> bool:
         """The extra message after reply *n* has reached the client: it
         waits on the socket (the next request drops it) or was read and
         dropped (no request in flight: the connection was replaced)."""
-        if rogue.extras <= n:
+        if rogue.answered <= n:
             return False
         channels = list(client._channels)
         pipe = channels[0].pipe if len(channels) == 1 else None

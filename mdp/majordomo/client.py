@@ -964,6 +964,18 @@ class ClientCore(ClientMachine):
         return _Call(name, message, timeout, retries, onPartial, onRestart, now, canceller)
 
 
+def call_back(name: str, call: _Call, callback: Callable[..., Any], *args: Any) -> None:
+    """Call the caller's *callback* (its *name*: ``onPartial``,
+    ``onRestart``) for *call*: one that raises is logged with the service,
+    and the request goes on (what the machine asked for after it is still
+    done)."""
+    try:
+        callback(*args)
+    except Exception:
+        log.failure("{name} callback for {service} failed", name=name,
+                    service=label(call.service))
+
+
 class Client(ClientCore):
     """An MDP/0.2 client of one broker (or of the first live one of several):
     the :class:`ClientMachine` driven over real transports.  The driver owns
@@ -1106,11 +1118,7 @@ class Client(ClientCore):
             elif kind is Partial:
                 onPartial = action.call.onPartial
                 if onPartial is not None and not action.call.done:
-                    try:
-                        onPartial(action.body)
-                    except Exception:
-                        log.failure("onPartial callback for {service} failed",
-                                    service=label(action.call.service))
+                    call_back("onPartial", action.call, onPartial, action.body)
             elif kind is OpenChannel:
                 channel = action.channel
                 try:
@@ -1129,11 +1137,7 @@ class Client(ClientCore):
             elif kind is Restarted:
                 onRestart = action.call.onRestart
                 if onRestart is not None and not action.call.done:
-                    try:
-                        onRestart()
-                    except Exception:
-                        log.failure("onRestart callback for {service} failed",
-                                    service=label(action.call.service))
+                    call_back("onRestart", action.call, onRestart)
             elif kind is WakeAt:
                 self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
 

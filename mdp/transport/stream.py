@@ -1636,9 +1636,10 @@ def check_endpoint(endpoint: str, role: str) -> None:
         path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
         if not path:
             raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
-        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        length = len(os.fsencode(path))
+        if length > UNIX_PATH_MAX:
             raise TransportError(f"bad endpoint {endpoint!r}: a socket's path is at most "
-                                 f"{UNIX_PATH_MAX} bytes here, not {len(os.fsencode(path))}")
+                                 f"{UNIX_PATH_MAX} bytes here, not {length}")
     from twisted.internet.task import Clock
 
     if role == LISTEN and name == "ssl":
