@@ -7,7 +7,7 @@ from mdp.majordomo.client cimport ClientCore, _Call
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller
     cdef public dict pipes
-    cdef public set streams, unchecked
+    cdef public set timed, unchecked
 
     cpdef turn(self, when)
     cdef _poll(self, timeout, now)
@@ -15,7 +15,7 @@ cdef class _Loop:
 cdef class _ZmqPipe:
     cdef public _Loop loop
     cdef public object owner, tag, socket, handle, fd, backlog, up, waitMs, address, linger
-    cdef public object curve
+    cdef public object curve, failures, retryAt
 
     cpdef send(self, frames)
     cdef bint _trySend(self, frames) except -1

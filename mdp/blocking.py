@@ -70,7 +70,7 @@ from mdp.majordomo.worker import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from mdp.policy import RECONNECT, Backoff, HeartbeatPolicy, Limits
 from mdp.transport import curve_client_for, curve_for, endpoint_list
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
@@ -88,8 +88,6 @@ LINGER_MS = 200
 #: stream schemes the blocking client speaks (plain sockets, no TLS; as for
 #: the Twisted client, ``tcp:`` connects to IPv6 hosts too: ``tcp6:`` listens)
 STREAM_SCHEMES = ("tcp", "unix")
-#: the reconnection schedule of a stream connection (as the Twisted transport's)
-RECONNECT = Backoff(initial=0.5, maximum=32.0)
 _READ_SIZE = 262144
 
 _PENDING: Any = object()  # a call's result while it is not done
@@ -214,7 +212,9 @@ class _Loop:
         self._zmqContext = context
         self.poller = _Poller()
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
-        self.streams: set[_StreamPipe] = set()
+        #: pipes that may have a connection attempt due (``retryAt``): the
+        #: stream pipes, and a ZeroMQ pipe waiting to get a socket again
+        self.timed: set[Any] = set()
         #: ZeroMQ pipes whose socket was used since it was last asked EVENTS
         self.unchecked: set[_ZmqPipe] = set()
 
@@ -233,19 +233,19 @@ class _Loop:
                             curve_for(endpoint, curve))
         family, address = _stream_address(endpoint)
         stream = _StreamPipe(self, owner, tag, family, address)
-        self.streams.add(stream)
+        self.timed.add(stream)
         return stream
 
     def close(self, pipe: Any) -> None:
-        self.streams.discard(pipe)
+        self.timed.discard(pipe)
         pipe.close()
 
     def turn(self, when: Optional[float]) -> None:
-        """Wait for a socket or until *when* (or a stream's next connection
+        """Wait for a socket or until *when* (or a pipe's next connection
         attempt, if sooner), and handle what came."""
         now = monotonic()
-        streams = self.streams
-        for pipe in streams:
+        timed = self.timed
+        for pipe in timed:
             retry = pipe.retryAt
             if retry is not None and (when is None or retry < when):
                 when = retry
@@ -258,7 +258,7 @@ class _Loop:
             # harmless, one that ends early is a wasted wake-up)
             timeout = 0 if ms <= 0 else _MAX_WAIT_MS if ms >= _MAX_WAIT_MS else int(ms) + 1
         pipes = self.pipes
-        if len(pipes) == 1 and not streams:
+        if len(pipes) == 1 and not timed:
             for only in pipes.values():
                 if not only.backlog:
                     only.wait(timeout)
@@ -267,9 +267,9 @@ class _Loop:
                 self._poll(timeout, now)
         else:
             self._poll(timeout, now)
-        if streams:
+        if timed:
             now = monotonic()
-            for pipe in list(streams):
+            for pipe in list(timed):
                 if pipe.retryAt is not None and now >= pipe.retryAt:
                     pipe.wake(now)
 
@@ -321,7 +321,7 @@ class _ZmqPipe:
     background and reconnects by itself)."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
-                 "address", "linger", "curve")
+                 "address", "linger", "curve", "failures", "retryAt")
 
     def __init__(self, loop: _Loop, owner: Any, tag: Any, address: str, linger: int,
                  curve: Any = None) -> None:
@@ -332,6 +332,9 @@ class _ZmqPipe:
         self.linger = linger
         self.curve = curve
         self.backlog: deque[list[bytes]] = deque()
+        #: when to try again for a socket that could not be had (see _oversized)
+        self.failures = 0
+        self.retryAt: Optional[float] = None
         self._connect()
 
     def _connect(self) -> None:
@@ -508,22 +511,44 @@ class _ZmqPipe:
         an oversized message, then that it is up again."""
         self.close()
         why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")
-        try:
-            self._connect()
-        except Exception as e:  # no fresh socket (out of descriptors): the pipe stays down
-            log.error("no socket to replace the one to {address} that carried a message over "
-                      "the limits: {error}; its connection stays down", address=self.address,
-                      error=e)
+        self.failures = 0
+        self._reopen(now)
         self.owner._pipeLost(self.tag, why, now)
         if self.socket is not None:
             self.owner._pipeUp(self.tag, now)
+
+    def _reopen(self, now: float) -> bool:
+        """A fresh socket; if none can be had (out of descriptors), say so
+        and try again after :data:`RECONNECT`'s delay (the loop wakes the
+        pipe), down meanwhile as a stream pipe that reconnects."""
+        try:
+            self._connect()
+        except Exception as e:
+            delay = RECONNECT.delay(self.failures)
+            self.failures += 1
+            self.retryAt = now + delay
+            self.loop.timed.add(self)
+            log.error("zmq dealer to {address} cannot open a socket: {error}; tries again in "
+                      "{delay:g}s", address=self.address, error=e, delay=delay)
+            return False
+        self.retryAt = None
+        self.loop.timed.discard(self)
+        return True
+
+    def wake(self, now: float) -> None:
+        """Time to try again for a socket."""
+        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
+            if self._reopen(now):
+                self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
         sock, self.socket = self.socket, None
         self.handle = 0
         self.up = False
+        self.retryAt = None
         self.backlog.clear()
         self.loop.unchecked.discard(self)
+        self.loop.timed.discard(self)
         if sock is not None:
             self.loop.forget(self.fd)  # before the socket (and its descriptor) goes
             sock.close()  # after LINGER ms at most
@@ -1098,8 +1123,15 @@ class Worker(WorkerMachine):
             elif kind is Serve:
                 self._serve(action.job, action.body)
             elif kind is OpenPipe:
-                pipe = self._pipe = self._loop.open(action.endpoint, self, None, LINGER_MS,
-                                                    curve=self.curve)
+                try:
+                    pipe = self._loop.open(action.endpoint, self, None, LINGER_MS,
+                                           curve=self.curve)
+                except Exception as e:  # no socket to be had (out of descriptors)
+                    error = TransportError(f"cannot connect to {action.endpoint!r}: {e}")
+                    error.__cause__ = e
+                    self._perform(self.handleOpenFailed(error, monotonic()))
+                    continue
+                self._pipe = pipe
                 pipe.start()
                 if pipe.up:
                     self._madeUp = True

@@ -140,6 +140,12 @@ class Backoff:
         return lambda attempt: self.delay(max(attempt - 1, 0))
 
 
+#: How a connecting transport without a policy of its own tries again after a
+#: failed attempt or a lost connection: 0.5 s doubling to 32 s (a stream
+#: connection, a ZeroMQ socket that could not be had).
+RECONNECT = Backoff(initial=0.5, maximum=32.0)
+
+
 def default_reactor(reactor: Optional[Any] = None) -> Any:
     """*reactor*, or the global one (imported only when needed, so a test can
     pass a :class:`~twisted.internet.task.Clock` before any reactor is

@@ -186,7 +186,7 @@ async def test_refused_tcp_everywhere_is_broker_unreachable_at_once() -> None:
                 client.request("echo", b"x")
             except errors.BrokerUnreachable as e:
                 # no connection is left trying in the background
-                assert not client._loop.streams and not client._loop.pipes
+                assert not client._loop.timed and not client._loop.pipes
                 return e, time.monotonic() - started
         raise AssertionError("no error")
 

@@ -88,7 +88,7 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from mdp import transport
-from mdp.errors import ProtocolError
+from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
@@ -321,6 +321,16 @@ class WorkerMachine(Machine):
         self._send(codec.Ready(self.service))
         log.info("worker for {service} sent READY to {endpoint}",
                  service=label(self.service), endpoint=self.endpoint)
+        return self._drain()
+
+    def handleOpenFailed(self, error: BaseException, now: float) -> list[Action]:
+        """The transport could not open the pipe (no socket to be had: out of
+        descriptors): as a pipe that never comes up, the broker's silence
+        decides, and the worker reconnects with its backoff."""
+        self.now = now
+        log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
+                  "tries again after {expiry:g}s of silence", service=label(self.service),
+                  endpoint=self.endpoint, error=error, expiry=self.heartbeat.expiry)
         return self._drain()
 
     def handlePipeLost(self, now: float) -> list[Action]:
@@ -604,9 +614,13 @@ class Worker(WorkerMachine):
                     defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
                         lambda f: log.failure("reply store could not keep a reply", f))
             elif kind is OpenPipe:
-                self.transport = transport.connect(
-                    action.endpoint, self, self.reactor, retryPolicy=self.backoff.retryPolicy(),
-                    limits=self.limits, security=transport.curve_for(action.endpoint, self.curve))
+                try:
+                    self.transport = transport.connect(
+                        action.endpoint, self, self.reactor,
+                        retryPolicy=self.backoff.retryPolicy(), limits=self.limits,
+                        security=transport.curve_for(action.endpoint, self.curve))
+                except TransportError as e:
+                    self._perform(self.handleOpenFailed(e, self.reactor.seconds()))
             elif kind is ClosePipe:
                 pipe, self.transport = self.transport, None
                 if pipe is not None:

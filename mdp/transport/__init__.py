@@ -220,7 +220,8 @@ def connect(
 ) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint*.  ``receiver.connectionMade`` is
     called later, once the pipe is usable.  *retryPolicy* (attempt → seconds)
-    paces reconnection on stream transports; *limits* bound what is received;
+    paces reconnection on stream transports (on ZeroMQ, which reconnects by
+    itself, the next try for a socket that could not be had); *limits* bound what is received;
     *identity* (1-255 bytes, not starting with a zero byte) is the peer id
     the far side's router sees instead of one it makes up; *security* is
     what a secure scheme needs to connect (ZeroMQ: a
@@ -353,7 +354,7 @@ def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
         raise TransportError(f"{endpoint!r}: a ZeroMQ peer's security is a CurveClient, "
                              f"not {type(security).__name__}")
     return ZmqDealer(endpoint, receiver, reactor, limits=limits, identity=identity,
-                     curve=security)
+                     curve=security, retryPolicy=retryPolicy)
 
 
 def _check_loopback(endpoint: str, role: str) -> None:

@@ -71,7 +71,7 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.policy import (
-    Backoff,
+    RECONNECT,
     Limits,
     LogThrottle,
     call_soon,
@@ -1102,11 +1102,6 @@ class _DealerConnection(FramedProtocol):
 
     def stopProducing(self) -> None:
         self.paused = False
-
-
-#: How a connecting side without a policy of its own paces reconnection:
-#: 0.5 s doubling to 32 s.
-RECONNECT = Backoff(initial=0.5, maximum=32.0)
 
 
 class _ReportingEndpoint:

@@ -36,7 +36,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, LogThrottle, cancel_call, default_reactor, held_bytes
+from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.flow import DrainWaiters
 
 if TYPE_CHECKING:
@@ -877,8 +877,13 @@ class ZmqDealer:
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), identity: Optional[bytes] = None,
-                 curve: Optional[CurveClient] = None) -> None:
+                 curve: Optional[CurveClient] = None,
+                 retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.reactor = reactor
+        #: attempt -> seconds: when to try again for a socket that could not
+        #: be had (ZeroMQ itself reconnects a socket it has)
+        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
+        self._reopening: Any = None
         self.curve = curve
         if curve is not None and identity is None:
             # under CURVE a peer id is not guessable: the server's ROUTER
@@ -943,11 +948,16 @@ class ZmqDealer:
 
         _, dealer_class = _connection_classes()
         connection = dealer_class(zmq_factory(), identity=self.identity)
-        connection.owner = self
-        _limit(connection, self.limits, native=False)
-        if self.curve is not None:
-            self.curve.apply(connection.socket)
-        connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect, self.address)])
+        try:
+            connection.owner = self
+            _limit(connection, self.limits, native=False)
+            if self.curve is not None:
+                self.curve.apply(connection.socket)
+            connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect,
+                                                       self.address)])
+        except BaseException:
+            connection.shutdown()  # (its socket and descriptor go with it)
+            raise
         self.connection = connection
         self.reactor.callLater(0, self._made, connection)
 
@@ -982,8 +992,21 @@ class ZmqDealer:
         if connection is not self.connection or connection is None:
             return  # closed, or replaced already
         self._shutdown()
-        self._open()
+        self._reopen(1)
         self.receiver.connectionLost(Failure(why))
+
+    def _reopen(self, attempt: int) -> None:
+        """Open a fresh socket; if none can be had (out of descriptors), say
+        so and try again after *retryPolicy*'s delay: the pipe is down
+        meanwhile, as a stream connection's is while it reconnects."""
+        self._reopening = None
+        try:
+            self._open()
+        except Exception as e:
+            delay = self.retryPolicy(attempt)
+            log.error("zmq dealer to {endpoint} cannot open a socket: {error}; tries again in "
+                      "{delay:g}s", endpoint=self.endpoint, error=e, delay=delay)
+            self._reopening = self.reactor.callLater(delay, self._reopen, attempt + 1)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         connection = self.connection
@@ -1015,6 +1038,7 @@ class ZmqDealer:
         self._backlog.clear()
         self._backlogBytes = 0
         self._retry = cancel_call(self._retry)
+        self._reopening = cancel_call(self._reopening)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
