@@ -528,8 +528,8 @@ class _ZmqPipe:
             self.failures += 1
             self.retryAt = now + delay
             self.loop.timed.add(self)
-            log.error("zmq dealer to {address} cannot open a socket: {error}; tries again in "
-                      "{delay:g}s", address=self.address, error=e, delay=delay)
+            log.warn("zmq dealer to {address} cannot open a socket: {error}; tries again in "
+                     "{delay:g}s", address=self.address, error=e, delay=delay)
             return False
         self.retryAt = None
         self.loop.timed.discard(self)

@@ -134,6 +134,7 @@ from mdp.errors import (
     NoServerAvailable,
     RemoteError,
     RequestTimeout,
+    TransportError,
 )
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
@@ -782,12 +783,37 @@ class AgentMachine(FreelanceMachine):
 @implementer(IDealerReceiver)
 class _Pipe:
     """A connection to one server whose replies go to the client's machine
-    (model 1: one per attempt; model 2: one per server)."""
+    (model 1: one per attempt; model 2: one per server).  If no socket can be
+    had (the process out of descriptors), that is logged and the next send
+    tries again: meanwhile what is sent there goes unanswered, as to a
+    server that is down, and the request moves on at its attempt's end."""
 
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
         self.client = client
-        self.transport = transport.connect(endpoint, self, client.reactor,
-                                           security=transport.curve_for(endpoint, client.curve))
+        self.endpoint = endpoint
+        self.transport: Any = None
+        self._open()
+
+    def _open(self) -> bool:
+        client, endpoint = self.client, self.endpoint
+        try:
+            self.transport = transport.connect(
+                endpoint, self, client.reactor, security=transport.curve_for(endpoint, client.curve))
+        except TransportError as e:
+            client.throttle.warn(log, "open", "Freelance client cannot open a connection to "
+                                 "{endpoint}: {error}; tries again at its next request",
+                                 endpoint=endpoint, error=e)
+            return False
+        return True
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.transport is not None or self._open():
+            self.transport.sendMessage(frames)
+
+    def close(self) -> defer.Deferred[None]:
+        closing = self.transport
+        self.transport = None
+        return defer.succeed(None) if closing is None else closing.close()
 
     def connectionMade(self) -> None:
         pass
@@ -816,6 +842,7 @@ class _FreelanceClient(FreelanceMachine):
     def _drive(self, reactor: Optional[Any], endpoints: Union[str, Sequence[str]]) -> None:
         self.reactor = default_reactor(reactor)
         self.now = self.reactor.seconds()
+        self.throttle = LogThrottle(self.reactor)
         self.pipes: dict[Any, _Pipe] = {}
         self._timers: dict[tuple[bytes, str], Any] = {}
         for endpoint in transport.endpoint_list(endpoints, empty=True):  # all checked before any is used
@@ -880,7 +907,7 @@ class _FreelanceClient(FreelanceMachine):
             elif kind is SendPipe:
                 pipe = self.pipes.get(action.key)
                 if pipe is not None:
-                    pipe.transport.sendMessage(action.frames)
+                    pipe.send(action.frames)
             elif kind is Resolve:
                 action.call.deferred.callback(action.frames)
             elif kind is Reject:
@@ -890,7 +917,7 @@ class _FreelanceClient(FreelanceMachine):
             elif kind is ClosePipe:
                 pipe = self.pipes.pop(action.key, None)
                 if pipe is not None:
-                    closing.append(pipe.transport.close())
+                    closing.append(pipe.close())
             elif kind is ConnectPeer:
                 self.router.connect(action.endpoint)
         return closing

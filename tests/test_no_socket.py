@@ -4,15 +4,17 @@ stops for good, nor waits forever on a pipe that nobody reopens."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import pytest_twisted
 import zmq
 from twisted.internet import task
-from twisted.logger import formatEvent
+from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 
 from mdp import HeartbeatPolicy, Worker, errors
 from mdp.blocking import Client
@@ -64,6 +66,22 @@ class Events:
         self.told.append(frames)
 
 
+@contextlib.contextmanager
+def warnings_logged() -> Iterator[list[dict]]:
+    """Collect the log events of level warning and above."""
+    events: list[dict] = []
+
+    def observe(event: dict) -> None:
+        if event.get("log_level") in (LogLevel.warn, LogLevel.error, LogLevel.critical):
+            events.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    try:
+        yield events
+    finally:
+        globalLogPublisher.removeObserver(observe)
+
+
 def logged(events: list[dict], text: str) -> list[str]:
     return [line for line in map(formatEvent, events) if text in line]
 
@@ -73,14 +91,17 @@ def test_a_zmq_dealer_without_a_fresh_socket_tries_again(monkeypatch: Any) -> No
     no fresh one can be had it says so, tells its receiver the pipe is lost,
     and tries again after its retry policy's delay (it used to raise out of a
     timer, its receiver never told, the pipe dead for good)."""
+    import mdp.transport
+
     clock = task.Clock()
     receiver = Events()
-    dealer = ZmqDealer("zmq:inproc://no-socket-dealer", receiver, clock)
+    dealer = mdp.transport.connect("zmq:inproc://no-socket-dealer", receiver, clock,
+                                   retryPolicy=lambda attempt: 1.5 * attempt)
     try:
         clock.advance(0)
         assert receiver.told == ["made"]
         opened = ZmqDealer._open
-        failing = [1]
+        failing = [1, 1]
 
         def flaky(self: ZmqDealer) -> None:
             if failing:
@@ -89,15 +110,18 @@ def test_a_zmq_dealer_without_a_fresh_socket_tries_again(monkeypatch: Any) -> No
             opened(self)
 
         monkeypatch.setattr(ZmqDealer, "_open", flaky)
-        with failures_logged() as events:
+        with warnings_logged() as events:
             dealer.oversized(None, 2, 10**9)
             clock.advance(0)
-        assert receiver.told == ["made", errors.OversizedMessage]
-        assert dealer.connection is None
-        assert logged(events, "cannot open a socket") and logged(events, "tries again in 0.5s")
-        clock.advance(0.49)
+            assert receiver.told == ["made", errors.OversizedMessage]
+            assert dealer.connection is None
+            assert logged(events, "cannot open a socket") and logged(events, "again in 1.5s")
+            clock.advance(1.5)  # fails again: the policy's second delay
+            assert dealer.connection is None
+            assert logged(events, "again in 3s")
+        clock.advance(2.99)
         assert receiver.told[-1] is errors.OversizedMessage
-        clock.advance(0.01)  # the retry: a socket, and the pipe up once more
+        clock.advance(0.01)  # a socket at last, and the pipe up once more
         clock.advance(0)
         assert receiver.told == ["made", errors.OversizedMessage, "made"]
         assert dealer.connection is not None
@@ -115,9 +139,10 @@ def test_closing_a_dealer_that_waits_for_a_socket_ends_its_retries(monkeypatch: 
         raise out_of_descriptors()
 
     monkeypatch.setattr(ZmqDealer, "_open", never)
-    with failures_logged():
+    with warnings_logged() as events:
         dealer.oversized(None, 2, 10**9)
         clock.advance(0)
+        assert logged(events, "tries again in 0.5s")  # mdp.policy.RECONNECT, by default
         assert clock.getDelayedCalls()  # the next try
         dealer.close()
     assert not clock.getDelayedCalls()
@@ -179,7 +204,7 @@ def test_a_blocking_client_pipe_without_a_fresh_socket_tries_again(broker: Scrip
     (it used to stay down: that request timed out once)."""
     context = FlakyContext()
     try:
-        with failures_logged() as events, Client(
+        with warnings_logged() as events, Client(
                 broker.endpoint, timeout=5, retries=1, maxConnections=1,
                 limits=Limits(maxMessageBytes=1 << 20), context=context) as client:
             assert client.request("s", b"warm") == [b"warm"]
@@ -191,6 +216,30 @@ def test_a_blocking_client_pipe_without_a_fresh_socket_tries_again(broker: Scrip
             assert client.request("s", b"after") == [b"after"]
             assert not client._loop.timed
     finally:
+        context.term()
+
+
+def test_closing_a_blocking_client_whose_pipe_waits_for_a_socket(broker: ScriptedBroker) -> None:
+    """Closed while its pipe waits to try again: nothing is tried later."""
+    context = FlakyContext()
+    client = Client(broker.endpoint, timeout=5, retries=1, maxConnections=1,
+                    limits=Limits(maxMessageBytes=1 << 20), context=context)
+    try:
+        with warnings_logged():
+            assert client.request("s", b"warm") == [b"warm"]
+            (channel,) = client._channels
+            pipe = channel.pipe
+            context.failing = 1
+            with pytest.raises(errors.ReplyTooLarge):
+                client.request("s", b"huge")
+            assert pipe.socket is None and pipe.retryAt is not None
+            assert client._loop.timed == {pipe}
+            client.close()
+        assert not client._loop.timed and pipe.retryAt is None
+        pipe.wake(pipe.retryAt or 1e18)  # a late wake-up opens nothing
+        assert pipe.socket is None
+    finally:
+        client.close()
         context.term()
 
 
@@ -227,3 +276,50 @@ def test_a_blocking_worker_that_cannot_open_its_pipe_says_so_and_tries_again() -
     assert not thread.is_alive() and not crashed
     assert context.refused == 1
     assert logged(events, f"cannot connect to {endpoint!r}")
+
+
+# --- Freelance --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [1, 2])
+@pytest_twisted.ensureDeferred
+async def test_a_freelance_client_without_a_socket_moves_on_and_tries_again(
+        clocknet: LoopbackNet, monkeypatch: Any, model: int) -> None:
+    """The first connection to server "a" cannot be opened: logged, and the
+    request still gets its reply (model 1 from "b" once the attempt at "a"
+    ends; model 2 from either, "a" being opened again at the next send).
+    It used to raise out of ``request()`` (model 1: and out of the attempt's
+    timer, the request never ending) or out of the constructor (model 2)."""
+    import mdp.transport
+    from mdp.freelance import freelance_client
+    from tests.test_freelance import start_server
+
+    servers = [await start_server(clocknet, name) for name in ("a", "b")]
+    connect = mdp.transport.connect
+    refused: list[str] = []
+
+    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        if endpoint == servers[0].endpoint and len(refused) < 2:
+            refused.append(endpoint)
+            raise errors.TransportError(f"cannot connect to {endpoint!r}: too many open files")
+        return connect(endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(mdp.transport, "connect", flaky)
+    with warnings_logged() as events:
+        client = freelance_client([s.endpoint for s in servers], model, clocknet.reactor,
+                                  timeout=1.0)
+        clocknet.addCleanup(client.close)
+        reply = client.request(b"req")
+        clocknet.advance(0)
+    # opened, and again at the send: the attempt at "a" goes unanswered
+    assert logged(events, f"cannot open a connection to {servers[0].endpoint}")
+    assert refused == [servers[0].endpoint] * 2
+    if model == 1:
+        assert not reply.called
+        clocknet.advance(1.0)
+    assert await clocknet.wait(reply) == [b"b", b"req"]
+    if model == 2:  # "a" is opened at the next send, and answers too
+        assert (await clocknet.wait(client.request(b"again")))[1:] == [b"again"]
+        assert all(pipe.transport is not None for pipe in client.links.values())
+        clocknet.advance(0)
+        assert servers[0].served == 1
+    assert refused == [servers[0].endpoint] * 2

@@ -329,8 +329,9 @@ class WorkerMachine(Machine):
         decides, and the worker reconnects with its backoff."""
         self.now = now
         log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
-                  "tries again after {expiry:g}s of silence", service=label(self.service),
-                  endpoint=self.endpoint, error=error, expiry=self.heartbeat.expiry)
+                  "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
+                  service=label(self.service), endpoint=self.endpoint, error=error,
+                  expiry=self.heartbeat.expiry)
         return self._drain()
 
     def handlePipeLost(self, now: float) -> list[Action]:
@@ -614,12 +615,13 @@ class Worker(WorkerMachine):
                     defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
                         lambda f: log.failure("reply store could not keep a reply", f))
             elif kind is OpenPipe:
+                security = transport.curve_for(action.endpoint, self.curve)
                 try:
                     self.transport = transport.connect(
                         action.endpoint, self, self.reactor,
                         retryPolicy=self.backoff.retryPolicy(), limits=self.limits,
-                        security=transport.curve_for(action.endpoint, self.curve))
-                except TransportError as e:
+                        security=security)
+                except TransportError as e:  # no socket to be had (out of descriptors)
                     self._perform(self.handleOpenFailed(e, self.reactor.seconds()))
             elif kind is ClosePipe:
                 pipe, self.transport = self.transport, None

@@ -1004,8 +1004,9 @@ class ZmqDealer:
             self._open()
         except Exception as e:
             delay = self.retryPolicy(attempt)
-            log.error("zmq dealer to {endpoint} cannot open a socket: {error}; tries again in "
-                      "{delay:g}s", endpoint=self.endpoint, error=e, delay=delay)
+            self.throttle.warn(log, "reopen", "zmq dealer to {endpoint} cannot open a socket: "
+                               "{error}; tries again in {delay:g}s", endpoint=self.endpoint,
+                               error=e, delay=delay)
             self._reopening = self.reactor.callLater(delay, self._reopen, attempt + 1)
 
     def sendMessage(self, frames: list[bytes]) -> None:
