@@ -791,28 +791,30 @@ class _Pipe:
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
         self.client = client
         self.endpoint = endpoint
+        self.security = transport.curve_for(endpoint, client.curve)
         self.transport: Any = None
+        self.closed = False
         self._open()
 
     def _open(self) -> bool:
         client, endpoint = self.client, self.endpoint
         try:
-            self.transport = transport.connect(
-                endpoint, self, client.reactor, security=transport.curve_for(endpoint, client.curve))
-        except TransportError as e:
-            client.throttle.warn(log, "open", "Freelance client cannot open a connection to "
-                                 "{endpoint}: {error}; tries again at its next request",
-                                 endpoint=endpoint, error=e)
+            self.transport = transport.connect(endpoint, self, client.reactor,
+                                               security=self.security)
+        except TransportError as e:  # no socket to be had (out of descriptors)
+            client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
+                                 "it sends there goes unanswered until a connection opens",
+                                 error=e)
             return False
         return True
 
     def send(self, frames: list[bytes]) -> None:
-        if self.transport is not None or self._open():
+        if self.transport is not None or (not self.closed and self._open()):
             self.transport.sendMessage(frames)
 
     def close(self) -> defer.Deferred[None]:
-        closing = self.transport
-        self.transport = None
+        closing, self.transport = self.transport, None
+        self.closed = True
         return defer.succeed(None) if closing is None else closing.close()
 
     def connectionMade(self) -> None:
@@ -852,6 +854,7 @@ class _FreelanceClient(FreelanceMachine):
         """Add a server (:class:`~mdp.errors.TransportError` at once for a
         malformed endpoint)."""
         transport.check(endpoint, transport.CONNECT)
+        transport.curve_for(endpoint, self.curve)  # (a session+zmq: one cannot have it)
         self._perform(self.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,

@@ -254,6 +254,23 @@ def test_curve_files_are_checked_at_once(tmp_path: Path) -> None:
     assert oct(Path(secret).stat().st_mode & 0o777) == "0o600"
 
 
+def test_curve_keys_with_a_session_endpoint_in_a_list_are_refused_at_once(
+        tmp_path: Path) -> None:
+    """Not at the first failover to that endpoint (out of a timer)."""
+    from mdp import Worker
+    from mdp.freelance import freelance_client
+
+    public, secret = keygen("node", str(tmp_path))
+    endpoints = ["zmq:tcp://127.0.0.1:5555", "session+zmq:tcp://127.0.0.1:5556"]
+    keys = {"curveServerPublic": public, "curveSecret": secret}
+    for make in (lambda: Worker(endpoints, "svc", lambda f: f, reactor(), **keys),
+                 lambda: Client(endpoints, reactor(), **keys),
+                 lambda: freelance_client(endpoints, 1, reactor(), **keys),
+                 lambda: freelance_client(endpoints, 2, reactor(), **keys)):
+        with pytest.raises(TransportError, match="CURVE is not available on session"):
+            make()
+
+
 @pytest.mark.parametrize("model", [1, 2, 3])
 @pytest_twisted.ensureDeferred
 async def test_freelance_servers_take_curve_keys_too(tmp_path: Path, model: int) -> None:

@@ -113,13 +113,16 @@ def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
     """A connecting node's CURVE arguments (``curveServerPublic``,
     ``curveSecret``) as a :class:`~mdp.transport.curve.CurveClient`, or None
     without a server key; ``ValueError`` if none of its *endpoints* would use
-    them."""
+    them, :class:`TransportError` if one of them cannot (:func:`curve_for`):
+    said now, not at a reconnection to that endpoint."""
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
     if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
         raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
                          "ssl: (TLS) instead")
+    for endpoint in endpoints:
+        curve_for(endpoint, curve)
     return curve
 
 
