@@ -71,6 +71,22 @@ def inner_limits(limits: Limits) -> Limits:
                         maxOutputBytes=2 * limits.maxOutputBytes + OVERHEAD_BYTES)
 
 
+def kept_frames(frames: Any) -> tuple[bytes, ...]:
+    """*frames* as a session keeps them until they are acknowledged: bytes
+    (a ``bytearray`` or ``memoryview`` copied, as it could change before a
+    resend); ``TypeError`` at once for a frame that is neither, which,
+    numbered and kept, would fail every resend and hold back every message
+    after it."""
+    kept = []
+    for index, frame in enumerate(frames):
+        if frame.__class__ is not bytes:
+            if not isinstance(frame, (bytes, bytearray, memoryview)):
+                raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
+            frame = bytes(frame)
+        kept.append(frame)
+    return tuple(kept)
+
+
 def routing_bytes(routingId: int) -> bytes:
     """The peer id a session's routing id is reported as (4 bytes)."""
     return routingId.to_bytes(4, "big")
@@ -190,9 +206,9 @@ class SessionRouter(_End):
                                "message for session {id}: {reason}", endpoint=self.endpoint,
                                id=routing_id(peer), reason=reason)
             return
+        kept = kept_frames(frames)
         try:
-            self._perform(self.machine.reply(routing_id(peer), tuple(frames),
-                                             self.reactor.seconds()))
+            self._perform(self.machine.reply(routing_id(peer), kept, self.reactor.seconds()))
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
@@ -337,13 +353,14 @@ class SessionDealer(_End):
         """Send *frames* in the session; :class:`SessionQueueFull` if it holds
         its limit of messages not yet acknowledged, :class:`RequestTooLarge`
         over *limits* (a message the far side would refuse would otherwise
-        be resent after every reconnection); nothing is queued then."""
+        be resent after every reconnection), ``TypeError`` for a frame that
+        is not bytes; nothing is queued then."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
         reason = self.limits.refuse(frames)
         if reason is not None:
             raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
-        self._perform(self.machine.send(tuple(frames), self._now()))
+        self._perform(self.machine.send(kept_frames(frames), self._now()))
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.closed:

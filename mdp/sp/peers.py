@@ -228,7 +228,12 @@ class SPServer:
 
         def done(reply: Any) -> None:
             if isinstance(reply, str):
-                reply = reply.encode("utf-8")
+                try:
+                    reply = reply.encode("utf-8")
+                except UnicodeEncodeError as e:  # (a lone surrogate): its request is let go
+                    log.error("SP handler returned a str UTF-8 cannot encode ({error}); no reply",
+                              error=e)
+                    reply = None
             if reply is not None and not isinstance(reply, (bytes, bytearray)):
                 log.error("SP handler returned {kind}, not bytes; no reply",
                           kind=type(reply).__name__)

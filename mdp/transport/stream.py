@@ -1160,10 +1160,15 @@ class _OneConnection:
     queue: deque[Any]
     queuedBytes: int
     _throttle: LogThrottle
+    framing: Any
 
     def _keep(self, item: Any, frames: list[bytes]) -> None:
         """Queue *item* (carrying *frames*) for the next connection, or
-        refuse it with a warning past the bounds."""
+        refuse it with a warning past the bounds.  A frame the connection
+        could not send (not bytes) raises ``TypeError`` here, as it does
+        while connected: queued, it would fail the next connection's start
+        and lose what waits behind it."""
+        self.framing.encode(frames)
         size = held_bytes(frames)
         if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
@@ -1237,7 +1242,13 @@ class StreamDealer(_OneConnection):
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto
         proto.onMessage = self.receiver.messageReceived
-        self.receiver.connectionMade()
+        try:
+            self.receiver.connectionMade()
+        except Exception:
+            # logged, and the connection stands: raised, it would be left
+            # half made, and never made again once lost
+            log.failure("stream dealer to {endpoint}: its receiver's connectionMade failed",
+                        endpoint=self.endpoint)
         while self.queue and self.protocol is proto:
             proto.sendFrames(self.queue.popleft())
         if not self.queue:
@@ -1373,7 +1384,11 @@ class _StreamChannel:
         self._call = cancel_call(self._call)
         if not self.closed and not self.up and self.link.protocol is not None:
             self.up = True
-            self.receiver.connectionMade()
+            try:
+                self.receiver.connectionMade()
+            except Exception:  # logged: the connection and its other channels stand
+                log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
+                            endpoint=self.link.endpoint)
 
     def _down(self, reason: object) -> None:
         self._call = cancel_call(self._call)
