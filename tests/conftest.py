@@ -210,13 +210,13 @@ async def raw_router(net: Net) -> RawRouter:
 
 
 @contextlib.contextmanager
-def failures_logged() -> Iterator[list[dict]]:
-    """Collect log events that carry a failure or are errors."""
+def logged_at(levels: tuple[str, ...]) -> Iterator[list[dict]]:
+    """Collect the log events at one of *levels* (names of ``LogLevel``s)
+    or carrying a failure."""
     events: list[dict] = []
 
     def observe(event: dict) -> None:
-        level = getattr(event.get("log_level"), "name", "")
-        if "log_failure" in event or level in ("error", "critical"):
+        if "log_failure" in event or getattr(event.get("log_level"), "name", "") in levels:
             events.append(event)
 
     globalLogPublisher.addObserver(observe)
@@ -224,6 +224,16 @@ def failures_logged() -> Iterator[list[dict]]:
         yield events
     finally:
         globalLogPublisher.removeObserver(observe)
+
+
+def failures_logged() -> Any:
+    """Collect log events that carry a failure or are errors."""
+    return logged_at(("error", "critical"))
+
+
+def warnings_logged() -> Any:
+    """Collect the log events of level warning and above."""
+    return logged_at(("warn", "error", "critical"))
 
 
 #: what a scripted broker does with a request from a peer: the replies to

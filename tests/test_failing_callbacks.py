@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.logger import formatEvent
 
 from mdp.policy import Backoff
 from mdp.transport.stream import StreamChannels, StreamDealer, StreamRouter
-from tests.conftest import RealNet, failures_logged
+from tests.conftest import RealNet, failures_logged, warnings_logged
 
 RETRY = Backoff(initial=0.05, maximum=0.1).retryPolicy()
 
@@ -186,3 +187,41 @@ async def test_an_sp_reply_that_cannot_be_encoded_lets_its_request_go(tcp: RealN
         await tcp.until(lambda: bool(failures))
         assert await tcp.wait(client.request(b"ok"), timeout=10) == b"OK"
     assert "UTF-8 cannot encode" in str(failures[0].get("log_format"))
+
+
+# --- the Freelance agent's connecting router --------------------------------------------
+
+@pytest.mark.parametrize("net", ["tcp", "zmq"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_an_agent_connects_again_to_a_server_it_had_no_socket_for(
+        net: Any, monkeypatch: Any) -> None:
+    """The first connection to the server cannot be made (a raw
+    ``zmq.ZMQError``, out of descriptors): logged, and made at the agent's
+    next PING, so the request is answered (it raised out of ``connect()``,
+    and the server was never connected)."""
+    import errno
+
+    import zmq
+
+    from mdp.freelance import freelance_client
+    from mdp.transport.peers import PeerRouter
+    from tests.test_freelance import FAST, start_server
+
+    server = await start_server(net, "a")
+    opened = PeerRouter._connect
+    refused: list[str] = []
+
+    def flaky(self: PeerRouter, endpoint: str, zmq_: bool) -> None:
+        if not refused:
+            refused.append(endpoint)
+            raise zmq.ZMQError(errno.EMFILE)
+        opened(self, endpoint, zmq_)
+
+    monkeypatch.setattr(PeerRouter, "_connect", flaky)
+    with warnings_logged() as warnings:
+        client = freelance_client([server.endpoint], 3, net.reactor, **FAST)
+        net.addCleanup(client.close)
+        assert await net.wait(client.request(b"req"), timeout=10) == [b"a", b"req"]
+    assert refused == [server.endpoint]
+    assert any(f"cannot connect to {server.endpoint}" in formatEvent(e) for e in warnings)
+    assert not client.router.unconnected

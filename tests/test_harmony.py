@@ -186,6 +186,36 @@ async def test_a_listed_peer_that_comes_later_is_found(lan: Lan) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_listed_peer_whose_link_cannot_be_opened_is_dialled_again(
+        lan: Lan, monkeypatch: Any) -> None:
+    """No socket for the first link to a listed endpoint (out of
+    descriptors): logged, and that endpoint is dialled again once
+    ``expired`` has passed, as one where nobody answers (it was dropped
+    from the dials for good: the peers never met)."""
+    from mdp.errors import TransportError
+    from mdp.harmony import node as harmony_node
+
+    endpoints = ["loopback:10.3.0.1:7001", "loopback:10.3.0.2:7002"]
+    bob = await lan.node("bob", discovery=EndpointDiscovery([]), endpoint=endpoints[1])
+    connect = harmony_node.connect
+    refused: list[str] = []
+
+    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        if not refused:
+            refused.append(endpoint)
+            raise TransportError(f"cannot connect to {endpoint!r}: too many open files")
+        return connect(endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(harmony_node, "connect", flaky)
+    alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
+                           endpoint=endpoints[0], expired=6.0)
+    lan.net.advance(1)
+    assert refused and not alice.peers() and not bob.peers()
+    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid],
+                        timeout=10)
+
+
+@pytest_twisted.ensureDeferred
 async def test_twenty_nodes_form_a_full_mesh_and_a_shout_reaches_all(lan: Lan) -> None:
     nodes = [await lan.node(f"n{i}", "all") for i in range(20)]
     await lan.net.until(lambda: all(len(n.peers()) == 19 for n in nodes), timeout=3)

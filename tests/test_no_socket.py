@@ -4,17 +4,15 @@ stops for good, nor waits forever on a pipe that nobody reopens."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import pytest_twisted
 import zmq
 from twisted.internet import task
-from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 
 from mdp import HeartbeatPolicy, Worker, errors
 from mdp.blocking import Client
@@ -22,7 +20,14 @@ from mdp.blocking import Worker as BlockingWorker
 from mdp.majordomo import codec
 from mdp.policy import Backoff, Limits
 from mdp.transport.zeromq import ZmqDealer
-from tests.conftest import LoopbackNet, ScriptedBroker, ScriptReply, failures_logged, raw_router
+from tests.conftest import (
+    LoopbackNet,
+    ScriptedBroker,
+    ScriptReply,
+    failures_logged,
+    raw_router,
+    warnings_logged,
+)
 
 FINAL = b"\x03"
 
@@ -64,22 +69,6 @@ class Events:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self.told.append(frames)
-
-
-@contextlib.contextmanager
-def warnings_logged() -> Iterator[list[dict]]:
-    """Collect the log events of level warning and above."""
-    events: list[dict] = []
-
-    def observe(event: dict) -> None:
-        if event.get("log_level") in (LogLevel.warn, LogLevel.error, LogLevel.critical):
-            events.append(event)
-
-    globalLogPublisher.addObserver(observe)
-    try:
-        yield events
-    finally:
-        globalLogPublisher.removeObserver(observe)
 
 
 def logged(events: list[dict], text: str) -> list[str]:

@@ -330,14 +330,16 @@ class HarmonyMachine(Machine):
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
         """The link *link* could not be opened (a peer announced an endpoint
-        we cannot reach): forget that peer or dial."""
+        we cannot reach, or no socket could be had): forget that peer.  An
+        endpoint of the list is dialled again, as one where nobody answers:
+        its dial stays, and the tick dials it once ``expired`` has passed."""
         self.now = now
         for peer in list(self.peers.values()):
             if peer.link == link:
-                self._remove(peer, "its endpoint cannot be reached", redial=False)
-        for endpoint, dial in list(self.dials.items()):
+                self._remove(peer, "its endpoint cannot be reached")
+        for dial in self.dials.values():
             if dial.link == link:
-                del self.dials[endpoint]
+                dial.since = now
         return self._drain()
 
     # --- what peers say ---------------------------------------------------------

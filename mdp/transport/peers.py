@@ -9,11 +9,14 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from twisted.internet import defer
+from twisted.logger import Logger
 from zope.interface import implementer
 
 from mdp import transport
 from mdp.interfaces import IDealerTransport, IPeerRouterReceiver, IPeerRouterTransport
-from mdp.policy import Backoff, Limits, default_reactor
+from mdp.policy import Backoff, Limits, LogThrottle, default_reactor
+
+log = Logger(namespace=__name__)
 
 
 class _Pipe:
@@ -52,11 +55,30 @@ class PeerRouter:
         self.limits = limits
         self.pipes: dict[str, tuple[_Pipe, IDealerTransport]] = {}
         self.zmq: Optional[Any] = None
+        #: servers whose connection could not be opened (no socket to be had):
+        #: tried again at the next message for them
+        self.unconnected: set[str] = set()
+        self.throttle = LogThrottle(self.reactor)
 
     def connect(self, endpoint: str) -> None:
+        """Connect to the server at *endpoint*; if no socket can be had (out
+        of descriptors), say so and try again at the next message for it
+        (the agent PINGs each server every interval)."""
         if endpoint in self.pipes or (self.zmq is not None and endpoint in self.zmq.endpoints):
             return
-        if transport.lookup(endpoint, transport.CONNECT).name == "zmq":
+        zmq = transport.lookup(endpoint, transport.CONNECT).name == "zmq"  # (bad ones raise)
+        try:
+            self._connect(endpoint, zmq)
+        except Exception as e:  # zmq.ZMQError, TransportError, ...
+            self.unconnected.add(endpoint)
+            self.throttle.warn(log, f"connect {endpoint}", "connecting router: cannot connect "
+                               "to {endpoint}: {error}; tries again at its next message",
+                               endpoint=endpoint, error=e)
+        else:
+            self.unconnected.discard(endpoint)
+
+    def _connect(self, endpoint: str, zmq: bool) -> None:
+        if zmq:
             if self.zmq is None:
                 from mdp.transport.zeromq import ZmqPeerRouter
 
@@ -70,6 +92,10 @@ class PeerRouter:
             endpoint, pipe, self.reactor, retryPolicy=RECONNECT.retryPolicy(), limits=self.limits))
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
+        if endpoint in self.unconnected:
+            self.connect(endpoint)
+            if endpoint in self.unconnected:
+                return  # (as a ROUTER drops what it cannot route)
         entry = self.pipes.get(endpoint)
         if entry is not None:
             pipe, dealer = entry
@@ -81,6 +107,7 @@ class PeerRouter:
     def close(self) -> defer.Deferred[None]:
         closing = [dealer.close() for _, dealer in self.pipes.values()]
         self.pipes.clear()
+        self.unconnected.clear()
         if self.zmq is not None:
             closing.append(self.zmq.close())
             self.zmq = None
