@@ -98,26 +98,30 @@ async def test_a_receiver_whose_connection_made_raises_keeps_its_connection(
     await tcp.wait(dealer.close())
 
 
+@pytest.mark.parametrize("kind", ["dealer", "channels"])
 @pytest_twisted.ensureDeferred
 async def test_a_frame_that_is_not_bytes_is_refused_while_down_too(
-        tcp: RealNet, tmp_path: Any) -> None:
+        tcp: RealNet, tmp_path: Any, kind: str) -> None:
     """Sent while the connection is down, a message with a ``str`` frame
     raises ``TypeError`` at the call, as while it is up; the messages around
     it go out (it used to be queued, fail the next connection's start, and
     take the messages behind it along)."""
     server = Server()
     endpoint = f"unix:path={tmp_path / 'd.sock'}"
-    dealer = StreamDealer(endpoint, Receiver(), tcp.reactor, retryPolicy=RETRY)
+    if kind == "dealer":
+        dealer = pipe = StreamDealer(endpoint, Receiver(), tcp.reactor, retryPolicy=RETRY)
+    else:
+        dealer = StreamChannels(endpoint, tcp.reactor, retryPolicy=RETRY)
+        pipe = dealer.open(Client())
     tcp.addCleanup(dealer.close)
-    dealer.sendMessage([b"one"])
+    pipe.sendMessage([b"one"])
     with pytest.raises(TypeError):
-        dealer.sendMessage(["two"])  # type: ignore[list-item]
-    dealer.sendMessage([b"three"])
+        pipe.sendMessage(["two"])  # type: ignore[list-item]
+    pipe.sendMessage([b"three"])
     assert len(dealer.queue) == 2
     with failures_logged():
         await listening(tcp, server, endpoint)
         await tcp.until(lambda: server.got == [[b"one"], [b"three"]])
-    assert dealer.connected
 
 
 # --- sessions -----------------------------------------------------------------------------

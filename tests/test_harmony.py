@@ -216,6 +216,37 @@ async def test_a_listed_peer_whose_link_cannot_be_opened_is_dialled_again(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_peer_met_on_a_dial_whose_link_failed_gets_a_link_of_its_own(
+        lan: Lan, monkeypatch: Any) -> None:
+    """Alice's link to bob cannot be opened, then bob's HELLO reaches her:
+    she opens a new link to him rather than take over the one that failed
+    (on it, all she sent him was lost until he expired)."""
+    from mdp.errors import TransportError
+    from mdp.harmony import node as harmony_node
+
+    endpoints = ["loopback:10.4.0.1:7001", "loopback:10.4.0.2:7002"]
+    connect = harmony_node.connect
+    refused: list[str] = []
+
+    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        if not refused and endpoint.endswith(":7002"):
+            refused.append(endpoint)
+            raise TransportError(f"cannot connect to {endpoint!r}: too many open files")
+        return connect(endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(harmony_node, "connect", flaky)
+    alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
+                           endpoint=endpoints[0], expired=30.0)
+    bob = await lan.node("bob", discovery=EndpointDiscovery(endpoints[:1]),
+                         endpoint=endpoints[1], expired=30.0)
+    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid],
+                        timeout=5)
+    assert refused
+    alice.whisper(bob.uuid, b"psst")
+    await lan.net.until(lambda: ("WHISPER", None) in kinds(bob), timeout=1)
+
+
+@pytest_twisted.ensureDeferred
 async def test_twenty_nodes_form_a_full_mesh_and_a_shout_reaches_all(lan: Lan) -> None:
     nodes = [await lan.node(f"n{i}", "all") for i in range(20)]
     await lan.net.until(lambda: all(len(n.peers()) == 19 for n in nodes), timeout=3)

@@ -171,6 +171,8 @@ class _Dial:
     sent: int
     #: when the HELLO went
     since: float = 0.0
+    #: its link could not be opened: nothing goes on it, and the tick dials again
+    failed: bool = False
 
 
 class HarmonyMachine(Machine):
@@ -340,6 +342,7 @@ class HarmonyMachine(Machine):
         for dial in self.dials.values():
             if dial.link == link:
                 dial.since = now
+                dial.failed = True
         return self._drain()
 
     # --- what peers say ---------------------------------------------------------
@@ -462,7 +465,8 @@ class HarmonyMachine(Machine):
         self.now = now
         for dial in list(self.dials.values()):
             if now - dial.since >= self.expired:
-                log.info("ZRE: no HELLO from {endpoint} in {silence:.0f} s; dialling it again",
+                log.info("ZRE: {why} {endpoint} in {silence:.0f} s; dialling it again",
+                         why="no link to" if dial.failed else "no HELLO from",
                          endpoint=dial.endpoint, silence=now - dial.since)
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
@@ -517,6 +521,9 @@ class HarmonyMachine(Machine):
             same_port = [d for d in self.dials.values()
                          if endpoint_port(d.endpoint) == endpoint_port(endpoint)]
             dial = same_port[0] if len(same_port) == 1 else None
+        if dial is not None and dial.failed:  # no link to take over: a new one
+            del self.dials[dial.endpoint]
+            dial = None
         if dial is not None:
             del self.dials[dial.endpoint]
             peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)
@@ -553,6 +560,8 @@ class HarmonyMachine(Machine):
         for peer in self.peers.values():
             self._send(peer, message)
         for dial in self.dials.values():
+            if dial.failed:
+                continue
             dial.sent = codec.next_sequence(dial.sent)
             self._emit(SendOn(dial.link, codec.encode(codec.with_sequence(message, dial.sent))))
 

@@ -1164,11 +1164,10 @@ class _OneConnection:
 
     def _keep(self, item: Any, frames: list[bytes]) -> None:
         """Queue *item* (carrying *frames*) for the next connection, or
-        refuse it with a warning past the bounds.  A frame the connection
-        could not send (not bytes) raises ``TypeError`` here, as it does
-        while connected: queued, it would fail the next connection's start
-        and lose what waits behind it."""
-        self.framing.encode(frames)
+        refuse it with a warning past the bounds.  A message the connection
+        could not send (a frame that is not bytes: ``TypeError``) raises
+        here, as it does while connected: queued, it would fail the next
+        connection's start and lose what waits behind it."""
         size = held_bytes(frames)
         if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
@@ -1176,6 +1175,7 @@ class _OneConnection:
                                 kind=self.kind, endpoint=self.endpoint, count=len(self.queue),
                                 bytes=self.queuedBytes)
             return
+        self.framing.encode(frames)
         self.queue.append(item)
         self.queuedBytes += size
 
