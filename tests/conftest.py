@@ -236,6 +236,26 @@ def warnings_logged() -> Any:
     return logged_at(("warn", "error", "critical"))
 
 
+def refuse_connections(monkeypatch: Any, module: Any, times: int = 1,
+                       to: Callable[[str], bool] = lambda endpoint: True) -> list[str]:
+    """Make *module*'s ``connect(endpoint, ...)`` raise ``TransportError``,
+    as when the process is out of descriptors, for the first *times*
+    endpoints that *to* accepts; returns the endpoints refused, as they are."""
+    from mdp.errors import TransportError
+
+    connect = module.connect
+    refused: list[str] = []
+
+    def refusing(endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        if len(refused) < times and to(endpoint):
+            refused.append(endpoint)
+            raise TransportError(f"cannot connect to {endpoint!r}: too many open files")
+        return connect(endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(module, "connect", refusing)
+    return refused
+
+
 #: what a scripted broker does with a request from a peer: the replies to
 #: send, (peer, command, body) each
 ScriptReply = tuple[bytes, bytes, list[bytes]]

@@ -15,6 +15,7 @@ from twisted.internet import defer, task
 from mdp.errors import TransportError
 from mdp.harmony import BeaconDiscovery, EndpointDiscovery, Event, Node, UnknownPeer, codec
 from mdp.transport import datagram
+from tests.conftest import refuse_connections
 
 _lans = itertools.count(1)
 
@@ -192,21 +193,11 @@ async def test_a_listed_peer_whose_link_cannot_be_opened_is_dialled_again(
     descriptors): logged, and that endpoint is dialled again once
     ``expired`` has passed, as one where nobody answers (it was dropped
     from the dials for good: the peers never met)."""
-    from mdp.errors import TransportError
     from mdp.harmony import node as harmony_node
 
     endpoints = ["loopback:10.3.0.1:7001", "loopback:10.3.0.2:7002"]
     bob = await lan.node("bob", discovery=EndpointDiscovery([]), endpoint=endpoints[1])
-    connect = harmony_node.connect
-    refused: list[str] = []
-
-    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        if not refused:
-            refused.append(endpoint)
-            raise TransportError(f"cannot connect to {endpoint!r}: too many open files")
-        return connect(endpoint, *args, **kwargs)
-
-    monkeypatch.setattr(harmony_node, "connect", flaky)
+    refused = refuse_connections(monkeypatch, harmony_node)
     alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
                            endpoint=endpoints[0], expired=6.0)
     lan.net.advance(1)
@@ -221,20 +212,10 @@ async def test_a_peer_met_on_a_dial_whose_link_failed_gets_a_link_of_its_own(
     """Alice's link to bob cannot be opened, then bob's HELLO reaches her:
     she opens a new link to him rather than take over the one that failed
     (on it, all she sent him was lost until he expired)."""
-    from mdp.errors import TransportError
     from mdp.harmony import node as harmony_node
 
     endpoints = ["loopback:10.4.0.1:7001", "loopback:10.4.0.2:7002"]
-    connect = harmony_node.connect
-    refused: list[str] = []
-
-    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        if not refused and endpoint.endswith(":7002"):
-            refused.append(endpoint)
-            raise TransportError(f"cannot connect to {endpoint!r}: too many open files")
-        return connect(endpoint, *args, **kwargs)
-
-    monkeypatch.setattr(harmony_node, "connect", flaky)
+    refused = refuse_connections(monkeypatch, harmony_node, to=lambda e: e.endswith(":7002"))
     alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
                            endpoint=endpoints[0], expired=30.0)
     bob = await lan.node("bob", discovery=EndpointDiscovery(endpoints[:1]),

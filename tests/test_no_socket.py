@@ -26,6 +26,7 @@ from tests.conftest import (
     ScriptReply,
     failures_logged,
     raw_router,
+    refuse_connections,
     warnings_logged,
 )
 
@@ -146,16 +147,7 @@ async def test_a_worker_that_cannot_open_its_pipe_says_so_and_tries_again(
     import mdp.transport
 
     router = await raw_router(clocknet)
-    connect = mdp.transport.connect
-    refused: list[str] = []
-
-    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        if not refused:
-            refused.append(endpoint)
-            raise errors.TransportError(f"cannot connect to {endpoint!r}: too many open files")
-        return connect(endpoint, *args, **kwargs)
-
-    monkeypatch.setattr(mdp.transport, "connect", flaky)
+    refused = refuse_connections(monkeypatch, mdp.transport)
     worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
                     heartbeat=HeartbeatPolicy(interval=1.0, liveness=3),
                     backoff=Backoff(initial=1, maximum=2))
@@ -283,23 +275,16 @@ async def test_a_freelance_client_without_a_socket_moves_on_and_tries_again(
     from tests.test_freelance import start_server
 
     servers = [await start_server(clocknet, name) for name in ("a", "b")]
-    connect = mdp.transport.connect
-    refused: list[str] = []
-
-    def flaky(endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        if endpoint == servers[0].endpoint and len(refused) < 2:
-            refused.append(endpoint)
-            raise errors.TransportError(f"cannot connect to {endpoint!r}: too many open files")
-        return connect(endpoint, *args, **kwargs)
-
-    monkeypatch.setattr(mdp.transport, "connect", flaky)
+    refused = refuse_connections(monkeypatch, mdp.transport, times=2,
+                                 to=lambda endpoint: endpoint == servers[0].endpoint)
     with warnings_logged() as events:
         client = freelance_client([s.endpoint for s in servers], model, clocknet.reactor,
                                   timeout=1.0)
         clocknet.addCleanup(client.close)
         reply = client.request(b"req")
         clocknet.advance(0)
-    # (opened, and again at the send): the attempt at "a" goes unanswered
+    # opened, and again at the send: the attempt at "a" goes unanswered
+    assert refused == [servers[0].endpoint] * 2
     assert logged(events, f"cannot connect to {servers[0].endpoint!r}")
     if model == 1:
         assert not reply.called
