@@ -322,6 +322,25 @@ async def test_a_client_the_full_server_refuses_is_told_and_gets_in_once_there_i
 
 
 @pytest_twisted.ensureDeferred
+async def test_closing_a_client_that_waits_to_attach_ends_the_wait(clocknet: Any) -> None:
+    """Nobody answers; the client is closed: ``attached()`` fails with
+    ClientClosed, before and after the close (it never fired)."""
+    from mdp.errors import ClientClosed
+    from mdp.session import SessionClient
+
+    client = SessionClient("session+loopback:nobody-here", clocknet.reactor)
+    waiting = client.attached()
+    clocknet.advance(1)
+    assert not waiting.called
+    await clocknet.wait(client.close())
+    with pytest.raises(ClientClosed):
+        await clocknet.wait(waiting)
+    with pytest.raises(ClientClosed):
+        await clocknet.wait(client.attached())
+    assert not clocknet.reactor.getDelayedCalls()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_full_session_says_so_and_drained_fires_once_acknowledged(clocknet: Any) -> None:
     """Backpressure for streaming senders: not writable at half the bound,
     drained() once the server has acknowledged enough."""

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 from twisted.internet import defer
 from zope.interface import implementer
 
-from mdp.errors import ReplyTooLarge
+from mdp.errors import ClientClosed, ReplyTooLarge
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
@@ -43,7 +43,8 @@ class SessionClient:
     once the session is first attached, or fails with
     :class:`~mdp.session.SessionRefused` if the server refuses to open it
     (the client goes on asking: ``attached()`` again waits for the next
-    answer)."""
+    answer), or with :class:`~mdp.errors.ClientClosed` once the client is
+    closed."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
@@ -51,6 +52,7 @@ class SessionClient:
         self.reactor = default_reactor(reactor)
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._isAttached = False
+        self._closed = False
         self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
                                     pingInterval=pingInterval, liveness=liveness,
@@ -62,6 +64,8 @@ class SessionClient:
         refuses it first."""
         if self._isAttached:
             return defer.succeed(None)
+        if self._closed:
+            return defer.fail(ClientClosed("the session client is closed"))
         return self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
@@ -72,6 +76,11 @@ class SessionClient:
         self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
+        """Close the session's connection; whoever waits in ``attached()``
+        hears :class:`~mdp.errors.ClientClosed`."""
+        if not self._closed:
+            self._closed = True
+            self._waiting.fail(ClientClosed("the session client was closed before it attached"))
         return self.dealer.close()
 
     # IDealerReceiver, for the session dealer
