@@ -341,6 +341,87 @@ async def test_closing_a_client_that_waits_to_attach_ends_the_wait(clocknet: Any
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_message_over_the_clients_limits_stalls_the_session_without_a_spin(
+        clocknet: Any) -> None:
+    """The server's reply is over the client's limits: the client's inner
+    pipe drops it, and the server resends it at each attach. The client
+    says why and attaches again only after its backoff (it did so at once,
+    in a loop as fast as both could go: a Clock never got past it)."""
+    from mdp.policy import Limits
+    from mdp.session import SessionClient, SessionServer
+    from tests.conftest import warnings_logged
+
+    server = SessionServer(lambda routingId, frames: (
+        server.reply(routingId, b"x" * 5000), server.reply(routingId, b"small")), clocknet.reactor)
+    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:over-limits")))
+    clocknet.addCleanup(server.close)
+    client = SessionClient(endpoint, clocknet.reactor, limits=Limits(maxMessageBytes=1000))
+    clocknet.addCleanup(client.close)
+    got: list[list[bytes]] = []
+    client.subscribe(got.append)
+    with warnings_logged() as warnings:
+        client.send(b"hi")
+        clocknet.advance(60)
+    assert got == []
+    assert 2 <= server.router.machine.attaches <= 10  # the backoff: 1 s doubling to 32 s
+    assert any("over this side's limits" in str(e.get("log_format")) for e in warnings)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reply_just_over_the_clients_limits_is_not_acknowledged(clocknet: Any) -> None:
+    """A payload a few bytes over the client's limits gets through the inner
+    transport (whose limits leave room for the session's own frames): the
+    client's session refuses it before taking it, so it is neither
+    acknowledged nor lost (it was acknowledged, then dropped: the server
+    forgot it); the server still holds it, and what follows waits behind."""
+    from mdp.policy import Limits
+    from mdp.session import SessionClient, SessionServer
+
+    def handler(routingId: int, frames: list[bytes]) -> None:
+        server.reply(routingId, b"x" * 1020)
+        server.reply(routingId, b"after")
+
+    server = SessionServer(handler, clocknet.reactor)
+    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:band")))
+    clocknet.addCleanup(server.close)
+    client = SessionClient(endpoint, clocknet.reactor, limits=Limits(maxMessageBytes=1000))
+    clocknet.addCleanup(client.close)
+    got: list[list[bytes]] = []
+    client.subscribe(got.append)
+    client.send(b"hi")
+    clocknet.advance(10)
+    assert got == []
+    (session,) = server.router.machine.sessions.values()
+    assert len(session.seq.unacked) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_just_over_the_servers_limits_is_not_acknowledged() -> None:
+    """The same towards the server, over TCP: the server refuses it before
+    its session takes it and closes the connection that carried it (as it
+    does for one the inner transport refuses), so the client still holds
+    it (it was acknowledged, then dropped)."""
+    from mdp.policy import Limits
+    from mdp.session import SessionClient, SessionServer
+
+    received: list[list[bytes]] = []
+    server = SessionServer(lambda routingId, frames: received.append(frames), reactor(),
+                           limits=Limits(maxMessageBytes=1000))
+    endpoint = await defer.ensureDeferred(server.listen("session+tcp:host=127.0.0.1:port=0"))
+    client = SessionClient(endpoint, reactor())
+    try:
+        await client.attached().addTimeout(10, reactor())
+        client.send(b"x" * 1020)
+        client.send(b"after")
+        await wait_until(lambda: server.router.machine.attaches >= 2, 10)
+        assert received == []
+        assert len(client.dealer.machine.seq.unacked) == 2
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_full_session_says_so_and_drained_fires_once_acknowledged(clocknet: Any) -> None:
     """Backpressure for streaming senders: not writable at half the bound,
     drained() once the server has acknowledged enough."""

@@ -22,9 +22,11 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import RequestTooLarge, TransportError
+from mdp.errors import OversizedMessage, RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
-from mdp.policy import Backoff, Limits, LogThrottle
+from mdp.policy import Backoff, Limits, LogThrottle, cancel_call
+from mdp.session.codec import DATA as DATA_COMMAND
+from mdp.session.codec import PROTOCOL
 from mdp.session.machines import (
     DEFAULT_EXPIRY,
     DEFAULT_LIVENESS,
@@ -107,14 +109,14 @@ class _End:
     throttle: LogThrottle
     endpoint: str
 
-    def _deliverable(self, payload: list[bytes], source: str) -> bool:
-        """Whether *payload* is within our limits (else dropped, logged)."""
-        reason = self.limits.refuse(payload)
-        if reason is not None:
-            self.throttle.warn(log, "oversized", "{end} {endpoint}: dropped a message from "
-                               "{source}: {reason}", end=type(self).__name__,
-                               endpoint=self.endpoint, source=source, reason=reason)
-        return reason is None
+    def _overLimits(self, frames: list[bytes]) -> Optional[str]:
+        """Why the DATA message *frames* is over our limits (None if it is
+        not, or is no DATA): checked before the session takes it, which
+        would acknowledge it (the inner transport's limits leave room for
+        the session's own frames, so it lets such a message through)."""
+        if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
+            return self.limits.refuse(frames[4:])
+        return None
 
     def _safely(self, what: str, call: Callable[..., Any], *args: Any) -> None:
         """Call the application's *call*; what it raises is logged, so the
@@ -169,6 +171,16 @@ class SessionRouter(_End):
     # --- the inner transport's receiver ---------------------------------------------
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        reason = self._overLimits(frames)
+        if reason is not None:
+            # not taken, so not acknowledged: the client sends it again after
+            # it attaches again, as it does when the inner transport drops one
+            self.throttle.warn(log, "oversized", "session router at {endpoint}: a message over "
+                               "the limits ({reason}); closing the connection that carried it",
+                               endpoint=self.endpoint, reason=reason)
+            if self.inner is not None:
+                self.inner.disconnectPeer(peer)
+            return
         self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds()))
 
     def peerDisconnected(self, peer: bytes) -> None:
@@ -183,10 +195,8 @@ class SessionRouter(_End):
                 if self.inner is not None:
                     self.inner.sendMessage(action.peer, action.frames)
             elif isinstance(action, Deliver):
-                payload = list(action.payload)
-                if self._deliverable(payload, f"session {action.routingId}"):
-                    self._safely("messageReceived", self.receiver.messageReceived,
-                                 routing_bytes(action.routingId), payload)
+                self._safely("messageReceived", self.receiver.messageReceived,
+                             routing_bytes(action.routingId), list(action.payload))
             elif isinstance(action, Expired):
                 self._safely("peerDisconnected", self.receiver.peerDisconnected,
                              routing_bytes(action.routingId))
@@ -252,6 +262,8 @@ class SessionDealer(_End):
         self.backoff = backoff
         #: new connections made for a silent server since the last attach
         self.attempts = 0
+        #: attaches that ended on a message over our limits since one came through
+        self.oversizedLosses = 0
         self.reopening: Any = None
         self._waiters = DrainWaiters()
         self.throttle = LogThrottle(reactor)
@@ -283,6 +295,27 @@ class SessionDealer(_End):
             self.throttle.warn(log, "open", "session dealer to {endpoint}: cannot connect: "
                                "{error}", endpoint=self.endpoint, error=e)
             self._reopen()
+
+    def _oversized(self, why: OversizedMessage) -> None:
+        """The inner connection dropped a message over this side's limits.
+        The server resends it at each re-attach, so it cannot come through
+        (nor what follows it) until the limits agree: say so, and attach
+        again only after the backoff (the inner transport would at once, and
+        so would the resend: a loop as fast as the two can go)."""
+        delay = self.backoff.delay(self.oversizedLosses)
+        self.oversizedLosses += 1
+        self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
+                           "server is over this side's limits ({reason}); it is resent at each "
+                           "attach, so nothing after it can be received until the limits agree; "
+                           "attaching again in {delay:g}s", endpoint=self.endpoint, reason=why,
+                           delay=delay)
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.close()
+        self._perform(self.machine.handleDisconnected(self._now()))
+        if not self.closed:
+            self.reopening = cancel_call(self.reopening)
+            self.reopening = self.reactor.callLater(delay, self._open)
 
     def _reopen(self) -> None:
         """A new connection after a backoff (reset by the next attach)."""
@@ -323,9 +356,9 @@ class SessionDealer(_End):
                 if self.inner is not None:
                     self.inner.sendMessage(action.frames)
             elif isinstance(action, Deliver):
-                payload = list(action.payload)
-                if self._deliverable(payload, "the server"):
-                    self._safely("messageReceived", self.receiver.messageReceived, payload)
+                self.oversizedLosses = 0
+                self._safely("messageReceived", self.receiver.messageReceived,
+                             list(action.payload))
             elif isinstance(action, Refusal):
                 # the machine logs it; a receiver that waits for the session hears of it
                 refused = getattr(self.receiver, "sessionRefused", None)
@@ -402,11 +435,21 @@ class _Inner:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         if self._mine():
-            self.owner._perform(self.owner.machine.handleMessage(frames, self.owner._now()))
+            owner = self.owner
+            reason = owner._overLimits(frames)
+            if reason is not None:  # not taken, nor acknowledged: as one the inner pipe drops
+                owner._oversized(OversizedMessage(reason))
+                return
+            owner._perform(owner.machine.handleMessage(frames, owner._now()))
 
     def connectionLost(self, reason: object) -> None:
         if self._mine():
-            self.owner._perform(self.owner.machine.handleDisconnected(self.owner._now()))
+            owner = self.owner
+            why = getattr(reason, "value", None)
+            if isinstance(why, OversizedMessage):
+                owner._oversized(why)
+            else:
+                owner._perform(owner.machine.handleDisconnected(owner._now()))
 
 
 def check(endpoint: str, role: str) -> None:
