@@ -300,6 +300,7 @@ async def test_a_client_the_full_server_refuses_is_told_and_gets_in_once_there_i
     """At maxSessions a HELLO is answered REFUSED: attached() fails with
     SessionRefused, and the client goes on asking; once a session expires it
     gets in."""
+    from mdp.errors import ClientClosed
     from mdp.session import SessionClient, SessionRefused, SessionServer
 
     server = SessionServer(lambda routingId, frames: None, clocknet.reactor, maxSessions=1)
@@ -312,6 +313,8 @@ async def test_a_client_the_full_server_refuses_is_told_and_gets_in_once_there_i
     with pytest.raises(SessionRefused, match="maxSessions"):
         await clocknet.wait(second.attached())
     await clocknet.wait(first.close())
+    with pytest.raises(ClientClosed):  # closed is not attached, though it once was
+        await clocknet.wait(first.attached())
     for _ in range(31):  # its session expires (30 s), the second asking meanwhile
         clocknet.advance(1)
     assert server.router.machine.refused >= 10
@@ -346,7 +349,9 @@ async def test_a_message_over_the_clients_limits_stalls_the_session_without_a_sp
     """The server's reply is over the client's limits: the client's inner
     pipe drops it, and the server resends it at each attach. The client
     says why and attaches again only after its backoff (it did so at once,
-    in a loop as fast as both could go: a Clock never got past it)."""
+    in a loop as fast as both could go: a Clock never got past it), which
+    stops short of the server's expiry: the session and what it holds
+    outlive the stall."""
     from mdp.policy import Limits
     from mdp.session import SessionClient, SessionServer
     from tests.conftest import warnings_logged
@@ -361,9 +366,14 @@ async def test_a_message_over_the_clients_limits_stalls_the_session_without_a_sp
     client.subscribe(got.append)
     with warnings_logged() as warnings:
         client.send(b"hi")
-        clocknet.advance(60)
+        clocknet.advance(0.5)
+        (session,) = server.router.machine.sessions.values()
+        clocknet.advance(120)  # four times the server's expiry (30 s)
     assert got == []
-    assert 2 <= server.router.machine.attaches <= 10  # the backoff: 1 s doubling to 32 s
+    assert list(server.router.machine.sessions.values()) == [session]  # not expired
+    assert len(session.seq.unacked) == 2  # and it still holds both replies
+    # the backoff: 1 s, 2 s, then every pingInterval * liveness (3 s)
+    assert 20 <= server.router.machine.attaches <= 60
     assert any("over this side's limits" in str(e.get("log_format")) for e in warnings)
 
 

@@ -61,11 +61,12 @@ class SessionClient:
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached (at once if it is);
         fails with :class:`~mdp.session.SessionRefused` if the server
-        refuses it first."""
-        if self._isAttached:
-            return defer.succeed(None)
+        refuses it first, and with :class:`~mdp.errors.ClientClosed` once
+        the client is closed."""
         if self._closed:
             return defer.fail(ClientClosed("the session client is closed"))
+        if self._isAttached:
+            return defer.succeed(None)
         return self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:

@@ -176,7 +176,8 @@ class SessionRouter(_End):
             # not taken, so not acknowledged: the client sends it again after
             # it attaches again, as it does when the inner transport drops one
             self.throttle.warn(log, "oversized", "session router at {endpoint}: a message over "
-                               "the limits ({reason}); closing the connection that carried it",
+                               "the limits ({reason}); not taken (the connection that carried "
+                               "it is closed where the transport can)",
                                endpoint=self.endpoint, reason=reason)
             if self.inner is not None:
                 self.inner.disconnectPeer(peer)
@@ -301,8 +302,10 @@ class SessionDealer(_End):
         The server resends it at each re-attach, so it cannot come through
         (nor what follows it) until the limits agree: say so, and attach
         again only after the backoff (the inner transport would at once, and
-        so would the resend: a loop as fast as the two can go)."""
-        delay = self.backoff.delay(self.oversizedLosses)
+        so would the resend: a loop as fast as the two can go). The pause is
+        at most ``pingInterval * liveness``, well within the server's expiry,
+        so the session and what it holds outlive the stall."""
+        delay = min(self.backoff.delay(self.oversizedLosses), self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
                            "server is over this side's limits ({reason}); it is resent at each "
@@ -440,7 +443,11 @@ class _Inner:
             if reason is not None:  # not taken, nor acknowledged: as one the inner pipe drops
                 owner._oversized(OversizedMessage(reason))
                 return
-            owner._perform(owner.machine.handleMessage(frames, owner._now()))
+            epoch = owner.machine.epoch
+            actions = owner.machine.handleMessage(frames, owner._now())
+            if owner.machine.epoch != epoch:  # a new session: what stalled the old one is gone
+                owner.oversizedLosses = 0
+            owner._perform(actions)
 
     def connectionLost(self, reason: object) -> None:
         if self._mine():
