@@ -120,6 +120,30 @@ async def test_call_is_submit_result_close(clocknet: LoopbackNet) -> None:
     assert await clocknet.wait(client.call("echo", b"a", "b")) == [b"a", b"b"]
 
 
+class ForgetFails(MemoryStore):
+    def forget(self, requestId: str) -> Any:
+        return defer.fail(OSError("database or disk is full"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_call_returns_the_reply_in_hand_when_the_close_fails(
+        clocknet: LoopbackNet) -> None:
+    """The reply is in hand and titanic.close fails (the store cannot write):
+    call() returns the reply and logs the request's id (it raised, the reply
+    thrown away, and a retry ran the service again)."""
+    from tests.conftest import warnings_logged
+
+    runs: list[list[bytes]] = []
+    broker, client, endpoint, node = await whole(clocknet, ForgetFails())
+    start_worker(clocknet, endpoint, "charge", lambda f: (runs.append(f), [b"charged " + f[0]])[1])
+    with warnings_logged() as warnings:
+        assert await clocknet.wait(client.call("charge", b"$10")) == [b"charged $10"]
+    assert runs == [[b"$10"]]
+    (requestId,) = node.store._entries  # left to Titanic's keep time
+    assert any("titanic.close failed" in str(e.get("log_format"))
+               and e.get("requestId") == requestId for e in warnings)
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_handler_that_raises_is_stored_and_raised_as_worker_error(
         clocknet: LoopbackNet) -> None:

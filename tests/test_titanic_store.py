@@ -285,3 +285,34 @@ async def test_another_applications_database_is_refused_and_left_as_it_is(tmp_pa
         assert len(await store.pending(10)) == 1
     finally:
         await store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_database_that_can_only_be_read_is_refused_at_open(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """SQLite opens a file it may not write (a read-only mount, another
+    owner) read-only without a word: the store refuses to open it, naming
+    it (it opened, and then refused every request)."""
+    import sqlite3
+
+    path = str(tmp_path / "t.db")
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    await store.add(b"echo", [b"x"], 1.0)
+    await store.close()
+    connect = sqlite3.connect
+
+    def read_only(database: str, **options: Any) -> Any:  # as the OS would make it
+        return connect(f"file:{database}?mode=ro", uri=True, **options)
+
+    monkeypatch.setattr(sqlite3, "connect", read_only)
+    with pytest.raises(StoreError, match=f"{path} cannot be opened: .*readonly"):
+        await SQLiteStore(path, reactor()).open()
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    store = SQLiteStore(path, reactor())  # the lock was let go, the file left as it was
+    await store.open()
+    try:
+        assert [p.frames for p in await store.pending(10)] == [[b"x"]]
+    finally:
+        await store.close()

@@ -167,7 +167,9 @@ class TitanicClient:
         """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.
         The request is closed once its reply (or its error reply) is in hand;
         if :meth:`result` is cancelled, it is left to Titanic (and its keep
-        time)."""
+        time), as it is when the close fails (logged with the request's id:
+        the reply in hand is what the caller gets, as a retry would run the
+        service again)."""
         submitted = self.submit(service, *frames)
 
         async def call() -> list[bytes]:
@@ -175,12 +177,24 @@ class TitanicClient:
             try:
                 reply = await self.result(requestId, pollInterval=pollInterval)
             except RemoteError:  # the worker's own error reply: done with, too
-                await self.close(requestId)
+                await self._closeAfter(requestId)
                 raise
-            await self.close(requestId)
+            await self._closeAfter(requestId)
             return reply
 
         return defer.ensureDeferred(call())
+
+    async def _closeAfter(self, requestId: str) -> None:
+        """Close a request whose reply is in hand; a failure is logged, not
+        raised, so the reply is not thrown away with it."""
+        try:
+            await self.close(requestId)
+        except defer.CancelledError:
+            raise
+        except Exception as e:
+            log.warn("titanic: request {requestId} answered, but titanic.close failed: "
+                     "{error}; Titanic keeps its reply until its keep time", requestId=requestId,
+                     error=e)
 
     def disconnect(self) -> defer.Deferred[None]:
         """Close the connection to the broker (pending calls fail with

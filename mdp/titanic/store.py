@@ -289,15 +289,14 @@ class SQLiteStore:
     def _connect(self) -> None:
         if self.path != ":memory:" and os.path.exists(self.path) and not os.path.isfile(self.path):
             raise StoreError(f"Titanic store {self.path}: not a file")
+        db: Optional[sqlite3.Connection] = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             check = db.execute("PRAGMA quick_check").fetchone()
             if not check or check[0] != "ok":
-                db.close()
                 raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
             why = _foreign(db)  # before anything is written to it (WAL mode stays)
             if why is not None:
-                db.close()
                 raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                                  "left as it is")
             if self.path != ":memory:":
@@ -306,7 +305,16 @@ class SQLiteStore:
                     raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(_SCHEMA)
-        except sqlite3.Error as e:
+            # one real write: SQLite opens a file it may not write (a read-only
+            # mount, another owner) read-only without a word, and every request
+            # would then be refused after Titanic started
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            db.execute(f"PRAGMA user_version = {int(version)}")
+        except (sqlite3.Error, StoreError) as e:
+            if db is not None:
+                db.close()
+            if isinstance(e, StoreError):
+                raise
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
 
