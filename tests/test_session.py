@@ -90,10 +90,10 @@ async def test_an_idle_client_pings_once_an_interval(clocknet: Any) -> None:
     seen: list[float] = []
     original = bound.machine.handleMessage
 
-    def spy(peer: Any, frames: list[bytes], now: float) -> Any:
+    def spy(peer: Any, frames: list[bytes], now: float, **options: Any) -> Any:
         if frames[1:2] == [codec.PING]:
             seen.append(now)
-        return original(peer, frames, now)
+        return original(peer, frames, now, **options)
 
     bound.machine.handleMessage = spy
     clocknet.advance(10)
@@ -343,21 +343,29 @@ async def test_closing_a_client_that_waits_to_attach_ends_the_wait(clocknet: Any
     assert not clocknet.reactor.getDelayedCalls()
 
 
+@pytest.mark.parametrize("first", [False, True])
 @pytest_twisted.ensureDeferred
-async def test_a_message_over_the_clients_limits_stalls_the_session_without_a_spin(
-        clocknet: Any) -> None:
-    """The server's reply is over the client's limits: the client's inner
-    pipe drops it, and the server resends it at each attach. The client
-    says why and attaches again only after its backoff (it did so at once,
-    in a loop as fast as both could go: a Clock never got past it), which
-    stops short of the server's expiry: the session and what it holds
-    outlive the stall."""
+async def test_a_message_over_the_clients_limits_is_dropped_and_the_session_goes_on(
+        clocknet: Any, first: bool) -> None:
+    """The server's reply is over the client's limits, by more than the room
+    its inner pipe leaves, which closes on it: the server would resend it at
+    each attach, and nothing after it would ever come through (the client
+    attached again at once, in a loop as fast as both could go; then after
+    its backoff, for good). The session drops it when it can tell which it
+    was (the first DATA after an attach: at once, or at the next attach when
+    others came before it on that connection), logs it, and what follows
+    comes through."""
     from mdp.policy import Limits
     from mdp.session import SessionClient, SessionServer
     from tests.conftest import warnings_logged
 
-    server = SessionServer(lambda routingId, frames: (
-        server.reply(routingId, b"x" * 5000), server.reply(routingId, b"small")), clocknet.reactor)
+    def handler(routingId: int, frames: list[bytes]) -> None:
+        if first:
+            server.reply(routingId, b"before")
+        server.reply(routingId, b"x" * 5000)
+        server.reply(routingId, b"small")
+
+    server = SessionServer(handler, clocknet.reactor)
     endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:over-limits")))
     clocknet.addCleanup(server.close)
     client = SessionClient(endpoint, clocknet.reactor, limits=Limits(maxMessageBytes=1000))
@@ -366,24 +374,54 @@ async def test_a_message_over_the_clients_limits_stalls_the_session_without_a_sp
     client.subscribe(got.append)
     with warnings_logged() as warnings:
         client.send(b"hi")
-        clocknet.advance(0.5)
-        (session,) = server.router.machine.sessions.values()
-        clocknet.advance(120)  # four times the server's expiry (30 s)
-    assert got == []
-    assert list(server.router.machine.sessions.values()) == [session]  # not expired
-    assert len(session.seq.unacked) == 2  # and it still holds both replies
-    # the backoff: 1 s, 2 s, then every pingInterval * liveness (3 s)
-    assert 20 <= server.router.machine.attaches <= 60
-    assert any("over this side's limits" in str(e.get("log_format")) for e in warnings)
+        clocknet.advance(10)
+    assert got == ([[b"before"]] if first else []) + [[b"small"]]
+    assert client.dealer.machine.dropped == 1
+    (session,) = server.router.machine.sessions.values()
+    assert not session.seq.unacked  # all acknowledged: the big one too
+    assert server.router.machine.attaches <= 3
+    assert any("is over this side's limits" in str(e.get("log_format"))
+               and e.get("seq") == (2 if first else 1) for e in warnings)
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_reply_just_over_the_clients_limits_is_not_acknowledged(clocknet: Any) -> None:
+async def test_a_message_over_the_clients_limits_stalls_nothing_for_long(clocknet: Any) -> None:
+    """Even where the client cannot tell which message closed its connection,
+    it attaches again after its backoff, at most pingInterval x liveness
+    later (within the server's expiry: the session and what it holds do
+    not expire), and drops it there."""
+    from mdp.policy import Limits
+    from mdp.session import SessionClient, SessionServer
+
+    server = SessionServer(lambda routingId, frames: None, clocknet.reactor)
+    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:stalls")))
+    clocknet.addCleanup(server.close)
+    client = SessionClient(endpoint, clocknet.reactor, limits=Limits(maxMessageBytes=1000))
+    clocknet.addCleanup(client.close)
+    await clocknet.wait(client.attached())
+    machine = client.dealer.machine
+    (session,) = server.router.machine.sessions.values()
+    for n in range(1, 9):  # as if each closed mid-stream, after other DATA
+        machine.dataSinceWelcome = True
+        server.reply(session.routingId, b"x" * 5000)
+        clocknet.advance(0.1)
+        assert machine.dropped == n - 1 and len(session.seq.unacked) == 1
+        assert client.dealer.reopening.getTime() - clocknet.reactor.seconds() <= machine.deadAfter
+        clocknet.advance(machine.deadAfter)  # attached again: the resent one is dropped there
+        assert machine.dropped == n
+        clocknet.advance(machine.deadAfter)
+        assert not session.seq.unacked
+    assert list(server.router.machine.sessions.values()) == [session]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reply_just_over_the_clients_limits_is_dropped_and_acknowledged(
+        clocknet: Any) -> None:
     """A payload a few bytes over the client's limits gets through the inner
     transport (whose limits leave room for the session's own frames): the
-    client's session refuses it before taking it, so it is neither
-    acknowledged nor lost (it was acknowledged, then dropped: the server
-    forgot it); the server still holds it, and what follows waits behind."""
+    client's session drops it, logged, and acknowledges it, so what follows
+    comes through (it was delivered over the limits, then held back all
+    after it)."""
     from mdp.policy import Limits
     from mdp.session import SessionClient, SessionServer
 
@@ -400,17 +438,16 @@ async def test_a_reply_just_over_the_clients_limits_is_not_acknowledged(clocknet
     client.subscribe(got.append)
     client.send(b"hi")
     clocknet.advance(10)
-    assert got == []
+    assert got == [[b"after"]]
+    assert client.dealer.machine.dropped == 1
     (session,) = server.router.machine.sessions.values()
-    assert len(session.seq.unacked) == 2
+    assert not session.seq.unacked
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_request_just_over_the_servers_limits_is_not_acknowledged() -> None:
-    """The same towards the server, over TCP: the server refuses it before
-    its session takes it and closes the connection that carried it (as it
-    does for one the inner transport refuses), so the client still holds
-    it (it was acknowledged, then dropped)."""
+async def test_a_request_just_over_the_servers_limits_is_dropped_and_acknowledged() -> None:
+    """The same towards the server, over TCP: the server's session drops it,
+    logged, and what follows is delivered; the client holds nothing."""
     from mdp.policy import Limits
     from mdp.session import SessionClient, SessionServer
 
@@ -423,9 +460,9 @@ async def test_a_request_just_over_the_servers_limits_is_not_acknowledged() -> N
         await client.attached().addTimeout(10, reactor())
         client.send(b"x" * 1020)
         client.send(b"after")
-        await wait_until(lambda: server.router.machine.attaches >= 2, 10)
-        assert received == []
-        assert len(client.dealer.machine.seq.unacked) == 2
+        await wait_until(lambda: received == [[b"after"]], 10)
+        assert server.router.machine.dropped == 1
+        await wait_until(lambda: not client.dealer.machine.seq.unacked, 10)
     finally:
         await client.close()
         await server.close()

@@ -20,6 +20,11 @@ send(payload)            numbered and kept; sent now if attached (else on attach
                          beyond *maxQueued* kept: :class:`SessionQueueFull`
 DATA                     the next number: delivered; an old one: dropped (a resend);
                          a later one (some were lost unseen): HELLO again
+DATA over our limits     the next number: dropped and acknowledged, logged (it can
+                         never be taken, and would hold back all after it)
+oversized (connection    the inner connection closed on a message over our limits:
+lost on one)             if it was the first DATA since WELCOME, it is the next
+                         number, dropped as above; detached either way
 UNKNOWN                  the server has no such session (it restarted), or lost
                          messages: HELLO again
 REFUSED                  the server opens no session now (full): :class:`Refusal`
@@ -41,6 +46,7 @@ HELLO, new id            a session with the next short routing id; WELCOME; the
 HELLO, known id          the connection is attached to the session (a previous one is
                          let go); WELCOME; everything not acknowledged goes again
 DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
+                         DATA over our limits: as the client does
                          from a connection with no session, or DATA after a gap:
                          UNKNOWN (the client attaches again and resends)
 not a session message    dropped, and its connection closed (:class:`DropPeer`)
@@ -267,6 +273,10 @@ class ClientSessionMachine(Machine):
         #: for each PING in flight, what we had sent before it
         self.sentAtPing: deque[int] = deque()
         self.helloAt = now
+        #: a DATA came since the last WELCOME (on this connection)
+        self.dataSinceWelcome = False
+        #: messages from the server dropped as over our limits
+        self.dropped = 0
         self.throttle = LogThrottle(self)
 
     @property
@@ -304,7 +314,30 @@ class ClientSessionMachine(Machine):
             self._send(message)
         return self._drain()
 
-    def handleMessage(self, frames: list[bytes], now: float) -> list[Any]:
+    def handleOversized(self, reason: str, now: float) -> list[Any]:
+        """The connection closed on a message over our limits (*reason*),
+        which the session never saw. If no DATA came since the WELCOME, it
+        was the first the server resent, the next number: dropped (the next
+        HELLO acknowledges it), or it would come again at every attach and
+        hold back all after it. Detached either way."""
+        self.now = now
+        if self.state == "attached" and not self.dataSinceWelcome:
+            self.seq.received += 1
+            self._dropped(self.seq.received, reason)
+        self.state = "detached"
+        return self._drain()
+
+    def _dropped(self, seq: int, reason: str) -> None:
+        self.dropped += 1
+        self.throttle.warn(log, "dropped", "session {session}: message {seq} from the server "
+                           "is over this side's limits ({reason}); dropped, and acknowledged so "
+                           "that what follows it comes through: it is lost",
+                           session=self.session.hex(), seq=seq, reason=reason)
+
+    def handleMessage(self, frames: list[bytes], now: float,
+                      refused: Optional[str] = None) -> list[Any]:
+        """A message from the server; *refused*: why a DATA is over our limits
+        (it is then dropped, not delivered)."""
         self.now = now
         try:
             message = codec.decode(frames)
@@ -349,12 +382,17 @@ class ClientSessionMachine(Machine):
                 self.epoch = message.epoch
                 self.seq.received = 0
             self.state = "attached"
+            self.dataSinceWelcome = False
             for data in self.seq.resend():
                 self._send(data)
         elif isinstance(message, codec.Data):
+            self.dataSinceWelcome = True
             verdict = self.seq.accept(message)
             if verdict == "next":
-                self._emit(Deliver(message.payload))
+                if refused is None:
+                    self._emit(Deliver(message.payload))
+                else:
+                    self._dropped(message.seq, refused)
                 ack = self.seq.ackDue(force=False)
                 if ack is not None:
                     self._send(ack)
@@ -444,6 +482,8 @@ class ServerSessionMachine(Machine):
         self._opened: dict[Hashable, _Session] = {}
         #: HELLOs refused at maxSessions
         self.refused = 0
+        #: messages from clients dropped as over our limits
+        self.dropped = 0
         #: connections heard from without a session, since when
         self._unattached: OrderedDict[Hashable, float] = OrderedDict()
         self.throttle = LogThrottle(self)
@@ -452,7 +492,11 @@ class ServerSessionMachine(Machine):
         if session.peer is not None:
             self._emit(SendTo(session.peer, codec.encode(message)))
 
-    def handleMessage(self, peer: Hashable, frames: list[bytes], now: float) -> list[Any]:
+    def handleMessage(self, peer: Hashable, frames: list[bytes], now: float,
+                      refused: Optional[str] = None) -> list[Any]:
+        """A message from *peer*; *refused*: why a DATA is over our limits (it
+        is then dropped and acknowledged, not delivered: it could never be
+        taken, and would hold back all after it)."""
         self.now = now
         try:
             message = codec.decode(frames)
@@ -483,7 +527,15 @@ class ServerSessionMachine(Machine):
         if isinstance(message, codec.Data):
             verdict = session.seq.accept(message)
             if verdict == "next":
-                self._emit(Deliver(message.payload, session.routingId))
+                if refused is None:
+                    self._emit(Deliver(message.payload, session.routingId))
+                else:
+                    self.dropped += 1
+                    self.throttle.warn(log, "dropped", "sessions: message {seq} of session {id} "
+                                       "from {peer!r} is over this side's limits ({reason}); "
+                                       "dropped, and acknowledged so that what follows it "
+                                       "comes through: it is lost", seq=message.seq,
+                                       id=session.routingId, peer=peer, reason=refused)
                 ack = session.seq.ackDue(force=False)
                 if ack is not None:
                     self._sendTo(session, ack)

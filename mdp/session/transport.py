@@ -111,9 +111,9 @@ class _End:
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
         """Why the DATA message *frames* is over our limits (None if it is
-        not, or is no DATA): checked before the session takes it, which
-        would acknowledge it (the inner transport's limits leave room for
-        the session's own frames, so it lets such a message through)."""
+        not, or is no DATA): the inner transport's limits leave room for the
+        session's own frames, so it lets a message just over ours through,
+        and the session drops it."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
@@ -171,18 +171,9 @@ class SessionRouter(_End):
     # --- the inner transport's receiver ---------------------------------------------
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        reason = self._overLimits(frames)
-        if reason is not None:
-            # not taken, so not acknowledged: the client sends it again after
-            # it attaches again, as it does when the inner transport drops one
-            self.throttle.warn(log, "oversized", "session router at {endpoint}: a message over "
-                               "the limits ({reason}); not taken (the connection that carried "
-                               "it is closed where the transport can)",
-                               endpoint=self.endpoint, reason=reason)
-            if self.inner is not None:
-                self.inner.disconnectPeer(peer)
-            return
-        self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds()))
+        # one over our limits is dropped by the session (logged), not delivered
+        self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds(),
+                                                 refused=self._overLimits(frames)))
 
     def peerDisconnected(self, peer: bytes) -> None:
         self._perform(self.machine.handlePeerGone(peer, self.reactor.seconds()))
@@ -298,24 +289,27 @@ class SessionDealer(_End):
             self._reopen()
 
     def _oversized(self, why: OversizedMessage) -> None:
-        """The inner connection dropped a message over this side's limits.
-        The server resends it at each re-attach, so it cannot come through
-        (nor what follows it) until the limits agree: say so, and attach
-        again only after the backoff (the inner transport would at once, and
-        so would the resend: a loop as fast as the two can go). The pause is
-        at most ``pingInterval * liveness``, well within the server's expiry,
-        so the session and what it holds outlive the stall."""
-        delay = min(self.backoff.delay(self.oversizedLosses), self.machine.deadAfter)
-        self.oversizedLosses += 1
-        self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
-                           "server is over this side's limits ({reason}); it is resent at each "
-                           "attach, so nothing after it can be received until the limits agree; "
-                           "attaching again in {delay:g}s", endpoint=self.endpoint, reason=why,
-                           delay=delay)
+        """The inner connection closed on a message from the server over
+        this side's limits. The session drops it if it can tell which it was
+        (the first after an attach); if not, the server resends it at the
+        next attach, where it is. Attach again after the backoff, not at
+        once (the inner transport would, and so would the resend: a loop as
+        fast as the two can go), and at most ``pingInterval * liveness``
+        later, well within the server's expiry."""
+        dropped = self.machine.dropped
         inner, self.inner = self.inner, None
         if inner is not None:
             inner.close()
-        self._perform(self.machine.handleDisconnected(self._now()))
+        self._perform(self.machine.handleOversized(str(why), self._now()))
+        if self.machine.dropped != dropped:  # the stall is over
+            self.oversizedLosses = 0
+        delay = min(self.backoff.delay(self.oversizedLosses), self.machine.deadAfter)
+        self.oversizedLosses += 1
+        if self.machine.dropped == dropped:
+            self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from "
+                               "the server is over this side's limits ({reason}); attaching "
+                               "again in {delay:g}s, where it is dropped",
+                               endpoint=self.endpoint, reason=why, delay=delay)
         if not self.closed:
             self.reopening = cancel_call(self.reopening)
             self.reopening = self.reactor.callLater(delay, self._open)
@@ -439,12 +433,10 @@ class _Inner:
     def messageReceived(self, frames: list[bytes]) -> None:
         if self._mine():
             owner = self.owner
-            reason = owner._overLimits(frames)
-            if reason is not None:  # not taken, nor acknowledged: as one the inner pipe drops
-                owner._oversized(OversizedMessage(reason))
-                return
             epoch = owner.machine.epoch
-            actions = owner.machine.handleMessage(frames, owner._now())
+            # one over our limits is dropped by the session (logged), not delivered
+            actions = owner.machine.handleMessage(frames, owner._now(),
+                                                  refused=owner._overLimits(frames))
             if owner.machine.epoch != epoch:  # a new session: what stalled the old one is gone
                 owner.oversizedLosses = 0
             owner._perform(actions)
