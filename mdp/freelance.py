@@ -246,7 +246,7 @@ class FreelanceServer:
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
             return routerTransport
 
-        security = transport.curve_for(endpoint, self.curve)
+        security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "Freelance server")
         return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
                                 security=security).addCallback(bound)
@@ -847,7 +847,10 @@ class _FreelanceClient(FreelanceMachine):
         self.throttle = LogThrottle(self.reactor)
         self.pipes: dict[Any, _Pipe] = {}
         self._timers: dict[tuple[bytes, str], Any] = {}
-        for endpoint in transport.endpoint_list(endpoints, empty=True):  # all checked before any is used
+        listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
+        if listed:
+            transport.check_curve_client(listed, self.curve)
+        for endpoint in listed:
             self.connect(endpoint)
 
     def connect(self, endpoint: str) -> None:

@@ -538,3 +538,52 @@ async def test_a_tls_listener_closes_the_connections_it_refuses_at_its_cap(tmp_p
             sock.close()
         await dealer.close()
         await router.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_node_with_curve_opens_no_unauthenticated_door_to_other_machines(
+        tmp_path: Path) -> None:
+    """CURVE keys and a plain tcp: (or ssl: without caCerts=) listener beyond
+    loopback: refused at once, naming the endpoint (it listened in the clear,
+    its warning telling to use the CURVE it had been given); loopback and
+    unix: listeners may go beside it. A client with keys none of its
+    servers would use is refused too (it talked in the clear)."""
+    from mdp import Broker
+    from mdp.freelance import FreelanceServer, freelance_client
+
+    public, secret = keygen("node", str(tmp_path))
+    (tmp_path / "allowed").mkdir()
+    keys = {"curveSecret": secret, "curveAllow": str(tmp_path / "allowed")}
+    broker = Broker(reactor(), **keys)
+    server = FreelanceServer(lambda frames: frames, reactor(), **keys)
+    for node in (broker, server):
+        # (addresses this machine has not: were one let through, it could not bind)
+        for endpoint in ("tcp:port=0:interface=192.0.2.1", "tcp6:port=0:interface=2001\\:db8\\:\\:1",
+                         "ssl:0:interface=192.0.2.1:privateKey=k.pem"):
+            with pytest.raises(TransportError, match="without authenticating them"):
+                node.listen(endpoint)
+    bound = await broker.listen("tcp:host=127.0.0.1:port=0")
+    try:
+        assert bound.endpoint.startswith("tcp:")
+    finally:
+        await broker.close()
+    for model in (1, 2, 3):
+        with pytest.raises(ValueError, match="for zmq: endpoints"):
+            freelance_client(["tcp:host=127.0.0.1:port=5555"], model, reactor(),
+                             curveServerPublic=public)
+
+
+def test_a_key_pair_that_cannot_be_written_is_a_value_error_leaving_nothing(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """The secret file fails (a full or read-only disk): one line saying why
+    (``mdp keygen`` printed a traceback), and no half pair left behind."""
+    import zmq.auth
+
+    def half(directory: str, name: str) -> Any:
+        (Path(directory) / f"{name}.key").write_text("public")
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", half)
+    with pytest.raises(ValueError, match="cannot write the key pair k1 in .*Permission denied"):
+        keygen("k1", str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

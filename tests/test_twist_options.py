@@ -260,3 +260,45 @@ def test_two_services_failing_stop_the_reactor_once() -> None:
     _stop_and_exit(reactor, 1)
     _stop_and_exit(reactor, 1)  # the metrics endpoint failed too
     assert reactor.calls == ["trigger", "stop"]
+
+
+@pytest.mark.parametrize("options, argv, says", [
+    (WorkerOptions, ["--service", "caf\u00e9"], "--service: service name 'caf\u00e9' is not ASCII"),
+    (WorkerOptions, ["--service", "x" * 300], "--service: "),
+    (BrokerOptions, ["--endpoint", "zmq:tcp://127.0.0.1:*,tcp:port=0:interface=127.0.0.1"],
+     "--endpoint takes one endpoint, not 2"),
+    (BrokerOptions, ["--backend", "tcp:port=0:interface=127.0.0.1,unix:/tmp/x"],
+     "--backend takes one endpoint"),
+    (FreelanceServerOptions, ["--endpoint", "zmq:tcp://127.0.0.1:*,zmq:tcp://127.0.0.1:*"],
+     "--endpoint takes one endpoint"),
+])
+def test_what_makeService_would_raise_on_is_a_usage_error(options: type, argv: list[str],
+                                                            says: str) -> None:
+    """Each raised out of makeService, a traceback (the comma-separated list
+    passed the check piece by piece, then made one bad endpoint)."""
+    with pytest.raises(usage.UsageError, match="^" + says.replace("*", r"\*")):
+        parse(options, *argv)
+
+
+def test_curve_keys_and_endpoints_that_cannot_use_them_are_usage_errors(tmp_path: Any) -> None:
+    """Keys for a peer of stream brokers only (a traceback from makeService),
+    or a listener beyond loopback that would take peers unauthenticated
+    beside CURVE (it listened in the clear)."""
+    from mdp.transport.curve import keygen
+
+    public, secret = keygen("node", str(tmp_path))
+    (tmp_path / "allowed").mkdir()
+    client = ["--curve-server-public", public]
+    server = ["--curve-secret", secret, "--curve-allow", str(tmp_path / "allowed")]
+    for cls in (WorkerOptions, TitanicOptions):
+        with pytest.raises(usage.UsageError, match="CURVE keys are for zmq: endpoints"):
+            parse(cls, "--broker", "tcp:host=127.0.0.1:port=5555", *client)
+        parse(cls, "--broker", "zmq:tcp://127.0.0.1:5555", *client)
+    for argv in (["--endpoint", "tcp:port=5555"],
+                 ["--endpoint", "zmq:tcp://*:5555", "--backend", "tcp:port=5556"]):
+        with pytest.raises(usage.UsageError, match="without authenticating them"):
+            parse(BrokerOptions, *argv, *server)
+    with pytest.raises(usage.UsageError, match="^--endpoint: .*without authenticating them"):
+        parse(FreelanceServerOptions, "--endpoint", "tcp:port=5555", *server)
+    parse(BrokerOptions, "--endpoint", "zmq:tcp://*:5555", "--backend",
+          "tcp:port=5556:interface=127.0.0.1", *server)

@@ -156,7 +156,7 @@ class _ClientOptions(BrokerListOptions):
 
     def postOptions(self) -> None:
         BrokerListOptions.postOptions(self)
-        checked_curve_client(self)
+        checked_curve_client(self, self["brokers"])
         _check_seconds(self["timeout"], "timeout")
         if self["retries"] < 1:
             raise usage.UsageError("--retries must be at least 1")
@@ -286,7 +286,7 @@ class FreelanceCallOptions(VersionedOptions):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
         for name in ("timeout", "deadline"):
             _check_seconds(self[name], name)
-        checked_curve_client(self)
+        checked_curve_client(self, self["servers"])
 
 
 class DemoOptions(VersionedOptions):

@@ -214,6 +214,15 @@ def checked_endpoints(value: Optional[str], role: str, option: str) -> list[str]
         raise usage.UsageError(f"--{option}: {e}") from None
 
 
+def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[str]:
+    """The one endpoint of *option*, checked for *role* (a list is a usage
+    error: a node listens on one endpoint an option)."""
+    endpoints = checked_endpoints(value, role, option)
+    if len(endpoints) > 1:
+        raise usage.UsageError(f"--{option} takes one endpoint, not {len(endpoints)}")
+    return endpoints[0] if endpoints else None
+
+
 class BrokerListOptions(VersionedOptions):
     """``--broker`` / ``-b``, given once per broker (or with commas) for a
     failover list such as a Binary Star pair; after parsing, ``self["brokers"]``
@@ -347,15 +356,23 @@ CURVE_CLIENT_OPTIONS: list[Any] = [
 ]
 
 
-def checked_curve_server(options: usage.Options) -> None:
+def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[str]]) -> None:
     """--curve-secret and --curve-allow, read now: a missing or wrong file
-    is a usage mistake."""
+    is a usage mistake, and so is a listener of *listeners* (option: endpoint)
+    that would take peers from other machines unauthenticated beside them
+    (:func:`mdp.transport.curve_listen_for`)."""
     from mdp.transport.curve import curve_server
 
     try:
-        curve_server(options["curve-secret"], options["curve-allow"])
+        curve = curve_server(options["curve-secret"], options["curve-allow"])
     except (TransportError, ValueError) as e:
         raise usage.UsageError(str(e)) from None
+    for option, endpoint in listeners.items():
+        if endpoint is not None:
+            try:
+                transport.curve_listen_for(endpoint, curve)
+            except TransportError as e:
+                raise usage.UsageError(f"--{option}: {e}") from None
 
 
 def curve_client_of(options: usage.Options) -> dict[str, Any]:
@@ -364,12 +381,13 @@ def curve_client_of(options: usage.Options) -> dict[str, Any]:
             "curveSecret": options["curve-secret"]}
 
 
-def checked_curve_client(options: usage.Options) -> None:
-    """--curve-server-public and --curve-secret, read now."""
-    from mdp.transport.curve import curve_client
-
+def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
+    """--curve-server-public and --curve-secret, read now, for the
+    *endpoints* the peer connects to (keys none of them would use, or one
+    cannot, are a usage mistake: :func:`mdp.transport.curve_client_for`)."""
     try:
-        curve_client(options["curve-server-public"], options["curve-secret"])
+        transport.curve_client_for(endpoints, options["curve-server-public"],
+                                   options["curve-secret"])
     except (TransportError, ValueError) as e:
         raise usage.UsageError(str(e)) from None
 
@@ -454,10 +472,9 @@ class BrokerOptions(_HeartbeatOptions):
     def postOptions(self) -> None:
         self.heartbeatPolicy()
         limits_of(self)
-        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
-        checked_endpoints(self["backend"], transport.LISTEN, "backend")
+        listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
+                     "backend": checked_endpoint(self["backend"], transport.LISTEN, "backend")}
         checked_metrics(self)
-        checked_curve_server(self)
         access_of(self)
         bstar = (self["bstar"], self["bstar-local"], self["bstar-remote"])
         if any(bstar) and not all(bstar):
@@ -465,8 +482,9 @@ class BrokerOptions(_HeartbeatOptions):
         if self["bstar"] is not None and self["bstar"] not in ("primary", "backup"):
             raise usage.UsageError(f"--bstar is primary or backup, not {self['bstar']!r}")
         if self["bstar"] is not None:
-            checked_endpoints(self["bstar-local"], transport.LISTEN, "bstar-local")
-            checked_endpoints(self["bstar-remote"], transport.CONNECT, "bstar-remote")
+            checked_endpoint(self["bstar-local"], transport.LISTEN, "bstar-local")
+            checked_endpoint(self["bstar-remote"], transport.CONNECT, "bstar-remote")
+        checked_curve_server(self, listeners)
 
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
@@ -492,11 +510,17 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     def postOptions(self) -> None:
         if not self["service"]:
             raise usage.UsageError("--service is required")
+        from mdp.majordomo.codec import api_service_name
+
+        try:
+            api_service_name(self["service"])
+        except ValueError as e:
+            raise usage.UsageError(f"--service: {e}") from None
         self.heartbeatPolicy()
         limits_of(self)
         BrokerListOptions.postOptions(self)
         checked_metrics(self)
-        checked_curve_client(self)
+        checked_curve_client(self, self["brokers"])
         from mdp.handlers import load_handler
 
         loaded_handler(self, "twist mdp-worker", load_handler)
@@ -607,9 +631,9 @@ class FreelanceServerOptions(VersionedOptions):
 
     def postOptions(self) -> None:
         limits_of(self)
-        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        endpoint = checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")
         checked_metrics(self)
-        checked_curve_server(self)
+        checked_curve_server(self, {"endpoint": endpoint})
         checked_pending(self)
         from mdp.handlers import load_handler
 
@@ -766,7 +790,7 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
-        checked_curve_client(self)
+        checked_curve_client(self, self["brokers"])
 
 
 @implementer(IServiceMaker, IPlugin)

@@ -1473,7 +1473,7 @@ class Broker(BrokerMachine):
             self._bind(binding, routerTransport)
             return routerTransport
 
-        security = transport.curve_for(endpoint, self.curve)
+        security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "MDP broker")
         return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
                                 security=security).addCallback(bound)

@@ -60,11 +60,13 @@ __all__ = [
     "authenticated",
     "beyond_loopback",
     "check",
+    "check_curve_client",
     "connect",
     "connect_channels",
     "connect_peers",
     "curve_client_for",
     "curve_for",
+    "curve_listen_for",
     "endpoint_list",
     "listen",
     "lookup",
@@ -118,12 +120,20 @@ def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
+    check_curve_client(endpoints, curve)
+    return curve
+
+
+def check_curve_client(endpoints: list[str], curve: Any) -> None:
+    """``ValueError`` if a connecting node's *curve* (its CURVE settings, or
+    None) would be used by none of its *endpoints* (it would talk in the
+    clear to servers it meant to authenticate), :class:`TransportError` if
+    one of them cannot use it (:func:`curve_for`)."""
     if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
         raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
                          "ssl: (TLS) instead")
     for endpoint in endpoints:
         curve_for(endpoint, curve)
-    return curve
 
 
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
@@ -166,6 +176,23 @@ def authenticated(endpoint: str, security: Any = None) -> bool:
     if kind == "ssl":
         return "caCerts" in split_description(rest)[1]
     return False
+
+
+def curve_listen_for(endpoint: str, curve: Any) -> Any:
+    """A listening node's CURVE settings for *endpoint* (:func:`curve_for`);
+    :class:`TransportError` if the node has them and *endpoint* would still
+    take peers from other machines without knowing who they are (a plain
+    ``tcp:``, an ``ssl:`` without ``caCerts=``): a node set up to
+    authenticate its peers opens no door that does not. Loopback and
+    ``unix:`` listeners, and ``ssl:`` with ``caCerts=``, may go beside it."""
+    security = curve_for(endpoint, curve)
+    if curve is not None and security is None and beyond_loopback(endpoint) \
+            and not authenticated(endpoint):
+        raise TransportError(f"{endpoint!r}: CURVE keys are for zmq: endpoints, and this one "
+                             "would take peers from other machines without authenticating "
+                             "them; listen with zmq: (or ssl: with caCerts=), or on a loopback "
+                             "address")
+    return security
 
 
 def warn_if_open(endpoint: str, security: Any, what: str) -> bool:

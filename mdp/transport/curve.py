@@ -245,7 +245,8 @@ def forget_domain(context: Any, domain: str) -> None:
 def keygen(name: str, directory: str = ".") -> tuple[str, str]:
     """Write a new key pair as ``NAME.key`` (public) and ``NAME.key_secret``
     in *directory*, in pyzmq's certificate format; refuses to overwrite.
-    Returns the two paths."""
+    Returns the two paths; ``ValueError`` saying why when they cannot be
+    written (neither is left then)."""
     import zmq.auth
 
     if not name or os.sep in name or (os.altsep and os.altsep in name):
@@ -260,7 +261,15 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
     mask = os.umask(0o077)
     try:
         public, secret = zmq.auth.create_certificates(directory, name)
+        os.chmod(public, 0o644)
+    except OSError as e:  # not writable, full, ...: no half pair left behind
+        for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
+            try:
+                os.unlink(os.path.join(directory, name + suffix))
+            except OSError:
+                pass
+        raise ValueError(f"cannot write the key pair {name} in {directory!r}: "
+                         f"{e.strerror or e}") from None
     finally:
         os.umask(mask)
-    os.chmod(public, 0o644)
     return public, secret
