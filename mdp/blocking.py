@@ -1104,10 +1104,11 @@ class Worker(WorkerMachine):
         self._perform(self.handlePipeUp(now))
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        self._perform(self.handlePipeLost(now))
+        self._perform(self.handlePipeLost(now, why))
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
-        pass  # the stream retries; the broker's silence decides (the machine's tick)
+        # logged; the stream retries, and the broker's silence decides (the machine's tick)
+        self._perform(self.handleConnectFailed(error, now))
 
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
         self._perform(self.handleMessage(frames, now))

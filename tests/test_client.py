@@ -324,3 +324,29 @@ async def test_a_stream_wakes_its_consumer_once_for_the_parts_of_a_read(
     final(router, peer, b"echo", b"end")
     await clocknet.wait(done)
     assert seen == [[b"0"], [b"1"], [b"2"], [b"end"]]
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_timeout_names_why_each_connection_was_lost() -> None:
+    """A broker whose connections end as soon as they are made (a TLS
+    handshake refused, say): the timeout says so (it said only that no
+    reply came)."""
+    from twisted.internet import protocol
+    from twisted.internet import reactor as real
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    class Hangup(protocol.Protocol):
+        def connectionMade(self) -> None:
+            self.transport.loseConnection()
+
+    listening = await TCP4ServerEndpoint(real, 0, interface="127.0.0.1").listen(
+        protocol.Factory.forProtocol(Hangup))
+    client = Client(f"tcp:host=127.0.0.1:port={listening.getHost().port}", real,
+                    timeout=1.5, retries=1)
+    try:
+        with pytest.raises(RequestTimeout, match="connection lost: .*closed cleanly"):
+            await client.request("echo", b"x")
+    finally:
+        await client.close()
+        await listening.stopListening()

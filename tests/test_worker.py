@@ -184,3 +184,52 @@ def test_provides_its_interfaces() -> None:
     worker = Worker("loopback:nobody", "svc", lambda f: f, task.Clock())
     assert verifyObject(IWorker, worker)
     assert verifyObject(IDealerReceiver, worker)
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_worker_says_why_it_cannot_connect_or_lost_its_broker() -> None:
+    """Over TCP: a refused connection is logged with its reason (only
+    ClientService's "Scheduling retry" was), and so is a lost one (a TLS
+    handshake refused, say: the worker said only "lost; reconnecting")."""
+    import socket
+
+    from twisted.internet import protocol
+    from twisted.internet import reactor as real
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+    from twisted.logger import formatEvent
+
+    from tests.conftest import logged_at
+    from tests.procs import wait_until
+
+    spare = socket.socket()
+    spare.bind(("127.0.0.1", 0))
+    port = spare.getsockname()[1]
+    spare.close()  # nothing listens there now: refused
+    with logged_at(("info", "warn")) as events:
+        worker = Worker(f"tcp:host=127.0.0.1:port={port}", "echo", lambda f: f, real)
+        worker.start()
+        try:
+            await wait_until(lambda: any("cannot connect to" in formatEvent(e) for e in events), 10)
+            said = next(formatEvent(e) for e in events if "cannot connect to" in formatEvent(e))
+            assert f"port={port}" in said and "refused" in said.lower()
+        finally:
+            await worker.stop()
+
+    class Hangup(protocol.Protocol):
+        def connectionMade(self) -> None:
+            self.transport.loseConnection()
+
+    listening = await TCP4ServerEndpoint(real, 0, interface="127.0.0.1").listen(
+        protocol.Factory.forProtocol(Hangup))
+    with logged_at(("info", "warn")) as events:
+        worker = Worker(f"tcp:host=127.0.0.1:port={listening.getHost().port}", "echo",
+                        lambda f: f, real)
+        worker.start()
+        try:
+            await wait_until(lambda: any("lost" in formatEvent(e) for e in events), 10)
+            said = next(formatEvent(e) for e in events if "lost" in formatEvent(e))
+            assert "closed cleanly" in said and "reconnecting" in said
+        finally:
+            await worker.stop()
+            await listening.stopListening()

@@ -472,7 +472,12 @@ class ClientMachine(Machine):
         return self._drain()
 
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
+        """A connection was lost; *why* (an exception, or None) is named if a
+        request then times out (a TLS handshake refused, say, which loses
+        each connection as it is made)."""
         self.now = now
+        if why is not None and channel in self._channels:
+            self._failures[channel.endpoint] = f"connection lost: {why}"
         channel.state = DOWN
         self._channelLost(channel, why)
         return self._drain()

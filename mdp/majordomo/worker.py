@@ -212,6 +212,15 @@ class StoreReply:
 Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
 
 
+def _why(reason: object) -> str:
+    """A connection's loss or failure, in words: the exception a Failure
+    holds, or the exception itself."""
+    value = getattr(reason, "value", reason)
+    if value is None:
+        return "no reason given"
+    return str(value) or type(value).__name__
+
+
 class WorkerMachine(Machine):
     """The worker's decisions (the table in the module docstring), and
     nothing else: no reactor, no transport, no Deferred, no handler.  Feed it
@@ -334,11 +343,22 @@ class WorkerMachine(Machine):
                   expiry=self.heartbeat.expiry)
         return self._drain()
 
-    def handlePipeLost(self, now: float) -> list[Action]:
+    def handleConnectFailed(self, error: object, now: float) -> list[Action]:
+        """A connection attempt failed (refused, no such host, ...): logged
+        (throttled), as the transport tries again on its own."""
+        self.now = now
+        self.throttle.warn(log, "connect", "worker for {service} cannot connect to {endpoint}: "
+                           "{error}; trying again", service=label(self.service),
+                           endpoint=self.endpoint, error=_why(error))
+        return self._drain()
+
+    def handlePipeLost(self, now: float, why: object = None) -> list[Action]:
+        """The connection was lost; *why*, the reason (a Failure or an
+        exception), is logged with it (a TLS handshake refused, say)."""
         self.now = now
         if self.state is READY:
-            log.info("worker for {service} lost {endpoint}; reconnecting",
-                     service=label(self.service), endpoint=self.endpoint)
+            log.info("worker for {service} lost {endpoint} ({why}); reconnecting",
+                     service=label(self.service), endpoint=self.endpoint, why=_why(why))
             self.state = CONNECTING
         self.current = None
         self.generation += 1
@@ -640,7 +660,10 @@ class Worker(WorkerMachine):
         self._perform(self.handlePipeUp(self.reactor.seconds()))
 
     def connectionLost(self, reason: object) -> None:
-        self._perform(self.handlePipeLost(self.reactor.seconds()))
+        self._perform(self.handlePipeLost(self.reactor.seconds(), reason))
+
+    def connectionFailed(self, reason: object) -> None:
+        self._perform(self.handleConnectFailed(reason, self.reactor.seconds()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self._perform(self.handleMessage(frames, self.reactor.seconds()))
