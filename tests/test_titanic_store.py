@@ -316,3 +316,50 @@ async def test_a_database_that_can_only_be_read_is_refused_at_open(
         assert [p.frames for p in await store.pending(10)] == [[b"x"]]
     finally:
         await store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("gone", ["t.db", "t.db-wal", "t.db.lock"])
+@pytest_twisted.ensureDeferred
+async def test_a_store_whose_files_are_deleted_while_it_runs_writes_no_more(
+        tmp_path: Any, gone: str) -> None:
+    """The database, its WAL or its lock deleted while the store runs: a
+    write fails with StoreError saying so (it was acknowledged, written to a
+    file no restart finds; with the lock gone, a second Titanic could open
+    the same file and run every request twice); what was committed before
+    is still there once Titanic is restarted with its lock made again (the
+    database's, or the WAL's, went with it: an operator's doing)."""
+    path = str(tmp_path / "t.db")
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        kept = await store.add(b"echo", [b"before"], 1.0)
+        os.unlink(str(tmp_path / gone))
+        with pytest.raises(StoreError, match="was deleted while in use.*restart Titanic"):
+            await store.add(b"echo", [b"after"], 2.0)
+    finally:
+        await store.close()
+    if gone == "t.db.lock":
+        await store.open()
+        try:
+            assert [p.frames for p in await store.pending(10)] == [[b"before"]]
+            assert [p.id for p in await store.pending(10)] == [kept]
+        finally:
+            await store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_store_whose_database_is_replaced_while_it_runs_writes_no_more(
+        tmp_path: Any) -> None:
+    path = str(tmp_path / "t.db")
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        await store.add(b"echo", [b"before"], 1.0)
+        os.replace(path, str(tmp_path / "moved.db"))
+        (tmp_path / "t.db").write_bytes(b"")
+        with pytest.raises(StoreError, match=f"{path} was replaced while in use"):
+            await store.add(b"echo", [b"after"], 2.0)
+    finally:
+        await store.close()

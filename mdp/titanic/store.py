@@ -273,6 +273,9 @@ class SQLiteStore:
         self._pool: Optional[ThreadPool] = None
         self._trigger: Any = None
         self._lock: Optional[int] = None
+        self._lockPath: Optional[str] = None
+        #: the files in use, as opened (see _moved)
+        self._files: dict[str, Optional[tuple[int, int]]] = {}
         self._db: Optional[sqlite3.Connection] = None
         #: writes waiting for the next transaction (reactor thread only)
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
@@ -317,14 +320,50 @@ class SQLiteStore:
                 raise
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
+        self._files = self._identities()
+
+    def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
+        """The files this store uses, by name: the database, its WAL and the
+        lock, as (device, inode) of what the name leads to now (None: gone)."""
+        if self.path == ":memory:":
+            return {}
+        real = os.path.realpath(self.path)  # SQLite names the WAL after the file a link leads to
+        names = {self.path: real, "its WAL": real + "-wal"}
+        if self._lockPath is not None:
+            names["its lock"] = self._lockPath
+        found: dict[str, Optional[tuple[int, int]]] = {}
+        for what, name in names.items():
+            try:
+                st = os.stat(name)
+                found[what] = (st.st_dev, st.st_ino)
+            except OSError:
+                found[what] = None
+        return found
+
+    def _moved(self) -> Optional[str]:
+        """Why the files this store writes are no longer the ones its names
+        lead to (deleted, or replaced, while it runs): a write would go to a
+        file no restart finds, or a second Titanic could take the lock."""
+        now = self._identities()
+        for what, was in self._files.items():
+            if was is not None and now.get(what) != was:
+                return (f"Titanic store {self.path}: {what} was "
+                        f"{'deleted' if now.get(what) is None else 'replaced'} while in use; "
+                        "nothing more is written to it: restart Titanic")
+        return None
 
     def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Commit *statements* in one transaction; if that fails, each in a
         transaction of its own, so that one bad write fails alone.  Returns
-        each statement's row count, or the exception it raised."""
+        each statement's row count, or the exception it raised.  Nothing is
+        written once the store's files were deleted or replaced
+        (:meth:`_moved`): acknowledged, it would be lost at the restart."""
         db = self._db
         if db is None:
             return [StoreError(f"Titanic store {self.path} is closed")] * len(statements)
+        moved = self._moved()
+        if moved is not None:
+            return [StoreError(moved)] * len(statements)
 
         def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
             with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
@@ -415,6 +454,7 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
                              f"(lock {lockPath} is held)") from None
         self._lock = fd
+        self._lockPath = lockPath
 
     def _release(self) -> None:
         if self._pool is not None:
