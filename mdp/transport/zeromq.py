@@ -685,6 +685,30 @@ class _RoutedSocket:
 
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
+def _check_ipc_free(address: str, endpoint: str) -> None:
+    """:class:`TransportError` if another process listens on the ``ipc://``
+    *address* (libzmq would unlink its socket file and take the name over,
+    leaving that one unreachable, where tcp:// and unix: refuse: in use). A
+    file nobody listens on is one a process left behind: libzmq replaces it."""
+    if not address.startswith("ipc://"):
+        return
+    import socket
+
+    path = address[len("ipc://"):]
+    if path.startswith("@") or not os.path.exists(path):
+        return  # an abstract name: the kernel refuses it if taken
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return  # refused, or not a socket (libzmq says so, then)
+    finally:
+        probe.close()
+    raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on "
+                         f"{path})")
+
+
 class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket.  A receiver whose ``keepFramesFrom`` is a
     number gets the frames from that index on that are at least
@@ -739,10 +763,13 @@ class ZmqRouter(_RoutedSocket):
             # any key (made up on the spot) gets in, and is nobody
             self.connection.identify = curve.allow is not None
         try:
+            _check_ipc_free(address, endpoint)
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, TransportError) as e:
             self.connection.shutdown()
             self._forgetDomain()
+            if isinstance(e, TransportError):
+                raise
             raise TransportError(f"cannot bind {endpoint}: {e}") from e
         self.connection.attached()
         self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
