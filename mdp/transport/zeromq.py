@@ -684,7 +684,6 @@ class _RoutedSocket:
             self.connection.shutdown()
 
 
-@implementer(IRouterTransport, IAuthenticatedRouter)
 def _check_ipc_free(address: str, endpoint: str) -> None:
     """:class:`TransportError` if another process listens on the ``ipc://``
     *address* (libzmq would unlink its socket file and take the name over,
@@ -709,6 +708,7 @@ def _check_ipc_free(address: str, endpoint: str) -> None:
                          f"{path})")
 
 
+@implementer(IRouterTransport, IAuthenticatedRouter)
 class ZmqRouter(_RoutedSocket):
     """A bound ZeroMQ ROUTER socket.  A receiver whose ``keepFramesFrom`` is a
     number gets the frames from that index on that are at least
