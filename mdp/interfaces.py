@@ -142,7 +142,9 @@ class IStreamDecoder(Interface):
     def feed(data: bytes) -> list[list[bytes]]:
         """The messages completed by *data*.  Raises
         :class:`~mdp.errors.ProtocolError` (``OversizedMessage`` for a limit,
-        checked before anything is buffered): the stream is then unusable."""
+        checked before anything is buffered): the stream is then unusable;
+        the error's ``decoded`` (if set) holds the messages *data* completed
+        before it, which are still delivered."""
 
 
 class IFraming(Interface):

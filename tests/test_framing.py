@@ -48,6 +48,20 @@ def test_a_record_over_the_limit_is_refused_from_its_header() -> None:
     assert ok.feed(encode_record([b"x" * 1000])) == [[b"x" * 1000]]
 
 
+def test_the_messages_before_a_refused_record_go_with_the_error() -> None:
+    """One read holds whole messages, then one over the limits: the error
+    carries them, to be delivered before the connection ends (they were
+    lost with it)."""
+    limits = Limits(maxMessageBytes=1000, maxFrames=10)
+    data = encode_record([b"a"]) + encode_record([b"b", b"c"]) + encode_record([b"x" * 2000])
+    with pytest.raises(RecordTooLarge) as refused:
+        RecordDecoder(limits).feed(data)
+    assert refused.value.decoded == [[b"a"], [b"b", b"c"]]
+    with pytest.raises(ProtocolError) as malformed:  # the same for a malformed one
+        RecordDecoder(limits).feed(encode_record([b"a"]) + struct.pack(">II", 8, 9) + b"12345678")
+    assert malformed.value.decoded == [[b"a"]]
+
+
 def test_frames_beyond_the_limit_stop_decoding() -> None:
     limits = Limits(maxMessageBytes=1 << 20, maxFrames=100)
     assert RecordDecoder(limits).feed(encode_record([b""] * 100)) == [[b""] * 100]

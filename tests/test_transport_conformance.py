@@ -565,3 +565,36 @@ async def test_a_connecting_router_addresses_servers_by_endpoint(pair: Pair) -> 
     finally:
         await peers.close()
         await peers.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_stream_delivers_what_came_before_an_oversized_record_in_the_same_read() -> None:
+    """A read holds whole messages and then the header of one over the
+    limits: those messages are delivered, then the connection ends on the
+    oversized one (they were thrown away with it)."""
+    import struct
+
+    from twisted.internet import protocol
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    from mdp.errors import OversizedMessage
+    from mdp.transport.framing import encode_record
+
+    class Sends(protocol.Protocol):
+        def connectionMade(self) -> None:  # one write: one read, on loopback
+            self.transport.write(encode_record([b"first"]) + encode_record([b"second", b"2"])
+                                 + struct.pack(">I", 50_000))
+
+    listening = await TCP4ServerEndpoint(reactor(), 0, interface="127.0.0.1").listen(
+        protocol.Factory.forProtocol(Sends))
+    dealer = Dealer()
+    pipe = transport.connect(f"tcp:host=127.0.0.1:port={listening.getHost().port}", dealer,
+                             reactor(), limits=Limits(maxMessageBytes=1000))
+    try:
+        await until(lambda: len(dealer.lost) >= 1)
+        assert dealer.received[:2] == [[b"first"], [b"second", b"2"]]
+        assert isinstance(getattr(dealer.lost[0], "value", dealer.lost[0]), OversizedMessage)
+    finally:
+        await pipe.close()
+        await listening.stopListening()

@@ -22,9 +22,6 @@ DATA                     the next number: delivered; an old one: dropped (a rese
                          a later one (some were lost unseen): HELLO again
 DATA over our limits     the next number: dropped and acknowledged, logged (it can
                          never be taken, and would hold back all after it)
-oversized (connection    the inner connection closed on a message over our limits:
-lost on one)             if it was the first DATA since WELCOME, it is the next
-                         number, dropped as above; detached either way
 UNKNOWN                  the server has no such session (it restarted), or lost
                          messages: HELLO again
 REFUSED                  the server opens no session now (full): :class:`Refusal`
@@ -273,8 +270,6 @@ class ClientSessionMachine(Machine):
         #: for each PING in flight, what we had sent before it
         self.sentAtPing: deque[int] = deque()
         self.helloAt = now
-        #: a DATA came since the last WELCOME (on this connection)
-        self.dataSinceWelcome = False
         #: messages from the server dropped as over our limits
         self.dropped = 0
         self.throttle = LogThrottle(self)
@@ -312,19 +307,6 @@ class ClientSessionMachine(Machine):
         message = self.seq.number(tuple(payload))
         if self.state == "attached":
             self._send(message)
-        return self._drain()
-
-    def handleOversized(self, reason: str, now: float) -> list[Any]:
-        """The connection closed on a message over our limits (*reason*),
-        which the session never saw. If no DATA came since the WELCOME, it
-        was the first the server resent, the next number: dropped (the next
-        HELLO acknowledges it), or it would come again at every attach and
-        hold back all after it. Detached either way."""
-        self.now = now
-        if self.state == "attached" and not self.dataSinceWelcome:
-            self.seq.received += 1
-            self._dropped(self.seq.received, reason)
-        self.state = "detached"
         return self._drain()
 
     def _dropped(self, seq: int, reason: str) -> None:
@@ -382,11 +364,9 @@ class ClientSessionMachine(Machine):
                 self.epoch = message.epoch
                 self.seq.received = 0
             self.state = "attached"
-            self.dataSinceWelcome = False
             for data in self.seq.resend():
                 self._send(data)
         elif isinstance(message, codec.Data):
-            self.dataSinceWelcome = True
             verdict = self.seq.accept(message)
             if verdict == "next":
                 if refused is None:

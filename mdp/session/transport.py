@@ -290,26 +290,25 @@ class SessionDealer(_End):
 
     def _oversized(self, why: OversizedMessage) -> None:
         """The inner connection closed on a message from the server over
-        this side's limits. The session drops it if it can tell which it was
-        (the first after an attach); if not, the server resends it at the
-        next attach, where it is. Attach again after the backoff, not at
-        once (the inner transport would, and so would the resend: a loop as
-        fast as the two can go), and at most ``pingInterval * liveness``
-        later, well within the server's expiry."""
-        dropped = self.machine.dropped
+        this side's limits by more than the room it leaves for the session's
+        frames: the session never saw which it was, so it cannot drop it
+        (a message just over them it does), and the server resends it at
+        each attach: nothing after it comes through until the limits agree.
+        Say so, and attach again after the backoff, not at once (the inner
+        transport would, and so would the resend: a loop as fast as the two
+        can go), at most ``pingInterval * liveness`` later, well within the
+        server's expiry."""
+        delay = min(self.backoff.delay(self.oversizedLosses), self.machine.deadAfter)
+        self.oversizedLosses += 1
+        self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
+                           "server is over this side's limits ({reason}); it is resent at each "
+                           "attach, so nothing after it can be received until the limits agree; "
+                           "attaching again in {delay:g}s", endpoint=self.endpoint, reason=why,
+                           delay=delay)
         inner, self.inner = self.inner, None
         if inner is not None:
             inner.close()
-        self._perform(self.machine.handleOversized(str(why), self._now()))
-        if self.machine.dropped != dropped:  # the stall is over
-            self.oversizedLosses = 0
-        delay = min(self.backoff.delay(self.oversizedLosses), self.machine.deadAfter)
-        self.oversizedLosses += 1
-        if self.machine.dropped == dropped:
-            self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from "
-                               "the server is over this side's limits ({reason}); attaching "
-                               "again in {delay:g}s, where it is dropped",
-                               endpoint=self.endpoint, reason=why, delay=delay)
+        self._perform(self.machine.handleDisconnected(self._now()))
         if not self.closed:
             self.reopening = cancel_call(self.reopening)
             self.reopening = self.reactor.callLater(delay, self._open)

@@ -245,9 +245,12 @@ class RecordDecoder:
                 if self._need == 0:
                     frames = self._completed()
                     messages.append((self._channel, frames) if self.channels else frames)
-        except RecordTooLarge as e:
-            if self.channels:  # say whose record it was
+        except ProtocolError as e:
+            if self.channels and isinstance(e, RecordTooLarge):  # say whose record it was
                 e.channel = self._channel
+            # the whole messages before it in this read, to be delivered before
+            # the connection ends (they were lost with it)
+            e.decoded = messages
             raise
         return messages
 

@@ -271,6 +271,9 @@ class FramedProtocol(Protocol):
         try:
             messages = self.decoder.feed(data)
         except ProtocolError as e:
+            before = getattr(e, "decoded", None)
+            if before:  # whole messages that came before it: theirs, not lost with it
+                self._deliverAll(before)
             self.refusal = e
             self.drop("{reason}", reason=e)
             return
