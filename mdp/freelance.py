@@ -848,6 +848,8 @@ class _FreelanceClient(FreelanceMachine):
         self.pipes: dict[Any, _Pipe] = {}
         self._timers: dict[tuple[bytes, str], Any] = {}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
+        #: the endpoints of the servers added, in order
+        self.added: list[str] = []
         if listed:
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
@@ -855,9 +857,13 @@ class _FreelanceClient(FreelanceMachine):
 
     def connect(self, endpoint: str) -> None:
         """Add a server (:class:`~mdp.errors.TransportError` at once for a
-        malformed endpoint)."""
+        malformed endpoint; ``ValueError`` for CURVE keys and no ``zmq:``
+        server to use them)."""
         transport.check(endpoint, transport.CONNECT)
-        transport.curve_for(endpoint, self.curve)  # (a session+zmq: one cannot have it)
+        # keys no server would use (it would talk in the clear), or a
+        # session+zmq: one, which cannot have them: ValueError, TransportError
+        transport.check_curve_client([*self.added, endpoint], self.curve)
+        self.added.append(endpoint)
         self._perform(self.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,

@@ -571,6 +571,11 @@ async def test_a_node_with_curve_opens_no_unauthenticated_door_to_other_machines
         with pytest.raises(ValueError, match="for zmq: endpoints"):
             freelance_client(["tcp:host=127.0.0.1:port=5555"], model, reactor(),
                              curveServerPublic=public)
+        later = freelance_client([], model, reactor(), curveServerPublic=public)
+        with pytest.raises(ValueError, match="for zmq: endpoints"):  # added one by one
+            later.connect("tcp:host=127.0.0.1:port=5555")
+        assert later.added == []
+        await later.close()
 
 
 def test_a_key_pair_that_cannot_be_written_is_a_value_error_leaving_nothing(

@@ -319,16 +319,13 @@ async def test_a_database_that_can_only_be_read_is_refused_at_open(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("gone", ["t.db", "t.db-wal", "t.db.lock"])
+@pytest.mark.parametrize("gone", ["t.db", "t.db-wal"])
 @pytest_twisted.ensureDeferred
 async def test_a_store_whose_files_are_deleted_while_it_runs_writes_no_more(
         tmp_path: Any, gone: str) -> None:
-    """The database, its WAL or its lock deleted while the store runs: a
-    write fails with StoreError saying so (it was acknowledged, written to a
-    file no restart finds; with the lock gone, a second Titanic could open
-    the same file and run every request twice); what was committed before
-    is still there once Titanic is restarted with its lock made again (the
-    database's, or the WAL's, went with it: an operator's doing)."""
+    """The database or its WAL deleted while the store runs: a write fails
+    with StoreError saying so (it was acknowledged, written to a file no
+    restart finds)."""
     path = str(tmp_path / "t.db")
     store = SQLiteStore(path, reactor())
     await store.open()
@@ -339,13 +336,38 @@ async def test_a_store_whose_files_are_deleted_while_it_runs_writes_no_more(
             await store.add(b"echo", [b"after"], 2.0)
     finally:
         await store.close()
-    if gone == "t.db.lock":
-        await store.open()
+    assert kept
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_lock_file_deleted_while_the_store_runs_is_taken_again(tmp_path: Any) -> None:
+    """A cleaner of old files deletes the lock: the store takes the lock
+    again on a new file and goes on (a second Titanic could otherwise open
+    the same database and run every request twice); if another Titanic got
+    the new lock first, writes fail instead."""
+    path = str(tmp_path / "t.db")
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        await store.add(b"echo", [b"before"], 1.0)
+        os.unlink(path + ".lock")
+        await store.add(b"echo", [b"after"], 2.0)
+        assert os.path.exists(path + ".lock")
+        with pytest.raises(StoreError, match="in use by another Titanic"):
+            await SQLiteStore(path, reactor()).open()
+        assert sorted(p.frames[0] for p in await store.pending(10)) == [b"after", b"before"]
+        os.unlink(path + ".lock")
+        import fcntl
+        other = os.open(path + ".lock", os.O_RDWR | os.O_CREAT)  # another takes it first
         try:
-            assert [p.frames for p in await store.pending(10)] == [[b"before"]]
-            assert [p.id for p in await store.pending(10)] == [kept]
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(StoreError, match="its lock was replaced while in use"):
+                await store.add(b"echo", [b"late"], 3.0)
         finally:
-            await store.close()
+            os.close(other)
+    finally:
+        await store.close()
 
 
 @pytest.mark.timeout(30)
@@ -359,7 +381,7 @@ async def test_a_store_whose_database_is_replaced_while_it_runs_writes_no_more(
         await store.add(b"echo", [b"before"], 1.0)
         os.replace(path, str(tmp_path / "moved.db"))
         (tmp_path / "t.db").write_bytes(b"")
-        with pytest.raises(StoreError, match=f"{path} was replaced while in use"):
+        with pytest.raises(StoreError, match=f"{path}: the database was replaced while in use"):
             await store.add(b"echo", [b"after"], 2.0)
     finally:
         await store.close()

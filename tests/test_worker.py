@@ -207,12 +207,17 @@ async def test_a_worker_says_why_it_cannot_connect_or_lost_its_broker() -> None:
     port = spare.getsockname()[1]
     spare.close()  # nothing listens there now: refused
     with logged_at(("info", "warn")) as events:
-        worker = Worker(f"tcp:host=127.0.0.1:port={port}", "echo", lambda f: f, real)
+        worker = Worker(f"tcp:host=127.0.0.1:port={port}", "echo", lambda f: f, real,
+                        heartbeat=HeartbeatPolicy(interval=10.0, liveness=3))
         worker.start()
         try:
             await wait_until(lambda: any("cannot connect to" in formatEvent(e) for e in events), 10)
             said = next(formatEvent(e) for e in events if "cannot connect to" in formatEvent(e))
-            assert f"port={port}" in said and "refused" in said.lower()
+            assert f"port={port}" in said and said.endswith("connection refused; trying again")
+            await wait_until(lambda: sum("Scheduling retry" in formatEvent(e)
+                                         for e in events) >= 3, 15)
+            # once a reason, not at every retry (until interval x liveness pass)
+            assert sum("cannot connect to" in formatEvent(e) for e in events) == 1
         finally:
             await worker.stop()
 

@@ -45,7 +45,8 @@ def test_router_closed_during_shutdown_lets_the_process_exit(attempt: int) -> No
 def test_a_second_listener_on_an_ipc_path_in_use_is_refused(tmp_path: Any) -> None:
     """libzmq unlinks the socket file of an ipc:// address in use and takes
     the name, leaving the first listener unreachable (tcp:// and unix: say
-    "in use"): refused; a file nobody listens on any more is taken over."""
+    "in use"): refused; as is a path that is a file and no socket (libzmq
+    deleted it); a socket file nobody listens on any more is taken over."""
     script = f"""
 from twisted.internet import reactor, defer
 from mdp.errors import TransportError
@@ -70,6 +71,14 @@ def main():
     again = yield listen(endpoint, Receiver(), reactor)
     print("bound again")
     yield again.close()
+    with open("{tmp_path}/data.db", "w") as f:
+        f.write("precious")
+    try:
+        yield listen("zmq:ipc://{tmp_path}/data.db", Receiver(), reactor)
+        print("bound over a file")
+    except TransportError as e:
+        print("refused:", e)
+    print("kept:", open("{tmp_path}/data.db").read())
     reactor.stop()
 
 reactor.callWhenRunning(main)
@@ -78,4 +87,6 @@ reactor.run()
     done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True,
                           text=True, timeout=25)
     assert "refused: cannot bind" in done.stdout and "address in use" in done.stdout, done
-    assert "bound again" in done.stdout, done
+    assert "left: True" in done.stdout and "bound again" in done.stdout, done  # a leftover socket
+    assert "data.db exists and is not a socket" in done.stdout, done
+    assert "kept: precious" in done.stdout, done  # libzmq deleted a file in the way

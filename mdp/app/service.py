@@ -83,12 +83,13 @@ class BrokerService(Service):
 
     def _listen(self) -> defer.Deferred[None]:
         listening = []
+        # (maybeDeferred: an endpoint refused at once fails like one that cannot bind)
         if self.endpoint is not None:
-            listening.append(self.broker.listen(self.endpoint, clients=True,
-                                                workers=self.backend is None))
+            listening.append(defer.maybeDeferred(self.broker.listen, self.endpoint, clients=True,
+                                                 workers=self.backend is None))
         if self.backend is not None:
-            listening.append(self.broker.listen(self.backend, clients=self.endpoint is None,
-                                                workers=True))
+            listening.append(defer.maybeDeferred(self.broker.listen, self.backend,
+                                                 clients=self.endpoint is None, workers=True))
         return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
             self._listening, self._failed
         )

@@ -6,6 +6,7 @@ from mdp.machine cimport Machine
 cdef class WorkerMachine(Machine):
     cdef public object _rotation, service, heartbeat, backoff, dialect, limits, throttle
     cdef public object state, liveness, failures, refusals, current, answered, generation
+    cdef public object connectWhy, connectSaidAt
 
     cpdef list handleMessage(self, frames, now)
 

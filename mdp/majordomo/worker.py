@@ -246,6 +246,9 @@ class WorkerMachine(Machine):
         self.dialect = codec.check_dialect(dialect)
         self.limits = limits
         self.throttle = LogThrottle(self)
+        #: the last reason a connection attempt failed, and when it was logged
+        self.connectWhy: Optional[str] = None
+        self.connectSaidAt = 0.0
         self.state = STOPPED
         #: when the broker was last heard from and last sent to
         self.liveness = Liveness(heartbeat, now)
@@ -322,6 +325,7 @@ class WorkerMachine(Machine):
 
     def handlePipeUp(self, now: float) -> list[Action]:
         self.now = now
+        self.connectWhy = None  # a later failure is news again
         self.generation += 1
         self.state = READY
         self.current = None
@@ -344,12 +348,20 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleConnectFailed(self, error: object, now: float) -> list[Action]:
-        """A connection attempt failed (refused, no such host, ...): logged
-        (throttled), as the transport tries again on its own."""
+        """A connection attempt failed (refused, no such host, ...), and the
+        transport tries again on its own: logged when the reason changes,
+        and at most once per ``interval * liveness`` while it stays (a
+        worker started before its broker would say so at every retry)."""
+        from mdp.majordomo.client import unreachable
+
         self.now = now
-        self.throttle.warn(log, "connect", "worker for {service} cannot connect to {endpoint}: "
-                           "{error}; trying again", service=label(self.service),
-                           endpoint=self.endpoint, error=_why(error))
+        value = getattr(error, "value", error)
+        why = (unreachable(value) if isinstance(value, BaseException) else None) or _why(value)
+        if why != self.connectWhy or now - self.connectSaidAt >= self.heartbeat.expiry:
+            self.connectWhy = why
+            self.connectSaidAt = now
+            log.warn("worker for {service} cannot connect to {endpoint}: {error}; trying again",
+                     service=label(self.service), endpoint=self.endpoint, error=why)
         return self._drain()
 
     def handlePipeLost(self, now: float, why: object = None) -> list[Action]:

@@ -347,10 +347,36 @@ class SQLiteStore:
         now = self._identities()
         for what, was in self._files.items():
             if was is not None and now.get(what) != was:
-                return (f"Titanic store {self.path}: {what} was "
+                if what == "its lock" and self._relock():
+                    continue
+                name = "the database" if what == self.path else what
+                return (f"Titanic store {self.path}: {name} was "
                         f"{'deleted' if now.get(what) is None else 'replaced'} while in use; "
                         "nothing more is written to it: restart Titanic")
         return None
+
+    def _relock(self) -> bool:
+        """The lock file went (a cleaner of old files, say): take the lock
+        again on a new one, unless another Titanic has it by now."""
+        path = self._lockPath
+        assert path is not None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        if self._lock is not None:
+            os.close(self._lock)
+        self._lock = fd
+        st = os.fstat(fd)
+        self._files["its lock"] = (st.st_dev, st.st_ino)
+        log.warn("Titanic store {path}: its lock file {lock} was deleted while in use; taken "
+                 "again", path=self.path, lock=path)
+        return True
 
     def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Commit *statements* in one transaction; if that fails, each in a

@@ -687,21 +687,30 @@ class _RoutedSocket:
 def _check_ipc_free(address: str, endpoint: str) -> None:
     """:class:`TransportError` if another process listens on the ``ipc://``
     *address* (libzmq would unlink its socket file and take the name over,
-    leaving that one unreachable, where tcp:// and unix: refuse: in use). A
-    file nobody listens on is one a process left behind: libzmq replaces it."""
+    leaving that one unreachable, where tcp:// and unix: refuse: in use), or
+    if the path is a file that is no socket (libzmq would delete it). A
+    socket nobody listens on is one a process left behind: libzmq replaces it."""
     if not address.startswith("ipc://"):
         return
     import socket
+    import stat
 
     path = address[len("ipc://"):]
-    if path.startswith("@") or not os.path.exists(path):
+    if path.startswith("@"):
         return  # an abstract name: the kernel refuses it if taken
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # nothing there
+    if not stat.S_ISSOCK(mode):  # libzmq would delete it and bind there
+        raise TransportError(f"cannot bind {endpoint}: {path} exists and is not a socket; "
+                             "left as it is")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(path)
     except OSError:
-        return  # refused, or not a socket (libzmq says so, then)
+        return  # nobody listens: a socket file left behind, which libzmq replaces
     finally:
         probe.close()
     raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on "
