@@ -343,6 +343,26 @@ async def test_closing_a_client_that_waits_to_attach_ends_the_wait(clocknet: Any
     assert not clocknet.reactor.getDelayedCalls()
 
 
+async def small_client(net: Any, name: str, *replies: bytes) -> tuple[Any, Any, list]:
+    """A server answering each message with *replies*, and a client with
+    limits of 1,000 bytes that keeps what it receives."""
+    from mdp.policy import Limits
+    from mdp.session import SessionClient, SessionServer
+
+    def handler(routingId: int, frames: list[bytes]) -> None:
+        for reply in replies:
+            server.reply(routingId, reply)
+
+    server = SessionServer(handler, net.reactor)
+    endpoint = await net.wait(defer.ensureDeferred(server.listen(f"loopback:{name}")))
+    net.addCleanup(server.close)
+    client = SessionClient(endpoint, net.reactor, limits=Limits(maxMessageBytes=1000))
+    net.addCleanup(client.close)
+    got: list[list[bytes]] = []
+    client.subscribe(got.append)
+    return server, client, got
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_message_far_over_the_clients_limits_stalls_the_session_without_a_spin(
         clocknet: Any) -> None:
@@ -353,18 +373,9 @@ async def test_a_message_far_over_the_clients_limits_stalls_the_session_without_
     in a loop as fast as both could go: a Clock never got past it), which
     stops short of the server's expiry: the session and what it holds
     outlive the stall."""
-    from mdp.policy import Limits
-    from mdp.session import SessionClient, SessionServer
     from tests.conftest import warnings_logged
 
-    server = SessionServer(lambda routingId, frames: (
-        server.reply(routingId, b"x" * 5000), server.reply(routingId, b"small")), clocknet.reactor)
-    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:over-limits")))
-    clocknet.addCleanup(server.close)
-    client = SessionClient(endpoint, clocknet.reactor, limits=Limits(maxMessageBytes=1000))
-    clocknet.addCleanup(client.close)
-    got: list[list[bytes]] = []
-    client.subscribe(got.append)
+    server, client, got = await small_client(clocknet, "over-limits", b"x" * 5000, b"small")
     with warnings_logged() as warnings:
         client.send(b"hi")
         clocknet.advance(0.5)
@@ -384,22 +395,9 @@ async def test_a_reply_just_over_the_clients_limits_is_dropped_and_acknowledged(
     """A payload a few bytes over the client's limits gets through the inner
     transport (whose limits leave room for the session's own frames): the
     client's session drops it, logged, and acknowledges it, so what follows
-    comes through (it was delivered over the limits, then held back all
-    after it)."""
-    from mdp.policy import Limits
-    from mdp.session import SessionClient, SessionServer
-
-    def handler(routingId: int, frames: list[bytes]) -> None:
-        server.reply(routingId, b"x" * 1020)
-        server.reply(routingId, b"after")
-
-    server = SessionServer(handler, clocknet.reactor)
-    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:band")))
-    clocknet.addCleanup(server.close)
-    client = SessionClient(endpoint, clocknet.reactor, limits=Limits(maxMessageBytes=1000))
-    clocknet.addCleanup(client.close)
-    got: list[list[bytes]] = []
-    client.subscribe(got.append)
+    comes through (it was left unacknowledged, and held back all after it
+    for good)."""
+    server, client, got = await small_client(clocknet, "band", b"x" * 1020, b"after")
     client.send(b"hi")
     clocknet.advance(10)
     assert got == [[b"after"]]

@@ -3,6 +3,7 @@ what it acknowledged across a restart and refuses a damaged file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import Any
@@ -18,6 +19,17 @@ def reactor() -> Any:
     from twisted.internet import reactor as r
 
     return r
+
+
+@contextlib.asynccontextmanager
+async def opened(path: str) -> Any:
+    """A SQLite store on *path*, open for the block."""
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 @pytest_twisted.async_yield_fixture(params=["memory", "sqlite"])
@@ -297,10 +309,8 @@ async def test_a_database_that_can_only_be_read_is_refused_at_open(
     import sqlite3
 
     path = str(tmp_path / "t.db")
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    await store.add(b"echo", [b"x"], 1.0)
-    await store.close()
+    async with opened(path) as store:
+        await store.add(b"echo", [b"x"], 1.0)
     connect = sqlite3.connect
 
     def read_only(database: str, **options: Any) -> Any:  # as the OS would make it
@@ -310,12 +320,8 @@ async def test_a_database_that_can_only_be_read_is_refused_at_open(
     with pytest.raises(StoreError, match=f"{path} cannot be opened: .*readonly"):
         await SQLiteStore(path, reactor()).open()
     monkeypatch.setattr(sqlite3, "connect", connect)
-    store = SQLiteStore(path, reactor())  # the lock was let go, the file left as it was
-    await store.open()
-    try:
+    async with opened(path) as store:  # the lock was let go, the file left as it was
         assert [p.frames for p in await store.pending(10)] == [[b"x"]]
-    finally:
-        await store.close()
 
 
 @pytest.mark.timeout(30)
@@ -326,17 +332,11 @@ async def test_a_store_whose_files_are_deleted_while_it_runs_writes_no_more(
     """The database or its WAL deleted while the store runs: a write fails
     with StoreError saying so (it was acknowledged, written to a file no
     restart finds)."""
-    path = str(tmp_path / "t.db")
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    try:
-        kept = await store.add(b"echo", [b"before"], 1.0)
+    async with opened(str(tmp_path / "t.db")) as store:
+        await store.add(b"echo", [b"before"], 1.0)
         os.unlink(str(tmp_path / gone))
         with pytest.raises(StoreError, match="was deleted while in use.*restart Titanic"):
             await store.add(b"echo", [b"after"], 2.0)
-    finally:
-        await store.close()
-    assert kept
 
 
 @pytest.mark.timeout(30)
@@ -346,10 +346,10 @@ async def test_a_lock_file_deleted_while_the_store_runs_is_taken_again(tmp_path:
     again on a new file and goes on (a second Titanic could otherwise open
     the same database and run every request twice); if another Titanic got
     the new lock first, writes fail instead."""
+    import fcntl
+
     path = str(tmp_path / "t.db")
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    try:
+    async with opened(path) as store:
         await store.add(b"echo", [b"before"], 1.0)
         os.unlink(path + ".lock")
         await store.add(b"echo", [b"after"], 2.0)
@@ -358,7 +358,6 @@ async def test_a_lock_file_deleted_while_the_store_runs_is_taken_again(tmp_path:
             await SQLiteStore(path, reactor()).open()
         assert sorted(p.frames[0] for p in await store.pending(10)) == [b"after", b"before"]
         os.unlink(path + ".lock")
-        import fcntl
         other = os.open(path + ".lock", os.O_RDWR | os.O_CREAT)  # another takes it first
         try:
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -366,8 +365,6 @@ async def test_a_lock_file_deleted_while_the_store_runs_is_taken_again(tmp_path:
                 await store.add(b"echo", [b"late"], 3.0)
         finally:
             os.close(other)
-    finally:
-        await store.close()
 
 
 @pytest.mark.timeout(30)
@@ -375,13 +372,9 @@ async def test_a_lock_file_deleted_while_the_store_runs_is_taken_again(tmp_path:
 async def test_a_store_whose_database_is_replaced_while_it_runs_writes_no_more(
         tmp_path: Any) -> None:
     path = str(tmp_path / "t.db")
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    try:
+    async with opened(path) as store:
         await store.add(b"echo", [b"before"], 1.0)
         os.replace(path, str(tmp_path / "moved.db"))
         (tmp_path / "t.db").write_bytes(b"")
         with pytest.raises(StoreError, match=f"{path}: the database was replaced while in use"):
             await store.add(b"echo", [b"after"], 2.0)
-    finally:
-        await store.close()
