@@ -850,10 +850,10 @@ class _FreelanceClient(FreelanceMachine):
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
         #: the endpoints of the servers added, in order
         self.added: list[str] = []
-        if listed:
+        if listed:  # the list as a whole: one zmq: server among them uses the keys
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
-            self.connect(endpoint)
+            self._add(endpoint)
 
     def connect(self, endpoint: str) -> None:
         """Add a server (:class:`~mdp.errors.TransportError` at once for a
@@ -863,6 +863,9 @@ class _FreelanceClient(FreelanceMachine):
         # keys no server would use (it would talk in the clear), or a
         # session+zmq: one, which cannot have them: ValueError, TransportError
         transport.check_curve_client([*self.added, endpoint], self.curve)
+        self._add(endpoint)
+
+    def _add(self, endpoint: str) -> None:
         self.added.append(endpoint)
         self._perform(self.handleConnect(endpoint, self.reactor.seconds()))
 

@@ -571,6 +571,10 @@ async def test_a_node_with_curve_opens_no_unauthenticated_door_to_other_machines
         with pytest.raises(ValueError, match="for zmq: endpoints"):
             freelance_client(["tcp:host=127.0.0.1:port=5555"], model, reactor(),
                              curveServerPublic=public)
+        mixed = freelance_client(["tcp:host=127.0.0.1:port=5555", "zmq:tcp://127.0.0.1:5556"],
+                                 model, reactor(), curveServerPublic=public)  # one uses them
+        assert mixed.added == ["tcp:host=127.0.0.1:port=5555", "zmq:tcp://127.0.0.1:5556"]
+        await mixed.close()
         later = freelance_client([], model, reactor(), curveServerPublic=public)
         with pytest.raises(ValueError, match="for zmq: endpoints"):  # added one by one
             later.connect("tcp:host=127.0.0.1:port=5555")
