@@ -740,6 +740,7 @@ class ZmqRouter(_RoutedSocket):
         self.receiver = receiver
         self.endpoint = endpoint
         address = _address(endpoint)
+        _check_ipc_free(address, endpoint)  # before there is a socket to clean up
         # bind after construction: a bind error inside txzmq's constructor would
         # leave an unclosed socket that blocks the context's term() at shutdown
         # with a fixed port, announce the endpoint as identity (the Guide's
@@ -772,13 +773,10 @@ class ZmqRouter(_RoutedSocket):
             # any key (made up on the spot) gets in, and is nobody
             self.connection.identify = curve.allow is not None
         try:
-            _check_ipc_free(address, endpoint)
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
-        except (zmq.ZMQError, TransportError) as e:
+        except zmq.ZMQError as e:
             self.connection.shutdown()
             self._forgetDomain()
-            if isinstance(e, TransportError):
-                raise
             raise TransportError(f"cannot bind {endpoint}: {e}") from e
         self.connection.attached()
         self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
