@@ -361,13 +361,8 @@ class SQLiteStore:
         path = self._lockPath
         assert path is not None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+            fd = self._flock(path)
+        except StoreError:
             return False
         if self._lock is not None:
             os.close(self._lock)
@@ -469,6 +464,12 @@ class SQLiteStore:
                              "SQLite keeps a database under one name only (its WAL is named "
                              "after it): give it one")
         lockPath = real + ".lock"
+        self._lock = self._flock(lockPath)
+        self._lockPath = lockPath
+
+    def _flock(self, lockPath: str) -> int:
+        """The lock file *lockPath* (made if need be), locked: its descriptor;
+        :class:`StoreError` if it cannot be opened or another holds it."""
         try:
             fd = os.open(lockPath, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -479,8 +480,7 @@ class SQLiteStore:
             os.close(fd)
             raise StoreError(f"Titanic store {self.path} is in use by another Titanic "
                              f"(lock {lockPath} is held)") from None
-        self._lock = fd
-        self._lockPath = lockPath
+        return fd
 
     def _release(self) -> None:
         if self._pool is not None:
