@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
+from twisted.internet import defer, task
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
@@ -598,3 +598,54 @@ async def test_a_stream_delivers_what_came_before_an_oversized_record_in_the_sam
     finally:
         await pipe.close()
         await listening.stopListening()
+
+
+
+@pytest.mark.parametrize("scheme", ["tls", "tcp"])
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_connections_that_fail_their_tls_handshake_back_off(scheme: str, tmp_path: Any) -> None:
+    """A listener that takes the TCP connection and then refuses the TLS
+    handshake (here: a certificate the connecting side does not trust) is
+    retried with a growing delay, as a refused connection is; a connection
+    that was made (plain TCP, ended at once by the far side) starts the
+    backoff again."""
+    from twisted.internet import protocol
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    directory = str(tmp_path)
+    _certificate(directory)
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    _, foreign = _certificate(str(stranger))
+    os.mkdir(f"{directory}/roots")
+    os.link(foreign, f"{directory}/roots/root.pem")  # not the listener's certificate
+    p = Pair(scheme, directory)
+    if scheme == "tls":
+        await p.listen()
+        endpoint = p.endpoint
+    else:
+        class Ends(protocol.Protocol):
+            def connectionMade(self) -> None:
+                self.transport.loseConnection()
+
+        listening = await TCP4ServerEndpoint(reactor(), 0, interface="127.0.0.1").listen(
+            protocol.Factory.forProtocol(Ends))
+        p.closing.append(type("Port", (), {"close": lambda self: listening.stopListening()})())
+        endpoint = f"tcp:host=127.0.0.1:port={listening.getHost().port}"
+    attempts: list[int] = []
+    three: defer.Deferred[None] = defer.Deferred()
+
+    def policy(attempt: int) -> float:
+        attempts.append(attempt)
+        if len(attempts) == 3:  # (not from within ClientService's transition)
+            reactor().callLater(0, three.callback, None)
+        return 0.01
+
+    dealer = Dealer()
+    p.closing.append(transport.connect(endpoint, dealer, reactor(), retryPolicy=policy))
+    try:
+        await three
+        assert attempts[:3] == ([1, 2, 3] if scheme == "tls" else [1, 1, 1])
+    finally:
+        await p.close()

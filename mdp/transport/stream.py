@@ -54,7 +54,7 @@ from twisted.application.internet import ClientService
 from twisted.internet import defer, tcp
 from twisted.internet.endpoints import clientFromString, serverFromString
 from twisted.internet.error import ConnectionDone, ConnectionLost
-from twisted.internet.interfaces import IListeningPort, IPushProducer
+from twisted.internet.interfaces import IHandshakeListener, IListeningPort, INegotiated, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -1043,18 +1043,22 @@ def _shortcut_reads(protocol: Protocol) -> None:
         outer.dataReceived = protocol.dataReceived  # type: ignore[union-attr]
 
 
-@implementer(IPushProducer)
+@implementer(IPushProducer, IHandshakeListener)
 class _DealerConnection(FramedProtocol):
     """The connecting side's protocol; it registers itself as the producer of
     its transport, which pauses it while its write buffer is full."""
 
     dealer: StreamDealer
     paused = False
+    #: the far side took it: connected, and over TLS, the handshake done
+    proven = False
 
     def connectionMade(self) -> None:
         self.limits = self.dealer.limits
         self.framing = self.dealer.framing
         self.identity = self.dealer.identity
+        if not INegotiated.providedBy(self.transport):
+            self.handshakeCompleted()
         super().connectionMade()
         _shortcut_reads(self)
         self.transport.registerProducer(self, True)
@@ -1086,7 +1090,13 @@ class _DealerConnection(FramedProtocol):
         self._flushCall = cancel_call(self._flushCall)
         self._out = []
         self._outBytes = 0
+        if not self.proven:
+            self.dealer._unproven += 1
         self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
+
+    def handshakeCompleted(self) -> None:
+        self.proven = True
+        self.dealer._unproven = 0
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -1133,14 +1143,21 @@ class _ReportingEndpoint:
 def _connection(owner: Any, endpoint: str,
                 retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
     """A started :class:`ClientService` keeping one connection to *endpoint*
-    for *owner* (its ``reactor``, ``_buildProtocol`` and ``_failed``)."""
+    for *owner* (its ``reactor``, ``_buildProtocol``, ``_failed`` and
+    ``_unproven``).
+
+    ClientService starts its backoff again at each connection it makes; a
+    connection whose TLS handshake then fails counts here as a failed
+    attempt too (``owner._unproven`` counts them in a row), so a refused
+    certificate is retried with the backoff, not every half second."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
+    policy = retryPolicy or RECONNECT.retryPolicy()
     service = ClientService(
         _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
         factory,
-        retryPolicy=retryPolicy or RECONNECT.retryPolicy(),
+        retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
         clock=owner.reactor,
     )
     service.startService()
@@ -1156,6 +1173,8 @@ class _OneConnection:
     maxQueued = 1000
     #: who refuses a message over those bounds, in the warning
     kind = "stream dealer"
+    #: connections in a row lost before their TLS handshake was done
+    _unproven = 0
     protocol: Optional[_DealerConnection]
     _waiters: DrainWaiters
     endpoint: str
