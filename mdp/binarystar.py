@@ -640,6 +640,11 @@ class BinaryStar:
             log.info("Binary Star {role}: {state}, state published on {endpoint}, peer's read "
                      "from {remote}", role=self.role.value, state=self.state.name.lower(),
                      endpoint=router.endpoint, remote=self.remote)
+            transport.warn_if_open(
+                self.local, None, f"Binary Star {self.role.value}'s state channel",
+                "anyone who can reach it may read this broker's state, and the peer's "
+                "endpoint is trusted alike: what answers there decides which broker is "
+                "active. Keep both on loopback or a private network")
             self._subscriber = _Subscriber(self, self.machine.channel)
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)

@@ -566,6 +566,8 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
     (``stopListening()`` ends it)."""
     from twisted.internet.endpoints import serverFromString
 
+    from mdp.transport import warn_if_open
+
     reactor = default_reactor(reactor)
     site = metrics_site(registry, reactor, maxConnections=maxConnections,
                         requestTimeout=requestTimeout, maxBodyBytes=maxBodyBytes)
@@ -575,6 +577,10 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
         address = port.getHost()
         where = f"{address.host}:{address.port}" if hasattr(address, "port") else str(address)
         log.info("metrics at http://{where}/metrics", where=where)
+        warn_if_open(endpoint, None, "the metrics endpoint",
+                     "anyone who can reach it may read the counters (service names, peers, "
+                     "load). Keep it on loopback (tcp:9464:interface=127.0.0.1) or a private "
+                     "network, or behind a proxy that authenticates")
         return port
 
     return listening.addCallback(listened)

@@ -127,6 +127,27 @@ def test_configuration_is_checked_at_once() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_state_channel_other_machines_can_reach_is_warned_about(
+        clocknet: LoopbackNet, logged: list[str], monkeypatch: Any) -> None:
+    """The state channel has no authentication: listening where other
+    machines reach it is logged as a warning (here the loopback net stands
+    in for such an address: no test listens beyond 127.0.0.1)."""
+    import mdp.transport
+
+    pair = Pair(clocknet)
+    pair.start(Role.PRIMARY)
+    await clocknet.until(lambda: any("state published on" in line for line in logged), timeout=5)
+    assert not any("reachable from other machines" in line for line in logged)
+    monkeypatch.setattr(mdp.transport, "beyond_loopback", lambda endpoint: True)
+    pair.start(Role.BACKUP)
+    await clocknet.until(lambda: any("reachable from other machines" in line for line in logged),
+                         timeout=5)
+    warning = next(line for line in logged if "reachable from other machines" in line)
+    assert "Binary Star backup's state channel" in warning
+    assert pair.endpoints[Role.BACKUP] in warning and "private network" in warning
+
+
+@pytest_twisted.ensureDeferred
 @pytest.mark.parametrize("first", [Role.PRIMARY, Role.BACKUP])
 async def test_pair_settles_primary_active_backup_passive(clocknet: LoopbackNet,
                                                           first: Role) -> None:

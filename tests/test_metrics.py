@@ -642,3 +642,27 @@ async def test_pipelined_requests_wait_while_responses_are_not_read() -> None:
         assert padding.scrapes < count + count // 4
     finally:
         await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_metrics_endpoint_other_machines_can_reach_is_warned_about() -> None:
+    """The endpoint has no authentication: on every interface (a memory
+    reactor's port here: no test listens beyond 127.0.0.1) it is logged as
+    a warning; on loopback it is not."""
+    from twisted.internet.testing import MemoryReactorClock
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    lines: list[str] = []
+    observer = lambda event: lines.append(formatEvent(event))  # noqa: E731
+    globalLogPublisher.addObserver(observer)
+    try:
+        memory = MemoryReactorClock()
+        await serve_metrics("tcp:9464:interface=127.0.0.1", BrokerMetrics().registry, memory)
+        assert not [line for line in lines if "reachable from other machines" in line]
+        await serve_metrics("tcp:9464", BrokerMetrics().registry, memory)
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert [port for port, *_ in memory.tcpServers] == [9464, 9464]
+    warnings = [line for line in lines if "reachable from other machines" in line]
+    assert len(warnings) == 1 and "the metrics endpoint listens on tcp:9464," in warnings[0]
+    assert "tcp:9464:interface=127.0.0.1" in warnings[0]  # the way out

@@ -195,15 +195,20 @@ def curve_listen_for(endpoint: str, curve: Any) -> Any:
     return security
 
 
-def warn_if_open(endpoint: str, security: Any, what: str) -> bool:
+#: what a node's open MDP endpoint lets anyone do, and what to do about it
+OPEN_MDP = ("anyone who can reach it may call any service or serve one. Use CURVE "
+            "(curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=)")
+
+
+def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) -> bool:
     """Log a warning if a listener on *endpoint* would accept peers from
-    other machines without authenticating them; whether it did."""
+    other machines without authenticating them (*risk* says what they may
+    then do, and the remedy); whether it did."""
     if not beyond_loopback(endpoint) or authenticated(endpoint, security):
         return False
     _log.warn("{what} listens on {endpoint}, reachable from other machines, without "
-              "authentication: anyone who can reach it may call any service or serve one. "
-              "Use CURVE (curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=); "
-              "see docs/security.md", what=what, endpoint=endpoint)
+              "authentication: {risk}; see docs/security.md", what=what, endpoint=endpoint,
+              risk=risk)
     return True
 
 
