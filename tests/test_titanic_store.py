@@ -248,6 +248,76 @@ async def test_a_damaged_row_is_read_back_without_frames_and_holds_up_no_other(
         await store.close()
 
 
+def flip_byte(path: str, marker: bytes, offset: int = 0) -> None:
+    """Change one byte of *path* where *marker* is (once, and only there),
+    as a failing disk would: SQLite's own checks do not see it."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        assert data.count(marker) == 1, marker
+        at = data.index(marker) + offset
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_byte_changed_on_the_disk_is_caught_by_the_checksum(tmp_path: Any) -> None:
+    """A flipped bit inside a stored request (or its service's name, or a
+    reply) passes SQLite's checks and would still decode: the checksum
+    stored beside it catches it; that request is answered with an error,
+    that reply's fetch fails, the rest are as they were."""
+    path = str(tmp_path / "titanic.db")
+    async with opened(path) as store:
+        intact = await store.add(b"echo", [b"intact"], 1.0)
+        body = await store.add(b"echo", [b"transfer 100 EUR"], 2.0)
+        service = await store.add(b"billing-service", [b"x"], 3.0)
+        answered = await store.add(b"echo", [b"y"], 4.0)
+        await store.complete(answered, [b"REPLY-0123456789"], 5.0)
+    flip_byte(path, b"transfer 100 EUR", 9)     # 100 -> 101: it still decodes
+    flip_byte(path, b"billing-service")          # another service's name
+    flip_byte(path, b"REPLY-0123456789", 8)
+    async with opened(path) as store:
+        pending = [(p.id, p.service, p.frames) for p in await store.pending(10)]
+        assert pending[0] == (intact, b"echo", [b"intact"])
+        assert [(i, frames) for i, _, frames in pending[1:]] == [(body, []), (service, [])]
+        with pytest.raises(StoreError, match=f"reply to {answered} is damaged: its checksum"):
+            await store.reply(answered)
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_store_from_before_the_checksums_opens_and_gets_them(tmp_path: Any) -> None:
+    """A database written before there were checksums opens: its rows are
+    read as they are, and what is stored from then on is checked."""
+    import sqlite3
+
+    from mdp.transport.framing import encode_record
+
+    path = str(tmp_path / "old.db")
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE requests (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+            service BLOB NOT NULL, request BLOB NOT NULL, created REAL NOT NULL, reply BLOB,
+            completed REAL);
+        CREATE INDEX requests_pending ON requests (seq) WHERE reply IS NULL;
+        CREATE INDEX requests_completed ON requests (completed) WHERE reply IS NOT NULL;
+    """)
+    old = str(uuid.uuid4())
+    db.execute("INSERT INTO requests (id, service, request, created) VALUES (?, ?, ?, ?)",
+               (old, b"echo", encode_record([b"old"]), 1.0))
+    db.commit()
+    db.close()
+    async with opened(path) as store:
+        new = await store.add(b"echo", [b"new-request-body"], 2.0)
+        assert [(p.id, p.frames) for p in await store.pending(10)] == [
+            (old, [b"old"]), (new, [b"new-request-body"])]
+        await store.complete(old, [b"old reply"], 3.0)
+        assert await store.reply(old) == (ReplyStatus.DONE, [b"old reply"])
+    flip_byte(path, b"new-request-body", 3)
+    async with opened(path) as store:
+        assert [(p.id, p.frames) for p in await store.pending(10)] == [(new, [])]
+
+
 def test_a_store_error_is_logged_in_one_line_and_a_bug_with_its_traceback() -> None:
     from twisted.logger import Logger, formatEvent
     from twisted.python.failure import Failure

@@ -14,7 +14,13 @@
   the process.
 
 Frames are kept as one blob each for the request and the reply, in the stream
-transport's record form (:func:`mdp.transport.framing.encode_record`).
+transport's record form (:func:`mdp.transport.framing.encode_record`), each with
+a CRC-32 (of the service and the request, of the reply): a byte changed on the
+disk inside a value passes SQLite's own checks, and without it a request could
+go out changed, or to another service.  A stored value that fails its checksum
+is read back as damaged (a request is answered with an error, a reply fetch
+fails with :class:`~mdp.errors.StoreError`).  Rows stored before the checksums
+were added have none, and are read unchecked.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import sqlite3
 import sys
 import uuid
+import zlib
 from typing import Any, Collection, Optional
 
 import attrs
@@ -177,7 +184,9 @@ CREATE TABLE IF NOT EXISTS requests (
     request   BLOB NOT NULL,
     created   REAL NOT NULL,
     reply     BLOB,
-    completed REAL
+    completed REAL,
+    request_crc INTEGER,
+    reply_crc INTEGER
 );
 CREATE INDEX IF NOT EXISTS requests_pending ON requests (seq) WHERE reply IS NULL;
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
@@ -186,7 +195,10 @@ CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE repl
 
 #: the columns of the requests table (a database holding another table of that
 #: name, or tables of its own, is someone else's: left as it is)
-_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed")
+_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
+            "request_crc", "reply_crc")
+#: the columns before the checksums: such a table gets them at open
+_UNCHECKED_COLUMNS = _COLUMNS[:7]
 _OURS = ("requests", "requests_pending", "requests_completed")
 
 
@@ -199,7 +211,7 @@ def _foreign(db: sqlite3.Connection) -> Optional[str]:
         return f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
     if "requests" in names:
         columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
-        if columns != _COLUMNS:
+        if columns not in (_COLUMNS, _UNCHECKED_COLUMNS):
             return f"its requests table is not Titanic's (columns {', '.join(columns)})"
     return None
 
@@ -221,6 +233,22 @@ def report_failure(logger: Logger, failure: Failure, format: str, **fields: Any)
         logger.failure(format, failure, **fields)
 
 
+def _checksum(*blobs: bytes) -> int:
+    """The CRC-32 stored beside a request (its service and record) or a reply."""
+    crc = 0
+    for blob in blobs:
+        crc = zlib.crc32(blob, crc)
+    return crc
+
+
+def _intact(crc: Any, *values: Any) -> bool:
+    """Do stored *values* match their checksum *crc* (None: a row stored
+    before there were checksums, taken as it is)?"""
+    if crc is None:
+        return True
+    return all(isinstance(v, bytes) for v in values) and _checksum(*values) == crc
+
+
 def _frames(blob: Any) -> list[bytes]:
     """The frames of a stored record, or ``[]`` if it cannot be read (the
     dispatcher answers such a request with an error instead of sending it)."""
@@ -236,9 +264,12 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
     file SQLite's checks pass can still hold a value of the wrong type) has
     no frames, so it is answered with an error rather than holding up the
     rest."""
-    requestId, service, blob, created = row
-    frames = _frames(blob)
+    requestId, service, blob, created, crc = row
     why = None
+    if not _intact(crc, service, blob):
+        why, frames = "its checksum does not match", []
+    else:
+        frames = _frames(blob)
     if isinstance(service, bytes) and frames:
         try:  # what titanic.request accepts (a file can hold anything)
             parse_request([service, *frames])
@@ -308,6 +339,12 @@ class SQLiteStore:
                     raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(_SCHEMA)
+            columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
+            if columns == _UNCHECKED_COLUMNS:  # a store from before the checksums
+                with db:
+                    db.execute("BEGIN IMMEDIATE")
+                    db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
+                    db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
             # one real write: SQLite opens a file it may not write (a read-only
             # mount, another owner) read-only without a word, and every request
             # would then be refused after Titanic started
@@ -518,9 +555,11 @@ class SQLiteStore:
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
         requestId = new_id()
-        d = self._write("INSERT INTO requests (id, service, request, created) "
-                        "VALUES (?, ?, ?, ?)",
-                        (requestId, bytes(service), encode_record(frames), now))
+        service = bytes(service)
+        record = encode_record(frames)
+        d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (requestId, service, record, now, _checksum(service, record)))
         return d.addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
@@ -528,7 +567,8 @@ class SQLiteStore:
         # one JSON parameter per list: no bound on how many are left out
         services = json.dumps([bytes(s).hex().upper() for s in skipServices])
         ids = json.dumps(list(skipIds))
-        d = self._run(self._read, "SELECT id, service, request, created FROM requests "
+        d = self._run(self._read, "SELECT id, service, request, created, request_crc "
+                      "FROM requests "
                       "WHERE reply IS NULL AND typeof(id) = 'text' "
                       "AND hex(service) NOT IN (SELECT value FROM json_each(?)) "
                       "AND id NOT IN (SELECT value FROM json_each(?)) "
@@ -536,23 +576,29 @@ class SQLiteStore:
         return d.addCallback(lambda rows: list(map(_stored, rows)))
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
-        return self._write("UPDATE requests SET reply = ?, completed = ? "
+        record = encode_record(reply)
+        return self._write("UPDATE requests SET reply = ?, completed = ?, reply_crc = ? "
                            "WHERE id = ? AND reply IS NULL",
-                           (encode_record(reply), now, requestId)).addCallback(lambda _: None)
+                           (record, now, _checksum(record), requestId)
+                           ).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
         def status(rows: list[tuple[Any, ...]]) -> tuple[ReplyStatus, list[bytes]]:
             if not rows:
                 return ReplyStatus.UNKNOWN, []
-            if rows[0][0] is None:
+            record, crc = rows[0]
+            if record is None:
                 return ReplyStatus.PENDING, []
+            if not _intact(crc, record):
+                raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
+                                 "is damaged: its checksum does not match")
             try:
-                return ReplyStatus.DONE, decode_record(memoryview(rows[0][0])[4:], _UNBOUNDED)
+                return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
             except (ProtocolError, ValueError, TypeError) as e:
                 raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
                                  f"is damaged: {e}") from e
 
-        return self._run(self._read, "SELECT reply FROM requests WHERE id = ?",
+        return self._run(self._read, "SELECT reply, reply_crc FROM requests WHERE id = ?",
                          (requestId,)).addCallback(status)
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
