@@ -107,14 +107,24 @@ class Wire:
 
 def test_codec_round_trip_and_refusals() -> None:
     messages = [codec.Hello(b"s" * 16, 3, 2), codec.Welcome(0), codec.Welcome(4, 2**63),
-                codec.Data(1, 2, (b"a", b"")), codec.Ack(5), codec.Ping(2**64 - 1),
-                codec.PingOk(0, 3), codec.Unknown(), codec.Refused("full")]
+                codec.Hello(b"s" * 16, 3, 2, 9, 1000, 8), codec.Welcome(4, 5, 2**20, 0),
+                codec.Data(1, 2, (b"a", b"")), codec.Skip(3, 2), codec.Ack(5),
+                codec.Ping(2**64 - 1), codec.PingOk(0, 3), codec.Unknown(), codec.Refused("full")]
     for message in messages:
         assert codec.decode(codec.encode(message)) == message
+    # a HELLO or WELCOME without limits (another make) says none
+    assert codec.decode([b"SESS01", b"HELLO", b"s" * 16, bytes(8), bytes(8), bytes(8)]) == \
+        codec.Hello(b"s" * 16, 0)
+    assert codec.decode([b"SESS01", b"WELCOME", bytes(8), (1).to_bytes(8, "big")]) == \
+        codec.Welcome(0, 1)
     assert codec.encode(codec.Data(1, 0, (b"x",))) == [b"SESS01", b"DATA", (1).to_bytes(8, "big"),
                                                       bytes(8), b"x"]
     for frames, reason in [([b"MDPC02"], "not a session"), ([b"SESS01", b"NOPE"], "unknown command"),
                            ([b"SESS01", b"DATA", bytes(8), bytes(8)], "numbered 0"),
+                           ([b"SESS01", b"SKIP", bytes(8), bytes(8)], "numbered 0"),
+                           ([b"SESS01", b"SKIP", bytes(8)], "not 2"),
+                           ([b"SESS01", b"HELLO", b"s" * 16, bytes(8), bytes(8), bytes(8),
+                             bytes(8)], "not 6"),
                            ([b"SESS01", b"HELLO", b"short", bytes(8), bytes(8), bytes(8)], "16 bytes"),
                            ([b"SESS01", b"WELCOME", bytes(8), bytes(8)], "epoch 0"),
                            ([b"SESS01", b"ACK", b"\x01"], "8 bytes, not 1"),
@@ -122,6 +132,42 @@ def test_codec_round_trip_and_refusals() -> None:
                            ([b"SESS01", b"REFUSED", b"x" * 256], "at most 255 bytes")]:
         with pytest.raises(MalformedSession, match=reason):
             codec.decode(frames)
+
+
+def test_messages_over_the_limits_the_other_side_said_go_as_skips() -> None:
+    """Each side says in its HELLO or WELCOME the payload it takes; a DATA
+    over it goes as a SKIP (now and at each resend), which the receiver
+    counts and acknowledges: the message is lost, the ones after it come
+    through, and nothing stays unacknowledged. Sides that say no limits
+    send everything as DATA."""
+    wire = Wire(limits=(1000, 4))
+    wire.server.limits = (100, 0)
+    wire.send(b"x" * 101)      # before the WELCOME: the server's limits are not known yet
+    wire.send(b"fits")
+    wire.connect()
+    wire.flow()
+    assert wire.atServer == [(b"fits",)]
+    assert wire.client.seq.skipped == 1 and wire.server.dropped == 1
+    (session,) = wire.server.sessions.values()
+    assert session.seq.peerLimits == (1000, 4)
+    wire.reply(wire.routingId, *[b"f"] * 5)      # five frames, and it takes four
+    wire.reply(wire.routingId, b"y" * 1001)
+    wire.reply(wire.routingId, b"ok")
+    wire.cut()                                  # lost in flight: resent at the next attach
+    wire.connect()
+    wire.flow()
+    assert wire.atClient == [(b"ok",)]
+    assert session.seq.skipped == 2 and wire.client.dropped == 2
+    wire.tick(1.0)
+    wire.flow()
+    assert not session.seq.unacked and not wire.client.seq.unacked
+    # a client saying no limits: everything goes as DATA
+    quiet = Wire()
+    quiet.connect()
+    quiet.flow()
+    quiet.send(b"x" * 5000)
+    quiet.flow()
+    assert quiet.atServer == [(b"x" * 5000,)]
 
 
 def test_attach_opens_a_session_with_a_short_routing_id() -> None:

@@ -363,18 +363,58 @@ async def small_client(net: Any, name: str, *replies: bytes) -> tuple[Any, Any, 
     return server, client, got
 
 
+def saying_no_limits(monkeypatch: Any) -> None:
+    """Session ends made from now on say no limits in their HELLO or
+    WELCOME (as a peer of another make may not)."""
+    import mdp.session.transport
+
+    monkeypatch.setattr(mdp.session.transport, "said", lambda limits: (0, 0))
+
+
 @pytest_twisted.ensureDeferred
-async def test_a_message_far_over_the_clients_limits_stalls_the_session_without_a_spin(
-        clocknet: Any) -> None:
-    """The server's reply is over the client's limits by more than the room
-    its inner pipe leaves, which closes on it: the session never sees which
-    message it was, and the server resends it at each attach. The client
-    says why and attaches again only after its backoff (it did so at once,
-    in a loop as fast as both could go: a Clock never got past it), which
-    stops short of the server's expiry: the session and what it holds
-    outlive the stall."""
+@pytest.mark.parametrize("size", [1020, 5000])
+async def test_a_reply_over_the_limits_the_client_said_is_refused_at_once(
+        clocknet: Any, size: int) -> None:
+    """The client's HELLO says the payload it takes: a reply over it, a few
+    bytes (within the room the inner transport leaves for the session's own
+    frames) or far (which would close the inner connection), is refused by
+    ``reply`` with ReplyTooLarge, as one over the server's own limits is;
+    it never enters the session, and what follows comes through."""
+    from mdp.errors import ReplyTooLarge
+
+    refused: list[str] = []
+
+    def handler(routingId: int, frames: list[bytes]) -> None:
+        try:
+            server.reply(routingId, b"x" * size)
+        except ReplyTooLarge as e:
+            refused.append(str(e))
+        server.reply(routingId, b"after")
+
+    server, client, got = await small_client(clocknet, f"refused-{size}")
+    server.handler = handler
+    client.send(b"hi")
+    clocknet.advance(10)
+    assert got == [[b"after"]]
+    assert refused == [f"not sent to session 1: the session's client takes no message of "
+                       f"{size} bytes, and it takes at most 1000"]
+    (session,) = server.router.machine.sessions.values()
+    assert session.seq.sent == 1 and not session.seq.unacked
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_message_far_over_the_limits_of_a_client_that_said_none_stalls_without_a_spin(
+        clocknet: Any, monkeypatch: Any) -> None:
+    """A client that says no limits (another make): the server's reply is
+    over them by more than the room its inner pipe leaves, which closes on
+    it; the session never sees which message it was, and the server resends
+    it at each attach. The client says why and attaches again only after
+    its backoff (it did so at once, in a loop as fast as both could go: a
+    Clock never got past it), which stops short of the server's expiry: the
+    session and what it holds outlive the stall."""
     from tests.conftest import warnings_logged
 
+    saying_no_limits(monkeypatch)
     server, client, got = await small_client(clocknet, "over-limits", b"x" * 5000, b"small")
     with warnings_logged() as warnings:
         client.send(b"hi")
@@ -390,26 +430,31 @@ async def test_a_message_far_over_the_clients_limits_stalls_the_session_without_
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_reply_just_over_the_clients_limits_is_dropped_and_acknowledged(
-        clocknet: Any) -> None:
-    """A payload a few bytes over the client's limits gets through the inner
-    transport (whose limits leave room for the session's own frames): the
-    client's session drops it, logged, and acknowledges it, so what follows
-    comes through (it was left unacknowledged, and held back all after it
-    for good)."""
+async def test_a_reply_just_over_the_limits_of_a_client_that_said_none_is_dropped_there(
+        clocknet: Any, monkeypatch: Any) -> None:
+    """A payload a few bytes over the limits of a client that said none gets
+    through the inner transport (whose limits leave room for the session's
+    own frames): the client's session drops it, logged, and acknowledges
+    it, so what follows comes through (it was left unacknowledged, and held
+    back all after it for good)."""
+    saying_no_limits(monkeypatch)
     server, client, got = await small_client(clocknet, "band", b"x" * 1020, b"after")
     client.send(b"hi")
     clocknet.advance(10)
     assert got == [[b"after"]]
     assert client.dealer.machine.dropped == 1
     (session,) = server.router.machine.sessions.values()
-    assert not session.seq.unacked
+    assert not session.seq.unacked and session.seq.skipped == 0
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_request_just_over_the_servers_limits_is_dropped_and_acknowledged() -> None:
-    """The same towards the server, over TCP: the server's session drops it,
-    logged, and what follows is delivered; the client holds nothing."""
+async def test_a_request_over_the_servers_limits_is_refused_or_skipped() -> None:
+    """The same towards the server, over TCP. Once attached, the client knows
+    the server's limits: ``send`` refuses a request over them at once, with
+    RequestTooLarge. One sent before (while attaching), far over them, is
+    skipped when it goes: what follows is delivered, and the client holds
+    nothing."""
+    from mdp.errors import RequestTooLarge
     from mdp.policy import Limits
     from mdp.session import SessionClient, SessionServer
 
@@ -419,11 +464,14 @@ async def test_a_request_just_over_the_servers_limits_is_dropped_and_acknowledge
     endpoint = await defer.ensureDeferred(server.listen("session+tcp:host=127.0.0.1:port=0"))
     client = SessionClient(endpoint, reactor())
     try:
+        client.send(b"x" * 50_000)  # before the WELCOME: the limits are not known yet
+        client.send(b"first")
         await client.attached().addTimeout(10, reactor())
-        client.send(b"x" * 1020)
+        with pytest.raises(RequestTooLarge, match="the server takes no message of 1020 bytes"):
+            client.send(b"x" * 1020)
         client.send(b"after")
-        await wait_until(lambda: received == [[b"after"]], 10)
-        assert server.router.machine.dropped == 1
+        await wait_until(lambda: received == [[b"first"], [b"after"]], 10)
+        assert server.router.machine.dropped == 1 and client.dealer.machine.seq.skipped == 1
         await wait_until(lambda: not client.dealer.machine.seq.unacked, 10)
     finally:
         await client.close()

@@ -4,12 +4,14 @@ Every message starts with the protocol frame ``SESS01`` and a command frame;
 numbers are 8-byte big-endian unsigned integers::
 
     HELLO      session id (16 bytes), ack, since,  client → server: attach (again); *since*:
-               epoch                             the last of its DATA it no longer holds;
+               epoch, max bytes, max frames      the last of its DATA it no longer holds;
                                                  *epoch*: the server incarnation *ack* is of
-    WELCOME    ack, epoch                        server → client: attached; a new *epoch*
-                                                 (the server did not know the session: it
+    WELCOME    ack, epoch, max bytes,            server → client: attached; a new *epoch*
+               max frames                        (the server did not know the session: it
                                                  restarted) starts its numbering afresh
     DATA       seq, ack, payload frames...       either way
+    SKIP       seq, ack                          either way: DATA *seq* is not sent, its
+                                                 payload is over the receiver's limits
     ACK        ack                               either way
     PING       ack                               client → server, when idle
     PING-OK    ack, sent                         server → client (*sent*: the last DATA
@@ -22,9 +24,14 @@ numbers are 8-byte big-endian unsigned integers::
 
 *ack* is the sequence number of the last DATA received in order, so the
 other side can forget what it holds for resending up to it; every message
-carries it.  A session's DATA is numbered from 1 in each direction, across
-any number of connections; only a server that forgot the session (a new
-*epoch*) numbers its own afresh.
+carries it.  *max bytes* and *max frames* are the payload a side takes in one
+DATA (0: not said; a HELLO or WELCOME without them is read as saying
+nothing): the other side sends a SKIP in place of a DATA it would refuse, so
+the receiver counts it, and what follows comes through.
+
+A session's DATA is numbered from 1 in each direction, across any number of
+connections; only a server that forgot the session (a new *epoch*) numbers
+its own afresh.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ PING = b"PING"
 PING_OK = b"PING-OK"
 UNKNOWN = b"UNKNOWN"
 REFUSED = b"REFUSED"
+SKIP = b"SKIP"
 #: the longest reason a REFUSED carries, in bytes
 MAX_REASON_BYTES = 255
 
@@ -62,6 +70,9 @@ class Hello:
     since: int = 0
     #: the server incarnation (WELCOME's epoch) that *ack* counts in; 0: none yet
     epoch: int = 0
+    #: the payload the client takes in one DATA: bytes, frames (0: not said)
+    maxBytes: int = 0
+    maxFrames: int = 0
 
 
 @attrs.frozen
@@ -70,6 +81,9 @@ class Welcome:
     #: this incarnation of the session on the server (random, never 0): when it
     #: changes, the server's numbering started afresh
     epoch: int = 1
+    #: the payload the server takes in one DATA: bytes, frames (0: not said)
+    maxBytes: int = 0
+    maxFrames: int = 0
 
 
 @attrs.frozen
@@ -77,6 +91,14 @@ class Data:
     seq: int
     ack: int
     payload: tuple[bytes, ...]
+
+
+@attrs.frozen
+class Skip:
+    """DATA *seq* is not sent: its payload is over the receiver's limits."""
+
+    seq: int
+    ack: int
 
 
 @attrs.frozen
@@ -106,7 +128,7 @@ class Refused:
     reason: str
 
 
-Message = Union[Hello, Welcome, Data, Ack, Ping, PingOk, Unknown, Refused]
+Message = Union[Hello, Welcome, Data, Skip, Ack, Ping, PingOk, Unknown, Refused]
 
 _ACK_ONLY = {ACK: Ack, PING: Ping}
 _NAMES = {Ack: ACK, Ping: PING}
@@ -122,9 +144,12 @@ def encode(message: Message) -> list[bytes]:
         return [PROTOCOL, DATA, _number(message.seq), _number(message.ack), *message.payload]
     if isinstance(message, Hello):
         return [PROTOCOL, HELLO, message.session, _number(message.ack), _number(message.since),
-                _number(message.epoch)]
+                _number(message.epoch), _number(message.maxBytes), _number(message.maxFrames)]
     if isinstance(message, Welcome):
-        return [PROTOCOL, WELCOME, _number(message.ack), _number(message.epoch)]
+        return [PROTOCOL, WELCOME, _number(message.ack), _number(message.epoch),
+                _number(message.maxBytes), _number(message.maxFrames)]
+    if isinstance(message, Skip):
+        return [PROTOCOL, SKIP, _number(message.seq), _number(message.ack)]
     if isinstance(message, Unknown):
         return [PROTOCOL, UNKNOWN]
     if isinstance(message, Refused):
@@ -142,6 +167,13 @@ def _read_number(frame: bytes, what: str) -> int:
     return int.from_bytes(frame, "big")
 
 
+def _limits(frames: Sequence[bytes]) -> tuple[int, int]:
+    """The limits a HELLO or WELCOME says (none: 0, 0)."""
+    if not frames:
+        return 0, 0
+    return _read_number(frames[0], "max bytes"), _read_number(frames[1], "max frames")
+
+
 def decode(frames: Sequence[bytes]) -> Message:
     """The message in *frames*; :class:`MalformedSession` for anything else."""
     if len(frames) < 2 or frames[0] != PROTOCOL:
@@ -157,19 +189,26 @@ def decode(frames: Sequence[bytes]) -> Message:
             raise MalformedSession("DATA numbered 0 (numbers start at 1)")
         return Data(seq, _read_number(rest[1], "ack"), tuple(bytes(f) for f in rest[2:]))
     if command == HELLO:
-        if len(rest) != 4:
-            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 4")
+        if len(rest) not in (4, 6):
+            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 6")
         if len(rest[0]) != SESSION_ID_BYTES:
             raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
         return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"),
-                     _read_number(rest[3], "epoch"))
+                     _read_number(rest[3], "epoch"), *_limits(rest[4:]))
     if command == WELCOME:
-        if len(rest) != 2:
-            raise MalformedSession(f"WELCOME has {len(rest)} frames after the command, not 2")
+        if len(rest) not in (2, 4):
+            raise MalformedSession(f"WELCOME has {len(rest)} frames after the command, not 4")
         epoch = _read_number(rest[1], "epoch")
         if epoch == 0:
             raise MalformedSession("WELCOME with epoch 0")
-        return Welcome(_read_number(rest[0], "ack"), epoch)
+        return Welcome(_read_number(rest[0], "ack"), epoch, *_limits(rest[2:]))
+    if command == SKIP:
+        if len(rest) != 2:
+            raise MalformedSession(f"SKIP has {len(rest)} frames after the command, not 2")
+        seq = _read_number(rest[0], "seq")
+        if seq == 0:
+            raise MalformedSession("SKIP numbered 0 (numbers start at 1)")
+        return Skip(seq, _read_number(rest[1], "ack"))
     if command == PING_OK:
         if len(rest) != 2:
             raise MalformedSession(f"PING-OK has {len(rest)} frames after the command, not 2")

@@ -22,6 +22,8 @@ DATA                     the next number: delivered; an old one: dropped (a rese
                          a later one (some were lost unseen): HELLO again
 DATA over our limits     the next number: dropped and acknowledged, logged (it can
                          never be taken, and would hold back all after it)
+SKIP                     the next number: the server did not send it (over the limits
+                         our HELLO said): counted, logged and acknowledged
 UNKNOWN                  the server has no such session (it restarted), or lost
                          messages: HELLO again
 REFUSED                  the server opens no session now (full): :class:`Refusal`
@@ -42,8 +44,8 @@ HELLO, new id            a session with the next short routing id; WELCOME; the
                          maxSessions: REFUSED, and no session
 HELLO, known id          the connection is attached to the session (a previous one is
                          let go); WELCOME; everything not acknowledged goes again
-DATA, PING, ACK          on the connection's session; PING answered with PING-OK;
-                         DATA over our limits: as the client does
+DATA, PING, ACK, SKIP    on the connection's session; PING answered with PING-OK;
+                         DATA over our limits, and SKIP: as the client does
                          from a connection with no session, or DATA after a gap:
                          UNKNOWN (the client attaches again and resends)
 not a session message    dropped, and its connection closed (:class:`DropPeer`)
@@ -56,6 +58,14 @@ tick                     sessions silent for *expiry* seconds end (:class:`Expir
 
 A connection closed here holds no slot of the inner transport's
 ``maxConnections`` (on transports with a connection per peer).
+
+Each side says in its HELLO or WELCOME the payload it takes in one DATA
+(*limits*: bytes, frames); the other side sends a SKIP in place of a DATA
+over them, now and at every resend, and logs it: the message is lost, and
+what follows it comes through.  Without the SKIP, a DATA far over the
+receiver's limits closes the connection it comes on before the receiver
+sees its number, and it is resent at each attach: nothing after it would
+ever come through.
 """
 
 from __future__ import annotations
@@ -173,6 +183,26 @@ class DropPeer:
 MAX_UNATTACHED = 4096
 
 
+def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -> Optional[str]:
+    """Why *payload* is over *limits* (bytes, frames; 0: not said), or None."""
+    if limits is None:
+        return None
+    maxBytes, maxFrames = limits
+    size = sum(len(f) for f in payload)
+    if maxBytes and size > maxBytes:
+        return f"{size} bytes, and it takes at most {maxBytes}"
+    if maxFrames and len(payload) > maxFrames:
+        return f"{len(payload)} frames, and it takes at most {maxFrames}"
+    return None
+
+
+def said_limits(message: Any) -> Optional[tuple[int, int]]:
+    """The limits a HELLO or WELCOME says (None: it says none)."""
+    if not message.maxBytes and not message.maxFrames:
+        return None
+    return message.maxBytes, message.maxFrames
+
+
 class _Sequenced:
     """One side's numbering: what it sent and keeps, and what it received."""
 
@@ -185,8 +215,16 @@ class _Sequenced:
         self.unacked: deque[tuple[int, tuple[bytes, ...]]] = deque()
         #: DATA delivered since our last message to the other side
         self.ackPending = 0
+        #: the payload the other side takes in one DATA (None: not said)
+        self.peerLimits: Optional[tuple[int, int]] = None
+        #: our DATA sent as SKIP, not yet reported: (seq, why)
+        self.skips: list[tuple[int, str]] = []
+        #: the numbers of those reported, until acknowledged
+        self._skipped: set[int] = set()
+        #: our messages not sent for the other side's limits
+        self.skipped = 0
 
-    def number(self, payload: tuple[bytes, ...]) -> codec.Data:
+    def number(self, payload: tuple[bytes, ...]) -> codec.Message:
         size = sum(len(f) for f in payload)
         if len(self.unacked) >= self.maxQueued or (
                 self.unacked and self.queuedBytes + size > self.maxQueuedBytes):
@@ -204,24 +242,35 @@ class _Sequenced:
         return (len(self.unacked) < self.maxQueued // 2
                 and self.queuedBytes < self.maxQueuedBytes // 2)
 
-    def data(self, seq: int, payload: tuple[bytes, ...]) -> codec.Data:
+    def data(self, seq: int, payload: tuple[bytes, ...]) -> codec.Message:
+        """DATA *seq*, or a SKIP in its place if the other side would refuse it."""
         self.ackPending = 0
+        if self.peerLimits is not None:
+            why = over_limits(payload, self.peerLimits)
+            if why is not None:
+                if seq not in self._skipped:
+                    self._skipped.add(seq)
+                    self.skipped += 1
+                    self.skips.append((seq, why))
+                return codec.Skip(seq, self.received)
         return codec.Data(seq, self.received, payload)
 
     def acked(self, ack: int) -> None:
         while self.unacked and self.unacked[0][0] <= ack:
-            _, payload = self.unacked.popleft()
+            seq, payload = self.unacked.popleft()
             self.queuedBytes -= sum(len(f) for f in payload)
+            if self._skipped:
+                self._skipped.discard(seq)
 
     @property
     def since(self) -> int:
         """The last of our DATA the other side acknowledged (we hold the rest)."""
         return self.unacked[0][0] - 1 if self.unacked else self.sent
 
-    def resend(self) -> list[codec.Data]:
+    def resend(self) -> list[codec.Message]:
         return [self.data(seq, payload) for seq, payload in self.unacked]
 
-    def accept(self, message: codec.Data) -> str:
+    def accept(self, message: Any) -> str:
         """``"next"`` (deliver it), ``"old"`` (a resend: drop it) or
         ``"gap"`` (messages before it were lost with a connection that broke
         unseen, as ZeroMQ's do: attach again, and they come again)."""
@@ -245,11 +294,13 @@ class ClientSessionMachine(Machine):
 
     *pingInterval*: idle time before a PING; *liveness*: PINGs unanswered at
     most, and the server is dead after ``pingInterval * liveness`` of silence;
-    *maxQueued*: messages kept until acknowledged."""
+    *maxQueued*: messages kept until acknowledged; *limits*: the payload this
+    side takes in one DATA (bytes, frames), said in each HELLO."""
 
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES, now: float = 0.0) -> None:
+                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
+                 limits: Optional[tuple[int, int]] = None, now: float = 0.0) -> None:
         super().__init__(now)
         if len(session) != codec.SESSION_ID_BYTES:
             raise ValueError(f"a session id is {codec.SESSION_ID_BYTES} bytes")
@@ -258,6 +309,7 @@ class ClientSessionMachine(Machine):
         self.session = session
         self.pingInterval = pingInterval
         self.liveness = liveness
+        self.limits = limits or (0, 0)
         self.seq = _Sequenced(maxQueued, maxQueuedBytes)
         #: the server incarnation our received count is of (0: none yet)
         self.epoch = 0
@@ -287,6 +339,16 @@ class ClientSessionMachine(Machine):
     def _send(self, message: codec.Message) -> None:
         self.lastSent = self.now
         self._emit(Send(codec.encode(message)))
+        if self.seq.skips:
+            self._reportSkips("the server")
+
+    def _reportSkips(self, peer: str, **fields: Any) -> None:
+        skips, self.seq.skips = self.seq.skips, []
+        for seq, why in skips:
+            self.throttle.warn(log, "skipped", "session {session}: message {seq} is over the "
+                               "limits {peer} said ({why}); not sent (a SKIP goes in its "
+                               "place): it is lost, and what follows it goes through",
+                               session=self.session.hex(), seq=seq, peer=peer, why=why)
 
     def handleConnected(self, now: float) -> list[Any]:
         self.now = now
@@ -309,8 +371,13 @@ class ClientSessionMachine(Machine):
             self._send(message)
         return self._drain()
 
-    def _dropped(self, seq: int, reason: str) -> None:
+    def _dropped(self, seq: int, reason: str, skipped: bool = False) -> None:
         self.dropped += 1
+        if skipped:
+            self.throttle.warn(log, "dropped", "session {session}: message {seq} from the server "
+                               "was over this side's limits; the server did not send it: it is "
+                               "lost", session=self.session.hex(), seq=seq)
+            return
         self.throttle.warn(log, "dropped", "session {session}: message {seq} from the server "
                            "is over this side's limits ({reason}); dropped, and acknowledged so "
                            "that what follows it comes through: it is lost",
@@ -364,12 +431,15 @@ class ClientSessionMachine(Machine):
                 self.epoch = message.epoch
                 self.seq.received = 0
             self.state = "attached"
+            self.seq.peerLimits = said_limits(message)
             for data in self.seq.resend():
                 self._send(data)
-        elif isinstance(message, codec.Data):
+        elif isinstance(message, (codec.Data, codec.Skip)):
             verdict = self.seq.accept(message)
             if verdict == "next":
-                if refused is None:
+                if isinstance(message, codec.Skip):
+                    self._dropped(message.seq, "", skipped=True)
+                elif refused is None:
                     self._emit(Deliver(message.payload))
                 else:
                     self._dropped(message.seq, refused)
@@ -394,7 +464,8 @@ class ClientSessionMachine(Machine):
         self.state = "attaching"
         self.sentAtPing.clear()
         self.helloAt = self.now
-        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch))
+        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch,
+                               *self.limits))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
@@ -442,11 +513,14 @@ class ServerSessionMachine(Machine):
 
     def __init__(self, *, expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
                  maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
-                 maxSessions: int = DEFAULT_MAX_SESSIONS, now: float = 0.0) -> None:
+                 maxSessions: int = DEFAULT_MAX_SESSIONS,
+                 limits: Optional[tuple[int, int]] = None, now: float = 0.0) -> None:
         super().__init__(now)
         if expiry <= 0:
             raise ValueError("expiry must be positive")
         self.expiry = expiry
+        #: the payload this side takes in one DATA (bytes, frames), said in each WELCOME
+        self.limits = limits or (0, 0)
         self.maxQueued = maxQueued
         self.maxQueuedBytes = maxQueuedBytes
         self.maxSessions = maxSessions
@@ -471,6 +545,12 @@ class ServerSessionMachine(Machine):
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
         if session.peer is not None:
             self._emit(SendTo(session.peer, codec.encode(message)))
+        skips, session.seq.skips = session.seq.skips, []
+        for seq, why in skips:
+            self.throttle.warn(log, "skipped", "sessions: message {seq} for session {id} is over "
+                               "the limits its client said ({why}); not sent (a SKIP goes in its "
+                               "place): it is lost, and what follows it goes through", seq=seq,
+                               id=session.routingId, why=why)
 
     def handleMessage(self, peer: Hashable, frames: list[bytes], now: float,
                       refused: Optional[str] = None) -> list[Any]:
@@ -504,10 +584,16 @@ class ServerSessionMachine(Machine):
         if isinstance(message, (codec.Welcome, codec.Unknown, codec.Refused)):
             return self._drain()  # a client never says these
         session.seq.acked(message.ack)
-        if isinstance(message, codec.Data):
+        if isinstance(message, (codec.Data, codec.Skip)):
             verdict = session.seq.accept(message)
             if verdict == "next":
-                if refused is None:
+                if isinstance(message, codec.Skip):
+                    self.dropped += 1
+                    self.throttle.warn(log, "dropped", "sessions: message {seq} of session {id} "
+                                       "from {peer!r} was over this side's limits; the client "
+                                       "did not send it: it is lost", seq=message.seq,
+                                       id=session.routingId, peer=peer)
+                elif refused is None:
                     self._emit(Deliver(message.payload, session.routingId))
                 else:
                     self.dropped += 1
@@ -617,6 +703,7 @@ class ServerSessionMachine(Machine):
         session.peer = peer
         session.lastHeard = self.now
         self.byPeer[peer] = session
+        session.seq.peerLimits = said_limits(hello)
         if hello.epoch == session.epoch:
             session.seq.acked(hello.ack)  # an ack of another incarnation means nothing here
         if hello.since > session.seq.received:
@@ -626,7 +713,7 @@ class ServerSessionMachine(Machine):
                                id=session.routingId, peer=peer, since=hello.since + 1,
                                received=session.seq.received + 1)
             session.seq.received = hello.since
-        self._sendTo(session, codec.Welcome(session.seq.received, session.epoch))
+        self._sendTo(session, codec.Welcome(session.seq.received, session.epoch, *self.limits))
         for data in session.seq.resend():
             self._sendTo(session, data)
 

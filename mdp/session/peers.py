@@ -138,11 +138,12 @@ class SessionServer:
         """Send *frames* to the session *routingId*;
         :class:`~mdp.session.UnknownSession` if it expired (or never was),
         :class:`~mdp.session.SessionQueueFull` beyond its limit,
-        :class:`~mdp.errors.ReplyTooLarge` over *limits*."""
+        :class:`~mdp.errors.ReplyTooLarge` over *limits*, or over those
+        the session's client said."""
         if self.router is None:
             raise UnknownSession(routingId)
         router = self.router
-        reason = self.limits.refuse(list(frames))
+        reason = router.refusal(routingId, list(frames))
         if reason is not None:
             raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
         router._perform(router.machine.reply(routingId, tuple(bytes_frames(frames)),

@@ -44,6 +44,7 @@ from mdp.session.machines import (
     ServerSessionMachine,
     SessionQueueFull,
     UnknownSession,
+    over_limits,
 )
 from mdp.transport.flow import DrainWaiters
 
@@ -87,6 +88,11 @@ def kept_frames(frames: Any) -> tuple[bytes, ...]:
             frame = bytes(frame)
         kept.append(frame)
     return tuple(kept)
+
+
+def said(limits: Limits) -> tuple[int, int]:
+    """What a side says it takes in one DATA: its payload limits."""
+    return limits.maxMessageBytes, limits.maxFrames
 
 
 def routing_bytes(routingId: int) -> bytes:
@@ -147,7 +153,7 @@ class SessionRouter(_End):
         self.limits = limits
         self.machine = ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
-            maxQueuedBytes=limits.maxOutputBytes,
+            maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
             now=reactor.seconds())
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
@@ -201,8 +207,18 @@ class SessionRouter(_End):
 
     # --- IRouterTransport -----------------------------------------------------------
 
-    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+    def refusal(self, routingId: int, frames: Any) -> Optional[str]:
+        """Why *frames* are not sent to the session *routingId*: over our
+        limits, or over those its client said (None if they go)."""
         reason = self.limits.refuse(frames)
+        if reason is not None:
+            return reason
+        session = self.machine.byRouting.get(routingId)
+        why = None if session is None else over_limits(frames, session.seq.peerLimits)
+        return None if why is None else f"the session's client takes no message of {why}"
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        reason = self.refusal(routing_id(peer), frames)
         if reason is not None:
             self.throttle.warn(log, "too large", "session router at {endpoint}: refused a "
                                "message for session {id}: {reason}", endpoint=self.endpoint,
@@ -249,7 +265,7 @@ class SessionDealer(_End):
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=limits.maxOutputBytes,
+            maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
             now=reactor.seconds())
         self.backoff = backoff
         #: new connections made for a silent server since the last attach
@@ -291,9 +307,11 @@ class SessionDealer(_End):
     def _oversized(self, why: OversizedMessage) -> None:
         """The inner connection closed on a message from the server over
         this side's limits by more than the room it leaves for the session's
-        frames: the session never saw which it was, so it cannot drop it
-        (a message just over them it does), and the server resends it at
-        each attach: nothing after it comes through until the limits agree.
+        frames (a server that read them in our HELLO sends a SKIP instead:
+        this one did not, or did not have them yet): the session never saw
+        which it was, so it cannot drop it (a message just over them it
+        does), and the server resends it at each attach: nothing after it
+        comes through until the limits agree.
         Say so, and attach again after the backoff, not at once (the inner
         transport would, and so would the resend: a loop as fast as the two
         can go), at most ``pingInterval * liveness`` later, well within the
@@ -387,6 +405,10 @@ class SessionDealer(_End):
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
         reason = self.limits.refuse(frames)
+        if reason is None:
+            why = over_limits(frames, self.machine.seq.peerLimits)
+            if why is not None:
+                reason = f"the server takes no message of {why}"
         if reason is not None:
             raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
         self._perform(self.machine.send(kept_frames(frames), self._now()))
