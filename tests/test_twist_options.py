@@ -302,3 +302,34 @@ def test_curve_keys_and_endpoints_that_cannot_use_them_are_usage_errors(tmp_path
         parse(FreelanceServerOptions, "--endpoint", "tcp:port=5555", *server)
     parse(BrokerOptions, "--endpoint", "zmq:tcp://*:5555", "--backend",
           "tcp:port=5556:interface=127.0.0.1", *server)
+
+
+def test_the_plugin_dropin_lists_the_makers_and_imports_them_on_use() -> None:
+    """``twist`` imports every dropin inside ``getPlugins``, which logs and
+    goes on past what an import raises (Ctrl-C too): ours imports no part of
+    the package; each entry says what its maker says, and hands on to it."""
+    import subprocess
+
+    from twisted.application.service import IServiceMaker
+    from twisted.plugin import IPlugin
+
+    program = ("import sys, twisted.plugins.mdp_plugins\n"
+               "print(sorted(m for m in sys.modules if m == 'mdp' or m.startswith('mdp.')))\n")
+    imported = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=60, env=ENV)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == "[]"
+    from twisted.plugins import mdp_plugins
+
+    entries = [v for v in vars(mdp_plugins).values() if isinstance(v, mdp_plugins._Maker)]
+    makers = [cls() for name, cls in vars(tap).items()
+              if name.endswith("ServiceMaker") and isinstance(cls, type)]
+    assert sorted(e.tapname for e in entries) == sorted(m.tapname for m in makers)
+    for entry in entries:
+        real = next(m for m in makers if m.tapname == entry.tapname)
+        assert IServiceMaker.providedBy(entry) and IPlugin.providedBy(entry)
+        assert (entry.description, entry.options) == (real.description, real.options)
+    broker = next(e for e in entries if e.tapname == "mdp-broker")
+    options = broker.options()
+    options.parseOptions(["--endpoint", "loopback:dropin"])
+    assert broker.makeService(options) is not None

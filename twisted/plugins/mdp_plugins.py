@@ -1,25 +1,57 @@
 """Twisted plugin dropin: ``twist mdp-broker``, ``twist mdp-worker``,
 ``twist mdp-freelance-server``, ``twist mdp-titanic``, ``twist sp-rep``,
-``twist sp-device``."""
+``twist sp-device``.
 
-from mdp.app.tap import (
-    BrokerServiceMaker,
-    FreelanceServerServiceMaker,
-    SPDeviceServiceMaker,
-    SPRepServiceMaker,
-    TitanicServiceMaker,
-    WorkerServiceMaker,
-)
+Each entry names its maker in :mod:`mdp.app.tap` and imports it only when
+``twist`` uses it (for its options, or to make the service): Twisted imports
+every dropin to list its plugins, inside ``getPlugins``, which logs and goes
+on past whatever an import raises, Ctrl-C included; the package's import
+then happens outside it."""
 
-mdpBroker = BrokerServiceMaker()
-mdpWorker = WorkerServiceMaker()
-mdpFreelanceServer = FreelanceServerServiceMaker()
-mdpTitanic = TitanicServiceMaker()
-spRep = SPRepServiceMaker()
-spDevice = SPDeviceServiceMaker()
+from typing import Any
+
+from twisted.application.reactors import Reactor
+from twisted.application.service import IServiceMaker
+from twisted.plugin import IPlugin
+from zope.interface import implementer
+
+
+@implementer(IServiceMaker, IPlugin)
+class _Maker:
+    """A ``twist`` plugin whose maker (``mdp.app.tap.<maker>``) is imported on use."""
+
+    def __init__(self, tapname: str, description: str, maker: str) -> None:
+        self.tapname = tapname
+        self.description = description
+        self.maker = maker
+
+    def _real(self) -> Any:
+        from mdp.app import tap
+
+        return getattr(tap, self.maker)()
+
+    @property
+    def options(self) -> Any:
+        return self._real().options
+
+    def makeService(self, options: Any) -> Any:
+        return self._real().makeService(options)
+
+
+mdpBroker = _Maker("mdp-broker", "MDP/0.2 (Majordomo) broker.", "BrokerServiceMaker")
+mdpWorker = _Maker("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
+                   "WorkerServiceMaker")
+mdpFreelanceServer = _Maker(
+    "mdp-freelance-server",
+    "Freelance (brokerless) request-reply server, answering PING with PONG.",
+    "FreelanceServerServiceMaker")
+mdpTitanic = _Maker("mdp-titanic",
+                    "Titanic: disk-backed, disconnected requests through an MDP broker.",
+                    "TitanicServiceMaker")
+spRep = _Maker("sp-rep", "SP (nng) REP server running a handler.", "SPRepServiceMaker")
+spDevice = _Maker("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
+                  "SPDeviceServiceMaker")
 
 # ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor)
-from twisted.application.reactors import Reactor  # noqa: E402
-
 uvloopReactor = Reactor("uvloop", "mdp.uvreactor",
                         "Twisted's asyncio reactor over uvloop (pip install 'txmajordomo[speed]')")
