@@ -234,8 +234,11 @@ class BinaryStarMachine(Machine):
         self.started = now
         #: when the peer counts as gone, unless it is heard from before
         self.peerExpiry = now + self.failoverTimeout
-        #: since when a peer configured as we are keeps talking
+        #: since when a peer configured as we are keeps talking, which run
+        #: of it, and when it was last heard (a conflict ends with its silence)
         self.conflictSince: Optional[float] = None
+        self.conflictWith = ""
+        self.conflictHeard = 0.0
         self.stopped: Optional[str] = None
         #: the last tick, the state channel's number (one more per stall),
         #: and whether an active server waits to hear its peer after a stall
@@ -310,11 +313,17 @@ class BinaryStarMachine(Machine):
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
         """Both configured alike: the one started later stops.  Starts closer
-        than a heartbeat are a tie, broken by the run's id; should the peer
-        judge otherwise and carry on, this one stops too after the failover
-        timeout."""
+        than a heartbeat are a tie, broken by the run's id.  Each side sees
+        the other's start a little later than it was (the message's transit),
+        so near a heartbeat apart neither may count as later: then, after the
+        failover timeout, the one with the greater run id stops (both judge
+        this alike), and after twice that this one stops whatever its id (the
+        peer carries on against the rule).  A conflict ends when its peer has
+        been silent for the failover timeout, or is another run: a restarted
+        misconfigured server starts a new one."""
         reason = f"both servers are configured {self.role.value}"
-        peerStarted = self.now - peerUptime
+        now = self.now
+        peerStarted = now - peerUptime
         if abs(self.started - peerStarted) < self.heartbeat:
             later = self.instance > peerInstance
         else:
@@ -322,9 +331,13 @@ class BinaryStarMachine(Machine):
         if later:
             self._stop(f"{reason}; this one started later and stops")
             return
-        if self.conflictSince is None:
-            self.conflictSince = self.now
-        elif self.now - self.conflictSince > self.failoverTimeout:
+        if (self.conflictSince is None or peerInstance != self.conflictWith
+                or now - self.conflictHeard > self.failoverTimeout):
+            self.conflictSince, self.conflictWith = now, peerInstance
+        self.conflictHeard = now
+        lasted = now - self.conflictSince
+        if lasted > 2 * self.failoverTimeout or (
+                lasted > self.failoverTimeout and self.instance > peerInstance):
             self._stop(f"{reason}; the peer, which started later, did not stop")
             return
         self._emit(Conflict(f"{reason}; the peer started later and must stop"))
@@ -399,6 +412,11 @@ class BinaryStarMachine(Machine):
 
 # --- the state channel's wire form ----------------------------------------------------
 
+#: a peer silent for this many failover timeouts is warned about, and again
+#: every SILENT_PEER_REPEAT seconds while it stays silent
+SILENT_PEER_WARNING = 5
+SILENT_PEER_REPEAT = 60.0
+
 #: first frame of every state-channel message
 HEADER = b"BSTAR01"
 SUBSCRIBE = b"SUB"
@@ -430,7 +448,7 @@ def new_instance() -> str:
 def encode_state(state: State, role: Role, uptime: float, instance: str,
                  heartbeat: float) -> list[bytes]:
     """The message publishing *state*."""
-    return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.3f" % uptime,
+    return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.6f" % uptime,
             instance.encode("ascii"), repr(float(heartbeat)).encode("ascii")]
 
 
@@ -549,6 +567,8 @@ class BinaryStar:
         self._ticker = task.LoopingCall(self._tick)
         self._ticker.clock = self.reactor
         self._running = False
+        #: when the peer's silence was last warned about (None: not silent)
+        self._silenceWarned: Optional[float] = None
 
     # --- what servers ask -------------------------------------------------------------
 
@@ -627,7 +647,7 @@ class BinaryStar:
         machine = self.machine
         self.machine = BinaryStarMachine(machine.role, heartbeat=machine.heartbeat,
                                          instance=new_instance(), now=self.reactor.seconds())
-        self.peerState = self.peerHeard = None
+        self.peerState = self.peerHeard = self._silenceWarned = None
         self._running = True
         run = self.machine
 
@@ -680,9 +700,32 @@ class BinaryStar:
         for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
             del subscribers[peer]
         self._perform(self.machine.handleTick(now))
+        self._warnIfPeerSilent(now)
         if self._running and self._subscriber.transport is None:
             self._connectSubscriber()  # it failed to open
         self._subscribe()
+
+    def _warnIfPeerSilent(self, now: float) -> None:
+        """A peer not heard for a while is down, or ``remote`` is not its
+        state endpoint (another service's, a typo'd port): say so, now and
+        then, for without it there is no failover."""
+        machine = self.machine
+        if not self._running or machine.stopped is not None:
+            return
+        since = self.peerHeard if self.peerHeard is not None else machine.started
+        silence = now - since
+        if silence < SILENT_PEER_WARNING * machine.failoverTimeout:
+            self._silenceWarned = None
+            return
+        if self._silenceWarned is not None and now - self._silenceWarned < SILENT_PEER_REPEAT:
+            return
+        self._silenceWarned = now
+        log.warn("Binary Star {role}: no state heard from the peer at {remote} for "
+                 "{seconds:.0f} s{ever}: it is down, or that is not its state endpoint "
+                 "(remote must be the peer's local, --bstar-remote its --bstar-local); "
+                 "no failover until it is heard", role=self.role.value, remote=self.remote,
+                 seconds=silence, ever=" (never, since this start)"
+                 if self.peerHeard is None else "")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport

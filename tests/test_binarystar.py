@@ -77,7 +77,7 @@ RUN = "0123456789abcdef"
 
 def test_state_message_round_trip() -> None:
     frames = encode_state(State.PASSIVE, Role.BACKUP, 12.5, RUN, 1.0)
-    assert frames == [HEADER, b"STATE", b"4", b"backup", b"12.500", RUN.encode(), b"1.0"]
+    assert frames == [HEADER, b"STATE", b"4", b"backup", b"12.500000", RUN.encode(), b"1.0"]
     assert decode_state(frames) == (State.PASSIVE, Role.BACKUP, 12.5, RUN, 1.0)
 
 
@@ -716,3 +716,105 @@ def test_an_active_server_stopped_alone(takeover: bool, logged: list[str]) -> No
         assert (primary.serving, backup.serving) == ((False, True) if takeover else (True, False))
     finally:
         pair.stop()
+
+
+@pytest.mark.parametrize("first", ["client", "worker"])
+def test_a_broker_voted_active_serves_before_its_next_tick(first: str) -> None:
+    """A broker seen passive at a tick is voted active by a request (or a
+    worker's READY) in between ticks: what is queued is dispatched at once,
+    as at any active broker, not left waiting for a tick (a plain
+    ``Broker(admission=star)`` is told of no change but through the votes)."""
+    from mdp.majordomo import codec
+    from mdp.testing import Receive, Script, Send
+
+    W, C = codec.WORKER_HEADER, codec.CLIENT_HEADER
+    script = Script()
+    switch = Switch()
+    switch.state = "passive"
+    broker = Broker(reactor=script.clock, heartbeat=HeartbeatPolicy(1.0, 3), admission=switch)
+    broker.listen(script.endpoint("broker"))
+    script.clock.advance(1.0)  # a tick: passive
+    assert broker._passive
+    switch.state = "active"    # the peer died, and a vote takes over
+    request = Receive(b"A", [C, codec.C_REQUEST, b"echo", b"hi"])
+    ready = Receive(b"W1", [W, codec.W_READY, b"echo"])
+    sent = script.feed(*((request, ready) if first == "client" else (ready, request)))
+    work = [s for s in sent if isinstance(s, Send) and s.to == b"W1"
+            and s.frames[1] == codec.W_REQUEST]
+    assert len(work) == 1 and work[0].frames[-1] == b"hi" and broker.queued == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_misconfigured_server_restarted_later_stops_again_alone(
+        clocknet: LoopbackNet) -> None:
+    """The earlier server forgets a conflict once its peer has been silent:
+    the same mistake started again ten minutes on (a supervisor restarting
+    it) stops that one again, not the server that has been running."""
+    pair = Pair(clocknet)
+    earlier = pair.start(Role.PRIMARY)
+    clocknet.advance(1.5)
+    for _ in range(2):
+        later = pair.start(Role.BACKUP, configured=Role.PRIMARY)
+        await clocknet.until(lambda star=later: star.machine.stopped is not None, timeout=5)
+        await clocknet.wait(later.stop())
+        clocknet.advance(600)
+    assert earlier.machine.stopped is None and earlier.admitClient() is True
+    assert pair.kinds("backup") == ["fatal", "fatal"]
+
+
+@pytest.mark.parametrize("transit", [0.0, 0.0003])
+@pytest.mark.parametrize("gap", [0.9996, 0.9999, 1.0, 1.0001, 1.0004])
+@pytest.mark.parametrize("greater", ["earlier", "later"])
+def test_the_same_role_about_a_heartbeat_apart_stops_exactly_one(gap: float, greater: str,
+                                                                 transit: float) -> None:
+    """At the edge of the tie, each side's view of the other's start is off
+    by the message's transit: whichever way each judges, one stops, not
+    both, not neither."""
+    from mdp.binarystar import BinaryStarMachine, PublishState
+
+    one = BinaryStarMachine(Role.PRIMARY, heartbeat=1.0, instance="1" * 16, now=0.0)
+    two = BinaryStarMachine(Role.PRIMARY, heartbeat=1.0, instance="2" * 16, now=gap)
+    if greater == "earlier":
+        one.instance, two.instance = two.instance, one.instance
+    # each ticks once a heartbeat from its start; a state arrives *transit* later
+    events = sorted([(round(k + 0.0, 6), 0, one, two) for k in range(1, 20)]
+                    + [(round(gap + k, 6), 0, two, one) for k in range(0, 20)],
+                    key=lambda e: e[0])
+    while events:
+        now, kind, me, peer = events.pop(0)
+        if kind == 0:
+            for action in me.handleTick(now):
+                if isinstance(action, PublishState):
+                    frames = encode_state(action.state, action.role, action.uptime,
+                                          action.instance, action.heartbeat)
+                    events.append((round(now + transit, 6), 1, peer, frames))
+                    events.sort(key=lambda e: (e[0], e[1]))
+        else:
+            said = decode_state(peer)
+            me.handlePeerState(said.state, said.role, said.uptime, now,
+                               peerInstance=said.instance, peerHeartbeat=said.heartbeat)
+    stopped = [m for m in (one, two) if m.stopped is not None]
+    assert len(stopped) == 1, [(m.instance, m.stopped) for m in (one, two)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_remote_that_is_not_the_peers_state_endpoint_is_warned_about(
+        clocknet: LoopbackNet, logged: list[str]) -> None:
+    """``--bstar-remote`` given the peer broker's MDP endpoint: the broker
+    drops each subscription it cannot read, and the pipe comes back no faster
+    than a reconnect interval (no loop within one reactor turn); the server
+    says, now and then, that its peer is not heard and why that may be."""
+    pair = Pair(clocknet)
+    primary, _, mdpEndpoint = await start_broker(clocknet, pair, Role.PRIMARY)
+    other = BinaryStar(Role.BACKUP, pair.endpoints[Role.BACKUP], mdpEndpoint, clocknet.reactor)
+    other.start()
+    clocknet.addCleanup(other.stop)
+    clocknet.advance(11)
+    warned = [line for line in logged if "no state heard from the peer" in line]
+    assert len(warned) == 1 and mdpEndpoint in warned[0] and "(never, since this start)" in warned[0]
+    assert "--bstar-remote its --bstar-local" in warned[0]
+    clocknet.advance(30)
+    assert len([line for line in logged if "no state heard from the peer" in line]) == 1
+    clocknet.advance(31)
+    assert len([line for line in logged if "no state heard from the peer" in line]) == 2
+    assert other.peerState is None and other.machine.stopped is None

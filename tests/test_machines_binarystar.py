@@ -173,14 +173,41 @@ def test_a_tie_of_start_times_is_broken_by_the_run_id(mine: str, theirs: str, st
     assert [type(a) for a in actions] == ([Fatal] if stops else [Conflict])
 
 
-def test_a_peer_that_does_not_stop_for_a_conflict_stops_this_one() -> None:
-    machine = BinaryStarMachine(Role.BACKUP, instance="a" * 16, now=0.0)
-    for t in (30.0, 31.0, 32.0):  # the peer says it started at 29, this one at 0
+@pytest.mark.parametrize("mine, after", [("c" * 16, 2.5), ("a" * 16, 4.5)])
+def test_a_peer_that_does_not_stop_for_a_conflict_stops_this_one(mine: str,
+                                                                  after: float) -> None:
+    """After the failover timeout (2 s) if this run's id is the greater one
+    (both sides judge that alike), after twice that otherwise."""
+    machine = BinaryStarMachine(Role.BACKUP, instance=mine, now=0.0)
+    t = 30.0
+    while t < 30.0 + after:  # the peer says it started at 29, this one at 0
         assert [type(a) for a in machine.handlePeerState(
             int(State.BACKUP), Role.BACKUP, t - 29.0, t, peerInstance="b" * 16)] == [Conflict]
-    actions = machine.handlePeerState(int(State.BACKUP), Role.BACKUP, 4.5, 33.5,
+        t += 0.5
+    actions = machine.handlePeerState(int(State.BACKUP), Role.BACKUP, t - 29.0, t,
                                       peerInstance="b" * 16)
     assert [type(a) for a in actions] == [Fatal] and "did not stop" in machine.stopped
+
+
+def test_a_conflict_ends_with_the_peers_silence_or_its_run() -> None:
+    """A peer of the same role silent for the failover timeout, or another
+    run of it (restarted), starts a new conflict: the time before this one
+    gives up counts afresh."""
+    machine = BinaryStarMachine(Role.BACKUP, instance="c" * 16, now=0.0)
+    same = dict(peerInstance="b" * 16)
+    assert [type(a) for a in machine.handlePeerState(
+        int(State.BACKUP), Role.BACKUP, 1.0, 30.0, **same)] == [Conflict]
+    # silent 3 s (> 2 s), then heard again: 2 s more before this one gives up
+    for t in (33.0, 34.0, 35.0):
+        assert [type(a) for a in machine.handlePeerState(
+            int(State.BACKUP), Role.BACKUP, t - 29.0, t, **same)] == [Conflict]
+    # another run of the peer at 36: afresh again
+    for t in (36.0, 37.0, 38.0):
+        assert [type(a) for a in machine.handlePeerState(
+            int(State.BACKUP), Role.BACKUP, t - 35.5, t, peerInstance="a" * 16)] == [Conflict]
+    assert machine.stopped is None
+    assert [type(a) for a in machine.handlePeerState(
+        int(State.BACKUP), Role.BACKUP, 3.0, 38.5, peerInstance="a" * 16)] == [Fatal]
 
 
 # --- a stall: this server was stopped for longer than the failover timeout ---------------

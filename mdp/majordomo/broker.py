@@ -789,6 +789,7 @@ class BrokerMachine(Machine):
                 return  # not serving: the client times out and tries elsewhere
             if self._activeSince is None:
                 self._activeSince = now
+            self._passive = False  # admitted: active now, even before a tick says so
         access = self.access
         visible = None
         if access is not None:
@@ -1130,7 +1131,7 @@ class BrokerMachine(Machine):
             why = f"{_who(identity)} may not serve it"
             if self.metrics is not None:
                 self.metrics.deny(name, "serve")
-        elif self.admission is not None and not self.admission.admitWorker(self.now):
+        elif self.admission is not None and not self._admitWorker():
             why = "this broker is not the active one of its Binary Star pair"
         elif len(self.workers) >= self.maxWorkers:
             why = f"{len(self.workers)} workers already registered"
@@ -1142,6 +1143,12 @@ class BrokerMachine(Machine):
         self.throttle.warn(log, "refused-ready", "refused READY from {peer} for {service}: {why}",
                            peer=peer_label(key[1]), service=label(name), why=why)
         self._sendDisconnect(key, dialect)
+
+    def _admitWorker(self) -> bool:
+        if not self.admission.admitWorker(self.now):
+            return False
+        self._passive = False  # admitted: active now, even before a tick says so
+        return True
 
     def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
         service = self._service(name)
@@ -1311,7 +1318,11 @@ class BrokerMachine(Machine):
             self._activeSince = None
         elif self._activeSince is None:
             self._activeSince = now
+        wasPassive = self._passive
         self._passive = status.get("state") == "passive"
+        if wasPassive and not self._passive:
+            for service in list(self.services.values()):
+                self._dispatch(service)
         if self._passive and (self.workers or self._ledger.count):
             self._giveUpQueued()
             idle = [worker for worker in self.workers.values() if worker.current is None]

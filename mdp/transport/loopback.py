@@ -271,11 +271,20 @@ class LoopbackDealer:
     #: a newer dealer took over our identity: we stay detached
     supplanted = False
 
+    #: seconds before a dropped pipe attaches again (libzmq's reconnect
+    #: interval): a peer that drops each pipe at once (what is sent on it is
+    #: not for it) is not met again in the same reactor turn, for ever
+    reconnectDelay = 0.1
+
     def _lost(self, why: Exception) -> None:
         if self.closed:
             return
         self.receiver.connectionLost(Failure(why))
         if self.router is None and not self.supplanted:
+            self.reactor.callLater(self.reconnectDelay, self._reattach)
+
+    def _reattach(self) -> None:
+        if self.router is None and not self.supplanted and not self.closed:
             self._attach()
 
     def close(self) -> defer.Deferred[None]:
