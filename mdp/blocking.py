@@ -56,6 +56,7 @@ from mdp.majordomo.client import (
     WakeAt,
     _Call,
     _Channel,
+    _check_attempts,
     call_back,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
@@ -416,9 +417,16 @@ class _ZmqPipe:
         *timeout* ms (-1: no limit), as a plain pyzmq loop would, instead of
         polling; handle what came."""
         sock = self.socket
+        if _frames is None:
+            # pyzmq's recv waits its whole RCVTIMEO again after each signal
+            # (EINTR); its poll waits for what is left
+            if sock.poll(timeout, _ZMQ_POLLIN):
+                self.check(monotonic())
+            return
         current = self.waitMs
         # a wait that ends a little late is harmless; setting RCVTIMEO on
-        # every request is not free
+        # every request is not free; a signal ends it early (Again), and the
+        # loop waits again for what is left
         if current != timeout and (timeout < 0 or current < 0 or current < timeout // 2
                                    or current > timeout + min(50, timeout // 20)):
             _set(sock, _RCVTIMEO, timeout)
@@ -560,7 +568,8 @@ class _StreamPipe:
     the Twisted transport does."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
-                 "up", "connecting", "failures", "retryAt", "received", "candidates")
+                 "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
+                 "broken")
 
     backlog = ()  # never waits in recv alone (see _Loop.turn)
 
@@ -583,6 +592,10 @@ class _StreamPipe:
         self.received: deque[list[bytes]] = deque()
         #: the addresses of this attempt's host not yet tried
         self.candidates: list[tuple[int, Any]] = []
+        #: records to drop as they complete: one begun before a discard
+        self.skip = 0
+        #: what was wrong with the stream read by a discard (reported as the loss)
+        self.broken: Optional[BaseException] = None
 
     @property
     def backlogged(self) -> bool:
@@ -701,13 +714,18 @@ class _StreamPipe:
                 self._lost(e, now)
                 return
             if not data:
-                self._lost(ConnectionError("connection closed by the broker"), now)
+                self._lost(self.broken or ConnectionError("connection closed by the broker"),
+                           now)
                 return
             try:
                 messages = self.decoder.feed(data)
             except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 self._lost(e, now)
                 return
+            if self.skip and messages:
+                skipped = min(self.skip, len(messages))
+                self.skip -= skipped
+                del messages[:skipped]
             # a callback of one of these may wait on the loop (a request
             # from inside onPartial), which reads here again: that read hands
             # on what this one has not yet, then its own, in order
@@ -718,11 +736,36 @@ class _StreamPipe:
                 owner._pipeMessage(tag, received.popleft(), now)
 
     def discardReceived(self) -> int:
-        """Drop the messages read and not handed on yet; how many.  What
-        waits unread in the socket is left to the read."""
+        """Drop the messages read and not handed on yet, and those waiting
+        in the socket; how many.  A record begun and not complete is dropped
+        when it is (it came before what is about to be sent, so it cannot
+        answer it)."""
         dropped = len(self.received)
         self.received.clear()
-        return dropped
+        sock = self.socket
+        if sock is None or not self.up or self.broken is not None:
+            return dropped
+        for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
+            try:
+                data = sock.recv(_READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break  # the poller reports the loss
+            if not data:
+                break  # the same: the next read sees the end again
+            try:
+                dropped += len(self.decoder.feed(data))
+            except Exception as e:  # the stream is unusable: the next read reports it
+                self.broken = e
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return dropped
+        # (what an earlier discard saw begun has come whole meanwhile)
+        self.skip = 1 if self.decoder.inRecord else 0
+        return dropped + self.skip
 
     def _lost(self, why: BaseException, now: float) -> None:
         self._drop()
@@ -734,6 +777,8 @@ class _StreamPipe:
         self.up = self.connecting = False
         self.out.clear()
         self.received.clear()
+        self.skip = 0
+        self.broken = None
         self.decoder = RecordDecoder(self.loop.limits)
         if sock is not None:
             self.loop.forget(self.key)
@@ -756,6 +801,15 @@ class _StreamPipe:
                 pass
         self.retryAt = None
         self._drop()
+
+
+class _Refused:
+    """An item of :meth:`Client.map` that could not be sent: its error."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, error: Exception) -> None:
+        self.result = error
 
 
 class Client(ClientCore):
@@ -842,8 +896,12 @@ class Client(ClientCore):
 
         The first failed request raises its error (the ones still in flight
         are abandoned), unless *returnExceptions*: then the error is yielded
-        in its place.  Items are read from *requests* only as the window
-        allows.  Stopping the iteration early abandons what is in flight."""
+        in its place.  An item that cannot be sent (over the limits:
+        ``RequestTooLarge``; not frames: ``TypeError``) is such a failure, in
+        its place; an error reading *requests* is raised after the replies to
+        the items before it.  Items are read from *requests* only as the
+        window allows.  Stopping the iteration early abandons what is in
+        flight."""
         if isinstance(window, bool) or not isinstance(window, int):
             raise TypeError(f"window is a number of requests, not {type(window).__name__}")
         if window < 1:
@@ -851,25 +909,45 @@ class Client(ClientCore):
         if window > self.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.maxConnections}: "
                              "requests past it would wait, their attempts running")
+        # mistakes of the whole call raise here, not once per item
+        codec.api_service_name(service)
+        if timeout is not None or retries is not None:
+            _check_attempts(self.timeout if timeout is None else timeout,
+                            self.retries if retries is None else retries)
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
              timeout: Optional[float], retries: Optional[int],
              returnExceptions: bool) -> Iterator[Any]:
-        pending: deque[_Call] = deque()
+        pending: deque[Any] = deque()
+        #: what reading *items* raised: raised in its place, after the
+        #: replies to the items before it
+        broken: Optional[Exception] = None
         try:
             while True:
-                while len(pending) < window:
-                    item = next(items, _PENDING)
+                while len(pending) < window and broken is None:
+                    try:
+                        item = next(items, _PENDING)
+                    except Exception as e:
+                        broken = e
+                        break
                     if item is _PENDING:
                         break
-                    single = isinstance(item, (bytes, str, bytearray, memoryview))
-                    pending.append(self._submit(service, (item,) if single else tuple(item),
-                                                timeout, retries, None, None))
+                    try:
+                        single = isinstance(item, (bytes, str, bytearray, memoryview))
+                        pending.append(self._submit(service, (item,) if single else tuple(item),
+                                                    timeout, retries, None, None))
+                    except ClientClosed:
+                        raise
+                    except Exception as e:  # an item that cannot be sent: its result
+                        pending.append(_Refused(e))
                 if not pending:
+                    if broken is not None:
+                        raise broken
                     return
                 call = pending[0]
-                self._waitFor(call)
+                if call.__class__ is not _Refused:
+                    self._waitFor(call)
                 pending.popleft()
                 result = call.result
                 if isinstance(result, BaseException):
@@ -1056,6 +1134,9 @@ class Worker(WorkerMachine):
                          backoff=backoff, dialect=dialect, limits=limits, now=monotonic())
         self.requestsServed = 0
         _log_to_stdlib()
+        self._context = context
+        #: the sockets and the poller, while :meth:`run` runs (its descriptor
+        #: is released when it returns)
         self._loop = _Loop(limits, context)
         self._pipe: Any = None
         self._reopenAt: Optional[float] = None
@@ -1074,6 +1155,8 @@ class Worker(WorkerMachine):
         after every wake-up), or an exception (Ctrl-C) ends the loop; then say
         DISCONNECT and close."""
         self._stopping = False
+        if self._loop is None:  # run again
+            self._loop = _Loop(self.limits, self._context)
         now = monotonic()
         self._nextTick = now + self.wakeEvery
         self._perform(self.handleStart(now))
@@ -1096,7 +1179,11 @@ class Worker(WorkerMachine):
                     self._perform(self.handleTick(now))
         finally:
             self._reopenAt = None
-            self._perform(self.handleStop(monotonic()))
+            try:
+                self._perform(self.handleStop(monotonic()))
+            finally:
+                loop, self._loop = self._loop, None
+                loop.shutdown()
 
     # --- what the pipe reports -------------------------------------------------
 

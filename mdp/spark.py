@@ -138,42 +138,68 @@ def _client(call: ServiceCall) -> Any:
 
 
 def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
-    """In the reactor thread: all requests of a batch, the client's pool keeping
-    at most ``window`` in flight."""
+    """In the reactor thread: the requests of a batch, at most ``window`` in
+    flight (one more goes as each is answered: a request waiting for a free
+    connection would spend its attempts waiting).  With ``onError="fail"``
+    the first failure ends the batch: nothing more is sent, and what is in
+    flight is cancelled."""
     from twisted.internet import defer
     from twisted.python.failure import Failure
 
     client = _client(call)
-    results: list[Any] = [None] * len(requests)
-    pending: list[defer.Deferred] = []
+    count = len(requests)
+    results: list[Any] = [None] * count
+    inFlight: dict[int, defer.Deferred] = {}
     done: defer.Deferred = defer.Deferred()
-    remaining = len(requests)
+    remaining = count
+    following = 0  # the next request to send
+    filling = False
 
-    def finished(value: Any, index: int) -> None:
+    def settle(value: Any, index: int) -> None:
         nonlocal remaining
         if done.called:
             return
         if isinstance(value, Failure):
             value = value.value
-            if call.onError == "fail":
-                # before cancelling the rest: each cancel comes back here
-                done.errback(MDPSparkError(f"{call.describe()}: {value}"))
-                for d in pending:
-                    d.cancel()
-                return
+        if isinstance(value, BaseException) and call.onError == "fail":
+            # before cancelling the rest: each cancel comes back here
+            done.errback(MDPSparkError(f"{call.describe()}: {value}"))
+            for d in list(inFlight.values()):
+                d.cancel()
+            return
         results[index] = value
         remaining -= 1
         if remaining == 0:
             done.callback(results)
 
-    for index, frames in enumerate(requests):
-        if frames is None:
-            finished(Failure(ValueError("null input")), index)
-            continue
-        d = client.request(call.service, *frames)
-        pending.append(d)
-        d.addBoth(finished, index)
-    if remaining == 0 and not done.called:
+    def answered(value: Any, index: int) -> None:
+        inFlight.pop(index, None)
+        settle(value, index)
+        if not filling:  # (a reply that came at once: the loop below goes on)
+            fill()
+
+    def fill() -> None:
+        nonlocal following, filling
+        filling = True
+        try:
+            while not done.called and following < count and len(inFlight) < call.window:
+                index, following = following, following + 1
+                frames = requests[index]
+                if frames is None:
+                    settle(ValueError("null input"), index)
+                    continue
+                try:
+                    d = client.request(call.service, *frames)
+                except Exception as e:  # over the limits (RequestTooLarge), ...
+                    settle(e, index)
+                    continue
+                inFlight[index] = d
+                d.addBoth(answered, index)
+        finally:
+            filling = False
+
+    fill()
+    if count == 0:
         done.callback(results)
     return done
 

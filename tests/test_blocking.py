@@ -431,6 +431,19 @@ def test_close_releases_the_clients_descriptors() -> None:
         client.request("echo", b"x")
 
 
+def test_a_worker_releases_its_descriptors_when_run_returns() -> None:
+    """Its poller and sockets go when :meth:`run` returns (not when the
+    object is collected), and a second run makes them again."""
+    from mdp.blocking import Worker
+
+    before = len(os.listdir("/proc/self/fd"))
+    worker = Worker(f"tcp:host=127.0.0.1:port={free_port()}", "echo", lambda frames: frames)
+    for _ in range(2):
+        turns = iter(range(3))
+        worker.run(until=lambda: next(turns, None) is None)
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
 # --- the Spark bridge's choice of client --------------------------------------------------
 
 @pytest_twisted.ensureDeferred
@@ -474,6 +487,74 @@ async def test_spark_batches_go_through_a_reactor_already_running() -> None:
         if client is not None:
             await client.close()
         await cluster.stop()
+
+
+def slow_echo(peer: bytes, body: list[bytes]) -> list[Any]:
+    """A worker that takes 0.2 s a request (in the scripted broker's thread)."""
+    import time
+
+    time.sleep(0.2)
+    return [(peer, b"\x03", body)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_spark_batches_through_a_reactor_keep_the_window_and_the_error_policy() -> None:
+    """Through a running reactor as without one: at most ``window`` requests
+    in flight (one waiting for a connection would spend its attempts: eight
+    rows of 0.2 s through a window of 1 with a 1 s timeout all succeed); a
+    row over the limits is an error of its row (``onError`` decides); with
+    ``onError="fail"`` nothing more is sent after the first failure."""
+    from mdp import spark
+    from mdp.errors import MDPSparkError, RequestTooLarge
+    from mdp.policy import DEFAULT_MAX_FRAMES
+    from tests.conftest import ScriptedBroker
+
+    broker = ScriptedBroker(slow_echo)
+    calls = [spark.ServiceCall("echo", (broker.endpoint,), timeout=1.0, retries=1, window=1,
+                               onError=onError) for onError in ("column", "fail")]
+    try:
+        rows = [[b"%d" % n] for n in range(8)]
+        assert await run(lambda: spark.call_many(calls[0], rows)) == rows
+        huge = [b"x"] * (DEFAULT_MAX_FRAMES + 1)
+        got = await run(lambda: spark.call_many(calls[0], [[b"a"], huge, [b"b"]]))
+        assert got[0] == [b"a"] and isinstance(got[1], RequestTooLarge) and got[2] == [b"b"]
+        with pytest.raises(MDPSparkError, match="null input"):
+            await run(lambda: spark.call_many(calls[1], [[b"a"], None, [b"c"], [b"d"]]))
+        assert await run(lambda: spark.call_many(calls[1], [[b"then"]])) == [[b"then"]]
+        assert [b"c"] not in broker.seen and [b"d"] not in broker.seen
+        assert broker.seen[-1] == [b"then"]
+    finally:
+        for call in calls:
+            client = spark._clients.pop(call, None)
+            if client is not None:
+                await client.close()
+        await run(broker.stop)
+
+
+@pytest_twisted.ensureDeferred
+async def test_spark_batches_without_a_reactor_honour_the_error_policy_for_oversized_rows(
+        ) -> None:
+    from mdp import spark
+    from mdp.errors import RequestTooLarge
+    from mdp.policy import DEFAULT_MAX_FRAMES
+    from tests.conftest import ScriptedBroker
+
+    broker = ScriptedBroker(lambda peer, body: [(peer, b"\x03", body)])
+    call = spark.ServiceCall("echo", (broker.endpoint,), timeout=2.0, retries=1, window=2,
+                             onError="null")
+
+    def batch() -> list[Any]:
+        try:
+            return spark._call_many_blocking(
+                call, [[b"a"], [b"x"] * (DEFAULT_MAX_FRAMES + 1), [b"b"]])
+        finally:
+            spark._local.clients.pop(call).close()
+
+    try:
+        got = await run(batch)
+        assert got[0] == [b"a"] and isinstance(got[1], RequestTooLarge) and got[2] == [b"b"]
+    finally:
+        await run(broker.stop)
 
 
 # --- the blocking worker ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import zmq
 from twisted.logger import formatEvent
 
 from mdp import errors
@@ -341,3 +342,208 @@ def test_a_reply_far_over_the_limits_is_not_copied(broker: ScriptedBroker) -> No
             tracemalloc.stop()
         assert peak < 4 << 20
         assert client.request("s", b"after") == [b"after"]
+
+
+# --- signals ------------------------------------------------------------------------------
+
+
+def never(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+    return []
+
+
+class Signals:
+    """SIGUSR1 to the main thread every 20 ms, with a handler that does
+    nothing (as a profiler's, a watchdog's or a SIGCHLD handler would), until
+    stopped (at most 60 s)."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.count = 0
+        self.stopping = threading.Event()
+        self.previous = signal.signal(signal.SIGUSR1, self._handled)
+        main = threading.main_thread().ident
+        assert main is not None
+
+        def send() -> None:
+            for _ in range(3000):
+                if self.stopping.wait(0.02):
+                    return
+                signal.pthread_kill(main, signal.SIGUSR1)
+
+        self.thread = threading.Thread(target=send, daemon=True)
+        self.thread.start()
+
+    def _handled(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+    def stop(self) -> None:
+        import signal
+
+        self.stopping.set()
+        self.thread.join(5)
+        signal.signal(signal.SIGUSR1, self.previous)
+
+
+@pytest.mark.timeout(30)  # without the fix, the waits start over for as long as the signals last
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("broker", [never], indirect=True)
+def test_signals_do_not_make_a_wait_start_over(broker: ScriptedBroker, compiled: bool,
+                                               monkeypatch: Any) -> None:
+    """A wait on the only socket cut short by a signal waits for what is
+    left of its time, not its whole time again: under signals more frequent
+    than the timeout, a request still times out, and a worker still stops."""
+    import mdp.blocking
+    from mdp.blocking import Worker
+    from mdp.policy import HeartbeatPolicy
+
+    if not compiled:
+        monkeypatch.setattr(mdp.blocking, "_frames", None)
+    elif mdp.blocking._frames is None:
+        pytest.skip("the compiled reader is not built")
+    signals = Signals()
+    try:
+        client = Client(broker.endpoint, timeout=0.3, retries=2)
+        try:
+            with pytest.raises(errors.RequestTimeout):
+                client.request("echo", b"x")
+        finally:
+            client.close()
+        context = zmq.Context()
+        silent = context.socket(zmq.ROUTER)  # takes the worker's READY, says nothing
+        silent.setsockopt(zmq.LINGER, 0)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            worker = Worker(f"zmq:tcp://127.0.0.1:{port}", "echo", lambda frames: frames,
+                            heartbeat=HeartbeatPolicy(interval=0.3, liveness=3))
+            threading.Thread(target=lambda: (signals.stopping.wait(0.5), worker.stop()),
+                             daemon=True).start()
+            worker.run()
+        finally:
+            silent.close()
+            context.term()
+    finally:
+        signals.stop()
+    assert signals.count > 10
+
+
+# --- a reply with no request ----------------------------------------------------------------
+
+
+class StrayingBroker:
+    """A stream listener (tcp or unix) that answers each request, and after
+    the reply to ``dup`` sends a second, stray FINAL: whole, or (``half``)
+    its first half at once and the rest just before the next reply.
+    ``strayed`` is set once the stray bytes are sent."""
+
+    def __init__(self, family: str, tmp_path: Any) -> None:
+        if family == "unix":
+            path = str(tmp_path / "broker.sock")
+            self.listener = socket.socket(socket.AF_UNIX)
+            self.listener.bind(path)
+            self.endpoint = f"unix:{path}"
+        else:
+            self.listener = socket.socket()
+            self.listener.bind(("127.0.0.1", 0))
+            self.endpoint = f"tcp:host=127.0.0.1:port={self.listener.getsockname()[1]}"
+        self.listener.listen(8)
+        self.listener.settimeout(0.05)
+        self.strayed = threading.Event()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                continue
+            with conn:
+                self._talk(conn)
+
+    def _talk(self, conn: socket.socket) -> None:
+        conn.settimeout(0.05)
+        decoder = RecordDecoder(Limits())
+        rest = b""
+        while not self.stopping.is_set():
+            try:
+                data = conn.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                return
+            for message in decoder.feed(data):
+                service, *body = message[2:]
+                conn.sendall(rest + encode_record([HEADER, FINAL, service, *body]))
+                rest = b""
+                if body[0] in (b"dup", b"half"):
+                    stray = encode_record([HEADER, FINAL, service, b"stray"])
+                    if body[0] == b"half":
+                        stray, rest = stray[:len(stray) // 2], stray[len(stray) // 2:]
+                    conn.sendall(stray)
+                    self.strayed.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("how", ["dup", "half"])
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_a_stray_reply_waiting_in_the_socket_answers_no_later_request(
+        family: str, how: str, tmp_path: Any) -> None:
+    """A FINAL that came after its request was answered (a duplicate) and
+    waits unread in the socket, whole or begun, is dropped when the next
+    request goes out: it never completes that request."""
+    broker = StrayingBroker(family, tmp_path)
+    client = Client(broker.endpoint, timeout=5, retries=1)
+    try:
+        assert client.request("echo", how.encode()) == [how.encode()]
+        assert broker.strayed.wait(5)
+        assert client.request("echo", b"next") == [b"next"]
+        assert client.request("echo", b"then") == [b"then"]
+    finally:
+        client.close()
+        broker.stop()
+
+
+# --- map: items that cannot be sent -------------------------------------------------------
+
+
+def echo(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+    return [(peer, FINAL, body)]
+
+
+def items_then(error: Exception) -> Iterator[Any]:
+    yield b"a"
+    yield b"b"
+    raise error
+
+
+@pytest.mark.parametrize("broker", [echo], indirect=True)
+def test_map_keeps_each_failure_in_its_place(broker: ScriptedBroker) -> None:
+    """An item over the limits or not frames fails in its place (yielded
+    with *returnExceptions*, else raised after the replies before it); an
+    error reading the items is raised after the replies to those read."""
+    with Client(broker.endpoint, timeout=5, retries=1,
+                limits=Limits(maxMessageBytes=1024)) as client:
+        got = list(client.map("echo", [b"a", b"x" * 2000, 5, b"b"], window=4,
+                              returnExceptions=True))
+        assert got[0] == [b"a"] and got[3] == [b"b"]
+        assert isinstance(got[1], errors.RequestTooLarge) and isinstance(got[2], TypeError)
+        seen: list[Any] = []
+        with pytest.raises(errors.RequestTooLarge):
+            for reply in client.map("echo", [b"a", b"b", b"x" * 2000, b"c"], window=4):
+                seen.append(reply)
+        assert seen == [[b"a"], [b"b"]]
+        seen.clear()
+        with pytest.raises(LookupError, match="the source failed"):
+            for reply in client.map("echo", items_then(LookupError("the source failed")),
+                                    window=4, returnExceptions=True):
+                seen.append(reply)
+        assert seen == [[b"a"], [b"b"]]
+        with pytest.raises(ValueError):  # a mistake of the whole call: at once
+            client.map("echo" * 100, [b"a"])
+        assert client.request("echo", b"after") == [b"after"]

@@ -189,8 +189,9 @@ def read(uintptr_t socket, int flags, Py_ssize_t keepAfter, Py_ssize_t keepBytes
     *envelope*; a lone first frame counted in any case), ``(OVER, [first
     frame or b"", frames, bytes, more follow])`` after the frame that went
     over, whose rest the caller reads off.  Raises ``Again`` if there is no
-    message (with ``DONTWAIT`` in *flags*), and ``ZMQError`` for any other
-    failure."""
+    message (with ``DONTWAIT`` in *flags*; without, once the socket's
+    ``RCVTIMEO`` has passed, or a signal whose handler raised nothing cut the
+    wait short), and ``ZMQError`` for any other failure."""
     cdef mdp_zmq_msg_t msg
     cdef int rc
     cdef Py_ssize_t count = 0, size = 0, length
@@ -206,6 +207,10 @@ def read(uintptr_t socket, int flags, Py_ssize_t keepAfter, Py_ssize_t keepBytes
                 break
             try:
                 _failed(zmq_errno())
+                if count == 0 and not flags & DONTWAIT:
+                    # a blocking wait cut short by a signal: the caller
+                    # waits again for what is left of its time, not afresh
+                    raise Again(EAGAIN)
             except BaseException:
                 msg_close(&msg)
                 raise
