@@ -60,6 +60,7 @@ A request, in every client::
     state         event                          action                          next
     (new)         request(), client closed       ClientClosed                    -
     (new)         request(), no server known     NoServerAvailable               -
+    (new)         request() over the limits      RequestTooLarge (raised)        -
     WAITING/SENT  [sequence, reply...]           fire (an error reply: raise)    DONE
     WAITING/SENT  deadline timer                 RequestTimeout                  DONE
     WAITING/SENT  cancel() / close()             CancelledError / ClientClosed   DONE
@@ -71,18 +72,24 @@ Model 1 (:class:`SequentialClient`; leaving SENT closes the attempt's pipe)::
                                                  send, attempt timer
     SENT   attempt timer, a server left          close; pipe to the next, send   SENT
     SENT   attempt timer, every server tried     RequestTimeout                  DONE
+    SENT   429, a server left                    close; pipe to the next, send   SENT
+    SENT   429, every server tried               ServiceOverloaded               DONE
 
 Model 2 (:class:`ShotgunClient`)::
 
     (new)  request()                             send on every server's pipe,    SENT
                                                  attempt timer (the round)
     SENT   attempt timer                         RequestTimeout                  DONE
+    SENT   429 from each server                  ServiceOverloaded               DONE
+                                                 (a 429 while another may answer:
+                                                 dropped)
 
 Model 3 (:class:`AgentClient`), each server::
 
     state                  event                        action                         next
     (new)                  connect(endpoint)            PING                           UNKNOWN
-    any                    any message from it          WAITING requests go out        ALIVE
+    any                    any message from it but 429  WAITING requests go out        ALIVE
+    ALIVE                  a 429 (it is busy)           -                              SUSPECT
     ALIVE                  an attempt to it timed out   -                              SUSPECT
     UNKNOWN/ALIVE/SUSPECT  tick: silent > expiry        its SENT requests go elsewhere DEAD
     any                    tick (every interval)        PING                           same
@@ -96,6 +103,9 @@ and each request (only ALIVE servers get requests)::
     SENT     attempt timer, or its server   send to the next ALIVE server not      SENT
              becomes DEAD                   tried this round (all tried: the
                                             first ALIVE); none ALIVE: queue        WAITING
+    SENT     429 from its server            send to the next ALIVE server not      SENT
+                                            tried this round; none: raise          DONE
+                                            ServiceOverloaded
     any      tick: every server DEAD        NoServerAvailable                      DONE
 
 The server (:class:`FreelanceServer`) keeps no state per client, only what
@@ -134,6 +144,8 @@ from mdp.errors import (
     NoServerAvailable,
     RemoteError,
     RequestTimeout,
+    RequestTooLarge,
+    ServiceOverloaded,
     TransportError,
 )
 from mdp.handlers import call_handler
@@ -367,7 +379,7 @@ class _Call:
     Deferred on it; the machine never touches that."""
 
     __slots__ = ("sequence", "body", "deferred", "state", "startedAt", "timeout", "deadline",
-                 "attempts", "tried", "server", "rotation")
+                 "attempts", "tried", "server", "rotation", "refusals")
 
     def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
                  deadline: Optional[float]) -> None:
@@ -382,6 +394,7 @@ class _Call:
         self.tried: list[str] = []  # model 3: servers tried in this round
         self.server: Optional[str] = None  # where the current attempt went
         self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
+        self.refusals = 0  # model 2: servers that answered 429 this round
 
 
 # --- what a client machine asks its driver to do ----------------------------------------
@@ -565,14 +578,28 @@ class FreelanceMachine(Machine):
         if self._finish(call):
             self._outbox.append(Reject(call, error))
 
-    def _reply(self, frames: list[bytes]) -> None:
+    def _reply(self, frames: list[bytes], endpoint: Optional[str] = None) -> bool:
+        """A reply; True if it was a 429 for a pending request (the server
+        is busy: nothing ran there, and another may serve it)."""
         if len(frames) < 2:
-            return
+            return False
         call = self.pending.get(frames[0])  # DONE requests are not pending
-        if call is not None and self._finish(call):
-            body = frames[1:]
-            error = remote_error(body)
+        if call is None or call.state is RequestState.DONE:
+            return False
+        body = frames[1:]
+        error = remote_error(body)
+        if isinstance(error, ServiceOverloaded):
+            self._overloaded(call, error, endpoint)
+            return True
+        if self._finish(call):
             self._outbox.append(Resolve(call, body) if error is None else Reject(call, error))
+        return False
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        """A server answered *call* 429 (nothing ran): a model tries another
+        server where it has one; this is the answer where not."""
+        self._fail(call, error)
 
 
 class SequentialMachine(FreelanceMachine):
@@ -588,6 +615,14 @@ class SequentialMachine(FreelanceMachine):
 
     def _attemptOver(self, call: _Call) -> None:
         self._next(call)
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        rotation = call.rotation
+        if rotation is not None and call.attempts < len(rotation):
+            self._next(call)  # the next server, at once
+        else:
+            self._fail(call, error)
 
     def _next(self, call: _Call) -> None:
         self._drop(call)
@@ -629,6 +664,7 @@ class ShotgunMachine(FreelanceMachine):
 
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.linked)
+        call.refusals = 0
         call.state = RequestState.SENT
         for endpoint in self.linked:
             self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body]))
@@ -636,6 +672,12 @@ class ShotgunMachine(FreelanceMachine):
 
     def _attemptOver(self, call: _Call) -> None:
         self._expired(call)
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        call.refusals += 1  # the answer only once every server said so
+        if call.refusals >= call.attempts:
+            self._fail(call, error)
 
     def handleClose(self, now: float) -> list[Action]:
         actions = super().handleClose(now)
@@ -694,9 +736,10 @@ class AgentMachine(FreelanceMachine):
         server = self.servers.get(endpoint)
         if server is not None:
             server.liveness.heard(now)
-            self._becomes(server, ServerState.ALIVE)
-            if frames != [PONG]:
-                self._reply(frames)
+            # the reply first: the request it answers is no longer waiting
+            # when the server's coming back sends what waits
+            if frames == [PONG] or not self._reply(frames, endpoint):
+                self._becomes(server, ServerState.ALIVE)
         return self._drain()
 
     def handleTick(self, now: float) -> list[Action]:
@@ -764,6 +807,21 @@ class AgentMachine(FreelanceMachine):
         self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body]))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        """A 429: its server, if ALIVE, becomes SUSPECT (no new requests
+        until it answers a PING), and the request goes to a live server not
+        tried this round; none: the 429 is the answer."""
+        server = self.servers.get(endpoint or "")
+        if server is not None and server.state is ServerState.ALIVE:
+            self._becomes(server, ServerState.SUSPECT)
+        if call.state is not RequestState.SENT or call.server != endpoint:
+            return  # from an attempt before the current one: that one goes on
+        if any(e not in call.tried for e in self.live()):
+            self._send(call)
+        else:
+            self._fail(call, error)
+
     def _attemptOver(self, call: _Call) -> None:
         """An attempt went unanswered: its server, if ALIVE, becomes SUSPECT
         (no new requests until it speaks again); try another."""
@@ -800,7 +858,7 @@ class _Pipe:
         client, endpoint = self.client, self.endpoint
         try:
             self.transport = transport.connect(endpoint, self, client.reactor,
-                                               security=self.security)
+                                               security=self.security, limits=client.limits)
         except TransportError as e:  # no socket to be had (out of descriptors)
             client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
                                  "it sends there goes unanswered until a connection opens",
@@ -835,6 +893,9 @@ class _FreelanceClient(FreelanceMachine):
     reactor: Any
     router: Any = None
     curve: Any = None
+    #: the message limits of its connections; a request over them raises
+    #: RequestTooLarge at once
+    limits: Limits = Limits()
 
     def _keys(self, curveServerPublic: Optional[str], curveSecret: Optional[str]) -> None:
         """The servers' public key and this client's key pair, for zmq:
@@ -859,6 +920,8 @@ class _FreelanceClient(FreelanceMachine):
         """Add a server (:class:`~mdp.errors.TransportError` at once for a
         malformed endpoint; ``ValueError`` for CURVE keys and no ``zmq:``
         server to use them)."""
+        if self._closed:
+            raise ClientClosed("client is closed")
         transport.check(endpoint, transport.CONNECT)
         # keys no server would use (it would talk in the clear), or a
         # session+zmq: one, which cannot have them: ValueError, TransportError
@@ -866,7 +929,8 @@ class _FreelanceClient(FreelanceMachine):
         self._add(endpoint)
 
     def _add(self, endpoint: str) -> None:
-        self.added.append(endpoint)
+        if endpoint not in self.added:
+            self.added.append(endpoint)
         self._perform(self.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
@@ -882,6 +946,11 @@ class _FreelanceClient(FreelanceMachine):
         request (a late reply is dropped).  Frames are bytes or str (UTF-8);
         anything else raises TypeError at once, no frame ValueError."""
         body = messages.request_frames(frames)
+        # the sequence frame counted at its longest: a server's transport
+        # would drop the connection, and every request on it, for one over
+        tooLarge = self.limits.refuse([b"0" * 20, *body])
+        if tooLarge is not None:
+            raise RequestTooLarge(f"Freelance request not sent: {tooLarge}")
         timeout = self.timeout if timeout is None else positive_seconds("timeout", timeout)
         deadline = self.deadline if deadline is None else positive_seconds("deadline", deadline)
         refusal = self.refusal()
@@ -924,9 +993,11 @@ class _FreelanceClient(FreelanceMachine):
                 if pipe is not None:
                     pipe.send(action.frames)
             elif kind is Resolve:
-                action.call.deferred.callback(action.frames)
+                if not action.call.deferred.called:  # (cancelled by a callback of another)
+                    action.call.deferred.callback(action.frames)
             elif kind is Reject:
-                action.call.deferred.errback(action.error)
+                if not action.call.deferred.called:
+                    action.call.deferred.errback(action.error)
             elif kind is OpenPipe:
                 self.pipes[action.key] = _Pipe(self, action.endpoint)
             elif kind is ClosePipe:
@@ -948,8 +1019,9 @@ class SequentialClient(_FreelanceClient, SequentialMachine):
                  *, timeout: float = SEQUENTIAL_TIMEOUT,
                  deadline: Optional[float] = SEQUENTIAL_DEADLINE,
                  curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None) -> None:
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         SequentialMachine.__init__(self, timeout, deadline)
+        self.limits = limits
         self._keys(curveServerPublic, curveSecret)
         self._drive(reactor, endpoints)
 
@@ -962,8 +1034,9 @@ class ShotgunClient(_FreelanceClient, ShotgunMachine):
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None,
                  curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None) -> None:
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         ShotgunMachine.__init__(self, timeout, deadline)
+        self.limits = limits
         self._keys(curveServerPublic, curveSecret)
         self._drive(reactor, endpoints)
 
@@ -986,11 +1059,13 @@ class AgentClient(_FreelanceClient, AgentMachine):
                  timeout: float = AGENT_TIMEOUT,
                  deadline: Optional[float] = AGENT_DEADLINE,
                  curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None) -> None:
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         AgentMachine.__init__(self, heartbeat, timeout, deadline)
+        self.limits = limits
         self._keys(curveServerPublic, curveSecret)
         reactor = default_reactor(reactor)
-        self.router = transport.connect_peers(self, reactor, security=self.curve)
+        self.router = transport.connect_peers(self, reactor, security=self.curve,
+                                              limits=self.limits)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
         self._drive(reactor, endpoints)
@@ -1001,7 +1076,10 @@ class AgentClient(_FreelanceClient, AgentMachine):
         self._perform(self.handleMessage(endpoint, frames, self.reactor.seconds()))
 
     def tick(self) -> None:
-        self._perform(self.handleTick(self.reactor.seconds()))
+        try:
+            self._perform(self.handleTick(self.reactor.seconds()))
+        except Exception:  # the heartbeat must go on (a caller's callback raised)
+            log.failure("Freelance agent: its tick failed")
 
     def close(self) -> defer.Deferred:
         super().close()
@@ -1014,7 +1092,7 @@ def freelance_client(endpoints: Union[str, Sequence[str]], model: int = 3,
                      reactor: Optional[Any] = None, **options: Any) -> _FreelanceClient:
     """A Freelance client of the Guide's *model* (1, 2 or 3); *options* are
     the constructor's (``timeout``, ``deadline``, ``curveServerPublic``,
-    ``curveSecret``; ``heartbeat`` for model 3)."""
+    ``curveSecret``, ``limits``; ``heartbeat`` for model 3)."""
     kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
     if model not in kinds:
         raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")

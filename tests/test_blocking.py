@@ -440,7 +440,7 @@ def test_a_worker_releases_its_descriptors_when_run_returns() -> None:
     worker = Worker(f"tcp:host=127.0.0.1:port={free_port()}", "echo", lambda frames: frames)
     for _ in range(2):
         turns = iter(range(3))
-        worker.run(until=lambda: next(turns, None) is None)
+        worker.run(until=lambda turns=turns: next(turns, None) is None)
         assert len(os.listdir("/proc/self/fd")) == before
 
 

@@ -342,3 +342,114 @@ def test_error_replies_are_mdps_error_bodies_and_raise_the_same_errors() -> None
             (b"500", b"503", b"429", b"413", b"418")} == {
         WorkerError, ServiceUnavailable, ServiceOverloaded, MessageTooLarge, RemoteError}
     assert freelance.remote_error([b"an", b"ordinary", b"reply"]) is None
+
+
+# --- requests that cannot be served, servers that are busy --------------------------------
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_a_request_over_the_limits_raises_at_once_and_costs_no_other(
+        net: Net, model: int) -> None:
+    """Sent, it would make the server's transport drop the connection, and
+    with it the replies of every other request on it: it is refused at once
+    (``RequestTooLarge``), as the MDP client refuses one."""
+    from twisted.internet import task
+
+    from mdp.errors import RequestTooLarge
+
+    runs: list[bytes] = []
+
+    def handler(frames: list[bytes]) -> Any:
+        runs.append(frames[0])
+        return task.deferLater(net.reactor, 0.1, lambda: [b"ok", frames[0]])
+
+    servers = [await start_server(net, name, handler=handler) for name in "ab"]
+    client = freelance_client([s.endpoint for s in servers], model, net.reactor,
+                              **(FAST if model == 3 else {}))
+    net.addCleanup(client.close)
+    if model == 3:
+        await net.until(lambda: len(client.live()) == 2)
+    normal = client.request(b"normal")
+    with pytest.raises(RequestTooLarge, match="10002 frames"):
+        client.request(*[b"x"] * 10_001)
+    assert await net.wait(normal, timeout=10) == [b"ok", b"normal"]
+    assert runs.count(b"normal") == (2 if model == 2 else 1)
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_a_busy_server_429_sends_the_request_to_another(net: Net, model: int) -> None:
+    """A 429 means nothing ran: model 1 goes on to the next server at once,
+    model 2 waits for another server's answer, model 3 counts the server as
+    SUSPECT and sends to the next live one; only when every server said 429
+    is it the answer."""
+    from mdp.errors import ServiceOverloaded
+
+    busy = Server("busy", net.reactor)
+    busy.maxPendingBytes = 0  # refuses every request: 429
+    bound = await net.wait(busy.listen(net.bindEndpoint()))
+    busy.endpoint = bound.endpoint
+    net.addCleanup(busy.close)
+    good = await start_server(net, "good")
+    client = freelance_client([busy.endpoint, good.endpoint], model, net.reactor,
+                              **(FAST if model == 3 else {}))
+    net.addCleanup(client.close)
+    if model == 3:
+        await net.until(lambda: len(client.live()) == 2)
+    for n in range(3):
+        assert await net.wait(client.request(b"%d" % n)) == [b"good", b"%d" % n]
+    good.frozen = True  # only the busy one answers now
+    if model == 3:  # the good one is dead for its silence: the 429 is the answer
+        await net.until(lambda: client.live() == [busy.endpoint])
+        with pytest.raises(ServiceOverloaded):
+            await net.wait(client.request(b"last"), timeout=30)
+    else:  # the good one's attempt runs out
+        with pytest.raises(RequestTimeout):
+            await net.wait(client.request(b"last"), timeout=30)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_late_reply_is_not_sent_again_by_its_servers_return(clocknet: Any) -> None:
+    """A server that let an attempt time out is SUSPECT and the request
+    waits; its late reply answers the request before the server's coming
+    back sends what waits: the handler runs once."""
+    from twisted.internet import task
+
+    from mdp.freelance import AgentClient
+
+    runs: list[list[bytes]] = []
+
+    def handler(frames: list[bytes]) -> Any:
+        runs.append(frames)
+        return task.deferLater(clocknet.reactor, 0.5, lambda: [b"done", *frames])
+
+    server = FreelanceServer(handler, clocknet.reactor)
+    bound = await clocknet.wait(server.listen(clocknet.bindEndpoint()))
+    clocknet.addCleanup(server.close)
+    client = AgentClient([bound.endpoint], clocknet.reactor, heartbeat=HeartbeatPolicy(1.0, 3),
+                         timeout=0.3, deadline=5.0)
+    clocknet.addCleanup(client.close)
+    await clocknet.until(lambda: client.live() == [bound.endpoint])
+    assert await clocknet.wait(client.request(b"pay")) == [b"done", b"pay"]
+    clocknet.advance(1.0)
+    assert runs == [[b"pay"]]
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_connect_after_close_is_refused(clocknet: Any, model: int) -> None:
+    from mdp.errors import ClientClosed
+
+    server = FreelanceServer(lambda f: f, clocknet.reactor)
+    bound = await clocknet.wait(server.listen(clocknet.bindEndpoint()))
+    clocknet.addCleanup(server.close)
+    client = freelance_client([bound.endpoint, bound.endpoint], model, clocknet.reactor)
+    client.connect(bound.endpoint)
+    assert client.added == [bound.endpoint]
+    await clocknet.wait(client.close())
+    with pytest.raises(ClientClosed):
+        client.connect(bound.endpoint)
+    clocknet.advance(1.0)
+    opened = client.router.pipes if model == 3 else client.pipes
+    assert not opened

@@ -127,3 +127,21 @@ async def test_worker_without_store_still_strips_the_stamp(clocknet: LoopbackNet
     start_worker(clocknet, endpoint, "svc", lambda f: f)
     client = make_client(clocknet, endpoint, stamp=True)
     assert await clocknet.wait(client.request("svc", b"x", b"y")) == [b"x", b"y"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stamping_client_asks_mmi_as_any_other(clocknet: LoopbackNet) -> None:
+    """MMI reads its body as the service name: a client that stamps its
+    requests does not stamp its MMI queries."""
+    import json
+
+    from tests.test_mdp_behaviour import echo
+
+    broker, endpoint = await start_broker(clocknet)
+    start_worker(clocknet, endpoint, "echo", echo)
+    await clocknet.until(lambda: len(broker.workers) == 1)
+    stamped = make_client(clocknet, endpoint, stamp=True)
+    assert await clocknet.wait(stamped.request("mmi.service", b"echo")) == [b"200"]
+    (workers,) = await clocknet.wait(stamped.request("mmi.workers", b"echo"))
+    assert len(json.loads(workers)) == 1
+    assert await clocknet.wait(stamped.request("echo", b"hi")) == [b"hi"]

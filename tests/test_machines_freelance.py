@@ -504,3 +504,53 @@ def test_agent_machine_is_a_function_of_events_and_their_times() -> None:
     assert [type(a).__name__ for a in actions][-1] == "Reject"
     assert isinstance(actions[-1].error, NoServerAvailable)
     assert isinstance(machine.refusal(), NoServerAvailable)
+
+
+# --- a caller's callback that cancels another request ----------------------------------------
+
+
+def test_a_callback_cancelling_another_request_leaves_the_agent_ticking() -> None:
+    """Every server dead fails what is pending, one Deferred after another:
+    an errback of the first that cancels the second (abandoning related
+    work) fires that one; the agent does not fire it again, and its
+    heartbeat goes on (a server back is seen)."""
+    from mdp.freelance import PONG, AgentClient, ServerState
+
+    s = Script(autoConnect=True)
+    a = s.endpoint("a")
+    client = AgentClient([a], s.clock, heartbeat=HeartbeatPolicy(1.0, 3), timeout=1.0,
+                         deadline=None)
+    s.feed()
+    try:
+        d1, d2 = client.request(b"one"), client.request(b"two")
+        seen: list[Any] = []
+        d2.addBoth(seen.append)
+        d1.addErrback(lambda f: d2.cancel())
+        s.feed(Elapse(4.0))  # silent for more than 3 s: dead, both fail
+        assert client.servers[a].state is ServerState.DEAD
+        assert len(seen) == 1 and isinstance(seen[0], Failure)
+        assert client._ticker.running
+        s.feed(Elapse(2.0))
+        s.feed(Receive(a, [PONG]))
+        assert client.servers[a].state is ServerState.ALIVE
+    finally:
+        client.close()
+        s.forget()
+
+
+def test_a_callback_cancelling_another_request_lets_close_finish() -> None:
+    from mdp.freelance import AgentClient
+
+    s = Script(autoConnect=True)
+    a = s.endpoint("a")
+    client = AgentClient([a], s.clock, heartbeat=HeartbeatPolicy(1.0, 3), timeout=1.0,
+                         deadline=None)
+    s.feed()
+    d1, d2 = client.request(b"one"), client.request(b"two")
+    d2.addErrback(lambda f: None)
+    d1.addErrback(lambda f: d2.cancel())
+    try:
+        client.close()
+        assert not client._ticker.running
+    finally:
+        s.forget()

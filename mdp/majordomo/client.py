@@ -955,7 +955,7 @@ class ClientCore(ClientMachine):
             timeout, retries = self.timeout, self.retries
         if self._closed:
             raise ClientClosed("client is closed")
-        if self.stamp:
+        if self.stamp and not name.startswith(b"mmi."):  # (MMI reads its body as is)
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
         if self.dialect == _RFC:
             message = [_HEADER, codec.C_REQUEST, name, *body]
