@@ -128,7 +128,14 @@ class IDealerChannels(Interface):
 
 
 class IStreamDecoder(Interface):
-    """Turns the bytes of one stream connection into messages (pure, no I/O)."""
+    """Turns the bytes of one stream connection into messages (pure, no I/O).
+
+    A decoder for a framing whose greeting both sides send and must check
+    before any message (SP's header) also has ``handshaken``: whether the
+    peer's has come, whole and right.  Until then a connecting side holds
+    what it would send, and each side drops a peer whose greeting does not
+    come within ``handshakeTimeout``; after, an accepting side keeps the
+    connection however long it stays quiet."""
 
     records = Attribute("Messages completed so far.")
     inRecord = Attribute("True while a message has begun and is not complete.")

@@ -351,3 +351,99 @@ def test_twist_sp_rep_bounds_reach_the_server_and_are_checked() -> None:
     assert (machine.maxPending, machine.maxPendingBytes) == (3, 1024)
     with pytest.raises(usage.UsageError, match="--max-pending must be at least 1"):
         SPRepOptions().parseOptions(["--max-pending", "0"])
+
+
+# --- the SP handshake: a connection is a peer once the headers are exchanged ----------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_peer_that_never_says_its_header_gets_no_request() -> None:
+    """A connection whose far side accepts and says nothing (a hung
+    process, another service on the port) is not a REQ channel: every
+    request goes to the REP that did say its header, none waits for a
+    resend; the silent connection is dropped after ``handshakeTimeout``."""
+    from twisted.internet import protocol
+
+    from mdp.policy import Limits
+    from tests.procs import wait_until
+
+    accepted: list[Any] = []
+
+    class Silent(protocol.Protocol):
+        def connectionMade(self) -> None:
+            accepted.append(self)
+
+    silent = reactor().listenTCP(0, protocol.Factory.forProtocol(Silent), interface="127.0.0.1")
+    server = SPServer(lambda payload: payload, reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    client = SPClient([f"tcp://127.0.0.1:{silent.getHost().port}", url_of(router)], reactor(),
+                      resend=60.0, limits=Limits(handshakeTimeout=0.5))
+    try:
+        await wait_until(lambda: accepted and router.connections, 10)
+        replies = [client.request(b"r%d" % n).addTimeout(5, reactor()) for n in range(4)]
+        assert await defer.gatherResults(replies) == [b"r%d" % n for n in range(4)]
+        # and it is let go once its header is overdue (then dialed again)
+        await wait_until(lambda: not accepted[0].transport.connected, 10)
+    finally:
+        await client.close()
+        await server.close()
+        await silent.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_idle_pynng_req_is_kept_past_the_handshake_timeout() -> None:
+    """nng keeps an idle pipe for good: a REQ that said its header and sends
+    nothing yet is a peer, not a connection that failed its handshake."""
+    import pynng
+
+    from mdp.policy import Limits
+    from tests.procs import wait_until
+
+    server = SPServer(lambda payload: payload, reactor(), limits=Limits(handshakeTimeout=0.2))
+    router = await server.listen("tcp://127.0.0.1:0")
+    req = pynng.Req0(recv_timeout=10_000)
+    req.dial(url_of(router), block=False)  # (a blocking dial would hold up this reactor)
+    try:
+        await wait_until(lambda: len(router.connections) == 1, 10)
+        (peer,) = list(router.connections)
+        await task.deferLater(reactor(), 1.0, lambda: None)  # five deadlines pass, idle
+        assert list(router.connections) == [peer]
+
+        def ask() -> bytes:
+            req.send(b"late")
+            return req.recv()
+
+        assert await threads.deferToThread(ask) == b"late"
+        assert list(router.connections) == [peer]
+    finally:
+        req.close()
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_device_holds_a_request_until_its_upstream_is_up() -> None:
+    """As nng's send queue: a request that reaches a device before any
+    upstream connection is up goes out once one is, not at the requester's
+    next resend."""
+    import socket
+
+    from mdp.sp.peers import SPDevice
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    device = SPDevice(f"tcp://127.0.0.1:{port}", reactor())
+    front = await device.listen("tcp://127.0.0.1:0")
+    client = SPClient(url_of(front), reactor(), resend=60.0)
+    server = SPServer(lambda payload: b"up:" + payload, reactor())
+    try:
+        reply = client.request(b"early").addTimeout(20, reactor())
+        from tests.procs import wait_until
+
+        await wait_until(lambda: device.backs[0].transport.queue, 10)  # held there
+        await server.listen(f"tcp://127.0.0.1:{port}")
+        assert await reply == b"up:early"
+    finally:
+        await client.close()
+        await device.close()
+        await server.close()

@@ -215,11 +215,13 @@ class SPServer:
                     self.served += 1
             elif kind is machines.Dropped:
                 self.throttle.info(log, "dropped", "SP server dropped a request from {peer}: "
-                                   "{reason}", peer=action.channel[1].hex(), reason=action.reason)
+                                   "{reason}", peer=peer_label(*action.channel),
+                                   reason=action.reason)
             elif kind is machines.Overloaded:
                 self.overloaded += 1
                 self.throttle.warn(log, "overloaded", "SP server dropped a request from {peer}: "
-                                   "{reason}", peer=action.channel[1].hex(), reason=action.reason)
+                                   "{reason}", peer=peer_label(*action.channel),
+                                   reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
         def run() -> Any:
@@ -253,6 +255,14 @@ class SPServer:
         return defer.DeferredList([r.close() for r in routers]).addCallback(lambda _: None)
 
 
+def peer_label(owner: Any, peer: bytes) -> str:
+    """*peer* of the listener *owner* for a log line: where its connection
+    comes from, and its id."""
+    router = getattr(owner, "transport", None)
+    address = router.peerAddress(peer) if router is not None else None
+    return f"{address or 'a peer gone'} (id {peer.hex()})"
+
+
 @implementer(IRouterReceiver)
 class _DeviceFront:
     def __init__(self, device: SPDevice) -> None:
@@ -281,7 +291,7 @@ class _DeviceBack:
         self.up = False
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        self.device._reply(frames[0])
+        self.device._reply(frames[0], self.url)
 
 
 class SPDevice:
@@ -327,31 +337,33 @@ class SPDevice:
     def _request(self, front: _DeviceFront, peer: bytes, body: bytes) -> None:
         upstream = self.machine.handleRequest((front, peer), body, self._now())
         if not isinstance(upstream, bytes):
-            self._log(upstream)
+            self._log(upstream, f"request from {peer_label(front, peer)}")
             return
-        live = [b for b in self.backs if b.up]
-        if not live:
-            self.throttle.info(log, "no-upstream", "SP device dropped a request: no upstream "
-                               "connection (the requester resends)")
-            return
+        live = [b for b in self.backs if b.up] or self.backs
+        if live is self.backs:
+            # none up (connecting, or its greeting not come yet): held by a
+            # connection until it is, as nng's send queue holds it (bounded
+            # by the limits; the requester resends anyway)
+            self.throttle.info(log, "no-upstream", "SP device holds a request until an "
+                               "upstream connection is up")
         end = live[self._turn % len(live)]
         self._turn += 1
         end.transport.sendMessage([upstream])
 
-    def _reply(self, body: bytes) -> None:
+    def _reply(self, body: bytes, url: str = "?") -> None:
         for action in self.machine.handleReply(body, self._now()):
             if type(action) is machines.SendOn:
                 front, peer = action.channel
                 if front.transport is not None:
                     front.transport.sendMessage(peer, [action.body])
             else:
-                self._log([action])
+                self._log([action], f"reply from upstream {url}")
 
-    def _log(self, actions: list[Any]) -> None:
+    def _log(self, actions: list[Any], what: str) -> None:
         for action in actions:
             if type(action) is machines.Dropped:
-                self.throttle.info(log, "dropped", "SP device dropped a message: {reason}",
-                                   reason=action.reason)
+                self.throttle.info(log, "dropped", "SP device dropped a {what}: {reason}",
+                                   what=what, reason=action.reason)
 
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []

@@ -86,6 +86,11 @@ class SPDecoder:
         return not self._headerDone or self._need >= 0 or bool(self._length)
 
     @property
+    def handshaken(self) -> bool:
+        """The peer's header came, and is its counterpart's."""
+        return self._headerDone
+
+    @property
     def buffered(self) -> int:
         return len(self._buf) + len(self._length) + len(self._header)
 

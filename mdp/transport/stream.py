@@ -674,6 +674,12 @@ class _RouterConnection(FramedProtocol):
 
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
+        if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
+            # its framing's handshake is done (SP's header): a peer, however
+            # long it stays quiet now, as nng's are
+            self.greeted = True
+            self.router.ungreeted.pop(self.peer, None)
+            self._cancelTimer()
         if not self.greeted or self.closing:
             return  # the handshake deadline covers a first record
         decoder = self.decoder
@@ -960,6 +966,14 @@ class StreamRouter:
 
         return server.listen(factory).addCallbacks(listening, failed)
 
+    def peerAddress(self, peer: bytes) -> Optional[str]:
+        """Where *peer*'s connection comes from (Twisted's address of it:
+        ``IPv4Address(TCP, '127.0.0.1', 50312)``), or None once it is gone."""
+        connection = self.connections.get(peer)
+        if connection is None:
+            connection, _ = self.channels.get(peer, (None, None))
+        return None if connection is None else connection.peerName()
+
     def peerIdentity(self, peer: bytes) -> Optional[str]:
         """The subject of *peer*'s TLS client certificate (mutual TLS), or
         None (no TLS, or no certificate)."""
@@ -1053,16 +1067,49 @@ class _DealerConnection(FramedProtocol):
     #: the far side took it: connected, and over TLS, the handshake done
     proven = False
 
+    #: (a framing with a handshake, SP's) waiting for the peer's greeting:
+    #: the timer that drops it if none comes, and what came meanwhile
+    _awaiting: Any = None
+    _early: Optional[list[Any]] = None
+
     def connectionMade(self) -> None:
         self.limits = self.dealer.limits
         self.framing = self.dealer.framing
         self.identity = self.dealer.identity
-        if not INegotiated.providedBy(self.transport):
-            self.handshakeCompleted()
         super().connectionMade()
+        awaits = getattr(self.decoder, "handshaken", None) is False
+        if not awaits and not INegotiated.providedBy(self.transport):
+            self.handshakeCompleted()
         _shortcut_reads(self)
         self.transport.registerProducer(self, True)
+        if awaits:
+            # not the dealer's connection until the peer's greeting says it
+            # speaks the counterpart (a hung process, another service on the
+            # port, would take requests and answer none)
+            self._early = []
+            self.onMessage = self._early.append
+            self._awaiting = self.dealer.reactor.callLater(
+                self.limits.handshakeTimeout, self._noGreeting)
+            return
         self.dealer._made(self)
+
+    def _noGreeting(self) -> None:
+        self._awaiting = None
+        self.refusal = ProtocolError(f"no {self.framing.name} greeting within "
+                                     f"{self.limits.handshakeTimeout:g}s of connecting")
+        self.drop("it sent no {framing} greeting within {seconds:g}s of connecting",
+                  framing=self.framing.name, seconds=self.limits.handshakeTimeout)
+
+    def _greeted(self) -> None:
+        self._awaiting = cancel_call(self._awaiting)
+        early, self._early = self._early or [], None
+        if not INegotiated.providedBy(self.transport):
+            self.handshakeCompleted()
+        self.dealer._made(self)
+        for frames in early:  # (a peer that spoke first: in order)
+            if self.closing or self.dealer.protocol is not self:
+                break
+            self.onMessage(frames)
 
     reading = False
     _flushCall: Any = None
@@ -1079,12 +1126,15 @@ class _DealerConnection(FramedProtocol):
         self.reading = True
         try:
             super().dataReceived(data)
+            if self._awaiting is not None and not self.closing and self.decoder.handshaken:
+                self._greeted()
         finally:
             self.reading = False
             if self._out:
                 self.flushWrites()
 
     def connectionLost(self, reason: object = None) -> None:
+        self._awaiting = cancel_call(self._awaiting)
         self.paused = False
         self.reportUnfinished()
         self._flushCall = cancel_call(self._flushCall)
@@ -1287,8 +1337,14 @@ class StreamDealer(_OneConnection):
         if self.protocol is proto:
             self.protocol = None
             self._waiters.fire()
-        if self.service.running:
-            self.receiver.connectionLost(reason)
+        if not self.service.running:
+            return
+        if proto._early is not None:
+            # never the receiver's connection (its peer's greeting did not
+            # come): a failed attempt, as a refused connection is
+            self._failed(reason.value if isinstance(reason, Failure) else reason)
+            return
+        self.receiver.connectionLost(reason)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.protocol is not None:
