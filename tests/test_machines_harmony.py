@@ -222,10 +222,96 @@ def test_hello_again_is_a_restart_exit_then_enter_on_a_new_link() -> None:
     machine = started()
     greeted(machine)
     old = machine.peers[PEER].link
-    actions = greeted(machine, now=2)
+    actions = greeted(machine, now=6)  # past evasive (5 s) since its HELLO
     assert events(actions) == [("EXIT", None), ("ENTER", None)]
     assert CloseLink(old) in actions
     assert [a for a in actions if isinstance(a, OpenLink)][0].link != old
+
+
+def test_hello_again_soon_is_its_new_link_not_a_restart() -> None:
+    """Within evasive of its HELLO, from the endpoint known: the peer made
+    its link again (as we made ours); its sequence starts again, and nothing
+    goes back, which it would take for a restart in turn."""
+    machine = started()
+    greeted(machine)
+    link = machine.peers[PEER].link
+    actions = greeted(machine, groups=("chat",), now=2)
+    assert events(actions) == [("JOIN", "chat")]
+    assert not [a for a in actions if isinstance(a, (OpenLink, CloseLink, SendOn))]
+    assert machine.peers[PEER].link == link and machine.peers[PEER].received == 1
+    ping = codec.encode(codec.Ping(2))
+    assert sent(machine.handleMessage(identity_of(PEER), ping, 2.5)) == [codec.PingOk(2)]
+
+
+class Net:
+    """Machines that deliver to one another, each hop 1 ms, bounded."""
+
+    def __init__(self, routes: Optional[dict[str, str]] = None) -> None:
+        self.machines: dict[str, HarmonyMachine] = {}
+        self.routes = dict(routes or {})
+        self.links: dict[tuple[uuid.UUID, int], Optional[str]] = {}
+        self.events: list[tuple[str, str, str]] = []
+        self.queue: list[tuple[float, uuid.UUID, str, list[bytes]]] = []
+        self.now = 0.0
+
+    def add(self, name: str, endpoint: str) -> HarmonyMachine:
+        machine = HarmonyMachine(uuid.uuid4(), name)
+        self.machines[endpoint] = machine
+        self.perform(machine, machine.handleStart(endpoint, self.now))
+        return machine
+
+    def perform(self, machine: HarmonyMachine, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, OpenLink):
+                self.links[(machine.uuid, action.link)] = self.routes.get(action.endpoint,
+                                                                          action.endpoint)
+            elif isinstance(action, CloseLink):
+                self.links.pop((machine.uuid, action.link), None)
+            elif isinstance(action, SendOn):
+                to = self.links.get((machine.uuid, action.link))
+                if to in self.machines:
+                    self.queue.append((self.now + 0.001, machine.uuid, to, action.frames))
+            elif isinstance(action, Emit):
+                self.events.append((machine.name, action.event.kind, action.event.name))
+
+    def run(self, limit: int = 500) -> int:
+        count = 0
+        while self.queue and count < limit:
+            self.now, sender, to, frames = self.queue.pop(0)
+            target = self.machines[to]
+            self.perform(target, target.handleMessage(identity_of(sender), frames, self.now))
+            count += 1
+        return count
+
+
+@pytest.mark.parametrize("routes", [
+    {"tcp://gateway:9000": "tcp://10.0.0.2:7001"},           # a forwarded port
+    {"tcp://hostb:7001": "tcp://10.0.0.2:7001",              # two peers on one port,
+     "tcp://hostc:7001": "tcp://10.0.0.3:7001"},             # listed by host name
+])
+def test_peers_listed_under_other_names_meet_once(routes: dict[str, str]) -> None:
+    net = Net(routes)
+    a = net.add("A", "tcp://10.0.0.1:7001")
+    for endpoint in sorted(set(routes.values())):
+        net.add(endpoint, endpoint)
+    for listed in routes:
+        net.perform(a, a.handleDial(listed, net.now))
+    assert net.run() < 50 and not net.queue
+    assert not [e for e in net.events if e[1] == "EXIT"]
+    assert all(machine.peers and all(p.ready for p in machine.peers.values())
+               for machine in net.machines.values())
+
+
+def test_a_forged_hello_naming_a_peers_endpoint_does_not_set_off_a_loop() -> None:
+    net = Net()
+    a = net.add("A", "tcp://10.0.0.1:40001")
+    other = net.add("L", "tcp://10.0.0.2:40002")
+    net.perform(a, a.handleBeacon(other.uuid, "tcp://10.0.0.2:40002", net.now))
+    net.run()
+    net.now = 10.0  # long after they met
+    forged = codec.encode(codec.Hello(1, "tcp://10.0.0.2:40002", (), 0, "impostor", {}))
+    net.perform(a, a.handleMessage(identity_of(uuid.uuid4()), forged, net.now))
+    assert net.run() < 20 and not net.queue
 
 
 def test_a_new_uuid_at_a_known_endpoint_replaces_the_old_peer() -> None:

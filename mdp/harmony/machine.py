@@ -17,7 +17,11 @@ dial(endpoint)              a link to an endpoint from a list, HELLO first on it
                             is known once its HELLO names that endpoint
 HELLO from a new peer       a link back to the endpoint it names (unless there is one), and
                             ENTER, then a JOIN for each of its groups
-HELLO from a known peer     it restarted: EXIT, then as a new peer
+HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*
+                            of its last HELLO, from the endpoint known, it made its link
+                            again (it had lost us, or heard us on two links) as we did
+                            ours: its sequence starts again, nothing else (answered, it
+                            would answer in turn, for ever)
 other message, no HELLO     dropped (a peer talks only after its HELLO)
 sequence gap                "messages lost": the peer is dropped (EXIT) and found again
 unknown or malformed        logged; the peer is dropped (EXIT), as its sequence is lost
@@ -160,6 +164,8 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
+    #: when its HELLO made it ready
+    helloAt: float = 0.0
 
 
 @attrs.define
@@ -378,6 +384,20 @@ class HarmonyMachine(Machine):
                 if peer is not None:
                     self._remove(peer, "its HELLO was out of sequence")
                 return self._drain()
+            if (peer is not None and peer.ready and self.now - peer.helloAt < self.evasive
+                    and same_endpoint(message.endpoint, peer.endpoint)):
+                # a HELLO again so soon, from where we know it: on a link it
+                # made again while we made ours (it had lost us, or heard us
+                # on two links).  The same run, which knows us: its new link
+                # counts from here; EXIT and a HELLO back would set it off in
+                # turn, for ever
+                peer.received = 1
+                for group in message.groups:
+                    self._peerJoins(peer, group)
+                peer.status = message.status
+                peer.helloAt = self.now
+                self._refresh(peer)
+                return self._drain()
             if peer is not None and peer.ready:
                 self._remove(peer, "it said HELLO again (restarted)")
                 peer = None
@@ -388,6 +408,7 @@ class HarmonyMachine(Machine):
                 return self._drain()
             peer.ready = True
             peer.received = 0
+            peer.helloAt = self.now
         if peer is None or not peer.ready:
             self.throttle.info(log, "unready", "ZRE: dropped {command} from {who}, which has "
                                "not said HELLO", command=codec.COMMANDS[message.id],
