@@ -14,7 +14,7 @@ import sys
 import threading
 import tracemalloc
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import zmq
@@ -246,16 +246,23 @@ def test_requests_after_an_abandoned_map_are_sent_at_once(broker: ScriptedBroker
 
 # --- addresses ------------------------------------------------------------------------------
 
-class RecordEcho:
-    """A plain TCP listener on 127.0.0.1 that answers each request record
-    with its body, one connection at a time, in a thread until stopped."""
+class RecordServer:
+    """A plain stream listener (TCP on 127.0.0.1, or a local socket at
+    *path*) that answers the request records of one connection at a time as
+    :meth:`answer` says, in a thread until stopped."""
 
-    def __init__(self) -> None:
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
+    def __init__(self, path: Optional[str] = None) -> None:
+        if path is not None:
+            self.listener = socket.socket(socket.AF_UNIX)
+            self.listener.bind(path)
+            self.endpoint = f"unix:{path}"
+        else:
+            self.listener = socket.socket()
+            self.listener.bind(("127.0.0.1", 0))
+            self.port = self.listener.getsockname()[1]
+            self.endpoint = f"tcp:host=127.0.0.1:port={self.port}"
         self.listener.listen(8)
         self.listener.settimeout(0.05)
-        self.port = self.listener.getsockname()[1]
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -277,7 +284,10 @@ class RecordEcho:
                     if not data:
                         break
                     for message in decoder.feed(data):
-                        conn.sendall(encode_record([HEADER, FINAL, *message[2:]]))
+                        self.answer(conn, message[2], message[3:])
+
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        conn.sendall(encode_record([HEADER, FINAL, service, *body]))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -285,10 +295,11 @@ class RecordEcho:
         self.listener.close()
 
 
+
 def test_each_address_of_a_host_is_tried_in_turn(monkeypatch: Any) -> None:
     """A name that resolves to several addresses (``localhost``: ``::1``
     and ``127.0.0.1``) is reached at the first that takes a connection."""
-    server = RecordEcho()
+    server = RecordServer()
     nobody = socket.socket()  # a port bound and not listening: refused
     nobody.bind(("127.0.0.1", 0))
     resolve = socket.getaddrinfo
@@ -430,64 +441,26 @@ def test_signals_do_not_make_a_wait_start_over(broker: ScriptedBroker, compiled:
 # --- a reply with no request ----------------------------------------------------------------
 
 
-class StrayingBroker:
-    """A stream listener (tcp or unix) that answers each request, and after
-    the reply to ``dup`` sends a second, stray FINAL: whole, or (``half``)
-    its first half at once and the rest just before the next reply.
-    ``strayed`` is set once the stray bytes are sent."""
+class StrayingBroker(RecordServer):
+    """Answers each request, and after the reply to ``dup`` sends a second,
+    stray FINAL: whole, or (``half``) its first half at once and the rest
+    just before the next reply.  ``strayed`` is set once the stray bytes are
+    sent."""
 
     def __init__(self, family: str, tmp_path: Any) -> None:
-        if family == "unix":
-            path = str(tmp_path / "broker.sock")
-            self.listener = socket.socket(socket.AF_UNIX)
-            self.listener.bind(path)
-            self.endpoint = f"unix:{path}"
-        else:
-            self.listener = socket.socket()
-            self.listener.bind(("127.0.0.1", 0))
-            self.endpoint = f"tcp:host=127.0.0.1:port={self.listener.getsockname()[1]}"
-        self.listener.listen(8)
-        self.listener.settimeout(0.05)
         self.strayed = threading.Event()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        self.rest = b""
+        super().__init__(str(tmp_path / "broker.sock") if family == "unix" else None)
 
-    def _serve(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                continue
-            with conn:
-                self._talk(conn)
-
-    def _talk(self, conn: socket.socket) -> None:
-        conn.settimeout(0.05)
-        decoder = RecordDecoder(Limits())
-        rest = b""
-        while not self.stopping.is_set():
-            try:
-                data = conn.recv(65536)
-            except socket.timeout:
-                continue
-            if not data:
-                return
-            for message in decoder.feed(data):
-                service, *body = message[2:]
-                conn.sendall(rest + encode_record([HEADER, FINAL, service, *body]))
-                rest = b""
-                if body[0] in (b"dup", b"half"):
-                    stray = encode_record([HEADER, FINAL, service, b"stray"])
-                    if body[0] == b"half":
-                        stray, rest = stray[:len(stray) // 2], stray[len(stray) // 2:]
-                    conn.sendall(stray)
-                    self.strayed.set()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        self.listener.close()
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        conn.sendall(self.rest + encode_record([HEADER, FINAL, service, *body]))
+        self.rest = b""
+        if body[0] in (b"dup", b"half"):
+            stray = encode_record([HEADER, FINAL, service, b"stray"])
+            if body[0] == b"half":
+                stray, self.rest = stray[:len(stray) // 2], stray[len(stray) // 2:]
+            conn.sendall(stray)
+            self.strayed.set()
 
 
 @pytest.mark.parametrize("how", ["dup", "half"])
