@@ -52,6 +52,9 @@ async def main(reactor: Any, argv: list[str]) -> None:
     parser.add_argument("--peer", action="append", default=[], help="tcp://HOST:PORT of a peer")
     parser.add_argument("--endpoint", help="where to bind, e.g. zmq:tcp://127.0.0.1:7001")
     args = parser.parse_args(argv)
+    # go on once the reactor runs: Ctrl-C is then its own (it stops it, and
+    # the chat leaves as on Ctrl-D) from the first line printed on
+    await task.deferLater(reactor, 0, lambda: None)
 
     if args.peer:
         discovery: Any = EndpointDiscovery(args.peer)

@@ -71,3 +71,22 @@ async def test_chat_usage_mistakes_are_one_line_and_exit_2(argv: list[str], mess
     await proc.ended(30)
     assert proc.exitCode == 2
     assert message.encode() in proc.output and b"Traceback" not in proc.output
+
+
+@pytest.mark.parametrize("kind", ["cli", "example"])
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_leaves_a_chat_quietly(kind: str) -> None:
+    """As Ctrl-D does, without a traceback (``mdp chat`` exits 130, as
+    every ``mdp`` command on Ctrl-C)."""
+    import signal
+
+    alice = Process(reactor(), chat_command(kind, "alice", "--endpoint", "zmq:tcp://127.0.0.1:*",
+                                            "--peer", f"tcp://127.0.0.1:{free_port()}"), env=ENV)
+    try:
+        await alice.waitFor(r"at (tcp://127\.0\.0\.1:\d+)")
+        alice.signalProcess(signal.SIGINT)
+        await alice.ended(15)
+    finally:
+        await alice.stop()
+    assert b"Traceback" not in alice.output, alice.output
+    assert alice.exitCode == (130 if kind == "cli" else 0), alice.output

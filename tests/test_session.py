@@ -575,3 +575,30 @@ async def test_a_connection_sending_what_is_no_session_message_is_closed() -> No
             await raw.lost.addTimeout(10, reactor())
     finally:
         await bound.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_close_right_after_a_send_waits_for_its_acknowledgement(
+        clocknet: Any) -> None:
+    """A worker's last DISCONNECT: the server has it, and acknowledges it
+    within half a second; the close waits that long (at most CLOSE_GRACE)
+    rather than warn of a loss there was not, and takes nothing more."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    from mdp.errors import TransportError
+
+    server, bound, client, pipe = await loopback_pair(clocknet, "bye")
+    lines: list[str] = []
+    observer = lambda event: lines.append(formatEvent(event))  # noqa: E731
+    globalLogPublisher.addObserver(observer)
+    try:
+        pipe.sendMessage([b"bye"])
+        closing = pipe.close()
+        with pytest.raises(TransportError):
+            pipe.send([b"more"])
+        await clocknet.wait(closing)
+        assert list(server.got.values()) == [[b"bye"]]
+        assert not pipe.machine.seq.unacked
+        assert not [line for line in lines if "not acknowledged" in line]
+    finally:
+        globalLogPublisher.removeObserver(observer)

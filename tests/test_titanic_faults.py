@@ -148,8 +148,23 @@ async def test_a_damaged_database_stops_titanic_with_a_clear_error(tmp_path: Any
         await bounded(titanic.ended(30), 30)
         assert titanic.exitCode == 1
         assert str(db).encode() in titanic.output
-        assert b"Titanic cannot start" in titanic.output
+        assert titanic.output.count(b"Titanic cannot start") == 1
         assert db.read_bytes().startswith(b"this is not a database")  # left as it was
+    finally:
+        await titanic.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_store_that_is_a_directory_is_said_once(tmp_path: Any) -> None:
+    """Found at once (before the reactor runs): one line, as for any other
+    store error, not one on stderr and the same again in the log."""
+    titanic = start_titanic("zmq:tcp://127.0.0.1:5", str(tmp_path))
+    try:
+        await bounded(titanic.ended(30), 30)
+        assert titanic.exitCode == 1
+        assert titanic.output.count(b"Titanic cannot start") == 1, titanic.output
+        assert b"not a file" in titanic.output
     finally:
         await titanic.stop()
 

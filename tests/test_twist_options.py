@@ -333,3 +333,13 @@ def test_the_plugin_dropin_lists_the_makers_and_imports_them_on_use() -> None:
     options = broker.options()
     options.parseOptions(["--endpoint", "loopback:dropin"])
     assert broker.makeService(options) is not None
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--service is required"),
+    (["--service", ""], "--service is empty"),
+])
+def test_a_worker_without_a_service_name_is_told_which_mistake(argv: list[str],
+                                                               message: str) -> None:
+    with pytest.raises(usage.UsageError, match=message):
+        WorkerOptions().parseOptions(argv)

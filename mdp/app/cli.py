@@ -58,6 +58,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from twisted.internet import defer, task
+from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
 
 from mdp import transport
@@ -786,7 +787,10 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
     stdio.StandardIO(Typed(), reactor=reactor)
     await done
-    reactor.removeSystemEventTrigger(trigger)
+    try:
+        reactor.removeSystemEventTrigger(trigger)
+    except ValueError:
+        pass  # Ctrl-C: the reactor's shutdown ran it already (and ended the input)
     await node.stop()
 
 
@@ -847,9 +851,16 @@ def _main(argv: Optional[Sequence[str]]) -> None:
             _divert_output()
 
     def run(reactor: Any) -> defer.Deferred[None]:
+        def stop() -> None:
+            if reactor.running:  # (a second Ctrl-C, or the command ended meanwhile)
+                try:
+                    reactor.stop()
+                except ReactorNotRunning:
+                    pass
+
         def onInterrupt(number: int, frame: Any) -> None:
             interrupted.append(number)
-            reactor.callFromThread(reactor.stop)
+            reactor.callFromThread(stop)
 
         # Ctrl-C: stop cleanly (leaving chats say so), then exit 130, no traceback;
         # from now on, as the command's first steps run before the reactor does

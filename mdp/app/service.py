@@ -337,7 +337,9 @@ class TitanicService(Service):
         return self.titanic.start().addErrback(self._failed)
 
     def _failed(self, failure: Failure) -> None:
-        log.critical("Titanic cannot start: {error}", error=failure.getErrorMessage())
+        # error, not critical: as the broker's (twist prints a critical line
+        # logged before its logging starts twice)
+        log.error("Titanic cannot start: {error}", error=failure.getErrorMessage())
         if not self.exitOnFailure:
             return  # logged: a parent service would drop the failure unseen
         _stop_and_exit(self.titanic.reactor, 1)

@@ -508,8 +508,10 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS
 
     def postOptions(self) -> None:
-        if not self["service"]:
+        if self["service"] is None:
             raise usage.UsageError("--service is required")
+        if not self["service"]:
+            raise usage.UsageError("--service is empty: a worker serves a service by its name")
         from mdp.majordomo.codec import api_service_name
 
         try:

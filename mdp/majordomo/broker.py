@@ -1515,8 +1515,11 @@ class Broker(BrokerMachine):
             each.copyOut = buffers and not getattr(each.transport, "acceptsBuffers", False)
         roles = "+".join(r for r, on in (("clients", binding.clients),
                                          ("workers", binding.workers)) if on)
-        log.info("MDP broker listening on {endpoint} for {roles}",
-                 endpoint=routerTransport.endpoint or "a protocol factory", roles=roles)
+        if routerTransport.endpoint:
+            log.info("MDP broker listening on {endpoint} for {roles}",
+                     endpoint=routerTransport.endpoint, roles=roles)
+        else:  # (streamFactory: listening is its caller's, and not done yet)
+            log.info("MDP broker serving {roles} through a protocol factory", roles=roles)
         if not self._ticker.running:
             self._ticker.start(self.wakeEvery, now=False)
 

@@ -422,8 +422,36 @@ class SessionDealer(_End):
             self.throttle.warn(log, "full", "session dealer to {endpoint} refused a message: "
                                "{error}", endpoint=self.endpoint, error=e)
 
+    #: seconds a close waits for the server to acknowledge what was sent (it
+    #: acknowledges every half second at least): a worker's last DISCONNECT
+    CLOSE_GRACE = 1.0
+
+    _closing: Optional[defer.Deferred[None]] = None
+
     def close(self) -> defer.Deferred[None]:
-        if not self.closed and self.machine.seq.unacked:
+        """Close; what the server has not acknowledged yet is given
+        :attr:`CLOSE_GRACE` seconds while the session is attached (nothing
+        more is taken meanwhile), and warned about if still not."""
+        if self._closing is not None:
+            return self._closing
+        if self.closed:
+            return self._close(warn=False)
+        if not self.machine.seq.unacked or self.machine.state != "attached":
+            return self._close()
+        self.closed = True  # (sends refused; what comes in is still read)
+        deadline = self._now() + self.CLOSE_GRACE
+
+        def check() -> Any:
+            if (self.machine.seq.unacked and self.machine.state == "attached"
+                    and self._now() < deadline):
+                return task.deferLater(self.reactor, 0.05, check)
+            return self._close()
+
+        self._closing = defer.maybeDeferred(check)
+        return self._closing
+
+    def _close(self, warn: bool = True) -> defer.Deferred[None]:
+        if warn and self.machine.seq.unacked:
             log.warn("session dealer to {endpoint} closed with {count} messages not "
                      "acknowledged by the server", endpoint=self.endpoint,
                      count=len(self.machine.seq.unacked))

@@ -134,7 +134,8 @@ def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional
     missing or wrong file."""
     if secretFile is None:
         if allowDir is not None:
-            raise ValueError("curveAllow needs curveSecret: the server's own key pair")
+            raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
+                             "the server's own key pair")
         return None
     return CurveServer.fromFiles(secretFile, allowDir)
 
