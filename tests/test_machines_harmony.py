@@ -233,12 +233,18 @@ def test_hello_again_soon_is_its_new_link_not_a_restart() -> None:
     its link again (as we made ours); its sequence starts again, and nothing
     goes back, which it would take for a restart in turn."""
     machine = started()
-    greeted(machine)
+    greeted(machine, groups=("old",))
     link = machine.peers[PEER].link
     actions = greeted(machine, groups=("chat",), now=2)
-    assert events(actions) == [("JOIN", "chat")]
-    assert not [a for a in actions if isinstance(a, (OpenLink, CloseLink, SendOn))]
-    assert machine.peers[PEER].link == link and machine.peers[PEER].received == 1
+    assert events(actions) == [("LEAVE", "old"), ("JOIN", "chat")]
+    assert not [a for a in actions if isinstance(a, (OpenLink, CloseLink))]
+    # our HELLO goes back on our link, numbered 1 (it may have lost us)
+    assert [a.link for a in actions if isinstance(a, SendOn)] == [link]
+    assert [m.sequence for m in sent(actions)] == [1] and isinstance(sent(actions)[0], codec.Hello)
+    assert machine.peers[PEER].received == 1
+    # once an evasive period: its answer to ours is not answered again
+    again = greeted(machine, groups=("chat",), now=2.1)
+    assert not [a for a in again if isinstance(a, (OpenLink, CloseLink, SendOn))]
     ping = codec.encode(codec.Ping(2))
     assert sent(machine.handleMessage(identity_of(PEER), ping, 2.5)) == [codec.PingOk(2)]
 
@@ -471,3 +477,24 @@ def test_a_peer_that_names_our_own_endpoint_is_ignored() -> None:
     machine = started()
     assert machine.handleMessage(identity_of(PEER), hello(endpoint=OUR_EP), 0) == []
     assert machine.handleBeacon(PEER, OUR_EP, 0) == [] and machine.peers == {}
+
+
+def test_a_peer_that_lost_us_soon_after_meeting_is_greeted_back() -> None:
+    """One side drops the other for its own reason (a malformed message)
+    and greets it again within evasive: the other, which lost nothing, says
+    HELLO back, so the first takes what it says again."""
+    net = Net()
+    a = net.add("A", "tcp://10.0.0.1:40001")
+    b = net.add("B", "tcp://10.0.0.2:40002")
+    net.perform(a, a.handleBeacon(b.uuid, "tcp://10.0.0.2:40002", net.now))
+    net.run()
+    assert a.peers[b.uuid].ready and b.peers[a.uuid].ready
+    net.now = 1.0
+    net.perform(b, b.handleMessage(identity_of(a.uuid), [b"garbage"], net.now))
+    assert a.uuid not in b.peers
+    net.perform(b, b.handleBeacon(a.uuid, "tcp://10.0.0.1:40001", net.now))
+    net.run()
+    assert b.peers[a.uuid].ready
+    net.perform(a, a.whisper(b.uuid, [b"still there?"], net.now))
+    net.run()
+    assert ("B", "WHISPER", "A") in net.events

@@ -19,9 +19,10 @@ HELLO from a new peer       a link back to the endpoint it names (unless there i
                             ENTER, then a JOIN for each of its groups
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*
                             of its last HELLO, from the endpoint known, it made its link
-                            again (it had lost us, or heard us on two links) as we did
-                            ours: its sequence starts again, nothing else (answered, it
-                            would answer in turn, for ever)
+                            again (it lost us, or heard us on two links): its sequence
+                            and groups start again, and our HELLO goes back on our link
+                            (at most once an *evasive*: each side would answer the
+                            other's answer, for ever)
 other message, no HELLO     dropped (a peer talks only after its HELLO)
 sequence gap                "messages lost": the peer is dropped (EXIT) and found again
 unknown or malformed        logged; the peer is dropped (EXIT), as its sequence is lost
@@ -164,8 +165,9 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
-    #: when its HELLO made it ready
+    #: when its last HELLO came, and when we last answered one with ours
     helloAt: float = 0.0
+    answeredAt: float = float("-inf")
 
 
 @attrs.define
@@ -386,16 +388,26 @@ class HarmonyMachine(Machine):
                 return self._drain()
             if (peer is not None and peer.ready and self.now - peer.helloAt < self.evasive
                     and same_endpoint(message.endpoint, peer.endpoint)):
-                # a HELLO again so soon, from where we know it: on a link it
-                # made again while we made ours (it had lost us, or heard us
-                # on two links).  The same run, which knows us: its new link
-                # counts from here; EXIT and a HELLO back would set it off in
-                # turn, for ever
+                # a HELLO again so soon, from where we know it: it made its
+                # link again (it lost us, or heard us on two links), the same
+                # run.  Its sequence starts again; our HELLO goes back on our
+                # link, once an evasive period (it may have lost us: without
+                # it, it would drop all we say), not on a new one with an
+                # EXIT: answered that way, each side would take the other's
+                # answer for a restart, for ever
                 peer.received = 1
+                peer.helloAt = self.now
+                peer.name, peer.headers = message.name, dict(message.headers)
+                for group in sorted(peer.groups - set(message.groups)):
+                    peer.groups.discard(group)
+                    self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=group)))
                 for group in message.groups:
                     self._peerJoins(peer, group)
                 peer.status = message.status
-                peer.helloAt = self.now
+                if self.now - peer.answeredAt >= self.evasive:
+                    peer.answeredAt = self.now
+                    peer.sent = 0
+                    self._send(peer, self._hello(0))
                 self._refresh(peer)
                 return self._drain()
             if peer is not None and peer.ready:

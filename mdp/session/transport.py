@@ -433,7 +433,7 @@ class SessionDealer(_End):
         :attr:`CLOSE_GRACE` seconds while the session is attached (nothing
         more is taken meanwhile), and warned about if still not."""
         if self._closing is not None:
-            return self._closing
+            return self._after(self._closing)
         if self.closed:
             return self._close(warn=False)
         if not self.machine.seq.unacked or self.machine.state != "attached":
@@ -448,7 +448,21 @@ class SessionDealer(_End):
             return self._close()
 
         self._closing = defer.maybeDeferred(check)
-        return self._closing
+        return self._after(self._closing)
+
+    @staticmethod
+    def _after(closing: defer.Deferred[None]) -> defer.Deferred[None]:
+        """A Deferred of the caller's own, fired once *closing* is: what one
+        caller does with it (cancel it, say) is not the others'."""
+        mine: defer.Deferred[None] = defer.Deferred()
+
+        def done(result: Any) -> Any:
+            if not mine.called:
+                mine.callback(None)
+            return result
+
+        closing.addBoth(done)
+        return mine
 
     def _close(self, warn: bool = True) -> defer.Deferred[None]:
         if warn and self.machine.seq.unacked:
