@@ -1135,9 +1135,9 @@ class Worker(WorkerMachine):
         self.requestsServed = 0
         _log_to_stdlib()
         self._context = context
-        #: the sockets and the poller, while :meth:`run` runs (its descriptor
-        #: is released when it returns)
-        self._loop = _Loop(limits, context)
+        #: the sockets and the poller, made by :meth:`run` and released when
+        #: it returns
+        self._loop: Any = None
         self._pipe: Any = None
         self._reopenAt: Optional[float] = None
         self._nextTick = 0.0
@@ -1155,8 +1155,7 @@ class Worker(WorkerMachine):
         after every wake-up), or an exception (Ctrl-C) ends the loop; then say
         DISCONNECT and close."""
         self._stopping = False
-        if self._loop is None:  # run again
-            self._loop = _Loop(self.limits, self._context)
+        self._loop = _Loop(self.limits, self._context)
         now = monotonic()
         self._nextTick = now + self.wakeEvery
         self._perform(self.handleStart(now))

@@ -812,9 +812,7 @@ class AgentMachine(FreelanceMachine):
         """A 429: its server, if ALIVE, becomes SUSPECT (no new requests
         until it answers a PING), and the request goes to a live server not
         tried this round; none: the 429 is the answer."""
-        server = self.servers.get(endpoint or "")
-        if server is not None and server.state is ServerState.ALIVE:
-            self._becomes(server, ServerState.SUSPECT)
+        self._suspect(endpoint)
         if call.state is not RequestState.SENT or call.server != endpoint:
             return  # from an attempt before the current one: that one goes on
         if any(e not in call.tried for e in self.live()):
@@ -825,10 +823,14 @@ class AgentMachine(FreelanceMachine):
     def _attemptOver(self, call: _Call) -> None:
         """An attempt went unanswered: its server, if ALIVE, becomes SUSPECT
         (no new requests until it speaks again); try another."""
-        server = self.servers.get(call.server or "")
+        self._suspect(call.server)
+        self._send(call)
+
+    def _suspect(self, endpoint: Optional[str]) -> None:
+        """The server at *endpoint*, if ALIVE, becomes SUSPECT."""
+        server = self.servers.get(endpoint or "")
         if server is not None and server.state is ServerState.ALIVE:
             self._becomes(server, ServerState.SUSPECT)
-        self._send(call)
 
     def _finish(self, call: _Call) -> bool:
         if call.state is RequestState.WAITING:

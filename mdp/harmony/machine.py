@@ -399,8 +399,7 @@ class HarmonyMachine(Machine):
                 peer.helloAt = self.now
                 peer.name, peer.headers = message.name, dict(message.headers)
                 for group in sorted(peer.groups - set(message.groups)):
-                    peer.groups.discard(group)
-                    self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=group)))
+                    self._peerLeaves(peer, group)
                 for group in message.groups:
                     self._peerJoins(peer, group)
                 peer.status = message.status
@@ -474,9 +473,8 @@ class HarmonyMachine(Machine):
                     self._remove(peer, "it joined too many groups")
                     return
                 self._peerJoins(peer, message.group)
-            elif message.group in peer.groups:
-                peer.groups.discard(message.group)
-                self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=message.group)))
+            else:
+                self._peerLeaves(peer, message.group)
             peer.status = (peer.status + 1) & 0xFF
             if message.status != peer.status:
                 self.throttle.warn(log, "status", "ZRE: {who} sent {command} with status "
@@ -490,6 +488,11 @@ class HarmonyMachine(Machine):
         if group not in peer.groups:
             peer.groups.add(group)
             self._emit(Emit(Event(JOIN, peer.uuid, peer.name, group=group)))
+
+    def _peerLeaves(self, peer: Peer, group: str) -> None:
+        if group in peer.groups:
+            peer.groups.discard(group)
+            self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=group)))
 
     # --- time -------------------------------------------------------------------
 

@@ -571,10 +571,15 @@ class _RouterConnection(FramedProtocol):
             if self.closing:
                 return  # refused the identity
         if not self.greeted:
-            self.greeted = True
-            self.router.ungreeted.pop(self.peer, None)
-            self._cancelTimer()
+            self._greet()
         self.router.receiver.messageReceived(self.peer, frames)
+
+    def _greet(self) -> None:
+        """It has shown itself a peer (a first message, or its framing's
+        handshake): no more handshake deadline, and never crowded out."""
+        self.greeted = True
+        self.router.ungreeted.pop(self.peer, None)
+        self._cancelTimer()
 
     def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
         """A record on one of its channels (see the class's docstring)."""
@@ -603,9 +608,7 @@ class _RouterConnection(FramedProtocol):
             peer = self.channels[channel] = self.peer + channel
             router.channels[peer] = (self, channel)
         if not self.greeted:  # (a message, not an end, greets)
-            self.greeted = True
-            router.ungreeted.pop(self.peer, None)
-            self._cancelTimer()
+            self._greet()
         router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
@@ -677,9 +680,7 @@ class _RouterConnection(FramedProtocol):
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
             # its framing's handshake is done (SP's header): a peer, however
             # long it stays quiet now, as nng's are
-            self.greeted = True
-            self.router.ungreeted.pop(self.peer, None)
-            self._cancelTimer()
+            self._greet()
         if not self.greeted or self.closing:
             return  # the handshake deadline covers a first record
         decoder = self.decoder
@@ -969,18 +970,21 @@ class StreamRouter:
     def peerAddress(self, peer: bytes) -> Optional[str]:
         """Where *peer*'s connection comes from (Twisted's address of it:
         ``IPv4Address(TCP, '127.0.0.1', 50312)``), or None once it is gone."""
-        connection = self.connections.get(peer)
-        if connection is None:
-            connection, _ = self.channels.get(peer, (None, None))
+        connection = self._connectionOf(peer)
         return None if connection is None else connection.peerName()
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
         """The subject of *peer*'s TLS client certificate (mutual TLS), or
         None (no TLS, or no certificate)."""
+        connection = self._connectionOf(peer)
+        return None if connection is None else connection.subject()
+
+    def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
+        """The connection *peer* is, or carries it as a channel (None: gone)."""
         connection = self.connections.get(peer)
         if connection is None:
             connection, _ = self.channels.get(peer, (None, None))
-        return None if connection is None else connection.subject()
+        return connection
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)
