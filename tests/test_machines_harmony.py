@@ -498,3 +498,25 @@ def test_a_peer_that_lost_us_soon_after_meeting_is_greeted_back() -> None:
     net.perform(a, a.whisper(b.uuid, [b"still there?"], net.now))
     net.run()
     assert ("B", "WHISPER", "A") in net.events
+
+
+def test_an_unanswered_dial_is_made_again_less_and_less_often() -> None:
+    """A node listed at an address it does not announce (a forwarded port)
+    takes each new dial for our restart: they come after expired, then twice
+    as long each time, up to 8 * expired; a peer known resets the wait."""
+    machine = started(evasive=5.0, expired=30.0)
+    machine.handleDial("tcp://gateway:9000", 0)
+    redials = []
+    for now in range(1, 2000):
+        if any(isinstance(a, OpenLink) for a in machine.handleTick(float(now))):
+            redials.append(now)
+    assert redials[:6] == [30, 90, 210, 450, 690, 930]
+    machine = started(evasive=5.0, expired=30.0)
+    link = machine.handleDial("tcp://bob.lan:40002", 0)[0].link
+    machine.handleTick(30.0)
+    machine.handleTick(90.0)
+    assert machine.dials["tcp://bob.lan:40002"].tries == 2
+    machine.handleMessage(identity_of(PEER), hello(endpoint=PEER_EP), 91.0)
+    assert machine.peers[PEER].link == link and machine.dials == {}
+    machine.handleMessage(identity_of(PEER), [b"garbage"], 92.0)   # dropped: dialled again
+    assert machine.dials["tcp://bob.lan:40002"].tries == 0

@@ -14,7 +14,9 @@ beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first
                             restarted: it EXITs); a known one is refreshed
 beacon with port 0          the peer is leaving: EXIT
 dial(endpoint)              a link to an endpoint from a list, HELLO first on it; the peer
-                            is known once its HELLO names that endpoint
+                            is known once its HELLO names that endpoint; unanswered for
+                            *expired*, dialled again, then after twice as long, and so
+                            on up to 8 * *expired*
 HELLO from a new peer       a link back to the endpoint it names (unless there is one), and
                             ENTER, then a JOIN for each of its groups
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*
@@ -61,6 +63,11 @@ DEFAULT_EVASIVE = 5.0
 DEFAULT_EXPIRED = 30.0
 #: Peers a node keeps; beacons or HELLOs beyond are ignored, logged.
 DEFAULT_MAX_PEERS = 1000
+#: A listed endpoint nobody answers for is dialled again after *expired*,
+#: then twice that, ... up to this many times *expired*: the node there may
+#: answer from an address it announces instead (a forwarded port), and every
+#: new HELLO would look to it like our restart (an EXIT and an ENTER).
+DIAL_BACKOFF_LIMIT = 8
 
 IDENTITY_PREFIX = b"\x01"
 
@@ -181,6 +188,8 @@ class _Dial:
     since: float = 0.0
     #: its link could not be opened: nothing goes on it, and the tick dials again
     failed: bool = False
+    #: dials made before this one with no peer to show for them
+    tries: int = 0
 
 
 class HarmonyMachine(Machine):
@@ -500,13 +509,17 @@ class HarmonyMachine(Machine):
         """Check every peer's silence: PING the evasive, drop the expired."""
         self.now = now
         for dial in list(self.dials.values()):
-            if now - dial.since >= self.expired:
-                log.info("ZRE: {why} {endpoint} in {silence:.0f} s; dialling it again",
-                         why="no link to" if dial.failed else "no HELLO from",
-                         endpoint=dial.endpoint, silence=now - dial.since)
+            if now - dial.since >= self._dialWait(dial.tries):
+                log.info("ZRE: {why} {endpoint} in {silence:.0f} s; dialling it again, then "
+                         "again after {wait:.0f} s", why="no link to" if dial.failed
+                         else "no HELLO from", endpoint=dial.endpoint, silence=now - dial.since,
+                         wait=self._dialWait(dial.tries + 1))
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
                 self._dial(dial.endpoint)
+                again = self.dials.get(dial.endpoint)
+                if again is not None:
+                    again.tries = dial.tries + 1
         for peer in list(self.peers.values()):
             if now >= peer.expiredAt:
                 log.info("ZRE: {who} expired after {silence:.1f} s of silence",
@@ -520,6 +533,10 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     # --- helpers ----------------------------------------------------------------
+
+    def _dialWait(self, tries: int) -> float:
+        """How long a dial made after *tries* unanswered ones waits for a HELLO."""
+        return self.expired * min(2 ** tries, DIAL_BACKOFF_LIMIT)
 
     def _hello(self, sequence: int) -> codec.Hello:
         return codec.Hello(sequence, self.endpoint, tuple(self.ownGroups), self.status,
