@@ -15,8 +15,9 @@ from mdp.errors import MDPError
 
 def reply_frames(value: Any) -> list[bytes]:
     """Normalise a handler's reply to a non-empty list of ``bytes`` frames:
-    ``bytes``/``str`` (UTF-8) or a list of them; ``None`` or ``[]`` become one
-    empty frame."""
+    ``bytes``/``str`` (UTF-8) or a list or tuple of them; ``None`` or ``[]``
+    become one empty frame.  Anything else, or a ``str`` UTF-8 cannot encode,
+    is a ``TypeError`` (the worker answers it with a 500)."""
     kind = type(value)
     if kind is list:  # the common reply: checked by type first (cheaper than isinstance)
         for item in value:
@@ -31,16 +32,27 @@ def reply_frames(value: Any) -> list[bytes]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return [bytes(value)]
     if isinstance(value, str):
-        return [value.encode("utf-8")]
+        return [_utf8(value)]
+    if not isinstance(value, (list, tuple)):
+        # (a dict, a set or a finished Future would be iterated into a wrong reply)
+        raise TypeError(f"a reply is bytes, str, None or a list of them, not "
+                        f"{type(value).__name__}")
     frames = []
     for item in value:
         if isinstance(item, str):
-            frames.append(item.encode("utf-8"))
+            frames.append(_utf8(item))
         elif isinstance(item, (bytes, bytearray, memoryview)):
             frames.append(bytes(item))
         else:
             raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
     return frames or [b""]
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of bad bytes)
+        raise TypeError(f"a reply str must be encodable as UTF-8: {e}") from None
 
 
 def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:

@@ -350,3 +350,82 @@ async def test_a_timeout_names_why_each_connection_was_lost() -> None:
     finally:
         await client.close()
         await listening.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_in_a_callback_opens_and_schedules_nothing_after(clocknet: LoopbackNet) -> None:
+    """A request times out and its errback closes the client while another
+    waits for the one connection: the connection the machine asked for
+    before the close is not opened, no timer is left."""
+    router, client = await broker_and_client(clocknet, timeout=1.0, retries=1, maxConnections=1)
+    first = client.request("svc", b"A")
+    first.addErrback(lambda f: client.close())
+    clocknet.advance(0.5)
+    second = client.request("svc", b"B")
+    clocknet.advance(1.0)
+    with pytest.raises(ClientClosed):
+        await clocknet.wait(second)
+    clocknet.advance(5.0)
+    assert [f[-1] for _, _, f in requests(router)] == [b"A"]
+    assert client._links == {}
+    assert client._timer is None or not client._timer.active()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_callback_cancelling_another_failed_request_breaks_nothing(
+        clocknet: LoopbackNet) -> None:
+    """Requests failing together (close, or timeouts in one sweep), the first
+    one's errback cancelling the next: each Deferred fires once, the close
+    completes, and the client's timer goes on serving later requests."""
+    router, client = await broker_and_client(clocknet, timeout=1.0, retries=1)
+    a, b = client.request("svc", b"A"), client.request("svc", b"B")
+    retried = client.request("svc", b"C", retries=3)
+    outcomes: list[str] = []
+    a.addErrback(lambda f: (outcomes.append(f.type.__name__), b.cancel()))
+    b.addErrback(lambda f: outcomes.append(f.type.__name__))
+    clocknet.advance(1.0)
+    assert outcomes == ["RequestTimeout", "CancelledError"]
+    with pytest.raises(RequestTimeout):
+        await clocknet.wait(retried)
+    assert clocknet.reactor.seconds() == pytest.approx(3.0)
+    later = client.request("svc", b"D")
+    with pytest.raises(RequestTimeout):
+        await clocknet.wait(later)
+    assert clocknet.reactor.seconds() == pytest.approx(4.0)
+    x, y = client.request("svc", b"X"), client.request("svc", b"Y")
+    x.addErrback(lambda f: (outcomes.append(f.type.__name__), y.cancel()))
+    y.addErrback(lambda f: outcomes.append(f.type.__name__))
+    await clocknet.wait(client.close())
+    assert outcomes[2:] == ["ClientClosed", "CancelledError"]
+
+
+@pytest.mark.parametrize("lost", [1, 2])
+@pytest_twisted.ensureDeferred
+async def test_a_retry_goes_to_the_next_broker_not_an_idle_connection_to_the_silent_one(
+        clocknet: LoopbackNet, lost: int) -> None:
+    """Connections left idle to broker A by earlier requests are closed when
+    the client moves on to B, and several attempts timing out on A at once
+    move it on once, not back to A."""
+    a, b = await raw_router(clocknet), await raw_router(clocknet)
+    client = Client([a.transport.endpoint, b.transport.endpoint], clocknet.reactor,
+                    timeout=1.0, retries=2)
+    clocknet.addCleanup(client.close)
+    warm = [client.request("svc", b"warm%d" % n) for n in range(4)]
+    clocknet.advance(0)
+    for _, peer, frames in requests(a):
+        final(a, peer, b"svc", frames[-1])
+    for d in warm:
+        await clocknet.wait(d)
+    silent = [client.request("svc", b"lost%d" % n, retries=1) for n in range(lost)]
+    clocknet.advance(0)
+    d = client.request("svc", b"x")
+    clocknet.advance(1.0)
+    for lost in silent:
+        with pytest.raises(RequestTimeout):
+            await clocknet.wait(lost)
+    assert client.endpoint == b.transport.endpoint
+    clocknet.advance(0.5)
+    (_, peer, frames), = [r for r in requests(b)]
+    assert frames[-1] == b"x"
+    final(b, peer, b"svc", b"ok")
+    assert await clocknet.wait(d) == [b"ok"]

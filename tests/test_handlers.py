@@ -35,7 +35,8 @@ def test_a_reply_becomes_the_frames_it_says(value: Any) -> None:
     assert got is not value  # the handler's own list is left to it
 
 
-@pytest.mark.parametrize("value", [[b"a", 1], [None], 3, [b"a", [b"b"]]])
+@pytest.mark.parametrize("value", [[b"a", 1], [None], 3, [b"a", [b"b"]], {b"a": b"b"}, {b"a"},
+                                   "caf\udce9", [b"a", "caf\udce9"]])
 def test_anything_else_is_refused(value: Any) -> None:
     with pytest.raises(TypeError):
         reply_frames(value)

@@ -97,6 +97,28 @@ async def test_reply_from_before_a_reconnection_is_dropped(clocknet: LoopbackNet
     assert finals == []
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest_twisted.ensureDeferred
+async def test_a_reply_that_cannot_be_encoded_is_a_500_and_the_worker_goes_on(
+        clocknet: LoopbackNet, deferred: bool) -> None:
+    """A str UTF-8 cannot encode (os.fsdecode of bad bytes) is the handler's
+    error: a 500, not a worker busy for good."""
+    def handler(frames: list[bytes]):
+        reply = "caf\udce9" if frames == [b"bad"] else frames
+        return defer.succeed(reply) if deferred else reply
+
+    router, worker = await broker_and_worker(clocknet, handler, heartbeat=HB)
+    clocknet.advance(0)
+    (_, peer), = readies(router)
+    router.send(peer, codec.WORKER_HEADER, codec.W_REQUEST, b"client", b"", b"bad")
+    clocknet.advance(0)
+    router.send(peer, codec.WORKER_HEADER, codec.W_REQUEST, b"client", b"", b"good")
+    clocknet.advance(0)
+    finals = [f[2:] for _, _, f in router.received if f[1] == codec.W_FINAL]
+    assert finals[0][:3] == [b"client", b"", codec.ERROR_MARKER] and b"500" in finals[0]
+    assert finals[1] == [b"client", b"", b"good"]
+
+
 @pytest_twisted.ensureDeferred
 async def test_stop_sends_disconnect(clocknet: LoopbackNet) -> None:
     router = await raw_router(clocknet)

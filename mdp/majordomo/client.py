@@ -465,7 +465,7 @@ class ClientMachine(Machine):
         call = channel.call
         self._discard(channel)
         while self._rotation.current in self._unreachable:
-            self._rotation.advance()
+            self._moveOn()
         if call is not None and not call.done:
             self._enqueue(call, first=True)
         self._pump()
@@ -498,7 +498,8 @@ class ClientMachine(Machine):
         call = channel.call
         if (call is not None and call.state is IN_FLIGHT and len(frames) > 3
                 and frames[1] == _FINAL and frames[0] == _HEADER and frames[2] == call.service
-                and self.dialect == _RFC and not self._waiting):
+                and self.dialect == _RFC and not self._waiting
+                and channel.endpoint == self._rotation.current):
             # the common case, the FINAL of the request in flight with nobody
             # waiting for the connection: what _received and _release do, in
             # one place (see handleRequest)
@@ -641,15 +642,27 @@ class ClientMachine(Machine):
         self._outbox.append(CloseChannel(channel))
 
     def _release(self, channel: _Channel) -> None:
-        """*channel* carries nothing any more: it serves the next request."""
+        """*channel* carries nothing any more: it serves the next request,
+        unless it leads to a broker the client has moved away from."""
         call = channel.call
         channel.call = None
         if channel.state is SENT:
             channel.state = UP
         if call is not None and call.channel is channel:
             call.channel = None
-        self._idle.append(channel)
+        if channel.endpoint == self._rotation.current:
+            self._idle.append(channel)
+        else:
+            self._discard(channel)
         self._pump()
+
+    def _moveOn(self) -> None:
+        """New connections go to the next broker; the idle ones to the
+        broker left are closed (each would cost a request an attempt)."""
+        self._rotation.advance()
+        current = self._rotation.current
+        for channel in [c for c in self._idle if c.endpoint != current]:
+            self._discard(channel)
 
     # --- time ----------------------------------------------------------------
 
@@ -819,7 +832,9 @@ class ClientMachine(Machine):
         streamed = call.state is STREAMING
         if channel is not None:
             self._discard(channel)
-            self._rotation.advance()
+            if channel.endpoint == self._rotation.current:
+                # (several attempts timing out there move on once, not once each)
+                self._moveOn()
         if call.attempts >= call.retries or (streamed and call.onRestart is None):
             self._fail(call, RequestTimeout(call.service, call.attempts,
                                             self.now - call.startedAt,
@@ -1115,16 +1130,21 @@ class Client(ClientCore):
                         self._stale(channel)
                     pipe.sendMessage(action.frames)
             elif kind is Complete:
-                action.call.deferred.callback(action.body)
+                # (a callback run by an earlier action may have cancelled it)
+                if not action.call.deferred.called:
+                    action.call.deferred.callback(action.body)
                 action.call.onPartial = action.call.onRestart = None
             elif kind is Fail:
-                action.call.deferred.errback(action.error)
+                if not action.call.deferred.called:
+                    action.call.deferred.errback(action.error)
                 action.call.onPartial = action.call.onRestart = None
             elif kind is Partial:
                 onPartial = action.call.onPartial
                 if onPartial is not None and not action.call.done:
                     call_back("onPartial", action.call, onPartial, action.body)
             elif kind is OpenChannel:
+                if self._closed:  # a callback run by an earlier action closed the client
+                    continue
                 channel = action.channel
                 try:
                     link = self._links.get(channel.endpoint)
@@ -1144,7 +1164,8 @@ class Client(ClientCore):
                 if onRestart is not None and not action.call.done:
                     call_back("onRestart", action.call, onRestart)
             elif kind is WakeAt:
-                self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
+                if action.when is None or not self._closed:
+                    self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)

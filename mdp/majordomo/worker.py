@@ -788,7 +788,7 @@ class Worker(WorkerMachine):
     def _finish(self, value: Any, job: _Job) -> None:
         try:
             frames = reply_frames(value)
-        except TypeError:
+        except Exception:  # whatever it is, the request gets its answer (500)
             self._failed(Failure(), job)
             return
         if self._reply(job, WorkerFinal, frames):
