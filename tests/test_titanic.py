@@ -145,6 +145,23 @@ async def test_call_returns_the_reply_in_hand_when_the_close_fails(
 
 
 @pytest_twisted.ensureDeferred
+async def test_call_keeps_a_stored_reply_that_titanic_reply_cannot_carry(
+        clocknet: LoopbackNet) -> None:
+    """A reply that fits Titanic's limits as stored, not with titanic.reply's
+    status frame and envelope (413): call() fails with TitanicError and
+    leaves the request, so the work done can be fetched with larger limits."""
+    from mdp import Limits
+
+    runs: list[int] = []
+    broker, client, endpoint, node = await whole(clocknet, limits=Limits(maxMessageBytes=10_000))
+    start_worker(clocknet, endpoint, "report", lambda f: (runs.append(1), [b"r" * 9_985])[1])
+    with pytest.raises(TitanicError, match="stays in Titanic's store"):
+        await clocknet.wait(client.call("report", b"go"))
+    (requestId,) = node.store._entries
+    assert runs == [1] and node.store._done.get(requestId) is not None
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_handler_that_raises_is_stored_and_raised_as_worker_error(
         clocknet: LoopbackNet) -> None:
     def broken(frames: list[bytes]) -> list[bytes]:

@@ -108,7 +108,16 @@ class TitanicClient:
         wire = _check_id(requestId)
 
         async def poll() -> Optional[list[bytes]]:
-            reply = await self._titanic(protocol.REPLY, wire)
+            try:
+                reply = await self._titanic(protocol.REPLY, wire)
+            except TRANSIENT:
+                raise
+            except RemoteError as e:
+                # titanic.reply itself was refused (a 413: the stored reply and
+                # its envelope are over a limit), not the request's own error
+                # reply: that stays in the store, for a fetch with larger limits
+                raise TitanicError(f"titanic.reply could not fetch the reply to {requestId} "
+                                   f"({e}); it stays in Titanic's store") from e
             if not reply:
                 raise TitanicError("titanic.reply answered with no status frame")
             if reply[0] == protocol.PENDING:
