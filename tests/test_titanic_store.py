@@ -448,3 +448,24 @@ async def test_a_store_whose_database_is_replaced_while_it_runs_writes_no_more(
         (tmp_path / "t.db").write_bytes(b"")
         with pytest.raises(StoreError, match=f"{path}: the database was replaced while in use"):
             await store.add(b"echo", [b"after"], 2.0)
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_byte_changed_in_a_request_id_is_caught_and_the_answer_reaches_its_id(
+        tmp_path: Any) -> None:
+    """The id in a request's row changes (its index entry does not): the
+    checksum covers the id, so the request is answered with an error, not
+    run; the answer is stored in that row, where a client asking by the
+    real id finds it, and the request is pending no more (else it would run
+    again and again under an id nobody asks for)."""
+    path = str(tmp_path / "titanic.db")
+    async with opened(path) as store:
+        requestId = await store.add(b"charge", [b"$10"], 1.0)
+    flip_byte(path, requestId.encode() + b"charge", 35)
+    async with opened(path) as store:
+        (damaged,) = await store.pending(10)
+        assert damaged.id != requestId and damaged.frames == []
+        await store.complete(damaged.id, [b"error"], 2.0)
+        assert await store.pending(10) == []
+        assert await store.reply(requestId) == (ReplyStatus.DONE, [b"error"])

@@ -15,12 +15,15 @@
 
 Frames are kept as one blob each for the request and the reply, in the stream
 transport's record form (:func:`mdp.transport.framing.encode_record`), each with
-a CRC-32 (of the service and the request, of the reply): a byte changed on the
-disk inside a value passes SQLite's own checks, and without it a request could
-go out changed, or to another service.  A stored value that fails its checksum
+a CRC-32 (of the request's id, service and frames; of the reply): a byte
+changed on the disk inside a value passes SQLite's own checks, and without it
+a request could go out changed, or to another service, or (its id changed)
+run again and again under an id no client asks for.  A reply is stored in the
+row its request was read from (by its row number, not its id).  A stored value that fails its checksum
 is read back as damaged (a request is answered with an error, a reply fetch
 fails with :class:`~mdp.errors.StoreError`).  Rows stored before the checksums
-were added have none, and are read unchecked.
+were added have none, and are read unchecked; requests stored before the id
+was checksummed are checked without it.
 """
 
 from __future__ import annotations
@@ -258,6 +261,17 @@ def _frames(blob: Any) -> list[bytes]:
         return []
 
 
+def _requestIntact(crc: Any, requestId: Any, service: Any, blob: Any) -> bool:
+    """Does a stored request match its checksum (its id included; or, stored
+    before the id was, without it)?"""
+    if crc is None:
+        return True
+    if not (isinstance(requestId, str) and requestId.isascii()):
+        return False
+    return (_intact(crc, requestId.encode("ascii"), service, blob)
+            or _intact(crc, service, blob))
+
+
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
     """A pending row (its id text: the query leaves out the rest, which
     could never be answered) as the dispatcher reads it.  A damaged one (a
@@ -266,7 +280,7 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
     rest."""
     requestId, service, blob, created, crc = row
     why = None
-    if not _intact(crc, service, blob):
+    if not _requestIntact(crc, requestId, service, blob):
         why, frames = "its checksum does not match", []
     else:
         frames = _frames(blob)
@@ -312,6 +326,9 @@ class SQLiteStore:
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
         self._committing = False
         self._drained: list[defer.Deferred[None]] = []
+        #: the row number of each request read by pending() and not yet
+        #: completed or forgotten (reactor thread only)
+        self._rows: dict[str, int] = {}
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         if self._pool is None:
@@ -559,7 +576,8 @@ class SQLiteStore:
         record = encode_record(frames)
         d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
                         "VALUES (?, ?, ?, ?, ?)",
-                        (requestId, service, record, now, _checksum(service, record)))
+                        (requestId, service, record, now,
+                         _checksum(requestId.encode("ascii"), service, record)))
         return d.addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
@@ -567,19 +585,32 @@ class SQLiteStore:
         # one JSON parameter per list: no bound on how many are left out
         services = json.dumps([bytes(s).hex().upper() for s in skipServices])
         ids = json.dumps(list(skipIds))
-        d = self._run(self._read, "SELECT id, service, request, created, request_crc "
+        d = self._run(self._read, "SELECT seq, id, service, request, created, request_crc "
                       "FROM requests "
                       "WHERE reply IS NULL AND typeof(id) = 'text' "
                       "AND hex(service) NOT IN (SELECT value FROM json_each(?)) "
                       "AND id NOT IN (SELECT value FROM json_each(?)) "
                       "ORDER BY seq LIMIT ?", (services, ids, limit))
-        return d.addCallback(lambda rows: list(map(_stored, rows)))
+
+        def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
+            requests = []
+            for seq, *row in rows:
+                request = _stored(tuple(row))
+                self._rows[request.id] = seq
+                requests.append(request)
+            return requests
+
+        return d.addCallback(read)
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         record = encode_record(reply)
-        return self._write("UPDATE requests SET reply = ?, completed = ?, reply_crc = ? "
-                           "WHERE id = ? AND reply IS NULL",
-                           (record, now, _checksum(record), requestId)
+        # in the row the request was read from: its id there may be damaged
+        # (then the id index, which a client's look-up uses, is not)
+        seq = self._rows.pop(requestId, None)
+        where, key = ("seq", seq) if seq is not None else ("id", requestId)
+        return self._write(f"UPDATE requests SET reply = ?, completed = ?, reply_crc = ? "
+                           f"WHERE {where} = ? AND reply IS NULL",
+                           (record, now, _checksum(record), key)
                            ).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
@@ -602,6 +633,7 @@ class SQLiteStore:
                          (requestId,)).addCallback(status)
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
+        self._rows.pop(requestId, None)
         return self._write("DELETE FROM requests WHERE id = ?",
                            (requestId,)).addCallback(lambda _: None)
 
@@ -615,6 +647,7 @@ class SQLiteStore:
                 self._db.close()
                 self._db = None
 
+        self._rows.clear()
         if self._pool is None:
             return defer.succeed(None)
         drained: defer.Deferred[None] = defer.succeed(None)
