@@ -231,3 +231,32 @@ def test_stop_forgets_what_is_held_and_sends_nothing_more() -> None:
 def test_bad_settings_are_refused_at_once(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         DispatchMachine(**options)
+
+
+def test_a_service_has_as_many_requests_out_as_workers_and_twice_that_held() -> None:
+    """Its requests beyond go back to the store's keeping (the window is for
+    the others too), and are read again once one of its is done."""
+    machine, load = started(concurrency=4, window=6)
+    actions = machine.handleLoaded([req(n) for n in range(1, 7)], load.limit, 0.0)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    actions = machine.handleCounted(b"echo", 2, 0.1)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-2"]
+    assert [r.id for r in machine.queue] == ["id-3", "id-4"]
+    (reload,) = kinds(actions, LoadPending)  # the store may hold the others' requests
+    assert reload.limit == 2 and reload.skipServices == [b"echo"]
+    machine.handleLoaded([req(7, b"other")], reload.limit, 0.1)
+    actions = machine.handleCounted(b"other", 1, 0.2)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-7"]
+    machine.handleReply("id-1", [b"1"], 1.0)
+    actions = machine.handleReplyStored("id-1", 1.0)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-3"]
+    (again,) = kinds(actions, LoadPending)
+    assert again.skipServices == [] and set(again.skipIds) == {"id-2", "id-3", "id-4", "id-7"}
+    assert kinds(machine.handleCounted(b"gone", 0, 2.0), Parked) == []  # never asked
+
+
+def test_a_service_with_no_worker_counted_is_parked() -> None:
+    machine, load = started(concurrency=4)
+    machine.handleLoaded([req(1)], load.limit, 0.0)
+    actions = machine.handleCounted(b"echo", 0, 0.1)
+    assert kinds(actions, Parked) == [Parked(b"echo", 1.0, "no worker (mmi.workers)")]

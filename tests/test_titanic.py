@@ -162,6 +162,34 @@ async def test_call_keeps_a_stored_reply_that_titanic_reply_cannot_carry(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_service_gets_as_many_requests_as_it_has_workers_and_no_more(
+        clocknet: LoopbackNet) -> None:
+    """One worker taking 10 s a request: Titanic sends it one at a time
+    (four at once, the last would wait 30 s in the broker's queue, time out,
+    and run twice), and its backlog leaves room for another service."""
+    from twisted.internet import task
+
+    broker, client, endpoint, node = await whole(clocknet)
+    runs: list[bytes] = []
+
+    def slow(frames: list[bytes]) -> Any:
+        runs.append(frames[0])
+        return task.deferLater(clocknet.reactor, 10.0, lambda: frames)
+
+    start_worker(clocknet, endpoint, "slow", slow)
+    fast: list[float] = []
+    start_worker(clocknet, endpoint, "fast", lambda f: (fast.append(clocknet.reactor.seconds()), f)[1])
+    ids = [await clocknet.wait(client.submit("slow", b"%d" % n)) for n in range(40)]
+    submitted = clocknet.reactor.seconds()
+    await clocknet.wait(client.submit("fast", b"hi"))
+    clocknet.advance(5)
+    assert fast and fast[0] - submitted < 5
+    for requestId in ids:
+        await clocknet.wait(client.result(requestId), timeout=1000)
+    assert sorted(runs) == sorted(b"%d" % n for n in range(40))  # each once
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_handler_that_raises_is_stored_and_raised_as_worker_error(
         clocknet: LoopbackNet) -> None:
     def broken(frames: list[bytes]) -> list[bytes]:

@@ -11,7 +11,12 @@ drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
   request failed or timed out.  A parked service is asked again after a
   backoff (per service, doubling up to a maximum) and its requests wait in the
   store meanwhile, so they never hold up other services' requests.
-* At most *concurrency* requests are out at once.  A reply (or a final error
+* At most *concurrency* requests are out at once, and of one service at most
+  as many as it has workers (``mmi.workers``): more would wait in the
+  broker's queue with their attempt's clock running, and be sent again when
+  it ran out, while the first copy still runs.  Of one service, at most twice
+  that are held; the rest wait in the store, so a service with a long
+  backlog leaves the window to the others.  A reply (or a final error
   reply: the worker's handler raised, or the message is too large) is stored;
   the request counts as done once the store has committed it.  A request
   whose attempt failed stays pending and is sent again, as long as it is not
@@ -25,6 +30,7 @@ drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any, Optional, Sequence, Union
 
 from twisted.internet import defer
@@ -91,7 +97,7 @@ class ServiceState(enum.Enum):
 
 
 class _Service:
-    __slots__ = ("name", "state", "failures", "until", "reason")
+    __slots__ = ("name", "state", "failures", "until", "reason", "workers")
 
     def __init__(self, name: bytes) -> None:
         self.name = name
@@ -101,6 +107,8 @@ class _Service:
         #: AVAILABLE: trusted until; PARKED: parked until
         self.until = 0.0
         self.reason = ""
+        #: its workers, as the broker last said (None: not known)
+        self.workers: Optional[int] = None
 
 
 # --- actions ----------------------------------------------------------------------
@@ -200,6 +208,9 @@ class DispatchMachine(Machine):
         #: replies whose store failed, to store again once the store works
         self._unsaved: set[str] = set()
         self._dirty = False  # the store may hold pending requests we have not read
+        #: services with as many requests held as they may have: the store
+        #: may hold more of theirs, read once one of theirs is done
+        self._full: set[bytes] = set()
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
@@ -261,6 +272,18 @@ class DispatchMachine(Machine):
         self._pump()
         return self._drain()
 
+    def handleCounted(self, service: bytes, workers: int, now: float) -> list[Action]:
+        """The answer to CheckService from ``mmi.workers``: *service* has
+        *workers* workers (none: it is parked); as many of its requests may
+        be out at once."""
+        entry = self.services.get(service)
+        if entry is not None and entry.state is ServiceState.CHECKING:
+            entry.workers = workers
+            if service in self._full:
+                self._dirty = True  # it may take more now
+        return self.handleChecked(service, workers > 0, "" if workers > 0
+                                  else "no worker (mmi.workers)", now)
+
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
         """A request's final reply (or final error reply) arrived."""
         self.now = now
@@ -277,6 +300,7 @@ class DispatchMachine(Machine):
         if request is not None:
             self._park(self._service(request.service), reason)
             self._dirty = True
+            self._full.discard(request.service)
         self._pump()
         return self._drain()
 
@@ -286,6 +310,7 @@ class DispatchMachine(Machine):
         self._storing.pop(requestId, None)
         if request is not None:
             self._service(request.service).failures = 0
+            self._freed(request.service)
         self._storeFailures = 0
         self._pump()
         return self._drain()
@@ -302,7 +327,11 @@ class DispatchMachine(Machine):
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
         """A request was closed: if it waits to go out, it does not."""
         self.now = now
-        self.queue = [r for r in self.queue if r.id != requestId]
+        for request in self.queue:
+            if request.id == requestId:
+                self.queue.remove(request)
+                self._freed(request.service)
+                break
         self._pump()
         return self._drain()
 
@@ -319,6 +348,7 @@ class DispatchMachine(Machine):
         self.queue.clear()
         self.inflight.clear()
         self.services.clear()
+        self._full.clear()
         self._storing.clear()
         self._unsaved.clear()
         self._dirty = self._loading = False
@@ -334,6 +364,13 @@ class DispatchMachine(Machine):
         if entry is None:
             entry = self.services[name] = _Service(name)
         return entry
+
+    def _freed(self, service: bytes) -> None:
+        """One of *service*'s requests is held no more: if others were left
+        in the store for want of room, read them."""
+        if service in self._full:
+            self._full.discard(service)
+            self._dirty = True
 
     def _park(self, entry: _Service, reason: str) -> None:
         if entry.state is ServiceState.PARKED:
@@ -382,11 +419,16 @@ class DispatchMachine(Machine):
             if entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
                                         or entry.until <= self.now) or entry.until < stale:
                 del self.services[name]
+                self._full.discard(name)
 
     def _pump(self) -> None:
         if not self.running:
             return
         waiting: list[StoredRequest] = []
+        out: dict[bytes, int] = {}  # requests out, by service
+        for request in self.inflight.values():
+            out[request.service] = out.get(request.service, 0) + 1
+        held = dict(out)  # requests out or waiting, by service
         for request in self.queue:
             if not request.frames:
                 # damaged in the store (no frames could be read back): whatever its
@@ -405,18 +447,30 @@ class DispatchMachine(Machine):
             if entry.state is ServiceState.UNKNOWN:
                 entry.state = ServiceState.CHECKING
                 self._emit(CheckService(entry.name))
-            if entry.state is ServiceState.AVAILABLE and len(self.inflight) < self.concurrency:
+            # (a service whose workers are not known is bound by concurrency alone)
+            most = entry.workers or self.window
+            service = request.service
+            if (entry.state is ServiceState.AVAILABLE and len(self.inflight) < self.concurrency
+                    and out.get(service, 0) < most):
                 self.inflight[request.id] = request
                 self._emit(Dispatch(request))
-            else:
+                out[service] = out.get(service, 0) + 1
+                held[service] = held.get(service, 0) + 1
+            elif held.get(service, 0) < 2 * most:
                 waiting.append(request)
+                held[service] = held.get(service, 0) + 1
+            else:  # back to the store's keeping, read again once one of its is done
+                self._full.add(service)
         self.queue = waiting
         room = self.window - len(self.queue) - len(self.inflight)
         if self._dirty and not self._loading and self._storeRetryAt is None and room > 0:
             self._dirty = False
             self._loading = True
-            parked = sorted(e.name for e in self.services.values()
-                            if e.state is ServiceState.PARKED)
+            full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
+                    and e.workers and held.get(e.name, 0) >= 2 * e.workers]
+            self._full.update(full)
+            parked = sorted([e.name for e in self.services.values()
+                             if e.state is ServiceState.PARKED] + full)
             held = [r.id for r in self.queue] + list(self.inflight)
             self._emit(LoadPending(room, parked, held))
         self._setWake(self._nextWake())
@@ -590,6 +644,33 @@ class Dispatcher(DispatchMachine):
             lambda requests: loaded(requests, action.limit), trouble)
 
     def _check(self, service: bytes) -> None:
+        """Ask ``mmi.workers`` how many workers *service* has; a broker
+        without it (``501``, or an answer that is not its listing) is asked
+        ``mmi.service``, and the service's requests are then bound by
+        *concurrency* alone."""
+        counted, checked = self._then(self.handleCounted), self._then(self.handleChecked)
+
+        def answered(reply: list[bytes]) -> None:
+            try:
+                listing = json.loads(reply[0])
+                more = json.loads(reply[1]) if len(reply) > 1 else {}
+                workers = more.get("total", len(listing)) if more.get("truncated") else len(listing)
+                if not isinstance(listing, list) or not isinstance(workers, int):
+                    raise ValueError(workers)
+            except (ValueError, IndexError, AttributeError, TypeError, UnicodeDecodeError):
+                self._checkAvailable(service)
+                return
+            counted(service, workers)
+
+        def failed(failure: Failure) -> None:
+            if not failure.check(defer.CancelledError):
+                checked(service, False, f"mmi.workers failed: {failure.getErrorMessage()}")
+
+        d = self._track(self.client.request(b"mmi.workers", service,
+                                            timeout=min(self.timeout, 5.0)))
+        d.addCallbacks(answered, failed)
+
+    def _checkAvailable(self, service: bytes) -> None:
         checked = self._then(self.handleChecked)
 
         def answered(reply: list[bytes]) -> None:
