@@ -274,7 +274,7 @@ async def test_a_byte_changed_on_the_disk_is_caught_by_the_checksum(tmp_path: An
         answered = await store.add(b"echo", [b"y"], 4.0)
         await store.complete(answered, [b"REPLY-0123456789"], 5.0)
     flip_byte(path, b"transfer 100 EUR", 9)     # 100 -> 101: it still decodes
-    flip_byte(path, b"billing-service")          # another service's name
+    flip_byte(path, service.encode() + b"billing-service", 36)  # its row's service name
     flip_byte(path, b"REPLY-0123456789", 8)
     async with opened(path) as store:
         pending = [(p.id, p.service, p.frames) for p in await store.pending(10)]
@@ -469,3 +469,43 @@ async def test_a_byte_changed_in_a_request_id_is_caught_and_the_answer_reaches_i
         await store.complete(damaged.id, [b"error"], 2.0)
         assert await store.pending(10) == []
         assert await store.reply(requestId) == (ReplyStatus.DONE, [b"error"])
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_parked_service_backlog_is_not_read_to_find_the_others(tmp_path: Any) -> None:
+    """The dispatcher reads pending requests leaving out parked services: the
+    work of that read does not grow with a parked service's backlog (every
+    submission is followed by one; a scan in age order would pass them all)."""
+    import sqlite3
+
+    from mdp.titanic.store import _checksum
+    from mdp.transport.framing import encode_record
+
+    async def steps(backlog: int) -> int:
+        path = str(tmp_path / f"backlog-{backlog}.db")
+        async with opened(path):
+            pass
+        db = sqlite3.connect(path)
+        record = encode_record([b"x"])
+        with db:
+            db.executemany("INSERT INTO requests (id, service, request, created, request_crc) "
+                           "VALUES (?, ?, ?, ?, ?)",
+                           ((i, b"down", record, float(n), _checksum(i.encode(), b"down", record))
+                            for n, i in ((n, str(uuid.uuid4())) for n in range(backlog))))
+        db.close()
+        async with opened(path) as store:
+            fresh = await store.add(b"up", [b"y"], 1e9)
+            counted = [0]
+
+            def count() -> int:
+                counted[0] += 1
+                return 0
+
+            store._db.set_progress_handler(count, 100)
+            assert [p.id for p in await store.pending(16, [b"down"])] == [fresh]
+            store._db.set_progress_handler(None, 100)
+            assert len(await store.pending(16)) == min(16, backlog + 1)
+        return counted[0]
+
+    assert await steps(20_000) <= await steps(10) + 5

@@ -192,6 +192,8 @@ CREATE TABLE IF NOT EXISTS requests (
     reply_crc INTEGER
 );
 CREATE INDEX IF NOT EXISTS requests_pending ON requests (seq) WHERE reply IS NULL;
+CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
+    WHERE reply IS NULL;
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
@@ -202,7 +204,7 @@ _COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
             "request_crc", "reply_crc")
 #: the columns before the checksums: such a table gets them at open
 _UNCHECKED_COLUMNS = _COLUMNS[:7]
-_OURS = ("requests", "requests_pending", "requests_completed")
+_OURS = ("requests", "requests_pending", "requests_completed", "requests_pending_service")
 
 
 def _foreign(db: sqlite3.Connection) -> Optional[str]:
@@ -463,6 +465,42 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} is closed")
         return self._db.execute(sql, args).fetchall()
 
+    def _pending(self, limit: int, skipServices: Collection[bytes],
+                 skipIds: str) -> list[tuple[Any, ...]]:
+        """The *limit* oldest pending rows of the services not skipped, read
+        service by service through ``requests_pending_service``: the rows of
+        skipped services (a parked service's backlog, however long) are
+        never read, where one scan in age order would pass them all."""
+        db = self._db
+        if db is None:
+            raise StoreError(f"Titanic store {self.path} is closed")
+        skip = set(skipServices)
+        seqs: list[int] = []
+        service: Any = None
+        while True:  # each distinct pending service once, by the index (a skip scan)
+            if service is None:
+                found = db.execute("SELECT service FROM requests INDEXED BY "
+                                   "requests_pending_service WHERE reply IS NULL "
+                                   "ORDER BY service LIMIT 1").fetchone()
+            else:
+                found = db.execute("SELECT service FROM requests INDEXED BY "
+                                   "requests_pending_service WHERE reply IS NULL AND service > ? "
+                                   "ORDER BY service LIMIT 1", (service,)).fetchone()
+            if found is None:
+                break
+            service = found[0]
+            if service in skip:
+                continue
+            seqs += (seq for (seq,) in db.execute(
+                "SELECT seq FROM requests INDEXED BY requests_pending_service "
+                "WHERE reply IS NULL AND service = ? AND typeof(id) = 'text' "
+                "AND id NOT IN (SELECT value FROM json_each(?)) ORDER BY seq LIMIT ?",
+                (service, skipIds, limit)))
+        oldest = sorted(seqs)[:limit]
+        return db.execute("SELECT seq, id, service, request, created, request_crc FROM requests "
+                          "WHERE seq IN (SELECT value FROM json_each(?)) ORDER BY seq",
+                          (json.dumps(oldest),)).fetchall()
+
     # --- on the reactor thread ------------------------------------------------------
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> defer.Deferred[int]:
@@ -582,15 +620,9 @@ class SQLiteStore:
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        # one JSON parameter per list: no bound on how many are left out
-        services = json.dumps([bytes(s).hex().upper() for s in skipServices])
-        ids = json.dumps(list(skipIds))
-        d = self._run(self._read, "SELECT seq, id, service, request, created, request_crc "
-                      "FROM requests "
-                      "WHERE reply IS NULL AND typeof(id) = 'text' "
-                      "AND hex(service) NOT IN (SELECT value FROM json_each(?)) "
-                      "AND id NOT IN (SELECT value FROM json_each(?)) "
-                      "ORDER BY seq LIMIT ?", (services, ids, limit))
+        # the ids as one JSON parameter: no bound on how many are left out
+        d = self._run(self._pending, limit, [bytes(s) for s in skipServices],
+                      json.dumps(list(skipIds)))
 
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
             requests = []
