@@ -56,7 +56,7 @@ def test_each_service_is_asked_once_before_its_first_request_goes_out() -> None:
     assert kinds(actions, Parked) == [Parked(b"down", 1.0, "no worker")]
     assert machine.services[b"down"].state is ServiceState.PARKED
     assert machine.queue == [] and kinds(actions, Dispatch) == []
-    assert kinds(actions, WakeAt) == [WakeAt(2.2)]
+    assert kinds(actions, WakeAt) == [WakeAt(3.0)]  # on a whole second
 
 
 def test_at_most_concurrency_requests_are_out_and_the_next_goes_when_one_is_stored() -> None:
@@ -92,7 +92,7 @@ def test_a_failed_attempt_parks_the_service_with_growing_backoff_and_reads_it_ag
     assert kinds(actions, CheckService) == [CheckService(b"echo")]
     actions = machine.handleChecked(b"echo", False, "no worker", 4.1)
     assert kinds(actions, Parked) == [Parked(b"echo", 2.0, "no worker")]  # doubled
-    assert machine.queue == [] and kinds(actions, WakeAt) == [WakeAt(6.1)]
+    assert machine.queue == [] and kinds(actions, WakeAt) == [WakeAt(7.0)]
 
 
 def test_backoff_restarts_once_a_reply_of_the_service_is_stored() -> None:
@@ -260,3 +260,26 @@ def test_a_service_with_no_worker_counted_is_parked() -> None:
     machine.handleLoaded([req(1)], load.limit, 0.0)
     actions = machine.handleCounted(b"echo", 0, 0.1)
     assert kinds(actions, Parked) == [Parked(b"echo", 1.0, "no worker (mmi.workers)")]
+
+
+def test_services_parked_about_the_same_time_are_read_again_together() -> None:
+    """Many services with no worker (a retired name, a typo): they come back
+    on whole seconds, so the store is read once for all that are due, not
+    once a service."""
+    machine, load = started(concurrency=4, window=64)
+    machine.handleLoaded([req(n, b"gone-%d" % n) for n in range(10)], load.limit, 0.0)
+    for n in range(10):
+        machine.handleChecked(b"gone-%d" % n, False, "no worker", 0.05 * n + 0.01)
+    assert {e.until for e in machine.services.values()} == {2.0}
+    actions = machine.handleWake(2.0)
+    (reload,) = kinds(actions, LoadPending)
+    assert reload.skipServices == []
+
+
+def test_places_freed_one_at_a_time_by_parked_services_make_one_read_for_many() -> None:
+    machine, load = started(concurrency=4, window=16)
+    machine.handleLoaded([req(n, b"gone-%d" % n) for n in range(16)], load.limit, 0.0)
+    reads = []
+    for n in range(16):
+        reads += kinds(machine.handleCounted(b"gone-%d" % n, 0, 0.1 + n / 100), LoadPending)
+    assert [r.limit for r in reads] == [8]  # after half the window, not after each one

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from typing import Any, Optional, Sequence, Union
 
 from twisted.internet import defer
@@ -378,7 +379,9 @@ class DispatchMachine(Machine):
         delay = self.backoff.delay(entry.failures)
         entry.failures += 1
         entry.state = ServiceState.PARKED
-        entry.until = self.now + delay
+        # on a whole second: services parked about the same time are read
+        # again together (one read of the store, not one a service)
+        entry.until = float(math.ceil(self.now + delay))
         entry.reason = reason
         self._emit(Parked(entry.name, delay, reason))
 
@@ -463,7 +466,15 @@ class DispatchMachine(Machine):
                 self._full.add(service)
         self.queue = waiting
         room = self.window - len(self.queue) - len(self.inflight)
-        if self._dirty and not self._loading and self._storeRetryAt is None and room > 0:
+        # a read for half a window at least, unless nothing that waits will
+        # go out soon (no service being asked about) while there is room to
+        # send: requests that free their place one at a time (their services
+        # asked about, and parked) make one read for many, not one each
+        if (self._dirty and not self._loading and self._storeRetryAt is None and room > 0
+                and (room >= self.window // 2 or not self.queue
+                     or len(self.inflight) < self.concurrency and not any(
+                         self.services[r.service].state is ServiceState.CHECKING
+                         for r in self.queue if r.frames))):
             self._dirty = False
             self._loading = True
             full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED

@@ -474,23 +474,21 @@ class SQLiteStore:
         db = self._db
         if db is None:
             raise StoreError(f"Titanic store {self.path} is closed")
-        skip = set(skipServices)
+        # each distinct pending service once, by the index (a skip scan), the
+        # skipped ones left out by their hex (a JSON parameter holds text)
+        services = db.execute(
+            "WITH RECURSIVE pending(service) AS ("
+            " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
+            "         WHERE reply IS NULL ORDER BY service LIMIT 1)"
+            " UNION ALL"
+            " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
+            "         WHERE reply IS NULL AND service > pending.service"
+            "         ORDER BY service LIMIT 1) FROM pending WHERE pending.service IS NOT NULL)"
+            " SELECT service FROM pending WHERE service IS NOT NULL"
+            " AND hex(service) NOT IN (SELECT value FROM json_each(?))",
+            (json.dumps([bytes(s).hex().upper() for s in skipServices]),)).fetchall()
         seqs: list[int] = []
-        service: Any = None
-        while True:  # each distinct pending service once, by the index (a skip scan)
-            if service is None:
-                found = db.execute("SELECT service FROM requests INDEXED BY "
-                                   "requests_pending_service WHERE reply IS NULL "
-                                   "ORDER BY service LIMIT 1").fetchone()
-            else:
-                found = db.execute("SELECT service FROM requests INDEXED BY "
-                                   "requests_pending_service WHERE reply IS NULL AND service > ? "
-                                   "ORDER BY service LIMIT 1", (service,)).fetchone()
-            if found is None:
-                break
-            service = found[0]
-            if service in skip:
-                continue
+        for (service,) in services:
             seqs += (seq for (seq,) in db.execute(
                 "SELECT seq FROM requests INDEXED BY requests_pending_service "
                 "WHERE reply IS NULL AND service = ? AND typeof(id) = 'text' "
@@ -621,8 +619,7 @@ class SQLiteStore:
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
         # the ids as one JSON parameter: no bound on how many are left out
-        d = self._run(self._pending, limit, [bytes(s) for s in skipServices],
-                      json.dumps(list(skipIds)))
+        d = self._run(self._pending, limit, list(skipServices), json.dumps(list(skipIds)))
 
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
             requests = []
