@@ -288,6 +288,26 @@ def test_the_queue_is_bounded() -> None:
         wire.send(b"one too many")
 
 
+def test_a_bound_of_one_is_room_for_one_and_a_bound_below_one_is_refused() -> None:
+    """``maxQueued=1``: an empty session has room (half of 1 taken as 1), so
+    a sender waiting for room is not kept waiting for ever; a bound below
+    one message or one byte is refused when the machine is made."""
+    client = ClientSessionMachine(bytes(16), maxQueued=1)
+    assert client.seq.roomy
+    client.send((b"x",), 0)
+    assert not client.seq.roomy
+    with pytest.raises(SessionQueueFull):
+        client.send((b"y",), 0)
+    client.seq.acked(1)
+    assert client.seq.roomy
+    assert ClientSessionMachine(bytes(16), maxQueuedBytes=1).seq.roomy
+    for bad in ({"maxQueued": 0}, {"maxQueued": -1}, {"maxQueuedBytes": 0}):
+        with pytest.raises(ValueError, match="at least 1"):
+            ClientSessionMachine(bytes(16), **bad)
+        with pytest.raises(ValueError, match="at least 1"):
+            ServerSessionMachine(**bad)
+
+
 def test_malformed_input_is_dropped_and_unknown_connections_told() -> None:
     server = ServerSessionMachine()
     (drop,) = server.handleMessage("p", [b"junk"], 0)
@@ -355,6 +375,43 @@ def test_sessions_are_bounded() -> None:
         SendTo(9, refused)]
     assert server.handleMessage(9, codec.encode(codec.Hello(b"\x09" * 16, 0)), 10.5) == []
     assert len(codec.encode(codec.Refused("\u00e9" * 200))[2]) <= codec.MAX_REASON_BYTES
+
+
+def test_a_refused_connection_is_closed_after_the_expiry() -> None:
+    """A connection whose HELLO was refused (maxSessions) holds no session:
+    as any other without one, it is closed once it has gone on so for the
+    expiry, asking again meanwhile or not; it does not hold a connection
+    slot for ever."""
+    server = ServerSessionMachine(expiry=30, maxSessions=1)
+    server.handleMessage("held", codec.encode(codec.Hello(b"a" * 16, 0)), 0)
+    refused = codec.encode(codec.Hello(b"b" * 16, 0))
+    server.handleMessage("refused", refused, 1)
+    ping = codec.encode(codec.Ping(0))
+    for t in range(2, 31):
+        server.handleMessage("held", ping, t)  # the session it waits for stays alive
+        if t % 10 == 0:
+            server.handleMessage("refused", refused, t)  # asking again
+        assert drops(server.handleTick(t)) == []
+    assert drops(server.handleTick(31)) == [("refused", "no session attached within 30s")]
+    assert list(server.byPeer) == ["held"] and server.refused == 4
+
+
+def test_routing_ids_wrap_within_four_bytes_past_those_in_use() -> None:
+    """Routing ids are reported in 4 bytes: after the last, they start from
+    1 again, past the ids of sessions that still last (the 2**32nd session
+    made every delivery on it fail)."""
+    from mdp.session.machines import MAX_ROUTING_ID
+
+    server = ServerSessionMachine()
+    opened = []
+    for n, now in ((1, 0), (2, 1), (3, 2)):
+        actions = server.handleMessage(n, codec.encode(codec.Hello(bytes([n]) * 16, 0)), now)
+        opened += [a.routingId for a in actions if isinstance(a, Opened)]
+        if n == 1:
+            server._routingIds = MAX_ROUTING_ID - 1  # as after that many sessions
+    assert MAX_ROUTING_ID == 2**32 - 1
+    assert opened == [1, MAX_ROUTING_ID, 2]  # 1 is in use, and 0 is never one
+    assert set(server.byRouting) == {1, 2, MAX_ROUTING_ID}
 
 
 def test_one_connection_holds_one_session_it_opened() -> None:

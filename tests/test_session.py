@@ -602,3 +602,123 @@ async def test_a_close_right_after_a_send_waits_for_its_acknowledgement(
         assert not [line for line in lines if "not acknowledged" in line]
     finally:
         globalLogPublisher.removeObserver(observer)
+
+
+def test_a_refused_connection_is_tried_again_within_the_dead_server_time() -> None:
+    """Over ``session+tcp``, while the server's port refuses connections, the
+    inner connection is tried again at least every ``pingInterval *
+    liveness`` (3 s), not on a backoff doubling up to 32 s: a cut of 20 s
+    was found again only after 31.5 s, past the server's 30 s expiry, and
+    the session was lost though the cut was shorter."""
+    from twisted.internet.error import ConnectionRefusedError
+    from twisted.internet.testing import MemoryReactorClock
+    from twisted.python.failure import Failure
+
+    from mdp.session.transport import SessionDealer
+
+    memory = MemoryReactorClock()
+    pipe = SessionDealer("session+tcp:host=127.0.0.1:port=5555", Client(), memory,
+                         pingInterval=1.0, liveness=3)
+    attempts: list[float] = []
+    try:
+        while memory.seconds() < 40:
+            for attempt in range(len(attempts), len(memory.tcpClients)):
+                attempts.append(memory.seconds())
+                if memory.seconds() < 20:  # the cut: refused
+                    factory = memory.tcpClients[attempt][2]
+                    factory.clientConnectionFailed(memory.connectors[attempt],
+                                                   Failure(ConnectionRefusedError()))
+            memory.advance(0.1)
+    finally:
+        pipe.close()
+    assert len(attempts) >= 7
+    assert max(b - a for a, b in zip(attempts, attempts[1:])) <= 3.0 + 0.1
+    assert 20 <= attempts[-1] <= 23.1  # the first one after the cut, and it held
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_whose_server_does_not_answer_tries_again_within_twice_the_dead_server_time(
+        clocknet: Any) -> None:
+    """A server that takes connections but says nothing (a proxy whose
+    server is cut off): the client makes a new connection at least every
+    ``2 * pingInterval * liveness`` (silent for that long, then the
+    backoff, held to the same bound), so it attaches again within that of
+    the end of the cut, not up to 32 s later."""
+    server, bound, client, pipe = await loopback_pair(clocknet, "deaf-long", pingInterval=1.0,
+                                                      liveness=3)
+    made: list[float] = []
+    connected = pipe.machine.handleConnected
+
+    def spy(now: float) -> Any:
+        made.append(now)
+        return connected(now)
+
+    pipe.machine.handleConnected = spy  # type: ignore[method-assign]
+    deaf = bound.messageReceived
+    bound.messageReceived = lambda peer, frames: None
+    start = clocknet.reactor.seconds()
+    clocknet.advance(60)
+    gaps = [b - a for a, b in zip([start, *made], made)]
+    assert len(made) >= 9 and max(gaps) <= 6.0 + 0.5
+    bound.messageReceived = deaf
+    pipe.sendMessage([b"after"])
+    clocknet.advance(6.5)
+    assert client.got == [b"re:after"] and client.made == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_session_that_cannot_take_a_message_takes_none_after_it(clocknet: Any) -> None:
+    """The router refuses a reply its session has no room for (here its
+    bytes bound) and the session ends: a smaller reply sent right after, in
+    the same turn, is not numbered in the refused one's place (the client
+    got the first and third replies and never knew of the second).  The
+    client attaches to a new session, and its requests are answered there,
+    in order."""
+    from mdp.policy import Limits
+    from mdp.session.transport import SessionDealer
+
+    server = Server()
+    server.bound = await clocknet.wait(transport.listen(
+        "session+loopback:no-hole", server, clocknet.reactor, limits=Limits(maxOutputBytes=1000)))
+    clocknet.addCleanup(server.bound.close)
+    client = Client()
+    pipe = SessionDealer(server.bound.endpoint, client, clocknet.reactor)
+    clocknet.addCleanup(pipe.close)
+    await clocknet.until(lambda: client.made == 1)
+    for n, size in ((1, 900), (2, 200), (3, 50)):  # answered with 903, 203 and 53 bytes
+        pipe.sendMessage([b"%d" % n * size])
+    clocknet.advance(5)
+    assert [(got[3:4], len(got)) for got in client.got] == [(b"1", 903), (b"2", 203), (b"3", 53)]
+    assert server.gone == [(1).to_bytes(4, "big")] and len(server.got) == 2
+    assert client.made == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_session_bound_to_one_message_drains(clocknet: Any) -> None:
+    """``maxQueued=1``: writable while the session holds nothing, not while
+    it holds its one message, and drained() fires once that is
+    acknowledged (it never did: half of 1 was taken as 0)."""
+    server, bound, client, pipe = await loopback_pair(clocknet, "one", maxQueued=1)
+    assert pipe.writable is True
+    assert pipe.drained().called
+    deaf = bound.messageReceived
+    bound.messageReceived = lambda peer, frames: None
+    pipe.sendMessage([b"only"])
+    assert pipe.writable is False
+    waiting = pipe.drained()
+    assert not waiting.called
+    bound.messageReceived = deaf
+    await clocknet.wait(waiting, timeout=10)
+    assert pipe.writable is True and client.got == [b"re:only"]
+
+
+def test_a_session_bound_below_one_message_is_refused_at_once() -> None:
+    """A ``maxQueued`` below 1 is a ValueError when the client or server is
+    made, not a session that can never send."""
+    from mdp.session import SessionClient, SessionServer
+
+    for maxQueued in (0, -5):
+        with pytest.raises(ValueError, match="maxQueued must be at least 1"):
+            SessionClient("loopback:nobody-here", task.Clock(), maxQueued=maxQueued)
+        with pytest.raises(ValueError, match="maxQueued must be at least 1"):
+            SessionServer(lambda routingId, frames: None, task.Clock(), maxQueued=maxQueued)

@@ -96,6 +96,10 @@ DEFAULT_MAX_SESSIONS = 10_000
 #: ``Limits.maxOutputBytes``, 64 MiB by default, and give their inner
 #: connection twice that, so a full resend fits).
 DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
+#: The routing id a session is known by fits this many bytes (reported so by
+#: the transport); ids run from 1 and wrap around, skipping those in use.
+ROUTING_ID_BYTES = 4
+MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
 
 
 def _epoch() -> int:
@@ -196,6 +200,15 @@ def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -
     return None
 
 
+def check_bounds(maxQueued: int, maxQueuedBytes: int) -> None:
+    """``ValueError`` unless a side may keep at least one message and one
+    byte (a session that may keep none could never send)."""
+    if maxQueued < 1:
+        raise ValueError(f"maxQueued must be at least 1, got {maxQueued}")
+    if maxQueuedBytes < 1:
+        raise ValueError(f"maxQueuedBytes must be at least 1, got {maxQueuedBytes}")
+
+
 def said_limits(message: Any) -> Optional[tuple[int, int]]:
     """The limits a HELLO or WELCOME says (None: it says none)."""
     if not message.maxBytes and not message.maxFrames:
@@ -207,6 +220,7 @@ class _Sequenced:
     """One side's numbering: what it sent and keeps, and what it received."""
 
     def __init__(self, maxQueued: int, maxQueuedBytes: int) -> None:
+        check_bounds(maxQueued, maxQueuedBytes)
         self.maxQueued = maxQueued
         self.maxQueuedBytes = maxQueuedBytes
         self.queuedBytes = 0
@@ -238,9 +252,11 @@ class _Sequenced:
 
     @property
     def roomy(self) -> bool:
-        """Below half the bounds: a sender may go on without waiting."""
-        return (len(self.unacked) < self.maxQueued // 2
-                and self.queuedBytes < self.maxQueuedBytes // 2)
+        """Below half the bounds: a sender may go on without waiting.  (Half
+        of a bound of 1 is taken as 1: an empty session is always roomy, or
+        a sender waiting for room would wait for ever.)"""
+        return (len(self.unacked) < max(1, self.maxQueued // 2)
+                and self.queuedBytes < max(1, self.maxQueuedBytes // 2))
 
     def data(self, seq: int, payload: tuple[bytes, ...]) -> codec.Message:
         """DATA *seq*, or a SKIP in its place if the other side would refuse it."""
@@ -518,6 +534,7 @@ class ServerSessionMachine(Machine):
         super().__init__(now)
         if expiry <= 0:
             raise ValueError("expiry must be positive")
+        check_bounds(maxQueued, maxQueuedBytes)
         self.expiry = expiry
         #: the payload this side takes in one DATA (bytes, frames), said in each WELCOME
         self.limits = limits or (0, 0)
@@ -570,13 +587,7 @@ class ServerSessionMachine(Machine):
             return self._drain()
         session = self.byPeer.get(peer)
         if session is None:
-            unattached = self._unattached
-            if peer not in unattached:
-                unattached[peer] = now
-                if len(unattached) > MAX_UNATTACHED:
-                    oldest = next(iter(unattached))
-                    self._drop(oldest, f"more than {MAX_UNATTACHED} connections without a "
-                                       "session")
+            self._withoutSession(peer)
             if self._mayTell(peer):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
             return self._drain()
@@ -613,6 +624,26 @@ class ServerSessionMachine(Machine):
             self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
             session.seq.ackPending = 0
         return self._drain()
+
+    def _withoutSession(self, peer: Hashable) -> None:
+        """*peer* talks to us without a session: it is closed once it has
+        gone on so for the expiry (it must not hold a connection slot), and
+        the oldest such beyond :data:`MAX_UNATTACHED` at once."""
+        unattached = self._unattached
+        if peer not in unattached:
+            unattached[peer] = self.now
+            if len(unattached) > MAX_UNATTACHED:
+                oldest = next(iter(unattached))
+                self._drop(oldest, f"more than {MAX_UNATTACHED} connections without a session")
+
+    def _newRoutingId(self) -> int:
+        """The next routing id: from 1 to :data:`MAX_ROUTING_ID`, then from 1
+        again, past those in use (a server that opens sessions for long
+        enough runs through them all)."""
+        while True:
+            self._routingIds = self._routingIds % MAX_ROUTING_ID + 1
+            if self._routingIds not in self.byRouting:
+                return self._routingIds
 
     def _mayTell(self, peer: Hashable) -> bool:
         """At most one UNKNOWN a second to a connection (each makes its
@@ -679,13 +710,14 @@ class ServerSessionMachine(Machine):
                 self.throttle.warn(log, "full", "sessions: refused a new session from {peer!r}: "
                                    "{count} already (maxSessions)", peer=peer,
                                    count=len(self.sessions))
+                # it holds no session now: closed if it goes on so for the expiry
+                self._withoutSession(peer)
                 if self._mayTell(peer):
                     self._emit(SendTo(peer, codec.encode(codec.Refused(
                         f"the server holds {len(self.sessions)} sessions, all it may "
                         f"(maxSessions)"))))
                 return
-            self._routingIds += 1
-            session = _Session(hello.session, self._routingIds, _epoch(), self.maxQueued,
+            session = _Session(hello.session, self._newRoutingId(), _epoch(), self.maxQueued,
                                self.maxQueuedBytes, self.now)
             session.openedBy = peer
             self._opened[peer] = session

@@ -21,6 +21,7 @@ from mdp.session.machines import (
     DEFAULT_PING_INTERVAL,
     SessionRefused,
     UnknownSession,
+    check_bounds,
 )
 from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
 from mdp.transport.flow import DrainWaiters
@@ -117,6 +118,7 @@ class SessionServer:
                  limits: Limits = Limits()) -> None:
         if expiry <= 0:
             raise ValueError(f"expiry must be positive, got {expiry}")
+        check_bounds(maxQueued, limits.maxOutputBytes)  # now, not at listen()
         self.reactor = default_reactor(reactor)
         self.handler = handler
         self.onExpired = onExpired

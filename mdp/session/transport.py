@@ -24,7 +24,7 @@ from zope.interface import implementer
 
 from mdp.errors import OversizedMessage, RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
-from mdp.policy import Backoff, Limits, LogThrottle, cancel_call
+from mdp.policy import RECONNECT, Backoff, Limits, LogThrottle, cancel_call
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
 from mdp.session.machines import (
@@ -33,6 +33,7 @@ from mdp.session.machines import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_PING_INTERVAL,
+    ROUTING_ID_BYTES,
     ClientSessionMachine,
     Deliver,
     DropPeer,
@@ -97,7 +98,7 @@ def said(limits: Limits) -> tuple[int, int]:
 
 def routing_bytes(routingId: int) -> bytes:
     """The peer id a session's routing id is reported as (4 bytes)."""
-    return routingId.to_bytes(4, "big")
+    return routingId.to_bytes(ROUTING_ID_BYTES, "big")
 
 
 def routing_id(peer: bytes) -> int:
@@ -230,14 +231,19 @@ class SessionRouter(_End):
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
-            # a hole in what the client gets would be worse: the session ends
-            # (reported a turn later), as a transport drops a peer that reads
-            # nothing past its output limit
+            # a hole in what the client gets would be worse: the session ends,
+            # as a transport drops a peer that reads nothing past its output
+            # limit.  It ends now, so nothing sent after this message (a
+            # smaller one that would fit, say) is numbered in its place; only
+            # the report waits a turn, as the application is in this call.
             self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
                                "{error}", endpoint=self.endpoint,
                                id=routing_id(peer), error=e)
-            self.reactor.callLater(0, lambda: self._perform(self.machine.end(
-                routing_id(peer), self.reactor.seconds())))
+            actions = self.machine.end(routing_id(peer), self.reactor.seconds())
+            self._perform([a for a in actions if not isinstance(a, Expired)])
+            reports = [a for a in actions if isinstance(a, Expired)]
+            if reports:
+                self.reactor.callLater(0, self._perform, reports)
 
     def disconnectPeer(self, peer: bytes) -> None:
         """A session has no connection to drop: it ends when it expires (as
@@ -297,12 +303,21 @@ class SessionDealer(_End):
         receiver = _Inner(self)
         try:
             self.inner = receiver.transport = transport.connect(
-                self.innerEndpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
+                self.innerEndpoint, receiver, self.reactor, retryPolicy=self._innerRetry,
                 limits=inner_limits(self.limits))
         except Exception as e:  # out of sockets, ...: try again later, never stop
             self.throttle.warn(log, "open", "session dealer to {endpoint}: cannot connect: "
                                "{error}", endpoint=self.endpoint, error=e)
             self._reopen()
+
+    def _innerRetry(self, attempt: int) -> float:
+        """The inner connection's delay before its *attempt*: the given
+        retry policy's (or the inner transport's own, 0.5 s doubling), at
+        most ``pingInterval * liveness``.  Left to double up to 32 s, a cut
+        shorter than the server's expiry would outlast the session (a
+        20 s cut found again after 31.5 s, past a 30 s expiry)."""
+        policy = self.retryPolicy or RECONNECT.retryPolicy()
+        return min(policy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
         """The inner connection closed on a message from the server over
@@ -332,8 +347,10 @@ class SessionDealer(_End):
             self.reopening = self.reactor.callLater(delay, self._open)
 
     def _reopen(self) -> None:
-        """A new connection after a backoff (reset by the next attach)."""
-        delay = self.backoff.delay(self.attempts)
+        """A new connection after a backoff (reset by the next attach), at
+        most ``pingInterval * liveness``: the session must be attached again
+        before the server's expiry."""
+        delay = min(self.backoff.delay(self.attempts), self.machine.deadAfter)
         self.attempts += 1
         self.reopening = self.reactor.callLater(delay, self._open)
 
