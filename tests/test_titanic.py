@@ -190,6 +190,21 @@ async def test_a_service_gets_as_many_requests_as_it_has_workers_and_no_more(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_service_whose_worker_listing_is_too_large_to_read_is_still_served(
+        clocknet: LoopbackNet) -> None:
+    """Titanic with small message limits, a service with many workers: the
+    mmi.workers listing is over them, so Titanic asks mmi.service instead."""
+    from mdp import Limits
+
+    broker, client, endpoint, node = await whole(clocknet, limits=Limits(maxMessageBytes=2_000))
+    for _ in range(30):
+        start_worker(clocknet, endpoint, "echo", echo)
+    await clocknet.until(lambda: broker.snapshot().workerCount >= 30 + len(node.server.workers))
+    requestId = await clocknet.wait(client.submit("echo", b"hi"))
+    assert await clocknet.wait(client.result(requestId), timeout=30) == [b"hi"]
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_handler_that_raises_is_stored_and_raised_as_worker_error(
         clocknet: LoopbackNet) -> None:
     def broken(frames: list[bytes]) -> list[bytes]:

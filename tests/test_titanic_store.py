@@ -471,41 +471,62 @@ async def test_a_byte_changed_in_a_request_id_is_caught_and_the_answer_reaches_i
         assert await store.reply(requestId) == (ReplyStatus.DONE, [b"error"])
 
 
-@pytest.mark.timeout(60)
-@pytest_twisted.ensureDeferred
-async def test_a_parked_service_backlog_is_not_read_to_find_the_others(tmp_path: Any) -> None:
-    """The dispatcher reads pending requests leaving out parked services: the
-    work of that read does not grow with a parked service's backlog (every
-    submission is followed by one; a scan in age order would pass them all)."""
+async def backlogged(path: str, backlog: int) -> str:
+    """A store at *path* with *backlog* requests for ``down``, then one for
+    ``up`` (its id returned)."""
     import sqlite3
 
     from mdp.titanic.store import _checksum
     from mdp.transport.framing import encode_record
 
-    async def steps(backlog: int) -> int:
+    async with opened(path):
+        pass
+    db = sqlite3.connect(path)
+    record = encode_record([b"x"])
+    with db:
+        db.executemany("INSERT INTO requests (id, service, request, created, request_crc) "
+                       "VALUES (?, ?, ?, ?, ?)",
+                       ((i, b"down", record, float(n), _checksum(i.encode(), b"down", record))
+                        for n, i in ((n, str(uuid.uuid4())) for n in range(backlog))))
+    db.close()
+    async with opened(path) as store:
+        return await store.add(b"up", [b"y"], 1e9)
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_parked_service_backlog_is_not_read_to_find_the_others(tmp_path: Any) -> None:
+    """The dispatcher reads pending requests leaving out parked services
+    (one read after every submission): a read in age order that would pass
+    more than a few thousand of their rows gives way to one service by
+    service, which never reads them."""
+    for backlog, byService in ((10, False), (50_000, True)):
         path = str(tmp_path / f"backlog-{backlog}.db")
-        async with opened(path):
-            pass
-        db = sqlite3.connect(path)
-        record = encode_record([b"x"])
-        with db:
-            db.executemany("INSERT INTO requests (id, service, request, created, request_crc) "
-                           "VALUES (?, ?, ?, ?, ?)",
-                           ((i, b"down", record, float(n), _checksum(i.encode(), b"down", record))
-                            for n, i in ((n, str(uuid.uuid4())) for n in range(backlog))))
-        db.close()
+        fresh = await backlogged(path, backlog)
         async with opened(path) as store:
-            fresh = await store.add(b"up", [b"y"], 1e9)
-            counted = [0]
-
-            def count() -> int:
-                counted[0] += 1
-                return 0
-
-            store._db.set_progress_handler(count, 100)
+            statements: list[str] = []
+            store._db.set_trace_callback(statements.append)
             assert [p.id for p in await store.pending(16, [b"down"])] == [fresh]
-            store._db.set_progress_handler(None, 100)
+            store._db.set_trace_callback(None)
+            assert any("WITH RECURSIVE" in s for s in statements) is byService
             assert len(await store.pending(16)) == min(16, backlog + 1)
-        return counted[0]
 
-    assert await steps(20_000) <= await steps(10) + 5
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_both_ways_of_reading_pending_requests_find_the_same(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    import mdp.titanic.store as module
+
+    path = str(tmp_path / "mixed.db")
+    async with opened(path) as store:
+        for n in range(60):
+            await store.add(b"svc-%d" % (n % 7), [b"%d" % n], float(n))
+    async with opened(path) as store:
+        ids = [p.id for p in await store.pending(100)]
+        cases = [(16, [b"svc-1", b"svc-4"], ids[:5]), (100, [b"svc-0"], []),
+                 (3, [b"svc-%d" % n for n in range(7)], []), (8, [b"svc-6"], ids[10:40])]
+        found = [[p.id for p in await store.pending(*case)] for case in cases]
+        monkeypatch.setattr(module, "SCAN_BUDGET", 0)  # always service by service
+        assert [[p.id for p in await store.pending(*case)] for case in cases] == found
+    assert found[2] == [] and len(found[1]) == 60 - 9 and found[0][0] not in ids[:5]

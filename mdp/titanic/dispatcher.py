@@ -7,7 +7,8 @@ drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
   (never the whole store), leaving out the requests it already holds and the
   services it has parked.
 * Before it sends a service its first request it asks the broker
-  ``mmi.service``; a service with no worker is **parked** and so is one whose
+  ``mmi.workers`` (a broker without it: ``mmi.service``); a service with no
+  worker is **parked** and so is one whose
   request failed or timed out.  A parked service is asked again after a
   backoff (per service, doubling up to a maximum) and its requests wait in the
   store meanwhile, so they never hold up other services' requests.
@@ -80,7 +81,7 @@ DEFAULT_BACKOFF = Backoff(1.0, 32.0)
 REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
 
-#: Seconds an ``mmi.service`` answer of ``200`` is trusted.
+#: Seconds an answer that a service has workers is trusted.
 DEFAULT_RECHECK = 5.0
 
 
@@ -89,7 +90,7 @@ class ServiceState(enum.Enum):
 
     #: not asked yet (or the last answer is too old)
     UNKNOWN = "unknown"
-    #: ``mmi.service`` asked, no answer yet
+    #: the broker asked (``mmi.workers``), no answer yet
     CHECKING = "checking"
     #: it has a worker: requests go out
     AVAILABLE = "available"
@@ -126,7 +127,8 @@ class LoadPending:
 
 @action_class
 class CheckService:
-    """Ask the broker ``mmi.service`` *service*."""
+    """Ask the broker how many workers *service* has (``mmi.workers``, or
+    whether it has any: ``mmi.service``)."""
 
     service: bytes
 
@@ -666,7 +668,8 @@ class Dispatcher(DispatchMachine):
                 listing = json.loads(reply[0])
                 more = json.loads(reply[1]) if len(reply) > 1 else {}
                 workers = more.get("total", len(listing)) if more.get("truncated") else len(listing)
-                if not isinstance(listing, list) or not isinstance(workers, int):
+                if (not isinstance(listing, list) or not isinstance(workers, int)
+                        or isinstance(workers, bool)):
                     raise ValueError(workers)
             except (ValueError, IndexError, AttributeError, TypeError, UnicodeDecodeError):
                 self._checkAvailable(service)
@@ -674,8 +677,12 @@ class Dispatcher(DispatchMachine):
             counted(service, workers)
 
         def failed(failure: Failure) -> None:
-            if not failure.check(defer.CancelledError):
+            if failure.check(defer.CancelledError):
+                return
+            if failure.check(*RETRY):  # the broker away: ask again later
                 checked(service, False, f"mmi.workers failed: {failure.getErrorMessage()}")
+            else:  # a listing over this client's limits, refused, ...: ask the short way
+                self._checkAvailable(service)
 
         d = self._track(self.client.request(b"mmi.workers", service,
                                             timeout=min(self.timeout, 5.0)))

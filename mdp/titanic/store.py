@@ -200,6 +200,34 @@ CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE repl
 
 #: the columns of the requests table (a database holding another table of that
 #: name, or tables of its own, is someone else's: left as it is)
+#: Pending requests, oldest first, leaving out some services (by the hex of
+#: their names: a JSON parameter holds text) and some ids.
+_PENDING_BY_AGE = (
+    "SELECT seq, id, service, request, created, request_crc FROM requests "
+    "WHERE reply IS NULL AND typeof(id) = 'text' "
+    "AND hex(service) NOT IN (SELECT value FROM json_each(?1)) "
+    "AND id NOT IN (SELECT value FROM json_each(?2)) ORDER BY seq LIMIT ?3")
+#: The same, found service by service: each pending service once, by the
+#: index (a skip scan), then at most ?3 of each not left out.
+_PENDING_BY_SERVICE = (
+    "WITH RECURSIVE pending(service) AS ("
+    " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
+    "         WHERE reply IS NULL ORDER BY service LIMIT 1)"
+    " UNION ALL"
+    " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
+    "         WHERE reply IS NULL AND service > pending.service ORDER BY service LIMIT 1)"
+    " FROM pending WHERE pending.service IS NOT NULL) "
+    "SELECT r.seq, r.id, r.service, r.request, r.created, r.request_crc "
+    "FROM pending p JOIN requests r ON r.seq IN ("
+    " SELECT q.seq FROM requests q INDEXED BY requests_pending_service"
+    " WHERE q.reply IS NULL AND q.service = p.service AND typeof(q.id) = 'text'"
+    " AND q.id NOT IN (SELECT value FROM json_each(?2)) ORDER BY q.seq LIMIT ?3) "
+    "WHERE p.service IS NOT NULL AND hex(p.service) NOT IN (SELECT value FROM json_each(?1)) "
+    "ORDER BY r.seq LIMIT ?3")
+#: Steps (of a thousand SQLite instructions) a read of pending requests in
+#: age order may take before it is made service by service instead.
+SCAN_BUDGET = 200
+
 _COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
             "request_crc", "reply_crc")
 #: the columns before the checksums: such a table gets them at open
@@ -467,37 +495,33 @@ class SQLiteStore:
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of the services not skipped, read
-        service by service through ``requests_pending_service``: the rows of
-        skipped services (a parked service's backlog, however long) are
-        never read, where one scan in age order would pass them all."""
+        """The *limit* oldest pending rows of the services not skipped.  One
+        scan in age order finds them at once, unless it must pass many rows
+        of skipped services (a parked service's backlog): past
+        :data:`SCAN_BUDGET` steps it gives way to a read service by service
+        through ``requests_pending_service``, which never reads a skipped
+        service's rows and costs a probe of that index per pending service."""
         db = self._db
         if db is None:
             raise StoreError(f"Titanic store {self.path} is closed")
-        # each distinct pending service once, by the index (a skip scan), the
-        # skipped ones left out by their hex (a JSON parameter holds text)
-        services = db.execute(
-            "WITH RECURSIVE pending(service) AS ("
-            " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
-            "         WHERE reply IS NULL ORDER BY service LIMIT 1)"
-            " UNION ALL"
-            " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
-            "         WHERE reply IS NULL AND service > pending.service"
-            "         ORDER BY service LIMIT 1) FROM pending WHERE pending.service IS NOT NULL)"
-            " SELECT service FROM pending WHERE service IS NOT NULL"
-            " AND hex(service) NOT IN (SELECT value FROM json_each(?))",
-            (json.dumps([bytes(s).hex().upper() for s in skipServices]),)).fetchall()
-        seqs: list[int] = []
-        for (service,) in services:
-            seqs += (seq for (seq,) in db.execute(
-                "SELECT seq FROM requests INDEXED BY requests_pending_service "
-                "WHERE reply IS NULL AND service = ? AND typeof(id) = 'text' "
-                "AND id NOT IN (SELECT value FROM json_each(?)) ORDER BY seq LIMIT ?",
-                (service, skipIds, limit)))
-        oldest = sorted(seqs)[:limit]
-        return db.execute("SELECT seq, id, service, request, created, request_crc FROM requests "
-                          "WHERE seq IN (SELECT value FROM json_each(?)) ORDER BY seq",
-                          (json.dumps(oldest),)).fetchall()
+        services = json.dumps([bytes(s).hex().upper() for s in skipServices])
+        if not skipServices:
+            return db.execute(_PENDING_BY_AGE, (services, skipIds, limit)).fetchall()
+        left = [SCAN_BUDGET]
+
+        def spent() -> bool:
+            left[0] -= 1
+            return left[0] < 0  # true: SQLite interrupts the statement
+
+        db.set_progress_handler(spent, 1000)
+        try:
+            return db.execute(_PENDING_BY_AGE, (services, skipIds, limit)).fetchall()
+        except sqlite3.OperationalError:
+            if left[0] >= 0:
+                raise
+        finally:
+            db.set_progress_handler(None, 0)
+        return db.execute(_PENDING_BY_SERVICE, (services, skipIds, limit)).fetchall()
 
     # --- on the reactor thread ------------------------------------------------------
 
