@@ -12,7 +12,11 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer, protocol
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.error import ConnectionAborted
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
+from twisted.python.failure import Failure
 
 from mdp import (
     Broker,
@@ -29,7 +33,7 @@ from mdp.freelance import FreelanceServer, SequentialClient
 from mdp.majordomo import codec, mmi
 from mdp.transport import stream
 from mdp.transport.framing import encode_record
-from tests.conftest import LoopbackNet, Net, RawPeer, RawRouter
+from tests.conftest import LoopbackNet, Net, RawPeer, RawRouter, warnings_logged
 from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, start_worker
 
 W = codec.WORKER_HEADER
@@ -382,6 +386,57 @@ async def test_record_left_incomplete_is_dropped_after_the_record_timeout(net: N
     assert binding_of(broker).connections == {}
 
 
+def accepted_by(router: stream.StreamRouter, wire: StringTransport) -> Any:
+    """A connection *router* accepts over *wire* (no socket)."""
+    connection = router.buildProtocol(None)
+    connection.makeConnection(wire)
+    return connection
+
+
+def test_a_disconnected_peer_that_does_not_read_is_aborted_after_the_record_timeout() -> None:
+    """disconnectPeer closes once what was written is sent; a peer that does
+    not read would keep its slot and all that was written to it for good, its
+    loss never reported: after ``recordTimeout`` the connection is aborted."""
+    clock = Clock()
+    receiver = RawRouter()
+    receiver.clock = clock
+    bound = stream.StreamRouter(receiver, clock, limits=Limits(recordTimeout=5))
+    wire = StringTransport()
+    connection = accepted_by(bound, wire)
+    try:
+        connection.dataReceived(encode_record([b"hello"]))
+        ((_, peer, _),) = receiver.received
+        connection.pauseProducing()  # Twisted's buffer is full: the peer reads nothing
+        bound.sendMessage(peer, [b"x" * 1000])
+        bound.disconnectPeer(peer)
+        assert wire.disconnecting and not wire.disconnected
+        clock.advance(4.9)
+        assert not wire.disconnected
+        clock.advance(0.1)
+        assert wire.disconnected  # aborted
+    finally:
+        connection.connectionLost(Failure(ConnectionAborted()))
+    assert receiver.disconnected == [peer] and bound.connections == {}
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_router_made_without_a_reactor_throttles_its_warnings_on_the_global_one() -> None:
+    from twisted.internet import reactor
+
+    receiver = RawRouter()
+    receiver.clock = reactor
+    bound = stream.StreamRouter(receiver, limits=Limits(maxMessageBytes=64))
+    wire = StringTransport()
+    connection = accepted_by(bound, wire)
+    try:
+        with warnings_logged() as events:
+            connection.dataReceived(struct.pack(">I", 10 * MiB))  # an oversized record
+        assert connection.dropped and wire.disconnected
+        assert ["dropping stream peer" in event["log_format"] for event in events] == [True]
+    finally:
+        connection.connectionLost(Failure(ConnectionAborted()))
+
+
 #: the first 40 bytes of a record of one 100-byte frame
 HALF_A_RECORD = encode_record([b"x" * 100])[:40]
 
@@ -459,6 +514,61 @@ async def test_connection_cap_makes_room_from_silent_connections_then_refuses(ne
     late = await raw_stream(net, endpoint)  # two peers that spoke: no room
     await net.wait(late.lost)
     assert bound.refused == 1 and worker.connected
+
+
+class Greeter:
+    """A dealer's receiver that says hello as each connection is made."""
+
+    def __init__(self) -> None:
+        self.dealer: Any = None
+        self.received: list[list[bytes]] = []
+
+    def connectionMade(self) -> None:
+        self.dealer.sendMessage([b"hello"])
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.received.append(frames)
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_dealer_turned_away_at_a_listeners_cap_backs_off(net: Net) -> None:
+    """A listener at maxConnections accepts a newcomer and closes it at
+    once: each such connection is a failed attempt, so the delays grow as
+    for a refused connect (ClientService alone starts its backoff again at
+    every connect); a connection over which the far side spoke starts it
+    again."""
+    receiver = RawRouter()
+    receiver.clock = net.reactor
+    bound = await net.wait(stream.StreamRouter.listen(
+        net.bindEndpoint(), receiver, net.reactor, limits=Limits(maxConnections=1)))
+    net.addCleanup(bound.close)
+    first = await raw_stream(net, bound.endpoint)
+    first.sendFrames(b"first")  # the one slot, held by a peer that spoke
+    await net.until(lambda: len(receiver.received) == 1)
+    asked: list[int] = []
+
+    def policy(attempt: int) -> float:
+        asked.append(attempt)
+        return 0.001 * 2 ** min(attempt, 8)
+
+    greeter = Greeter()
+    greeter.dealer = stream.StreamDealer(bound.endpoint, greeter, net.reactor, retryPolicy=policy)
+    net.addCleanup(greeter.dealer.close)
+    await net.until(lambda: len(asked) >= 4, timeout=10)
+    assert asked[:4] == [1, 2, 3, 4] and bound.refused >= 4
+    first.transport.loseConnection()  # room for it
+    await net.until(lambda: len(receiver.received) == 2, timeout=10)
+    _, peer, _ = receiver.received[1]
+    bound.sendMessage(peer, [b"welcome"])
+    await net.until(lambda: greeter.received == [[b"welcome"]], timeout=10)
+    count = len(asked)
+    bound.disconnectPeer(peer)
+    await net.until(lambda: len(asked) > count, timeout=10)
+    assert asked[count] == 1
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)

@@ -12,12 +12,15 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.internet.task import Clock
+from twisted.logger import formatEvent
 
 from mdp import Client, RequestTimeout, blocking
 from mdp.errors import Forbidden, TransportError
 from mdp.testing import CertificateAuthority as Authority
 from mdp.transport import authenticated, beyond_loopback
 from mdp.transport.curve import CurveServer, keygen
+from tests.conftest import warnings_logged
 from tests.procs import (
     BROKER_HB,
     ENV,
@@ -254,6 +257,40 @@ def test_curve_files_are_checked_at_once(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="exists already"):
         keygen("node", str(tmp_path))
     assert oct(Path(secret).stat().st_mode & 0o777) == "0o600"
+
+
+class ThreadedClock(Clock):
+    """A Clock whose callFromThread runs the call at once (the ZAP thread's
+    calls, made here from the test's)."""
+
+    def callFromThread(self, f: Any, *args: Any, **kwargs: Any) -> None:
+        f(*args, **kwargs)
+
+
+def test_refused_curve_handshakes_log_at_most_a_line_a_second() -> None:
+    """A flood of handshakes with keys not in the allow-list is counted one
+    by one and logged once a second, the next line saying how many were held
+    back."""
+    import zmq
+
+    from mdp.transport.curve import _Gate
+
+    friend, _ = zmq.curve_keypair()
+    own, secret = zmq.curve_keypair()
+    clock = ThreadedClock()
+    counted: list[None] = []
+    gate = _Gate(CurveServer(own, secret, frozenset({friend})), "zmq:tcp://127.0.0.1:5555", clock,
+                 refused=lambda: counted.append(None))
+    with warnings_logged() as events:
+        assert gate.callback("1", friend)
+        for _ in range(300):
+            assert not gate.callback("1", zmq.curve_keypair()[0])
+        clock.advance(1.0)
+        assert not gate.callback("1", zmq.curve_keypair()[0])
+    lines = [formatEvent(event) for event in events]
+    assert len(counted) == 301 and len(lines) == 2, lines
+    assert all("is not in the allow-list" in line for line in lines)
+    assert "(299 similar held back in the last 1s)" in lines[1]
 
 
 def test_curve_keys_with_a_session_endpoint_in_a_list_are_refused_at_once(

@@ -13,8 +13,8 @@ from mdp.errors import ReplyTooLarge
 from mdp.majordomo import codec
 from mdp.policy import Limits
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
-from mdp.transport.stream import StreamChannels
-from tests.conftest import Net
+from mdp.transport.stream import StreamChannels, StreamRouter
+from tests.conftest import Net, RawRouter
 from tests.test_limits import LogLines, binding_of, raw_stream
 from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
 
@@ -258,4 +258,64 @@ async def test_every_pipe_is_down_before_any_hears_the_connection_is_lost(net: N
     links._lost(proto, Failure(ConnectionLost()))
     assert sorted(told) == ["a", "b"]
     assert [frames for _, frames in links.queue] == [[b"sent while down"]] * 2
+    assert links.queued == 2
     await links.close()
+    assert links.queued == links.queuedBytes == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pipe_sends_what_it_was_given_before_it_came_up(net: Net) -> None:
+    """A pipe opened while the connection is up comes up a reactor turn
+    later, and one the far side ended comes back after the reconnection
+    delay: what it is given meanwhile goes out once it is up, on its own
+    channel, not at some later connection."""
+    router = RawRouter()
+    router.clock = net.reactor
+    bound = await net.wait(StreamRouter.listen(net.bindEndpoint(), router, net.reactor))
+    net.addCleanup(bound.close)
+    links = StreamChannels(bound.endpoint, net.reactor, retryPolicy=lambda attempt: 0.01)
+    net.addCleanup(links.close)
+    first = links.open(Pipe("first"))
+    await net.until(lambda: first.connected)
+    pipes: dict[str, Any] = {}
+    # told its channel was ended, it sends at once, before it is made again
+    pipes["second"] = second = links.open(Pipe(
+        "second", onLost=lambda name: pipes[name].sendMessage([b"while ended"])))
+    assert not second.connected
+    second.sendMessage([b"before it was up"])
+    await net.until(lambda: len(router.received) == 1, timeout=10)
+    _, peer, frames = router.received[0]
+    assert frames == [b"before it was up"] and peer == bound.connections[peer[:5]].peer + second.id
+    bound.disconnectPeer(peer)
+    await net.until(lambda: len(router.received) == 2, timeout=10)
+    _, again, frames = router.received[1]
+    assert frames == [b"while ended"] and again != peer and again[:5] == peer[:5]
+    assert links.queued == links.queuedBytes == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_listener_full_of_channels_refuses_rather_than_drop_another_listeners_peer(
+        net: Net) -> None:
+    """A listener at its own maxConnections (here: two channels on one
+    connection) makes room only from its own silent connections: with none,
+    the newcomer is refused, and another listener's silent connection, far
+    below that one's cap, stays."""
+    full = RawRouter()
+    full.clock = net.reactor
+    capped = await net.wait(StreamRouter.listen(net.bindEndpoint(), full, net.reactor,
+                                                limits=Limits(maxConnections=2)))
+    net.addCleanup(capped.close)
+    roomy = RawRouter()
+    roomy.clock = net.reactor
+    other = await net.wait(StreamRouter.listen(net.bindEndpoint(), roomy, net.reactor))
+    net.addCleanup(other.close)
+    raw = await raw_channels(net, capped.endpoint)
+    raw.transport.write(on(1, [b"one"]) + on(2, [b"two"]))
+    await net.until(lambda: len(capped.channels) == 2)
+    silent = await raw_stream(net, other.endpoint)
+    await net.until(lambda: len(other.connections) == 1)
+    newcomer = await raw_stream(net, capped.endpoint)
+    await net.until(lambda: newcomer.lost.called or silent.lost.called, timeout=10)
+    assert newcomer.lost.called and not silent.lost.called
+    assert capped.refused == 1 and len(capped.channels) == 2
+    assert len(other.connections) == 1 and roomy.disconnected == []

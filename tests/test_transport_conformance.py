@@ -279,8 +279,10 @@ async def test_a_message_over_the_limit_is_never_delivered(pair: Pair) -> None:
         assert dealer2.lost == [] and dealer2.made == 1
         return
     if connections(pair):
-        # the offending connection ends, and its loss is reported
+        # the offending connection ends, and its loss is reported; nothing
+        # sent after it on that connection is delivered
         await until(lambda: peer in pair.router.gone)
+        assert (peer, [b"after"]) not in pair.router.received
     else:
         # libzmq drops the offending pipe (ZMQ_MAXMSGSIZE), with what followed
         # on it, and the DEALER reconnects under a new routing id
@@ -357,6 +359,37 @@ async def test_close_is_idempotent(pair: Pair) -> None:
         await t.close()
     pipe.sendMessage([b"after close"])  # ignored, never raises
     bound.sendMessage(b"nobody", [b"after close"])
+
+
+@pytest.mark.parametrize("scheme", ["loopback", "zmq", "tcp"])
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_closing_a_set_of_pipes_closes_every_pipe(scheme: str, tmp_path: Any) -> None:
+    """``connect_channels(...).close()`` closes every pipe it opened for good,
+    whether they share a connection (stream channels) or each has its own
+    (ZeroMQ, loopback): none is up after, and nothing sent on one then
+    reaches the router."""
+    p = Pair(scheme, str(tmp_path))
+    try:
+        await p.listen()
+        link = transport.connect_channels(p.endpoint, reactor(), retryPolicy=lambda attempt: 0.05)
+        receivers = [Dealer() for _ in range(3)]
+        pipes = [link.open(receiver) for receiver in receivers]
+        await until(lambda: all(pipe.connected for pipe in pipes))
+        await link.close()
+        if connections(p):  # (a ZeroMQ DEALER says it is connected for good)
+            assert not any(pipe.connected for pipe in pipes)
+        for pipe in pipes:
+            pipe.sendMessage([b"after close"])
+        # a message from a pipe opened later marks what came before it
+        # (one pipe of a set of its own: its stale messages, were they
+        # sent, would come first on a stream and on loopback)
+        marker, pipe = await p.connect()
+        pipe.sendMessage([b"marker"])
+        await until(lambda: any(frames == [b"marker"] for _, frames in p.router.received))
+        assert [frames for _, frames in p.router.received] == [[b"marker"]]
+    finally:
+        await p.close()
 
 
 @pytest.mark.timeout(60)
@@ -601,17 +634,19 @@ async def test_a_stream_delivers_what_came_before_an_oversized_record_in_the_sam
 
 
 
-@pytest.mark.parametrize("scheme", ["tls", "tcp"])
+@pytest.mark.parametrize("scheme", ["tls", "tcp", "tcp-speaking"])
 @pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_connections_that_fail_their_tls_handshake_back_off(scheme: str, tmp_path: Any) -> None:
     """A listener that takes the TCP connection and then refuses the TLS
-    handshake (here: a certificate the connecting side does not trust) is
-    retried with a growing delay, as a refused connection is; a connection
-    that was made (plain TCP, ended at once by the far side) starts the
-    backoff again."""
+    handshake (here: a certificate the connecting side does not trust), or
+    that ends a plain TCP connection at once, saying nothing (a listener at
+    its cap), is retried with a growing delay, as a refused connection is; a
+    connection over which the far side spoke starts the backoff again."""
     from twisted.internet import protocol
     from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    from mdp.transport.framing import encode_record
 
     directory = str(tmp_path)
     _certificate(directory)
@@ -627,6 +662,8 @@ async def test_connections_that_fail_their_tls_handshake_back_off(scheme: str, t
     else:
         class Ends(protocol.Protocol):
             def connectionMade(self) -> None:
+                if scheme == "tcp-speaking":
+                    self.transport.write(encode_record([b"a word, then gone"]))
                 self.transport.loseConnection()
 
         listening = await TCP4ServerEndpoint(reactor(), 0, interface="127.0.0.1").listen(
@@ -646,6 +683,6 @@ async def test_connections_that_fail_their_tls_handshake_back_off(scheme: str, t
     p.closing.append(transport.connect(endpoint, dealer, reactor(), retryPolicy=policy))
     try:
         await three
-        assert attempts[:3] == ([1, 2, 3] if scheme == "tls" else [1, 1, 1])
+        assert attempts[:3] == ([1, 1, 1] if scheme == "tcp-speaking" else [1, 2, 3])
     finally:
         await p.close()

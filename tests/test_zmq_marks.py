@@ -16,6 +16,7 @@ the sockets are real.
 
 from __future__ import annotations
 
+import errno
 import time
 from typing import Any, Iterator
 
@@ -176,3 +177,26 @@ def test_inproc_and_dealers_keep_a_fixed_mark() -> None:
             close(router, clock)
     _, dealer = zeromq._connection_classes()
     assert dealer.largeAbove == -1 and dealer.burstMark == 0
+
+
+def test_a_backlog_for_a_peer_gone_counts_each_message_dropped_once(bound: Any) -> None:
+    """When the peer of a backlog is found gone, every message of it is
+    dropped and counted once in ``dropped`` (``undelivered_messages``)."""
+    router, peer, clock = bound
+    try:
+        while queued(router) == 0:
+            router.sendMessage(PEER, LARGE)
+        for _ in range(4):
+            router.sendMessage(PEER, LARGE)
+        backlog = queued(router)
+        assert router.dropped == 0 and backlog == 5
+
+        def gone(frames: Any) -> None:  # what libzmq says of a peer that closed
+            raise zmq.ZMQError(errno.EHOSTUNREACH)
+
+        router.connection.send = gone
+        router._flush()
+        assert router.dropped == backlog and router.backlogs == {}
+    finally:
+        del router.connection.send
+        close(router, clock)

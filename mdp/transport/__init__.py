@@ -21,6 +21,7 @@ are checked before anything starts: a mistake raises
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 from twisted.internet import defer
@@ -281,7 +282,8 @@ def connect(
 
 @implementer(IDealerChannels)
 class _Separately:
-    """Pipes over a scheme that has no channels: each connects alone."""
+    """Pipes over a scheme that has no channels: each connects alone, and
+    :meth:`close` closes every one still open."""
 
     def __init__(self, endpoint: str, reactor: Any, retryPolicy: Optional[Callable[[int], float]],
                  limits: Limits, security: Any) -> None:
@@ -290,13 +292,29 @@ class _Separately:
         self.retryPolicy = retryPolicy
         self.limits = limits
         self.security = security
+        #: the pipes opened (held weakly: one its owner closed and let go
+        #: is not kept for the close)
+        self.pipes: weakref.WeakSet[IDealerTransport] = weakref.WeakSet()
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        return connect(self.endpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
+        pipe = connect(self.endpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
                        limits=self.limits, security=self.security)
+        self.pipes.add(pipe)
+        return pipe
 
     def close(self) -> defer.Deferred[None]:
-        return defer.succeed(None)
+        """Close every pipe opened (closing one twice is harmless); fires
+        once all are closed."""
+        pipes, self.pipes = list(self.pipes), weakref.WeakSet()
+        closing = [defer.maybeDeferred(pipe.close) for pipe in pipes]
+        done: defer.Deferred[Any] = defer.DeferredList(closing, consumeErrors=True)
+        return done.addCallback(self._closed)
+
+    def _closed(self, results: list[tuple[bool, Any]]) -> None:
+        for ok, result in results:
+            if not ok:  # the others are closed all the same
+                _log.failure("closing a pipe to {endpoint} failed", result,
+                             endpoint=self.endpoint)
 
 
 def connect_channels(

@@ -26,6 +26,7 @@ import attrs
 from twisted.logger import Logger
 
 from mdp.errors import TransportError
+from mdp.policy import LogThrottle
 
 log = Logger()
 
@@ -161,6 +162,8 @@ class _Gate:
         self.endpoint = endpoint
         self.reactor = reactor
         self.refused = refused
+        #: a flood of hostile handshakes is counted, not a line each
+        self.throttle = LogThrottle(reactor)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if self.allow is None or key in self.allow:
@@ -170,8 +173,8 @@ class _Gate:
         return False
 
     def _refused(self, key: str) -> None:
-        log.warn("CURVE handshake on {endpoint} refused: public key {key} is not in the "
-                 "allow-list", endpoint=self.endpoint, key=key)
+        self.throttle.warn(log, "refused", "CURVE handshake on {endpoint} refused: public key "
+                           "{key} is not in the allow-list", endpoint=self.endpoint, key=key)
         if self.refused is not None:
             self.refused()
 

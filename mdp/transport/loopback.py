@@ -6,7 +6,8 @@ reactor the transport was given, so nothing is re-entrant and a test driving a
 (``clock.advance(0)`` delivers everything pending, in order).
 
 The message limits (:class:`~mdp.policy.Limits`) hold as on streams: an
-oversized message ends the pipe that carried it, logged.
+oversized message ends the pipe that carried it, logged, and nothing sent
+after it on that pipe is delivered.
 
 A dealer whose listener does not exist yet waits for it, as a ZeroMQ DEALER
 does; when a listener closes, its dealers see ``connectionLost`` and wait for a
@@ -100,6 +101,10 @@ class LoopbackRouter:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self.peers: dict[bytes, LoopbackDealer] = {}
+        #: peers whose pipe an oversized message ended, until they are gone:
+        #: nothing more they sent is delivered (a stream reads no further
+        #: than such a record)
+        self.ending: set[bytes] = set()
         self.closed = False
         net.bind(name, self)
 
@@ -132,14 +137,18 @@ class LoopbackRouter:
         if previous is not None and previous is not dealer:
             previous.supplanted = True  # it does not come back and take it again
             previous.reactor.callLater(0, previous._dropped, peer)
+        self.ending.discard(peer)  # a new pipe under that identity
         self.peers[peer] = dealer
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
-        if peer in self.peers and not self.closed:
+        if self.closed or peer in self.ending:
+            return
+        if peer in self.peers:
             reason = self.limits.refuse(frames)
             if reason is not None:
                 self.throttle.warn(log, "oversized", "loopback:{name} dropping peer {peer}: {reason}",
                                    name=self.name, peer=peer.hex(), reason=reason)
+                self.ending.add(peer)
                 self.disconnectPeer(peer)
                 return
             self.receiver.messageReceived(peer, frames)
@@ -148,6 +157,7 @@ class LoopbackRouter:
         if self.peers.get(peer) is not dealer:
             return  # its identity was taken over by a newer dealer
         del self.peers[peer]
+        self.ending.discard(peer)
         if not self.closed:
             self.receiver.peerDisconnected(peer)
 

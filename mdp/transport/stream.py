@@ -750,10 +750,23 @@ class _RouterConnection(FramedProtocol):
         self.backlogBytes = 0
 
     def closeGracefully(self) -> None:
+        """Close once what is written is sent, or at the latest after
+        ``recordTimeout``: a peer that does not read would otherwise keep
+        its slot and what was written to it for good (and its loss would
+        never be reported), as Twisted's HTTP server's ``abortTimeout`` has
+        it."""
+        if self.dropped or self.closedHere:
+            return  # closing already (its deadline set)
         self.flushWrites()
         self.transport.writeSequence(list(self.backlog))
         self.stopProducing()
         super().closeGracefully()
+        if not self.dropped:
+            self._cancelTimer()
+            self._timer = self.router.reactor.callLater(
+                self.limits.recordTimeout, self._timedOut,
+                "it did not take what was sent to it within {seconds:g}s of being disconnected",
+                self.limits.recordTimeout)
 
     def connectionLost(self, reason: object = None) -> None:
         StreamRouter.accepted -= 1
@@ -815,7 +828,7 @@ class StreamRouter:
         self.framing = framing
         #: sendMessage takes any buffer as a frame where the framing does
         self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
-        self.throttle = LogThrottle(reactor)
+        self.throttle = LogThrottle(self.reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
         #: the channels of connections that carry them (peer id ->
         #: connection, channel)
@@ -861,8 +874,9 @@ class StreamRouter:
         full = self._full()
         if full is not None:
             # make room: the oldest connection that has said nothing, here
-            # or (at the process's cap) on another listener
-            routers = [self] if len(self.connections) >= self.limits.maxConnections else [
+            # (at its own cap: never another listener's) or, at the
+            # process's cap, on any listener
+            routers = [self] if self._peers() >= self.limits.maxConnections else [
                 self, *(router for router in _routers if router is not self)]
             idle = next((router for router in routers if router.ungreeted), None)
             if idle is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
@@ -882,9 +896,15 @@ class StreamRouter:
         proto.router = self
         return proto
 
+    def _peers(self) -> int:
+        """The peers that count against ``maxConnections``: its connections
+        and the channels they carry (a connection's first channel takes the
+        connection's place)."""
+        return len(self.connections) + len(self.channels) - self.carriers
+
     def _full(self) -> Optional[str]:
         """Why no connection may be added now (a cap is reached), or None."""
-        if len(self.connections) + len(self.channels) - self.carriers >= self.limits.maxConnections:
+        if self._peers() >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         budget = self.descriptorBudget()
         if budget is not None and StreamRouter.accepted >= budget:
@@ -896,8 +916,7 @@ class StreamRouter:
         """Why a connection may not open one more channel now, or None:
         every channel but a connection's first counts as a connection
         against ``maxConnections`` (its first takes the connection's place)."""
-        peers = len(self.connections) + len(self.channels) - self.carriers
-        if peers >= self.limits.maxConnections:
+        if self._peers() >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
 
@@ -1061,6 +1080,14 @@ def _shortcut_reads(protocol: Protocol) -> None:
         outer.dataReceived = protocol.dataReceived  # type: ignore[union-attr]
 
 
+#: seconds a connection must stay up, if nothing comes from the far side, to
+#: count as made: one lost sooner (a listener at its cap accepts and closes
+#: at once) is a failed attempt, so the backoff grows.  Our far sides never
+#: speak first (a broker waits for its client's request and its worker's
+#: READY), so silence alone proves nothing against a connection.
+PROVEN_AFTER = 1.0
+
+
 @implementer(IPushProducer, IHandshakeListener)
 class _DealerConnection(FramedProtocol):
     """The connecting side's protocol; it registers itself as the producer of
@@ -1068,7 +1095,11 @@ class _DealerConnection(FramedProtocol):
 
     dealer: StreamDealer
     paused = False
-    #: the far side took it: connected, and over TLS, the handshake done
+    #: when it was made (connected, and over TLS, the handshake done); None:
+    #: not yet
+    madeAt: Optional[float] = None
+    #: the far side took it: made, and then something came from it or it
+    #: stayed up :data:`PROVEN_AFTER` seconds
     proven = False
 
     #: (a framing with a handshake, SP's) waiting for the peer's greeting:
@@ -1132,6 +1163,8 @@ class _DealerConnection(FramedProtocol):
             super().dataReceived(data)
             if self._awaiting is not None and not self.closing and self.decoder.handshaken:
                 self._greeted()
+            if not self.proven and self.madeAt is not None and not self.closing:
+                self._prove()
         finally:
             self.reading = False
             if self._out:
@@ -1144,11 +1177,18 @@ class _DealerConnection(FramedProtocol):
         self._flushCall = cancel_call(self._flushCall)
         self._out = []
         self._outBytes = 0
+        if (not self.proven and self.madeAt is not None
+                and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
+            self._prove()
         if not self.proven:
             self.dealer._unproven += 1
         self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
 
     def handshakeCompleted(self) -> None:
+        self.madeAt = self.dealer.reactor.seconds()
+
+    def _prove(self) -> None:
+        """The far side took it: the backoff starts again."""
         self.proven = True
         self.dealer._unproven = 0
 
@@ -1201,9 +1241,11 @@ def _connection(owner: Any, endpoint: str,
     ``_unproven``).
 
     ClientService starts its backoff again at each connection it makes; a
-    connection whose TLS handshake then fails counts here as a failed
-    attempt too (``owner._unproven`` counts them in a row), so a refused
-    certificate is retried with the backoff, not every half second."""
+    connection whose TLS handshake then fails, or that is lost within
+    :data:`PROVEN_AFTER` seconds with nothing received (a listener at its
+    cap closes newcomers at once), counts here as a failed attempt too
+    (``owner._unproven`` counts them in a row), so it is retried with the
+    backoff, not every half second."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
@@ -1227,33 +1269,33 @@ class _OneConnection:
     maxQueued = 1000
     #: who refuses a message over those bounds, in the warning
     kind = "stream dealer"
-    #: connections in a row lost before their TLS handshake was done
+    #: connections in a row lost before they were proven (their TLS
+    #: handshake failed, or they were closed at once, nothing received)
     _unproven = 0
     protocol: Optional[_DealerConnection]
     _waiters: DrainWaiters
     endpoint: str
     limits: Limits
-    queue: deque[Any]
     queuedBytes: int
     _throttle: LogThrottle
     framing: Any
 
-    def _keep(self, item: Any, frames: list[bytes]) -> None:
-        """Queue *item* (carrying *frames*) for the next connection, or
-        refuse it with a warning past the bounds.  A message the connection
-        could not send (a frame that is not bytes: ``TypeError``) raises
-        here, as it does while connected: queued, it would fail the next
-        connection's start and lose what waits behind it."""
+    def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
+        """What *frames* cost held (:func:`held_bytes`) if they may wait, with
+        *count* messages and ``queuedBytes`` waiting already, or None, with a
+        warning, past the bounds.  A message the connection could not send
+        (a frame that is not bytes: ``TypeError``) raises here, as it does
+        while connected: held, it would fail the next connection's start and
+        lose what waits behind it."""
         size = held_bytes(frames)
-        if len(self.queue) >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
+        if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
                                 "{count} messages ({bytes} bytes) already wait for the connection",
-                                kind=self.kind, endpoint=self.endpoint, count=len(self.queue),
+                                kind=self.kind, endpoint=self.endpoint, count=count,
                                 bytes=self.queuedBytes)
-            return
+            return None
         self.framing.encode(frames)
-        self.queue.append(item)
-        self.queuedBytes += size
+        return size
 
     @property
     def writable(self) -> bool:
@@ -1356,7 +1398,10 @@ class StreamDealer(_OneConnection):
             return
         if not self.service.running:
             return
-        self._keep(list(frames), frames)
+        size = self._admit(frames, len(self.queue))
+        if size is not None:  # (else refused, with a warning)
+            self.queue.append(list(frames))
+            self.queuedBytes += size
 
     _closing: Optional[defer.Deferred[None]] = None
 
@@ -1425,6 +1470,10 @@ class _StreamChannel:
     #: times the far side ended it in a row (paces opening it again)
     ends = 0
     _call: Any = None
+    #: what it sent while not up, in order (None: nothing), and its cost
+    #: (:func:`held_bytes`): sent once it is up
+    held: Optional[deque[list[bytes]]] = None
+    heldBytes = 0
 
     def __init__(self, link: StreamChannels, receiver: IDealerReceiver) -> None:
         self.link = link
@@ -1471,6 +1520,10 @@ class _StreamChannel:
             except Exception:  # logged: the connection and its other channels stand
                 log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
                             endpoint=self.link.endpoint)
+            # then what it sent before (as a StreamDealer's queue goes after
+            # its receiver's connectionMade); held again if it went down
+            for frames in self.link._release(self):
+                self.sendMessage(frames)
 
     def _down(self, reason: object) -> None:
         self._call = cancel_call(self._call)
@@ -1507,8 +1560,10 @@ class StreamChannels(_OneConnection):
         self.channels: dict[bytes, _StreamChannel] = {}
         self.protocol: Optional[_ChannelsConnection] = None
         self.service: Optional[ClientService] = None
-        #: what pipes sent while the connection was down (none is sent twice)
-        self.queue: deque[tuple[_StreamChannel, list[bytes]]] = deque()
+        #: messages its pipes hold (sent while not up: each pipe keeps its
+        #: own until it is up, none is sent twice), and their bytes: bounded
+        #: together by ``maxQueued`` and ``limits.maxOutputBytes``
+        self.queued = 0
         self.queuedBytes = 0
         self._next = 0
         self._throttle = LogThrottle(reactor)
@@ -1549,12 +1604,7 @@ class StreamChannels(_OneConnection):
         for channel in list(self.channels.values()):
             if self.protocol is not proto:
                 return
-            channel._up()
-        queue, self.queue = self.queue, deque()
-        self.queuedBytes = 0
-        for channel, frames in queue:
-            if not channel.closed:
-                channel.sendMessage(frames)
+            channel._up()  # (and sends what it held)
 
     def _failed(self, reason: Any) -> None:
         """A connection attempt failed: the pipes' receivers that have a
@@ -1646,13 +1696,40 @@ class StreamChannels(_OneConnection):
             channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
 
     def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
-        """*channel* sent *frames* while the connection is down: keep them
-        for the next one (within ``maxQueued`` and ``maxOutputBytes``)."""
-        self._keep((channel, list(frames)), frames)
+        """*channel* sent *frames* while not up (the connection is down, or
+        the pipe is not up on it yet): it keeps them until it is up (its
+        pipes within ``maxQueued`` and ``maxOutputBytes`` together)."""
+        size = self._admit(frames, self.queued)
+        if size is None:
+            return
+        if channel.held is None:
+            channel.held = deque()
+        channel.held.append(list(frames))
+        channel.heldBytes += size
+        self.queued += 1
+        self.queuedBytes += size
+
+    def _release(self, channel: _StreamChannel) -> deque[list[bytes]]:
+        """What *channel* held, no longer counted here."""
+        held, channel.held = channel.held, None
+        if held is None:
+            return deque()
+        self.queued -= len(held)
+        self.queuedBytes -= channel.heldBytes
+        channel.heldBytes = 0
+        return held
+
+    @property
+    def queue(self) -> deque[tuple[_StreamChannel, list[bytes]]]:
+        """What its pipes hold, as (pipe, frames), each pipe's in the order
+        it sent them (a copy)."""
+        return deque((channel, frames) for channel in self.channels.values()
+                     for frames in channel.held or ())
 
     def _forget(self, channel: _StreamChannel) -> None:
-        """*channel* was closed: tell the far side; close the connection
-        with the last one."""
+        """*channel* was closed: drop what it held, tell the far side; close
+        the connection with the last one."""
+        self._release(channel)
         if self.channels.get(channel.id) is channel:
             del self.channels[channel.id]
             if self.protocol is not None:
@@ -1663,7 +1740,7 @@ class StreamChannels(_OneConnection):
     def _stop(self) -> defer.Deferred[None]:
         service, self.service = self.service, None
         proto, self.protocol = self.protocol, None
-        self.queue.clear()
+        self.queued = 0
         self.queuedBytes = 0
         self._waiters.fire()
         if service is None:
@@ -1680,6 +1757,7 @@ class StreamChannels(_OneConnection):
             channel.closed = True
             channel.up = False
             channel._call = cancel_call(channel._call)
+            self._release(channel)
         self.channels.clear()
         return self._stop()
 

@@ -628,6 +628,7 @@ class _RoutedSocket:
             except Again:
                 continue
             except _zmq().ZMQError as e:
+                messages.popleft()  # the one refused: _refused counts it
                 self._refused(peer, e)
                 self.dropped += len(messages)
             del self.backlogs[peer]
