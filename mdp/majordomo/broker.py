@@ -1310,9 +1310,11 @@ class BrokerMachine(Machine):
         """What the admission says now.  A broker that has just become active
         learns its workers (_unknownDeadline): notice when, even before a
         client asks.  A passive one (its Binary Star peer took over while it
-        was stalled) serves nothing more: its queued requests are answered
-        503 (their clients have gone to the active broker), and its workers
-        get DISCONNECT so they register there, a busy one once it replied."""
+        was stalled) serves nothing more: its queued requests are dropped
+        unanswered, as a request it refuses is (a client still waiting for
+        one times out and sends it to the active broker, where a 503 would
+        end it), and its workers get DISCONNECT so they register there, a
+        busy one once it replied."""
         status = self.admission.status(now)
         if not status.get("serving", True):
             self._activeSince = None
@@ -1338,13 +1340,18 @@ class BrokerMachine(Machine):
         self._sendDisconnect(worker.key, worker.dialect)
 
     def _giveUpQueued(self) -> None:
+        dropped = 0
         for service in list(self.services.values()):
             while service.size:
                 request = service.nextRequest()
                 request.state = DONE
-                self._unavailable(request, "this broker is passive: its Binary Star peer "
-                                  "is the active one")
+                dropped += 1
+                if self.metrics is not None:
+                    self.metrics.refuse(request.service, "passive")
             self._forgetIfEmpty(service)
+        if dropped:
+            log.info("this broker is passive: dropped {count} queued requests unanswered "
+                     "(their clients send them to the active broker)", count=dropped)
 
     def _expire(self, deadline: float) -> None:
         """Answer 503 to every request queued at or before *deadline*."""
