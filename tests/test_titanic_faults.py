@@ -199,6 +199,11 @@ async def test_the_mdp_titanic_commands(tmp_path: Any) -> None:
         assert unknown.exitCode == 1 and b"knows no request" in unknown.output
         bad = await mdp("titanic", "result", *broker, "12345")
         assert bad.exitCode == 2 and b"not a request id" in bad.output
+        await titanic.stop()  # the broker still lists its services a while
+        titanic = None
+        away = await mdp("titanic", "result", *broker, "--timeout", "0.5", "--retries", "1",
+                         requestId)
+        assert away.exitCode == 1 and b"no Titanic serves titanic.reply" in away.output, away.output
     finally:
         if titanic is not None:
             await titanic.stop()

@@ -52,6 +52,7 @@ status 2.  Frames given as arguments are their bytes as the OS gave them.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -686,12 +687,29 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
         else:
             await client.close(sub["id"])
     except MDPError as e:
-        _error(f"mdp titanic {command}: {e}")
+        hint = await _noTitanic(client, command) if isinstance(e, RequestTimeout) else ""
+        _error(f"mdp titanic {command}: {e}{hint}")
         status = 1
     finally:
         await client.disconnect()
     if status:
         raise SystemExit(status)
+
+
+async def _noTitanic(client: Any, command: str) -> str:
+    """Why a Titanic request timed out, if the broker can say: no worker
+    serves that Titanic service (Titanic is not running, or has just
+    stopped, while the broker still lists the service); else ""."""
+    service = {"submit": "titanic.request", "result": "titanic.reply"}.get(command, "titanic.close")
+    try:
+        listing = await client.client.request("mmi.workers", service, timeout=2.0, retries=1)
+        workers = json.loads(listing[0])
+    except (MDPError, ValueError, IndexError):
+        return ""
+    if workers != []:
+        return ""
+    return (f"; the broker answers, but no Titanic serves {service} there "
+            "(start one: twist mdp-titanic)")
 
 
 async def demo(reactor: Any, options: DemoOptions) -> None:
