@@ -662,7 +662,7 @@ def test_a_late_reply_counts_only_from_its_worker_and_only_without_partials() ->
         Send(b"X", DISCONNECT), Disconnect(b"X")]
     assert script.feed(Receive(b"W", [W, codec.W_PARTIAL, envelope(b"C", 1), b"", b"h"]),
                        Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"])) == [
-        Send(b"W", DISCONNECT), Disconnect(b"W")] * 2
+        Send(b"W", DISCONNECT), Disconnect(b"W")]  # once: then no further commands
     assert broker.queued == 1
     # a new worker runs it again; the entry of the old assignment goes at the tick
     assert script.feed(Receive(b"W2", READY)) == [
@@ -793,3 +793,21 @@ def test_client_machine_common_paths_act_as_the_general_ones() -> None:
         assert run(ClientMachine, events) == run(GeneralPaths, events)
 
     check()
+
+
+def test_no_command_goes_to_a_worker_after_a_disconnect_either_way() -> None:
+    """MDP/0.2: after a worker's DISCONNECT, and after the broker's, the
+    broker sends that worker no further commands (what it still sends, say
+    heartbeats that crossed the DISCONNECT, is dropped); a READY starts a
+    new conversation; a heartbeat expiry later the peer is unknown again."""
+    script, broker = broker_script()
+    script.feed(Receive(b"W", READY))
+    assert script.feed(Receive(b"W", DISCONNECT)) == []
+    assert script.feed(Receive(b"W", HEARTBEAT), Receive(b"W", HEARTBEAT)) == []
+    assert script.feed(Receive(b"U", HEARTBEAT)) == [Send(b"U", DISCONNECT), Disconnect(b"U")]
+    assert script.feed(Receive(b"U", HEARTBEAT), Receive(b"U", [W, codec.W_FINAL, b"C", b"",
+                                                                 b"x"])) == []
+    script.feed(Receive(b"U", READY))
+    assert list(broker.workers) and broker.workers[next(iter(broker.workers))].key[1] == b"U"
+    script.feed(Elapse(10.0))  # past the expiry: W is a stranger again
+    assert script.feed(Receive(b"W", HEARTBEAT)) == [Send(b"W", DISCONNECT), Disconnect(b"W")]

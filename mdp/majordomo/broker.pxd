@@ -40,7 +40,7 @@ cdef class BrokerMachine(Machine):
     cdef public object maxQueue, maxServiceQueue, maxQueueBytes, maxServiceQueueBytes
     cdef public object maxWorkers, maxServiceWorkers, maxDeliveries, limits, admission, access
     cdef public object throttle, _assignments, _abandoned, _unknown, _activeSince, _passive
-    cdef public object _takenBack, invalid, metrics, logRequests
+    cdef public object _takenBack, invalid, metrics, logRequests, _gone
     cdef public QueueLedger _ledger
     cdef public dict services, workers
 

@@ -208,6 +208,8 @@ def peer_label(peer: bytes) -> str:
     return peer.hex()
 
 
+#: workers remembered as told DISCONNECT (see BrokerMachine._gone)
+MAX_GONE = 10_000
 #: how many assignments taken back from lost workers are remembered, so that
 #: a late FINAL for one still queued can answer it (:meth:`BrokerMachine._late`)
 MAX_TAKEN_BACK = 1024
@@ -620,6 +622,10 @@ class BrokerMachine(Machine):
         self._passive = False
         #: envelopes of assignments taken back from lost workers (see _late)
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
+        #: workers told DISCONNECT, or that said it, by when (MDP/0.2: no
+        #: further commands to them): what they still send is dropped, for
+        #: a heartbeat expiry, unless it is a READY (a new conversation)
+        self._gone: OrderedDict[PeerKey, float] = OrderedDict()
         #: messages dropped as invalid or unexpected
         self.invalid = 0
         #: a :class:`mdp.metrics.BrokerMetrics` (or None): told of each event it counts
@@ -967,9 +973,19 @@ class BrokerMachine(Machine):
         kind = type(command)
         if worker is None:
             if kind is Ready:
+                self._gone.pop(key, None)
                 self._onReady(key, command.service, dialect)
             elif kind is not Disconnect:
-                if (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, command):
+                late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, command)
+                if key in self._gone:
+                    # DISCONNECT went to it or came from it: MDP/0.2 says no
+                    # further commands (its messages that crossed ours end here)
+                    if not late:
+                        self.throttle.info(log, "gone", "{command} from worker {peer} after its "
+                                           "DISCONNECT: dropped", command=kind.__name__,
+                                           peer=peer_label(key[1]))
+                    return
+                if late:
                     pass  # a reply of an assignment taken back from it: logged
                 else:
                     if self.metrics is not None:
@@ -1006,6 +1022,7 @@ class BrokerMachine(Machine):
             log.info("worker {peer} for {service} disconnected",
                      peer=peer_label(key[1]), service=label(worker.service.name))
             self._removeWorker(worker)
+            self._forget(key)
         else:  # READY again, or REQUEST from a worker: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
 
@@ -1271,6 +1288,16 @@ class BrokerMachine(Machine):
         gets DISCONNECTs from holding a connection slot)."""
         self._send(key, dialect, codec.DISCONNECT)
         self._emit(DropPeer(key))
+        self._forget(key)
+
+    def _forget(self, key: PeerKey) -> None:
+        """*key* is told DISCONNECT, or said it: nothing more goes to it
+        (bounded: the oldest such keys go first)."""
+        gone = self._gone
+        gone[key] = self.now
+        gone.move_to_end(key)
+        if len(gone) > MAX_GONE:
+            gone.popitem(last=False)
 
     def _send(self, key: PeerKey, dialect: str, command: Any) -> None:
         self._emit(Send(key, codec.encode(command, dialect)))
@@ -1292,6 +1319,9 @@ class BrokerMachine(Machine):
             elif liveness.due(now, 0.5):
                 self._send(worker.key, worker.dialect, codec.HEARTBEAT)
                 liveness.sent(now)
+        gone, since = self._gone, now - self.heartbeat.expiry
+        while gone and next(iter(gone.values())) < since:
+            gone.popitem(last=False)
         self._expire(now - self.requestExpiry)
         self._giveUpUnknown(now)
         if self._takenBack:
