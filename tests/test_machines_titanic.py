@@ -250,8 +250,14 @@ def test_a_service_has_as_many_requests_out_as_workers_and_twice_that_held() -> 
     machine.handleReply("id-1", [b"1"], 1.0)
     actions = machine.handleReplyStored("id-1", 1.0)
     assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-3"]
+    assert kinds(actions, LoadPending) == []  # its next ones are in hand: no read
+    assert [r.id for r in machine.queue] == ["id-4", "id-5"]
+    machine.handleReply("id-2", [b"2"], 2.0)
+    assert kinds(machine.handleReplyStored("id-2", 2.0), LoadPending) == []
+    machine.handleReply("id-3", [b"3"], 3.0)
+    actions = machine.handleReplyStored("id-3", 3.0)  # none in hand: read the store
     (again,) = kinds(actions, LoadPending)
-    assert again.skipServices == [] and set(again.skipIds) == {"id-2", "id-3", "id-4", "id-7"}
+    assert again.skipServices == [] and set(again.skipIds) == {"id-4", "id-5", "id-6", "id-7"}
     assert kinds(machine.handleCounted(b"gone", 0, 2.0), Parked) == []  # never asked
 
 

@@ -214,6 +214,10 @@ class DispatchMachine(Machine):
         #: services with as many requests held as they may have: the store
         #: may hold more of theirs, read once one of theirs is done
         self._full: set[bytes] = set()
+        #: requests of services with as many held as they may have, read
+        #: beyond that, oldest first (at most a window of them, outside it):
+        #: the next to go when a place of theirs frees, with no read
+        self._spare: list[StoredRequest] = []
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
@@ -247,7 +251,7 @@ class DispatchMachine(Machine):
         if len(requests) >= limit:
             self._dirty = True  # there may be more
         if self.running:
-            held = set(self.inflight) | {r.id for r in self.queue}
+            held = set(self.inflight) | {r.id for r in self.queue} | {r.id for r in self._spare}
             self.queue.extend(r for r in requests if r.id not in held)
             # reloaded requests (a service unparked, an attempt failed) take
             # their place by age again
@@ -335,6 +339,7 @@ class DispatchMachine(Machine):
                 self.queue.remove(request)
                 self._freed(request.service)
                 break
+        self._spare = [r for r in self._spare if r.id != requestId]
         self._pump()
         return self._drain()
 
@@ -352,6 +357,7 @@ class DispatchMachine(Machine):
         self.inflight.clear()
         self.services.clear()
         self._full.clear()
+        self._spare.clear()
         self._storing.clear()
         self._unsaved.clear()
         self._dirty = self._loading = False
@@ -371,7 +377,7 @@ class DispatchMachine(Machine):
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: if others were left
         in the store for want of room, read them."""
-        if service in self._full:
+        if service in self._full and not any(r.service == service for r in self._spare):
             self._full.discard(service)
             self._dirty = True
 
@@ -416,7 +422,8 @@ class DispatchMachine(Machine):
         """Drop what is known of services nothing is held for: unasked ones,
         and ones unparked long ago and not seen since (so the table does not
         grow with every name ever submitted)."""
-        held = {r.service for r in self.queue} | {r.service for r in self.inflight.values()}
+        held = ({r.service for r in self.queue} | {r.service for r in self.inflight.values()}
+                | {r.service for r in self._spare})
         stale = self.now - 2 * self.backoff.maximum
         for name, entry in list(self.services.items()):
             if name in held or entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
@@ -429,6 +436,9 @@ class DispatchMachine(Machine):
     def _pump(self) -> None:
         if not self.running:
             return
+        if self._spare:  # they take their place by age again, as far as there is room
+            self.queue = sorted(self.queue + self._spare, key=lambda r: r.created)
+            self._spare = []
         waiting: list[StoredRequest] = []
         out: dict[bytes, int] = {}  # requests out, by service
         for request in self.inflight.values():
@@ -464,6 +474,8 @@ class DispatchMachine(Machine):
             elif held.get(service, 0) < 2 * most:
                 waiting.append(request)
                 held[service] = held.get(service, 0) + 1
+            elif len(self._spare) < self.window:  # kept aside, the next of its to go
+                self._spare.append(request)
             else:  # back to the store's keeping, read again once one of its is done
                 self._full.add(service)
         self.queue = waiting
@@ -482,9 +494,10 @@ class DispatchMachine(Machine):
             full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
                     and e.workers and held.get(e.name, 0) >= 2 * e.workers]
             self._full.update(full)
-            parked = sorted([e.name for e in self.services.values()
-                             if e.state is ServiceState.PARKED] + full)
-            held = [r.id for r in self.queue] + list(self.inflight)
+            spare = {r.service for r in self._spare}
+            parked = sorted({e.name for e in self.services.values()
+                             if e.state is ServiceState.PARKED} | set(full) | spare)
+            held = [r.id for r in self.queue] + list(self.inflight) + [r.id for r in self._spare]
             self._emit(LoadPending(room, parked, held))
         self._setWake(self._nextWake())
 
