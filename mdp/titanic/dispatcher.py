@@ -16,8 +16,9 @@ drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
   as many as it has workers (``mmi.workers``): more would wait in the
   broker's queue with their attempt's clock running, and be sent again when
   it ran out, while the first copy still runs.  Of one service, at most twice
-  that are held; the rest wait in the store, so a service with a long
-  backlog leaves the window to the others.  A reply (or a final error
+  that are held; the rest wait in the store (those read already, up to a
+  window of them, kept aside as its next), so a service with a long backlog
+  leaves the window to the others.  A reply (or a final error
   reply: the worker's handler raised, or the message is too large) is stored;
   the request counts as done once the store has committed it.  A request
   whose attempt failed stays pending and is sent again, as long as it is not
