@@ -573,6 +573,42 @@ async def test_a_dealer_turned_away_at_a_listeners_cap_backs_off(net: Net) -> No
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)
 @pytest_twisted.ensureDeferred
+async def test_connections_this_side_closes_are_no_failed_attempts(net: Net) -> None:
+    """A client's channels to a broker that has not answered yet, each
+    closed here soon after it was opened (a request given up): no one
+    turned them away, so the backoff of the next loss starts at its first
+    step, not at 32 s."""
+    receiver = RawRouter()
+    receiver.clock = net.reactor
+    bound = await net.wait(stream.StreamRouter.listen(net.bindEndpoint(), receiver, net.reactor))
+    net.addCleanup(bound.close)
+    link = stream.StreamChannels(bound.endpoint, net.reactor)
+    net.addCleanup(link.close)
+
+    class Pipe:
+        made = 0
+
+        def connectionMade(self) -> None:
+            self.made += 1
+
+        def messageReceived(self, frames: list[bytes]) -> None:
+            pass
+
+        def connectionLost(self, reason: object) -> None:
+            pass
+
+    for n in range(4):
+        receiver_ = Pipe()
+        pipe = link.open(receiver_)
+        pipe.sendMessage([b"request %d" % n])
+        await net.until(lambda n=n: len(receiver.received) == n + 1, timeout=10)
+        pipe.close()
+        await net.until(lambda: link.protocol is None, timeout=10)
+    assert link._unproven == 0
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
 async def test_the_descriptor_budget_caps_connections_as_max_connections_does(net: Net) -> None:
     """Below maxConnections, what the process's descriptor limit leaves
     (:func:`mdp.transport.stream.descriptor_budget`) is the cap: silent

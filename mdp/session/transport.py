@@ -14,6 +14,7 @@ when a session expires.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, Optional
 
@@ -63,6 +64,21 @@ def inner_endpoint(endpoint: str) -> str:
         raise TransportError(f"bad endpoint {endpoint!r}: a session endpoint starts with "
                              f"{PREFIX!r}, e.g. session+tcp:host=127.0.0.1:port=5555")
     return endpoint[len(PREFIX):]
+
+
+#: Twisted endpoint types whose connection attempt takes a ``timeout``
+_TIMED = ("tcp", "tcp6", "ssl", "tls", "unix")
+
+
+def bounded_attempts(endpoint: str, seconds: float) -> str:
+    """*endpoint* (a Twisted client endpoint string) with each connection
+    attempt bounded by *seconds* (whole, at least 1), unless it says its own
+    ``timeout``.  Left at Twisted's 30 s, an attempt made while a network cut
+    drops packets goes on long after the cut ends, past the session expiry."""
+    kind, _, rest = endpoint.partition(":")
+    if kind not in _TIMED or any(part.startswith("timeout=") for part in rest.split(":")):
+        return endpoint
+    return f"{endpoint}:timeout={max(1, math.ceil(seconds))}"
 
 
 def inner_limits(limits: Limits) -> Limits:
@@ -273,6 +289,7 @@ class SessionDealer(_End):
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
             maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
             now=reactor.seconds())
+        self.innerEndpoint = bounded_attempts(self.innerEndpoint, self.machine.deadAfter)
         self.backoff = backoff
         #: new connections made for a silent server since the last attach
         self.attempts = 0

@@ -1180,7 +1180,7 @@ class _DealerConnection(FramedProtocol):
         if (not self.proven and self.madeAt is not None
                 and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
             self._prove()
-        if not self.proven:
+        if not self.proven and not self.closedHere:  # (closed here: no one turned it away)
             self.dealer._unproven += 1
         self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
 
