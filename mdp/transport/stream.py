@@ -1513,7 +1513,11 @@ class _StreamChannel:
 
     def _up(self) -> None:
         self._call = cancel_call(self._call)
-        if not self.closed and not self.up and self.link.protocol is not None:
+        proto = self.link.protocol
+        # (not on a connection closing: what it held would go with it; the
+        # next connection brings it up)
+        if (not self.closed and not self.up and proto is not None and not proto.closing
+                and not proto.closedHere):
             self.up = True
             try:
                 self.receiver.connectionMade()
