@@ -687,7 +687,8 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
         else:
             await client.close(sub["id"])
     except MDPError as e:
-        hint = await _noTitanic(client, command) if isinstance(e, RequestTimeout) else ""
+        hint = (await _noTitanic(client, command, min(2.0, sub["timeout"]))
+                if isinstance(e, RequestTimeout) else "")
         _error(f"mdp titanic {command}: {e}{hint}")
         status = 1
     finally:
@@ -696,13 +697,13 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
         raise SystemExit(status)
 
 
-async def _noTitanic(client: Any, command: str) -> str:
+async def _noTitanic(client: Any, command: str, timeout: float) -> str:
     """Why a Titanic request timed out, if the broker can say: no worker
     serves that Titanic service (Titanic is not running, or has just
     stopped, while the broker still lists the service); else ""."""
     service = {"submit": "titanic.request", "result": "titanic.reply"}.get(command, "titanic.close")
     try:
-        listing = await client.client.request("mmi.workers", service, timeout=2.0, retries=1)
+        listing = await client.client.request("mmi.workers", service, timeout=timeout, retries=1)
         workers = json.loads(listing[0])
     except (MDPError, ValueError, IndexError):
         return ""

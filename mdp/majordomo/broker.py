@@ -681,6 +681,7 @@ class BrokerMachine(Machine):
         self._abandoned.clear()
         self._unknown.clear()
         self._takenBack.clear()
+        self._gone.clear()
         self._activeSince = None
         self._passive = False
         self._outbox = []

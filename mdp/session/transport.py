@@ -66,8 +66,9 @@ def inner_endpoint(endpoint: str) -> str:
     return endpoint[len(PREFIX):]
 
 
-#: Twisted endpoint types whose connection attempt takes a ``timeout``
-_TIMED = ("tcp", "tcp6", "ssl", "tls", "unix")
+#: inner endpoint types (of those a session runs over) whose connection
+#: attempt takes a ``timeout=``
+_TIMED = ("tcp",)
 
 
 def bounded_attempts(endpoint: str, seconds: float) -> str:
