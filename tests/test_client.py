@@ -429,3 +429,29 @@ async def test_a_retry_goes_to_the_next_broker_not_an_idle_connection_to_the_sil
     assert frames[-1] == b"x"
     final(b, peer, b"svc", b"ok")
     assert await clocknet.wait(d) == [b"ok"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_fires_once_its_connections_are_closed() -> None:
+    """Over TCP: when close() has fired, no connection of the client is
+    left open (a trial test, or a service stopping, finds none)."""
+    from twisted.internet import reactor as real
+
+    from mdp import Broker, Worker
+    from tests.test_mdp_behaviour import echo
+
+    broker = Broker(real)
+    bound = await broker.listen("tcp:0:interface=127.0.0.1")
+    endpoint = bound.endpoint
+    worker = Worker(endpoint, "echo", echo, real)
+    worker.start()
+    client = Client(endpoint, real, timeout=5.0, retries=1)
+    try:
+        assert await client.request("echo", b"x") == [b"x"]
+        (link,) = client._links.values()
+        sockets = [link.protocol.transport]
+        await client.close()
+        assert all(s.disconnected for s in sockets)
+    finally:
+        await worker.stop()
+        await broker.close()

@@ -1094,12 +1094,13 @@ class Client(ClientCore):
         return replies
 
     def close(self) -> defer.Deferred[None]:
-        """Fail every pending request with :class:`ClientClosed` and close."""
+        """Fail every pending request with :class:`ClientClosed` and close;
+        the Deferred fires once every connection is closed (so a test, or a
+        service stopping, finds none left open)."""
         self._perform(self.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
-        for link in links.values():
-            link.close()
-        return defer.succeed(None)
+        closing = [defer.maybeDeferred(link.close) for link in links.values()]
+        return defer.DeferredList(closing, consumeErrors=True).addCallback(_closed)
 
     # --- the driver ------------------------------------------------------------
 
@@ -1170,6 +1171,13 @@ class Client(ClientCore):
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Client, IClient)
+
+
+def _closed(results: list[tuple[bool, Any]]) -> None:
+    """What closing a client's connections came to: a failure is logged."""
+    for ok, result in results:
+        if not ok:
+            log.failure("closing a client connection failed", result)
 
 _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 

@@ -1570,6 +1570,8 @@ class StreamChannels(_OneConnection):
         self.queued = 0
         self.queuedBytes = 0
         self._next = 0
+        #: fires once the connection being closed is (None: none is)
+        self._closing: Optional[defer.Deferred[None]] = None
         self._throttle = LogThrottle(reactor)
         self._waiters = DrainWaiters()
         #: the messages of the read being delivered, and the next one's index
@@ -1748,12 +1750,20 @@ class StreamChannels(_OneConnection):
         self.queuedBytes = 0
         self._waiters.fire()
         if service is None:
-            return defer.succeed(None)
+            # (the connection of the last pipe closed may still be closing)
+            return _after(self._closing)
         if proto is not None:
             proto.beforeStop()
         stopped: defer.Deferred[None] = defer.Deferred()
-        service.stopService().addBoth(lambda result: stopped.callback(None))
-        return stopped
+        self._closing = stopped
+
+        def done(result: object) -> None:
+            if self._closing is stopped:
+                self._closing = None
+            stopped.callback(None)
+
+        service.stopService().addBoth(done)
+        return _after(stopped)
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the connection."""
@@ -1764,6 +1774,15 @@ class StreamChannels(_OneConnection):
             self._release(channel)
         self.channels.clear()
         return self._stop()
+
+
+def _after(closing: Optional[defer.Deferred[None]]) -> defer.Deferred[None]:
+    """A Deferred of its own that fires when *closing* has (at once if None)."""
+    if closing is None or closing.called:
+        return defer.succeed(None)
+    mine: defer.Deferred[None] = defer.Deferred()
+    closing.addBoth(lambda result: (mine.callback(None), result)[1])
+    return mine
 
 
 # --- endpoint schemes ---------------------------------------------------------
