@@ -530,3 +530,30 @@ async def test_both_ways_of_reading_pending_requests_find_the_same(
         monkeypatch.setattr(module, "SCAN_BUDGET", 0)  # always service by service
         assert [[p.id for p in await store.pending(*case)] for case in cases] == found
     assert found[2] == [] and len(found[1]) == 60 - 9 and found[0][0] not in ids[:5]
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_the_memory_store_reads_pending_requests_as_the_sqlite_store_does(
+        tmp_path: Any) -> None:
+    """Oldest first across services, leaving out services and ids (the
+    memory store keeps them by service, so a parked backlog is not passed)."""
+    memory = MemoryStore()
+    async with opened(str(tmp_path / "same.db")) as sqlite:
+        ids: dict[Any, list[str]] = {memory: [], sqlite: []}
+        for n in range(60):
+            for store in (memory, sqlite):
+                ids[store].append(await store.add(b"svc-%d" % (n % 7), [b"%d" % n], float(n)))
+        for store in (memory, sqlite):  # some answered, some closed
+            for n in (3, 10, 11):
+                await store.complete(ids[store][n], [b"done"], 100.0)
+            await store.forget(ids[store][12])
+        cases = [(16, [b"svc-1", b"svc-4"], range(5)), (100, [b"svc-0"], ()),
+                 (3, [b"svc-%d" % n for n in range(7)], ()), (8, [b"svc-6"], range(10, 40))]
+        found = {}
+        for store in (memory, sqlite):
+            found[store] = [[p.frames[0] for p in await store.pending(
+                limit, skip, [ids[store][n] for n in skipIds])]
+                for limit, skip, skipIds in cases]
+        assert found[memory] == found[sqlite]
+        assert found[memory][0][:3] == [b"5", b"6", b"7"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import fcntl
+import heapq
 import json
 import os
 import sqlite3
@@ -116,9 +117,11 @@ class MemoryStore:
     def __init__(self) -> None:
         #: id -> [service, frames, created, reply or None, completed]
         self._entries: dict[str, list[Any]] = {}
-        #: the ids without a reply, oldest first (so reading them costs no
-        #: pass over the replies kept)
-        self._pending: dict[str, None] = {}
+        #: the ids without a reply, by service, oldest first, each with its
+        #: number in the order stored (so reading them costs no pass over the
+        #: replies kept, nor over the requests of services left out)
+        self._pending: dict[bytes, dict[str, int]] = {}
+        self._stored = 0
         #: the ids with a reply, in the order they got it (what purge drops first)
         self._done: dict[str, float] = {}
 
@@ -127,27 +130,37 @@ class MemoryStore:
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
         requestId = new_id()
-        self._entries[requestId] = [bytes(service), list(frames), now, None, None]
-        self._pending[requestId] = None
+        service = bytes(service)
+        self._entries[requestId] = [service, list(frames), now, None, None]
+        self._stored += 1
+        self._pending.setdefault(service, {})[requestId] = self._stored
         return defer.succeed(requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        found: list[StoredRequest] = []
         skipServices, skipIds = set(skipServices), set(skipIds)
-        for requestId in self._pending:
-            if len(found) >= limit:
-                break
+        oldest: list[tuple[int, str]] = []
+        for service, ids in self._pending.items():
+            if service in skipServices:
+                continue
+            taken = 0
+            for requestId, number in ids.items():
+                if taken >= limit:
+                    break
+                if requestId not in skipIds:
+                    oldest.append((number, requestId))
+                    taken += 1
+        found = []
+        for _, requestId in heapq.nsmallest(limit, oldest):
             service, frames, created, _, _ = self._entries[requestId]
-            if service not in skipServices and requestId not in skipIds:
-                found.append(StoredRequest(requestId, service, list(frames), created))
+            found.append(StoredRequest(requestId, service, list(frames), created))
         return defer.succeed(found)
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         entry = self._entries.get(requestId)
         if entry is not None and entry[3] is None:
             entry[3], entry[4] = list(reply), now
-            del self._pending[requestId]
+            self._unpend(entry[0], requestId)
             self._done[requestId] = now
         return defer.succeed(None)
 
@@ -160,10 +173,16 @@ class MemoryStore:
         return defer.succeed((ReplyStatus.DONE, list(entry[3])))
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
-        self._entries.pop(requestId, None)
-        self._pending.pop(requestId, None)
+        entry = self._entries.pop(requestId, None)
+        if entry is not None:
+            self._unpend(entry[0], requestId)
         self._done.pop(requestId, None)
         return defer.succeed(None)
+
+    def _unpend(self, service: bytes, requestId: str) -> None:
+        ids = self._pending.get(service)
+        if ids is not None and ids.pop(requestId, None) is not None and not ids:
+            del self._pending[service]
 
     def purge(self, before: float) -> defer.Deferred[int]:
         old = []
