@@ -52,7 +52,6 @@ status 2.  Frames given as arguments are their bytes as the OS gave them.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -702,12 +701,13 @@ async def _noTitanic(client: Any, command: str, timeout: float) -> str:
     serves that Titanic service (Titanic is not running, or has just
     stopped, while the broker still lists the service); else ""."""
     service = {"submit": "titanic.request", "result": "titanic.reply"}.get(command, "titanic.close")
+    from mdp.majordomo import mmi
+
     try:
         listing = await client.client.request("mmi.workers", service, timeout=timeout, retries=1)
-        workers = json.loads(listing[0])
-    except (MDPError, ValueError, IndexError):
+    except MDPError:
         return ""
-    if workers != []:
+    if mmi.workers_listed(listing) != 0:
         return ""
     return (f"; the broker answers, but no Titanic serves {service} there "
             "(start one: twist mdp-titanic)")

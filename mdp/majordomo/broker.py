@@ -1023,7 +1023,7 @@ class BrokerMachine(Machine):
             log.info("worker {peer} for {service} disconnected",
                      peer=peer_label(key[1]), service=label(worker.service.name))
             self._removeWorker(worker)
-            self._forget(key)
+            self._markGone(key)
         else:  # READY again, or REQUEST from a worker: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
 
@@ -1289,9 +1289,9 @@ class BrokerMachine(Machine):
         gets DISCONNECTs from holding a connection slot)."""
         self._send(key, dialect, codec.DISCONNECT)
         self._emit(DropPeer(key))
-        self._forget(key)
+        self._markGone(key)
 
-    def _forget(self, key: PeerKey) -> None:
+    def _markGone(self, key: PeerKey) -> None:
         """*key* is told DISCONNECT, or said it: nothing more goes to it
         (bounded: the oldest such keys go first)."""
         gone = self._gone

@@ -1099,8 +1099,7 @@ class Client(ClientCore):
         service stopping, finds none left open)."""
         self._perform(self.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
-        closing = [defer.maybeDeferred(link.close) for link in links.values()]
-        return defer.DeferredList(closing, consumeErrors=True).addCallback(_closed)
+        return transport.close_all(links.values(), "a client connection")
 
     # --- the driver ------------------------------------------------------------
 
@@ -1172,12 +1171,6 @@ class Client(ClientCore):
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Client, IClient)
 
-
-def _closed(results: list[tuple[bool, Any]]) -> None:
-    """What closing a client's connections came to: a failure is logged."""
-    for ok, result in results:
-        if not ok:
-            log.failure("closing a client connection failed", result)
 
 _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 

@@ -60,6 +60,21 @@ def _listing(entries: Any, total: int) -> list[bytes]:
     return frames
 
 
+def workers_listed(reply: Sequence[bytes]) -> Optional[int]:
+    """How many workers an ``mmi.workers`` *reply* lists (its total, when
+    it was truncated), or None if it is no such listing (a ``501`` from a
+    broker without it, say)."""
+    try:
+        listing = json.loads(reply[0])
+        more = json.loads(reply[1]) if len(reply) > 1 else {}
+        count = more.get("total", len(listing)) if more.get("truncated") else len(listing)
+    except (ValueError, IndexError, AttributeError, TypeError, UnicodeDecodeError):
+        return None
+    if not isinstance(listing, list) or not isinstance(count, int) or isinstance(count, bool):
+        return None
+    return count
+
+
 def _worker(worker: Any, withId: bool = True) -> dict[str, Any]:
     entry = {
         "service": worker.service.decode("ascii"),

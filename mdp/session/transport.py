@@ -48,7 +48,7 @@ from mdp.session.machines import (
     UnknownSession,
     over_limits,
 )
-from mdp.transport.flow import DrainWaiters
+from mdp.transport.flow import DrainWaiters, after
 
 log = Logger()
 
@@ -468,7 +468,7 @@ class SessionDealer(_End):
         :attr:`CLOSE_GRACE` seconds while the session is attached (nothing
         more is taken meanwhile), and warned about if still not."""
         if self._closing is not None:
-            return self._after(self._closing)
+            return after(self._closing)
         if self.closed:
             return self._close(warn=False)
         if not self.machine.seq.unacked or self.machine.state != "attached":
@@ -483,21 +483,7 @@ class SessionDealer(_End):
             return self._close()
 
         self._closing = defer.maybeDeferred(check)
-        return self._after(self._closing)
-
-    @staticmethod
-    def _after(closing: defer.Deferred[None]) -> defer.Deferred[None]:
-        """A Deferred of the caller's own, fired once *closing* is: what one
-        caller does with it (cancel it, say) is not the others'."""
-        mine: defer.Deferred[None] = defer.Deferred()
-
-        def done(result: Any) -> Any:
-            if not mine.called:
-                mine.callback(None)
-            return result
-
-        closing.addBoth(done)
-        return mine
+        return after(self._closing)
 
     def _close(self, warn: bool = True) -> defer.Deferred[None]:
         if warn and self.machine.seq.unacked:

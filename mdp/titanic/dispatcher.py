@@ -32,7 +32,6 @@ drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
 from __future__ import annotations
 
 import enum
-import json
 import math
 from typing import Any, Optional, Sequence, Union
 
@@ -52,6 +51,7 @@ from mdp.errors import (
     TransportError,
 )
 from mdp.machine import Machine, action_class
+from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
@@ -472,7 +472,7 @@ class DispatchMachine(Machine):
                 self._emit(Dispatch(request))
                 out[service] = out.get(service, 0) + 1
                 held[service] = held.get(service, 0) + 1
-            elif held.get(service, 0) < 2 * most:
+            elif held.get(service, 0) < self._mostHeld(entry):
                 waiting.append(request)
                 held[service] = held.get(service, 0) + 1
             elif len(self._spare) < self.window:  # kept aside, the next of its to go
@@ -493,7 +493,7 @@ class DispatchMachine(Machine):
             self._dirty = False
             self._loading = True
             full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
-                    and e.workers and held.get(e.name, 0) >= 2 * e.workers]
+                    and held.get(e.name, 0) >= self._mostHeld(e)]
             self._full.update(full)
             spare = {r.service for r in self._spare}
             parked = sorted({e.name for e in self.services.values()
@@ -501,6 +501,11 @@ class DispatchMachine(Machine):
             held = [r.id for r in self.queue] + list(self.inflight) + [r.id for r in self._spare]
             self._emit(LoadPending(room, parked, held))
         self._setWake(self._nextWake())
+
+    def _mostHeld(self, entry: _Service) -> int:
+        """Requests of *entry*'s service held at most (out and waiting): twice
+        its workers (not known: no bound but the window's)."""
+        return 2 * (entry.workers or self.window)
 
     def _nextWake(self) -> Optional[float]:
         times = [e.until for e in self.services.values() if e.state is ServiceState.PARKED]
@@ -678,17 +683,11 @@ class Dispatcher(DispatchMachine):
         counted, checked = self._then(self.handleCounted), self._then(self.handleChecked)
 
         def answered(reply: list[bytes]) -> None:
-            try:
-                listing = json.loads(reply[0])
-                more = json.loads(reply[1]) if len(reply) > 1 else {}
-                workers = more.get("total", len(listing)) if more.get("truncated") else len(listing)
-                if (not isinstance(listing, list) or not isinstance(workers, int)
-                        or isinstance(workers, bool)):
-                    raise ValueError(workers)
-            except (ValueError, IndexError, AttributeError, TypeError, UnicodeDecodeError):
+            workers = mmi.workers_listed(reply)
+            if workers is None:
                 self._checkAvailable(service)
-                return
-            counted(service, workers)
+            else:
+                counted(service, workers)
 
         def failed(failure: Failure) -> None:
             if failure.check(defer.CancelledError):

@@ -62,6 +62,7 @@ __all__ = [
     "beyond_loopback",
     "check",
     "check_curve_client",
+    "close_all",
     "connect",
     "connect_channels",
     "connect_peers",
@@ -306,15 +307,21 @@ class _Separately:
         """Close every pipe opened (closing one twice is harmless); fires
         once all are closed."""
         pipes, self.pipes = list(self.pipes), weakref.WeakSet()
-        closing = [defer.maybeDeferred(pipe.close) for pipe in pipes]
-        done: defer.Deferred[Any] = defer.DeferredList(closing, consumeErrors=True)
-        return done.addCallback(self._closed)
+        return close_all(pipes, "a pipe to " + self.endpoint)
 
-    def _closed(self, results: list[tuple[bool, Any]]) -> None:
+
+def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
+    """Close each of *closables* (anything with a ``close()`` that may return
+    a Deferred); fires once all are closed.  One that fails is logged as
+    *what*; the others are closed all the same."""
+    closing = [defer.maybeDeferred(each.close) for each in closables]
+
+    def closed(results: list[tuple[bool, Any]]) -> None:
         for ok, result in results:
-            if not ok:  # the others are closed all the same
-                _log.failure("closing a pipe to {endpoint} failed", result,
-                             endpoint=self.endpoint)
+            if not ok:
+                _log.failure("closing {what} failed", result, what=what)
+
+    return defer.DeferredList(closing, consumeErrors=True).addCallback(closed)
 
 
 def connect_channels(

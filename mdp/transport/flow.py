@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from twisted.internet import defer
+
+
+def after(d: Optional[defer.Deferred[Any]]) -> defer.Deferred[None]:
+    """A Deferred of the caller's own, fired once *d* has (at once if there
+    is none, or it has fired): what one caller does with it (cancel it, say)
+    is not the others'."""
+    if d is None or d.called:
+        return defer.succeed(None)
+    mine: defer.Deferred[None] = defer.Deferred()
+
+    def done(result: Any) -> Any:
+        if not mine.called:
+            mine.callback(None)
+        return result
+
+    d.addBoth(done)
+    return mine
 
 
 class DrainWaiters:

@@ -79,7 +79,7 @@ from mdp.policy import (
     default_reactor,
     held_bytes,
 )
-from mdp.transport.flow import DrainWaiters
+from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framing import CHANNELS_GREETING, RECORDS, RecordDecoder, encode_record
 from mdp.transport.registry import LISTEN, Scheme, check_port, split_description
 
@@ -1751,7 +1751,7 @@ class StreamChannels(_OneConnection):
         self._waiters.fire()
         if service is None:
             # (the connection of the last pipe closed may still be closing)
-            return _after(self._closing)
+            return after(self._closing)
         if proto is not None:
             proto.beforeStop()
         stopped: defer.Deferred[None] = defer.Deferred()
@@ -1763,7 +1763,7 @@ class StreamChannels(_OneConnection):
             stopped.callback(None)
 
         service.stopService().addBoth(done)
-        return _after(stopped)
+        return after(stopped)
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the connection."""
@@ -1774,15 +1774,6 @@ class StreamChannels(_OneConnection):
             self._release(channel)
         self.channels.clear()
         return self._stop()
-
-
-def _after(closing: Optional[defer.Deferred[None]]) -> defer.Deferred[None]:
-    """A Deferred of its own that fires when *closing* has (at once if None)."""
-    if closing is None or closing.called:
-        return defer.succeed(None)
-    mine: defer.Deferred[None] = defer.Deferred()
-    closing.addBoth(lambda result: (mine.callback(None), result)[1])
-    return mine
 
 
 # --- endpoint schemes ---------------------------------------------------------
