@@ -289,3 +289,36 @@ def test_places_freed_one_at_a_time_by_parked_services_make_one_read_for_many() 
     for n in range(16):
         reads += kinds(machine.handleCounted(b"gone-%d" % n, 0, 0.1 + n / 100), LoadPending)
     assert [r.limit for r in reads] == [8]  # after half the window, not after each one
+
+
+def test_a_service_with_no_worker_the_broker_still_knows_gets_one_request_at_a_time() -> None:
+    """mmi.workers counted none, mmi.service said 200: its worker is
+    restarting (the broker keeps the service for its linger, and queues a
+    request for it), so one request goes out to wait there rather than the
+    service being parked; once it replied, the workers are counted again."""
+    machine, load = started(concurrency=4)
+    machine.handleLoaded([req(1), req(2), req(3), req(4, b"other")], load.limit, 0.0)
+    actions = machine.handleLingering(b"echo", 0.1)
+    assert kinds(actions, Parked) == []
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1"]
+    assert machine.services[b"echo"].state is ServiceState.AVAILABLE
+    actions = machine.handleCounted(b"other", 1, 0.2)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-4"]  # others go on
+    machine.handleReply("id-1", [b"1"], 0.6)  # the worker is back
+    actions = machine.handleReplyStored("id-1", 0.6)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    assert kinds(actions, Dispatch) == []
+    actions = machine.handleCounted(b"echo", 2, 0.7)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-2", "id-3"]
+
+
+def test_a_request_to_a_service_the_broker_stops_knowing_parks_it() -> None:
+    """The one request sent while its worker restarted fails (the worker
+    did not come back: the broker answers 503 once it expires): parked."""
+    machine, load = started(concurrency=4)
+    machine.handleLoaded([req(1), req(2)], load.limit, 0.0)
+    machine.handleLingering(b"echo", 0.1)
+    assert list(machine.inflight) == ["id-1"]
+    actions = machine.handleFailed("id-1", "no worker for service 'echo'", 30.1)
+    assert kinds(actions, Parked) == [Parked(b"echo", 1.0, "no worker for service 'echo'")]
+    assert kinds(actions, Dispatch) == [] and machine.queue == []

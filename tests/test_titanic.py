@@ -114,6 +114,39 @@ async def test_a_request_for_a_service_with_no_worker_is_done_once_one_starts(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_request_for_a_service_whose_worker_is_restarting_waits_in_the_broker(
+        clocknet: LoopbackNet) -> None:
+    """Its worker left a moment ago: the broker keeps the service for its
+    linger (mmi.workers counts none, mmi.service answers 200) and queues a
+    request for it.  Titanic sends the request there rather than park the
+    service for a backoff step, so it is served as soon as the worker is back."""
+    from mdp.titanic.dispatcher import ServiceState
+
+    broker, client, endpoint, node = await whole(clocknet)
+    name = b"restarting"
+    worker = start_worker(clocknet, endpoint, name.decode(), echo)
+    await clocknet.until(lambda: broker.snapshot(service=name).workerCount == 1)
+    await clocknet.wait(worker.stop())
+    await clocknet.until(lambda: broker.snapshot(service=name).workerCount == 0)
+    assert broker.isServiceAvailable(name)  # known still: within its linger
+
+    def queued() -> int:
+        return sum(s.queued for s in broker.snapshot().services if s.name == name)
+
+    ids = [await clocknet.wait(client.submit(name.decode(), b"%d" % n)) for n in range(3)]
+    await clocknet.until(lambda: queued() == 1, timeout=0.5)
+    assert node.dispatcher.services[name].state is ServiceState.AVAILABLE  # not parked
+    clocknet.advance(2)
+    assert queued() == 1  # one at a time while no worker is there
+    served: list[float] = []
+    back = clocknet.reactor.seconds()
+    start_worker(clocknet, endpoint, name.decode(),
+                 lambda f: (served.append(clocknet.reactor.seconds()), f)[1])
+    assert [await clocknet.wait(client.result(i)) for i in ids] == [[b"0"], [b"1"], [b"2"]]
+    assert len(served) == 3 and served[0] - back < 0.5  # at once, not a backoff step later
+
+
+@pytest_twisted.ensureDeferred
 async def test_call_is_submit_result_close(clocknet: LoopbackNet) -> None:
     broker, client, endpoint, node = await whole(clocknet)
     start_worker(clocknet, endpoint, "echo", echo)

@@ -7,15 +7,23 @@ drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
   (never the whole store), leaving out the requests it already holds and the
   services it has parked.
 * Before it sends a service its first request it asks the broker
-  ``mmi.workers`` (a broker without it: ``mmi.service``); a service with no
-  worker is **parked** and so is one whose
-  request failed or timed out.  A parked service is asked again after a
-  backoff (per service, doubling up to a maximum) and its requests wait in the
-  store meanwhile, so they never hold up other services' requests.
+  ``mmi.workers`` how many workers it has (a broker without it:
+  ``mmi.service``).  None counted, it asks ``mmi.service`` too: a ``200``
+  says the broker still knows the service (its last worker left less than
+  the broker's ``serviceLinger`` ago: restarting, most likely), and a
+  request sent now waits in the broker's queue until the worker is back, so
+  its requests go out one at a time; any other answer **parks** it.  A
+  service whose request failed or timed out is parked too.  A parked service
+  is asked again after a backoff (per service, doubling up to a maximum) and
+  its requests wait in the store meanwhile, so they never hold up other
+  services' requests.
 * At most *concurrency* requests are out at once, and of one service at most
-  as many as it has workers (``mmi.workers``): more would wait in the
+  as many as it has workers (``mmi.workers``; one while it has none but the
+  broker still knows it): more would wait in the
   broker's queue with their attempt's clock running, and be sent again when
-  it ran out, while the first copy still runs.  Of one service, at most twice
+  it ran out, while the first copy still runs.  Once a reply of a service
+  counted with no worker is stored, its worker is back: it is counted again.
+  Of one service, at most twice
   that are held; the rest wait in the store (those read already, up to a
   window of them, kept aside as its next), so a service with a long backlog
   leaves the window to the others.  A reply (or a final error
@@ -91,11 +99,12 @@ class ServiceState(enum.Enum):
 
     #: not asked yet (or the last answer is too old)
     UNKNOWN = "unknown"
-    #: the broker asked (``mmi.workers``), no answer yet
+    #: the broker asked (``mmi.workers``, then maybe ``mmi.service``), no answer yet
     CHECKING = "checking"
-    #: it has a worker: requests go out
+    #: it has a worker, or the broker still knows it (its worker restarting):
+    #: requests go out
     AVAILABLE = "available"
-    #: no worker, or a request failed: ask again later
+    #: no worker and unknown to the broker, or a request failed: ask again later
     PARKED = "parked"
 
 
@@ -110,7 +119,8 @@ class _Service:
         #: AVAILABLE: trusted until; PARKED: parked until
         self.until = 0.0
         self.reason = ""
-        #: its workers, as the broker last said (None: not known)
+        #: its workers, as the broker last said (None: not known; 0: none,
+        #: but the broker still knows the service: one request out at a time)
         self.workers: Optional[int] = None
 
 
@@ -128,8 +138,9 @@ class LoadPending:
 
 @action_class
 class CheckService:
-    """Ask the broker how many workers *service* has (``mmi.workers``, or
-    whether it has any: ``mmi.service``)."""
+    """Ask the broker how many workers *service* has (``mmi.workers``), and
+    if none, whether it still knows it (``mmi.service``); a broker without
+    ``mmi.workers``: whether it has any (``mmi.service``)."""
 
     service: bytes
 
@@ -292,6 +303,19 @@ class DispatchMachine(Machine):
         return self.handleChecked(service, workers > 0, "" if workers > 0
                                   else "no worker (mmi.workers)", now)
 
+    def handleLingering(self, service: bytes, now: float) -> list[Action]:
+        """The answer to CheckService when ``mmi.workers`` counted no worker
+        but ``mmi.service`` says ``200``: the broker still knows *service*
+        (its last worker left less than the broker's linger ago, restarting)
+        and queues a request for it until a worker is back.  One of its
+        requests goes out at a time, rather than all of them parked."""
+        entry = self.services.get(service)
+        if entry is not None and entry.state is ServiceState.CHECKING:
+            entry.workers = 0
+            if service in self._full:
+                self._dirty = True  # it may take more now
+        return self.handleChecked(service, True, "", now)
+
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
         """A request's final reply (or final error reply) arrived."""
         self.now = now
@@ -317,7 +341,12 @@ class DispatchMachine(Machine):
         request = self.inflight.pop(requestId, None)
         self._storing.pop(requestId, None)
         if request is not None:
-            self._service(request.service).failures = 0
+            entry = self._service(request.service)
+            entry.failures = 0
+            if entry.workers == 0 and entry.state is ServiceState.AVAILABLE:
+                # counted with no worker, and it replied: its worker is back,
+                # count them again rather than send one at a time
+                entry.state = ServiceState.UNKNOWN
             self._freed(request.service)
         self._storeFailures = 0
         self._pump()
@@ -463,8 +492,7 @@ class DispatchMachine(Machine):
             if entry.state is ServiceState.UNKNOWN:
                 entry.state = ServiceState.CHECKING
                 self._emit(CheckService(entry.name))
-            # (a service whose workers are not known is bound by concurrency alone)
-            most = entry.workers or self.window
+            most = self._mostOut(entry)
             service = request.service
             if (entry.state is ServiceState.AVAILABLE and len(self.inflight) < self.concurrency
                     and out.get(service, 0) < most):
@@ -502,10 +530,19 @@ class DispatchMachine(Machine):
             self._emit(LoadPending(room, parked, held))
         self._setWake(self._nextWake())
 
+    def _mostOut(self, entry: _Service) -> int:
+        """Requests of *entry*'s service out at most: as many as its workers;
+        one while it has none but the broker still knows it (it waits in the
+        broker's queue for the worker to come back); not known: no bound but
+        *concurrency*."""
+        if entry.workers is None:
+            return self.window
+        return max(entry.workers, 1)
+
     def _mostHeld(self, entry: _Service) -> int:
         """Requests of *entry*'s service held at most (out and waiting): twice
-        its workers (not known: no bound but the window's)."""
-        return 2 * (entry.workers or self.window)
+        as many as may be out."""
+        return 2 * self._mostOut(entry)
 
     def _nextWake(self) -> Optional[float]:
         times = [e.until for e in self.services.values() if e.state is ServiceState.PARKED]
@@ -676,9 +713,10 @@ class Dispatcher(DispatchMachine):
             lambda requests: loaded(requests, action.limit), trouble)
 
     def _check(self, service: bytes) -> None:
-        """Ask ``mmi.workers`` how many workers *service* has; a broker
-        without it (``501``, or an answer that is not its listing) is asked
-        ``mmi.service``, and the service's requests are then bound by
+        """Ask ``mmi.workers`` how many workers *service* has, and if none,
+        ``mmi.service`` whether the broker still knows it; a broker without
+        ``mmi.workers`` (``501``, or an answer that is not its listing) is
+        asked ``mmi.service``, and the service's requests are then bound by
         *concurrency* alone."""
         counted, checked = self._then(self.handleCounted), self._then(self.handleChecked)
 
@@ -686,6 +724,8 @@ class Dispatcher(DispatchMachine):
             workers = mmi.workers_listed(reply)
             if workers is None:
                 self._checkAvailable(service)
+            elif workers == 0:
+                self._checkLingering(service)
             else:
                 counted(service, workers)
 
@@ -698,6 +738,28 @@ class Dispatcher(DispatchMachine):
                 self._checkAvailable(service)
 
         d = self._track(self.client.request(b"mmi.workers", service,
+                                            timeout=min(self.timeout, 5.0)))
+        d.addCallbacks(answered, failed)
+
+    def _checkLingering(self, service: bytes) -> None:
+        """``mmi.workers`` counted no worker for *service*: ask ``mmi.service``
+        whether the broker still knows it.  A ``200`` (its worker left less
+        than the broker's linger ago) lets one request out to wait in the
+        broker's queue; any other answer, or none, parks it as the count
+        said."""
+        lingering, counted = self._then(self.handleLingering), self._then(self.handleCounted)
+
+        def answered(reply: list[bytes]) -> None:
+            if reply[:1] == [mmi.FOUND]:
+                lingering(service)
+            else:
+                counted(service, 0)
+
+        def failed(failure: Failure) -> None:
+            if not failure.check(defer.CancelledError):
+                counted(service, 0)
+
+        d = self._track(self.client.request(b"mmi.service", service,
                                             timeout=min(self.timeout, 5.0)))
         d.addCallbacks(answered, failed)
 
