@@ -6,7 +6,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp import Client, ClientClosed, RequestTimeout
+from mdp import Client, ClientClosed, RequestTimeout, StreamRestarted
 from mdp.majordomo import codec
 from tests.conftest import LoopbackNet, raw_router
 
@@ -118,6 +118,72 @@ async def test_cancel_abandons_the_request(clocknet: LoopbackNet) -> None:
     clocknet.advance(10)  # no timer left behind, no retry
     assert len(requests(router)) == 1
     assert clocknet.reactor.getDelayedCalls() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stream_failed_on_restart_frees_the_connection_for_one_waiting(
+        clocknet: LoopbackNet) -> None:
+    """A streamed reply that starts over fails a request with no onRestart
+    (StreamRestarted) while its connection still waits for that reply, as a
+    cancelled request's does: a request waiting for that connection gets a
+    fresh one at once, not at the failed request's deadline."""
+    router, client = await broker_and_client(clocknet, timeout=5.0, retries=1, maxConnections=1)
+    parts: list[list[bytes]] = []
+    streamed = client.request("svc", b"A", onPartial=parts.append)
+    clocknet.advance(0)
+    (_, peer, _), = requests(router)
+    waiting = client.request("svc", b"B")
+    router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"svc", b"part")
+    clocknet.advance(1.0)
+    assert parts == [[b"part"]] and len(requests(router)) == 1
+    router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"svc", codec.RESTART_MARKER)
+    clocknet.advance(0)
+    with pytest.raises(StreamRestarted):
+        await clocknet.wait(streamed)
+    (_, _, _), (sentAt, other, frames) = requests(router)
+    assert frames[-1] == b"B" and other != peer
+    assert sentAt == pytest.approx(1.0)
+    # the restarted reply's parts reach nobody: its connection is gone
+    router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"svc", b"again")
+    final(router, peer, b"svc", b"late")
+    final(router, other, b"svc", b"ok")
+    assert await clocknet.wait(waiting) == [b"ok"]
+    assert parts == [[b"part"]]
+    assert client._abandoned == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stream_failed_on_restart_keeps_its_connection_for_the_reply(
+        clocknet: LoopbackNet) -> None:
+    """With nobody waiting, the connection of a request failed by a restart
+    is kept for its reply, which it discards, and then serves the next
+    request; counted once, it is never taken from a live request later."""
+    router, client = await broker_and_client(clocknet, timeout=5.0, retries=1, maxConnections=1)
+    streamed = client.request("svc", b"A", onPartial=lambda part: None)
+    clocknet.advance(0)
+    (_, peer, _), = requests(router)
+    router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"svc", b"part")
+    router.send(peer, codec.CLIENT_HEADER, codec.C_PARTIAL, b"svc", codec.RESTART_MARKER)
+    with pytest.raises(StreamRestarted):
+        await clocknet.wait(streamed)
+    streamed.cancel()  # fired already: nothing more to abandon
+    assert client._abandoned == 1
+    final(router, peer, b"svc", b"late")
+    clocknet.advance(0)
+    # the late reply freed the connection: the next request goes out on it,
+    # and the one after waits for it rather than close it
+    second, third = client.request("svc", b"B"), client.request("svc", b"C")
+    clocknet.advance(0)
+    (_, _, _), (_, again, frames) = requests(router)
+    assert again == peer and frames[-1] == b"B"
+    final(router, peer, b"svc", b"b")
+    assert await clocknet.wait(second) == [b"b"]
+    clocknet.advance(0)
+    (_, lastPeer, frames) = requests(router)[-1]
+    assert lastPeer == peer and frames[-1] == b"C"
+    final(router, peer, b"svc", b"c")
+    assert await clocknet.wait(third) == [b"c"]
+    assert client._abandoned == 0
 
 
 @pytest_twisted.ensureDeferred

@@ -118,7 +118,9 @@ starts over — the broker gave it to another worker after its worker died
 or a timeout — the client calls ``onRestart()`` before the new attempt's
 parts.  Without ``onRestart`` such a request is not run again silently: it
 fails with :class:`~mdp.errors.StreamRestarted` (or, after a timeout, with
-:class:`~mdp.errors.RequestTimeout` instead of a retry).
+:class:`~mdp.errors.RequestTimeout` instead of a retry).  Failed on the
+restart marker, it is abandoned as a cancelled request is: its connection
+keeps it until the reply, unless a waiting request needs that connection.
 """
 
 from __future__ import annotations
@@ -195,8 +197,9 @@ class CallState(enum.Enum):
     IN_FLIGHT = "in flight"
     #: in flight, and PARTIALs of the current attempt were delivered
     STREAMING = "streaming"
-    #: answered, failed or cancelled (a cancelled one may still be carried,
-    #: abandoned, until its reply or deadline)
+    #: answered, failed or cancelled (a cancelled one, or one failed while
+    #: its reply was still due, may still be carried, abandoned, until its
+    #: reply or deadline)
     DONE = "done"
 
 
@@ -384,8 +387,10 @@ class ClientMachine(Machine):
         self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
         self._live = 0  # calls not done
         self._closed = False
-        #: connections kept for the reply of a cancelled request (at least
-        #: this many; see _reclaim)
+        #: connections kept for the reply of a request done (cancelled, or
+        #: failed while its reply is still due: _abandon), at most this many:
+        #: one later released or discarded is not subtracted, _reclaim finds
+        #: out; never fewer, so that a waiting request finds each one
         self._abandoned = 0
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
@@ -527,12 +532,11 @@ class ClientMachine(Machine):
         try:
             if self._done(call):
                 channel = call.channel
-                if channel is not None and channel.call is call:
-                    if not channel.sent:
-                        # it never went out: no reply will come, the connection is free
-                        self._release(channel)
-                    else:  # kept for its reply, unless a waiting request needs it
-                        self._abandoned += 1
+                if channel is not None and channel.call is call and not channel.sent:
+                    # it never went out: no reply will come, the connection is free
+                    self._release(channel)
+                else:  # kept for its reply, unless a waiting request needs it
+                    self._abandon(call)
         except Exception:
             log.failure("cancelling a request to {service} failed", service=label(call.service))
         return self._drain()
@@ -619,9 +623,10 @@ class ClientMachine(Machine):
             self._carry(channel, call)
 
     def _reclaim(self) -> bool:
-        """Close a connection kept only for the reply of a cancelled request,
-        for a request waiting with its clock running (closed, it can give
-        that reply to nobody); False if there is none."""
+        """Close a connection kept only for the reply of a request done
+        (cancelled, or failed: _abandon), for a request waiting with its
+        clock running (closed, it can give that reply to nobody); False if
+        there is none."""
         for channel in self._channels:
             call = channel.call
             if call is not None and call.state is DONE:
@@ -886,6 +891,25 @@ class ClientMachine(Machine):
     def _fail(self, call: _Call, error: BaseException) -> None:
         if self._done(call):
             self._outbox.append(Fail(call, error))
+            # if its reply still comes on its connection (StreamRestarted, on
+            # the restart marker), a request already waiting gets a connection
+            # now, not at this one's deadline (unlike a cancel: no caller is
+            # ending a batch of requests, the waiting ones among them)
+            if self._abandon(call):
+                self._pump()
+
+    def _abandon(self, call: _Call) -> bool:
+        """*call* just became DONE: if its request went out on the connection
+        that still carries it, that connection is kept for the reply, which
+        it discards, unless a waiting request needs it (_reclaim): count it
+        (once, as a call becomes DONE once) and say so.  A connection that
+        does not carry it, or has not sent it, is left to the caller
+        (released or discarded)."""
+        channel = call.channel
+        if channel is not None and channel.call is call and channel.sent:
+            self._abandoned += 1
+            return True
+        return False
 
 
 @implementer(IDealerReceiver)
