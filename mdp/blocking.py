@@ -71,7 +71,7 @@ from mdp.majordomo.worker import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import RECONNECT, Backoff, HeartbeatPolicy, Limits
+from mdp.policy import PIRATE, RECONNECT, Backoff, HeartbeatPolicy, Limits
 from mdp.transport import curve_client_for, curve_for, endpoint_list
 from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.registry import split_description
@@ -1118,7 +1118,7 @@ class Worker(WorkerMachine):
         handler: Callable[[list[bytes]], Any],
         *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = PIRATE,
         dialect: str = codec.RFC,
         limits: Limits = Limits(),
         context: Any = None,

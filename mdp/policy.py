@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import random as _random
 import re
 from typing import Any, Callable, Optional, Sequence
 
@@ -121,18 +122,48 @@ class EndpointRotation:
 
 
 
+def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
+    """*initial* and *maximum* are finite and positive, *factor* at least 1."""
+    least = 1 if attribute.name == "factor" else 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
+            or value < least or (least == 0 and value == 0):
+        raise ValueError(f"backoff {attribute.name} must be a finite number "
+                         f"{'of at least 1' if least else 'above 0'}, got {value!r}")
+
+
+def _check_jitter(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"backoff jitter must be a fraction from 0 up to (not including) 1, "
+                         f"got {value!r}")
+
+
 @attrs.frozen
 class Backoff:
     """Exponential backoff: *initial* seconds, doubling up to *maximum*
-    (Paranoid Pirate: 1 s to 32 s)."""
+    (Paranoid Pirate: 1 s to 32 s).
 
-    initial: float = 1.0
-    maximum: float = 32.0
-    factor: float = 2.0
+    Each delay is shortened at random by up to *jitter* of itself, so the
+    many workers or clients that lost the same server come back spread out
+    instead of all in the same instant (:data:`JITTER` for the nodes that
+    reconnect: :data:`PIRATE`, :data:`RECONNECT`); a delay is never longer
+    than the schedule says.  ``jitter=0`` (the default of this class) gives
+    the exact schedule.  *random* (``[0, 1)``) is the source of that chance."""
 
-    def delay(self, attempt: int) -> float:
-        """Delay before reconnection *attempt* (0 for the first)."""
-        return min(self.initial * self.factor ** min(attempt, 64), self.maximum)
+    initial: float = attrs.field(default=1.0, validator=_check_backoff)
+    maximum: float = attrs.field(default=32.0, validator=_check_backoff)
+    factor: float = attrs.field(default=2.0, validator=_check_backoff)
+    jitter: float = attrs.field(default=0.0, validator=_check_jitter)
+    random: Callable[[], float] = attrs.field(default=_random.random, eq=False, repr=False)
+
+    def delay(self, attempt: int, most: Optional[float] = None) -> float:
+        """Delay before reconnection *attempt* (0 for the first); *most*
+        caps the schedule, before the jitter (so a cap spreads as much)."""
+        delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum)
+        if most is not None and most < delay:
+            delay = most
+        if self.jitter:
+            delay *= 1.0 - self.jitter * self.random()
+        return delay
 
     def retryPolicy(self):  # type: ignore[no-untyped-def]
         """The same schedule as a :class:`ClientService` retry policy
@@ -140,10 +171,21 @@ class Backoff:
         return lambda attempt: self.delay(max(attempt - 1, 0))
 
 
+#: The share of a reconnection delay taken off at random (:class:`Backoff`):
+#: after a server restarts, a thousand of its peers come back over a quarter
+#: of each step rather than in one burst its listen backlog would overflow.
+JITTER = 0.25
+
+#: How a worker (and a session client) waits before it reconnects: the
+#: Paranoid Pirate's 1 s doubling to 32 s, each step up to :data:`JITTER`
+#: shorter.
+PIRATE = Backoff(initial=1.0, maximum=32.0, jitter=JITTER)
+
 #: How a connecting transport without a policy of its own tries again after a
 #: failed attempt or a lost connection: 0.5 s doubling to 32 s (a stream
-#: connection, a ZeroMQ socket that could not be had).
-RECONNECT = Backoff(initial=0.5, maximum=32.0)
+#: connection, a ZeroMQ socket that could not be had), each step up to
+#: :data:`JITTER` shorter.
+RECONNECT = Backoff(initial=0.5, maximum=32.0, jitter=JITTER)
 
 
 def default_reactor(reactor: Optional[Any] = None) -> Any:

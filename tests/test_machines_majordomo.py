@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 from twisted.python.failure import Failure
 
@@ -811,3 +812,59 @@ def test_no_command_goes_to_a_worker_after_a_disconnect_either_way() -> None:
     assert list(broker.workers) and broker.workers[next(iter(broker.workers))].key[1] == b"U"
     script.feed(Elapse(10.0))  # past the expiry: W is a stranger again
     assert script.feed(Receive(b"W", HEARTBEAT)) == [Send(b"W", DISCONNECT), Disconnect(b"W")]
+
+
+def _reopened_after(backoff: Backoff) -> float:
+    """Seconds from a worker's giving up on its silent (only) broker to its
+    opening a new pipe to it, with *backoff*, in steps of 10 ms."""
+    script = Script(autoConnect=True)
+    broker = script.endpoint("broker")
+    worker = Worker(broker, "echo", upper, reactor=script.clock, heartbeat=HB, backoff=backoff)
+    worker.start()
+    script.feed()
+    assert Close(broker + "#1") in script.feed(Elapse(3.5))
+    for step in range(1, 3300):
+        if Open(broker + "#2") in script.feed(Elapse(0.01)):
+            return round(step * 0.01, 2)
+    raise AssertionError("the worker never reconnected")
+
+
+def test_workers_that_lost_the_same_broker_come_back_spread_over_a_quarter_of_the_delay() -> None:
+    from mdp.policy import JITTER, PIRATE
+
+    exact = _reopened_after(attrs.evolve(PIRATE, jitter=0))
+    # the default (PIRATE): each delay up to JITTER shorter, never longer
+    times = [_reopened_after(PIRATE) for _ in range(20)]
+    assert all(exact * (1 - JITTER) - 0.01 <= t <= exact for t in times), (exact, times)
+    assert len(set(times)) > 5, times  # not in step
+    # and the chance is the one given
+    assert _reopened_after(attrs.evolve(PIRATE, random=lambda: 0.5)) == \
+        pytest.approx(exact * (1 - JITTER / 2), abs=0.011)
+
+
+def test_a_worker_made_without_a_backoff_uses_the_jittered_pirate_schedule() -> None:
+    from mdp.policy import PIRATE
+
+    worker = Worker("zmq:inproc://nowhere", "echo", upper)
+    assert worker.backoff is PIRATE and PIRATE.jitter > 0
+
+
+@pytest.mark.parametrize("options", [
+    {"jitter": 1}, {"jitter": -0.1}, {"jitter": float("nan")}, {"initial": 0},
+    {"maximum": -1}, {"factor": 0.5}, {"initial": float("inf")}, {"jitter": True}])
+def test_a_backoff_out_of_range_is_refused(options: dict) -> None:
+    with pytest.raises(ValueError, match="backoff"):
+        Backoff(**options)
+
+
+def test_a_jittered_delay_stays_within_its_step() -> None:
+    for chance in (0.0, 0.5, 0.999999):
+        backoff = Backoff(initial=1.0, maximum=8.0, jitter=0.25, random=lambda c=chance: c)
+        for attempt in range(6):
+            exact = min(2.0 ** attempt, 8.0)
+            assert exact * 0.75 < backoff.delay(attempt) <= exact
+    assert [Backoff(1.0, 8.0).delay(n) for n in range(5)] == [1, 2, 4, 8, 8]  # jitter 0: exact
+    # a cap (a session's expiry) is spread as much as the schedule's own maximum
+    capped = Backoff(1.0, 32.0, jitter=0.25, random=lambda: 0.999999)
+    assert capped.delay(10, 15.0) == pytest.approx(15.0 * 0.75, rel=1e-5)
+    assert Backoff(1.0, 32.0).delay(10, 15.0) == 15.0 and Backoff(1.0, 32.0).delay(0, 15.0) == 1.0

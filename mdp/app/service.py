@@ -16,7 +16,7 @@ from mdp import transport
 from mdp.binarystar import BinaryStar
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.worker import Handler, Worker
-from mdp.policy import Backoff, HeartbeatPolicy, Limits
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
 
 log = Logger()
 
@@ -150,7 +150,7 @@ class WorkerService(Service):
         reactor: Optional[Any] = None,
         *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = PIRATE,
         dialect: str = "rfc",
         replies: Optional[Any] = None,
         limits: Limits = Limits(),

@@ -8,6 +8,7 @@ import math
 import re
 from typing import Any, Callable, Optional
 
+import attrs
 from twisted.application.service import IServiceMaker
 from twisted.plugin import IPlugin
 from twisted.python import usage
@@ -22,6 +23,7 @@ from mdp.policy import (
     DEFAULT_MAX_PENDING_BYTES,
     FRAME_OVERHEAD,
     MAX_SECONDS,
+    PIRATE,
     Backoff,
     HeartbeatPolicy,
     Limits,
@@ -588,7 +590,7 @@ class WorkerServiceMaker:
             options["service"],
             loaded_handler(options, "twist mdp-worker", load_handler),
             heartbeat=options.heartbeatPolicy(),
-            backoff=Backoff(maximum=options["backoff-max"]),
+            backoff=attrs.evolve(PIRATE, maximum=options["backoff-max"]),
             dialect=options["dialect"],
             replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
             limits=limits_of(options),

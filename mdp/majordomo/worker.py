@@ -107,6 +107,7 @@ from mdp.majordomo.codec import (
 from mdp.majordomo.idempotence import STAMP_MARKER
 from mdp.messages import text as label
 from mdp.policy import (
+    PIRATE,
     Backoff,
     EndpointRotation,
     HeartbeatPolicy,
@@ -233,7 +234,7 @@ class WorkerMachine(Machine):
         service: bytes,
         *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = PIRATE,
         dialect: str = codec.RFC,
         limits: Limits = Limits(),
         now: float = 0.0,
@@ -559,7 +560,7 @@ class Worker(WorkerMachine):
         reactor: Optional[Any] = None,
         *,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = PIRATE,
         dialect: str = codec.RFC,
         replies: Optional[idempotence.IReplyStore] = None,
         limits: Limits = Limits(),

@@ -25,7 +25,7 @@ from zope.interface import implementer
 
 from mdp.errors import OversizedMessage, RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
-from mdp.policy import RECONNECT, Backoff, Limits, LogThrottle, cancel_call
+from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
 from mdp.session.machines import (
@@ -279,7 +279,7 @@ class SessionDealer(_End):
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), retryPolicy: Any = None,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, backoff: Backoff = Backoff()) -> None:
+                 maxQueued: int = DEFAULT_MAX_QUEUED, backoff: Backoff = PIRATE) -> None:
         self.endpoint = endpoint
         self.innerEndpoint = inner_endpoint(endpoint)
         self.receiver = receiver
@@ -334,8 +334,9 @@ class SessionDealer(_End):
         most ``pingInterval * liveness``.  Left to double up to 32 s, a cut
         shorter than the server's expiry would outlast the session (a
         20 s cut found again after 31.5 s, past a 30 s expiry)."""
-        policy = self.retryPolicy or RECONNECT.retryPolicy()
-        return min(policy(attempt), self.machine.deadAfter)
+        if self.retryPolicy is None:
+            return RECONNECT.delay(max(attempt - 1, 0), self.machine.deadAfter)
+        return min(self.retryPolicy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
         """The inner connection closed on a message from the server over
@@ -349,7 +350,7 @@ class SessionDealer(_End):
         transport would, and so would the resend: a loop as fast as the two
         can go), at most ``pingInterval * liveness`` later, well within the
         server's expiry."""
-        delay = min(self.backoff.delay(self.oversizedLosses), self.machine.deadAfter)
+        delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
                            "server is over this side's limits ({reason}); it is resent at each "
@@ -368,7 +369,7 @@ class SessionDealer(_End):
         """A new connection after a backoff (reset by the next attach), at
         most ``pingInterval * liveness``: the session must be attached again
         before the server's expiry."""
-        delay = min(self.backoff.delay(self.attempts), self.machine.deadAfter)
+        delay = self.backoff.delay(self.attempts, self.machine.deadAfter)
         self.attempts += 1
         self.reopening = self.reactor.callLater(delay, self._open)
 
