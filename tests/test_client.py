@@ -153,6 +153,47 @@ async def test_a_stream_failed_on_restart_frees_the_connection_for_one_waiting(
 
 
 @pytest_twisted.ensureDeferred
+async def test_cancelling_a_request_in_flight_frees_its_connection_for_one_already_waiting(
+        clocknet: LoopbackNet) -> None:
+    """A request waits for the only connection; the one in flight on it is
+    cancelled: the waiting one goes out at once (the next reactor turn), not
+    at the cancelled request's deadline."""
+    router, client = await broker_and_client(clocknet, timeout=5.0, retries=1, maxConnections=1)
+    inFlight = client.request("svc", b"A")
+    inFlight.addErrback(lambda failure: failure.trap(defer.CancelledError))
+    clocknet.advance(0)
+    (_, peer, _), = requests(router)
+    waiting = client.request("svc", b"B")
+    clocknet.advance(1.0)
+    assert len(requests(router)) == 1
+    inFlight.cancel()
+    clocknet.advance(0)
+    (_, _, _), (sentAt, other, frames) = requests(router)
+    assert frames[-1] == b"B" and other != peer and sentAt == pytest.approx(1.0)
+    final(router, other, b"svc", b"ok")
+    assert await clocknet.wait(waiting) == [b"ok"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_cancelling_a_batch_in_flight_and_waiting_opens_no_connection(
+        clocknet: LoopbackNet) -> None:
+    """Cancelling every request, the one in flight first and then those
+    waiting, in one go: nothing waits any more when the connection would be
+    given, so none is closed or opened for them."""
+    router, client = await broker_and_client(clocknet, timeout=5.0, retries=1, maxConnections=1)
+    calls = [client.request("svc", b"%d" % n) for n in range(5)]
+    for call in calls:
+        call.addErrback(lambda failure: failure.trap(defer.CancelledError))
+    clocknet.advance(0)
+    assert len(requests(router)) == 1
+    (channel,) = client._channels
+    for call in calls:
+        call.cancel()
+    clocknet.advance(0)
+    assert len(requests(router)) == 1 and client._channels == {channel}
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_stream_failed_on_restart_keeps_its_connection_for_the_reply(
         clocknet: LoopbackNet) -> None:
     """With nobody waiting, the connection of a request failed by a restart

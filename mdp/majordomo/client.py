@@ -535,8 +535,12 @@ class ClientMachine(Machine):
                 if channel is not None and channel.call is call and not channel.sent:
                     # it never went out: no reply will come, the connection is free
                     self._release(channel)
-                else:  # kept for its reply, unless a waiting request needs it
-                    self._abandon(call)
+                elif self._abandon(call) and len(self._waiting) > self._waitingDone:
+                    # kept for its reply, unless a waiting request needs it: one
+                    # already waiting gets it on the next wake-up, at once (not
+                    # here: a caller cancelling a batch cancels the waiting
+                    # ones next, which would each take a connection in turn)
+                    self._wakeBy(now)
         except Exception:
             log.failure("cancelling a request to {service} failed", service=label(call.service))
         return self._drain()
@@ -546,6 +550,7 @@ class ClientMachine(Machine):
         self.now = now
         self._wakeAt = None
         self._sweep()
+        self._pump()  # (a cancel asks for a wake-up to give its connection to one waiting)
         return self._drain()
 
     def handleClose(self, now: float) -> list[Action]:
