@@ -61,7 +61,8 @@ any          the last attempt runs out            DONE         ``RequestTimeout`
 any          ``cancel()``                         DONE         leaves the FIFO; one in flight
                                                                is *abandoned*: its connection
                                                                keeps it until its reply or
-                                                               deadline
+                                                               deadline, unless a request
+                                                               waits for a connection
 any          ``close()``                          DONE         ``ClientClosed``
 ===========  ===================================  ===========  ================================
 
@@ -107,8 +108,11 @@ Cancelling
 ----------
 ``Deferred.cancel()`` never raises.  A waiting request leaves the queue.  A
 request in flight is *abandoned*: its connection keeps it until its reply
-(discarded) or its deadline, then serves other requests; no connection is
-opened or closed for it.
+(discarded) or its deadline, then serves other requests.  While no request
+waits for a connection, none is opened or closed for it; one that waits
+(already, or new) closes that connection and gets a fresh one at once
+(after a cancel, on the next reactor turn: cancelling a whole batch opens
+nothing).
 
 Restarted streams
 -----------------
