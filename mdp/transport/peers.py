@@ -14,7 +14,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.interfaces import IDealerTransport, IPeerRouterReceiver, IPeerRouterTransport
-from mdp.policy import Backoff, Limits, LogThrottle, default_reactor
+from mdp.policy import JITTER, Backoff, Limits, LogThrottle, default_reactor
 
 log = Logger(namespace=__name__)
 
@@ -38,8 +38,10 @@ class _Pipe:
 
 
 #: Reconnection to a server that went away: quick (0.25 s doubling to 2 s), as
-#: the agent PINGs every second and wants to see a returning server soon.
-RECONNECT = Backoff(initial=0.25, maximum=2.0)
+#: the agent PINGs every second and wants to see a returning server soon;
+#: each step up to :data:`~mdp.policy.JITTER` shorter, so a restarted
+#: server's clients do not all come back in the same instant.
+RECONNECT = Backoff(initial=0.25, maximum=2.0, jitter=JITTER)
 
 
 @implementer(IPeerRouterTransport)
