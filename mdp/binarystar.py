@@ -684,10 +684,10 @@ class BinaryStar:
         closing = []
         for end in (self._subscriber, self._publisher):
             if end.transport is not None:
-                closing.append(end.transport.close())
+                closing.append(end.transport)
                 end.transport = None
         self._publisher.subscribers.clear()
-        return defer.DeferredList(closing).addCallback(lambda _: None)
+        return transport.close_all(closing, "a Binary Star state connection")
 
     # --- the state channel --------------------------------------------------------------
 

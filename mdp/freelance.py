@@ -282,7 +282,7 @@ class FreelanceServer:
     def close(self) -> defer.Deferred:
         """Close every transport: stop listening, drop every client."""
         transports, self.transports = self.transports, []
-        return defer.DeferredList([t.close() for t in transports]).addCallback(lambda _: None)
+        return transport.close_all(transports, "a Freelance server listener")
 
     def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
         """A message from *peer* on *routerTransport* (see the server's table

@@ -253,3 +253,23 @@ async def test_stream_factory_serves_a_port_of_ones_own() -> None:
         await port.stopListening()
         await broker.close()
     assert broker.bindings == [] and not broker._ticker.running
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_listener_that_fails_to_close_is_logged_and_the_others_are_closed(
+        clocknet: LoopbackNet) -> None:
+    from tests.conftest import failures_logged
+
+    broker = Broker(clocknet.reactor)
+    first = await clocknet.wait(broker.listen(clocknet.bindEndpoint()))
+    second = await clocknet.wait(broker.listen(clocknet.bindEndpoint()))
+    (failing, other) = [b.transport for b in broker.bindings]
+    closed = []
+    failing.close = lambda: defer.fail(RuntimeError("stuck"))  # type: ignore[method-assign]
+    otherClose = other.close
+    other.close = lambda: closed.append(other) or otherClose()  # type: ignore[method-assign]
+    with failures_logged() as events:
+        assert await clocknet.wait(broker.close()) is None
+    assert closed == [other] and first.endpoint != second.endpoint
+    (event,) = events
+    assert event["what"] == "a broker listener" and event["log_failure"].check(RuntimeError)

@@ -1569,9 +1569,9 @@ class Broker(BrokerMachine):
             self._wakeCall.cancel()
         self._wakeCall = None
         bindings, self.bindings = self.bindings, []
-        closing = [b.transport.close() for b in bindings if b.transport is not None]
+        closing = [b.transport for b in bindings if b.transport is not None]
         self.reset()
-        return defer.DeferredList(closing).addCallback(lambda _: None)
+        return transport.close_all(closing, "a broker listener")
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)

@@ -17,6 +17,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from mdp import transport
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.policy import (
@@ -144,8 +145,7 @@ class SPClient:
         waiting, self._waiting = self._waiting, {}
         for d in waiting.values():
             d.errback(ClientClosed("SPClient closed"))
-        return defer.DeferredList([p.transport.close() for p in self.pipes]).addCallback(
-            lambda _: None)
+        return transport.close_all([p.transport for p in self.pipes], "an SP client connection")
 
 
 @implementer(IRouterReceiver)
@@ -252,7 +252,7 @@ class SPServer:
 
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []
-        return defer.DeferredList([r.close() for r in routers]).addCallback(lambda _: None)
+        return transport.close_all(routers, "an SP server listener")
 
 
 def peer_label(owner: Any, peer: bytes) -> str:
@@ -367,5 +367,5 @@ class SPDevice:
 
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []
-        closing = [r.close() for r in routers] + [b.transport.close() for b in self.backs]
-        return defer.DeferredList(closing).addCallback(lambda _: None)
+        return transport.close_all([*routers, *(b.transport for b in self.backs)],
+                                   "an SP device connection")

@@ -107,10 +107,10 @@ class PeerRouter:
             self.zmq.sendMessage(endpoint, frames)
 
     def close(self) -> defer.Deferred[None]:
-        closing = [dealer.close() for _, dealer in self.pipes.values()]
+        closing = [dealer for _, dealer in self.pipes.values()]
         self.pipes.clear()
         self.unconnected.clear()
         if self.zmq is not None:
-            closing.append(self.zmq.close())
+            closing.append(self.zmq)
             self.zmq = None
-        return defer.DeferredList(closing).addCallback(lambda _: None)
+        return transport.close_all(closing, "a Freelance connection")
