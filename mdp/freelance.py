@@ -975,9 +975,9 @@ class _FreelanceClient(FreelanceMachine):
         self._timers.pop((call.sequence, kind), None)
         self._perform(self.handleTimer(call, kind, self.reactor.seconds()))
 
-    def _perform(self, actions: list[Action]) -> list[defer.Deferred]:
+    def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns the closings of the
-        pipes it closed."""
+        pipes it closed (each fires once closed; a failed close is logged)."""
         closing = []
         for action in actions:
             kind = type(action)
@@ -1005,7 +1005,7 @@ class _FreelanceClient(FreelanceMachine):
             elif kind is ClosePipe:
                 pipe = self.pipes.pop(action.key, None)
                 if pipe is not None:
-                    closing.append(pipe.close())
+                    closing.append(transport.close_all([pipe], "a Freelance client connection"))
             elif kind is ConnectPeer:
                 self.router.connect(action.endpoint)
         return closing
