@@ -1049,7 +1049,9 @@ class Client(ClientCore):
                     call.result = action.body if kind is Complete else action.error
                 call.onPartial = call.onRestart = None
             elif kind is WakeAt:
-                self._wakeTime = action.when
+                # the machine's wake-up as it is now (a callback above may have
+                # asked for an earlier one, which this older action must not undo)
+                self._wakeTime = self._wakeAt
             elif kind is OpenChannel:
                 self._open(action.channel)
             elif kind is CloseChannel:

@@ -322,3 +322,19 @@ def test_a_request_to_a_service_the_broker_stops_knowing_parks_it() -> None:
     actions = machine.handleFailed("id-1", "no worker for service 'echo'", 30.1)
     assert kinds(actions, Parked) == [Parked(b"echo", 1.0, "no worker for service 'echo'")]
     assert kinds(actions, Dispatch) == [] and machine.queue == []
+
+
+def test_a_stale_zero_count_does_not_hold_a_service_to_one_request() -> None:
+    """A count of no workers that parked a service does not hold it to one
+    request out once the next check is answered without a count
+    (``mmi.service``)."""
+    machine, load = started(concurrency=4)
+    machine.handleLoaded([req(1), req(2), req(3), req(4)], load.limit, 0.0)
+    machine.handleCounted(b"echo", 0, 0.1)  # parked: no worker (mmi.workers)
+    actions = machine.handleWake(2.0)  # unparked
+    (load,) = kinds(actions, LoadPending)
+    actions = machine.handleLoaded([req(1), req(2), req(3), req(4)], load.limit, 2.0)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    # answered by mmi.service (the mmi.workers answer was no listing this time)
+    actions = machine.handleChecked(b"echo", True, "", 2.1)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-2", "id-3", "id-4"]

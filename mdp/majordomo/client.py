@@ -1197,8 +1197,12 @@ class Client(ClientCore):
                 if onRestart is not None and not action.call.done:
                     call_back("onRestart", action.call, onRestart)
             elif kind is WakeAt:
-                if action.when is None or not self._closed:
-                    self._timer = call_at(self._timer, self.reactor, action.when, self._wake)
+                # the machine's wake-up as it is now, not as this action said:
+                # a callback above may have handled an event that asked for
+                # an earlier one, which this older action must not undo
+                when = self._wakeAt
+                if when is None or not self._closed:
+                    self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)

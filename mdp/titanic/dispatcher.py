@@ -279,7 +279,19 @@ class DispatchMachine(Machine):
 
     def handleChecked(self, service: bytes, available: bool, reason: str,
                       now: float) -> list[Action]:
-        """The answer to CheckService (*reason* says why it is not available)."""
+        """The answer to CheckService that counted no workers (``mmi.service``,
+        or a failure; *reason* says why it is not available): a count an
+        earlier answer left no longer holds, its requests are bound by
+        *concurrency* alone."""
+        entry = self.services.get(service)
+        if entry is not None and entry.state is ServiceState.CHECKING and entry.workers is not None:
+            entry.workers = None
+            if service in self._full:
+                self._dirty = True  # it may take more now
+        return self._checked(service, available, reason, now)
+
+    def _checked(self, service: bytes, available: bool, reason: str,
+                 now: float) -> list[Action]:
         self.now = now
         entry = self.services.get(service)
         if entry is not None and entry.state is ServiceState.CHECKING:
@@ -300,8 +312,8 @@ class DispatchMachine(Machine):
             entry.workers = workers
             if service in self._full:
                 self._dirty = True  # it may take more now
-        return self.handleChecked(service, workers > 0, "" if workers > 0
-                                  else "no worker (mmi.workers)", now)
+        return self._checked(service, workers > 0, "" if workers > 0
+                             else "no worker (mmi.workers)", now)
 
     def handleLingering(self, service: bytes, now: float) -> list[Action]:
         """The answer to CheckService when ``mmi.workers`` counted no worker
@@ -314,7 +326,7 @@ class DispatchMachine(Machine):
             entry.workers = 0
             if service in self._full:
                 self._dirty = True  # it may take more now
-        return self.handleChecked(service, True, "", now)
+        return self._checked(service, True, "", now)
 
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
         """A request's final reply (or final error reply) arrived."""
