@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import numbers
 import random as _random
 import re
 from typing import Any, Callable, Optional, Sequence
@@ -123,16 +124,18 @@ class EndpointRotation:
 
 
 def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
-    """*initial* and *maximum* are finite and positive, *factor* at least 1."""
+    """*initial* is finite and positive, *maximum* positive (``inf``: no
+    cap), *factor* finite and at least 1."""
     least = 1 if attribute.name == "factor" else 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
+            or (math.isinf(value) and attribute.name != "maximum") \
             or value < least or (least == 0 and value == 0):
-        raise ValueError(f"backoff {attribute.name} must be a finite number "
+        raise ValueError(f"backoff {attribute.name} must be a number "
                          f"{'of at least 1' if least else 'above 0'}, got {value!r}")
 
 
 def _check_jitter(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
         raise ValueError(f"backoff jitter must be a fraction from 0 up to (not including) 1, "
                          f"got {value!r}")
 

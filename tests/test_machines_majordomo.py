@@ -857,6 +857,13 @@ def test_a_backoff_out_of_range_is_refused(options: dict) -> None:
         Backoff(**options)
 
 
+def test_a_backoff_with_no_cap_or_of_other_real_numbers_is_taken() -> None:
+    from fractions import Fraction
+
+    assert Backoff(1.0, float("inf")).delay(70) == 2.0 ** 64
+    assert Backoff(Fraction(1, 2), 4).delay(1) == 1
+
+
 def test_a_jittered_delay_stays_within_its_step() -> None:
     for chance in (0.0, 0.5, 0.999999):
         backoff = Backoff(initial=1.0, maximum=8.0, jitter=0.25, random=lambda c=chance: c)

@@ -17,7 +17,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from mdp.majordomo.worker import Worker
-from mdp.policy import Backoff, HeartbeatPolicy, Limits, default_reactor
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
 from mdp.titanic.store import (
@@ -52,7 +52,7 @@ class TitanicServer:
         onClosed: Optional[Callable[[str], Any]] = None,
         workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = PIRATE,
         limits: Limits = Limits(),
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
