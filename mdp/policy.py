@@ -161,7 +161,12 @@ class Backoff:
     def delay(self, attempt: int, most: Optional[float] = None) -> float:
         """Delay before reconnection *attempt* (0 for the first); *most*
         caps the schedule, before the jitter (so a cap spreads as much)."""
-        delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum)
+        try:
+            delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum)
+        except OverflowError:  # (a factor so large the schedule passed any maximum)
+            delay = self.maximum
+        if delay > MAX_SECONDS:  # (no maximum: timers would overflow)
+            delay = MAX_SECONDS
         if most is not None and most < delay:
             delay = most
         if self.jitter:

@@ -860,8 +860,12 @@ def test_a_backoff_out_of_range_is_refused(options: dict) -> None:
 def test_a_backoff_with_no_cap_or_of_other_real_numbers_is_taken() -> None:
     from fractions import Fraction
 
-    assert Backoff(1.0, float("inf")).delay(70) == 2.0 ** 64
+    from mdp.policy import MAX_SECONDS
+
+    assert Backoff(1.0, float("inf")).delay(20) == 2.0 ** 20
+    assert Backoff(1.0, float("inf")).delay(70) == MAX_SECONDS  # (no later than timers can go)
     assert Backoff(Fraction(1, 2), 4).delay(1) == 1
+    assert Backoff(1.0, 60.0, factor=1e6).delay(60) == 60.0  # 1e360 overflows a float
 
 
 def test_a_jittered_delay_stays_within_its_step() -> None:
