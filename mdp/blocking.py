@@ -157,13 +157,15 @@ class _Poller:
     descriptors, remembering what each is watched for so that watching it
     for the same again costs no system call."""
 
-    __slots__ = ("_poller", "_flags", "_seconds")
+    __slots__ = ("_poller", "_flags", "_seconds", "closed")
 
     def __init__(self) -> None:
         epoll = getattr(select, "epoll", None)
         self._poller: Any = epoll() if epoll is not None else select.poll()
         self._seconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
         self._flags: dict[int, int] = {}
+        #: closed (its owner is): nothing is watched or waited for any more
+        self.closed = False
 
     def watch(self, fd: int, flags: int) -> None:
         """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``), replacing what it
@@ -189,6 +191,7 @@ class _Poller:
         return self._poller.poll(timeout if timeout >= 0 else None)
 
     def close(self) -> None:
+        self.closed = True
         if self._seconds:
             self._poller.close()
         self._flags.clear()
@@ -206,7 +209,14 @@ class _Loop:
     send or receive on the socket may consume its signal, so a pipe that used
     its socket is asked ``EVENTS`` before the loop waits again (``unchecked``).
     A wake-up costs what is ready, not a ``zmq_poll`` over every socket (a
-    pipelined client holds one per request in flight)."""
+    pipelined client holds one per request in flight).
+
+    A caller's callback may wait on the loop (a request made from inside
+    ``onPartial``) while the message it is called for was one of several
+    read at once: the rest, read already and not handed on yet (a stream
+    pipe's ``received``, or a ZeroMQ socket whose signal that read spent),
+    are handed on by that wait before it blocks (``unchecked`` again), in
+    order: the reply it may be waiting for can be among them."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
@@ -216,8 +226,10 @@ class _Loop:
         #: pipes that may have a connection attempt due (``retryAt``): the
         #: stream pipes, and a ZeroMQ pipe waiting to get a socket again
         self.timed: set[Any] = set()
-        #: ZeroMQ pipes whose socket was used since it was last asked EVENTS
-        self.unchecked: set[_ZmqPipe] = set()
+        #: pipes to ask (``check``) before waiting: ZeroMQ pipes whose socket
+        #: was used since it was last asked EVENTS, and stream pipes holding
+        #: messages read and not handed on yet
+        self.unchecked: set[Any] = set()
 
     def context(self) -> Any:
         if self._zmqContext is None:
@@ -229,6 +241,8 @@ class _Loop:
         holds it: a ZeroMQ one (with *curve*, a CURVE client) is up at once
         (the caller tells its owner), a stream one once its connection is
         made (or it reports a failure, at once or later)."""
+        if self.poller.closed:  # (its owner is closed: no socket is made for it any more)
+            raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
             return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger,
                             curve_for(endpoint, curve))
@@ -290,7 +304,10 @@ class _Loop:
                 raise
             if self.unchecked:
                 timeout = 0  # used again meanwhile: asked at the next turn, soon
-        events = self.poller.poll(timeout)
+        poller = self.poller
+        if poller.closed:  # a caller's callback above closed the client: nothing to wait for
+            return
+        events = poller.poll(timeout)
         now = monotonic()
         pipes = self.pipes
         for fd, flags in events:
@@ -309,7 +326,7 @@ class _Loop:
     def flush(self, pipe: Any, until: float) -> None:
         """Wait until *pipe* has handed all it holds to the OS (or ZeroMQ),
         or until *until*: a sender that must not pile up messages."""
-        while pipe.backlogged and monotonic() < until:
+        while pipe.backlogged and monotonic() < until and not self.poller.closed:
             self.turn(until)
 
 
@@ -352,15 +369,16 @@ class _ZmqPipe:
                 self.curve.apply(sock)
                 sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
             sock.connect(self.address)
+            fd = _get(sock, _FD)
+            self.loop.poller.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
         except BaseException:
             sock.close(0)
             raise
         self.socket = sock
         self.handle = sock.underlying  # its address in libzmq, for _frames
-        self.fd = fd = _get(sock, _FD)
+        self.fd = fd
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
-        self.loop.poller.watch(fd, _POLLIN)
         self.loop.pipes[fd] = self
 
     @property
@@ -461,15 +479,25 @@ class _ZmqPipe:
 
     def _read(self, now: float) -> None:
         """Read the messages that are there (EVENTS said one is), at most a
-        few a wake-up: the loop comes back for the rest."""
+        few a wake-up: the loop comes back for the rest (asked again)."""
         sock = self.socket
-        self._take(self._message(_NOBLOCK), now)
-        for _ in range(63):
-            if self.socket is not sock or not self._events() & _ZMQ_POLLIN:
-                return
+        loop = self.loop
+        for _ in range(64):
+            # the socket's signal is spent: a callback of this message that
+            # waits on the loop (a request from inside onPartial) has the
+            # socket asked again, and what else it holds read, before it waits
+            # (the set itself, not one kept: a wait swaps it for a new one)
+            loop.unchecked.add(self)
             self._take(self._message(_NOBLOCK), now)
-        if self.socket is sock:
-            self.loop.unchecked.add(self)
+            if self.socket is not sock:
+                return
+            if not self._events() & _ZMQ_POLLIN:
+                # asked just now (after whatever the callbacks sent on it):
+                # its signal is armed again, no need to ask before waiting
+                # (unless it holds messages to send)
+                if not self.backlog:
+                    loop.unchecked.discard(self)
+                return
 
     def _message(self, flags: int, limited: bool = True) -> Any:
         """Receive a whole message (ZeroMQ delivers one whole, or nothing:
@@ -726,14 +754,31 @@ class _StreamPipe:
                 skipped = min(self.skip, len(messages))
                 self.skip -= skipped
                 del messages[:skipped]
-            # a callback of one of these may wait on the loop (a request
-            # from inside onPartial), which reads here again: that read hands
-            # on what this one has not yet, then its own, in order
-            received = self.received
-            received.extend(messages)
-            owner, tag = self.owner, self.tag
-            while received:  # (a loss meanwhile clears it)
-                owner._pipeMessage(tag, received.popleft(), now)
+            self.received.extend(messages)
+            self._handOn(now)
+
+    def _handOn(self, now: float) -> None:
+        """Hand on the messages read and not handed on yet, in order.  A
+        callback of one of them may wait on the loop (a request from inside
+        onPartial): that wait hands on the rest before it blocks (``check``,
+        the pipe being ``unchecked``) or reads here again (``ready``, which
+        hands on what is left first, then its own), so that a reply among
+        them (the FINAL that frees this connection) is not held back."""
+        received = self.received
+        owner, tag, loop = self.owner, self.tag, self.loop
+        while received:  # (a loss meanwhile clears it)
+            frames = received.popleft()
+            if received:
+                loop.unchecked.add(self)  # (a wait swaps the set: not one kept)
+            owner._pipeMessage(tag, frames, now)
+
+    def check(self, now: float) -> bool:
+        """Hand on the messages read and not handed on yet (see _handOn);
+        whether there were any."""
+        if not self.received:
+            return False
+        self._handOn(now)
+        return True
 
     def discardReceived(self) -> int:
         """Drop the messages read and not handed on yet, and those waiting
@@ -777,6 +822,7 @@ class _StreamPipe:
         self.up = self.connecting = False
         self.out.clear()
         self.received.clear()
+        self.loop.unchecked.discard(self)
         self.skip = 0
         self.broken = None
         self.decoder = RecordDecoder(self.loop.limits)
@@ -1053,7 +1099,13 @@ class Client(ClientCore):
                 # asked for an earlier one, which this older action must not undo)
                 self._wakeTime = self._wakeAt
             elif kind is OpenChannel:
-                self._open(action.channel)
+                channel = action.channel
+                # a callback run by an earlier action may have closed the
+                # client, or waited on it (a request of its own) while the
+                # machine gave up this channel: it is not opened, as nothing
+                # would ever close it
+                if not self._closed and channel in self._channels:
+                    self._open(channel)
             elif kind is CloseChannel:
                 pipe, action.channel.pipe = action.channel.pipe, None
                 if pipe is not None:

@@ -24,7 +24,7 @@ from mdp import errors
 from mdp.blocking import Client, _Loop, _StreamPipe
 from mdp.policy import Limits
 from mdp.transport.framing import RecordDecoder, encode_record
-from tests.conftest import ScriptedBroker, ScriptReply, failures_logged
+from tests.conftest import Script, ScriptedBroker, ScriptReply, failures_logged
 from tests.procs import ENV, ROOT
 
 HEADER, PARTIAL, FINAL = b"MDPC02", b"\x02", b"\x03"
@@ -520,3 +520,252 @@ def test_map_keeps_each_failure_in_its_place(broker: ScriptedBroker) -> None:
         with pytest.raises(ValueError):  # a mistake of the whole call: at once
             client.map("echo" * 100, [b"a"])
         assert client.request("echo", b"after") == [b"after"]
+
+
+# --- a caller's callback that waits on the client, or closes it -----------------------------
+
+
+class InprocBroker(ScriptedBroker):
+    """A :class:`ScriptedBroker` on an ``inproc`` endpoint of *context* (the
+    client's): a reply is in the client's socket as soon as it is sent, no
+    I/O thread in between.  ``replied[body]`` is set once a request of that
+    (first) body frame has been answered."""
+
+    def __init__(self, script: Script, context: zmq.Context, *bodies: bytes) -> None:
+        self.script = script
+        self.context = context
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        address = f"inproc://blocking-edges-{id(self)}"
+        self.socket.bind(address)
+        self.endpoint = f"zmq:{address}"
+        self.seen: list[list[bytes]] = []
+        self.answered = 0
+        self.replied = {body: threading.Event() for body in bodies}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock = self.socket
+        while not self.stopping.is_set():
+            if not sock.poll(50):
+                continue
+            peer, header, _, service, *body = sock.recv_multipart()
+            self.seen.append(body)
+            for to, command, reply in self.script(peer, body):
+                sock.send_multipart([to, header, command, service, *reply])
+            self.answered += 1
+            if body and body[0] in self.replied:
+                self.replied[body[0]].set()
+
+    def stop(self) -> None:  # (the context is the test's)
+        self.stopping.set()
+        self.thread.join(5)
+        self.socket.close()
+
+
+class CountingContext:
+    """A ZeroMQ context that keeps the sockets made through it, and whether
+    its *client* was closed when each was made."""
+
+    def __init__(self) -> None:
+        self.real = zmq.Context()
+        self.client: Any = None
+        self.made: list[tuple[Any, bool]] = []
+
+    def socket(self, kind: int) -> Any:
+        sock = self.real.socket(kind)
+        self.made.append((sock, bool(self.client is not None and self.client._closed)))
+        return sock
+
+    def finish(self) -> None:
+        """Check that no socket was made after its client was closed and
+        none is left open (one that is is closed here first, so that the
+        context ends either way)."""
+        late = sum(closed for _, closed in self.made)
+        left = [sock for sock, _ in self.made if not sock.closed]
+        for sock in left:
+            sock.close(0)
+        self.real.term()
+        assert self.made and late == 0 and left == []
+
+
+streamed: dict[bytes, int] = {}
+
+
+def a_part_then_silence_once(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+    """``stream``: a part, then nothing the first time (the attempt runs
+    out), the end at once after; ``slow``: never answered."""
+    if body == [b"slow"]:
+        return []
+    if body != [b"stream"]:
+        return [(peer, FINAL, body)]
+    streamed[b"stream"] = streamed.get(b"stream", 0) + 1
+    if streamed[b"stream"] == 1:
+        return [(peer, PARTIAL, [b"p1"])]
+    return [(peer, FINAL, [b"end"])]
+
+
+@pytest.mark.parametrize("broker", [a_part_then_silence_once], indirect=True)
+def test_no_connection_is_opened_for_a_channel_given_up_inside_a_callback(
+        broker: ScriptedBroker) -> None:
+    """*onRestart* makes a request of its own that outlasts the restarted
+    attempt, whose fresh connection the machine gives up (and replaces)
+    meanwhile: that connection is not opened afterwards, left to nobody."""
+    streamed.clear()
+    context = CountingContext()
+    client = Client(broker.endpoint, timeout=0.3, retries=4, context=context)
+    context.client = client
+    inner: list[Any] = []
+    try:
+        def onRestart() -> None:
+            if not inner:
+                with pytest.raises(errors.RequestTimeout):  # longer than the attempt
+                    client.request("s", b"slow", timeout=1.0, retries=1)
+                inner.append("timed out")
+
+        assert client.request("s", b"stream", onPartial=lambda body: None,
+                              onRestart=onRestart) == [b"end"]
+        assert inner == ["timed out"]
+        assert [pipe for pipe in client._loop.pipes.values()
+                if pipe.tag not in client._channels] == []
+    finally:
+        client.close()
+        context.finish()
+
+
+@pytest.mark.parametrize("broker", [a_part_then_silence_once], indirect=True)
+def test_no_socket_is_made_after_a_callback_closed_the_client(broker: ScriptedBroker) -> None:
+    """*onRestart* closes the client: the request ends with ClientClosed, and
+    the fresh connection of its next attempt is not opened (no socket made
+    after the close, none left open)."""
+    streamed.clear()
+    context = CountingContext()
+    client = Client(broker.endpoint, timeout=0.3, retries=4, context=context)
+    context.client = client
+    try:
+        with pytest.raises(errors.ClientClosed):
+            client.request("s", b"stream", onPartial=lambda body: None, onRestart=client.close)
+    finally:
+        client.close()
+        context.finish()
+
+
+class PartAndEndAtOnce(RecordServer):
+    """Answers ``stream`` with a part and the end in one write (the client
+    reads both at once), anything else with its body; ``seen`` holds the
+    requests' first frames."""
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        self.seen: list[bytes] = []
+        super().__init__(path)
+
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        self.seen.append(body[0])
+        if body[0] == b"stream":
+            conn.sendall(encode_record([HEADER, PARTIAL, service, b"p1"])
+                         + encode_record([HEADER, FINAL, service, b"end"]))
+        else:
+            conn.sendall(encode_record([HEADER, FINAL, service, *body]))
+
+
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_a_request_inside_on_partial_gets_the_connection_the_end_already_read_frees(
+        family: str, tmp_path: Any) -> None:
+    """One connection; the part and the end of a reply are read at once, and
+    the part's *onPartial* makes a request, which waits for that connection:
+    its wait hands on the end already read (it does not wait for more bytes
+    first), so the first request is done and the second gets the connection
+    at once; neither waits out an attempt, nothing is sent twice."""
+    server = PartAndEndAtOnce(str(tmp_path / "broker.sock") if family == "unix" else None)
+    client = Client(server.endpoint, timeout=3, retries=2, maxConnections=1)
+    got: list[Any] = []
+    try:
+        def onPartial(body: list[bytes]) -> None:
+            got.append(body)
+            got.append(client.request("s", b"inner", timeout=10, retries=1))
+
+        assert client.request("s", b"stream", onPartial=onPartial,
+                              onRestart=lambda: got.append("restart")) == [b"end"]
+        assert got == [[b"p1"], [b"inner"]]
+        assert server.seen == [b"stream", b"inner"]
+    finally:
+        client.close()
+        server.stop()
+
+
+def part_and_end(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+    """``stream``: a part and the end; ``slow``: never answered; anything
+    else: its body."""
+    if body == [b"stream"]:
+        return [(peer, PARTIAL, [b"p1"]), (peer, FINAL, [b"end"])]
+    if body == [b"slow"]:
+        return []
+    return [(peer, FINAL, body)]
+
+
+def test_a_request_inside_on_partial_gets_the_zmq_connection_whose_end_came() -> None:
+    """ZeroMQ, two connections (the loop polls their descriptors): the end of
+    the reply is in the socket behind the part whose *onPartial* makes a
+    request, its descriptor's signal spent by that read; the request waits
+    for that connection (the other carries an unanswered request): its wait
+    asks that socket before it blocks, and reads the end there."""
+    context = zmq.Context()
+    broker = InprocBroker(part_and_end, context, b"stream")
+    client = Client(broker.endpoint, timeout=5, retries=1, maxConnections=2, context=context)
+    got: list[Any] = []
+    try:
+        pending = client.map("s", [b"warm", b"slow"], window=2)
+        assert next(pending) == [b"warm"]  # one connection idle, the other carries "slow"
+
+        def onPartial(body: list[bytes]) -> None:
+            got.append(body)
+            assert broker.replied[b"stream"].wait(10)  # the end is in the socket now
+            got.append(client.request("s", b"inner"))
+
+        assert client.request("s", b"stream", onPartial=onPartial,
+                              onRestart=lambda: got.append("restart")) == [b"end"]
+        assert got == [[b"p1"], [b"inner"]]
+        assert broker.seen.count([b"stream"]) == 1
+        pending.close()
+    finally:
+        client.close()
+        broker.stop()
+        context.term()
+
+
+def parts_then_end(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+    """``many``: 300 parts and the end; anything else: its body."""
+    if body == [b"many"]:
+        return [(peer, PARTIAL, [b"%d" % n]) for n in range(300)] + [(peer, FINAL, [b"end"])]
+    return [(peer, FINAL, body)]
+
+
+def test_closing_the_client_from_a_callback_ends_the_request_with_client_closed() -> None:
+    """*onPartial* closes the client while the loop reads parts that were
+    waiting in a socket before it looked (more than one read takes: the
+    rest are read as the loop asks that socket before it waits): the loop
+    does not wait on the poller the close released, and the request ends
+    with ClientClosed."""
+    context = zmq.Context()
+    broker = InprocBroker(parts_then_end, context, b"many")
+    client = Client(broker.endpoint, timeout=10, retries=1, maxConnections=2, context=context)
+    parts: list[list[bytes]] = []
+    try:
+        assert list(client.map("s", [b"a", b"b"], window=2)) == [[b"a"], [b"b"]]
+
+        def onPartial(body: list[bytes]) -> None:
+            parts.append(body)
+            if len(parts) == 1:
+                assert broker.replied[b"many"].wait(10)  # all of them in the socket now
+            elif len(parts) == 100:
+                client.close()
+
+        with pytest.raises(errors.ClientClosed):
+            client.request("s", b"many", onPartial=onPartial)
+        assert len(parts) == 100
+    finally:
+        client.close()
+        broker.stop()
+        context.term()
