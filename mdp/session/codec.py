@@ -8,7 +8,9 @@ numbers are 8-byte big-endian unsigned integers::
                                                  *epoch*: the server incarnation *ack* is of
     WELCOME    ack, epoch, max bytes,            server → client: attached; a new *epoch*
                max frames                        (the server did not know the session: it
-                                                 restarted) starts its numbering afresh
+                                                 ended there, or the server restarted)
+                                                 starts its numbering afresh; the client
+                                                 takes no DATA before it
     DATA       seq, ack, payload frames...       either way
     SKIP       seq, ack                          either way: DATA *seq* is not sent, its
                                                  payload is over the receiver's limits

@@ -16,10 +16,18 @@ event                    what happens
 =======================  =============================================================
 connected                HELLO (session id, what we have received)
 WELCOME                  attached: everything not acknowledged goes again, in order
+WELCOME, new epoch       the server's session for us ended (it expired, was ended as
+                         full, or the server restarted) and a new one began: its
+                         numbering starts afresh; :class:`Renewed`, and a warning:
+                         what it held for us is lost
+no WELCOME               HELLO again after a ping interval (it may have been lost)
 send(payload)            numbered and kept; sent now if attached (else on attach);
                          beyond *maxQueued* kept: :class:`SessionQueueFull`
 DATA                     the next number: delivered; an old one: dropped (a resend);
                          a later one (some were lost unseen): HELLO again
+DATA, SKIP before the    dropped, not acknowledged: numbered in an epoch not known
+WELCOME                  yet (the WELCOME was lost); the server resends it after the
+                         WELCOME that answers the next HELLO
 DATA over our limits     the next number: dropped and acknowledged, logged (it can
                          never be taken, and would hold back all after it)
 SKIP                     the next number: the server did not send it (over the limits
@@ -147,6 +155,16 @@ class Deliver:
 @action_class
 class Refusal:
     """The server refused to open our session, saying *reason*."""
+
+    reason: str
+
+
+@action_class
+class Renewed:
+    """Client: the server's session for us ended (it expired, was ended as
+    full, or the server restarted) and a new one began, saying *reason*:
+    what the server held for us is lost, and what we hold goes to the new
+    one (the server may get a message twice: one it had, not acknowledged)."""
 
     reason: str
 
@@ -437,20 +455,27 @@ class ClientSessionMachine(Machine):
             return self._drain()
         if isinstance(message, codec.Hello):
             return self._drain()  # a server never says HELLO
-        self.seq.acked(message.ack)
+        self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
         if isinstance(message, codec.Welcome):
             if message.epoch != self.epoch:
                 if self.epoch:
-                    log.info("session {session}: the server started it afresh (it "
-                             "restarted); what it sent before is gone",
-                             session=self.session.hex())
+                    self._renewed()
                 self.epoch = message.epoch
                 self.seq.received = 0
+                self.seq.ackPending = 0
             self.state = "attached"
             self.seq.peerLimits = said_limits(message)
             for data in self.seq.resend():
                 self._send(data)
         elif isinstance(message, (codec.Data, codec.Skip)):
+            if self.state != "attached":
+                # numbered in an epoch we do not know yet: our WELCOME was lost
+                # (or this went before our HELLO arrived).  Taken now, it could
+                # be counted in the wrong epoch once the WELCOME says which:
+                # delivered twice, out of order, or acknowledged unseen.  It is
+                # dropped, not acknowledged: the server resends all it holds
+                # after the WELCOME that answers our next HELLO.
+                return self._drain()
             verdict = self.seq.accept(message)
             if verdict == "next":
                 if isinstance(message, codec.Skip):
@@ -462,9 +487,19 @@ class ClientSessionMachine(Machine):
                 ack = self.seq.ackDue(force=False)
                 if ack is not None:
                     self._send(ack)
-            elif verdict == "gap" and self.state == "attached":
+            elif verdict == "gap":
                 self._lost(message.seq)
         return self._drain()
+
+    def _renewed(self) -> None:
+        """A WELCOME of another epoch: the server's session for us ended
+        and it opened a new one."""
+        log.warn("session {session}: the server's session for this client ended (it expired, "
+                 "was ended as full, or the server restarted) and a new one began: messages "
+                 "the server held for this client and had not delivered are lost; those this "
+                 "client sent that the server had not acknowledged are sent again, so the "
+                 "server may get one twice", session=self.session.hex())
+        self._emit(Renewed("the server's session for this client ended; a new one began"))
 
     def _lost(self, seq: int) -> None:
         if self.now - self.helloAt < self.reattachPause:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
+from twisted.logger import Logger
 from zope.interface import implementer
 
 from mdp.errors import ClientClosed, ReplyTooLarge
@@ -26,6 +27,8 @@ from mdp.session.machines import (
 from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
 from mdp.transport.flow import DrainWaiters
 
+log = Logger()
+
 
 def session_endpoint(endpoint: str) -> str:
     """*endpoint* with ``session+`` in front, if it has not."""
@@ -40,17 +43,23 @@ class SessionClient:
     ``send(*frames)`` never waits and never loses: while the connection is
     down the message waits in the session (at most *maxQueued*; beyond,
     :class:`~mdp.session.SessionQueueFull`).  What the server sends goes to
-    the ``subscribe`` callbacks, in order, once each.  ``attached()`` fires
-    once the session is first attached, or fails with
+    the ``subscribe`` callbacks, in order, once each: each callback on its
+    own, so one that raises is logged and the others still get the message.
+    ``attached()`` fires once the session is first attached, or fails with
     :class:`~mdp.session.SessionRefused` if the server refuses to open it
     (the client goes on asking: ``attached()`` again waits for the next
     answer), or with :class:`~mdp.errors.ClientClosed` once the client is
-    closed."""
+    closed.  *onRenewed()* hears when the server's session for this client
+    ended (it expired, was ended as full, or the server restarted) and a new
+    one began: what the server held for this client is lost (logged as a
+    warning too), and what this client held goes to the new one."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, limits: Limits = Limits()) -> None:
+                 maxQueued: int = DEFAULT_MAX_QUEUED, limits: Limits = Limits(),
+                 onRenewed: Optional[Callable[[], Any]] = None) -> None:
         self.reactor = default_reactor(reactor)
+        self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._isAttached = False
         self._closed = False
@@ -71,7 +80,8 @@ class SessionClient:
         return self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
-        """Call *callback(frames)* for every message from the server."""
+        """Call *callback(frames)* for every message from the server (what
+        it raises is logged; the other callbacks still get the message)."""
         self._callbacks.append(callback)
 
     def send(self, *frames: bytes) -> None:
@@ -94,9 +104,19 @@ class SessionClient:
         """The server would not open the session (the dealer asks again)."""
         self._waiting.fail(SessionRefused(reason))
 
+    def sessionRenewed(self) -> None:
+        """The server's session for this client ended and a new one began
+        (the dealer logged it)."""
+        if self.onRenewed is not None:
+            self.onRenewed()
+
     def messageReceived(self, frames: list[bytes]) -> None:
         for callback in list(self._callbacks):
-            callback(frames)
+            try:
+                callback(frames)
+            except Exception:
+                log.failure("session client to {endpoint}: the subscriber {callback!r} raised",
+                            endpoint=self.dealer.endpoint, callback=callback)
 
     def connectionLost(self, reason: object) -> None:
         """A session does not lose its connection (it re-attaches)."""
@@ -152,6 +172,8 @@ class SessionServer:
                                              self.reactor.seconds()))
 
     def close(self) -> defer.Deferred[None]:
+        """Stop listening; the sessions end with it (what their clients have
+        not acknowledged is lost, and warned about)."""
         router, self.router = self.router, None
         return router.close() if router is not None else defer.succeed(None)
 

@@ -9,7 +9,10 @@ first attached, and never ``connectionLost`` for a broken connection: it
 reconnects and re-attaches by itself, and what was in flight comes again,
 once.  The router names each session by a short routing id (4 bytes), the
 same across the client's reconnections, and reports ``peerDisconnected``
-when a session expires.
+when a session expires.  A receiver of the dealer with a ``sessionRenewed()``
+method hears when the server's session for it ended and a new one began
+(what the server held for it is lost), as one with ``sessionRefused(reason)``
+hears of a refusal.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from mdp.session.machines import (
     Expired,
     Reconnect,
     Refusal,
+    Renewed,
     Send,
     SendTo,
     ServerSessionMachine,
@@ -267,6 +271,14 @@ class SessionRouter(_End):
         ZeroMQ, where heartbeats find lost peers)."""
 
     def close(self) -> defer.Deferred[None]:
+        """Stop listening; the sessions end with it, and what they hold that
+        their clients have not acknowledged is lost (warned about)."""
+        if self.inner is not None:
+            held = [len(s.seq.unacked) for s in self.machine.sessions.values() if s.seq.unacked]
+            if held:
+                log.warn("session router at {endpoint} closed with {count} message(s) to "
+                         "{sessions} session(s) not acknowledged by their clients: they are lost",
+                         endpoint=self.endpoint, count=sum(held), sessions=len(held))
         return self._shutdown()
 
 
@@ -414,6 +426,11 @@ class SessionDealer(_End):
                 refused = getattr(self.receiver, "sessionRefused", None)
                 if refused is not None:
                     self._safely("sessionRefused", refused, action.reason)
+            elif isinstance(action, Renewed):
+                # the machine warns; a receiver that keeps state with the server hears of it
+                renewed = getattr(self.receiver, "sessionRenewed", None)
+                if renewed is not None:
+                    self._safely("sessionRenewed", renewed)
             elif isinstance(action, Reconnect):
                 log.info("session dealer to {endpoint}: {reason}; connecting again",
                          endpoint=self.endpoint, reason=action.reason)
