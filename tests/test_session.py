@@ -915,3 +915,41 @@ async def test_a_lost_welcome_delays_the_replies_after_it_and_repeats_none(
     clocknet.advance(5)
     assert client.got == [b"s%d" % n for n in range(40)]
     assert not server.bound.machine.byRouting[1].seq.unacked
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_message_sent_from_on_renewed_goes_after_the_resends(clocknet: Any) -> None:
+    """The application told of a new session sends at once (who it is):
+    that message goes after what the client sends again, not ahead of it
+    (the server would see a gap, and the client attach again later)."""
+    from mdp.session import SessionClient, SessionServer
+    from tests.conftest import logged_at
+
+    atServer: list[tuple[float, int, list[bytes]]] = []
+    server = SessionServer(lambda rid, frames: atServer.append(
+        (clocknet.reactor.seconds(), rid, frames)), clocknet.reactor)
+    endpoint = await clocknet.wait(defer.ensureDeferred(server.listen("loopback:renew-then-send")))
+    clocknet.addCleanup(server.close)
+    renewed: list[float] = []
+
+    def onRenewed() -> None:
+        renewed.append(clocknet.reactor.seconds())
+        client.send(b"hello-again")      # tell the new session who we are
+
+    client = SessionClient(endpoint, clocknet.reactor, onRenewed=onRenewed)
+    clocknet.addCleanup(client.close)
+    await clocknet.wait(client.attached())
+    client.send(b"c0")
+    await clocknet.until(lambda: atServer)
+    back = unreachable(server.router)
+    with logged_at(("info", "warn")) as logs:
+        clocknet.advance(40)              # the server's session expires
+        back()
+        await clocknet.until(lambda: renewed)
+        t = renewed[0]
+        clocknet.advance(5)
+    after = [(round(s - t, 2), f) for s, rid, f in atServer if rid == 2]
+    assert not [e for e in logs if "attaching again" in e.get("log_format", "")]
+    # the application sent hello-again after c0 (c0 unacknowledged, resent on attach)
+    assert [f for _, f in after] == [[b"c0"], [b"hello-again"]]
+    assert all(dt < 0.1 for dt, _ in after), f"delayed: {after}"

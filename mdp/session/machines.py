@@ -457,9 +457,9 @@ class ClientSessionMachine(Machine):
             return self._drain()  # a server never says HELLO
         self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
         if isinstance(message, codec.Welcome):
+            renewed = False
             if message.epoch != self.epoch:
-                if self.epoch:
-                    self._renewed()
+                renewed = bool(self.epoch)
                 self.epoch = message.epoch
                 self.seq.received = 0
                 self.seq.ackPending = 0
@@ -467,6 +467,8 @@ class ClientSessionMachine(Machine):
             self.seq.peerLimits = said_limits(message)
             for data in self.seq.resend():
                 self._send(data)
+            if renewed:  # (told after the resends: what it sends then goes after them)
+                self._renewed()
         elif isinstance(message, (codec.Data, codec.Skip)):
             if self.state != "attached":
                 # numbered in an epoch we do not know yet: our WELCOME was lost
