@@ -133,6 +133,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
+import attrs
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
@@ -420,6 +421,14 @@ class Cancel:
     kind: str
 
 
+def _for_call() -> Any:
+    """The field of a send (or of a pipe) made for one request: the driver
+    skips it if that request is DONE by then (a caller's callback run by an
+    earlier action of the same event cancelled it).  Not compared: actions
+    are equal whoever they were made for."""
+    return attrs.field(default=None, eq=False, repr=False)
+
+
 @action_class
 class OpenPipe:
     """Open a connection to *endpoint*, known as *key*; its messages come back
@@ -427,6 +436,8 @@ class OpenPipe:
 
     key: Any
     endpoint: str
+    #: the request it is opened for (model 1), or None
+    call: Optional[_Call] = _for_call()
 
 
 @action_class
@@ -438,6 +449,8 @@ class ClosePipe:
 class SendPipe:
     key: Any
     frames: list[bytes]
+    #: the request sent
+    call: Optional[_Call] = _for_call()
 
 
 @action_class
@@ -453,6 +466,8 @@ class SendPeer:
 
     endpoint: str
     frames: list[bytes]
+    #: the request sent, or None (a PING)
+    call: Optional[_Call] = _for_call()
 
 
 @action_class
@@ -636,8 +651,8 @@ class SequentialMachine(FreelanceMachine):
         call.server = endpoint
         call.state = RequestState.SENT
         self.attempts[call.sequence] = endpoint
-        self._outbox.append(OpenPipe(call.sequence, endpoint))
-        self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body]))
+        self._outbox.append(OpenPipe(call.sequence, endpoint, call))
+        self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body], call))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _drop(self, call: _Call) -> None:
@@ -667,7 +682,7 @@ class ShotgunMachine(FreelanceMachine):
         call.refusals = 0
         call.state = RequestState.SENT
         for endpoint in self.linked:
-            self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body]))
+            self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _attemptOver(self, call: _Call) -> None:
@@ -804,7 +819,7 @@ class AgentMachine(FreelanceMachine):
         call.server = endpoint
         call.attempts += 1
         call.state = RequestState.SENT
-        self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body]))
+        self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body], call))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
@@ -969,30 +984,50 @@ class _FreelanceClient(FreelanceMachine):
         """Fail every pending request with :class:`~mdp.errors.ClientClosed`
         and close the connections."""
         closing = self._perform(self.handleClose(self.reactor.seconds()))
+        # every request is DONE and its timers cancelled; none is armed again
+        # once closed, but none is left behind whatever happened before
+        timers, self._timers = self._timers, {}
+        for timer in timers.values():
+            cancel_call(timer)
         return defer.DeferredList(closing).addCallback(lambda _: None)
 
     def _fire(self, call: _Call, kind: str) -> None:
         self._timers.pop((call.sequence, kind), None)
         self._perform(self.handleTimer(call, kind, self.reactor.seconds()))
 
+    def _stale(self, call: Optional[_Call]) -> bool:
+        """Is an action for *call* (None: for no request) no longer to be
+        done?  A caller's callback run by an earlier action of the same
+        event may have cancelled that request, or closed the client."""
+        return self._closed or (call is not None and call.state is RequestState.DONE)
+
     def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns the closings of the
-        pipes it closed (each fires once closed; a failed close is logged)."""
+        pipes it closed (each fires once closed; a failed close is logged).
+        What a caller's callback does meanwhile (a cancel, close, a new
+        request) is a new event, handled at once: the actions left over
+        that would send, open or arm a timer for a request it ended, or
+        for a client it closed, are skipped; cancelling, closing and firing
+        the Deferreds of requests already answered still are done."""
         closing = []
         for action in actions:
             kind = type(action)
             if kind is Later:
-                key = (action.call.sequence, action.kind)
+                call = action.call
+                if self._stale(call):
+                    continue
+                key = (call.sequence, action.kind)
                 cancel_call(self._timers.get(key))
                 self._timers[key] = self.reactor.callLater(action.delay, self._fire,
-                                                           action.call, action.kind)
+                                                           call, action.kind)
             elif kind is Cancel:
                 cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
             elif kind is SendPeer:
-                self.router.sendMessage(action.endpoint, action.frames)
+                if not self._stale(action.call):
+                    self.router.sendMessage(action.endpoint, action.frames)
             elif kind is SendPipe:
                 pipe = self.pipes.get(action.key)
-                if pipe is not None:
+                if pipe is not None and not self._stale(action.call):
                     pipe.send(action.frames)
             elif kind is Resolve:
                 if not action.call.deferred.called:  # (cancelled by a callback of another)
@@ -1001,13 +1036,15 @@ class _FreelanceClient(FreelanceMachine):
                 if not action.call.deferred.called:
                     action.call.deferred.errback(action.error)
             elif kind is OpenPipe:
-                self.pipes[action.key] = _Pipe(self, action.endpoint)
+                if not self._stale(action.call):
+                    self.pipes[action.key] = _Pipe(self, action.endpoint)
             elif kind is ClosePipe:
                 pipe = self.pipes.pop(action.key, None)
                 if pipe is not None:
                     closing.append(transport.close_all([pipe], "a Freelance client connection"))
             elif kind is ConnectPeer:
-                self.router.connect(action.endpoint)
+                if not self._closed:
+                    self.router.connect(action.endpoint)
         return closing
 
 

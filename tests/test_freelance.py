@@ -453,3 +453,122 @@ async def test_connect_after_close_is_refused(clocknet: Any, model: int) -> None
     clocknet.advance(1.0)
     opened = client.router.pipes if model == 3 else client.pipes
     assert not opened
+
+
+# --- the drivers: a caller's callback that re-enters the client -----------------------------
+
+
+def _timers_of(reactor: Any, client: Any) -> list[Any]:
+    """The DelayedCalls of *client*'s requests (attempts and deadlines)."""
+    return [c for c in reactor.getDelayedCalls()
+            if getattr(c.func, "__self__", None) is client and c.func.__name__ == "_fire"]
+
+
+async def _agent_with_a_late_reply_to_come(clocknet: Any) -> tuple[Any, list[bytes], Any, Any]:
+    """An agent whose one server answers "A" after A's attempt ran out:
+    when A's late reply comes, the server is ALIVE again and "B", waiting
+    meanwhile, goes out in the same event.  Returns the client, the requests
+    the server ran, A's and B's Deferreds."""
+    from twisted.internet import task
+
+    from mdp.freelance import AgentClient
+
+    seen: list[bytes] = []
+
+    def handler(frames: list[bytes]) -> Any:
+        seen.append(frames[0])
+        if frames[0] == b"A":
+            return task.deferLater(clocknet.reactor, 1.5, lambda: [b"ok", *frames])
+        return [b"ok", *frames]
+
+    server = FreelanceServer(handler, clocknet.reactor)
+    bound = await clocknet.wait(server.listen(clocknet.bindEndpoint()))
+    clocknet.addCleanup(server.close)
+    # a long heartbeat: no PONG brings the server back before A's late reply
+    client = AgentClient([bound.endpoint], clocknet.reactor, heartbeat=HeartbeatPolicy(5.0, 3),
+                         timeout=1.0, deadline=30.0)
+    clocknet.addCleanup(client.close)
+    await clocknet.until(lambda: client.live() == [bound.endpoint])
+    a = client.request(b"A")
+    clocknet.advance(1.1)  # A's attempt ran out: the server is SUSPECT, A waits
+    b = client.request(b"B")  # no live server: B waits
+    assert seen == [b"A"] and client.live() == []
+    return client, seen, a, b
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_cancelled_by_a_late_replys_callback_is_not_sent(clocknet: Any) -> None:
+    """A's late reply brings its server back, which sends B; A's callback,
+    run first, cancels B: B is neither sent nor timed."""
+    client, seen, a, b = await _agent_with_a_late_reply_to_come(clocknet)
+    failed: list[Any] = []
+    b.addErrback(failed.append)
+    a.addCallback(lambda _: b.cancel())
+    clocknet.advance(1.0)  # A's late reply
+    assert a.called and failed and failed[0].check(defer.CancelledError)
+    assert not _timers_of(clocknet.reactor, client)
+    clocknet.advance(5.0)
+    assert seen == [b"A"] and not client.pending
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_closed_by_a_late_replys_callback_sends_and_arms_nothing(
+        clocknet: Any) -> None:
+    from mdp.errors import ClientClosed
+
+    client, seen, a, b = await _agent_with_a_late_reply_to_come(clocknet)
+    failed: list[Any] = []
+    b.addErrback(failed.append)
+    a.addCallback(lambda _: client.close())
+    clocknet.advance(1.0)
+    assert a.called and failed and failed[0].check(ClientClosed)
+    assert not _timers_of(clocknet.reactor, client)
+    clocknet.advance(5.0)
+    assert seen == [b"A"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_made_by_a_late_replys_callback_goes_out(clocknet: Any) -> None:
+    """What a callback starts is its own: the late reply's other actions
+    (B sent, B's timer) still go ahead, and so does the new request."""
+    client, seen, a, b = await _agent_with_a_late_reply_to_come(clocknet)
+    made: list[Any] = []
+    a.addCallback(lambda _: made.append(client.request(b"C")))
+    clocknet.advance(1.0)
+    assert a.called and len(made) == 1
+    assert await clocknet.wait(b) == [b"ok", b"B"]
+    assert await clocknet.wait(made[0]) == [b"ok", b"C"]
+    assert sorted(seen) == [b"A", b"B", b"C"]
+    assert not _timers_of(clocknet.reactor, client)
+
+
+@pytest.mark.parametrize("model", [1, 2, 3])
+@pytest_twisted.ensureDeferred
+async def test_a_client_closed_by_a_replys_callback_leaves_no_timer(clocknet: Any,
+                                                                    model: int) -> None:
+    """Every model: close() in a reply's callback fails the other requests
+    and leaves no timer behind; nothing more is sent."""
+    from twisted.internet import task
+
+    from mdp.errors import ClientClosed
+
+    seen: list[bytes] = []
+
+    def handler(frames: list[bytes]) -> Any:
+        seen.append(frames[0])
+        delay = 0.1 if frames[0] == b"first" else 0.5
+        return task.deferLater(clocknet.reactor, delay, lambda: [b"ok", *frames])
+
+    server = await start_server(clocknet, "a", handler=handler)
+    client = client_for(clocknet, [server.endpoint], model, timeout=1.0, deadline=10.0)
+    if model == 3:
+        await clocknet.until(lambda: client.live() == [server.endpoint])
+    first, second = client.request(b"first"), client.request(b"second")
+    failed: list[Any] = []
+    second.addErrback(failed.append)
+    first.addCallback(lambda _: client.close())
+    await clocknet.until(lambda: first.called)
+    assert failed and failed[0].check(ClientClosed)
+    assert not _timers_of(clocknet.reactor, client)
+    clocknet.advance(5.0)
+    assert seen == [b"first", b"second"]

@@ -554,3 +554,60 @@ def test_a_callback_cancelling_another_request_lets_close_finish() -> None:
         assert not client._ticker.running
     finally:
         s.forget()
+
+
+def _late_reply_to_come(script: Script) -> tuple[AgentClient, str, Outcome, defer.Deferred]:
+    """An agent whose one server let A's attempt run out (SUSPECT, A
+    waiting) and B waiting too; A's late reply will bring the server back
+    and send B in the same event."""
+    client, (a,) = agent(script, "a", heartbeat=HeartbeatPolicy(5.0, 3), deadline=None)
+    script.feed(Receive(a, [PONG]))
+    first, actions = did(script, client.request, b"A")
+    assert actions == [Send(f"{a}#1", [b"1", b"A"])]
+    assert script.feed(Elapse(1.0)) == []
+    assert client.servers[a].state is ServerState.SUSPECT
+    second, actions = did(script, client.request, b"B")
+    assert actions == [] and client.pending[b"2"].state is RequestState.WAITING
+    return client, a, first, second
+
+
+def test_a_request_cancelled_by_a_late_replys_callback_is_neither_sent_nor_timed(
+        connected: Script) -> None:
+    client, a, first, second = _late_reply_to_come(connected)
+    cancelled = Outcome(second)
+    first.addCallback(lambda _: second.cancel())
+    assert connected.feed(Receive(a, [b"1", b"late"])) == []
+    assert client.servers[a].state is ServerState.ALIVE
+    cancelled.error(defer.CancelledError)
+    assert client.pending == {} and client._timers == {}
+    assert connected.nextWake() == 5.0  # the heartbeat's, no attempt's
+    client.close()
+
+
+def test_a_client_closed_by_a_late_replys_callback_sends_and_arms_nothing(
+        connected: Script) -> None:
+    client, a, first, second = _late_reply_to_come(connected)
+    closed = Outcome(second)
+    first.addCallback(lambda _: client.close())
+    assert connected.feed(Receive(a, [b"1", b"late"])) == [Close(f"{a}#1")]
+    closed.error(ClientClosed)
+    assert client._timers == {} and connected.nextWake() is None
+
+
+def test_each_send_names_its_request_and_compares_equal_without_it() -> None:
+    """What the driver skips once a request is DONE: the sends (and a model
+    1 pipe) say which request they are for; a PING is for none."""
+    from mdp.freelance import AgentMachine, OpenPipe, SendPeer, SendPipe, SequentialMachine
+
+    agent = AgentMachine(HeartbeatPolicy(1.0, 3), timeout=1.0, deadline=None)
+    (_, ping) = agent.handleConnect("a", now=0.0)
+    assert ping == SendPeer("a", [PING]) and ping.call is None
+    agent.handleMessage("a", [PONG], now=0.1)
+    call = agent.newCall([b"hi"], 1.0, None)
+    sends = [x for x in agent.handleRequest(call, now=0.2) if type(x) is SendPeer]
+    assert sends == [SendPeer("a", [b"1", b"hi"])] and sends[0].call is call
+    sequential = SequentialMachine(timeout=1.0, deadline=None)
+    sequential.handleConnect("a", now=0.0)
+    call = sequential.newCall([b"hi"], 1.0, None)
+    opened = [x for x in sequential.handleRequest(call, now=0.0) if type(x) in (OpenPipe, SendPipe)]
+    assert [x.call for x in opened] == [call, call]

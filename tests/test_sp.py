@@ -447,3 +447,102 @@ async def test_a_device_holds_a_request_until_its_upstream_is_up() -> None:
         await client.close()
         await device.close()
         await server.close()
+
+
+# --- the client's driver: a caller's callback that re-enters the client ---------------------
+
+
+class _Connection:
+    """Stands in for a pipe's connection: keeps what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        self.sent.append(frames[0])
+
+    def close(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+
+def _client_on_a_clock(resend: float) -> tuple[Any, SPClient, Any, _Connection]:
+    """An SPClient on a fake clock whose one pipe is up, on a connection
+    that keeps what is sent (the replies are handed to the pipe)."""
+    from twisted.internet.testing import MemoryReactorClock
+
+    clock = MemoryReactorClock()
+    client = SPClient("tcp://127.0.0.1:1", clock, resend=resend)
+    pipe = client.pipes[0]
+    pipe.transport = connection = _Connection()
+    pipe.connectionMade()
+    return clock, client, pipe, connection
+
+
+def _sent(connection: _Connection, payload: bytes) -> int:
+    return sum(1 for body in connection.sent if body[4:] == payload)
+
+
+def _advance(clock: Any, seconds: int) -> None:
+    for _ in range(seconds):  # a second at a time: each timer runs at its own time
+        clock.advance(1.0)
+
+
+def _wake_ups(clock: Any, client: SPClient) -> list[float]:
+    return [call.getTime() for call in clock.getDelayedCalls() if call.func == client._wake]
+
+
+def test_a_request_made_in_a_reply_callback_is_resent() -> None:
+    """The reply's own, older wake-up (none left) must not undo the resend
+    timer the new request armed: the request and those after it are sent
+    again every resend interval until answered."""
+    clock, client, pipe, connection = _client_on_a_clock(resend=10.0)
+    first = client.request(b"A")
+    made: list[defer.Deferred[bytes]] = []
+    first.addCallback(lambda _: made.append(client.request(b"B")))
+    clock.advance(1.0)
+    pipe.messageReceived([connection.sent[0][:4] + b"reply"])
+    assert first.called and len(made) == 1 and not made[0].called
+    assert _wake_ups(clock, client) == [client.machine._wake] == [11.0]
+    clock.advance(1.0)
+    later = client.request(b"C")
+    _advance(clock, 30)
+    assert _sent(connection, b"B") == 4  # at 1, 11, 21 and 31
+    assert _sent(connection, b"C") == 4  # at 2, 12, 22 and 32
+    made[0].cancel()
+    later.cancel()
+    assert _wake_ups(clock, client) == [] and client.machine._wake is None
+
+
+def test_a_request_cancelled_in_a_reply_callback_leaves_the_wake_up_of_the_others() -> None:
+    clock, client, pipe, connection = _client_on_a_clock(resend=10.0)
+    first = client.request(b"A")  # resent at 10
+    clock.advance(1.0)
+    second = client.request(b"B")  # at 11
+    second.addErrback(lambda f: f.trap(defer.CancelledError))
+    clock.advance(1.0)
+    third = client.request(b"C")  # at 12
+    first.addCallback(lambda _: second.cancel())
+    clock.advance(1.0)
+    pipe.messageReceived([connection.sent[0][:4] + b"reply"])
+    assert first.called and second.called
+    assert _wake_ups(clock, client) == [client.machine._wake] == [12.0]
+    _advance(clock, 9)
+    assert (_sent(connection, b"B"), _sent(connection, b"C")) == (1, 2)
+    third.cancel()
+
+
+def test_a_client_closed_in_a_reply_callback_keeps_no_timer() -> None:
+    from mdp.errors import ClientClosed
+
+    clock, client, pipe, connection = _client_on_a_clock(resend=10.0)
+    first = client.request(b"A")
+    clock.advance(1.0)
+    second = client.request(b"B")
+    failed: list[Any] = []
+    second.addErrback(failed.append)
+    first.addCallback(lambda _: client.close())
+    pipe.messageReceived([connection.sent[0][:4] + b"reply"])
+    assert first.called and failed and failed[0].check(ClientClosed)
+    assert _wake_ups(clock, client) == [] and client._timer is None
+    _advance(clock, 60)
+    assert _sent(connection, b"B") == 1
