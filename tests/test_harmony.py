@@ -456,3 +456,153 @@ def test_endpoint_lists_and_bind_endpoints_are_checked_at_once() -> None:
     for bad in ("zmq:ipc:///tmp/x", "tcp:host=h:port=1"):
         with pytest.raises(TransportError, match="binds zmq:tcp"):
             Node("n", clock, discovery=EndpointDiscovery(), endpoint=bad)
+
+
+# --- callbacks that call the node ---------------------------------------------------
+#
+# A batch of actions (links, messages, events) comes out of one event; a
+# subscriber hears its events once its links and messages are done, so what
+# the subscriber does (whisper, stop, ...) follows them, and a stop voids
+# what of the batch is left.
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stop_from_an_exit_callback_leaves_no_link_open(lan: Lan) -> None:
+    """Bob expires: alice closes his link, tells EXIT and dials his listed
+    endpoint again; her EXIT callback stops her.  The new dial is closed by
+    the stop: nothing is left to reach the node that comes there next."""
+    endpoints = ["loopback:10.5.0.1:7001", "loopback:10.5.0.2:7002"]
+    alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
+                           endpoint=endpoints[0], evasive=2.0, expired=5.0)
+    bob = await lan.node("bob", discovery=EndpointDiscovery([]), endpoint=endpoints[1])
+    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid])
+    stopping: list[defer.Deferred[None]] = []
+    alice.subscribe(lambda e: stopping.append(alice.stop()) if e.kind == "EXIT" else None)
+    kill(bob)
+    await lan.net.until(lambda: bool(stopping), timeout=10)
+    await lan.net.wait(stopping[0])
+    assert not alice.running and alice.links == {} and alice.machine.dials == {}
+    bob2 = await lan.node("bob2", discovery=EndpointDiscovery([]), endpoint=endpoints[1])
+    lan.net.advance(6.0)
+    assert bob2.seen == [] and bob2.peers() == []  # nothing from the stopped alice
+    assert kinds(alice) == [("ENTER", None), ("EVASIVE", None), ("EXIT", None)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stop_from_an_exit_callback_on_a_restart_tells_nothing_more(lan: Lan) -> None:
+    """Bob restarts (a new HELLO, after *evasive*): alice closes his link,
+    tells EXIT, opens a link for the new run and tells ENTER; her EXIT
+    callback stops her: the new link is closed, and she tells nothing after
+    the stop (no ENTER for a peer a stopped node does not have)."""
+    endpoints = ["loopback:10.6.0.1:7001", "loopback:10.6.0.2:7002"]
+    alice = await lan.node("alice", "g", discovery=EndpointDiscovery(endpoints[1:]),
+                           endpoint=endpoints[0], evasive=2.0, expired=30.0)
+    bob = await lan.node("bob", "g", discovery=EndpointDiscovery(endpoints[:1]),
+                         endpoint=endpoints[1], evasive=2.0, expired=30.0)
+    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid])
+    await lan.net.wait(bob.stop())
+    lan.net.advance(3.0)
+    after: list[Event] = []
+    stopping: list[defer.Deferred[None]] = []
+    linksOnceStopped: list[dict[int, Any]] = []
+
+    def onEvent(event: Event) -> None:
+        if stopping:
+            after.append(event)
+        elif event.kind == "EXIT":
+            stopping.append(alice.stop())
+            linksOnceStopped.append(dict(alice.links))
+
+    alice.subscribe(onEvent)
+    await lan.net.wait(bob.start())
+    await lan.net.until(lambda: bool(stopping), timeout=5)
+    await lan.net.wait(stopping[0])
+    lan.net.advance(1.0)
+    assert linksOnceStopped == [{}]  # closed by stop(), not after the callback
+    assert not alice.running and alice.links == {} and alice.machine.peers == {}
+    assert after == []
+    assert kinds(alice, bob) == [("ENTER", None), ("JOIN", "g"), ("EVASIVE", None),
+                                 ("EXIT", None)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_whisper_from_an_evasive_callback_follows_the_pings_of_that_tick(
+        lan: Lan) -> None:
+    """One tick PINGs bob, tells EVASIVE(bob), PINGs carol: the whisper to
+    carol from the EVASIVE callback goes after her PING, in sequence; she
+    hears it and keeps alice."""
+    from tests.conftest import warnings_logged
+
+    alice = await lan.node("alice", evasive=5.0, expired=30.0)
+    bob = await lan.node("bob")
+    carol = await lan.node("carol")
+    await lan.net.until(lambda: len(alice.peers()) == 2 and alice.uuid in carol.peers())
+    assert alice.peers() == [bob.uuid, carol.uuid]  # the tick comes to bob first
+    told: list[float] = []
+
+    def onEvent(event: Event) -> None:
+        if event.kind == "EVASIVE" and event.peer == bob.uuid:
+            told.append(lan.net.reactor.seconds())
+            alice.whisper(carol.uuid, b"bob went quiet")
+
+    alice.subscribe(onEvent)
+    with warnings_logged() as logged:
+        kill(bob)
+        carol.discovery.loop.stop()  # type: ignore[attr-defined]  # she answers PINGs only
+        await lan.net.until(lambda: bool(told), timeout=10)
+        lan.net.advance(1.0)
+    assert [e.peer for e in alice.seen if e.kind == "EVASIVE"] == [bob.uuid, carol.uuid]
+    assert [e.frames for e in carol.seen if e.kind == "WHISPER"] == [(b"bob went quiet",)]
+    assert kinds(carol, alice) == [("ENTER", None), ("WHISPER", None)]
+    assert not [e for e in logged if "messages lost" in e.get("log_format", "")]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_whisper_then_a_stop_from_one_callback_sends_the_whisper(lan: Lan) -> None:
+    """What a callback asks before it stops the node is done: its whisper
+    goes out; the events still due are not told once the node stopped."""
+    alice = await lan.node("alice")
+    stopping: list[defer.Deferred[None]] = []
+
+    def onEvent(event: Event) -> None:
+        if event.kind == "ENTER" and not stopping:
+            alice.whisper(event.peer, b"bye")
+            stopping.append(alice.stop())
+
+    alice.subscribe(onEvent)
+    bob = await lan.node("bob", "g1", "g2")
+    await lan.net.until(lambda: bool(stopping))
+    await lan.net.wait(stopping[0])
+    await lan.net.until(lambda: ("WHISPER", None) in kinds(bob))
+    assert [e.frames for e in bob.seen if e.kind == "WHISPER"] == [(b"bye",)]
+    assert kinds(alice) == [("ENTER", None)]  # not bob's JOINs of the same HELLO
+    assert not alice.running and alice.links == {}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stop_and_a_start_from_an_exit_callback_tell_only_the_new_run(lan: Lan) -> None:
+    """The callback restarts the node: what the stopped run had still to
+    tell (bob's ENTER, his JOIN) is not told; the new run meets bob again,
+    and tells that once."""
+    endpoints = ["loopback:10.7.0.1:7001", "loopback:10.7.0.2:7002"]
+    alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
+                           endpoint=endpoints[0], evasive=2.0, expired=30.0)
+    bob = await lan.node("bob", "g", discovery=EndpointDiscovery(endpoints[:1]),
+                         endpoint=endpoints[1], evasive=2.0, expired=30.0)
+    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid])
+    await lan.net.wait(bob.stop())
+    lan.net.advance(3.0)
+    restarting: list[defer.Deferred[None]] = []
+
+    def onEvent(event: Event) -> None:
+        if event.kind == "EXIT" and not restarting:
+            restarting.extend([alice.stop(), alice.start()])
+
+    alice.subscribe(onEvent)
+    await lan.net.wait(bob.start())
+    await lan.net.until(lambda: len(restarting) == 2, timeout=5)
+    await lan.net.wait(restarting[1])
+    await lan.net.until(lambda: alice.peers() == [bob.uuid])
+    assert kinds(alice, bob) == [("ENTER", None), ("JOIN", "g"), ("EVASIVE", None),
+                                 ("EXIT", None), ("ENTER", None), ("JOIN", "g")]
+    assert list(alice.links) == [alice.machine.peers[bob.uuid].link]

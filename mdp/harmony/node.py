@@ -306,6 +306,14 @@ class Node:
         #: start() and stop() one at a time: a start right after a stop waits
         self._transition = defer.DeferredLock()
         self._failedLinks: list[int] = []
+        #: batches of actions waiting for the one being performed, and the
+        #: events of the batches performed, not delivered yet; each with the
+        #: run (``_generation``) it belongs to: a stop ends a run
+        self._batches: deque[tuple[int, list[Any]]] = deque()
+        self._pending: deque[tuple[int, Event]] = deque()
+        self._performing = False
+        self._delivering = False
+        self._generation = 0
         self._stopped = False
         self._tick: Optional[task.LoopingCall] = None
         self.running = False
@@ -322,7 +330,9 @@ class Node:
 
     def stop(self) -> defer.Deferred[None]:
         """Say we are leaving (a beacon with port 0), close every link and the
-        ROUTER, and end the event streams.  Fires with None when done."""
+        ROUTER, and end the event streams.  Fires with None when done.  From
+        the call on, no event is told and nothing more is sent (a callback
+        may call it: the rest of the events due are not told)."""
         return self._transition.run(self._stop)
 
     @defer.inlineCallbacks
@@ -359,6 +369,9 @@ class Node:
     def _stop(self) -> Any:
         streams, self._streams = list(self._streams), weakref.WeakSet()
         self._stopped = True
+        # what the machine decided before now is void: of it, links are
+        # closed, and nothing more is opened, sent or told
+        self._generation += 1
         try:
             if not self.running:
                 return
@@ -397,7 +410,11 @@ class Node:
 
     def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
         """Call *callback(event)* for every event; returns a function that
-        unsubscribes.  An exception in a callback is logged, not raised."""
+        unsubscribes.  An exception in a callback is logged, not raised.
+        The callback may call the node (:meth:`whisper`, :meth:`stop`, ...):
+        it runs once the links and messages that came with its event are
+        done, so what it sends follows them, and the events its call brings
+        follow the ones already due."""
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
@@ -464,11 +481,41 @@ class Node:
     # --- actions ---------------------------------------------------------------------
 
     def _perform(self, actions: list[Any]) -> None:
-        self._performAll(actions)
-        # after the whole batch, so its events keep their order
-        while self._failedLinks:
-            link = self._failedLinks.pop(0)
-            self._performAll(self.machine.handleLinkFailed(link, self._now()))
+        """Perform *actions*, a batch the machine returned, then deliver its
+        events.  A callback may call the node (``whisper``, ``stop``, ...):
+        by then every link and message of the batches before is done, so
+        what the call sends follows them (ZRE numbers each message), and its
+        events wait for the ones already due.  A stop voids what is left:
+        nothing more is opened, sent or delivered from before it."""
+        self._batches.append((self._generation, actions))
+        if self._performing:  # a transport called back: this batch follows
+            return
+        self._performing = True
+        try:
+            while self._batches or self._failedLinks:
+                if self._batches:
+                    generation, batch = self._batches.popleft()
+                    self._performAll(generation, batch)
+                else:  # after the batches, so their events keep their order
+                    link = self._failedLinks.pop(0)
+                    self._batches.append((self._generation,
+                                          self.machine.handleLinkFailed(link, self._now())))
+        finally:
+            self._performing = False
+        if self._delivering:  # a callback called the node: the loop below goes on
+            return
+        self._delivering = True
+        try:
+            while self._pending:
+                generation, event = self._pending.popleft()
+                if self._live(generation):
+                    self._deliver(event)
+        finally:
+            self._delivering = False
+
+    def _live(self, generation: int) -> bool:
+        """Whether actions of the run *generation* are still to be done."""
+        return self.running and generation == self._generation
 
     def _unreachable(self, endpoint: str) -> Optional[str]:
         """Why a peer's ZRE *endpoint* is not one we dial (None if it is):
@@ -484,15 +531,21 @@ class Node:
             return f"is not usable: {e}"
         return None
 
-    def _performAll(self, actions: list[Any]) -> None:
+    def _performAll(self, generation: int, actions: list[Any]) -> None:
+        """Open, send and close; events wait (:meth:`_perform`).  Of a run
+        that has ended, only the closes: the rest is void."""
+        live = self._live(generation)
         for action in actions:
             if isinstance(action, SendOn):
-                link = self.links.get(action.link)
+                link = self.links.get(action.link) if live else None
                 if link is not None:
                     link.sendMessage(action.frames)
             elif isinstance(action, Emit):
-                self._deliver(action.event)
+                if live:
+                    self._pending.append((generation, action.event))
             elif isinstance(action, OpenLink):
+                if not live:
+                    continue
                 try:
                     self.links[action.link] = connect(
                         transport_endpoint(action.endpoint), _Link(), self.reactor,
