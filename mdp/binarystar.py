@@ -598,6 +598,8 @@ class BinaryStar:
             return False
         served, actions = self.machine.handleClientRequest(self._now(now))
         self._perform(actions)
+        if not self._running:  # an observer of the change stopped it
+            return False
         if not served:
             self.throttle.info(log, "refused", "Binary Star {role} is {state}: not serving",
                                role=self.role.value, state=self.state.name.lower())

@@ -172,6 +172,23 @@ async def test_pair_settles_primary_active_backup_passive(clocknet: LoopbackNet,
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_vote_that_an_observer_answers_with_stop_is_not_served(
+        clocknet: LoopbackNet, logged: list[str]) -> None:
+    """The client's vote makes the backup active; an observer of that stops
+    it: the request that voted is not served by a stopped server."""
+    pair = Pair(clocknet)
+    primary, backup = pair.start(Role.PRIMARY), pair.start(Role.BACKUP)
+    await clocknet.until(lambda: backup.state is State.PASSIVE, timeout=5)
+    await clocknet.wait(primary.stop())
+    clocknet.advance(12)
+    stopping = []
+    backup.onActive(lambda reason: stopping.append(backup.stop()))
+    assert backup.admitClient() is False
+    assert stopping
+    await clocknet.wait(stopping[0])
+
+
+@pytest_twisted.ensureDeferred
 async def test_failover_needs_a_client_vote_and_the_failover_timeout(
         clocknet: LoopbackNet, logged: list[str]) -> None:
     pair = Pair(clocknet)
