@@ -268,12 +268,17 @@ class ScriptedBroker:
     own until stopped; ``seen`` holds the request bodies in the order they
     came, ``answered`` counts the requests whose replies were sent."""
 
-    def __init__(self, script: Script) -> None:
+    def __init__(self, script: Script, context: Optional[zmq.Context] = None,
+                 address: Optional[str] = None) -> None:
         self.script = script
-        self.context = zmq.Context()
+        self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"zmq:tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        if address is None:
+            address = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        else:
+            self.socket.bind(address)
+        self.endpoint = f"zmq:{address}"
         self.seen: list[list[bytes]] = []
         self.answered = 0
         self.stopping = threading.Event()
@@ -290,6 +295,10 @@ class ScriptedBroker:
             for to, command, reply in self.script(peer, body):
                 sock.send_multipart([to, header, command, service, *reply])
             self.answered += 1
+            self.served(body)
+
+    def served(self, body: list[bytes]) -> None:
+        """The request of *body* has been answered (for a subclass to note)."""
 
     def stop(self) -> None:
         self.stopping.set()

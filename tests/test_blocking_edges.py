@@ -532,32 +532,12 @@ class InprocBroker(ScriptedBroker):
     (first) body frame has been answered."""
 
     def __init__(self, script: Script, context: zmq.Context, *bodies: bytes) -> None:
-        self.script = script
-        self.context = context
-        self.socket = context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        address = f"inproc://blocking-edges-{id(self)}"
-        self.socket.bind(address)
-        self.endpoint = f"zmq:{address}"
-        self.seen: list[list[bytes]] = []
-        self.answered = 0
         self.replied = {body: threading.Event() for body in bodies}
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(script, context, f"inproc://blocking-edges-{id(self)}")
 
-    def _serve(self) -> None:
-        sock = self.socket
-        while not self.stopping.is_set():
-            if not sock.poll(50):
-                continue
-            peer, header, _, service, *body = sock.recv_multipart()
-            self.seen.append(body)
-            for to, command, reply in self.script(peer, body):
-                sock.send_multipart([to, header, command, service, *reply])
-            self.answered += 1
-            if body and body[0] in self.replied:
-                self.replied[body[0]].set()
+    def served(self, body: list[bytes]) -> None:
+        if body and body[0] in self.replied:
+            self.replied[body[0]].set()
 
     def stop(self) -> None:  # (the context is the test's)
         self.stopping.set()
