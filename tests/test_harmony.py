@@ -466,6 +466,23 @@ def test_endpoint_lists_and_bind_endpoints_are_checked_at_once() -> None:
 # what of the batch is left.
 
 
+async def _alice_and_bob_gone_quiet(lan: Lan, subnet: str,
+                                    aliceGroups: tuple[str, ...]) -> tuple[Node, Node]:
+    """Alice (in *aliceGroups*) and bob (in ``g``) on *subnet*, listing each
+    other; they meet, then bob stops without a word (no beacons) and 3 s go
+    by: alice still has him, and his restart is a new run at the same
+    endpoint."""
+    endpoints = [f"loopback:{subnet}.0.1:7001", f"loopback:{subnet}.0.2:7002"]
+    alice = await lan.node("alice", *aliceGroups, discovery=EndpointDiscovery(endpoints[1:]),
+                           endpoint=endpoints[0], evasive=2.0, expired=30.0)
+    bob = await lan.node("bob", "g", discovery=EndpointDiscovery(endpoints[:1]),
+                         endpoint=endpoints[1], evasive=2.0, expired=30.0)
+    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid])
+    await lan.net.wait(bob.stop())
+    lan.net.advance(3.0)
+    return alice, bob
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_stop_from_an_exit_callback_leaves_no_link_open(lan: Lan) -> None:
     """Bob expires: alice closes his link, tells EXIT and dials his listed
@@ -494,14 +511,7 @@ async def test_a_stop_from_an_exit_callback_on_a_restart_tells_nothing_more(lan:
     tells EXIT, opens a link for the new run and tells ENTER; her EXIT
     callback stops her: the new link is closed, and she tells nothing after
     the stop (no ENTER for a peer a stopped node does not have)."""
-    endpoints = ["loopback:10.6.0.1:7001", "loopback:10.6.0.2:7002"]
-    alice = await lan.node("alice", "g", discovery=EndpointDiscovery(endpoints[1:]),
-                           endpoint=endpoints[0], evasive=2.0, expired=30.0)
-    bob = await lan.node("bob", "g", discovery=EndpointDiscovery(endpoints[:1]),
-                         endpoint=endpoints[1], evasive=2.0, expired=30.0)
-    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid])
-    await lan.net.wait(bob.stop())
-    lan.net.advance(3.0)
+    alice, bob = await _alice_and_bob_gone_quiet(lan, "10.6", ("g",))
     after: list[Event] = []
     stopping: list[defer.Deferred[None]] = []
     linksOnceStopped: list[dict[int, Any]] = []
@@ -584,14 +594,7 @@ async def test_a_stop_and_a_start_from_an_exit_callback_tell_only_the_new_run(la
     """The callback restarts the node: what the stopped run had still to
     tell (bob's ENTER, his JOIN) is not told; the new run meets bob again,
     and tells that once."""
-    endpoints = ["loopback:10.7.0.1:7001", "loopback:10.7.0.2:7002"]
-    alice = await lan.node("alice", discovery=EndpointDiscovery(endpoints[1:]),
-                           endpoint=endpoints[0], evasive=2.0, expired=30.0)
-    bob = await lan.node("bob", "g", discovery=EndpointDiscovery(endpoints[:1]),
-                         endpoint=endpoints[1], evasive=2.0, expired=30.0)
-    await lan.net.until(lambda: alice.peers() == [bob.uuid] and bob.peers() == [alice.uuid])
-    await lan.net.wait(bob.stop())
-    lan.net.advance(3.0)
+    alice, bob = await _alice_and_bob_gone_quiet(lan, "10.7", ())
     restarting: list[defer.Deferred[None]] = []
 
     def onEvent(event: Event) -> None:
