@@ -323,12 +323,6 @@ class _Loop:
         """Release the poller's descriptor (the pipes are closed already)."""
         self.poller.close()
 
-    def flush(self, pipe: Any, until: float) -> None:
-        """Wait until *pipe* has handed all it holds to the OS (or ZeroMQ),
-        or until *until*: a sender that must not pile up messages."""
-        while pipe.backlogged and monotonic() < until and not self.poller.closed:
-            self.turn(until)
-
 
 #: Messages a DEALER of a blocking node queues each way (its HWMs).
 _HIGH_WATER_MARK = 1000
@@ -1224,12 +1218,7 @@ class Worker(WorkerMachine):
                     self._reopenAt = None
                     self._perform(self.handleReopen(now))
                 if now >= self._nextTick:
-                    if now - self._nextTick > self.heartbeat.interval:
-                        # the loop did not come round in time (a long handler,
-                        # a stopped process): the broker's silence is ours
-                        self._perform(self.handleBlocked(now))
-                    self._nextTick = now + self.wakeEvery
-                    self._perform(self.handleTick(now))
+                    self._tock(now)
         finally:
             self._reopenAt = None
             try:
@@ -1306,25 +1295,50 @@ class Worker(WorkerMachine):
             self._perform(self.handleBlocked(monotonic()))
 
     def _stream(self, parts: Any, job: Any) -> None:
+        loop = self._loop
         for item in parts:
-            if not self.isCurrent(job):
-                parts.close()  # the request is void, or was answered (413)
-                return
             if isinstance(item, Final):
                 parts.close()
                 self._reply(job, WorkerFinal, reply_frames(item.frames))
                 self.requestsServed += 1
                 return
             if not self._reply(job, WorkerPartial, reply_frames(item)):
-                parts.close()
+                parts.close()  # the request is void, or was answered (413)
                 return
+            # between parts as between requests: what the broker sent is
+            # read, a HEARTBEAT goes out when due, a broker silent for its
+            # expiry is given up
             pipe = self._pipe
             if pipe is not None and pipe.backlogged:
                 # the broker takes PARTIALs slower than the handler makes
                 # them: wait rather than pile them up
-                self._loop.flush(pipe, monotonic() + self.heartbeat.expiry)
+                while pipe.backlogged and self.isCurrent(job) and not loop.poller.closed:
+                    loop.turn(self._nextTick)
+                    now = monotonic()
+                    if now >= self._nextTick:
+                        self._tock(now)
+            else:
+                now = monotonic()
+                if now >= self._nextTick:
+                    loop.turn(now)  # (a look, no wait)
+                    self._tock(monotonic())
+            if not self.isCurrent(job):
+                # its broker was lost or given up meanwhile: so is the request
+                parts.close()
+                log.info("worker for {service} stopped a stream: its request went with "
+                         "its broker", service=label(self.service))
+                return
         self._reply(job, WorkerFinal, [b""])
         self.requestsServed += 1
+
+    def _tock(self, now: float) -> None:
+        """The machine's tick, due by *now* (heartbeats, the broker's
+        silence); a tick late by more than an interval was held up by a
+        handler (or a stopped process): the broker's silence is ours."""
+        if now - self._nextTick > self.heartbeat.interval:
+            self._perform(self.handleBlocked(now))
+        self._nextTick = now + self.wakeEvery
+        self._perform(self.handleTick(now))
 
     def _reply(self, job: Any, kind: type, frames: list[bytes]) -> bool:
         sent, actions = self.handleReply(job, kind, frames, monotonic())

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -749,3 +750,120 @@ def test_closing_the_client_from_a_callback_ends_the_request_with_client_closed(
         client.close()
         broker.stop()
         context.term()
+
+
+# --- the blocking worker's stream and its broker ------------------------------------------
+
+WORKER, READY, REQUEST, W_HEARTBEAT = b"MDPW02", b"\x01", b"\x02", b"\x05"
+
+
+class StreamedWorker:
+    """A blocking :class:`~mdp.blocking.Worker` for ``s`` in a thread, on an
+    ``inproc`` endpoint the test's ROUTER binds, its handler a generator
+    that yields parts until ``ending`` is set (``closed``: its ``finally``
+    ran)."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        from mdp.blocking import Worker
+        from mdp.policy import Backoff, HeartbeatPolicy
+
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        endpoint = f"inproc://blocking-stream-{id(self)}"
+        self.router.bind(endpoint)
+        self.ending = threading.Event()
+        self.closed = threading.Event()
+        self.worker = Worker(f"zmq:{endpoint}", "s", self.parts,
+                             heartbeat=HeartbeatPolicy(interval, 3),
+                             backoff=Backoff(0.05, 0.2), context=self.context)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.worker.run, args=(self.done.is_set,),
+                                       daemon=True)
+        self.thread.start()
+
+    def parts(self, frames: list[bytes]) -> Any:
+        try:
+            n = 0
+            while not self.ending.is_set():
+                yield b"%d" % n
+                n += 1
+        finally:
+            self.closed.set()
+
+    def receive(self, timeout: float = 10.0) -> list[bytes]:
+        assert self.router.poll(int(timeout * 1000)), "nothing from the worker"
+        return self.router.recv_multipart()
+
+    def ready(self, deadline: float) -> bytes:
+        """The routing id of the next READY (what comes before it is dropped)."""
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, "no READY from the worker"
+            frames = self.receive(left)
+            if frames[1:3] == [WORKER, READY]:
+                return bytes(frames[0])
+
+    def stop(self) -> None:
+        self.ending.set()
+        self.done.set()
+        self.thread.join(10)
+        alive = self.thread.is_alive()
+        self.router.close()
+        if not alive:
+            self.context.term()
+        assert not alive
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_blocking_worker_streaming_to_a_silent_broker_stops_the_stream_and_reconnects(
+        reads: bool) -> None:
+    """The broker goes silent while the worker streams (and stops reading
+    its parts, or reads them on): the worker notices its silence as between
+    requests, closes the handler's generator (its ``finally`` runs) and
+    registers again on a fresh socket."""
+    running = StreamedWorker()
+    try:
+        first = running.ready(time.monotonic() + 10)
+        running.router.send_multipart([first, WORKER, REQUEST, b"client", b"", b"go"])
+        # nothing sent from now on: the broker is dead to the worker
+        if reads:
+            again = running.ready(time.monotonic() + 10)  # (the parts are read meanwhile)
+            assert running.closed.is_set()
+        else:
+            assert running.closed.wait(10), "the stream went on with a silent broker"
+            again = running.ready(time.monotonic() + 10)
+        assert again != first  # a fresh socket
+        assert not running.ending.is_set()
+    finally:
+        running.stop()
+
+
+def test_a_blocking_worker_streaming_to_a_live_broker_goes_on() -> None:
+    """A broker that reads the parts and sends its heartbeats keeps a
+    stream going for many times the heartbeat expiry: the worker reads
+    them meanwhile and does not give its broker up."""
+    running = StreamedWorker()
+    try:
+        worker = running.ready(time.monotonic() + 10)
+        running.router.send_multipart([worker, WORKER, REQUEST, b"client", b"", b"go"])
+        start = last = time.monotonic()
+        expiry = running.worker.heartbeat.expiry
+        parts = 0
+        while time.monotonic() - start < 5 * expiry:
+            frames = running.receive()
+            assert frames[0] == worker and frames[2] != READY, "the worker registered again"
+            parts += 1
+            if time.monotonic() - last >= running.worker.heartbeat.interval / 2:
+                last = time.monotonic()
+                running.router.send_multipart([worker, WORKER, W_HEARTBEAT])
+        assert not running.closed.is_set() and parts > 1
+        running.ending.set()
+        while True:  # the end of the stream: a FINAL, on the same socket
+            frames = running.receive()
+            assert frames[0] == worker
+            if frames[2] == b"\x04":
+                break
+        assert running.closed.wait(10)
+    finally:
+        running.stop()
