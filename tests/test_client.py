@@ -8,7 +8,7 @@ from twisted.internet import defer
 
 from mdp import Client, ClientClosed, RequestTimeout, StreamRestarted
 from mdp.majordomo import codec
-from tests.conftest import LoopbackNet, raw_router
+from tests.conftest import LoopbackNet, RawRouter, raw_router
 
 
 def requests(router) -> list[tuple[float, bytes, list[bytes]]]:
@@ -564,28 +564,34 @@ async def test_close_fires_once_its_connections_are_closed() -> None:
         await broker.close()
 
 
+async def _b_cancelled_when_a_fails(clocknet: LoopbackNet, timeout: float) -> tuple[RawRouter, Client]:
+    """Two connections at most; A (1 s) and B go out, then C and D wait
+    (*timeout* for B, C, D).  At 1.0 s A times out, and its errback cancels
+    B (the caller gives up a batch one of which failed).  Returns at 1.1 s
+    the broker and the client."""
+    router = await raw_router(clocknet)
+    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2)
+    clocknet.addCleanup(client.close)
+    a = client.request("svc", b"A", timeout=1.0, retries=1)
+    b = client.request("svc", b"B", timeout=timeout, retries=1)
+    b.addErrback(lambda f: f.trap(defer.CancelledError))
+    a.addErrback(lambda f: (f.trap(RequestTimeout), b.cancel()))
+    clocknet.advance(0)
+    assert len(requests(router)) == 2
+    clocknet.advance(0.5)
+    for body in (b"C", b"D"):
+        client.request("svc", body, timeout=timeout, retries=1).addErrback(lambda f: None)
+    clocknet.advance(0.6)
+    return router, client
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_cancel_from_a_failure_callback_gives_the_connection_at_once(
         clocknet: LoopbackNet) -> None:
     """A request cancelled in the errback of another (one of a batch
     failed) while others wait: the machine asks for a wake-up now, which the
     wake-up of the outer batch of actions, older, must not undo."""
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2)
-    clocknet.addCleanup(client.close)
-    a = client.request("svc", b"A", timeout=1.0, retries=1)
-    b = client.request("svc", b"B", timeout=10.0, retries=1)
-    b.addErrback(lambda f: f.trap(defer.CancelledError))
-    # the caller gives up on B when A fails (e.g. one of a batch failed)
-    a.addErrback(lambda f: (f.trap(RequestTimeout), b.cancel()))
-    clocknet.advance(0)
-    assert len(requests(router)) == 2
-    clocknet.advance(0.5)
-    c = client.request("svc", b"C", timeout=10.0, retries=1)
-    d = client.request("svc", b"D", timeout=10.0, retries=1)
-    for x in (c, d):
-        x.addErrback(lambda f: None)
-    clocknet.advance(0.6)  # t = 1.1: A timed out at 1.0, B cancelled in its errback
+    router, client = await _b_cancelled_when_a_fails(clocknet, 10.0)
     sent = {f[-1]: t for t, _, f in requests(router)}
     assert b"C" in sent  # A's connection replaced: C went out
     # B's connection is abandoned while D waits: D should go out at once
@@ -597,20 +603,7 @@ async def test_deadlines_after_a_cancel_from_a_failure_callback_are_kept(
         clocknet: LoopbackNet) -> None:
     """The same: the wake-up the machine believes pending is the one armed,
     so a later request's deadline still ends it on time."""
-    router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2)
-    clocknet.addCleanup(client.close)
-    a = client.request("svc", b"A", timeout=1.0, retries=1)
-    b = client.request("svc", b"B", timeout=30.0, retries=1)
-    b.addErrback(lambda f: f.trap(defer.CancelledError))
-    a.addErrback(lambda f: (f.trap(RequestTimeout), b.cancel()))
-    clocknet.advance(0)
-    clocknet.advance(0.5)
-    c = client.request("svc", b"C", timeout=30.0, retries=1)
-    d = client.request("svc", b"D", timeout=30.0, retries=1)
-    for x in (c, d):
-        x.addErrback(lambda f: None)
-    clocknet.advance(0.6)  # t = 1.1
+    router, client = await _b_cancelled_when_a_fails(clocknet, 30.0)
     e = client.request("svc", b"E", timeout=1.0, retries=1)  # deadline 2.1
     failed = []
     e.addErrback(lambda f: failed.append((clocknet.reactor.seconds(), f.value)))

@@ -416,7 +416,6 @@ async def test_a_late_reply_is_not_sent_again_by_its_servers_return(clocknet: An
     back sends what waits: the handler runs once."""
     from twisted.internet import task
 
-    from mdp.freelance import AgentClient
 
     runs: list[list[bytes]] = []
 
@@ -424,13 +423,9 @@ async def test_a_late_reply_is_not_sent_again_by_its_servers_return(clocknet: An
         runs.append(frames)
         return task.deferLater(clocknet.reactor, 0.5, lambda: [b"done", *frames])
 
-    server = FreelanceServer(handler, clocknet.reactor)
-    bound = await clocknet.wait(server.listen(clocknet.bindEndpoint()))
-    clocknet.addCleanup(server.close)
-    client = AgentClient([bound.endpoint], clocknet.reactor, heartbeat=HeartbeatPolicy(1.0, 3),
-                         timeout=0.3, deadline=5.0)
-    clocknet.addCleanup(client.close)
-    await clocknet.until(lambda: client.live() == [bound.endpoint])
+    server = await start_server(clocknet, "late", handler=handler)
+    client = client_for(clocknet, [server.endpoint], heartbeat=HeartbeatPolicy(1.0, 3))
+    await clocknet.until(lambda: client.live() == [server.endpoint])
     assert await clocknet.wait(client.request(b"pay")) == [b"done", b"pay"]
     clocknet.advance(1.0)
     assert runs == [[b"pay"]]
@@ -471,7 +466,6 @@ async def _agent_with_a_late_reply_to_come(clocknet: Any) -> tuple[Any, list[byt
     the server ran, A's and B's Deferreds."""
     from twisted.internet import task
 
-    from mdp.freelance import AgentClient
 
     seen: list[bytes] = []
 
@@ -481,14 +475,11 @@ async def _agent_with_a_late_reply_to_come(clocknet: Any) -> tuple[Any, list[byt
             return task.deferLater(clocknet.reactor, 1.5, lambda: [b"ok", *frames])
         return [b"ok", *frames]
 
-    server = FreelanceServer(handler, clocknet.reactor)
-    bound = await clocknet.wait(server.listen(clocknet.bindEndpoint()))
-    clocknet.addCleanup(server.close)
+    server = await start_server(clocknet, "late", handler=handler)
     # a long heartbeat: no PONG brings the server back before A's late reply
-    client = AgentClient([bound.endpoint], clocknet.reactor, heartbeat=HeartbeatPolicy(5.0, 3),
-                         timeout=1.0, deadline=30.0)
-    clocknet.addCleanup(client.close)
-    await clocknet.until(lambda: client.live() == [bound.endpoint])
+    client = client_for(clocknet, [server.endpoint], heartbeat=HeartbeatPolicy(5.0, 3),
+                        timeout=1.0, deadline=30.0)
+    await clocknet.until(lambda: client.live() == [server.endpoint])
     a = client.request(b"A")
     clocknet.advance(1.1)  # A's attempt ran out: the server is SUSPECT, A waits
     b = client.request(b"B")  # no live server: B waits

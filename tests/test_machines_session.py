@@ -5,7 +5,7 @@ flight), with the time given explicitly."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from hypothesis import example, given, settings
@@ -86,6 +86,18 @@ class Wire:
                 self._client(self.client.handleMessage(self.toClient.pop(0), self.now))
             else:
                 return
+
+    def restartLosingWelcome(self, at: Optional[float] = None) -> None:
+        """The connection breaks and the server restarts; the client connects
+        again (at *at*, if given) and its HELLO reaches the new server, whose
+        WELCOME (a new epoch) is lost."""
+        self.cut()
+        self.server = ServerSessionMachine(expiry=30.0)
+        if at is not None:
+            self.now = at
+        self.connect()
+        self.flow(steps=1)
+        self.toClient.clear()
 
     def send(self, *payload: bytes) -> None:
         self._client(self.client.send(payload, self.now))
@@ -552,11 +564,7 @@ def test_a_lost_welcome_from_a_restarted_server_loses_nothing() -> None:
     for n in range(3):
         wire.reply(1, b"old %d" % n)
     wire.flow()
-    wire.cut()
-    wire.server = ServerSessionMachine(expiry=30.0)  # restarted
-    wire.connect()
-    wire._server(wire.server.handleMessage(wire.peer, wire.toServer.pop(0), wire.now))
-    wire.toClient.clear()  # the WELCOME is lost with the connection
+    wire.restartLosingWelcome()
     wire.reply(1, b"new 1")
     wire.reply(1, b"new 2")
     wire.cut()
@@ -630,12 +638,7 @@ def test_a_lost_welcome_after_a_restart_loses_nothing_among_later_messages() -> 
     for n in range(10):
         wire.reply(1, b"old %d" % n)
     wire.flow()
-    wire.cut()
-    wire.server = ServerSessionMachine(expiry=30.0)   # restarted
-    wire.now = 1.0
-    wire.connect()
-    wire.flow(steps=1)
-    wire.toClient.clear()                             # the new epoch's WELCOME is lost
+    wire.restartLosingWelcome(at=1.0)
     for n in range(50):
         wire.reply(1, b"new %d" % n)
         wire.flow()
