@@ -317,3 +317,87 @@ def test_a_reader_that_logs_on_its_own_is_read_without_the_legacy_log_context(
         for r, w in pipes:
             os.close(r)
             os.close(w)
+
+
+def test_a_reader_that_reads_on_its_own_is_the_loops_callback() -> None:
+    """A reader with ``readNow`` (and no need of the legacy log context) is
+    called through it, straight from the loop: its ``doRead`` is not called,
+    and no reactor code runs between."""
+    import asyncio
+
+    from mdp import uvreactor
+
+    loop = uvreactor.new_loop()
+    reactor = uvreactor.reactor_class()(loop)
+    r, w = os.pipe()
+    calls: list[str] = []
+    done = loop.create_future()
+
+    class Reader:
+        needsLogContext = False
+
+        def fileno(self) -> int:
+            return r
+
+        def logPrefix(self) -> str:
+            return "own"
+
+        def doRead(self) -> None:
+            calls.append("doRead")
+
+        def readNow(self) -> None:
+            os.read(r, 100)
+            calls.append("readNow")
+            if not done.done():
+                done.set_result(None)
+
+    reader = Reader()
+    reactor._readOrWrite = lambda *a: calls.append("reactor")  # not to be used
+    try:
+        reactor.addReader(reader)
+        assert reader in reactor.getReaders()
+        os.write(w, b"x")
+        loop.run_until_complete(asyncio.wait_for(done, 10))
+        assert calls == ["readNow"]
+        reactor.removeReader(reader)
+        assert reader not in reactor.getReaders()
+        assert not loop.remove_reader(r)  # gone from the loop too
+    finally:
+        for each in reactor.getReaders():
+            reactor.removeReader(each)
+        reactor.waker.connectionLost(None)
+        loop.close()
+        os.close(r)
+        os.close(w)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_zeromq_socket_whose_read_fails_logs_it_and_stops_reading() -> None:
+    """``readNow`` of our ZeroMQ sockets never raises into the loop: a read
+    that fails is logged, and the socket is no longer read (as the
+    reactor's own dispatch does with a failed ``doRead``)."""
+    from twisted.logger import globalLogPublisher
+
+    from mdp import transport
+    from tests.test_transport_conformance import Router
+
+    bound = await transport.listen("zmq:tcp://127.0.0.1:*", Router(), reactor())
+    connection = bound.connection
+    logged: list[dict[str, Any]] = []
+    globalLogPublisher.addObserver(logged.append)
+    try:
+        assert connection in reactor().getReaders()
+
+        def broken() -> None:
+            raise OSError("broken read")
+
+        connection.doRead = broken
+        connection.readNow()  # does not raise
+        assert connection not in reactor().getReaders()
+        failures = [e for e in logged if e.get("log_failure") is not None]
+        assert [e["log_failure"].check(OSError) for e in failures] == [OSError], logged
+        assert "reading from a ZeroMQ socket failed" in failures[0]["log_format"]
+    finally:
+        globalLogPublisher.removeObserver(logged.append)
+        del connection.doRead
+        await bound.close()
