@@ -44,22 +44,25 @@ from mdp import _compiled
 
 BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
 
-# (broker, workers, clients, dialect of our peers)
+# (broker, workers, clients, dialect of our peers).  In this order, the stacks
+# a goal compares run next to each other in every round (cases())
 STACKS = {
-    "ours": ("ours", "ours", "ours", "rfc"),
-    "majortomo": ("majortomo", "majortomo", "majortomo", None),
+    # our broker and Twisted peers, then the same peers on the bare forwarder
+    # (goal 6) and the ceiling (goal 1)
     "bare+ours": ("bare", "ours", "ours", "rfc"),
-    "ours-broker+majortomo-peers": ("ours", "majortomo", "majortomo", None),
-    "majortomo-broker+our-peers": ("majortomo", "ours", "ours", "majortomo"),
+    "ours": ("ours", "ours", "ours", "rfc"),
     # the ceiling for any Python MDP stack: bare forwarder and blocking pyzmq peers
     "bare": ("bare", "bare", "bare", None),
-    "ours-broker+bare-peers": ("ours", "bare", "bare", None),
-    # our broker and workers with our blocking client (mdp.blocking), and with
-    # the blocking pyzmq loop client it is measured against
-    "ours+blocking-client": ("ours", "ours", "blocking", None),
-    "ours+bare-client": ("ours", "ours", "bare", None),
     # our whole stack without Twisted peers: the broker, mdp.blocking workers and clients
     "ours-blocking": ("ours", "blocking", "blocking", None),
+    # our broker and workers with our blocking client (mdp.blocking), and with
+    # the blocking pyzmq loop client it is measured against (goal 2)
+    "ours+blocking-client": ("ours", "ours", "blocking", None),
+    "ours+bare-client": ("ours", "ours", "bare", None),
+    "majortomo": ("majortomo", "majortomo", "majortomo", None),
+    "ours-broker+majortomo-peers": ("ours", "majortomo", "majortomo", None),
+    "majortomo-broker+our-peers": ("majortomo", "ours", "ours", "majortomo"),
+    "ours-broker+bare-peers": ("ours", "bare", "bare", None),
 }
 
 #: the same stacks run from the plain source (``MDP_PURE_PYTHON=1``), where the
@@ -343,30 +346,39 @@ def cases(smoke: bool, earlier: Optional[str] = None,
         described = {k: v for k, v in kw.items() if k != "root"}
         out.append((name, {"stack": stack, "transport": transport, **described}, thunk))
 
-    # the stacks a ratio compares run one after the other
+    # the cases a goal compares run one after the other (STACKS' order), and
+    # main() runs every other round backwards: a drift of the machine within a
+    # round favours neither side of a ratio
     for stack in STACKS:
         add(f"sync 1x1 / {stack}", stack=stack, mode="sync", clients=1, workers=1, n=n_sync // 2)
     for stack in (*STACKS, *SOURCE_STACKS, *EPOLL_STACKS):
         add(f"sync 4x4 / {stack}", stack=stack, mode="sync", clients=4, workers=4, n=n_sync)
-    for stack in ("ours", "bare+ours", "majortomo-broker+our-peers", "ours+blocking-client"):
-        add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1, workers=4,
-            n=n_pipe, window=100)
-    for stack in ("ours", "bare+ours", "majortomo", "ours-blocking"):
+    for stack in ("bare+ours", "ours", "ours over tcp", "majortomo-broker+our-peers",
+                  "ours+blocking-client"):
+        if stack == "ours over tcp":  # goal 5: against the row before it
+            add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
+                workers=4, n=n_pipe, window=100)
+        else:
+            add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1,
+                workers=4, n=n_pipe, window=100)
+    for stack in ("ours", "majortomo", "ours-blocking", "bare+ours"):
         add(f"sync 4x4 64KiB / {stack}", stack=stack, mode="sync", clients=4, workers=4,
             n=n_sync // 4, size=big)
-    for stack in ("ours", "ours-blocking"):
-        add(f"stream 1000 partials / {stack}", stack=stack, mode="stream", clients=1, workers=1,
-            n=2 if smoke else 20)
+    add("stream 1000 partials / ours", stack="ours", mode="stream", clients=1, workers=1,
+        n=2 if smoke else 20)
     if earlier is not None:  # goal 4's baseline: the same case, the code before this round
         add(f"stream 1000 partials / {BEFORE_STACK}", stack="ours", mode="stream", clients=1,
             workers=1, n=2 if smoke else 20, root=earlier, revision=revision)
+    add("stream 1000 partials / ours-blocking", stack="ours-blocking", mode="stream",
+        clients=1, workers=1, n=2 if smoke else 20)
     for transport in ("tcp", "loopback"):
         add(f"sync 1x1 / ours over {transport}", transport=transport, mode="sync", clients=1,
             workers=1, n=n_sync // 2)
         add(f"sync 4x4 / ours over {transport}", transport=transport, mode="sync", clients=4,
             workers=4, n=n_sync)
-        add(f"pipelined w100 x4 / ours over {transport}", transport=transport, mode="pipelined",
-            clients=1, workers=4, n=n_pipe, window=100)
+        if transport != "tcp":  # (tcp's: next to zmq's, above)
+            add(f"pipelined w100 x4 / ours over {transport}", transport=transport,
+                mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
     # encrypted and authenticated links, each right after its plain transport's row
     add("sync 4x4 / ours over curve", transport="curve", mode="sync", clients=4, workers=4,
         n=n_sync)
@@ -560,9 +572,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if not args.only or any(word in name for word in args.only)]
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in selected}
         # round-robin: every case once per round, so that the machine's slow and
-        # fast spells spread over all cases instead of landing on a few
+        # fast spells spread over all cases instead of landing on a few; every
+        # other round backwards, so that the side of a ratio run first in one
+        # round runs second in the next
         for round_ in range(repetitions):
-            for name, _, thunk in selected:
+            for name, _, thunk in (selected if round_ % 2 == 0 else selected[::-1]):
                 print(f"… [{round_ + 1}/{repetitions}] {name}", file=sys.stderr, flush=True)
                 runs[name].append(thunk())
         scale: dict[str, Any] = {}
