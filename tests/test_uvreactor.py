@@ -388,10 +388,10 @@ async def test_a_zeromq_socket_whose_read_fails_logs_it_and_stops_reading() -> N
     try:
         assert connection in reactor().getReaders()
 
-        def broken() -> None:
+        def broken(socket: Any) -> int:
             raise OSError("broken read")
 
-        connection.doRead = broken
+        connection._events = broken
         connection.readNow()  # does not raise
         assert connection not in reactor().getReaders()
         failures = [e for e in logged if e.get("log_failure") is not None]
@@ -399,5 +399,5 @@ async def test_a_zeromq_socket_whose_read_fails_logs_it_and_stops_reading() -> N
         assert "reading from a ZeroMQ socket failed" in failures[0]["log_format"]
     finally:
         globalLogPublisher.removeObserver(logged.append)
-        del connection.doRead
+        del connection._events
         await bound.close()

@@ -51,3 +51,9 @@ cdef class Client(ClientCore):
     cdef public object reactor, _timer
 
     cpdef _perform(self, list actions)
+
+# the receiver of a channel's transport: its events reach the client's
+# machine and driver through C calls
+cdef class _ChannelPipe:
+    cdef public Client client
+    cdef public _Channel channel

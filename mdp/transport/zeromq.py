@@ -225,66 +225,67 @@ def _connection_classes() -> tuple[type, type]:
             keepAfter = 1 << 62
 
             def doRead(self) -> None:
-                if self.read_scheduled is not None:
-                    self.read_scheduled = cancel_call(self.read_scheduled)
-                socket = self.socket
-                if socket is None:
-                    return
-                # ZeroMQ signals its FD when a full pipe drains, too
-                owner = self.owner
-                if owner is not None and owner.backlogged:
-                    owner._flush()
-                    if self.socket is None:
+                """Read what the socket has (at most READ_BATCH messages a
+                turn).  Never raises: a failed read is logged and ends this
+                socket's reading, as the reactor's own dispatch does with a
+                ``doRead`` that raises (``connectionLost``).  It is also
+                ``readNow``, which :mod:`mdp.uvreactor`'s loop calls itself,
+                with no reactor code between (docs/performance.md, round two,
+                item 32)."""
+                try:
+                    if self.read_scheduled is not None:
+                        self.read_scheduled = cancel_call(self.read_scheduled)
+                    socket = self.socket
+                    if socket is None:
                         return
-                deliver = self.deliver
-                budget = FRAMES_PER_TURN
-                busy = self.lastBatch >= BUSY_BATCH
-                delivered = 0
-                # sends made while reading need no EVENTS check of their own:
-                # the loop asks EVENTS again before it returns
-                self.reading = True
-                try:
-                    for _ in range(READ_BATCH):
-                        if self.skipping is None:
-                            if busy and delivered:
-                                try:
+                    # ZeroMQ signals its FD when a full pipe drains, too
+                    owner = self.owner
+                    if owner is not None and owner.backlogged:
+                        owner._flush()
+                        if self.socket is None:
+                            return
+                    deliver = self.deliver
+                    budget = FRAMES_PER_TURN
+                    busy = self.lastBatch >= BUSY_BATCH
+                    delivered = 0
+                    # sends made while reading need no EVENTS check of their own:
+                    # the loop asks EVENTS again before it returns
+                    self.reading = True
+                    try:
+                        for _ in range(READ_BATCH):
+                            if self.skipping is None:
+                                if busy and delivered:
+                                    try:
+                                        frames = self._readMessage(socket)
+                                    except Again:
+                                        return
+                                else:
+                                    # asking EVENTS is cheaper than the Again a failed recv raises
+                                    if not self._events(socket) & POLLIN:
+                                        return
                                     frames = self._readMessage(socket)
-                                except Again:
-                                    return
-                            else:
-                                # asking EVENTS is cheaper than the Again a failed recv raises
-                                if not self._events(socket) & POLLIN:
-                                    return
-                                frames = self._readMessage(socket)
-                            if frames is not None:
-                                delivered += 1
-                                try:
-                                    deliver(frames)
-                                except Exception:
-                                    log.failure("zmq message handler failed")
-                                if self.socket is None:
-                                    return
-                                continue
-                        budget = self._skip(socket, budget)
-                        if self.skipping is not None:
-                            break  # out of this turn's budget: the rest next turn
-                finally:
-                    self.reading = False
-                    self.lastBatch = delivered
-                # more may be waiting: let the reactor run other work first
-                self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-
-            def readNow(self) -> None:
-                """:meth:`doRead`, called by :mod:`mdp.uvreactor`'s loop
-                itself, with no reactor code between (docs/performance.md,
-                round two, item 32).  Never raises: a failed read is logged
-                and ends this socket's reading, as the reactor's own path
-                does (``connectionLost``)."""
-                try:
-                    self.doRead()
+                                if frames is not None:
+                                    delivered += 1
+                                    try:
+                                        deliver(frames)
+                                    except Exception:
+                                        log.failure("zmq message handler failed")
+                                    if self.socket is None:
+                                        return
+                                    continue
+                            budget = self._skip(socket, budget)
+                            if self.skipping is not None:
+                                break  # out of this turn's budget: the rest next turn
+                    finally:
+                        self.reading = False
+                        self.lastBatch = delivered
+                    # more may be waiting: let the reactor run other work first
+                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
                 except Exception:
                     log.failure("reading from a ZeroMQ socket failed")
                     self.connectionLost(Failure())
+
+            readNow = doRead
 
             #: the libzmq socket's address (readFrames, sendFrames)
             handle = 0
