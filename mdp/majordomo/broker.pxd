@@ -45,6 +45,7 @@ cdef class BrokerMachine(Machine):
     cdef public dict services, workers
 
     cpdef list handleMessage(self, key, frames, now)
+    cdef _received(self, key, frames)
     # the request's path, in C (only the machine calls these)
     @cython.locals(worker=WorkerRef, request=PendingRequest)
     cdef bint _fastPath(self, key, frames) except -1

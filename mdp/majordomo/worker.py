@@ -646,7 +646,7 @@ class Worker(WorkerMachine):
             elif kind is StoreReply:
                 if self.replies is not None:
                     defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
-                        lambda f: log.failure("reply store could not keep a reply", f))
+                        _storeFailed)
             elif kind is OpenPipe:
                 security = transport.curve_for(action.endpoint, self.curve)
                 try:
@@ -819,3 +819,8 @@ class Worker(WorkerMachine):
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Worker, IWorker, IDealerReceiver)
+
+
+def _storeFailed(failure: Failure) -> None:
+    """The reply store failed to keep a reply: logged (the reply went out)."""
+    log.failure("reply store could not keep a reply", failure)
