@@ -245,6 +245,10 @@ def _connection_classes() -> tuple[type, type]:
                         if self.socket is None:
                             return
                     deliver = self.deliver
+                    # EVENTS asked in C, without a method call a message
+                    handle = 0
+                    if eventsOf is not None:
+                        handle = self.handle or self._handle(socket)
                     budget = FRAMES_PER_TURN
                     busy = self.lastBatch >= BUSY_BATCH
                     delivered = 0
@@ -261,7 +265,8 @@ def _connection_classes() -> tuple[type, type]:
                                         return
                                 else:
                                     # asking EVENTS is cheaper than the Again a failed recv raises
-                                    if not self._events(socket) & POLLIN:
+                                    events = eventsOf(handle) if handle else get(socket, EVENTS)
+                                    if not events & POLLIN:
                                         return
                                     frames = self._readMessage(socket)
                                 if frames is not None:
@@ -372,8 +377,12 @@ def _connection_classes() -> tuple[type, type]:
                 dropped = 0
                 if socket is None or self.skipping is not None:
                     return 0
+                handle = 0  # (as in doRead)
+                if eventsOf is not None:
+                    handle = self.handle or self._handle(socket)
                 for _ in range(READ_BATCH):
-                    if not self._events(socket) & POLLIN:
+                    events = eventsOf(handle) if handle else get(socket, EVENTS)
+                    if not events & POLLIN:
                         break
                     if self._readMessage(socket) is None:
                         # over the limits: doRead reads the rest off and reports it
