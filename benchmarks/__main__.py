@@ -322,7 +322,7 @@ def cases(smoke: bool, earlier: Optional[str] = None,
     """(name, description, thunk) for every case, baselines included; with
     *earlier* (*revision*'s tree, from earlier_tree), the stream case of that
     code too."""
-    n_sync = 200 if smoke else 8000
+    n_sync = 200 if smoke else 16000
     n_pipe = 400 if smoke else 10000
     warm = 20 if smoke else 300
     big = 65536
