@@ -395,7 +395,7 @@ class _Call:
         self.tried: list[str] = []  # model 3: servers tried in this round
         self.server: Optional[str] = None  # where the current attempt went
         self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
-        self.refusals = 0  # model 2: servers that answered 429 this round
+        self.refusals: set[Any] = set()  # model 2: servers that answered 429 this round
 
 
 # --- what a client machine asks its driver to do ----------------------------------------
@@ -535,10 +535,12 @@ class FreelanceMachine(Machine):
         self._start(call)
         return self._drain()
 
-    def handleReply(self, frames: list[bytes], now: float) -> list[Action]:
-        """A ``[sequence, reply...]`` arrived; stale or unknown ones are dropped."""
+    def handleReply(self, frames: list[bytes], now: float,
+                    endpoint: Optional[str] = None) -> list[Action]:
+        """A ``[sequence, reply...]`` arrived (from the server at *endpoint*,
+        where the driver knows it); stale or unknown ones are dropped."""
         self.now = now
-        self._reply(frames)
+        self._reply(frames, endpoint)
         return self._drain()
 
     def handleTimer(self, call: _Call, kind: str, now: float) -> list[Action]:
@@ -679,7 +681,7 @@ class ShotgunMachine(FreelanceMachine):
 
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.linked)
-        call.refusals = 0
+        call.refusals = set()
         call.state = RequestState.SENT
         for endpoint in self.linked:
             self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
@@ -690,8 +692,11 @@ class ShotgunMachine(FreelanceMachine):
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:
-        call.refusals += 1  # the answer only once every server said so
-        if call.refusals >= call.attempts:
+        # the answer only once every server said so: counted by server, so
+        # that one server's 429 sent twice does not speak for another (a
+        # reply of unknown origin counts on its own)
+        call.refusals.add(object() if endpoint is None else endpoint)
+        if len(call.refusals) >= call.attempts:
             self._fail(call, error)
 
     def handleClose(self, now: float) -> list[Action]:
@@ -900,7 +905,7 @@ class _Pipe:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client
-        client._perform(client.handleReply(frames, client.reactor.seconds()))
+        client._perform(client.handleReply(frames, client.reactor.seconds(), self.endpoint))
 
 
 class _FreelanceClient(FreelanceMachine):

@@ -10,7 +10,13 @@ import pytest
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
-from mdp.errors import ClientClosed, NoServerAvailable, RequestTimeout, WorkerError
+from mdp.errors import (
+    ClientClosed,
+    NoServerAvailable,
+    RequestTimeout,
+    ServiceOverloaded,
+    WorkerError,
+)
 from mdp.freelance import (
     PING,
     PONG,
@@ -300,6 +306,26 @@ def test_shotgun_correlates_concurrent_requests(script: Script) -> None:
     assert (one.result, two.result) == ([b"ONE"], [b"TWO"])
     _, actions = did(script, client.close)
     assert actions == [Close(f"{a}#1"), Close(f"{b}#1")]
+
+
+def test_shotgun_a_429_answers_only_once_every_server_said_it(script: Script) -> None:
+    """A 429 means that server ran nothing: the request fails with it only
+    once every server has refused.  One server's 429 sent twice does not
+    speak for another, which still answers."""
+    a, b = script.endpoint("a"), script.endpoint("b")
+    client = ShotgunClient([a, b], script.clock, timeout=3.0)
+    busy = [ERROR_MARKER, b"429", b"server busy"]
+    outcome, _ = request(script, client, b"x")
+    script.feed(Receive(a, [b"1", *busy]), Receive(a, [b"1", *busy]))
+    assert not outcome.fired
+    script.feed(Receive(b, [b"1", b"from b"]))
+    assert outcome.result == [b"from b"]
+    # every server refuses: the 429 is the answer
+    again, _ = request(script, client, b"y")
+    script.feed(Receive(a, [b"2", *busy]))
+    assert not again.fired
+    script.feed(Receive(b, [b"2", *busy]))
+    assert again.error(ServiceOverloaded)
 
 
 # --- model 3: AgentClient ----------------------------------------------------------------
