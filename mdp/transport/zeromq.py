@@ -226,12 +226,12 @@ def _connection_classes() -> tuple[type, type]:
 
             def doRead(self) -> None:
                 """Read what the socket has (at most READ_BATCH messages a
-                turn).  Never raises: a failed read is logged and ends this
-                socket's reading, as the reactor's own dispatch does with a
-                ``doRead`` that raises (``connectionLost``).  It is also
-                ``readNow``, which :mod:`mdp.uvreactor`'s loop calls itself,
-                with no reactor code between (docs/performance.md, round two,
-                item 32)."""
+                turn).  Raises nothing but KeyboardInterrupt: a failed read
+                (or a handler's SystemExit) is logged and ends this socket's
+                reading (``connectionLost``), as Twisted's epoll reactor does
+                with a ``doRead`` that raises.  It is also ``readNow``, which
+                :mod:`mdp.uvreactor`'s loop calls itself, with no reactor code
+                between (docs/performance.md, round two, item 32)."""
                 try:
                     if self.read_scheduled is not None:
                         self.read_scheduled = cancel_call(self.read_scheduled)
@@ -286,7 +286,9 @@ def _connection_classes() -> tuple[type, type]:
                         self.lastBatch = delivered
                     # more may be waiting: let the reactor run other work first
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                except Exception:
+                except KeyboardInterrupt:
+                    raise  # (as the reactor's own dispatch lets it through)
+                except BaseException:  # a handler's SystemExit too: logged, as the reactor did
                     log.failure("reading from a ZeroMQ socket failed")
                     self.connectionLost(Failure())
 
