@@ -33,4 +33,5 @@ cdef class Client(ClientCore):
 
     cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
     cdef _waitFor(self, _Call call)
+    cdef _giveUp(self, _Call call)
     cdef _perform(self, list actions)

@@ -914,7 +914,11 @@ class Client(ClientCore):
         inside this call.  An exception that interrupts the wait (Ctrl-C)
         abandons the request."""
         call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
-        self._waitFor(call)
+        try:
+            self._waitFor(call)
+        except BaseException:  # (as _waitFor does; also before its own try)
+            self._giveUp(call)
+            raise
         result = call.result
         if isinstance(result, BaseException):
             raise result
@@ -1028,8 +1032,25 @@ class Client(ClientCore):
         now = monotonic()
         call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now)
         call.result = _PENDING
-        self._perform(self.handleRequest(call, now))
+        try:
+            self._perform(self.handleRequest(call, now))
+        except BaseException:  # (Ctrl-C while it was being sent) abandoned
+            self._giveUp(call)
+            raise
         return call
+
+    def _giveUp(self, call: _Call) -> None:
+        """*call* is abandoned by what interrupted it (its caller gets that
+        instead): cancelled, and the pool of connections started over
+        (:meth:`~mdp.majordomo.client.ClientMachine.handleReset`), as an
+        interrupt (Ctrl-C) may land anywhere in the machine or its actions;
+        the driver's wake-up is made the machine's again."""
+        try:
+            self._cancel(call)
+            if not self._closed:
+                self._perform(self.handleReset(monotonic()))
+        finally:
+            self._wakeTime = self._wakeAt
 
     def _cancel(self, call: _Call) -> None:
         if call.result is _PENDING:
@@ -1051,7 +1072,7 @@ class Client(ClientCore):
                         self._wakeTime = None
                         self._perform(self.handleWake(now))
         except BaseException:
-            self._cancel(call)
+            self._giveUp(call)
             raise
 
     # --- what the pipes report -------------------------------------------------
@@ -1070,54 +1091,56 @@ class Client(ClientCore):
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order (as the Twisted driver).  A
-        caller's callback that raises is logged; one interrupted (Ctrl-C)
-        has the rest of the actions done first, then the interrupt raised."""
+        caller's callback that raises is logged.  Whatever interrupts an
+        action (Ctrl-C, in a callback or anywhere else) has the rest of the
+        actions done first, then is raised: the machine's decisions are
+        never half done (a channel it opened left without a socket, a
+        wake-up it asked for never armed)."""
         interrupted: Optional[BaseException] = None
         for action in actions:
-            kind = type(action)
-            if kind is SendOn:
-                channel = action.channel
-                pipe = channel.pipe
-                call = channel.call
-                if pipe is not None and pipe.up and call is not None and call.state is not DONE:
-                    if pipe.discardReceived():
-                        self._stale(channel)
-                    pipe.send(action.frames)
-            elif kind is Complete or kind is Fail:
-                call = action.call
-                if call.result is _PENDING:
-                    call.result = action.body if kind is Complete else action.error
-                call.onPartial = call.onRestart = None
-            elif kind is WakeAt:
-                # the machine's wake-up as it is now (a callback above may have
-                # asked for an earlier one, which this older action must not undo)
-                self._wakeTime = self._wakeAt
-            elif kind is OpenChannel:
-                channel = action.channel
-                # a callback run by an earlier action may have closed the
-                # client, or waited on it (a request of its own) while the
-                # machine gave up this channel: it is not opened, as nothing
-                # would ever close it
-                if not self._closed and channel in self._channels:
-                    self._open(channel)
-            elif kind is CloseChannel:
-                pipe, action.channel.pipe = action.channel.pipe, None
-                if pipe is not None:
-                    self._loop.close(pipe)
-            elif kind is Partial:
-                onPartial = action.call.onPartial
-                if onPartial is not None and not action.call.done:
-                    try:
+            try:
+                kind = type(action)
+                if kind is SendOn:
+                    channel = action.channel
+                    pipe = channel.pipe
+                    call = channel.call
+                    if (pipe is not None and pipe.up and call is not None
+                            and call.state is not DONE):
+                        if pipe.discardReceived():
+                            self._stale(channel)
+                        pipe.send(action.frames)
+                elif kind is Complete or kind is Fail:
+                    call = action.call
+                    if call.result is _PENDING:
+                        call.result = action.body if kind is Complete else action.error
+                    call.onPartial = call.onRestart = None
+                elif kind is WakeAt:
+                    # the machine's wake-up as it is now (a callback above may have
+                    # asked for an earlier one, which this older action must not undo)
+                    self._wakeTime = self._wakeAt
+                elif kind is OpenChannel:
+                    channel = action.channel
+                    # a callback run by an earlier action may have closed the
+                    # client, or waited on it (a request of its own) while the
+                    # machine gave up this channel: it is not opened, as nothing
+                    # would ever close it
+                    if not self._closed and channel in self._channels:
+                        self._open(channel)
+                elif kind is CloseChannel:
+                    pipe, action.channel.pipe = action.channel.pipe, None
+                    if pipe is not None:
+                        self._loop.close(pipe)
+                elif kind is Partial:
+                    onPartial = action.call.onPartial
+                    if onPartial is not None and not action.call.done:
                         call_back("onPartial", action.call, onPartial, action.body)
-                    except BaseException as e:  # Ctrl-C: raised once the rest is done
-                        interrupted = interrupted or e
-            elif kind is Restarted:
-                onRestart = action.call.onRestart
-                if onRestart is not None and not action.call.done:
-                    try:
+                elif kind is Restarted:
+                    onRestart = action.call.onRestart
+                    if onRestart is not None and not action.call.done:
                         call_back("onRestart", action.call, onRestart)
-                    except BaseException as e:  # Ctrl-C: raised once the rest is done
-                        interrupted = interrupted or e
+            except BaseException as e:  # raised once the rest is done
+                if interrupted is None:
+                    interrupted = e
         while self._madeUp:
             channel = self._madeUp.popleft()
             if channel.pipe is not None:
@@ -1131,13 +1154,20 @@ class Client(ClientCore):
                                                   curve=self.curve)
             # a failure reported at once (no such socket file) may close the channel
             pipe.start()
-        except Exception as e:  # no socket to be had (out of descriptors): it cannot be sent
+        except BaseException as e:
+            # no socket to be had (out of descriptors), or the opening was
+            # interrupted (Ctrl-C): nothing can be sent on it, and the machine
+            # is told so (a channel it believes opening, with no socket,
+            # would hold its request for good)
             pipe, channel.pipe = channel.pipe, None
             if pipe is not None:
                 self._loop.close(pipe)
-            error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
+            why = str(e) if isinstance(e, Exception) else f"interrupted ({type(e).__name__})"
+            error = TransportError(f"cannot open a connection to {channel.endpoint}: {why}")
             error.__cause__ = e
             self._perform(self.handleOpenFailed(channel, error, monotonic()))
+            if not isinstance(e, Exception):
+                raise
             return
         if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
             self._madeUp.append(channel)

@@ -569,6 +569,33 @@ class ClientMachine(Machine):
         self._deadlines.clear()
         return self._drain()
 
+    def handleReset(self, now: float) -> list[Action]:
+        """Start the pool of connections over: every connection is closed (a
+        reply still due on one is dropped with it), and each request that
+        was on one goes out again on a new one, ahead of those waiting (a
+        stream's reply starts over: ``onRestart``, or :class:`StreamRestarted`).
+        For a driver interrupted (Ctrl-C) inside the machine or its actions,
+        whose connections may no longer be what the machine believes (one
+        taken for a request the interrupt kept from it would be lost to
+        the pool for good)."""
+        self.now = now
+        carried = []
+        for channel in list(self._channels):
+            call = channel.call
+            if call is not None and call.channel is channel and call.state is not DONE:
+                carried.append(call)
+            self._discard(channel)
+        self._idle.clear()
+        self._abandoned = 0  # no connection is kept for an abandoned reply now
+        if not self._closed:
+            carried.sort(key=lambda call: call.startedAt)
+            for call in reversed(carried):
+                self._restart(call)
+                if call.state is not DONE:
+                    self._enqueue(call, first=True)
+            self._pump()
+        return self._drain()
+
     def _failPending(self, error: Callable[[], BaseException]) -> None:
         """Fail every request not yet done, each with an *error()* of its
         own, and close every connection."""
