@@ -33,5 +33,6 @@ cdef class Client(ClientCore):
 
     cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
     cdef _waitFor(self, _Call call)
-    cdef _giveUp(self, _Call call)
+    cdef _drop(self, _Call call)
+    cdef _interrupted(self, error)
     cdef _perform(self, list actions)

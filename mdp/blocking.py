@@ -913,11 +913,14 @@ class Client(ClientCore):
         failing a Deferred.  *onPartial* and *onRestart* are called from
         inside this call.  An exception that interrupts the wait (Ctrl-C)
         abandons the request."""
-        call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
+        call: Optional[_Call] = None
         try:
+            call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
             self._waitFor(call)
-        except BaseException:  # (as _waitFor does; also before its own try)
-            self._giveUp(call)
+        except BaseException as e:
+            if call is not None:  # (as _waitFor does; also before its own try)
+                self._drop(call)
+            self._interrupted(e)
             raise
         result = call.result
         if isinstance(result, BaseException):
@@ -967,6 +970,7 @@ class Client(ClientCore):
         #: what reading *items* raised: raised in its place, after the
         #: replies to the items before it
         broken: Optional[Exception] = None
+        interrupted: Optional[BaseException] = None
         try:
             while True:
                 while len(pending) < window and broken is None:
@@ -1000,9 +1004,13 @@ class Client(ClientCore):
                     yield result
                 else:
                     yield result
+        except BaseException as e:
+            interrupted = e
+            raise
         finally:
             for call in pending:
                 self._cancel(call)
+            self._interrupted(interrupted)
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed` and close
@@ -1035,20 +1043,31 @@ class Client(ClientCore):
         try:
             self._perform(self.handleRequest(call, now))
         except BaseException:  # (Ctrl-C while it was being sent) abandoned
-            self._giveUp(call)
+            self._drop(call)
             raise
         return call
 
-    def _giveUp(self, call: _Call) -> None:
+    def _drop(self, call: _Call) -> None:
         """*call* is abandoned by what interrupted it (its caller gets that
-        instead): cancelled, and the pool of connections started over
-        (:meth:`~mdp.majordomo.client.ClientMachine.handleReset`), as an
-        interrupt (Ctrl-C) may land anywhere in the machine or its actions;
-        the driver's wake-up is made the machine's again."""
+        instead): cancelled, and the driver's wake-up made the machine's
+        again, whatever the interrupt cut short."""
         try:
             self._cancel(call)
-            if not self._closed:
-                self._perform(self.handleReset(monotonic()))
+        finally:
+            self._wakeTime = self._wakeAt
+
+    def _interrupted(self, error: Optional[BaseException]) -> None:
+        """A request or a ``map`` ends with *error*: if it is an interrupt
+        (Ctrl-C; not an ``Exception``, and not a generator's close), which
+        may have landed anywhere in the machine or its actions, the pool of
+        connections starts over
+        (:meth:`~mdp.majordomo.client.ClientMachine.handleReset`), once
+        the interrupted requests are cancelled."""
+        if (error is None or isinstance(error, (Exception, GeneratorExit))
+                or self._closed):
+            return
+        try:
+            self._perform(self.handleReset(monotonic()))
         finally:
             self._wakeTime = self._wakeAt
 
@@ -1072,7 +1091,7 @@ class Client(ClientCore):
                         self._wakeTime = None
                         self._perform(self.handleWake(now))
         except BaseException:
-            self._giveUp(call)
+            self._drop(call)
             raise
 
     # --- what the pipes report -------------------------------------------------

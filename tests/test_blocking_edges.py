@@ -965,3 +965,52 @@ def test_requests_under_a_storm_of_interrupts_get_their_own_replies(broker: Scri
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert answered and interrupted, (answered, interrupted)
+
+
+def map_interrupted_at(client: Client, n: int, bodies: list[bytes]) -> bool:
+    """``list(client.map("s", bodies, window=4))`` interrupted as in
+    :func:`interrupted_at`; whether the interrupt came."""
+    count = 0
+    previous = sys.gettrace()
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event == "call":
+            count += 1
+            if count == n:
+                sys.settrace(previous)
+                raise KeyboardInterrupt
+        return None
+
+    sys.settrace(tracer)
+    try:
+        list(client.map("s", bodies, window=4))
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(previous)
+    return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("broker", [echo], indirect=True)
+def test_an_interrupted_map_sends_nothing_again_and_the_client_goes_on(
+        broker: ScriptedBroker) -> None:
+    """A Ctrl-C inside ``map()`` abandons the requests it had in flight
+    (none is sent a second time: they are cancelled before the connections
+    start over), and the next ``map()`` gets its own replies at once."""
+    points = 0
+    for n in range(1, 600, 3):
+        with Client(broker.endpoint, timeout=2.0, retries=1, maxConnections=4) as client:
+            assert client.request("s", b"first") == [b"first"]
+            bodies = [b"%d-%d" % (n, i) for i in range(8)]
+            if not map_interrupted_at(client, n, bodies):
+                break
+            points += 1
+            again = [b"again-%d-%d" % (n, i) for i in range(6)]
+            started = time.monotonic()
+            assert list(client.map("s", again, window=4)) == [[body] for body in again], n
+            assert time.monotonic() - started < 1.0, n
+        sent = [body[0] for body in broker.seen if body and body[0] in bodies]
+        assert len(sent) == len(set(sent)), (n, sent)
+    assert points >= 1
