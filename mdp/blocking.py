@@ -44,6 +44,7 @@ from mdp.majordomo.client import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     DONE,
+    DOWN,
     Action,
     ClientCore,
     CloseChannel,
@@ -1060,14 +1061,22 @@ class Client(ClientCore):
         """A request or a ``map`` ends with *error*: if it is an interrupt
         (Ctrl-C; not an ``Exception``, and not a generator's close), which
         may have landed anywhere in the machine or its actions, the pool of
-        connections starts over
+        connections is made whole again
         (:meth:`~mdp.majordomo.client.ClientMachine.handleReset`), once
         the interrupted requests are cancelled."""
         if (error is None or isinstance(error, (Exception, GeneratorExit))
                 or self._closed):
             return
         try:
-            self._perform(self.handleReset(monotonic()))
+            # (the channels whose socket is still there: the others are closed)
+            sound = [channel for channel in self._channels if channel.pipe is not None]
+            # a connection up whose coming up the interrupt kept from the machine
+            self._madeUp.clear()
+            up = [channel for channel in sound if channel.pipe.up and channel.state is DOWN]
+            self._perform(self.handleReset(monotonic(), sound))
+            for channel in up:
+                if channel in self._channels and channel.state is DOWN:
+                    self._perform(self.handlePipeUp(channel, monotonic()))
         finally:
             self._wakeTime = self._wakeAt
 

@@ -1014,3 +1014,56 @@ def test_an_interrupted_map_sends_nothing_again_and_the_client_goes_on(
         sent = [body[0] for body in broker.seen if body and body[0] in bodies]
         assert len(sent) == len(set(sent)), (n, sent)
     assert points >= 1
+
+
+outer_runs: list[bytes] = []
+
+
+def outer_then_release(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
+    """``outer``: a part, its end only once ``release`` comes (on the
+    connection ``outer`` came on); ``inner``: nothing; else an echo."""
+    if body == [b"outer"]:
+        outer_runs.append(peer)
+        return [(peer, PARTIAL, [b"p1"])]
+    if body == [b"inner"]:
+        return []
+    if body == [b"release"]:
+        return [(outer_runs[0], FINAL, [b"end"]), (peer, FINAL, body)]
+    return [(peer, FINAL, body)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("broker", [outer_then_release], indirect=True)
+def test_an_interrupt_caught_inside_a_callback_leaves_the_outer_request_alone(
+        broker: ScriptedBroker) -> None:
+    """A request made from ``onPartial`` is interrupted (Ctrl-C) and the
+    callback catches it: the outer request, whose connection is sound,
+    still gets its reply there, run once (it was sent again and failed
+    with StreamRestarted when every connection was started over)."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    outer_runs.clear()
+    events: list[Any] = []
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Client(broker.endpoint, timeout=5.0, retries=1, maxConnections=4) as client:
+            def onPartial(body: list[bytes]) -> None:
+                events.append(body)
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+                try:
+                    client.request("s", b"inner")
+                except KeyboardInterrupt:
+                    events.append("interrupted")
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                assert client.request("s", b"release") == [b"release"]
+
+            assert client.request("s", b"outer", onPartial=onPartial) == [b"end"]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert events == [[b"p1"], "interrupted"]
+    assert len(outer_runs) == 1

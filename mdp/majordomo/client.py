@@ -135,7 +135,7 @@ import itertools
 import uuid
 from collections import deque
 from heapq import heapify, heappop, heappush
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -569,31 +569,64 @@ class ClientMachine(Machine):
         self._deadlines.clear()
         return self._drain()
 
-    def handleReset(self, now: float) -> list[Action]:
-        """Start the pool of connections over: every connection is closed (a
-        reply still due on one is dropped with it), and each request that
-        was on one goes out again on a new one, ahead of those waiting (a
-        stream's reply starts over: ``onRestart``, or :class:`StreamRestarted`).
-        For a driver interrupted (Ctrl-C) inside the machine or its actions,
-        whose connections may no longer be what the machine believes (one
-        taken for a request the interrupt kept from it would be lost to
-        the pool for good)."""
+    def handleReset(self, now: float, sound: Optional[Collection[_Channel]] = None
+                    ) -> list[Action]:
+        """Make the pool whole again after the driver was interrupted
+        (Ctrl-C) inside the machine or its actions, which may have cut the
+        machine's records of its connections and requests short.  A
+        connection is kept where its records agree: idle, carrying a live
+        request (whose reply still comes there), or kept for an abandoned
+        one's reply; and, given *sound* (the connections the driver still
+        has a socket for), only if it is there.  Any other is closed, and
+        the live request it carried goes out again on a new one (a
+        stream's reply starts over: ``onRestart``, or
+        :class:`StreamRestarted`), as does a live request neither carried
+        nor waiting.  The counts are made again from the records, and a
+        wake-up is asked for the earliest deadline."""
         self.now = now
-        carried = []
+        idle = self._idle
+        kept: list[_Channel] = []
         for channel in list(self._channels):
             call = channel.call
-            if call is not None and call.channel is channel and call.state is not DONE:
-                carried.append(call)
-            self._discard(channel)
-        self._idle.clear()
-        self._abandoned = 0  # no connection is kept for an abandoned reply now
+            ok = sound is None or channel in sound
+            if call is None:
+                ok = ok and channel in idle
+            else:
+                ok = ok and call.channel is channel and (
+                    call.state is DONE or call.state is IN_FLIGHT or call.state is STREAMING)
+            if ok:
+                kept.append(channel)
+            else:
+                self._discard(channel)
+        self._idle = [c for c in kept if c.call is None]
+        self._abandoned = sum(1 for c in kept if c.call is not None and c.call.state is DONE
+                              and c.state is SENT)
+        # every call not yet done has an entry for its current attempt
+        live = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}
+        self._live = len(live)
+        waiting = self._waiting
+        queued = [c for c in waiting if c.state is QUEUED and c.channel is None]
+        lost = [c for c in live.values()
+                if c not in queued and not (c.channel is not None and c.channel.call is c)]
+        waiting.clear()
+        waiting.extend(queued)
+        self._waitingDone = 0
         if not self._closed:
-            carried.sort(key=lambda call: call.startedAt)
-            for call in reversed(carried):
+            lost.sort(key=lambda call: call.startedAt)
+            for call in reversed(lost):
+                call.channel = None
                 self._restart(call)
                 if call.state is not DONE:
                     self._enqueue(call, first=True)
             self._pump()
+        heap = self._deadlines
+        while heap and not self._watched(heap[0]):
+            heappop(heap)
+        self._wakeAt = None
+        if heap:
+            self._wakeBy(heap[0][0])
+        else:
+            self._outbox.append(WakeAt(None))
         return self._drain()
 
     def _failPending(self, error: Callable[[], BaseException]) -> None:
