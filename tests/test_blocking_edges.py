@@ -6,6 +6,7 @@ listener with a full backlog, a reply far over the limits."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -871,11 +872,11 @@ def test_a_blocking_worker_streaming_to_a_live_broker_goes_on() -> None:
 
 # --- an interrupt (Ctrl-C) anywhere in a request ---------------------------------------------
 
-def interrupted_at(client: Client, n: int, body: bytes) -> bool:
-    """``client.request("s", body)`` with a KeyboardInterrupt raised as the
-    *n*-th Python function it runs is entered (where a Ctrl-C lands: a
-    signal's handler runs between the interpreter's steps); whether that
-    point was reached (the interrupt came)."""
+@contextlib.contextmanager
+def interrupt_at(n: int) -> Iterator[None]:
+    """Raise a KeyboardInterrupt as the *n*-th Python function run inside
+    the block is entered (where a Ctrl-C lands: a signal's handler runs
+    between the interpreter's steps)."""
     count = 0
     previous = sys.gettrace()
 
@@ -890,11 +891,20 @@ def interrupted_at(client: Client, n: int, body: bytes) -> bool:
 
     sys.settrace(tracer)
     try:
-        client.request("s", body)
-    except KeyboardInterrupt:
-        return True
+        yield
     finally:
         sys.settrace(previous)
+
+
+def interrupted_at(client: Client, n: int, body: bytes) -> bool:
+    """``client.request("s", body)`` interrupted at its *n*-th step
+    (:func:`interrupt_at`); whether that point was reached (the interrupt
+    came)."""
+    try:
+        with interrupt_at(n):
+            client.request("s", body)
+    except KeyboardInterrupt:
+        return True
     return False
 
 
@@ -970,25 +980,11 @@ def test_requests_under_a_storm_of_interrupts_get_their_own_replies(broker: Scri
 def map_interrupted_at(client: Client, n: int, bodies: list[bytes]) -> bool:
     """``list(client.map("s", bodies, window=4))`` interrupted as in
     :func:`interrupted_at`; whether the interrupt came."""
-    count = 0
-    previous = sys.gettrace()
-
-    def tracer(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        if event == "call":
-            count += 1
-            if count == n:
-                sys.settrace(previous)
-                raise KeyboardInterrupt
-        return None
-
-    sys.settrace(tracer)
     try:
-        list(client.map("s", bodies, window=4))
+        with interrupt_at(n):
+            list(client.map("s", bodies, window=4))
     except KeyboardInterrupt:
         return True
-    finally:
-        sys.settrace(previous)
     return False
 
 
