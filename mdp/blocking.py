@@ -1070,13 +1070,12 @@ class Client(ClientCore):
         try:
             # (the channels whose socket is still there: the others are closed)
             sound = [channel for channel in self._channels if channel.pipe is not None]
-            # a connection up whose coming up the interrupt kept from the machine
+            # a connection up whose coming up the interrupt kept from the
+            # machine is told after the reset, as _open's are (_perform)
             self._madeUp.clear()
-            up = [channel for channel in sound if channel.pipe.up and channel.state is DOWN]
+            self._madeUp.extend(channel for channel in sound
+                                if channel.pipe.up and channel.state is DOWN)
             self._perform(self.handleReset(monotonic(), sound))
-            for channel in up:
-                if channel in self._channels and channel.state is DOWN:
-                    self._perform(self.handlePipeUp(channel, monotonic()))
         finally:
             self._wakeTime = self._wakeAt
 
