@@ -23,7 +23,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from benchmarks import security
 from benchmarks.harness import (
@@ -129,43 +129,86 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
     processes run *root*'s roles and ``mdp``: this checkout's, or an earlier
     revision's (earlier_tree)."""
     base = SOURCE_STACKS.get(stack) or EPOLL_STACKS.get(stack) or stack
-    broker_impl, worker_impl, client_impl, dialect = STACKS[base]
     curve = security.directory() if transport == "curve" else None
     pure = "1" if stack in SOURCE_STACKS else None
     reactor = "epoll" if stack in EPOLL_STACKS else None
     with Processes(root) as procs, environ("MDP_BENCH_CURVE", curve), \
             environ(_compiled.PURE_ENV, pure), environ(REACTOR_ENV, reactor):
-        if transport == "tls":
-            bind = security.tls_bind()
-        else:
-            bind = BINDS["zmq" if transport == "curve" else transport]
-        broker = procs.start("broker", broker_impl, bind)
-        endpoint = broker.ready()
-        if transport == "tls":
-            endpoint = security.tls_peer(endpoint)
-        peers_options = ["--dialect", dialect] if dialect else []
-        service = ["--service", "stream"] if mode == "stream" else []
-        servers = [broker] + [
-            procs.start("worker", worker_impl, endpoint, *peers_options, *service)
-            for _ in range(workers)
-        ]
-        for worker in servers[1:]:
-            worker.ready()
-        per_client = n // clients
-        drivers = [
-            procs.start("client", client_impl, endpoint, mode, str(per_client), str(warmup),
-                        str(size), str(window), *peers_options)
-            for _ in range(clients)
-        ]
-        for driver in drivers:
-            driver.ready(timeout=120)
-        # what the broker and workers run on, read from outside (the clients say)
-        server_reactors = sorted({reactor_of(p.pid) for p in servers})
-        cpu_before = [cpu_seconds(p.pid) for p in servers]
-        for driver in drivers:
-            driver.go()
-        results = [driver.result(timeout=300) for driver in drivers]
-        used = [cpu_seconds(p.pid) - before for p, before in zip(servers, cpu_before)]
+        servers, endpoint = _start_servers(procs, base, transport, mode, workers)
+        return _timed_clients(procs, servers, endpoint, base, mode, clients, n, warmup, size,
+                              window)
+
+
+def run_clients(stacks: tuple[str, ...], mode: str, clients: int, workers: int, n: int,
+                warmup: int, size: int, pairs: int, backwards: bool) -> dict[str, list[dict[str, Any]]]:
+    """The clients of *stacks* (which share their broker and workers) against
+    one broker and its workers, over ZeroMQ: *pairs* times each, alternating
+    (A B, B A, ...; B A first if *backwards*); each stack's rows, in order,
+    each with its ``pair``.  A ratio of clients then pairs runs made seconds
+    apart against the very same servers, and a drift of the machine over the
+    pairs cancels out (ratio), so neither a restart of the servers nor a
+    slow spell longer than a run weighs on one side (item 33)."""
+    servers_of = {STACKS[stack][:2] + STACKS[stack][3:] for stack in stacks}
+    if len(servers_of) != 1:
+        raise ValueError(f"{stacks} do not share their broker and workers")
+    rows: dict[str, list[dict[str, Any]]] = {stack: [] for stack in stacks}
+    with Processes() as procs:
+        servers, endpoint = _start_servers(procs, stacks[0], "zmq", mode, workers)
+        for pair in range(pairs):
+            order = stacks if (pair % 2 == 1) == backwards else stacks[::-1]
+            for stack in order:
+                row = _timed_clients(procs, servers, endpoint, stack, mode, clients, n, warmup,
+                                     size)
+                rows[stack].append({**row, "pair": pair})
+    return rows
+
+
+def _start_servers(procs: Processes, stack: str, transport: str, mode: str,
+                   workers: int) -> tuple[list[Any], str]:
+    """*stack*'s broker and *workers* workers, ready: [broker, workers...] and
+    the endpoint clients connect to."""
+    broker_impl, worker_impl, _, dialect = STACKS[stack]
+    if transport == "tls":
+        bind = security.tls_bind()
+    else:
+        bind = BINDS["zmq" if transport == "curve" else transport]
+    broker = procs.start("broker", broker_impl, bind)
+    endpoint = broker.ready()
+    if transport == "tls":
+        endpoint = security.tls_peer(endpoint)
+    options = ["--dialect", dialect] if dialect else []
+    service = ["--service", "stream"] if mode == "stream" else []
+    servers = [broker] + [procs.start("worker", worker_impl, endpoint, *options, *service)
+                          for _ in range(workers)]
+    for worker in servers[1:]:
+        worker.ready()
+    return servers, endpoint
+
+
+def _timed_clients(procs: Processes, servers: list[Any], endpoint: str, stack: str, mode: str,
+                   clients: int, n: int, warmup: int, size: int,
+                   window: int = 1) -> dict[str, Any]:
+    """*clients* clients of *stack* sending *n* requests in all to the running
+    *servers*, timed together: the case's row, with the servers' CPU meanwhile."""
+    _, _, client_impl, dialect = STACKS[stack]
+    options = ["--dialect", dialect] if dialect else []
+    per_client = n // clients
+    drivers = [
+        procs.start("client", client_impl, endpoint, mode, str(per_client), str(warmup),
+                    str(size), str(window), *options)
+        for _ in range(clients)
+    ]
+    for driver in drivers:
+        driver.ready(timeout=120)
+    # what the broker and workers run on, read from outside (the clients say)
+    server_reactors = sorted({reactor_of(p.pid) for p in servers})
+    cpu_before = [cpu_seconds(p.pid) for p in servers]
+    for driver in drivers:
+        driver.go()
+    results = [driver.result(timeout=300) for driver in drivers]
+    used = [cpu_seconds(p.pid) - before for p, before in zip(servers, cpu_before)]
+    for driver in drivers:
+        driver.kill()
     count = per_client * clients
     row = summarise(results, sum(used), count)
     # where the CPU went, per role
@@ -317,16 +360,29 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: one entry of the suite: the names of its cases, their descriptions, and
+#: what runs a round of them (told whether the round runs backwards) and
+#: returns each case's rows
+Entry = tuple[tuple[str, ...], dict[str, dict[str, Any]],
+              Callable[[bool], dict[str, list[dict[str, Any]]]]]
+
+#: the clients goal 2 compares (the same broker and workers)
+CLIENT_PAIR = ("ours+blocking-client", "ours+bare-client")
+#: how many times each round runs them, alternating (A B, B A, A B, B A: two
+#: blocks whose drift cancels out), against the same servers
+CLIENT_PAIRS = 4
+
+
 def cases(smoke: bool, earlier: Optional[str] = None,
-          revision: str = BEFORE_ROUND_TWO) -> list[tuple[str, dict[str, Any], Any]]:
-    """(name, description, thunk) for every case, baselines included; with
-    *earlier* (*revision*'s tree, from earlier_tree), the stream case of that
-    code too."""
+          revision: str = BEFORE_ROUND_TWO) -> list[Entry]:
+    """An entry per case, baselines included, or per group of cases run
+    together (goal 2's clients); with *earlier* (*revision*'s tree, from
+    earlier_tree), the stream case of that code too."""
     n_sync = 200 if smoke else 16000
     n_pipe = 400 if smoke else 10000
     warm = 20 if smoke else 300
     big = 65536
-    out: list[tuple[str, dict[str, Any], Any]] = []
+    out: list[Entry] = []
 
     def add(name: str, **kw: Any) -> None:
         stack = kw.get("stack", "ours")
@@ -334,25 +390,44 @@ def cases(smoke: bool, earlier: Optional[str] = None,
         # a streamed request is 1,001 messages: warm up with a few
         warmup = min(warm, 5) if kw["mode"] == "stream" else warm
         if transport == "loopback":
-            def thunk(kw: dict[str, Any] = kw) -> dict[str, Any]:
-                return run_inproc(kw["mode"], kw["clients"], kw["workers"], kw["n"], warmup,
-                                  kw.get("size", 16), kw.get("window", 1))
+            def thunk(backwards: bool, kw: dict[str, Any] = kw) -> dict[str, list[dict[str, Any]]]:
+                return {name: [run_inproc(kw["mode"], kw["clients"], kw["workers"], kw["n"],
+                                          warmup, kw.get("size", 16), kw.get("window", 1))]}
         else:
-            def thunk(kw: dict[str, Any] = kw, stack: str = stack,
-                      transport: str = transport) -> dict[str, Any]:
-                return run_case(stack, transport, kw["mode"], kw["clients"], kw["workers"],
-                                kw["n"], warmup, kw.get("size", 16), kw.get("window", 1),
-                                root=kw.get("root", ROOT))
+            def thunk(backwards: bool, kw: dict[str, Any] = kw, stack: str = stack,
+                      transport: str = transport) -> dict[str, list[dict[str, Any]]]:
+                return {name: [run_case(stack, transport, kw["mode"], kw["clients"],
+                                        kw["workers"], kw["n"], warmup, kw.get("size", 16),
+                                        kw.get("window", 1), root=kw.get("root", ROOT))]}
         described = {k: v for k, v in kw.items() if k != "root"}
-        out.append((name, {"stack": stack, "transport": transport, **described}, thunk))
+        out.append(((name,), {name: {"stack": stack, "transport": transport, **described}},
+                    thunk))
+
+    def add_clients(shape: str, clients: int, workers: int, n: int) -> None:
+        names = {stack: f"sync {shape} / {stack}" for stack in CLIENT_PAIR}
+        pairs = 1 if smoke else CLIENT_PAIRS
+
+        def thunk(backwards: bool) -> dict[str, list[dict[str, Any]]]:
+            rows = run_clients(CLIENT_PAIR, "sync", clients, workers, n, warm, 16, pairs,
+                               backwards)
+            return {names[stack]: rows[stack] for stack in CLIENT_PAIR}
+
+        out.append((tuple(names.values()),
+                    {name: {"stack": stack, "transport": "zmq", "mode": "sync",
+                            "clients": clients, "workers": workers, "n": n,
+                            "servers": "shared", "pairs_per_round": pairs}
+                     for stack, name in names.items()}, thunk))
 
     # the cases a goal compares run one after the other (STACKS' order), and
     # main() runs every other round backwards: a drift of the machine within a
     # round favours neither side of a ratio
-    for stack in STACKS:
-        add(f"sync 1x1 / {stack}", stack=stack, mode="sync", clients=1, workers=1, n=n_sync // 2)
-    for stack in (*STACKS, *SOURCE_STACKS, *EPOLL_STACKS):
-        add(f"sync 4x4 / {stack}", stack=stack, mode="sync", clients=4, workers=4, n=n_sync)
+    for shape, clients, n in (("1x1", 1, n_sync // 2), ("4x4", 4, n_sync)):
+        for stack in (*STACKS, *SOURCE_STACKS, *EPOLL_STACKS) if clients > 1 else STACKS:
+            if stack == CLIENT_PAIR[0]:
+                add_clients(shape, clients, clients, n)
+            elif stack not in CLIENT_PAIR:
+                add(f"sync {shape} / {stack}", stack=stack, mode="sync", clients=clients,
+                    workers=clients, n=n)
     for stack in ("bare+ours", "ours", "ours over tcp", "majortomo-broker+our-peers",
                   "ours+blocking-client"):
         if stack == "ours over tcp":  # goal 5: against the row before it
@@ -389,14 +464,25 @@ def cases(smoke: bool, earlier: Optional[str] = None,
 def ratio(table: dict[str, Any], a: str, b: str, key: str = "rate") -> Optional[float]:
     """*a* / *b*: the median of the ratios of the repetitions run in the same
     round (cases run interleaved, so a slow spell of the machine hits both
-    sides of a ratio alike), or of the medians if the rounds do not pair up."""
+    sides of a ratio alike), or of the medians if the rounds do not pair up.
+    Runs made in pairs against the same servers (run_clients: their rows
+    number their ``pair`` within the round) give a round's ratio as the
+    geometric mean of its pairs' ratios: alternated (A B, B A, ...), a drift
+    of the machine within the round cancels out."""
     if a not in table or b not in table:
         return None
     runs_a, runs_b = table[a]["runs"], table[b]["runs"]
     pairs = [x[key] / y[key] for x, y in zip(runs_a, runs_b) if y[key]]
-    if len(runs_a) == len(runs_b) and len(pairs) == len(runs_a):
+    if len(runs_a) != len(runs_b) or len(pairs) != len(runs_a):
+        return table[a][key] / table[b][key] if table[b][key] else None
+    if "pair" not in runs_a[0]:
         return statistics.median(pairs)
-    return table[a][key] / table[b][key] if table[b][key] else None
+    rounds: list[list[float]] = []
+    for run, value in zip(runs_a, pairs):
+        if run["pair"] == 0:
+            rounds.append([])
+        rounds[-1].append(value)
+    return statistics.median(statistics.geometric_mean(values) for values in rounds)
 
 
 def targets(table: dict[str, Any], scale: dict[str, Any]) -> list[dict[str, Any]]:
@@ -567,25 +653,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     with earlier_tree() as (earlier, earlier_note):
         print(f"… goals 4 and 6's baseline, the code before this round: {earlier_note}",
               file=sys.stderr, flush=True)
-        selected = [(name, description, thunk)
-                    for name, description, thunk in cases(args.smoke, earlier)
-                    if not args.only or any(word in name for word in args.only)]
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in selected}
+        selected = [entry for entry in cases(args.smoke, earlier)
+                    if not args.only or any(word in name for name in entry[0]
+                                            for word in args.only)]
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for names, _, _ in selected
+                                                 for name in names}
         # round-robin: every case once per round, so that the machine's slow and
         # fast spells spread over all cases instead of landing on a few; every
         # other round backwards, so that the side of a ratio run first in one
         # round runs second in the next
         for round_ in range(repetitions):
-            for name, _, thunk in (selected if round_ % 2 == 0 else selected[::-1]):
-                print(f"… [{round_ + 1}/{repetitions}] {name}", file=sys.stderr, flush=True)
-                runs[name].append(thunk())
+            backwards = round_ % 2 == 1
+            for names, _, thunk in (selected[::-1] if backwards else selected):
+                print(f"… [{round_ + 1}/{repetitions}] {' and '.join(names)}", file=sys.stderr,
+                      flush=True)
+                for name, rows in thunk(backwards).items():
+                    runs[name].extend(rows)
         scale: dict[str, Any] = {}
         if not args.no_scale and not args.only:
             print("… scale: idle workers' heartbeats", file=sys.stderr, flush=True)
             scale["heartbeat"] = heartbeat_cost(100 if args.smoke else 1000, 100,
                                                 1.0 if args.smoke else 10.0, earlier)
-    table = {name: aggregate(runs[name]) for name, _, _ in selected}
-    described = {name: description for name, description, _ in selected}
+    table = {name: aggregate(runs[name]) for names, _, _ in selected for name in names}
+    described = {name: description for _, descriptions, _ in selected
+                 for name, description in descriptions.items()}
     if not args.no_scale and not args.only:
         print("… scale: draining a long queue", file=sys.stderr, flush=True)
         scale["drain"] = drain(1000 if args.smoke else 10000, 4)

@@ -139,6 +139,28 @@ def test_ratios_pair_repetitions_of_the_same_round() -> None:
     assert ratio(table, "a", "missing") is None
 
 
+def test_runs_made_in_pairs_cancel_a_drift_of_the_machine() -> None:
+    """Goal 2's clients run in pairs against the same servers, alternated (A B,
+    B A, ...): a round's ratio is the geometric mean of its pairs', so a
+    machine slowing down steadily through the round favours neither side."""
+    from benchmarks.__main__ import aggregate, ratio
+
+    def runs(rates: list[float]) -> list[dict[str, float]]:
+        return [{"rate": r, "p50_us": 1.0, "p99_us": 2.0, "cpu_s_per_1k": 1.0, "pair": n % 2}
+                for n, r in enumerate(rates)]
+
+    # the same speed, on a machine that loses 10% every run: A B | B A, twice
+    slot = [100 * 0.9 ** t for t in range(8)]
+    a = runs([slot[0], slot[3], slot[4], slot[7]])
+    b = runs([slot[1], slot[2], slot[5], slot[6]])
+    table = {"a": aggregate(a), "b": aggregate(b)}
+    assert ratio(table, "a", "b") == pytest.approx(1.0)
+    # the plain median of the pairs' ratios leans to the side run first
+    unpaired = {name: aggregate([{k: v for k, v in run.items() if k != "pair"} for run in rows])
+                for name, rows in (("a", a), ("b", b))}
+    assert ratio(unpaired, "a", "b") > 1.0
+
+
 def test_framing_benchmark_smoke_run(tmp_path) -> None:
     out = tmp_path / "framing.json"
     smoke_run("benchmarks.framing", out, 120)
