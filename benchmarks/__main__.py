@@ -2,9 +2,10 @@
 [--reactor uvloop|epoll]``.
 
 Every case starts its own processes (broker, workers, clients; all separate,
-127.0.0.1, ports picked by the OS), warms up, then times the clients together.
-Cases run round-robin, ``--repeat`` rounds; the table shows the median and the
-range.  Results are compared as ratios against baselines measured in the same
+127.0.0.1, ports picked by the OS), warms up, then times the clients together;
+goal 2's two clients share their broker and workers, alternated four times a
+round (run_clients).  Cases run round-robin, ``--repeat`` rounds; the table
+shows the median and the range.  Results are compared as ratios against baselines measured in the same
 run (the median of the per-round ratios), and
 written as JSON (``--json``, default ``benchmarks/results/latest.json``).
 """
