@@ -5,8 +5,8 @@ Every case starts its own processes (broker, workers, clients; all separate,
 127.0.0.1, ports picked by the OS), warms up, then times the clients together;
 goal 2's two clients share their broker and workers, alternated four times a
 round (run_clients).  Cases run round-robin, ``--repeat`` rounds; the table
-shows the median and the range.  Results are compared as ratios against baselines measured in the same
-run (the median of the per-round ratios), and
+shows the median and the range.  Results are compared as ratios against
+baselines measured in the same run (the median of the per-round ratios), and
 written as JSON (``--json``, default ``benchmarks/results/latest.json``).
 """
 
@@ -423,7 +423,8 @@ def cases(smoke: bool, earlier: Optional[str] = None,
     # main() runs every other round backwards: a drift of the machine within a
     # round favours neither side of a ratio
     for shape, clients, n in (("1x1", 1, n_sync // 2), ("4x4", 4, n_sync)):
-        for stack in (*STACKS, *SOURCE_STACKS, *EPOLL_STACKS) if clients > 1 else STACKS:
+        stacks = (*STACKS, *SOURCE_STACKS, *EPOLL_STACKS) if clients > 1 else tuple(STACKS)
+        for stack in stacks:
             if stack == CLIENT_PAIR[0]:
                 add_clients(shape, clients, clients, n)
             elif stack not in CLIENT_PAIR:
