@@ -6,10 +6,11 @@ from mdp.majordomo.client cimport ClientCore, _Call
 
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller
-    cdef public dict pipes
-    cdef public set timed, unchecked
+    cdef public dict pipes, links
+    cdef public set timed, unchecked, unflushed, idle
 
     cpdef turn(self, when)
+    cpdef closeIdle(self)
     cdef _poll(self, timeout, now)
 
 cdef class _ZmqPipe:

@@ -74,7 +74,7 @@ from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import PIRATE, RECONNECT, Backoff, HeartbeatPolicy, Limits
 from mdp.transport import curve_client_for, curve_for, endpoint_list
-from mdp.transport.framing import RecordDecoder, encode_record
+from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
 from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity, zmq_frames
 
@@ -231,23 +231,41 @@ class _Loop:
         #: was used since it was last asked EVENTS, and stream pipes holding
         #: messages read and not handed on yet
         self.unchecked: set[Any] = set()
+        #: the stream connections that carry a client's pipes, by endpoint
+        self.links: dict[str, _StreamLink] = {}
+        #: stream pipes with records to send before the loop waits (what a
+        #: turn's requests send goes out in one write)
+        self.unflushed: set[Any] = set()
+        #: links whose last pipe closed: closed once the actions that closed
+        #: it are done, unless a pipe opened meanwhile (a connection replaced)
+        #: keeps them (closeIdle)
+        self.idle: set[Any] = set()
 
     def context(self) -> Any:
         if self._zmqContext is None:
             self._zmqContext = _zmq().Context.instance()
         return self._zmqContext
 
-    def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None) -> Any:
+    def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None,
+             shared: bool = False) -> Any:
         """A pipe to *endpoint*, to be started (``start()``) once its owner
         holds it: a ZeroMQ one (with *curve*, a CURVE client) is up at once
         (the caller tells its owner), a stream one once its connection is
-        made (or it reports a failure, at once or later)."""
+        made (or it reports a failure, at once or later).  *shared*: a stream
+        pipe is a channel of the one connection this loop keeps to
+        *endpoint* (:class:`_StreamLink`), up whenever it is."""
         if self.poller.closed:  # (its owner is closed: no socket is made for it any more)
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
             return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger,
                             curve_for(endpoint, curve))
         family, address = _stream_address(endpoint)
+        if shared:
+            link = self.links.get(endpoint)
+            if link is None:
+                link = self.links[endpoint] = _StreamLink(self, endpoint, family, address)
+            self.idle.discard(link)
+            return link.open(owner, tag)
         stream = _StreamPipe(self, owner, tag, family, address)
         self.timed.add(stream)
         return stream
@@ -259,6 +277,12 @@ class _Loop:
     def turn(self, when: Optional[float]) -> None:
         """Wait for a socket or until *when* (or a pipe's next connection
         attempt, if sooner), and handle what came."""
+        if self.idle:
+            self.closeIdle()
+        if self.unflushed:
+            unflushed, self.unflushed = self.unflushed, set()
+            for stream in unflushed:
+                stream._flush()
         now = monotonic()
         timed = self.timed
         for pipe in timed:
@@ -288,6 +312,13 @@ class _Loop:
             for pipe in list(timed):
                 if pipe.retryAt is not None and now >= pipe.retryAt:
                     pipe.wake(now)
+
+    def closeIdle(self) -> None:
+        """Close the links whose last pipe closed, unless one opened since."""
+        idle, self.idle = self.idle, set()
+        for link in idle:
+            if not link.pipes:
+                link.close()
 
     def _poll(self, timeout: int, now: float) -> None:
         if self.unchecked:
@@ -321,7 +352,11 @@ class _Loop:
         self.poller.forget(fd)
 
     def shutdown(self) -> None:
-        """Release the poller's descriptor (the pipes are closed already)."""
+        """Release the poller's descriptor (the pipes are closed already),
+        after closing the links their last pipes left."""
+        for link in list(self.links.values()):
+            link.close()
+        self.idle.clear()
         self.poller.close()
 
 
@@ -588,24 +623,29 @@ class _ZmqPipe:
 class _StreamPipe:
     """One plain stream socket with the stream transport's records; it
     reconnects with :data:`RECONNECT`'s backoff after a failure or a loss, as
-    the Twisted transport does."""
+    the Twisted transport does.  With *channels*, the connection of a
+    :class:`_StreamLink`: it greets with the channels greeting, every record
+    names its channel (its messages are ``(channel, frames)`` pairs), and
+    what is sent goes out when the loop next waits, in one write."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
-                 "broken")
+                 "broken", "channels")
 
     backlog = ()  # never waits in recv alone (see _Loop.turn)
 
-    def __init__(self, loop: _Loop, owner: Any, tag: Any, family: int, address: Any) -> None:
+    def __init__(self, loop: _Loop, owner: Any, tag: Any, family: int, address: Any,
+                 channels: bool = False) -> None:
         self.loop = loop
         self.owner = owner
         self.tag = tag
         self.family = family
         self.address = address
+        self.channels = channels
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
-        self.decoder = RecordDecoder(loop.limits)
+        self.decoder = self._decoder()
         self.up = False
         self.connecting = False
         self.failures = 0
@@ -615,14 +655,20 @@ class _StreamPipe:
         self.received: deque[list[bytes]] = deque()
         #: the addresses of this attempt's host not yet tried
         self.candidates: list[tuple[int, Any]] = []
-        #: records to drop as they complete: one begun before a discard
-        self.skip = 0
+        #: records to drop as they complete: one begun before a discard (on
+        #: channels: the channels discarded meanwhile, whose record it may be)
+        self.skip: Any = 0
         #: what was wrong with the stream read by a discard (reported as the loss)
         self.broken: Optional[BaseException] = None
 
     @property
     def backlogged(self) -> bool:
         return bool(self.out)
+
+    def _decoder(self) -> RecordDecoder:
+        decoder = RecordDecoder(self.loop.limits)
+        decoder.channels = self.channels
+        return decoder
 
     def start(self) -> None:
         self.open(monotonic())
@@ -692,6 +738,14 @@ class _StreamPipe:
         self.out += encode_record(frames)
         self._flush()
 
+    def sendRecord(self, record: bytes) -> None:
+        """Send *record*, whole as the wire has it (a channel's), when the
+        loop next waits (``unflushed``)."""
+        if not self.up:
+            return
+        self.out += record
+        self.loop.unflushed.add(self)
+
     def _flush(self) -> None:
         sock = self.socket
         if sock is None or not self.up:
@@ -724,6 +778,8 @@ class _StreamPipe:
             self.up = True
             self.failures = 0
             self.loop.poller.watch(self.key, _POLLIN)
+            if self.channels:
+                self.sendRecord(CHANNELS_GREETING)  # (before what the pipes send)
             self.owner._pipeUp(self.tag, now)
             return
         if events & _POLLOUT:
@@ -743,14 +799,31 @@ class _StreamPipe:
             try:
                 messages = self.decoder.feed(data)
             except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
-                self._lost(e, now)
+                # what came whole before it is handed on first, as the Twisted
+                # transport does (on channels, the other pipes' replies)
+                self._take(getattr(e, "decoded", None) or [], now)
+                if self.socket is sock:
+                    self._lost(e, now)
                 return
-            if self.skip and messages:
-                skipped = min(self.skip, len(messages))
-                self.skip -= skipped
-                del messages[:skipped]
-            self.received.extend(messages)
-            self._handOn(now)
+            self._take(messages, now)
+
+    def _take(self, messages: list[Any], now: float) -> None:
+        if self.skip and messages:
+            self._skipBegun(messages)
+        self.received.extend(messages)
+        self._handOn(now)
+
+    def _skipBegun(self, messages: list[Any]) -> None:
+        """Drop the first of *messages*, the record a discard saw begun (it
+        came before the request then sent, so it cannot answer it), now
+        that it is whole; on channels, if it came on a channel discarded."""
+        if self.channels:
+            if messages[0][0] in self.skip:
+                del messages[0]
+            self.skip = 0
+        else:
+            del messages[0]
+            self.skip = 0
 
     def _handOn(self, now: float) -> None:
         """Hand on the messages read and not handed on yet, in order.  A
@@ -780,11 +853,24 @@ class _StreamPipe:
         in the socket; how many.  A record begun and not complete is dropped
         when it is (it came before what is about to be sent, so it cannot
         answer it)."""
-        dropped = len(self.received)
+        dropped = len(self.received) + len(self._drain())
         self.received.clear()
-        sock = self.socket
-        if sock is None or not self.up or self.broken is not None:
+        if self.broken is not None:
             return dropped
+        # (what an earlier discard saw begun has come whole meanwhile)
+        self.skip = 1 if self.decoder.inRecord else 0
+        return dropped + self.skip
+
+    def _drain(self) -> list[Any]:
+        """Read what waits in the socket now and decode it: the messages it
+        completes (a record an earlier discard saw begun, dropped).  A
+        stream that cannot be read any more is left for the poller to
+        report; one that cannot be decoded, for the next read
+        (``broken``)."""
+        sock = self.socket
+        messages: list[Any] = []
+        if sock is None or not self.up or self.broken is not None:
+            return messages
         for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
             try:
                 data = sock.recv(_READ_SIZE)
@@ -795,17 +881,18 @@ class _StreamPipe:
             if not data:
                 break  # the same: the next read sees the end again
             try:
-                dropped += len(self.decoder.feed(data))
+                messages += self.decoder.feed(data)
             except Exception as e:  # the stream is unusable: the next read reports it
+                messages += getattr(e, "decoded", None) or []
                 self.broken = e
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-                return dropped
-        # (what an earlier discard saw begun has come whole meanwhile)
-        self.skip = 1 if self.decoder.inRecord else 0
-        return dropped + self.skip
+                break
+        if self.skip and messages:
+            self._skipBegun(messages)
+        return messages
 
     def _lost(self, why: BaseException, now: float) -> None:
         self._drop()
@@ -820,7 +907,8 @@ class _StreamPipe:
         self.loop.unchecked.discard(self)
         self.skip = 0
         self.broken = None
-        self.decoder = RecordDecoder(self.loop.limits)
+        self.decoder = self._decoder()
+        self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
             sock.close()
@@ -842,6 +930,221 @@ class _StreamPipe:
                 pass
         self.retryAt = None
         self._drop()
+
+
+#: what ends a channel: a record of no frames
+_END = encode_record([])
+
+
+class _StreamLink:
+    """The one stream connection a client keeps to an endpoint, carrying
+    its pipes as *channels* (``docs/transports.md``; what the Twisted
+    client's ``StreamChannels`` is): each pipe is up while the connection
+    is, and the broker knows it as a peer of its own.  The requests of a
+    turn go out in one write, and their replies come in one read.
+
+    The broker ending a channel ends that pipe alone: it is lost, and up
+    again after the reconnection delay under a new channel.  Losing the
+    connection loses every pipe; they are up again together once it is
+    back (a record over the limits loses the whole connection, and that
+    pipe's loss says so).  A channel this side ended is not used again
+    until the broker's empty record says it knows, and what comes on it
+    meanwhile is dropped.  The connection is opened with the first pipe
+    and closed with the last (``forget``)."""
+
+    __slots__ = ("loop", "endpoint", "stream", "pipes", "ended", "_next")
+
+    def __init__(self, loop: _Loop, endpoint: str, family: int, address: Any) -> None:
+        self.loop = loop
+        self.endpoint = endpoint
+        self.stream = _StreamPipe(loop, self, None, family, address, channels=True)
+        loop.timed.add(self.stream)
+        #: the open pipes, by channel
+        self.pipes: dict[bytes, _LinkPipe] = {}
+        #: channels ended here whose end the broker has not said it knows
+        self.ended: set[bytes] = set()
+        self._next = 0
+
+    def open(self, owner: Any, tag: Any) -> _LinkPipe:
+        pipe = _LinkPipe(self, owner, tag)
+        self._name(pipe)
+        pipe.up = self.stream.up
+        return pipe
+
+    def start(self) -> None:
+        """Connect, unless connected, connecting or waiting to try again."""
+        stream = self.stream
+        if stream.socket is None and stream.retryAt is None:
+            stream.open(monotonic())
+
+    def _name(self, pipe: _LinkPipe) -> None:
+        """Give *pipe* a channel not in use (none is used twice while the
+        broker may still send on it)."""
+        pipes, ended = self.pipes, self.ended
+        while True:
+            self._next = self._next % 0xFFFFFFFF + 1
+            name = self._next.to_bytes(4, "big")
+            if name not in pipes and name not in ended:
+                break
+        pipe.id = name
+        pipes[name] = pipe
+
+    def discard(self, name: bytes) -> int:
+        """Drop what came on channel *name* and is not handed on yet, read
+        or waiting in the socket (a record begun there, once whole); keep
+        the other channels' messages, in order.  How many were dropped."""
+        stream = self.stream
+        received = stream.received
+        items = list(received)
+        items += stream._drain()
+        received.clear()
+        dropped = 0
+        for item in items:
+            if item[0] == name:
+                dropped += 1
+            else:
+                received.append(item)
+        if received:
+            self.loop.unchecked.add(stream)  # handed on before the loop waits
+        if stream.decoder.inRecord:
+            stream.skip = {name} | (stream.skip or set())
+        return dropped
+
+    def forget(self, pipe: _LinkPipe) -> None:
+        """*pipe* was closed: end its channel (the broker drops what it
+        had for it); the connection closes with the last pipe (once the
+        client's actions are done: a pipe opened meanwhile, as when the
+        client replaces one, keeps it)."""
+        pipe.closed = True
+        pipe.up = False
+        if pipe.retryAt is not None:
+            pipe.retryAt = None
+            self.loop.timed.discard(pipe)
+        if self.pipes.get(pipe.id) is pipe:
+            del self.pipes[pipe.id]
+            if self.stream.up:
+                self.stream.sendRecord(pipe.id + _END)
+                self.ended.add(pipe.id)
+        if not self.pipes:
+            self.loop.idle.add(self)  # closed after the actions, if still unused
+
+    def close(self) -> None:
+        if self.loop.links.get(self.endpoint) is self:
+            del self.loop.links[self.endpoint]
+        for pipe in list(self.pipes.values()):
+            pipe.closed = True
+            pipe.up = False
+            self.loop.timed.discard(pipe)
+        self.pipes.clear()
+        self.loop.close(self.stream)
+
+    # --- what the connection reports ---------------------------------------------
+
+    def _pipeUp(self, tag: Any, now: float) -> None:
+        self.ended.clear()
+        for pipe in list(self.pipes.values()):
+            # (a callback below may have closed it, or the connection)
+            if (self.pipes.get(pipe.id) is pipe and not pipe.up and pipe.retryAt is None
+                    and self.stream.up):
+                pipe.up = True
+                pipe.owner._pipeUp(pipe.tag, now)
+
+    def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
+        self.ended.clear()
+        # a record refused for its size was one pipe's: the others only lost
+        # the connection (what they had in flight goes again)
+        refused = getattr(why, "channel", None)
+        others = why
+        if refused is not None:
+            others = ConnectionError(f"the connection was dropped for another channel's "
+                                     f"record: {why}")
+        # every pipe is down before any is told (one may send on another)
+        lost = [pipe for pipe in self.pipes.values() if pipe.up]
+        for pipe in lost:
+            pipe.up = False
+        for pipe in lost:
+            if not pipe.closed:
+                pipe.owner._pipeLost(pipe.tag, why if refused in (None, pipe.id) else others, now)
+
+    def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
+        for pipe in list(self.pipes.values()):
+            if not pipe.closed:
+                pipe.owner._pipeFailed(pipe.tag, error, now)
+
+    def _pipeMessage(self, tag: Any, item: Any, now: float) -> None:
+        name, frames = item
+        pipe = self.pipes.get(name)
+        if frames:
+            if pipe is not None and pipe.up:
+                pipe.ends = 0
+                pipe.owner._pipeMessage(pipe.tag, frames, now)
+            return  # (ended here: what came before the broker knew)
+        if name in self.ended:  # the broker knows it ended here
+            self.ended.discard(name)
+            return
+        if pipe is None:
+            return
+        # the broker ended this channel: say it is known, and bring the pipe
+        # up again under a new channel after the reconnection delay
+        self.stream.sendRecord(name + _END)
+        del self.pipes[name]
+        self._name(pipe)
+        pipe.ends += 1
+        pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)
+        self.loop.timed.add(pipe)
+        if pipe.up:
+            pipe.up = False
+            pipe.owner._pipeLost(pipe.tag, ConnectionError("the broker ended this channel"), now)
+
+
+class _LinkPipe:
+    """One pipe of a :class:`_StreamLink`: what a connection of its own
+    would be, under its channel."""
+
+    __slots__ = ("link", "owner", "tag", "id", "up", "closed", "ends", "retryAt")
+
+    backlog = ()
+
+    def __init__(self, link: _StreamLink, owner: Any, tag: Any) -> None:
+        self.link = link
+        self.owner = owner
+        self.tag = tag
+        self.id = b""
+        self.up = False
+        self.closed = False
+        #: times in a row the broker ended it (paces bringing it up again)
+        self.ends = 0
+        #: when it comes up again, after the broker ended it
+        self.retryAt: Optional[float] = None
+
+    @property
+    def backlogged(self) -> bool:
+        return self.link.stream.backlogged
+
+    def start(self) -> None:
+        self.link.start()
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.up:
+            self.link.stream.sendRecord(self.id + encode_record(frames))
+
+    def discardReceived(self) -> int:
+        return self.link.discard(self.id)
+
+    def check(self, now: float) -> bool:
+        return False  # (its link's connection is what the loop asks)
+
+    def wake(self, now: float) -> None:
+        """Time to come up again, after the broker ended its channel."""
+        if self.retryAt is not None and now >= self.retryAt:
+            self.retryAt = None
+            self.link.loop.timed.discard(self)
+            if not self.closed and not self.up and self.link.stream.up:
+                self.up = True
+                self.owner._pipeUp(self.tag, now)
+
+    def close(self) -> None:
+        self.link.forget(self)
 
 
 class _Refused:
@@ -1172,13 +1475,15 @@ class Client(ClientCore):
             channel = self._madeUp.popleft()
             if channel.pipe is not None:
                 self._perform(self.handlePipeUp(channel, monotonic()))
+        if self._loop.idle:  # (a stream connection whose last pipe these actions closed)
+            self._loop.closeIdle()
         if interrupted is not None:
             raise interrupted
 
     def _open(self, channel: _Channel) -> None:
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
-                                                  curve=self.curve)
+                                                  curve=self.curve, shared=True)
             # a failure reported at once (no such socket file) may close the channel
             pipe.start()
         except BaseException as e:

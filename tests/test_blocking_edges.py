@@ -251,7 +251,13 @@ def test_requests_after_an_abandoned_map_are_sent_at_once(broker: ScriptedBroker
 class RecordServer:
     """A plain stream listener (TCP on 127.0.0.1, or a local socket at
     *path*) that answers the request records of one connection at a time as
-    :meth:`answer` says, in a thread until stopped."""
+    :meth:`answer` says, in a thread until stopped.  It speaks channels as
+    the broker does (the client asks for them): :meth:`record` is a record
+    on the channel of the request being answered, and a channel the client
+    ends is acknowledged."""
+
+    #: the channel of the request being answered (None: the stream has none)
+    channel: Optional[bytes] = None
 
     def __init__(self, path: Optional[str] = None) -> None:
         if path is not None:
@@ -265,6 +271,8 @@ class RecordServer:
             self.endpoint = f"tcp:host=127.0.0.1:port={self.port}"
         self.listener.listen(8)
         self.listener.settimeout(0.05)
+        #: connections accepted so far
+        self.connections = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -275,6 +283,7 @@ class RecordServer:
                 conn, _ = self.listener.accept()
             except OSError:
                 continue
+            self.connections += 1
             with conn:
                 conn.settimeout(0.05)
                 decoder = RecordDecoder(Limits())
@@ -283,19 +292,146 @@ class RecordServer:
                         data = conn.recv(65536)
                     except socket.timeout:
                         continue
+                    except OSError:  # reset: the client closed with an answer unread
+                        break
                     if not data:
                         break
                     for message in decoder.feed(data):
+                        if decoder.channels:
+                            self.channel, message = message
+                            if not message:
+                                self.ended(conn, self.channel)
+                                continue
                         self.answer(conn, message[2], message[3:])
 
+    def ended(self, conn: socket.socket, channel: bytes) -> None:
+        """The client ended *channel*: say it is known."""
+        conn.sendall(channel + encode_record([]))
+
+    def record(self, frames: list[bytes]) -> bytes:
+        """*frames* as a record on the channel being answered."""
+        return (self.channel or b"") + encode_record(frames)
+
     def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
-        conn.sendall(encode_record([HEADER, FINAL, service, *body]))
+        conn.sendall(self.record([HEADER, FINAL, service, *body]))
 
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join(5)
         self.listener.close()
 
+
+
+# --- a client's pipes over one stream connection (channels) ---------------------------------
+
+
+class ChannelServer(RecordServer):
+    """A RecordServer that notes each request's channel and body
+    (``requests``) and the channels the client ends (``ends``), and answers
+    as *script* says (the bytes to send, or None: the echo)."""
+
+    def __init__(self, script: Any = None) -> None:
+        self.script = script
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.ends: list[bytes] = []
+        super().__init__()
+
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        assert self.channel is not None, "the client asked for no channels"
+        self.requests.append((self.channel, body[0]))
+        out = self.script(self, service, body) if self.script else None
+        conn.sendall(self.record([HEADER, FINAL, service, *body]) if out is None else out)
+
+    def ended(self, conn: socket.socket, channel: bytes) -> None:
+        self.ends.append(channel)
+        super().ended(conn, channel)
+
+
+def test_a_clients_pipes_to_a_stream_endpoint_share_one_connection() -> None:
+    """A ``map`` over ``tcp:`` with 8 in flight: one connection, the
+    channels of its 8 pipes, the replies in order."""
+    server = ChannelServer()
+    try:
+        with Client(server.endpoint, timeout=5, retries=1, maxConnections=8) as client:
+            bodies = [b"%d" % n for n in range(40)]
+            assert list(client.map("echo", bodies, window=8)) == [[b] for b in bodies]
+        assert server.connections == 1
+        assert len({channel for channel, _ in server.requests}) == 8
+    finally:
+        server.stop()
+
+
+def test_a_channel_the_broker_ends_comes_back_under_a_new_one() -> None:
+    """The broker ends the channel a request came on (as a broker ends a
+    peer): the client says it knows, and sends the request again under a
+    new channel of the same connection once the reconnection delay is
+    over."""
+    def end_the_first(server: ChannelServer, service: bytes, body: list[bytes]) -> Any:
+        if len(server.requests) == 1:
+            return server.channel + encode_record([])
+        return None
+
+    server = ChannelServer(end_the_first)
+    try:
+        with Client(server.endpoint, timeout=5, retries=1) as client:
+            assert client.request("echo", b"again") == [b"again"]
+        (first, _), (second, _) = server.requests
+        assert first != second
+        assert server.ends[0] == first  # the client's acknowledgment
+        assert server.connections == 1
+    finally:
+        server.stop()
+
+
+def test_a_reply_over_the_limits_on_one_channel_fails_that_request_alone() -> None:
+    """A record over the client's limits on one channel ends the connection
+    (the stream cannot be read past it): that request fails with
+    ReplyTooLarge, the others in flight only lost the connection and are
+    answered on the next."""
+    def huge(server: ChannelServer, service: bytes, body: list[bytes]) -> Any:
+        if body == [b"huge"]:
+            return server.record([HEADER, FINAL, service, b"x" * 4096])
+        return None
+
+    server = ChannelServer(huge)
+    try:
+        with Client(server.endpoint, timeout=5, retries=2, maxConnections=4,
+                    limits=Limits(maxMessageBytes=1024)) as client:
+            got = list(client.map("echo", [b"a", b"huge", b"b", b"c"], window=4,
+                                  returnExceptions=True))
+        assert got[0] == [b"a"] and got[2] == [b"b"] and got[3] == [b"c"]
+        assert isinstance(got[1], errors.ReplyTooLarge)
+    finally:
+        server.stop()
+
+
+def test_what_comes_on_a_channel_ended_here_answers_nothing() -> None:
+    """A request's attempt runs out: the client ends its channel and sends
+    it again on another.  The late reply that comes on the ended channel
+    before the broker says it knows is dropped: the request gets the
+    reply of its second attempt, and the next request its own."""
+    late: dict[str, Any] = {}
+
+    def slow_once(server: ChannelServer, service: bytes, body: list[bytes]) -> Any:
+        if body == [b"slow"] and not late:
+            late["channel"], late["service"] = server.channel, service
+            return b""  # answered only once the client ends the channel
+        return None
+
+    class LateServer(ChannelServer):
+        def ended(self, conn: socket.socket, channel: bytes) -> None:
+            if channel == late.get("channel"):
+                conn.sendall(channel + encode_record([HEADER, FINAL, late["service"], b"late"]))
+            super().ended(conn, channel)
+
+    server = LateServer(slow_once)
+    try:
+        with Client(server.endpoint, timeout=0.5, retries=2) as client:
+            assert client.request("echo", b"slow") == [b"slow"]
+            assert client.request("echo", b"next") == [b"next"]
+        assert late["channel"] in server.ends
+    finally:
+        server.stop()
 
 
 def test_each_address_of_a_host_is_tried_in_turn(monkeypatch: Any) -> None:
@@ -455,10 +591,10 @@ class StrayingBroker(RecordServer):
         super().__init__(str(tmp_path / "broker.sock") if family == "unix" else None)
 
     def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
-        conn.sendall(self.rest + encode_record([HEADER, FINAL, service, *body]))
+        conn.sendall(self.rest + self.record([HEADER, FINAL, service, *body]))
         self.rest = b""
         if body[0] in (b"dup", b"half"):
-            stray = encode_record([HEADER, FINAL, service, b"stray"])
+            stray = self.record([HEADER, FINAL, service, b"stray"])
             if body[0] == b"half":
                 stray, self.rest = stray[:len(stray) // 2], stray[len(stray) // 2:]
             conn.sendall(stray)
@@ -646,10 +782,10 @@ class PartAndEndAtOnce(RecordServer):
     def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
         self.seen.append(body[0])
         if body[0] == b"stream":
-            conn.sendall(encode_record([HEADER, PARTIAL, service, b"p1"])
-                         + encode_record([HEADER, FINAL, service, b"end"]))
+            conn.sendall(self.record([HEADER, PARTIAL, service, b"p1"])
+                         + self.record([HEADER, FINAL, service, b"end"]))
         else:
-            conn.sendall(encode_record([HEADER, FINAL, service, *body]))
+            conn.sendall(self.record([HEADER, FINAL, service, *body]))
 
 
 @pytest.mark.parametrize("family", ["tcp", "unix"])
