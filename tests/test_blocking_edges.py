@@ -285,24 +285,28 @@ class RecordServer:
                 continue
             self.connections += 1
             with conn:
-                conn.settimeout(0.05)
-                decoder = RecordDecoder(Limits())
-                while not self.stopping.is_set():
-                    try:
-                        data = conn.recv(65536)
-                    except socket.timeout:
+                try:
+                    self._converse(conn)
+                except OSError:  # the client closed (with an answer unread, or being written)
+                    pass
+
+    def _converse(self, conn: socket.socket) -> None:
+        conn.settimeout(0.05)
+        decoder = RecordDecoder(Limits())
+        while not self.stopping.is_set():
+            try:
+                data = conn.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                break
+            for message in decoder.feed(data):
+                if decoder.channels:
+                    self.channel, message = message
+                    if not message:
+                        self.ended(conn, self.channel)
                         continue
-                    except OSError:  # reset: the client closed with an answer unread
-                        break
-                    if not data:
-                        break
-                    for message in decoder.feed(data):
-                        if decoder.channels:
-                            self.channel, message = message
-                            if not message:
-                                self.ended(conn, self.channel)
-                                continue
-                        self.answer(conn, message[2], message[3:])
+                self.answer(conn, message[2], message[3:])
 
     def ended(self, conn: socket.socket, channel: bytes) -> None:
         """The client ended *channel*: say it is known."""
