@@ -750,6 +750,8 @@ class _StreamPipe:
         sock = self.socket
         if sock is None or not self.up:
             return
+        if self.channels and self.owner.fresh:
+            self.owner.settle()  # (what came before the requests about to go)
         try:
             sent = sock.send(self.out)
         except (BlockingIOError, InterruptedError):
@@ -952,7 +954,7 @@ class _StreamLink:
     meanwhile is dropped.  The connection is opened with the first pipe
     and closed with the last (``forget``)."""
 
-    __slots__ = ("loop", "endpoint", "stream", "pipes", "ended", "_next")
+    __slots__ = ("loop", "endpoint", "stream", "pipes", "ended", "fresh", "_next")
 
     def __init__(self, loop: _Loop, endpoint: str, family: int, address: Any) -> None:
         self.loop = loop
@@ -963,6 +965,8 @@ class _StreamLink:
         self.pipes: dict[bytes, _LinkPipe] = {}
         #: channels ended here whose end the broker has not said it knows
         self.ended: set[bytes] = set()
+        #: channels with a request to go at the next flush (see settle)
+        self.fresh: set[bytes] = set()
         self._next = 0
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
@@ -990,25 +994,45 @@ class _StreamLink:
         pipes[name] = pipe
 
     def discard(self, name: bytes) -> int:
-        """Drop what came on channel *name* and is not handed on yet, read
-        or waiting in the socket (a record begun there, once whole); keep
-        the other channels' messages, in order.  How many were dropped."""
-        stream = self.stream
-        received = stream.received
-        items = list(received)
-        items += stream._drain()
-        received.clear()
+        """A request is about to go on channel *name*: drop what came on it
+        and is read, not handed on yet (how many); what waits in the socket
+        is read off just before the request goes (``settle``)."""
+        received = self.stream.received
         dropped = 0
-        for item in items:
-            if item[0] == name:
-                dropped += 1
-            else:
-                received.append(item)
         if received:
-            self.loop.unchecked.add(stream)  # handed on before the loop waits
-        if stream.decoder.inRecord:
-            stream.skip = {name} | (stream.skip or set())
+            items = list(received)
+            received.clear()
+            for item in items:
+                if item[0] == name:
+                    dropped += 1
+                else:
+                    received.append(item)
+        self.fresh.add(name)
         return dropped
+
+    def settle(self) -> None:
+        """Just before what the pipes sent goes out: read what waits in the
+        socket, drop what came on the channels about to carry a request (a
+        record begun there, once whole: it came before the request, so it
+        cannot answer it), and keep the other channels' messages, in order.
+        One read for all the requests of a turn."""
+        fresh, self.fresh = self.fresh, set()
+        stream = self.stream
+        items = stream._drain()
+        if stream.decoder.inRecord:
+            stream.skip = fresh | (stream.skip or set())
+        stale: set[bytes] = set()
+        for item in items:
+            if item[0] in fresh:
+                stale.add(item[0])
+            else:
+                stream.received.append(item)
+        if stream.received:
+            self.loop.unchecked.add(stream)  # handed on before the loop waits
+        for name in stale:
+            pipe = self.pipes.get(name)
+            if pipe is not None and pipe.up:
+                pipe.owner._stale(pipe.tag)
 
     def forget(self, pipe: _LinkPipe) -> None:
         """*pipe* was closed: end its channel (the broker drops what it
