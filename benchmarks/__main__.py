@@ -431,10 +431,13 @@ def cases(smoke: bool, earlier: Optional[str] = None,
                 add(f"sync {shape} / {stack}", stack=stack, mode="sync", clients=clients,
                     workers=clients, n=n)
     for stack in ("bare+ours", "ours", "ours over tcp", "majortomo-broker+our-peers",
-                  "ours+blocking-client"):
+                  "ours+blocking-client", "ours+blocking-client over tcp"):
         if stack == "ours over tcp":  # goal 5: against the row before it
             add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
+        elif stack.endswith(" over tcp"):  # the blocking client's channels (item 34)
+            add(f"pipelined w100 x4 / {stack}", stack=stack.removesuffix(" over tcp"),
+                transport="tcp", mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
         else:
             add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
@@ -565,6 +568,11 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
          "sync 4x4 / ours-blocking", "sync 4x4 / ours-blocking (source)"),
         ("4x4 sync zmq: our stack on the run's reactor / on epoll (Twisted peers)",
          "sync 4x4 / ours", "sync 4x4 / ours (epoll reactor)"),
+        ("pipelined w100 x4: blocking client over tcp / over zmq",
+         "pipelined w100 x4 / ours+blocking-client over tcp",
+         "pipelined w100 x4 / ours+blocking-client"),
+        ("pipelined w100 x4 over tcp: blocking client / Twisted client",
+         "pipelined w100 x4 / ours+blocking-client over tcp", "pipelined w100 x4 / ours over tcp"),
         ("4x4 sync: CURVE (allow-list) / plain zmq", "sync 4x4 / ours over curve",
          "sync 4x4 / ours"),
         ("4x4 sync: mutual TLS (ssl:) / plain tcp", "sync 4x4 / ours over tls",

@@ -40,6 +40,7 @@ def test_benchmark_smoke_run(tmp_path) -> None:
                 "sync 4x4 / bare", "sync 4x4 / ours-broker+bare-peers",
                 "sync 1x1 / ours+blocking-client", "sync 4x4 / ours+bare-client",
                 "sync 4x4 / ours-blocking", "pipelined w100 x4 / ours+blocking-client",
+                "pipelined w100 x4 / ours+blocking-client over tcp",
                 "stream 1000 partials / ours-blocking"}
     assert expected <= set(report["cases"])
     for name, case in report["cases"].items():
