@@ -281,8 +281,12 @@ class _Loop:
             self.closeIdle()
         if self.unflushed:
             unflushed, self.unflushed = self.unflushed, set()
-            for stream in unflushed:
-                stream._flush()
+            try:
+                for stream in unflushed:
+                    stream._flush()
+            except BaseException:  # (Ctrl-C) flushed again next time; twice is harmless
+                self.unflushed |= unflushed
+                raise
         now = monotonic()
         timed = self.timed
         for pipe in timed:
@@ -630,7 +634,7 @@ class _StreamPipe:
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
-                 "broken", "channels")
+                 "broken", "channels", "queuedBytes", "sentBytes")
 
     backlog = ()  # never waits in recv alone (see _Loop.turn)
 
@@ -645,6 +649,10 @@ class _StreamPipe:
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
+        #: bytes put in ``out`` and bytes written, on this connection (a
+        #: channel's request has left once ``sentBytes`` passed its end)
+        self.queuedBytes = 0
+        self.sentBytes = 0
         self.decoder = self._decoder()
         self.up = False
         self.connecting = False
@@ -738,19 +746,22 @@ class _StreamPipe:
         self.out += encode_record(frames)
         self._flush()
 
-    def sendRecord(self, record: bytes) -> None:
+    def sendRecord(self, record: bytes) -> int:
         """Send *record*, whole as the wire has it (a channel's), when the
-        loop next waits (``unflushed``)."""
+        loop next waits (``unflushed``); where it ends in what this
+        connection sends (``queuedBytes``; 0: not up, not sent)."""
         if not self.up:
-            return
+            return 0
         self.out += record
+        self.queuedBytes += len(record)
         self.loop.unflushed.add(self)
+        return self.queuedBytes
 
     def _flush(self) -> None:
         sock = self.socket
         if sock is None or not self.up:
             return
-        if self.channels and self.owner.fresh:
+        if self.channels and self.owner.unsent:
             self.owner.settle()  # (what came before the requests about to go)
         try:
             sent = sock.send(self.out)
@@ -759,6 +770,7 @@ class _StreamPipe:
         except OSError:
             return  # the poller reports the loss
         del self.out[:sent]
+        self.sentBytes += sent
         self.loop.poller.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
 
     def ready(self, events: int, now: float) -> None:
@@ -776,17 +788,22 @@ class _StreamPipe:
                 self._drop()
                 self._next(now, OSError(code, os.strerror(code)))
                 return
+            if self.channels:  # (first, before what the pipes send; and before it is up)
+                self.out += CHANNELS_GREETING
+                self.queuedBytes += len(CHANNELS_GREETING)
+                self.loop.unflushed.add(self)
             self.connecting = False
             self.up = True
             self.failures = 0
             self.loop.poller.watch(self.key, _POLLIN)
-            if self.channels:
-                self.sendRecord(CHANNELS_GREETING)  # (before what the pipes send)
             self.owner._pipeUp(self.tag, now)
             return
         if events & _POLLOUT:
             self._flush()
         if events & (_POLLIN | _POLLERR | _POLLHUP):
+            if self.broken is not None:  # (a discard, or a read below, found it unusable)
+                self._lost(self.broken, now)
+                return
             try:
                 data = sock.recv(_READ_SIZE)
             except (BlockingIOError, InterruptedError):
@@ -802,12 +819,23 @@ class _StreamPipe:
                 messages = self.decoder.feed(data)
             except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 # what came whole before it is handed on first, as the Twisted
-                # transport does (on channels, the other pipes' replies)
+                # transport does (on channels, the other pipes' replies); a
+                # callback's wait meanwhile must not read on past it
+                self._break(e)
                 self._take(getattr(e, "decoded", None) or [], now)
                 if self.socket is sock:
                     self._lost(e, now)
                 return
             self._take(messages, now)
+
+    def _break(self, error: BaseException) -> None:
+        """The stream cannot be decoded past this point: nothing more is
+        read from it, and the next read reports *error* as the loss."""
+        self.broken = error
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        except OSError:
+            pass
 
     def _take(self, messages: list[Any], now: float) -> None:
         if self.skip and messages:
@@ -886,11 +914,7 @@ class _StreamPipe:
                 messages += self.decoder.feed(data)
             except Exception as e:  # the stream is unusable: the next read reports it
                 messages += getattr(e, "decoded", None) or []
-                self.broken = e
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._break(e)
                 break
         if self.skip and messages:
             self._skipBegun(messages)
@@ -909,6 +933,7 @@ class _StreamPipe:
         self.loop.unchecked.discard(self)
         self.skip = 0
         self.broken = None
+        self.queuedBytes = self.sentBytes = 0
         self.decoder = self._decoder()
         self.loop.unflushed.discard(self)
         if sock is not None:
@@ -949,12 +974,15 @@ class _StreamLink:
     again after the reconnection delay under a new channel.  Losing the
     connection loses every pipe; they are up again together once it is
     back (a record over the limits loses the whole connection, and that
-    pipe's loss says so).  A channel this side ended is not used again
-    until the broker's empty record says it knows, and what comes on it
-    meanwhile is dropped.  The connection is opened with the first pipe
-    and closed with the last (``forget``)."""
+    pipe's loss says so).  No channel is used twice on a connection: what
+    comes on one this side ended is dropped.  The connection is opened with
+    the first pipe and closed with the last (``forget``).
 
-    __slots__ = ("loop", "endpoint", "stream", "pipes", "ended", "fresh", "_next")
+    What comes on a channel before its request has left, whole, is not a
+    reply to it: it is dropped (the stale-reply look of ``discard`` and
+    ``settle``), as a pipe of its own drops what came before its send."""
+
+    __slots__ = ("loop", "endpoint", "stream", "pipes", "unsent", "untold", "_next")
 
     def __init__(self, loop: _Loop, endpoint: str, family: int, address: Any) -> None:
         self.loop = loop
@@ -963,10 +991,13 @@ class _StreamLink:
         loop.timed.add(self.stream)
         #: the open pipes, by channel
         self.pipes: dict[bytes, _LinkPipe] = {}
-        #: channels ended here whose end the broker has not said it knows
-        self.ended: set[bytes] = set()
-        #: channels with a request to go at the next flush (see settle)
-        self.fresh: set[bytes] = set()
+        #: channels whose request has not left whole yet: where it ends in
+        #: what the connection sends (``_StreamPipe.queuedBytes``)
+        self.unsent: dict[bytes, int] = {}
+        #: pipes the connection's loss is still to be told to, and why (a
+        #: callback told before them may wait on the loop, which may bring
+        #: the connection up again: they hear of the loss first)
+        self.untold: deque[tuple[_LinkPipe, BaseException]] = deque()
         self._next = 0
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
@@ -982,57 +1013,78 @@ class _StreamLink:
             stream.open(monotonic())
 
     def _name(self, pipe: _LinkPipe) -> None:
-        """Give *pipe* a channel not in use (none is used twice while the
-        broker may still send on it)."""
-        pipes, ended = self.pipes, self.ended
+        """Give *pipe* a channel not used on this connection yet (as the
+        Twisted side: 2³² of them before one comes round again)."""
+        pipes = self.pipes
         while True:
             self._next = self._next % 0xFFFFFFFF + 1
             name = self._next.to_bytes(4, "big")
-            if name not in pipes and name not in ended:
+            if name not in pipes:
                 break
         pipe.id = name
         pipes[name] = pipe
 
+    def send(self, pipe: _LinkPipe, frames: list[bytes]) -> None:
+        at = self.stream.sendRecord(pipe.id + encode_record(frames))
+        if at:
+            self.unsent[pipe.id] = at
+
+    def _stale(self, name: bytes) -> bool:
+        """Whether channel *name*'s request is still to leave (what comes
+        on it cannot answer it)."""
+        at = self.unsent.get(name)
+        if at is None:
+            return False
+        if self.stream.sentBytes >= at:
+            del self.unsent[name]
+            return False
+        return True
+
     def discard(self, name: bytes) -> int:
         """A request is about to go on channel *name*: drop what came on it
         and is read, not handed on yet (how many); what waits in the socket
-        is read off just before the request goes (``settle``)."""
+        is read off just before the request goes (``settle``).  An end the
+        broker sent is kept: it is no reply."""
         received = self.stream.received
         dropped = 0
         if received:
             items = list(received)
             received.clear()
             for item in items:
-                if item[0] == name:
+                if item[0] == name and item[1]:
                     dropped += 1
                 else:
                     received.append(item)
-        self.fresh.add(name)
         return dropped
 
     def settle(self) -> None:
         """Just before what the pipes sent goes out: read what waits in the
-        socket, drop what came on the channels about to carry a request (a
-        record begun there, once whole: it came before the request, so it
-        cannot answer it), and keep the other channels' messages, in order.
-        One read for all the requests of a turn."""
-        fresh, self.fresh = self.fresh, set()
+        socket, and drop what came on the channels whose request is about to
+        go (a record begun there, once whole: it came before the request, so
+        it cannot answer it); keep the rest, in order.  One read for all
+        the requests of a turn."""
         stream = self.stream
+        waiting = {name for name in list(self.unsent) if self._stale(name)}
+        if not waiting:
+            return
         items = stream._drain()
         if stream.decoder.inRecord:
-            stream.skip = fresh | (stream.skip or set())
+            stream.skip = waiting | (stream.skip or set())
         stale: set[bytes] = set()
         for item in items:
-            if item[0] in fresh:
+            if item[0] in waiting and item[1]:
                 stale.add(item[0])
             else:
                 stream.received.append(item)
         if stream.received:
             self.loop.unchecked.add(stream)  # handed on before the loop waits
         for name in stale:
-            pipe = self.pipes.get(name)
-            if pipe is not None and pipe.up:
-                pipe.owner._stale(pipe.tag)
+            self._dropped(name)
+
+    def _dropped(self, name: bytes) -> None:
+        pipe = self.pipes.get(name)
+        if pipe is not None and pipe.up:
+            pipe.owner._stale(pipe.tag)
 
     def forget(self, pipe: _LinkPipe) -> None:
         """*pipe* was closed: end its channel (the broker drops what it
@@ -1046,9 +1098,8 @@ class _StreamLink:
             self.loop.timed.discard(pipe)
         if self.pipes.get(pipe.id) is pipe:
             del self.pipes[pipe.id]
-            if self.stream.up:
-                self.stream.sendRecord(pipe.id + _END)
-                self.ended.add(pipe.id)
+            self.unsent.pop(pipe.id, None)
+            self.stream.sendRecord(pipe.id + _END)
         if not self.pipes:
             self.loop.idle.add(self)  # closed after the actions, if still unused
 
@@ -1060,12 +1111,25 @@ class _StreamLink:
             pipe.up = False
             self.loop.timed.discard(pipe)
         self.pipes.clear()
+        self.untold.clear()
         self.loop.close(self.stream)
+
+    def mend(self) -> None:
+        """After an interrupt (Ctrl-C) cut the telling of the connection's
+        events short: the pipes it left down while the connection is up
+        are up (the client tells its machine, handleReset), and the losses
+        not told yet are the machine's to find (its channels whose pipe is
+        down)."""
+        self.untold.clear()
+        if self.stream.up:
+            for pipe in self.pipes.values():
+                if not pipe.up and not pipe.closed and pipe.retryAt is None:
+                    pipe.up = True
 
     # --- what the connection reports ---------------------------------------------
 
     def _pipeUp(self, tag: Any, now: float) -> None:
-        self.ended.clear()
+        self._tellLost(now)
         for pipe in list(self.pipes.values()):
             # (a callback below may have closed it, or the connection)
             if (self.pipes.get(pipe.id) is pipe and not pipe.up and pipe.retryAt is None
@@ -1074,7 +1138,7 @@ class _StreamLink:
                 pipe.owner._pipeUp(pipe.tag, now)
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        self.ended.clear()
+        self.unsent.clear()
         # a record refused for its size was one pipe's: the others only lost
         # the connection (what they had in flight goes again)
         refused = getattr(why, "channel", None)
@@ -1083,12 +1147,18 @@ class _StreamLink:
             others = ConnectionError(f"the connection was dropped for another channel's "
                                      f"record: {why}")
         # every pipe is down before any is told (one may send on another)
-        lost = [pipe for pipe in self.pipes.values() if pipe.up]
-        for pipe in lost:
-            pipe.up = False
-        for pipe in lost:
+        for pipe in self.pipes.values():
+            if pipe.up:
+                pipe.up = False
+                self.untold.append((pipe, why if refused in (None, pipe.id) else others))
+        self._tellLost(now)
+
+    def _tellLost(self, now: float) -> None:
+        untold = self.untold
+        while untold:
+            pipe, why = untold.popleft()
             if not pipe.closed:
-                pipe.owner._pipeLost(pipe.tag, why if refused in (None, pipe.id) else others, now)
+                pipe.owner._pipeLost(pipe.tag, why, now)
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
         for pipe in list(self.pipes.values()):
@@ -1098,20 +1168,22 @@ class _StreamLink:
     def _pipeMessage(self, tag: Any, item: Any, now: float) -> None:
         name, frames = item
         pipe = self.pipes.get(name)
-        if frames:
-            if pipe is not None and pipe.up:
-                pipe.ends = 0
-                pipe.owner._pipeMessage(pipe.tag, frames, now)
-            return  # (ended here: what came before the broker knew)
-        if name in self.ended:  # the broker knows it ended here
-            self.ended.discard(name)
-            return
         if pipe is None:
+            return  # ended here: what came before the broker knew, or its acknowledgment
+        if frames:
+            if not pipe.up:
+                return
+            if self._stale(name):  # (before its request left: no reply to it)
+                self._dropped(name)
+                return
+            pipe.ends = 0
+            pipe.owner._pipeMessage(pipe.tag, frames, now)
             return
         # the broker ended this channel: say it is known, and bring the pipe
         # up again under a new channel after the reconnection delay
         self.stream.sendRecord(name + _END)
         del self.pipes[name]
+        self.unsent.pop(name, None)
         self._name(pipe)
         pipe.ends += 1
         pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)
@@ -1150,7 +1222,7 @@ class _LinkPipe:
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
-            self.link.stream.sendRecord(self.id + encode_record(frames))
+            self.link.send(self, frames)
 
     def discardReceived(self) -> int:
         return self.link.discard(self.id)
@@ -1395,8 +1467,14 @@ class Client(ClientCore):
                 or self._closed):
             return
         try:
-            # (the channels whose socket is still there: the others are closed)
-            sound = [channel for channel in self._channels if channel.pipe is not None]
+            # a stream connection's pipes whose coming up (or loss) the
+            # interrupt kept from being told
+            for link in list(self._loop.links.values()):
+                link.mend()
+            # (the channels whose socket is still there and whose pipe is up,
+            # or known to be down: the others are closed)
+            sound = [channel for channel in self._channels if channel.pipe is not None
+                     and (channel.pipe.up or channel.state is DOWN)]
             # a connection up whose coming up the interrupt kept from the
             # machine is told after the reset, as _open's are (_perform)
             self._madeUp.clear()

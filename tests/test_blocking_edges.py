@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -434,6 +435,234 @@ def test_what_comes_on_a_channel_ended_here_answers_nothing() -> None:
             assert client.request("echo", b"slow") == [b"slow"]
             assert client.request("echo", b"next") == [b"next"]
         assert late["channel"] in server.ends
+    finally:
+        server.stop()
+
+
+class RefusedMidway(ChannelServer):
+    """Answers ``stream`` with a PARTIAL and, in the same write, the header
+    of a record over the client's limits; its payload, which holds a FINAL
+    for that channel, follows only once another request comes (a callback
+    of the PARTIAL makes one) or never, if the client drops the
+    connection first."""
+
+    def _converse(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        decoder = RecordDecoder(Limits())
+        payload = b""
+        while not self.stopping.is_set():
+            data = conn.recv(65536)
+            if not data:
+                return
+            for item in decoder.feed(data):
+                if decoder.channels:
+                    self.channel, item = item
+                if not item:
+                    continue
+                service, body = item[2], item[3:]
+                self.requests.append((self.channel, body[0]))
+                if body == [b"stream"]:
+                    forged = self.record([HEADER, FINAL, service, b"forged"])
+                    payload = forged + b"\0" * (65536 - len(forged))
+                    conn.sendall(self.record([HEADER, PARTIAL, service, b"p1"])
+                                 + self.channel + len(payload).to_bytes(4, "big"))
+                else:
+                    conn.sendall(payload + self.record([HEADER, FINAL, service, *body]))
+                    payload = b""
+
+
+def test_a_callback_of_what_came_before_a_refused_record_reads_nothing_past_it() -> None:
+    """The PARTIAL that came before a record over the limits is handed on
+    before the connection is dropped; its callback's own request must not
+    read on past the refused record's header (its payload is no records):
+    the outer request fails with ReplyTooLarge, never with a FINAL read out
+    of that payload."""
+    server = RefusedMidway()
+    got: list[Any] = []
+    try:
+        with Client(server.endpoint, timeout=3, retries=1, maxConnections=2,
+                    limits=Limits(maxMessageBytes=1024)) as client:
+            def onPartial(body: list[bytes]) -> None:
+                got.append(body)
+                got.append(client.request("s", b"inner"))
+
+            with pytest.raises(errors.ReplyTooLarge):
+                client.request("s", b"stream", onPartial=onPartial,
+                               onRestart=lambda: got.append("restart"))
+        assert got[:2] == [[b"p1"], [b"inner"]]
+    finally:
+        server.stop()
+
+
+class Backlogged(ChannelServer):
+    """Once more than 1 MB of a record has come, sends a stray FINAL on
+    every other channel it has seen (the client's requests for them still
+    wait behind that record); answers each request with ``ok:`` and its
+    first bytes."""
+
+    def _converse(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        decoder = RecordDecoder(Limits(maxMessageBytes=64 << 20))
+        seen: list[bytes] = []
+        strayed = False
+        while not self.stopping.is_set():
+            data = conn.recv(1 << 20)
+            if not data:
+                return
+            for channel, frames in decoder.feed(data):
+                if frames:
+                    seen += [channel] if channel not in seen else []
+                    self.requests.append((channel, frames[3][:5]))
+                    conn.sendall(channel + encode_record(
+                        [HEADER, FINAL, frames[2], b"ok:" + frames[3][:5]]))
+            if not strayed and decoder.inRecord and decoder.buffered > (1 << 20):
+                strayed = True
+                for channel in seen:
+                    if channel != decoder._channel:
+                        conn.sendall(channel + encode_record([HEADER, FINAL, b"echo", b"STALE"]))
+
+
+def test_what_comes_while_a_request_waits_behind_another_channels_is_no_reply() -> None:
+    """A small request queued behind another channel's 32 MiB one has not
+    left while that one is written: a FINAL that comes on its channel
+    meanwhile came before it, and is dropped; it gets its own reply."""
+    server = Backlogged()
+    try:
+        with Client(server.endpoint, timeout=10, retries=1, maxConnections=2,
+                    limits=Limits(maxMessageBytes=64 << 20)) as client:
+            assert list(client.map("echo", [b"a", b"b"], window=2)) == [[b"ok:a"], [b"ok:b"]]
+            got = list(client.map("echo", [b"B" * (32 << 20), b"small"], window=2))
+        assert got == [[b"ok:BBBBB"], [b"ok:small"]]
+    finally:
+        server.stop()
+
+
+class DropsOnce(ChannelServer):
+    """On its first connection, holds ``slow`` unanswered and answers
+    ``stream`` with a PARTIAL, then drops the connection; on the next,
+    answers ``stream`` whole and everything else with its body."""
+
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        self.requests.append((self.channel or b"", body[0]))
+        first = self.connections == 1
+        if body == [b"slow"] and first:
+            return
+        if body == [b"stream"]:
+            conn.sendall(self.record([HEADER, PARTIAL, service, b"p1"]))
+            if first:
+                conn.shutdown(socket.SHUT_RDWR)
+            else:
+                conn.sendall(self.record([HEADER, FINAL, service, b"end"]))
+            return
+        conn.sendall(self.record([HEADER, FINAL, service, *body]))
+
+
+def test_a_request_from_on_restart_during_a_loss_leaves_the_other_pipes_whole() -> None:
+    """The connection goes while one pipe streams and another carries a
+    request: the first's *onRestart* makes a request, whose wait brings the
+    connection back.  The other pipe hears of the loss before it is up
+    again, and its request goes out again and is answered."""
+    server = DropsOnce()
+    got: list[Any] = []
+    try:
+        with Client(server.endpoint, timeout=5, retries=1, maxConnections=3) as client:
+            pending = client.map("s", [b"warm", b"slow"], window=2)
+            assert next(pending) == [b"warm"]  # one pipe idle, one carrying slow
+
+            def onRestart() -> None:
+                got.append("restart")
+                got.append(client.request("s", b"inner"))
+
+            assert client.request("s", b"stream", onPartial=got.append,
+                                  onRestart=onRestart) == [b"end"]
+            assert next(pending) == [b"slow"]
+        assert got[:2] == [[b"p1"], "restart"] and [b"inner"] in got
+        assert server.connections == 2
+    finally:
+        server.stop()
+
+
+class EndsTheIdleChannel(ChannelServer):
+    """Once told (``end``), ends the channel of the last request it
+    answered, and ignores what comes on it until the client says it knows."""
+
+    def __init__(self) -> None:
+        self.end = threading.Event()
+        self.sent = threading.Event()
+        self.unacknowledged: set[bytes] = set()
+        super().__init__()
+
+    def _converse(self, conn: socket.socket) -> None:
+        def end_when_told() -> None:
+            if self.end.wait(5):
+                self.unacknowledged.add(self.channel or b"")
+                conn.sendall((self.channel or b"") + encode_record([]))
+                self.sent.set()
+
+        threading.Thread(target=end_when_told, daemon=True).start()
+        super()._converse(conn)
+
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        if self.channel in self.unacknowledged:
+            return  # (as the router: nothing on an ended channel until acknowledged)
+        super().answer(conn, service, body)
+
+    def ended(self, conn: socket.socket, channel: bytes) -> None:
+        if channel in self.unacknowledged:
+            self.unacknowledged.discard(channel)  # the client's acknowledgment
+            self.ends.append(channel)
+            return
+        super().ended(conn, channel)
+
+
+def test_an_end_waiting_in_the_socket_is_no_stale_reply() -> None:
+    """The broker ends the idle channel between two requests; its end still
+    waits in the socket when the next request is about to go there.  It is
+    an end, not a stale message: the pipe is lost, the end acknowledged, and
+    the request goes under a new channel."""
+    server = EndsTheIdleChannel()
+    try:
+        with Client(server.endpoint, timeout=5, retries=1) as client:
+            assert client.request("echo", b"first") == [b"first"]
+            server.end.set()
+            assert server.sent.wait(5)
+            (link,) = client._loop.links.values()
+            assert select.select([link.stream.socket], [], [], 5)[0]  # the end is there, unread
+            assert client.request("echo", b"second") == [b"second"]
+        (first, _), (second, _) = server.requests
+        assert first != second and server.ends[0] == first  # (then, maybe, the close's)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["map", "request"])
+def test_an_interrupt_while_a_stream_connection_comes_up_leaves_the_client_whole(
+        how: str) -> None:
+    """A Ctrl-C at every third Python step of a first request or map over
+    ``tcp:`` (several pipes waiting for the one connection): every later
+    request is answered at once with its own reply."""
+    server = ChannelServer()
+    bad = []
+    try:
+        for n in range(1, 3000, 3):
+            with Client(server.endpoint, timeout=1.5, retries=1, maxConnections=4) as client:
+                if how == "map":
+                    hit = map_interrupted_at(client, n, [b"%d-%d" % (n, i) for i in range(8)])
+                else:
+                    hit = interrupted_at(client, n, b"cut")
+                if not hit:
+                    break
+                again = [b"again-%d-%d" % (n, i) for i in range(8)]
+                started = time.monotonic()
+                try:
+                    replies: Any = list(client.map("s", again, window=4))
+                except Exception as e:
+                    replies = e
+                if replies != [[b] for b in again] or time.monotonic() - started > 1.0:
+                    bad.append((n, repr(replies)[:100]))
+        assert n > 1 and not hit, "the request was never done within the steps tried"
+        assert not bad, bad[:10]
     finally:
         server.stop()
 

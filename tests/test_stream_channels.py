@@ -3,6 +3,7 @@ the broker knows each as a peer of its own (docs/transports.md, "Channels")."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -87,6 +88,23 @@ async def test_a_pool_of_pipes_is_one_connection_and_each_pipe_a_peer(net: Net) 
         c.peer for c in bound.connections.values() if c.channels}
     await client.close()
     await net.until(lambda: len(bound.connections) == 1 and not bound.channels)
+
+
+@pytest_twisted.ensureDeferred
+async def test_both_ends_of_a_stream_connection_send_each_batch_at_once(net: Net) -> None:
+    """TCP_NODELAY on the broker's connections and the client's: with several
+    replies in flight on one connection, Nagle's algorithm held the last of
+    them until the peer's delayed acknowledgment (up to 40 ms)."""
+    broker, endpoint = await start_broker(net)
+    start_worker(net, endpoint, "echo", echo)
+    client = make_client(net, endpoint, maxConnections=2)
+    await net.wait(client.request("echo", b"x"))
+    ends = [c.transport for c in binding_of(broker).connections.values()]
+    ends += [link.protocol.transport for link in client._links.values()]
+    assert len(ends) == 3  # the worker's and the client's, at the broker; the client's own
+    for end in ends:
+        assert end.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    await client.close()
 
 
 @pytest_twisted.ensureDeferred

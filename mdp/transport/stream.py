@@ -178,6 +178,21 @@ def _direct_capable(transport: Any) -> bool:
             and hasattr(transport, "_tempDataBuffer") and hasattr(transport, "dataBuffer"))
 
 
+def _no_delay(transport: Any) -> None:
+    """Send each batch at once (``TCP_NODELAY``, as ZeroMQ does on its TCP
+    sockets): with several replies in flight on one connection (channels),
+    Nagle's algorithm held the last of them until the peer's delayed
+    acknowledgment, up to 40 ms.  Transports that have no such option (a
+    local socket) are left as they are."""
+    setTcpNoDelay = getattr(transport, "setTcpNoDelay", None)
+    if setTcpNoDelay is None:
+        return
+    try:
+        setTcpNoDelay(True)
+    except (OSError, AttributeError, NotImplementedError):
+        pass
+
+
 class FramedProtocol(Protocol):
     """One stream connection carrying framed multi-frame messages.
 
@@ -212,6 +227,7 @@ class FramedProtocol(Protocol):
         self.encode = self.framing.encode
         self._out = []
         self._direct = _direct_capable(self.transport)
+        _no_delay(self.transport)
         greeting = self.framing.greeting(self.identity)
         if greeting:
             self.transport.write(greeting)
