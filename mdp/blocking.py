@@ -847,13 +847,9 @@ class _StreamPipe:
         """Drop the first of *messages*, the record a discard saw begun (it
         came before the request then sent, so it cannot answer it), now
         that it is whole; on channels, if it came on a channel discarded."""
-        if self.channels:
-            if messages[0][0] in self.skip:
-                del messages[0]
-            self.skip = 0
-        else:
+        if not self.channels or messages[0][0] in self.skip:
             del messages[0]
-            self.skip = 0
+        self.skip = 0
 
     def _handOn(self, now: float) -> None:
         """Hand on the messages read and not handed on yet, in order.  A
