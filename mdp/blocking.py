@@ -752,6 +752,9 @@ class _StreamPipe:
         connection sends (``queuedBytes``; 0: not up, not sent)."""
         if not self.up:
             return 0
+        return self._queue(record)
+
+    def _queue(self, record: bytes) -> int:
         self.out += record
         self.queuedBytes += len(record)
         self.loop.unflushed.add(self)
@@ -789,9 +792,7 @@ class _StreamPipe:
                 self._next(now, OSError(code, os.strerror(code)))
                 return
             if self.channels:  # (first, before what the pipes send; and before it is up)
-                self.out += CHANNELS_GREETING
-                self.queuedBytes += len(CHANNELS_GREETING)
-                self.loop.unflushed.add(self)
+                self._queue(CHANNELS_GREETING)
             self.connecting = False
             self.up = True
             self.failures = 0
@@ -1025,7 +1026,7 @@ class _StreamLink:
         if at:
             self.unsent[pipe.id] = at
 
-    def _stale(self, name: bytes) -> bool:
+    def _unsent(self, name: bytes) -> bool:
         """Whether channel *name*'s request is still to leave (what comes
         on it cannot answer it)."""
         at = self.unsent.get(name)
@@ -1042,15 +1043,23 @@ class _StreamLink:
         is read off just before the request goes (``settle``).  An end the
         broker sent is kept: it is no reply."""
         received = self.stream.received
-        dropped = 0
-        if received:
-            items = list(received)
-            received.clear()
-            for item in items:
-                if item[0] == name and item[1]:
-                    dropped += 1
-                else:
-                    received.append(item)
+        if not received:
+            return 0
+        items = list(received)
+        received.clear()
+        return len(self._sift(items, {name}))
+
+    def _sift(self, items: list[Any], names: set[bytes]) -> list[bytes]:
+        """Keep *items* (``(channel, frames)``), in order, in what the
+        connection has read and not handed on, but the messages on *names*
+        (not an end: that is no reply); their channels, one a message."""
+        received = self.stream.received
+        dropped = []
+        for item in items:
+            if item[0] in names and item[1]:
+                dropped.append(item[0])
+            else:
+                received.append(item)
         return dropped
 
     def settle(self) -> None:
@@ -1060,18 +1069,13 @@ class _StreamLink:
         it cannot answer it); keep the rest, in order.  One read for all
         the requests of a turn."""
         stream = self.stream
-        waiting = {name for name in list(self.unsent) if self._stale(name)}
+        waiting = {name for name in list(self.unsent) if self._unsent(name)}
         if not waiting:
             return
         items = stream._drain()
         if stream.decoder.inRecord:
             stream.skip = waiting | (stream.skip or set())
-        stale: set[bytes] = set()
-        for item in items:
-            if item[0] in waiting and item[1]:
-                stale.add(item[0])
-            else:
-                stream.received.append(item)
+        stale = set(self._sift(items, waiting))
         if stream.received:
             self.loop.unchecked.add(stream)  # handed on before the loop waits
         for name in stale:
@@ -1093,11 +1097,16 @@ class _StreamLink:
             pipe.retryAt = None
             self.loop.timed.discard(pipe)
         if self.pipes.get(pipe.id) is pipe:
-            del self.pipes[pipe.id]
-            self.unsent.pop(pipe.id, None)
-            self.stream.sendRecord(pipe.id + _END)
+            self._end(pipe.id)
         if not self.pipes:
             self.loop.idle.add(self)  # closed after the actions, if still unused
+
+    def _end(self, name: bytes) -> None:
+        """Channel *name* is no longer open: send the end that says so (it
+        ends it, or says this side knows the broker did)."""
+        del self.pipes[name]
+        self.unsent.pop(name, None)
+        self.stream.sendRecord(name + _END)
 
     def close(self) -> None:
         if self.loop.links.get(self.endpoint) is self:
@@ -1169,7 +1178,7 @@ class _StreamLink:
         if frames:
             if not pipe.up:
                 return
-            if self._stale(name):  # (before its request left: no reply to it)
+            if self._unsent(name):  # (before its request left: no reply to it)
                 self._dropped(name)
                 return
             pipe.ends = 0
@@ -1177,9 +1186,7 @@ class _StreamLink:
             return
         # the broker ended this channel: say it is known, and bring the pipe
         # up again under a new channel after the reconnection delay
-        self.stream.sendRecord(name + _END)
-        del self.pipes[name]
-        self.unsent.pop(name, None)
+        self._end(name)
         self._name(pipe)
         pipe.ends += 1
         pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)

@@ -446,29 +446,23 @@ class RefusedMidway(ChannelServer):
     of the PARTIAL makes one) or never, if the client drops the
     connection first."""
 
+    #: the refused record's payload, still to send (on this connection)
+    payload = b""
+
     def _converse(self, conn: socket.socket) -> None:
-        conn.settimeout(5)
-        decoder = RecordDecoder(Limits())
-        payload = b""
-        while not self.stopping.is_set():
-            data = conn.recv(65536)
-            if not data:
-                return
-            for item in decoder.feed(data):
-                if decoder.channels:
-                    self.channel, item = item
-                if not item:
-                    continue
-                service, body = item[2], item[3:]
-                self.requests.append((self.channel, body[0]))
-                if body == [b"stream"]:
-                    forged = self.record([HEADER, FINAL, service, b"forged"])
-                    payload = forged + b"\0" * (65536 - len(forged))
-                    conn.sendall(self.record([HEADER, PARTIAL, service, b"p1"])
-                                 + self.channel + len(payload).to_bytes(4, "big"))
-                else:
-                    conn.sendall(payload + self.record([HEADER, FINAL, service, *body]))
-                    payload = b""
+        self.payload = b""
+        super()._converse(conn)
+
+    def answer(self, conn: socket.socket, service: bytes, body: list[bytes]) -> None:
+        self.requests.append((self.channel or b"", body[0]))
+        if body == [b"stream"]:
+            forged = self.record([HEADER, FINAL, service, b"forged"])
+            self.payload = forged + b"\0" * (65536 - len(forged))
+            conn.sendall(self.record([HEADER, PARTIAL, service, b"p1"])
+                         + (self.channel or b"") + len(self.payload).to_bytes(4, "big"))
+        else:
+            conn.sendall(self.payload + self.record([HEADER, FINAL, service, *body]))
+            self.payload = b""
 
 
 def test_a_callback_of_what_came_before_a_refused_record_reads_nothing_past_it() -> None:
