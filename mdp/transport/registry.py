@@ -114,6 +114,22 @@ def _hint_for_url(endpoint: str, role: str) -> str:
     return "endpoints look like zmq:tcp://HOST:PORT, tcp:host=HOST:port=PORT or unix:path=PATH"
 
 
+#: ``HOST:PORT`` with no scheme: a host name, an IPv4 address, ``*``, or an
+#: IPv6 address in brackets; a port number (or ``*``)
+_BARE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+                   r":(?:\d+|\*)$")
+
+
+def bare_address(endpoint: str) -> Optional[str]:
+    """*endpoint* if it is a bare ``HOST:PORT`` (``localhost:5555``,
+    ``127.0.0.1:5555``, ``[::1]:5555``) whose host is no endpoint scheme,
+    else None: an address given where an endpoint was wanted."""
+    if not _BARE.match(endpoint):
+        return None
+    name = endpoint.partition(":")[0]
+    return None if name in _schemes else endpoint
+
+
 def lookup(endpoint: object, role: str) -> Scheme:
     """The :class:`Scheme` for *endpoint*, after checking *endpoint* for
     *role*; raises :class:`TransportError` for anything unusable."""
@@ -128,6 +144,9 @@ def lookup(endpoint: object, role: str) -> Scheme:
     scheme = _schemes.get(name)
     if scheme is None:
         scheme = _twisted_plugin_scheme(name)
+    if scheme is None and bare_address(endpoint) is not None:
+        raise TransportError(f"bad endpoint {endpoint!r}: an address with no scheme; "
+                             + _hint_for_url("tcp://" + endpoint, role))
     if scheme is None:
         known = ", ".join(sorted(_schemes))
         raise TransportError(f"bad endpoint {endpoint!r}: unknown scheme {name!r} (known: {known})")
