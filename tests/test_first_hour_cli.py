@@ -5,14 +5,119 @@ servers that are all dead, ``mdp status`` against a passive Binary Star broker."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import pytest_twisted
+from twisted.python import usage
 
 from mdp import transport
+from mdp.app import cli, tap
 from mdp.errors import TransportError
+from tests.procs import ENV, Process, reactor, script
 
 pytestmark = pytest.mark.timeout(60)
 
 REQUEST_ID = "0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d"
+
+
+async def _run(*argv: str, timeout: float = 30) -> Process:
+    """Run ``mdp ...`` or ``twist ...`` to its end."""
+    proc = Process(reactor(), [script(argv[0]), *argv[1:]], env=ENV)
+    try:
+        await proc.ended(timeout)
+    finally:
+        await proc.stop()
+    return proc
+
+
+def _mdp_usage_error(*argv: str) -> str:
+    """The message of the usage error ``mdp ARGV`` makes (parsed here)."""
+    with pytest.raises(usage.UsageError) as raised:
+        cli.Options().parseOptions(list(argv))
+    return str(raised.value)
+
+
+# --- (b) twist: a usage error is one short line ----------------------------------------
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["mdp-worker"], "twist mdp-worker: --service is required (see twist mdp-worker --help)"),
+    (["mdp-broker", "extra"], "twist mdp-broker: unexpected argument 'extra': twist mdp-broker "
+                              "takes options only (see twist mdp-broker --help)"),
+    (["mdp-broker", "--heartbeat", "nan"], "twist mdp-broker: --heartbeat must be a number of "
+                                           "seconds of at least 0.01, got nan (see twist "
+                                           "mdp-broker --help)"),
+])
+@pytest_twisted.ensureDeferred
+async def test_a_twist_usage_error_is_one_line_not_the_help(argv: list[str], says: str) -> None:
+    """Twist would print ``Error: ...`` above the plugin's whole help."""
+    proc = await _run("twist", "--log-format", "text", *argv)
+    assert proc.exitCode == 2, proc.output
+    assert proc.output.decode().splitlines() == [says], proc.output
+
+
+def test_plugin_options_parsed_alone_still_raise_usage_error() -> None:
+    """Only under a program of Twisted's (twist, twistd) does the parser
+    print and exit; parsed directly, it raises as usage.Options does."""
+    with pytest.raises(usage.UsageError, match="--service is required"):
+        tap.WorkerOptions().parseOptions([])
+
+
+def _commands() -> list[list[str]]:
+    commands = [[]]
+    for name, _, parser, _ in cli.Options.subCommands:
+        commands.append([name])
+        for sub, _, _, _ in getattr(parser, "subCommands", []):
+            commands.append([name, sub])
+    return commands
+
+
+@pytest.mark.parametrize("words", _commands(), ids=lambda words: " ".join(["mdp", *words]))
+def test_dash_h_is_help_on_every_mdp_command(words: list[str], capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.Options().parseOptions([*words, "-h"])
+    assert exited.value.code == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(" ".join(["Usage: mdp", *words])), first
+
+
+def test_dash_h_is_help_on_the_twist_plugins(capsys: Any) -> None:
+    for options in (tap.BrokerOptions, tap.WorkerOptions, tap.TitanicOptions,
+                    tap.FreelanceServerOptions, tap.SPRepOptions, tap.SPDeviceOptions):
+        with pytest.raises(SystemExit) as exited:
+            options().parseOptions(["-h"])
+        assert exited.value.code == 0
+        assert "-h, --help" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["call"], "give a SERVICE and at least one FRAME, e.g. 'mdp call echo hello'"),
+    (["titanic", "submit"], "give a SERVICE and at least one FRAME, e.g. "
+                            "'mdp titanic submit echo hello'"),
+    (["titanic", "result"], "give the request ID that 'mdp titanic submit' printed"),
+    (["titanic", "close"], "give the request ID that 'mdp titanic submit' printed"),
+    (["titanic", "close", REQUEST_ID, "x"], "one request ID only; 'x' is one argument too many"),
+    (["sp-request"], "give the PAYLOAD to send, e.g. 'mdp sp-request hello'"),
+    (["sp-request", "a", "b"], "one PAYLOAD only; 'b' is one argument too many"),
+    (["keygen"], "give a NAME for the key files, e.g. 'mdp keygen broker'"),
+    (["keygen", "a", "b"], "one NAME only; 'b' is one argument too many"),
+    (["freelance-call"], "give at least one request FRAME, e.g. 'mdp freelance-call hello'"),
+    (["demo", "x"], "unexpected argument 'x': mdp demo takes options only"),
+    (["chat", "--name", "me", "x"], "unexpected argument 'x': mdp chat takes options only"),
+])
+def test_the_wrong_number_of_arguments_says_what_is_missing(argv: list[str], says: str) -> None:
+    """usage.Options says only "Wrong number of arguments"."""
+    assert _mdp_usage_error(*argv).startswith(says)
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_call_with_no_arguments_is_one_line_saying_what_to_give() -> None:
+    proc = await _run("mdp", "call")
+    assert proc.exitCode == 2, proc.output
+    assert proc.output.decode().splitlines() == [
+        "mdp call: give a SERVICE and at least one FRAME, e.g. 'mdp call echo hello' "
+        "(see mdp call --help)"]
 
 
 # --- (c) bare addresses ----------------------------------------------------------------
@@ -38,3 +143,87 @@ def test_a_bare_address_gets_a_suggestion(endpoint: str, role: str, meant: str) 
 def test_an_unknown_scheme_still_lists_the_known_ones() -> None:
     with pytest.raises(TransportError, match=r"unknown scheme 'carrier-pigeon' \(known: "):
         transport.check("carrier-pigeon:coop")
+
+
+def test_mdp_call_suggests_an_endpoint_for_a_bare_address() -> None:
+    assert _mdp_usage_error("call", "--broker", "127.0.0.1:5555", "echo", "x") == (
+        "--broker: bad endpoint '127.0.0.1:5555': an address with no scheme; did you mean "
+        "zmq:tcp://127.0.0.1:5555 (ZeroMQ) or tcp:host=127.0.0.1:port=5555 (framed TCP)?")
+
+
+@pytest.mark.parametrize("peer, says", [
+    ("127.0.0.1:7002", "--peer: bad peer endpoint '127.0.0.1:7002': --peer takes a peer's ZRE "
+                       "endpoint, tcp://HOST:PORT; did you mean tcp://127.0.0.1:7002?"),
+    ("nowhere", "--peer: bad peer endpoint 'nowhere': --peer takes a peer's ZRE endpoint, "
+                "tcp://HOST:PORT"),
+    ("tcp://127.0.0.1:99999", "--peer: bad endpoint 'tcp://127.0.0.1:99999': port 99999 is "
+                              "out of range"),
+])
+def test_mdp_chat_peer_says_what_it_takes(peer: str, says: str) -> None:
+    """Not the MDP endpoint schemes: --peer takes what ZRE peers give."""
+    message = _mdp_usage_error("chat", "--name", "me", "--peer", peer)
+    assert message.startswith(says), message
+    assert "known:" not in message and "zmq:tcp" not in message
+
+
+# --- (e) empty endpoints ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["call", "--broker", "", "echo", "x"], "broker"),
+    (["call", "-b", " ", "echo", "x"], "broker"),
+    (["status", "--broker", ""], "broker"),
+    (["titanic", "result", "--broker", "", REQUEST_ID], "broker"),
+    (["freelance-call", "--server", "", "x"], "server"),
+    (["demo", "--endpoint", ""], "endpoint"),
+    (["sp-request", "--endpoint", "", "x"], "endpoint"),
+    (["chat", "--name", "me", "--endpoint", ""], "endpoint"),
+    (["chat", "--name", "me", "--peer", ""], "peer"),
+])
+def test_mdp_refuses_an_empty_endpoint(argv: list[str], option: str) -> None:
+    """``--broker ''`` was the default broker, silently."""
+    assert _mdp_usage_error(*argv).startswith(f"--{option} is empty")
+
+
+def test_an_empty_endpoint_in_a_list_is_refused() -> None:
+    assert "an empty endpoint in 'zmq:tcp://127.0.0.1:5555,'" in _mdp_usage_error(
+        "call", "--broker", "zmq:tcp://127.0.0.1:5555,", "echo", "x")
+
+
+@pytest.mark.parametrize("options, argv, option", [
+    (tap.WorkerOptions, ["--service", "echo", "--broker", ""], "broker"),
+    (tap.TitanicOptions, ["--broker", ""], "broker"),
+    (tap.BrokerOptions, ["--endpoint", ""], "endpoint"),
+    (tap.BrokerOptions, ["--backend", ""], "backend"),
+    (tap.BrokerOptions, ["--bstar", "primary", "--bstar-local", "", "--bstar-remote",
+                         "zmq:tcp://127.0.0.1:5004"], "bstar-local"),
+    (tap.BrokerOptions, ["--metrics", ""], "metrics"),
+    (tap.FreelanceServerOptions, ["--endpoint", ""], "endpoint"),
+    (tap.SPRepOptions, ["--endpoint", ""], "endpoint"),
+    (tap.SPDeviceOptions, ["--front", "", "--back", "tcp://127.0.0.1:5999"], "front"),
+    (tap.SPDeviceOptions, ["--back", ""], "back"),
+])
+def test_the_twist_plugins_refuse_an_empty_endpoint(options: type, argv: list[str],
+                                                    option: str) -> None:
+    with pytest.raises(usage.UsageError, match=f"^--{option} is empty"):
+        options().parseOptions(argv)
+
+
+def test_an_empty_bstar_role_is_not_a_broker_outside_a_pair() -> None:
+    with pytest.raises(usage.UsageError, match="go together"):
+        tap.BrokerOptions().parseOptions(["--bstar", ""])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["mdp", "call", "--broker", "", "echo", "x"],
+     "mdp call: --broker is empty: give an endpoint, e.g. zmq:tcp://127.0.0.1:5555 "
+     "(see mdp call --help)"),
+    (["twist", "mdp-worker", "--service", "echo", "--broker", ""],
+     "twist mdp-worker: --broker is empty: give an endpoint, e.g. zmq:tcp://127.0.0.1:5555 "
+     "(see twist mdp-worker --help)"),
+])
+@pytest_twisted.ensureDeferred
+async def test_an_empty_endpoint_is_a_usage_error_exit_2(argv: list[str], says: str) -> None:
+    proc = await _run(*argv)
+    assert proc.exitCode == 2, proc.output
+    assert proc.output.decode().splitlines() == [says]

@@ -109,7 +109,8 @@ async def test_twist_refuses_a_bad_endpoint_as_a_usage_error() -> None:
                  ["mdp-worker", "--service", "echo", "--broker", "tcp://127.0.0.1:5555"]):
         proc = await run([script("twist"), *args], timeout=30)
         assert proc.exitCode != 0
-        assert b"Error: --" in proc.output and b"bad endpoint" in proc.output, proc.output
+        assert proc.output.startswith(f"twist {args[0]}: --".encode()), proc.output
+        assert b"bad endpoint" in proc.output, proc.output
 
 
 @pytest_twisted.ensureDeferred

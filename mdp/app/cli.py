@@ -43,7 +43,9 @@
     status 1 with one line on stderr if the broker cannot bind (or a request
     fails).
 
-Every command exits with status 130 on Ctrl-C (once this module is
+Every command takes ``-h`` for ``--help``; a usage mistake (a missing
+argument, a bad or empty endpoint, ...) is one line on stderr saying what
+is wrong, and exit status 2.  Every command exits with status 130 on Ctrl-C (once this module is
 imported) and 141 (128 + SIGPIPE) when
 its output's reader has gone (``mdp call ... | head -1``), with no
 traceback; with standard output closed, it sends nothing and exits with
@@ -66,12 +68,14 @@ from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
 from mdp.app.tap import (
     CURVE_CLIENT_OPTIONS,
+    EXIT_USAGE,
     BrokerListOptions,
     VersionedOptions,
     _dialect,
     checked_curve_client,
     checked_endpoints,
     curve_client_of,
+    usage_text,
 )
 from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
@@ -166,9 +170,13 @@ class _ClientOptions(BrokerListOptions):
 class _RequestOptions(_ClientOptions):
     """A service and its request frames, as arguments."""
 
-    def parseArgs(self, service: str, *frames: str) -> None:
+    def parseArgs(self, *args: str) -> None:
         from mdp.majordomo.codec import api_service_name
 
+        if not args:
+            raise usage.UsageError(f"give a SERVICE and at least one FRAME, e.g. "
+                                   f"'{self.commandName()} echo hello'")
+        service, *frames = args
         try:
             self["service"] = api_service_name(service)
         except (TypeError, ValueError) as e:
@@ -274,15 +282,17 @@ class FreelanceCallOptions(VersionedOptions):
 
     def parseArgs(self, *frames: str) -> None:
         if not frames:
-            raise usage.UsageError("give at least one request frame")
+            raise usage.UsageError(f"give at least one request FRAME, e.g. "
+                                   f"'{self.commandName()} hello'")
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
         from mdp.app.tap import FreelanceServerOptions
 
         default = dict((p[0], p[2]) for p in FreelanceServerOptions.optParameters)["endpoint"]
-        self["servers"] = checked_endpoints(",".join(self["server"]) or default,
-                                            transport.CONNECT, "server")
+        self["servers"] = [endpoint for value in self["server"] or [default]
+                           for endpoint in checked_endpoints(value, transport.CONNECT, "server",
+                                                             example=default)]
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
         for name in ("timeout", "deadline"):
@@ -306,24 +316,36 @@ class TitanicSubmitOptions(_RequestOptions):
     synopsis = f"{_BROKERS} SERVICE FRAME [FRAME...]"
 
 
-def _request_id(value: str) -> str:
+def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
+    """The one request id of *args*; a usage error saying what is missing
+    or too much."""
     import uuid
 
+    if not args:
+        raise usage.UsageError(f"give the request ID that 'mdp titanic submit' printed, e.g. "
+                               f"'{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
+    if len(args) > 1:
+        raise usage.UsageError(f"one request ID only; {args[1]!r} is one argument too many")
     try:
-        return str(uuid.UUID(value))
+        return str(uuid.UUID(args[0]))
     except ValueError:
-        raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
+        raise usage.UsageError(f"{args[0]!r} is not a request id (a UUID)") from None
 
 
 class TitanicResultOptions(_ClientOptions):
     synopsis = f"{_BROKERS} [--wait] [--poll SECONDS] ID"
+    longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 "
+                "with the reply; 3 while the request is pending (without --wait; a line on "
+                "stderr says so); 1 for an unknown, closed or purged ID, an error reply, or "
+                "Titanic not answering; 2 for a usage mistake.  With --wait, what it waits "
+                "for (the reply, Titanic, the broker) is said on stderr.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [
         ["poll", "p", 1.0, "Seconds between polls with --wait.", float],
     ]
 
-    def parseArgs(self, requestId: str) -> None:
-        self["id"] = _request_id(requestId)
+    def parseArgs(self, *args: str) -> None:
+        self["id"] = _request_id(self, args)
 
     def postOptions(self) -> None:
         super().postOptions()
@@ -333,8 +355,8 @@ class TitanicResultOptions(_ClientOptions):
 class TitanicCloseOptions(_ClientOptions):
     synopsis = f"{_BROKERS} ID"
 
-    def parseArgs(self, requestId: str) -> None:
-        self["id"] = _request_id(requestId)
+    def parseArgs(self, *args: str) -> None:
+        self["id"] = _request_id(self, args)
 
 
 class TitanicOptions(_Commands):
@@ -354,8 +376,13 @@ class SPRequestOptions(VersionedOptions):
         ["resend", None, 60.0, "Seconds before the request is sent again.", float],
     ]
 
-    def parseArgs(self, payload: str) -> None:
-        self["payload"] = os.fsencode(payload)
+    def parseArgs(self, *args: str) -> None:
+        if not args:
+            raise usage.UsageError(f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'")
+        if len(args) > 1:
+            raise usage.UsageError(f"one PAYLOAD only; {args[1]!r} is one argument too many: "
+                                   "quote a payload with spaces")
+        self["payload"] = os.fsencode(args[0])
 
     def postOptions(self) -> None:
         from mdp.app.tap import _sp_endpoint
@@ -400,10 +427,12 @@ class ChatOptions(VersionedOptions):
             check_string(self["group"], "group")
         except ValueError as e:
             raise usage.UsageError(str(e)) from None
+        for endpoint in self["peer"]:
+            _check_peer(endpoint)
+        if self["endpoint"] is not None:
+            checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
         try:
             if self["peer"]:
-                for endpoint in self["peer"]:
-                    transport.check(transport_endpoint(endpoint))
                 from mdp.transport.datagram import pick_interface
 
                 host = str(pick_interface(self["interface"]).ip) if self["interface"] else "127.0.0.1"
@@ -413,8 +442,6 @@ class ChatOptions(VersionedOptions):
                 if self["interface"]:
                     beacon += ":interface=" + self["interface"].replace(":", "\\:")
                 self["discovery"] = BeaconDiscovery(beacon)
-            if self["endpoint"]:
-                transport.check(self["endpoint"], transport.LISTEN)
         except MDPError as e:
             raise usage.UsageError(str(e)) from None
 
@@ -423,6 +450,32 @@ def transport_endpoint(endpoint: str) -> str:
     from mdp.harmony.node import transport_endpoint as convert
 
     return convert(endpoint)
+
+
+#: what ``mdp chat --peer`` takes
+_PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
+
+
+def _check_peer(endpoint: str) -> None:
+    """A usage error unless *endpoint* is one ``--peer`` takes, saying what
+    it takes (not the MDP endpoint schemes) and what was probably meant."""
+    from mdp.transport.registry import bare_address, schemes
+
+    if not endpoint.strip():
+        raise usage.UsageError(f"--peer is empty; {_PEER_FORM}, e.g. tcp://127.0.0.1:7002")
+    if bare_address(endpoint) is not None:
+        raise usage.UsageError(f"--peer: bad peer endpoint {endpoint!r}: {_PEER_FORM}; "
+                               f"did you mean tcp://{endpoint}?")
+    converted = transport_endpoint(endpoint)
+    try:
+        transport.check(converted)
+    except MDPError as e:
+        if converted.partition(":")[0] in {scheme.name for scheme in schemes()}:
+            # a scheme we know, something else wrong: say what, as it was given
+            raise usage.UsageError(f"--peer: {str(e).replace(repr(converted), repr(endpoint))}"
+                                   ) from None
+        raise usage.UsageError(f"--peer: bad peer endpoint {endpoint!r}: {_PEER_FORM} "
+                               "(e.g. tcp://192.168.1.7:49152)") from None
 
 
 class KeygenOptions(VersionedOptions):
@@ -435,8 +488,13 @@ class KeygenOptions(VersionedOptions):
         ["dir", "d", ".", "Directory to write the two files in."],
     ]
 
-    def parseArgs(self, name: str) -> None:
-        self["name"] = name
+    def parseArgs(self, *args: str) -> None:
+        if not args:
+            raise usage.UsageError(f"give a NAME for the key files, e.g. '{self.commandName()} "
+                                   "broker', which writes broker.key and broker.key_secret")
+        if len(args) > 1:
+            raise usage.UsageError(f"one NAME only; {args[1]!r} is one argument too many")
+        self["name"] = args[0]
 
 
 class Options(_Commands):
@@ -852,8 +910,8 @@ def _main(argv: Optional[Sequence[str]]) -> None:
             if inner:
                 words.append(inner)
         command = " ".join(words)
-        _error(f"{command}: {e} (see {command} --help)")
-        raise SystemExit(2) from None
+        _error(f"{command}: {usage_text(e)} (see {command} --help)")
+        raise SystemExit(EXIT_USAGE) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import attrs
 from twisted.application.service import IServiceMaker
@@ -126,14 +126,66 @@ def _dialect(value: str) -> str:
     return check_dialect(value)
 
 
+def program_name() -> str:
+    """The name the running program was started by: ``twist``, ``twistd``,
+    ``python -m twisted`` (whose ``argv[0]`` is the package's ``__main__.py``)."""
+    import os
+    import sys
+
+    name = os.path.basename(sys.argv[0])
+    if name == "__main__.py":
+        package = os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0])))
+        return f"{os.path.basename(sys.executable)} -m {package}"
+    return name
+
+
+#: the exit status of a usage mistake, for ``mdp`` and the ``twist`` plugins alike
+EXIT_USAGE = 2
+
+_COERCE_FAILED = "Parameter type enforcement failed: "
+
+
+def usage_text(error: usage.UsageError) -> str:
+    """What a usage error says, without the words usage.Options puts before
+    a coercer's message when that message names its option already."""
+    text = str(error)
+    if text.startswith(_COERCE_FAILED) and text[len(_COERCE_FAILED):].startswith("--"):
+        return text[len(_COERCE_FAILED):]
+    return text
+
+
 class VersionedOptions(usage.Options):
     """The base of our option parsers: ``--version`` says txmajordomo's
-    version (usage.Options would print Twisted's), and ``--help`` starts with
-    one usage line naming the command and its arguments (``Usage: twist
-    [options] mdp-worker --service NAME ...``, ``Usage: mdp call ...``)."""
+    version (usage.Options would print Twisted's), ``-h`` is ``--help``, and
+    ``--help`` starts with one usage line naming the command and its
+    arguments (``Usage: twist [options] mdp-worker --service NAME ...``,
+    ``Usage: mdp call ...``).
+
+    Run as a plugin of a program that is not ours (``twist``, ``twistd``),
+    a usage mistake is one line on stderr ending with where the help is,
+    and exit status :data:`EXIT_USAGE`: ``twist`` would print it above the
+    whole help text, off the screen."""
 
     #: what the usage line of a parser with no parent starts with
     programName: Optional[str] = None
+
+    opt_h = usage.Options.opt_help
+
+    def _root(self) -> usage.Options:
+        node: usage.Options = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    def commandName(self) -> str:
+        """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
+        words = []
+        node: usage.Options = self
+        while node.parent is not None:
+            words.insert(0, node.parent.subCommand)
+            node = node.parent
+        program = getattr(node, "programName", None) or program_name()
+        return " ".join([program, *words])
 
     def getSynopsis(self) -> str:
         words = [getattr(self, "synopsis", "[options]").rstrip()]
@@ -143,11 +195,28 @@ class VersionedOptions(usage.Options):
             node = node.parent
         program = getattr(node, "programName", None)
         if program is None:  # twist (or twistd): the program's own options come first
-            import os
+            program = program_name() + ("" if node is self else " [options]")
+        return " ".join(["Usage:", program, *words])
+
+    def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
+        if self.parent is None or getattr(self._root(), "programName", None) is not None:
+            super().parseOptions(options)  # alone, or under mdp: the caller reports it
+            return
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as e:
             import sys
 
-            program = os.path.basename(sys.argv[0]) + ("" if node is self else " [options]")
-        return " ".join(["Usage:", program, *words])
+            command = self.commandName()
+            print(f"{command}: {usage_text(e)} (see {command} --help)", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
+
+    def parseArgs(self, *args: str) -> None:
+        """No arguments, only options (usage.Options would say only "Wrong
+        number of arguments")."""
+        if args:
+            raise usage.UsageError(f"unexpected argument {args[0]!r}: "
+                                   f"{self.commandName()} takes options only")
 
     def opt_version(self) -> None:
         """Display txmajordomo's version and exit"""
@@ -205,13 +274,22 @@ _PEER_OPTIONS: list[Any] = [
 ]
 
 
-def checked_endpoints(value: Optional[str], role: str, option: str) -> list[str]:
+def checked_endpoints(value: Optional[str], role: str, option: str,
+                      example: str = DEFAULT_ENDPOINT) -> list[str]:
     """The comma-separated endpoints of *option*, each checked for *role*;
-    a bad one is a usage error naming the option."""
+    a bad one is a usage error naming the option, and so is an empty one
+    (``--broker ''``, ``--broker "$A,$B"`` with B unset): not given is
+    None, which is no endpoint."""
     if value is None:
         return []
+    endpoints = [e.strip() for e in value.split(",")]
+    if not value.strip():
+        raise usage.UsageError(f"--{option} is empty: give an endpoint, e.g. {example}")
+    if not all(endpoints):
+        raise usage.UsageError(f"--{option}: an empty endpoint in {value!r} (a comma too many, "
+                               "or a variable that was not set?)")
     try:
-        return transport.endpoint_list([e.strip() for e in value.split(",") if e.strip()], role)
+        return transport.endpoint_list(endpoints, role)
     except (TransportError, ValueError) as e:
         raise usage.UsageError(f"--{option}: {e}") from None
 
@@ -241,8 +319,9 @@ class BrokerListOptions(VersionedOptions):
     opt_b = opt_broker
 
     def postOptions(self) -> None:
-        given = ",".join(self["broker"]) or DEFAULT_ENDPOINT
-        self["brokers"] = checked_endpoints(given, transport.CONNECT, "broker")
+        given = [checked_endpoints(value, transport.CONNECT, "broker") for value in self["broker"]]
+        self["brokers"] = ([e for endpoints in given for e in endpoints] if given
+                           else checked_endpoints(DEFAULT_ENDPOINT, transport.CONNECT, "broker"))
 
 
 _LIMIT_OPTIONS = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
@@ -305,6 +384,9 @@ def checked_metrics(options: usage.Options) -> None:
     """--metrics, if given, is a Twisted server endpoint string."""
     if options["metrics"] is None:
         return
+    if not options["metrics"].strip():
+        raise usage.UsageError("--metrics is empty: give a Twisted server endpoint, e.g. "
+                               "tcp:9464:interface=127.0.0.1")
     from twisted.internet import reactor
     from twisted.internet.endpoints import serverFromString
 
@@ -478,7 +560,8 @@ class BrokerOptions(_HeartbeatOptions):
                      "backend": checked_endpoint(self["backend"], transport.LISTEN, "backend")}
         checked_metrics(self)
         access_of(self)
-        bstar = (self["bstar"], self["bstar-local"], self["bstar-remote"])
+        bstar = [value is not None for value in
+                 (self["bstar"], self["bstar-local"], self["bstar-remote"])]
         if any(bstar) and not all(bstar):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
         if self["bstar"] is not None and self["bstar"] not in ("primary", "backup"):
@@ -666,7 +749,13 @@ class FreelanceServerServiceMaker:
 
 def _sp_endpoint(value: str, listen: bool, option: str) -> str:
     from mdp.sp.codec import endpoint_of
+    from mdp.transport.registry import bare_address
 
+    if not value.strip():
+        raise usage.UsageError(f"--{option} is empty: give an nng URL, e.g. tcp://127.0.0.1:5555")
+    if bare_address(value) is not None:
+        raise usage.UsageError(f"--{option}: bad endpoint {value!r}: no scheme; did you mean "
+                               f"tcp://{value}?")
     try:
         transport.check(endpoint_of(value, listen), transport.LISTEN if listen else transport.CONNECT)
     except TransportError as e:
