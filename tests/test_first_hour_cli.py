@@ -5,6 +5,7 @@ servers that are all dead, ``mdp status`` against a passive Binary Star broker."
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -19,6 +20,16 @@ from tests.procs import ENV, Process, reactor, script
 pytestmark = pytest.mark.timeout(60)
 
 REQUEST_ID = "0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d"
+
+
+async def _free_port() -> int:
+    """A port the OS just gave out and nobody listens on now."""
+    from twisted.internet import protocol
+
+    port = reactor().listenTCP(0, protocol.Factory(), interface="127.0.0.1")
+    number = port.getHost().port
+    await port.stopListening()
+    return number
 
 
 async def _run(*argv: str, timeout: float = 30) -> Process:
@@ -227,3 +238,37 @@ async def test_an_empty_endpoint_is_a_usage_error_exit_2(argv: list[str], says: 
     proc = await _run(*argv)
     assert proc.exitCode == 2, proc.output
     assert proc.output.decode().splitlines() == [says]
+
+
+# --- (d) Freelance servers all dead --------------------------------------------------------
+
+
+@pytest.mark.parametrize("model, how", [
+    ("1", "(each tried in turn)"),
+    ("2", "(all asked at once)"),
+    ("3", ": none answered a PING"),
+])
+@pytest_twisted.ensureDeferred
+async def test_freelance_call_to_dead_servers_says_which_and_for_how_long(model: str,
+                                                                         how: str) -> None:
+    """It said "no reply after 0 attempts ... for service 'freelance'"."""
+    servers = [f"zmq:tcp://127.0.0.1:{await _free_port()}" for _ in range(2)]
+    proc = await _run("mdp", "freelance-call", "--model", model, "--server", servers[0],
+                      "--server", servers[1], "--timeout", "0.3", "--deadline", "1", "hello")
+    assert proc.exitCode == 1, proc.output
+    [line] = proc.output.decode().splitlines()
+    assert line.startswith(f"mdp freelance-call: no reply from any of the 2 Freelance servers "
+                           f"({servers[0]}, {servers[1]}) within "), line
+    assert how in line and line.endswith("is twist mdp-freelance-server running there?"), line
+    assert "'freelance'" not in line and "0 attempts" not in line
+
+
+@pytest_twisted.ensureDeferred
+async def test_freelance_call_to_one_dead_server_names_it() -> None:
+    server = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    proc = await _run("mdp", "freelance-call", "--server", server, "--deadline", "0.5", "hello")
+    assert proc.exitCode == 1, proc.output
+    assert re.fullmatch(
+        rf"mdp freelance-call: no reply from the Freelance server at {re.escape(server)} within "
+        r"0\.\d s: it did not answer a PING; is twist mdp-freelance-server running there\?\n",
+        proc.output.decode()), proc.output

@@ -697,14 +697,49 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
     timing = {name: options[name] for name in ("timeout", "deadline") if options[name] is not None}
     client = freelance_client(options["servers"], options["model"], reactor, **timing,
                               **curve_client_of(options))
+    started = reactor.seconds()
     try:
         reply = await client.request(*options["frames"])
     except MDPError as e:
-        _error(f"mdp freelance-call: {e} (servers: {', '.join(options['servers'])})")
+        _error(f"mdp freelance-call: {_freelance_failure(e, options, reactor.seconds() - started)}")
         raise SystemExit(1) from None
     finally:
         await client.close()
     _print_frames(reply)
+
+
+def _freelance_failure(error: MDPError, options: FreelanceCallOptions, elapsed: float) -> str:
+    """Why ``mdp freelance-call`` got no reply, in words true of the model
+    used: how many servers were tried, for how long, which."""
+    from mdp.errors import NoServerAvailable
+
+    servers = options["servers"]
+    count = len(servers)
+    named = ", ".join(servers)
+    these = f"the Freelance server at {named}" if count == 1 else \
+        f"any of the {count} Freelance servers ({named})"
+    running = "; is twist mdp-freelance-server running there?"
+    if isinstance(error, NoServerAvailable) or (isinstance(error, RequestTimeout)
+                                                and error.attempts == 0):
+        # model 3: the agent sends only to a server that answered its PING
+        seconds = error.elapsed if isinstance(error, RequestTimeout) else elapsed
+        nobody = "it did not answer a PING" if count == 1 else "none answered a PING"
+        return f"no reply from {these} within {seconds:.1f} s: {nobody}" + running
+    if isinstance(error, RequestTimeout):
+        how = ""
+        if options["model"] == 3:
+            how = (f" (the request sent {error.attempts} time{'s' * (error.attempts != 1)} to "
+                   "servers that answered a PING)")
+        elif count == 1:
+            pass
+        elif options["model"] == 1:
+            tried = servers[:error.attempts]
+            how = (f" (tried {len(tried)} of {count}, one after another: {', '.join(tried)})"
+                   if len(tried) < count else " (each tried in turn)")
+        else:
+            how = " (all asked at once)"
+        return f"no reply from {these} within {error.elapsed:.1f} s{how}" + running
+    return f"{error} (server{'s' * (count != 1)}: {named})"
 
 
 async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
