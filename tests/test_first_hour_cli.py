@@ -15,7 +15,7 @@ from twisted.python import usage
 from mdp import transport
 from mdp.app import cli, tap
 from mdp.errors import TransportError
-from tests.procs import ENV, Process, reactor, script
+from tests.procs import ENV, Process, bounded, reactor, script, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -272,3 +272,120 @@ async def test_freelance_call_to_one_dead_server_names_it() -> None:
         rf"mdp freelance-call: no reply from the Freelance server at {re.escape(server)} within "
         r"0\.\d s: it did not answer a PING; is twist mdp-freelance-server running there\?\n",
         proc.output.decode()), proc.output
+
+
+# --- (a) mdp titanic result ------------------------------------------------------------------
+
+
+class _Titanic:
+    """A broker and a Titanic in this process, with a request stored for a
+    service no worker offers: it stays pending."""
+
+    async def start(self, titanic: bool = True) -> None:
+        from mdp import Broker
+        from mdp.titanic import MemoryStore, Titanic, TitanicClient
+
+        class Store(MemoryStore):
+            """Counts the polls (titanic.reply) it answers."""
+
+            polls = 0
+
+            def reply(self, requestId: str) -> Any:
+                Store.polls += 1
+                return super().reply(requestId)
+
+        self.store = Store()
+        self.broker = Broker(reactor(), unknownServiceExpiry=0.2)
+        self.endpoint = (await self.broker.listen("zmq:tcp://127.0.0.1:*")).endpoint
+        self.titanic = Titanic(self.endpoint, self.store, reactor()) if titanic else None
+        self.client = TitanicClient(self.endpoint, reactor())
+        self.procs: list[Process] = []
+        if self.titanic is not None:
+            await self.titanic.start()
+            self.requestId = await bounded(self.client.submit("nobody", b"x"), 30)
+
+    def mdp(self, *argv: str) -> Process:
+        proc = Process(reactor(), [script("mdp"), "titanic", *argv], env=ENV)
+        self.procs.append(proc)
+        return proc
+
+    async def stop(self) -> None:
+        for proc in self.procs:
+            await proc.stop()
+        await self.client.disconnect()
+        if self.titanic is not None:
+            await self.titanic.stop()
+        await self.broker.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pending_result_says_so_and_exits_3() -> None:
+    """It printed nothing at all."""
+    titanic = _Titanic()
+    await titanic.start()
+    try:
+        proc = titanic.mdp("result", "--broker", titanic.endpoint, titanic.requestId)
+        await proc.ended(30)
+        assert proc.exitCode == cli.EXIT_PENDING, proc.output
+        assert proc.output.decode().splitlines() == [
+            f"mdp titanic result: request {titanic.requestId} is pending (no reply yet); "
+            "ask again later, or wait for it with --wait"]
+    finally:
+        await titanic.stop()
+
+
+def test_titanic_result_help_gives_the_exit_statuses(capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        cli.Options().parseOptions(["titanic", "result", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 with the reply; 3 while the request is pending" in text
+    assert "2 for a usage mistake" in text
+
+
+@pytest_twisted.ensureDeferred
+async def test_waiting_for_a_pending_result_says_what_it_waits_for() -> None:
+    titanic = _Titanic()
+    await titanic.start()
+    try:
+        proc = titanic.mdp("result", "--broker", titanic.endpoint, "--wait", "--poll", "0.05",
+                           titanic.requestId)
+        await proc.waitFor(f"mdp titanic result: waiting for request {titanic.requestId}: "
+                           r"it is pending \(no reply yet\); asking every 0.05 s\n", 30)
+        # said once, not at every poll
+        await wait_until(lambda: titanic.store.polls >= 5, 30)
+        assert proc.running and proc.output.count(b"waiting for request") == 1, proc.output
+    finally:
+        await titanic.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_waiting_without_titanic_says_titanic_is_not_answering() -> None:
+    """A broker that answers 503 for titanic.reply: it polled on silently."""
+    titanic = _Titanic()
+    await titanic.start(titanic=False)
+    try:
+        proc = titanic.mdp("result", "--broker", titanic.endpoint, "--wait", "--poll", "0.05",
+                           "--timeout", "5", REQUEST_ID)
+        line = await proc.waitFor(r"waiting for request \S+: (.*)\n", 30)
+        assert line.group(1).decode().startswith(
+            "Titanic is not answering (service 'titanic.reply' answered 503: "), proc.output
+        assert b"is twist mdp-titanic running? Still trying, every 0.05 s" in line.group(1)
+        assert proc.running
+    finally:
+        await titanic.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_waiting_without_a_broker_says_the_broker_does_not_reply() -> None:
+    endpoint = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    proc = Process(reactor(), [script("mdp"), "titanic", "result", "--broker", endpoint,
+                               "--wait", "--timeout", "0.2", "--retries", "1", REQUEST_ID],
+                   env=ENV)
+    try:
+        await proc.waitFor(f"waiting for request {REQUEST_ID}: no answer yet from Titanic "
+                           f"through the broker at {re.escape(endpoint)}, still trying\n", 30)
+        await proc.waitFor(f"waiting for request {REQUEST_ID}: no reply from the broker at "
+                           f"{re.escape(endpoint)} yet, still trying\n", 30)
+        assert proc.running
+    finally:
+        await proc.stop()

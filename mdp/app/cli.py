@@ -769,10 +769,12 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
             _emit(await client.submit(sub["service"], *sub["frames"]))
         elif command == "result":
             if sub["wait"]:
-                reply = await client.result(sub["id"], pollInterval=sub["poll"])
+                reply = await _wait_for_reply(reactor, client, sub)
             else:
                 reply = await client.poll(sub["id"])
             if reply is None:
+                _error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
+                       "ask again later, or wait for it with --wait")
                 status = EXIT_PENDING
             else:
                 _print_frames(reply)
@@ -787,6 +789,56 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
         await client.disconnect()
     if status:
         raise SystemExit(status)
+
+
+async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:
+    """Poll Titanic until the reply is there (``--wait``), saying on stderr
+    what it waits for and why, once each time that changes: the reply
+    (pending), Titanic (503: no Titanic serves titanic.reply), the broker
+    (no reply within an attempt's --timeout)."""
+    from mdp.errors import ServiceOverloaded, ServiceUnavailable
+    from mdp.titanic.client import TRANSIENT
+
+    requestId, every = options["id"], options["poll"]
+    brokers = options["brokers"]
+    where = f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}"
+    said = [""]  # the kind of reason said last
+
+    def say(kind: str, why: str) -> None:
+        if said[0] != kind:
+            said[0] = kind
+            _error(f"mdp titanic result: waiting for request {requestId}: {why}")
+
+    def slowly() -> None:
+        if said[0] in ("", "pending"):  # else why is said already
+            say("slow", f"no answer yet from Titanic through {where}, still trying")
+
+    while True:
+        slow = reactor.callLater(options["timeout"], slowly)
+        try:
+            reply = await client.poll(requestId)
+        except ServiceUnavailable as e:
+            reply = None
+            say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
+                               f"Still trying, every {every:g} s")
+        except ServiceOverloaded as e:
+            reply = None
+            say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
+        except RequestTimeout:
+            reply = None
+            say("silent", f"no reply from {where} yet, still trying")
+        except TRANSIENT as e:
+            reply = None
+            say("transport", f"{e}; still trying")
+        else:
+            if reply is None:
+                say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+        finally:
+            if slow.active():
+                slow.cancel()
+        if reply is not None:
+            return reply
+        await task.deferLater(reactor, every)
 
 
 async def _noTitanic(client: Any, command: str, timeout: float) -> str:
