@@ -5,17 +5,19 @@ servers that are all dead, ``mdp status`` against a passive Binary Star broker."
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.internet import task
 from twisted.python import usage
 
 from mdp import transport
 from mdp.app import cli, tap
 from mdp.errors import TransportError
-from tests.procs import ENV, Process, bounded, reactor, script, wait_until
+from tests.procs import ENV, Process, Proxy, bounded, reactor, script, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -389,3 +391,84 @@ async def test_waiting_without_a_broker_says_the_broker_does_not_reply() -> None
         assert proc.running
     finally:
         await proc.stop()
+
+
+# --- (f) mdp status against a passive Binary Star broker ----------------------------------
+
+
+class _Pair:
+    """Two ``twist mdp-broker --bstar`` processes; their state channels run
+    through proxies, so that each can be given its peer's before that one
+    has bound (both bind ports the OS picks)."""
+
+    def __init__(self) -> None:
+        self.proxies = {"primary": Proxy(), "backup": Proxy()}
+        self.brokers: dict[str, Process] = {}
+        self.endpoints: dict[str, str] = {}
+
+    async def start(self, role: str) -> None:
+        other = "backup" if role == "primary" else "primary"
+        broker = Process(reactor(), [
+            script("twist"), "--log-format", "text", "mdp-broker",
+            "--endpoint", "zmq:tcp://127.0.0.1:*", "--bstar", role,
+            "--bstar-local", "zmq:tcp://127.0.0.1:*", "--bstar-heartbeat", "0.25",
+            "--bstar-remote", f"zmq:tcp://127.0.0.1:{self.proxies[other].address}"], ENV)
+        self.brokers[role] = broker
+        state = await broker.waitFor(r"state published on zmq:tcp://127.0.0.1:(\d+),", 30)
+        self.proxies[role].port = int(state.group(1))
+        bound = await broker.waitFor(r"MDP broker listening on (\S+)", 30)
+        self.endpoints[role] = bound.group(1).decode()
+
+    async def state(self, role: str) -> dict[str, Any]:
+        from mdp import Client
+
+        client = Client(self.endpoints[role], reactor(), timeout=2, retries=3)
+        try:
+            return dict(json.loads((await bounded(client.request("mmi.binarystar"), 10))[0]))
+        finally:
+            await client.close()
+
+    async def stop(self) -> None:
+        for broker in self.brokers.values():
+            await broker.stop()
+        for proxy in self.proxies.values():
+            await proxy.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_of_a_passive_binary_star_broker_says_to_ask_the_other() -> None:
+    """A passive broker answers mmi.binarystar only: mdp status said "no
+    reply" after all its attempts."""
+    pair = _Pair()
+    try:
+        await pair.start("primary")
+        await pair.start("backup")
+        deadline = reactor().seconds() + 30
+        # until a state of the active primary has reached the backup
+        while (state := await pair.state("backup"))["state"] != "passive":
+            assert reactor().seconds() < deadline, state
+            await task.deferLater(reactor(), 0.05)
+        assert state["peer"] == "active"
+        backup = pair.endpoints["backup"]
+        proc = Process(reactor(), [script("mdp"), "status", "--broker", backup,
+                                   "--timeout", "10", "--retries", "3"], env=ENV)
+        try:
+            await proc.ended(20)  # well within the 30 s its attempts would take
+        finally:
+            await proc.stop()
+        assert proc.exitCode == 1, proc.output
+        assert proc.output.decode().splitlines() == [
+            f"mdp status: broker {backup} is the passive broker of a Binary Star pair: it "
+            "answers no requests while its peer (active) serves them; ask the other broker "
+            "of the pair"]
+        assert (await pair.state("backup"))["state"] == "passive"  # asking was no vote
+        primary = Process(reactor(), [script("mdp"), "status", "--broker",
+                                      pair.endpoints["primary"]], env=ENV)
+        try:
+            await primary.ended(30)
+        finally:
+            await primary.stop()
+        assert primary.exitCode == 0, primary.output
+        assert primary.output.startswith(f"broker {pair.endpoints['primary']}\n".encode())
+    finally:
+        await pair.stop()

@@ -656,14 +656,21 @@ async def status(reactor: Any, options: StatusOptions) -> None:
                     retries=options["retries"], **curve_client_of(options))
     watch = options["watch"]
     clear = watch is not None and sys.stdout.isatty()
+    single = len(options["brokers"]) == 1
     try:
         while True:
+            idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
             try:
+                if idle is not None and single:  # it would leave the tables unanswered
+                    raise _NotServing(idle)
                 services = await client.request("mmi.services")
                 workers = await client.request("mmi.workers")
             except MDPError as e:
-                if isinstance(e, (RequestTimeout, BrokerUnreachable)):
-                    _error(f"mdp status: {e}")  # names the brokers
+                if isinstance(e, _NotServing):
+                    _error(f"mdp status: {e}")
+                elif isinstance(e, (RequestTimeout, BrokerUnreachable)):
+                    note = f"; {idle}" if idle is not None else ""
+                    _error(f"mdp status: {e}{note}")  # names the brokers
                 else:
                     brokers = ", ".join(options["brokers"])
                     plural = "s" if len(options["brokers"]) > 1 else ""
@@ -689,6 +696,49 @@ async def status(reactor: Any, options: StatusOptions) -> None:
             await task.deferLater(reactor, watch)
     finally:
         await client.close()
+
+
+#: seconds ``mdp status`` waits at most for ``mmi.binarystar`` before asking
+#: for the tables anyway (a broker that does not know the query may not answer)
+BSTAR_PROBE = 1.0
+
+
+class _NotServing(MDPError):
+    """The broker is one of a Binary Star pair that serves nothing now."""
+
+
+async def _not_serving(client: Any, timeout: float) -> Optional[str]:
+    """Why the broker *client* talks to serves nothing, if it is a broker of
+    a Binary Star pair that does not serve (passive, or a backup that has not
+    heard its primary), from its ``mmi.binarystar`` answer: that query is
+    answered whatever the state and is no vote, where ``mmi.services`` to a
+    passive broker goes unanswered (and is a vote); else None."""
+    import json
+
+    try:
+        reply = await client.request("mmi.binarystar", timeout=timeout, retries=1)
+        state = json.loads(reply[0])
+        if not isinstance(state, dict) or state.get("serving") is not False:
+            return None
+    except (MDPError, *_MALFORMED):  # not in a pair (501), no answer, not JSON
+        return None
+    pair = f"broker {client.endpoint} is the {{}} of a Binary Star pair"
+    if state.get("state") == "passive":
+        peer, silence = state.get("peer"), state.get("peerSilence")
+        failover = state.get("failoverTimeout")
+        passive = pair.format("passive broker") + ": it answers no requests"
+        if isinstance(silence, (int, float)) and isinstance(failover, (int, float)) \
+                and silence > failover:
+            return (f"{passive}, and its peer has been silent for {silence:g} s: the next "
+                    "client request here makes it take over")
+        if peer == "active":
+            return f"{passive} while its peer (active) serves them; ask the other broker of the pair"
+        return f"{passive} (its peer is {peer or 'not heard yet'}); ask the other broker of the pair"
+    if state.get("state") == "backup":
+        return (pair.format("backup") + " and has not heard its primary yet: it serves "
+                "nothing until then; ask the primary (and check that this broker's "
+                "--bstar-remote is the primary's --bstar-local)")
+    return None
 
 
 async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
