@@ -11,19 +11,21 @@
     workers (service, state, seconds of silence), from ``mmi.services`` and
     ``mmi.workers``; ``--watch`` prints them again every SECONDS (2) until
     Ctrl-C.  Exit status 1 with one line on stderr naming the broker when it
-    does not answer.
+    does not answer, or saying it is the passive broker of a Binary Star
+    pair (asked with ``mmi.binarystar`` first, which is no vote).
 
 ``mdp freelance-call --server ENDPOINT FRAME...``
     Send one request to Freelance servers (``twist mdp-freelance-server``) and
     print each reply frame on its own line; exit status 1 with one line on
-    stderr on timeout or error.
+    stderr on timeout or error (naming the servers tried, and for how long).
 
 ``mdp titanic submit --broker ENDPOINT SERVICE FRAME...``
     Store a request with Titanic; print its id.
 ``mdp titanic result --broker ENDPOINT ID``
-    Print the reply frames of a stored request, one per line; exit status 3
-    (printing nothing) while it is pending, or wait for it with ``--wait``.
-    Exit status 1 for an unknown (or closed, or purged) id.
+    Print the reply frames of a stored request, one per line; exit status 3,
+    with a line on stderr, while it is pending, or wait for it with
+    ``--wait`` (saying on stderr what it waits for: the reply, Titanic, the
+    broker).  Exit status 1 for an unknown (or closed, or purged) id.
 ``mdp titanic close --broker ENDPOINT ID``
     Have Titanic forget a request and its reply.
 
