@@ -1,5 +1,5 @@
 """Run the benchmark suite: ``python -m benchmarks [--smoke] [--repeat R] [--only NAME...]
-[--reactor uvloop|epoll]``.
+[--part K/N] [--reactor uvloop|epoll]``.
 
 Every case starts its own processes (broker, workers, clients; all separate,
 127.0.0.1, ports picked by the OS), warms up, then times the clients together;
@@ -644,11 +644,36 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
     return "\n".join(lines)
 
 
+def part_of(text: str) -> tuple[int, int]:
+    """``K/N`` of ``--part``: the K-th of N parts (N at least 2)."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K/N (such as 1/4)") from None
+    if n < 2 or not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"{text!r}: K/N needs 1 <= K <= N and N >= 2")
+    return k, n
+
+
+def in_part(selected: list[Entry], part: Optional[tuple[int, int]]) -> list[Entry]:
+    """The cases of *part* (all without one): dealt round-robin over the
+    first N-1 parts; the last part runs the scale scenarios alone
+    (:func:`main`).  The N parts together are the whole run, so a smoke run
+    can be split into pieces of a few seconds each."""
+    if part is None:
+        return selected
+    k, n = part
+    return selected[k - 1::n - 1] if k < n else []
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny N, one repetition (for CI)")
     parser.add_argument("--repeat", type=int, default=5, help="rounds (default 5)")
     parser.add_argument("--only", nargs="*", help="run cases whose name contains one of these")
+    parser.add_argument("--part", type=part_of, metavar="K/N",
+                        help="run the K-th of N parts: the cases dealt over parts 1 to N-1, "
+                             "the scale scenarios in part N (to split a smoke run)")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale scenarios")
     parser.add_argument("--no-spark", action="store_true",
                         help="skip the Spark standalone cluster (target 7; never in --smoke)")
@@ -663,9 +688,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     with earlier_tree() as (earlier, earlier_note):
         print(f"… goals 4 and 6's baseline, the code before this round: {earlier_note}",
               file=sys.stderr, flush=True)
-        selected = [entry for entry in cases(args.smoke, earlier)
-                    if not args.only or any(word in name for name in entry[0]
-                                            for word in args.only)]
+        selected = in_part([entry for entry in cases(args.smoke, earlier)
+                            if not args.only or any(word in name for name in entry[0]
+                                                    for word in args.only)], args.part)
+        scaled = not args.no_scale and not args.only and (args.part is None
+                                                          or args.part[0] == args.part[1])
         runs: dict[str, list[dict[str, Any]]] = {name: [] for names, _, _ in selected
                                                  for name in names}
         # round-robin: every case once per round, so that the machine's slow and
@@ -680,17 +707,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for name, rows in thunk(backwards).items():
                     runs[name].extend(rows)
         scale: dict[str, Any] = {}
-        if not args.no_scale and not args.only:
+        if scaled:
             print("… scale: idle workers' heartbeats", file=sys.stderr, flush=True)
             scale["heartbeat"] = heartbeat_cost(100 if args.smoke else 1000, 100,
                                                 1.0 if args.smoke else 10.0, earlier)
     table = {name: aggregate(runs[name]) for names, _, _ in selected for name in names}
     described = {name: description for _, descriptions, _ in selected
                  for name, description in descriptions.items()}
-    if not args.no_scale and not args.only:
+    if scaled:
         print("… scale: draining a long queue", file=sys.stderr, flush=True)
         scale["drain"] = drain(1000 if args.smoke else 10000, 4)
-    if not args.no_spark and not args.only and not args.smoke:
+    if not args.no_spark and not args.only and not args.smoke and args.part is None:
         print("… Spark: a standalone cluster of 2 executors", file=sys.stderr, flush=True)
         from benchmarks import spark
 
@@ -705,6 +732,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # what our Twisted nodes ran on (the "(epoll reactor)" stack: epoll)
         "reactor": args.reactor,
         "smoke": args.smoke,
+        "part": None if args.part is None else "/".join(map(str, args.part)),
         "repetitions": repetitions,
         # goals 4 and 6's baseline: the code before this round, run here, or why not
         "before_round_two": {"revision": BEFORE_ROUND_TWO, "available": earlier is not None,

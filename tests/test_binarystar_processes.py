@@ -20,7 +20,7 @@ from twisted.internet import defer, task
 
 from tests.procs import ENV, Process, Proxy, bounded, reactor, script, twist_worker, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 BIND = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
 

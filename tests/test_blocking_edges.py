@@ -629,7 +629,7 @@ def test_an_end_waiting_in_the_socket_is_no_stale_reply() -> None:
         server.stop()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["map", "request"])
 def test_an_interrupt_while_a_stream_connection_comes_up_leaves_the_client_whole(
         how: str) -> None:
@@ -1279,7 +1279,7 @@ def interrupted_at(client: Client, n: int, body: bytes) -> bool:
     return False
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("connections", [1, 4])
 @pytest.mark.parametrize("broker", [echo], indirect=True)
 def test_an_interrupt_anywhere_in_a_request_leaves_the_client_whole(
@@ -1359,7 +1359,7 @@ def map_interrupted_at(client: Client, n: int, bodies: list[bytes]) -> bool:
     return False
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("broker", [echo], indirect=True)
 def test_an_interrupted_map_sends_nothing_again_and_the_client_goes_on(
         broker: ScriptedBroker) -> None:

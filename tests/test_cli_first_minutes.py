@@ -12,7 +12,7 @@ import pytest_twisted
 import mdp
 from tests.procs import ENV, Process, bound_endpoint, reactor, script, wait_until
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.mark.parametrize("argv", [

@@ -16,7 +16,7 @@ from mdp.app import cli
 from tests.conftest import RawRouter
 from tests.procs import ENV, Process, python, reactor, script
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(60)
 
 #: runs ``mdp ARGV...`` with its standard output a pipe whose reader has gone
 #: (``mdp ... | head -0``); exec keeps the process, so the exit status is mdp's

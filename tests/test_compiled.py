@@ -20,7 +20,7 @@ from mdp import _compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 NAME = "mdp.majordomo.client"
 

@@ -46,7 +46,7 @@ from twisted.internet import task
 from tests.procs import ENV, Process, reactor, script, wait_until
 from tests.test_harmony_netns import namespace  # noqa: F401  (the fixture, for the chat scenario)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_LANGUAGES = {"sh", "shell", "bash", "console"}

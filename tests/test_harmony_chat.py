@@ -12,7 +12,7 @@ import pytest_twisted
 
 from tests.procs import ENV, ROOT, Process, python, reactor, script
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(60)
 
 
 def free_port() -> int:

@@ -30,7 +30,7 @@ from twisted.internet import defer
 
 from tests.procs import ENV, Process, python, reactor, wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 #: evasive and expired (seconds) unless a test says otherwise
 EVASIVE = 1
@@ -386,7 +386,7 @@ async def test_pyre_non_ascii_strings_do_not_break_ours(netns: Netns) -> None:
 # --- a mesh of ours ---------------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_twenty_of_ours_form_a_full_mesh(netns: Netns) -> None:
     count, group = 20, "mesh"

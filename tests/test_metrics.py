@@ -21,7 +21,7 @@ from tests.conftest import RawPeer
 from tests.procs import ENV, Process, bounded, reactor, script, wait_until
 from tests.test_fuzz import FuzzPeer
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 HB = HeartbeatPolicy(interval=1.0, liveness=3)
 

@@ -236,7 +236,7 @@ async def test_a_zmq_router_keeps_long_frames_only_for_a_receiver_that_asks() ->
             await bound.close()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_long_bodies_cross_a_broker_on_zeromq_and_tcp_uncopied_and_whole() -> None:
     """A broker bound on ZeroMQ (clients) and TCP (workers) hands a ZeroMQ

@@ -36,7 +36,7 @@ from tests.procs import (
 )
 from tests.test_harmony_netns import namespace  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 ANNOUNCED = "tests.handlers_for_tests:announced"
 

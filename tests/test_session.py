@@ -170,7 +170,7 @@ CLIENTS = 3
 CUTS = 5
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("medium", ["tcp", "zmq"])
 @pytest_twisted.ensureDeferred
 async def test_ten_thousand_messages_both_ways_across_cuts(medium: str) -> None:
@@ -222,7 +222,7 @@ async def test_ten_thousand_messages_both_ways_across_cuts(medium: str) -> None:
         await server.bound.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_mdp_client_and_broker_over_sessions_ride_out_cuts_without_retrying() -> None:
     """An MDP broker and a client over ``session+tcp``, the client through a

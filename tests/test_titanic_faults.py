@@ -53,7 +53,7 @@ def done(db: str) -> int:
         return conn.execute("SELECT count(*) FROM requests WHERE reply IS NOT NULL").fetchone()[0]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_500_requests_survive_killed_clients_workers_titanic_and_broker(
         tmp_path: Any) -> None:
@@ -110,7 +110,7 @@ async def test_500_requests_survive_killed_clients_workers_titanic_and_broker(
         await cluster.stop()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_a_request_acknowledged_just_before_titanic_is_killed_is_done(
         tmp_path: Any) -> None:
@@ -175,7 +175,7 @@ async def mdp(*args: str) -> Process:
     return proc
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_the_mdp_titanic_commands(tmp_path: Any) -> None:
     cluster = Cluster()

@@ -18,7 +18,7 @@ from tests.procs import ENV, Process, bound_endpoint, finished, reactor, script
 
 pytest.importorskip("uvloop")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 #: a whole stack in one process on the uvloop reactor: many requests over each
 #: transport, an async handler, and a request that times out (the reactor's timers)

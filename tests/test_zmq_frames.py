@@ -20,7 +20,7 @@ from tests.test_compiled import _run
 
 zmq = pytest.importorskip("zmq")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 C = zmq_frames()
 needs_c = pytest.mark.skipif(
@@ -254,7 +254,7 @@ PYZMQ_PATH_TESTS = [
 ]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60)
 def test_the_pyzmq_path_holds_too() -> None:
     """Where the module is used, the same tests again from source, where it
     is not (pyzmq's ``zmq.Frame`` and ``send``)."""
