@@ -1,6 +1,9 @@
 """Broker and worker inside one Twisted Application:  twistd -ny examples/application.tac
 
 A client can then call it:  mdp call --broker zmq:tcp://127.0.0.1:5555 reverse hello
+
+If the port is taken, twistd logs why and exits with status 1: the worker
+does not start (it would register with whatever holds the port).
 """
 
 from twisted.application.service import Application

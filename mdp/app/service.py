@@ -3,6 +3,7 @@ to an existing Application."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import Any, Optional, Sequence, Union
@@ -21,7 +22,24 @@ from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
 log = Logger()
 
 
-class BrokerService(Service):
+class _Failable(Service):
+    """A service that can fail to start (a port taken, a store unreadable).
+
+    ``twistd`` begins logging, calls :meth:`privilegedStartService` then
+    ``startService``, and removes its pid file once the reactor has
+    stopped; ``twist`` calls ``startService`` alone, before it begins
+    logging and runs the reactor.  A failure ends the process accordingly
+    (:func:`_failedToStart`)."""
+
+    #: started by twistd (or another runner that calls privilegedStartService first)
+    _twistd = False
+
+    def privilegedStartService(self) -> None:
+        self._twistd = True
+        super().privilegedStartService()
+
+
+class BrokerService(_Failable):
     """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
     workers) or to a separate *frontend* (clients) and *backend* (workers).
 
@@ -35,9 +53,13 @@ class BrokerService(Service):
     error of the pair closes the broker (and, with *exitOnFailure*, exits 1).
 
     A malformed endpoint raises :class:`~mdp.errors.TransportError` here, at
-    once.  With *exitOnFailure* (as ``twist mdp-broker`` uses it), failing to bind
-    logs the reason, stops the reactor and exits with status 1 instead of
-    idling unbound."""
+    once.  Failing to bind is logged (the endpoint and why).  Then, with
+    *exitOnFailure* (as ``twist mdp-broker`` uses it; by default, when
+    ``twistd`` runs the service in an Application, where no one else would
+    see the failure) the process exits with status 1 rather than
+    idle unbound, and the services of this package that start after it do not
+    (a worker would register with whatever holds the port); without it,
+    :meth:`startService`'s Deferred fails."""
 
     def __init__(
         self,
@@ -45,7 +67,7 @@ class BrokerService(Service):
         backend: Optional[str] = None,
         reactor: Optional[Any] = None,
         *,
-        exitOnFailure: bool = False,
+        exitOnFailure: Optional[bool] = None,
         binaryStar: Optional[BinaryStar] = None,
         **brokerOptions: Any,
     ) -> None:
@@ -68,6 +90,8 @@ class BrokerService(Service):
 
     def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().startService()
+        if _exiting(self.broker.reactor):
+            return defer.succeed(None)
         if self.binaryStar is None:
             return self._listen()
         return self.binaryStar.start().addCallbacks(lambda _: self._listen(), self._failed)
@@ -78,7 +102,7 @@ class BrokerService(Service):
     def _fatal(self, reason: str) -> None:
         """The Binary Star pair is broken: this broker stops."""
         self.broker.close()
-        if self.exitOnFailure:
+        if _ends(self, self.exitOnFailure):
             _stop_and_exit(self.broker.reactor, 1)
 
     def _listen(self) -> defer.Deferred[None]:
@@ -109,26 +133,63 @@ class BrokerService(Service):
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
-        # error, not critical: twist would print a critical line logged before
-        # its logging starts twice (on stderr, then in the log)
-        log.error("MDP broker cannot listen: {error}", error=failure.getErrorMessage())
         if self.binaryStar is not None:
             # a broker that does not serve must not tell its peer it is there
             self.binaryStar.stop()
-        if not self.exitOnFailure:
-            return failure
-        self.broker.close()
-        _stop_and_exit(self.broker.reactor, 1)
-        return None
+        if _ends(self, self.exitOnFailure):
+            self.broker.close()
+        return _failedToStart(self, self.broker.reactor, self.exitOnFailure, failure,
+                              "MDP broker cannot listen: {error}",
+                              error=failure.getErrorMessage())
+
+
+def _ends(service: _Failable, exitOnFailure: Optional[bool]) -> bool:
+    """A failure of *service* to start ends the process: *exitOnFailure*,
+    or, unset (None), when ``twistd`` runs it (an Application's services
+    drop what ``startService`` returns: no one else would see it)."""
+    return service._twistd if exitOnFailure is None else exitOnFailure
+
+
+def _exiting(reactor: Any) -> bool:
+    """A service failed to start and the process is exiting: the services
+    started after it do nothing (a worker would register with whatever
+    holds the port the broker could not bind)."""
+    return bool(getattr(reactor, "_mdpExiting", False))
+
+
+def _failedToStart(service: _Failable, reactor: Any, exitOnFailure: Optional[bool],
+                   failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
+    """*service* could not start: log *message* (a format of *fields*) once.
+
+    Unless it ends the process (:func:`_ends`), *failure* is returned for
+    the caller of ``startService``.  Before the reactor runs and not under
+    ``twistd`` (so under ``twist``, which starts its service before its
+    logging and its reactor), the line is critical (shown on stderr at once)
+    and the process exits with status 1 there and then: no "Starting
+    reactor..." after it, nothing else started.  Otherwise (the reactor
+    running, or ``twistd``, whose logging has begun and which removes its pid
+    file once the reactor stops) it is an error line, the reactor stops (the
+    services of this package not yet started do not start) and the process
+    exits with status 1 once it has shut down."""
+    if not _ends(service, exitOnFailure):
+        log.error(message, **fields)
+        return failure
+    if not reactor.running and not service._twistd:
+        log.critical(message, **fields)
+        _exit(1)
+    log.error(message, **fields)
+    _stop_and_exit(reactor, 1)
+    return None
 
 
 def _stop_and_exit(reactor: Any, status: int) -> None:
-    """Stop *reactor*, then exit with *status* (twist itself always exits
-    0); once, however many services fail."""
-    if getattr(reactor, "_mdpExiting", False):
+    """Stop *reactor*; once it has shut down, exit with *status* when Python
+    exits (``twist`` and ``twistd`` always exit 0), after they are done (a
+    pid file removed); once, however many services fail."""
+    if _exiting(reactor):
         return
     reactor._mdpExiting = True
-    reactor.addSystemEventTrigger("after", "shutdown", _exit, status)
+    reactor.addSystemEventTrigger("after", "shutdown", atexit.register, _exit, status)
     reactor.callWhenRunning(reactor.stop)
 
 
@@ -165,21 +226,22 @@ class WorkerService(Service):
 
     def startService(self) -> None:
         super().startService()
-        self.worker.start()
+        if not _exiting(self.worker.reactor):
+            self.worker.start()
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
         return self.worker.stop()
 
 
-class MetricsService(Service):
+class MetricsService(_Failable):
     """Serves a Prometheus *registry* at ``/metrics`` on *endpoint* (a
     Twisted server endpoint string: ``tcp:9464:interface=127.0.0.1``) while
-    running.  With *exitOnFailure*, failing to listen logs the reason and
-    exits 1 (as ``twist`` plugins use it)."""
+    running.  Failing to listen is logged; with *exitOnFailure* (by default
+    under ``twistd``) the process exits 1, as :class:`BrokerService`'s."""
 
     def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
-                 exitOnFailure: bool = False) -> None:
+                 exitOnFailure: Optional[bool] = None) -> None:
         from mdp.policy import default_reactor
 
         self.endpoint = endpoint
@@ -192,6 +254,8 @@ class MetricsService(Service):
         from mdp.metrics import serve_metrics
 
         super().startService()
+        if _exiting(self.reactor):
+            return defer.succeed(None)
         return serve_metrics(self.endpoint, self.registry, self.reactor).addCallbacks(
             self._listening, self._failed)
 
@@ -204,12 +268,9 @@ class MetricsService(Service):
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if not self.running:
             return None
-        log.error("cannot serve metrics on {endpoint}: {error}", endpoint=self.endpoint,
-                  error=failure.getErrorMessage())
-        if not self.exitOnFailure:
-            return failure
-        _stop_and_exit(self.reactor, 1)
-        return None
+        return _failedToStart(self, self.reactor, self.exitOnFailure, failure,
+                              "cannot serve metrics on {endpoint}: {error}",
+                              endpoint=self.endpoint, error=failure.getErrorMessage())
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
@@ -219,34 +280,34 @@ class MetricsService(Service):
         return defer.maybeDeferred(port.stopListening)
 
 
-def _cannotListen(service: Service, what: str, endpoint: str, reactor: Any,
-                  exitOnFailure: bool, failure: Failure) -> Optional[Failure]:
+def _cannotListen(service: _Failable, what: str, endpoint: str, reactor: Any,
+                  exitOnFailure: Optional[bool], failure: Failure) -> Optional[Failure]:
     """*service*'s server could not bind *endpoint*: log why; with
-    *exitOnFailure* (the ``twist`` plugins), stop and exit 1 rather than run
-    serving nothing."""
+    *exitOnFailure* (the ``twist`` plugins; by default under ``twistd``),
+    exit 1 rather than run serving nothing (:func:`_failedToStart`)."""
     if isinstance(failure.value, defer.FirstError):
         failure = failure.value.subFailure
     if not service.running:
         return None  # stopped while binding
-    log.error("{what} cannot listen on {endpoint}: {error}", what=what, endpoint=endpoint,
-              error=failure.getErrorMessage())
-    if not exitOnFailure:
-        return failure
-    _stop_and_exit(reactor, 1)
-    return None
+    return _failedToStart(service, reactor, exitOnFailure, failure,
+                          "{what} cannot listen on {endpoint}: {error}", what=what,
+                          endpoint=endpoint, error=failure.getErrorMessage())
 
 
-class _ServerService(Service):
+class _ServerService(_Failable):
     """A server object (``listen(endpoint)``, ``close()``) on one endpoint.
-    With *exitOnFailure*, a failed bind logs why and exits 1."""
+    A failed bind is logged; with *exitOnFailure* (by default under
+    ``twistd``) the process exits 1."""
 
     endpoint: str
     server: Any
     what = "server"
-    exitOnFailure = False
+    exitOnFailure: Optional[bool] = None
 
     def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
         super().startService()
+        if _exiting(self.server.reactor):
+            return defer.succeed(None)
         return self.server.listen(self.endpoint).addErrback(
             lambda f: _cannotListen(self, self.what, self.endpoint, self.server.reactor,
                                     self.exitOnFailure, f))
@@ -262,7 +323,7 @@ class FreelanceServerService(_ServerService):
     what = "Freelance server"
 
     def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None, *,
-                 exitOnFailure: bool = False, **serverOptions: Any) -> None:
+                 exitOnFailure: Optional[bool] = None, **serverOptions: Any) -> None:
         from mdp.freelance import FreelanceServer
 
         transport.check(endpoint, transport.LISTEN)
@@ -277,7 +338,7 @@ class SPServerService(_ServerService):
     what = "SP REP server"
 
     def __init__(self, endpoint: str, handler: Any, reactor: Optional[Any] = None, *,
-                 exitOnFailure: bool = False, **serverOptions: Any) -> None:
+                 exitOnFailure: Optional[bool] = None, **serverOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
         from mdp.sp.peers import SPServer
 
@@ -287,11 +348,11 @@ class SPServerService(_ServerService):
         self.server = SPServer(handler, reactor, **serverOptions)
 
 
-class SPDeviceService(Service):
+class SPDeviceService(_Failable):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*."""
 
     def __init__(self, front: str, back: Union[str, Sequence[str]],
-                 reactor: Optional[Any] = None, *, exitOnFailure: bool = False,
+                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
                  **deviceOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
         from mdp.sp.peers import SPDevice
@@ -306,7 +367,11 @@ class SPDeviceService(Service):
         self._make = SPDevice
 
     def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
+        from mdp.policy import default_reactor
+
         super().startService()
+        if _exiting(default_reactor(self.reactor)):
+            return defer.succeed(None)
         device = self.device = self._make(self.back, self.reactor, **self.deviceOptions)
         return device.listen(self.front).addErrback(
             lambda f: _cannotListen(self, "SP device", self.front, device.reactor,
@@ -318,14 +383,15 @@ class SPDeviceService(Service):
         return device.close() if device is not None else defer.succeed(None)
 
 
-class TitanicService(Service):
+class TitanicService(_Failable):
     """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and
     store.  A store that cannot be opened (a damaged or unreadable file) is
-    logged; with *exitOnFailure* (as ``twist mdp-titanic`` uses it) the
-    process then exits with status 1 instead of idling without its data."""
+    logged; with *exitOnFailure* (as ``twist mdp-titanic`` uses it; by
+    default under ``twistd``) the process then exits with status 1 instead
+    of idling without its data."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: Any,
-                 reactor: Optional[Any] = None, *, exitOnFailure: bool = False,
+                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
                  **titanicOptions: Any) -> None:
         from mdp.titanic import Titanic
 
@@ -334,15 +400,14 @@ class TitanicService(Service):
 
     def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().startService()
+        if _exiting(self.titanic.reactor):
+            return defer.succeed(None)
         return self.titanic.start().addErrback(self._failed)
 
     def _failed(self, failure: Failure) -> None:
-        # error, not critical: as the broker's (twist prints a critical line
-        # logged before its logging starts twice)
-        log.error("Titanic cannot start: {error}", error=failure.getErrorMessage())
-        if not self.exitOnFailure:
-            return  # logged: a parent service would drop the failure unseen
-        _stop_and_exit(self.titanic.reactor, 1)
+        # logged, not returned: a parent service would drop the failure unseen
+        _failedToStart(self, self.titanic.reactor, self.exitOnFailure, failure,
+                       "Titanic cannot start: {error}", error=failure.getErrorMessage())
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()

@@ -1,0 +1,94 @@
+"""Starting servers as a newcomer does: ``twistd -ny examples/application.tac``
+on a port already taken, ``twist`` servers that cannot bind, the metrics
+endpoint's start line, and what Titanic says when it starts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import protocol
+
+from tests.procs import ENV, ROOT, Process, reactor, script, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Holder(protocol.Factory):
+    """Holds a port, as another process would, and counts who connects."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+
+    def buildProtocol(self, addr: Any) -> protocol.Protocol:
+        self.connections += 1
+        return protocol.Protocol()
+
+
+@pytest_twisted.ensureDeferred
+async def test_twistd_application_whose_broker_cannot_bind_exits_1_without_its_worker(
+        tmp_path: Path) -> None:
+    """examples/application.tac, its port taken: the reason once, no
+    "Unhandled error in Deferred", exit status 1, the worker never
+    registering with whoever holds the port, and twistd's pid file gone."""
+    example = (Path(ROOT) / "examples" / "application.tac").read_text()
+    assert 'BrokerService("zmq:tcp://127.0.0.1:5555")' in example
+    holder = _Holder()
+    taken = reactor().listenTCP(0, holder, interface="127.0.0.1")
+    endpoint = f"zmq:tcp://127.0.0.1:{taken.getHost().port}"
+    tac = tmp_path / "application.tac"
+    tac.write_text(example.replace("zmq:tcp://127.0.0.1:5555", endpoint))
+    pidfile = tmp_path / "twistd.pid"
+    proc = None
+    try:
+        proc = Process(reactor(), [script("twistd"), "-n", "--pidfile", str(pidfile),
+                                   "-y", str(tac)], ENV)
+        # (a process that runs on has its worker say READY)
+        await wait_until(lambda: not proc.running or b"sent READY" in proc.output, 30)
+    finally:
+        if proc is not None:
+            await proc.stop()
+        await taken.stopListening()
+    assert proc.exitCode == 1, proc.output
+    assert proc.output.count(b"MDP broker cannot listen") == 1, proc.output
+    assert re.search(rb"MDP broker cannot listen: .*" + re.escape(endpoint.encode())
+                     + rb".*Address already in use", proc.output), proc.output
+    for noise in (b"Unhandled error", b"Traceback", b"sent READY"):
+        assert noise not in proc.output, proc.output
+    assert holder.connections == 0
+    assert not pidfile.exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["mdp-broker", "--endpoint", "zmq:tcp://127.0.0.1:{port}"], b"MDP broker cannot listen"),
+    (["mdp-broker", "--endpoint", "zmq:tcp://127.0.0.1:*",
+      "--metrics", "tcp:{port}:interface=127.0.0.1"], b"cannot serve metrics on"),
+    (["mdp-freelance-server", "--endpoint", "zmq:tcp://127.0.0.1:{port}"],
+     b"Freelance server cannot listen"),
+    (["sp-rep", "--endpoint", "tcp://127.0.0.1:{port}"], b"SP REP server cannot listen"),
+    (["sp-device", "--front", "tcp://127.0.0.1:{port}", "--back", "tcp://127.0.0.1:1"],
+     b"SP device cannot listen"),
+])
+@pytest_twisted.ensureDeferred
+async def test_twist_server_that_cannot_bind_exits_before_starting_the_reactor(
+        args: list[str], says: bytes) -> None:
+    """The reason once, exit status 1, and no "Starting reactor..." after
+    it (which read as if the server went on)."""
+    taken = reactor().listenTCP(0, _Holder(), interface="127.0.0.1")
+    port = taken.getHost().port
+    proc = Process(reactor(), [script("twist"), "--log-format", "text",
+                               *[a.format(port=port) for a in args]], ENV)
+    try:
+        await proc.ended(50)
+    finally:
+        await proc.stop()
+        await taken.stopListening()
+    assert proc.exitCode == 1, proc.output
+    assert proc.output.count(says) == 1, proc.output
+    assert f"127.0.0.1:{port}".encode() in proc.output
+    assert b"Address already in use" in proc.output
+    for noise in (b"Starting reactor", b"Unhandled error", b"Traceback"):
+        assert noise not in proc.output, proc.output
