@@ -26,7 +26,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from twisted.internet import defer
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Protocol
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
+from twisted.python import log as legacy_log
 from twisted.web.http import HTTPChannel, Request
 from twisted.web.resource import Resource
 from twisted.web.server import Site
@@ -525,7 +526,7 @@ class _MetricsSite(Site):
         pass
 
     def logPrefix(self) -> str:
-        return "Metrics"  # "Metrics starting on 9464"
+        return "Metrics"
 
 
 def _count(name: str, value: Any, least: int) -> int:
@@ -571,7 +572,10 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
     reactor = default_reactor(reactor)
     site = metrics_site(registry, reactor, maxConnections=maxConnections,
                         requestTimeout=requestTimeout, maxBodyBytes=maxBodyBytes)
-    listening = serverFromString(reactor, endpoint).listen(site)
+    # the port's own line ("Metrics starting on 9464", no address, no
+    # scheme) is debug: the line below says where, once
+    listening = legacy_log.callWithContext({"log_level": LogLevel.debug},
+                                           serverFromString(reactor, endpoint).listen, site)
 
     def listened(port: IListeningPort) -> IListeningPort:
         address = port.getHost()

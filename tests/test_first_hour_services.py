@@ -12,7 +12,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import protocol
 
-from tests.procs import ENV, ROOT, Process, reactor, script, wait_until
+from tests.procs import ENV, ROOT, Process, bounded, reactor, script, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,3 +92,18 @@ async def test_twist_server_that_cannot_bind_exits_before_starting_the_reactor(
     assert b"Address already in use" in proc.output
     for noise in (b"Starting reactor", b"Unhandled error", b"Traceback"):
         assert noise not in proc.output, proc.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_metrics_endpoint_is_logged_once_with_its_address() -> None:
+    proc = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
+                               "--endpoint", "zmq:tcp://127.0.0.1:*",
+                               "--metrics", "tcp:0:interface=127.0.0.1"], ENV)
+    try:
+        # the services start before the reactor: their lines are all in by then
+        await bounded(proc.waitFor("Starting reactor", timeout=50), 50)
+    finally:
+        await proc.stop()
+    assert len(re.findall(rb"metrics at http://127\.0\.0\.1:\d+/metrics", proc.output)) == 1, \
+        proc.output
+    assert b"starting on" not in proc.output, proc.output
