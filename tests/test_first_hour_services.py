@@ -12,7 +12,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import protocol
 
-from tests.procs import ENV, ROOT, Process, bounded, reactor, script, wait_until
+from tests.conftest import LoopbackNet, logged_at, raw_router
+from tests.procs import ENV, ROOT, Process, bounded, reactor, script, twist_broker, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,3 +108,49 @@ async def test_the_metrics_endpoint_is_logged_once_with_its_address() -> None:
     assert len(re.findall(rb"metrics at http://127\.0\.0\.1:\d+/metrics", proc.output)) == 1, \
         proc.output
     assert b"starting on" not in proc.output, proc.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_titanic_says_once_what_it_serves() -> None:
+    broker, endpoint = await twist_broker(reactor(), "zmq:tcp://127.0.0.1:*")
+    titanic = None
+    try:
+        titanic = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-titanic",
+                                      "--broker", endpoint, "--db", ":memory:"], ENV)
+        await bounded(titanic.waitFor("Titanic started", timeout=50), 50)
+        # all twelve workers (four per service) have registered
+        await wait_until(lambda: broker.output.count(b"ready for titanic.") == 12, 30)
+    finally:
+        if titanic is not None:
+            await titanic.stop()
+        await broker.stop()
+    started = (f"Titanic started: services titanic.request, titanic.reply, titanic.close "
+               f"(4 workers each) via {endpoint}").encode()
+    assert titanic.output.count(started) == 1, titanic.output
+    assert b"sent READY" not in titanic.output, titanic.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_titanic_workers_ready_is_debug_and_other_workers_stay_info() -> None:
+    from mdp import Worker
+    from mdp.handlers import echo
+    from mdp.titanic import MemoryStore, TitanicServer
+
+    net = LoopbackNet()
+    router = await raw_router(net)
+    server = TitanicServer(router.transport.endpoint, MemoryStore(), net.reactor, workers=2)
+    worker = Worker(router.transport.endpoint, "echo", echo, net.reactor)
+    try:
+        with logged_at(("debug", "info")) as events:
+            server.start()
+            worker.start()
+            await net.until(lambda: len(router.received) == 7)
+    finally:
+        await net.wait(server.stop())
+        await net.wait(worker.stop())
+        await net.cleanup()
+    ready = [(event["service"], event["log_level"].name) for event in events
+             if "sent READY" in event.get("log_format", "")]
+    assert sorted(ready) == [("echo", "info")] + [
+        (service, "debug") for service in ("titanic.close", "titanic.reply", "titanic.request")
+        for _ in range(2)]

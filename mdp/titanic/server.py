@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, LogEvent, Logger, LogLevel
+from zope.interface import provider
 
+from mdp.majordomo import worker as _worker
 from mdp.majordomo.worker import Worker
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
@@ -33,6 +35,33 @@ log = Logger()
 #: MDP workers per Titanic service: requests stored (and replies read) at once,
 #: so that commits of concurrent submissions share one transaction
 DEFAULT_SERVICE_WORKERS = 4
+
+
+def _atDebug(observer: ILogObserver) -> ILogObserver:
+    """*observer*, told what is logged at info as debug."""
+    @provider(ILogObserver)
+    def observe(event: LogEvent) -> None:
+        if event.get("log_level") == LogLevel.info:
+            event = dict(event, log_level=LogLevel.debug)
+        observer(event)
+    return observe
+
+
+class _ServiceWorker(Worker):
+    """A worker of one of Titanic's services, whose "sent READY" line (on
+    each connection) is debug: Titanic runs several per service (twelve
+    workers by default) and says once what it serves.  The worker logs
+    through its module's Logger: while the connection comes up, that
+    Logger's observer is told info as debug."""
+
+    def connectionMade(self) -> None:
+        logger = _worker.log
+        observer = logger.observer
+        logger.observer = _atDebug(observer)
+        try:
+            super().connectionMade()
+        finally:
+            logger.observer = observer
 
 
 class TitanicServer:
@@ -65,10 +94,11 @@ class TitanicServer:
         self.onClosed = onClosed
         handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
                     protocol.CLOSE: self.close}
-        self.workers = [Worker(broker, name, handler, self.reactor, heartbeat=heartbeat,
-                               backoff=backoff, limits=limits,
-                               curveServerPublic=curveServerPublic, curveSecret=curveSecret)
-                        for name, handler in handlers.items() for _ in range(workers)]
+        self.workers: list[Worker] = [
+            _ServiceWorker(broker, name, handler, self.reactor, heartbeat=heartbeat,
+                           backoff=backoff, limits=limits, curveServerPublic=curveServerPublic,
+                           curveSecret=curveSecret)
+            for name, handler in handlers.items() for _ in range(workers)]
 
     def start(self) -> None:
         for worker in self.workers:
@@ -194,10 +224,13 @@ class Titanic:
         self.server.start()
         self.dispatcher.start()
         where = getattr(self.store, "path", None)
-        log.info("Titanic started: store {store}, {concurrency} request(s) out at once, "
-                 "broker {broker}", store=where or type(self.store).__name__,
-                 concurrency=self.dispatcher.concurrency,
-                 broker=" or ".join(self.dispatcher.endpoints))
+        log.info("Titanic started: services {services} ({workers} workers each) via {broker}; "
+                 "store {store}, {concurrency} request(s) out at once",
+                 services=", ".join(name.decode("ascii") for name in protocol.SERVICES),
+                 workers=len(self.server.workers) // len(protocol.SERVICES),
+                 broker=" or ".join(self.dispatcher.endpoints),
+                 store=where or type(self.store).__name__,
+                 concurrency=self.dispatcher.concurrency)
 
     def start(self) -> defer.Deferred[None]:
         """Open the store (failing with :class:`~mdp.errors.StoreError` if it
