@@ -70,7 +70,7 @@ async def test_twistd_application_whose_broker_cannot_bind_exits_1_without_its_w
     (["mdp-freelance-server", "--endpoint", "zmq:tcp://127.0.0.1:{port}"],
      b"Freelance server cannot listen"),
     (["sp-rep", "--endpoint", "tcp://127.0.0.1:{port}"], b"SP REP server cannot listen"),
-    (["sp-device", "--front", "tcp://127.0.0.1:{port}", "--back", "tcp://127.0.0.1:1"],
+    (["sp-device", "--front", "tcp://127.0.0.1:{port}", "--back", "tcp://127.0.0.1:{port}"],
      b"SP device cannot listen"),
 ])
 @pytest_twisted.ensureDeferred
