@@ -200,6 +200,18 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
     return "compiled"
 
 
+def reusable(package: str, name: str) -> Optional[str]:
+    """The working tree's compiled module *name*, if an earlier build made
+    it from its sources as they are now (the record says so; :func:`current`):
+    a build takes it instead of compiling again (``setup.py``)."""
+    directory, leaf = _paths(package, name)
+    compiled = compiled_file(directory, leaf)
+    record = read_record(package)
+    if compiled is None or record is None or not current(package, name, compiled, record):
+        return None
+    return compiled
+
+
 def write_record(package: str, builtSince: float) -> None:
     """After a build in the working tree *package*: record each compiled
     module written there since *builtSince* (a time), keep the entries of

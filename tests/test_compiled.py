@@ -149,6 +149,23 @@ def test_every_cimport_is_a_listed_module_with_its_declarations() -> None:
             assert os.path.isfile(os.path.join(directory, leaf + ".pxd")), other
 
 
+def test_a_second_build_reuses_only_what_an_earlier_build_made_of_todays_sources(tree: Path) -> None:
+    """setup.py takes a compiled module of the working tree as its build
+    (the test extras installed after the demo's install compile nothing)
+    only where the record says it is the build of the sources as they are."""
+    compiled = str(tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0]))
+    assert _compiled.reusable(str(tree), NAME) is None  # no record: from no build we know
+    _compiled.write_record(str(tree), builtSince=0)
+    assert _compiled.reusable(str(tree), NAME) == compiled
+    (tree / "majordomo" / "client.pxd").write_text("cdef class Client: pass\n")
+    assert _compiled.reusable(str(tree), NAME) is None  # its declarations changed: compile
+    (tree / "majordomo" / "client.pxd").unlink()
+    assert _compiled.reusable(str(tree), NAME) == compiled
+    (tree / "majordomo" / "client.py").write_text("WHO = 'edited'\n")
+    assert _compiled.reusable(str(tree), NAME) is None  # its source changed: compile
+    assert _compiled.reusable(str(tree), "mdp.machine") is not None
+
+
 def test_a_compiled_module_replaced_since_the_record_runs_as_source(tree: Path) -> None:
     _compiled.write_record(str(tree), builtSince=0)
     (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"another build")
