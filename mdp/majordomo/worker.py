@@ -83,7 +83,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import attrs
 from twisted.internet import defer, task
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from zope.interface import classImplements
 
@@ -228,6 +228,10 @@ class WorkerMachine(Machine):
     events with their time; each ``handle*`` returns the actions it wants done,
     in order.  :class:`Worker` drives it."""
 
+    #: the level of the line saying READY went out: a process of many
+    #: workers of its own (Titanic's) says once what it serves instead
+    readyLogLevel = LogLevel.info
+
     def __init__(
         self,
         endpoints: list[str],
@@ -333,7 +337,7 @@ class WorkerMachine(Machine):
         self.answered = False
         self.liveness.heard(now)
         self._send(codec.Ready(self.service))
-        log.info("worker for {service} sent READY to {endpoint}",
+        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
                  service=label(self.service), endpoint=self.endpoint)
         return self._drain()
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
-from twisted.logger import ILogObserver, LogEvent, Logger, LogLevel
-from zope.interface import provider
+from twisted.logger import Logger, LogLevel
 
-from mdp.majordomo import worker as _worker
 from mdp.majordomo.worker import Worker
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
@@ -37,31 +35,12 @@ log = Logger()
 DEFAULT_SERVICE_WORKERS = 4
 
 
-def _atDebug(observer: ILogObserver) -> ILogObserver:
-    """*observer*, told what is logged at info as debug."""
-    @provider(ILogObserver)
-    def observe(event: LogEvent) -> None:
-        if event.get("log_level") == LogLevel.info:
-            event = dict(event, log_level=LogLevel.debug)
-        observer(event)
-    return observe
-
-
 class _ServiceWorker(Worker):
-    """A worker of one of Titanic's services, whose "sent READY" line (on
-    each connection) is debug: Titanic runs several per service (twelve
-    workers by default) and says once what it serves.  The worker logs
-    through its module's Logger: while the connection comes up, that
-    Logger's observer is told info as debug."""
+    """A worker of one of Titanic's services, whose "sent READY" line is
+    debug: Titanic runs several a service (twelve workers by default) and
+    says once what it serves."""
 
-    def connectionMade(self) -> None:
-        logger = _worker.log
-        observer = logger.observer
-        logger.observer = _atDebug(observer)
-        try:
-            super().connectionMade()
-        finally:
-            logger.observer = observer
+    readyLogLevel = LogLevel.debug
 
 
 class TitanicServer:
