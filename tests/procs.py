@@ -30,7 +30,8 @@ class _Collector(protocol.ProcessProtocol):
 class Process:
     """A child process whose combined stdout/stderr is kept and searchable."""
 
-    def __init__(self, reactor: Any, args: list[str], env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, reactor: Any, args: list[str], env: Optional[dict[str, str]] = None,
+                 usePTY: bool = False) -> None:
         self.reactor = reactor
         self.args = args
         self.output = b""
@@ -41,7 +42,8 @@ class Process:
         full_env = dict(os.environ)
         full_env["PYTHONUNBUFFERED"] = "1"
         full_env.update(env or {})
-        self.transport = reactor.spawnProcess(_Collector(self), args[0], args, env=full_env)
+        self.transport = reactor.spawnProcess(_Collector(self), args[0], args, env=full_env,
+                                              usePTY=usePTY)
 
     @property
     def running(self) -> bool:

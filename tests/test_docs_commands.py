@@ -144,12 +144,13 @@ def documented() -> list[Documented]:
 
 
 def shown(command: str) -> Documented:
-    """The documented entry of *command* (the first, if several pages show it)."""
+    """The documented entry of *command*: the first that shows its output,
+    else the first, if several pages show it."""
     wanted = normalize(command)
-    for entry in documented():
-        if entry.text == wanted:
-            return entry
-    raise AssertionError(f"not in the docs any more: {command}")
+    entries = [entry for entry in documented() if entry.text == wanted]
+    if not entries:
+        raise AssertionError(f"not in the docs any more: {command}")
+    return next((entry for entry in entries if entry.output), entries[0])
 
 
 # --- running a documented command ----------------------------------------------------------
@@ -613,6 +614,10 @@ async def spark_example(sh: Shell, c: Any) -> None:
 
 #: documented command -> the test that runs it ("path::function")
 RUN_ELSEWHERE: dict[str, str] = {
+    "mdp chat --name alice --group CHAT --interface 127.0.0.1":
+        "tests/test_readme_recipes.py::test_chat_on_loopback",
+    "mdp chat --name bob --group CHAT --interface 127.0.0.1":
+        "tests/test_readme_recipes.py::test_chat_on_loopback",
     ".venv/bin/python -m benchmarks --smoke": "tests/test_benchmarks_smoke.py::test_benchmark_smoke_run",
     ".venv/bin/python -m benchmarks.titanic --smoke":
         "tests/test_benchmarks_smoke.py::test_titanic_benchmark_smoke_run",
