@@ -35,3 +35,19 @@ def test_the_demo_and_test_commands_come_first() -> None:
     text = read("README.md")
     first_fence = text.index("```")
     assert text[first_fence:].startswith("```sh\n" + readme_commands()[0])
+
+
+def test_ci_says_how_long_it_took_however_it_ends() -> None:
+    script = read(".ci/run")
+    trap = re.search(r"^trap '(.*)' EXIT$", script, re.M)
+    assert trap is not None and "in all" in trap.group(1)
+    assert script.index("trap ") < script.index("pip install")
+
+
+def test_the_readme_says_how_long_the_first_commands_take_and_to_activate_the_venv() -> None:
+    text = read("README.md")
+    first_screen = text[:text.index("## Install")]
+    before_demo, before_tests = first_screen.split("```sh")[:2]
+    assert re.search(r"about \d+ minutes on two cores", before_demo)
+    assert re.search(r"about \d+ minutes on two cores", before_tests)
+    assert "`. .venv/bin/activate`" in first_screen
