@@ -189,10 +189,17 @@ async def test_the_mdp_titanic_commands(tmp_path: Any) -> None:
         requestId = submitted.output.decode().strip()
         assert len(requestId) == 36, submitted.output
         pending = await mdp("titanic", "result", *broker, requestId)
-        assert pending.exitCode == 3 and pending.output == b""
+        assert pending.exitCode == 3, pending.output
+        assert pending.output.decode() == (f"mdp titanic result: request {requestId} is pending "
+                                           "(no reply yet); ask again later, or wait for it with "
+                                           "--wait\n"), pending.output
         cluster.startWorker("work", SLOW_TAGGED)
         result = await mdp("titanic", "result", *broker, "--wait", "--poll", "0.1", requestId)
-        assert result.exitCode == 0 and result.output.decode().splitlines()[1:] == ["one", "two"]
+        lines = result.output.decode().splitlines()
+        # what it waited for (on stderr), if it did wait, then the reply
+        notes = [line for line in lines if line.startswith("mdp titanic result: ")]
+        assert all(f"waiting for request {requestId}" in note for note in notes), notes
+        assert result.exitCode == 0 and lines[len(notes) + 1:] == ["one", "two"], lines
         closed = await mdp("titanic", "close", *broker, requestId)
         assert closed.exitCode == 0 and closed.output == b""
         unknown = await mdp("titanic", "result", *broker, requestId)
