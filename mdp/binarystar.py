@@ -659,8 +659,8 @@ class BinaryStar:
                 self._publisher.transport = None
                 router.close()
                 return
-            log.info("Binary Star {role}: {state}, state published on {endpoint}, peer's read "
-                     "from {remote}", role=self.role.value, state=self.state.name.lower(),
+            log.info("Binary Star {role}: state published on {endpoint}, the peer's read from "
+                     "{remote}; starts {state}", role=self.role.value, state=self.state.name.lower(),
                      endpoint=router.endpoint, remote=self.remote)
             transport.warn_if_open(
                 self.local, None, f"Binary Star {self.role.value}'s state channel",
@@ -708,9 +708,11 @@ class BinaryStar:
         self._subscribe()
 
     def _warnIfPeerSilent(self, now: float) -> None:
-        """A peer not heard for a while is down, or ``remote`` is not its
-        state endpoint (another service's, a typo'd port): say so, now and
-        then, for without it there is no failover."""
+        """A peer never heard is down, or ``remote`` is not its state
+        endpoint (another service's, a typo'd port): say so, now and then,
+        for without it there is no failover.  A peer heard before and silent
+        since is down or cut off: say so, and what this server does
+        meanwhile (a failover may have happened already)."""
         machine = self.machine
         if not self._running or machine.stopped is not None:
             return
@@ -722,12 +724,20 @@ class BinaryStar:
         if self._silenceWarned is not None and now - self._silenceWarned < SILENT_PEER_REPEAT:
             return
         self._silenceWarned = now
-        log.warn("Binary Star {role}: no state heard from the peer at {remote} for "
-                 "{seconds:.0f} s{ever}: it is down, or that is not its state endpoint "
-                 "(remote must be the peer's local, --bstar-remote its --bstar-local); "
-                 "no failover until it is heard", role=self.role.value, remote=self.remote,
-                 seconds=silence, ever=" (never, since this start)"
-                 if self.peerHeard is None else "")
+        if self.peerHeard is None:
+            log.warn("Binary Star {role}: no state heard from the peer at {remote} for "
+                     "{seconds:.0f} s (never, since this start): it is down, or that is not "
+                     "its state endpoint (remote must be the peer's local, --bstar-remote its "
+                     "--bstar-local); no failover until it is heard", role=self.role.value,
+                     remote=self.remote, seconds=silence)
+            return
+        serving = machine.state is State.ACTIVE
+        log.warn("Binary Star {role}: the peer at {remote} has been silent for {seconds:.0f} s "
+                 "(it was heard before): it is down or cut off; this server is {state}{what}",
+                 role=self.role.value, remote=self.remote, seconds=silence,
+                 state=machine.state.name.lower(),
+                 what=" and serves alone until the peer is back" if serving else
+                 " and becomes active at the next client's request")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport
@@ -779,7 +789,8 @@ class BinaryStar:
         if channel >= self.machine.channel:  # not found stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
-                log.info("Binary Star {role}: peer ({peerRole}, {peerState}) heard at {remote}",
+                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at "
+                         "{remote}",
                          role=self.role.value, peerRole=peer.role.value,
                          peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now

@@ -172,6 +172,27 @@ async def test_pair_settles_primary_active_backup_passive(clocknet: LoopbackNet,
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_peer_heard_then_silent_is_warned_about_with_what_this_server_does(
+        clocknet: LoopbackNet, logged: list[str]) -> None:
+    """A primary heard, then stopped: the backup says its peer went silent
+    and what it does meanwhile, not "no failover" (it may just have failed
+    over), and then, active, that it serves alone."""
+    pair = Pair(clocknet)
+    stars = {role: pair.start(role) for role in (Role.PRIMARY, Role.BACKUP)}
+    await clocknet.until(lambda: stars[Role.BACKUP].state is State.PASSIVE, timeout=5)
+    stars[Role.PRIMARY].stop()
+    clocknet.advance(11)
+    (warned,) = [line for line in logged if "silent for" in line]
+    assert "Binary Star backup: the peer at" in warned and "(it was heard before)" in warned
+    assert warned.endswith("this server is passive and becomes active at the next client's request")
+    assert not any("no failover" in line for line in logged)
+    assert stars[Role.BACKUP].admitClient() is True  # a client's vote
+    clocknet.advance(61)
+    assert [line for line in logged if "silent for" in line][-1].endswith(
+        "this server is active and serves alone until the peer is back")
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_vote_that_an_observer_answers_with_stop_is_not_served(
         clocknet: LoopbackNet, logged: list[str]) -> None:
     """The client's vote makes the backup active; an observer of that stops
