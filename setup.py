@@ -23,6 +23,33 @@ PACKAGE = os.path.join(HERE, "mdp")
 _compiled = runpy.run_path(os.path.join(PACKAGE, "_compiled.py"))
 
 
+#: how the modules are compiled (part of what makes a build, beside the sources)
+COMPILER_DIRECTIVES = {"language_level": 3, "binding": True, "annotation_typing": False,
+                       "emit_code_comments": False}
+#: no debug information: a third of the compiler's time
+COMPILE_ARGS = ["-g0"] if os.name == "posix" else []
+
+
+def build_settings() -> str:
+    """A fingerprint of what besides the sources makes a build: Cython's
+    version, the directives and flags, the interpreter and the compiler's
+    environment.  A compiled module of an earlier build is reused only
+    under the same settings (:meth:`OptionalBuildExt._reused`)."""
+    import hashlib
+    import json
+
+    try:
+        import Cython
+
+        cython = Cython.__version__
+    except ImportError:
+        cython = None
+    settings = [cython, COMPILER_DIRECTIVES, COMPILE_ARGS, sys.version,
+                sysconfig.get_config_var("EXT_SUFFIX"),
+                {name: os.environ.get(name) for name in ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS")}]
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def cores() -> int:
     """The cores this build may use (its affinity, where the OS says), at
     most one a module."""
@@ -44,12 +71,16 @@ class OptionalBuildExt(build_ext):
 
     def run(self) -> None:
         started = time.time()
+        # only a build into the working tree reuses what it holds (setuptools
+        # builds elsewhere, then copies into it): a wheel is built afresh
+        self._reusing = bool(self.inplace or getattr(self, "editable_mode", False)) \
+            and not self.force
         try:
             super().run()
         except Exception as e:  # no compiler at all: setuptools raises before any module
             self._skipped("all", e)
         # what the working tree now holds, for the import hook (mdp/_compiled.py)
-        _compiled["write_record"](PACKAGE, started)
+        _compiled["write_record"](PACKAGE, started, build=build_settings())
 
     def build_extension(self, ext: object) -> None:
         if self._reused(ext):
@@ -61,11 +92,13 @@ class OptionalBuildExt(build_ext):
 
     def _reused(self, ext: Any) -> bool:
         """Whether the working tree holds module *ext* compiled by an earlier
-        build from its sources as they are now: then that is this build's
+        build, under the same settings, from its sources as they are now (an
+        editable install's build): then that is this build's
         (copied, with its time: the record stays true), not compiled again.
         A second install into the same checkout (the test extras after the
         demo's install) so takes seconds, not minutes."""
-        built = None if self.force else _compiled["reusable"](PACKAGE, ext.name)
+        built = _compiled["reusable"](PACKAGE, ext.name, build_settings()) \
+            if getattr(self, "_reusing", False) else None
         if built is None:
             return False
         target = self.get_ext_fullpath(ext.name)
@@ -99,8 +132,7 @@ def extensions() -> list:
     modules = [
         # (OptionalBuildExt does what optional=True would, for every error)
         Extension(name, [os.path.join(*name.split(".")) + ".py"],
-                  # no debug information: a third of the compiler's time
-                  extra_compile_args=["-g0"] if os.name == "posix" else [])
+                  extra_compile_args=COMPILE_ARGS)
         for name in _compiled["MODULES"]
     ]
     if os.name == "posix":
@@ -108,7 +140,7 @@ def extensions() -> list:
         # dlopen): no Python source of their own; their callers do without
         modules += [
             Extension(name, [os.path.join(*name.split(".")) + ".pyx"],
-                      extra_compile_args=["-g0"],
+                      extra_compile_args=COMPILE_ARGS,
                       libraries=["dl"] if sys.platform.startswith("linux") else [])
             for name in _compiled["ACCELERATORS"]
         ]
@@ -124,8 +156,7 @@ def extensions() -> list:
             exclude_failures=True,
             # plain Python semantics, Python 3 syntax; no C asserts of types:
             # the same behaviour as the source
-            compiler_directives={"language_level": 3, "binding": True,
-                                 "annotation_typing": False, "emit_code_comments": False},
+            compiler_directives=COMPILER_DIRECTIVES,
         )
     except Exception as e:
         sys.stderr.write(f"txmajordomo: Cython failed ({e}); the modules are not compiled\n")

@@ -71,7 +71,10 @@ PURE_ENV = "MDP_PURE_PYTHON"
 
 #: the build's record in a working tree (not part of a wheel): one line a
 #: module, "name source-size source-mtime-ns compiled-size compiled-mtime-ns"
+#: (and one of the build's settings, below)
 RECORD = "_compiled.record"
+#: the record's line naming the build's settings: "build FINGERPRINT"
+_BUILD = "build"
 
 _LISTED = frozenset(MODULES)
 _RECORDED = (*MODULES, *ACCELERATORS)
@@ -200,10 +203,28 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
     return "compiled"
 
 
-def reusable(package: str, name: str) -> Optional[str]:
-    """The working tree's compiled module *name*, if an earlier build made
-    it from its sources as they are now (the record says so; :func:`current`):
-    a build takes it instead of compiling again (``setup.py``)."""
+def recorded_build(package: str) -> Optional[str]:
+    """The build settings (``setup.py``'s fingerprint) the record of
+    *package* names, if any."""
+    try:
+        with open(os.path.join(package, RECORD), encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == _BUILD:
+            return fields[1]
+    return None
+
+
+def reusable(package: str, name: str, build: str) -> Optional[str]:
+    """The working tree's compiled module *name*, if an earlier build under
+    the settings *build* (a fingerprint) made it from its sources as they
+    are now (the record says so; :func:`current`): a build takes it instead
+    of compiling again (``setup.py``)."""
+    if recorded_build(package) != build:
+        return None
     directory, leaf = _paths(package, name)
     compiled = compiled_file(directory, leaf)
     record = read_record(package)
@@ -212,10 +233,11 @@ def reusable(package: str, name: str) -> Optional[str]:
     return compiled
 
 
-def write_record(package: str, builtSince: float) -> None:
+def write_record(package: str, builtSince: float, build: Optional[str] = None) -> None:
     """After a build in the working tree *package*: record each compiled
     module written there since *builtSince* (a time), keep the entries of
-    those untouched since an earlier build, and forget the rest."""
+    those untouched since an earlier build, and forget the rest; and the
+    build's settings, *build* (:func:`reusable`)."""
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
@@ -232,6 +254,8 @@ def write_record(package: str, builtSince: float) -> None:
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")
     path = os.path.join(package, RECORD)
+    if lines and build:
+        lines.insert(0, f"{_BUILD} {build}\n")
     if not lines:
         if os.path.exists(path):
             os.remove(path)

@@ -17,18 +17,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
-from tests.suite_guard import (  # noqa: F401  (hooks: the suite cannot hang)
-    pytest_configure,
-    pytest_pyfunc_call,
-    pytest_runtest_logreport,
-    pytest_runtest_logstart,
-    pytest_sessionfinish,
-    pytest_terminal_summary,
-    pytest_timeout_cancel_timer,
-    pytest_timeout_set_timer,
-    pytest_xdist_make_scheduler,
-    pytest_xdist_node_collection_finished,
-)
+from tests.suite_guard import *  # noqa: F401,F403  (hooks: the suite cannot hang)
 
 _names = itertools.count()
 

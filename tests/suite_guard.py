@@ -5,11 +5,12 @@ Three parts, each a pytest hook (tests/conftest.py imports them):
 
 - **Overrun timers** (``pytest_timeout_set_timer``): at a test's limit (its
   ``timeout`` mark, else the ini's), a Twisted test's Deferred is cancelled
-  in the reactor, or a plain test is interrupted with ``SIGALRM`` in its
+  in the reactor, or a plain test is interrupted (``SIGUSR2``) in its
   body; either way it fails as "ran past its N s limit" and this process
   goes on with the next test.  A test still running *GRACE* seconds later
-  (stuck in a fixture, or in C) has its stacks written to stderr and its
-  child processes killed, and the worker exits: the next part takes over.
+  (stuck in a fixture, in C, or blocking its reactor) has its stacks
+  written to stderr and its child processes killed, and the worker exits:
+  the next part takes over.
 - **A crashed worker's file goes on elsewhere** (``pytest_xdist_make_scheduler``):
   pytest-xdist's file scheduler hands a crashed worker's whole file, the
   test that crashed it included, to the replacement worker, which then
@@ -23,6 +24,13 @@ Three parts, each a pytest hook (tests/conftest.py imports them):
 """
 
 from __future__ import annotations
+
+__all__ = [  # the hooks (tests/conftest.py imports them all)
+    "pytest_configure", "pytest_pyfunc_call", "pytest_runtest_logreport",
+    "pytest_runtest_logstart", "pytest_runtest_protocol", "pytest_sessionfinish",
+    "pytest_terminal_summary", "pytest_timeout_cancel_timer", "pytest_timeout_set_timer",
+    "pytest_xdist_make_scheduler", "pytest_xdist_node_collection_finished",
+]
 
 import faulthandler
 import os
@@ -104,6 +112,11 @@ class Overrun:
         self._soft.start()
         self._hard.start()
 
+    def settled(self) -> None:
+        """The test failed (pytest-timeout cancels on every failure): no soft
+        stop from now on, but its teardown is still bounded."""
+        self._soft.cancel()
+
     def cancel(self) -> None:
         self._soft.cancel()
         self._hard.cancel()
@@ -117,22 +130,43 @@ class Overrun:
 
             reactor.callFromThread(self._cancelDeferred)
         elif self.inBody:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+            signal.pthread_kill(threading.main_thread().ident, INTERRUPT)
 
     def _cancelDeferred(self) -> None:
         if self.deferred is not None and not self.deferred.called:
             self.deferred.cancel()
-
-    def interrupted(self, number: int, frame: Any) -> None:
-        """SIGALRM on the main thread: fail the plain test's body, if it still runs."""
-        if self.overran and self.inBody:
-            pytest.fail(self.message, pytrace=True)
 
     def failed(self, failure: Any) -> Any:
         """A Twisted test's outcome after its cancel: the overrun, by name."""
         if self.overran:
             pytest.fail(f"{self.message} (its Deferred was cancelled)", pytrace=False)
         return failure
+
+    def guard(self, test: Any) -> Any:
+        """*test*, run so that this can reach it: its body marked as running
+        (a coroutine's first steps too), a Deferred it returns kept."""
+        import functools
+        import inspect
+
+        from twisted.internet import defer
+
+        @functools.wraps(test)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.inBody = True
+            try:
+                result = test(*args, **kwargs)
+                if inspect.iscoroutine(result):
+                    result = defer.ensureDeferred(result)
+            finally:
+                self.inBody = False
+            if isinstance(result, defer.Deferred):
+                self.deferred = result
+                result.addErrback(self.failed)
+            elif self.overran:
+                pytest.fail(self.message, pytrace=False)
+            return result
+
+        return guarded
 
     def _kill(self) -> None:
         """Well past the limit (timer thread): the test did not stop; end this worker."""
@@ -150,68 +184,87 @@ class Overrun:
         os._exit(1)
 
 
+#: the signal that stops a plain test's body (no test of ours uses it)
+INTERRUPT = signal.SIGUSR2
+#: the test with a limit running in this process
+_current: Optional[Overrun] = None
+
+
+def _interrupted(number: int, frame: Any) -> None:
+    """INTERRUPT, on the main thread: fail the current test's body if it
+    overran and still runs; a signal that comes after it returned does
+    nothing (the handler stays, so it cannot end the process either)."""
+    overrun = _current
+    if overrun is not None and overrun.overran and overrun.inBody:
+        pytest.fail(overrun.message, pytrace=True)
+
+
 def _running(item: Any) -> Optional[Overrun]:
     return getattr(item, "_suite_guard_overrun", None)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item: Any, settings: Any) -> Optional[bool]:
+    global _current
     if not settings.timeout or settings.timeout <= 0:
         return None
+    if signal.getsignal(INTERRUPT) is not _interrupted:
+        signal.signal(INTERRUPT, _interrupted)
     overrun = Overrun(item, min(settings.timeout, LONGEST))
-    item._suite_guard_overrun = overrun
+    item._suite_guard_overrun = _current = overrun
     overrun.start()
     return True
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_cancel_timer(item: Any) -> Optional[bool]:
+    """pytest-timeout cancels at a test's end and at each failure (its
+    ``pytest_exception_interact``): only the soft stop ends here; the
+    protocol's end (below) ends the rest."""
     overrun = _running(item)
     if overrun is None:
         return None
-    overrun.cancel()
-    del item._suite_guard_overrun
+    overrun.settled()
     return True
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: Any) -> Iterator[None]:
+    global _current
+    try:
+        yield
+    finally:
+        overrun = _running(item)
+        if overrun is not None:
+            overrun.cancel()
+            del item._suite_guard_overrun
+            if _current is overrun:
+                _current = None
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_pyfunc_call(pyfuncitem: Any) -> Iterator[None]:
-    """Run the test's body so that its Overrun can reach it: a Deferred it
-    returns (or its coroutine, made one) is kept; a plain body is marked as
-    running, under a SIGALRM handler that fails it."""
+    """Run the test's body (or each example's, under hypothesis) so that its
+    Overrun can reach it (:meth:`Overrun.guard`)."""
     overrun = _running(pyfuncitem)
-    test = pyfuncitem.obj
-    if overrun is None or getattr(test, "hypothesis", None) is not None:
+    if overrun is None:
         yield
         return
-    import functools
-    import inspect
-
-    from twisted.internet import defer
-
-    @functools.wraps(test)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        overrun.inBody = True
+    test = pyfuncitem.obj
+    hypothesis = getattr(test, "hypothesis", None)
+    if hypothesis is not None:
+        inner = hypothesis.inner_test
+        hypothesis.inner_test = overrun.guard(inner)
         try:
-            result = test(*args, **kwargs)
+            yield
         finally:
-            overrun.inBody = False
-        if inspect.iscoroutine(result):
-            result = defer.ensureDeferred(result)
-        if isinstance(result, defer.Deferred):
-            overrun.deferred = result
-            result.addErrback(overrun.failed)
-        elif overrun.overran:
-            pytest.fail(overrun.message, pytrace=False)
-        return result
-
-    previous = signal.signal(signal.SIGALRM, overrun.interrupted)
-    pyfuncitem.obj = guarded
+            hypothesis.inner_test = inner
+        return
+    pyfuncitem.obj = overrun.guard(test)
     try:
         yield
     finally:
         pyfuncitem.obj = test
-        signal.signal(signal.SIGALRM, previous)
 
 
 # --- a crashed worker's file goes on elsewhere (controller) ---------------------------------
@@ -283,7 +336,7 @@ class RunWatch:
             now = time.monotonic()
             lines = [f"\nno test has ended for {self.idle:g} s: stopping the run."]
             lines += [f"  still running ({now - since:.0f} s): {nodeid}"
-                      for nodeid, since in self.running.items()]
+                      for nodeid, since in list(self.running.items())]
             left = self.notRun()
             lines.append(f"{len(left)} tests did not run:")
             lines += [f"  {nodeid}" for nodeid in left]
@@ -323,7 +376,7 @@ def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
 def pytest_runtest_logreport(report: Any) -> None:
     if _watch is None:
         return
-    if report.when in ("teardown", "???") or not report.passed:
+    if report.when in ("teardown", "???"):  # (a failed setup or call has its teardown too)
         _watch.running.pop(report.nodeid, None)
         _watch.ended.add(report.nodeid)
         _watch.lastEnd = time.monotonic()

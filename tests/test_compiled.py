@@ -154,16 +154,20 @@ def test_a_second_build_reuses_only_what_an_earlier_build_made_of_todays_sources
     (the test extras installed after the demo's install compile nothing)
     only where the record says it is the build of the sources as they are."""
     compiled = str(tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0]))
-    assert _compiled.reusable(str(tree), NAME) is None  # no record: from no build we know
-    _compiled.write_record(str(tree), builtSince=0)
-    assert _compiled.reusable(str(tree), NAME) == compiled
+    assert _compiled.reusable(str(tree), NAME, "b1") is None  # no record: from no build we know
+    _compiled.write_record(str(tree), builtSince=0, build="b1")
+    assert _compiled.reusable(str(tree), NAME, "b1") == compiled
+    assert _compiled.reusable(str(tree), NAME, "b2") is None  # other settings (a new Cython)
+    assert _compiled.read_record(str(tree)) and _compiled.status(str(tree))[NAME] == "compiled"
     (tree / "majordomo" / "client.pxd").write_text("cdef class Client: pass\n")
-    assert _compiled.reusable(str(tree), NAME) is None  # its declarations changed: compile
+    assert _compiled.reusable(str(tree), NAME, "b1") is None  # its declarations changed
     (tree / "majordomo" / "client.pxd").unlink()
-    assert _compiled.reusable(str(tree), NAME) == compiled
+    assert _compiled.reusable(str(tree), NAME, "b1") == compiled
     (tree / "majordomo" / "client.py").write_text("WHO = 'edited'\n")
-    assert _compiled.reusable(str(tree), NAME) is None  # its source changed: compile
-    assert _compiled.reusable(str(tree), "mdp.machine") is not None
+    assert _compiled.reusable(str(tree), NAME, "b1") is None  # its source changed: compile
+    assert _compiled.reusable(str(tree), "mdp.machine", "b1") is not None
+    _compiled.write_record(str(tree), builtSince=0)  # a record from before the settings line
+    assert _compiled.reusable(str(tree), "mdp.machine", "b1") is None
 
 
 def test_a_compiled_module_replaced_since_the_record_runs_as_source(tree: Path) -> None:

@@ -472,3 +472,30 @@ async def test_mdp_status_of_a_passive_binary_star_broker_says_to_ask_the_other(
         assert primary.output.startswith(f"broker {pair.endpoints['primary']}\n".encode())
     finally:
         await pair.stop()
+
+
+def test_waiting_for_a_slow_titanic_says_each_reason_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every poll slower than --timeout, then pending, four times over, then
+    the reply: 'pending' and 'no answer yet' each said once, not in turn at
+    every poll."""
+    from twisted.internet import defer
+
+    clock = task.Clock()
+    said: list[str] = []
+    monkeypatch.setattr(cli, "_error", said.append)
+
+    class SlowTitanic:
+        polls = 0
+
+        def poll(self, requestId: str) -> defer.Deferred:
+            self.polls += 1
+            answer = None if self.polls < 5 else [b"done"]
+            return task.deferLater(clock, 3.0, lambda: answer)
+
+    options = cli.TitanicResultOptions()
+    options.parseOptions(["--wait", "--timeout", "2", "--poll", "1", "0" * 32])
+    waiting = defer.ensureDeferred(cli._wait_for_reply(clock, SlowTitanic(), options))
+    clock.pump([0.5] * 40)
+    assert waiting.result == [b"done"]
+    assert len(said) == 2, said
+    assert "no answer yet from Titanic" in said[0] and "it is pending" in said[1]

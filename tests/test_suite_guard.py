@@ -16,10 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFTEST = """\
-from tests.suite_guard import (  # noqa: F401
-    pytest_configure, pytest_pyfunc_call, pytest_runtest_logreport, pytest_runtest_logstart,
-    pytest_sessionfinish, pytest_terminal_summary, pytest_timeout_cancel_timer, pytest_timeout_set_timer,
-    pytest_xdist_make_scheduler, pytest_xdist_node_collection_finished)
+from tests.suite_guard import *  # noqa: F401,F403
 """
 
 INI = """\
@@ -71,6 +68,35 @@ def test_after_the_twisted_ones():
     pass
 """
 
+MORE = """\
+import time, pytest, pytest_twisted
+from hypothesis import given, settings, strategies
+from twisted.internet import defer
+
+@pytest_twisted.async_yield_fixture
+async def hangs_when_done():
+    yield
+    await defer.Deferred()
+
+@pytest.mark.timeout(2)
+@settings(deadline=None, max_examples=3)
+@given(strategies.integers())
+def test_an_example_sleeps(number):
+    time.sleep(30)
+
+@pytest.mark.timeout(2)
+@pytest_twisted.ensureDeferred
+async def test_blocks_before_its_first_await():
+    time.sleep(30)
+
+@pytest.mark.timeout(2)
+def test_fails_and_its_fixture_never_ends(hangs_when_done):
+    assert False, "failed at once"
+
+def test_after_the_others():
+    pass
+"""
+
 OTHER = """\
 def test_one():
     pass
@@ -111,16 +137,23 @@ def alive(pid: int) -> bool:
 
 def test_tests_past_their_limit_fail_by_name_and_the_rest_run(tmp_path: Path) -> None:
     status, output = run_suite(tmp_path, {"test_plain.py": PLAIN, "test_twisted.py": TWISTED,
-                                          "test_other.py": OTHER})
+                                          "test_more.py": MORE, "test_other.py": OTHER})
     assert status == 1, output
     assert outcomes(output) == {
         "test_sleeps": "FAILED", "test_waits_for_a_process": "FAILED",
         "test_after_the_plain_ones": "PASSED",
         "test_waits_for_ever": "FAILED", "test_does_not_stop_when_cancelled": "FAILED",
         "test_after_the_twisted_ones": "PASSED",
+        "test_an_example_sleeps": "FAILED", "test_blocks_before_its_first_await": "FAILED",
+        "test_fails_and_its_fixture_never_ends": "FAILED", "test_after_the_others": "PASSED",
         "test_one": "PASSED", "test_two": "PASSED"}, output
-    for name in ("test_sleeps", "test_waits_for_a_process", "test_waits_for_ever"):
+    for name in ("test_sleeps", "test_waits_for_a_process", "test_waits_for_ever",
+                 "test_an_example_sleeps", "test_blocks_before_its_first_await"):
         assert f"{name} ran past its 2 s limit" in output, output
+    # a failed test's teardown that hangs is still bounded: its worker is
+    # killed, the rest of its file goes on
+    assert re.search(r"crashed while running 'test_more.py::test_fails_and_its_fixture_never_ends'",
+                     output), output
     assert "cleanup ran" in output  # the cancelled test's finally: ran
     # the test that would not stop: its worker was killed with its child process,
     # the crash reported once, and the rest of its file ran on a new worker

@@ -454,6 +454,7 @@ def test_malformed_endpoints_raise_a_transport_error_at_once(scheme: str) -> Non
     ("zmq:tcp://127.0.0.1:*", "'*' picks a port when binding"),
     ("nope:path=1", "unknown scheme 'nope'"),
     ("nope:1", "an address with no scheme; did you mean zmq:tcp://nope:1"),
+    ("ipc:5555", "'ipc' is a ZeroMQ transport: name it after zmq:, as in zmq:ipc://..."),
     ("5555", "no scheme"),
     ("tcp:host=127.0.0.1:port=0", "port 0 is out of range"),
     ("TCP://127.0.0.1:5555", "did you mean zmq:tcp://127.0.0.1:5555"),

@@ -854,16 +854,24 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
     requestId, every = options["id"], options["poll"]
     brokers = options["brokers"]
     where = f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}"
-    said = [""]  # the kind of reason said last
+    # the kind of reason said last, and whether a slow poll was said since
+    said = {"reason": "", "slow": False}
+
+    def note(why: str) -> None:
+        _error(f"mdp titanic result: waiting for request {requestId}: {why}")
 
     def say(kind: str, why: str) -> None:
-        if said[0] != kind:
-            said[0] = kind
-            _error(f"mdp titanic result: waiting for request {requestId}: {why}")
+        if said["reason"] != kind:
+            # (a slow poll said before 'pending' is the same wait: not said again)
+            said["reason"], said["slow"] = kind, said["slow"] and kind == "pending"
+            note(why)
 
     def slowly() -> None:
-        if said[0] in ("", "pending"):  # else why is said already
-            say("slow", f"no answer yet from Titanic through {where}, still trying")
+        # a poll slower than --timeout, the reply still due: said once, and
+        # not taken for a new reason (a pending answer after it is no news)
+        if said["reason"] in ("", "pending") and not said["slow"]:
+            said["slow"] = True
+            note(f"no answer yet from Titanic through {where}, still trying")
 
     while True:
         slow = reactor.callLater(options["timeout"], slowly)

@@ -194,7 +194,9 @@ def _stop_and_exit(reactor: Any, status: int) -> None:
 
 
 def _exit(status: int) -> None:
-    """Exit at once with *status*."""
+    """Exit at once with *status*.  (From an ``atexit`` handler, as
+    :func:`_stop_and_exit` runs it, the handlers registered before it do
+    not run: Python runs them last first.)"""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

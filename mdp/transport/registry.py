@@ -120,6 +120,11 @@ _BARE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za
                    r":(?:\d+|\*)$")
 
 
+#: ZeroMQ's transports, which a ``zmq:`` endpoint names (``ipc:5555`` is
+#: one of them without ``zmq:``, not a host called ipc)
+_ZMQ_TRANSPORTS = frozenset({"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "udp", "vmci"})
+
+
 def bare_address(endpoint: str) -> Optional[str]:
     """*endpoint* if it is a bare ``HOST:PORT`` (``localhost:5555``,
     ``127.0.0.1:5555``, ``[::1]:5555``) whose host is no endpoint scheme,
@@ -127,7 +132,7 @@ def bare_address(endpoint: str) -> Optional[str]:
     if not _BARE.match(endpoint):
         return None
     name = endpoint.partition(":")[0]
-    return None if name in _schemes else endpoint
+    return None if name in _schemes or name in _ZMQ_TRANSPORTS else endpoint
 
 
 def lookup(endpoint: object, role: str) -> Scheme:
@@ -147,6 +152,9 @@ def lookup(endpoint: object, role: str) -> Scheme:
     if scheme is None and bare_address(endpoint) is not None:
         raise TransportError(f"bad endpoint {endpoint!r}: an address with no scheme; "
                              + _hint_for_url("tcp://" + endpoint, role))
+    if scheme is None and name in _ZMQ_TRANSPORTS:
+        raise TransportError(f"bad endpoint {endpoint!r}: {name!r} is a ZeroMQ transport: "
+                             f"name it after zmq:, as in zmq:{name}://...")
     if scheme is None:
         known = ", ".join(sorted(_schemes))
         raise TransportError(f"bad endpoint {endpoint!r}: unknown scheme {name!r} (known: {known})")
