@@ -26,10 +26,12 @@ _names = itertools.count()
 #: whole files in collection order, so starting these first lets them end
 #: together instead of one waiting on a long file taken last
 LONGEST_FIRST = (
-    "test_benchmarks_smoke.py", "test_docs_commands.py", "test_faults.py", "test_spark.py",
-    "test_binarystar_processes.py", "test_blocking.py", "test_compiled.py",
-    "test_hostile_processes.py", "test_cli_first_minutes.py", "test_harmony_netns.py",
-    "test_processes.py", "test_titanic_faults.py",
+    "test_benchmarks_smoke.py", "test_docs_commands.py", "test_binarystar_processes.py",
+    "test_spark.py", "test_blocking.py", "test_faults.py", "test_suite_guard.py",
+    "test_hostile_processes.py", "test_compiled.py", "test_cli_first_minutes.py",
+    "test_titanic_faults.py", "test_harmony_netns.py", "test_freelance.py", "test_zmq_frames.py",
+    "test_docs_snippets.py", "test_blocking_edges.py", "test_processes.py", "test_security.py",
+    "test_readme_recipes.py", "test_first_hour_cli.py",
 )
 
 

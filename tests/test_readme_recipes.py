@@ -221,9 +221,13 @@ async def test_broker_worker_call_status_metrics_and_titanic(desk: Desk) -> None
 @pytest_twisted.ensureDeferred
 async def test_binary_star_pair_and_its_failover(desk: Desk) -> None:
     primary = await desk.start(PRIMARY, BROKER_READY)
-    await desk.start(BACKUP, BROKER_READY)
+    backup = await desk.start(BACKUP, BROKER_READY)
     await desk.start(PAIR_WORKER, WORKER_READY)
     assert (await desk.run(PAIR_CALL))[-1] == "hi"
+    # as the README says: a backup that never saw the primary active does not
+    # take over (the primary publishes its state every second)
+    assert "`backup -> passive`" in README.read_text(encoding="utf-8")
+    await backup.waitFor("backup -> passive")
     primary.interrupt()  # Ctrl-C in terminal 1
     assert await primary.ended() == 128 + signal.SIGINT, primary.text
     assert (await desk.run(PAIR_CALL, timeout=45))[-1] == "hi"
