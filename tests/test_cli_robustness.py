@@ -269,7 +269,9 @@ def test_control_characters_are_shown_escaped() -> None:
 
 
 class _MMIBroker(RawRouter):
-    """Answers every request with the FINAL *answers* gives its service."""
+    """Answers every request with the FINAL *answers* gives its service;
+    another service (``mdp status`` asks ``mmi.binarystar`` first), 501 as
+    a broker that is not in a pair."""
 
     def __init__(self, answers: dict[bytes, list[bytes]]) -> None:
         super().__init__()
@@ -277,7 +279,7 @@ class _MMIBroker(RawRouter):
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         header, command, service = frames[:3]
-        self.send(peer, header, b"\x03", service, *self.answers[service])
+        self.send(peer, header, b"\x03", service, *self.answers.get(service, [b"501"]))
 
 
 async def _mmi_broker(services: list[bytes], workers: list[bytes]) -> _MMIBroker:
