@@ -152,6 +152,8 @@ class Overrun:
 
         @functools.wraps(test)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.overran:  # run again after its overrun (hypothesis replays a failure)
+                pytest.fail(self.message, pytrace=False)
             self.inBody = True
             try:
                 result = test(*args, **kwargs)
@@ -299,6 +301,8 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
             gets another or is told to stop (the next test's teardown needs
             to know), and only a test's end calls this again.  A replacement
             worker handed the one test left of a crashed file waited so."""
+            if node not in self.registered_collections:
+                return  # a replacement still collecting: schedule() comes when it is done
             super()._reschedule(node)
             while not node.shutting_down and self._pending_of(self.assigned_work[node]) < 2:
                 if not self.workqueue:
