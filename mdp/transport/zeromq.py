@@ -3,9 +3,10 @@
 Thin adapters around :class:`txzmq.ZmqRouterConnection` and
 :class:`txzmq.ZmqDealerConnection`.  Socket options are set explicitly instead
 of txzmq's defaults (whose high-water mark of 0 means unbounded queues): a
-high-water mark per pipe (64 messages on a ROUTER, beyond which a peer's
-messages wait in its byte-bounded backlog; 100,000 on a DEALER, whose burst of
-PARTIALs then rarely waits), ``ZMQ_MAXMSGSIZE`` from the message limit (libzmq
+high-water mark per pipe (64 messages a ROUTER receives, 128 a bound one sends,
+set before it binds and never changed, beyond which a peer's messages wait in
+its byte-bounded backlog; 100,000 on a DEALER, whose burst of PARTIALs then
+rarely waits), ``ZMQ_MAXMSGSIZE`` from the message limit (libzmq
 drops a peer that sends a larger frame) and a short linger.  A message whose
 frames together exceed the limits is read off the socket and discarded without
 being kept.  ZeroMQ hides connection state, so these transports report no
@@ -48,24 +49,22 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 #: rarely has to wait in the backlog (a small mark costs streams most of their
 #: throughput: each message then crosses libzmq's threads on its own).
 HIGH_WATER_MARK = 100_000
-#: Per pipe on a ROUTER, for what it receives (and sends, where the marks
-#: below are not used).  libzmq counts messages, not bytes, so this is kept
-#: small (1,000, libzmq's default, would let 1 MiB messages pin a gigabyte).
+#: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and
+#: on a connecting ROUTER).  libzmq counts messages, not bytes, so this is
+#: kept small (1,000, libzmq's default, would let 1 MiB messages pin a
+#: gigabyte).
 ROUTER_HIGH_WATER_MARK = 64
 #: Per pipe on a bound ROUTER, for what it sends: a peer that does not read
 #: costs at most its backlog (bounded in bytes) plus this many messages in
-#: libzmq ...
+#: libzmq.  Set before the bind and never changed: libzmq (4.3.5 and
+#: earlier) passes a new SNDHWM on to the far end of every pipe the socket
+#: holds, a pipe whose peer disconnected and whose far end is freed already
+#: among them, and its IO thread then crashes on the freed pipe (libzmq
+#: issue #4524, fixed after 4.3.5 by PR #4647).  The mark used to start at
+#: twice this while every message was small and come down at the first
+#: large one: with a peer gone at that moment (``mdp status`` closes the
+#: connection of a query it gave up on), the process died of SIGSEGV.
 ROUTER_SEND_WATER_MARK = 128
-#: ... or this many while every message sent is small (SMALL_MESSAGE_BYTES at
-#: most): a stream of short PARTIALs then crosses libzmq's threads in larger
-#: bursts (streams of PARTIALs run about 1.15x as fast as at 64).  The first
-#: larger message brings the mark down to ROUTER_SEND_WATER_MARK before it
-#: goes, for good, so a pipe never holds more large ones than that.  At most
-#: twice that mark: libzmq's reading end reports what it has read every half of the mark
-#: it was given, and a mark lowered under that half could leave a drained pipe
-#: refused for good.
-ROUTER_BURST_WATER_MARK = 2 * ROUTER_SEND_WATER_MARK
-SMALL_MESSAGE_BYTES = 16 * 1024
 LINGER_MS = 200
 
 _factory: Any = None
@@ -170,7 +169,6 @@ def _connection_classes() -> tuple[type, type]:
         import zmq
 
         NOBLOCK = int(zmq.NOBLOCK)
-        SNDHWM = int(zmq.SNDHWM)
         NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
         EVENTS = int(zmq.EVENTS)
         POLLIN = int(zmq.POLLIN)
@@ -297,36 +295,6 @@ def _connection_classes() -> tuple[type, type]:
             #: the libzmq socket's address (readFrames, sendFrames)
             handle = 0
 
-            #: a message of more bytes than this brings the send mark down
-            #: (lowerMark); -1: the mark is fixed, or down already
-            largeAbove = -1
-            #: the send mark while messages are small (raiseMark), and the
-            #: one a large message brings (lowerMark)
-            burstMark = 0
-            sendMark = 0
-
-            def lowerMark(self) -> None:
-                """A large message is about to go: from now on, for good, a
-                pipe takes no message while it holds ``sendMark`` (those
-                already queued stay).  Never raised again: marks that went
-                up and down repeatedly left a drained pipe refused for good
-                now and then (libzmq's count of unreported reads), under
-                load, in tests/test_zmq_marks.py."""
-                self.largeAbove = -1
-                socket = self.socket
-                if socket is None:
-                    return
-                socket.set(SNDHWM, self.sendMark)
-
-            def raiseMark(self) -> None:
-                """While every message sent is small: let pipes hold
-                ``burstMark`` of them (the first larger one lowers it)."""
-                socket = self.socket
-                if socket is None or not self.burstMark:
-                    return
-                socket.set(SNDHWM, self.burstMark)
-                self.largeAbove = SMALL_MESSAGE_BYTES
-
             def _readMessage(self, socket: Any) -> Optional[list[bytes]]:
                 """Read one message; None if it is over the limits (then it
                 is being read off: ``skipping``).  Nothing over the limits
@@ -446,14 +414,8 @@ def _connection_classes() -> tuple[type, type]:
                         handle = self.handle
                         if not handle or socket is None:
                             handle = self._handle(socket)
-                        if sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket,
-                                      self.largeAbove) is not None:
-                            self.lowerMark()  # and then send it
-                            sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket)
+                        sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket)
                         return
-                    largeAbove = self.largeAbove
-                    if largeAbove >= 0 and sum(map(len, frames)) > largeAbove:
-                        self.lowerMark()
                     for i, frame in enumerate(frames):
                         # large frames go zero-copy (ZeroMQ keeps a reference), as
                         # pyzmq's own send_multipart does past its copy threshold
@@ -591,15 +553,6 @@ class _RoutedSocket:
         self._pacer = FlushPacer()
         _limit(self.connection, limits, native=not self.connects)
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
-
-    def _followSizes(self) -> None:
-        """Pipes made from now on hold ROUTER_BURST_WATER_MARK messages while
-        they are small, ROUTER_SEND_WATER_MARK once one is not (lowerMark).
-        Not on inproc, where a pipe's marks are the sum of both ends' and
-        the reading end's half is not ours to bound."""
-        self.connection.sendMark = ROUTER_SEND_WATER_MARK
-        self.connection.burstMark = min(ROUTER_BURST_WATER_MARK, 2 * ROUTER_SEND_WATER_MARK)
-        self.connection.raiseMark()
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
         if self.connection.socket is None:
@@ -784,7 +737,10 @@ class ZmqRouter(_RoutedSocket):
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
         self._setup(default_reactor(reactor), limits)
         if not address.startswith("inproc://"):
-            self._followSizes()
+            # before the bind, never after (ROUTER_SEND_WATER_MARK).  Not on
+            # inproc, where a pipe's marks are the sum of both ends' and the
+            # reading end's half is not ours to bound
+            self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
         if curve is not None:
             from mdp.transport import curve as curves
 
