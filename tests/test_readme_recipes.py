@@ -151,9 +151,15 @@ class Desk:
             await terminal.proc.stop()
 
 
-@pytest.fixture
-def desk(namespace: str, tmp_path: Path) -> Any:  # noqa: F811
-    yield Desk(namespace, tmp_path)
+@pytest_twisted.async_yield_fixture
+async def desk(namespace: str, tmp_path: Path) -> Any:  # noqa: F811
+    """The recipe's terminals, every one stopped at its end (before the
+    namespace goes)."""
+    terminals = Desk(namespace, tmp_path)
+    try:
+        yield terminals
+    finally:
+        await terminals.close()
 
 
 BROKER_READY = "MDP broker listening on"
