@@ -77,7 +77,7 @@ from mdp.app.tap import (
     checked_curve_client,
     checked_endpoints,
     curve_client_of,
-    usage_text,
+    usage_line,
 )
 from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
@@ -318,20 +318,27 @@ class TitanicSubmitOptions(_RequestOptions):
     synopsis = f"{_BROKERS} SERVICE FRAME [FRAME...]"
 
 
+def _one(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
+    """The one argument of *args*; a usage error saying *missing* when there
+    is none, and naming the first one too many (then *beyond*)."""
+    if not args:
+        raise usage.UsageError(missing)
+    if len(args) > 1:
+        raise usage.UsageError(f"one {name} only; {args[1]!r} is one argument too many{beyond}")
+    return args[0]
+
+
 def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
     """The one request id of *args*; a usage error saying what is missing
     or too much."""
     import uuid
 
-    if not args:
-        raise usage.UsageError(f"give the request ID that 'mdp titanic submit' printed, e.g. "
-                               f"'{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
-    if len(args) > 1:
-        raise usage.UsageError(f"one request ID only; {args[1]!r} is one argument too many")
+    value = _one(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
+                 f"e.g. '{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
     try:
-        return str(uuid.UUID(args[0]))
+        return str(uuid.UUID(value))
     except ValueError:
-        raise usage.UsageError(f"{args[0]!r} is not a request id (a UUID)") from None
+        raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
 
 
 class TitanicResultOptions(_ClientOptions):
@@ -379,12 +386,9 @@ class SPRequestOptions(VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        if not args:
-            raise usage.UsageError(f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'")
-        if len(args) > 1:
-            raise usage.UsageError(f"one PAYLOAD only; {args[1]!r} is one argument too many: "
-                                   "quote a payload with spaces")
-        self["payload"] = os.fsencode(args[0])
+        self["payload"] = os.fsencode(_one(
+            args, "PAYLOAD", f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'",
+            ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
         from mdp.app.tap import _sp_endpoint
@@ -491,12 +495,9 @@ class KeygenOptions(VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        if not args:
-            raise usage.UsageError(f"give a NAME for the key files, e.g. '{self.commandName()} "
-                                   "broker', which writes broker.key and broker.key_secret")
-        if len(args) > 1:
-            raise usage.UsageError(f"one NAME only; {args[1]!r} is one argument too many")
-        self["name"] = args[0]
+        self["name"] = _one(args, "NAME", f"give a NAME for the key files, e.g. "
+                            f"'{self.commandName()} broker', which writes broker.key and "
+                            "broker.key_secret")
 
 
 class Options(_Commands):
@@ -1050,14 +1051,11 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
     except usage.UsageError as e:
-        words = ["mdp"]
-        if options.subCommand:
-            words.append(options.subCommand)
-            inner = getattr(options.subOptions, "subCommand", None)
-            if inner:
-                words.append(inner)
-        command = " ".join(words)
-        _error(f"{command}: {usage_text(e)} (see {command} --help)")
+        parsing = options  # the command whose options were being read
+        while getattr(parsing, "subCommand", None) and isinstance(
+                getattr(parsing, "subOptions", None), VersionedOptions):
+            parsing = parsing.subOptions
+        _error(usage_line(parsing, e))
         raise SystemExit(EXIT_USAGE) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)

@@ -29,14 +29,59 @@ class _Failable(Service):
     ``startService``, and removes its pid file once the reactor has
     stopped; ``twist`` calls ``startService`` alone, before it begins
     logging and runs the reactor.  A failure ends the process accordingly
-    (:func:`_failedToStart`)."""
+    (:meth:`_failedToStart`)."""
 
+    #: a failure to start exits 1: True, False, or None for "when twistd runs it"
+    exitOnFailure: Optional[bool] = None
     #: started by twistd (or another runner that calls privilegedStartService first)
     _twistd = False
 
     def privilegedStartService(self) -> None:
         self._twistd = True
         super().privilegedStartService()
+
+    def _endsProcess(self) -> bool:
+        """A failure to start ends the process: *exitOnFailure*, or, unset
+        (None), when ``twistd`` runs it (an Application's services drop what
+        ``startService`` returns: no one else would see it)."""
+        return self._twistd if self.exitOnFailure is None else self.exitOnFailure
+
+    def _failedToStart(self, reactor: Any, failure: Failure, message: str,
+                       **fields: Any) -> Optional[Failure]:
+        """This service could not start: log *message* (a format of *fields*) once.
+
+        Unless it ends the process (:meth:`_endsProcess`), *failure* is
+        returned for the caller of ``startService``.  Before the reactor
+        runs and not under ``twistd`` (so under ``twist``, which starts its
+        service before its logging and its reactor), the line is critical
+        (shown on stderr at once) and the process exits with status 1 there
+        and then: no "Starting reactor..." after it, nothing else started.
+        Otherwise (the reactor running, or ``twistd``, whose logging has begun
+        and which removes its pid file once the reactor stops) it is an error
+        line, the reactor stops (the services of this package not yet started
+        do not start) and the process exits with status 1 once it has shut
+        down."""
+        if not self._endsProcess():
+            log.error(message, **fields)
+            return failure
+        if not reactor.running and not self._twistd:
+            log.critical(message, **fields)
+            _exit(1)
+        log.error(message, **fields)
+        _stop_and_exit(reactor, 1)
+        return None
+
+    def _cannotListen(self, what: str, endpoint: str, reactor: Any,
+                      failure: Failure) -> Optional[Failure]:
+        """This service's server could not bind *endpoint*: log why, and exit 1
+        where a failure ends the process (the ``twist`` plugins; by default
+        under ``twistd``) rather than run serving nothing."""
+        if isinstance(failure.value, defer.FirstError):
+            failure = failure.value.subFailure
+        if not self.running:
+            return None  # stopped while binding
+        return self._failedToStart(reactor, failure, "{what} cannot listen on {endpoint}: {error}",
+                                   what=what, endpoint=endpoint, error=failure.getErrorMessage())
 
 
 class BrokerService(_Failable):
@@ -102,7 +147,7 @@ class BrokerService(_Failable):
     def _fatal(self, reason: str) -> None:
         """The Binary Star pair is broken: this broker stops."""
         self.broker.close()
-        if _ends(self, self.exitOnFailure):
+        if self._endsProcess():
             _stop_and_exit(self.broker.reactor, 1)
 
     def _listen(self) -> defer.Deferred[None]:
@@ -136,18 +181,10 @@ class BrokerService(_Failable):
         if self.binaryStar is not None:
             # a broker that does not serve must not tell its peer it is there
             self.binaryStar.stop()
-        if _ends(self, self.exitOnFailure):
+        if self._endsProcess():
             self.broker.close()
-        return _failedToStart(self, self.broker.reactor, self.exitOnFailure, failure,
-                              "MDP broker cannot listen: {error}",
-                              error=failure.getErrorMessage())
-
-
-def _ends(service: _Failable, exitOnFailure: Optional[bool]) -> bool:
-    """A failure of *service* to start ends the process: *exitOnFailure*,
-    or, unset (None), when ``twistd`` runs it (an Application's services
-    drop what ``startService`` returns: no one else would see it)."""
-    return service._twistd if exitOnFailure is None else exitOnFailure
+        return self._failedToStart(self.broker.reactor, failure, "MDP broker cannot listen: {error}",
+                                   error=failure.getErrorMessage())
 
 
 def _exiting(reactor: Any) -> bool:
@@ -155,31 +192,6 @@ def _exiting(reactor: Any) -> bool:
     started after it do nothing (a worker would register with whatever
     holds the port the broker could not bind)."""
     return bool(getattr(reactor, "_mdpExiting", False))
-
-
-def _failedToStart(service: _Failable, reactor: Any, exitOnFailure: Optional[bool],
-                   failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
-    """*service* could not start: log *message* (a format of *fields*) once.
-
-    Unless it ends the process (:func:`_ends`), *failure* is returned for
-    the caller of ``startService``.  Before the reactor runs and not under
-    ``twistd`` (so under ``twist``, which starts its service before its
-    logging and its reactor), the line is critical (shown on stderr at once)
-    and the process exits with status 1 there and then: no "Starting
-    reactor..." after it, nothing else started.  Otherwise (the reactor
-    running, or ``twistd``, whose logging has begun and which removes its pid
-    file once the reactor stops) it is an error line, the reactor stops (the
-    services of this package not yet started do not start) and the process
-    exits with status 1 once it has shut down."""
-    if not _ends(service, exitOnFailure):
-        log.error(message, **fields)
-        return failure
-    if not reactor.running and not service._twistd:
-        log.critical(message, **fields)
-        _exit(1)
-    log.error(message, **fields)
-    _stop_and_exit(reactor, 1)
-    return None
 
 
 def _stop_and_exit(reactor: Any, status: int) -> None:
@@ -270,9 +282,8 @@ class MetricsService(_Failable):
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if not self.running:
             return None
-        return _failedToStart(self, self.reactor, self.exitOnFailure, failure,
-                              "cannot serve metrics on {endpoint}: {error}",
-                              endpoint=self.endpoint, error=failure.getErrorMessage())
+        return self._failedToStart(self.reactor, failure, "cannot serve metrics on {endpoint}: {error}",
+                                   endpoint=self.endpoint, error=failure.getErrorMessage())
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
@@ -280,20 +291,6 @@ class MetricsService(_Failable):
         if port is None:
             return defer.succeed(None)
         return defer.maybeDeferred(port.stopListening)
-
-
-def _cannotListen(service: _Failable, what: str, endpoint: str, reactor: Any,
-                  exitOnFailure: Optional[bool], failure: Failure) -> Optional[Failure]:
-    """*service*'s server could not bind *endpoint*: log why; with
-    *exitOnFailure* (the ``twist`` plugins; by default under ``twistd``),
-    exit 1 rather than run serving nothing (:func:`_failedToStart`)."""
-    if isinstance(failure.value, defer.FirstError):
-        failure = failure.value.subFailure
-    if not service.running:
-        return None  # stopped while binding
-    return _failedToStart(service, reactor, exitOnFailure, failure,
-                          "{what} cannot listen on {endpoint}: {error}", what=what,
-                          endpoint=endpoint, error=failure.getErrorMessage())
 
 
 class _ServerService(_Failable):
@@ -304,15 +301,13 @@ class _ServerService(_Failable):
     endpoint: str
     server: Any
     what = "server"
-    exitOnFailure: Optional[bool] = None
 
     def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
         super().startService()
         if _exiting(self.server.reactor):
             return defer.succeed(None)
         return self.server.listen(self.endpoint).addErrback(
-            lambda f: _cannotListen(self, self.what, self.endpoint, self.server.reactor,
-                                    self.exitOnFailure, f))
+            lambda f: self._cannotListen(self.what, self.endpoint, self.server.reactor, f))
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
@@ -376,8 +371,7 @@ class SPDeviceService(_Failable):
             return defer.succeed(None)
         device = self.device = self._make(self.back, self.reactor, **self.deviceOptions)
         return device.listen(self.front).addErrback(
-            lambda f: _cannotListen(self, "SP device", self.front, device.reactor,
-                                    self.exitOnFailure, f))
+            lambda f: self._cannotListen("SP device", self.front, device.reactor, f))
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()
@@ -408,8 +402,8 @@ class TitanicService(_Failable):
 
     def _failed(self, failure: Failure) -> None:
         # logged, not returned: a parent service would drop the failure unseen
-        _failedToStart(self, self.titanic.reactor, self.exitOnFailure, failure,
-                       "Titanic cannot start: {error}", error=failure.getErrorMessage())
+        self._failedToStart(self.titanic.reactor, failure, "Titanic cannot start: {error}",
+                            error=failure.getErrorMessage())
 
     def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
         super().stopService()

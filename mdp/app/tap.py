@@ -154,6 +154,13 @@ def usage_text(error: usage.UsageError) -> str:
     return text
 
 
+def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
+    """A usage mistake in one line: the command as typed (*options*' own),
+    what is wrong, and where the help is."""
+    command = options.commandName()
+    return f"{command}: {usage_text(error)} (see {command} --help)"
+
+
 class VersionedOptions(usage.Options):
     """The base of our option parsers: ``--version`` says txmajordomo's
     version (usage.Options would print Twisted's), ``-h`` is ``--help``, and
@@ -207,8 +214,7 @@ class VersionedOptions(usage.Options):
         except usage.UsageError as e:
             import sys
 
-            command = self.commandName()
-            print(f"{command}: {usage_text(e)} (see {command} --help)", file=sys.stderr)
+            print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
 
     def parseArgs(self, *args: str) -> None:
