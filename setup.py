@@ -71,16 +71,18 @@ class OptionalBuildExt(build_ext):
 
     def run(self) -> None:
         started = time.time()
+        settings = build_settings()
         # only a build into the working tree reuses what it holds (setuptools
         # builds elsewhere, then copies into it): a wheel is built afresh
-        self._reusing = bool(self.inplace or getattr(self, "editable_mode", False)) \
-            and not self.force
+        reusing = bool(self.inplace or getattr(self, "editable_mode", False)) and not self.force
+        #: the settings under which an earlier build's module is reused (None: none is)
+        self._reuseUnder = settings if reusing else None
         try:
             super().run()
         except Exception as e:  # no compiler at all: setuptools raises before any module
             self._skipped("all", e)
         # what the working tree now holds, for the import hook (mdp/_compiled.py)
-        _compiled["write_record"](PACKAGE, started, build=build_settings())
+        _compiled["write_record"](PACKAGE, started, build=settings)
 
     def build_extension(self, ext: object) -> None:
         if self._reused(ext):
@@ -97,8 +99,8 @@ class OptionalBuildExt(build_ext):
         (copied, with its time: the record stays true), not compiled again.
         A second install into the same checkout (the test extras after the
         demo's install) so takes seconds, not minutes."""
-        built = _compiled["reusable"](PACKAGE, ext.name, build_settings()) \
-            if getattr(self, "_reusing", False) else None
+        settings = getattr(self, "_reuseUnder", None)
+        built = _compiled["reusable"](PACKAGE, ext.name, settings) if settings else None
         if built is None:
             return False
         target = self.get_ext_fullpath(ext.name)

@@ -143,16 +143,22 @@ def _paths(package: str, name: str) -> tuple[str, str]:
     return os.path.join(package, *parts[:-1]), parts[-1]
 
 
-def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
-    """The build record of the package directory *package*, if it has one."""
+def _record_lines(package: str) -> Optional[list[list[str]]]:
+    """The fields of each line of *package*'s build record, if it has one."""
     try:
         with open(os.path.join(package, RECORD), encoding="ascii") as f:
-            lines = f.read().splitlines()
+            return [line.split() for line in f.read().splitlines()]
     except OSError:
         return None
+
+
+def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
+    """The build record of the package directory *package*, if it has one."""
+    lines = _record_lines(package)
+    if lines is None:
+        return None
     record = {}
-    for line in lines:
-        fields = line.split()
+    for fields in lines:
         if len(fields) == 5 and fields[0] in _RECORDED:
             try:
                 record[fields[0]] = tuple(int(x) for x in fields[1:])
@@ -206,16 +212,8 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
 def recorded_build(package: str) -> Optional[str]:
     """The build settings (``setup.py``'s fingerprint) the record of
     *package* names, if any."""
-    try:
-        with open(os.path.join(package, RECORD), encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) == 2 and fields[0] == _BUILD:
-            return fields[1]
-    return None
+    return next((fields[1] for fields in _record_lines(package) or ()
+                 if len(fields) == 2 and fields[0] == _BUILD), None)
 
 
 def reusable(package: str, name: str, build: str) -> Optional[str]:
