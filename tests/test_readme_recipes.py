@@ -25,6 +25,7 @@ import pytest
 import pytest_twisted
 
 from tests.procs import Process, reactor
+from tests.test_docs_commands import documented
 from tests.test_harmony_netns import namespace  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,16 +38,11 @@ ACTIVATE = ". .venv/bin/activate"
 
 
 def readme_commands() -> list[str]:
-    """Every command of the README's ``sh`` blocks: comments dropped,
-    continuations joined, single spaces."""
-    found = []
-    for block in re.findall(r"^```sh\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S):
-        text = re.sub(r"\\\n\s*", " ", block)
-        for line in text.split("\n"):
-            line = re.sub(r"(^|\s+)#(\s.*)?$", "", line).strip()
-            if line:
-                found.append(" ".join(line.split()))
-    return found
+    """Every command of the README's shell blocks, as
+    tests/test_docs_commands.py reads them (comments dropped, continuations
+    joined, single spaces)."""
+    return [entry.text for entry in documented()
+            if entry.where.startswith("README.md:") and not entry.synopsis]
 
 
 def shown(command: str) -> str:
