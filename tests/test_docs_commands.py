@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_LANGUAGES = {"sh", "shell", "bash", "console"}
-_FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.M | re.S)
 _COMMENT = re.compile(r"(^|\s+)#(\s.*)?$")
 
 
@@ -130,7 +130,7 @@ def documented() -> list[Documented]:
     for path in doc_files():
         text = path.read_text(encoding="utf-8")
         name = path.relative_to(ROOT).as_posix()
-        for fence in _FENCE.finditer(text):
+        for fence in FENCE.finditer(text):
             language, body = fence.group(1).lower(), fence.group(2)
             first = text.count("\n", 0, fence.start()) + 2
             transcript = any(line.startswith("$ ") for line in body.split("\n"))

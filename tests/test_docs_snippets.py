@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from tests.test_docs_commands import FENCE, SHELL_LANGUAGES, doc_files
 from tests.test_harmony_netns import namespace  # noqa: F401  (the fixture, for SNIPPETS' netns)
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,8 +53,6 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 #: seconds one snippet (or one server's start, or one command) may take
 TIMEOUT = 45
-SHELL_LANGUAGES = {"sh", "shell", "bash", "console"}
-_FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.M | re.S)
 
 
 # --- the blocks ----------------------------------------------------------------------------
@@ -73,14 +72,10 @@ class Block:
         return f"{self.page}:{self.line}"
 
 
-def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
 def parse(text: str, page: str) -> list[Block]:
     """The fenced blocks of *text* with a language that is not a shell's."""
     found = []
-    for fence in _FENCE.finditer(text):
+    for fence in FENCE.finditer(text):
         language = fence.group(1).lower()
         if language and language not in SHELL_LANGUAGES:
             found.append(Block(page, text.count("\n", 0, fence.start()) + 1, language, fence.group(2)))
@@ -90,7 +85,7 @@ def parse(text: str, page: str) -> list[Block]:
 def blocks() -> list[Block]:
     """Every block of README.md and docs/*.md this file covers, in page order."""
     found: list[Block] = []
-    for path in pages():
+    for path in doc_files():
         found += parse(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())
     return found
 

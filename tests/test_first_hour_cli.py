@@ -17,7 +17,7 @@ from twisted.python import usage
 from mdp import transport
 from mdp.app import cli, tap
 from mdp.errors import TransportError
-from tests.procs import ENV, Process, Proxy, bounded, reactor, script, wait_until
+from tests.procs import ENV, Process, Proxy, bounded, finished, reactor, script, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,12 +36,7 @@ async def _free_port() -> int:
 
 async def _run(*argv: str, timeout: float = 30) -> Process:
     """Run ``mdp ...`` or ``twist ...`` to its end."""
-    proc = Process(reactor(), [script(argv[0]), *argv[1:]], env=ENV)
-    try:
-        await proc.ended(timeout)
-    finally:
-        await proc.stop()
-    return proc
+    return await finished([script(argv[0]), *argv[1:]], timeout=timeout)
 
 
 def _mdp_usage_error(*argv: str) -> str:
