@@ -71,10 +71,10 @@ STACKS = {
 SOURCE_STACKS = {f"{stack} (source)": stack for stack in ("ours", "ours-blocking")}
 
 #: our Twisted stack on Twisted's default reactor, whatever the run's (--reactor):
-#: what the reactor buys (docs/performance.md, round two, item 25)
+#: what the reactor buys (benchmarks/NOTES.md, round two, item 25)
 EPOLL_STACKS = {"ours (epoll reactor)": "ours"}
 
-#: the code the second round's goals were set against: its run (docs/performance.md,
+#: the code the second round's goals were set against: its run (benchmarks/NOTES.md,
 #: 2026-11-22) gave the goals' "today" figures (0.68 of the ceiling, 1.9% of a core
 #: for 1,000 idle workers, 40 streams of 1,000 PARTIALs a second).  The suite runs
 #: its stream case (goal 4) and its broker under the idle workers (goal 6) in the
@@ -148,7 +148,7 @@ def run_clients(stacks: tuple[str, ...], mode: str, clients: int, workers: int, 
     each with its ``pair``.  A ratio of clients then pairs runs made seconds
     apart against the very same servers, and a drift of the machine over the
     pairs cancels out (ratio), so neither a restart of the servers nor a
-    slow spell longer than a run weighs on one side (item 33)."""
+    slow spell longer than a run weighs on one side (benchmarks/NOTES.md, item 33)."""
     servers_of = {STACKS[stack][:2] + STACKS[stack][3:] for stack in stacks}
     if len(servers_of) != 1:
         raise ValueError(f"{stacks} do not share their broker and workers")
@@ -435,7 +435,7 @@ def cases(smoke: bool, earlier: Optional[str] = None,
         if stack == "ours over tcp":  # goal 5: against the row before it
             add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
-        elif stack.endswith(" over tcp"):  # the blocking client's channels (item 34)
+        elif stack.endswith(" over tcp"):  # the blocking client's channels (NOTES.md, item 34)
             add(f"pipelined w100 x4 / {stack}", stack=stack.removesuffix(" over tcp"),
                 transport="tcp", mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
         else:
