@@ -29,6 +29,7 @@ from zope.interface import implementer
 from mdp.errors import OversizedMessage, RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
 from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call
+from mdp.session import machines
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
 from mdp.session.machines import (
@@ -39,14 +40,7 @@ from mdp.session.machines import (
     DEFAULT_PING_INTERVAL,
     ROUTING_ID_BYTES,
     ClientSessionMachine,
-    Deliver,
-    DropPeer,
     Expired,
-    Reconnect,
-    Refusal,
-    Renewed,
-    Send,
-    SendTo,
     ServerSessionMachine,
     SessionQueueFull,
     UnknownSession,
@@ -136,6 +130,10 @@ class _End:
     limits: Limits
     throttle: LogThrottle
     endpoint: str
+    #: messages from the other side lost as over our limits, and ours sent
+    #: as SKIPs as over the other side's
+    dropped = 0
+    skipped = 0
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
         """Why the DATA message *frames* is over our limits (None if it is
@@ -154,6 +152,28 @@ class _End:
         except Exception:
             log.failure("{end} {endpoint}: {what} raised", end=type(self).__name__,
                         endpoint=self.endpoint, what=what)
+
+    def _dropped(self, action: machines.Dropped) -> None:
+        self.dropped += 1
+        self.throttle.warn(log, "dropped", "{end}: message {seq}{of} from the other side is lost: "
+                           "{reason}", end=self._name(), seq=action.seq,
+                           of=f" of session {action.routingId}" if action.routingId else "",
+                           reason=action.reason)
+
+    def _skipped(self, action: machines.Skipped) -> None:
+        self.skipped += 1
+        self.throttle.warn(log, "skipped", "{end}: message {seq}{to} is over the limits the other "
+                           "side said ({reason}); a SKIP goes in its place: it is lost, and what "
+                           "follows it goes through", end=self._name(), seq=action.seq,
+                           to=f" to session {action.routingId}" if action.routingId else "",
+                           reason=action.reason)
+
+    def _notice(self, action: machines.Notice) -> None:
+        emit = self.throttle.info if action.level == "info" else self.throttle.warn
+        emit(log, action.topic, "{end}: {text}", end=self._name(), text=action.text)
+
+    def _name(self) -> str:
+        return f"{type(self).__name__} {self.endpoint}"
 
     def _shutdown(self) -> defer.Deferred[None]:
         if self.tick.running:
@@ -180,6 +200,10 @@ class SessionRouter(_End):
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
         self.endpoint = ""
+        #: HELLOs that attached a connection to a session, and those refused
+        #: at maxSessions
+        self.attaches = 0
+        self.refused = 0
         self.tick = task.LoopingCall(self._tick)
         self.tick.clock = reactor
 
@@ -211,21 +235,41 @@ class SessionRouter(_End):
 
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
-            if isinstance(action, SendTo):
-                if self.inner is not None:
-                    self.inner.sendMessage(action.peer, action.frames)
-            elif isinstance(action, Deliver):
-                self._safely("messageReceived", self.receiver.messageReceived,
-                             routing_bytes(action.routingId), list(action.payload))
-            elif isinstance(action, Expired):
-                self._safely("peerDisconnected", self.receiver.peerDisconnected,
-                             routing_bytes(action.routingId))
-            elif isinstance(action, DropPeer):
-                if self.inner is not None:
-                    self.throttle.info(log, "drop", "session router at {endpoint}: closed a "
-                                       "connection: {reason}", endpoint=self.endpoint,
-                                       reason=action.reason)
-                    self.inner.disconnectPeer(action.peer)
+            self._performers[type(action)](self, action)
+
+    def _sendTo(self, action: machines.SendTo) -> None:
+        if self.inner is not None:
+            self.inner.sendMessage(action.peer, action.frames)
+
+    def _deliver(self, action: machines.Deliver) -> None:
+        self._safely("messageReceived", self.receiver.messageReceived,
+                     routing_bytes(action.routingId), list(action.payload))
+
+    def _expired(self, action: machines.Expired) -> None:
+        self._safely("peerDisconnected", self.receiver.peerDisconnected,
+                     routing_bytes(action.routingId))
+
+    def _dropPeer(self, action: machines.DropPeer) -> None:
+        if self.inner is not None:
+            self.throttle.info(log, "drop", "session router at {endpoint}: closed a "
+                               "connection: {reason}", endpoint=self.endpoint,
+                               reason=action.reason)
+            self.inner.disconnectPeer(action.peer)
+
+    def _attached(self, action: machines.Attached) -> None:
+        self.attaches += 1
+
+    def _full(self, action: machines.Full) -> None:
+        self.refused += 1
+        self.throttle.warn(log, "full", "session router at {endpoint}: refused a new session "
+                           "from {peer!r}: {count} already (maxSessions)",
+                           endpoint=self.endpoint, peer=action.peer, count=action.sessions)
+
+    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver,
+                   machines.Expired: _expired, machines.DropPeer: _dropPeer,
+                   machines.Opened: lambda self, action: None, machines.Attached: _attached,
+                   machines.Full: _full, machines.Dropped: _End._dropped,
+                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     # --- IRouterTransport -----------------------------------------------------------
 
@@ -414,31 +458,7 @@ class SessionDealer(_End):
 
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
-            if isinstance(action, Send):
-                if self.inner is not None:
-                    self.inner.sendMessage(action.frames)
-            elif isinstance(action, Deliver):
-                self.oversizedLosses = 0
-                self._safely("messageReceived", self.receiver.messageReceived,
-                             list(action.payload))
-            elif isinstance(action, Refusal):
-                # the machine logs it; a receiver that waits for the session hears of it
-                refused = getattr(self.receiver, "sessionRefused", None)
-                if refused is not None:
-                    self._safely("sessionRefused", refused, action.reason)
-            elif isinstance(action, Renewed):
-                # the machine warns; a receiver that keeps state with the server hears of it
-                renewed = getattr(self.receiver, "sessionRenewed", None)
-                if renewed is not None:
-                    self._safely("sessionRenewed", renewed)
-            elif isinstance(action, Reconnect):
-                log.info("session dealer to {endpoint}: {reason}; connecting again",
-                         endpoint=self.endpoint, reason=action.reason)
-                inner, self.inner = self.inner, None
-                if inner is not None:
-                    inner.close()
-                if not self.closed and self.reopening is None:
-                    self._reopen()
+            self._performers[type(action)](self, action)
         if self.machine.state == "attached":
             self.attempts = 0
             if not self.madeOnce and not self.closed:
@@ -446,6 +466,48 @@ class SessionDealer(_End):
                 self._safely("connectionMade", self.receiver.connectionMade)
         if self.writable:
             self._waiters.fire()
+
+    def _send(self, action: machines.Send) -> None:
+        if self.inner is not None:
+            self.inner.sendMessage(action.frames)
+
+    def _deliver(self, action: machines.Deliver) -> None:
+        self.oversizedLosses = 0
+        self._safely("messageReceived", self.receiver.messageReceived, list(action.payload))
+
+    def _refusal(self, action: machines.Refusal) -> None:
+        """A receiver that waits for the session hears of it."""
+        self.throttle.warn(log, "refused", "session dealer to {endpoint}: the server refused "
+                           "the session: {reason}; asking again", endpoint=self.endpoint,
+                           reason=action.reason)
+        refused = getattr(self.receiver, "sessionRefused", None)
+        if refused is not None:
+            self._safely("sessionRefused", refused, action.reason)
+
+    def _renewed(self, action: machines.Renewed) -> None:
+        """A receiver that keeps state with the server hears of it."""
+        log.warn("session dealer to {endpoint}: the server's session for this client ended "
+                 "(it expired, was ended as full, or the server restarted) and a new one "
+                 "began: messages the server held for this client and had not delivered are "
+                 "lost; those this client sent that the server had not acknowledged are sent "
+                 "again, so the server may get one twice", endpoint=self.endpoint)
+        renewed = getattr(self.receiver, "sessionRenewed", None)
+        if renewed is not None:
+            self._safely("sessionRenewed", renewed)
+
+    def _reconnect(self, action: machines.Reconnect) -> None:
+        log.info("session dealer to {endpoint}: {reason}; connecting again",
+                 endpoint=self.endpoint, reason=action.reason)
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.close()
+        if not self.closed and self.reopening is None:
+            self._reopen()
+
+    _performers = {machines.Send: _send, machines.Deliver: _deliver,
+                   machines.Refusal: _refusal, machines.Renewed: _renewed,
+                   machines.Reconnect: _reconnect, machines.Dropped: _End._dropped,
+                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     # --- IDealerTransport ----------------------------------------------------------------
 
