@@ -31,6 +31,7 @@ from mdp.harmony.machine import (
     Emit,
     Event,
     HarmonyMachine,
+    Notice,
     OpenLink,
     SendOn,
     UnknownPeer,
@@ -533,32 +534,49 @@ class Node:
 
     def _performAll(self, generation: int, actions: list[Any]) -> None:
         """Open, send and close; events wait (:meth:`_perform`).  Of a run
-        that has ended, only the closes: the rest is void."""
+        that has ended, only the closes and notices: the rest is void."""
         live = self._live(generation)
         for action in actions:
-            if isinstance(action, SendOn):
-                link = self.links.get(action.link) if live else None
-                if link is not None:
-                    link.sendMessage(action.frames)
-            elif isinstance(action, Emit):
-                if live:
-                    self._pending.append((generation, action.event))
-            elif isinstance(action, OpenLink):
-                if not live:
-                    continue
-                try:
-                    self.links[action.link] = connect(
-                        transport_endpoint(action.endpoint), _Link(), self.reactor,
-                        limits=self.limits, identity=identity_of(self.uuid))
-                except (TransportError, ValueError) as e:
-                    self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
-                                       "{endpoint}: {error}", name=self.name,
-                                       endpoint=action.endpoint, error=e)
-                    self._failedLinks.append(action.link)
-            elif isinstance(action, CloseLink):
-                link = self.links.pop(action.link, None)
-                if link is not None:
-                    link.close()
+            self._performers[type(action)](self, action, generation, live)
+
+    def _sendOn(self, action: SendOn, generation: int, live: bool) -> None:
+        link = self.links.get(action.link) if live else None
+        if link is not None:
+            link.sendMessage(action.frames)
+
+    def _emitEvent(self, action: Emit, generation: int, live: bool) -> None:
+        if live:
+            self._pending.append((generation, action.event))
+
+    def _openLink(self, action: OpenLink, generation: int, live: bool) -> None:
+        if not live:
+            return
+        try:
+            self.links[action.link] = connect(
+                transport_endpoint(action.endpoint), _Link(), self.reactor,
+                limits=self.limits, identity=identity_of(self.uuid))
+        except (TransportError, ValueError) as e:
+            self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
+                               "{endpoint}: {error}", name=self.name,
+                               endpoint=action.endpoint, error=e)
+            self._failedLinks.append(action.link)
+
+    def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
+        link = self.links.pop(action.link, None)
+        if link is not None:
+            link.close()
+
+    def _notice(self, action: Notice, generation: int, live: bool) -> None:
+        if action.topic is None:
+            emit = log.info if action.level == "info" else log.warn
+            emit("ZRE node {name}: {text}", name=self.name, text=action.text)
+        else:
+            throttled = self.throttle.info if action.level == "info" else self.throttle.warn
+            throttled(log, action.topic, "ZRE node {name}: {text}", name=self.name,
+                      text=action.text)
+
+    _performers = {SendOn: _sendOn, Emit: _emitEvent, OpenLink: _openLink,
+                   CloseLink: _closeLink, Notice: _notice}
 
     def _deliver(self, event: Event) -> None:
         for callback in list(self._subscribers):
