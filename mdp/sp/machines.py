@@ -142,7 +142,8 @@ class ReqMachine(Machine):
         self.requests: dict[int, _Request] = {}
         #: requests waiting for a channel, oldest first
         self._held: OrderedDict[int, _Request] = OrderedDict()
-        self._wake: Optional[float] = None
+        #: when handleWake is due, as the last WakeAt said (None: never)
+        self.wakeAt: Optional[float] = None
         #: (resendAt, order, request) for every send; an entry counts while
         #: its order is the request's ``entry``, the others are stale
         self._deadlines: list[tuple[float, int, _Request]] = []
@@ -222,7 +223,7 @@ class ReqMachine(Machine):
         """Resend the requests whose resend interval is over, oldest request
         first: only the entries due come off the heap."""
         self.now = now
-        self._wake = None
+        self.wakeAt = None
         heap = self._deadlines
         due = []
         while heap and heap[0][0] <= now:
@@ -265,8 +266,8 @@ class ReqMachine(Machine):
         while heap and heap[0][2].entry != heap[0][1]:
             heapq.heappop(heap)
         when = heap[0][0] if heap else None
-        if when != self._wake:
-            self._wake = when
+        if when != self.wakeAt:
+            self.wakeAt = when
             self._emit(WakeAt(when))
 
 

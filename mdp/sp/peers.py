@@ -116,31 +116,30 @@ class SPClient:
         return d
 
     def _perform(self, actions: list[Any]) -> None:
-        """Do what the machine asked, in order.  What a caller's callback does
-        meanwhile (a new request, a cancel, close) is a new event, handled at
-        once; the actions left over must not undo what it did."""
+        """Do what the machine asked: sends and the timer first, then the
+        replies, whose callbacks may make new events (a request, a cancel,
+        close), each handled at once after this batch is done."""
+        replies = []
         for action in actions:
             kind = type(action)
             if kind is machines.SendOn:
-                if not self._closed:  # (a callback run by an earlier action may have closed it)
+                if not self._closed:
                     action.channel.transport.sendMessage([action.body])
-            elif kind is machines.Complete:
-                d = self._waiting.pop(action.requestId, None)
-                if d is not None:
-                    d.callback(action.payload)
             elif kind is machines.WakeAt:
-                # the machine's wake-up as it is now, not as this action said:
-                # a callback above may have made a request (or cancelled one)
-                # and armed the wake-up that asked for, which this older
-                # action must not undo
                 self._timer = cancel_call(self._timer)
-                when = self.machine._wake
-                if when is not None and not self._closed:
-                    self._timer = self.reactor.callLater(max(0.0, when - self._now()), self._wake)
+                if action.when is not None and not self._closed:
+                    self._timer = self.reactor.callLater(max(0.0, action.when - self._now()),
+                                                         self._wake)
+            elif kind is machines.Complete:
+                replies.append(action)
             elif kind is machines.Dropped:
                 self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
                                    "{reason}", url=getattr(action.channel, "url", "?"),
                                    reason=action.reason)
+        for action in replies:
+            d = self._waiting.pop(action.requestId, None)
+            if d is not None:
+                d.callback(action.payload)
 
     def _wake(self) -> None:
         self._timer = None
