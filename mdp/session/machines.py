@@ -2,12 +2,13 @@
 actions out (see :mod:`mdp.machine`).
 
 A *session* outlives connections: the client makes its own session id (16
-random bytes, never chosen by the application) and says HELLO with it on
-every connection; the server attaches the connection to the session it
-knows by that id.  Each direction numbers its DATA from 1 and keeps what it
-sent until the other side acknowledges it; after a re-attach, whatever is not
-acknowledged goes again, in order, and the receiver drops what it already
-has.  A network break is a lull: nothing is lost and nothing comes twice.
+random bytes) and says HELLO with it on every connection; the server attaches
+the connection to the session it knows by that id.  Each direction numbers
+its DATA from 1 and keeps what it sent until the other side acknowledges it;
+after a re-attach, what is not acknowledged goes again, in order, and the
+receiver drops what it already has.  Each side says in its HELLO or WELCOME
+the payload it takes in one DATA; the other sends a SKIP in place of a DATA
+over it, so the receiver counts it and what follows comes through.
 
 :class:`ClientSessionMachine`:
 
@@ -16,26 +17,20 @@ event                    what happens
 =======================  =============================================================
 connected                HELLO (session id, what we have received)
 WELCOME                  attached: everything not acknowledged goes again, in order
-WELCOME, new epoch       the server's session for us ended (it expired, was ended as
-                         full, or the server restarted) and a new one began: its
-                         numbering starts afresh; :class:`Renewed`, and a warning:
-                         what it held for us is lost
+WELCOME, new epoch       the server's session for us ended and a new one began: its
+                         numbering starts afresh; :class:`Renewed`
 no WELCOME               HELLO again after a ping interval (it may have been lost)
 send(payload)            numbered and kept; sent now if attached (else on attach);
                          beyond *maxQueued* kept: :class:`SessionQueueFull`
 DATA                     the next number: delivered; an old one: dropped (a resend);
                          a later one (some were lost unseen): HELLO again
-DATA, SKIP before the    dropped, not acknowledged: numbered in an epoch not known
-WELCOME                  yet (the WELCOME was lost); the server resends it after the
-                         WELCOME that answers the next HELLO
-DATA over our limits     the next number: dropped and acknowledged, logged (it can
-                         never be taken, and would hold back all after it)
-SKIP                     the next number: the server did not send it (over the limits
-                         our HELLO said): counted, logged and acknowledged
-UNKNOWN                  the server has no such session (it restarted), or lost
-                         messages: HELLO again
-REFUSED                  the server opens no session now (full): :class:`Refusal`
-                         (logged); HELLO again after a ping interval
+DATA, SKIP before the    dropped, not acknowledged (numbered in an epoch not known
+WELCOME                  yet); the server resends it after the next WELCOME
+DATA over our limits,    the next number: :class:`Dropped` and acknowledged (it could
+SKIP                     never be taken, and would hold back all after it)
+UNKNOWN                  the server has no such session, or lost messages: HELLO again
+REFUSED                  the server opens no session now (full): :class:`Refusal`;
+                         HELLO again after a ping interval
 tick, idle               PING, at most *liveness* unanswered at a time
 tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
 disconnected             detached; sending goes on into the queue
@@ -48,32 +43,22 @@ event                    what happens
 =======================  =============================================================
 HELLO, new id            a session with the next short routing id; WELCOME; the
                          session the connection held, or opened and left, ends (one
-                         session per connection: a client never uses two); at
-                         maxSessions: REFUSED, and no session
+                         session per connection); at maxSessions: REFUSED, no session
 HELLO, known id          the connection is attached to the session (a previous one is
-                         let go); WELCOME; everything not acknowledged goes again
+                         closed); WELCOME; everything not acknowledged goes again
 DATA, PING, ACK, SKIP    on the connection's session; PING answered with PING-OK;
-                         DATA over our limits, and SKIP: as the client does
-                         from a connection with no session, or DATA after a gap:
-                         UNKNOWN (the client attaches again and resends)
-not a session message    dropped, and its connection closed (:class:`DropPeer`)
+                         DATA over our limits, and SKIP: as the client does; from a
+                         connection with no session, or DATA after a gap: UNKNOWN
+not a session message    its connection closed (:class:`DropPeer`)
 reply(routingId, ...)    numbered, kept, sent if the session is attached
 peer gone                the session is detached, kept until it expires
-tick                     sessions silent for *expiry* seconds end (:class:`Expired`),
-                         their connection closed; a connection that went on
-                         without a session for *expiry* seconds is closed
+tick                     sessions silent for *expiry* end (:class:`Expired`), their
+                         connection closed; so is a connection without a session
+                         for *expiry*
 =======================  =============================================================
 
 A connection closed here holds no slot of the inner transport's
-``maxConnections`` (on transports with a connection per peer).
-
-Each side says in its HELLO or WELCOME the payload it takes in one DATA
-(*limits*: bytes, frames); the other side sends a SKIP in place of a DATA
-over them, now and at every resend, and logs it: the message is lost, and
-what follows it comes through.  Without the SKIP, a DATA far over the
-receiver's limits closes the connection it comes on before the receiver
-sees its number, and it is resent at each attach: nothing after it would
-ever come through.
+``maxConnections``.
 """
 
 from __future__ import annotations

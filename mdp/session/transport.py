@@ -91,11 +91,9 @@ def inner_limits(limits: Limits) -> Limits:
 
 
 def kept_frames(frames: Any) -> tuple[bytes, ...]:
-    """*frames* as a session keeps them until they are acknowledged: bytes
-    (a ``bytearray`` or ``memoryview`` copied, as it could change before a
-    resend); ``TypeError`` at once for a frame that is neither, which,
-    numbered and kept, would fail every resend and hold back every message
-    after it."""
+    """*frames* as a session keeps them until acknowledged: bytes (copied,
+    as a buffer could change before a resend); ``TypeError`` at once for a
+    frame that is not, which would fail every resend."""
     kept = []
     for index, frame in enumerate(frames):
         if frame.__class__ is not bytes:
@@ -123,7 +121,7 @@ def routing_id(peer: bytes) -> int:
 
 class _End:
     """What both ends share: a tick, an inner transport, limits on what is
-    delivered."""
+    delivered, and the logging of what their machine reports."""
 
     tick: task.LoopingCall
     inner: Any
@@ -137,9 +135,8 @@ class _End:
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
         """Why the DATA message *frames* is over our limits (None if it is
-        not, or is no DATA): the inner transport's limits leave room for the
-        session's own frames, so it lets a message just over ours through,
-        and the session drops it."""
+        not, or is no DATA): the inner transport lets it through, as its
+        limits leave room for the session's own frames."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
@@ -223,7 +220,6 @@ class SessionRouter(_End):
     # --- the inner transport's receiver ---------------------------------------------
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        # one over our limits is dropped by the session (logged), not delivered
         self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds(),
                                                  refused=self._overLimits(frames)))
 
@@ -296,11 +292,9 @@ class SessionRouter(_End):
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
-            # a hole in what the client gets would be worse: the session ends,
-            # as a transport drops a peer that reads nothing past its output
-            # limit.  It ends now, so nothing sent after this message (a
-            # smaller one that would fit, say) is numbered in its place; only
-            # the report waits a turn, as the application is in this call.
+            # a hole in what the client gets would be worse: the session ends
+            # now (nothing sent after is numbered in this one's place); its
+            # report waits a turn, as the application is in this call
             self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
                                "{error}", endpoint=self.endpoint,
                                id=routing_id(peer), error=e)
@@ -385,27 +379,20 @@ class SessionDealer(_End):
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
-        """The inner connection's delay before its *attempt*: the given
-        retry policy's (or the inner transport's own, 0.5 s doubling), at
-        most ``pingInterval * liveness``.  Left to double up to 32 s, a cut
-        shorter than the server's expiry would outlast the session (a
-        20 s cut found again after 31.5 s, past a 30 s expiry)."""
+        """The inner connection's delay before its *attempt*: the retry
+        policy's (or the inner transport's own), at most ``pingInterval *
+        liveness``, so that a cut shorter than the server's expiry does not
+        outlast the session."""
         if self.retryPolicy is None:
             return RECONNECT.delay(max(attempt - 1, 0), self.machine.deadAfter)
         return min(self.retryPolicy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
-        """The inner connection closed on a message from the server over
-        this side's limits by more than the room it leaves for the session's
-        frames (a server that read them in our HELLO sends a SKIP instead:
-        this one did not, or did not have them yet): the session never saw
-        which it was, so it cannot drop it (a message just over them it
-        does), and the server resends it at each attach: nothing after it
-        comes through until the limits agree.
-        Say so, and attach again after the backoff, not at once (the inner
-        transport would, and so would the resend: a loop as fast as the two
-        can go), at most ``pingInterval * liveness`` later, well within the
-        server's expiry."""
+        """The inner connection closed on a message from the server far over
+        our limits (a server that had our limits would have sent a SKIP): it
+        is resent at each attach, so nothing after it comes through.  Say so,
+        and attach again after the backoff, not at once (a loop as fast as
+        the two sides can go)."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "

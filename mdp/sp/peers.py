@@ -121,25 +121,30 @@ class SPClient:
         close), each handled at once after this batch is done."""
         replies = []
         for action in actions:
-            kind = type(action)
-            if kind is machines.SendOn:
-                if not self._closed:
-                    action.channel.transport.sendMessage([action.body])
-            elif kind is machines.WakeAt:
-                self._timer = cancel_call(self._timer)
-                if action.when is not None and not self._closed:
-                    self._timer = self.reactor.callLater(max(0.0, action.when - self._now()),
-                                                         self._wake)
-            elif kind is machines.Complete:
+            if type(action) is machines.Complete:
                 replies.append(action)
-            elif kind is machines.Dropped:
-                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
-                                   "{reason}", url=getattr(action.channel, "url", "?"),
-                                   reason=action.reason)
+            else:
+                self._performers[type(action)](self, action)
         for action in replies:
             d = self._waiting.pop(action.requestId, None)
             if d is not None:
                 d.callback(action.payload)
+
+    def _sendOn(self, action: machines.SendOn) -> None:
+        if not self._closed:
+            action.channel.transport.sendMessage([action.body])
+
+    def _wakeAt(self, action: machines.WakeAt) -> None:
+        self._timer = cancel_call(self._timer)
+        if action.when is not None and not self._closed:
+            self._timer = self.reactor.callLater(max(0.0, action.when - self._now()), self._wake)
+
+    def _dropped(self, action: machines.Dropped) -> None:
+        self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
+                           url=getattr(action.channel, "url", "?"), reason=action.reason)
+
+    _performers = {machines.SendOn: _sendOn, machines.WakeAt: _wakeAt,
+                   machines.Dropped: _dropped}
 
     def _wake(self) -> None:
         self._timer = None
