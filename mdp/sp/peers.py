@@ -42,13 +42,38 @@ def random_id() -> int:
     return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
 
 
-def _dials(endpoints: Union[str, Sequence[str]], none: str) -> list[tuple[str, str]]:
-    """(URL, Twisted endpoint) of each endpoint to dial (one, or a sequence);
-    ``ValueError(none)`` for an empty sequence, a TransportError for a bad one."""
+def _dial(endpoints: Union[str, Sequence[str]], make: Callable[[str], Any], none: str,
+          reactor: Any, limits: Limits, backoff: Backoff) -> list[Any]:
+    """A receiver made by *make(url)* for each of *endpoints* (one, or a
+    sequence), its ``transport`` a REQ connection dialing it;
+    ``ValueError(none)`` for no endpoint, a TransportError for a bad one."""
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     if not urls:
         raise ValueError(none)
-    return [(url, endpoint_of(url, listen=False)) for url in urls]
+    dials = [(url, endpoint_of(url, listen=False)) for url in urls]
+    ends = []
+    for url, dial in dials:
+        end = make(url)
+        end.transport = StreamDealer(dial, end, reactor, limits=limits, framing=SPFraming(REQ),
+                                     retryPolicy=backoff.retryPolicy())
+        ends.append(end)
+    return ends
+
+
+def _listen(endpoint: str, listener: Any, reactor: Any, limits: Limits,
+            routers: list[StreamRouter], what: str, then: str = "") -> defer.Deferred[StreamRouter]:
+    """Listen on *endpoint* as a REP side for *listener*; fires with the
+    router (its ``endpoint`` is a Twisted client string reaching it)."""
+
+    def bound(router: StreamRouter) -> StreamRouter:
+        listener.transport = router
+        routers.append(router)
+        log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint,
+                 then=then)
+        return router
+
+    return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, reactor,
+                               limits=limits, framing=SPFraming(REP)).addCallback(bound)
 
 
 @implementer(IDealerReceiver)
@@ -79,19 +104,14 @@ class SPClient:
     def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  resend: float = machines.DEFAULT_RESEND, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        dials = _dials(endpoints, "an SPClient needs at least one endpoint")
         self.reactor = default_reactor(reactor)
         self.machine = machines.ReqMachine(random_id(), resend=resend, now=self._now())
         self.throttle = LogThrottle(self.reactor)
         self._waiting: dict[int, defer.Deferred[bytes]] = {}
         self._timer: Any = None
         self._closed = False
-        self.pipes = []
-        for url, dial in dials:
-            pipe = _Pipe(self, url)
-            pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=limits,
-                                          framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
-            self.pipes.append(pipe)
+        self.pipes = _dial(endpoints, lambda url: _Pipe(self, url),
+                           "an SPClient needs at least one endpoint", self.reactor, limits, backoff)
 
     def _now(self) -> float:
         return self.reactor.seconds()
@@ -201,16 +221,8 @@ class SPServer:
     def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
         """Listen on *endpoint*; fires with the router (its ``endpoint`` is
         a Twisted client string reaching it)."""
-        listener = _Listener(self)
-
-        def bound(router: StreamRouter) -> StreamRouter:
-            listener.transport = router
-            self.routers.append(router)
-            log.info("SP REP listening on {endpoint}", endpoint=router.endpoint)
-            return router
-
-        return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
-                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+        return _listen(endpoint, _Listener(self), self.reactor, self.limits, self.routers,
+                       "SP REP")
 
     def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
         self._perform(listener, self.machine.handleRequest((listener, peer), body, self._now()))
@@ -315,36 +327,23 @@ class SPDevice:
     def __init__(self, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        dials = _dials(back, "an SPDevice needs at least one endpoint to forward to")
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.machine = machines.DeviceMachine(random_id(), maxHops=maxHops, now=self._now())
         self.throttle = LogThrottle(self.reactor)
         self.routers: list[StreamRouter] = []
         self._turn = 0
-        self.backs = []
-        for url, dial in dials:
-            end = _DeviceBack(self, url)
-            end.transport = StreamDealer(dial, end, self.reactor, limits=limits,
-                                         framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
-            self.backs.append(end)
+        self.backs = _dial(back, lambda url: _DeviceBack(self, url),
+                           "an SPDevice needs at least one endpoint to forward to", self.reactor,
+                           limits, backoff)
 
     def _now(self) -> float:
         return self.reactor.seconds()
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
         """Take requests on *front*."""
-        listener = _DeviceFront(self)
-
-        def bound(router: StreamRouter) -> StreamRouter:
-            listener.transport = router
-            self.routers.append(router)
-            log.info("SP device listening on {endpoint}, forwarding to {back}",
-                     endpoint=router.endpoint, back=", ".join(b.url for b in self.backs))
-            return router
-
-        return StreamRouter.listen(endpoint_of(front, listen=True), listener, self.reactor,
-                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+        return _listen(front, _DeviceFront(self), self.reactor, self.limits, self.routers,
+                       "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
 
     def _request(self, front: _DeviceFront, peer: bytes, body: bytes) -> None:
         upstream = self.machine.handleRequest((front, peer), body, self._now())
