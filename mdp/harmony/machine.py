@@ -27,7 +27,7 @@ HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *
                             other's answer, for ever)
 other message, no HELLO     dropped (a peer talks only after its HELLO)
 sequence gap                "messages lost": the peer is dropped (EXIT) and found again
-unknown or malformed        logged; the peer is dropped (EXIT), as its sequence is lost
+unknown or malformed        the peer is dropped (EXIT), as its sequence is lost
 WHISPER, SHOUT              an event to the application
 JOIN, LEAVE                 the peer's group set and status (+1) change; an event
 PING                        PING-OK back
@@ -57,7 +57,7 @@ from mdp.machine import Machine, action_class
 DEFAULT_EVASIVE = 5.0
 #: Silence (seconds) after which a peer is dropped (EXIT).
 DEFAULT_EXPIRED = 30.0
-#: Peers a node keeps; beacons or HELLOs beyond are ignored, logged.
+#: Peers a node keeps; beacons or HELLOs beyond are ignored.
 DEFAULT_MAX_PEERS = 1000
 #: A listed endpoint nobody answers for is dialled again after *expired*,
 #: then twice that, ... up to this many times *expired*: the node there may
@@ -203,11 +203,9 @@ class HarmonyMachine(Machine):
 
     *headers* go out in every HELLO; *evasive* and *expired* are the
     silences (seconds) after which a peer is PINGed and dropped; *maxPeers*
-    bounds the table against a flood of made-up UUIDs, *maxGroups* and
-    *maxHeaders* what one peer may make us keep (a peer beyond them is
-    dropped, logged).  *reachable(endpoint)*
-    says why a peer's endpoint cannot be dialled (None if it can): such a
-    peer is ignored, logged, before anything is said of it."""
+    bounds the table, *maxGroups* and *maxHeaders* what one peer may make us
+    keep.  *reachable(endpoint)* says why a peer's endpoint cannot be dialled
+    (None if it can): such a peer is ignored before anything is said of it."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
@@ -353,10 +351,9 @@ class HarmonyMachine(Machine):
         self.dials[endpoint] = _Dial(link, endpoint, 1, self.now)
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
-        """The link *link* could not be opened (a peer announced an endpoint
-        we cannot reach, or no socket could be had): forget that peer.  An
-        endpoint of the list is dialled again, as one where nobody answers:
-        its dial stays, and the tick dials it once ``expired`` has passed."""
+        """The link *link* could not be opened: forget its peer.  A dial to a
+        listed endpoint stays, and the tick dials it again once ``expired``
+        has passed, as one where nobody answers."""
         self.now = now
         for peer in list(self.peers.values()):
             if peer.link == link:

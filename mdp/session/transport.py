@@ -26,7 +26,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, RequestTooLarge, TransportError
+from mdp.errors import OversizedMessage, ReplyTooLarge, RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
 from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call
 from mdp.session import machines
@@ -279,16 +279,21 @@ class SessionRouter(_End):
         why = None if session is None else over_limits(frames, session.seq.peerLimits)
         return None if why is None else f"the session's client takes no message of {why}"
 
-    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
-        reason = self.refusal(routing_id(peer), frames)
+    def reply(self, routingId: int, frames: Any) -> None:
+        """Send *frames* to the session *routingId*; :class:`ReplyTooLarge`
+        over our limits or its client's, :class:`UnknownSession`,
+        :class:`SessionQueueFull`."""
+        reason = self.refusal(routingId, frames)
         if reason is not None:
-            self.throttle.warn(log, "too large", "session router at {endpoint}: refused a "
-                               "message for session {id}: {reason}", endpoint=self.endpoint,
-                               id=routing_id(peer), reason=reason)
-            return
-        kept = kept_frames(frames)
+            raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
+        self._perform(self.machine.reply(routingId, kept_frames(frames), self.reactor.seconds()))
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         try:
-            self._perform(self.machine.reply(routing_id(peer), kept, self.reactor.seconds()))
+            self.reply(routing_id(peer), frames)
+        except ReplyTooLarge as e:
+            self.throttle.warn(log, "too large", "session router at {endpoint}: {error}",
+                               endpoint=self.endpoint, error=e)
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:

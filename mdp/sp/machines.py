@@ -172,9 +172,8 @@ class ReqMachine(Machine):
         return self._drain()
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
-        """Its requests go out again on the others, oldest first.  This looks
-        at every request in flight: a lost channel is rare, and keeping each
-        channel's requests apart would cost every send."""
+        """Its requests go out again on the others, oldest first (a look at
+        every request in flight: a lost channel is rare)."""
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
@@ -254,11 +253,8 @@ class ReqMachine(Machine):
 
     def _rearm(self) -> None:
         """Ask for a wake-up at the earliest resend deadline, if it changed.
-        Stale entries at the head go first (when replies come in the order
-        the requests went, that is all of them); when stale ones outnumber
-        live ones by more than the slack, the heap is rebuilt without them,
-        so between events it holds at most twice the requests out plus the
-        slack."""
+        Stale entries at the head go first; when stale ones outnumber live
+        ones by more than the slack, the heap is rebuilt without them."""
         heap = self._deadlines
         if len(heap) > 2 * (len(self.requests) - len(self._held)) + self._slack:
             heap[:] = [e for e in heap if e[2].entry == e[1]]
