@@ -313,14 +313,14 @@ def test_a_bound_of_one_is_room_for_one_and_a_bound_below_one_is_refused() -> No
     a sender waiting for room is not kept waiting for ever; a bound below
     one message or one byte is refused when the machine is made."""
     client = ClientSessionMachine(bytes(16), maxQueued=1)
-    assert client.seq.roomy
+    assert client.seq.hasRoom
     client.send((b"x",), 0)
-    assert not client.seq.roomy
+    assert not client.seq.hasRoom
     with pytest.raises(SessionQueueFull):
         client.send((b"y",), 0)
     client.seq.acked(1)
-    assert client.seq.roomy
-    assert ClientSessionMachine(bytes(16), maxQueuedBytes=1).seq.roomy
+    assert client.seq.hasRoom
+    assert ClientSessionMachine(bytes(16), maxQueuedBytes=1).seq.hasRoom
     for bad in ({"maxQueued": 0}, {"maxQueued": -1}, {"maxQueuedBytes": 0}):
         with pytest.raises(ValueError, match="at least 1"):
             ClientSessionMachine(bytes(16), **bad)

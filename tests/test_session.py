@@ -368,7 +368,7 @@ def saying_no_limits(monkeypatch: Any) -> None:
     WELCOME (as a peer of another make may not)."""
     import mdp.session.transport
 
-    monkeypatch.setattr(mdp.session.transport, "said", lambda limits: (0, 0))
+    monkeypatch.setattr(mdp.session.transport, "payload_limits", lambda limits: (0, 0))
 
 
 @pytest_twisted.ensureDeferred

@@ -303,9 +303,9 @@ class _Sequenced:
         return self.data(self.sent, payload)
 
     @property
-    def roomy(self) -> bool:
+    def hasRoom(self) -> bool:
         """Below half the bounds: a sender may go on without waiting.  (Half
-        of a bound of 1 is taken as 1: an empty session is always roomy, or
+        of a bound of 1 is taken as 1: an empty session always has room, or
         a sender waiting for room would wait for ever.)"""
         return (len(self.unacked) < max(1, self.maxQueued // 2)
                 and self.queuedBytes < max(1, self.maxQueuedBytes // 2))

@@ -104,7 +104,7 @@ def kept_frames(frames: Any) -> tuple[bytes, ...]:
     return tuple(kept)
 
 
-def said(limits: Limits) -> tuple[int, int]:
+def payload_limits(limits: Limits) -> tuple[int, int]:
     """What a side says it takes in one DATA: its payload limits."""
     return limits.maxMessageBytes, limits.maxFrames
 
@@ -192,7 +192,7 @@ class SessionRouter(_End):
         self.limits = limits
         self.machine = ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
-            maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
             now=reactor.seconds())
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
@@ -343,7 +343,7 @@ class SessionDealer(_End):
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
             now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(self.innerEndpoint, self.machine.deadAfter)
         self.backoff = backoff
@@ -427,7 +427,7 @@ class SessionDealer(_End):
         connection's own queue is full): a streaming sender waits on
         :meth:`drained`."""
         inner = self.inner
-        return self.machine.seq.roomy and (inner is None or getattr(inner, "writable", True))
+        return self.machine.seq.hasRoom and (inner is None or getattr(inner, "writable", True))
 
     @property
     def connected(self) -> bool:
@@ -579,15 +579,15 @@ class _Inner:
         self.owner = owner
         self.transport: Any = None
 
-    def _mine(self) -> bool:
+    def _current(self) -> bool:
         return self.transport is not None and self.owner.inner is self.transport
 
     def connectionMade(self) -> None:
-        if self._mine():
+        if self._current():
             self.owner._perform(self.owner.machine.handleConnected(self.owner._now()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        if self._mine():
+        if self._current():
             owner = self.owner
             epoch = owner.machine.epoch
             # one over our limits is dropped by the session (logged), not delivered
@@ -598,7 +598,7 @@ class _Inner:
             owner._perform(actions)
 
     def connectionLost(self, reason: object) -> None:
-        if self._mine():
+        if self._current():
             owner = self.owner
             why = getattr(reason, "value", None)
             if isinstance(why, OversizedMessage):
