@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Any, Hashable, Optional, Union
+from typing import Any, Hashable, Optional
 
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_class
@@ -59,6 +59,13 @@ class SendOn:
     """Send *body* on *channel*."""
 
     channel: Any
+    body: bytes
+
+
+@action_class
+class Forward:
+    """A device: send *body* upstream."""
+
     body: bytes
 
 
@@ -382,17 +389,18 @@ class DeviceMachine(_ChannelMachine):
     with that channel's id pushed on its backtrace; a reply from upstream goes
     to the channel its first word names, that word popped."""
 
-    def handleRequest(self, channel: Channel, body: bytes, now: float) -> Union[bytes, list[Any]]:
-        """The request to pass upstream (bytes), or the actions saying why not."""
+    def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
+        """A request from *channel*: :class:`Forward`, or :class:`Dropped` over
+        the hop limit (its hop through us counts)."""
         self.now = now
-        number = self.channels.up(channel)
+        upstream = word(self.channels.up(channel)) + body
         try:
-            # one more hop than the request has: it must still be within the limit
-            split_backtrace(word(number) + body, self.maxHops)
+            split_backtrace(upstream, self.maxHops)
         except ProtocolError as e:
             self._emit(Dropped(channel, str(e)))
             return self._drain()
-        return word(number) + body
+        self._emit(Forward(upstream))
+        return self._drain()
 
     def handleReply(self, body: bytes, now: float) -> list[Any]:
         """A reply from upstream."""

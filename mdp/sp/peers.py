@@ -346,10 +346,14 @@ class SPDevice:
                        "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
 
     def _request(self, front: _DeviceFront, peer: bytes, body: bytes) -> None:
-        upstream = self.machine.handleRequest((front, peer), body, self._now())
-        if not isinstance(upstream, bytes):
-            self._log(upstream, f"request from {peer_label(front, peer)}")
-            return
+        for action in self.machine.handleRequest((front, peer), body, self._now()):
+            if type(action) is machines.Forward:
+                self._forward(action.body)
+            else:
+                self._log([action], f"request from {peer_label(front, peer)}")
+
+    def _forward(self, body: bytes) -> None:
+        """Send *body* upstream, on the next connection that is up in turn."""
         live = [b for b in self.backs if b.up] or self.backs
         if live is self.backs:
             # none up (connecting, or its greeting not come yet): held by a
@@ -359,7 +363,7 @@ class SPDevice:
                                "upstream connection is up")
         end = live[self._turn % len(live)]
         self._turn += 1
-        end.transport.sendMessage([upstream])
+        end.transport.sendMessage([body])
 
     def _reply(self, body: bytes, url: str = "?") -> None:
         for action in self.machine.handleReply(body, self._now()):
