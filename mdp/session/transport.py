@@ -141,6 +141,16 @@ class _End:
             return self.limits.refuse(frames[4:])
         return None
 
+    def _refusal(self, frames: Any, peerLimits: Optional[tuple[int, int]],
+                 other: str) -> Optional[str]:
+        """Why *frames* are not sent: over our limits, or over *peerLimits*,
+        those the *other* side said (None if they go)."""
+        reason = self.limits.refuse(frames)
+        if reason is None:
+            why = over_limits(frames, peerLimits)
+            reason = None if why is None else f"{other} takes no message of {why}"
+        return reason
+
     def _safely(self, what: str, call: Callable[..., Any], *args: Any) -> None:
         """Call the application's *call*; what it raises is logged, so the
         session (its tick, its numbering) goes on."""
@@ -269,21 +279,13 @@ class SessionRouter(_End):
 
     # --- IRouterTransport -----------------------------------------------------------
 
-    def refusal(self, routingId: int, frames: Any) -> Optional[str]:
-        """Why *frames* are not sent to the session *routingId*: over our
-        limits, or over those its client said (None if they go)."""
-        reason = self.limits.refuse(frames)
-        if reason is not None:
-            return reason
-        session = self.machine.byRouting.get(routingId)
-        why = None if session is None else over_limits(frames, session.seq.peerLimits)
-        return None if why is None else f"the session's client takes no message of {why}"
-
     def reply(self, routingId: int, frames: Any) -> None:
         """Send *frames* to the session *routingId*; :class:`ReplyTooLarge`
         over our limits or its client's, :class:`UnknownSession`,
         :class:`SessionQueueFull`."""
-        reason = self.refusal(routingId, frames)
+        session = self.machine.byRouting.get(routingId)
+        peerLimits = None if session is None else session.seq.peerLimits
+        reason = self._refusal(frames, peerLimits, "the session's client")
         if reason is not None:
             raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
         self._perform(self.machine.reply(routingId, kept_frames(frames), self.reactor.seconds()))
@@ -467,7 +469,7 @@ class SessionDealer(_End):
         self.oversizedLosses = 0
         self._safely("messageReceived", self.receiver.messageReceived, list(action.payload))
 
-    def _refusal(self, action: machines.Refusal) -> None:
+    def _refused(self, action: machines.Refusal) -> None:
         """A receiver that waits for the session hears of it."""
         self.throttle.warn(log, "refused", "session dealer to {endpoint}: the server refused "
                            "the session: {reason}; asking again", endpoint=self.endpoint,
@@ -497,7 +499,7 @@ class SessionDealer(_End):
             self._reopen()
 
     _performers = {machines.Send: _send, machines.Deliver: _deliver,
-                   machines.Refusal: _refusal, machines.Renewed: _renewed,
+                   machines.Refusal: _refused, machines.Renewed: _renewed,
                    machines.Reconnect: _reconnect, machines.Dropped: _End._dropped,
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
@@ -511,11 +513,7 @@ class SessionDealer(_End):
         is not bytes; nothing is queued then."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
-        reason = self.limits.refuse(frames)
-        if reason is None:
-            why = over_limits(frames, self.machine.seq.peerLimits)
-            if why is not None:
-                reason = f"the server takes no message of {why}"
+        reason = self._refusal(frames, self.machine.seq.peerLimits, "the server")
         if reason is not None:
             raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
         self._perform(self.machine.send(kept_frames(frames), self._now()))
