@@ -17,6 +17,7 @@ from mdp.sp.machines import (
     Complete,
     DeviceMachine,
     Dropped,
+    Forward,
     Overloaded,
     RepMachine,
     ReqMachine,
@@ -276,7 +277,7 @@ def test_channel_ids_start_where_told_wrap_and_skip_those_in_use() -> None:
 def test_a_device_pushes_and_pops_its_channel_id() -> None:
     device = DeviceMachine(40)
     upstream = device.handleRequest("client", word(BOTTOM | 9) + b"q", 0.0)
-    assert upstream == word(40) + word(BOTTOM | 9) + b"q"
+    assert upstream == [Forward(word(40) + word(BOTTOM | 9) + b"q")]
     assert sends(device.handleReply(word(40) + word(BOTTOM | 9) + b"r", 1.0)) == [
         ("client", word(BOTTOM | 9) + b"r")]
     for bad in (word(41) + b"x", word(BOTTOM | 40) + b"x", b"ab"):
@@ -286,7 +287,8 @@ def test_a_device_pushes_and_pops_its_channel_id() -> None:
 def test_a_device_drops_a_request_that_would_go_over_the_hops() -> None:
     device = DeviceMachine(1)
     six = b"".join(word(n) for n in range(6))
-    assert isinstance(device.handleRequest("c", six + word(BOTTOM) + b"x", 0.0), bytes)
+    assert [type(a) for a in device.handleRequest("c", six + word(BOTTOM) + b"x", 0.0)] == [
+        Forward]
     seven = six + word(6)  # the device's own word would make 8: over nng's limit
     assert [type(a) for a in device.handleRequest("c", seven + word(BOTTOM) + b"x", 0.0)] == [
         Dropped]

@@ -502,7 +502,7 @@ def test_a_request_made_in_a_reply_callback_is_resent() -> None:
     clock.advance(1.0)
     pipe.messageReceived([connection.sent[0][:4] + b"reply"])
     assert first.called and len(made) == 1 and not made[0].called
-    assert _wake_ups(clock, client) == [client.machine._wake] == [11.0]
+    assert _wake_ups(clock, client) == [client.machine.wakeAt] == [11.0]
     clock.advance(1.0)
     later = client.request(b"C")
     _advance(clock, 30)
@@ -510,7 +510,7 @@ def test_a_request_made_in_a_reply_callback_is_resent() -> None:
     assert _sent(connection, b"C") == 4  # at 2, 12, 22 and 32
     made[0].cancel()
     later.cancel()
-    assert _wake_ups(clock, client) == [] and client.machine._wake is None
+    assert _wake_ups(clock, client) == [] and client.machine.wakeAt is None
 
 
 def test_a_request_cancelled_in_a_reply_callback_leaves_the_wake_up_of_the_others() -> None:
@@ -525,7 +525,7 @@ def test_a_request_cancelled_in_a_reply_callback_leaves_the_wake_up_of_the_other
     clock.advance(1.0)
     pipe.messageReceived([connection.sent[0][:4] + b"reply"])
     assert first.called and second.called
-    assert _wake_ups(clock, client) == [client.machine._wake] == [12.0]
+    assert _wake_ups(clock, client) == [client.machine.wakeAt] == [12.0]
     _advance(clock, 9)
     assert (_sent(connection, b"B"), _sent(connection, b"C")) == (1, 2)
     third.cancel()

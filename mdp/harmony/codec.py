@@ -28,7 +28,7 @@ UUID and its ROUTER port, big-endian; port 0 says the sender is leaving.
 from __future__ import annotations
 
 import struct
-from typing import Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 from uuid import UUID
 
 import attrs
@@ -266,6 +266,35 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
     return _decode(frames, maxGroups, maxHeaders)
 
 
+def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxGroups: int,
+                maxHeaders: int) -> Hello:
+    endpoint = reader.string("endpoint")
+    groups = tuple(reader.long_string("group")
+                   for _ in range(reader.count("groups", 4, maxGroups)))
+    status = reader.u8("status")
+    name = reader.string("name")
+    headers = {}
+    for _ in range(reader.count("headers", 5, maxHeaders)):
+        key = reader.string("header name")
+        headers[key] = reader.long_string("header value")
+    return Hello(sequence, endpoint, groups, status, name, headers)
+
+
+#: each command's reader of the fields after the sequence: (reader,
+#: sequence, content frames, maxGroups, maxHeaders) to the message
+_READERS: dict[int, Callable[..., Message]] = {
+    HELLO: _read_hello,
+    WHISPER: lambda reader, sequence, content, *_: Whisper(sequence, content),
+    SHOUT: lambda reader, sequence, content, *_: Shout(sequence, reader.string("group"), content),
+    JOIN: lambda reader, sequence, content, *_: Join(sequence, reader.string("group"),
+                                                     reader.u8("status")),
+    LEAVE: lambda reader, sequence, content, *_: Leave(sequence, reader.string("group"),
+                                                       reader.u8("status")),
+    PING: lambda reader, sequence, content, *_: Ping(sequence),
+    PING_OK: lambda reader, sequence, content, *_: PingOk(sequence),
+}
+
+
 def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message:
     reader = _Reader(bytes(frames[0]))
     signature = reader.u16("signature")
@@ -275,33 +304,12 @@ def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message
     version = reader.u8("version")
     if version != VERSION:
         raise MalformedZre(f"version {version} is not {VERSION}")
-    if command not in COMMANDS:
+    read = _READERS.get(command)
+    if read is None:
         raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
     sequence = reader.u16("sequence")
     content = tuple(bytes(f) for f in frames[1:])
-    message: Message
-    if command == HELLO:
-        endpoint = reader.string("endpoint")
-        groups = tuple(reader.long_string("group")
-                       for _ in range(reader.count("groups", 4, maxGroups)))
-        status = reader.u8("status")
-        name = reader.string("name")
-        headers = {}
-        for _ in range(reader.count("headers", 5, maxHeaders)):
-            key = reader.string("header name")
-            headers[key] = reader.long_string("header value")
-        message = Hello(sequence, endpoint, groups, status, name, headers)
-    elif command == WHISPER:
-        message = Whisper(sequence, content)
-    elif command == SHOUT:
-        message = Shout(sequence, reader.string("group"), content)
-    elif command in (JOIN, LEAVE):
-        group = reader.string("group")
-        message = (Join if command == JOIN else Leave)(sequence, group, reader.u8("status"))
-    elif command == PING:
-        message = Ping(sequence)
-    else:
-        message = PingOk(sequence)
+    message = read(reader, sequence, content, maxGroups, maxHeaders)
     reader.done()
     if content and command not in (WHISPER, SHOUT):
         raise MalformedZre(f"{COMMANDS[command]} carries {len(content)} content frames")

@@ -27,7 +27,7 @@ HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *
                             other's answer, for ever)
 other message, no HELLO     dropped (a peer talks only after its HELLO)
 sequence gap                "messages lost": the peer is dropped (EXIT) and found again
-unknown or malformed        logged; the peer is dropped (EXIT), as its sequence is lost
+unknown or malformed        the peer is dropped (EXIT), as its sequence is lost
 WHISPER, SHOUT              an event to the application
 JOIN, LEAVE                 the peer's group set and status (+1) change; an event
 PING                        PING-OK back
@@ -48,20 +48,16 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from uuid import UUID
 
 import attrs
-from twisted.logger import Logger
 
 from mdp.harmony import codec
 from mdp.harmony.codec import MalformedZre, UnknownCommand
 from mdp.machine import Machine, action_class
-from mdp.policy import LogThrottle
-
-log = Logger()
 
 #: Silence (seconds) after which a peer is PINGed and reported EVASIVE.
 DEFAULT_EVASIVE = 5.0
 #: Silence (seconds) after which a peer is dropped (EXIT).
 DEFAULT_EXPIRED = 30.0
-#: Peers a node keeps; beacons or HELLOs beyond are ignored, logged.
+#: Peers a node keeps; beacons or HELLOs beyond are ignored.
 DEFAULT_MAX_PEERS = 1000
 #: A listed endpoint nobody answers for is dialled again after *expired*,
 #: then twice that, ... up to this many times *expired*: the node there may
@@ -123,6 +119,16 @@ class Emit:
     """Tell the application: *event*."""
 
     event: Event
+
+
+@action_class
+class Notice:
+    """Something the driver logs at *level*: throttled by *topic* (None:
+    every one, as a peer's arrival or departure)."""
+
+    topic: Optional[str]
+    text: str
+    level: str = "warn"
 
 
 class UnknownPeer(KeyError):
@@ -197,11 +203,9 @@ class HarmonyMachine(Machine):
 
     *headers* go out in every HELLO; *evasive* and *expired* are the
     silences (seconds) after which a peer is PINGed and dropped; *maxPeers*
-    bounds the table against a flood of made-up UUIDs, *maxGroups* and
-    *maxHeaders* what one peer may make us keep (a peer beyond them is
-    dropped, logged).  *reachable(endpoint)*
-    says why a peer's endpoint cannot be dialled (None if it can): such a
-    peer is ignored, logged, before anything is said of it."""
+    bounds the table, *maxGroups* and *maxHeaders* what one peer may make us
+    keep.  *reachable(endpoint)* says why a peer's endpoint cannot be dialled
+    (None if it can): such a peer is ignored before anything is said of it."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
@@ -240,7 +244,6 @@ class HarmonyMachine(Machine):
         self.listed: list[str] = []
         self._links = 0
         self.running = False
-        self.throttle = LogThrottle(self)
 
     # --- what the application asks ------------------------------------------
 
@@ -348,10 +351,9 @@ class HarmonyMachine(Machine):
         self.dials[endpoint] = _Dial(link, endpoint, 1, self.now)
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
-        """The link *link* could not be opened (a peer announced an endpoint
-        we cannot reach, or no socket could be had): forget that peer.  An
-        endpoint of the list is dialled again, as one where nobody answers:
-        its dial stays, and the tick dials it once ``expired`` has passed."""
+        """The link *link* could not be opened: forget its peer.  A dial to a
+        listed endpoint stays, and the tick dials it again once ``expired``
+        has passed, as one where nobody answers."""
         self.now = now
         for peer in list(self.peers.values()):
             if peer.link == link:
@@ -368,77 +370,100 @@ class HarmonyMachine(Machine):
         """*frames* arrived on our ROUTER from the link whose identity is
         *identity*."""
         self.now = now
-        if not self.running:
-            return self._drain()
-        if len(identity) != 17 or not identity.startswith(IDENTITY_PREFIX):
-            self.throttle.warn(log, "identity", "ZRE: dropped a message from a peer whose "
-                               "identity {identity!r} is not 0x01 and a UUID", identity=identity)
-            return self._drain()
-        uuid = UUID(bytes=identity[1:])
-        if uuid == self.uuid:
+        uuid = self._sender(identity)
+        if uuid is None:
             return self._drain()
         peer = self.peers.get(uuid)
-        try:
-            message = codec.decode(frames, maxGroups=self.maxGroups, maxHeaders=self.maxHeaders)
-        except MalformedZre as e:
-            what = "unknown" if isinstance(e, UnknownCommand) else "malformed"
-            self.throttle.warn(log, "malformed", "ZRE: {what} message from {who}: {reason}"
-                               "{dropping}", what=what, who=self._who(uuid, peer), reason=e,
-                               dropping="; dropping the peer" if peer is not None else "")
-            if peer is not None:
-                self._remove(peer, f"it sent a {what} message")
+        message = self._read(uuid, peer, frames)
+        if message is None:
             return self._drain()
         if isinstance(message, codec.Hello):
-            if message.sequence != 1:
-                self.throttle.warn(log, "hello", "ZRE: dropped a HELLO numbered {got}, not 1, "
-                                   "from {who}", got=message.sequence, who=self._who(uuid, peer))
-                if peer is not None:
-                    self._remove(peer, "its HELLO was out of sequence")
-                return self._drain()
-            if (peer is not None and peer.ready and self.now - peer.helloAt < self.evasive
-                    and same_endpoint(message.endpoint, peer.endpoint)):
-                # a HELLO again so soon, from where we know it: it made its
-                # link again (it lost us, or heard us on two links), the same
-                # run.  Its sequence starts again; our HELLO goes back on our
-                # link, once an evasive period (it may have lost us: without
-                # it, it would drop all we say), not on a new one with an
-                # EXIT: answered that way, each side would take the other's
-                # answer for a restart, for ever
-                peer.received = 1
-                peer.helloAt = self.now
-                peer.name, peer.headers = message.name, dict(message.headers)
-                for group in sorted(peer.groups - set(message.groups)):
-                    self._peerLeaves(peer, group)
-                for group in message.groups:
-                    self._peerJoins(peer, group)
-                peer.status = message.status
-                if self.now - peer.answeredAt >= self.evasive:
-                    peer.answeredAt = self.now
-                    peer.sent = 0
-                    self._send(peer, self._hello(0))
-                self._refresh(peer)
-                return self._drain()
-            if peer is not None and peer.ready:
-                self._remove(peer, "it said HELLO again (restarted)")
-                peer = None
-            elif peer is not None and same_endpoint(peer.endpoint, self.endpoint):
-                return self._drain()
-            peer = self._require(uuid, message.endpoint)
+            peer = self._greeted(uuid, peer, message)
             if peer is None:
                 return self._drain()
+        elif peer is None or not peer.ready:
+            self._emit(Notice("unready", f"dropped {codec.COMMANDS[message.id]} from "
+                                         f"{self._who(uuid, peer)}, which has not said HELLO",
+                              "info"))
+            return self._drain()
+        if self._inSequence(peer, message):
+            self._handlers[type(message)](self, peer, message)
+            self._refresh(peer)
+        return self._drain()
+
+    def _sender(self, identity: bytes) -> Optional[UUID]:
+        """The UUID of the peer whose link has *identity*; None for a message
+        to drop (not running, our own, or not a ZRE identity)."""
+        if not self.running:
+            return None
+        if len(identity) != 17 or not identity.startswith(IDENTITY_PREFIX):
+            self._emit(Notice("identity", f"dropped a message from a peer whose identity "
+                                          f"{identity!r} is not 0x01 and a UUID"))
+            return None
+        uuid = UUID(bytes=identity[1:])
+        return None if uuid == self.uuid else uuid
+
+    def _read(self, uuid: UUID, peer: Optional[Peer], frames: list[bytes]) -> Optional[codec.Message]:
+        """The message in *frames*; None if it is unknown or malformed (its
+        peer is dropped: its sequence is lost)."""
+        try:
+            return codec.decode(frames, maxGroups=self.maxGroups, maxHeaders=self.maxHeaders)
+        except MalformedZre as e:
+            what = "unknown" if isinstance(e, UnknownCommand) else "malformed"
+            self._emit(Notice("malformed", f"{what} message from {self._who(uuid, peer)}: {e}"))
+            if peer is not None:
+                self._remove(peer, f"it sent a {what} message")
+            return None
+
+    def _greeted(self, uuid: UUID, peer: Optional[Peer], hello: codec.Hello) -> Optional[Peer]:
+        """The peer that said *hello*, ready to be told ENTER; None if that
+        is done (dropped, or its HELLO again)."""
+        if hello.sequence != 1:
+            self._emit(Notice("hello", f"dropped a HELLO numbered {hello.sequence}, not 1, "
+                                       f"from {self._who(uuid, peer)}"))
+            if peer is not None:
+                self._remove(peer, "its HELLO was out of sequence")
+            return None
+        if peer is not None and self._saidAgain(peer, hello):
+            self._helloAgain(peer, hello)
+            return None
+        if peer is not None and peer.ready:
+            self._remove(peer, "it said HELLO again (restarted)")
+        elif peer is not None and same_endpoint(peer.endpoint, self.endpoint):
+            return None
+        peer = self._require(uuid, hello.endpoint)
+        if peer is not None:
             peer.ready = True
             peer.received = 0
             peer.helloAt = self.now
-        if peer is None or not peer.ready:
-            self.throttle.info(log, "unready", "ZRE: dropped {command} from {who}, which has "
-                               "not said HELLO", command=codec.COMMANDS[message.id],
-                               who=self._who(uuid, peer))
-            return self._drain()
-        if not self._inSequence(peer, message):
-            return self._drain()
-        self._handle(peer, message)
+        return peer
+
+    def _saidAgain(self, peer: Peer, hello: codec.Hello) -> bool:
+        """Whether *hello* is the peer's HELLO again in the same run: within
+        *evasive* of its last one, from the endpoint we know."""
+        return (peer.ready and self.now - peer.helloAt < self.evasive
+                and same_endpoint(hello.endpoint, peer.endpoint))
+
+    def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
+        """A HELLO again so soon, from where we know the peer: it made its
+        link again (it lost us, or heard us on two links), the same run.  Its
+        sequence starts again; our HELLO goes back on our link, once an
+        evasive period (it may have lost us), not on a new one with an EXIT:
+        answered that way, each side would take the other's answer for a
+        restart, for ever."""
+        peer.received = 1
+        peer.helloAt = self.now
+        peer.name, peer.headers = hello.name, dict(hello.headers)
+        for group in sorted(peer.groups - set(hello.groups)):
+            self._peerLeaves(peer, group)
+        for group in hello.groups:
+            self._peerJoins(peer, group)
+        peer.status = hello.status
+        if self.now - peer.answeredAt >= self.evasive:
+            peer.answeredAt = self.now
+            peer.sent = 0
+            self._send(peer, self._hello(0))
         self._refresh(peer)
-        return self._drain()
 
     def _inSequence(self, peer: Peer, message: codec.Message) -> bool:
         if isinstance(message, codec.Hello):
@@ -446,52 +471,62 @@ class HarmonyMachine(Machine):
         else:
             good = codec.next_sequence_ok(peer.received, message.sequence)
         if not good:
-            log.warn("ZRE: messages lost from {who}: {command} numbered {got} after {last}; "
-                     "dropping the peer", who=self._who(peer.uuid, peer),
-                     command=codec.COMMANDS[message.id], got=message.sequence, last=peer.received)
+            self._emit(Notice(None, f"messages lost from {self._who(peer.uuid, peer)}: "
+                                    f"{codec.COMMANDS[message.id]} numbered {message.sequence} "
+                                    f"after {peer.received}; dropping the peer"))
             self._remove(peer, "messages were lost")
             return False
         peer.received = message.sequence
         return True
 
-    def _handle(self, peer: Peer, message: codec.Message) -> None:
-        if isinstance(message, codec.Hello):
-            peer.name = message.name
-            peer.headers = dict(message.headers)
-            log.info("ZRE: {name} ({uuid}) entered from {endpoint}", name=peer.name,
-                     uuid=peer.uuid, endpoint=peer.endpoint)
-            self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
-                                  endpoint=peer.endpoint)))
-            for group in message.groups:
-                self._peerJoins(peer, group)
+    def _onHello(self, peer: Peer, message: codec.Hello) -> None:
+        peer.name = message.name
+        peer.headers = dict(message.headers)
+        self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
+                              endpoint=peer.endpoint)))
+        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}",
+                          "info"))
+        for group in message.groups:
+            self._peerJoins(peer, group)
+        peer.status = message.status
+
+    def _onWhisper(self, peer: Peer, message: codec.Whisper) -> None:
+        self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))
+
+    def _onShout(self, peer: Peer, message: codec.Shout) -> None:
+        self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group,
+                              frames=message.content)))
+
+    def _onPing(self, peer: Peer, message: codec.Ping) -> None:
+        self._send(peer, codec.PingOk(0))
+
+    def _onJoin(self, peer: Peer, message: codec.Join) -> None:
+        if len(peer.groups) >= self.maxGroups and message.group not in peer.groups:
+            self._emit(Notice("groups", f"{self._who(peer.uuid, peer)} joined more than "
+                                        f"{self.maxGroups} groups (maxGroups); dropping the peer"))
+            self._remove(peer, "it joined too many groups")
+            return
+        self._peerJoins(peer, message.group)
+        self._statusChanged(peer, message)
+
+    def _onLeave(self, peer: Peer, message: codec.Leave) -> None:
+        self._peerLeaves(peer, message.group)
+        self._statusChanged(peer, message)
+
+    def _statusChanged(self, peer: Peer, message: Any) -> None:
+        """A JOIN or LEAVE moves the peer's status on by one; a peer that
+        counts otherwise is taken at its word."""
+        peer.status = (peer.status + 1) & 0xFF
+        if message.status != peer.status:
+            self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent "
+                                        f"{codec.COMMANDS[message.id]} with status "
+                                        f"{message.status}, expected {peer.status}; taking its "
+                                        "count"))
             peer.status = message.status
-        elif isinstance(message, codec.Whisper):
-            self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))
-        elif isinstance(message, codec.Shout):
-            self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group,
-                                  frames=message.content)))
-        elif isinstance(message, codec.Ping):
-            self._send(peer, codec.PingOk(0))
-        elif isinstance(message, (codec.Join, codec.Leave)):
-            joins = isinstance(message, codec.Join)
-            if joins:
-                if len(peer.groups) >= self.maxGroups and message.group not in peer.groups:
-                    self.throttle.warn(log, "groups", "ZRE: {who} joined more than {most} "
-                                       "groups (maxGroups); dropping the peer",
-                                       who=self._who(peer.uuid, peer), most=self.maxGroups)
-                    self._remove(peer, "it joined too many groups")
-                    return
-                self._peerJoins(peer, message.group)
-            else:
-                self._peerLeaves(peer, message.group)
-            peer.status = (peer.status + 1) & 0xFF
-            if message.status != peer.status:
-                self.throttle.warn(log, "status", "ZRE: {who} sent {command} with status "
-                                   "{got}, expected {want}; taking its count",
-                                   who=self._who(peer.uuid, peer),
-                                   command="JOIN" if joins else "LEAVE",
-                                   got=message.status, want=peer.status)
-                peer.status = message.status
+
+    _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout,
+                 codec.Ping: _onPing, codec.PingOk: lambda self, peer, message: None,
+                 codec.Join: _onJoin, codec.Leave: _onLeave}
 
     def _peerJoins(self, peer: Peer, group: str) -> None:
         if group not in peer.groups:
@@ -510,10 +545,10 @@ class HarmonyMachine(Machine):
         self.now = now
         for dial in list(self.dials.values()):
             if now - dial.since >= self._dialWait(dial.tries):
-                log.info("ZRE: {why} {endpoint} in {silence:.0f} s; dialling it again, then "
-                         "again after {wait:.0f} s", why="no link to" if dial.failed
-                         else "no HELLO from", endpoint=dial.endpoint, silence=now - dial.since,
-                         wait=self._dialWait(dial.tries + 1))
+                self._emit(Notice(None, f"{'no link to' if dial.failed else 'no HELLO from'} "
+                                        f"{dial.endpoint} in {now - dial.since:.0f} s; dialling it "
+                                        f"again, then again after "
+                                        f"{self._dialWait(dial.tries + 1):.0f} s", "info"))
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
                 self._dial(dial.endpoint)
@@ -522,9 +557,7 @@ class HarmonyMachine(Machine):
                     again.tries = dial.tries + 1
         for peer in list(self.peers.values()):
             if now >= peer.expiredAt:
-                log.info("ZRE: {who} expired after {silence:.1f} s of silence",
-                         who=self._who(peer.uuid, peer), silence=self.expired)
-                self._remove(peer, "it expired")
+                self._remove(peer, f"it expired after {self.expired:.1f} s of silence")
             elif now >= peer.evasiveAt:
                 self._send(peer, codec.Ping(0))
                 if not peer.evasive and peer.ready:
@@ -549,7 +582,7 @@ class HarmonyMachine(Machine):
 
     def _require(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
         """The peer *uuid*, with a link to *endpoint* made (HELLO first) if it
-        is new; None if the table is full."""
+        is new; None if it cannot be reached or the table is full."""
         peer = self.peers.get(uuid)
         if peer is not None:
             return peer
@@ -557,28 +590,17 @@ class HarmonyMachine(Machine):
         if why is None and self.endpoint and same_endpoint(endpoint, self.endpoint):
             why = "is this node's own (another peer cannot answer there)"
         if why is not None:
-            self.throttle.warn(log, "unreachable", "ZRE: ignoring {uuid}: its endpoint {endpoint!r} "
-                               "{why}", uuid=uuid, endpoint=endpoint, why=why)
+            self._emit(Notice("unreachable", f"ignoring {uuid}: its endpoint {endpoint!r} {why}"))
             return None
         if len(self.peers) >= self.maxPeers:
-            self.throttle.warn(log, "full", "ZRE: ignoring {uuid} at {endpoint}: {count} peers "
-                               "already (maxPeers)", uuid=uuid, endpoint=endpoint,
-                               count=len(self.peers))
+            self._emit(Notice("full", f"ignoring {uuid} at {endpoint}: {len(self.peers)} peers "
+                                      "already (maxPeers)"))
             return None
         for other in list(self.peers.values()):
             if same_endpoint(other.endpoint, endpoint):
                 self._remove(other, f"{uuid} now answers at its endpoint", redial=False)
-        dial = next((d for e, d in self.dials.items() if same_endpoint(e, endpoint)), None)
-        if dial is None and endpoint_port(endpoint) is not None:
-            # a listed name (or another address) of the peer: the port tells
-            same_port = [d for d in self.dials.values()
-                         if endpoint_port(d.endpoint) == endpoint_port(endpoint)]
-            dial = same_port[0] if len(same_port) == 1 else None
-        if dial is not None and dial.failed:  # no link to take over: a new one
-            del self.dials[dial.endpoint]
-            dial = None
+        dial = self._answeredDial(endpoint)
         if dial is not None:
-            del self.dials[dial.endpoint]
             peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)
         else:
             peer = Peer(uuid, endpoint, self._newLink(endpoint))
@@ -586,6 +608,21 @@ class HarmonyMachine(Machine):
         self.peers[uuid] = peer
         self._refresh(peer)
         return peer
+
+    def _answeredDial(self, endpoint: str) -> Optional[_Dial]:
+        """The dial a peer at *endpoint* answers, taken out of the dials: the
+        one to that endpoint, or else the only one to its port (a listed name
+        or another address of the peer).  None if there is none, or its link
+        failed (there is no link to take over)."""
+        dial = next((d for e, d in self.dials.items() if same_endpoint(e, endpoint)), None)
+        port = endpoint_port(endpoint)
+        if dial is None and port is not None:
+            same_port = [d for d in self.dials.values() if endpoint_port(d.endpoint) == port]
+            dial = same_port[0] if len(same_port) == 1 else None
+        if dial is None:
+            return None
+        del self.dials[dial.endpoint]
+        return None if dial.failed else dial
 
     def _refresh(self, peer: Peer) -> None:
         peer.evasiveAt = self.now + self.evasive
@@ -598,7 +635,7 @@ class HarmonyMachine(Machine):
         del self.peers[peer.uuid]
         self._emit(CloseLink(peer.link))
         if peer.ready:
-            log.info("ZRE: {who} left: {reason}", who=self._who(peer.uuid, peer), reason=reason)
+            self._emit(Notice(None, f"{self._who(peer.uuid, peer)} left: {reason}", "info"))
             self._emit(Emit(Event(EXIT, peer.uuid, peer.name, endpoint=peer.endpoint)))
         if redial:
             listed = next((e for e in self.listed if same_endpoint(e, peer.endpoint)), None)

@@ -31,6 +31,7 @@ from mdp.harmony.machine import (
     Emit,
     Event,
     HarmonyMachine,
+    Notice,
     OpenLink,
     SendOn,
     UnknownPeer,
@@ -306,8 +307,7 @@ class Node:
         #: start() and stop() one at a time: a start right after a stop waits
         self._transition = defer.DeferredLock()
         self._failedLinks: list[int] = []
-        #: batches of actions waiting for the one being performed, and the
-        #: events of the batches performed, not delivered yet; each with the
+        #: batches of actions to perform, and events to deliver, each with the
         #: run (``_generation``) it belongs to: a stop ends a run
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
@@ -330,9 +330,8 @@ class Node:
 
     def stop(self) -> defer.Deferred[None]:
         """Say we are leaving (a beacon with port 0), close every link and the
-        ROUTER, and end the event streams.  Fires with None when done.  From
-        the call on, no event is told and nothing more is sent (a callback
-        may call it: the rest of the events due are not told)."""
+        ROUTER, and end the event streams; from the call on, no event is
+        told and nothing more is sent.  Fires with None when done."""
         return self._transition.run(self._stop)
 
     @defer.inlineCallbacks
@@ -369,9 +368,7 @@ class Node:
     def _stop(self) -> Any:
         streams, self._streams = list(self._streams), weakref.WeakSet()
         self._stopped = True
-        # what the machine decided before now is void: of it, links are
-        # closed, and nothing more is opened, sent or told
-        self._generation += 1
+        self._generation += 1  # what the machine decided before is void
         try:
             if not self.running:
                 return
@@ -409,19 +406,15 @@ class Node:
     # --- the application's side -----------------------------------------------------
 
     def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
-        """Call *callback(event)* for every event; returns a function that
-        unsubscribes.  An exception in a callback is logged, not raised.
-        The callback may call the node (:meth:`whisper`, :meth:`stop`, ...):
-        it runs once the links and messages that came with its event are
-        done, so what it sends follows them, and the events its call brings
-        follow the ones already due."""
+        """Call *callback(event)* for every event (what it raises is logged);
+        returns a function that unsubscribes.  The callback may call the
+        node: what it sends follows what came with its event."""
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     def events(self, size: int = 10_000) -> EventStream:
         """A new async iterator over the events from now on (at most *size*
-        unread; it ends when the node stops).  Made before :meth:`start`, it
-        sees the first ENTERs too; made after :meth:`stop`, it ends at once."""
+        unread; it ends when the node stops, at once if it is stopped)."""
         stream = EventStream(self, size)
         if self._stopped:
             stream._end()  # until the node starts again
@@ -482,11 +475,9 @@ class Node:
 
     def _perform(self, actions: list[Any]) -> None:
         """Perform *actions*, a batch the machine returned, then deliver its
-        events.  A callback may call the node (``whisper``, ``stop``, ...):
-        by then every link and message of the batches before is done, so
-        what the call sends follows them (ZRE numbers each message), and its
-        events wait for the ones already due.  A stop voids what is left:
-        nothing more is opened, sent or delivered from before it."""
+        events.  Batches that come meanwhile (a transport or a callback
+        calling the node) wait their turn, so what is sent keeps the order
+        ZRE numbers it in; a stop voids what is left of the run before it."""
         self._batches.append((self._generation, actions))
         if self._performing:  # a transport called back: this batch follows
             return
@@ -533,32 +524,49 @@ class Node:
 
     def _performAll(self, generation: int, actions: list[Any]) -> None:
         """Open, send and close; events wait (:meth:`_perform`).  Of a run
-        that has ended, only the closes: the rest is void."""
+        that has ended, only the closes and notices: the rest is void."""
         live = self._live(generation)
         for action in actions:
-            if isinstance(action, SendOn):
-                link = self.links.get(action.link) if live else None
-                if link is not None:
-                    link.sendMessage(action.frames)
-            elif isinstance(action, Emit):
-                if live:
-                    self._pending.append((generation, action.event))
-            elif isinstance(action, OpenLink):
-                if not live:
-                    continue
-                try:
-                    self.links[action.link] = connect(
-                        transport_endpoint(action.endpoint), _Link(), self.reactor,
-                        limits=self.limits, identity=identity_of(self.uuid))
-                except (TransportError, ValueError) as e:
-                    self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
-                                       "{endpoint}: {error}", name=self.name,
-                                       endpoint=action.endpoint, error=e)
-                    self._failedLinks.append(action.link)
-            elif isinstance(action, CloseLink):
-                link = self.links.pop(action.link, None)
-                if link is not None:
-                    link.close()
+            self._performers[type(action)](self, action, generation, live)
+
+    def _sendOn(self, action: SendOn, generation: int, live: bool) -> None:
+        link = self.links.get(action.link) if live else None
+        if link is not None:
+            link.sendMessage(action.frames)
+
+    def _emitEvent(self, action: Emit, generation: int, live: bool) -> None:
+        if live:
+            self._pending.append((generation, action.event))
+
+    def _openLink(self, action: OpenLink, generation: int, live: bool) -> None:
+        if not live:
+            return
+        try:
+            self.links[action.link] = connect(
+                transport_endpoint(action.endpoint), _Link(), self.reactor,
+                limits=self.limits, identity=identity_of(self.uuid))
+        except (TransportError, ValueError) as e:
+            self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
+                               "{endpoint}: {error}", name=self.name,
+                               endpoint=action.endpoint, error=e)
+            self._failedLinks.append(action.link)
+
+    def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
+        link = self.links.pop(action.link, None)
+        if link is not None:
+            link.close()
+
+    def _notice(self, action: Notice, generation: int, live: bool) -> None:
+        if action.topic is None:
+            emit = log.info if action.level == "info" else log.warn
+            emit("ZRE node {name}: {text}", name=self.name, text=action.text)
+        else:
+            throttled = self.throttle.info if action.level == "info" else self.throttle.warn
+            throttled(log, action.topic, "ZRE node {name}: {text}", name=self.name,
+                      text=action.text)
+
+    _performers = {SendOn: _sendOn, Emit: _emitEvent, OpenLink: _openLink,
+                   CloseLink: _closeLink, Notice: _notice}
 
     def _deliver(self, event: Event) -> None:
         for callback in list(self._subscribers):

@@ -38,7 +38,7 @@ its own afresh.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import attrs
 
@@ -132,7 +132,6 @@ class Refused:
 
 Message = Union[Hello, Welcome, Data, Skip, Ack, Ping, PingOk, Unknown, Refused]
 
-_ACK_ONLY = {ACK: Ack, PING: Ping}
 _NAMES = {Ack: ACK, Ping: PING}
 
 
@@ -176,57 +175,62 @@ def _limits(frames: Sequence[bytes]) -> tuple[int, int]:
     return _read_number(frames[0], "max bytes"), _read_number(frames[1], "max frames")
 
 
+def _seq(frame: bytes, command: str) -> int:
+    seq = _read_number(frame, "seq")
+    if seq == 0:
+        raise MalformedSession(f"{command} numbered 0 (numbers start at 1)")
+    return seq
+
+
+def _hello(rest: Sequence[bytes]) -> Hello:
+    if len(rest[0]) != SESSION_ID_BYTES:
+        raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
+    return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"),
+                 _read_number(rest[3], "epoch"), *_limits(rest[4:]))
+
+
+def _welcome(rest: Sequence[bytes]) -> Welcome:
+    epoch = _read_number(rest[1], "epoch")
+    if epoch == 0:
+        raise MalformedSession("WELCOME with epoch 0")
+    return Welcome(_read_number(rest[0], "ack"), epoch, *_limits(rest[2:]))
+
+
+def _refused(rest: Sequence[bytes]) -> Refused:
+    if len(rest[0]) > MAX_REASON_BYTES:
+        raise MalformedSession(f"REFUSED carries a reason of at most {MAX_REASON_BYTES} bytes")
+    return Refused(bytes(rest[0]).decode("utf-8", "replace"))
+
+
+#: each command's reader of the frames after the command, and the counts of
+#: frames it takes (DATA: two or more)
+_READERS: dict[bytes, tuple[Callable[[Sequence[bytes]], Message], tuple[int, ...]]] = {
+    DATA: (lambda rest: Data(_seq(rest[0], "DATA"), _read_number(rest[1], "ack"),
+                             tuple(bytes(f) for f in rest[2:])), ()),
+    HELLO: (_hello, (4, 6)),
+    WELCOME: (_welcome, (2, 4)),
+    SKIP: (lambda rest: Skip(_seq(rest[0], "SKIP"), _read_number(rest[1], "ack")), (2,)),
+    ACK: (lambda rest: Ack(_read_number(rest[0], "ack")), (1,)),
+    PING: (lambda rest: Ping(_read_number(rest[0], "ack")), (1,)),
+    PING_OK: (lambda rest: PingOk(_read_number(rest[0], "ack"), _read_number(rest[1], "sent")),
+              (2,)),
+    UNKNOWN: (lambda rest: Unknown(), (0,)),
+    REFUSED: (_refused, (1,)),
+}
+
+
 def decode(frames: Sequence[bytes]) -> Message:
     """The message in *frames*; :class:`MalformedSession` for anything else."""
     if len(frames) < 2 or frames[0] != PROTOCOL:
         raise MalformedSession(f"not a session message (first frame "
                                f"{bytes(frames[0][:16]) if frames else b''!r}, not {PROTOCOL!r})")
     command = bytes(frames[1])
-    rest = frames[2:]
-    if command == DATA:
-        if len(rest) < 2:
-            raise MalformedSession("DATA without its seq and ack")
-        seq = _read_number(rest[0], "seq")
-        if seq == 0:
-            raise MalformedSession("DATA numbered 0 (numbers start at 1)")
-        return Data(seq, _read_number(rest[1], "ack"), tuple(bytes(f) for f in rest[2:]))
-    if command == HELLO:
-        if len(rest) not in (4, 6):
-            raise MalformedSession(f"HELLO has {len(rest)} frames after the command, not 6")
-        if len(rest[0]) != SESSION_ID_BYTES:
-            raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
-        return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"),
-                     _read_number(rest[3], "epoch"), *_limits(rest[4:]))
-    if command == WELCOME:
-        if len(rest) not in (2, 4):
-            raise MalformedSession(f"WELCOME has {len(rest)} frames after the command, not 4")
-        epoch = _read_number(rest[1], "epoch")
-        if epoch == 0:
-            raise MalformedSession("WELCOME with epoch 0")
-        return Welcome(_read_number(rest[0], "ack"), epoch, *_limits(rest[2:]))
-    if command == SKIP:
-        if len(rest) != 2:
-            raise MalformedSession(f"SKIP has {len(rest)} frames after the command, not 2")
-        seq = _read_number(rest[0], "seq")
-        if seq == 0:
-            raise MalformedSession("SKIP numbered 0 (numbers start at 1)")
-        return Skip(seq, _read_number(rest[1], "ack"))
-    if command == PING_OK:
-        if len(rest) != 2:
-            raise MalformedSession(f"PING-OK has {len(rest)} frames after the command, not 2")
-        return PingOk(_read_number(rest[0], "ack"), _read_number(rest[1], "sent"))
-    if command == UNKNOWN:
-        if rest:
-            raise MalformedSession("UNKNOWN carries frames")
-        return Unknown()
-    if command == REFUSED:
-        if len(rest) != 1 or len(rest[0]) > MAX_REASON_BYTES:
-            raise MalformedSession("REFUSED carries one reason of at most "
-                                   f"{MAX_REASON_BYTES} bytes")
-        return Refused(bytes(rest[0]).decode("utf-8", "replace"))
-    kind = _ACK_ONLY.get(command)
-    if kind is None:
+    reader = _READERS.get(command)
+    if reader is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")
-    if len(rest) != 1:
-        raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, not 1")
-    return kind(_read_number(rest[0], "ack"))
+    read, counts = reader
+    rest = frames[2:]
+    if len(rest) not in counts and (counts or len(rest) < 2):
+        raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
+                               f"not {counts[-1] if counts else 'at least 2'}")
+    return read(rest)

@@ -2,12 +2,13 @@
 actions out (see :mod:`mdp.machine`).
 
 A *session* outlives connections: the client makes its own session id (16
-random bytes, never chosen by the application) and says HELLO with it on
-every connection; the server attaches the connection to the session it
-knows by that id.  Each direction numbers its DATA from 1 and keeps what it
-sent until the other side acknowledges it; after a re-attach, whatever is not
-acknowledged goes again, in order, and the receiver drops what it already
-has.  A network break is a lull: nothing is lost and nothing comes twice.
+random bytes) and says HELLO with it on every connection; the server attaches
+the connection to the session it knows by that id.  Each direction numbers
+its DATA from 1 and keeps what it sent until the other side acknowledges it;
+after a re-attach, what is not acknowledged goes again, in order, and the
+receiver drops what it already has.  Each side says in its HELLO or WELCOME
+the payload it takes in one DATA; the other sends a SKIP in place of a DATA
+over it, so the receiver counts it and what follows comes through.
 
 :class:`ClientSessionMachine`:
 
@@ -16,26 +17,20 @@ event                    what happens
 =======================  =============================================================
 connected                HELLO (session id, what we have received)
 WELCOME                  attached: everything not acknowledged goes again, in order
-WELCOME, new epoch       the server's session for us ended (it expired, was ended as
-                         full, or the server restarted) and a new one began: its
-                         numbering starts afresh; :class:`Renewed`, and a warning:
-                         what it held for us is lost
+WELCOME, new epoch       the server's session for us ended and a new one began: its
+                         numbering starts afresh; :class:`Renewed`
 no WELCOME               HELLO again after a ping interval (it may have been lost)
 send(payload)            numbered and kept; sent now if attached (else on attach);
                          beyond *maxQueued* kept: :class:`SessionQueueFull`
 DATA                     the next number: delivered; an old one: dropped (a resend);
                          a later one (some were lost unseen): HELLO again
-DATA, SKIP before the    dropped, not acknowledged: numbered in an epoch not known
-WELCOME                  yet (the WELCOME was lost); the server resends it after the
-                         WELCOME that answers the next HELLO
-DATA over our limits     the next number: dropped and acknowledged, logged (it can
-                         never be taken, and would hold back all after it)
-SKIP                     the next number: the server did not send it (over the limits
-                         our HELLO said): counted, logged and acknowledged
-UNKNOWN                  the server has no such session (it restarted), or lost
-                         messages: HELLO again
-REFUSED                  the server opens no session now (full): :class:`Refusal`
-                         (logged); HELLO again after a ping interval
+DATA, SKIP before the    dropped, not acknowledged (numbered in an epoch not known
+WELCOME                  yet); the server resends it after the next WELCOME
+DATA over our limits,    the next number: :class:`Dropped` and acknowledged (it could
+SKIP                     never be taken, and would hold back all after it)
+UNKNOWN                  the server has no such session, or lost messages: HELLO again
+REFUSED                  the server opens no session now (full): :class:`Refusal`;
+                         HELLO again after a ping interval
 tick, idle               PING, at most *liveness* unanswered at a time
 tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
 disconnected             detached; sending goes on into the queue
@@ -48,32 +43,22 @@ event                    what happens
 =======================  =============================================================
 HELLO, new id            a session with the next short routing id; WELCOME; the
                          session the connection held, or opened and left, ends (one
-                         session per connection: a client never uses two); at
-                         maxSessions: REFUSED, and no session
+                         session per connection); at maxSessions: REFUSED, no session
 HELLO, known id          the connection is attached to the session (a previous one is
-                         let go); WELCOME; everything not acknowledged goes again
+                         closed); WELCOME; everything not acknowledged goes again
 DATA, PING, ACK, SKIP    on the connection's session; PING answered with PING-OK;
-                         DATA over our limits, and SKIP: as the client does
-                         from a connection with no session, or DATA after a gap:
-                         UNKNOWN (the client attaches again and resends)
-not a session message    dropped, and its connection closed (:class:`DropPeer`)
+                         DATA over our limits, and SKIP: as the client does; from a
+                         connection with no session, or DATA after a gap: UNKNOWN
+not a session message    its connection closed (:class:`DropPeer`)
 reply(routingId, ...)    numbered, kept, sent if the session is attached
 peer gone                the session is detached, kept until it expires
-tick                     sessions silent for *expiry* seconds end (:class:`Expired`),
-                         their connection closed; a connection that went on
-                         without a session for *expiry* seconds is closed
+tick                     sessions silent for *expiry* end (:class:`Expired`), their
+                         connection closed; so is a connection without a session
+                         for *expiry*
 =======================  =============================================================
 
 A connection closed here holds no slot of the inner transport's
-``maxConnections`` (on transports with a connection per peer).
-
-Each side says in its HELLO or WELCOME the payload it takes in one DATA
-(*limits*: bytes, frames); the other side sends a SKIP in place of a DATA
-over them, now and at every resend, and logs it: the message is lost, and
-what follows it comes through.  Without the SKIP, a DATA far over the
-receiver's limits closes the connection it comes on before the receiver
-sees its number, and it is resent at each attach: nothing after it would
-ever come through.
+``maxConnections``.
 """
 
 from __future__ import annotations
@@ -82,15 +67,10 @@ import os
 from collections import OrderedDict, deque
 from typing import Any, Hashable, Optional
 
-from twisted.logger import Logger
-
 from mdp.errors import MDPError
 from mdp.machine import Machine, action_class
-from mdp.policy import LogThrottle
 from mdp.session import codec
 from mdp.session.codec import MalformedSession
-
-log = Logger()
 
 DEFAULT_PING_INTERVAL = 1.0
 DEFAULT_LIVENESS = 3
@@ -101,13 +81,16 @@ DEFAULT_MAX_QUEUED = 10_000
 ACK_EVERY = 32
 DEFAULT_MAX_SESSIONS = 10_000
 #: Bytes a side keeps for resending (the transports use their
-#: ``Limits.maxOutputBytes``, 64 MiB by default, and give their inner
-#: connection twice that, so a full resend fits).
+#: ``Limits.maxOutputBytes`` and give their inner connection twice that, so
+#: a full resend fits).
 DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
-#: The routing id a session is known by fits this many bytes (reported so by
-#: the transport); ids run from 1 and wrap around, skipping those in use.
+#: The routing id a session is known by fits this many bytes; ids run from 1
+#: and wrap around, skipping those in use.
 ROUTING_ID_BYTES = 4
 MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
+#: Most connections without a session a server keeps track of (the oldest
+#: beyond are closed at once).
+MAX_UNATTACHED = 4096
 
 
 def _epoch() -> int:
@@ -153,8 +136,37 @@ class Deliver:
 
 
 @action_class
+class Dropped:
+    """Message *seq* from the other side is lost (of session *routingId*, on
+    a server): over this side's limits, *reason* says how."""
+
+    seq: int
+    reason: str
+    routingId: int = 0
+
+
+@action_class
+class Skipped:
+    """Our message *seq* (to session *routingId*, on a server) went as a
+    SKIP: it is over the limits the other side said (*reason*)."""
+
+    seq: int
+    reason: str
+    routingId: int = 0
+
+
+@action_class
+class Notice:
+    """Something the driver logs, throttled by *topic*, at *level*."""
+
+    topic: str
+    text: str
+    level: str = "warn"
+
+
+@action_class
 class Refusal:
-    """The server refused to open our session, saying *reason*."""
+    """Client: the server refused to open our session, saying *reason*."""
 
     reason: str
 
@@ -185,6 +197,22 @@ class Opened:
 
 
 @action_class
+class Attached:
+    """Server: a HELLO attached a connection to the session *routingId*."""
+
+    routingId: int
+
+
+@action_class
+class Full:
+    """Server: a HELLO from *peer* opened no session: *sessions* are open,
+    as many as allowed."""
+
+    peer: Any
+    sessions: int
+
+
+@action_class
 class Expired:
     """Server: the session *routingId* ended (silent for the expiry)."""
 
@@ -198,11 +226,6 @@ class DropPeer:
 
     peer: Any
     reason: str
-
-
-#: most connections without a session a server keeps track of (the oldest
-#: beyond are closed at once)
-MAX_UNATTACHED = 4096
 
 
 def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -> Optional[str]:
@@ -234,6 +257,19 @@ def said_limits(message: Any) -> Optional[tuple[int, int]]:
     return message.maxBytes, message.maxFrames
 
 
+def delivery(message: Any, refused: Optional[str], routingId: int = 0) -> Any:
+    """What becomes of the next DATA or SKIP in order: delivered, or lost
+    (a SKIP, or a DATA *refused* as over our limits: acknowledged all the
+    same, as it could never be taken and would hold back all after it)."""
+    if isinstance(message, codec.Skip):
+        return Dropped(message.seq, "over this side's limits, the other side did not send it",
+                       routingId)
+    if refused is None:
+        return Deliver(message.payload, routingId)
+    return Dropped(message.seq, f"over this side's limits ({refused}); dropped, and "
+                                "acknowledged so that what follows it comes through", routingId)
+
+
 class _Sequenced:
     """One side's numbering: what it sent and keeps, and what it received."""
 
@@ -253,8 +289,6 @@ class _Sequenced:
         self.skips: list[tuple[int, str]] = []
         #: the numbers of those reported, until acknowledged
         self._skipped: set[int] = set()
-        #: our messages not sent for the other side's limits
-        self.skipped = 0
 
     def number(self, payload: tuple[bytes, ...]) -> codec.Message:
         size = sum(len(f) for f in payload)
@@ -269,9 +303,9 @@ class _Sequenced:
         return self.data(self.sent, payload)
 
     @property
-    def roomy(self) -> bool:
+    def hasRoom(self) -> bool:
         """Below half the bounds: a sender may go on without waiting.  (Half
-        of a bound of 1 is taken as 1: an empty session is always roomy, or
+        of a bound of 1 is taken as 1: an empty session always has room, or
         a sender waiting for room would wait for ever.)"""
         return (len(self.unacked) < max(1, self.maxQueued // 2)
                 and self.queuedBytes < max(1, self.maxQueuedBytes // 2))
@@ -279,22 +313,19 @@ class _Sequenced:
     def data(self, seq: int, payload: tuple[bytes, ...]) -> codec.Message:
         """DATA *seq*, or a SKIP in its place if the other side would refuse it."""
         self.ackPending = 0
-        if self.peerLimits is not None:
-            why = over_limits(payload, self.peerLimits)
-            if why is not None:
-                if seq not in self._skipped:
-                    self._skipped.add(seq)
-                    self.skipped += 1
-                    self.skips.append((seq, why))
-                return codec.Skip(seq, self.received)
-        return codec.Data(seq, self.received, payload)
+        why = over_limits(payload, self.peerLimits)
+        if why is None:
+            return codec.Data(seq, self.received, payload)
+        if seq not in self._skipped:
+            self._skipped.add(seq)
+            self.skips.append((seq, why))
+        return codec.Skip(seq, self.received)
 
     def acked(self, ack: int) -> None:
         while self.unacked and self.unacked[0][0] <= ack:
             seq, payload = self.unacked.popleft()
             self.queuedBytes -= sum(len(f) for f in payload)
-            if self._skipped:
-                self._skipped.discard(seq)
+            self._skipped.discard(seq)
 
     @property
     def since(self) -> int:
@@ -303,6 +334,11 @@ class _Sequenced:
 
     def resend(self) -> list[codec.Message]:
         return [self.data(seq, payload) for seq, payload in self.unacked]
+
+    def reportSkips(self, routingId: int = 0) -> list[Skipped]:
+        """The SKIPs sent in place of our DATA since the last call."""
+        skips, self.skips = self.skips, []
+        return [Skipped(seq, why, routingId) for seq, why in skips]
 
     def accept(self, message: Any) -> str:
         """``"next"`` (deliver it), ``"old"`` (a resend: drop it) or
@@ -356,9 +392,6 @@ class ClientSessionMachine(Machine):
         #: for each PING in flight, what we had sent before it
         self.sentAtPing: deque[int] = deque()
         self.helloAt = now
-        #: messages from the server dropped as over our limits
-        self.dropped = 0
-        self.throttle = LogThrottle(self)
 
     @property
     def deadAfter(self) -> float:
@@ -374,15 +407,7 @@ class ClientSessionMachine(Machine):
         self.lastSent = self.now
         self._emit(Send(codec.encode(message)))
         if self.seq.skips:
-            self._reportSkips("the server")
-
-    def _reportSkips(self, peer: str, **fields: Any) -> None:
-        skips, self.seq.skips = self.seq.skips, []
-        for seq, why in skips:
-            self.throttle.warn(log, "skipped", "session {session}: message {seq} is over the "
-                               "limits {peer} said ({why}); not sent (a SKIP goes in its "
-                               "place): it is lost, and what follows it goes through",
-                               session=self.session.hex(), seq=seq, peer=peer, why=why)
+            self._outbox.extend(self.seq.reportSkips())
 
     def handleConnected(self, now: float) -> list[Any]:
         self.now = now
@@ -405,18 +430,6 @@ class ClientSessionMachine(Machine):
             self._send(message)
         return self._drain()
 
-    def _dropped(self, seq: int, reason: str, skipped: bool = False) -> None:
-        self.dropped += 1
-        if skipped:
-            self.throttle.warn(log, "dropped", "session {session}: message {seq} from the server "
-                               "was over this side's limits; the server did not send it: it is "
-                               "lost", session=self.session.hex(), seq=seq)
-            return
-        self.throttle.warn(log, "dropped", "session {session}: message {seq} from the server "
-                           "is over this side's limits ({reason}); dropped, and acknowledged so "
-                           "that what follows it comes through: it is lost",
-                           session=self.session.hex(), seq=seq, reason=reason)
-
     def handleMessage(self, frames: list[bytes], now: float,
                       refused: Optional[str] = None) -> list[Any]:
         """A message from the server; *refused*: why a DATA is over our limits
@@ -425,90 +438,79 @@ class ClientSessionMachine(Machine):
         try:
             message = codec.decode(frames)
         except MalformedSession as e:
-            self.throttle.warn(log, "malformed", "session {session}: dropped a message from "
-                               "the server: {reason}", session=self.session.hex(), reason=e)
+            self._emit(Notice("malformed", f"dropped a message from the server: {e}"))
             return self._drain()
         self.lastHeard = now
         self.pings = 0
-        if isinstance(message, codec.PingOk) and self.sentAtPing:
-            before = self.sentAtPing.popleft()
-            if self.state == "attached" and (message.ack < before
-                                             or message.sent > self.seq.received):
-                # what went before the PING (or its answer) should be there by now
-                self.seq.acked(message.ack)
-                self._lost(max(message.sent, self.seq.received))
-                return self._drain()
-        if isinstance(message, codec.Unknown):
-            if now - self.helloAt < self.reattachPause:
-                return self._drain()  # our HELLO is on its way
-            self.throttle.info(log, "unknown", "session {session}: the server does not know "
-                               "this connection (it restarted, or the connection was replaced); "
-                               "attaching again", session=self.session.hex())
-            self._hello()
-            return self._drain()
-        if isinstance(message, codec.Refused):
-            if self.state == "attaching":
-                self.throttle.warn(log, "refused", "session {session}: the server refused it: "
-                                   "{reason}; asking again", session=self.session.hex(),
-                                   reason=message.reason)
-                self._emit(Refusal(message.reason))
-            return self._drain()
-        if isinstance(message, codec.Hello):
-            return self._drain()  # a server never says HELLO
-        self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
-        if isinstance(message, codec.Welcome):
-            renewed = False
-            if message.epoch != self.epoch:
-                renewed = bool(self.epoch)
-                self.epoch = message.epoch
-                self.seq.received = 0
-                self.seq.ackPending = 0
-            self.state = "attached"
-            self.seq.peerLimits = said_limits(message)
-            for data in self.seq.resend():
-                self._send(data)
-            if renewed:  # (told after the resends: what it sends then goes after them)
-                self._renewed()
-        elif isinstance(message, (codec.Data, codec.Skip)):
-            if self.state != "attached":
-                # numbered in an epoch we do not know yet: our WELCOME was lost
-                # (or this went before our HELLO arrived).  Taken now, it could
-                # be counted in the wrong epoch once the WELCOME says which:
-                # delivered twice, out of order, or acknowledged unseen.  It is
-                # dropped, not acknowledged: the server resends all it holds
-                # after the WELCOME that answers our next HELLO.
-                return self._drain()
-            verdict = self.seq.accept(message)
-            if verdict == "next":
-                if isinstance(message, codec.Skip):
-                    self._dropped(message.seq, "", skipped=True)
-                elif refused is None:
-                    self._emit(Deliver(message.payload))
-                else:
-                    self._dropped(message.seq, refused)
-                ack = self.seq.ackDue(force=False)
-                if ack is not None:
-                    self._send(ack)
-            elif verdict == "gap":
-                self._lost(message.seq)
+        handler = self._handlers.get(type(message))
+        if handler is not None:  # (a server never says HELLO)
+            handler(self, message, refused)
         return self._drain()
 
-    def _renewed(self) -> None:
-        """A WELCOME of another epoch: the server's session for us ended
-        and it opened a new one."""
-        log.warn("session {session}: the server's session for this client ended (it expired, "
-                 "was ended as full, or the server restarted) and a new one began: messages "
-                 "the server held for this client and had not delivered are lost; those this "
-                 "client sent that the server had not acknowledged are sent again, so the "
-                 "server may get one twice", session=self.session.hex())
-        self._emit(Renewed("the server's session for this client ended; a new one began"))
+    def _onAck(self, message: Any, refused: Optional[str]) -> None:
+        self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
+
+    def _onPingOk(self, message: codec.PingOk, refused: Optional[str]) -> None:
+        self.seq.acked(message.ack)
+        if not self.sentAtPing:
+            return
+        before = self.sentAtPing.popleft()
+        if self.state == "attached" and (message.ack < before or message.sent > self.seq.received):
+            # what went before the PING (or its answer) should be there by now
+            self._lost(max(message.sent, self.seq.received))
+
+    def _onUnknown(self, message: codec.Unknown, refused: Optional[str]) -> None:
+        if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO is on its way)
+            self._emit(Notice("reattach", "the server does not know this connection (it "
+                              "restarted, or the connection was replaced); attaching again",
+                              "info"))
+            self._hello()
+
+    def _onRefused(self, message: codec.Refused, refused: Optional[str]) -> None:
+        if self.state == "attaching":
+            self._emit(Refusal(message.reason))
+
+    def _onWelcome(self, message: codec.Welcome, refused: Optional[str]) -> None:
+        self.seq.acked(message.ack)
+        renewed = False
+        if message.epoch != self.epoch:
+            renewed = bool(self.epoch)
+            self.epoch = message.epoch
+            self.seq.received = 0
+            self.seq.ackPending = 0
+        self.state = "attached"
+        self.seq.peerLimits = said_limits(message)
+        for data in self.seq.resend():
+            self._send(data)
+        if renewed:  # (told after the resends: what it sends then goes after them)
+            self._emit(Renewed("the server's session for this client ended; a new one began"))
+
+    def _onData(self, message: Any, refused: Optional[str]) -> None:
+        self.seq.acked(message.ack)
+        if self.state != "attached":
+            # numbered in an epoch we do not know yet (our WELCOME was lost, or
+            # this went before our HELLO arrived): taken now, it could be counted
+            # in the wrong epoch.  Dropped, not acknowledged: the server resends
+            # it after the WELCOME that answers our next HELLO.
+            return
+        verdict = self.seq.accept(message)
+        if verdict == "next":
+            self._emit(delivery(message, refused))
+            ack = self.seq.ackDue(force=False)
+            if ack is not None:
+                self._send(ack)
+        elif verdict == "gap":
+            self._lost(message.seq)
+
+    _handlers = {codec.Ack: _onAck, codec.Ping: _onAck, codec.PingOk: _onPingOk,
+                 codec.Unknown: _onUnknown, codec.Refused: _onRefused,
+                 codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData}
 
     def _lost(self, seq: int) -> None:
         if self.now - self.helloAt < self.reattachPause:
             return  # attached again a moment ago: what is missing is on its way
-        self.throttle.info(log, "lost", "session {session}: messages were lost on the way (up "
-                           "to {seq}, we have {received}); attaching again",
-                           session=self.session.hex(), seq=seq, received=self.seq.received)
+        self._emit(Notice("reattach", f"messages were lost on the way (up to {seq}, we have "
+                                      f"{self.seq.received}); attaching again", "info"))
         self._hello()
 
     def _hello(self) -> None:
@@ -582,29 +584,18 @@ class ServerSessionMachine(Machine):
         self.byPeer: dict[Hashable, _Session] = {}
         self.byRouting: dict[int, _Session] = {}
         self._routingIds = 0
-        #: HELLOs taken (first attaches and re-attaches)
-        self.attaches = 0
         #: when each connection was last told UNKNOWN
         self._told: OrderedDict[Hashable, float] = OrderedDict()
         #: the session each connection opened, while it lasts
         self._opened: dict[Hashable, _Session] = {}
-        #: HELLOs refused at maxSessions
-        self.refused = 0
-        #: messages from clients dropped as over our limits
-        self.dropped = 0
         #: connections heard from without a session, since when
         self._unattached: OrderedDict[Hashable, float] = OrderedDict()
-        self.throttle = LogThrottle(self)
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
         if session.peer is not None:
             self._emit(SendTo(session.peer, codec.encode(message)))
-        skips, session.seq.skips = session.seq.skips, []
-        for seq, why in skips:
-            self.throttle.warn(log, "skipped", "sessions: message {seq} for session {id} is over "
-                               "the limits its client said ({why}); not sent (a SKIP goes in its "
-                               "place): it is lost, and what follows it goes through", seq=seq,
-                               id=session.routingId, why=why)
+        if session.seq.skips:
+            self._outbox.extend(session.seq.reportSkips(session.routingId))
 
     def handleMessage(self, peer: Hashable, frames: list[bytes], now: float,
                       refused: Optional[str] = None) -> list[Any]:
@@ -615,8 +606,6 @@ class ServerSessionMachine(Machine):
         try:
             message = codec.decode(frames)
         except MalformedSession as e:
-            self.throttle.warn(log, "malformed", "sessions: dropped a message from {peer!r} "
-                               "and its connection: {reason}", peer=peer, reason=e)
             self._drop(peer, f"not a session message: {e}")
             return self._drain()
         if isinstance(message, codec.Hello):
@@ -629,38 +618,33 @@ class ServerSessionMachine(Machine):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
             return self._drain()
         session.lastHeard = now
-        if isinstance(message, (codec.Welcome, codec.Unknown, codec.Refused)):
-            return self._drain()  # a client never says these
-        session.seq.acked(message.ack)
-        if isinstance(message, (codec.Data, codec.Skip)):
-            verdict = session.seq.accept(message)
-            if verdict == "next":
-                if isinstance(message, codec.Skip):
-                    self.dropped += 1
-                    self.throttle.warn(log, "dropped", "sessions: message {seq} of session {id} "
-                                       "from {peer!r} was over this side's limits; the client "
-                                       "did not send it: it is lost", seq=message.seq,
-                                       id=session.routingId, peer=peer)
-                elif refused is None:
-                    self._emit(Deliver(message.payload, session.routingId))
-                else:
-                    self.dropped += 1
-                    self.throttle.warn(log, "dropped", "sessions: message {seq} of session {id} "
-                                       "from {peer!r} is over this side's limits ({reason}); "
-                                       "dropped, and acknowledged so that what follows it "
-                                       "comes through: it is lost", seq=message.seq,
-                                       id=session.routingId, peer=peer, reason=refused)
-                ack = session.seq.ackDue(force=False)
-                if ack is not None:
-                    self._sendTo(session, ack)
-            elif verdict == "gap":
-                # some were lost on the way: the client attaches again and resends
-                if self._mayTell(peer):
-                    self._sendTo(session, codec.Unknown())
-        elif isinstance(message, codec.Ping):
-            self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
-            session.seq.ackPending = 0
+        handler = self._handlers.get(type(message))
+        if handler is not None:  # (a client never says WELCOME, UNKNOWN or REFUSED)
+            handler(self, session, message, refused)
         return self._drain()
+
+    def _onAck(self, session: _Session, message: Any, refused: Optional[str]) -> None:
+        session.seq.acked(message.ack)
+
+    def _onPing(self, session: _Session, message: codec.Ping, refused: Optional[str]) -> None:
+        session.seq.acked(message.ack)
+        self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
+        session.seq.ackPending = 0
+
+    def _onData(self, session: _Session, message: Any, refused: Optional[str]) -> None:
+        session.seq.acked(message.ack)
+        verdict = session.seq.accept(message)
+        if verdict == "next":
+            self._emit(delivery(message, refused, session.routingId))
+            ack = session.seq.ackDue(force=False)
+            if ack is not None:
+                self._sendTo(session, ack)
+        elif verdict == "gap" and self._mayTell(session.peer):
+            # some were lost on the way: the client attaches again and resends
+            self._sendTo(session, codec.Unknown())
+
+    _handlers = {codec.Ack: _onAck, codec.PingOk: _onAck, codec.Ping: _onPing,
+                 codec.Data: _onData, codec.Skip: _onData}
 
     def _withoutSession(self, peer: Hashable) -> None:
         """*peer* talks to us without a session: it is closed once it has
@@ -675,16 +659,15 @@ class ServerSessionMachine(Machine):
 
     def _newRoutingId(self) -> int:
         """The next routing id: from 1 to :data:`MAX_ROUTING_ID`, then from 1
-        again, past those in use (a server that opens sessions for long
-        enough runs through them all)."""
+        again, past those in use."""
         while True:
             self._routingIds = self._routingIds % MAX_ROUTING_ID + 1
             if self._routingIds not in self.byRouting:
                 return self._routingIds
 
     def _mayTell(self, peer: Hashable) -> bool:
-        """At most one UNKNOWN a second to a connection (each makes its
-        client attach again)."""
+        """At most one UNKNOWN or REFUSED a second to a connection (each makes
+        its client say HELLO again)."""
         last = self._told.get(peer)
         if last is not None and self.now - last < 1.0:
             return False
@@ -723,46 +706,18 @@ class ServerSessionMachine(Machine):
         self._emit(DropPeer(peer, reason))
 
     def _attach(self, peer: Hashable, hello: codec.Hello) -> None:
-        self.attaches += 1
         session = self.sessions.get(hello.session)
         held = self.byPeer.get(peer)
         if held is not None and held is not session:
             # a client never attaches two sessions on one connection: one that
             # does, with a second connection's help, would hold any number
-            self.throttle.warn(log, "second", "sessions: {peer!r} attached another session; "
-                               "the one it held ({id}) ends (one session per connection)",
-                               peer=peer, id=held.routingId)
+            self._emit(Notice("second", f"{peer!r} attached another session; the one it held "
+                                        f"({held.routingId}) ends (one session per connection)"))
             self._end(held, "another was attached on its connection", drop=False)
         if session is None:
-            earlier = self._opened.get(peer)
-            if earlier is not None and earlier.peer is None:
-                # opened here and left (one still held here ended just above): a
-                # client never opens two sessions on one connection
-                self.throttle.warn(log, "second", "sessions: {peer!r} opened another session; "
-                                   "the one it opened before ({id}) ends (one session per "
-                                   "connection)", peer=peer, id=earlier.routingId)
-                self._end(earlier, "its connection opened another", drop=False)
-            if len(self.sessions) >= self.maxSessions:
-                self.refused += 1
-                self.throttle.warn(log, "full", "sessions: refused a new session from {peer!r}: "
-                                   "{count} already (maxSessions)", peer=peer,
-                                   count=len(self.sessions))
-                # it holds no session now: closed if it goes on so for the expiry
-                self._withoutSession(peer)
-                if self._mayTell(peer):
-                    self._emit(SendTo(peer, codec.encode(codec.Refused(
-                        f"the server holds {len(self.sessions)} sessions, all it may "
-                        f"(maxSessions)"))))
+            session = self._open(peer, hello)
+            if session is None:
                 return
-            session = _Session(hello.session, self._newRoutingId(), _epoch(), self.maxQueued,
-                               self.maxQueuedBytes, self.now)
-            session.openedBy = peer
-            self._opened[peer] = session
-            # the client numbers on from its earlier session (with a server that is gone)
-            session.seq.received = hello.since
-            self.sessions[hello.session] = session
-            self.byRouting[session.routingId] = session
-            self._emit(Opened(session.routingId))
         if session.peer is not None and session.peer != peer:
             # the client's earlier connection, left behind: it must not hold a slot
             self.byPeer.pop(session.peer, None)
@@ -777,14 +732,43 @@ class ServerSessionMachine(Machine):
             session.seq.acked(hello.ack)  # an ack of another incarnation means nothing here
         if hello.since > session.seq.received:
             # the client was told (by a server that is gone) that these arrived
-            self.throttle.warn(log, "since", "sessions: session {id} from {peer!r} holds nothing "
-                               "before {since}, but we have only {received}: those are lost",
-                               id=session.routingId, peer=peer, since=hello.since + 1,
-                               received=session.seq.received + 1)
+            self._emit(Notice("since", f"session {session.routingId} from {peer!r} holds "
+                                       f"nothing before {hello.since + 1}, but we have only "
+                                       f"{session.seq.received + 1}: those are lost"))
             session.seq.received = hello.since
+        self._emit(Attached(session.routingId))
         self._sendTo(session, codec.Welcome(session.seq.received, session.epoch, *self.limits))
         for data in session.seq.resend():
             self._sendTo(session, data)
+
+    def _open(self, peer: Hashable, hello: codec.Hello) -> Optional[_Session]:
+        """A new session for *hello*, or None (REFUSED) at *maxSessions*."""
+        earlier = self._opened.get(peer)
+        if earlier is not None and earlier.peer is None:
+            # opened here and left: a client never opens two sessions on one connection
+            self._emit(Notice("second", f"{peer!r} opened another session; the one it opened "
+                                        f"before ({earlier.routingId}) ends (one session per "
+                                        "connection)"))
+            self._end(earlier, "its connection opened another", drop=False)
+        if len(self.sessions) >= self.maxSessions:
+            self._emit(Full(peer, len(self.sessions)))
+            # it holds no session now: closed if it goes on so for the expiry
+            self._withoutSession(peer)
+            if self._mayTell(peer):
+                self._emit(SendTo(peer, codec.encode(codec.Refused(
+                    f"the server holds {len(self.sessions)} sessions, all it may "
+                    f"(maxSessions)"))))
+            return None
+        session = _Session(hello.session, self._newRoutingId(), _epoch(), self.maxQueued,
+                           self.maxQueuedBytes, self.now)
+        session.openedBy = peer
+        self._opened[peer] = session
+        # the client numbers on from its earlier session (with a server that is gone)
+        session.seq.received = hello.since
+        self.sessions[hello.session] = session
+        self.byRouting[session.routingId] = session
+        self._emit(Opened(session.routingId))
+        return session
 
     def reply(self, routingId: int, payload: tuple[bytes, ...], now: float) -> list[Any]:
         """Send *payload* to the session *routingId* (kept until acknowledged);

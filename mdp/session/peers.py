@@ -10,7 +10,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import ClientClosed, ReplyTooLarge
+from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
@@ -43,16 +43,10 @@ class SessionClient:
     ``send(*frames)`` never waits and never loses: while the connection is
     down the message waits in the session (at most *maxQueued*; beyond,
     :class:`~mdp.session.SessionQueueFull`).  What the server sends goes to
-    the ``subscribe`` callbacks, in order, once each: each callback on its
-    own, so one that raises is logged and the others still get the message.
-    ``attached()`` fires once the session is first attached, or fails with
-    :class:`~mdp.session.SessionRefused` if the server refuses to open it
-    (the client goes on asking: ``attached()`` again waits for the next
-    answer), or with :class:`~mdp.errors.ClientClosed` once the client is
-    closed.  *onRenewed()* hears when the server's session for this client
-    ended (it expired, was ended as full, or the server restarted) and a new
-    one began: what the server held for this client is lost (logged as a
-    warning too), and what this client held goes to the new one."""
+    the ``subscribe`` callbacks, in order, once each.  *onRenewed()* hears
+    when the server's session for this client ended and a new one began:
+    what the server held for this client is lost, and what this client held
+    goes to the new one."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
@@ -71,8 +65,8 @@ class SessionClient:
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached (at once if it is);
         fails with :class:`~mdp.session.SessionRefused` if the server
-        refuses it first, and with :class:`~mdp.errors.ClientClosed` once
-        the client is closed."""
+        refuses it first (the client goes on asking), and with
+        :class:`~mdp.errors.ClientClosed` once the client is closed."""
         if self._closed:
             return defer.fail(ClientClosed("the session client is closed"))
         if self._isAttached:
@@ -164,12 +158,7 @@ class SessionServer:
         the session's client said."""
         if self.router is None:
             raise UnknownSession(routingId)
-        router = self.router
-        reason = router.refusal(routingId, list(frames))
-        if reason is not None:
-            raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
-        router._perform(router.machine.reply(routingId, tuple(bytes_frames(frames)),
-                                             self.reactor.seconds()))
+        self.router.reply(routingId, bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
         """Stop listening; the sessions end with it (what their clients have

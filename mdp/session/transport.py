@@ -26,9 +26,10 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, RequestTooLarge, TransportError
+from mdp.errors import OversizedMessage, ReplyTooLarge, RequestTooLarge, TransportError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
 from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call
+from mdp.session import machines
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
 from mdp.session.machines import (
@@ -39,14 +40,7 @@ from mdp.session.machines import (
     DEFAULT_PING_INTERVAL,
     ROUTING_ID_BYTES,
     ClientSessionMachine,
-    Deliver,
-    DropPeer,
     Expired,
-    Reconnect,
-    Refusal,
-    Renewed,
-    Send,
-    SendTo,
     ServerSessionMachine,
     SessionQueueFull,
     UnknownSession,
@@ -97,11 +91,9 @@ def inner_limits(limits: Limits) -> Limits:
 
 
 def kept_frames(frames: Any) -> tuple[bytes, ...]:
-    """*frames* as a session keeps them until they are acknowledged: bytes
-    (a ``bytearray`` or ``memoryview`` copied, as it could change before a
-    resend); ``TypeError`` at once for a frame that is neither, which,
-    numbered and kept, would fail every resend and hold back every message
-    after it."""
+    """*frames* as a session keeps them until acknowledged: bytes (copied,
+    as a buffer could change before a resend); ``TypeError`` at once for a
+    frame that is not, which would fail every resend."""
     kept = []
     for index, frame in enumerate(frames):
         if frame.__class__ is not bytes:
@@ -112,7 +104,7 @@ def kept_frames(frames: Any) -> tuple[bytes, ...]:
     return tuple(kept)
 
 
-def said(limits: Limits) -> tuple[int, int]:
+def payload_limits(limits: Limits) -> tuple[int, int]:
     """What a side says it takes in one DATA: its payload limits."""
     return limits.maxMessageBytes, limits.maxFrames
 
@@ -129,22 +121,35 @@ def routing_id(peer: bytes) -> int:
 
 class _End:
     """What both ends share: a tick, an inner transport, limits on what is
-    delivered."""
+    delivered, and the logging of what their machine reports."""
 
     tick: task.LoopingCall
     inner: Any
     limits: Limits
     throttle: LogThrottle
     endpoint: str
+    #: messages from the other side lost as over our limits, and ours sent
+    #: as SKIPs as over the other side's
+    dropped = 0
+    skipped = 0
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
         """Why the DATA message *frames* is over our limits (None if it is
-        not, or is no DATA): the inner transport's limits leave room for the
-        session's own frames, so it lets a message just over ours through,
-        and the session drops it."""
+        not, or is no DATA): the inner transport lets it through, as its
+        limits leave room for the session's own frames."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
+
+    def _refusal(self, frames: Any, peerLimits: Optional[tuple[int, int]],
+                 other: str) -> Optional[str]:
+        """Why *frames* are not sent: over our limits, or over *peerLimits*,
+        those the *other* side said (None if they go)."""
+        reason = self.limits.refuse(frames)
+        if reason is None:
+            why = over_limits(frames, peerLimits)
+            reason = None if why is None else f"{other} takes no message of {why}"
+        return reason
 
     def _safely(self, what: str, call: Callable[..., Any], *args: Any) -> None:
         """Call the application's *call*; what it raises is logged, so the
@@ -154,6 +159,28 @@ class _End:
         except Exception:
             log.failure("{end} {endpoint}: {what} raised", end=type(self).__name__,
                         endpoint=self.endpoint, what=what)
+
+    def _dropped(self, action: machines.Dropped) -> None:
+        self.dropped += 1
+        self.throttle.warn(log, "dropped", "{end}: message {seq}{of} from the other side is lost: "
+                           "{reason}", end=self._name(), seq=action.seq,
+                           of=f" of session {action.routingId}" if action.routingId else "",
+                           reason=action.reason)
+
+    def _skipped(self, action: machines.Skipped) -> None:
+        self.skipped += 1
+        self.throttle.warn(log, "skipped", "{end}: message {seq}{to} is over the limits the other "
+                           "side said ({reason}); a SKIP goes in its place: it is lost, and what "
+                           "follows it goes through", end=self._name(), seq=action.seq,
+                           to=f" to session {action.routingId}" if action.routingId else "",
+                           reason=action.reason)
+
+    def _notice(self, action: machines.Notice) -> None:
+        emit = self.throttle.info if action.level == "info" else self.throttle.warn
+        emit(log, action.topic, "{end}: {text}", end=self._name(), text=action.text)
+
+    def _name(self) -> str:
+        return f"{type(self).__name__} {self.endpoint}"
 
     def _shutdown(self) -> defer.Deferred[None]:
         if self.tick.running:
@@ -175,11 +202,15 @@ class SessionRouter(_End):
         self.limits = limits
         self.machine = ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
-            maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
             now=reactor.seconds())
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
         self.endpoint = ""
+        #: HELLOs that attached a connection to a session, and those refused
+        #: at maxSessions
+        self.attaches = 0
+        self.refused = 0
         self.tick = task.LoopingCall(self._tick)
         self.tick.clock = reactor
 
@@ -199,7 +230,6 @@ class SessionRouter(_End):
     # --- the inner transport's receiver ---------------------------------------------
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        # one over our limits is dropped by the session (logged), not delivered
         self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds(),
                                                  refused=self._overLimits(frames)))
 
@@ -211,52 +241,67 @@ class SessionRouter(_End):
 
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
-            if isinstance(action, SendTo):
-                if self.inner is not None:
-                    self.inner.sendMessage(action.peer, action.frames)
-            elif isinstance(action, Deliver):
-                self._safely("messageReceived", self.receiver.messageReceived,
-                             routing_bytes(action.routingId), list(action.payload))
-            elif isinstance(action, Expired):
-                self._safely("peerDisconnected", self.receiver.peerDisconnected,
-                             routing_bytes(action.routingId))
-            elif isinstance(action, DropPeer):
-                if self.inner is not None:
-                    self.throttle.info(log, "drop", "session router at {endpoint}: closed a "
-                                       "connection: {reason}", endpoint=self.endpoint,
-                                       reason=action.reason)
-                    self.inner.disconnectPeer(action.peer)
+            self._performers[type(action)](self, action)
+
+    def _sendTo(self, action: machines.SendTo) -> None:
+        if self.inner is not None:
+            self.inner.sendMessage(action.peer, action.frames)
+
+    def _deliver(self, action: machines.Deliver) -> None:
+        self._safely("messageReceived", self.receiver.messageReceived,
+                     routing_bytes(action.routingId), list(action.payload))
+
+    def _expired(self, action: machines.Expired) -> None:
+        self._safely("peerDisconnected", self.receiver.peerDisconnected,
+                     routing_bytes(action.routingId))
+
+    def _dropPeer(self, action: machines.DropPeer) -> None:
+        if self.inner is not None:
+            self.throttle.info(log, "drop", "session router at {endpoint}: closed a "
+                               "connection: {reason}", endpoint=self.endpoint,
+                               reason=action.reason)
+            self.inner.disconnectPeer(action.peer)
+
+    def _attached(self, action: machines.Attached) -> None:
+        self.attaches += 1
+
+    def _full(self, action: machines.Full) -> None:
+        self.refused += 1
+        self.throttle.warn(log, "full", "session router at {endpoint}: refused a new session "
+                           "from {peer!r}: {count} already (maxSessions)",
+                           endpoint=self.endpoint, peer=action.peer, count=action.sessions)
+
+    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver,
+                   machines.Expired: _expired, machines.DropPeer: _dropPeer,
+                   machines.Opened: lambda self, action: None, machines.Attached: _attached,
+                   machines.Full: _full, machines.Dropped: _End._dropped,
+                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     # --- IRouterTransport -----------------------------------------------------------
 
-    def refusal(self, routingId: int, frames: Any) -> Optional[str]:
-        """Why *frames* are not sent to the session *routingId*: over our
-        limits, or over those its client said (None if they go)."""
-        reason = self.limits.refuse(frames)
-        if reason is not None:
-            return reason
+    def reply(self, routingId: int, frames: Any) -> None:
+        """Send *frames* to the session *routingId*; :class:`ReplyTooLarge`
+        over our limits or its client's, :class:`UnknownSession`,
+        :class:`SessionQueueFull`."""
         session = self.machine.byRouting.get(routingId)
-        why = None if session is None else over_limits(frames, session.seq.peerLimits)
-        return None if why is None else f"the session's client takes no message of {why}"
+        peerLimits = None if session is None else session.seq.peerLimits
+        reason = self._refusal(frames, peerLimits, "the session's client")
+        if reason is not None:
+            raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
+        self._perform(self.machine.reply(routingId, kept_frames(frames), self.reactor.seconds()))
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
-        reason = self.refusal(routing_id(peer), frames)
-        if reason is not None:
-            self.throttle.warn(log, "too large", "session router at {endpoint}: refused a "
-                               "message for session {id}: {reason}", endpoint=self.endpoint,
-                               id=routing_id(peer), reason=reason)
-            return
-        kept = kept_frames(frames)
         try:
-            self._perform(self.machine.reply(routing_id(peer), kept, self.reactor.seconds()))
+            self.reply(routing_id(peer), frames)
+        except ReplyTooLarge as e:
+            self.throttle.warn(log, "too large", "session router at {endpoint}: {error}",
+                               endpoint=self.endpoint, error=e)
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
-            # a hole in what the client gets would be worse: the session ends,
-            # as a transport drops a peer that reads nothing past its output
-            # limit.  It ends now, so nothing sent after this message (a
-            # smaller one that would fit, say) is numbered in its place; only
-            # the report waits a turn, as the application is in this call.
+            # a hole in what the client gets would be worse: the session ends
+            # now (nothing sent after is numbered in this one's place); its
+            # report waits a turn, as the application is in this call
             self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
                                "{error}", endpoint=self.endpoint,
                                id=routing_id(peer), error=e)
@@ -300,7 +345,7 @@ class SessionDealer(_End):
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=limits.maxOutputBytes, limits=said(limits),
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
             now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(self.innerEndpoint, self.machine.deadAfter)
         self.backoff = backoff
@@ -341,27 +386,20 @@ class SessionDealer(_End):
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
-        """The inner connection's delay before its *attempt*: the given
-        retry policy's (or the inner transport's own, 0.5 s doubling), at
-        most ``pingInterval * liveness``.  Left to double up to 32 s, a cut
-        shorter than the server's expiry would outlast the session (a
-        20 s cut found again after 31.5 s, past a 30 s expiry)."""
+        """The inner connection's delay before its *attempt*: the retry
+        policy's (or the inner transport's own), at most ``pingInterval *
+        liveness``, so that a cut shorter than the server's expiry does not
+        outlast the session."""
         if self.retryPolicy is None:
             return RECONNECT.delay(max(attempt - 1, 0), self.machine.deadAfter)
         return min(self.retryPolicy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
-        """The inner connection closed on a message from the server over
-        this side's limits by more than the room it leaves for the session's
-        frames (a server that read them in our HELLO sends a SKIP instead:
-        this one did not, or did not have them yet): the session never saw
-        which it was, so it cannot drop it (a message just over them it
-        does), and the server resends it at each attach: nothing after it
-        comes through until the limits agree.
-        Say so, and attach again after the backoff, not at once (the inner
-        transport would, and so would the resend: a loop as fast as the two
-        can go), at most ``pingInterval * liveness`` later, well within the
-        server's expiry."""
+        """The inner connection closed on a message from the server far over
+        our limits (a server that had our limits would have sent a SKIP): it
+        is resent at each attach, so nothing after it comes through.  Say so,
+        and attach again after the backoff, not at once (a loop as fast as
+        the two sides can go)."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
@@ -391,7 +429,7 @@ class SessionDealer(_End):
         connection's own queue is full): a streaming sender waits on
         :meth:`drained`."""
         inner = self.inner
-        return self.machine.seq.roomy and (inner is None or getattr(inner, "writable", True))
+        return self.machine.seq.hasRoom and (inner is None or getattr(inner, "writable", True))
 
     @property
     def connected(self) -> bool:
@@ -414,31 +452,7 @@ class SessionDealer(_End):
 
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
-            if isinstance(action, Send):
-                if self.inner is not None:
-                    self.inner.sendMessage(action.frames)
-            elif isinstance(action, Deliver):
-                self.oversizedLosses = 0
-                self._safely("messageReceived", self.receiver.messageReceived,
-                             list(action.payload))
-            elif isinstance(action, Refusal):
-                # the machine logs it; a receiver that waits for the session hears of it
-                refused = getattr(self.receiver, "sessionRefused", None)
-                if refused is not None:
-                    self._safely("sessionRefused", refused, action.reason)
-            elif isinstance(action, Renewed):
-                # the machine warns; a receiver that keeps state with the server hears of it
-                renewed = getattr(self.receiver, "sessionRenewed", None)
-                if renewed is not None:
-                    self._safely("sessionRenewed", renewed)
-            elif isinstance(action, Reconnect):
-                log.info("session dealer to {endpoint}: {reason}; connecting again",
-                         endpoint=self.endpoint, reason=action.reason)
-                inner, self.inner = self.inner, None
-                if inner is not None:
-                    inner.close()
-                if not self.closed and self.reopening is None:
-                    self._reopen()
+            self._performers[type(action)](self, action)
         if self.machine.state == "attached":
             self.attempts = 0
             if not self.madeOnce and not self.closed:
@@ -446,6 +460,48 @@ class SessionDealer(_End):
                 self._safely("connectionMade", self.receiver.connectionMade)
         if self.writable:
             self._waiters.fire()
+
+    def _send(self, action: machines.Send) -> None:
+        if self.inner is not None:
+            self.inner.sendMessage(action.frames)
+
+    def _deliver(self, action: machines.Deliver) -> None:
+        self.oversizedLosses = 0
+        self._safely("messageReceived", self.receiver.messageReceived, list(action.payload))
+
+    def _refused(self, action: machines.Refusal) -> None:
+        """A receiver that waits for the session hears of it."""
+        self.throttle.warn(log, "refused", "session dealer to {endpoint}: the server refused "
+                           "the session: {reason}; asking again", endpoint=self.endpoint,
+                           reason=action.reason)
+        refused = getattr(self.receiver, "sessionRefused", None)
+        if refused is not None:
+            self._safely("sessionRefused", refused, action.reason)
+
+    def _renewed(self, action: machines.Renewed) -> None:
+        """A receiver that keeps state with the server hears of it."""
+        log.warn("session dealer to {endpoint}: the server's session for this client ended "
+                 "(it expired, was ended as full, or the server restarted) and a new one "
+                 "began: messages the server held for this client and had not delivered are "
+                 "lost; those this client sent that the server had not acknowledged are sent "
+                 "again, so the server may get one twice", endpoint=self.endpoint)
+        renewed = getattr(self.receiver, "sessionRenewed", None)
+        if renewed is not None:
+            self._safely("sessionRenewed", renewed)
+
+    def _reconnect(self, action: machines.Reconnect) -> None:
+        log.info("session dealer to {endpoint}: {reason}; connecting again",
+                 endpoint=self.endpoint, reason=action.reason)
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.close()
+        if not self.closed and self.reopening is None:
+            self._reopen()
+
+    _performers = {machines.Send: _send, machines.Deliver: _deliver,
+                   machines.Refusal: _refused, machines.Renewed: _renewed,
+                   machines.Reconnect: _reconnect, machines.Dropped: _End._dropped,
+                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     # --- IDealerTransport ----------------------------------------------------------------
 
@@ -457,11 +513,7 @@ class SessionDealer(_End):
         is not bytes; nothing is queued then."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
-        reason = self.limits.refuse(frames)
-        if reason is None:
-            why = over_limits(frames, self.machine.seq.peerLimits)
-            if why is not None:
-                reason = f"the server takes no message of {why}"
+        reason = self._refusal(frames, self.machine.seq.peerLimits, "the server")
         if reason is not None:
             raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
         self._perform(self.machine.send(kept_frames(frames), self._now()))
@@ -525,15 +577,15 @@ class _Inner:
         self.owner = owner
         self.transport: Any = None
 
-    def _mine(self) -> bool:
+    def _current(self) -> bool:
         return self.transport is not None and self.owner.inner is self.transport
 
     def connectionMade(self) -> None:
-        if self._mine():
+        if self._current():
             self.owner._perform(self.owner.machine.handleConnected(self.owner._now()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        if self._mine():
+        if self._current():
             owner = self.owner
             epoch = owner.machine.epoch
             # one over our limits is dropped by the session (logged), not delivered
@@ -544,7 +596,7 @@ class _Inner:
             owner._perform(actions)
 
     def connectionLost(self, reason: object) -> None:
-        if self._mine():
+        if self._current():
             owner = self.owner
             why = getattr(reason, "value", None)
             if isinstance(why, OversizedMessage):

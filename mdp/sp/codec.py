@@ -10,8 +10,7 @@ request id at the bottom of the stack (top bit set)::
 A reply carries the same backtrace back; each hop pops its word to learn where
 to send it.  A request reaching its REP has taken one hop more than it has hop
 words; nng drops one over :data:`DEFAULT_MAX_HOPS` hops (its
-``NNG_OPT_MAXTTL``): 7 hop words pass, 8 do not (measured against nng), and
-so do we.
+``NNG_OPT_MAXTTL``): 7 hop words pass, 8 do not, as with nng.
 """
 
 from __future__ import annotations

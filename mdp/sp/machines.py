@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Any, Hashable, Optional, Union
+from typing import Any, Hashable, Optional
 
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_class
@@ -59,6 +59,13 @@ class SendOn:
     """Send *body* on *channel*."""
 
     channel: Any
+    body: bytes
+
+
+@action_class
+class Forward:
+    """A device: send *body* upstream."""
+
     body: bytes
 
 
@@ -142,7 +149,8 @@ class ReqMachine(Machine):
         self.requests: dict[int, _Request] = {}
         #: requests waiting for a channel, oldest first
         self._held: OrderedDict[int, _Request] = OrderedDict()
-        self._wake: Optional[float] = None
+        #: when handleWake is due, as the last WakeAt said (None: never)
+        self.wakeAt: Optional[float] = None
         #: (resendAt, order, request) for every send; an entry counts while
         #: its order is the request's ``entry``, the others are stale
         self._deadlines: list[tuple[float, int, _Request]] = []
@@ -171,9 +179,8 @@ class ReqMachine(Machine):
         return self._drain()
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
-        """Its requests go out again on the others, oldest first.  This looks
-        at every request in flight: a lost channel is rare, and keeping each
-        channel's requests apart would cost every send."""
+        """Its requests go out again on the others, oldest first (a look at
+        every request in flight: a lost channel is rare)."""
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
@@ -222,7 +229,7 @@ class ReqMachine(Machine):
         """Resend the requests whose resend interval is over, oldest request
         first: only the entries due come off the heap."""
         self.now = now
-        self._wake = None
+        self.wakeAt = None
         heap = self._deadlines
         due = []
         while heap and heap[0][0] <= now:
@@ -253,11 +260,8 @@ class ReqMachine(Machine):
 
     def _rearm(self) -> None:
         """Ask for a wake-up at the earliest resend deadline, if it changed.
-        Stale entries at the head go first (when replies come in the order
-        the requests went, that is all of them); when stale ones outnumber
-        live ones by more than the slack, the heap is rebuilt without them,
-        so between events it holds at most twice the requests out plus the
-        slack."""
+        Stale entries at the head go first; when stale ones outnumber live
+        ones by more than the slack, the heap is rebuilt without them."""
         heap = self._deadlines
         if len(heap) > 2 * (len(self.requests) - len(self._held)) + self._slack:
             heap[:] = [e for e in heap if e[2].entry == e[1]]
@@ -265,8 +269,8 @@ class ReqMachine(Machine):
         while heap and heap[0][2].entry != heap[0][1]:
             heapq.heappop(heap)
         when = heap[0][0] if heap else None
-        if when != self._wake:
-            self._wake = when
+        if when != self.wakeAt:
+            self.wakeAt = when
             self._emit(WakeAt(when))
 
 
@@ -385,17 +389,18 @@ class DeviceMachine(_ChannelMachine):
     with that channel's id pushed on its backtrace; a reply from upstream goes
     to the channel its first word names, that word popped."""
 
-    def handleRequest(self, channel: Channel, body: bytes, now: float) -> Union[bytes, list[Any]]:
-        """The request to pass upstream (bytes), or the actions saying why not."""
+    def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
+        """A request from *channel*: :class:`Forward`, or :class:`Dropped` over
+        the hop limit (its hop through us counts)."""
         self.now = now
-        number = self.channels.up(channel)
+        upstream = word(self.channels.up(channel)) + body
         try:
-            # one more hop than the request has: it must still be within the limit
-            split_backtrace(word(number) + body, self.maxHops)
+            split_backtrace(upstream, self.maxHops)
         except ProtocolError as e:
             self._emit(Dropped(channel, str(e)))
             return self._drain()
-        return word(number) + body
+        self._emit(Forward(upstream))
+        return self._drain()
 
     def handleReply(self, body: bytes, now: float) -> list[Any]:
         """A reply from upstream."""

@@ -42,13 +42,38 @@ def random_id() -> int:
     return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
 
 
-def _dials(endpoints: Union[str, Sequence[str]], none: str) -> list[tuple[str, str]]:
-    """(URL, Twisted endpoint) of each endpoint to dial (one, or a sequence);
-    ``ValueError(none)`` for an empty sequence, a TransportError for a bad one."""
+def _dial(endpoints: Union[str, Sequence[str]], make: Callable[[str], Any], none: str,
+          reactor: Any, limits: Limits, backoff: Backoff) -> list[Any]:
+    """A receiver made by *make(url)* for each of *endpoints* (one, or a
+    sequence), its ``transport`` a REQ connection dialing it;
+    ``ValueError(none)`` for no endpoint, a TransportError for a bad one."""
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     if not urls:
         raise ValueError(none)
-    return [(url, endpoint_of(url, listen=False)) for url in urls]
+    dials = [(url, endpoint_of(url, listen=False)) for url in urls]
+    ends = []
+    for url, dial in dials:
+        end = make(url)
+        end.transport = StreamDealer(dial, end, reactor, limits=limits, framing=SPFraming(REQ),
+                                     retryPolicy=backoff.retryPolicy())
+        ends.append(end)
+    return ends
+
+
+def _listen(endpoint: str, listener: Any, reactor: Any, limits: Limits,
+            routers: list[StreamRouter], what: str, then: str = "") -> defer.Deferred[StreamRouter]:
+    """Listen on *endpoint* as a REP side for *listener*; fires with the
+    router (its ``endpoint`` is a Twisted client string reaching it)."""
+
+    def bound(router: StreamRouter) -> StreamRouter:
+        listener.transport = router
+        routers.append(router)
+        log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint,
+                 then=then)
+        return router
+
+    return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, reactor,
+                               limits=limits, framing=SPFraming(REP)).addCallback(bound)
 
 
 @implementer(IDealerReceiver)
@@ -79,19 +104,14 @@ class SPClient:
     def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  resend: float = machines.DEFAULT_RESEND, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        dials = _dials(endpoints, "an SPClient needs at least one endpoint")
         self.reactor = default_reactor(reactor)
         self.machine = machines.ReqMachine(random_id(), resend=resend, now=self._now())
         self.throttle = LogThrottle(self.reactor)
         self._waiting: dict[int, defer.Deferred[bytes]] = {}
         self._timer: Any = None
         self._closed = False
-        self.pipes = []
-        for url, dial in dials:
-            pipe = _Pipe(self, url)
-            pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=limits,
-                                          framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
-            self.pipes.append(pipe)
+        self.pipes = _dial(endpoints, lambda url: _Pipe(self, url),
+                           "an SPClient needs at least one endpoint", self.reactor, limits, backoff)
 
     def _now(self) -> float:
         return self.reactor.seconds()
@@ -116,31 +136,35 @@ class SPClient:
         return d
 
     def _perform(self, actions: list[Any]) -> None:
-        """Do what the machine asked, in order.  What a caller's callback does
-        meanwhile (a new request, a cancel, close) is a new event, handled at
-        once; the actions left over must not undo what it did."""
+        """Do what the machine asked: sends and the timer first, then the
+        replies, whose callbacks may make new events (a request, a cancel,
+        close), each handled at once after this batch is done."""
+        replies = []
         for action in actions:
-            kind = type(action)
-            if kind is machines.SendOn:
-                if not self._closed:  # (a callback run by an earlier action may have closed it)
-                    action.channel.transport.sendMessage([action.body])
-            elif kind is machines.Complete:
-                d = self._waiting.pop(action.requestId, None)
-                if d is not None:
-                    d.callback(action.payload)
-            elif kind is machines.WakeAt:
-                # the machine's wake-up as it is now, not as this action said:
-                # a callback above may have made a request (or cancelled one)
-                # and armed the wake-up that asked for, which this older
-                # action must not undo
-                self._timer = cancel_call(self._timer)
-                when = self.machine._wake
-                if when is not None and not self._closed:
-                    self._timer = self.reactor.callLater(max(0.0, when - self._now()), self._wake)
-            elif kind is machines.Dropped:
-                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
-                                   "{reason}", url=getattr(action.channel, "url", "?"),
-                                   reason=action.reason)
+            if type(action) is machines.Complete:
+                replies.append(action)
+            else:
+                self._performers[type(action)](self, action)
+        for action in replies:
+            d = self._waiting.pop(action.requestId, None)
+            if d is not None:
+                d.callback(action.payload)
+
+    def _sendOn(self, action: machines.SendOn) -> None:
+        if not self._closed:
+            action.channel.transport.sendMessage([action.body])
+
+    def _wakeAt(self, action: machines.WakeAt) -> None:
+        self._timer = cancel_call(self._timer)
+        if action.when is not None and not self._closed:
+            self._timer = self.reactor.callLater(max(0.0, action.when - self._now()), self._wake)
+
+    def _dropped(self, action: machines.Dropped) -> None:
+        self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
+                           url=getattr(action.channel, "url", "?"), reason=action.reason)
+
+    _performers = {machines.SendOn: _sendOn, machines.WakeAt: _wakeAt,
+                   machines.Dropped: _dropped}
 
     def _wake(self) -> None:
         self._timer = None
@@ -197,16 +221,8 @@ class SPServer:
     def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
         """Listen on *endpoint*; fires with the router (its ``endpoint`` is
         a Twisted client string reaching it)."""
-        listener = _Listener(self)
-
-        def bound(router: StreamRouter) -> StreamRouter:
-            listener.transport = router
-            self.routers.append(router)
-            log.info("SP REP listening on {endpoint}", endpoint=router.endpoint)
-            return router
-
-        return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
-                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+        return _listen(endpoint, _Listener(self), self.reactor, self.limits, self.routers,
+                       "SP REP")
 
     def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
         self._perform(listener, self.machine.handleRequest((listener, peer), body, self._now()))
@@ -311,42 +327,33 @@ class SPDevice:
     def __init__(self, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        dials = _dials(back, "an SPDevice needs at least one endpoint to forward to")
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.machine = machines.DeviceMachine(random_id(), maxHops=maxHops, now=self._now())
         self.throttle = LogThrottle(self.reactor)
         self.routers: list[StreamRouter] = []
         self._turn = 0
-        self.backs = []
-        for url, dial in dials:
-            end = _DeviceBack(self, url)
-            end.transport = StreamDealer(dial, end, self.reactor, limits=limits,
-                                         framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
-            self.backs.append(end)
+        self.backs = _dial(back, lambda url: _DeviceBack(self, url),
+                           "an SPDevice needs at least one endpoint to forward to", self.reactor,
+                           limits, backoff)
 
     def _now(self) -> float:
         return self.reactor.seconds()
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
         """Take requests on *front*."""
-        listener = _DeviceFront(self)
-
-        def bound(router: StreamRouter) -> StreamRouter:
-            listener.transport = router
-            self.routers.append(router)
-            log.info("SP device listening on {endpoint}, forwarding to {back}",
-                     endpoint=router.endpoint, back=", ".join(b.url for b in self.backs))
-            return router
-
-        return StreamRouter.listen(endpoint_of(front, listen=True), listener, self.reactor,
-                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+        return _listen(front, _DeviceFront(self), self.reactor, self.limits, self.routers,
+                       "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
 
     def _request(self, front: _DeviceFront, peer: bytes, body: bytes) -> None:
-        upstream = self.machine.handleRequest((front, peer), body, self._now())
-        if not isinstance(upstream, bytes):
-            self._log(upstream, f"request from {peer_label(front, peer)}")
-            return
+        for action in self.machine.handleRequest((front, peer), body, self._now()):
+            if type(action) is machines.Forward:
+                self._forward(action.body)
+            else:
+                self._log([action], f"request from {peer_label(front, peer)}")
+
+    def _forward(self, body: bytes) -> None:
+        """Send *body* upstream, on the next connection that is up in turn."""
         live = [b for b in self.backs if b.up] or self.backs
         if live is self.backs:
             # none up (connecting, or its greeting not come yet): held by a
@@ -356,7 +363,7 @@ class SPDevice:
                                "upstream connection is up")
         end = live[self._turn % len(live)]
         self._turn += 1
-        end.transport.sendMessage([upstream])
+        end.transport.sendMessage([body])
 
     def _reply(self, body: bytes, url: str = "?") -> None:
         for action in self.machine.handleReply(body, self._now()):
