@@ -47,8 +47,6 @@ MAX_SERVICES = 1000
 OTHER = "_other"
 
 
-
-
 class _Labels:
     """Service names to label values, at most *limit* of them.  Names a
     client made up (no worker registered them) get at most half: they
@@ -388,20 +386,16 @@ class _Refused(Protocol):
 class _MetricsChannel(HTTPChannel):
     """twisted.web's HTTP/1.1 channel, kept within the endpoint's bounds.
 
-    - Output: the transport pauses the channel when it holds more than its
-      buffer size (64 KiB) of unsent responses.  HTTPChannel then stops
-      reading only between requests, but a scrape is answered while it is
-      being handled, so a client that pipelines requests and reads nothing
-      had every one answered into that buffer.  Here a finished request whose
-      output is over that bound is *parked*: nothing more is read or handled
-      until the transport has sent it all (and calls :meth:`resumeProducing`).
+    - Output: a scrape is answered while it is handled, so a client that
+      pipelines requests and reads nothing would have each answered into the
+      transport's buffer.  A finished request whose output is over that
+      buffer is *parked*: nothing more is read until it is sent
+      (:meth:`resumeProducing`).
     - Input: a body over ``maxBodyBytes``, or chunked, is answered 413 from
-      its headers, and the connection is closed without reading it.
-    - Time: input does not put the deadline off (:meth:`resetTimeout` does
-      nothing), so a whole request must arrive within ``requestTimeout`` of
-      the connection or of the previous response, or the connection is
-      aborted; a parked response must be taken within it too.  An idle
-      connection is closed at the deadline (a scraper opens another).
+      its headers, and the connection closed unread.
+    - Time: input does not put the deadline off, so a whole request (or the
+      taking of a parked response) must come within ``requestTimeout``, or
+      the connection is aborted; an idle one is closed then.
     """
 
     site: _MetricsSite

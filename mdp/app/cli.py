@@ -1,57 +1,14 @@
-"""The ``mdp`` console script.
+"""The ``mdp`` console script: ``call``, ``status``, ``freelance-call``,
+``titanic submit|result|close``, ``sp-request``, ``chat``, ``demo`` and
+``keygen`` (docs/cli.md; each command's ``--help`` says what it takes).
 
-``mdp call --broker ENDPOINT SERVICE FRAME...``
-    Send one request and print each reply frame on its own line (PARTIALs as
-    they arrive, then the FINAL).  Exit status 1 with a message on stderr on
-    timeout or error; 2, with one line on stderr, for a usage mistake (a bad
-    endpoint among them), before anything is sent.
-
-``mdp status --broker ENDPOINT [--watch [SECONDS]]``
-    Print a broker's services (workers idle and busy, requests queued) and
-    workers (service, state, seconds of silence), from ``mmi.services`` and
-    ``mmi.workers``; ``--watch`` prints them again every SECONDS (2) until
-    Ctrl-C.  Exit status 1 with one line on stderr naming the broker when it
-    does not answer, or saying it is the passive broker of a Binary Star
-    pair (asked with ``mmi.binarystar`` first, which is no vote).
-
-``mdp freelance-call --server ENDPOINT FRAME...``
-    Send one request to Freelance servers (``twist mdp-freelance-server``) and
-    print each reply frame on its own line; exit status 1 with one line on
-    stderr on timeout or error (naming the servers tried, and for how long).
-
-``mdp titanic submit --broker ENDPOINT SERVICE FRAME...``
-    Store a request with Titanic; print its id.
-``mdp titanic result --broker ENDPOINT ID``
-    Print the reply frames of a stored request, one per line; exit status 3,
-    with a line on stderr, while it is pending, or wait for it with
-    ``--wait`` (saying on stderr what it waits for: the reply, Titanic, the
-    broker).  Exit status 1 for an unknown (or closed, or purged) id.
-``mdp titanic close --broker ENDPOINT ID``
-    Have Titanic forget a request and its reply.
-
-``mdp sp-request --endpoint URL PAYLOAD``
-    Send one SP (nng) request and print the reply; exit status 1 with a
-    message on stderr when none comes within ``--timeout``.
-
-``mdp chat --name NAME --group GROUP [--interface IF]``
-    A terminal chat on a Harmony (ZRE) node: what you type goes to everyone
-    in the group (``/w NAME TEXT`` to one peer), what they say is printed.
-    Peers are found with UDP beacons (or ``--peer`` endpoints); it talks to
-    Zyre and zeromq-pyre chats too.  Ctrl-D or Ctrl-C leaves.
-
-``mdp demo``
-    Start a broker, an echo worker and a client in one process over real
-    ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
-    status 1 with one line on stderr if the broker cannot bind (or a request
-    fails).
-
-Every command takes ``-h`` for ``--help``; a usage mistake (a missing
-argument, a bad or empty endpoint, ...) is one line on stderr saying what
-is wrong, and exit status 2.  Every command exits with status 130 on Ctrl-C (once this module is
-imported) and 141 (128 + SIGPIPE) when
-its output's reader has gone (``mdp call ... | head -1``), with no
-traceback; with standard output closed, it sends nothing and exits with
-status 2.  Frames given as arguments are their bytes as the OS gave them.
+Exit status: 0 done; 1 with one line on stderr for a timeout or an error
+(naming the brokers or servers asked); 2 with one line on stderr for a usage
+mistake (a missing argument, a bad or empty endpoint), before anything is
+sent, or when standard output is closed; 3 for ``mdp titanic result`` while
+the reply is pending; 130 on Ctrl-C and 141 (128 + SIGPIPE) when the reader
+of standard output has gone (``mdp call ... | head -1``), both without a
+traceback.  Frames given as arguments are their bytes as the OS gave them.
 """
 
 from __future__ import annotations

@@ -23,13 +23,10 @@ log = Logger()
 
 
 class _Failable(Service):
-    """A service that can fail to start (a port taken, a store unreadable).
-
-    ``twistd`` begins logging, calls :meth:`privilegedStartService` then
-    ``startService``, and removes its pid file once the reactor has
-    stopped; ``twist`` calls ``startService`` alone, before it begins
-    logging and runs the reactor.  A failure ends the process accordingly
-    (:meth:`_failedToStart`)."""
+    """A service that can fail to start (a port taken, a store unreadable),
+    and then ends the process the way its runner needs (:meth:`_failedToStart`):
+    ``twistd`` calls :meth:`privilegedStartService` first and logs already,
+    ``twist`` calls ``startService`` before it logs or runs the reactor."""
 
     #: a failure to start exits 1: True, False, or None for "when twistd runs it"
     exitOnFailure: Optional[bool] = None
@@ -48,19 +45,13 @@ class _Failable(Service):
 
     def _failedToStart(self, reactor: Any, failure: Failure, message: str,
                        **fields: Any) -> Optional[Failure]:
-        """This service could not start: log *message* (a format of *fields*) once.
-
-        Unless it ends the process (:meth:`_endsProcess`), *failure* is
-        returned for the caller of ``startService``.  Before the reactor
-        runs and not under ``twistd`` (so under ``twist``, which starts its
-        service before its logging and its reactor), the line is critical
-        (shown on stderr at once) and the process exits with status 1 there
-        and then: no "Starting reactor..." after it, nothing else started.
-        Otherwise (the reactor running, or ``twistd``, whose logging has begun
-        and which removes its pid file once the reactor stops) it is an error
-        line, the reactor stops (the services of this package not yet started
-        do not start) and the process exits with status 1 once it has shut
-        down."""
+        """This service could not start: log *message* (a format of *fields*)
+        once, and return *failure* unless it ends the process
+        (:meth:`_endsProcess`).  Under ``twist``, before the reactor runs, the
+        line is critical (on stderr at once) and the process exits 1 there and
+        then; otherwise the reactor stops, the services not yet started do
+        not start, and the process exits 1 once it has shut down (``twistd``
+        removes its pid file meanwhile)."""
         if not self._endsProcess():
             log.error(message, **fields)
             return failure
@@ -97,13 +88,11 @@ class BrokerService(_Failable):
     before it binds, the broker serves only while it is active, and a fatal
     error of the pair closes the broker (and, with *exitOnFailure*, exits 1).
 
-    A malformed endpoint raises :class:`~mdp.errors.TransportError` here, at
-    once.  Failing to bind is logged (the endpoint and why).  Then, with
-    *exitOnFailure* (as ``twist mdp-broker`` uses it; by default, when
-    ``twistd`` runs the service in an Application, where no one else would
-    see the failure) the process exits with status 1 rather than
-    idle unbound, and the services of this package that start after it do not
-    (a worker would register with whatever holds the port); without it,
+    A malformed endpoint raises :class:`~mdp.errors.TransportError` at once.
+    Failing to bind is logged; with *exitOnFailure* (``twist mdp-broker``; by
+    default under ``twistd``) the process then exits 1 rather than idle
+    unbound, and this package's services that start after it do not (a
+    worker would register with whatever holds the port); without it,
     :meth:`startService`'s Deferred fails."""
 
     def __init__(
