@@ -299,9 +299,9 @@ class SPRequestOptions(VersionedOptions):
             ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
-        from mdp.app.tap import _sp_endpoint
+        from mdp.app.tap import checked_sp_endpoint
 
-        _sp_endpoint(self["endpoint"], False, "endpoint")
+        checked_sp_endpoint(self["endpoint"], False, "endpoint")
         _check_seconds(self["timeout"], "timeout")
         _check_seconds(self["resend"], "resend")
 
