@@ -97,7 +97,7 @@ class _RequestOptions(_ClientOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
 
-class _Commands(VersionedOptions):
+class _CommandChoice(VersionedOptions):
     """Options that are only a choice of sub-command."""
 
     def postOptions(self) -> None:
@@ -226,7 +226,7 @@ class TitanicSubmitOptions(_RequestOptions):
     synopsis = f"{_BROKERS} SERVICE FRAME [FRAME...]"
 
 
-def _one(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
+def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
     """The one argument of *args*; a usage error saying *missing* when there
     is none, and naming the first one too many (then *beyond*)."""
     if not args:
@@ -241,7 +241,7 @@ def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
     or too much."""
     import uuid
 
-    value = _one(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
+    value = _single_argument(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
                  f"e.g. '{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
     try:
         return str(uuid.UUID(value))
@@ -276,7 +276,7 @@ class TitanicCloseOptions(_ClientOptions):
         self["id"] = _request_id(self, args)
 
 
-class TitanicOptions(_Commands):
+class TitanicOptions(_CommandChoice):
     synopsis = "submit|result|close [options]"
     subCommands = [
         ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
@@ -294,7 +294,7 @@ class SPRequestOptions(VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        self["payload"] = os.fsencode(_one(
+        self["payload"] = os.fsencode(_single_argument(
             args, "PAYLOAD", f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'",
             ": quote a payload with spaces"))
 
@@ -398,12 +398,12 @@ class KeygenOptions(VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        self["name"] = _one(args, "NAME", f"give a NAME for the key files, e.g. "
+        self["name"] = _single_argument(args, "NAME", f"give a NAME for the key files, e.g. "
                             f"'{self.commandName()} broker', which writes broker.key and "
                             "broker.key_secret")
 
 
-class Options(_Commands):
+class Options(_CommandChoice):
     programName = "mdp"
     synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo|keygen [options]"
     subCommands = [
@@ -547,7 +547,7 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
         else:
             await client.close(sub["id"])
     except MDPError as e:
-        hint = (await _noTitanic(client, command, min(2.0, sub["timeout"]))
+        hint = (await _missing_titanic(client, command, min(2.0, sub["timeout"]))
                 if isinstance(e, RequestTimeout) else "")
         error(f"mdp titanic {command}: {e}{hint}")
         status = 1
@@ -615,7 +615,7 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
         await task.deferLater(reactor, every)
 
 
-async def _noTitanic(client: Any, command: str, timeout: float) -> str:
+async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
     """Why a Titanic request timed out, if the broker can say: no worker
     serves that Titanic service (Titanic is not running, or has just
     stopped, while the broker still lists the service); else ""."""

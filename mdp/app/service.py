@@ -22,7 +22,7 @@ from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
 log = Logger()
 
 
-class _Failable(Service):
+class _FailableService(Service):
     """A service that can fail to start (a port taken, a store unreadable),
     and then ends the process the way its runner needs (:meth:`_failedToStart`):
     ``twistd`` calls :meth:`privilegedStartService` first and logs already,
@@ -75,7 +75,7 @@ class _Failable(Service):
                                    what=what, endpoint=endpoint, error=failure.getErrorMessage())
 
 
-class BrokerService(_Failable):
+class BrokerService(_FailableService):
     """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
     workers) or to a separate *frontend* (clients) and *backend* (workers).
 
@@ -237,7 +237,7 @@ class WorkerService(Service):
         return self.worker.stop()
 
 
-class MetricsService(_Failable):
+class MetricsService(_FailableService):
     """Serves a Prometheus *registry* at ``/metrics`` on *endpoint* (a
     Twisted server endpoint string: ``tcp:9464:interface=127.0.0.1``) while
     running.  Failing to listen is logged; with *exitOnFailure* (by default
@@ -282,7 +282,7 @@ class MetricsService(_Failable):
         return defer.maybeDeferred(port.stopListening)
 
 
-class _ServerService(_Failable):
+class _ServerService(_FailableService):
     """A server object (``listen(endpoint)``, ``close()``) on one endpoint.
     A failed bind is logged; with *exitOnFailure* (by default under
     ``twistd``) the process exits 1."""
@@ -334,7 +334,7 @@ class SPServerService(_ServerService):
         self.server = SPServer(handler, reactor, **serverOptions)
 
 
-class SPDeviceService(_Failable):
+class SPDeviceService(_FailableService):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*."""
 
     def __init__(self, front: str, back: Union[str, Sequence[str]],
@@ -368,7 +368,7 @@ class SPDeviceService(_Failable):
         return device.close() if device is not None else defer.succeed(None)
 
 
-class TitanicService(_Failable):
+class TitanicService(_FailableService):
     """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and
     store.  A store that cannot be opened (a damaged or unreadable file) is
     logged; with *exitOnFailure* (as ``twist mdp-titanic`` uses it; by

@@ -189,7 +189,7 @@ class _DenyAll:
 _DENY_ALL = _DenyAll()
 
 
-class _Zap:
+class _ZapHandler:
     """The process's ZAP handler (pyzmq's thread authenticator) for one
     ZeroMQ context, with one domain per CURVE server."""
 
@@ -214,7 +214,7 @@ class _Zap:
         self.authenticator.stop()
 
 
-_zaps: dict[int, _Zap] = {}
+_zaps: dict[int, _ZapHandler] = {}
 _lock = threading.Lock()
 
 
@@ -227,7 +227,7 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
     with _lock:
         zap = _zaps.get(id(context))
         if zap is None:
-            zap = _zaps[id(context)] = _Zap(context)
+            zap = _zaps[id(context)] = _ZapHandler(context)
 
             def stop() -> None:
                 with _lock:

@@ -172,7 +172,7 @@ def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
     return UDPDatagrams.open(spec, receiver, reactor)
 
 
-class _Protocol(DatagramProtocol):
+class _UDPProtocol(DatagramProtocol):
     noisy = False
 
     def __init__(self, owner: UDPDatagrams) -> None:
@@ -193,7 +193,7 @@ class UDPDatagrams:
         self.receiver = receiver
         self.reactor = reactor
         self.throttle = LogThrottle(reactor, interval=10.0)
-        self.protocol = _Protocol(self)
+        self.protocol = _UDPProtocol(self)
         self.port: Any = None
 
     @classmethod

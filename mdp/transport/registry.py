@@ -122,7 +122,7 @@ def _tcp_hint(rest: str, role: str) -> str:
 
 #: ``HOST:PORT`` with no scheme: a host name, an IPv4 address, ``*``, or an
 #: IPv6 address in brackets; a port number (or ``*``)
-_BARE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+_BARE_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                    r":(?:\d+|\*)$")
 
 
@@ -135,7 +135,7 @@ def bare_address(endpoint: str) -> Optional[str]:
     """*endpoint* if it is a bare ``HOST:PORT`` (``localhost:5555``,
     ``127.0.0.1:5555``, ``[::1]:5555``) whose host is no endpoint scheme,
     else None: an address given where an endpoint was wanted."""
-    if not _BARE.match(endpoint):
+    if not _BARE_ADDRESS.match(endpoint):
         return None
     name = endpoint.partition(":")[0]
     return None if name in _schemes or name in _ZMQ_TRANSPORTS else endpoint
