@@ -562,57 +562,69 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
     what it waits for and why, once each time that changes: the reply
     (pending), Titanic (503: no Titanic serves titanic.reply), the broker
     (no reply within an attempt's --timeout)."""
-    from mdp.errors import ServiceOverloaded, ServiceUnavailable
-    from mdp.titanic.client import TRANSIENT
-
-    requestId, every = options["id"], options["poll"]
     brokers = options["brokers"]
-    where = f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}"
-    # the kind of reason said last, and whether a slow poll was said since
-    said = {"reason": "", "slow": False}
-
-    def note(why: str) -> None:
-        error(f"mdp titanic result: waiting for request {requestId}: {why}")
-
-    def say(kind: str, why: str) -> None:
-        if said["reason"] != kind:
-            # (a slow poll said before 'pending' is the same wait: not said again)
-            said["reason"], said["slow"] = kind, said["slow"] and kind == "pending"
-            note(why)
-
-    def slowly() -> None:
-        # a poll slower than --timeout, the reply still due: said once, and
-        # not taken for a new reason (a pending answer after it is no news)
-        if said["reason"] in ("", "pending") and not said["slow"]:
-            said["slow"] = True
-            note(f"no answer yet from Titanic through {where}, still trying")
-
+    notes = _WaitNotes(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
     while True:
-        slow = reactor.callLater(options["timeout"], slowly)
+        slow = reactor.callLater(options["timeout"], notes.slowPoll)
         try:
-            reply = await client.poll(requestId)
-        except ServiceUnavailable as e:
-            reply = None
-            say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
-                               f"Still trying, every {every:g} s")
-        except ServiceOverloaded as e:
-            reply = None
-            say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
-        except RequestTimeout:
-            reply = None
-            say("silent", f"no reply from {where} yet, still trying")
-        except TRANSIENT as e:
-            reply = None
-            say("transport", f"{e}; still trying")
-        else:
-            if reply is None:
-                say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+            reply = await _poll(client, notes, options["poll"])
         finally:
             if slow.active():
                 slow.cancel()
         if reply is not None:
             return reply
-        await task.deferLater(reactor, every)
+        await task.deferLater(reactor, options["poll"])
+
+
+async def _poll(client: Any, notes: _WaitNotes, every: float) -> Optional[list[bytes]]:
+    """One poll of ``--wait``: the reply, or None once *notes* has the reason."""
+    from mdp.errors import ServiceOverloaded, ServiceUnavailable
+    from mdp.titanic.client import TRANSIENT
+
+    try:
+        reply = await client.poll(notes.requestId)
+    except ServiceUnavailable as e:
+        notes.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic "
+                                 f"running? Still trying, every {every:g} s")
+    except ServiceOverloaded as e:
+        notes.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
+    except RequestTimeout:
+        notes.say("silent", f"no reply from {notes.where} yet, still trying")
+    except TRANSIENT as e:
+        notes.say("transport", f"{e}; still trying")
+    else:
+        if reply is None:
+            notes.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+        return reply
+    return None
+
+
+class _WaitNotes:
+    """What ``mdp titanic result --wait`` has said on stderr: each reason
+    once for as long as it holds (the kind said last, and whether a slow
+    poll was said since)."""
+
+    def __init__(self, requestId: str, where: str) -> None:
+        self.requestId = requestId
+        self.where = where
+        self.reason = ""
+        self.slow = False
+
+    def note(self, why: str) -> None:
+        error(f"mdp titanic result: waiting for request {self.requestId}: {why}")
+
+    def say(self, kind: str, why: str) -> None:
+        if self.reason != kind:
+            # (a slow poll said before 'pending' is the same wait: not said again)
+            self.reason, self.slow = kind, self.slow and kind == "pending"
+            self.note(why)
+
+    def slowPoll(self) -> None:
+        """A poll slower than --timeout, the reply still due: said once, and
+        not taken for a new reason (a pending answer after it is no news)."""
+        if self.reason in ("", "pending") and not self.slow:
+            self.slow = True
+            self.note(f"no answer yet from Titanic through {self.where}, still trying")
 
 
 async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
