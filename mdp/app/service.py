@@ -17,7 +17,6 @@ from mdp import transport
 from mdp.binarystar import BinaryStar
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.worker import Handler, Worker
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
 
 log = Logger()
 
@@ -204,28 +203,13 @@ def _exit(status: int) -> None:
 
 
 class WorkerService(Service):
-    """Runs a :class:`~mdp.majordomo.worker.Worker` for one service."""
+    """Runs a :class:`~mdp.majordomo.worker.Worker` for one service; the
+    keyword arguments (``heartbeat``, ``backoff``, ``dialect``, ``replies``,
+    ``limits``, ``metrics``, the CURVE keys) go to the worker."""
 
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        service: Union[str, bytes],
-        handler: Handler,
-        reactor: Optional[Any] = None,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = "rfc",
-        replies: Optional[Any] = None,
-        limits: Limits = Limits(),
-        metrics: Optional[Any] = None,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
-        self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,
-                             backoff=backoff, dialect=dialect, replies=replies, limits=limits,
-                             metrics=metrics, curveServerPublic=curveServerPublic,
-                             curveSecret=curveSecret)
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Handler, reactor: Optional[Any] = None, **workerOptions: Any) -> None:
+        self.worker = Worker(endpoint, service, handler, reactor=reactor, **workerOptions)
 
     def startService(self) -> None:
         super().startService()
