@@ -28,6 +28,7 @@ from mdp.app.console import interrupted as _interrupted
 from mdp.app.status import status
 from mdp.app.tap import (
     CURVE_CLIENT_OPTIONS,
+    DEFAULT_FREELANCE_ENDPOINT,
     EXIT_USAGE,
     BrokerListOptions,
     VersionedOptions,
@@ -197,9 +198,7 @@ class FreelanceCallOptions(VersionedOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
-        from mdp.app.tap import FreelanceServerOptions
-
-        default = dict((p[0], p[2]) for p in FreelanceServerOptions.optParameters)["endpoint"]
+        default = DEFAULT_FREELANCE_ENDPOINT
         self["servers"] = [endpoint for value in self["server"] or [default]
                            for endpoint in checked_endpoints(value, transport.CONNECT, "server",
                                                              example=default)]

@@ -33,6 +33,8 @@ from mdp.titanic import server as titanic_server
 from mdp.transport.stream import raise_descriptor_limit
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
+#: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
+DEFAULT_FREELANCE_ENDPOINT = "zmq:tcp://127.0.0.1:5556"
 
 _UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2,
           "g": 1024 ** 3, "gib": 1024 ** 3}
@@ -712,7 +714,7 @@ class FreelanceServerOptions(VersionedOptions):
                 "[sequence, reply...].  --handler module:callable is imported at start (the "
                 "current directory is searched too).  Try it with mdp freelance-call.")
     optParameters: list[Any] = [
-        ["endpoint", "e", "zmq:tcp://127.0.0.1:5556", "Where the server binds."],
+        ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
          + _MESSAGE_OPTIONS + _PEER_OPTIONS)
