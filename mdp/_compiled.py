@@ -1,25 +1,15 @@
-"""The modules an install compiles with Cython where it can (``setup.py``), and
-the import hook that decides, module by module, whether the compiled one runs.
+"""The modules an install compiles with Cython where it can (``setup.py``),
+and the import hook that decides, module by module, whether the compiled
+one runs.
 
-The hot paths of every node (the MDP machines, their drivers, the codecs and
-the transports' framing) are plain Python; compiled, the same source costs a
-request fewer instructions in the interpreter (docs/performance.md, round
-two, item 16).  Nothing depends on it: without a C compiler or Python's
-headers, on an interpreter other than CPython's, or with
-``MDP_PURE_PYTHON=1`` at install, the package is the plain source.
-
-A compiled module (``client.cpython-311-x86_64-linux-gnu.so`` beside
-``client.py``) is what Python would import first.  In a working tree (an
-editable install), a source edited after the build would then be shadowed by
-its old compiled self.  So the build records, in :data:`RECORD` beside this
-file, each source's size and modification time as it was compiled, and each
-compiled module's; a module whose source or compiled file no longer matches
-its record runs from source.  ``MDP_PURE_PYTHON`` set in the environment
-runs every source.  An install from a wheel has no record: what it holds was
-built together.
-
-This module imports nothing of the package: ``setup.py`` runs it before
-anything is installed.
+Nothing depends on the compiled build: without a C compiler, on another
+interpreter than CPython, or with ``MDP_PURE_PYTHON=1`` at install, the
+package is the plain source.  In a working tree a compiled module beside its
+edited source would shadow it, so the build records (:data:`RECORD`) the size
+and time of each source and compiled file, and a module that no longer
+matches its record runs from source.  A wheel has no record: what it holds
+was built together.  This module imports nothing of the package: ``setup.py``
+runs it before anything is installed.
 """
 
 from __future__ import annotations
@@ -192,10 +182,9 @@ def current(package: str, name: str, compiled: str,
 
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of module *name* in *package* runs: ``compiled``;
-    ``source``, none being built; ``stale``, the source of a compiled module
-    not built from it (or the ``.pxd`` files it uses) as it is now, or of
-    one whose :data:`CIMPORTS` run from source; ``pure``, the source because
-    :data:`PURE_ENV` asks for it."""
+    ``source``, none being built; ``stale``, a compiled module not built from
+    its sources as they are now, or whose :data:`CIMPORTS` run from source;
+    ``pure``, the source because :data:`PURE_ENV` asks for it."""
     directory, leaf = _paths(package, name)
     compiled = compiled_file(directory, leaf)
     if compiled is None:

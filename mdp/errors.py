@@ -8,8 +8,8 @@ The taxonomy:
   :class:`RequestTooLarge`), :class:`TransportError` for a malformed endpoint.
 * **Everything that happens later fails the Deferred** the call returned:
   :class:`RequestTimeout`, :class:`BrokerUnreachable`, :class:`ClientClosed`,
-  :class:`StreamRestarted`,
-  :class:`NoServerAvailable`, a :class:`TransportError` from binding, ...
+  :class:`StreamRestarted`, :class:`NoServerAvailable`, a
+  :class:`TransportError` from binding, ...
 * **What a peer said is told apart from what happened here**: a
   :class:`RemoteError` (and its subclasses, one per status code) carries an
   error reply from the broker or a worker; a :class:`ProtocolError` is input
@@ -154,7 +154,6 @@ class ClientClosed(MDPError):
 
 class NoServerAvailable(MDPError):
     """Every server a Freelance client knows is known to be dead (or it knows none)."""
-
 
 
 class MDPSparkError(MDPError):

@@ -16,22 +16,19 @@ from zope.interface import Attribute, Interface
 class IRouterReceiver(Interface):
     """The protocol side of a bound, ROUTER-like transport (e.g. a broker).
 
-    A receiver that only passes some frames on may say so with an attribute
-    ``keepFramesFrom`` (an index into *frames*): a transport that can may
-    then deliver long frames from that index on as buffers it need not copy
-    (a ``zmq.Frame`` or the like: ``len``, ``bytes(frame)`` and the buffer protocol, no
-    ``bytes`` methods or comparisons).  Without the attribute every frame is
-    ``bytes``."""
+    A receiver that only passes some frames on may have ``keepFramesFrom``
+    (an index into *frames*): a transport may then deliver the long frames
+    from there on as buffers it need not copy (``len``, ``bytes(frame)`` and
+    the buffer protocol only).  Without it every frame is ``bytes``."""
 
     def messageReceived(peer: bytes, frames: list[bytes]) -> None:
         """A message arrived from the peer identified by *peer*."""
 
     def peerDisconnected(peer: bytes) -> None:
-        """*peer* went away, or the transport disconnected it (it broke the
-        message limits, or left more than ``maxOutputBytes`` unread).  Stream
-        transports (TCP, loopback) report every loss; ZeroMQ only the peers it
-        cuts off, heartbeats cover the rest.  Called from the reactor, never
-        from inside ``sendMessage``."""
+        """*peer* went away, or the transport cut it off (over the message
+        limits, or ``maxOutputBytes`` unread).  Stream transports report every
+        loss, ZeroMQ only the peers it cuts off.  Never called from inside
+        ``sendMessage``."""
 
 
 class IRouterTransport(Interface):
@@ -41,12 +38,12 @@ class IRouterTransport(Interface):
         "An endpoint string a peer can connect to; with port 0 or ``*`` it "
         "names the port the OS picked."
     )
+
     def sendMessage(peer: bytes, frames: list[bytes]) -> None:
-        """Send *frames* to *peer* (``bytes``; any buffer, where the transport
-        says ``acceptsBuffers = True``).  Messages for an unknown peer are dropped,
-        as a ZeroMQ ROUTER does.  What a peer does not read waits for it, up to
-        ``Limits.maxOutputBytes``; beyond, that peer is disconnected (never are
-        other peers held back)."""
+        """Send *frames* to *peer* (any buffer, where the transport has
+        ``acceptsBuffers = True``); dropped for an unknown peer, as a ZeroMQ
+        ROUTER does.  Unread output waits up to ``Limits.maxOutputBytes``;
+        beyond, that peer is disconnected, and no other peer is held back."""
 
     def disconnectPeer(peer: bytes) -> None:
         """Close the connection to *peer* once what was sent to it is out (the
@@ -60,10 +57,9 @@ class IRouterTransport(Interface):
 class IDealerReceiver(Interface):
     """The protocol side of a connecting, DEALER-like transport.
 
-    A receiver may also have a ``connectionFailed(reason)`` method (not part
-    of the interface): stream transports call it with the exception of each
-    connection attempt that failed (``ConnectionRefusedError``, ...), before
-    they retry.  ZeroMQ connects silently and never calls it."""
+    A receiver may also have ``connectionFailed(reason)``: stream transports
+    call it with each failed connection attempt's exception before they
+    retry (ZeroMQ connects silently and never does)."""
 
     def connectionMade() -> None:
         """A (new) pipe to the far side is ready.  Called asynchronously after
@@ -73,10 +69,9 @@ class IDealerReceiver(Interface):
         """A message arrived from the far side."""
 
     def connectionLost(reason: object) -> None:
-        """The pipe broke.  Stream transports reconnect by themselves and call
-        connectionMade again.  ZeroMQ hides broken connections (heartbeats
-        find them) and calls this only when it dropped the pipe itself, for a
-        message over the limits; a fresh socket follows at once."""
+        """The pipe broke; stream transports reconnect and call
+        connectionMade again.  ZeroMQ calls it only when it dropped the pipe
+        itself (a message over the limits); a fresh socket follows at once."""
 
 
 class IDealerTransport(Interface):
@@ -91,11 +86,10 @@ class IDealerTransport(Interface):
     )
 
     def sendMessage(frames: list[bytes]) -> None:
-        """Send *frames*; while disconnected they are queued (bounded in count
-        and bytes: beyond, refused with a warning) and sent after the next
-        connectionMade.  Never dropped for a full queue while connected: see
-        ``writable``.  A receiver that resends after connectionLost must not
-        also rely on this queue (our client sends only while connected)."""
+        """Send *frames*; while disconnected they are queued (bounded; beyond,
+        refused with a warning) and sent after the next connectionMade.
+        Never dropped for a full queue while connected (see ``writable``).
+        A receiver that resends after connectionLost must not rely on it too."""
 
     def drained():
         """A Deferred that fires once the transport is writable again (at
@@ -103,10 +97,8 @@ class IDealerTransport(Interface):
 
     def discardReceived() -> int:
         """Drop the messages that have come but are not delivered yet, and
-        return how many.  A client calls it before it sends a request: MDP
-        replies carry no request id, so nothing that came before the request
-        can be its reply, and a message left waiting (a broker's duplicate,
-        one sent to nobody) would otherwise be taken for it."""
+        return how many: a client calls it before a request, as MDP replies
+        carry no request id and nothing that came before can be its reply."""
 
     def close():
         """Close for good.  Returns a Deferred."""
@@ -130,12 +122,10 @@ class IDealerChannels(Interface):
 class IStreamDecoder(Interface):
     """Turns the bytes of one stream connection into messages (pure, no I/O).
 
-    A decoder for a framing whose greeting both sides send and must check
-    before any message (SP's header) also has ``handshaken``: whether the
-    peer's has come, whole and right.  Until then a connecting side holds
-    what it would send, and each side drops a peer whose greeting does not
-    come within ``handshakeTimeout``; after, an accepting side keeps the
-    connection however long it stays quiet."""
+    A decoder for a framing with a greeting both sides check (SP's header)
+    also has ``handshaken``: whether the peer's has come, whole and right.
+    Until then a connecting side holds what it would send, and a peer whose
+    greeting does not come within ``handshakeTimeout`` is dropped."""
 
     records = Attribute("Messages completed so far.")
     inRecord = Attribute("True while a message has begun and is not complete.")
@@ -149,9 +139,8 @@ class IStreamDecoder(Interface):
     def feed(data: bytes) -> list[list[bytes]]:
         """The messages completed by *data*.  Raises
         :class:`~mdp.errors.ProtocolError` (``OversizedMessage`` for a limit,
-        checked before anything is buffered): the stream is then unusable;
-        the error's ``decoded`` (if set) holds the messages *data* completed
-        before it, which are still delivered."""
+        before anything is buffered) when the stream is unusable; its
+        ``decoded`` (if set) holds the messages completed before it."""
 
 
 class IFraming(Interface):

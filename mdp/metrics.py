@@ -47,9 +47,7 @@ MAX_SERVICES = 1000
 OTHER = "_other"
 
 
-
-
-class _Labels:
+class _ServiceLabels:
     """Service names to label values, at most *limit* of them.  Names a
     client made up (no worker registered them) get at most half: they
     cannot crowd out the services that exist."""
@@ -69,13 +67,13 @@ class _Labels:
         return value
 
 
-def _code(code: bytes) -> str:
+def _code_label(code: bytes) -> str:
     """A status code as a label value: three digits, or ``other`` (workers
     write it, and labels must stay few)."""
     return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
 
 
-def _add(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
+def _samples(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
     """*family* with one sample per label set (values summed: names beyond
     the label bound share ``_other``)."""
     for labels, total in totals.items():
@@ -101,7 +99,7 @@ class BrokerMetrics:
                  maxServices: int = MAX_SERVICES) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self._labels = _Labels(maxServices)
+        self._labels = _ServiceLabels(maxServices)
         self.requests = Counter("mdp_broker_requests", "Client requests received, by service.",
                                 ["service"], registry=r)
         self.replies = Counter("mdp_broker_replies",
@@ -167,7 +165,7 @@ class BrokerMetrics:
         (None for the broker's own answers), an error reply if *code*."""
         name = self._labels(service)
         if code is not None:
-            self.errorReplies.labels(name, _code(code)).inc()
+            self.errorReplies.labels(name, _code_label(code)).inc()
         else:
             self.replies.labels(name).inc()
         if served is not None:
@@ -202,9 +200,9 @@ class BrokerMetrics:
             for state, count in (("idle", service.idle), ("busy", service.busy)):
                 workers[name, state] = workers.get((name, state), 0) + count
             queued[name,] = queued.get((name,), 0) + service.queued
-        yield _add(GaugeMetricFamily("mdp_broker_workers", "Registered workers, by service and "
+        yield _samples(GaugeMetricFamily("mdp_broker_workers", "Registered workers, by service and "
                                      "state (idle or busy).", labels=["service", "state"]), workers)
-        yield _add(GaugeMetricFamily("mdp_broker_queued_requests",
+        yield _samples(GaugeMetricFamily("mdp_broker_queued_requests",
                                      "Requests waiting for a worker, by service.",
                                      labels=["service"]), queued)
         yield GaugeMetricFamily("mdp_broker_queued_bytes",
@@ -235,16 +233,16 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
             count = getattr(bound, attribute, None)  # only what the transport counts
             if count is not None:
                 totals[endpoint,] = totals.get((endpoint,), 0) + count
-    yield _add(CounterMetricFamily(
+    yield _samples(CounterMetricFamily(
         f"{prefix}_undelivered_messages", "Messages a transport could not deliver: the peer was "
         "gone, or cut off for not reading.", labels=["endpoint"]), counted["dropped"])
-    yield _add(CounterMetricFamily(f"{prefix}_slow_peers_cut", "Peers cut off for reading slower "
+    yield _samples(CounterMetricFamily(f"{prefix}_slow_peers_cut", "Peers cut off for reading slower "
                                    "than they were sent to.", labels=["endpoint"]),
                counted["overflows"])
-    yield _add(CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
+    yield _samples(CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
                                    "arrival for exceeding the message limits.",
                                    labels=["endpoint"]), counted["oversizedCount"])
-    yield _add(CounterMetricFamily(f"{prefix}_handshakes_refused", "CURVE handshakes refused: "
+    yield _samples(CounterMetricFamily(f"{prefix}_handshakes_refused", "CURVE handshakes refused: "
                                    "a peer key not in the allow-list.", labels=["endpoint"]),
                counted["handshakesRefused"])
 
@@ -303,10 +301,10 @@ class WorkerMetrics:
             key = (name, worker.endpoint)
             connected[key] = connected.get(key, 0) + (1 if worker.registered else 0)
             busy[name,] = busy.get((name,), 0) + (1 if worker.current is not None else 0)
-        yield _add(GaugeMetricFamily("mdp_worker_connected", "Workers registered with a broker "
+        yield _samples(GaugeMetricFamily("mdp_worker_connected", "Workers registered with a broker "
                                      "(it answered since READY).", labels=["service", "broker"]),
                    connected)
-        yield _add(GaugeMetricFamily("mdp_worker_busy", "Workers serving a request.",
+        yield _samples(GaugeMetricFamily("mdp_worker_busy", "Workers serving a request.",
                                      labels=["service"]), busy)
 
 
@@ -377,7 +375,7 @@ def _peer(address: Any) -> str:
     return f"{host}:{port}" if host is not None and port is not None else str(address)
 
 
-class _Refused(Protocol):
+class _RefusedConnection(Protocol):
     """A connection over the metrics endpoint's ``maxConnections``: closed at
     once (a TLS wrapper would keep the socket of a ``None`` protocol open)."""
 
@@ -388,20 +386,16 @@ class _Refused(Protocol):
 class _MetricsChannel(HTTPChannel):
     """twisted.web's HTTP/1.1 channel, kept within the endpoint's bounds.
 
-    - Output: the transport pauses the channel when it holds more than its
-      buffer size (64 KiB) of unsent responses.  HTTPChannel then stops
-      reading only between requests, but a scrape is answered while it is
-      being handled, so a client that pipelines requests and reads nothing
-      had every one answered into that buffer.  Here a finished request whose
-      output is over that bound is *parked*: nothing more is read or handled
-      until the transport has sent it all (and calls :meth:`resumeProducing`).
+    - Output: a scrape is answered while it is handled, so a client that
+      pipelines requests and reads nothing would have each answered into the
+      transport's buffer.  A finished request whose output is over that
+      buffer is *parked*: nothing more is read until it is sent
+      (:meth:`resumeProducing`).
     - Input: a body over ``maxBodyBytes``, or chunked, is answered 413 from
-      its headers, and the connection is closed without reading it.
-    - Time: input does not put the deadline off (:meth:`resetTimeout` does
-      nothing), so a whole request must arrive within ``requestTimeout`` of
-      the connection or of the previous response, or the connection is
-      aborted; a parked response must be taken within it too.  An idle
-      connection is closed at the deadline (a scraper opens another).
+      its headers, and the connection closed unread.
+    - Time: input does not put the deadline off, so a whole request (or the
+      taking of a parked response) must come within ``requestTimeout``, or
+      the connection is aborted; an idle one is closed then.
     """
 
     site: _MetricsSite
@@ -519,7 +513,7 @@ class _MetricsSite(Site):
             self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
                                "{peer}: {limit} open (maxConnections)", peer=_peer(addr),
                                limit=self.maxConnections)
-            return _Refused()
+            return _RefusedConnection()
         return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:
@@ -529,7 +523,7 @@ class _MetricsSite(Site):
         return "Metrics"
 
 
-def _count(name: str, value: Any, least: int) -> int:
+def _whole_number(name: str, value: Any, least: int) -> int:
     """*value* as a count of at least *least*, or TypeError / ValueError naming *name*."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} is a whole number, not {type(value).__name__}")
@@ -552,9 +546,9 @@ def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),
-                        maxConnections=_count("maxConnections", maxConnections, 1),
+                        maxConnections=_whole_number("maxConnections", maxConnections, 1),
                         requestTimeout=positive_seconds("requestTimeout", requestTimeout),
-                        maxBodyBytes=_count("maxBodyBytes", maxBodyBytes, 0))
+                        maxBodyBytes=_whole_number("maxBodyBytes", maxBodyBytes, 0))
 
 
 def serve_metrics(endpoint: str, registry: CollectorRegistry,

@@ -326,27 +326,36 @@ def _certificate_name(common: str, organization: Optional[str]) -> Any:
     return x509.Name(parts)
 
 
+def _signed(subject: Any, issuer: Any, key: Any, signer: Any, ca: bool = False) -> Any:
+    """A certificate of *subject* for *key*, signed by *issuer*'s *signer*,
+    valid from yesterday for 30 days."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(days=1))
+               .not_valid_after(now + datetime.timedelta(days=30)))
+    if ca:
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                                        critical=True)
+    return builder.sign(signer, hashes.SHA256())
+
+
 class CertificateAuthority:
     """A TLS certificate authority for tests and benchmarks, writing PEM
     files into *directory* (docs/security.md makes the same with ``openssl``):
     ``issue()`` signs a certificate for a peer.  Needs ``cryptography``."""
 
     def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
 
         self.directory = Path(directory)
         self.key = ec.generate_private_key(ec.SECP256R1())
         self.name = _certificate_name(name, None)
-        now = datetime.datetime.now(datetime.timezone.utc)
-        self.certificate = (
-            x509.CertificateBuilder().subject_name(self.name).issuer_name(self.name)
-            .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self.key, hashes.SHA256()))
+        self.certificate = _signed(self.name, self.name, self.key, self.key, ca=True)
         self.pem = self.write("ca.pem" if name == "Test CA" else f"{name}.pem",
                               self.certificate.public_bytes(serialization.Encoding.PEM))
 
@@ -359,19 +368,11 @@ class CertificateAuthority:
         """A certificate for *common* (and *organization*): the paths of
         ``FILE.pem`` and ``FILE-key.pem`` (not ``.key``: that is a CURVE
         public key's name)."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
 
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
-        certificate = (
-            x509.CertificateBuilder().subject_name(_certificate_name(common, organization))
-            .issuer_name(self.name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=30))
-            .sign(self.key, hashes.SHA256()))
+        certificate = _signed(_certificate_name(common, organization), self.name, key, self.key)
         cert = self.write(f"{file}.pem", certificate.public_bytes(serialization.Encoding.PEM))
         private = self.write(f"{file}-key.pem", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,

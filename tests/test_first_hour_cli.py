@@ -477,7 +477,7 @@ def test_waiting_for_a_slow_titanic_says_each_reason_once(monkeypatch: pytest.Mo
 
     clock = task.Clock()
     said: list[str] = []
-    monkeypatch.setattr(cli, "_error", said.append)
+    monkeypatch.setattr(cli, "error", said.append)
 
     class SlowTitanic:
         polls = 0

@@ -1,57 +1,14 @@
-"""The ``mdp`` console script.
+"""The ``mdp`` console script: ``call``, ``status``, ``freelance-call``,
+``titanic submit|result|close``, ``sp-request``, ``chat``, ``demo`` and
+``keygen`` (docs/cli.md; each command's ``--help`` says what it takes).
 
-``mdp call --broker ENDPOINT SERVICE FRAME...``
-    Send one request and print each reply frame on its own line (PARTIALs as
-    they arrive, then the FINAL).  Exit status 1 with a message on stderr on
-    timeout or error; 2, with one line on stderr, for a usage mistake (a bad
-    endpoint among them), before anything is sent.
-
-``mdp status --broker ENDPOINT [--watch [SECONDS]]``
-    Print a broker's services (workers idle and busy, requests queued) and
-    workers (service, state, seconds of silence), from ``mmi.services`` and
-    ``mmi.workers``; ``--watch`` prints them again every SECONDS (2) until
-    Ctrl-C.  Exit status 1 with one line on stderr naming the broker when it
-    does not answer, or saying it is the passive broker of a Binary Star
-    pair (asked with ``mmi.binarystar`` first, which is no vote).
-
-``mdp freelance-call --server ENDPOINT FRAME...``
-    Send one request to Freelance servers (``twist mdp-freelance-server``) and
-    print each reply frame on its own line; exit status 1 with one line on
-    stderr on timeout or error (naming the servers tried, and for how long).
-
-``mdp titanic submit --broker ENDPOINT SERVICE FRAME...``
-    Store a request with Titanic; print its id.
-``mdp titanic result --broker ENDPOINT ID``
-    Print the reply frames of a stored request, one per line; exit status 3,
-    with a line on stderr, while it is pending, or wait for it with
-    ``--wait`` (saying on stderr what it waits for: the reply, Titanic, the
-    broker).  Exit status 1 for an unknown (or closed, or purged) id.
-``mdp titanic close --broker ENDPOINT ID``
-    Have Titanic forget a request and its reply.
-
-``mdp sp-request --endpoint URL PAYLOAD``
-    Send one SP (nng) request and print the reply; exit status 1 with a
-    message on stderr when none comes within ``--timeout``.
-
-``mdp chat --name NAME --group GROUP [--interface IF]``
-    A terminal chat on a Harmony (ZRE) node: what you type goes to everyone
-    in the group (``/w NAME TEXT`` to one peer), what they say is printed.
-    Peers are found with UDP beacons (or ``--peer`` endpoints); it talks to
-    Zyre and zeromq-pyre chats too.  Ctrl-D or Ctrl-C leaves.
-
-``mdp demo``
-    Start a broker, an echo worker and a client in one process over real
-    ZeroMQ sockets on 127.0.0.1, send a few requests, print the replies.  Exit
-    status 1 with one line on stderr if the broker cannot bind (or a request
-    fails).
-
-Every command takes ``-h`` for ``--help``; a usage mistake (a missing
-argument, a bad or empty endpoint, ...) is one line on stderr saying what
-is wrong, and exit status 2.  Every command exits with status 130 on Ctrl-C (once this module is
-imported) and 141 (128 + SIGPIPE) when
-its output's reader has gone (``mdp call ... | head -1``), with no
-traceback; with standard output closed, it sends nothing and exits with
-status 2.  Frames given as arguments are their bytes as the OS gave them.
+Exit status: 0 done; 1 with one line on stderr for a timeout or an error
+(naming the brokers or servers asked); 2 with one line on stderr for a usage
+mistake (a missing argument, a bad or empty endpoint), before anything is
+sent, or when standard output is closed; 3 for ``mdp titanic result`` while
+the reply is pending; 130 on Ctrl-C and 141 (128 + SIGPIPE) when the reader
+of standard output has gone (``mdp call ... | head -1``), both without a
+traceback.  Frames given as arguments are their bytes as the OS gave them.
 """
 
 from __future__ import annotations
@@ -68,8 +25,10 @@ from twisted.python import usage
 from mdp import transport
 from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
+from mdp.app.status import status
 from mdp.app.tap import (
     CURVE_CLIENT_OPTIONS,
+    DEFAULT_FREELANCE_ENDPOINT,
     EXIT_USAGE,
     BrokerListOptions,
     VersionedOptions,
@@ -79,71 +38,21 @@ from mdp.app.tap import (
     curve_client_of,
     usage_line,
 )
-from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
+from mdp.app.terminal import (
+    EXIT_BROKEN_PIPE,
+    Output,
+    divert_output,
+    emit,
+    error,
+    print_frames,
+    printable,
+    show,
+)
+from mdp.errors import MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
-
-
-def _show(frame: bytes) -> str:
-    try:
-        text = frame.decode("utf-8")
-    except UnicodeDecodeError:
-        return repr(frame)
-    return text if text.isprintable() else repr(frame)
-
-
-def _printable(text: str) -> str:
-    """*text* with its control characters (terminal escape codes among them)
-    and other unprintable ones escaped, ``\\x1b`` for ESC: names and error
-    texts from peers are printed through it, so they cannot drive the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in text)
-
-
-def _error(line: str) -> None:
-    """One line on stderr, its unprintable characters escaped."""
-    print(_printable(line), file=sys.stderr)
-    sys.stderr.flush()
-
 
 #: ``mdp titanic result`` while the reply is not there yet
 EXIT_PENDING = 3
-#: the reader of standard output has gone (128 + SIGPIPE, as for a process the
-#: signal killed): ``mdp call ... | head -1``
-EXIT_BROKEN_PIPE = 141
-
-
-class _Output:
-    """Whether standard output's reader has gone (a broken pipe)."""
-
-    gone = False
-
-
-def _divert_output() -> None:
-    """Point standard output at /dev/null once its reader has gone, so that
-    nothing written later (the interpreter's last flush among it) fails
-    again; the exit status is then :data:`EXIT_BROKEN_PIPE`."""
-    _Output.gone = True
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
-
-
-def _emit(*lines: str) -> bool:
-    """Write *lines* to standard output and flush it; False (and nothing
-    raised) when its reader has gone."""
-    if _Output.gone:
-        return False
-    try:
-        sys.stdout.write("".join(line + "\n" for line in lines))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _divert_output()
-        return False
-    return True
 
 
 def _check_seconds(value: Optional[float], option: str) -> None:
@@ -189,7 +98,7 @@ class _RequestOptions(_ClientOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
 
-class _Commands(VersionedOptions):
+class _CommandChoice(VersionedOptions):
     """Options that are only a choice of sub-command."""
 
     def postOptions(self) -> None:
@@ -289,9 +198,7 @@ class FreelanceCallOptions(VersionedOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
-        from mdp.app.tap import FreelanceServerOptions
-
-        default = dict((p[0], p[2]) for p in FreelanceServerOptions.optParameters)["endpoint"]
+        default = DEFAULT_FREELANCE_ENDPOINT
         self["servers"] = [endpoint for value in self["server"] or [default]
                            for endpoint in checked_endpoints(value, transport.CONNECT, "server",
                                                              example=default)]
@@ -318,7 +225,7 @@ class TitanicSubmitOptions(_RequestOptions):
     synopsis = f"{_BROKERS} SERVICE FRAME [FRAME...]"
 
 
-def _one(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
+def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
     """The one argument of *args*; a usage error saying *missing* when there
     is none, and naming the first one too many (then *beyond*)."""
     if not args:
@@ -333,7 +240,7 @@ def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
     or too much."""
     import uuid
 
-    value = _one(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
+    value = _single_argument(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
                  f"e.g. '{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
     try:
         return str(uuid.UUID(value))
@@ -368,7 +275,7 @@ class TitanicCloseOptions(_ClientOptions):
         self["id"] = _request_id(self, args)
 
 
-class TitanicOptions(_Commands):
+class TitanicOptions(_CommandChoice):
     synopsis = "submit|result|close [options]"
     subCommands = [
         ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
@@ -386,14 +293,14 @@ class SPRequestOptions(VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        self["payload"] = os.fsencode(_one(
+        self["payload"] = os.fsencode(_single_argument(
             args, "PAYLOAD", f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'",
             ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
-        from mdp.app.tap import _sp_endpoint
+        from mdp.app.tap import checked_sp_endpoint
 
-        _sp_endpoint(self["endpoint"], False, "endpoint")
+        checked_sp_endpoint(self["endpoint"], False, "endpoint")
         _check_seconds(self["timeout"], "timeout")
         _check_seconds(self["resend"], "resend")
 
@@ -452,12 +359,6 @@ class ChatOptions(VersionedOptions):
             raise usage.UsageError(str(e)) from None
 
 
-def transport_endpoint(endpoint: str) -> str:
-    from mdp.harmony.node import transport_endpoint as convert
-
-    return convert(endpoint)
-
-
 #: what ``mdp chat --peer`` takes
 _PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
 
@@ -465,6 +366,7 @@ _PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
 def _check_peer(endpoint: str) -> None:
     """A usage error unless *endpoint* is one ``--peer`` takes, saying what
     it takes (not the MDP endpoint schemes) and what was probably meant."""
+    from mdp.harmony.node import transport_endpoint
     from mdp.transport.registry import bare_address, schemes
 
     if not endpoint.strip():
@@ -495,12 +397,12 @@ class KeygenOptions(VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        self["name"] = _one(args, "NAME", f"give a NAME for the key files, e.g. "
+        self["name"] = _single_argument(args, "NAME", f"give a NAME for the key files, e.g. "
                             f"'{self.commandName()} broker', which writes broker.key and "
                             "broker.key_secret")
 
 
-class Options(_Commands):
+class Options(_CommandChoice):
     programName = "mdp"
     synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo|keygen [options]"
     subCommands = [
@@ -522,9 +424,9 @@ def keygen(options: KeygenOptions) -> None:
     try:
         public, secret = write(options["name"], options["dir"])
     except ValueError as e:
-        _error(f"mdp keygen: {e}")
+        error(f"mdp keygen: {e}")
         raise SystemExit(1) from None
-    _emit(f"public key: {public}", f"secret key: {secret}")
+    emit(f"public key: {public}", f"secret key: {secret}")
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
@@ -534,7 +436,7 @@ async def call(reactor: Any, options: CallOptions) -> None:
                     retries=options["retries"], dialect=options["dialect"], **curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
-        if not _print_frames(frames) and request is not None:
+        if not print_frames(frames) and request is not None:
             request.cancel()  # nobody reads the rest
 
     request: Optional[defer.Deferred[list[bytes]]] = None
@@ -544,204 +446,11 @@ async def call(reactor: Any, options: CallOptions) -> None:
     except defer.CancelledError:
         return
     except MDPError as e:
-        _error(f"mdp call: {e}")
+        error(f"mdp call: {e}")
         raise SystemExit(1) from None
     finally:
         await client.close()
-    _print_frames(reply)
-
-
-def _print_frames(frames: list[bytes]) -> bool:
-    """The reply frames, one per line (text if printable, else repr); False
-    when standard output's reader has gone."""
-    return _emit(*(_show(frame) for frame in frames))
-
-
-def _table(headings: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int]) -> list[str]:
-    """Lines of a plain text table; the columns numbered in *right* are
-    aligned right (numbers)."""
-    cells = [list(headings)] + [[_printable(str(cell)) for cell in row] for row in rows]
-    widths = [max(len(row[n]) for row in cells) for n in range(len(headings))]
-    return ["  ".join(cell.rjust(widths[n]) if n in right else cell.ljust(widths[n])
-                      for n, cell in enumerate(row)).rstrip() for row in cells]
-
-
-def _listing(reply: list[bytes], what: str) -> tuple[Any, str]:
-    """The JSON of an ``mmi.services`` / ``mmi.workers`` reply, and a note
-    when the broker cut the list short."""
-    import json
-
-    note = ""
-    if len(reply) > 1:
-        extra = json.loads(reply[1])
-        if extra.get("truncated"):
-            note = f"(the first {{shown}} of {extra['total']} {what})"
-    return json.loads(reply[0]), note
-
-
-class UndescribedReply(ValueError):
-    """An ``mmi.services`` or ``mmi.workers`` reply that is not the JSON
-    ``mdp status`` reads (another MDP broker answers 501, say); the message
-    names the query and shows the start of the reply."""
-
-    def __init__(self, query: str, reply: list[bytes]) -> None:
-        self.query = query
-        super().__init__(f"{query} answered {_excerpt(reply)}")
-
-
-#: characters of a reply an error message shows at most
-EXCERPT = 200
-
-
-def _excerpt(frames: list[bytes]) -> str:
-    """*frames* as a bytes literal, cut after :data:`EXCERPT` characters
-    (saying how long they were): a reply may be megabytes of anything."""
-    text = repr(frames)
-    if len(text) <= EXCERPT:
-        return text
-    size = sum(len(frame) for frame in frames)
-    return f"{text[:EXCERPT]}... ({size} bytes in {len(frames)} frame{'s' * (len(frames) != 1)})"
-
-
-#: what reading a reply of the wrong shape raises (RecursionError: JSON
-#: nested too deep)
-_MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
-
-
-def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
-    """The two tables of ``mdp status``, from the reply bodies of
-    ``mmi.services`` and ``mmi.workers``.  Raises :class:`UndescribedReply`,
-    naming the query, for a reply that is not what it reads."""
-    try:
-        lines = _services_lines(services)
-    except _MALFORMED:
-        raise UndescribedReply("mmi.services", services) from None
-    try:
-        return lines + [""] + _workers_lines(workers)
-    except _MALFORMED:
-        raise UndescribedReply("mmi.workers", workers) from None
-
-
-def _services_lines(services: list[bytes]) -> list[str]:
-    table, servicesNote = _listing(services, "services")
-    lines = []
-    if table:
-        rows = [(name, entry["workers"], entry["idle"], entry["workers"] - entry["idle"],
-                 entry["queued"]) for name, entry in sorted(table.items())]
-        lines += _table(["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"], rows, (1, 2, 3, 4))
-    else:
-        lines.append("no services")
-    if servicesNote:
-        lines.append(servicesNote.format(shown=len(table)))
-    return lines
-
-
-def _workers_lines(workers: list[bytes]) -> list[str]:
-    listed, workersNote = _listing(workers, "workers")
-    lines = []
-    if listed:
-        # a broker with an access policy leaves the peer ids out
-        rows = [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
-                 f"{w['silence']:.1f}")
-                for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
-        lines += _table(["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"], rows, (4,))
-    else:
-        lines.append("no workers")
-    if workersNote:
-        lines.append(workersNote.format(shown=len(listed)))
-    return lines
-
-
-async def status(reactor: Any, options: StatusOptions) -> None:
-    from mdp.majordomo.client import Client
-
-    client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], **curve_client_of(options))
-    watch = options["watch"]
-    clear = watch is not None and sys.stdout.isatty()
-    single = len(options["brokers"]) == 1
-    try:
-        while True:
-            idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
-            try:
-                if idle is not None and single:  # it would leave the tables unanswered
-                    raise _NotServing(idle)
-                services = await client.request("mmi.services")
-                workers = await client.request("mmi.workers")
-            except MDPError as e:
-                if isinstance(e, _NotServing):
-                    _error(f"mdp status: {e}")
-                elif isinstance(e, (RequestTimeout, BrokerUnreachable)):
-                    note = f"; {idle}" if idle is not None else ""
-                    _error(f"mdp status: {e}{note}")  # names the brokers
-                else:
-                    brokers = ", ".join(options["brokers"])
-                    plural = "s" if len(options["brokers"]) > 1 else ""
-                    _error(f"mdp status: broker{plural} {brokers}: {e}")
-                if watch is None:
-                    raise SystemExit(1) from None
-            else:
-                try:
-                    tables = status_lines(services, workers)
-                except UndescribedReply as e:
-                    _error(f"mdp status: broker {client.endpoint} does not describe its "
-                           f"services ({e})")
-                    raise SystemExit(1) from None
-                lines = [f"broker {client.endpoint}", ""] + tables
-                if clear:
-                    lines[0] = "\x1b[H\x1b[2J" + lines[0]
-                elif watch is not None:
-                    lines.append("")
-                if not _emit(*lines):
-                    return
-            if watch is None:
-                return
-            await task.deferLater(reactor, watch)
-    finally:
-        await client.close()
-
-
-#: seconds ``mdp status`` waits at most for ``mmi.binarystar`` before asking
-#: for the tables anyway (a broker that does not know the query may not answer)
-BSTAR_PROBE = 1.0
-
-
-class _NotServing(MDPError):
-    """The broker is one of a Binary Star pair that serves nothing now."""
-
-
-async def _not_serving(client: Any, timeout: float) -> Optional[str]:
-    """Why the broker *client* talks to serves nothing, if it is a broker of
-    a Binary Star pair that does not serve (passive, or a backup that has not
-    heard its primary), from its ``mmi.binarystar`` answer: that query is
-    answered whatever the state and is no vote, where ``mmi.services`` to a
-    passive broker goes unanswered (and is a vote); else None."""
-    import json
-
-    try:
-        reply = await client.request("mmi.binarystar", timeout=timeout, retries=1)
-        state = json.loads(reply[0])
-        if not isinstance(state, dict) or state.get("serving") is not False:
-            return None
-    except (MDPError, *_MALFORMED):  # not in a pair (501), no answer, not JSON
-        return None
-    pair = f"broker {client.endpoint} is the {{}} of a Binary Star pair"
-    if state.get("state") == "passive":
-        peer, silence = state.get("peer"), state.get("peerSilence")
-        failover = state.get("failoverTimeout")
-        passive = pair.format("passive broker") + ": it answers no requests"
-        if isinstance(silence, (int, float)) and isinstance(failover, (int, float)) \
-                and silence > failover:
-            return (f"{passive}, and its peer has been silent for {silence:g} s: the next "
-                    "client request here makes it take over")
-        if peer == "active":
-            return f"{passive} while its peer (active) serves them; ask the other broker of the pair"
-        return f"{passive} (its peer is {peer or 'not heard yet'}); ask the other broker of the pair"
-    if state.get("state") == "backup":
-        return (pair.format("backup") + " and has not heard its primary yet: it serves "
-                "nothing until then; ask the primary (and check that this broker's "
-                "--bstar-remote is the primary's --bstar-local)")
-    return None
+    print_frames(reply)
 
 
 async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
@@ -754,45 +463,48 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
     try:
         reply = await client.request(*options["frames"])
     except MDPError as e:
-        _error(f"mdp freelance-call: {_freelance_failure(e, options, reactor.seconds() - started)}")
+        error(f"mdp freelance-call: {_freelance_failure(e, options, reactor.seconds() - started)}")
         raise SystemExit(1) from None
     finally:
         await client.close()
-    _print_frames(reply)
+    print_frames(reply)
 
 
-def _freelance_failure(error: MDPError, options: FreelanceCallOptions, elapsed: float) -> str:
+def _freelance_failure(failure: MDPError, options: FreelanceCallOptions, elapsed: float) -> str:
     """Why ``mdp freelance-call`` got no reply, in words true of the model
     used: how many servers were tried, for how long, which."""
     from mdp.errors import NoServerAvailable
 
     servers = options["servers"]
-    count = len(servers)
     named = ", ".join(servers)
-    these = f"the Freelance server at {named}" if count == 1 else \
-        f"any of the {count} Freelance servers ({named})"
+    these = (f"the Freelance server at {named}" if len(servers) == 1
+             else f"any of the {len(servers)} Freelance servers ({named})")
     running = "; is twist mdp-freelance-server running there?"
-    if isinstance(error, NoServerAvailable) or (isinstance(error, RequestTimeout)
-                                                and error.attempts == 0):
+    if isinstance(failure, NoServerAvailable) or (isinstance(failure, RequestTimeout)
+                                                  and failure.attempts == 0):
         # model 3: the agent sends only to a server that answered its PING
-        seconds = error.elapsed if isinstance(error, RequestTimeout) else elapsed
-        nobody = "it did not answer a PING" if count == 1 else "none answered a PING"
+        seconds = failure.elapsed if isinstance(failure, RequestTimeout) else elapsed
+        nobody = "it did not answer a PING" if len(servers) == 1 else "none answered a PING"
         return f"no reply from {these} within {seconds:.1f} s: {nobody}" + running
-    if isinstance(error, RequestTimeout):
-        how = ""
-        if options["model"] == 3:
-            how = (f" (the request sent {error.attempts} time{'s' * (error.attempts != 1)} to "
-                   "servers that answered a PING)")
-        elif count == 1:
-            pass
-        elif options["model"] == 1:
-            tried = servers[:error.attempts]
-            how = (f" (tried {len(tried)} of {count}, one after another: {', '.join(tried)})"
-                   if len(tried) < count else " (each tried in turn)")
-        else:
-            how = " (all asked at once)"
-        return f"no reply from {these} within {error.elapsed:.1f} s{how}" + running
-    return f"{error} (server{'s' * (count != 1)}: {named})"
+    if isinstance(failure, RequestTimeout):
+        how = _how_tried(options["model"], servers, failure.attempts)
+        return f"no reply from {these} within {failure.elapsed:.1f} s{how}" + running
+    return f"{failure} (server{'s' * (len(servers) != 1)}: {named})"
+
+
+def _how_tried(model: int, servers: list[str], attempts: int) -> str:
+    """How a Freelance client of *model* tried *servers* in *attempts*."""
+    if model == 3:
+        return (f" (the request sent {attempts} time{'s' * (attempts != 1)} to "
+                "servers that answered a PING)")
+    if len(servers) == 1:
+        return ""
+    if model == 2:
+        return " (all asked at once)"
+    tried = servers[:attempts]
+    if len(tried) < len(servers):
+        return f" (tried {len(tried)} of {len(servers)}, one after another: {', '.join(tried)})"
+    return " (each tried in turn)"
 
 
 async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
@@ -802,12 +514,12 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
     try:
         reply = await client.request(options["payload"]).addTimeout(options["timeout"], reactor)
     except defer.TimeoutError:
-        _error(f"mdp sp-request: no reply from {options['endpoint']} within "
+        error(f"mdp sp-request: no reply from {options['endpoint']} within "
                f"{options['timeout']:g} s")
         raise SystemExit(1) from None
     finally:
         await client.close()
-    _print_frames([reply])
+    print_frames([reply])
 
 
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
@@ -819,24 +531,24 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
     status = 0
     try:
         if command == "submit":
-            _emit(await client.submit(sub["service"], *sub["frames"]))
+            emit(await client.submit(sub["service"], *sub["frames"]))
         elif command == "result":
             if sub["wait"]:
                 reply = await _wait_for_reply(reactor, client, sub)
             else:
                 reply = await client.poll(sub["id"])
             if reply is None:
-                _error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
+                error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
                        "ask again later, or wait for it with --wait")
                 status = EXIT_PENDING
             else:
-                _print_frames(reply)
+                print_frames(reply)
         else:
             await client.close(sub["id"])
     except MDPError as e:
-        hint = (await _noTitanic(client, command, min(2.0, sub["timeout"]))
+        hint = (await _missing_titanic(client, command, min(2.0, sub["timeout"]))
                 if isinstance(e, RequestTimeout) else "")
-        _error(f"mdp titanic {command}: {e}{hint}")
+        error(f"mdp titanic {command}: {e}{hint}")
         status = 1
     finally:
         await client.disconnect()
@@ -849,60 +561,72 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
     what it waits for and why, once each time that changes: the reply
     (pending), Titanic (503: no Titanic serves titanic.reply), the broker
     (no reply within an attempt's --timeout)."""
-    from mdp.errors import ServiceOverloaded, ServiceUnavailable
-    from mdp.titanic.client import TRANSIENT
-
-    requestId, every = options["id"], options["poll"]
     brokers = options["brokers"]
-    where = f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}"
-    # the kind of reason said last, and whether a slow poll was said since
-    said = {"reason": "", "slow": False}
-
-    def note(why: str) -> None:
-        _error(f"mdp titanic result: waiting for request {requestId}: {why}")
-
-    def say(kind: str, why: str) -> None:
-        if said["reason"] != kind:
-            # (a slow poll said before 'pending' is the same wait: not said again)
-            said["reason"], said["slow"] = kind, said["slow"] and kind == "pending"
-            note(why)
-
-    def slowly() -> None:
-        # a poll slower than --timeout, the reply still due: said once, and
-        # not taken for a new reason (a pending answer after it is no news)
-        if said["reason"] in ("", "pending") and not said["slow"]:
-            said["slow"] = True
-            note(f"no answer yet from Titanic through {where}, still trying")
-
+    notes = _WaitNotes(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
     while True:
-        slow = reactor.callLater(options["timeout"], slowly)
+        slow = reactor.callLater(options["timeout"], notes.slowPoll)
         try:
-            reply = await client.poll(requestId)
-        except ServiceUnavailable as e:
-            reply = None
-            say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
-                               f"Still trying, every {every:g} s")
-        except ServiceOverloaded as e:
-            reply = None
-            say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
-        except RequestTimeout:
-            reply = None
-            say("silent", f"no reply from {where} yet, still trying")
-        except TRANSIENT as e:
-            reply = None
-            say("transport", f"{e}; still trying")
-        else:
-            if reply is None:
-                say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+            reply = await _poll(client, notes, options["poll"])
         finally:
             if slow.active():
                 slow.cancel()
         if reply is not None:
             return reply
-        await task.deferLater(reactor, every)
+        await task.deferLater(reactor, options["poll"])
 
 
-async def _noTitanic(client: Any, command: str, timeout: float) -> str:
+async def _poll(client: Any, notes: _WaitNotes, every: float) -> Optional[list[bytes]]:
+    """One poll of ``--wait``: the reply, or None once *notes* has the reason."""
+    from mdp.errors import ServiceOverloaded, ServiceUnavailable
+    from mdp.titanic.client import TRANSIENT
+
+    try:
+        reply = await client.poll(notes.requestId)
+    except ServiceUnavailable as e:
+        notes.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic "
+                                 f"running? Still trying, every {every:g} s")
+    except ServiceOverloaded as e:
+        notes.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
+    except RequestTimeout:
+        notes.say("silent", f"no reply from {notes.where} yet, still trying")
+    except TRANSIENT as e:
+        notes.say("transport", f"{e}; still trying")
+    else:
+        if reply is None:
+            notes.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+        return reply
+    return None
+
+
+class _WaitNotes:
+    """What ``mdp titanic result --wait`` has said on stderr: each reason
+    once for as long as it holds (the kind said last, and whether a slow
+    poll was said since)."""
+
+    def __init__(self, requestId: str, where: str) -> None:
+        self.requestId = requestId
+        self.where = where
+        self.reason = ""
+        self.slow = False
+
+    def note(self, why: str) -> None:
+        error(f"mdp titanic result: waiting for request {self.requestId}: {why}")
+
+    def say(self, kind: str, why: str) -> None:
+        if self.reason != kind:
+            # (a slow poll said before 'pending' is the same wait: not said again)
+            self.reason, self.slow = kind, self.slow and kind == "pending"
+            self.note(why)
+
+    def slowPoll(self) -> None:
+        """A poll slower than --timeout, the reply still due: said once, and
+        not taken for a new reason (a pending answer after it is no news)."""
+        if self.reason in ("", "pending") and not self.slow:
+            self.slow = True
+            self.note(f"no answer yet from Titanic through {self.where}, still trying")
+
+
+async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
     """Why a Titanic request timed out, if the broker can say: no worker
     serves that Titanic service (Titanic is not running, or has just
     stopped, while the broker still lists the service); else ""."""
@@ -930,28 +654,28 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
         bound = await broker.listen(options["endpoint"])
     except MDPError as e:  # cannot bind (the port is taken, ...): one line, no traceback
         await broker.close()
-        _error(f"mdp demo: {e}")
+        error(f"mdp demo: {e}")
         raise SystemExit(1) from None
     worker = Worker(bound.endpoint, "echo", echo, reactor)
     client = Client(bound.endpoint, reactor)
     try:
-        if not _emit(f"broker listening on {bound.endpoint}"):
+        if not emit(f"broker listening on {bound.endpoint}"):
             return
         worker.start()
-        if not _emit("echo worker started"):
+        if not emit("echo worker started"):
             return
         for n in range(options["requests"]):
             reply = await client.request("echo", f"hello {n}")
-            if not _emit(f"echo replied: {' | '.join(_show(f) for f in reply)}"):
+            if not emit(f"echo replied: {' | '.join(show(f) for f in reply)}"):
                 return
     except MDPError as e:
-        _error(f"mdp demo: {e}")
+        error(f"mdp demo: {e}")
         raise SystemExit(1) from None
     finally:
         await client.close()
         await worker.stop()
         await broker.close()
-    _emit("demo done")
+    emit("demo done")
 
 
 async def chat(reactor: Any, options: ChatOptions) -> None:
@@ -966,7 +690,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     done: defer.Deferred[None] = defer.Deferred()
 
     def say(line: str) -> None:
-        if not _emit(_printable(line)) and not done.called:
+        if not emit(printable(line)) and not done.called:
             done.callback(None)  # nobody reads: leave
 
     def heard(event: Event) -> None:
@@ -975,9 +699,9 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
         elif event.kind == "EXIT":
             say(f"* {event.name} left")
         elif event.kind == "SHOUT" and event.group == group:
-            say(f"{event.name}: {' '.join(_show(f) for f in event.frames)}")
+            say(f"{event.name}: {' '.join(show(f) for f in event.frames)}")
         elif event.kind == "WHISPER":
-            say(f"{event.name} (to you): {' '.join(_show(f) for f in event.frames)}")
+            say(f"{event.name} (to you): {' '.join(show(f) for f in event.frames)}")
 
     class Typed(LineReceiver):
         delimiter = b"\n"
@@ -1006,7 +730,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     try:
         await node.start()
     except MDPError as e:
-        _error(f"mdp chat: {e}")
+        error(f"mdp chat: {e}")
         raise SystemExit(1) from None
     say(f"* {options['name']} in {group} at {node.endpoint}; Ctrl-D leaves")
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
@@ -1024,28 +748,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     doing, Ctrl-C exits with status 130 and a reader of its output that has
     gone with 141, neither with a traceback."""
     catch_interrupt(_interrupted)  # until the command starts
-    _Output.gone = False
+    Output.gone = False
     try:
         try:
             _main(argv)
         finally:
-            if sys.stdout is not None and not _Output.gone:
+            if sys.stdout is not None and not Output.gone:
                 sys.stdout.flush()  # where a broken pipe shows at the latest
     except KeyboardInterrupt:  # before the handler above was in place
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
-        _divert_output()
+        divert_output()
     except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED or not _Output.gone:
+        if e.code == EXIT_INTERRUPTED or not Output.gone:
             raise
-    if _Output.gone:
+    if Output.gone:
         raise SystemExit(EXIT_BROKEN_PIPE)
 
 
 def _main(argv: Optional[Sequence[str]]) -> None:
     """Read the options and run the command they name in the reactor."""
     if sys.stdout is None:  # started with it closed (>&-): nowhere to print a reply
-        _error("mdp: standard output is closed; nothing was sent")
+        error("mdp: standard output is closed; nothing was sent")
         raise SystemExit(2)
     options = Options()
     try:
@@ -1055,7 +779,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         while getattr(parsing, "subCommand", None) and isinstance(
                 getattr(parsing, "subOptions", None), VersionedOptions):
             parsing = parsing.subOptions
-        _error(usage_line(parsing, e))
+        error(usage_line(parsing, e))
         raise SystemExit(EXIT_USAGE) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)
@@ -1070,7 +794,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         try:
             await command(reactor, options.subOptions)
         except BrokenPipeError:  # written to outside _emit
-            _divert_output()
+            divert_output()
 
     def run(reactor: Any) -> defer.Deferred[None]:
         def stop() -> None:

@@ -17,19 +17,15 @@ from mdp import transport
 from mdp.binarystar import BinaryStar
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.worker import Handler, Worker
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
 
 log = Logger()
 
 
-class _Failable(Service):
-    """A service that can fail to start (a port taken, a store unreadable).
-
-    ``twistd`` begins logging, calls :meth:`privilegedStartService` then
-    ``startService``, and removes its pid file once the reactor has
-    stopped; ``twist`` calls ``startService`` alone, before it begins
-    logging and runs the reactor.  A failure ends the process accordingly
-    (:meth:`_failedToStart`)."""
+class _FailableService(Service):
+    """A service that can fail to start (a port taken, a store unreadable),
+    and then ends the process the way its runner needs (:meth:`_failedToStart`):
+    ``twistd`` calls :meth:`privilegedStartService` first and logs already,
+    ``twist`` calls ``startService`` before it logs or runs the reactor."""
 
     #: a failure to start exits 1: True, False, or None for "when twistd runs it"
     exitOnFailure: Optional[bool] = None
@@ -48,19 +44,13 @@ class _Failable(Service):
 
     def _failedToStart(self, reactor: Any, failure: Failure, message: str,
                        **fields: Any) -> Optional[Failure]:
-        """This service could not start: log *message* (a format of *fields*) once.
-
-        Unless it ends the process (:meth:`_endsProcess`), *failure* is
-        returned for the caller of ``startService``.  Before the reactor
-        runs and not under ``twistd`` (so under ``twist``, which starts its
-        service before its logging and its reactor), the line is critical
-        (shown on stderr at once) and the process exits with status 1 there
-        and then: no "Starting reactor..." after it, nothing else started.
-        Otherwise (the reactor running, or ``twistd``, whose logging has begun
-        and which removes its pid file once the reactor stops) it is an error
-        line, the reactor stops (the services of this package not yet started
-        do not start) and the process exits with status 1 once it has shut
-        down."""
+        """This service could not start: log *message* (a format of *fields*)
+        once, and return *failure* unless it ends the process
+        (:meth:`_endsProcess`).  Under ``twist``, before the reactor runs, the
+        line is critical (on stderr at once) and the process exits 1 there and
+        then; otherwise the reactor stops, the services not yet started do
+        not start, and the process exits 1 once it has shut down (``twistd``
+        removes its pid file meanwhile)."""
         if not self._endsProcess():
             log.error(message, **fields)
             return failure
@@ -84,7 +74,7 @@ class _Failable(Service):
                                    what=what, endpoint=endpoint, error=failure.getErrorMessage())
 
 
-class BrokerService(_Failable):
+class BrokerService(_FailableService):
     """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
     workers) or to a separate *frontend* (clients) and *backend* (workers).
 
@@ -97,13 +87,11 @@ class BrokerService(_Failable):
     before it binds, the broker serves only while it is active, and a fatal
     error of the pair closes the broker (and, with *exitOnFailure*, exits 1).
 
-    A malformed endpoint raises :class:`~mdp.errors.TransportError` here, at
-    once.  Failing to bind is logged (the endpoint and why).  Then, with
-    *exitOnFailure* (as ``twist mdp-broker`` uses it; by default, when
-    ``twistd`` runs the service in an Application, where no one else would
-    see the failure) the process exits with status 1 rather than
-    idle unbound, and the services of this package that start after it do not
-    (a worker would register with whatever holds the port); without it,
+    A malformed endpoint raises :class:`~mdp.errors.TransportError` at once.
+    Failing to bind is logged; with *exitOnFailure* (``twist mdp-broker``; by
+    default under ``twistd``) the process then exits 1 rather than idle
+    unbound, and this package's services that start after it do not (a
+    worker would register with whatever holds the port); without it,
     :meth:`startService`'s Deferred fails."""
 
     def __init__(
@@ -215,28 +203,13 @@ def _exit(status: int) -> None:
 
 
 class WorkerService(Service):
-    """Runs a :class:`~mdp.majordomo.worker.Worker` for one service."""
+    """Runs a :class:`~mdp.majordomo.worker.Worker` for one service; the
+    keyword arguments (``heartbeat``, ``backoff``, ``dialect``, ``replies``,
+    ``limits``, ``metrics``, the CURVE keys) go to the worker."""
 
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        service: Union[str, bytes],
-        handler: Handler,
-        reactor: Optional[Any] = None,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = "rfc",
-        replies: Optional[Any] = None,
-        limits: Limits = Limits(),
-        metrics: Optional[Any] = None,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
-        self.worker = Worker(endpoint, service, handler, reactor=reactor, heartbeat=heartbeat,
-                             backoff=backoff, dialect=dialect, replies=replies, limits=limits,
-                             metrics=metrics, curveServerPublic=curveServerPublic,
-                             curveSecret=curveSecret)
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Handler, reactor: Optional[Any] = None, **workerOptions: Any) -> None:
+        self.worker = Worker(endpoint, service, handler, reactor=reactor, **workerOptions)
 
     def startService(self) -> None:
         super().startService()
@@ -248,7 +221,7 @@ class WorkerService(Service):
         return self.worker.stop()
 
 
-class MetricsService(_Failable):
+class MetricsService(_FailableService):
     """Serves a Prometheus *registry* at ``/metrics`` on *endpoint* (a
     Twisted server endpoint string: ``tcp:9464:interface=127.0.0.1``) while
     running.  Failing to listen is logged; with *exitOnFailure* (by default
@@ -293,7 +266,7 @@ class MetricsService(_Failable):
         return defer.maybeDeferred(port.stopListening)
 
 
-class _ServerService(_Failable):
+class _ServerService(_FailableService):
     """A server object (``listen(endpoint)``, ``close()``) on one endpoint.
     A failed bind is logged; with *exitOnFailure* (by default under
     ``twistd``) the process exits 1."""
@@ -345,7 +318,7 @@ class SPServerService(_ServerService):
         self.server = SPServer(handler, reactor, **serverOptions)
 
 
-class SPDeviceService(_Failable):
+class SPDeviceService(_FailableService):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*."""
 
     def __init__(self, front: str, back: Union[str, Sequence[str]],
@@ -379,7 +352,7 @@ class SPDeviceService(_Failable):
         return device.close() if device is not None else defer.succeed(None)
 
 
-class TitanicService(_Failable):
+class TitanicService(_FailableService):
     """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and
     store.  A store that cannot be opened (a damaged or unreadable file) is
     logged; with *exitOnFailure* (as ``twist mdp-titanic`` uses it; by

@@ -33,6 +33,8 @@ from mdp.titanic import server as titanic_server
 from mdp.transport.stream import raise_descriptor_limit
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
+#: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
+DEFAULT_FREELANCE_ENDPOINT = "zmq:tcp://127.0.0.1:5556"
 
 _UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2,
           "g": 1024 ** 3, "gib": 1024 ** 3}
@@ -178,35 +180,30 @@ class VersionedOptions(usage.Options):
 
     opt_h = usage.Options.opt_help
 
-    def _root(self) -> usage.Options:
-        node: usage.Options = self
-        while node.parent is not None:
-            node = node.parent
-        return node
-
-    def commandName(self) -> str:
-        """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
+    def _chain(self) -> tuple[usage.Options, list[str]]:
+        """The parser with no parent, and the sub-commands from it to this one."""
         words = []
         node: usage.Options = self
         while node.parent is not None:
             words.insert(0, node.parent.subCommand)
             node = node.parent
-        program = getattr(node, "programName", None) or program_name()
-        return " ".join([program, *words])
+        return node, words
+
+    def commandName(self) -> str:
+        """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
+        root, words = self._chain()
+        return " ".join([getattr(root, "programName", None) or program_name(), *words])
 
     def getSynopsis(self) -> str:
-        words = [getattr(self, "synopsis", "[options]").rstrip()]
-        node: usage.Options = self
-        while node.parent is not None:
-            words.insert(0, node.parent.subCommand)
-            node = node.parent
-        program = getattr(node, "programName", None)
+        root, words = self._chain()
+        program = getattr(root, "programName", None)
         if program is None:  # twist (or twistd): the program's own options come first
-            program = program_name() + ("" if node is self else " [options]")
-        return " ".join(["Usage:", program, *words])
+            program = program_name() + ("" if root is self else " [options]")
+        synopsis = getattr(self, "synopsis", "[options]").rstrip()
+        return " ".join(["Usage:", program, *words, synopsis])
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
-        if self.parent is None or getattr(self._root(), "programName", None) is not None:
+        if self.parent is None or getattr(self._chain()[0], "programName", None) is not None:
             super().parseOptions(options)  # alone, or under mdp: the caller reports it
             return
         try:
@@ -717,7 +714,7 @@ class FreelanceServerOptions(VersionedOptions):
                 "[sequence, reply...].  --handler module:callable is imported at start (the "
                 "current directory is searched too).  Try it with mdp freelance-call.")
     optParameters: list[Any] = [
-        ["endpoint", "e", "zmq:tcp://127.0.0.1:5556", "Where the server binds."],
+        ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
          + _MESSAGE_OPTIONS + _PEER_OPTIONS)
@@ -753,7 +750,9 @@ class FreelanceServerServiceMaker:
             curveAllow=options["curve-allow"]), options, metrics)
 
 
-def _sp_endpoint(value: str, listen: bool, option: str) -> str:
+def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
+    """*value*, an SP endpoint (an nng URL or one of ours) that *option*
+    gives to listen on or connect to; a usage error saying what is wrong."""
     from mdp.sp.codec import endpoint_of
     from mdp.transport.registry import bare_address
 
@@ -793,7 +792,7 @@ class SPRepOptions(VersionedOptions):
 
     def postOptions(self) -> None:
         limits_of(self)
-        _sp_endpoint(self["endpoint"], True, "endpoint")
+        checked_sp_endpoint(self["endpoint"], True, "endpoint")
         checked_pending(self)
         loaded_handler(self, "twist sp-rep", sp_handler)
 
@@ -817,11 +816,11 @@ class SPDeviceOptions(VersionedOptions):
 
     def postOptions(self) -> None:
         limits_of(self)
-        _sp_endpoint(self["front"], True, "front")
+        checked_sp_endpoint(self["front"], True, "front")
         if not self["back"]:
             raise usage.UsageError("--back is required")
         for back in self["back"]:
-            _sp_endpoint(back, False, "back")
+            checked_sp_endpoint(back, False, "back")
 
 
 @implementer(IServiceMaker, IPlugin)

@@ -189,7 +189,7 @@ class _DenyAll:
 _DENY_ALL = _DenyAll()
 
 
-class _Zap:
+class _ZapHandler:
     """The process's ZAP handler (pyzmq's thread authenticator) for one
     ZeroMQ context, with one domain per CURVE server."""
 
@@ -214,7 +214,7 @@ class _Zap:
         self.authenticator.stop()
 
 
-_zaps: dict[int, _Zap] = {}
+_zaps: dict[int, _ZapHandler] = {}
 _lock = threading.Lock()
 
 
@@ -227,7 +227,7 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
     with _lock:
         zap = _zaps.get(id(context))
         if zap is None:
-            zap = _zaps[id(context)] = _Zap(context)
+            zap = _zaps[id(context)] = _ZapHandler(context)
 
             def stop() -> None:
                 with _lock:
@@ -253,23 +253,16 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
     written (neither is left then)."""
     import zmq.auth
 
-    if not name or os.sep in name or (os.altsep and os.altsep in name):
-        raise ValueError(f"a key name is a plain file name, not {name!r}")
-    if not os.path.isdir(directory):
-        raise ValueError(f"{directory!r} is not a directory")
-    for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
-        path = os.path.join(directory, name + suffix)
-        if os.path.exists(path):
-            raise ValueError(f"{path} exists already; not overwritten")
+    paths = _key_paths(name, directory)
     # the secret file is never readable by others, not even for a moment
     mask = os.umask(0o077)
     try:
         public, secret = zmq.auth.create_certificates(directory, name)
         os.chmod(public, 0o644)
     except OSError as e:  # not writable, full, ...: no half pair left behind
-        for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
+        for path in paths:
             try:
-                os.unlink(os.path.join(directory, name + suffix))
+                os.unlink(path)
             except OSError:
                 pass
         raise ValueError(f"cannot write the key pair {name} in {directory!r}: "
@@ -277,3 +270,17 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
     finally:
         os.umask(mask)
     return public, secret
+
+
+def _key_paths(name: str, directory: str) -> list[str]:
+    """The two files of key pair *name* in *directory*; ``ValueError`` if
+    *name* is no plain file name, or either file exists already."""
+    if not name or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"a key name is a plain file name, not {name!r}")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory")
+    paths = [os.path.join(directory, name + suffix) for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX)]
+    for path in paths:
+        if os.path.exists(path):
+            raise ValueError(f"{path} exists already; not overwritten")
+    return paths

@@ -81,19 +81,14 @@ def pick_interface(interface: Optional[str] = None) -> ipaddress.IPv4Interface:
     link-local, or 127.0.0.1/8 when there is none."""
     adapters = _adapters()
     if interface is None:
-        for _, address in adapters:
-            if not (address.is_loopback or address.is_link_local):
-                return address
-        return ipaddress.IPv4Interface("127.0.0.1/8")
+        return next((address for _, address in adapters
+                     if not (address.is_loopback or address.is_link_local)),
+                    ipaddress.IPv4Interface("127.0.0.1/8"))
     for name, address in adapters:
         if interface in (name, str(address.ip)):
             return address
-    try:
-        literal = ipaddress.IPv4Address(interface)
-    except ValueError:
-        literal = None
-    if literal is not None and literal.is_loopback:
-        return ipaddress.IPv4Interface(f"{literal}/8")
+    if _is_ipv4(interface) and ipaddress.IPv4Address(interface).is_loopback:
+        return ipaddress.IPv4Interface(f"{interface}/8")
     names = ", ".join(f"{name} ({address.ip})" for name, address in adapters)
     raise TransportError(f"no IPv4 interface {interface!r} on this machine (there are: {names})")
 
@@ -114,6 +109,11 @@ def resolve(endpoint: str) -> DatagramSpec:
     if scheme != "udp":
         raise TransportError(f"bad datagram endpoint {endpoint!r}: udp:PORT[:interface=IF]"
                              "[:group=ADDRESS|:broadcast=ADDRESS] or loopback:NAME")
+    return _udp(endpoint, args, kwargs)
+
+
+def _udp(endpoint: str, args: list[str], kwargs: dict[str, str]) -> DatagramSpec:
+    """The spec of the udp: *endpoint*, from its arguments."""
     unknown = set(kwargs) - {"interface", "group", "broadcast", "port"}
     if unknown or len(args) > 1:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: unknown "
@@ -125,21 +125,30 @@ def resolve(endpoint: str) -> DatagramSpec:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast "
                              "address, not both")
     address = pick_interface(kwargs.get("interface"))
+    destination, multicast = _destination(endpoint, kwargs, address)
+    return DatagramSpec(endpoint, "udp", int(port), str(address.ip), destination, multicast)
+
+
+def _destination(endpoint: str, kwargs: dict[str, str],
+                 address: ipaddress.IPv4Interface) -> tuple[str, bool]:
+    """Where a udp: endpoint sends from *address*, and whether that is a
+    multicast group: its group or broadcast address, else the subnet's
+    broadcast address (the default group on loopback, where broadcast does
+    not work)."""
     if "group" in kwargs:
-        destination, multicast = kwargs["group"], True
-        if not _is_ipv4(destination) or not ipaddress.IPv4Address(destination).is_multicast:
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} "
+        group = kwargs["group"]
+        if not _is_ipv4(group) or not ipaddress.IPv4Address(group).is_multicast:
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: {group!r} "
                                  "is not an IPv4 multicast group (224.0.0.0/4)")
-    elif "broadcast" in kwargs:
-        destination, multicast = kwargs["broadcast"], False
-        if not _is_ipv4(destination):
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} "
+        return group, True
+    if "broadcast" in kwargs:
+        if not _is_ipv4(kwargs["broadcast"]):
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: {kwargs['broadcast']!r} "
                                  "is not an IPv4 address")
-    elif address.is_loopback:
-        destination, multicast = DEFAULT_GROUP, True
-    else:
-        destination, multicast = str(address.network.broadcast_address), False
-    return DatagramSpec(endpoint, scheme, int(port), str(address.ip), destination, multicast)
+        return kwargs["broadcast"], False
+    if address.is_loopback:
+        return DEFAULT_GROUP, True
+    return str(address.network.broadcast_address), False
 
 
 def _is_ipv4(text: str) -> bool:
@@ -163,7 +172,7 @@ def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
     return UDPDatagrams.open(spec, receiver, reactor)
 
 
-class _Protocol(DatagramProtocol):
+class _UDPProtocol(DatagramProtocol):
     noisy = False
 
     def __init__(self, owner: UDPDatagrams) -> None:
@@ -184,7 +193,7 @@ class UDPDatagrams:
         self.receiver = receiver
         self.reactor = reactor
         self.throttle = LogThrottle(reactor, interval=10.0)
-        self.protocol = _Protocol(self)
+        self.protocol = _UDPProtocol(self)
         self.port: Any = None
 
     @classmethod

@@ -95,28 +95,34 @@ def _hint_for_url(endpoint: str, role: str) -> str:
     assert match is not None
     kind, rest = match.group("kind").lower(), match.group("rest")
     if kind == "tcp":
-        host, port = _split_host_port(rest)
-        port = port or "PORT"
-        wildcard = host in ("*", "0.0.0.0", "")
-        if role == CONNECT and wildcard:
-            host = "127.0.0.1"
-        zmqHost = f"[{host}]" if ":" in host else host
-        zmqPort = "*" if role == LISTEN and port == "0" else port
-        zmq = f"zmq:tcp://{zmqHost}:{zmqPort}"
-        escaped = host.replace(":", "\\:")
-        if role == LISTEN:
-            stream = f"tcp:{port}" if wildcard else f"tcp:{port}:interface={escaped}"
-        else:
-            stream = f"tcp:host={escaped}:port={port}"
-        return f"did you mean {zmq} (ZeroMQ) or {stream} (framed TCP)?"
+        return _tcp_hint(rest, role)
     if kind in ("ipc", "inproc"):
         return f"did you mean zmq:{kind}://{rest}?"
     return "endpoints look like zmq:tcp://HOST:PORT, tcp:host=HOST:port=PORT or unix:path=PATH"
 
 
+def _tcp_hint(rest: str, role: str) -> str:
+    """The two endpoints a ``tcp://HOST:PORT`` URL may have meant, for *role*."""
+    host, port = _split_host_port(rest)
+    port = port or "PORT"
+    wildcard = host in ("*", "0.0.0.0", "")
+    if role == CONNECT and wildcard:
+        host = "127.0.0.1"
+    zmqHost = f"[{host}]" if ":" in host else host
+    zmqPort = "*" if role == LISTEN and port == "0" else port
+    escaped = host.replace(":", "\\:")
+    if role == CONNECT:
+        stream = f"tcp:host={escaped}:port={port}"
+    elif wildcard:
+        stream = f"tcp:{port}"
+    else:
+        stream = f"tcp:{port}:interface={escaped}"
+    return f"did you mean zmq:tcp://{zmqHost}:{zmqPort} (ZeroMQ) or {stream} (framed TCP)?"
+
+
 #: ``HOST:PORT`` with no scheme: a host name, an IPv4 address, ``*``, or an
 #: IPv6 address in brackets; a port number (or ``*``)
-_BARE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+_BARE_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                    r":(?:\d+|\*)$")
 
 
@@ -129,7 +135,7 @@ def bare_address(endpoint: str) -> Optional[str]:
     """*endpoint* if it is a bare ``HOST:PORT`` (``localhost:5555``,
     ``127.0.0.1:5555``, ``[::1]:5555``) whose host is no endpoint scheme,
     else None: an address given where an endpoint was wanted."""
-    if not _BARE.match(endpoint):
+    if not _BARE_ADDRESS.match(endpoint):
         return None
     name = endpoint.partition(":")[0]
     return None if name in _schemes or name in _ZMQ_TRANSPORTS else endpoint
@@ -146,23 +152,22 @@ def lookup(endpoint: object, role: str) -> Scheme:
     name, colon, _ = endpoint.partition(":")
     if not colon or not name:
         raise TransportError(f"bad endpoint {endpoint!r}: no scheme (zmq:, tcp:, unix:, loopback:, ...)")
-    scheme = _schemes.get(name)
+    scheme = _schemes.get(name) or _twisted_plugin_scheme(name)
     if scheme is None:
-        scheme = _twisted_plugin_scheme(name)
-    if scheme is None and bare_address(endpoint) is not None:
-        raise TransportError(f"bad endpoint {endpoint!r}: an address with no scheme; "
-                             + _hint_for_url("tcp://" + endpoint, role))
-    if scheme is None and name in _ZMQ_TRANSPORTS:
-        raise TransportError(f"bad endpoint {endpoint!r}: {name!r} is a ZeroMQ transport: "
-                             f"name it after zmq:, as in zmq:{name}://...")
-    if scheme is None:
-        known = ", ".join(sorted(_schemes))
-        raise TransportError(f"bad endpoint {endpoint!r}: unknown scheme {name!r} (known: {known})")
-    factory = scheme.listen if role == LISTEN else scheme.connect
-    if factory is None:
+        raise TransportError(f"bad endpoint {endpoint!r}: {_unknown_scheme(endpoint, name, role)}")
+    if (scheme.listen if role == LISTEN else scheme.connect) is None:
         raise TransportError(f"bad endpoint {endpoint!r}: {name}: endpoints cannot {role}")
     scheme.check(endpoint, role)
     return scheme
+
+
+def _unknown_scheme(endpoint: str, name: str, role: str) -> str:
+    """What is wrong with *endpoint*, whose scheme *name* is none we know."""
+    if bare_address(endpoint) is not None:
+        return "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role)
+    if name in _ZMQ_TRANSPORTS:
+        return f"{name!r} is a ZeroMQ transport: name it after zmq:, as in zmq:{name}://..."
+    return f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})"
 
 
 def check(endpoint: object, role: str = CONNECT) -> None:
@@ -207,18 +212,17 @@ def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
 def check_port(endpoint: str, port: Optional[str], role: str, wildcard: bool = False) -> None:
     """A port is an integer in 1..65535 (0, or ``*`` with *wildcard*, when
     listening, for one the OS picks)."""
-    if port is None or port == "":
+    if not port:
         pick = "" if role == CONNECT else " (0 lets the OS pick one)"
         raise TransportError(f"bad endpoint {endpoint!r}: no port; add one, e.g. :port=5555{pick}")
-    if not (port.isascii() and port.isdigit()) and not (wildcard and port == "*"):
-        raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number")
     if wildcard and port == "*":
         if role == LISTEN:
             return
         raise TransportError(f"bad endpoint {endpoint!r}: '*' picks a port when binding; "
                              "to connect, give the port the server is bound to")
-    number = int(port)
+    if not (port.isascii() and port.isdigit()):
+        raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number")
     low = 0 if role == LISTEN else 1
-    if not low <= number <= 65535:
-        raise TransportError(f"bad endpoint {endpoint!r}: port {number} is out of range "
+    if not low <= int(port) <= 65535:
+        raise TransportError(f"bad endpoint {endpoint!r}: port {int(port)} is out of range "
                              f"({low}..65535)")
