@@ -376,10 +376,9 @@ AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
 
 class _Call:
-    """One request: its attempts and where it is.  The driver hangs its
-    Deferred on it; the machine never touches that."""
+    """One request: its attempts and where it is."""
 
-    __slots__ = ("sequence", "body", "deferred", "state", "startedAt", "timeout", "deadline",
+    __slots__ = ("sequence", "body", "state", "startedAt", "timeout", "deadline",
                  "attempts", "tried", "server", "rotation", "refusals")
 
     def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
@@ -389,7 +388,6 @@ class _Call:
         self.startedAt = startedAt
         self.timeout = timeout  # seconds per attempt
         self.deadline = deadline  # seconds for the whole request, or None
-        self.deferred: Any = None
         self.state = RequestState.WAITING  # until the model sends it
         self.attempts = 0
         self.tried: list[str] = []  # model 3: servers tried in this round
@@ -486,6 +484,14 @@ class Reject:
     error: BaseException
 
 
+@action_class
+class ServerChanged:
+    """The agent's view of the server at *endpoint* is now *state* (model 3)."""
+
+    endpoint: str
+    state: ServerState
+
+
 Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
 
 
@@ -502,11 +508,12 @@ class FreelanceMachine(Machine):
         self.endpoints: list[str] = []
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
-        self._closed = False
+        #: new requests and servers are refused
+        self.closed = False
 
     def refusal(self) -> Optional[Exception]:
         """Why a new request fails at once, if it does."""
-        if self._closed:
+        if self.closed:
             return ClientClosed("client is closed")
         if not self.endpoints:
             return NoServerAvailable("no Freelance server configured")
@@ -528,7 +535,7 @@ class FreelanceMachine(Machine):
 
     def handleRequest(self, call: _Call, now: float) -> list[Action]:
         """Start *call* (made by :meth:`newCall`; :meth:`refusal` said yes)."""
-        self.now = now
+        self.now = call.startedAt = now
         self.pending[call.sequence] = call
         if call.deadline is not None:
             self._outbox.append(Later(call, DEADLINE, call.deadline))
@@ -561,7 +568,7 @@ class FreelanceMachine(Machine):
     def handleClose(self, now: float) -> list[Action]:
         """Fail every pending request with ClientClosed."""
         self.now = now
-        self._closed = True
+        self.closed = True
         for call in list(self.pending.values()):
             self._fail(call, ClientClosed("client closed"))
         return self._drain()
@@ -744,7 +751,7 @@ class AgentMachine(FreelanceMachine):
                                           for s in self.servers.values())
 
     def refusal(self) -> Optional[Exception]:
-        if not self._closed and self._allDead():
+        if not self.closed and self._allDead():
             return NoServerAvailable(
                 f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
         return super().refusal()
@@ -793,13 +800,12 @@ class AgentMachine(FreelanceMachine):
         if server.state is state:
             return
         server.state = state
+        self._emit(ServerChanged(server.endpoint, state))
         if state is ServerState.ALIVE:
-            log.info("Freelance server {endpoint} is alive", endpoint=server.endpoint)
             waiting, self.waiting = self.waiting, []
             for call in waiting:
                 self._send(call)
         elif state is ServerState.DEAD:
-            log.warn("Freelance server {endpoint} is dead", endpoint=server.endpoint)
             for call in list(self.pending.values()):
                 if call.state is RequestState.SENT and call.server == server.endpoint:
                     self._send(call)  # do not wait for its attempt to time out
@@ -905,31 +911,35 @@ class _Pipe:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client
-        client._perform(client.handleReply(frames, client.reactor.seconds(), self.endpoint))
+        client._perform(client.machine.handleReply(frames, client.reactor.seconds(),
+                                                   self.endpoint))
 
 
-class _FreelanceClient(FreelanceMachine):
-    """The driver the three models share: it owns the Deferreds, the timers
-    of each request and the connections, and does what the machine asks."""
+class _FreelanceClient:
+    """The driver the three models share: it holds the model's machine, owns
+    the Deferreds, the timers of each request and the connections, and does
+    what the machine asks.  *limits* are the message limits of its
+    connections (a request over them raises RequestTooLarge at once); the
+    CURVE keys are for its ``zmq:`` servers (every one shares the key pair)."""
 
-    reactor: Any
-    router: Any = None
-    curve: Any = None
-    #: the message limits of its connections; a request over them raises
-    #: RequestTooLarge at once
-    limits: Limits = Limits()
-
-    def _keys(self, curveServerPublic: Optional[str], curveSecret: Optional[str]) -> None:
-        """The servers' public key and this client's key pair, for zmq:
-        endpoints (every server of the list shares the key pair)."""
-        self.curve = curve_client(curveServerPublic, curveSecret)
-
-    def _drive(self, reactor: Optional[Any], endpoints: Union[str, Sequence[str]]) -> None:
+    def __init__(self, machine: FreelanceMachine, endpoints: Union[str, Sequence[str]],
+                 reactor: Optional[Any], curveServerPublic: Optional[str],
+                 curveSecret: Optional[str], limits: Limits) -> None:
+        self.machine = machine
         self.reactor = default_reactor(reactor)
-        self.now = self.reactor.seconds()
+        self.limits = limits
+        self.curve = curve_client(curveServerPublic, curveSecret)
         self.throttle = LogThrottle(self.reactor)
+        self.router = self._connectRouter()
         self.pipes: dict[Any, _Pipe] = {}
         self._timers: dict[tuple[bytes, str], Any] = {}
+        self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
+        #: how each action is done (a closing pipe's returns the Deferred of its close)
+        self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
+            Later: self._arm, Cancel: self._disarm, SendPeer: self._sendPeer,
+            SendPipe: self._sendPipe, Resolve: self._resolve, Reject: self._reject,
+            OpenPipe: self._openPipe, ClosePipe: self._closePipe,
+            ConnectPeer: self._connectPeer, ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
         #: the endpoints of the servers added, in order
         self.added: list[str] = []
@@ -938,11 +948,25 @@ class _FreelanceClient(FreelanceMachine):
         for endpoint in listed:
             self._add(endpoint)
 
+    def _connectRouter(self) -> Any:
+        """The connecting router of model 3 (the others have none)."""
+        return None
+
+    @property
+    def timeout(self) -> float:
+        """Seconds one attempt may take (the default of each request)."""
+        return self.machine.timeout
+
+    @property
+    def deadline(self) -> Optional[float]:
+        """Seconds a whole request may take (``None``: no bound beyond its attempts)."""
+        return self.machine.deadline
+
     def connect(self, endpoint: str) -> None:
         """Add a server (:class:`~mdp.errors.TransportError` at once for a
         malformed endpoint; ``ValueError`` for CURVE keys and no ``zmq:``
         server to use them)."""
-        if self._closed:
+        if self.machine.closed:
             raise ClientClosed("client is closed")
         transport.check(endpoint, transport.CONNECT)
         # keys no server would use (it would talk in the clear), or a
@@ -953,7 +977,7 @@ class _FreelanceClient(FreelanceMachine):
     def _add(self, endpoint: str) -> None:
         if endpoint not in self.added:
             self.added.append(endpoint)
-        self._perform(self.handleConnect(endpoint, self.reactor.seconds()))
+        self._perform(self.machine.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
                 deadline: Optional[float] = None) -> defer.Deferred:
@@ -973,22 +997,26 @@ class _FreelanceClient(FreelanceMachine):
         tooLarge = self.limits.refuse([b"0" * 20, *body])
         if tooLarge is not None:
             raise RequestTooLarge(f"Freelance request not sent: {tooLarge}")
-        timeout = self.timeout if timeout is None else positive_seconds("timeout", timeout)
-        deadline = self.deadline if deadline is None else positive_seconds("deadline", deadline)
-        refusal = self.refusal()
+        machine = self.machine
+        timeout = machine.timeout if timeout is None else positive_seconds("timeout", timeout)
+        deadline = machine.deadline if deadline is None else positive_seconds("deadline", deadline)
+        refusal = machine.refusal()
         if refusal is not None:
             return defer.fail(refusal)
-        now = self.now = self.reactor.seconds()
-        call = self.newCall(body, timeout, deadline)
-        call.deferred = defer.Deferred(
-            lambda d: self._perform(self.handleCancel(call, self.reactor.seconds())))
-        self._perform(self.handleRequest(call, now))
-        return call.deferred
+        call = machine.newCall(body, timeout, deadline)
+
+        def cancel(d: defer.Deferred[list[bytes]]) -> None:
+            self._deferreds.pop(call.sequence, None)
+            self._perform(machine.handleCancel(call, self.reactor.seconds()))
+
+        d = self._deferreds[call.sequence] = defer.Deferred(cancel)
+        self._perform(machine.handleRequest(call, self.reactor.seconds()))
+        return d
 
     def close(self) -> defer.Deferred:
         """Fail every pending request with :class:`~mdp.errors.ClientClosed`
         and close the connections."""
-        closing = self._perform(self.handleClose(self.reactor.seconds()))
+        closing = self._perform(self.machine.handleClose(self.reactor.seconds()))
         # every request is DONE and its timers cancelled; none is armed again
         # once closed, but none is left behind whatever happened before
         timers, self._timers = self._timers, {}
@@ -998,62 +1026,79 @@ class _FreelanceClient(FreelanceMachine):
 
     def _fire(self, call: _Call, kind: str) -> None:
         self._timers.pop((call.sequence, kind), None)
-        self._perform(self.handleTimer(call, kind, self.reactor.seconds()))
+        self._perform(self.machine.handleTimer(call, kind, self.reactor.seconds()))
 
     def _stale(self, call: Optional[_Call]) -> bool:
         """Is an action for *call* (None: for no request) no longer to be
         done?  A caller's callback run by an earlier action of the same
         event may have cancelled that request, or closed the client."""
-        return self._closed or (call is not None and call.state is RequestState.DONE)
+        return self.machine.closed or (call is not None and call.state is RequestState.DONE)
 
     def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns the closings of the
-        pipes it closed (each fires once closed; a failed close is logged).
-        What a caller's callback does meanwhile (a cancel, close, a new
-        request) is a new event, handled at once: the actions left over
-        that would send, open or arm a timer for a request it ended, or
-        for a client it closed, are skipped; cancelling, closing and firing
-        the Deferreds of requests already answered still are done."""
+        pipes it closed.  What a caller's callback does meanwhile (a cancel,
+        close, a new request) is a new event, handled at once: the actions
+        left over that would send, open or arm a timer for a request it
+        ended, or for a client it closed, are skipped (see :meth:`_stale`)."""
         closing = []
         for action in actions:
-            kind = type(action)
-            if kind is Later:
-                call = action.call
-                if self._stale(call):
-                    continue
-                key = (call.sequence, action.kind)
-                cancel_call(self._timers.get(key))
-                self._timers[key] = self.reactor.callLater(action.delay, self._fire,
-                                                           call, action.kind)
-            elif kind is Cancel:
-                cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
-            elif kind is SendPeer:
-                if not self._stale(action.call):
-                    self.router.sendMessage(action.endpoint, action.frames)
-            elif kind is SendPipe:
-                pipe = self.pipes.get(action.key)
-                if pipe is not None and not self._stale(action.call):
-                    pipe.send(action.frames)
-            elif kind is Resolve:
-                if not action.call.deferred.called:  # (cancelled by a callback of another)
-                    action.call.deferred.callback(action.frames)
-            elif kind is Reject:
-                if not action.call.deferred.called:
-                    action.call.deferred.errback(action.error)
-            elif kind is OpenPipe:
-                if not self._stale(action.call):
-                    self.pipes[action.key] = _Pipe(self, action.endpoint)
-            elif kind is ClosePipe:
-                pipe = self.pipes.pop(action.key, None)
-                if pipe is not None:
-                    closing.append(transport.close_all([pipe], "a Freelance client connection"))
-            elif kind is ConnectPeer:
-                if not self._closed:
-                    self.router.connect(action.endpoint)
+            closed = self._performers[type(action)](action)
+            if closed is not None:
+                closing.append(closed)
         return closing
 
+    def _arm(self, action: Later) -> None:
+        call = action.call
+        if not self._stale(call):
+            key = (call.sequence, action.kind)
+            cancel_call(self._timers.get(key))
+            self._timers[key] = self.reactor.callLater(action.delay, self._fire, call,
+                                                       action.kind)
 
-class SequentialClient(_FreelanceClient, SequentialMachine):
+    def _disarm(self, action: Cancel) -> None:
+        cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
+
+    def _sendPeer(self, action: SendPeer) -> None:
+        if not self._stale(action.call):
+            self.router.sendMessage(action.endpoint, action.frames)
+
+    def _sendPipe(self, action: SendPipe) -> None:
+        pipe = self.pipes.get(action.key)
+        if pipe is not None and not self._stale(action.call):
+            pipe.send(action.frames)
+
+    def _resolve(self, action: Resolve) -> None:
+        d = self._deferreds.pop(action.call.sequence, None)
+        if d is not None and not d.called:  # (cancelled by a callback of another)
+            d.callback(action.frames)
+
+    def _reject(self, action: Reject) -> None:
+        d = self._deferreds.pop(action.call.sequence, None)
+        if d is not None and not d.called:
+            d.errback(action.error)
+
+    def _openPipe(self, action: OpenPipe) -> None:
+        if not self._stale(action.call):
+            self.pipes[action.key] = _Pipe(self, action.endpoint)
+
+    def _closePipe(self, action: ClosePipe) -> Optional[defer.Deferred[None]]:
+        pipe = self.pipes.pop(action.key, None)
+        if pipe is None:
+            return None
+        return transport.close_all([pipe], "a Freelance client connection")
+
+    def _connectPeer(self, action: ConnectPeer) -> None:
+        if not self.machine.closed:
+            self.router.connect(action.endpoint)
+
+    def _logServer(self, action: ServerChanged) -> None:
+        if action.state is ServerState.ALIVE:
+            log.info("Freelance server {endpoint} is alive", endpoint=action.endpoint)
+        elif action.state is ServerState.DEAD:
+            log.warn("Freelance server {endpoint} is dead", endpoint=action.endpoint)
+
+
+class SequentialClient(_FreelanceClient):
     """Model 1: try each server in turn, in list order, each attempt on a
     fresh connection with *timeout* seconds; :class:`RequestTimeout` after
     every server was tried once, or after *deadline* seconds in all
@@ -1064,13 +1109,11 @@ class SequentialClient(_FreelanceClient, SequentialMachine):
                  deadline: Optional[float] = SEQUENTIAL_DEADLINE,
                  curveServerPublic: Optional[str] = None,
                  curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        SequentialMachine.__init__(self, timeout, deadline)
-        self.limits = limits
-        self._keys(curveServerPublic, curveSecret)
-        self._drive(reactor, endpoints)
+        super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor,
+                         curveServerPublic, curveSecret, limits)
 
 
-class ShotgunClient(_FreelanceClient, ShotgunMachine):
+class ShotgunClient(_FreelanceClient):
     """Model 2: send every request to all servers; the first reply wins.  The
     one round is the only attempt: :class:`RequestTimeout` after *timeout*
     seconds (or *deadline*, if given and shorter)."""
@@ -1079,10 +1122,8 @@ class ShotgunClient(_FreelanceClient, ShotgunMachine):
                  *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None,
                  curveServerPublic: Optional[str] = None,
                  curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        ShotgunMachine.__init__(self, timeout, deadline)
-        self.limits = limits
-        self._keys(curveServerPublic, curveSecret)
-        self._drive(reactor, endpoints)
+        super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor,
+                         curveServerPublic, curveSecret, limits)
 
     @property
     def links(self) -> dict[str, _Pipe]:
@@ -1091,12 +1132,14 @@ class ShotgunClient(_FreelanceClient, ShotgunMachine):
 
 
 @implementer(IPeerRouterReceiver)
-class AgentClient(_FreelanceClient, AgentMachine):
+class AgentClient(_FreelanceClient):
     """Model 3, the full agent (see the module docstring): PINGs every server
     each ``heartbeat.interval`` and counts one silent for ``heartbeat.expiry``
     as dead; each attempt goes to one live server and has *timeout* seconds;
     *deadline* bounds the request in all (``None``: until answered or every
     server is dead)."""
+
+    machine: AgentMachine
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
@@ -1104,24 +1147,36 @@ class AgentClient(_FreelanceClient, AgentMachine):
                  deadline: Optional[float] = AGENT_DEADLINE,
                  curveServerPublic: Optional[str] = None,
                  curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        AgentMachine.__init__(self, heartbeat, timeout, deadline)
-        self.limits = limits
-        self._keys(curveServerPublic, curveSecret)
-        reactor = default_reactor(reactor)
-        self.router = transport.connect_peers(self, reactor, security=self.curve,
-                                              limits=self.limits)
+        super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor,
+                         curveServerPublic, curveSecret, limits)
         self._ticker = task.LoopingCall(self.tick)
-        self._ticker.clock = reactor
-        self._drive(reactor, endpoints)
-        self._ticker.start(self.wakeEvery, now=False)
+        self._ticker.clock = self.reactor
+        self._ticker.start(self.machine.wakeEvery, now=False)
 
-    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:  # type: ignore[override]
+    def _connectRouter(self) -> Any:
+        return transport.connect_peers(self, self.reactor, security=self.curve,
+                                       limits=self.limits)
+
+    @property
+    def heartbeat(self) -> HeartbeatPolicy:
+        return self.machine.heartbeat
+
+    @property
+    def servers(self) -> OrderedDict[str, KnownServer]:
+        """What the agent knows of each server, by endpoint."""
+        return self.machine.servers
+
+    def live(self) -> list[str]:
+        """The endpoints of the ALIVE servers, in the order they were added."""
+        return self.machine.live()
+
+    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:
         """A PONG or a reply from the server at *endpoint*."""
-        self._perform(self.handleMessage(endpoint, frames, self.reactor.seconds()))
+        self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))
 
     def tick(self) -> None:
         try:
-            self._perform(self.handleTick(self.reactor.seconds()))
+            self._perform(self.machine.handleTick(self.reactor.seconds()))
         except Exception:  # the heartbeat must go on (a caller's callback raised)
             log.failure("Freelance agent: its tick failed")
 
