@@ -277,39 +277,52 @@ class BinaryStarMachine(Machine):
         if channel is None:
             channel = self.channel  # before a stall this very message reveals
         self._wake(now)
-        if self.stopped is not None or channel < self.channel:
-            return self._drain()  # stopped, or sent before a stall: stale
-        try:
-            event = Event(peerState)
-        except ValueError:
-            return self._drain()  # not a state: the driver logs what it got
-        if event is Event.CLIENT_REQUEST:
-            return self._drain()
-        if self.instance and peerInstance == self.instance:
-            self._stop("this server hears its own state: its remote state endpoint leads "
-                       "back to its local one")
-            return self._drain()
-        if peerHeartbeat is not None and peerHeartbeat != self.heartbeat:
-            self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
-                       f"{self.heartbeat:g} s: both must be the same")
+        event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
+        if event is None:
             return self._drain()
         self.peerExpiry = now + self.failoverTimeout
         if peerRole is self.role:
             self._sameRole(peerUptime, peerInstance)
-            return self._drain()
-        self.conflictSince = None
-        if self.resuming:
-            self.resuming = False
-            if event is Event.PEER_ACTIVE:
-                old, self.state = self.state, State.PASSIVE
-                self._emit(Changed(old, State.PASSIVE,
-                                   "the peer took over while this server was stalled"))
-            else:
-                self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
-            self._emit(self._publication())
-            return self._drain()
-        self._apply(event)
+        elif self.resuming:
+            self.conflictSince = None
+            self._resumeOnPeer(event)
+        else:
+            self.conflictSince = None
+            self._apply(event)
         return self._drain()
+
+    def _peerEvent(self, peerState: int, channel: int, peerInstance: str,
+                   peerHeartbeat: Optional[float]) -> Optional[Event]:
+        """The event a peer's state message stands for; None if it is stale,
+        not a peer's state, or breaks the pair (then this server stops)."""
+        if self.stopped is not None or channel < self.channel:
+            return None  # stopped, or sent before a stall: stale
+        try:
+            event = Event(peerState)
+        except ValueError:
+            return None  # not a state: the driver logs what it got
+        if event is Event.CLIENT_REQUEST:
+            return None
+        if self.instance and peerInstance == self.instance:
+            self._stop("this server hears its own state: its remote state endpoint leads "
+                       "back to its local one")
+            return None
+        if peerHeartbeat is not None and peerHeartbeat != self.heartbeat:
+            self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
+                       f"{self.heartbeat:g} s: both must be the same")
+            return None
+        return event
+
+    def _resumeOnPeer(self, event: Event) -> None:
+        """Heard from the peer after a stall: PASSIVE if it took over, else serve again."""
+        self.resuming = False
+        if event is Event.PEER_ACTIVE:
+            old, self.state = self.state, State.PASSIVE
+            self._emit(Changed(old, State.PASSIVE,
+                               "the peer took over while this server was stalled"))
+        else:
+            self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
+        self._emit(self._publication())
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
         """Both configured alike: the one started later stops.  Starts closer
@@ -566,6 +579,9 @@ class BinaryStar:
         self._subscriber = _Subscriber(self)
         self._ticker = task.LoopingCall(self._tick)
         self._ticker.clock = self.reactor
+        self._performers: dict[type, Callable[[Any], None]] = {
+            PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
+            Resumed: self._resumed, Conflict: self._conflict, Fatal: self._fatal}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
@@ -750,6 +766,19 @@ class BinaryStar:
                                "that is not a subscription from {peer}: {frames!r}",
                                role=self.role.value, peer=peer.hex(), frames=frames[:3])
             return
+        now = self.reactor.seconds()
+        if self._subscribed(peer, now) or not self._running:
+            return
+        publishing, actions = self.machine.handleSubscriber(now)
+        self._perform(actions)
+        if publishing and self._running and self._publisher.transport is not None:
+            self._publisher.transport.sendMessage(peer, encode_state(
+                self.state, self.role, now - self.machine.started, self.machine.instance,
+                self.machine.heartbeat))
+
+    def _subscribed(self, peer: bytes, now: float) -> bool:
+        """Count *peer* as a subscriber until a failover timeout from *now*;
+        True if it was one already."""
         subscribers = self._publisher.subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
@@ -761,16 +790,8 @@ class BinaryStar:
                                "dropped {oldest}, the least recently heard, for {peer}",
                                role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
                                peer=peer.hex())
-        now = self.reactor.seconds()
         subscribers[peer] = now + self.machine.failoverTimeout
-        if known or not self._running:
-            return
-        publishing, actions = self.machine.handleSubscriber(now)
-        self._perform(actions)
-        if publishing and self._running and self._publisher.transport is not None:
-            self._publisher.transport.sendMessage(peer, encode_state(
-                self.state, self.role, now - self.machine.started, self.machine.instance,
-                self.machine.heartbeat))
+        return known
 
     def _stateFrom(self, frames: list[bytes], channel: int) -> None:
         if not self._running or channel < self.machine.channel:
@@ -798,46 +819,51 @@ class BinaryStar:
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
-            kind = type(action)
-            if kind is PublishState:
-                router = self._publisher.transport
-                if router is not None:
-                    message = encode_state(action.state, action.role, action.uptime,
-                                           action.instance, action.heartbeat)
-                    for peer in list(self._publisher.subscribers):
-                        router.sendMessage(peer, message)
-            elif kind is Changed:
-                log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
-                         old=action.old.name.lower(), new=action.new.name.lower(),
-                         reason=action.reason)
-                if action.new is State.ACTIVE:
-                    self._notify("active", action.reason)
-                elif action.new is State.PASSIVE:
-                    self._notify("passive", action.reason)
-            elif kind is Stalled:
-                log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process "
-                         "was stopped or its reactor blocked); states received meanwhile are "
-                         "stale, the state channel to {remote} is opened again{serving}",
-                         role=self.role.value, seconds=action.seconds, remote=self.remote,
-                         serving=("; serving nothing until the peer is heard, in case it "
-                                  "took over" if action.serving else ""))
-                self._resubscribe(action.channel)
-            elif kind is Resumed:
-                log.info("Binary Star {role}: active again after the stall ({reason})",
-                         role=self.role.value, reason=action.reason)
-            elif kind is Conflict:
-                self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
-                                   role=self.role.value, reason=action.reason)
-            elif kind is Fatal:
-                log.critical("Binary Star {role}: fatal: {reason}; this server stops",
-                             role=self.role.value, reason=action.reason)
-                # serve nothing from now on; close the channel outside the
-                # transport's own callback that brought the news
-                self._running = False
-                if self._ticker.running:
-                    self._ticker.stop()
-                self.reactor.callLater(0, self._stopAfterFatal)
-                self._notify("fatal", action.reason)
+            self._performers[type(action)](action)
+
+    def _publish(self, action: PublishState) -> None:
+        router = self._publisher.transport
+        if router is not None:
+            message = encode_state(action.state, action.role, action.uptime, action.instance,
+                                   action.heartbeat)
+            for peer in list(self._publisher.subscribers):
+                router.sendMessage(peer, message)
+
+    def _changed(self, action: Changed) -> None:
+        log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
+                 old=action.old.name.lower(), new=action.new.name.lower(), reason=action.reason)
+        if action.new is State.ACTIVE:
+            self._notify("active", action.reason)
+        elif action.new is State.PASSIVE:
+            self._notify("passive", action.reason)
+
+    def _stalled(self, action: Stalled) -> None:
+        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was "
+                 "stopped or its reactor blocked); states received meanwhile are stale, the "
+                 "state channel to {remote} is opened again{serving}",
+                 role=self.role.value, seconds=action.seconds, remote=self.remote,
+                 serving=("; serving nothing until the peer is heard, in case it took over"
+                          if action.serving else ""))
+        self._resubscribe(action.channel)
+
+    def _resumed(self, action: Resumed) -> None:
+        log.info("Binary Star {role}: active again after the stall ({reason})",
+                 role=self.role.value, reason=action.reason)
+
+    def _conflict(self, action: Conflict) -> None:
+        self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
+                           role=self.role.value, reason=action.reason)
+
+    def _fatal(self, action: Fatal) -> None:
+        log.critical("Binary Star {role}: fatal: {reason}; this server stops",
+                     role=self.role.value, reason=action.reason)
+        # serve nothing from now on; close the channel outside the transport's
+        # own callback that brought the news
+        self._running = False
+        if self._ticker.running:
+            self._ticker.stop()
+        self.reactor.callLater(0, self._stopAfterFatal)
+        self._notify("fatal", action.reason)
 
     def _resubscribe(self, channel: int) -> None:
         """Replace the pipe to the peer: what waits on the old one is stale."""
