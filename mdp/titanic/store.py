@@ -328,24 +328,27 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
     no frames, so it is answered with an error rather than holding up the
     rest."""
     requestId, service, blob, created, crc = row
-    why = None
+    frames, why = _request_frames(requestId, service, blob, crc)
+    if isinstance(service, bytes) and isinstance(created, (int, float)) and frames:
+        return StoredRequest(requestId, service, frames, created)
+    log.error("Titanic store: the stored request {id} is damaged and cannot be read back{why}: "
+              "it is answered with an error", id=requestId, why=f" ({why})" if why else "")
+    return StoredRequest(requestId, service if isinstance(service, bytes) else b"", [],
+                         created if isinstance(created, (int, float)) else 0.0)
+
+
+def _request_frames(requestId: Any, service: Any, blob: Any,
+                    crc: Any) -> tuple[list[bytes], Optional[str]]:
+    """The frames of a stored request, or ``[]`` and (if known) why not."""
     if not _requestIntact(crc, requestId, service, blob):
-        why, frames = "its checksum does not match", []
-    else:
-        frames = _frames(blob)
+        return [], "its checksum does not match"
+    frames = _frames(blob)
     if isinstance(service, bytes) and frames:
         try:  # what titanic.request accepts (a file can hold anything)
             parse_request([service, *frames])
         except MalformedTitanicRequest as e:
-            why = str(e)
-    if (not isinstance(service, bytes) or not isinstance(created, (int, float)) or not frames
-            or why is not None):
-        log.error("Titanic store: the stored request {id} is damaged and cannot be read back"
-                  "{why}: it is answered with an error", id=requestId,
-                  why=f" ({why})" if why else "")
-        return StoredRequest(requestId, service if isinstance(service, bytes) else b"", [],
-                             created if isinstance(created, (int, float)) else 0.0)
-    return StoredRequest(requestId, service, frames, created)
+            return [], str(e)
+    return frames, None
 
 
 @implementer(ITitanicStore)
@@ -392,30 +395,8 @@ class SQLiteStore:
         db: Optional[sqlite3.Connection] = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if not check or check[0] != "ok":
-                raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
-            why = _foreign(db)  # before anything is written to it (WAL mode stays)
-            if why is not None:
-                raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
-                                 "left as it is")
-            if self.path != ":memory:":
-                mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-                if mode.lower() != "wal":
-                    raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
-            columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
-            if columns == _UNCHECKED_COLUMNS:  # a store from before the checksums
-                with db:
-                    db.execute("BEGIN IMMEDIATE")
-                    db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
-                    db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
-            # one real write: SQLite opens a file it may not write (a read-only
-            # mount, another owner) read-only without a word, and every request
-            # would then be refused after Titanic started
-            (version,) = db.execute("PRAGMA user_version").fetchone()
-            db.execute(f"PRAGMA user_version = {int(version)}")
+            self._refuseOthers(db)
+            self._prepare(db)
         except (sqlite3.Error, StoreError) as e:
             if db is not None:
                 db.close()
@@ -424,6 +405,37 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
         self._files = self._identities()
+
+    def _refuseOthers(self, db: sqlite3.Connection) -> None:
+        """A damaged file, or another application's database, is refused
+        before anything is written to it."""
+        check = db.execute("PRAGMA quick_check").fetchone()
+        if not check or check[0] != "ok":
+            raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
+        why = _foreign(db)
+        if why is not None:
+            raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
+                             "left as it is")
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        """WAL, full sync, the schema (with the checksum columns added to an
+        older table), and one real write: SQLite opens a file it may not
+        write (a read-only mount, another owner) read-only without a word,
+        and every request would then be refused after Titanic started."""
+        if self.path != ":memory:":
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
+        if columns == _UNCHECKED_COLUMNS:
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
+                db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        db.execute(f"PRAGMA user_version = {int(version)}")
 
     def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
         """The files this store uses, by name: the database, its WAL and the
