@@ -475,7 +475,7 @@ def test_agent_close_fails_pending_requests_and_stops_pinging(connected: Script)
 # --- the client machines alone: no reactor, no Clock, no transport ----------------------
 
 def test_sequential_machine_is_a_function_of_events_and_their_times() -> None:
-    from mdp.freelance import (
+    from mdp.freelance.machines import (
         ATTEMPT,
         DEADLINE,
         Cancel,
@@ -511,7 +511,7 @@ def test_sequential_machine_is_a_function_of_events_and_their_times() -> None:
 
 
 def test_agent_machine_is_a_function_of_events_and_their_times() -> None:
-    from mdp.freelance import ATTEMPT, AgentMachine, ConnectPeer, Later, SendPeer
+    from mdp.freelance.machines import ATTEMPT, AgentMachine, ConnectPeer, Later, SendPeer
 
     machine = AgentMachine(HeartbeatPolicy(1.0, 3), timeout=1.0, deadline=None)
     assert machine.wakeEvery == 1.0
@@ -623,7 +623,7 @@ def test_a_client_closed_by_a_late_replys_callback_sends_and_arms_nothing(
 def test_each_send_names_its_request_and_compares_equal_without_it() -> None:
     """What the driver skips once a request is DONE: the sends (and a model
     1 pipe) say which request they are for; a PING is for none."""
-    from mdp.freelance import AgentMachine, OpenPipe, SendPeer, SendPipe, SequentialMachine
+    from mdp.freelance.machines import AgentMachine, OpenPipe, SendPeer, SendPipe, SequentialMachine
 
     agent = AgentMachine(HeartbeatPolicy(1.0, 3), timeout=1.0, deadline=None)
     (_, ping) = agent.handleConnect("a", now=0.0)
