@@ -1,88 +1,23 @@
 """Binary Star: a primary/backup pair of servers, one active at a time (the
 Guide's "High-availability Pair (Binary Star Pattern)" and "Binary Star
-Reactor").
+Reactor"); docs/binarystar.md describes its behaviour in full.
 
 :class:`BinaryStarMachine` is the Guide's finite state machine, written as
-its table (:data:`TABLE`), pure: events with their time in, actions out.
+its table (:data:`TABLE`), pure: events with their time in, actions out.  It
+adds what the Guide leaves out: a peer configured alike, or heard as itself,
+or with another heartbeat, stops the pair (:class:`Fatal`); and a server
+stopped for longer than the failover timeout (a stall) opens a fresh state
+channel and, if it was active, serves nothing until it hears whether its
+peer took over meanwhile (:class:`Stalled`, :class:`Resumed`).
 
-=============  ==============  ==================================================
-state          event           outcome
-=============  ==============  ==================================================
-PRIMARY        PEER_BACKUP     ACTIVE (connected to the backup)
-PRIMARY        PEER_ACTIVE     PASSIVE (the backup took over meanwhile)
-PRIMARY        CLIENT_REQUEST  ACTIVE once the peer has been silent for the
-                               failover timeout, else refused
-BACKUP         PEER_ACTIVE     PASSIVE
-BACKUP         CLIENT_REQUEST  refused
-ACTIVE         PEER_ACTIVE     fatal: dual actives (split brain)
-PASSIVE        PEER_PRIMARY    ACTIVE (the peer restarts; it will go passive)
-PASSIVE        PEER_BACKUP     ACTIVE (likewise)
-PASSIVE        PEER_PASSIVE    fatal: dual passives (no one would serve)
-PASSIVE        CLIENT_REQUEST  ACTIVE if the peer has been silent for the
-                               failover timeout (the client's vote), else
-                               refused
-=============  ==============  ==================================================
-
-Every other pair is ignored (the state stays, a client request is served only
-when ACTIVE).  A peer's state message also says how it is configured; both
-configured primary, or both backup, is a configuration error: the server that
-started later stops with a fatal error (:class:`Fatal`), the other logs it.
-
-The failover timeout is ``2 × heartbeat`` (2 s by default), counted from the
-last state message of the peer, or from the start.
-
-A stall
--------
-A server that was itself stopped (SIGSTOP, a paused VM, a reactor blocked)
-for longer than the failover timeout cannot trust what it knew: its peer
-may have taken over on a client's vote meanwhile, and what waits on its
-sockets was sent while it did not listen.  It notices at its first event
-after the stall (its ticks come every heartbeat, so a longer gap between
-two is a stall), and then (:class:`Stalled`):
-
-* it opens a fresh state channel to the peer and ignores every state that
-  came on the old one;
-* it counts the failover timeout again from now, so no client vote makes
-  it active on stale silence;
-* if it was ACTIVE, it serves and publishes nothing until the peer is
-  heard on the fresh channel: ACTIVE there means the peer took over, and
-  this server goes PASSIVE (instead of the Guide's fatal dual actives);
-  any other state, or silence (a failover timeout for the primary, two for
-  the backup, so that of two servers stalled together the primary speaks
-  first), and it serves again (:class:`Resumed`).  Either way it publishes
-  its state at once, so that its peer stops counting its silence.
-
-:class:`BinaryStar` drives the machine: it exchanges states with the peer
-(its *state channel*, on endpoints of its own, see below) and answers, for
-the server it guards, whether a client request is served
-(:meth:`BinaryStar.admitClient`, the client's vote) and whether a worker may
-register (:meth:`BinaryStar.admitWorker`).  A broker takes it as its
-``admission``; any other server asks it where it takes a request (see
-``examples/binarystar_freelance.py``).
-
-The state channel
------------------
-Each server *publishes* its state on its ``local`` endpoint and *subscribes*
-to the peer's on its ``remote`` one, over any transport of the registry::
-
-    subscriber (connects to remote)         publisher (bound at local)
-    [BSTAR01, SUB]           every heartbeat, and when a pipe comes up  ->
-                         <-  [BSTAR01, STATE, state, role, uptime,
-                              instance, heartbeat] to every
-                             subscriber heard within the failover timeout,
-                             every heartbeat and at once to a new one
-
-*state* is the state's number in ASCII (``1``..``4``), *role* ``primary`` or
-``backup``, *uptime* the publisher's seconds since start (``%.3f``), then
-``instance`` (16 hex digits, new at each start) and ``heartbeat`` (seconds):
-a server that hears its own instance subscribed to itself, and the two
-heartbeats must be equal (the failover timeout depends on them); either
-mistake is fatal.  As the
-Guide's PUB socket, the publisher sends only to subscribers it has heard
-from and keeps nothing for an absent one: a state is news only while it is
-fresh (each one restarts the peer's failover timer), so none is delivered
-late to a server that comes back.  What a subscriber sends while the peer
-is away is harmless.
+:class:`BinaryStar` drives the machine: it publishes its state on its
+``local`` endpoint and subscribes to the peer's on its ``remote`` one (the
+state channel: ``[BSTAR01, SUB]`` from the subscriber every heartbeat,
+``[BSTAR01, STATE, state, role, uptime, instance, heartbeat]`` to every
+subscriber heard within the failover timeout), and answers, for the server
+it guards, whether a client request is served (:meth:`BinaryStar.admitClient`,
+the client's vote) and whether a worker may register
+(:meth:`BinaryStar.admitWorker`).  A broker takes it as its ``admission``.
 """
 
 from __future__ import annotations
@@ -325,15 +260,9 @@ class BinaryStarMachine(Machine):
         self._emit(self._publication())
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
-        """Both configured alike: the one started later stops.  Starts closer
-        than a heartbeat are a tie, broken by the run's id.  Each side sees
-        the other's start a little later than it was (the message's transit),
-        so near a heartbeat apart neither may count as later: then, after the
-        failover timeout, the one with the greater run id stops (both judge
-        this alike), and after twice that this one stops whatever its id (the
-        peer carries on against the rule).  A conflict ends when its peer has
-        been silent for the failover timeout, or is another run: a restarted
-        misconfigured server starts a new one."""
+        """Both configured alike: the one started later stops (starts closer
+        than a heartbeat are a tie, broken by the run id; docs/binarystar.md
+        says how a conflict neither side can judge ends)."""
         reason = f"both servers are configured {self.role.value}"
         now = self.now
         peerStarted = now - peerUptime
@@ -385,7 +314,7 @@ class BinaryStarMachine(Machine):
 
     def _wake(self, now: float) -> None:
         """Every event: a gap since the last tick longer than the failover
-        timeout means this server was stopped meanwhile (see "A stall")."""
+        timeout means this server was stopped meanwhile (a stall)."""
         self.now = now
         last = self.lastTick
         if last is None or self.stopped is not None or now - last <= self.failoverTimeout:
