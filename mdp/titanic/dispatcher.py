@@ -1,39 +1,22 @@
 """Titanic's dispatcher: stored requests to their services, replies to the store.
 
 :class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
-drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
+drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`
+(docs/titanic.md, "The dispatcher", describes the behaviour in full).
 
-* It reads pending requests from the store oldest first, a window at a time
-  (never the whole store), leaving out the requests it already holds and the
-  services it has parked.
-* Before it sends a service its first request it asks the broker
-  ``mmi.workers`` how many workers it has (a broker without it:
-  ``mmi.service``).  None counted, it asks ``mmi.service`` too: a ``200``
-  says the broker still knows the service (its last worker left less than
-  the broker's ``serviceLinger`` ago: restarting, most likely), and a
-  request sent now waits in the broker's queue until the worker is back, so
-  its requests go out one at a time; any other answer **parks** it.  A
-  service whose request failed or timed out is parked too.  A parked service
-  is asked again after a backoff (per service, doubling up to a maximum) and
-  its requests wait in the store meanwhile, so they never hold up other
-  services' requests.
-* At most *concurrency* requests are out at once, and of one service at most
-  as many as it has workers (``mmi.workers``; one while it has none but the
-  broker still knows it): more would wait in the
-  broker's queue with their attempt's clock running, and be sent again when
-  it ran out, while the first copy still runs.  Once a reply of a service
-  counted with no worker is stored, its worker is back: it is counted again.
-  Of one service, at most twice
-  that are held; the rest wait in the store (those read already, up to a
-  window of them, kept aside as its next), so a service with a long backlog
-  leaves the window to the others.  A reply (or a final error
-  reply: the worker's handler raised, or the message is too large) is stored;
-  the request counts as done once the store has committed it.  A request
-  whose attempt failed stays pending and is sent again, as long as it is not
-  closed: Titanic retries forever (close a request to give it up).
-* On start it simply reads the store, so pending work resumes after a restart.
-  A request that was out when the process died is sent again: delivery is
-  at-least-once, like every MDP retry.
+* Pending requests are read oldest first, a window at a time, leaving out
+  those held and those of parked services.
+* Before a service's first request the broker is asked how many workers it
+  has (``mmi.workers``; none: whether it still knows it, ``mmi.service``).
+  A service with no worker that the broker does not know, or whose request
+  failed, is **parked** and asked again after a backoff; its requests wait
+  in the store meanwhile.
+* At most *concurrency* requests are out, and of one service at most as many
+  as it has workers (more would wait in the broker's queue with their
+  attempt's clock running, and be sent again while the first copy runs).
+* A reply (or a final error reply) is stored; the request is done once the
+  store has committed it.  A failed attempt is tried again, forever, unless
+  the request is closed: delivery is at-least-once, like every MDP retry.
 * Replies are kept *keep* seconds after they are stored, then purged.
 """
 
