@@ -2,30 +2,14 @@
 
 ``call_service(df, service, broker=...)`` maps every Arrow batch of every
 partition through an MDP service (``DataFrame.mapInArrow``), keeping each row's
-reply on that row and the row order within each partition.
-
-Which client
-------------
-An executor sends each batch with the **blocking client**
-(:class:`mdp.blocking.Client`: the same client state machine as
-:class:`mdp.Client`, with its retries, timeouts, broker failover and typed
-errors, driven by plain pyzmq or stream sockets in the task's own thread),
-``window`` requests in flight, replies taken in row order.  No reactor, no
-thread hop per batch, nothing to start or stop: a Spark Python worker can be
-reused or forked freely.  Clients are cached per thread and configuration, so
-later tasks and jobs reuse their connections; a client is never used across
-a fork.
-
-If a Twisted reactor is **already running** in the process (an application
-that embeds Spark in a Twisted program, or a crochet setup of its own), the
-batch goes through that reactor instead, with :class:`mdp.Client`, called
-thread-safely through crochet: a second event loop beside a running reactor
-would only compete with it.  Nothing starts a reactor in the driver.
-
-Every call is bounded: an attempt lasts ``timeout`` seconds and a request
-``retries`` attempts; with ``onError="fail"`` the first failed row fails the
-task at once (after at most ``timeout × retries`` seconds) with an
-:class:`MDPSparkError` naming the broker and the service.
+reply on that row and the row order within each partition.  An executor
+sends each batch with the blocking client (:class:`mdp.blocking.Client`),
+``window`` requests in flight, cached per thread and configuration and never
+used across a fork; if a Twisted reactor is already running in the process,
+the batch goes through it with :class:`mdp.Client` instead (docs/spark.md,
+"Which client, and why").  Every call is bounded: with ``onError="fail"`` the
+first failed row fails the task (after at most ``timeout × retries`` seconds)
+with an :class:`MDPSparkError` naming the broker and the service.
 """
 
 from __future__ import annotations
