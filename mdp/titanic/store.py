@@ -1,29 +1,20 @@
 """Where Titanic keeps requests and replies: the store interface and two stores.
 
 * :class:`SQLiteStore` (the default): stdlib :mod:`sqlite3` in WAL mode with
-  ``synchronous=FULL``, so a request is on disk (its WAL frame fsynced) when
-  :meth:`~ITitanicStore.add` fires, and survives a killed process or a power
-  loss.  All database work runs on one writer thread of its own, so the
-  reactor never waits on the disk.  Writes that arrive while a commit is
-  under way are committed together in the next transaction (group commit:
-  one fsync for many requests); each write's Deferred fires once its
-  transaction is committed.  A file that is not a database, or fails
-  SQLite's ``quick_check``, refuses to open with :class:`~mdp.errors.StoreError`
-  naming the file: never silent loss.
-* :class:`MemoryStore`: the Guide's "faster and less reliable" mode; gone with
-  the process.
+  ``synchronous=FULL``, so a request is on disk when :meth:`~ITitanicStore.add`
+  fires.  All database work runs on one writer thread; writes that arrive
+  while a commit is under way are committed together in the next transaction
+  (one fsync for many).  A file that is not a database, fails SQLite's
+  ``quick_check`` or is another application's refuses to open with
+  :class:`~mdp.errors.StoreError`: never silent loss.
+* :class:`MemoryStore`: the Guide's "faster and less reliable" mode.
 
 Frames are kept as one blob each for the request and the reply, in the stream
-transport's record form (:func:`mdp.transport.framing.encode_record`), each with
-a CRC-32 (of the request's id, service and frames; of the reply): a byte
-changed on the disk inside a value passes SQLite's own checks, and without it
-a request could go out changed, or to another service, or (its id changed)
-run again and again under an id no client asks for.  A reply is stored in the
-row its request was read from (by its row number, not its id).  A stored value that fails its checksum
-is read back as damaged (a request is answered with an error, a reply fetch
-fails with :class:`~mdp.errors.StoreError`).  Rows stored before the checksums
-were added have none, and are read unchecked; requests stored before the id
-was checksummed are checked without it.
+transport's record form, each with a CRC-32 (of the request's id, service and
+frames; of the reply): SQLite's own checks do not look inside values, and a
+changed byte could send a request changed, elsewhere, or forever under an id
+no client asks for.  A value that fails its checksum is read back as damaged.
+Rows stored before the checksums have none and are read unchecked.
 """
 
 from __future__ import annotations
@@ -216,9 +207,6 @@ CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
-
-#: the columns of the requests table (a database holding another table of that
-#: name, or tables of its own, is someone else's: left as it is)
 #: Pending requests, oldest first, leaving out some services (by the hex of
 #: their names: a JSON parameter holds text) and some ids.
 _PENDING_BY_AGE = (
@@ -247,6 +235,7 @@ _PENDING_BY_SERVICE = (
 #: age order may take before it is made service by service instead.
 SCAN_BUDGET = 200
 
+#: the columns of Titanic's requests table (another one is someone else's: left as it is)
 _COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
             "request_crc", "reply_crc")
 #: the columns before the checksums: such a table gets them at open
