@@ -35,11 +35,7 @@ from mdp.errors import (
     ClientClosed,
     RemoteError,
     ReplyTooLarge,
-    RequestTimeout,
     RequestTooLarge,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    TransportError,
 )
 from mdp.machine import Machine, action_class
 from mdp.majordomo import mmi
@@ -52,6 +48,7 @@ from mdp.policy import (
     default_reactor,
     positive_seconds,
 )
+from mdp.titanic.client import TRANSIENT
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
 log = Logger()
@@ -590,7 +587,7 @@ class DispatchMachine(Machine):
 
 
 #: Errors after which a request is tried again later.
-RETRY = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError, ClientClosed)
+RETRY = (*TRANSIENT, ClientClosed)
 
 
 def final_error_body(error: BaseException) -> Optional[list[bytes]]:
