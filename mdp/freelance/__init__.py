@@ -34,11 +34,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from mdp import messages, transport
-from mdp.errors import (
-    ClientClosed,
-    RequestTooLarge,
-    TransportError,
-)
+from mdp.errors import ClientClosed, RequestTooLarge, TransportError
 from mdp.freelance.machines import (
     PING,
     PONG,

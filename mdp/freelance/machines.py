@@ -12,20 +12,9 @@ from typing import Any, Optional, Sequence
 import attrs
 
 from mdp import messages
-from mdp.errors import (
-    ClientClosed,
-    NoServerAvailable,
-    RemoteError,
-    RequestTimeout,
-    ServiceOverloaded,
-)
+from mdp.errors import ClientClosed, NoServerAvailable, RemoteError, RequestTimeout, ServiceOverloaded
 from mdp.machine import Machine, action_class
-from mdp.policy import (
-    EndpointRotation,
-    HeartbeatPolicy,
-    Liveness,
-    positive_seconds,
-)
+from mdp.policy import EndpointRotation, HeartbeatPolicy, Liveness, positive_seconds
 
 PING = b"PING"
 PONG = b"PONG"
