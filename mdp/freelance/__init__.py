@@ -36,8 +36,11 @@ from zope.interface import implementer
 from mdp import messages, transport
 from mdp.errors import ClientClosed, RequestTooLarge, TransportError
 from mdp.freelance.machines import (
+    ATTEMPT,
+    DEADLINE,
     PING,
     PONG,
+    SERVICE,
     Action,
     AgentMachine,
     Cancel,
@@ -75,9 +78,10 @@ from mdp.policy import (
 )
 from mdp.transport.curve import curve_client, curve_server
 
-__all__ = ["PING", "PONG", "AgentClient", "AgentMachine", "FreelanceMachine", "FreelanceServer",
-           "KnownServer", "RequestState", "SequentialClient", "SequentialMachine", "ServerState",
-           "ShotgunClient", "ShotgunMachine", "freelance_client", "remote_error"]
+__all__ = ["ATTEMPT", "DEADLINE", "PING", "PONG", "SERVICE", "AgentClient", "AgentMachine",
+           "FreelanceMachine", "FreelanceServer", "KnownServer", "RequestState",
+           "SequentialClient", "SequentialMachine", "ServerState", "ShotgunClient",
+           "ShotgunMachine", "freelance_client", "remote_error"]
 
 log = Logger()
 
