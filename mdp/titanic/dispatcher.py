@@ -243,7 +243,7 @@ class DispatchMachine(Machine):
         if len(requests) >= limit:
             self._dirty = True  # there may be more
         if self.running:
-            held = {r.id for r in self._held()}
+            held = {r.id for r in self._heldRequests()}
             self.queue.extend(r for r in requests if r.id not in held)
             # reloaded requests (a service unparked, an attempt failed) take
             # their place by age again
@@ -265,10 +265,10 @@ class DispatchMachine(Machine):
         *concurrency* alone."""
         entry = self.services.get(service)
         if entry is not None and entry.workers is not None:
-            self._count(service, None)
+            self._setWorkers(service, None)
         return self._checked(service, available, reason, now)
 
-    def _count(self, service: bytes, workers: Optional[int]) -> None:
+    def _setWorkers(self, service: bytes, workers: Optional[int]) -> None:
         """The broker's answer for *service* being asked about: *workers*
         workers (None: not known)."""
         entry = self.services.get(service)
@@ -294,7 +294,7 @@ class DispatchMachine(Machine):
         """The answer to CheckService from ``mmi.workers``: *service* has
         *workers* workers (none: it is parked); as many of its requests may
         be out at once."""
-        self._count(service, workers)
+        self._setWorkers(service, workers)
         return self._checked(service, workers > 0, "" if workers > 0
                              else "no worker (mmi.workers)", now)
 
@@ -304,7 +304,7 @@ class DispatchMachine(Machine):
         (its last worker left less than the broker's linger ago, restarting)
         and queues a request for it until a worker is back.  One of its
         requests goes out at a time, rather than all of them parked."""
-        self._count(service, 0)
+        self._setWorkers(service, 0)
         return self._checked(service, True, "", now)
 
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
@@ -443,7 +443,7 @@ class DispatchMachine(Machine):
         """Drop what is known of services nothing is held for: unasked ones,
         and ones unparked long ago and not seen since (so the table does not
         grow with every name ever submitted)."""
-        held = {r.service for r in self._held()}
+        held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
             if name not in held and self._forgettable(entry):
                 del self.services[name]
@@ -457,7 +457,7 @@ class DispatchMachine(Machine):
         return entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
                                         or entry.until <= self.now)
 
-    def _held(self) -> list[StoredRequest]:
+    def _heldRequests(self) -> list[StoredRequest]:
         """Every request held: waiting, out, and set aside."""
         return [*self.queue, *self.inflight.values(), *self._spare]
 
@@ -466,12 +466,12 @@ class DispatchMachine(Machine):
         is room for it."""
         if not self.running:
             return
-        held = self._place()
-        if self._readNow():
-            self._read(held)
+        held = self._placeQueue()
+        if self._timeToRead():
+            self._readPending(held)
         self._setWake(self._nextWake())
 
-    def _place(self) -> dict[bytes, int]:
+    def _placeQueue(self) -> dict[bytes, int]:
         """Go through what waits, oldest first: send what may go out, keep
         what may wait, set aside or leave in the store the rest.  Returns the
         requests held (out or waiting) by service."""
@@ -482,17 +482,17 @@ class DispatchMachine(Machine):
         for request in self.inflight.values():
             out[request.service] = out.get(request.service, 0) + 1
         held = dict(out)
-        self.queue = [request for request in self.queue if self._placeOne(request, out, held)]
+        self.queue = [request for request in self.queue if self._placeRequest(request, out, held)]
         return held
 
-    def _placeOne(self, request: StoredRequest, out: dict[bytes, int],
+    def _placeRequest(self, request: StoredRequest, out: dict[bytes, int],
                   held: dict[bytes, int]) -> bool:
         """Send *request* if it may go out; True if it waits in the queue."""
         if not request.frames:
             # damaged in the store (no frames could be read back): whatever its
             # service, it goes to the driver, which answers it with an error
             return not self._send(request)
-        entry = self._asked(request.service)
+        entry = self._entryFor(request.service)
         if entry.state is ServiceState.PARKED:
             return False  # back to the store's keeping; read again once unparked
         service = request.service
@@ -511,7 +511,7 @@ class DispatchMachine(Machine):
             self._full.add(service)
         return False
 
-    def _asked(self, service: bytes) -> _Service:
+    def _entryFor(self, service: bytes) -> _Service:
         """*service*'s entry, asked about if what is known of it is too old."""
         entry = self._service(service)
         if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
@@ -532,7 +532,7 @@ class DispatchMachine(Machine):
     def _room(self) -> int:
         return self.window - len(self.queue) - len(self.inflight)
 
-    def _readNow(self) -> bool:
+    def _timeToRead(self) -> bool:
         """Is it time to read pending requests?  Only for half a window at
         least, unless nothing that waits will go out soon (no service being
         asked about) while there is room to send: requests that free their
@@ -546,7 +546,7 @@ class DispatchMachine(Machine):
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
 
-    def _read(self, held: dict[bytes, int]) -> None:
+    def _readPending(self, held: dict[bytes, int]) -> None:
         """Read pending requests, leaving out those held and those of
         services parked or holding as many as they may."""
         self._dirty = False
