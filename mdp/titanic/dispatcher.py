@@ -192,6 +192,12 @@ class DispatchMachine(Machine):
         self.recheck = recheck
         #: most requests held at once (out + waiting to go out)
         self.window = window if window is not None else max(2 * concurrency, 16)
+        self._nextPurge = now
+        self._wake: Optional[float] = None
+        self._forgetAll()
+
+    def _forgetAll(self) -> None:
+        """The state of a dispatcher that is not running: nothing held, nothing known."""
         self.running = False
         #: loaded, not yet out, oldest first
         self.queue: list[StoredRequest] = []
@@ -213,8 +219,6 @@ class DispatchMachine(Machine):
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
-        self._nextPurge = now
-        self._wake: Optional[float] = None
 
     # --- events -----------------------------------------------------------------------
 
@@ -373,17 +377,7 @@ class DispatchMachine(Machine):
     def handleStop(self, now: float) -> list[Action]:
         """Send nothing more; what is out stays pending in the store."""
         self.now = now
-        self.running = False
-        self.queue.clear()
-        self.inflight.clear()
-        self.services.clear()
-        self._full.clear()
-        self._spare.clear()
-        self._storing.clear()
-        self._unsaved.clear()
-        self._dirty = self._loading = False
-        self._storeFailures = 0
-        self._storeRetryAt = None
+        self._forgetAll()
         self._setWake(None)
         return self._drain()
 
