@@ -1,88 +1,23 @@
 """Binary Star: a primary/backup pair of servers, one active at a time (the
 Guide's "High-availability Pair (Binary Star Pattern)" and "Binary Star
-Reactor").
+Reactor"); docs/binarystar.md describes its behaviour in full.
 
 :class:`BinaryStarMachine` is the Guide's finite state machine, written as
-its table (:data:`TABLE`), pure: events with their time in, actions out.
+its table (:data:`TABLE`), pure: events with their time in, actions out.  It
+adds what the Guide leaves out: a peer configured alike, or heard as itself,
+or with another heartbeat, stops the pair (:class:`Fatal`); and a server
+stopped for longer than the failover timeout (a stall) opens a fresh state
+channel and, if it was active, serves nothing until it hears whether its
+peer took over meanwhile (:class:`Stalled`, :class:`Resumed`).
 
-=============  ==============  ==================================================
-state          event           outcome
-=============  ==============  ==================================================
-PRIMARY        PEER_BACKUP     ACTIVE (connected to the backup)
-PRIMARY        PEER_ACTIVE     PASSIVE (the backup took over meanwhile)
-PRIMARY        CLIENT_REQUEST  ACTIVE once the peer has been silent for the
-                               failover timeout, else refused
-BACKUP         PEER_ACTIVE     PASSIVE
-BACKUP         CLIENT_REQUEST  refused
-ACTIVE         PEER_ACTIVE     fatal: dual actives (split brain)
-PASSIVE        PEER_PRIMARY    ACTIVE (the peer restarts; it will go passive)
-PASSIVE        PEER_BACKUP     ACTIVE (likewise)
-PASSIVE        PEER_PASSIVE    fatal: dual passives (no one would serve)
-PASSIVE        CLIENT_REQUEST  ACTIVE if the peer has been silent for the
-                               failover timeout (the client's vote), else
-                               refused
-=============  ==============  ==================================================
-
-Every other pair is ignored (the state stays, a client request is served only
-when ACTIVE).  A peer's state message also says how it is configured; both
-configured primary, or both backup, is a configuration error: the server that
-started later stops with a fatal error (:class:`Fatal`), the other logs it.
-
-The failover timeout is ``2 × heartbeat`` (2 s by default), counted from the
-last state message of the peer, or from the start.
-
-A stall
--------
-A server that was itself stopped (SIGSTOP, a paused VM, a reactor blocked)
-for longer than the failover timeout cannot trust what it knew: its peer
-may have taken over on a client's vote meanwhile, and what waits on its
-sockets was sent while it did not listen.  It notices at its first event
-after the stall (its ticks come every heartbeat, so a longer gap between
-two is a stall), and then (:class:`Stalled`):
-
-* it opens a fresh state channel to the peer and ignores every state that
-  came on the old one;
-* it counts the failover timeout again from now, so no client vote makes
-  it active on stale silence;
-* if it was ACTIVE, it serves and publishes nothing until the peer is
-  heard on the fresh channel: ACTIVE there means the peer took over, and
-  this server goes PASSIVE (instead of the Guide's fatal dual actives);
-  any other state, or silence (a failover timeout for the primary, two for
-  the backup, so that of two servers stalled together the primary speaks
-  first), and it serves again (:class:`Resumed`).  Either way it publishes
-  its state at once, so that its peer stops counting its silence.
-
-:class:`BinaryStar` drives the machine: it exchanges states with the peer
-(its *state channel*, on endpoints of its own, see below) and answers, for
-the server it guards, whether a client request is served
-(:meth:`BinaryStar.admitClient`, the client's vote) and whether a worker may
-register (:meth:`BinaryStar.admitWorker`).  A broker takes it as its
-``admission``; any other server asks it where it takes a request (see
-``examples/binarystar_freelance.py``).
-
-The state channel
------------------
-Each server *publishes* its state on its ``local`` endpoint and *subscribes*
-to the peer's on its ``remote`` one, over any transport of the registry::
-
-    subscriber (connects to remote)         publisher (bound at local)
-    [BSTAR01, SUB]           every heartbeat, and when a pipe comes up  ->
-                         <-  [BSTAR01, STATE, state, role, uptime,
-                              instance, heartbeat] to every
-                             subscriber heard within the failover timeout,
-                             every heartbeat and at once to a new one
-
-*state* is the state's number in ASCII (``1``..``4``), *role* ``primary`` or
-``backup``, *uptime* the publisher's seconds since start (``%.3f``), then
-``instance`` (16 hex digits, new at each start) and ``heartbeat`` (seconds):
-a server that hears its own instance subscribed to itself, and the two
-heartbeats must be equal (the failover timeout depends on them); either
-mistake is fatal.  As the
-Guide's PUB socket, the publisher sends only to subscribers it has heard
-from and keeps nothing for an absent one: a state is news only while it is
-fresh (each one restarts the peer's failover timer), so none is delivered
-late to a server that comes back.  What a subscriber sends while the peer
-is away is harmless.
+:class:`BinaryStar` drives the machine: it publishes its state on its
+``local`` endpoint and subscribes to the peer's on its ``remote`` one (the
+state channel: ``[BSTAR01, SUB]`` from the subscriber every heartbeat,
+``[BSTAR01, STATE, state, role, uptime, instance, heartbeat]`` to every
+subscriber heard within the failover timeout), and answers, for the server
+it guards, whether a client request is served (:meth:`BinaryStar.admitClient`,
+the client's vote) and whether a worker may register
+(:meth:`BinaryStar.admitWorker`).  A broker takes it as its ``admission``.
 """
 
 from __future__ import annotations
@@ -277,50 +212,57 @@ class BinaryStarMachine(Machine):
         if channel is None:
             channel = self.channel  # before a stall this very message reveals
         self._wake(now)
-        if self.stopped is not None or channel < self.channel:
-            return self._drain()  # stopped, or sent before a stall: stale
-        try:
-            event = Event(peerState)
-        except ValueError:
-            return self._drain()  # not a state: the driver logs what it got
-        if event is Event.CLIENT_REQUEST:
-            return self._drain()
-        if self.instance and peerInstance == self.instance:
-            self._stop("this server hears its own state: its remote state endpoint leads "
-                       "back to its local one")
-            return self._drain()
-        if peerHeartbeat is not None and peerHeartbeat != self.heartbeat:
-            self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
-                       f"{self.heartbeat:g} s: both must be the same")
+        event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
+        if event is None:
             return self._drain()
         self.peerExpiry = now + self.failoverTimeout
         if peerRole is self.role:
             self._sameRole(peerUptime, peerInstance)
-            return self._drain()
-        self.conflictSince = None
-        if self.resuming:
-            self.resuming = False
-            if event is Event.PEER_ACTIVE:
-                old, self.state = self.state, State.PASSIVE
-                self._emit(Changed(old, State.PASSIVE,
-                                   "the peer took over while this server was stalled"))
-            else:
-                self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
-            self._emit(self._publication())
-            return self._drain()
-        self._apply(event)
+        elif self.resuming:
+            self.conflictSince = None
+            self._resumeOnPeer(event)
+        else:
+            self.conflictSince = None
+            self._apply(event)
         return self._drain()
 
+    def _peerEvent(self, peerState: int, channel: int, peerInstance: str,
+                   peerHeartbeat: Optional[float]) -> Optional[Event]:
+        """The event a peer's state message stands for; None if it is stale,
+        not a peer's state, or breaks the pair (then this server stops)."""
+        if self.stopped is not None or channel < self.channel:
+            return None  # stopped, or sent before a stall: stale
+        try:
+            event = Event(peerState)
+        except ValueError:
+            return None  # not a state: the driver logs what it got
+        if event is Event.CLIENT_REQUEST:
+            return None
+        if self.instance and peerInstance == self.instance:
+            self._stop("this server hears its own state: its remote state endpoint leads "
+                       "back to its local one")
+            return None
+        if peerHeartbeat is not None and peerHeartbeat != self.heartbeat:
+            self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
+                       f"{self.heartbeat:g} s: both must be the same")
+            return None
+        return event
+
+    def _resumeOnPeer(self, event: Event) -> None:
+        """Heard from the peer after a stall: PASSIVE if it took over, else serve again."""
+        self.resuming = False
+        if event is Event.PEER_ACTIVE:
+            old, self.state = self.state, State.PASSIVE
+            self._emit(Changed(old, State.PASSIVE,
+                               "the peer took over while this server was stalled"))
+        else:
+            self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
+        self._emit(self._publication())
+
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
-        """Both configured alike: the one started later stops.  Starts closer
-        than a heartbeat are a tie, broken by the run's id.  Each side sees
-        the other's start a little later than it was (the message's transit),
-        so near a heartbeat apart neither may count as later: then, after the
-        failover timeout, the one with the greater run id stops (both judge
-        this alike), and after twice that this one stops whatever its id (the
-        peer carries on against the rule).  A conflict ends when its peer has
-        been silent for the failover timeout, or is another run: a restarted
-        misconfigured server starts a new one."""
+        """Both configured alike: the one started later stops (starts closer
+        than a heartbeat are a tie, broken by the run id; docs/binarystar.md
+        says how a conflict neither side can judge ends)."""
         reason = f"both servers are configured {self.role.value}"
         now = self.now
         peerStarted = now - peerUptime
@@ -372,7 +314,7 @@ class BinaryStarMachine(Machine):
 
     def _wake(self, now: float) -> None:
         """Every event: a gap since the last tick longer than the failover
-        timeout means this server was stopped meanwhile (see "A stall")."""
+        timeout means this server was stopped meanwhile (a stall)."""
         self.now = now
         last = self.lastTick
         if last is None or self.stopped is not None or now - last <= self.failoverTimeout:
@@ -566,6 +508,9 @@ class BinaryStar:
         self._subscriber = _Subscriber(self)
         self._ticker = task.LoopingCall(self._tick)
         self._ticker.clock = self.reactor
+        self._performers: dict[type, Callable[[Any], None]] = {
+            PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
+            Resumed: self._resumed, Conflict: self._conflict, Fatal: self._fatal}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
@@ -750,6 +695,19 @@ class BinaryStar:
                                "that is not a subscription from {peer}: {frames!r}",
                                role=self.role.value, peer=peer.hex(), frames=frames[:3])
             return
+        now = self.reactor.seconds()
+        if self._subscribed(peer, now) or not self._running:
+            return
+        publishing, actions = self.machine.handleSubscriber(now)
+        self._perform(actions)
+        if publishing and self._running and self._publisher.transport is not None:
+            self._publisher.transport.sendMessage(peer, encode_state(
+                self.state, self.role, now - self.machine.started, self.machine.instance,
+                self.machine.heartbeat))
+
+    def _subscribed(self, peer: bytes, now: float) -> bool:
+        """Count *peer* as a subscriber until a failover timeout from *now*;
+        True if it was one already."""
         subscribers = self._publisher.subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
@@ -761,16 +719,8 @@ class BinaryStar:
                                "dropped {oldest}, the least recently heard, for {peer}",
                                role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
                                peer=peer.hex())
-        now = self.reactor.seconds()
         subscribers[peer] = now + self.machine.failoverTimeout
-        if known or not self._running:
-            return
-        publishing, actions = self.machine.handleSubscriber(now)
-        self._perform(actions)
-        if publishing and self._running and self._publisher.transport is not None:
-            self._publisher.transport.sendMessage(peer, encode_state(
-                self.state, self.role, now - self.machine.started, self.machine.instance,
-                self.machine.heartbeat))
+        return known
 
     def _stateFrom(self, frames: list[bytes], channel: int) -> None:
         if not self._running or channel < self.machine.channel:
@@ -798,46 +748,51 @@ class BinaryStar:
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
-            kind = type(action)
-            if kind is PublishState:
-                router = self._publisher.transport
-                if router is not None:
-                    message = encode_state(action.state, action.role, action.uptime,
-                                           action.instance, action.heartbeat)
-                    for peer in list(self._publisher.subscribers):
-                        router.sendMessage(peer, message)
-            elif kind is Changed:
-                log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
-                         old=action.old.name.lower(), new=action.new.name.lower(),
-                         reason=action.reason)
-                if action.new is State.ACTIVE:
-                    self._notify("active", action.reason)
-                elif action.new is State.PASSIVE:
-                    self._notify("passive", action.reason)
-            elif kind is Stalled:
-                log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process "
-                         "was stopped or its reactor blocked); states received meanwhile are "
-                         "stale, the state channel to {remote} is opened again{serving}",
-                         role=self.role.value, seconds=action.seconds, remote=self.remote,
-                         serving=("; serving nothing until the peer is heard, in case it "
-                                  "took over" if action.serving else ""))
-                self._resubscribe(action.channel)
-            elif kind is Resumed:
-                log.info("Binary Star {role}: active again after the stall ({reason})",
-                         role=self.role.value, reason=action.reason)
-            elif kind is Conflict:
-                self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
-                                   role=self.role.value, reason=action.reason)
-            elif kind is Fatal:
-                log.critical("Binary Star {role}: fatal: {reason}; this server stops",
-                             role=self.role.value, reason=action.reason)
-                # serve nothing from now on; close the channel outside the
-                # transport's own callback that brought the news
-                self._running = False
-                if self._ticker.running:
-                    self._ticker.stop()
-                self.reactor.callLater(0, self._stopAfterFatal)
-                self._notify("fatal", action.reason)
+            self._performers[type(action)](action)
+
+    def _publish(self, action: PublishState) -> None:
+        router = self._publisher.transport
+        if router is not None:
+            message = encode_state(action.state, action.role, action.uptime, action.instance,
+                                   action.heartbeat)
+            for peer in list(self._publisher.subscribers):
+                router.sendMessage(peer, message)
+
+    def _changed(self, action: Changed) -> None:
+        log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
+                 old=action.old.name.lower(), new=action.new.name.lower(), reason=action.reason)
+        if action.new is State.ACTIVE:
+            self._notify("active", action.reason)
+        elif action.new is State.PASSIVE:
+            self._notify("passive", action.reason)
+
+    def _stalled(self, action: Stalled) -> None:
+        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was "
+                 "stopped or its reactor blocked); states received meanwhile are stale, the "
+                 "state channel to {remote} is opened again{serving}",
+                 role=self.role.value, seconds=action.seconds, remote=self.remote,
+                 serving=("; serving nothing until the peer is heard, in case it took over"
+                          if action.serving else ""))
+        self._resubscribe(action.channel)
+
+    def _resumed(self, action: Resumed) -> None:
+        log.info("Binary Star {role}: active again after the stall ({reason})",
+                 role=self.role.value, reason=action.reason)
+
+    def _conflict(self, action: Conflict) -> None:
+        self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
+                           role=self.role.value, reason=action.reason)
+
+    def _fatal(self, action: Fatal) -> None:
+        log.critical("Binary Star {role}: fatal: {reason}; this server stops",
+                     role=self.role.value, reason=action.reason)
+        # serve nothing from now on; close the channel outside the transport's
+        # own callback that brought the news
+        self._running = False
+        if self._ticker.running:
+            self._ticker.stop()
+        self.reactor.callLater(0, self._stopAfterFatal)
+        self._notify("fatal", action.reason)
 
     def _resubscribe(self, channel: int) -> None:
         """Replace the pipe to the peer: what waits on the old one is stale."""

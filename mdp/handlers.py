@@ -17,42 +17,30 @@ def reply_frames(value: Any) -> list[bytes]:
     """Normalise a handler's reply to a non-empty list of ``bytes`` frames:
     ``bytes``/``str`` (UTF-8) or a list or tuple of them; ``None`` or ``[]``
     become one empty frame.  Anything else, or a ``str`` UTF-8 cannot encode,
-    is a ``TypeError`` (the worker answers it with a 500)."""
-    kind = type(value)
-    if kind is list:  # the common reply: checked by type first (cheaper than isinstance)
-        for item in value:
-            if type(item) is not bytes:
-                break
-        else:
-            return value[:] if value else [b""]  # (a copy: the list stays the handler's)
-    elif kind is bytes:
-        return [value]
+    is a ``TypeError`` (the worker answers it with a 500).  A list is copied:
+    it stays the handler's."""
     if value is None:
         return [b""]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return [bytes(value)]
-    if isinstance(value, str):
-        return [_utf8(value)]
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return [_frame(value)]
     if not isinstance(value, (list, tuple)):
         # (a dict, a set or a finished Future would be iterated into a wrong reply)
         raise TypeError(f"a reply is bytes, str, None or a list of them, not "
                         f"{type(value).__name__}")
-    frames = []
-    for item in value:
-        if isinstance(item, str):
-            frames.append(_utf8(item))
-        elif isinstance(item, (bytes, bytearray, memoryview)):
-            frames.append(bytes(item))
-        else:
-            raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
-    return frames or [b""]
+    return [_frame(item) for item in value] or [b""]
 
 
-def _utf8(text: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of bad bytes)
-        raise TypeError(f"a reply str must be encodable as UTF-8: {e}") from None
+def _frame(item: Any) -> bytes:
+    if type(item) is bytes:
+        return item
+    if isinstance(item, str):
+        try:
+            return item.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of bad bytes)
+            raise TypeError(f"a reply str must be encodable as UTF-8: {e}") from None
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
 
 
 def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:

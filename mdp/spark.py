@@ -2,30 +2,14 @@
 
 ``call_service(df, service, broker=...)`` maps every Arrow batch of every
 partition through an MDP service (``DataFrame.mapInArrow``), keeping each row's
-reply on that row and the row order within each partition.
-
-Which client
-------------
-An executor sends each batch with the **blocking client**
-(:class:`mdp.blocking.Client`: the same client state machine as
-:class:`mdp.Client`, with its retries, timeouts, broker failover and typed
-errors, driven by plain pyzmq or stream sockets in the task's own thread),
-``window`` requests in flight, replies taken in row order.  No reactor, no
-thread hop per batch, nothing to start or stop: a Spark Python worker can be
-reused or forked freely.  Clients are cached per thread and configuration, so
-later tasks and jobs reuse their connections; a client is never used across
-a fork.
-
-If a Twisted reactor is **already running** in the process (an application
-that embeds Spark in a Twisted program, or a crochet setup of its own), the
-batch goes through that reactor instead, with :class:`mdp.Client`, called
-thread-safely through crochet: a second event loop beside a running reactor
-would only compete with it.  Nothing starts a reactor in the driver.
-
-Every call is bounded: an attempt lasts ``timeout`` seconds and a request
-``retries`` attempts; with ``onError="fail"`` the first failed row fails the
-task at once (after at most ``timeout × retries`` seconds) with an
-:class:`MDPSparkError` naming the broker and the service.
+reply on that row and the row order within each partition.  An executor
+sends each batch with the blocking client (:class:`mdp.blocking.Client`),
+``window`` requests in flight, cached per thread and configuration and never
+used across a fork; if a Twisted reactor is already running in the process,
+the batch goes through it with :class:`mdp.Client` instead (docs/spark.md,
+"Which client, and why").  Every call is bounded: with ``onError="fail"`` the
+first failed row fails the task (after at most ``timeout × retries`` seconds)
+with an :class:`MDPSparkError` naming the broker and the service.
 """
 
 from __future__ import annotations
@@ -97,10 +81,14 @@ def _blocking_client(call: ServiceCall) -> Any:
         clients = _local.clients = {}
     client = clients.get(call)
     if client is None or client.forked:
-        client = clients[call] = Client(list(call.brokers), timeout=call.timeout,
-                                        retries=call.retries, maxConnections=call.window,
-                                        dialect=call.dialect)
+        client = clients[call] = _new_client(Client, call)
     return client
+
+
+def _new_client(kind: Any, call: ServiceCall) -> Any:
+    """A client of *kind* (blocking or Twisted) configured for *call*."""
+    return kind(list(call.brokers), timeout=call.timeout, retries=call.retries,
+                maxConnections=call.window, dialect=call.dialect)
 
 
 def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
@@ -131,9 +119,7 @@ def _client(call: ServiceCall) -> Any:
 
     client = _clients.get(call)
     if client is None:
-        client = _clients[call] = Client(list(call.brokers), timeout=call.timeout,
-                                         retries=call.retries, maxConnections=call.window,
-                                         dialect=call.dialect)
+        client = _clients[call] = _new_client(Client, call)
     return client
 
 
@@ -308,11 +294,20 @@ def call_service(
     positive, *retries* below 1, an unknown *dialect*, ...).
     """
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
-    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
-
     if outputType not in OUTPUT_TYPES:
         raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
+    added = [outputCol, errorCol] if onError == "column" else [outputCol]
+    _check_columns(df, inputs, added)
+    mapper = _arrow_mapper(call, inputs, outputCol, outputType,
+                           errorCol if onError == "column" else None)
+    return df.mapInArrow(mapper, _output_schema(df, added, outputType))
+
+
+def _check_columns(df: Any, inputs: list[str], added: list[str]) -> None:
+    """*inputs* are string or binary columns of *df*, and *added* are not its columns."""
+    from pyspark.sql.types import BinaryType, StringType
+
     if not inputs:
         raise ValueError("give at least one input column")
     fields = {f.name: f for f in df.schema.fields}
@@ -322,16 +317,20 @@ def call_service(
         if not isinstance(fields[name].dataType, (StringType, BinaryType)):
             raise ValueError(f"column {name!r} is {fields[name].dataType.simpleString()}; "
                              "only string and binary columns can be sent")
-    for name in (outputCol, errorCol if onError == "column" else None):
-        if name is not None and name in fields:
+    for name in added:
+        if name in fields:
             raise ValueError(f"column {name!r} already exists")
+
+
+def _output_schema(df: Any, added: list[str], outputType: str) -> Any:
+    """*df*'s schema with the reply column (and the error column, if added)."""
+    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
+
     reply_type = {"binary": BinaryType(), "string": StringType(),
                   "frames": ArrayType(BinaryType())}[outputType]
-    schema = StructType(list(df.schema.fields) + [StructField(outputCol, reply_type, True)]
-                        + ([StructField(errorCol, StringType(), True)] if onError == "column" else []))
-    mapper = _arrow_mapper(call, inputs, outputCol, outputType,
-                           errorCol if onError == "column" else None)
-    return df.mapInArrow(mapper, schema)
+    types = [reply_type, StringType()]
+    return StructType(list(df.schema.fields)
+                      + [StructField(name, kind, True) for name, kind in zip(added, types)])
 
 
 def call_service_rdd(

@@ -114,10 +114,10 @@ async def test_reply_after_the_client_gave_up_is_ignored(net: Net) -> None:
     client = client_for(net, [server.endpoint], timeout=5.0, deadline=1.0)
     with pytest.raises(RequestTimeout):
         await net.wait(client.request(b"too slow"))
-    assert client.pending == {}
+    assert client.machine.pending == {}
     held[0].callback([b"late"])  # the server answers after the client gave up
     assert await net.wait(client.request(b"next")) == [b"next"]  # not the late reply
-    assert client.pending == {}
+    assert client.machine.pending == {}
 
 
 @pytest_twisted.ensureDeferred
@@ -246,7 +246,7 @@ def test_a_frame_that_is_not_bytes_or_str_raises_type_error_at_once(model: int) 
         client.request(None)
     with pytest.raises(ValueError):
         client.request()
-    assert client.pending == {}
+    assert client.machine.pending == {}
     assert script.sent() == []  # nothing went out
     client.close()
     with pytest.raises(TypeError):  # a closed client too: the call itself is wrong
@@ -271,7 +271,7 @@ def test_a_malformed_endpoint_raises_transport_error_at_once(model: int, endpoin
     client = freelance_client([good], model, Clock())
     with pytest.raises(TransportError):
         client.connect(endpoint)
-    assert client.endpoints == [good]
+    assert client.machine.endpoints == [good]
     client.close()
     script.forget()
 
@@ -499,7 +499,7 @@ async def test_a_request_cancelled_by_a_late_replys_callback_is_not_sent(clockne
     assert a.called and failed and failed[0].check(defer.CancelledError)
     assert not _timers_of(clocknet.reactor, client)
     clocknet.advance(5.0)
-    assert seen == [b"A"] and not client.pending
+    assert seen == [b"A"] and not client.machine.pending
 
 
 @pytest_twisted.ensureDeferred

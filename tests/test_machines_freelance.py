@@ -176,7 +176,7 @@ def test_server_close_closes_its_endpoint(script: Script) -> None:
 def test_a_client_with_no_server_fails_at_once(connected: Script, kind: type) -> None:
     client = kind([], connected.clock)
     outcome, actions = request(connected, client, b"x")
-    assert actions == [] and client.pending == {}
+    assert actions == [] and client.machine.pending == {}
     outcome.error(NoServerAvailable)
     client.connect(connected.endpoint("late"))  # added at runtime: used from now on
     if kind is AgentClient:
@@ -197,14 +197,14 @@ def test_sequential_tries_the_next_server_when_one_is_silent_past_timeout(script
     outcome, actions = request(script, client, b"x")
     assert actions == [Open(f"{a}#1"), Send(f"{a}#1", [b"1", b"x"])]
     assert script.nextWake() == 1.0  # the attempt timer (the deadline is at 30)
-    assert client.pending[b"1"].state is RequestState.SENT
+    assert client.machine.pending[b"1"].state is RequestState.SENT
     assert script.feed(Elapse(0.999)) == []
     assert script.feed(Elapse(0.001)) == [
         Close(f"{a}#1"), Open(f"{b}#1"), Send(f"{b}#1", [b"1", b"x"])]
     assert script.nextWake() == 2.0
     assert script.feed(Receive(f"{b}#1", [b"1", b"from b"])) == [Close(f"{b}#1")]
     assert outcome.result == [b"from b"]
-    assert client.pending == {} and script.nextWake() is None
+    assert client.machine.pending == {} and script.nextWake() is None
 
 
 def test_sequential_fails_with_request_timeout_after_a_silent_round(script: Script) -> None:
@@ -283,7 +283,7 @@ def test_shotgun_sends_to_all_and_the_first_reply_wins(script: Script) -> None:
     assert outcome.result == [b"from b"]
     assert script.nextWake() is None  # the round's timer is gone
     assert script.feed(Receive(a, [b"1", b"from a"]), Receive(c, [b"1", b"from c"])) == []
-    assert outcome.result == [b"from b"] and client.pending == {}
+    assert outcome.result == [b"from b"] and client.machine.pending == {}
 
 
 def test_shotgun_round_times_out(script: Script) -> None:
@@ -364,10 +364,10 @@ def test_agent_pings_on_its_heartbeat_interval(connected: Script) -> None:
 def test_agent_waits_for_a_live_server_then_sends(connected: Script) -> None:
     client, (a, b) = agent(connected, "a", "b")
     outcome, actions = request(connected, client, b"x")
-    assert actions == [] and client.pending[b"1"].state is RequestState.WAITING
+    assert actions == [] and client.machine.pending[b"1"].state is RequestState.WAITING
     assert connected.feed(Receive(b, [PONG])) == [Send(f"{b}#1", [b"1", b"x"])]
     assert client.servers[b].state is ServerState.ALIVE and client.live() == [b]
-    assert client.pending[b"1"].state is RequestState.SENT
+    assert client.machine.pending[b"1"].state is RequestState.SENT
     assert connected.feed(Receive(b, [b"1", b"done"])) == []
     assert outcome.result == [b"done"]
     client.close()
@@ -380,7 +380,7 @@ def test_agent_sends_to_the_first_live_server_and_the_reply_completes(connected:
     outcome, actions = request(connected, client, "x", "y")
     assert actions == [Send(f"{a}#1", [b"1", b"x", b"y"])]
     assert connected.feed(Receive(a, [b"1", b"ok"])) == []
-    assert outcome.result == [b"ok"] and client.pending == {}
+    assert outcome.result == [b"ok"] and client.machine.pending == {}
     client.close()
 
 
@@ -443,12 +443,12 @@ def test_agent_deadline_bounds_a_request_in_all(connected: Script) -> None:
     # t = 0 sent to a; t = 1 that attempt times out: a SUSPECT, none alive: WAITING;
     # a's PONG: sent again; t = 2 times out again: WAITING; t = 2.5 the deadline
     assert connected.feed(Elapse(1.0)) == pings(a)
-    assert client.pending[b"1"].state is RequestState.WAITING
+    assert client.machine.pending[b"1"].state is RequestState.WAITING
     assert connected.feed(Receive(a, [PONG])) == [Send(f"{a}#1", [b"1", b"x"])]
     assert connected.feed(Elapse(1.5)) == pings(a)
     error = outcome.error(RequestTimeout)
     assert (error.attempts, error.elapsed) == (2, 2.5)
-    assert client.waiting == [] and client.pending == {}
+    assert client.machine.waiting == [] and client.machine.pending == {}
     client.close()
 
 
@@ -475,7 +475,7 @@ def test_agent_close_fails_pending_requests_and_stops_pinging(connected: Script)
 # --- the client machines alone: no reactor, no Clock, no transport ----------------------
 
 def test_sequential_machine_is_a_function_of_events_and_their_times() -> None:
-    from mdp.freelance import (
+    from mdp.freelance.machines import (
         ATTEMPT,
         DEADLINE,
         Cancel,
@@ -511,7 +511,7 @@ def test_sequential_machine_is_a_function_of_events_and_their_times() -> None:
 
 
 def test_agent_machine_is_a_function_of_events_and_their_times() -> None:
-    from mdp.freelance import ATTEMPT, AgentMachine, ConnectPeer, Later, SendPeer
+    from mdp.freelance.machines import ATTEMPT, AgentMachine, ConnectPeer, Later, SendPeer
 
     machine = AgentMachine(HeartbeatPolicy(1.0, 3), timeout=1.0, deadline=None)
     assert machine.wakeEvery == 1.0
@@ -593,7 +593,7 @@ def _late_reply_to_come(script: Script) -> tuple[AgentClient, str, Outcome, defe
     assert script.feed(Elapse(1.0)) == []
     assert client.servers[a].state is ServerState.SUSPECT
     second, actions = did(script, client.request, b"B")
-    assert actions == [] and client.pending[b"2"].state is RequestState.WAITING
+    assert actions == [] and client.machine.pending[b"2"].state is RequestState.WAITING
     return client, a, first, second
 
 
@@ -605,7 +605,7 @@ def test_a_request_cancelled_by_a_late_replys_callback_is_neither_sent_nor_timed
     assert connected.feed(Receive(a, [b"1", b"late"])) == []
     assert client.servers[a].state is ServerState.ALIVE
     cancelled.error(defer.CancelledError)
-    assert client.pending == {} and client._timers == {}
+    assert client.machine.pending == {} and client._timers == {}
     assert connected.nextWake() == 5.0  # the heartbeat's, no attempt's
     client.close()
 
@@ -623,7 +623,7 @@ def test_a_client_closed_by_a_late_replys_callback_sends_and_arms_nothing(
 def test_each_send_names_its_request_and_compares_equal_without_it() -> None:
     """What the driver skips once a request is DONE: the sends (and a model
     1 pipe) say which request they are for; a PING is for none."""
-    from mdp.freelance import AgentMachine, OpenPipe, SendPeer, SendPipe, SequentialMachine
+    from mdp.freelance.machines import AgentMachine, OpenPipe, SendPeer, SendPipe, SequentialMachine
 
     agent = AgentMachine(HeartbeatPolicy(1.0, 3), timeout=1.0, deadline=None)
     (_, ping) = agent.handleConnect("a", now=0.0)

@@ -135,7 +135,7 @@ async def test_a_request_for_a_service_whose_worker_is_restarting_waits_in_the_b
 
     ids = [await clocknet.wait(client.submit(name.decode(), b"%d" % n)) for n in range(3)]
     await clocknet.until(lambda: queued() == 1, timeout=0.5)
-    assert node.dispatcher.services[name].state is ServiceState.AVAILABLE  # not parked
+    assert node.dispatcher.machine.services[name].state is ServiceState.AVAILABLE  # not parked
     clocknet.advance(2)
     assert queued() == 1  # one at a time while no worker is there
     served: list[float] = []
@@ -397,7 +397,7 @@ async def test_stop_while_the_store_opens_leaves_nothing_running(clocknet: Loopb
     await clocknet.wait(stopped)
     await clocknet.wait(started)
     clocknet.advance(5)
-    assert broker.workers == {} and not node.dispatcher.running and store.closed == 1
+    assert broker.workers == {} and not node.dispatcher.machine.running and store.closed == 1
 
 
 @pytest_twisted.ensureDeferred
@@ -449,13 +449,13 @@ async def test_a_streamed_reply_larger_than_a_reply_may_be_is_answered_413_not_k
     start_worker(clocknet, endpoint, "echo", echo)
     kept: list[int] = []
     dispatcher = node.dispatcher
-    original = dispatcher.handleReply
+    original = dispatcher.machine.handleReply
 
     def handleReply(requestId: str, frames: list[bytes], now: float) -> Any:
         kept.append(sum(map(len, frames)))
         return original(requestId, frames, now)
 
-    dispatcher.handleReply = handleReply  # type: ignore[method-assign]
+    dispatcher.machine.handleReply = handleReply  # type: ignore[method-assign]
     requestId = await clocknet.wait(client.submit("endless", b"go"))
     with pytest.raises(MessageTooLarge, match="too large to keep"):
         await clocknet.wait(client.result(requestId))

@@ -1,39 +1,22 @@
 """Titanic's dispatcher: stored requests to their services, replies to the store.
 
 :class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
-drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`.
+drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`
+(docs/titanic.md, "The dispatcher", describes the behaviour in full).
 
-* It reads pending requests from the store oldest first, a window at a time
-  (never the whole store), leaving out the requests it already holds and the
-  services it has parked.
-* Before it sends a service its first request it asks the broker
-  ``mmi.workers`` how many workers it has (a broker without it:
-  ``mmi.service``).  None counted, it asks ``mmi.service`` too: a ``200``
-  says the broker still knows the service (its last worker left less than
-  the broker's ``serviceLinger`` ago: restarting, most likely), and a
-  request sent now waits in the broker's queue until the worker is back, so
-  its requests go out one at a time; any other answer **parks** it.  A
-  service whose request failed or timed out is parked too.  A parked service
-  is asked again after a backoff (per service, doubling up to a maximum) and
-  its requests wait in the store meanwhile, so they never hold up other
-  services' requests.
-* At most *concurrency* requests are out at once, and of one service at most
-  as many as it has workers (``mmi.workers``; one while it has none but the
-  broker still knows it): more would wait in the
-  broker's queue with their attempt's clock running, and be sent again when
-  it ran out, while the first copy still runs.  Once a reply of a service
-  counted with no worker is stored, its worker is back: it is counted again.
-  Of one service, at most twice
-  that are held; the rest wait in the store (those read already, up to a
-  window of them, kept aside as its next), so a service with a long backlog
-  leaves the window to the others.  A reply (or a final error
-  reply: the worker's handler raised, or the message is too large) is stored;
-  the request counts as done once the store has committed it.  A request
-  whose attempt failed stays pending and is sent again, as long as it is not
-  closed: Titanic retries forever (close a request to give it up).
-* On start it simply reads the store, so pending work resumes after a restart.
-  A request that was out when the process died is sent again: delivery is
-  at-least-once, like every MDP retry.
+* Pending requests are read oldest first, a window at a time, leaving out
+  those held and those of parked services.
+* Before a service's first request the broker is asked how many workers it
+  has (``mmi.workers``; none: whether it still knows it, ``mmi.service``).
+  A service with no worker that the broker does not know, or whose request
+  failed, is **parked** and asked again after a backoff; its requests wait
+  in the store meanwhile.
+* At most *concurrency* requests are out, and of one service at most as many
+  as it has workers (more would wait in the broker's queue with their
+  attempt's clock running, and be sent again while the first copy runs).
+* A reply (or a final error reply) is stored; the request is done once the
+  store has committed it.  A failed attempt is tried again, forever, unless
+  the request is closed: delivery is at-least-once, like every MDP retry.
 * Replies are kept *keep* seconds after they are stored, then purged.
 """
 
@@ -41,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -52,11 +35,7 @@ from mdp.errors import (
     ClientClosed,
     RemoteError,
     ReplyTooLarge,
-    RequestTimeout,
     RequestTooLarge,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    TransportError,
 )
 from mdp.machine import Machine, action_class
 from mdp.majordomo import mmi
@@ -69,6 +48,7 @@ from mdp.policy import (
     default_reactor,
     positive_seconds,
 )
+from mdp.titanic.client import TRANSIENT
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
 log = Logger()
@@ -212,6 +192,12 @@ class DispatchMachine(Machine):
         self.recheck = recheck
         #: most requests held at once (out + waiting to go out)
         self.window = window if window is not None else max(2 * concurrency, 16)
+        self._nextPurge = now
+        self._wake: Optional[float] = None
+        self._forgetAll()
+
+    def _forgetAll(self) -> None:
+        """The state of a dispatcher that is not running: nothing held, nothing known."""
         self.running = False
         #: loaded, not yet out, oldest first
         self.queue: list[StoredRequest] = []
@@ -233,8 +219,6 @@ class DispatchMachine(Machine):
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
-        self._nextPurge = now
-        self._wake: Optional[float] = None
 
     # --- events -----------------------------------------------------------------------
 
@@ -263,7 +247,7 @@ class DispatchMachine(Machine):
         if len(requests) >= limit:
             self._dirty = True  # there may be more
         if self.running:
-            held = set(self.inflight) | {r.id for r in self.queue} | {r.id for r in self._spare}
+            held = {r.id for r in self._heldRequests()}
             self.queue.extend(r for r in requests if r.id not in held)
             # reloaded requests (a service unparked, an attempt failed) take
             # their place by age again
@@ -284,11 +268,18 @@ class DispatchMachine(Machine):
         earlier answer left no longer holds, its requests are bound by
         *concurrency* alone."""
         entry = self.services.get(service)
-        if entry is not None and entry.state is ServiceState.CHECKING and entry.workers is not None:
-            entry.workers = None
+        if entry is not None and entry.workers is not None:
+            self._setWorkers(service, None)
+        return self._checked(service, available, reason, now)
+
+    def _setWorkers(self, service: bytes, workers: Optional[int]) -> None:
+        """The broker's answer for *service* being asked about: *workers*
+        workers (None: not known)."""
+        entry = self.services.get(service)
+        if entry is not None and entry.state is ServiceState.CHECKING:
+            entry.workers = workers
             if service in self._full:
                 self._dirty = True  # it may take more now
-        return self._checked(service, available, reason, now)
 
     def _checked(self, service: bytes, available: bool, reason: str,
                  now: float) -> list[Action]:
@@ -307,11 +298,7 @@ class DispatchMachine(Machine):
         """The answer to CheckService from ``mmi.workers``: *service* has
         *workers* workers (none: it is parked); as many of its requests may
         be out at once."""
-        entry = self.services.get(service)
-        if entry is not None and entry.state is ServiceState.CHECKING:
-            entry.workers = workers
-            if service in self._full:
-                self._dirty = True  # it may take more now
+        self._setWorkers(service, workers)
         return self._checked(service, workers > 0, "" if workers > 0
                              else "no worker (mmi.workers)", now)
 
@@ -321,11 +308,7 @@ class DispatchMachine(Machine):
         (its last worker left less than the broker's linger ago, restarting)
         and queues a request for it until a worker is back.  One of its
         requests goes out at a time, rather than all of them parked."""
-        entry = self.services.get(service)
-        if entry is not None and entry.state is ServiceState.CHECKING:
-            entry.workers = 0
-            if service in self._full:
-                self._dirty = True  # it may take more now
+        self._setWorkers(service, 0)
         return self._checked(service, True, "", now)
 
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
@@ -394,17 +377,7 @@ class DispatchMachine(Machine):
     def handleStop(self, now: float) -> list[Action]:
         """Send nothing more; what is out stays pending in the store."""
         self.now = now
-        self.running = False
-        self.queue.clear()
-        self.inflight.clear()
-        self.services.clear()
-        self._full.clear()
-        self._spare.clear()
-        self._storing.clear()
-        self._unsaved.clear()
-        self._dirty = self._loading = False
-        self._storeFailures = 0
-        self._storeRetryAt = None
+        self._forgetAll()
         self._setWake(None)
         return self._drain()
 
@@ -464,83 +437,121 @@ class DispatchMachine(Machine):
         """Drop what is known of services nothing is held for: unasked ones,
         and ones unparked long ago and not seen since (so the table does not
         grow with every name ever submitted)."""
-        held = ({r.service for r in self.queue} | {r.service for r in self.inflight.values()}
-                | {r.service for r in self._spare})
-        stale = self.now - 2 * self.backoff.maximum
+        held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
-            if name in held or entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
-                continue
-            if entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
-                                        or entry.until <= self.now) or entry.until < stale:
+            if name not in held and self._forgettable(entry):
                 del self.services[name]
                 self._full.discard(name)
 
+    def _forgettable(self, entry: _Service) -> bool:
+        if entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
+            return False
+        if entry.until < self.now - 2 * self.backoff.maximum:
+            return True
+        return entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
+                                        or entry.until <= self.now)
+
+    def _heldRequests(self) -> list[StoredRequest]:
+        """Every request held: waiting, out, and set aside."""
+        return [*self.queue, *self.inflight.values(), *self._spare]
+
     def _pump(self) -> None:
+        """Send what may go out now, and read more from the store when there
+        is room for it."""
         if not self.running:
             return
+        held = self._placeQueue()
+        if self._timeToRead():
+            self._readPending(held)
+        self._setWake(self._nextWake())
+
+    def _placeQueue(self) -> dict[bytes, int]:
+        """Go through what waits, oldest first: send what may go out, keep
+        what may wait, set aside or leave in the store the rest.  Returns the
+        requests held (out or waiting) by service."""
         if self._spare:  # they take their place by age again, as far as there is room
             self.queue = sorted(self.queue + self._spare, key=lambda r: r.created)
             self._spare = []
-        waiting: list[StoredRequest] = []
-        out: dict[bytes, int] = {}  # requests out, by service
+        out: dict[bytes, int] = {}
         for request in self.inflight.values():
             out[request.service] = out.get(request.service, 0) + 1
-        held = dict(out)  # requests out or waiting, by service
-        for request in self.queue:
-            if not request.frames:
-                # damaged in the store (no frames could be read back): whatever its
-                # service, it goes to the driver, which answers it with an error
-                if len(self.inflight) < self.concurrency:
-                    self.inflight[request.id] = request
-                    self._emit(Dispatch(request))
-                else:
-                    waiting.append(request)
-                continue
-            entry = self._service(request.service)
-            if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
-                entry.state = ServiceState.UNKNOWN  # trusted long enough: ask again
-            if entry.state is ServiceState.PARKED:
-                continue  # back to the store's keeping; read again once unparked
-            if entry.state is ServiceState.UNKNOWN:
-                entry.state = ServiceState.CHECKING
-                self._emit(CheckService(entry.name))
-            most = self._mostOut(entry)
-            service = request.service
-            if (entry.state is ServiceState.AVAILABLE and len(self.inflight) < self.concurrency
-                    and out.get(service, 0) < most):
-                self.inflight[request.id] = request
-                self._emit(Dispatch(request))
-                out[service] = out.get(service, 0) + 1
-                held[service] = held.get(service, 0) + 1
-            elif held.get(service, 0) < self._mostHeld(entry):
-                waiting.append(request)
-                held[service] = held.get(service, 0) + 1
-            elif len(self._spare) < self.window:  # kept aside, the next of its to go
-                self._spare.append(request)
-            else:  # back to the store's keeping, read again once one of its is done
-                self._full.add(service)
-        self.queue = waiting
-        room = self.window - len(self.queue) - len(self.inflight)
-        # a read for half a window at least, unless nothing that waits will
-        # go out soon (no service being asked about) while there is room to
-        # send: requests that free their place one at a time (their services
-        # asked about, and parked) make one read for many, not one each
-        if (self._dirty and not self._loading and self._storeRetryAt is None and room > 0
-                and (room >= self.window // 2 or not self.queue
-                     or len(self.inflight) < self.concurrency and not any(
-                         self.services[r.service].state is ServiceState.CHECKING
-                         for r in self.queue if r.frames))):
-            self._dirty = False
-            self._loading = True
-            full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
-                    and held.get(e.name, 0) >= self._mostHeld(e)]
-            self._full.update(full)
-            spare = {r.service for r in self._spare}
-            parked = sorted({e.name for e in self.services.values()
-                             if e.state is ServiceState.PARKED} | set(full) | spare)
-            held = [r.id for r in self.queue] + list(self.inflight) + [r.id for r in self._spare]
-            self._emit(LoadPending(room, parked, held))
-        self._setWake(self._nextWake())
+        held = dict(out)
+        self.queue = [request for request in self.queue if self._placeRequest(request, out, held)]
+        return held
+
+    def _placeRequest(self, request: StoredRequest, out: dict[bytes, int],
+                  held: dict[bytes, int]) -> bool:
+        """Send *request* if it may go out; True if it waits in the queue."""
+        if not request.frames:
+            # damaged in the store (no frames could be read back): whatever its
+            # service, it goes to the driver, which answers it with an error
+            return not self._send(request)
+        entry = self._entryFor(request.service)
+        if entry.state is ServiceState.PARKED:
+            return False  # back to the store's keeping; read again once unparked
+        service = request.service
+        count = held.get(service, 0)
+        if (entry.state is ServiceState.AVAILABLE and out.get(service, 0) < self._mostOut(entry)
+                and self._send(request)):
+            out[service] = out.get(service, 0) + 1
+            held[service] = count + 1
+            return False
+        if count < self._mostHeld(entry):
+            held[service] = count + 1
+            return True
+        if len(self._spare) < self.window:  # kept aside, the next of its to go
+            self._spare.append(request)
+        else:  # back to the store's keeping, read again once one of its is done
+            self._full.add(service)
+        return False
+
+    def _entryFor(self, service: bytes) -> _Service:
+        """*service*'s entry, asked about if what is known of it is too old."""
+        entry = self._service(service)
+        if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
+            entry.state = ServiceState.UNKNOWN  # trusted long enough: ask again
+        if entry.state is ServiceState.UNKNOWN:
+            entry.state = ServiceState.CHECKING
+            self._emit(CheckService(entry.name))
+        return entry
+
+    def _send(self, request: StoredRequest) -> bool:
+        """Send *request* if fewer than *concurrency* are out; True if so."""
+        if len(self.inflight) >= self.concurrency:
+            return False
+        self.inflight[request.id] = request
+        self._emit(Dispatch(request))
+        return True
+
+    def _room(self) -> int:
+        return self.window - len(self.queue) - len(self.inflight)
+
+    def _timeToRead(self) -> bool:
+        """Is it time to read pending requests?  Only for half a window at
+        least, unless nothing that waits will go out soon (no service being
+        asked about) while there is room to send: requests that free their
+        place one at a time make one read for many, not one each."""
+        room = self._room()
+        if not self._dirty or self._loading or self._storeRetryAt is not None or room <= 0:
+            return False
+        if room >= self.window // 2 or not self.queue:
+            return True
+        return len(self.inflight) < self.concurrency and not any(
+            self.services[r.service].state is ServiceState.CHECKING
+            for r in self.queue if r.frames)
+
+    def _readPending(self, held: dict[bytes, int]) -> None:
+        """Read pending requests, leaving out those held and those of
+        services parked or holding as many as they may."""
+        self._dirty = False
+        self._loading = True
+        full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
+                and held.get(e.name, 0) >= self._mostHeld(e)]
+        self._full.update(full)
+        parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
+        skip = sorted(parked | set(full) | {r.service for r in self._spare})
+        ids = [r.id for r in self.queue] + list(self.inflight) + [r.id for r in self._spare]
+        self._emit(LoadPending(self._room(), skip, ids))
 
     def _mostOut(self, entry: _Service) -> int:
         """Requests of *entry*'s service out at most: as many as its workers;
@@ -570,7 +581,7 @@ class DispatchMachine(Machine):
 
 
 #: Errors after which a request is tried again later.
-RETRY = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError, ClientClosed)
+RETRY = (*TRANSIENT, ClientClosed)
 
 
 def final_error_body(error: BaseException) -> Optional[list[bytes]]:
@@ -585,8 +596,8 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
     return None
 
 
-class Dispatcher(DispatchMachine):
-    """The :class:`DispatchMachine` driven with *store* and a client of the
+class Dispatcher:
+    """A :class:`DispatchMachine` driven with *store* and a client of the
     broker at *broker* (one endpoint or a failover list).  :meth:`start` and
     :meth:`stop` (and start again); :meth:`stored` and :meth:`closed` tell it
     of requests committed and closed.
@@ -613,8 +624,9 @@ class Dispatcher(DispatchMachine):
     ) -> None:
         reactor = default_reactor(reactor)
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
-        super().__init__(concurrency=concurrency, backoff=backoff, keep=keep,
-                         purgeEvery=purgeEvery, recheck=recheck, now=reactor.seconds())
+        self.machine = DispatchMachine(concurrency=concurrency, backoff=backoff, keep=keep,
+                                       purgeEvery=purgeEvery, recheck=recheck,
+                                       now=reactor.seconds())
         self.reactor = reactor
         self.store = store
         self.timeout = timeout
@@ -622,6 +634,10 @@ class Dispatcher(DispatchMachine):
         self.endpoints = transport.endpoint_list(broker)
         self.client = self._newClient()
         self._timer: Any = None
+        self._performers: dict[type, Callable[[Any], None]] = {
+            Dispatch: self._dispatch, StoreReply: self._storeReply, LoadPending: self._load,
+            CheckService: self._check, Purge: self._purge, Parked: self._logParked,
+            WakeAt: self._wakeAt}
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
         self._calls: set[defer.Deferred[Any]] = set()
@@ -633,27 +649,32 @@ class Dispatcher(DispatchMachine):
     def _newClient(self) -> Client:
         # every request out, and room for the service checks beside them
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
-                      maxConnections=self.concurrency + 2, limits=self.limits, **self._curve)
+                      maxConnections=self.machine.concurrency + 2, limits=self.limits, **self._curve)
+
+    @property
+    def concurrency(self) -> int:
+        """Requests out at once, at most."""
+        return self.machine.concurrency
 
     def start(self) -> None:
-        if self.running:
+        if self.machine.running:
             return
         if self._clientClosed:
             self.client, self._clientClosed = self._newClient(), False
-        self._feed(self.handleStart)
+        self._feed(self.machine.handleStart)
 
     def stored(self, requestId: str) -> None:
         """A request was committed: look for it (Titanic's ``onStored``)."""
-        self._feed(self.handleStored, requestId)
+        self._feed(self.machine.handleStored, requestId)
 
     def closed(self, requestId: str) -> None:
         """A request was closed: do not send it (Titanic's ``onClosed``)."""
-        self._feed(self.handleClosed, requestId)
+        self._feed(self.machine.handleClosed, requestId)
 
     def stop(self) -> defer.Deferred[None]:
         """Stop sending; requests out stay pending in the store."""
         self._generation += 1
-        self._feed(self.handleStop)
+        self._feed(self.machine.handleStop)
         for d in list(self._calls):
             d.cancel()
         self._clientClosed = True
@@ -692,30 +713,22 @@ class Dispatcher(DispatchMachine):
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
-            kind = type(action)
-            if kind is Dispatch:
-                self._dispatch(action.request)
-            elif kind is StoreReply:
-                self._storeReply(action.requestId, action.frames)
-            elif kind is LoadPending:
-                self._load(action)
-            elif kind is CheckService:
-                self._check(action.service)
-            elif kind is Purge:
-                self._purge(action.before)
-            elif kind is Parked:
-                log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
-                         service=action.service.decode("ascii", "replace"),
-                         delay=action.delay, reason=action.reason)
-            elif kind is WakeAt:
-                self._timer = call_at(self._timer, self.reactor, action.when, self._wakeUp)
+            self._performers[type(action)](action)
+
+    def _logParked(self, action: Parked) -> None:
+        log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
+                 service=action.service.decode("ascii", "replace"), delay=action.delay,
+                 reason=action.reason)
+
+    def _wakeAt(self, action: WakeAt) -> None:
+        self._timer = call_at(self._timer, self.reactor, action.when, self._wakeUp)
 
     def _wakeUp(self) -> None:
         self._timer = None
-        self._feed(self.handleWake)
+        self._feed(self.machine.handleWake)
 
     def _load(self, action: LoadPending) -> None:
-        loaded, failed = self._then(self.handleLoaded), self._then(self.handleLoadFailed)
+        loaded, failed = self._then(self.machine.handleLoaded), self._then(self.machine.handleLoadFailed)
 
         def trouble(failure: Failure) -> None:
             report_failure(log, failure, "Titanic could not read pending requests")
@@ -724,13 +737,20 @@ class Dispatcher(DispatchMachine):
         self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
             lambda requests: loaded(requests, action.limit), trouble)
 
-    def _check(self, service: bytes) -> None:
+    def _ask(self, mmiService: bytes, service: bytes, answered: Callable[[list[bytes]], None],
+             failed: Callable[[Failure], None]) -> None:
+        """Ask the broker *mmiService* about *service*."""
+        d = self._track(self.client.request(mmiService, service, timeout=min(self.timeout, 5.0)))
+        d.addCallbacks(answered, failed)
+
+    def _check(self, action: CheckService) -> None:
         """Ask ``mmi.workers`` how many workers *service* has, and if none,
         ``mmi.service`` whether the broker still knows it; a broker without
         ``mmi.workers`` (``501``, or an answer that is not its listing) is
         asked ``mmi.service``, and the service's requests are then bound by
         *concurrency* alone."""
-        counted, checked = self._then(self.handleCounted), self._then(self.handleChecked)
+        service = action.service
+        counted, checked = self._then(self.machine.handleCounted), self._then(self.machine.handleChecked)
 
         def answered(reply: list[bytes]) -> None:
             workers = mmi.workers_listed(reply)
@@ -749,9 +769,7 @@ class Dispatcher(DispatchMachine):
             else:  # a listing over this client's limits, refused, ...: ask the short way
                 self._checkAvailable(service)
 
-        d = self._track(self.client.request(b"mmi.workers", service,
-                                            timeout=min(self.timeout, 5.0)))
-        d.addCallbacks(answered, failed)
+        self._ask(b"mmi.workers", service, answered, failed)
 
     def _checkLingering(self, service: bytes) -> None:
         """``mmi.workers`` counted no worker for *service*: ask ``mmi.service``
@@ -759,7 +777,7 @@ class Dispatcher(DispatchMachine):
         than the broker's linger ago) lets one request out to wait in the
         broker's queue; any other answer, or none, parks it as the count
         said."""
-        lingering, counted = self._then(self.handleLingering), self._then(self.handleCounted)
+        lingering, counted = self._then(self.machine.handleLingering), self._then(self.machine.handleCounted)
 
         def answered(reply: list[bytes]) -> None:
             if reply[:1] == [mmi.FOUND]:
@@ -771,12 +789,10 @@ class Dispatcher(DispatchMachine):
             if not failure.check(defer.CancelledError):
                 counted(service, 0)
 
-        d = self._track(self.client.request(b"mmi.service", service,
-                                            timeout=min(self.timeout, 5.0)))
-        d.addCallbacks(answered, failed)
+        self._ask(b"mmi.service", service, answered, failed)
 
     def _checkAvailable(self, service: bytes) -> None:
-        checked = self._then(self.handleChecked)
+        checked = self._then(self.machine.handleChecked)
 
         def answered(reply: list[bytes]) -> None:
             if reply[:1] == [b"501"]:  # a broker without MMI: send, and see
@@ -793,12 +809,11 @@ class Dispatcher(DispatchMachine):
             if not failure.check(defer.CancelledError):
                 checked(service, False, f"mmi.service failed: {failure.getErrorMessage()}")
 
-        d = self._track(self.client.request(b"mmi.service", service,
-                                            timeout=min(self.timeout, 5.0)))
-        d.addCallbacks(answered, failed)
+        self._ask(b"mmi.service", service, answered, failed)
 
-    def _dispatch(self, request: StoredRequest) -> None:
-        replied, failedFor = self._then(self.handleReply), self._then(self.handleFailed)
+    def _dispatch(self, action: Dispatch) -> None:
+        request = action.request
+        replied, failedFor = self._then(self.machine.handleReply), self._then(self.machine.handleFailed)
         parts: list[bytes] = []
         held = 0  # bytes in parts
         over = False  # the stream outgrew what a reply may be: answered 413, abandoned
@@ -862,8 +877,10 @@ class Dispatcher(DispatchMachine):
         calls.append(d)
         self._track(d).addCallbacks(final, failed)
 
-    def _storeReply(self, requestId: str, frames: list[bytes]) -> None:
-        stored, failed = self._then(self.handleReplyStored), self._then(self.handleStoreFailed)
+    def _storeReply(self, action: StoreReply) -> None:
+        requestId, frames = action.requestId, action.frames
+        machine = self.machine
+        stored, failed = self._then(machine.handleReplyStored), self._then(machine.handleStoreFailed)
 
         def trouble(failure: Failure) -> None:
             report_failure(log, failure, "Titanic could not store the reply to {id}", id=requestId)
@@ -872,11 +889,11 @@ class Dispatcher(DispatchMachine):
         self.store.complete(requestId, frames, self.reactor.seconds()).addCallbacks(
             lambda _: stored(requestId), trouble)
 
-    def _purge(self, before: float) -> None:
+    def _purge(self, action: Purge) -> None:
         def purged(count: int) -> None:
             if count:
                 log.info("Titanic purged {count} replies older than {keep:.0f} s",
-                         count=count, keep=self.keep)
+                         count=count, keep=self.machine.keep)
 
-        self.store.purge(before).addCallbacks(
+        self.store.purge(action.before).addCallbacks(
             purged, lambda f: report_failure(log, f, "Titanic could not purge old replies"))

@@ -1,29 +1,20 @@
 """Where Titanic keeps requests and replies: the store interface and two stores.
 
 * :class:`SQLiteStore` (the default): stdlib :mod:`sqlite3` in WAL mode with
-  ``synchronous=FULL``, so a request is on disk (its WAL frame fsynced) when
-  :meth:`~ITitanicStore.add` fires, and survives a killed process or a power
-  loss.  All database work runs on one writer thread of its own, so the
-  reactor never waits on the disk.  Writes that arrive while a commit is
-  under way are committed together in the next transaction (group commit:
-  one fsync for many requests); each write's Deferred fires once its
-  transaction is committed.  A file that is not a database, or fails
-  SQLite's ``quick_check``, refuses to open with :class:`~mdp.errors.StoreError`
-  naming the file: never silent loss.
-* :class:`MemoryStore`: the Guide's "faster and less reliable" mode; gone with
-  the process.
+  ``synchronous=FULL``, so a request is on disk when :meth:`~ITitanicStore.add`
+  fires.  All database work runs on one writer thread; writes that arrive
+  while a commit is under way are committed together in the next transaction
+  (one fsync for many).  A file that is not a database, fails SQLite's
+  ``quick_check`` or is another application's refuses to open with
+  :class:`~mdp.errors.StoreError`: never silent loss.
+* :class:`MemoryStore`: the Guide's "faster and less reliable" mode.
 
 Frames are kept as one blob each for the request and the reply, in the stream
-transport's record form (:func:`mdp.transport.framing.encode_record`), each with
-a CRC-32 (of the request's id, service and frames; of the reply): a byte
-changed on the disk inside a value passes SQLite's own checks, and without it
-a request could go out changed, or to another service, or (its id changed)
-run again and again under an id no client asks for.  A reply is stored in the
-row its request was read from (by its row number, not its id).  A stored value that fails its checksum
-is read back as damaged (a request is answered with an error, a reply fetch
-fails with :class:`~mdp.errors.StoreError`).  Rows stored before the checksums
-were added have none, and are read unchecked; requests stored before the id
-was checksummed are checked without it.
+transport's record form, each with a CRC-32 (of the request's id, service and
+frames; of the reply): SQLite's own checks do not look inside values, and a
+changed byte could send a request changed, elsewhere, or forever under an id
+no client asks for.  A value that fails its checksum is read back as damaged.
+Rows stored before the checksums have none and are read unchecked.
 """
 
 from __future__ import annotations
@@ -216,9 +207,6 @@ CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
-
-#: the columns of the requests table (a database holding another table of that
-#: name, or tables of its own, is someone else's: left as it is)
 #: Pending requests, oldest first, leaving out some services (by the hex of
 #: their names: a JSON parameter holds text) and some ids.
 _PENDING_BY_AGE = (
@@ -247,6 +235,7 @@ _PENDING_BY_SERVICE = (
 #: age order may take before it is made service by service instead.
 SCAN_BUDGET = 200
 
+#: the columns of Titanic's requests table (another one is someone else's: left as it is)
 _COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
             "request_crc", "reply_crc")
 #: the columns before the checksums: such a table gets them at open
@@ -328,24 +317,27 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
     no frames, so it is answered with an error rather than holding up the
     rest."""
     requestId, service, blob, created, crc = row
-    why = None
+    frames, why = _request_frames(requestId, service, blob, crc)
+    if isinstance(service, bytes) and isinstance(created, (int, float)) and frames:
+        return StoredRequest(requestId, service, frames, created)
+    log.error("Titanic store: the stored request {id} is damaged and cannot be read back{why}: "
+              "it is answered with an error", id=requestId, why=f" ({why})" if why else "")
+    return StoredRequest(requestId, service if isinstance(service, bytes) else b"", [],
+                         created if isinstance(created, (int, float)) else 0.0)
+
+
+def _request_frames(requestId: Any, service: Any, blob: Any,
+                    crc: Any) -> tuple[list[bytes], Optional[str]]:
+    """The frames of a stored request, or ``[]`` and (if known) why not."""
     if not _requestIntact(crc, requestId, service, blob):
-        why, frames = "its checksum does not match", []
-    else:
-        frames = _frames(blob)
+        return [], "its checksum does not match"
+    frames = _frames(blob)
     if isinstance(service, bytes) and frames:
         try:  # what titanic.request accepts (a file can hold anything)
             parse_request([service, *frames])
         except MalformedTitanicRequest as e:
-            why = str(e)
-    if (not isinstance(service, bytes) or not isinstance(created, (int, float)) or not frames
-            or why is not None):
-        log.error("Titanic store: the stored request {id} is damaged and cannot be read back"
-                  "{why}: it is answered with an error", id=requestId,
-                  why=f" ({why})" if why else "")
-        return StoredRequest(requestId, service if isinstance(service, bytes) else b"", [],
-                             created if isinstance(created, (int, float)) else 0.0)
-    return StoredRequest(requestId, service, frames, created)
+            return [], str(e)
+    return frames, None
 
 
 @implementer(ITitanicStore)
@@ -392,30 +384,8 @@ class SQLiteStore:
         db: Optional[sqlite3.Connection] = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if not check or check[0] != "ok":
-                raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
-            why = _foreign(db)  # before anything is written to it (WAL mode stays)
-            if why is not None:
-                raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
-                                 "left as it is")
-            if self.path != ":memory:":
-                mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-                if mode.lower() != "wal":
-                    raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
-            columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
-            if columns == _UNCHECKED_COLUMNS:  # a store from before the checksums
-                with db:
-                    db.execute("BEGIN IMMEDIATE")
-                    db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
-                    db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
-            # one real write: SQLite opens a file it may not write (a read-only
-            # mount, another owner) read-only without a word, and every request
-            # would then be refused after Titanic started
-            (version,) = db.execute("PRAGMA user_version").fetchone()
-            db.execute(f"PRAGMA user_version = {int(version)}")
+            self._refuseOthers(db)
+            self._prepare(db)
         except (sqlite3.Error, StoreError) as e:
             if db is not None:
                 db.close()
@@ -424,6 +394,37 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
         self._files = self._identities()
+
+    def _refuseOthers(self, db: sqlite3.Connection) -> None:
+        """A damaged file, or another application's database, is refused
+        before anything is written to it."""
+        check = db.execute("PRAGMA quick_check").fetchone()
+        if not check or check[0] != "ok":
+            raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
+        why = _foreign(db)
+        if why is not None:
+            raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
+                             "left as it is")
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        """WAL, full sync, the schema (with the checksum columns added to an
+        older table), and one real write: SQLite opens a file it may not
+        write (a read-only mount, another owner) read-only without a word,
+        and every request would then be refused after Titanic started."""
+        if self.path != ":memory:":
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
+        if columns == _UNCHECKED_COLUMNS:
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
+                db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        db.execute(f"PRAGMA user_version = {int(version)}")
 
     def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
         """The files this store uses, by name: the database, its WAL and the

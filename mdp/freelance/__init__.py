@@ -1,0 +1,583 @@
+"""Brokerless reliable request-reply: the Guide's Freelance pattern, models 1-3.
+
+Wire protocol (as the Guide's model 3): a client sends ``[b"PING"]``, a server
+answers ``[b"PONG"]``; a client sends ``[sequence, body...]``, a server answers
+``[sequence, reply...]``.  An error is answered with MDP's error body, so both
+patterns raise the same errors for the same codes: 500
+:class:`~mdp.errors.WorkerError` (the handler raised), 429
+:class:`~mdp.errors.ServiceOverloaded` (``maxPending`` requests or
+``maxPendingBytes`` in hand), 413 :class:`~mdp.errors.MessageTooLarge`.
+
+Clients, all with ``request(*frames, timeout=None, deadline=None) ->
+Deferred[list[bytes]]`` and ``close()``: ``timeout`` bounds **one attempt**,
+``deadline`` the **whole request** (``None``: no bound beyond the attempts).
+:class:`SequentialClient` (model 1) tries each server in turn, each on a
+fresh connection; :class:`ShotgunClient` (model 2) sends every request to all
+servers, the first reply wins; :class:`AgentClient` (model 3) keeps one
+connection to all servers, tells the live ones by PING/PONG heartbeats, and
+sends each attempt to one live server.
+
+Each client holds its model's machine (:mod:`mdp.freelance.machines`):
+events with their time in, actions out, no reactor, transport or Deferred;
+the client owns the timers, the connections and the Deferreds.
+docs/freelance.md has the transition table of each model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence, Union
+
+from twisted.internet import defer, task
+from twisted.internet.interfaces import IProtocolFactory
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp import messages, transport
+from mdp.errors import ClientClosed, RequestTooLarge, TransportError
+from mdp.freelance.machines import (
+    ATTEMPT,
+    DEADLINE,
+    PING,
+    PONG,
+    SERVICE,
+    Action,
+    AgentMachine,
+    Cancel,
+    ClosePipe,
+    ConnectPeer,
+    FreelanceMachine,
+    KnownServer,
+    Later,
+    OpenPipe,
+    Reject,
+    RequestState,
+    Resolve,
+    SendPeer,
+    SendPipe,
+    SequentialMachine,
+    ServerChanged,
+    ServerState,
+    ShotgunMachine,
+    _Call,
+    remote_error,
+)
+from mdp.handlers import call_handler
+from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
+from mdp.policy import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_PENDING_BYTES,
+    HeartbeatPolicy,
+    Limits,
+    LogThrottle,
+    cancel_call,
+    default_reactor,
+    held_bytes,
+    positive_seconds,
+)
+from mdp.transport.curve import curve_client, curve_server
+
+__all__ = ["ATTEMPT", "DEADLINE", "PING", "PONG", "SERVICE", "AgentClient", "AgentMachine",
+           "FreelanceMachine", "FreelanceServer", "KnownServer", "RequestState",
+           "SequentialClient", "SequentialMachine", "ServerState", "ShotgunClient",
+           "ShotgunMachine", "freelance_client", "remote_error"]
+
+log = Logger()
+
+Handler = Callable[[list[bytes]], Any]
+
+
+# --- server --------------------------------------------------------------------
+
+class FreelanceServer:
+    """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence,
+    handler(body)...]``.  The handler is as a worker's (frames in; frames, a
+    Deferred or a coroutine out).
+
+    One server may listen on several endpoints; each bound transport gets its
+    own :class:`~mdp.interfaces.IRouterReceiver` (a ``_Binding``) that hands
+    its messages to :meth:`received` with the transport to answer on."""
+
+    def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
+                 maxPending: int = DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 metrics: Optional[Any] = None, curveSecret: Optional[str] = None,
+                 curveAllow: Optional[str] = None) -> None:
+        self.handler = handler
+        #: the key pair and allow-list of its zmq: endpoints (docs/security.md)
+        self.curve = curve_server(curveSecret, curveAllow)
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.maxPending = maxPending
+        self.maxPendingBytes = maxPendingBytes
+        self.throttle = LogThrottle(self.reactor)
+        self.transports: list[Any] = []
+        self.served = 0
+        self.refused = 0  # requests answered 429
+        self.pending = 0  # requests being handled
+        self.pendingBytes = 0
+        #: a :class:`mdp.metrics.FreelanceMetrics` (or None)
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self)
+
+    def listen(self, endpoint: str) -> defer.Deferred:
+        """Bind *endpoint*; fires with the transport (its ``endpoint`` is the
+        string clients connect to).  A malformed endpoint raises
+        :class:`~mdp.errors.TransportError` at once; a failure to bind fails
+        the Deferred."""
+
+        binding = _Binding(self)
+
+        def bound(routerTransport: Any) -> Any:
+            binding.transport = routerTransport
+            self.transports.append(routerTransport)
+            log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
+            return routerTransport
+
+        security = transport.curve_listen_for(endpoint, self.curve)
+        transport.warn_if_open(endpoint, security, "Freelance server")
+        return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
+                                security=security).addCallback(bound)
+
+    def streamFactory(self) -> IProtocolFactory:
+        """This server as a plain Twisted :class:`IProtocolFactory` speaking
+        the stream transports' framing, for listening with an endpoint, a TLS
+        wrapper or an ``Application`` of one's own (``listen`` binds an
+        endpoint string instead).  Clients reach it as ``tcp:host=H:port=P``
+        (or ``unix:``, ``tls:``, ...).  The same limits apply; :meth:`close`
+        drops its connections, stopping the listening port is the caller's.
+        """
+        from mdp.transport.stream import StreamRouter
+
+        binding = _Binding(self)
+        router = StreamRouter(binding, self.reactor, limits=self.limits)
+        binding.transport = router
+        self.transports.append(router)
+        return router.factory()
+
+    def close(self) -> defer.Deferred:
+        """Close every transport: stop listening, drop every client."""
+        transports, self.transports = self.transports, []
+        return transport.close_all(transports, "a Freelance server listener")
+
+    def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
+        """A message from *peer* on *routerTransport* (see the server's table
+        in docs/freelance.md)."""
+        metrics = self.metrics
+        if frames == [PING]:
+            routerTransport.sendMessage(peer, [PONG])
+            if metrics is not None:
+                metrics.pings.inc()
+            return
+        if len(frames) < 2:
+            if metrics is not None:
+                metrics.rejected.inc()
+            self.throttle.warn(log, "invalid", "Freelance server dropped a {count}-frame message "
+                               "from {peer}, and its connection: neither PING nor "
+                               "[sequence, body...]", count=len(frames), peer=peer.hex())
+            routerTransport.disconnectPeer(peer)
+            return
+        sequence, body = frames[0], frames[1:]
+        size = held_bytes(body)
+        if metrics is not None:
+            metrics.requests.inc()
+        if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
+            self.refused += 1
+            if metrics is not None:
+                metrics.refused.inc()
+            self.throttle.warn(log, "overloaded", "Freelance server refused a request from {peer}: "
+                               "{pending} requests ({bytes} bytes) already in hand",
+                               peer=peer.hex(), pending=self.pending, bytes=self.pendingBytes)
+            routerTransport.sendMessage(peer, [sequence, *error_body(
+                STATUS_OVERLOADED, f"server busy: {self.pending} requests in hand")])
+            return
+        self.pending += 1
+        self.pendingBytes += size
+        started = self.reactor.seconds()
+        outcome: list[str] = []
+
+        def failed(failure: Any) -> list[bytes]:
+            log.failure("Freelance handler failed", failure)
+            outcome.append("error")
+            return error_body(STATUS_WORKER_ERROR,
+                                    f"{failure.type.__name__}: {failure.getErrorMessage()}")
+
+        def reply(replyFrames: list[bytes]) -> None:
+            self.pending -= 1
+            self.pendingBytes -= size
+            message = [sequence, *replyFrames]
+            tooLarge = self.limits.refuse(message)
+            if tooLarge is not None:
+                self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
+                                   "too large ({reason})", reason=tooLarge)
+                message = [sequence, *error_body(STATUS_TOO_LARGE,
+                                                 f"reply too large to send: {tooLarge}")]
+                outcome.append("too-large")
+            self.served += 1
+            if metrics is not None:
+                metrics.handlerSeconds.observe(self.reactor.seconds() - started)
+                if outcome:  # one reason per request: what the client got
+                    metrics.failures.labels(outcome[-1]).inc()
+            routerTransport.sendMessage(peer, message)
+
+        call_handler(self.handler, body).addErrback(failed).addCallback(reply)
+
+
+@implementer(IRouterReceiver)
+class _Binding:
+    """The receiver of one bound transport of a :class:`FreelanceServer`."""
+
+    def __init__(self, server: FreelanceServer) -> None:
+        self.server = server
+        self.transport: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.transport is not None:
+            self.server.received(self.transport, peer, frames)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        pass
+
+
+# --- shared client plumbing ------------------------------------------------------
+
+#: Defaults: seconds per attempt (``timeout``) and for the whole request
+#: (``deadline``; ``None``: no bound beyond the attempts) of each model.
+SEQUENTIAL_TIMEOUT, SEQUENTIAL_DEADLINE = 1.0, 30.0
+SHOTGUN_TIMEOUT = 3.0
+AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
+
+# --- the drivers ---------------------------------------------------------------------
+
+@implementer(IDealerReceiver)
+class _Pipe:
+    """A connection to one server whose replies go to the client's machine
+    (model 1: one per attempt; model 2: one per server).  If no socket can be
+    had (the process out of descriptors), that is logged and the next send
+    tries again: meanwhile what is sent there goes unanswered, as to a
+    server that is down, and the request moves on at its attempt's end."""
+
+    def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
+        self.client = client
+        self.endpoint = endpoint
+        self.security = transport.curve_for(endpoint, client.curve)
+        self.transport: Any = None
+        self.closed = False
+        self._open()
+
+    def _open(self) -> bool:
+        client, endpoint = self.client, self.endpoint
+        try:
+            self.transport = transport.connect(endpoint, self, client.reactor,
+                                               security=self.security, limits=client.limits)
+        except TransportError as e:  # no socket to be had (out of descriptors)
+            client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
+                                 "it sends there goes unanswered until a connection opens",
+                                 error=e)
+            return False
+        return True
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.transport is not None or (not self.closed and self._open()):
+            self.transport.sendMessage(frames)
+
+    def close(self) -> defer.Deferred[None]:
+        closing, self.transport = self.transport, None
+        self.closed = True
+        return defer.succeed(None) if closing is None else closing.close()
+
+    def connectionMade(self) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        client = self.client
+        client._perform(client.machine.handleReply(frames, client.reactor.seconds(),
+                                                   self.endpoint))
+
+
+class _FreelanceClient:
+    """The driver the three models share: it holds the model's machine, owns
+    the Deferreds, the timers of each request and the connections, and does
+    what the machine asks.  *limits* are the message limits of its
+    connections (a request over them raises RequestTooLarge at once); the
+    CURVE keys are for its ``zmq:`` servers (every one shares the key pair)."""
+
+    def __init__(self, machine: FreelanceMachine, endpoints: Union[str, Sequence[str]],
+                 reactor: Optional[Any], curveServerPublic: Optional[str],
+                 curveSecret: Optional[str], limits: Limits) -> None:
+        self.machine = machine
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.curve = curve_client(curveServerPublic, curveSecret)
+        self.throttle = LogThrottle(self.reactor)
+        self.router = self._connectRouter()
+        self.pipes: dict[Any, _Pipe] = {}
+        self._timers: dict[tuple[bytes, str], Any] = {}
+        self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
+        #: how each action is done (a closing pipe's returns the Deferred of its close)
+        self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
+            Later: self._arm, Cancel: self._disarm, SendPeer: self._sendPeer,
+            SendPipe: self._sendPipe, Resolve: self._resolve, Reject: self._reject,
+            OpenPipe: self._openPipe, ClosePipe: self._closePipe,
+            ConnectPeer: self._connectPeer, ServerChanged: self._logServer}
+        listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
+        #: the endpoints of the servers added, in order
+        self.added: list[str] = []
+        if listed:  # the list as a whole: one zmq: server among them uses the keys
+            transport.check_curve_client(listed, self.curve)
+        for endpoint in listed:
+            self._add(endpoint)
+
+    def _connectRouter(self) -> Any:
+        """The connecting router of model 3 (the others have none)."""
+        return None
+
+    @property
+    def timeout(self) -> float:
+        """Seconds one attempt may take (the default of each request)."""
+        return self.machine.timeout
+
+    @property
+    def deadline(self) -> Optional[float]:
+        """Seconds a whole request may take (``None``: no bound beyond its attempts)."""
+        return self.machine.deadline
+
+    def connect(self, endpoint: str) -> None:
+        """Add a server (:class:`~mdp.errors.TransportError` at once for a
+        malformed endpoint; ``ValueError`` for CURVE keys and no ``zmq:``
+        server to use them)."""
+        if self.machine.closed:
+            raise ClientClosed("client is closed")
+        transport.check(endpoint, transport.CONNECT)
+        # keys no server would use (it would talk in the clear), or a
+        # session+zmq: one, which cannot have them: ValueError, TransportError
+        transport.check_curve_client([*self.added, endpoint], self.curve)
+        self._add(endpoint)
+
+    def _add(self, endpoint: str) -> None:
+        if endpoint not in self.added:
+            self.added.append(endpoint)
+        self._perform(self.machine.handleConnect(endpoint, self.reactor.seconds()))
+
+    def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
+                deadline: Optional[float] = None) -> defer.Deferred:
+        """Send a request; the Deferred fires with the reply body frames.
+
+        *timeout* (seconds one attempt may take) and *deadline* (seconds the
+        whole request may take) override the client's own for this request.
+        Errors: :class:`~mdp.errors.RequestTimeout`,
+        :class:`~mdp.errors.NoServerAvailable`, the remote errors of a server
+        (:class:`~mdp.errors.WorkerError`, ...),
+        :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
+        request (a late reply is dropped).  Frames are bytes or str (UTF-8);
+        anything else raises TypeError at once, no frame ValueError."""
+        body = messages.request_frames(frames)
+        # the sequence frame counted at its longest: a server's transport
+        # would drop the connection, and every request on it, for one over
+        tooLarge = self.limits.refuse([b"0" * 20, *body])
+        if tooLarge is not None:
+            raise RequestTooLarge(f"Freelance request not sent: {tooLarge}")
+        machine = self.machine
+        timeout = machine.timeout if timeout is None else positive_seconds("timeout", timeout)
+        deadline = machine.deadline if deadline is None else positive_seconds("deadline", deadline)
+        refusal = machine.refusal()
+        if refusal is not None:
+            return defer.fail(refusal)
+        call = machine.newCall(body, timeout, deadline)
+
+        def cancel(d: defer.Deferred[list[bytes]]) -> None:
+            self._deferreds.pop(call.sequence, None)
+            self._perform(machine.handleCancel(call, self.reactor.seconds()))
+
+        d = self._deferreds[call.sequence] = defer.Deferred(cancel)
+        self._perform(machine.handleRequest(call, self.reactor.seconds()))
+        return d
+
+    def close(self) -> defer.Deferred:
+        """Fail every pending request with :class:`~mdp.errors.ClientClosed`
+        and close the connections."""
+        closing = self._perform(self.machine.handleClose(self.reactor.seconds()))
+        # every request is DONE and its timers cancelled; none is armed again
+        # once closed, but none is left behind whatever happened before
+        timers, self._timers = self._timers, {}
+        for timer in timers.values():
+            cancel_call(timer)
+        return defer.DeferredList(closing).addCallback(lambda _: None)
+
+    def _fire(self, call: _Call, kind: str) -> None:
+        self._timers.pop((call.sequence, kind), None)
+        self._perform(self.machine.handleTimer(call, kind, self.reactor.seconds()))
+
+    def _stale(self, call: Optional[_Call]) -> bool:
+        """Is an action for *call* (None: for no request) no longer to be
+        done?  A caller's callback run by an earlier action of the same
+        event may have cancelled that request, or closed the client."""
+        return self.machine.closed or (call is not None and call.state is RequestState.DONE)
+
+    def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
+        """Do what the machine asked, in order; returns the closings of the
+        pipes it closed.  What a caller's callback does meanwhile (a cancel,
+        close, a new request) is a new event, handled at once: the actions
+        left over that would send, open or arm a timer for a request it
+        ended, or for a client it closed, are skipped (see :meth:`_stale`)."""
+        closing = []
+        for action in actions:
+            closed = self._performers[type(action)](action)
+            if closed is not None:
+                closing.append(closed)
+        return closing
+
+    def _arm(self, action: Later) -> None:
+        call = action.call
+        if not self._stale(call):
+            key = (call.sequence, action.kind)
+            cancel_call(self._timers.get(key))
+            self._timers[key] = self.reactor.callLater(action.delay, self._fire, call,
+                                                       action.kind)
+
+    def _disarm(self, action: Cancel) -> None:
+        cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
+
+    def _sendPeer(self, action: SendPeer) -> None:
+        if not self._stale(action.call):
+            self.router.sendMessage(action.endpoint, action.frames)
+
+    def _sendPipe(self, action: SendPipe) -> None:
+        pipe = self.pipes.get(action.key)
+        if pipe is not None and not self._stale(action.call):
+            pipe.send(action.frames)
+
+    def _resolve(self, action: Resolve) -> None:
+        d = self._deferreds.pop(action.call.sequence, None)
+        if d is not None and not d.called:  # (cancelled by a callback of another)
+            d.callback(action.frames)
+
+    def _reject(self, action: Reject) -> None:
+        d = self._deferreds.pop(action.call.sequence, None)
+        if d is not None and not d.called:
+            d.errback(action.error)
+
+    def _openPipe(self, action: OpenPipe) -> None:
+        if not self._stale(action.call):
+            self.pipes[action.key] = _Pipe(self, action.endpoint)
+
+    def _closePipe(self, action: ClosePipe) -> Optional[defer.Deferred[None]]:
+        pipe = self.pipes.pop(action.key, None)
+        if pipe is None:
+            return None
+        return transport.close_all([pipe], "a Freelance client connection")
+
+    def _connectPeer(self, action: ConnectPeer) -> None:
+        if not self.machine.closed:
+            self.router.connect(action.endpoint)
+
+    def _logServer(self, action: ServerChanged) -> None:
+        if action.state is ServerState.ALIVE:
+            log.info("Freelance server {endpoint} is alive", endpoint=action.endpoint)
+        elif action.state is ServerState.DEAD:
+            log.warn("Freelance server {endpoint} is dead", endpoint=action.endpoint)
+
+
+class SequentialClient(_FreelanceClient):
+    """Model 1: try each server in turn, in list order, each attempt on a
+    fresh connection with *timeout* seconds; :class:`RequestTimeout` after
+    every server was tried once, or after *deadline* seconds in all
+    (``None``: no bound beyond the round), whichever comes first."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 *, timeout: float = SEQUENTIAL_TIMEOUT,
+                 deadline: Optional[float] = SEQUENTIAL_DEADLINE,
+                 curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
+        super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor,
+                         curveServerPublic, curveSecret, limits)
+
+
+class ShotgunClient(_FreelanceClient):
+    """Model 2: send every request to all servers; the first reply wins.  The
+    one round is the only attempt: :class:`RequestTimeout` after *timeout*
+    seconds (or *deadline*, if given and shorter)."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None,
+                 curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
+        super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor,
+                         curveServerPublic, curveSecret, limits)
+
+    @property
+    def links(self) -> dict[str, _Pipe]:
+        """The connection to each server."""
+        return dict(self.pipes)
+
+
+@implementer(IPeerRouterReceiver)
+class AgentClient(_FreelanceClient):
+    """Model 3, the full agent: PINGs every server
+    each ``heartbeat.interval`` and counts one silent for ``heartbeat.expiry``
+    as dead; each attempt goes to one live server and has *timeout* seconds;
+    *deadline* bounds the request in all (``None``: until answered or every
+    server is dead)."""
+
+    machine: AgentMachine
+
+    def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
+                 *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
+                 timeout: float = AGENT_TIMEOUT,
+                 deadline: Optional[float] = AGENT_DEADLINE,
+                 curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
+        super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor,
+                         curveServerPublic, curveSecret, limits)
+        self._ticker = task.LoopingCall(self.tick)
+        self._ticker.clock = self.reactor
+        self._ticker.start(self.machine.wakeEvery, now=False)
+
+    def _connectRouter(self) -> Any:
+        return transport.connect_peers(self, self.reactor, security=self.curve,
+                                       limits=self.limits)
+
+    @property
+    def heartbeat(self) -> HeartbeatPolicy:
+        return self.machine.heartbeat
+
+    @property
+    def servers(self) -> OrderedDict[str, KnownServer]:
+        """What the agent knows of each server, by endpoint."""
+        return self.machine.servers
+
+    def live(self) -> list[str]:
+        """The endpoints of the ALIVE servers, in the order they were added."""
+        return self.machine.live()
+
+    def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:
+        """A PONG or a reply from the server at *endpoint*."""
+        self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))
+
+    def tick(self) -> None:
+        try:
+            self._perform(self.machine.handleTick(self.reactor.seconds()))
+        except Exception:  # the heartbeat must go on (a caller's callback raised)
+            log.failure("Freelance agent: its tick failed")
+
+    def close(self) -> defer.Deferred:
+        super().close()
+        if self._ticker.running:
+            self._ticker.stop()
+        return self.router.close()
+
+
+def freelance_client(endpoints: Union[str, Sequence[str]], model: int = 3,
+                     reactor: Optional[Any] = None, **options: Any) -> _FreelanceClient:
+    """A Freelance client of the Guide's *model* (1, 2 or 3); *options* are
+    the constructor's (``timeout``, ``deadline``, ``curveServerPublic``,
+    ``curveSecret``, ``limits``; ``heartbeat`` for model 3)."""
+    kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
+    if model not in kinds:
+        raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")
+    return kinds[model](endpoints, reactor, **options)

@@ -1,0 +1,546 @@
+"""The Freelance clients' decisions, one machine per model: events with their
+time in, actions out; no reactor, no transport, no Deferred (docs/freelance.md
+has their tables)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import attrs
+
+from mdp import messages
+from mdp.errors import ClientClosed, NoServerAvailable, RemoteError, RequestTimeout, ServiceOverloaded
+from mdp.machine import Machine, action_class
+from mdp.policy import EndpointRotation, HeartbeatPolicy, Liveness, positive_seconds
+
+PING = b"PING"
+PONG = b"PONG"
+SERVICE = b"freelance"  # what RequestTimeout names
+
+
+class RequestState(enum.Enum):
+    """Where a client's request is."""
+
+    #: accepted, not sent: no server to send it to yet (model 3 only)
+    WAITING = "waiting"
+    #: an attempt is out (to ``call.server``, or to every server in model 2)
+    #: and its timer runs
+    SENT = "sent"
+    #: answered, failed, timed out, cancelled or closed: forgotten; a late
+    #: reply with its sequence number is dropped
+    DONE = "done"
+
+
+class ServerState(enum.Enum):
+    """What the agent (model 3) believes of one server."""
+
+    #: added, not heard from yet: PINGed, gets no requests
+    UNKNOWN = "unknown"
+    #: heard from within ``heartbeat.expiry``: gets requests
+    ALIVE = "alive"
+    #: let an attempt time out: no new requests until it speaks again
+    SUSPECT = "suspect"
+    #: silent for longer than ``heartbeat.expiry``: still PINGed, no requests
+    DEAD = "dead"
+
+
+# --- error replies: [sequence, *messages.error_body(code, message)] ------------------
+
+
+def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
+    """The error a reply body stands for (a :class:`~mdp.errors.RemoteError`
+    subclass by its code), or ``None`` for an ordinary reply."""
+    return messages.remote_error(SERVICE, body)
+
+
+
+class _Call:
+    """One request: its attempts and where it is."""
+
+    __slots__ = ("sequence", "body", "state", "startedAt", "timeout", "deadline",
+                 "attempts", "tried", "server", "rotation", "refusals")
+
+    def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
+                 deadline: Optional[float]) -> None:
+        self.sequence = sequence
+        self.body = body
+        self.startedAt = startedAt
+        self.timeout = timeout  # seconds per attempt
+        self.deadline = deadline  # seconds for the whole request, or None
+        self.state = RequestState.WAITING  # until the model sends it
+        self.attempts = 0
+        self.tried: list[str] = []  # model 3: servers tried in this round
+        self.server: Optional[str] = None  # where the current attempt went
+        self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
+        self.refusals: set[Any] = set()  # model 2: servers that answered 429 this round
+
+
+# --- what a client machine asks its driver to do ----------------------------------------
+
+DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
+
+
+@action_class
+class Later:
+    """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing that
+    timer of *call* if it is pending)."""
+
+    call: _Call
+    kind: str
+    delay: float
+
+
+@action_class
+class Cancel:
+    """Forget that timer of *call*, if pending."""
+
+    call: _Call
+    kind: str
+
+
+def _for_call() -> Any:
+    """The field of a send (or of a pipe) made for one request: the driver
+    skips it if that request is DONE by then (a caller's callback run by an
+    earlier action of the same event cancelled it).  Not compared: actions
+    are equal whoever they were made for."""
+    return attrs.field(default=None, eq=False, repr=False)
+
+
+@action_class
+class OpenPipe:
+    """Open a connection to *endpoint*, known as *key*; its messages come back
+    through ``handleReply``."""
+
+    key: Any
+    endpoint: str
+    #: the request it is opened for (model 1), or None
+    call: Optional[_Call] = _for_call()
+
+
+@action_class
+class ClosePipe:
+    key: Any
+
+
+@action_class
+class SendPipe:
+    key: Any
+    frames: list[bytes]
+    #: the request sent
+    call: Optional[_Call] = _for_call()
+
+
+@action_class
+class ConnectPeer:
+    """Add *endpoint* to the connecting router (model 3)."""
+
+    endpoint: str
+
+
+@action_class
+class SendPeer:
+    """Send *frames* to the server at *endpoint* through the router (model 3)."""
+
+    endpoint: str
+    frames: list[bytes]
+    #: the request sent, or None (a PING)
+    call: Optional[_Call] = _for_call()
+
+
+@action_class
+class Resolve:
+    """Fire the Deferred of *call* with *frames*."""
+
+    call: _Call
+    frames: list[bytes]
+
+
+@action_class
+class Reject:
+    """Fail the Deferred of *call* with *error*."""
+
+    call: _Call
+    error: BaseException
+
+
+@action_class
+class ServerChanged:
+    """The agent's view of the server at *endpoint* is now *state* (model 3)."""
+
+    endpoint: str
+    state: ServerState
+
+
+Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
+
+
+class FreelanceMachine(Machine):
+    """What the three models decide alike (sequence numbers, pending
+    requests, the deadline, replies, close), with no reactor, no transport and
+    no Deferred: ``handle*`` events with their time in, actions out.  The
+    models add their own rules; each client class drives its machine."""
+
+    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
+        super().__init__(now)
+        self.timeout = positive_seconds("timeout", timeout)
+        self.deadline = None if deadline is None else positive_seconds("deadline", deadline)
+        self.endpoints: list[str] = []
+        self.pending: dict[bytes, _Call] = {}
+        self._sequence = itertools.count(1)
+        #: new requests and servers are refused
+        self.closed = False
+
+    def refusal(self) -> Optional[Exception]:
+        """Why a new request fails at once, if it does."""
+        if self.closed:
+            return ClientClosed("client is closed")
+        if not self.endpoints:
+            return NoServerAvailable("no Freelance server configured")
+        return None
+
+    def newCall(self, body: list[bytes], timeout: float, deadline: Optional[float]) -> _Call:
+        """A request with the next sequence number, starting now."""
+        return _Call(str(next(self._sequence)).encode(), body, self.now, timeout, deadline)
+
+    # --- events ------------------------------------------------------------------
+
+    def handleConnect(self, endpoint: str, now: float) -> list[Action]:
+        """A server to use (already checked)."""
+        self.now = now
+        if endpoint not in self.endpoints:
+            self.endpoints.append(endpoint)
+        self._connected(endpoint)
+        return self._drain()
+
+    def handleRequest(self, call: _Call, now: float) -> list[Action]:
+        """Start *call* (made by :meth:`newCall`; :meth:`refusal` said yes)."""
+        self.now = call.startedAt = now
+        self.pending[call.sequence] = call
+        if call.deadline is not None:
+            self._outbox.append(Later(call, DEADLINE, call.deadline))
+        self._start(call)
+        return self._drain()
+
+    def handleReply(self, frames: list[bytes], now: float,
+                    endpoint: Optional[str] = None) -> list[Action]:
+        """A ``[sequence, reply...]`` arrived (from the server at *endpoint*,
+        where the driver knows it); stale or unknown ones are dropped."""
+        self.now = now
+        self._reply(frames, endpoint)
+        return self._drain()
+
+    def handleTimer(self, call: _Call, kind: str, now: float) -> list[Action]:
+        self.now = now
+        if call.state is not RequestState.DONE:
+            if kind == DEADLINE:
+                self._expired(call)
+            else:
+                self._attemptOver(call)
+        return self._drain()
+
+    def handleCancel(self, call: _Call, now: float) -> list[Action]:
+        """The caller cancelled *call*: forget it (a late reply is dropped)."""
+        self.now = now
+        self._finish(call)
+        return self._drain()
+
+    def handleClose(self, now: float) -> list[Action]:
+        """Fail every pending request with ClientClosed."""
+        self.now = now
+        self.closed = True
+        for call in list(self.pending.values()):
+            self._fail(call, ClientClosed("client closed"))
+        return self._drain()
+
+    # --- decisions -----------------------------------------------------------------
+
+    def _connected(self, endpoint: str) -> None:
+        """A model's own work for a new server."""
+
+    def _start(self, call: _Call) -> None:
+        raise NotImplementedError
+
+    def _attemptOver(self, call: _Call) -> None:
+        raise NotImplementedError
+
+    def _finish(self, call: _Call) -> bool:
+        """*call* is DONE: forget it; False if it already was."""
+        if call.state is RequestState.DONE:
+            return False
+        call.state = RequestState.DONE
+        del self.pending[call.sequence]
+        self._outbox.append(Cancel(call, DEADLINE))
+        self._outbox.append(Cancel(call, ATTEMPT))
+        return True
+
+    def _expired(self, call: _Call) -> None:
+        """The deadline, or the last attempt, ran out."""
+        self._fail(call, RequestTimeout(SERVICE, call.attempts, self.now - call.startedAt))
+
+    def _fail(self, call: _Call, error: Exception) -> None:
+        if self._finish(call):
+            self._outbox.append(Reject(call, error))
+
+    def _reply(self, frames: list[bytes], endpoint: Optional[str] = None) -> bool:
+        """A reply; True if it was a 429 for a pending request (the server
+        is busy: nothing ran there, and another may serve it)."""
+        if len(frames) < 2:
+            return False
+        call = self.pending.get(frames[0])  # DONE requests are not pending
+        if call is None or call.state is RequestState.DONE:
+            return False
+        body = frames[1:]
+        error = remote_error(body)
+        if isinstance(error, ServiceOverloaded):
+            self._overloaded(call, error, endpoint)
+            return True
+        if self._finish(call):
+            self._outbox.append(Resolve(call, body) if error is None else Reject(call, error))
+        return False
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        """A server answered *call* 429 (nothing ran): a model tries another
+        server where it has one; this is the answer where not."""
+        self._fail(call, error)
+
+
+class SequentialMachine(FreelanceMachine):
+    """Model 1's rules: each server in turn, each attempt on a fresh pipe."""
+
+    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
+        super().__init__(timeout, deadline, now)
+        self.attempts: dict[bytes, str] = {}  # the open pipe of each request, by sequence
+
+    def _start(self, call: _Call) -> None:
+        call.rotation = EndpointRotation(self.endpoints)
+        self._next(call)
+
+    def _attemptOver(self, call: _Call) -> None:
+        self._next(call)
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        rotation = call.rotation
+        if rotation is not None and call.attempts < len(rotation):
+            self._next(call)  # the next server, at once
+        else:
+            self._fail(call, error)
+
+    def _next(self, call: _Call) -> None:
+        self._drop(call)
+        rotation = call.rotation
+        assert rotation is not None
+        if call.attempts >= len(rotation):
+            self._expired(call)
+            return
+        endpoint = rotation.current if call.attempts == 0 else rotation.advance()
+        call.attempts += 1
+        call.server = endpoint
+        call.state = RequestState.SENT
+        self.attempts[call.sequence] = endpoint
+        self._outbox.append(OpenPipe(call.sequence, endpoint, call))
+        self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body], call))
+        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+
+    def _drop(self, call: _Call) -> None:
+        if self.attempts.pop(call.sequence, None) is not None:
+            self._outbox.append(ClosePipe(call.sequence))
+
+    def _finish(self, call: _Call) -> bool:
+        finished = super()._finish(call)
+        self._drop(call)
+        return finished
+
+
+class ShotgunMachine(FreelanceMachine):
+    """Model 2's rules: one pipe per server, every request to all."""
+
+    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
+        super().__init__(timeout, deadline, now)
+        self.linked: list[str] = []  # servers with a pipe open
+
+    def _connected(self, endpoint: str) -> None:
+        if endpoint not in self.linked:
+            self.linked.append(endpoint)
+            self._outbox.append(OpenPipe(endpoint, endpoint))
+
+    def _start(self, call: _Call) -> None:
+        call.attempts = len(self.linked)
+        call.refusals = set()
+        call.state = RequestState.SENT
+        for endpoint in self.linked:
+            self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
+        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+
+    def _attemptOver(self, call: _Call) -> None:
+        self._expired(call)
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        # the answer only once every server said so: counted by server, so
+        # that one server's 429 sent twice does not speak for another (a
+        # reply of unknown origin counts on its own)
+        call.refusals.add(object() if endpoint is None else endpoint)
+        if len(call.refusals) >= call.attempts:
+            self._fail(call, error)
+
+    def handleClose(self, now: float) -> list[Action]:
+        actions = super().handleClose(now)
+        linked, self.linked = self.linked, []
+        return actions + [ClosePipe(endpoint) for endpoint in linked]
+
+
+class KnownServer:
+    """What the agent knows of one server: its :class:`ServerState` and when
+    it was last heard from (since it was added, if never)."""
+
+    __slots__ = ("endpoint", "state", "liveness")
+
+    def __init__(self, endpoint: str, liveness: Liveness) -> None:
+        self.endpoint = endpoint
+        self.state = ServerState.UNKNOWN
+        self.liveness = liveness
+
+
+class AgentMachine(FreelanceMachine):
+    """Model 3's rules (its tables are in docs/freelance.md): PING every
+    ``heartbeat.interval`` (:meth:`handleTick`, every ``wakeEvery`` seconds),
+    requests only to ALIVE servers."""
+
+    def __init__(self, heartbeat: HeartbeatPolicy, timeout: float, deadline: Optional[float],
+                 now: float = 0.0) -> None:
+        if not isinstance(heartbeat, HeartbeatPolicy):
+            raise TypeError(f"heartbeat is a HeartbeatPolicy, not {type(heartbeat).__name__}")
+        super().__init__(timeout, deadline, now)
+        self.heartbeat = heartbeat
+        self.servers: OrderedDict[str, KnownServer] = OrderedDict()
+        self.waiting: list[_Call] = []  # WAITING requests, oldest first
+
+    @property
+    def wakeEvery(self) -> float:
+        return self.heartbeat.interval
+
+    def live(self) -> list[str]:
+        """The endpoints of the ALIVE servers, in the order they were added."""
+        return [s.endpoint for s in self.servers.values() if s.state is ServerState.ALIVE]
+
+    def _allDead(self) -> bool:
+        return bool(self.servers) and all(s.state is ServerState.DEAD
+                                          for s in self.servers.values())
+
+    def refusal(self) -> Optional[Exception]:
+        if not self.closed and self._allDead():
+            return NoServerAvailable(
+                f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
+        return super().refusal()
+
+    # --- events
+    def handleMessage(self, endpoint: str, frames: list[bytes], now: float) -> list[Action]:
+        """A PONG or a reply from the server at *endpoint*: it is ALIVE."""
+        self.now = now
+        server = self.servers.get(endpoint)
+        if server is not None:
+            server.liveness.heard(now)
+            # the reply first: the request it answers is no longer waiting
+            # when the server's coming back sends what waits
+            if frames == [PONG] or not self._reply(frames, endpoint):
+                self._becomes(server, ServerState.ALIVE)
+        return self._drain()
+
+    def handleTick(self, now: float) -> list[Action]:
+        """Every ``heartbeat.interval``: servers silent for longer than
+        ``heartbeat.expiry`` become DEAD; PING every server; if every one is
+        DEAD, fail what is pending with NoServerAvailable."""
+        self.now = now
+        for server in list(self.servers.values()):
+            if server.state is not ServerState.DEAD and server.liveness.dead(now):
+                self._becomes(server, ServerState.DEAD)
+            self._ping(server)
+        if self._allDead():
+            for call in list(self.pending.values()):
+                self._fail(call, NoServerAvailable("every Freelance server is dead"))
+        return self._drain()
+
+    # --- decisions
+    def _connected(self, endpoint: str) -> None:
+        if endpoint not in self.servers:
+            server = self.servers[endpoint] = KnownServer(endpoint,
+                                                          Liveness(self.heartbeat, self.now))
+            self._outbox.append(ConnectPeer(endpoint))
+            self._ping(server)
+
+    def _ping(self, server: KnownServer) -> None:
+        self._outbox.append(SendPeer(server.endpoint, [PING]))
+        server.liveness.sent(self.now)
+
+    def _becomes(self, server: KnownServer, state: ServerState) -> None:
+        """Move *server* to *state* and do what that entails."""
+        if server.state is state:
+            return
+        server.state = state
+        self._emit(ServerChanged(server.endpoint, state))
+        if state is ServerState.ALIVE:
+            waiting, self.waiting = self.waiting, []
+            for call in waiting:
+                self._send(call)
+        elif state is ServerState.DEAD:
+            for call in list(self.pending.values()):
+                if call.state is RequestState.SENT and call.server == server.endpoint:
+                    self._send(call)  # do not wait for its attempt to time out
+
+    def _start(self, call: _Call) -> None:
+        self._send(call)
+
+    def _send(self, call: _Call) -> None:
+        """Send *call* to the first live server it has not tried this round
+        (all tried: a new round, from the first live one); none: WAITING."""
+        self._outbox.append(Cancel(call, ATTEMPT))
+        live = self.live()
+        if not live:
+            call.state = RequestState.WAITING
+            self.waiting.append(call)
+            return
+        fresh = [e for e in live if e not in call.tried]
+        if not fresh:
+            call.tried = []
+        endpoint = (fresh or live)[0]
+        call.tried.append(endpoint)
+        call.server = endpoint
+        call.attempts += 1
+        call.state = RequestState.SENT
+        self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body], call))
+        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+
+    def _overloaded(self, call: _Call, error: ServiceOverloaded,
+                    endpoint: Optional[str]) -> None:
+        """A 429: its server, if ALIVE, becomes SUSPECT (no new requests
+        until it answers a PING), and the request goes to a live server not
+        tried this round; none: the 429 is the answer."""
+        self._suspect(endpoint)
+        if call.state is not RequestState.SENT or call.server != endpoint:
+            return  # from an attempt before the current one: that one goes on
+        if any(e not in call.tried for e in self.live()):
+            self._send(call)
+        else:
+            self._fail(call, error)
+
+    def _attemptOver(self, call: _Call) -> None:
+        """An attempt went unanswered: its server, if ALIVE, becomes SUSPECT
+        (no new requests until it speaks again); try another."""
+        self._suspect(call.server)
+        self._send(call)
+
+    def _suspect(self, endpoint: Optional[str]) -> None:
+        """The server at *endpoint*, if ALIVE, becomes SUSPECT."""
+        server = self.servers.get(endpoint or "")
+        if server is not None and server.state is ServerState.ALIVE:
+            self._becomes(server, ServerState.SUSPECT)
+
+    def _finish(self, call: _Call) -> bool:
+        if call.state is RequestState.WAITING:
+            self.waiting.remove(call)
+        return super()._finish(call)
