@@ -1,0 +1,47 @@
+# Compiled, the broker's machine and its records are extension types: their
+# fields are slots of a C struct, and the request's path runs in C.
+
+cimport cython
+
+from mdp.machine cimport Machine
+
+cdef class PendingRequest:
+    cdef public object client, service, body, dialect, queuedAt, size, state, envelope
+    cdef public object deliveries, partials, arrivedAt, assignedAt
+
+cdef class ServiceQueue
+
+cdef class WorkerRef:
+    cdef public object key, dialect, liveness, state, lastEnvelope
+    cdef public ServiceQueue service
+    cdef public PendingRequest current
+
+cdef class QueueLedger:
+    cdef public object count, bytes, byAge
+    cdef public dict byClient
+
+cdef class ServiceQueue:
+    cdef public object name, pending, idle, workers, size, bytes
+    cdef public object abandonedAt, registered, unknownUntil, askedAt
+    cdef public QueueLedger ledger
+
+cdef class BrokerMachine(Machine):
+    cdef public object heartbeat, requestExpiry, unknownServiceExpiry, serviceLinger
+    cdef public object maxQueue, maxServiceQueue, maxQueueBytes, maxServiceQueueBytes
+    cdef public object maxWorkers, maxServiceWorkers, maxDeliveries, limits, admission, access
+    cdef public object observed, _assignments, _abandoned, _unknown, _activeSince, _passive
+    cdef public object _takenBack, _gone
+    cdef public QueueLedger _ledger
+    cdef public dict services, workers
+
+    cpdef list handleMessage(self, key, frames, now, clients=*, workers=*, identity=*)
+    # the request's path, in C (only the machine calls these)
+    cdef _received(self, key, frames, clients, workers, identity)
+    @cython.locals(request=PendingRequest, service=ServiceQueue)
+    cdef _request(self, key, name, body, dialect, identity)
+    cdef _fromWorker(self, WorkerRef worker, command)
+    cdef _replyFrom(self, WorkerRef worker, command, final)
+    cdef _replyPart(self, WorkerRef worker, PendingRequest request, body, final)
+    cdef _forward(self, WorkerRef worker, PendingRequest request, body, final)
+    cdef _dispatch(self, ServiceQueue service)
+    cdef _assign(self, WorkerRef worker, PendingRequest request)

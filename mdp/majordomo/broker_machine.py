@@ -1,0 +1,1280 @@
+"""The MDP/0.2 broker's decisions, as a pure state machine.
+
+Theory of operation
+-------------------
+One :class:`ServiceQueue` per service holds the requests waiting for a worker
+(served fairly: round-robin over clients) and the idle workers (least recently
+used first).  A request that meets an idle worker and an empty queue goes
+straight to it.
+
+Each time the broker hands a request to a worker it gives that *assignment* an
+envelope of its own (the client address frame of the worker REQUEST), and it
+forwards a worker's PARTIAL or FINAL only if it carries the envelope of the
+worker's current assignment.  So exactly one FINAL reaches the client per
+request: a second FINAL for the same assignment, or a reply to an assignment
+that was taken back, can never complete another request of that client.
+
+A single tick per heartbeat interval sends heartbeats, removes silent workers
+(re-queueing the request each held), expires requests queued longer than
+``requestExpiry`` (503), and forgets services whose last worker left more than
+``serviceLinger`` seconds ago.  Each worker's silence is judged by a
+:class:`~mdp.policy.Liveness`.
+
+:class:`BrokerMachine` knows no reactor, no transport and no Deferred: it is
+fed events with their time (``handleMessage``, ``handlePeerGone``,
+``handleTick``, ``handleWake``, ``handleAdmissionChange``) and returns what it
+wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what
+happened that a driver logs and counts (:class:`Dropped`, :class:`Refused`,
+:class:`WorkerChanged`; :class:`Requested`, :class:`Assigned` and
+:class:`Replied` while ``observed``).  A peer key is ``(route, peer id)``: the
+route is the driver's (which binding), opaque here; the roles the route
+accepts and the peer's authenticated identity come with each message.
+
+A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
+
+=========  ===========================================  =========  ============================
+state      event                                        next       actions
+=========  ===========================================  =========  ============================
+(none)     READY, within ``maxWorkers`` and             IDLE       joins the back of its
+           ``maxServiceWorkers``                                   service's idle line
+(none)     READY beyond them, or refused by the         (none)     DISCONNECT
+           ``admission`` (a passive Binary Star); any
+           other command
+IDLE       a request for its service, none ahead        BUSY       REQUEST under a new envelope
+BUSY       PARTIAL with the current envelope            BUSY       PARTIAL to the client
+BUSY       FINAL with the current envelope              IDLE       FINAL to the client; the next
+                                                                   queued request, if any: BUSY
+BUSY       FINAL with the envelope it answered last     BUSY/IDLE  dropped (a second FINAL)
+IDLE,      any message                                  same       heard: its silence restarts
+BUSY
+IDLE,      tick, nothing sent for half an interval      same       HEARTBEAT
+BUSY
+IDLE,      DISCONNECT; peer lost; silent for more       GONE       its request is taken back
+BUSY       than ``interval × liveness``
+IDLE,      invalid or unexpected command (PARTIAL or    GONE       DISCONNECT; its request is
+BUSY       FINAL while IDLE or for another envelope,               taken back
+           READY again, REQUEST)
+=========  ===========================================  =========  ============================
+
+A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
+
+=========  ===========================================  =========  ============================
+state      event                                        next       actions
+=========  ===========================================  =========  ============================
+NEW        refused by the ``admission`` (a passive      DONE       none: the client times out
+           Binary Star); not ``mmi.binarystar``                    and tries another broker
+NEW        an idle worker and nothing queued            ASSIGNED   REQUEST to the worker
+NEW        no idle worker, queues within bounds         QUEUED     waits in its service's queue
+NEW        ``mmi.*``; too large (413); queues full      DONE       answered at once
+           (429)
+QUEUED     a worker of its service is idle              ASSIGNED   REQUEST to the worker
+QUEUED     waited ``requestExpiry``                     DONE       503 error reply
+QUEUED     no worker registered for its service         DONE       503 error reply
+           ``unknownServiceExpiry`` after its first
+           request
+QUEUED     a late FINAL from the worker it was taken    DONE       FINAL to the client
+           back from (none of its PARTIALs went out)
+QUEUED     its client is lost                           DONE       forgotten
+ASSIGNED   PARTIAL                                      ASSIGNED   PARTIAL to the client
+ASSIGNED   FINAL                                        DONE       FINAL to the client
+ASSIGNED   a reply part too large for the client        ANSWERED   413 error reply (a FINAL too
+                                                        (DONE)     large: DONE)
+ANSWERED   PARTIAL                                      ANSWERED   dropped
+ANSWERED   FINAL, or its worker is GONE                 DONE       dropped
+ASSIGNED   its worker is GONE                           QUEUED     at the head; the restart
+                                                                   marker first if PARTIALs
+                                                                   went out
+ASSIGNED   its worker is GONE, ``maxDeliveries``        DONE       500 error reply
+           reached
+=========  ===========================================  =========  ============================
+
+Limits (``docs/reliability.md`` has the table): queues hold at most
+``maxQueue`` requests and ``maxQueueBytes`` of bodies in all, and
+``maxServiceQueue`` / ``maxServiceQueueBytes`` per service (beyond: 429;
+requests taken back from a lost worker are re-queued even past them); at most
+``maxWorkers`` in all and ``maxServiceWorkers`` per service register (beyond:
+DISCONNECT); a request or reply beyond ``limits`` fails with 413; a request
+whose worker is lost ``maxDeliveries`` times fails with 500.
+
+Given an ``admission`` (an :class:`~mdp.interfaces.IAdmission`, e.g. a
+:class:`mdp.binarystar.BinaryStar`), the broker asks it before it takes each
+client request (the client's vote) and registers each worker: a passive broker
+answers nothing but ``mmi.binarystar`` and sends DISCONNECT to every READY.
+Requests to ``mmi.*`` are answered by the broker itself (:mod:`mdp.majordomo.mmi`).
+Every peer is answered in the dialect it used (:mod:`mdp.majordomo.codec`).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from functools import partial
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import attrs
+
+from mdp.errors import ProtocolError
+from mdp.interfaces import IAccess, IAdmission
+from mdp.machine import Machine, action_class
+from mdp.majordomo import codec, mmi
+from mdp.majordomo.codec import (
+    RFC,
+    ClientFinal,
+    ClientPartial,
+    ClientRequest,
+    Disconnect,
+    Heartbeat,
+    Ready,
+    WorkerFinal,
+    WorkerPartial,
+)
+from mdp.messages import text as label
+from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, Liveness, MiB
+
+DEFAULT_REQUEST_EXPIRY = 30.0
+DEFAULT_SERVICE_LINGER = 10.0
+DEFAULT_MAX_QUEUE = 100_000
+DEFAULT_MAX_SERVICE_QUEUE = 50_000
+DEFAULT_MAX_QUEUE_BYTES = 1024 * MiB
+DEFAULT_MAX_SERVICE_QUEUE_BYTES = 512 * MiB
+DEFAULT_MAX_WORKERS = 10_000
+DEFAULT_MAX_SERVICE_WORKERS = 1_000
+DEFAULT_MAX_DELIVERIES = 20
+#: seconds a request for a service no worker has registered waits (counted
+#: from the service's first request), within a client's default budget
+#: (3 attempts of 2.5 s) so that it hears 503 rather than a timeout
+DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
+
+#: Bytes of frame content a worker REQUEST adds to the request body besides the
+#: client's peer id: the header, the command and the 8-byte assignment number
+#: of the envelope; and the frames it adds (with majortomo's leading empty frame).
+_REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
+_REQUEST_FRAMES = 5
+
+#: workers remembered as told DISCONNECT (see BrokerMachine._markGone)
+MAX_GONE = 10_000
+#: how many assignments taken back from lost workers are remembered, so that
+#: a late FINAL for one still queued can answer it (:meth:`BrokerMachine._late`)
+MAX_TAKEN_BACK = 1024
+#: how many services no worker registered are kept while empty, so that the
+#: retries of their requests share one unknownServiceExpiry window
+MAX_UNKNOWN_KEPT = 10_000
+
+#: ``(route, peer id)``: the route (which binding) is the driver's, opaque here
+PeerKey = tuple[Hashable, bytes]
+
+
+def as_bytes(frames: Sequence[Any]) -> list[bytes]:
+    """*frames* with every frame that is not ``bytes`` (a ZeroMQ frame a
+    transport did not copy) copied into ``bytes``; *frames* itself if all are."""
+    for frame in frames:
+        if type(frame) is not bytes:
+            return [f if type(f) is bytes else bytes(f) for f in frames]
+    return frames  # type: ignore[return-value]
+
+
+def peer_label(peer: bytes) -> str:
+    """A printable form of an opaque peer id for logs."""
+    return peer.hex()
+
+
+def _who(identity: Optional[str]) -> str:
+    return "an unauthenticated peer" if identity is None else f"peer {identity!r}"
+
+
+class RequestState(enum.Enum):
+    """What a client request is doing (see the table in the module docstring)."""
+
+    #: accepted, not yet queued or assigned
+    NEW = "new"
+    #: waiting in its service's queue
+    QUEUED = "queued"
+    #: handed to a worker, whose reply is forwarded to the client
+    ASSIGNED = "assigned"
+    #: handed to a worker, but already answered with an error (413): the
+    #: rest of the worker's reply is dropped
+    ANSWERED = "answered"
+    #: finished: answered, expired, or its client is gone
+    DONE = "done"
+
+
+NEW, QUEUED, ASSIGNED, ANSWERED, DONE = (
+    RequestState.NEW, RequestState.QUEUED, RequestState.ASSIGNED, RequestState.ANSWERED,
+    RequestState.DONE)
+
+
+class WorkerState(enum.Enum):
+    """What a registered worker is doing (see the table in the module docstring)."""
+
+    #: in its service's idle line
+    IDLE = "idle"
+    #: serving one request (``WorkerRef.current``)
+    BUSY = "busy"
+    #: forgotten: disconnected, lost, silent or misbehaving
+    GONE = "gone"
+
+
+IDLE, BUSY, GONE = WorkerState.IDLE, WorkerState.BUSY, WorkerState.GONE
+
+
+def _fields_repr(record: Any) -> str:
+    """``Name(field=value, ...)``, every field of *record* (its class's
+    ``__slots__``) in order, as attrs would show it."""
+    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in type(record).__slots__)
+    return f"{type(record).__name__}({fields})"
+
+
+class PendingRequest:
+    """A client request the broker has accepted and not yet answered.  (A
+    plain class, not attrs: compiled, it is an extension type.)"""
+
+    __slots__ = ("client", "service", "body", "dialect", "queuedAt", "size", "state", "envelope",
+                 "deliveries", "partials", "arrivedAt", "assignedAt")
+
+    def __init__(self, client: PeerKey, service: bytes, body: Sequence[bytes], dialect: str,
+                 queuedAt: float, size: int, state: RequestState = NEW, envelope: bytes = b"",
+                 deliveries: int = 0, partials: int = 0, arrivedAt: float = 0.0,
+                 assignedAt: float = 0.0) -> None:
+        self.client = client
+        self.service = service
+        self.body = body
+        self.dialect = dialect
+        self.queuedAt = queuedAt  # when it arrived, or was queued again
+        self.size = size  # what holding its body costs (policy.held_bytes)
+        self.state = state
+        self.envelope = envelope  # of its current assignment
+        self.deliveries = deliveries  # times handed to a worker
+        self.partials = partials  # PARTIALs forwarded to the client by its current worker
+        self.arrivedAt = arrivedAt
+        self.assignedAt = assignedAt  # when its current assignment began
+
+    def __repr__(self) -> str:
+        return _fields_repr(self)
+
+
+class WorkerRef:
+    """The broker's view of one registered worker (a plain class, as
+    :class:`PendingRequest`)."""
+
+    __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "lastEnvelope")
+
+    def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness,
+                 state: WorkerState = IDLE, current: Optional[PendingRequest] = None,
+                 lastEnvelope: bytes = b"") -> None:
+        self.key = key
+        self.service = service
+        self.dialect = dialect
+        self.liveness = liveness
+        self.state = state
+        self.current = current  # the request it serves while BUSY
+        #: envelope of the assignment it finished last (a second FINAL for it is dropped)
+        self.lastEnvelope = lastEnvelope
+
+    def __repr__(self) -> str:
+        return _fields_repr(self)
+
+
+@attrs.frozen
+class ServiceSnapshot:
+    """One service as :meth:`BrokerMachine.snapshot` saw it."""
+
+    name: bytes
+    idle: int  # workers waiting for a request
+    busy: int  # workers serving one
+    queued: int  # requests waiting
+    queuedBytes: int  # what they hold (as the queue bounds count it)
+
+    @property
+    def workers(self) -> int:
+        """Registered workers, idle or busy."""
+        return self.idle + self.busy
+
+
+@attrs.frozen
+class WorkerSnapshot:
+    """One registered worker as :meth:`BrokerMachine.snapshot` saw it."""
+
+    peer: str  # its peer id, printable (hex)
+    service: bytes
+    dialect: str
+    busy: bool
+    silence: float  # seconds since it was last heard from
+
+
+@attrs.frozen
+class BrokerSnapshot:
+    """A read-only view of a broker at one moment (:meth:`BrokerMachine.snapshot`)."""
+
+    at: float  # the broker's clock
+    services: tuple[ServiceSnapshot, ...]  # by name (the first ``serviceLimit``)
+    workers: tuple[WorkerSnapshot, ...]  # by registration (the first ``workerLimit``)
+    serviceCount: int  # services known, listed or not
+    workerCount: int  # registered workers (of the service asked for), listed or not
+    queued: int  # requests waiting, in all
+    queuedBytes: int
+
+
+class QueueLedger:
+    """What all of a broker's service queues hold, kept up to date by the
+    queues: requests and bytes in all, the services where each client has
+    requests waiting, and every queued request in the order it was queued
+    (for expiry; requests that left the queue are skipped lazily)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.bytes = 0
+        self.byClient: dict[PeerKey, set[ServiceQueue]] = {}
+        self.byAge: deque[tuple[float, PendingRequest]] = deque()
+
+    def compact(self) -> None:
+        """Drop entries of requests no longer queued once they outnumber the
+        queued ones: the age list stays within twice the queue."""
+        if len(self.byAge) > 2 * self.count + 1024:
+            self.byAge = deque(e for e in self.byAge
+                               if e[1].state is QUEUED and e[1].queuedAt == e[0])
+
+
+class ServiceQueue:
+    """Requests waiting for one service and the workers able to serve it.
+
+    Every change is also counted in the broker-wide *ledger*."""
+
+    def __init__(self, name: bytes, ledger: Optional[QueueLedger] = None) -> None:
+        self.name = name
+        self.ledger = ledger if ledger is not None else QueueLedger()
+        self.pending: OrderedDict[PeerKey, deque[PendingRequest]] = OrderedDict()
+        self.idle: OrderedDict[PeerKey, WorkerRef] = OrderedDict()
+        self.workers = 0
+        self.size = 0
+        self.bytes = 0
+        #: when the last worker left (None while the service has workers or never had one)
+        self.abandonedAt: Optional[float] = None
+        #: a worker has registered for it (else requests wait ``unknownServiceExpiry``)
+        self.registered = False
+        #: until when it is kept, even empty, while no worker has registered: the
+        #: window of its first request, which a client's retries share
+        self.unknownUntil = 0.0
+        #: when a request first asked for it while no worker had registered
+        self.askedAt = 0.0
+
+    def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
+        queue = self.pending.get(client)
+        if queue is None:
+            queue = self.pending[client] = deque()
+            self.ledger.byClient.setdefault(client, set()).add(self)
+        return queue
+
+    def _dropClientQueue(self, client: PeerKey) -> None:
+        del self.pending[client]
+        services = self.ledger.byClient.get(client)
+        if services is not None:
+            services.discard(self)
+            if not services:
+                del self.ledger.byClient[client]
+
+    def enqueue(self, request: PendingRequest) -> None:
+        self._clientQueue(request.client).append(request)
+        self._added(request)
+
+    def requeue(self, request: PendingRequest) -> None:
+        """Put a request back at the head: it has waited longest."""
+        self._clientQueue(request.client).appendleft(request)
+        self.pending.move_to_end(request.client, last=False)
+        self._added(request)
+
+    def _added(self, request: PendingRequest) -> None:
+        request.state = QUEUED
+        self._grow(1, request.size)
+        ledger = self.ledger
+        ledger.byAge.append((request.queuedAt, request))
+        ledger.compact()
+
+    def nextRequest(self) -> PendingRequest:
+        """Round-robin over clients: take the first client's oldest request and
+        move that client to the back."""
+        client, queue = next(iter(self.pending.items()))
+        request = queue.popleft()
+        if queue:
+            self.pending.move_to_end(client)
+        else:
+            self._dropClientQueue(client)
+        self._grow(-1, -request.size)
+        return request
+
+    def remove(self, request: PendingRequest) -> None:
+        """Take one queued request out of the queue."""
+        queue = self.pending[request.client]
+        queue.remove(request)
+        if not queue:
+            self._dropClientQueue(request.client)
+        request.state = DONE
+        self._grow(-1, -request.size)
+
+    def dropClient(self, client: PeerKey) -> int:
+        """Forget every request *client* has queued here; returns how many."""
+        queue = self.pending.get(client)
+        if not queue:
+            return 0
+        self._dropClientQueue(client)
+        for request in queue:
+            request.state = DONE
+        self._grow(-len(queue), -sum(r.size for r in queue))
+        return len(queue)
+
+    def _grow(self, by: int, size: int) -> None:
+        self.size += by
+        self.bytes += size
+        self.ledger.count += by
+        self.ledger.bytes += size
+
+
+@action_class
+class Send:
+    """Send *frames* to the peer *key*."""
+
+    key: PeerKey
+    frames: list[bytes]
+
+
+@action_class
+class DropPeer:
+    """Close the connection of peer *key* once what was sent to it is out (a
+    no-op on media without connections)."""
+
+    key: PeerKey
+
+
+@action_class
+class WakeAt:
+    """Call :meth:`BrokerMachine.handleWake` at *time* (a deadline between
+    two ticks)."""
+
+    time: float
+
+
+@action_class
+class Dropped:
+    """A message from *peer* (its id) was not acted on: *kind* says why in a
+    word (a metric label), *reason* in a sentence."""
+
+    peer: bytes
+    kind: str
+    reason: str
+
+
+@action_class
+class Refused:
+    """A request (or READY) of *peer* for *service* was refused: *code* is
+    the error reply it got (None: none), *kind* says why in a word."""
+
+    peer: bytes
+    service: bytes
+    code: Optional[bytes]
+    kind: str
+    reason: str
+
+
+@action_class
+class WorkerChanged:
+    """A worker registered (*change* ``"ready"``) or was forgotten
+    (``"disconnected"``, ``"silent"`` after *silence* seconds, ``"released"``
+    by a passive broker)."""
+
+    peer: bytes
+    service: bytes
+    change: str
+    silence: float = 0.0
+
+
+@action_class
+class Requested:
+    """A client request for *service* arrived (while ``observed``)."""
+
+    service: bytes
+
+
+@action_class
+class Assigned:
+    """A request for *service* went to a worker after *waited* seconds
+    queued (while ``observed``)."""
+
+    service: bytes
+    waited: float
+
+
+@action_class
+class Replied:
+    """A FINAL went to the *client* of a request for *service* (while
+    ``observed``): *code* its error status or None; *served* seconds since
+    *worker* took it, after *queued* seconds (None, None: the broker's own)."""
+
+    service: bytes
+    code: Optional[bytes]
+    client: bytes
+    worker: Optional[bytes] = None
+    served: Optional[float] = None
+    queued: float = 0.0
+
+
+Action = Any  # one of the classes above
+
+
+class BrokerMachine(Machine):
+    """The broker's decisions, and nothing else (the module docstring).  Each
+    ``handle*`` event returns the actions wanted, in order; the periodic
+    :meth:`handleTick` runs every ``wakeEvery`` seconds."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
+        serviceLinger: float = DEFAULT_SERVICE_LINGER,
+        maxQueue: int = DEFAULT_MAX_QUEUE,
+        maxServiceQueue: int = DEFAULT_MAX_SERVICE_QUEUE,
+        maxWorkers: int = DEFAULT_MAX_WORKERS,
+        maxQueueBytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        maxServiceQueueBytes: int = DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+        maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
+        maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
+        unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
+        limits: Limits = Limits(),
+        admission: Optional[IAdmission] = None,
+        access: Optional[IAccess] = None,
+        observed: bool = False,
+        now: float = 0.0,
+    ) -> None:
+        if maxDeliveries < 1:
+            raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
+        if not unknownServiceExpiry > 0:
+            raise ValueError(f"unknownServiceExpiry must be positive, got {unknownServiceExpiry}")
+        super().__init__(now)
+        self.heartbeat = heartbeat
+        self.requestExpiry = requestExpiry
+        self.unknownServiceExpiry = unknownServiceExpiry
+        self.serviceLinger = serviceLinger
+        self.maxQueue = maxQueue
+        self.maxServiceQueue = maxServiceQueue
+        self.maxQueueBytes = maxQueueBytes
+        self.maxServiceQueueBytes = maxServiceQueueBytes
+        self.maxWorkers = maxWorkers
+        self.maxServiceWorkers = maxServiceWorkers
+        self.maxDeliveries = maxDeliveries
+        self.limits = limits
+        #: asked before a client request is taken or a worker registered
+        #: (Binary Star: only the active broker of a pair serves)
+        self.admission = admission
+        #: who may call and serve what (None: anyone, anything)
+        self.access = access
+        #: emit Requested, Assigned and Replied (a driver that counts or logs them)
+        self.observed = observed
+        self._ledger = QueueLedger()
+        self._assignments = itertools.count(1)
+        #: services whose last worker left, by when (checked for linger's end)
+        self._abandoned: deque[tuple[float, ServiceQueue]] = deque()
+        self.services: dict[bytes, ServiceQueue] = {}
+        self.workers: dict[PeerKey, WorkerRef] = {}
+        #: services no worker has registered for, by when they are given up
+        self._unknown: deque[tuple[float, ServiceQueue]] = deque()
+        #: when the admission last began to admit clients (a Binary Star broker
+        #: becoming active), None while it refuses or without one
+        self._activeSince: Optional[float] = None
+        #: the admission says passive (a Binary Star peer is active): no
+        #: dispatch, and workers are let go (see _checkAdmission)
+        self._passive = False
+        #: envelopes of assignments taken back from lost workers (see _late)
+        self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
+        #: workers told DISCONNECT, or that said it, by when (MDP/0.2: no
+        #: further commands to them): what they still send is dropped, for
+        #: a heartbeat expiry, unless it is a READY (a new conversation)
+        self._gone: OrderedDict[PeerKey, float] = OrderedDict()
+
+    @property
+    def wakeEvery(self) -> float:
+        """How often :meth:`handleTick` wants to run: one heartbeat interval."""
+        return self.heartbeat.interval
+
+    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
+                      workers: bool = True, identity: Optional[str] = None) -> list[Action]:
+        """A message from peer *key* at time *now*, on a route that accepts
+        *clients*, *workers* or both; *identity* is the peer as its transport
+        authenticated it (a CURVE key, a TLS subject), read by the ``access``."""
+        self.now = now
+        self._received(key, frames, clients, workers, identity)
+        return self._drain()
+
+    def handlePeerGone(self, key: PeerKey, now: float) -> list[Action]:
+        """A transport lost the peer *key* (or cut it off)."""
+        self.now = now
+        self._peerGone(key)
+        return self._drain()
+
+    def handleTick(self, now: float) -> list[Action]:
+        """The periodic tick (every ``wakeEvery`` seconds)."""
+        self.now = now
+        self._tick(now)
+        return self._drain()
+
+    def handleAdmissionChange(self, now: float) -> list[Action]:
+        """The admission (a Binary Star pair) changed state: act on it now
+        rather than at the next tick."""
+        self.now = now
+        if self.admission is not None:
+            self._checkAdmission(now)
+        return self._drain()
+
+    def handleWake(self, now: float) -> list[Action]:
+        """The wake-up asked for with :class:`WakeAt`."""
+        self.now = now
+        self._giveUpUnknown(now)
+        return self._drain()
+
+    def reset(self) -> None:
+        """Forget every worker, service and queued request."""
+        self.workers.clear()
+        self.services.clear()
+        self._ledger = QueueLedger()
+        self._abandoned.clear()
+        self._unknown.clear()
+        self._takenBack.clear()
+        self._gone.clear()
+        self._activeSince = None
+        self._passive = False
+        self._outbox = []
+
+    # --- the read-only view (what MMI and operators read) --------------------
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in all service queues."""
+        return self._ledger.count
+
+    @property
+    def queuedBytes(self) -> int:
+        """Bytes of request bodies waiting in all service queues."""
+        return self._ledger.bytes
+
+    def clientCount(self) -> int:
+        """Clients with a request in the broker (queued or with a worker)."""
+        clients = set(self._ledger.byClient)
+        clients.update(w.current.client for w in self.workers.values() if w.current is not None)
+        return len(clients)
+
+    def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
+        """True if *name* has a live worker, or lost its last one less than
+        ``serviceLinger`` seconds before *now* (workers restarting keep it
+        known); *now* is the current event's time if not given."""
+        service = self.services.get(name)
+        if service is None:
+            return False
+        return bool(service.workers) or self._lingering(service, now)
+
+    def admissionStatus(self, now: Optional[float] = None) -> Optional[dict[str, Any]]:
+        """What the ``admission`` says of itself (``mmi.binarystar``), or None
+        without one."""
+        if self.admission is None:
+            return None
+        return self.admission.status(self.now if now is None else now)
+
+    def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
+                 service: Optional[bytes] = None, *,
+                 visible: Optional[Callable[[bytes], bool]] = None,
+                 now: Optional[float] = None) -> BrokerSnapshot:
+        """The broker at *now* (the current event's time if not given): its
+        services (by name; only the first *serviceLimit* if given) and
+        registered workers (in the order they registered; only *service*'s if
+        given, and only the first *workerLimit*), with the totals; with
+        *visible*, only the services (and their workers) it allows, and totals
+        of those (but with *serviceLimit* 0 the total of all services)."""
+        at = self.now if now is None else now
+        if visible is None or serviceLimit == 0:
+            shown: Any = self.services  # (no services wanted: their total unfiltered)
+        else:
+            shown = [name for name in self.services if visible(name)]
+        chosen = [w for w in self.workers.values()
+                  if (service is None or w.service.name == service)
+                  and (visible is None or visible(w.service.name))]
+        return BrokerSnapshot(at, self._serviceViews(shown, serviceLimit),
+                              self._workerViews(chosen, workerLimit, at), len(shown), len(chosen),
+                              self._ledger.count, self._ledger.bytes)
+
+    def _serviceViews(self, names: Any, limit: Optional[int]) -> tuple[ServiceSnapshot, ...]:
+        names = sorted(names) if limit is None else heapq.nsmallest(limit, names)
+        views = []
+        for name in names:
+            queue = self.services[name]
+            idle = len(queue.idle)
+            views.append(ServiceSnapshot(name, idle, queue.workers - idle, queue.size,
+                                         queue.bytes))
+        return tuple(views)
+
+    @staticmethod
+    def _workerViews(chosen: list[WorkerRef], limit: Optional[int],
+                     now: float) -> tuple[WorkerSnapshot, ...]:
+        return tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect,
+                                    w.state is BUSY, w.liveness.silence(now))
+                     for w in (chosen if limit is None else chosen[:limit]))
+
+    # --- inbound -------------------------------------------------------------
+
+    def _received(self, key: PeerKey, frames: list[bytes], clients: bool, workers: bool,
+                  identity: Optional[str]) -> None:
+        """Every message: decoded by the codec, the one check of its form."""
+        dialect, body = codec.split(frames)
+        if dialect is not RFC:
+            # frames a transport did not copy start at the body of an RFC
+            # message only: in the other dialect the codec reads them
+            body = as_bytes(body)
+        try:
+            command = codec.decode(body, dialect)
+        except ProtocolError as e:
+            self._invalid(key, "malformed", str(e))
+            return
+        kind = type(command)
+        if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
+            if not clients:
+                self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
+            elif kind is ClientRequest:
+                self._request(key, command.service, command.body, dialect, identity)
+            else:
+                self._invalid(key, "unexpected",
+                              f"client sent {kind.__name__}: only REQUEST is valid")
+        elif not workers:
+            self._invalid(key, "wrong-endpoint", "worker command on a client-only endpoint")
+        else:
+            worker = self.workers.get(key)
+            if worker is None:
+                self._fromUnregistered(key, command, dialect, identity)
+            else:
+                self._fromWorker(worker, command)
+
+    def _peerGone(self, key: PeerKey) -> None:
+        """A transport lost the peer *key* (or cut it off): forget it at once."""
+        worker = self.workers.get(key)
+        if worker is not None:
+            self._emit(WorkerChanged(key[1], worker.service.name, "disconnected"))
+            self._removeWorker(worker)
+        services = self._ledger.byClient.get(key)
+        if services:
+            for service in list(services):
+                service.dropClient(key)
+                self._forgetIfEmpty(service)
+
+    # --- clients ------------------------------------------------------------
+
+    def _request(self, key: PeerKey, name: bytes, body: Sequence[bytes], dialect: str,
+                 identity: Optional[str]) -> None:
+        """A client's REQUEST for service *name* (valid) with *body*."""
+        now = self.now
+        content = sum(map(len, body))
+        request = PendingRequest(key, name, body, dialect, now,
+                                 content + FRAME_OVERHEAD * len(body), arrivedAt=now)
+        if self.observed:
+            self._emit(Requested(name))
+        if self.admission is not None and not self._admitClient(request):
+            return
+        if self.access is not None and not self._mayCall(request, identity):
+            return
+        if name.startswith(mmi.PREFIX):
+            visible = None if self.access is None else partial(self.access.mayCall, identity)
+            request.state = DONE
+            self._reply(request, mmi.answer(self, name, body, visible), final=True)
+            if self.observed:
+                self._emit(Replied(name, None, key[1]))
+            return
+        tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
+                                        len(body) + _REQUEST_FRAMES)
+        if tooLarge is not None:
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
+                         f"request too large for a worker: {tooLarge}")
+            return
+        service = self.services.get(name)
+        if service is not None and service.idle and not service.size:
+            # a worker is waiting and no request is ahead: hand it over
+            self._assign(service.idle.popitem(last=False)[1], request)
+        elif self._queueHasRoom(service, request):
+            self._enqueue(service, request)
+
+    def _admitClient(self, request: PendingRequest) -> bool:
+        """The admission's vote on *request* (``mmi.binarystar`` always passes)."""
+        if request.service == mmi.BINARYSTAR:
+            return True
+        now = self.now
+        if not self.admission.admitClient(now):
+            self._activeSince = None
+            request.state = DONE
+            # not serving: the client times out and tries another broker
+            self._emit(Refused(request.client[1], request.service, None, "passive",
+                               "this broker is passive"))
+            return False
+        if self._activeSince is None:
+            self._activeSince = now
+        self._passive = False  # admitted: active now, even before a tick says so
+        return True
+
+    def _mayCall(self, request: PendingRequest, identity: Optional[str]) -> bool:
+        """The access policy lets *identity* call the service (every peer may ask ``mmi.*``)."""
+        name = request.service
+        if name.startswith(mmi.PREFIX) or self.access.mayCall(identity, name):
+            return True
+        self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
+                     f"{_who(identity)} may not call {name.decode('ascii')!r}")
+        return False
+
+    def _queueHasRoom(self, service: Optional[ServiceQueue], request: PendingRequest) -> bool:
+        """Within the queue bounds with *request*; else it gets a 429."""
+        queued = service.size if service is not None else 0
+        queuedBytes = service.bytes if service is not None else 0
+        ledger = self._ledger
+        if (ledger.count < self.maxQueue and queued < self.maxServiceQueue
+                and ledger.bytes + request.size <= self.maxQueueBytes
+                and queuedBytes + request.size <= self.maxServiceQueueBytes):
+            return True
+        self._refuse(request, codec.STATUS_OVERLOADED, "overloaded",
+                     f"broker queue full for service {request.service.decode('ascii')!r} "
+                     f"({queued} requests, {queuedBytes} bytes queued for it; "
+                     f"{ledger.count} requests, {ledger.bytes} bytes in all)")
+        return False
+
+    def _enqueue(self, service: Optional[ServiceQueue], request: PendingRequest) -> None:
+        if service is None:
+            service = self._service(request.service)
+            # no worker has registered for it: its requests wait unknownServiceExpiry
+            service.unknownUntil = deadline = self._unknownDeadline()
+            service.askedAt = self.now
+            if not self._unknown:
+                self._emit(WakeAt(deadline))
+            self._unknown.append((deadline, service))
+        service.enqueue(request)
+        self._dispatch(service)
+
+    def _unknownDeadline(self) -> float:
+        """When the requests of a service first asked for now are given up
+        if no worker registers: ``unknownServiceExpiry`` from now, but not
+        before the workers of a broker that has just become active (a Binary
+        Star failover) had time to find it: ``interval × (liveness + 1)``
+        after it did (their heartbeats expire, then they move)."""
+        deadline = self.now + min(self.unknownServiceExpiry, self.requestExpiry)
+        if self._activeSince is not None:
+            learning = self._activeSince + self.heartbeat.interval * (self.heartbeat.liveness + 1)
+            deadline = max(deadline, min(learning, self.now + self.requestExpiry))
+        return deadline
+
+    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str) -> None:
+        """Answer *request* at once with an error reply."""
+        request.state = DONE
+        self._reply(request, codec.error_body(code, message), final=True)
+        self._emit(Refused(request.client[1], request.service, code, kind, message))
+
+    def _service(self, name: bytes) -> ServiceQueue:
+        service = self.services.get(name)
+        if service is None:
+            service = self.services[name] = ServiceQueue(name, self._ledger)
+        return service
+
+    def _forgetIfEmpty(self, service: ServiceQueue) -> None:
+        """Drop a service with no worker and no request, once its linger is over."""
+        if service.workers or service.size or self.services.get(service.name) is not service:
+            return
+        if (not service.registered and service.unknownUntil > self.now
+                and len(self._unknown) <= MAX_UNKNOWN_KEPT):
+            return  # a retry of its requests waits in the same window
+        if not self._lingering(service):
+            del self.services[service.name]
+
+    def _lingering(self, service: ServiceQueue, now: Optional[float] = None) -> bool:
+        """Its last worker left less than ``serviceLinger`` seconds ago."""
+        return (service.abandonedAt is not None
+                and (self.now if now is None else now) - service.abandonedAt
+                < self.serviceLinger)
+
+    def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
+        self._emit(Send(request.client, codec.encode_client_reply(request.service, body, final,
+                                                                  request.dialect)))
+
+    # --- workers ------------------------------------------------------------
+
+    def _fromWorker(self, worker: WorkerRef, command: Any) -> None:
+        """A command of a registered worker."""
+        worker.liveness.heard(self.now)
+        kind = type(command)
+        if kind is WorkerFinal or kind is WorkerPartial:
+            self._replyFrom(worker, command, kind is WorkerFinal)
+        elif kind is Disconnect:
+            self._emit(WorkerChanged(worker.key[1], worker.service.name, "disconnected"))
+            self._removeWorker(worker)
+            self._markGone(worker.key)
+        elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
+            self._unexpected(worker, f"{kind.__name__} from a registered worker")
+
+    def _replyFrom(self, worker: WorkerRef, command: Any, final: bool) -> None:
+        """A PARTIAL or FINAL of a registered worker."""
+        request = worker.current
+        if request is not None and command.client == request.envelope:
+            body = command.body
+            if final or len(body) != 1 or body[0] != codec.RESTART_MARKER:
+                self._replyPart(worker, request, body, final)
+            else:  # only the broker may say a reply starts over
+                self._invalid(worker.key, "restart-marker",
+                              "PARTIAL holding the broker's restart marker")
+        elif command.client == worker.lastEnvelope:
+            self._emit(Dropped(worker.key[1], "stale", f"a second {type(command).__name__} for "
+                               "a request it already answered"))
+        elif request is None:
+            self._unexpected(worker, f"{type(command).__name__} while idle")
+        else:
+            self._invalid(worker.key, "not-serving",
+                          f"{type(command).__name__} for a request it does not serve")
+
+    def _fromUnregistered(self, key: PeerKey, command: Any, dialect: str,
+                          identity: Optional[str]) -> None:
+        """A worker command from a peer that is not registered."""
+        kind = type(command)
+        if kind is Ready:
+            self._gone.pop(key, None)
+            self._onReady(key, command.service, dialect, identity)
+            return
+        if kind is Disconnect:
+            return
+        late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, command)
+        if key in self._gone:
+            # DISCONNECT went to it or came from it: MDP/0.2 says no further
+            # commands (its messages that crossed ours end here)
+            if not late:
+                self._emit(Dropped(key[1], "gone", f"{kind.__name__} after its DISCONNECT"))
+            return
+        if not late:
+            self._emit(Dropped(key[1], "unregistered",
+                               f"{kind.__name__} from an unregistered worker: sending DISCONNECT"))
+        self._sendDisconnect(key, dialect)
+
+    def _replyPart(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
+                   final: bool) -> None:
+        """A PARTIAL or FINAL of *worker* for the *request* it serves."""
+        self._forward(worker, request, body, final)
+        if not final:
+            return
+        worker.current = None
+        worker.lastEnvelope = request.envelope
+        if self._passive:
+            self._release(worker)  # to the active broker
+            return
+        service = worker.service
+        self._makeIdle(worker)
+        if service.size:
+            self._dispatch(service)
+
+    def _forward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
+                 final: bool) -> None:
+        """Pass a worker's reply part to the client, unless it would be too
+        large for the link back (then the request fails with 413)."""
+        if request.state is ANSWERED:
+            # already answered with an error: the worker's rest is void
+            if final:
+                request.state = DONE
+            self._emit(Dropped(worker.key[1], "void", "the rest of a reply already answered "
+                               "with an error"))
+            return
+        if final:
+            request.state = DONE
+        tooLarge = self._tooLargeForClient(request, body)
+        if tooLarge is not None:
+            if not final:
+                request.state = ANSWERED
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
+                         f"reply too large for the client: {tooLarge}")
+            return
+        self._reply(request, body, final)
+        if not final:
+            request.partials += 1
+        elif self.observed:
+            now = self.now
+            error = codec.parse_error_body(body)
+            self._emit(Replied(request.service, error[0] if error is not None else None,
+                               request.client[1], worker.key[1], now - request.assignedAt,
+                               request.assignedAt - request.arrivedAt))
+
+    def _tooLargeForClient(self, request: PendingRequest, body: Sequence[bytes]) -> Optional[str]:
+        """Why a reply part is too large for the client, or None."""
+        # the worker's message was within the limits, and the client's has one
+        # frame less and the service name for the envelope: it can only be
+        # larger when the name is longer
+        if len(request.service) <= len(request.envelope):
+            return None
+        size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
+        return self.limits.oversize(size, len(body) + 4)
+
+    def _late(self, key: PeerKey, command: Any) -> bool:
+        """A reply from a worker the broker gave up on (silent: its handler
+        may have blocked its reactor; or gone: a DISCONNECT, a lost
+        connection), for an assignment taken back from that very worker.
+        A FINAL (with no PARTIAL before it) answers the request if it was
+        queued again and no other worker has it yet: else the request would
+        run again, maybe as long.  A PARTIAL spoils that (the client would
+        get a reply without its beginning): the request runs again.  False
+        if the reply is for no assignment taken back from it."""
+        entry = self._takenBack.get(command.client)
+        if entry is None or entry[0] != key:
+            return False
+        del self._takenBack[command.client]
+        request = entry[1]
+        if (type(command) is WorkerPartial or request.state is not QUEUED
+                or request.envelope != command.client):
+            self._emit(Dropped(key[1], "orphaned", f"the late {type(command).__name__} of a "
+                               "worker given up, for a request that is elsewhere now or runs "
+                               "again"))
+            return True
+        service = self.services[request.service]
+        service.remove(request)
+        self._reply(request, command.body, final=True)
+        if self.observed:
+            self._emit(Replied(request.service, None, request.client[1], key[1],
+                               self.now - request.assignedAt,
+                               request.assignedAt - request.arrivedAt))
+        self._forgetIfEmpty(service)
+        return True
+
+    def _onReady(self, key: PeerKey, name: bytes, dialect: str, identity: Optional[str]) -> None:
+        service = self.services.get(name)
+        kind = "ready"
+        if self.access is not None and not self.access.mayServe(identity, name):
+            kind, why = "serve-forbidden", f"{_who(identity)} may not serve it"
+        elif self.admission is not None and not self._admitWorker():
+            why = "this broker is not the active one of its Binary Star pair"
+        elif len(self.workers) >= self.maxWorkers:
+            why = f"{len(self.workers)} workers already registered"
+        elif service is not None and service.workers >= self.maxServiceWorkers:
+            why = f"{service.workers} workers already serve {name.decode('ascii')!r}"
+        else:
+            self._register(key, name, dialect)
+            return
+        self._emit(Refused(key[1], name, None, kind, f"READY refused: {why}"))
+        self._sendDisconnect(key, dialect)
+
+    def _admitWorker(self) -> bool:
+        if not self.admission.admitWorker(self.now):
+            return False
+        self._passive = False  # admitted: active now, even before a tick says so
+        return True
+
+    def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
+        service = self._service(name)
+        worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
+        self.workers[key] = worker
+        service.workers += 1
+        service.abandonedAt = None
+        service.registered = True
+        self._emit(WorkerChanged(key[1], name, "ready"))
+        self._makeIdle(worker)
+        self._dispatch(service)
+
+    def _makeIdle(self, worker: WorkerRef) -> None:
+        worker.state = IDLE
+        worker.service.idle[worker.key] = worker
+
+    def _dispatch(self, service: ServiceQueue) -> None:
+        """Hand queued requests to idle workers, least recently used first
+        (none while passive)."""
+        if self._passive:
+            return
+        while service.size and service.idle:
+            _, worker = service.idle.popitem(last=False)
+            self._assign(worker, service.nextRequest())
+
+    def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
+        """Send *request* to the idle *worker*, under a new envelope."""
+        worker.state = BUSY
+        worker.current = request
+        request.state = ASSIGNED
+        request.deliveries += 1
+        request.assignedAt = now = self.now
+        if self.observed:
+            self._emit(Assigned(request.service, now - request.queuedAt))
+        request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
+        self._emit(Send(worker.key, codec.encode_worker_request(envelope, request.body,
+                                                                worker.dialect)))
+        worker.liveness.lastSent = now
+
+    def _removeWorker(self, worker: WorkerRef) -> None:
+        """Forget *worker*; re-queue the request it held (workers are
+        idempotent), unless it has been handed out ``maxDeliveries`` times."""
+        if self.workers.pop(worker.key, None) is None:
+            return
+        worker.state = GONE
+        service = worker.service
+        service.idle.pop(worker.key, None)
+        service.workers -= 1
+        if not service.workers:
+            service.abandonedAt = now = self.now
+            self._abandoned.append((now, service))
+        request, worker.current = worker.current, None
+        if request is not None:
+            self._takeBack(request, service, worker.key)
+        self._forgetIfEmpty(service)
+
+    def _takeBack(self, request: PendingRequest, service: ServiceQueue, worker: PeerKey) -> None:
+        """The *worker* serving *request* is gone: queue it again."""
+        if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
+            request.state = DONE
+            return
+        if request.deliveries >= self.maxDeliveries:
+            self._refuse(request, codec.STATUS_WORKER_ERROR, "poison",
+                         f"request abandoned: the {request.deliveries} workers given it were "
+                         "each lost while serving it")
+            return
+        if request.partials:
+            # the next worker starts the reply over: tell the client first
+            request.partials = 0
+            self._reply(request, [codec.RESTART_MARKER], final=False)
+        else:
+            # its worker may yet answer, late (see _late)
+            takenBack = self._takenBack
+            takenBack[request.envelope] = (worker, request)
+            if len(takenBack) > MAX_TAKEN_BACK:
+                takenBack.popitem(last=False)
+        # accepted work is never dropped, even past the queue bounds
+        request.queuedAt = self.now
+        service.requeue(request)
+        self._dispatch(service)
+
+    def _unexpected(self, worker: WorkerRef, what: str) -> None:
+        self._emit(Dropped(worker.key[1], "unexpected", f"unexpected {what}: sending DISCONNECT"))
+        self._release(worker)
+
+    def _invalid(self, key: PeerKey, kind: str, reason: str) -> None:
+        """Drop an invalid message, and the connection that carried it (on
+        transports that have one per peer: a peer that sends garbage holds no
+        connection slot); a registered worker that sent it is no longer
+        trusted: it gets DISCONNECT and is forgotten."""
+        self._emit(Dropped(key[1], kind, reason))
+        worker = self.workers.get(key)
+        if worker is not None:
+            self._release(worker)
+        else:
+            self._emit(DropPeer(key))
+
+    def _release(self, worker: WorkerRef) -> None:
+        """Forget *worker* and tell it DISCONNECT."""
+        self._removeWorker(worker)
+        self._sendDisconnect(worker.key, worker.dialect)
+
+    def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
+        """DISCONNECT, then close the connection (MDP: the worker must close
+        its socket and reconnect; closing ours as well keeps a peer that only
+        gets DISCONNECTs from holding a connection slot)."""
+        self._emit(Send(key, codec.encode(codec.DISCONNECT, dialect)))
+        self._emit(DropPeer(key))
+        self._markGone(key)
+
+    def _markGone(self, key: PeerKey) -> None:
+        """*key* is told DISCONNECT, or said it: nothing more goes to it
+        (bounded: the oldest such keys go first)."""
+        gone = self._gone
+        gone[key] = self.now
+        gone.move_to_end(key)
+        if len(gone) > MAX_GONE:
+            gone.popitem(last=False)
+
+    # --- time ----------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        """Once per heartbeat interval: heartbeats, dead workers, expired
+        requests, services at the end of their linger."""
+        self._checkWorkers(now)
+        gone, since = self._gone, now - self.heartbeat.expiry
+        while gone and next(iter(gone.values())) < since:
+            gone.popitem(last=False)
+        self._expire(now - self.requestExpiry)
+        self._giveUpUnknown(now)
+        if self._takenBack:
+            # forget assignments whose request left the queue: no late reply
+            # can answer them, and their bodies should not linger here
+            self._takenBack = OrderedDict(
+                (envelope, entry) for envelope, entry in self._takenBack.items()
+                if entry[1].state is QUEUED and entry[1].envelope == envelope)
+        if self.admission is not None:
+            self._checkAdmission(now)
+        abandoned = self._abandoned
+        while abandoned and abandoned[0][0] + self.serviceLinger <= now:
+            self._forgetIfEmpty(abandoned.popleft()[1])
+
+    def _checkWorkers(self, now: float) -> None:
+        """Remove the workers silent too long; heartbeat the others due one."""
+        for worker in list(self.workers.values()):
+            liveness = worker.liveness
+            if liveness.dead(now):
+                self._emit(WorkerChanged(worker.key[1], worker.service.name, "silent",
+                                         liveness.silence(now)))
+                self._removeWorker(worker)
+            elif liveness.due(now, 0.5):
+                self._emit(Send(worker.key, codec.encode(codec.HEARTBEAT, worker.dialect)))
+                liveness.sent(now)
+
+    def _checkAdmission(self, now: float) -> None:
+        """What the admission says now.  A broker that has just become active
+        learns its workers (_unknownDeadline): notice when, even before a
+        client asks.  A passive one (its Binary Star peer took over while it
+        was stalled) serves nothing more: see :meth:`_letGo`."""
+        status = self.admission.status(now)
+        if not status.get("serving", True):
+            self._activeSince = None
+        elif self._activeSince is None:
+            self._activeSince = now
+        wasPassive = self._passive
+        self._passive = status.get("state") == "passive"
+        if wasPassive and not self._passive:
+            for service in list(self.services.values()):
+                self._dispatch(service)
+        if self._passive:
+            self._letGo()
+
+    def _letGo(self) -> None:
+        """A passive broker drops its queued requests unanswered, as a request
+        it refuses is (a client still waiting for one times out and sends it
+        to the active broker, where a 503 would end it), and its idle workers
+        get DISCONNECT so they register there (a busy one once it replied)."""
+        for service in list(self.services.values()):
+            while service.size:
+                request = service.nextRequest()
+                request.state = DONE
+                self._emit(Refused(request.client[1], request.service, None, "passive",
+                                   "dropped from the queue of a passive broker"))
+            self._forgetIfEmpty(service)
+        for worker in [w for w in self.workers.values() if w.current is None]:
+            self._emit(WorkerChanged(worker.key[1], worker.service.name, "released"))
+            self._release(worker)
+
+    def _expire(self, deadline: float) -> None:
+        """Answer 503 to every request queued at or before *deadline*."""
+        byAge = self._ledger.byAge
+        while byAge and byAge[0][0] <= deadline:
+            queuedAt, request = byAge.popleft()
+            if request.state is not QUEUED or request.queuedAt != queuedAt:
+                continue  # it left the queue (or was queued again) since
+            service = self.services[request.service]
+            service.remove(request)
+            why = "no worker for service" if not service.workers else "no worker free for service"
+            self._refuse(request, codec.STATUS_UNAVAILABLE, "expired",
+                         f"{why} {label(service.name)!r} within {self.requestExpiry:g}s")
+            self._forgetIfEmpty(service)
+
+    def _giveUpUnknown(self, now: float) -> None:
+        """Answer 503 to the requests of each service no worker registered
+        for within ``unknownServiceExpiry`` of its first request (MDP/0.2:
+        queue requests for an unknown service, expire them after a
+        configurable time), and forget it."""
+        unknown = self._unknown
+        while unknown and unknown[0][0] <= now + 1e-9:
+            deadline, service = unknown.popleft()
+            if service.registered or self.services.get(service.name) is not service:
+                continue
+            service.unknownUntil = 0.0
+            message = (f"no worker for service {label(service.name)!r}: none registered "
+                       f"within {deadline - service.askedAt:g}s")
+            while service.size:
+                self._refuse(service.nextRequest(), codec.STATUS_UNAVAILABLE, "unknown", message)
+            self._forgetIfEmpty(service)
+        if unknown:
+            self._emit(WakeAt(unknown[0][0]))
