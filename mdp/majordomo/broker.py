@@ -107,7 +107,16 @@ class Binding:
         self.copyOut = False
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.broker.received((self, peer), frames)
+        broker = self.broker
+        machine = broker.machine
+        identity = self.identity(peer) if machine.access is not None else None
+        try:
+            actions = machine.handleMessage((self, peer), frames, broker.reactor.seconds(),
+                                            self.clients, self.workers, identity)
+        except Exception:
+            log.failure("broker failed handling a message from {peer}", peer=peer_label(peer))
+            return
+        broker._perform(actions)
 
     def peerDisconnected(self, peer: bytes) -> None:
         self.broker.peerGone((self, peer))
@@ -171,18 +180,18 @@ class Broker:
             raise AttributeError(name)
         return getattr(self.machine, name)
 
+    @property
+    def admission(self) -> Any:
+        """The machine's ``admission`` (settable: a Binary Star started later)."""
+        return self.machine.admission
+
+    @admission.setter
+    def admission(self, admission: Any) -> None:
+        self.machine.admission = admission
+
     def received(self, key: PeerKey, frames: list[bytes]) -> None:
         """A message from peer *key* (the (binding, peer id) it came from)."""
-        binding, peer = key
-        machine = self.machine
-        identity = binding.identity(peer) if machine.access is not None else None
-        try:
-            actions = machine.handleMessage(key, frames, self.reactor.seconds(), binding.clients,
-                                            binding.workers, identity)
-        except Exception:
-            log.failure("broker failed handling a message from {peer}", peer=peer_label(peer))
-            return
-        self._perform(actions)
+        key[0].messageReceived(key[1], frames)
 
     def peerGone(self, key: PeerKey) -> None:
         """A transport lost the peer *key*."""

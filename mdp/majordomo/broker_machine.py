@@ -180,6 +180,11 @@ def peer_label(peer: bytes) -> str:
     return peer.hex()
 
 
+def _restarts(body: Sequence[bytes]) -> bool:
+    """*body* is the broker's restart marker (:data:`codec.RESTART_MARKER`)."""
+    return len(body) == 1 and body[0] == codec.RESTART_MARKER
+
+
 def _who(identity: Optional[str]) -> str:
     return "an unauthenticated peer" if identity is None else f"peer {identity!r}"
 
@@ -728,16 +733,15 @@ class BrokerMachine(Machine):
             # message only: in the other dialect the codec reads them
             body = as_bytes(body)
         try:
-            command = codec.decode(body, dialect)
+            kind, address, body = codec.parse(body, dialect)
         except ProtocolError as e:
             self._invalid(key, "malformed", str(e))
             return
-        kind = type(command)
         if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
             if not clients:
                 self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
             elif kind is ClientRequest:
-                self._request(key, command.service, command.body, dialect, identity)
+                self._request(key, address, body, dialect, identity)
             else:
                 self._invalid(key, "unexpected",
                               f"client sent {kind.__name__}: only REQUEST is valid")
@@ -746,9 +750,9 @@ class BrokerMachine(Machine):
         else:
             worker = self.workers.get(key)
             if worker is None:
-                self._fromUnregistered(key, command, dialect, identity)
+                self._fromUnregistered(key, kind, address, body, dialect, identity)
             else:
-                self._fromWorker(worker, command)
+                self._fromWorker(worker, kind, address, body)
 
     def _peerGone(self, key: PeerKey) -> None:
         """A transport lost the peer *key* (or cut it off): forget it at once."""
@@ -862,9 +866,10 @@ class BrokerMachine(Machine):
             deadline = max(deadline, min(learning, self.now + self.requestExpiry))
         return deadline
 
-    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str) -> None:
-        """Answer *request* at once with an error reply."""
-        request.state = DONE
+    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str,
+                state: RequestState = DONE) -> None:
+        """Answer *request* at once with an error reply (and leave it in *state*)."""
+        request.state = state
         self._reply(request, codec.error_body(code, message), final=True)
         self._emit(Refused(request.client[1], request.service, code, kind, message))
 
@@ -891,17 +896,22 @@ class BrokerMachine(Machine):
                 < self.serviceLinger)
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
-        self._emit(Send(request.client, codec.encode_client_reply(request.service, body, final,
+        self._outbox.append(Send(request.client, codec.encode_client_reply(request.service, body, final,
                                                                   request.dialect)))
 
     # --- workers ------------------------------------------------------------
 
-    def _fromWorker(self, worker: WorkerRef, command: Any) -> None:
-        """A command of a registered worker."""
+    def _fromWorker(self, worker: WorkerRef, kind: type, address: bytes,
+                    body: Sequence[bytes]) -> None:
+        """A command of a registered worker (*address*: its envelope)."""
         worker.liveness.heard(self.now)
-        kind = type(command)
         if kind is WorkerFinal or kind is WorkerPartial:
-            self._replyFrom(worker, command, kind is WorkerFinal)
+            request = worker.current
+            if (request is not None and address == request.envelope
+                    and (kind is WorkerFinal or not _restarts(body))):
+                self._replyPart(worker, request, body, kind is WorkerFinal)
+            else:
+                self._misdirected(worker, kind, address)
         elif kind is Disconnect:
             self._emit(WorkerChanged(worker.key[1], worker.service.name, "disconnected"))
             self._removeWorker(worker)
@@ -909,36 +919,32 @@ class BrokerMachine(Machine):
         elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
 
-    def _replyFrom(self, worker: WorkerRef, command: Any, final: bool) -> None:
-        """A PARTIAL or FINAL of a registered worker."""
-        request = worker.current
-        if request is not None and command.client == request.envelope:
-            body = command.body
-            if final or len(body) != 1 or body[0] != codec.RESTART_MARKER:
-                self._replyPart(worker, request, body, final)
-            else:  # only the broker may say a reply starts over
-                self._invalid(worker.key, "restart-marker",
-                              "PARTIAL holding the broker's restart marker")
-        elif command.client == worker.lastEnvelope:
-            self._emit(Dropped(worker.key[1], "stale", f"a second {type(command).__name__} for "
-                               "a request it already answered"))
+    def _misdirected(self, worker: WorkerRef, kind: type, envelope: bytes) -> None:
+        """A PARTIAL or FINAL of a registered worker that is not for the
+        request it serves (or claims the broker's restart marker)."""
+        what, request = kind.__name__, worker.current
+        if request is not None and envelope == request.envelope:
+            # only the broker may say a reply starts over
+            self._invalid(worker.key, "restart-marker", "PARTIAL holding the restart marker")
+        elif envelope == worker.lastEnvelope:
+            self._emit(Dropped(worker.key[1], "stale",
+                               f"a second {what} for a request it already answered"))
         elif request is None:
-            self._unexpected(worker, f"{type(command).__name__} while idle")
+            self._unexpected(worker, f"{what} while idle")
         else:
-            self._invalid(worker.key, "not-serving",
-                          f"{type(command).__name__} for a request it does not serve")
+            self._invalid(worker.key, "not-serving", f"{what} for a request it does not serve")
 
-    def _fromUnregistered(self, key: PeerKey, command: Any, dialect: str,
-                          identity: Optional[str]) -> None:
+    def _fromUnregistered(self, key: PeerKey, kind: type, address: bytes, body: Sequence[bytes],
+                          dialect: str, identity: Optional[str]) -> None:
         """A worker command from a peer that is not registered."""
-        kind = type(command)
         if kind is Ready:
             self._gone.pop(key, None)
-            self._onReady(key, command.service, dialect, identity)
+            self._onReady(key, address, dialect, identity)
             return
         if kind is Disconnect:
             return
-        late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, command)
+        late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, kind, address,
+                                                                             body)
         if key in self._gone:
             # DISCONNECT went to it or came from it: MDP/0.2 says no further
             # commands (its messages that crossed ours end here)
@@ -952,61 +958,54 @@ class BrokerMachine(Machine):
 
     def _replyPart(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
                    final: bool) -> None:
-        """A PARTIAL or FINAL of *worker* for the *request* it serves."""
-        self._forward(worker, request, body, final)
-        if not final:
-            return
-        worker.current = None
-        worker.lastEnvelope = request.envelope
-        if self._passive:
-            self._release(worker)  # to the active broker
-            return
-        service = worker.service
-        self._makeIdle(worker)
-        if service.size:
-            self._dispatch(service)
-
-    def _forward(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
-                 final: bool) -> None:
-        """Pass a worker's reply part to the client, unless it would be too
-        large for the link back (then the request fails with 413)."""
-        if request.state is ANSWERED:
-            # already answered with an error: the worker's rest is void
+        """A PARTIAL or FINAL of *worker* for the *request* it serves: on to
+        the client, unless the request was answered already (413) or the part
+        is too large for the link back (then it fails with 413)."""
+        tooLarge = None
+        if len(request.service) > len(request.envelope):  # (see _tooLargeForClient)
+            tooLarge = self._tooLargeForClient(request, body)
+        if request.state is ANSWERED:  # the worker's rest is void
+            self._emit(Dropped(worker.key[1], "void", "the rest of a reply already answered"))
             if final:
                 request.state = DONE
-            self._emit(Dropped(worker.key[1], "void", "the rest of a reply already answered "
-                               "with an error"))
-            return
-        if final:
-            request.state = DONE
-        tooLarge = self._tooLargeForClient(request, body)
-        if tooLarge is not None:
-            if not final:
-                request.state = ANSWERED
+        elif tooLarge is not None:
             self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
-                         f"reply too large for the client: {tooLarge}")
-            return
-        self._reply(request, body, final)
-        if not final:
+                         f"reply too large for the client: {tooLarge}",
+                         DONE if final else ANSWERED)
+        elif final:
+            request.state = DONE
+            self._reply(request, body, True)
+            if self.observed:
+                self._emitReplied(request, body, worker.key)
+        else:
             request.partials += 1
-        elif self.observed:
-            now = self.now
-            error = codec.parse_error_body(body)
-            self._emit(Replied(request.service, error[0] if error is not None else None,
-                               request.client[1], worker.key[1], now - request.assignedAt,
-                               request.assignedAt - request.arrivedAt))
+            self._reply(request, body, False)
+        if final:
+            worker.current = None
+            worker.lastEnvelope = request.envelope
+            if self._passive:
+                self._release(worker)  # to the active broker
+            else:
+                self._makeIdle(worker)
+                if worker.service.size:
+                    self._dispatch(worker.service)
+
+    def _emitReplied(self, request: PendingRequest, body: Sequence[bytes],
+                     worker: PeerKey) -> None:
+        error = codec.parse_error_body(body)
+        self._emit(Replied(request.service, error[0] if error is not None else None,
+                           request.client[1], worker[1], self.now - request.assignedAt,
+                           request.assignedAt - request.arrivedAt))
 
     def _tooLargeForClient(self, request: PendingRequest, body: Sequence[bytes]) -> Optional[str]:
-        """Why a reply part is too large for the client, or None."""
-        # the worker's message was within the limits, and the client's has one
-        # frame less and the service name for the envelope: it can only be
-        # larger when the name is longer
-        if len(request.service) <= len(request.envelope):
-            return None
+        """Why a reply part is too large for the client, or None.  (The
+        worker's message was within the limits, and the client's has one
+        frame less and the service name for the envelope: it can only be
+        larger when the name is longer.)"""
         size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
         return self.limits.oversize(size, len(body) + 4)
 
-    def _late(self, key: PeerKey, command: Any) -> bool:
+    def _late(self, key: PeerKey, kind: type, envelope: bytes, body: Sequence[bytes]) -> bool:
         """A reply from a worker the broker gave up on (silent: its handler
         may have blocked its reactor; or gone: a DISCONNECT, a lost
         connection), for an assignment taken back from that very worker.
@@ -1015,24 +1014,22 @@ class BrokerMachine(Machine):
         run again, maybe as long.  A PARTIAL spoils that (the client would
         get a reply without its beginning): the request runs again.  False
         if the reply is for no assignment taken back from it."""
-        entry = self._takenBack.get(command.client)
+        entry = self._takenBack.get(envelope)
         if entry is None or entry[0] != key:
             return False
-        del self._takenBack[command.client]
+        del self._takenBack[envelope]
         request = entry[1]
-        if (type(command) is WorkerPartial or request.state is not QUEUED
-                or request.envelope != command.client):
-            self._emit(Dropped(key[1], "orphaned", f"the late {type(command).__name__} of a "
+        if (kind is WorkerPartial or request.state is not QUEUED
+                or request.envelope != envelope):
+            self._emit(Dropped(key[1], "orphaned", f"the late {kind.__name__} of a "
                                "worker given up, for a request that is elsewhere now or runs "
                                "again"))
             return True
         service = self.services[request.service]
         service.remove(request)
-        self._reply(request, command.body, final=True)
+        self._reply(request, body, final=True)
         if self.observed:
-            self._emit(Replied(request.service, None, request.client[1], key[1],
-                               self.now - request.assignedAt,
-                               request.assignedAt - request.arrivedAt))
+            self._emitReplied(request, body, key)
         self._forgetIfEmpty(service)
         return True
 
@@ -1093,8 +1090,8 @@ class BrokerMachine(Machine):
         if self.observed:
             self._emit(Assigned(request.service, now - request.queuedAt))
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
-        self._emit(Send(worker.key, codec.encode_worker_request(envelope, request.body,
-                                                                worker.dialect)))
+        self._outbox.append(Send(worker.key, codec.encode_worker_request(envelope, request.body,
+                                                                         worker.dialect)))
         worker.liveness.lastSent = now
 
     def _removeWorker(self, worker: WorkerRef) -> None:
