@@ -152,6 +152,7 @@ DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
 #: of the envelope; and the frames it adds (with majortomo's leading empty frame).
 _REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
 _REQUEST_FRAMES = 5
+_MMI_PREFIX = mmi.PREFIX
 
 #: workers remembered as told DISCONNECT (see BrokerMachine._markGone)
 MAX_GONE = 10_000
@@ -698,12 +699,18 @@ class BrokerMachine(Machine):
             shown: Any = self.services  # (no services wanted: their total unfiltered)
         else:
             shown = [name for name in self.services if visible(name)]
-        chosen = [w for w in self.workers.values()
-                  if (service is None or w.service.name == service)
-                  and (visible is None or visible(w.service.name))]
+        chosen = self._chosenWorkers(service, visible)
         return BrokerSnapshot(at, self._serviceViews(shown, serviceLimit),
                               self._workerViews(chosen, workerLimit, at), len(shown), len(chosen),
                               self._ledger.count, self._ledger.bytes)
+
+    def _chosenWorkers(self, service: Optional[bytes],
+                       visible: Optional[Callable[[bytes], bool]]) -> list[WorkerRef]:
+        workers = self.workers.values()
+        if service is not None:
+            workers = [w for w in workers if w.service.name == service]
+        return list(workers) if visible is None else [w for w in workers
+                                                      if visible(w.service.name)]
 
     def _serviceViews(self, names: Any, limit: Optional[int]) -> tuple[ServiceSnapshot, ...]:
         names = sorted(names) if limit is None else heapq.nsmallest(limit, names)
@@ -777,16 +784,10 @@ class BrokerMachine(Machine):
                                  content + FRAME_OVERHEAD * len(body), arrivedAt=now)
         if self.observed:
             self._emit(Requested(name))
-        if self.admission is not None and not self._admitClient(request):
+        if not self._admitted(request, identity):
             return
-        if self.access is not None and not self._mayCall(request, identity):
-            return
-        if name.startswith(mmi.PREFIX):
-            visible = None if self.access is None else partial(self.access.mayCall, identity)
-            request.state = DONE
-            self._reply(request, mmi.answer(self, name, body, visible), final=True)
-            if self.observed:
-                self._emit(Replied(name, None, key[1]))
+        if name.startswith(_MMI_PREFIX):
+            self._answerManagement(request, identity)
             return
         tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
                                         len(body) + _REQUEST_FRAMES)
@@ -800,6 +801,20 @@ class BrokerMachine(Machine):
             self._assign(service.idle.popitem(last=False)[1], request)
         elif self._queueHasRoom(service, request):
             self._enqueue(service, request)
+
+    def _answerManagement(self, request: PendingRequest, identity: Optional[str]) -> None:
+        """Answer an ``mmi.*`` request; under an access policy, only about
+        the services *identity* may call."""
+        visible = None if self.access is None else partial(self.access.mayCall, identity)
+        request.state = DONE
+        self._reply(request, mmi.answer(self, request.service, request.body, visible), True)
+        if self.observed:
+            self._emit(Replied(request.service, None, request.client[1]))
+
+    def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
+        """The admission and the access policy let *request* in."""
+        return ((self.admission is None or self._admitClient(request))
+                and (self.access is None or self._mayCall(request, identity)))
 
     def _admitClient(self, request: PendingRequest) -> bool:
         """The admission's vote on *request* (``mmi.binarystar`` always passes)."""
@@ -821,7 +836,7 @@ class BrokerMachine(Machine):
     def _mayCall(self, request: PendingRequest, identity: Optional[str]) -> bool:
         """The access policy lets *identity* call the service (every peer may ask ``mmi.*``)."""
         name = request.service
-        if name.startswith(mmi.PREFIX) or self.access.mayCall(identity, name):
+        if name.startswith(_MMI_PREFIX) or self.access.mayCall(identity, name):
             return True
         self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
                      f"{_who(identity)} may not call {name.decode('ascii')!r}")
@@ -981,14 +996,19 @@ class BrokerMachine(Machine):
             request.partials += 1
             self._reply(request, body, False)
         if final:
-            worker.current = None
-            worker.lastEnvelope = request.envelope
-            if self._passive:
-                self._release(worker)  # to the active broker
-            else:
-                self._makeIdle(worker)
-                if worker.service.size:
-                    self._dispatch(worker.service)
+            self._finished(worker, request)
+
+    def _finished(self, worker: WorkerRef, request: PendingRequest) -> None:
+        """*worker* answered *request*: it is free for the next (a passive
+        broker lets it go to the active one)."""
+        worker.current = None
+        worker.lastEnvelope = request.envelope
+        if self._passive:
+            self._release(worker)
+        else:
+            self._makeIdle(worker)
+            if worker.service.size:
+                self._dispatch(worker.service)
 
     def _emitReplied(self, request: PendingRequest, body: Sequence[bytes],
                      worker: PeerKey) -> None:
