@@ -394,8 +394,9 @@ def test_client_timeout_is_per_attempt(timeout: float, retries: int) -> None:
 # --- the broker's machine alone: no reactor, no Clock, no transport --------------------
 
 def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
-    from mdp.majordomo.broker import BrokerMachine, Dropped, DropPeer, Refused, WorkerChanged
+    from mdp.majordomo.broker import BrokerMachine, DropPeer
     from mdp.majordomo.broker import Send as BrokerSend
+    from mdp.majordomo.broker_machine import Dropped, Refused, WorkerChanged
 
     machine = BrokerMachine(heartbeat=HB, requestExpiry=5.0)
     route = "binding"  # the driver's: opaque to the machine

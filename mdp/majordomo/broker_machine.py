@@ -576,8 +576,12 @@ class BrokerMachine(Machine):
         self.access = access
         #: emit Requested, Assigned and Replied (a driver that counts or logs them)
         self.observed = observed
-        self._ledger = QueueLedger()
         self._assignments = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every worker, service and queued request."""
+        self._ledger = QueueLedger()
         #: services whose last worker left, by when (checked for linger's end)
         self._abandoned: deque[tuple[float, ServiceQueue]] = deque()
         self.services: dict[bytes, ServiceQueue] = {}
@@ -596,6 +600,7 @@ class BrokerMachine(Machine):
         #: further commands to them): what they still send is dropped, for
         #: a heartbeat expiry, unless it is a READY (a new conversation)
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
+        self._outbox = []
 
     @property
     def wakeEvery(self) -> float:
@@ -636,19 +641,6 @@ class BrokerMachine(Machine):
         self.now = now
         self._giveUpUnknown(now)
         return self._drain()
-
-    def reset(self) -> None:
-        """Forget every worker, service and queued request."""
-        self.workers.clear()
-        self.services.clear()
-        self._ledger = QueueLedger()
-        self._abandoned.clear()
-        self._unknown.clear()
-        self._takenBack.clear()
-        self._gone.clear()
-        self._activeSince = None
-        self._passive = False
-        self._outbox = []
 
     # --- the read-only view (what MMI and operators read) --------------------
 
