@@ -73,6 +73,8 @@ _WORKER_CHANGES = {
     "ready": "worker {peer} ready for {service}",
     "disconnected": "worker {peer} for {service} disconnected",
     "silent": "worker {peer} for {service} silent for {silence:.1f}s: removed",
+    "answered-late": "accepted the late reply of worker {peer} for {service}: the broker had "
+                     "given that worker up (silent, or gone), and the request was still queued",
     "released": "this broker is passive: sent DISCONNECT to worker {peer} for {service}, so "
                 "it goes to the active one",
 }

@@ -484,9 +484,10 @@ class Refused:
 
 @action_class
 class WorkerChanged:
-    """A worker registered (*change* ``"ready"``) or was forgotten
+    """A worker registered (*change* ``"ready"``), was forgotten
     (``"disconnected"``, ``"silent"`` after *silence* seconds, ``"released"``
-    by a passive broker)."""
+    by a passive broker), or answered after it was given up, in time
+    (``"answered-late"``)."""
 
     peer: bytes
     service: bytes
@@ -1039,6 +1040,7 @@ class BrokerMachine(Machine):
             return True
         service = self.services[request.service]
         service.remove(request)
+        self._emit(WorkerChanged(key[1], request.service, "answered-late"))
         self._reply(request, body, final=True)
         if self.observed:
             self._emitReplied(request, body, key)
