@@ -61,6 +61,7 @@ ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 CIMPORTS = {
     "mdp.majordomo.client": ("mdp.machine",),
     "mdp.majordomo.worker": ("mdp.machine",),
+    "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
     "mdp.majordomo.broker_machine": ("mdp.machine",),
     "mdp.blocking": ("mdp.majordomo.client",),
 }

@@ -39,8 +39,14 @@ cdef class BrokerMachine(Machine):
     cdef _received(self, key, frames, clients, workers, identity)
     @cython.locals(request=PendingRequest, service=ServiceQueue)
     cdef _request(self, key, name, body, dialect, identity)
+    cdef bint _admitted(self, PendingRequest request, identity) except -1
+    @cython.locals(ledger=QueueLedger)
+    cdef bint _queueHasRoom(self, ServiceQueue service, PendingRequest request) except -1
+    cdef _enqueue(self, ServiceQueue service, PendingRequest request)
     cdef _fromWorker(self, WorkerRef worker, kind, address, body)
     cdef _replyPart(self, WorkerRef worker, PendingRequest request, body, final)
     cdef _reply(self, PendingRequest request, body, final)
+    cdef _finished(self, WorkerRef worker, PendingRequest request)
+    cdef _makeIdle(self, WorkerRef worker)
     cdef _dispatch(self, ServiceQueue service)
     cdef _assign(self, WorkerRef worker, PendingRequest request)

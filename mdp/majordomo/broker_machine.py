@@ -129,6 +129,10 @@ from mdp.majordomo.codec import (
     Ready,
     WorkerFinal,
     WorkerPartial,
+    encode_client_reply,
+    encode_worker_request,
+    parse,
+    split,
 )
 from mdp.messages import text as label
 from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, Liveness, MiB
@@ -727,13 +731,13 @@ class BrokerMachine(Machine):
     def _received(self, key: PeerKey, frames: list[bytes], clients: bool, workers: bool,
                   identity: Optional[str]) -> None:
         """Every message: decoded by the codec, the one check of its form."""
-        dialect, body = codec.split(frames)
+        dialect, body = split(frames)
         if dialect is not RFC:
             # frames a transport did not copy start at the body of an RFC
             # message only: in the other dialect the codec reads them
             body = as_bytes(body)
         try:
-            kind, address, body = codec.parse(body, dialect)
+            kind, address, body = parse(body, dialect)
         except ProtocolError as e:
             self._invalid(key, "malformed", str(e))
             return
@@ -904,8 +908,8 @@ class BrokerMachine(Machine):
                 < self.serviceLinger)
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
-        self._outbox.append(Send(request.client, codec.encode_client_reply(request.service, body, final,
-                                                                  request.dialect)))
+        frames = encode_client_reply(request.service, body, final, request.dialect)
+        self._outbox.append(Send(request.client, frames))
 
     # --- workers ------------------------------------------------------------
 
@@ -1104,8 +1108,8 @@ class BrokerMachine(Machine):
         if self.observed:
             self._emit(Assigned(request.service, now - request.queuedAt))
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
-        self._outbox.append(Send(worker.key, codec.encode_worker_request(envelope, request.body,
-                                                                         worker.dialect)))
+        frames = encode_worker_request(envelope, request.body, worker.dialect)
+        self._outbox.append(Send(worker.key, frames))
         worker.liveness.lastSent = now
 
     def _removeWorker(self, worker: WorkerRef) -> None:
