@@ -878,3 +878,26 @@ def test_a_jittered_delay_stays_within_its_step() -> None:
     capped = Backoff(1.0, 32.0, jitter=0.25, random=lambda: 0.999999)
     assert capped.delay(10, 15.0) == pytest.approx(15.0 * 0.75, rel=1e-5)
     assert Backoff(1.0, 32.0).delay(10, 15.0) == 15.0 and Backoff(1.0, 32.0).delay(0, 15.0) == 1.0
+
+
+def test_the_broker_logs_and_counts_what_its_machine_reports() -> None:
+    """The machine neither logs nor counts: it reports, and its driver logs
+    (throttled), counts invalid input and feeds the metrics."""
+    from mdp.metrics import BrokerMetrics
+    from tests.conftest import warnings_logged
+
+    metrics = BrokerMetrics()
+    script, broker = broker_script(metrics=metrics, maxWorkers=1)
+    count = metrics.registry.get_sample_value
+    with warnings_logged() as warnings:
+        script.feed(Receive(b"W", READY), Receive(b"W2", READY),
+                    Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"]),
+                    Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"]),
+                    Receive(b"X", [b"junk"]), Receive(b"Y", [b"junk"]))
+    lines = [event["log_format"] for event in warnings]
+    assert any("refused {what}" in line for line in lines)  # W2: one worker at most
+    assert sum("dropped invalid message" in line for line in lines) == 1  # throttled
+    assert broker.invalid == 2
+    assert count("mdp_broker_rejected_messages_total", {"reason": "malformed"}) == 2
+    assert count("mdp_broker_requests_total", {"service": "echo"}) == 1
+    assert count("mdp_broker_replies_total", {"service": "echo"}) == 1
