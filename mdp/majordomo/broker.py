@@ -168,6 +168,7 @@ class Broker:
             metrics.watch(self)
 
     def __getattr__(self, name: str) -> Any:
+        """The machine's settings and state, read through the broker."""
         if name.startswith("__") or name == "machine":
             raise AttributeError(name)
         return getattr(self.machine, name)
@@ -328,7 +329,7 @@ class Broker:
 
         security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "MDP broker")
-        return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
+        return transport.listen(endpoint, binding, self.reactor, limits=self.machine.limits,
                                 security=security).addCallback(bound)
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
@@ -343,7 +344,7 @@ class Broker:
         stream scheme).  :meth:`close` drops its connections; stopping the
         port is the caller's."""
         binding = Binding(self, clients, workers)
-        router = StreamRouter(binding, self.reactor, limits=self.limits)
+        router = StreamRouter(binding, self.reactor, limits=self.machine.limits)
         self._bind(binding, router)
         return router.factory()
 
