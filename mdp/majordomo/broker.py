@@ -113,10 +113,6 @@ class Binding:
     def peerDisconnected(self, peer: bytes) -> None:
         self.broker.peerGone((self, peer))
 
-    def send(self, peer: bytes, frames: list[bytes]) -> None:
-        if self.transport is not None:
-            self.transport.sendMessage(peer, as_bytes(frames) if self.copyOut else frames)
-
     def identity(self, peer: bytes) -> Optional[str]:
         """Who *peer* is, as its transport authenticated it (a CURVE public
         key, a TLS subject), or None."""
@@ -215,7 +211,7 @@ class Broker:
             if kind is Send:
                 binding, peer = action.key
                 transport = binding.transport
-                if transport is not None:  # Binding.send, inline: the hot path
+                if transport is not None:
                     frames = action.frames
                     transport.sendMessage(peer, as_bytes(frames) if binding.copyOut else frames)
             elif kind is DropPeer:
