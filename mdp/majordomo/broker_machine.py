@@ -32,61 +32,54 @@ accepts and the peer's authenticated identity come with each message.
 
 A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
 
-=========  ===========================================  =========  ============================
-state      event                                        next       actions
-=========  ===========================================  =========  ============================
-(none)     READY, within ``maxWorkers`` and             IDLE       joins the back of its
-           ``maxServiceWorkers``                                   service's idle line
-(none)     READY beyond them, or refused by the         (none)     DISCONNECT
-           ``admission`` (a passive Binary Star); any
-           other command
-IDLE       a request for its service, none ahead        BUSY       REQUEST under a new envelope
-BUSY       PARTIAL with the current envelope            BUSY       PARTIAL to the client
-BUSY       FINAL with the current envelope              IDLE       FINAL to the client; the next
-                                                                   queued request, if any: BUSY
-BUSY       FINAL with the envelope it answered last     BUSY/IDLE  dropped (a second FINAL)
-IDLE,      any message                                  same       heard: its silence restarts
-BUSY
-IDLE,      tick, nothing sent for half an interval      same       HEARTBEAT
-BUSY
-IDLE,      DISCONNECT; peer lost; silent for more       GONE       its request is taken back
-BUSY       than ``interval × liveness``
-IDLE,      invalid or unexpected command (PARTIAL or    GONE       DISCONNECT; its request is
-BUSY       FINAL while IDLE or for another envelope,               taken back
+=========  =========================================  =====  ===============================
+state      event                                      next   actions
+=========  =========================================  =====  ===============================
+(none)     READY within ``maxWorkers`` and            IDLE   at the back of its service's
+           ``maxServiceWorkers``, admitted                   idle line
+(none)     READY refused; any other command           --     DISCONNECT
+IDLE       a request for its service, none ahead      BUSY   REQUEST under a new envelope
+BUSY       PARTIAL with the current envelope          BUSY   PARTIAL to the client
+BUSY       FINAL with the current envelope            IDLE   FINAL to the client (then BUSY
+                                                             with the next queued request)
+BUSY       FINAL with the envelope it answered last   same   dropped (a second FINAL)
+any        any message                                same   its silence restarts
+any        tick, nothing sent for half an interval    same   HEARTBEAT
+any        DISCONNECT; peer lost; silent for more     GONE   its request is taken back
+           than ``interval × liveness``
+any        invalid or unexpected command (PARTIAL or  GONE   DISCONNECT; its request is
+           FINAL while IDLE or for another envelope,         taken back
            READY again, REQUEST)
-=========  ===========================================  =========  ============================
+=========  =========================================  =====  ===============================
 
 A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
 
-=========  ===========================================  =========  ============================
-state      event                                        next       actions
-=========  ===========================================  =========  ============================
-NEW        refused by the ``admission`` (a passive      DONE       none: the client times out
-           Binary Star); not ``mmi.binarystar``                    and tries another broker
-NEW        an idle worker and nothing queued            ASSIGNED   REQUEST to the worker
-NEW        no idle worker, queues within bounds         QUEUED     waits in its service's queue
-NEW        ``mmi.*``; too large (413); queues full      DONE       answered at once
-           (429)
-QUEUED     a worker of its service is idle              ASSIGNED   REQUEST to the worker
-QUEUED     waited ``requestExpiry``                     DONE       503 error reply
-QUEUED     no worker registered for its service         DONE       503 error reply
-           ``unknownServiceExpiry`` after its first
-           request
-QUEUED     a late FINAL from the worker it was taken    DONE       FINAL to the client
-           back from (none of its PARTIALs went out)
-QUEUED     its client is lost                           DONE       forgotten
-ASSIGNED   PARTIAL                                      ASSIGNED   PARTIAL to the client
-ASSIGNED   FINAL                                        DONE       FINAL to the client
-ASSIGNED   a reply part too large for the client        ANSWERED   413 error reply (a FINAL too
-                                                        (DONE)     large: DONE)
-ANSWERED   PARTIAL                                      ANSWERED   dropped
-ANSWERED   FINAL, or its worker is GONE                 DONE       dropped
-ASSIGNED   its worker is GONE                           QUEUED     at the head; the restart
-                                                                   marker first if PARTIALs
-                                                                   went out
-ASSIGNED   its worker is GONE, ``maxDeliveries``        DONE       500 error reply
-           reached
-=========  ===========================================  =========  ============================
+========  ==========================================  ========  ============================
+state     event                                       next      actions
+========  ==========================================  ========  ============================
+NEW       refused by the ``admission`` (a passive     DONE      none: the client tries
+          Binary Star), unless ``mmi.binarystar``               another broker
+NEW       ``mmi.*``; too large; queues full           DONE      answered at once (413, 429)
+NEW       an idle worker and nothing queued           ASSIGNED  REQUEST to the worker
+NEW       else                                        QUEUED    waits in its service's queue
+QUEUED    a worker of its service is idle             ASSIGNED  REQUEST to the worker
+QUEUED    waited ``requestExpiry``; no worker ever    DONE      503 error reply
+          registered ``unknownServiceExpiry`` after
+          its service's first request
+QUEUED    a late FINAL of the worker it was taken     DONE      FINAL to the client
+          back from (no PARTIAL of it went out)
+QUEUED    its client is lost                          DONE      forgotten
+ASSIGNED  PARTIAL; FINAL                              same;     to the client
+                                                      DONE
+ASSIGNED  a reply part too large for the client       ANSWERED  413 error reply (a FINAL:
+                                                                DONE)
+ANSWERED  PARTIAL; FINAL or its worker GONE           same;     dropped
+                                                      DONE
+ASSIGNED  its worker is GONE                          QUEUED    at the head; the restart
+                                                                marker first if PARTIALs
+                                                                went out
+ASSIGNED  its worker is GONE ``maxDeliveries`` times  DONE      500 error reply
+========  ==========================================  ========  ============================
 
 Limits (``docs/reliability.md`` has the table): queues hold at most
 ``maxQueue`` requests and ``maxQueueBytes`` of bodies in all, and
