@@ -195,12 +195,6 @@ _NAMES = {ClientRequest: "REQUEST", ClientPartial: "PARTIAL", ClientFinal: "FINA
 _PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match
 
 
-def is_service_name(name: bytes) -> bool:
-    """True if *name* is a valid service name (what :func:`validate_service`
-    accepts), in one C call."""
-    return _PRINTABLE_NAME(name) is not None
-
-
 def validate_service(service: bytes) -> bytes:
     """Return *service* if it is a non-empty printable ASCII name, else raise."""
     if _PRINTABLE_NAME(service) is not None:  # the common case, in one C call
