@@ -41,6 +41,7 @@ MODULES = (
     "mdp.blocking",
     "mdp.majordomo.broker",
     "mdp.majordomo.broker_machine",
+    "mdp.majordomo.broker_records",
     "mdp.majordomo.client",
     "mdp.majordomo.codec",
     "mdp.majordomo.worker",
@@ -62,7 +63,7 @@ CIMPORTS = {
     "mdp.majordomo.client": ("mdp.machine",),
     "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
-    "mdp.majordomo.broker_machine": ("mdp.machine",),
+    "mdp.majordomo.broker_machine": ("mdp.machine", "mdp.majordomo.broker_records"),
     "mdp.blocking": ("mdp.majordomo.client",),
 }
 

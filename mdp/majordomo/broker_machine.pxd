@@ -1,29 +1,11 @@
-# Compiled, the broker's machine and its records are extension types: their
-# fields are slots of a C struct, and the request's path runs in C.
+# Compiled, the broker's machine is an extension type (its records:
+# broker_records.pxd): its fields are slots of a C struct, and the request's
+# path runs in C.
 
 cimport cython
 
 from mdp.machine cimport Machine
-
-cdef class PendingRequest:
-    cdef public object client, service, body, dialect, queuedAt, size, state, envelope
-    cdef public object deliveries, partials, arrivedAt, assignedAt
-
-cdef class ServiceQueue
-
-cdef class WorkerRef:
-    cdef public object key, dialect, liveness, state, lastEnvelope
-    cdef public ServiceQueue service
-    cdef public PendingRequest current
-
-cdef class QueueLedger:
-    cdef public object count, bytes, byAge
-    cdef public dict byClient
-
-cdef class ServiceQueue:
-    cdef public object name, pending, idle, workers, size, bytes
-    cdef public object abandonedAt, registered, unknownUntil, askedAt
-    cdef public QueueLedger ledger
+from mdp.majordomo.broker_records cimport PendingRequest, QueueLedger, ServiceQueue, WorkerRef
 
 cdef class BrokerMachine(Machine):
     cdef public object heartbeat, requestExpiry, unknownServiceExpiry, serviceLinger
