@@ -30,6 +30,8 @@ MODULES = (
     "mdp.policy",
     "mdp.blocking",
     "mdp.majordomo.broker",
+    "mdp.majordomo.broker_machine",
+    "mdp.majordomo.broker_records",
     "mdp.majordomo.client",
     "mdp.majordomo.codec",
     "mdp.majordomo.worker",
@@ -50,7 +52,8 @@ ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 CIMPORTS = {
     "mdp.majordomo.client": ("mdp.machine",),
     "mdp.majordomo.worker": ("mdp.machine",),
-    "mdp.majordomo.broker": ("mdp.machine",),
+    "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
+    "mdp.majordomo.broker_machine": ("mdp.machine", "mdp.majordomo.broker_records"),
     "mdp.blocking": ("mdp.majordomo.client",),
 }
 

@@ -202,7 +202,7 @@ def test_mmi_services_under_a_policy_asks_once_per_service_and_sorts_only_what_i
     """The listing a peer may see is filtered first, then its first
     MAX_ENTRIES names picked: no sort of every service, no view built of
     services it will not see, one policy check per service."""
-    from mdp.majordomo import broker as brokerModule
+    from mdp.majordomo import broker_machine as brokerModule
     from mdp.majordomo import mmi
 
     script, broker = broker_script(AccessPolicy.fromDict({

@@ -393,41 +393,40 @@ def test_client_timeout_is_per_attempt(timeout: float, retries: int) -> None:
 
 # --- the broker's machine alone: no reactor, no Clock, no transport --------------------
 
-class Endpoint:
-    """What a peer key's first half tells the machine: the roles it accepts."""
-
-    clients = True
-    workers = True
-
-
 def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
     from mdp.majordomo.broker import BrokerMachine, DropPeer
     from mdp.majordomo.broker import Send as BrokerSend
+    from mdp.majordomo.broker_machine import Dropped, Refused, WorkerChanged
 
     machine = BrokerMachine(heartbeat=HB, requestExpiry=5.0)
-    bound = Endpoint()
-    worker, client = (bound, b"W"), (bound, b"C")
+    route = "binding"  # the driver's: opaque to the machine
+    worker, client = (route, b"W"), (route, b"C")
     assert machine.wakeEvery == 1.0
-    assert machine.handleMessage(worker, [b"", *READY], now=0.0) == []
+    assert machine.handleMessage(worker, [b"", *READY], now=0.0) == [
+        WorkerChanged(b"W", b"echo", "ready")]
     assert machine.handleMessage(client, [C, codec.C_REQUEST, b"echo", b"hi"], now=0.5) == [
         BrokerSend(worker, [b"", W, codec.W_REQUEST, envelope(b"C", 1), b"", b"hi"])]
     # silent past 3 s: at the tick after, the worker is gone; its request waits
     assert machine.handleTick(now=1.0) == [BrokerSend(worker, [b"", *HEARTBEAT])]
-    assert machine.handleTick(now=4.0) == []
+    assert machine.handleTick(now=4.0) == [WorkerChanged(b"W", b"echo", "silent", 4.0)]
     assert machine.workers == {} and machine.queued == 1
     # queued since 4.0 with no worker: a 503 at the first tick past 9.0
     assert machine.handleTick(now=8.0) == []
-    [reply] = machine.handleTick(now=9.0)
+    [reply, refused] = machine.handleTick(now=9.0)
     assert reply.key == client and reply.frames[:4] == [C, codec.C_FINAL, b"echo",
                                                        codec.ERROR_MARKER]
     assert reply.frames[4] == codec.STATUS_UNAVAILABLE
-    # garbage: the machine wants that peer's connection closed
-    assert machine.handleMessage((bound, b"X"), [b"junk"], now=9.5) == [DropPeer((bound, b"X"))]
+    assert type(refused) is Refused and refused.kind == "expired"
+    # garbage: the machine reports it and wants that peer's connection closed
+    [dropped, drop] = machine.handleMessage((route, b"X"), [b"junk"], now=9.5)
+    assert type(dropped) is Dropped and dropped.kind == "malformed"
+    assert drop == DropPeer((route, b"X"))
     # a client on a worker-only endpoint is refused the same way
-    workersOnly = Endpoint()
-    workersOnly.clients = False
-    assert machine.handleMessage((workersOnly, b"C2"), [C, codec.C_REQUEST, b"echo", b"x"],
-                                 now=10.0) == [DropPeer((workersOnly, b"C2"))]
+    [dropped, drop] = machine.handleMessage((route, b"C2"), [C, codec.C_REQUEST, b"echo", b"x"],
+                                            now=10.0, clients=False)
+    assert dropped.kind == "wrong-endpoint" and drop == DropPeer((route, b"C2"))
+    # a snapshot reads at the time it is given and changes nothing
+    assert machine.snapshot(now=20.0).at == 20.0 and machine.now == 10.0
 
 
 def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
@@ -879,3 +878,26 @@ def test_a_jittered_delay_stays_within_its_step() -> None:
     capped = Backoff(1.0, 32.0, jitter=0.25, random=lambda: 0.999999)
     assert capped.delay(10, 15.0) == pytest.approx(15.0 * 0.75, rel=1e-5)
     assert Backoff(1.0, 32.0).delay(10, 15.0) == 15.0 and Backoff(1.0, 32.0).delay(0, 15.0) == 1.0
+
+
+def test_the_broker_logs_and_counts_what_its_machine_reports() -> None:
+    """The machine neither logs nor counts: it reports, and its driver logs
+    (throttled), counts invalid input and feeds the metrics."""
+    from mdp.metrics import BrokerMetrics
+    from tests.conftest import warnings_logged
+
+    metrics = BrokerMetrics()
+    script, broker = broker_script(metrics=metrics, maxWorkers=1)
+    count = metrics.registry.get_sample_value
+    with warnings_logged() as warnings:
+        script.feed(Receive(b"W", READY), Receive(b"W2", READY),
+                    Receive(b"C", [C, codec.C_REQUEST, b"echo", b"hi"]),
+                    Receive(b"W", [W, codec.W_FINAL, envelope(b"C", 1), b"", b"HI"]),
+                    Receive(b"X", [b"junk"]), Receive(b"Y", [b"junk"]))
+    lines = [event["log_format"] for event in warnings]
+    assert any("refused {what}" in line for line in lines)  # W2: one worker at most
+    assert sum("dropped invalid message" in line for line in lines) == 1  # throttled
+    assert broker.invalid == 2
+    assert count("mdp_broker_rejected_messages_total", {"reason": "malformed"}) == 2
+    assert count("mdp_broker_requests_total", {"service": "echo"}) == 1
+    assert count("mdp_broker_replies_total", {"service": "echo"}) == 1

@@ -48,7 +48,7 @@ Before them, the broker sends one PARTIAL whose body is exactly
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import attrs
 
@@ -181,31 +181,18 @@ _CLIENT_CODES = {
     dialect: {kind: code for code, kind in table.items()}
     for dialect, table in _CLIENT_TYPES.items()
 }
-_CLIENT_NAMES = {ClientRequest: "REQUEST", ClientPartial: "PARTIAL", ClientFinal: "FINAL"}
-_WORKER_NAMES = {
-    W_READY: "READY",
-    W_REQUEST: "REQUEST",
-    W_PARTIAL: "PARTIAL",
-    W_FINAL: "FINAL",
-    W_HEARTBEAT: "HEARTBEAT",
-    W_DISCONNECT: "DISCONNECT",
-}
-_WORKER_ENVELOPED = {
-    W_REQUEST: WorkerRequest,
-    W_PARTIAL: WorkerPartial,
-    W_FINAL: WorkerFinal,
-}
+_WORKER_TYPES = {W_READY: Ready, W_REQUEST: WorkerRequest, W_PARTIAL: WorkerPartial,
+                 W_FINAL: WorkerFinal, W_HEARTBEAT: Heartbeat, W_DISCONNECT: Disconnect}
+#: how many frames a worker command without a body takes
+_WORKER_FRAMES = {Ready: 3, Heartbeat: 2, Disconnect: 2}
+_NAMES = {ClientRequest: "REQUEST", ClientPartial: "PARTIAL", ClientFinal: "FINAL",
+          Ready: "READY", WorkerRequest: "REQUEST", WorkerPartial: "PARTIAL",
+          WorkerFinal: "FINAL", Heartbeat: "HEARTBEAT", Disconnect: "DISCONNECT"}
 
 
 # --- validation helpers ---------------------------------------------------
 
 _PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match
-
-
-def is_service_name(name: bytes) -> bool:
-    """True if *name* is a valid service name (what :func:`validate_service`
-    accepts), in one C call."""
-    return _PRINTABLE_NAME(name) is not None
 
 
 def validate_service(service: bytes) -> bytes:
@@ -218,12 +205,8 @@ def validate_service(service: bytes) -> bytes:
         raise ProtocolError(
             f"service name is {len(service)} bytes, longer than {MAX_SERVICE_LENGTH}"
         )
-    for byte in service:
-        if byte < 0x20 or byte > 0x7E:
-            raise ProtocolError(
-                f"service name {service!r} holds non-printable byte 0x{byte:02x}"
-            )
-    return service
+    byte = next(b for b in service if b < 0x20 or b > 0x7E)
+    raise ProtocolError(f"service name {service!r} holds non-printable byte 0x{byte:02x}")
 
 
 def service_name(service: Union[str, bytes]) -> bytes:
@@ -280,81 +263,99 @@ def expect(frames: Sequence[bytes], dialect: str) -> Sequence[bytes]:
 
 # --- decoding -------------------------------------------------------------
 
-def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
-    """Decode one MDP/0.2 message (client or worker) starting at its header.
+Parsed = tuple[type, bytes, Sequence[bytes]]
 
-    Raises :class:`~mdp.errors.ProtocolError` with a precise reason when the
-    frames are not a valid command.
-    """
+
+def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
+    """Check one MDP/0.2 message (client or worker) starting at its header,
+    without building its command (the broker's path): ``(command class,
+    address, body)``, the address being the service name (a client command,
+    READY) or the client envelope (a worker REQUEST, PARTIAL, FINAL), else
+    ``b""``.  Raises :class:`~mdp.errors.ProtocolError` with a precise reason
+    when the frames are not a valid command."""
     if not frames:
         raise ProtocolError("empty message")
     header = frames[0]
     if header == WORKER_HEADER:
-        return decode_worker(frames)
+        return _parse_worker(frames)
     if header == CLIENT_HEADER:
-        return decode_client(frames, dialect)
+        return _parse_client(frames, dialect)
     raise ProtocolError(f"unknown protocol header {bytes(header[:16])!r}")
+
+
+def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
+    """Decode one MDP/0.2 message (client or worker) starting at its header
+    (:func:`parse`, as a command)."""
+    return _command(*parse(frames, dialect))
 
 
 def decode_client(frames: Sequence[bytes], dialect: str = RFC) -> ClientCommand:
     """Decode an MDP/Client command (REQUEST, PARTIAL or FINAL)."""
     if not frames or frames[0] != CLIENT_HEADER:
         raise ProtocolError("missing MDPC02 header")
-    if len(frames) < 2:
-        raise ProtocolError("MDPC02 message has no command frame")
-    command = frames[1]
-    kind = _CLIENT_TYPES[dialect].get(command)
-    if kind is None:
-        raise ProtocolError(
-            f"unknown MDP/Client command {bytes(command[:8])!r} ({dialect} dialect)"
-        )
-    if dialect == MAJORTOMO and kind is not ClientRequest:
-        if len(frames) < 3:
-            raise ProtocolError(
-                f"MDP/Client {_CLIENT_NAMES[kind]} needs at least 3 frames in the "
-                f"majortomo dialect, got {len(frames)} (missing body)"
-            )
-        return kind(b"", list(frames[2:]))
-    if len(frames) < 4:
-        name = _CLIENT_NAMES[kind]
-        what = "service name" if len(frames) < 3 else "body"
-        raise ProtocolError(
-            f"MDP/Client {name} needs at least 4 frames, got {len(frames)} (missing {what})"
-        )
-    return kind(validate_service(frames[2]), list(frames[3:]))
+    return _command(*_parse_client(frames, dialect))  # type: ignore[return-value]
 
 
 def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
     """Decode an MDP/Worker command."""
     if not frames or frames[0] != WORKER_HEADER:
         raise ProtocolError("missing MDPW02 header")
-    if len(frames) < 2:
-        raise ProtocolError("MDPW02 message has no command frame")
-    command = frames[1]
+    return _command(*_parse_worker(frames))  # type: ignore[return-value]
+
+
+def _command(kind: type, address: bytes, body: Sequence[bytes]) -> Command:
+    if kind is Heartbeat:
+        return HEARTBEAT
+    if kind is Disconnect:
+        return DISCONNECT
+    if kind is Ready:
+        return Ready(address)
+    return kind(address, list(body))
+
+
+def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:
     count = len(frames)
-    if command == W_HEARTBEAT or command == W_DISCONNECT:
-        if count != 2:
+    if count < 2:
+        raise ProtocolError("MDPC02 message has no command frame")
+    kind = _CLIENT_TYPES[dialect].get(frames[1])
+    if kind is None:
+        raise ProtocolError(
+            f"unknown MDP/Client command {bytes(frames[1][:8])!r} ({dialect} dialect)"
+        )
+    if dialect == MAJORTOMO and kind is not ClientRequest:
+        if count < 3:
             raise ProtocolError(
-                f"MDP/Worker {_WORKER_NAMES[command]} takes 2 frames, got {count}"
+                f"MDP/Client {_NAMES[kind]} needs at least 3 frames in the "
+                f"majortomo dialect, got {count} (missing body)"
             )
-        return HEARTBEAT if command == W_HEARTBEAT else DISCONNECT
-    kind = _WORKER_ENVELOPED.get(command)
-    if kind is not None:
+        return kind, b"", frames[2:]
+    if count < 4:
+        what = "service name" if count < 3 else "body"
+        raise ProtocolError(
+            f"MDP/Client {_NAMES[kind]} needs at least 4 frames, got {count} (missing {what})"
+        )
+    return kind, validate_service(frames[2]), frames[3:]
+
+
+def _parse_worker(frames: Sequence[bytes]) -> Parsed:
+    count = len(frames)
+    if count < 2:
+        raise ProtocolError("MDPW02 message has no command frame")
+    kind = _WORKER_TYPES.get(frames[1])
+    if kind is None:
+        raise ProtocolError(f"unknown MDP/Worker command {bytes(frames[1][:8])!r}")
+    expected = _WORKER_FRAMES.get(kind)
+    if expected is None:  # REQUEST, PARTIAL, FINAL: an envelope and a body
         if count < 5:
             raise ProtocolError(
-                f"MDP/Worker {_WORKER_NAMES[command]} needs at least 5 frames, got {count}"
-            )
+                f"MDP/Worker {_NAMES[kind]} needs at least 5 frames, got {count}")
         if frames[3] != b"":
             raise ProtocolError(
-                f"MDP/Worker {_WORKER_NAMES[command]}: frame 3 must be the empty "
-                "envelope delimiter"
-            )
-        return kind(frames[2], list(frames[4:]))
-    if command == W_READY:
-        if count != 3:
-            raise ProtocolError(f"MDP/Worker READY takes 3 frames, got {count}")
-        return Ready(validate_service(frames[2]))
-    raise ProtocolError(f"unknown MDP/Worker command {bytes(command[:8])!r}")
+                f"MDP/Worker {_NAMES[kind]}: frame 3 must be the empty envelope delimiter")
+        return kind, frames[2], frames[4:]
+    if count != expected:
+        raise ProtocolError(f"MDP/Worker {_NAMES[kind]} takes {expected} frames, got {count}")
+    return kind, (validate_service(frames[2]) if kind is Ready else b""), ()
 
 
 # --- encoding -------------------------------------------------------------
@@ -400,23 +401,19 @@ def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool,
     return [b"", CLIENT_HEADER, code, *body]  # majortomo replies carry no service name
 
 
-def _encode(command: Command, client_codes: dict[type, bytes]) -> Frames:
+_WORKER_CODES = {kind: code for code, kind in _WORKER_TYPES.items()}
+
+
+def _encode(command: Any, client_codes: dict[type, bytes]) -> Frames:
     kind = type(command)
-    if kind is Heartbeat:
-        return [WORKER_HEADER, W_HEARTBEAT]
-    if kind is Disconnect:
-        return [WORKER_HEADER, W_DISCONNECT]
+    code = _WORKER_CODES.get(kind)
+    if code is None:
+        code = client_codes.get(kind)
+        if code is None:
+            raise TypeError(f"not an MDP command: {command!r}")
+        return [CLIENT_HEADER, code, command.service, *command.body]
+    if kind is Heartbeat or kind is Disconnect:
+        return [WORKER_HEADER, code]
     if kind is Ready:
-        return [WORKER_HEADER, W_READY, command.service]  # type: ignore[union-attr]
-    if kind is WorkerRequest:
-        return [WORKER_HEADER, W_REQUEST, command.client, b"", *command.body]  # type: ignore[union-attr]
-    if kind is WorkerPartial:
-        return [WORKER_HEADER, W_PARTIAL, command.client, b"", *command.body]  # type: ignore[union-attr]
-    if kind is WorkerFinal:
-        return [WORKER_HEADER, W_FINAL, command.client, b"", *command.body]  # type: ignore[union-attr]
-    code = client_codes.get(kind)
-    if code is not None:
-        return [CLIENT_HEADER, code, command.service, *command.body]  # type: ignore[union-attr]
-    raise TypeError(f"not an MDP command: {command!r}")
-
-
+        return [WORKER_HEADER, code, command.service]
+    return [WORKER_HEADER, code, command.client, b"", *command.body]

@@ -28,10 +28,10 @@ services (the first by name) and ``mmi.workers`` at most :data:`MAX_ENTRIES`
 workers; when there were more, a second frame says so:
 ``{"truncated": true, "total": n}``.
 
-Answers come from the broker's public, read-only view only
-(:meth:`~mdp.majordomo.broker.Broker.snapshot`,
-:meth:`~mdp.majordomo.broker.Broker.isServiceAvailable` and
-:meth:`~mdp.majordomo.broker.Broker.admissionStatus`).
+Answers come from the broker's read-only view only
+(:meth:`~mdp.majordomo.broker_machine.BrokerMachine.snapshot`,
+:meth:`~mdp.majordomo.broker_machine.BrokerMachine.isServiceAvailable` and
+:meth:`~mdp.majordomo.broker_machine.BrokerMachine.admissionStatus`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import json
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
-    from mdp.majordomo.broker import Broker
+    from mdp.majordomo.broker_machine import BrokerMachine
 
 PREFIX = b"mmi."
 BINARYSTAR = b"mmi.binarystar"
@@ -76,48 +76,53 @@ def workers_listed(reply: Sequence[bytes]) -> Optional[int]:
 
 
 def _worker(worker: Any, withId: bool = True) -> dict[str, Any]:
-    entry = {
-        "service": worker.service.decode("ascii"),
-        "busy": worker.busy,
-        "dialect": worker.dialect,
-        "silence": round(worker.silence, 3),
-    }
+    entry = {"service": worker.service.decode("ascii"), "busy": worker.busy,
+             "dialect": worker.dialect, "silence": round(worker.silence, 3)}
     if withId:
         entry["id"] = worker.peer
     return entry
 
 
-def answer(broker: Broker, service: bytes, body: Sequence[bytes],
-           visible: Optional[Callable[[bytes], bool]] = None) -> list[bytes]:
+Visible = Optional[Callable[[bytes], bool]]
+
+
+def _service(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
+    name = bytes(body[0])
+    if visible is not None and not visible(name):
+        return [NOT_FOUND]
+    return [FOUND if broker.isServiceAvailable(name) else NOT_FOUND]
+
+
+def _services(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
+    snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0, visible=visible)
+    table = {each.name.decode("ascii"): {"workers": each.workers, "idle": each.idle,
+                                         "queued": each.queued}
+             for each in snapshot.services}
+    return _listing(table, snapshot.serviceCount)
+
+
+def _workers(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
+    wanted = bytes(body[0]) if body and body[0] else None
+    snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted,
+                               visible=visible)
+    # under a policy, without their peer ids: under ZeroMQ a freed id can be claimed
+    return _listing([_worker(w, visible is None) for w in snapshot.workers],
+                    snapshot.workerCount)
+
+
+def _binarystar(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
+    status = broker.admissionStatus()
+    return [NOT_IMPLEMENTED] if status is None else [json.dumps(status, sort_keys=True).encode()]
+
+
+_ANSWERS = {b"mmi.service": _service, b"mmi.services": _services, b"mmi.workers": _workers,
+            BINARYSTAR: _binarystar}
+
+
+def answer(broker: BrokerMachine, service: bytes, body: Sequence[bytes],
+           visible: Visible = None) -> list[bytes]:
     """The FINAL body answering an ``mmi.*`` request; with *visible*, only
     about the services it allows (the asker's, under an access policy): the
     others are answered as if they did not exist."""
-    if service == b"mmi.service":
-        name = bytes(body[0])
-        if visible is not None and not visible(name):
-            return [NOT_FOUND]
-        return [FOUND if broker.isServiceAvailable(name) else NOT_FOUND]
-    if service == b"mmi.services":
-        snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0, visible=visible)
-        services, total = snapshot.services, snapshot.serviceCount
-        table = {
-            each.name.decode("ascii"): {
-                "workers": each.workers,
-                "idle": each.idle,
-                "queued": each.queued,
-            }
-            for each in services
-        }
-        return _listing(table, total)
-    if service == b"mmi.workers":
-        wanted = bytes(body[0]) if body and body[0] else None
-        snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted,
-                                   visible=visible)
-        # under a policy, without their peer ids: under ZeroMQ a freed id can be claimed
-        return _listing([_worker(w, visible is None) for w in snapshot.workers],
-                        snapshot.workerCount)
-    if service == BINARYSTAR:
-        status = broker.admissionStatus()
-        if status is not None:
-            return [json.dumps(status, sort_keys=True).encode()]
-    return [NOT_IMPLEMENTED]
+    answering = _ANSWERS.get(service)
+    return [NOT_IMPLEMENTED] if answering is None else answering(broker, body, visible)

@@ -1,0 +1,968 @@
+"""The MDP/0.2 broker's decisions, as a pure state machine.
+
+Theory of operation
+-------------------
+The states of a request and a worker, and the transitions this machine
+decides, are tabled in :mod:`mdp.majordomo.broker_records`.
+
+:class:`BrokerMachine` knows no reactor, no transport and no Deferred: it is
+fed events with their time (``handleMessage``, ``handlePeerGone``,
+``handleTick``, ``handleWake``, ``handleAdmissionChange``) and returns what it
+wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what
+happened that a driver logs and counts (:class:`Dropped`, :class:`Refused`,
+:class:`WorkerChanged`; :class:`Requested`, :class:`Assigned` and
+:class:`Replied` while ``observed``).  A peer key is ``(route, peer id)``: the
+route is the driver's (which binding), opaque here; the roles the route
+accepts and the peer's authenticated identity come with each message.
+
+Given an ``admission`` (an :class:`~mdp.interfaces.IAdmission`, e.g. a
+:class:`mdp.binarystar.BinaryStar`), the broker asks it before it takes each
+client request (the client's vote) and registers each worker: a passive broker
+answers nothing but ``mmi.binarystar`` and sends DISCONNECT to every READY.
+Requests to ``mmi.*`` are answered by the broker itself (:mod:`mdp.majordomo.mmi`).
+Every peer is answered in the dialect it used (:mod:`mdp.majordomo.codec`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+from mdp.errors import ProtocolError
+from mdp.interfaces import IAccess, IAdmission
+from mdp.machine import Machine, action_class
+from mdp.majordomo import codec, mmi
+from mdp.majordomo.broker_records import (
+    ANSWERED,
+    ASSIGNED,
+    BUSY,
+    DONE,
+    GONE,
+    IDLE,
+    QUEUED,
+    BrokerSnapshot,
+    PeerKey,
+    PendingRequest,
+    QueueLedger,
+    RequestState,
+    ServiceQueue,
+    ServiceSnapshot,
+    WorkerRef,
+    WorkerSnapshot,
+    as_bytes,
+    peer_label,
+)
+from mdp.majordomo.codec import (
+    RFC,
+    ClientFinal,
+    ClientPartial,
+    ClientRequest,
+    Disconnect,
+    Heartbeat,
+    Ready,
+    WorkerFinal,
+    WorkerPartial,
+    encode_client_reply,
+    encode_worker_request,
+    parse,
+    split,
+)
+from mdp.messages import text as label
+from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, Liveness, MiB
+
+DEFAULT_REQUEST_EXPIRY = 30.0
+DEFAULT_SERVICE_LINGER = 10.0
+DEFAULT_MAX_QUEUE = 100_000
+DEFAULT_MAX_SERVICE_QUEUE = 50_000
+DEFAULT_MAX_QUEUE_BYTES = 1024 * MiB
+DEFAULT_MAX_SERVICE_QUEUE_BYTES = 512 * MiB
+DEFAULT_MAX_WORKERS = 10_000
+DEFAULT_MAX_SERVICE_WORKERS = 1_000
+DEFAULT_MAX_DELIVERIES = 20
+#: seconds a request for a service no worker has registered waits (counted
+#: from the service's first request), within a client's default budget
+#: (3 attempts of 2.5 s) so that it hears 503 rather than a timeout
+DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
+
+#: Bytes of frame content a worker REQUEST adds to the request body besides the
+#: client's peer id: the header, the command and the 8-byte assignment number
+#: of the envelope; and the frames it adds (with majortomo's leading empty frame).
+_REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
+_REQUEST_FRAMES = 5
+_MMI_PREFIX = mmi.PREFIX
+
+#: workers remembered as told DISCONNECT (see BrokerMachine._markGone)
+MAX_GONE = 10_000
+#: how many assignments taken back from lost workers are remembered, so that
+#: a late FINAL for one still queued can answer it (:meth:`BrokerMachine._late`)
+MAX_TAKEN_BACK = 1024
+#: how many services no worker registered are kept while empty, so that the
+#: retries of their requests share one unknownServiceExpiry window
+MAX_UNKNOWN_KEPT = 10_000
+
+
+def _restarts(body: Sequence[bytes]) -> bool:
+    """*body* is the broker's restart marker (:data:`codec.RESTART_MARKER`)."""
+    return len(body) == 1 and body[0] == codec.RESTART_MARKER
+
+
+def _who(identity: Optional[str]) -> str:
+    return "an unauthenticated peer" if identity is None else f"peer {identity!r}"
+
+
+@action_class
+class Send:
+    """Send *frames* to the peer *key*."""
+
+    key: PeerKey
+    frames: list[bytes]
+
+
+@action_class
+class DropPeer:
+    """Close the connection of peer *key* once what was sent to it is out (a
+    no-op on media without connections)."""
+
+    key: PeerKey
+
+
+@action_class
+class WakeAt:
+    """Call :meth:`BrokerMachine.handleWake` at *time* (a deadline between
+    two ticks)."""
+
+    time: float
+
+
+@action_class
+class Dropped:
+    """A message from *peer* (its id) was not acted on: *kind* says why in a
+    word (a metric label), *reason* in a sentence."""
+
+    peer: bytes
+    kind: str
+    reason: str
+
+
+@action_class
+class Refused:
+    """A request (or READY) of *peer* for *service* was refused: *code* is
+    the error reply it got (None: none), *kind* says why in a word."""
+
+    peer: bytes
+    service: bytes
+    code: Optional[bytes]
+    kind: str
+    reason: str
+
+
+@action_class
+class WorkerChanged:
+    """A worker registered (*change* ``"ready"``), was forgotten
+    (``"disconnected"``, ``"silent"`` after *silence* seconds, ``"released"``
+    by a passive broker), or answered after it was given up, in time
+    (``"answered-late"``)."""
+
+    peer: bytes
+    service: bytes
+    change: str
+    silence: float = 0.0
+
+
+@action_class
+class Requested:
+    """A client request for *service* arrived (while ``observed``)."""
+
+    service: bytes
+
+
+@action_class
+class Assigned:
+    """A request for *service* went to a worker after *waited* seconds
+    queued (while ``observed``)."""
+
+    service: bytes
+    waited: float
+
+
+@action_class
+class Replied:
+    """A FINAL went to the *client* of a request for *service* (while
+    ``observed``): *code* its error status or None; *served* seconds since
+    *worker* took it, after *queued* seconds (None, None: the broker's own)."""
+
+    service: bytes
+    code: Optional[bytes]
+    client: bytes
+    worker: Optional[bytes] = None
+    served: Optional[float] = None
+    queued: float = 0.0
+
+
+Action = Any  # one of the classes above
+
+
+class BrokerMachine(Machine):
+    """The broker's decisions, and nothing else (the module docstring).  Each
+    ``handle*`` event returns the actions wanted, in order; the periodic
+    :meth:`handleTick` runs every ``wakeEvery`` seconds."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+        requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
+        serviceLinger: float = DEFAULT_SERVICE_LINGER,
+        maxQueue: int = DEFAULT_MAX_QUEUE,
+        maxServiceQueue: int = DEFAULT_MAX_SERVICE_QUEUE,
+        maxWorkers: int = DEFAULT_MAX_WORKERS,
+        maxQueueBytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        maxServiceQueueBytes: int = DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+        maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
+        maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
+        unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
+        limits: Limits = Limits(),
+        admission: Optional[IAdmission] = None,
+        access: Optional[IAccess] = None,
+        observed: bool = False,
+        now: float = 0.0,
+    ) -> None:
+        if maxDeliveries < 1:
+            raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
+        if not unknownServiceExpiry > 0:
+            raise ValueError(f"unknownServiceExpiry must be positive, got {unknownServiceExpiry}")
+        super().__init__(now)
+        self.heartbeat = heartbeat
+        self.requestExpiry = requestExpiry
+        self.unknownServiceExpiry = unknownServiceExpiry
+        self.serviceLinger = serviceLinger
+        self.maxQueue = maxQueue
+        self.maxServiceQueue = maxServiceQueue
+        self.maxQueueBytes = maxQueueBytes
+        self.maxServiceQueueBytes = maxServiceQueueBytes
+        self.maxWorkers = maxWorkers
+        self.maxServiceWorkers = maxServiceWorkers
+        self.maxDeliveries = maxDeliveries
+        self.limits = limits
+        #: asked before a client request is taken or a worker registered
+        #: (Binary Star: only the active broker of a pair serves)
+        self.admission = admission
+        #: who may call and serve what (None: anyone, anything)
+        self.access = access
+        #: emit Requested, Assigned and Replied (a driver that counts or logs them)
+        self.observed = observed
+        self._assignments = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every worker, service and queued request."""
+        self._ledger = QueueLedger()
+        #: services whose last worker left, by when (checked for linger's end)
+        self._abandoned: deque[tuple[float, ServiceQueue]] = deque()
+        self.services: dict[bytes, ServiceQueue] = {}
+        self.workers: dict[PeerKey, WorkerRef] = {}
+        #: services no worker has registered for, by when they are given up
+        self._unknown: deque[tuple[float, ServiceQueue]] = deque()
+        #: when the admission last began to admit clients (a Binary Star broker
+        #: becoming active), None while it refuses or without one
+        self._activeSince: Optional[float] = None
+        #: the admission says passive (a Binary Star peer is active): no
+        #: dispatch, and workers are let go (see _checkAdmission)
+        self._passive = False
+        #: envelopes of assignments taken back from lost workers (see _late)
+        self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
+        #: workers told DISCONNECT, or that said it, by when (MDP/0.2: no
+        #: further commands to them): what they still send is dropped, for
+        #: a heartbeat expiry, unless it is a READY (a new conversation)
+        self._gone: OrderedDict[PeerKey, float] = OrderedDict()
+        self._outbox = []
+
+    @property
+    def wakeEvery(self) -> float:
+        """How often :meth:`handleTick` wants to run: one heartbeat interval."""
+        return self.heartbeat.interval
+
+    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
+                      workers: bool = True, identity: Optional[str] = None) -> list[Action]:
+        """A message from peer *key* at time *now*, on a route that accepts
+        *clients*, *workers* or both; *identity* is the peer as its transport
+        authenticated it (a CURVE key, a TLS subject), read by the ``access``."""
+        self.now = now
+        self._received(key, frames, clients, workers, identity)
+        return self._drain()
+
+    def handlePeerGone(self, key: PeerKey, now: float) -> list[Action]:
+        """A transport lost the peer *key* (or cut it off)."""
+        self.now = now
+        self._peerGone(key)
+        return self._drain()
+
+    def handleTick(self, now: float) -> list[Action]:
+        """The periodic tick (every ``wakeEvery`` seconds)."""
+        self.now = now
+        self._tick(now)
+        return self._drain()
+
+    def handleAdmissionChange(self, now: float) -> list[Action]:
+        """The admission (a Binary Star pair) changed state: act on it now
+        rather than at the next tick."""
+        self.now = now
+        if self.admission is not None:
+            self._checkAdmission(now)
+        return self._drain()
+
+    def handleWake(self, now: float) -> list[Action]:
+        """The wake-up asked for with :class:`WakeAt`."""
+        self.now = now
+        self._giveUpUnknown(now)
+        return self._drain()
+
+    # --- the read-only view (what MMI and operators read) --------------------
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in all service queues."""
+        return self._ledger.count
+
+    @property
+    def queuedBytes(self) -> int:
+        """Bytes of request bodies waiting in all service queues."""
+        return self._ledger.bytes
+
+    def clientCount(self) -> int:
+        """Clients with a request in the broker (queued or with a worker)."""
+        clients = set(self._ledger.byClient)
+        clients.update(w.current.client for w in self.workers.values() if w.current is not None)
+        return len(clients)
+
+    def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
+        """True if *name* has a live worker, or lost its last one less than
+        ``serviceLinger`` seconds before *now* (workers restarting keep it
+        known); *now* is the current event's time if not given."""
+        service = self.services.get(name)
+        if service is None:
+            return False
+        return bool(service.workers) or self._lingering(service, now)
+
+    def admissionStatus(self, now: Optional[float] = None) -> Optional[dict[str, Any]]:
+        """What the ``admission`` says of itself (``mmi.binarystar``), or None
+        without one."""
+        if self.admission is None:
+            return None
+        return self.admission.status(self.now if now is None else now)
+
+    def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
+                 service: Optional[bytes] = None, *,
+                 visible: Optional[Callable[[bytes], bool]] = None,
+                 now: Optional[float] = None) -> BrokerSnapshot:
+        """The broker at *now* (the current event's time if not given): its
+        services (by name; only the first *serviceLimit* if given) and
+        registered workers (in the order they registered; only *service*'s if
+        given, and only the first *workerLimit*), with the totals; with
+        *visible*, only the services (and their workers) it allows, and totals
+        of those (but with *serviceLimit* 0 the total of all services)."""
+        at = self.now if now is None else now
+        if visible is None or serviceLimit == 0:
+            shown: Any = self.services  # (no services wanted: their total unfiltered)
+        else:
+            shown = [name for name in self.services if visible(name)]
+        chosen = self._chosenWorkers(service, visible)
+        return BrokerSnapshot(at, self._serviceViews(shown, serviceLimit),
+                              self._workerViews(chosen, workerLimit, at), len(shown), len(chosen),
+                              self._ledger.count, self._ledger.bytes)
+
+    def _chosenWorkers(self, service: Optional[bytes],
+                       visible: Optional[Callable[[bytes], bool]]) -> list[WorkerRef]:
+        workers = self.workers.values()
+        if service is not None:
+            workers = [w for w in workers if w.service.name == service]
+        return list(workers) if visible is None else [w for w in workers
+                                                      if visible(w.service.name)]
+
+    def _serviceViews(self, names: Any, limit: Optional[int]) -> tuple[ServiceSnapshot, ...]:
+        names = sorted(names) if limit is None else heapq.nsmallest(limit, names)
+        views = []
+        for name in names:
+            queue = self.services[name]
+            idle = len(queue.idle)
+            views.append(ServiceSnapshot(name, idle, queue.workers - idle, queue.size,
+                                         queue.bytes))
+        return tuple(views)
+
+    @staticmethod
+    def _workerViews(chosen: list[WorkerRef], limit: Optional[int],
+                     now: float) -> tuple[WorkerSnapshot, ...]:
+        return tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect,
+                                    w.state is BUSY, w.liveness.silence(now))
+                     for w in (chosen if limit is None else chosen[:limit]))
+
+    # --- inbound -------------------------------------------------------------
+
+    def _received(self, key: PeerKey, frames: list[bytes], clients: bool, workers: bool,
+                  identity: Optional[str]) -> None:
+        """Every message: decoded by the codec, the one check of its form."""
+        dialect, body = split(frames)
+        if dialect is not RFC:
+            # frames a transport did not copy start at the body of an RFC
+            # message only: in the other dialect the codec reads them
+            body = as_bytes(body)
+        try:
+            kind, address, body = parse(body, dialect)
+        except ProtocolError as e:
+            self._invalid(key, "malformed", str(e))
+            return
+        if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
+            if not clients:
+                self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
+            elif kind is ClientRequest:
+                self._request(key, address, body, dialect, identity)
+            else:
+                self._invalid(key, "unexpected",
+                              f"client sent {kind.__name__}: only REQUEST is valid")
+        elif not workers:
+            self._invalid(key, "wrong-endpoint", "worker command on a client-only endpoint")
+        else:
+            worker = self.workers.get(key)
+            if worker is None:
+                self._fromUnregistered(key, kind, address, body, dialect, identity)
+            else:
+                self._fromWorker(worker, kind, address, body)
+
+    def _peerGone(self, key: PeerKey) -> None:
+        """A transport lost the peer *key* (or cut it off): forget it at once."""
+        worker = self.workers.get(key)
+        if worker is not None:
+            self._emit(WorkerChanged(key[1], worker.service.name, "disconnected"))
+            self._removeWorker(worker)
+        services = self._ledger.byClient.get(key)
+        if services:
+            for service in list(services):
+                service.dropClient(key)
+                self._forgetIfEmpty(service)
+
+    # --- clients ------------------------------------------------------------
+
+    def _request(self, key: PeerKey, name: bytes, body: Sequence[bytes], dialect: str,
+                 identity: Optional[str]) -> None:
+        """A client's REQUEST for service *name* (valid) with *body*."""
+        now = self.now
+        content = sum(map(len, body))
+        request = PendingRequest(key, name, body, dialect, now,
+                                 content + FRAME_OVERHEAD * len(body), arrivedAt=now)
+        if self.observed:
+            self._emit(Requested(name))
+        if not self._admitted(request, identity):
+            return
+        if name.startswith(_MMI_PREFIX):
+            self._answerManagement(request, identity)
+            return
+        tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
+                                        len(body) + _REQUEST_FRAMES)
+        if tooLarge is not None:
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
+                         f"request too large for a worker: {tooLarge}")
+            return
+        service = self.services.get(name)
+        if service is not None and service.idle and not service.size:
+            # a worker is waiting and no request is ahead: hand it over
+            self._assign(service.idle.popitem(last=False)[1], request)
+        elif self._queueHasRoom(service, request):
+            self._enqueue(service, request)
+
+    def _answerManagement(self, request: PendingRequest, identity: Optional[str]) -> None:
+        """Answer an ``mmi.*`` request; under an access policy, only about
+        the services *identity* may call."""
+        visible = None if self.access is None else partial(self.access.mayCall, identity)
+        request.state = DONE
+        self._reply(request, mmi.answer(self, request.service, request.body, visible), True)
+        if self.observed:
+            self._emit(Replied(request.service, None, request.client[1]))
+
+    def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
+        """The admission and the access policy let *request* in."""
+        return ((self.admission is None or self._admitClient(request))
+                and (self.access is None or self._mayCall(request, identity)))
+
+    def _admitClient(self, request: PendingRequest) -> bool:
+        """The admission's vote on *request* (``mmi.binarystar`` always passes)."""
+        if request.service == mmi.BINARYSTAR:
+            return True
+        now = self.now
+        if not self.admission.admitClient(now):
+            self._activeSince = None
+            request.state = DONE
+            # not serving: the client times out and tries another broker
+            self._emit(Refused(request.client[1], request.service, None, "passive",
+                               "this broker is passive"))
+            return False
+        if self._activeSince is None:
+            self._activeSince = now
+        self._passive = False  # admitted: active now, even before a tick says so
+        return True
+
+    def _mayCall(self, request: PendingRequest, identity: Optional[str]) -> bool:
+        """The access policy lets *identity* call the service (every peer may ask ``mmi.*``)."""
+        name = request.service
+        if name.startswith(_MMI_PREFIX) or self.access.mayCall(identity, name):
+            return True
+        self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
+                     f"{_who(identity)} may not call {name.decode('ascii')!r}")
+        return False
+
+    def _queueHasRoom(self, service: Optional[ServiceQueue], request: PendingRequest) -> bool:
+        """Within the queue bounds with *request*; else it gets a 429."""
+        queued = service.size if service is not None else 0
+        queuedBytes = service.bytes if service is not None else 0
+        ledger = self._ledger
+        if (ledger.count < self.maxQueue and queued < self.maxServiceQueue
+                and ledger.bytes + request.size <= self.maxQueueBytes
+                and queuedBytes + request.size <= self.maxServiceQueueBytes):
+            return True
+        self._refuse(request, codec.STATUS_OVERLOADED, "overloaded",
+                     f"broker queue full for service {request.service.decode('ascii')!r} "
+                     f"({queued} requests, {queuedBytes} bytes queued for it; "
+                     f"{ledger.count} requests, {ledger.bytes} bytes in all)")
+        return False
+
+    def _enqueue(self, service: Optional[ServiceQueue], request: PendingRequest) -> None:
+        if service is None:
+            service = self._service(request.service)
+            # no worker has registered for it: its requests wait unknownServiceExpiry
+            service.unknownUntil = deadline = self._unknownDeadline()
+            service.askedAt = self.now
+            if not self._unknown:
+                self._emit(WakeAt(deadline))
+            self._unknown.append((deadline, service))
+        service.enqueue(request)
+        self._dispatch(service)
+
+    def _unknownDeadline(self) -> float:
+        """When the requests of a service first asked for now are given up
+        if no worker registers: ``unknownServiceExpiry`` from now, but not
+        before the workers of a broker that has just become active (a Binary
+        Star failover) had time to find it: ``interval × (liveness + 1)``
+        after it did (their heartbeats expire, then they move)."""
+        deadline = self.now + min(self.unknownServiceExpiry, self.requestExpiry)
+        if self._activeSince is not None:
+            learning = self._activeSince + self.heartbeat.interval * (self.heartbeat.liveness + 1)
+            deadline = max(deadline, min(learning, self.now + self.requestExpiry))
+        return deadline
+
+    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str,
+                state: RequestState = DONE) -> None:
+        """Answer *request* at once with an error reply (and leave it in *state*)."""
+        request.state = state
+        self._reply(request, codec.error_body(code, message), final=True)
+        self._emit(Refused(request.client[1], request.service, code, kind, message))
+
+    def _service(self, name: bytes) -> ServiceQueue:
+        service = self.services.get(name)
+        if service is None:
+            service = self.services[name] = ServiceQueue(name, self._ledger)
+        return service
+
+    def _forgetIfEmpty(self, service: ServiceQueue) -> None:
+        """Drop a service with no worker and no request, once its linger is over."""
+        if service.workers or service.size or self.services.get(service.name) is not service:
+            return
+        if (not service.registered and service.unknownUntil > self.now
+                and len(self._unknown) <= MAX_UNKNOWN_KEPT):
+            return  # a retry of its requests waits in the same window
+        if not self._lingering(service):
+            del self.services[service.name]
+
+    def _lingering(self, service: ServiceQueue, now: Optional[float] = None) -> bool:
+        """Its last worker left less than ``serviceLinger`` seconds ago."""
+        return (service.abandonedAt is not None
+                and (self.now if now is None else now) - service.abandonedAt
+                < self.serviceLinger)
+
+    def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
+        frames = encode_client_reply(request.service, body, final, request.dialect)
+        self._outbox.append(Send(request.client, frames))
+
+    # --- workers ------------------------------------------------------------
+
+    def _fromWorker(self, worker: WorkerRef, kind: type, address: bytes,
+                    body: Sequence[bytes]) -> None:
+        """A command of a registered worker (*address*: its envelope)."""
+        worker.liveness.heard(self.now)
+        if kind is WorkerFinal or kind is WorkerPartial:
+            request = worker.current
+            if (request is not None and address == request.envelope
+                    and (kind is WorkerFinal or not _restarts(body))):
+                self._replyPart(worker, request, body, kind is WorkerFinal)
+            else:
+                self._misdirected(worker, kind, address)
+        elif kind is Disconnect:
+            self._emit(WorkerChanged(worker.key[1], worker.service.name, "disconnected"))
+            self._removeWorker(worker)
+            self._markGone(worker.key)
+        elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
+            self._unexpected(worker, f"{kind.__name__} from a registered worker")
+
+    def _misdirected(self, worker: WorkerRef, kind: type, envelope: bytes) -> None:
+        """A PARTIAL or FINAL of a registered worker that is not for the
+        request it serves (or claims the broker's restart marker)."""
+        what, request = kind.__name__, worker.current
+        if request is not None and envelope == request.envelope:
+            # only the broker may say a reply starts over
+            self._invalid(worker.key, "restart-marker", "PARTIAL holding the restart marker")
+        elif envelope == worker.lastEnvelope:
+            self._emit(Dropped(worker.key[1], "stale",
+                               f"a second {what} for a request it already answered"))
+        elif request is None:
+            self._unexpected(worker, f"{what} while idle")
+        else:
+            self._invalid(worker.key, "not-serving", f"{what} for a request it does not serve")
+
+    def _fromUnregistered(self, key: PeerKey, kind: type, address: bytes, body: Sequence[bytes],
+                          dialect: str, identity: Optional[str]) -> None:
+        """A worker command from a peer that is not registered."""
+        if kind is Ready:
+            self._gone.pop(key, None)
+            self._onReady(key, address, dialect, identity)
+            return
+        if kind is Disconnect:
+            return
+        late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, kind, address,
+                                                                             body)
+        if key in self._gone:
+            # DISCONNECT went to it or came from it: MDP/0.2 says no further
+            # commands (its messages that crossed ours end here)
+            if not late:
+                self._emit(Dropped(key[1], "gone", f"{kind.__name__} after its DISCONNECT"))
+            return
+        if not late:
+            self._emit(Dropped(key[1], "unregistered",
+                               f"{kind.__name__} from an unregistered worker: sending DISCONNECT"))
+        self._sendDisconnect(key, dialect)
+
+    def _replyPart(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
+                   final: bool) -> None:
+        """A PARTIAL or FINAL of *worker* for the *request* it serves: on to
+        the client, unless the request was answered already (413) or the part
+        is too large for the link back (then it fails with 413)."""
+        tooLarge = None
+        if len(request.service) > len(request.envelope):  # (see _tooLargeForClient)
+            tooLarge = self._tooLargeForClient(request, body)
+        if request.state is ANSWERED:  # the worker's rest is void
+            self._emit(Dropped(worker.key[1], "void", "the rest of a reply already answered"))
+            if final:
+                request.state = DONE
+        elif tooLarge is not None:
+            self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
+                         f"reply too large for the client: {tooLarge}",
+                         DONE if final else ANSWERED)
+        elif final:
+            request.state = DONE
+            self._reply(request, body, True)
+            if self.observed:
+                self._emitReplied(request, body, worker.key)
+        else:
+            request.partials += 1
+            self._reply(request, body, False)
+        if final:
+            self._finished(worker, request)
+
+    def _finished(self, worker: WorkerRef, request: PendingRequest) -> None:
+        """*worker* answered *request*: it is free for the next (a passive
+        broker lets it go to the active one)."""
+        worker.current = None
+        worker.lastEnvelope = request.envelope
+        if self._passive:
+            self._release(worker)
+        else:
+            self._makeIdle(worker)
+            if worker.service.size:
+                self._dispatch(worker.service)
+
+    def _emitReplied(self, request: PendingRequest, body: Sequence[bytes],
+                     worker: PeerKey) -> None:
+        error = codec.parse_error_body(body)
+        self._emit(Replied(request.service, error[0] if error is not None else None,
+                           request.client[1], worker[1], self.now - request.assignedAt,
+                           request.assignedAt - request.arrivedAt))
+
+    def _tooLargeForClient(self, request: PendingRequest, body: Sequence[bytes]) -> Optional[str]:
+        """Why a reply part is too large for the client, or None.  (The
+        worker's message was within the limits, and the client's has one
+        frame less and the service name for the envelope: it can only be
+        larger when the name is longer.)"""
+        size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
+        return self.limits.oversize(size, len(body) + 4)
+
+    def _late(self, key: PeerKey, kind: type, envelope: bytes, body: Sequence[bytes]) -> bool:
+        """A reply from a worker the broker gave up on (silent: its handler
+        may have blocked its reactor; or gone: a DISCONNECT, a lost
+        connection), for an assignment taken back from that very worker.
+        A FINAL (with no PARTIAL before it) answers the request if it was
+        queued again and no other worker has it yet: else the request would
+        run again, maybe as long.  A PARTIAL spoils that (the client would
+        get a reply without its beginning): the request runs again.  False
+        if the reply is for no assignment taken back from it."""
+        entry = self._takenBack.get(envelope)
+        if entry is None or entry[0] != key:
+            return False
+        del self._takenBack[envelope]
+        request = entry[1]
+        if (kind is WorkerPartial or request.state is not QUEUED
+                or request.envelope != envelope):
+            self._emit(Dropped(key[1], "orphaned", f"the late {kind.__name__} of a "
+                               "worker given up, for a request that is elsewhere now or runs "
+                               "again"))
+            return True
+        service = self.services[request.service]
+        service.remove(request)
+        self._emit(WorkerChanged(key[1], request.service, "answered-late"))
+        self._reply(request, body, final=True)
+        if self.observed:
+            self._emitReplied(request, body, key)
+        self._forgetIfEmpty(service)
+        return True
+
+    def _onReady(self, key: PeerKey, name: bytes, dialect: str, identity: Optional[str]) -> None:
+        service = self.services.get(name)
+        kind = "ready"
+        if self.access is not None and not self.access.mayServe(identity, name):
+            kind, why = "serve-forbidden", f"{_who(identity)} may not serve it"
+        elif self.admission is not None and not self._admitWorker():
+            why = "this broker is not the active one of its Binary Star pair"
+        elif len(self.workers) >= self.maxWorkers:
+            why = f"{len(self.workers)} workers already registered"
+        elif service is not None and service.workers >= self.maxServiceWorkers:
+            why = f"{service.workers} workers already serve {name.decode('ascii')!r}"
+        else:
+            self._register(key, name, dialect)
+            return
+        self._emit(Refused(key[1], name, None, kind, f"READY refused: {why}"))
+        self._sendDisconnect(key, dialect)
+
+    def _admitWorker(self) -> bool:
+        if not self.admission.admitWorker(self.now):
+            return False
+        self._passive = False  # admitted: active now, even before a tick says so
+        return True
+
+    def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
+        service = self._service(name)
+        worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
+        self.workers[key] = worker
+        service.workers += 1
+        service.abandonedAt = None
+        service.registered = True
+        self._emit(WorkerChanged(key[1], name, "ready"))
+        self._makeIdle(worker)
+        self._dispatch(service)
+
+    def _makeIdle(self, worker: WorkerRef) -> None:
+        worker.state = IDLE
+        worker.service.idle[worker.key] = worker
+
+    def _dispatch(self, service: ServiceQueue) -> None:
+        """Hand queued requests to idle workers, least recently used first
+        (none while passive)."""
+        if self._passive:
+            return
+        while service.size and service.idle:
+            _, worker = service.idle.popitem(last=False)
+            self._assign(worker, service.nextRequest())
+
+    def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
+        """Send *request* to the idle *worker*, under a new envelope."""
+        worker.state = BUSY
+        worker.current = request
+        request.state = ASSIGNED
+        request.deliveries += 1
+        request.assignedAt = now = self.now
+        if self.observed:
+            self._emit(Assigned(request.service, now - request.queuedAt))
+        request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
+        frames = encode_worker_request(envelope, request.body, worker.dialect)
+        self._outbox.append(Send(worker.key, frames))
+        worker.liveness.lastSent = now
+
+    def _removeWorker(self, worker: WorkerRef) -> None:
+        """Forget *worker*; re-queue the request it held (workers are
+        idempotent), unless it has been handed out ``maxDeliveries`` times."""
+        if self.workers.pop(worker.key, None) is None:
+            return
+        worker.state = GONE
+        service = worker.service
+        service.idle.pop(worker.key, None)
+        service.workers -= 1
+        if not service.workers:
+            service.abandonedAt = now = self.now
+            self._abandoned.append((now, service))
+        request, worker.current = worker.current, None
+        if request is not None:
+            self._takeBack(request, service, worker.key)
+        self._forgetIfEmpty(service)
+
+    def _takeBack(self, request: PendingRequest, service: ServiceQueue, worker: PeerKey) -> None:
+        """The *worker* serving *request* is gone: queue it again."""
+        if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
+            request.state = DONE
+            return
+        if request.deliveries >= self.maxDeliveries:
+            self._refuse(request, codec.STATUS_WORKER_ERROR, "poison",
+                         f"request abandoned: the {request.deliveries} workers given it were "
+                         "each lost while serving it")
+            return
+        if request.partials:
+            # the next worker starts the reply over: tell the client first
+            request.partials = 0
+            self._reply(request, [codec.RESTART_MARKER], final=False)
+        else:
+            # its worker may yet answer, late (see _late)
+            takenBack = self._takenBack
+            takenBack[request.envelope] = (worker, request)
+            if len(takenBack) > MAX_TAKEN_BACK:
+                takenBack.popitem(last=False)
+        # accepted work is never dropped, even past the queue bounds
+        request.queuedAt = self.now
+        service.requeue(request)
+        self._dispatch(service)
+
+    def _unexpected(self, worker: WorkerRef, what: str) -> None:
+        self._emit(Dropped(worker.key[1], "unexpected", f"unexpected {what}: sending DISCONNECT"))
+        self._release(worker)
+
+    def _invalid(self, key: PeerKey, kind: str, reason: str) -> None:
+        """Drop an invalid message, and the connection that carried it (on
+        transports that have one per peer: a peer that sends garbage holds no
+        connection slot); a registered worker that sent it is no longer
+        trusted: it gets DISCONNECT and is forgotten."""
+        self._emit(Dropped(key[1], kind, reason))
+        worker = self.workers.get(key)
+        if worker is not None:
+            self._release(worker)
+        else:
+            self._emit(DropPeer(key))
+
+    def _release(self, worker: WorkerRef) -> None:
+        """Forget *worker* and tell it DISCONNECT."""
+        self._removeWorker(worker)
+        self._sendDisconnect(worker.key, worker.dialect)
+
+    def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
+        """DISCONNECT, then close the connection (MDP: the worker must close
+        its socket and reconnect; closing ours as well keeps a peer that only
+        gets DISCONNECTs from holding a connection slot)."""
+        self._emit(Send(key, codec.encode(codec.DISCONNECT, dialect)))
+        self._emit(DropPeer(key))
+        self._markGone(key)
+
+    def _markGone(self, key: PeerKey) -> None:
+        """*key* is told DISCONNECT, or said it: nothing more goes to it
+        (bounded: the oldest such keys go first)."""
+        gone = self._gone
+        gone[key] = self.now
+        gone.move_to_end(key)
+        if len(gone) > MAX_GONE:
+            gone.popitem(last=False)
+
+    # --- time ----------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        """Once per heartbeat interval: heartbeats, dead workers, expired
+        requests, services at the end of their linger."""
+        self._checkWorkers(now)
+        gone, since = self._gone, now - self.heartbeat.expiry
+        while gone and next(iter(gone.values())) < since:
+            gone.popitem(last=False)
+        self._expire(now - self.requestExpiry)
+        self._giveUpUnknown(now)
+        if self._takenBack:
+            # forget assignments whose request left the queue: no late reply
+            # can answer them, and their bodies should not linger here
+            self._takenBack = OrderedDict(
+                (envelope, entry) for envelope, entry in self._takenBack.items()
+                if entry[1].state is QUEUED and entry[1].envelope == envelope)
+        if self.admission is not None:
+            self._checkAdmission(now)
+        abandoned = self._abandoned
+        while abandoned and abandoned[0][0] + self.serviceLinger <= now:
+            self._forgetIfEmpty(abandoned.popleft()[1])
+
+    def _checkWorkers(self, now: float) -> None:
+        """Remove the workers silent too long; heartbeat the others due one."""
+        for worker in list(self.workers.values()):
+            liveness = worker.liveness
+            if liveness.dead(now):
+                self._emit(WorkerChanged(worker.key[1], worker.service.name, "silent",
+                                         liveness.silence(now)))
+                self._removeWorker(worker)
+            elif liveness.due(now, 0.5):
+                self._emit(Send(worker.key, codec.encode(codec.HEARTBEAT, worker.dialect)))
+                liveness.sent(now)
+
+    def _checkAdmission(self, now: float) -> None:
+        """What the admission says now.  A broker that has just become active
+        learns its workers (_unknownDeadline): notice when, even before a
+        client asks.  A passive one (its Binary Star peer took over while it
+        was stalled) serves nothing more: see :meth:`_letGo`."""
+        status = self.admission.status(now)
+        if not status.get("serving", True):
+            self._activeSince = None
+        elif self._activeSince is None:
+            self._activeSince = now
+        wasPassive = self._passive
+        self._passive = status.get("state") == "passive"
+        if wasPassive and not self._passive:
+            for service in list(self.services.values()):
+                self._dispatch(service)
+        if self._passive:
+            self._letGo()
+
+    def _letGo(self) -> None:
+        """A passive broker drops its queued requests unanswered, as a request
+        it refuses is (a client still waiting for one times out and sends it
+        to the active broker, where a 503 would end it), and its idle workers
+        get DISCONNECT so they register there (a busy one once it replied)."""
+        for service in list(self.services.values()):
+            while service.size:
+                request = service.nextRequest()
+                request.state = DONE
+                self._emit(Refused(request.client[1], request.service, None, "passive",
+                                   "dropped from the queue of a passive broker"))
+            self._forgetIfEmpty(service)
+        for worker in [w for w in self.workers.values() if w.current is None]:
+            self._emit(WorkerChanged(worker.key[1], worker.service.name, "released"))
+            self._release(worker)
+
+    def _expire(self, deadline: float) -> None:
+        """Answer 503 to every request queued at or before *deadline*."""
+        byAge = self._ledger.byAge
+        while byAge and byAge[0][0] <= deadline:
+            queuedAt, request = byAge.popleft()
+            if request.state is not QUEUED or request.queuedAt != queuedAt:
+                continue  # it left the queue (or was queued again) since
+            service = self.services[request.service]
+            service.remove(request)
+            why = "no worker for service" if not service.workers else "no worker free for service"
+            self._refuse(request, codec.STATUS_UNAVAILABLE, "expired",
+                         f"{why} {label(service.name)!r} within {self.requestExpiry:g}s")
+            self._forgetIfEmpty(service)
+
+    def _giveUpUnknown(self, now: float) -> None:
+        """Answer 503 to the requests of each service no worker registered
+        for within ``unknownServiceExpiry`` of its first request (MDP/0.2:
+        queue requests for an unknown service, expire them after a
+        configurable time), and forget it."""
+        unknown = self._unknown
+        while unknown and unknown[0][0] <= now + 1e-9:
+            deadline, service = unknown.popleft()
+            if service.registered or self.services.get(service.name) is not service:
+                continue
+            service.unknownUntil = 0.0
+            message = (f"no worker for service {label(service.name)!r}: none registered "
+                       f"within {deadline - service.askedAt:g}s")
+            while service.size:
+                self._refuse(service.nextRequest(), codec.STATUS_UNAVAILABLE, "unknown", message)
+            self._forgetIfEmpty(service)
+        if unknown:
+            self._emit(WakeAt(unknown[0][0]))
