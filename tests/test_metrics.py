@@ -287,7 +287,8 @@ def test_label_values_stay_few_and_series_unique() -> None:
     from mdp.majordomo.broker import BrokerMachine
 
     metrics = BrokerMetrics(maxServices=2)
-    machine = BrokerMachine(metrics=metrics)
+    machine = BrokerMachine()
+    metrics.watch(machine)
     machine.services[b"real"] = type("S", (), {"registered": True})()
     metrics.request(b"junk")  # made up: takes the one label made-up names may have
     metrics.request(b"junk2")  # made up, over half the bound: _other
@@ -302,7 +303,8 @@ def test_label_values_stay_few_and_series_unique() -> None:
     assert value(metrics, "mdp_broker_error_replies_total", service="real", code="503") == 1
     # a machine without bindings scrapes, and services over the bound share one series
     metrics = BrokerMetrics(maxServices=1)
-    machine = BrokerMachine(metrics=metrics)
+    machine = BrokerMachine()
+    metrics.watch(machine)
     for name in (b"a", b"b", b"c"):
         machine.handleMessage((type("B", (), {"clients": True, "workers": True})(), b"C" + name),
                               [codec.CLIENT_HEADER, codec.C_REQUEST, name, b"x"], 0.0)
