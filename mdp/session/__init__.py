@@ -1,9 +1,6 @@
-"""CLIENT/SERVER sessions: heartbeats and invisible reconnects ("Revisiting
-multipart", "Heartbeating and Sessions").  :class:`SessionClient` and
-:class:`SessionServer` for applications; ``session+tcp:`` and
-``session+zmq:`` endpoints (:mod:`mdp.session.transport`) for MDP and the
-other patterns; the pure machines in :mod:`mdp.session.machines`.  See
-docs/sessions.md."""
+"""CLIENT/SERVER sessions: heartbeats and invisible reconnects, for applications
+(:class:`SessionClient`, :class:`SessionServer`) and as ``session+`` endpoints
+(:mod:`mdp.session.transport`).  See docs/sessions.md."""
 
 from mdp.session.codec import MalformedSession
 from mdp.session.machines import (

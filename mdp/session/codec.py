@@ -1,39 +1,22 @@
 """The session protocol's messages: frames in, typed commands out.
 
-Every message starts with the protocol frame ``SESS01`` and a command frame;
-numbers are 8-byte big-endian unsigned integers::
+Each message is ``SESS01``, a command frame and its fields; numbers are 8-byte big-endian::
 
-    HELLO      session id (16 bytes), ack, since,  client → server: attach (again); *since*:
-               epoch, max bytes, max frames      the last of its DATA it no longer holds;
-                                                 *epoch*: the server incarnation *ack* is of
-    WELCOME    ack, epoch, max bytes,            server → client: attached; a new *epoch*
-               max frames                        (the server did not know the session: it
-                                                 ended there, or the server restarted)
-                                                 starts its numbering afresh; the client
-                                                 takes no DATA before it
-    DATA       seq, ack, payload frames...       either way
-    SKIP       seq, ack                          either way: DATA *seq* is not sent, its
-                                                 payload is over the receiver's limits
-    ACK        ack                               either way
-    PING       ack                               client → server, when idle
-    PING-OK    ack, sent                         server → client (*sent*: the last DATA
-                                                 it numbered; the client should have it)
-    UNKNOWN                                      server → client: no such session here,
-                                                 or messages were lost (say HELLO)
-    REFUSED    reason (UTF-8)                    server → client: the HELLO opens no
-                                                 session now (the server holds all it
-                                                 may); say HELLO again later
+    HELLO    session id (16 bytes), ack, since,  client → server: attach; *since*: its last DATA
+             epoch, max bytes, max frames        it no longer holds; *epoch*: the one *ack* is of
+    WELCOME  ack, epoch, max bytes, max frames   attached; a new *epoch* (the server forgot the
+                                                 session) numbers afresh
+    DATA     seq, ack, payload frames...         either way
+    SKIP     seq, ack                            either way: DATA *seq* is over the receiver's limits
+    ACK      ack                                 either way
+    PING     ack                                 client → server, when idle
+    PING-OK  ack, sent                           *sent*: the last DATA the server numbered
+    UNKNOWN                                      no such session, or messages lost: say HELLO
+    REFUSED  reason (UTF-8)                      the server holds all the sessions it may
 
-*ack* is the sequence number of the last DATA received in order, so the
-other side can forget what it holds for resending up to it; every message
-carries it.  *max bytes* and *max frames* are the payload a side takes in one
-DATA (0: not said; a HELLO or WELCOME without them is read as saying
-nothing): the other side sends a SKIP in place of a DATA it would refuse, so
-the receiver counts it, and what follows comes through.
-
-A session's DATA is numbered from 1 in each direction, across any number of
-connections; only a server that forgot the session (a new *epoch*) numbers
-its own afresh.
+*ack* is the last DATA received in order; every message carries it.  *max
+bytes* and *max frames* are the payload a side takes in one DATA (0: not
+said).  DATA is numbered from 1 each way, across any number of connections.
 """
 
 from __future__ import annotations
@@ -68,11 +51,8 @@ class MalformedSession(ProtocolError):
 class Hello:
     session: bytes
     ack: int
-    #: the client's DATA up to this number were acknowledged (it holds the rest)
     since: int = 0
-    #: the server incarnation (WELCOME's epoch) that *ack* counts in; 0: none yet
     epoch: int = 0
-    #: the payload the client takes in one DATA: bytes, frames (0: not said)
     maxBytes: int = 0
     maxFrames: int = 0
 
@@ -80,10 +60,8 @@ class Hello:
 @attrs.frozen
 class Welcome:
     ack: int
-    #: this incarnation of the session on the server (random, never 0): when it
-    #: changes, the server's numbering started afresh
+    #: the server's incarnation of the session (random, never 0)
     epoch: int = 1
-    #: the payload the server takes in one DATA: bytes, frames (0: not said)
     maxBytes: int = 0
     maxFrames: int = 0
 
@@ -116,7 +94,6 @@ class Ping:
 @attrs.frozen
 class PingOk:
     ack: int
-    #: the last DATA the server numbered (all sent before this PING-OK)
     sent: int = 0
 
 
@@ -202,8 +179,7 @@ def _refused(rest: Sequence[bytes]) -> Refused:
     return Refused(bytes(rest[0]).decode("utf-8", "replace"))
 
 
-#: each command's reader of the frames after the command, and the counts of
-#: frames it takes (DATA: two or more)
+#: each command's reader and the frame counts it takes after the command (DATA: two or more)
 _READERS: dict[bytes, tuple[Callable[[Sequence[bytes]], Message], tuple[int, ...]]] = {
     DATA: (lambda rest: Data(_seq(rest[0], "DATA"), _read_number(rest[1], "ack"),
                              tuple(bytes(f) for f in rest[2:])), ()),

@@ -1,14 +1,7 @@
-"""CLIENT/SERVER sessions as pure state machines: events with their time in,
-actions out (see :mod:`mdp.machine`).
+"""CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`).
 
-A *session* outlives connections: the client makes its own session id (16
-random bytes) and says HELLO with it on every connection; the server attaches
-the connection to the session it knows by that id.  Each direction numbers
-its DATA from 1 and keeps what it sent until the other side acknowledges it;
-after a re-attach, what is not acknowledged goes again, in order, and the
-receiver drops what it already has.  Each side says in its HELLO or WELCOME
-the payload it takes in one DATA; the other sends a SKIP in place of a DATA
-over it, so the receiver counts it and what follows comes through.
+A *session* outlives connections: the client says HELLO with its session id on each one.
+Each side keeps what it sent until acknowledged, and resends it after a re-attach.
 
 :class:`ClientSessionMachine`:
 
@@ -17,23 +10,21 @@ event                    what happens
 =======================  =============================================================
 connected                HELLO (session id, what we have received)
 WELCOME                  attached: everything not acknowledged goes again, in order
-WELCOME, new epoch       the server's session for us ended and a new one began: its
-                         numbering starts afresh; :class:`Renewed`
-no WELCOME               HELLO again after a ping interval (it may have been lost)
-send(payload)            numbered and kept; sent now if attached (else on attach);
-                         beyond *maxQueued* kept: :class:`SessionQueueFull`
-DATA                     the next number: delivered; an old one: dropped (a resend);
-                         a later one (some were lost unseen): HELLO again
-DATA, SKIP before the    dropped, not acknowledged (numbered in an epoch not known
-WELCOME                  yet); the server resends it after the next WELCOME
-DATA over our limits,    the next number: :class:`Dropped` and acknowledged (it could
-SKIP                     never be taken, and would hold back all after it)
-UNKNOWN                  the server has no such session, or lost messages: HELLO again
-REFUSED                  the server opens no session now (full): :class:`Refusal`;
-                         HELLO again after a ping interval
-tick, idle               PING, at most *liveness* unanswered at a time
+WELCOME, new epoch       the server's session for us was renewed: its numbering
+                         starts afresh; :class:`Renewed`
+no WELCOME               HELLO again after a ping interval
+send(payload)            numbered, kept, sent if attached; beyond *maxQueued*:
+                         :class:`SessionQueueFull`
+DATA                     the next: delivered; an old one: dropped; a gap: HELLO again
+DATA, SKIP before the    dropped, not acknowledged (its epoch is not known yet); the
+WELCOME                  server resends it after the WELCOME
+DATA over our limits,    the next number: :class:`Dropped` and acknowledged (else it
+SKIP                     would hold back all after it)
+UNKNOWN                  HELLO again
+REFUSED                  :class:`Refusal`; HELLO again after a ping interval
+tick, idle               PING, at most *liveness* unanswered
 tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
-disconnected             detached; sending goes on into the queue
+disconnected             detached; sends go on into the queue
 =======================  =============================================================
 
 :class:`ServerSessionMachine`:
@@ -41,24 +32,20 @@ disconnected             detached; sending goes on into the queue
 =======================  =============================================================
 event                    what happens
 =======================  =============================================================
-HELLO, new id            a session with the next short routing id; WELCOME; the
-                         session the connection held, or opened and left, ends (one
-                         session per connection); at maxSessions: REFUSED, no session
-HELLO, known id          the connection is attached to the session (a previous one is
-                         closed); WELCOME; everything not acknowledged goes again
-DATA, PING, ACK, SKIP    on the connection's session; PING answered with PING-OK;
-                         DATA over our limits, and SKIP: as the client does; from a
-                         connection with no session, or DATA after a gap: UNKNOWN
+HELLO, new id            a session with the next routing id; WELCOME; one session per
+                         connection (one it held ends); at maxSessions: REFUSED
+HELLO, known id          attached here (a previous connection is closed); WELCOME;
+                         everything not acknowledged goes again
+DATA, PING, ACK, SKIP    as the client does; PING gets PING-OK; with no session, or
+                         DATA after a gap: UNKNOWN
 not a session message    its connection closed (:class:`DropPeer`)
 reply(routingId, ...)    numbered, kept, sent if the session is attached
-peer gone                the session is detached, kept until it expires
-tick                     sessions silent for *expiry* end (:class:`Expired`), their
-                         connection closed; so is a connection without a session
-                         for *expiry*
+peer gone                detached, kept until it expires
+tick                     sessions silent for *expiry* end (:class:`Expired`), and
+                         connections without a session for *expiry* close
 =======================  =============================================================
 
-A connection closed here holds no slot of the inner transport's
-``maxConnections``.
+A connection closed here holds no slot of the inner transport's ``maxConnections``.
 """
 
 from __future__ import annotations
@@ -80,16 +67,12 @@ DEFAULT_MAX_QUEUED = 10_000
 #: An ACK goes after this many DATA received with nothing to carry the ack.
 ACK_EVERY = 32
 DEFAULT_MAX_SESSIONS = 10_000
-#: Bytes a side keeps for resending (the transports use their
-#: ``Limits.maxOutputBytes`` and give their inner connection twice that, so
-#: a full resend fits).
+#: Bytes a side keeps for resending (the transports use ``Limits.maxOutputBytes``).
 DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
-#: The routing id a session is known by fits this many bytes; ids run from 1
-#: and wrap around, skipping those in use.
+#: Routing ids fit this many bytes; they run from 1 and wrap, skipping those in use.
 ROUTING_ID_BYTES = 4
 MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
-#: Most connections without a session a server keeps track of (the oldest
-#: beyond are closed at once).
+#: Most connections without a session a server tracks (beyond, the oldest close).
 MAX_UNATTACHED = 4096
 
 
@@ -99,8 +82,7 @@ def _epoch() -> int:
 
 
 class SessionQueueFull(MDPError):
-    """The session already holds its limit of messages not acknowledged (the
-    other side is away or slow); nothing was queued."""
+    """The session holds its limit of unacknowledged messages; nothing was queued."""
 
 
 class UnknownSession(MDPError, KeyError):
@@ -108,21 +90,16 @@ class UnknownSession(MDPError, KeyError):
 
 
 class SessionRefused(MDPError):
-    """The server would not open the session (it holds all the sessions it
-    may); the client goes on asking."""
+    """The server holds all the sessions it may; the client goes on asking."""
 
 
 @action_class
 class Send:
-    """Client: send *frames* on the connection."""
-
     frames: list
 
 
 @action_class
 class SendTo:
-    """Server: send *frames* to the connection *peer*."""
-
     peer: Any
     frames: list
 
@@ -137,8 +114,7 @@ class Deliver:
 
 @action_class
 class Dropped:
-    """Message *seq* from the other side is lost (of session *routingId*, on
-    a server): over this side's limits, *reason* says how."""
+    """Message *seq* from the other side is lost: over this side's limits."""
 
     seq: int
     reason: str
@@ -147,8 +123,7 @@ class Dropped:
 
 @action_class
 class Skipped:
-    """Our message *seq* (to session *routingId*, on a server) went as a
-    SKIP: it is over the limits the other side said (*reason*)."""
+    """Our message *seq* went as a SKIP: it is over the other side's limits."""
 
     seq: int
     reason: str
@@ -166,47 +141,39 @@ class Notice:
 
 @action_class
 class Refusal:
-    """Client: the server refused to open our session, saying *reason*."""
+    """Client: the server refused to open our session."""
 
     reason: str
 
 
 @action_class
 class Renewed:
-    """Client: the server's session for us ended (it expired, was ended as
-    full, or the server restarted) and a new one began, saying *reason*:
-    what the server held for us is lost, and what we hold goes to the new
-    one (the server may get a message twice: one it had, not acknowledged)."""
+    """Client: the server's session for us ended and a new one began (what it
+    held for us is lost; ours goes again, so it may get one twice)."""
 
     reason: str
 
 
 @action_class
 class Reconnect:
-    """Client: drop the connection and make a new one (backoff is the
-    driver's); the session goes on."""
+    """Client: replace the connection (with the driver's backoff); the session goes on."""
 
     reason: str
 
 
 @action_class
 class Opened:
-    """Server: a new session, known to the application as *routingId*."""
-
     routingId: int
 
 
 @action_class
 class Attached:
-    """Server: a HELLO attached a connection to the session *routingId*."""
-
     routingId: int
 
 
 @action_class
 class Full:
-    """Server: a HELLO from *peer* opened no session: *sessions* are open,
-    as many as allowed."""
+    """Server: a HELLO from *peer* opened no session: *sessions* are open, the most allowed."""
 
     peer: Any
     sessions: int
@@ -221,8 +188,7 @@ class Expired:
 
 @action_class
 class DropPeer:
-    """Server: close the connection *peer* (garbage, a session that ended,
-    or none attached for the expiry): it must not hold a connection slot."""
+    """Server: close the connection *peer*: it must not hold a connection slot."""
 
     peer: Any
     reason: str
@@ -242,8 +208,7 @@ def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -
 
 
 def check_bounds(maxQueued: int, maxQueuedBytes: int) -> None:
-    """``ValueError`` unless a side may keep at least one message and one
-    byte (a session that may keep none could never send)."""
+    """``ValueError`` unless a side may keep at least one message and one byte."""
     if maxQueued < 1:
         raise ValueError(f"maxQueued must be at least 1, got {maxQueued}")
     if maxQueuedBytes < 1:
@@ -258,9 +223,8 @@ def said_limits(message: Any) -> Optional[tuple[int, int]]:
 
 
 def delivery(message: Any, refused: Optional[str], routingId: int = 0) -> Any:
-    """What becomes of the next DATA or SKIP in order: delivered, or lost
-    (a SKIP, or a DATA *refused* as over our limits: acknowledged all the
-    same, as it could never be taken and would hold back all after it)."""
+    """The next DATA or SKIP in order: :class:`Deliver`, or :class:`Dropped` (a SKIP,
+    or a DATA *refused* as over our limits)."""
     if isinstance(message, codec.Skip):
         return Dropped(message.seq, "over this side's limits, the other side did not send it",
                        routingId)
@@ -304,9 +268,7 @@ class _Sequenced:
 
     @property
     def hasRoom(self) -> bool:
-        """Below half the bounds: a sender may go on without waiting.  (Half
-        of a bound of 1 is taken as 1: an empty session always has room, or
-        a sender waiting for room would wait for ever.)"""
+        """Below half the bounds (at least 1, so an empty session has room): send on."""
         return (len(self.unacked) < max(1, self.maxQueued // 2)
                 and self.queuedBytes < max(1, self.maxQueuedBytes // 2))
 
@@ -336,14 +298,12 @@ class _Sequenced:
         return [self.data(seq, payload) for seq, payload in self.unacked]
 
     def reportSkips(self, routingId: int = 0) -> list[Skipped]:
-        """The SKIPs sent in place of our DATA since the last call."""
         skips, self.skips = self.skips, []
         return [Skipped(seq, why, routingId) for seq, why in skips]
 
     def accept(self, message: Any) -> str:
-        """``"next"`` (deliver it), ``"old"`` (a resend: drop it) or
-        ``"gap"`` (messages before it were lost with a connection that broke
-        unseen, as ZeroMQ's do: attach again, and they come again)."""
+        """``"next"`` (deliver it), ``"old"`` (a resend: drop it) or ``"gap"``
+        (some were lost with a connection that broke unseen: attach again)."""
         if message.seq <= self.received:
             return "old"
         if message.seq != self.received + 1:
@@ -362,10 +322,8 @@ class _Sequenced:
 class ClientSessionMachine(Machine):
     """The client end of one session, across any number of connections.
 
-    *pingInterval*: idle time before a PING; *liveness*: PINGs unanswered at
-    most, and the server is dead after ``pingInterval * liveness`` of silence;
-    *maxQueued*: messages kept until acknowledged; *limits*: the payload this
-    side takes in one DATA (bytes, frames), said in each HELLO."""
+    The server is dead after ``pingInterval * liveness`` of silence; *limits*:
+    the payload this side takes in one DATA (bytes, frames)."""
 
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
@@ -399,8 +357,7 @@ class ClientSessionMachine(Machine):
 
     @property
     def reattachPause(self) -> float:
-        """The least time between two HELLOs (each makes the server resend
-        all it holds)."""
+        """The least time between two HELLOs (each makes the server resend all)."""
         return min(self.pingInterval, 1.0)
 
     def _send(self, message: codec.Message) -> None:
@@ -422,8 +379,7 @@ class ClientSessionMachine(Machine):
         return self._drain()
 
     def send(self, payload: tuple[bytes, ...], now: float) -> list[Any]:
-        """Queue *payload* (sent at once if attached); :class:`SessionQueueFull`
-        beyond the limit."""
+        """Queue *payload*; :class:`SessionQueueFull` beyond the limit."""
         self.now = now
         message = self.seq.number(tuple(payload))
         if self.state == "attached":
@@ -432,8 +388,7 @@ class ClientSessionMachine(Machine):
 
     def handleMessage(self, frames: list[bytes], now: float,
                       refused: Optional[str] = None) -> list[Any]:
-        """A message from the server; *refused*: why a DATA is over our limits
-        (it is then dropped, not delivered)."""
+        """A message from the server; *refused*: why a DATA is over our limits."""
         self.now = now
         try:
             message = codec.decode(frames)
@@ -488,10 +443,7 @@ class ClientSessionMachine(Machine):
     def _onData(self, message: Any, refused: Optional[str]) -> None:
         self.seq.acked(message.ack)
         if self.state != "attached":
-            # numbered in an epoch we do not know yet (our WELCOME was lost, or
-            # this went before our HELLO arrived): taken now, it could be counted
-            # in the wrong epoch.  Dropped, not acknowledged: the server resends
-            # it after the WELCOME that answers our next HELLO.
+            # numbered in an epoch we do not know yet: resent after the WELCOME
             return
         verdict = self.seq.accept(message)
         if verdict == "next":
@@ -514,8 +466,6 @@ class ClientSessionMachine(Machine):
         self._hello()
 
     def _hello(self) -> None:
-        """Attach (again): HELLO, and wait for WELCOME (HELLO again after a
-        ping interval without one: it may have been lost)."""
         self.state = "attaching"
         self.sentAtPing.clear()
         self.helloAt = self.now
@@ -534,8 +484,7 @@ class ClientSessionMachine(Machine):
             if now - self.helloAt >= self.pingInterval:
                 self._hello()
             return self._drain()
-        # a PING every interval, busy or idle (its answer finds losses no later
-        # message would show), at most *liveness* of them unanswered
+        # a PING every interval, busy or idle: its answer finds losses no later message shows
         if now - self.lastPing >= self.pingInterval and self.pings < self.liveness:
             self.pings += 1
             self.lastPing = now
@@ -563,8 +512,7 @@ class _Session:
 
 
 class ServerSessionMachine(Machine):
-    """The server's table of sessions, by session id, by connection and by
-    the short routing id the application sees."""
+    """The server's sessions, by session id, by connection and by routing id."""
 
     def __init__(self, *, expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
                  maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
@@ -575,7 +523,6 @@ class ServerSessionMachine(Machine):
             raise ValueError("expiry must be positive")
         check_bounds(maxQueued, maxQueuedBytes)
         self.expiry = expiry
-        #: the payload this side takes in one DATA (bytes, frames), said in each WELCOME
         self.limits = limits or (0, 0)
         self.maxQueued = maxQueued
         self.maxQueuedBytes = maxQueuedBytes
@@ -599,9 +546,7 @@ class ServerSessionMachine(Machine):
 
     def handleMessage(self, peer: Hashable, frames: list[bytes], now: float,
                       refused: Optional[str] = None) -> list[Any]:
-        """A message from *peer*; *refused*: why a DATA is over our limits (it
-        is then dropped and acknowledged, not delivered: it could never be
-        taken, and would hold back all after it)."""
+        """A message from *peer*; *refused*: why a DATA is over our limits."""
         self.now = now
         try:
             message = codec.decode(frames)
@@ -640,16 +585,13 @@ class ServerSessionMachine(Machine):
             if ack is not None:
                 self._sendTo(session, ack)
         elif verdict == "gap" and self._mayTell(session.peer):
-            # some were lost on the way: the client attaches again and resends
             self._sendTo(session, codec.Unknown())
 
     _handlers = {codec.Ack: _onAck, codec.PingOk: _onAck, codec.Ping: _onPing,
                  codec.Data: _onData, codec.Skip: _onData}
 
     def _withoutSession(self, peer: Hashable) -> None:
-        """*peer* talks to us without a session: it is closed once it has
-        gone on so for the expiry (it must not hold a connection slot), and
-        the oldest such beyond :data:`MAX_UNATTACHED` at once."""
+        """Track *peer*, which has no session (the tick closes it after the expiry)."""
         unattached = self._unattached
         if peer not in unattached:
             unattached[peer] = self.now
@@ -658,16 +600,13 @@ class ServerSessionMachine(Machine):
                 self._drop(oldest, f"more than {MAX_UNATTACHED} connections without a session")
 
     def _newRoutingId(self) -> int:
-        """The next routing id: from 1 to :data:`MAX_ROUTING_ID`, then from 1
-        again, past those in use."""
         while True:
             self._routingIds = self._routingIds % MAX_ROUTING_ID + 1
             if self._routingIds not in self.byRouting:
                 return self._routingIds
 
     def _mayTell(self, peer: Hashable) -> bool:
-        """At most one UNKNOWN or REFUSED a second to a connection (each makes
-        its client say HELLO again)."""
+        """At most one UNKNOWN or REFUSED a second to a connection (each draws a HELLO)."""
         last = self._told.get(peer)
         if last is not None and self.now - last < 1.0:
             return False
@@ -678,8 +617,7 @@ class ServerSessionMachine(Machine):
         return True
 
     def end(self, routingId: int, now: float) -> list[Any]:
-        """End the session *routingId* (it cannot hold what it is given):
-        forgotten, reported :class:`Expired`."""
+        """End the session *routingId* (it cannot hold what it is given): :class:`Expired`."""
         self.now = now
         session = self.byRouting.get(routingId)
         if session is not None:
@@ -687,8 +625,7 @@ class ServerSessionMachine(Machine):
         return self._drain()
 
     def _end(self, session: _Session, why: str, drop: bool = True) -> None:
-        """Forget *session*, report it :class:`Expired`, and (with *drop*)
-        close the connection attached to it."""
+        """Forget *session*, report it :class:`Expired`; with *drop*, close its connection."""
         del self.sessions[session.session]
         del self.byRouting[session.routingId]
         if session.peer is not None and self.byPeer.get(session.peer) is session:
@@ -700,7 +637,6 @@ class ServerSessionMachine(Machine):
         self._emit(Expired(session.routingId))
 
     def _drop(self, peer: Hashable, reason: str) -> None:
-        """Close the connection *peer* and forget it."""
         self._unattached.pop(peer, None)
         self._told.pop(peer, None)
         self._emit(DropPeer(peer, reason))
@@ -709,8 +645,7 @@ class ServerSessionMachine(Machine):
         session = self.sessions.get(hello.session)
         held = self.byPeer.get(peer)
         if held is not None and held is not session:
-            # a client never attaches two sessions on one connection: one that
-            # does, with a second connection's help, would hold any number
+            # else one client, with a second connection's help, would hold any number
             self._emit(Notice("second", f"{peer!r} attached another session; the one it held "
                                         f"({held.routingId}) ends (one session per connection)"))
             self._end(held, "another was attached on its connection", drop=False)
@@ -719,7 +654,6 @@ class ServerSessionMachine(Machine):
             if session is None:
                 return
         if session.peer is not None and session.peer != peer:
-            # the client's earlier connection, left behind: it must not hold a slot
             self.byPeer.pop(session.peer, None)
             self._drop(session.peer, f"its session {session.routingId} moved to another "
                                      "connection")
@@ -731,7 +665,6 @@ class ServerSessionMachine(Machine):
         if hello.epoch == session.epoch:
             session.seq.acked(hello.ack)  # an ack of another incarnation means nothing here
         if hello.since > session.seq.received:
-            # the client was told (by a server that is gone) that these arrived
             self._emit(Notice("since", f"session {session.routingId} from {peer!r} holds "
                                        f"nothing before {hello.since + 1}, but we have only "
                                        f"{session.seq.received + 1}: those are lost"))
@@ -745,14 +678,12 @@ class ServerSessionMachine(Machine):
         """A new session for *hello*, or None (REFUSED) at *maxSessions*."""
         earlier = self._opened.get(peer)
         if earlier is not None and earlier.peer is None:
-            # opened here and left: a client never opens two sessions on one connection
             self._emit(Notice("second", f"{peer!r} opened another session; the one it opened "
                                         f"before ({earlier.routingId}) ends (one session per "
                                         "connection)"))
             self._end(earlier, "its connection opened another", drop=False)
         if len(self.sessions) >= self.maxSessions:
             self._emit(Full(peer, len(self.sessions)))
-            # it holds no session now: closed if it goes on so for the expiry
             self._withoutSession(peer)
             if self._mayTell(peer):
                 self._emit(SendTo(peer, codec.encode(codec.Refused(
@@ -771,8 +702,7 @@ class ServerSessionMachine(Machine):
         return session
 
     def reply(self, routingId: int, payload: tuple[bytes, ...], now: float) -> list[Any]:
-        """Send *payload* to the session *routingId* (kept until acknowledged);
-        :class:`UnknownSession`, :class:`SessionQueueFull`."""
+        """Send *payload* to *routingId*; :class:`UnknownSession`, :class:`SessionQueueFull`."""
         self.now = now
         session = self.byRouting.get(routingId)
         if session is None:

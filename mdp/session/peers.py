@@ -1,6 +1,4 @@
-"""The application's side of sessions: :class:`SessionClient` and
-:class:`SessionServer`, for programs that speak their own messages (an MDP
-client, worker or broker uses the ``session+`` endpoints instead)."""
+"""Sessions for programs that speak their own messages (MDP uses ``session+`` endpoints)."""
 
 from __future__ import annotations
 
@@ -37,16 +35,12 @@ def session_endpoint(endpoint: str) -> str:
 
 @implementer(IDealerReceiver)
 class SessionClient:
-    """One session to a server at *endpoint* (``tcp:host=H:port=P``,
-    ``zmq:tcp://H:P``, with or without ``session+``).
+    """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
 
-    ``send(*frames)`` never waits and never loses: while the connection is
-    down the message waits in the session (at most *maxQueued*; beyond,
-    :class:`~mdp.session.SessionQueueFull`).  What the server sends goes to
-    the ``subscribe`` callbacks, in order, once each.  *onRenewed()* hears
-    when the server's session for this client ended and a new one began:
-    what the server held for this client is lost, and what this client held
-    goes to the new one."""
+    ``send(*frames)`` never waits: while the connection is down the message
+    waits in the session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).
+    *onRenewed()* hears when the server's session for us was renewed (what it
+    held for us is lost)."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
@@ -63,10 +57,8 @@ class SessionClient:
                                     maxQueued=maxQueued)
 
     def attached(self) -> defer.Deferred[None]:
-        """Fires once the session is first attached (at once if it is);
-        fails with :class:`~mdp.session.SessionRefused` if the server
-        refuses it first (the client goes on asking), and with
-        :class:`~mdp.errors.ClientClosed` once the client is closed."""
+        """Fires once the session is first attached; fails with
+        :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
         if self._closed:
             return defer.fail(ClientClosed("the session client is closed"))
         if self._isAttached:
@@ -74,16 +66,14 @@ class SessionClient:
         return self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
-        """Call *callback(frames)* for every message from the server (what
-        it raises is logged; the other callbacks still get the message)."""
+        """Call *callback(frames)* for every message from the server, in order, once."""
         self._callbacks.append(callback)
 
     def send(self, *frames: bytes) -> None:
         self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
-        """Close the session's connection; whoever waits in ``attached()``
-        hears :class:`~mdp.errors.ClientClosed`."""
+        """Close the session's connection."""
         if not self._closed:
             self._closed = True
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
@@ -95,12 +85,9 @@ class SessionClient:
         self._waiting.fire()
 
     def sessionRefused(self, reason: str) -> None:
-        """The server would not open the session (the dealer asks again)."""
         self._waiting.fail(SessionRefused(reason))
 
     def sessionRenewed(self) -> None:
-        """The server's session for this client ended and a new one began
-        (the dealer logged it)."""
         if self.onRenewed is not None:
             self.onRenewed()
 
@@ -118,12 +105,9 @@ class SessionClient:
 
 @implementer(IRouterReceiver)
 class SessionServer:
-    """A table of sessions behind one bound endpoint.  Each session is
-    known by a short routing id (an ``int``, not the client's session id);
-    *handler(routingId, frames)* hears every message, in order, once, and
-    ``reply(routingId, *frames)`` answers (kept until the client has it,
-    across its reconnections).  *onExpired(routingId)* hears of sessions
-    silent for *expiry* seconds."""
+    """Sessions behind one bound endpoint, each known by an ``int`` routing id:
+    *handler(routingId, frames)* hears every message, in order, once;
+    *onExpired(routingId)* hears of sessions silent for *expiry* seconds."""
 
     def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
                  *, expiry: float = DEFAULT_EXPIRY,
@@ -132,7 +116,7 @@ class SessionServer:
                  limits: Limits = Limits()) -> None:
         if expiry <= 0:
             raise ValueError(f"expiry must be positive, got {expiry}")
-        check_bounds(maxQueued, limits.maxOutputBytes)  # now, not at listen()
+        check_bounds(maxQueued, limits.maxOutputBytes)
         self.reactor = default_reactor(reactor)
         self.handler = handler
         self.onExpired = onExpired
@@ -151,18 +135,15 @@ class SessionServer:
         return self.router.endpoint
 
     def reply(self, routingId: int, *frames: bytes) -> None:
-        """Send *frames* to the session *routingId*;
-        :class:`~mdp.session.UnknownSession` if it expired (or never was),
-        :class:`~mdp.session.SessionQueueFull` beyond its limit,
-        :class:`~mdp.errors.ReplyTooLarge` over *limits*, or over those
-        the session's client said."""
+        """Send *frames* to *routingId* (kept until the client has it);
+        :class:`~mdp.session.UnknownSession`, :class:`~mdp.session.SessionQueueFull`,
+        :class:`~mdp.errors.ReplyTooLarge`."""
         if self.router is None:
             raise UnknownSession(routingId)
         self.router.reply(routingId, bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
-        """Stop listening; the sessions end with it (what their clients have
-        not acknowledged is lost, and warned about)."""
+        """Stop listening; the sessions end with it."""
         router, self.router = self.router, None
         return router.close() if router is not None else defer.succeed(None)
 

@@ -1,18 +1,11 @@
-"""Sessions as a transport: ``session+tcp:...``, ``session+zmq:...`` and
-``session+loopback:...`` (for tests).
+"""Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
 
 :class:`SessionRouter` and :class:`SessionDealer` provide the router and
-dealer interfaces over an inner transport (the endpoint without
-``session+``), so an MDP client, worker or broker runs over sessions
-unchanged.  The dealer reports ``connectionMade`` once, when the session is
-first attached, and never ``connectionLost`` for a broken connection: it
-reconnects and re-attaches by itself, and what was in flight comes again,
-once.  The router names each session by a short routing id (4 bytes), the
-same across the client's reconnections, and reports ``peerDisconnected``
-when a session expires.  A receiver of the dealer with a ``sessionRenewed()``
-method hears when the server's session for it ended and a new one began
-(what the server held for it is lost), as one with ``sessionRefused(reason)``
-hears of a refusal.
+dealer interfaces, so MDP runs over sessions unchanged.  The dealer reports
+``connectionMade`` once, at the first attach, and never ``connectionLost``:
+it re-attaches by itself.  The router names each session by a 4-byte routing
+id and reports ``peerDisconnected`` when it expires.  A dealer's receiver
+may have ``sessionRenewed()`` and ``sessionRefused(reason)``.
 """
 
 from __future__ import annotations
@@ -64,16 +57,13 @@ def inner_endpoint(endpoint: str) -> str:
     return endpoint[len(PREFIX):]
 
 
-#: inner endpoint types (of those a session runs over) whose connection
-#: attempt takes a ``timeout=``
+#: inner endpoint types whose connection attempt takes a ``timeout=``
 _TIMED = ("tcp",)
 
 
 def bounded_attempts(endpoint: str, seconds: float) -> str:
-    """*endpoint* (a Twisted client endpoint string) with each connection
-    attempt bounded by *seconds* (whole, at least 1), unless it says its own
-    ``timeout``.  Left at Twisted's 30 s, an attempt made while a network cut
-    drops packets goes on long after the cut ends, past the session expiry."""
+    """*endpoint* with each connection attempt bounded by *seconds*, unless it says
+    its own ``timeout``: Twisted's 30 s would outlast the session expiry."""
     kind, _, rest = endpoint.partition(":")
     if kind not in _TIMED or any(part.startswith("timeout=") for part in rest.split(":")):
         return endpoint
@@ -81,19 +71,15 @@ def bounded_attempts(endpoint: str, seconds: float) -> str:
 
 
 def inner_limits(limits: Limits) -> Limits:
-    """The inner transport's limits: room for the session's own frames, so
-    the user's limits are checked on the payload, by the session; and twice
-    the output room, so a full resend after a re-attach (at most
-    ``maxOutputBytes``, what a session holds) always fits."""
+    """The inner transport's limits: room for the session's own frames, and twice
+    the output room, so a full resend after a re-attach always fits."""
     return attrs.evolve(limits, maxMessageBytes=limits.maxMessageBytes + OVERHEAD_BYTES,
                         maxFrames=limits.maxFrames + OVERHEAD_FRAMES,
                         maxOutputBytes=2 * limits.maxOutputBytes + OVERHEAD_BYTES)
 
 
 def kept_frames(frames: Any) -> tuple[bytes, ...]:
-    """*frames* as a session keeps them until acknowledged: bytes (copied,
-    as a buffer could change before a resend); ``TypeError`` at once for a
-    frame that is not, which would fail every resend."""
+    """*frames* copied to bytes, to keep for resending; ``TypeError`` for a non-bytes frame."""
     kept = []
     for index, frame in enumerate(frames):
         if frame.__class__ is not bytes:
@@ -105,46 +91,38 @@ def kept_frames(frames: Any) -> tuple[bytes, ...]:
 
 
 def payload_limits(limits: Limits) -> tuple[int, int]:
-    """What a side says it takes in one DATA: its payload limits."""
     return limits.maxMessageBytes, limits.maxFrames
 
 
 def routing_bytes(routingId: int) -> bytes:
-    """The peer id a session's routing id is reported as (4 bytes)."""
     return routingId.to_bytes(ROUTING_ID_BYTES, "big")
 
 
 def routing_id(peer: bytes) -> int:
-    """The routing id a peer id of :func:`routing_bytes` stands for."""
     return int.from_bytes(peer, "big")
 
 
 class _End:
-    """What both ends share: a tick, an inner transport, limits on what is
-    delivered, and the logging of what their machine reports."""
+    """What both ends share: a tick, an inner transport, limits and logging."""
 
     tick: task.LoopingCall
     inner: Any
     limits: Limits
     throttle: LogThrottle
     endpoint: str
-    #: messages from the other side lost as over our limits, and ours sent
-    #: as SKIPs as over the other side's
+    #: messages lost as over our limits, and ours sent as SKIPs
     dropped = 0
     skipped = 0
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
-        """Why the DATA message *frames* is over our limits (None if it is
-        not, or is no DATA): the inner transport lets it through, as its
-        limits leave room for the session's own frames."""
+        """Why the DATA message *frames* is over our limits (None if not, or no DATA)."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
 
     def _refusal(self, frames: Any, peerLimits: Optional[tuple[int, int]],
                  other: str) -> Optional[str]:
-        """Why *frames* are not sent: over our limits, or over *peerLimits*,
-        those the *other* side said (None if they go)."""
+        """Why *frames* are over our limits or *peerLimits* (None if they go)."""
         reason = self.limits.refuse(frames)
         if reason is None:
             why = over_limits(frames, peerLimits)
@@ -152,8 +130,7 @@ class _End:
         return reason
 
     def _safely(self, what: str, call: Callable[..., Any], *args: Any) -> None:
-        """Call the application's *call*; what it raises is logged, so the
-        session (its tick, its numbering) goes on."""
+        """Call the application's *call*, logging what it raises."""
         try:
             call(*args)
         except Exception:
@@ -191,8 +168,7 @@ class _End:
 
 @implementer(IRouterReceiver, IRouterTransport)
 class SessionRouter(_End):
-    """A bound session server: the inner transport's connections come and go,
-    sessions stay until they expire."""
+    """A bound session server: connections come and go, sessions stay until they expire."""
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
                  expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
@@ -207,8 +183,7 @@ class SessionRouter(_End):
         self.throttle = LogThrottle(reactor)
         self.inner: Any = None
         self.endpoint = ""
-        #: HELLOs that attached a connection to a session, and those refused
-        #: at maxSessions
+        #: HELLOs that attached, and those refused at maxSessions
         self.attaches = 0
         self.refused = 0
         self.tick = task.LoopingCall(self._tick)
@@ -226,8 +201,6 @@ class SessionRouter(_End):
         self.endpoint = PREFIX + self.inner.endpoint
         self.tick.start(min(0.5, self.machine.expiry / 4), now=False)
         return self
-
-    # --- the inner transport's receiver ---------------------------------------------
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds(),
@@ -277,11 +250,8 @@ class SessionRouter(_End):
                    machines.Full: _full, machines.Dropped: _End._dropped,
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
-    # --- IRouterTransport -----------------------------------------------------------
-
     def reply(self, routingId: int, frames: Any) -> None:
-        """Send *frames* to the session *routingId*; :class:`ReplyTooLarge`
-        over our limits or its client's, :class:`UnknownSession`,
+        """Send *frames* to *routingId*; :class:`ReplyTooLarge`, :class:`UnknownSession`,
         :class:`SessionQueueFull`."""
         session = self.machine.byRouting.get(routingId)
         peerLimits = None if session is None else session.seq.peerLimits
@@ -299,9 +269,8 @@ class SessionRouter(_End):
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
-            # a hole in what the client gets would be worse: the session ends
-            # now (nothing sent after is numbered in this one's place); its
-            # report waits a turn, as the application is in this call
+            # a hole in what the client gets would be worse: the session ends;
+            # its report waits a turn, as the application is in this call
             self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
                                "{error}", endpoint=self.endpoint,
                                id=routing_id(peer), error=e)
@@ -312,12 +281,10 @@ class SessionRouter(_End):
                 self.reactor.callLater(0, self._perform, reports)
 
     def disconnectPeer(self, peer: bytes) -> None:
-        """A session has no connection to drop: it ends when it expires (as
-        ZeroMQ, where heartbeats find lost peers)."""
+        """A session has no connection to drop: it ends when it expires."""
 
     def close(self) -> defer.Deferred[None]:
-        """Stop listening; the sessions end with it, and what they hold that
-        their clients have not acknowledged is lost (warned about)."""
+        """Stop listening; the sessions end, and what they hold is lost (warned about)."""
         if self.inner is not None:
             held = [len(s.seq.unacked) for s in self.machine.sessions.values() if s.seq.unacked]
             if held:
@@ -329,9 +296,7 @@ class SessionRouter(_End):
 
 @implementer(IDealerTransport)
 class SessionDealer(_End):
-    """The client end of a session over a connecting inner transport; it
-    re-attaches after every break, and replaces a connection that went
-    silent (``pingInterval * liveness``)."""
+    """The client end of a session; it re-attaches after every break."""
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), retryPolicy: Any = None,
@@ -349,7 +314,6 @@ class SessionDealer(_End):
             now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(self.innerEndpoint, self.machine.deadAfter)
         self.backoff = backoff
-        #: new connections made for a silent server since the last attach
         self.attempts = 0
         #: attaches that ended on a message over our limits since one came through
         self.oversizedLosses = 0
@@ -365,8 +329,7 @@ class SessionDealer(_End):
         self.tick.start(pingInterval / 4, now=False)
 
     def discardReceived(self) -> int:
-        """Nothing: a session's messages are numbered and delivered as the
-        session takes them, which its own control messages share."""
+        """Nothing: a session delivers all it numbers."""
         return 0
 
     def _open(self) -> None:
@@ -386,20 +349,15 @@ class SessionDealer(_End):
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
-        """The inner connection's delay before its *attempt*: the retry
-        policy's (or the inner transport's own), at most ``pingInterval *
-        liveness``, so that a cut shorter than the server's expiry does not
-        outlast the session."""
+        """The delay before *attempt*, at most ``pingInterval * liveness`` (so a
+        cut shorter than the server's expiry does not outlast the session)."""
         if self.retryPolicy is None:
             return RECONNECT.delay(max(attempt - 1, 0), self.machine.deadAfter)
         return min(self.retryPolicy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
-        """The inner connection closed on a message from the server far over
-        our limits (a server that had our limits would have sent a SKIP): it
-        is resent at each attach, so nothing after it comes through.  Say so,
-        and attach again after the backoff, not at once (a loop as fast as
-        the two sides can go)."""
+        """The connection closed on a message far over our limits, resent at each
+        attach: attach again after the backoff, not in a tight loop."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
@@ -416,25 +374,20 @@ class SessionDealer(_End):
             self.reopening = self.reactor.callLater(delay, self._open)
 
     def _reopen(self) -> None:
-        """A new connection after a backoff (reset by the next attach), at
-        most ``pingInterval * liveness``: the session must be attached again
-        before the server's expiry."""
+        """A new connection after a backoff of at most ``pingInterval * liveness``."""
         delay = self.backoff.delay(self.attempts, self.machine.deadAfter)
         self.attempts += 1
         self.reopening = self.reactor.callLater(delay, self._open)
 
     @property
     def writable(self) -> bool:
-        """False while the session holds half its bounds unacknowledged (or the
-        connection's own queue is full): a streaming sender waits on
-        :meth:`drained`."""
+        """False while half the session's bounds are unacknowledged: wait on :meth:`drained`."""
         inner = self.inner
         return self.machine.seq.hasRoom and (inner is None or getattr(inner, "writable", True))
 
     @property
     def connected(self) -> bool:
-        """True once the session was first attached, until closed: while it
-        re-attaches, what is sent waits in the session and goes once."""
+        """True from the first attach until closed."""
         return self.madeOnce and not self.closed
 
     def drained(self) -> defer.Deferred[None]:
@@ -470,7 +423,6 @@ class SessionDealer(_End):
         self._safely("messageReceived", self.receiver.messageReceived, list(action.payload))
 
     def _refused(self, action: machines.Refusal) -> None:
-        """A receiver that waits for the session hears of it."""
         self.throttle.warn(log, "refused", "session dealer to {endpoint}: the server refused "
                            "the session: {reason}; asking again", endpoint=self.endpoint,
                            reason=action.reason)
@@ -479,7 +431,6 @@ class SessionDealer(_End):
             self._safely("sessionRefused", refused, action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
-        """A receiver that keeps state with the server hears of it."""
         log.warn("session dealer to {endpoint}: the server's session for this client ended "
                  "(it expired, was ended as full, or the server restarted) and a new one "
                  "began: messages the server held for this client and had not delivered are "
@@ -503,14 +454,9 @@ class SessionDealer(_End):
                    machines.Reconnect: _reconnect, machines.Dropped: _End._dropped,
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
-    # --- IDealerTransport ----------------------------------------------------------------
-
     def send(self, frames: list[bytes]) -> None:
-        """Send *frames* in the session; :class:`SessionQueueFull` if it holds
-        its limit of messages not yet acknowledged, :class:`RequestTooLarge`
-        over *limits* (a message the far side would refuse would otherwise
-        be resent after every reconnection), ``TypeError`` for a frame that
-        is not bytes; nothing is queued then."""
+        """Send *frames* in the session; :class:`SessionQueueFull`,
+        :class:`RequestTooLarge` or ``TypeError``, and nothing is queued."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
         reason = self._refusal(frames, self.machine.seq.peerLimits, "the server")
@@ -527,16 +473,13 @@ class SessionDealer(_End):
             self.throttle.warn(log, "full", "session dealer to {endpoint} refused a message: "
                                "{error}", endpoint=self.endpoint, error=e)
 
-    #: seconds a close waits for the server to acknowledge what was sent (it
-    #: acknowledges every half second at least): a worker's last DISCONNECT
+    #: seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
     CLOSE_GRACE = 1.0
 
     _closing: Optional[defer.Deferred[None]] = None
 
     def close(self) -> defer.Deferred[None]:
-        """Close; what the server has not acknowledged yet is given
-        :attr:`CLOSE_GRACE` seconds while the session is attached (nothing
-        more is taken meanwhile), and warned about if still not."""
+        """Close, after up to :attr:`CLOSE_GRACE` for the server's acknowledgement."""
         if self._closing is not None:
             return after(self._closing)
         if self.closed:
@@ -570,8 +513,7 @@ class SessionDealer(_End):
 
 @implementer(IDealerReceiver)
 class _Inner:
-    """Receives for one inner connection of a :class:`SessionDealer`; once
-    that connection is replaced, what it still reports is ignored."""
+    """Receives for one inner connection; ignored once it is replaced."""
 
     def __init__(self, owner: SessionDealer) -> None:
         self.owner = owner
@@ -588,7 +530,6 @@ class _Inner:
         if self._current():
             owner = self.owner
             epoch = owner.machine.epoch
-            # one over our limits is dropped by the session (logged), not delivered
             actions = owner.machine.handleMessage(frames, owner._now(),
                                                   refused=owner._overLimits(frames))
             if owner.machine.epoch != epoch:  # a new session: what stalled the old one is gone
@@ -606,7 +547,7 @@ class _Inner:
 
 
 def check(endpoint: str, role: str) -> None:
-    """A session endpoint is ``session+`` and an endpoint of another scheme."""
+    """A session endpoint is ``session+`` and a non-session endpoint."""
     from mdp import transport
 
     inner = inner_endpoint(endpoint)
