@@ -1,10 +1,5 @@
-"""Harmony peers: true peer-to-peer messaging, wire-compatible with ZRE
-(ZeroMQ RFC 36; Zyre, zeromq-pyre).
-
-Each :class:`Node` binds one ROUTER for everything it hears and connects one
-DEALER to each peer it talks to; it finds peers with UDP beacons or a list of
-endpoints, greets each with HELLO, and tells the application who enters,
-leaves, joins and speaks.  See docs/harmony.md.
+"""Harmony peers: peer-to-peer messaging, wire-compatible with ZRE (ZeroMQ RFC 36;
+Zyre, zeromq-pyre).  See docs/harmony.md.
 """
 
 from mdp.harmony.codec import DISCOVERY_PORT, MalformedZre, UnknownCommand

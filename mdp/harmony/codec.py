@@ -15,11 +15,8 @@ A *string* is a u8 length and that many bytes of UTF-8; a *long string* a u32
 length and the bytes; *strings* a u32 count of long strings; a *hash* a u32
 count of (string key, long string value).  Lengths are in bytes.
 
-Strings that are not valid UTF-8 are read with U+FFFD in place of the bad
-bytes: zeromq-pyre writes the length of a non-ASCII string in characters and
-cuts the bytes to that length, so its ``"aé"`` arrives as ``b"a\\xc3"``; the
-message is kept (the name or group is just cut short).  We always write
-whole strings with their length in bytes.
+Strings that are not valid UTF-8 are read with U+FFFD for the bad bytes:
+zeromq-pyre cuts a non-ASCII string to its length in characters.
 
 The beacon is exactly 22 bytes: ``ZRE``, version 1, the sender's 16-byte
 UUID and its ROUTER port, big-endian; port 0 says the sender is leaving.
@@ -49,25 +46,20 @@ PING_OK = 7
 COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LEAVE: "LEAVE",
             PING: "PING", PING_OK: "PING-OK"}
 
-#: The sequence numbers a sender uses: 1, 2, ... 65534, then 0 again (as
-#: zeromq-pyre counts).  A receiver also accepts 65535 after 65534 (Zyre's C
-#: counter), see :func:`next_sequence_ok`.
+#: A sender counts 1, 2, ... 65534, then 0 again (as zeromq-pyre does).
 SEQUENCE_MODULUS = 65535
 
-#: The most groups a peer may be in, and headers it may send, by default:
-#: each costs memory and an event, far beyond its bytes on the wire (a
-#: HELLO of 11 MiB can list 1.5 million groups).
+#: The most groups a peer may be in, and headers it may send: each costs far beyond its bytes.
 DEFAULT_MAX_GROUPS = 1024
 DEFAULT_MAX_HEADERS = 1024
 
 BEACON_PREFIX = b"ZRE\x01"
 BEACON_SIZE = 22
-#: The UDP port ZRE beacons go to.
 DISCOVERY_PORT = 5670
 
 
 class MalformedZre(ProtocolError):
-    """A ZRE message or beacon that cannot be read (the reason says why)."""
+    """A ZRE message or beacon that cannot be read."""
 
 
 class UnknownCommand(MalformedZre):
@@ -136,23 +128,16 @@ _HEADER = struct.Struct(">HBBH")
 
 
 def with_sequence(message: Message, sequence: int) -> Message:
-    """*message* numbered *sequence*."""
     return attrs.evolve(message, sequence=sequence)
 
 
 def next_sequence(sent: int) -> int:
-    """The number after *sent* on an outgoing connection."""
     return (sent + 1) % SEQUENCE_MODULUS
 
 
 def next_sequence_ok(previous: int, sequence: int) -> bool:
-    """Whether *sequence* may follow *previous* from a peer: the next number,
-    with either wrap (pyre's 65534 → 0, or a 16-bit counter's 65534 → 65535
-    → 0)."""
+    """Whether *sequence* may follow *previous*: pyre's 65534 → 0, or Zyre's → 65535 → 0."""
     return sequence == (previous + 1) & 0xFFFF or (previous == 65534 and sequence == 0)
-
-
-# --- encoding ---------------------------------------------------------------
 
 
 def _string(value: str, what: str) -> bytes:
@@ -168,8 +153,7 @@ def _long_string(value: str) -> bytes:
 
 
 def check_string(value: object, what: str) -> str:
-    """*value* if it can be a ZRE string (a group or peer name): a ``str`` of
-    at most 255 bytes in UTF-8; ``TypeError``/``ValueError`` otherwise."""
+    """*value* if it is a ``str`` of at most 255 UTF-8 bytes; else ``TypeError``/``ValueError``."""
     if not isinstance(value, str):
         raise TypeError(f"a {what} is a str, not {type(value).__name__}: {value!r}")
     _string(value, what)
@@ -199,9 +183,6 @@ def encode(message: Message) -> list[bytes]:
     else:
         body = head
     return [body, *content]
-
-
-# --- decoding ---------------------------------------------------------------
 
 
 class _Reader:
@@ -239,9 +220,8 @@ class _Reader:
         return self._text(self.u32(what), what)
 
     def count(self, what: str, smallest: int, most: int) -> int:
-        """A u32 count of items at least *smallest* bytes each, checked
-        against what is left (a huge count is malformed, not a long loop)
-        and against *most* (what a peer may cost us)."""
+        """A u32 count of items of at least *smallest* bytes, checked against what
+        is left and against *most*."""
         number = self.u32(what)
         if number * smallest > len(self.data) - self.at:
             raise MalformedZre(f"{what}: {number} items cannot fit in the "
@@ -257,10 +237,8 @@ class _Reader:
 
 def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
            maxHeaders: int = DEFAULT_MAX_HEADERS) -> Message:
-    """The message in *frames* (what a ROUTER delivers after the peer's
-    identity).  Raises :class:`MalformedZre` (or its :class:`UnknownCommand`)
-    for anything that is not a ZRE v2 message, and for a HELLO that lists
-    more than *maxGroups* groups or *maxHeaders* headers."""
+    """The message in *frames* (after the identity); :class:`MalformedZre` for anything
+    else, or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
     return _decode(frames, maxGroups, maxHeaders)
@@ -280,8 +258,7 @@ def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxG
     return Hello(sequence, endpoint, groups, status, name, headers)
 
 
-#: each command's reader of the fields after the sequence: (reader,
-#: sequence, content frames, maxGroups, maxHeaders) to the message
+#: each command's reader: (reader, sequence, content, maxGroups, maxHeaders) → message
 _READERS: dict[int, Callable[..., Message]] = {
     HELLO: _read_hello,
     WHISPER: lambda reader, sequence, content, *_: Whisper(sequence, content),
@@ -316,9 +293,6 @@ def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message
     return message
 
 
-# --- beacons ----------------------------------------------------------------
-
-
 def encode_beacon(uuid: UUID, port: int) -> bytes:
     """The 22-byte beacon announcing *uuid*'s ROUTER on *port* (0: leaving)."""
     if not 0 <= port <= 65535:
@@ -327,8 +301,7 @@ def encode_beacon(uuid: UUID, port: int) -> bytes:
 
 
 def decode_beacon(data: bytes) -> tuple[UUID, int]:
-    """``(uuid, port)`` from a beacon; :class:`MalformedZre` unless *data* is
-    exactly 22 bytes starting ``ZRE`` and version 1."""
+    """``(uuid, port)`` from a beacon; :class:`MalformedZre` for anything else."""
     if len(data) != BEACON_SIZE:
         raise MalformedZre(f"a beacon is {BEACON_SIZE} bytes, not {len(data)}")
     if not data.startswith(BEACON_PREFIX):

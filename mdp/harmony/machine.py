@@ -1,44 +1,37 @@
-"""A Harmony (ZRE) peer as a pure state machine: events with their time in,
-actions out (see :mod:`mdp.machine`).
+"""A Harmony (ZRE) peer as a pure state machine (see :mod:`mdp.machine`).
 
-A *link* is one outgoing pipe (a DEALER whose identity is ``0x01`` + our
-UUID) to one peer's ROUTER; everything a peer says arrives on our one ROUTER,
-tagged with its identity.  The driver opens and closes links, delivers what
-the ROUTER receives, beacons heard, and a tick every second or so.
+A *link* is one outgoing DEALER (identity ``0x01`` + our UUID) to one peer's
+ROUTER; everything a peer says arrives on our one ROUTER, tagged with its identity.
 
 ==========================  ================================================================
 event                       what happens
 ==========================  ================================================================
-beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first on it (a
-                            peer already known at that endpoint under another UUID
-                            restarted: it EXITs); a known one is refreshed
+beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first (a peer
+                            known there under another UUID restarted: EXIT); a known
+                            one is refreshed
 beacon with port 0          the peer is leaving: EXIT
-dial(endpoint)              a link to an endpoint from a list, HELLO first on it; the peer
-                            is known once its HELLO names that endpoint; unanswered for
-                            *expired*, dialled again, then after twice as long, and so
-                            on up to 8 * *expired*
-HELLO from a new peer       a link back to the endpoint it names (unless there is one), and
-                            ENTER, then a JOIN for each of its groups
+dial(endpoint)              a link to a listed endpoint, HELLO first; the peer is known
+                            once its HELLO names that endpoint; unanswered, dialled
+                            again after *expired*, then twice as long, up to 8 times
+HELLO from a new peer       a link back to the endpoint it names, ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*
                             of its last HELLO, from the endpoint known, it made its link
-                            again (it lost us, or heard us on two links): its sequence
-                            and groups start again, and our HELLO goes back on our link
-                            (at most once an *evasive*: each side would answer the
-                            other's answer, for ever)
-other message, no HELLO     dropped (a peer talks only after its HELLO)
-sequence gap                "messages lost": the peer is dropped (EXIT) and found again
-unknown or malformed        the peer is dropped (EXIT), as its sequence is lost
+                            again: its sequence and groups start again, and our HELLO
+                            goes back on our link at most once an *evasive* (else each
+                            side would answer the other's answer for ever)
+other message, no HELLO     dropped
+sequence gap, unknown or    the peer is dropped (EXIT), as its sequence is lost
+malformed
 WHISPER, SHOUT              an event to the application
 JOIN, LEAVE                 the peer's group set and status (+1) change; an event
 PING                        PING-OK back
 any message or beacon       the peer is alive: its evasive and expiry times move on
-tick                        silent past *evasive*: PING it (every tick) and one EVASIVE
-                            event; silent past *expired*: EXIT
+tick                        silent past *evasive*: PING it and one EVASIVE event;
+                            silent past *expired*: EXIT
 ==========================  ================================================================
 
-Our own status goes up by one (mod 256) on every JOIN and LEAVE we send, as
-ZRE says (zeromq-pyre insists on exactly that); our outgoing sequence numbers
-count 1, 2, ... 65534, 0, ... per link, HELLO first.
+Our status goes up by one (mod 256) on every JOIN and LEAVE we send
+(zeromq-pyre insists on it).
 """
 
 from __future__ import annotations
@@ -59,10 +52,7 @@ DEFAULT_EVASIVE = 5.0
 DEFAULT_EXPIRED = 30.0
 #: Peers a node keeps; beacons or HELLOs beyond are ignored.
 DEFAULT_MAX_PEERS = 1000
-#: A listed endpoint nobody answers for is dialled again after *expired*,
-#: then twice that, ... up to this many times *expired*: the node there may
-#: answer from an address it announces instead (a forwarded port), and every
-#: new HELLO would look to it like our restart (an EXIT and an ENTER).
+#: Redials back off up to this many times *expired*: each new HELLO looks like our restart.
 DIAL_BACKOFF_LIMIT = 8
 
 IDENTITY_PREFIX = b"\x01"
@@ -79,9 +69,9 @@ EVENTS = (ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE)
 
 @attrs.frozen
 class Event:
-    """What the application hears about a peer: *kind* is one of
-    :data:`EVENTS`; *group* is set for JOIN, LEAVE and SHOUT, *frames* for
-    WHISPER and SHOUT, *headers* and *endpoint* for ENTER."""
+    """What the application hears about a peer: *kind* is one of :data:`EVENTS`; *group*
+    is set for JOIN, LEAVE, SHOUT, *frames* for WHISPER, SHOUT, *headers* and *endpoint*
+    for ENTER."""
 
     kind: str
     peer: UUID
@@ -94,8 +84,7 @@ class Event:
 
 @action_class
 class OpenLink:
-    """Connect a new link *link* to *endpoint* (a ZRE endpoint, such as
-    ``tcp://192.168.1.5:49152``), with our identity."""
+    """Connect a new link to the ZRE *endpoint*, with our identity."""
 
     link: int
     endpoint: str
@@ -108,23 +97,18 @@ class CloseLink:
 
 @action_class
 class SendOn:
-    """Send *frames* on *link*."""
-
     link: int
     frames: list
 
 
 @action_class
 class Emit:
-    """Tell the application: *event*."""
-
     event: Event
 
 
 @action_class
 class Notice:
-    """Something the driver logs at *level*: throttled by *topic* (None:
-    every one, as a peer's arrival or departure)."""
+    """Something the driver logs, throttled by *topic* (None: not throttled)."""
 
     topic: Optional[str]
     text: str
@@ -136,7 +120,6 @@ class UnknownPeer(KeyError):
 
 
 def identity_of(uuid: UUID) -> bytes:
-    """The routing id a node's links carry: ``0x01`` and the 16-byte UUID."""
     return IDENTITY_PREFIX + uuid.bytes
 
 
@@ -145,8 +128,7 @@ _TCP = re.compile(r"^tcp://(?P<host>\[[^]]*\]|[^:]*):(?P<port>\d+)$")
 
 
 def same_endpoint(one: str, other: str) -> bool:
-    """Whether two ZRE endpoints name the same ROUTER: equal, or TCP on the
-    same port at two names of this machine (``localhost``, ``127.0.0.1``)."""
+    """Whether two ZRE endpoints are equal, or the same port on two names of this machine."""
     if one == other:
         return True
     a, b = _TCP.match(one), _TCP.match(other)
@@ -155,15 +137,12 @@ def same_endpoint(one: str, other: str) -> bool:
 
 
 def endpoint_port(endpoint: str) -> Optional[str]:
-    """The port of a ``tcp://HOST:PORT`` endpoint (None for others)."""
     match = _TCP.match(endpoint)
     return match["port"] if match else None
 
 
 @attrs.define
 class Peer:
-    """What we know of one peer."""
-
     uuid: UUID
     endpoint: str
     link: int
@@ -178,7 +157,6 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
-    #: when its last HELLO came, and when we last answered one with ours
     helloAt: float = 0.0
     answeredAt: float = float("-inf")
 
@@ -192,20 +170,16 @@ class _Dial:
     sent: int
     #: when the HELLO went
     since: float = 0.0
-    #: its link could not be opened: nothing goes on it, and the tick dials again
     failed: bool = False
-    #: dials made before this one with no peer to show for them
+    #: unanswered dials before this one
     tries: int = 0
 
 
 class HarmonyMachine(Machine):
     """One ZRE node: its peers, their groups, ours, and the sequence numbers.
 
-    *headers* go out in every HELLO; *evasive* and *expired* are the
-    silences (seconds) after which a peer is PINGed and dropped; *maxPeers*
-    bounds the table, *maxGroups* and *maxHeaders* what one peer may make us
-    keep.  *reachable(endpoint)* says why a peer's endpoint cannot be dialled
-    (None if it can): such a peer is ignored before anything is said of it."""
+    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None
+    if it can): such a peer is ignored."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
@@ -233,7 +207,6 @@ class HarmonyMachine(Machine):
             raise ValueError(f"{len(self.headers)} headers, more than peers take "
                              f"(maxHeaders {maxHeaders})")
         self.reachable = reachable
-        #: our ZRE endpoint, once started
         self.endpoint = ""
         self.status = 0
         self.ownGroups: dict[str, None] = {}
@@ -245,18 +218,14 @@ class HarmonyMachine(Machine):
         self._links = 0
         self.running = False
 
-    # --- what the application asks ------------------------------------------
-
     def handleStart(self, endpoint: str, now: float) -> list[Any]:
-        """We listen at *endpoint* (what our HELLOs announce)."""
         self.now = now
         self.endpoint = endpoint
         self.running = True
         return self._drain()
 
     def handleStop(self, now: float) -> list[Any]:
-        """Close every link and forget every peer (no events: we are the
-        one leaving)."""
+        """Close every link and forget every peer, with no events."""
         self.now = now
         self.running = False
         for peer in self.peers.values():
@@ -268,9 +237,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def join(self, group: str, now: float) -> list[Any]:
-        """Join *group*: every peer hears JOIN with our new status.  Joining
-        a group we are in does nothing.  ``ValueError`` beyond *maxGroups*
-        groups: peers with the same bound would drop us."""
+        """Join *group*; ``ValueError`` beyond *maxGroups* (peers with that bound drop us)."""
         self.now = now
         codec.check_string(group, "group")
         if group not in self.ownGroups:
@@ -283,8 +250,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def leave(self, group: str, now: float) -> list[Any]:
-        """Leave *group*: every peer hears LEAVE.  Leaving a group we are not
-        in does nothing."""
+        """Leave *group* (if in it)."""
         self.now = now
         codec.check_string(group, "group")
         if group in self.ownGroups:
@@ -303,7 +269,6 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def shout(self, group: str, frames: Iterable[bytes], now: float) -> list[Any]:
-        """Send *frames* to every peer in *group* (none there: nothing)."""
         self.now = now
         codec.check_string(group, "group")
         message = codec.Shout(0, group, tuple(frames))
@@ -311,8 +276,6 @@ class HarmonyMachine(Machine):
             if group in peer.groups:
                 self._send(peer, message)
         return self._drain()
-
-    # --- discovery --------------------------------------------------------------
 
     def handleBeacon(self, uuid: UUID, endpoint: Optional[str], now: float) -> list[Any]:
         """A beacon from *uuid* whose ROUTER is at *endpoint* (None: port 0,
@@ -331,8 +294,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def handleDial(self, endpoint: str, now: float) -> list[Any]:
-        """Reach the node at *endpoint* without a beacon (a list of peers):
-        a link there, HELLO first, and again whenever the peer there goes."""
+        """Reach the node at *endpoint* without a beacon, and again whenever it goes."""
         self.now = now
         if endpoint not in self.listed:
             self.listed.append(endpoint)
@@ -351,9 +313,7 @@ class HarmonyMachine(Machine):
         self.dials[endpoint] = _Dial(link, endpoint, 1, self.now)
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
-        """The link *link* could not be opened: forget its peer.  A dial to a
-        listed endpoint stays, and the tick dials it again once ``expired``
-        has passed, as one where nobody answers."""
+        """The link could not be opened: forget its peer; a dial stays for the tick to redo."""
         self.now = now
         for peer in list(self.peers.values()):
             if peer.link == link:
@@ -364,11 +324,7 @@ class HarmonyMachine(Machine):
                 dial.failed = True
         return self._drain()
 
-    # --- what peers say ---------------------------------------------------------
-
     def handleMessage(self, identity: bytes, frames: list[bytes], now: float) -> list[Any]:
-        """*frames* arrived on our ROUTER from the link whose identity is
-        *identity*."""
         self.now = now
         uuid = self._sender(identity)
         if uuid is None:
@@ -392,8 +348,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def _sender(self, identity: bytes) -> Optional[UUID]:
-        """The UUID of the peer whose link has *identity*; None for a message
-        to drop (not running, our own, or not a ZRE identity)."""
+        """The UUID behind *identity*; None for a message to drop."""
         if not self.running:
             return None
         if len(identity) != 17 or not identity.startswith(IDENTITY_PREFIX):
@@ -404,8 +359,7 @@ class HarmonyMachine(Machine):
         return None if uuid == self.uuid else uuid
 
     def _read(self, uuid: UUID, peer: Optional[Peer], frames: list[bytes]) -> Optional[codec.Message]:
-        """The message in *frames*; None if it is unknown or malformed (its
-        peer is dropped: its sequence is lost)."""
+        """The message in *frames*; None if unknown or malformed (its peer is dropped)."""
         try:
             return codec.decode(frames, maxGroups=self.maxGroups, maxHeaders=self.maxHeaders)
         except MalformedZre as e:
@@ -416,8 +370,7 @@ class HarmonyMachine(Machine):
             return None
 
     def _greeted(self, uuid: UUID, peer: Optional[Peer], hello: codec.Hello) -> Optional[Peer]:
-        """The peer that said *hello*, ready to be told ENTER; None if that
-        is done (dropped, or its HELLO again)."""
+        """The peer that said *hello*, ready for ENTER; None if dropped or said again."""
         if hello.sequence != 1:
             self._emit(Notice("hello", f"dropped a HELLO numbered {hello.sequence}, not 1, "
                                        f"from {self._who(uuid, peer)}"))
@@ -439,18 +392,11 @@ class HarmonyMachine(Machine):
         return peer
 
     def _saidAgain(self, peer: Peer, hello: codec.Hello) -> bool:
-        """Whether *hello* is the peer's HELLO again in the same run: within
-        *evasive* of its last one, from the endpoint we know."""
+        """Whether *hello* is the peer's HELLO again in the same run (see the table)."""
         return (peer.ready and self.now - peer.helloAt < self.evasive
                 and same_endpoint(hello.endpoint, peer.endpoint))
 
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
-        """A HELLO again so soon, from where we know the peer: it made its
-        link again (it lost us, or heard us on two links), the same run.  Its
-        sequence starts again; our HELLO goes back on our link, once an
-        evasive period (it may have lost us), not on a new one with an EXIT:
-        answered that way, each side would take the other's answer for a
-        restart, for ever."""
         peer.received = 1
         peer.helloAt = self.now
         peer.name, peer.headers = hello.name, dict(hello.headers)
@@ -514,8 +460,7 @@ class HarmonyMachine(Machine):
         self._statusChanged(peer, message)
 
     def _statusChanged(self, peer: Peer, message: Any) -> None:
-        """A JOIN or LEAVE moves the peer's status on by one; a peer that
-        counts otherwise is taken at its word."""
+        """A JOIN or LEAVE adds one to the status; a peer that counts otherwise is believed."""
         peer.status = (peer.status + 1) & 0xFF
         if message.status != peer.status:
             self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent "
@@ -538,10 +483,7 @@ class HarmonyMachine(Machine):
             peer.groups.discard(group)
             self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=group)))
 
-    # --- time -------------------------------------------------------------------
-
     def handleTick(self, now: float) -> list[Any]:
-        """Check every peer's silence: PING the evasive, drop the expired."""
         self.now = now
         for dial in list(self.dials.values()):
             if now - dial.since >= self._dialWait(dial.tries):
@@ -565,10 +507,7 @@ class HarmonyMachine(Machine):
                     self._emit(Emit(Event(EVASIVE, peer.uuid, peer.name)))
         return self._drain()
 
-    # --- helpers ----------------------------------------------------------------
-
     def _dialWait(self, tries: int) -> float:
-        """How long a dial made after *tries* unanswered ones waits for a HELLO."""
         return self.expired * min(2 ** tries, DIAL_BACKOFF_LIMIT)
 
     def _hello(self, sequence: int) -> codec.Hello:
@@ -581,8 +520,7 @@ class HarmonyMachine(Machine):
         return self._links
 
     def _require(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
-        """The peer *uuid*, with a link to *endpoint* made (HELLO first) if it
-        is new; None if it cannot be reached or the table is full."""
+        """The peer *uuid*, new ones linked; None if it cannot be reached or the table is full."""
         peer = self.peers.get(uuid)
         if peer is not None:
             return peer
@@ -610,10 +548,8 @@ class HarmonyMachine(Machine):
         return peer
 
     def _answeredDial(self, endpoint: str) -> Optional[_Dial]:
-        """The dial a peer at *endpoint* answers, taken out of the dials: the
-        one to that endpoint, or else the only one to its port (a listed name
-        or another address of the peer).  None if there is none, or its link
-        failed (there is no link to take over)."""
+        """The dial a peer at *endpoint* answers, removed: the one to it, else the only
+        one to its port (a listed name); None if none, or its link failed."""
         dial = next((d for e, d in self.dials.items() if same_endpoint(e, endpoint)), None)
         port = endpoint_port(endpoint)
         if dial is None and port is not None:

@@ -1,11 +1,7 @@
 """The Twisted driver of a Harmony (ZRE) node, and its discovery mechanisms.
 
 :class:`Node` owns one bound ROUTER, one DEALER per peer, a tick and a
-discovery mechanism; :class:`~mdp.harmony.machine.HarmonyMachine` decides.
-Discovery is pluggable (:class:`~mdp.interfaces.IDiscovery`):
-:class:`BeaconDiscovery` sends and hears ZRE's UDP beacons,
-:class:`EndpointDiscovery` dials a given list of endpoints (the Harmony
-pattern's "external mechanism" to bootstrap each connection).
+discovery (:class:`~mdp.interfaces.IDiscovery`: UDP beacons, or a list of endpoints).
 """
 
 from __future__ import annotations
@@ -56,29 +52,21 @@ DEFAULT_INTERVAL = 1.0
 
 
 def wire_endpoint(endpoint: str) -> str:
-    """Our transport endpoint as ZRE writes it: ``zmq:tcp://h:p`` →
-    ``tcp://h:p``; ``loopback:`` endpoints stay as they are."""
+    """Our transport endpoint as ZRE writes it: ``zmq:tcp://h:p`` → ``tcp://h:p``."""
     return endpoint[4:] if endpoint.startswith("zmq:") else endpoint
 
 
 def transport_endpoint(endpoint: str) -> str:
-    """A ZRE endpoint as one of our transport endpoints: ``tcp://h:p`` →
-    ``zmq:tcp://h:p``."""
+    """A ZRE endpoint as one of our transport endpoints: ``tcp://h:p`` → ``zmq:tcp://h:p``."""
     if endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         return "zmq:" + endpoint
     return endpoint
 
 
-# --- discovery ----------------------------------------------------------------
-
-
 @implementer(IDiscovery, IDatagramReceiver)
 class BeaconDiscovery:
-    """ZRE's UDP beacons: 22 bytes every *interval* seconds to the datagram
-    *endpoint* (:mod:`mdp.transport.datagram`: ``udp:5670`` broadcasts on the
-    first real interface, ``udp:5670:interface=127.0.0.1`` multicasts on
-    loopback, ``loopback:NAME`` is in memory).  Our own beacons, and
-    anything that is not a 22-byte beacon, are ignored."""
+    """ZRE's UDP beacons, every *interval* seconds, to the datagram *endpoint*
+    (:mod:`mdp.transport.datagram`)."""
 
     def __init__(self, endpoint: str = f"udp:{codec.DISCOVERY_PORT}", *,
                  interval: float = DEFAULT_INTERVAL, reactor: Optional[Any] = None) -> None:
@@ -137,11 +125,8 @@ class BeaconDiscovery:
 
 @implementer(IDiscovery)
 class EndpointDiscovery:
-    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT`` as the peers
-    announce themselves, or ``zmq:tcp://HOST:PORT``), and again whenever the
-    peer there goes.  *host* is the address our ROUTER binds to and
-    announces; give the peers a fixed port (``Node(..., endpoint=...)``) so
-    their lists stay true."""
+    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), and again whenever
+    the peer there goes.  *host* is the address our ROUTER binds to and announces."""
 
     def __init__(self, endpoints: Union[str, Iterable[str]] = (), *,
                  host: str = "127.0.0.1") -> None:
@@ -163,12 +148,8 @@ class EndpointDiscovery:
         return defer.succeed(None)
 
 
-# --- events as an async iterator ----------------------------------------------
-
-
 class EventStream:
-    """The node's events, for ``async for``.  Holds at most *size* unread
-    events; beyond, the oldest go (logged).  Ends when the node stops."""
+    """The node's events, for ``async for``: at most *size* unread (beyond, the oldest go)."""
 
     def __init__(self, node: Node, size: int = 10_000) -> None:
         self.node = node
@@ -215,17 +196,12 @@ class EventStream:
         self.waiting = None
 
     def close(self) -> None:
-        """Stop receiving events."""
         self.node._streams.discard(self)
         self._end()
 
     def aclose(self) -> defer.Deferred[None]:
-        """:meth:`close`, awaitable (as async generators have it)."""
         self.close()
         return defer.succeed(None)
-
-
-# --- the node -------------------------------------------------------------------
 
 
 @implementer(IRouterReceiver)
@@ -237,7 +213,7 @@ class _Inbox:
         self.node._perform(self.node.machine.handleMessage(peer, frames, self.node._now()))
 
     def peerDisconnected(self, peer: bytes) -> None:
-        """ZRE knows peers by their messages, not their connections."""
+        """ZRE knows peers by their messages."""
 
 
 @implementer(IDealerReceiver)
@@ -261,15 +237,9 @@ _loopbackPorts = itertools.count(49152)
 class Node:
     """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).
 
-    *name* is what peers see; *headers* go out in our HELLO.  *discovery*
-    finds peers (default: :class:`BeaconDiscovery` on UDP 5670); *endpoint*
-    is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
-    discovery's address; ``loopback:HOST:*`` in memory).  A peer silent for
-    *evasive* seconds is PINGed, for *expired* seconds dropped.
-
-    Events (:class:`~mdp.harmony.machine.Event`: ENTER, EXIT, JOIN, LEAVE,
-    WHISPER, SHOUT, EVASIVE) go to :meth:`subscribe` callbacks and to
-    ``async for event in node`` (or :meth:`events`)."""
+    *endpoint* is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
+    discovery's).  A peer silent for *evasive* seconds is PINGed, for *expired*
+    dropped.  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
                  headers: Optional[dict[str, str]] = None,
@@ -302,13 +272,12 @@ class Node:
         self.endpoint = ""
         self.port = 0
         self._subscribers: list[Callable[[Event], Any]] = []
-        #: readers that stop reading (a ``break`` out of ``async for``) go
+        #: weak: a reader that breaks out of ``async for`` goes
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
         #: start() and stop() one at a time: a start right after a stop waits
         self._transition = defer.DeferredLock()
         self._failedLinks: list[int] = []
-        #: batches of actions to perform, and events to deliver, each with the
-        #: run (``_generation``) it belongs to: a stop ends a run
+        #: batches of actions, and events, each with its run (a stop ends a run)
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
         self._performing = False
@@ -321,17 +290,13 @@ class Node:
     def _now(self) -> float:
         return self.reactor.seconds()
 
-    # --- life ---------------------------------------------------------------------
-
     def start(self) -> defer.Deferred[None]:
-        """Bind the ROUTER, start discovery and the tick.  Fires with None once
-        the node is announcing itself (after any :meth:`stop` under way)."""
+        """Bind the ROUTER, start discovery and the tick; fires once announcing."""
         return self._transition.run(self._start)
 
     def stop(self) -> defer.Deferred[None]:
-        """Say we are leaving (a beacon with port 0), close every link and the
-        ROUTER, and end the event streams; from the call on, no event is
-        told and nothing more is sent.  Fires with None when done."""
+        """Say we are leaving, close everything and end the event streams; from the
+        call on, no event is told and nothing more is sent."""
         return self._transition.run(self._stop)
 
     @defer.inlineCallbacks
@@ -346,7 +311,6 @@ class Node:
         self.endpoint = wire_endpoint(self.router.endpoint)
         self.port = int(self.endpoint.rpartition(":")[2])
         if bind.startswith(("zmq:tcp://*:", "zmq:tcp://0.0.0.0:")):
-            # bound on every address: announce the one discovery uses
             self.endpoint = f"tcp://{self.discovery.host}:{self.port}"
         self.running = True
         self._perform(self.machine.handleStart(self.endpoint, self._now()))
@@ -389,8 +353,6 @@ class Node:
     def _onTick(self) -> None:
         self._perform(self.machine.handleTick(self._now()))
 
-    # --- discovery listener -----------------------------------------------------------
-
     def beaconReceived(self, uuid: UUID, host: str, port: int) -> None:
         endpoint = None
         if port:
@@ -403,21 +365,16 @@ class Node:
     def dialPeer(self, endpoint: str) -> None:
         self._perform(self.machine.handleDial(wire_endpoint(endpoint), self._now()))
 
-    # --- the application's side -----------------------------------------------------
-
     def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
-        """Call *callback(event)* for every event (what it raises is logged);
-        returns a function that unsubscribes.  The callback may call the
-        node: what it sends follows what came with its event."""
+        """Call *callback(event)* for every event; returns a function that unsubscribes."""
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     def events(self, size: int = 10_000) -> EventStream:
-        """A new async iterator over the events from now on (at most *size*
-        unread; it ends when the node stops, at once if it is stopped)."""
+        """A new async iterator over the events from now on, until the node stops."""
         stream = EventStream(self, size)
         if self._stopped:
-            stream._end()  # until the node starts again
+            stream._end()
         else:
             self._streams.add(stream)
         return stream
@@ -426,11 +383,10 @@ class Node:
         return self.events()
 
     def whisper(self, peer: UUID, *frames: bytes) -> None:
-        """Send *frames* to *peer*; :class:`UnknownPeer` if it is not known."""
+        """Send *frames* to *peer*; :class:`UnknownPeer` if unknown."""
         self._perform(self.machine.whisper(peer, bytes_frames(frames), self._now()))
 
     def shout(self, group: str, *frames: bytes) -> None:
-        """Send *frames* to every peer in *group*."""
         self._perform(self.machine.shout(group, bytes_frames(frames), self._now()))
 
     def join(self, group: str) -> None:
@@ -438,7 +394,6 @@ class Node:
         self._perform(self.machine.join(group, self._now()))
 
     def leave(self, group: str) -> None:
-        """Leave *group*."""
         self._perform(self.machine.leave(group, self._now()))
 
     def peers(self) -> list[UUID]:
@@ -471,15 +426,11 @@ class Node:
         """The groups we are in, in the order we joined them."""
         return list(self.machine.ownGroups)
 
-    # --- actions ---------------------------------------------------------------------
-
     def _perform(self, actions: list[Any]) -> None:
-        """Perform *actions*, a batch the machine returned, then deliver its
-        events.  Batches that come meanwhile (a transport or a callback
-        calling the node) wait their turn, so what is sent keeps the order
-        ZRE numbers it in; a stop voids what is left of the run before it."""
+        """Perform a batch of *actions*, then deliver its events.  Batches that come
+        meanwhile wait their turn, so what is sent keeps the order ZRE numbers it in."""
         self._batches.append((self._generation, actions))
-        if self._performing:  # a transport called back: this batch follows
+        if self._performing:
             return
         self._performing = True
         try:
@@ -493,7 +444,7 @@ class Node:
                                           self.machine.handleLinkFailed(link, self._now())))
         finally:
             self._performing = False
-        if self._delivering:  # a callback called the node: the loop below goes on
+        if self._delivering:
             return
         self._delivering = True
         try:
@@ -505,13 +456,10 @@ class Node:
             self._delivering = False
 
     def _live(self, generation: int) -> bool:
-        """Whether actions of the run *generation* are still to be done."""
         return self.running and generation == self._generation
 
     def _unreachable(self, endpoint: str) -> Optional[str]:
-        """Why a peer's ZRE *endpoint* is not one we dial (None if it is):
-        peers of a ZeroMQ node are at ``tcp://HOST:PORT``, of a loopback node
-        at ``loopback:``; nothing else (an ``inproc://`` of ours) is dialled."""
+        """Why a peer's ZRE *endpoint* is not one we dial (None if it is)."""
         onLoopback = self.bindEndpoint.startswith("loopback:")
         if onLoopback != endpoint.startswith("loopback:") or not (
                 onLoopback or endpoint.startswith("tcp://")):
@@ -523,8 +471,7 @@ class Node:
         return None
 
     def _performAll(self, generation: int, actions: list[Any]) -> None:
-        """Open, send and close; events wait (:meth:`_perform`).  Of a run
-        that has ended, only the closes and notices: the rest is void."""
+        """Perform *actions*; of a run that has ended, only closes and notices."""
         live = self._live(generation)
         for action in actions:
             self._performers[type(action)](self, action, generation, live)
