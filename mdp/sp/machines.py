@@ -1,19 +1,16 @@
-"""SP REQ and REP as pure state machines: events with their time in, actions
-out (see :mod:`mdp.machine`).  A *channel* is one connection to a peer (a
-transport's peer id, or a connecting pipe); the drivers say when channels
-come and go and what arrives on them.
+"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`).  A *channel*
+is one connection to a peer.
 
 :class:`ReqMachine` (end to end, and hop by hop):
 
 =====================  =================================================================
 event                  what happens
 =====================  =================================================================
-request(payload)       a new request id (31 bits, +1 with wrap, top bit set); sent on
-                       the next channel round-robin, or held until one is up
+request(payload)       a new request id (+1 with wrap, top bit set); sent on the next
+                       channel round-robin, or held until one is up
 channel up             held requests go out, round-robin
 channel down           its requests go out again at once on other channels (or wait)
-reply on a channel     the first word is a request id in flight: that request
-                       completes; any other reply (stray, late, duplicate) is dropped
+reply on a channel     completes the request its first word names; else dropped
 resend interval over   the request goes out again, on the next channel
 cancel                 the request is forgotten; a late reply is dropped
 =====================  =================================================================
@@ -25,12 +22,10 @@ side of a device):
 event                  what happens
 =====================  =================================================================
 channel up             gets a 31-bit channel id (the first random per start, then +1)
-request on a channel   the backtrace is split off; none, or over the hop limit:
-                       dropped; the same backtrace from the same channel already in
-                       hand (a resend): dropped; maxPending requests, or
-                       maxPendingBytes of payload with this one, in hand: dropped
-                       (Overloaded; the requester resends it later); else the
-                       handler runs
+request on a channel   the backtrace is split off; none, over the hop limit, or a
+                       resend of one in hand: dropped; at maxPending or
+                       maxPendingBytes: dropped (Overloaded; it is resent later);
+                       else the handler runs
 reply from handler     sent back with the backtrace, if its channel is still up
 handler cancels        no reply; a resend may run it again
 =====================  =================================================================
@@ -56,8 +51,6 @@ Channel = Hashable
 
 @action_class
 class SendOn:
-    """Send *body* on *channel*."""
-
     channel: Any
     body: bytes
 
@@ -87,7 +80,7 @@ class Serve:
 
 @action_class
 class Dropped:
-    """Something was dropped (the driver logs it, throttled)."""
+    """Something was dropped (the driver logs it)."""
 
     channel: Any
     reason: str
@@ -95,8 +88,7 @@ class Dropped:
 
 @action_class
 class Overloaded:
-    """A request was dropped because as many as allowed are in hand (the
-    driver warns, throttled)."""
+    """A request was dropped: as many as allowed are in hand."""
 
     channel: Any
     reason: str
@@ -117,22 +109,18 @@ class _Request:
         self.body = body
         self.channel: Optional[Channel] = None
         self.resendAt = 0.0
-        #: when it was made, among the others: resends due together go in this order
+        #: resends due together go in this order
         self.serial = serial
-        #: the order of its deadline entry that counts (-1: none, it is held or over)
+        #: the order of its deadline entry that counts (-1: none)
         self.entry = -1
 
 
 class ReqMachine(Machine):
-    """The requesting side.  *firstId* seeds the request ids (random per
-    start in the driver).
+    """The requesting side; *firstId* seeds the request ids.
 
-    Resend deadlines live in a heap, so a request, reply or cancel costs
-    O(log n) with n requests in flight rather than a look at every one of
-    them; entries of requests resent, held or over are skipped when they
-    reach the head, and dropped all at once when they outnumber the rest."""
+    Resend deadlines live in a heap; stale entries are skipped at the head, and
+    dropped all at once when they outnumber the rest."""
 
-    #: stale heap entries allowed beyond as many as there are live ones
     _slack = 1024
 
     def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
@@ -142,22 +130,14 @@ class ReqMachine(Machine):
             raise ValueError(f"resend must be positive seconds, got {resend!r}")
         self.resend = resend
         self.ids = IdSequence(firstId)
-        #: channels that are up, in the order they take turns
         self.channels: list[Channel] = []
         self._turn = 0
-        #: requests not yet answered, by id
         self.requests: dict[int, _Request] = {}
-        #: requests waiting for a channel, oldest first
         self._held: OrderedDict[int, _Request] = OrderedDict()
-        #: when handleWake is due, as the last WakeAt said (None: never)
         self.wakeAt: Optional[float] = None
-        #: (resendAt, order, request) for every send; an entry counts while
-        #: its order is the request's ``entry``, the others are stale
+        #: (resendAt, order, request): stale unless order is the request's ``entry``
         self._deadlines: list[tuple[float, int, _Request]] = []
-        #: numbers for entries and requests: only their order matters
         self._order = itertools.count()
-
-    # --- events -----------------------------------------------------------------------
 
     def handleRequest(self, payload: bytes, now: float) -> tuple[int, list[Any]]:
         self.now = now
@@ -179,8 +159,7 @@ class ReqMachine(Machine):
         return self._drain()
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
-        """Its requests go out again on the others, oldest first (a look at
-        every request in flight: a lost channel is rare)."""
+        """Its requests go out again on the others, oldest first."""
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
@@ -226,8 +205,7 @@ class ReqMachine(Machine):
         return self._drain()
 
     def handleWake(self, now: float) -> list[Any]:
-        """Resend the requests whose resend interval is over, oldest request
-        first: only the entries due come off the heap."""
+        """Resend the requests whose resend interval is over, oldest first."""
         self.now = now
         self.wakeAt = None
         heap = self._deadlines
@@ -241,8 +219,6 @@ class ReqMachine(Machine):
             self._send(request)
         self._rearm()
         return self._drain()
-
-    # --- inside ---------------------------------------------------------------------------
 
     def _send(self, request: _Request) -> None:
         if not self.channels:
@@ -259,9 +235,7 @@ class ReqMachine(Machine):
         self._emit(SendOn(channel, request.body))
 
     def _rearm(self) -> None:
-        """Ask for a wake-up at the earliest resend deadline, if it changed.
-        Stale entries at the head go first; when stale ones outnumber live
-        ones by more than the slack, the heap is rebuilt without them."""
+        """Ask for a wake-up at the earliest resend deadline, if it changed."""
         heap = self._deadlines
         if len(heap) > 2 * (len(self.requests) - len(self._held)) + self._slack:
             heap[:] = [e for e in heap if e[2].entry == e[1]]
@@ -275,8 +249,7 @@ class ReqMachine(Machine):
 
 
 class _Channels:
-    """31-bit ids for the channels of a REP side: the first from *firstId*,
-    then +1 with wrap, never one in use."""
+    """31-bit ids for the channels of a REP side, never one in use."""
 
     def __init__(self, firstId: int) -> None:
         self.ids = IdSequence(firstId)
@@ -301,8 +274,7 @@ class _Channels:
 
 
 class _ChannelMachine(Machine):
-    """What a REP side and a device's REP side share: the channels' ids and
-    the hop limit."""
+    """What a REP side and a device share: the channels' ids and the hop limit."""
 
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
                  now: float = 0.0) -> None:
@@ -322,8 +294,7 @@ class _ChannelMachine(Machine):
 
 
 class RepMachine(_ChannelMachine):
-    """The replying end: splits backtraces, runs each request once per
-    backtrace and channel at a time, routes replies back."""
+    """The replying end: runs each request once per backtrace and channel at a time."""
 
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
                  maxPending: int = DEFAULT_MAX_PENDING,
@@ -336,7 +307,6 @@ class RepMachine(_ChannelMachine):
         self.maxPendingBytes = maxPendingBytes
         #: (channel, backtrace) of requests being handled: their payload's size
         self.inHand: dict[tuple[Channel, bytes], int] = {}
-        #: bytes of the payloads in hand
         self.pendingBytes = 0
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
@@ -352,8 +322,7 @@ class RepMachine(_ChannelMachine):
             self._emit(Dropped(channel, "a resent copy of a request in hand"))
             return self._drain()
         size = len(payload)
-        # one request at a time always gets in, however large (within the
-        # message limits): it would never get in otherwise
+        # one request always gets in, however large: it would never get in otherwise
         if len(self.inHand) >= self.maxPending or (
                 self.inHand and self.pendingBytes + size > self.maxPendingBytes):
             self._emit(Overloaded(channel, (
@@ -385,13 +354,11 @@ class RepMachine(_ChannelMachine):
 
 
 class DeviceMachine(_ChannelMachine):
-    """A device's REP side, hop by hop: a request from a channel goes upstream
-    with that channel's id pushed on its backtrace; a reply from upstream goes
-    to the channel its first word names, that word popped."""
+    """A device's REP side: requests go upstream with their channel's id pushed;
+    replies go to the channel their first word names."""
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
-        """A request from *channel*: :class:`Forward`, or :class:`Dropped` over
-        the hop limit (its hop through us counts)."""
+        """:class:`Forward`, or :class:`Dropped` over the hop limit (counting ours)."""
         self.now = now
         upstream = word(self.channels.up(channel)) + body
         try:
@@ -403,7 +370,6 @@ class DeviceMachine(_ChannelMachine):
         return self._drain()
 
     def handleReply(self, body: bytes, now: float) -> list[Any]:
-        """A reply from upstream."""
         self.now = now
         try:
             number, rest = pop_word(body)

@@ -1,9 +1,6 @@
-"""SP REQ/REP over TCP, wire-compatible with nng: :class:`SPClient` (REQ)
-and :class:`SPServer` (REP), the drivers of :mod:`mdp.sp.machines` on the
-stream transport with the SP framing (:mod:`mdp.transport.spframing`).
-
-Endpoints are nng URLs (``tcp://127.0.0.1:5555``; ``tcp://127.0.0.1:0`` or
-``tcp://*:0`` to listen on a port the OS picks) or Twisted endpoint strings.
+"""SP REQ/REP over TCP, wire-compatible with nng: :class:`SPClient` (REQ),
+:class:`SPServer` (REP) and :class:`SPDevice`.  Endpoints are nng URLs
+(``tcp://127.0.0.1:5555``; port 0: the OS picks) or Twisted endpoint strings.
 """
 
 from __future__ import annotations
@@ -38,15 +35,14 @@ log = Logger()
 
 
 def random_id() -> int:
-    """A random 31-bit start for ids (different on every start)."""
+    """A random 31-bit start for ids."""
     return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
 
 
 def _dial(endpoints: Union[str, Sequence[str]], make: Callable[[str], Any], none: str,
           reactor: Any, limits: Limits, backoff: Backoff) -> list[Any]:
-    """A receiver made by *make(url)* for each of *endpoints* (one, or a
-    sequence), its ``transport`` a REQ connection dialing it;
-    ``ValueError(none)`` for no endpoint, a TransportError for a bad one."""
+    """A receiver *make(url)* for each of *endpoints*, its ``transport`` a REQ
+    connection dialing it; ``ValueError(none)`` for no endpoint."""
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     if not urls:
         raise ValueError(none)
@@ -62,8 +58,7 @@ def _dial(endpoints: Union[str, Sequence[str]], make: Callable[[str], Any], none
 
 def _listen(endpoint: str, listener: Any, reactor: Any, limits: Limits,
             routers: list[StreamRouter], what: str, then: str = "") -> defer.Deferred[StreamRouter]:
-    """Listen on *endpoint* as a REP side for *listener*; fires with the
-    router (its ``endpoint`` is a Twisted client string reaching it)."""
+    """Listen on *endpoint* as a REP side for *listener*; fires with the router."""
 
     def bound(router: StreamRouter) -> StreamRouter:
         listener.transport = router
@@ -78,8 +73,6 @@ def _listen(endpoint: str, listener: Any, reactor: Any, limits: Limits,
 
 @implementer(IDealerReceiver)
 class _Pipe:
-    """One dialed connection of a client."""
-
     def __init__(self, client: SPClient, url: str) -> None:
         self.client = client
         self.url = url
@@ -96,10 +89,8 @@ class _Pipe:
 
 
 class SPClient:
-    """An SP REQ socket dialing *endpoints*: :meth:`request` sends a payload
-    and returns a Deferred firing with the reply's payload; the request is
-    sent again every *resend* seconds until a reply comes or the Deferred is
-    cancelled.  Connections are re-dialed with backoff."""
+    """An SP REQ socket dialing *endpoints*; a request is sent again every *resend*
+    seconds until a reply comes or its Deferred is cancelled."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  resend: float = machines.DEFAULT_RESEND, limits: Limits = Limits(),
@@ -136,9 +127,7 @@ class SPClient:
         return d
 
     def _perform(self, actions: list[Any]) -> None:
-        """Do what the machine asked: sends and the timer first, then the
-        replies, whose callbacks may make new events (a request, a cancel,
-        close), each handled at once after this batch is done."""
+        """Sends and the timer first, then the replies, whose callbacks may call us."""
         replies = []
         for action in actions:
             if type(action) is machines.Complete:
@@ -195,10 +184,8 @@ class _Listener:
 
 
 class SPServer:
-    """An SP REP socket: :meth:`listen` on endpoints; each request's payload
-    goes to *handler* (bytes in; bytes, a Deferred or a coroutine out; None
-    or a cancelled Deferred: no reply), and the reply goes back along the
-    request's backtrace."""
+    """An SP REP socket: *handler* takes a request's payload and returns bytes, a
+    Deferred or a coroutine (None or a cancelled Deferred: no reply)."""
 
     def __init__(self, handler: Callable[[bytes], Any], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
@@ -219,8 +206,7 @@ class SPServer:
         return self.reactor.seconds()
 
     def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
-        """Listen on *endpoint*; fires with the router (its ``endpoint`` is
-        a Twisted client string reaching it)."""
+        """Listen on *endpoint*; fires with the router (its ``endpoint`` reaches it)."""
         return _listen(endpoint, _Listener(self), self.reactor, self.limits, self.routers,
                        "SP REP")
 
@@ -256,7 +242,7 @@ class SPServer:
             if isinstance(reply, str):
                 try:
                     reply = reply.encode("utf-8")
-                except UnicodeEncodeError as e:  # (a lone surrogate): its request is let go
+                except UnicodeEncodeError as e:
                     log.error("SP handler returned a str UTF-8 cannot encode ({error}); no reply",
                               error=e)
                     reply = None
@@ -280,8 +266,7 @@ class SPServer:
 
 
 def peer_label(owner: Any, peer: bytes) -> str:
-    """*peer* of the listener *owner* for a log line: where its connection
-    comes from, and its id."""
+    """*peer* of the listener *owner* for a log line: its address and id."""
     router = getattr(owner, "transport", None)
     address = router.peerAddress(peer) if router is not None else None
     return f"{address or 'a peer gone'} (id {peer.hex()})"
@@ -319,10 +304,8 @@ class _DeviceBack:
 
 
 class SPDevice:
-    """A device: a REP side listening on *front* and a REQ side dialing
-    *back* (one endpoint or several), forwarding requests upstream with the
-    channel they came on pushed on their backtrace, and replies back down.
-    It keeps no state of its own: the requesters resend."""
+    """A device: a REP side listening on *front*, a REQ side dialing *back*.  It keeps
+    no state of its own: the requesters resend."""
 
     def __init__(self, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
@@ -341,7 +324,6 @@ class SPDevice:
         return self.reactor.seconds()
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
-        """Take requests on *front*."""
         return _listen(front, _DeviceFront(self), self.reactor, self.limits, self.routers,
                        "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
 
@@ -353,12 +335,10 @@ class SPDevice:
                 self._log([action], f"request from {peer_label(front, peer)}")
 
     def _forward(self, body: bytes) -> None:
-        """Send *body* upstream, on the next connection that is up in turn."""
+        """Send *body* upstream, on the next connection that is up."""
         live = [b for b in self.backs if b.up] or self.backs
         if live is self.backs:
-            # none up (connecting, or its greeting not come yet): held by a
-            # connection until it is, as nng's send queue holds it (bounded
-            # by the limits; the requester resends anyway)
+            # none up: held by a connection until it is, as nng's send queue holds it
             self.throttle.info(log, "no-upstream", "SP device holds a request until an "
                                "upstream connection is up")
         end = live[self._turn % len(live)]
