@@ -49,7 +49,7 @@ COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LE
 #: A sender counts 1, 2, ... 65534, then 0 again (as zeromq-pyre does).
 SEQUENCE_MODULUS = 65535
 
-#: The most groups a peer may be in, and headers it may send: each costs far beyond its bytes.
+#: The most groups a peer may be in, and headers it may send: each costs far more than its bytes.
 DEFAULT_MAX_GROUPS = 1024
 DEFAULT_MAX_HEADERS = 1024
 
@@ -136,7 +136,7 @@ def next_sequence(sent: int) -> int:
 
 
 def next_sequence_ok(previous: int, sequence: int) -> bool:
-    """Whether *sequence* may follow *previous*: pyre's 65534 → 0, or Zyre's → 65535 → 0."""
+    """Whether *sequence* follows *previous*, wrapping as pyre (65534 → 0) or Zyre (→ 65535 → 0)."""
     return sequence == (previous + 1) & 0xFFFF or (previous == 65534 and sequence == 0)
 
 

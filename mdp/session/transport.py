@@ -2,8 +2,8 @@
 
 :class:`SessionRouter` and :class:`SessionDealer` provide the router and
 dealer interfaces, so MDP runs over sessions unchanged.  The dealer reports
-``connectionMade`` once, at the first attach, and never ``connectionLost``:
-it re-attaches by itself.  The router names each session by a 4-byte routing
+``connectionMade`` once, at the first attach, and never ``connectionLost`` for a
+break: it re-attaches by itself.  The router names each session by a 4-byte routing
 id and reports ``peerDisconnected`` when it expires.  A dealer's receiver
 may have ``sessionRenewed()`` and ``sessionRefused(reason)``.
 """
