@@ -163,9 +163,8 @@ def current(package: str, name: str, compiled: str,
 
 
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
-    """What an import of *name* runs: ``compiled``; ``source`` (none built);
-    ``stale`` (built from other sources, or its :data:`CIMPORTS` are not
-    compiled); ``pure`` (:data:`PURE_ENV`)."""
+    """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure``
+    (:data:`PURE_ENV`) or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
     directory, leaf = _paths(package, name)
     compiled = compiled_file(directory, leaf)
     if compiled is None:

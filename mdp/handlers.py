@@ -68,10 +68,8 @@ BUILTIN: dict[str, Callable[[list[bytes]], Any]] = {"echo": echo}
 
 
 def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
-    """Resolve ``echo`` (a built-in) or ``package.module:callable``.
-
-    The module is looked for in the current directory first, as ``python -m``
-    would (``twist`` leaves it off ``sys.path``).  Any failure is an
+    """Resolve ``echo`` or ``package.module:callable``, looking in the current
+    directory first (as ``python -m`` does); any failure is an
     :class:`~mdp.errors.MDPError` with a one-line message."""
     if spec in BUILTIN:
         return BUILTIN[spec]

@@ -321,9 +321,8 @@ class FreelanceMetrics:
 
 
 class MetricsResource(Resource):
-    """``/metrics``: *registry* in Prometheus' text format, collected in the
-    reactor thread where the nodes' state lives (prometheus_client's resource
-    uses a thread pool)."""
+    """``/metrics``: *registry* in Prometheus' text format, collected in the reactor
+    thread where the nodes' state lives (not prometheus_client's thread pool)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__()
@@ -360,12 +359,9 @@ class _RefusedConnection(Protocol):
 
 
 class _MetricsChannel(HTTPChannel):
-    """twisted.web's HTTP/1.1 channel, kept within the bounds of :func:`metrics_site`.
-
-    A finished request whose output is over the transport's buffer is
-    *parked*: nothing more is read until it is sent, so a client that
-    pipelines and never reads cannot grow the buffer.
-    """
+    """twisted.web's HTTP/1.1 channel within the bounds of :func:`metrics_site`.  A
+    request whose output is over the transport's buffer is *parked*: nothing
+    more is read until it is sent."""
 
     site: _MetricsSite
     #: the finished request whose response the transport has not yet sent
@@ -499,11 +495,10 @@ def _whole_number(name: str, value: Any, least: int) -> int:
 def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                  maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
                  maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
-    """A quiet :class:`~twisted.web.server.Site` serving *registry* at ``/metrics``
-    (other paths 404), within bounds a client cannot push it past: at most
-    *maxConnections* open, a whole request within *requestTimeout* seconds,
-    no body over *maxBodyBytes* (413, closed unread), no reading while
-    responses are unsent beyond the transport's buffer."""
+    """A quiet Site serving *registry* at ``/metrics``, within bounds a client
+    cannot push it past: *maxConnections* open, a whole request within
+    *requestTimeout* seconds, no body over *maxBodyBytes* (413), no reading
+    while responses are unsent beyond the transport's buffer."""
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),

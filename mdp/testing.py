@@ -42,8 +42,6 @@ from mdp.policy import Limits
 
 Frames = tuple[bytes, ...]
 
-# --- events --------------------------------------------------------------------
-
 
 @attrs.frozen
 class Receive:
@@ -76,8 +74,6 @@ class Elapse:
 
 
 Event = Union[Receive, Connected, Lost, Elapse]
-
-# --- actions -------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -169,10 +165,8 @@ class _Pipe:
 
 class Script:
     """A fake world for one node: a clock, recorded actions, scripted events.
-
-    With *autoConnect* a pipe is up as soon as the node next gets control (as
-    a ZeroMQ DEALER is); otherwise feed :class:`Connected`.  ``identities``
-    maps peer ids to their authenticated identity (what an access policy sees)."""
+    With *autoConnect* pipes come up by themselves (as a ZeroMQ DEALER's do);
+    ``identities`` maps peer ids to their authenticated identity."""
 
     def __init__(self, autoConnect: bool = False, start: float = 0.0) -> None:
         self.clock = task.Clock()
@@ -302,8 +296,6 @@ def _ensure_registered() -> None:
             "script", _check, _listen, _connect,
             "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
 
-
-# --- TLS certificates for tests and benchmarks ---------------------------------
 
 def _certificate_name(common: str, organization: Optional[str]) -> Any:
     from cryptography import x509

@@ -46,7 +46,6 @@ from mdp.app.terminal import (
 from mdp.errors import MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
-#: ``mdp titanic result`` while the reply is not there yet
 EXIT_PENDING = 3
 
 

@@ -21,13 +21,9 @@ log = Logger()
 
 
 class _FailableService(Service):
-    """A service that can fail to start (a port taken, a store unreadable) and
-    then ends the process the way its runner (``twist`` or ``twistd``) needs.
-
-    A failed start is logged; with *exitOnFailure* (the ``twist`` plugins; by
-    default under ``twistd``) the process exits 1 rather than run serving
-    nothing, and the services after it do not start; without it the failure
-    is returned from ``startService``."""
+    """A service that can fail to start (a port taken, a store unreadable).  The
+    failure is logged; with *exitOnFailure* the process exits 1 and later
+    services do not start, else ``startService`` returns the failure."""
 
     #: a failure to start exits 1: True, False, or None for "when twistd runs it"
     exitOnFailure: Optional[bool] = None
@@ -70,12 +66,9 @@ class _FailableService(Service):
 
 class BrokerService(_FailableService):
     """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
-    workers) and/or *backend* (workers only); other keyword arguments go to the broker.
-
-    With a *binaryStar* (:class:`~mdp.binarystar.BinaryStar`) the broker serves
-    only while active, and a fatal error of the pair closes it (and, with
-    *exitOnFailure*, exits 1).  A malformed endpoint raises
-    :class:`~mdp.errors.TransportError` at once."""
+    workers) and/or *backend* (workers); other keyword arguments go to the broker.
+    With a *binaryStar* it serves only while active; a fatal error of the pair
+    closes it.  A malformed endpoint raises :class:`~mdp.errors.TransportError`."""
 
     def __init__(
         self,

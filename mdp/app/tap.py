@@ -239,7 +239,6 @@ _MESSAGE_OPTIONS: list[Any] = [
     ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.",
      _whole("max-frames", 8)],
 ]
-#: what a listening node allows each peer
 _PEER_OPTIONS: list[Any] = [
     ["max-output-bytes", None, _DEFAULT_LIMITS.maxOutputBytes,
      "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.",

@@ -43,12 +43,10 @@ class DatagramSpec:
     endpoint: str
     scheme: str
     port: int
-    #: our address
     host: str
     #: a broadcast address or a multicast group
     destination: str
     multicast: bool
-    #: the loopback network's name
     network: str = ""
 
 

@@ -26,12 +26,9 @@ not usable for *role* (:data:`LISTEN` or :data:`CONNECT`)."""
 
 @attrs.frozen
 class Scheme:
-    """What one endpoint scheme offers.
-
-    *listen* is ``(endpoint, receiver, reactor, limits) -> Deferred`` of an
-    :class:`~mdp.interfaces.IRouterTransport`; *connect* is ``(endpoint,
-    receiver, reactor, limits, retryPolicy, identity) -> IDealerTransport``;
-    either may be ``None``."""
+    """One endpoint scheme.  *listen* is ``(endpoint, receiver, reactor, limits)
+    -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
+    reactor, limits, retryPolicy, identity) -> IDealerTransport``; or None."""
 
     name: str
     check: Check
