@@ -1,12 +1,7 @@
 """txmajordomo: reliable service-oriented request-reply for Twisted.
 
-The public API::
-
-    from mdp import Broker, Worker, Client, BrokerService, WorkerService
-
-Each name is imported when first used (PEP 562), so that ``import mdp.x``
-costs only what ``mdp.x`` needs: the ``mdp`` command answers Ctrl-C from its
-first instant, before Twisted and ZeroMQ are loaded.
+Names are imported when first used (PEP 562), so ``import mdp.x`` costs only
+what ``mdp.x`` needs.
 """
 
 from __future__ import annotations
@@ -15,17 +10,14 @@ import importlib
 
 from mdp import _compiled
 
-# before any module it lists is imported: a compiled module older than its
-# source (a working tree edited since the build) does not run
+# before any module it lists is imported
 _compiled.install()
 
-#: (not typing's: importing typing takes milliseconds of the script's start;
-#: type checkers take any name TYPE_CHECKING as true)
+#: not typing's, which is slow to import
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    # what the names are, for type checkers and readers
     from mdp.app.service import BrokerService, WorkerService
     from mdp.binarystar import BinaryStar
     from mdp.errors import (
@@ -53,7 +45,6 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-#: each public name -> the module that defines it
 _HOMES = {
     "BrokerService": "mdp.app.service",
     "WorkerService": "mdp.app.service",
@@ -105,7 +96,7 @@ __all__ = [
 ]
 
 
-#: the subpackages and modules, loaded when first used as ``mdp.NAME`` too
+#: submodules also loaded when first used as ``mdp.NAME``
 _MODULES = ("app", "binarystar", "blocking", "errors", "freelance", "handlers", "harmony",
             "interfaces", "machine", "majordomo", "messages", "metrics", "policy", "session",
             "sp", "spark", "testing", "titanic", "transport", "uvreactor")
@@ -119,7 +110,7 @@ def __getattr__(name: str) -> Any:
         value = importlib.import_module(f"mdp.{name}")
     else:
         raise AttributeError(f"module 'mdp' has no attribute {name!r}")
-    globals()[name] = value  # once: later uses are plain attribute reads
+    globals()[name] = value
     return value
 
 

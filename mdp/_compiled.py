@@ -1,15 +1,10 @@
-"""The modules an install compiles with Cython where it can (``setup.py``),
-and the import hook that decides, module by module, whether the compiled
-one runs.
+"""The modules ``setup.py`` compiles with Cython where it can, and the import
+hook that decides, module by module, whether the compiled one runs.
 
-Nothing depends on the compiled build: without a C compiler, on another
-interpreter than CPython, or with ``MDP_PURE_PYTHON=1`` at install, the
-package is the plain source.  In a working tree a compiled module beside its
-edited source would shadow it, so the build records (:data:`RECORD`) the size
-and time of each source and compiled file, and a module that no longer
-matches its record runs from source.  A wheel has no record: what it holds
-was built together.  This module imports nothing of the package: ``setup.py``
-runs it before anything is installed.
+The compiled build is optional.  In a working tree a compiled module would
+shadow its edited source, so the build records (:data:`RECORD`) each file's
+size and time, and a module that no longer matches runs from source; a wheel
+has no record.  Imports nothing of the package: ``setup.py`` runs it first.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Optional
 
-#: the compiled modules, in the package's own terms
 MODULES = (
     "mdp.machine",
     "mdp.messages",
@@ -40,15 +34,10 @@ MODULES = (
     "mdp.transport.zeromq",
 )
 
-#: modules written in Cython itself (``.pyx``: C that Python cannot say),
-#: each an optional companion of a listed module that goes on without it:
-#: ``_zmqframes`` reads and sends ZeroMQ messages with libzmq's calls,
-#: ``_records`` encodes and splits stream records (their docstrings)
+#: ``.pyx`` modules, optional companions of listed modules that work without them
 ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 
-#: compiled modules that use another's compiled classes (their ``.pxd``
-#: files ``cimport`` them): each runs compiled only where those do too, for
-#: its compiled self cannot import over the other's source
+#: modules whose ``.pxd`` cimports others': they run compiled only if those do
 CIMPORTS = {
     "mdp.majordomo.client": ("mdp.machine",),
     "mdp.majordomo.worker": ("mdp.machine",),
@@ -57,23 +46,19 @@ CIMPORTS = {
     "mdp.blocking": ("mdp.majordomo.client",),
 }
 
-#: set (to anything but "" or "0") at install: no compiling, and compiled
-#: modules a working tree holds are removed; at run time: the sources run
-#: even where compiled modules are installed
+#: set (not "" or "0"): install compiles nothing, and imports run the sources
 PURE_ENV = "MDP_PURE_PYTHON"
 
-#: the build's record in a working tree (not part of a wheel): one line a
-#: module, "name source-size source-mtime-ns compiled-size compiled-mtime-ns"
-#: (and one of the build's settings, below)
+#: the build's record in a working tree, one line a module:
+#: "name source-size source-mtime-ns compiled-size compiled-mtime-ns"
 RECORD = "_compiled.record"
-#: the record's line naming the build's settings: "build FINGERPRINT"
+#: the record's line "build FINGERPRINT" names the build's settings
 _BUILD = "build"
 
 _LISTED = frozenset(MODULES)
 _RECORDED = (*MODULES, *ACCELERATORS)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: directory -> its record, read once (None: there is none)
 _records: dict[str, Optional[dict[str, tuple[int, ...]]]] = {}
 
 
@@ -103,8 +88,7 @@ def source_of(name: str) -> str:
 
 
 def cimported(name: str) -> list[str]:
-    """The modules whose classes module *name*'s compiled classes use
-    (:data:`CIMPORTS`, and theirs in turn), nearest first."""
+    """The modules *name* cimports (:data:`CIMPORTS`), transitively, nearest first."""
     found: list[str] = []
     for other in CIMPORTS.get(name, ()):
         for module in (other, *cimported(other)):
@@ -114,10 +98,8 @@ def cimported(name: str) -> list[str]:
 
 
 def source_signature(package: str, name: str) -> tuple[int, int]:
-    """What the build of module *name* in *package* is made of: its source,
-    the ``.pxd`` declaring its compiled classes where there is one, and the
-    ``.pxd`` of every module it cimports (their sizes and their times
-    summed: any of them changed, even to an older time, changes it)."""
+    """Sizes and times, summed, of module *name*'s source and the ``.pxd`` files
+    it and its cimports have: any of them changed changes it."""
     directory, leaf = _paths(package, name)
     size, mtime = _signature(os.path.join(directory, leaf + source_of(name)))
     for module in (name, *cimported(name)):
@@ -130,8 +112,7 @@ def source_signature(package: str, name: str) -> tuple[int, int]:
 
 
 def _paths(package: str, name: str) -> tuple[str, str]:
-    """The directory of module *name* under *package* (the ``mdp``
-    directory) and its last name."""
+    """The directory of module *name* under *package* and its last name."""
     parts = name.split(".")[1:]
     return os.path.join(package, *parts[:-1]), parts[-1]
 
@@ -168,9 +149,7 @@ def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
 
 def current(package: str, name: str, compiled: str,
             record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
-    """Whether *compiled*, module *name*'s compiled file, was built from its
-    source in *package* as it is now (:func:`source_signature`; True where
-    there is no record at all)."""
+    """Whether *compiled* was built from *name*'s current source (True without a record)."""
     if record is None:
         return True
     entry = record.get(name)
@@ -184,10 +163,8 @@ def current(package: str, name: str, compiled: str,
 
 
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
-    """What an import of module *name* in *package* runs: ``compiled``;
-    ``source``, none being built; ``stale``, a compiled module not built from
-    its sources as they are now, or whose :data:`CIMPORTS` run from source;
-    ``pure``, the source because :data:`PURE_ENV` asks for it."""
+    """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure``
+    (:data:`PURE_ENV`) or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
     directory, leaf = _paths(package, name)
     compiled = compiled_file(directory, leaf)
     if compiled is None:
@@ -197,22 +174,19 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
     if not current(package, name, compiled, record):
         return "stale"
     if any(kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
-        return "stale"  # what it cimports runs from source
+        return "stale"
     return "compiled"
 
 
 def recorded_build(package: str) -> Optional[str]:
-    """The build settings (``setup.py``'s fingerprint) the record of
-    *package* names, if any."""
+    """The build fingerprint the record of *package* names, if any."""
     return next((fields[1] for fields in _record_lines(package) or ()
                  if len(fields) == 2 and fields[0] == _BUILD), None)
 
 
 def reusable(package: str, name: str, build: str) -> Optional[str]:
-    """The working tree's compiled module *name*, if an earlier build under
-    the settings *build* (a fingerprint) made it from its sources as they
-    are now (the record says so; :func:`current`): a build takes it instead
-    of compiling again (``setup.py``)."""
+    """The compiled module *name*, if a build with fingerprint *build* made it
+    from the current sources: ``setup.py`` reuses it."""
     if recorded_build(package) != build:
         return None
     directory, leaf = _paths(package, name)
@@ -224,10 +198,8 @@ def reusable(package: str, name: str, build: str) -> Optional[str]:
 
 
 def write_record(package: str, builtSince: float, build: Optional[str] = None) -> None:
-    """After a build in the working tree *package*: record each compiled
-    module written there since *builtSince* (a time), keep the entries of
-    those untouched since an earlier build, and forget the rest; and the
-    build's settings, *build* (:func:`reusable`)."""
+    """Record the compiled modules written since *builtSince*, keep those an
+    earlier build made, forget the rest; and the fingerprint *build*."""
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
@@ -237,7 +209,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
             continue
         signature = _signature(compiled)
         if old.get(name, ())[2:] == signature:
-            entry = old[name]  # not rebuilt: its source as it was then
+            entry = old[name]  # not rebuilt
         elif signature[1] >= builtSince * 1e9:
             entry = source_signature(package, name) + signature
         else:
@@ -255,8 +227,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
 
 
 def remove_compiled(package: str) -> None:
-    """Remove the compiled modules and the record of the working tree
-    *package* (an install that asks for the plain sources)."""
+    """Remove the compiled modules and the record of *package*."""
     for name in _RECORDED:
         directory, leaf = _paths(package, name)
         compiled = compiled_file(directory, leaf)
@@ -269,10 +240,8 @@ def remove_compiled(package: str) -> None:
 
 
 class SourceFirst:
-    """A meta path finder for :data:`MODULES`: the plain source when the
-    environment asks for it or the compiled module is not the build of the
-    source as it is now; else nothing (the usual finder takes the compiled
-    module, or the source where there is none)."""
+    """A meta path finder for :data:`MODULES`: the source where :func:`kind` says
+    ``pure`` or ``stale``; else None, leaving it to the usual finder."""
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
@@ -295,8 +264,7 @@ class SourceFirst:
 
 
 def install() -> None:
-    """Put :class:`SourceFirst` just ahead of the path finder (once): hooks
-    installed before it (an import checker, a profiler) still come first."""
+    """Put :class:`SourceFirst` just ahead of the path finder (once)."""
     if any(finder is SourceFirst for finder in sys.meta_path):
         return
     where = next((i for i, finder in enumerate(sys.meta_path) if finder is PathFinder),
@@ -316,17 +284,13 @@ def in_use() -> dict[str, bool]:
 
 
 def status(package: str = _HERE) -> dict[str, str]:
-    """For each listed module and accelerator, what an import of it would
-    run (:func:`kind`; an accelerator's ``source`` is: none), without
-    importing it."""
+    """:func:`kind` of each listed module and accelerator, without importing it."""
     record = read_record(package)
     return {name: kind(package, name, record) for name in _RECORDED}
 
 
 def accelerator(name: str) -> Optional[object]:
-    """The accelerator *name* (one of :data:`ACCELERATORS`), imported, if it
-    is built from its source as it is now and the sources are not asked for
-    (:func:`kind`); else None: its caller does the same in Python."""
+    """The accelerator *name*, imported, if :func:`kind` says ``compiled``; else None."""
     if kind(_HERE, name, _record_of(_HERE)) != "compiled":
         return None
     import importlib

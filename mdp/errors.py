@@ -1,23 +1,15 @@
-"""Every exception the library raises, in one module.
+"""Every exception the library raises.
 
-The taxonomy:
+* Caller mistakes raise at once: ``TypeError``/``ValueError`` for bad
+  arguments (:class:`RequestTooLarge`), :class:`TransportError` for a
+  malformed endpoint.
+* What happens later fails the returned Deferred (:class:`RequestTimeout`,
+  :class:`BrokerUnreachable`, a :class:`TransportError` from binding, ...).
+* A :class:`RemoteError` (one subclass per status code) carries a peer's
+  error reply; a :class:`ProtocolError` is a peer breaking the wire protocol
+  (transports log it and drop the peer).  Other errors are local.
 
-* **Caller mistakes raise at once**, synchronously, from the call that made
-  them: ``TypeError`` / ``ValueError`` for bad arguments (a frame that is not
-  ``bytes``/``str``, a negative timeout, a request over the message limits:
-  :class:`RequestTooLarge`), :class:`TransportError` for a malformed endpoint.
-* **Everything that happens later fails the Deferred** the call returned:
-  :class:`RequestTimeout`, :class:`BrokerUnreachable`, :class:`ClientClosed`,
-  :class:`StreamRestarted`, :class:`NoServerAvailable`, a
-  :class:`TransportError` from binding, ...
-* **What a peer said is told apart from what happened here**: a
-  :class:`RemoteError` (and its subclasses, one per status code) carries an
-  error reply from the broker or a worker; a :class:`ProtocolError` is input
-  from a peer that broke the wire protocol (transports log these and drop the
-  peer; callers rarely see them).  Every other :class:`MDPError` is local.
-
-Callers catch :class:`MDPError` for anything of ours, or the precise subclass
-for one failure.  See :mod:`mdp.messages` for the wire form of error replies.
+Catch :class:`MDPError` for anything of ours.
 """
 
 from __future__ import annotations
@@ -34,21 +26,19 @@ class ProtocolError(MDPError):
 
 
 class OversizedMessage(ProtocolError):
-    """A transport refused a message over its limits (``mdp.policy.Limits``).
-    When it ends a connection for one, ``connectionLost`` carries this."""
+    """A transport refused a message over its limits (``mdp.policy.Limits``);
+    also the ``connectionLost`` reason when it ends a connection for one."""
 
 
 class RecordTooLarge(OversizedMessage):
-    """A stream record exceeds the message limits (refused from its header,
-    before it is buffered)."""
+    """A stream record exceeds the limits (refused from its header, unbuffered)."""
 
     #: on a connection that carries channels, the channel it came on
     channel: Optional[bytes] = None
 
 
 class TransportError(MDPError):
-    """An endpoint string could not be understood (raised at once, naming the
-    endpoint and what was probably meant) or a transport failed to bind."""
+    """An endpoint string is malformed (raised at once) or a transport failed to bind."""
 
 
 class RequestTooLarge(MDPError, ValueError):
@@ -56,18 +46,13 @@ class RequestTooLarge(MDPError, ValueError):
 
 
 class ReplyTooLarge(MDPError):
-    """A reply was over this client's own message limits, so its connection
-    dropped it; the request fails with this instead of waiting for its
-    timeout (sent again, it would only run again).  Local: a 413 error reply
-    from a peer is a :class:`MessageTooLarge`."""
+    """A reply was over this client's own message limits and was dropped; the
+    request fails at once (a 413 from a peer is :class:`MessageTooLarge`)."""
 
 
 class RequestTimeout(MDPError):
-    """No FINAL reply arrived within the request's timeout.  The message
-    names the *endpoints* tried and, if the last connection to one failed,
-    why (``connection refused``): ``no reply from broker at
-    zmq:tcp://127.0.0.1:5555 after 3 attempts (7.5 s) to a request for
-    service 'echo'``."""
+    """No FINAL reply arrived within the request's timeout; the message names
+    the *endpoints* tried and why a connection to one failed."""
 
     def __init__(self, service: bytes, attempts: int, elapsed: float,
                  endpoints: Sequence[str] = (), peer: str = "broker",
@@ -90,11 +75,8 @@ class RequestTimeout(MDPError):
 
 
 class BrokerUnreachable(MDPError):
-    """No broker of a client's list could be reached at all (the connection
-    was refused, the host or socket file does not exist) and none ever was:
-    failed at once rather than after the attempts' time.  Once a client has
-    reached a broker, a refused reconnection is retried instead (a broker
-    restarting)."""
+    """No broker of a client's list was ever reached (refused, no such host):
+    failed at once.  Once one was reached, refusals are retried instead."""
 
     def __init__(self, failures: Mapping[str, str]) -> None:
         self.failures = dict(failures)
@@ -132,20 +114,16 @@ class ServiceOverloaded(RemoteError):
 
 
 class Forbidden(RemoteError):
-    """The broker's access policy does not let this client call the service
-    (403); the request reached no worker."""
+    """The broker's access policy does not let this client call the service (403)."""
 
 
 class MessageTooLarge(RemoteError):
-    """A 413 error reply from the broker or a worker: a request too large for
-    a worker, or a reply too large for the link back to the client."""
+    """A 413 error reply: a request or reply too large for some link."""
 
 
 class StreamRestarted(MDPError):
-    """The reply stream of a request started over: the PARTIALs delivered so
-    far belong to an attempt that was abandoned (its worker died and the
-    broker gave the request to another, or the client retried after a
-    timeout).  Raised only when the caller gave no ``onRestart`` callback."""
+    """The reply stream started over: the PARTIALs so far belong to an
+    abandoned attempt.  Raised only when the caller gave no ``onRestart``."""
 
 
 class ClientClosed(MDPError):
@@ -157,21 +135,16 @@ class NoServerAvailable(MDPError):
 
 
 class MDPSparkError(MDPError):
-    """A Spark task's call through MDP failed; the message names the broker
-    and the service."""
+    """A Spark task's call through MDP failed."""
 
 
 class StoreError(MDPError):
-    """A store (Titanic's requests and replies) cannot be opened or used: a
-    damaged or unreadable file, named in the message.  Never ignored: a store
-    that refuses to open stops its service."""
+    """A store (Titanic's) cannot be opened or used; its service stops."""
 
 
 class TitanicError(MDPError):
-    """Titanic refused or failed a request (status ``500``: a malformed body,
-    or a store that failed); the message says which."""
+    """Titanic refused or failed a request (status ``500``)."""
 
 
 class UnknownRequest(TitanicError):
-    """Titanic knows no request of that id (status ``400``): never stored,
-    closed, or its reply purged."""
+    """Titanic knows no request of that id (status ``400``): never stored, or closed."""

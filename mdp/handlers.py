@@ -14,17 +14,15 @@ from mdp.errors import MDPError
 
 
 def reply_frames(value: Any) -> list[bytes]:
-    """Normalise a handler's reply to a non-empty list of ``bytes`` frames:
-    ``bytes``/``str`` (UTF-8) or a list or tuple of them; ``None`` or ``[]``
-    become one empty frame.  Anything else, or a ``str`` UTF-8 cannot encode,
-    is a ``TypeError`` (the worker answers it with a 500).  A list is copied:
-    it stays the handler's."""
+    """A handler's reply (``bytes``, ``str``, or a list or tuple of them) as a
+    new, non-empty list of ``bytes``; ``None`` or ``[]`` is one empty frame.
+    Anything else is a ``TypeError`` (the worker answers 500)."""
     if value is None:
         return [b""]
     if isinstance(value, (bytes, bytearray, memoryview, str)):
         return [_frame(value)]
     if not isinstance(value, (list, tuple)):
-        # (a dict, a set or a finished Future would be iterated into a wrong reply)
+        # a dict, a set or a Future would iterate into a wrong reply
         raise TypeError(f"a reply is bytes, str, None or a list of them, not "
                         f"{type(value).__name__}")
     return [_frame(item) for item in value] or [b""]
@@ -52,8 +50,7 @@ def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:
 
 
 def call_handler(handler: Callable[[list[bytes]], Any], frames: list[bytes]) -> defer.Deferred:
-    """Run a non-streaming handler (plain value, Deferred or coroutine); the
-    Deferred fires with its reply frames or fails with its exception."""
+    """Run a non-streaming handler (value, Deferred or coroutine); a Deferred of its frames."""
 
     def run() -> Any:
         result = handler(frames)
@@ -71,14 +68,9 @@ BUILTIN: dict[str, Callable[[list[bytes]], Any]] = {"echo": echo}
 
 
 def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
-    """Resolve ``echo`` (a built-in) or ``package.module:callable``.
-
-    The module is looked for in the current working directory too (first),
-    as ``python -m`` would: ``twist`` does not put it on ``sys.path``, and a
-    handler is most often a file next to where the command is run.  The
-    directory is on the path only while the module is imported.  Any failure
-    (no such module, no such attribute, not callable, the import raising) is
-    an :class:`~mdp.errors.MDPError` with a one-line message."""
+    """Resolve ``echo`` or ``package.module:callable``, looking in the current
+    directory first (as ``python -m`` does); any failure is an
+    :class:`~mdp.errors.MDPError` with a one-line message."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attribute = spec.partition(":")

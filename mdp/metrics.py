@@ -1,18 +1,9 @@
-"""Prometheus metrics for brokers, workers and Freelance servers.
+"""Prometheus metrics for brokers, workers and Freelance servers (docs/metrics.md).
 
-A node given a metrics object (``Broker(metrics=BrokerMetrics())``,
-``Worker(..., metrics=WorkerMetrics())``, ``FreelanceServer(...,
-metrics=FreelanceMetrics())``) counts its events in it as they happen; what
-is a state rather than an event (queue depths, workers idle and busy, peers)
-is read from the node when the registry is scraped.  :func:`serve_metrics`
-serves a registry as ``/metrics`` on any Twisted server endpoint string,
-within bounds a client cannot push it past (connections, time, request
-bodies, unread responses).
-
-Service names become label values.  Clients choose them (a request for any
-name creates a queue), so at most ``maxServices`` distinct names are kept per
-metrics object; the rest are counted under ``_other``.  The tables of names
-are in ``docs/metrics.md``.
+A node given a metrics object (``Broker(metrics=BrokerMetrics())``) counts
+events as they happen; state (queue depths, workers, peers) is read from the
+node at scrape time.  Clients choose service names, so at most
+``maxServices`` become label values; the rest count under ``_other``.
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ from mdp.policy import LogThrottle, default_reactor, positive_seconds
 
 log = Logger()
 
-#: Histogram buckets (seconds) for queue and service times: from half a
-#: millisecond (a broker on one host) to a minute (a long job).
+#: Histogram buckets (seconds) for queue and service times.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: Most distinct service names given their own label values.
@@ -48,9 +38,8 @@ OTHER = "_other"
 
 
 class _ServiceLabels:
-    """Service names to label values, at most *limit* of them.  Names a
-    client made up (no worker registered them) get at most half: they
-    cannot crowd out the services that exist."""
+    """Service names to label values, at most *limit*; unregistered names get
+    at most half, so they cannot crowd out real services."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -62,20 +51,18 @@ class _ServiceLabels:
         if value is None:
             count = len(self.values)
             if count >= self.limit or (count >= self.limit // 2 and not self.registered(name)):
-                return OTHER  # not kept: the table stays within its bound
+                return OTHER
             value = self.values[name] = label(name)
         return value
 
 
 def _code_label(code: bytes) -> str:
-    """A status code as a label value: three digits, or ``other`` (workers
-    write it, and labels must stay few)."""
+    """A status code as a label value: three digits, or ``other``."""
     return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
 
 
 def _samples(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
-    """*family* with one sample per label set (values summed: names beyond
-    the label bound share ``_other``)."""
+    """*family* with one sample per label set of *totals*."""
     for labels, total in totals.items():
         family.add_metric(list(labels), total)
     return family
@@ -92,8 +79,7 @@ class _Collector:
 
 
 class BrokerMetrics:
-    """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry*
-    (a fresh :class:`~prometheus_client.CollectorRegistry` by default)."""
+    """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry* (default: a fresh one)."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, *,
                  maxServices: int = MAX_SERVICES) -> None:
@@ -143,7 +129,7 @@ class BrokerMetrics:
         self.registry.register(_Collector(self._collect))
 
     def watch(self, broker: Any) -> None:
-        """Read *broker*'s state at each scrape (the broker calls this)."""
+        """Read *broker*'s state at each scrape."""
         self._broker = broker
 
         def registered(name: bytes) -> bool:
@@ -151,8 +137,6 @@ class BrokerMetrics:
             return service is not None and service.registered
 
         self._labels.registered = registered
-
-    # --- events (called by the broker) --------------------------------------
 
     def request(self, service: bytes) -> None:
         self.requests.labels(self._labels(service)).inc()
@@ -186,8 +170,6 @@ class BrokerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
-    # --- state (read at scrape time) -------------------------------------------
-
     def _collect(self) -> Iterable[Metric]:
         broker = self._broker
         if broker is None:
@@ -220,9 +202,7 @@ class BrokerMetrics:
 
 
 def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric]:
-    """What bound transports count themselves: messages they could not
-    deliver (the peer is gone or was cut off), peers cut off for not
-    reading, and messages dropped for exceeding the limits."""
+    """The counters bound transports keep themselves (undelivered, cut off, oversized)."""
     counted: dict[str, dict[tuple[str, ...], float]] = {
         "dropped": {}, "overflows": {}, "oversizedCount": {}, "handshakesRefused": {}}
     for bound in transports:
@@ -230,7 +210,7 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
             continue
         endpoint = str(getattr(bound, "endpoint", None) or "factory")
         for attribute, totals in counted.items():
-            count = getattr(bound, attribute, None)  # only what the transport counts
+            count = getattr(bound, attribute, None)
             if count is not None:
                 totals[endpoint,] = totals.get((endpoint,), 0) + count
     yield _samples(CounterMetricFamily(
@@ -248,8 +228,7 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
 
 
 class WorkerMetrics:
-    """What a :class:`~mdp.majordomo.worker.Worker` counts.  Several workers
-    may share one (their service names tell them apart)."""
+    """What a :class:`~mdp.majordomo.worker.Worker` counts; workers may share one."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -342,10 +321,8 @@ class FreelanceMetrics:
 
 
 class MetricsResource(Resource):
-    """``/metrics``: *registry* in Prometheus' text format.  Collected in the
-    reactor thread, where the nodes' state lives (prometheus_client's own
-    Twisted resource collects in a thread pool).  It has no children: a path
-    below it (``/metrics/x``) is a 404, not another copy of the text."""
+    """``/metrics``: *registry* in Prometheus' text format, collected in the reactor
+    thread where the nodes' state lives (not prometheus_client's thread pool)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__()
@@ -358,11 +335,9 @@ class MetricsResource(Resource):
 
 #: Connections the metrics endpoint keeps open at once; more are closed at once.
 MAX_CONNECTIONS = 64
-#: Seconds a connection has for a whole request, from connecting or from its
-#: previous response being taken, and for a response to be taken.
+#: Seconds a connection has for a whole request, and for a response to be taken.
 REQUEST_TIMEOUT = 10.0
-#: The largest request body (bytes) the metrics endpoint reads; a scrape is a
-#: GET and has none.
+#: The largest request body (bytes) the metrics endpoint reads.
 MAX_BODY_BYTES = 64 * 1024
 
 _TOO_LARGE = (b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n"
@@ -376,27 +351,17 @@ def _peer(address: Any) -> str:
 
 
 class _RefusedConnection(Protocol):
-    """A connection over the metrics endpoint's ``maxConnections``: closed at
-    once (a TLS wrapper would keep the socket of a ``None`` protocol open)."""
+    """A connection over ``maxConnections``, aborted (a TLS wrapper would keep a
+    ``None`` protocol's socket open)."""
 
     def connectionMade(self) -> None:
         self.transport.abortConnection()
 
 
 class _MetricsChannel(HTTPChannel):
-    """twisted.web's HTTP/1.1 channel, kept within the endpoint's bounds.
-
-    - Output: a scrape is answered while it is handled, so a client that
-      pipelines requests and reads nothing would have each answered into the
-      transport's buffer.  A finished request whose output is over that
-      buffer is *parked*: nothing more is read until it is sent
-      (:meth:`resumeProducing`).
-    - Input: a body over ``maxBodyBytes``, or chunked, is answered 413 from
-      its headers, and the connection closed unread.
-    - Time: input does not put the deadline off, so a whole request (or the
-      taking of a parked response) must come within ``requestTimeout``, or
-      the connection is aborted; an idle one is closed then.
-    """
+    """twisted.web's HTTP/1.1 channel within the bounds of :func:`metrics_site`.  A
+    request whose output is over the transport's buffer is *parked*: nothing
+    more is read until it is sent."""
 
     site: _MetricsSite
     #: the finished request whose response the transport has not yet sent
@@ -405,7 +370,7 @@ class _MetricsChannel(HTTPChannel):
     _outputFull = False
     #: the request's body was refused (413): what still comes is dropped
     _refused = False
-    #: closed when idle at the deadline: aborted if that does not end it in time
+    #: closed when idle at the deadline; aborted if it does not end in time
     _closing = False
 
     def connectionMade(self) -> None:
@@ -420,8 +385,7 @@ class _MetricsChannel(HTTPChannel):
         super().connectionLost(reason)
 
     def resetTimeout(self) -> None:
-        """Input does not put the deadline off: a byte every few seconds
-        would otherwise hold the connection open for ever."""
+        """Input does not put the deadline off (trickled bytes would hold it for ever)."""
 
     def dataReceived(self, data: bytes) -> None:
         if not self._refused:
@@ -464,7 +428,6 @@ class _MetricsChannel(HTTPChannel):
         super().resumeProducing()
         parked, self._parked = self._parked, None
         if parked is not None:
-            # reads again, and handles the requests that came meanwhile
             super().requestDone(parked)
 
     def timeoutConnection(self) -> None:
@@ -475,7 +438,7 @@ class _MetricsChannel(HTTPChannel):
         elif not self._closing:  # idle between requests (a scraper keeping it open): close
             self._closing = True
             self.loseConnection()
-            self.setTimeout(self.site.requestTimeout)  # ... and abort it if that does not end it
+            self.setTimeout(self.site.requestTimeout)
             return
         else:
             why = "it did not close"
@@ -487,9 +450,7 @@ class _MetricsChannel(HTTPChannel):
 
 
 class _MetricsSite(Site):
-    """A Site that logs no line per request (a scraper asks every few
-    seconds) and keeps its connections within bounds (see
-    :class:`_MetricsChannel`)."""
+    """A Site that logs no line per request and bounds its connections."""
 
     noisy = False
     protocol = _MetricsChannel  # type: ignore[assignment]  # HTTP/1.1 only
@@ -502,7 +463,6 @@ class _MetricsSite(Site):
         self.maxBodyBytes = maxBodyBytes
         self.displayTracebacks = False
         self.throttle = LogThrottle(reactor)
-        #: the connections open
         self.channels: set[_MetricsChannel] = set()
         #: connections refused at maxConnections
         self.refused = 0
@@ -535,14 +495,10 @@ def _whole_number(name: str, value: Any, least: int) -> int:
 def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                  maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
                  maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
-    """A quiet :class:`~twisted.web.server.Site` serving *registry* at
-    ``/metrics`` (any other path is a 404), within bounds a client cannot
-    push it past: at most *maxConnections* open (more are closed at once), a
-    whole request within *requestTimeout* seconds of connecting or of the
-    previous response (trickled bytes do not put it off), no body over
-    *maxBodyBytes* (413, and closed unread), and no request handled while the
-    previous responses are unsent beyond the transport's buffer.  *reactor*
-    keeps the time (a :class:`~twisted.internet.task.Clock` in tests)."""
+    """A quiet Site serving *registry* at ``/metrics``, within bounds a client
+    cannot push it past: *maxConnections* open, a whole request within
+    *requestTimeout* seconds, no body over *maxBodyBytes* (413), no reading
+    while responses are unsent beyond the transport's buffer."""
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),
@@ -555,10 +511,8 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
                   reactor: Optional[Any] = None, *, maxConnections: int = MAX_CONNECTIONS,
                   requestTimeout: float = REQUEST_TIMEOUT,
                   maxBodyBytes: int = MAX_BODY_BYTES) -> defer.Deferred[IListeningPort]:
-    """Serve *registry* at ``/metrics`` on the Twisted server *endpoint*
-    (``tcp:9464:interface=127.0.0.1``, ``unix:/run/mdp-metrics.sock``...),
-    within the bounds of :func:`metrics_site`; fires with the listening port
-    (``stopListening()`` ends it)."""
+    """Serve :func:`metrics_site` on the Twisted server *endpoint*
+    (``tcp:9464:interface=127.0.0.1``); fires with the listening port."""
     from twisted.internet.endpoints import serverFromString
 
     from mdp.transport import warn_if_open
@@ -566,8 +520,7 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
     reactor = default_reactor(reactor)
     site = metrics_site(registry, reactor, maxConnections=maxConnections,
                         requestTimeout=requestTimeout, maxBodyBytes=maxBodyBytes)
-    # the port's own line ("Metrics starting on 9464", no address, no
-    # scheme) is debug: the line below says where, once
+    # the port's own "starting on" line is debug: the line below says where
     listening = legacy_log.callWithContext({"log_level": LogLevel.debug},
                                            serverFromString(reactor, endpoint).listen, site)
 

@@ -1,10 +1,8 @@
 """Drive a node's state machine by a list of events, with no transport.
 
-The h11 way: feed a node events (a message from a peer, a peer gone, a pipe
-up, time passes) and read back what it wants done (send these frames there,
-drop that peer, open a pipe) and when it next needs the clock.  No socket, no
-reactor: the node's transports are stand-ins that record, and its clock is a
-:class:`~twisted.internet.task.Clock`.  A rule becomes a short test::
+Feed a node events (a message, a peer gone, a pipe up, time passing) and
+read back the actions it takes; its transports are recording stand-ins and
+its clock a :class:`~twisted.internet.task.Clock`::
 
     script = Script()
     broker = Broker(reactor=script.clock)
@@ -13,12 +11,9 @@ reactor: the node's transports are stand-ins that record, and its clock is a
                           Receive(b"C", [b"MDPC02", b"\\x01", b"echo", b"hi"]))
     assert Send(b"W", ...) in actions
 
-Endpoints from :meth:`Script.endpoint` use the ``script:`` scheme, which the
-first :class:`Script` registers in the transport registry (it is a transport
-only in the sense that it implements the interfaces).  A node that listens
-gets a router that records :class:`Send` / :class:`Disconnect` by peer id; a
-node that connects gets a pipe, named ``ENDPOINT#N`` (N counts the pipes to
-that endpoint), that records :class:`Open`, :class:`Send` and :class:`Close`.
+:meth:`Script.endpoint` gives ``script:`` endpoints.  A listening node gets a
+router recording by peer id; a connecting node gets pipes named
+``ENDPOINT#N`` (the Nth pipe to that endpoint).
 """
 
 from __future__ import annotations
@@ -46,8 +41,6 @@ from mdp.interfaces import (
 from mdp.policy import Limits
 
 Frames = tuple[bytes, ...]
-
-# --- events --------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -81,8 +74,6 @@ class Elapse:
 
 
 Event = Union[Receive, Connected, Lost, Elapse]
-
-# --- actions -------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -162,7 +153,7 @@ class _Pipe:
         return defer.succeed(None)
 
     def discardReceived(self) -> int:
-        return 0  # scripted messages are delivered when the script says
+        return 0
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
@@ -174,11 +165,8 @@ class _Pipe:
 
 class Script:
     """A fake world for one node: a clock, recorded actions, scripted events.
-
-    With *autoConnect*, a pipe the node opens is up as soon as the node next
-    gets control (as a ZeroMQ DEALER is); otherwise feed :class:`Connected`.
-    ``identities`` maps peer ids to the identity their routers report as
-    authenticated (CURVE keys, TLS subjects): what an access policy sees."""
+    With *autoConnect* pipes come up by themselves (as a ZeroMQ DEALER's do);
+    ``identities`` maps peer ids to their authenticated identity."""
 
     def __init__(self, autoConnect: bool = False, start: float = 0.0) -> None:
         self.clock = task.Clock()
@@ -197,8 +185,6 @@ class Script:
     def endpoint(self, name: str) -> str:
         """An endpoint string of this script (``script:ID/NAME``)."""
         return f"script:{self.id}/{name}"
-
-    # --- what the node sees ---------------------------------------------------
 
     def _listen(self, endpoint: str, receiver: IRouterReceiver) -> _Router:
         router = _Router(self, endpoint, receiver)
@@ -219,8 +205,6 @@ class Script:
             pipe.connected = True
             pipe.receiver.connectionMade()
 
-    # --- driving --------------------------------------------------------------
-
     def pipe(self, name: str) -> _Pipe:
         """The pipe called *name*, or the latest pipe to endpoint *name*."""
         pipe = self.pipes.get(name) or self._latest.get(name)
@@ -236,9 +220,8 @@ class Script:
         return next(iter(self.routers.values()))
 
     def feed(self, *events: Event, via: Optional[str] = None) -> list[Action]:
-        """Apply *events* in order (after each, let the node run what it
-        scheduled for "now"); return the actions they caused.  *via* picks
-        the listening endpoint for router events when there are several."""
+        """Apply *events* in order; return the actions they caused.  *via*
+        picks the listening endpoint for router events when there are several."""
         mark = len(self.actions)
         self.clock.advance(0)
         for event in events:
@@ -314,8 +297,6 @@ def _ensure_registered() -> None:
             "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
 
 
-# --- TLS certificates for tests and benchmarks ---------------------------------
-
 def _certificate_name(common: str, organization: Optional[str]) -> Any:
     from cryptography import x509
     from cryptography.x509.oid import NameOID
@@ -327,8 +308,7 @@ def _certificate_name(common: str, organization: Optional[str]) -> Any:
 
 
 def _signed(subject: Any, issuer: Any, key: Any, signer: Any, ca: bool = False) -> Any:
-    """A certificate of *subject* for *key*, signed by *issuer*'s *signer*,
-    valid from yesterday for 30 days."""
+    """A certificate of *subject* for *key*, signed by *signer*, valid for 30 days."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
 
@@ -344,9 +324,8 @@ def _signed(subject: Any, issuer: Any, key: Any, signer: Any, ca: bool = False) 
 
 
 class CertificateAuthority:
-    """A TLS certificate authority for tests and benchmarks, writing PEM
-    files into *directory* (docs/security.md makes the same with ``openssl``):
-    ``issue()`` signs a certificate for a peer.  Needs ``cryptography``."""
+    """A TLS certificate authority for tests, writing PEM files into
+    *directory*.  Needs ``cryptography``."""
 
     def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
         from cryptography.hazmat.primitives import serialization
@@ -365,9 +344,8 @@ class CertificateAuthority:
         return path
 
     def issue(self, file: str, common: str, organization: Optional[str] = None) -> tuple[Path, Path]:
-        """A certificate for *common* (and *organization*): the paths of
-        ``FILE.pem`` and ``FILE-key.pem`` (not ``.key``: that is a CURVE
-        public key's name)."""
+        """Issue a certificate for *common*; the paths of ``FILE.pem`` and
+        ``FILE-key.pem`` (``.key`` names CURVE public keys)."""
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
 

@@ -1,3 +1,1 @@
-"""Entry points: ``IService``\\ s to embed, the ``twist`` plugins' service
-makers and the ``mdp`` command line.  Thin: they parse options and wire the
-patterns to transports."""
+"""Entry points: services to embed, ``twist`` plugins, the ``mdp`` command."""

@@ -1,14 +1,9 @@
-"""The ``mdp`` console script: ``call``, ``status``, ``freelance-call``,
-``titanic submit|result|close``, ``sp-request``, ``chat``, ``demo`` and
-``keygen`` (docs/cli.md; each command's ``--help`` says what it takes).
+"""The ``mdp`` console script (docs/cli.md).
 
-Exit status: 0 done; 1 with one line on stderr for a timeout or an error
-(naming the brokers or servers asked); 2 with one line on stderr for a usage
-mistake (a missing argument, a bad or empty endpoint), before anything is
-sent, or when standard output is closed; 3 for ``mdp titanic result`` while
-the reply is pending; 130 on Ctrl-C and 141 (128 + SIGPIPE) when the reader
-of standard output has gone (``mdp call ... | head -1``), both without a
-traceback.  Frames given as arguments are their bytes as the OS gave them.
+Exit status: 0 done; 1 for a timeout or an error; 2 for a usage mistake
+(before anything is sent) or a closed stdout; 3 for ``mdp titanic result``
+while pending; 130 on Ctrl-C; 141 when stdout's reader has gone.  Errors are
+one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -51,13 +46,11 @@ from mdp.app.terminal import (
 from mdp.errors import MDPError, RequestTimeout
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 
-#: ``mdp titanic result`` while the reply is not there yet
 EXIT_PENDING = 3
 
 
 def _check_seconds(value: Optional[float], option: str) -> None:
-    """Refuse a number of seconds that is not finite and positive (``nan``
-    passes a test like ``<= 0``; ``inf`` would never end); None is "not given"."""
+    """Refuse seconds that are not finite and positive; None is "not given"."""
     if value is not None and not (math.isfinite(value) and value > 0):
         raise usage.UsageError(f"--{option} must be a positive number of seconds, not {value}")
 
@@ -144,7 +137,7 @@ class StatusOptions(_ClientOptions):
     opt_w = opt_watch
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
-        # usage.Options has no optional option values: give --watch alone its default
+        # usage.Options has no optional values: give --watch alone its default
         args = list(sys.argv[1:] if options is None else options)
         given: list[str] = []
         for n, arg in enumerate(args):
@@ -226,8 +219,7 @@ class TitanicSubmitOptions(_RequestOptions):
 
 
 def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
-    """The one argument of *args*; a usage error saying *missing* when there
-    is none, and naming the first one too many (then *beyond*)."""
+    """The one argument of *args*; a usage error (*missing*, or one too many)."""
     if not args:
         raise usage.UsageError(missing)
     if len(args) > 1:
@@ -236,8 +228,7 @@ def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str =
 
 
 def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
-    """The one request id of *args*; a usage error saying what is missing
-    or too much."""
+    """The one request id (a UUID) of *args*, or a usage error."""
     import uuid
 
     value = _single_argument(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
@@ -359,13 +350,11 @@ class ChatOptions(VersionedOptions):
             raise usage.UsageError(str(e)) from None
 
 
-#: what ``mdp chat --peer`` takes
 _PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
 
 
 def _check_peer(endpoint: str) -> None:
-    """A usage error unless *endpoint* is one ``--peer`` takes, saying what
-    it takes (not the MDP endpoint schemes) and what was probably meant."""
+    """A usage error unless ``--peer`` takes *endpoint*, saying what was meant."""
     from mdp.harmony.node import transport_endpoint
     from mdp.transport.registry import bare_address, schemes
 
@@ -379,7 +368,6 @@ def _check_peer(endpoint: str) -> None:
         transport.check(converted)
     except MDPError as e:
         if converted.partition(":")[0] in {scheme.name for scheme in schemes()}:
-            # a scheme we know, something else wrong: say what, as it was given
             raise usage.UsageError(f"--peer: {str(e).replace(repr(converted), repr(endpoint))}"
                                    ) from None
         raise usage.UsageError(f"--peer: bad peer endpoint {endpoint!r}: {_PEER_FORM} "
@@ -471,8 +459,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
 
 
 def _freelance_failure(failure: MDPError, options: FreelanceCallOptions, elapsed: float) -> str:
-    """Why ``mdp freelance-call`` got no reply, in words true of the model
-    used: how many servers were tried, for how long, which."""
+    """Why ``mdp freelance-call`` got no reply, in words true of the model used."""
     from mdp.errors import NoServerAvailable
 
     servers = options["servers"]
@@ -558,9 +545,7 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
 
 async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:
     """Poll Titanic until the reply is there (``--wait``), saying on stderr
-    what it waits for and why, once each time that changes: the reply
-    (pending), Titanic (503: no Titanic serves titanic.reply), the broker
-    (no reply within an attempt's --timeout)."""
+    what it waits for each time that changes."""
     brokers = options["brokers"]
     notes = _WaitNotes(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
     while True:
@@ -599,9 +584,7 @@ async def _poll(client: Any, notes: _WaitNotes, every: float) -> Optional[list[b
 
 
 class _WaitNotes:
-    """What ``mdp titanic result --wait`` has said on stderr: each reason
-    once for as long as it holds (the kind said last, and whether a slow
-    poll was said since)."""
+    """What ``mdp titanic result --wait`` said on stderr: each reason once while it holds."""
 
     def __init__(self, requestId: str, where: str) -> None:
         self.requestId = requestId
@@ -614,22 +597,18 @@ class _WaitNotes:
 
     def say(self, kind: str, why: str) -> None:
         if self.reason != kind:
-            # (a slow poll said before 'pending' is the same wait: not said again)
             self.reason, self.slow = kind, self.slow and kind == "pending"
             self.note(why)
 
     def slowPoll(self) -> None:
-        """A poll slower than --timeout, the reply still due: said once, and
-        not taken for a new reason (a pending answer after it is no news)."""
+        """A poll slower than --timeout: said once, not a new reason."""
         if self.reason in ("", "pending") and not self.slow:
             self.slow = True
             self.note(f"no answer yet from Titanic through {self.where}, still trying")
 
 
 async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
-    """Why a Titanic request timed out, if the broker can say: no worker
-    serves that Titanic service (Titanic is not running, or has just
-    stopped, while the broker still lists the service); else ""."""
+    """Why a Titanic request timed out, if MMI shows no Titanic worker; else ""."""
     service = {"submit": "titanic.request", "result": "titanic.reply"}.get(command, "titanic.close")
     from mdp.majordomo import mmi
 
@@ -744,9 +723,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of the ``mdp`` console script.  Whatever the command is
-    doing, Ctrl-C exits with status 130 and a reader of its output that has
-    gone with 141, neither with a traceback."""
+    """Entry point of the ``mdp`` console script."""
     catch_interrupt(_interrupted)  # until the command starts
     Output.gone = False
     try:
@@ -790,7 +767,6 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     interrupted: list[int] = []
 
     async def guarded(reactor: Any) -> None:
-        """The command; a broken pipe it meets is an exit status, not an error."""
         try:
             await command(reactor, options.subOptions)
         except BrokenPipeError:  # written to outside _emit
@@ -808,7 +784,6 @@ def _main(argv: Optional[Sequence[str]]) -> None:
             interrupted.append(number)
             reactor.callFromThread(stop)
 
-        # Ctrl-C: stop cleanly (leaving chats say so), then exit 130, no traceback;
         # from now on, as the command's first steps run before the reactor does
         catch_interrupt(onInterrupt)
         return defer.ensureDeferred(guarded(reactor))

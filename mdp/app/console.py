@@ -1,7 +1,5 @@
-"""The ``mdp`` console script's entry point: Ctrl-C is the script's own as
-soon as its code runs (exit 130, quietly), and only then is the command line
-(:mod:`mdp.app.cli`, which loads Twisted and ZeroMQ) imported.  Nothing
-slower than :mod:`signal` is imported before that (not even :mod:`typing`)."""
+"""The ``mdp`` entry point: it takes Ctrl-C (exit 130) before importing the slow
+:mod:`mdp.app.cli`, so it imports nothing but :mod:`signal` (not even typing)."""
 
 from __future__ import annotations
 
@@ -21,9 +19,7 @@ def interrupted(number: int, frame: Any) -> None:
 
 
 def catch_interrupt(handler: Callable[[int, Any], None]) -> None:
-    """Make *handler* SIGINT's, unless SIGINT is ignored, as a program
-    started in the background (``nohup``, ``&`` in a script) inherits it:
-    then it stays ignored."""
+    """Make *handler* SIGINT's, unless SIGINT is ignored (started in the background)."""
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, handler)
 

@@ -1,5 +1,4 @@
-"""Twisted services, to add a broker, a worker, a Freelance server or Titanic
-to an existing Application."""
+"""Twisted services running a broker, worker, Freelance server, SP peer or Titanic."""
 
 from __future__ import annotations
 
@@ -22,14 +21,13 @@ log = Logger()
 
 
 class _FailableService(Service):
-    """A service that can fail to start (a port taken, a store unreadable),
-    and then ends the process the way its runner needs (:meth:`_failedToStart`):
-    ``twistd`` calls :meth:`privilegedStartService` first and logs already,
-    ``twist`` calls ``startService`` before it logs or runs the reactor."""
+    """A service that can fail to start (a port taken, a store unreadable).  The
+    failure is logged; with *exitOnFailure* the process exits 1 and later
+    services do not start, else ``startService`` returns the failure."""
 
     #: a failure to start exits 1: True, False, or None for "when twistd runs it"
     exitOnFailure: Optional[bool] = None
-    #: started by twistd (or another runner that calls privilegedStartService first)
+    #: started by a runner that calls privilegedStartService first (twistd)
     _twistd = False
 
     def privilegedStartService(self) -> None:
@@ -37,20 +35,14 @@ class _FailableService(Service):
         super().privilegedStartService()
 
     def _endsProcess(self) -> bool:
-        """A failure to start ends the process: *exitOnFailure*, or, unset
-        (None), when ``twistd`` runs it (an Application's services drop what
-        ``startService`` returns: no one else would see it)."""
+        """A failure to start ends the process: *exitOnFailure*, or if None,
+        under ``twistd`` (which drops what ``startService`` returns)."""
         return self._twistd if self.exitOnFailure is None else self.exitOnFailure
 
     def _failedToStart(self, reactor: Any, failure: Failure, message: str,
                        **fields: Any) -> Optional[Failure]:
-        """This service could not start: log *message* (a format of *fields*)
-        once, and return *failure* unless it ends the process
-        (:meth:`_endsProcess`).  Under ``twist``, before the reactor runs, the
-        line is critical (on stderr at once) and the process exits 1 there and
-        then; otherwise the reactor stops, the services not yet started do
-        not start, and the process exits 1 once it has shut down (``twistd``
-        removes its pid file meanwhile)."""
+        """Log *message* (a format of *fields*) once; return *failure*, or end
+        the process: at once before the reactor runs, else after shutdown."""
         if not self._endsProcess():
             log.error(message, **fields)
             return failure
@@ -63,9 +55,7 @@ class _FailableService(Service):
 
     def _cannotListen(self, what: str, endpoint: str, reactor: Any,
                       failure: Failure) -> Optional[Failure]:
-        """This service's server could not bind *endpoint*: log why, and exit 1
-        where a failure ends the process (the ``twist`` plugins; by default
-        under ``twistd``) rather than run serving nothing."""
+        """This service's server could not bind *endpoint* (see :meth:`_failedToStart`)."""
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
         if not self.running:
@@ -76,23 +66,9 @@ class _FailableService(Service):
 
 class BrokerService(_FailableService):
     """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
-    workers) or to a separate *frontend* (clients) and *backend* (workers).
-
-    Other keyword arguments (``heartbeat``, ``requestExpiry``, ``serviceLinger``,
-    the queue, worker and delivery bounds, ``limits``) go to the
-    :class:`~mdp.majordomo.broker.Broker`.
-
-    Given a *binaryStar* (:class:`~mdp.binarystar.BinaryStar`), the broker is
-    one of a primary/backup pair: the service starts its state exchange
-    before it binds, the broker serves only while it is active, and a fatal
-    error of the pair closes the broker (and, with *exitOnFailure*, exits 1).
-
-    A malformed endpoint raises :class:`~mdp.errors.TransportError` at once.
-    Failing to bind is logged; with *exitOnFailure* (``twist mdp-broker``; by
-    default under ``twistd``) the process then exits 1 rather than idle
-    unbound, and this package's services that start after it do not (a
-    worker would register with whatever holds the port); without it,
-    :meth:`startService`'s Deferred fails."""
+    workers) and/or *backend* (workers); other keyword arguments go to the broker.
+    With a *binaryStar* it serves only while active; a fatal error of the pair
+    closes it.  A malformed endpoint raises :class:`~mdp.errors.TransportError`."""
 
     def __init__(
         self,
@@ -140,7 +116,6 @@ class BrokerService(_FailableService):
 
     def _listen(self) -> defer.Deferred[None]:
         listening = []
-        # (maybeDeferred: an endpoint refused at once fails like one that cannot bind)
         if self.endpoint is not None:
             listening.append(defer.maybeDeferred(self.broker.listen, self.endpoint, clients=True,
                                                  workers=self.backend is None))
@@ -176,16 +151,14 @@ class BrokerService(_FailableService):
 
 
 def _exiting(reactor: Any) -> bool:
-    """A service failed to start and the process is exiting: the services
-    started after it do nothing (a worker would register with whatever
-    holds the port the broker could not bind)."""
+    """A service failed to start and the process is exiting: later services do
+    nothing (a worker would register with whatever holds the broker's port)."""
     return bool(getattr(reactor, "_mdpExiting", False))
 
 
 def _stop_and_exit(reactor: Any, status: int) -> None:
-    """Stop *reactor*; once it has shut down, exit with *status* when Python
-    exits (``twist`` and ``twistd`` always exit 0), after they are done (a
-    pid file removed); once, however many services fail."""
+    """Stop *reactor* and exit with *status* once it has shut down (``twist``
+    and ``twistd`` would exit 0); once, however many services fail."""
     if _exiting(reactor):
         return
     reactor._mdpExiting = True
@@ -194,18 +167,14 @@ def _stop_and_exit(reactor: Any, status: int) -> None:
 
 
 def _exit(status: int) -> None:
-    """Exit at once with *status*.  (From an ``atexit`` handler, as
-    :func:`_stop_and_exit` runs it, the handlers registered before it do
-    not run: Python runs them last first.)"""
+    """Exit at once with *status* (from ``atexit``, earlier handlers do not run)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
 
 
 class WorkerService(Service):
-    """Runs a :class:`~mdp.majordomo.worker.Worker` for one service; the
-    keyword arguments (``heartbeat``, ``backoff``, ``dialect``, ``replies``,
-    ``limits``, ``metrics``, the CURVE keys) go to the worker."""
+    """Runs a :class:`~mdp.majordomo.worker.Worker`; keyword arguments go to it."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
                  handler: Handler, reactor: Optional[Any] = None, **workerOptions: Any) -> None:
@@ -222,10 +191,8 @@ class WorkerService(Service):
 
 
 class MetricsService(_FailableService):
-    """Serves a Prometheus *registry* at ``/metrics`` on *endpoint* (a
-    Twisted server endpoint string: ``tcp:9464:interface=127.0.0.1``) while
-    running.  Failing to listen is logged; with *exitOnFailure* (by default
-    under ``twistd``) the process exits 1, as :class:`BrokerService`'s."""
+    """Serves a Prometheus *registry* at ``/metrics`` on *endpoint*, a Twisted
+    server endpoint string (``tcp:9464:interface=127.0.0.1``)."""
 
     def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None) -> None:
@@ -267,9 +234,7 @@ class MetricsService(_FailableService):
 
 
 class _ServerService(_FailableService):
-    """A server object (``listen(endpoint)``, ``close()``) on one endpoint.
-    A failed bind is logged; with *exitOnFailure* (by default under
-    ``twistd``) the process exits 1."""
+    """A server object (``listen(endpoint)``, ``close()``) on one endpoint."""
 
     endpoint: str
     server: Any
@@ -353,11 +318,7 @@ class SPDeviceService(_FailableService):
 
 
 class TitanicService(_FailableService):
-    """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and
-    store.  A store that cannot be opened (a damaged or unreadable file) is
-    logged; with *exitOnFailure* (as ``twist mdp-titanic`` uses it; by
-    default under ``twistd``) the process then exits with status 1 instead
-    of idling without its data."""
+    """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and store."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: Any,
                  reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,

@@ -1,5 +1,4 @@
-"""``mdp status``: a broker's services and workers as two tables, from its
-``mmi.services`` and ``mmi.workers`` answers, once or every few seconds."""
+"""``mdp status``: a broker's services and workers as two tables, from MMI."""
 
 from __future__ import annotations
 
@@ -13,22 +12,17 @@ from mdp.app.tap import curve_client_of
 from mdp.app.terminal import emit, error, table
 from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
 
-#: seconds ``mdp status`` waits at most for ``mmi.binarystar`` before asking
-#: for the tables anyway (a broker that does not know the query may not answer)
+#: seconds to wait for ``mmi.binarystar``, which a broker may not answer
 BSTAR_PROBE = 1.0
 #: characters of a reply an error message shows at most
 EXCERPT = 200
-#: what reading a reply of the wrong shape raises (RecursionError: JSON
-#: nested too deep)
+#: what reading a reply of the wrong shape raises (RecursionError: deep JSON)
 _MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
-#: clears the terminal before each refresh of ``--watch``
 _CLEAR = "\x1b[H\x1b[2J"
 
 
 class UndescribedReply(ValueError):
-    """An ``mmi.services`` or ``mmi.workers`` reply that is not the JSON
-    ``mdp status`` reads (another MDP broker answers 501, say); the message
-    names the query and shows the start of the reply."""
+    """An ``mmi.services`` or ``mmi.workers`` reply that is not the expected JSON."""
 
     def __init__(self, query: str, reply: list[bytes]) -> None:
         self.query = query
@@ -36,8 +30,7 @@ class UndescribedReply(ValueError):
 
 
 def _excerpt(frames: list[bytes]) -> str:
-    """*frames* as a bytes literal, cut after :data:`EXCERPT` characters
-    (saying how long they were): a reply may be megabytes of anything."""
+    """*frames* as a bytes literal, cut after :data:`EXCERPT` characters."""
     text = repr(frames)
     if len(text) <= EXCERPT:
         return text
@@ -46,8 +39,7 @@ def _excerpt(frames: list[bytes]) -> str:
 
 
 def _listing(reply: list[bytes], what: str) -> tuple[Any, str]:
-    """The JSON of an ``mmi.services`` / ``mmi.workers`` reply, and a note
-    when the broker cut the list short."""
+    """The JSON of an MMI listing, and a note when the broker cut it short."""
     note = ""
     if len(reply) > 1:
         extra = json.loads(reply[1])
@@ -57,9 +49,7 @@ def _listing(reply: list[bytes], what: str) -> tuple[Any, str]:
 
 
 def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
-    """The two tables of ``mdp status``, from the reply bodies of
-    ``mmi.services`` and ``mmi.workers``.  Raises :class:`UndescribedReply`,
-    naming the query, for a reply that is not what it reads."""
+    """The two tables of ``mdp status``; raises :class:`UndescribedReply`."""
     try:
         lines = _services_lines(services)
     except _MALFORMED:
@@ -93,8 +83,7 @@ def _workers_lines(workers: list[bytes]) -> list[str]:
 
 
 async def status(reactor: Any, options: Any) -> None:
-    """Print the tables once, or every ``--watch`` seconds until Ctrl-C (a
-    broker that does not answer is then said, and asked again)."""
+    """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
     from mdp.majordomo.client import Client
 
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
@@ -115,8 +104,7 @@ async def status(reactor: Any, options: Any) -> None:
 
 
 def _framed(lines: list[str], watch: Optional[float]) -> list[str]:
-    """*lines* as one refresh shows them: on a terminal, on a cleared screen;
-    piped, a blank line between refreshes."""
+    """*lines* on a cleared screen (a terminal) or followed by a blank line."""
     if watch is None:
         return lines
     if sys.stdout.isatty():
@@ -125,8 +113,7 @@ def _framed(lines: list[str], watch: Optional[float]) -> list[str]:
 
 
 async def _report(client: Any, options: Any) -> Optional[list[str]]:
-    """The lines of one report, or None once the line on stderr says why
-    the broker did not answer; a reply it cannot read ends the command."""
+    """The lines of one report, or None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
     try:
         if idle is not None and len(options["brokers"]) == 1:
@@ -158,11 +145,9 @@ class _NotServing(MDPError):
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:
-    """Why the broker *client* talks to serves nothing, if it is a broker of
-    a Binary Star pair that does not serve (passive, or a backup that has not
-    heard its primary), from its ``mmi.binarystar`` answer: that query is
-    answered whatever the state and is no vote, where ``mmi.services`` to a
-    passive broker goes unanswered (and is a vote); else None."""
+    """Why the broker serves nothing (a Binary Star broker that is passive or
+    has not heard its primary), else None.  Asks ``mmi.binarystar``: unlike
+    ``mmi.services`` it is answered in any state and is no failover vote."""
     try:
         reply = await client.request("mmi.binarystar", timeout=timeout, retries=1)
         state = json.loads(reply[0])
@@ -181,8 +166,7 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
 
 
 def _passive(passive: str, state: dict[str, Any]) -> str:
-    """What a passive broker's *state* means for a client: its peer serves,
-    or the next request here makes it take over."""
+    """What a passive broker's *state* means for a client."""
     peer, silence = state.get("peer"), state.get("peerSilence")
     failover = state.get("failoverTimeout")
     numbers = all(isinstance(n, (int, float)) for n in (silence, failover))

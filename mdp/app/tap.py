@@ -1,6 +1,4 @@
-"""Command-line options and service makers behind ``twist mdp-broker``,
-``twist mdp-worker``, ``twist mdp-freelance-server`` and ``twist mdp-titanic``
-(the plugin module in ``twisted/plugins`` only exposes them)."""
+"""Options and service makers of the ``twist`` plugins (mdp-broker, mdp-worker, ...)."""
 
 from __future__ import annotations
 
@@ -40,21 +38,16 @@ _UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2,
           "g": 1024 ** 3, "gib": 1024 ** 3}
 
 
-#: the most bytes a byte size may say: what a signed 64-bit size holds (libzmq
-#: and the OS take such sizes; more would overflow them)
+#: the largest byte size: a signed 64-bit size, as libzmq and the OS take
 MAX_BYTE_SIZE = (1 << 63) - 1
-#: the longest payload of a stream record (its length is a uint32, and
-#: 0xFFFFFFFF marks a greeting): --max-message-bytes plus 4 bytes of length
-#: prefix per --max-frames frame must fit it
+#: the longest stream record payload (a uint32 length; 0xFFFFFFFF marks a greeting)
 MAX_RECORD_PAYLOAD = 0xFFFFFFFE
-#: the shortest heartbeat-like interval (--heartbeat, --bstar-heartbeat,
-#: --backoff-max) an option takes: below it a node spends its time beating
+#: the shortest --heartbeat, --bstar-heartbeat or --backoff-max
 MIN_INTERVAL = 0.01
 
 
 def byte_size(value: str) -> int:
-    """A number of bytes, optionally with a binary unit: ``65536``, ``64k``,
-    ``16MiB``, ``1G``; at most :data:`MAX_BYTE_SIZE`."""
+    """Bytes with an optional binary unit (``64k``, ``16MiB``); at most :data:`MAX_BYTE_SIZE`."""
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"not a byte size: {value!r} (try 65536, 64KiB, 16MiB or 1GiB)")
@@ -85,8 +78,7 @@ def _bytes(option: str, least: int) -> Callable[[str], int]:
 
 
 def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], float]:
-    """The coercer of the seconds option *option*: a finite number, positive
-    (or at least *least*); ``nan`` and ``inf`` are refused."""
+    """The coercer of the seconds option *option*: finite, positive or at least *least*."""
     def coerce(value: str) -> float:
         try:
             number = float(value)
@@ -129,8 +121,7 @@ def _dialect(value: str) -> str:
 
 
 def program_name() -> str:
-    """The name the running program was started by: ``twist``, ``twistd``,
-    ``python -m twisted`` (whose ``argv[0]`` is the package's ``__main__.py``)."""
+    """The name the program was started by: ``twist``, ``python -m twisted``, ..."""
     import os
     import sys
 
@@ -148,8 +139,7 @@ _COERCE_FAILED = "Parameter type enforcement failed: "
 
 
 def usage_text(error: usage.UsageError) -> str:
-    """What a usage error says, without the words usage.Options puts before
-    a coercer's message when that message names its option already."""
+    """*error*'s text, without usage.Options' prefix when the message names its option."""
     text = str(error)
     if text.startswith(_COERCE_FAILED) and text[len(_COERCE_FAILED):].startswith("--"):
         return text[len(_COERCE_FAILED):]
@@ -157,23 +147,15 @@ def usage_text(error: usage.UsageError) -> str:
 
 
 def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
-    """A usage mistake in one line: the command as typed (*options*' own),
-    what is wrong, and where the help is."""
+    """A usage mistake in one line: the command, what is wrong, where the help is."""
     command = options.commandName()
     return f"{command}: {usage_text(error)} (see {command} --help)"
 
 
 class VersionedOptions(usage.Options):
-    """The base of our option parsers: ``--version`` says txmajordomo's
-    version (usage.Options would print Twisted's), ``-h`` is ``--help``, and
-    ``--help`` starts with one usage line naming the command and its
-    arguments (``Usage: twist [options] mdp-worker --service NAME ...``,
-    ``Usage: mdp call ...``).
-
-    Run as a plugin of a program that is not ours (``twist``, ``twistd``),
-    a usage mistake is one line on stderr ending with where the help is,
-    and exit status :data:`EXIT_USAGE`: ``twist`` would print it above the
-    whole help text, off the screen."""
+    """The base of our option parsers: txmajordomo's ``--version``, ``-h``, a
+    usage line naming the command.  Under ``twist`` a usage mistake is one line
+    on stderr and exit status :data:`EXIT_USAGE`, not the whole help text."""
 
     #: what the usage line of a parser with no parent starts with
     programName: Optional[str] = None
@@ -215,8 +197,7 @@ class VersionedOptions(usage.Options):
             raise SystemExit(EXIT_USAGE) from None
 
     def parseArgs(self, *args: str) -> None:
-        """No arguments, only options (usage.Options would say only "Wrong
-        number of arguments")."""
+        """Refuse arguments, naming the first one."""
         if args:
             raise usage.UsageError(f"unexpected argument {args[0]!r}: "
                                    f"{self.commandName()} takes options only")
@@ -240,9 +221,7 @@ class _HeartbeatOptions(VersionedOptions):
     ]
 
     def heartbeatPolicy(self) -> HeartbeatPolicy:
-        """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and
-        --liveness; a usage error if they make none (postOptions asks, so
-        that it comes out while the options are read)."""
+        """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
         try:
             return HeartbeatPolicy(self["heartbeat"], self["liveness"])
         except ValueError as e:
@@ -252,7 +231,6 @@ class _HeartbeatOptions(VersionedOptions):
 
 _DEFAULT_LIMITS = Limits()
 
-#: --max-message-bytes and --max-frames, for every role
 _MESSAGE_OPTIONS: list[Any] = [
     ["max-message-bytes", None, _DEFAULT_LIMITS.maxMessageBytes,
      "Largest message sent or received, in bytes of frames (the same on every node); with "
@@ -261,7 +239,6 @@ _MESSAGE_OPTIONS: list[Any] = [
     ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.",
      _whole("max-frames", 8)],
 ]
-#: what a listening node allows each peer
 _PEER_OPTIONS: list[Any] = [
     ["max-output-bytes", None, _DEFAULT_LIMITS.maxOutputBytes,
      "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.",
@@ -279,10 +256,8 @@ _PEER_OPTIONS: list[Any] = [
 
 def checked_endpoints(value: Optional[str], role: str, option: str,
                       example: str = DEFAULT_ENDPOINT) -> list[str]:
-    """The comma-separated endpoints of *option*, each checked for *role*;
-    a bad one is a usage error naming the option, and so is an empty one
-    (``--broker ''``, ``--broker "$A,$B"`` with B unset): not given is
-    None, which is no endpoint."""
+    """The comma-separated endpoints of *option*, checked for *role* (None: none).
+    A bad or empty one (``--broker "$A,$B"`` with B unset) is a usage error."""
     if value is None:
         return []
     endpoints = [e.strip() for e in value.split(",")]
@@ -298,8 +273,7 @@ def checked_endpoints(value: Optional[str], role: str, option: str,
 
 
 def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[str]:
-    """The one endpoint of *option*, checked for *role* (a list is a usage
-    error: a node listens on one endpoint an option)."""
+    """The one endpoint of *option*, checked for *role*; a list is a usage error."""
     endpoints = checked_endpoints(value, role, option)
     if len(endpoints) > 1:
         raise usage.UsageError(f"--{option} takes one endpoint, not {len(endpoints)}")
@@ -307,9 +281,7 @@ def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[s
 
 
 class BrokerListOptions(VersionedOptions):
-    """``--broker`` / ``-b``, given once per broker (or with commas) for a
-    failover list such as a Binary Star pair; after parsing, ``self["brokers"]``
-    is the checked list (the default endpoint when none is given)."""
+    """``--broker``/``-b``, repeatable for failover; parsed into ``self["brokers"]``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -333,16 +305,15 @@ _LIMIT_OPTIONS = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFram
 
 
 def limits_of(options: usage.Options) -> Limits:
-    """The :class:`~mdp.policy.Limits` the parsed *options* ask for; a usage
-    error if they make none, or a message too large for a stream record
-    (postOptions asks, so that it comes out while the options are read)."""
+    """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or
+    too large for a stream record."""
     given = {field: options[option] for option, field in _LIMIT_OPTIONS.items()
              if option in options}
     try:
         limits = Limits(**given)
     except ValueError as e:
         raise usage.UsageError(str(e)) from None
-    prefixes = 4 * limits.maxFrames  # a frame's length takes 4 bytes of the record
+    prefixes = 4 * limits.maxFrames
     if prefixes >= MAX_RECORD_PAYLOAD:
         raise usage.UsageError(
             f"--max-frames {limits.maxFrames} is too large: with 4 bytes of length each, "
@@ -358,11 +329,7 @@ def limits_of(options: usage.Options) -> Limits:
 
 def loaded_handler(options: usage.Options, command: str, load: Any) -> Any:
     """``load(options["handler"])``, once, kept as ``options["handler-callable"]``.
-
-    A handler that cannot be loaded is a usage mistake, found before anything
-    starts: one line on stderr naming the command and the handler, exit status
-    2 (``twist`` would print its whole help text and exit 64 for a
-    UsageError)."""
+    A failure is one line on stderr and exit status 2, before anything starts."""
     if "handler-callable" not in options:
         from mdp.errors import MDPError
 
@@ -376,7 +343,6 @@ def loaded_handler(options: usage.Options, command: str, load: Any) -> Any:
     return options["handler-callable"]
 
 
-#: --metrics, for the roles that can serve Prometheus metrics
 _METRICS_OPTIONS: list[Any] = [
     ["metrics", None, None, "Serve Prometheus metrics at /metrics on this Twisted endpoint "
      "(e.g. tcp:9464:interface=127.0.0.1)."],
@@ -403,8 +369,7 @@ def checked_metrics(options: usage.Options) -> None:
 
 
 def metrics_of(options: usage.Options, kind: str) -> Any:
-    """A fresh ``mdp.metrics.<kind>`` when --metrics was given, else None
-    (a node without one counts nothing)."""
+    """A fresh ``mdp.metrics.<kind>`` when --metrics was given, else None."""
     if not options["metrics"]:
         return None
     import mdp.metrics
@@ -413,8 +378,7 @@ def metrics_of(options: usage.Options, kind: str) -> Any:
 
 
 def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
-    """*service*, with a :class:`~mdp.app.service.MetricsService` beside it
-    when --metrics was given (one parent service holds both)."""
+    """*service*, under one parent with a :class:`~mdp.app.service.MetricsService` if asked."""
     if metrics is None:
         return service
     from twisted.application.service import MultiService
@@ -427,14 +391,12 @@ def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
     return parent
 
 
-#: CURVE on zmq: endpoints, for the roles that serve
 _CURVE_SERVER_OPTIONS: list[Any] = [
     ["curve-secret", None, None, "CURVE: this server's secret key file (NAME.key_secret, "
      "from 'mdp keygen NAME'); zmq: endpoints become encrypted."],
     ["curve-allow", None, None, "CURVE: a directory of the public keys (*.key) of the peers "
      "let in; without it any peer with a key is."],
 ]
-#: CURVE on zmq: endpoints, for the roles that connect
 CURVE_CLIENT_OPTIONS: list[Any] = [
     ["curve-server-public", None, None, "CURVE: the broker's public key file (NAME.key)."],
     ["curve-secret", None, None, "CURVE: this peer's secret key file (NAME.key_secret); "
@@ -444,10 +406,8 @@ CURVE_CLIENT_OPTIONS: list[Any] = [
 
 
 def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[str]]) -> None:
-    """--curve-secret and --curve-allow, read now: a missing or wrong file
-    is a usage mistake, and so is a listener of *listeners* (option: endpoint)
-    that would take peers from other machines unauthenticated beside them
-    (:func:`mdp.transport.curve_listen_for`)."""
+    """Check --curve-secret and --curve-allow, and each of *listeners* (option:
+    endpoint) against them (:func:`mdp.transport.curve_listen_for`)."""
     from mdp.transport.curve import curve_server
 
     try:
@@ -469,9 +429,7 @@ def curve_client_of(options: usage.Options) -> dict[str, Any]:
 
 
 def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
-    """--curve-server-public and --curve-secret, read now, for the
-    *endpoints* the peer connects to (keys none of them would use, or one
-    cannot, are a usage mistake: :func:`mdp.transport.curve_client_for`)."""
+    """Check the client CURVE keys for *endpoints* (:func:`mdp.transport.curve_client_for`)."""
     try:
         transport.curve_client_for(endpoints, options["curve-server-public"],
                                    options["curve-secret"])
@@ -686,8 +644,7 @@ class WorkerServiceMaker:
 
 
 def _pending_options(beyond: str) -> list[Any]:
-    """``--max-pending`` and ``--max-pending-bytes`` of a server that runs
-    handlers; *beyond* says what becomes of a request over them."""
+    """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
     return [
         ["max-pending", None, DEFAULT_MAX_PENDING,
          f"Most requests being handled at once; beyond, requests are {beyond}.",
@@ -751,8 +708,7 @@ class FreelanceServerServiceMaker:
 
 
 def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
-    """*value*, an SP endpoint (an nng URL or one of ours) that *option*
-    gives to listen on or connect to; a usage error saying what is wrong."""
+    """*value*, checked as an SP endpoint (nng URL or ours) to listen on or connect to."""
     from mdp.sp.codec import endpoint_of
     from mdp.transport.registry import bare_address
 

@@ -1,7 +1,5 @@
-"""What the ``mdp`` command writes: reply frames and tables on standard
-output, one-line errors on stderr, with peers' text escaped so it cannot
-drive the terminal, and a reader of standard output that has gone (a broken
-pipe) taken as an exit status rather than an error."""
+"""What the ``mdp`` command writes: escaped frames and tables on stdout, one-line
+errors on stderr; a broken pipe is an exit status, not an error."""
 
 from __future__ import annotations
 
@@ -9,8 +7,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-#: the reader of standard output has gone (128 + SIGPIPE, as for a process the
-#: signal killed): ``mdp call ... | head -1``
+#: stdout's reader has gone (128 + SIGPIPE): ``mdp call ... | head -1``
 EXIT_BROKEN_PIPE = 141
 
 
@@ -24,9 +21,7 @@ def show(frame: bytes) -> str:
 
 
 def printable(text: str) -> str:
-    """*text* with its unprintable characters (terminal escape codes among
-    them) escaped, ``\\x1b`` for ESC: names and error texts from peers are
-    printed through it."""
+    """*text* with unprintable characters (terminal escapes) escaped: for peers' text."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
@@ -46,9 +41,7 @@ class Output:
 
 
 def divert_output() -> None:
-    """Point standard output at /dev/null once its reader has gone, so that
-    nothing written later (the interpreter's last flush among it) fails
-    again; the exit status is then :data:`EXIT_BROKEN_PIPE`."""
+    """Point stdout at /dev/null once its reader has gone, so later writes do not fail."""
     Output.gone = True
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
@@ -58,8 +51,7 @@ def divert_output() -> None:
 
 
 def emit(*lines: str) -> bool:
-    """Write *lines* to standard output and flush it; False (and nothing
-    raised) when its reader has gone."""
+    """Write *lines* to stdout and flush; False when its reader has gone."""
     if Output.gone:
         return False
     try:
@@ -72,14 +64,12 @@ def emit(*lines: str) -> bool:
 
 
 def print_frames(frames: list[bytes]) -> bool:
-    """The reply frames, one per line (:func:`show`); False when standard
-    output's reader has gone."""
+    """Print *frames*, one per line (:func:`show`); False when stdout's reader has gone."""
     return emit(*(show(frame) for frame in frames))
 
 
 def table(headings: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int]) -> list[str]:
-    """Lines of a plain text table; the columns numbered in *right* are
-    aligned right (numbers)."""
+    """Lines of a plain text table; the columns numbered in *right* align right."""
     cells = [list(headings)] + [[printable(str(cell)) for cell in row] for row in rows]
     widths = [max(len(row[n]) for row in cells) for n in range(len(headings))]
     return ["  ".join(cell.rjust(widths[n]) if n in right else cell.ljust(widths[n])

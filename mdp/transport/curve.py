@@ -1,18 +1,11 @@
 """CURVE on the ZeroMQ transport: encrypted links, and servers that know who
 their peers are.
 
-A server (a broker, a Freelance server) has a key pair and, usually, an
-allow-list: a directory of the public-key certificates of the peers it
-accepts, in ZeroMQ's format (``mdp keygen NAME`` writes ``NAME.key`` and
-``NAME.key_secret``).  Peers know the server's public key and have key pairs
-of their own.  The server's ZAP handler (pyzmq's :mod:`zmq.auth`, one thread
-per process) checks each peer's key during the handshake: a peer with an
-unknown key, no key, or the wrong server key gets nothing through.  A peer it
-accepts is known by its public key (Z85, 40 characters): the identity an
-access policy (:class:`mdp.policy.AccessPolicy`) names.
-
-The allow-list is read when the server starts listening; restart it (or
-listen again) to take in new certificates.
+A server has a key pair and usually an allow-list: a directory of peers'
+public-key certificates (``mdp keygen NAME``), read when it starts listening.
+A ZAP handler (pyzmq's :mod:`zmq.auth`, one thread per process) checks each
+peer's key in the handshake; an accepted peer's identity, for an access
+policy, is its public key in Z85.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from mdp.policy import LogThrottle
 
 log = Logger()
 
-#: What ``mdp keygen`` writes and the options read: pyzmq's file names.
+#: pyzmq's key file names, as ``mdp keygen`` writes them.
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 
@@ -61,9 +54,8 @@ def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
 
 @attrs.frozen
 class CurveServer:
-    """A server's key pair and whom it accepts: the public keys in
-    *allow* (a directory of certificates), or anyone with a key if
-    *allow* is None (encryption without authentication)."""
+    """A server's key pair and whom it accepts: the keys in *allow*, or anyone
+    with a key if None (encryption without authentication)."""
 
     publicKey: bytes
     secretKey: bytes = attrs.field(repr=False)
@@ -72,8 +64,7 @@ class CurveServer:
 
     @classmethod
     def fromFiles(cls, secretFile: str, allowDir: Optional[str] = None) -> CurveServer:
-        """Read the pair from *secretFile* (``NAME.key_secret``) and the
-        accepted keys from the ``*.key`` files in *allowDir*."""
+        """Read *secretFile* (``NAME.key_secret``) and the ``*.key`` files in *allowDir*."""
         public, secret = _load(secretFile, secret=True)
         allow = None
         if allowDir is not None:
@@ -90,22 +81,20 @@ class CurveServer:
         return cls(public, secret, allow, allowDir)
 
     def apply(self, socket: Any, domain: str) -> None:
-        """Make *socket* (before it binds) a CURVE server checked by ZAP
-        under *domain*."""
+        """Make *socket* (before it binds) a CURVE server checked by ZAP under *domain*."""
         zmq = _zmq()
         socket.setsockopt(zmq.CURVE_SERVER, 1)
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
         socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-        # no ZAP handler (stopped at shutdown, say): refuse, never let in
+        # without a ZAP handler (stopped at shutdown), refuse
         socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 @attrs.frozen
 class CurveClient:
-    """What a peer needs to reach a CURVE server: the server's public key
-    and a key pair of its own (a fresh one for this process if none is
-    given: then only a server that accepts any key lets it in)."""
+    """The server's public key and the peer's own pair (made up if none is given,
+    which only a server without an allow-list lets in)."""
 
     serverKey: bytes
     publicKey: bytes
@@ -130,9 +119,7 @@ class CurveClient:
 
 
 def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional[CurveServer]:
-    """A node's constructor arguments (``curveSecret``, ``curveAllow``) as a
-    :class:`CurveServer`, or None without a secret; raises at once for a
-    missing or wrong file."""
+    """``curveSecret`` and ``curveAllow`` as a :class:`CurveServer` (None without a secret)."""
     if secretFile is None:
         if allowDir is not None:
             raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
@@ -143,9 +130,7 @@ def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional
 
 def curve_client(serverPublicFile: Optional[str],
                  secretFile: Optional[str]) -> Optional[CurveClient]:
-    """A peer's constructor arguments (``curveServerPublic``,
-    ``curveSecret``) as a :class:`CurveClient`, or None without a server
-    key."""
+    """``curveServerPublic`` and ``curveSecret`` as a :class:`CurveClient`, or None."""
     if serverPublicFile is None:
         if secretFile is not None:
             raise ValueError("curveSecret needs curveServerPublic: the server's public key")
@@ -162,13 +147,12 @@ class _Gate:
         self.endpoint = endpoint
         self.reactor = reactor
         self.refused = refused
-        #: a flood of hostile handshakes is counted, not a line each
         self.throttle = LogThrottle(reactor)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if self.allow is None or key in self.allow:
             return True
-        # in the ZAP thread: logged and counted from the reactor's
+        # in the ZAP thread: log and count in the reactor's
         self.reactor.callFromThread(self._refused, key.decode("ascii", "replace"))
         return False
 
@@ -190,8 +174,7 @@ _DENY_ALL = _DenyAll()
 
 
 class _ZapHandler:
-    """The process's ZAP handler (pyzmq's thread authenticator) for one
-    ZeroMQ context, with one domain per CURVE server."""
+    """The ZAP handler of one ZeroMQ context, with a domain per CURVE server."""
 
     def __init__(self, context: Any) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -206,8 +189,7 @@ class _ZapHandler:
         return domain
 
     def remove(self, domain: str) -> None:
-        # replaced, not removed: the ZAP thread may be between its lookup
-        # of the domain and its use
+        # replaced, not removed: the ZAP thread may be using the lookup
         self.authenticator.credentials_providers[domain] = _DENY_ALL
 
     def stop(self) -> None:
@@ -220,10 +202,9 @@ _lock = threading.Lock()
 
 def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
                beforeTerm: Optional[set[Any]] = None, refused: Optional[Any] = None) -> str:
-    """Register *server*'s allow-list with the ZAP handler of *context*
-    (started the first time), as a domain of its own; the handler stops
-    before the context terminates (a callable added to *beforeTerm*).
-    *refused()* is called, in the reactor's thread, for each key refused."""
+    """Register *server*'s allow-list as a new domain of *context*'s ZAP handler,
+    started the first time and stopped by a callable added to *beforeTerm*.
+    *refused()* is called in the reactor's thread for each key refused."""
     with _lock:
         zap = _zaps.get(id(context))
         if zap is None:
@@ -247,19 +228,17 @@ def forget_domain(context: Any, domain: str) -> None:
 
 
 def keygen(name: str, directory: str = ".") -> tuple[str, str]:
-    """Write a new key pair as ``NAME.key`` (public) and ``NAME.key_secret``
-    in *directory*, in pyzmq's certificate format; refuses to overwrite.
-    Returns the two paths; ``ValueError`` saying why when they cannot be
-    written (neither is left then)."""
+    """Write ``NAME.key`` and ``NAME.key_secret`` in *directory*; return their paths.
+    ``ValueError`` (and no file left) if they exist or cannot be written."""
     import zmq.auth
 
     paths = _key_paths(name, directory)
-    # the secret file is never readable by others, not even for a moment
+    # the secret file is never readable by others, even for a moment
     mask = os.umask(0o077)
     try:
         public, secret = zmq.auth.create_certificates(directory, name)
         os.chmod(public, 0o644)
-    except OSError as e:  # not writable, full, ...: no half pair left behind
+    except OSError as e:  # no half pair left behind
         for path in paths:
             try:
                 os.unlink(path)
@@ -273,8 +252,7 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
 
 
 def _key_paths(name: str, directory: str) -> list[str]:
-    """The two files of key pair *name* in *directory*; ``ValueError`` if
-    *name* is no plain file name, or either file exists already."""
+    """The two files of key pair *name*; ``ValueError`` for a bad name or existing file."""
     if not name or os.sep in name or (os.altsep and os.altsep in name):
         raise ValueError(f"a key name is a plain file name, not {name!r}")
     if not os.path.isdir(directory):

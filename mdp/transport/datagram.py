@@ -1,25 +1,16 @@
 """Datagram transports, for discovery beacons: ``udp:`` and ``loopback:``.
 
-=========================================  ==========================================
-``udp:5670``                               UDP port 5670 on the first interface that is
-                                           up and not loopback, to its subnet's
-                                           broadcast address; with none (a network
-                                           namespace with only ``lo``), 127.0.0.1 and
-                                           multicast group 225.25.25.25
-``udp:5670:interface=eth0``                that interface (a name or an address)
-``udp:5670:interface=127.0.0.1``           loopback: multicast, as no broadcast works
-``udp:5670:group=239.1.2.3``               multicast to that group
-``udp:5670:broadcast=10.0.0.255``          broadcast to that address
-``loopback:NAME:host=10.0.0.1``            in memory, for deterministic tests: every
-                                           socket on network NAME hears every datagram
-                                           sent on it (its own too), from *host*
-=========================================  ==========================================
+=================================  ==================================================
+``udp:5670``                       the first non-loopback interface, to its subnet's
+                                   broadcast address (none: 127.0.0.1, multicast)
+``udp:5670:interface=eth0``        that interface (a name or an address)
+``udp:5670:group=239.1.2.3``       multicast to that group
+``udp:5670:broadcast=10.0.0.255``  broadcast to that address
+``loopback:NAME:host=10.0.0.1``    in memory: every socket on NAME hears every datagram
+=================================  ==================================================
 
-The socket is bound to the port on every address with ``SO_REUSEADDR`` and
-``SO_REUSEPORT``, so several nodes on one machine (and other ZRE
-implementations) share it; broadcast and multicast datagrams reach them all.
-Multicast is sent with TTL 1 (the local network) and loops back to this
-machine.
+The port is shared (``SO_REUSEPORT``) by every node on the machine; multicast
+has TTL 1 and loops back.
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ from mdp.transport.registry import check_port, split_description
 
 log = Logger()
 
-#: The multicast group beacons go to where broadcast cannot (loopback), as
-#: Zyre and zeromq-pyre do.
+#: The multicast group beacons go to on loopback, as Zyre's do.
 DEFAULT_GROUP = "225.25.25.25"
 
 
@@ -53,12 +43,10 @@ class DatagramSpec:
     endpoint: str
     scheme: str
     port: int
-    #: our address (the source of what we send)
     host: str
-    #: where datagrams go (a broadcast address or a multicast group)
+    #: a broadcast address or a multicast group
     destination: str
     multicast: bool
-    #: the loopback network's name
     network: str = ""
 
 
@@ -76,9 +64,8 @@ def _adapters() -> list[tuple[str, ipaddress.IPv4Interface]]:
 
 
 def pick_interface(interface: Optional[str] = None) -> ipaddress.IPv4Interface:
-    """The IPv4 address (with its prefix) beacons use: *interface* (a name or
-    an address of this machine), or the first that is neither loopback nor
-    link-local, or 127.0.0.1/8 when there is none."""
+    """The IPv4 address/prefix beacons use: *interface* (a name or address), or
+    the first neither loopback nor link-local, else 127.0.0.1/8."""
     adapters = _adapters()
     if interface is None:
         return next((address for _, address in adapters
@@ -94,8 +81,7 @@ def pick_interface(interface: Optional[str] = None) -> ipaddress.IPv4Interface:
 
 
 def resolve(endpoint: str) -> DatagramSpec:
-    """Check a datagram *endpoint* and work out its addresses; raises
-    :class:`TransportError` for anything unusable."""
+    """Check a datagram *endpoint* and work out its addresses, or raise :class:`TransportError`."""
     if not isinstance(endpoint, str):
         raise TransportError(f"a datagram endpoint is a string, not {type(endpoint).__name__}")
     scheme, _, rest = endpoint.partition(":")
@@ -131,10 +117,7 @@ def _udp(endpoint: str, args: list[str], kwargs: dict[str, str]) -> DatagramSpec
 
 def _destination(endpoint: str, kwargs: dict[str, str],
                  address: ipaddress.IPv4Interface) -> tuple[str, bool]:
-    """Where a udp: endpoint sends from *address*, and whether that is a
-    multicast group: its group or broadcast address, else the subnet's
-    broadcast address (the default group on loopback, where broadcast does
-    not work)."""
+    """Where a udp: endpoint sends from *address*, and whether it is a multicast group."""
     if "group" in kwargs:
         group = kwargs["group"]
         if not _is_ipv4(group) or not ipaddress.IPv4Address(group).is_multicast:
@@ -161,10 +144,8 @@ def _is_ipv4(text: str) -> bool:
 
 def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
                    reactor: Optional[Any] = None) -> defer.Deferred[IDatagramTransport]:
-    """Listen on the datagram *endpoint* (see the module's table); the
-    Deferred fires with an :class:`IDatagramTransport`.  A malformed endpoint
-    raises :class:`TransportError` at once; a socket that cannot be set up
-    fails the Deferred with one."""
+    """Listen on the datagram *endpoint*; a Deferred of an :class:`IDatagramTransport`.
+    Raises :class:`TransportError` for a malformed endpoint, fails with one later."""
     spec = resolve(endpoint)
     reactor = default_reactor(reactor)
     if spec.scheme == "loopback":
@@ -184,8 +165,7 @@ class _UDPProtocol(DatagramProtocol):
 
 @implementer(IDatagramTransport)
 class UDPDatagrams:
-    """A UDP socket bound to the port on every address, shared with other
-    listeners of the port, sending to a broadcast address or a group."""
+    """A shared UDP socket sending to a broadcast address or a group."""
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any) -> None:
         self.spec = spec
@@ -232,7 +212,7 @@ class UDPDatagrams:
             return
         try:
             self.protocol.transport.write(data, (self.spec.destination, self.spec.port))
-        except Exception as e:  # the network is down, unreachable, ...: try again next time
+        except Exception as e:  # the network is down: try again next time
             self.throttle.warn(log, "send", "cannot send a datagram to {to}:{port} from {host}: "
                                "{error}", to=self.spec.destination, port=self.spec.port,
                                host=self.host, error=e)
@@ -256,8 +236,8 @@ network = LoopbackDatagramNetwork()
 
 @implementer(IDatagramTransport)
 class LoopbackDatagrams:
-    """An in-memory datagram socket: every member of the named network hears
-    what any member sends (itself included), one reactor turn later."""
+    """An in-memory datagram socket: every member of the network hears what any
+    sends (itself too), one reactor turn later."""
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any, *,
                  net: LoopbackDatagramNetwork = network) -> None:

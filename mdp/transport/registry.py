@@ -1,15 +1,10 @@
-"""Endpoint schemes and the transports behind them.
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``unix:``, ``loopback:``, ...) and the
+transports behind them.
 
-An endpoint string starts with a scheme (``zmq:``, ``tcp:``, ``unix:``,
-``loopback:``, ...).  Each scheme is registered once, as a :class:`Scheme`: a
-``check`` that validates an endpoint synchronously, before anything starts,
-and factories that listen on it or connect to it.  A new transport is one
-module plus one :func:`register` call; nothing else changes.
-
-Every mistake in an endpoint string (an unknown scheme, a missing port, a port
-out of range, a pyzmq or nng URL where one of ours is expected) raises one
-:class:`~mdp.errors.TransportError` naming the endpoint and, where it helps,
-what was probably meant.
+Each scheme is one :class:`Scheme`: a synchronous ``check`` and factories
+that listen or connect; a new transport is one :func:`register` call.  Any
+mistake in an endpoint raises a :class:`~mdp.errors.TransportError` naming
+it and, where it helps, what was probably meant.
 """
 
 from __future__ import annotations
@@ -31,30 +26,23 @@ not usable for *role* (:data:`LISTEN` or :data:`CONNECT`)."""
 
 @attrs.frozen
 class Scheme:
-    """What one endpoint scheme offers.
-
-    *listen* is ``(endpoint, receiver, reactor, limits) -> Deferred`` firing
-    with an :class:`~mdp.interfaces.IRouterTransport`; *connect* is
-    ``(endpoint, receiver, reactor, limits, retryPolicy, identity) ->
-    IDealerTransport``.  Either may be ``None`` for a scheme that only does
-    the other."""
+    """One endpoint scheme.  *listen* is ``(endpoint, receiver, reactor, limits)
+    -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
+    reactor, limits, retryPolicy, identity) -> IDealerTransport``; or None."""
 
     name: str
     check: Check
     listen: Optional[Callable[..., Any]] = None
     connect: Optional[Callable[..., Any]] = None
-    #: one line saying what the scheme is and how its endpoints look
+    #: one line: what the scheme is and how its endpoints look
     summary: str = ""
     #: connect() can choose the identity the far side sees
     identities: bool = False
-    #: the medium has a connection per peer, so its loss is reported
-    #: (``peerDisconnected``, ``connectionLost``); ZeroMQ hides connections
+    #: a connection per peer, whose loss is reported (not ZeroMQ)
     connections: bool = True
-    #: listen and connect take ``security=`` (ZeroMQ: a CurveServer, a
-    #: CurveClient); stream endpoints carry theirs in the string (``ssl:``)
+    #: listen and connect take ``security=`` (a CurveServer, a CurveClient)
     secure: bool = False
-    #: ``(endpoint, reactor, limits, retryPolicy) -> IDealerChannels``: many
-    #: pipes over one connection (None: each pipe connects alone)
+    #: ``(endpoint, reactor, limits, retryPolicy) -> IDealerChannels``, or None
     channels: Optional[Callable[..., Any]] = None
 
 
@@ -69,7 +57,7 @@ def register(scheme: Scheme, *, replace: bool = False) -> None:
 
 
 def unregister(name: str) -> None:
-    """Forget the scheme *name* (tests that register their own use this)."""
+    """Forget the scheme *name*."""
     _schemes.pop(name, None)
 
 
@@ -120,21 +108,17 @@ def _tcp_hint(rest: str, role: str) -> str:
     return f"did you mean zmq:tcp://{zmqHost}:{zmqPort} (ZeroMQ) or {stream} (framed TCP)?"
 
 
-#: ``HOST:PORT`` with no scheme: a host name, an IPv4 address, ``*``, or an
-#: IPv6 address in brackets; a port number (or ``*``)
+#: ``HOST:PORT`` with no scheme (host: a name, IPv4, ``*`` or ``[IPv6]``)
 _BARE_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                    r":(?:\d+|\*)$")
 
 
-#: ZeroMQ's transports, which a ``zmq:`` endpoint names (``ipc:5555`` is
-#: one of them without ``zmq:``, not a host called ipc)
+#: ZeroMQ's transports, which a ``zmq:`` endpoint names
 _ZMQ_TRANSPORTS = frozenset({"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "udp", "vmci"})
 
 
 def bare_address(endpoint: str) -> Optional[str]:
-    """*endpoint* if it is a bare ``HOST:PORT`` (``localhost:5555``,
-    ``127.0.0.1:5555``, ``[::1]:5555``) whose host is no endpoint scheme,
-    else None: an address given where an endpoint was wanted."""
+    """*endpoint* if it is a bare ``HOST:PORT`` whose host is no scheme, else None."""
     if not _BARE_ADDRESS.match(endpoint):
         return None
     name = endpoint.partition(":")[0]
@@ -142,8 +126,7 @@ def bare_address(endpoint: str) -> Optional[str]:
 
 
 def lookup(endpoint: object, role: str) -> Scheme:
-    """The :class:`Scheme` for *endpoint*, after checking *endpoint* for
-    *role*; raises :class:`TransportError` for anything unusable."""
+    """The :class:`Scheme` for *endpoint*, checked for *role*; raises :class:`TransportError`."""
     if not isinstance(endpoint, str):
         raise TransportError(f"an endpoint is a string, not {type(endpoint).__name__}: {endpoint!r}")
     if _URL.match(endpoint) and endpoint.partition(":")[0] not in ("zmq", "loopback"):
@@ -176,8 +159,7 @@ def check(endpoint: object, role: str = CONNECT) -> None:
 
 
 def _twisted_plugin_scheme(name: str) -> Optional[Scheme]:
-    """A stream scheme for an endpoint type a Twisted plugin provides (say
-    ``tor:``): Twisted knows how to reach it, we frame messages over it."""
+    """A stream scheme over an endpoint type a Twisted plugin provides (``tor:``)."""
     from twisted.internet import endpoints
     from twisted.plugin import getPlugins
 
@@ -210,8 +192,7 @@ def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
 
 
 def check_port(endpoint: str, port: Optional[str], role: str, wildcard: bool = False) -> None:
-    """A port is an integer in 1..65535 (0, or ``*`` with *wildcard*, when
-    listening, for one the OS picks)."""
+    """A port is 1..65535; listening, also 0 (or ``*`` with *wildcard*): the OS picks."""
     if not port:
         pick = "" if role == CONNECT else " (0 lets the OS pick one)"
         raise TransportError(f"bad endpoint {endpoint!r}: no port; add one, e.g. :port=5555{pick}")
