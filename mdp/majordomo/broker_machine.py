@@ -105,8 +105,6 @@ def _who(identity: Optional[str]) -> str:
 
 @action_class
 class Send:
-    """Send *frames* to the peer *key*."""
-
     key: PeerKey
     frames: list[bytes]
 
@@ -159,8 +157,6 @@ class WorkerChanged:
 
 @action_class
 class Requested:
-    """A client request for *service* arrived (while ``observed``)."""
-
     service: bytes
 
 
@@ -229,11 +225,9 @@ class BrokerMachine(Machine):
         self.maxServiceWorkers = maxServiceWorkers
         self.maxDeliveries = maxDeliveries
         self.limits = limits
-        #: asked before a client request is taken or a worker registered
         self.admission = admission
         #: who may call and serve what (None: anyone, anything)
         self.access = access
-        #: emit Requested, Assigned and Replied
         self.observed = observed
         self._assignments = itertools.count(1)
         self.reset()
@@ -278,7 +272,6 @@ class BrokerMachine(Machine):
         return self._drain()
 
     def handleTick(self, now: float) -> list[Action]:
-        """The periodic tick (every ``wakeEvery`` seconds)."""
         self.now = now
         self._tick(now)
         return self._drain()
@@ -375,7 +368,6 @@ class BrokerMachine(Machine):
 
     def _received(self, key: PeerKey, frames: list[bytes], clients: bool, workers: bool,
                   identity: Optional[str]) -> None:
-        """Every message: decoded by the codec, the one check of its form."""
         dialect, body = split(frames)
         if dialect is not RFC:
             # the codec reads non-RFC frames only as bytes
@@ -449,7 +441,6 @@ class BrokerMachine(Machine):
             self._emit(Replied(request.service, None, request.client[1]))
 
     def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
-        """The admission and the access policy let *request* in."""
         return ((self.admission is None or self._admitClient(request))
                 and (self.access is None or self._mayCall(request, identity)))
 
@@ -497,7 +488,6 @@ class BrokerMachine(Machine):
     def _enqueue(self, service: Optional[ServiceQueue], request: PendingRequest) -> None:
         if service is None:
             service = self._service(request.service)
-            # no worker has registered for it: its requests wait unknownServiceExpiry
             service.unknownUntil = deadline = self._unknownDeadline()
             service.askedAt = self.now
             if not self._unknown:
@@ -553,7 +543,6 @@ class BrokerMachine(Machine):
 
     def _fromWorker(self, worker: WorkerRef, kind: type, address: bytes,
                     body: Sequence[bytes]) -> None:
-        """A command of a registered worker (*address*: its envelope)."""
         worker.liveness.heard(self.now)
         if kind is WorkerFinal or kind is WorkerPartial:
             request = worker.current
@@ -725,7 +714,6 @@ class BrokerMachine(Machine):
             self._assign(worker, service.nextRequest())
 
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
-        """Send *request* to the idle *worker*, under a new envelope."""
         worker.state = BUSY
         worker.current = request
         request.state = ASSIGNED
@@ -756,7 +744,6 @@ class BrokerMachine(Machine):
         self._forgetIfEmpty(service)
 
     def _takeBack(self, request: PendingRequest, service: ServiceQueue, worker: PeerKey) -> None:
-        """The *worker* serving *request* is gone: queue it again."""
         if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
             request.state = DONE
             return
@@ -795,7 +782,6 @@ class BrokerMachine(Machine):
             self._emit(DropPeer(key))
 
     def _release(self, worker: WorkerRef) -> None:
-        """Forget *worker* and tell it DISCONNECT."""
         self._removeWorker(worker)
         self._sendDisconnect(worker.key, worker.dialect)
 
@@ -836,7 +822,6 @@ class BrokerMachine(Machine):
             self._forgetIfEmpty(abandoned.popleft()[1])
 
     def _checkWorkers(self, now: float) -> None:
-        """Remove the workers silent too long; heartbeat the others due one."""
         for worker in list(self.workers.values()):
             liveness = worker.liveness
             if liveness.dead(now):
