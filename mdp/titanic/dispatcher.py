@@ -2,17 +2,12 @@
 
 :class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
 drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
-
-* Pending requests are read oldest first, a window at a time.
-* Before a service's first request the broker is asked how many workers it has
-  (``mmi.workers``; none: whether it still knows it, ``mmi.service``).  One with
-  no worker that the broker does not know, or whose request failed, is
-  **parked** and asked again after a backoff.
-* At most *concurrency* requests are out, and of one service at most as many as
-  it has workers (more would time out in the broker's queue and be sent twice).
-* A reply is stored; the request is done once the store committed it.  A failed
-  attempt is retried until the request is closed: delivery is at-least-once.
-* Replies are purged *keep* seconds after they are stored.
+Pending requests are read oldest first, a window at a time.  A service with no
+worker that the broker does not know, or whose request failed, is **parked**
+and asked again after a backoff.  At most *concurrency* requests are out, and of
+one service at most as many as it has workers (more would time out in the
+broker's queue and be sent twice).  A failed attempt is retried until the
+request is closed: delivery is at-least-once.
 """
 
 from __future__ import annotations
@@ -212,7 +207,6 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleStored(self, requestId: str, now: float) -> list[Action]:
-        """A request was committed to the store."""
         self.now = now
         self._dirty = True
         self._pump()
@@ -243,15 +237,13 @@ class DispatchMachine(Machine):
 
     def handleChecked(self, service: bytes, available: bool, reason: str,
                       now: float) -> list[Action]:
-        """The answer to CheckService that counted no workers (``mmi.service``, or
-        a failure; *reason* says why): its requests are bound by *concurrency* alone."""
+        """No worker count (``mmi.service``, or a failure): bound by *concurrency* alone."""
         entry = self.services.get(service)
         if entry is not None and entry.workers is not None:
             self._setWorkers(service, None)
         return self._checked(service, available, reason, now)
 
     def _setWorkers(self, service: bytes, workers: Optional[int]) -> None:
-        """The broker's answer: *service* has *workers* workers (None: not known)."""
         entry = self.services.get(service)
         if entry is not None and entry.state is ServiceState.CHECKING:
             entry.workers = workers
@@ -272,16 +264,14 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleCounted(self, service: bytes, workers: int, now: float) -> list[Action]:
-        """``mmi.workers`` says *service* has *workers* (none: parked); as many of
-        its requests may be out at once."""
+        """``mmi.workers`` counted *workers* (none: parked); as many may be out at once."""
         self._setWorkers(service, workers)
         return self._checked(service, workers > 0, "" if workers > 0
                              else "no worker (mmi.workers)", now)
 
     def handleLingering(self, service: bytes, now: float) -> list[Action]:
-        """``mmi.workers`` counted none but ``mmi.service`` says ``200``: the broker
-        still knows *service* (its worker restarting) and queues for it; one
-        request goes out at a time rather than all parked."""
+        """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
+        restarting): one request goes out at a time rather than none."""
         self._setWorkers(service, 0)
         return self._checked(service, True, "", now)
 
@@ -329,7 +319,6 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
-        """A request was closed: if it waits to go out, it does not."""
         self.now = now
         for request in self.queue:
             if request.id == requestId:
@@ -423,7 +412,6 @@ class DispatchMachine(Machine):
         return [*self.queue, *self.inflight.values(), *self._spare]
 
     def _pump(self) -> None:
-        """Send what may go out, and read more from the store when there is room."""
         if not self.running:
             return
         held = self._placeQueue()
@@ -502,7 +490,6 @@ class DispatchMachine(Machine):
             for r in self.queue if r.frames)
 
     def _readPending(self, held: dict[bytes, int]) -> None:
-        """Read pending requests, except those held and those of parked or full services."""
         self._dirty = False
         self._loading = True
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
@@ -542,8 +529,7 @@ RETRY = (*TRANSIENT, ClientClosed)
 
 
 def final_error_body(error: BaseException) -> Optional[list[bytes]]:
-    """The error reply to store for an attempt that failed for good, or
-    ``None`` if the request should be tried again."""
+    """The error reply to store for a final failure, or ``None`` to retry."""
     if isinstance(error, RETRY):
         return None
     if isinstance(error, (ReplyTooLarge, RequestTooLarge)):
@@ -693,8 +679,7 @@ class Dispatcher:
         d.addCallbacks(answered, failed)
 
     def _check(self, action: CheckService) -> None:
-        """``mmi.workers``, and if none ``mmi.service``; a broker without
-        ``mmi.workers`` is asked ``mmi.service`` and *concurrency* alone bounds."""
+        """See :class:`CheckService`; without ``mmi.workers``, *concurrency* alone bounds."""
         service = action.service
         counted, checked = self._then(self.machine.handleCounted), self._then(self.machine.handleChecked)
 
