@@ -55,7 +55,6 @@ class Event(enum.IntEnum):
 
 
 class Role(enum.Enum):
-    """How a server is configured."""
 
     PRIMARY = "primary"
     BACKUP = "backup"
@@ -151,8 +150,7 @@ class BinaryStarMachine(Machine):
         super().__init__(now)
         self.role = role
         self.heartbeat = positive_seconds("heartbeat", heartbeat)
-        #: this run's id: hearing it back means the channel loops to ourselves;
-        #: it also breaks a tie of start times
+        #: this run's id: hearing it back means a loop; it also breaks start-time ties
         self.instance = instance
         self.state = State.PRIMARY if role is Role.PRIMARY else State.BACKUP
         self.started = now
@@ -190,8 +188,7 @@ class BinaryStarMachine(Machine):
                         now: float, *, peerInstance: str = "",
                         peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
-        """A state message from the peer; *channel* is the state channel it came
-        on (the current one if not said)."""
+        """A state message from the peer, on state channel *channel* (default: the current)."""
         if channel is None:
             channel = self.channel
         self._wake(now)
@@ -439,14 +436,11 @@ Observer = Callable[[str], Any]
 class BinaryStar:
     """One server of a Binary Star pair, over real transports.
 
-    *role* is a :class:`Role` or ``"primary"``/``"backup"``; the server publishes
-    its state on *local* and reads the peer's from *remote* (the peer's *local*).
-    Once started, :meth:`admitClient` and :meth:`admitWorker` are the votes:
-    serve only on True.  Observers of :meth:`onActive`, :meth:`onPassive` and
-    :meth:`onFatal` get the reason; after a fatal error (split brain, dual
-    passive, same role) the state channel is closed, nothing more is admitted
-    and the server should close.  Bad endpoints raise
-    :class:`~mdp.errors.TransportError` at once."""
+    It publishes its state on *local* and reads the peer's from *remote* (the
+    peer's *local*).  :meth:`admitClient` and :meth:`admitWorker` are the votes:
+    serve only on True.  After a fatal error (split brain, dual passive, same
+    role; see :meth:`onFatal`) nothing more is admitted and the server should
+    close.  Bad endpoints raise :class:`~mdp.errors.TransportError` at once."""
 
     def __init__(self, role: Union[Role, str], local: str, remote: str,
                  reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
@@ -502,8 +496,7 @@ class BinaryStar:
         return bound.endpoint if bound is not None else None
 
     def admitClient(self, now: Optional[float] = None) -> bool:
-        """The client's vote: True if it is to be served (this server is, or just
-        became, active)."""
+        """The client's vote: True if it is to be served (this server is, or just became, active)."""
         if not self._running:
             return False
         served, actions = self.machine.handleClientRequest(self._now(now))
@@ -516,8 +509,7 @@ class BinaryStar:
         return served
 
     def admitWorker(self, now: Optional[float] = None) -> bool:
-        """A worker's READY votes as a client's request does (the Guide's
-        "application connection requests")."""
+        """A worker's READY votes as a client's request does (the Guide says so)."""
         return self.admitClient(now)
 
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
@@ -615,9 +607,8 @@ class BinaryStar:
         self._subscribe()
 
     def _warnIfPeerSilent(self, now: float) -> None:
-        """Warn now and then of a silent peer, for without it there is no failover:
-        never heard (down, or ``remote`` is not its state endpoint), or heard
-        before (down or cut off)."""
+        """Warn now and then of a silent peer (no failover without it): down, cut off,
+        or ``remote`` is not its state endpoint."""
         machine = self.machine
         if not self._running or machine.stopped is not None:
             return
