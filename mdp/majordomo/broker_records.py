@@ -131,8 +131,7 @@ def _fields_repr(record: Any) -> str:
 
 
 class PendingRequest:
-    """A client request accepted and not yet answered (a plain class, not attrs:
-    compiled, it is an extension type)."""
+    """A client request accepted and not yet answered (plain class: compiled, an extension type)."""
 
     __slots__ = ("client", "service", "body", "dialect", "queuedAt", "size", "state", "envelope",
                  "deliveries", "partials", "arrivedAt", "assignedAt")

@@ -218,8 +218,7 @@ _PENDING_BY_SERVICE = (
     " AND q.id NOT IN (SELECT value FROM json_each(?2)) ORDER BY q.seq LIMIT ?3) "
     "WHERE p.service IS NOT NULL AND hex(p.service) NOT IN (SELECT value FROM json_each(?1)) "
     "ORDER BY r.seq LIMIT ?3")
-#: Steps (of 1000 SQLite instructions) an age-order read may take before it
-#: reads service by service instead.
+#: Steps (of 1000 SQLite instructions) an age-order read may take before going by service.
 SCAN_BUDGET = 200
 
 #: the columns of Titanic's requests table (another table is left as it is)
@@ -542,9 +541,8 @@ class SQLiteStore:
         self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
-        """Lock ``PATH.lock`` beside the real file: two Titanics on one file would
-        run every request twice.  A file with several hard links is refused: SQLite
-        names its WAL after the name opened, so two names can corrupt it."""
+        """Lock ``PATH.lock`` (see the class docstring): two Titanics on one file would
+        run every request twice, and SQLite names its WAL after the name opened."""
         if self.path == ":memory:":
             return
         real = os.path.realpath(self.path)
@@ -563,8 +561,7 @@ class SQLiteStore:
         self._lockPath = lockPath
 
     def _flock(self, lockPath: str) -> int:
-        """Lock *lockPath* (made if need be) and return its descriptor;
-        :class:`StoreError` if it cannot be opened or another holds it."""
+        """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
         try:
             fd = os.open(lockPath, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
