@@ -142,7 +142,6 @@ class SendPeer:
 
 @action_class
 class Resolve:
-    """Fire the Deferred of *call* with *frames*."""
 
     call: _Call
     frames: list[bytes]
@@ -150,7 +149,6 @@ class Resolve:
 
 @action_class
 class Reject:
-    """Fail the Deferred of *call* with *error*."""
 
     call: _Call
     error: BaseException
@@ -364,8 +362,7 @@ class ShotgunMachine(FreelanceMachine):
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:
-        # fail only once every server said 429, counted by server (a reply of
-        # unknown origin counts on its own)
+        # fail once every server said 429, counted by server (unknown origin: alone)
         call.refusals.add(object() if endpoint is None else endpoint)
         if len(call.refusals) >= call.attempts:
             self._fail(call, error)
@@ -510,7 +507,6 @@ class AgentMachine(FreelanceMachine):
         self._send(call)
 
     def _suspect(self, endpoint: Optional[str]) -> None:
-        """The server at *endpoint*, if ALIVE, becomes SUSPECT."""
         server = self.servers.get(endpoint or "")
         if server is not None and server.state is ServerState.ALIVE:
             self._becomes(server, ServerState.SUSPECT)

@@ -1,38 +1,24 @@
 """MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back.
 
-Pure functions over lists of ``bytes`` frames.  The routing-id frame a ROUTER
-socket prepends is *not* part of these frames; the transport strips it.
+Pure functions over ``bytes`` frames, without the ROUTER routing-id frame.
 
-Dialects
---------
-``"rfc"`` (:data:`RFC`)
-    As RFC 18 says: the header is frame 0; MDP/Client commands are REQUEST
-    0x01, PARTIAL 0x02, FINAL 0x03.
+Dialects: ``"rfc"`` (:data:`RFC`) is RFC 18: the header is frame 0; MDP/Client
+commands are REQUEST 0x01, PARTIAL 0x02, FINAL 0x03.  ``"majortomo"``
+(:data:`MAJORTOMO`) is how the ``majortomo`` package speaks: an empty frame
+before the header; MDP/Client commands use the worker codes (0x02, 0x03, 0x04),
+and PARTIAL and FINAL carry no service frame (decoded with ``service == b""``).
+MDP/Worker commands are as in the RFC.  :func:`split` tells the dialect by the
+leading empty frame, so a broker answers each peer in its own.
 
-``"majortomo"`` (:data:`MAJORTOMO`)
-    As the ``majortomo`` package speaks it: an empty frame comes before the
-    header; MDP/Client commands use the worker codes (REQUEST 0x02, PARTIAL
-    0x03, FINAL 0x04), and PARTIAL and FINAL carry no service frame (they
-    decode with ``service == b""``).  MDP/Worker commands are as in the RFC.
+Error replies: MDP/0.2 has no error command, so a failed request gets a FINAL
+whose body is exactly ``[ERROR_MARKER, status code (ASCII digits), UTF-8
+message]`` (:mod:`mdp.messages`, shared with Freelance); ``ERROR_MARKER`` starts
+with NUL so it is no printable payload.  Our client raises the matching
+:class:`~mdp.errors.RemoteError` (500, 503, 429, 413).
 
-:func:`split` tells the dialect by the leading empty frame, so a broker answers
-each peer in its own.
-
-Error replies
--------------
-MDP/0.2 has no error command: a failed request gets an ordinary FINAL whose
-body is exactly ``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]``
-(:mod:`mdp.messages`, shared with Freelance).  ``ERROR_MARKER`` starts with NUL
-so that it is no printable payload.  Our client raises
-:class:`~mdp.errors.WorkerError` (500), :class:`~mdp.errors.ServiceUnavailable`
-(503), :class:`~mdp.errors.ServiceOverloaded` (429) or
-:class:`~mdp.errors.MessageTooLarge` (413).
-
-Restarted streams
------------------
-When a worker dies after some PARTIALs went out, another worker starts the
-reply over; first the broker sends a PARTIAL of exactly ``[RESTART_MARKER]``,
-so a client can discard what it had.
+Restarted streams: when a worker dies after some PARTIALs went out, another
+starts the reply over, after a PARTIAL of exactly ``[RESTART_MARKER]`` so that
+a client discards what it had.
 """
 
 from __future__ import annotations
@@ -278,7 +264,6 @@ def decode_client(frames: Sequence[bytes], dialect: str = RFC) -> ClientCommand:
 
 
 def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
-    """Decode an MDP/Worker command."""
     if not frames or frames[0] != WORKER_HEADER:
         raise ProtocolError("missing MDPW02 header")
     return _command(*_parse_worker(frames))  # type: ignore[return-value]
