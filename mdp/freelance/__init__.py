@@ -6,13 +6,10 @@ body, so both patterns raise the same errors: 500 :class:`~mdp.errors.WorkerErro
 429 :class:`~mdp.errors.ServiceOverloaded` (``maxPending``/``maxPendingBytes``
 in hand), 413 :class:`~mdp.errors.MessageTooLarge`.
 
-Clients have ``request(*frames, timeout=None, deadline=None)`` and ``close()``;
-``timeout`` bounds **one attempt**, ``deadline`` the **whole request**.
-:class:`SequentialClient` (model 1) tries each server in turn on a fresh
-connection; :class:`ShotgunClient` (model 2) asks all, the first reply wins;
-:class:`AgentClient` (model 3) heartbeats all servers and sends each attempt to
-one live one.  Each client drives its model's pure machine
-(:mod:`mdp.freelance.machines`); docs/freelance.md tables their transitions.
+``timeout`` bounds **one attempt** and ``deadline`` the **whole request**.  Models
+1-3 are :class:`SequentialClient`, :class:`ShotgunClient` and :class:`AgentClient`,
+each driving its pure machine (:mod:`mdp.freelance.machines`; docs/freelance.md
+tables the transitions).
 """
 
 from __future__ import annotations
@@ -386,8 +383,7 @@ class _FreelanceClient:
         return self.machine.closed or (call is not None and call.state is RequestState.DONE)
 
     def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
-        """Do what the machine asked, in order; returns the closings of pipes it
-        closed.  Actions made void by a callback meanwhile are skipped (:meth:`_stale`)."""
+        """Do what the machine asked, in order, skipping :meth:`_stale` ones; returns pipe closings."""
         closing = []
         for action in actions:
             closed = self._performers[type(action)](action)
@@ -477,10 +473,9 @@ class ShotgunClient(_FreelanceClient):
 
 @implementer(IPeerRouterReceiver)
 class AgentClient(_FreelanceClient):
-    """Model 3: PINGs every server each ``heartbeat.interval``, one silent for
-    ``heartbeat.expiry`` is dead; each attempt goes to one live server for
-    *timeout* seconds; *deadline* bounds the request (``None``: until answered
-    or every server is dead)."""
+    """Model 3: PINGs every server each ``heartbeat.interval``; one silent for
+    ``heartbeat.expiry`` is dead.  Each attempt goes to one live server for *timeout*
+    seconds; *deadline* bounds the request (``None``: until all servers are dead)."""
 
     machine: AgentMachine
 
@@ -531,8 +526,7 @@ class AgentClient(_FreelanceClient):
 
 def freelance_client(endpoints: Union[str, Sequence[str]], model: int = 3,
                      reactor: Optional[Any] = None, **options: Any) -> _FreelanceClient:
-    """A Freelance client of the Guide's *model* (1, 2 or 3), with the
-    constructor's *options*."""
+    """A Freelance client of the Guide's *model* (1, 2 or 3), with the constructor's *options*."""
     kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
     if model not in kinds:
         raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")

@@ -359,5 +359,4 @@ class Broker:
         return transport.close_all(closing, "a broker listener")
 
 
-# (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Broker, IBroker)
