@@ -1,12 +1,8 @@
 """Push Spark data through MDP services: one request per row, replies in a column.
 
-``call_service(df, service, broker=...)`` maps every Arrow batch through an MDP
-service (``DataFrame.mapInArrow``), keeping each row's reply on its row and the
-row order.  An executor uses the blocking client (:class:`mdp.blocking.Client`),
-``window`` requests in flight, cached per thread and never used across a fork;
-where a Twisted reactor already runs, :class:`mdp.Client` through it instead
-(docs/spark.md).  With ``onError="fail"`` the first failed row fails the task
-(within ``timeout × retries`` seconds) with an :class:`MDPSparkError`.
+:func:`call_service` maps every Arrow batch through an MDP service
+(``DataFrame.mapInArrow``), keeping each reply on its row.  Executors use a
+blocking client cached per thread, or a running Twisted reactor (docs/spark.md).
 """
 
 from __future__ import annotations
@@ -276,8 +272,7 @@ def call_service(
     ``"string"`` (it, decoded) or ``"frames"`` (``array<binary>``).  *onError*:
     ``"fail"`` fails the task, ``"null"`` leaves the reply null, ``"column"``
     also adds *errorCol* with the reason.  A null input is an error too.
-    Arguments are checked at once, on the driver (:func:`_service_call`).
-    """
+    Arguments are checked at once, on the driver (:func:`_service_call`)."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     if outputType not in OUTPUT_TYPES:
         raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")

@@ -1,10 +1,7 @@
-"""Titanic's three MDP services over a store, and :class:`Titanic`: those
-services, the dispatcher and the store in one.
-
-:class:`TitanicServer` serves ``titanic.request``, ``titanic.reply`` and
-``titanic.close`` as ordinary MDP workers (:mod:`mdp.titanic.protocol` has the
-dialog).  A request is acknowledged only once the store committed it; the
-dispatcher learns of it through *onStored*.
+"""Titanic's three MDP services over a store (:class:`TitanicServer`), and
+:class:`Titanic`: those services, the dispatcher and the store in one.  A request
+is acknowledged only once the store committed it; the dispatcher learns of it
+through *onStored*.
 """
 
 from __future__ import annotations
@@ -149,11 +146,9 @@ def open_store(db: str, reactor: Optional[Any] = None) -> ITitanicStore:
 
 
 class Titanic:
-    """A whole Titanic: the three services, the dispatcher and the store.
-
-    *store* is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
-    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`.
-    The other options are the dispatcher's and the server's."""
+    """A whole Titanic: the three services, the dispatcher and the store.  *store*
+    is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
+    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`."""
 
     def __init__(
         self,
