@@ -2,20 +2,14 @@
 
 Theory of operation
 -------------------
-The states of a request and a worker, and the transitions this machine
-decides, are tabled in :mod:`mdp.majordomo.broker_records`.
-
-:class:`BrokerMachine` knows no reactor, transport or Deferred: it is fed
-events with their time and returns what it wants done (:class:`Send`,
-:class:`DropPeer`, :class:`WakeAt`) and what a driver logs and counts
-(:class:`Dropped`, :class:`Refused`, :class:`WorkerChanged`; :class:`Requested`,
-:class:`Assigned`, :class:`Replied` while ``observed``).  A peer key is
-``(route, peer id)``; the route is the driver's and opaque here.
-
-An ``admission`` (:class:`~mdp.interfaces.IAdmission`, e.g. Binary Star) votes
-on each client request and worker registration: a passive broker answers only
-``mmi.binarystar`` and sends DISCONNECT to every READY.  ``mmi.*`` is answered
-by :mod:`mdp.majordomo.mmi`; each peer in its own dialect (:mod:`mdp.majordomo.codec`).
+The states of a request and a worker, and the transitions this machine decides,
+are tabled in :mod:`mdp.majordomo.broker_records`.  :class:`BrokerMachine` knows
+no reactor, transport or Deferred: it is fed events with their time and returns
+what it wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what
+a driver logs and counts (the other action classes).  An ``admission``
+(:class:`~mdp.interfaces.IAdmission`, e.g. Binary Star) votes on each client
+request and worker registration: a passive broker answers only
+``mmi.binarystar`` and sends DISCONNECT to every READY.
 """
 
 from __future__ import annotations

@@ -5,23 +5,13 @@ them), and the service queues that hold them.
 Theory of operation
 -------------------
 One :class:`ServiceQueue` per service holds the requests waiting (round-robin
-over clients) and the idle workers (least recently used first).
-
-Each assignment of a request to a worker gets an envelope of its own (the client
+over clients) and the idle workers (least recently used first).  Each
+assignment of a request to a worker gets an envelope of its own (the client
 address frame of the worker REQUEST); a PARTIAL or FINAL is forwarded only with
-the envelope of the worker's current assignment.  So exactly one FINAL reaches
-the client per request: a second FINAL, or a reply to an assignment taken back,
-can never complete another request.
-
-A tick per heartbeat interval sends heartbeats, removes silent workers (judged
-by a :class:`~mdp.policy.Liveness`), expires requests queued beyond
-``requestExpiry`` (503) and forgets services abandoned beyond ``serviceLinger``.
-
-Limits (tabled in ``docs/reliability.md``): ``maxQueue``/``maxQueueBytes`` in
-all and ``maxServiceQueue``/``maxServiceQueueBytes`` per service (beyond: 429;
-requests taken back are re-queued regardless); ``maxWorkers`` and
-``maxServiceWorkers`` (beyond: DISCONNECT); ``limits`` (413); ``maxDeliveries``
-lost workers per request (500).
+the envelope of the worker's current assignment, so a second FINAL, or a reply
+to an assignment taken back, can never complete another request.  Limits
+(``docs/reliability.md``): queue bounds (429; requests taken back are re-queued
+regardless), worker bounds (DISCONNECT), ``limits`` (413), ``maxDeliveries`` (500).
 
 A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
 
