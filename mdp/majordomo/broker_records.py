@@ -15,44 +15,42 @@ regardless), worker bounds (DISCONNECT), ``limits`` (413), ``maxDeliveries`` (50
 
 A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
 
-======  =============================================================  =====  ======================
-state   event                                                          next   actions
-======  =============================================================  =====  ======================
-(none)  READY admitted, within ``maxWorkers``/``maxServiceWorkers``    IDLE   back of the idle line
-(none)  READY refused; any other command                               --     DISCONNECT
-IDLE    a request for its service, none ahead                          BUSY   REQUEST, new envelope
-BUSY    PARTIAL with the current envelope                              BUSY   PARTIAL to the client
-BUSY    FINAL with the current envelope                                IDLE   FINAL to the client
-BUSY    FINAL with the envelope it answered last                       same   dropped
-any     any message                                                    same   its silence restarts
-any     tick, nothing sent for half an interval                        same   HEARTBEAT
-any     DISCONNECT; peer lost; silent beyond ``interval × liveness``   GONE   request taken back
-any     invalid or unexpected (PARTIAL/FINAL idle or misaddressed,     GONE   DISCONNECT; request
-        READY again, REQUEST)                                                 taken back
-======  =============================================================  =====  ======================
+======  ============================================================  ====  ==============================
+state   event                                                         next  actions
+======  ============================================================  ====  ==============================
+(none)  READY admitted, within ``maxWorkers``/``maxServiceWorkers``   IDLE  back of the idle line
+(none)  READY refused; any other command                              --    DISCONNECT
+IDLE    a request for its service, none ahead                         BUSY  REQUEST, new envelope
+BUSY    PARTIAL with the current envelope                             BUSY  PARTIAL to the client
+BUSY    FINAL with the current envelope                               IDLE  FINAL to the client
+BUSY    FINAL with the envelope it answered last                      same  dropped
+any     any message                                                   same  its silence restarts
+any     tick, nothing sent for half an interval                       same  HEARTBEAT
+any     DISCONNECT; peer lost; silent beyond ``interval × liveness``  GONE  request taken back
+any     PARTIAL/FINAL idle or misaddressed; READY again; REQUEST      GONE  DISCONNECT; request taken back
+======  ============================================================  ====  ==============================
 
 A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
 
-========  =======================================================  ==========  ===========================
-state     event                                                    next        actions
-========  =======================================================  ==========  ===========================
-NEW       refused by the ``admission``, unless ``mmi.binarystar``  DONE        none: client tries another
-NEW       ``mmi.*``; too large; queues full                        DONE        answered at once (413, 429)
-NEW       an idle worker and nothing queued                        ASSIGNED    REQUEST to the worker
-NEW       else                                                     QUEUED      waits in its service queue
-QUEUED    a worker of its service is idle                          ASSIGNED    REQUEST to the worker
-QUEUED    waited ``requestExpiry``, or ``unknownServiceExpiry``    DONE        503 error reply
-          with no worker ever registered
-QUEUED    a late FINAL of the worker it was taken back from        DONE        FINAL to the client
-          (no PARTIAL of it went out)
-QUEUED    its client is lost                                       DONE        forgotten
-ASSIGNED  PARTIAL; FINAL                                           same; DONE  to the client
-ASSIGNED  a reply part too large for the client                    ANSWERED    413 (a FINAL: DONE)
-ANSWERED  PARTIAL; FINAL or its worker GONE                        same; DONE  dropped
-ASSIGNED  its worker is GONE                                       QUEUED      at the head (restart marker
-                                                                               first if PARTIALs went out)
-ASSIGNED  its worker is GONE ``maxDeliveries`` times               DONE        500 error reply
-========  =======================================================  ==========  ===========================
+========  =====================================================  ==========  ===========================
+state     event                                                  next        actions
+========  =====================================================  ==========  ===========================
+NEW       refused by the ``admission`` (not ``mmi.binarystar``)  DONE        none: client tries another
+NEW       ``mmi.*``; too large; queues full                      DONE        answered at once (413, 429)
+NEW       an idle worker and nothing queued                      ASSIGNED    REQUEST to the worker
+NEW       else                                                   QUEUED      waits in its service queue
+QUEUED    a worker of its service is idle                        ASSIGNED    REQUEST to the worker
+QUEUED    waited ``requestExpiry``                               DONE        503 error reply
+QUEUED    no worker registered in ``unknownServiceExpiry``       DONE        503 error reply
+QUEUED    late FINAL (no PARTIAL) of the worker taken from       DONE        FINAL to the client
+QUEUED    its client is lost                                     DONE        forgotten
+ASSIGNED  PARTIAL; FINAL                                         same; DONE  to the client
+ASSIGNED  a reply part too large for the client                  ANSWERED    413 (a FINAL: DONE)
+ANSWERED  PARTIAL; FINAL or its worker GONE                      same; DONE  dropped
+ASSIGNED  its worker is GONE                                     QUEUED      at the head (restart marker
+                                                                             first if PARTIALs went)
+ASSIGNED  its worker is GONE ``maxDeliveries`` times             DONE        500 error reply
+========  =====================================================  ==========  ===========================
 """
 
 from __future__ import annotations
