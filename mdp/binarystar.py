@@ -1,16 +1,13 @@
 """Binary Star: a primary/backup pair of servers, one active at a time (the
 Guide's "Binary Star Pattern"); docs/binarystar.md describes it in full.
 
-:class:`BinaryStarMachine` is the Guide's state machine, written as its table
+:class:`BinaryStarMachine` is the Guide's state machine as its table
 (:data:`TABLE`), pure.  Beyond the Guide: a peer configured alike, heard as
 itself, or with another heartbeat stops the pair (:class:`Fatal`); a server
 stalled beyond the failover timeout opens a fresh state channel and, if it was
 active, serves nothing until it hears whether its peer took over.
-
-:class:`BinaryStar` drives it: it publishes its state on ``local`` and reads the
-peer's from ``remote`` (``[BSTAR01, SUB]`` from the subscriber every heartbeat,
-``[BSTAR01, STATE, state, role, uptime, instance, heartbeat]`` back), and is a
-broker's ``admission`` (:meth:`BinaryStar.admitClient`, :meth:`BinaryStar.admitWorker`).
+:class:`BinaryStar` drives it over a state channel (``local`` published,
+``remote`` read) and is a broker's ``admission``.
 """
 
 from __future__ import annotations
@@ -160,8 +157,7 @@ class BinaryStarMachine(Machine):
         self.conflictWith = ""
         self.conflictHeard = 0.0
         self.stopped: Optional[str] = None
-        #: the state channel's number goes up by one per stall; a resuming active
-        #: server waits to hear its peer, until resumeBy
+        #: the state channel's number (+1 per stall); a resuming server waits until resumeBy
         self.lastTick: Optional[float] = None
         self.channel = 0
         self.resuming = False
@@ -208,8 +204,7 @@ class BinaryStarMachine(Machine):
 
     def _peerEvent(self, peerState: int, channel: int, peerInstance: str,
                    peerHeartbeat: Optional[float]) -> Optional[Event]:
-        """The event a peer's state message stands for; None if stale, not a state,
-        or it breaks the pair (then this server stops)."""
+        """The event a peer's state stands for; None if stale, not a state, or fatal."""
         if self.stopped is not None or channel < self.channel:
             return None
         try:

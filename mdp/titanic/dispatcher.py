@@ -224,7 +224,6 @@ class DispatchMachine(Machine):
         if self.running:
             held = {r.id for r in self._heldRequests()}
             self.queue.extend(r for r in requests if r.id not in held)
-            # reloaded requests take their place by age again
             self.queue.sort(key=lambda r: r.created)
         self._pump()
         return self._drain()
@@ -310,8 +309,7 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleStoreFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
-        """Keep the reply (the request stays out, so it is not run again) and
-        store it again after a backoff."""
+        """Keep the reply (the request stays out, not run again); store it again after a backoff."""
         self.now = now
         if self.running and requestId in self._storing:
             self._unsaved.add(requestId)
@@ -420,8 +418,7 @@ class DispatchMachine(Machine):
         self._setWake(self._nextWake())
 
     def _placeQueue(self) -> dict[bytes, int]:
-        """Send what may go out, keep what may wait, set aside or leave in the store
-        the rest.  Returns the requests held (out or waiting) by service."""
+        """Send, keep, set aside or leave in the store each waiting request; returns held by service."""
         if self._spare:
             self.queue = sorted(self.queue + self._spare, key=lambda r: r.created)
             self._spare = []
@@ -540,10 +537,9 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 
 
 class Dispatcher:
-    """A :class:`DispatchMachine` driven with *store* and a client of *broker*
-    (one endpoint or a failover list).  :meth:`stored` and :meth:`closed` tell
-    it of requests committed and closed.  A streamed reply is stored as the
-    frames of every PARTIAL then the FINAL (a restart drops the parts so far)."""
+    """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
+    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events.
+    A streamed reply is stored as all its PARTIALs' frames then the FINAL's."""
 
     def __init__(
         self,
@@ -703,8 +699,7 @@ class Dispatcher:
         self._ask(b"mmi.workers", service, answered, failed)
 
     def _checkLingering(self, service: bytes) -> None:
-        """No worker counted: a ``200`` from ``mmi.service`` (the worker left
-        within the broker's linger) lets one request out; anything else parks."""
+        """No worker counted: a ``200`` from ``mmi.service`` lets one request out, else park."""
         lingering, counted = self._then(self.machine.handleLingering), self._then(self.machine.handleCounted)
 
         def answered(reply: list[bytes]) -> None:

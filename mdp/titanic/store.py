@@ -319,13 +319,10 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
 
 @implementer(ITitanicStore)
 class SQLiteStore:
-    """Requests and replies in one SQLite file; *path* ``":memory:"`` lives as long
-    as the store (tests).
-
-    :meth:`open` takes an exclusive ``flock`` on ``PATH.lock`` beside the real
-    file and fails with :class:`~mdp.errors.StoreError` while another holds it; a
-    file with several hard links is refused.  After :meth:`close` every call
-    fails with :class:`~mdp.errors.StoreError` until :meth:`open` again."""
+    """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open`
+    takes an exclusive lock (``PATH.lock``) and refuses a file with several hard links
+    (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until
+    :meth:`open` again."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
         self.path = path
@@ -445,9 +442,8 @@ class SQLiteStore:
         return True
 
     def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        """Commit *statements* in one transaction, or if that fails each alone, so
-        one bad write fails alone.  Returns each row count or exception.  Nothing
-        is written once the files moved (:meth:`_moved`)."""
+        """Commit *statements* in one transaction, or if that fails each alone; returns
+        each row count or exception.  Nothing is written once the files moved."""
         db = self._db
         if db is None:
             return [StoreError(f"Titanic store {self.path} is closed")] * len(statements)
@@ -480,9 +476,8 @@ class SQLiteStore:
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of services not skipped: one scan by age,
-        unless that passes many rows of skipped services (past :data:`SCAN_BUDGET`
-        steps); then service by service through ``requests_pending_service``."""
+        """The *limit* oldest pending rows of services not skipped: one scan by age, or
+        past :data:`SCAN_BUDGET` steps, service by service through the service index."""
         db = self._db
         if db is None:
             raise StoreError(f"Titanic store {self.path} is closed")
