@@ -113,9 +113,8 @@ def _client(call: ServiceCall) -> Any:
 
 
 def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
-    """In the reactor thread: at most ``window`` in flight (a request waiting for a
-    free connection would spend its attempts waiting).  With ``onError="fail"`` the
-    first failure ends the batch and cancels what is in flight."""
+    """In the reactor thread: at most ``window`` in flight (a request waiting for a free
+    connection would spend its attempts); on a failure with ``onError="fail"``, cancel the rest."""
     from twisted.internet import defer
     from twisted.python.failure import Failure
 

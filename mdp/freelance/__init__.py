@@ -80,9 +80,8 @@ Handler = Callable[[list[bytes]], Any]
 # --- server --------------------------------------------------------------------
 
 class FreelanceServer:
-    """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence,
-    handler(body)...]``; the handler is as a worker's.  It may listen on several
-    endpoints, each with its own ``_Binding`` receiver."""
+    """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence, handler(body)...]``
+    (a worker's handler); each endpoint it listens on gets its own ``_Binding``."""
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,

@@ -97,8 +97,7 @@ class Cancel:
 
 
 def _for_call() -> Any:
-    """The request an action is for: the driver skips the action if that request
-    is DONE by then.  Not compared."""
+    """The request an action is for (not compared): skipped if DONE by then."""
     return attrs.field(default=None, eq=False, repr=False)
 
 

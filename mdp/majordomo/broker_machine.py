@@ -179,8 +179,7 @@ Action = Any  # one of the classes above
 
 
 class BrokerMachine(Machine):
-    """The broker's decisions.  Each ``handle*`` event returns the actions
-    wanted, in order; :meth:`handleTick` runs every ``wakeEvery`` seconds."""
+    """The broker's decisions: each ``handle*`` event returns the actions wanted, in order."""
 
     def __init__(
         self,
@@ -241,8 +240,7 @@ class BrokerMachine(Machine):
         self._passive = False
         #: envelopes of assignments taken back from lost workers (see _late)
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
-        #: workers told DISCONNECT, or that said it, by when: their messages are
-        #: dropped for a heartbeat expiry, unless a READY (MDP/0.2)
+        #: workers told DISCONNECT or that said it, by when: all but READY dropped for an expiry
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
         self._outbox = []
 
@@ -302,8 +300,7 @@ class BrokerMachine(Machine):
         return len(clients)
 
     def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
-        """True if *name* has a live worker, or lost its last one less than
-        ``serviceLinger`` seconds before *now* (default: the current event's time)."""
+        """True if *name* has a live worker, or lost its last within ``serviceLinger`` of *now*."""
         service = self.services.get(name)
         if service is None:
             return False
@@ -631,16 +628,14 @@ class BrokerMachine(Machine):
                            request.assignedAt - request.arrivedAt))
 
     def _tooLargeForClient(self, request: PendingRequest, body: Sequence[bytes]) -> Optional[str]:
-        """Why a reply part is too large for the client, or None.  It can only be
-        when the service name is longer than the worker's envelope."""
+        """Why a reply part is too large for the client (only with a long service name), or None."""
         size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
         return self.limits.oversize(size, len(body) + 4)
 
     def _late(self, key: PeerKey, kind: type, envelope: bytes, body: Sequence[bytes]) -> bool:
-        """A reply from a worker given up on (silent or gone) for an assignment
-        taken back from it.  A FINAL with no PARTIAL before it answers the request
-        if it is still queued (else it would run again); after a PARTIAL it runs
-        again.  False if no such assignment was taken back from it."""
+        """A reply from a worker given up on, for an assignment taken back from it: a FINAL
+        with no PARTIAL before it answers the request if still queued; after a PARTIAL
+        the request runs again.  False if no such assignment was taken back from it."""
         entry = self._takenBack.get(envelope)
         if entry is None or entry[0] != key:
             return False
@@ -721,8 +716,7 @@ class BrokerMachine(Machine):
         worker.liveness.lastSent = now
 
     def _removeWorker(self, worker: WorkerRef) -> None:
-        """Forget *worker*; re-queue its request (workers are idempotent), unless
-        handed out ``maxDeliveries`` times."""
+        """Forget *worker*; re-queue its request unless handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
         worker.state = GONE
@@ -827,8 +821,7 @@ class BrokerMachine(Machine):
                 liveness.sent(now)
 
     def _checkAdmission(self, now: float) -> None:
-        """Track when the admission began to serve (see _unknownDeadline); a passive
-        broker (its peer took over while it stalled) lets go: :meth:`_letGo`."""
+        """Track when the admission began to serve; a passive broker lets go (:meth:`_letGo`)."""
         status = self.admission.status(now)
         if not status.get("serving", True):
             self._activeSince = None
@@ -871,8 +864,7 @@ class BrokerMachine(Machine):
             self._forgetIfEmpty(service)
 
     def _giveUpUnknown(self, now: float) -> None:
-        """503 to the requests of each service no worker registered for within
-        ``unknownServiceExpiry`` of its first request (MDP/0.2), and forget it."""
+        """503 to the requests of services unregistered within ``unknownServiceExpiry``; forget them."""
         unknown = self._unknown
         while unknown and unknown[0][0] <= now + 1e-9:
             deadline, service = unknown.popleft()

@@ -291,8 +291,7 @@ def _requestIntact(crc: Any, requestId: Any, service: Any, blob: Any) -> bool:
 
 
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
-    """A pending row as the dispatcher reads it; a damaged one has no frames, so it
-    is answered with an error rather than holding up the rest."""
+    """A pending row for the dispatcher; a damaged one has no frames, so it gets an error reply."""
     requestId, service, blob, created, crc = row
     frames, why = _request_frames(requestId, service, blob, crc)
     if isinstance(service, bytes) and isinstance(created, (int, float)) and frames:
