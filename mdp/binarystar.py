@@ -235,7 +235,7 @@ class BinaryStarMachine(Machine):
         self._emit(self._publication())
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
-        """Both configured alike: the later started stops (within a heartbeat, the run id
+        """Both configured alike: the one started later stops (within a heartbeat, the run id
         decides; docs/binarystar.md says how a deadlock ends)."""
         reason = f"both servers are configured {self.role.value}"
         now = self.now
