@@ -1,23 +1,13 @@
 """Binary Star: a primary/backup pair of servers, one active at a time (the
-Guide's "High-availability Pair (Binary Star Pattern)" and "Binary Star
-Reactor"); docs/binarystar.md describes its behaviour in full.
+Guide's "Binary Star Pattern"); docs/binarystar.md describes it in full.
 
-:class:`BinaryStarMachine` is the Guide's finite state machine, written as
-its table (:data:`TABLE`), pure: events with their time in, actions out.  It
-adds what the Guide leaves out: a peer configured alike, or heard as itself,
-or with another heartbeat, stops the pair (:class:`Fatal`); and a server
-stopped for longer than the failover timeout (a stall) opens a fresh state
-channel and, if it was active, serves nothing until it hears whether its
-peer took over meanwhile (:class:`Stalled`, :class:`Resumed`).
-
-:class:`BinaryStar` drives the machine: it publishes its state on its
-``local`` endpoint and subscribes to the peer's on its ``remote`` one (the
-state channel: ``[BSTAR01, SUB]`` from the subscriber every heartbeat,
-``[BSTAR01, STATE, state, role, uptime, instance, heartbeat]`` to every
-subscriber heard within the failover timeout), and answers, for the server
-it guards, whether a client request is served (:meth:`BinaryStar.admitClient`,
-the client's vote) and whether a worker may register
-(:meth:`BinaryStar.admitWorker`).  A broker takes it as its ``admission``.
+:class:`BinaryStarMachine` is the Guide's state machine as its table
+(:data:`TABLE`), pure.  Beyond the Guide: a peer configured alike, heard as
+itself, or with another heartbeat stops the pair (:class:`Fatal`); a server
+stalled beyond the failover timeout opens a fresh state channel and, if it was
+active, serves nothing until it hears whether its peer took over.
+:class:`BinaryStar` drives it over a state channel (``local`` published,
+``remote`` read) and is a broker's ``admission``.
 """
 
 from __future__ import annotations
@@ -39,7 +29,6 @@ from mdp.policy import Backoff, Limits, LogThrottle, default_reactor, positive_s
 
 log = Logger()
 
-#: Seconds between two state messages to the peer.
 DEFAULT_HEARTBEAT = 1.0
 
 
@@ -63,7 +52,6 @@ class Event(enum.IntEnum):
 
 
 class Role(enum.Enum):
-    """How a server is configured."""
 
     PRIMARY = "primary"
     BACKUP = "backup"
@@ -120,8 +108,7 @@ class Conflict:
 
 @action_class
 class Stalled:
-    """No tick for *seconds*: this server was stopped.  Open state channel
-    number *channel* to the peer (what came on the old one is stale)."""
+    """No tick for *seconds* (a stall): open state channel *channel*; the old one is stale."""
 
     seconds: float
     channel: int
@@ -150,10 +137,8 @@ Action = Union[Changed, Fatal, Conflict, PublishState, Stalled, Resumed]
 
 
 class BinaryStarMachine(Machine):
-    """One server of a pair.  Feed :meth:`handlePeerState` with each state
-    message from the peer, :meth:`handleClientRequest` with each client
-    request (it answers whether to serve it) and :meth:`handleTick` every
-    *heartbeat* seconds (it publishes the state)."""
+    """One server of a pair.  Feed it the peer's state messages, client requests
+    (it answers whether to serve) and a tick every *heartbeat* seconds."""
 
     def __init__(self, role: Role, *, heartbeat: float = DEFAULT_HEARTBEAT,
                  instance: str = "", now: float = 0.0) -> None:
@@ -162,25 +147,20 @@ class BinaryStarMachine(Machine):
         super().__init__(now)
         self.role = role
         self.heartbeat = positive_seconds("heartbeat", heartbeat)
-        #: this run's id, told to the peer: hearing it back means the state
-        #: channel leads to ourselves; it also breaks a tie of start times
+        #: this run's id: hearing it back means a loop; it also breaks start-time ties
         self.instance = instance
         self.state = State.PRIMARY if role is Role.PRIMARY else State.BACKUP
         self.started = now
-        #: when the peer counts as gone, unless it is heard from before
         self.peerExpiry = now + self.failoverTimeout
-        #: since when a peer configured as we are keeps talking, which run
-        #: of it, and when it was last heard (a conflict ends with its silence)
+        #: since when a peer configured alike talks, which run, last heard when
         self.conflictSince: Optional[float] = None
         self.conflictWith = ""
         self.conflictHeard = 0.0
         self.stopped: Optional[str] = None
-        #: the last tick, the state channel's number (one more per stall),
-        #: and whether an active server waits to hear its peer after a stall
+        #: the state channel's number (+1 per stall); a resuming server waits until resumeBy
         self.lastTick: Optional[float] = None
         self.channel = 0
         self.resuming = False
-        #: when a resuming server that hears nothing serves again
         self.resumeBy = 0.0
 
     @property
@@ -195,8 +175,7 @@ class BinaryStarMachine(Machine):
 
     @property
     def publishing(self) -> bool:
-        """Whether this server tells its state (not after a stall while it
-        does not know whether its peer took over)."""
+        """Whether this server tells its state (not while resuming from a stall)."""
         return self.stopped is None and not self.resuming
 
     # --- events ---------------------------------------------------------------------
@@ -205,12 +184,9 @@ class BinaryStarMachine(Machine):
                         now: float, *, peerInstance: str = "",
                         peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
-        """A state message from the peer: its state number, its configured
-        role, how long it has been running, (when it says) its run's id and
-        its heartbeat, and the number of the state channel it came on (the
-        current one if not said)."""
+        """A state message from the peer, on state channel *channel* (default: the current)."""
         if channel is None:
-            channel = self.channel  # before a stall this very message reveals
+            channel = self.channel
         self._wake(now)
         event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
         if event is None:
@@ -228,14 +204,13 @@ class BinaryStarMachine(Machine):
 
     def _peerEvent(self, peerState: int, channel: int, peerInstance: str,
                    peerHeartbeat: Optional[float]) -> Optional[Event]:
-        """The event a peer's state message stands for; None if it is stale,
-        not a peer's state, or breaks the pair (then this server stops)."""
+        """The event a peer's state stands for; None if stale, not a state, or fatal."""
         if self.stopped is not None or channel < self.channel:
-            return None  # stopped, or sent before a stall: stale
+            return None
         try:
             event = Event(peerState)
         except ValueError:
-            return None  # not a state: the driver logs what it got
+            return None  # the driver logs what it got
         if event is Event.CLIENT_REQUEST:
             return None
         if self.instance and peerInstance == self.instance:
@@ -260,9 +235,8 @@ class BinaryStarMachine(Machine):
         self._emit(self._publication())
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
-        """Both configured alike: the one started later stops (starts closer
-        than a heartbeat are a tie, broken by the run id; docs/binarystar.md
-        says how a conflict neither side can judge ends)."""
+        """Both configured alike: the one started later stops (within a heartbeat, the run id
+        decides; docs/binarystar.md says how a deadlock ends)."""
         reason = f"both servers are configured {self.role.value}"
         now = self.now
         peerStarted = now - peerUptime
@@ -289,7 +263,7 @@ class BinaryStarMachine(Machine):
         self._wake(now)
         if self.stopped is None:
             if self._resumeIfSilent():
-                self._emit(self._publication())  # at once, as a tick would
+                self._emit(self._publication())
             self._apply(Event.CLIENT_REQUEST)
         return self.serving, self._drain()
 
@@ -299,7 +273,6 @@ class BinaryStarMachine(Machine):
         return self.publishing, self._drain()
 
     def handleTick(self, now: float) -> list[Action]:
-        """Time to publish our state (every *heartbeat* seconds)."""
         self._wake(now)
         self.lastTick = now
         if self.stopped is None:
@@ -313,8 +286,7 @@ class BinaryStarMachine(Machine):
                             self.heartbeat)
 
     def _wake(self, now: float) -> None:
-        """Every event: a gap since the last tick longer than the failover
-        timeout means this server was stopped meanwhile (a stall)."""
+        """A gap since the last tick beyond the failover timeout is a stall."""
         self.now = now
         last = self.lastTick
         if last is None or self.stopped is not None or now - last <= self.failoverTimeout:
@@ -354,16 +326,14 @@ class BinaryStarMachine(Machine):
 
 # --- the state channel's wire form ----------------------------------------------------
 
-#: a peer silent for this many failover timeouts is warned about, and again
-#: every SILENT_PEER_REPEAT seconds while it stays silent
+#: warn of a peer silent this many failover timeouts, again every SILENT_PEER_REPEAT s
 SILENT_PEER_WARNING = 5
 SILENT_PEER_REPEAT = 60.0
 
-#: first frame of every state-channel message
 HEADER = b"BSTAR01"
 SUBSCRIBE = b"SUB"
 STATE = b"STATE"
-#: most subscribers one publisher serves (the peer, and a few monitors)
+#: the peer and a few monitors
 MAX_SUBSCRIBERS = 16
 
 _ROLES = {role.value.encode(): role for role in Role}
@@ -389,7 +359,6 @@ def new_instance() -> str:
 
 def encode_state(state: State, role: Role, uptime: float, instance: str,
                  heartbeat: float) -> list[bytes]:
-    """The message publishing *state*."""
     return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.6f" % uptime,
             instance.encode("ascii"), repr(float(heartbeat)).encode("ascii")]
 
@@ -424,7 +393,7 @@ class _Publisher:
     def __init__(self, star: BinaryStar) -> None:
         self.star = star
         self.transport: Any = None
-        #: subscriber -> when it stops counting, unless heard from again
+        #: subscriber -> when it stops counting unless heard again
         self.subscribers: dict[bytes, float] = {}
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
@@ -436,9 +405,7 @@ class _Publisher:
 
 @implementer(IDealerReceiver)
 class _Subscriber:
-    """The pipe to the peer's endpoint: asks for its states, reads them.
-    *channel* is the machine's state channel it serves (a new pipe after
-    each stall)."""
+    """The pipe to the peer's endpoint, for state channel *channel*."""
 
     def __init__(self, star: BinaryStar, channel: int = 0) -> None:
         self.star = star
@@ -450,7 +417,7 @@ class _Subscriber:
             self.star._subscribe()
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        if self.star._subscriber is self:  # not a pipe replaced after a stall
+        if self.star._subscriber is self:
             self.star._stateFrom(frames, self.channel)
 
     def connectionLost(self, reason: object) -> None:
@@ -464,24 +431,11 @@ Observer = Callable[[str], Any]
 class BinaryStar:
     """One server of a Binary Star pair, over real transports.
 
-    *role* is :class:`Role` (or ``"primary"``/``"backup"``); the server
-    publishes its state on *local* (an endpoint to listen on) and reads the
-    peer's from *remote* (the peer's *local*).  :meth:`start` binds and
-    connects; from then on:
-
-    * :meth:`admitClient` is the application's vote: call it for every
-      client request (and every other message that means "serve me"), and
-      serve the request only if it answers True;
-    * :meth:`admitWorker` is the same for a worker's READY: a worker that
-      comes to the backup because the primary went silent votes for it too;
-    * :meth:`onActive`, :meth:`onPassive` and :meth:`onFatal` register
-      observers, called with the reason; after a fatal error (a split brain,
-      a dual passive, the same role on both sides) the server must stop:
-      this object has already closed its state channel and admits nothing
-      more, and the server should close (``BrokerService`` closes its broker;
-      a broker of your own keeps what it had queued until you close it).
-
-    Endpoints are checked at once (:class:`~mdp.errors.TransportError`)."""
+    It publishes its state on *local* and reads the peer's from *remote* (the
+    peer's *local*).  :meth:`admitClient` and :meth:`admitWorker` are the votes:
+    serve only on True.  After a fatal error (split brain, dual passive, same
+    role; see :meth:`onFatal`) nothing more is admitted and the server should
+    close.  Bad endpoints raise :class:`~mdp.errors.TransportError` at once."""
 
     def __init__(self, role: Union[Role, str], local: str, remote: str,
                  reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
@@ -500,7 +454,7 @@ class BinaryStar:
         self.machine = BinaryStarMachine(role, heartbeat=heartbeat, instance=new_instance(),
                                          now=self.reactor.seconds())
         self.throttle = LogThrottle(self.reactor)
-        #: the peer's last state, when it was heard, and its role
+        #: the peer's last state and when it was heard
         self.peerState: Optional[State] = None
         self.peerHeard: Optional[float] = None
         self._observers: dict[str, list[Observer]] = {"active": [], "passive": [], "fatal": []}
@@ -527,7 +481,7 @@ class BinaryStar:
 
     @property
     def serving(self) -> bool:
-        """Whether this server serves clients now (it is active)."""
+        """Whether this server serves clients now."""
         return self._running and self.machine.serving
 
     @property
@@ -537,13 +491,12 @@ class BinaryStar:
         return bound.endpoint if bound is not None else None
 
     def admitClient(self, now: Optional[float] = None) -> bool:
-        """A client request arrived: the client's vote.  True if it is to be
-        served (this server is, or just became, active)."""
+        """The client's vote: True if it is to be served (this server is, or just became, active)."""
         if not self._running:
             return False
         served, actions = self.machine.handleClientRequest(self._now(now))
         self._perform(actions)
-        if not self._running:  # an observer of the change stopped it
+        if not self._running:  # an observer stopped it
             return False
         if not served:
             self.throttle.info(log, "refused", "Binary Star {role} is {state}: not serving",
@@ -551,9 +504,7 @@ class BinaryStar:
         return served
 
     def admitWorker(self, now: Optional[float] = None) -> bool:
-        """A worker wants to register: a vote as a client's request is (the
-        Guide's "application connection requests").  True if this server is,
-        or just became, active."""
+        """A worker's READY votes as a client's request does (the Guide says so)."""
         return self.admitClient(now)
 
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
@@ -585,10 +536,8 @@ class BinaryStar:
     # --- lifecycle --------------------------------------------------------------------
 
     def start(self) -> defer.Deferred[None]:
-        """Bind the local state endpoint, subscribe to the peer's, start
-        publishing.  Each start is a fresh run: the state is the role's first
-        (PRIMARY or BACKUP), the peer unknown, the failover timeout counted
-        from now."""
+        """Bind, subscribe, publish.  Each start is a fresh run: the role's first
+        state, the peer unknown, the failover timeout counted from now."""
         if self._running:
             raise RuntimeError("this BinaryStar is running already")
         machine = self.machine
@@ -617,7 +566,7 @@ class BinaryStar:
             self._ticker.start(self.machine.heartbeat, now=True)
 
         def failed(failure: Any) -> Any:
-            self.stop()  # whatever got open closes again
+            self.stop()
             return failure
 
         return transport.listen(self.local, self._publisher, self.reactor,
@@ -649,15 +598,12 @@ class BinaryStar:
         self._perform(self.machine.handleTick(now))
         self._warnIfPeerSilent(now)
         if self._running and self._subscriber.transport is None:
-            self._connectSubscriber()  # it failed to open
+            self._connectSubscriber()
         self._subscribe()
 
     def _warnIfPeerSilent(self, now: float) -> None:
-        """A peer never heard is down, or ``remote`` is not its state
-        endpoint (another service's, a typo'd port): say so, now and then,
-        for without it there is no failover.  A peer heard before and silent
-        since is down or cut off: say so, and what this server does
-        meanwhile (a failover may have happened already)."""
+        """Warn now and then of a silent peer (no failover without it): down, cut off,
+        or ``remote`` is not its state endpoint."""
         machine = self.machine
         if not self._running or machine.stopped is not None:
             return
@@ -706,13 +652,11 @@ class BinaryStar:
                 self.machine.heartbeat))
 
     def _subscribed(self, peer: bytes, now: float) -> bool:
-        """Count *peer* as a subscriber until a failover timeout from *now*;
-        True if it was one already."""
+        """Count *peer* as a subscriber for a failover timeout; True if it was one."""
         subscribers = self._publisher.subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
-            # the least recently heard makes room: the peer, which asks every
-            # heartbeat, is never crowded out for long
+            # the least recently heard goes: the peer asks every heartbeat
             oldest = min(subscribers, key=subscribers.__getitem__)
             del subscribers[oldest]
             self.throttle.warn(log, "subscribers", "Binary Star {role}: {count} subscribers; "
@@ -736,7 +680,7 @@ class BinaryStar:
         actions = self.machine.handlePeerState(
             peer.state, peer.role, peer.uptime, now, peerInstance=peer.instance,
             peerHeartbeat=peer.heartbeat, channel=channel)
-        if channel >= self.machine.channel:  # not found stale by a stall it revealed
+        if channel >= self.machine.channel:  # not made stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
                 log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at "
@@ -786,8 +730,7 @@ class BinaryStar:
     def _fatal(self, action: Fatal) -> None:
         log.critical("Binary Star {role}: fatal: {reason}; this server stops",
                      role=self.role.value, reason=action.reason)
-        # serve nothing from now on; close the channel outside the transport's
-        # own callback that brought the news
+        # close the channel outside the transport callback that brought the news
         self._running = False
         if self._ticker.running:
             self._ticker.stop()
@@ -806,8 +749,7 @@ class BinaryStar:
             self._subscribe()
 
     def _connectSubscriber(self) -> None:
-        """Open the pipe to the peer's state endpoint; a failure (out of
-        descriptors, say) is logged, and the next tick tries again."""
+        """Open the pipe to the peer; on failure the next tick tries again."""
         retry = Backoff(initial=min(0.1, self.machine.heartbeat),
                         maximum=self.machine.heartbeat).retryPolicy()
         try:

@@ -1,15 +1,8 @@
 """Push Spark data through MDP services: one request per row, replies in a column.
 
-``call_service(df, service, broker=...)`` maps every Arrow batch of every
-partition through an MDP service (``DataFrame.mapInArrow``), keeping each row's
-reply on that row and the row order within each partition.  An executor
-sends each batch with the blocking client (:class:`mdp.blocking.Client`),
-``window`` requests in flight, cached per thread and configuration and never
-used across a fork; if a Twisted reactor is already running in the process,
-the batch goes through it with :class:`mdp.Client` instead (docs/spark.md,
-"Which client, and why").  Every call is bounded: with ``onError="fail"`` the
-first failed row fails the task (after at most ``timeout × retries`` seconds)
-with an :class:`MDPSparkError` naming the broker and the service.
+:func:`call_service` maps every Arrow batch through an MDP service
+(``DataFrame.mapInArrow``), keeping each reply on its row.  Executors use a
+blocking client cached per thread, or a running Twisted reactor (docs/spark.md).
 """
 
 from __future__ import annotations
@@ -48,9 +41,8 @@ _clients: dict[ServiceCall, Any] = {}  # the running reactor's clients (reactor 
 
 
 def running_reactor() -> Any:
-    """The Twisted reactor running in this process, if one is and this is
-    not its thread (then batches go through it; see the module docstring).
-    Never imports, so never installs, a reactor."""
+    """The Twisted reactor running in this process, unless there is none or this
+    is its thread.  Never imports, so never installs, a reactor."""
     reactor = sys.modules.get("twisted.internet.reactor")
     if not getattr(reactor, "running", False):
         return None
@@ -60,10 +52,8 @@ def running_reactor() -> Any:
 
 
 def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
-    """Send *requests* (None for a row that cannot be sent) and return, in the
-    same order, each reply's frames or the exception it failed with.  Blocks
-    the calling thread; never longer than about ``timeout × retries`` per
-    window of requests."""
+    """Send *requests* (None: a row that cannot be sent); return each reply's frames
+    or exception, in order.  Blocks, about ``timeout × retries`` per window at most."""
     reactor = running_reactor()
     if reactor is None:
         return _call_many_blocking(call, requests)
@@ -86,7 +76,6 @@ def _blocking_client(call: ServiceCall) -> Any:
 
 
 def _new_client(kind: Any, call: ServiceCall) -> Any:
-    """A client of *kind* (blocking or Twisted) configured for *call*."""
     return kind(list(call.brokers), timeout=call.timeout, retries=call.retries,
                 maxConnections=call.window, dialect=call.dialect)
 
@@ -124,11 +113,8 @@ def _client(call: ServiceCall) -> Any:
 
 
 def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
-    """In the reactor thread: the requests of a batch, at most ``window`` in
-    flight (one more goes as each is answered: a request waiting for a free
-    connection would spend its attempts waiting).  With ``onError="fail"``
-    the first failure ends the batch: nothing more is sent, and what is in
-    flight is cancelled."""
+    """In the reactor thread: at most ``window`` in flight (a request waiting for a free
+    connection would spend its attempts); on a failure with ``onError="fail"``, cancel the rest."""
     from twisted.internet import defer
     from twisted.python.failure import Failure
 
@@ -241,9 +227,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
                   retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
-    """Check every argument on the driver, so that a mistake raises here, at
-    once, rather than inside each executor task: ``TransportError`` for a
-    malformed broker endpoint, ``TypeError``/``ValueError`` for the rest."""
+    """Check every argument on the driver, so a mistake raises here rather than in
+    each task: ``TransportError`` for a bad endpoint, ``TypeError``/``ValueError``."""
     from mdp import transport
     from mdp.majordomo import codec
     from mdp.policy import positive_seconds
@@ -281,18 +266,12 @@ def call_service(
 ) -> Any:
     """One MDP request per row of *df*; returns *df* with the reply added.
 
-    *inputCol*: a string or binary column, or a list of them (one request
-    frame each, in order; strings are sent UTF-8 encoded).  *outputType*:
-    ``"binary"`` (the reply's first frame), ``"string"`` (it, decoded as UTF-8) or
-    ``"frames"`` (all reply frames, ``array<binary>``).  *onError*: ``"fail"``
-    fails the task, ``"null"`` leaves the reply null, ``"column"`` also adds
-    *errorCol* with the reason.  A row with a null input is an error too.
-
-    Every argument is checked here, on the driver, before *df* is touched:
-    ``TransportError`` for a malformed broker endpoint, ``TypeError`` /
-    ``ValueError`` for the rest (a *timeout* or *window* that is not
-    positive, *retries* below 1, an unknown *dialect*, ...).
-    """
+    *inputCol*: a string or binary column, or a list of them (one frame each;
+    strings sent UTF-8).  *outputType*: ``"binary"`` (the first reply frame),
+    ``"string"`` (it, decoded) or ``"frames"`` (``array<binary>``).  *onError*:
+    ``"fail"`` fails the task, ``"null"`` leaves the reply null, ``"column"``
+    also adds *errorCol* with the reason.  A null input is an error too.
+    Arguments are checked at once, on the driver (:func:`_service_call`)."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     if outputType not in OUTPUT_TYPES:
         raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
@@ -323,7 +302,6 @@ def _check_columns(df: Any, inputs: list[str], added: list[str]) -> None:
 
 
 def _output_schema(df: Any, added: list[str], outputType: str) -> Any:
-    """*df*'s schema with the reply column (and the error column, if added)."""
     from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
     reply_type = {"binary": BinaryType(), "string": StringType(),
@@ -345,12 +323,10 @@ def call_service_rdd(
     retries: int = 3,
     dialect: str = "rfc",
 ) -> Any:
-    """The RDD variant: each element (``bytes``, ``str`` or a sequence of them,
-    one frame each) becomes one request; the result RDD holds, in the same
-    order, each reply's frames (``list[bytes]``).  With ``onError="null"`` a
-    failed element gives ``None``; ``"column"`` gives ``(frames or None, error
-    or None)`` pairs.  Arguments are checked at once, on the driver, as for
-    :func:`call_service`."""
+    """The RDD variant: each element (``bytes``, ``str`` or a sequence of them) is
+    one request; the result holds each reply's frames in order.  With
+    ``onError="null"`` a failure gives ``None``; ``"column"`` gives ``(frames or
+    None, error or None)`` pairs."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     if isinstance(batch, bool) or not isinstance(batch, int):
         raise TypeError(f"batch is a number of elements, not {type(batch).__name__}")

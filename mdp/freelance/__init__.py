@@ -1,26 +1,15 @@
 """Brokerless reliable request-reply: the Guide's Freelance pattern, models 1-3.
 
-Wire protocol (as the Guide's model 3): a client sends ``[b"PING"]``, a server
-answers ``[b"PONG"]``; a client sends ``[sequence, body...]``, a server answers
-``[sequence, reply...]``.  An error is answered with MDP's error body, so both
-patterns raise the same errors for the same codes: 500
-:class:`~mdp.errors.WorkerError` (the handler raised), 429
-:class:`~mdp.errors.ServiceOverloaded` (``maxPending`` requests or
-``maxPendingBytes`` in hand), 413 :class:`~mdp.errors.MessageTooLarge`.
+Wire protocol (the Guide's model 3): ``[b"PING"]`` is answered ``[b"PONG"]``,
+``[sequence, body...]`` with ``[sequence, reply...]``.  Errors use MDP's error
+body, so both patterns raise the same errors: 500 :class:`~mdp.errors.WorkerError`,
+429 :class:`~mdp.errors.ServiceOverloaded` (``maxPending``/``maxPendingBytes``
+in hand), 413 :class:`~mdp.errors.MessageTooLarge`.
 
-Clients, all with ``request(*frames, timeout=None, deadline=None) ->
-Deferred[list[bytes]]`` and ``close()``: ``timeout`` bounds **one attempt**,
-``deadline`` the **whole request** (``None``: no bound beyond the attempts).
-:class:`SequentialClient` (model 1) tries each server in turn, each on a
-fresh connection; :class:`ShotgunClient` (model 2) sends every request to all
-servers, the first reply wins; :class:`AgentClient` (model 3) keeps one
-connection to all servers, tells the live ones by PING/PONG heartbeats, and
-sends each attempt to one live server.
-
-Each client holds its model's machine (:mod:`mdp.freelance.machines`):
-events with their time in, actions out, no reactor, transport or Deferred;
-the client owns the timers, the connections and the Deferreds.
-docs/freelance.md has the transition table of each model.
+``timeout`` bounds **one attempt** and ``deadline`` the **whole request**.  Models
+1-3 are :class:`SequentialClient`, :class:`ShotgunClient` and :class:`AgentClient`,
+each driving its pure machine (:mod:`mdp.freelance.machines`; docs/freelance.md
+tables the transitions).
 """
 
 from __future__ import annotations
@@ -91,13 +80,8 @@ Handler = Callable[[list[bytes]], Any]
 # --- server --------------------------------------------------------------------
 
 class FreelanceServer:
-    """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence,
-    handler(body)...]``.  The handler is as a worker's (frames in; frames, a
-    Deferred or a coroutine out).
-
-    One server may listen on several endpoints; each bound transport gets its
-    own :class:`~mdp.interfaces.IRouterReceiver` (a ``_Binding``) that hands
-    its messages to :meth:`received` with the transport to answer on."""
+    """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence, handler(body)...]``
+    (a worker's handler); each endpoint it listens on gets its own ``_Binding``."""
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
@@ -105,7 +89,7 @@ class FreelanceServer:
                  metrics: Optional[Any] = None, curveSecret: Optional[str] = None,
                  curveAllow: Optional[str] = None) -> None:
         self.handler = handler
-        #: the key pair and allow-list of its zmq: endpoints (docs/security.md)
+        #: CURVE key pair and allow-list for zmq: endpoints (docs/security.md)
         self.curve = curve_server(curveSecret, curveAllow)
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -123,10 +107,8 @@ class FreelanceServer:
             metrics.watch(self)
 
     def listen(self, endpoint: str) -> defer.Deferred:
-        """Bind *endpoint*; fires with the transport (its ``endpoint`` is the
-        string clients connect to).  A malformed endpoint raises
-        :class:`~mdp.errors.TransportError` at once; a failure to bind fails
-        the Deferred."""
+        """Bind *endpoint*; fires with the transport.  A malformed endpoint raises
+        :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
 
         binding = _Binding(self)
 
@@ -142,13 +124,10 @@ class FreelanceServer:
                                 security=security).addCallback(bound)
 
     def streamFactory(self) -> IProtocolFactory:
-        """This server as a plain Twisted :class:`IProtocolFactory` speaking
-        the stream transports' framing, for listening with an endpoint, a TLS
-        wrapper or an ``Application`` of one's own (``listen`` binds an
-        endpoint string instead).  Clients reach it as ``tcp:host=H:port=P``
-        (or ``unix:``, ``tls:``, ...).  The same limits apply; :meth:`close`
-        drops its connections, stopping the listening port is the caller's.
-        """
+        """This server as a Twisted :class:`IProtocolFactory` in the stream framing,
+        to listen on an endpoint or TLS wrapper of one's own (clients use ``tcp:``,
+        ``unix:``, ``tls:``...).  :meth:`close` drops its connections; stopping
+        the listening port is the caller's."""
         from mdp.transport.stream import StreamRouter
 
         binding = _Binding(self)
@@ -163,8 +142,7 @@ class FreelanceServer:
         return transport.close_all(transports, "a Freelance server listener")
 
     def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
-        """A message from *peer* on *routerTransport* (see the server's table
-        in docs/freelance.md)."""
+        """A message from *peer* (the server's table is in docs/freelance.md)."""
         metrics = self.metrics
         if frames == [PING]:
             routerTransport.sendMessage(peer, [PONG])
@@ -243,8 +221,7 @@ class _Binding:
 
 # --- shared client plumbing ------------------------------------------------------
 
-#: Defaults: seconds per attempt (``timeout``) and for the whole request
-#: (``deadline``; ``None``: no bound beyond the attempts) of each model.
+#: Per model: seconds per attempt (``timeout``) and for the whole request (``deadline``).
 SEQUENTIAL_TIMEOUT, SEQUENTIAL_DEADLINE = 1.0, 30.0
 SHOTGUN_TIMEOUT = 3.0
 AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
@@ -253,11 +230,9 @@ AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
 @implementer(IDealerReceiver)
 class _Pipe:
-    """A connection to one server whose replies go to the client's machine
-    (model 1: one per attempt; model 2: one per server).  If no socket can be
-    had (the process out of descriptors), that is logged and the next send
-    tries again: meanwhile what is sent there goes unanswered, as to a
-    server that is down, and the request moves on at its attempt's end."""
+    """A connection to one server, replies to the client's machine (model 1: one
+    per attempt; model 2: one per server).  With no socket to be had it logs and
+    retries at the next send; meanwhile the server looks down."""
 
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
         self.client = client
@@ -272,7 +247,7 @@ class _Pipe:
         try:
             self.transport = transport.connect(endpoint, self, client.reactor,
                                                security=self.security, limits=client.limits)
-        except TransportError as e:  # no socket to be had (out of descriptors)
+        except TransportError as e:
             client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
                                  "it sends there goes unanswered until a connection opens",
                                  error=e)
@@ -301,11 +276,9 @@ class _Pipe:
 
 
 class _FreelanceClient:
-    """The driver the three models share: it holds the model's machine, owns
-    the Deferreds, the timers of each request and the connections, and does
-    what the machine asks.  *limits* are the message limits of its
-    connections (a request over them raises RequestTooLarge at once); the
-    CURVE keys are for its ``zmq:`` servers (every one shares the key pair)."""
+    """The driver the three models share: it owns the Deferreds, timers and
+    connections, and does what the machine asks.  *limits* bound its messages
+    (RequestTooLarge at once); the CURVE keys serve all its ``zmq:`` servers."""
 
     def __init__(self, machine: FreelanceMachine, endpoints: Union[str, Sequence[str]],
                  reactor: Optional[Any], curveServerPublic: Optional[str],
@@ -319,16 +292,15 @@ class _FreelanceClient:
         self.pipes: dict[Any, _Pipe] = {}
         self._timers: dict[tuple[bytes, str], Any] = {}
         self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
-        #: how each action is done (a closing pipe's returns the Deferred of its close)
+        #: a closing pipe's performer returns the Deferred of its close
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
             Later: self._arm, Cancel: self._disarm, SendPeer: self._sendPeer,
             SendPipe: self._sendPipe, Resolve: self._resolve, Reject: self._reject,
             OpenPipe: self._openPipe, ClosePipe: self._closePipe,
             ConnectPeer: self._connectPeer, ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
-        #: the endpoints of the servers added, in order
         self.added: list[str] = []
-        if listed:  # the list as a whole: one zmq: server among them uses the keys
+        if listed:  # as a whole: one zmq: server among them uses the keys
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
             self._add(endpoint)
@@ -339,7 +311,7 @@ class _FreelanceClient:
 
     @property
     def timeout(self) -> float:
-        """Seconds one attempt may take (the default of each request)."""
+        """Seconds one attempt may take (each request's default)."""
         return self.machine.timeout
 
     @property
@@ -348,14 +320,11 @@ class _FreelanceClient:
         return self.machine.deadline
 
     def connect(self, endpoint: str) -> None:
-        """Add a server (:class:`~mdp.errors.TransportError` at once for a
-        malformed endpoint; ``ValueError`` for CURVE keys and no ``zmq:``
-        server to use them)."""
+        """Add a server (:class:`~mdp.errors.TransportError` for a malformed endpoint;
+        ``ValueError`` for CURVE keys and no ``zmq:`` server to use them)."""
         if self.machine.closed:
             raise ClientClosed("client is closed")
         transport.check(endpoint, transport.CONNECT)
-        # keys no server would use (it would talk in the clear), or a
-        # session+zmq: one, which cannot have them: ValueError, TransportError
         transport.check_curve_client([*self.added, endpoint], self.curve)
         self._add(endpoint)
 
@@ -368,17 +337,13 @@ class _FreelanceClient:
                 deadline: Optional[float] = None) -> defer.Deferred:
         """Send a request; the Deferred fires with the reply body frames.
 
-        *timeout* (seconds one attempt may take) and *deadline* (seconds the
-        whole request may take) override the client's own for this request.
-        Errors: :class:`~mdp.errors.RequestTimeout`,
-        :class:`~mdp.errors.NoServerAvailable`, the remote errors of a server
-        (:class:`~mdp.errors.WorkerError`, ...),
-        :class:`~mdp.errors.ClientClosed`; cancelling the Deferred abandons the
-        request (a late reply is dropped).  Frames are bytes or str (UTF-8);
-        anything else raises TypeError at once, no frame ValueError."""
+        *timeout* and *deadline* override the client's for this request.  Errors:
+        :class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.NoServerAvailable`,
+        a server's remote errors, :class:`~mdp.errors.ClientClosed`; cancelling
+        abandons the request.  Frames are bytes or str (UTF-8), else TypeError;
+        no frame: ValueError."""
         body = messages.request_frames(frames)
-        # the sequence frame counted at its longest: a server's transport
-        # would drop the connection, and every request on it, for one over
+        # the sequence frame at its longest: one over would cost the connection
         tooLarge = self.limits.refuse([b"0" * 20, *body])
         if tooLarge is not None:
             raise RequestTooLarge(f"Freelance request not sent: {tooLarge}")
@@ -399,11 +364,9 @@ class _FreelanceClient:
         return d
 
     def close(self) -> defer.Deferred:
-        """Fail every pending request with :class:`~mdp.errors.ClientClosed`
-        and close the connections."""
+        """Fail every pending request with :class:`~mdp.errors.ClientClosed` and close."""
         closing = self._perform(self.machine.handleClose(self.reactor.seconds()))
-        # every request is DONE and its timers cancelled; none is armed again
-        # once closed, but none is left behind whatever happened before
+        # none should be left, but cancel whatever is
         timers, self._timers = self._timers, {}
         for timer in timers.values():
             cancel_call(timer)
@@ -414,17 +377,12 @@ class _FreelanceClient:
         self._perform(self.machine.handleTimer(call, kind, self.reactor.seconds()))
 
     def _stale(self, call: Optional[_Call]) -> bool:
-        """Is an action for *call* (None: for no request) no longer to be
-        done?  A caller's callback run by an earlier action of the same
-        event may have cancelled that request, or closed the client."""
+        """Is an action for *call* (None: no request) void?  A caller's callback run
+        by an earlier action may have cancelled it, or closed the client."""
         return self.machine.closed or (call is not None and call.state is RequestState.DONE)
 
     def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
-        """Do what the machine asked, in order; returns the closings of the
-        pipes it closed.  What a caller's callback does meanwhile (a cancel,
-        close, a new request) is a new event, handled at once: the actions
-        left over that would send, open or arm a timer for a request it
-        ended, or for a client it closed, are skipped (see :meth:`_stale`)."""
+        """Do what the machine asked, in order, skipping :meth:`_stale` ones; returns pipe closings."""
         closing = []
         for action in actions:
             closed = self._performers[type(action)](action)
@@ -454,7 +412,7 @@ class _FreelanceClient:
 
     def _resolve(self, action: Resolve) -> None:
         d = self._deferreds.pop(action.call.sequence, None)
-        if d is not None and not d.called:  # (cancelled by a callback of another)
+        if d is not None and not d.called:
             d.callback(action.frames)
 
     def _reject(self, action: Reject) -> None:
@@ -484,10 +442,8 @@ class _FreelanceClient:
 
 
 class SequentialClient(_FreelanceClient):
-    """Model 1: try each server in turn, in list order, each attempt on a
-    fresh connection with *timeout* seconds; :class:`RequestTimeout` after
-    every server was tried once, or after *deadline* seconds in all
-    (``None``: no bound beyond the round), whichever comes first."""
+    """Model 1: each server in turn, each attempt on a fresh connection with
+    *timeout* seconds; :class:`RequestTimeout` after one round or *deadline*."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, timeout: float = SEQUENTIAL_TIMEOUT,
@@ -499,9 +455,8 @@ class SequentialClient(_FreelanceClient):
 
 
 class ShotgunClient(_FreelanceClient):
-    """Model 2: send every request to all servers; the first reply wins.  The
-    one round is the only attempt: :class:`RequestTimeout` after *timeout*
-    seconds (or *deadline*, if given and shorter)."""
+    """Model 2: every request to all servers, the first reply wins; one attempt,
+    :class:`RequestTimeout` after *timeout* (or a shorter *deadline*)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None,
@@ -512,17 +467,14 @@ class ShotgunClient(_FreelanceClient):
 
     @property
     def links(self) -> dict[str, _Pipe]:
-        """The connection to each server."""
         return dict(self.pipes)
 
 
 @implementer(IPeerRouterReceiver)
 class AgentClient(_FreelanceClient):
-    """Model 3, the full agent: PINGs every server
-    each ``heartbeat.interval`` and counts one silent for ``heartbeat.expiry``
-    as dead; each attempt goes to one live server and has *timeout* seconds;
-    *deadline* bounds the request in all (``None``: until answered or every
-    server is dead)."""
+    """Model 3: PINGs every server each ``heartbeat.interval``; one silent for
+    ``heartbeat.expiry`` is dead.  Each attempt goes to one live server for *timeout*
+    seconds; *deadline* bounds the request (``None``: until all servers are dead)."""
 
     machine: AgentMachine
 
@@ -556,13 +508,12 @@ class AgentClient(_FreelanceClient):
         return self.machine.live()
 
     def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:
-        """A PONG or a reply from the server at *endpoint*."""
         self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))
 
     def tick(self) -> None:
         try:
             self._perform(self.machine.handleTick(self.reactor.seconds()))
-        except Exception:  # the heartbeat must go on (a caller's callback raised)
+        except Exception:  # the heartbeat must go on
             log.failure("Freelance agent: its tick failed")
 
     def close(self) -> defer.Deferred:
@@ -574,9 +525,7 @@ class AgentClient(_FreelanceClient):
 
 def freelance_client(endpoints: Union[str, Sequence[str]], model: int = 3,
                      reactor: Optional[Any] = None, **options: Any) -> _FreelanceClient:
-    """A Freelance client of the Guide's *model* (1, 2 or 3); *options* are
-    the constructor's (``timeout``, ``deadline``, ``curveServerPublic``,
-    ``curveSecret``, ``limits``; ``heartbeat`` for model 3)."""
+    """A Freelance client of the Guide's *model* (1, 2 or 3), with the constructor's *options*."""
     kinds = {1: SequentialClient, 2: ShotgunClient, 3: AgentClient}
     if model not in kinds:
         raise ValueError(f"Freelance model must be 1, 2 or 3, not {model!r}")

@@ -24,35 +24,31 @@ SERVICE = b"freelance"  # what RequestTimeout names
 class RequestState(enum.Enum):
     """Where a client's request is."""
 
-    #: accepted, not sent: no server to send it to yet (model 3 only)
+    #: not sent: no server to send it to yet (model 3 only)
     WAITING = "waiting"
-    #: an attempt is out (to ``call.server``, or to every server in model 2)
-    #: and its timer runs
+    #: an attempt is out and its timer runs
     SENT = "sent"
-    #: answered, failed, timed out, cancelled or closed: forgotten; a late
-    #: reply with its sequence number is dropped
+    #: answered, failed, timed out, cancelled or closed: a late reply is dropped
     DONE = "done"
 
 
 class ServerState(enum.Enum):
     """What the agent (model 3) believes of one server."""
 
-    #: added, not heard from yet: PINGed, gets no requests
+    #: not heard from yet: PINGed, gets no requests
     UNKNOWN = "unknown"
     #: heard from within ``heartbeat.expiry``: gets requests
     ALIVE = "alive"
-    #: let an attempt time out: no new requests until it speaks again
+    #: let an attempt time out or answered 429: no requests until it speaks again
     SUSPECT = "suspect"
-    #: silent for longer than ``heartbeat.expiry``: still PINGed, no requests
+    #: silent beyond ``heartbeat.expiry``: still PINGed, no requests
     DEAD = "dead"
 
 
-# --- error replies: [sequence, *messages.error_body(code, message)] ------------------
 
 
 def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
-    """The error a reply body stands for (a :class:`~mdp.errors.RemoteError`
-    subclass by its code), or ``None`` for an ordinary reply."""
+    """The :class:`~mdp.errors.RemoteError` a reply body stands for, or ``None``."""
     return messages.remote_error(SERVICE, body)
 
 
@@ -70,23 +66,22 @@ class _Call:
         self.startedAt = startedAt
         self.timeout = timeout  # seconds per attempt
         self.deadline = deadline  # seconds for the whole request, or None
-        self.state = RequestState.WAITING  # until the model sends it
+        self.state = RequestState.WAITING
         self.attempts = 0
         self.tried: list[str] = []  # model 3: servers tried in this round
         self.server: Optional[str] = None  # where the current attempt went
-        self.rotation: Optional[EndpointRotation] = None  # model 1: the servers it walks
+        self.rotation: Optional[EndpointRotation] = None  # model 1
         self.refusals: set[Any] = set()  # model 2: servers that answered 429 this round
 
 
-# --- what a client machine asks its driver to do ----------------------------------------
+# --- actions ---------------------------------------------------------------------------
 
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
 
 
 @action_class
 class Later:
-    """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing that
-    timer of *call* if it is pending)."""
+    """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing a pending one)."""
 
     call: _Call
     kind: str
@@ -102,21 +97,16 @@ class Cancel:
 
 
 def _for_call() -> Any:
-    """The field of a send (or of a pipe) made for one request: the driver
-    skips it if that request is DONE by then (a caller's callback run by an
-    earlier action of the same event cancelled it).  Not compared: actions
-    are equal whoever they were made for."""
+    """The request an action is for (not compared): skipped if DONE by then."""
     return attrs.field(default=None, eq=False, repr=False)
 
 
 @action_class
 class OpenPipe:
-    """Open a connection to *endpoint*, known as *key*; its messages come back
-    through ``handleReply``."""
+    """Open a connection to *endpoint*, known as *key*; replies go to ``handleReply``."""
 
     key: Any
     endpoint: str
-    #: the request it is opened for (model 1), or None
     call: Optional[_Call] = _for_call()
 
 
@@ -129,7 +119,6 @@ class ClosePipe:
 class SendPipe:
     key: Any
     frames: list[bytes]
-    #: the request sent
     call: Optional[_Call] = _for_call()
 
 
@@ -146,13 +135,12 @@ class SendPeer:
 
     endpoint: str
     frames: list[bytes]
-    #: the request sent, or None (a PING)
+        #: None for a PING
     call: Optional[_Call] = _for_call()
 
 
 @action_class
 class Resolve:
-    """Fire the Deferred of *call* with *frames*."""
 
     call: _Call
     frames: list[bytes]
@@ -160,7 +148,6 @@ class Resolve:
 
 @action_class
 class Reject:
-    """Fail the Deferred of *call* with *error*."""
 
     call: _Call
     error: BaseException
@@ -178,10 +165,8 @@ Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer |
 
 
 class FreelanceMachine(Machine):
-    """What the three models decide alike (sequence numbers, pending
-    requests, the deadline, replies, close), with no reactor, no transport and
-    no Deferred: ``handle*`` events with their time in, actions out.  The
-    models add their own rules; each client class drives its machine."""
+    """What the three models decide alike (sequence numbers, pending requests,
+    the deadline, replies, close); the subclasses add each model's rules."""
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         super().__init__(now)
@@ -190,7 +175,6 @@ class FreelanceMachine(Machine):
         self.endpoints: list[str] = []
         self.pending: dict[bytes, _Call] = {}
         self._sequence = itertools.count(1)
-        #: new requests and servers are refused
         self.closed = False
 
     def refusal(self) -> Optional[Exception]:
@@ -226,8 +210,7 @@ class FreelanceMachine(Machine):
 
     def handleReply(self, frames: list[bytes], now: float,
                     endpoint: Optional[str] = None) -> list[Action]:
-        """A ``[sequence, reply...]`` arrived (from the server at *endpoint*,
-        where the driver knows it); stale or unknown ones are dropped."""
+        """A ``[sequence, reply...]`` from *endpoint* (if known); stale ones are dropped."""
         self.now = now
         self._reply(frames, endpoint)
         return self._drain()
@@ -242,13 +225,12 @@ class FreelanceMachine(Machine):
         return self._drain()
 
     def handleCancel(self, call: _Call, now: float) -> list[Action]:
-        """The caller cancelled *call*: forget it (a late reply is dropped)."""
+        """The caller cancelled *call*: forget it."""
         self.now = now
         self._finish(call)
         return self._drain()
 
     def handleClose(self, now: float) -> list[Action]:
-        """Fail every pending request with ClientClosed."""
         self.now = now
         self.closed = True
         for call in list(self.pending.values()):
@@ -277,7 +259,6 @@ class FreelanceMachine(Machine):
         return True
 
     def _expired(self, call: _Call) -> None:
-        """The deadline, or the last attempt, ran out."""
         self._fail(call, RequestTimeout(SERVICE, call.attempts, self.now - call.startedAt))
 
     def _fail(self, call: _Call, error: Exception) -> None:
@@ -285,11 +266,11 @@ class FreelanceMachine(Machine):
             self._outbox.append(Reject(call, error))
 
     def _reply(self, frames: list[bytes], endpoint: Optional[str] = None) -> bool:
-        """A reply; True if it was a 429 for a pending request (the server
-        is busy: nothing ran there, and another may serve it)."""
+        """A reply; True if it was a 429 for a pending request (nothing ran, another
+        server may serve it)."""
         if len(frames) < 2:
             return False
-        call = self.pending.get(frames[0])  # DONE requests are not pending
+        call = self.pending.get(frames[0])
         if call is None or call.state is RequestState.DONE:
             return False
         body = frames[1:]
@@ -303,8 +284,7 @@ class FreelanceMachine(Machine):
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:
-        """A server answered *call* 429 (nothing ran): a model tries another
-        server where it has one; this is the answer where not."""
+        """A 429 for *call*: models with another server try it; here it is the answer."""
         self._fail(call, error)
 
 
@@ -313,7 +293,7 @@ class SequentialMachine(FreelanceMachine):
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         super().__init__(timeout, deadline, now)
-        self.attempts: dict[bytes, str] = {}  # the open pipe of each request, by sequence
+        self.attempts: dict[bytes, str] = {}  # the open pipe of each request
 
     def _start(self, call: _Call) -> None:
         call.rotation = EndpointRotation(self.endpoints)
@@ -381,9 +361,7 @@ class ShotgunMachine(FreelanceMachine):
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:
-        # the answer only once every server said so: counted by server, so
-        # that one server's 429 sent twice does not speak for another (a
-        # reply of unknown origin counts on its own)
+        # fail once every server said 429, counted by server (unknown origin: alone)
         call.refusals.add(object() if endpoint is None else endpoint)
         if len(call.refusals) >= call.attempts:
             self._fail(call, error)
@@ -395,8 +373,7 @@ class ShotgunMachine(FreelanceMachine):
 
 
 class KnownServer:
-    """What the agent knows of one server: its :class:`ServerState` and when
-    it was last heard from (since it was added, if never)."""
+    """What the agent knows of one server: its state and liveness."""
 
     __slots__ = ("endpoint", "state", "liveness")
 
@@ -407,8 +384,7 @@ class KnownServer:
 
 
 class AgentMachine(FreelanceMachine):
-    """Model 3's rules (its tables are in docs/freelance.md): PING every
-    ``heartbeat.interval`` (:meth:`handleTick`, every ``wakeEvery`` seconds),
+    """Model 3's rules (tabled in docs/freelance.md): PING every ``heartbeat.interval``,
     requests only to ALIVE servers."""
 
     def __init__(self, heartbeat: HeartbeatPolicy, timeout: float, deadline: Optional[float],
@@ -445,16 +421,14 @@ class AgentMachine(FreelanceMachine):
         server = self.servers.get(endpoint)
         if server is not None:
             server.liveness.heard(now)
-            # the reply first: the request it answers is no longer waiting
-            # when the server's coming back sends what waits
+            # the reply first: the server's coming back then sends only what still waits
             if frames == [PONG] or not self._reply(frames, endpoint):
                 self._becomes(server, ServerState.ALIVE)
         return self._drain()
 
     def handleTick(self, now: float) -> list[Action]:
-        """Every ``heartbeat.interval``: servers silent for longer than
-        ``heartbeat.expiry`` become DEAD; PING every server; if every one is
-        DEAD, fail what is pending with NoServerAvailable."""
+        """Servers silent beyond ``heartbeat.expiry`` become DEAD; PING all; if all
+        are DEAD, fail what is pending with NoServerAvailable."""
         self.now = now
         for server in list(self.servers.values()):
             if server.state is not ServerState.DEAD and server.liveness.dead(now):
@@ -478,7 +452,6 @@ class AgentMachine(FreelanceMachine):
         server.liveness.sent(self.now)
 
     def _becomes(self, server: KnownServer, state: ServerState) -> None:
-        """Move *server* to *state* and do what that entails."""
         if server.state is state:
             return
         server.state = state
@@ -496,8 +469,8 @@ class AgentMachine(FreelanceMachine):
         self._send(call)
 
     def _send(self, call: _Call) -> None:
-        """Send *call* to the first live server it has not tried this round
-        (all tried: a new round, from the first live one); none: WAITING."""
+        """Send *call* to the first live server not tried this round (all tried: a
+        new round); none live: WAITING."""
         self._outbox.append(Cancel(call, ATTEMPT))
         live = self.live()
         if not live:
@@ -517,25 +490,22 @@ class AgentMachine(FreelanceMachine):
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:
-        """A 429: its server, if ALIVE, becomes SUSPECT (no new requests
-        until it answers a PING), and the request goes to a live server not
-        tried this round; none: the 429 is the answer."""
+        """A 429: its server becomes SUSPECT and the request goes to a live server
+        not tried this round; none: the 429 is the answer."""
         self._suspect(endpoint)
         if call.state is not RequestState.SENT or call.server != endpoint:
-            return  # from an attempt before the current one: that one goes on
+            return  # for an earlier attempt: the current one goes on
         if any(e not in call.tried for e in self.live()):
             self._send(call)
         else:
             self._fail(call, error)
 
     def _attemptOver(self, call: _Call) -> None:
-        """An attempt went unanswered: its server, if ALIVE, becomes SUSPECT
-        (no new requests until it speaks again); try another."""
+        """An unanswered attempt: its server becomes SUSPECT; try another."""
         self._suspect(call.server)
         self._send(call)
 
     def _suspect(self, endpoint: Optional[str]) -> None:
-        """The server at *endpoint*, if ALIVE, becomes SUSPECT."""
         server = self.servers.get(endpoint or "")
         if server is not None and server.state is ServerState.ALIVE:
             self._becomes(server, ServerState.SUSPECT)

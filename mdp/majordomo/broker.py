@@ -1,12 +1,10 @@
 """The MDP/0.2 broker over real transports.
 
 :class:`Broker` drives a :class:`~mdp.majordomo.broker_machine.BrokerMachine`,
-whose module docstring tells every decision.  The driver owns the bindings,
-the periodic tick and the wake-up timer; it hands the machine each message
-with the roles of the binding it came on and the peer's authenticated
-identity, performs the actions returned, and logs and counts what they
-report.  Every peer is answered in the dialect it used
-(:mod:`mdp.majordomo.codec`): RFC 18, or majortomo's.
+which makes every decision.  The driver owns the bindings, the tick and the
+wake-up timer; it hands the machine each message with its binding's roles and
+the peer's authenticated identity, performs the actions, and logs and counts
+what they report.
 """
 
 from __future__ import annotations
@@ -65,10 +63,9 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 #: Dropped kinds that are invalid input (counted in ``Broker.invalid``)
 _INVALID = frozenset({"malformed", "wrong-endpoint", "unexpected", "not-serving",
                       "restart-marker"})
-#: Dropped kinds that are worker replies not passed on (the rest are rejected messages)
+#: Dropped kinds that are worker replies not passed on
 _REPLIES_DROPPED = frozenset({"stale", "void", "orphaned"})
-#: Refused kinds of a READY; and those not logged (the client hears of them,
-#: or is meant to time out)
+#: Refused kinds of a READY; and those not logged (the client hears, or times out)
 _READY_REFUSED = frozenset({"serve-forbidden", "not-active", "too-many-workers"})
 _QUIET_REFUSALS = frozenset({"passive", "expired", "unknown"})
 _WORKER_CHANGES = {
@@ -85,11 +82,9 @@ _WORKER_CHANGES = {
 class Binding:
     """One bound transport of the broker and the roles it accepts.
 
-    Body frames are passed on, never read: a transport may deliver long ones
-    from ``keepFramesFrom`` on uncopied (libzmq's message; a client REQUEST's
-    body starts there, a worker's command has its client address before it).
-    ``copyOut`` marks a binding whose transport takes only ``bytes`` while
-    another delivers buffers (``deliversBuffers``)."""
+    Body frames are passed on unread: a transport may deliver them uncopied from
+    ``keepFramesFrom`` on.  ``copyOut`` marks a binding whose transport takes only
+    ``bytes`` while another delivers buffers."""
 
     keepFramesFrom = 3
 
@@ -116,14 +111,12 @@ class Binding:
         self.broker.peerGone((self, peer))
 
     def identity(self, peer: bytes) -> Optional[str]:
-        """Who *peer* is, as its transport authenticated it (a CURVE public
-        key, a TLS subject), or None."""
+        """*peer* as its transport authenticated it (CURVE key, TLS subject), or None."""
         peerIdentity = getattr(self.transport, "peerIdentity", None)
         return None if peerIdentity is None else peerIdentity(peer)
 
     def disconnect(self, peer: bytes) -> None:
-        """Close *peer*'s connection once what was sent to it is out (a no-op
-        on ZeroMQ, which has no connection per peer)."""
+        """Close *peer*'s connection once its output is sent (no-op on ZeroMQ)."""
         if self.transport is not None:
             self.transport.disconnectPeer(peer)
 
@@ -133,26 +126,22 @@ classImplements(Binding, IRouterReceiver)
 
 
 class Broker:
-    """An MDP/0.2 broker: a :class:`BrokerMachine` (``machine``) driven over
-    real transports.  Bind it with :meth:`listen` (several times for separate
-    client and worker endpoints) or hand out :meth:`streamFactory`.  The
-    machine's settings and state read through the broker (``broker.workers``,
-    ``broker.queued``, ``broker.heartbeat``, ...).
-
-    *metrics* (a :class:`mdp.metrics.BrokerMetrics`) counts what happens;
-    *logRequests* logs one debug line per request served."""
+    """An MDP/0.2 broker: a :class:`BrokerMachine` (``machine``) over real
+    transports.  Bind it with :meth:`listen` (once per endpoint) or hand out
+    :meth:`streamFactory`; the machine's settings and state read through it
+    (``broker.workers``, ``broker.queued``, ...).  *metrics* (a
+    :class:`mdp.metrics.BrokerMetrics`) counts; *logRequests* logs each request served."""
 
     def __init__(self, reactor: Optional[Any] = None, *, curveSecret: Optional[str] = None,
                  curveAllow: Optional[str] = None, metrics: Optional[Any] = None,
                  logRequests: bool = False, **options: Any) -> None:
         self.reactor = default_reactor(reactor)
-        #: the key pair and allow-list of its zmq: endpoints (docs/security.md)
+        #: CURVE key pair and allow-list for zmq: endpoints (docs/security.md)
         self.curve = curve_server(curveSecret, curveAllow)
         self.machine = BrokerMachine(now=self.reactor.seconds(),
                                      observed=metrics is not None or logRequests, **options)
         self.metrics = metrics
         self.logRequests = logRequests
-        #: messages dropped as invalid or unexpected
         self.invalid = 0
         self.throttle = LogThrottle(self.reactor)
         self.bindings: list[Binding] = []
@@ -181,17 +170,15 @@ class Broker:
         self.machine.admission = admission
 
     def received(self, key: PeerKey, frames: list[bytes]) -> None:
-        """A message from peer *key* (the (binding, peer id) it came from)."""
+        """A message from peer *key*, a (binding, peer id)."""
         key[0].messageReceived(key[1], frames)
 
     def peerGone(self, key: PeerKey) -> None:
-        """A transport lost the peer *key*."""
         self._perform(self.machine.handlePeerGone(key, self.reactor.seconds()))
 
     def admissionChanged(self) -> None:
-        """Tell the broker its admission changed state (``BrokerService``
-        does, on its Binary Star's changes): a broker gone passive lets its
-        workers and queue go at once, not at its next tick."""
+        """Its admission changed state: a broker gone passive lets go at once, not
+        at its next tick."""
         self._perform(self.machine.handleAdmissionChange(self.reactor.seconds()))
 
     def tick(self) -> None:
@@ -316,9 +303,8 @@ class Broker:
     def listen(
         self, endpoint: str, clients: bool = True, workers: bool = True
     ) -> defer.Deferred[IRouterTransport]:
-        """Bind *endpoint*; it accepts clients, workers or both.  A malformed
-        endpoint raises :class:`~mdp.errors.TransportError` at once; a failure
-        to bind fails the Deferred."""
+        """Bind *endpoint* for clients, workers or both.  A malformed endpoint raises
+        :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
         binding = Binding(self, clients, workers)
 
         def bound(routerTransport: IRouterTransport) -> IRouterTransport:
@@ -331,16 +317,13 @@ class Broker:
                                 security=security).addCallback(bound)
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
-        """An :class:`IProtocolFactory` whose connections (speaking the
-        stream transport's records) this broker serves, for listening with a
-        Twisted endpoint, a TLS wrapper or an ``Application`` of one's own::
+        """An :class:`IProtocolFactory` served by this broker in the stream framing,
+        to listen on a Twisted endpoint or TLS wrapper of one's own::
 
             port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
                 broker.streamFactory())
 
-        Its peers connect with ``tcp:host=HOST:port=PORT`` (or the matching
-        stream scheme).  :meth:`close` drops its connections; stopping the
-        port is the caller's."""
+        :meth:`close` drops its connections; stopping the port is the caller's."""
         binding = Binding(self, clients, workers)
         router = StreamRouter(binding, self.reactor, limits=self.machine.limits)
         self._bind(binding, router)
@@ -349,8 +332,7 @@ class Broker:
     def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
         binding.transport = routerTransport
         self.bindings.append(binding)
-        # frames one binding delivers uncopied go out as bytes where the
-        # transport takes nothing else (loopback, a test double)
+        # frames delivered uncopied go out as bytes where a transport takes nothing else
         buffers = any(getattr(b.transport, "deliversBuffers", False) for b in self.bindings)
         for each in self.bindings:
             each.copyOut = buffers and not getattr(each.transport, "acceptsBuffers", False)
@@ -359,7 +341,7 @@ class Broker:
         if routerTransport.endpoint:
             log.info("MDP broker listening on {endpoint} for {roles}",
                      endpoint=routerTransport.endpoint, roles=roles)
-        else:  # (streamFactory: listening is its caller's, and not done yet)
+        else:  # streamFactory: the caller listens
             log.info("MDP broker serving {roles} through a protocol factory", roles=roles)
         if not self._ticker.running:
             self._ticker.start(self.machine.wakeEvery, now=False)
@@ -377,5 +359,4 @@ class Broker:
         return transport.close_all(closing, "a broker listener")
 
 
-# (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Broker, IBroker)

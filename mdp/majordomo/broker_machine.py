@@ -2,25 +2,14 @@
 
 Theory of operation
 -------------------
-The states of a request and a worker, and the transitions this machine
-decides, are tabled in :mod:`mdp.majordomo.broker_records`.
-
-:class:`BrokerMachine` knows no reactor, no transport and no Deferred: it is
-fed events with their time (``handleMessage``, ``handlePeerGone``,
-``handleTick``, ``handleWake``, ``handleAdmissionChange``) and returns what it
-wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what
-happened that a driver logs and counts (:class:`Dropped`, :class:`Refused`,
-:class:`WorkerChanged`; :class:`Requested`, :class:`Assigned` and
-:class:`Replied` while ``observed``).  A peer key is ``(route, peer id)``: the
-route is the driver's (which binding), opaque here; the roles the route
-accepts and the peer's authenticated identity come with each message.
-
-Given an ``admission`` (an :class:`~mdp.interfaces.IAdmission`, e.g. a
-:class:`mdp.binarystar.BinaryStar`), the broker asks it before it takes each
-client request (the client's vote) and registers each worker: a passive broker
-answers nothing but ``mmi.binarystar`` and sends DISCONNECT to every READY.
-Requests to ``mmi.*`` are answered by the broker itself (:mod:`mdp.majordomo.mmi`).
-Every peer is answered in the dialect it used (:mod:`mdp.majordomo.codec`).
+The states of a request and a worker, and the transitions this machine decides,
+are tabled in :mod:`mdp.majordomo.broker_records`.  :class:`BrokerMachine` knows
+no reactor, transport or Deferred: it is fed events with their time and returns
+what it wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what
+a driver logs and counts (the other action classes).  An ``admission``
+(:class:`~mdp.interfaces.IAdmission`, e.g. Binary Star) votes on each client
+request and worker registration: a passive broker answers only
+``mmi.binarystar`` and sends DISCONNECT to every READY.
 """
 
 from __future__ import annotations
@@ -82,25 +71,20 @@ DEFAULT_MAX_SERVICE_QUEUE_BYTES = 512 * MiB
 DEFAULT_MAX_WORKERS = 10_000
 DEFAULT_MAX_SERVICE_WORKERS = 1_000
 DEFAULT_MAX_DELIVERIES = 20
-#: seconds a request for a service no worker has registered waits (counted
-#: from the service's first request), within a client's default budget
-#: (3 attempts of 2.5 s) so that it hears 503 rather than a timeout
+#: seconds a request for an unregistered service waits: under a client's default
+#: budget (3 attempts of 2.5 s), so that it hears 503 rather than a timeout
 DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
 
-#: Bytes of frame content a worker REQUEST adds to the request body besides the
-#: client's peer id: the header, the command and the 8-byte assignment number
-#: of the envelope; and the frames it adds (with majortomo's leading empty frame).
+#: bytes and frames a worker REQUEST adds to the body besides the client's peer id
 _REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
 _REQUEST_FRAMES = 5
 _MMI_PREFIX = mmi.PREFIX
 
-#: workers remembered as told DISCONNECT (see BrokerMachine._markGone)
+#: workers remembered as told DISCONNECT
 MAX_GONE = 10_000
-#: how many assignments taken back from lost workers are remembered, so that
-#: a late FINAL for one still queued can answer it (:meth:`BrokerMachine._late`)
+#: assignments taken back from lost workers remembered for a late FINAL
 MAX_TAKEN_BACK = 1024
-#: how many services no worker registered are kept while empty, so that the
-#: retries of their requests share one unknownServiceExpiry window
+#: empty unregistered services kept so that retries share one expiry window
 MAX_UNKNOWN_KEPT = 10_000
 
 
@@ -115,32 +99,27 @@ def _who(identity: Optional[str]) -> str:
 
 @action_class
 class Send:
-    """Send *frames* to the peer *key*."""
-
     key: PeerKey
     frames: list[bytes]
 
 
 @action_class
 class DropPeer:
-    """Close the connection of peer *key* once what was sent to it is out (a
-    no-op on media without connections)."""
+    """Close peer *key*'s connection once its output is sent (if it has one)."""
 
     key: PeerKey
 
 
 @action_class
 class WakeAt:
-    """Call :meth:`BrokerMachine.handleWake` at *time* (a deadline between
-    two ticks)."""
+    """Call :meth:`BrokerMachine.handleWake` at *time*."""
 
     time: float
 
 
 @action_class
 class Dropped:
-    """A message from *peer* (its id) was not acted on: *kind* says why in a
-    word (a metric label), *reason* in a sentence."""
+    """A message from *peer* was not acted on: *kind* (a metric label) and *reason* say why."""
 
     peer: bytes
     kind: str
@@ -149,8 +128,8 @@ class Dropped:
 
 @action_class
 class Refused:
-    """A request (or READY) of *peer* for *service* was refused: *code* is
-    the error reply it got (None: none), *kind* says why in a word."""
+    """A request (or READY) of *peer* for *service* was refused with error
+    reply *code* (None: no reply); *kind* says why in a word."""
 
     peer: bytes
     service: bytes
@@ -161,10 +140,8 @@ class Refused:
 
 @action_class
 class WorkerChanged:
-    """A worker registered (*change* ``"ready"``), was forgotten
-    (``"disconnected"``, ``"silent"`` after *silence* seconds, ``"released"``
-    by a passive broker), or answered after it was given up, in time
-    (``"answered-late"``)."""
+    """A worker is ``"ready"``, ``"disconnected"``, ``"silent"`` (after *silence*
+    seconds), ``"released"`` (passive broker) or ``"answered-late"``."""
 
     peer: bytes
     service: bytes
@@ -174,15 +151,12 @@ class WorkerChanged:
 
 @action_class
 class Requested:
-    """A client request for *service* arrived (while ``observed``)."""
-
     service: bytes
 
 
 @action_class
 class Assigned:
-    """A request for *service* went to a worker after *waited* seconds
-    queued (while ``observed``)."""
+    """A request for *service* went to a worker after *waited* seconds (while ``observed``)."""
 
     service: bytes
     waited: float
@@ -190,9 +164,8 @@ class Assigned:
 
 @action_class
 class Replied:
-    """A FINAL went to the *client* of a request for *service* (while
-    ``observed``): *code* its error status or None; *served* seconds since
-    *worker* took it, after *queued* seconds (None, None: the broker's own)."""
+    """A FINAL went to *client* (while ``observed``): *code* its error status or None;
+    *served* seconds by *worker* after *queued* seconds (None, None: the broker's own)."""
 
     service: bytes
     code: Optional[bytes]
@@ -206,9 +179,7 @@ Action = Any  # one of the classes above
 
 
 class BrokerMachine(Machine):
-    """The broker's decisions, and nothing else (the module docstring).  Each
-    ``handle*`` event returns the actions wanted, in order; the periodic
-    :meth:`handleTick` runs every ``wakeEvery`` seconds."""
+    """The broker's decisions: each ``handle*`` event returns the actions wanted, in order."""
 
     def __init__(
         self,
@@ -247,12 +218,9 @@ class BrokerMachine(Machine):
         self.maxServiceWorkers = maxServiceWorkers
         self.maxDeliveries = maxDeliveries
         self.limits = limits
-        #: asked before a client request is taken or a worker registered
-        #: (Binary Star: only the active broker of a pair serves)
         self.admission = admission
         #: who may call and serve what (None: anyone, anything)
         self.access = access
-        #: emit Requested, Assigned and Replied (a driver that counts or logs them)
         self.observed = observed
         self._assignments = itertools.count(1)
         self.reset()
@@ -266,17 +234,13 @@ class BrokerMachine(Machine):
         self.workers: dict[PeerKey, WorkerRef] = {}
         #: services no worker has registered for, by when they are given up
         self._unknown: deque[tuple[float, ServiceQueue]] = deque()
-        #: when the admission last began to admit clients (a Binary Star broker
-        #: becoming active), None while it refuses or without one
+        #: when the admission last began to admit clients (None: it refuses)
         self._activeSince: Optional[float] = None
-        #: the admission says passive (a Binary Star peer is active): no
-        #: dispatch, and workers are let go (see _checkAdmission)
+        #: a Binary Star peer is active: no dispatch, workers are let go
         self._passive = False
         #: envelopes of assignments taken back from lost workers (see _late)
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
-        #: workers told DISCONNECT, or that said it, by when (MDP/0.2: no
-        #: further commands to them): what they still send is dropped, for
-        #: a heartbeat expiry, unless it is a READY (a new conversation)
+        #: workers told DISCONNECT or that said it, by when: all but READY dropped for an expiry
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
         self._outbox = []
 
@@ -287,9 +251,8 @@ class BrokerMachine(Machine):
 
     def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
                       workers: bool = True, identity: Optional[str] = None) -> list[Action]:
-        """A message from peer *key* at time *now*, on a route that accepts
-        *clients*, *workers* or both; *identity* is the peer as its transport
-        authenticated it (a CURVE key, a TLS subject), read by the ``access``."""
+        """A message from peer *key*, on a route accepting *clients* and/or *workers*;
+        *identity* is the peer as its transport authenticated it, for the ``access``."""
         self.now = now
         self._received(key, frames, clients, workers, identity)
         return self._drain()
@@ -301,14 +264,12 @@ class BrokerMachine(Machine):
         return self._drain()
 
     def handleTick(self, now: float) -> list[Action]:
-        """The periodic tick (every ``wakeEvery`` seconds)."""
         self.now = now
         self._tick(now)
         return self._drain()
 
     def handleAdmissionChange(self, now: float) -> list[Action]:
-        """The admission (a Binary Star pair) changed state: act on it now
-        rather than at the next tick."""
+        """The admission (a Binary Star pair) changed state: act on it now."""
         self.now = now
         if self.admission is not None:
             self._checkAdmission(now)
@@ -339,17 +300,14 @@ class BrokerMachine(Machine):
         return len(clients)
 
     def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
-        """True if *name* has a live worker, or lost its last one less than
-        ``serviceLinger`` seconds before *now* (workers restarting keep it
-        known); *now* is the current event's time if not given."""
+        """True if *name* has a live worker, or lost its last within ``serviceLinger`` of *now*."""
         service = self.services.get(name)
         if service is None:
             return False
         return bool(service.workers) or self._lingering(service, now)
 
     def admissionStatus(self, now: Optional[float] = None) -> Optional[dict[str, Any]]:
-        """What the ``admission`` says of itself (``mmi.binarystar``), or None
-        without one."""
+        """What the ``admission`` says of itself (``mmi.binarystar``), or None."""
         if self.admission is None:
             return None
         return self.admission.status(self.now if now is None else now)
@@ -358,12 +316,10 @@ class BrokerMachine(Machine):
                  service: Optional[bytes] = None, *,
                  visible: Optional[Callable[[bytes], bool]] = None,
                  now: Optional[float] = None) -> BrokerSnapshot:
-        """The broker at *now* (the current event's time if not given): its
-        services (by name; only the first *serviceLimit* if given) and
-        registered workers (in the order they registered; only *service*'s if
-        given, and only the first *workerLimit*), with the totals; with
-        *visible*, only the services (and their workers) it allows, and totals
-        of those (but with *serviceLimit* 0 the total of all services)."""
+        """The broker at *now* (default: the current event's time): its services
+        by name and workers in registration order, with totals.  *serviceLimit*,
+        *workerLimit* and *service* narrow the lists; *visible* filters services
+        and their workers (but with *serviceLimit* 0 the total is of all)."""
         at = self.now if now is None else now
         if visible is None or serviceLimit == 0:
             shown: Any = self.services  # (no services wanted: their total unfiltered)
@@ -403,11 +359,9 @@ class BrokerMachine(Machine):
 
     def _received(self, key: PeerKey, frames: list[bytes], clients: bool, workers: bool,
                   identity: Optional[str]) -> None:
-        """Every message: decoded by the codec, the one check of its form."""
         dialect, body = split(frames)
         if dialect is not RFC:
-            # frames a transport did not copy start at the body of an RFC
-            # message only: in the other dialect the codec reads them
+            # the codec reads non-RFC frames only as bytes
             body = as_bytes(body)
         try:
             kind, address, body = parse(body, dialect)
@@ -432,7 +386,6 @@ class BrokerMachine(Machine):
                 self._fromWorker(worker, kind, address, body)
 
     def _peerGone(self, key: PeerKey) -> None:
-        """A transport lost the peer *key* (or cut it off): forget it at once."""
         worker = self.workers.get(key)
         if worker is not None:
             self._emit(WorkerChanged(key[1], worker.service.name, "disconnected"))
@@ -447,7 +400,6 @@ class BrokerMachine(Machine):
 
     def _request(self, key: PeerKey, name: bytes, body: Sequence[bytes], dialect: str,
                  identity: Optional[str]) -> None:
-        """A client's REQUEST for service *name* (valid) with *body*."""
         now = self.now
         content = sum(map(len, body))
         request = PendingRequest(key, name, body, dialect, now,
@@ -467,14 +419,12 @@ class BrokerMachine(Machine):
             return
         service = self.services.get(name)
         if service is not None and service.idle and not service.size:
-            # a worker is waiting and no request is ahead: hand it over
             self._assign(service.idle.popitem(last=False)[1], request)
         elif self._queueHasRoom(service, request):
             self._enqueue(service, request)
 
     def _answerManagement(self, request: PendingRequest, identity: Optional[str]) -> None:
-        """Answer an ``mmi.*`` request; under an access policy, only about
-        the services *identity* may call."""
+        """Answer an ``mmi.*`` request, about the services *identity* may call."""
         visible = None if self.access is None else partial(self.access.mayCall, identity)
         request.state = DONE
         self._reply(request, mmi.answer(self, request.service, request.body, visible), True)
@@ -482,7 +432,6 @@ class BrokerMachine(Machine):
             self._emit(Replied(request.service, None, request.client[1]))
 
     def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
-        """The admission and the access policy let *request* in."""
         return ((self.admission is None or self._admitClient(request))
                 and (self.access is None or self._mayCall(request, identity)))
 
@@ -530,7 +479,6 @@ class BrokerMachine(Machine):
     def _enqueue(self, service: Optional[ServiceQueue], request: PendingRequest) -> None:
         if service is None:
             service = self._service(request.service)
-            # no worker has registered for it: its requests wait unknownServiceExpiry
             service.unknownUntil = deadline = self._unknownDeadline()
             service.askedAt = self.now
             if not self._unknown:
@@ -540,11 +488,9 @@ class BrokerMachine(Machine):
         self._dispatch(service)
 
     def _unknownDeadline(self) -> float:
-        """When the requests of a service first asked for now are given up
-        if no worker registers: ``unknownServiceExpiry`` from now, but not
-        before the workers of a broker that has just become active (a Binary
-        Star failover) had time to find it: ``interval × (liveness + 1)``
-        after it did (their heartbeats expire, then they move)."""
+        """When an unknown service's requests are given up: ``unknownServiceExpiry``
+        from now, but not before the workers of a broker just become active (Binary
+        Star failover) can find it, ``interval × (liveness + 1)`` after it did."""
         deadline = self.now + min(self.unknownServiceExpiry, self.requestExpiry)
         if self._activeSince is not None:
             learning = self._activeSince + self.heartbeat.interval * (self.heartbeat.liveness + 1)
@@ -588,7 +534,6 @@ class BrokerMachine(Machine):
 
     def _fromWorker(self, worker: WorkerRef, kind: type, address: bytes,
                     body: Sequence[bytes]) -> None:
-        """A command of a registered worker (*address*: its envelope)."""
         worker.liveness.heard(self.now)
         if kind is WorkerFinal or kind is WorkerPartial:
             request = worker.current
@@ -605,8 +550,7 @@ class BrokerMachine(Machine):
             self._unexpected(worker, f"{kind.__name__} from a registered worker")
 
     def _misdirected(self, worker: WorkerRef, kind: type, envelope: bytes) -> None:
-        """A PARTIAL or FINAL of a registered worker that is not for the
-        request it serves (or claims the broker's restart marker)."""
+        """A worker's PARTIAL or FINAL not for its request (or with the restart marker)."""
         what, request = kind.__name__, worker.current
         if request is not None and envelope == request.envelope:
             # only the broker may say a reply starts over
@@ -621,7 +565,6 @@ class BrokerMachine(Machine):
 
     def _fromUnregistered(self, key: PeerKey, kind: type, address: bytes, body: Sequence[bytes],
                           dialect: str, identity: Optional[str]) -> None:
-        """A worker command from a peer that is not registered."""
         if kind is Ready:
             self._gone.pop(key, None)
             self._onReady(key, address, dialect, identity)
@@ -631,8 +574,7 @@ class BrokerMachine(Machine):
         late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, kind, address,
                                                                              body)
         if key in self._gone:
-            # DISCONNECT went to it or came from it: MDP/0.2 says no further
-            # commands (its messages that crossed ours end here)
+            # MDP/0.2: no commands after DISCONNECT (messages that crossed ours end here)
             if not late:
                 self._emit(Dropped(key[1], "gone", f"{kind.__name__} after its DISCONNECT"))
             return
@@ -643,9 +585,8 @@ class BrokerMachine(Machine):
 
     def _replyPart(self, worker: WorkerRef, request: PendingRequest, body: Sequence[bytes],
                    final: bool) -> None:
-        """A PARTIAL or FINAL of *worker* for the *request* it serves: on to
-        the client, unless the request was answered already (413) or the part
-        is too large for the link back (then it fails with 413)."""
+        """A *worker*'s PARTIAL or FINAL for its *request*: on to the client,
+        unless already answered (413) or too large for the link back (413)."""
         tooLarge = None
         if len(request.service) > len(request.envelope):  # (see _tooLargeForClient)
             tooLarge = self._tooLargeForClient(request, body)
@@ -669,8 +610,7 @@ class BrokerMachine(Machine):
             self._finished(worker, request)
 
     def _finished(self, worker: WorkerRef, request: PendingRequest) -> None:
-        """*worker* answered *request*: it is free for the next (a passive
-        broker lets it go to the active one)."""
+        """*worker* answered *request*: free for the next (or released, if passive)."""
         worker.current = None
         worker.lastEnvelope = request.envelope
         if self._passive:
@@ -688,22 +628,14 @@ class BrokerMachine(Machine):
                            request.assignedAt - request.arrivedAt))
 
     def _tooLargeForClient(self, request: PendingRequest, body: Sequence[bytes]) -> Optional[str]:
-        """Why a reply part is too large for the client, or None.  (The
-        worker's message was within the limits, and the client's has one
-        frame less and the service name for the envelope: it can only be
-        larger when the name is longer.)"""
+        """Why a reply part is too large for the client (only with a long service name), or None."""
         size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
         return self.limits.oversize(size, len(body) + 4)
 
     def _late(self, key: PeerKey, kind: type, envelope: bytes, body: Sequence[bytes]) -> bool:
-        """A reply from a worker the broker gave up on (silent: its handler
-        may have blocked its reactor; or gone: a DISCONNECT, a lost
-        connection), for an assignment taken back from that very worker.
-        A FINAL (with no PARTIAL before it) answers the request if it was
-        queued again and no other worker has it yet: else the request would
-        run again, maybe as long.  A PARTIAL spoils that (the client would
-        get a reply without its beginning): the request runs again.  False
-        if the reply is for no assignment taken back from it."""
+        """A reply from a worker given up on, for an assignment taken back from it: a FINAL
+        with no PARTIAL before it answers the request if still queued; after a PARTIAL
+        the request runs again.  False if no such assignment was taken back from it."""
         entry = self._takenBack.get(envelope)
         if entry is None or entry[0] != key:
             return False
@@ -763,8 +695,7 @@ class BrokerMachine(Machine):
         worker.service.idle[worker.key] = worker
 
     def _dispatch(self, service: ServiceQueue) -> None:
-        """Hand queued requests to idle workers, least recently used first
-        (none while passive)."""
+        """Hand queued requests to idle workers, least recently used first (none if passive)."""
         if self._passive:
             return
         while service.size and service.idle:
@@ -772,7 +703,6 @@ class BrokerMachine(Machine):
             self._assign(worker, service.nextRequest())
 
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
-        """Send *request* to the idle *worker*, under a new envelope."""
         worker.state = BUSY
         worker.current = request
         request.state = ASSIGNED
@@ -786,8 +716,7 @@ class BrokerMachine(Machine):
         worker.liveness.lastSent = now
 
     def _removeWorker(self, worker: WorkerRef) -> None:
-        """Forget *worker*; re-queue the request it held (workers are
-        idempotent), unless it has been handed out ``maxDeliveries`` times."""
+        """Forget *worker*; re-queue its request unless handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
         worker.state = GONE
@@ -803,7 +732,6 @@ class BrokerMachine(Machine):
         self._forgetIfEmpty(service)
 
     def _takeBack(self, request: PendingRequest, service: ServiceQueue, worker: PeerKey) -> None:
-        """The *worker* serving *request* is gone: queue it again."""
         if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
             request.state = DONE
             return
@@ -832,10 +760,8 @@ class BrokerMachine(Machine):
         self._release(worker)
 
     def _invalid(self, key: PeerKey, kind: str, reason: str) -> None:
-        """Drop an invalid message, and the connection that carried it (on
-        transports that have one per peer: a peer that sends garbage holds no
-        connection slot); a registered worker that sent it is no longer
-        trusted: it gets DISCONNECT and is forgotten."""
+        """Drop an invalid message, and the peer's connection if it has its own; a
+        registered worker that sent it is no longer trusted: DISCONNECT."""
         self._emit(Dropped(key[1], kind, reason))
         worker = self.workers.get(key)
         if worker is not None:
@@ -844,21 +770,18 @@ class BrokerMachine(Machine):
             self._emit(DropPeer(key))
 
     def _release(self, worker: WorkerRef) -> None:
-        """Forget *worker* and tell it DISCONNECT."""
         self._removeWorker(worker)
         self._sendDisconnect(worker.key, worker.dialect)
 
     def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
-        """DISCONNECT, then close the connection (MDP: the worker must close
-        its socket and reconnect; closing ours as well keeps a peer that only
-        gets DISCONNECTs from holding a connection slot)."""
+        """DISCONNECT, then close the connection: the worker must reconnect (MDP), and
+        a peer that only gets DISCONNECTs holds no connection slot."""
         self._emit(Send(key, codec.encode(codec.DISCONNECT, dialect)))
         self._emit(DropPeer(key))
         self._markGone(key)
 
     def _markGone(self, key: PeerKey) -> None:
-        """*key* is told DISCONNECT, or said it: nothing more goes to it
-        (bounded: the oldest such keys go first)."""
+        """Nothing more goes to *key* (bounded: the oldest go first)."""
         gone = self._gone
         gone[key] = self.now
         gone.move_to_end(key)
@@ -868,8 +791,7 @@ class BrokerMachine(Machine):
     # --- time ----------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        """Once per heartbeat interval: heartbeats, dead workers, expired
-        requests, services at the end of their linger."""
+        """Heartbeats, dead workers, expired requests, services past their linger."""
         self._checkWorkers(now)
         gone, since = self._gone, now - self.heartbeat.expiry
         while gone and next(iter(gone.values())) < since:
@@ -877,8 +799,7 @@ class BrokerMachine(Machine):
         self._expire(now - self.requestExpiry)
         self._giveUpUnknown(now)
         if self._takenBack:
-            # forget assignments whose request left the queue: no late reply
-            # can answer them, and their bodies should not linger here
+            # no late reply can answer requests that left the queue: drop their bodies
             self._takenBack = OrderedDict(
                 (envelope, entry) for envelope, entry in self._takenBack.items()
                 if entry[1].state is QUEUED and entry[1].envelope == envelope)
@@ -889,7 +810,6 @@ class BrokerMachine(Machine):
             self._forgetIfEmpty(abandoned.popleft()[1])
 
     def _checkWorkers(self, now: float) -> None:
-        """Remove the workers silent too long; heartbeat the others due one."""
         for worker in list(self.workers.values()):
             liveness = worker.liveness
             if liveness.dead(now):
@@ -901,10 +821,7 @@ class BrokerMachine(Machine):
                 liveness.sent(now)
 
     def _checkAdmission(self, now: float) -> None:
-        """What the admission says now.  A broker that has just become active
-        learns its workers (_unknownDeadline): notice when, even before a
-        client asks.  A passive one (its Binary Star peer took over while it
-        was stalled) serves nothing more: see :meth:`_letGo`."""
+        """Track when the admission began to serve; a passive broker lets go (:meth:`_letGo`)."""
         status = self.admission.status(now)
         if not status.get("serving", True):
             self._activeSince = None
@@ -919,10 +836,8 @@ class BrokerMachine(Machine):
             self._letGo()
 
     def _letGo(self) -> None:
-        """A passive broker drops its queued requests unanswered, as a request
-        it refuses is (a client still waiting for one times out and sends it
-        to the active broker, where a 503 would end it), and its idle workers
-        get DISCONNECT so they register there (a busy one once it replied)."""
+        """A passive broker drops its queue unanswered (clients time out and retry
+        on the active broker) and sends idle workers DISCONNECT so they move there."""
         for service in list(self.services.values()):
             while service.size:
                 request = service.nextRequest()
@@ -949,10 +864,7 @@ class BrokerMachine(Machine):
             self._forgetIfEmpty(service)
 
     def _giveUpUnknown(self, now: float) -> None:
-        """Answer 503 to the requests of each service no worker registered
-        for within ``unknownServiceExpiry`` of its first request (MDP/0.2:
-        queue requests for an unknown service, expire them after a
-        configurable time), and forget it."""
+        """503 to the requests of services unregistered within ``unknownServiceExpiry``; forget them."""
         unknown = self._unknown
         while unknown and unknown[0][0] <= now + 1e-9:
             deadline, service = unknown.popleft()

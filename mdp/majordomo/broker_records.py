@@ -1,85 +1,56 @@
-"""What a broker keeps: its requests and registered workers, their states
-and transitions (what :class:`~mdp.majordomo.broker_machine.BrokerMachine`
-decides is written here), and the service queues that hold them.
+"""What a broker keeps: its requests and registered workers, their states and
+transitions (as :class:`~mdp.majordomo.broker_machine.BrokerMachine` decides
+them), and the service queues that hold them.
 
 Theory of operation
 -------------------
-One :class:`ServiceQueue` per service holds the requests waiting for a worker
-(served fairly: round-robin over clients) and the idle workers (least recently
-used first).  A request that meets an idle worker and an empty queue goes
-straight to it.
-
-Each time the broker hands a request to a worker it gives that *assignment* an
-envelope of its own (the client address frame of the worker REQUEST), and it
-forwards a worker's PARTIAL or FINAL only if it carries the envelope of the
-worker's current assignment.  So exactly one FINAL reaches the client per
-request: a second FINAL for the same assignment, or a reply to an assignment
-that was taken back, can never complete another request of that client.
-
-A single tick per heartbeat interval sends heartbeats, removes silent workers
-(re-queueing the request each held), expires requests queued longer than
-``requestExpiry`` (503), and forgets services whose last worker left more than
-``serviceLinger`` seconds ago.  Each worker's silence is judged by a
-:class:`~mdp.policy.Liveness`.
-
-Limits (``docs/reliability.md`` has the table): queues hold at most
-``maxQueue`` requests and ``maxQueueBytes`` of bodies in all, and
-``maxServiceQueue`` / ``maxServiceQueueBytes`` per service (beyond: 429;
-requests taken back from a lost worker are re-queued even past them); at most
-``maxWorkers`` in all and ``maxServiceWorkers`` per service register (beyond:
-DISCONNECT); a request or reply beyond ``limits`` fails with 413; a request
-whose worker is lost ``maxDeliveries`` times fails with 500.
+One :class:`ServiceQueue` per service holds the requests waiting (round-robin
+over clients) and the idle workers (least recently used first).  Each
+assignment of a request to a worker gets an envelope of its own (the client
+address frame of the worker REQUEST); a PARTIAL or FINAL is forwarded only with
+the envelope of the worker's current assignment, so a second FINAL, or a reply
+to an assignment taken back, can never complete another request.  Limits
+(``docs/reliability.md``): queue bounds (429; requests taken back are re-queued
+regardless), worker bounds (DISCONNECT), ``limits`` (413), ``maxDeliveries`` (500).
 
 A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
 
-=========  =========================================  =====  ===============================
-state      event                                      next   actions
-=========  =========================================  =====  ===============================
-(none)     READY within ``maxWorkers`` and            IDLE   at the back of its service's
-           ``maxServiceWorkers``, admitted                   idle line
-(none)     READY refused; any other command           --     DISCONNECT
-IDLE       a request for its service, none ahead      BUSY   REQUEST under a new envelope
-BUSY       PARTIAL with the current envelope          BUSY   PARTIAL to the client
-BUSY       FINAL with the current envelope            IDLE   FINAL to the client (then BUSY
-                                                             with the next queued request)
-BUSY       FINAL with the envelope it answered last   same   dropped (a second FINAL)
-any        any message                                same   its silence restarts
-any        tick, nothing sent for half an interval    same   HEARTBEAT
-any        DISCONNECT; peer lost; silent for more     GONE   its request is taken back
-           than ``interval × liveness``
-any        invalid or unexpected command (PARTIAL or  GONE   DISCONNECT; its request is
-           FINAL while IDLE or for another envelope,         taken back
-           READY again, REQUEST)
-=========  =========================================  =====  ===============================
+======  ============================================================  ====  ==============================
+state   event                                                         next  actions
+======  ============================================================  ====  ==============================
+(none)  READY admitted, within ``maxWorkers``/``maxServiceWorkers``   IDLE  back of the idle line
+(none)  READY refused; any other command                              --    DISCONNECT
+IDLE    a request for its service, none ahead                         BUSY  REQUEST, new envelope
+BUSY    PARTIAL with the current envelope                             BUSY  PARTIAL to the client
+BUSY    FINAL with the current envelope                               IDLE  FINAL to the client
+BUSY    FINAL with the envelope it answered last                      same  dropped
+any     any message                                                   same  its silence restarts
+any     tick, nothing sent for half an interval                       same  HEARTBEAT
+any     DISCONNECT; peer lost; silent beyond ``interval × liveness``  GONE  request taken back
+any     PARTIAL/FINAL idle or misaddressed; READY again; REQUEST      GONE  DISCONNECT; request taken back
+======  ============================================================  ====  ==============================
 
 A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
 
-========  ==========================================  ========  ============================
-state     event                                       next      actions
-========  ==========================================  ========  ============================
-NEW       refused by the ``admission`` (a passive     DONE      none: the client tries
-          Binary Star), unless ``mmi.binarystar``               another broker
-NEW       ``mmi.*``; too large; queues full           DONE      answered at once (413, 429)
-NEW       an idle worker and nothing queued           ASSIGNED  REQUEST to the worker
-NEW       else                                        QUEUED    waits in its service's queue
-QUEUED    a worker of its service is idle             ASSIGNED  REQUEST to the worker
-QUEUED    waited ``requestExpiry``; no worker ever    DONE      503 error reply
-          registered ``unknownServiceExpiry`` after
-          its service's first request
-QUEUED    a late FINAL of the worker it was taken     DONE      FINAL to the client
-          back from (no PARTIAL of it went out)
-QUEUED    its client is lost                          DONE      forgotten
-ASSIGNED  PARTIAL; FINAL                              same;     to the client
-                                                      DONE
-ASSIGNED  a reply part too large for the client       ANSWERED  413 error reply (a FINAL:
-                                                                DONE)
-ANSWERED  PARTIAL; FINAL or its worker GONE           same;     dropped
-                                                      DONE
-ASSIGNED  its worker is GONE                          QUEUED    at the head; the restart
-                                                                marker first if PARTIALs
-                                                                went out
-ASSIGNED  its worker is GONE ``maxDeliveries`` times  DONE      500 error reply
-========  ==========================================  ========  ============================
+========  =====================================================  ==========  ===========================
+state     event                                                  next        actions
+========  =====================================================  ==========  ===========================
+NEW       refused by the ``admission`` (not ``mmi.binarystar``)  DONE        none: client tries another
+NEW       ``mmi.*``; too large; queues full                      DONE        answered at once (413, 429)
+NEW       an idle worker and nothing queued                      ASSIGNED    REQUEST to the worker
+NEW       else                                                   QUEUED      waits in its service queue
+QUEUED    a worker of its service is idle                        ASSIGNED    REQUEST to the worker
+QUEUED    waited ``requestExpiry``                               DONE        503 error reply
+QUEUED    no worker registered in ``unknownServiceExpiry``       DONE        503 error reply
+QUEUED    late FINAL (no PARTIAL) of the worker taken from       DONE        FINAL to the client
+QUEUED    its client is lost                                     DONE        forgotten
+ASSIGNED  PARTIAL; FINAL                                         same; DONE  to the client
+ASSIGNED  a reply part too large for the client                  ANSWERED    413 (a FINAL: DONE)
+ANSWERED  PARTIAL; FINAL or its worker GONE                      same; DONE  dropped
+ASSIGNED  its worker is GONE                                     QUEUED      at the head (restart marker
+                                                                             first if PARTIALs went)
+ASSIGNED  its worker is GONE ``maxDeliveries`` times             DONE        500 error reply
+========  =====================================================  ==========  ===========================
 """
 
 from __future__ import annotations
@@ -97,8 +68,8 @@ PeerKey = tuple[Hashable, bytes]
 
 
 def as_bytes(frames: Sequence[Any]) -> list[bytes]:
-    """*frames* with every frame that is not ``bytes`` (a ZeroMQ frame a
-    transport did not copy) copied into ``bytes``; *frames* itself if all are."""
+    """*frames* with every non-``bytes`` frame (an uncopied ZeroMQ frame) copied;
+    *frames* itself if all are ``bytes``."""
     for frame in frames:
         if type(frame) is not bytes:
             return [f if type(f) is bytes else bytes(f) for f in frames]
@@ -113,16 +84,13 @@ def peer_label(peer: bytes) -> str:
 class RequestState(enum.Enum):
     """What a client request is doing (see the table in the module docstring)."""
 
-    #: accepted, not yet queued or assigned
     NEW = "new"
-    #: waiting in its service's queue
     QUEUED = "queued"
     #: handed to a worker, whose reply is forwarded to the client
     ASSIGNED = "assigned"
-    #: handed to a worker, but already answered with an error (413): the
-    #: rest of the worker's reply is dropped
+    #: handed to a worker but already answered (413): the rest is dropped
     ANSWERED = "answered"
-    #: finished: answered, expired, or its client is gone
+    #: answered, expired, or its client is gone
     DONE = "done"
 
 
@@ -134,9 +102,8 @@ NEW, QUEUED, ASSIGNED, ANSWERED, DONE = (
 class WorkerState(enum.Enum):
     """What a registered worker is doing (see the table in the module docstring)."""
 
-    #: in its service's idle line
     IDLE = "idle"
-    #: serving one request (``WorkerRef.current``)
+    #: serving ``WorkerRef.current``
     BUSY = "busy"
     #: forgotten: disconnected, lost, silent or misbehaving
     GONE = "gone"
@@ -146,15 +113,13 @@ IDLE, BUSY, GONE = WorkerState.IDLE, WorkerState.BUSY, WorkerState.GONE
 
 
 def _fields_repr(record: Any) -> str:
-    """``Name(field=value, ...)``, every field of *record* (its class's
-    ``__slots__``) in order, as attrs would show it."""
+    """``Name(field=value, ...)`` over *record*'s ``__slots__``, as attrs would show it."""
     fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in type(record).__slots__)
     return f"{type(record).__name__}({fields})"
 
 
 class PendingRequest:
-    """A client request the broker has accepted and not yet answered.  (A
-    plain class, not attrs: compiled, it is an extension type.)"""
+    """A client request accepted and not yet answered (plain class: compiled, an extension type)."""
 
     __slots__ = ("client", "service", "body", "dialect", "queuedAt", "size", "state", "envelope",
                  "deliveries", "partials", "arrivedAt", "assignedAt")
@@ -181,8 +146,7 @@ class PendingRequest:
 
 
 class WorkerRef:
-    """The broker's view of one registered worker (a plain class, as
-    :class:`PendingRequest`)."""
+    """The broker's view of one registered worker (a plain class, as :class:`PendingRequest`)."""
 
     __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "lastEnvelope")
 
@@ -195,7 +159,7 @@ class WorkerRef:
         self.liveness = liveness
         self.state = state
         self.current = current  # the request it serves while BUSY
-        #: envelope of the assignment it finished last (a second FINAL for it is dropped)
+        #: the assignment it finished last (a second FINAL for it is dropped)
         self.lastEnvelope = lastEnvelope
 
     def __repr__(self) -> str:
@@ -203,10 +167,9 @@ class WorkerRef:
 
 
 class QueueLedger:
-    """What all of a broker's service queues hold, kept up to date by the
-    queues: requests and bytes in all, the services where each client has
-    requests waiting, and every queued request in the order it was queued
-    (for expiry; requests that left the queue are skipped lazily)."""
+    """Totals over all service queues, kept by the queues: requests and bytes,
+    each client's services with requests waiting, and queued requests by age
+    (for expiry; stale entries are skipped lazily)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -215,17 +178,15 @@ class QueueLedger:
         self.byAge: deque[tuple[float, PendingRequest]] = deque()
 
     def compact(self) -> None:
-        """Drop entries of requests no longer queued once they outnumber the
-        queued ones: the age list stays within twice the queue."""
+        """Drop stale entries once the age list exceeds twice the queue."""
         if len(self.byAge) > 2 * self.count + 1024:
             self.byAge = deque(e for e in self.byAge
                                if e[1].state is QUEUED and e[1].queuedAt == e[0])
 
 
 class ServiceQueue:
-    """Requests waiting for one service and the workers able to serve it.
-
-    Every change is also counted in the broker-wide *ledger*."""
+    """Requests waiting for one service and the workers able to serve it;
+    every change is also counted in the broker-wide *ledger*."""
 
     def __init__(self, name: bytes, ledger: Optional[QueueLedger] = None) -> None:
         self.name = name
@@ -235,14 +196,13 @@ class ServiceQueue:
         self.workers = 0
         self.size = 0
         self.bytes = 0
-        #: when the last worker left (None while the service has workers or never had one)
+        #: when the last worker left (None while it has workers or never had one)
         self.abandonedAt: Optional[float] = None
         #: a worker has registered for it (else requests wait ``unknownServiceExpiry``)
         self.registered = False
-        #: until when it is kept, even empty, while no worker has registered: the
-        #: window of its first request, which a client's retries share
+        #: kept until then, even empty, while unregistered: retries share the window
         self.unknownUntil = 0.0
-        #: when a request first asked for it while no worker had registered
+        #: when a request first asked for it while unregistered
         self.askedAt = 0.0
 
     def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
@@ -278,8 +238,7 @@ class ServiceQueue:
         ledger.compact()
 
     def nextRequest(self) -> PendingRequest:
-        """Round-robin over clients: take the first client's oldest request and
-        move that client to the back."""
+        """Round-robin: the first client's oldest request; that client goes to the back."""
         client, queue = next(iter(self.pending.items()))
         request = queue.popleft()
         if queue:
@@ -290,7 +249,6 @@ class ServiceQueue:
         return request
 
     def remove(self, request: PendingRequest) -> None:
-        """Take one queued request out of the queue."""
         queue = self.pending[request.client]
         queue.remove(request)
         if not queue:
@@ -328,7 +286,6 @@ class ServiceSnapshot:
 
     @property
     def workers(self) -> int:
-        """Registered workers, idle or busy."""
         return self.idle + self.busy
 
 

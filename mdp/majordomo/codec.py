@@ -1,48 +1,24 @@
 """MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back.
 
-Pure functions over lists of ``bytes`` frames: no I/O, no clock, no Twisted.
-The routing-id frame a ROUTER socket prepends is *not* part of these frames;
-the transport strips it.
+Pure functions over ``bytes`` frames, without the ROUTER routing-id frame.
 
-Dialects
---------
-Two dialects exist in the wild:
+Dialects: ``"rfc"`` (:data:`RFC`) is RFC 18: the header is frame 0; MDP/Client
+commands are REQUEST 0x01, PARTIAL 0x02, FINAL 0x03.  ``"majortomo"``
+(:data:`MAJORTOMO`) is how the ``majortomo`` package speaks: an empty frame
+before the header; MDP/Client commands use the worker codes (0x02, 0x03, 0x04),
+and PARTIAL and FINAL carry no service frame (decoded with ``service == b""``).
+MDP/Worker commands are as in the RFC.  :func:`split` tells the dialect by the
+leading empty frame, so a broker answers each peer in its own.
 
-``"rfc"`` (:data:`RFC`)
-    As RFC 18 says: the protocol header is frame 0; MDP/Client commands are
-    REQUEST 0x01, PARTIAL 0x02, FINAL 0x03.
+Error replies: MDP/0.2 has no error command, so a failed request gets a FINAL
+whose body is exactly ``[ERROR_MARKER, status code (ASCII digits), UTF-8
+message]`` (:mod:`mdp.messages`, shared with Freelance); ``ERROR_MARKER`` starts
+with NUL so it is no printable payload.  Our client raises the matching
+:class:`~mdp.errors.RemoteError` (500, 503, 429, 413).
 
-``"majortomo"`` (:data:`MAJORTOMO`)
-    As the ``majortomo`` package (PyPI) speaks it: an empty delimiter frame
-    comes before the header; MDP/Client commands reuse the MDP/Worker codes
-    (REQUEST 0x02, PARTIAL 0x03, FINAL 0x04); and PARTIAL and FINAL carry no
-    service-name frame (``["", "MDPC02", 0x04, body...]``), so they decode with
-    ``service == b""``.  MDP/Worker commands are as in the RFC.
-
-:func:`split` recognises the dialect of an incoming message by its delimiter
-frame, so a broker can answer each peer in its own dialect.
-
-Error replies
--------------
-MDP/0.2 has no error command.  When the broker or a worker must fail a request,
-it sends an ordinary FINAL whose body is exactly three frames (the convention
-of :mod:`mdp.messages`, which Freelance shares)::
-
-    [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
-
-``ERROR_MARKER`` starts with a NUL byte so that it cannot be mistaken for a
-printable payload.  A plain MDP/0.2 client sees a well-formed FINAL; our client
-turns it into :class:`~mdp.errors.WorkerError` (500),
-:class:`~mdp.errors.ServiceUnavailable` (503),
-:class:`~mdp.errors.ServiceOverloaded` (429) or
-:class:`~mdp.errors.MessageTooLarge` (413).
-
-Restarted streams
------------------
-When a worker dies after some PARTIALs of a reply were forwarded, the broker
-gives the request to another worker, whose PARTIALs start from the beginning.
-Before them, the broker sends one PARTIAL whose body is exactly
-``[RESTART_MARKER]``, so a client can discard what it had.
+Restarted streams: when a worker dies after some PARTIALs went out, another
+starts the reply over, after a PARTIAL of exactly ``[RESTART_MARKER]`` so that
+a client discards what it had.
 """
 
 from __future__ import annotations
@@ -54,7 +30,7 @@ import attrs
 
 from mdp.errors import ProtocolError
 
-# error replies are a convention every pattern shares: re-exported from mdp.messages
+# re-exported from mdp.messages: every pattern shares error replies
 from mdp.messages import ERROR_MARKER as ERROR_MARKER
 from mdp.messages import STATUS_BAD_REQUEST as STATUS_BAD_REQUEST
 from mdp.messages import STATUS_FORBIDDEN as STATUS_FORBIDDEN
@@ -86,9 +62,8 @@ W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
 
 
-#: Body of the PARTIAL a broker sends when it gives a request whose reply had
-#: begun streaming to another worker: the client discards what it had (see
-#: :class:`~mdp.errors.StreamRestarted`).
+#: Body of the PARTIAL that says a streamed reply starts over
+#: (:class:`~mdp.errors.StreamRestarted`).
 RESTART_MARKER = b"\x00MDP-RESTART"
 
 #: Longest service name accepted; the RFC sets none, 255 keeps tables sane.
@@ -197,7 +172,7 @@ _PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match
 
 def validate_service(service: bytes) -> bytes:
     """Return *service* if it is a non-empty printable ASCII name, else raise."""
-    if _PRINTABLE_NAME(service) is not None:  # the common case, in one C call
+    if _PRINTABLE_NAME(service) is not None:
         return service
     if not service:
         raise ProtocolError("empty service name")
@@ -220,9 +195,8 @@ def service_name(service: Union[str, bytes]) -> bytes:
 
 
 def api_service_name(service: object) -> bytes:
-    """A service name given by a caller (``str`` or ``bytes``) as wire bytes:
-    ``TypeError`` for any other type, ``ValueError`` for a name MDP cannot
-    carry (empty, too long, not printable ASCII)."""
+    """A caller's service name as wire bytes: ``TypeError`` for a type other than
+    ``str``/``bytes``, ``ValueError`` for a name MDP cannot carry."""
     if not isinstance(service, (bytes, str)):
         raise TypeError(f"a service name is bytes or str, not {type(service).__name__}")
     try:
@@ -239,19 +213,15 @@ def check_dialect(dialect: str) -> str:
 
 
 def split(frames: Sequence[bytes]) -> tuple[str, Sequence[bytes]]:
-    """Recognise an incoming message's dialect by its leading empty frame.
-
-    Returns ``(dialect, frames)``, the frames starting at the protocol header.
-    """
+    """``(dialect, frames)`` of an incoming message, frames from the header on."""
     if len(frames) > 1 and frames[0] == b"":
         return MAJORTOMO, frames[1:]
     return RFC, frames
 
 
 def expect(frames: Sequence[bytes], dialect: str) -> Sequence[bytes]:
-    """Frames from the header on, for a peer that knows its *dialect*
-    (our client and worker); a message framed for the other dialect is a
-    :class:`~mdp.errors.ProtocolError` that names the likely mismatch."""
+    """Frames from the header on, for a peer that knows its *dialect*; the other
+    dialect's framing is a :class:`~mdp.errors.ProtocolError` naming the mismatch."""
     found, rest = split(frames)
     if found != dialect:
         raise ProtocolError(
@@ -267,12 +237,10 @@ Parsed = tuple[type, bytes, Sequence[bytes]]
 
 
 def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
-    """Check one MDP/0.2 message (client or worker) starting at its header,
-    without building its command (the broker's path): ``(command class,
-    address, body)``, the address being the service name (a client command,
-    READY) or the client envelope (a worker REQUEST, PARTIAL, FINAL), else
-    ``b""``.  Raises :class:`~mdp.errors.ProtocolError` with a precise reason
-    when the frames are not a valid command."""
+    """Check one MDP/0.2 message from its header without building the command
+    (the broker's path): ``(command class, address, body)``, the address being
+    the service name (client command, READY), the client envelope (worker
+    REQUEST, PARTIAL, FINAL) or ``b""``.  :class:`~mdp.errors.ProtocolError` if invalid."""
     if not frames:
         raise ProtocolError("empty message")
     header = frames[0]
@@ -284,8 +252,7 @@ def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
 
 
 def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
-    """Decode one MDP/0.2 message (client or worker) starting at its header
-    (:func:`parse`, as a command)."""
+    """Decode one MDP/0.2 message from its header (:func:`parse`, as a command)."""
     return _command(*parse(frames, dialect))
 
 
@@ -297,7 +264,6 @@ def decode_client(frames: Sequence[bytes], dialect: str = RFC) -> ClientCommand:
 
 
 def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
-    """Decode an MDP/Worker command."""
     if not frames or frames[0] != WORKER_HEADER:
         raise ProtocolError("missing MDPW02 header")
     return _command(*_parse_worker(frames))  # type: ignore[return-value]
@@ -375,8 +341,7 @@ _RFC_CODES = _CLIENT_CODES[RFC]
 
 
 def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = RFC) -> Frames:
-    """``encode(WorkerRequest(client, body), dialect)`` without the command
-    object: the broker's hot path."""
+    """``encode(WorkerRequest(client, body), dialect)`` without the object (hot path)."""
     if dialect == RFC:
         return [WORKER_HEADER, W_REQUEST, client, b"", *body]
     return [b"", WORKER_HEADER, W_REQUEST, client, b"", *body]
@@ -384,8 +349,7 @@ def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = R
 
 def encode_worker_reply(client: bytes, body: Sequence[bytes], final: bool,
                         dialect: str = RFC) -> Frames:
-    """``encode(WorkerFinal(client, body), dialect)`` (or WorkerPartial)
-    without the command object: the worker's hot path."""
+    """``encode(WorkerFinal or WorkerPartial(client, body), dialect)`` (hot path)."""
     if dialect == RFC:
         return [WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
     return [b"", WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
@@ -393,8 +357,7 @@ def encode_worker_reply(client: bytes, body: Sequence[bytes], final: bool,
 
 def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool,
                         dialect: str = RFC) -> Frames:
-    """``encode(ClientFinal(service, body), dialect)`` (or ClientPartial)
-    without the command object: the broker's hot path."""
+    """``encode(ClientFinal or ClientPartial(service, body), dialect)`` (hot path)."""
     if dialect == RFC:
         return [CLIENT_HEADER, C_FINAL if final else C_PARTIAL, service, *body]
     code = _CLIENT_CODES[dialect][ClientFinal if final else ClientPartial]

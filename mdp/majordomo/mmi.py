@@ -2,36 +2,20 @@
 by the broker itself.
 
 ========================  =====================================================
-``mmi.service`` NAME      ``200`` if NAME has a live worker (or lost its last one
-                          less than the broker's ``serviceLinger`` ago), else ``404``
-``mmi.services``          one JSON frame: ``{"name": {"workers": n, "idle": n,
-                          "queued": n}, ...}``
-``mmi.workers`` [NAME]    one JSON frame: ``[{"id": hex, "service": name, "busy":
-                          bool, "dialect": "rfc"|"majortomo", "silence": seconds},
-                          ...]``, only NAME's workers if a non-empty NAME is given
-``mmi.binarystar``        one JSON frame: the Binary Star state of this broker
-                          (``{"role", "state", "serving", "peer",
-                          "peerSilence", "failoverTimeout", "stopped"}``,
-                          :meth:`mdp.binarystar.BinaryStar.status`), answered
-                          whether the broker is active or passive; ``501``
-                          for a broker outside a pair
+``mmi.service`` NAME      ``200`` if NAME has a live worker (or lost its last
+                          within ``serviceLinger``), else ``404``
+``mmi.services``          JSON ``{"name": {"workers", "idle", "queued"}, ...}``
+``mmi.workers`` [NAME]    JSON ``[{"id", "service", "busy", "dialect",
+                          "silence"}, ...]``, only NAME's if NAME is given
+``mmi.binarystar``        JSON :meth:`mdp.binarystar.BinaryStar.status` (answered
+                          even when passive); ``501`` outside a pair
 any other ``mmi.*``       ``501``
 ========================  =====================================================
 
-Under an access policy (:class:`mdp.policy.AccessPolicy`) every peer may ask,
-and hears only of the services it may call: another is ``404`` to
-``mmi.service`` and absent from ``mmi.services`` and ``mmi.workers``, whose
-entries then leave out the workers' peer ids.
-
-Replies are bounded: ``mmi.services`` lists at most :data:`MAX_ENTRIES`
-services (the first by name) and ``mmi.workers`` at most :data:`MAX_ENTRIES`
-workers; when there were more, a second frame says so:
-``{"truncated": true, "total": n}``.
-
-Answers come from the broker's read-only view only
-(:meth:`~mdp.majordomo.broker_machine.BrokerMachine.snapshot`,
-:meth:`~mdp.majordomo.broker_machine.BrokerMachine.isServiceAvailable` and
-:meth:`~mdp.majordomo.broker_machine.BrokerMachine.admissionStatus`).
+Under an access policy every peer may ask but hears only of the services it may
+call (others are ``404`` or absent; workers are listed without peer ids).
+Listings hold at most :data:`MAX_ENTRIES`; a second frame
+``{"truncated": true, "total": n}`` says when there were more.
 """
 
 from __future__ import annotations
@@ -61,9 +45,8 @@ def _listing(entries: Any, total: int) -> list[bytes]:
 
 
 def workers_listed(reply: Sequence[bytes]) -> Optional[int]:
-    """How many workers an ``mmi.workers`` *reply* lists (its total, when
-    it was truncated), or None if it is no such listing (a ``501`` from a
-    broker without it, say)."""
+    """How many workers an ``mmi.workers`` *reply* lists (its total if truncated),
+    or None if it is no such listing (a ``501``, say)."""
     try:
         listing = json.loads(reply[0])
         more = json.loads(reply[1]) if len(reply) > 1 else {}
@@ -121,8 +104,7 @@ _ANSWERS = {b"mmi.service": _service, b"mmi.services": _services, b"mmi.workers"
 
 def answer(broker: BrokerMachine, service: bytes, body: Sequence[bytes],
            visible: Visible = None) -> list[bytes]:
-    """The FINAL body answering an ``mmi.*`` request; with *visible*, only
-    about the services it allows (the asker's, under an access policy): the
-    others are answered as if they did not exist."""
+    """The FINAL body answering an ``mmi.*`` request; with *visible*, services it
+    does not allow are answered as if they did not exist."""
     answering = _ANSWERS.get(service)
     return [NOT_IMPLEMENTED] if answering is None else answering(broker, body, visible)

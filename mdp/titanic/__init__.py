@@ -1,13 +1,9 @@
 """Titanic: disk-backed, disconnected request-reply on top of Majordomo (the
-Guide's Titanic pattern, the Titanic Service Protocol, ZeroMQ RFC 9).  Titanic
-is an MDP worker and an MDP client; it changes neither the broker nor
-ordinary workers.
+Guide's Titanic pattern, ZeroMQ RFC 9).  Titanic is an MDP worker and client;
+it changes neither the broker nor ordinary workers.
 
-* :class:`Titanic` (:mod:`mdp.titanic.server`): the three services, the
-  dispatcher (:mod:`mdp.titanic.dispatcher`) and a store
-  (:mod:`mdp.titanic.store`) in one;
-* :class:`TitanicClient` (:mod:`mdp.titanic.client`): submit now, collect
-  later;
+* :class:`Titanic`: the services, the dispatcher and a store in one;
+* :class:`TitanicClient`: submit now, collect later;
 * :mod:`mdp.titanic.protocol`: the dialog as pure functions.
 """
 

@@ -1,9 +1,7 @@
 """A client of Titanic: submit a request now, collect its reply later.
 
-A request id outlives the process that got it: write it down, and any
-process can ask for the reply (``mdp titanic result``).  The reply frames are
-the worker's own; a worker's error reply (its handler raised, or the message
-was too large) is raised as the same typed error as from
+A request id outlives the process that got it: any process can ask for the
+reply.  A worker's error reply is raised as the same typed error as from
 :meth:`Client.request <mdp.majordomo.client.Client.request>`.
 """
 
@@ -36,8 +34,7 @@ log = Logger()
 DEFAULT_POLL_INTERVAL = 1.0
 #: Requests submitted here whose service is remembered (to name it in errors).
 _REMEMBERED = 10_000
-#: Failures of a poll that say nothing about the request: Titanic (or the
-#: broker) is away for a while; :meth:`TitanicClient.result` polls on.
+#: Poll failures meaning only that Titanic (or the broker) is away for a while.
 TRANSIENT = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError)
 
 
@@ -51,10 +48,8 @@ def _check_id(requestId: str) -> bytes:
 
 
 class TitanicClient:
-    """Titanic's services through the broker at *broker* (one endpoint or a
-    failover list).  *timeout* and *retries* are those of each call to Titanic
-    itself (see :class:`~mdp.majordomo.client.Client`); *pollInterval* the
-    seconds between two polls of :meth:`result`."""
+    """Titanic's services through *broker* (one endpoint or a failover list).
+    *timeout* and *retries* are those of each call to Titanic itself."""
 
     def __init__(
         self,
@@ -73,7 +68,6 @@ class TitanicClient:
         self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
                              limits=limits, curveServerPublic=curveServerPublic,
                              curveSecret=curveSecret)
-        #: the service of each request submitted here, to name it in errors
         self._services: dict[str, bytes] = {}
 
     async def _titanic(self, service: bytes, *body: bytes) -> list[bytes]:
@@ -84,9 +78,8 @@ class TitanicClient:
         return reply
 
     def submit(self, service: Union[str, bytes], *frames: Frame) -> defer.Deferred[str]:
-        """Store a request for *service*; fires with its id (a UUID as text)
-        once Titanic has committed it.  Arguments are checked at once, as by
-        :meth:`Client.request <mdp.majordomo.client.Client.request>`."""
+        """Store a request for *service*; fires with its id (UUID text) once
+        committed.  Arguments are checked at once, as by ``Client.request``."""
         name = codec.api_service_name(service)
         body = request_frames(frames)
 
@@ -113,9 +106,7 @@ class TitanicClient:
             except TRANSIENT:
                 raise
             except RemoteError as e:
-                # titanic.reply itself was refused (a 413: the stored reply and
-                # its envelope are over a limit), not the request's own error
-                # reply: that stays in the store, for a fetch with larger limits
+                # titanic.reply itself refused (413): the reply stays in the store
                 raise TitanicError(f"titanic.reply could not fetch the reply to {requestId} "
                                    f"({e}); it stays in Titanic's store") from e
             if not reply:
@@ -137,11 +128,9 @@ class TitanicClient:
 
     def result(self, requestId: str, *,
                pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """The reply frames of a request, polling every *pollInterval*
-        seconds (default: the client's) until it is done.  A poll that times
-        out or finds Titanic away (:data:`TRANSIENT`) is logged and polled
-        again: the request waits in Titanic's store meanwhile.  Cancel the
-        Deferred to stop polling."""
+        """The reply frames, polling every *pollInterval* seconds (default: the
+        client's) until done; :data:`TRANSIENT` failures are logged and polled
+        again.  Cancel the Deferred to stop polling."""
         _check_id(requestId)
         interval = (self.pollInterval if pollInterval is None
                     else positive_seconds("pollInterval", pollInterval))
@@ -173,19 +162,16 @@ class TitanicClient:
 
     def call(self, service: Union[str, bytes], *frames: Frame,
              pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.
-        The request is closed once its reply (or its error reply) is in hand;
-        if :meth:`result` is cancelled, it is left to Titanic (and its keep
-        time), as it is when the close fails (logged with the request's id:
-        the reply in hand is what the caller gets, as a retry would run the
-        service again)."""
+        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.  The
+        request is closed once its reply (or error reply) is in hand; if cancelled,
+        or if the close fails (logged), it is left to Titanic's keep time."""
         submitted = self.submit(service, *frames)
 
         async def call() -> list[bytes]:
             requestId = await submitted
             try:
                 reply = await self.result(requestId, pollInterval=pollInterval)
-            except RemoteError:  # the worker's own error reply: done with, too
+            except RemoteError:  # the worker's own error reply: close it too
                 await self._closeAfter(requestId)
                 raise
             await self._closeAfter(requestId)
@@ -194,8 +180,7 @@ class TitanicClient:
         return defer.ensureDeferred(call())
 
     async def _closeAfter(self, requestId: str) -> None:
-        """Close a request whose reply is in hand; a failure is logged, not
-        raised, so the reply is not thrown away with it."""
+        """Close a request whose reply is in hand; a failure is logged, not raised."""
         try:
             await self.close(requestId)
         except defer.CancelledError:
@@ -206,6 +191,5 @@ class TitanicClient:
                      error=e)
 
     def disconnect(self) -> defer.Deferred[None]:
-        """Close the connection to the broker (pending calls fail with
-        :class:`~mdp.errors.ClientClosed`)."""
+        """Close the connection to the broker (pending calls fail with ClientClosed)."""
         return self.client.close()

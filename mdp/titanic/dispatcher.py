@@ -1,23 +1,13 @@
 """Titanic's dispatcher: stored requests to their services, replies to the store.
 
 :class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
-drives it with a store and an MDP :class:`~mdp.majordomo.client.Client`
-(docs/titanic.md, "The dispatcher", describes the behaviour in full).
-
-* Pending requests are read oldest first, a window at a time, leaving out
-  those held and those of parked services.
-* Before a service's first request the broker is asked how many workers it
-  has (``mmi.workers``; none: whether it still knows it, ``mmi.service``).
-  A service with no worker that the broker does not know, or whose request
-  failed, is **parked** and asked again after a backoff; its requests wait
-  in the store meanwhile.
-* At most *concurrency* requests are out, and of one service at most as many
-  as it has workers (more would wait in the broker's queue with their
-  attempt's clock running, and be sent again while the first copy runs).
-* A reply (or a final error reply) is stored; the request is done once the
-  store has committed it.  A failed attempt is tried again, forever, unless
-  the request is closed: delivery is at-least-once, like every MDP retry.
-* Replies are kept *keep* seconds after they are stored, then purged.
+drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
+Pending requests are read oldest first, a window at a time.  A service with no
+worker that the broker does not know, or whose request failed, is **parked**
+and asked again after a backoff.  At most *concurrency* requests are out, and of
+one service at most as many as it has workers (more would time out in the
+broker's queue and be sent twice).  A failed attempt is retried until the
+request is closed: delivery is at-least-once.
 """
 
 from __future__ import annotations
@@ -53,20 +43,16 @@ from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
 log = Logger()
 
-#: Seconds a reply is kept after it is stored (then purged): one day.
+#: Seconds a reply is kept after it is stored: one day.
 DEFAULT_KEEP = 24 * 3600.0
-#: Seconds between purges.
 DEFAULT_PURGE_EVERY = 60.0
-#: Requests out at once.
 DEFAULT_CONCURRENCY = 4
 #: Seconds one attempt of a request may take before it is tried again.
 DEFAULT_TIMEOUT = 30.0
-#: Wait before asking again about a parked service: 1 s doubling to 32 s.
+#: Wait before asking again about a parked service.
 DEFAULT_BACKOFF = Backoff(1.0, 32.0)
-#: What a ``titanic.reply`` answer adds to a stored reply on its way to the
-#: client (its status frame, the MDP headers, the service name, the client's
-#: routing id of at most 255 bytes): a streamed reply is kept only while it
-#: fits in the message limits less this.
+#: What a ``titanic.reply`` answer adds to a stored reply (status, headers, service,
+#: routing id): a streamed reply is kept only while it fits the limits less this.
 REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
 
@@ -77,12 +63,10 @@ DEFAULT_RECHECK = 5.0
 class ServiceState(enum.Enum):
     """What the dispatcher knows of a service."""
 
-    #: not asked yet (or the last answer is too old)
     UNKNOWN = "unknown"
-    #: the broker asked (``mmi.workers``, then maybe ``mmi.service``), no answer yet
+    #: the broker asked, no answer yet
     CHECKING = "checking"
-    #: it has a worker, or the broker still knows it (its worker restarting):
-    #: requests go out
+    #: it has a worker, or the broker still knows it: requests go out
     AVAILABLE = "available"
     #: no worker and unknown to the broker, or a request failed: ask again later
     PARKED = "parked"
@@ -99,8 +83,7 @@ class _Service:
         #: AVAILABLE: trusted until; PARKED: parked until
         self.until = 0.0
         self.reason = ""
-        #: its workers, as the broker last said (None: not known; 0: none,
-        #: but the broker still knows the service: one request out at a time)
+        #: as the broker last said (None: not known; 0: none, but still known)
         self.workers: Optional[int] = None
 
 
@@ -118,23 +101,19 @@ class LoadPending:
 
 @action_class
 class CheckService:
-    """Ask the broker how many workers *service* has (``mmi.workers``), and
-    if none, whether it still knows it (``mmi.service``); a broker without
-    ``mmi.workers``: whether it has any (``mmi.service``)."""
+    """Ask the broker how many workers *service* has, or whether it knows it."""
 
     service: bytes
 
 
 @action_class
 class Dispatch:
-    """Send a stored request to its service."""
 
     request: StoredRequest
 
 
 @action_class
 class StoreReply:
-    """Store the reply of a request."""
 
     requestId: str
     frames: list[bytes]
@@ -190,14 +169,13 @@ class DispatchMachine(Machine):
         self.keep = keep
         self.purgeEvery = purgeEvery
         self.recheck = recheck
-        #: most requests held at once (out + waiting to go out)
+        #: most requests held at once (out + waiting)
         self.window = window if window is not None else max(2 * concurrency, 16)
         self._nextPurge = now
         self._wake: Optional[float] = None
         self._forgetAll()
 
     def _forgetAll(self) -> None:
-        """The state of a dispatcher that is not running: nothing held, nothing known."""
         self.running = False
         #: loaded, not yet out, oldest first
         self.queue: list[StoredRequest] = []
@@ -209,12 +187,10 @@ class DispatchMachine(Machine):
         #: replies whose store failed, to store again once the store works
         self._unsaved: set[str] = set()
         self._dirty = False  # the store may hold pending requests we have not read
-        #: services with as many requests held as they may have: the store
-        #: may hold more of theirs, read once one of theirs is done
+        #: services holding as many requests as they may; read more once one is done
         self._full: set[bytes] = set()
-        #: requests of services with as many held as they may have, read
-        #: beyond that, oldest first (at most a window of them, outside it):
-        #: the next to go when a place of theirs frees, with no read
+        #: requests read beyond their service's share, oldest first, at most a
+        #: window: the next to go when a place of theirs frees
         self._spare: list[StoredRequest] = []
         self._loading = False
         self._storeFailures = 0
@@ -231,7 +207,6 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleStored(self, requestId: str, now: float) -> list[Action]:
-        """A request was committed to the store."""
         self.now = now
         self._dirty = True
         self._pump()
@@ -249,8 +224,6 @@ class DispatchMachine(Machine):
         if self.running:
             held = {r.id for r in self._heldRequests()}
             self.queue.extend(r for r in requests if r.id not in held)
-            # reloaded requests (a service unparked, an attempt failed) take
-            # their place by age again
             self.queue.sort(key=lambda r: r.created)
         self._pump()
         return self._drain()
@@ -263,18 +236,13 @@ class DispatchMachine(Machine):
 
     def handleChecked(self, service: bytes, available: bool, reason: str,
                       now: float) -> list[Action]:
-        """The answer to CheckService that counted no workers (``mmi.service``,
-        or a failure; *reason* says why it is not available): a count an
-        earlier answer left no longer holds, its requests are bound by
-        *concurrency* alone."""
+        """No worker count (``mmi.service``, or a failure): bound by *concurrency* alone."""
         entry = self.services.get(service)
         if entry is not None and entry.workers is not None:
             self._setWorkers(service, None)
         return self._checked(service, available, reason, now)
 
     def _setWorkers(self, service: bytes, workers: Optional[int]) -> None:
-        """The broker's answer for *service* being asked about: *workers*
-        workers (None: not known)."""
         entry = self.services.get(service)
         if entry is not None and entry.state is ServiceState.CHECKING:
             entry.workers = workers
@@ -295,19 +263,14 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleCounted(self, service: bytes, workers: int, now: float) -> list[Action]:
-        """The answer to CheckService from ``mmi.workers``: *service* has
-        *workers* workers (none: it is parked); as many of its requests may
-        be out at once."""
+        """``mmi.workers`` counted *workers* (none: parked); as many may be out at once."""
         self._setWorkers(service, workers)
         return self._checked(service, workers > 0, "" if workers > 0
                              else "no worker (mmi.workers)", now)
 
     def handleLingering(self, service: bytes, now: float) -> list[Action]:
-        """The answer to CheckService when ``mmi.workers`` counted no worker
-        but ``mmi.service`` says ``200``: the broker still knows *service*
-        (its last worker left less than the broker's linger ago, restarting)
-        and queues a request for it until a worker is back.  One of its
-        requests goes out at a time, rather than all of them parked."""
+        """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
+        restarting): one request goes out at a time rather than none."""
         self._setWorkers(service, 0)
         return self._checked(service, True, "", now)
 
@@ -320,8 +283,7 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
-        """An attempt failed in a way worth retrying (timeout, no worker,
-        overload, broker unreachable): the request stays pending."""
+        """A retryable failure (timeout, no worker, overload, no broker): it stays pending."""
         self.now = now
         request = self.inflight.pop(requestId, None)
         if request is not None:
@@ -339,8 +301,7 @@ class DispatchMachine(Machine):
             entry = self._service(request.service)
             entry.failures = 0
             if entry.workers == 0 and entry.state is ServiceState.AVAILABLE:
-                # counted with no worker, and it replied: its worker is back,
-                # count them again rather than send one at a time
+                # it replied with no worker counted: count again, not one at a time
                 entry.state = ServiceState.UNKNOWN
             self._freed(request.service)
         self._storeFailures = 0
@@ -348,8 +309,7 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleStoreFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
-        """The reply could not be stored: keep it (the request stays out, so
-        it is not run again) and store it again after a backoff."""
+        """Keep the reply (the request stays out, not run again); store it again after a backoff."""
         self.now = now
         if self.running and requestId in self._storing:
             self._unsaved.add(requestId)
@@ -357,7 +317,6 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
-        """A request was closed: if it waits to go out, it does not."""
         self.now = now
         for request in self.queue:
             if request.id == requestId:
@@ -375,7 +334,6 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleStop(self, now: float) -> list[Action]:
-        """Send nothing more; what is out stays pending in the store."""
         self.now = now
         self._forgetAll()
         self._setWake(None)
@@ -390,8 +348,7 @@ class DispatchMachine(Machine):
         return entry
 
     def _freed(self, service: bytes) -> None:
-        """One of *service*'s requests is held no more: if others were left
-        in the store for want of room, read them."""
+        """One of *service*'s requests is held no more: read any left in the store."""
         if service in self._full and not any(r.service == service for r in self._spare):
             self._full.discard(service)
             self._dirty = True
@@ -402,8 +359,7 @@ class DispatchMachine(Machine):
         delay = self.backoff.delay(entry.failures)
         entry.failures += 1
         entry.state = ServiceState.PARKED
-        # on a whole second: services parked about the same time are read
-        # again together (one read of the store, not one a service)
+            # on a whole second: services parked together are read again in one go
         entry.until = float(math.ceil(self.now + delay))
         entry.reason = reason
         self._emit(Parked(entry.name, delay, reason))
@@ -434,9 +390,8 @@ class DispatchMachine(Machine):
         self._pump()
 
     def _forgetIdleServices(self) -> None:
-        """Drop what is known of services nothing is held for: unasked ones,
-        and ones unparked long ago and not seen since (so the table does not
-        grow with every name ever submitted)."""
+        """Drop services nothing is held for that are unasked or long unparked (the
+        table must not grow with every name ever submitted)."""
         held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
             if name not in held and self._forgettable(entry):
@@ -452,12 +407,9 @@ class DispatchMachine(Machine):
                                         or entry.until <= self.now)
 
     def _heldRequests(self) -> list[StoredRequest]:
-        """Every request held: waiting, out, and set aside."""
         return [*self.queue, *self.inflight.values(), *self._spare]
 
     def _pump(self) -> None:
-        """Send what may go out now, and read more from the store when there
-        is room for it."""
         if not self.running:
             return
         held = self._placeQueue()
@@ -466,10 +418,8 @@ class DispatchMachine(Machine):
         self._setWake(self._nextWake())
 
     def _placeQueue(self) -> dict[bytes, int]:
-        """Go through what waits, oldest first: send what may go out, keep
-        what may wait, set aside or leave in the store the rest.  Returns the
-        requests held (out or waiting) by service."""
-        if self._spare:  # they take their place by age again, as far as there is room
+        """Send, keep, set aside or leave in the store each waiting request; returns held by service."""
+        if self._spare:
             self.queue = sorted(self.queue + self._spare, key=lambda r: r.created)
             self._spare = []
         out: dict[bytes, int] = {}
@@ -483,8 +433,7 @@ class DispatchMachine(Machine):
                   held: dict[bytes, int]) -> bool:
         """Send *request* if it may go out; True if it waits in the queue."""
         if not request.frames:
-            # damaged in the store (no frames could be read back): whatever its
-            # service, it goes to the driver, which answers it with an error
+            # no frames could be read back: the driver answers it with an error
             return not self._send(request)
         entry = self._entryFor(request.service)
         if entry.state is ServiceState.PARKED:
@@ -506,17 +455,16 @@ class DispatchMachine(Machine):
         return False
 
     def _entryFor(self, service: bytes) -> _Service:
-        """*service*'s entry, asked about if what is known of it is too old."""
+        """*service*'s entry, asked about if what is known is too old."""
         entry = self._service(service)
         if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
-            entry.state = ServiceState.UNKNOWN  # trusted long enough: ask again
+            entry.state = ServiceState.UNKNOWN
         if entry.state is ServiceState.UNKNOWN:
             entry.state = ServiceState.CHECKING
             self._emit(CheckService(entry.name))
         return entry
 
     def _send(self, request: StoredRequest) -> bool:
-        """Send *request* if fewer than *concurrency* are out; True if so."""
         if len(self.inflight) >= self.concurrency:
             return False
         self.inflight[request.id] = request
@@ -527,10 +475,8 @@ class DispatchMachine(Machine):
         return self.window - len(self.queue) - len(self.inflight)
 
     def _timeToRead(self) -> bool:
-        """Is it time to read pending requests?  Only for half a window at
-        least, unless nothing that waits will go out soon (no service being
-        asked about) while there is room to send: requests that free their
-        place one at a time make one read for many, not one each."""
+        """Read only for half a window at least, unless nothing waiting goes out
+        soon while there is room to send: one read for many, not one each."""
         room = self._room()
         if not self._dirty or self._loading or self._storeRetryAt is not None or room <= 0:
             return False
@@ -541,8 +487,6 @@ class DispatchMachine(Machine):
             for r in self.queue if r.frames)
 
     def _readPending(self, held: dict[bytes, int]) -> None:
-        """Read pending requests, leaving out those held and those of
-        services parked or holding as many as they may."""
         self._dirty = False
         self._loading = True
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
@@ -554,17 +498,14 @@ class DispatchMachine(Machine):
         self._emit(LoadPending(self._room(), skip, ids))
 
     def _mostOut(self, entry: _Service) -> int:
-        """Requests of *entry*'s service out at most: as many as its workers;
-        one while it has none but the broker still knows it (it waits in the
-        broker's queue for the worker to come back); not known: no bound but
-        *concurrency*."""
+        """As many requests out as workers; one if none but the broker still knows
+        the service (it waits in the broker's queue); not known: *concurrency*."""
         if entry.workers is None:
             return self.window
         return max(entry.workers, 1)
 
     def _mostHeld(self, entry: _Service) -> int:
-        """Requests of *entry*'s service held at most (out and waiting): twice
-        as many as may be out."""
+        """Requests held at most (out and waiting): twice as many as may be out."""
         return 2 * self._mostOut(entry)
 
     def _nextWake(self) -> Optional[float]:
@@ -585,8 +526,7 @@ RETRY = (*TRANSIENT, ClientClosed)
 
 
 def final_error_body(error: BaseException) -> Optional[list[bytes]]:
-    """The error reply to store for an attempt that failed for good, or
-    ``None`` if the request should be tried again."""
+    """The error reply to store for a final failure, or ``None`` to retry."""
     if isinstance(error, RETRY):
         return None
     if isinstance(error, (ReplyTooLarge, RequestTooLarge)):
@@ -597,14 +537,9 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 
 
 class Dispatcher:
-    """A :class:`DispatchMachine` driven with *store* and a client of the
-    broker at *broker* (one endpoint or a failover list).  :meth:`start` and
-    :meth:`stop` (and start again); :meth:`stored` and :meth:`closed` tell it
-    of requests committed and closed.
-
-    A reply streamed in PARTIALs is stored as the frames of every PARTIAL, in
-    order, followed by those of the FINAL (if the stream starts over, the
-    parts so far are dropped)."""
+    """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
+    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events.
+    A streamed reply is stored as all its PARTIALs' frames then the FINAL's."""
 
     def __init__(
         self,
@@ -653,7 +588,6 @@ class Dispatcher:
 
     @property
     def concurrency(self) -> int:
-        """Requests out at once, at most."""
         return self.machine.concurrency
 
     def start(self) -> None:
@@ -683,8 +617,7 @@ class Dispatcher:
     # --- the driver ---------------------------------------------------------------------
 
     def _feed(self, handler: Any, *args: Any) -> None:
-        """Handle events one at a time, in order, even when an action's
-        result arrives synchronously (a memory store)."""
+        """Handle events one at a time, in order, even when a result arrives synchronously."""
         self._events.append((handler, args))
         if self._busy:
             return
@@ -697,8 +630,7 @@ class Dispatcher:
             self._busy = False
 
     def _then(self, handler: Any) -> Any:
-        """A callback feeding *handler*, unless the dispatcher was stopped
-        since it was made."""
+        """A callback feeding *handler*, unless the dispatcher stopped since."""
         generation = self._generation
 
         def feed(*args: Any) -> None:
@@ -739,16 +671,11 @@ class Dispatcher:
 
     def _ask(self, mmiService: bytes, service: bytes, answered: Callable[[list[bytes]], None],
              failed: Callable[[Failure], None]) -> None:
-        """Ask the broker *mmiService* about *service*."""
         d = self._track(self.client.request(mmiService, service, timeout=min(self.timeout, 5.0)))
         d.addCallbacks(answered, failed)
 
     def _check(self, action: CheckService) -> None:
-        """Ask ``mmi.workers`` how many workers *service* has, and if none,
-        ``mmi.service`` whether the broker still knows it; a broker without
-        ``mmi.workers`` (``501``, or an answer that is not its listing) is
-        asked ``mmi.service``, and the service's requests are then bound by
-        *concurrency* alone."""
+        """See :class:`CheckService`; without ``mmi.workers``, *concurrency* alone bounds."""
         service = action.service
         counted, checked = self._then(self.machine.handleCounted), self._then(self.machine.handleChecked)
 
@@ -772,11 +699,7 @@ class Dispatcher:
         self._ask(b"mmi.workers", service, answered, failed)
 
     def _checkLingering(self, service: bytes) -> None:
-        """``mmi.workers`` counted no worker for *service*: ask ``mmi.service``
-        whether the broker still knows it.  A ``200`` (its worker left less
-        than the broker's linger ago) lets one request out to wait in the
-        broker's queue; any other answer, or none, parks it as the count
-        said."""
+        """No worker counted: a ``200`` from ``mmi.service`` lets one request out, else park."""
         lingering, counted = self._then(self.machine.handleLingering), self._then(self.machine.handleCounted)
 
         def answered(reply: list[bytes]) -> None:
@@ -822,10 +745,8 @@ class Dispatcher:
         calls: list[defer.Deferred[Any]] = []
 
         def overLimits(body: list[bytes]) -> bool:
-            """The stream so far and *body* would be more than one
-            ``titanic.reply`` can carry (what is kept is bounded by that):
-            answer 413 and abandon the request (a turn later: this runs
-            inside the client's handling of a message)."""
+            """*body* would take the stream beyond one ``titanic.reply``: answer 413
+            and abandon it (a turn later: this runs inside the client's handler)."""
             nonlocal held, over
             size = held + sum(map(len, body))
             if size <= mostBytes and len(parts) + len(body) <= mostFrames:

@@ -11,11 +11,10 @@ service                request body                 reply
 ``titanic.close``      request id                   ``200`` (also for an unknown id)
 =====================  ===========================  ==========================================
 
-A request id is an RFC 4122 UUID as text (``8-4-4-4-12`` hex digits).  A
-malformed body (no service name, an empty or non-ASCII one, Titanic's own or
-an ``mmi.*`` service, no request frame, an id that is not a UUID, extra
-frames) is answered ``500`` + a message frame saying what is wrong; a store
-that fails is answered ``500`` too.
+A request id is an RFC 4122 UUID as text.  A malformed body (bad or missing
+service name, Titanic's own or an ``mmi.*`` service, no request frame, an id
+that is not a UUID, extra frames) is answered ``500`` + a message frame; so is
+a failing store.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ PENDING = b"300"
 UNKNOWN = b"400"
 FAILED = b"500"
 
-#: longest service name a stored request may name (as MDP's own bound)
+#: longest service name a stored request may name (MDP's own bound)
 MAX_SERVICE_NAME = 255
 
 

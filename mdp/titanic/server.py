@@ -1,11 +1,6 @@
-"""Titanic's three MDP services over a store (:mod:`mdp.titanic.store`), and
-:class:`Titanic`: those services, the dispatcher and the store in one.
-
-:class:`TitanicServer` registers ``titanic.request``, ``titanic.reply`` and
-``titanic.close`` with a broker, as three ordinary MDP workers, and answers
-them from its store (see :mod:`mdp.titanic.protocol` for the dialog).  A
-request is acknowledged (``200`` + its id) only once the store has committed
-it.  Whoever dispatches stored requests to their services learns of a new one
+"""Titanic's three MDP services over a store (:class:`TitanicServer`), and
+:class:`Titanic`: those services, the dispatcher and the store in one.  A request
+is acknowledged only once the store committed it; the dispatcher learns of it
 through *onStored*.
 """
 
@@ -30,25 +25,21 @@ from mdp.titanic.store import (
 
 log = Logger()
 
-#: MDP workers per Titanic service: requests stored (and replies read) at once,
-#: so that commits of concurrent submissions share one transaction
+#: MDP workers per Titanic service: concurrent submissions share one commit
 DEFAULT_SERVICE_WORKERS = 4
 
 
 class _ServiceWorker(Worker):
-    """A worker of one of Titanic's services, whose "sent READY" line is
-    debug: Titanic runs several a service (twelve workers by default) and
-    says once what it serves."""
+    """A Titanic service worker whose "sent READY" line is debug: Titanic runs
+    several per service and says once what it serves."""
 
     readyLogLevel = LogLevel.debug
 
 
 class TitanicServer:
-    """The Titanic services of one store, registered with the broker at
-    *broker* (one endpoint or a failover list), each served by *workers* MDP
-    workers (so that several requests are stored at once).  :meth:`start`
-    connects, :meth:`stop` disconnects; the store is the caller's to open and
-    close."""
+    """The Titanic services of one store, registered with *broker* (one endpoint
+    or a failover list), each served by *workers* MDP workers.  The store is the
+    caller's to open and close."""
 
     def __init__(
         self,
@@ -145,8 +136,8 @@ class TitanicServer:
 
 
 def open_store(db: str, reactor: Optional[Any] = None) -> ITitanicStore:
-    """The store for *db*: ``":memory:"`` is the memory store (fast, not
-    durable), anything else the path of a SQLite file (made if missing)."""
+    """The store for *db*: ``":memory:"`` is the memory store, anything else a
+    SQLite file path (made if missing)."""
     if db == ":memory:":
         return MemoryStore()
     if not db:
@@ -155,14 +146,9 @@ def open_store(db: str, reactor: Optional[Any] = None) -> ITitanicStore:
 
 
 class Titanic:
-    """A whole Titanic: the three services, the dispatcher and the store.
-
-    *store* is a :class:`~mdp.titanic.store.ITitanicStore` or a database path
-    (see :func:`open_store`); Titanic opens it in :meth:`start` and closes it
-    in :meth:`stop`.  *concurrency* requests go out at once, each attempt for
-    at most *timeout* seconds; a parked service is asked again after
-    *backoff*; replies are kept *keep* seconds after they are stored; each
-    Titanic service has *workers* MDP workers."""
+    """A whole Titanic: the three services, the dispatcher and the store.  *store*
+    is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
+    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`."""
 
     def __init__(
         self,
@@ -197,7 +183,7 @@ class Titanic:
 
     async def _start(self) -> None:
         await self.store.open()
-        if self._stopping:  # stopped while the store was opening: stop closes it
+        if self._stopping:  # stopped while opening: stop closes it
             return
         self._started = True
         self.server.start()
@@ -226,7 +212,7 @@ class Titanic:
         if starting is not None and not starting.called:
             done: defer.Deferred[None] = defer.Deferred()
             starting.addBoth(lambda result: (done.callback(None), result)[1])
-            await done  # what start does is undone below; its failure is start's
+            await done  # undone below; its failure is start's
         if self._started:
             self._started = False
             await self.dispatcher.stop()
@@ -234,6 +220,6 @@ class Titanic:
         await self.store.close()
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop dispatching and serving, and close the store; requests out
-        stay pending and go out again on the next start."""
+        """Stop dispatching and serving, and close the store; requests out stay
+        pending and go out again on the next start."""
         return defer.ensureDeferred(self._stop())

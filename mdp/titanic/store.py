@@ -1,20 +1,14 @@
 """Where Titanic keeps requests and replies: the store interface and two stores.
 
-* :class:`SQLiteStore` (the default): stdlib :mod:`sqlite3` in WAL mode with
+* :class:`SQLiteStore` (the default): :mod:`sqlite3` in WAL mode with
   ``synchronous=FULL``, so a request is on disk when :meth:`~ITitanicStore.add`
-  fires.  All database work runs on one writer thread; writes that arrive
-  while a commit is under way are committed together in the next transaction
-  (one fsync for many).  A file that is not a database, fails SQLite's
-  ``quick_check`` or is another application's refuses to open with
-  :class:`~mdp.errors.StoreError`: never silent loss.
+  fires; writes that arrive during a commit share the next one.  A file that is
+  damaged or another application's refuses to open (:class:`~mdp.errors.StoreError`).
 * :class:`MemoryStore`: the Guide's "faster and less reliable" mode.
 
-Frames are kept as one blob each for the request and the reply, in the stream
-transport's record form, each with a CRC-32 (of the request's id, service and
-frames; of the reply): SQLite's own checks do not look inside values, and a
-changed byte could send a request changed, elsewhere, or forever under an id
-no client asks for.  A value that fails its checksum is read back as damaged.
-Rows stored before the checksums have none and are read unchecked.
+Request and reply frames are one record blob each, with a CRC-32 (SQLite does
+not check inside values, and a changed byte could misroute a request); a value
+that fails it reads back as damaged.  Rows without checksums are read unchecked.
 """
 
 from __future__ import annotations
@@ -46,11 +40,9 @@ from mdp.transport.framing import decode_record, encode_record
 class ReplyStatus(enum.Enum):
     """What the store knows of a request's reply."""
 
-    #: the reply is stored
     DONE = "done"
-    #: the request is stored, its reply not yet
     PENDING = "pending"
-    #: no such request (never stored, or closed)
+    #: never stored, or closed
     UNKNOWN = "unknown"
 
 
@@ -76,9 +68,8 @@ class ITitanicStore(Interface):
 
     def pending(limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()):
-        """Up to *limit* requests without a reply, oldest first, leaving out
-        those for *skipServices* and those in *skipIds* (the dispatcher's
-        parked services and the requests it already holds)."""
+        """Up to *limit* requests without a reply, oldest first, except those for
+        *skipServices* and those in *skipIds*."""
 
     def complete(requestId: str, reply: list[bytes], now: float):
         """Store the reply of a request (ignored if it was closed meanwhile)."""
@@ -108,12 +99,10 @@ class MemoryStore:
     def __init__(self) -> None:
         #: id -> [service, frames, created, reply or None, completed]
         self._entries: dict[str, list[Any]] = {}
-        #: the ids without a reply, by service, oldest first, each with its
-        #: number in the order stored (so reading them costs no pass over the
-        #: replies kept, nor over the requests of services left out)
+        #: ids without a reply by service, oldest first, with their order number
         self._pending: dict[bytes, dict[str, int]] = {}
         self._stored = 0
-        #: the ids with a reply, in the order they got it (what purge drops first)
+        #: ids with a reply, in the order they got it (purged first)
         self._done: dict[str, float] = {}
 
     def open(self) -> defer.Deferred[None]:
@@ -179,7 +168,7 @@ class MemoryStore:
         old = []
         for requestId, completed in self._done.items():
             if completed >= before:
-                break  # completed in time order: the rest are younger
+                break  # in time order: the rest are younger
             old.append(requestId)
         for requestId in old:
             del self._done[requestId], self._entries[requestId]
@@ -207,15 +196,13 @@ CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
-#: Pending requests, oldest first, leaving out some services (by the hex of
-#: their names: a JSON parameter holds text) and some ids.
+#: Pending requests, oldest first, except some services (by hex: JSON holds text) and ids.
 _PENDING_BY_AGE = (
     "SELECT seq, id, service, request, created, request_crc FROM requests "
     "WHERE reply IS NULL AND typeof(id) = 'text' "
     "AND hex(service) NOT IN (SELECT value FROM json_each(?1)) "
     "AND id NOT IN (SELECT value FROM json_each(?2)) ORDER BY seq LIMIT ?3")
-#: The same, found service by service: each pending service once, by the
-#: index (a skip scan), then at most ?3 of each not left out.
+#: The same, by a skip scan of the index: at most ?3 of each service not left out.
 _PENDING_BY_SERVICE = (
     "WITH RECURSIVE pending(service) AS ("
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
@@ -231,14 +218,13 @@ _PENDING_BY_SERVICE = (
     " AND q.id NOT IN (SELECT value FROM json_each(?2)) ORDER BY q.seq LIMIT ?3) "
     "WHERE p.service IS NOT NULL AND hex(p.service) NOT IN (SELECT value FROM json_each(?1)) "
     "ORDER BY r.seq LIMIT ?3")
-#: Steps (of a thousand SQLite instructions) a read of pending requests in
-#: age order may take before it is made service by service instead.
+#: Steps (of 1000 SQLite instructions) an age-order read may take before going by service.
 SCAN_BUDGET = 200
 
-#: the columns of Titanic's requests table (another one is someone else's: left as it is)
+#: the columns of Titanic's requests table (another table is left as it is)
 _COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
             "request_crc", "reply_crc")
-#: the columns before the checksums: such a table gets them at open
+#: before the checksums: such a table gets them at open
 _UNCHECKED_COLUMNS = _COLUMNS[:7]
 _OURS = ("requests", "requests_pending", "requests_completed", "requests_pending_service")
 
@@ -257,17 +243,14 @@ def _foreign(db: sqlite3.Connection) -> Optional[str]:
     return None
 
 
-#: Stored frames are read back whatever the current message limits: the store
-#: keeps only what it accepted.
+#: Stored frames are read back whatever the current limits.
 _UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
 
 log = Logger()
 
 
 def report_failure(logger: Logger, failure: Failure, format: str, **fields: Any) -> None:
-    """Log a failed store operation: a store's own error (a full disk, a
-    damaged file) in one line with its reason, anything else with its
-    traceback (a bug)."""
+    """Log a store's own error in one line, anything else (a bug) with its traceback."""
     if failure.check(StoreError, sqlite3.Error):
         logger.error(format + ": {reason}", reason=failure.getErrorMessage(), **fields)
     else:
@@ -283,25 +266,22 @@ def _checksum(*blobs: bytes) -> int:
 
 
 def _intact(crc: Any, *values: Any) -> bool:
-    """Do stored *values* match their checksum *crc* (None: a row stored
-    before there were checksums, taken as it is)?"""
+    """Do *values* match *crc* (None: a row without checksums, taken as it is)?"""
     if crc is None:
         return True
     return all(isinstance(v, bytes) for v in values) and _checksum(*values) == crc
 
 
 def _frames(blob: Any) -> list[bytes]:
-    """The frames of a stored record, or ``[]`` if it cannot be read (the
-    dispatcher answers such a request with an error instead of sending it)."""
+    """The frames of a stored record, or ``[]`` if unreadable (answered with an error)."""
     try:
         return decode_record(memoryview(blob)[4:], _UNBOUNDED)
-    except (ProtocolError, ValueError, TypeError):  # TypeError: a value no longer a blob
+    except (ProtocolError, ValueError, TypeError):  # TypeError: not a blob
         return []
 
 
 def _requestIntact(crc: Any, requestId: Any, service: Any, blob: Any) -> bool:
-    """Does a stored request match its checksum (its id included; or, stored
-    before the id was, without it)?"""
+    """Does a stored request match its checksum (with its id, or for older rows without)?"""
     if crc is None:
         return True
     if not (isinstance(requestId, str) and requestId.isascii()):
@@ -311,11 +291,7 @@ def _requestIntact(crc: Any, requestId: Any, service: Any, blob: Any) -> bool:
 
 
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
-    """A pending row (its id text: the query leaves out the rest, which
-    could never be answered) as the dispatcher reads it.  A damaged one (a
-    file SQLite's checks pass can still hold a value of the wrong type) has
-    no frames, so it is answered with an error rather than holding up the
-    rest."""
+    """A pending row for the dispatcher; a damaged one has no frames, so it gets an error reply."""
     requestId, service, blob, created, crc = row
     frames, why = _request_frames(requestId, service, blob, crc)
     if isinstance(service, bytes) and isinstance(created, (int, float)) and frames:
@@ -333,7 +309,7 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
         return [], "its checksum does not match"
     frames = _frames(blob)
     if isinstance(service, bytes) and frames:
-        try:  # what titanic.request accepts (a file can hold anything)
+        try:  # a file can hold anything
             parse_request([service, *frames])
         except MalformedTitanicRequest as e:
             return [], str(e)
@@ -342,16 +318,10 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
 
 @implementer(ITitanicStore)
 class SQLiteStore:
-    """Requests and replies in one SQLite file (see the module docstring for
-    what "committed" means).  *path* ``":memory:"`` gives a database that
-    lives as long as the store (tests).
-
-    One store per file: :meth:`open` takes an exclusive lock (``PATH.lock``,
-    ``flock``, beside the file a symbolic link leads to) and fails with
-    :class:`~mdp.errors.StoreError` while another process (or store) holds
-    it; a file with several hard links is refused.  After :meth:`close`,
-    every call fails with :class:`~mdp.errors.StoreError` until :meth:`open`
-    again."""
+    """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open`
+    takes an exclusive lock (``PATH.lock``) and refuses a file with several hard links
+    (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until
+    :meth:`open` again."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
         self.path = path
@@ -367,8 +337,7 @@ class SQLiteStore:
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
         self._committing = False
         self._drained: list[defer.Deferred[None]] = []
-        #: the row number of each request read by pending() and not yet
-        #: completed or forgotten (reactor thread only)
+        #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
@@ -396,8 +365,7 @@ class SQLiteStore:
         self._files = self._identities()
 
     def _refuseOthers(self, db: sqlite3.Connection) -> None:
-        """A damaged file, or another application's database, is refused
-        before anything is written to it."""
+        """Refuse a damaged file, or another application's, before writing to it."""
         check = db.execute("PRAGMA quick_check").fetchone()
         if not check or check[0] != "ok":
             raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
@@ -407,10 +375,8 @@ class SQLiteStore:
                              "left as it is")
 
     def _prepare(self, db: sqlite3.Connection) -> None:
-        """WAL, full sync, the schema (with the checksum columns added to an
-        older table), and one real write: SQLite opens a file it may not
-        write (a read-only mount, another owner) read-only without a word,
-        and every request would then be refused after Titanic started."""
+        """WAL, full sync, the schema (adding checksum columns to an older table),
+        and one real write: SQLite silently opens an unwritable file read-only."""
         if self.path != ":memory:":
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
@@ -427,8 +393,7 @@ class SQLiteStore:
         db.execute(f"PRAGMA user_version = {int(version)}")
 
     def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
-        """The files this store uses, by name: the database, its WAL and the
-        lock, as (device, inode) of what the name leads to now (None: gone)."""
+        """The database, its WAL and the lock as (device, inode) now (None: gone)."""
         if self.path == ":memory:":
             return {}
         real = os.path.realpath(self.path)  # SQLite names the WAL after the file a link leads to
@@ -445,9 +410,8 @@ class SQLiteStore:
         return found
 
     def _moved(self) -> Optional[str]:
-        """Why the files this store writes are no longer the ones its names
-        lead to (deleted, or replaced, while it runs): a write would go to a
-        file no restart finds, or a second Titanic could take the lock."""
+        """Why the store's files are no longer those its names lead to (deleted or
+        replaced while running): writes would be lost at restart."""
         now = self._identities()
         for what, was in self._files.items():
             if was is not None and now.get(what) != was:
@@ -460,8 +424,7 @@ class SQLiteStore:
         return None
 
     def _relock(self) -> bool:
-        """The lock file went (a cleaner of old files, say): take the lock
-        again on a new one, unless another Titanic has it by now."""
+        """The lock file went: take the lock on a new one, unless another Titanic has it."""
         path = self._lockPath
         assert path is not None
         try:
@@ -478,11 +441,8 @@ class SQLiteStore:
         return True
 
     def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        """Commit *statements* in one transaction; if that fails, each in a
-        transaction of its own, so that one bad write fails alone.  Returns
-        each statement's row count, or the exception it raised.  Nothing is
-        written once the store's files were deleted or replaced
-        (:meth:`_moved`): acknowledged, it would be lost at the restart."""
+        """Commit *statements* in one transaction, or if that fails each alone; returns
+        each row count or exception.  Nothing is written once the files moved."""
         db = self._db
         if db is None:
             return [StoreError(f"Titanic store {self.path} is closed")] * len(statements)
@@ -515,12 +475,8 @@ class SQLiteStore:
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of the services not skipped.  One
-        scan in age order finds them at once, unless it must pass many rows
-        of skipped services (a parked service's backlog): past
-        :data:`SCAN_BUDGET` steps it gives way to a read service by service
-        through ``requests_pending_service``, which never reads a skipped
-        service's rows and costs a probe of that index per pending service."""
+        """The *limit* oldest pending rows of services not skipped: one scan by age, or
+        past :data:`SCAN_BUDGET` steps, service by service through the service index."""
         db = self._db
         if db is None:
             raise StoreError(f"Titanic store {self.path} is closed")
@@ -579,11 +535,8 @@ class SQLiteStore:
         self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
-        """Lock ``PATH.lock`` beside the file the path leads to (through
-        symbolic links): two Titanics on one file would run every request
-        twice.  A file with several hard links is refused: SQLite names its
-        WAL after the name it was opened by, so two names of one file can
-        corrupt it (and would get past the lock)."""
+        """Lock ``PATH.lock`` (see the class docstring): two Titanics on one file would
+        run every request twice, and SQLite names its WAL after the name opened."""
         if self.path == ":memory:":
             return
         real = os.path.realpath(self.path)
@@ -602,8 +555,7 @@ class SQLiteStore:
         self._lockPath = lockPath
 
     def _flock(self, lockPath: str) -> int:
-        """The lock file *lockPath* (made if need be), locked: its descriptor;
-        :class:`StoreError` if it cannot be opened or another holds it."""
+        """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
         try:
             fd = os.open(lockPath, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -662,7 +614,6 @@ class SQLiteStore:
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        # the ids as one JSON parameter: no bound on how many are left out
         d = self._run(self._pending, limit, list(skipServices), json.dumps(list(skipIds)))
 
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
@@ -677,8 +628,7 @@ class SQLiteStore:
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         record = encode_record(reply)
-        # in the row the request was read from: its id there may be damaged
-        # (then the id index, which a client's look-up uses, is not)
+        # by the row it was read from: its id there may be damaged
         seq = self._rows.pop(requestId, None)
         where, key = ("seq", seq) if seq is not None else ("id", requestId)
         return self._write(f"UPDATE requests SET reply = ?, completed = ?, reply_crc = ? "
