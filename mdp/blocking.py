@@ -32,6 +32,7 @@ import sys
 from collections import deque
 from collections.abc import Generator
 from time import monotonic
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from twisted.logger import Logger
@@ -44,9 +45,8 @@ from mdp.majordomo.client import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     DONE,
-    DOWN,
     Action,
-    ClientCore,
+    ClientMachine,
     CloseChannel,
     Complete,
     Fail,
@@ -59,6 +59,8 @@ from mdp.majordomo.client import (
     _Channel,
     _check_attempts,
     call_back,
+    report,
+    report_stale,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
@@ -72,7 +74,7 @@ from mdp.majordomo.worker import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import PIRATE, RECONNECT, Backoff, HeartbeatPolicy, Limits
+from mdp.policy import PIRATE, RECONNECT, Backoff, HeartbeatPolicy, Limits, LogThrottle
 from mdp.transport import curve_client_for, curve_for, endpoint_list
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
@@ -92,7 +94,7 @@ LINGER_MS = 200
 STREAM_SCHEMES = ("tcp", "unix")
 _READ_SIZE = 262144
 
-_PENDING: Any = object()  # a call's result while it is not done
+_PENDING: Any = object()  # the end of map()'s items
 
 #: what a handler returns that is certainly not a generator
 _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
@@ -1255,19 +1257,24 @@ class _Refused:
         self.result = error
 
 
-class Client(ClientCore):
+class Client:
     """A blocking MDP/0.2 client of one broker (or the first live one of a
     failover list): :meth:`request` returns the reply's frames and raises the
     errors the Twisted :class:`mdp.Client`'s Deferred fails with
     (:class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.ServiceUnavailable`,
     :class:`~mdp.errors.WorkerError`, :class:`~mdp.errors.BrokerUnreachable`, ...);
-    :meth:`map` pipelines.
+    :meth:`map` pipelines.  It drives the Twisted client's
+    :class:`~mdp.majordomo.client.ClientMachine` (``machine``).
 
     *endpoint*: ``zmq:...``, ``tcp:...`` or ``unix:...`` (one,
     or a list); *timeout* is the seconds of **one attempt** and *retries* the
     number of attempts in all.  At most *maxConnections* requests are in flight
     at once (one per connection).  *context* is the ZeroMQ context to use (by
-    default one per process)."""
+    default one per process).
+
+    An exception that interrupts a call (Ctrl-C, wherever it lands) drops
+    every connection and fails every request in flight; the next call
+    starts clean, on fresh connections (docs/blocking.md)."""
 
     def __init__(
         self,
@@ -1283,16 +1290,34 @@ class Client(ClientCore):
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        super().__init__(endpoint, monotonic(), timeout=timeout, retries=retries,
-                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits, curveServerPublic=curveServerPublic,
-                         curveSecret=curveSecret)
-        _check_schemes(self.endpoints)
+        endpoints = endpoint_list(endpoint)
+        #: the broker's public key and this client's key pair, for zmq: endpoints
+        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
+        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
+                                     maxConnections=maxConnections, dialect=dialect,
+                                     stamp=stamp, limits=limits, now=monotonic())
+        _check_schemes(endpoints)
         _log_to_stdlib()
+        self.limits = limits
+        self.throttle = LogThrottle(_CLOCK)
         self._loop = _Loop(limits, context)
+        #: every pipe open, and its channel: to drop them all at once
+        self._pipes: dict[Any, _Channel] = {}
         self._wakeTime: Optional[float] = None
-        self._madeUp: deque[_Channel] = deque()  # zmq channels whose pipe is up, to tell
+        self._closed = False
+        #: the result of a request of the current machine not answered yet
+        self._unanswered = _Unanswered()
         self._forks = _forks
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self.machine.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self.machine.endpoint
 
     @property
     def forked(self) -> bool:
@@ -1314,17 +1339,9 @@ class Client(ClientCore):
         """Send a request and wait for its FINAL body frames.  Arguments and
         errors as :meth:`mdp.Client.request`; an error is raised instead of
         failing a Deferred.  *onPartial* and *onRestart* are called from
-        inside this call.  An exception that interrupts the wait (Ctrl-C)
-        abandons the request."""
-        call: Optional[_Call] = None
-        try:
-            call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
-            self._waitFor(call)
-        except BaseException as e:
-            if call is not None:  # (as _waitFor does; also before its own try)
-                self._drop(call)
-            self._interrupted(e)
-            raise
+        inside this call."""
+        call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
+        self._waitFor(call)
         result = call.result
         if isinstance(result, BaseException):
             raise result
@@ -1356,14 +1373,14 @@ class Client(ClientCore):
             raise TypeError(f"window is a number of requests, not {type(window).__name__}")
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
-        if window > self.maxConnections:
-            raise ValueError(f"window {window} is over maxConnections {self.maxConnections}: "
+        if window > self.machine.maxConnections:
+            raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
         # mistakes of the whole call raise here, not once per item
         codec.api_service_name(service)
         if timeout is not None or retries is not None:
-            _check_attempts(self.timeout if timeout is None else timeout,
-                            self.retries if retries is None else retries)
+            _check_attempts(self.machine.timeout if timeout is None else timeout,
+                            self.machine.retries if retries is None else retries)
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
@@ -1373,7 +1390,6 @@ class Client(ClientCore):
         #: what reading *items* raised: raised in its place, after the
         #: replies to the items before it
         broken: Optional[Exception] = None
-        interrupted: Optional[BaseException] = None
         try:
             while True:
                 while len(pending) < window and broken is None:
@@ -1382,7 +1398,7 @@ class Client(ClientCore):
                     except Exception as e:
                         broken = e
                         break
-                    if item is _PENDING:
+                    if item is _PENDING:  # (no more items)
                         break
                     try:
                         single = isinstance(item, (bytes, str, bytearray, memoryview))
@@ -1401,28 +1417,23 @@ class Client(ClientCore):
                     self._waitFor(call)
                 pending.popleft()
                 result = call.result
-                if isinstance(result, BaseException):
-                    if not returnExceptions:
-                        raise result
-                    yield result
-                else:
-                    yield result
-        except BaseException as e:
-            interrupted = e
-            raise
+                if isinstance(result, BaseException) and not returnExceptions:
+                    raise result
+                yield result
         finally:
             for call in pending:
-                self._cancel(call)
-            self._interrupted(interrupted)
+                if call.__class__ is not _Refused:
+                    self._cancel(call)
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed` and close
         every socket."""
         if self._forks != _forks:  # forked: the sockets are the parent's, left alone
-            for channel in self._channels:
-                channel.pipe = None
+            self.machine = self.machine.fresh(monotonic())
+            self._pipes = {}
             self._loop = _Loop(self.limits, None)
-        self._perform(self.handleClose(monotonic()))
+        self._closed = True
+        self._perform(self.machine.handleClose(monotonic()))
         self._loop.shutdown()
 
     def __enter__(self) -> Client:
@@ -1441,173 +1452,156 @@ class Client(ClientCore):
             raise ClientClosed("this client belongs to the process it was made in; "
                                "make a new one after fork()")
         now = monotonic()
-        call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now)
-        call.result = _PENDING
+        machine = self.machine
+        call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now)
+        call.result = self._unanswered
         try:
-            self._perform(self.handleRequest(call, now))
-        except BaseException:  # (Ctrl-C while it was being sent) abandoned
-            self._drop(call)
+            self._perform(machine.handleRequest(call, now))
+        except BaseException:
+            self._drop()
             raise
         return call
-
-    def _drop(self, call: _Call) -> None:
-        """*call* is abandoned by what interrupted it (its caller gets that
-        instead): cancelled, and the driver's wake-up made the machine's
-        again, whatever the interrupt cut short."""
-        try:
-            self._cancel(call)
-        finally:
-            self._wakeTime = self._wakeAt
-
-    def _interrupted(self, error: Optional[BaseException]) -> None:
-        """A request or a ``map`` ends with *error*: if it is an interrupt
-        (Ctrl-C; not an ``Exception``, and not a generator's close), which
-        may have landed anywhere in the machine or its actions, the pool of
-        connections is made whole again
-        (:meth:`~mdp.majordomo.client.ClientMachine.handleReset`), once
-        the interrupted requests are cancelled."""
-        if (error is None or isinstance(error, (Exception, GeneratorExit))
-                or self._closed):
-            return
-        try:
-            # a stream connection's pipes whose coming up (or loss) the
-            # interrupt kept from being told
-            for link in list(self._loop.links.values()):
-                link.mend()
-            # (the channels whose socket is still there and whose pipe is up,
-            # or known to be down: the others are closed)
-            sound = [channel for channel in self._channels if channel.pipe is not None
-                     and (channel.pipe.up or channel.state is DOWN)]
-            # a connection up whose coming up the interrupt kept from the
-            # machine is told after the reset, as _open's are (_perform)
-            self._madeUp.clear()
-            self._madeUp.extend(channel for channel in sound
-                                if channel.pipe.up and channel.state is DOWN)
-            self._perform(self.handleReset(monotonic(), sound))
-        finally:
-            self._wakeTime = self._wakeAt
-
-    def _cancel(self, call: _Call) -> None:
-        if call.result is _PENDING:
-            call.result = ClientClosed("request abandoned")
-            self._perform(self.handleCancel(call, monotonic()))
-            call.onPartial = call.onRestart = None
 
     def _waitFor(self, call: _Call) -> None:
         """Run the sockets and the timers until *call* is done: wait for a
         socket or the machine's wake-up, and handle what came."""
         loop = self._loop
         try:
-            while call.result is _PENDING:
+            while call.result is self._unanswered:
                 loop.turn(self._wakeTime)
                 when = self._wakeTime
                 if when is not None:
                     now = monotonic()
                     if now >= when:
                         self._wakeTime = None
-                        self._perform(self.handleWake(now))
+                        self._perform(self.machine.handleWake(now))
         except BaseException:
-            self._drop(call)
+            self._drop()
             raise
+        if call.result.__class__ is _Unanswered:  # of a machine dropped since
+            call.result = ClientClosed("request abandoned: an interrupt dropped the "
+                                       "client's connections")
+
+    def _cancel(self, call: _Call) -> None:
+        if call.result is self._unanswered:
+            call.result = ClientClosed("request abandoned")
+            call.onPartial = call.onRestart = None
+            try:
+                self._perform(self.machine.handleCancel(call, monotonic()))
+            except BaseException:
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        """What a call was doing was interrupted (Ctrl-C, or any exception,
+        wherever it landed): every connection is closed and the requests in
+        flight are answered no more (a request waited for later raises
+        :class:`ClientClosed`); the client goes on with a fresh machine, so
+        no reply to them can reach a later request."""
+        self.machine = self.machine.fresh(monotonic())
+        self._unanswered = _Unanswered()
+        self._wakeTime = None
+        pipes = self._pipes
+        while pipes:
+            pipe, channel = pipes.popitem()
+            channel.pipe = None  # (an action of the machine dropped finds no pipe)
+            self._loop.close(pipe)
+        self._loop.closeIdle()
 
     # --- what the pipes report -------------------------------------------------
 
     def _pipeUp(self, channel: _Channel, now: float) -> None:
-        self._perform(self.handlePipeUp(channel, now))
+        self._perform(self.machine.handlePipeUp(channel, now))
 
     def _pipeLost(self, channel: _Channel, why: BaseException, now: float) -> None:
-        self._perform(self.handlePipeLost(channel, why, now))
+        self._perform(self.machine.handlePipeLost(channel, why, now))
 
     def _pipeFailed(self, channel: _Channel, error: BaseException, now: float) -> None:
-        self._perform(self.handleConnectFailed(channel, error, now))
+        self._perform(self.machine.handleConnectFailed(channel, error, now))
 
     def _pipeMessage(self, channel: _Channel, frames: list[bytes], now: float) -> None:
-        self._perform(self.handleMessage(channel, frames, now))
+        self._perform(self.machine.handleMessage(channel, frames, now))
+
+    def _stale(self, channel: _Channel) -> None:
+        report_stale(self.throttle, channel)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order (as the Twisted driver).  A
-        caller's callback that raises is logged.  Whatever interrupts an
-        action (Ctrl-C, in a callback or anywhere else) has the rest of the
-        actions done first, then is raised: the machine's decisions are
-        never half done (a channel it opened left without a socket, a
-        wake-up it asked for never armed)."""
-        interrupted: Optional[BaseException] = None
+        """Do what the machine asked, in order (as the Twisted driver); a
+        caller's callback that raises an ``Exception`` is logged."""
+        closed = False
         for action in actions:
-            try:
-                kind = type(action)
-                if kind is SendOn:
-                    channel = action.channel
-                    pipe = channel.pipe
-                    call = channel.call
-                    if (pipe is not None and pipe.up and call is not None
-                            and call.state is not DONE):
-                        if pipe.discardReceived():
-                            self._stale(channel)
-                        pipe.send(action.frames)
-                elif kind is Complete or kind is Fail:
-                    call = action.call
-                    if call.result is _PENDING:
-                        call.result = action.body if kind is Complete else action.error
-                    call.onPartial = call.onRestart = None
-                elif kind is WakeAt:
-                    # the machine's wake-up as it is now (a callback above may have
-                    # asked for an earlier one, which this older action must not undo)
-                    self._wakeTime = self._wakeAt
-                elif kind is OpenChannel:
-                    channel = action.channel
-                    # a callback run by an earlier action may have closed the
-                    # client, or waited on it (a request of its own) while the
-                    # machine gave up this channel: it is not opened, as nothing
-                    # would ever close it
-                    if not self._closed and channel in self._channels:
-                        self._open(channel)
-                elif kind is CloseChannel:
-                    pipe, action.channel.pipe = action.channel.pipe, None
-                    if pipe is not None:
-                        self._loop.close(pipe)
-                elif kind is Partial:
-                    onPartial = action.call.onPartial
-                    if onPartial is not None and not action.call.done:
-                        call_back("onPartial", action.call, onPartial, action.body)
-                elif kind is Restarted:
-                    onRestart = action.call.onRestart
-                    if onRestart is not None and not action.call.done:
-                        call_back("onRestart", action.call, onRestart)
-            except BaseException as e:  # raised once the rest is done
-                if interrupted is None:
-                    interrupted = e
-        while self._madeUp:
-            channel = self._madeUp.popleft()
-            if channel.pipe is not None:
-                self._perform(self.handlePipeUp(channel, monotonic()))
-        if self._loop.idle:  # (a stream connection whose last pipe these actions closed)
+            kind = type(action)
+            if kind is SendOn:
+                channel = action.channel
+                pipe = channel.pipe
+                call = channel.call
+                if pipe is not None and pipe.up and call is not None and call.state is not DONE:
+                    if pipe.discardReceived():
+                        report_stale(self.throttle, channel)
+                    pipe.send(action.frames)
+            elif kind is Complete or kind is Fail:
+                call = action.call
+                if call.result is self._unanswered:
+                    call.result = action.body if kind is Complete else action.error
+                call.onPartial = call.onRestart = None
+            elif kind is WakeAt:
+                # an earlier wake-up stays (asked for by a nested event)
+                when = action.when
+                if when is None or self._wakeTime is None or when < self._wakeTime:
+                    self._wakeTime = when
+            elif kind is OpenChannel:
+                # (not if a callback run by an earlier action closed the
+                # client, or had the machine give the channel up)
+                if not self._closed and self.machine.holds(action.channel):
+                    self._open(action.channel)
+            elif kind is CloseChannel:
+                pipe, action.channel.pipe = action.channel.pipe, None
+                if pipe is not None:
+                    self._pipes.pop(pipe, None)
+                    self._loop.close(pipe)
+                    closed = True
+            elif kind is Partial:
+                onPartial = action.call.onPartial
+                if onPartial is not None and not action.call.done:
+                    call_back("onPartial", action.call, onPartial, action.body)
+            elif kind is Restarted:
+                onRestart = action.call.onRestart
+                if onRestart is not None and not action.call.done:
+                    call_back("onRestart", action.call, onRestart)
+            else:
+                report(self.throttle, action)
+        if closed:  # a stream connection whose last pipe these actions closed
             self._loop.closeIdle()
-        if interrupted is not None:
-            raise interrupted
 
     def _open(self, channel: _Channel) -> None:
+        pipe = None
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
-            # a failure reported at once (no such socket file) may close the channel
+            self._pipes[pipe] = channel
+            # (a stream pipe may say at once that it is up, or failed)
             pipe.start()
-        except BaseException as e:
-            # no socket to be had (out of descriptors), or the opening was
-            # interrupted (Ctrl-C): nothing can be sent on it, and the machine
-            # is told so (a channel it believes opening, with no socket,
-            # would hold its request for good)
-            pipe, channel.pipe = channel.pipe, None
+        except Exception as e:  # no socket to be had (out of descriptors)
             if pipe is not None:
+                channel.pipe = None
+                self._pipes.pop(pipe, None)
                 self._loop.close(pipe)
-            why = str(e) if isinstance(e, Exception) else f"interrupted ({type(e).__name__})"
-            error = TransportError(f"cannot open a connection to {channel.endpoint}: {why}")
+            error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
             error.__cause__ = e
-            self._perform(self.handleOpenFailed(channel, error, monotonic()))
-            if not isinstance(e, Exception):
-                raise
+            self._perform(self.machine.handleOpenFailed(channel, error, monotonic()))
             return
-        if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
-            self._madeUp.append(channel)
+        if pipe.up and not channel.up and channel.pipe is pipe:  # ZeroMQ: up at once
+            self._perform(self.machine.handlePipeUp(channel, monotonic()))
+
+
+class _Unanswered:
+    """The result of a request not answered yet (one per machine: see
+    :meth:`Client._drop`)."""
+
+    __slots__ = ()
+
+
+_CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
 class Worker(WorkerMachine):

@@ -150,7 +150,7 @@ try:
     client.request("s", b"x")
 except TransportError as e:
     print("raised", type(e).__name__, "|", e)
-print("connections left", len(client._channels))
+print("connections left", len(client.machine._channels))
 for fd in spare:
     os.close(fd)
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -244,7 +244,7 @@ def test_requests_after_an_abandoned_map_are_sent_at_once(broker: ScriptedBroker
             break
         replies = list(client.map("s", [b"q0", b"q1", b"q2", b"q3"], window=4, timeout=2))
         assert replies == [[b"q0"], [b"q1"], [b"q2"], [b"q3"]]
-        assert len(client._channels) == 4
+        assert len(client.machine._channels) == 4
 
 
 # --- addresses ------------------------------------------------------------------------------
@@ -974,7 +974,7 @@ def test_no_connection_is_opened_for_a_channel_given_up_inside_a_callback(
                               onRestart=onRestart) == [b"end"]
         assert inner == ["timed out"]
         assert [pipe for pipe in client._loop.pipes.values()
-                if pipe.tag not in client._channels] == []
+                if pipe.tag not in client.machine._channels] == []
     finally:
         client.close()
         context.finish()

@@ -1,8 +1,7 @@
-# Compiled, the client's records and machine are extension types: their
-# attributes are fields of C structs, read and set without a lookup by the
-# machine's own methods (and by the drivers' through the same descriptors a
-# slotted class has).  The source (client.py) is the same classes, and runs
-# as it is where nothing is compiled; docs/performance.md, item 26.
+# Compiled, the client's records, machine and driver are extension types:
+# their attributes are fields of C structs, read and set without a lookup.
+# The source (client.py) is the same classes, and runs as it is where nothing
+# is compiled.
 
 from mdp.machine cimport Machine
 
@@ -19,36 +18,35 @@ cdef class _Channel:
     cdef public _Call call
 
 cdef class ClientMachine(Machine):
-    cdef public object _rotation, maxConnections, dialect, _throttle, _waiting
-    cdef public object _waitingDone, _live, _closed, _order, _wakeAt, _everUp
-    cdef public object _abandoned
+    cdef public object _rotation, timeout, retries, maxConnections, dialect, stamp, limits
+    cdef public object clientId, _sequence, _waiting, _waitingDone, _live, _closed, _order
+    cdef public object _wakeAt, _everUp, _abandoned
+    cdef public dict _names, _failures, _unreachable
     cdef public list _idle, _deadlines
     cdef public set _channels
-    cdef public dict _failures, _unreachable
 
+    cpdef _Call newCall(self, service, frames, timeout, retries, onPartial, onRestart, now)
     # the request's path: C calls between the machine's own methods (cdef:
     # only the machine calls them)
     cpdef list handleRequest(self, _Call call, now)
     cpdef list handleMessage(self, _Channel channel, frames, now)
-    cdef _carry(self, _Channel channel, _Call call)
+    cdef _reply(self, _Channel channel, _Call call, bint final, body)
+    cdef _release(self, _Channel channel)
+    cdef _pump(self)
+    cdef _assign(self, _Channel channel, _Call call)
     cdef _sendOn(self, _Channel channel)
     cpdef _schedule(self, _Call call)
     cdef _wakeBy(self, deadline)
     cpdef bint _done(self, _Call call) except -1
 
-cdef class ClientCore(ClientMachine):
-    cdef public object curve, timeout, retries, stamp, limits, clientId, _sequence
-    cdef public dict _names
-
-    cpdef _Call _newCall(self, service, frames, timeout, retries, onPartial, onRestart, now,
-                         canceller=*)
-
 # the Twisted driver: an instance dictionary and weak references, as a class
 # of the source has (a caller may hang its own attributes on a client)
-cdef class Client(ClientCore):
+cdef class Client:
     cdef dict __dict__
     cdef object __weakref__
-    cdef public object reactor, _timer
+    cdef public ClientMachine machine
+    cdef public object reactor, curve, limits, throttle, _closed, _timer, _wakeTime
+    cdef public dict _links
 
     cpdef _perform(self, list actions)
 

@@ -27,9 +27,10 @@ transport and no Deferred: it is fed events with their time (a request, a
 pipe up or lost, a message on a connection, a cancel, the wake-up it asked
 for, close) and returns actions (:class:`OpenChannel`, :class:`CloseChannel`,
 :class:`SendOn`, :class:`Partial`, :class:`Restarted`, :class:`Complete`,
-:class:`Fail`, :class:`WakeAt`).  :class:`Client` is its driver: it owns the
-transports, the one timer and the Deferreds, and calls ``onPartial`` and
-``onRestart``.
+:class:`Fail`, :class:`WakeAt`, and :class:`Dropped` and :class:`Retrying`
+for the log).  :class:`Client` is its driver: it holds the machine
+(``client.machine``), owns the transports, the one timer, the Deferreds and
+the log, and calls ``onPartial`` and ``onRestart``.
 
 Two kinds of machine: one per request (a ``_Call``, in a :class:`CallState`)
 and one per connection of the pool (a ``_Channel``, in a
@@ -135,7 +136,7 @@ import itertools
 import uuid
 from collections import deque
 from heapq import heapify, heappop, heappush
-from typing import Any, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -164,6 +165,7 @@ from mdp.policy import (
     Limits,
     LogThrottle,
     call_at,
+    cancel_call,
     default_reactor,
 )
 
@@ -180,7 +182,6 @@ DEFAULT_RETRIES = 3
 DEFAULT_MAX_CONNECTIONS = 64
 
 
-
 def _check_attempts(timeout: float, retries: int) -> None:
     if not timeout > 0:  # NaN too
         raise ValueError(f"timeout must be positive, got {timeout}")
@@ -188,8 +189,6 @@ def _check_attempts(timeout: float, retries: int) -> None:
         raise ValueError(f"timeout must be at most {MAX_SECONDS:g} seconds, got {timeout}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
-
-
 
 
 class CallState(enum.Enum):
@@ -253,8 +252,7 @@ class _Call:
 
     def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
                  onPartial: Optional[Callable[[list[bytes]], Any]],
-                 onRestart: Optional[Callable[[], Any]], startedAt: float,
-                 canceller: Optional[Callable[[_Call], None]] = None) -> None:
+                 onRestart: Optional[Callable[[], Any]], startedAt: float) -> None:
         self.service = service
         self.message = message  # the encoded REQUEST, the same on every attempt
         self.timeout = timeout
@@ -269,9 +267,8 @@ class _Call:
         #: linger there until it reaches the head)
         self.state = QUEUED
         self.tried: list[str] = []  # the endpoints it was given to
-        #: the Twisted driver's (with a *canceller*)
-        self.deferred: Optional[defer.Deferred[list[bytes]]] = (
-            None if canceller is None else _cancellable(self, canceller))
+        #: the Twisted driver's Deferred
+        self.deferred: Optional[defer.Deferred[list[bytes]]] = None
         #: the blocking driver's: the reply's frames or the error, once DONE
         self.result: Any = None
 
@@ -279,12 +276,6 @@ class _Call:
     def done(self) -> bool:
         """Answered, failed or cancelled."""
         return self.state is DONE
-
-
-def _cancellable(call: _Call, canceller: Callable[[_Call], None]) -> defer.Deferred[list[bytes]]:
-    """A Deferred for *call* whose cancellation calls *canceller* (a closure
-    made here, not in ``_Call.__init__``, which every blocking request runs)."""
-    return defer.Deferred(lambda _: canceller(call))
 
 
 class _Channel:
@@ -363,28 +354,61 @@ class Fail:
 
 @action_class
 class WakeAt:
-    """Call :meth:`ClientMachine.handleWake` at time *when* (replacing the
-    wake-up asked for before); ``None``: no wake-up is needed."""
+    """Call :meth:`ClientMachine.handleWake` by time *when* (no later than
+    any wake-up asked for before); ``None``: no wake-up is needed."""
 
     when: Optional[float]
 
 
-Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail | WakeAt
+@action_class
+class Dropped:
+    """A message from *endpoint* was dropped, for *reason* (for the log)."""
+
+    endpoint: str
+    reason: str
+
+
+@action_class
+class Retrying:
+    """*call* ran out of time and starts its attempt number *attempt* (for the log)."""
+
+    call: _Call
+    attempt: int
+
+
+Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail
+#               | WakeAt | Dropped | Retrying
 
 
 class ClientMachine(Machine):
     """The client's decisions (the tables in the module docstring), and
-    nothing else: no reactor, no transport, no Deferred.  Feed it events
-    with their time; each ``handle*`` returns the actions it wants done, in
-    order.  :class:`Client` drives it over real transports."""
+    nothing else: no reactor, no transport, no Deferred, no log.  Feed it
+    events with their time; each ``handle*`` returns the actions it wants
+    done, in order.  :class:`Client` and :class:`mdp.blocking.Client` drive
+    it.  The options are checked at once (``TypeError``/``ValueError``)."""
 
-    def __init__(self, endpoints: list[str], *, maxConnections: int, dialect: str,
-                 now: float = 0.0) -> None:
+    def __init__(self, endpoints: list[str], *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = DEFAULT_RETRIES,
+                 maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
+                 stamp: bool = False, limits: Limits = Limits(), now: float = 0.0) -> None:
         super().__init__(now)
+        _check_attempts(timeout, retries)
+        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
+            raise TypeError(f"maxConnections is a number of connections, "
+                            f"not {type(maxConnections).__name__}")
+        if maxConnections < 1:
+            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
         self._rotation = EndpointRotation(endpoints)
+        self.timeout = timeout
+        self.retries = retries
         self.maxConnections = maxConnections
-        self.dialect = dialect
-        self._throttle = LogThrottle(self)
+        self.dialect = codec.check_dialect(dialect)
+        self.stamp = stamp
+        self.limits = limits
+        #: what stamps this client's requests: its id, and the next sequence number
+        self.clientId = uuid.uuid4().bytes
+        self._sequence = itertools.count(1)
+        self._names: dict[Union[str, bytes], bytes] = {}  # caller's name -> wire bytes
         self._idle: list[_Channel] = []
         self._channels: set[_Channel] = set()
         self._waiting: deque[_Call] = deque()
@@ -416,6 +440,68 @@ class ClientMachine(Machine):
         """The broker endpoint new connections go to."""
         return self._rotation.current
 
+    def newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
+                timeout: Optional[float], retries: Optional[int],
+                onPartial: Optional[Callable[[list[bytes]], Any]],
+                onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
+        """A request of the caller's, encoded once for all its attempts, for
+        :meth:`handleRequest`.  Raises for caller mistakes (see
+        :meth:`Client.request`) and :class:`ClientClosed` once closed."""
+        names = self._names
+        name = names.get(service) if type(service) in (str, bytes) else None
+        if name is None:
+            name = codec.api_service_name(service)
+            if len(names) >= _NAMES_KEPT:
+                names.clear()
+            names[service] = name  # type: ignore[index]
+        # an MMI query may have no frames: one empty frame on the wire, where
+        # MDP/0.2 wants a body
+        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
+        if timeout is not None or retries is not None:  # the client's own were checked
+            timeout = self.timeout if timeout is None else timeout
+            retries = self.retries if retries is None else retries
+            _check_attempts(timeout, retries)
+        else:
+            timeout, retries = self.timeout, self.retries
+        if self._closed:
+            raise ClientClosed("client is closed")
+        if self.stamp and not name.startswith(b"mmi."):  # (MMI reads its body as is)
+            body = idempotence.stamp(self.clientId, next(self._sequence), body)
+        if self.dialect == _RFC:
+            message = [_HEADER, codec.C_REQUEST, name, *body]
+        else:
+            message = codec.encode(codec.ClientRequest(name, body), self.dialect)
+        limits = self.limits
+        size = sum(map(len, message))
+        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
+            raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
+                                  f"{limits.oversize(size, len(message))}")
+        return _Call(name, message, timeout, retries, onPartial, onRestart, now)
+
+    def fresh(self, now: float) -> ClientMachine:
+        """A machine with this one's options and request stamps and nothing
+        in flight: what a driver goes on with once it dropped every
+        connection (the blocking client, interrupted)."""
+        machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
+                                maxConnections=self.maxConnections, dialect=self.dialect,
+                                stamp=self.stamp, limits=self.limits, now=now)
+        machine.clientId, machine._sequence = self.clientId, self._sequence
+        return machine
+
+    def holds(self, channel: _Channel) -> bool:
+        """*channel* is one of the pool (not given up)."""
+        return channel in self._channels
+
+    def pending(self) -> list[_Call]:
+        """The requests not done, in the order they began."""
+        calls = {id(e[2]): e[2] for e in sorted(self._deadlines)}
+        for call in self._waiting:
+            calls[id(call)] = call
+        for channel in self._channels:
+            if channel.call is not None:
+                calls[id(channel.call)] = channel.call
+        return sorted((c for c in calls.values() if not c.done), key=lambda c: c.startedAt)
+
     # --- events ----------------------------------------------------------------
 
     def handleRequest(self, call: _Call, now: float) -> list[Action]:
@@ -425,16 +511,10 @@ class ClientMachine(Machine):
         self._schedule(call)
         idle = self._idle
         if idle and not self._waiting and not self._closed:
-            # the common case, a free connection and nobody ahead: carried at
-            # once, not through the FIFO (_enqueue, _pump; a request's path is
-            # the hot one, and each call it saves is code a cold cache must
-            # fetch, docs/performance.md)
-            self._carry(idle.pop(), call)
-            outbox = self._outbox
-            self._outbox = []
-            return outbox
-        self._enqueue(call)
-        self._pump()
+            self._assign(idle.pop(), call)  # a free connection and nobody ahead
+        else:
+            self._enqueue(call)
+            self._pump()
         return self._drain()
 
     def handlePipeUp(self, channel: _Channel, now: float) -> list[Action]:
@@ -483,12 +563,23 @@ class ClientMachine(Machine):
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
         """A connection was lost; *why* (an exception, or None) is named if a
         request then times out (a TLS handshake refused, say, which loses
-        each connection as it is made)."""
+        each connection as it is made).  Its request goes out again when it
+        is back, unless the pipe ended because the reply was over this
+        client's limits (sent again, it would only run again)."""
         self.now = now
         if why is not None and channel in self._channels:
             self._failures[channel.endpoint] = f"connection lost: {why}"
         channel.state = DOWN
-        self._channelLost(channel, why)
+        call = channel.call
+        if call is not None:
+            if not call.done and isinstance(why, OversizedMessage):
+                self._fail(call, ReplyTooLarge(
+                    f"reply from service {call.service.decode('ascii', 'replace')!r} too "
+                    f"large for this client, dropped: {why}"))
+            if not call.done:
+                self._restart(call)
+            if call.done:  # an abandoned reply can no longer come on this connection
+                self._release(channel)
         return self._drain()
 
     def handleOpenFailed(self, channel: _Channel, error: BaseException,
@@ -503,50 +594,33 @@ class ClientMachine(Machine):
         return self._drain()
 
     def handleMessage(self, channel: _Channel, frames: list[bytes], now: float) -> list[Action]:
+        """A message on *channel*: the reply (or a part of it) of the request
+        it carries; anything else is dropped."""
         self.now = now
         call = channel.call
-        if (call is not None and call.state is IN_FLIGHT and len(frames) > 3
-                and frames[1] == _FINAL and frames[0] == _HEADER and frames[2] == call.service
-                and self.dialect == _RFC and not self._waiting
-                and channel.endpoint == self._rotation.current):
-            # the common case, the FINAL of the request in flight with nobody
-            # waiting for the connection: what _received and _release do, in
-            # one place (see handleRequest)
-            body = frames[3:]
-            channel.call = None
-            if channel.state is SENT:
-                channel.state = UP
-            if call.channel is channel:
-                call.channel = None
-            self._idle.append(channel)
-            outbox = self._outbox
-            if len(body) == 3 and body[0] == _ERROR_MARKER:
-                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
-            else:
-                self._done(call)  # (it was IN_FLIGHT: not done yet)
-                outbox.append(Complete(call, body))
-            self._outbox = []
-            return outbox
-        self._received(channel, frames)
+        if (call is not None and len(frames) > 3 and frames[0] == _HEADER
+                and frames[2] == call.service and self.dialect == _RFC
+                and (frames[1] == _FINAL or frames[1] == _PARTIAL)):
+            # a reply to the request in flight, checked as decode_client checks it
+            self._reply(channel, call, frames[1] == _FINAL, frames[3:])
+        else:
+            self._decoded(channel, call, frames)
         return self._drain()
 
     def handleCancel(self, call: _Call, now: float) -> list[Action]:
-        """The caller cancelled *call* (never raises)."""
+        """The caller cancelled *call*."""
         self.now = now
-        try:
-            if self._done(call):
-                channel = call.channel
-                if channel is not None and channel.call is call and not channel.sent:
-                    # it never went out: no reply will come, the connection is free
-                    self._release(channel)
-                elif self._abandon(call) and len(self._waiting) > self._waitingDone:
-                    # kept for its reply, unless a waiting request needs it: one
-                    # already waiting gets it on the next wake-up, at once (not
-                    # here: a caller cancelling a batch cancels the waiting
-                    # ones next, which would each take a connection in turn)
-                    self._wakeBy(now)
-        except Exception:
-            log.failure("cancelling a request to {service} failed", service=label(call.service))
+        if self._done(call):
+            channel = call.channel
+            if channel is not None and channel.call is call and not channel.sent:
+                # it never went out: no reply will come, the connection is free
+                self._release(channel)
+            elif self._abandon(call) and len(self._waiting) > self._waitingDone:
+                # kept for its reply, unless a waiting request needs it: one
+                # already waiting gets it on the next wake-up, at once (not
+                # here: a caller cancelling a batch cancels the waiting
+                # ones next, which would each take a connection in turn)
+                self._wakeBy(now)
         return self._drain()
 
     def handleWake(self, now: float) -> list[Action]:
@@ -569,71 +643,10 @@ class ClientMachine(Machine):
         self._deadlines.clear()
         return self._drain()
 
-    def handleReset(self, now: float, sound: Optional[Collection[_Channel]] = None
-                    ) -> list[Action]:
-        """Make the pool whole again after the driver was interrupted
-        (Ctrl-C) inside the machine or its actions, which may have cut the
-        machine's records of its connections and requests short.  A
-        connection is kept where its records agree: idle, carrying a live
-        request (whose reply still comes there), or kept for an abandoned
-        one's reply; and, given *sound* (the connections the driver still
-        has a socket for), only if it is there.  Any other is closed, and
-        the live request it carried goes out again on a new one (a
-        stream's reply starts over: ``onRestart``, or
-        :class:`StreamRestarted`), as does a live request neither carried
-        nor waiting.  The counts are made again from the records, and a
-        wake-up is asked for the earliest deadline."""
-        self.now = now
-        idle = self._idle
-        kept: list[_Channel] = []
-        for channel in list(self._channels):
-            call = channel.call
-            ok = sound is None or channel in sound
-            if call is None:
-                ok = ok and channel in idle
-            else:
-                ok = ok and call.channel is channel and (
-                    call.state is DONE or call.state is IN_FLIGHT or call.state is STREAMING)
-            if ok:
-                kept.append(channel)
-            else:
-                self._discard(channel)
-        self._idle = [c for c in kept if c.call is None]
-        self._abandoned = sum(1 for c in kept if c.call is not None and c.call.state is DONE
-                              and c.state is SENT)
-        # every call not yet done has an entry for its current attempt
-        live = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}
-        self._live = len(live)
-        waiting = self._waiting
-        queued = [c for c in waiting if c.state is QUEUED and c.channel is None]
-        lost = [c for c in live.values()
-                if c not in queued and not (c.channel is not None and c.channel.call is c)]
-        waiting.clear()
-        waiting.extend(queued)
-        self._waitingDone = 0
-        if not self._closed:
-            lost.sort(key=lambda call: call.startedAt)
-            for call in reversed(lost):
-                call.channel = None
-                self._restart(call)
-                if call.state is not DONE:
-                    self._enqueue(call, first=True)
-            self._pump()
-        heap = self._deadlines
-        while heap and not self._watched(heap[0]):
-            heappop(heap)
-        self._wakeAt = None
-        if heap:
-            self._wakeBy(heap[0][0])
-        else:
-            self._outbox.append(WakeAt(None))
-        return self._drain()
-
     def _failPending(self, error: Callable[[], BaseException]) -> None:
         """Fail every request not yet done, each with an *error()* of its
         own, and close every connection."""
-        # every call not yet done has an entry for its current attempt
-        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
+        calls = self.pending()
         self._waiting.clear()
         for channel in list(self._channels):
             self._discard(channel)
@@ -644,7 +657,7 @@ class ClientMachine(Machine):
 
     # --- connections -------------------------------------------------------------
 
-    def _carry(self, channel: _Channel, call: _Call) -> None:
+    def _assign(self, channel: _Channel, call: _Call) -> None:
         channel.call = call
         call.channel = channel
         call.state = IN_FLIGHT
@@ -689,7 +702,7 @@ class ClientMachine(Machine):
             else:
                 return
             waiting.popleft()
-            self._carry(channel, call)
+            self._assign(channel, call)
 
     def _reclaim(self) -> bool:
         """Close a connection kept only for the reply of a request done
@@ -744,9 +757,8 @@ class ClientMachine(Machine):
         deadline = call.deadline
         heap = self._deadlines
         if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
-            # entries of calls already finished: drop them now rather than
-            # when their deadlines come round
-            # in place: _sweep may hold this very list
+            # entries of calls already finished: dropped now rather than when
+            # their deadlines come round (in place: _sweep may hold this list)
             heap[:] = [e for e in heap if self._watched(e)]
             heapify(heap)
         heappush(heap, (deadline, next(self._order), call))
@@ -794,28 +806,9 @@ class ClientMachine(Machine):
 
     # --- decisions -------------------------------------------------------------
 
-    def _received(self, channel: _Channel, frames: list[bytes]) -> None:
-        call = channel.call
-        if (call is not None and len(frames) > 3 and frames[0] == _HEADER
-                and frames[2] == call.service and self.dialect == _RFC):
-            # the common cases, a FINAL or a PARTIAL for the request in flight:
-            # what the general path below checks and does, without building a
-            # command object
-            state = call.state
-            command = frames[1]
-            if command == _FINAL and (state is IN_FLIGHT or state is STREAMING):
-                body = frames[3:]
-                self._release(channel)
-                if len(body) == 3 and body[0] == _ERROR_MARKER:
-                    self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
-                elif self._done(call):
-                    self._outbox.append(Complete(call, body))
-                return
-            if (command == _PARTIAL and (state is IN_FLIGHT or state is STREAMING)
-                    and not (len(frames) == 4 and frames[3] == _RESTART_MARKER)):
-                call.state = STREAMING
-                self._outbox.append(Partial(call, frames[3:]))
-                return
+    def _decoded(self, channel: _Channel, call: Optional[_Call], frames: list[bytes]) -> None:
+        """A message that is not plainly a reply to the request in flight
+        (another dialect, or something amiss): decoded in full, or dropped."""
         try:
             command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
             kind = type(command)
@@ -823,59 +816,32 @@ class ClientMachine(Machine):
                 raise ProtocolError(f"broker sent a client {kind.__name__}")
             if call is not None and command.service != call.service and self.dialect == _RFC:
                 raise ProtocolError(
-                    f"reply for service {command.service!r} to a request for {call.service!r}"
-                )
+                    f"reply for service {command.service!r} to a request for {call.service!r}")
         except ProtocolError as e:
-            self._throttle.warn(log, "invalid", "client dropped a message from {endpoint}: {reason}",
-                                endpoint=channel.endpoint, reason=e)
+            self._outbox.append(Dropped(channel.endpoint, str(e)))
             return
         if call is None:
-            self._throttle.warn(log, "unexpected", "client got a {command} from {endpoint} on a "
-                                "connection with no request in flight: discarded, connection "
-                                "replaced", command=kind.__name__, endpoint=channel.endpoint)
+            self._outbox.append(Dropped(channel.endpoint, f"a {kind.__name__} on a connection "
+                                        "with no request in flight (connection replaced)"))
             self._discard(channel)
             return
-        if call.done:  # abandoned: its reply is discarded
-            if kind is ClientFinal:
-                self._release(channel)
-            return
-        body = command.body
-        if kind is ClientPartial:
-            if len(body) == 1 and body[0] == codec.RESTART_MARKER:
-                self._restart(call)
-                return
-            call.state = STREAMING
-            self._outbox.append(Partial(call, list(body)))
-            return
-        self._release(channel)
-        error = remote_error(call.service, body)
-        if error is not None:
-            self._fail(call, error)
-        elif self._done(call):
-            self._outbox.append(Complete(call, list(body)))
+        self._reply(channel, call, kind is ClientFinal, list(command.body))
 
-    def _stale(self, channel: _Channel) -> None:
-        """The driver dropped messages that came on *channel* before the
-        request it is about to send there: say so (throttled)."""
-        self._throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
-                            "request: no request was in flight there to answer",
-                            endpoint=channel.endpoint)
-
-    def _channelLost(self, channel: _Channel, why: object = None) -> None:
-        """A pipe broke; its request goes out again when it is back, unless
-        the pipe ended because the reply was over this client's limits (sent
-        again, it would only run again)."""
-        call = channel.call
-        if call is None:
-            return
-        if not call.done and isinstance(why, OversizedMessage):
-            self._fail(call, ReplyTooLarge(
-                f"reply from service {call.service.decode('ascii', 'replace')!r} too large "
-                f"for this client, dropped: {why}"))
-        if not call.done:
-            self._restart(call)
-        if call.done:  # an abandoned reply can no longer come on this connection
+    def _reply(self, channel: _Channel, call: _Call, final: bool, body: list[bytes]) -> None:
+        """The FINAL (*final*) or a PARTIAL of *call*, the request *channel*
+        carries (a done one's is discarded)."""
+        if final:
             self._release(channel)
+            if len(body) == 3 and body[0] == _ERROR_MARKER:
+                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
+            elif self._done(call):
+                self._outbox.append(Complete(call, body))
+        elif call.state is not DONE:
+            if len(body) == 1 and body[0] == _RESTART_MARKER:
+                self._restart(call)
+            else:
+                call.state = STREAMING
+                self._outbox.append(Partial(call, body))
 
     def _restart(self, call: _Call) -> None:
         """The reply of *call* starts over on its connection: if PARTIALs of
@@ -916,10 +882,8 @@ class ClientMachine(Machine):
                                             failures=self._failures))
             self._pump()
             return
-        self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
-                            "({attempt}/{retries})", service=label(call.service), timeout=call.timeout,
-                            attempt=call.attempts + 1, retries=call.retries)
         call.attempts += 1
+        self._outbox.append(Retrying(call, call.attempts))
         call.deadline = self.now + call.timeout
         self._schedule(call)
         if call.state is not QUEUED:
@@ -949,9 +913,8 @@ class ClientMachine(Machine):
                 waiting.extend(kept)
                 self._waitingDone = 0
         # its deadline entry, at the head when requests end in the order they
-        # began (the usual case), goes now: entries left for the sweep would
-        # outlive many collections and make the garbage collector's full
-        # passes frequent
+        # began, goes now: entries left for the sweep would outlive many
+        # collections and make the garbage collector's full passes frequent
         heap = self._deadlines
         while heap and not self._watched(heap[0]):
             heappop(heap)
@@ -962,8 +925,7 @@ class ClientMachine(Machine):
             self._outbox.append(Fail(call, error))
             # if its reply still comes on its connection (StreamRestarted, on
             # the restart marker), a request already waiting gets a connection
-            # now, not at this one's deadline (unlike a cancel: no caller is
-            # ending a batch of requests, the waiting ones among them)
+            # now, not at this one's deadline
             if self._abandon(call):
                 self._pump()
 
@@ -981,105 +943,6 @@ class ClientMachine(Machine):
         return False
 
 
-class _ChannelPipe:
-    """The receiver of one channel's transport: hands its events to the client
-    (compiled, with C calls: client.pxd)."""
-
-    __slots__ = ("client", "channel")
-
-    def __init__(self, client: Client, channel: _Channel) -> None:
-        self.client = client
-        self.channel = channel
-
-    def connectionMade(self) -> None:
-        self.client._perform(self.client.handlePipeUp(self.channel, self.client.reactor.seconds()))
-
-    def connectionLost(self, reason: object) -> None:
-        client = self.client
-        client._perform(client.handlePipeLost(self.channel, getattr(reason, "value", None),
-                                              client.reactor.seconds()))
-
-    def connectionFailed(self, reason: BaseException) -> None:
-        client = self.client
-        client._perform(client.handleConnectFailed(self.channel, reason, client.reactor.seconds()))
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        client = self.client
-        client._perform(client.handleMessage(self.channel, frames, client.reactor.seconds()))
-
-
-classImplements(_ChannelPipe, IDealerReceiver)
-
-
-class ClientCore(ClientMachine):
-    """What every driver of :class:`ClientMachine` shares: the options,
-    checked at once, and turning a caller's request into a :class:`_Call`
-    (caller mistakes raise here, before anything is sent).  :class:`Client`
-    drives it under Twisted, :class:`mdp.blocking.Client` with plain sockets."""
-
-    def __init__(self, endpoint: Union[str, Sequence[str]], now: float, *, timeout: float,
-                 retries: int, maxConnections: int, dialect: str, stamp: bool,
-                 limits: Limits, curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None) -> None:
-        endpoints = transport.endpoint_list(endpoint)
-        #: the broker's public key and this client's key pair, for zmq: endpoints
-        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
-        _check_attempts(timeout, retries)
-        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
-            raise TypeError(f"maxConnections is a number of connections, "
-                            f"not {type(maxConnections).__name__}")
-        if maxConnections < 1:
-            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
-        super().__init__(endpoints, maxConnections=maxConnections,
-                         dialect=codec.check_dialect(dialect), now=now)
-        self.timeout = timeout
-        self.retries = retries
-        self.stamp = stamp
-        self.limits = limits
-        self.clientId = uuid.uuid4().bytes
-        self._sequence = itertools.count(1)
-        self._names: dict[Union[str, bytes], bytes] = {}  # caller's name -> wire bytes
-
-    def _newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
-                 timeout: Optional[float], retries: Optional[int],
-                 onPartial: Optional[Callable[[list[bytes]], Any]],
-                 onRestart: Optional[Callable[[], Any]], now: float,
-                 canceller: Optional[Callable[[_Call], None]] = None) -> _Call:
-        """A request of the caller's, encoded once for all its attempts.
-        Raises for caller mistakes (see :meth:`Client.request`) and
-        :class:`ClientClosed` once closed."""
-        names = self._names
-        name = names.get(service) if type(service) in (str, bytes) else None
-        if name is None:
-            name = codec.api_service_name(service)
-            if len(names) >= _NAMES_KEPT:
-                names.clear()
-            names[service] = name  # type: ignore[index]
-        # an MMI query may have no frames: one empty frame on the wire, where
-        # MDP/0.2 wants a body
-        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
-        if timeout is not None or retries is not None:  # the client's own were checked
-            timeout = self.timeout if timeout is None else timeout
-            retries = self.retries if retries is None else retries
-            _check_attempts(timeout, retries)
-        else:
-            timeout, retries = self.timeout, self.retries
-        if self._closed:
-            raise ClientClosed("client is closed")
-        if self.stamp and not name.startswith(b"mmi."):  # (MMI reads its body as is)
-            body = idempotence.stamp(self.clientId, next(self._sequence), body)
-        if self.dialect == _RFC:
-            message = [_HEADER, codec.C_REQUEST, name, *body]
-        else:
-            message = codec.encode(codec.ClientRequest(name, body), self.dialect)
-        limits = self.limits
-        size = sum(map(len, message))
-        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
-            raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
-                                  f"{limits.oversize(size, len(message))}")
-        return _Call(name, message, timeout, retries, onPartial, onRestart, now, canceller)
-
-
 def call_back(name: str, call: _Call, callback: Callable[..., Any], *args: Any) -> None:
     """Call the caller's *callback* (its *name*: ``onPartial``,
     ``onRestart``) for *call*: one that raises is logged with the service,
@@ -1092,11 +955,66 @@ def call_back(name: str, call: _Call, callback: Callable[..., Any], *args: Any) 
                     service=label(call.service))
 
 
-class Client(ClientCore):
+def report(throttle: LogThrottle, action: Action) -> None:
+    """Log what the machine reports for the log (:class:`Dropped`,
+    :class:`Retrying`), throttled: the one way both drivers say it."""
+    kind = type(action)
+    if kind is Dropped:
+        throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
+                      endpoint=action.endpoint, reason=action.reason)
+    elif kind is Retrying:
+        call = action.call
+        throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
+                      "({attempt}/{retries})", service=label(call.service),
+                      timeout=call.timeout, attempt=action.attempt, retries=call.retries)
+
+
+def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
+    """A driver dropped messages that came on *channel* before the request
+    it is about to send there: say so (throttled)."""
+    throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
+                  "request: no request was in flight there to answer",
+                  endpoint=channel.endpoint)
+
+
+class _ChannelPipe:
+    """The receiver of one channel's transport: hands its events to the
+    client's machine, and what it asks to the client."""
+
+    __slots__ = ("client", "channel")
+
+    def __init__(self, client: Client, channel: _Channel) -> None:
+        self.client = client
+        self.channel = channel
+
+    def connectionMade(self) -> None:
+        client = self.client
+        client._perform(client.machine.handlePipeUp(self.channel, client.reactor.seconds()))
+
+    def connectionLost(self, reason: object) -> None:
+        client = self.client
+        client._perform(client.machine.handlePipeLost(
+            self.channel, getattr(reason, "value", None), client.reactor.seconds()))
+
+    def connectionFailed(self, reason: BaseException) -> None:
+        client = self.client
+        client._perform(client.machine.handleConnectFailed(self.channel, reason,
+                                                           client.reactor.seconds()))
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        client = self.client
+        client._perform(client.machine.handleMessage(self.channel, frames,
+                                                     client.reactor.seconds()))
+
+
+classImplements(_ChannelPipe, IDealerReceiver)
+
+
+class Client:
     """An MDP/0.2 client of one broker (or of the first live one of several):
-    the :class:`ClientMachine` driven over real transports.  The driver owns
-    the connections, the one timer and the Deferreds, and calls
-    ``onPartial``/``onRestart``; every decision is the machine's.
+    the :class:`ClientMachine` (``machine``) driven over real transports.  The
+    driver owns the connections, the one timer, the Deferreds and the log,
+    and calls ``onPartial``/``onRestart``; every decision is the machine's.
 
     *endpoint* is one broker endpoint or a failover list; each is checked at
     once (a malformed one raises :class:`~mdp.errors.TransportError`).
@@ -1121,15 +1039,31 @@ class Client(ClientCore):
         curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
-        super().__init__(endpoint, reactor.seconds(), timeout=timeout, retries=retries,
-                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits, curveServerPublic=curveServerPublic,
-                         curveSecret=curveSecret)
+        endpoints = transport.endpoint_list(endpoint)
+        #: the broker's public key and this client's key pair, for zmq: endpoints
+        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
+        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
+                                     maxConnections=maxConnections, dialect=dialect,
+                                     stamp=stamp, limits=limits, now=reactor.seconds())
         self.reactor = reactor
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
+        self._closed = False
         self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
+        self._wakeTime: Optional[float] = None  # when it fires
         #: the connections its pipes share, by endpoint (stream endpoints
         #: carry them all over one; transport.connect_channels)
         self._links: dict[str, Any] = {}
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self.machine.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self.machine.endpoint
 
     # --- public API ----------------------------------------------------------
 
@@ -1169,13 +1103,14 @@ class Client(ClientCore):
         cancelling the Deferred abandons the request.
         """
         now = self.reactor.seconds()
+        machine = self.machine
         try:
-            call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now,
-                                 self._cancel)
+            call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now)
         except ClientClosed as e:
             return defer.fail(e)
-        self._perform(self.handleRequest(call, now))
-        return call.deferred  # type: ignore[return-value]
+        deferred = call.deferred = defer.Deferred(lambda _: self._cancel(call))
+        self._perform(machine.handleRequest(call, now))
+        return deferred
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
                timeout: Optional[float] = None) -> ReplyStream:
@@ -1193,7 +1128,8 @@ class Client(ClientCore):
         """Fail every pending request with :class:`ClientClosed` and close;
         the Deferred fires once every connection is closed (so a test, or a
         service stopping, finds none left open)."""
-        self._perform(self.handleClose(self.reactor.seconds()))
+        self._closed = True
+        self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
         return transport.close_all(links.values(), "a client connection")
 
@@ -1202,12 +1138,23 @@ class Client(ClientCore):
     def _cancel(self, call: _Call) -> None:
         """The canceller of every request's Deferred: never raises (the
         Deferred then fails with CancelledError)."""
-        self._perform(self.handleCancel(call, self.reactor.seconds()))
+        self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
         call.onPartial = call.onRestart = None  # nothing more is told
 
     def _wake(self) -> None:
-        self._timer = None
-        self._perform(self.handleWake(self.reactor.seconds()))
+        self._timer = self._wakeTime = None
+        self._perform(self.machine.handleWake(self.reactor.seconds()))
+
+    def _wakeBy(self, when: Optional[float]) -> None:
+        """Arm the timer for the machine's :class:`WakeAt`.  An earlier one
+        armed stays: a callback may have asked for it (a nested event) before
+        this older action is done, and a wake-up early is harmless."""
+        if when is None:
+            self._timer = cancel_call(self._timer)
+            self._wakeTime = None
+        elif self._wakeTime is None or when < self._wakeTime:
+            self._wakeTime = when
+            self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order.  What a caller's callback does
@@ -1223,7 +1170,7 @@ class Client(ClientCore):
                 if (pipe is not None and pipe.connected and call is not None
                         and call.state is not DONE):
                     if pipe.discardReceived():
-                        self._stale(channel)
+                        report_stale(self.throttle, channel)
                     pipe.sendMessage(action.frames)
             elif kind is Complete:
                 # (a callback run by an earlier action may have cancelled it)
@@ -1238,19 +1185,13 @@ class Client(ClientCore):
                 onPartial = action.call.onPartial
                 if onPartial is not None and not action.call.done:
                     call_back("onPartial", action.call, onPartial, action.body)
+            elif kind is WakeAt:
+                self._wakeBy(action.when)
             elif kind is OpenChannel:
-                if self._closed:  # a callback run by an earlier action closed the client
-                    continue
-                channel = action.channel
-                try:
-                    link = self._links.get(channel.endpoint)
-                    if link is None:
-                        link = self._links[channel.endpoint] = transport.connect_channels(
-                            channel.endpoint, self.reactor, limits=self.limits,
-                            security=transport.curve_for(channel.endpoint, self.curve))
-                    channel.pipe = link.open(_ChannelPipe(self, channel))
-                except Exception as e:  # the transport refused: nothing can be sent
-                    self._perform(self.handleOpenFailed(channel, e, self.reactor.seconds()))
+                # (not if a callback run by an earlier action closed the
+                # client, or had the machine give the channel up)
+                if not self._closed and self.machine.holds(action.channel):
+                    self._open(action.channel)
             elif kind is CloseChannel:
                 pipe, action.channel.pipe = action.channel.pipe, None
                 if pipe is not None:
@@ -1259,13 +1200,19 @@ class Client(ClientCore):
                 onRestart = action.call.onRestart
                 if onRestart is not None and not action.call.done:
                     call_back("onRestart", action.call, onRestart)
-            elif kind is WakeAt:
-                # the machine's wake-up as it is now, not as this action said:
-                # a callback above may have handled an event that asked for
-                # an earlier one, which this older action must not undo
-                when = self._wakeAt
-                if when is None or not self._closed:
-                    self._timer = call_at(self._timer, self.reactor, when, self._wake)
+            else:
+                report(self.throttle, action)
+
+    def _open(self, channel: _Channel) -> None:
+        try:
+            link = self._links.get(channel.endpoint)
+            if link is None:
+                link = self._links[channel.endpoint] = transport.connect_channels(
+                    channel.endpoint, self.reactor, limits=self.limits,
+                    security=transport.curve_for(channel.endpoint, self.curve))
+            channel.pipe = link.open(_ChannelPipe(self, channel))
+        except Exception as e:  # the transport refused: nothing can be sent
+            self._perform(self.machine.handleOpenFailed(channel, e, self.reactor.seconds()))
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
