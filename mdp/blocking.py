@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 from twisted.logger import Logger
 
 from mdp.errors import ClientClosed, OversizedMessage, TransportError
-from mdp.handlers import checked_handler, reply_frames
+from mdp.handlers import reply_frames
 from mdp.majordomo import codec
 from mdp.majordomo.client import (
     DEFAULT_MAX_CONNECTIONS,
@@ -70,7 +70,8 @@ from mdp.majordomo.worker import (
     ReopenAfter,
     SendToBroker,
     Serve,
-    WorkerMachine,
+    StoreReply,
+    WorkerDriver,
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
@@ -1604,7 +1605,7 @@ class _Unanswered:
 _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
-class Worker(WorkerMachine):
+class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*: the
     :class:`~mdp.majordomo.worker.WorkerMachine` of :class:`mdp.Worker` (READY,
     heartbeats both ways, Paranoid Pirate reconnection with backoff and
@@ -1636,12 +1637,9 @@ class Worker(WorkerMachine):
     ) -> None:
         endpoints = endpoint_list(endpoint)
         _check_schemes(endpoints)
-        self.handler = checked_handler(handler)
-        #: the broker's public key and this worker's key pair, for zmq: endpoints
-        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
-        super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
-                         backoff=backoff, dialect=dialect, limits=limits, now=monotonic())
-        self.requestsServed = 0
+        super().__init__(endpoints, service, handler, _CLOCK, heartbeat=heartbeat,
+                         backoff=backoff, dialect=dialect, limits=limits,
+                         curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         _log_to_stdlib()
         self._context = context
         #: the sockets and the poller, made by :meth:`run` and released when
@@ -1651,7 +1649,6 @@ class Worker(WorkerMachine):
         self._reopenAt: Optional[float] = None
         self._nextTick = 0.0
         self._stopping = False
-        self._madeUp = False
 
     def stop(self) -> None:
         """Make :meth:`run` return (after saying DISCONNECT) once the current
@@ -1664,10 +1661,10 @@ class Worker(WorkerMachine):
         after every wake-up), or an exception (Ctrl-C) ends the loop; then say
         DISCONNECT and close."""
         self._stopping = False
-        self._loop = _Loop(self.limits, self._context)
+        self._loop = _Loop(self.machine.limits, self._context)
         now = monotonic()
-        self._nextTick = now + self.wakeEvery
-        self._perform(self.handleStart(now))
+        self._nextTick = now + self.machine.wakeEvery
+        self._perform(self.machine.handleStart(now))
         try:
             while not self._stopping and (until is None or not until()):
                 when = self._nextTick
@@ -1677,13 +1674,13 @@ class Worker(WorkerMachine):
                 now = monotonic()
                 if self._reopenAt is not None and now >= self._reopenAt:
                     self._reopenAt = None
-                    self._perform(self.handleReopen(now))
+                    self._perform(self.machine.handleReopen(now))
                 if now >= self._nextTick:
-                    self._tock(now)
+                    self._tickDue(now)
         finally:
             self._reopenAt = None
             try:
-                self._perform(self.handleStop(monotonic()))
+                self._perform(self.machine.handleStop(monotonic()))
             finally:
                 loop, self._loop = self._loop, None
                 loop.shutdown()
@@ -1691,17 +1688,18 @@ class Worker(WorkerMachine):
     # --- what the pipe reports -------------------------------------------------
 
     def _pipeUp(self, tag: Any, now: float) -> None:
-        self._perform(self.handlePipeUp(now))
+        self._perform(self.machine.handlePipeUp(now))
+        self._ready()
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        self._perform(self.handlePipeLost(now, why))
+        self._perform(self.machine.handlePipeLost(now, why))
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
         # logged; the stream retries, and the broker's silence decides (the machine's tick)
-        self._perform(self.handleConnectFailed(error, now))
+        self._perform(self.machine.handleConnectFailed(error, now))
 
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
-        self._perform(self.handleMessage(frames, now))
+        self._perform(self.machine.handleMessage(frames, now))
 
     # --- the driver ------------------------------------------------------------
 
@@ -1714,29 +1712,29 @@ class Worker(WorkerMachine):
             elif kind is Serve:
                 self._serve(action.job, action.body)
             elif kind is OpenPipe:
-                try:
-                    pipe = self._loop.open(action.endpoint, self, None, LINGER_MS,
-                                           curve=self.curve)
-                except Exception as e:  # no socket to be had (out of descriptors)
-                    error = TransportError(f"cannot connect to {action.endpoint!r}: {e}")
-                    error.__cause__ = e
-                    self._perform(self.handleOpenFailed(error, monotonic()))
-                    continue
-                self._pipe = pipe
-                pipe.start()
-                if pipe.up:
-                    self._madeUp = True
+                self._open(action.endpoint)
             elif kind is ClosePipe:
                 pipe, self._pipe = self._pipe, None
                 if pipe is not None:
                     self._loop.close(pipe)
             elif kind is ReopenAfter:
+                self._report(action)
                 self._reopenAt = monotonic() + action.delay
-            # StoreReply: a blocking worker keeps no reply store
-        if self._madeUp:
-            self._madeUp = False
-            if self._pipe is not None:
-                self._perform(self.handlePipeUp(monotonic()))
+            elif kind is not StoreReply:  # (a blocking worker keeps no reply store)
+                self._report(action)
+
+    def _open(self, endpoint: str) -> None:
+        try:
+            pipe = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve)
+        except Exception as e:  # no socket to be had (out of descriptors)
+            error = TransportError(f"cannot connect to {endpoint!r}: {e}")
+            error.__cause__ = e
+            self._openFailed(error)
+            return
+        self._pipe = pipe
+        pipe.start()  # (a stream pipe may say at once that it is up)
+        if pipe.up and not self.machine.connected and self._pipe is pipe:  # ZeroMQ: up at once
+            self._pipeUp(None, monotonic())
 
     def _serve(self, job: Any, body: list[bytes]) -> None:
         started = monotonic()
@@ -1749,11 +1747,11 @@ class Worker(WorkerMachine):
                 self._reply(job, WorkerFinal, reply_frames(result))
                 self.requestsServed += 1
         except Exception as e:
-            log.failure("handler for {service} failed", service=label(self.service))
+            log.failure("handler for {service} failed", service=label(self.machine.service))
             self._reply(job, WorkerFinal, codec.error_body(
                 codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}"))
-        if monotonic() - started > self.heartbeat.interval:
-            self._perform(self.handleBlocked(monotonic()))
+        if monotonic() - started > self.machine.heartbeat.interval:
+            self._perform(self.machine.handleBlocked(monotonic()))
 
     def _stream(self, parts: Any, job: Any) -> None:
         loop = self._loop
@@ -1773,36 +1771,36 @@ class Worker(WorkerMachine):
             if pipe is not None and pipe.backlogged:
                 # the broker takes PARTIALs slower than the handler makes
                 # them: wait rather than pile them up
-                while pipe.backlogged and self.isCurrent(job) and not loop.poller.closed:
+                while pipe.backlogged and self.machine.isCurrent(job) and not loop.poller.closed:
                     loop.turn(self._nextTick)
                     now = monotonic()
                     if now >= self._nextTick:
-                        self._tock(now)
+                        self._tickDue(now)
             else:
                 now = monotonic()
                 if now >= self._nextTick:
                     loop.turn(now)  # (a look, no wait)
-                    self._tock(monotonic())
-            if not self.isCurrent(job):
+                    self._tickDue(monotonic())
+            if not self.machine.isCurrent(job):
                 # its broker was lost or given up meanwhile: so is the request
                 parts.close()
                 log.info("worker for {service} stopped a stream: its request went with "
-                         "its broker", service=label(self.service))
+                         "its broker", service=label(self.machine.service))
                 return
         self._reply(job, WorkerFinal, [b""])
         self.requestsServed += 1
 
-    def _tock(self, now: float) -> None:
+    def _tickDue(self, now: float) -> None:
         """The machine's tick, due by *now* (heartbeats, the broker's
         silence); a tick late by more than an interval was held up by a
         handler (or a stopped process): the broker's silence is ours."""
-        if now - self._nextTick > self.heartbeat.interval:
-            self._perform(self.handleBlocked(now))
-        self._nextTick = now + self.wakeEvery
-        self._perform(self.handleTick(now))
+        if now - self._nextTick > self.machine.heartbeat.interval:
+            self._perform(self.machine.handleBlocked(now))
+        self._nextTick = now + self.machine.wakeEvery
+        self._perform(self.machine.handleTick(now))
 
     def _reply(self, job: Any, kind: type, frames: list[bytes]) -> bool:
-        sent, actions = self.handleReply(job, kind, frames, monotonic())
+        sent, actions = self.machine.handleReply(job, kind, frames, monotonic())
         self._perform(actions)
         return sent
 

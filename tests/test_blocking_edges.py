@@ -1180,13 +1180,13 @@ def test_a_blocking_worker_streaming_to_a_live_broker_goes_on() -> None:
         worker = running.ready(time.monotonic() + 10)
         running.router.send_multipart([worker, WORKER, REQUEST, b"client", b"", b"go"])
         start = last = time.monotonic()
-        expiry = running.worker.heartbeat.expiry
+        expiry = running.worker.machine.heartbeat.expiry
         parts = 0
         while time.monotonic() - start < 5 * expiry:
             frames = running.receive()
             assert frames[0] == worker and frames[2] != READY, "the worker registered again"
             parts += 1
-            if time.monotonic() - last >= running.worker.heartbeat.interval / 2:
+            if time.monotonic() - last >= running.worker.machine.heartbeat.interval / 2:
                 last = time.monotonic()
                 running.router.send_multipart([worker, WORKER, W_HEARTBEAT])
         assert not running.closed.is_set() and parts > 1

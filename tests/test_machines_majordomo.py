@@ -248,7 +248,7 @@ def test_worker_fails_over_to_the_next_broker_after_silence_with_backoff() -> No
     assert script.feed(Elapse(0.01)) == [Open(first + "#2"), Send(first + "#2", READY)]
     # the broker speaks: the backoff starts over
     script.feed(Receive(first + "#2", HEARTBEAT))
-    assert worker.failures == 0
+    assert worker.machine.failures == 0
 
 
 def test_worker_registers_again_after_disconnect_backing_off_while_refused() -> None:
@@ -451,13 +451,13 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
     assert machine.handleTick(now=1.1) == [SendToBroker([*HEARTBEAT])]
     # silent for more than 3 s since the REQUEST at 0.2: close, and on to the
     # next endpoint at once (the next time after backoff.delay(0) = 1 s)
-    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(0.0)]
+    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(0.0, "a", pytest.approx(3.1))]
     assert machine.handleReopen(now=4.3) == [OpenPipe("b")]
     # a reply for the request of the old pipe is void
     assert machine.handleReply(serve.job, codec.WorkerFinal, [b"late"], now=4.4) == (False, [])
     # DISCONNECT on the new pipe: register again at once the first time
     machine.handlePipeUp(now=4.5)
-    assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0)]
+    assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0, "b", None)]
 
 
 def test_client_machine_is_a_function_of_events_and_their_times() -> None:
@@ -847,7 +847,7 @@ def test_a_worker_made_without_a_backoff_uses_the_jittered_pirate_schedule() -> 
     from mdp.policy import PIRATE
 
     worker = Worker("zmq:inproc://nowhere", "echo", upper)
-    assert worker.backoff is PIRATE and PIRATE.jitter > 0
+    assert worker.machine.backoff is PIRATE and PIRATE.jitter > 0
 
 
 @pytest.mark.parametrize("options", [
