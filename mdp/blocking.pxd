@@ -2,7 +2,7 @@
 # majordomo/client.pxd); the client keeps an instance dictionary and weak
 # references, as a class of the source would.
 
-from mdp.majordomo.client cimport ClientMachine, _Call
+from mdp.majordomo.client cimport ClientMachine, _Call, _Channel
 
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller
@@ -37,3 +37,4 @@ cdef class Client:
     cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
     cdef _waitFor(self, _Call call)
     cdef _perform(self, list actions)
+    cdef _send(self, _Channel channel, frames)

@@ -44,23 +44,19 @@ from mdp.majordomo.client import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
-    DONE,
     Action,
     ClientMachine,
     CloseChannel,
     Complete,
     Fail,
     OpenChannel,
-    Partial,
-    Restarted,
     SendOn,
     WakeAt,
     _Call,
     _Channel,
     _check_attempts,
-    call_back,
-    report,
     report_stale,
+    tell,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
@@ -1401,14 +1397,7 @@ class Client:
                         break
                     if item is _PENDING:  # (no more items)
                         break
-                    try:
-                        single = isinstance(item, (bytes, str, bytearray, memoryview))
-                        pending.append(self._submit(service, (item,) if single else tuple(item),
-                                                    timeout, retries, None, None))
-                    except ClientClosed:
-                        raise
-                    except Exception as e:  # an item that cannot be sent: its result
-                        pending.append(_Refused(e))
+                    pending.append(self._submitItem(service, item, timeout, retries))
                 if not pending:
                     if broken is not None:
                         raise broken
@@ -1425,6 +1414,19 @@ class Client:
             for call in pending:
                 if call.__class__ is not _Refused:
                     self._cancel(call)
+
+    def _submitItem(self, service: Union[str, bytes], item: Any, timeout: Optional[float],
+                    retries: Optional[int]) -> Any:
+        """The request of one item of :meth:`map` (``bytes``/``str``: one
+        frame; a sequence: its frames), or, if it cannot be sent, its error."""
+        single = isinstance(item, (bytes, str, bytearray, memoryview))
+        try:
+            return self._submit(service, (item,) if single else tuple(item), timeout, retries,
+                                None, None)
+        except ClientClosed:
+            raise
+        except Exception as e:
+            return _Refused(e)
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed` and close
@@ -1533,46 +1535,52 @@ class Client:
         for action in actions:
             kind = type(action)
             if kind is SendOn:
-                channel = action.channel
-                pipe = channel.pipe
-                call = channel.call
-                if pipe is not None and pipe.up and call is not None and call.state is not DONE:
-                    if pipe.discardReceived():
-                        report_stale(self.throttle, channel)
-                    pipe.send(action.frames)
+                self._send(action.channel, action.frames)
             elif kind is Complete or kind is Fail:
                 call = action.call
                 if call.result is self._unanswered:
                     call.result = action.body if kind is Complete else action.error
                 call.onPartial = call.onRestart = None
-            elif kind is WakeAt:
-                # an earlier wake-up stays (asked for by a nested event)
-                when = action.when
-                if when is None or self._wakeTime is None or when < self._wakeTime:
-                    self._wakeTime = when
-            elif kind is OpenChannel:
-                # (not if a callback run by an earlier action closed the
-                # client, or had the machine give the channel up)
-                if not self._closed and self.machine.holds(action.channel):
-                    self._open(action.channel)
             elif kind is CloseChannel:
-                pipe, action.channel.pipe = action.channel.pipe, None
-                if pipe is not None:
-                    self._pipes.pop(pipe, None)
-                    self._loop.close(pipe)
-                    closed = True
-            elif kind is Partial:
-                onPartial = action.call.onPartial
-                if onPartial is not None and not action.call.done:
-                    call_back("onPartial", action.call, onPartial, action.body)
-            elif kind is Restarted:
-                onRestart = action.call.onRestart
-                if onRestart is not None and not action.call.done:
-                    call_back("onRestart", action.call, onRestart)
+                closed = self._close(action.channel) or closed
             else:
-                report(self.throttle, action)
+                self._act(action)
         if closed:  # a stream connection whose last pipe these actions closed
             self._loop.closeIdle()
+
+    def _act(self, action: Action) -> None:
+        """An action other than a request's send and end, or a close."""
+        kind = type(action)
+        if kind is WakeAt:
+            # an earlier wake-up stays (asked for by a nested event)
+            when = action.when
+            if when is None or self._wakeTime is None or when < self._wakeTime:
+                self._wakeTime = when
+        elif kind is OpenChannel:
+            # (not if a callback run by an earlier action closed the client,
+            # or had the machine give the channel up)
+            if not self._closed and self.machine.holds(action.channel):
+                self._open(action.channel)
+        else:
+            tell(self.throttle, action)
+
+    def _send(self, channel: _Channel, frames: list[bytes]) -> None:
+        pipe = channel.pipe
+        call = channel.call
+        # (not if a callback run by an earlier action cancelled its request)
+        if pipe is not None and pipe.up and call is not None and not call.done:
+            if pipe.discardReceived():
+                report_stale(self.throttle, channel)
+            pipe.send(frames)
+
+    def _close(self, channel: _Channel) -> bool:
+        """Close the pipe of *channel*; whether there was one."""
+        pipe, channel.pipe = channel.pipe, None
+        if pipe is None:
+            return False
+        self._pipes.pop(pipe, None)
+        self._loop.close(pipe)
+        return True
 
     def _open(self, channel: _Channel) -> None:
         pipe = None

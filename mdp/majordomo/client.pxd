@@ -49,6 +49,7 @@ cdef class Client:
     cdef public dict _links
 
     cpdef _perform(self, list actions)
+    cdef _send(self, _Channel channel, frames)
 
 # the receiver of a channel's transport: its events reach the client's
 # machine and driver through C calls

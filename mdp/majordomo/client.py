@@ -447,16 +447,11 @@ class ClientMachine(Machine):
         """A request of the caller's, encoded once for all its attempts, for
         :meth:`handleRequest`.  Raises for caller mistakes (see
         :meth:`Client.request`) and :class:`ClientClosed` once closed."""
-        names = self._names
-        name = names.get(service) if type(service) in (str, bytes) else None
-        if name is None:
-            name = codec.api_service_name(service)
-            if len(names) >= _NAMES_KEPT:
-                names.clear()
-            names[service] = name  # type: ignore[index]
+        name = self._serviceName(service)
+        mmi = name.startswith(b"mmi.")
         # an MMI query may have no frames: one empty frame on the wire, where
         # MDP/0.2 wants a body
-        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
+        body = request_frames(frames, empty=mmi) or [b""]
         if timeout is not None or retries is not None:  # the client's own were checked
             timeout = self.timeout if timeout is None else timeout
             retries = self.retries if retries is None else retries
@@ -465,7 +460,14 @@ class ClientMachine(Machine):
             timeout, retries = self.timeout, self.retries
         if self._closed:
             raise ClientClosed("client is closed")
-        if self.stamp and not name.startswith(b"mmi."):  # (MMI reads its body as is)
+        return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
+                     onRestart, now)
+
+    def _encode(self, name: bytes, body: list[bytes], mmi: bool) -> list[bytes]:
+        """The REQUEST of *body* to service *name*, stamped unless it is an
+        MMI query (MMI reads its body as is); :class:`RequestTooLarge` if it
+        is over the limits."""
+        if self.stamp and not mmi:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
         if self.dialect == _RFC:
             message = [_HEADER, codec.C_REQUEST, name, *body]
@@ -476,7 +478,18 @@ class ClientMachine(Machine):
         if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
             raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
                                   f"{limits.oversize(size, len(message))}")
-        return _Call(name, message, timeout, retries, onPartial, onRestart, now)
+        return message
+
+    def _serviceName(self, service: Union[str, bytes]) -> bytes:
+        """*service* on the wire (checked; the names asked for lately are kept)."""
+        names = self._names
+        name = names.get(service) if type(service) in (str, bytes) else None
+        if name is None:
+            name = codec.api_service_name(service)
+            if len(names) >= _NAMES_KEPT:
+                names.clear()
+            names[service] = name
+        return name
 
     def fresh(self, now: float) -> ClientMachine:
         """A machine with this one's options and request stamps and nothing
@@ -943,23 +956,16 @@ class ClientMachine(Machine):
         return False
 
 
-def call_back(name: str, call: _Call, callback: Callable[..., Any], *args: Any) -> None:
-    """Call the caller's *callback* (its *name*: ``onPartial``,
-    ``onRestart``) for *call*: one that raises is logged with the service,
-    and the request goes on (what the machine asked for after it is still
-    done)."""
-    try:
-        callback(*args)
-    except Exception:
-        log.failure("{name} callback for {service} failed", name=name,
-                    service=label(call.service))
-
-
-def report(throttle: LogThrottle, action: Action) -> None:
-    """Log what the machine reports for the log (:class:`Dropped`,
-    :class:`Retrying`), throttled: the one way both drivers say it."""
+def tell(throttle: LogThrottle, action: Action) -> None:
+    """Do what both drivers do alike: call the caller's ``onPartial``
+    (:class:`Partial`) or ``onRestart`` (:class:`Restarted`) unless its
+    request is done meanwhile (one that raises is logged, and the request
+    goes on), or log what the machine reports (:class:`Dropped`,
+    :class:`Retrying`), throttled."""
     kind = type(action)
-    if kind is Dropped:
+    if kind is Partial or kind is Restarted:
+        _callBack(action)
+    elif kind is Dropped:
         throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
                       endpoint=action.endpoint, reason=action.reason)
     elif kind is Retrying:
@@ -967,6 +973,22 @@ def report(throttle: LogThrottle, action: Action) -> None:
         throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
                       "({attempt}/{retries})", service=label(call.service),
                       timeout=call.timeout, attempt=action.attempt, retries=call.retries)
+
+
+def _callBack(action: Union[Partial, Restarted]) -> None:
+    call = action.call
+    partial = type(action) is Partial
+    callback = call.onPartial if partial else call.onRestart
+    if callback is None or call.done:
+        return
+    try:
+        if partial:
+            callback(action.body)  # type: ignore[union-attr]
+        else:
+            callback()
+    except Exception:
+        log.failure("{name} callback for {service} failed", service=label(call.service),
+                    name="onPartial" if partial else "onRestart")
 
 
 def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
@@ -1163,45 +1185,45 @@ class Client:
         for action in actions:
             kind = type(action)
             if kind is SendOn:
-                channel = action.channel
-                pipe = channel.pipe
-                # a callback run by an earlier action may have cancelled it
-                call = channel.call
-                if (pipe is not None and pipe.connected and call is not None
-                        and call.state is not DONE):
-                    if pipe.discardReceived():
-                        report_stale(self.throttle, channel)
-                    pipe.sendMessage(action.frames)
-            elif kind is Complete:
-                # (a callback run by an earlier action may have cancelled it)
-                if not action.call.deferred.called:
-                    action.call.deferred.callback(action.body)
-                action.call.onPartial = action.call.onRestart = None
-            elif kind is Fail:
-                if not action.call.deferred.called:
-                    action.call.deferred.errback(action.error)
-                action.call.onPartial = action.call.onRestart = None
-            elif kind is Partial:
-                onPartial = action.call.onPartial
-                if onPartial is not None and not action.call.done:
-                    call_back("onPartial", action.call, onPartial, action.body)
-            elif kind is WakeAt:
-                self._wakeBy(action.when)
-            elif kind is OpenChannel:
-                # (not if a callback run by an earlier action closed the
-                # client, or had the machine give the channel up)
-                if not self._closed and self.machine.holds(action.channel):
-                    self._open(action.channel)
-            elif kind is CloseChannel:
-                pipe, action.channel.pipe = action.channel.pipe, None
-                if pipe is not None:
-                    pipe.close()
-            elif kind is Restarted:
-                onRestart = action.call.onRestart
-                if onRestart is not None and not action.call.done:
-                    call_back("onRestart", action.call, onRestart)
+                self._send(action.channel, action.frames)
+            elif kind is Complete or kind is Fail:
+                call = action.call
+                call.onPartial = call.onRestart = None
+                deferred = call.deferred
+                if deferred.called:  # (a callback run by an earlier action cancelled it)
+                    pass
+                elif kind is Complete:
+                    deferred.callback(action.body)
+                else:
+                    deferred.errback(action.error)
             else:
-                report(self.throttle, action)
+                self._act(action)
+
+    def _act(self, action: Action) -> None:
+        """An action other than a request's send and end."""
+        kind = type(action)
+        if kind is WakeAt:
+            self._wakeBy(action.when)
+        elif kind is OpenChannel:
+            # (not if a callback run by an earlier action closed the client,
+            # or had the machine give the channel up)
+            if not self._closed and self.machine.holds(action.channel):
+                self._open(action.channel)
+        elif kind is CloseChannel:
+            pipe, action.channel.pipe = action.channel.pipe, None
+            if pipe is not None:
+                pipe.close()
+        else:
+            tell(self.throttle, action)
+
+    def _send(self, channel: _Channel, frames: list[bytes]) -> None:
+        pipe = channel.pipe
+        call = channel.call
+        # (not if a callback run by an earlier action cancelled its request)
+        if pipe is not None and pipe.connected and call is not None and not call.done:
+            if pipe.discardReceived():
+                report_stale(self.throttle, channel)
+            pipe.sendMessage(frames)
 
     def _open(self, channel: _Channel) -> None:
         try:

@@ -763,32 +763,40 @@ class Worker(WorkerDriver):
                     self._run(job, action.body)
                 else:
                     self._serve(job, action.body)
-            elif kind is StoreReply:
-                if self.replies is not None:
-                    defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
-                        _storeFailed)
-            elif kind is OpenPipe:
-                security = transport.curve_for(action.endpoint, self.curve)
-                try:
-                    self.transport = transport.connect(
-                        action.endpoint, self, self.reactor,
-                        retryPolicy=self.machine.backoff.retryPolicy(), limits=self.machine.limits,
-                        security=security)
-                except TransportError as e:  # no socket to be had (out of descriptors)
-                    self._openFailed(e)
-            elif kind is ClosePipe:
-                pipe, self.transport = self.transport, None
-                if pipe is not None:
-                    closing = pipe.close()
-            elif kind is ReopenAfter:
-                self._report(action)
+            else:
+                closing = self._act(action) or closing
+        return closing
+
+    def _act(self, action: Action) -> Optional[defer.Deferred[None]]:
+        """An action other than a send or a request to serve; returns the
+        closing of a pipe it closed, if it did."""
+        kind = type(action)
+        if kind is StoreReply:
+            if self.replies is not None:
+                defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
+                    _storeFailed)
+        elif kind is OpenPipe:
+            self._open(action.endpoint)
+        elif kind is ClosePipe:
+            pipe, self.transport = self.transport, None
+            if pipe is not None:
+                return pipe.close()
+        else:
+            self._report(action)
+            if kind is ReopenAfter:
                 cancel_call(self._reconnectCall)
                 self._reconnectCall = self.reactor.callLater(action.delay, self._reopen)
                 if self.metrics is not None:
                     self.metrics.reconnected(self.service)
-            else:
-                self._report(action)
-        return closing
+        return None
+
+    def _open(self, endpoint: str) -> None:
+        try:
+            self.transport = transport.connect(
+                endpoint, self, self.reactor, retryPolicy=self.machine.backoff.retryPolicy(),
+                limits=self.machine.limits, security=transport.curve_for(endpoint, self.curve))
+        except TransportError as e:  # no socket to be had (out of descriptors)
+            self._openFailed(e)
 
     # --- IDealerReceiver ---------------------------------------------------
 
