@@ -41,6 +41,7 @@ MODULES = (
     "mdp.blocking",
     "mdp.majordomo.broker",
     "mdp.majordomo.client",
+    "mdp.majordomo.client_machine",
     "mdp.majordomo.codec",
     "mdp.majordomo.worker",
     "mdp.transport.framing",
@@ -58,10 +59,11 @@ ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 #: files ``cimport`` them): each runs compiled only where those do too, for
 #: its compiled self cannot import over the other's source
 CIMPORTS = {
-    "mdp.majordomo.client": ("mdp.machine",),
+    "mdp.majordomo.client_machine": ("mdp.machine",),
+    "mdp.majordomo.client": ("mdp.majordomo.client_machine",),
     "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.broker": ("mdp.machine",),
-    "mdp.blocking": ("mdp.majordomo.client",),
+    "mdp.blocking": ("mdp.majordomo.client_machine",),
 }
 
 #: set (to anything but "" or "0") at install: no compiling, and compiled

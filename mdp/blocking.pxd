@@ -2,7 +2,7 @@
 # majordomo/client.pxd); the client keeps an instance dictionary and weak
 # references, as a class of the source would.
 
-from mdp.majordomo.client cimport ClientMachine, _Call, _Channel
+from mdp.majordomo.client_machine cimport ClientMachine, _Call, _Channel
 
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller

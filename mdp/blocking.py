@@ -40,7 +40,8 @@ from twisted.logger import Logger
 from mdp.errors import ClientClosed, OversizedMessage, TransportError
 from mdp.handlers import reply_frames
 from mdp.majordomo import codec
-from mdp.majordomo.client import (
+from mdp.majordomo.client import report_stale, tell
+from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
@@ -55,8 +56,6 @@ from mdp.majordomo.client import (
     _Call,
     _Channel,
     _check_attempts,
-    report_stale,
-    tell,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (

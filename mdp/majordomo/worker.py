@@ -379,7 +379,7 @@ class WorkerMachine(Machine):
         transport tries again on its own: logged when the reason changes,
         and at most once per ``interval * liveness`` while it stays (a
         worker started before its broker would say so at every retry)."""
-        from mdp.majordomo.client import unreachable
+        from mdp.majordomo.client_machine import unreachable
 
         self.now = now
         value = getattr(error, "value", error)
