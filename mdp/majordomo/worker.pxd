@@ -12,6 +12,7 @@ cdef class WorkerMachine(Machine):
     cpdef tuple handleReply(self, job, kind, frames, now, store=*)
     # a request's path: C calls (only the machine calls these)
     cdef _received(self, frames)
+    cdef _command(self, kind, client, body)
     cdef _request(self, client, body)
     cdef bint _replyPart(self, job, kind, frames, store) except -1
 

@@ -461,27 +461,28 @@ class WorkerMachine(Machine):
             return  # from a pipe already closed
         if (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
                 and frames[3] == b"" and self.dialect == RFC):
-            # a REQUEST, checked as decode_worker checks it, without the command object
-            self.liveness.heard(self.now)
-            self.failures = self.refusals = 0
-            self.answered = True
-            self._request(frames[2], frames[4:])
+            # a REQUEST, checked as decode_worker checks it
+            self._command(WorkerRequest, frames[2], frames[4:])
             return
         try:
             command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
             self._outbox.append(Dropped(f"invalid message: {e}"))
             return
+        if type(command) is WorkerRequest:
+            self._command(WorkerRequest, command.client, list(command.body))
+        else:
+            self._command(type(command), b"", [])
+
+    def _command(self, kind: type, client: bytes, body: list[bytes]) -> None:
+        """A command from the broker (a REQUEST from *client* with *body*)."""
         self.liveness.heard(self.now)
         self.failures = 0
         self.answered = True
-        kind = type(command)
-        if kind is Heartbeat:
+        if kind is WorkerRequest or kind is Heartbeat:
             self.refusals = 0
-            return
-        if kind is WorkerRequest:
-            self.refusals = 0
-            self._request(command.client, list(command.body))  # type: ignore[attr-defined]
+            if kind is WorkerRequest:
+                self._request(client, body)
         elif kind is Disconnect:
             delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
             self.refusals += 1
@@ -876,47 +877,28 @@ class Worker(WorkerDriver):
         self._perform(self.machine.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
-        if isinstance(parts, Generator):
-            await self._streamSync(parts, job)
-            return
-        async for item in parts:
-            if not self.machine.isCurrent(job):
-                await parts.aclose()  # the request is void, or was answered (413)
+        """Send what a streaming handler yields (a plain or an asynchronous
+        generator) as PARTIALs, until a :class:`Final` ends the reply or the
+        request is void (or answered with a 413); the handler is paused
+        while the broker takes PARTIALs slower than it makes them."""
+        sync = isinstance(parts, Generator)
+        while True:
+            try:
+                item = next(parts) if sync else await parts.__anext__()
+            except (StopIteration, StopAsyncIteration):
+                self._finish(None, job)
                 return
-            if isinstance(item, Final):
-                await parts.aclose()
-                self._finish(item.frames, job)
-                return
-            if not self._reply(job, WorkerPartial, reply_frames(item)):
-                await parts.aclose()  # the request is void, or was answered (413)
-                return
-            transport = self.transport
-            if transport is not None and not transport.writable:
-                # the broker takes PARTIALs slower than the handler makes them:
-                # pause the handler rather than pile them up
-                self.streamPauses += 1
-                await transport.drained()
-        self._finish(None, job)
-
-    async def _streamSync(self, parts: Any, job: _Job) -> None:
-        """:meth:`_stream` for a plain generator: iterated as it is, without
-        an asynchronous generator around it."""
-        for item in parts:
-            if not self.machine.isCurrent(job):
-                parts.close()  # the request is void, or was answered (413)
-                return
-            if isinstance(item, Final):
-                parts.close()
-                self._finish(item.frames, job)
-                return
-            if not self._reply(job, WorkerPartial, reply_frames(item)):
-                parts.close()  # the request is void, or was answered (413)
+            current = self.machine.isCurrent(job)
+            final = current and isinstance(item, Final)
+            if not current or final or not self._reply(job, WorkerPartial, reply_frames(item)):
+                await _close(parts)
+                if final:
+                    self._finish(item.frames, job)
                 return
             transport = self.transport
             if transport is not None and not transport.writable:
                 self.streamPauses += 1
                 await transport.drained()
-        self._finish(None, job)
 
     def _finish(self, value: Any, job: _Job) -> None:
         try:
@@ -951,6 +933,14 @@ class Worker(WorkerDriver):
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Worker, IWorker, IDealerReceiver)
+
+
+async def _close(parts: Any) -> None:
+    """Close a streaming handler's generator, plain or asynchronous."""
+    if isinstance(parts, Generator):
+        parts.close()
+    else:
+        await parts.aclose()
 
 
 def _storeFailed(failure: Failure) -> None:
