@@ -4,14 +4,13 @@ reactor, no transport, no Deferred, no log), and its records and actions.
 it (see :mod:`mdp.majordomo.client` for why a connection carries one request
 at a time).
 
-The machine is fed events with their time (a request, a
-pipe up or lost, a message on a connection, a cancel, the wake-up it asked
-for, close) and returns actions (:class:`OpenChannel`, :class:`CloseChannel`,
-:class:`SendOn`, :class:`Partial`, :class:`Restarted`, :class:`Complete`,
-:class:`Fail`, :class:`WakeAt`, and :class:`Dropped` and :class:`Retrying`
-for the log).  :class:`Client` is its driver: it holds the machine
-(``client.machine``), owns the transports, the one timer, the Deferreds and
-the log, and calls ``onPartial`` and ``onRestart``.
+The machine is fed events with their time (a request, a pipe up or lost, a
+message on a connection, a cancel, the wake-up it asked for, close) and
+returns actions (:class:`OpenChannel`, :class:`CloseChannel`, :class:`SendOn`,
+:class:`Partial`, :class:`Restarted`, :class:`Complete`, :class:`Fail`,
+:class:`WakeAt`, and :class:`Dropped` and :class:`Retrying` for the log).  A
+driver holds the machine (``client.machine``), owns the transports, the one
+timer, the Deferreds and the log, and calls ``onPartial`` and ``onRestart``.
 
 Two kinds of machine: one per request (a ``_Call``, in a :class:`CallState`)
 and one per connection of the pool (a ``_Channel``, in a
