@@ -26,13 +26,15 @@ cdef class ClientMachine(Machine):
     cdef public set _channels
 
     cpdef _Call newCall(self, service, frames, timeout, retries, onPartial, onRestart, now)
+    cdef _serviceName(self, service)
+    cdef list _encode(self, name, body, bint mmi)
     # the request's path: C calls between the machine's own methods (cdef:
     # only the machine calls them)
     cpdef list handleRequest(self, _Call call, now)
     cpdef list handleMessage(self, _Channel channel, frames, now)
     cdef _reply(self, _Channel channel, _Call call, bint final, body)
     cdef _release(self, _Channel channel)
-    cdef _pump(self)
+    cpdef _pump(self)
     cdef _assign(self, _Channel channel, _Call call)
     cdef _sendOn(self, _Channel channel)
     cpdef _schedule(self, _Call call)

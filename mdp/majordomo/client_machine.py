@@ -375,7 +375,9 @@ class ClientMachine(Machine):
         """A request of the caller's, encoded once for all its attempts, for
         :meth:`handleRequest`.  Raises for caller mistakes (see
         :meth:`Client.request`) and :class:`ClientClosed` once closed."""
-        name = self._serviceName(service)
+        name = self._names.get(service) if type(service) in (str, bytes) else None
+        if name is None:
+            name = self._serviceName(service)
         mmi = name.startswith(b"mmi.")
         # an MMI query may have no frames: one empty frame on the wire, where
         # MDP/0.2 wants a body
@@ -409,14 +411,12 @@ class ClientMachine(Machine):
         return message
 
     def _serviceName(self, service: Union[str, bytes]) -> bytes:
-        """*service* on the wire (checked; the names asked for lately are kept)."""
-        names = self._names
-        name = names.get(service) if type(service) in (str, bytes) else None
-        if name is None:
-            name = codec.api_service_name(service)
-            if len(names) >= _NAMES_KEPT:
-                names.clear()
-            names[service] = name
+        """*service* on the wire, checked, and kept for the next requests
+        (the last few names asked for)."""
+        name = codec.api_service_name(service)
+        if len(self._names) >= _NAMES_KEPT:
+            self._names.clear()
+        self._names[service] = name
         return name
 
     def fresh(self, now: float) -> ClientMachine:
@@ -456,7 +456,8 @@ class ClientMachine(Machine):
         else:
             self._enqueue(call)
             self._pump()
-        return self._drain()
+        outbox, self._outbox = self._outbox, []  # (_drain, without a call on this path)
+        return outbox
 
     def handlePipeUp(self, channel: _Channel, now: float) -> list[Action]:
         self.now = now
@@ -546,7 +547,8 @@ class ClientMachine(Machine):
             self._reply(channel, call, frames[1] == _FINAL, frames[3:])
         else:
             self._decoded(channel, call, frames)
-        return self._drain()
+        outbox, self._outbox = self._outbox, []  # (_drain, without a call on this path)
+        return outbox
 
     def handleCancel(self, call: _Call, now: float) -> list[Action]:
         """The caller cancelled *call*."""
@@ -682,7 +684,8 @@ class ClientMachine(Machine):
             self._idle.append(channel)
         else:
             self._discard(channel)
-        self._pump()
+        if self._waiting:
+            self._pump()
 
     def _moveOn(self) -> None:
         """New connections go to the next broker; the idle ones to the
