@@ -1761,7 +1761,6 @@ class Worker(WorkerDriver):
             self._perform(self.machine.handleBlocked(monotonic()))
 
     def _stream(self, parts: Any, job: Any) -> None:
-        loop = self._loop
         for item in parts:
             if isinstance(item, Final):
                 parts.close()
@@ -1771,23 +1770,7 @@ class Worker(WorkerDriver):
             if not self._reply(job, WorkerPartial, reply_frames(item)):
                 parts.close()  # the request is void, or was answered (413)
                 return
-            # between parts as between requests: what the broker sent is
-            # read, a HEARTBEAT goes out when due, a broker silent for its
-            # expiry is given up
-            pipe = self._pipe
-            if pipe is not None and pipe.backlogged:
-                # the broker takes PARTIALs slower than the handler makes
-                # them: wait rather than pile them up
-                while pipe.backlogged and self.machine.isCurrent(job) and not loop.poller.closed:
-                    loop.turn(self._nextTick)
-                    now = monotonic()
-                    if now >= self._nextTick:
-                        self._tickDue(now)
-            else:
-                now = monotonic()
-                if now >= self._nextTick:
-                    loop.turn(now)  # (a look, no wait)
-                    self._tickDue(monotonic())
+            self._betweenParts(job)
             if not self.machine.isCurrent(job):
                 # its broker was lost or given up meanwhile: so is the request
                 parts.close()
@@ -1796,6 +1779,23 @@ class Worker(WorkerDriver):
                 return
         self._reply(job, WorkerFinal, [b""])
         self.requestsServed += 1
+
+    def _betweenParts(self, job: Any) -> None:
+        """Between parts as between requests: what the broker sent is read,
+        a HEARTBEAT goes out when due, a broker silent for its expiry is
+        given up; while the broker takes PARTIALs slower than the handler
+        makes them, wait rather than pile them up."""
+        loop = self._loop
+        pipe = self._pipe
+        if pipe is not None and pipe.backlogged:
+            while pipe.backlogged and self.machine.isCurrent(job) and not loop.poller.closed:
+                loop.turn(self._nextTick)
+                now = monotonic()
+                if now >= self._nextTick:
+                    self._tickDue(now)
+        elif monotonic() >= self._nextTick:
+            loop.turn(monotonic())  # (a look, no wait)
+            self._tickDue(monotonic())
 
     def _tickDue(self, now: float) -> None:
         """The machine's tick, due by *now* (heartbeats, the broker's

@@ -480,26 +480,8 @@ class ClientMachine(Machine):
         Later, the transport retries (a broker restarting); the reason is
         named if the request times out."""
         self.now = now
-        if channel not in self._channels:
-            return self._drain()
-        why = unreachable(error)
-        self._failures[channel.endpoint] = why or str(error)
-        if self._everUp or why is None:
-            return self._drain()
-        self._unreachable[channel.endpoint] = why
-        if all(e in self._unreachable for e in self._rotation.endpoints):
-            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
-            self._failPending(lambda: BrokerUnreachable(failures))
-            self._failures.clear()  # the next request tries again
-            self._unreachable.clear()
-            return self._drain()
-        call = channel.call
-        self._discard(channel)
-        while self._rotation.current in self._unreachable:
-            self._moveOn()
-        if call is not None and not call.done:
-            self._enqueue(call, first=True)
-        self._pump()
+        if channel in self._channels:
+            self._connectFailed(channel, error)
         return self._drain()
 
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
@@ -585,6 +567,26 @@ class ClientMachine(Machine):
         self._failPending(lambda: ClientClosed("client closed"))
         self._deadlines.clear()
         return self._drain()
+
+    def _connectFailed(self, channel: _Channel, error: BaseException) -> None:
+        why = unreachable(error)
+        self._failures[channel.endpoint] = why or str(error)
+        if self._everUp or why is None:
+            return
+        self._unreachable[channel.endpoint] = why
+        if all(e in self._unreachable for e in self._rotation.endpoints):
+            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
+            self._failPending(lambda: BrokerUnreachable(failures))
+            self._failures.clear()  # the next request tries again
+            self._unreachable.clear()
+            return
+        call = channel.call
+        self._discard(channel)
+        while self._rotation.current in self._unreachable:
+            self._moveOn()
+        if call is not None and not call.done:
+            self._enqueue(call, first=True)
+        self._pump()
 
     def _failPending(self, error: Callable[[], BaseException]) -> None:
         """Fail every request not yet done, each with an *error()* of its
@@ -825,7 +827,12 @@ class ClientMachine(Machine):
                                             call.tried or [self._rotation.current],
                                             failures=self._failures))
             self._pump()
-            return
+        else:
+            self._retry(call, streamed)
+
+    def _retry(self, call: _Call, streamed: bool) -> None:
+        """The next attempt of *call*, at the head of the FIFO (*streamed*:
+        PARTIALs of the one that ran out were delivered)."""
         call.attempts += 1
         self._outbox.append(Retrying(call, call.attempts))
         call.deadline = self.now + call.timeout
