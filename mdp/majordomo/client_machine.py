@@ -433,16 +433,6 @@ class ClientMachine(Machine):
         """*channel* is one of the pool (not given up)."""
         return channel in self._channels
 
-    def pending(self) -> list[_Call]:
-        """The requests not done, in the order they began."""
-        calls = {id(e[2]): e[2] for e in sorted(self._deadlines)}
-        for call in self._waiting:
-            calls[id(call)] = call
-        for channel in self._channels:
-            if channel.call is not None:
-                calls[id(channel.call)] = channel.call
-        return sorted((c for c in calls.values() if not c.done), key=lambda c: c.startedAt)
-
     # --- events ----------------------------------------------------------------
 
     def handleRequest(self, call: _Call, now: float) -> list[Action]:
@@ -591,7 +581,8 @@ class ClientMachine(Machine):
     def _failPending(self, error: Callable[[], BaseException]) -> None:
         """Fail every request not yet done, each with an *error()* of its
         own, and close every connection."""
-        calls = self.pending()
+        # every call not yet done has an entry for its current attempt
+        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
         self._waiting.clear()
         for channel in list(self._channels):
             self._discard(channel)
