@@ -390,7 +390,8 @@ def test_provides_its_interfaces() -> None:
     from zope.interface.verify import verifyObject
 
     from mdp.interfaces import IClient, IDealerReceiver
-    from mdp.majordomo.client import _Channel, _ChannelPipe
+    from mdp.majordomo.client import _ChannelPipe
+    from mdp.majordomo.client_machine import _Channel
 
     client = Client("loopback:nowhere", task.Clock())
     assert verifyObject(IClient, client)

@@ -14,7 +14,7 @@ from mdp import Backoff, Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import RequestTimeout, StreamRestarted
 from mdp.majordomo import codec
 from mdp.majordomo.broker import WorkerState as BrokerWorkerState
-from mdp.majordomo.client import CallState
+from mdp.majordomo.client_machine import CallState
 from mdp.majordomo.worker import WorkerState
 from mdp.testing import Close, Connected, Disconnect, Elapse, Lost, Open, Receive, Script, Send
 
@@ -462,7 +462,7 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
 
 def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     from mdp.errors import ClientClosed
-    from mdp.majordomo.client import (
+    from mdp.majordomo.client_machine import (
         ClientMachine,
         CloseChannel,
         Complete,
@@ -513,7 +513,7 @@ def test_client_machine_gives_a_cancelled_requests_connection_to_one_waiting() -
     reply (which can then go to nobody else), but not while another request
     waits for a connection with its clock running: that one gets a fresh
     connection in its place at once."""
-    from mdp.majordomo.client import ClientMachine, CloseChannel, OpenChannel, SendOn, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, OpenChannel, SendOn, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
 
@@ -539,7 +539,7 @@ def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited()
     """Attempts that end at the same wake-up all end before a freed
     connection is given out: a waiting request whose own clock ran out is
     failed, not sent and then failed."""
-    from mdp.majordomo.client import ClientMachine, CloseChannel, Fail, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, Fail, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
     machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
@@ -559,7 +559,7 @@ def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited()
 def test_client_machine_moves_attempts_that_end_together_to_the_next_broker() -> None:
     """Requests in flight together time out together: their retries do not
     all go back to the broker that did not answer."""
-    from mdp.majordomo.client import ClientMachine, OpenChannel, _Call
+    from mdp.majordomo.client_machine import ClientMachine, OpenChannel, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
     machine = ClientMachine(["a", "b"], maxConnections=2, dialect=codec.RFC)
@@ -582,7 +582,7 @@ def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reache
     from twisted.internet.error import ConnectionRefusedError, TimeoutError
 
     from mdp.errors import BrokerUnreachable
-    from mdp.majordomo.client import ClientMachine, CloseChannel, Fail, OpenChannel, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, Fail, OpenChannel, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
 
@@ -682,7 +682,7 @@ def test_client_machine_names_a_broker_unreachable_only_when_every_one_refused()
     is no proof that nobody is there."""
     from twisted.internet.error import ConnectionRefusedError, TimeoutError
 
-    from mdp.majordomo.client import ClientMachine, CloseChannel, OpenChannel, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, OpenChannel, _Call
 
     machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
     call = _Call(b"echo", [C, codec.C_REQUEST, b"echo", b"hi"], 2.0, 3, None, None, 0.0)
@@ -704,7 +704,7 @@ def test_client_machine_common_paths_act_as_the_general_ones() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from mdp.majordomo.client import ClientMachine, OpenChannel, _Call, _Channel
+    from mdp.majordomo.client_machine import ClientMachine, OpenChannel, _Call, _Channel
 
     class GeneralPaths(ClientMachine):
         def handleRequest(self, call: _Call, now: float) -> list[Any]:

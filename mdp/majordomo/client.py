@@ -39,7 +39,7 @@ from zope.interface import classImplements
 from mdp import transport
 from mdp.errors import ClientClosed, StreamRestarted
 from mdp.interfaces import IClient, IDealerReceiver
-from mdp.majordomo import codec
+from mdp.majordomo import client_machine, codec
 from mdp.majordomo.client_machine import (  # (the names of this module before the split too)
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
@@ -71,6 +71,14 @@ __all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState"
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 Action = Any  # an action of ClientMachine
+
+
+def __getattr__(name: str) -> Any:
+    """The machine's classes under this module's name too, where they were
+    defined before (compiled, a class the .pxd cimports is no attribute)."""
+    if name in ("ClientMachine", "_Call", "_Channel"):
+        return getattr(client_machine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tell(throttle: LogThrottle, action: Action) -> None:
