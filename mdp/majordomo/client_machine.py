@@ -512,11 +512,12 @@ class ClientMachine(Machine):
         it carries; anything else is dropped."""
         self.now = now
         call = channel.call
-        if (call is not None and len(frames) > 3 and frames[0] == _HEADER
-                and frames[2] == call.service and self.dialect == _RFC
-                and (frames[1] == _FINAL or frames[1] == _PARTIAL)):
+        command = frames[1] if len(frames) > 3 else None
+        final = command == _FINAL
+        if (call is not None and (final or command == _PARTIAL) and frames[0] == _HEADER
+                and frames[2] == call.service and self.dialect == _RFC):
             # a reply to the request in flight, checked as decode_client checks it
-            self._reply(channel, call, frames[1] == _FINAL, frames[3:])
+            self._reply(channel, call, final, frames[3:])
         else:
             self._decoded(channel, call, frames)
         outbox, self._outbox = self._outbox, []  # (_drain, without a call on this path)
