@@ -1260,7 +1260,7 @@ class Client:
     (:class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.ServiceUnavailable`,
     :class:`~mdp.errors.WorkerError`, :class:`~mdp.errors.BrokerUnreachable`, ...);
     :meth:`map` pipelines.  It drives the Twisted client's
-    :class:`~mdp.majordomo.client.ClientMachine` (``machine``).
+    :class:`~mdp.majordomo.client_machine.ClientMachine` (``machine``).
 
     *endpoint*: ``zmq:...``, ``tcp:...`` or ``unix:...`` (one,
     or a list); *timeout* is the seconds of **one attempt** and *retries* the
