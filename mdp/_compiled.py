@@ -27,6 +27,7 @@ MODULES = (
     "mdp.majordomo.broker_machine",
     "mdp.majordomo.broker_records",
     "mdp.majordomo.client",
+    "mdp.majordomo.client_machine",
     "mdp.majordomo.codec",
     "mdp.majordomo.worker",
     "mdp.transport.framing",
@@ -39,11 +40,12 @@ ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 
 #: modules whose ``.pxd`` cimports others': they run compiled only if those do
 CIMPORTS = {
-    "mdp.majordomo.client": ("mdp.machine",),
+    "mdp.majordomo.client_machine": ("mdp.machine",),
+    "mdp.majordomo.client": ("mdp.majordomo.client_machine",),
     "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
     "mdp.majordomo.broker_machine": ("mdp.machine", "mdp.majordomo.broker_records"),
-    "mdp.blocking": ("mdp.majordomo.client",),
+    "mdp.blocking": ("mdp.majordomo.client_machine",),
 }
 
 #: set (not "" or "0"): install compiles nothing, and imports run the sources

@@ -1,8 +1,8 @@
 # Compiled, the blocking client and its ZeroMQ pipes are extension types (see
 # majordomo/client.pxd); the client keeps an instance dictionary and weak
-# references, as a class of the source would.  docs/performance.md, item 26.
+# references, as a class of the source would.
 
-from mdp.majordomo.client cimport ClientCore, _Call
+from mdp.majordomo.client_machine cimport ClientMachine, _Call, _Channel
 
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller
@@ -26,14 +26,15 @@ cdef class _ZmqPipe:
     cdef _message(self, flags, bint limited=*)
     cdef _take(self, frames, now)
 
-cdef class Client(ClientCore):
+cdef class Client:
     cdef dict __dict__
     cdef object __weakref__
+    cdef public ClientMachine machine
     cdef public _Loop _loop
-    cdef public object _wakeTime, _madeUp, _forks
+    cdef public object curve, limits, throttle, _wakeTime, _closed, _unanswered, _forks
+    cdef public dict _pipes
 
     cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
     cdef _waitFor(self, _Call call)
-    cdef _drop(self, _Call call)
-    cdef _interrupted(self, error)
     cdef _perform(self, list actions)
+    cdef _send(self, _Channel channel, frames)

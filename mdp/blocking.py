@@ -32,33 +32,30 @@ import sys
 from collections import deque
 from collections.abc import Generator
 from time import monotonic
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from twisted.logger import Logger
 
 from mdp.errors import ClientClosed, OversizedMessage, TransportError
-from mdp.handlers import checked_handler, reply_frames
+from mdp.handlers import reply_frames
 from mdp.majordomo import codec
-from mdp.majordomo.client import (
+from mdp.majordomo.client import report_stale, tell
+from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
-    DONE,
-    DOWN,
     Action,
-    ClientCore,
+    ClientMachine,
     CloseChannel,
     Complete,
     Fail,
     OpenChannel,
-    Partial,
-    Restarted,
     SendOn,
     WakeAt,
     _Call,
     _Channel,
     _check_attempts,
-    call_back,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
@@ -68,11 +65,12 @@ from mdp.majordomo.worker import (
     ReopenAfter,
     SendToBroker,
     Serve,
-    WorkerMachine,
+    StoreReply,
+    WorkerDriver,
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import PIRATE, RECONNECT, Backoff, HeartbeatPolicy, Limits
+from mdp.policy import PIRATE, RECONNECT, Backoff, HeartbeatPolicy, Limits, LogThrottle
 from mdp.transport import curve_client_for, curve_for, endpoint_list
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
@@ -92,7 +90,7 @@ LINGER_MS = 200
 STREAM_SCHEMES = ("tcp", "unix")
 _READ_SIZE = 262144
 
-_PENDING: Any = object()  # a call's result while it is not done
+_PENDING: Any = object()  # the end of map()'s items
 
 #: what a handler returns that is certainly not a generator
 _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
@@ -1255,19 +1253,24 @@ class _Refused:
         self.result = error
 
 
-class Client(ClientCore):
+class Client:
     """A blocking MDP/0.2 client of one broker (or the first live one of a
     failover list): :meth:`request` returns the reply's frames and raises the
     errors the Twisted :class:`mdp.Client`'s Deferred fails with
     (:class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.ServiceUnavailable`,
     :class:`~mdp.errors.WorkerError`, :class:`~mdp.errors.BrokerUnreachable`, ...);
-    :meth:`map` pipelines.
+    :meth:`map` pipelines.  It drives the Twisted client's
+    :class:`~mdp.majordomo.client_machine.ClientMachine` (``machine``).
 
     *endpoint*: ``zmq:...``, ``tcp:...`` or ``unix:...`` (one,
     or a list); *timeout* is the seconds of **one attempt** and *retries* the
     number of attempts in all.  At most *maxConnections* requests are in flight
     at once (one per connection).  *context* is the ZeroMQ context to use (by
-    default one per process)."""
+    default one per process).
+
+    An exception that interrupts a call (Ctrl-C, wherever it lands) drops
+    every connection and fails every request in flight; the next call
+    starts clean, on fresh connections (docs/blocking.md)."""
 
     def __init__(
         self,
@@ -1283,16 +1286,34 @@ class Client(ClientCore):
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        super().__init__(endpoint, monotonic(), timeout=timeout, retries=retries,
-                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits, curveServerPublic=curveServerPublic,
-                         curveSecret=curveSecret)
-        _check_schemes(self.endpoints)
+        endpoints = endpoint_list(endpoint)
+        #: the broker's public key and this client's key pair, for zmq: endpoints
+        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
+        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
+                                     maxConnections=maxConnections, dialect=dialect,
+                                     stamp=stamp, limits=limits, now=monotonic())
+        _check_schemes(endpoints)
         _log_to_stdlib()
+        self.limits = limits
+        self.throttle = LogThrottle(_CLOCK)
         self._loop = _Loop(limits, context)
+        #: every pipe open, and its channel: to drop them all at once
+        self._pipes: dict[Any, _Channel] = {}
         self._wakeTime: Optional[float] = None
-        self._madeUp: deque[_Channel] = deque()  # zmq channels whose pipe is up, to tell
+        self._closed = False
+        #: the result of a request of the current machine not answered yet
+        self._unanswered = _Unanswered()
         self._forks = _forks
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self.machine.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self.machine.endpoint
 
     @property
     def forked(self) -> bool:
@@ -1314,17 +1335,9 @@ class Client(ClientCore):
         """Send a request and wait for its FINAL body frames.  Arguments and
         errors as :meth:`mdp.Client.request`; an error is raised instead of
         failing a Deferred.  *onPartial* and *onRestart* are called from
-        inside this call.  An exception that interrupts the wait (Ctrl-C)
-        abandons the request."""
-        call: Optional[_Call] = None
-        try:
-            call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
-            self._waitFor(call)
-        except BaseException as e:
-            if call is not None:  # (as _waitFor does; also before its own try)
-                self._drop(call)
-            self._interrupted(e)
-            raise
+        inside this call."""
+        call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
+        self._waitFor(call)
         result = call.result
         if isinstance(result, BaseException):
             raise result
@@ -1356,14 +1369,14 @@ class Client(ClientCore):
             raise TypeError(f"window is a number of requests, not {type(window).__name__}")
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
-        if window > self.maxConnections:
-            raise ValueError(f"window {window} is over maxConnections {self.maxConnections}: "
+        if window > self.machine.maxConnections:
+            raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
         # mistakes of the whole call raise here, not once per item
         codec.api_service_name(service)
         if timeout is not None or retries is not None:
-            _check_attempts(self.timeout if timeout is None else timeout,
-                            self.retries if retries is None else retries)
+            _check_attempts(self.machine.timeout if timeout is None else timeout,
+                            self.machine.retries if retries is None else retries)
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
@@ -1373,7 +1386,6 @@ class Client(ClientCore):
         #: what reading *items* raised: raised in its place, after the
         #: replies to the items before it
         broken: Optional[Exception] = None
-        interrupted: Optional[BaseException] = None
         try:
             while True:
                 while len(pending) < window and broken is None:
@@ -1382,16 +1394,9 @@ class Client(ClientCore):
                     except Exception as e:
                         broken = e
                         break
-                    if item is _PENDING:
+                    if item is _PENDING:  # (no more items)
                         break
-                    try:
-                        single = isinstance(item, (bytes, str, bytearray, memoryview))
-                        pending.append(self._submit(service, (item,) if single else tuple(item),
-                                                    timeout, retries, None, None))
-                    except ClientClosed:
-                        raise
-                    except Exception as e:  # an item that cannot be sent: its result
-                        pending.append(_Refused(e))
+                    pending.append(self._submitItem(service, item, timeout, retries))
                 if not pending:
                     if broken is not None:
                         raise broken
@@ -1401,28 +1406,36 @@ class Client(ClientCore):
                     self._waitFor(call)
                 pending.popleft()
                 result = call.result
-                if isinstance(result, BaseException):
-                    if not returnExceptions:
-                        raise result
-                    yield result
-                else:
-                    yield result
-        except BaseException as e:
-            interrupted = e
-            raise
+                if isinstance(result, BaseException) and not returnExceptions:
+                    raise result
+                yield result
         finally:
             for call in pending:
-                self._cancel(call)
-            self._interrupted(interrupted)
+                if call.__class__ is not _Refused:
+                    self._cancel(call)
+
+    def _submitItem(self, service: Union[str, bytes], item: Any, timeout: Optional[float],
+                    retries: Optional[int]) -> Any:
+        """The request of one item of :meth:`map` (``bytes``/``str``: one
+        frame; a sequence: its frames), or, if it cannot be sent, its error."""
+        single = isinstance(item, (bytes, str, bytearray, memoryview))
+        try:
+            return self._submit(service, (item,) if single else tuple(item), timeout, retries,
+                                None, None)
+        except ClientClosed:
+            raise
+        except Exception as e:
+            return _Refused(e)
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed` and close
         every socket."""
         if self._forks != _forks:  # forked: the sockets are the parent's, left alone
-            for channel in self._channels:
-                channel.pipe = None
+            self.machine = self.machine.fresh(monotonic())
+            self._pipes = {}
             self._loop = _Loop(self.limits, None)
-        self._perform(self.handleClose(monotonic()))
+        self._closed = True
+        self._perform(self.machine.handleClose(monotonic()))
         self._loop.shutdown()
 
     def __enter__(self) -> Client:
@@ -1441,176 +1454,165 @@ class Client(ClientCore):
             raise ClientClosed("this client belongs to the process it was made in; "
                                "make a new one after fork()")
         now = monotonic()
-        call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now)
-        call.result = _PENDING
+        machine = self.machine
+        call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now)
+        call.result = self._unanswered
         try:
-            self._perform(self.handleRequest(call, now))
-        except BaseException:  # (Ctrl-C while it was being sent) abandoned
-            self._drop(call)
+            self._perform(machine.handleRequest(call, now))
+        except BaseException:
+            self._drop()
             raise
         return call
-
-    def _drop(self, call: _Call) -> None:
-        """*call* is abandoned by what interrupted it (its caller gets that
-        instead): cancelled, and the driver's wake-up made the machine's
-        again, whatever the interrupt cut short."""
-        try:
-            self._cancel(call)
-        finally:
-            self._wakeTime = self._wakeAt
-
-    def _interrupted(self, error: Optional[BaseException]) -> None:
-        """A request or a ``map`` ends with *error*: if it is an interrupt
-        (Ctrl-C; not an ``Exception``, and not a generator's close), which
-        may have landed anywhere in the machine or its actions, the pool of
-        connections is made whole again
-        (:meth:`~mdp.majordomo.client.ClientMachine.handleReset`), once
-        the interrupted requests are cancelled."""
-        if (error is None or isinstance(error, (Exception, GeneratorExit))
-                or self._closed):
-            return
-        try:
-            # a stream connection's pipes whose coming up (or loss) the
-            # interrupt kept from being told
-            for link in list(self._loop.links.values()):
-                link.mend()
-            # (the channels whose socket is still there and whose pipe is up,
-            # or known to be down: the others are closed)
-            sound = [channel for channel in self._channels if channel.pipe is not None
-                     and (channel.pipe.up or channel.state is DOWN)]
-            # a connection up whose coming up the interrupt kept from the
-            # machine is told after the reset, as _open's are (_perform)
-            self._madeUp.clear()
-            self._madeUp.extend(channel for channel in sound
-                                if channel.pipe.up and channel.state is DOWN)
-            self._perform(self.handleReset(monotonic(), sound))
-        finally:
-            self._wakeTime = self._wakeAt
-
-    def _cancel(self, call: _Call) -> None:
-        if call.result is _PENDING:
-            call.result = ClientClosed("request abandoned")
-            self._perform(self.handleCancel(call, monotonic()))
-            call.onPartial = call.onRestart = None
 
     def _waitFor(self, call: _Call) -> None:
         """Run the sockets and the timers until *call* is done: wait for a
         socket or the machine's wake-up, and handle what came."""
         loop = self._loop
         try:
-            while call.result is _PENDING:
+            while call.result is self._unanswered:
                 loop.turn(self._wakeTime)
                 when = self._wakeTime
                 if when is not None:
                     now = monotonic()
                     if now >= when:
                         self._wakeTime = None
-                        self._perform(self.handleWake(now))
+                        self._perform(self.machine.handleWake(now))
         except BaseException:
-            self._drop(call)
+            self._drop()
             raise
+        if call.result.__class__ is _Unanswered:  # of a machine dropped since
+            call.result = ClientClosed("request abandoned: an interrupt dropped the "
+                                       "client's connections")
+
+    def _cancel(self, call: _Call) -> None:
+        if call.result is self._unanswered:
+            call.result = ClientClosed("request abandoned")
+            call.onPartial = call.onRestart = None
+            try:
+                self._perform(self.machine.handleCancel(call, monotonic()))
+            except BaseException:
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        """What a call was doing was interrupted (Ctrl-C, or any exception,
+        wherever it landed): every connection is closed and the requests in
+        flight are answered no more (a request waited for later raises
+        :class:`ClientClosed`); the client goes on with a fresh machine, so
+        no reply to them can reach a later request."""
+        self.machine = self.machine.fresh(monotonic())
+        self._unanswered = _Unanswered()
+        self._wakeTime = None
+        pipes = self._pipes
+        while pipes:
+            pipe, channel = pipes.popitem()
+            channel.pipe = None  # (an action of the machine dropped finds no pipe)
+            self._loop.close(pipe)
+        self._loop.closeIdle()
 
     # --- what the pipes report -------------------------------------------------
 
     def _pipeUp(self, channel: _Channel, now: float) -> None:
-        self._perform(self.handlePipeUp(channel, now))
+        self._perform(self.machine.handlePipeUp(channel, now))
 
     def _pipeLost(self, channel: _Channel, why: BaseException, now: float) -> None:
-        self._perform(self.handlePipeLost(channel, why, now))
+        self._perform(self.machine.handlePipeLost(channel, why, now))
 
     def _pipeFailed(self, channel: _Channel, error: BaseException, now: float) -> None:
-        self._perform(self.handleConnectFailed(channel, error, now))
+        self._perform(self.machine.handleConnectFailed(channel, error, now))
 
     def _pipeMessage(self, channel: _Channel, frames: list[bytes], now: float) -> None:
-        self._perform(self.handleMessage(channel, frames, now))
+        self._perform(self.machine.handleMessage(channel, frames, now))
+
+    def _stale(self, channel: _Channel) -> None:
+        report_stale(self.throttle, channel)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order (as the Twisted driver).  A
-        caller's callback that raises is logged.  Whatever interrupts an
-        action (Ctrl-C, in a callback or anywhere else) has the rest of the
-        actions done first, then is raised: the machine's decisions are
-        never half done (a channel it opened left without a socket, a
-        wake-up it asked for never armed)."""
-        interrupted: Optional[BaseException] = None
+        """Do what the machine asked, in order (as the Twisted driver); a
+        caller's callback that raises an ``Exception`` is logged."""
+        closed = False
         for action in actions:
-            try:
-                kind = type(action)
-                if kind is SendOn:
-                    channel = action.channel
-                    pipe = channel.pipe
-                    call = channel.call
-                    if (pipe is not None and pipe.up and call is not None
-                            and call.state is not DONE):
-                        if pipe.discardReceived():
-                            self._stale(channel)
-                        pipe.send(action.frames)
-                elif kind is Complete or kind is Fail:
-                    call = action.call
-                    if call.result is _PENDING:
-                        call.result = action.body if kind is Complete else action.error
-                    call.onPartial = call.onRestart = None
-                elif kind is WakeAt:
-                    # the machine's wake-up as it is now (a callback above may have
-                    # asked for an earlier one, which this older action must not undo)
-                    self._wakeTime = self._wakeAt
-                elif kind is OpenChannel:
-                    channel = action.channel
-                    # a callback run by an earlier action may have closed the
-                    # client, or waited on it (a request of its own) while the
-                    # machine gave up this channel: it is not opened, as nothing
-                    # would ever close it
-                    if not self._closed and channel in self._channels:
-                        self._open(channel)
-                elif kind is CloseChannel:
-                    pipe, action.channel.pipe = action.channel.pipe, None
-                    if pipe is not None:
-                        self._loop.close(pipe)
-                elif kind is Partial:
-                    onPartial = action.call.onPartial
-                    if onPartial is not None and not action.call.done:
-                        call_back("onPartial", action.call, onPartial, action.body)
-                elif kind is Restarted:
-                    onRestart = action.call.onRestart
-                    if onRestart is not None and not action.call.done:
-                        call_back("onRestart", action.call, onRestart)
-            except BaseException as e:  # raised once the rest is done
-                if interrupted is None:
-                    interrupted = e
-        while self._madeUp:
-            channel = self._madeUp.popleft()
-            if channel.pipe is not None:
-                self._perform(self.handlePipeUp(channel, monotonic()))
-        if self._loop.idle:  # (a stream connection whose last pipe these actions closed)
+            kind = type(action)
+            if kind is SendOn:
+                self._send(action.channel, action.frames)
+            elif kind is Complete or kind is Fail:
+                call = action.call
+                if call.result is self._unanswered:
+                    call.result = action.body if kind is Complete else action.error
+                call.onPartial = call.onRestart = None
+            elif kind is CloseChannel:
+                closed = self._close(action.channel) or closed
+            else:
+                self._act(action)
+        if closed:  # a stream connection whose last pipe these actions closed
             self._loop.closeIdle()
-        if interrupted is not None:
-            raise interrupted
+
+    def _act(self, action: Action) -> None:
+        """An action other than a request's send and end, or a close."""
+        kind = type(action)
+        if kind is WakeAt:
+            # an earlier wake-up stays (asked for by a nested event)
+            when = action.when
+            if when is None or self._wakeTime is None or when < self._wakeTime:
+                self._wakeTime = when
+        elif kind is OpenChannel:
+            # (not if a callback run by an earlier action closed the client,
+            # or had the machine give the channel up)
+            if not self._closed and self.machine.holds(action.channel):
+                self._open(action.channel)
+        else:
+            tell(self.throttle, action)
+
+    def _send(self, channel: _Channel, frames: list[bytes]) -> None:
+        pipe = channel.pipe
+        call = channel.call
+        # (not if a callback run by an earlier action cancelled its request)
+        if pipe is not None and pipe.up and call is not None and not call.done:
+            if pipe.discardReceived():
+                report_stale(self.throttle, channel)
+            pipe.send(frames)
+
+    def _close(self, channel: _Channel) -> bool:
+        """Close the pipe of *channel*; whether there was one."""
+        pipe, channel.pipe = channel.pipe, None
+        if pipe is None:
+            return False
+        self._pipes.pop(pipe, None)
+        self._loop.close(pipe)
+        return True
 
     def _open(self, channel: _Channel) -> None:
+        pipe = None
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
-            # a failure reported at once (no such socket file) may close the channel
+            self._pipes[pipe] = channel
+            # (a stream pipe may say at once that it is up, or failed)
             pipe.start()
-        except BaseException as e:
-            # no socket to be had (out of descriptors), or the opening was
-            # interrupted (Ctrl-C): nothing can be sent on it, and the machine
-            # is told so (a channel it believes opening, with no socket,
-            # would hold its request for good)
-            pipe, channel.pipe = channel.pipe, None
+        except Exception as e:  # no socket to be had (out of descriptors)
             if pipe is not None:
+                channel.pipe = None
+                self._pipes.pop(pipe, None)
                 self._loop.close(pipe)
-            why = str(e) if isinstance(e, Exception) else f"interrupted ({type(e).__name__})"
-            error = TransportError(f"cannot open a connection to {channel.endpoint}: {why}")
+            error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
             error.__cause__ = e
-            self._perform(self.handleOpenFailed(channel, error, monotonic()))
-            if not isinstance(e, Exception):
-                raise
+            self._perform(self.machine.handleOpenFailed(channel, error, monotonic()))
             return
-        if pipe.up and channel.pipe is pipe:  # ZeroMQ: up at once, told after these actions
-            self._madeUp.append(channel)
+        if pipe.up and not channel.up and channel.pipe is pipe:  # ZeroMQ: up at once
+            self._perform(self.machine.handlePipeUp(channel, monotonic()))
 
 
-class Worker(WorkerMachine):
+class _Unanswered:
+    """The result of a request not answered yet (one per machine: see
+    :meth:`Client._drop`)."""
+
+    __slots__ = ()
+
+
+_CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
+
+
+class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*: the
     :class:`~mdp.majordomo.worker.WorkerMachine` of :class:`mdp.Worker` (READY,
     heartbeats both ways, Paranoid Pirate reconnection with backoff and
@@ -1642,12 +1644,9 @@ class Worker(WorkerMachine):
     ) -> None:
         endpoints = endpoint_list(endpoint)
         _check_schemes(endpoints)
-        self.handler = checked_handler(handler)
-        #: the broker's public key and this worker's key pair, for zmq: endpoints
-        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
-        super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
-                         backoff=backoff, dialect=dialect, limits=limits, now=monotonic())
-        self.requestsServed = 0
+        super().__init__(endpoints, service, handler, _CLOCK, heartbeat=heartbeat,
+                         backoff=backoff, dialect=dialect, limits=limits,
+                         curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         _log_to_stdlib()
         self._context = context
         #: the sockets and the poller, made by :meth:`run` and released when
@@ -1657,7 +1656,6 @@ class Worker(WorkerMachine):
         self._reopenAt: Optional[float] = None
         self._nextTick = 0.0
         self._stopping = False
-        self._madeUp = False
 
     def stop(self) -> None:
         """Make :meth:`run` return (after saying DISCONNECT) once the current
@@ -1670,10 +1668,10 @@ class Worker(WorkerMachine):
         after every wake-up), or an exception (Ctrl-C) ends the loop; then say
         DISCONNECT and close."""
         self._stopping = False
-        self._loop = _Loop(self.limits, self._context)
+        self._loop = _Loop(self.machine.limits, self._context)
         now = monotonic()
-        self._nextTick = now + self.wakeEvery
-        self._perform(self.handleStart(now))
+        self._nextTick = now + self.machine.wakeEvery
+        self._perform(self.machine.handleStart(now))
         try:
             while not self._stopping and (until is None or not until()):
                 when = self._nextTick
@@ -1683,13 +1681,13 @@ class Worker(WorkerMachine):
                 now = monotonic()
                 if self._reopenAt is not None and now >= self._reopenAt:
                     self._reopenAt = None
-                    self._perform(self.handleReopen(now))
+                    self._perform(self.machine.handleReopen(now))
                 if now >= self._nextTick:
-                    self._tock(now)
+                    self._tickDue(now)
         finally:
             self._reopenAt = None
             try:
-                self._perform(self.handleStop(monotonic()))
+                self._perform(self.machine.handleStop(monotonic()))
             finally:
                 loop, self._loop = self._loop, None
                 loop.shutdown()
@@ -1697,17 +1695,18 @@ class Worker(WorkerMachine):
     # --- what the pipe reports -------------------------------------------------
 
     def _pipeUp(self, tag: Any, now: float) -> None:
-        self._perform(self.handlePipeUp(now))
+        self._perform(self.machine.handlePipeUp(now))
+        self._ready()
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        self._perform(self.handlePipeLost(now, why))
+        self._perform(self.machine.handlePipeLost(now, why))
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
         # logged; the stream retries, and the broker's silence decides (the machine's tick)
-        self._perform(self.handleConnectFailed(error, now))
+        self._perform(self.machine.handleConnectFailed(error, now))
 
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
-        self._perform(self.handleMessage(frames, now))
+        self._perform(self.machine.handleMessage(frames, now))
 
     # --- the driver ------------------------------------------------------------
 
@@ -1720,29 +1719,29 @@ class Worker(WorkerMachine):
             elif kind is Serve:
                 self._serve(action.job, action.body)
             elif kind is OpenPipe:
-                try:
-                    pipe = self._loop.open(action.endpoint, self, None, LINGER_MS,
-                                           curve=self.curve)
-                except Exception as e:  # no socket to be had (out of descriptors)
-                    error = TransportError(f"cannot connect to {action.endpoint!r}: {e}")
-                    error.__cause__ = e
-                    self._perform(self.handleOpenFailed(error, monotonic()))
-                    continue
-                self._pipe = pipe
-                pipe.start()
-                if pipe.up:
-                    self._madeUp = True
+                self._open(action.endpoint)
             elif kind is ClosePipe:
                 pipe, self._pipe = self._pipe, None
                 if pipe is not None:
                     self._loop.close(pipe)
             elif kind is ReopenAfter:
+                self._report(action)
                 self._reopenAt = monotonic() + action.delay
-            # StoreReply: a blocking worker keeps no reply store
-        if self._madeUp:
-            self._madeUp = False
-            if self._pipe is not None:
-                self._perform(self.handlePipeUp(monotonic()))
+            elif kind is not StoreReply:  # (a blocking worker keeps no reply store)
+                self._report(action)
+
+    def _open(self, endpoint: str) -> None:
+        try:
+            pipe = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve)
+        except Exception as e:  # no socket to be had (out of descriptors)
+            error = TransportError(f"cannot connect to {endpoint!r}: {e}")
+            error.__cause__ = e
+            self._openFailed(error)
+            return
+        self._pipe = pipe
+        pipe.start()  # (a stream pipe may say at once that it is up)
+        if pipe.up and not self.machine.connected and self._pipe is pipe:  # ZeroMQ: up at once
+            self._pipeUp(None, monotonic())
 
     def _serve(self, job: Any, body: list[bytes]) -> None:
         started = monotonic()
@@ -1755,14 +1754,13 @@ class Worker(WorkerMachine):
                 self._reply(job, WorkerFinal, reply_frames(result))
                 self.requestsServed += 1
         except Exception as e:
-            log.failure("handler for {service} failed", service=label(self.service))
+            log.failure("handler for {service} failed", service=label(self.machine.service))
             self._reply(job, WorkerFinal, codec.error_body(
                 codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}"))
-        if monotonic() - started > self.heartbeat.interval:
-            self._perform(self.handleBlocked(monotonic()))
+        if monotonic() - started > self.machine.heartbeat.interval:
+            self._perform(self.machine.handleBlocked(monotonic()))
 
     def _stream(self, parts: Any, job: Any) -> None:
-        loop = self._loop
         for item in parts:
             if isinstance(item, Final):
                 parts.close()
@@ -1772,43 +1770,44 @@ class Worker(WorkerMachine):
             if not self._reply(job, WorkerPartial, reply_frames(item)):
                 parts.close()  # the request is void, or was answered (413)
                 return
-            # between parts as between requests: what the broker sent is
-            # read, a HEARTBEAT goes out when due, a broker silent for its
-            # expiry is given up
-            pipe = self._pipe
-            if pipe is not None and pipe.backlogged:
-                # the broker takes PARTIALs slower than the handler makes
-                # them: wait rather than pile them up
-                while pipe.backlogged and self.isCurrent(job) and not loop.poller.closed:
-                    loop.turn(self._nextTick)
-                    now = monotonic()
-                    if now >= self._nextTick:
-                        self._tock(now)
-            else:
-                now = monotonic()
-                if now >= self._nextTick:
-                    loop.turn(now)  # (a look, no wait)
-                    self._tock(monotonic())
-            if not self.isCurrent(job):
+            self._betweenParts(job)
+            if not self.machine.isCurrent(job):
                 # its broker was lost or given up meanwhile: so is the request
                 parts.close()
                 log.info("worker for {service} stopped a stream: its request went with "
-                         "its broker", service=label(self.service))
+                         "its broker", service=label(self.machine.service))
                 return
         self._reply(job, WorkerFinal, [b""])
         self.requestsServed += 1
 
-    def _tock(self, now: float) -> None:
+    def _betweenParts(self, job: Any) -> None:
+        """Between parts as between requests: what the broker sent is read,
+        a HEARTBEAT goes out when due, a broker silent for its expiry is
+        given up; while the broker takes PARTIALs slower than the handler
+        makes them, wait rather than pile them up."""
+        loop = self._loop
+        pipe = self._pipe
+        if pipe is not None and pipe.backlogged:
+            while pipe.backlogged and self.machine.isCurrent(job) and not loop.poller.closed:
+                loop.turn(self._nextTick)
+                now = monotonic()
+                if now >= self._nextTick:
+                    self._tickDue(now)
+        elif monotonic() >= self._nextTick:
+            loop.turn(monotonic())  # (a look, no wait)
+            self._tickDue(monotonic())
+
+    def _tickDue(self, now: float) -> None:
         """The machine's tick, due by *now* (heartbeats, the broker's
         silence); a tick late by more than an interval was held up by a
         handler (or a stopped process): the broker's silence is ours."""
-        if now - self._nextTick > self.heartbeat.interval:
-            self._perform(self.handleBlocked(now))
-        self._nextTick = now + self.wakeEvery
-        self._perform(self.handleTick(now))
+        if now - self._nextTick > self.machine.heartbeat.interval:
+            self._perform(self.machine.handleBlocked(now))
+        self._nextTick = now + self.machine.wakeEvery
+        self._perform(self.machine.handleTick(now))
 
     def _reply(self, job: Any, kind: type, frames: list[bytes]) -> bool:
-        sent, actions = self.handleReply(job, kind, frames, monotonic())
+        sent, actions = self.machine.handleReply(job, kind, frames, monotonic())
         self._perform(actions)
         return sent
 

@@ -1,6 +1,6 @@
 # Compiled, Machine is an extension type: its attributes are fields of a C
-# struct, which the compiled machines (client.pxd) read without a lookup.
-# The source (machine.py) is the same class; docs/performance.md, item 26.
+# struct, which the compiled machines read without a lookup.  The source
+# (machine.py) is the same class.
 
 cdef class Machine:
     cdef public object now

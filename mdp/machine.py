@@ -14,9 +14,8 @@ from typing import Any
 
 import attrs
 
-#: The decorator of action classes.  Plain slotted attrs classes: frozen ones
-#: set every field through ``object.__setattr__``, which costs on the hot path
-#: (docs/performance.md).
+#: The decorator of action classes: plain slotted attrs classes (frozen ones
+#: set every field through ``object.__setattr__``, slow on a request's path).
 action_class = attrs.define(slots=True, weakref_slot=False)
 
 

@@ -150,7 +150,7 @@ try:
     client.request("s", b"x")
 except TransportError as e:
     print("raised", type(e).__name__, "|", e)
-print("connections left", len(client._channels))
+print("connections left", len(client.machine._channels))
 for fd in spare:
     os.close(fd)
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -244,7 +244,7 @@ def test_requests_after_an_abandoned_map_are_sent_at_once(broker: ScriptedBroker
             break
         replies = list(client.map("s", [b"q0", b"q1", b"q2", b"q3"], window=4, timeout=2))
         assert replies == [[b"q0"], [b"q1"], [b"q2"], [b"q3"]]
-        assert len(client._channels) == 4
+        assert len(client.machine._channels) == 4
 
 
 # --- addresses ------------------------------------------------------------------------------
@@ -629,38 +629,6 @@ def test_an_end_waiting_in_the_socket_is_no_stale_reply() -> None:
         server.stop()
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["map", "request"])
-def test_an_interrupt_while_a_stream_connection_comes_up_leaves_the_client_whole(
-        how: str) -> None:
-    """A Ctrl-C at every third Python step of a first request or map over
-    ``tcp:`` (several pipes waiting for the one connection): every later
-    request is answered at once with its own reply."""
-    server = ChannelServer()
-    bad = []
-    try:
-        for n in range(1, 3000, 3):
-            with Client(server.endpoint, timeout=1.5, retries=1, maxConnections=4) as client:
-                if how == "map":
-                    hit = map_interrupted_at(client, n, [b"%d-%d" % (n, i) for i in range(8)])
-                else:
-                    hit = interrupted_at(client, n, b"cut")
-                if not hit:
-                    break
-                again = [b"again-%d-%d" % (n, i) for i in range(8)]
-                started = time.monotonic()
-                try:
-                    replies: Any = list(client.map("s", again, window=4))
-                except Exception as e:
-                    replies = e
-                if replies != [[b] for b in again] or time.monotonic() - started > 1.0:
-                    bad.append((n, repr(replies)[:100]))
-        assert n > 1 and not hit, "the request was never done within the steps tried"
-        assert not bad, bad[:10]
-    finally:
-        server.stop()
-
-
 def test_each_address_of_a_host_is_tried_in_turn(monkeypatch: Any) -> None:
     """A name that resolves to several addresses (``localhost``: ``::1``
     and ``127.0.0.1``) is reached at the first that takes a connection."""
@@ -974,7 +942,7 @@ def test_no_connection_is_opened_for_a_channel_given_up_inside_a_callback(
                               onRestart=onRestart) == [b"end"]
         assert inner == ["timed out"]
         assert [pipe for pipe in client._loop.pipes.values()
-                if pipe.tag not in client._channels] == []
+                if pipe.tag not in client.machine._channels] == []
     finally:
         client.close()
         context.finish()
@@ -1212,13 +1180,13 @@ def test_a_blocking_worker_streaming_to_a_live_broker_goes_on() -> None:
         worker = running.ready(time.monotonic() + 10)
         running.router.send_multipart([worker, WORKER, REQUEST, b"client", b"", b"go"])
         start = last = time.monotonic()
-        expiry = running.worker.heartbeat.expiry
+        expiry = running.worker.machine.heartbeat.expiry
         parts = 0
         while time.monotonic() - start < 5 * expiry:
             frames = running.receive()
             assert frames[0] == worker and frames[2] != READY, "the worker registered again"
             parts += 1
-            if time.monotonic() - last >= running.worker.heartbeat.interval / 2:
+            if time.monotonic() - last >= running.worker.machine.heartbeat.interval / 2:
                 last = time.monotonic()
                 running.router.send_multipart([worker, WORKER, W_HEARTBEAT])
         assert not running.closed.is_set() and parts > 1
@@ -1279,75 +1247,6 @@ def interrupted_at(client: Client, n: int, body: bytes) -> bool:
     return False
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("connections", [1, 4])
-@pytest.mark.parametrize("broker", [echo], indirect=True)
-def test_an_interrupt_anywhere_in_a_request_leaves_the_client_whole(
-        broker: ScriptedBroker, connections: int) -> None:
-    """A Ctrl-C at any point of a request (in the machine, in what it asked
-    the driver to do, in the wait) abandons that request, and the client
-    goes on: the next requests are answered at once, each with its own
-    reply.  Before, one taken at the wrong point kept a connection from
-    the pool for good (with one connection, every later request timed out)
-    or left a channel the machine believed open without a socket."""
-    points = 0
-    for n in range(1, 400):
-        with Client(broker.endpoint, timeout=2.0, retries=1, maxConnections=connections) as client:
-            assert client.request("s", b"first") == [b"first"]
-            if not interrupted_at(client, n, b"cut"):
-                break  # past the request's last step
-            points += 1
-            for k in range(3):
-                started = time.monotonic()
-                assert client.request("s", b"after%d" % k) == [b"after%d" % k], n
-                assert time.monotonic() - started < 1.0, n
-    assert points >= 1  # (compiled, fewer steps are Python: the interrupt lands at those)
-
-
-@pytest.mark.timeout(60)
-# (an interrupt may land in pyzmq's release of a frame, which can only print it)
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("broker", [echo], indirect=True)
-def test_requests_under_a_storm_of_interrupts_get_their_own_replies(broker: ScriptedBroker) -> None:
-    """Ctrl-C at random points (a timer's signal every 0.05–1.5 ms, for
-    two seconds of requests on one connection): every request that
-    returns has its own reply, and afterwards the client answers at once.
-    Compiled, the client before was left waiting for good."""
-    import random
-    import signal
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    rng = random.Random(7)
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    answered = interrupted = 0
-    try:
-        with Client(broker.endpoint, timeout=2.0, retries=1, maxConnections=1) as client:
-            ends = time.monotonic() + 2.0
-            n = 0
-            while time.monotonic() < ends:
-                n += 1
-                try:
-                    signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.00005, 0.0015))
-                    reply = client.request("s", b"%d" % n)
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    assert reply == [b"%d" % n]
-                    answered += 1
-                except KeyboardInterrupt:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    interrupted += 1
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            for k in range(5):
-                started = time.monotonic()
-                assert client.request("s", b"after%d" % k) == [b"after%d" % k]
-                assert time.monotonic() - started < 1.0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    assert answered and interrupted, (answered, interrupted)
-
-
 def map_interrupted_at(client: Client, n: int, bodies: list[bytes]) -> bool:
     """``list(client.map("s", bodies, window=4))`` interrupted as in
     :func:`interrupted_at`; whether the interrupt came."""
@@ -1359,13 +1258,44 @@ def map_interrupted_at(client: Client, n: int, bodies: list[bytes]) -> bool:
     return False
 
 
+def answers_at_once(client: Client, tag: bytes) -> None:
+    """The next calls succeed at once, each with its own reply (never one
+    left from the interrupted call)."""
+    started = time.monotonic()
+    assert client.request("s", tag + b"-one") == [tag + b"-one"]
+    again = [tag + b"-%d" % i for i in range(6)]
+    window = min(4, client.machine.maxConnections)
+    assert list(client.map("s", again, window=window)) == [[body] for body in again]
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("connections", [1, 4])
+@pytest.mark.parametrize("broker", [echo], indirect=True)
+def test_after_an_interrupt_anywhere_in_a_request_the_next_call_starts_clean(
+        broker: ScriptedBroker, connections: int) -> None:
+    """A Ctrl-C at any step of a request (in the machine, in what it asked
+    the driver to do, in the wait): that request raises it, the client drops
+    its connections, and the next calls are answered at once, each with its
+    own reply (docs/blocking.md, "An interrupted call")."""
+    points = 0
+    for n in range(1, 400):
+        with Client(broker.endpoint, timeout=2.0, retries=1, maxConnections=connections) as client:
+            assert client.request("s", b"first") == [b"first"]
+            if not interrupted_at(client, n, b"cut"):
+                break  # past the request's last step
+            points += 1
+            answers_at_once(client, b"after%d" % n)
+    assert points >= 1  # (compiled, fewer steps are Python: the interrupt lands at those)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("broker", [echo], indirect=True)
-def test_an_interrupted_map_sends_nothing_again_and_the_client_goes_on(
+def test_after_an_interrupt_anywhere_in_a_map_the_next_call_starts_clean(
         broker: ScriptedBroker) -> None:
-    """A Ctrl-C inside ``map()`` abandons the requests it had in flight
-    (none is sent a second time: they are cancelled before the connections
-    start over), and the next ``map()`` gets its own replies at once."""
+    """A Ctrl-C at any step of a ``map()``: the map raises it, none of its
+    requests is sent a second time, and the next calls are answered at once
+    with their own replies."""
     points = 0
     for n in range(1, 600, 3):
         with Client(broker.endpoint, timeout=2.0, retries=1, maxConnections=4) as client:
@@ -1374,13 +1304,33 @@ def test_an_interrupted_map_sends_nothing_again_and_the_client_goes_on(
             if not map_interrupted_at(client, n, bodies):
                 break
             points += 1
-            again = [b"again-%d-%d" % (n, i) for i in range(6)]
-            started = time.monotonic()
-            assert list(client.map("s", again, window=4)) == [[body] for body in again], n
-            assert time.monotonic() - started < 1.0, n
+            answers_at_once(client, b"again%d" % n)
         sent = [body[0] for body in broker.seen if body and body[0] in bodies]
         assert len(sent) == len(set(sent)), (n, sent)
     assert points >= 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["map", "request"])
+def test_after_an_interrupt_while_a_stream_connection_comes_up_the_next_call_starts_clean(
+        how: str) -> None:
+    """The same over ``tcp:``, where the pipes share one connection that
+    comes up after they are opened: a Ctrl-C at every third step of a
+    first request or map, and the next calls get their own replies at once."""
+    server = ChannelServer()
+    try:
+        for n in range(1, 3000, 3):
+            with Client(server.endpoint, timeout=1.5, retries=1, maxConnections=4) as client:
+                if how == "map":
+                    hit = map_interrupted_at(client, n, [b"%d-%d" % (n, i) for i in range(8)])
+                else:
+                    hit = interrupted_at(client, n, b"cut")
+                if not hit:
+                    break
+                answers_at_once(client, b"again%d" % n)
+        assert n > 1 and not hit, "the request was never done within the steps tried"
+    finally:
+        server.stop()
 
 
 outer_runs: list[bytes] = []
@@ -1401,12 +1351,13 @@ def outer_then_release(peer: bytes, body: list[bytes]) -> list[ScriptReply]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("broker", [outer_then_release], indirect=True)
-def test_an_interrupt_caught_inside_a_callback_leaves_the_outer_request_alone(
+def test_an_interrupt_of_a_request_inside_a_callback_fails_the_outer_request_too(
         broker: ScriptedBroker) -> None:
     """A request made from ``onPartial`` is interrupted (Ctrl-C) and the
-    callback catches it: the outer request, whose connection is sound,
-    still gets its reply there, run once (it was sent again and failed
-    with StreamRestarted when every connection was started over)."""
+    callback catches it: the client dropped every connection, so the outer
+    request, in flight on one of them, fails with ClientClosed (it is not
+    sent again, and its end, sent after, reaches nobody); a request made
+    after the interrupt is answered."""
     import signal
 
     def interrupt(signum: int, frame: Any) -> None:
@@ -1426,11 +1377,13 @@ def test_an_interrupt_caught_inside_a_callback_leaves_the_outer_request_alone(
                     events.append("interrupted")
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
-                assert client.request("s", b"release") == [b"release"]
+                events.append(client.request("s", b"release"))
 
-            assert client.request("s", b"outer", onPartial=onPartial) == [b"end"]
+            with pytest.raises(errors.ClientClosed, match="interrupt"):
+                client.request("s", b"outer", onPartial=onPartial)
+            answers_at_once(client, b"later")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert events == [[b"p1"], "interrupted"]
+    assert events == [[b"p1"], "interrupted", [b"release"]]
     assert len(outer_runs) == 1

@@ -149,7 +149,7 @@ async def test_a_stream_failed_on_restart_frees_the_connection_for_one_waiting(
     final(router, other, b"svc", b"ok")
     assert await clocknet.wait(waiting) == [b"ok"]
     assert parts == [[b"part"]]
-    assert client._abandoned == 0
+    assert client.machine._abandoned == 0
 
 
 @pytest_twisted.ensureDeferred
@@ -186,11 +186,11 @@ async def test_cancelling_a_batch_in_flight_and_waiting_opens_no_connection(
         call.addErrback(lambda failure: failure.trap(defer.CancelledError))
     clocknet.advance(0)
     assert len(requests(router)) == 1
-    (channel,) = client._channels
+    (channel,) = client.machine._channels
     for call in calls:
         call.cancel()
     clocknet.advance(0)
-    assert len(requests(router)) == 1 and client._channels == {channel}
+    assert len(requests(router)) == 1 and client.machine._channels == {channel}
 
 
 @pytest_twisted.ensureDeferred
@@ -208,7 +208,7 @@ async def test_a_stream_failed_on_restart_keeps_its_connection_for_the_reply(
     with pytest.raises(StreamRestarted):
         await clocknet.wait(streamed)
     streamed.cancel()  # fired already: nothing more to abandon
-    assert client._abandoned == 1
+    assert client.machine._abandoned == 1
     final(router, peer, b"svc", b"late")
     clocknet.advance(0)
     # the late reply freed the connection: the next request goes out on it,
@@ -224,7 +224,7 @@ async def test_a_stream_failed_on_restart_keeps_its_connection_for_the_reply(
     assert lastPeer == peer and frames[-1] == b"C"
     final(router, peer, b"svc", b"c")
     assert await clocknet.wait(third) == [b"c"]
-    assert client._abandoned == 0
+    assert client.machine._abandoned == 0
 
 
 @pytest_twisted.ensureDeferred
@@ -323,7 +323,7 @@ def test_caller_mistakes_raise_at_once() -> None:
     with pytest.raises(ValueError, match="timeout"):
         client.stream("echo", b"x", timeout=-0.5)
     # nothing was queued or opened for any of them
-    assert client._channels == set() and not clock.getDelayedCalls()
+    assert client.machine._channels == set() and not clock.getDelayedCalls()
     with pytest.raises(ValueError):
         Client("loopback:nowhere", clock, timeout=-1)
     with pytest.raises(ValueError):
@@ -344,7 +344,7 @@ def test_a_timeout_must_be_positive() -> None:
             client.request("echo", b"x", timeout=bad)
         with pytest.raises(ValueError, match="timeout must be positive, got"):
             client.stream("echo", b"x", timeout=bad)
-    assert client._channels == set() and not clock.getDelayedCalls()
+    assert client.machine._channels == set() and not clock.getDelayedCalls()
 
 
 def test_a_client_needs_at_least_one_connection() -> None:
@@ -357,7 +357,7 @@ def test_a_client_needs_at_least_one_connection() -> None:
             Client("loopback:nowhere", clock, maxConnections=bad)
     with pytest.raises(TypeError, match="maxConnections"):
         Client("loopback:nowhere", clock, maxConnections=2.5)
-    assert Client("loopback:nowhere", clock, maxConnections=1).maxConnections == 1
+    assert Client("loopback:nowhere", clock, maxConnections=1).machine.maxConnections == 1
 
 
 def test_a_malformed_endpoint_raises_at_once() -> None:
@@ -390,7 +390,8 @@ def test_provides_its_interfaces() -> None:
     from zope.interface.verify import verifyObject
 
     from mdp.interfaces import IClient, IDealerReceiver
-    from mdp.majordomo.client import _Channel, _ChannelPipe
+    from mdp.majordomo.client import _ChannelPipe
+    from mdp.majordomo.client_machine import _Channel
 
     client = Client("loopback:nowhere", task.Clock())
     assert verifyObject(IClient, client)
@@ -595,7 +596,7 @@ async def test_a_cancel_from_a_failure_callback_gives_the_connection_at_once(
     sent = {f[-1]: t for t, _, f in requests(router)}
     assert b"C" in sent  # A's connection replaced: C went out
     # B's connection is abandoned while D waits: D should go out at once
-    assert b"D" in sent, (client._wakeAt, sent)
+    assert b"D" in sent, (client.machine._wakeAt, sent)
 
 
 @pytest_twisted.ensureDeferred
@@ -609,5 +610,5 @@ async def test_deadlines_after_a_cancel_from_a_failure_callback_are_kept(
     e.addErrback(lambda f: failed.append((clocknet.reactor.seconds(), f.value)))
     clocknet.advance(2.0)  # t = 3.1
     assert failed and isinstance(failed[0][1], RequestTimeout), \
-        ("E (1 s, 1 attempt) not failed by t=3.1", client._wakeAt,
+        ("E (1 s, 1 attempt) not failed by t=3.1", client.machine._wakeAt,
          [c.getTime() for c in clocknet.reactor.getDelayedCalls()])

@@ -14,7 +14,7 @@ from mdp import Backoff, Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import RequestTimeout, StreamRestarted
 from mdp.majordomo import codec
 from mdp.majordomo.broker import WorkerState as BrokerWorkerState
-from mdp.majordomo.client import CallState
+from mdp.majordomo.client_machine import CallState
 from mdp.majordomo.worker import WorkerState
 from mdp.testing import Close, Connected, Disconnect, Elapse, Lost, Open, Receive, Script, Send
 
@@ -248,7 +248,7 @@ def test_worker_fails_over_to_the_next_broker_after_silence_with_backoff() -> No
     assert script.feed(Elapse(0.01)) == [Open(first + "#2"), Send(first + "#2", READY)]
     # the broker speaks: the backoff starts over
     script.feed(Receive(first + "#2", HEARTBEAT))
-    assert worker.failures == 0
+    assert worker.machine.failures == 0
 
 
 def test_worker_registers_again_after_disconnect_backing_off_while_refused() -> None:
@@ -362,7 +362,7 @@ def test_client_tells_a_streaming_request_that_its_reply_starts_over() -> None:
                                     onRestart=lambda: seen.append("restart")))
     plain = outcome(client.request("echo", b"plain", onPartial=seen.append))
     script.feed()
-    (call, other) = sorted((c.call for c in client._channels), key=lambda c: c.message[-1])
+    (call, other) = sorted((c.call for c in client.machine._channels), key=lambda c: c.message[-1])
     assert call.state is CallState.IN_FLIGHT
     partial = [C, codec.C_PARTIAL, b"echo", b"part"]
     script.feed(Receive(pipe, partial))
@@ -450,23 +450,24 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
     assert machine.handleTick(now=1.1) == [SendToBroker([*HEARTBEAT])]
     # silent for more than 3 s since the REQUEST at 0.2: close, and on to the
     # next endpoint at once (the next time after backoff.delay(0) = 1 s)
-    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(0.0)]
+    assert machine.handleTick(now=3.3) == [ClosePipe(), ReopenAfter(0.0, "a", pytest.approx(3.1))]
     assert machine.handleReopen(now=4.3) == [OpenPipe("b")]
     # a reply for the request of the old pipe is void
     assert machine.handleReply(serve.job, codec.WorkerFinal, [b"late"], now=4.4) == (False, [])
     # DISCONNECT on the new pipe: register again at once the first time
     machine.handlePipeUp(now=4.5)
-    assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0)]
+    assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0, "b", None)]
 
 
 def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     from mdp.errors import ClientClosed
-    from mdp.majordomo.client import (
+    from mdp.majordomo.client_machine import (
         ClientMachine,
         CloseChannel,
         Complete,
         Fail,
         OpenChannel,
+        Retrying,
         SendOn,
         WakeAt,
         _Call,
@@ -476,7 +477,7 @@ def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
 
     def call(now: float, timeout: float = 2.0, retries: int = 2) -> _Call:
-        return _Call(b"echo", list(request), timeout, retries, None, None, now, lambda c: None)
+        return _Call(b"echo", list(request), timeout, retries, None, None, now)
 
     first, second = call(0.0), call(0.0)
     opened = machine.handleRequest(first, now=0.0)
@@ -491,10 +492,11 @@ def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     # no reply for the second: its attempt runs out at 2.0; a fresh connection
     # to the next endpoint carries the retry, which runs out at 4.0
     retry = machine.handleWake(now=2.0)
-    assert [type(a) for a in retry] == [CloseChannel, WakeAt, OpenChannel]
-    assert retry[1].when == 4.0 and retry[2].channel.endpoint == "b"
+    assert [type(a) for a in retry] == [CloseChannel, Retrying, WakeAt, OpenChannel]
+    assert retry[1] == Retrying(second, 2)
+    assert retry[2].when == 4.0 and retry[3].channel.endpoint == "b"
     closing, failed = machine.handleWake(now=4.0)
-    assert closing == CloseChannel(retry[2].channel)
+    assert closing == CloseChannel(retry[3].channel)
     assert isinstance(failed, Fail) and failed.call is second
     assert isinstance(failed.error, RequestTimeout) and failed.error.attempts == 2
     # closing fails what is left and needs no more wake-ups
@@ -510,12 +512,12 @@ def test_client_machine_gives_a_cancelled_requests_connection_to_one_waiting() -
     reply (which can then go to nobody else), but not while another request
     waits for a connection with its clock running: that one gets a fresh
     connection in its place at once."""
-    from mdp.majordomo.client import ClientMachine, CloseChannel, OpenChannel, SendOn, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, OpenChannel, SendOn, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
 
     def call(now: float) -> _Call:
-        return _Call(b"echo", list(request), 2.0, 1, None, None, now, lambda c: None)
+        return _Call(b"echo", list(request), 2.0, 1, None, None, now)
 
     machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
     first, second = call(0.0), call(0.3)
@@ -536,11 +538,11 @@ def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited()
     """Attempts that end at the same wake-up all end before a freed
     connection is given out: a waiting request whose own clock ran out is
     failed, not sent and then failed."""
-    from mdp.majordomo.client import ClientMachine, CloseChannel, Fail, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, Fail, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
     machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
-    first, second = (_Call(b"echo", list(request), 2.0, 1, None, None, 0.0, lambda c: None)
+    first, second = (_Call(b"echo", list(request), 2.0, 1, None, None, 0.0)
                      for _ in range(2))
     channel = machine.handleRequest(first, now=0.0)[1].channel
     machine.handleRequest(second, now=0.0)
@@ -556,11 +558,11 @@ def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited()
 def test_client_machine_moves_attempts_that_end_together_to_the_next_broker() -> None:
     """Requests in flight together time out together: their retries do not
     all go back to the broker that did not answer."""
-    from mdp.majordomo.client import ClientMachine, OpenChannel, _Call
+    from mdp.majordomo.client_machine import ClientMachine, OpenChannel, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
     machine = ClientMachine(["a", "b"], maxConnections=2, dialect=codec.RFC)
-    calls = [_Call(b"echo", list(request), 2.0, 2, None, None, 0.0, lambda c: None)
+    calls = [_Call(b"echo", list(request), 2.0, 2, None, None, 0.0)
              for _ in range(2)]
     for call in calls:
         opened = [a for a in machine.handleRequest(call, now=0.0) if isinstance(a, OpenChannel)]
@@ -579,12 +581,12 @@ def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reache
     from twisted.internet.error import ConnectionRefusedError, TimeoutError
 
     from mdp.errors import BrokerUnreachable
-    from mdp.majordomo.client import ClientMachine, CloseChannel, Fail, OpenChannel, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, Fail, OpenChannel, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
 
     def call(now: float) -> _Call:
-        return _Call(b"echo", list(request), 2.0, 3, None, None, now, lambda c: None)
+        return _Call(b"echo", list(request), 2.0, 3, None, None, now)
 
     machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
     first, second = call(0.0), call(0.0)
@@ -679,11 +681,10 @@ def test_client_machine_names_a_broker_unreachable_only_when_every_one_refused()
     is no proof that nobody is there."""
     from twisted.internet.error import ConnectionRefusedError, TimeoutError
 
-    from mdp.majordomo.client import ClientMachine, CloseChannel, OpenChannel, _Call
+    from mdp.majordomo.client_machine import ClientMachine, CloseChannel, OpenChannel, _Call
 
     machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
-    call = _Call(b"echo", [C, codec.C_REQUEST, b"echo", b"hi"], 2.0, 3, None, None, 0.0,
-                 lambda c: None)
+    call = _Call(b"echo", [C, codec.C_REQUEST, b"echo", b"hi"], 2.0, 3, None, None, 0.0)
     channel = machine.handleRequest(call, now=0.0)[1].channel
     assert machine.handleConnectFailed(channel, TimeoutError(), now=1.0) == []
     retry = machine.handleWake(now=2.0)  # the attempt runs out: the next goes to b
@@ -695,14 +696,14 @@ def test_client_machine_names_a_broker_unreachable_only_when_every_one_refused()
 
 
 def test_client_machine_common_paths_act_as_the_general_ones() -> None:
-    """A request given a free connection, and the FINAL of the request in
-    flight, are handled in one place each (docs/performance.md, item 18):
-    for any sequence of events, the machine acts exactly as one that takes
-    the general path (_schedule, _enqueue, _pump; _received) every time."""
+    """A request given a free connection, and a reply to the request in
+    flight, take a short way (no FIFO; no command object): for any sequence
+    of events, the machine acts exactly as one that takes the general path
+    (_schedule, _enqueue, _pump; a decoded command) every time."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from mdp.majordomo.client import ClientMachine, OpenChannel, _Call, _Channel
+    from mdp.majordomo.client_machine import ClientMachine, OpenChannel, _Call, _Channel
 
     class GeneralPaths(ClientMachine):
         def handleRequest(self, call: _Call, now: float) -> list[Any]:
@@ -715,7 +716,7 @@ def test_client_machine_common_paths_act_as_the_general_ones() -> None:
 
         def handleMessage(self, channel: _Channel, frames: list[bytes], now: float) -> list[Any]:
             self.now = now
-            self._received(channel, frames)
+            self._decoded(channel, channel.call, frames)
             return self._drain()
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
@@ -764,7 +765,7 @@ def test_client_machine_common_paths_act_as_the_general_ones() -> None:
         for name, n in events:
             now += 0.5
             if name == "request":
-                call = _Call(b"echo", list(request), 1.0 + n, 2, None, None, now, None)
+                call = _Call(b"echo", list(request), 1.0 + n, 2, None, None, now)
                 calls.append(call)
                 record(machine.handleRequest(call, now))
             elif name == "cancel":
@@ -845,7 +846,7 @@ def test_a_worker_made_without_a_backoff_uses_the_jittered_pirate_schedule() -> 
     from mdp.policy import PIRATE
 
     worker = Worker("zmq:inproc://nowhere", "echo", upper)
-    assert worker.backoff is PIRATE and PIRATE.jitter > 0
+    assert worker.machine.backoff is PIRATE and PIRATE.jitter > 0
 
 
 @pytest.mark.parametrize("options", [

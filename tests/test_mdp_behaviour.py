@@ -326,7 +326,7 @@ async def test_one_client_pipelines_many_requests_across_workers(net: Net) -> No
     requests = [client.request("work", str(n)) for n in range(300)]
     replies = await net.wait(defer.gatherResults(requests))
     assert replies == [[b"done", str(n).encode()] for n in range(300)]
-    assert len(client._channels) <= 40
+    assert len(client.machine._channels) <= 40
     assert broker.queued == 0
 
 

@@ -72,7 +72,7 @@ async def test_the_twisted_client_drops_what_came_before_its_next_request(
         dropped (no request in flight: the connection was replaced)."""
         if rogue.answered <= n:
             return False
-        channels = list(client._channels)
+        channels = list(client.machine._channels)
         pipe = channels[0].pipe if len(channels) == 1 else None
         if pipe is None or pipe.connection is not sockets[-1]:
             return True
@@ -81,7 +81,7 @@ async def test_the_twisted_client_drops_what_came_before_its_next_request(
     try:
         for n in range(5):
             reply = client.request("echo", b"req%d" % n)
-            (channel,) = client._channels
+            (channel,) = client.machine._channels
             sockets = [channel.pipe.connection]
             assert await bounded(reply, 10) == [b"req%d" % n]
             # an extra that comes after the next request went is no longer

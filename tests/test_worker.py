@@ -53,11 +53,11 @@ async def test_silent_broker_reconnects_with_doubling_backoff(clocknet: Loopback
 async def test_backoff_resets_once_the_broker_speaks(clocknet: LoopbackNet) -> None:
     router, worker = await broker_and_worker(clocknet, heartbeat=HB, backoff=Backoff(initial=1, maximum=32))
     await clocknet.until(lambda: len(readies(router)) == 4)  # after three failures
-    assert worker.failures == 3
+    assert worker.machine.failures == 3
     last_peer = readies(router)[-1][1]
     router.send(last_peer, codec.WORKER_HEADER, codec.W_HEARTBEAT)
     clocknet.advance(0)
-    assert worker.failures == 0
+    assert worker.machine.failures == 0
 
 
 @pytest_twisted.ensureDeferred

@@ -20,970 +20,113 @@ most once per pipe, and the broker can never answer it twice on one
 connection.  A reply arriving on a channel with no request in flight is
 discarded and the channel replaced, so it cannot complete a later request.
 
-Theory of operation
--------------------
-The decisions live in :class:`ClientMachine`, which knows no reactor, no
-transport and no Deferred: it is fed events with their time (a request, a
-pipe up or lost, a message on a connection, a cancel, the wake-up it asked
-for, close) and returns actions (:class:`OpenChannel`, :class:`CloseChannel`,
-:class:`SendOn`, :class:`Partial`, :class:`Restarted`, :class:`Complete`,
-:class:`Fail`, :class:`WakeAt`).  :class:`Client` is its driver: it owns the
-transports, the one timer and the Deferreds, and calls ``onPartial`` and
-``onRestart``.
-
-Two kinds of machine: one per request (a ``_Call``, in a :class:`CallState`)
-and one per connection of the pool (a ``_Channel``, in a
-:class:`ChannelState`).  A request's states:
-
-===========  ===================================  ===========  ================================
-state        event                                next state   actions
-===========  ===================================  ===========  ================================
-(new)        ``request()``                        QUEUED       attempt 1 starts; the request
-                                                               waits in the client's FIFO
-QUEUED       a connection is idle, or one may     IN_FLIGHT    the connection sends it now, or
-             be opened (< ``maxConnections``)                  once its pipe is up
-IN_FLIGHT    PARTIAL                              STREAMING    ``onPartial(body)``
-STREAMING    PARTIAL                              STREAMING    ``onPartial(body)``
-IN_FLIGHT,   FINAL                                DONE         connection freed; the Deferred
-STREAMING                                                      fires (fails for an error reply)
-IN_FLIGHT    pipe broke                           IN_FLIGHT    sent again once the pipe is back
-IN_FLIGHT,   pipe ended by a reply over this      DONE         ``ReplyTooLarge`` (sent
-STREAMING    client's limits                                   again, it would only run again)
-STREAMING    pipe broke, or the restart marker    IN_FLIGHT    ``onRestart()`` (without one:
-                                                               DONE, ``StreamRestarted``)
-IN_FLIGHT,   the attempt runs out                 QUEUED       connection discarded, next
-STREAMING                                         (at head)    endpoint; ``onRestart()`` if it
-                                                               was STREAMING
-QUEUED       the attempt runs out                 QUEUED       keeps its place in the FIFO
-any          the last attempt runs out            DONE         ``RequestTimeout`` (also after
-                                                               a timeout while STREAMING
-                                                               without ``onRestart``)
-any          ``cancel()``                         DONE         leaves the FIFO; one in flight
-                                                               is *abandoned*: its connection
-                                                               keeps it until its reply or
-                                                               deadline, unless a request
-                                                               waits for a connection
-any          ``close()``                          DONE         ``ClientClosed``
-===========  ===================================  ===========  ================================
-
-A connection's states (it carries at most one request; see Correlation):
-
-=====  ============================================  =====  ================================
-state  event                                         next   actions
-=====  ============================================  =====  ================================
-DOWN   given a request                               DOWN   none yet
-DOWN   pipe up                                       UP     send its request, if it carries
-                                                            one not DONE: SENT
-UP     given a request                               SENT   send it
-SENT   FINAL                                         UP     carries nothing: serves the next
-                                                            request
-UP,    pipe broke                                    DOWN   tell the client (a STREAMING
-SENT                                                        request restarts)
-=====  ============================================  =====  ================================
-
-A reply on a connection carrying nothing discards that connection; a
-connection whose request timed out is discarded too.  One timer, set for the
-earliest deadline, serves every request of the client.
-
-With ``stamp=True`` every request carries this client's id and a sequence
-number, the same on each retry, so that workers with a reply store run it once
-(:mod:`mdp.majordomo.idempotence`).
-
-Reliability (Lazy Pirate)
--------------------------
-``timeout`` is the time of **one attempt**, and a request makes at most
-``retries`` attempts: it fails after at most ``timeout × retries`` seconds.
-The first attempt starts when ``request()`` is called, whether the request
-then waits in the client's queue or goes out at once; each later one when the
-one before ran out.  One timer serves the whole
-client (set for the earliest deadline).  When an attempt on the wire runs out,
-its connection is closed and thrown away — so a late reply can never reach the
-caller — and the request is resent on a fresh connection, to the next broker
-endpoint if several are given; one that ran out while waiting keeps its place.
-After ``retries`` attempts in all the Deferred fails with
-:class:`~mdp.errors.RequestTimeout`.  On stream transports a broken connection
-is noticed at once and the in-flight request is resent when it comes back.
-
-Cancelling
-----------
-``Deferred.cancel()`` never raises.  A waiting request leaves the queue.  A
-request in flight is *abandoned*: its connection keeps it until its reply
-(discarded) or its deadline, then serves other requests.  While no request
-waits for a connection, none is opened or closed for it; one that waits
-(already, or new) closes that connection and gets a fresh one at once
-(after a cancel, on the next reactor turn: cancelling a whole batch opens
-nothing).
-
-Restarted streams
------------------
-If a request's reply had begun streaming (PARTIALs were delivered) and then
-starts over — the broker gave it to another worker after its worker died
-(``codec.RESTART_MARKER``), or the client resends it after a broken connection
-or a timeout — the client calls ``onRestart()`` before the new attempt's
-parts.  Without ``onRestart`` such a request is not run again silently: it
-fails with :class:`~mdp.errors.StreamRestarted` (or, after a timeout, with
-:class:`~mdp.errors.RequestTimeout` instead of a retry).  Failed on the
-restart marker, it is abandoned as a cancelled request is: its connection
-keeps it until the reply, unless a waiting request needs that connection.
+:class:`Client` drives the client's decisions
+(:class:`~mdp.majordomo.client_machine.ClientMachine`, with the tables of a
+request's and a connection's states) over real transports.  Reliability
+(Lazy Pirate), cancelling and restarted streams are described in
+docs/mdp.md.
 """
 
 from __future__ import annotations
 
-import enum
-import errno
-import itertools
-import uuid
 from collections import deque
-from heapq import heapify, heappop, heappush
-from typing import Any, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import classImplements
 
 from mdp import transport
-from mdp.errors import (
-    BrokerUnreachable,
-    ClientClosed,
-    OversizedMessage,
-    ProtocolError,
-    ReplyTooLarge,
-    RequestTimeout,
-    RequestTooLarge,
-    StreamRestarted,
-)
+from mdp.errors import ClientClosed, StreamRestarted
 from mdp.interfaces import IClient, IDealerReceiver
-from mdp.machine import Machine, action_class
-from mdp.majordomo import codec, idempotence
-from mdp.majordomo.codec import ClientFinal, ClientPartial
-from mdp.messages import Frame, remote_error, request_frames
-from mdp.messages import text as label
-from mdp.policy import (
-    MAX_SECONDS,
-    EndpointRotation,
-    Limits,
-    LogThrottle,
-    call_at,
-    default_reactor,
+from mdp.majordomo import client_machine, codec
+from mdp.majordomo.client_machine import (  # (the names of this module before the split too)
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
+    CallState,
+    ChannelState,
+    ClientMachine,
+    CloseChannel,
+    Complete,
+    Dropped,
+    Fail,
+    OpenChannel,
+    Partial,
+    Restarted,
+    Retrying,
+    SendOn,
+    WakeAt,
+    _Call,
+    _Channel,
+    unreachable,
 )
+from mdp.messages import Frame
+from mdp.messages import text as label
+from mdp.policy import Limits, LogThrottle, call_at, cancel_call, default_reactor
+
+__all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState",
+           "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "DEFAULT_MAX_CONNECTIONS", "unreachable"]
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-_HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
-_ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
-_RFC = codec.RFC
-#: service names a client recently asked for, normalised (at most _NAMES_KEPT)
-_NAMES_KEPT = 64
-
-DEFAULT_TIMEOUT = 2.5
-DEFAULT_RETRIES = 3
-DEFAULT_MAX_CONNECTIONS = 64
-
-
-
-def _check_attempts(timeout: float, retries: int) -> None:
-    if not timeout > 0:  # NaN too
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    if not timeout <= MAX_SECONDS:  # inf too: no timer takes it
-        raise ValueError(f"timeout must be at most {MAX_SECONDS:g} seconds, got {timeout}")
-    if retries < 1:
-        raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
-
-
-
-
-class CallState(enum.Enum):
-    """Where one request stands (see the table in the module docstring)."""
-
-    #: waiting in the client's FIFO for a connection
-    QUEUED = "queued"
-    #: carried by a connection, which sends it (again) whenever its pipe is up
-    IN_FLIGHT = "in flight"
-    #: in flight, and PARTIALs of the current attempt were delivered
-    STREAMING = "streaming"
-    #: answered, failed or cancelled (a cancelled one, or one failed while
-    #: its reply was still due, may still be carried, abandoned, until its
-    #: reply or deadline)
-    DONE = "done"
-
-
-QUEUED, IN_FLIGHT, STREAMING, DONE = (
-    CallState.QUEUED, CallState.IN_FLIGHT, CallState.STREAMING, CallState.DONE)
-
-
-class ChannelState(enum.Enum):
-    """Where one connection of the pool stands."""
-
-    #: its pipe is not up (not yet, or broke and is coming back)
-    DOWN = "down"
-    #: its pipe is up; its request, if it has one, is not sent on it yet
-    UP = "up"
-    #: its pipe is up and its request went out on it
-    SENT = "sent"
-
-
-DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
-
-
-def unreachable(error: BaseException) -> Optional[str]:
-    """Why *error* (a failed connection attempt) means nobody is there at
-    all, or None if it may be passing (a timeout, say)."""
-    from twisted.internet import error as net
-
-    if isinstance(error, net.ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(error, net.DNSLookupError):
-        return "host not found"
-    if isinstance(error, net.ConnectError) and getattr(error, "osError", None) in (
-            errno.ENOENT, errno.ECONNREFUSED):
-        return "no such socket" if error.osError == errno.ENOENT else "connection refused"
-    # the blocking driver's plain sockets
-    if isinstance(error, OSError) and error.errno in (errno.ENOENT, errno.ECONNREFUSED):
-        return "no such socket" if error.errno == errno.ENOENT else "connection refused"
-    return None
-
-
-class _Call:
-    """One request: its attempts and where it is.  The driver hangs its
-    Deferred (or, blocking, its ``result``) and callbacks on it; the machine
-    only reads whether the caller accepts restarts (``onRestart``)."""
-
-    __slots__ = ("service", "message", "deferred", "result", "onPartial", "onRestart", "timeout",
-                 "retries", "attempts", "startedAt", "deadline", "channel", "state", "tried")
-
-    def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
-                 onPartial: Optional[Callable[[list[bytes]], Any]],
-                 onRestart: Optional[Callable[[], Any]], startedAt: float,
-                 canceller: Optional[Callable[[_Call], None]] = None) -> None:
-        self.service = service
-        self.message = message  # the encoded REQUEST, the same on every attempt
-        self.timeout = timeout
-        self.retries = retries
-        self.onPartial = onPartial
-        self.onRestart = onRestart
-        self.startedAt = startedAt
-        self.attempts = 1
-        self.deadline = startedAt + timeout  # when the current attempt runs out
-        self.channel: Optional[_Channel] = None  # the connection carrying it
-        #: QUEUED exactly while it is in the client's FIFO (a DONE one may
-        #: linger there until it reaches the head)
-        self.state = QUEUED
-        self.tried: list[str] = []  # the endpoints it was given to
-        #: the Twisted driver's (with a *canceller*)
-        self.deferred: Optional[defer.Deferred[list[bytes]]] = (
-            None if canceller is None else _cancellable(self, canceller))
-        #: the blocking driver's: the reply's frames or the error, once DONE
-        self.result: Any = None
-
-    @property
-    def done(self) -> bool:
-        """Answered, failed or cancelled."""
-        return self.state is DONE
-
-
-def _cancellable(call: _Call, canceller: Callable[[_Call], None]) -> defer.Deferred[list[bytes]]:
-    """A Deferred for *call* whose cancellation calls *canceller* (a closure
-    made here, not in ``_Call.__init__``, which every blocking request runs)."""
-    return defer.Deferred(lambda _: canceller(call))
-
-
-class _Channel:
-    """One connection of the pool, with at most one request in flight (see
-    the module docstring: it alone decides when that request is sent).  The
-    machine's record of it; the driver hangs the transport on ``pipe``."""
-
-    __slots__ = ("endpoint", "call", "state", "pipe")
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        #: the request in flight; a done one is abandoned, its reply still due
-        self.call: Optional[_Call] = None
-        self.state = DOWN
-        self.pipe: Any = None  # the driver's
-
-    @property
-    def up(self) -> bool:
-        """The pipe is up (connectionMade, no connectionLost since)."""
-        return self.state is not DOWN
-
-    @property
-    def sent(self) -> bool:
-        """Its request went out on the current pipe."""
-        return self.state is SENT
-
-
-# --- what the machine asks its driver to do -------------------------------------------
-
-@action_class
-class OpenChannel:
-    channel: _Channel
-
-
-@action_class
-class CloseChannel:
-    channel: _Channel
-
-
-@action_class
-class SendOn:
-    channel: _Channel
-    frames: list[bytes]
-
-
-@action_class
-class Partial:
-    """Tell the caller of *call* about a PARTIAL (``onPartial``)."""
-
-    call: _Call
-    body: list[bytes]
-
-
-@action_class
-class Restarted:
-    """Tell the caller of *call* that its reply starts over (``onRestart``)."""
-
-    call: _Call
-
-
-@action_class
-class Complete:
-    """Fire the Deferred of *call* with the FINAL body."""
-
-    call: _Call
-    body: list[bytes]
-
-
-@action_class
-class Fail:
-    """Fail the Deferred of *call* with *error*."""
-
-    call: _Call
-    error: BaseException
-
-
-@action_class
-class WakeAt:
-    """Call :meth:`ClientMachine.handleWake` at time *when* (replacing the
-    wake-up asked for before); ``None``: no wake-up is needed."""
-
-    when: Optional[float]
-
-
-Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail | WakeAt
-
-
-class ClientMachine(Machine):
-    """The client's decisions (the tables in the module docstring), and
-    nothing else: no reactor, no transport, no Deferred.  Feed it events
-    with their time; each ``handle*`` returns the actions it wants done, in
-    order.  :class:`Client` drives it over real transports."""
-
-    def __init__(self, endpoints: list[str], *, maxConnections: int, dialect: str,
-                 now: float = 0.0) -> None:
-        super().__init__(now)
-        self._rotation = EndpointRotation(endpoints)
-        self.maxConnections = maxConnections
-        self.dialect = dialect
-        self._throttle = LogThrottle(self)
-        self._idle: list[_Channel] = []
-        self._channels: set[_Channel] = set()
-        self._waiting: deque[_Call] = deque()
-        self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
-        self._live = 0  # calls not done
-        self._closed = False
-        #: connections kept for the reply of a request done (cancelled, or
-        #: failed while its reply is still due: _abandon), at most this many:
-        #: one later released or discarded is not subtracted, _reclaim finds
-        #: out; never fewer, so that a waiting request finds each one
-        self._abandoned = 0
-        #: (deadline, order, call) for every attempt; stale entries are skipped
-        self._deadlines: list[tuple[float, int, _Call]] = []
-        self._order = itertools.count()
-        self._wakeAt: Optional[float] = None  # the wake-up asked for, while pending
-        self._everUp = False  # a pipe to some broker has come up
-        #: why the last connection attempt to each endpoint failed (until one is up)
-        self._failures: dict[str, str] = {}
-        #: the endpoints where nobody is at all (refused, no host, no socket file)
-        self._unreachable: dict[str, str] = {}
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self._rotation.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
-        return self._rotation.current
-
-    # --- events ----------------------------------------------------------------
-
-    def handleRequest(self, call: _Call, now: float) -> list[Action]:
-        """A new request (its first attempt starts now)."""
-        self.now = now
-        self._live += 1
-        self._schedule(call)
-        idle = self._idle
-        if idle and not self._waiting and not self._closed:
-            # the common case, a free connection and nobody ahead: carried at
-            # once, not through the FIFO (_enqueue, _pump; a request's path is
-            # the hot one, and each call it saves is code a cold cache must
-            # fetch, docs/performance.md)
-            self._carry(idle.pop(), call)
-            outbox = self._outbox
-            self._outbox = []
-            return outbox
-        self._enqueue(call)
-        self._pump()
-        return self._drain()
-
-    def handlePipeUp(self, channel: _Channel, now: float) -> list[Action]:
-        self.now = now
-        if channel.state is DOWN:
-            channel.state = UP
-        self._everUp = True
-        if self._failures:
-            self._failures.pop(channel.endpoint, None)
-            self._unreachable.clear()
-        self._sendOn(channel)
-        return self._drain()
-
-    def handleConnectFailed(self, channel: _Channel, error: BaseException,
-                            now: float) -> list[Action]:
-        """A connection attempt of *channel* failed (stream transports say
-        so; ZeroMQ retries silently).  Until some broker has been reached,
-        an endpoint that cannot be reached at all (refused, no such host or
-        socket file) is left for the next at once, and when every endpoint
-        is so, every pending request fails with :class:`BrokerUnreachable`.
-        Later, the transport retries (a broker restarting); the reason is
-        named if the request times out."""
-        self.now = now
-        if channel not in self._channels:
-            return self._drain()
-        why = unreachable(error)
-        self._failures[channel.endpoint] = why or str(error)
-        if self._everUp or why is None:
-            return self._drain()
-        self._unreachable[channel.endpoint] = why
-        if all(e in self._unreachable for e in self._rotation.endpoints):
-            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
-            self._failPending(lambda: BrokerUnreachable(failures))
-            self._failures.clear()  # the next request tries again
-            self._unreachable.clear()
-            return self._drain()
-        call = channel.call
-        self._discard(channel)
-        while self._rotation.current in self._unreachable:
-            self._moveOn()
-        if call is not None and not call.done:
-            self._enqueue(call, first=True)
-        self._pump()
-        return self._drain()
-
-    def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
-        """A connection was lost; *why* (an exception, or None) is named if a
-        request then times out (a TLS handshake refused, say, which loses
-        each connection as it is made)."""
-        self.now = now
-        if why is not None and channel in self._channels:
-            self._failures[channel.endpoint] = f"connection lost: {why}"
-        channel.state = DOWN
-        self._channelLost(channel, why)
-        return self._drain()
-
-    def handleOpenFailed(self, channel: _Channel, error: BaseException,
-                         now: float) -> list[Action]:
-        """The transport refused to open *channel*: its request cannot be sent."""
-        self.now = now
-        call = channel.call
-        self._channels.discard(channel)
-        if call is not None:
-            call.channel = None
-            self._fail(call, error)
-        return self._drain()
-
-    def handleMessage(self, channel: _Channel, frames: list[bytes], now: float) -> list[Action]:
-        self.now = now
-        call = channel.call
-        if (call is not None and call.state is IN_FLIGHT and len(frames) > 3
-                and frames[1] == _FINAL and frames[0] == _HEADER and frames[2] == call.service
-                and self.dialect == _RFC and not self._waiting
-                and channel.endpoint == self._rotation.current):
-            # the common case, the FINAL of the request in flight with nobody
-            # waiting for the connection: what _received and _release do, in
-            # one place (see handleRequest)
-            body = frames[3:]
-            channel.call = None
-            if channel.state is SENT:
-                channel.state = UP
-            if call.channel is channel:
-                call.channel = None
-            self._idle.append(channel)
-            outbox = self._outbox
-            if len(body) == 3 and body[0] == _ERROR_MARKER:
-                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
-            else:
-                self._done(call)  # (it was IN_FLIGHT: not done yet)
-                outbox.append(Complete(call, body))
-            self._outbox = []
-            return outbox
-        self._received(channel, frames)
-        return self._drain()
-
-    def handleCancel(self, call: _Call, now: float) -> list[Action]:
-        """The caller cancelled *call* (never raises)."""
-        self.now = now
-        try:
-            if self._done(call):
-                channel = call.channel
-                if channel is not None and channel.call is call and not channel.sent:
-                    # it never went out: no reply will come, the connection is free
-                    self._release(channel)
-                elif self._abandon(call) and len(self._waiting) > self._waitingDone:
-                    # kept for its reply, unless a waiting request needs it: one
-                    # already waiting gets it on the next wake-up, at once (not
-                    # here: a caller cancelling a batch cancels the waiting
-                    # ones next, which would each take a connection in turn)
-                    self._wakeBy(now)
-        except Exception:
-            log.failure("cancelling a request to {service} failed", service=label(call.service))
-        return self._drain()
-
-    def handleWake(self, now: float) -> list[Action]:
-        """The wake-up asked for: end the attempts whose deadline has come."""
-        self.now = now
-        self._wakeAt = None
-        self._sweep()
-        self._pump()  # (a cancel asks for a wake-up to give its connection to one waiting)
-        return self._drain()
-
-    def handleClose(self, now: float) -> list[Action]:
-        """Fail every pending request with :class:`ClientClosed`, close every
-        connection."""
-        self.now = now
-        self._closed = True
-        if self._wakeAt is not None:
-            self._wakeAt = None
-            self._outbox.append(WakeAt(None))
-        self._failPending(lambda: ClientClosed("client closed"))
-        self._deadlines.clear()
-        return self._drain()
-
-    def handleReset(self, now: float, sound: Optional[Collection[_Channel]] = None
-                    ) -> list[Action]:
-        """Make the pool whole again after the driver was interrupted
-        (Ctrl-C) inside the machine or its actions, which may have cut the
-        machine's records of its connections and requests short.  A
-        connection is kept where its records agree: idle, carrying a live
-        request (whose reply still comes there), or kept for an abandoned
-        one's reply; and, given *sound* (the connections the driver still
-        has a socket for), only if it is there.  Any other is closed, and
-        the live request it carried goes out again on a new one (a
-        stream's reply starts over: ``onRestart``, or
-        :class:`StreamRestarted`), as does a live request neither carried
-        nor waiting.  The counts are made again from the records, and a
-        wake-up is asked for the earliest deadline."""
-        self.now = now
-        idle = self._idle
-        kept: list[_Channel] = []
-        for channel in list(self._channels):
-            call = channel.call
-            ok = sound is None or channel in sound
-            if call is None:
-                ok = ok and channel in idle
-            else:
-                ok = ok and call.channel is channel and (
-                    call.state is DONE or call.state is IN_FLIGHT or call.state is STREAMING)
-            if ok:
-                kept.append(channel)
-            else:
-                self._discard(channel)
-        self._idle = [c for c in kept if c.call is None]
-        self._abandoned = sum(1 for c in kept if c.call is not None and c.call.state is DONE
-                              and c.state is SENT)
-        # every call not yet done has an entry for its current attempt
-        live = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}
-        self._live = len(live)
-        waiting = self._waiting
-        queued = [c for c in waiting if c.state is QUEUED and c.channel is None]
-        lost = [c for c in live.values()
-                if c not in queued and not (c.channel is not None and c.channel.call is c)]
-        waiting.clear()
-        waiting.extend(queued)
-        self._waitingDone = 0
-        if not self._closed:
-            lost.sort(key=lambda call: call.startedAt)
-            for call in reversed(lost):
-                call.channel = None
-                self._restart(call)
-                if call.state is not DONE:
-                    self._enqueue(call, first=True)
-            self._pump()
-        heap = self._deadlines
-        while heap and not self._watched(heap[0]):
-            heappop(heap)
-        self._wakeAt = None
-        if heap:
-            self._wakeBy(heap[0][0])
+Action = Any  # an action of ClientMachine
+
+
+def __getattr__(name: str) -> Any:
+    """The machine's classes under this module's name too, where they were
+    defined before (compiled, a class the .pxd cimports is no attribute)."""
+    if name in ("ClientMachine", "_Call", "_Channel"):
+        return getattr(client_machine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def tell(throttle: LogThrottle, action: Action) -> None:
+    """Do what both drivers do alike: call the caller's ``onPartial``
+    (:class:`Partial`) or ``onRestart`` (:class:`Restarted`) unless its
+    request is done meanwhile (one that raises is logged, and the request
+    goes on), or log what the machine reports (:class:`Dropped`,
+    :class:`Retrying`), throttled."""
+    kind = type(action)
+    if kind is Partial or kind is Restarted:
+        _callBack(action)
+    elif kind is Dropped:
+        throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
+                      endpoint=action.endpoint, reason=action.reason)
+    elif kind is Retrying:
+        call = action.call
+        throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
+                      "({attempt}/{retries})", service=label(call.service),
+                      timeout=call.timeout, attempt=action.attempt, retries=call.retries)
+
+
+def _callBack(action: Union[Partial, Restarted]) -> None:
+    call = action.call
+    partial = type(action) is Partial
+    callback = call.onPartial if partial else call.onRestart
+    if callback is None or call.done:
+        return
+    try:
+        if partial:
+            callback(action.body)  # type: ignore[union-attr]
         else:
-            self._outbox.append(WakeAt(None))
-        return self._drain()
+            callback()
+    except Exception:
+        log.failure("{name} callback for {service} failed", service=label(call.service),
+                    name="onPartial" if partial else "onRestart")
 
-    def _failPending(self, error: Callable[[], BaseException]) -> None:
-        """Fail every request not yet done, each with an *error()* of its
-        own, and close every connection."""
-        # every call not yet done has an entry for its current attempt
-        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
-        self._waiting.clear()
-        for channel in list(self._channels):
-            self._discard(channel)
-        for call in calls:
-            call.channel = None
-            self._fail(call, error())
-        self._waitingDone = 0  # the FIFO was emptied above
 
-    # --- connections -------------------------------------------------------------
-
-    def _carry(self, channel: _Channel, call: _Call) -> None:
-        channel.call = call
-        call.channel = channel
-        call.state = IN_FLIGHT
-        tried = call.tried
-        if channel.endpoint not in tried:
-            tried.append(channel.endpoint)
-        if channel.state is not DOWN:
-            channel.state = UP
-            self._sendOn(channel)
-
-    def _sendOn(self, channel: _Channel) -> None:
-        call = channel.call
-        if channel.state is UP and call is not None and call.state is not DONE:
-            channel.state = SENT
-            self._outbox.append(SendOn(channel, call.message))  # type: ignore[arg-type]
-
-    def _enqueue(self, call: _Call, first: bool = False) -> None:
-        call.state = QUEUED
-        if first:
-            self._waiting.appendleft(call)
-        else:
-            self._waiting.append(call)
-
-    def _pump(self) -> None:
-        if self._closed:
-            return
-        waiting = self._waiting
-        while waiting:
-            call = waiting[0]
-            if call.state is DONE:
-                waiting.popleft()
-                self._waitingDone -= 1
-                continue
-            if self._idle:
-                channel = self._idle.pop()
-            elif len(self._channels) < self.maxConnections:
-                channel = _Channel(self.endpoint)
-                self._channels.add(channel)
-                self._outbox.append(OpenChannel(channel))
-            elif self._abandoned and self._reclaim():
-                continue  # a connection less: a new one in its place
-            else:
-                return
-            waiting.popleft()
-            self._carry(channel, call)
-
-    def _reclaim(self) -> bool:
-        """Close a connection kept only for the reply of a request done
-        (cancelled, or failed: _abandon), for a request waiting with its
-        clock running (closed, it can give that reply to nobody); False if
-        there is none."""
-        for channel in self._channels:
-            call = channel.call
-            if call is not None and call.state is DONE:
-                self._abandoned -= 1
-                self._discard(channel)
-                return True
-        self._abandoned = 0
-        return False
-
-    def _discard(self, channel: _Channel) -> None:
-        self._channels.discard(channel)
-        if channel in self._idle:
-            self._idle.remove(channel)
-        call = channel.call
-        if call is not None and call.channel is channel:
-            call.channel = None
-        channel.call = None
-        self._outbox.append(CloseChannel(channel))
-
-    def _release(self, channel: _Channel) -> None:
-        """*channel* carries nothing any more: it serves the next request,
-        unless it leads to a broker the client has moved away from."""
-        call = channel.call
-        channel.call = None
-        if channel.state is SENT:
-            channel.state = UP
-        if call is not None and call.channel is channel:
-            call.channel = None
-        if channel.endpoint == self._rotation.current:
-            self._idle.append(channel)
-        else:
-            self._discard(channel)
-        self._pump()
-
-    def _moveOn(self) -> None:
-        """New connections go to the next broker; the idle ones to the
-        broker left are closed (each would cost a request an attempt)."""
-        self._rotation.advance()
-        current = self._rotation.current
-        for channel in [c for c in self._idle if c.endpoint != current]:
-            self._discard(channel)
-
-    # --- time ----------------------------------------------------------------
-
-    def _schedule(self, call: _Call) -> None:
-        deadline = call.deadline
-        heap = self._deadlines
-        if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
-            # entries of calls already finished: drop them now rather than
-            # when their deadlines come round
-            # in place: _sweep may hold this very list
-            heap[:] = [e for e in heap if self._watched(e)]
-            heapify(heap)
-        heappush(heap, (deadline, next(self._order), call))
-        self._wakeBy(deadline)
-
-    @staticmethod
-    def _watched(entry: tuple[float, int, _Call]) -> bool:
-        """Does this deadline still matter: its call is pending on this
-        attempt, or abandoned on a connection it holds?"""
-        deadline, _, call = entry
-        if call.deadline != deadline:
-            return False
-        return not call.done or call.channel is not None
-
-    def _wakeBy(self, deadline: float) -> None:
-        """Make sure a wake-up comes by *deadline*."""
-        if self._wakeAt is not None and self._wakeAt <= deadline:
-            return
-        self._wakeAt = deadline
-        self._outbox.append(WakeAt(deadline))
-
-    def _sweep(self) -> None:
-        now = self.now + 1e-9  # a deadline met to the float is met
-        heap = self._deadlines
-        due = []
-        while heap and heap[0][0] <= now:
-            entry = heappop(heap)
-            if self._watched(entry):
-                due.append(entry[2])
-        # the attempts of requests still waiting for a connection end first:
-        # a connection the others free is not given to one whose clock ran
-        # out too, only for it to fail
-        later = []
-        for call in due:
-            if call.state is QUEUED:
-                self._expired(call)
-            else:
-                later.append(call)
-        for call in later:
-            self._expired(call)
-        while heap and not self._watched(heap[0]):
-            heappop(heap)
-        if heap:
-            self._wakeBy(heap[0][0])
-
-    # --- decisions -------------------------------------------------------------
-
-    def _received(self, channel: _Channel, frames: list[bytes]) -> None:
-        call = channel.call
-        if (call is not None and len(frames) > 3 and frames[0] == _HEADER
-                and frames[2] == call.service and self.dialect == _RFC):
-            # the common cases, a FINAL or a PARTIAL for the request in flight:
-            # what the general path below checks and does, without building a
-            # command object
-            state = call.state
-            command = frames[1]
-            if command == _FINAL and (state is IN_FLIGHT or state is STREAMING):
-                body = frames[3:]
-                self._release(channel)
-                if len(body) == 3 and body[0] == _ERROR_MARKER:
-                    self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
-                elif self._done(call):
-                    self._outbox.append(Complete(call, body))
-                return
-            if (command == _PARTIAL and (state is IN_FLIGHT or state is STREAMING)
-                    and not (len(frames) == 4 and frames[3] == _RESTART_MARKER)):
-                call.state = STREAMING
-                self._outbox.append(Partial(call, frames[3:]))
-                return
-        try:
-            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
-            kind = type(command)
-            if kind is not ClientPartial and kind is not ClientFinal:
-                raise ProtocolError(f"broker sent a client {kind.__name__}")
-            if call is not None and command.service != call.service and self.dialect == _RFC:
-                raise ProtocolError(
-                    f"reply for service {command.service!r} to a request for {call.service!r}"
-                )
-        except ProtocolError as e:
-            self._throttle.warn(log, "invalid", "client dropped a message from {endpoint}: {reason}",
-                                endpoint=channel.endpoint, reason=e)
-            return
-        if call is None:
-            self._throttle.warn(log, "unexpected", "client got a {command} from {endpoint} on a "
-                                "connection with no request in flight: discarded, connection "
-                                "replaced", command=kind.__name__, endpoint=channel.endpoint)
-            self._discard(channel)
-            return
-        if call.done:  # abandoned: its reply is discarded
-            if kind is ClientFinal:
-                self._release(channel)
-            return
-        body = command.body
-        if kind is ClientPartial:
-            if len(body) == 1 and body[0] == codec.RESTART_MARKER:
-                self._restart(call)
-                return
-            call.state = STREAMING
-            self._outbox.append(Partial(call, list(body)))
-            return
-        self._release(channel)
-        error = remote_error(call.service, body)
-        if error is not None:
-            self._fail(call, error)
-        elif self._done(call):
-            self._outbox.append(Complete(call, list(body)))
-
-    def _stale(self, channel: _Channel) -> None:
-        """The driver dropped messages that came on *channel* before the
-        request it is about to send there: say so (throttled)."""
-        self._throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
-                            "request: no request was in flight there to answer",
-                            endpoint=channel.endpoint)
-
-    def _channelLost(self, channel: _Channel, why: object = None) -> None:
-        """A pipe broke; its request goes out again when it is back, unless
-        the pipe ended because the reply was over this client's limits (sent
-        again, it would only run again)."""
-        call = channel.call
-        if call is None:
-            return
-        if not call.done and isinstance(why, OversizedMessage):
-            self._fail(call, ReplyTooLarge(
-                f"reply from service {call.service.decode('ascii', 'replace')!r} too large "
-                f"for this client, dropped: {why}"))
-        if not call.done:
-            self._restart(call)
-        if call.done:  # an abandoned reply can no longer come on this connection
-            self._release(channel)
-
-    def _restart(self, call: _Call) -> None:
-        """The reply of *call* starts over on its connection: if PARTIALs of
-        it were delivered (STREAMING), it is IN_FLIGHT again and the caller
-        is told."""
-        if call.state is STREAMING:
-            call.state = IN_FLIGHT
-            self._restarted(call)
-
-    def _restarted(self, call: _Call) -> None:
-        """Tell the caller that the reply of *call* starts over, or fail the
-        call if it gave no ``onRestart``."""
-        if call.onRestart is None:
-            self._fail(call, StreamRestarted(
-                f"the reply stream of the request to {call.service.decode('ascii', 'replace')!r} "
-                "started over; pass onRestart to accept restarts"))
-            return
-        self._outbox.append(Restarted(call))
-
-    def _expired(self, call: _Call) -> None:
-        """The current attempt of *call* ran out (or, abandoned, its reply never came)."""
-        channel = call.channel
-        if call.state is DONE:  # abandoned and unanswered: its connection is of no more use
-            if channel is not None:
-                self._discard(channel)
-                self._pump()
-            return
-        streamed = call.state is STREAMING
-        if channel is not None:
-            self._discard(channel)
-            if channel.endpoint == self._rotation.current:
-                # (several attempts timing out there move on once, not once each)
-                self._moveOn()
-        if call.attempts >= call.retries or (streamed and call.onRestart is None):
-            self._fail(call, RequestTimeout(call.service, call.attempts,
-                                            self.now - call.startedAt,
-                                            call.tried or [self._rotation.current],
-                                            failures=self._failures))
-            self._pump()
-            return
-        self._throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
-                            "({attempt}/{retries})", service=label(call.service), timeout=call.timeout,
-                            attempt=call.attempts + 1, retries=call.retries)
-        call.attempts += 1
-        call.deadline = self.now + call.timeout
-        self._schedule(call)
-        if call.state is not QUEUED:
-            self._enqueue(call, first=True)
-        # the retry is in place before the caller hears of it (the actions
-        # are done in order, after this): its onRestart may cancel the
-        # request or close the client
-        if streamed:
-            self._restarted(call)
-        self._pump()
-
-    def _done(self, call: _Call) -> bool:
-        """Mark *call* DONE; False if it already was."""
-        state = call.state
-        if state is DONE:
-            return False
-        call.state = DONE
-        self._live -= 1
-        call.message = None  # nothing more is sent
-        if state is QUEUED:  # it stays in the FIFO until it reaches the head
-            self._waitingDone += 1
-            waiting = self._waiting
-            if self._waitingDone > 64 and 2 * self._waitingDone > len(waiting):
-                # in place: _pump may be iterating this very deque
-                kept = [c for c in waiting if c.state is not DONE]
-                waiting.clear()
-                waiting.extend(kept)
-                self._waitingDone = 0
-        # its deadline entry, at the head when requests end in the order they
-        # began (the usual case), goes now: entries left for the sweep would
-        # outlive many collections and make the garbage collector's full
-        # passes frequent
-        heap = self._deadlines
-        while heap and not self._watched(heap[0]):
-            heappop(heap)
-        return True
-
-    def _fail(self, call: _Call, error: BaseException) -> None:
-        if self._done(call):
-            self._outbox.append(Fail(call, error))
-            # if its reply still comes on its connection (StreamRestarted, on
-            # the restart marker), a request already waiting gets a connection
-            # now, not at this one's deadline (unlike a cancel: no caller is
-            # ending a batch of requests, the waiting ones among them)
-            if self._abandon(call):
-                self._pump()
-
-    def _abandon(self, call: _Call) -> bool:
-        """*call* just became DONE: if its request went out on the connection
-        that still carries it, that connection is kept for the reply, which
-        it discards, unless a waiting request needs it (_reclaim): count it
-        (once, as a call becomes DONE once) and say so.  A connection that
-        does not carry it, or has not sent it, is left to the caller
-        (released or discarded)."""
-        channel = call.channel
-        if channel is not None and channel.call is call and channel.sent:
-            self._abandoned += 1
-            return True
-        return False
+def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
+    """A driver dropped messages that came on *channel* before the request
+    it is about to send there: say so (throttled)."""
+    throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
+                  "request: no request was in flight there to answer",
+                  endpoint=channel.endpoint)
 
 
 class _ChannelPipe:
-    """The receiver of one channel's transport: hands its events to the client
-    (compiled, with C calls: client.pxd)."""
+    """The receiver of one channel's transport: hands its events to the
+    client's machine, and what it asks to the client."""
 
     __slots__ = ("client", "channel")
 
@@ -992,111 +135,33 @@ class _ChannelPipe:
         self.channel = channel
 
     def connectionMade(self) -> None:
-        self.client._perform(self.client.handlePipeUp(self.channel, self.client.reactor.seconds()))
+        client = self.client
+        client._perform(client.machine.handlePipeUp(self.channel, client.reactor.seconds()))
 
     def connectionLost(self, reason: object) -> None:
         client = self.client
-        client._perform(client.handlePipeLost(self.channel, getattr(reason, "value", None),
-                                              client.reactor.seconds()))
+        client._perform(client.machine.handlePipeLost(
+            self.channel, getattr(reason, "value", None), client.reactor.seconds()))
 
     def connectionFailed(self, reason: BaseException) -> None:
         client = self.client
-        client._perform(client.handleConnectFailed(self.channel, reason, client.reactor.seconds()))
+        client._perform(client.machine.handleConnectFailed(self.channel, reason,
+                                                           client.reactor.seconds()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client
-        client._perform(client.handleMessage(self.channel, frames, client.reactor.seconds()))
+        client._perform(client.machine.handleMessage(self.channel, frames,
+                                                     client.reactor.seconds()))
 
 
 classImplements(_ChannelPipe, IDealerReceiver)
 
 
-class ClientCore(ClientMachine):
-    """What every driver of :class:`ClientMachine` shares: the options,
-    checked at once, and turning a caller's request into a :class:`_Call`
-    (caller mistakes raise here, before anything is sent).  :class:`Client`
-    drives it under Twisted, :class:`mdp.blocking.Client` with plain sockets."""
-
-    def __init__(self, endpoint: Union[str, Sequence[str]], now: float, *, timeout: float,
-                 retries: int, maxConnections: int, dialect: str, stamp: bool,
-                 limits: Limits, curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None) -> None:
-        endpoints = transport.endpoint_list(endpoint)
-        #: the broker's public key and this client's key pair, for zmq: endpoints
-        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
-        _check_attempts(timeout, retries)
-        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
-            raise TypeError(f"maxConnections is a number of connections, "
-                            f"not {type(maxConnections).__name__}")
-        if maxConnections < 1:
-            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
-        super().__init__(endpoints, maxConnections=maxConnections,
-                         dialect=codec.check_dialect(dialect), now=now)
-        self.timeout = timeout
-        self.retries = retries
-        self.stamp = stamp
-        self.limits = limits
-        self.clientId = uuid.uuid4().bytes
-        self._sequence = itertools.count(1)
-        self._names: dict[Union[str, bytes], bytes] = {}  # caller's name -> wire bytes
-
-    def _newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
-                 timeout: Optional[float], retries: Optional[int],
-                 onPartial: Optional[Callable[[list[bytes]], Any]],
-                 onRestart: Optional[Callable[[], Any]], now: float,
-                 canceller: Optional[Callable[[_Call], None]] = None) -> _Call:
-        """A request of the caller's, encoded once for all its attempts.
-        Raises for caller mistakes (see :meth:`Client.request`) and
-        :class:`ClientClosed` once closed."""
-        names = self._names
-        name = names.get(service) if type(service) in (str, bytes) else None
-        if name is None:
-            name = codec.api_service_name(service)
-            if len(names) >= _NAMES_KEPT:
-                names.clear()
-            names[service] = name  # type: ignore[index]
-        # an MMI query may have no frames: one empty frame on the wire, where
-        # MDP/0.2 wants a body
-        body = request_frames(frames, empty=name.startswith(b"mmi.")) or [b""]
-        if timeout is not None or retries is not None:  # the client's own were checked
-            timeout = self.timeout if timeout is None else timeout
-            retries = self.retries if retries is None else retries
-            _check_attempts(timeout, retries)
-        else:
-            timeout, retries = self.timeout, self.retries
-        if self._closed:
-            raise ClientClosed("client is closed")
-        if self.stamp and not name.startswith(b"mmi."):  # (MMI reads its body as is)
-            body = idempotence.stamp(self.clientId, next(self._sequence), body)
-        if self.dialect == _RFC:
-            message = [_HEADER, codec.C_REQUEST, name, *body]
-        else:
-            message = codec.encode(codec.ClientRequest(name, body), self.dialect)
-        limits = self.limits
-        size = sum(map(len, message))
-        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
-            raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
-                                  f"{limits.oversize(size, len(message))}")
-        return _Call(name, message, timeout, retries, onPartial, onRestart, now, canceller)
-
-
-def call_back(name: str, call: _Call, callback: Callable[..., Any], *args: Any) -> None:
-    """Call the caller's *callback* (its *name*: ``onPartial``,
-    ``onRestart``) for *call*: one that raises is logged with the service,
-    and the request goes on (what the machine asked for after it is still
-    done)."""
-    try:
-        callback(*args)
-    except Exception:
-        log.failure("{name} callback for {service} failed", name=name,
-                    service=label(call.service))
-
-
-class Client(ClientCore):
+class Client:
     """An MDP/0.2 client of one broker (or of the first live one of several):
-    the :class:`ClientMachine` driven over real transports.  The driver owns
-    the connections, the one timer and the Deferreds, and calls
-    ``onPartial``/``onRestart``; every decision is the machine's.
+    the :class:`ClientMachine` (``machine``) driven over real transports.  The
+    driver owns the connections, the one timer, the Deferreds and the log,
+    and calls ``onPartial``/``onRestart``; every decision is the machine's.
 
     *endpoint* is one broker endpoint or a failover list; each is checked at
     once (a malformed one raises :class:`~mdp.errors.TransportError`).
@@ -1121,15 +186,31 @@ class Client(ClientCore):
         curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
-        super().__init__(endpoint, reactor.seconds(), timeout=timeout, retries=retries,
-                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits, curveServerPublic=curveServerPublic,
-                         curveSecret=curveSecret)
+        endpoints = transport.endpoint_list(endpoint)
+        #: the broker's public key and this client's key pair, for zmq: endpoints
+        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
+        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
+                                     maxConnections=maxConnections, dialect=dialect,
+                                     stamp=stamp, limits=limits, now=reactor.seconds())
         self.reactor = reactor
+        self.limits = limits
+        self.throttle = LogThrottle(reactor)
+        self._closed = False
         self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
+        self._wakeTime: Optional[float] = None  # when it fires
         #: the connections its pipes share, by endpoint (stream endpoints
         #: carry them all over one; transport.connect_channels)
         self._links: dict[str, Any] = {}
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self.machine.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self.machine.endpoint
 
     # --- public API ----------------------------------------------------------
 
@@ -1169,13 +250,14 @@ class Client(ClientCore):
         cancelling the Deferred abandons the request.
         """
         now = self.reactor.seconds()
+        machine = self.machine
         try:
-            call = self._newCall(service, frames, timeout, retries, onPartial, onRestart, now,
-                                 self._cancel)
+            call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now)
         except ClientClosed as e:
             return defer.fail(e)
-        self._perform(self.handleRequest(call, now))
-        return call.deferred  # type: ignore[return-value]
+        deferred = call.deferred = defer.Deferred(lambda _: self._cancel(call))
+        self._perform(machine.handleRequest(call, now))
+        return deferred
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
                timeout: Optional[float] = None) -> ReplyStream:
@@ -1193,7 +275,8 @@ class Client(ClientCore):
         """Fail every pending request with :class:`ClientClosed` and close;
         the Deferred fires once every connection is closed (so a test, or a
         service stopping, finds none left open)."""
-        self._perform(self.handleClose(self.reactor.seconds()))
+        self._closed = True
+        self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
         return transport.close_all(links.values(), "a client connection")
 
@@ -1202,12 +285,23 @@ class Client(ClientCore):
     def _cancel(self, call: _Call) -> None:
         """The canceller of every request's Deferred: never raises (the
         Deferred then fails with CancelledError)."""
-        self._perform(self.handleCancel(call, self.reactor.seconds()))
+        self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
         call.onPartial = call.onRestart = None  # nothing more is told
 
     def _wake(self) -> None:
-        self._timer = None
-        self._perform(self.handleWake(self.reactor.seconds()))
+        self._timer = self._wakeTime = None
+        self._perform(self.machine.handleWake(self.reactor.seconds()))
+
+    def _wakeBy(self, when: Optional[float]) -> None:
+        """Arm the timer for the machine's :class:`WakeAt`.  An earlier one
+        armed stays: a callback may have asked for it (a nested event) before
+        this older action is done, and a wake-up early is harmless."""
+        if when is None:
+            self._timer = cancel_call(self._timer)
+            self._wakeTime = None
+        elif self._wakeTime is None or when < self._wakeTime:
+            self._wakeTime = when
+            self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order.  What a caller's callback does
@@ -1216,56 +310,56 @@ class Client(ClientCore):
         for action in actions:
             kind = type(action)
             if kind is SendOn:
-                channel = action.channel
-                pipe = channel.pipe
-                # a callback run by an earlier action may have cancelled it
-                call = channel.call
-                if (pipe is not None and pipe.connected and call is not None
-                        and call.state is not DONE):
-                    if pipe.discardReceived():
-                        self._stale(channel)
-                    pipe.sendMessage(action.frames)
-            elif kind is Complete:
-                # (a callback run by an earlier action may have cancelled it)
-                if not action.call.deferred.called:
-                    action.call.deferred.callback(action.body)
-                action.call.onPartial = action.call.onRestart = None
-            elif kind is Fail:
-                if not action.call.deferred.called:
-                    action.call.deferred.errback(action.error)
-                action.call.onPartial = action.call.onRestart = None
-            elif kind is Partial:
-                onPartial = action.call.onPartial
-                if onPartial is not None and not action.call.done:
-                    call_back("onPartial", action.call, onPartial, action.body)
-            elif kind is OpenChannel:
-                if self._closed:  # a callback run by an earlier action closed the client
-                    continue
-                channel = action.channel
-                try:
-                    link = self._links.get(channel.endpoint)
-                    if link is None:
-                        link = self._links[channel.endpoint] = transport.connect_channels(
-                            channel.endpoint, self.reactor, limits=self.limits,
-                            security=transport.curve_for(channel.endpoint, self.curve))
-                    channel.pipe = link.open(_ChannelPipe(self, channel))
-                except Exception as e:  # the transport refused: nothing can be sent
-                    self._perform(self.handleOpenFailed(channel, e, self.reactor.seconds()))
-            elif kind is CloseChannel:
-                pipe, action.channel.pipe = action.channel.pipe, None
-                if pipe is not None:
-                    pipe.close()
-            elif kind is Restarted:
-                onRestart = action.call.onRestart
-                if onRestart is not None and not action.call.done:
-                    call_back("onRestart", action.call, onRestart)
-            elif kind is WakeAt:
-                # the machine's wake-up as it is now, not as this action said:
-                # a callback above may have handled an event that asked for
-                # an earlier one, which this older action must not undo
-                when = self._wakeAt
-                if when is None or not self._closed:
-                    self._timer = call_at(self._timer, self.reactor, when, self._wake)
+                self._send(action.channel, action.frames)
+            elif kind is Complete or kind is Fail:
+                call = action.call
+                call.onPartial = call.onRestart = None
+                deferred = call.deferred
+                if deferred.called:  # (a callback run by an earlier action cancelled it)
+                    pass
+                elif kind is Complete:
+                    deferred.callback(action.body)
+                else:
+                    deferred.errback(action.error)
+            else:
+                self._act(action)
+
+    def _act(self, action: Action) -> None:
+        """An action other than a request's send and end."""
+        kind = type(action)
+        if kind is WakeAt:
+            self._wakeBy(action.when)
+        elif kind is OpenChannel:
+            # (not if a callback run by an earlier action closed the client,
+            # or had the machine give the channel up)
+            if not self._closed and self.machine.holds(action.channel):
+                self._open(action.channel)
+        elif kind is CloseChannel:
+            pipe, action.channel.pipe = action.channel.pipe, None
+            if pipe is not None:
+                pipe.close()
+        else:
+            tell(self.throttle, action)
+
+    def _send(self, channel: _Channel, frames: list[bytes]) -> None:
+        pipe = channel.pipe
+        call = channel.call
+        # (not if a callback run by an earlier action cancelled its request)
+        if pipe is not None and pipe.connected and call is not None and not call.done:
+            if pipe.discardReceived():
+                report_stale(self.throttle, channel)
+            pipe.sendMessage(frames)
+
+    def _open(self, channel: _Channel) -> None:
+        try:
+            link = self._links.get(channel.endpoint)
+            if link is None:
+                link = self._links[channel.endpoint] = transport.connect_channels(
+                    channel.endpoint, self.reactor, limits=self.limits,
+                    security=transport.curve_for(channel.endpoint, self.curve))
+            channel.pipe = link.open(_ChannelPipe(self, channel))
+        except Exception as e:  # the transport refused: nothing can be sent
+            self._perform(self.machine.handleOpenFailed(channel, e, self.reactor.seconds()))
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)

@@ -1,10 +1,10 @@
-# Compiled, the worker's machine is an extension type (see client.pxd);
-# docs/performance.md, item 26.
+# Compiled, the worker's machine and driver are extension types (see
+# client.pxd).
 
 from mdp.machine cimport Machine
 
 cdef class WorkerMachine(Machine):
-    cdef public object _rotation, service, heartbeat, backoff, dialect, limits, throttle
+    cdef public object _rotation, service, heartbeat, backoff, dialect, limits
     cdef public object state, liveness, failures, refusals, current, answered, generation
     cdef public object connectWhy, connectSaidAt
 
@@ -12,17 +12,22 @@ cdef class WorkerMachine(Machine):
     cpdef tuple handleReply(self, job, kind, frames, now, store=*)
     # a request's path: C calls (only the machine calls these)
     cdef _received(self, frames)
+    cdef _command(self, kind, client, body)
     cdef _request(self, client, body)
     cdef bint _replyPart(self, job, kind, frames, store) except -1
 
+# what both drivers share (the blocking one is a class of the source)
+cdef class WorkerDriver:
+    cdef public WorkerMachine machine
+    cdef public object handler, curve, throttle, requestsServed
+
 # the Twisted driver: an instance dictionary and weak references, as a class
 # of the source has
-cdef class Worker(WorkerMachine):
+cdef class Worker(WorkerDriver):
     cdef dict __dict__
     cdef object __weakref__
-    cdef public object handler, curve, reactor, replies, transport, requestsServed
-    cdef public object streamPauses, _reconnectCall, _ticker, _lastTick, _handlerBlockEnded
-    cdef public object metrics
+    cdef public object reactor, replies, transport, streamPauses, _reconnectCall, _ticker
+    cdef public object _lastTick, _handlerBlockEnded, metrics
 
     # a request's path, through C calls (cpdef: also callbacks and Python's)
     cpdef _perform(self, list actions)

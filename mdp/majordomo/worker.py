@@ -26,9 +26,11 @@ Theory of operation
 The decisions live in :class:`WorkerMachine`, which knows no reactor, no
 transport, no Deferred and no handler: it is fed events with their time and
 returns actions (:class:`SendToBroker`, :class:`OpenPipe`, :class:`ClosePipe`,
-:class:`ReopenAfter`, :class:`Serve`, :class:`StoreReply`).  :class:`Worker`
-is its driver: it owns the pipe and the timers, runs the handler and the
-reply store, and reports each reply part back (``handleReply``).
+:class:`ReopenAfter`, :class:`Serve`, :class:`StoreReply`, and
+:class:`Dropped`, :class:`Refused`, :class:`Lost`, :class:`ConnectFailed` for
+the log).  :class:`Worker` is its driver: it holds the machine
+(``worker.machine``), owns the pipe, the timers and the log, runs the handler
+and the reply store, and reports each reply part back (``handleReply``).
 
 A worker is in one :class:`WorkerState` at a time; its connection to the
 broker is one pipe (one DEALER socket on ZeroMQ), opened to the current
@@ -187,9 +189,13 @@ class ClosePipe:
 @action_class
 class ReopenAfter:
     """The machine's wish: call :meth:`WorkerMachine.handleReopen` after
-    *delay* seconds (replacing any such call still pending)."""
+    *delay* seconds (replacing any such call still pending), having left
+    *endpoint*: its broker was *silent* for that many seconds, or (``None``)
+    said DISCONNECT."""
 
     delay: float
+    endpoint: str
+    silent: Optional[float]
 
 
 @action_class
@@ -210,7 +216,41 @@ class StoreReply:
     frames: list[bytes]
 
 
+@action_class
+class Dropped:
+    """For the log: a message from the broker was dropped, for *reason*."""
+
+    reason: str
+
+
+@action_class
+class Refused:
+    """For the log: a request is answered with the error *status* (400,
+    413) instead, for *reason*."""
+
+    status: bytes
+    reason: str
+
+
+@action_class
+class Lost:
+    """For the log: the registered pipe to *endpoint* was lost (*why*)."""
+
+    endpoint: str
+    why: str
+
+
+@action_class
+class ConnectFailed:
+    """For the log: the pipe cannot connect to *endpoint* (*why*); the
+    transport tries again."""
+
+    endpoint: str
+    why: str
+
+
 Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
+#               | Dropped | Refused | Lost | ConnectFailed
 
 
 def _why(reason: object) -> str:
@@ -224,13 +264,9 @@ def _why(reason: object) -> str:
 
 class WorkerMachine(Machine):
     """The worker's decisions (the table in the module docstring), and
-    nothing else: no reactor, no transport, no Deferred, no handler.  Feed it
-    events with their time; each ``handle*`` returns the actions it wants done,
-    in order.  :class:`Worker` drives it."""
-
-    #: the level of the line saying READY went out: a process of many
-    #: workers of its own (Titanic's) says once what it serves instead
-    readyLogLevel = LogLevel.info
+    nothing else: no reactor, no transport, no Deferred, no handler, no log.
+    Feed it events with their time; each ``handle*`` returns the actions it
+    wants done, in order.  :class:`Worker` drives it."""
 
     def __init__(
         self,
@@ -250,8 +286,7 @@ class WorkerMachine(Machine):
         self.backoff = backoff
         self.dialect = codec.check_dialect(dialect)
         self.limits = limits
-        self.throttle = LogThrottle(self)
-        #: the last reason a connection attempt failed, and when it was logged
+        #: the last reason a connection attempt failed, and when it was told
         self.connectWhy: Optional[str] = None
         self.connectSaidAt = 0.0
         self.state = STOPPED
@@ -337,19 +372,6 @@ class WorkerMachine(Machine):
         self.answered = False
         self.liveness.heard(now)
         self._send(codec.Ready(self.service))
-        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
-                 service=label(self.service), endpoint=self.endpoint)
-        return self._drain()
-
-    def handleOpenFailed(self, error: BaseException, now: float) -> list[Action]:
-        """The transport could not open the pipe (no socket to be had: out of
-        descriptors): as a pipe that never comes up, the broker's silence
-        decides, and the worker reconnects with its backoff."""
-        self.now = now
-        log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
-                  "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
-                  service=label(self.service), endpoint=self.endpoint, error=error,
-                  expiry=self.heartbeat.expiry)
         return self._drain()
 
     def handleConnectFailed(self, error: object, now: float) -> list[Action]:
@@ -357,7 +379,7 @@ class WorkerMachine(Machine):
         transport tries again on its own: logged when the reason changes,
         and at most once per ``interval * liveness`` while it stays (a
         worker started before its broker would say so at every retry)."""
-        from mdp.majordomo.client import unreachable
+        from mdp.majordomo.client_machine import unreachable
 
         self.now = now
         value = getattr(error, "value", error)
@@ -365,8 +387,7 @@ class WorkerMachine(Machine):
         if why != self.connectWhy or now - self.connectSaidAt >= self.heartbeat.expiry:
             self.connectWhy = why
             self.connectSaidAt = now
-            log.warn("worker for {service} cannot connect to {endpoint}: {error}; trying again",
-                     service=label(self.service), endpoint=self.endpoint, error=why)
+            self._outbox.append(ConnectFailed(self.endpoint, why))
         return self._drain()
 
     def handlePipeLost(self, now: float, why: object = None) -> list[Action]:
@@ -374,8 +395,7 @@ class WorkerMachine(Machine):
         exception), is logged with it (a TLS handshake refused, say)."""
         self.now = now
         if self.state is READY:
-            log.info("worker for {service} lost {endpoint} ({why}); reconnecting",
-                     service=label(self.service), endpoint=self.endpoint, why=_why(why))
+            self._outbox.append(Lost(self.endpoint, _why(why)))
             self.state = CONNECTING
         self.current = None
         self.generation += 1
@@ -425,67 +445,62 @@ class WorkerMachine(Machine):
         self.liveness.heard(self.now)
         self._outbox.append(OpenPipe(self.endpoint))
 
-    def _reconnect(self, delay: float) -> None:
+    def _reconnect(self, delay: float, silent: Optional[float] = None) -> None:
         """Close the socket, wait *delay*, open a fresh one to the next
         endpoint (Paranoid Pirate): BACKING_OFF."""
         self.state = BACKING_OFF
         self.current = None
         self.generation += 1
         self._outbox.append(ClosePipe())
+        left = self.endpoint
         self._rotation.advance()
-        self._outbox.append(ReopenAfter(delay))
+        self._outbox.append(ReopenAfter(delay, left, silent))
 
     def _received(self, frames: list[bytes]) -> None:
         if self.state is STOPPED or self.state is BACKING_OFF:
             return  # from a pipe already closed
         if (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
                 and frames[3] == b"" and self.dialect == RFC):
-            # a REQUEST, checked as decode_worker checks it, without the command object
-            self.liveness.heard(self.now)
-            self.failures = self.refusals = 0
-            self.answered = True
-            self._request(frames[2], frames[4:])
+            # a REQUEST, checked as decode_worker checks it
+            self._command(WorkerRequest, frames[2], frames[4:])
             return
         try:
             command = codec.decode_worker(codec.expect(frames, self.dialect))
         except ProtocolError as e:
-            self.throttle.warn(log, "invalid", "worker for {service} dropped invalid message from "
-                               "broker: {reason}", service=label(self.service), reason=e)
+            self._outbox.append(Dropped(f"invalid message: {e}"))
             return
+        if type(command) is WorkerRequest:
+            self._command(WorkerRequest, command.client, list(command.body))
+        else:
+            self._command(type(command), b"", [])
+
+    def _command(self, kind: type, client: bytes, body: list[bytes]) -> None:
+        """A command from the broker (a REQUEST from *client* with *body*)."""
         self.liveness.heard(self.now)
         self.failures = 0
         self.answered = True
-        kind = type(command)
-        if kind is Heartbeat:
+        if kind is WorkerRequest or kind is Heartbeat:
             self.refusals = 0
-            return
-        if kind is WorkerRequest:
-            self.refusals = 0
-            self._request(command.client, list(command.body))  # type: ignore[attr-defined]
+            if kind is WorkerRequest:
+                self._request(client, body)
         elif kind is Disconnect:
             delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
             self.refusals += 1
-            log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
-                     service=label(self.service), delay=delay)
             self._reconnect(delay)
         else:
-            self.throttle.warn(log, "unexpected", "worker for {service} dropped unexpected "
-                               "{command} from broker", service=label(self.service), command=kind.__name__)
+            self._outbox.append(Dropped(f"unexpected {kind.__name__}"))
 
     def _request(self, client: bytes, body: list[bytes]) -> None:
         """A REQUEST from *client* (its body a list of our own)."""
         if self.current is not None:
-            self.throttle.warn(log, "busy", "worker for {service} got a REQUEST while busy; "
-                               "dropped", service=label(self.service))
+            self._outbox.append(Dropped("a REQUEST while busy"))
             return
         key = None
         if body and body[0] == STAMP_MARKER:
             try:
                 key, body = idempotence.unstamp(body)
             except ValueError as e:
-                self.throttle.warn(log, "stamp", "worker for {service} answers 400 to a request "
-                                   "with a malformed stamp: {reason}", service=label(self.service),
-                                   reason=e)
+                self._outbox.append(Refused(codec.STATUS_BAD_REQUEST, f"malformed stamp: {e}"))
                 self.current = client
                 self._replyPart(_Job(client, self.generation, None, self.now), WorkerFinal,
                                 codec.error_body(codec.STATUS_BAD_REQUEST,
@@ -503,9 +518,8 @@ class WorkerMachine(Machine):
         tooLarge = None
         if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
             tooLarge = limits.oversize(size, len(frames) + 5)
-            self.throttle.warn(log, "too-large", "worker for {service} answers 413: its {command} "
-                               "is too large ({reason})", service=label(self.service),
-                               command=kind.__name__, reason=tooLarge)
+            self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
+                                        f"its {kind.__name__} is too large ({tooLarge})"))
             kind, store = WorkerFinal, False
             frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
         final = kind is WorkerFinal
@@ -533,10 +547,7 @@ class WorkerMachine(Machine):
             else:
                 delay = 0.0  # another broker to try (a Binary Star pair): at once
             self.failures += 1
-            log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
-                     "reconnects in {delay:g}s", endpoint=self.endpoint,
-                     silence=liveness.silence(now), service=label(self.service), delay=delay)
-            self._reconnect(delay)
+            self._reconnect(delay, liveness.silence(now))
         elif state is READY and liveness.due(now, 0.75):
             self._send(codec.HEARTBEAT)
 
@@ -545,7 +556,117 @@ class WorkerMachine(Machine):
         self.liveness.sent(self.now)
 
 
-class Worker(WorkerMachine):
+class WorkerDriver:
+    """What both drivers of a :class:`WorkerMachine` share (:class:`Worker`
+    and :class:`mdp.blocking.Worker`): the machine (``machine``), its state
+    for the caller, the handler, and the log of what the machine reports.
+    *clock* (what has ``seconds()``) is the driver's time."""
+
+    #: the level of the line saying READY went out: a process of many
+    #: workers of its own (Titanic's) says once what it serves instead
+    readyLogLevel = LogLevel.info
+
+    def __init__(self, endpoints: list[str], service: Union[str, bytes], handler: Handler,
+                 clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff, dialect: str,
+                 limits: Limits, curveServerPublic: Optional[str],
+                 curveSecret: Optional[str]) -> None:
+        self.handler = checked_handler(handler)
+        #: the broker's public key and this worker's key pair, for zmq: endpoints
+        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
+        self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
+                                     heartbeat=heartbeat, backoff=backoff, dialect=dialect,
+                                     limits=limits, now=clock.seconds())
+        self.throttle = LogThrottle(clock)
+        self.requestsServed = 0
+
+    @property
+    def service(self) -> bytes:
+        """The service name, bytes."""
+        return self.machine.service
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self.machine.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint in use (or next to be tried)."""
+        return self.machine.endpoint
+
+    @property
+    def state(self) -> WorkerState:
+        """Where the connection to the broker stands."""
+        return self.machine.state
+
+    @property
+    def connected(self) -> bool:
+        """The pipe is up and READY went out on it."""
+        return self.machine.state is READY
+
+    @property
+    def started(self) -> bool:
+        """Started and not stopped since."""
+        return self.machine.state is not STOPPED
+
+    @property
+    def registered(self) -> bool:
+        """READY went out and the broker has answered since."""
+        return self.machine.registered
+
+    @property
+    def current(self) -> Optional[bytes]:
+        """The address of the client being served, if one is."""
+        return self.machine.current
+
+    @property
+    def generation(self) -> int:
+        """Bumped on every new or lost pipe (a reply for an older one is dropped)."""
+        return self.machine.generation
+
+    def _ready(self) -> None:
+        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
+                 service=label(self.machine.service), endpoint=self.machine.endpoint)
+
+    def _openFailed(self, error: BaseException) -> None:
+        """The transport could not open the pipe (no socket to be had: out
+        of descriptors): as a pipe that never comes up, the broker's silence
+        decides, and the worker reconnects with its backoff."""
+        machine = self.machine
+        log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
+                  "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
+                  service=label(machine.service), endpoint=machine.endpoint, error=error,
+                  expiry=machine.heartbeat.expiry)
+
+    def _report(self, action: Action) -> None:
+        """Log what the machine reports (throttled where the broker could
+        make a flood of it)."""
+        kind = type(action)
+        service = label(self.machine.service)
+        if kind is ReopenAfter:
+            if action.silent is None:
+                log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
+                         service=service, delay=action.delay)
+            else:
+                log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
+                         "reconnects in {delay:g}s", endpoint=action.endpoint,
+                         silence=action.silent, service=service, delay=action.delay)
+        elif kind is Dropped:
+            self.throttle.warn(log, "dropped", "worker for {service} dropped a message from the "
+                               "broker: {reason}", service=service, reason=action.reason)
+        elif kind is Refused:
+            self.throttle.warn(log, "refused", "worker for {service} answers {status}: {reason}",
+                               service=service, status=action.status.decode(),
+                               reason=action.reason)
+        elif kind is Lost:
+            log.info("worker for {service} lost {endpoint} ({why}); reconnecting",
+                     service=service, endpoint=action.endpoint, why=action.why)
+        elif kind is ConnectFailed:
+            log.warn("worker for {service} cannot connect to {endpoint}: {error}; trying again",
+                     service=service, endpoint=action.endpoint, error=action.why)
+
+
+class Worker(WorkerDriver):
     """An MDP/0.2 worker for one *service*, connected to one broker at a time:
     the :class:`WorkerMachine` driven over a real transport.  The driver owns
     the pipe, the tick and the backoff timer, runs the handler (Deferreds,
@@ -573,16 +694,12 @@ class Worker(WorkerMachine):
         curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
-        endpoints = transport.endpoint_list(endpoint)
-        self.handler = checked_handler(handler)
-        #: the broker's public key and this worker's key pair, for zmq: endpoints
-        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
-        super().__init__(endpoints, codec.api_service_name(service), heartbeat=heartbeat,
-                         backoff=backoff, dialect=dialect, limits=limits, now=reactor.seconds())
+        super().__init__(transport.endpoint_list(endpoint), service, handler, reactor,
+                         heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
+                         curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         self.reactor = reactor
         self.replies = replies
         self.transport: Optional[IDealerTransport] = None
-        self.requestsServed = 0
         self.streamPauses = 0  # times a streaming handler waited for a full queue to drain
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
@@ -599,10 +716,10 @@ class Worker(WorkerMachine):
 
     def start(self) -> None:
         """Connect to the broker; READY is sent once the pipe is up."""
-        if self.state is not STOPPED:
+        if self.machine.state is not STOPPED:
             return
-        self._perform(self.handleStart(self.reactor.seconds()))
-        self._ticker.start(self.wakeEvery, now=False)
+        self._perform(self.machine.handleStart(self.reactor.seconds()))
+        self._ticker.start(self.machine.wakeEvery, now=False)
 
     def stop(self) -> defer.Deferred[None]:
         """Say DISCONNECT to the broker (if registered) and close."""
@@ -610,27 +727,27 @@ class Worker(WorkerMachine):
             self._ticker.stop()
         self._lastTick = None
         self._reconnectCall = cancel_call(self._reconnectCall)
-        closing = self._perform(self.handleStop(self.reactor.seconds()))
+        closing = self._perform(self.machine.handleStop(self.reactor.seconds()))
         return closing if closing is not None else defer.succeed(None)
 
     def _reopen(self) -> None:
         self._reconnectCall = None
-        self._perform(self.handleReopen(self.reactor.seconds()))
+        self._perform(self.machine.handleReopen(self.reactor.seconds()))
 
     def tick(self) -> None:
         now = self.reactor.seconds()
         last, self._lastTick = self._lastTick, now
-        if last is not None and now - last > self.wakeEvery + self.heartbeat.interval:
+        if last is not None and now - last > self.machine.wakeEvery + self.machine.heartbeat.interval:
             # the reactor did not run this timer on time: something blocked it
-            blocked = now - last - self.wakeEvery
+            blocked = now - last - self.machine.wakeEvery
             if self._handlerBlockEnded < last:  # not the handler's block, already told
                 self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f} s "
                                    "(worker for {service}): the broker's silence meanwhile is not "
                                    "held against it", blocked=blocked, service=label(self.service))
                 if self.metrics is not None:
                     self.metrics.blockedReactor(self.service)
-            self._perform(self.handleBlocked(now))
-        self._perform(self.handleTick(now))
+            self._perform(self.machine.handleBlocked(now))
+        self._perform(self.machine.handleTick(now))
 
     def _perform(self, actions: list[Action]) -> Optional[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns the closing of a pipe
@@ -647,43 +764,55 @@ class Worker(WorkerMachine):
                     self._run(job, action.body)
                 else:
                     self._serve(job, action.body)
-            elif kind is StoreReply:
-                if self.replies is not None:
-                    defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
-                        _storeFailed)
-            elif kind is OpenPipe:
-                security = transport.curve_for(action.endpoint, self.curve)
-                try:
-                    self.transport = transport.connect(
-                        action.endpoint, self, self.reactor,
-                        retryPolicy=self.backoff.retryPolicy(), limits=self.limits,
-                        security=security)
-                except TransportError as e:  # no socket to be had (out of descriptors)
-                    self._perform(self.handleOpenFailed(e, self.reactor.seconds()))
-            elif kind is ClosePipe:
-                pipe, self.transport = self.transport, None
-                if pipe is not None:
-                    closing = pipe.close()
-            elif kind is ReopenAfter:
+            else:
+                closing = self._act(action) or closing
+        return closing
+
+    def _act(self, action: Action) -> Optional[defer.Deferred[None]]:
+        """An action other than a send or a request to serve; returns the
+        closing of a pipe it closed, if it did."""
+        kind = type(action)
+        if kind is StoreReply:
+            if self.replies is not None:
+                defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
+                    _storeFailed)
+        elif kind is OpenPipe:
+            self._open(action.endpoint)
+        elif kind is ClosePipe:
+            pipe, self.transport = self.transport, None
+            if pipe is not None:
+                return pipe.close()
+        else:
+            self._report(action)
+            if kind is ReopenAfter:
                 cancel_call(self._reconnectCall)
                 self._reconnectCall = self.reactor.callLater(action.delay, self._reopen)
                 if self.metrics is not None:
                     self.metrics.reconnected(self.service)
-        return closing
+        return None
+
+    def _open(self, endpoint: str) -> None:
+        try:
+            self.transport = transport.connect(
+                endpoint, self, self.reactor, retryPolicy=self.machine.backoff.retryPolicy(),
+                limits=self.machine.limits, security=transport.curve_for(endpoint, self.curve))
+        except TransportError as e:  # no socket to be had (out of descriptors)
+            self._openFailed(e)
 
     # --- IDealerReceiver ---------------------------------------------------
 
     def connectionMade(self) -> None:
-        self._perform(self.handlePipeUp(self.reactor.seconds()))
+        self._perform(self.machine.handlePipeUp(self.reactor.seconds()))
+        self._ready()
 
     def connectionLost(self, reason: object) -> None:
-        self._perform(self.handlePipeLost(self.reactor.seconds(), reason))
+        self._perform(self.machine.handlePipeLost(self.reactor.seconds(), reason))
 
     def connectionFailed(self, reason: object) -> None:
-        self._perform(self.handleConnectFailed(reason, self.reactor.seconds()))
+        self._perform(self.machine.handleConnectFailed(reason, self.reactor.seconds()))
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        self._perform(self.handleMessage(frames, self.reactor.seconds()))
+        self._perform(self.machine.handleMessage(frames, self.reactor.seconds()))
 
     # --- serving -------------------------------------------------------------
 
@@ -716,7 +845,7 @@ class Worker(WorkerMachine):
             self._failed(Failure(), job)
             return
         blocked = clock() - started
-        if blocked >= self.heartbeat.interval:
+        if blocked >= self.machine.heartbeat.interval:
             self._checkBlocked(blocked)
         kind = type(result)
         if kind is list or kind is bytes:  # the common, synchronous answer
@@ -736,7 +865,7 @@ class Worker(WorkerMachine):
         interval is told so, and the broker's silence meanwhile is not held
         against it (the broker may still have given this worker up: its
         late reply is then taken if the request is still queued)."""
-        if blocked < self.heartbeat.interval:
+        if blocked < self.machine.heartbeat.interval:
             return
         now = self.reactor.seconds()
         self._handlerBlockEnded = now
@@ -745,50 +874,31 @@ class Worker(WorkerMachine):
                            service=label(self.service), blocked=blocked)
         if self.metrics is not None:
             self.metrics.blockedReactor(self.service)
-        self._perform(self.handleBlocked(now))
+        self._perform(self.machine.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
-        if isinstance(parts, Generator):
-            await self._streamSync(parts, job)
-            return
-        async for item in parts:
-            if not self.isCurrent(job):
-                await parts.aclose()  # the request is void, or was answered (413)
+        """Send what a streaming handler yields (a plain or an asynchronous
+        generator) as PARTIALs, until a :class:`Final` ends the reply or the
+        request is void (or answered with a 413); the handler is paused
+        while the broker takes PARTIALs slower than it makes them."""
+        sync = isinstance(parts, Generator)
+        while True:
+            try:
+                item = next(parts) if sync else await parts.__anext__()
+            except (StopIteration, StopAsyncIteration):
+                self._finish(None, job)
                 return
-            if isinstance(item, Final):
-                await parts.aclose()
-                self._finish(item.frames, job)
-                return
-            if not self._reply(job, WorkerPartial, reply_frames(item)):
-                await parts.aclose()  # the request is void, or was answered (413)
-                return
-            transport = self.transport
-            if transport is not None and not transport.writable:
-                # the broker takes PARTIALs slower than the handler makes them:
-                # pause the handler rather than pile them up
-                self.streamPauses += 1
-                await transport.drained()
-        self._finish(None, job)
-
-    async def _streamSync(self, parts: Any, job: _Job) -> None:
-        """:meth:`_stream` for a plain generator: iterated as it is, without
-        an asynchronous generator around it."""
-        for item in parts:
-            if not self.isCurrent(job):
-                parts.close()  # the request is void, or was answered (413)
-                return
-            if isinstance(item, Final):
-                parts.close()
-                self._finish(item.frames, job)
-                return
-            if not self._reply(job, WorkerPartial, reply_frames(item)):
-                parts.close()  # the request is void, or was answered (413)
+            current = self.machine.isCurrent(job)
+            final = current and isinstance(item, Final)
+            if not current or final or not self._reply(job, WorkerPartial, reply_frames(item)):
+                await _close(parts)
+                if final:
+                    self._finish(item.frames, job)
                 return
             transport = self.transport
             if transport is not None and not transport.writable:
                 self.streamPauses += 1
                 await transport.drained()
-        self._finish(None, job)
 
     def _finish(self, value: Any, job: _Job) -> None:
         try:
@@ -810,9 +920,9 @@ class Worker(WorkerMachine):
         """Hand a reply part to the machine and do what it says; True if the
         part went out as itself."""
         metrics = self.metrics
-        current = metrics is not None and self.isCurrent(job)
+        current = metrics is not None and self.machine.isCurrent(job)
         now = self.reactor.seconds()
-        sent, actions = self.handleReply(job, kind, frames, now, store)
+        sent, actions = self.machine.handleReply(job, kind, frames, now, store)
         self._perform(actions)
         if current and (kind is WorkerFinal or not sent):
             # a FINAL went out (a part over the limits became a 413 FINAL)
@@ -823,6 +933,14 @@ class Worker(WorkerMachine):
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Worker, IWorker, IDealerReceiver)
+
+
+async def _close(parts: Any) -> None:
+    """Close a streaming handler's generator, plain or asynchronous."""
+    if isinstance(parts, Generator):
+        parts.close()
+    else:
+        await parts.aclose()
 
 
 def _storeFailed(failure: Failure) -> None:

@@ -1,0 +1,886 @@
+"""The MDP/0.2 client's decisions: :class:`ClientMachine`, pure (no
+reactor, no transport, no Deferred, no log), and its records and actions.
+:class:`mdp.majordomo.client.Client` and :class:`mdp.blocking.Client` drive
+it (see :mod:`mdp.majordomo.client` for why a connection carries one request
+at a time).
+
+The machine is fed events with their time (a request, a pipe up or lost, a
+message on a connection, a cancel, the wake-up it asked for, close) and
+returns actions (:class:`OpenChannel`, :class:`CloseChannel`, :class:`SendOn`,
+:class:`Partial`, :class:`Restarted`, :class:`Complete`, :class:`Fail`,
+:class:`WakeAt`, and :class:`Dropped` and :class:`Retrying` for the log).  A
+driver holds the machine (``client.machine``), owns the transports, the one
+timer, the Deferreds and the log, and calls ``onPartial`` and ``onRestart``.
+
+Two kinds of machine: one per request (a ``_Call``, in a :class:`CallState`)
+and one per connection of the pool (a ``_Channel``, in a
+:class:`ChannelState`).  A request's states:
+
+===========  ===================================  ===========  ================================
+state        event                                next state   actions
+===========  ===================================  ===========  ================================
+(new)        ``request()``                        QUEUED       attempt 1 starts; the request
+                                                               waits in the client's FIFO
+QUEUED       a connection is idle, or one may     IN_FLIGHT    the connection sends it now, or
+             be opened (< ``maxConnections``)                  once its pipe is up
+IN_FLIGHT    PARTIAL                              STREAMING    ``onPartial(body)``
+STREAMING    PARTIAL                              STREAMING    ``onPartial(body)``
+IN_FLIGHT,   FINAL                                DONE         connection freed; the Deferred
+STREAMING                                                      fires (fails for an error reply)
+IN_FLIGHT    pipe broke                           IN_FLIGHT    sent again once the pipe is back
+IN_FLIGHT,   pipe ended by a reply over this      DONE         ``ReplyTooLarge`` (sent
+STREAMING    client's limits                                   again, it would only run again)
+STREAMING    pipe broke, or the restart marker    IN_FLIGHT    ``onRestart()`` (without one:
+                                                               DONE, ``StreamRestarted``)
+IN_FLIGHT,   the attempt runs out                 QUEUED       connection discarded, next
+STREAMING                                         (at head)    endpoint; ``onRestart()`` if it
+                                                               was STREAMING
+QUEUED       the attempt runs out                 QUEUED       keeps its place in the FIFO
+any          the last attempt runs out            DONE         ``RequestTimeout`` (also after
+                                                               a timeout while STREAMING
+                                                               without ``onRestart``)
+any          ``cancel()``                         DONE         leaves the FIFO; one in flight
+                                                               is *abandoned*: its connection
+                                                               keeps it until its reply or
+                                                               deadline, unless a request
+                                                               waits for a connection
+any          ``close()``                          DONE         ``ClientClosed``
+===========  ===================================  ===========  ================================
+
+A connection's states (it carries at most one request; see Correlation):
+
+=====  ============================================  =====  ================================
+state  event                                         next   actions
+=====  ============================================  =====  ================================
+DOWN   given a request                               DOWN   none yet
+DOWN   pipe up                                       UP     send its request, if it carries
+                                                            one not DONE: SENT
+UP     given a request                               SENT   send it
+SENT   FINAL                                         UP     carries nothing: serves the next
+                                                            request
+UP,    pipe broke                                    DOWN   tell the client (a STREAMING
+SENT                                                        request restarts)
+=====  ============================================  =====  ================================
+
+A reply on a connection carrying nothing discards that connection; a
+connection whose request timed out is discarded too.  One timer, set for the
+earliest deadline, serves every request of the client.
+
+With ``stamp=True`` every request carries this client's id and a sequence
+number, the same on each retry, so that workers with a reply store run it once
+(:mod:`mdp.majordomo.idempotence`).
+
+Reliability, cancelling and restarted streams, as the caller sees them, are
+in docs/mdp.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import itertools
+import uuid
+from collections import deque
+from heapq import heapify, heappop, heappush
+from typing import Any, Callable, Optional, Sequence, Union
+
+from mdp.errors import (
+    BrokerUnreachable,
+    ClientClosed,
+    OversizedMessage,
+    ProtocolError,
+    ReplyTooLarge,
+    RequestTimeout,
+    RequestTooLarge,
+    StreamRestarted,
+)
+from mdp.machine import Machine, action_class
+from mdp.majordomo import codec, idempotence
+from mdp.majordomo.codec import ClientFinal, ClientPartial
+from mdp.messages import Frame, remote_error, request_frames
+from mdp.policy import MAX_SECONDS, EndpointRotation, Limits
+
+_HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
+_ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
+_RFC = codec.RFC
+#: service names a client recently asked for, normalised (at most _NAMES_KEPT)
+_NAMES_KEPT = 64
+
+DEFAULT_TIMEOUT = 2.5
+DEFAULT_RETRIES = 3
+DEFAULT_MAX_CONNECTIONS = 64
+
+
+def _check_attempts(timeout: float, retries: int) -> None:
+    if not timeout > 0:  # NaN too
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if not timeout <= MAX_SECONDS:  # inf too: no timer takes it
+        raise ValueError(f"timeout must be at most {MAX_SECONDS:g} seconds, got {timeout}")
+    if retries < 1:
+        raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
+
+
+class CallState(enum.Enum):
+    """Where one request stands (see the table in the module docstring)."""
+
+    #: waiting in the client's FIFO for a connection
+    QUEUED = "queued"
+    #: carried by a connection, which sends it (again) whenever its pipe is up
+    IN_FLIGHT = "in flight"
+    #: in flight, and PARTIALs of the current attempt were delivered
+    STREAMING = "streaming"
+    #: answered, failed or cancelled (a cancelled one, or one failed while
+    #: its reply was still due, may still be carried, abandoned, until its
+    #: reply or deadline)
+    DONE = "done"
+
+
+QUEUED, IN_FLIGHT, STREAMING, DONE = (
+    CallState.QUEUED, CallState.IN_FLIGHT, CallState.STREAMING, CallState.DONE)
+
+
+class ChannelState(enum.Enum):
+    """Where one connection of the pool stands."""
+
+    #: its pipe is not up (not yet, or broke and is coming back)
+    DOWN = "down"
+    #: its pipe is up; its request, if it has one, is not sent on it yet
+    UP = "up"
+    #: its pipe is up and its request went out on it
+    SENT = "sent"
+
+
+DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
+
+
+def unreachable(error: BaseException) -> Optional[str]:
+    """Why *error* (a failed connection attempt) means nobody is there at
+    all, or None if it may be passing (a timeout, say)."""
+    from twisted.internet import error as net
+
+    if isinstance(error, net.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, net.DNSLookupError):
+        return "host not found"
+    if isinstance(error, net.ConnectError) and getattr(error, "osError", None) in (
+            errno.ENOENT, errno.ECONNREFUSED):
+        return "no such socket" if error.osError == errno.ENOENT else "connection refused"
+    # the blocking driver's plain sockets
+    if isinstance(error, OSError) and error.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return "no such socket" if error.errno == errno.ENOENT else "connection refused"
+    return None
+
+
+class _Call:
+    """One request: its attempts and where it is.  The driver hangs its
+    Deferred (or, blocking, its ``result``) and callbacks on it; the machine
+    only reads whether the caller accepts restarts (``onRestart``)."""
+
+    __slots__ = ("service", "message", "deferred", "result", "onPartial", "onRestart", "timeout",
+                 "retries", "attempts", "startedAt", "deadline", "channel", "state", "tried")
+
+    def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
+                 onPartial: Optional[Callable[[list[bytes]], Any]],
+                 onRestart: Optional[Callable[[], Any]], startedAt: float) -> None:
+        self.service = service
+        self.message = message  # the encoded REQUEST, the same on every attempt
+        self.timeout = timeout
+        self.retries = retries
+        self.onPartial = onPartial
+        self.onRestart = onRestart
+        self.startedAt = startedAt
+        self.attempts = 1
+        self.deadline = startedAt + timeout  # when the current attempt runs out
+        self.channel: Optional[_Channel] = None  # the connection carrying it
+        #: QUEUED exactly while it is in the client's FIFO (a DONE one may
+        #: linger there until it reaches the head)
+        self.state = QUEUED
+        self.tried: list[str] = []  # the endpoints it was given to
+        self.deferred: Any = None  #: the Twisted driver's Deferred
+        #: the blocking driver's: the reply's frames or the error, once DONE
+        self.result: Any = None
+
+    @property
+    def done(self) -> bool:
+        """Answered, failed or cancelled."""
+        return self.state is DONE
+
+
+class _Channel:
+    """One connection of the pool, with at most one request in flight (see
+    the module docstring: it alone decides when that request is sent).  The
+    machine's record of it; the driver hangs the transport on ``pipe``."""
+
+    __slots__ = ("endpoint", "call", "state", "pipe")
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        #: the request in flight; a done one is abandoned, its reply still due
+        self.call: Optional[_Call] = None
+        self.state = DOWN
+        self.pipe: Any = None  # the driver's
+
+    @property
+    def up(self) -> bool:
+        """The pipe is up (connectionMade, no connectionLost since)."""
+        return self.state is not DOWN
+
+    @property
+    def sent(self) -> bool:
+        """Its request went out on the current pipe."""
+        return self.state is SENT
+
+
+# --- what the machine asks its driver to do -------------------------------------------
+
+@action_class
+class OpenChannel:
+    channel: _Channel
+
+
+@action_class
+class CloseChannel:
+    channel: _Channel
+
+
+@action_class
+class SendOn:
+    channel: _Channel
+    frames: list[bytes]
+
+
+@action_class
+class Partial:
+    """Tell the caller of *call* about a PARTIAL (``onPartial``)."""
+
+    call: _Call
+    body: list[bytes]
+
+
+@action_class
+class Restarted:
+    """Tell the caller of *call* that its reply starts over (``onRestart``)."""
+
+    call: _Call
+
+
+@action_class
+class Complete:
+    """Fire the Deferred of *call* with the FINAL body."""
+
+    call: _Call
+    body: list[bytes]
+
+
+@action_class
+class Fail:
+    """Fail the Deferred of *call* with *error*."""
+
+    call: _Call
+    error: BaseException
+
+
+@action_class
+class WakeAt:
+    """Call :meth:`ClientMachine.handleWake` by time *when* (no later than
+    any wake-up asked for before); ``None``: no wake-up is needed."""
+
+    when: Optional[float]
+
+
+@action_class
+class Dropped:
+    """A message from *endpoint* was dropped, for *reason* (for the log)."""
+
+    endpoint: str
+    reason: str
+
+
+@action_class
+class Retrying:
+    """*call* ran out of time and starts its attempt number *attempt* (for the log)."""
+
+    call: _Call
+    attempt: int
+
+
+Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail
+#               | WakeAt | Dropped | Retrying
+
+
+class ClientMachine(Machine):
+    """The client's decisions (the tables in the module docstring), and
+    nothing else: no reactor, no transport, no Deferred, no log.  Feed it
+    events with their time; each ``handle*`` returns the actions it wants
+    done, in order.  :class:`Client` and :class:`mdp.blocking.Client` drive
+    it.  The options are checked at once (``TypeError``/``ValueError``)."""
+
+    def __init__(self, endpoints: list[str], *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = DEFAULT_RETRIES,
+                 maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
+                 stamp: bool = False, limits: Limits = Limits(), now: float = 0.0) -> None:
+        super().__init__(now)
+        _check_attempts(timeout, retries)
+        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
+            raise TypeError(f"maxConnections is a number of connections, "
+                            f"not {type(maxConnections).__name__}")
+        if maxConnections < 1:
+            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
+        self._rotation = EndpointRotation(endpoints)
+        self.timeout = timeout
+        self.retries = retries
+        self.maxConnections = maxConnections
+        self.dialect = codec.check_dialect(dialect)
+        self.stamp = stamp
+        self.limits = limits
+        #: what stamps this client's requests: its id, and the next sequence number
+        self.clientId = uuid.uuid4().bytes
+        self._sequence = itertools.count(1)
+        self._names: dict[Union[str, bytes], bytes] = {}  # caller's name -> wire bytes
+        self._idle: list[_Channel] = []
+        self._channels: set[_Channel] = set()
+        self._waiting: deque[_Call] = deque()
+        self._waitingDone = 0  # calls in _waiting that are done (skipped when reached)
+        self._live = 0  # calls not done
+        self._closed = False
+        #: connections kept for the reply of a request done (cancelled, or
+        #: failed while its reply is still due: _abandon), at most this many:
+        #: one later released or discarded is not subtracted, _reclaim finds
+        #: out; never fewer, so that a waiting request finds each one
+        self._abandoned = 0
+        #: (deadline, order, call) for every attempt; stale entries are skipped
+        self._deadlines: list[tuple[float, int, _Call]] = []
+        self._order = itertools.count()
+        self._wakeAt: Optional[float] = None  # the wake-up asked for, while pending
+        self._everUp = False  # a pipe to some broker has come up
+        #: why the last connection attempt to each endpoint failed (until one is up)
+        self._failures: dict[str, str] = {}
+        #: the endpoints where nobody is at all (refused, no host, no socket file)
+        self._unreachable: dict[str, str] = {}
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self._rotation.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self._rotation.current
+
+    def newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
+                timeout: Optional[float], retries: Optional[int],
+                onPartial: Optional[Callable[[list[bytes]], Any]],
+                onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
+        """A request of the caller's, encoded once for all its attempts, for
+        :meth:`handleRequest`.  Raises for caller mistakes (see
+        :meth:`Client.request`) and :class:`ClientClosed` once closed."""
+        name = self._names.get(service) if type(service) in (str, bytes) else None
+        if name is None:
+            name = self._serviceName(service)
+        mmi = name.startswith(b"mmi.")
+        # an MMI query may have no frames: one empty frame on the wire, where
+        # MDP/0.2 wants a body
+        body = request_frames(frames, empty=mmi) or [b""]
+        if timeout is not None or retries is not None:  # the client's own were checked
+            timeout = self.timeout if timeout is None else timeout
+            retries = self.retries if retries is None else retries
+            _check_attempts(timeout, retries)
+        else:
+            timeout, retries = self.timeout, self.retries
+        if self._closed:
+            raise ClientClosed("client is closed")
+        return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
+                     onRestart, now)
+
+    def _encode(self, name: bytes, body: list[bytes], mmi: bool) -> list[bytes]:
+        """The REQUEST of *body* to service *name*, stamped unless it is an
+        MMI query (MMI reads its body as is); :class:`RequestTooLarge` if it
+        is over the limits."""
+        if self.stamp and not mmi:
+            body = idempotence.stamp(self.clientId, next(self._sequence), body)
+        if self.dialect == _RFC:
+            message = [_HEADER, codec.C_REQUEST, name, *body]
+        else:
+            message = codec.encode(codec.ClientRequest(name, body), self.dialect)
+        limits = self.limits
+        size = sum(map(len, message))
+        if size > limits.maxMessageBytes or len(message) > limits.maxFrames:
+            raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
+                                  f"{limits.oversize(size, len(message))}")
+        return message
+
+    def _serviceName(self, service: Union[str, bytes]) -> bytes:
+        """*service* on the wire, checked, and kept for the next requests
+        (the last few names asked for)."""
+        name = codec.api_service_name(service)
+        if len(self._names) >= _NAMES_KEPT:
+            self._names.clear()
+        self._names[service] = name
+        return name
+
+    def fresh(self, now: float) -> ClientMachine:
+        """A machine with this one's options and request stamps and nothing
+        in flight: what a driver goes on with once it dropped every
+        connection (the blocking client, interrupted)."""
+        machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
+                                maxConnections=self.maxConnections, dialect=self.dialect,
+                                stamp=self.stamp, limits=self.limits, now=now)
+        machine.clientId, machine._sequence = self.clientId, self._sequence
+        return machine
+
+    def holds(self, channel: _Channel) -> bool:
+        """*channel* is one of the pool (not given up)."""
+        return channel in self._channels
+
+    # --- events ----------------------------------------------------------------
+
+    def handleRequest(self, call: _Call, now: float) -> list[Action]:
+        """A new request (its first attempt starts now)."""
+        self.now = now
+        self._live += 1
+        self._schedule(call)
+        idle = self._idle
+        if idle and not self._waiting and not self._closed:
+            self._assign(idle.pop(), call)  # a free connection and nobody ahead
+        else:
+            self._enqueue(call)
+            self._pump()
+        outbox, self._outbox = self._outbox, []  # (_drain, without a call on this path)
+        return outbox
+
+    def handlePipeUp(self, channel: _Channel, now: float) -> list[Action]:
+        self.now = now
+        if channel.state is DOWN:
+            channel.state = UP
+        self._everUp = True
+        if self._failures:
+            self._failures.pop(channel.endpoint, None)
+            self._unreachable.clear()
+        self._sendOn(channel)
+        return self._drain()
+
+    def handleConnectFailed(self, channel: _Channel, error: BaseException,
+                            now: float) -> list[Action]:
+        """A connection attempt of *channel* failed (stream transports say
+        so; ZeroMQ retries silently).  Until some broker has been reached,
+        an endpoint that cannot be reached at all (refused, no such host or
+        socket file) is left for the next at once, and when every endpoint
+        is so, every pending request fails with :class:`BrokerUnreachable`.
+        Later, the transport retries (a broker restarting); the reason is
+        named if the request times out."""
+        self.now = now
+        if channel in self._channels:
+            self._connectFailed(channel, error)
+        return self._drain()
+
+    def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
+        """A connection was lost; *why* (an exception, or None) is named if a
+        request then times out (a TLS handshake refused, say, which loses
+        each connection as it is made).  Its request goes out again when it
+        is back, unless the pipe ended because the reply was over this
+        client's limits (sent again, it would only run again)."""
+        self.now = now
+        if why is not None and channel in self._channels:
+            self._failures[channel.endpoint] = f"connection lost: {why}"
+        channel.state = DOWN
+        call = channel.call
+        if call is not None:
+            if not call.done and isinstance(why, OversizedMessage):
+                self._fail(call, ReplyTooLarge(
+                    f"reply from service {call.service.decode('ascii', 'replace')!r} too "
+                    f"large for this client, dropped: {why}"))
+            if not call.done:
+                self._restart(call)
+            if call.done:  # an abandoned reply can no longer come on this connection
+                self._release(channel)
+        return self._drain()
+
+    def handleOpenFailed(self, channel: _Channel, error: BaseException,
+                         now: float) -> list[Action]:
+        """The transport refused to open *channel*: its request cannot be sent."""
+        self.now = now
+        call = channel.call
+        self._channels.discard(channel)
+        if call is not None:
+            call.channel = None
+            self._fail(call, error)
+        return self._drain()
+
+    def handleMessage(self, channel: _Channel, frames: list[bytes], now: float) -> list[Action]:
+        """A message on *channel*: the reply (or a part of it) of the request
+        it carries; anything else is dropped."""
+        self.now = now
+        call = channel.call
+        command = frames[1] if len(frames) > 3 else None
+        final = command == _FINAL
+        if (call is not None and (final or command == _PARTIAL) and frames[0] == _HEADER
+                and frames[2] == call.service and self.dialect == _RFC):
+            # a reply to the request in flight, checked as decode_client checks it
+            self._reply(channel, call, final, frames[3:])
+        else:
+            self._decoded(channel, call, frames)
+        outbox, self._outbox = self._outbox, []  # (_drain, without a call on this path)
+        return outbox
+
+    def handleCancel(self, call: _Call, now: float) -> list[Action]:
+        """The caller cancelled *call*."""
+        self.now = now
+        if self._done(call):
+            channel = call.channel
+            if channel is not None and channel.call is call and not channel.sent:
+                # it never went out: no reply will come, the connection is free
+                self._release(channel)
+            elif self._abandon(call) and len(self._waiting) > self._waitingDone:
+                # kept for its reply, unless a waiting request needs it: one
+                # already waiting gets it on the next wake-up, at once (not
+                # here: a caller cancelling a batch cancels the waiting
+                # ones next, which would each take a connection in turn)
+                self._wakeBy(now)
+        return self._drain()
+
+    def handleWake(self, now: float) -> list[Action]:
+        """The wake-up asked for: end the attempts whose deadline has come."""
+        self.now = now
+        self._wakeAt = None
+        self._sweep()
+        self._pump()  # (a cancel asks for a wake-up to give its connection to one waiting)
+        return self._drain()
+
+    def handleClose(self, now: float) -> list[Action]:
+        """Fail every pending request with :class:`ClientClosed`, close every
+        connection."""
+        self.now = now
+        self._closed = True
+        if self._wakeAt is not None:
+            self._wakeAt = None
+            self._outbox.append(WakeAt(None))
+        self._failPending(lambda: ClientClosed("client closed"))
+        self._deadlines.clear()
+        return self._drain()
+
+    def _connectFailed(self, channel: _Channel, error: BaseException) -> None:
+        why = unreachable(error)
+        self._failures[channel.endpoint] = why or str(error)
+        if self._everUp or why is None:
+            return
+        self._unreachable[channel.endpoint] = why
+        if all(e in self._unreachable for e in self._rotation.endpoints):
+            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
+            self._failPending(lambda: BrokerUnreachable(failures))
+            self._failures.clear()  # the next request tries again
+            self._unreachable.clear()
+            return
+        call = channel.call
+        self._discard(channel)
+        while self._rotation.current in self._unreachable:
+            self._moveOn()
+        if call is not None and not call.done:
+            self._enqueue(call, first=True)
+        self._pump()
+
+    def _failPending(self, error: Callable[[], BaseException]) -> None:
+        """Fail every request not yet done, each with an *error()* of its
+        own, and close every connection."""
+        # every call not yet done has an entry for its current attempt
+        calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
+        self._waiting.clear()
+        for channel in list(self._channels):
+            self._discard(channel)
+        for call in calls:
+            call.channel = None
+            self._fail(call, error())
+        self._waitingDone = 0  # the FIFO was emptied above
+
+    # --- connections -------------------------------------------------------------
+
+    def _assign(self, channel: _Channel, call: _Call) -> None:
+        channel.call = call
+        call.channel = channel
+        call.state = IN_FLIGHT
+        tried = call.tried
+        if channel.endpoint not in tried:
+            tried.append(channel.endpoint)
+        if channel.state is not DOWN:
+            channel.state = UP
+            self._sendOn(channel)
+
+    def _sendOn(self, channel: _Channel) -> None:
+        call = channel.call
+        if channel.state is UP and call is not None and call.state is not DONE:
+            channel.state = SENT
+            self._outbox.append(SendOn(channel, call.message))  # type: ignore[arg-type]
+
+    def _enqueue(self, call: _Call, first: bool = False) -> None:
+        call.state = QUEUED
+        if first:
+            self._waiting.appendleft(call)
+        else:
+            self._waiting.append(call)
+
+    def _pump(self) -> None:
+        if self._closed:
+            return
+        waiting = self._waiting
+        while waiting:
+            call = waiting[0]
+            if call.state is DONE:
+                waiting.popleft()
+                self._waitingDone -= 1
+                continue
+            if self._idle:
+                channel = self._idle.pop()
+            elif len(self._channels) < self.maxConnections:
+                channel = _Channel(self.endpoint)
+                self._channels.add(channel)
+                self._outbox.append(OpenChannel(channel))
+            elif self._abandoned and self._reclaim():
+                continue  # a connection less: a new one in its place
+            else:
+                return
+            waiting.popleft()
+            self._assign(channel, call)
+
+    def _reclaim(self) -> bool:
+        """Close a connection kept only for the reply of a request done
+        (cancelled, or failed: _abandon), for a request waiting with its
+        clock running (closed, it can give that reply to nobody); False if
+        there is none."""
+        for channel in self._channels:
+            call = channel.call
+            if call is not None and call.state is DONE:
+                self._abandoned -= 1
+                self._discard(channel)
+                return True
+        self._abandoned = 0
+        return False
+
+    def _discard(self, channel: _Channel) -> None:
+        self._channels.discard(channel)
+        if channel in self._idle:
+            self._idle.remove(channel)
+        call = channel.call
+        if call is not None and call.channel is channel:
+            call.channel = None
+        channel.call = None
+        self._outbox.append(CloseChannel(channel))
+
+    def _release(self, channel: _Channel) -> None:
+        """*channel* carries nothing any more: it serves the next request,
+        unless it leads to a broker the client has moved away from."""
+        call = channel.call
+        channel.call = None
+        if channel.state is SENT:
+            channel.state = UP
+        if call is not None and call.channel is channel:
+            call.channel = None
+        if channel.endpoint == self._rotation.current:
+            self._idle.append(channel)
+        else:
+            self._discard(channel)
+        if self._waiting:
+            self._pump()
+
+    def _moveOn(self) -> None:
+        """New connections go to the next broker; the idle ones to the
+        broker left are closed (each would cost a request an attempt)."""
+        self._rotation.advance()
+        current = self._rotation.current
+        for channel in [c for c in self._idle if c.endpoint != current]:
+            self._discard(channel)
+
+    # --- time ----------------------------------------------------------------
+
+    def _schedule(self, call: _Call) -> None:
+        deadline = call.deadline
+        heap = self._deadlines
+        if len(heap) > 2 * (self._live + len(self._channels)) + 1024:
+            # entries of calls already finished: dropped now rather than when
+            # their deadlines come round (in place: _sweep may hold this list)
+            heap[:] = [e for e in heap if self._watched(e)]
+            heapify(heap)
+        heappush(heap, (deadline, next(self._order), call))
+        self._wakeBy(deadline)
+
+    @staticmethod
+    def _watched(entry: tuple[float, int, _Call]) -> bool:
+        """Does this deadline still matter: its call is pending on this
+        attempt, or abandoned on a connection it holds?"""
+        deadline, _, call = entry
+        if call.deadline != deadline:
+            return False
+        return not call.done or call.channel is not None
+
+    def _wakeBy(self, deadline: float) -> None:
+        """Make sure a wake-up comes by *deadline*."""
+        if self._wakeAt is not None and self._wakeAt <= deadline:
+            return
+        self._wakeAt = deadline
+        self._outbox.append(WakeAt(deadline))
+
+    def _sweep(self) -> None:
+        now = self.now + 1e-9  # a deadline met to the float is met
+        heap = self._deadlines
+        due = []
+        while heap and heap[0][0] <= now:
+            entry = heappop(heap)
+            if self._watched(entry):
+                due.append(entry[2])
+        # the attempts of requests still waiting for a connection end first:
+        # a connection the others free is not given to one whose clock ran
+        # out too, only for it to fail
+        later = []
+        for call in due:
+            if call.state is QUEUED:
+                self._expired(call)
+            else:
+                later.append(call)
+        for call in later:
+            self._expired(call)
+        while heap and not self._watched(heap[0]):
+            heappop(heap)
+        if heap:
+            self._wakeBy(heap[0][0])
+
+    # --- decisions -------------------------------------------------------------
+
+    def _decoded(self, channel: _Channel, call: Optional[_Call], frames: list[bytes]) -> None:
+        """A message that is not plainly a reply to the request in flight
+        (another dialect, or something amiss): decoded in full, or dropped."""
+        try:
+            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
+            kind = type(command)
+            if kind is not ClientPartial and kind is not ClientFinal:
+                raise ProtocolError(f"broker sent a client {kind.__name__}")
+            if call is not None and command.service != call.service and self.dialect == _RFC:
+                raise ProtocolError(
+                    f"reply for service {command.service!r} to a request for {call.service!r}")
+        except ProtocolError as e:
+            self._outbox.append(Dropped(channel.endpoint, str(e)))
+            return
+        if call is None:
+            self._outbox.append(Dropped(channel.endpoint, f"a {kind.__name__} on a connection "
+                                        "with no request in flight (connection replaced)"))
+            self._discard(channel)
+            return
+        self._reply(channel, call, kind is ClientFinal, list(command.body))
+
+    def _reply(self, channel: _Channel, call: _Call, final: bool, body: list[bytes]) -> None:
+        """The FINAL (*final*) or a PARTIAL of *call*, the request *channel*
+        carries (a done one's is discarded)."""
+        if final:
+            self._release(channel)
+            if len(body) == 3 and body[0] == _ERROR_MARKER:
+                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
+            elif self._done(call):
+                self._outbox.append(Complete(call, body))
+        elif call.state is not DONE:
+            if len(body) == 1 and body[0] == _RESTART_MARKER:
+                self._restart(call)
+            else:
+                call.state = STREAMING
+                self._outbox.append(Partial(call, body))
+
+    def _restart(self, call: _Call) -> None:
+        """The reply of *call* starts over on its connection: if PARTIALs of
+        it were delivered (STREAMING), it is IN_FLIGHT again and the caller
+        is told."""
+        if call.state is STREAMING:
+            call.state = IN_FLIGHT
+            self._restarted(call)
+
+    def _restarted(self, call: _Call) -> None:
+        """Tell the caller that the reply of *call* starts over, or fail the
+        call if it gave no ``onRestart``."""
+        if call.onRestart is None:
+            self._fail(call, StreamRestarted(
+                f"the reply stream of the request to {call.service.decode('ascii', 'replace')!r} "
+                "started over; pass onRestart to accept restarts"))
+            return
+        self._outbox.append(Restarted(call))
+
+    def _expired(self, call: _Call) -> None:
+        """The current attempt of *call* ran out (or, abandoned, its reply never came)."""
+        channel = call.channel
+        if call.state is DONE:  # abandoned and unanswered: its connection is of no more use
+            if channel is not None:
+                self._discard(channel)
+                self._pump()
+            return
+        streamed = call.state is STREAMING
+        if channel is not None:
+            self._discard(channel)
+            if channel.endpoint == self._rotation.current:
+                # (several attempts timing out there move on once, not once each)
+                self._moveOn()
+        if call.attempts >= call.retries or (streamed and call.onRestart is None):
+            self._fail(call, RequestTimeout(call.service, call.attempts,
+                                            self.now - call.startedAt,
+                                            call.tried or [self._rotation.current],
+                                            failures=self._failures))
+            self._pump()
+        else:
+            self._retry(call, streamed)
+
+    def _retry(self, call: _Call, streamed: bool) -> None:
+        """The next attempt of *call*, at the head of the FIFO (*streamed*:
+        PARTIALs of the one that ran out were delivered)."""
+        call.attempts += 1
+        self._outbox.append(Retrying(call, call.attempts))
+        call.deadline = self.now + call.timeout
+        self._schedule(call)
+        if call.state is not QUEUED:
+            self._enqueue(call, first=True)
+        # the retry is in place before the caller hears of it (the actions
+        # are done in order, after this): its onRestart may cancel the
+        # request or close the client
+        if streamed:
+            self._restarted(call)
+        self._pump()
+
+    def _done(self, call: _Call) -> bool:
+        """Mark *call* DONE; False if it already was."""
+        state = call.state
+        if state is DONE:
+            return False
+        call.state = DONE
+        self._live -= 1
+        call.message = None  # nothing more is sent
+        if state is QUEUED:  # it stays in the FIFO until it reaches the head
+            self._waitingDone += 1
+            waiting = self._waiting
+            if self._waitingDone > 64 and 2 * self._waitingDone > len(waiting):
+                # in place: _pump may be iterating this very deque
+                kept = [c for c in waiting if c.state is not DONE]
+                waiting.clear()
+                waiting.extend(kept)
+                self._waitingDone = 0
+        # its deadline entry, at the head when requests end in the order they
+        # began, goes now: entries left for the sweep would outlive many
+        # collections and make the garbage collector's full passes frequent
+        heap = self._deadlines
+        while heap and not self._watched(heap[0]):
+            heappop(heap)
+        return True
+
+    def _fail(self, call: _Call, error: BaseException) -> None:
+        if self._done(call):
+            self._outbox.append(Fail(call, error))
+            # if its reply still comes on its connection (StreamRestarted, on
+            # the restart marker), a request already waiting gets a connection
+            # now, not at this one's deadline
+            if self._abandon(call):
+                self._pump()
+
+    def _abandon(self, call: _Call) -> bool:
+        """*call* just became DONE: if its request went out on the connection
+        that still carries it, that connection is kept for the reply, which
+        it discards, unless a waiting request needs it (_reclaim): count it
+        (once, as a call becomes DONE once) and say so.  A connection that
+        does not carry it, or has not sent it, is left to the caller
+        (released or discarded)."""
+        channel = call.channel
+        if channel is not None and channel.call is call and channel.sent:
+            self._abandoned += 1
+            return True
+        return False
