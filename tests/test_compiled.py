@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.timeout(60)
 
-NAME = "mdp.majordomo.client"
+NAME = "mdp.majordomo.client_machine"
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv(_compiled.PURE_ENV, raising=False)
     package = tmp_path / "mdp"
     (package / "majordomo").mkdir(parents=True)
-    (package / "majordomo" / "client.py").write_text("WHO = 'source'\n")
-    (package / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
+    (package / "majordomo" / "client_machine.py").write_text("WHO = 'source'\n")
+    (package / "majordomo" / ("client_machine" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
     (package / "machine.py").write_text("")
     (package / ("machine" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
     return package
@@ -59,7 +59,7 @@ def test_a_module_built_from_its_source_as_it_is_runs_compiled(tree: Path) -> No
 
 def test_a_source_changed_since_the_build_runs_instead_of_its_compiled_module(tree: Path) -> None:
     _compiled.write_record(str(tree), builtSince=0)
-    source = tree / "majordomo" / "client.py"
+    source = tree / "majordomo" / "client_machine.py"
     info = os.stat(source)
     # the same size, and a time only a nanosecond apart: still not the source compiled
     os.utime(source, ns=(info.st_atime_ns, info.st_mtime_ns + 1))
@@ -74,7 +74,7 @@ def test_a_source_changed_since_the_build_runs_instead_of_its_compiled_module(tr
 def test_a_declarations_file_changed_since_the_build_runs_the_source(tree: Path) -> None:
     """The ``.pxd`` beside a source (its compiled classes' fields) is part
     of what was built: changed or removed since, the source runs."""
-    declarations = tree / "majordomo" / "client.pxd"
+    declarations = tree / "majordomo" / "client_machine.pxd"
     declarations.write_text("cdef class _Call:\n    cdef public object service\n")
     _compiled.write_record(str(tree), builtSince=0)
     assert find(tree) is None
@@ -108,18 +108,18 @@ def test_a_module_is_stale_when_a_declarations_file_it_cimports_changed(tree: Pa
     ``client.pxd`` changed that compiled the client again but not the
     blocking module (it failed) leaves the old blocking module to run from
     source, not against the new client's classes."""
-    assert "mdp.majordomo.client" in _compiled.cimported("mdp.blocking")
+    assert "mdp.majordomo.client_machine" in _compiled.cimported("mdp.blocking")
     assert _compiled.cimported("mdp.blocking")[-1] == "mdp.machine"  # (through the client)
     (tree / "blocking.py").write_text("")
     blocking = tree / ("blocking" + EXTENSION_SUFFIXES[0])
     blocking.write_bytes(b"compiled")
     os.utime(blocking, (1, 1))
-    declarations = tree / "majordomo" / "client.pxd"
+    declarations = tree / "majordomo" / "client_machine.pxd"
     declarations.write_text("cdef class _Call:\n    cdef public object service\n")
     _compiled.write_record(str(tree), builtSince=0)
     assert _compiled.status(str(tree))["mdp.blocking"] == "compiled"
     declarations.write_text("cdef class _Call:\n    cdef public object service, state\n")
-    (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"rebuilt")
+    (tree / "majordomo" / ("client_machine" + EXTENSION_SUFFIXES[0])).write_bytes(b"rebuilt")
     _compiled.write_record(str(tree), builtSince=time.time() - 60)  # the client's, not blocking's
     assert _compiled.status(str(tree))[NAME] == "compiled"
     assert _compiled.status(str(tree))["mdp.blocking"] == "stale"
@@ -153,17 +153,17 @@ def test_a_second_build_reuses_only_what_an_earlier_build_made_of_todays_sources
     """setup.py takes a compiled module of the working tree as its build
     (the test extras installed after the demo's install compile nothing)
     only where the record says it is the build of the sources as they are."""
-    compiled = str(tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0]))
+    compiled = str(tree / "majordomo" / ("client_machine" + EXTENSION_SUFFIXES[0]))
     assert _compiled.reusable(str(tree), NAME, "b1") is None  # no record: from no build we know
     _compiled.write_record(str(tree), builtSince=0, build="b1")
     assert _compiled.reusable(str(tree), NAME, "b1") == compiled
     assert _compiled.reusable(str(tree), NAME, "b2") is None  # other settings (a new Cython)
     assert _compiled.read_record(str(tree)) and _compiled.status(str(tree))[NAME] == "compiled"
-    (tree / "majordomo" / "client.pxd").write_text("cdef class Client: pass\n")
+    (tree / "majordomo" / "client_machine.pxd").write_text("cdef class Client: pass\n")
     assert _compiled.reusable(str(tree), NAME, "b1") is None  # its declarations changed
-    (tree / "majordomo" / "client.pxd").unlink()
+    (tree / "majordomo" / "client_machine.pxd").unlink()
     assert _compiled.reusable(str(tree), NAME, "b1") == compiled
-    (tree / "majordomo" / "client.py").write_text("WHO = 'edited'\n")
+    (tree / "majordomo" / "client_machine.py").write_text("WHO = 'edited'\n")
     assert _compiled.reusable(str(tree), NAME, "b1") is None  # its source changed: compile
     assert _compiled.reusable(str(tree), "mdp.machine", "b1") is not None
     _compiled.write_record(str(tree), builtSince=0)  # a record from before the settings line
@@ -172,7 +172,7 @@ def test_a_second_build_reuses_only_what_an_earlier_build_made_of_todays_sources
 
 def test_a_compiled_module_replaced_since_the_record_runs_as_source(tree: Path) -> None:
     _compiled.write_record(str(tree), builtSince=0)
-    (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"another build")
+    (tree / "majordomo" / ("client_machine" + EXTENSION_SUFFIXES[0])).write_bytes(b"another build")
     assert find(tree) is not None
 
 
@@ -183,7 +183,7 @@ def test_a_rebuild_keeps_modules_it_left_alone_and_forgets_old_ones(tree: Path) 
     _compiled.write_record(str(tree), builtSince=2**40)
     assert _compiled.read_record(str(tree)) == first
     # a compiled module from a build the record does not know of, not written by this one
-    compiled = tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])
+    compiled = tree / "majordomo" / ("client_machine" + EXTENSION_SUFFIXES[0])
     compiled.write_bytes(b"from elsewhere")
     os.utime(compiled, (1, 1))
     _compiled.write_record(str(tree), builtSince=2**40)
@@ -210,7 +210,7 @@ def test_modules_not_listed_or_not_compiled_are_left_alone(
     monkeypatch.setenv(_compiled.PURE_ENV, "1")
     assert _compiled.SourceFirst.find_spec("mdp.majordomo.mmi", [str(tree / "majordomo")]) is None
     assert _compiled.SourceFirst.find_spec("client", None) is None
-    (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).unlink()
+    (tree / "majordomo" / ("client_machine" + EXTENSION_SUFFIXES[0])).unlink()
     assert find(tree) is None
     assert _compiled.status(str(tree))[NAME] == "source"
 
@@ -218,7 +218,7 @@ def test_modules_not_listed_or_not_compiled_are_left_alone(
 def test_a_pure_install_removes_what_an_earlier_build_left(tree: Path) -> None:
     _compiled.write_record(str(tree), builtSince=0)
     _compiled.remove_compiled(str(tree))
-    assert sorted(p.name for p in tree.rglob("*") if p.is_file()) == ["client.py", "machine.py"]
+    assert sorted(p.name for p in tree.rglob("*") if p.is_file()) == ["client_machine.py", "machine.py"]
 
 
 def test_an_accelerator_is_recorded_from_its_cython_source(tree: Path) -> None:

@@ -65,7 +65,7 @@ async def test_request_issued_while_the_broker_is_down_goes_out_once(net: Net) -
     assert await net.wait(first) == [b"re:one"]
 
     await net.wait(router.transport.close())  # the broker goes down
-    (channel,) = client._channels
+    (channel,) = client.machine._channels
     await net.until(lambda: not channel.up)
     second = client.request("svc", b"two")  # issued while it is down
     router = await rebind(net, endpoint)
@@ -106,7 +106,7 @@ async def test_unexpected_reply_is_discarded_and_its_connection_replaced(clockne
     assert await clocknet.wait(d) == [b"re:a"]
     final(router, peer, b"svc", b"stray")  # nothing is in flight on that connection
     clocknet.advance(0)
-    assert client._channels == set()
+    assert client.machine._channels == set()
     later = client.request("svc", b"b")
     clocknet.advance(0)
     (_, newPeer, _) = requests(router)[-1]
@@ -191,9 +191,9 @@ async def test_abandoned_request_without_a_reply_frees_its_connection_at_its_dea
     clocknet.advance(0)
     d.cancel()
     clocknet.advance(1.9)
-    assert len(client._channels) == 1  # kept for its reply
+    assert len(client.machine._channels) == 1  # kept for its reply
     clocknet.advance(0.2)  # the abandoned one's deadline: its connection goes
-    assert len(client._channels) == 0
+    assert len(client.machine._channels) == 0
     later = client.request("svc", b"2", timeout=10)
     clocknet.advance(0)
     first, second = requests(router)
@@ -216,11 +216,11 @@ async def test_cancelling_ten_thousand_zmq_requests(net: Net) -> None:
         d.addErrback(lambda f: outcomes.append(f.type))
         d.cancel()
     assert outcomes == [defer.CancelledError] * 10_000
-    assert len(client._channels) == 64
+    assert len(client.machine._channels) == 64
     peers = [p for _, p, _ in requests(router)]
     for peer in peers:  # the abandoned requests' replies arrive and are discarded
         final(router, peer, b"svc", b"late")
-    await net.until(lambda: len(client._idle) == 64)
+    await net.until(lambda: len(client.machine._idle) == 64)
     after = client.request("svc", b"after")
     await net.until(lambda: len(requests(router)) == 65)
     (_, peer, frames) = requests(router)[-1]
@@ -266,7 +266,7 @@ async def test_finished_requests_are_not_kept_until_their_deadline(clocknet: Loo
         # answered in the order asked: nothing of it is kept (its reply
         # would live as long as the entry, and the garbage collector would
         # walk it in every full pass)
-        assert client._deadlines == []
+        assert client.machine._deadlines == []
 
 
 @pytest_twisted.ensureDeferred
@@ -278,14 +278,14 @@ async def test_finished_requests_behind_a_slow_one_are_not_kept_either(
     for _ in answer_each(clocknet, router, client, 3000):
         pass
     assert not slow.called  # its entry heads the heap: the ones after it wait for a sweep
-    assert len(client._deadlines) <= 1024 + 2 * len(client._channels) + 1
+    assert len(client.machine._deadlines) <= 1024 + 2 * len(client.machine._channels) + 1
     # what an entry still refers to is a finished call without its request
-    head = client._deadlines[0][2]
+    head = client.machine._deadlines[0][2]
     assert not head.done
-    assert all(call.done and call.message is None for _, _, call in client._deadlines[1:])
+    assert all(call.done and call.message is None for _, _, call in client.machine._deadlines[1:])
     final(router, requests(router)[0][1], b"svc", b"slow done")
     clocknet.reactor.advance(0)
-    assert slow.called and client._deadlines == []  # the rest go with it
+    assert slow.called and client.machine._deadlines == []  # the rest go with it
 
 
 @pytest_twisted.ensureDeferred
@@ -298,7 +298,7 @@ async def test_close_from_a_callback_during_a_retry_opens_nothing(clocknet: Loop
     with pytest.raises(ClientClosed):
         await clocknet.wait(d)
     clocknet.advance(5)
-    assert client._channels == set() and len(requests(router)) == 1
+    assert client.machine._channels == set() and len(requests(router)) == 1
     assert clocknet.reactor.getDelayedCalls() == []
 
 
@@ -367,7 +367,7 @@ async def test_stream_restart_without_on_restart_fails_the_request(net: Net) -> 
     with pytest.raises(StreamRestarted):
         await net.wait(reply)
     assert parts == [[b"first-0"], [b"first-1"]]  # nothing of the new attempt
-    await net.until(lambda: bool(client._idle))  # its reply still drains off its connection
+    await net.until(lambda: bool(client.machine._idle))  # its reply still drains off its connection
 
 
 @pytest_twisted.ensureDeferred

@@ -59,7 +59,7 @@ def check_tagged(results: list[tuple[str, list[bytes]]], pids: set[bytes]) -> No
 def pool_down(client: Client) -> bool:
     """The client has noticed that the broker is gone: none of its
     connections is up (private state, read only)."""
-    return all(not channel.up for channel in client._channels)
+    return all(not channel.up for channel in client.machine._channels)
 
 
 # --- 1. broker SIGKILLed and restarted under a pooled TCP client -----------

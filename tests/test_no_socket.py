@@ -210,7 +210,7 @@ def test_closing_a_blocking_client_whose_pipe_waits_for_a_socket(broker: Scripte
     try:
         with warnings_logged():
             assert client.request("s", b"warm") == [b"warm"]
-            (channel,) = client._channels
+            (channel,) = client.machine._channels
             pipe = channel.pipe
             context.failing = 1
             with pytest.raises(errors.ReplyTooLarge):
