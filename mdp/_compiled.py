@@ -44,7 +44,10 @@ MODULES = (
     "mdp.majordomo.codec",
     "mdp.majordomo.worker",
     "mdp.transport.framing",
-    "mdp.transport.stream",
+    "mdp.transport.framed",
+    "mdp.transport.router",
+    "mdp.transport.dealer",
+    "mdp.transport.channels",
     "mdp.transport.zeromq",
 )
 
