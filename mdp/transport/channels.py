@@ -16,6 +16,7 @@ from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IFraming
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
+from mdp.transport.channellink import Channel, ChannelLink
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
 from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
@@ -46,9 +47,6 @@ class _ChannelsFraming:
 
 _CHANNELS = _ChannelsFraming()
 
-#: what ends a channel: a record of no frames
-_END = encode_record([])
-
 
 class _ChannelsConnection(_DealerConnection):
     """The connection of a :class:`StreamChannels`: each read's messages go
@@ -61,23 +59,14 @@ class _ChannelsConnection(_DealerConnection):
 
 
 @implementer(IDealerTransport)
-class _StreamChannel:
+class _StreamChannel(Channel):
     """One pipe of a :class:`StreamChannels`: what a connection of its own
     would be, with its own peer id at the far end."""
 
-    #: the four bytes that name it on the connection
-    id = b""
-    up = False
-    closed = False
-    #: times the far side ended it in a row (paces opening it again)
-    ends = 0
     _call: Any = None
-    #: what it sent while not up, in order (None: nothing), and its cost
-    #: (:func:`held_bytes`): sent once it is up
-    held: Optional[deque[list[bytes]]] = None
-    heldBytes = 0
 
     def __init__(self, link: StreamChannels, receiver: IDealerReceiver) -> None:
+        super().__init__()
         self.link = link
         self.receiver = receiver
         self.endpoint = link.endpoint
@@ -107,46 +96,44 @@ class _StreamChannel:
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
-            self.closed = True
-            self.up = False
             self._call = cancel_call(self._call)
             self.link._forget(self)
         return defer.succeed(None)
 
     def _up(self) -> None:
+        """Its delay after the far side ended it is over, or it is new on a
+        connection already made: up, if the connection is."""
         self._call = cancel_call(self._call)
         proto = self.link.protocol
         # (not on a connection closing: what it held would go with it; the
         # next connection brings it up)
-        if (not self.closed and not self.up and proto is not None and not proto.closing
-                and not proto.closedHere):
-            self.up = True
-            try:
-                self.receiver.connectionMade()
-            except Exception:  # logged: the connection and its other channels stand
-                log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
-                            endpoint=self.link.endpoint)
-            # then what it sent before (as a StreamDealer's queue goes after
-            # its receiver's connectionMade); held again if it went down
-            for frames in self.link._release(self):
-                self.sendMessage(frames)
+        if proto is None or proto.closing or proto.closedHere:
+            self.waiting = False
+            return
+        if self.link.core.comeUp(self):
+            self._made()
 
-    def _down(self, reason: object) -> None:
-        self._call = cancel_call(self._call)
-        if self.up:
-            self.up = False
-            self.receiver.connectionLost(reason)
+    def _made(self) -> None:
+        """It is up: its receiver hears it, then what it sent before goes (as
+        a StreamDealer's queue goes after its receiver's connectionMade)."""
+        try:
+            self.receiver.connectionMade()
+        except Exception:  # logged: the connection and its other channels stand
+            log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
+                        endpoint=self.link.endpoint)
+        for frames in self.link.core.release(self):
+            self.sendMessage(frames)  # (held again if it went down meanwhile)
 
 
 @implementer(IDealerChannels)
 class StreamChannels(_OneConnection):
     """The connecting side of one connection (:class:`ClientService`-managed,
     so it reconnects with backoff) that carries many pipes, its *channels*
-    (``framing``'s docstring has the wire form).  Each pipe
-    (:meth:`open`) behaves as a connection of its own: it is up while the
-    connection is, the far side's router knows it as a peer of its own, and
-    the far side may end it alone (it is then lost, and made again after the
-    reconnection delay, under a new channel).  What the pipes send in one
+    (:class:`~mdp.transport.channellink.ChannelLink` is their state).  Each
+    pipe (:meth:`open`) behaves as a connection of its own: it is up while
+    the connection is, the far side's router knows it as a peer of its own,
+    and the far side may end it alone (it is then lost, and made again after
+    the reconnection delay, under a new channel).  What the pipes send in one
     reactor turn goes out in one write, and their replies come in one read.
 
     The connection is opened with the first pipe and closed with the last."""
@@ -162,16 +149,9 @@ class StreamChannels(_OneConnection):
         self.framing = _CHANNELS
         self.identity = None
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
-        #: the open pipes, by channel
-        self.channels: dict[bytes, _StreamChannel] = {}
+        self.core = ChannelLink(limits, self.maxQueued)
         self.protocol: Optional[_ChannelsConnection] = None
         self.service: Optional[ClientService] = None
-        #: messages its pipes hold (sent while not up: each pipe keeps its
-        #: own until it is up, none is sent twice), and their bytes: bounded
-        #: together by ``maxQueued`` and ``limits.maxOutputBytes``
-        self.queued = 0
-        self.queuedBytes = 0
-        self._next = 0
         #: fires once the connection being closed is (None: none is)
         self._closing: Optional[defer.Deferred[None]] = None
         self._throttle = LogThrottle(reactor)
@@ -181,26 +161,34 @@ class StreamChannels(_OneConnection):
         self._at = 0
         self._waiting: dict[bytes, int] = {}
 
+    @property
+    def channels(self) -> dict[bytes, Channel]:
+        return self.core.channels
+
+    @property
+    def queued(self) -> int:
+        return self.core.queued
+
+    @property
+    def queuedBytes(self) -> int:  # type: ignore[override]
+        return self.core.queuedBytes
+
+    @property
+    def queue(self) -> deque[tuple[Channel, list[bytes]]]:
+        """What its pipes hold, as (pipe, frames), each pipe's in the order
+        it sent them (a copy)."""
+        return deque((channel, frames) for channel in self.core.channels.values()
+                     for frames in channel.held or ())
+
     def open(self, receiver: IDealerReceiver) -> _StreamChannel:
         """A new pipe: ``receiver.connectionMade`` is called once it is up."""
         channel = _StreamChannel(self, receiver)
-        self._name(channel)
+        self.core.open(channel)
         if self.service is None:
             self.service = _connection(self, self.endpoint, self.retryPolicy)
         elif self.protocol is not None:  # up already: it is too, at the next turn
             channel._call = self.reactor.callLater(0, channel._up)
         return channel
-
-    def _name(self, channel: _StreamChannel) -> None:
-        """Give *channel* a channel not in use (none is used twice while the
-        far side may still send on it)."""
-        while True:
-            self._next = self._next % 0xFFFFFFFF + 1
-            name = self._next.to_bytes(4, "big")
-            if name not in self.channels:
-                break
-        channel.id = name
-        self.channels[name] = channel
 
     def _buildProtocol(self, addr: object) -> _ChannelsConnection:
         proto = _ChannelsConnection()
@@ -209,10 +197,13 @@ class StreamChannels(_OneConnection):
 
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto  # type: ignore[assignment]
-        for channel in list(self.channels.values()):
+        for channel in self.core.made():
+            channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
+        for channel in list(self.core.channels.values()):
             if self.protocol is not proto:
                 return
-            channel._up()  # (and sends what it held)
+            if channel.up and not channel.closed:
+                channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
         """A connection attempt failed: the pipes' receivers that have a
@@ -220,8 +211,8 @@ class StreamChannels(_OneConnection):
         if self.service is None or not self.service.running or isinstance(
                 reason, defer.CancelledError):  # (a stopped service's attempt)
             return
-        for channel in list(self.channels.values()):
-            report = getattr(channel.receiver, "connectionFailed", None)
+        for channel in list(self.core.channels.values()):
+            report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
             if report is not None and not channel.closed:
                 report(reason)
 
@@ -232,25 +223,19 @@ class StreamChannels(_OneConnection):
         self._waiters.fire()
         # a record refused for its size was one pipe's: the others only lost
         # the connection (what they had in flight goes again)
-        too_large = getattr(proto.refusal, "channel", None)
-        others = reason
-        if too_large is not None:
-            others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
-                                            f"record: {proto.refusal}"))
+        refused = getattr(proto.refusal, "channel", None)
+        others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
+                                        f"record: {proto.refusal}")) if refused else reason
         # every pipe is down before any receiver hears it (one may send on another)
-        lost = [channel for channel in self.channels.values() if channel.up]
-        for channel in lost:
-            channel.up = False
-        for channel in lost:
+        for channel, own in self.core.lost(refused):
             if not channel.closed:
-                channel._call = cancel_call(channel._call)
-                channel.receiver.connectionLost(
-                    reason if channel.id == too_large or too_large is None else others)
+                channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
+                channel.receiver.connectionLost(reason if own else others)  # type: ignore[attr-defined]
 
     def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
         """Hand each message of a read to its channel, in order."""
         self._pending = messages
-        channels = self.channels
+        channels = self.core.channels
         #: the messages still to come in this read, by channel (so that a
         #: pipe with none there is answered without a scan)
         waiting = self._waiting = {}
@@ -268,11 +253,11 @@ class StreamChannels(_OneConnection):
                     continue  # ended here: what came before the far side knew
                 frames = item[1]
                 if not frames:
-                    self._endedThere(channel)
+                    self._endedThere(channel)  # type: ignore[arg-type]
                 elif channel.up:
                     if channel.ends:
                         channel.ends = 0
-                    channel.receiver.messageReceived(frames)
+                    channel.receiver.messageReceived(frames)  # type: ignore[attr-defined]
                 if proto.closing or self.protocol is not proto:
                     return
         finally:
@@ -294,62 +279,34 @@ class StreamChannels(_OneConnection):
     def _endedThere(self, channel: _StreamChannel) -> None:
         """The far side ended *channel*: say it is known, and make the pipe
         again under a new channel after the reconnection delay."""
+        record, was = self.core.endedThere(channel)
         if self.protocol is not None:
-            self.protocol._queueOn(channel.id, _END)
-        del self.channels[channel.id]
-        self._name(channel)
-        channel._down(Failure(ConnectionDone("the far side ended this channel")))
-        channel.ends += 1
+            self.protocol._queueOn(record[:4], record[4:])
+        channel._call = cancel_call(channel._call)
+        if was:
+            channel.receiver.connectionLost(Failure(ConnectionDone("the far side ended this channel")))
         if not channel.closed:  # (its receiver may have closed it)
             channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
 
     def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
-        """*channel* sent *frames* while not up (the connection is down, or
-        the pipe is not up on it yet): it keeps them until it is up (its
-        pipes within ``maxQueued`` and ``maxOutputBytes`` together)."""
-        size = self._admit(frames, self.queued)
-        if size is None:
-            return
-        if channel.held is None:
-            channel.held = deque()
-        channel.held.append(list(frames))
-        channel.heldBytes += size
-        self.queued += 1
-        self.queuedBytes += size
-
-    def _release(self, channel: _StreamChannel) -> deque[list[bytes]]:
-        """What *channel* held, no longer counted here."""
-        held, channel.held = channel.held, None
-        if held is None:
-            return deque()
-        self.queued -= len(held)
-        self.queuedBytes -= channel.heldBytes
-        channel.heldBytes = 0
-        return held
-
-    @property
-    def queue(self) -> deque[tuple[_StreamChannel, list[bytes]]]:
-        """What its pipes hold, as (pipe, frames), each pipe's in the order
-        it sent them (a copy)."""
-        return deque((channel, frames) for channel in self.channels.values()
-                     for frames in channel.held or ())
+        """*channel* sent *frames* while not up: it keeps them until it is
+        (its pipes within ``maxQueued`` and ``maxOutputBytes`` together)."""
+        if self._admit(frames, self.core.queued) is not None:
+            self.core.hold(channel, frames)
 
     def _forget(self, channel: _StreamChannel) -> None:
-        """*channel* was closed: drop what it held, tell the far side; close
-        the connection with the last one."""
-        self._release(channel)
-        if self.channels.get(channel.id) is channel:
-            del self.channels[channel.id]
-            if self.protocol is not None:
-                self.protocol._queueOn(channel.id, _END)
-        if not self.channels:
+        """*channel* was closed: tell the far side; close the connection
+        with the last one."""
+        record = self.core.close(channel)
+        if record is not None and self.protocol is not None:
+            self.protocol._queueOn(record[:4], record[4:])
+        if not self.core.channels:
             self._stop()
 
     def _stop(self) -> defer.Deferred[None]:
         service, self.service = self.service, None
         proto, self.protocol = self.protocol, None
-        self.queued = 0
-        self.queuedBytes = 0
+        self.core.connected = False
         self._waiters.fire()
         if service is None:
             # (the connection of the last pipe closed may still be closing)
@@ -369,10 +326,6 @@ class StreamChannels(_OneConnection):
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the connection."""
-        for channel in list(self.channels.values()):
-            channel.closed = True
-            channel.up = False
-            channel._call = cancel_call(channel._call)
-            self._release(channel)
-        self.channels.clear()
+        for channel in self.core.closeAll():
+            channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
         return self._stop()
