@@ -48,6 +48,7 @@ MODULES = (
     "mdp.transport.router",
     "mdp.transport.dealer",
     "mdp.transport.channels",
+    "mdp.transport.pipes",
     "mdp.transport.zeromq",
 )
 

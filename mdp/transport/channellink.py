@@ -78,13 +78,11 @@ class ChannelLink:
         channels[name] = channel
 
     def made(self) -> list[Channel]:
-        """The connection is made: the channels that come up with it."""
+        """The connection is made: the channels to bring up with it, each
+        with ``comeUp`` as it is told (a callback may close another)."""
         self.connected = True
-        up = [channel for channel in self.channels.values()
-              if not channel.up and not channel.closed and not channel.waiting]
-        for channel in up:
-            channel.up = True
-        return up
+        return [channel for channel in self.channels.values()
+                if not channel.up and not channel.closed and not channel.waiting]
 
     def comeUp(self, channel: Channel) -> bool:
         """*channel*'s delay after the far side ended it is over (or it is

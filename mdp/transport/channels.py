@@ -198,11 +198,10 @@ class StreamChannels(_OneConnection):
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto  # type: ignore[assignment]
         for channel in self.core.made():
-            channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
-        for channel in list(self.core.channels.values()):
             if self.protocol is not proto:
                 return
-            if channel.up and not channel.closed:
+            channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
+            if self.core.comeUp(channel):
                 channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
