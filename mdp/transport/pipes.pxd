@@ -4,7 +4,7 @@
 cdef class _ZmqPipe:
     cdef public object loop
     cdef public object owner, tag, socket, handle, fd, backlog, up, waitMs, address, linger
-    cdef public object curve, failures, retryAt
+    cdef public object curve, core, retryAt
 
     cpdef send(self, frames)
     cdef bint _trySend(self, frames) except -1

@@ -21,9 +21,10 @@ from typing import Any, Callable, Optional
 
 from twisted.logger import Logger
 
-from mdp.errors import OversizedMessage, TransportError
+from mdp.errors import TransportError
 from mdp.policy import RECONNECT
 from mdp.transport.channellink import Channel, ChannelLink
+from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
 from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity, zmq_frames
@@ -64,7 +65,7 @@ class _ZmqPipe:
     background and reconnects by itself)."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
-                 "address", "linger", "curve", "failures", "retryAt")
+                 "address", "linger", "curve", "core", "retryAt")
 
     def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int,
                  curve: Any = None) -> None:
@@ -74,9 +75,10 @@ class _ZmqPipe:
         self.address = address
         self.linger = linger
         self.curve = curve
-        self.backlog: deque[list[bytes]] = deque()
+        self.core = DealerCore(loop.limits, RECONNECT.delay, bounded=False)
+        #: what waits for the socket to take it (the core's backlog)
+        self.backlog = self.core.backlog
         #: when to try again for a socket that could not be had (see _oversized)
-        self.failures = 0
         self.retryAt: Optional[float] = None
         self._connect()
 
@@ -117,7 +119,7 @@ class _ZmqPipe:
         if self.socket is None:
             return
         if self.backlog or not self._trySend(frames):
-            self.backlog.append(frames)
+            self.core.hold(frames)
         self.loop.unchecked.add(self)
 
     def _trySend(self, frames: list[bytes]) -> bool:
@@ -148,7 +150,7 @@ class _ZmqPipe:
         events = self._events()
         if events & _ZMQ_POLLOUT and self.backlog:
             while self.backlog and self._trySend(self.backlog[0]):
-                self.backlog.popleft()
+                self.core.sent()
             self.loop.unchecked.add(self)
         if events & _ZMQ_POLLIN:
             self._read(now)
@@ -270,9 +272,8 @@ class _ZmqPipe:
         """As the Twisted dealer: drop the message and the socket that carried
         it (a fresh one replaces it), and tell the owner its pipe was lost to
         an oversized message, then that it is up again."""
+        why = self.core.oversized(size, count)
         self.close()
-        why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")
-        self.failures = 0
         self._reopen(now)
         self.owner._pipeLost(self.tag, why, now)
         if self.socket is not None:
@@ -285,13 +286,13 @@ class _ZmqPipe:
         try:
             self._connect()
         except Exception as e:
-            delay = RECONNECT.delay(self.failures)
-            self.failures += 1
+            delay = self.core.openFailed()
             self.retryAt = now + delay
             self.loop.timed.add(self)
             log.warn("zmq dealer to {address} cannot open a socket: {error}; tries again in "
                      "{delay:g}s", address=self.address, error=e, delay=delay)
             return False
+        self.core.opened()
         self.retryAt = None
         self.loop.timed.discard(self)
         return True
@@ -307,7 +308,7 @@ class _ZmqPipe:
         self.handle = 0
         self.up = False
         self.retryAt = None
-        self.backlog.clear()
+        self.core.clear()
         self.loop.unchecked.discard(self)
         self.loop.timed.discard(self)
         if sock is not None:

@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, TransportError
+from mdp.errors import TransportError
 from mdp.interfaces import (
     IAuthenticatedRouter,
     IDealerReceiver,
@@ -38,6 +38,7 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
+from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
 
 if TYPE_CHECKING:
@@ -880,13 +881,13 @@ class ZmqRouter(_RoutedSocket):
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER socket.
+    """A connecting ZeroMQ DEALER socket: the Twisted shell of a
+    :class:`~mdp.transport.dealercore.DealerCore`.
 
-    At the high-water mark a DEALER refuses messages; they are kept, in order,
-    in a backlog that is flushed as the pipe drains (``writable`` is false
-    meanwhile; streaming workers wait for ``drained()``).  The backlog holds at
-    most ``limits.maxOutputBytes``; a message beyond is refused with a warning,
-    never dropped silently."""
+    At the high-water mark a DEALER refuses messages; they wait in the
+    core's backlog, flushed as the pipe drains (``writable`` is false
+    meanwhile; streaming workers wait for ``drained()``).  A message beyond
+    ``limits.maxOutputBytes`` held is refused with a warning."""
 
     connected = True
 
@@ -897,7 +898,8 @@ class ZmqDealer:
         self.reactor = reactor
         #: attempt -> seconds: when to try again for a socket that could not
         #: be had (ZeroMQ itself reconnects a socket it has)
-        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
+        policy = retryPolicy or RECONNECT.retryPolicy()
+        self.core = DealerCore(limits, lambda failures: policy(failures + 1))
         self._reopening: Any = None
         self.curve = curve
         if curve is not None and identity is None:
@@ -912,8 +914,6 @@ class ZmqDealer:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self.connection: Any = None
-        self._backlog: deque[list[bytes]] = deque()
-        self._backlogBytes = 0
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
@@ -921,14 +921,14 @@ class ZmqDealer:
 
     @property
     def writable(self) -> bool:
-        return not self._backlog
+        return not self.core.backlog
 
     @property
     def backlogged(self) -> bool:
-        return bool(self._backlog)
+        return bool(self.core.backlog)
 
     def drained(self) -> defer.Deferred[None]:
-        if not self._backlog:
+        if not self.core.backlog:
             return defer.succeed(None)
         return self._waiters.wait()
 
@@ -937,13 +937,13 @@ class ZmqDealer:
         self._retry = cancel_call(self._retry)
         if self.connection is None:
             return
-        backlog = self._backlog
+        core = self.core
         progressed = False
-        while backlog:
-            if not self._trySend(backlog[0]):
+        while core.backlog:
+            if not self._trySend(core.backlog[0]):
                 self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
                 return
-            self._backlogBytes -= held_bytes(backlog.popleft())
+            core.sent()
             progressed = True
         self._waiters.fire()
 
@@ -974,6 +974,7 @@ class ZmqDealer:
             connection.shutdown()  # (its socket and descriptor go with it)
             raise
         self.connection = connection
+        self.core.opened()
         self.reactor.callLater(0, self._made, connection)
 
     def _made(self, connection: Any) -> None:
@@ -1000,36 +1001,37 @@ class ZmqDealer:
                            "{frames} frames, and opens a new connection", endpoint=self.endpoint,
                            size=size, count=count, limit=self.limits.maxMessageBytes,
                            frames=self.limits.maxFrames)
-        self.reactor.callLater(0, self._replace, self.connection, OversizedMessage(
-            f"a message of {size}+ bytes in {count} frames is over the limits"))
+        self.reactor.callLater(0, self._replace, self.connection, size, count)
 
-    def _replace(self, connection: Any, why: Exception) -> None:
+    def _replace(self, connection: Any, size: int, count: int) -> None:
         if connection is not self.connection or connection is None:
             return  # closed, or replaced already
+        why = self.core.oversized(size, count)
         self._shutdown()
-        self._reopen(1)
+        self._reopen()
         self.receiver.connectionLost(Failure(why))
 
-    def _reopen(self, attempt: int) -> None:
+    def _reopen(self) -> None:
         """Open a fresh socket; if none can be had (out of descriptors), say
-        so and try again after *retryPolicy*'s delay: the pipe is down
-        meanwhile, as a stream connection's is while it reconnects."""
+        so and try again after the core's delay: the pipe is down meanwhile,
+        as a stream connection's is while it reconnects."""
         self._reopening = None
         try:
             self._open()
         except Exception as e:
-            delay = self.retryPolicy(attempt)
+            delay = self.core.openFailed()
             self.throttle.warn(log, "reopen", "zmq dealer to {endpoint} cannot open a socket: "
                                "{error}; tries again in {delay:g}s", endpoint=self.endpoint,
                                error=e, delay=delay)
-            self._reopening = self.reactor.callLater(delay, self._reopen, attempt + 1)
+            self._reopening = self.reactor.callLater(delay, self._reopen)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         connection = self.connection
         if connection is None:
             return
+        core = self.core
         # behind what waits already, to keep the order
-        if not self._backlog:
+        if not core.backlog:
             try:
                 connection.send(frames)
                 return
@@ -1038,21 +1040,17 @@ class ZmqDealer:
                     log.warn("zmq dealer to {endpoint} could not send: {error}",
                              endpoint=self.endpoint, error=e)
                     return
-        size = held_bytes(frames)
-        if self._backlogBytes + size > self.limits.maxOutputBytes:
+        if not core.hold(frames):
             self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
                                "bytes already wait for its pipe to drain", endpoint=self.endpoint,
-                               bytes=self._backlogBytes)
+                               bytes=core.backlogBytes)
             return
-        self._backlog.append(frames)
-        self._backlogBytes += size
         if self._retry is None:
             self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
-        self._backlog.clear()
-        self._backlogBytes = 0
+        self.core.clear()
         self._retry = cancel_call(self._retry)
         self._reopening = cancel_call(self._reopening)
         self._waiters.fire()
