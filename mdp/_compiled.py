@@ -50,6 +50,7 @@ MODULES = (
     "mdp.transport.channels",
     "mdp.transport.pipes",
     "mdp.transport.zeromq",
+    "mdp.transport.zmqio",
 )
 
 #: modules written in Cython itself (``.pyx``: C that Python cannot say),

@@ -768,9 +768,9 @@ async def test_zmq_reads_off_a_huge_message_over_many_reactor_turns(net: Net, mo
     reactor turn (it used to stall the reactor for seconds)."""
     import zmq
 
-    from mdp.transport import zeromq
+    from mdp.transport import zmqio
 
-    monkeypatch.setattr(zeromq, "FRAMES_PER_TURN", 100)
+    monkeypatch.setattr(zmqio, "FRAMES_PER_TURN", 100)
     broker, endpoint = await start_broker(net, limits=Limits(maxFrames=16))
     bound = binding_of(broker)
     turns: list[int] = []

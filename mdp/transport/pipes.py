@@ -27,7 +27,7 @@ from mdp.transport.channellink import Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zeromq import ZERO_COPY_BYTES, random_identity, zmq_frames
+from mdp.transport.zmqio import ZERO_COPY_BYTES, random_identity, zmq_frames
 
 log = Logger(namespace="mdp.blocking")
 
