@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from twisted.internet import protocol, tcp
-from twisted.internet.endpoints import clientFromString, serverFromString
+from twisted.internet.endpoints import serverFromString
 from twisted.internet.task import Clock
 
 from mdp.transport import twisted_private
@@ -113,15 +113,17 @@ def test_call_soon_uses_the_asyncio_loop_of_an_asyncio_reactor() -> None:
     assert twisted_private.asyncio_loop(Clock()) is None
 
 
-def test_the_mtls_endpoint_parser_is_offered_to_twisted() -> None:
-    """The dropin's ``mtls:`` parser is a Twisted endpoint string parser;
-    an endpoint string with it parses as Twisted's own do."""
+def test_the_mtls_endpoint_parser_is_offered_to_twisted(tmp_path: Any) -> None:
+    """The dropin's ``mtls:`` parser is a Twisted endpoint string parser:
+    Twisted's own ``serverFromString`` finds it and hands it the options."""
     from twisted.internet.interfaces import IStreamServerEndpointStringParser
 
+    from mdp.errors import TransportError
     from twisted.plugins import mdp_plugins
 
     assert IStreamServerEndpointStringParser.providedBy(mdp_plugins.mutualTLS)
-    assert mdp_plugins.mutualTLS.prefix == "mtls"
-    serverFromString(Clock(), "tcp:0")  # (Twisted's own, unchanged)
-    clientFromString(Clock(), "tcp:host=127.0.0.1:port=1")
-    assert callable(server_endpoint)
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(TransportError, match=f"caCerts={missing}: cannot read"):
+        serverFromString(Clock(), f"mtls:0:privateKey={missing}:caCerts={missing}")
+    with pytest.raises(TransportError, match="takes only port"):
+        server_endpoint(Clock(), "0", privateKey="k.pem", caCerts="ca.pem", method="TLS")
