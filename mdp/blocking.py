@@ -71,20 +71,22 @@ from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
 from mdp.transport import curve_client_for, curve_for, endpoint_list
-from mdp.transport.pipes import _StreamLink, _StreamPipe, _ZmqPipe, stream_address
+from mdp.transport.pipes import (
+    STREAM_SCHEMES,
+    _check_schemes,
+    _StreamLink,
+    _StreamPipe,
+    _zmq,
+    _ZmqPipe,
+    stream_address,
+    timeout_ms,
+)
 
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
-
-#: the longest wait one poll takes (its timeout is a C int of milliseconds)
-_MAX_WAIT_MS = 2**31 - 1
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 #: how long closing a worker's socket may take to send its DISCONNECT (ms)
 LINGER_MS = 200
-
-#: stream schemes the blocking client speaks (plain sockets, no TLS; as for
-#: the Twisted client, ``tcp:`` connects to IPv6 hosts too: ``tcp6:`` listens)
-STREAM_SCHEMES = ("tcp", "unix")
 
 _PENDING: Any = object()  # a call's result while it is not done
 
@@ -109,27 +111,10 @@ def _log_to_stdlib() -> None:
     Twisted's start-up buffer unseen."""
     from twisted.logger import STDLibLogObserver, globalLogBeginner
 
-    if getattr(globalLogBeginner, "_temporaryObserver", None) is not None:
+    from mdp.transport.twisted_private import logging_begun
+
+    if not logging_begun():
         globalLogBeginner.beginLoggingTo([STDLibLogObserver()], redirectStandardIO=False)
-
-
-def _zmq() -> Any:
-    import zmq
-
-    return zmq
-
-
-def _check_schemes(endpoints: list[str]) -> None:
-    """Refuse (at once) an endpoint whose scheme has no blocking transport."""
-    for each in endpoints:
-        scheme = each.partition(":")[0]
-        if scheme == "zmq":
-            continue
-        if scheme not in STREAM_SCHEMES:
-            raise TransportError(
-                f"blocking nodes speak zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
-                f"endpoints, not {each!r}")
-        stream_address(each)
 
 
 class _Poller:
@@ -178,46 +163,31 @@ class _Poller:
 
 
 class _Loop:
-    """One poller (``epoll`` where there is one) over the descriptors of the
-    pipes, and the pipes' reconnection times: what a blocking node waits on.
-    A pipe reports to its *owner* (the client or the worker) through
-    ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``, each
-    with the *tag* it was opened with.
+    """One poller over the descriptors of the pipes (:mod:`mdp.transport.pipes`),
+    and the pipes' reconnection times: what a blocking node waits on.
 
-    A ZeroMQ socket is watched through its ``ZMQ_FD``, as the Twisted
-    transport watches it: that descriptor only says "ask ``EVENTS``", and a
-    send or receive on the socket may consume its signal, so a pipe that used
-    its socket is asked ``EVENTS`` before the loop waits again (``unchecked``).
-    A wake-up costs what is ready, not a ``zmq_poll`` over every socket (a
-    pipelined client holds one per request in flight).
-
-    A caller's callback may wait on the loop (a request made from inside
-    ``onPartial``) while the message it is called for was one of several
-    read at once: the rest, read already and not handed on yet (a stream
-    pipe's ``received``, or a ZeroMQ socket whose signal that read spent),
-    are handed on by that wait before it blocks (``unchecked`` again), in
-    order: the reply it may be waiting for can be among them."""
+    A ZeroMQ socket is watched through its ``ZMQ_FD``, which only says "ask
+    ``EVENTS``"; a send or receive may consume its signal, so a pipe that
+    used its socket is asked before the loop waits again (``unchecked``), as
+    is a stream pipe holding messages read and not handed on yet (a
+    caller's callback may wait on the loop while the reply it waits for is
+    among them)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
         self._zmqContext = context
         self.poller = _Poller()
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
-        #: pipes that may have a connection attempt due (``retryAt``): the
-        #: stream pipes, and a ZeroMQ pipe waiting to get a socket again
+        #: pipes that may have a connection attempt due (``retryAt``)
         self.timed: set[Any] = set()
-        #: pipes to ask (``check``) before waiting: ZeroMQ pipes whose socket
-        #: was used since it was last asked EVENTS, and stream pipes holding
-        #: messages read and not handed on yet
+        #: pipes to ask (``check``) before waiting
         self.unchecked: set[Any] = set()
         #: the stream connections that carry a client's pipes, by endpoint
         self.links: dict[str, _StreamLink] = {}
-        #: stream pipes with records to send before the loop waits (what a
-        #: turn's requests send goes out in one write)
+        #: stream pipes with records to send before the loop waits (in one write)
         self.unflushed: set[Any] = set()
-        #: links whose last pipe closed: closed once the actions that closed
-        #: it are done, unless a pipe opened meanwhile (a connection replaced)
-        #: keeps them (closeIdle)
+        #: links whose last pipe closed: closed once the actions that closed it
+        #: are done, unless a pipe opened meanwhile keeps them (closeIdle)
         self.idle: set[Any] = set()
 
     def context(self) -> Any:
@@ -228,11 +198,9 @@ class _Loop:
     def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None,
              shared: bool = False) -> Any:
         """A pipe to *endpoint*, to be started (``start()``) once its owner
-        holds it: a ZeroMQ one (with *curve*, a CURVE client) is up at once
-        (the caller tells its owner), a stream one once its connection is
-        made (or it reports a failure, at once or later).  *shared*: a stream
-        pipe is a channel of the one connection this loop keeps to
-        *endpoint* (:class:`_StreamLink`), up whenever it is."""
+        holds it: a ZeroMQ one (with *curve*, a CURVE client) is up at once,
+        a stream one once its connection is made.  *shared*: a stream pipe is
+        a channel of the one connection this loop keeps to *endpoint*."""
         if self.poller.closed:  # (its owner is closed: no socket is made for it any more)
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
@@ -268,14 +236,7 @@ class _Loop:
             retry = pipe.retryAt
             if retry is not None and (when is None or retry < when):
                 when = retry
-        # (poll takes at most 2**31-1 ms: a longer wait is several turns)
-        if when is None:
-            timeout = -1
-        else:
-            ms = (when - now) * 1000.0
-            # whole milliseconds, rounded up (a wait that ends a little late is
-            # harmless, one that ends early is a wasted wake-up)
-            timeout = 0 if ms <= 0 else _MAX_WAIT_MS if ms >= _MAX_WAIT_MS else int(ms) + 1
+        timeout = timeout_ms(when, now)
         pipes = self.pipes
         if len(pipes) == 1 and not timed:
             for only in pipes.values():
@@ -301,8 +262,6 @@ class _Loop:
 
     def _poll(self, timeout: int, now: float) -> None:
         if self.unchecked:
-            # what a send or a receive left unsaid: a message that came
-            # meanwhile does not signal the descriptor again
             unchecked, self.unchecked = self.unchecked, set()
             for pipe in unchecked:
                 if pipe.check(now):

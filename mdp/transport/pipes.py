@@ -33,11 +33,41 @@ log = Logger(namespace="mdp.blocking")
 
 _READ_SIZE = 262144
 
+#: stream schemes the blocking nodes speak (plain sockets, no TLS; as for
+#: the Twisted client, ``tcp:`` connects to IPv6 hosts too: ``tcp6:`` listens)
+STREAM_SCHEMES = ("tcp", "unix")
+
+#: the longest wait one poll takes (its timeout is a C int of milliseconds)
+_MAX_WAIT_MS = 2**31 - 1
+
 
 def _zmq() -> Any:
     import zmq
 
     return zmq
+
+
+def timeout_ms(when: Optional[float], now: float) -> int:
+    """A poll's timeout until *when* (None: none, -1), in whole milliseconds
+    rounded up (a wait that ends a little late is harmless, one that ends
+    early is a wasted wake-up); a longer wait than a poll takes is several."""
+    if when is None:
+        return -1
+    ms = (when - now) * 1000.0
+    return 0 if ms <= 0 else _MAX_WAIT_MS if ms >= _MAX_WAIT_MS else int(ms) + 1
+
+
+def _check_schemes(endpoints: list[str]) -> None:
+    """Refuse (at once) an endpoint whose scheme has no blocking transport."""
+    for each in endpoints:
+        scheme = each.partition(":")[0]
+        if scheme == "zmq":
+            continue
+        if scheme not in STREAM_SCHEMES:
+            raise TransportError(
+                f"blocking nodes speak zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
+                f"endpoints, not {each!r}")
+        stream_address(each)
 
 
 def stream_address(endpoint: str) -> tuple[int, Any]:

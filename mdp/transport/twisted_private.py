@@ -36,6 +36,8 @@ PRIVATE = (
      "undo a failed direct add_reader before Twisted's own path"),
     ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_readOrWrite",
      "a direct reader's read and its disconnect handling, as Twisted's"),
+    ("twisted.logger._global", "LogBeginner", "_temporaryObserver",
+     "whether a program began Twisted's logging (a blocking node logs to stdlib if not)"),
 )
 
 
@@ -100,6 +102,18 @@ def shortcut_reads(protocol: Any) -> None:
         inner = getattr(inner, attribute, None)
     if inner is protocol and outer is not protocol:
         outer.dataReceived = protocol.dataReceived
+
+
+# --- logging ------------------------------------------------------------------
+
+
+def logging_begun() -> bool:
+    """Whether something began Twisted's global logging (``twist``, a
+    program's ``globalLogBeginner.beginLoggingTo``): until then Twisted
+    buffers log events unseen."""
+    from twisted.logger import globalLogBeginner
+
+    return getattr(globalLogBeginner, "_temporaryObserver", None) is None
 
 
 # --- Twisted's asyncio reactor -------------------------------------------------
