@@ -170,36 +170,52 @@ def check_endpoint(endpoint: str, role: str) -> None:
     name, _, rest = endpoint.partition(":")
     args, kwargs = split_description(rest)
     if name in ("tcp", "tcp6", "ssl", "tls"):
-        if role == LISTEN:
-            if name == "tls":
-                raise TransportError(f"bad endpoint {endpoint!r}: tls: endpoints only connect; "
-                                     "listen with ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
-            port = kwargs.get("port", args[0] if args else None)
-            if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
-                port = args[1]  # the client form tcp:HOST:PORT
-        else:
-            host = kwargs.get("host", args[0] if args else None)
-            if not host:
-                if "::" in rest or "=[" in rest:
-                    raise TransportError(f"bad endpoint {endpoint!r}: escape the colons of an "
-                                         f"IPv6 address, e.g. {name}:host=\\:\\:1:port=5555")
-                raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
-                                     f"{name}:host=127.0.0.1:port=5555")
-            port = kwargs.get("port", args[1] if len(args) > 1 else None)
-            try:  # what the resolver does with it (labels of 1-63 characters, ...)
-                host.encode("idna")
-            except UnicodeError as e:
-                raise TransportError(f"bad endpoint {endpoint!r}: not a host name: {host!r} "
-                                     f"({e})") from None
+        port = _listen_port(endpoint, args, kwargs) if role == LISTEN else _connect_port(
+            endpoint, args, kwargs)
         check_port(endpoint, port, role)
     elif name == "unix":
-        path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
-        if not path:
-            raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
-        length = len(os.fsencode(path))
-        if length > UNIX_PATH_MAX:
-            raise TransportError(f"bad endpoint {endpoint!r}: a socket's path is at most "
-                                 f"{UNIX_PATH_MAX} bytes here, not {length}")
+        _check_path(endpoint, kwargs.get("path", kwargs.get("address", args[0] if args else None)))
+    _check_with_twisted(endpoint, role)
+
+
+def _listen_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
+    if endpoint.startswith("tls:"):
+        raise TransportError(f"bad endpoint {endpoint!r}: tls: endpoints only connect; "
+                             "listen with ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
+    port = kwargs.get("port", args[0] if args else None)
+    if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
+        port = args[1]  # the client form tcp:HOST:PORT
+    return port
+
+
+def _connect_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
+    name, _, rest = endpoint.partition(":")
+    host = kwargs.get("host", args[0] if args else None)
+    if not host:
+        if "::" in rest or "=[" in rest:
+            raise TransportError(f"bad endpoint {endpoint!r}: escape the colons of an "
+                                 f"IPv6 address, e.g. {name}:host=\\:\\:1:port=5555")
+        raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
+                             f"{name}:host=127.0.0.1:port=5555")
+    try:  # what the resolver does with it (labels of 1-63 characters, ...)
+        host.encode("idna")
+    except UnicodeError as e:
+        raise TransportError(f"bad endpoint {endpoint!r}: not a host name: {host!r} "
+                             f"({e})") from None
+    return kwargs.get("port", args[1] if len(args) > 1 else None)
+
+
+def _check_path(endpoint: str, path: Optional[str]) -> None:
+    if not path:
+        raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
+    length = len(os.fsencode(path))
+    if length > UNIX_PATH_MAX:
+        raise TransportError(f"bad endpoint {endpoint!r}: a socket's path is at most "
+                             f"{UNIX_PATH_MAX} bytes here, not {length}")
+
+
+def _check_with_twisted(endpoint: str, role: str) -> None:
+    """Have Twisted's parsers (or the mutual TLS one) build the endpoint."""
     from twisted.internet.task import Clock
 
     try:
@@ -214,8 +230,8 @@ def check_endpoint(endpoint: str, role: str) -> None:
     except TransportError:
         raise
     except (NameError, ImportError) as e:
-        raise TransportError(f"bad endpoint {endpoint!r}: {name}: needs pyOpenSSL and "
-                             f"service_identity (pip install 'twisted[tls]'): {e}") from None
+        raise TransportError(f"bad endpoint {endpoint!r}: {endpoint.partition(':')[0]}: needs "
+                             f"pyOpenSSL and service_identity (pip install 'twisted[tls]'): "
+                             f"{e}") from None
     except Exception as e:  # Twisted's parsers raise ValueError, TypeError, KeyError, ...
         raise TransportError(f"bad endpoint {endpoint!r}: {e}") from None
-
