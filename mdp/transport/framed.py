@@ -64,7 +64,7 @@ class FramedProtocol(Protocol):
     #: why the stream was refused (reported with connectionLost), if it was
     refusal: Optional[ProtocolError] = None
     #: logs through twisted.logger only: mdp.uvreactor may read its
-    #: transport without Twisted's legacy log context (2.6 µs a wake-up)
+    #: transport without Twisted's legacy log context
     needsLogContext = False
 
     #: records of the current batch, not yet handed to the transport

@@ -90,15 +90,14 @@ MAX_CUT_OFF = 10_000
 FRAMES_PER_TURN = 10_000
 #: Frames at least this long are sent without copying.  Below it a copy is
 #: cheaper: a zero-copy frame is released through pyzmq's garbage-collector
-#: thread (a message and a thread wake-up per frame), which cost more CPU
-#: than copying up to about 1 MiB on this machine (docs/performance.md).
+#: thread (a message and a thread wake-up per frame), which costs more CPU
+#: than copying a frame of up to about 1 MiB.
 ZERO_COPY_BYTES = 1 << 20
 #: A receiver that only passes body frames on (the broker) may take frames
 #: at least this long as the message libzmq received (a ``Held`` of
 #: ``_zmqframes``, or without it the ``zmq.Frame`` they arrived in; see
 #: ``IRouterReceiver.keepFramesFrom``): sending one on shares libzmq's buffer
-#: instead of copying it out into ``bytes`` and back in (a 64 KiB frame
-#: crossed a forwarder in 1.4 µs instead of 9.3).  Shorter frames may sit in
+#: instead of copying it out into ``bytes`` and back in.  Shorter frames may sit in
 #: a buffer libzmq shares between the messages of one read (8 KiB); they are
 #: copied.
 KEEP_FRAME_BYTES = 16 * 1024
@@ -162,7 +161,7 @@ def _connection_classes() -> tuple[type, type]:
             readFrames, sendFrames, eventsOf = inC.read, inC.send, inC.events
 
         class FastIO:
-            """Replaces txzmq's read and send paths (see docs/performance.md):
+            """Replaces txzmq's read and send paths:
             pyzmq's compiled methods with plain int flags (its Python wrappers'
             IntEnum arithmetic costs more than the I/O), frames' own ``more``
             flag instead of a RCVMORE lookup, an EVENTS check instead of the
@@ -176,7 +175,7 @@ def _connection_classes() -> tuple[type, type]:
             factory: Any
             reading = False
             #: logs through twisted.logger only: mdp.uvreactor may call
-            #: doRead without Twisted's legacy log context (2.6 µs a wake-up)
+            #: doRead without Twisted's legacy log context
             needsLogContext = False
             #: frames of routing envelope before the message (1 on a ROUTER)
             envelope = 0
@@ -208,7 +207,7 @@ def _connection_classes() -> tuple[type, type]:
                 reading (``connectionLost``), as Twisted's epoll reactor does
                 with a ``doRead`` that raises.  It is also ``readNow``, which
                 :mod:`mdp.uvreactor`'s loop calls itself, with no reactor code
-                between (docs/performance.md, round two, item 32)."""
+                between."""
                 try:
                     if self.read_scheduled is not None:
                         self.read_scheduled = cancel_call(self.read_scheduled)
