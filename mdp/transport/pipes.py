@@ -504,53 +504,61 @@ class _StreamPipe:
         if sock is None:
             return
         if self.connecting:
-            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if not code:
-                try:
-                    sock.getpeername()
-                except OSError as e:  # writable, yet not connected
-                    code = e.errno or errno.ENOTCONN
-            if code:
-                self._closeSocket()
-                self._next(now, OSError(code, os.strerror(code)))
-                return
-            if self.channels:  # (first, before what the pipes send; and before it is up)
-                self._queue(CHANNELS_GREETING)
-            self.connecting = False
-            self.up = True
-            self.failures = 0
-            self.loop.poller.watch(self.key, _POLLIN)
-            self.owner._pipeUp(self.tag, now)
+            self._connected(sock, now)
             return
         if events & _POLLOUT:
             self._flush()
         if events & (_POLLIN | _POLLERR | _POLLHUP):
-            if self.broken is not None:  # (a discard, or a read below, found it unusable)
-                self._lost(self.broken, now)
-                return
+            self._read(sock, now)
+
+    def _connected(self, sock: socket.socket, now: float) -> None:
+        """The connection attempt is over: made, or on to the next address."""
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not code:
             try:
-                data = sock.recv(_READ_SIZE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
+                sock.getpeername()
+            except OSError as e:  # writable, yet not connected
+                code = e.errno or errno.ENOTCONN
+        if code:
+            self._closeSocket()
+            self._next(now, OSError(code, os.strerror(code)))
+            return
+        if self.channels:  # (first, before what the pipes send; and before it is up)
+            self._queue(CHANNELS_GREETING)
+        self.connecting = False
+        self.up = True
+        self.failures = 0
+        self.loop.poller.watch(self.key, _POLLIN)
+        self.owner._pipeUp(self.tag, now)
+
+    def _read(self, sock: socket.socket, now: float) -> None:
+        """Read what came, and hand on the messages it completes."""
+        if self.broken is not None:  # (a discard, or a read below, found it unusable)
+            self._lost(self.broken, now)
+            return
+        try:
+            data = sock.recv(_READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._lost(e, now)
+            return
+        if not data:
+            self._lost(self.broken or ConnectionError("connection closed by the broker"),
+                       now)
+            return
+        try:
+            messages = self.decoder.feed(data)
+        except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
+            # what came whole before it is handed on first, as the Twisted
+            # transport does (on channels, the other pipes' replies); a
+            # callback's wait meanwhile must not read on past it
+            self._break(e)
+            self._take(getattr(e, "decoded", None) or [], now)
+            if self.socket is sock:
                 self._lost(e, now)
-                return
-            if not data:
-                self._lost(self.broken or ConnectionError("connection closed by the broker"),
-                           now)
-                return
-            try:
-                messages = self.decoder.feed(data)
-            except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
-                # what came whole before it is handed on first, as the Twisted
-                # transport does (on channels, the other pipes' replies); a
-                # callback's wait meanwhile must not read on past it
-                self._break(e)
-                self._take(getattr(e, "decoded", None) or [], now)
-                if self.socket is sock:
-                    self._lost(e, now)
-                return
-            self._take(messages, now)
+            return
+        self._take(messages, now)
 
     def _break(self, error: BaseException) -> None:
         """The stream cannot be decoded past this point: nothing more is
@@ -565,7 +573,7 @@ class _StreamPipe:
         if self.skip and messages:
             self._skipBegun(messages)
         self.received.extend(messages)
-        self._handOn(now)
+        self._deliverReceived(now)
 
     def _skipBegun(self, messages: list[Any]) -> None:
         """Drop the first of *messages*, the record a discard saw begun (it
@@ -575,7 +583,7 @@ class _StreamPipe:
             del messages[0]
         self.skip = 0
 
-    def _handOn(self, now: float) -> None:
+    def _deliverReceived(self, now: float) -> None:
         """Hand on the messages read and not handed on yet, in order.  A
         callback of one of them may wait on the loop (a request from inside
         onPartial): that wait hands on the rest before it blocks (``check``,
@@ -591,11 +599,10 @@ class _StreamPipe:
             owner._pipeMessage(tag, frames, now)
 
     def check(self, now: float) -> bool:
-        """Hand on the messages read and not handed on yet (see _handOn);
-        whether there were any."""
+        """Hand on what was read and not handed on yet; whether there was any."""
         if not self.received:
             return False
-        self._handOn(now)
+        self._deliverReceived(now)
         return True
 
     def discardReceived(self) -> int:
@@ -692,7 +699,7 @@ class _StreamLink:
     reply to it: it is dropped (``discard``, ``dropStale``), as a pipe of
     its own drops what came before its send."""
 
-    __slots__ = ("loop", "endpoint", "stream", "core", "untold")
+    __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
 
     def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
         self.loop = loop
@@ -703,7 +710,7 @@ class _StreamLink:
         #: pipes the connection's loss is still to be told to, and why (a
         #: callback told before them may wait on the loop, which may bring
         #: the connection up again: they hear of the loss first)
-        self.untold: deque[tuple[_LinkPipe, BaseException]] = deque()
+        self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
 
     @property
     def pipes(self) -> dict[bytes, Any]:
@@ -797,7 +804,7 @@ class _StreamLink:
             del self.loop.links[self.endpoint]
         for pipe in self.core.closeAll():
             self.loop.timed.discard(pipe)
-        self.untold.clear()
+        self.lossesToTell.clear()
         self.loop.close(self.stream)
 
     # --- what the connection reports ---------------------------------------------
@@ -818,13 +825,13 @@ class _StreamLink:
                                  f"{why}") if refused is not None else why
         # every pipe is down before any is told (one may send on another)
         for pipe, own in self.core.lost(refused):
-            self.untold.append((pipe, why if own else others))  # type: ignore[arg-type]
+            self.lossesToTell.append((pipe, why if own else others))  # type: ignore[arg-type]
         self._tellLost(now)
 
     def _tellLost(self, now: float) -> None:
-        untold = self.untold
-        while untold:
-            pipe, why = untold.popleft()
+        lossesToTell = self.lossesToTell
+        while lossesToTell:
+            pipe, why = lossesToTell.popleft()
             if not pipe.closed:
                 pipe.owner._pipeLost(pipe.tag, why, now)
 
