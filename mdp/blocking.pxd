@@ -12,6 +12,7 @@ cdef class _Loop:
     cpdef turn(self, when)
     cpdef closeIdle(self)
     cdef _poll(self, timeout, now)
+    cdef _soonest(self, when)
 
 cdef class Client(ClientCore):
     cdef dict __dict__

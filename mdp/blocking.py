@@ -106,9 +106,7 @@ os.register_at_fork(after_in_child=_forked)
 
 def _log_to_stdlib() -> None:
     """Where nothing has begun Twisted's logging (a plain script), send the
-    library's log events to the standard :mod:`logging` module, so that a
-    blocking node's warnings (a retry, a failed handler) are not held in
-    Twisted's start-up buffer unseen."""
+    library's log events to :mod:`logging` instead of Twisted's unseen buffer."""
     from twisted.logger import STDLibLogObserver, globalLogBeginner
 
     from mdp.transport.twisted_private import logging_begun
@@ -133,8 +131,7 @@ class _Poller:
         self.closed = False
 
     def watch(self, fd: int, flags: int) -> None:
-        """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``), replacing what it
-        was watched for."""
+        """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``) instead of what it was."""
         current = self._flags.get(fd)
         if current == flags:
             return
@@ -149,8 +146,7 @@ class _Poller:
             self._poller.unregister(fd)
 
     def poll(self, timeout: int) -> list[tuple[int, int]]:
-        """Ready descriptors and their flags, waiting at most *timeout* ms
-        (-1: no limit)."""
+        """Ready descriptors and their flags, waiting at most *timeout* ms (-1: no limit)."""
         if self._seconds:
             return self._poller.poll(timeout / 1000 if timeout >= 0 else -1)
         return self._poller.poll(timeout if timeout >= 0 else None)
@@ -222,8 +218,7 @@ class _Loop:
         pipe.close()
 
     def turn(self, when: Optional[float]) -> None:
-        """Wait for a socket or until *when* (or a pipe's next connection
-        attempt, if sooner), and handle what came."""
+        """Wait for a socket or until *when* (or sooner, see _soonest); handle what came."""
         if self.idle:
             self.closeIdle()
         if self.unflushed:
@@ -232,11 +227,7 @@ class _Loop:
                 stream._flush()
         now = monotonic()
         timed = self.timed
-        for pipe in timed:
-            retry = pipe.retryAt
-            if retry is not None and (when is None or retry < when):
-                when = retry
-        timeout = timeout_ms(when, now)
+        timeout = timeout_ms(self._soonest(when) if timed else when, now)
         pipes = self.pipes
         if len(pipes) == 1 and not timed:
             for only in pipes.values():
@@ -252,6 +243,14 @@ class _Loop:
             for pipe in list(timed):
                 if pipe.retryAt is not None and now >= pipe.retryAt:
                     pipe.wake(now)
+
+    def _soonest(self, when: Optional[float]) -> Optional[float]:
+        """*when*, or a pipe's next connection attempt if sooner."""
+        for pipe in self.timed:
+            retry = pipe.retryAt
+            if retry is not None and (when is None or retry < when):
+                when = retry
+        return when
 
     def closeIdle(self) -> None:
         """Close the links whose last pipe closed, unless one opened since."""
@@ -284,8 +283,7 @@ class _Loop:
         self.poller.forget(fd)
 
     def shutdown(self) -> None:
-        """Release the poller's descriptor (the pipes are closed already),
-        after closing the links their last pipes left."""
+        """Close the links the last pipes left, and the poller's descriptor."""
         for link in list(self.links.values()):
             link.close()
         self.idle.clear()
