@@ -147,11 +147,14 @@ def server_endpoint(reactor: Any, description: str) -> Any:
 
 
 def _check_authorities(endpoint: str, args: list[str], kwargs: dict[str, str]) -> None:
-    """Check a mutual TLS listener's options without loading anything."""
+    """Check a mutual TLS listener: its options, and its files load."""
+    from twisted.internet.task import Clock
+
     tls.check_mutual(endpoint, args, kwargs)
     ca = kwargs[tls.CA_CERTS]
     if not os.path.isfile(ca):
         raise TransportError(f"bad endpoint {endpoint!r}: {tls.CA_CERTS}={ca}: no such file")
+    tls.server_endpoint(Clock(), *args, **kwargs)
 
 
 #: The longest path a local socket can have (``sun_path``: 108 bytes on
