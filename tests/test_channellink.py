@@ -94,3 +94,170 @@ def test_the_twisted_and_the_blocking_shells_hold_the_same_core() -> None:
     assert issubclass(_StreamChannel, Channel) and issubclass(_LinkPipe, Channel)
     shells: Any = (StreamChannels.__init__, _StreamLink.__init__)
     assert all("ChannelLink" in shell.__code__.co_names for shell in shells)
+
+
+# --- the two shells, driven alike, tell their pipes the same ----------------------
+
+SHELL_EVENTS = st.lists(st.tuples(
+    st.sampled_from(["made", "lost", "refused", "message", "end", "wait", "close"]),
+    st.integers(0, 2)), max_size=40)
+
+
+class _Heard:
+    """What a pipe's owner hears, in order, across all pipes."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def lost(self, index: int, why: Any) -> None:
+        text = str(getattr(why, "value", why))
+        self.events.append(("lost", index, "another channel" in text))
+
+
+class _TwistedShell:
+    def __init__(self, heard: _Heard) -> None:
+        from types import SimpleNamespace
+
+        from twisted.internet import defer
+        from twisted.internet.task import Clock
+
+        from mdp.transport.channels import StreamChannels
+
+        self.clock = Clock()
+        self.links = StreamChannels("tcp:host=127.0.0.1:port=1", self.clock)
+        self.links.service = SimpleNamespace(  # type: ignore[assignment]
+            running=True, stopService=lambda: defer.succeed(None))
+        self.proto: Any = None
+        self.pipes = [self.links.open(self._receiver(heard, i)) for i in range(3)]
+
+    @staticmethod
+    def _receiver(heard: _Heard, index: int) -> Any:
+        class Receiver:
+            def connectionMade(self) -> None:
+                heard.events.append(("up", index))
+
+            def connectionLost(self, reason: Any) -> None:
+                heard.lost(index, reason)
+
+            def messageReceived(self, frames: list[bytes]) -> None:
+                heard.events.append(("message", index, frames))
+
+        return Receiver()
+
+    @property
+    def connected(self) -> bool:
+        return self.proto is not None
+
+    def made(self) -> None:
+        from types import SimpleNamespace
+
+        self.proto = SimpleNamespace(closing=False, closedHere=False, refusal=None, paused=False,
+                                     encode=lambda frames: b"", beforeStop=lambda: None,
+                                     _queueOn=lambda name, record: None)
+        self.links._made(self.proto)
+
+    def lost(self, refused: Any) -> None:
+        from twisted.internet.error import ConnectionLost
+        from twisted.python.failure import Failure
+
+        proto, self.proto = self.proto, None
+        if refused is not None:
+            proto.refusal = refused
+        self.links._lost(proto, Failure(refused or ConnectionLost("gone")))
+
+    def receive(self, index: int, frames: list[bytes]) -> None:
+        self.links._dispatch(self.proto, [(self.pipes[index].id, frames)])
+
+    def wait(self) -> None:
+        self.clock.advance(1000)
+
+    def close(self, index: int) -> None:
+        self.pipes[index].close()
+
+
+class _BlockingShell:
+    def __init__(self, heard: _Heard) -> None:
+        from types import SimpleNamespace
+
+        from mdp.transport.pipes import _StreamLink
+
+        self.loop = SimpleNamespace(limits=Limits(), timed=set(), unchecked=set(), idle=set(),
+                                    unflushed=set(), links={}, close=lambda pipe: None)
+        self.link = _StreamLink(self.loop, "tcp:host=127.0.0.1:port=1", 0, ("127.0.0.1", 1))
+        self.now = 0.0
+        self.pipes = [self.link.open(self._owner(heard), i) for i in range(3)]
+
+    @staticmethod
+    def _owner(heard: _Heard) -> Any:
+        class Owner:
+            def _pipeUp(self, index: int, now: float) -> None:
+                heard.events.append(("up", index))
+
+            def _pipeLost(self, index: int, why: Any, now: float) -> None:
+                heard.lost(index, why)
+
+            def _pipeMessage(self, index: int, frames: list[bytes], now: float) -> None:
+                heard.events.append(("message", index, frames))
+
+        return Owner()
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.link.stream.up)
+
+    def made(self) -> None:
+        self.link.stream.up = True
+        self.link._pipeUp(None, self.now)
+
+    def lost(self, refused: Any) -> None:
+        self.link.stream.up = False
+        self.link._pipeLost(None, refused or ConnectionError("gone"), self.now)
+
+    def receive(self, index: int, frames: list[bytes]) -> None:
+        self.link._pipeMessage(None, (self.pipes[index].id, frames), self.now)
+
+    def wait(self) -> None:
+        self.now += 1000
+        for pipe in list(self.loop.timed):
+            if pipe is not self.link.stream and pipe.retryAt is not None:
+                pipe.wake(self.now)
+
+    def close(self, index: int) -> None:
+        self.pipes[index].close()
+
+
+def _drive(shell: Any, events: list[tuple[str, int]]) -> None:
+    from mdp.errors import RecordTooLarge
+
+    closed: set[int] = set()
+    for kind, index in events:
+        pipe = shell.pipes[index]
+        if kind == "made" and not shell.connected:
+            shell.made()
+        elif kind in ("lost", "refused") and shell.connected:
+            refused = None
+            if kind == "refused":
+                refused = RecordTooLarge("over the limits")
+                refused.channel = pipe.id  # type: ignore[attr-defined]
+            shell.lost(refused)
+        elif kind in ("message", "end") and shell.connected and index not in closed:
+            shell.receive(index, [b"reply"] if kind == "message" else [])
+        elif kind == "wait":
+            shell.wait()
+        elif kind == "close" and index not in closed and len(closed) < 2:
+            closed.add(index)
+            shell.close(index)
+
+
+@settings(max_examples=200, deadline=None)
+@given(SHELL_EVENTS)
+def test_the_twisted_and_the_blocking_shells_tell_their_pipes_the_same(
+        events: list[tuple[str, int]]) -> None:
+    """The same run of a connection's events (made, lost, lost for one
+    channel's record, a message, the far side ending a channel, the
+    reconnection delay passing, a pipe closed) through StreamChannels and
+    through the blocking link: each pipe hears the same, in the same order."""
+    twisted, blocking = _Heard(), _Heard()
+    _drive(_TwistedShell(twisted), events)
+    _drive(_BlockingShell(blocking), events)
+    assert twisted.events == blocking.events

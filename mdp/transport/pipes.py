@@ -903,7 +903,7 @@ class _LinkPipe(Channel):
         if self.retryAt is not None and now >= self.retryAt:
             self.retryAt = None
             self.link.loop.timed.discard(self)
-            if self.link.stream.up and self.link.core.comeUp(self):
+            if self.link.core.comeUp(self):  # (else up with the connection)
                 self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
