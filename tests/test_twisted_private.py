@@ -67,11 +67,11 @@ def test_a_direct_write_reaches_the_socket_and_leaves_twisted_s_buffer_empty() -
         connection = tcp.Connection(here, _Sink(), reactor)
         connection.connected = 1
         assert twisted_private.direct_capable(connection)
-        assert twisted_private.write_direct(connection, b"hello")
+        assert twisted_private.write_direct(connection, [b"hel", b"lo"])
         assert there.recv(16) == b"hello"
         assert not connection.dataBuffer and not connection._tempDataBuffer
         connection._tempDataBuffer.append(b"queued")
-        assert not twisted_private.write_direct(connection, b"later")
+        assert not twisted_private.write_direct(connection, [b"later"])
     finally:
         here.close()
         there.close()

@@ -120,7 +120,7 @@ class FramedProtocol(Protocol):
         self._outBytes = 0
         if self.dropped:
             return
-        if self._direct and write_direct(self.transport, out[0] if len(out) == 1 else b"".join(out)):
+        if self._direct and write_direct(self.transport, out):
             return
         self.transport.writeSequence(out)
 

@@ -59,14 +59,16 @@ def direct_capable(transport: Any) -> bool:
             and hasattr(transport, "_tempDataBuffer") and hasattr(transport, "dataBuffer"))
 
 
-def write_direct(transport: Any, data: bytes) -> bool:
-    """Send *data* with one ``send`` while Twisted's write buffer is empty,
-    the rest (if any) through ``write``: one system call per batch instead of
-    a write, a writability poll and two ``epoll_ctl`` calls.  False where it
-    cannot (buffered, closing, broken): the caller writes as usual."""
+def write_direct(transport: Any, out: list[bytes]) -> bool:
+    """Send the records *out* with one ``send`` while Twisted's write buffer
+    is empty, the rest (if any) through ``write``: one system call per batch
+    instead of a write, a writability poll and two ``epoll_ctl`` calls.
+    False where it cannot (buffered, closing, broken): the caller writes as
+    usual."""
     if (not transport.connected or transport.disconnecting or transport._writeDisconnected
             or transport.dataBuffer or transport._tempDataBuffer):
         return False
+    data = out[0] if len(out) == 1 else b"".join(out)
     sent = transport.writeSomeData(data)
     if isinstance(sent, BaseException):
         return False  # broken: Twisted's own write finds that out and reports it
