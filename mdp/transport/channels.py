@@ -21,7 +21,7 @@ from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
 from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 
-log = Logger(namespace="mdp.transport.stream")
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 
 @implementer(IFraming)

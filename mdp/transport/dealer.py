@@ -25,7 +25,7 @@ from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
 from mdp.transport.twisted_private import shortcut_reads
 
-log = Logger(namespace="mdp.transport.stream")
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 
 #: seconds a connection must stay up, if nothing comes from the far side, to

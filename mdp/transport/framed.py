@@ -20,7 +20,7 @@ from mdp.policy import Limits, LogThrottle
 from mdp.transport.framing import RECORDS
 from mdp.transport.twisted_private import direct_capable, write_direct
 
-log = Logger(namespace="mdp.transport.stream")
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 #: Records of one batch are handed to the transport once they hold this many
 #: bytes (Twisted's own write buffer size), so that a long burst still meets

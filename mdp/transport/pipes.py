@@ -29,7 +29,7 @@ from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_recor
 from mdp.transport.registry import split_description
 from mdp.transport.zmqio import ZERO_COPY_BYTES, random_identity, zmq_frames
 
-log = Logger(namespace="mdp.blocking")
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _READ_SIZE = 262144
 

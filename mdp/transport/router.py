@@ -42,7 +42,7 @@ from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
 from mdp.transport.twisted_private import call_soon
 
-log = Logger(namespace="mdp.transport.stream")
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _ids = itertools.count(1)
 

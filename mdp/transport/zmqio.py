@@ -22,7 +22,7 @@ from mdp.policy import Limits, cancel_call
 if TYPE_CHECKING:
     from mdp.transport.zeromq import ZmqDealer
 
-log = Logger(namespace="mdp.transport.zeromq")
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 #: Messages libzmq queues per pipe on a DEALER: a worker's burst of PARTIALs
 #: rarely has to wait in the backlog (a small mark costs streams most of their
