@@ -13,6 +13,7 @@ cdef class _Loop:
     cpdef closeIdle(self)
     cdef _poll(self, timeout, now)
     cdef _soonest(self, when)
+    cdef _wakeDue(self, now)
 
 cdef class Client(ClientCore):
     cdef dict __dict__

@@ -229,20 +229,19 @@ class _Loop:
         timed = self.timed
         timeout = timeout_ms(self._soonest(when) if timed else when, now)
         pipes = self.pipes
-        if len(pipes) == 1 and not timed:
-            for only in pipes.values():
-                if not only.backlog:
-                    only.wait(timeout)
-                    break
-            else:
-                self._poll(timeout, now)
+        # the only socket, with nothing to send: wait in its recv, not a poll
+        only = next(iter(pipes.values())) if len(pipes) == 1 and not timed else None
+        if only is not None and not only.backlog:
+            only.wait(timeout)
         else:
             self._poll(timeout, now)
         if timed:
-            now = monotonic()
-            for pipe in list(timed):
-                if pipe.retryAt is not None and now >= pipe.retryAt:
-                    pipe.wake(now)
+            self._wakeDue(monotonic())
+
+    def _wakeDue(self, now: float) -> None:
+        for pipe in list(self.timed):
+            if pipe.retryAt is not None and now >= pipe.retryAt:
+                pipe.wake(now)
 
     def _soonest(self, when: Optional[float]) -> Optional[float]:
         """*when*, or a pipe's next connection attempt if sooner."""
