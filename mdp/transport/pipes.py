@@ -346,7 +346,6 @@ class _ZmqPipe:
             sock.close()  # after LINGER ms at most
 
 
-
 class _StreamPipe:
     """One plain stream socket with the stream transport's records; it
     reconnects with :data:`RECONNECT`'s backoff after a failure or a loss, as
@@ -684,7 +683,6 @@ class _StreamPipe:
                 pass
         self.retryAt = None
         self._closeSocket()
-
 
 
 class _StreamLink:
