@@ -243,14 +243,6 @@ def cancel_call(call: Any) -> None:
     return None
 
 
-def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` once the reactor has handled what it is handling
-    now (at the end of this turn): :func:`mdp.transport.twisted_private.call_soon`."""
-    from mdp.transport.twisted_private import call_soon as soon
-
-    return soon(reactor, fn, *args)
-
-
 KiB = 1024
 MiB = 1024 * KiB
 
