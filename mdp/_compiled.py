@@ -31,8 +31,13 @@ MODULES = (
     "mdp.majordomo.codec",
     "mdp.majordomo.worker",
     "mdp.transport.framing",
-    "mdp.transport.stream",
+    "mdp.transport.framed",
+    "mdp.transport.router",
+    "mdp.transport.dealer",
+    "mdp.transport.channels",
+    "mdp.transport.pipes",
     "mdp.transport.zeromq",
+    "mdp.transport.zmqio",
 )
 
 #: ``.pyx`` modules, optional companions of listed modules that work without them

@@ -1,4 +1,4 @@
-# Compiled, the blocking client and its ZeroMQ pipes are extension types (see
+# Compiled, the blocking client and its loop are extension types (see
 # majordomo/client.pxd); the client keeps an instance dictionary and weak
 # references, as a class of the source would.
 
@@ -12,19 +12,8 @@ cdef class _Loop:
     cpdef turn(self, when)
     cpdef closeIdle(self)
     cdef _poll(self, timeout, now)
-
-cdef class _ZmqPipe:
-    cdef public _Loop loop
-    cdef public object owner, tag, socket, handle, fd, backlog, up, waitMs, address, linger
-    cdef public object curve, failures, retryAt
-
-    cpdef send(self, frames)
-    cdef bint _trySend(self, frames) except -1
-    cpdef wait(self, timeout)
-    cdef _events(self)
-    cdef _read(self, now)
-    cdef _message(self, flags, bint limited=*)
-    cdef _take(self, frames, now)
+    cdef _soonest(self, when)
+    cdef _wakeDue(self, now)
 
 cdef class Client:
     cdef dict __dict__

@@ -243,17 +243,6 @@ def cancel_call(call: Any) -> None:
     return None
 
 
-def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` once the reactor has handled what it is handling
-    now (at the end of this turn), as ``callLater(0)`` does; on an asyncio
-    reactor (``mdp.uvreactor``), with the loop's own ``call_soon``, which
-    costs a fraction of a timer.  The handle's ``cancel()`` cancels it."""
-    loop = getattr(reactor, "_asyncioEventloop", None)
-    if loop is not None:
-        return loop.call_soon(fn, *args)
-    return reactor.callLater(0, fn, *args)
-
-
 KiB = 1024
 MiB = 1024 * KiB
 

@@ -1,10 +1,9 @@
 """Twisted's asyncio reactor over a uvloop event loop: the reactor to run
-MDP nodes on for throughput (docs/performance.md, round two, item 25).
+MDP nodes on for throughput.
 
 Every node runs on any reactor.  On this one the reactor's own work per
 wake-up (waiting for descriptors, timers, dispatch) is uvloop's compiled
-code instead of the Python of Twisted's epoll loop: about an eighth fewer
-instructions a request in workers and clients, a sixth in the broker.
+code instead of the Python of Twisted's epoll loop.
 
 Install it before anything imports ``twisted.internet.reactor``::
 
@@ -18,7 +17,6 @@ is in ``twisted/plugins/mdp_plugins.py``).  uvloop is the ``speed`` extra:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from twisted.python.usage import UsageError
@@ -50,8 +48,7 @@ def reactor_class() -> type:
     under half a millisecond at once.  Twisted's asyncio reactor asks for
     the exact delay to its next call, so its timer fired a little early,
     found nothing due, asked again for the rest, and so on until the call
-    was due: 200 timers took about 5,500 wake-ups instead of about 200
-    (tests/test_uvreactor.py).  Rounded up, a timer fires at most about a
+    was due.  Rounded up, a timer fires at most about a
     millisecond late, as on Twisted's epoll reactor, whose waits are whole
     milliseconds too.
 
@@ -59,53 +56,15 @@ def reactor_class() -> type:
     transport whose protocol's is (our stream connections), is called
     without Twisted's legacy log context: ``callWithLogger`` pushes
     the reader's ``logPrefix()`` as the ``system`` of ``twisted.python.log``
-    messages, 2.6 µs a wake-up, on a machine where our broker spends about
-    200 µs of CPU a request at 1×1 (docs/performance.md, item 30).  Such a
+    messages, at every wake-up.  Such a
     reader logs with :mod:`twisted.logger`, which does not read that context;
     every other reader keeps it.  One that also has a ``readNow()`` method
     (our ZeroMQ sockets) has it called by the loop itself instead of
     ``doRead()`` through the reactor's dispatch: ``readNow`` reads, logs
-    and handles its own failures, and never raises (three Python calls
-    less a wake-up)."""
-    from twisted.internet.asyncioreactor import AsyncioSelectorReactor
+    and handles its own failures, and never raises."""
+    from mdp.transport.twisted_private import uvloop_reactor_class
 
-    class UVLoopReactor(AsyncioSelectorReactor):
-        """Twisted's asyncio reactor, for a uvloop loop (see :func:`reactor_class`)."""
-
-        def timeout(self) -> Any:
-            wait = super().timeout()
-            if wait is None or wait <= 0:
-                return wait
-            return math.ceil(wait * 1000.0) / 1000.0
-
-        def addReader(self, reader: Any) -> None:
-            if (reader in self._readers or self._continuousPolling.isReading(reader)
-                    or _needsLogContext(reader)):
-                return super().addReader(reader)  # type: ignore[no-any-return]
-            fd = reader.fileno()
-            # a reader that reads on its own, without a failure to report
-            # (readNow), is the loop's callback itself
-            readNow = getattr(reader, "readNow", None)
-            try:
-                if readNow is not None:
-                    self._asyncioEventloop.add_reader(fd, readNow)
-                else:
-                    self._asyncioEventloop.add_reader(fd, self._readDirect, reader)
-            except OSError:  # not pollable: Twisted's own way (it polls such readers)
-                self._unregisterFDInAsyncio(fd)
-                return super().addReader(reader)  # type: ignore[no-any-return]
-            self._readers[reader] = fd
-            return None
-
-        def _readDirect(self, reader: Any) -> None:
-            try:
-                self._readOrWrite(reader, True)
-            except KeyboardInterrupt:
-                raise
-            except BaseException:  # logged, and the loop goes on, as callWithLogger does
-                self._log.failure("while reading from {reader!r}", reader=reader)
-
-    return UVLoopReactor
+    return uvloop_reactor_class(_needsLogContext)
 
 
 def _needsLogContext(reader: Any) -> bool:

@@ -276,7 +276,7 @@ async def test_a_wide_map_asks_only_the_sockets_that_were_signalled_or_used(
     """64 requests in flight are 64 DEALER sockets: a wake-up asks ZeroMQ
     about the ones whose descriptor was signalled or that were used since
     (a handful a reply), not about all 64; and no reply is missed for it."""
-    from mdp import blocking
+    from mdp.transport import pipes as blocking
 
     cluster = await cluster_with("zmq", 4)
     asked = 0

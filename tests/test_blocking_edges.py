@@ -24,9 +24,10 @@ import zmq
 from twisted.logger import formatEvent
 
 from mdp import errors
-from mdp.blocking import Client, _Loop, _StreamPipe
+from mdp.blocking import Client, _Loop
 from mdp.policy import Limits
 from mdp.transport.framing import RecordDecoder, encode_record
+from mdp.transport.pipes import _StreamPipe
 from tests.conftest import Script, ScriptedBroker, ScriptReply, failures_logged
 from tests.procs import ENV, ROOT
 
@@ -737,13 +738,13 @@ def test_signals_do_not_make_a_wait_start_over(broker: ScriptedBroker, compiled:
     """A wait on the only socket cut short by a signal waits for what is
     left of its time, not its whole time again: under signals more frequent
     than the timeout, a request still times out, and a worker still stops."""
-    import mdp.blocking
+    import mdp.transport.pipes
     from mdp.blocking import Worker
     from mdp.policy import HeartbeatPolicy
 
     if not compiled:
-        monkeypatch.setattr(mdp.blocking, "_frames", None)
-    elif mdp.blocking._frames is None:
+        monkeypatch.setattr(mdp.transport.pipes, "_frames", None)
+    elif mdp.transport.pipes._frames is None:
         pytest.skip("the compiled reader is not built")
     signals = Signals()
     try:

@@ -31,7 +31,8 @@ from mdp import (
 )
 from mdp.freelance import FreelanceServer, SequentialClient
 from mdp.majordomo import codec, mmi
-from mdp.transport import stream
+from mdp.transport import endpoints, stream
+from mdp.transport import router as stream_router
 from mdp.transport.framing import encode_record
 from tests.conftest import LoopbackNet, Net, RawPeer, RawRouter, warnings_logged
 from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, start_worker
@@ -675,7 +676,7 @@ class FakeLimits:
 def test_servers_raise_the_soft_descriptor_limit_as_far_as_it_goes(
         monkeypatch: Any, soft: int, hard: int, most: int, raised: int) -> None:
     fake = FakeLimits(soft, hard, most)
-    monkeypatch.setattr(stream, "resource", fake)
+    monkeypatch.setattr(endpoints, "resource", fake)
     assert stream.raise_descriptor_limit() == raised
     assert fake.limits[0] == raised
 
@@ -688,11 +689,11 @@ def test_a_select_reactor_caps_the_descriptor_budget_at_what_select_can_watch(
 
     from twisted.internet.selectreactor import SelectReactor
 
-    monkeypatch.setattr(stream, "resource", FakeLimits(65536, 65536, 65536))
+    monkeypatch.setattr(endpoints, "resource", FakeLimits(65536, 65536, 65536))
     assert stream.descriptor_budget() == 65536 - 8192
     monkeypatch.setitem(sys.modules, "twisted.internet.reactor", object.__new__(SelectReactor))
     assert stream.descriptor_budget() == 1024 - 128
-    monkeypatch.setattr(stream, "resource", None)  # no descriptor limit at all
+    monkeypatch.setattr(endpoints, "resource", None)  # no descriptor limit at all
     assert stream.descriptor_budget() == 1024 - 128
 
 
@@ -710,7 +711,7 @@ async def test_a_router_on_a_port_of_the_applications_warns_of_its_descriptor_bu
     net.addCleanup(port.stopListening)
     net.addCleanup(router.close)
     assert len(warnings.lines) == 1 and "leaves room for 100 connections" in warnings.lines[0]
-    monkeypatch.setattr(stream, "descriptor_budget", lambda: 10)
+    monkeypatch.setattr(stream_router, "descriptor_budget", lambda: 10)
     listened = await net.wait(stream.StreamRouter.listen(
         "tcp:host=127.0.0.1:port=0", RawRouter(), net.reactor, limits=Limits(maxConnections=50)))
     net.addCleanup(listened.close)
@@ -767,9 +768,9 @@ async def test_zmq_reads_off_a_huge_message_over_many_reactor_turns(net: Net, mo
     reactor turn (it used to stall the reactor for seconds)."""
     import zmq
 
-    from mdp.transport import zeromq
+    from mdp.transport import zmqio
 
-    monkeypatch.setattr(zeromq, "FRAMES_PER_TURN", 100)
+    monkeypatch.setattr(zmqio, "FRAMES_PER_TURN", 100)
     broker, endpoint = await start_broker(net, limits=Limits(maxFrames=16))
     bound = binding_of(broker)
     turns: list[int] = []

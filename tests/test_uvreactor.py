@@ -186,7 +186,7 @@ async def test_twist_without_uvloop_says_how_to_install_it_in_one_line(tmp_path:
 
 
 def test_call_soon_runs_at_the_end_of_the_turn_on_either_kind_of_reactor() -> None:
-    """policy.call_soon: the asyncio loop's call_soon under an asyncio
+    """twisted_private.call_soon: the asyncio loop's call_soon under an asyncio
     reactor (what mdp.uvreactor installs), callLater(0) elsewhere; both run
     once, later, and cancel."""
     import asyncio
@@ -194,7 +194,7 @@ def test_call_soon_runs_at_the_end_of_the_turn_on_either_kind_of_reactor() -> No
 
     from twisted.internet import task
 
-    from mdp.policy import call_soon
+    from mdp.transport.twisted_private import call_soon
 
     loop = asyncio.new_event_loop()
     try:

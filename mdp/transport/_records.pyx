@@ -4,7 +4,7 @@
 
 A record's frames each cost the Python code a length unpacked through
 ``struct``, a slice of a memoryview and a ``bytes`` made of it; here they
-cost a loop over the buffer (docs/performance.md, round two, item 19).
+cost a loop over the buffer.
 :func:`decode_payload` and :func:`encode_record` do exactly what the
 functions of the same names in ``framing`` do, errors and their messages
 included, for ``bytes``; given anything else they answer None and the

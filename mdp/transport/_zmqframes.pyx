@@ -4,10 +4,9 @@
 pyzmq's Python API says whether more frames follow only through a
 ``zmq.Frame`` (a Python object built, asked for ``bytes`` and ``more``
 through its attribute hook, then freed) or a ``RCVMORE`` lookup; either
-costs more than the frame itself, and each frame sent is a Python call
-(docs/performance.md, round two, item 19).  This module reads and sends a
-whole message with libzmq's own ``zmq_msg_recv``, ``zmq_msg_more`` and
-``zmq_send`` on the socket pyzmq made (its ``underlying`` address), through
+costs more than the frame itself, and each frame sent is a Python call.
+This module reads and sends a whole message with libzmq's own
+``zmq_msg_recv``, ``zmq_msg_more`` and ``zmq_send`` on the socket pyzmq made (its ``underlying`` address), through
 the functions of the very libzmq pyzmq loaded (looked up through pyzmq's
 compiled backend, so both use one library and one copy of its state).
 

@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, TransportError
+from mdp.errors import TransportError
 from mdp.interfaces import (
     IAuthenticatedRouter,
     IDealerReceiver,
@@ -38,445 +38,35 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
+from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
+from mdp.transport.zmqio import (
+    HIGH_WATER_MARK,
+    KEEP_FRAME_BYTES,
+    LINGER_MS,
+    MAX_CUT_OFF,
+    ROUTER_HIGH_WATER_MARK,
+    ROUTER_SEND_WATER_MARK,
+    ZERO_COPY_BYTES,
+    FlushPacer,
+    _connection_classes,
+    _zmq,
+    kept_frame_type,
+    random_identity,
+    zmq_factory,
+    zmq_frames,
+)
 
 if TYPE_CHECKING:
     from mdp.transport.curve import CurveClient, CurveServer
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: Messages libzmq queues per pipe on a DEALER: a worker's burst of PARTIALs
-#: rarely has to wait in the backlog (a small mark costs streams most of their
-#: throughput: each message then crosses libzmq's threads on its own).
-HIGH_WATER_MARK = 100_000
-#: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and
-#: on a connecting ROUTER).  libzmq counts messages, not bytes, so this is
-#: kept small (1,000, libzmq's default, would let 1 MiB messages pin a
-#: gigabyte).
-ROUTER_HIGH_WATER_MARK = 64
-#: Per pipe on a bound ROUTER, for what it sends: a peer that does not read
-#: costs at most its backlog (bounded in bytes) plus this many messages in
-#: libzmq.  Set before the bind and never changed: libzmq (4.3.5 and
-#: earlier) passes a new SNDHWM on to the far end of every pipe the socket
-#: holds, a pipe whose peer disconnected and whose far end is freed already
-#: among them, and its IO thread then crashes on the freed pipe (libzmq
-#: issue #4524, fixed after 4.3.5 by PR #4647).  The mark used to start at
-#: twice this while every message was small and come down at the first
-#: large one: with a peer gone at that moment (``mdp status`` closes the
-#: connection of a query it gave up on), the process died of SIGSEGV.
-ROUTER_SEND_WATER_MARK = 128
-LINGER_MS = 200
-
-_factory: Any = None
-_classes: Optional[tuple[type, type]] = None
-
-
-def zmq_factory() -> Any:
-    """The process-wide txzmq factory (one ZeroMQ context), shut down with the
-    reactor."""
-    global _factory
-    if _factory is None:
-        import txzmq
-
-        class Factory(txzmq.ZmqFactory):
-            """Runs ``beforeTerm`` callables (closing monitor sockets) before
-            terminating the context, which would wait for ever on an open
-            socket."""
-
-            def __init__(self) -> None:
-                super().__init__()
-                self.beforeTerm: set[Callable[[], None]] = set()
-
-            def shutdown(self) -> None:
-                for callback in list(self.beforeTerm):
-                    callback()
-                super().shutdown()
-
-        _factory = Factory()
-        _factory.lingerPeriod = LINGER_MS
-        _factory.registerForShutdown()
-    return _factory
-
-
-#: Messages handled per doRead before yielding to the reactor.
-READ_BATCH = 64
-#: A doRead that delivered at least this many messages (a burst: a stream,
-#: pipelined requests) makes the next one
-#: read until a recv fails instead of asking EVENTS before every message.
-BUSY_BATCH = 8
-#: Peers a ROUTER remembers as cut off (messages for them are discarded).
-MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead: a message of
-#: millions of frames is dropped over many reactor turns, not in one stall.
-FRAMES_PER_TURN = 10_000
-#: Frames at least this long are sent without copying.  Below it a copy is
-#: cheaper: a zero-copy frame is released through pyzmq's garbage-collector
-#: thread (a message and a thread wake-up per frame), which cost more CPU
-#: than copying up to about 1 MiB on this machine (docs/performance.md).
-ZERO_COPY_BYTES = 1 << 20
-#: A receiver that only passes body frames on (the broker) may take frames
-#: at least this long as the message libzmq received (a ``Held`` of
-#: ``_zmqframes``, or without it the ``zmq.Frame`` they arrived in; see
-#: ``IRouterReceiver.keepFramesFrom``): sending one on shares libzmq's buffer
-#: instead of copying it out into ``bytes`` and back in (a 64 KiB frame
-#: crossed a forwarder in 1.4 µs instead of 9.3).  Shorter frames may sit in
-#: a buffer libzmq shares between the messages of one read (8 KiB); they are
-#: copied.
-KEEP_FRAME_BYTES = 16 * 1024
-
-
-_frames: Any = None
-
-
-def zmq_frames() -> Any:
-    """:mod:`mdp.transport._zmqframes` (messages read and sent in C), bound
-    to the libzmq pyzmq loaded, where it is built and current
-    (``mdp._compiled``); else None, and messages go through pyzmq's own
-    calls, as before."""
-    global _frames
-    if _frames is None:
-        _frames = False
-        from mdp import _compiled
-
-        module: Any = _compiled.accelerator("mdp.transport._zmqframes")
-        if module is not None:
-            import sys
-
-            import zmq
-
-            try:
-                backend = sys.modules[zmq.backend.Socket.__module__]
-                module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
-            except (ImportError, AttributeError, KeyError, TypeError) as e:
-                log.info("ZeroMQ messages go through pyzmq's calls: {why}", why=e)
-            else:
-                _frames = module
-    return _frames or None
-
-
-def kept_frame_type() -> type:
-    """The type of a long frame a ROUTER passes on uncopied
-    (``keepFramesFrom``): :class:`mdp.transport._zmqframes.Held`, or
-    ``zmq.Frame`` where messages go through pyzmq."""
-    frames = zmq_frames()
-    return frames.Held if frames is not None else _zmq().Frame
-
-
-def _connection_classes() -> tuple[type, type]:
-    global _classes
-    if _classes is None:
-        import txzmq
-        import zmq
-
-        NOBLOCK = int(zmq.NOBLOCK)
-        NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-        EVENTS = int(zmq.EVENTS)
-        POLLIN = int(zmq.POLLIN)
-        # pyzmq's compiled socket methods, below its Python-level wrappers
-        backend = zmq.backend.Socket
-        recv, send, get = backend.recv, backend.send, backend.get
-        Again = zmq.Again
-        # whole messages in and out in C, where that is built
-        inC = zmq_frames()
-        readFrames = sendFrames = eventsOf = None
-        if inC is not None:
-            readFrames, sendFrames, eventsOf = inC.read, inC.send, inC.events
-
-        class FastIO:
-            """Replaces txzmq's read and send paths (see docs/performance.md):
-            pyzmq's compiled methods with plain int flags (its Python wrappers'
-            IntEnum arithmetic costs more than the I/O), frames' own ``more``
-            flag instead of a RCVMORE lookup, an EVENTS check instead of the
-            exception a failed recv raises, at most READ_BATCH messages per
-            reactor turn, and an extra read after a send only when ZeroMQ says
-            input is pending (its FD is edge-triggered).  Frames beyond the
-            message limits are received and dropped, never copied."""
-
-            read_scheduled: Any
-            socket: Any
-            factory: Any
-            reading = False
-            #: logs through twisted.logger only: mdp.uvreactor may call
-            #: doRead without Twisted's legacy log context (2.6 µs a wake-up)
-            needsLogContext = False
-            #: frames of routing envelope before the message (1 on a ROUTER)
-            envelope = 0
-            #: tell the owner who sent each message (CURVE's User-Id) before
-            #: it is delivered: ``owner.identified(peer, userId)``
-            identify = False
-            maxBytes = Limits().maxMessageBytes
-            maxFrames = Limits().maxFrames
-
-            #: a message over the limits being read off, over as many reactor
-            #: turns as it takes: [first frame, frames, bytes, more to come]
-            skipping: Any = None
-
-            #: messages the last doRead delivered: after a busy one (at least
-            #: BUSY_BATCH), the next one, once EVENTS said input is there,
-            #: reads on until a recv finds nothing (one exception a turn)
-            #: instead of asking EVENTS before every message
-            lastBatch = 0
-            owner: Any = None
-            #: frames after the first this many (counting the routing id) of
-            #: at least KEEP_FRAME_BYTES are delivered uncopied (kept_frame_type;
-            #: the receiver asked: ZmqRouter); by default none is
-            keepAfter = 1 << 62
-
-            def doRead(self) -> None:
-                """Read what the socket has (at most READ_BATCH messages a
-                turn).  Raises nothing but KeyboardInterrupt: a failed read
-                (or a handler's SystemExit) is logged and ends this socket's
-                reading (``connectionLost``), as Twisted's epoll reactor does
-                with a ``doRead`` that raises.  It is also ``readNow``, which
-                :mod:`mdp.uvreactor`'s loop calls itself, with no reactor code
-                between (docs/performance.md, round two, item 32)."""
-                try:
-                    if self.read_scheduled is not None:
-                        self.read_scheduled = cancel_call(self.read_scheduled)
-                    socket = self.socket
-                    if socket is None:
-                        return
-                    # ZeroMQ signals its FD when a full pipe drains, too
-                    owner = self.owner
-                    if owner is not None and owner.backlogged:
-                        owner._flush()
-                        if self.socket is None:
-                            return
-                    deliver = self.deliver
-                    # EVENTS asked in C, without a method call a message
-                    handle = 0
-                    if eventsOf is not None:
-                        handle = self.handle or self._handle(socket)
-                    budget = FRAMES_PER_TURN
-                    busy = self.lastBatch >= BUSY_BATCH
-                    delivered = 0
-                    # sends made while reading need no EVENTS check of their own:
-                    # the loop asks EVENTS again before it returns
-                    self.reading = True
-                    try:
-                        for _ in range(READ_BATCH):
-                            if self.skipping is None:
-                                if busy and delivered:
-                                    try:
-                                        frames = self._readMessage(socket)
-                                    except Again:
-                                        return
-                                else:
-                                    # asking EVENTS is cheaper than the Again a failed recv raises
-                                    events = eventsOf(handle) if handle else get(socket, EVENTS)
-                                    if not events & POLLIN:
-                                        return
-                                    frames = self._readMessage(socket)
-                                if frames is not None:
-                                    delivered += 1
-                                    try:
-                                        deliver(frames)
-                                    except Exception:
-                                        log.failure("zmq message handler failed")
-                                    if self.socket is None:
-                                        return
-                                    continue
-                            budget = self._skip(socket, budget)
-                            if self.skipping is not None:
-                                break  # out of this turn's budget: the rest next turn
-                    finally:
-                        self.reading = False
-                        self.lastBatch = delivered
-                    # more may be waiting: let the reactor run other work first
-                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                except KeyboardInterrupt:
-                    raise  # (as the reactor's own dispatch lets it through)
-                except BaseException:  # a handler's SystemExit too: logged, as the reactor did
-                    log.failure("reading from a ZeroMQ socket failed")
-                    self.connectionLost(Failure())
-
-            readNow = doRead
-
-            #: the libzmq socket's address (readFrames, sendFrames)
-            handle = 0
-
-            def _readMessage(self, socket: Any) -> Optional[list[bytes]]:
-                """Read one message; None if it is over the limits (then it
-                is being read off: ``skipping``).  Nothing over the limits
-                is copied."""
-                maxBytes = self.maxBytes
-                maxFrames = self.maxFrames + self.envelope
-                keepAfter = self.keepAfter
-                if readFrames is not None and not self.identify:
-                    handle = self.handle
-                    if not handle or socket is None:
-                        handle = self._handle(socket)
-                    got = readFrames(handle, NOBLOCK, keepAfter, KEEP_FRAME_BYTES, maxFrames,
-                                     maxBytes, self.envelope)
-                    if got.__class__ is list:
-                        return got
-                    self.skipping = got[1]
-                    return None
-                frame = recv(socket, NOBLOCK, False)
-                frames = [frame.bytes]
-                size = 0 if self.envelope else len(frames[0])
-                more = frame.more
-                if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
-                    self.skipping = [b"", 1, size, more]
-                    return None
-                count = len(frames)
-                while more:
-                    frame = recv(socket, NOBLOCK, False)
-                    count += 1
-                    length = len(frame)
-                    size += length
-                    if count > maxFrames or size > maxBytes:
-                        self.skipping = [frames[0], count, size, frame.more]
-                        return None
-                    if length >= KEEP_FRAME_BYTES and count > keepAfter:
-                        frames.append(frame)  # passed on, never read: not copied
-                    else:
-                        frames.append(frame.bytes)
-                    more = frame.more
-                if self.identify and count > 1:
-                    # every frame of a message carries its connection's
-                    # metadata but the routing id a ROUTER adds
-                    self.owner.identified(frames[0], frame.get("User-Id"))
-                return frames
-
-            def discardQueued(self) -> int:
-                """Read off and drop the messages waiting on the socket (at
-                most READ_BATCH of them); how many.  Not while a message over
-                the limits is being read off: that one ends the pipe."""
-                socket = self.socket
-                dropped = 0
-                if socket is None or self.skipping is not None:
-                    return 0
-                handle = 0  # (as in doRead)
-                if eventsOf is not None:
-                    handle = self.handle or self._handle(socket)
-                for _ in range(READ_BATCH):
-                    events = eventsOf(handle) if handle else get(socket, EVENTS)
-                    if not events & POLLIN:
-                        break
-                    if self._readMessage(socket) is None:
-                        # over the limits: doRead reads the rest off and reports it
-                        if not self.reading and self.read_scheduled is None:
-                            self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                        break
-                    dropped += 1
-                return dropped
-
-            def _skip(self, socket: Any, budget: int) -> int:
-                """Read off up to *budget* frames of the message over the
-                limits; returns the budget left."""
-                head, count, size, more = self.skipping
-                while more and budget > 0:
-                    frame = recv(socket, NOBLOCK, False)
-                    count += 1
-                    size += len(frame)
-                    more = frame.more
-                    budget -= 1
-                if more:
-                    self.skipping = [head, count, size, more]
-                    return 0
-                self.skipping = None
-                # on a ROUTER the first frame is the sender's id
-                self.owner.oversized(head if self.envelope else None, count - self.envelope, size)
-                return budget
-
-            def attached(self) -> None:
-                """After a bind or connect, look for input a turn later.
-                libzmq attaches an inproc pipe within the call itself, without
-                signalling the FD: a ROUTER that binds an address DEALERs
-                connected to first finds their messages queued already, and
-                their later ones signal nothing until it has read those."""
-                if self.read_scheduled is None and self.socket is not None:
-                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-
-            def _events(self, socket: Any) -> int:
-                """The socket's ``EVENTS`` bits, in C where that is built
-                (pyzmq's ``get`` makes an enum of the option first)."""
-                if eventsOf is not None:
-                    handle = self.handle
-                    if not handle:
-                        handle = self._handle(socket)
-                    return eventsOf(handle)  # type: ignore[no-any-return]
-                return get(socket, EVENTS)  # type: ignore[no-any-return]
-
-            def _handle(self, socket: Any) -> int:
-                """The address of *socket* in libzmq (a closed one has none)."""
-                if socket is None:
-                    raise zmq.ZMQError(errno.ENOTSOCK)
-                self.handle = handle = socket.underlying
-                return handle
-
-            def send(self, frames: list[bytes]) -> None:
-                socket = self.socket
-                last = len(frames) - 1
-                try:
-                    if sendFrames is not None:
-                        handle = self.handle
-                        if not handle or socket is None:
-                            handle = self._handle(socket)
-                        sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket)
-                        return
-                    for i, frame in enumerate(frames):
-                        # large frames go zero-copy (ZeroMQ keeps a reference), as
-                        # pyzmq's own send_multipart does past its copy threshold
-                        send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
-                             len(frame) < ZERO_COPY_BYTES)
-                finally:
-                    # a send, refused or not, may have taken the FD's (edge-
-                    # triggered) signal of pending input: look for it ourselves
-                    if (not self.reading and self.read_scheduled is None
-                            and self.socket is not None and self._events(socket) & POLLIN):
-                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-
-        class Router(FastIO, txzmq.ZmqRouterConnection):
-            highWaterMark = ROUTER_HIGH_WATER_MARK
-            envelope = 1
-            owner: Any
-
-            def deliver(self, frames: list[bytes]) -> None:
-                self.owner.delivered(frames[0], frames[1:])
-
-        class Dealer(FastIO, txzmq.ZmqDealerConnection):
-            highWaterMark = HIGH_WATER_MARK
-            owner: ZmqDealer
-
-            def deliver(self, frames: list[bytes]) -> None:
-                self.owner._received(self, frames)
-
-        _classes = (Router, Dealer)
-    return _classes
-
-
-class FlushPacer:
-    """When to try a full pipe again.  libzmq says a full pipe has drained by
-    signalling its socket, but any send or EVENTS check may consume that
-    (edge-triggered) signal, so the backlogs are also retried on a timer: at
-    once while they drain, backing off (doubling up to ``longest`` seconds)
-    while they do not, so a peer that stops reading costs little CPU."""
-
-    shortest = 0.0005
-    longest = 0.05
-
-    def __init__(self) -> None:
-        self.delay = 0.0
-
-    def next(self, progressed: bool) -> float:
-        """The delay before the next try, after a try that *progressed* or not."""
-        self.delay = 0.0 if progressed else min(self.longest, max(self.shortest, self.delay * 2))
-        return self.delay
-
-
-def random_identity() -> bytes:
-    """16 random bytes a peer id can be (not starting with a zero byte,
-    which ZeroMQ keeps for the ids it makes up)."""
-    return bytes([os.urandom(1)[0] | 1]) + os.urandom(15)
-
-
-def _zmq() -> Any:
-    """The zmq module (imported late: see the module docstring)."""
-    import zmq
-
-    return zmq
+__all__ = [
+    "HIGH_WATER_MARK", "KEEP_FRAME_BYTES", "LINGER_MS", "ROUTER_HIGH_WATER_MARK",
+    "ROUTER_SEND_WATER_MARK", "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter",
+    "kept_frame_type", "random_identity", "zmq_factory", "zmq_frames", "_connection_classes",
+]
 
 
 def _address(endpoint: str) -> str:
@@ -880,13 +470,13 @@ class ZmqRouter(_RoutedSocket):
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER socket.
+    """A connecting ZeroMQ DEALER socket: the Twisted shell of a
+    :class:`~mdp.transport.dealercore.DealerCore`.
 
-    At the high-water mark a DEALER refuses messages; they are kept, in order,
-    in a backlog that is flushed as the pipe drains (``writable`` is false
-    meanwhile; streaming workers wait for ``drained()``).  The backlog holds at
-    most ``limits.maxOutputBytes``; a message beyond is refused with a warning,
-    never dropped silently."""
+    At the high-water mark a DEALER refuses messages; they wait in the
+    core's backlog, flushed as the pipe drains (``writable`` is false
+    meanwhile; streaming workers wait for ``drained()``).  A message beyond
+    ``limits.maxOutputBytes`` held is refused with a warning."""
 
     connected = True
 
@@ -897,7 +487,8 @@ class ZmqDealer:
         self.reactor = reactor
         #: attempt -> seconds: when to try again for a socket that could not
         #: be had (ZeroMQ itself reconnects a socket it has)
-        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
+        policy = retryPolicy or RECONNECT.retryPolicy()
+        self.core = DealerCore(limits, lambda failures: policy(failures + 1))
         self._reopening: Any = None
         self.curve = curve
         if curve is not None and identity is None:
@@ -912,8 +503,6 @@ class ZmqDealer:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self.connection: Any = None
-        self._backlog: deque[list[bytes]] = deque()
-        self._backlogBytes = 0
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
@@ -921,14 +510,14 @@ class ZmqDealer:
 
     @property
     def writable(self) -> bool:
-        return not self._backlog
+        return not self.core.backlog
 
     @property
     def backlogged(self) -> bool:
-        return bool(self._backlog)
+        return bool(self.core.backlog)
 
     def drained(self) -> defer.Deferred[None]:
-        if not self._backlog:
+        if not self.core.backlog:
             return defer.succeed(None)
         return self._waiters.wait()
 
@@ -937,13 +526,13 @@ class ZmqDealer:
         self._retry = cancel_call(self._retry)
         if self.connection is None:
             return
-        backlog = self._backlog
+        core = self.core
         progressed = False
-        while backlog:
-            if not self._trySend(backlog[0]):
+        while core.backlog:
+            if not self._trySend(core.backlog[0]):
                 self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
                 return
-            self._backlogBytes -= held_bytes(backlog.popleft())
+            core.sent()
             progressed = True
         self._waiters.fire()
 
@@ -974,6 +563,7 @@ class ZmqDealer:
             connection.shutdown()  # (its socket and descriptor go with it)
             raise
         self.connection = connection
+        self.core.opened()
         self.reactor.callLater(0, self._made, connection)
 
     def _made(self, connection: Any) -> None:
@@ -1000,36 +590,37 @@ class ZmqDealer:
                            "{frames} frames, and opens a new connection", endpoint=self.endpoint,
                            size=size, count=count, limit=self.limits.maxMessageBytes,
                            frames=self.limits.maxFrames)
-        self.reactor.callLater(0, self._replace, self.connection, OversizedMessage(
-            f"a message of {size}+ bytes in {count} frames is over the limits"))
+        self.reactor.callLater(0, self._replace, self.connection, size, count)
 
-    def _replace(self, connection: Any, why: Exception) -> None:
+    def _replace(self, connection: Any, size: int, count: int) -> None:
         if connection is not self.connection or connection is None:
             return  # closed, or replaced already
+        why = self.core.oversized(size, count)
         self._shutdown()
-        self._reopen(1)
+        self._reopen()
         self.receiver.connectionLost(Failure(why))
 
-    def _reopen(self, attempt: int) -> None:
+    def _reopen(self) -> None:
         """Open a fresh socket; if none can be had (out of descriptors), say
-        so and try again after *retryPolicy*'s delay: the pipe is down
-        meanwhile, as a stream connection's is while it reconnects."""
+        so and try again after the core's delay: the pipe is down meanwhile,
+        as a stream connection's is while it reconnects."""
         self._reopening = None
         try:
             self._open()
         except Exception as e:
-            delay = self.retryPolicy(attempt)
+            delay = self.core.openFailed()
             self.throttle.warn(log, "reopen", "zmq dealer to {endpoint} cannot open a socket: "
                                "{error}; tries again in {delay:g}s", endpoint=self.endpoint,
                                error=e, delay=delay)
-            self._reopening = self.reactor.callLater(delay, self._reopen, attempt + 1)
+            self._reopening = self.reactor.callLater(delay, self._reopen)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         connection = self.connection
         if connection is None:
             return
+        core = self.core
         # behind what waits already, to keep the order
-        if not self._backlog:
+        if not core.backlog:
             try:
                 connection.send(frames)
                 return
@@ -1038,21 +629,17 @@ class ZmqDealer:
                     log.warn("zmq dealer to {endpoint} could not send: {error}",
                              endpoint=self.endpoint, error=e)
                     return
-        size = held_bytes(frames)
-        if self._backlogBytes + size > self.limits.maxOutputBytes:
+        if not core.hold(frames):
             self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
                                "bytes already wait for its pipe to drain", endpoint=self.endpoint,
-                               bytes=self._backlogBytes)
+                               bytes=core.backlogBytes)
             return
-        self._backlog.append(frames)
-        self._backlogBytes += size
         if self._retry is None:
             self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _shutdown(self) -> None:
         connection, self.connection = self.connection, None
-        self._backlog.clear()
-        self._backlogBytes = 0
+        self.core.clear()
         self._retry = cancel_call(self._retry)
         self._reopening = cancel_call(self._reopening)
         self._waiters.fire()

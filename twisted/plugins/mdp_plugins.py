@@ -1,6 +1,6 @@
 """Twisted plugin dropin: ``twist mdp-broker``, ``twist mdp-worker``,
 ``twist mdp-freelance-server``, ``twist mdp-titanic``, ``twist sp-rep``,
-``twist sp-device``.
+``twist sp-device``; the ``mtls:`` server endpoint (mutual TLS).
 
 Each entry names its maker in :mod:`mdp.app.tap` and imports it only when
 ``twist`` uses it (for its options, or to make the service): Twisted imports
@@ -12,6 +12,7 @@ from typing import Any
 
 from twisted.application.reactors import Reactor
 from twisted.application.service import IServiceMaker
+from twisted.internet.interfaces import IStreamServerEndpointStringParser
 from twisted.plugin import IPlugin
 from zope.interface import implementer
 
@@ -55,3 +56,19 @@ spDevice = _Maker("sp-device", "SP (nng) REQ/REP device forwarding requests upst
 # ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor)
 uvloopReactor = Reactor("uvloop", "mdp.uvreactor",
                         "Twisted's asyncio reactor over uvloop (pip install 'txmajordomo[speed]')")
+
+
+@implementer(IStreamServerEndpointStringParser, IPlugin)
+class _MutualTLS:
+    """``mtls:PORT:privateKey=…:certKey=…:caCerts=…``: what an ``ssl:``
+    listener with ``caCerts=`` is (:func:`mdp.transport.tls.server_endpoint`)."""
+
+    prefix = "mtls"
+
+    def parseStreamServer(self, reactor: Any, *args: str, **kwargs: str) -> Any:
+        from mdp.transport.tls import server_endpoint
+
+        return server_endpoint(reactor, *args, **kwargs)
+
+
+mutualTLS = _MutualTLS()

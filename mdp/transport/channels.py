@@ -1,0 +1,330 @@
+"""Many pipes over one stream connection: the connecting side of the
+channels of ``docs/transports.md`` (:class:`StreamChannels`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+from twisted.application.internet import ClientService
+from twisted.internet import defer
+from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IFraming
+from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
+from mdp.transport.channellink import Channel, ChannelLink
+from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
+from mdp.transport.flow import DrainWaiters, after
+from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
+
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
+
+
+@implementer(IFraming)
+class _ChannelsFraming:
+    """The record framing of a connection that carries channels, as its
+    connecting side speaks it: the channels greeting, and a decoder that
+    expects a channel in every record."""
+
+    name = "records32-channels"
+    acceptsBuffers = True
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        return CHANNELS_GREETING
+
+    def encode(self, frames: list[bytes]) -> bytes:
+        return encode_record(frames)
+
+    def decoder(self, limits: Limits) -> RecordDecoder:
+        decoder = RecordDecoder(limits)
+        decoder.channels = True
+        return decoder
+
+
+_CHANNELS = _ChannelsFraming()
+
+
+class _ChannelsConnection(_DealerConnection):
+    """The connection of a :class:`StreamChannels`: each read's messages go
+    to it, which hands each to its channel."""
+
+    dealer: StreamChannels  # type: ignore[assignment]
+
+    def _deliverAll(self, messages: list[Any]) -> None:
+        self.dealer._dispatch(self, messages)
+
+
+@implementer(IDealerTransport)
+class _StreamChannel(Channel):
+    """One pipe of a :class:`StreamChannels`: what a connection of its own
+    would be, with its own peer id at the far end."""
+
+    _call: Any = None
+
+    def __init__(self, link: StreamChannels, receiver: IDealerReceiver) -> None:
+        super().__init__()
+        self.link = link
+        self.receiver = receiver
+        self.endpoint = link.endpoint
+
+    @property
+    def connected(self) -> bool:
+        return self.up
+
+    @property
+    def writable(self) -> bool:
+        return self.link.writable
+
+    def drained(self) -> defer.Deferred[None]:
+        return self.link.drained()
+
+    def discardReceived(self) -> int:
+        """The messages for it in the read being delivered that are not
+        delivered yet (the other channels' stay)."""
+        return self.link._discard(self.id)
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        proto = self.link.protocol
+        if self.up and proto is not None:
+            proto._queueOn(self.id, proto.encode(frames))
+        elif not self.closed:
+            self.link._hold(self, frames)
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.closed:
+            self._call = cancel_call(self._call)
+            self.link._forget(self)
+        return defer.succeed(None)
+
+    def _up(self) -> None:
+        """Its delay after the far side ended it is over, or it is new on a
+        connection already made: up, if the connection is."""
+        self._call = cancel_call(self._call)
+        proto = self.link.protocol
+        # (not on a connection closing: what it held would go with it; the
+        # next connection brings it up)
+        if proto is None or proto.closing or proto.closedHere:
+            self.waiting = False
+            return
+        if self.link.core.comeUp(self):
+            self._made()
+
+    def _made(self) -> None:
+        """It is up: its receiver hears it, then what it sent before goes (as
+        a StreamDealer's queue goes after its receiver's connectionMade)."""
+        try:
+            self.receiver.connectionMade()
+        except Exception:  # logged: the connection and its other channels stand
+            log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
+                        endpoint=self.link.endpoint)
+        for frames in self.link.core.release(self):
+            self.sendMessage(frames)  # (held again if it went down meanwhile)
+
+
+@implementer(IDealerChannels)
+class StreamChannels(_OneConnection):
+    """The connecting side of one connection (:class:`ClientService`-managed,
+    so it reconnects with backoff) that carries many pipes, its *channels*
+    (:class:`~mdp.transport.channellink.ChannelLink` is their state).  Each
+    pipe (:meth:`open`) behaves as a connection of its own: it is up while
+    the connection is, the far side's router knows it as a peer of its own,
+    and the far side may end it alone (it is then lost, and made again after
+    the reconnection delay, under a new channel).  What the pipes send in one
+    reactor turn goes out in one write, and their replies come in one read.
+
+    The connection is opened with the first pipe and closed with the last."""
+
+    kind = "stream channels"
+
+    def __init__(self, endpoint: str, reactor: Any, *,
+                 retryPolicy: Optional[Callable[[int], float]] = None,
+                 limits: Limits = Limits()) -> None:
+        self.endpoint = endpoint
+        self.reactor = reactor
+        self.limits = limits
+        self.framing = _CHANNELS
+        self.identity = None
+        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
+        self.core = ChannelLink(limits, self.maxQueued)
+        self.protocol: Optional[_ChannelsConnection] = None
+        self.service: Optional[ClientService] = None
+        #: fires once the connection being closed is (None: none is)
+        self._closing: Optional[defer.Deferred[None]] = None
+        self._throttle = LogThrottle(reactor)
+        self._waiters = DrainWaiters()
+        #: the messages of the read being delivered, and the next one's index
+        self._pending: Optional[list[Any]] = None
+        self._at = 0
+        self._waiting: dict[bytes, int] = {}
+
+    @property
+    def channels(self) -> dict[bytes, Channel]:
+        return self.core.channels
+
+    @property
+    def queued(self) -> int:
+        return self.core.queued
+
+    @property
+    def queuedBytes(self) -> int:  # type: ignore[override]
+        return self.core.queuedBytes
+
+    @property
+    def queue(self) -> deque[tuple[Channel, list[bytes]]]:
+        """What its pipes hold, as (pipe, frames), each pipe's in the order
+        it sent them (a copy)."""
+        return deque((channel, frames) for channel in self.core.channels.values()
+                     for frames in channel.held or ())
+
+    def open(self, receiver: IDealerReceiver) -> _StreamChannel:
+        """A new pipe: ``receiver.connectionMade`` is called once it is up."""
+        channel = _StreamChannel(self, receiver)
+        self.core.open(channel)
+        if self.service is None:
+            self.service = _connection(self, self.endpoint, self.retryPolicy)
+        elif self.protocol is not None:  # up already: it is too, at the next turn
+            channel._call = self.reactor.callLater(0, channel._up)
+        return channel
+
+    def _buildProtocol(self, addr: object) -> _ChannelsConnection:
+        proto = _ChannelsConnection()
+        proto.dealer = self  # type: ignore[assignment]
+        return proto
+
+    def _made(self, proto: _DealerConnection) -> None:
+        self.protocol = proto  # type: ignore[assignment]
+        for channel in self.core.made():
+            if self.protocol is not proto:
+                return
+            channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
+            if self.core.comeUp(channel):
+                channel._made()  # type: ignore[attr-defined]
+
+    def _failed(self, reason: Any) -> None:
+        """A connection attempt failed: the pipes' receivers that have a
+        ``connectionFailed`` hear why."""
+        if self.service is None or not self.service.running or isinstance(
+                reason, defer.CancelledError):  # (a stopped service's attempt)
+            return
+        for channel in list(self.core.channels.values()):
+            report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
+            if report is not None and not channel.closed:
+                report(reason)
+
+    def _lost(self, proto: _DealerConnection, reason: object) -> None:
+        if self.protocol is not proto:
+            return
+        self.protocol = None
+        self._waiters.fire()
+        # a record refused for its size was one pipe's: the others only lost
+        # the connection (what they had in flight goes again)
+        refused = getattr(proto.refusal, "channel", None)
+        others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
+                                        f"record: {proto.refusal}")) if refused else reason
+        # every pipe is down before any receiver hears it (one may send on another)
+        for channel, own in self.core.lost(refused):
+            if not channel.closed:
+                channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
+                channel.receiver.connectionLost(reason if own else others)  # type: ignore[attr-defined]
+
+    def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
+        """Hand each message of a read to its channel, in order."""
+        self._pending = messages
+        channels = self.core.channels
+        #: the messages still to come in this read, by channel (so that a
+        #: pipe with none there is answered without a scan)
+        waiting = self._waiting = {}
+        for item in messages:
+            waiting[item[0]] = waiting.get(item[0], 0) + 1
+        try:
+            for i in range(len(messages)):
+                item = messages[i]
+                if item is None:  # discarded
+                    continue
+                self._at = i + 1
+                waiting[item[0]] -= 1
+                channel = channels.get(item[0])
+                if channel is None:
+                    continue  # ended here: what came before the far side knew
+                frames = item[1]
+                if not frames:
+                    self._endedThere(channel)  # type: ignore[arg-type]
+                elif channel.up:
+                    if channel.ends:
+                        channel.ends = 0
+                    channel.receiver.messageReceived(frames)  # type: ignore[attr-defined]
+                if proto.closing or self.protocol is not proto:
+                    return
+        finally:
+            self._pending = None
+
+    def _discard(self, name: bytes) -> int:
+        pending = self._pending
+        if pending is None or not self._waiting.get(name):
+            return 0
+        self._waiting[name] = 0
+        count = 0
+        for i in range(self._at, len(pending)):
+            item = pending[i]
+            if item is not None and item[0] == name:
+                pending[i] = None
+                count += 1
+        return count
+
+    def _endedThere(self, channel: _StreamChannel) -> None:
+        """The far side ended *channel*: say it is known, and make the pipe
+        again under a new channel after the reconnection delay."""
+        record, was = self.core.endedThere(channel)
+        if self.protocol is not None:
+            self.protocol._queueOn(record[:4], record[4:])
+        channel._call = cancel_call(channel._call)
+        if was:
+            channel.receiver.connectionLost(Failure(ConnectionDone("the far side ended this channel")))
+        if not channel.closed:  # (its receiver may have closed it)
+            channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
+
+    def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
+        """*channel* sent *frames* while not up: it keeps them until it is
+        (its pipes within ``maxQueued`` and ``maxOutputBytes`` together)."""
+        if self._admit(frames, self.core.queued) is not None:
+            self.core.hold(channel, frames)
+
+    def _forget(self, channel: _StreamChannel) -> None:
+        """*channel* was closed: tell the far side; close the connection
+        with the last one."""
+        record = self.core.close(channel)
+        if record is not None and self.protocol is not None:
+            self.protocol._queueOn(record[:4], record[4:])
+        if not self.core.channels:
+            self._stop()
+
+    def _stop(self) -> defer.Deferred[None]:
+        service, self.service = self.service, None
+        proto, self.protocol = self.protocol, None
+        self.core.connected = False
+        self._waiters.fire()
+        if service is None:
+            # (the connection of the last pipe closed may still be closing)
+            return after(self._closing)
+        if proto is not None:
+            proto.beforeStop()
+        stopped: defer.Deferred[None] = defer.Deferred()
+        self._closing = stopped
+
+        def done(result: object) -> None:
+            if self._closing is stopped:
+                self._closing = None
+            stopped.callback(None)
+
+        service.stopService().addBoth(done)
+        return after(stopped)
+
+    def close(self) -> defer.Deferred[None]:
+        """Close every pipe and the connection."""
+        for channel in self.core.closeAll():
+            channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
+        return self._stop()

@@ -1,0 +1,366 @@
+"""The connecting side of the stream transport: one connection, kept by
+Twisted's :class:`ClientService` (so it reconnects with backoff), sending
+what waits while it is down once it is up again (:class:`StreamDealer`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+from twisted.application.internet import ClientService
+from twisted.internet import defer
+from twisted.internet.endpoints import clientFromString
+from twisted.internet.interfaces import IHandshakeListener, INegotiated, IPushProducer
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp.errors import ProtocolError
+from mdp.interfaces import IDealerReceiver, IDealerTransport, IFraming
+from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, held_bytes
+from mdp.transport.flow import DrainWaiters
+from mdp.transport.framed import FramedProtocol
+from mdp.transport.framing import RECORDS
+from mdp.transport.twisted_private import shortcut_reads
+
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
+
+
+#: seconds a connection must stay up, if nothing comes from the far side, to
+#: count as made: one lost sooner (a listener at its cap accepts and closes
+#: at once) is a failed attempt, so the backoff grows.  Our far sides never
+#: speak first (a broker waits for its client's request and its worker's
+#: READY), so silence alone proves nothing against a connection.
+PROVEN_AFTER = 1.0
+
+
+@implementer(IPushProducer, IHandshakeListener)
+class _DealerConnection(FramedProtocol):
+    """The connecting side's protocol; it registers itself as the producer of
+    its transport, which pauses it while its write buffer is full."""
+
+    dealer: StreamDealer
+    paused = False
+    #: when it was made (connected, and over TLS, the handshake done); None:
+    #: not yet
+    madeAt: Optional[float] = None
+    #: the far side took it: made, and then something came from it or it
+    #: stayed up :data:`PROVEN_AFTER` seconds
+    proven = False
+
+    #: (a framing with a handshake, SP's) waiting for the peer's greeting:
+    #: the timer that drops it if none comes, and what came meanwhile
+    _awaiting: Any = None
+    _early: Optional[list[Any]] = None
+
+    def connectionMade(self) -> None:
+        self.limits = self.dealer.limits
+        self.framing = self.dealer.framing
+        self.identity = self.dealer.identity
+        super().connectionMade()
+        awaits = getattr(self.decoder, "handshaken", None) is False
+        if not awaits and not INegotiated.providedBy(self.transport):
+            self.handshakeCompleted()
+        shortcut_reads(self)
+        self.transport.registerProducer(self, True)
+        if awaits:
+            # not the dealer's connection until the peer's greeting says it
+            # speaks the counterpart (a hung process, another service on the
+            # port, would take requests and answer none)
+            self._early = []
+            self.onMessage = self._early.append
+            self._awaiting = self.dealer.reactor.callLater(
+                self.limits.handshakeTimeout, self._noGreeting)
+            return
+        self.dealer._made(self)
+
+    def _noGreeting(self) -> None:
+        self._awaiting = None
+        self.refusal = ProtocolError(f"no {self.framing.name} greeting within "
+                                     f"{self.limits.handshakeTimeout:g}s of connecting")
+        self.drop("it sent no {framing} greeting within {seconds:g}s of connecting",
+                  framing=self.framing.name, seconds=self.limits.handshakeTimeout)
+
+    def _greeted(self) -> None:
+        self._awaiting = cancel_call(self._awaiting)
+        early, self._early = self._early or [], None
+        if not INegotiated.providedBy(self.transport):
+            self.handshakeCompleted()
+        self.dealer._made(self)
+        for frames in early:  # (a peer that spoke first: in order)
+            if self.closing or self.dealer.protocol is not self:
+                break
+            self.onMessage(frames)
+
+    reading = False
+    _flushCall: Any = None
+
+    def _batchBegun(self) -> None:
+        if not self.reading and self._flushCall is None:
+            self._flushCall = self.dealer.reactor.callLater(0, self.flushWrites)
+
+    def flushWrites(self) -> None:
+        self._flushCall = cancel_call(self._flushCall)
+        super().flushWrites()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.reading = True
+        try:
+            super().dataReceived(data)
+            if self._awaiting is not None and not self.closing and self.decoder.handshaken:
+                self._greeted()
+            if not self.proven and self.madeAt is not None and not self.closing:
+                self._prove()
+        finally:
+            self.reading = False
+            if self._out:
+                self.flushWrites()
+
+    def connectionLost(self, reason: object = None) -> None:
+        self._awaiting = cancel_call(self._awaiting)
+        self.paused = False
+        self.reportUnfinished()
+        self._flushCall = cancel_call(self._flushCall)
+        self._out = []
+        self._outBytes = 0
+        if (not self.proven and self.madeAt is not None
+                and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
+            self._prove()
+        if not self.proven and not self.closedHere:  # (closed here: no one turned it away)
+            self.dealer._unproven += 1
+        self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
+
+    def handshakeCompleted(self) -> None:
+        self.madeAt = self.dealer.reactor.seconds()
+
+    def _prove(self) -> None:
+        """The far side took it: the backoff starts again."""
+        self.proven = True
+        self.dealer._unproven = 0
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        self.dealer._resumed(self)
+
+    def beforeStop(self) -> None:
+        """Its ClientService is about to close it (with loseConnection()):
+        what was sent goes first, and no producer keeps it open (see
+        closeGracefully)."""
+        self.closedHere = True
+        self.flushWrites()
+        self.transport.unregisterProducer()
+
+    def stopProducing(self) -> None:
+        self.paused = False
+
+
+class _ReportingEndpoint:
+    """A client endpoint that tells its dealer of each failed connection
+    attempt, and names itself by its endpoint string in ClientService's
+    retry lines (not ``<...Endpoint object at 0x...>``)."""
+
+    def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
+        self.endpoint = endpoint
+        self.description = description
+        self.failed = failed
+
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        def failed(failure: Any) -> Any:
+            self.failed(failure.value)
+            return failure
+
+        return self.endpoint.connect(factory).addErrback(failed)
+
+    def __str__(self) -> str:
+        return self.description
+
+    __repr__ = __str__
+
+
+def _connection(owner: Any, endpoint: str,
+                retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
+    """A started :class:`ClientService` keeping one connection to *endpoint*
+    for *owner* (its ``reactor``, ``_buildProtocol``, ``_failed`` and
+    ``_unproven``).
+
+    ClientService starts its backoff again at each connection it makes; a
+    connection whose TLS handshake then fails, or that is lost within
+    :data:`PROVEN_AFTER` seconds with nothing received (a listener at its
+    cap closes newcomers at once), counts here as a failed attempt too
+    (``owner._unproven`` counts them in a row), so it is retried with the
+    backoff, not every half second."""
+    factory = Factory.forProtocol(lambda: None)
+    factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
+    factory.noisy = False
+    policy = retryPolicy or RECONNECT.retryPolicy()
+    service = ClientService(
+        _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
+        factory,
+        retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
+        clock=owner.reactor,
+    )
+    service.startService()
+    return service
+
+
+class _OneConnection:
+    """Flow control of a connecting side's one connection (``protocol``,
+    None while down): writable while its transport takes more; and what is
+    sent while it is down, kept for the next one within ``maxQueued``
+    messages and ``limits.maxOutputBytes``."""
+
+    maxQueued = 1000
+    #: who refuses a message over those bounds, in the warning
+    kind = "stream dealer"
+    #: connections in a row lost before they were proven (their TLS
+    #: handshake failed, or they were closed at once, nothing received)
+    _unproven = 0
+    protocol: Optional[_DealerConnection]
+    _waiters: DrainWaiters
+    endpoint: str
+    limits: Limits
+    queuedBytes: int
+    _throttle: LogThrottle
+    framing: Any
+
+    def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
+        """What *frames* cost held (:func:`held_bytes`) if they may wait, with
+        *count* messages and ``queuedBytes`` waiting already, or None, with a
+        warning, past the bounds.  A message the connection could not send
+        (a frame that is not bytes: ``TypeError``) raises here, as it does
+        while connected: held, it would fail the next connection's start and
+        lose what waits behind it."""
+        size = held_bytes(frames)
+        if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
+            self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
+                                "{count} messages ({bytes} bytes) already wait for the connection",
+                                kind=self.kind, endpoint=self.endpoint, count=count,
+                                bytes=self.queuedBytes)
+            return None
+        self.framing.encode(frames)
+        return size
+
+    @property
+    def writable(self) -> bool:
+        return self.protocol is None or not self.protocol.paused
+
+    def drained(self) -> defer.Deferred[None]:
+        if self.writable:
+            return defer.succeed(None)
+        return self._waiters.wait()
+
+    def _resumed(self, proto: _DealerConnection) -> None:
+        if proto is self.protocol:
+            self._waiters.fire()
+
+
+@implementer(IDealerTransport)
+class StreamDealer(_OneConnection):
+    """The connecting side: one :class:`ClientService`-managed connection.
+
+    Messages sent while no connection is up wait (at most ``maxQueued`` of
+    them and ``limits.maxOutputBytes`` in all; beyond, they are refused with a
+    warning) and go out after the next ``connectionMade``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        receiver: IDealerReceiver,
+        reactor: Any,
+        *,
+        retryPolicy: Optional[Callable[[int], float]] = None,
+        limits: Limits = Limits(),
+        framing: IFraming = RECORDS,
+        identity: Optional[bytes] = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.receiver = receiver
+        self.reactor = reactor
+        self.limits = limits
+        self.framing = framing
+        self.identity = identity
+        self.protocol: Optional[_DealerConnection] = None
+        self.queue: deque[list[bytes]] = deque()
+        self.queuedBytes = 0
+        self._throttle = LogThrottle(reactor)
+        self._waiters = DrainWaiters()
+        self.service = _connection(self, endpoint, retryPolicy)
+
+    def _buildProtocol(self, addr: object) -> _DealerConnection:
+        proto = _DealerConnection()
+        proto.dealer = self
+        return proto
+
+    @property
+    def connected(self) -> bool:
+        return self.protocol is not None
+
+    def discardReceived(self) -> int:
+        """The records of the read being delivered that are not delivered
+        yet (what has come is handed on as it is read)."""
+        return 0 if self.protocol is None else self.protocol.discardBatch()
+
+    def _made(self, proto: _DealerConnection) -> None:
+        self.protocol = proto
+        proto.onMessage = self.receiver.messageReceived
+        try:
+            self.receiver.connectionMade()
+        except Exception:
+            # logged, and the connection stands: raised, it would be left
+            # half made, and never made again once lost
+            log.failure("stream dealer to {endpoint}: its receiver's connectionMade failed",
+                        endpoint=self.endpoint)
+        while self.queue and self.protocol is proto:
+            proto.sendFrames(self.queue.popleft())
+        if not self.queue:
+            self.queuedBytes = 0
+
+    def _failed(self, reason: Any) -> None:
+        """A connection attempt failed: a receiver with a ``connectionFailed``
+        method hears why (a refused connection, say, is then known at once)."""
+        report = getattr(self.receiver, "connectionFailed", None)
+        if report is not None and self.service.running:
+            report(reason)
+
+    def _lost(self, proto: _DealerConnection, reason: object) -> None:
+        if self.protocol is proto:
+            self.protocol = None
+            self._waiters.fire()
+        if not self.service.running:
+            return
+        if proto._early is not None:
+            # never the receiver's connection (its peer's greeting did not
+            # come): a failed attempt, as a refused connection is
+            self._failed(reason.value if isinstance(reason, Failure) else reason)
+            return
+        self.receiver.connectionLost(reason)
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        if self.protocol is not None:
+            self.protocol.sendFrames(frames)
+            return
+        if not self.service.running:
+            return
+        size = self._admit(frames, len(self.queue))
+        if size is not None:  # (else refused, with a warning)
+            self.queue.append(list(frames))
+            self.queuedBytes += size
+
+    _closing: Optional[defer.Deferred[None]] = None
+
+    def close(self) -> defer.Deferred[None]:
+        self.queue.clear()
+        self.queuedBytes = 0
+        self._waiters.fire()
+        if self._closing is None:
+            if self.protocol is not None:
+                self.protocol.beforeStop()
+            self._closing = self.service.stopService()
+        closed: defer.Deferred[None] = defer.Deferred()
+        self._closing.addBoth(lambda result: (closed.callback(None), result)[1])
+        return closed

@@ -1,0 +1,240 @@
+"""Stream endpoint strings and the process's descriptor budget.
+
+The endpoint strings are Twisted's (``tcp:``, ``tcp6:``, ``ssl:``, ``tls:``,
+``unix:``); a listening side also takes the client forms ``tcp:host=H:port=P``
+and ``unix:path=P``, and ``ssl:`` with ``caCerts=`` (mutual TLS,
+:mod:`mdp.transport.tls`).  The listeners of a process together keep at most
+the accepted connections :func:`descriptor_budget` leaves room for.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+from twisted.internet.endpoints import clientFromString, serverFromString
+from twisted.internet.interfaces import IListeningPort
+
+from mdp.errors import TransportError
+from mdp.transport import tls
+from mdp.transport.registry import LISTEN, check_port, split_description
+
+try:
+    import resource
+except ImportError:  # no resource module (Windows): no descriptor limit to read
+    resource = None  # type: ignore[assignment]
+
+#: descriptors kept back from accepted stream connections, at the least, for
+#: everything else a process opens (ZeroMQ's sockets and its peers'
+#: connections, connecting sockets, files, logs)
+DESCRIPTOR_RESERVE = 64
+
+
+#: select() watches descriptors below this only (FD_SETSIZE)
+SELECT_LIMIT = 1024
+
+
+def _select_based() -> bool:
+    """Whether the installed reactor waits with select() (Twisted's default
+    on macOS), which cannot watch a descriptor of SELECT_LIMIT or more."""
+    installed = sys.modules.get("twisted.internet.reactor")
+    module = sys.modules.get("twisted.internet.selectreactor")
+    return module is not None and isinstance(installed, module.SelectReactor)
+
+
+def descriptor_budget() -> Optional[int]:
+    """How many accepted stream connections the process's descriptor limit
+    (the soft ``RLIMIT_NOFILE``, and :data:`SELECT_LIMIT` under a select()
+    reactor) leaves room for: all of it but an eighth (at least
+    :data:`DESCRIPTOR_RESERVE`).  None where there is no limit."""
+    limit: Optional[int] = None
+    if resource is not None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY:
+            limit = soft
+    if _select_based():
+        limit = SELECT_LIMIT if limit is None else min(limit, SELECT_LIMIT)
+    if limit is None:
+        return None
+    return max(1, limit - max(DESCRIPTOR_RESERVE, limit // 8))
+
+
+#: what the soft descriptor limit is raised to where the hard limit is
+#: unlimited (macOS), in order: a kernel refuses an unlimited soft limit, and
+#: macOS grants at least OPEN_MAX (10,240)
+UNLIMITED_TARGETS = (65_536, 10_240)
+
+
+def raise_descriptor_limit() -> int:
+    """Raise the process's soft descriptor limit to its hard limit (as a
+    server does at start: the soft limit is often 1,024; where the hard limit
+    is unlimited, to the first of :data:`UNLIMITED_TARGETS` the kernel grants)
+    and return the soft limit now in force (-1: none)."""
+    if resource is None:
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return -1
+    if hard == resource.RLIM_INFINITY:
+        targets = [target for target in UNLIMITED_TARGETS if target > soft]
+    else:
+        targets = [hard] if hard > soft else []
+    for target in targets:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # more than the kernel grants (nr_open, OPEN_MAX)
+            continue
+        return target
+    return soft
+
+#: the listen queue of a stream listener unless the endpoint names one:
+#: Twisted's default of 50 drops the SYNs of a client that opens a pool of
+#: 100 connections at once, and each dropped one costs a second's retransmit
+LISTEN_BACKLOG = 1024
+
+
+def server_description(endpoint: str) -> str:
+    """Accept the client forms ``tcp:host=H:port=P`` and ``unix:path=P`` for
+    listening too, with a listen queue of :data:`LISTEN_BACKLOG` unless
+    ``backlog=`` is given."""
+    kind, _, rest = endpoint.partition(":")
+    if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
+        rest = ":".join(
+            "interface=" + p[len("host="):] if p.startswith("host=") else p
+            for p in rest.split(":")
+        )
+    elif kind == "unix" and rest.startswith("path="):
+        rest = f"address={rest[len('path='):]}"
+    if kind in ("tcp", "tcp6", "ssl", "unix") and "backlog=" not in rest:
+        rest = f"{rest}:backlog={LISTEN_BACKLOG}"
+    return f"{kind}:{rest}"
+
+
+#: our addition to Twisted's ``ssl:`` server syntax: the PEM file of the
+#: authorities whose client certificates a listener accepts (mutual TLS)
+
+def subject(certificate: Any) -> str:
+    """A TLS certificate's subject as RFC 4514 text (``CN=worker-1,O=Example``)."""
+    return certificate.to_cryptography().subject.rfc4514_string()
+
+
+def connect_description(kind: str, port: IListeningPort) -> str:
+    """The client endpoint string that reaches *port*."""
+    address = port.getHost()
+    if kind == "unix":
+        return f"unix:path={address.name.decode() if isinstance(address.name, bytes) else address.name}"
+    host = address.host
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:  # IPv6: Twisted's tcp: client endpoint connects to it
+        host = host.replace(":", r"\:")
+        kind = "tcp" if kind == "tcp6" else kind
+    return f"{kind}:host={host}:port={address.port}"
+
+
+def server_endpoint(reactor: Any, description: str) -> Any:
+    """The Twisted server endpoint for *description* (a
+    :func:`server_description`): Twisted's own parser's, or, for ``ssl:``
+    with ``caCerts=``, :func:`mdp.transport.tls.server_endpoint`."""
+    mutual = tls.parse_mutual(description)
+    if mutual is None:
+        return serverFromString(reactor, description)
+    args, kwargs = mutual
+    return tls.server_endpoint(reactor, *args, **kwargs)
+
+
+def _check_authorities(endpoint: str, args: list[str], kwargs: dict[str, str]) -> None:
+    """Check a mutual TLS listener: its options, and its files load."""
+    from twisted.internet.task import Clock
+
+    tls.check_mutual(endpoint, args, kwargs)
+    ca = kwargs[tls.CA_CERTS]
+    if not os.path.isfile(ca):
+        raise TransportError(f"bad endpoint {endpoint!r}: {tls.CA_CERTS}={ca}: no such file")
+    tls.server_endpoint(Clock(), *args, **kwargs)
+
+
+#: The longest path a local socket can have (``sun_path``: 108 bytes on
+#: Linux, 104 on the BSDs and macOS).
+UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
+
+#: The Twisted stream endpoint types registered at import (``tls:`` only
+#: connects, ``tcp6:`` only listens: ``tcp:`` connects to IPv6 hosts too).
+STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
+
+
+def check_endpoint(endpoint: str, role: str) -> None:
+    """Check a Twisted stream endpoint string for *role* without starting
+    anything: the address parts we can judge (host, port, path) ourselves,
+    the rest by having Twisted build (not start) the endpoint."""
+    name, _, rest = endpoint.partition(":")
+    args, kwargs = split_description(rest)
+    if name in ("tcp", "tcp6", "ssl", "tls"):
+        port = _listen_port(endpoint, args, kwargs) if role == LISTEN else _connect_port(
+            endpoint, args, kwargs)
+        check_port(endpoint, port, role)
+    elif name == "unix":
+        _check_path(endpoint, kwargs.get("path", kwargs.get("address", args[0] if args else None)))
+    _check_with_twisted(endpoint, role)
+
+
+def _listen_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
+    if endpoint.startswith("tls:"):
+        raise TransportError(f"bad endpoint {endpoint!r}: tls: endpoints only connect; "
+                             "listen with ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
+    port = kwargs.get("port", args[0] if args else None)
+    if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
+        port = args[1]  # the client form tcp:HOST:PORT
+    return port
+
+
+def _connect_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
+    name, _, rest = endpoint.partition(":")
+    host = kwargs.get("host", args[0] if args else None)
+    if not host:
+        if "::" in rest or "=[" in rest:
+            raise TransportError(f"bad endpoint {endpoint!r}: escape the colons of an "
+                                 f"IPv6 address, e.g. {name}:host=\\:\\:1:port=5555")
+        raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
+                             f"{name}:host=127.0.0.1:port=5555")
+    try:  # what the resolver does with it (labels of 1-63 characters, ...)
+        host.encode("idna")
+    except UnicodeError as e:
+        raise TransportError(f"bad endpoint {endpoint!r}: not a host name: {host!r} "
+                             f"({e})") from None
+    return kwargs.get("port", args[1] if len(args) > 1 else None)
+
+
+def _check_path(endpoint: str, path: Optional[str]) -> None:
+    if not path:
+        raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
+    length = len(os.fsencode(path))
+    if length > UNIX_PATH_MAX:
+        raise TransportError(f"bad endpoint {endpoint!r}: a socket's path is at most "
+                             f"{UNIX_PATH_MAX} bytes here, not {length}")
+
+
+def _check_with_twisted(endpoint: str, role: str) -> None:
+    """Have Twisted's parsers (or the mutual TLS one) build the endpoint."""
+    from twisted.internet.task import Clock
+
+    try:
+        if role == LISTEN:
+            mutual = tls.parse_mutual(server_description(endpoint))
+            if mutual is not None:
+                _check_authorities(endpoint, *mutual)
+            else:
+                serverFromString(Clock(), server_description(endpoint))
+        else:
+            clientFromString(Clock(), endpoint)
+    except TransportError:
+        raise
+    except (NameError, ImportError) as e:
+        raise TransportError(f"bad endpoint {endpoint!r}: {endpoint.partition(':')[0]}: needs "
+                             f"pyOpenSSL and service_identity (pip install 'twisted[tls]'): "
+                             f"{e}") from None
+    except Exception as e:  # Twisted's parsers raise ValueError, TypeError, KeyError, ...
+        raise TransportError(f"bad endpoint {endpoint!r}: {e}") from None

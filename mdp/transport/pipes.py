@@ -1,0 +1,946 @@
+"""The blocking nodes' pipes (:mod:`mdp.blocking`): plain pyzmq DEALER
+sockets and plain stream sockets, driven by the blocking loop's poller.
+
+A pipe reports to its *owner* (the client or the worker) through
+``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``, each with
+the *tag* it was opened with.  The channels of a stream connection are a
+:class:`~mdp.transport.channellink.ChannelLink`, as the Twisted transport's
+are: :class:`_StreamLink` is its blocking shell.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import sys
+from collections import deque
+from time import monotonic
+from typing import Any, Callable, Optional
+
+from twisted.logger import Logger
+
+from mdp.errors import TransportError
+from mdp.policy import RECONNECT
+from mdp.transport.channellink import Channel, ChannelLink
+from mdp.transport.dealercore import DealerCore
+from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
+from mdp.transport.registry import split_description
+from mdp.transport.zmqio import ZERO_COPY_BYTES, random_identity, zmq_frames
+
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
+
+_READ_SIZE = 262144
+
+#: stream schemes the blocking nodes speak (plain sockets, no TLS; as for
+#: the Twisted client, ``tcp:`` connects to IPv6 hosts too: ``tcp6:`` listens)
+STREAM_SCHEMES = ("tcp", "unix")
+
+#: the longest wait one poll takes (its timeout is a C int of milliseconds)
+_MAX_WAIT_MS = 2**31 - 1
+
+
+def _zmq() -> Any:
+    import zmq
+
+    return zmq
+
+
+def timeout_ms(when: Optional[float], now: float) -> int:
+    """A poll's timeout until *when* (None: none, -1), in whole milliseconds
+    rounded up (a wait that ends a little late is harmless, one that ends
+    early is a wasted wake-up); a longer wait than a poll takes is several."""
+    if when is None:
+        return -1
+    ms = (when - now) * 1000.0
+    return 0 if ms <= 0 else _MAX_WAIT_MS if ms >= _MAX_WAIT_MS else int(ms) + 1
+
+
+def _check_schemes(endpoints: list[str]) -> None:
+    """Refuse (at once) an endpoint whose scheme has no blocking transport."""
+    for each in endpoints:
+        scheme = each.partition(":")[0]
+        if scheme == "zmq":
+            continue
+        if scheme not in STREAM_SCHEMES:
+            raise TransportError(
+                f"blocking nodes speak zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
+                f"endpoints, not {each!r}")
+        stream_address(each)
+
+
+def stream_address(endpoint: str) -> tuple[int, Any]:
+    """The socket family and address of stream *endpoint* (``tcp:``, ``unix:``)."""
+    scheme, _, rest = endpoint.partition(":")
+    args, kwargs = split_description(rest)
+    if scheme == "unix":
+        path = kwargs.get("path") or (args[0] if args else None)
+        if not path:
+            raise TransportError(f"bad endpoint {endpoint!r}: no path")
+        return socket.AF_UNIX, path
+    host = kwargs.get("host") or (args[0] if args else None)
+    port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
+    if not host or not port:
+        raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
+    return socket.AF_UNSPEC, (host, int(port))
+
+
+#: Messages a DEALER of a blocking node queues each way (its HWMs).
+_HIGH_WATER_MARK = 1000
+
+
+class _ZmqPipe:
+    """One DEALER socket: up from the start (ZeroMQ connects in the
+    background and reconnects by itself)."""
+
+    __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
+                 "address", "linger", "curve", "core", "retryAt")
+
+    def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int,
+                 curve: Any = None) -> None:
+        self.loop = loop
+        self.owner = owner
+        self.tag = tag
+        self.address = address
+        self.linger = linger
+        self.curve = curve
+        self.core = DealerCore(loop.limits, RECONNECT.delay, bounded=False)
+        #: what waits for the socket to take it (the core's backlog)
+        self.backlog = self.core.backlog
+        #: when to try again for a socket that could not be had (see _oversized)
+        self.retryAt: Optional[float] = None
+        self._connect()
+
+    def _connect(self) -> None:
+        """A fresh socket, connected (a fresh routing id for the broker)."""
+        zmq = _zmq()
+        self.socket = None
+        self.up = False
+        sock = self.loop.context().socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, self.linger)
+            sock.setsockopt(zmq.SNDHWM, _HIGH_WATER_MARK)
+            sock.setsockopt(zmq.RCVHWM, _HIGH_WATER_MARK)
+            if self.curve is not None:
+                self.curve.apply(sock)
+                sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
+            sock.connect(self.address)
+            fd = _get(sock, _FD)
+            self.loop.poller.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
+        except BaseException:
+            sock.close(0)
+            raise
+        self.socket = sock
+        self.handle = sock.underlying  # its address in libzmq, for _frames
+        self.fd = fd
+        self.up = True
+        self.waitMs = -1  # the socket's RCVTIMEO
+        self.loop.pipes[fd] = self
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.backlog)
+
+    def start(self) -> None:
+        pass  # connected already: ZeroMQ connects in the background
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.socket is None:
+            return
+        if self.backlog or not self._trySend(frames):
+            self.core.hold(frames)
+        self.loop.unchecked.add(self)
+
+    def _trySend(self, frames: list[bytes]) -> bool:
+        send = _send
+        sock = self.socket
+        last = len(frames) - 1
+        try:
+            if _frames is not None:
+                _sendC(self.handle, frames, ZERO_COPY_BYTES, send, sock)
+                return True
+            for i, frame in enumerate(frames):
+                send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
+                     len(frame) < ZERO_COPY_BYTES)  # (copy: positional is cheaper)
+        except _zmq().Again:
+            return False  # only the first frame can be refused (a full pipe)
+        return True
+
+    def ready(self, flags: int, now: float) -> None:
+        """The socket's descriptor was signalled: see what is ready."""
+        self.check(now)
+
+    def check(self, now: float) -> bool:
+        """Ask the socket's ``EVENTS``, and send what waits and read what came
+        accordingly; whether anything was read."""
+        sock = self.socket
+        if sock is None:
+            return False
+        events = self._events()
+        if events & _ZMQ_POLLOUT and self.backlog:
+            while self.backlog and self._trySend(self.backlog[0]):
+                self.core.sent()
+            self.loop.unchecked.add(self)
+        if events & _ZMQ_POLLIN:
+            self._read(now)
+            return True
+        return False
+
+    def wait(self, timeout: int) -> None:
+        """The only socket of the loop: block in ``recv`` for at most
+        *timeout* ms (-1: no limit), as a plain pyzmq loop would, instead of
+        polling; handle what came."""
+        sock = self.socket
+        if _frames is None:
+            # pyzmq's recv waits its whole RCVTIMEO again after each signal
+            # (EINTR); its poll waits for what is left
+            if sock.poll(timeout, _ZMQ_POLLIN):
+                self.check(monotonic())
+            return
+        current = self.waitMs
+        # a wait that ends a little late is harmless; setting RCVTIMEO on
+        # every request is not free; a signal ends it early (Again), and the
+        # loop waits again for what is left
+        if current != timeout and (timeout < 0 or current < 0 or current < timeout // 2
+                                   or current > timeout + min(50, timeout // 20)):
+            _set(sock, _RCVTIMEO, timeout)
+            self.waitMs = current = timeout
+        try:
+            frames = self._message(0)
+        except _zmq().Again:
+            return
+        # one message a wake-up: the next recv takes what else is queued at once
+        self.loop.unchecked.add(self)
+        self._take(frames, monotonic())
+
+    def _events(self) -> int:
+        """The (open) socket's ``EVENTS`` bits, in C where that is built
+        (pyzmq's ``get`` makes an enum of the option first)."""
+        if _frames is not None:
+            return _eventsC(self.handle)  # type: ignore[no-any-return]
+        return _get(self.socket, _EVENTS)  # type: ignore[no-any-return]
+
+    def discardReceived(self) -> int:
+        """Read off and drop the messages waiting on the socket; how many."""
+        sock = self.socket
+        dropped = 0
+        if sock is None:
+            return 0
+        for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
+            if not self._events() & _ZMQ_POLLIN:
+                break
+            self._message(_NOBLOCK, False)
+            dropped += 1
+        return dropped
+
+    def _read(self, now: float) -> None:
+        """Read the messages that are there (EVENTS said one is), at most a
+        few a wake-up: the loop comes back for the rest (asked again)."""
+        sock = self.socket
+        loop = self.loop
+        for _ in range(64):
+            # the socket's signal is spent: a callback of this message that
+            # waits on the loop (a request from inside onPartial) has the
+            # socket asked again, and what else it holds read, before it waits
+            # (the set itself, not one kept: a wait swaps it for a new one)
+            loop.unchecked.add(self)
+            self._take(self._message(_NOBLOCK), now)
+            if self.socket is not sock:
+                return
+            if not self._events() & _ZMQ_POLLIN:
+                # asked just now (after whatever the callbacks sent on it):
+                # its signal is armed again, no need to ask before waiting
+                # (unless it holds messages to send)
+                if not self.backlog:
+                    loop.unchecked.discard(self)
+                return
+
+    def _message(self, flags: int, limited: bool = True) -> Any:
+        """Receive a whole message (ZeroMQ delivers one whole, or nothing:
+        ``Again``), in C where that is built (``_frames``): its frames; or,
+        *limited* and over the limits, ``(bytes, frames)`` read so far, and
+        nothing past the limit copied (the rest goes with the socket, which
+        the caller replaces)."""
+        if limited:
+            limits = self.loop.limits
+            maxFrames, maxBytes = limits.maxFrames, limits.maxMessageBytes
+        else:
+            maxFrames = maxBytes = _NEVER
+        if _frames is not None:
+            got = _readC(self.handle, flags, _NEVER, 0, maxFrames, maxBytes, False)
+            if got.__class__ is list:
+                return got
+            _, count, size, _ = got[1]
+            return size, count
+        sock = self.socket
+        frame = _recv(sock, flags, copy=False)
+        count = 1
+        size = len(frame)
+        if size > maxBytes:
+            return size, count
+        frames = [frame.bytes]
+        while frame.more:
+            frame = _recv(sock, _NOBLOCK, copy=False)
+            count += 1
+            size += len(frame)
+            if count > maxFrames or size > maxBytes:
+                return size, count
+            frames.append(frame.bytes)
+        return frames
+
+    def _take(self, frames: Any, now: float) -> None:
+        """Hand the message *frames* to the owner; or, over the limits
+        (``(bytes, frames)``), drop it with its socket."""
+        if frames.__class__ is not list:
+            size, count = frames
+            self._oversized(now, size, count)
+            return
+        self.owner._pipeMessage(self.tag, frames, now)
+
+    def _oversized(self, now: float, size: int, count: int) -> None:
+        """As the Twisted dealer: drop the message and the socket that carried
+        it (a fresh one replaces it), and tell the owner its pipe was lost to
+        an oversized message, then that it is up again."""
+        why = self.core.oversized(size, count)
+        self.close()
+        self._reopen(now)
+        self.owner._pipeLost(self.tag, why, now)
+        if self.socket is not None:
+            self.owner._pipeUp(self.tag, now)
+
+    def _reopen(self, now: float) -> bool:
+        """A fresh socket; if none can be had (out of descriptors), say so
+        and try again after :data:`RECONNECT`'s delay (the loop wakes the
+        pipe), down meanwhile as a stream pipe that reconnects."""
+        try:
+            self._connect()
+        except Exception as e:
+            delay = self.core.openFailed()
+            self.retryAt = now + delay
+            self.loop.timed.add(self)
+            log.warn("zmq dealer to {address} cannot open a socket: {error}; tries again in "
+                     "{delay:g}s", address=self.address, error=e, delay=delay)
+            return False
+        self.core.opened()
+        self.retryAt = None
+        self.loop.timed.discard(self)
+        return True
+
+    def wake(self, now: float) -> None:
+        """Time to try again for a socket."""
+        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
+            if self._reopen(now):
+                self.owner._pipeUp(self.tag, now)
+
+    def close(self) -> None:
+        sock, self.socket = self.socket, None
+        self.handle = 0
+        self.up = False
+        self.retryAt = None
+        self.core.clear()
+        self.loop.unchecked.discard(self)
+        self.loop.timed.discard(self)
+        if sock is not None:
+            self.loop.forget(self.fd)  # before the socket (and its descriptor) goes
+            sock.close()  # after LINGER ms at most
+
+
+class _StreamPipe:
+    """One plain stream socket with the stream transport's records; it
+    reconnects with :data:`RECONNECT`'s backoff after a failure or a loss, as
+    the Twisted transport does.  With *channels*, the connection of a
+    :class:`_StreamLink`: it greets with the channels greeting, every record
+    names its channel (its messages are ``(channel, frames)`` pairs), and
+    what is sent goes out when the loop next waits, in one write."""
+
+    __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
+                 "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
+                 "broken", "channels", "queuedBytes", "sentBytes")
+
+    backlog = ()  # never waits in recv alone (see _Loop.turn)
+
+    def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any,
+                 channels: bool = False) -> None:
+        self.loop = loop
+        self.owner = owner
+        self.tag = tag
+        self.family = family
+        self.address = address
+        self.channels = channels
+        self.socket: Optional[socket.socket] = None
+        self.key: Any = None
+        self.out = bytearray()
+        #: bytes put in ``out`` and bytes written, on this connection (a
+        #: channel's request has left once ``sentBytes`` passed its end)
+        self.queuedBytes = 0
+        self.sentBytes = 0
+        self.decoder = self._decoder()
+        self.up = False
+        self.connecting = False
+        self.failures = 0
+        self.retryAt: Optional[float] = None
+        #: messages read and not yet handed on, in order: a caller's callback
+        #: that waits on this loop reads more meanwhile (see ready)
+        self.received: deque[list[bytes]] = deque()
+        #: the addresses of this attempt's host not yet tried
+        self.candidates: list[tuple[int, Any]] = []
+        #: records to drop as they complete: one begun before a discard (on
+        #: channels: the channels discarded meanwhile, whose record it may be)
+        self.skip: Any = 0
+        #: what was wrong with the stream read by a discard (reported as the loss)
+        self.broken: Optional[BaseException] = None
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.out)
+
+    def _decoder(self) -> RecordDecoder:
+        decoder = RecordDecoder(self.loop.limits)
+        decoder.channels = self.channels
+        return decoder
+
+    def start(self) -> None:
+        self.open(monotonic())
+
+    def open(self, now: float) -> None:
+        """Start a connection attempt (the poller says when it is made): to
+        each address the host resolves to in turn, as Twisted's endpoints
+        do, until one takes."""
+        self.retryAt = None
+        if self.family == socket.AF_UNIX:
+            self.candidates = [(socket.AF_UNIX, self.address)]
+        else:
+            host, port = self.address
+            try:
+                found = socket.getaddrinfo(host, port, self.family, socket.SOCK_STREAM)
+            except OSError as e:
+                self._failed(e, now)
+                return
+            self.candidates = [(info[0], info[4]) for info in found]
+        self._next(now, None)
+
+    def _next(self, now: float, error: Optional[BaseException]) -> None:
+        """Connect to the next address not tried; if none is left, the
+        attempt failed with the last *error*."""
+        while self.candidates:
+            family, target = self.candidates.pop(0)
+            sock = None
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                if family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setblocking(False)
+                code = sock.connect_ex(target)
+            except OSError as e:  # no descriptor, a path too long, ...
+                if sock is not None:
+                    sock.close()
+                error = e
+                continue
+            # (EAGAIN is not "in progress": a local socket's listener has a
+            # full backlog, which a later attempt may find free)
+            if code not in (0, errno.EINPROGRESS):
+                sock.close()
+                error = OSError(code, os.strerror(code))
+                continue
+            self.socket = sock
+            self.key = sock.fileno()
+            self.connecting = True
+            self.loop.poller.watch(self.key, _POLLOUT)
+            self.loop.pipes[self.key] = self
+            return
+        self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"),
+                     now)
+
+    def _failed(self, error: BaseException, now: float) -> None:
+        if isinstance(error, socket.gaierror):
+            from twisted.internet.error import DNSLookupError
+
+            error = DNSLookupError(str(error))
+        self.connecting = False
+        self.failures += 1
+        self.retryAt = now + RECONNECT.delay(self.failures - 1)
+        self.owner._pipeFailed(self.tag, error, now)
+
+    def send(self, frames: list[bytes]) -> None:
+        if not self.up:
+            return
+        self.out += encode_record(frames)
+        self._flush()
+
+    def sendRecord(self, record: bytes) -> int:
+        """Send *record*, whole as the wire has it (a channel's), when the
+        loop next waits (``unflushed``); where it ends in what this
+        connection sends (``queuedBytes``; 0: not up, not sent)."""
+        if not self.up:
+            return 0
+        return self._queue(record)
+
+    def _queue(self, record: bytes) -> int:
+        self.out += record
+        self.queuedBytes += len(record)
+        self.loop.unflushed.add(self)
+        return self.queuedBytes
+
+    def _flush(self) -> None:
+        sock = self.socket
+        if sock is None or not self.up:
+            return
+        if self.channels and self.owner.core.unsent:
+            self.owner.dropStale()  # (what came before the requests about to go)
+        try:
+            sent = sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return  # the poller reports the loss
+        del self.out[:sent]
+        self.sentBytes += sent
+        self.loop.poller.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+
+    def ready(self, events: int, now: float) -> None:
+        sock = self.socket
+        if sock is None:
+            return
+        if self.connecting:
+            self._connected(sock, now)
+            return
+        if events & _POLLOUT:
+            self._flush()
+        if events & (_POLLIN | _POLLERR | _POLLHUP):
+            self._read(sock, now)
+
+    def _connected(self, sock: socket.socket, now: float) -> None:
+        """The connection attempt is over: made, or on to the next address."""
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not code:
+            try:
+                sock.getpeername()
+            except OSError as e:  # writable, yet not connected
+                code = e.errno or errno.ENOTCONN
+        if code:
+            self._closeSocket()
+            self._next(now, OSError(code, os.strerror(code)))
+            return
+        if self.channels:  # (first, before what the pipes send; and before it is up)
+            self._queue(CHANNELS_GREETING)
+        self.connecting = False
+        self.up = True
+        self.failures = 0
+        self.loop.poller.watch(self.key, _POLLIN)
+        self.owner._pipeUp(self.tag, now)
+
+    def _read(self, sock: socket.socket, now: float) -> None:
+        """Read what came, and hand on the messages it completes."""
+        if self.broken is not None:  # (a discard, or a read below, found it unusable)
+            self._lost(self.broken, now)
+            return
+        try:
+            data = sock.recv(_READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._lost(e, now)
+            return
+        if not data:
+            self._lost(self.broken or ConnectionError("connection closed by the broker"),
+                       now)
+            return
+        try:
+            messages = self.decoder.feed(data)
+        except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
+            # what came whole before it is handed on first, as the Twisted
+            # transport does (on channels, the other pipes' replies); a
+            # callback's wait meanwhile must not read on past it
+            self._break(e)
+            self._take(getattr(e, "decoded", None) or [], now)
+            if self.socket is sock:
+                self._lost(e, now)
+            return
+        self._take(messages, now)
+
+    def _break(self, error: BaseException) -> None:
+        """The stream cannot be decoded past this point: nothing more is
+        read from it, and the next read reports *error* as the loss."""
+        self.broken = error
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        except OSError:
+            pass
+
+    def _take(self, messages: list[Any], now: float) -> None:
+        if self.skip and messages:
+            self._skipBegun(messages)
+        self.received.extend(messages)
+        self._deliverReceived(now)
+
+    def _skipBegun(self, messages: list[Any]) -> None:
+        """Drop the first of *messages*, the record a discard saw begun (it
+        came before the request then sent, so it cannot answer it), now
+        that it is whole; on channels, if it came on a channel discarded."""
+        if not self.channels or messages[0][0] in self.skip:
+            del messages[0]
+        self.skip = 0
+
+    def _deliverReceived(self, now: float) -> None:
+        """Hand on the messages read and not handed on yet, in order.  A
+        callback of one of them may wait on the loop (a request from inside
+        onPartial): that wait hands on the rest before it blocks (``check``,
+        the pipe being ``unchecked``) or reads here again (``ready``, which
+        hands on what is left first, then its own), so that a reply among
+        them (the FINAL that frees this connection) is not held back."""
+        received = self.received
+        owner, tag, loop = self.owner, self.tag, self.loop
+        while received:  # (a loss meanwhile clears it)
+            frames = received.popleft()
+            if received:
+                loop.unchecked.add(self)  # (a wait swaps the set: not one kept)
+            owner._pipeMessage(tag, frames, now)
+
+    def check(self, now: float) -> bool:
+        """Hand on what was read and not handed on yet; whether there was any."""
+        if not self.received:
+            return False
+        self._deliverReceived(now)
+        return True
+
+    def discardReceived(self) -> int:
+        """Drop the messages read and not handed on yet, and those waiting
+        in the socket; how many.  A record begun and not complete is dropped
+        when it is (it came before what is about to be sent, so it cannot
+        answer it)."""
+        dropped = len(self.received) + len(self._drain())
+        self.received.clear()
+        if self.broken is not None:
+            return dropped
+        # (what an earlier discard saw begun has come whole meanwhile)
+        self.skip = 1 if self.decoder.inRecord else 0
+        return dropped + self.skip
+
+    def _drain(self) -> list[Any]:
+        """Read what waits in the socket now and decode it: the messages it
+        completes (a record an earlier discard saw begun, dropped).  A
+        stream that cannot be read any more is left for the poller to
+        report; one that cannot be decoded, for the next read
+        (``broken``)."""
+        sock = self.socket
+        messages: list[Any] = []
+        if sock is None or not self.up or self.broken is not None:
+            return messages
+        for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
+            try:
+                data = sock.recv(_READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break  # the poller reports the loss
+            if not data:
+                break  # the same: the next read sees the end again
+            try:
+                messages += self.decoder.feed(data)
+            except Exception as e:  # the stream is unusable: the next read reports it
+                messages += getattr(e, "decoded", None) or []
+                self._break(e)
+                break
+        if self.skip and messages:
+            self._skipBegun(messages)
+        return messages
+
+    def _lost(self, why: BaseException, now: float) -> None:
+        self._closeSocket()
+        self.retryAt = now + RECONNECT.delay(0)
+        self.owner._pipeLost(self.tag, why, now)
+
+    def _closeSocket(self) -> None:
+        sock, self.socket = self.socket, None
+        self.up = self.connecting = False
+        self.out.clear()
+        self.received.clear()
+        self.loop.unchecked.discard(self)
+        self.skip = 0
+        self.broken = None
+        self.queuedBytes = self.sentBytes = 0
+        self.decoder = self._decoder()
+        self.loop.unflushed.discard(self)
+        if sock is not None:
+            self.loop.forget(self.key)
+            sock.close()
+
+    def wake(self, now: float) -> None:
+        """Time for the next connection attempt."""
+        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
+            self.open(now)
+
+    def close(self) -> None:
+        """Close, after handing the OS what waits to be sent (for at most a
+        moment: DISCONNECT on a worker's way out)."""
+        sock = self.socket
+        if sock is not None and self.up and self.out:
+            try:
+                sock.settimeout(0.2)
+                sock.sendall(self.out)
+            except OSError:
+                pass
+        self.retryAt = None
+        self._closeSocket()
+
+
+class _StreamLink:
+    """The one stream connection a client keeps to an endpoint, carrying
+    its pipes as channels: the blocking shell of a
+    :class:`~mdp.transport.channellink.ChannelLink` (what the Twisted
+    client's ``StreamChannels`` is).  The requests of a turn go out in one
+    write, and their replies come in one read.  The connection is opened
+    with the first pipe and closed with the last (``forget``).
+
+    What comes on a channel before its request has left whole is not a
+    reply to it: it is dropped (``discard``, ``dropStale``), as a pipe of
+    its own drops what came before its send."""
+
+    __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
+
+    def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
+        self.loop = loop
+        self.endpoint = endpoint
+        self.stream = _StreamPipe(loop, self, None, family, address, channels=True)
+        loop.timed.add(self.stream)
+        self.core = ChannelLink(loop.limits)
+        #: pipes the connection's loss is still to be told to, and why (a
+        #: callback told before them may wait on the loop, which may bring
+        #: the connection up again: they hear of the loss first)
+        self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
+
+    @property
+    def pipes(self) -> dict[bytes, Any]:
+        """The open pipes, by channel."""
+        return self.core.channels
+
+    def open(self, owner: Any, tag: Any) -> _LinkPipe:
+        pipe = _LinkPipe(self, owner, tag)
+        self.core.open(pipe)
+        if self.stream.up:
+            self.core.comeUp(pipe)  # up at once: its owner tells itself
+        return pipe
+
+    def start(self) -> None:
+        """Connect, unless connected, connecting or waiting to try again."""
+        stream = self.stream
+        if stream.socket is None and stream.retryAt is None:
+            stream.open(monotonic())
+
+    def send(self, pipe: _LinkPipe, frames: list[bytes]) -> None:
+        at = self.stream.sendRecord(pipe.id + encode_record(frames))
+        if at:
+            self.core.sending(pipe.id, at)
+
+    def discard(self, name: bytes) -> int:
+        """A request is about to go on channel *name*: drop what came on it
+        and is read, not handed on yet (how many); what waits in the socket
+        is read off just before the request goes (``dropStale``).  An end
+        the broker sent is kept: it is no reply."""
+        received = self.stream.received
+        if not received:
+            return 0
+        items = list(received)
+        received.clear()
+        return len(self._keepBut(items, {name}))
+
+    def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
+        """Keep *items* (``(channel, frames)``), in order, in what the
+        connection has read and not handed on, but the messages on *names*
+        (not an end: that is no reply); their channels, one a message."""
+        received = self.stream.received
+        dropped = []
+        for item in items:
+            if item[0] in names and item[1]:
+                dropped.append(item[0])
+            else:
+                received.append(item)
+        return dropped
+
+    def dropStale(self) -> None:
+        """Just before what the pipes sent goes out: read what waits in the
+        socket, and drop what came on the channels whose request is about to
+        go (a record begun there, once whole: it came before the request, so
+        it cannot answer it); keep the rest, in order.  One read for all
+        the requests of a turn."""
+        stream = self.stream
+        core = self.core
+        waiting = {name for name in list(core.unsent) if core.stale(name, stream.sentBytes)}
+        if not waiting:
+            return
+        items = stream._drain()
+        if stream.decoder.inRecord:
+            stream.skip = waiting | (stream.skip or set())
+        stale = set(self._keepBut(items, waiting))
+        if stream.received:
+            self.loop.unchecked.add(stream)  # handed on before the loop waits
+        for name in stale:
+            self._dropped(name)
+
+    def _dropped(self, name: bytes) -> None:
+        pipe = self.core.channels.get(name)
+        if pipe is not None and pipe.up:
+            pipe.owner._stale(pipe.tag)  # type: ignore[attr-defined]
+
+    def forget(self, pipe: _LinkPipe) -> None:
+        """*pipe* was closed: end its channel (the broker drops what it had
+        for it); the connection closes with the last pipe (once the client's
+        actions are done: a pipe opened meanwhile, as when the client
+        replaces one, keeps it)."""
+        if pipe.retryAt is not None:
+            pipe.retryAt = None
+            self.loop.timed.discard(pipe)
+        record = self.core.close(pipe)
+        if record is not None:
+            self.stream.sendRecord(record)
+        if not self.core.channels:
+            self.loop.idle.add(self)  # closed after the actions, if still unused
+
+    def close(self) -> None:
+        if self.loop.links.get(self.endpoint) is self:
+            del self.loop.links[self.endpoint]
+        for pipe in self.core.closeAll():
+            self.loop.timed.discard(pipe)
+        self.lossesToTell.clear()
+        self.loop.close(self.stream)
+
+    # --- what the connection reports ---------------------------------------------
+
+    def _pipeUp(self, tag: Any, now: float) -> None:
+        self._tellLost(now)
+        core = self.core
+        for pipe in core.made():
+            # (a callback below may have closed it, or the connection)
+            if self.stream.up and core.comeUp(pipe):
+                pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
+
+    def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
+        # a record refused for its size was one pipe's: the others only lost
+        # the connection (what they had in flight goes again)
+        refused = getattr(why, "channel", None)
+        others = ConnectionError(f"the connection was dropped for another channel's record: "
+                                 f"{why}") if refused is not None else why
+        # every pipe is down before any is told (one may send on another)
+        for pipe, own in self.core.lost(refused):
+            self.lossesToTell.append((pipe, why if own else others))  # type: ignore[arg-type]
+        self._tellLost(now)
+
+    def _tellLost(self, now: float) -> None:
+        lossesToTell = self.lossesToTell
+        while lossesToTell:
+            pipe, why = lossesToTell.popleft()
+            if not pipe.closed:
+                pipe.owner._pipeLost(pipe.tag, why, now)
+
+    def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
+        for pipe in list(self.core.channels.values()):
+            if not pipe.closed:
+                pipe.owner._pipeFailed(pipe.tag, error, now)  # type: ignore[attr-defined]
+
+    def _pipeMessage(self, tag: Any, item: Any, now: float) -> None:
+        name, frames = item
+        core = self.core
+        pipe: Any = core.channels.get(name)
+        if pipe is None:
+            return  # ended here: what came before the broker knew, or its acknowledgment
+        if frames:
+            if not pipe.up:
+                return
+            if core.stale(name, self.stream.sentBytes):  # (before its request left)
+                self._dropped(name)
+                return
+            pipe.ends = 0
+            pipe.owner._pipeMessage(pipe.tag, frames, now)
+            return
+        # the broker ended this channel: say it is known, and bring the pipe
+        # up again under a new channel after the reconnection delay
+        record, was = core.endedThere(pipe)
+        self.stream.sendRecord(record)
+        pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)
+        self.loop.timed.add(pipe)
+        if was:
+            pipe.owner._pipeLost(pipe.tag, ConnectionError("the broker ended this channel"), now)
+
+
+class _LinkPipe(Channel):
+    """One pipe of a :class:`_StreamLink`: what a connection of its own
+    would be, under its channel."""
+
+    __slots__ = ("link", "owner", "tag", "retryAt")
+
+    backlog = ()
+
+    def __init__(self, link: _StreamLink, owner: Any, tag: Any) -> None:
+        super().__init__()
+        self.link = link
+        self.owner = owner
+        self.tag = tag
+        #: when it comes up again, after the broker ended it
+        self.retryAt: Optional[float] = None
+
+    @property
+    def backlogged(self) -> bool:
+        return self.link.stream.backlogged
+
+    def start(self) -> None:
+        self.link.start()
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.up:
+            self.link.send(self, frames)
+
+    def discardReceived(self) -> int:
+        return self.link.discard(self.id)
+
+    def check(self, now: float) -> bool:
+        return False  # (its link's connection is what the loop asks)
+
+    def wake(self, now: float) -> None:
+        """Time to come up again, after the broker ended its channel."""
+        if self.retryAt is not None and now >= self.retryAt:
+            self.retryAt = None
+            self.link.loop.timed.discard(self)
+            if self.link.core.comeUp(self):  # (else up with the connection)
+                self.owner._pipeUp(self.tag, now)
+
+    def close(self) -> None:
+        self.link.forget(self)
+
+def _bind_zmq() -> None:
+    """pyzmq's compiled socket methods, below its Python wrappers (whose
+    IntEnum flag arithmetic costs more than the I/O on this path), and
+    messages in and out in C where that is built (``_frames``)."""
+    global _send, _recv, _get, _set, _frames, _readC, _sendC, _eventsC
+    global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _FD, _ZMQ_POLLIN, _ZMQ_POLLOUT
+    zmq = _zmq()
+    backend = zmq.backend.Socket
+    _send, _recv, _get, _set = backend.send, backend.recv, backend.get, backend.set
+    _RCVTIMEO = int(zmq.RCVTIMEO)
+    _NOBLOCK = int(zmq.NOBLOCK)
+    _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+    _EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
+    _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
+    _frames = zmq_frames()
+    if _frames is not None:  # its functions themselves: a module's attribute costs a look-up
+        _readC, _sendC, _eventsC = _frames.read, _frames.send, _frames.events
+
+
+_send: Callable[..., Any]
+_recv: Callable[..., Any]
+_get: Callable[..., Any]
+_set: Callable[..., Any]
+_RCVTIMEO = 0
+#: mdp.transport._zmqframes, bound (see zmq_frames), or None; and its read,
+#: send and events
+_frames: Any = None
+_readC: Callable[..., Any]
+_sendC: Callable[..., Any]
+_eventsC: Callable[..., Any]
+#: no frame kept, no limit (the blocking pipe checks a message's limits itself)
+_NEVER = sys.maxsize
+_NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _FD = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
+# a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
+_POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
+_POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)
+_bind_zmq()

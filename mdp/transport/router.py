@@ -1,0 +1,617 @@
+"""The listening side of the stream transport (:class:`StreamRouter`).
+
+It gives each accepted connection an opaque peer id (or the identity the
+peer's greeting announces: a newer connection with the same identity takes
+it over) and reports its loss at once.  It defends itself
+(:class:`~mdp.policy.Limits`): a connection must send its first message
+within ``handshakeTimeout`` and complete every record it starts within
+``recordTimeout``; at most ``maxConnections`` are open (at the cap, the
+oldest connection that has not yet sent a message makes room, or the
+newcomer is refused); and what a peer does not read is kept, beyond
+Twisted's own write buffer, only up to ``maxOutputBytes``, after which that
+peer alone is disconnected.  A connection whose greeting asks for channels
+carries many peers (``docs/transports.md``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import OrderedDict, deque
+from typing import Any, Callable, Optional
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IListeningPort, IPushProducer
+from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from mdp.errors import TransportError
+from mdp.interfaces import IAuthenticatedRouter, IFraming, IRouterReceiver, IRouterTransport
+from mdp.policy import Limits, LogThrottle, cancel_call, default_reactor
+from mdp.transport.endpoints import (
+    DESCRIPTOR_RESERVE,
+    connect_description,
+    descriptor_budget,
+    server_description,
+    server_endpoint,
+    subject,
+)
+from mdp.transport.framed import FramedProtocol
+from mdp.transport.framing import RECORDS
+from mdp.transport.twisted_private import call_soon
+
+log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
+
+_ids = itertools.count(1)
+
+#: every listening side of the process, for the descriptor budget they share
+_routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
+
+#: connections dropped to make room whose descriptors may be still open (they
+#: close a reactor turn later) before newcomers are refused instead: an accept
+#: burst at a cap spends at most these of the descriptor reserve
+MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
+
+#: channels a connection may have ended here without the peer saying it
+#: knows; beyond, the connection is dropped
+MAX_UNACKNOWLEDGED = 64
+
+
+@implementer(IPushProducer)
+class _RouterConnection(FramedProtocol):
+    """An accepted connection.  It is the push producer of its transport:
+    while Twisted's write buffer is full it keeps what is sent in a backlog of
+    its own, counted in bytes.
+
+    A connection whose greeting asks for channels carries many peers: each
+    channel is one, known to the router as the connection's id and the
+    channel's, opened by its first message and ended by an empty record from
+    either side (a channel this side ended is ignored until the peer's own
+    empty record says it knows)."""
+
+    router: StreamRouter
+    peer: bytes
+    greeted = False  # a first complete message arrived
+    paused = False
+    #: dropped to make room for a newer connection
+    makingRoom = False
+    #: its TLS client certificate's subject (None: none), once asked
+    tlsSubject: Any = False
+
+    def connectionMade(self) -> None:
+        StreamRouter.accepted += 1  # first: connectionLost takes it off whatever happens
+        router = self.router
+        self.limits = router.limits
+        self.framing = router.framing
+        self.throttle = router.throttle
+        super().connectionMade()
+        self.peer = b"\x00" + next(_ids).to_bytes(4, "big")
+        self.onMessage = self._deliver
+        self.backlog: deque[bytes] = deque()
+        self.backlogBytes = 0
+        self._recordsAtArm = -1
+        #: its open channels (channel -> the peer id it is known by)
+        self.channels: dict[bytes, bytes] = {}
+        #: channels this side ended, until the peer says it knows
+        self.unacknowledged: set[bytes] = set()
+        router.connections[self.peer] = self
+        router.ungreeted[self.peer] = self
+        self.transport.registerProducer(self, True)
+        self._timer: Any = router.reactor.callLater(
+            self.limits.handshakeTimeout, self._timedOut,
+            "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
+
+    def subject(self) -> Optional[str]:
+        """Its TLS client certificate's subject (None: no TLS, or no
+        certificate), asked once."""
+        identity = self.tlsSubject
+        if identity is False:
+            getPeerCertificate = getattr(self.transport, "getPeerCertificate", None)
+            certificate = getPeerCertificate() if getPeerCertificate is not None else None
+            identity = self.tlsSubject = (
+                subject(certificate) if certificate is not None else None)
+        return identity  # type: ignore[no-any-return]
+
+    def _rename(self, identity: bytes) -> None:
+        """The peer announced *identity*: know it by that from now on.  An
+        older connection with the same identity is dropped (handover)."""
+        router = self.router
+        old = router.connections.get(identity)
+        if old is not None and old is not self:
+            if old.subject() != self.subject():
+                # another certificate: another peer, which may not take it over
+                self.drop("it announced identity {identity}, held by a connection with another "
+                          "TLS certificate", identity=identity.hex())
+                return
+            # the identity lives on in this connection: the old one's loss is
+            # not the peer's (its connectionLost finds it no longer registered)
+            if router.ungreeted.get(identity) is old:
+                del router.ungreeted[identity]
+            old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
+        router.connections.pop(self.peer, None)
+        ungreeted = router.ungreeted.pop(self.peer, None) is not None
+        self.peer = identity
+        router.connections[identity] = self
+        if ungreeted:
+            router.ungreeted[identity] = self
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        if type(frames) is tuple:  # a (channel, frames) pair: it carries channels
+            self._deliverOn(frames)  # type: ignore[arg-type]
+            return
+        if self.decoder.identity is not None and self.decoder.identity != self.peer:
+            self._rename(self.decoder.identity)
+            if self.closing:
+                return  # refused the identity
+        if not self.greeted:
+            self._greet()
+        self.router.receiver.messageReceived(self.peer, frames)
+
+    def _greet(self) -> None:
+        """It has shown itself a peer (a first message, or its framing's
+        handshake): no more handshake deadline, and never crowded out."""
+        self.greeted = True
+        self.router.ungreeted.pop(self.peer, None)
+        self._cancelTimer()
+
+    def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
+        """A record on one of its channels (see the class's docstring)."""
+        channel, frames = item
+        router = self.router
+        peer = self.channels.get(channel)
+        if not frames:  # the peer ended the channel, or knows that this side did
+            if peer is not None:
+                self._forgetChannel(channel)
+                router.receiver.peerDisconnected(peer)
+            else:
+                self.unacknowledged.discard(channel)
+            return
+        if peer is None:
+            if channel in self.unacknowledged:
+                return  # sent before the peer knew the channel was ended
+            full = router._fullOfChannels() if self.channels else None
+            if full is not None:
+                router.refused += 1
+                self._warn("channel", "stream peer {peer} opened a channel over the cap ({full}): "
+                           "ended it", full=full)
+                self._end(channel)
+                return
+            if not self.channels:
+                router.carriers += 1
+            peer = self.channels[channel] = self.peer + channel
+            router.channels[peer] = (self, channel)
+        if not self.greeted:  # (a message, not an end, greets)
+            self._greet()
+        router.receiver.messageReceived(peer, frames)
+
+    def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
+        """*channel* is no longer open: its peer id (None: it was not)."""
+        peer = self.channels.pop(channel, None)
+        if peer is not None:
+            self.router.channels.pop(peer, None)
+            if not self.channels:
+                self.router.carriers -= 1
+        return peer
+
+    def _end(self, channel: bytes) -> None:
+        """Tell the peer *channel* is ended; ignore it until the peer says it
+        knows (a peer that never does, past a cap, is dropped)."""
+        self.sendOn(channel, [])
+        self.unacknowledged.add(channel)
+        if len(self.unacknowledged) > MAX_UNACKNOWLEDGED:
+            self.drop("it did not acknowledge the end of {count} channels",
+                      count=len(self.unacknowledged))
+
+    def endChannel(self, channel: bytes) -> None:
+        """End *channel* (the router's ``disconnectPeer``): its peer is
+        reported disconnected at the next reactor turn, as a connection's
+        would be once closed."""
+        peer = self._forgetChannel(channel)
+        if peer is None:
+            return
+        router = self.router
+        if not self.closing:
+            self._end(channel)
+        router.reactor.callLater(0, router._channelEnded, peer)
+
+    #: (a connection that carries channels) its flush at the end of the turn
+    _turnCall: Any = None
+
+    def _batchBegun(self) -> None:
+        if getattr(self.decoder, "channels", False):
+            # it carries many peers, whose replies come from many reads in
+            # one turn (one a worker): they go out together at its end
+            if self._turnCall is None:
+                self._turnCall = call_soon(self.router.reactor, self._flushTurn)
+            return
+        router = self.router
+        router.dirty.append(self)
+        if not router.reading and router.flushCall is None:
+            router.flushCall = router.reactor.callLater(0, router.flushWrites)
+
+    def _flushTurn(self) -> None:
+        self._turnCall = None
+        self.flushWrites()
+
+    def _cancelTurn(self) -> None:
+        call, self._turnCall = self._turnCall, None
+        if call is not None:  # (pending: it clears this when it runs)
+            call.cancel()
+
+    def dataReceived(self, data: bytes) -> None:
+        router = self.router
+        router.reading += 1
+        try:
+            self._received(data)
+        finally:
+            router.reading -= 1
+            if not router.reading and router.dirty:
+                router.flushWrites()
+
+    def _received(self, data: bytes) -> None:
+        super().dataReceived(data)
+        if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
+            # its framing's handshake is done (SP's header): a peer, however
+            # long it stays quiet now, as nng's are
+            self._greet()
+        if not self.greeted or self.closing:
+            return  # the handshake deadline covers a first record
+        decoder = self.decoder
+        if decoder.inRecord:
+            if self._timer is None or self._recordsAtArm != decoder.records:
+                # a record has begun since the timer was armed (or none is armed)
+                self._cancelTimer()
+                self._recordsAtArm = decoder.records
+                self._timer = self.router.reactor.callLater(
+                    self.limits.recordTimeout, self._timedOut,
+                    "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)",
+                    self.limits.recordTimeout)
+        elif self._timer is not None:
+            self._cancelTimer()
+
+    def _timedOut(self, why: str, seconds: float) -> None:
+        self._timer = None
+        self.drop(why, seconds=seconds, held=self.decoder.buffered)
+
+    def _cancelTimer(self) -> None:
+        self._timer = cancel_call(self._timer)
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.closing:
+            return
+        record = self.encode(frames)
+        if not self.paused and not self.backlog:
+            self._queue(record)
+            return
+        self._hold(record)
+
+    def sendOn(self, channel: bytes, frames: list[bytes]) -> None:
+        """Send *frames* on *channel* (empty: end it)."""
+        if self.closing:
+            return
+        record = self.encode(frames)
+        if not self.paused and not self.backlog:
+            self._queueOn(channel, record)
+            return
+        self._hold(channel + record)
+
+    def _hold(self, record: bytes) -> None:
+        """Keep *record* while the transport's buffer is full, within
+        ``maxOutputBytes``."""
+        self.backlog.append(record)
+        self.backlogBytes += len(record)
+        if self.backlogBytes > self.limits.maxOutputBytes:
+            self.router.overflows += 1
+            self.drop("it reads slower than it is sent to ({held} bytes unsent, over the limit "
+                      "of {limit})", held=self.backlogBytes, limit=self.limits.maxOutputBytes)
+            self.backlog.clear()
+            self.backlogBytes = 0
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        backlog = self.backlog
+        while backlog and not self.paused:
+            record = backlog.popleft()
+            self.backlogBytes -= len(record)
+            self.transport.write(record)
+
+    def stopProducing(self) -> None:
+        self.backlog.clear()
+        self.backlogBytes = 0
+
+    def closeGracefully(self) -> None:
+        """Close once what is written is sent, or at the latest after
+        ``recordTimeout``: a peer that does not read would otherwise keep
+        its slot and what was written to it for good (and its loss would
+        never be reported), as Twisted's HTTP server's ``abortTimeout`` has
+        it."""
+        if self.dropped or self.closedHere:
+            return  # closing already (its deadline set)
+        self.flushWrites()
+        self.transport.writeSequence(list(self.backlog))
+        self.stopProducing()
+        super().closeGracefully()
+        if not self.dropped:
+            self._cancelTimer()
+            self._timer = self.router.reactor.callLater(
+                self.limits.recordTimeout, self._timedOut,
+                "it did not take what was sent to it within {seconds:g}s of being disconnected",
+                self.limits.recordTimeout)
+
+    def connectionLost(self, reason: object = None) -> None:
+        StreamRouter.accepted -= 1
+        if self.makingRoom:
+            StreamRouter.makingRoom -= 1
+        self.reportUnfinished()
+        self._cancelTimer()
+        self._cancelTurn()
+        self._out = []
+        self._outBytes = 0
+        self.backlog.clear()
+        router = self.router
+        if router.ungreeted.get(self.peer) is self:
+            del router.ungreeted[self.peer]
+        channels, self.channels = self.channels, {}
+        if channels and not router.closed:
+            router.carriers -= 1
+        for peer in channels.values():
+            if router.channels.pop(peer, None) is not None:
+                router.receiver.peerDisconnected(peer)
+        if router.connections.get(self.peer) is self:
+            del router.connections[self.peer]
+            if not getattr(self.decoder, "channels", False):  # (its channels were the peers)
+                router.receiver.peerDisconnected(self.peer)
+
+
+class _Refused(Protocol):
+    """A connection refused at a cap: closed at once (Twisted closes the
+    socket of a plain TCP or UNIX listener whose factory returns None, but a
+    TLS wrapper keeps it open), counted until its descriptor is closed."""
+
+    def connectionMade(self) -> None:
+        StreamRouter.accepted += 1
+        self.transport.abortConnection()
+
+    def connectionLost(self, reason: object = None) -> None:
+        StreamRouter.accepted -= 1
+
+
+@implementer(IRouterTransport, IAuthenticatedRouter)
+class StreamRouter:
+    """The bound side over a Twisted server endpoint.
+
+    :meth:`listen` binds an endpoint string; :meth:`factory` is the same thing
+    as a plain :class:`~twisted.internet.interfaces.IProtocolFactory`, for
+    listening with an endpoint, a TLS wrapper or an ``Application`` of one's
+    own."""
+
+    #: accepted connections open in the process (their descriptors), and of
+    #: those, the ones dropped to make room that have not closed yet
+    accepted = 0
+    makingRoom = 0
+
+    def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
+                 limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
+        self.receiver = receiver
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.framing = framing
+        #: sendMessage takes any buffer as a frame where the framing does
+        self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
+        self.throttle = LogThrottle(self.reactor)
+        self.connections: dict[bytes, _RouterConnection] = {}
+        #: the channels of connections that carry them (peer id ->
+        #: connection, channel)
+        self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
+        #: connections that carry at least one open channel
+        self.carriers = 0
+        #: close() was called
+        self.closed = False
+        #: connections that have not yet sent a message, oldest first
+        self.ungreeted: OrderedDict[bytes, _RouterConnection] = OrderedDict()
+        self.port: Optional[IListeningPort] = None
+        self.endpoint = ""
+        #: peers disconnected for not reading their messages
+        self.overflows = 0
+        #: connections refused at maxConnections
+        self.refused = 0
+        #: input being handled (nesting depth): what is sent meanwhile is
+        #: flushed once it has been
+        self.reading = 0
+        #: connections with records waiting to be flushed
+        self.dirty: list[_RouterConnection] = []
+        self.flushCall: Any = None
+        #: how many connections the process's descriptors leave room for
+        #: (None: no cap), asked at each new connection
+        self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
+        #: its factory may be wrapped (TLS): a refused connection then needs
+        #: a protocol that closes it (a wrapper keeps a None protocol's socket
+        #: open); a plain TCP or UNIX port closes it at once
+        self.wrapped = True
+        #: :meth:`listen` opens its port (it says what the budget is itself)
+        self._listening = False
+        _routers.add(self)
+
+    def flushWrites(self) -> None:
+        """Hand every connection's batch of records to its transport."""
+        self.flushCall = cancel_call(self.flushCall)
+        while self.dirty:
+            dirty, self.dirty = self.dirty, []
+            for connection in dirty:
+                connection.flushWrites()
+
+    def buildProtocol(self, addr: object) -> Optional[Protocol]:
+        full = self._full()
+        if full is not None:
+            # make room: the oldest connection that has said nothing, here
+            # (at its own cap: never another listener's) or, at the
+            # process's cap, on any listener
+            routers = [self] if self._peers() >= self.limits.maxConnections else [
+                self, *(router for router in _routers if router is not self)]
+            idle = next((router for router in routers if router.ungreeted), None)
+            if idle is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
+                _, connection = idle.ungreeted.popitem(last=False)
+                connection.makingRoom = True
+                StreamRouter.makingRoom += 1
+                connection.drop("making room for a new connection ({full}) before it sent a message",
+                                full=full)
+                idle._forget(connection)
+            else:
+                self.refused += 1
+                self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
+                                   "from {address}: {full}",
+                                   endpoint=self.endpoint, address=str(addr), full=full)
+                return _Refused() if self.wrapped else None
+        proto = _RouterConnection()
+        proto.router = self
+        return proto
+
+    def _peers(self) -> int:
+        """The peers that count against ``maxConnections``: its connections
+        and the channels they carry (a connection's first channel takes the
+        connection's place)."""
+        return len(self.connections) + len(self.channels) - self.carriers
+
+    def _full(self) -> Optional[str]:
+        """Why no connection may be added now (a cap is reached), or None."""
+        if self._peers() >= self.limits.maxConnections:
+            return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
+        budget = self.descriptorBudget()
+        if budget is not None and StreamRouter.accepted >= budget:
+            return (f"{StreamRouter.accepted} connections open in the process, all that its "
+                    f"descriptor limit leaves room for (raise it: ulimit -n)")
+        return None
+
+    def _fullOfChannels(self) -> Optional[str]:
+        """Why a connection may not open one more channel now, or None:
+        every channel but a connection's first counts as a connection
+        against ``maxConnections`` (its first takes the connection's place)."""
+        if self._peers() >= self.limits.maxConnections:
+            return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
+        return None
+
+    def _channelEnded(self, peer: bytes) -> None:
+        if not self.closed:
+            self.receiver.peerDisconnected(peer)
+
+    def _checkBudget(self) -> None:
+        """Say at start when the descriptor limit, not maxConnections, is
+        the cap: the operator may want to raise it."""
+        budget = self.descriptorBudget()
+        if budget is not None and budget < self.limits.maxConnections:
+            log.warn("stream listener {endpoint}: the process's descriptor limit leaves room for "
+                     "{budget} connections, fewer than maxConnections ({limit}); raise it "
+                     "(ulimit -n) to let more in", endpoint=self.endpoint or "(embedded)",
+                     budget=budget, limit=self.limits.maxConnections)
+
+    def _factoryStarted(self) -> None:
+        # on a port of the application's; :meth:`listen` warns once it
+        # knows its own port's address
+        if self.port is None and not self._listening:
+            self._checkBudget()
+
+    def _forget(self, connection: _RouterConnection) -> None:
+        """Stop counting an aborted connection at once (its connectionLost
+        comes a reactor turn later)."""
+        if self.connections.get(connection.peer) is connection:
+            del self.connections[connection.peer]
+            self.receiver.peerDisconnected(connection.peer)
+
+    def factory(self) -> Factory:
+        """An :class:`IProtocolFactory` whose connections this router serves
+        (for a port of the application's own; it warns, as :meth:`listen`
+        does, when it starts and the descriptor limit is the cap)."""
+        factory = Factory.forProtocol(lambda: None)
+        factory.buildProtocol = self.buildProtocol  # type: ignore[method-assign]
+        factory.startFactory = self._factoryStarted  # type: ignore[method-assign]
+        factory.noisy = False
+        return factory
+
+    @classmethod
+    def listen(
+        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
+        framing: IFraming = RECORDS,
+    ) -> defer.Deferred[StreamRouter]:
+        router = cls(receiver, reactor, limits=limits, framing=framing)
+        description = server_description(endpoint)
+        try:
+            server = server_endpoint(reactor, description)
+        except TransportError as e:
+            return defer.fail(e)
+        factory = router.factory()
+        router.wrapped = description.partition(":")[0].lower() not in ("tcp", "tcp6", "unix")
+        router._listening = True
+
+        def listening(port: IListeningPort) -> StreamRouter:
+            router.port = port
+            router.endpoint = connect_description(description.partition(":")[0], port)
+            router._checkBudget()
+            return router
+
+        def failed(failure: Failure) -> Failure:
+            if failure.check(TransportError):
+                return failure
+            return Failure(TransportError(f"cannot listen on {endpoint}: "
+                                          f"{failure.getErrorMessage()}"))
+
+        return server.listen(factory).addCallbacks(listening, failed)
+
+    def peerAddress(self, peer: bytes) -> Optional[str]:
+        """Where *peer*'s connection comes from (Twisted's address of it:
+        ``IPv4Address(TCP, '127.0.0.1', 50312)``), or None once it is gone."""
+        connection = self._connectionOf(peer)
+        return None if connection is None else connection.peerName()
+
+    def peerIdentity(self, peer: bytes) -> Optional[str]:
+        """The subject of *peer*'s TLS client certificate (mutual TLS), or
+        None (no TLS, or no certificate)."""
+        connection = self._connectionOf(peer)
+        return None if connection is None else connection.subject()
+
+    def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
+        """The connection *peer* is, or carries it as a channel (None: gone)."""
+        connection = self.connections.get(peer)
+        if connection is None:
+            connection, _ = self.channels.get(peer, (None, None))
+        return connection
+
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+        connection = self.connections.get(peer)
+        if connection is not None:
+            connection.send(frames)
+            return
+        channel = self.channels.get(peer)
+        if channel is not None:
+            channel[0].sendOn(channel[1], frames)
+
+    def disconnectPeer(self, peer: bytes) -> None:
+        connection = self.connections.get(peer)
+        if connection is not None:
+            connection.closeGracefully()
+            return
+        channel = self.channels.get(peer)
+        if channel is not None:
+            channel[0].endChannel(channel[1])
+
+    def close(self) -> defer.Deferred[None]:
+        port, self.port = self.port, None
+        self.closed = True
+        self.channels.clear()
+        self.carriers = 0
+        self.flushCall = cancel_call(self.flushCall)
+        self.dirty = []
+        for connection in list(self.connections.values()):
+            connection.closedHere = True
+            connection.dropped = True  # nothing more of a read under way is delivered
+            connection._cancelTurn()
+            connection.transport.abortConnection()
+        self.connections.clear()
+        self.ungreeted.clear()
+        if port is None:
+            return defer.succeed(None)
+        return defer.maybeDeferred(port.stopListening)

@@ -1,0 +1,104 @@
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=FILE``.
+
+An ``ssl:`` listening endpoint may name the authorities whose client
+certificates it accepts, ``caCerts=CA.pem`` (one or more PEM certificates).
+Such a listener refuses, at the handshake, a client with no certificate or
+one no listed authority signed.  The endpoint is made by
+:func:`server_endpoint`, which the package's dropin
+(``twisted/plugins/mdp_plugins.py``) also offers to Twisted as the endpoint
+parser (``IStreamServerEndpointStringParser``) of the ``mtls:`` prefix:
+``serverFromString(reactor, "mtls:5555:privateKey=key.pem:certKey=cert.pem:caCerts=ca.pem")``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mdp.errors import TransportError
+from mdp.transport.registry import split_description
+
+#: the authorities' option, our addition to Twisted's ``ssl:`` server syntax
+CA_CERTS = "caCerts"
+
+#: what an ``ssl:`` listener with ``caCerts=`` takes
+MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey", CA_CERTS}
+
+#: the listen queue unless the endpoint names one (see endpoints.LISTEN_BACKLOG)
+_BACKLOG = 1024
+
+
+def mutual(description: str) -> bool:
+    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
+    kind, _, rest = description.partition(":")
+    return kind == "ssl" and CA_CERTS in split_description(rest)[1]
+
+
+def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> None:
+    """Refuse what an ``ssl:`` listener with ``caCerts=`` would not honour."""
+    other = sorted(set(kwargs) - MUTUAL_KEYS)
+    if other or len(args) > 1:
+        raise TransportError(f"bad endpoint {description!r}: with {CA_CERTS}= an ssl: listener "
+                             f"takes only port, interface, backlog, privateKey and certKey "
+                             f"(not {', '.join(other) or args[1]})")
+    if "privateKey" not in kwargs:
+        raise TransportError(f"bad endpoint {description!r}: an ssl: listener needs "
+                             "privateKey=KEY.pem (and certKey=CERT.pem)")
+
+
+def authorities(path: str) -> list[Any]:
+    """The certificates in PEM file *path* (Twisted ``Certificate`` objects)."""
+    from twisted.internet import ssl
+
+    try:
+        with open(path, "rb") as f:
+            pem = f.read()
+    except OSError as e:
+        raise TransportError(f"{CA_CERTS}={path}: cannot read the authorities' certificates: "
+                             f"{e.strerror}") from None
+    marker = b"-----END CERTIFICATE-----"
+    blocks = [block + marker for block in pem.split(marker) if b"-----BEGIN" in block]
+    if not blocks:
+        raise TransportError(f"{CA_CERTS}={path}: no PEM certificate in it")
+    try:
+        return [ssl.Certificate.loadPEM(block) for block in blocks]
+    except Exception as e:
+        raise TransportError(f"{CA_CERTS}={path}: not a PEM certificate: {e}") from None
+
+
+def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
+    """The endpoint of ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA``
+    (and ``interface=``, ``backlog=``): an SSL server endpoint whose options
+    require a client certificate one of the authorities in ``caCerts``
+    signed.  What the ``mtls:`` parser plugin of the package's dropin
+    returns, and what an ``ssl:`` listener with ``caCerts=`` is."""
+    from twisted.internet import ssl
+    from twisted.internet.endpoints import SSL4ServerEndpoint
+
+    description = f"ssl:{':'.join([*args, *(f'{k}={v}' for k, v in kwargs.items())])}"
+    check_mutual(description, list(args), kwargs)
+    if CA_CERTS not in kwargs:
+        raise TransportError(f"bad endpoint {description!r}: a mutual TLS listener needs "
+                             f"{CA_CERTS}=CA.pem")
+    trusted = authorities(kwargs[CA_CERTS])
+    try:
+        with open(kwargs["privateKey"], "rb") as f:
+            key = f.read()
+        with open(kwargs.get("certKey", kwargs["privateKey"]), "rb") as f:
+            cert = f.read()
+        own = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
+    except Exception as e:
+        raise TransportError(f"{description}: cannot load the server's certificate and key: "
+                             f"{e}") from None
+    # options with a trust root: OpenSSL requires a client certificate it signed
+    return SSL4ServerEndpoint(reactor, int(kwargs.get("port", args[0] if args else 0)),
+                              own.options(*trusted),
+                              backlog=int(kwargs.get("backlog", _BACKLOG)),
+                              interface=kwargs.get("interface", ""))
+
+
+def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
+    """The arguments of ``ssl:`` server *description* with ``caCerts=``, or
+    None where it has none (Twisted's own ``ssl:`` parser takes it)."""
+    if not mutual(description):
+        return None
+    return split_description(description.partition(":")[2])

@@ -1,0 +1,181 @@
+"""Every private attribute of Twisted the library uses, in one place.
+
+Each is named in :data:`PRIVATE`, with the class that holds it and why it is
+used; ``tests/test_twisted_private.py`` fails if a Twisted upgrade removes or
+renames one.  Nothing else in the package touches a private name of Twisted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable
+
+from twisted.internet import tcp
+from twisted.logger import Logger
+
+log = Logger(namespace=__name__)
+
+#: (module, class, attribute, why): what this module relies on
+PRIVATE = (
+    ("twisted.internet.abstract", "FileDescriptor", "_tempDataBuffer",
+     "a batch goes straight to the socket only while Twisted buffers nothing"),
+    ("twisted.internet.abstract", "FileDescriptor", "_writeDisconnected",
+     "no direct write once Twisted has shut the write side"),
+    ("twisted.internet.endpoints", "_WrappingProtocol", "_wrappedProtocol",
+     "reads skip the endpoint's wrapper, which only passes them on"),
+    ("twisted.application._client_service", "_ReconnectingProtocolProxy", "_protocol",
+     "reads skip ClientService's proxy (a __getattr__ that fails first)"),
+    ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_asyncioEventloop",
+     "the loop's own call_soon, and readers added to uvloop directly"),
+    ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_readers",
+     "a reader added to the loop directly is still the reactor's reader"),
+    ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_continuousPolling",
+     "a descriptor Twisted polls (a file) stays Twisted's"),
+    ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_unregisterFDInAsyncio",
+     "undo a failed direct add_reader before Twisted's own path"),
+    ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_readOrWrite",
+     "a direct reader's read and its disconnect handling, as Twisted's"),
+    ("twisted.logger._global", "LogBeginner", "_temporaryObserver",
+     "whether a program began Twisted's logging (a blocking node logs to stdlib if not)"),
+)
+
+
+def private_class(module: str, name: str) -> Any:
+    """The class *name* of *module*, or None where this Twisted has none."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# --- writing a batch straight to a socket --------------------------------------
+
+
+def direct_capable(transport: Any) -> bool:
+    """*transport* is a plain TCP or UNIX socket connection of Twisted's, on
+    which :func:`write_direct` may send straight to the socket."""
+    return (isinstance(transport, tcp.Connection) and not getattr(transport, "TLS", False)
+            and hasattr(transport, "_tempDataBuffer") and hasattr(transport, "dataBuffer"))
+
+
+def write_direct(transport: Any, out: list[bytes]) -> bool:
+    """Send the records *out* with one ``send`` while Twisted's write buffer
+    is empty, the rest (if any) through ``write``: one system call per batch
+    instead of a write, a writability poll and two ``epoll_ctl`` calls.
+    False where it cannot (buffered, closing, broken): the caller writes as
+    usual."""
+    if (not transport.connected or transport.disconnecting or transport._writeDisconnected
+            or transport.dataBuffer or transport._tempDataBuffer):
+        return False
+    data = out[0] if len(out) == 1 else b"".join(out)
+    sent = transport.writeSomeData(data)
+    if isinstance(sent, BaseException):
+        return False  # broken: Twisted's own write finds that out and reports it
+    if sent < len(data):
+        transport.write(data[sent:])
+    return True
+
+
+# --- reads past wrappers that only forward them --------------------------------
+
+
+def _forwarders() -> dict[type, str]:
+    found = {}
+    for module, name, inner, _ in (PRIVATE[2], PRIVATE[3]):
+        cls = private_class(module, name)
+        if cls is not None:
+            found[cls] = inner
+    return found
+
+
+_FORWARDERS = _forwarders()
+
+
+def shortcut_reads(protocol: Any) -> None:
+    """Hand *protocol*'s ``dataReceived`` to the outermost wrapper its
+    transport calls, where every wrapper between only passes reads on (the
+    endpoint's wrapper, ClientService's proxy)."""
+    outer = inner = getattr(protocol.transport, "protocol", None)
+    for _ in range(len(_FORWARDERS)):
+        attribute = _FORWARDERS.get(type(inner))
+        if attribute is None:
+            break
+        inner = getattr(inner, attribute, None)
+    if inner is protocol and outer is not protocol:
+        outer.dataReceived = protocol.dataReceived
+
+
+# --- logging ------------------------------------------------------------------
+
+
+def logging_begun() -> bool:
+    """Whether something began Twisted's global logging (``twist``, a
+    program's ``globalLogBeginner.beginLoggingTo``): until then Twisted
+    buffers log events unseen."""
+    from twisted.logger import globalLogBeginner
+
+    return getattr(globalLogBeginner, "_temporaryObserver", None) is None
+
+
+# --- Twisted's asyncio reactor -------------------------------------------------
+
+
+def asyncio_loop(reactor: Any) -> Any:
+    """The asyncio loop under *reactor* (an asyncio reactor), or None."""
+    return getattr(reactor, "_asyncioEventloop", None)
+
+
+def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` once the reactor has handled what it is handling
+    now (at the end of this turn), as ``callLater(0)`` does; on an asyncio
+    reactor (``mdp.uvreactor``), with the loop's own ``call_soon``, which
+    costs a fraction of a timer.  The handle's ``cancel()`` cancels it."""
+    loop = getattr(reactor, "_asyncioEventloop", None)
+    if loop is not None:
+        return loop.call_soon(fn, *args)
+    return reactor.callLater(0, fn, *args)
+
+
+def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
+    """Twisted's asyncio reactor with its timer waits rounded up to whole
+    milliseconds, whose readers that need no log context
+    (*needsLogContext*) are the loop's callbacks themselves."""
+    from twisted.internet.asyncioreactor import AsyncioSelectorReactor
+
+    class UVLoopReactor(AsyncioSelectorReactor):
+        """Twisted's asyncio reactor, for a uvloop loop."""
+
+        def timeout(self) -> Any:
+            wait = super().timeout()
+            if wait is None or wait <= 0:
+                return wait
+            return math.ceil(wait * 1000.0) / 1000.0
+
+        def addReader(self, reader: Any) -> None:
+            if (reader in self._readers or self._continuousPolling.isReading(reader)
+                    or needsLogContext(reader)):
+                return super().addReader(reader)  # type: ignore[no-any-return]
+            fd = reader.fileno()
+            # a reader that reads on its own (readNow) is the loop's callback itself
+            readNow = getattr(reader, "readNow", None)
+            try:
+                if readNow is not None:
+                    self._asyncioEventloop.add_reader(fd, readNow)
+                else:
+                    self._asyncioEventloop.add_reader(fd, self._readDirect, reader)
+            except OSError:  # not pollable: Twisted's own way (it polls such readers)
+                self._unregisterFDInAsyncio(fd)
+                return super().addReader(reader)  # type: ignore[no-any-return]
+            self._readers[reader] = fd
+            return None
+
+        def _readDirect(self, reader: Any) -> None:
+            try:
+                self._readOrWrite(reader, True)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # logged, and the loop goes on, as callWithLogger does
+                log.failure("while reading from {reader!r}", reader=reader)
+
+    return UVLoopReactor
