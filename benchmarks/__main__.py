@@ -435,6 +435,9 @@ def cases(smoke: bool, earlier: Optional[str] = None,
         if stack == "ours over tcp":  # goal 5: against the row before it
             add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
+            # what compiling buys the stream transport's modules
+            add(f"pipelined w100 x4 / {stack} (source)", stack="ours (source)", transport="tcp",
+                mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
         elif stack.endswith(" over tcp"):  # the blocking client's channels (NOTES.md, item 34)
             add(f"pipelined w100 x4 / {stack}", stack=stack.removesuffix(" over tcp"),
                 transport="tcp", mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
@@ -568,6 +571,8 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
          "sync 4x4 / ours-blocking", "sync 4x4 / ours-blocking (source)"),
         ("4x4 sync zmq: our stack on the run's reactor / on epoll (Twisted peers)",
          "sync 4x4 / ours", "sync 4x4 / ours (epoll reactor)"),
+        ("pipelined w100 x4 over tcp: our stack compiled / from source",
+         "pipelined w100 x4 / ours over tcp", "pipelined w100 x4 / ours over tcp (source)"),
         ("pipelined w100 x4: blocking client over tcp / over zmq",
          "pipelined w100 x4 / ours+blocking-client over tcp",
          "pipelined w100 x4 / ours+blocking-client"),
