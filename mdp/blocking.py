@@ -165,7 +165,6 @@ class _Loop:
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
         #: pipes that may have a connection attempt due
         self.timed: set[Any] = set()
-        #: pipes to ask (``check``) before waiting
         self.unchecked: set[Any] = set()
         #: the stream connections that carry a client's pipes, by endpoint
         self.links: dict[str, _StreamLink] = {}
@@ -564,7 +563,6 @@ class Client:
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
         call = channel.call
-        # (not if a callback run by an earlier action cancelled its request)
         if pipe is not None and pipe.up and call is not None and not call.done:
             if pipe.discardReceived():
                 report_stale(self.throttle, channel)

@@ -104,7 +104,7 @@ def _callBack(action: Union[Partial, Restarted]) -> None:
 
 
 def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
-    """Log (throttled) that messages came on *channel* before its request."""
+    """Log that messages came on *channel* before its request."""
     throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
                   "request: no request was in flight there to answer",
                   endpoint=channel.endpoint)
@@ -230,9 +230,8 @@ class Client:
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
                timeout: Optional[float] = None) -> ReplyStream:
-        """Send a request; ``async for`` over the result yields each PARTIAL
-        body, then the FINAL one (:class:`ReplyStream`).  Arguments as
-        :meth:`request`."""
+        """Send a request; ``async for`` over the :class:`ReplyStream` yields
+        each PARTIAL body, then the FINAL one.  Arguments as :meth:`request`."""
         replies = ReplyStream(self.reactor)
         d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
                          onRestart=replies._restart)

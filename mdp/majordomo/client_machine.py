@@ -7,51 +7,43 @@ Theory of operation: the machine takes events with their time and returns
 actions.  Each request (``_Call``) is in a :class:`CallState`, each connection
 of the pool (``_Channel``) in a :class:`ChannelState`.  A request's states:
 
-===========  ===================================  ===========  ================================
-state        event                                next state   actions
-===========  ===================================  ===========  ================================
-(new)        ``request()``                        QUEUED       attempt 1 starts; the request
-                                                               waits in the client's FIFO
-QUEUED       a connection is idle, or one may     IN_FLIGHT    the connection sends it now, or
-             be opened (< ``maxConnections``)                  once its pipe is up
-IN_FLIGHT    PARTIAL                              STREAMING    ``onPartial(body)``
-STREAMING    PARTIAL                              STREAMING    ``onPartial(body)``
-IN_FLIGHT,   FINAL                                DONE         connection freed; the Deferred
-STREAMING                                                      fires (fails for an error reply)
-IN_FLIGHT    pipe broke                           IN_FLIGHT    sent again once the pipe is back
-IN_FLIGHT,   pipe ended by a reply over this      DONE         ``ReplyTooLarge`` (sent
-STREAMING    client's limits                                   again, it would only run again)
-STREAMING    pipe broke, or the restart marker    IN_FLIGHT    ``onRestart()`` (without one:
-                                                               DONE, ``StreamRestarted``)
-IN_FLIGHT,   the attempt runs out                 QUEUED       connection discarded, next
-STREAMING                                         (at head)    endpoint; ``onRestart()`` if it
-                                                               was STREAMING
-QUEUED       the attempt runs out                 QUEUED       keeps its place in the FIFO
-any          the last attempt runs out            DONE         ``RequestTimeout`` (also after
-                                                               a timeout while STREAMING
-                                                               without ``onRestart``)
-any          ``cancel()``                         DONE         leaves the FIFO; one in flight
-                                                               is *abandoned*: its connection
-                                                               keeps it until its reply or
-                                                               deadline, unless a request
-                                                               waits for a connection
-any          ``close()``                          DONE         ``ClientClosed``
-===========  ===================================  ===========  ================================
+===========  ==========================  ==========  ==============================================
+state        event                       next        actions
+===========  ==========================  ==========  ==============================================
+(new)        ``request()``               QUEUED      attempt 1 starts; waits in the client's FIFO
+QUEUED       a connection is idle, or    IN_FLIGHT   the connection sends it now, or once its pipe
+             one may be opened                       is up
+IN_FLIGHT,   PARTIAL                     STREAMING   ``onPartial(body)``
+STREAMING
+IN_FLIGHT,   FINAL                       DONE        connection freed; the Deferred fires (fails
+STREAMING                                            for an error reply)
+IN_FLIGHT    pipe broke                  IN_FLIGHT   sent again once the pipe is back
+IN_FLIGHT,   pipe ended by a reply over  DONE        ``ReplyTooLarge`` (sent again, it would only
+STREAMING    this client's limits                    run again)
+STREAMING    pipe broke, restart marker  IN_FLIGHT   ``onRestart()`` (without: ``StreamRestarted``)
+IN_FLIGHT,   the attempt runs out        QUEUED      connection discarded, next endpoint;
+STREAMING                                (at head)   ``onRestart()`` if it was STREAMING
+QUEUED       the attempt runs out        QUEUED      keeps its place in the FIFO
+any          the last attempt runs out   DONE        ``RequestTimeout`` (also STREAMING without
+                                                     ``onRestart``)
+any          ``cancel()``                DONE        leaves the FIFO; one in flight is *abandoned*:
+                                                     its connection keeps it until its reply or
+                                                     deadline, unless a request waits
+any          ``close()``                 DONE        ``ClientClosed``
+===========  ==========================  ==========  ==============================================
 
-A connection's states (it carries at most one request; see Correlation):
+A connection's states (it carries at most one request; see :mod:`mdp.majordomo.client`):
 
-=====  ============================================  =====  ================================
-state  event                                         next   actions
-=====  ============================================  =====  ================================
-DOWN   given a request                               DOWN   none yet
-DOWN   pipe up                                       UP     send its request, if it carries
-                                                            one not DONE: SENT
-UP     given a request                               SENT   send it
-SENT   FINAL                                         UP     carries nothing: serves the next
-                                                            request
-UP,    pipe broke                                    DOWN   tell the client (a STREAMING
-SENT                                                        request restarts)
-=====  ============================================  =====  ================================
+=====  ==================  =====  ====================================================
+state  event               next   actions
+=====  ==================  =====  ====================================================
+DOWN   given a request     DOWN   none yet
+DOWN   pipe up             UP     send its request if it carries one not DONE: SENT
+UP     given a request     SENT   send it
+SENT   FINAL               UP     carries nothing: serves the next request
+UP,    pipe broke          DOWN   tell the client (a STREAMING request restarts)
+SENT
+=====  ==================  =====  ====================================================
 
 A reply on a connection carrying nothing, or one whose request timed out,
 discards that connection.  With ``stamp=True`` each request carries the
@@ -88,7 +80,6 @@ from mdp.policy import MAX_SECONDS, EndpointRotation, Limits
 _HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
 _ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
 _RFC = codec.RFC
-#: how many normalised service names a client keeps
 _NAMES_KEPT = 64
 
 DEFAULT_TIMEOUT = 2.5
@@ -106,7 +97,7 @@ def _check_attempts(timeout: float, retries: int) -> None:
 
 
 class CallState(enum.Enum):
-    """Where one request stands (see the table in the module docstring)."""
+    """Where one request stands (the module's table)."""
 
     #: waiting in the client's FIFO for a connection
     QUEUED = "queued"
@@ -114,8 +105,7 @@ class CallState(enum.Enum):
     IN_FLIGHT = "in flight"
     #: in flight, and PARTIALs of the current attempt were delivered
     STREAMING = "streaming"
-    #: answered, failed or cancelled (maybe still carried, abandoned, until
-    #: its reply or deadline)
+    #: answered, failed or cancelled (maybe still carried, abandoned)
     DONE = "done"
 
 
@@ -126,7 +116,6 @@ QUEUED, IN_FLIGHT, STREAMING, DONE = (
 class ChannelState(enum.Enum):
     """Where one connection of the pool stands."""
 
-    #: its pipe is not up
     DOWN = "down"
     #: its pipe is up; its request, if it has one, is not sent on it yet
     UP = "up"
@@ -184,7 +173,6 @@ class _Call:
 
     @property
     def done(self) -> bool:
-        """Answered, failed or cancelled."""
         return self.state is DONE
 
 
@@ -203,7 +191,6 @@ class _Channel:
 
     @property
     def up(self) -> bool:
-        """The pipe is up."""
         return self.state is not DOWN
 
     @property
@@ -321,8 +308,7 @@ class ClientMachine(Machine):
         self._waitingDone = 0  # done calls still in _waiting
         self._live = 0
         self._closed = False
-        #: an upper bound on the connections kept for a done request's reply
-        #: (_abandon); _reclaim corrects it
+        #: at least the connections kept for a done request's reply (_reclaim)
         self._abandoned = 0
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
@@ -335,20 +321,17 @@ class ClientMachine(Machine):
 
     @property
     def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
         return self._rotation.endpoints
 
     @property
     def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
         return self._rotation.current
 
     def newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
                 timeout: Optional[float], retries: Optional[int],
                 onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
-        """A request, encoded once for all its attempts, for :meth:`handleRequest`;
-        raises for caller mistakes and :class:`ClientClosed` once closed."""
+        """A request for :meth:`handleRequest`; raises for caller mistakes and once closed."""
         name = self._names.get(service) if type(service) in (str, bytes) else None
         if name is None:
             name = self._serviceName(service)
@@ -367,8 +350,7 @@ class ClientMachine(Machine):
                      onRestart, now)
 
     def _encode(self, name: bytes, body: list[bytes], mmi: bool) -> list[bytes]:
-        """The REQUEST, stamped unless an MMI query; :class:`RequestTooLarge`
-        if over the limits."""
+        """The REQUEST, stamped unless an MMI query; :class:`RequestTooLarge` if too large."""
         if self.stamp and not mmi:
             body = idempotence.stamp(self.clientId, next(self._sequence), body)
         if self.dialect == _RFC:
@@ -391,8 +373,7 @@ class ClientMachine(Machine):
         return name
 
     def fresh(self, now: float) -> ClientMachine:
-        """A machine with this one's options and stamps and nothing in flight,
-        for a driver that dropped every connection."""
+        """A machine with this one's options and stamps and nothing in flight."""
         machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
                                 maxConnections=self.maxConnections, dialect=self.dialect,
                                 stamp=self.stamp, limits=self.limits, now=now)
@@ -441,9 +422,8 @@ class ClientMachine(Machine):
         return self._drain()
 
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
-        """A connection was lost (*why* is named if a request then times out);
-        its request goes out again when it is back, unless the reply was over
-        this client's limits."""
+        """A connection was lost; its request goes out again when it is back,
+        unless the reply was over this client's limits."""
         self.now = now
         if why is not None and channel in self._channels:
             self._failures[channel.endpoint] = f"connection lost: {why}"
@@ -492,8 +472,7 @@ class ClientMachine(Machine):
             if channel is not None and channel.call is call and not channel.sent:
                 self._release(channel)
             elif self._abandon(call) and len(self._waiting) > self._waitingDone:
-                # a waiting request takes it at the next wake-up, not here: a
-                # batch cancel would hand it to each waiting one in turn
+                # (at the next wake-up: a batch cancel would hand it round in turn)
                 self._wakeBy(now)
         return self._drain()
 
@@ -597,8 +576,7 @@ class ClientMachine(Machine):
             self._assign(channel, call)
 
     def _reclaim(self) -> bool:
-        """Close a connection kept only for a done request's reply, to make
-        room for a waiting one; False if there is none."""
+        """Close a connection kept only for a done request's reply; False if none."""
         for channel in self._channels:
             call = channel.call
             if call is not None and call.state is DONE:
@@ -805,9 +783,7 @@ class ClientMachine(Machine):
                 self._pump()
 
     def _abandon(self, call: _Call) -> bool:
-        """*call* just became DONE: if it was sent on the connection still
-        carrying it, that connection is kept for the reply (unless _reclaim
-        takes it); count it and say so."""
+        """*call* just became DONE: whether its connection is kept for the reply."""
         channel = call.channel
         if channel is not None and channel.call is call and channel.sent:
             self._abandoned += 1

@@ -22,29 +22,24 @@ reply store.  The connection is one pipe to the current endpoint of a failover
 list; silence is judged by a :class:`~mdp.policy.Liveness`, and opening a pipe
 counts as hearing the broker, so a pipe that never comes up fails over too.
 
-=============  ==================================  =============  ==============================
-state          event                               next state     actions
-=============  ==================================  =============  ==============================
-STOPPED        ``start()``                         CONNECTING     open a pipe; start the tick
-CONNECTING     pipe up (``connectionMade``)        READY          send READY
-READY          pipe broke (``connectionLost``)     CONNECTING     drop the request in hand (the
-                                                                  transport reconnects by itself)
-READY          HEARTBEAT                           READY          reset failures and refusals
-READY          REQUEST while idle                  READY          run the handler; PARTIAL*,
-                                                                  FINAL
-READY          DISCONNECT                          BACKING_OFF    close the pipe, next endpoint,
-                                                                  wait 0 s the first time, then
-                                                                  ``backoff.delay(refusals-1)``
-CONNECTING,    tick, broker silent for more than   BACKING_OFF    close the pipe, next endpoint,
-READY          ``interval × liveness``                            wait ``backoff.delay(failures)``
-                                                                  (with several endpoints: 0 s the
-                                                                  first time, then
-                                                                  ``backoff.delay(failures-1)``)
-READY          tick (every half interval), nothing  READY          send HEARTBEAT
-               sent for ¾ of an interval
-BACKING_OFF    the delay is over                   CONNECTING     open a fresh pipe
-any            ``stop()``                          STOPPED        DISCONNECT if READY; close
-=============  ==================================  =============  ==============================
+=============  ==========================  ============  ==================================================
+state          event                       next          actions
+=============  ==========================  ============  ==================================================
+STOPPED        ``start()``                 CONNECTING    open a pipe; start the tick
+CONNECTING     pipe up                     READY         send READY
+READY          pipe broke                  CONNECTING    drop the request in hand (the transport reconnects)
+READY          HEARTBEAT                   READY         reset failures and refusals
+READY          REQUEST while idle          READY         run the handler; PARTIAL*, FINAL
+READY          DISCONNECT                  BACKING_OFF   close the pipe, next endpoint, wait 0 s the first
+                                                         time, then ``backoff.delay(refusals-1)``
+CONNECTING,    tick, broker silent over    BACKING_OFF   close the pipe, next endpoint, wait
+READY          ``interval × liveness``                   ``backoff.delay(failures)`` (several endpoints:
+                                                         0 s, then ``backoff.delay(failures-1)``)
+READY          tick, nothing sent for ¾    READY         send HEARTBEAT
+               of an interval
+BACKING_OFF    the delay is over           CONNECTING    open a fresh pipe
+any            ``stop()``                  STOPPED       DISCONNECT if READY; close
+=============  ==========================  ============  ==================================================
 
 Every message from the broker resets ``failures`` (the backoff of silence);
 HEARTBEAT and REQUEST also reset ``refusals`` (the backoff of DISCONNECTs: a
@@ -101,7 +96,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 Handler = Callable[[list[bytes]], Any]
 
-#: bytes a reply's envelope adds to its frames, besides the client address
+#: bytes a reply's envelope adds, besides the client address
 _REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 
 
@@ -163,9 +158,8 @@ class ClosePipe:
 
 @action_class
 class ReopenAfter:
-    """Call :meth:`WorkerMachine.handleReopen` after *delay* seconds (replacing
-    a pending one), having left *endpoint*, *silent* for that long (``None``:
-    it said DISCONNECT)."""
+    """Call :meth:`WorkerMachine.handleReopen` after *delay* (replacing a pending
+    call), having left *endpoint*, *silent* that long (``None``: DISCONNECT)."""
 
     delay: float
     endpoint: str
@@ -174,8 +168,7 @@ class ReopenAfter:
 
 @action_class
 class Serve:
-    """Answer *job* (from the reply store, or the handler), reporting each part
-    through :meth:`WorkerMachine.handleReply`."""
+    """Answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`."""
 
     job: _Job
     body: list[bytes]
@@ -267,22 +260,18 @@ class WorkerMachine(Machine):
 
     @property
     def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
         return self._rotation.endpoints
 
     @property
     def endpoint(self) -> str:
-        """The broker endpoint in use (or next to be tried)."""
         return self._rotation.current
 
     @property
     def connected(self) -> bool:
-        """The pipe is up and READY went out on it."""
         return self.state is READY
 
     @property
     def started(self) -> bool:
-        """Started and not stopped since."""
         return self.state is not STOPPED
 
     @property
@@ -336,8 +325,7 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleConnectFailed(self, error: object, now: float) -> list[Action]:
-        """A connection attempt failed and the transport retries: logged when
-        the reason changes, else at most once per heartbeat expiry."""
+        """A connection attempt failed (logged when the reason changes, or per expiry)."""
         from mdp.majordomo.client_machine import unreachable
 
         self.now = now
@@ -382,8 +370,7 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleBlocked(self, now: float) -> list[Action]:
-        """A handler blocked us until *now*: the broker's silence is ours, and
-        its clock starts again."""
+        """A handler blocked us until *now*: the broker's silence is not held against it."""
         self.now = now
         if self.state is READY or self.state is CONNECTING:
             self.liveness.heard(now)
@@ -504,9 +491,7 @@ class WorkerMachine(Machine):
 
 
 class WorkerDriver:
-    """What :class:`Worker` and :class:`mdp.blocking.Worker` share: the
-    machine, its state for the caller, the handler and the log.  *clock* has
-    ``seconds()``."""
+    """What :class:`Worker` and :class:`mdp.blocking.Worker` share; *clock* has ``seconds()``."""
 
     #: the level of the READY line (a process of many workers lowers it)
     readyLogLevel = LogLevel.info
@@ -525,7 +510,6 @@ class WorkerDriver:
 
     @property
     def service(self) -> bytes:
-        """The service name."""
         return self.machine.service
 
     @property
@@ -540,7 +524,6 @@ class WorkerDriver:
 
     @property
     def state(self) -> WorkerState:
-        """Where the connection to the broker stands."""
         return self.machine.state
 
     @property
@@ -573,8 +556,7 @@ class WorkerDriver:
                  service=label(self.machine.service), endpoint=self.machine.endpoint)
 
     def _openFailed(self, error: BaseException) -> None:
-        """The transport could not open the pipe: the broker's silence decides,
-        as for a pipe that never comes up."""
+        """The pipe could not be opened: as one that never comes up."""
         machine = self.machine
         log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
                   "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
