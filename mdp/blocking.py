@@ -1,14 +1,10 @@
-"""The MDP/0.2 client without a reactor, for scripts, notebooks and Spark
-executors.
+"""The MDP/0.2 client and worker without a reactor, for scripts, notebooks and
+Spark executors (docs/blocking.md).
 
-:class:`Client` is :class:`mdp.majordomo.client.ClientMachine` — the same
-decisions as the Twisted :class:`mdp.Client`: one request per connection,
-Lazy Pirate attempts and failover, the typed errors — driven by plain pyzmq
-DEALER sockets (``zmq:`` endpoints) or plain stream sockets (``tcp:``, to
-IPv4 and IPv6 hosts, and ``unix:``, with the stream transport's
-length-prefixed records) and one poller.  Nothing runs between calls: the client does its work
-inside :meth:`Client.request` and :meth:`Client.map`, in the calling thread,
-and never imports or starts a Twisted reactor.
+:class:`Client` drives the Twisted :class:`mdp.Client`'s state machine (same
+attempts, failover and typed errors) over plain pyzmq sockets (``zmq:``) or
+stream sockets (``tcp:``, ``unix:``) and one poller.  It works only inside its
+calls, in the calling thread, and never starts a Twisted reactor.
 
 ::
 
@@ -114,9 +110,8 @@ def _log_to_stdlib() -> None:
 
 
 class _Poller:
-    """``select.epoll`` (``select.poll`` where there is none) over plain
-    descriptors, remembering what each is watched for so that watching it
-    for the same again costs no system call."""
+    """``select.epoll`` (or ``select.poll``) that skips the system call when a
+    descriptor is watched for the same flags again."""
 
     __slots__ = ("_poller", "_flags", "_seconds", "closed")
 
@@ -125,7 +120,6 @@ class _Poller:
         self._poller: Any = epoll() if epoll is not None else select.poll()
         self._seconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
         self._flags: dict[int, int] = {}
-        #: closed (its owner is): nothing is watched or waited for any more
         self.closed = False
 
     def watch(self, fd: int, flags: int) -> None:
@@ -157,31 +151,26 @@ class _Poller:
 
 
 class _Loop:
-    """One poller over the descriptors of the pipes (:mod:`mdp.transport.pipes`),
-    and the pipes' reconnection times: what a blocking node waits on.
+    """What a blocking node waits on: one poller over its pipes' descriptors,
+    and the pipes' reconnection times.
 
-    A ZeroMQ socket is watched through its ``ZMQ_FD``, which only says "ask
-    ``EVENTS``"; a send or receive may consume its signal, so a pipe that
-    used its socket is asked before the loop waits again (``unchecked``), as
-    is a stream pipe holding messages read and not handed on yet (a
-    caller's callback may wait on the loop while the reply it waits for is
-    among them)."""
+    A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``" and a send or receive may
+    consume that signal, so a pipe that used its socket, or a stream pipe
+    holding unread messages, is asked before the next wait (``unchecked``)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
         self._zmqContext = context
         self.poller = _Poller()
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
-        #: pipes that may have a connection attempt due (``retryAt``)
+        #: pipes that may have a connection attempt due
         self.timed: set[Any] = set()
-        #: pipes to ask (``check``) before waiting
         self.unchecked: set[Any] = set()
         #: the stream connections that carry a client's pipes, by endpoint
         self.links: dict[str, _StreamLink] = {}
-        #: stream pipes with records to send before the loop waits (in one write)
+        #: stream pipes to flush before the loop waits
         self.unflushed: set[Any] = set()
-        #: links whose last pipe closed: closed once the actions that closed it
-        #: are done, unless a pipe opened meanwhile keeps them (closeIdle)
+        #: links whose last pipe closed, closed later unless reused (closeIdle)
         self.idle: set[Any] = set()
 
     def context(self) -> Any:
@@ -191,11 +180,9 @@ class _Loop:
 
     def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None,
              shared: bool = False) -> Any:
-        """A pipe to *endpoint*, to be started (``start()``) once its owner
-        holds it: a ZeroMQ one (with *curve*, a CURVE client) is up at once,
-        a stream one once its connection is made.  *shared*: a stream pipe is
-        a channel of the one connection this loop keeps to *endpoint*."""
-        if self.poller.closed:  # (its owner is closed: no socket is made for it any more)
+        """A pipe to *endpoint*, to ``start()`` once its owner holds it.
+        *shared*: a stream pipe is a channel of this loop's one connection there."""
+        if self.poller.closed:
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
             return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger,
@@ -216,7 +203,7 @@ class _Loop:
         pipe.close()
 
     def turn(self, when: Optional[float]) -> None:
-        """Wait for a socket or until *when* (or sooner, see _soonest); handle what came."""
+        """Wait for a socket or until *when* (or a pipe's retry); handle what came."""
         if self.idle:
             self.closeIdle()
         if self.unflushed:
@@ -242,7 +229,6 @@ class _Loop:
                 pipe.wake(now)
 
     def _soonest(self, when: Optional[float]) -> Optional[float]:
-        """*when*, or a pipe's next connection attempt if sooner."""
         for pipe in self.timed:
             retry = pipe.retryAt
             if retry is not None and (when is None or retry < when):
@@ -261,11 +247,11 @@ class _Loop:
             unchecked, self.unchecked = self.unchecked, set()
             for pipe in unchecked:
                 if pipe.check(now):
-                    timeout = 0  # something was handled: look, but do not wait
+                    timeout = 0
             if self.unchecked:
-                timeout = 0  # used again meanwhile: asked at the next turn, soon
+                timeout = 0
         poller = self.poller
-        if poller.closed:  # a caller's callback above closed the client: nothing to wait for
+        if poller.closed:  # a callback above closed the client
             return
         events = poller.poll(timeout)
         now = monotonic()
@@ -297,23 +283,14 @@ class _Refused:
 
 
 class Client:
-    """A blocking MDP/0.2 client of one broker (or the first live one of a
-    failover list): :meth:`request` returns the reply's frames and raises the
-    errors the Twisted :class:`mdp.Client`'s Deferred fails with
-    (:class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.ServiceUnavailable`,
-    :class:`~mdp.errors.WorkerError`, :class:`~mdp.errors.BrokerUnreachable`, ...);
-    :meth:`map` pipelines.  It drives the Twisted client's
-    :class:`~mdp.majordomo.client_machine.ClientMachine` (``machine``).
+    """A blocking MDP/0.2 client of a broker (or a failover list of them).
 
-    *endpoint*: ``zmq:...``, ``tcp:...`` or ``unix:...`` (one,
-    or a list); *timeout* is the seconds of **one attempt** and *retries* the
-    number of attempts in all.  At most *maxConnections* requests are in flight
-    at once (one per connection).  *context* is the ZeroMQ context to use (by
-    default one per process).
-
-    An exception that interrupts a call (Ctrl-C, wherever it lands) drops
-    every connection and fails every request in flight; the next call
-    starts clean, on fresh connections (docs/blocking.md)."""
+    :meth:`request` returns the reply's frames or raises what the Twisted
+    :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.
+    *endpoint*: ``zmq:``, ``tcp:`` or ``unix:`` (one, or a list); *timeout* is
+    the seconds of **one attempt**, *retries* the attempts in all.  An
+    exception that interrupts a call (Ctrl-C) drops every connection and
+    request in flight; the next call starts clean (docs/blocking.md)."""
 
     def __init__(
         self,
@@ -330,7 +307,6 @@ class Client:
         curveSecret: Optional[str] = None,
     ) -> None:
         endpoints = endpoint_list(endpoint)
-        #: the broker's public key and this client's key pair, for zmq: endpoints
         self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
                                      maxConnections=maxConnections, dialect=dialect,
@@ -340,7 +316,6 @@ class Client:
         self.limits = limits
         self.throttle = LogThrottle(_CLOCK)
         self._loop = _Loop(limits, context)
-        #: every pipe open, and its channel: to drop them all at once
         self._pipes: dict[Any, _Channel] = {}
         self._wakeTime: Optional[float] = None
         self._closed = False
@@ -360,8 +335,7 @@ class Client:
 
     @property
     def forked(self) -> bool:
-        """This process is a fork's child of the one that made the client
-        (whose sockets it must not use)."""
+        """This process is a fork's child of the one that made the client."""
         return self._forks != _forks
 
     # --- public API ----------------------------------------------------------
@@ -375,10 +349,8 @@ class Client:
         onPartial: Optional[Callable[[list[bytes]], Any]] = None,
         onRestart: Optional[Callable[[], Any]] = None,
     ) -> list[bytes]:
-        """Send a request and wait for its FINAL body frames.  Arguments and
-        errors as :meth:`mdp.Client.request`; an error is raised instead of
-        failing a Deferred.  *onPartial* and *onRestart* are called from
-        inside this call."""
+        """Send a request and return its FINAL body frames; arguments and
+        errors as :meth:`mdp.Client.request`, the errors raised."""
         call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
         self._waitFor(call)
         result = call.result
@@ -396,18 +368,12 @@ class Client:
         retries: Optional[int] = None,
         returnExceptions: bool = False,
     ) -> Iterator[Any]:
-        """Send one request per item of *requests* (``bytes``/``str``: one
-        frame; a sequence: its frames), with up to *window* in flight, and
-        yield the replies' frames **in the order of the requests**.
+        """One request per item (``bytes``/``str``: one frame; a sequence: its
+        frames), up to *window* in flight; yield the replies **in order**.
 
-        The first failed request raises its error (the ones still in flight
-        are abandoned), unless *returnExceptions*: then the error is yielded
-        in its place.  An item that cannot be sent (over the limits:
-        ``RequestTooLarge``; not frames: ``TypeError``) is such a failure, in
-        its place; an error reading *requests* is raised after the replies to
-        the items before it.  Items are read from *requests* only as the
-        window allows.  Stopping the iteration early abandons what is in
-        flight."""
+        The first failure (an item that cannot be sent included) raises, or
+        with *returnExceptions* is yielded in its place.  Items are read only
+        as the window allows; stopping early abandons what is in flight."""
         if isinstance(window, bool) or not isinstance(window, int):
             raise TypeError(f"window is a number of requests, not {type(window).__name__}")
         if window < 1:
@@ -415,7 +381,6 @@ class Client:
         if window > self.machine.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
-        # mistakes of the whole call raise here, not once per item
         codec.api_service_name(service)
         if timeout is not None or retries is not None:
             _check_attempts(self.machine.timeout if timeout is None else timeout,
@@ -426,8 +391,7 @@ class Client:
              timeout: Optional[float], retries: Optional[int],
              returnExceptions: bool) -> Iterator[Any]:
         pending: deque[Any] = deque()
-        #: what reading *items* raised: raised in its place, after the
-        #: replies to the items before it
+        #: what reading *items* raised, raised after the replies before it
         broken: Optional[Exception] = None
         try:
             while True:
@@ -437,7 +401,7 @@ class Client:
                     except Exception as e:
                         broken = e
                         break
-                    if item is _PENDING:  # (no more items)
+                    if item is _PENDING:
                         break
                     pending.append(self._submitItem(service, item, timeout, retries))
                 if not pending:
@@ -459,8 +423,7 @@ class Client:
 
     def _submitItem(self, service: Union[str, bytes], item: Any, timeout: Optional[float],
                     retries: Optional[int]) -> Any:
-        """The request of one item of :meth:`map` (``bytes``/``str``: one
-        frame; a sequence: its frames), or, if it cannot be sent, its error."""
+        """The request of one item of :meth:`map`, or its error."""
         single = isinstance(item, (bytes, str, bytearray, memoryview))
         try:
             return self._submit(service, (item,) if single else tuple(item), timeout, retries,
@@ -471,9 +434,8 @@ class Client:
             return _Refused(e)
 
     def close(self) -> None:
-        """Fail every pending request with :class:`ClientClosed` and close
-        every socket."""
-        if self._forks != _forks:  # forked: the sockets are the parent's, left alone
+        """Fail every pending request with :class:`ClientClosed`; close the sockets."""
+        if self._forks != _forks:  # the sockets are the parent's: left alone
             self.machine = self.machine.fresh(monotonic())
             self._pipes = {}
             self._loop = _Loop(self.limits, None)
@@ -508,8 +470,7 @@ class Client:
         return call
 
     def _waitFor(self, call: _Call) -> None:
-        """Run the sockets and the timers until *call* is done: wait for a
-        socket or the machine's wake-up, and handle what came."""
+        """Run the sockets and the timers until *call* is done."""
         loop = self._loop
         try:
             while call.result is self._unanswered:
@@ -538,18 +499,15 @@ class Client:
                 raise
 
     def _drop(self) -> None:
-        """What a call was doing was interrupted (Ctrl-C, or any exception,
-        wherever it landed): every connection is closed and the requests in
-        flight are answered no more (a request waited for later raises
-        :class:`ClientClosed`); the client goes on with a fresh machine, so
-        no reply to them can reach a later request."""
+        """A call was interrupted: close every connection and go on with a
+        fresh machine, so no reply to the abandoned requests reaches a later one."""
         self.machine = self.machine.fresh(monotonic())
         self._unanswered = _Unanswered()
         self._wakeTime = None
         pipes = self._pipes
         while pipes:
             pipe, channel = pipes.popitem()
-            channel.pipe = None  # (an action of the machine dropped finds no pipe)
+            channel.pipe = None
             self._loop.close(pipe)
         self._loop.closeIdle()
 
@@ -571,8 +529,7 @@ class Client:
         report_stale(self.throttle, channel)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order (as the Twisted driver); a
-        caller's callback that raises an ``Exception`` is logged."""
+        """Do what the machine asked, in order."""
         closed = False
         for action in actions:
             kind = type(action)
@@ -587,20 +544,17 @@ class Client:
                 closed = self._close(action.channel) or closed
             else:
                 self._act(action)
-        if closed:  # a stream connection whose last pipe these actions closed
+        if closed:
             self._loop.closeIdle()
 
     def _act(self, action: Action) -> None:
-        """An action other than a request's send and end, or a close."""
         kind = type(action)
         if kind is WakeAt:
-            # an earlier wake-up stays (asked for by a nested event)
             when = action.when
             if when is None or self._wakeTime is None or when < self._wakeTime:
                 self._wakeTime = when
         elif kind is OpenChannel:
-            # (not if a callback run by an earlier action closed the client,
-            # or had the machine give the channel up)
+            # (an earlier action's callback may have closed the client)
             if not self._closed and self.machine.holds(action.channel):
                 self._open(action.channel)
         else:
@@ -609,7 +563,6 @@ class Client:
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
         call = channel.call
-        # (not if a callback run by an earlier action cancelled its request)
         if pipe is not None and pipe.up and call is not None and not call.done:
             if pipe.discardReceived():
                 report_stale(self.throttle, channel)
@@ -630,7 +583,6 @@ class Client:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
             self._pipes[pipe] = channel
-            # (a stream pipe may say at once that it is up, or failed)
             pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
             if pipe is not None:
@@ -646,8 +598,7 @@ class Client:
 
 
 class _Unanswered:
-    """The result of a request not answered yet (one per machine: see
-    :meth:`Client._drop`)."""
+    """The result of a request not answered yet (one per machine)."""
 
     __slots__ = ()
 
@@ -656,20 +607,14 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
 class Worker(WorkerDriver):
-    """A blocking MDP/0.2 worker for one *service*: the
-    :class:`~mdp.majordomo.worker.WorkerMachine` of :class:`mdp.Worker` (READY,
-    heartbeats both ways, Paranoid Pirate reconnection with backoff and
-    failover, DISCONNECT, the 413 for a reply over the limits) driven by the
-    same sockets as :class:`Client`, in the thread that calls :meth:`run`.
+    """A blocking MDP/0.2 worker for one *service*: :class:`mdp.Worker`'s state
+    machine driven in the thread that calls :meth:`run`.
 
-    *handler* takes the request's body frames and returns the reply
-    (``bytes``, ``str`` or a list of them), or is a generator that yields
-    PARTIAL bodies and then, optionally, a :class:`~mdp.Final`.  It runs in
-    the loop's thread: while it runs nothing else does, so a handler that
-    takes longer than the broker's heartbeat expiry (interval × liveness)
-    has its worker given up (use the Twisted :class:`mdp.Worker` and
-    ``deferToThread`` for such work).  A handler that raises is answered with
-    a 500 error reply (:class:`~mdp.errors.WorkerError` for the client)."""
+    *handler* takes the body frames and returns the reply (``bytes``, ``str``
+    or a list of them), or yields PARTIAL bodies and optionally a
+    :class:`~mdp.Final`; one that raises is answered with a 500.  Nothing else
+    runs meanwhile, so a handler slower than the broker's heartbeat expiry
+    loses its broker (use :class:`mdp.Worker` with ``deferToThread``)."""
 
     def __init__(
         self,
@@ -692,8 +637,7 @@ class Worker(WorkerDriver):
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         _log_to_stdlib()
         self._context = context
-        #: the sockets and the poller, made by :meth:`run` and released when
-        #: it returns
+        #: made by :meth:`run`, released when it returns
         self._loop: Any = None
         self._pipe: Any = None
         self._reopenAt: Optional[float] = None
@@ -701,15 +645,13 @@ class Worker(WorkerDriver):
         self._stopping = False
 
     def stop(self) -> None:
-        """Make :meth:`run` return (after saying DISCONNECT) once the current
-        request, if any, is answered.  From a handler or a signal handler;
-        from another thread it takes effect within half a heartbeat interval."""
+        """Make :meth:`run` return once the current request is answered; from
+        another thread it takes effect within half a heartbeat interval."""
         self._stopping = True
 
     def run(self, until: Optional[Callable[[], bool]] = None) -> None:
-        """Serve until :meth:`stop` is called, *until()* is true (checked
-        after every wake-up), or an exception (Ctrl-C) ends the loop; then say
-        DISCONNECT and close."""
+        """Serve until :meth:`stop`, *until()* is true (checked at each
+        wake-up) or an exception; then say DISCONNECT and close."""
         self._stopping = False
         self._loop = _Loop(self.machine.limits, self._context)
         now = monotonic()
@@ -745,7 +687,6 @@ class Worker(WorkerDriver):
         self._perform(self.machine.handlePipeLost(now, why))
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
-        # logged; the stream retries, and the broker's silence decides (the machine's tick)
         self._perform(self.machine.handleConnectFailed(error, now))
 
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
@@ -790,7 +731,6 @@ class Worker(WorkerDriver):
         started = monotonic()
         try:
             result = self.handler(body)
-            # (the ABC check only for what is not a plain reply: it costs)
             if type(result) not in _PLAIN_REPLIES and isinstance(result, Generator):
                 self._stream(result, job)
             else:
@@ -815,8 +755,7 @@ class Worker(WorkerDriver):
                 return
             self._betweenParts(job)
             if not self.machine.isCurrent(job):
-                # its broker was lost or given up meanwhile: so is the request
-                parts.close()
+                parts.close()  # its broker was lost meanwhile
                 log.info("worker for {service} stopped a stream: its request went with "
                          "its broker", service=label(self.machine.service))
                 return
@@ -824,10 +763,8 @@ class Worker(WorkerDriver):
         self.requestsServed += 1
 
     def _betweenParts(self, job: Any) -> None:
-        """Between parts as between requests: what the broker sent is read,
-        a HEARTBEAT goes out when due, a broker silent for its expiry is
-        given up; while the broker takes PARTIALs slower than the handler
-        makes them, wait rather than pile them up."""
+        """Between parts, serve the broker's traffic and heartbeats, and wait
+        while the broker takes PARTIALs slower than the handler makes them."""
         loop = self._loop
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
@@ -837,13 +774,12 @@ class Worker(WorkerDriver):
                 if now >= self._nextTick:
                     self._tickDue(now)
         elif monotonic() >= self._nextTick:
-            loop.turn(monotonic())  # (a look, no wait)
+            loop.turn(monotonic())
             self._tickDue(monotonic())
 
     def _tickDue(self, now: float) -> None:
-        """The machine's tick, due by *now* (heartbeats, the broker's
-        silence); a tick late by more than an interval was held up by a
-        handler (or a stopped process): the broker's silence is ours."""
+        """The machine's tick; one late by over an interval was held up by a
+        handler, so the broker's silence is ours."""
         if now - self._nextTick > self.machine.heartbeat.interval:
             self._perform(self.machine.handleBlocked(now))
         self._nextTick = now + self.machine.wakeEvery

@@ -1,16 +1,13 @@
 """What every pattern agrees on about message bodies: frames from a caller's
 arguments, and error replies with their status codes.
 
-MDP/0.2 has no error command, and neither has Freelance.  When a broker, a
-worker or a Freelance server must fail a request, it sends an ordinary reply
-whose body is exactly three frames::
+MDP/0.2 and Freelance have no error command: a failed request gets an
+ordinary reply of exactly three frames::
 
     [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
 
-``ERROR_MARKER`` starts with a NUL byte so that it cannot be mistaken for a
-printable payload.  A client that does not know the convention sees a
-well-formed reply; ours raise the :class:`~mdp.errors.RemoteError` subclass
-for the code (:func:`remote_error`).
+The marker starts with a NUL byte, so it is no printable payload; our clients
+raise the :class:`~mdp.errors.RemoteError` subclass for the code.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ STATUS_FORBIDDEN = b"403"
 STATUS_BAD_REQUEST = b"400"
 
 def text(name: bytes) -> str:
-    """A service name (bytes on the wire) as text, for logs and metric labels:
-    ``echo``, not ``b'echo'``; bytes that are not UTF-8 appear as escapes."""
+    """A service name as text for logs and metric labels (``echo``, not ``b'echo'``)."""
     return name.decode("utf-8", "backslashreplace")
 
 
@@ -73,9 +69,8 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
 
 
 def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
-    """Normalise request body frames (``str`` is UTF-8 encoded); ``TypeError``
-    for a frame of any other type, ``ValueError`` for no frame at all unless
-    *empty* (MMI queries such as ``mmi.services`` need none)."""
+    """Normalise request body frames (``str`` is UTF-8 encoded): ``TypeError``
+    for another type, ``ValueError`` for none unless *empty*."""
     body = [f if type(f) is bytes else _frame(i, f) for i, f in enumerate(frames)]
     if not body and not empty:
         raise ValueError("a request needs at least one body frame")
@@ -83,8 +78,7 @@ def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
 
 
 def bytes_frames(frames: Sequence[object]) -> list[bytes]:
-    """*frames* as a list, each checked to be ``bytes`` (``TypeError``
-    otherwise): where a message is bytes and nothing is encoded for the caller."""
+    """*frames* as a list, each checked to be ``bytes`` (``TypeError`` otherwise)."""
     for frame in frames:
         if not isinstance(frame, bytes):
             raise TypeError(f"a frame is bytes, not {type(frame).__name__}: {frame!r}")

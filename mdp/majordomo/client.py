@@ -2,29 +2,19 @@
 
 Correlation
 -----------
-MDP/0.2 replies carry no request id, and the broker sends every reply to the
-connection the request came from.  So the client keeps a pool of connections
-(one DEALER socket each on ZeroMQ; on stream endpoints, channels of one TCP
-connection, which the broker's router knows as peers of their own) and lets
-each carry **one request at a time**: a reply on a connection belongs to the
-one request in flight on it.
-``request()`` takes an idle connection, opens a new one while the pool is below
-``maxConnections``, or waits in a local FIFO queue.
+MDP/0.2 replies carry no request id and go to the connection the request
+came from, so the client keeps a pool of connections (DEALER sockets, or
+channels of one stream connection) and each carries **one request at a
+time**.  A request takes an idle connection, opens one below
+``maxConnections``, or waits in a local FIFO.
 
-A connection (a *channel*) alone decides when its request goes on the wire:
-when it is given the request while its pipe is up, or when the pipe comes up,
-and once more after the pipe broke and came back (the broker forgot the old
-connection and what it carried).  It never hands a message to a pipe that is
-down, so no transport queue holds a copy of its own: a request is sent at
-most once per pipe, and the broker can never answer it twice on one
-connection.  A reply arriving on a channel with no request in flight is
-discarded and the channel replaced, so it cannot complete a later request.
+A connection sends its request only while its pipe is up, and again after the
+pipe came back, so a request goes out at most once per pipe.  A reply on a
+connection carrying nothing is discarded and the connection replaced, so it
+cannot complete a later request.
 
-:class:`Client` drives the client's decisions
-(:class:`~mdp.majordomo.client_machine.ClientMachine`, with the tables of a
-request's and a connection's states) over real transports.  Reliability
-(Lazy Pirate), cancelling and restarted streams are described in
-docs/mdp.md.
+:class:`Client` drives :class:`~mdp.majordomo.client_machine.ClientMachine`
+(the state tables) over real transports; the caller's view is in docs/mdp.md.
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ from mdp import transport
 from mdp.errors import ClientClosed, StreamRestarted
 from mdp.interfaces import IClient, IDealerReceiver
 from mdp.majordomo import client_machine, codec
-from mdp.majordomo.client_machine import (  # (the names of this module before the split too)
+from mdp.majordomo.client_machine import (  # (re-exported)
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
@@ -74,19 +64,16 @@ Action = Any  # an action of ClientMachine
 
 
 def __getattr__(name: str) -> Any:
-    """The machine's classes under this module's name too, where they were
-    defined before (compiled, a class the .pxd cimports is no attribute)."""
+    """The machine's classes under this module's name too (compiled, a class
+    the .pxd cimports is no attribute)."""
     if name in ("ClientMachine", "_Call", "_Channel"):
         return getattr(client_machine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tell(throttle: LogThrottle, action: Action) -> None:
-    """Do what both drivers do alike: call the caller's ``onPartial``
-    (:class:`Partial`) or ``onRestart`` (:class:`Restarted`) unless its
-    request is done meanwhile (one that raises is logged, and the request
-    goes on), or log what the machine reports (:class:`Dropped`,
-    :class:`Retrying`), throttled."""
+    """What both drivers do alike: call ``onPartial``/``onRestart`` unless the
+    request is done (one that raises is logged), or log, throttled."""
     kind = type(action)
     if kind is Partial or kind is Restarted:
         _callBack(action)
@@ -117,16 +104,14 @@ def _callBack(action: Union[Partial, Restarted]) -> None:
 
 
 def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
-    """A driver dropped messages that came on *channel* before the request
-    it is about to send there: say so (throttled)."""
+    """Log that messages came on *channel* before its request."""
     throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
                   "request: no request was in flight there to answer",
                   endpoint=channel.endpoint)
 
 
 class _ChannelPipe:
-    """The receiver of one channel's transport: hands its events to the
-    client's machine, and what it asks to the client."""
+    """The receiver of one channel's transport: feeds the client's machine."""
 
     __slots__ = ("client", "channel")
 
@@ -158,18 +143,13 @@ classImplements(_ChannelPipe, IDealerReceiver)
 
 
 class Client:
-    """An MDP/0.2 client of one broker (or of the first live one of several):
-    the :class:`ClientMachine` (``machine``) driven over real transports.  The
-    driver owns the connections, the one timer, the Deferreds and the log,
-    and calls ``onPartial``/``onRestart``; every decision is the machine's.
+    """An MDP/0.2 client of a broker (or a failover list of them): the
+    :class:`ClientMachine` (``machine``) driven over real transports.
 
-    *endpoint* is one broker endpoint or a failover list; each is checked at
-    once (a malformed one raises :class:`~mdp.errors.TransportError`).
-    *timeout* is the seconds of **one attempt** and *retries* the number of
-    attempts in all, so a request fails with :class:`RequestTimeout` after at
-    most ``timeout × retries`` seconds.  At most *maxConnections* (at least 1)
-    requests are in flight at once (one per connection); more wait in a local
-    FIFO.  :class:`mdp.blocking.Client` is the same client without a reactor."""
+    *endpoint* is checked at once (:class:`~mdp.errors.TransportError`).
+    *timeout* is the seconds of **one attempt**, *retries* the attempts in
+    all; at most *maxConnections* requests are in flight, more wait in a FIFO.
+    :class:`mdp.blocking.Client` is the same client without a reactor."""
 
     def __init__(
         self,
@@ -187,7 +167,6 @@ class Client:
     ) -> None:
         reactor = default_reactor(reactor)
         endpoints = transport.endpoint_list(endpoint)
-        #: the broker's public key and this client's key pair, for zmq: endpoints
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
                                      maxConnections=maxConnections, dialect=dialect,
@@ -196,10 +175,9 @@ class Client:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self._closed = False
-        self._timer: Any = None  # the one DelayedCall, for the wake-up the machine asked for
-        self._wakeTime: Optional[float] = None  # when it fires
-        #: the connections its pipes share, by endpoint (stream endpoints
-        #: carry them all over one; transport.connect_channels)
+        self._timer: Any = None
+        self._wakeTime: Optional[float] = None
+        #: the connections its pipes share, by endpoint
         self._links: dict[str, Any] = {}
 
     @property
@@ -225,29 +203,20 @@ class Client:
     ) -> defer.Deferred[list[bytes]]:
         """Send a request; the Deferred fires with the FINAL body frames.
 
-        *timeout* (default: the client's) is the seconds of **one attempt**;
-        *retries* (default: the client's) is the number of attempts in all.
-        The request fails with :class:`RequestTimeout` after at most
-        ``timeout × retries`` seconds, counted from this call.
+        *timeout* is the seconds of **one attempt**, *retries* the attempts in
+        all (defaults: the client's): :class:`RequestTimeout` comes after at
+        most ``timeout × retries`` seconds.  *onPartial* gets each PARTIAL
+        body, *onRestart* is called when the reply starts over.  A ``str``
+        frame is sent UTF-8 encoded.
 
-        *onPartial* is called with the body of every PARTIAL before that, and
-        *onRestart* when the reply starts over (see the module docstring).
-
-        A ``str`` frame is sent UTF-8 encoded, a ``bytearray`` or
-        ``memoryview`` as its bytes.
-
-        Caller mistakes raise at once: ``TypeError`` if *service* or a frame
-        is not ``bytes``/``str``; ``ValueError`` for no frame (an ``mmi.*``
-        query may have none), an empty (or non-ASCII, or too long) service
-        name, a *timeout* that is not positive or *retries* below 1;
-        :class:`RequestTooLarge` (a ``ValueError``) for a request over
-        ``limits``, unsent.  Everything else fails the Deferred:
-        :class:`RequestTimeout`, :class:`WorkerError`,
+        Caller mistakes raise at once: ``TypeError`` (not ``bytes``/``str``),
+        ``ValueError`` (no frame outside ``mmi.*``, a bad service name,
+        timeout or retries), :class:`RequestTooLarge`.  Everything else fails
+        the Deferred: :class:`RequestTimeout`, :class:`WorkerError`,
         :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
-        :class:`MessageTooLarge` (a 413 error reply), :class:`ReplyTooLarge`
-        (a reply over this client's own limits, dropped),
-        :class:`StreamRestarted`, :class:`ClientClosed`;
-        cancelling the Deferred abandons the request.
+        :class:`MessageTooLarge`, :class:`ReplyTooLarge` (over this client's
+        limits), :class:`StreamRestarted`, :class:`ClientClosed`.  Cancelling
+        the Deferred abandons the request.
         """
         now = self.reactor.seconds()
         machine = self.machine
@@ -261,10 +230,8 @@ class Client:
 
     def stream(self, service: Union[str, bytes], *frames: Frame,
                timeout: Optional[float] = None) -> ReplyStream:
-        """Send a request and iterate its reply parts: ``async for part in
-        client.stream(...)`` yields every PARTIAL body, then the FINAL body
-        (see :class:`ReplyStream` for restarts).  *timeout* is per attempt,
-        and arguments are checked at once, as for :meth:`request`."""
+        """Send a request; ``async for`` over the :class:`ReplyStream` yields
+        each PARTIAL body, then the FINAL one.  Arguments as :meth:`request`."""
         replies = ReplyStream(self.reactor)
         d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
                          onRestart=replies._restart)
@@ -272,9 +239,8 @@ class Client:
         return replies
 
     def close(self) -> defer.Deferred[None]:
-        """Fail every pending request with :class:`ClientClosed` and close;
-        the Deferred fires once every connection is closed (so a test, or a
-        service stopping, finds none left open)."""
+        """Fail every pending request with :class:`ClientClosed` and close; the
+        Deferred fires once every connection is closed."""
         self._closed = True
         self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
@@ -283,19 +249,17 @@ class Client:
     # --- the driver ------------------------------------------------------------
 
     def _cancel(self, call: _Call) -> None:
-        """The canceller of every request's Deferred: never raises (the
-        Deferred then fails with CancelledError)."""
+        """The canceller of every request's Deferred: never raises."""
         self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
-        call.onPartial = call.onRestart = None  # nothing more is told
+        call.onPartial = call.onRestart = None
 
     def _wake(self) -> None:
         self._timer = self._wakeTime = None
         self._perform(self.machine.handleWake(self.reactor.seconds()))
 
     def _wakeBy(self, when: Optional[float]) -> None:
-        """Arm the timer for the machine's :class:`WakeAt`.  An earlier one
-        armed stays: a callback may have asked for it (a nested event) before
-        this older action is done, and a wake-up early is harmless."""
+        """Arm the timer for a :class:`WakeAt`; an earlier one stays (a nested
+        event may have asked for it, and waking early is harmless)."""
         if when is None:
             self._timer = cancel_call(self._timer)
             self._wakeTime = None
@@ -304,9 +268,8 @@ class Client:
             self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order.  What a caller's callback does
-        meanwhile (cancel, close, a new request) is a new event, handled at
-        once; the actions left over still apply to their own objects."""
+        """Do what the machine asked, in order; what a callback does meanwhile
+        is a new event, handled at once."""
         for action in actions:
             kind = type(action)
             if kind is SendOn:
@@ -315,7 +278,7 @@ class Client:
                 call = action.call
                 call.onPartial = call.onRestart = None
                 deferred = call.deferred
-                if deferred.called:  # (a callback run by an earlier action cancelled it)
+                if deferred.called:  # (cancelled by an earlier action's callback)
                     pass
                 elif kind is Complete:
                     deferred.callback(action.body)
@@ -325,13 +288,11 @@ class Client:
                 self._act(action)
 
     def _act(self, action: Action) -> None:
-        """An action other than a request's send and end."""
         kind = type(action)
         if kind is WakeAt:
             self._wakeBy(action.when)
         elif kind is OpenChannel:
-            # (not if a callback run by an earlier action closed the client,
-            # or had the machine give the channel up)
+            # (an earlier action's callback may have closed the client)
             if not self._closed and self.machine.holds(action.channel):
                 self._open(action.channel)
         elif kind is CloseChannel:
@@ -344,7 +305,6 @@ class Client:
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
         call = channel.call
-        # (not if a callback run by an earlier action cancelled its request)
         if pipe is not None and pipe.connected and call is not None and not call.done:
             if pipe.discardReceived():
                 report_stale(self.throttle, channel)
@@ -358,7 +318,7 @@ class Client:
                     channel.endpoint, self.reactor, limits=self.limits,
                     security=transport.curve_for(channel.endpoint, self.curve))
             channel.pipe = link.open(_ChannelPipe(self, channel))
-        except Exception as e:  # the transport refused: nothing can be sent
+        except Exception as e:
             self._perform(self.machine.handleOpenFailed(channel, e, self.reactor.seconds()))
 
 
@@ -370,15 +330,13 @@ _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 
 
 class ReplyStream:
-    """Async iterator over the reply parts of one request (see
-    :meth:`Client.stream`).  Given a *reactor*, a waiting consumer is woken
-    once a reactor turn for all the parts that came meanwhile (not once a
-    part: a stream of many small parts costs a wake-up a read, not a part).
+    """Async iterator over the reply parts of one request
+    (:meth:`Client.stream`).  Given a *reactor*, a waiting consumer is woken
+    once a reactor turn for all the parts that came meanwhile.
 
-    If the reply starts over after some of its parts were taken, the next
-    ``__anext__`` raises :class:`~mdp.errors.StreamRestarted` (parts of the
-    abandoned attempt not taken yet are discarded); iterating again then yields
-    the new attempt's parts from the beginning::
+    If the reply starts over after parts were taken, the next ``__anext__``
+    raises :class:`~mdp.errors.StreamRestarted`; iterating again yields the
+    new attempt's parts from the beginning::
 
         while True:
             try:
@@ -391,12 +349,10 @@ class ReplyStream:
 
     def __init__(self, reactor: Any = None) -> None:
         self._parts: deque[Any] = deque()
-        self._taken = 0  # parts of the current attempt handed out
+        self._taken = 0  # of the current attempt
         self._done = False
         self._error: Any = None
         self._waiter: Optional[defer.Deferred[None]] = None
-        #: with a reactor, a waiting consumer is woken once a reactor turn
-        #: for all the parts that came meanwhile, not once a part
         self._reactor = reactor
         self._wakeCall: Any = None
 
@@ -412,7 +368,7 @@ class ReplyStream:
     def _put(self, frames: list[bytes]) -> None:
         self._parts.append(frames)
         if self._waiter is None or self._wakeCall is not None:
-            return  # the consumer is busy, or is to be woken already
+            return
         if self._reactor is None:
             self._wake()
         else:
@@ -420,8 +376,8 @@ class ReplyStream:
 
     def _restart(self) -> None:
         while self._parts and self._parts[-1] is not _RESTARTED:
-            self._parts.pop()  # not taken yet: discarded
-        if not self._parts and self._taken:  # the caller saw parts of the abandoned attempt
+            self._parts.pop()
+        if not self._parts and self._taken:
             self._parts.append(_RESTARTED)
         self._wake()
 

@@ -1,24 +1,16 @@
 """Opt-in duplicate filtering for non-idempotent services (Guide: "Idempotent
 Services").
 
-MDP re-sends requests: the client after a timeout, the broker when a worker
-dies.  A service that must not run a request twice asks clients to **stamp**
-requests (``Client(..., stamp=True)``) and gives its workers a **reply store**
-(``Worker(..., replies=MemoryReplyStore())``).
-
-Wire form of a stamped request body::
+MDP re-sends requests, so a service that must not run one twice has clients
+**stamp** requests (``Client(..., stamp=True)``) and gives its workers a
+**reply store** (``Worker(..., replies=MemoryReplyStore())``).  A stamped body,
+the same on every retry::
 
     [STAMP_MARKER, client id (16 bytes), sequence number (ASCII digits), body...]
 
-The stamp is the same on every retry of one request.  A worker strips it before
-calling the handler (whether or not it has a store).  With a store, a request
-whose stamp already has a stored FINAL is answered from the store without
-running the handler; otherwise the handler runs and its FINAL is stored.
-
-Limits: the store only knows *finished* requests, so a retry that reaches a
-second worker while the first is still running executes again; share one store
-between workers (any object providing :class:`IReplyStore`, e.g. backed by a
-database) to filter across workers.
+A worker strips the stamp before the handler runs; with a store, a request
+whose FINAL is stored is answered from it.  The store knows only *finished*
+requests: share one between workers to filter across them.
 """
 
 from __future__ import annotations
@@ -45,13 +37,8 @@ MAX_SEQUENCE_DIGITS = 20
 
 
 def unstamp(body: Sequence[bytes]) -> tuple[Optional[StampKey], list[bytes]]:
-    """Split a request body into ``(stamp key or None, handler frames)``.
-
-    A body that begins with the marker must carry a well-formed stamp (a
-    16-byte client id, 1 to 20 ASCII digits, at least one body frame):
-    ``ValueError`` otherwise.  Keys are only ever made of well-formed
-    stamps, so a malformed one can neither collide with another client's
-    nor make the store keep a key of any size."""
+    """Split a request body into ``(stamp key or None, handler frames)``;
+    ``ValueError`` for a malformed stamp (so no key collides or grows unbounded)."""
     if not body or body[0] != STAMP_MARKER:
         return None, list(body)
     if len(body) < 4:
@@ -76,8 +63,7 @@ class IReplyStore(Interface):
         """Remember the FINAL body sent for *key*."""
 
 
-#: Bytes a stored reply is counted for beyond its frames and key: the
-#: entry, its list and its frames' headers.
+#: Bytes a stored reply is counted for beyond its frames and key.
 ENTRY_OVERHEAD = 256
 
 
@@ -87,10 +73,8 @@ def _held(key: StampKey, reply: Sequence[bytes]) -> int:
 
 @implementer(IReplyStore)
 class MemoryReplyStore:
-    """In-memory store keeping the most recently used replies: at most
-    *maxEntries* of them and *maxBytes* in all (their frames, keys and a
-    fixed overhead an entry), the least recently used going first.  A reply
-    larger than *maxBytes* on its own is not kept."""
+    """In-memory LRU store of at most *maxEntries* replies and *maxBytes* in
+    all; a reply larger than *maxBytes* alone is not kept."""
 
     def __init__(self, maxEntries: int = 10_000, maxBytes: int = 256 * 1024 * 1024) -> None:
         if maxEntries < 1:
@@ -99,7 +83,6 @@ class MemoryReplyStore:
             raise ValueError("maxBytes must be at least 1")
         self.maxEntries = maxEntries
         self.maxBytes = maxBytes
-        #: bytes the kept replies are counted for
         self.heldBytes = 0
         self._replies: OrderedDict[StampKey, tuple[list[bytes], int]] = OrderedDict()
 

@@ -2,79 +2,51 @@
 
 The handler receives the request body (``list[bytes]``) and may return:
 
-* ``bytes``/``str`` or a list of them — sent as one FINAL;
-* a :class:`~twisted.internet.defer.Deferred` or a coroutine — its result is
-  sent as above when it fires;
-* a generator or async generator — every item it yields is sent at once as a
-  PARTIAL, except an item wrapped in :class:`Final`, which ends the reply; a
-  generator that ends without yielding :class:`Final` is closed with a FINAL
-  holding one empty frame.
+* ``bytes``/``str`` or a list of them: sent as one FINAL;
+* a Deferred or a coroutine: its result, sent as above;
+* a generator or async generator: each item is sent as a PARTIAL, and an item
+  wrapped in :class:`Final` ends the reply (else a FINAL of one empty frame).
 
-Requests stamped by the client (see :mod:`mdp.majordomo.idempotence`) are unstamped
-before the handler sees them; given a reply store (``replies=``), the worker
-answers a stamped request it has already answered from the store.
-
-A handler exception is logged and answered with an error FINAL
-(``codec.error_body(b"500", ...)``) that our client raises as
-:class:`~mdp.errors.WorkerError`.  A reply (or a PARTIAL) too large for the
-message limits is not sent: the request is answered with a 413 error FINAL
-(:class:`~mdp.errors.MessageTooLarge`) and a streaming handler is closed, so
-an oversized reply never costs the worker its connection.
+Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first; with
+a reply store (``replies=``) one already answered is answered from it.  A
+handler exception is answered with a 500 error FINAL
+(:class:`~mdp.errors.WorkerError`); a reply part over the message limits with
+a 413 (:class:`~mdp.errors.MessageTooLarge`), so it never costs the connection.
 
 Theory of operation
 -------------------
-The decisions live in :class:`WorkerMachine`, which knows no reactor, no
-transport, no Deferred and no handler: it is fed events with their time and
-returns actions (:class:`SendToBroker`, :class:`OpenPipe`, :class:`ClosePipe`,
-:class:`ReopenAfter`, :class:`Serve`, :class:`StoreReply`, and
-:class:`Dropped`, :class:`Refused`, :class:`Lost`, :class:`ConnectFailed` for
-the log).  :class:`Worker` is its driver: it holds the machine
-(``worker.machine``), owns the pipe, the timers and the log, runs the handler
-and the reply store, and reports each reply part back (``handleReply``).
+:class:`WorkerMachine` decides (no reactor, transport, Deferred or handler):
+it takes events with their time and returns actions.  :class:`Worker` drives
+it: it owns the pipe, the timers and the log, and runs the handler and the
+reply store.  The connection is one pipe to the current endpoint of a failover
+list; silence is judged by a :class:`~mdp.policy.Liveness`, and opening a pipe
+counts as hearing the broker, so a pipe that never comes up fails over too.
 
-A worker is in one :class:`WorkerState` at a time; its connection to the
-broker is one pipe (one DEALER socket on ZeroMQ), opened to the current
-endpoint of its failover list (:class:`~mdp.policy.EndpointRotation`).
-Silence is judged by a :class:`~mdp.policy.Liveness`: every message from the
-broker counts, and so does opening a pipe (a pipe that never comes up counts
-as silence, so the worker fails over even from a broker it cannot reach).
-
-=============  ==================================  =============  ==============================
-state          event                               next state     actions
-=============  ==================================  =============  ==============================
-STOPPED        ``start()``                         CONNECTING     open a pipe; start the tick
-CONNECTING     pipe up (``connectionMade``)        READY          send READY
-READY          pipe broke (``connectionLost``)     CONNECTING     drop the request in hand (the
-                                                                  transport reconnects by itself)
-READY          HEARTBEAT                           READY          reset failures and refusals
-READY          REQUEST while idle                  READY          run the handler; PARTIAL*,
-                                                                  FINAL
-READY          DISCONNECT                          BACKING_OFF    close the pipe, next endpoint,
-                                                                  wait 0 s the first time, then
-                                                                  ``backoff.delay(refusals-1)``
-CONNECTING,    tick, broker silent for more than   BACKING_OFF    close the pipe, next endpoint,
-READY          ``interval × liveness``                            wait ``backoff.delay(failures)``
-                                                                  (with several endpoints: 0 s the
-                                                                  first time, then
-                                                                  ``backoff.delay(failures-1)``)
-READY          tick (every half interval), nothing  READY          send HEARTBEAT
-               sent for ¾ of an interval
-BACKING_OFF    the delay is over                   CONNECTING     open a fresh pipe
-any            ``stop()``                          STOPPED        DISCONNECT if READY; close
-=============  ==================================  =============  ==============================
+=============  ==========================  ============  ==================================================
+state          event                       next          actions
+=============  ==========================  ============  ==================================================
+STOPPED        ``start()``                 CONNECTING    open a pipe; start the tick
+CONNECTING     pipe up                     READY         send READY
+READY          pipe broke                  CONNECTING    drop the request in hand (the transport reconnects)
+READY          HEARTBEAT                   READY         reset failures and refusals
+READY          REQUEST while idle          READY         run the handler; PARTIAL*, FINAL
+READY          DISCONNECT                  BACKING_OFF   close the pipe, next endpoint, wait 0 s the first
+                                                         time, then ``backoff.delay(refusals-1)``
+CONNECTING,    tick, broker silent over    BACKING_OFF   close the pipe, next endpoint, wait
+READY          ``interval × liveness``                   ``backoff.delay(failures)`` (several endpoints:
+                                                         0 s, then ``backoff.delay(failures-1)``)
+READY          tick, nothing sent for ¾    READY         send HEARTBEAT
+               of an interval
+BACKING_OFF    the delay is over           CONNECTING    open a fresh pipe
+any            ``stop()``                  STOPPED       DISCONNECT if READY; close
+=============  ==========================  ============  ==================================================
 
 Every message from the broker resets ``failures`` (the backoff of silence);
 HEARTBEAT and REQUEST also reset ``refusals`` (the backoff of DISCONNECTs: a
-broker that refuses READY, e.g. at its worker limit, sends DISCONNECT again
-before anything else).  Messages arriving while STOPPED or BACKING_OFF come
-from a pipe already closed and are ignored.  Every new or lost pipe bumps the
-*generation*: a reply computed for an older one is dropped, since the broker
-has re-queued that request elsewhere.
-
-This is the Guide's Paranoid Pirate: heartbeats both ways; a broker silent for
-``interval × liveness`` is dead, and the worker reconnects on a fresh socket
-after a backoff delay (1 s doubling to 32 s), rotating through its list of
-broker endpoints.
+broker refusing READY sends DISCONNECT before anything else).  Messages while
+STOPPED or BACKING_OFF are ignored.  Every new or lost pipe bumps the
+*generation*: a reply for an older one is dropped (the broker re-queued it).
+This is the Guide's Paranoid Pirate.
 """
 
 from __future__ import annotations
@@ -124,23 +96,22 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 Handler = Callable[[list[bytes]], Any]
 
-#: bytes a reply's envelope adds to its frames, besides the client address
+#: bytes a reply's envelope adds, besides the client address
 _REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 
 
 
 
 class WorkerState(enum.Enum):
-    """Where a worker's connection to the broker stands (see the table in the
-    module docstring)."""
+    """Where a worker's connection to the broker stands (the module's table)."""
 
     #: not started, or stopped: no pipe, no timer
     STOPPED = "stopped"
-    #: a pipe is open and not up yet (or broke and its transport reconnects)
+    #: a pipe is open and not up (yet, or again)
     CONNECTING = "connecting"
     #: the pipe is up and READY went out on it
     READY = "ready"
-    #: the pipe was closed; a fresh one opens once the backoff delay is over
+    #: the pipe was closed; a fresh one opens after the backoff delay
     BACKING_OFF = "backing off"
 
 
@@ -158,40 +129,37 @@ class Final:
 @action_class
 class _Job:
     """One request being served: where its reply goes and whether it still may.
-    Not changed once made (not frozen: a frozen class sets every field
-    through ``object.__setattr__``, on every request)."""
+    Never changed (not frozen: that costs on every request)."""
 
-    client: bytes  # the client address frame to reply to
+    client: bytes
     generation: int  # the connection it arrived on
-    key: Optional[idempotence.StampKey]  # its stamp, if the client stamped it
-    startedAt: float = 0.0  # when it arrived
+    key: Optional[idempotence.StampKey]
+    startedAt: float = 0.0
 
 
 @action_class
 class SendToBroker:
-    """The machine's wish: send *frames* on the pipe."""
+    """Send *frames* on the pipe."""
 
     frames: list[bytes]
 
 
 @action_class
 class OpenPipe:
-    """The machine's wish: open a pipe to *endpoint*."""
+    """Open a pipe to *endpoint*."""
 
     endpoint: str
 
 
 @action_class
 class ClosePipe:
-    """The machine's wish: close the pipe (what was sent on it goes first)."""
+    """Close the pipe (what was sent on it goes first)."""
 
 
 @action_class
 class ReopenAfter:
-    """The machine's wish: call :meth:`WorkerMachine.handleReopen` after
-    *delay* seconds (replacing any such call still pending), having left
-    *endpoint*: its broker was *silent* for that many seconds, or (``None``)
-    said DISCONNECT."""
+    """Call :meth:`WorkerMachine.handleReopen` after *delay* (replacing a pending
+    call), having left *endpoint*, *silent* that long (``None``: DISCONNECT)."""
 
     delay: float
     endpoint: str
@@ -200,9 +168,7 @@ class ReopenAfter:
 
 @action_class
 class Serve:
-    """The machine's wish: answer request *job* with body *body* (from the
-    reply store, or by running the handler), then report each part through
-    :meth:`WorkerMachine.handleReply`."""
+    """Answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`."""
 
     job: _Job
     body: list[bytes]
@@ -210,7 +176,7 @@ class Serve:
 
 @action_class
 class StoreReply:
-    """The machine's wish: keep *frames* as the reply to stamp *key*."""
+    """Keep *frames* as the reply to stamp *key*."""
 
     key: idempotence.StampKey
     frames: list[bytes]
@@ -218,15 +184,14 @@ class StoreReply:
 
 @action_class
 class Dropped:
-    """For the log: a message from the broker was dropped, for *reason*."""
+    """For the log: a message from the broker was dropped."""
 
     reason: str
 
 
 @action_class
 class Refused:
-    """For the log: a request is answered with the error *status* (400,
-    413) instead, for *reason*."""
+    """For the log: a request is answered with the error *status* instead."""
 
     status: bytes
     reason: str
@@ -234,7 +199,7 @@ class Refused:
 
 @action_class
 class Lost:
-    """For the log: the registered pipe to *endpoint* was lost (*why*)."""
+    """For the log: the registered pipe was lost."""
 
     endpoint: str
     why: str
@@ -242,8 +207,7 @@ class Lost:
 
 @action_class
 class ConnectFailed:
-    """For the log: the pipe cannot connect to *endpoint* (*why*); the
-    transport tries again."""
+    """For the log: the pipe cannot connect; the transport tries again."""
 
     endpoint: str
     why: str
@@ -254,8 +218,7 @@ Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | Stor
 
 
 def _why(reason: object) -> str:
-    """A connection's loss or failure, in words: the exception a Failure
-    holds, or the exception itself."""
+    """A connection's loss or failure (a Failure or an exception), in words."""
     value = getattr(reason, "value", reason)
     if value is None:
         return "no reason given"
@@ -263,10 +226,8 @@ def _why(reason: object) -> str:
 
 
 class WorkerMachine(Machine):
-    """The worker's decisions (the table in the module docstring), and
-    nothing else: no reactor, no transport, no Deferred, no handler, no log.
-    Feed it events with their time; each ``handle*`` returns the actions it
-    wants done, in order.  :class:`Worker` drives it."""
+    """The worker's decisions (the module's table): each ``handle*`` takes an
+    event with its time and returns the actions to do, in order."""
 
     def __init__(
         self,
@@ -286,67 +247,57 @@ class WorkerMachine(Machine):
         self.backoff = backoff
         self.dialect = codec.check_dialect(dialect)
         self.limits = limits
-        #: the last reason a connection attempt failed, and when it was told
+        #: the last reason a connection attempt failed, and when it was logged
         self.connectWhy: Optional[str] = None
         self.connectSaidAt = 0.0
         self.state = STOPPED
-        #: when the broker was last heard from and last sent to
         self.liveness = Liveness(heartbeat, now)
-        self.failures = 0  # reconnections since the broker last spoke
-        self.refusals = 0  # DISCONNECTs since the broker last sent HEARTBEAT or REQUEST
+        self.failures = 0
+        self.refusals = 0
         self.current: Optional[bytes] = None  # client address being served
         self.answered = False  # the broker sent something since READY
-        self.generation = 0  # bumped on every new or lost pipe; stale replies are dropped
+        self.generation = 0
 
     @property
     def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
         return self._rotation.endpoints
 
     @property
     def endpoint(self) -> str:
-        """The broker endpoint in use (or next to be tried)."""
         return self._rotation.current
 
     @property
     def connected(self) -> bool:
-        """The pipe is up and READY went out on it (state READY)."""
         return self.state is READY
 
     @property
     def started(self) -> bool:
-        """Started and not stopped since (any state but STOPPED)."""
         return self.state is not STOPPED
 
     @property
     def registered(self) -> bool:
-        """READY went out and the broker has answered since (a HEARTBEAT or
-        a request): on ZeroMQ a pipe is "up" whether or not anyone listens."""
+        """READY went out and the broker has answered since (on ZeroMQ a pipe
+        is "up" whether or not anyone listens)."""
         return self.state is READY and self.answered
 
     @property
     def wakeEvery(self) -> float:
-        """How often :meth:`handleTick` wants to run: half a heartbeat
-        interval, so a silent broker is noticed within half an interval of
-        its expiry (a HEARTBEAT still goes out once an interval)."""
+        """How often :meth:`handleTick` wants to run: half a heartbeat interval."""
         return self.heartbeat.interval / 2
 
     def isCurrent(self, job: _Job) -> bool:
-        """*job* may still be answered: its pipe lives and it is the request
-        in hand."""
+        """*job* may still be answered: its pipe lives and it is in hand."""
         return job.generation == self.generation and self.current == job.client
 
     # --- events ----------------------------------------------------------------
 
     def handleStart(self, now: float) -> list[Action]:
-        """Connect: READY goes out once the pipe is up."""
         self.now = now
         if self.state is STOPPED:
             self._open()
         return self._drain()
 
     def handleStop(self, now: float) -> list[Action]:
-        """Say DISCONNECT (if registered) and close."""
         self.now = now
         state, self.state = self.state, STOPPED
         if state is READY:
@@ -357,7 +308,6 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleReopen(self, now: float) -> list[Action]:
-        """The backoff delay is over."""
         self.now = now
         if self.state is BACKING_OFF:
             self._open()
@@ -365,7 +315,7 @@ class WorkerMachine(Machine):
 
     def handlePipeUp(self, now: float) -> list[Action]:
         self.now = now
-        self.connectWhy = None  # a later failure is news again
+        self.connectWhy = None
         self.generation += 1
         self.state = READY
         self.current = None
@@ -375,10 +325,7 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleConnectFailed(self, error: object, now: float) -> list[Action]:
-        """A connection attempt failed (refused, no such host, ...), and the
-        transport tries again on its own: logged when the reason changes,
-        and at most once per ``interval * liveness`` while it stays (a
-        worker started before its broker would say so at every retry)."""
+        """A connection attempt failed (logged when the reason changes, or per expiry)."""
         from mdp.majordomo.client_machine import unreachable
 
         self.now = now
@@ -391,8 +338,7 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handlePipeLost(self, now: float, why: object = None) -> list[Action]:
-        """The connection was lost; *why*, the reason (a Failure or an
-        exception), is logged with it (a TLS handshake refused, say)."""
+        """The connection was lost, for *why* (a Failure or an exception)."""
         self.now = now
         if self.state is READY:
             self._outbox.append(Lost(self.endpoint, _why(why)))
@@ -402,17 +348,15 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleMessage(self, frames: list[bytes], now: float) -> list[Action]:
-        """A message from the broker."""
         self.now = now
         self._received(frames)
         return self._drain()
 
     def handleReply(self, job: _Job, kind: type, frames: list[bytes], now: float,
                     store: bool = True) -> tuple[bool, list[Action]]:
-        """A PARTIAL or FINAL for *job*: sent unless its pipe is gone (a
-        stamped request's FINAL is stored either way); a part over the
-        message limits is replaced by a 413 error FINAL.  Returns whether the
-        part went out as itself, and the actions."""
+        """A PARTIAL or FINAL for *job*: sent unless its pipe is gone (a stamped
+        FINAL is stored either way), a part over the limits replaced by a 413.
+        Returns whether the part went out as itself, and the actions."""
         self.now = now
         sent = self._replyPart(job, kind, frames, store)
         outbox = self._outbox
@@ -420,16 +364,13 @@ class WorkerMachine(Machine):
         return sent, outbox
 
     def handleTick(self, now: float) -> list[Action]:
-        """Once per heartbeat interval: detect a dead (or unreachable) broker,
-        send HEARTBEAT."""
+        """Detect a dead broker; send HEARTBEAT when due."""
         self.now = now
         self._tick(now)
         return self._drain()
 
     def handleBlocked(self, now: float) -> list[Action]:
-        """The reactor could not run until *now* (a handler blocked it): what
-        the broker sent meanwhile waits unread, so its silence is ours and
-        is not held against it (the silence clock starts again)."""
+        """A handler blocked us until *now*: the broker's silence is not held against it."""
         self.now = now
         if self.state is READY or self.state is CONNECTING:
             self.liveness.heard(now)
@@ -438,16 +379,12 @@ class WorkerMachine(Machine):
     # --- decisions -------------------------------------------------------------
 
     def _open(self) -> None:
-        """Open a pipe to the current endpoint: CONNECTING."""
         self.state = CONNECTING
-        # a pipe that never comes up counts as silence, so the worker fails
-        # over even when the broker cannot be reached at all
         self.liveness.heard(self.now)
         self._outbox.append(OpenPipe(self.endpoint))
 
     def _reconnect(self, delay: float, silent: Optional[float] = None) -> None:
-        """Close the socket, wait *delay*, open a fresh one to the next
-        endpoint (Paranoid Pirate): BACKING_OFF."""
+        """Close the pipe and open a fresh one to the next endpoint after *delay*."""
         self.state = BACKING_OFF
         self.current = None
         self.generation += 1
@@ -458,10 +395,9 @@ class WorkerMachine(Machine):
 
     def _received(self, frames: list[bytes]) -> None:
         if self.state is STOPPED or self.state is BACKING_OFF:
-            return  # from a pipe already closed
+            return
         if (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
                 and frames[3] == b"" and self.dialect == RFC):
-            # a REQUEST, checked as decode_worker checks it
             self._command(WorkerRequest, frames[2], frames[4:])
             return
         try:
@@ -475,7 +411,6 @@ class WorkerMachine(Machine):
             self._command(type(command), b"", [])
 
     def _command(self, kind: type, client: bytes, body: list[bytes]) -> None:
-        """A command from the broker (a REQUEST from *client* with *body*)."""
         self.liveness.heard(self.now)
         self.failures = 0
         self.answered = True
@@ -491,7 +426,6 @@ class WorkerMachine(Machine):
             self._outbox.append(Dropped(f"unexpected {kind.__name__}"))
 
     def _request(self, client: bytes, body: list[bytes]) -> None:
-        """A REQUEST from *client* (its body a list of our own)."""
         if self.current is not None:
             self._outbox.append(Dropped("a REQUEST while busy"))
             return
@@ -539,13 +473,13 @@ class WorkerMachine(Machine):
     def _tick(self, now: float) -> None:
         state = self.state
         if state is not CONNECTING and state is not READY:
-            return  # waiting out a reconnect delay
+            return
         liveness = self.liveness
         if liveness.dead(now):
             if self.failures or len(self._rotation.endpoints) == 1:
                 delay = self.backoff.delay(self.failures - (len(self._rotation.endpoints) > 1))
             else:
-                delay = 0.0  # another broker to try (a Binary Star pair): at once
+                delay = 0.0  # another broker to try: at once
             self.failures += 1
             self._reconnect(delay, liveness.silence(now))
         elif state is READY and liveness.due(now, 0.75):
@@ -557,13 +491,9 @@ class WorkerMachine(Machine):
 
 
 class WorkerDriver:
-    """What both drivers of a :class:`WorkerMachine` share (:class:`Worker`
-    and :class:`mdp.blocking.Worker`): the machine (``machine``), its state
-    for the caller, the handler, and the log of what the machine reports.
-    *clock* (what has ``seconds()``) is the driver's time."""
+    """What :class:`Worker` and :class:`mdp.blocking.Worker` share; *clock* has ``seconds()``."""
 
-    #: the level of the line saying READY went out: a process of many
-    #: workers of its own (Titanic's) says once what it serves instead
+    #: the level of the READY line (a process of many workers lowers it)
     readyLogLevel = LogLevel.info
 
     def __init__(self, endpoints: list[str], service: Union[str, bytes], handler: Handler,
@@ -571,7 +501,6 @@ class WorkerDriver:
                  limits: Limits, curveServerPublic: Optional[str],
                  curveSecret: Optional[str]) -> None:
         self.handler = checked_handler(handler)
-        #: the broker's public key and this worker's key pair, for zmq: endpoints
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
                                      heartbeat=heartbeat, backoff=backoff, dialect=dialect,
@@ -581,7 +510,6 @@ class WorkerDriver:
 
     @property
     def service(self) -> bytes:
-        """The service name, bytes."""
         return self.machine.service
 
     @property
@@ -596,7 +524,6 @@ class WorkerDriver:
 
     @property
     def state(self) -> WorkerState:
-        """Where the connection to the broker stands."""
         return self.machine.state
 
     @property
@@ -621,7 +548,7 @@ class WorkerDriver:
 
     @property
     def generation(self) -> int:
-        """Bumped on every new or lost pipe (a reply for an older one is dropped)."""
+        """Bumped on every new or lost pipe."""
         return self.machine.generation
 
     def _ready(self) -> None:
@@ -629,9 +556,7 @@ class WorkerDriver:
                  service=label(self.machine.service), endpoint=self.machine.endpoint)
 
     def _openFailed(self, error: BaseException) -> None:
-        """The transport could not open the pipe (no socket to be had: out
-        of descriptors): as a pipe that never comes up, the broker's silence
-        decides, and the worker reconnects with its backoff."""
+        """The pipe could not be opened: as one that never comes up."""
         machine = self.machine
         log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
                   "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
@@ -639,8 +564,7 @@ class WorkerDriver:
                   expiry=machine.heartbeat.expiry)
 
     def _report(self, action: Action) -> None:
-        """Log what the machine reports (throttled where the broker could
-        make a flood of it)."""
+        """Log what the machine reports (throttled where the broker could flood it)."""
         kind = type(action)
         service = label(self.machine.service)
         if kind is ReopenAfter:
@@ -667,15 +591,12 @@ class WorkerDriver:
 
 
 class Worker(WorkerDriver):
-    """An MDP/0.2 worker for one *service*, connected to one broker at a time:
-    the :class:`WorkerMachine` driven over a real transport.  The driver owns
-    the pipe, the tick and the backoff timer, runs the handler (Deferreds,
-    coroutines, generators, pacing a stream by ``drained()``) and the reply
-    store; every decision is the machine's.
+    """An MDP/0.2 worker for one *service*: the :class:`WorkerMachine` driven
+    over a real transport, one broker at a time.
 
-    *endpoint* is one broker endpoint or a failover list; each is checked at
-    once (a malformed one raises :class:`~mdp.errors.TransportError`); a
-    *handler* that is not callable raises ``TypeError``."""
+    *endpoint* (one, or a failover list) is checked at once
+    (:class:`~mdp.errors.TransportError`); a handler not callable raises
+    ``TypeError``."""
 
     def __init__(
         self,
@@ -700,14 +621,13 @@ class Worker(WorkerDriver):
         self.reactor = reactor
         self.replies = replies
         self.transport: Optional[IDealerTransport] = None
-        self.streamPauses = 0  # times a streaming handler waited for a full queue to drain
+        self.streamPauses = 0  # times a stream waited for the queue to drain
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
         self._lastTick: Optional[float] = None
-        #: when the last block of the reactor by a handler ended (it is logged once)
+        #: when the last handler's block of the reactor ended (logged once)
         self._handlerBlockEnded = -1.0
-        #: a :class:`mdp.metrics.WorkerMetrics` (or None)
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(self)
@@ -738,9 +658,8 @@ class Worker(WorkerDriver):
         now = self.reactor.seconds()
         last, self._lastTick = self._lastTick, now
         if last is not None and now - last > self.machine.wakeEvery + self.machine.heartbeat.interval:
-            # the reactor did not run this timer on time: something blocked it
             blocked = now - last - self.machine.wakeEvery
-            if self._handlerBlockEnded < last:  # not the handler's block, already told
+            if self._handlerBlockEnded < last:  # not a handler's, already logged
                 self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f} s "
                                    "(worker for {service}): the broker's silence meanwhile is not "
                                    "held against it", blocked=blocked, service=label(self.service))
@@ -750,8 +669,7 @@ class Worker(WorkerDriver):
         self._perform(self.machine.handleTick(now))
 
     def _perform(self, actions: list[Action]) -> Optional[defer.Deferred[None]]:
-        """Do what the machine asked, in order; returns the closing of a pipe
-        it closed, if it did."""
+        """Do what the machine asked, in order; returns a pipe's closing, if any."""
         closing = None
         for action in actions:
             kind = type(action)
@@ -769,8 +687,6 @@ class Worker(WorkerDriver):
         return closing
 
     def _act(self, action: Action) -> Optional[defer.Deferred[None]]:
-        """An action other than a send or a request to serve; returns the
-        closing of a pipe it closed, if it did."""
         kind = type(action)
         if kind is StoreReply:
             if self.replies is not None:
@@ -796,7 +712,7 @@ class Worker(WorkerDriver):
             self.transport = transport.connect(
                 endpoint, self, self.reactor, retryPolicy=self.machine.backoff.retryPolicy(),
                 limits=self.machine.limits, security=transport.curve_for(endpoint, self.curve))
-        except TransportError as e:  # no socket to be had (out of descriptors)
+        except TransportError as e:  # (out of descriptors)
             self._openFailed(e)
 
     # --- IDealerReceiver ---------------------------------------------------
@@ -848,7 +764,7 @@ class Worker(WorkerDriver):
         if blocked >= self.machine.heartbeat.interval:
             self._checkBlocked(blocked)
         kind = type(result)
-        if kind is list or kind is bytes:  # the common, synchronous answer
+        if kind is list or kind is bytes:
             self._finish(result, job)
             return
         if isinstance(result, Coroutine):
@@ -861,10 +777,8 @@ class Worker(WorkerDriver):
             self._finish(result, job)
 
     def _checkBlocked(self, blocked: float) -> None:
-        """A handler that kept the reactor for longer than a heartbeat
-        interval is told so, and the broker's silence meanwhile is not held
-        against it (the broker may still have given this worker up: its
-        late reply is then taken if the request is still queued)."""
+        """Log a handler that kept the reactor over a heartbeat interval; the
+        broker's silence meanwhile is not held against it."""
         if blocked < self.machine.heartbeat.interval:
             return
         now = self.reactor.seconds()
@@ -877,10 +791,8 @@ class Worker(WorkerDriver):
         self._perform(self.machine.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
-        """Send what a streaming handler yields (a plain or an asynchronous
-        generator) as PARTIALs, until a :class:`Final` ends the reply or the
-        request is void (or answered with a 413); the handler is paused
-        while the broker takes PARTIALs slower than it makes them."""
+        """Send what a streaming handler yields as PARTIALs, until a :class:`Final`
+        or the request is void; paused while the transport is not writable."""
         sync = isinstance(parts, Generator)
         while True:
             try:
@@ -903,7 +815,7 @@ class Worker(WorkerDriver):
     def _finish(self, value: Any, job: _Job) -> None:
         try:
             frames = reply_frames(value)
-        except Exception:  # whatever it is, the request gets its answer (500)
+        except Exception:  # the request gets its answer (500)
             self._failed(Failure(), job)
             return
         if self._reply(job, WorkerFinal, frames):
@@ -917,15 +829,13 @@ class Worker(WorkerDriver):
 
     def _reply(self, job: _Job, kind: type, frames: list[bytes], store: bool = True,
                failure: Optional[str] = None) -> bool:
-        """Hand a reply part to the machine and do what it says; True if the
-        part went out as itself."""
+        """Hand a reply part to the machine; True if it went out as itself."""
         metrics = self.metrics
         current = metrics is not None and self.machine.isCurrent(job)
         now = self.reactor.seconds()
         sent, actions = self.machine.handleReply(job, kind, frames, now, store)
         self._perform(actions)
         if current and (kind is WorkerFinal or not sent):
-            # a FINAL went out (a part over the limits became a 413 FINAL)
             metrics.replied(self.service, now - job.startedAt,
                             failure if sent else "too-large")
         return sent
@@ -936,7 +846,6 @@ classImplements(Worker, IWorker, IDealerReceiver)
 
 
 async def _close(parts: Any) -> None:
-    """Close a streaming handler's generator, plain or asynchronous."""
     if isinstance(parts, Generator):
         parts.close()
     else:
@@ -944,5 +853,4 @@ async def _close(parts: Any) -> None:
 
 
 def _storeFailed(failure: Failure) -> None:
-    """The reply store failed to keep a reply: logged (the reply went out)."""
     log.failure("reply store could not keep a reply", failure)
