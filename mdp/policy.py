@@ -1,11 +1,6 @@
-"""Policies shared by every pattern: heartbeating and peer liveness, reconnect
-backoff, endpoint rotation for failover, the limits that bound what a peer may
-cost, who may call and serve what (:class:`AccessPolicy`), throttled warnings,
-the reactor helpers every node uses, and the check of a duration argument.
-
-Every pattern takes these objects instead of growing its own: a broker, worker,
-client or Freelance client that says "a peer silent for 7.5 s is dead" says it
-with a :class:`HeartbeatPolicy` and a :class:`Liveness`."""
+"""Policies shared by every pattern, so none grows its own: heartbeating and
+liveness, reconnect backoff, endpoint rotation, limits, access control,
+throttled warnings, and reactor and duration helpers."""
 
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ import attrs
 
 
 def _finite(value: Any) -> bool:
-    """*value* is a finite number: not ``nan`` or ``±inf`` (an int, however
-    large, is)."""
+    """*value* is a finite number (an int, however large, is)."""
     return isinstance(value, int) or math.isfinite(value)
 
 
@@ -55,16 +49,12 @@ class HeartbeatPolicy:
 
     @property
     def expiry(self) -> float:
-        """Seconds of silence after which the peer is considered dead."""
-        return self.interval * self.liveness
+            return self.interval * self.liveness
 
 
 class Liveness:
-    """When a peer was last heard from, judged by a :class:`HeartbeatPolicy`.
-
-    Every message from the peer counts (:meth:`heard`); it is dead once silent
-    for ``policy.expiry`` seconds, and it is time to send a heartbeat once we
-    have said nothing for ``policy.interval`` (:meth:`sent`, :meth:`due`)."""
+    """When a peer was last heard from and last sent to, judged by a
+    :class:`HeartbeatPolicy`: dead after ``policy.expiry`` of silence."""
 
     __slots__ = ("policy", "lastHeard", "lastSent")
 
@@ -93,11 +83,8 @@ class Liveness:
 
 
 class EndpointRotation:
-    """The endpoints of a failover list and which one is in use.
-
-    :meth:`advance` moves to the next one (round-robin) after a failure; with
-    a single endpoint it stays put.  Used by MDP clients and workers given
-    several brokers and by the Freelance clients."""
+    """The endpoints of a failover list and which one is in use
+    (:meth:`advance`: round-robin)."""
 
     __slots__ = ("endpoints", "index")
 
@@ -124,8 +111,8 @@ class EndpointRotation:
 
 
 def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
-    """*initial* is finite and positive, *maximum* positive (``inf``: no
-    cap), *factor* finite and at least 1."""
+    """*initial* finite and positive, *maximum* positive (``inf``: no cap),
+    *factor* finite and at least 1."""
     least = 1 if attribute.name == "factor" else 0
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
             or (math.isinf(value) and attribute.name != "maximum") \
@@ -142,15 +129,10 @@ def _check_jitter(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class Backoff:
-    """Exponential backoff: *initial* seconds, doubling up to *maximum*
-    (Paranoid Pirate: 1 s to 32 s).
-
-    Each delay is shortened at random by up to *jitter* of itself, so the
-    many workers or clients that lost the same server come back spread out
-    instead of all in the same instant (:data:`JITTER` for the nodes that
-    reconnect: :data:`PIRATE`, :data:`RECONNECT`); a delay is never longer
-    than the schedule says.  ``jitter=0`` (the default of this class) gives
-    the exact schedule.  *random* (``[0, 1)``) is the source of that chance."""
+    """Exponential backoff: *initial* seconds, times *factor* up to *maximum*.
+    Each delay is shortened at random (*random*, in ``[0, 1)``) by up to
+    *jitter* of itself, so peers that lost the same server come back spread
+    out; ``jitter=0`` gives the exact schedule."""
 
     initial: float = attrs.field(default=1.0, validator=_check_backoff)
     maximum: float = attrs.field(default=32.0, validator=_check_backoff)
@@ -160,12 +142,12 @@ class Backoff:
 
     def delay(self, attempt: int, most: Optional[float] = None) -> float:
         """Delay before reconnection *attempt* (0 for the first); *most*
-        caps the schedule, before the jitter (so a cap spreads as much)."""
+        caps it before the jitter."""
         try:
             delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum)
-        except OverflowError:  # (a factor so large the schedule passed any maximum)
+        except OverflowError:
             delay = self.maximum
-        if delay > MAX_SECONDS:  # (no maximum: timers would overflow)
+        if delay > MAX_SECONDS:
             delay = MAX_SECONDS
         if most is not None and most < delay:
             delay = most
@@ -174,32 +156,22 @@ class Backoff:
         return delay
 
     def retryPolicy(self):  # type: ignore[no-untyped-def]
-        """The same schedule as a :class:`ClientService` retry policy
-        (attempt counts from 1)."""
+        """The schedule as a :class:`ClientService` retry policy (from 1)."""
         return lambda attempt: self.delay(max(attempt - 1, 0))
 
 
-#: The share of a reconnection delay taken off at random (:class:`Backoff`):
-#: after a server restarts, a thousand of its peers come back over a quarter
-#: of each step rather than in one burst its listen backlog would overflow.
+#: The share of a reconnection delay taken off at random (:class:`Backoff`).
 JITTER = 0.25
 
-#: How a worker (and a session client) waits before it reconnects: the
-#: Paranoid Pirate's 1 s doubling to 32 s, each step up to :data:`JITTER`
-#: shorter.
+#: A worker's (and a session client's) reconnection: the Paranoid Pirate's.
 PIRATE = Backoff(initial=1.0, maximum=32.0, jitter=JITTER)
 
-#: How a connecting transport without a policy of its own tries again after a
-#: failed attempt or a lost connection: 0.5 s doubling to 32 s (a stream
-#: connection, a ZeroMQ socket that could not be had), each step up to
-#: :data:`JITTER` shorter.
+#: A connecting transport's reconnection, without a policy of its own.
 RECONNECT = Backoff(initial=0.5, maximum=32.0, jitter=JITTER)
 
 
 def default_reactor(reactor: Optional[Any] = None) -> Any:
-    """*reactor*, or the global one (imported only when needed, so a test can
-    pass a :class:`~twisted.internet.task.Clock` before any reactor is
-    installed)."""
+    """*reactor*, or the global one (imported only when needed)."""
     if reactor is None:
         from twisted.internet import reactor as globalReactor
 
@@ -207,28 +179,25 @@ def default_reactor(reactor: Optional[Any] = None) -> Any:
     return reactor
 
 
-#: the longest time any option takes, in seconds (about 31 years): beyond,
-#: sums and timers overflow (and nothing waits that long)
+#: the longest time any option takes, in seconds: beyond, timers overflow
 MAX_SECONDS = 1e9
 
 
 def positive_seconds(name: str, value: Any) -> float:
-    """*value* as seconds: ``TypeError`` if it is no number, ``ValueError``
-    (naming *name*) if it is not positive, or not finite, or over
-    :data:`MAX_SECONDS`."""
+    """*value* as seconds: ``TypeError`` if no number, ``ValueError`` (naming
+    *name*) unless positive and at most :data:`MAX_SECONDS`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} is a number of seconds, not {type(value).__name__}")
     if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not value <= MAX_SECONDS:  # inf too
+    if not value <= MAX_SECONDS:
         raise ValueError(f"{name} must be at most {MAX_SECONDS:g} seconds, got {value!r}")
     return float(value)
 
 
 def call_at(call: Any, reactor: Any, when: Optional[float], fn: Any) -> Any:
-    """Replace the delayed call *call* (or ``None``) with one of *fn* at the
-    time *when* of *reactor* (at once if it is past), or with none if *when*
-    is ``None``: a machine's ``WakeAt``.  Store the result back."""
+    """Replace the delayed call *call* with one of *fn* at *when* (None:
+    none): a machine's ``WakeAt``.  Store the result back."""
     cancel_call(call)
     if when is None:
         return None
@@ -236,8 +205,7 @@ def call_at(call: Any, reactor: Any, when: Optional[float], fn: Any) -> Any:
 
 
 def cancel_call(call: Any) -> None:
-    """Cancel a delayed call if it is still pending (``None`` is fine).
-    Returns None, to store back: ``self.timer = cancel_call(self.timer)``."""
+    """Cancel a pending delayed call (or None); returns None to store back."""
     if call is not None and call.active():
         call.cancel()
     return None
@@ -246,39 +214,31 @@ def cancel_call(call: Any) -> None:
 KiB = 1024
 MiB = 1024 * KiB
 
-#: What a server that runs handlers (a Freelance server, an SP REP) holds at
-#: most: requests being handled at once, and bytes of their bodies.
+#: What a server that runs handlers holds at most: requests, and their bytes.
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_MAX_PENDING_BYTES = 256 * MiB
 
-#: What one message may weigh, in bytes of frame content and in frames.  16 MiB is
-#: RabbitMQ's default ``max_message_size``; the frame bound keeps a record of
-#: millions of empty frames from costing seconds of CPU.
+#: What one message may weigh, in bytes of frame content and in frames.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MiB
 DEFAULT_MAX_FRAMES = 10_000
-#: What a bound transport keeps for one peer that does not read (Redis's
-#: ``client-output-buffer-limit``); beyond, that peer is disconnected.
+#: What a bound transport keeps for one peer that does not read.
 DEFAULT_MAX_OUTPUT_BYTES = 64 * MiB
 DEFAULT_MAX_CONNECTIONS = 10_000
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_RECORD_TIMEOUT = 30.0
 
 
-#: What a frame costs held in memory beyond its bytes: a Python bytes object and
-#: its slot in a list (libzmq's zmq_msg_t is about as much).  Byte bounds on
-#: what is held count it, so that a message of many empty frames is not free.
+#: What a frame costs held in memory beyond its bytes (empty frames are not free).
 FRAME_OVERHEAD = 64
 
 
 def held_bytes(frames: Sequence[bytes]) -> int:
-    """What holding *frames* costs, as the byte bounds on queues, backlogs and
-    requests in hand count it: their bytes plus FRAME_OVERHEAD each."""
+    """What holding *frames* costs: their bytes plus FRAME_OVERHEAD each."""
     return sum(map(len, frames)) + FRAME_OVERHEAD * len(frames)
 
 
 def _at_least(minimum: float) -> object:
-    """An attrs validator: a finite number, at least *minimum* (``nan`` and
-    ``inf`` are refused)."""
+    """An attrs validator: a finite number, at least *minimum*."""
     def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
         if not (_finite(value) and value >= minimum):
             raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
@@ -288,17 +248,12 @@ def _at_least(minimum: float) -> object:
 
 @attrs.frozen
 class Limits:
-    """What one peer may cost a node, whatever the transport.
-
-    *maxMessageBytes* and *maxFrames* bound every message received (checked
-    before it is buffered: ``ZMQ_MAXMSGSIZE`` on ZeroMQ, the record length on
-    streams) and every message a role sends (a role refuses to send what its
-    peer would refuse, with a 413 error instead).  The rest bind the listening
-    side of a transport: *maxOutputBytes* of unsent messages per peer (beyond,
-    the peer is disconnected), and on stream transports *maxConnections*, the
-    seconds a new connection has to send its first message
-    (*handshakeTimeout*) and a started record to complete (*recordTimeout*).
-    Size message limits the same on every node, as heartbeats are."""
+    """What one peer may cost a node.  *maxMessageBytes* and *maxFrames* bound
+    every message received (before it is buffered) and sent (a 413 instead).
+    The rest bind a listening side: *maxOutputBytes* unsent per peer, and on
+    streams *maxConnections*, *handshakeTimeout* (seconds to a first message)
+    and *recordTimeout* (to complete a record).  Use the same message limits
+    on every node."""
 
     maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_at_least(64))
     maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_at_least(8))
@@ -308,8 +263,7 @@ class Limits:
     recordTimeout: float = attrs.field(default=DEFAULT_RECORD_TIMEOUT, validator=_at_least(0.001))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
-        """Why a message of *size* bytes of frames in *frames* frames is
-        refused, or ``None`` (fast when it is not)."""
+        """Why a message of *size* bytes in *frames* frames is refused, or None."""
         if size > self.maxMessageBytes:
             return f"message of {size} bytes exceeds the limit of {self.maxMessageBytes}"
         if frames > self.maxFrames:
@@ -322,9 +276,8 @@ class Limits:
 
 
 class LogThrottle:
-    """At most one log line per *interval* seconds for each kind of event, so
-    a flood of bad input cannot flood the log; the next line that does get out
-    says how many were held back.  Time comes from *clock* (an IReactorTime)."""
+    """At most one log line per *interval* seconds of *clock* for each kind of
+    event; the next line out says how many were held back."""
 
     def __init__(self, clock: Any, interval: float = 1.0) -> None:
         self.clock = clock
@@ -333,8 +286,7 @@ class LogThrottle:
         self._held: dict[str, int] = {}
 
     def warn(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
-        """Log *format* (a twisted.logger format) at warn level unless a line
-        of *kind* went out less than *interval* seconds ago; True if logged."""
+        """Log *format* at warn level unless throttled; True if logged."""
         return self._emit(logger.warn, kind, format, fields)
 
     def info(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
@@ -358,14 +310,12 @@ class LogThrottle:
 
 @attrs.frozen
 class AccessRule:
-    """The services one kind of peer may call and may serve: shell-style
-    patterns (``echo``, ``billing.*``, ``*``) matched against the whole
-    service name."""
+    """The services one kind of peer may call and serve: shell-style patterns
+    (``billing.*``) matched against the whole name."""
 
     call: tuple[str, ...] = ()
     serve: tuple[str, ...] = ()
-    # each list as one compiled expression: a check is one match, however
-    # many patterns (mmi.services checks every service the broker knows)
+    # each list as one compiled expression: a check is one match
     _call: Any = attrs.field(init=False, repr=False, eq=False)
     _serve: Any = attrs.field(init=False, repr=False, eq=False)
 
@@ -381,23 +331,18 @@ class AccessRule:
 
 
 def _matcher(patterns: tuple[str, ...]) -> Any:
-    """A function matching a whole name against any of the shell-style
-    *patterns* (None for no match)."""
+    """A match function for any of *patterns* (None: no match)."""
     if not patterns:
         return lambda name: None
     return re.compile("|".join(fnmatch.translate(p) for p in patterns)).match
 
 
 class AccessPolicy:
-    """Who may call and who may serve which services (docs/security.md).
-
-    A peer is known by the identity its transport authenticated: a CURVE
-    public key (Z85, 40 characters) or a TLS client certificate's subject
-    (RFC 4514, ``CN=worker-1,O=Example``).  *peers* maps identities to their
-    :class:`AccessRule`; an authenticated peer not listed gets *default*, and
-    a peer with no identity at all (a link without authentication) gets
-    *anonymous*.  Both allow nothing unless given.  ``mmi.*`` requests are
-    always answered, about the services the asker may call only."""
+    """Who may call and serve which services (docs/security.md).  *peers* maps
+    authenticated identities (a CURVE key in Z85, a TLS subject in RFC 4514)
+    to an :class:`AccessRule`; other authenticated peers get *default*,
+    unauthenticated ones *anonymous* (both allow nothing unless given).
+    ``mmi.*`` is always answered, about the services the asker may call."""
 
     def __init__(self, peers: Optional[dict[str, AccessRule]] = None, *,
                  default: AccessRule = AccessRule(), anonymous: AccessRule = AccessRule()) -> None:
@@ -447,7 +392,7 @@ class AccessPolicy:
 
     @classmethod
     def fromDict(cls, data: dict[str, Any], source: str = "access policy") -> AccessPolicy:
-        """A policy from the structure of a policy file (see :meth:`load`)."""
+        """A policy from a parsed policy file (see :meth:`load`)."""
         unknown = set(data) - {"peer", "default", "anonymous"}
         if unknown:
             raise ValueError(f"{source}: unknown section(s) {sorted(unknown)}; "

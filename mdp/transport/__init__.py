@@ -2,20 +2,14 @@
 
 ==================================  ===========================================
 ``zmq:tcp://127.0.0.1:5555``        ZeroMQ ROUTER/DEALER (also ``ipc://``,
-                                    ``inproc://``; bind ``tcp://127.0.0.1:*``
-                                    for a port picked by the OS)
-``tcp:host=127.0.0.1:port=5555``    length-prefixed records over a Twisted
-                                    stream endpoint (``tcp``, ``tcp6``,
-                                    ``ssl``, ``tls``, ``unix``, or one a Twisted
-                                    plugin provides)
+                                    ``inproc://``; port ``*``: the OS picks)
+``tcp:host=127.0.0.1:port=5555``    records over a Twisted stream endpoint
+                                    (``tcp6``, ``ssl``, ``unix``, plugins)
 ``loopback:NAME``                   in memory, for deterministic tests
 ==================================  ===========================================
 
-Schemes live in a registry (:mod:`mdp.transport.registry`): a new transport
-registers itself with :func:`register` and every node can use it.  Endpoints
-are checked before anything starts: a mistake raises
-:class:`~mdp.errors.TransportError` synchronously, from :func:`listen` and
-:func:`connect` alike.
+A new transport registers itself with :func:`register`.  A malformed endpoint
+raises :class:`~mdp.errors.TransportError` at once.
 """
 
 from __future__ import annotations
@@ -80,11 +74,9 @@ __all__ = [
 
 
 def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -> list[str]:
-    """One endpoint or a sequence of them (a failover list), each checked for
-    *role*.  ``TypeError`` for anything but a ``str`` or a sequence of them
-    (``bytes`` would otherwise be iterated an int at a time), ``ValueError``
-    for none at all (unless *empty*), :class:`TransportError` for a malformed
-    one: all at once, before anything starts."""
+    """One endpoint or a failover list of them, each checked for *role*:
+    ``TypeError`` if not ``str`` (or a sequence of them), ``ValueError`` for
+    none (unless *empty*), :class:`TransportError` for a malformed one."""
     if isinstance(endpoints, str):
         listed = [endpoints]
     elif isinstance(endpoints, (bytes, bytearray, memoryview)) or not isinstance(endpoints, Iterable):
@@ -100,10 +92,8 @@ def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -
 
 
 def curve_for(endpoint: str, curve: Any) -> Any:
-    """A node's CURVE settings, for *endpoint*: they apply to ``zmq:``
-    endpoints only (a stream endpoint carries its TLS in its string);
-    :class:`TransportError` for a ``session+zmq:`` one, which would run
-    without them."""
+    """A node's CURVE settings for *endpoint* (``zmq:`` only, else None);
+    :class:`TransportError` for ``session+zmq:``, which would run without."""
     if curve is None:
         return None
     if endpoint.startswith("session+zmq:"):
@@ -114,11 +104,9 @@ def curve_for(endpoint: str, curve: Any) -> Any:
 
 def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
                      secretFile: Optional[str]) -> Any:
-    """A connecting node's CURVE arguments (``curveServerPublic``,
-    ``curveSecret``) as a :class:`~mdp.transport.curve.CurveClient`, or None
-    without a server key; ``ValueError`` if none of its *endpoints* would use
-    them, :class:`TransportError` if one of them cannot (:func:`curve_for`):
-    said now, not at a reconnection to that endpoint."""
+    """A connecting node's CURVE arguments as a
+    :class:`~mdp.transport.curve.CurveClient` (None without a server key),
+    checked now by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
@@ -127,10 +115,8 @@ def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
 
 
 def check_curve_client(endpoints: list[str], curve: Any) -> None:
-    """``ValueError`` if a connecting node's *curve* (its CURVE settings, or
-    None) would be used by none of its *endpoints* (it would talk in the
-    clear to servers it meant to authenticate), :class:`TransportError` if
-    one of them cannot use it (:func:`curve_for`)."""
+    """``ValueError`` if *curve* would be used by none of *endpoints* (talking
+    in the clear), :class:`TransportError` if one cannot use it."""
     if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
         raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
                          "ssl: (TLS) instead")
@@ -150,12 +136,11 @@ def _loopback_host(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False  # a host name, or every interface ('*', '')
+        return False  # a host name, or every interface
 
 
 def beyond_loopback(endpoint: str) -> bool:
-    """Does listening on *endpoint* accept peers from other machines (an
-    address that is not a loopback one, or every interface)?"""
+    """Does listening on *endpoint* accept peers from other machines?"""
     kind, _, rest = endpoint.partition(":")
     if kind.startswith("session+"):
         return beyond_loopback(f"{kind[len('session+'):]}:{rest}")
@@ -169,9 +154,8 @@ def beyond_loopback(endpoint: str) -> bool:
 
 
 def authenticated(endpoint: str, security: Any = None) -> bool:
-    """Does a listener on *endpoint* (with *security*) know who its peers
-    are: CURVE with an allow-list, or mutual TLS (``ssl:`` with
-    ``caCerts=``)?"""
+    """Does a listener on *endpoint* know who its peers are (CURVE with an
+    allow-list, or ``ssl:`` with ``caCerts=``)?"""
     kind, _, rest = endpoint.partition(":")
     if kind == "zmq":
         return security is not None and getattr(security, "allow", None) is not None
@@ -181,12 +165,9 @@ def authenticated(endpoint: str, security: Any = None) -> bool:
 
 
 def curve_listen_for(endpoint: str, curve: Any) -> Any:
-    """A listening node's CURVE settings for *endpoint* (:func:`curve_for`);
-    :class:`TransportError` if the node has them and *endpoint* would still
-    take peers from other machines without knowing who they are (a plain
-    ``tcp:``, an ``ssl:`` without ``caCerts=``): a node set up to
-    authenticate its peers opens no door that does not. Loopback and
-    ``unix:`` listeners, and ``ssl:`` with ``caCerts=``, may go beside it."""
+    """A listening node's CURVE settings for *endpoint*;
+    :class:`TransportError` if the node has them and *endpoint* would take
+    unauthenticated peers from other machines."""
     security = curve_for(endpoint, curve)
     if curve is not None and security is None and beyond_loopback(endpoint) \
             and not authenticated(endpoint):
@@ -203,9 +184,8 @@ OPEN_MDP = ("anyone who can reach it may call any service or serve one. Use CURV
 
 
 def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) -> bool:
-    """Log a warning if a listener on *endpoint* would accept peers from
-    other machines without authenticating them (*risk* says what they may
-    then do, and the remedy); whether it did."""
+    """Warn if *endpoint* takes unauthenticated peers from other machines
+    (*risk*: what they may do, and the remedy); whether it did."""
     if not beyond_loopback(endpoint) or authenticated(endpoint, security):
         return False
     _log.warn("{what} listens on {endpoint}, reachable from other machines, without "
@@ -228,11 +208,9 @@ def listen(
     endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
     limits: Limits = Limits(), security: Any = None,
 ) -> defer.Deferred[IRouterTransport]:
-    """Bind *endpoint*; the Deferred fires with an :class:`IRouterTransport`
-    that enforces *limits* on what it receives and on what each peer leaves
-    unread.  *security* is what a secure scheme needs to serve (ZeroMQ: a
-    :class:`~mdp.transport.curve.CurveServer`).  A malformed endpoint raises
-    :class:`TransportError` at once; a failure to bind (port in use, ...)
+    """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing
+    *limits*.  *security*: ZeroMQ's :class:`~mdp.transport.curve.CurveServer`.
+    A malformed endpoint raises :class:`TransportError`; a failure to bind
     fails the Deferred with one."""
     scheme = lookup(endpoint, LISTEN)
     assert scheme.listen is not None
@@ -241,7 +219,7 @@ def listen(
         return scheme.listen(endpoint, receiver, default_reactor(reactor), limits, **extra)
     except TransportError as e:
         return defer.fail(e)
-    except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
+    except Exception as e:
         return defer.fail(TransportError(f"cannot listen on {endpoint!r}: {e}"))
 
 
@@ -255,14 +233,10 @@ def connect(
     identity: Optional[bytes] = None,
     security: Any = None,
 ) -> IDealerTransport:
-    """Open a DEALER-like pipe to *endpoint*.  ``receiver.connectionMade`` is
-    called later, once the pipe is usable.  *retryPolicy* (attempt → seconds)
-    paces reconnection on stream transports (on ZeroMQ, which reconnects by
-    itself, the next try for a socket that could not be had); *limits* bound what is received;
-    *identity* (1-255 bytes, not starting with a zero byte) is the peer id
-    the far side's router sees instead of one it makes up; *security* is
-    what a secure scheme needs to connect (ZeroMQ: a
-    :class:`~mdp.transport.curve.CurveClient`)."""
+    """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade``
+    once usable).  *retryPolicy* (attempt -> seconds) paces reconnection;
+    *identity* (1-255 bytes, no leading zero byte) is the peer id the far
+    side sees; *security*: ZeroMQ's :class:`~mdp.transport.curve.CurveClient`."""
     scheme = lookup(endpoint, CONNECT)
     extra = _security(scheme, endpoint, security)
     if identity is not None:
@@ -277,14 +251,13 @@ def connect(
                               identity, **extra)
     except TransportError:
         raise
-    except Exception as e:  # zmq.ZMQError, OSError, ...: whatever the medium raises
+    except Exception as e:
         raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
 
 
 @implementer(IDealerChannels)
 class _Separately:
-    """Pipes over a scheme that has no channels: each connects alone, and
-    :meth:`close` closes every one still open."""
+    """Pipes over a scheme without channels: each connects alone."""
 
     def __init__(self, endpoint: str, reactor: Any, retryPolicy: Optional[Callable[[int], float]],
                  limits: Limits, security: Any) -> None:
@@ -293,8 +266,6 @@ class _Separately:
         self.retryPolicy = retryPolicy
         self.limits = limits
         self.security = security
-        #: the pipes opened (held weakly: one its owner closed and let go
-        #: is not kept for the close)
         self.pipes: weakref.WeakSet[IDealerTransport] = weakref.WeakSet()
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
@@ -304,16 +275,14 @@ class _Separately:
         return pipe
 
     def close(self) -> defer.Deferred[None]:
-        """Close every pipe opened (closing one twice is harmless); fires
-        once all are closed."""
+        """Close every pipe opened; fires once all are closed."""
         pipes, self.pipes = list(self.pipes), weakref.WeakSet()
         return close_all(pipes, "a pipe to " + self.endpoint)
 
 
 def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
-    """Close each of *closables* (anything with a ``close()`` that may return
-    a Deferred); fires once all are closed.  One that fails is logged as
-    *what*; the others are closed all the same."""
+    """Close each of *closables*; fires once all are closed (a failure is
+    logged as *what*)."""
     closing = [defer.maybeDeferred(each.close) for each in closables]
 
     def closed(results: list[tuple[bool, Any]]) -> None:
@@ -333,13 +302,11 @@ def connect_channels(
     security: Any = None,
 ) -> IDealerChannels:
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`): over
-    one connection where the scheme can carry several (stream endpoints:
-    channels, ``docs/transports.md``), else each pipe connects alone (as
-    :func:`connect`: on ZeroMQ each pipe is a DEALER socket of its own,
-    whose socket calls libzmq's I/O thread makes).  The arguments are :func:`connect`'s."""
+    one connection where the scheme has channels, else each alone.  The
+    arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
-    _security(scheme, endpoint, security)  # (checked now, as connect would)
+    _security(scheme, endpoint, security)
     if scheme.channels is None:
         return _Separately(endpoint, reactor, retryPolicy, limits, security)
     try:
@@ -352,10 +319,8 @@ def connect_channels(
 
 def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, *,
                   limits: Limits = Limits(), security: Any = None) -> IPeerRouterTransport:
-    """A connecting ROUTER (:class:`IPeerRouterTransport`) for *receiver*;
-    add servers with its ``connect(endpoint)``.  *security* (a
-    :class:`~mdp.transport.curve.CurveClient`) applies to its ``zmq:``
-    servers."""
+    """A connecting ROUTER (:class:`IPeerRouterTransport`); add servers with
+    its ``connect(endpoint)``.  *security* applies to ``zmq:`` servers."""
     from mdp.transport.peers import PeerRouter
 
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
@@ -455,8 +420,7 @@ _register_streams()
 
 
 def _register_sessions() -> None:
-    """``session+zmq:``, ``session+tcp:``, ``session+loopback:``: sessions
-    (:mod:`mdp.session.transport`) over those transports."""
+    """``session+zmq:``, ``session+tcp:``, ``session+loopback:``."""
 
     def check(endpoint: str, role: str) -> None:
         from mdp.session import transport as session

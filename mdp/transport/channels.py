@@ -1,6 +1,4 @@
-"""Many pipes over one stream connection: the connecting side of the
-channels of ``docs/transports.md`` (:class:`StreamChannels`).
-"""
+"""Many pipes over one stream connection (:class:`StreamChannels`)."""
 
 from __future__ import annotations
 
@@ -26,9 +24,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 @implementer(IFraming)
 class _ChannelsFraming:
-    """The record framing of a connection that carries channels, as its
-    connecting side speaks it: the channels greeting, and a decoder that
-    expects a channel in every record."""
+    """The record framing of a connection that carries channels."""
 
     name = "records32-channels"
     acceptsBuffers = True
@@ -49,8 +45,7 @@ _CHANNELS = _ChannelsFraming()
 
 
 class _ChannelsConnection(_DealerConnection):
-    """The connection of a :class:`StreamChannels`: each read's messages go
-    to it, which hands each to its channel."""
+    """The connection of a :class:`StreamChannels`."""
 
     dealer: StreamChannels  # type: ignore[assignment]
 
@@ -60,8 +55,7 @@ class _ChannelsConnection(_DealerConnection):
 
 @implementer(IDealerTransport)
 class _StreamChannel(Channel):
-    """One pipe of a :class:`StreamChannels`: what a connection of its own
-    would be, with its own peer id at the far end."""
+    """One pipe of a :class:`StreamChannels`, a peer of its own at the far end."""
 
     _call: Any = None
 
@@ -83,8 +77,7 @@ class _StreamChannel(Channel):
         return self.link.drained()
 
     def discardReceived(self) -> int:
-        """The messages for it in the read being delivered that are not
-        delivered yet (the other channels' stay)."""
+        """Drop its messages of the current read not delivered yet; how many."""
         return self.link._discard(self.id)
 
     def sendMessage(self, frames: list[bytes]) -> None:
@@ -101,12 +94,10 @@ class _StreamChannel(Channel):
         return defer.succeed(None)
 
     def _up(self) -> None:
-        """Its delay after the far side ended it is over, or it is new on a
-        connection already made: up, if the connection is."""
+        """Its delay is over, or it is new: up, if the connection is."""
         self._call = cancel_call(self._call)
         proto = self.link.protocol
-        # (not on a connection closing: what it held would go with it; the
-        # next connection brings it up)
+        # not on a closing connection: what it held would go with it
         if proto is None or proto.closing or proto.closedHere:
             self.waiting = False
             return
@@ -114,29 +105,22 @@ class _StreamChannel(Channel):
             self._made()
 
     def _made(self) -> None:
-        """It is up: its receiver hears it, then what it sent before goes (as
-        a StreamDealer's queue goes after its receiver's connectionMade)."""
+        """It is up: tell its receiver, then send what it held."""
         try:
             self.receiver.connectionMade()
-        except Exception:  # logged: the connection and its other channels stand
+        except Exception:
             log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
                         endpoint=self.link.endpoint)
         for frames in self.link.core.release(self):
-            self.sendMessage(frames)  # (held again if it went down meanwhile)
+            self.sendMessage(frames)
 
 
 @implementer(IDealerChannels)
 class StreamChannels(_OneConnection):
-    """The connecting side of one connection (:class:`ClientService`-managed,
-    so it reconnects with backoff) that carries many pipes, its *channels*
-    (:class:`~mdp.transport.channellink.ChannelLink` is their state).  Each
-    pipe (:meth:`open`) behaves as a connection of its own: it is up while
-    the connection is, the far side's router knows it as a peer of its own,
-    and the far side may end it alone (it is then lost, and made again after
-    the reconnection delay, under a new channel).  What the pipes send in one
-    reactor turn goes out in one write, and their replies come in one read.
-
-    The connection is opened with the first pipe and closed with the last."""
+    """The connecting side of one :class:`ClientService`-managed connection
+    carrying many pipes (:meth:`open`), each behaving as a connection of its
+    own (state: :class:`~mdp.transport.channellink.ChannelLink`).  Opened with
+    the first pipe, closed with the last."""
 
     kind = "stream channels"
 
@@ -152,11 +136,9 @@ class StreamChannels(_OneConnection):
         self.core = ChannelLink(limits, self.maxQueued)
         self.protocol: Optional[_ChannelsConnection] = None
         self.service: Optional[ClientService] = None
-        #: fires once the connection being closed is (None: none is)
         self._closing: Optional[defer.Deferred[None]] = None
         self._throttle = LogThrottle(reactor)
         self._waiters = DrainWaiters()
-        #: the messages of the read being delivered, and the next one's index
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
@@ -175,8 +157,7 @@ class StreamChannels(_OneConnection):
 
     @property
     def queue(self) -> deque[tuple[Channel, list[bytes]]]:
-        """What its pipes hold, as (pipe, frames), each pipe's in the order
-        it sent them (a copy)."""
+        """A copy of what its pipes hold, as (pipe, frames)."""
         return deque((channel, frames) for channel in self.core.channels.values()
                      for frames in channel.held or ())
 
@@ -186,7 +167,7 @@ class StreamChannels(_OneConnection):
         self.core.open(channel)
         if self.service is None:
             self.service = _connection(self, self.endpoint, self.retryPolicy)
-        elif self.protocol is not None:  # up already: it is too, at the next turn
+        elif self.protocol is not None:
             channel._call = self.reactor.callLater(0, channel._up)
         return channel
 
@@ -205,8 +186,7 @@ class StreamChannels(_OneConnection):
                 channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
-        """A connection attempt failed: the pipes' receivers that have a
-        ``connectionFailed`` hear why."""
+        """A connection attempt failed: tell the receivers' ``connectionFailed``."""
         if self.service is None or not self.service.running or isinstance(
                 reason, defer.CancelledError):  # (a stopped service's attempt)
             return
@@ -220,36 +200,33 @@ class StreamChannels(_OneConnection):
             return
         self.protocol = None
         self._waiters.fire()
-        # a record refused for its size was one pipe's: the others only lost
-        # the connection (what they had in flight goes again)
+        # a record refused for its size was one pipe's: the others only lost the connection
         refused = getattr(proto.refusal, "channel", None)
         others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
                                         f"record: {proto.refusal}")) if refused else reason
-        # every pipe is down before any receiver hears it (one may send on another)
+        # all down before any receiver hears it (one may send on another)
         for channel, own in self.core.lost(refused):
             if not channel.closed:
                 channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
                 channel.receiver.connectionLost(reason if own else others)  # type: ignore[attr-defined]
 
     def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
-        """Hand each message of a read to its channel, in order."""
         self._pending = messages
         channels = self.core.channels
-        #: the messages still to come in this read, by channel (so that a
-        #: pipe with none there is answered without a scan)
+        # messages still to come in this read, by channel
         waiting = self._waiting = {}
         for item in messages:
             waiting[item[0]] = waiting.get(item[0], 0) + 1
         try:
             for i in range(len(messages)):
                 item = messages[i]
-                if item is None:  # discarded
+                if item is None:
                     continue
                 self._at = i + 1
                 waiting[item[0]] -= 1
                 channel = channels.get(item[0])
                 if channel is None:
-                    continue  # ended here: what came before the far side knew
+                    continue
                 frames = item[1]
                 if not frames:
                     self._endedThere(channel)  # type: ignore[arg-type]
@@ -276,26 +253,24 @@ class StreamChannels(_OneConnection):
         return count
 
     def _endedThere(self, channel: _StreamChannel) -> None:
-        """The far side ended *channel*: say it is known, and make the pipe
-        again under a new channel after the reconnection delay."""
+        """The far side ended *channel*: acknowledge, and bring it up again
+        under a new channel after the delay."""
         record, was = self.core.endedThere(channel)
         if self.protocol is not None:
             self.protocol._queueOn(record[:4], record[4:])
         channel._call = cancel_call(channel._call)
         if was:
             channel.receiver.connectionLost(Failure(ConnectionDone("the far side ended this channel")))
-        if not channel.closed:  # (its receiver may have closed it)
+        if not channel.closed:
             channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
 
     def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
-        """*channel* sent *frames* while not up: it keeps them until it is
-        (its pipes within ``maxQueued`` and ``maxOutputBytes`` together)."""
+        """Keep what *channel* sent while not up, within the bounds."""
         if self._admit(frames, self.core.queued) is not None:
             self.core.hold(channel, frames)
 
     def _forget(self, channel: _StreamChannel) -> None:
-        """*channel* was closed: tell the far side; close the connection
-        with the last one."""
+        """*channel* was closed: tell the far side; the last closes the connection."""
         record = self.core.close(channel)
         if record is not None and self.protocol is not None:
             self.protocol._queueOn(record[:4], record[4:])
@@ -308,7 +283,6 @@ class StreamChannels(_OneConnection):
         self.core.connected = False
         self._waiters.fire()
         if service is None:
-            # (the connection of the last pipe closed may still be closing)
             return after(self._closing)
         if proto is not None:
             proto.beforeStop()

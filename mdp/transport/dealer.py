@@ -1,7 +1,4 @@
-"""The connecting side of the stream transport: one connection, kept by
-Twisted's :class:`ClientService` (so it reconnects with backoff), sending
-what waits while it is down once it is up again (:class:`StreamDealer`).
-"""
+"""The connecting side of the stream transport (:class:`StreamDealer`)."""
 
 from __future__ import annotations
 
@@ -28,30 +25,23 @@ from mdp.transport.twisted_private import shortcut_reads
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 
-#: seconds a connection must stay up, if nothing comes from the far side, to
-#: count as made: one lost sooner (a listener at its cap accepts and closes
-#: at once) is a failed attempt, so the backoff grows.  Our far sides never
-#: speak first (a broker waits for its client's request and its worker's
-#: READY), so silence alone proves nothing against a connection.
+#: seconds a silent connection must stay up to count as made: one lost sooner
+#: (a listener at its cap closes at once) is a failed attempt, so the backoff grows
 PROVEN_AFTER = 1.0
 
 
 @implementer(IPushProducer, IHandshakeListener)
 class _DealerConnection(FramedProtocol):
-    """The connecting side's protocol; it registers itself as the producer of
-    its transport, which pauses it while its write buffer is full."""
+    """The connecting side's protocol, producer of its transport."""
 
     dealer: StreamDealer
     paused = False
-    #: when it was made (connected, and over TLS, the handshake done); None:
-    #: not yet
+    #: when it was made (over TLS, the handshake done); None: not yet
     madeAt: Optional[float] = None
-    #: the far side took it: made, and then something came from it or it
-    #: stayed up :data:`PROVEN_AFTER` seconds
+    #: something came from the far side, or it stayed up :data:`PROVEN_AFTER`
     proven = False
 
-    #: (a framing with a handshake, SP's) waiting for the peer's greeting:
-    #: the timer that drops it if none comes, and what came meanwhile
+    #: (a framing with a handshake) the greeting's timer, and what came meanwhile
     _awaiting: Any = None
     _early: Optional[list[Any]] = None
 
@@ -66,9 +56,7 @@ class _DealerConnection(FramedProtocol):
         shortcut_reads(self)
         self.transport.registerProducer(self, True)
         if awaits:
-            # not the dealer's connection until the peer's greeting says it
-            # speaks the counterpart (a hung process, another service on the
-            # port, would take requests and answer none)
+            # not the dealer's until the peer's greeting shows it speaks the counterpart
             self._early = []
             self.onMessage = self._early.append
             self._awaiting = self.dealer.reactor.callLater(
@@ -89,7 +77,7 @@ class _DealerConnection(FramedProtocol):
         if not INegotiated.providedBy(self.transport):
             self.handshakeCompleted()
         self.dealer._made(self)
-        for frames in early:  # (a peer that spoke first: in order)
+        for frames in early:
             if self.closing or self.dealer.protocol is not self:
                 break
             self.onMessage(frames)
@@ -128,7 +116,7 @@ class _DealerConnection(FramedProtocol):
         if (not self.proven and self.madeAt is not None
                 and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
             self._prove()
-        if not self.proven and not self.closedHere:  # (closed here: no one turned it away)
+        if not self.proven and not self.closedHere:
             self.dealer._unproven += 1
         self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
 
@@ -136,7 +124,6 @@ class _DealerConnection(FramedProtocol):
         self.madeAt = self.dealer.reactor.seconds()
 
     def _prove(self) -> None:
-        """The far side took it: the backoff starts again."""
         self.proven = True
         self.dealer._unproven = 0
 
@@ -148,9 +135,8 @@ class _DealerConnection(FramedProtocol):
         self.dealer._resumed(self)
 
     def beforeStop(self) -> None:
-        """Its ClientService is about to close it (with loseConnection()):
-        what was sent goes first, and no producer keeps it open (see
-        closeGracefully)."""
+        """Its ClientService is about to close it: flush, and unregister the
+        producer that would keep it open."""
         self.closedHere = True
         self.flushWrites()
         self.transport.unregisterProducer()
@@ -160,9 +146,8 @@ class _DealerConnection(FramedProtocol):
 
 
 class _ReportingEndpoint:
-    """A client endpoint that tells its dealer of each failed connection
-    attempt, and names itself by its endpoint string in ClientService's
-    retry lines (not ``<...Endpoint object at 0x...>``)."""
+    """A client endpoint that reports each failed attempt, and names itself
+    by its endpoint string in ClientService's log lines."""
 
     def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
         self.endpoint = endpoint
@@ -185,15 +170,8 @@ class _ReportingEndpoint:
 def _connection(owner: Any, endpoint: str,
                 retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
     """A started :class:`ClientService` keeping one connection to *endpoint*
-    for *owner* (its ``reactor``, ``_buildProtocol``, ``_failed`` and
-    ``_unproven``).
-
-    ClientService starts its backoff again at each connection it makes; a
-    connection whose TLS handshake then fails, or that is lost within
-    :data:`PROVEN_AFTER` seconds with nothing received (a listener at its
-    cap closes newcomers at once), counts here as a failed attempt too
-    (``owner._unproven`` counts them in a row), so it is retried with the
-    backoff, not every half second."""
+    for *owner*.  A connection lost before it was proven counts as a failed
+    attempt (``owner._unproven``), so the backoff keeps growing."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
@@ -209,16 +187,13 @@ def _connection(owner: Any, endpoint: str,
 
 
 class _OneConnection:
-    """Flow control of a connecting side's one connection (``protocol``,
-    None while down): writable while its transport takes more; and what is
-    sent while it is down, kept for the next one within ``maxQueued``
-    messages and ``limits.maxOutputBytes``."""
+    """Flow control of a connecting side's one connection (``protocol``, None
+    while down); what is sent meanwhile waits, within ``maxQueued`` messages
+    and ``limits.maxOutputBytes``."""
 
     maxQueued = 1000
-    #: who refuses a message over those bounds, in the warning
     kind = "stream dealer"
-    #: connections in a row lost before they were proven (their TLS
-    #: handshake failed, or they were closed at once, nothing received)
+    #: connections in a row lost before they were proven
     _unproven = 0
     protocol: Optional[_DealerConnection]
     _waiters: DrainWaiters
@@ -229,12 +204,9 @@ class _OneConnection:
     framing: Any
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
-        """What *frames* cost held (:func:`held_bytes`) if they may wait, with
-        *count* messages and ``queuedBytes`` waiting already, or None, with a
-        warning, past the bounds.  A message the connection could not send
-        (a frame that is not bytes: ``TypeError``) raises here, as it does
-        while connected: held, it would fail the next connection's start and
-        lose what waits behind it."""
+        """What *frames* cost held if they may wait, or None (warned) past the
+        bounds.  A message that cannot be encoded raises here, not at the next
+        connection's start."""
         size = held_bytes(frames)
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
@@ -261,11 +233,8 @@ class _OneConnection:
 
 @implementer(IDealerTransport)
 class StreamDealer(_OneConnection):
-    """The connecting side: one :class:`ClientService`-managed connection.
-
-    Messages sent while no connection is up wait (at most ``maxQueued`` of
-    them and ``limits.maxOutputBytes`` in all; beyond, they are refused with a
-    warning) and go out after the next ``connectionMade``."""
+    """The connecting side: one :class:`ClientService`-managed connection;
+    what is sent while it is down goes out after the next ``connectionMade``."""
 
     def __init__(
         self,
@@ -301,8 +270,7 @@ class StreamDealer(_OneConnection):
         return self.protocol is not None
 
     def discardReceived(self) -> int:
-        """The records of the read being delivered that are not delivered
-        yet (what has come is handed on as it is read)."""
+        """Drop the records of the current read not delivered yet; how many."""
         return 0 if self.protocol is None else self.protocol.discardBatch()
 
     def _made(self, proto: _DealerConnection) -> None:
@@ -311,8 +279,7 @@ class StreamDealer(_OneConnection):
         try:
             self.receiver.connectionMade()
         except Exception:
-            # logged, and the connection stands: raised, it would be left
-            # half made, and never made again once lost
+            # raised, it would leave the connection half made
             log.failure("stream dealer to {endpoint}: its receiver's connectionMade failed",
                         endpoint=self.endpoint)
         while self.queue and self.protocol is proto:
@@ -321,8 +288,7 @@ class StreamDealer(_OneConnection):
             self.queuedBytes = 0
 
     def _failed(self, reason: Any) -> None:
-        """A connection attempt failed: a receiver with a ``connectionFailed``
-        method hears why (a refused connection, say, is then known at once)."""
+        """A connection attempt failed: tell the receiver's ``connectionFailed``, if any."""
         report = getattr(self.receiver, "connectionFailed", None)
         if report is not None and self.service.running:
             report(reason)
@@ -334,8 +300,7 @@ class StreamDealer(_OneConnection):
         if not self.service.running:
             return
         if proto._early is not None:
-            # never the receiver's connection (its peer's greeting did not
-            # come): a failed attempt, as a refused connection is
+            # its greeting never came: a failed attempt
             self._failed(reason.value if isinstance(reason, Failure) else reason)
             return
         self.receiver.connectionLost(reason)
@@ -347,7 +312,7 @@ class StreamDealer(_OneConnection):
         if not self.service.running:
             return
         size = self._admit(frames, len(self.queue))
-        if size is not None:  # (else refused, with a warning)
+        if size is not None:
             self.queue.append(list(frames))
             self.queuedBytes += size
 

@@ -1,10 +1,5 @@
-"""Stream endpoint strings and the process's descriptor budget.
-
-The endpoint strings are Twisted's (``tcp:``, ``tcp6:``, ``ssl:``, ``tls:``,
-``unix:``); a listening side also takes the client forms ``tcp:host=H:port=P``
-and ``unix:path=P``, and ``ssl:`` with ``caCerts=`` (mutual TLS,
-:mod:`mdp.transport.tls`).  The listeners of a process together keep at most
-the accepted connections :func:`descriptor_budget` leaves room for.
+"""Stream endpoint strings (Twisted's, plus the client forms for listening
+and ``ssl:`` with ``caCerts=``) and the process's descriptor budget.
 """
 
 from __future__ import annotations
@@ -22,12 +17,10 @@ from mdp.transport.registry import LISTEN, check_port, split_description
 
 try:
     import resource
-except ImportError:  # no resource module (Windows): no descriptor limit to read
+except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
-#: descriptors kept back from accepted stream connections, at the least, for
-#: everything else a process opens (ZeroMQ's sockets and its peers'
-#: connections, connecting sockets, files, logs)
+#: descriptors kept back, at the least, for all else a process opens
 DESCRIPTOR_RESERVE = 64
 
 
@@ -36,18 +29,15 @@ SELECT_LIMIT = 1024
 
 
 def _select_based() -> bool:
-    """Whether the installed reactor waits with select() (Twisted's default
-    on macOS), which cannot watch a descriptor of SELECT_LIMIT or more."""
+    """Whether the installed reactor waits with select() (bounded by SELECT_LIMIT)."""
     installed = sys.modules.get("twisted.internet.reactor")
     module = sys.modules.get("twisted.internet.selectreactor")
     return module is not None and isinstance(installed, module.SelectReactor)
 
 
 def descriptor_budget() -> Optional[int]:
-    """How many accepted stream connections the process's descriptor limit
-    (the soft ``RLIMIT_NOFILE``, and :data:`SELECT_LIMIT` under a select()
-    reactor) leaves room for: all of it but an eighth (at least
-    :data:`DESCRIPTOR_RESERVE`).  None where there is no limit."""
+    """How many accepted stream connections the descriptor limit leaves room
+    for: all but an eighth (at least :data:`DESCRIPTOR_RESERVE`); None: no limit."""
     limit: Optional[int] = None
     if resource is not None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -60,17 +50,13 @@ def descriptor_budget() -> Optional[int]:
     return max(1, limit - max(DESCRIPTOR_RESERVE, limit // 8))
 
 
-#: what the soft descriptor limit is raised to where the hard limit is
-#: unlimited (macOS), in order: a kernel refuses an unlimited soft limit, and
-#: macOS grants at least OPEN_MAX (10,240)
+#: soft limits to try, in order, where the hard limit is unlimited (macOS)
 UNLIMITED_TARGETS = (65_536, 10_240)
 
 
 def raise_descriptor_limit() -> int:
-    """Raise the process's soft descriptor limit to its hard limit (as a
-    server does at start: the soft limit is often 1,024; where the hard limit
-    is unlimited, to the first of :data:`UNLIMITED_TARGETS` the kernel grants)
-    and return the soft limit now in force (-1: none)."""
+    """Raise the soft descriptor limit to the hard one (or the first of
+    :data:`UNLIMITED_TARGETS` granted); the soft limit in force (-1: none)."""
     if resource is None:
         return -1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -83,21 +69,18 @@ def raise_descriptor_limit() -> int:
     for target in targets:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):  # more than the kernel grants (nr_open, OPEN_MAX)
+        except (ValueError, OSError):  # more than the kernel grants
             continue
         return target
     return soft
 
-#: the listen queue of a stream listener unless the endpoint names one:
-#: Twisted's default of 50 drops the SYNs of a client that opens a pool of
-#: 100 connections at once, and each dropped one costs a second's retransmit
+#: the listen queue unless the endpoint names one (Twisted's 50 drops a burst's SYNs)
 LISTEN_BACKLOG = 1024
 
 
 def server_description(endpoint: str) -> str:
-    """Accept the client forms ``tcp:host=H:port=P`` and ``unix:path=P`` for
-    listening too, with a listen queue of :data:`LISTEN_BACKLOG` unless
-    ``backlog=`` is given."""
+    """A server description, accepting the client forms too, with
+    :data:`LISTEN_BACKLOG` unless ``backlog=`` is given."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
         rest = ":".join(
@@ -111,11 +94,8 @@ def server_description(endpoint: str) -> str:
     return f"{kind}:{rest}"
 
 
-#: our addition to Twisted's ``ssl:`` server syntax: the PEM file of the
-#: authorities whose client certificates a listener accepts (mutual TLS)
-
 def subject(certificate: Any) -> str:
-    """A TLS certificate's subject as RFC 4514 text (``CN=worker-1,O=Example``)."""
+    """A TLS certificate's subject as RFC 4514 text."""
     return certificate.to_cryptography().subject.rfc4514_string()
 
 
@@ -129,16 +109,14 @@ def connect_description(kind: str, port: IListeningPort) -> str:
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    if ":" in host:  # IPv6: Twisted's tcp: client endpoint connects to it
+    if ":" in host:  # IPv6
         host = host.replace(":", r"\:")
         kind = "tcp" if kind == "tcp6" else kind
     return f"{kind}:host={host}:port={address.port}"
 
 
 def server_endpoint(reactor: Any, description: str) -> Any:
-    """The Twisted server endpoint for *description* (a
-    :func:`server_description`): Twisted's own parser's, or, for ``ssl:``
-    with ``caCerts=``, :func:`mdp.transport.tls.server_endpoint`."""
+    """The Twisted server endpoint for a :func:`server_description`."""
     mutual = tls.parse_mutual(description)
     if mutual is None:
         return serverFromString(reactor, description)
@@ -157,19 +135,16 @@ def _check_authorities(endpoint: str, args: list[str], kwargs: dict[str, str]) -
     tls.server_endpoint(Clock(), *args, **kwargs)
 
 
-#: The longest path a local socket can have (``sun_path``: 108 bytes on
-#: Linux, 104 on the BSDs and macOS).
+#: The longest path a local socket can have (``sun_path``).
 UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
 
-#: The Twisted stream endpoint types registered at import (``tls:`` only
-#: connects, ``tcp6:`` only listens: ``tcp:`` connects to IPv6 hosts too).
+#: The Twisted stream endpoint types registered (``tls:`` only connects,
+#: ``tcp6:`` only listens).
 STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
 
 
 def check_endpoint(endpoint: str, role: str) -> None:
-    """Check a Twisted stream endpoint string for *role* without starting
-    anything: the address parts we can judge (host, port, path) ourselves,
-    the rest by having Twisted build (not start) the endpoint."""
+    """Check a stream endpoint string for *role* without starting anything."""
     name, _, rest = endpoint.partition(":")
     args, kwargs = split_description(rest)
     if name in ("tcp", "tcp6", "ssl", "tls"):
@@ -200,7 +175,7 @@ def _connect_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Opt
                                  f"IPv6 address, e.g. {name}:host=\\:\\:1:port=5555")
         raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
                              f"{name}:host=127.0.0.1:port=5555")
-    try:  # what the resolver does with it (labels of 1-63 characters, ...)
+    try:
         host.encode("idna")
     except UnicodeError as e:
         raise TransportError(f"bad endpoint {endpoint!r}: not a host name: {host!r} "
@@ -236,5 +211,5 @@ def _check_with_twisted(endpoint: str, role: str) -> None:
         raise TransportError(f"bad endpoint {endpoint!r}: {endpoint.partition(':')[0]}: needs "
                              f"pyOpenSSL and service_identity (pip install 'twisted[tls]'): "
                              f"{e}") from None
-    except Exception as e:  # Twisted's parsers raise ValueError, TypeError, KeyError, ...
+    except Exception as e:
         raise TransportError(f"bad endpoint {endpoint!r}: {e}") from None

@@ -8,9 +8,8 @@ from twisted.internet import defer
 
 
 def after(d: Optional[defer.Deferred[Any]]) -> defer.Deferred[None]:
-    """A Deferred of the caller's own, fired once *d* has (at once if there
-    is none, or it has fired): what one caller does with it (cancel it, say)
-    is not the others'."""
+    """A Deferred of the caller's own (cancelling it affects no other), fired
+    once *d* has (at once if None or fired)."""
     if d is None or d.called:
         return defer.succeed(None)
     mine: defer.Deferred[None] = defer.Deferred()
@@ -25,13 +24,8 @@ def after(d: Optional[defer.Deferred[Any]]) -> defer.Deferred[None]:
 
 
 class DrainWaiters:
-    """Deferreds waiting for a transport's send backlog to empty.
-
-    A transport whose medium refuses more (ZeroMQ at its high-water mark, a
-    Twisted transport asking its producer to pause) keeps what it was given
-    and hands out :meth:`wait` Deferreds; :meth:`fire` wakes them all once it
-    can take more, or when the connection goes away (the waiter then finds
-    out for itself that its work is void)."""
+    """Deferreds waiting for a transport's send backlog to empty: :meth:`fire`
+    wakes them once it can take more, or when the connection goes away."""
 
     def __init__(self) -> None:
         self._waiting: list[defer.Deferred[None]] = []
@@ -47,8 +41,7 @@ class DrainWaiters:
             d.callback(None)
 
     def fail(self, error: BaseException) -> None:
-        """Fail every waiter with *error* (what they waited for will not come
-        now); later ones wait afresh."""
+        """Fail every waiter with *error*; later ones wait afresh."""
         waiting, self._waiting = self._waiting, []
         for d in waiting:
             d.errback(error)

@@ -1,10 +1,5 @@
-"""One stream connection carrying framed multi-frame messages: what the
-listening and the connecting side share (:class:`FramedProtocol`).
-
-How a message becomes bytes is a pluggable :class:`~mdp.interfaces.IFraming`:
-by default the length-prefixed records of :mod:`mdp.transport.framing`.
-Input the framing refuses (over the message limits, or malformed) ends the
-connection, logged with the peer.
+"""What the listening and the connecting side of a stream connection share
+(:class:`FramedProtocol`), over a pluggable :class:`~mdp.interfaces.IFraming`.
 """
 
 from __future__ import annotations
@@ -22,18 +17,14 @@ from mdp.transport.twisted_private import direct_capable, write_direct
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: Records of one batch are handed to the transport once they hold this many
-#: bytes (Twisted's own write buffer size), so that a long burst still meets
-#: the transport's flow control as it goes.
+#: A batch is handed to the transport at this many bytes, so that a long
+#: burst meets its flow control.
 FLUSH_BYTES = 65536
 
 
 def _no_delay(transport: Any) -> None:
-    """Send each batch at once (``TCP_NODELAY``, as ZeroMQ does on its TCP
-    sockets): with several replies in flight on one connection (channels),
-    Nagle's algorithm held the last of them until the peer's delayed
-    acknowledgment, up to 40 ms.  Transports that have no such option (a
-    local socket) are left as they are."""
+    """Set ``TCP_NODELAY`` where the transport has it, as ZeroMQ does: Nagle
+    would hold a reply until the peer's delayed acknowledgment."""
     setTcpNoDelay = getattr(transport, "setTcpNoDelay", None)
     if setTcpNoDelay is None:
         return
@@ -44,30 +35,22 @@ def _no_delay(transport: Any) -> None:
 
 
 class FramedProtocol(Protocol):
-    """One stream connection carrying framed multi-frame messages.
-
-    What is sent is coalesced: the records of one batch (the messages sent
-    while the input that caused them is being handled, or else within one
-    reactor turn) go to the transport together, at most :data:`FLUSH_BYTES`
-    at a time, and on a plain TCP or UNIX connection whose write buffer is
-    empty, straight to its socket in one ``send``: one system call per batch
-    instead of a write, a writability poll and two ``epoll_ctl`` calls."""
+    """One stream connection carrying framed multi-frame messages.  Input the
+    framing refuses ends the connection.  What is sent in one batch (while its
+    cause is handled, or within one reactor turn) is written together."""
 
     limits: Limits = Limits()
     framing: IFraming = RECORDS
-    #: the identity this side announces in its greeting (connecting side)
+    #: the identity a connecting side announces in its greeting
     identity: Optional[bytes] = None
     onMessage: Callable[[list[bytes]], None]
     throttle: Optional[LogThrottle] = None
-    dropped = False  # drop() was called: deliver nothing more
-    closedHere = False  # this side closed it (not the peer)
-    #: why the stream was refused (reported with connectionLost), if it was
+    dropped = False  # deliver nothing more
+    closedHere = False
     refusal: Optional[ProtocolError] = None
-    #: logs through twisted.logger only: mdp.uvreactor may read its
-    #: transport without Twisted's legacy log context
+    #: mdp.uvreactor may read without Twisted's legacy log context
     needsLogContext = False
 
-    #: records of the current batch, not yet handed to the transport
     _out: list[bytes]
     _outBytes = 0
     _direct = False
@@ -86,7 +69,6 @@ class FramedProtocol(Protocol):
         self._queue(self.encode(frames))
 
     def _queue(self, record: bytes) -> None:
-        """Send *record* with the rest of this batch."""
         out = self._out
         out.append(record)
         self._outBytes += len(record)
@@ -96,8 +78,7 @@ class FramedProtocol(Protocol):
             self._batchBegun()
 
     def _queueOn(self, channel: bytes, record: bytes) -> None:
-        """Send *record* on *channel* (its four bytes go first; the record is
-        not copied to join them) with the rest of this batch."""
+        """Send *record* on *channel* with the rest of this batch."""
         out = self._out
         out.append(channel)
         out.append(record)
@@ -112,7 +93,6 @@ class FramedProtocol(Protocol):
         raise NotImplementedError
 
     def flushWrites(self) -> None:
-        """Hand the records of this batch to the transport."""
         out = self._out
         if not out:
             return
@@ -129,7 +109,7 @@ class FramedProtocol(Protocol):
             messages = self.decoder.feed(data)
         except ProtocolError as e:
             before = getattr(e, "decoded", None)
-            if before:  # whole messages that came before it: theirs, not lost with it
+            if before:  # whole messages that came before it
                 self._deliverAll(before)
             self.refusal = e
             self.drop("{reason}", reason=e)
@@ -138,8 +118,7 @@ class FramedProtocol(Protocol):
             self._deliverAll(messages)
 
     def _deliverAll(self, messages: list[Any]) -> None:
-        """Hand the messages of one read on, one by one, until the
-        connection closes."""
+        """Hand the messages of one read on until the connection closes."""
         batch = self._batch = iter(messages)
         try:
             for frames in batch:
@@ -149,7 +128,6 @@ class FramedProtocol(Protocol):
         finally:
             self._batch = None
 
-    #: the messages of the read being delivered, those not delivered yet
     _batch: Any = None
 
     def discardBatch(self) -> int:
@@ -170,8 +148,7 @@ class FramedProtocol(Protocol):
         self.transport.abortConnection()
 
     def _warn(self, kind: str, why: str, **fields: Any) -> None:
-        """Warn of *why* about the peer, throttled if the connection's owner
-        throttles its warnings."""
+        """Warn of *why* about the peer (throttled if the owner throttles)."""
         fields["peer"] = self.peerName()
         if self.throttle is not None:
             self.throttle.warn(log, kind, why, **fields)
@@ -179,17 +156,15 @@ class FramedProtocol(Protocol):
             log.warn(why, **fields)
 
     def closeGracefully(self) -> None:
-        """Close once what is written is sent.  A registered producer is
-        unregistered first: Twisted keeps a connection whose paused producer
-        is still registered open for good, waiting for more."""
+        """Close once what is written is sent (unregistering the producer,
+        which would keep it open for good)."""
         self.closedHere = True
         self.flushWrites()
         self.transport.unregisterProducer()
         self.transport.loseConnection()
 
     def reportUnfinished(self) -> None:
-        """At connectionLost: a peer that closed with a message begun lost
-        that message; say so (a plain disconnect says nothing of it)."""
+        """At connectionLost: warn if the peer closed in the middle of a message."""
         decoder = getattr(self, "decoder", None)
         if self.dropped or self.closedHere or decoder is None or not decoder.inRecord:
             return

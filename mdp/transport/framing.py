@@ -1,8 +1,5 @@
-"""Multi-frame messages as length-prefixed records on a byte stream.
-
-Pure code, no I/O: :func:`encode_record` turns a message into bytes and a
-:class:`RecordDecoder` turns bytes, fed in whatever pieces the stream delivers,
-back into messages.  The wire form (``docs/transports.md``)::
+"""Multi-frame messages as length-prefixed records on a byte stream, without
+I/O.  The wire form (``docs/transports.md``)::
 
     stream   = [ greeting ] *record
     greeting = %xFF.FF.FF.FF  id-length:uint8  id-bytes   ; connecting side only
@@ -10,27 +7,16 @@ back into messages.  The wire form (``docs/transports.md``)::
     payload  = *( frame-length:uint32be  frame-bytes )
 
 The optional greeting carries the identity a connecting peer chose (1-255
-bytes, not starting with a zero byte, as ZeroMQ's routing ids): the bound side
-then knows it by that id instead of one it makes up.
-
-A connecting side may instead carry many pipes (*channels*) over the one
-connection; its greeting then announces an empty identity, and every record
-in both directions names its channel before its length::
+bytes, no leading zero byte).  With an empty identity, the connection carries
+*channels*, and every record in both directions names its channel::
 
     greeting = %xFF.FF.FF.FF  %x00           ; channels follow
     record   = channel:uint32be  length:uint32be  payload
                                              ; length 0: the channel is closed
 
-The bound side knows each channel as a peer of its own.  No record can have the
-length ``0xFFFFFFFF`` (it is over every message limit), so a decoder that does
-not know the greeting refuses it as oversized instead of misreading it.
-
-Limits (:class:`~mdp.policy.Limits`) are enforced before anything is buffered:
-a record whose length announces more than ``maxMessageBytes`` of frames plus
-their length prefixes is refused from its 4-byte header, and decoding stops at
-the first frame beyond ``maxFrames``.  A record that arrives in many small
-pieces is appended to one growing buffer (never re-joined with what came
-before), so a trickle costs time and memory in proportion to its bytes.
+No record can have the length ``0xFFFFFFFF`` (over every limit), so a decoder
+that does not know the greeting refuses it.  Limits are enforced before
+anything is buffered: an oversized record is refused from its header.
 """
 
 from __future__ import annotations
@@ -51,13 +37,11 @@ _unpack_from = _length.unpack_from
 
 Buffer = Union[bytes, bytearray, memoryview]
 
-#: mdp.transport._records: the two functions below in C for ``bytes``, where
-#: that is built (else None: they run as written)
+#: mdp.transport._records (the two functions below in C), or None
 _inC: Any = _compiled.accelerator("mdp.transport._records")
 
-#: Pieces of a frame at least this long are kept as views of what was fed
-#: (and copied once, into the frame); shorter ones are gathered in one buffer,
-#: so a trickle costs memory in proportion to its bytes.
+#: Pieces of a frame at least this long are kept as views (copied once, into
+#: the frame); shorter ones are gathered in one buffer.
 _PIECE_BYTES = 4096
 
 
@@ -122,23 +106,15 @@ def encode_greeting(identity: bytes) -> bytes:
 
 @implementer(IStreamDecoder)
 class RecordDecoder:
-    """Turns a byte stream into messages, one record at a time.
-
-    :meth:`feed` returns the messages completed by a piece of the stream, or
-    raises :class:`~mdp.errors.ProtocolError` (:class:`RecordTooLarge` for a
-    limit): the stream is then unusable and the connection should end.
-
-    Once the stream carries channels (:attr:`channels`: set by the peer's
-    greeting, or by the connecting side that asked for them), each message is
-    a ``(channel, frames)`` pair, ``channel`` the four bytes that name it
-    (``frames`` empty: the channel is closed), and a record refused for its
-    size says on which channel it came (the exception's ``channel``)."""
+    """Turns a byte stream into messages.  :meth:`feed` returns the messages a
+    piece completes, or raises :class:`~mdp.errors.ProtocolError`
+    (:class:`RecordTooLarge` for a limit): the stream is then unusable.  With
+    :attr:`channels`, each message is a ``(channel, frames)`` pair (``frames``
+    empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
 
     def __init__(self, limits: Limits = Limits()) -> None:
         self.limits = limits
-        #: longest payload accepted: the message limit plus a prefix per frame
         self.maxRecord = limits.maxMessageBytes + 4 * limits.maxFrames
-        #: records completed so far
         self.records = 0
         self._header = b""  # the first bytes of a length prefix split across pieces
         self._need = -1  # payload bytes of the record in progress still to come; -1 between records
@@ -146,22 +122,18 @@ class RecordDecoder:
         self._frames: list[bytes] = []  # its complete frames
         self._flen = b""  # the first bytes of a frame's length split across pieces
         self._fneed = -1  # bytes of the frame in progress still to come; -1 while its length is read
-        #: what came of the frame in progress: large pieces as views of what
-        #: was fed (copied once, when the frame is complete), small ones
-        #: gathered in ``_buf``
+        #: the frame in progress: large pieces as views, small ones in ``_buf``
         self._pieces: list[Buffer] = []
         self._buf = bytearray()
-        #: the identity the peer's greeting announced, if it sent one
+        #: the identity the peer's greeting announced, if any
         self.identity: Optional[bytes] = None
-        #: bytes of the greeting still to come (-1 before its length is known)
         self._greeting: Optional[bytearray] = None
-        #: every record names its channel (see the class's docstring)
         self.channels = False
         self._channel = b""  # the channel of the record in progress
 
     @property
     def inRecord(self) -> bool:
-        """True while a record has begun and is not complete."""
+        """A record has begun and is not complete."""
         return self._need >= 0 or bool(self._header) or self._greeting is not None
 
     @property
@@ -170,8 +142,7 @@ class RecordDecoder:
         return self._held + len(self._header)
 
     def _feedGreeting(self, data: bytes, pos: int) -> int:
-        """Take what *data* holds of the greeting from *pos*; return where it
-        ends."""
+        """Take the greeting from *pos*; where it ends."""
         greeting = self._greeting
         assert greeting is not None
         if not greeting and pos < len(data):
@@ -231,7 +202,7 @@ class RecordDecoder:
                         raise RecordTooLarge(
                             f"record of {length} bytes announced, over the limit of {self.maxRecord} "
                             f"({limits.maxMessageBytes} bytes in at most {limits.maxFrames} frames)")
-                    if end - pos >= length:  # all here: decode in place, no copy of the buffer
+                    if end - pos >= length:  # all here: decode in place
                         frames = decode_payload(data, pos, pos + length, self.limits)
                         messages.append((self._channel, frames) if channels else frames)
                         pos += length
@@ -239,25 +210,22 @@ class RecordDecoder:
                         continue
                     self._need = length
                     self._held = 0
-                # a record that spans pieces: taken frame by frame, so that each
-                # frame's bytes are copied once, into the frame
+                # a record that spans pieces: frame by frame, each copied once
                 pos = self._feedRecord(data, pos, end)
                 if self._need == 0:
                     frames = self._completed()
                     messages.append((self._channel, frames) if self.channels else frames)
         except ProtocolError as e:
-            if self.channels and isinstance(e, RecordTooLarge):  # say whose record it was
+            if self.channels and isinstance(e, RecordTooLarge):
                 e.channel = self._channel
-            # the whole messages before it in this read, to be delivered before
-            # the connection ends (they were lost with it)
+            # the whole messages before it, to deliver before the connection ends
             e.decoded = messages
             raise
         return messages
 
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
-        """Take what *data* holds of the record in progress from *pos*;
-        return where it ends."""
+        """Take the record in progress from *pos*; where it ends."""
         frames = self._frames
         while pos < end and self._need > 0:
             if self._fneed < 0:  # a frame's length
@@ -282,7 +250,7 @@ class RecordDecoder:
                     frames.append(b"")
                     continue
                 self._fneed = size
-                continue  # its bytes: below
+                continue
             take = min(self._fneed, end - pos)
             if take == self._fneed and not self._pieces and not self._buf:
                 # the whole frame is in this piece: one copy, or none
@@ -315,7 +283,6 @@ class RecordDecoder:
         return pos
 
     def _completed(self) -> list[bytes]:
-        """The record in progress is complete: its frames."""
         frames, self._frames = self._frames, []
         content = self._held - 4 * len(frames)
         self._need = -1
@@ -330,11 +297,9 @@ class RecordDecoder:
 
 @implementer(IFraming)
 class LengthPrefixedFraming:
-    """Today's stream framing: 32-bit length-prefixed multipart records, and
-    the optional identity greeting (see the module's docstring)."""
+    """32-bit length-prefixed multipart records, with the optional greeting."""
 
     name = "records32"
-    #: encode takes any buffer as a frame (``bytes``, ``zmq.Frame``)
     acceptsBuffers = True
 
     def greeting(self, identity: Optional[bytes]) -> bytes:

@@ -1,18 +1,9 @@
 """In-memory transport for deterministic tests: ``loopback:NAME``.
 
-Every delivery and connection event is scheduled with ``callLater(0)`` on the
-reactor the transport was given, so nothing is re-entrant and a test driving a
-:class:`twisted.internet.task.Clock` decides exactly when messages move
-(``clock.advance(0)`` delivers everything pending, in order).
-
-The message limits (:class:`~mdp.policy.Limits`) hold as on streams: an
-oversized message ends the pipe that carried it, logged, and nothing sent
-after it on that pipe is delivered.
-
-A dealer whose listener does not exist yet waits for it, as a ZeroMQ DEALER
-does; when a listener closes, its dealers see ``connectionLost`` and wait for a
-new listener under the same name.  Peers are reported disconnected at once, as
-on TCP.
+Every event is scheduled with ``callLater(0)``, so nothing is re-entrant and
+a test's ``clock.advance(0)`` delivers everything pending, in order.  An
+oversized message ends its pipe, as on streams.  A dealer waits for its
+listener, as a ZeroMQ DEALER does, and again after the listener closes.
 """
 
 from __future__ import annotations
@@ -101,9 +92,7 @@ class LoopbackRouter:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self.peers: dict[bytes, LoopbackDealer] = {}
-        #: peers whose pipe an oversized message ended, until they are gone:
-        #: nothing more they sent is delivered (a stream reads no further
-        #: than such a record)
+        #: peers whose pipe an oversized message ended: nothing more is delivered
         self.ending: set[bytes] = set()
         self.closed = False
         net.bind(name, self)
@@ -115,8 +104,7 @@ class LoopbackRouter:
             dealer.reactor.callLater(0, dealer._deliver, peer, list(frames))
 
     def disconnectPeer(self, peer: bytes) -> None:
-        """Drop *peer* once what was sent to it is delivered (as a graceful
-        close of a stream does)."""
+        """Drop *peer* once what was sent to it is delivered."""
         dealer = self.peers.get(peer)
         if dealer is not None:
             dealer.reactor.callLater(0, dealer._dropped, peer)
@@ -129,15 +117,13 @@ class LoopbackRouter:
                 dealer._dropped(peer)
         return defer.succeed(None)
 
-    # called by dealers
     def _connect(self, peer: bytes, dealer: LoopbackDealer) -> None:
-        """A dealer arrives.  One that reuses the identity of a connected
-        dealer takes it over (ZMQ_ROUTER_HANDOVER): the old one is dropped."""
+        """A dealer arrives, taking over its identity (ZMQ_ROUTER_HANDOVER)."""
         previous = self.peers.get(peer)
         if previous is not None and previous is not dealer:
-            previous.supplanted = True  # it does not come back and take it again
+            previous.supplanted = True
             previous.reactor.callLater(0, previous._dropped, peer)
-        self.ending.discard(peer)  # a new pipe under that identity
+        self.ending.discard(peer)
         self.peers[peer] = dealer
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
@@ -155,7 +141,7 @@ class LoopbackRouter:
 
     def _peerGone(self, peer: bytes, dealer: LoopbackDealer) -> None:
         if self.peers.get(peer) is not dealer:
-            return  # its identity was taken over by a newer dealer
+            return
         del self.peers[peer]
         self.ending.discard(peer)
         if not self.closed:
@@ -166,8 +152,7 @@ class LoopbackRouter:
 class LoopbackDealer:
     """The connecting side: one pipe to the router bound under *name*."""
 
-    #: Messages kept while no listener exists (and ``limits.maxOutputBytes``);
-    #: beyond, refused with a warning.
+    #: Messages kept while no listener exists
     maxQueued = 1000
 
     def __init__(
@@ -186,7 +171,6 @@ class LoopbackDealer:
         self.reactor = reactor
         self.network = net
         self.limits = limits
-        #: the peer id the router sees (None: a fresh one per connection)
         self.identity = identity
         self.throttle = LogThrottle(reactor)
         self.router: Optional[LoopbackRouter] = None
@@ -196,7 +180,6 @@ class LoopbackDealer:
         self.closed = False
         self._attach()
 
-    #: Delivery is a call on the reactor: there is no queue to fill.
     writable = True
 
     @property
@@ -240,8 +223,7 @@ class LoopbackDealer:
             return
         router.reactor.callLater(0, router._deliver, peer, list(frames))
 
-    #: messages sent to this dealer and not delivered yet; how many of
-    #: those to drop (discardReceived)
+    #: messages on their way to this dealer; how many of those to drop
     inbound = 0
     discarding = 0
 
@@ -271,8 +253,7 @@ class LoopbackDealer:
             router.reactor.callLater(0, router._peerGone, peer, self)
 
     def _dropped(self, peer: bytes, why: Optional[Exception] = None) -> None:
-        """The pipe is gone (the router side dropped us, or we refused what
-        came on it: *why*): report, then wait for a listener."""
+        """The pipe is gone: report, then wait for a listener."""
         if peer != self.peer:
             return
         self._detach()
@@ -281,9 +262,7 @@ class LoopbackDealer:
     #: a newer dealer took over our identity: we stay detached
     supplanted = False
 
-    #: seconds before a dropped pipe attaches again (libzmq's reconnect
-    #: interval): a peer that drops each pipe at once (what is sent on it is
-    #: not for it) is not met again in the same reactor turn, for ever
+    #: seconds before a dropped pipe attaches again (not in the same turn, for ever)
     reconnectDelay = 0.1
 
     def _lost(self, why: Exception) -> None:

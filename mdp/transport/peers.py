@@ -1,8 +1,4 @@
-"""A connecting ROUTER: one transport to many servers, addressed by endpoint.
-
-ZeroMQ endpoints share one native ROUTER socket (:class:`ZmqPeerRouter`); any
-other endpoint gets its own DEALER-like pipe behind the same interface.
-"""
+"""A connecting ROUTER: one transport to many servers, addressed by endpoint."""
 
 from __future__ import annotations
 
@@ -37,10 +33,7 @@ class _Pipe:
         self.owner.receiver.messageReceived(self.endpoint, frames)
 
 
-#: Reconnection to a server that went away: quick (0.25 s doubling to 2 s), as
-#: the agent PINGs every second and wants to see a returning server soon;
-#: each step up to :data:`~mdp.policy.JITTER` shorter, so a restarted
-#: server's clients do not all come back in the same instant.
+#: Reconnection to a server that went away: quick, as the agent PINGs every second.
 RECONNECT = Backoff(initial=0.25, maximum=2.0, jitter=JITTER)
 
 
@@ -57,21 +50,19 @@ class PeerRouter:
         self.limits = limits
         self.pipes: dict[str, tuple[_Pipe, IDealerTransport]] = {}
         self.zmq: Optional[Any] = None
-        #: servers whose connection could not be opened (no socket to be had):
-        #: tried again at the next message for them
+        #: servers whose connection could not be opened, tried at their next message
         self.unconnected: set[str] = set()
         self.throttle = LogThrottle(self.reactor)
 
     def connect(self, endpoint: str) -> None:
-        """Connect to the server at *endpoint*; if no socket can be had (out
-        of descriptors), say so and try again at the next message for it
-        (the agent PINGs each server every interval)."""
+        """Connect to the server at *endpoint*; if no socket can be had, try
+        again at the next message for it."""
         if endpoint in self.pipes or (self.zmq is not None and endpoint in self.zmq.endpoints):
             return
         zmq = transport.lookup(endpoint, transport.CONNECT).name == "zmq"  # (bad ones raise)
         try:
             self._connect(endpoint, zmq)
-        except Exception as e:  # zmq.ZMQError, TransportError, ...
+        except Exception as e:
             self.unconnected.add(endpoint)
             self.throttle.warn(log, f"connect {endpoint}", "connecting router: cannot connect "
                                "to {endpoint}: {error}; tries again at its next message",
@@ -89,7 +80,6 @@ class PeerRouter:
             self.zmq.connect(endpoint)
             return
         pipe = _Pipe(self, endpoint)
-        # the agent's PINGs find out when a server is back; reconnect quickly
         self.pipes[endpoint] = (pipe, transport.connect(
             endpoint, pipe, self.reactor, retryPolicy=RECONNECT.retryPolicy(), limits=self.limits))
 
@@ -97,7 +87,7 @@ class PeerRouter:
         if endpoint in self.unconnected:
             self.connect(endpoint)
             if endpoint in self.unconnected:
-                return  # (as a ROUTER drops what it cannot route)
+                return
         entry = self.pipes.get(endpoint)
         if entry is not None:
             pipe, dealer = entry

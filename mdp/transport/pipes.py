@@ -1,11 +1,7 @@
-"""The blocking nodes' pipes (:mod:`mdp.blocking`): plain pyzmq DEALER
-sockets and plain stream sockets, driven by the blocking loop's poller.
-
-A pipe reports to its *owner* (the client or the worker) through
-``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``, each with
-the *tag* it was opened with.  The channels of a stream connection are a
-:class:`~mdp.transport.channellink.ChannelLink`, as the Twisted transport's
-are: :class:`_StreamLink` is its blocking shell.
+"""The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER sockets and
+stream sockets, driven by the blocking loop's poller.  A pipe reports to its
+*owner* through ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``,
+each with the *tag* it was opened with.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _READ_SIZE = 262144
 
-#: stream schemes the blocking nodes speak (plain sockets, no TLS; as for
-#: the Twisted client, ``tcp:`` connects to IPv6 hosts too: ``tcp6:`` listens)
+#: stream schemes the blocking nodes speak (no TLS)
 STREAM_SCHEMES = ("tcp", "unix")
 
 #: the longest wait one poll takes (its timeout is a C int of milliseconds)
@@ -48,9 +43,8 @@ def _zmq() -> Any:
 
 
 def timeout_ms(when: Optional[float], now: float) -> int:
-    """A poll's timeout until *when* (None: none, -1), in whole milliseconds
-    rounded up (a wait that ends a little late is harmless, one that ends
-    early is a wasted wake-up); a longer wait than a poll takes is several."""
+    """A poll's timeout until *when* (None: -1), in milliseconds rounded up
+    (ending early would be a wasted wake-up)."""
     if when is None:
         return -1
     ms = (when - now) * 1000.0
@@ -91,8 +85,7 @@ _HIGH_WATER_MARK = 1000
 
 
 class _ZmqPipe:
-    """One DEALER socket: up from the start (ZeroMQ connects in the
-    background and reconnects by itself)."""
+    """One DEALER socket: up from the start (ZeroMQ reconnects by itself)."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
                  "address", "linger", "curve", "core", "retryAt")
@@ -106,14 +99,12 @@ class _ZmqPipe:
         self.linger = linger
         self.curve = curve
         self.core = DealerCore(loop.limits, RECONNECT.delay, bounded=False)
-        #: what waits for the socket to take it (the core's backlog)
         self.backlog = self.core.backlog
-        #: when to try again for a socket that could not be had (see _oversized)
         self.retryAt: Optional[float] = None
         self._connect()
 
     def _connect(self) -> None:
-        """A fresh socket, connected (a fresh routing id for the broker)."""
+        """A fresh socket, connected (a fresh routing id)."""
         zmq = _zmq()
         self.socket = None
         self.up = False
@@ -168,12 +159,10 @@ class _ZmqPipe:
         return True
 
     def ready(self, flags: int, now: float) -> None:
-        """The socket's descriptor was signalled: see what is ready."""
         self.check(now)
 
     def check(self, now: float) -> bool:
-        """Ask the socket's ``EVENTS``, and send what waits and read what came
-        accordingly; whether anything was read."""
+        """Send what waits and read what came, per ``EVENTS``; whether anything was read."""
         sock = self.socket
         if sock is None:
             return False
@@ -188,9 +177,8 @@ class _ZmqPipe:
         return False
 
     def wait(self, timeout: int) -> None:
-        """The only socket of the loop: block in ``recv`` for at most
-        *timeout* ms (-1: no limit), as a plain pyzmq loop would, instead of
-        polling; handle what came."""
+        """The loop's only socket: block in ``recv`` for at most *timeout* ms
+        (-1: no limit) instead of polling; handle what came."""
         sock = self.socket
         if _frames is None:
             # pyzmq's recv waits its whole RCVTIMEO again after each signal
@@ -199,9 +187,7 @@ class _ZmqPipe:
                 self.check(monotonic())
             return
         current = self.waitMs
-        # a wait that ends a little late is harmless; setting RCVTIMEO on
-        # every request is not free; a signal ends it early (Again), and the
-        # loop waits again for what is left
+        # setting RCVTIMEO is not free: keep one close enough
         if current != timeout and (timeout < 0 or current < 0 or current < timeout // 2
                                    or current > timeout + min(50, timeout // 20)):
             _set(sock, _RCVTIMEO, timeout)
@@ -215,8 +201,7 @@ class _ZmqPipe:
         self._take(frames, monotonic())
 
     def _events(self) -> int:
-        """The (open) socket's ``EVENTS`` bits, in C where that is built
-        (pyzmq's ``get`` makes an enum of the option first)."""
+        """The open socket's ``EVENTS`` bits."""
         if _frames is not None:
             return _eventsC(self.handle)  # type: ignore[no-any-return]
         return _get(self.socket, _EVENTS)  # type: ignore[no-any-return]
@@ -235,33 +220,25 @@ class _ZmqPipe:
         return dropped
 
     def _read(self, now: float) -> None:
-        """Read the messages that are there (EVENTS said one is), at most a
-        few a wake-up: the loop comes back for the rest (asked again)."""
+        """Read at most a few messages a wake-up: the loop comes back for the rest."""
         sock = self.socket
         loop = self.loop
         for _ in range(64):
-            # the socket's signal is spent: a callback of this message that
-            # waits on the loop (a request from inside onPartial) has the
-            # socket asked again, and what else it holds read, before it waits
-            # (the set itself, not one kept: a wait swaps it for a new one)
+            # the signal is spent: a callback that waits on the loop must ask again
             loop.unchecked.add(self)
             self._take(self._message(_NOBLOCK), now)
             if self.socket is not sock:
                 return
             if not self._events() & _ZMQ_POLLIN:
-                # asked just now (after whatever the callbacks sent on it):
-                # its signal is armed again, no need to ask before waiting
-                # (unless it holds messages to send)
+                # its signal is armed again: no need to ask before waiting
                 if not self.backlog:
                     loop.unchecked.discard(self)
                 return
 
     def _message(self, flags: int, limited: bool = True) -> Any:
-        """Receive a whole message (ZeroMQ delivers one whole, or nothing:
-        ``Again``), in C where that is built (``_frames``): its frames; or,
-        *limited* and over the limits, ``(bytes, frames)`` read so far, and
-        nothing past the limit copied (the rest goes with the socket, which
-        the caller replaces)."""
+        """Receive a whole message (or raise ``Again``): its frames; or, *limited*
+        and over the limits, ``(bytes, frames)`` read so far (the caller
+        replaces the socket)."""
         if limited:
             limits = self.loop.limits
             maxFrames, maxBytes = limits.maxFrames, limits.maxMessageBytes
@@ -290,8 +267,7 @@ class _ZmqPipe:
         return frames
 
     def _take(self, frames: Any, now: float) -> None:
-        """Hand the message *frames* to the owner; or, over the limits
-        (``(bytes, frames)``), drop it with its socket."""
+        """Hand *frames* to the owner; or, over the limits, drop it with its socket."""
         if frames.__class__ is not list:
             size, count = frames
             self._oversized(now, size, count)
@@ -299,9 +275,8 @@ class _ZmqPipe:
         self.owner._pipeMessage(self.tag, frames, now)
 
     def _oversized(self, now: float, size: int, count: int) -> None:
-        """As the Twisted dealer: drop the message and the socket that carried
-        it (a fresh one replaces it), and tell the owner its pipe was lost to
-        an oversized message, then that it is up again."""
+        """As the Twisted dealer: drop the message and its socket, and tell
+        the owner the pipe was lost, then up again."""
         why = self.core.oversized(size, count)
         self.close()
         self._reopen(now)
@@ -310,9 +285,8 @@ class _ZmqPipe:
             self.owner._pipeUp(self.tag, now)
 
     def _reopen(self, now: float) -> bool:
-        """A fresh socket; if none can be had (out of descriptors), say so
-        and try again after :data:`RECONNECT`'s delay (the loop wakes the
-        pipe), down meanwhile as a stream pipe that reconnects."""
+        """A fresh socket; if none can be had, try again after
+        :data:`RECONNECT`'s delay, down meanwhile."""
         try:
             self._connect()
         except Exception as e:
@@ -328,7 +302,6 @@ class _ZmqPipe:
         return True
 
     def wake(self, now: float) -> None:
-        """Time to try again for a socket."""
         if self.retryAt is not None and now >= self.retryAt and self.socket is None:
             if self._reopen(now):
                 self.owner._pipeUp(self.tag, now)
@@ -347,12 +320,10 @@ class _ZmqPipe:
 
 
 class _StreamPipe:
-    """One plain stream socket with the stream transport's records; it
-    reconnects with :data:`RECONNECT`'s backoff after a failure or a loss, as
-    the Twisted transport does.  With *channels*, the connection of a
-    :class:`_StreamLink`: it greets with the channels greeting, every record
-    names its channel (its messages are ``(channel, frames)`` pairs), and
-    what is sent goes out when the loop next waits, in one write."""
+    """One stream socket with the stream transport's records, reconnecting
+    with :data:`RECONNECT`'s backoff.  With *channels*, the connection of a
+    :class:`_StreamLink`: messages are ``(channel, frames)`` pairs, and what is
+    sent goes out in one write when the loop next waits."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
@@ -371,8 +342,7 @@ class _StreamPipe:
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
-        #: bytes put in ``out`` and bytes written, on this connection (a
-        #: channel's request has left once ``sentBytes`` passed its end)
+        #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = 0
         self.sentBytes = 0
         self.decoder = self._decoder()
@@ -380,15 +350,12 @@ class _StreamPipe:
         self.connecting = False
         self.failures = 0
         self.retryAt: Optional[float] = None
-        #: messages read and not yet handed on, in order: a caller's callback
-        #: that waits on this loop reads more meanwhile (see ready)
+        #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
-        #: the addresses of this attempt's host not yet tried
         self.candidates: list[tuple[int, Any]] = []
-        #: records to drop as they complete: one begun before a discard (on
-        #: channels: the channels discarded meanwhile, whose record it may be)
+        #: a record begun before a discard, to drop once whole (on channels:
+        #: the channels discarded)
         self.skip: Any = 0
-        #: what was wrong with the stream read by a discard (reported as the loss)
         self.broken: Optional[BaseException] = None
 
     @property
@@ -404,9 +371,7 @@ class _StreamPipe:
         self.open(monotonic())
 
     def open(self, now: float) -> None:
-        """Start a connection attempt (the poller says when it is made): to
-        each address the host resolves to in turn, as Twisted's endpoints
-        do, until one takes."""
+        """Start a connection attempt, to each address of the host in turn."""
         self.retryAt = None
         if self.family == socket.AF_UNIX:
             self.candidates = [(socket.AF_UNIX, self.address)]
@@ -421,8 +386,7 @@ class _StreamPipe:
         self._next(now, None)
 
     def _next(self, now: float, error: Optional[BaseException]) -> None:
-        """Connect to the next address not tried; if none is left, the
-        attempt failed with the last *error*."""
+        """Connect to the next address; none left: failed with the last *error*."""
         while self.candidates:
             family, target = self.candidates.pop(0)
             sock = None
@@ -437,8 +401,7 @@ class _StreamPipe:
                     sock.close()
                 error = e
                 continue
-            # (EAGAIN is not "in progress": a local socket's listener has a
-            # full backlog, which a later attempt may find free)
+            # (EAGAIN: a full listen backlog, which a later attempt may find free)
             if code not in (0, errno.EINPROGRESS):
                 sock.close()
                 error = OSError(code, os.strerror(code))
@@ -469,9 +432,8 @@ class _StreamPipe:
         self._flush()
 
     def sendRecord(self, record: bytes) -> int:
-        """Send *record*, whole as the wire has it (a channel's), when the
-        loop next waits (``unflushed``); where it ends in what this
-        connection sends (``queuedBytes``; 0: not up, not sent)."""
+        """Send a wire *record* when the loop next waits; where it ends in
+        this connection's bytes (0: not up, not sent)."""
         if not self.up:
             return 0
         return self._queue(record)
@@ -511,7 +473,6 @@ class _StreamPipe:
             self._read(sock, now)
 
     def _connected(self, sock: socket.socket, now: float) -> None:
-        """The connection attempt is over: made, or on to the next address."""
         code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if not code:
             try:
@@ -531,7 +492,6 @@ class _StreamPipe:
         self.owner._pipeUp(self.tag, now)
 
     def _read(self, sock: socket.socket, now: float) -> None:
-        """Read what came, and hand on the messages it completes."""
         if self.broken is not None:  # (a discard, or a read below, found it unusable)
             self._lost(self.broken, now)
             return
@@ -549,9 +509,7 @@ class _StreamPipe:
         try:
             messages = self.decoder.feed(data)
         except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
-            # what came whole before it is handed on first, as the Twisted
-            # transport does (on channels, the other pipes' replies); a
-            # callback's wait meanwhile must not read on past it
+            # what came whole before it is handed on first, as in Twisted
             self._break(e)
             self._take(getattr(e, "decoded", None) or [], now)
             if self.socket is sock:
@@ -560,8 +518,7 @@ class _StreamPipe:
         self._take(messages, now)
 
     def _break(self, error: BaseException) -> None:
-        """The stream cannot be decoded past this point: nothing more is
-        read from it, and the next read reports *error* as the loss."""
+        """Stop reading; the next read reports *error* as the loss."""
         self.broken = error
         try:
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
@@ -575,20 +532,16 @@ class _StreamPipe:
         self._deliverReceived(now)
 
     def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the first of *messages*, the record a discard saw begun (it
-        came before the request then sent, so it cannot answer it), now
-        that it is whole; on channels, if it came on a channel discarded."""
+        """Drop the record a discard saw begun, now whole (it cannot answer
+        the request sent after it)."""
         if not self.channels or messages[0][0] in self.skip:
             del messages[0]
         self.skip = 0
 
     def _deliverReceived(self, now: float) -> None:
-        """Hand on the messages read and not handed on yet, in order.  A
-        callback of one of them may wait on the loop (a request from inside
-        onPartial): that wait hands on the rest before it blocks (``check``,
-        the pipe being ``unchecked``) or reads here again (``ready``, which
-        hands on what is left first, then its own), so that a reply among
-        them (the FINAL that frees this connection) is not held back."""
+        """Hand on the messages read, in order.  A callback that waits on the
+        loop hands on the rest first (the pipe stays ``unchecked``), so a
+        reply among them is not held back."""
         received = self.received
         owner, tag, loop = self.owner, self.tag, self.loop
         while received:  # (a loss meanwhile clears it)
@@ -605,10 +558,8 @@ class _StreamPipe:
         return True
 
     def discardReceived(self) -> int:
-        """Drop the messages read and not handed on yet, and those waiting
-        in the socket; how many.  A record begun and not complete is dropped
-        when it is (it came before what is about to be sent, so it cannot
-        answer it)."""
+        """Drop the messages read and those waiting in the socket; how many.
+        A record begun is dropped once complete."""
         dropped = len(self.received) + len(self._drain())
         self.received.clear()
         if self.broken is not None:
@@ -618,11 +569,8 @@ class _StreamPipe:
         return dropped + self.skip
 
     def _drain(self) -> list[Any]:
-        """Read what waits in the socket now and decode it: the messages it
-        completes (a record an earlier discard saw begun, dropped).  A
-        stream that cannot be read any more is left for the poller to
-        report; one that cannot be decoded, for the next read
-        (``broken``)."""
+        """Read and decode what waits in the socket now: the messages it
+        completes.  Errors are left for the next read to report."""
         sock = self.socket
         messages: list[Any] = []
         if sock is None or not self.up or self.broken is not None:
@@ -667,13 +615,11 @@ class _StreamPipe:
             sock.close()
 
     def wake(self, now: float) -> None:
-        """Time for the next connection attempt."""
         if self.retryAt is not None and now >= self.retryAt and self.socket is None:
             self.open(now)
 
     def close(self) -> None:
-        """Close, after handing the OS what waits to be sent (for at most a
-        moment: DISCONNECT on a worker's way out)."""
+        """Close, after a moment's try to send what waits (a worker's DISCONNECT)."""
         sock = self.socket
         if sock is not None and self.up and self.out:
             try:
@@ -686,16 +632,11 @@ class _StreamPipe:
 
 
 class _StreamLink:
-    """The one stream connection a client keeps to an endpoint, carrying
-    its pipes as channels: the blocking shell of a
-    :class:`~mdp.transport.channellink.ChannelLink` (what the Twisted
-    client's ``StreamChannels`` is).  The requests of a turn go out in one
-    write, and their replies come in one read.  The connection is opened
-    with the first pipe and closed with the last (``forget``).
-
-    What comes on a channel before its request has left whole is not a
-    reply to it: it is dropped (``discard``, ``dropStale``), as a pipe of
-    its own drops what came before its send."""
+    """The one stream connection a client keeps to an endpoint, carrying its
+    pipes as channels: the blocking shell of a
+    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
+    pipe, closed with the last.  What comes on a channel before its request
+    has left is dropped: it is no reply."""
 
     __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
 
@@ -705,14 +646,11 @@ class _StreamLink:
         self.stream = _StreamPipe(loop, self, None, family, address, channels=True)
         loop.timed.add(self.stream)
         self.core = ChannelLink(loop.limits)
-        #: pipes the connection's loss is still to be told to, and why (a
-        #: callback told before them may wait on the loop, which may bring
-        #: the connection up again: they hear of the loss first)
+        #: pipes still to be told of the loss (before any reconnection)
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
 
     @property
     def pipes(self) -> dict[bytes, Any]:
-        """The open pipes, by channel."""
         return self.core.channels
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
@@ -723,7 +661,6 @@ class _StreamLink:
         return pipe
 
     def start(self) -> None:
-        """Connect, unless connected, connecting or waiting to try again."""
         stream = self.stream
         if stream.socket is None and stream.retryAt is None:
             stream.open(monotonic())
@@ -734,10 +671,8 @@ class _StreamLink:
             self.core.sending(pipe.id, at)
 
     def discard(self, name: bytes) -> int:
-        """A request is about to go on channel *name*: drop what came on it
-        and is read, not handed on yet (how many); what waits in the socket
-        is read off just before the request goes (``dropStale``).  An end
-        the broker sent is kept: it is no reply."""
+        """A request is about to go on channel *name*: drop what was read on
+        it (how many; an end is kept)."""
         received = self.stream.received
         if not received:
             return 0
@@ -746,9 +681,7 @@ class _StreamLink:
         return len(self._keepBut(items, {name}))
 
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
-        """Keep *items* (``(channel, frames)``), in order, in what the
-        connection has read and not handed on, but the messages on *names*
-        (not an end: that is no reply); their channels, one a message."""
+        """Put back *items* but the messages on *names*; their channels."""
         received = self.stream.received
         dropped = []
         for item in items:
@@ -759,11 +692,8 @@ class _StreamLink:
         return dropped
 
     def dropStale(self) -> None:
-        """Just before what the pipes sent goes out: read what waits in the
-        socket, and drop what came on the channels whose request is about to
-        go (a record begun there, once whole: it came before the request, so
-        it cannot answer it); keep the rest, in order.  One read for all
-        the requests of a turn."""
+        """Before the pipes' requests go out: read the socket, and drop what
+        came on their channels (it cannot answer them)."""
         stream = self.stream
         core = self.core
         waiting = {name for name in list(core.unsent) if core.stale(name, stream.sentBytes)}
@@ -784,10 +714,8 @@ class _StreamLink:
             pipe.owner._stale(pipe.tag)  # type: ignore[attr-defined]
 
     def forget(self, pipe: _LinkPipe) -> None:
-        """*pipe* was closed: end its channel (the broker drops what it had
-        for it); the connection closes with the last pipe (once the client's
-        actions are done: a pipe opened meanwhile, as when the client
-        replaces one, keeps it)."""
+        """*pipe* was closed: end its channel; the connection closes after the
+        client's actions if no pipe is left."""
         if pipe.retryAt is not None:
             pipe.retryAt = None
             self.loop.timed.discard(pipe)
@@ -811,13 +739,11 @@ class _StreamLink:
         self._tellLost(now)
         core = self.core
         for pipe in core.made():
-            # (a callback below may have closed it, or the connection)
             if self.stream.up and core.comeUp(pipe):
                 pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        # a record refused for its size was one pipe's: the others only lost
-        # the connection (what they had in flight goes again)
+        # a record refused for its size was one pipe's: the others only lost the connection
         refused = getattr(why, "channel", None)
         others = ConnectionError(f"the connection was dropped for another channel's record: "
                                  f"{why}") if refused is not None else why
@@ -853,8 +779,7 @@ class _StreamLink:
             pipe.ends = 0
             pipe.owner._pipeMessage(pipe.tag, frames, now)
             return
-        # the broker ended this channel: say it is known, and bring the pipe
-        # up again under a new channel after the reconnection delay
+        # the broker ended this channel: up again under a new one after the delay
         record, was = core.endedThere(pipe)
         self.stream.sendRecord(record)
         pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)
@@ -864,8 +789,7 @@ class _StreamLink:
 
 
 class _LinkPipe(Channel):
-    """One pipe of a :class:`_StreamLink`: what a connection of its own
-    would be, under its channel."""
+    """One pipe of a :class:`_StreamLink`, on its channel."""
 
     __slots__ = ("link", "owner", "tag", "retryAt")
 
@@ -876,7 +800,6 @@ class _LinkPipe(Channel):
         self.link = link
         self.owner = owner
         self.tag = tag
-        #: when it comes up again, after the broker ended it
         self.retryAt: Optional[float] = None
 
     @property
@@ -897,7 +820,6 @@ class _LinkPipe(Channel):
         return False  # (its link's connection is what the loop asks)
 
     def wake(self, now: float) -> None:
-        """Time to come up again, after the broker ended its channel."""
         if self.retryAt is not None and now >= self.retryAt:
             self.retryAt = None
             self.link.loop.timed.discard(self)
@@ -908,9 +830,8 @@ class _LinkPipe(Channel):
         self.link.forget(self)
 
 def _bind_zmq() -> None:
-    """pyzmq's compiled socket methods, below its Python wrappers (whose
-    IntEnum flag arithmetic costs more than the I/O on this path), and
-    messages in and out in C where that is built (``_frames``)."""
+    """Bind pyzmq's compiled socket methods (below its IntEnum wrappers) and
+    ``_frames``'s C functions, where built."""
     global _send, _recv, _get, _set, _frames, _readC, _sendC, _eventsC
     global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _FD, _ZMQ_POLLIN, _ZMQ_POLLOUT
     zmq = _zmq()
@@ -922,7 +843,7 @@ def _bind_zmq() -> None:
     _EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
     _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
     _frames = zmq_frames()
-    if _frames is not None:  # its functions themselves: a module's attribute costs a look-up
+    if _frames is not None:
         _readC, _sendC, _eventsC = _frames.read, _frames.send, _frames.events
 
 
@@ -931,13 +852,12 @@ _recv: Callable[..., Any]
 _get: Callable[..., Any]
 _set: Callable[..., Any]
 _RCVTIMEO = 0
-#: mdp.transport._zmqframes, bound (see zmq_frames), or None; and its read,
-#: send and events
+#: mdp.transport._zmqframes (see zmq_frames), or None
 _frames: Any = None
 _readC: Callable[..., Any]
 _sendC: Callable[..., Any]
 _eventsC: Callable[..., Any]
-#: no frame kept, no limit (the blocking pipe checks a message's limits itself)
+#: no limit
 _NEVER = sys.maxsize
 _NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _FD = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
 # a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)

@@ -1,16 +1,11 @@
 """The listening side of the stream transport (:class:`StreamRouter`).
 
-It gives each accepted connection an opaque peer id (or the identity the
-peer's greeting announces: a newer connection with the same identity takes
-it over) and reports its loss at once.  It defends itself
-(:class:`~mdp.policy.Limits`): a connection must send its first message
-within ``handshakeTimeout`` and complete every record it starts within
-``recordTimeout``; at most ``maxConnections`` are open (at the cap, the
-oldest connection that has not yet sent a message makes room, or the
-newcomer is refused); and what a peer does not read is kept, beyond
-Twisted's own write buffer, only up to ``maxOutputBytes``, after which that
-peer alone is disconnected.  A connection whose greeting asks for channels
-carries many peers (``docs/transports.md``).
+Each accepted connection gets an opaque peer id (or the identity its
+greeting announces: a newer connection with it takes it over).  Defences
+(:class:`~mdp.policy.Limits`): ``handshakeTimeout`` for a first message,
+``recordTimeout`` per record, ``maxConnections`` (the oldest silent
+connection makes room, or the newcomer is refused), and ``maxOutputBytes``
+unread per peer.  A connection may carry many peers as channels.
 """
 
 from __future__ import annotations
@@ -46,42 +41,33 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _ids = itertools.count(1)
 
-#: every listening side of the process, for the descriptor budget they share
+#: every listening side of the process (they share the descriptor budget)
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
-#: connections dropped to make room whose descriptors may be still open (they
-#: close a reactor turn later) before newcomers are refused instead: an accept
-#: burst at a cap spends at most these of the descriptor reserve
+#: connections dropped to make room, not closed yet, before newcomers are
+#: refused instead (bounds what a burst spends of the descriptor reserve)
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
-#: channels a connection may have ended here without the peer saying it
-#: knows; beyond, the connection is dropped
+#: channels ended here and not acknowledged before the connection is dropped
 MAX_UNACKNOWLEDGED = 64
 
 
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
-    """An accepted connection.  It is the push producer of its transport:
-    while Twisted's write buffer is full it keeps what is sent in a backlog of
-    its own, counted in bytes.
-
-    A connection whose greeting asks for channels carries many peers: each
-    channel is one, known to the router as the connection's id and the
-    channel's, opened by its first message and ended by an empty record from
-    either side (a channel this side ended is ignored until the peer's own
-    empty record says it knows)."""
+    """An accepted connection, push producer of its transport (a backlog
+    while Twisted's buffer is full).  With channels, each channel is a peer
+    (id: the connection's and the channel's), opened by its first message and
+    ended by an empty record from either side."""
 
     router: StreamRouter
     peer: bytes
-    greeted = False  # a first complete message arrived
+    greeted = False
     paused = False
-    #: dropped to make room for a newer connection
     makingRoom = False
-    #: its TLS client certificate's subject (None: none), once asked
     tlsSubject: Any = False
 
     def connectionMade(self) -> None:
-        StreamRouter.accepted += 1  # first: connectionLost takes it off whatever happens
+        StreamRouter.accepted += 1
         router = self.router
         self.limits = router.limits
         self.framing = router.framing
@@ -92,7 +78,6 @@ class _RouterConnection(FramedProtocol):
         self.backlog: deque[bytes] = deque()
         self.backlogBytes = 0
         self._recordsAtArm = -1
-        #: its open channels (channel -> the peer id it is known by)
         self.channels: dict[bytes, bytes] = {}
         #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
@@ -104,8 +89,7 @@ class _RouterConnection(FramedProtocol):
             "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
 
     def subject(self) -> Optional[str]:
-        """Its TLS client certificate's subject (None: no TLS, or no
-        certificate), asked once."""
+        """Its TLS client certificate's subject, or None."""
         identity = self.tlsSubject
         if identity is False:
             getPeerCertificate = getattr(self.transport, "getPeerCertificate", None)
@@ -115,18 +99,15 @@ class _RouterConnection(FramedProtocol):
         return identity  # type: ignore[no-any-return]
 
     def _rename(self, identity: bytes) -> None:
-        """The peer announced *identity*: know it by that from now on.  An
-        older connection with the same identity is dropped (handover)."""
+        """The peer announced *identity*: an older connection with it is dropped."""
         router = self.router
         old = router.connections.get(identity)
         if old is not None and old is not self:
             if old.subject() != self.subject():
-                # another certificate: another peer, which may not take it over
                 self.drop("it announced identity {identity}, held by a connection with another "
                           "TLS certificate", identity=identity.hex())
                 return
-            # the identity lives on in this connection: the old one's loss is
-            # not the peer's (its connectionLost finds it no longer registered)
+            # the old one's loss is not the peer's
             if router.ungreeted.get(identity) is old:
                 del router.ungreeted[identity]
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
@@ -150,14 +131,12 @@ class _RouterConnection(FramedProtocol):
         self.router.receiver.messageReceived(self.peer, frames)
 
     def _greet(self) -> None:
-        """It has shown itself a peer (a first message, or its framing's
-        handshake): no more handshake deadline, and never crowded out."""
+        """No more handshake deadline, and never crowded out."""
         self.greeted = True
         self.router.ungreeted.pop(self.peer, None)
         self._cancelTimer()
 
     def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
-        """A record on one of its channels (see the class's docstring)."""
         channel, frames = item
         router = self.router
         peer = self.channels.get(channel)
@@ -196,8 +175,7 @@ class _RouterConnection(FramedProtocol):
         return peer
 
     def _end(self, channel: bytes) -> None:
-        """Tell the peer *channel* is ended; ignore it until the peer says it
-        knows (a peer that never does, past a cap, is dropped)."""
+        """Tell the peer *channel* is ended; ignore it until acknowledged."""
         self.sendOn(channel, [])
         self.unacknowledged.add(channel)
         if len(self.unacknowledged) > MAX_UNACKNOWLEDGED:
@@ -205,9 +183,7 @@ class _RouterConnection(FramedProtocol):
                       count=len(self.unacknowledged))
 
     def endChannel(self, channel: bytes) -> None:
-        """End *channel* (the router's ``disconnectPeer``): its peer is
-        reported disconnected at the next reactor turn, as a connection's
-        would be once closed."""
+        """End *channel*: its peer is reported disconnected next turn."""
         peer = self._forgetChannel(channel)
         if peer is None:
             return
@@ -216,13 +192,11 @@ class _RouterConnection(FramedProtocol):
             self._end(channel)
         router.reactor.callLater(0, router._channelEnded, peer)
 
-    #: (a connection that carries channels) its flush at the end of the turn
     _turnCall: Any = None
 
     def _batchBegun(self) -> None:
         if getattr(self.decoder, "channels", False):
-            # it carries many peers, whose replies come from many reads in
-            # one turn (one a worker): they go out together at its end
+            # replies from many reads of the turn go out together at its end
             if self._turnCall is None:
                 self._turnCall = call_soon(self.router.reactor, self._flushTurn)
             return
@@ -253,15 +227,13 @@ class _RouterConnection(FramedProtocol):
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            # its framing's handshake is done (SP's header): a peer, however
-            # long it stays quiet now, as nng's are
+            # its framing's handshake is done (SP's header): a peer, as nng's are
             self._greet()
         if not self.greeted or self.closing:
-            return  # the handshake deadline covers a first record
+            return
         decoder = self.decoder
         if decoder.inRecord:
             if self._timer is None or self._recordsAtArm != decoder.records:
-                # a record has begun since the timer was armed (or none is armed)
                 self._cancelTimer()
                 self._recordsAtArm = decoder.records
                 self._timer = self.router.reactor.callLater(
@@ -298,8 +270,7 @@ class _RouterConnection(FramedProtocol):
         self._hold(channel + record)
 
     def _hold(self, record: bytes) -> None:
-        """Keep *record* while the transport's buffer is full, within
-        ``maxOutputBytes``."""
+        """Keep *record* while the buffer is full, within ``maxOutputBytes``."""
         self.backlog.append(record)
         self.backlogBytes += len(record)
         if self.backlogBytes > self.limits.maxOutputBytes:
@@ -325,13 +296,10 @@ class _RouterConnection(FramedProtocol):
         self.backlogBytes = 0
 
     def closeGracefully(self) -> None:
-        """Close once what is written is sent, or at the latest after
-        ``recordTimeout``: a peer that does not read would otherwise keep
-        its slot and what was written to it for good (and its loss would
-        never be reported), as Twisted's HTTP server's ``abortTimeout`` has
-        it."""
+        """Close once what is written is sent, or after ``recordTimeout`` at
+        the latest (a peer that does not read would keep its slot)."""
         if self.dropped or self.closedHere:
-            return  # closing already (its deadline set)
+            return
         self.flushWrites()
         self.transport.writeSequence(list(self.backlog))
         self.stopProducing()
@@ -364,14 +332,13 @@ class _RouterConnection(FramedProtocol):
                 router.receiver.peerDisconnected(peer)
         if router.connections.get(self.peer) is self:
             del router.connections[self.peer]
-            if not getattr(self.decoder, "channels", False):  # (its channels were the peers)
+            if not getattr(self.decoder, "channels", False):
                 router.receiver.peerDisconnected(self.peer)
 
 
 class _Refused(Protocol):
-    """A connection refused at a cap: closed at once (Twisted closes the
-    socket of a plain TCP or UNIX listener whose factory returns None, but a
-    TLS wrapper keeps it open), counted until its descriptor is closed."""
+    """A connection refused at a cap, closed at once (a TLS wrapper would keep
+    a None protocol's socket open)."""
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -383,15 +350,10 @@ class _Refused(Protocol):
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
-    """The bound side over a Twisted server endpoint.
+    """The bound side over a Twisted server endpoint: :meth:`listen` binds an
+    endpoint string; :meth:`factory` serves a port of one's own."""
 
-    :meth:`listen` binds an endpoint string; :meth:`factory` is the same thing
-    as a plain :class:`~twisted.internet.interfaces.IProtocolFactory`, for
-    listening with an endpoint, a TLS wrapper or an ``Application`` of one's
-    own."""
-
-    #: accepted connections open in the process (their descriptors), and of
-    #: those, the ones dropped to make room that have not closed yet
+    #: accepted connections open in the process, and those dropped to make room
     accepted = 0
     makingRoom = 0
 
@@ -401,44 +363,32 @@ class StreamRouter:
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.framing = framing
-        #: sendMessage takes any buffer as a frame where the framing does
         self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
         self.throttle = LogThrottle(self.reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
-        #: the channels of connections that carry them (peer id ->
-        #: connection, channel)
+        #: peer id -> (connection, channel)
         self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
         #: connections that carry at least one open channel
         self.carriers = 0
-        #: close() was called
         self.closed = False
         #: connections that have not yet sent a message, oldest first
         self.ungreeted: OrderedDict[bytes, _RouterConnection] = OrderedDict()
         self.port: Optional[IListeningPort] = None
         self.endpoint = ""
-        #: peers disconnected for not reading their messages
         self.overflows = 0
-        #: connections refused at maxConnections
         self.refused = 0
-        #: input being handled (nesting depth): what is sent meanwhile is
-        #: flushed once it has been
+        #: input being handled (depth): what is sent meanwhile is flushed after
         self.reading = 0
-        #: connections with records waiting to be flushed
         self.dirty: list[_RouterConnection] = []
         self.flushCall: Any = None
-        #: how many connections the process's descriptors leave room for
-        #: (None: no cap), asked at each new connection
+        #: connections the process's descriptors leave room for (None: no cap)
         self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
-        #: its factory may be wrapped (TLS): a refused connection then needs
-        #: a protocol that closes it (a wrapper keeps a None protocol's socket
-        #: open); a plain TCP or UNIX port closes it at once
+        #: its factory may be wrapped (TLS): refuse with :class:`_Refused`
         self.wrapped = True
-        #: :meth:`listen` opens its port (it says what the budget is itself)
         self._listening = False
         _routers.add(self)
 
     def flushWrites(self) -> None:
-        """Hand every connection's batch of records to its transport."""
         self.flushCall = cancel_call(self.flushCall)
         while self.dirty:
             dirty, self.dirty = self.dirty, []
@@ -448,9 +398,8 @@ class StreamRouter:
     def buildProtocol(self, addr: object) -> Optional[Protocol]:
         full = self._full()
         if full is not None:
-            # make room: the oldest connection that has said nothing, here
-            # (at its own cap: never another listener's) or, at the
-            # process's cap, on any listener
+            # make room: the oldest silent connection, here or (at the
+            # process's cap) on any listener
             routers = [self] if self._peers() >= self.limits.maxConnections else [
                 self, *(router for router in _routers if router is not self)]
             idle = next((router for router in routers if router.ungreeted), None)
@@ -472,9 +421,8 @@ class StreamRouter:
         return proto
 
     def _peers(self) -> int:
-        """The peers that count against ``maxConnections``: its connections
-        and the channels they carry (a connection's first channel takes the
-        connection's place)."""
+        """The peers counted against ``maxConnections`` (a first channel takes
+        its connection's place)."""
         return len(self.connections) + len(self.channels) - self.carriers
 
     def _full(self) -> Optional[str]:
@@ -488,9 +436,7 @@ class StreamRouter:
         return None
 
     def _fullOfChannels(self) -> Optional[str]:
-        """Why a connection may not open one more channel now, or None:
-        every channel but a connection's first counts as a connection
-        against ``maxConnections`` (its first takes the connection's place)."""
+        """Why a connection may not open one more channel now, or None."""
         if self._peers() >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
@@ -500,8 +446,7 @@ class StreamRouter:
             self.receiver.peerDisconnected(peer)
 
     def _checkBudget(self) -> None:
-        """Say at start when the descriptor limit, not maxConnections, is
-        the cap: the operator may want to raise it."""
+        """Warn when the descriptor limit, not maxConnections, is the cap."""
         budget = self.descriptorBudget()
         if budget is not None and budget < self.limits.maxConnections:
             log.warn("stream listener {endpoint}: the process's descriptor limit leaves room for "
@@ -510,22 +455,17 @@ class StreamRouter:
                      budget=budget, limit=self.limits.maxConnections)
 
     def _factoryStarted(self) -> None:
-        # on a port of the application's; :meth:`listen` warns once it
-        # knows its own port's address
         if self.port is None and not self._listening:
             self._checkBudget()
 
     def _forget(self, connection: _RouterConnection) -> None:
-        """Stop counting an aborted connection at once (its connectionLost
-        comes a reactor turn later)."""
+        """Stop counting an aborted connection at once."""
         if self.connections.get(connection.peer) is connection:
             del self.connections[connection.peer]
             self.receiver.peerDisconnected(connection.peer)
 
     def factory(self) -> Factory:
-        """An :class:`IProtocolFactory` whose connections this router serves
-        (for a port of the application's own; it warns, as :meth:`listen`
-        does, when it starts and the descriptor limit is the cap)."""
+        """An :class:`IProtocolFactory` whose connections this router serves."""
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self.buildProtocol  # type: ignore[method-assign]
         factory.startFactory = self._factoryStarted  # type: ignore[method-assign]
@@ -562,19 +502,17 @@ class StreamRouter:
         return server.listen(factory).addCallbacks(listening, failed)
 
     def peerAddress(self, peer: bytes) -> Optional[str]:
-        """Where *peer*'s connection comes from (Twisted's address of it:
-        ``IPv4Address(TCP, '127.0.0.1', 50312)``), or None once it is gone."""
+        """Twisted's address of *peer*'s connection, or None once it is gone."""
         connection = self._connectionOf(peer)
         return None if connection is None else connection.peerName()
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The subject of *peer*'s TLS client certificate (mutual TLS), or
-        None (no TLS, or no certificate)."""
+        """The subject of *peer*'s TLS client certificate, or None."""
         connection = self._connectionOf(peer)
         return None if connection is None else connection.subject()
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
-        """The connection *peer* is, or carries it as a channel (None: gone)."""
+        """The connection *peer* is or is carried by (None: gone)."""
         connection = self.connections.get(peer)
         if connection is None:
             connection, _ = self.channels.get(peer, (None, None))
@@ -607,7 +545,7 @@ class StreamRouter:
         self.dirty = []
         for connection in list(self.connections.values()):
             connection.closedHere = True
-            connection.dropped = True  # nothing more of a read under way is delivered
+            connection.dropped = True
             connection._cancelTurn()
             connection.transport.abortConnection()
         self.connections.clear()

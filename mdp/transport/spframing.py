@@ -1,21 +1,14 @@
 """The scalability protocols' TCP mapping (nanomsg/nng), as a stream framing.
 
-Pure code, no I/O.  On connect each side sends an 8-byte header, then
-messages, each a 64-bit big-endian length and that many bytes::
+No I/O.  Each side sends a header, then messages::
 
     header  = %x00 "SP" %x00  protocol:uint16be  %x00.00
     message = length:uint64be  body
 
-*protocol* is the sender's; a peer must send the counterpart of ours
-(:data:`COUNTERPART`: REQ talks to REP and back).  A header with the wrong
-magic, a protocol that is not the counterpart or non-zero reserved bytes is
-refused (:class:`~mdp.errors.ProtocolError`: the stream transport drops the
-connection and logs the peer and the reason), and so is a message longer
-than ``Limits.maxMessageBytes``, from its length alone, before anything of it
-is buffered.  Each message is delivered as one frame: ``[body]``.
-
-The protocol numbers are nng's (``NNG_REQ0_SELF`` and friends): REQ ``0x30``,
-REP ``0x31``, not the older numbers of the draft RFC.
+*protocol* is the sender's (nng's numbers); a peer must send the counterpart
+of ours (:data:`COUNTERPART`).  A bad header, or a message over
+``Limits.maxMessageBytes``, raises :class:`~mdp.errors.ProtocolError`.  Each
+message is delivered as one frame: ``[body]``.
 """
 
 from __future__ import annotations
@@ -68,8 +61,8 @@ def encode_message(body: bytes) -> bytes:
 class SPDecoder:
     """The peer's header, then its messages, each as ``[body]``."""
 
-    identity = None  # SP peers announce no identity
-    channels = False  # nor carry channels
+    identity = None
+    channels = False
 
     def __init__(self, expected: int, limits: Limits = Limits()) -> None:
         self.expected = expected
@@ -134,8 +127,7 @@ class SPDecoder:
 
 @implementer(IFraming)
 class SPFraming:
-    """The SP TCP mapping for a side speaking *protocol* (:data:`REQ` or
-    :data:`REP`); it accepts only the counterpart."""
+    """The SP TCP mapping for a side speaking *protocol* (:data:`REQ`, :data:`REP`)."""
 
     def __init__(self, protocol: int) -> None:
         if protocol not in COUNTERPART:

@@ -1,20 +1,9 @@
 """Multi-frame messages over any Twisted stream endpoint (tcp, tls, unix).
 
-The stream transport, by concern: endpoint strings and the descriptor
-budget (:mod:`~mdp.transport.endpoints`, mutual TLS in
-:mod:`~mdp.transport.tls`), one framed connection
-(:mod:`~mdp.transport.framed`), the listening side
-(:mod:`~mdp.transport.router`), the connecting side
-(:mod:`~mdp.transport.dealer`) and many pipes over one connection
-(:mod:`~mdp.transport.channels`).  This module names them all, and the
-registry's schemes.
-
-Mutual TLS: an ``ssl:`` listening endpoint may name the authorities whose
-client certificates it accepts, ``caCerts=CA.pem``; such a listener knows
-each peer by its certificate's subject (RFC 4514, ``CN=worker-1,O=Example``:
-:meth:`StreamRouter.peerIdentity`).  Clients connect with Twisted's own
-``ssl:`` (``certKey=``, ``privateKey=``, ``caCertsDir=``) or ``tls:``
-(``certificate=``, ``privateKey=``, ``trustRoots=``) client syntax.
+This module names the parts (:mod:`~mdp.transport.endpoints`,
+:mod:`~mdp.transport.tls`, :mod:`~mdp.transport.framed`,
+:mod:`~mdp.transport.router`, :mod:`~mdp.transport.dealer`,
+:mod:`~mdp.transport.channels`) and the registry's schemes.
 """
 
 from __future__ import annotations
@@ -70,8 +59,7 @@ def _channels(endpoint: str, reactor: Any, limits: Limits,
 
 
 def scheme(name: str) -> Scheme:
-    """The registry entry for the Twisted stream endpoint type *name*, with
-    the length-prefixed record framing."""
+    """The registry entry for the Twisted stream endpoint type *name*."""
     return Scheme(name, check_endpoint, _listen if name != "tls" else None,
                   _connect if name != "tcp6" else None,
                   f"length-prefixed records over Twisted's {name}: endpoints", identities=True,

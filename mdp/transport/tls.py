@@ -1,13 +1,10 @@
 """Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=FILE``.
 
-An ``ssl:`` listening endpoint may name the authorities whose client
-certificates it accepts, ``caCerts=CA.pem`` (one or more PEM certificates).
-Such a listener refuses, at the handshake, a client with no certificate or
-one no listed authority signed.  The endpoint is made by
-:func:`server_endpoint`, which the package's dropin
-(``twisted/plugins/mdp_plugins.py``) also offers to Twisted as the endpoint
-parser (``IStreamServerEndpointStringParser``) of the ``mtls:`` prefix:
-``serverFromString(reactor, "mtls:5555:privateKey=key.pem:certKey=cert.pem:caCerts=ca.pem")``.
+``caCerts=CA.pem`` names the authorities whose client certificates the
+listener accepts (others are refused at the handshake); it knows each peer by
+its certificate's subject.  Clients use Twisted's own ``ssl:`` or ``tls:``
+syntax.  The package's dropin also offers :func:`server_endpoint` as the
+``mtls:`` endpoint parser.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ CA_CERTS = "caCerts"
 #: what an ``ssl:`` listener with ``caCerts=`` takes
 MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey", CA_CERTS}
 
-#: the listen queue unless the endpoint names one (see endpoints.LISTEN_BACKLOG)
+#: as endpoints.LISTEN_BACKLOG
 _BACKLOG = 1024
 
 
@@ -66,11 +63,9 @@ def authorities(path: str) -> list[Any]:
 
 
 def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
-    """The endpoint of ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA``
-    (and ``interface=``, ``backlog=``): an SSL server endpoint whose options
-    require a client certificate one of the authorities in ``caCerts``
-    signed.  What the ``mtls:`` parser plugin of the package's dropin
-    returns, and what an ``ssl:`` listener with ``caCerts=`` is."""
+    """The SSL server endpoint of
+    ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA`` (and ``interface=``,
+    ``backlog=``), requiring a client certificate ``caCerts`` signed."""
     from twisted.internet import ssl
     from twisted.internet.endpoints import SSL4ServerEndpoint
 
@@ -97,8 +92,7 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
 
 
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
-    """The arguments of ``ssl:`` server *description* with ``caCerts=``, or
-    None where it has none (Twisted's own ``ssl:`` parser takes it)."""
+    """The arguments of ``ssl:`` server *description* with ``caCerts=``, or None."""
     if not mutual(description):
         return None
     return split_description(description.partition(":")[2])

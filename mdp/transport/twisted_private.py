@@ -1,8 +1,7 @@
 """Every private attribute of Twisted the library uses, in one place.
 
-Each is named in :data:`PRIVATE`, with the class that holds it and why it is
-used; ``tests/test_twisted_private.py`` fails if a Twisted upgrade removes or
-renames one.  Nothing else in the package touches a private name of Twisted.
+Each is named in :data:`PRIVATE` with its class and why it is used;
+``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one.
 """
 
 from __future__ import annotations
@@ -53,25 +52,21 @@ def private_class(module: str, name: str) -> Any:
 
 
 def direct_capable(transport: Any) -> bool:
-    """*transport* is a plain TCP or UNIX socket connection of Twisted's, on
-    which :func:`write_direct` may send straight to the socket."""
+    """*transport* is a plain TCP or UNIX connection (:func:`write_direct` works)."""
     return (isinstance(transport, tcp.Connection) and not getattr(transport, "TLS", False)
             and hasattr(transport, "_tempDataBuffer") and hasattr(transport, "dataBuffer"))
 
 
 def write_direct(transport: Any, out: list[bytes]) -> bool:
-    """Send the records *out* with one ``send`` while Twisted's write buffer
-    is empty, the rest (if any) through ``write``: one system call per batch
-    instead of a write, a writability poll and two ``epoll_ctl`` calls.
-    False where it cannot (buffered, closing, broken): the caller writes as
-    usual."""
+    """Send *out* with one ``send`` while Twisted's write buffer is empty, the
+    rest through ``write``; False where it cannot (the caller writes as usual)."""
     if (not transport.connected or transport.disconnecting or transport._writeDisconnected
             or transport.dataBuffer or transport._tempDataBuffer):
         return False
     data = out[0] if len(out) == 1 else b"".join(out)
     sent = transport.writeSomeData(data)
     if isinstance(sent, BaseException):
-        return False  # broken: Twisted's own write finds that out and reports it
+        return False  # Twisted's own write reports it
     if sent < len(data):
         transport.write(data[sent:])
     return True
@@ -93,9 +88,8 @@ _FORWARDERS = _forwarders()
 
 
 def shortcut_reads(protocol: Any) -> None:
-    """Hand *protocol*'s ``dataReceived`` to the outermost wrapper its
-    transport calls, where every wrapper between only passes reads on (the
-    endpoint's wrapper, ClientService's proxy)."""
+    """Hand *protocol*'s ``dataReceived`` to the outermost wrapper, where every
+    wrapper between only passes reads on."""
     outer = inner = getattr(protocol.transport, "protocol", None)
     for _ in range(len(_FORWARDERS)):
         attribute = _FORWARDERS.get(type(inner))
@@ -110,9 +104,8 @@ def shortcut_reads(protocol: Any) -> None:
 
 
 def logging_begun() -> bool:
-    """Whether something began Twisted's global logging (``twist``, a
-    program's ``globalLogBeginner.beginLoggingTo``): until then Twisted
-    buffers log events unseen."""
+    """Whether something began Twisted's global logging (until then events
+    are buffered unseen)."""
     from twisted.logger import globalLogBeginner
 
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
@@ -127,10 +120,8 @@ def asyncio_loop(reactor: Any) -> Any:
 
 
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` once the reactor has handled what it is handling
-    now (at the end of this turn), as ``callLater(0)`` does; on an asyncio
-    reactor (``mdp.uvreactor``), with the loop's own ``call_soon``, which
-    costs a fraction of a timer.  The handle's ``cancel()`` cancels it."""
+    """Run ``fn(*args)`` at the end of this turn, as ``callLater(0)``, with the
+    loop's ``call_soon`` on an asyncio reactor; the handle's ``cancel()`` cancels it."""
     loop = getattr(reactor, "_asyncioEventloop", None)
     if loop is not None:
         return loop.call_soon(fn, *args)
@@ -138,9 +129,7 @@ def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
-    """Twisted's asyncio reactor with its timer waits rounded up to whole
-    milliseconds, whose readers that need no log context
-    (*needsLogContext*) are the loop's callbacks themselves."""
+    """Twisted's asyncio reactor (see :func:`mdp.uvreactor.reactor_class`)."""
     from twisted.internet.asyncioreactor import AsyncioSelectorReactor
 
     class UVLoopReactor(AsyncioSelectorReactor):
@@ -157,14 +146,13 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
                     or needsLogContext(reader)):
                 return super().addReader(reader)  # type: ignore[no-any-return]
             fd = reader.fileno()
-            # a reader that reads on its own (readNow) is the loop's callback itself
             readNow = getattr(reader, "readNow", None)
             try:
                 if readNow is not None:
                     self._asyncioEventloop.add_reader(fd, readNow)
                 else:
                     self._asyncioEventloop.add_reader(fd, self._readDirect, reader)
-            except OSError:  # not pollable: Twisted's own way (it polls such readers)
+            except OSError:  # not pollable: Twisted polls it
                 self._unregisterFDInAsyncio(fd)
                 return super().addReader(reader)  # type: ignore[no-any-return]
             self._readers[reader] = fd
@@ -175,7 +163,7 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
                 self._readOrWrite(reader, True)
             except KeyboardInterrupt:
                 raise
-            except BaseException:  # logged, and the loop goes on, as callWithLogger does
+            except BaseException:  # as callWithLogger does
                 log.failure("while reading from {reader!r}", reader=reader)
 
     return UVLoopReactor

@@ -1,20 +1,11 @@
 """ZeroMQ ROUTER/DEALER transports over txzmq: ``zmq:tcp://…``, ``zmq:ipc://…``.
 
-Thin adapters around :class:`txzmq.ZmqRouterConnection` and
-:class:`txzmq.ZmqDealerConnection`.  Socket options are set explicitly instead
-of txzmq's defaults (whose high-water mark of 0 means unbounded queues): a
-high-water mark per pipe (64 messages a ROUTER receives, 128 a bound one sends,
-set before it binds and never changed, beyond which a peer's messages wait in
-its byte-bounded backlog; 100,000 on a DEALER, whose burst of PARTIALs then
-rarely waits), ``ZMQ_MAXMSGSIZE`` from the message limit (libzmq
-drops a peer that sends a larger frame) and a short linger.  A message whose
-frames together exceed the limits is read off the socket and discarded without
-being kept.  ZeroMQ hides connection state, so these transports report no
-disconnects, except of a peer a ROUTER cuts off for not reading (below); MDP
-heartbeats cover the rest.
-
-``import txzmq`` installs the default reactor; this module imports it only when
-a ``zmq:`` endpoint is actually used.
+Thin adapters around txzmq's connections, with bounded high-water marks
+(txzmq's default 0 is unbounded), ``ZMQ_MAXMSGSIZE`` and a short linger; a
+message over the limits is read off and discarded.  ZeroMQ hides connection
+state, so no disconnects are reported except of a peer a ROUTER cuts off for
+not reading; MDP heartbeats cover the rest.  ``import txzmq`` installs the
+default reactor: it is imported only when a ``zmq:`` endpoint is used.
 """
 
 from __future__ import annotations
@@ -76,13 +67,9 @@ def _address(endpoint: str) -> str:
 
 
 def _limit(connection: Any, limits: Limits, native: bool = True) -> None:
-    """Apply the limits to a socket (before it binds or connects).
-
-    Our reader drops a message over the limits on every socket.  A bound
-    socket also sets ``ZMQ_MAXMSGSIZE``, so libzmq cuts off a peer that sends
-    a frame over the limit before buffering it.  A connecting socket must not:
-    libzmq treats that as a protocol error and never reconnects the pipe, so
-    one oversized message from a server would leave the socket dead for good."""
+    """Apply the limits to a socket before it binds or connects.  Only a bound
+    (*native*) socket sets ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq
+    never reconnects the pipe after an oversized message."""
     import zmq
 
     connection.maxBytes = limits.maxMessageBytes
@@ -102,18 +89,11 @@ class _Backlog:
 
 
 class _RoutedSocket:
-    """What a bound and a connecting ROUTER share: sending to a peer through a
-    per-peer backlog bounded in bytes, and cutting off a peer that does not
-    read.
-
-    With ``ZMQ_ROUTER_MANDATORY`` a message for a peer whose pipe is full is
-    refused instead of silently dropped.  It then waits, with what follows for
-    the same peer, in that peer's backlog, flushed when libzmq signals the
-    socket and as a :class:`FlushPacer` says; other peers are never held
-    back.  When a backlog exceeds ``maxOutputBytes`` the peer is cut off: its
-    backlog is dropped, messages for it are discarded until it sends again,
-    and (bound ROUTERs only) the receiver hears ``peerDisconnected``.  libzmq
-    itself holds at most the high-water mark of messages per pipe besides."""
+    """What a bound and a connecting ROUTER share: with
+    ``ZMQ_ROUTER_MANDATORY``, a message for a peer whose pipe is full waits in
+    that peer's byte-bounded backlog (other peers are never held back).  Past
+    ``maxOutputBytes`` the peer is cut off: its messages are discarded until it
+    sends again, and a bound ROUTER reports ``peerDisconnected``."""
 
     connection: Any
     endpoint: str
@@ -121,7 +101,6 @@ class _RoutedSocket:
     limits: Limits
     receiver: Any
 
-    #: the socket connects (to servers) rather than binds
     connects = False
 
     def _setup(self, reactor: Any, limits: Limits) -> None:
@@ -133,11 +112,8 @@ class _RoutedSocket:
         self.backlogs: dict[bytes, _Backlog] = {}
         #: peers cut off, oldest first (a bounded, ordered set)
         self.cut: dict[bytes, None] = {}
-        #: messages discarded: for a gone peer or a peer cut off
         self.dropped = 0
-        #: peers cut off for not reading
         self.overflows = 0
-        #: messages discarded for exceeding the message limits
         self.oversizedCount = 0
         self._flushCall: Any = None
         self._pacer = FlushPacer()
@@ -146,7 +122,7 @@ class _RoutedSocket:
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
         if self.connection.socket is None:
-            return  # closed
+            return
         if self.backlogs or self.cut:
             if peer in self.cut:
                 self.dropped += 1
@@ -177,8 +153,7 @@ class _RoutedSocket:
             self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _flush(self) -> None:
-        """Send what waits in the backlogs (called by the timer, and when
-        libzmq signals the socket: a full pipe may have drained)."""
+        """Send what waits in the backlogs (on the timer, and when libzmq signals)."""
         self._flushCall = cancel_call(self._flushCall)
         if self.connection.socket is None:
             return
@@ -195,7 +170,7 @@ class _RoutedSocket:
             except Again:
                 continue
             except _zmq().ZMQError as e:
-                messages.popleft()  # the one refused: _refused counts it
+                messages.popleft()
                 self._refused(peer, e)
                 self.dropped += len(messages)
             del self.backlogs[peer]
@@ -205,7 +180,7 @@ class _RoutedSocket:
     def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
         del self.backlogs[peer]
         self.cut[peer] = None
-        if len(self.cut) > MAX_CUT_OFF:  # forget the oldest: they never spoke again
+        if len(self.cut) > MAX_CUT_OFF:
             del self.cut[next(iter(self.cut))]
         self.overflows += 1
         self.dropped += len(backlog.messages)
@@ -221,7 +196,7 @@ class _RoutedSocket:
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
-            self.cut.pop(peer, None)  # it speaks again: messages for it go out again
+            self.cut.pop(peer, None)  # it speaks again: no longer cut off
         self._deliver(peer, frames)
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
@@ -237,7 +212,7 @@ class _RoutedSocket:
 
     def _refused(self, peer: bytes, error: Any) -> None:
         self.dropped += 1
-        if error.errno == errno.EHOSTUNREACH:  # the peer closed its socket
+        if error.errno == errno.EHOSTUNREACH:
             log.debug("zmq router {endpoint}: peer {peer} is gone; message dropped",
                       endpoint=self.endpoint, peer=peer.hex())
             return
@@ -254,10 +229,8 @@ class _RoutedSocket:
 
 def _check_ipc_free(address: str, endpoint: str) -> None:
     """:class:`TransportError` if another process listens on the ``ipc://``
-    *address* (libzmq would unlink its socket file and take the name over,
-    leaving that one unreachable, where tcp:// and unix: refuse: in use), or
-    if the path is a file that is no socket (libzmq would delete it). A
-    socket nobody listens on is one a process left behind: libzmq replaces it."""
+    *address*, or the path is no socket: libzmq would unlink it and take the
+    name over.  A socket nobody listens on was left behind: libzmq replaces it."""
     if not address.startswith("ipc://"):
         return
     import socket
@@ -269,8 +242,8 @@ def _check_ipc_free(address: str, endpoint: str) -> None:
     try:
         mode = os.lstat(path).st_mode
     except OSError:
-        return  # nothing there
-    if not stat.S_ISSOCK(mode):  # libzmq would delete it and bind there
+        return
+    if not stat.S_ISSOCK(mode):
         raise TransportError(f"cannot bind {endpoint}: {path} exists and is not a socket; "
                              "left as it is")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -278,7 +251,7 @@ def _check_ipc_free(address: str, endpoint: str) -> None:
         probe.settimeout(1.0)
         probe.connect(path)
     except OSError:
-        return  # nobody listens: a socket file left behind, which libzmq replaces
+        return
     finally:
         probe.close()
     raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on "
@@ -287,12 +260,10 @@ def _check_ipc_free(address: str, endpoint: str) -> None:
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class ZmqRouter(_RoutedSocket):
-    """A bound ZeroMQ ROUTER socket.  A receiver whose ``keepFramesFrom`` is a
-    number gets the frames from that index on that are at least
-    :data:`KEEP_FRAME_BYTES` long uncopied (:func:`kept_frame_type`); it
-    may hand them back to :meth:`sendMessage` (or to a stream router)."""
+    """A bound ZeroMQ ROUTER socket.  A receiver whose ``keepFramesFrom`` is an
+    index gets the frames from there on of :data:`KEEP_FRAME_BYTES` or more
+    uncopied (:func:`kept_frame_type`), which :meth:`sendMessage` takes back."""
 
-    #: sendMessage takes any buffer as a frame (``bytes``, a kept frame)
     acceptsBuffers = True
 
 
@@ -308,40 +279,31 @@ class ZmqRouter(_RoutedSocket):
         self.receiver = receiver
         self.endpoint = endpoint
         address = _address(endpoint)
-        _check_ipc_free(address, endpoint)  # before there is a socket to clean up
-        # bind after construction: a bind error inside txzmq's constructor would
-        # leave an unclosed socket that blocks the context's term() at shutdown
-        # with a fixed port, announce the endpoint as identity (the Guide's
-        # Freelance model 3 clients address servers that way)
+        _check_ipc_free(address, endpoint)
+        # bind after construction: an error inside txzmq's would leak the socket
+        # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
         identity = address.encode() if "*" not in address else None
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
         keepFrom = getattr(receiver, "keepFramesFrom", None)
-        #: the receiver gets frames that are not bytes (``keepFramesFrom``)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
         if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
-        # a peer that reconnects with the identity it chose takes it over;
-        # not under CURVE, where that would let one accepted key take over
-        # another's peer id (its requests, its replies)
+        # handover, but not under CURVE: one key would take over another's peer id
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
         self._setup(default_reactor(reactor), limits)
         if not address.startswith("inproc://"):
-            # before the bind, never after (ROUTER_SEND_WATER_MARK).  Not on
-            # inproc, where a pipe's marks are the sum of both ends' and the
-            # reading end's half is not ours to bound
+            # before the bind (ROUTER_SEND_WATER_MARK); on inproc the reading end's half is not ours
             self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
         if curve is not None:
             from mdp.transport import curve as curves
 
             factory = zmq_factory()
-            #: CURVE handshakes refused (a key not in the allow-list)
             self.handshakesRefused = 0
             self._zapDomain = curves.zap_domain(factory.context, curve, endpoint, self.reactor,
                                                 factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
-            # only a key the allow-list names is an identity: without one,
-            # any key (made up on the spot) gets in, and is nobody
+            # without an allow-list any key gets in, and is nobody
             self.connection.identify = curve.allow is not None
         try:
             self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
@@ -355,11 +317,9 @@ class ZmqRouter(_RoutedSocket):
         self._closing = False
 
     def identified(self, peer: bytes, userId: Optional[str]) -> None:
-        """The message about to be delivered came from *peer*, with the key
-        *userId*.  ZeroMQ frees a peer id when its connection ends, and
-        another connection may then claim it: a peer id that speaks with
-        another key is another peer, so the one that had it is reported
-        gone first (what it held, a worker's request, is taken back)."""
+        """The next message came from *peer* with the key *userId*.  A freed
+        peer id may be claimed by another connection: with another key it is
+        another peer, so the one that had it is reported gone first."""
         keys = self._keys
         if peer in keys:
             known = keys.pop(peer)
@@ -378,9 +338,8 @@ class ZmqRouter(_RoutedSocket):
         self.handshakesRefused += 1
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The CURVE public key (Z85) the ZAP handler accepted for the
-        connection *peer*'s last message came on; None without CURVE and an
-        allow-list."""
+        """The CURVE public key (Z85) *peer*'s last message came with; None
+        without CURVE and an allow-list."""
         return self._keys.get(peer)
 
     def _forgetDomain(self) -> None:
@@ -392,7 +351,7 @@ class ZmqRouter(_RoutedSocket):
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
-            self.cut.pop(peer, None)  # it speaks again: messages for it go out again
+            self.cut.pop(peer, None)
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
 
@@ -403,7 +362,7 @@ class ZmqRouter(_RoutedSocket):
     sendMessage = _RoutedSocket._send
 
     def _peerCut(self, peer: bytes) -> None:
-        # reported a turn later: the receiver may be in the middle of sending
+        # a turn later: the receiver may be in the middle of sending
         self.reactor.callLater(0, self._reportCut, peer)
 
     def _reportCut(self, peer: bytes) -> None:
@@ -417,9 +376,8 @@ class ZmqRouter(_RoutedSocket):
     unbindTimeout = 2.0
 
     def close(self) -> defer.Deferred[None]:
-        """Close the socket; fires once the address it was bound to is free
-        again (libzmq releases it in its own thread, a moment after the
-        close: its monitor says when)."""
+        """Close the socket; fires once its bound address is free again (the
+        monitor says when libzmq's thread releases it)."""
         socket = self.connection.socket
         if socket is None or self._closing:
             return defer.succeed(None)
@@ -440,13 +398,11 @@ class ZmqRouter(_RoutedSocket):
                 return
             zmq_factory().beforeTerm.discard(done)
             socket.disable_monitor()
-            monitor.close(linger=0)  # an open socket would block the context's term()
+            monitor.close(linger=0)
             self._shutdown()
             closed.callback(None)
 
-        # the reactor may shut down (and the context terminate) before the
-        # monitor says the address is free, even if close() began during the
-        # shutdown itself
+        # the context may terminate before the monitor says the address is free
         zmq_factory().beforeTerm.add(done)
 
         def poll() -> None:
@@ -471,12 +427,9 @@ class ZmqRouter(_RoutedSocket):
 @implementer(IDealerTransport)
 class ZmqDealer:
     """A connecting ZeroMQ DEALER socket: the Twisted shell of a
-    :class:`~mdp.transport.dealercore.DealerCore`.
-
-    At the high-water mark a DEALER refuses messages; they wait in the
-    core's backlog, flushed as the pipe drains (``writable`` is false
-    meanwhile; streaming workers wait for ``drained()``).  A message beyond
-    ``limits.maxOutputBytes`` held is refused with a warning."""
+    :class:`~mdp.transport.dealercore.DealerCore`.  Messages refused at the
+    high-water mark wait in its backlog (``writable`` is false meanwhile),
+    up to ``limits.maxOutputBytes``."""
 
     connected = True
 
@@ -485,18 +438,16 @@ class ZmqDealer:
                  curve: Optional[CurveClient] = None,
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.reactor = reactor
-        #: attempt -> seconds: when to try again for a socket that could not
-        #: be had (ZeroMQ itself reconnects a socket it has)
+        # retry for a socket that could not be had (ZeroMQ reconnects one it has)
         policy = retryPolicy or RECONNECT.retryPolicy()
         self.core = DealerCore(limits, lambda failures: policy(failures + 1))
         self._reopening: Any = None
         self.curve = curve
         if curve is not None and identity is None:
-            # under CURVE a peer id is not guessable: the server's ROUTER
-            # hands a freed id to whoever claims it (see ZmqRouter.identified)
+            # under CURVE a peer id must not be guessable (see ZmqRouter.identified)
             identity = random_identity()
         self.endpoint = endpoint
-        #: the routing id the far side's ROUTER sees (None: one it makes up)
+        #: the routing id the far side sees (None: one it makes up)
         self.identity = identity
         self.address = _address(endpoint)
         self.receiver = receiver
@@ -522,7 +473,6 @@ class ZmqDealer:
         return self._waiters.wait()
 
     def _flush(self) -> None:
-        """Send what waits in the backlog, until ZeroMQ refuses again."""
         self._retry = cancel_call(self._retry)
         if self.connection is None:
             return
@@ -537,12 +487,11 @@ class ZmqDealer:
         self._waiters.fire()
 
     def _trySend(self, frames: list[bytes]) -> bool:
-        """Send *frames* now; False if ZeroMQ refused them for a full queue.
-        Any other error is logged and the message dropped."""
+        """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
         try:
             self.connection.send(frames)
         except _zmq().ZMQError as e:
-            if isinstance(e, _zmq().Again):  # a full queue
+            if isinstance(e, _zmq().Again):
                 return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
         return True
@@ -560,7 +509,7 @@ class ZmqDealer:
             connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect,
                                                        self.address)])
         except BaseException:
-            connection.shutdown()  # (its socket and descriptor go with it)
+            connection.shutdown()
             raise
         self.connection = connection
         self.core.opened()
@@ -570,7 +519,7 @@ class ZmqDealer:
         if connection is self.connection:
             self.receiver.connectionMade()
             if connection.socket is not None:
-                connection.attached()  # after connectionMade: nothing is delivered before it
+                connection.attached()  # nothing is delivered before connectionMade
 
     def _received(self, connection: Any, frames: list[bytes]) -> None:
         if connection is self.connection:
@@ -581,10 +530,9 @@ class ZmqDealer:
         return 0 if connection is None else connection.discardQueued()
 
     def oversized(self, peer: None, count: int, size: int) -> None:
-        """A message over the limits came: drop it and the pipe that carried
-        it, as stream transports do, so the receiver learns (through
-        ``connectionLost``) that something it may be waiting for will not come;
-        a fresh socket (so a fresh identity) replaces it."""
+        """A message over the limits came: drop it with its socket, as stream
+        transports do (the receiver hears ``connectionLost``); a fresh socket
+        replaces it."""
         self.throttle.warn(log, "oversized", "zmq dealer to {endpoint} dropped a message of "
                            "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
                            "{frames} frames, and opens a new connection", endpoint=self.endpoint,
@@ -594,16 +542,15 @@ class ZmqDealer:
 
     def _replace(self, connection: Any, size: int, count: int) -> None:
         if connection is not self.connection or connection is None:
-            return  # closed, or replaced already
+            return
         why = self.core.oversized(size, count)
         self._shutdown()
         self._reopen()
         self.receiver.connectionLost(Failure(why))
 
     def _reopen(self) -> None:
-        """Open a fresh socket; if none can be had (out of descriptors), say
-        so and try again after the core's delay: the pipe is down meanwhile,
-        as a stream connection's is while it reconnects."""
+        """Open a fresh socket; if none can be had, try again after the core's
+        delay, down meanwhile."""
         self._reopening = None
         try:
             self._open()
@@ -619,13 +566,12 @@ class ZmqDealer:
         if connection is None:
             return
         core = self.core
-        # behind what waits already, to keep the order
         if not core.backlog:
             try:
                 connection.send(frames)
                 return
             except _zmq().ZMQError as e:
-                if not isinstance(e, _zmq().Again):  # not a full queue
+                if not isinstance(e, _zmq().Again):
                     log.warn("zmq dealer to {endpoint} could not send: {error}",
                              endpoint=self.endpoint, error=e)
                     return
@@ -652,9 +598,8 @@ class ZmqDealer:
 
 
 class ZmqPeerRouter(_RoutedSocket):
-    """A ROUTER socket that *connects* to servers and names each one by its
-    endpoint string (ZMQ_CONNECT_ROUTING_ID), so the server's own identity
-    does not matter and ports picked by the OS work."""
+    """A ROUTER socket that *connects* to servers, naming each by its endpoint
+    string (ZMQ_CONNECT_ROUTING_ID)."""
 
     connects = True
 
@@ -666,7 +611,7 @@ class ZmqPeerRouter(_RoutedSocket):
         self.endpoints: set[str] = set()
         self.connection = router_class(zmq_factory())
         self.connection.owner = self
-        if curve is not None:  # every server it connects to
+        if curve is not None:
             curve.apply(self.connection.socket)
             self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
         self._setup(default_reactor(reactor), limits)

@@ -1,11 +1,6 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports (:mod:`mdp.transport.zeromq`):
-the process's txzmq factory, the socket options' values, and txzmq's
-connections with their read and send paths replaced (``FastIO``): pyzmq's
-compiled methods with plain int flags, or whole messages in C
-(:mod:`mdp.transport._zmqframes`) where that is built.
-
-``import txzmq`` installs the default reactor; this module imports it only
-when a ``zmq:`` endpoint is actually used.
+"""The ZeroMQ sockets under the ``zmq:`` transports: the process's txzmq
+factory, the socket options, and txzmq's connections with faster read and send
+paths (``FastIO``).  txzmq is imported only when a ``zmq:`` endpoint is used.
 """
 
 from __future__ import annotations
@@ -24,25 +19,14 @@ if TYPE_CHECKING:
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: Messages libzmq queues per pipe on a DEALER: a worker's burst of PARTIALs
-#: rarely has to wait in the backlog (a small mark costs streams most of their
-#: throughput: each message then crosses libzmq's threads on its own).
+#: Messages libzmq queues per pipe on a DEALER: a burst of PARTIALs rarely waits.
 HIGH_WATER_MARK = 100_000
-#: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and
-#: on a connecting ROUTER).  libzmq counts messages, not bytes, so this is
-#: kept small (1,000, libzmq's default, would let 1 MiB messages pin a
-#: gigabyte).
+#: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and on
+#: a connecting ROUTER); small, as libzmq counts messages, not bytes.
 ROUTER_HIGH_WATER_MARK = 64
-#: Per pipe on a bound ROUTER, for what it sends: a peer that does not read
-#: costs at most its backlog (bounded in bytes) plus this many messages in
-#: libzmq.  Set before the bind and never changed: libzmq (4.3.5 and
-#: earlier) passes a new SNDHWM on to the far end of every pipe the socket
-#: holds, a pipe whose peer disconnected and whose far end is freed already
-#: among them, and its IO thread then crashes on the freed pipe (libzmq
-#: issue #4524, fixed after 4.3.5 by PR #4647).  The mark used to start at
-#: twice this while every message was small and come down at the first
-#: large one: with a peer gone at that moment (``mdp status`` closes the
-#: connection of a query it gave up on), the process died of SIGSEGV.
+#: Per pipe on a bound ROUTER, for what it sends.  Set before the bind and
+#: never changed: libzmq <= 4.3.5 crashes on a freed pipe when SNDHWM changes
+#: (libzmq issue #4524).
 ROUTER_SEND_WATER_MARK = 128
 LINGER_MS = 200
 
@@ -51,16 +35,14 @@ _classes: Optional[tuple[type, type]] = None
 
 
 def zmq_factory() -> Any:
-    """The process-wide txzmq factory (one ZeroMQ context), shut down with the
-    reactor."""
+    """The process-wide txzmq factory, shut down with the reactor."""
     global _factory
     if _factory is None:
         import txzmq
 
         class Factory(txzmq.ZmqFactory):
             """Runs ``beforeTerm`` callables (closing monitor sockets) before
-            terminating the context, which would wait for ever on an open
-            socket."""
+            terminating the context, which would wait on an open socket."""
 
             def __init__(self) -> None:
                 super().__init__()
@@ -79,27 +61,18 @@ def zmq_factory() -> Any:
 
 #: Messages handled per doRead before yielding to the reactor.
 READ_BATCH = 64
-#: A doRead that delivered at least this many messages (a burst: a stream,
-#: pipelined requests) makes the next one
-#: read until a recv fails instead of asking EVENTS before every message.
+#: After a doRead of this many messages, the next reads until a recv fails
+#: instead of asking EVENTS before every message.
 BUSY_BATCH = 8
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead: a message of
-#: millions of frames is dropped over many reactor turns, not in one stall.
+#: Frames of a message over the limits read off per doRead (no long stall).
 FRAMES_PER_TURN = 10_000
-#: Frames at least this long are sent without copying.  Below it a copy is
-#: cheaper: a zero-copy frame is released through pyzmq's garbage-collector
-#: thread (a message and a thread wake-up per frame), which costs more CPU
-#: than copying a frame of up to about 1 MiB.
+#: Frames at least this long are sent without copying (below, a copy is
+#: cheaper than pyzmq's release of a zero-copy frame).
 ZERO_COPY_BYTES = 1 << 20
-#: A receiver that only passes body frames on (the broker) may take frames
-#: at least this long as the message libzmq received (a ``Held`` of
-#: ``_zmqframes``, or without it the ``zmq.Frame`` they arrived in; see
-#: ``IRouterReceiver.keepFramesFrom``): sending one on shares libzmq's buffer
-#: instead of copying it out into ``bytes`` and back in.  Shorter frames may sit in
-#: a buffer libzmq shares between the messages of one read (8 KiB); they are
-#: copied.
+#: Frames at least this long may be kept uncopied (``keepFramesFrom``);
+#: shorter ones may share a libzmq read buffer, and are copied.
 KEEP_FRAME_BYTES = 16 * 1024
 
 
@@ -107,10 +80,8 @@ _frames: Any = None
 
 
 def zmq_frames() -> Any:
-    """:mod:`mdp.transport._zmqframes` (messages read and sent in C), bound
-    to the libzmq pyzmq loaded, where it is built and current
-    (``mdp._compiled``); else None, and messages go through pyzmq's own
-    calls, as before."""
+    """:mod:`mdp.transport._zmqframes`, bound to pyzmq's libzmq, where it is
+    built and current; else None (messages go through pyzmq's calls)."""
     global _frames
     if _frames is None:
         _frames = False
@@ -133,9 +104,7 @@ def zmq_frames() -> Any:
 
 
 def kept_frame_type() -> type:
-    """The type of a long frame a ROUTER passes on uncopied
-    (``keepFramesFrom``): :class:`mdp.transport._zmqframes.Held`, or
-    ``zmq.Frame`` where messages go through pyzmq."""
+    """The type of a frame a ROUTER passes on uncopied: ``Held`` or ``zmq.Frame``."""
     frames = zmq_frames()
     return frames.Held if frames is not None else _zmq().Frame
 
@@ -150,64 +119,48 @@ def _connection_classes() -> tuple[type, type]:
         NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
         EVENTS = int(zmq.EVENTS)
         POLLIN = int(zmq.POLLIN)
-        # pyzmq's compiled socket methods, below its Python-level wrappers
         backend = zmq.backend.Socket
         recv, send, get = backend.recv, backend.send, backend.get
         Again = zmq.Again
-        # whole messages in and out in C, where that is built
         inC = zmq_frames()
         readFrames = sendFrames = eventsOf = None
         if inC is not None:
             readFrames, sendFrames, eventsOf = inC.read, inC.send, inC.events
 
         class FastIO:
-            """Replaces txzmq's read and send paths:
-            pyzmq's compiled methods with plain int flags (its Python wrappers'
-            IntEnum arithmetic costs more than the I/O), frames' own ``more``
-            flag instead of a RCVMORE lookup, an EVENTS check instead of the
-            exception a failed recv raises, at most READ_BATCH messages per
-            reactor turn, and an extra read after a send only when ZeroMQ says
-            input is pending (its FD is edge-triggered).  Frames beyond the
-            message limits are received and dropped, never copied."""
+            """Replaces txzmq's read and send paths: pyzmq's compiled methods
+            with int flags, at most READ_BATCH messages a turn, and a read
+            after a send only when EVENTS says input is pending (the FD is
+            edge-triggered).  Frames over the limits are dropped uncopied."""
 
             read_scheduled: Any
             socket: Any
             factory: Any
             reading = False
-            #: logs through twisted.logger only: mdp.uvreactor may call
-            #: doRead without Twisted's legacy log context
+            #: mdp.uvreactor may call doRead without Twisted's legacy log context
             needsLogContext = False
             #: frames of routing envelope before the message (1 on a ROUTER)
             envelope = 0
-            #: tell the owner who sent each message (CURVE's User-Id) before
-            #: it is delivered: ``owner.identified(peer, userId)``
+            #: call ``owner.identified(peer, userId)`` before each delivery
             identify = False
             maxBytes = Limits().maxMessageBytes
             maxFrames = Limits().maxFrames
 
-            #: a message over the limits being read off, over as many reactor
-            #: turns as it takes: [first frame, frames, bytes, more to come]
+            #: a message over the limits being read off: [first frame, frames, bytes, more]
             skipping: Any = None
 
-            #: messages the last doRead delivered: after a busy one (at least
-            #: BUSY_BATCH), the next one, once EVENTS said input is there,
-            #: reads on until a recv finds nothing (one exception a turn)
-            #: instead of asking EVENTS before every message
+            #: messages the last doRead delivered (see BUSY_BATCH)
             lastBatch = 0
             owner: Any = None
-            #: frames after the first this many (counting the routing id) of
-            #: at least KEEP_FRAME_BYTES are delivered uncopied (kept_frame_type;
-            #: the receiver asked: ZmqRouter); by default none is
+            #: frames after this many (routing id included) of KEEP_FRAME_BYTES
+            #: or more are delivered uncopied
             keepAfter = 1 << 62
 
             def doRead(self) -> None:
-                """Read what the socket has (at most READ_BATCH messages a
-                turn).  Raises nothing but KeyboardInterrupt: a failed read
-                (or a handler's SystemExit) is logged and ends this socket's
-                reading (``connectionLost``), as Twisted's epoll reactor does
-                with a ``doRead`` that raises.  It is also ``readNow``, which
-                :mod:`mdp.uvreactor`'s loop calls itself, with no reactor code
-                between."""
+                """Read at most READ_BATCH messages.  Raises nothing but
+                KeyboardInterrupt: a failed read is logged and ends the reading
+                (``connectionLost``), as Twisted's reactor does.  Also
+                ``readNow``, which :mod:`mdp.uvreactor` calls directly."""
                 try:
                     if self.read_scheduled is not None:
                         self.read_scheduled = cancel_call(self.read_scheduled)
@@ -221,15 +174,13 @@ def _connection_classes() -> tuple[type, type]:
                         if self.socket is None:
                             return
                     deliver = self.deliver
-                    # EVENTS asked in C, without a method call a message
                     handle = 0
                     if eventsOf is not None:
                         handle = self.handle or self._handle(socket)
                     budget = FRAMES_PER_TURN
                     busy = self.lastBatch >= BUSY_BATCH
                     delivered = 0
-                    # sends made while reading need no EVENTS check of their own:
-                    # the loop asks EVENTS again before it returns
+                    # sends while reading need no EVENTS check: the loop asks again
                     self.reading = True
                     try:
                         for _ in range(READ_BATCH):
@@ -240,7 +191,6 @@ def _connection_classes() -> tuple[type, type]:
                                     except Again:
                                         return
                                 else:
-                                    # asking EVENTS is cheaper than the Again a failed recv raises
                                     events = eventsOf(handle) if handle else get(socket, EVENTS)
                                     if not events & POLLIN:
                                         return
@@ -256,27 +206,24 @@ def _connection_classes() -> tuple[type, type]:
                                     continue
                             budget = self._skip(socket, budget)
                             if self.skipping is not None:
-                                break  # out of this turn's budget: the rest next turn
+                                break  # the rest next turn
                     finally:
                         self.reading = False
                         self.lastBatch = delivered
-                    # more may be waiting: let the reactor run other work first
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
                 except KeyboardInterrupt:
-                    raise  # (as the reactor's own dispatch lets it through)
-                except BaseException:  # a handler's SystemExit too: logged, as the reactor did
+                    raise
+                except BaseException:  # a handler's SystemExit too
                     log.failure("reading from a ZeroMQ socket failed")
                     self.connectionLost(Failure())
 
             readNow = doRead
 
-            #: the libzmq socket's address (readFrames, sendFrames)
+            #: the libzmq socket's address
             handle = 0
 
             def _readMessage(self, socket: Any) -> Optional[list[bytes]]:
-                """Read one message; None if it is over the limits (then it
-                is being read off: ``skipping``).  Nothing over the limits
-                is copied."""
+                """Read one message; None if over the limits (then ``skipping``)."""
                 maxBytes = self.maxBytes
                 maxFrames = self.maxFrames + self.envelope
                 keepAfter = self.keepAfter
@@ -307,25 +254,23 @@ def _connection_classes() -> tuple[type, type]:
                         self.skipping = [frames[0], count, size, frame.more]
                         return None
                     if length >= KEEP_FRAME_BYTES and count > keepAfter:
-                        frames.append(frame)  # passed on, never read: not copied
+                        frames.append(frame)
                     else:
                         frames.append(frame.bytes)
                     more = frame.more
                 if self.identify and count > 1:
-                    # every frame of a message carries its connection's
-                    # metadata but the routing id a ROUTER adds
+                    # the routing id a ROUTER adds carries no metadata
                     self.owner.identified(frames[0], frame.get("User-Id"))
                 return frames
 
             def discardQueued(self) -> int:
-                """Read off and drop the messages waiting on the socket (at
-                most READ_BATCH of them); how many.  Not while a message over
-                the limits is being read off: that one ends the pipe."""
+                """Drop up to READ_BATCH waiting messages; how many.  Not while
+                a message over the limits is read off: that one ends the pipe."""
                 socket = self.socket
                 dropped = 0
                 if socket is None or self.skipping is not None:
                     return 0
-                handle = 0  # (as in doRead)
+                handle = 0
                 if eventsOf is not None:
                     handle = self.handle or self._handle(socket)
                 for _ in range(READ_BATCH):
@@ -333,7 +278,6 @@ def _connection_classes() -> tuple[type, type]:
                     if not events & POLLIN:
                         break
                     if self._readMessage(socket) is None:
-                        # over the limits: doRead reads the rest off and reports it
                         if not self.reading and self.read_scheduled is None:
                             self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
                         break
@@ -341,8 +285,8 @@ def _connection_classes() -> tuple[type, type]:
                 return dropped
 
             def _skip(self, socket: Any, budget: int) -> int:
-                """Read off up to *budget* frames of the message over the
-                limits; returns the budget left."""
+                """Read off up to *budget* frames of the message over the limits;
+                the budget left."""
                 head, count, size, more = self.skipping
                 while more and budget > 0:
                     frame = recv(socket, NOBLOCK, False)
@@ -354,22 +298,17 @@ def _connection_classes() -> tuple[type, type]:
                     self.skipping = [head, count, size, more]
                     return 0
                 self.skipping = None
-                # on a ROUTER the first frame is the sender's id
                 self.owner.oversized(head if self.envelope else None, count - self.envelope, size)
                 return budget
 
             def attached(self) -> None:
-                """After a bind or connect, look for input a turn later.
-                libzmq attaches an inproc pipe within the call itself, without
-                signalling the FD: a ROUTER that binds an address DEALERs
-                connected to first finds their messages queued already, and
-                their later ones signal nothing until it has read those."""
+                """After a bind or connect, look for input a turn later: an
+                inproc pipe attached within the call signals nothing."""
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
             def _events(self, socket: Any) -> int:
-                """The socket's ``EVENTS`` bits, in C where that is built
-                (pyzmq's ``get`` makes an enum of the option first)."""
+                """The socket's ``EVENTS`` bits."""
                 if eventsOf is not None:
                     handle = self.handle
                     if not handle:
@@ -395,13 +334,10 @@ def _connection_classes() -> tuple[type, type]:
                         sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket)
                         return
                     for i, frame in enumerate(frames):
-                        # large frames go zero-copy (ZeroMQ keeps a reference), as
-                        # pyzmq's own send_multipart does past its copy threshold
                         send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
                              len(frame) < ZERO_COPY_BYTES)
                 finally:
-                    # a send, refused or not, may have taken the FD's (edge-
-                    # triggered) signal of pending input: look for it ourselves
+                    # a send may have taken the edge-triggered signal of pending input
                     if (not self.reading and self.read_scheduled is None
                             and self.socket is not None and self._events(socket) & POLLIN):
                         self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
@@ -426,11 +362,9 @@ def _connection_classes() -> tuple[type, type]:
 
 
 class FlushPacer:
-    """When to try a full pipe again.  libzmq says a full pipe has drained by
-    signalling its socket, but any send or EVENTS check may consume that
-    (edge-triggered) signal, so the backlogs are also retried on a timer: at
-    once while they drain, backing off (doubling up to ``longest`` seconds)
-    while they do not, so a peer that stops reading costs little CPU."""
+    """When to try a full pipe again: libzmq's edge-triggered drain signal may
+    be consumed elsewhere, so backlogs are retried on a timer, backing off
+    (doubling up to ``longest`` seconds) while they do not drain."""
 
     shortest = 0.0005
     longest = 0.05
@@ -439,19 +373,18 @@ class FlushPacer:
         self.delay = 0.0
 
     def next(self, progressed: bool) -> float:
-        """The delay before the next try, after a try that *progressed* or not."""
+        """The delay before the next try."""
         self.delay = 0.0 if progressed else min(self.longest, max(self.shortest, self.delay * 2))
         return self.delay
 
 
 def random_identity() -> bytes:
-    """16 random bytes a peer id can be (not starting with a zero byte,
-    which ZeroMQ keeps for the ids it makes up)."""
+    """16 random bytes for a peer id (no leading zero byte: ZeroMQ's own ids)."""
     return bytes([os.urandom(1)[0] | 1]) + os.urandom(15)
 
 
 def _zmq() -> Any:
-    """The zmq module (imported late: see the module docstring)."""
+    """The zmq module, imported late."""
     import zmq
 
     return zmq
