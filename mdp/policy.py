@@ -49,7 +49,8 @@ class HeartbeatPolicy:
 
     @property
     def expiry(self) -> float:
-            return self.interval * self.liveness
+        """Seconds of silence after which the peer is dead."""
+        return self.interval * self.liveness
 
 
 class Liveness:

@@ -222,6 +222,9 @@ def test_a_listener_beyond_loopback_without_authentication_is_named() -> None:
     assert not authenticated("zmq:tcp://*:1", CurveServer(b"p" * 40, b"s" * 40, None))
     assert not authenticated("zmq:tcp://*:1") and not authenticated("tcp:5555")
     assert authenticated("ssl:5555:privateKey=k:caCerts=ca.pem")
+    assert beyond_loopback("mtls:5555:privateKey=k:caCerts=ca.pem")
+    assert not beyond_loopback("mtls:5555:interface=127.0.0.1:privateKey=k:caCerts=ca.pem")
+    assert authenticated("mtls:5555:privateKey=k:caCerts=ca.pem")
 
 
 @pytest_twisted.ensureDeferred
@@ -489,10 +492,11 @@ class Pipe:
         self.lost += 1
 
 
-async def mutual_tls_router(tmp_path: Path, *names: str) -> tuple[Any, Recorder, dict[str, Any], Path]:
-    """A listening ``ssl:`` router requiring client certificates of a test
-    authority; the recorder of what it hears, a certificate for each of
-    *names*, and the directory trusting the authority (for the clients)."""
+async def mutual_tls_router(tmp_path: Path, *names: str,
+                            kind: str = "ssl") -> tuple[Any, Recorder, dict[str, Any], Path]:
+    """A listening ``ssl:`` (or *kind*) router requiring client certificates
+    of a test authority; the recorder of what it hears, a certificate for
+    each of *names*, and the directory trusting the authority (for the clients)."""
     from mdp import transport
 
     authority = Authority(tmp_path)
@@ -503,10 +507,33 @@ async def mutual_tls_router(tmp_path: Path, *names: str) -> tuple[Any, Recorder,
     (trusted / "ca.pem").write_bytes(authority.pem.read_bytes())
     recorder = Recorder()
     router = await transport.listen(
-        f"ssl:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
+        f"{kind}:0:interface=127.0.0.1:privateKey={server[1]}:certKey={server[0]}"
         f":caCerts={authority.pem}", recorder, reactor())
     recorder.transport = router
     return router, recorder, certs, trusted
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_mtls_listener_says_the_ssl_endpoint_that_reaches_it(tmp_path: Path) -> None:
+    """``mtls:`` (the dropin's endpoint parser) listens as ``ssl:`` with
+    ``caCerts=`` does; its endpoint is the ``ssl:`` client one, to which a
+    peer adds its certificate."""
+    from mdp import transport
+
+    router, recorder, certs, trusted = await mutual_tls_router(tmp_path, "alice", kind="mtls")
+    cert, key = certs["alice"]
+    pipe = Pipe()
+    assert router.endpoint.startswith("ssl:host=127.0.0.1:port=")
+    dealer = transport.connect(
+        f"{router.endpoint}:caCertsDir={trusted}:certKey={cert}:privateKey={key}", pipe, reactor())
+    try:
+        await wait_until(lambda: pipe.up == 1, 10)
+        dealer.sendMessage([b"hello"])
+        await wait_until(lambda: len(recorder.events) == 1, 10)
+        assert recorder.events[0][2:] == (b"hello", "CN=alice,O=Example")
+    finally:
+        await dealer.close()
+        await router.close()
 
 
 @pytest_twisted.ensureDeferred

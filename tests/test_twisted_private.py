@@ -23,14 +23,28 @@ def test_each_private_attribute_exists_in_this_twisted(module: str, name: str, a
                                                        why: str) -> None:
     cls = twisted_private.private_class(module, name)
     assert cls is not None, f"{module}.{name} is gone ({why})"
-    if hasattr(cls, attribute):
-        return
-    # instance attributes: look in the source of the class's __init__
-    import inspect
+    assert _defines(cls, attribute), f"{module}.{name}.{attribute} is gone ({why})"
 
-    source = inspect.getsource(cls)
-    assert f"self.{attribute}" in source or f"def {attribute}" in source, (
-        f"{module}.{name}.{attribute} is gone ({why})")
+
+def _defines(cls: type, attribute: str) -> bool:
+    """*cls* has *attribute*, or its source sets it on instances (the whole
+    name: ``self._protocolInstance`` is no ``_protocol``)."""
+    if hasattr(cls, attribute):
+        return True
+    import inspect
+    import re
+
+    return re.search(rf"\bself\.{re.escape(attribute)}\b", inspect.getsource(cls)) is not None
+
+
+class _Renamed:
+    def __init__(self) -> None:
+        self._protocolInstance = None
+
+
+def test_an_attribute_renamed_to_a_longer_name_counts_as_gone() -> None:
+    assert not _defines(_Renamed, "_protocol")
+    assert _defines(_Renamed, "_protocolInstance")
 
 
 def test_no_other_module_touches_a_private_attribute_of_twisted() -> None:
@@ -46,7 +60,8 @@ def test_no_other_module_touches_a_private_attribute_of_twisted() -> None:
             continue
         text = path.read_text()
         for name in names:
-            assert f".{name}" not in text and f'"{name}"' not in text, f"{path}: {name}"
+            assert not any(spelt in text for spelt in (f".{name}", f'"{name}"', f"'{name}'")), (
+                f"{path}: {name}")
 
 
 class _Sink(protocol.Protocol):

@@ -147,7 +147,7 @@ def beyond_loopback(endpoint: str) -> bool:
     if kind == "zmq":
         transport, _, address = rest.partition("://")
         return transport == "tcp" and not _loopback_host(address.rpartition(":")[0])
-    if kind in ("tcp", "tcp6", "ssl"):
+    if kind in ("tcp", "tcp6", "ssl", "mtls"):
         _, kwargs = split_description(rest)
         return not _loopback_host(kwargs.get("interface", kwargs.get("host", "")))
     return False
@@ -155,11 +155,11 @@ def beyond_loopback(endpoint: str) -> bool:
 
 def authenticated(endpoint: str, security: Any = None) -> bool:
     """Does a listener on *endpoint* know who its peers are (CURVE with an
-    allow-list, or ``ssl:`` with ``caCerts=``)?"""
+    allow-list, or ``ssl:`` with ``caCerts=``, or ``mtls:``)?"""
     kind, _, rest = endpoint.partition(":")
     if kind == "zmq":
         return security is not None and getattr(security, "allow", None) is not None
-    if kind == "ssl":
+    if kind in ("ssl", "mtls"):
         return "caCerts" in split_description(rest)[1]
     return False
 

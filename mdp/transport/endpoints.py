@@ -100,7 +100,10 @@ def subject(certificate: Any) -> str:
 
 
 def connect_description(kind: str, port: IListeningPort) -> str:
-    """The client endpoint string that reaches *port*."""
+    """The client endpoint string that reaches *port* (of an ``mtls:``
+    listener: Twisted's ``ssl:`` client, given a certificate)."""
+    if kind == "mtls":
+        kind = "ssl"
     address = port.getHost()
     if kind == "unix":
         return f"unix:path={address.name.decode() if isinstance(address.name, bytes) else address.name}"
