@@ -373,11 +373,13 @@ class ClientMachine(Machine):
         return name
 
     def fresh(self, now: float) -> ClientMachine:
-        """A machine with this one's options and stamps and nothing in flight."""
+        """A machine with this one's options and stamps and nothing in flight
+        (closed if this one is)."""
         machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
                                 maxConnections=self.maxConnections, dialect=self.dialect,
                                 stamp=self.stamp, limits=self.limits, now=now)
         machine.clientId, machine._sequence = self.clientId, self._sequence
+        machine._closed = self._closed
         return machine
 
     def holds(self, channel: _Channel) -> bool:
