@@ -1388,3 +1388,24 @@ def test_an_interrupt_of_a_request_inside_a_callback_fails_the_outer_request_too
         signal.signal(signal.SIGALRM, previous)
     assert events == [[b"p1"], "interrupted", [b"release"]]
     assert len(outer_runs) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("broker", [outer_then_release], indirect=True)
+def test_a_client_closed_in_a_callback_stays_closed_after_an_interrupt(
+        broker: ScriptedBroker) -> None:
+    """A callback closes the client and an interrupt (Ctrl-C) then ends the
+    request: the client stays closed, so the next request raises ClientClosed
+    at once (not a timeout, spent polling a closed loop)."""
+    outer_runs.clear()
+    with Client(broker.endpoint, timeout=2.0, retries=1) as client:
+        def onPartial(body: list[bytes]) -> None:
+            client.close()
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            client.request("s", b"outer", onPartial=onPartial)
+        started = time.monotonic()
+        with pytest.raises(errors.ClientClosed):
+            client.request("s", b"later")
+        assert time.monotonic() - started < 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import pytest_twisted
 from twisted.internet import defer
+from twisted.python.failure import Failure
 
 from mdp import Client, ClientClosed, RequestTimeout, StreamRestarted
 from mdp.majordomo import codec
@@ -61,6 +62,29 @@ async def test_timeout_retries_on_fresh_connections_then_fails(clocknet: Loopbac
     assert info.value.attempts == 3
     assert info.value.elapsed == pytest.approx(3.0)
     assert info.value.service == b"svc"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_closed_by_a_timeout_errback_keeps_no_timer(clocknet: LoopbackNet) -> None:
+    """One request times out while another's deadline is still ahead; the
+    first's errback closes the client: no timer of the client's is left
+    (trial would find the reactor unclean, and a closed client would wake)."""
+    router, client = await broker_and_client(clocknet, timeout=1.0, retries=1)
+    first = client.request("svc", b"a")
+    second = client.request("svc", b"b", timeout=2.0)
+    closed: list[float] = []
+
+    def closeOnTimeout(failure: Failure) -> None:
+        failure.trap(RequestTimeout)
+        closed.append(clocknet.reactor.seconds())
+        client.close()
+
+    first.addErrback(closeOnTimeout)
+    second.addErrback(lambda failure: failure.trap(ClientClosed))
+    clocknet.advance(1.0)
+    assert closed == [pytest.approx(1.0)] and second.called
+    assert [call for call in clocknet.reactor.getDelayedCalls()
+            if getattr(call.func, "__self__", None) is client] == []
 
 
 @pytest_twisted.ensureDeferred

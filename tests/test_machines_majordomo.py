@@ -507,6 +507,26 @@ def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     assert isinstance(closed[-1].error, ClientClosed)
 
 
+def test_client_machine_asks_for_its_next_wake_up_before_a_callback_runs() -> None:
+    """A wake-up that restarts a stream (``onRestart``) asks first for the
+    wake-up another request's deadline needs: the blocking driver waits inside
+    a callback that makes a request of its own, with the wake-ups it was asked
+    for until then, so the other request times out on time."""
+    from mdp.majordomo.client_machine import ClientMachine, Restarted, WakeAt, _Call
+
+    request = [C, codec.C_REQUEST, b"echo", b"hi"]
+    machine = ClientMachine(["a"], maxConnections=2, dialect=codec.RFC)
+    streamed = _Call(b"echo", list(request), 10.0, 2, None, lambda: None, 0.0)
+    other = _Call(b"echo", list(request), 10.0, 1, None, None, 5.0)
+    channel = machine.handleRequest(streamed, now=0.0)[1].channel
+    machine.handlePipeUp(channel, now=0.1)
+    machine.handleMessage(channel, [C, codec.C_PARTIAL, b"echo", b"part"], now=0.2)
+    machine.handlePipeUp(machine.handleRequest(other, now=5.0)[0].channel, now=5.1)
+    actions = machine.handleWake(now=10.0)  # the stream's retry runs out at 20, the other at 15
+    before = actions[:actions.index(Restarted(streamed))]
+    assert min(a.when for a in before if isinstance(a, WakeAt)) == 15.0
+
+
 def test_client_machine_gives_a_cancelled_requests_connection_to_one_waiting() -> None:
     """A request cancelled after it was sent keeps its connection for its
     reply (which can then go to nobody else), but not while another request

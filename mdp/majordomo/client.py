@@ -259,8 +259,10 @@ class Client:
 
     def _wakeBy(self, when: Optional[float]) -> None:
         """Arm the timer for a :class:`WakeAt`; an earlier one stays (a nested
-        event may have asked for it, and waking early is harmless)."""
-        if when is None:
+        event may have asked for it, and waking early is harmless).  Once
+        closed, none is armed: a callback may close the client while the
+        actions of the event that ran it still hold a wake-up."""
+        if when is None or self._closed:
             self._timer = cancel_call(self._timer)
             self._wakeTime = None
         elif self._wakeTime is None or when < self._wakeTime:

@@ -373,11 +373,13 @@ class ClientMachine(Machine):
         return name
 
     def fresh(self, now: float) -> ClientMachine:
-        """A machine with this one's options and stamps and nothing in flight."""
+        """A machine with this one's options and stamps and nothing in flight
+        (closed if this one is)."""
         machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
                                 maxConnections=self.maxConnections, dialect=self.dialect,
                                 stamp=self.stamp, limits=self.limits, now=now)
         machine.clientId, machine._sequence = self.clientId, self._sequence
+        machine._closed = self._closed
         return machine
 
     def holds(self, channel: _Channel) -> bool:
@@ -652,6 +654,9 @@ class ClientMachine(Machine):
             entry = heappop(heap)
             if self._watched(entry):
                 due.append(entry[2])
+        # the wake-up for what is left comes before any callback of what is due:
+        # the blocking driver waits inside a callback that makes a request
+        self._wakeByHead()
         # queued ones first, so that a freed connection goes to no expired request
         later = []
         for call in due:
@@ -661,6 +666,11 @@ class ClientMachine(Machine):
                 later.append(call)
         for call in later:
             self._expired(call)
+        self._wakeByHead()
+
+    def _wakeByHead(self) -> None:
+        """Ask for a wake-up by the earliest deadline still watched."""
+        heap = self._deadlines
         while heap and not self._watched(heap[0]):
             heappop(heap)
         if heap:
