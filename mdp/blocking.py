@@ -416,6 +416,10 @@ class Client:
                 if isinstance(result, BaseException) and not returnExceptions:
                     raise result
                 yield result
+        except BaseException as e:
+            if not isinstance(e, (Exception, GeneratorExit)):
+                self._drop()  # an interrupt anywhere in a map, as in a call
+            raise
         finally:
             for call in pending:
                 if call.__class__ is not _Refused:

@@ -30,6 +30,11 @@ class Machine:
     def _emit(self, action: Any) -> None:
         self._outbox.append(action)
 
+    def actionsSoFar(self) -> list[Any]:
+        """An event's handler raised: the actions it decided before the error,
+        which its driver still performs."""
+        return self._drain()
+
     def _drain(self) -> list[Any]:
         """The actions collected since the last call, in order."""
         actions, self._outbox = self._outbox, []

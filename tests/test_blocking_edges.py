@@ -1409,3 +1409,21 @@ def test_a_client_closed_in_a_callback_stays_closed_after_an_interrupt(
         with pytest.raises(errors.ClientClosed):
             client.request("s", b"later")
         assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("broker", [echo], indirect=True)
+def test_an_interrupt_in_a_maps_items_closes_the_connections(broker: ScriptedBroker) -> None:
+    """A Ctrl-C raised by the items a ``map()`` reads (outside any call) ends
+    the map as an interrupted call does: the connections are closed, and the
+    next request is answered at once with its own reply."""
+    def items() -> Iterator[bytes]:
+        yield b"one"
+        yield b"two"
+        raise KeyboardInterrupt
+
+    with Client(broker.endpoint, timeout=2.0, retries=1, maxConnections=4) as client:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in client.map("s", items(), window=4):
+                pass
+        assert client._pipes == {}
+        answers_at_once(client, b"after")

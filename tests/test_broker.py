@@ -10,7 +10,7 @@ from twisted.internet import defer
 
 from mdp import Broker, HeartbeatPolicy, ServiceOverloaded
 from mdp.majordomo import codec
-from tests.conftest import LoopbackNet, Net, RawPeer
+from tests.conftest import LoopbackNet, Net, RawPeer, logged_at
 from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
 
 
@@ -273,3 +273,24 @@ async def test_a_listener_that_fails_to_close_is_logged_and_the_others_are_close
     assert closed == [other] and first.endpoint != second.endpoint
     (event,) = events
     assert event["what"] == "a broker listener" and event["log_failure"].check(RuntimeError)
+
+
+def test_what_a_failing_tick_decided_is_still_done() -> None:
+    """A tick that raises part-way (logged) still performs the actions it
+    had decided: here, the wake-up it asked for."""
+    from twisted.internet.task import Clock
+
+    from mdp.majordomo.broker_machine import BrokerMachine, WakeAt
+
+    class FailingTick(BrokerMachine):
+        def handleTick(self, now: float) -> list:
+            self._emit(WakeAt(now + 5))
+            raise RuntimeError("a bug in the tick")
+
+    clock = Clock()
+    broker = Broker(reactor=clock)
+    broker.machine = FailingTick(now=clock.seconds())
+    with logged_at(()) as events:
+        broker.tick()
+    assert broker._wakeCall is not None and broker._wakeCall.getTime() == 5
+    assert [event["log_format"] for event in events] == ["broker tick failed"]

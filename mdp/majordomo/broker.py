@@ -104,7 +104,7 @@ class Binding:
                                             self.clients, self.workers, identity)
         except Exception:
             log.failure("broker failed handling a message from {peer}", peer=peer_label(peer))
-            return
+            actions = machine.actionsSoFar()
         broker._perform(actions)
 
     def peerDisconnected(self, peer: bytes) -> None:
@@ -182,17 +182,21 @@ class Broker:
         self._perform(self.machine.handleAdmissionChange(self.reactor.seconds()))
 
     def tick(self) -> None:
+        machine = self.machine
         try:
-            self._perform(self.machine.handleTick(self.reactor.seconds()))
+            self._perform(machine.handleTick(self.reactor.seconds()))
         except Exception:  # the tick must go on: heartbeats depend on it
             log.failure("broker tick failed")
+            self._perform(machine.actionsSoFar())
 
     def _wake(self) -> None:
         self._wakeCall = None
+        machine = self.machine
         try:
-            self._perform(self.machine.handleWake(self.reactor.seconds()))
+            self._perform(machine.handleWake(self.reactor.seconds()))
         except Exception:
             log.failure("broker wake-up failed")
+            self._perform(machine.actionsSoFar())
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:

@@ -100,8 +100,6 @@ Handler = Callable[[list[bytes]], Any]
 _REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 
 
-
-
 class WorkerState(enum.Enum):
     """Where a worker's connection to the broker stands (the module's table)."""
 
