@@ -253,8 +253,10 @@ class SourceFirst:
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
                   target: object = None) -> Optional[ModuleSpec]:
-        if name not in _LISTED or not path:
+        if not path:
             return None
+        if name not in _LISTED:
+            return _unlisted(name, path)
         leaf = name.rpartition(".")[2]
         depth = name.count(".")
         for directory in path:
@@ -268,6 +270,25 @@ class SourceFirst:
                 return spec_from_file_location(name, source)
             return None
         return None
+
+
+def _unlisted(name: str, path: Sequence[str]) -> Optional[ModuleSpec]:
+    """A module of the package no longer compiled, whose compiled file an
+    earlier build left beside its source (a working tree that was updated):
+    the source runs, not that older code."""
+    if not name.startswith("mdp.") or name in ACCELERATORS:
+        return None
+    leaf = name.rpartition(".")[2]
+    for directory in path:
+        source = os.path.join(directory, leaf + ".py")
+        if os.path.isfile(source):
+            if any(os.path.isfile(os.path.join(directory, leaf + suffix))
+                   for suffix in EXTENSION_SUFFIXES):
+                from importlib.util import spec_from_file_location
+
+                return spec_from_file_location(name, source)
+            return None
+    return None
 
 
 def install() -> None:

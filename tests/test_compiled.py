@@ -45,6 +45,18 @@ def find(package: Path) -> object:
     return _compiled.SourceFirst.find_spec(NAME, [str(package / "majordomo")])
 
 
+def test_a_module_no_longer_compiled_runs_its_source_not_an_older_build(tree: Path) -> None:
+    """A module dropped from the list keeps, in a working tree built before,
+    its compiled file beside the source: the source runs."""
+    source = tree / "majordomo" / "dropped.py"
+    source.write_text("WHO = 'source'\n")
+    (tree / "majordomo" / ("dropped" + EXTENSION_SUFFIXES[0])).write_bytes(b"older code")
+    spec = _compiled.SourceFirst.find_spec("mdp.majordomo.dropped", [str(tree / "majordomo")])
+    assert spec is not None and spec.origin == str(source)
+    (tree / "majordomo" / "plain.py").write_text("")  # no compiled file: the usual import
+    assert _compiled.SourceFirst.find_spec("mdp.majordomo.plain", [str(tree / "majordomo")]) is None
+
+
 def test_without_a_build_record_a_compiled_module_is_trusted(tree: Path) -> None:
     # an install from a wheel: built together
     assert find(tree) is None
