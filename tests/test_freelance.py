@@ -563,3 +563,27 @@ async def test_a_client_closed_by_a_replys_callback_leaves_no_timer(clocknet: An
     assert not _timers_of(clocknet.reactor, client)
     clocknet.advance(5.0)
     assert seen == [b"first", b"second"]
+
+
+def test_what_a_failing_agent_tick_decided_is_still_done() -> None:
+    """An agent's tick that raises part-way (logged) still performs the
+    actions it had decided: here, telling that a server is dead."""
+    from twisted.internet.task import Clock
+
+    from mdp.freelance import AgentClient
+    from mdp.freelance.machines import ServerChanged
+    from tests.conftest import logged_at
+
+    agent = AgentClient([], Clock())
+    machine = agent.machine
+
+    def failingTick(now: float) -> list:
+        machine._emit(ServerChanged("tcp://127.0.0.1:1", ServerState.DEAD))
+        raise RuntimeError("a bug in the tick")
+
+    machine.handleTick = failingTick
+    with logged_at(("warn",)) as events:
+        agent.tick()
+    agent.close()
+    assert [event["log_format"] for event in events] == [
+        "Freelance agent: its tick failed", "Freelance server {endpoint} is dead"]
