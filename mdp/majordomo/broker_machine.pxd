@@ -18,7 +18,6 @@ cdef class BrokerMachine(Machine):
 
     cpdef list handleMessage(self, key, frames, now, clients=*, workers=*, identity=*)
     # the request's path, in C (only the machine calls these)
-    cdef _received(self, key, frames, clients, workers, identity)
     @cython.locals(request=PendingRequest, service=ServiceQueue)
     cdef _request(self, key, name, body, dialect, identity)
     cdef bint _admitted(self, PendingRequest request, identity) except -1
@@ -28,7 +27,7 @@ cdef class BrokerMachine(Machine):
     cdef _fromWorker(self, WorkerRef worker, kind, address, body)
     cdef _replyPart(self, WorkerRef worker, PendingRequest request, body, final)
     cdef _reply(self, PendingRequest request, body, final)
+    @cython.locals(service=ServiceQueue)
     cdef _finished(self, WorkerRef worker, PendingRequest request)
-    cdef _makeIdle(self, WorkerRef worker)
     cdef _dispatch(self, ServiceQueue service)
     cdef _assign(self, WorkerRef worker, PendingRequest request)

@@ -1,15 +1,10 @@
 """The MDP/0.2 broker's decisions, as a pure state machine.
 
-Theory of operation
--------------------
-The states of a request and a worker, and the transitions this machine decides,
-are tabled in :mod:`mdp.majordomo.broker_records`.  :class:`BrokerMachine` knows
-no reactor, transport or Deferred: it is fed events with their time and returns
-what it wants done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what
-a driver logs and counts (the other action classes).  An ``admission``
-(:class:`~mdp.interfaces.IAdmission`, e.g. Binary Star) votes on each client
-request and worker registration: a passive broker answers only
-``mmi.binarystar`` and sends DISCONNECT to every READY.
+:class:`BrokerMachine` is fed events with their time and returns what it wants
+done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what a driver logs
+and counts (the other actions); states and transitions are tabled in
+:mod:`mdp.majordomo.broker_records`.  An ``admission`` (e.g. Binary Star) votes
+on each request and READY: a passive broker answers only ``mmi.binarystar``.
 """
 
 from __future__ import annotations
@@ -86,11 +81,6 @@ MAX_GONE = 10_000
 MAX_TAKEN_BACK = 1024
 #: empty unregistered services kept so that retries share one expiry window
 MAX_UNKNOWN_KEPT = 10_000
-
-
-def _restarts(body: Sequence[bytes]) -> bool:
-    """*body* is the broker's restart marker (:data:`codec.RESTART_MARKER`)."""
-    return len(body) == 1 and body[0] == codec.RESTART_MARKER
 
 
 def _who(identity: Optional[str]) -> str:
@@ -181,26 +171,17 @@ Action = Any  # one of the classes above
 class BrokerMachine(Machine):
     """The broker's decisions: each ``handle*`` event returns the actions wanted, in order."""
 
-    def __init__(
-        self,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
-        serviceLinger: float = DEFAULT_SERVICE_LINGER,
-        maxQueue: int = DEFAULT_MAX_QUEUE,
-        maxServiceQueue: int = DEFAULT_MAX_SERVICE_QUEUE,
-        maxWorkers: int = DEFAULT_MAX_WORKERS,
-        maxQueueBytes: int = DEFAULT_MAX_QUEUE_BYTES,
-        maxServiceQueueBytes: int = DEFAULT_MAX_SERVICE_QUEUE_BYTES,
-        maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
-        maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
-        unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
-        limits: Limits = Limits(),
-        admission: Optional[IAdmission] = None,
-        access: Optional[IAccess] = None,
-        observed: bool = False,
-        now: float = 0.0,
-    ) -> None:
+    def __init__(self, *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+                 requestExpiry: float = DEFAULT_REQUEST_EXPIRY,
+                 serviceLinger: float = DEFAULT_SERVICE_LINGER, maxQueue: int = DEFAULT_MAX_QUEUE,
+                 maxServiceQueue: int = DEFAULT_MAX_SERVICE_QUEUE,
+                 maxWorkers: int = DEFAULT_MAX_WORKERS, maxQueueBytes: int = DEFAULT_MAX_QUEUE_BYTES,
+                 maxServiceQueueBytes: int = DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+                 maxServiceWorkers: int = DEFAULT_MAX_SERVICE_WORKERS,
+                 maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
+                 unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
+                 limits: Limits = Limits(), admission: Optional[IAdmission] = None,
+                 access: Optional[IAccess] = None, observed: bool = False, now: float = 0.0) -> None:
         if maxDeliveries < 1:
             raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
         if not unknownServiceExpiry > 0:
@@ -249,23 +230,16 @@ class BrokerMachine(Machine):
         """How often :meth:`handleTick` wants to run: one heartbeat interval."""
         return self.heartbeat.interval
 
-    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
-                      workers: bool = True, identity: Optional[str] = None) -> list[Action]:
-        """A message from peer *key*, on a route accepting *clients* and/or *workers*;
-        *identity* is the peer as its transport authenticated it, for the ``access``."""
-        self.now = now
-        self._received(key, frames, clients, workers, identity)
-        return self._drain()
-
     def handlePeerGone(self, key: PeerKey, now: float) -> list[Action]:
         """A transport lost the peer *key* (or cut it off)."""
         self.now = now
-        self._peerGone(key)
-        return self._drain()
-
-    def handleTick(self, now: float) -> list[Action]:
-        self.now = now
-        self._tick(now)
+        worker = self.workers.get(key)
+        if worker is not None:
+            self._emit(WorkerChanged(key[1], worker.service.name, "disconnected"))
+            self._removeWorker(worker)
+        for service in list(self._ledger.byClient.get(key, ())):
+            service.dropClient(key)
+            self._forgetIfEmpty(service)
         return self._drain()
 
     def handleAdmissionChange(self, now: float) -> list[Action]:
@@ -302,9 +276,10 @@ class BrokerMachine(Machine):
     def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
         """True if *name* has a live worker, or lost its last within ``serviceLinger`` of *now*."""
         service = self.services.get(name)
-        if service is None:
-            return False
-        return bool(service.workers) or self._lingering(service, now)
+        if service is None or service.workers:
+            return service is not None
+        return (service.abandonedAt is not None
+                and (self.now if now is None else now) - service.abandonedAt < self.serviceLinger)
 
     def admissionStatus(self, now: Optional[float] = None) -> Optional[dict[str, Any]]:
         """What the ``admission`` says of itself (``mmi.binarystar``), or None."""
@@ -325,49 +300,37 @@ class BrokerMachine(Machine):
             shown: Any = self.services  # (no services wanted: their total unfiltered)
         else:
             shown = [name for name in self.services if visible(name)]
+        names = sorted(shown) if serviceLimit is None else heapq.nsmallest(serviceLimit, shown)
+        queues = [self.services[name] for name in names]
         chosen = self._chosenWorkers(service, visible)
-        return BrokerSnapshot(at, self._serviceViews(shown, serviceLimit),
-                              self._workerViews(chosen, workerLimit, at), len(shown), len(chosen),
-                              self._ledger.count, self._ledger.bytes)
+        return BrokerSnapshot(
+            at, tuple(ServiceSnapshot(q.name, len(q.idle), q.workers - len(q.idle), q.size, q.bytes)
+                      for q in queues),
+            tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect, w.state is BUSY,
+                                 w.liveness.silence(at)) for w in chosen[:workerLimit]),
+            len(shown), len(chosen), self._ledger.count, self._ledger.bytes)
 
     def _chosenWorkers(self, service: Optional[bytes],
                        visible: Optional[Callable[[bytes], bool]]) -> list[WorkerRef]:
-        workers = self.workers.values()
-        if service is not None:
-            workers = [w for w in workers if w.service.name == service]
-        return list(workers) if visible is None else [w for w in workers
-                                                      if visible(w.service.name)]
-
-    def _serviceViews(self, names: Any, limit: Optional[int]) -> tuple[ServiceSnapshot, ...]:
-        names = sorted(names) if limit is None else heapq.nsmallest(limit, names)
-        views = []
-        for name in names:
-            queue = self.services[name]
-            idle = len(queue.idle)
-            views.append(ServiceSnapshot(name, idle, queue.workers - idle, queue.size,
-                                         queue.bytes))
-        return tuple(views)
-
-    @staticmethod
-    def _workerViews(chosen: list[WorkerRef], limit: Optional[int],
-                     now: float) -> tuple[WorkerSnapshot, ...]:
-        return tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect,
-                                    w.state is BUSY, w.liveness.silence(now))
-                     for w in (chosen if limit is None else chosen[:limit]))
+        return [w for w in self.workers.values()
+                if (service is None or w.service.name == service)
+                and (visible is None or visible(w.service.name))]
 
     # --- inbound -------------------------------------------------------------
 
-    def _received(self, key: PeerKey, frames: list[bytes], clients: bool, workers: bool,
-                  identity: Optional[str]) -> None:
+    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
+                      workers: bool = True, identity: Optional[str] = None) -> list[Action]:
+        """A message from peer *key*, on a route accepting *clients* and/or *workers*;
+        *identity* is the peer as its transport authenticated it, for the ``access``."""
+        self.now = now
         dialect, body = split(frames)
         if dialect is not RFC:
-            # the codec reads non-RFC frames only as bytes
-            body = as_bytes(body)
+            body = as_bytes(body)  # the codec reads non-RFC frames only as bytes
         try:
             kind, address, body = parse(body, dialect)
         except ProtocolError as e:
             self._invalid(key, "malformed", str(e))
-            return
+            return self._drain()
         if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
             if not clients:
                 self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
@@ -384,17 +347,7 @@ class BrokerMachine(Machine):
                 self._fromUnregistered(key, kind, address, body, dialect, identity)
             else:
                 self._fromWorker(worker, kind, address, body)
-
-    def _peerGone(self, key: PeerKey) -> None:
-        worker = self.workers.get(key)
-        if worker is not None:
-            self._emit(WorkerChanged(key[1], worker.service.name, "disconnected"))
-            self._removeWorker(worker)
-        services = self._ledger.byClient.get(key)
-        if services:
-            for service in list(services):
-                service.dropClient(key)
-                self._forgetIfEmpty(service)
+        return self._drain()
 
     # --- clients ------------------------------------------------------------
 
@@ -478,7 +431,7 @@ class BrokerMachine(Machine):
 
     def _enqueue(self, service: Optional[ServiceQueue], request: PendingRequest) -> None:
         if service is None:
-            service = self._service(request.service)
+            service = self.services[request.service] = ServiceQueue(request.service, self._ledger)
             service.unknownUntil = deadline = self._unknownDeadline()
             service.askedAt = self.now
             if not self._unknown:
@@ -504,12 +457,6 @@ class BrokerMachine(Machine):
         self._reply(request, codec.error_body(code, message), final=True)
         self._emit(Refused(request.client[1], request.service, code, kind, message))
 
-    def _service(self, name: bytes) -> ServiceQueue:
-        service = self.services.get(name)
-        if service is None:
-            service = self.services[name] = ServiceQueue(name, self._ledger)
-        return service
-
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
         """Drop a service with no worker and no request, once its linger is over."""
         if service.workers or service.size or self.services.get(service.name) is not service:
@@ -517,14 +464,8 @@ class BrokerMachine(Machine):
         if (not service.registered and service.unknownUntil > self.now
                 and len(self._unknown) <= MAX_UNKNOWN_KEPT):
             return  # a retry of its requests waits in the same window
-        if not self._lingering(service):
-            del self.services[service.name]
-
-    def _lingering(self, service: ServiceQueue, now: Optional[float] = None) -> bool:
-        """Its last worker left less than ``serviceLinger`` seconds ago."""
-        return (service.abandonedAt is not None
-                and (self.now if now is None else now) - service.abandonedAt
-                < self.serviceLinger)
+        if service.abandonedAt is None or self.now - service.abandonedAt >= self.serviceLinger:
+            del self.services[service.name]  # (else it lingers)
 
     def _reply(self, request: PendingRequest, body: Sequence[bytes], final: bool) -> None:
         frames = encode_client_reply(request.service, body, final, request.dialect)
@@ -538,7 +479,8 @@ class BrokerMachine(Machine):
         if kind is WorkerFinal or kind is WorkerPartial:
             request = worker.current
             if (request is not None and address == request.envelope
-                    and (kind is WorkerFinal or not _restarts(body))):
+                    and (kind is WorkerFinal or len(body) != 1
+                         or body[0] != codec.RESTART_MARKER)):
                 self._replyPart(worker, request, body, kind is WorkerFinal)
             else:
                 self._misdirected(worker, kind, address)
@@ -571,8 +513,7 @@ class BrokerMachine(Machine):
             return
         if kind is Disconnect:
             return
-        late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, kind, address,
-                                                                             body)
+        late = (kind is WorkerFinal or kind is WorkerPartial) and self._late(key, kind, address, body)
         if key in self._gone:
             # MDP/0.2: no commands after DISCONNECT (messages that crossed ours end here)
             if not late:
@@ -588,8 +529,10 @@ class BrokerMachine(Machine):
         """A *worker*'s PARTIAL or FINAL for its *request*: on to the client,
         unless already answered (413) or too large for the link back (413)."""
         tooLarge = None
-        if len(request.service) > len(request.envelope):  # (see _tooLargeForClient)
-            tooLarge = self._tooLargeForClient(request, body)
+        if len(request.service) > len(request.envelope):
+            # the client's frames outgrow the worker's only by a service name longer than the envelope
+            size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
+            tooLarge = self.limits.oversize(size, len(body) + 4)
         if request.state is ANSWERED:  # the worker's rest is void
             self._emit(Dropped(worker.key[1], "void", "the rest of a reply already answered"))
             if final:
@@ -616,9 +559,11 @@ class BrokerMachine(Machine):
         if self._passive:
             self._release(worker)
         else:
-            self._makeIdle(worker)
-            if worker.service.size:
-                self._dispatch(worker.service)
+            worker.state = IDLE
+            service = worker.service
+            service.idle[worker.key] = worker
+            if service.size:
+                self._dispatch(service)
 
     def _emitReplied(self, request: PendingRequest, body: Sequence[bytes],
                      worker: PeerKey) -> None:
@@ -626,11 +571,6 @@ class BrokerMachine(Machine):
         self._emit(Replied(request.service, error[0] if error is not None else None,
                            request.client[1], worker[1], self.now - request.assignedAt,
                            request.assignedAt - request.arrivedAt))
-
-    def _tooLargeForClient(self, request: PendingRequest, body: Sequence[bytes]) -> Optional[str]:
-        """Why a reply part is too large for the client (only with a long service name), or None."""
-        size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
-        return self.limits.oversize(size, len(body) + 4)
 
     def _late(self, key: PeerKey, kind: type, envelope: bytes, body: Sequence[bytes]) -> bool:
         """A reply from a worker given up on, for an assignment taken back from it: a FINAL
@@ -643,9 +583,8 @@ class BrokerMachine(Machine):
         request = entry[1]
         if (kind is WorkerPartial or request.state is not QUEUED
                 or request.envelope != envelope):
-            self._emit(Dropped(key[1], "orphaned", f"the late {kind.__name__} of a "
-                               "worker given up, for a request that is elsewhere now or runs "
-                               "again"))
+            self._emit(Dropped(key[1], "orphaned", f"the late {kind.__name__} of a worker given "
+                               "up, for a request that is elsewhere now or runs again"))
             return True
         service = self.services[request.service]
         service.remove(request)
@@ -668,7 +607,16 @@ class BrokerMachine(Machine):
         elif service is not None and service.workers >= self.maxServiceWorkers:
             why = f"{service.workers} workers already serve {name.decode('ascii')!r}"
         else:
-            self._register(key, name, dialect)
+            if service is None:
+                service = self.services[name] = ServiceQueue(name, self._ledger)
+            worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
+            self.workers[key] = worker
+            service.workers += 1
+            service.abandonedAt = None
+            service.registered = True
+            self._emit(WorkerChanged(key[1], name, "ready"))
+            service.idle[key] = worker
+            self._dispatch(service)
             return
         self._emit(Refused(key[1], name, None, kind, f"READY refused: {why}"))
         self._sendDisconnect(key, dialect)
@@ -678,21 +626,6 @@ class BrokerMachine(Machine):
             return False
         self._passive = False  # admitted: active now, even before a tick says so
         return True
-
-    def _register(self, key: PeerKey, name: bytes, dialect: str) -> None:
-        service = self._service(name)
-        worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
-        self.workers[key] = worker
-        service.workers += 1
-        service.abandonedAt = None
-        service.registered = True
-        self._emit(WorkerChanged(key[1], name, "ready"))
-        self._makeIdle(worker)
-        self._dispatch(service)
-
-    def _makeIdle(self, worker: WorkerRef) -> None:
-        worker.state = IDLE
-        worker.service.idle[worker.key] = worker
 
     def _dispatch(self, service: ServiceQueue) -> None:
         """Hand queued requests to idle workers, least recently used first (none if passive)."""
@@ -790,8 +723,9 @@ class BrokerMachine(Machine):
 
     # --- time ----------------------------------------------------------------
 
-    def _tick(self, now: float) -> None:
+    def handleTick(self, now: float) -> list[Action]:
         """Heartbeats, dead workers, expired requests, services past their linger."""
+        self.now = now
         self._checkWorkers(now)
         gone, since = self._gone, now - self.heartbeat.expiry
         while gone and next(iter(gone.values())) < since:
@@ -808,6 +742,7 @@ class BrokerMachine(Machine):
         abandoned = self._abandoned
         while abandoned and abandoned[0][0] + self.serviceLinger <= now:
             self._forgetIfEmpty(abandoned.popleft()[1])
+        return self._drain()
 
     def _checkWorkers(self, now: float) -> None:
         for worker in list(self.workers.values()):
