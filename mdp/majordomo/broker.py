@@ -1,11 +1,7 @@
-"""The MDP/0.2 broker over real transports.
-
-:class:`Broker` drives a :class:`~mdp.majordomo.broker_machine.BrokerMachine`,
-which makes every decision.  The driver owns the bindings, the tick and the
-wake-up timer; it hands the machine each message with its binding's roles and
-the peer's authenticated identity, performs the actions, and logs and counts
-what they report.
-"""
+"""The MDP/0.2 broker over real transports: :class:`Broker` drives a
+:class:`~mdp.majordomo.broker_machine.BrokerMachine`, which makes every decision;
+the driver owns the bindings and timers, performs the actions, and logs and
+counts what they report."""
 
 from __future__ import annotations
 
@@ -66,7 +62,7 @@ _INVALID = frozenset({"malformed", "wrong-endpoint", "unexpected", "not-serving"
 #: Dropped kinds that are worker replies not passed on
 _REPLIES_DROPPED = frozenset({"stale", "void", "orphaned"})
 #: Refused kinds of a READY; and those not logged (the client hears, or times out)
-_READY_REFUSED = frozenset({"serve-forbidden", "not-active", "too-many-workers"})
+_READY_REFUSED = frozenset({"serve-forbidden", "ready"})
 _QUIET_REFUSALS = frozenset({"passive", "expired", "unknown"})
 _WORKER_CHANGES = {
     "ready": "worker {peer} ready for {service}",
@@ -148,10 +144,13 @@ class Broker:
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = self.reactor
         self._wakeCall: Any = None
-        self._reporters = {Dropped: self._dropped, Refused: self._refused,
-                           WorkerChanged: self._workerChanged, Requested: self._requested,
-                           Assigned: self._assigned, Replied: self._replied}
+        self._reporters: dict[type, Callable[[Any], None]] = {
+            Dropped: self._dropped, Refused: self._refused, WorkerChanged: self._workerChanged,
+            Replied: self._replied, Requested: lambda requested: None, Assigned: lambda assigned: None}
         if metrics is not None:
+            self._reporters[Requested] = lambda requested: metrics.request(requested.service)
+            self._reporters[Assigned] = lambda assigned: metrics.assigned(assigned.service,
+                                                                          assigned.waited)
             metrics.watch(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -182,21 +181,20 @@ class Broker:
         self._perform(self.machine.handleAdmissionChange(self.reactor.seconds()))
 
     def tick(self) -> None:
-        machine = self.machine
-        try:
-            self._perform(machine.handleTick(self.reactor.seconds()))
-        except Exception:  # the tick must go on: heartbeats depend on it
-            log.failure("broker tick failed")
-            self._perform(machine.actionsSoFar())
+        self._handle(self.machine.handleTick, "broker tick failed")
 
     def _wake(self) -> None:
         self._wakeCall = None
-        machine = self.machine
+        self._handle(self.machine.handleWake, "broker wake-up failed")
+
+    def _handle(self, event: Callable[[float], list[Action]], failed: str) -> None:
+        """Perform what *event* decided, also when it raised part-way (the tick must go on)."""
         try:
-            self._perform(machine.handleWake(self.reactor.seconds()))
+            actions = event(self.reactor.seconds())
         except Exception:
-            log.failure("broker wake-up failed")
-            self._perform(machine.actionsSoFar())
+            log.failure(failed)
+            actions = self.machine.actionsSoFar()
+        self._perform(actions)
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
@@ -267,14 +265,6 @@ class Broker:
                 self.metrics.expired(changed.service)
         else:
             log.info(_WORKER_CHANGES[change], **fields)
-
-    def _requested(self, requested: Requested) -> None:
-        if self.metrics is not None:
-            self.metrics.request(requested.service)
-
-    def _assigned(self, assigned: Assigned) -> None:
-        if self.metrics is not None:
-            self.metrics.assigned(assigned.service, assigned.waited)
 
     def _replied(self, replied: Replied) -> None:
         if self.metrics is not None:

@@ -1,30 +1,22 @@
-"""MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back.
+"""MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back, as
+pure functions over ``bytes`` frames without the ROUTER routing-id frame.
 
-Pure functions over ``bytes`` frames, without the ROUTER routing-id frame.
+Dialects: ``"rfc"`` (:data:`RFC`) is RFC 18.  ``"majortomo"`` (:data:`MAJORTOMO`),
+as the ``majortomo`` package speaks, puts an empty frame before the header and
+gives MDP/Client commands the worker codes (0x02, 0x03, 0x04); its PARTIAL and
+FINAL carry no service frame (decoded with ``service == b""``).  :func:`split`
+tells the dialect by the leading empty frame, so a broker answers each peer in its own.
 
-Dialects: ``"rfc"`` (:data:`RFC`) is RFC 18: the header is frame 0; MDP/Client
-commands are REQUEST 0x01, PARTIAL 0x02, FINAL 0x03.  ``"majortomo"``
-(:data:`MAJORTOMO`) is how the ``majortomo`` package speaks: an empty frame
-before the header; MDP/Client commands use the worker codes (0x02, 0x03, 0x04),
-and PARTIAL and FINAL carry no service frame (decoded with ``service == b""``).
-MDP/Worker commands are as in the RFC.  :func:`split` tells the dialect by the
-leading empty frame, so a broker answers each peer in its own.
-
-Error replies: MDP/0.2 has no error command, so a failed request gets a FINAL
-whose body is exactly ``[ERROR_MARKER, status code (ASCII digits), UTF-8
-message]`` (:mod:`mdp.messages`, shared with Freelance); ``ERROR_MARKER`` starts
-with NUL so it is no printable payload.  Our client raises the matching
-:class:`~mdp.errors.RemoteError` (500, 503, 429, 413).
-
-Restarted streams: when a worker dies after some PARTIALs went out, another
-starts the reply over, after a PARTIAL of exactly ``[RESTART_MARKER]`` so that
-a client discards what it had.
+A failed request gets a FINAL of ``[ERROR_MARKER, status code, message]``
+(:mod:`mdp.messages`), raised by our client as :class:`~mdp.errors.RemoteError`.
+A streamed reply that starts over on another worker is preceded by a PARTIAL of
+exactly ``[RESTART_MARKER]``, so that a client discards what it had.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import attrs
 
@@ -326,18 +318,23 @@ def _parse_worker(frames: Sequence[bytes]) -> Parsed:
 
 # --- encoding -------------------------------------------------------------
 
+_WORKER_CODES = {kind: code for code, kind in _WORKER_TYPES.items()}
+
+
 def encode(command: Command, dialect: str = RFC) -> Frames:
     """Encode *command* to frames in *dialect* (see the module docstring)."""
-    if dialect == RFC:
-        return _encode(command, _RFC_CODES)
-    frames = _encode(command, _CLIENT_CODES[dialect])
-    if type(command) is ClientPartial or type(command) is ClientFinal:
-        del frames[2]  # majortomo replies carry no service name
-    frames.insert(0, b"")
-    return frames
-
-
-_RFC_CODES = _CLIENT_CODES[RFC]
+    kind = type(command)
+    if kind is ClientPartial or kind is ClientFinal:
+        return encode_client_reply(command.service, command.body, kind is ClientFinal, dialect)
+    if kind is ClientRequest:
+        frames = [CLIENT_HEADER, _CLIENT_CODES[dialect][kind], command.service, *command.body]
+    elif kind in _WORKER_FRAMES:  # READY, HEARTBEAT, DISCONNECT
+        frames = [WORKER_HEADER, _WORKER_CODES[kind], *attrs.astuple(command)]
+    elif kind in _WORKER_CODES:  # REQUEST, PARTIAL, FINAL
+        frames = [WORKER_HEADER, _WORKER_CODES[kind], command.client, b"", *command.body]
+    else:
+        raise TypeError(f"not an MDP command: {command!r}")
+    return frames if dialect == RFC else [b"", *frames]
 
 
 def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = RFC) -> Frames:
@@ -362,21 +359,3 @@ def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool,
         return [CLIENT_HEADER, C_FINAL if final else C_PARTIAL, service, *body]
     code = _CLIENT_CODES[dialect][ClientFinal if final else ClientPartial]
     return [b"", CLIENT_HEADER, code, *body]  # majortomo replies carry no service name
-
-
-_WORKER_CODES = {kind: code for code, kind in _WORKER_TYPES.items()}
-
-
-def _encode(command: Any, client_codes: dict[type, bytes]) -> Frames:
-    kind = type(command)
-    code = _WORKER_CODES.get(kind)
-    if code is None:
-        code = client_codes.get(kind)
-        if code is None:
-            raise TypeError(f"not an MDP command: {command!r}")
-        return [CLIENT_HEADER, code, command.service, *command.body]
-    if kind is Heartbeat or kind is Disconnect:
-        return [WORKER_HEADER, code]
-    if kind is Ready:
-        return [WORKER_HEADER, code, command.service]
-    return [WORKER_HEADER, code, command.client, b"", *command.body]
