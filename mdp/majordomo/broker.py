@@ -57,8 +57,7 @@ from mdp.transport.stream import StreamRouter
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 #: Dropped kinds that are invalid input (counted in ``Broker.invalid``)
-_INVALID = frozenset({"malformed", "wrong-endpoint", "unexpected", "not-serving",
-                      "restart-marker"})
+_INVALID = frozenset({"malformed", "wrong-endpoint", "unexpected", "not-serving", "restart-marker"})
 #: Dropped kinds that are worker replies not passed on
 _REPLIES_DROPPED = frozenset({"stale", "void", "orphaned"})
 #: Refused kinds of a READY; and those not logged (the client hears, or times out)
@@ -149,8 +148,7 @@ class Broker:
             Replied: self._replied, Requested: lambda requested: None, Assigned: lambda assigned: None}
         if metrics is not None:
             self._reporters[Requested] = lambda requested: metrics.request(requested.service)
-            self._reporters[Assigned] = lambda assigned: metrics.assigned(assigned.service,
-                                                                          assigned.waited)
+            self._reporters[Assigned] = lambda assigned: metrics.assigned(assigned.service, assigned.waited)
             metrics.watch(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -330,8 +328,7 @@ class Broker:
         buffers = any(getattr(b.transport, "deliversBuffers", False) for b in self.bindings)
         for each in self.bindings:
             each.copyOut = buffers and not getattr(each.transport, "acceptsBuffers", False)
-        roles = "+".join(r for r, on in (("clients", binding.clients),
-                                         ("workers", binding.workers)) if on)
+        roles = "+".join(r for r, on in (("clients", binding.clients), ("workers", binding.workers)) if on)
         if routerTransport.endpoint:
             log.info("MDP broker listening on {endpoint} for {roles}",
                      endpoint=routerTransport.endpoint, roles=roles)

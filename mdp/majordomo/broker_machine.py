@@ -337,8 +337,7 @@ class BrokerMachine(Machine):
             elif kind is ClientRequest:
                 self._request(key, address, body, dialect, identity)
             else:
-                self._invalid(key, "unexpected",
-                              f"client sent {kind.__name__}: only REQUEST is valid")
+                self._invalid(key, "unexpected", f"client sent {kind.__name__}: only REQUEST is valid")
         elif not workers:
             self._invalid(key, "wrong-endpoint", "worker command on a client-only endpoint")
         else:
@@ -397,8 +396,7 @@ class BrokerMachine(Machine):
             self._activeSince = None
             request.state = DONE
             # not serving: the client times out and tries another broker
-            self._emit(Refused(request.client[1], request.service, None, "passive",
-                               "this broker is passive"))
+            self._emit(Refused(request.client[1], request.service, None, "passive", "this broker is passive"))
             return False
         if self._activeSince is None:
             self._activeSince = now
@@ -473,8 +471,7 @@ class BrokerMachine(Machine):
 
     # --- workers ------------------------------------------------------------
 
-    def _fromWorker(self, worker: WorkerRef, kind: type, address: bytes,
-                    body: Sequence[bytes]) -> None:
+    def _fromWorker(self, worker: WorkerRef, kind: type, address: bytes, body: Sequence[bytes]) -> None:
         worker.liveness.heard(self.now)
         if kind is WorkerFinal or kind is WorkerPartial:
             request = worker.current
@@ -498,8 +495,7 @@ class BrokerMachine(Machine):
             # only the broker may say a reply starts over
             self._invalid(worker.key, "restart-marker", "PARTIAL holding the restart marker")
         elif envelope == worker.lastEnvelope:
-            self._emit(Dropped(worker.key[1], "stale",
-                               f"a second {what} for a request it already answered"))
+            self._emit(Dropped(worker.key[1], "stale", f"a second {what} for a request it already answered"))
         elif request is None:
             self._unexpected(worker, f"{what} while idle")
         else:
@@ -565,8 +561,7 @@ class BrokerMachine(Machine):
             if service.size:
                 self._dispatch(service)
 
-    def _emitReplied(self, request: PendingRequest, body: Sequence[bytes],
-                     worker: PeerKey) -> None:
+    def _emitReplied(self, request: PendingRequest, body: Sequence[bytes], worker: PeerKey) -> None:
         error = codec.parse_error_body(body)
         self._emit(Replied(request.service, error[0] if error is not None else None,
                            request.client[1], worker[1], self.now - request.assignedAt,
@@ -581,8 +576,7 @@ class BrokerMachine(Machine):
             return False
         del self._takenBack[envelope]
         request = entry[1]
-        if (kind is WorkerPartial or request.state is not QUEUED
-                or request.envelope != envelope):
+        if kind is WorkerPartial or request.state is not QUEUED or request.envelope != envelope:
             self._emit(Dropped(key[1], "orphaned", f"the late {kind.__name__} of a worker given "
                                "up, for a request that is elsewhere now or runs again"))
             return True
@@ -748,8 +742,7 @@ class BrokerMachine(Machine):
         for worker in list(self.workers.values()):
             liveness = worker.liveness
             if liveness.dead(now):
-                self._emit(WorkerChanged(worker.key[1], worker.service.name, "silent",
-                                         liveness.silence(now)))
+                self._emit(WorkerChanged(worker.key[1], worker.service.name, "silent", liveness.silence(now)))
                 self._removeWorker(worker)
             elif liveness.due(now, 0.5):
                 self._emit(Send(worker.key, codec.encode(codec.HEARTBEAT, worker.dialect)))

@@ -180,8 +180,7 @@ class QueueLedger:
     def compact(self) -> None:
         """Drop stale entries once the age list exceeds twice the queue."""
         if len(self.byAge) > 2 * self.count + 1024:
-            self.byAge = deque(e for e in self.byAge
-                               if e[1].state is QUEUED and e[1].queuedAt == e[0])
+            self.byAge = deque(e for e in self.byAge if e[1].state is QUEUED and e[1].queuedAt == e[0])
 
 
 class ServiceQueue:

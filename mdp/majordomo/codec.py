@@ -132,9 +132,7 @@ class Disconnect:
 
 
 ClientCommand = Union[ClientRequest, ClientPartial, ClientFinal]
-WorkerCommand = Union[
-    Ready, WorkerRequest, WorkerPartial, WorkerFinal, Heartbeat, Disconnect
-]
+WorkerCommand = Union[Ready, WorkerRequest, WorkerPartial, WorkerFinal, Heartbeat, Disconnect]
 Command = Union[ClientCommand, WorkerCommand]
 
 HEARTBEAT = Heartbeat()
@@ -169,9 +167,7 @@ def validate_service(service: bytes) -> bytes:
     if not service:
         raise ProtocolError("empty service name")
     if len(service) > MAX_SERVICE_LENGTH:
-        raise ProtocolError(
-            f"service name is {len(service)} bytes, longer than {MAX_SERVICE_LENGTH}"
-        )
+        raise ProtocolError(f"service name is {len(service)} bytes, longer than {MAX_SERVICE_LENGTH}")
     byte = next(b for b in service if b < 0x20 or b > 0x7E)
     raise ProtocolError(f"service name {service!r} holds non-printable byte 0x{byte:02x}")
 
@@ -277,9 +273,7 @@ def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:
         raise ProtocolError("MDPC02 message has no command frame")
     kind = _CLIENT_TYPES[dialect].get(frames[1])
     if kind is None:
-        raise ProtocolError(
-            f"unknown MDP/Client command {bytes(frames[1][:8])!r} ({dialect} dialect)"
-        )
+        raise ProtocolError(f"unknown MDP/Client command {bytes(frames[1][:8])!r} ({dialect} dialect)")
     if dialect == MAJORTOMO and kind is not ClientRequest:
         if count < 3:
             raise ProtocolError(
@@ -305,11 +299,9 @@ def _parse_worker(frames: Sequence[bytes]) -> Parsed:
     expected = _WORKER_FRAMES.get(kind)
     if expected is None:  # REQUEST, PARTIAL, FINAL: an envelope and a body
         if count < 5:
-            raise ProtocolError(
-                f"MDP/Worker {_NAMES[kind]} needs at least 5 frames, got {count}")
+            raise ProtocolError(f"MDP/Worker {_NAMES[kind]} needs at least 5 frames, got {count}")
         if frames[3] != b"":
-            raise ProtocolError(
-                f"MDP/Worker {_NAMES[kind]}: frame 3 must be the empty envelope delimiter")
+            raise ProtocolError(f"MDP/Worker {_NAMES[kind]}: frame 3 must be the empty envelope delimiter")
         return kind, frames[2], frames[4:]
     if count != expected:
         raise ProtocolError(f"MDP/Worker {_NAMES[kind]} takes {expected} frames, got {count}")
@@ -344,16 +336,14 @@ def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = R
     return [b"", WORKER_HEADER, W_REQUEST, client, b"", *body]
 
 
-def encode_worker_reply(client: bytes, body: Sequence[bytes], final: bool,
-                        dialect: str = RFC) -> Frames:
+def encode_worker_reply(client: bytes, body: Sequence[bytes], final: bool, dialect: str = RFC) -> Frames:
     """``encode(WorkerFinal or WorkerPartial(client, body), dialect)`` (hot path)."""
     if dialect == RFC:
         return [WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
     return [b"", WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
 
 
-def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool,
-                        dialect: str = RFC) -> Frames:
+def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool, dialect: str = RFC) -> Frames:
     """``encode(ClientFinal or ClientPartial(service, body), dialect)`` (hot path)."""
     if dialect == RFC:
         return [CLIENT_HEADER, C_FINAL if final else C_PARTIAL, service, *body]

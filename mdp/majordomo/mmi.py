@@ -86,11 +86,9 @@ def _services(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) ->
 
 def _workers(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
     wanted = bytes(body[0]) if body and body[0] else None
-    snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted,
-                               visible=visible)
+    snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted, visible=visible)
     # under a policy, without their peer ids: under ZeroMQ a freed id can be claimed
-    return _listing([_worker(w, visible is None) for w in snapshot.workers],
-                    snapshot.workerCount)
+    return _listing([_worker(w, visible is None) for w in snapshot.workers], snapshot.workerCount)
 
 
 def _binarystar(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
