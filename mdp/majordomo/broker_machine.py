@@ -679,7 +679,7 @@ class BrokerMachine(Machine):
                 takenBack.popitem(last=False)
         # accepted work is never dropped, even past the queue bounds
         request.queuedAt = self.now
-        service.requeue(request)
+        service.enqueue(request, first=True)
         self._dispatch(service)
 
     def _unexpected(self, worker: WorkerRef, what: str) -> None:

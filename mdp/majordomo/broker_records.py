@@ -6,12 +6,10 @@ Theory of operation
 -------------------
 One :class:`ServiceQueue` per service holds the requests waiting (round-robin
 over clients) and the idle workers (least recently used first).  Each
-assignment of a request to a worker gets an envelope of its own (the client
-address frame of the worker REQUEST); a PARTIAL or FINAL is forwarded only with
-the envelope of the worker's current assignment, so a second FINAL, or a reply
-to an assignment taken back, can never complete another request.  Limits
-(``docs/reliability.md``): queue bounds (429; requests taken back are re-queued
-regardless), worker bounds (DISCONNECT), ``limits`` (413), ``maxDeliveries`` (500).
+assignment gets an envelope of its own (the client frame of the worker REQUEST),
+and a reply is forwarded only with the envelope of the worker's current
+assignment: a second FINAL, or a reply to an assignment taken back, never
+completes another request.  Limits are in ``docs/reliability.md``.
 
 A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
 
@@ -177,11 +175,6 @@ class QueueLedger:
         self.byClient: dict[PeerKey, set[ServiceQueue]] = {}
         self.byAge: deque[tuple[float, PendingRequest]] = deque()
 
-    def compact(self) -> None:
-        """Drop stale entries once the age list exceeds twice the queue."""
-        if len(self.byAge) > 2 * self.count + 1024:
-            self.byAge = deque(e for e in self.byAge if e[1].state is QUEUED and e[1].queuedAt == e[0])
-
 
 class ServiceQueue:
     """Requests waiting for one service and the workers able to serve it;
@@ -204,13 +197,6 @@ class ServiceQueue:
         #: when a request first asked for it while unregistered
         self.askedAt = 0.0
 
-    def _clientQueue(self, client: PeerKey) -> deque[PendingRequest]:
-        queue = self.pending.get(client)
-        if queue is None:
-            queue = self.pending[client] = deque()
-            self.ledger.byClient.setdefault(client, set()).add(self)
-        return queue
-
     def _dropClientQueue(self, client: PeerKey) -> None:
         del self.pending[client]
         services = self.ledger.byClient.get(client)
@@ -219,22 +205,24 @@ class ServiceQueue:
             if not services:
                 del self.ledger.byClient[client]
 
-    def enqueue(self, request: PendingRequest) -> None:
-        self._clientQueue(request.client).append(request)
-        self._added(request)
-
-    def requeue(self, request: PendingRequest) -> None:
-        """Put a request back at the head: it has waited longest."""
-        self._clientQueue(request.client).appendleft(request)
-        self.pending.move_to_end(request.client, last=False)
-        self._added(request)
-
-    def _added(self, request: PendingRequest) -> None:
+    def enqueue(self, request: PendingRequest, first: bool = False) -> None:
+        """Queue *request* after its client's others, or *first* of all (it has waited longest)."""
+        client = request.client
+        queue = self.pending.get(client)
+        if queue is None:
+            queue = self.pending[client] = deque()
+            self.ledger.byClient.setdefault(client, set()).add(self)
+        if first:
+            queue.appendleft(request)
+            self.pending.move_to_end(client, last=False)
+        else:
+            queue.append(request)
         request.state = QUEUED
         self._grow(1, request.size)
         ledger = self.ledger
         ledger.byAge.append((request.queuedAt, request))
-        ledger.compact()
+        if len(ledger.byAge) > 2 * ledger.count + 1024:  # stale entries are many: drop them
+            ledger.byAge = deque(e for e in ledger.byAge if e[1].state is QUEUED and e[1].queuedAt == e[0])
 
     def nextRequest(self) -> PendingRequest:
         """Round-robin: the first client's oldest request; that client goes to the back."""
