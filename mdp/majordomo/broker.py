@@ -75,11 +75,9 @@ _WORKER_CHANGES = {
 
 
 class Binding:
-    """One bound transport of the broker and the roles it accepts.
-
-    Body frames are passed on unread: a transport may deliver them uncopied from
-    ``keepFramesFrom`` on.  ``copyOut`` marks a binding whose transport takes only
-    ``bytes`` while another delivers buffers."""
+    """One bound transport of the broker and the roles it accepts.  Body frames,
+    passed on unread, may arrive uncopied from ``keepFramesFrom`` on; ``copyOut``:
+    this transport takes only ``bytes`` while another delivers buffers."""
 
     keepFramesFrom = 3
 
@@ -121,11 +119,10 @@ classImplements(Binding, IRouterReceiver)
 
 
 class Broker:
-    """An MDP/0.2 broker: a :class:`BrokerMachine` (``machine``) over real
-    transports.  Bind it with :meth:`listen` (once per endpoint) or hand out
-    :meth:`streamFactory`; the machine's settings and state read through it
-    (``broker.workers``, ``broker.queued``, ...).  *metrics* (a
-    :class:`mdp.metrics.BrokerMetrics`) counts; *logRequests* logs each request served."""
+    """An MDP/0.2 broker: a :class:`BrokerMachine` (``machine``, whose settings and
+    state read through it) bound with :meth:`listen` or :meth:`streamFactory`.
+    *metrics* (a :class:`mdp.metrics.BrokerMetrics`) counts; *logRequests* logs
+    each request served."""
 
     def __init__(self, reactor: Optional[Any] = None, *, curveSecret: Optional[str] = None,
                  curveAllow: Optional[str] = None, metrics: Optional[Any] = None,
@@ -204,8 +201,7 @@ class Broker:
                     frames = action.frames
                     transport.sendMessage(peer, as_bytes(frames) if binding.copyOut else frames)
             elif kind is DropPeer:
-                binding, peer = action.key
-                binding.disconnect(peer)
+                action.key[0].disconnect(action.key[1])
             elif kind is WakeAt:
                 self._wakeAt(action.time)
             else:
@@ -218,8 +214,6 @@ class Broker:
                 return
             call.cancel()
         self._wakeCall = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._wake)
-
-    # --- what the machine reports: logs and metrics ------------------------------
 
     def _dropped(self, dropped: Dropped) -> None:
         kind, metrics = dropped.kind, self.metrics
@@ -273,8 +267,6 @@ class Broker:
                       client=peer_label(replied.client), worker=peer_label(replied.worker),
                       served=replied.served, queued=replied.queued)
 
-    # --- the read-only view, at the reactor's time ------------------------------
-
     def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
                  service: Optional[bytes] = None, *,
                  visible: Optional[Callable[[bytes], bool]] = None) -> BrokerSnapshot:
@@ -290,11 +282,8 @@ class Broker:
         """:meth:`BrokerMachine.admissionStatus` now."""
         return self.machine.admissionStatus(self.reactor.seconds())
 
-    # --- lifecycle -----------------------------------------------------------
-
-    def listen(
-        self, endpoint: str, clients: bool = True, workers: bool = True
-    ) -> defer.Deferred[IRouterTransport]:
+    def listen(self, endpoint: str, clients: bool = True,
+               workers: bool = True) -> defer.Deferred[IRouterTransport]:
         """Bind *endpoint* for clients, workers or both.  A malformed endpoint raises
         :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
         binding = Binding(self, clients, workers)

@@ -53,7 +53,6 @@ W_FINAL = b"\x04"
 W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
 
-
 #: Body of the PARTIAL that says a streamed reply starts over
 #: (:class:`~mdp.errors.StreamRestarted`).
 RESTART_MARKER = b"\x00MDP-RESTART"
@@ -63,8 +62,6 @@ MAX_SERVICE_LENGTH = 255
 
 Frames = list[bytes]
 
-
-# --- commands -------------------------------------------------------------
 
 @attrs.frozen(slots=True)
 class ClientRequest:
@@ -142,10 +139,8 @@ _CLIENT_TYPES = {
     RFC: {C_REQUEST: ClientRequest, C_PARTIAL: ClientPartial, C_FINAL: ClientFinal},
     MAJORTOMO: {b"\x02": ClientRequest, b"\x03": ClientPartial, b"\x04": ClientFinal},
 }
-_CLIENT_CODES = {
-    dialect: {kind: code for code, kind in table.items()}
-    for dialect, table in _CLIENT_TYPES.items()
-}
+_CLIENT_CODES = {dialect: {kind: code for code, kind in table.items()}
+                 for dialect, table in _CLIENT_TYPES.items()}
 _WORKER_TYPES = {W_READY: Ready, W_REQUEST: WorkerRequest, W_PARTIAL: WorkerPartial,
                  W_FINAL: WorkerFinal, W_HEARTBEAT: Heartbeat, W_DISCONNECT: Disconnect}
 #: how many frames a worker command without a body takes
@@ -154,8 +149,6 @@ _NAMES = {ClientRequest: "REQUEST", ClientPartial: "PARTIAL", ClientFinal: "FINA
           Ready: "READY", WorkerRequest: "REQUEST", WorkerPartial: "PARTIAL",
           WorkerFinal: "FINAL", Heartbeat: "HEARTBEAT", Disconnect: "DISCONNECT"}
 
-
-# --- validation helpers ---------------------------------------------------
 
 _PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match
 
@@ -212,23 +205,18 @@ def expect(frames: Sequence[bytes], dialect: str) -> Sequence[bytes]:
     dialect's framing is a :class:`~mdp.errors.ProtocolError` naming the mismatch."""
     found, rest = split(frames)
     if found != dialect:
-        raise ProtocolError(
-            f"message framed for the {found} dialect, expected {dialect} "
-            "(is the peer configured with the same dialect?)"
-        )
+        raise ProtocolError(f"message framed for the {found} dialect, expected {dialect} "
+                            "(is the peer configured with the same dialect?)")
     return rest
 
-
-# --- decoding -------------------------------------------------------------
 
 Parsed = tuple[type, bytes, Sequence[bytes]]
 
 
 def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
-    """Check one MDP/0.2 message from its header without building the command
-    (the broker's path): ``(command class, address, body)``, the address being
-    the service name (client command, READY), the client envelope (worker
-    REQUEST, PARTIAL, FINAL) or ``b""``.  :class:`~mdp.errors.ProtocolError` if invalid."""
+    """Check one MDP/0.2 message from its header without building the command:
+    ``(command class, address, body)``, the address being the service name (client
+    command, READY), the client envelope (worker REQUEST, PARTIAL, FINAL) or ``b""``."""
     if not frames:
         raise ProtocolError("empty message")
     header = frames[0]
@@ -276,16 +264,13 @@ def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:
         raise ProtocolError(f"unknown MDP/Client command {bytes(frames[1][:8])!r} ({dialect} dialect)")
     if dialect == MAJORTOMO and kind is not ClientRequest:
         if count < 3:
-            raise ProtocolError(
-                f"MDP/Client {_NAMES[kind]} needs at least 3 frames in the "
-                f"majortomo dialect, got {count} (missing body)"
-            )
+            raise ProtocolError(f"MDP/Client {_NAMES[kind]} needs at least 3 frames in the "
+                                f"majortomo dialect, got {count} (missing body)")
         return kind, b"", frames[2:]
     if count < 4:
         what = "service name" if count < 3 else "body"
-        raise ProtocolError(
-            f"MDP/Client {_NAMES[kind]} needs at least 4 frames, got {count} (missing {what})"
-        )
+        raise ProtocolError(f"MDP/Client {_NAMES[kind]} needs at least 4 frames, got {count} "
+                            f"(missing {what})")
     return kind, validate_service(frames[2]), frames[3:]
 
 
@@ -307,8 +292,6 @@ def _parse_worker(frames: Sequence[bytes]) -> Parsed:
         raise ProtocolError(f"MDP/Worker {_NAMES[kind]} takes {expected} frames, got {count}")
     return kind, (validate_service(frames[2]) if kind is Ready else b""), ()
 
-
-# --- encoding -------------------------------------------------------------
 
 _WORKER_CODES = {kind: code for code, kind in _WORKER_TYPES.items()}
 
