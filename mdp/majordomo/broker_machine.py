@@ -230,6 +230,36 @@ class BrokerMachine(Machine):
         """How often :meth:`handleTick` wants to run: one heartbeat interval."""
         return self.heartbeat.interval
 
+    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
+                      workers: bool = True, identity: Optional[str] = None) -> list[Action]:
+        """A message from peer *key*, on a route accepting *clients* and/or *workers*;
+        *identity* is the peer as its transport authenticated it, for the ``access``."""
+        self.now = now
+        dialect, body = split(frames)
+        if dialect is not RFC:
+            body = as_bytes(body)  # the codec reads non-RFC frames only as bytes
+        try:
+            kind, address, body = parse(body, dialect)
+        except ProtocolError as e:
+            self._invalid(key, "malformed", str(e))
+            return self._drain()
+        if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
+            if not clients:
+                self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
+            elif kind is ClientRequest:
+                self._request(key, address, body, dialect, identity)
+            else:
+                self._invalid(key, "unexpected", f"client sent {kind.__name__}: only REQUEST is valid")
+        elif not workers:
+            self._invalid(key, "wrong-endpoint", "worker command on a client-only endpoint")
+        else:
+            worker = self.workers.get(key)
+            if worker is None:
+                self._fromUnregistered(key, kind, address, body, dialect, identity)
+            else:
+                self._fromWorker(worker, kind, address, body)
+        return self._drain()
+
     def handlePeerGone(self, key: PeerKey, now: float) -> list[Action]:
         """A transport lost the peer *key* (or cut it off)."""
         self.now = now
@@ -315,38 +345,6 @@ class BrokerMachine(Machine):
         return [w for w in self.workers.values()
                 if (service is None or w.service.name == service)
                 and (visible is None or visible(w.service.name))]
-
-    # --- inbound -------------------------------------------------------------
-
-    def handleMessage(self, key: PeerKey, frames: list[bytes], now: float, clients: bool = True,
-                      workers: bool = True, identity: Optional[str] = None) -> list[Action]:
-        """A message from peer *key*, on a route accepting *clients* and/or *workers*;
-        *identity* is the peer as its transport authenticated it, for the ``access``."""
-        self.now = now
-        dialect, body = split(frames)
-        if dialect is not RFC:
-            body = as_bytes(body)  # the codec reads non-RFC frames only as bytes
-        try:
-            kind, address, body = parse(body, dialect)
-        except ProtocolError as e:
-            self._invalid(key, "malformed", str(e))
-            return self._drain()
-        if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
-            if not clients:
-                self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
-            elif kind is ClientRequest:
-                self._request(key, address, body, dialect, identity)
-            else:
-                self._invalid(key, "unexpected", f"client sent {kind.__name__}: only REQUEST is valid")
-        elif not workers:
-            self._invalid(key, "wrong-endpoint", "worker command on a client-only endpoint")
-        else:
-            worker = self.workers.get(key)
-            if worker is None:
-                self._fromUnregistered(key, kind, address, body, dialect, identity)
-            else:
-                self._fromWorker(worker, kind, address, body)
-        return self._drain()
 
     # --- clients ------------------------------------------------------------
 
