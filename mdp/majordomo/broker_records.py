@@ -92,9 +92,7 @@ class RequestState(enum.Enum):
     DONE = "done"
 
 
-NEW, QUEUED, ASSIGNED, ANSWERED, DONE = (
-    RequestState.NEW, RequestState.QUEUED, RequestState.ASSIGNED, RequestState.ANSWERED,
-    RequestState.DONE)
+NEW, QUEUED, ASSIGNED, ANSWERED, DONE = RequestState
 
 
 class WorkerState(enum.Enum):
@@ -107,7 +105,7 @@ class WorkerState(enum.Enum):
     GONE = "gone"
 
 
-IDLE, BUSY, GONE = WorkerState.IDLE, WorkerState.BUSY, WorkerState.GONE
+IDLE, BUSY, GONE = WorkerState
 
 
 def _fields_repr(record: Any) -> str:
@@ -243,16 +241,13 @@ class ServiceQueue:
         request.state = DONE
         self._grow(-1, -request.size)
 
-    def dropClient(self, client: PeerKey) -> int:
-        """Forget every request *client* has queued here; returns how many."""
-        queue = self.pending.get(client)
-        if not queue:
-            return 0
+    def dropClient(self, client: PeerKey) -> None:
+        """Forget every request *client* has queued here (it has some: see ``ledger.byClient``)."""
+        queue = self.pending[client]
         self._dropClientQueue(client)
         for request in queue:
             request.state = DONE
         self._grow(-len(queue), -sum(r.size for r in queue))
-        return len(queue)
 
     def _grow(self, by: int, size: int) -> None:
         self.size += by
