@@ -242,12 +242,13 @@ class ServiceQueue:
         self._grow(-1, -request.size)
 
     def dropClient(self, client: PeerKey) -> None:
-        """Forget every request *client* has queued here (it has some: see ``ledger.byClient``)."""
-        queue = self.pending[client]
-        self._dropClientQueue(client)
-        for request in queue:
-            request.state = DONE
-        self._grow(-len(queue), -sum(r.size for r in queue))
+        """Forget every request *client* has queued here."""
+        queue = self.pending.get(client)
+        if queue:
+            self._dropClientQueue(client)
+            for request in queue:
+                request.state = DONE
+            self._grow(-len(queue), -sum(r.size for r in queue))
 
     def _grow(self, by: int, size: int) -> None:
         self.size += by
