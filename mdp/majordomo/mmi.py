@@ -71,9 +71,8 @@ Visible = Optional[Callable[[bytes], bool]]
 
 def _service(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
     name = bytes(body[0])
-    if visible is not None and not visible(name):
-        return [NOT_FOUND]
-    return [FOUND if broker.isServiceAvailable(name) else NOT_FOUND]
+    found = (visible is None or visible(name)) and broker.isServiceAvailable(name)
+    return [FOUND if found else NOT_FOUND]
 
 
 def _services(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
