@@ -1,16 +1,9 @@
-"""Every exception the library raises.
+"""Every exception the library raises (catch :class:`MDPError` for any of them).
 
-* Caller mistakes raise at once: ``TypeError``/``ValueError`` for bad
-  arguments (:class:`RequestTooLarge`), :class:`TransportError` for a
-  malformed endpoint.
-* What happens later fails the returned Deferred (:class:`RequestTimeout`,
-  :class:`BrokerUnreachable`, a :class:`TransportError` from binding, ...).
-* A :class:`RemoteError` (one subclass per status code) carries a peer's
-  error reply; a :class:`ProtocolError` is a peer breaking the wire protocol
-  (transports log it and drop the peer).  Other errors are local.
-
-Catch :class:`MDPError` for anything of ours.
-"""
+Caller mistakes raise at once (``TypeError``/``ValueError``, :class:`TransportError`
+for a malformed endpoint); what happens later fails the returned Deferred.  A
+:class:`RemoteError` (a subclass per status code) carries a peer's error reply; a
+:class:`ProtocolError` is a peer breaking the wire protocol."""
 
 from __future__ import annotations
 
