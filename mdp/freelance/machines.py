@@ -45,12 +45,9 @@ class ServerState(enum.Enum):
     DEAD = "dead"
 
 
-
-
 def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
     """The :class:`~mdp.errors.RemoteError` a reply body stands for, or ``None``."""
     return messages.remote_error(SERVICE, body)
-
 
 
 class _Call:
@@ -73,8 +70,6 @@ class _Call:
         self.rotation: Optional[EndpointRotation] = None  # model 1
         self.refusals: set[Any] = set()  # model 2: servers that answered 429 this round
 
-
-# --- actions ---------------------------------------------------------------------------
 
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
 
@@ -135,20 +130,18 @@ class SendPeer:
 
     endpoint: str
     frames: list[bytes]
-        #: None for a PING
+    #: None for a PING
     call: Optional[_Call] = _for_call()
 
 
 @action_class
 class Resolve:
-
     call: _Call
     frames: list[bytes]
 
 
 @action_class
 class Reject:
-
     call: _Call
     error: BaseException
 
@@ -188,8 +181,6 @@ class FreelanceMachine(Machine):
     def newCall(self, body: list[bytes], timeout: float, deadline: Optional[float]) -> _Call:
         """A request with the next sequence number, starting now."""
         return _Call(str(next(self._sequence)).encode(), body, self.now, timeout, deadline)
-
-    # --- events ------------------------------------------------------------------
 
     def handleConnect(self, endpoint: str, now: float) -> list[Action]:
         """A server to use (already checked)."""
@@ -236,8 +227,6 @@ class FreelanceMachine(Machine):
         for call in list(self.pending.values()):
             self._fail(call, ClientClosed("client closed"))
         return self._drain()
-
-    # --- decisions -----------------------------------------------------------------
 
     def _connected(self, endpoint: str) -> None:
         """A model's own work for a new server."""
@@ -414,7 +403,6 @@ class AgentMachine(FreelanceMachine):
                 f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
         return super().refusal()
 
-    # --- events
     def handleMessage(self, endpoint: str, frames: list[bytes], now: float) -> list[Action]:
         """A PONG or a reply from the server at *endpoint*: it is ALIVE."""
         self.now = now
@@ -439,7 +427,6 @@ class AgentMachine(FreelanceMachine):
                 self._fail(call, NoServerAvailable("every Freelance server is dead"))
         return self._drain()
 
-    # --- decisions
     def _connected(self, endpoint: str) -> None:
         if endpoint not in self.servers:
             server = self.servers[endpoint] = KnownServer(endpoint,
