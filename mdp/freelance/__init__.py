@@ -350,10 +350,6 @@ class _FreelanceClient:
     def close(self) -> defer.Deferred:
         """Fail every pending request with :class:`~mdp.errors.ClientClosed` and close."""
         closing = self._perform(self.machine.handleClose(self.reactor.seconds()))
-        # none should be left, but cancel whatever is
-        timers, self._timers = self._timers, {}
-        for timer in timers.values():
-            cancel_call(timer)
         return defer.DeferredList(closing).addCallback(lambda _: None)
 
     def _fire(self, call: machines._Call, kind: str) -> None:

@@ -50,25 +50,21 @@ def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
     return messages.remote_error(SERVICE, body)
 
 
+@attrs.define(eq=False)
 class _Call:
     """One request: its attempts and where it is."""
 
-    __slots__ = ("sequence", "body", "state", "startedAt", "timeout", "deadline",
-                 "attempts", "tried", "server", "rotation", "refusals")
-
-    def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
-                 deadline: Optional[float]) -> None:
-        self.sequence = sequence
-        self.body = body
-        self.startedAt = startedAt
-        self.timeout = timeout  # seconds per attempt
-        self.deadline = deadline  # seconds for the whole request, or None
-        self.state = RequestState.WAITING
-        self.attempts = 0
-        self.tried: list[str] = []  # model 3: servers tried in this round
-        self.server: Optional[str] = None  # where the current attempt went
-        self.rotation: Optional[EndpointRotation] = None  # model 1
-        self.refusals: set[Any] = set()  # model 2: servers that answered 429 this round
+    sequence: bytes
+    body: list[bytes]
+    startedAt: float
+    timeout: float  # seconds per attempt
+    deadline: Optional[float]  # seconds for the whole request, or None
+    state: RequestState = RequestState.WAITING
+    attempts: int = 0
+    tried: list[str] = attrs.Factory(list)  # model 3: servers tried in this round
+    server: Optional[str] = None  # where the current attempt went
+    rotation: Optional[EndpointRotation] = None  # model 1
+    refusals: set[Any] = attrs.Factory(set)  # model 2: servers that answered 429 this round
 
 
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request

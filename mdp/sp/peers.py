@@ -23,6 +23,7 @@ from mdp.policy import (
     Backoff,
     Limits,
     LogThrottle,
+    call_at,
     cancel_call,
     default_reactor,
 )
@@ -186,9 +187,8 @@ class SPClient:
             action.channel.transport.sendMessage([action.body])
 
     def _wakeAt(self, action: machines.WakeAt) -> None:
-        self._timer = cancel_call(self._timer)
-        if action.when is not None and not self._closed:
-            self._timer = self.reactor.callLater(max(0.0, action.when - self._now()), self._wake)
+        when = None if self._closed else action.when
+        self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
