@@ -96,19 +96,21 @@ class FreelanceServer:
     def listen(self, endpoint: str) -> defer.Deferred:
         """Bind *endpoint*; fires with the transport.  A malformed endpoint raises
         :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
-
         binding = _Binding(self)
 
         def bound(routerTransport: Any) -> Any:
-            binding.transport = routerTransport
-            self.transports.append(routerTransport)
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
-            return routerTransport
+            return self._bind(binding, routerTransport)
 
         security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "Freelance server")
         return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
                                 security=security).addCallback(bound)
+
+    def _bind(self, binding: _Binding, routerTransport: Any) -> Any:
+        binding.transport = routerTransport
+        self.transports.append(routerTransport)
+        return routerTransport
 
     def streamFactory(self) -> IProtocolFactory:
         """This server as a Twisted :class:`IProtocolFactory` in the stream framing,
@@ -118,10 +120,7 @@ class FreelanceServer:
         from mdp.transport.stream import StreamRouter
 
         binding = _Binding(self)
-        router = StreamRouter(binding, self.reactor, limits=self.limits)
-        binding.transport = router
-        self.transports.append(router)
-        return router.factory()
+        return self._bind(binding, StreamRouter(binding, self.reactor, limits=self.limits)).factory()
 
     def close(self) -> defer.Deferred:
         """Close every transport: stop listening, drop every client."""
@@ -283,7 +282,6 @@ class _FreelanceClient:
             machines.OpenPipe: self._openPipe, machines.ClosePipe: self._closePipe,
             machines.ConnectPeer: self._connectPeer, machines.ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
-        self.added: list[str] = []
         if listed:  # as a whole: one zmq: server among them uses the keys
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
@@ -292,6 +290,11 @@ class _FreelanceClient:
     def _connectRouter(self) -> Any:
         """The connecting router of model 3 (the others have none)."""
         return None
+
+    @property
+    def added(self) -> list[str]:
+        """The servers' endpoints, in the order they were added."""
+        return self.machine.endpoints
 
     @property
     def timeout(self) -> float:
@@ -313,8 +316,6 @@ class _FreelanceClient:
         self._add(endpoint)
 
     def _add(self, endpoint: str) -> None:
-        if endpoint not in self.added:
-            self.added.append(endpoint)
         self._perform(self.machine.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
