@@ -166,14 +166,20 @@ def decode(frames: Sequence[bytes]) -> Message:
             raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")
         message: Message = Data(_read_number(rest[0], "seq"), _read_number(rest[1], "ack"),
                                 tuple(bytes(f) for f in rest[2:]))
-    # a HELLO or WELCOME without its limits (another make) says none
-    elif len(rest) == len(names) or (names[-1] == "maxFrames" and len(rest) == len(names) - 2):
-        message = kind(*[_read(name, frame) for name, frame in zip(names, rest)])
     else:
-        raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
-                               f"not {len(names)}")
+        message = _fields(command, kind, names, rest)
     if getattr(message, "seq", 1) == 0:
         raise MalformedSession(f"{command.decode()} numbered 0 (numbers start at 1)")
+    return message
+
+
+def _fields(command: bytes, kind: Any, names: tuple[str, ...], rest: Sequence[bytes]) -> Message:
+    """A message of *kind* other than DATA from its frames *rest*."""
+    # a HELLO or WELCOME without its limits (another make) says none
+    if len(rest) != len(names) and not (names[-1] == "maxFrames" and len(rest) == len(names) - 2):
+        raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
+                               f"not {len(names)}")
+    message = kind(*map(_read, names, rest))
     if kind is Welcome and message.epoch == 0:
         raise MalformedSession("WELCOME with epoch 0")
     return message
