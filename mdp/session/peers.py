@@ -79,7 +79,6 @@ class SessionClient:
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
         return self.dealer.close()
 
-    # IDealerReceiver, for the session dealer
     def connectionMade(self) -> None:
         self._isAttached = True
         self._waiting.fire()
@@ -147,7 +146,6 @@ class SessionServer:
         router, self.router = self.router, None
         return router.close() if router is not None else defer.succeed(None)
 
-    # IRouterReceiver, for the session router
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         self.handler(routing_id(peer), frames)
 

@@ -148,8 +148,7 @@ class _End:
         try:
             call(*args)
         except Exception:
-            log.failure("{end} {endpoint}: {what} raised", end=type(self).__name__,
-                        endpoint=self.endpoint, what=method)
+            log.failure("{end}: {what} raised", end=self._name(), what=method)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
@@ -385,11 +384,6 @@ class SessionDealer(_End):
         if self.writable or self.closed:
             return defer.succeed(None)
         return self._waiters.wait()
-
-    def _tick(self) -> None:
-        super()._tick()
-        if self.writable:
-            self._waiters.fire()
 
     def _perform(self, actions: list[Any]) -> None:
         super()._perform(actions)
