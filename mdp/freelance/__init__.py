@@ -278,7 +278,7 @@ class _FreelanceClient:
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
             machines.Later: self._arm, machines.Cancel: self._disarm,
             machines.SendPeer: self._sendPeer, machines.SendPipe: self._sendPipe,
-            machines.Resolve: self._resolve, machines.Reject: self._reject,
+            machines.Resolve: self._answer, machines.Reject: self._answer,
             machines.OpenPipe: self._openPipe, machines.ClosePipe: self._closePipe,
             machines.ConnectPeer: self._connectPeer, machines.ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
@@ -391,15 +391,13 @@ class _FreelanceClient:
         if pipe is not None and not self._stale(action.call):
             pipe.send(action.frames)
 
-    def _resolve(self, action: machines.Resolve) -> None:
+    def _answer(self, action: Union[machines.Resolve, machines.Reject]) -> None:
         d = self._deferreds.pop(action.call.sequence, None)
         if d is not None and not d.called:
-            d.callback(action.frames)
-
-    def _reject(self, action: machines.Reject) -> None:
-        d = self._deferreds.pop(action.call.sequence, None)
-        if d is not None and not d.called:
-            d.errback(action.error)
+            if type(action) is machines.Resolve:
+                d.callback(action.frames)
+            else:
+                d.errback(action.error)
 
     def _openPipe(self, action: machines.OpenPipe) -> None:
         if not self._stale(action.call):

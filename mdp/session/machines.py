@@ -15,6 +15,8 @@ import os
 from collections import OrderedDict, deque
 from typing import Any, Hashable, Optional
 
+import attrs
+
 from mdp.errors import MDPError
 from mdp.machine import Machine, action_class
 from mdp.session import codec
@@ -454,17 +456,16 @@ class ClientSessionMachine(Machine):
         return self._drain()
 
 
+@attrs.define(eq=False)
 class _Session:
-    def __init__(self, session: bytes, routingId: int, epoch: int, maxQueued: int,
-                 maxQueuedBytes: int, now: float) -> None:
-        self.session = session
-        self.routingId = routingId
-        self.epoch = epoch
-        self.peer: Optional[Hashable] = None
-        #: the connection that opened it
-        self.openedBy: Optional[Hashable] = None
-        self.seq = _Sequenced(maxQueued, maxQueuedBytes)
-        self.lastHeard = now
+    session: bytes
+    routingId: int
+    epoch: int
+    seq: _Sequenced
+    lastHeard: float
+    #: the connection that opened it
+    openedBy: Optional[Hashable]
+    peer: Optional[Hashable] = None
 
 
 class ServerSessionMachine(Machine):
@@ -644,9 +645,8 @@ class ServerSessionMachine(Machine):
                     f"the server holds {len(self.sessions)} sessions, all it may "
                     f"(maxSessions)"))))
             return None
-        session = _Session(hello.session, self._newRoutingId(), _epoch(), self.maxQueued,
-                           self.maxQueuedBytes, self.now)
-        session.openedBy = peer
+        session = _Session(hello.session, self._newRoutingId(), _epoch(),
+                           _Sequenced(self.maxQueued, self.maxQueuedBytes), self.now, peer)
         self._opened[peer] = session
         # the client numbers on from its earlier session (with a server that is gone)
         session.seq.received = hello.since
