@@ -357,15 +357,13 @@ class ShotgunMachine(FreelanceMachine):
         return actions + [ClosePipe(endpoint) for endpoint in linked]
 
 
+@attrs.define(eq=False)
 class KnownServer:
     """What the agent knows of one server: its state and liveness."""
 
-    __slots__ = ("endpoint", "state", "liveness")
-
-    def __init__(self, endpoint: str, liveness: Liveness) -> None:
-        self.endpoint = endpoint
-        self.state = ServerState.UNKNOWN
-        self.liveness = liveness
+    endpoint: str
+    liveness: Liveness
+    state: ServerState = ServerState.UNKNOWN
 
 
 class AgentMachine(FreelanceMachine):

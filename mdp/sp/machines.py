@@ -19,6 +19,8 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
 
+import attrs
+
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_class
 from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
@@ -82,18 +84,16 @@ class WakeAt:
     when: Optional[float]
 
 
+@attrs.define(eq=False)
 class _Request:
-    __slots__ = ("requestId", "body", "channel", "resendAt", "serial", "entry")
-
-    def __init__(self, requestId: int, body: bytes, serial: int) -> None:
-        self.requestId = requestId
-        self.body = body
-        self.channel: Optional[Channel] = None
-        self.resendAt = 0.0
-        #: resends due together go in this order
-        self.serial = serial
-        #: the order of its deadline entry that counts (-1: none)
-        self.entry = -1
+    requestId: int
+    body: bytes
+    #: resends due together go in this order
+    serial: int
+    channel: Optional[Channel] = None
+    resendAt: float = 0.0
+    #: the order of its deadline entry that counts (-1: none)
+    entry: int = -1
 
 
 class ReqMachine(Machine):
