@@ -1,12 +1,8 @@
 """CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`).
 
-A *session* outlives connections: the client says HELLO with its session id on
-each one.  Each side numbers what it sends, keeps it until acknowledged and
-resends it after a re-attach; a gap, an UNKNOWN or a PING-OK that shows a loss
-makes the client attach again.  The server names each session by a routing id,
-holds one per connection, and ends sessions silent for *expiry*; a connection
-it closes holds no slot of the inner transport's ``maxConnections``.
-docs/sessions.md tells the rules.
+A session outlives connections: the client says HELLO with its session id on
+each one, and each side keeps what it sent until acknowledged and resends it
+after a re-attach.  docs/sessions.md tells the rules.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`).  A *channel*
-is one connection to a peer.
-
-:class:`ReqMachine` gives each request a new id (top bit set) and sends it on
-the next channel, round-robin, or holds it until one is up; a channel's
-requests go out again on the others when it drops, and every *resend* seconds
-until the reply its first word names comes.  :class:`RepMachine` splits off a
-request's backtrace and runs the handler once per backtrace and channel (a
-resend of one in hand, one over the hop limit or beyond maxPending or
-maxPendingBytes is dropped: its requester resends); the reply goes back with
-the backtrace.  :class:`DeviceMachine` is a device's REP side: it pushes the
-channel's id on the backtrace and routes each reply by it.
+"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`); a *channel*
+is one connection to a peer.  :class:`ReqMachine` sends each request on the
+next channel, round-robin, and again until its reply comes; :class:`RepMachine`
+runs each request once per backtrace and channel, within maxPending;
+:class:`DeviceMachine` forwards with the channel's id pushed on the backtrace.
 """
 
 from __future__ import annotations
