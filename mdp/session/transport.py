@@ -101,6 +101,8 @@ def routing_id(peer: bytes) -> int:
 class _End:
     """What both ends share: a tick, an inner transport, limits and logging."""
 
+    machine: Any
+    _performers: dict[type, Any]
     #: messages lost as over our limits, and ours sent as SKIPs
     dropped = 0
     skipped = 0
