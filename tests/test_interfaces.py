@@ -209,18 +209,6 @@ def _sp_listener() -> Any:
     return _Listener(SPServer(lambda payload: payload, _clock()))
 
 
-def _sp_device_end(name: str) -> Callable[[], Any]:
-    def make() -> Any:
-        from mdp.sp import peers
-
-        device = peers.SPDevice("tcp://127.0.0.1:9", _clock())
-        if name == "_DeviceBack":
-            return peers._DeviceBack(device, "tcp://127.0.0.1:9")
-        return peers._DeviceFront(device)
-
-    return make
-
-
 def _harmony_node() -> Any:
     from mdp.harmony import EndpointDiscovery, Node
 
@@ -335,8 +323,6 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.binarystar._Subscriber": _bstar_end("_Subscriber"),
     "mdp.sp.peers._Pipe": _sp_pipe,
     "mdp.sp.peers._Listener": _sp_listener,
-    "mdp.sp.peers._DeviceFront": _sp_device_end("_DeviceFront"),
-    "mdp.sp.peers._DeviceBack": _sp_device_end("_DeviceBack"),
     "mdp.harmony.node.Node": _harmony_node,
     "mdp.harmony.node.BeaconDiscovery": _harmony("BeaconDiscovery"),
     "mdp.harmony.node.EndpointDiscovery": _harmony("EndpointDiscovery"),

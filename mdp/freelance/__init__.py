@@ -24,31 +24,20 @@ from zope.interface import implementer
 
 from mdp import messages, transport
 from mdp.errors import ClientClosed, RequestTooLarge, TransportError
+from mdp.freelance import machines
 from mdp.freelance.machines import (
     ATTEMPT,
     DEADLINE,
     PING,
     PONG,
     SERVICE,
-    Action,
     AgentMachine,
-    Cancel,
-    ClosePipe,
-    ConnectPeer,
     FreelanceMachine,
     KnownServer,
-    Later,
-    OpenPipe,
-    Reject,
     RequestState,
-    Resolve,
-    SendPeer,
-    SendPipe,
     SequentialMachine,
-    ServerChanged,
     ServerState,
     ShotgunMachine,
-    _Call,
     remote_error,
 )
 from mdp.handlers import call_handler
@@ -76,8 +65,6 @@ log = Logger()
 
 Handler = Callable[[list[bytes]], Any]
 
-
-# --- server --------------------------------------------------------------------
 
 class FreelanceServer:
     """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence, handler(body)...]``
@@ -109,19 +96,21 @@ class FreelanceServer:
     def listen(self, endpoint: str) -> defer.Deferred:
         """Bind *endpoint*; fires with the transport.  A malformed endpoint raises
         :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
-
         binding = _Binding(self)
 
         def bound(routerTransport: Any) -> Any:
-            binding.transport = routerTransport
-            self.transports.append(routerTransport)
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
-            return routerTransport
+            return self._bind(binding, routerTransport)
 
         security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "Freelance server")
         return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
                                 security=security).addCallback(bound)
+
+    def _bind(self, binding: _Binding, routerTransport: Any) -> Any:
+        binding.transport = routerTransport
+        self.transports.append(routerTransport)
+        return routerTransport
 
     def streamFactory(self) -> IProtocolFactory:
         """This server as a Twisted :class:`IProtocolFactory` in the stream framing,
@@ -131,10 +120,7 @@ class FreelanceServer:
         from mdp.transport.stream import StreamRouter
 
         binding = _Binding(self)
-        router = StreamRouter(binding, self.reactor, limits=self.limits)
-        binding.transport = router
-        self.transports.append(router)
-        return router.factory()
+        return self._bind(binding, StreamRouter(binding, self.reactor, limits=self.limits)).factory()
 
     def close(self) -> defer.Deferred:
         """Close every transport: stop listening, drop every client."""
@@ -143,15 +129,12 @@ class FreelanceServer:
 
     def received(self, routerTransport: Any, peer: bytes, frames: list[bytes]) -> None:
         """A message from *peer* (the server's table is in docs/freelance.md)."""
-        metrics = self.metrics
         if frames == [PING]:
             routerTransport.sendMessage(peer, [PONG])
-            if metrics is not None:
-                metrics.pings.inc()
+            self._count("pings")
             return
         if len(frames) < 2:
-            if metrics is not None:
-                metrics.rejected.inc()
+            self._count("rejected")
             self.throttle.warn(log, "invalid", "Freelance server dropped a {count}-frame message "
                                "from {peer}, and its connection: neither PING nor "
                                "[sequence, body...]", count=len(frames), peer=peer.hex())
@@ -159,12 +142,10 @@ class FreelanceServer:
             return
         sequence, body = frames[0], frames[1:]
         size = held_bytes(body)
-        if metrics is not None:
-            metrics.requests.inc()
+        self._count("requests")
         if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
             self.refused += 1
-            if metrics is not None:
-                metrics.refused.inc()
+            self._count("refused")
             self.throttle.warn(log, "overloaded", "Freelance server refused a request from {peer}: "
                                "{pending} requests ({bytes} bytes) already in hand",
                                peer=peer.hex(), pending=self.pending, bytes=self.pendingBytes)
@@ -179,8 +160,7 @@ class FreelanceServer:
         def failed(failure: Any) -> list[bytes]:
             log.failure("Freelance handler failed", failure)
             outcome.append("error")
-            return error_body(STATUS_WORKER_ERROR,
-                                    f"{failure.type.__name__}: {failure.getErrorMessage()}")
+            return error_body(STATUS_WORKER_ERROR, f"{failure.type.__name__}: {failure.getErrorMessage()}")
 
         def reply(replyFrames: list[bytes]) -> None:
             self.pending -= 1
@@ -194,6 +174,7 @@ class FreelanceServer:
                                                  f"reply too large to send: {tooLarge}")]
                 outcome.append("too-large")
             self.served += 1
+            metrics = self.metrics
             if metrics is not None:
                 metrics.handlerSeconds.observe(self.reactor.seconds() - started)
                 if outcome:  # one reason per request: what the client got
@@ -201,6 +182,10 @@ class FreelanceServer:
             routerTransport.sendMessage(peer, message)
 
         call_handler(self.handler, body).addErrback(failed).addCallback(reply)
+
+    def _count(self, counter: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, counter).inc()
 
 
 @implementer(IRouterReceiver)
@@ -219,14 +204,11 @@ class _Binding:
         pass
 
 
-# --- shared client plumbing ------------------------------------------------------
-
 #: Per model: seconds per attempt (``timeout``) and for the whole request (``deadline``).
 SEQUENTIAL_TIMEOUT, SEQUENTIAL_DEADLINE = 1.0, 30.0
 SHOTGUN_TIMEOUT = 3.0
 AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
-# --- the drivers ---------------------------------------------------------------------
 
 @implementer(IDealerReceiver)
 class _Pipe:
@@ -294,12 +276,12 @@ class _FreelanceClient:
         self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
         #: a closing pipe's performer returns the Deferred of its close
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
-            Later: self._arm, Cancel: self._disarm, SendPeer: self._sendPeer,
-            SendPipe: self._sendPipe, Resolve: self._resolve, Reject: self._reject,
-            OpenPipe: self._openPipe, ClosePipe: self._closePipe,
-            ConnectPeer: self._connectPeer, ServerChanged: self._logServer}
+            machines.Later: self._arm, machines.Cancel: self._disarm,
+            machines.SendPeer: self._sendPeer, machines.SendPipe: self._sendPipe,
+            machines.Resolve: self._answer, machines.Reject: self._answer,
+            machines.OpenPipe: self._openPipe, machines.ClosePipe: self._closePipe,
+            machines.ConnectPeer: self._connectPeer, machines.ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
-        self.added: list[str] = []
         if listed:  # as a whole: one zmq: server among them uses the keys
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
@@ -308,6 +290,11 @@ class _FreelanceClient:
     def _connectRouter(self) -> Any:
         """The connecting router of model 3 (the others have none)."""
         return None
+
+    @property
+    def added(self) -> list[str]:
+        """The servers' endpoints, in the order they were added."""
+        return self.machine.endpoints
 
     @property
     def timeout(self) -> float:
@@ -329,8 +316,6 @@ class _FreelanceClient:
         self._add(endpoint)
 
     def _add(self, endpoint: str) -> None:
-        if endpoint not in self.added:
-            self.added.append(endpoint)
         self._perform(self.machine.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
@@ -366,22 +351,18 @@ class _FreelanceClient:
     def close(self) -> defer.Deferred:
         """Fail every pending request with :class:`~mdp.errors.ClientClosed` and close."""
         closing = self._perform(self.machine.handleClose(self.reactor.seconds()))
-        # none should be left, but cancel whatever is
-        timers, self._timers = self._timers, {}
-        for timer in timers.values():
-            cancel_call(timer)
         return defer.DeferredList(closing).addCallback(lambda _: None)
 
-    def _fire(self, call: _Call, kind: str) -> None:
+    def _fire(self, call: machines._Call, kind: str) -> None:
         self._timers.pop((call.sequence, kind), None)
         self._perform(self.machine.handleTimer(call, kind, self.reactor.seconds()))
 
-    def _stale(self, call: Optional[_Call]) -> bool:
+    def _stale(self, call: Optional[machines._Call]) -> bool:
         """Is an action for *call* (None: no request) void?  A caller's callback run
         by an earlier action may have cancelled it, or closed the client."""
         return self.machine.closed or (call is not None and call.state is RequestState.DONE)
 
-    def _perform(self, actions: list[Action]) -> list[defer.Deferred[None]]:
+    def _perform(self, actions: list[machines.Action]) -> list[defer.Deferred[None]]:
         """Do what the machine asked, in order, skipping :meth:`_stale` ones; returns pipe closings."""
         closing = []
         for action in actions:
@@ -390,7 +371,7 @@ class _FreelanceClient:
                 closing.append(closed)
         return closing
 
-    def _arm(self, action: Later) -> None:
+    def _arm(self, action: machines.Later) -> None:
         call = action.call
         if not self._stale(call):
             key = (call.sequence, action.kind)
@@ -398,43 +379,41 @@ class _FreelanceClient:
             self._timers[key] = self.reactor.callLater(action.delay, self._fire, call,
                                                        action.kind)
 
-    def _disarm(self, action: Cancel) -> None:
+    def _disarm(self, action: machines.Cancel) -> None:
         cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
 
-    def _sendPeer(self, action: SendPeer) -> None:
+    def _sendPeer(self, action: machines.SendPeer) -> None:
         if not self._stale(action.call):
             self.router.sendMessage(action.endpoint, action.frames)
 
-    def _sendPipe(self, action: SendPipe) -> None:
+    def _sendPipe(self, action: machines.SendPipe) -> None:
         pipe = self.pipes.get(action.key)
         if pipe is not None and not self._stale(action.call):
             pipe.send(action.frames)
 
-    def _resolve(self, action: Resolve) -> None:
+    def _answer(self, action: Union[machines.Resolve, machines.Reject]) -> None:
         d = self._deferreds.pop(action.call.sequence, None)
         if d is not None and not d.called:
-            d.callback(action.frames)
+            if type(action) is machines.Resolve:
+                d.callback(action.frames)
+            else:
+                d.errback(action.error)
 
-    def _reject(self, action: Reject) -> None:
-        d = self._deferreds.pop(action.call.sequence, None)
-        if d is not None and not d.called:
-            d.errback(action.error)
-
-    def _openPipe(self, action: OpenPipe) -> None:
+    def _openPipe(self, action: machines.OpenPipe) -> None:
         if not self._stale(action.call):
             self.pipes[action.key] = _Pipe(self, action.endpoint)
 
-    def _closePipe(self, action: ClosePipe) -> Optional[defer.Deferred[None]]:
+    def _closePipe(self, action: machines.ClosePipe) -> Optional[defer.Deferred[None]]:
         pipe = self.pipes.pop(action.key, None)
         if pipe is None:
             return None
         return transport.close_all([pipe], "a Freelance client connection")
 
-    def _connectPeer(self, action: ConnectPeer) -> None:
+    def _connectPeer(self, action: machines.ConnectPeer) -> None:
         if not self.machine.closed:
             self.router.connect(action.endpoint)
 
-    def _logServer(self, action: ServerChanged) -> None:
+    def _logServer(self, action: machines.ServerChanged) -> None:
         if action.state is ServerState.ALIVE:
             log.info("Freelance server {endpoint} is alive", endpoint=action.endpoint)
         elif action.state is ServerState.DEAD:

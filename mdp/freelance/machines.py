@@ -45,36 +45,27 @@ class ServerState(enum.Enum):
     DEAD = "dead"
 
 
-
-
 def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
     """The :class:`~mdp.errors.RemoteError` a reply body stands for, or ``None``."""
     return messages.remote_error(SERVICE, body)
 
 
-
+@attrs.define(eq=False)
 class _Call:
     """One request: its attempts and where it is."""
 
-    __slots__ = ("sequence", "body", "state", "startedAt", "timeout", "deadline",
-                 "attempts", "tried", "server", "rotation", "refusals")
+    sequence: bytes
+    body: list[bytes]
+    startedAt: float
+    timeout: float  # seconds per attempt
+    deadline: Optional[float]  # seconds for the whole request, or None
+    state: RequestState = RequestState.WAITING
+    attempts: int = 0
+    tried: list[str] = attrs.Factory(list)  # model 3: servers tried in this round
+    server: Optional[str] = None  # where the current attempt went
+    rotation: Optional[EndpointRotation] = None  # model 1
+    refusals: set[Any] = attrs.Factory(set)  # model 2: servers that answered 429 this round
 
-    def __init__(self, sequence: bytes, body: list[bytes], startedAt: float, timeout: float,
-                 deadline: Optional[float]) -> None:
-        self.sequence = sequence
-        self.body = body
-        self.startedAt = startedAt
-        self.timeout = timeout  # seconds per attempt
-        self.deadline = deadline  # seconds for the whole request, or None
-        self.state = RequestState.WAITING
-        self.attempts = 0
-        self.tried: list[str] = []  # model 3: servers tried in this round
-        self.server: Optional[str] = None  # where the current attempt went
-        self.rotation: Optional[EndpointRotation] = None  # model 1
-        self.refusals: set[Any] = set()  # model 2: servers that answered 429 this round
-
-
-# --- actions ---------------------------------------------------------------------------
 
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
 
@@ -135,20 +126,18 @@ class SendPeer:
 
     endpoint: str
     frames: list[bytes]
-        #: None for a PING
+    #: None for a PING
     call: Optional[_Call] = _for_call()
 
 
 @action_class
 class Resolve:
-
     call: _Call
     frames: list[bytes]
 
 
 @action_class
 class Reject:
-
     call: _Call
     error: BaseException
 
@@ -188,8 +177,6 @@ class FreelanceMachine(Machine):
     def newCall(self, body: list[bytes], timeout: float, deadline: Optional[float]) -> _Call:
         """A request with the next sequence number, starting now."""
         return _Call(str(next(self._sequence)).encode(), body, self.now, timeout, deadline)
-
-    # --- events ------------------------------------------------------------------
 
     def handleConnect(self, endpoint: str, now: float) -> list[Action]:
         """A server to use (already checked)."""
@@ -236,8 +223,6 @@ class FreelanceMachine(Machine):
         for call in list(self.pending.values()):
             self._fail(call, ClientClosed("client closed"))
         return self._drain()
-
-    # --- decisions -----------------------------------------------------------------
 
     def _connected(self, endpoint: str) -> None:
         """A model's own work for a new server."""
@@ -372,15 +357,13 @@ class ShotgunMachine(FreelanceMachine):
         return actions + [ClosePipe(endpoint) for endpoint in linked]
 
 
+@attrs.define(eq=False)
 class KnownServer:
     """What the agent knows of one server: its state and liveness."""
 
-    __slots__ = ("endpoint", "state", "liveness")
-
-    def __init__(self, endpoint: str, liveness: Liveness) -> None:
-        self.endpoint = endpoint
-        self.state = ServerState.UNKNOWN
-        self.liveness = liveness
+    endpoint: str
+    liveness: Liveness
+    state: ServerState = ServerState.UNKNOWN
 
 
 class AgentMachine(FreelanceMachine):
@@ -414,7 +397,6 @@ class AgentMachine(FreelanceMachine):
                 f"all {len(self.servers)} Freelance servers are dead: {', '.join(self.servers)}")
         return super().refusal()
 
-    # --- events
     def handleMessage(self, endpoint: str, frames: list[bytes], now: float) -> list[Action]:
         """A PONG or a reply from the server at *endpoint*: it is ALIVE."""
         self.now = now
@@ -439,7 +421,6 @@ class AgentMachine(FreelanceMachine):
                 self._fail(call, NoServerAvailable("every Freelance server is dead"))
         return self._drain()
 
-    # --- decisions
     def _connected(self, endpoint: str) -> None:
         if endpoint not in self.servers:
             server = self.servers[endpoint] = KnownServer(endpoint,

@@ -1,27 +1,15 @@
 """The session protocol's messages: frames in, typed commands out.
 
-Each message is ``SESS01``, a command frame and its fields; numbers are 8-byte big-endian::
-
-    HELLO    session id (16 bytes), ack, since,  client → server: attach; *since*: its last DATA
-             epoch, max bytes, max frames        it no longer holds; *epoch*: the one *ack* is of
-    WELCOME  ack, epoch, max bytes, max frames   attached; a new *epoch* (the server forgot the
-                                                 session) numbers afresh
-    DATA     seq, ack, payload frames...         either way
-    SKIP     seq, ack                            either way: DATA *seq* is over the receiver's limits
-    ACK      ack                                 either way
-    PING     ack                                 client → server, when idle
-    PING-OK  ack, sent                           *sent*: the last DATA the server numbered
-    UNKNOWN                                      no such session, or messages lost: say HELLO
-    REFUSED  reason (UTF-8)                      the server holds all the sessions it may
-
-*ack* is the last DATA received in order; every message carries it.  *max
-bytes* and *max frames* are the payload a side takes in one DATA (0: not
-said).  DATA is numbered from 1 each way, across any number of connections.
+Each message is ``SESS01``, a command frame and its fields, numbers 8-byte
+big-endian (docs/sessions.md tables them).  *ack* is the last DATA received in
+order; every message carries it.  *max bytes* and *max frames* are the payload
+a side takes in one DATA (0: not said).  DATA is numbered from 1 each way,
+across any number of connections.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Any, Sequence, Union
 
 import attrs
 
@@ -49,6 +37,9 @@ class MalformedSession(ProtocolError):
 
 @attrs.frozen
 class Hello:
+    """Client → server: attach; *since*: its last DATA it no longer holds; *epoch*:
+    the server incarnation *ack* is of."""
+
     session: bytes
     ack: int
     since: int = 0
@@ -59,8 +50,10 @@ class Hello:
 
 @attrs.frozen
 class Welcome:
+    """Attached; a new *epoch* (random, never 0: the server forgot the session)
+    numbers afresh."""
+
     ack: int
-    #: the server's incarnation of the session (random, never 0)
     epoch: int = 1
     maxBytes: int = 0
     maxFrames: int = 0
@@ -93,23 +86,33 @@ class Ping:
 
 @attrs.frozen
 class PingOk:
+    """*sent*: the last DATA the server numbered."""
+
     ack: int
     sent: int = 0
 
 
 @attrs.frozen
 class Unknown:
-    pass
+    """No such session, or messages lost: say HELLO."""
 
 
 @attrs.frozen
 class Refused:
+    """The server holds all the sessions it may."""
+
     reason: str
 
 
 Message = Union[Hello, Welcome, Data, Skip, Ack, Ping, PingOk, Unknown, Refused]
 
-_NAMES = {Ack: ACK, Ping: PING}
+_COMMANDS: dict[type, bytes] = {Hello: HELLO, Welcome: WELCOME, Data: DATA, Skip: SKIP, Ack: ACK,
+                                Ping: PING, PingOk: PING_OK, Unknown: UNKNOWN, Refused: REFUSED}
+#: each command's message class and its fields, in their frames' order
+_FIELDS = {command: (kind, tuple(field.name for field in attrs.fields(kind)))
+           for kind, command in _COMMANDS.items()}
+#: a field's name in an error
+_SAID = {"maxBytes": "max bytes", "maxFrames": "max frames"}
 
 
 def _number(value: int) -> bytes:
@@ -118,25 +121,14 @@ def _number(value: int) -> bytes:
 
 def encode(message: Message) -> list[bytes]:
     """The frames of *message*."""
-    if isinstance(message, Data):
+    if type(message) is Data:
         return [PROTOCOL, DATA, _number(message.seq), _number(message.ack), *message.payload]
-    if isinstance(message, Hello):
-        return [PROTOCOL, HELLO, message.session, _number(message.ack), _number(message.since),
-                _number(message.epoch), _number(message.maxBytes), _number(message.maxFrames)]
-    if isinstance(message, Welcome):
-        return [PROTOCOL, WELCOME, _number(message.ack), _number(message.epoch),
-                _number(message.maxBytes), _number(message.maxFrames)]
-    if isinstance(message, Skip):
-        return [PROTOCOL, SKIP, _number(message.seq), _number(message.ack)]
-    if isinstance(message, Unknown):
-        return [PROTOCOL, UNKNOWN]
-    if isinstance(message, Refused):
-        return [PROTOCOL, REFUSED,
-                message.reason.encode("utf-8")[:MAX_REASON_BYTES].decode("utf-8", "ignore")
-                .encode("utf-8")]
-    if isinstance(message, PingOk):
-        return [PROTOCOL, PING_OK, _number(message.ack), _number(message.sent)]
-    return [PROTOCOL, _NAMES[type(message)], _number(message.ack)]
+    frames = [PROTOCOL, _COMMANDS[type(message)]]
+    for value in attrs.astuple(message, recurse=False):
+        if isinstance(value, str):  # a REFUSED's reason, cut between characters
+            value = value.encode("utf-8")[:MAX_REASON_BYTES].decode("utf-8", "ignore").encode()
+        frames.append(value if isinstance(value, bytes) else _number(value))
+    return frames
 
 
 def _read_number(frame: bytes, what: str) -> int:
@@ -145,54 +137,17 @@ def _read_number(frame: bytes, what: str) -> int:
     return int.from_bytes(frame, "big")
 
 
-def _limits(frames: Sequence[bytes]) -> tuple[int, int]:
-    """The limits a HELLO or WELCOME says (none: 0, 0)."""
-    if not frames:
-        return 0, 0
-    return _read_number(frames[0], "max bytes"), _read_number(frames[1], "max frames")
-
-
-def _seq(frame: bytes, command: str) -> int:
-    seq = _read_number(frame, "seq")
-    if seq == 0:
-        raise MalformedSession(f"{command} numbered 0 (numbers start at 1)")
-    return seq
-
-
-def _hello(rest: Sequence[bytes]) -> Hello:
-    if len(rest[0]) != SESSION_ID_BYTES:
-        raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(rest[0])}")
-    return Hello(bytes(rest[0]), _read_number(rest[1], "ack"), _read_number(rest[2], "since"),
-                 _read_number(rest[3], "epoch"), *_limits(rest[4:]))
-
-
-def _welcome(rest: Sequence[bytes]) -> Welcome:
-    epoch = _read_number(rest[1], "epoch")
-    if epoch == 0:
-        raise MalformedSession("WELCOME with epoch 0")
-    return Welcome(_read_number(rest[0], "ack"), epoch, *_limits(rest[2:]))
-
-
-def _refused(rest: Sequence[bytes]) -> Refused:
-    if len(rest[0]) > MAX_REASON_BYTES:
-        raise MalformedSession(f"REFUSED carries a reason of at most {MAX_REASON_BYTES} bytes")
-    return Refused(bytes(rest[0]).decode("utf-8", "replace"))
-
-
-#: each command's reader and the frame counts it takes after the command (DATA: two or more)
-_READERS: dict[bytes, tuple[Callable[[Sequence[bytes]], Message], tuple[int, ...]]] = {
-    DATA: (lambda rest: Data(_seq(rest[0], "DATA"), _read_number(rest[1], "ack"),
-                             tuple(bytes(f) for f in rest[2:])), ()),
-    HELLO: (_hello, (4, 6)),
-    WELCOME: (_welcome, (2, 4)),
-    SKIP: (lambda rest: Skip(_seq(rest[0], "SKIP"), _read_number(rest[1], "ack")), (2,)),
-    ACK: (lambda rest: Ack(_read_number(rest[0], "ack")), (1,)),
-    PING: (lambda rest: Ping(_read_number(rest[0], "ack")), (1,)),
-    PING_OK: (lambda rest: PingOk(_read_number(rest[0], "ack"), _read_number(rest[1], "sent")),
-              (2,)),
-    UNKNOWN: (lambda rest: Unknown(), (0,)),
-    REFUSED: (_refused, (1,)),
-}
+def _read(name: str, frame: bytes) -> Any:
+    """The field *name* in *frame*."""
+    if name == "session":
+        if len(frame) != SESSION_ID_BYTES:
+            raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(frame)}")
+        return bytes(frame)
+    if name == "reason":
+        if len(frame) > MAX_REASON_BYTES:
+            raise MalformedSession(f"REFUSED carries a reason of at most {MAX_REASON_BYTES} bytes")
+        return bytes(frame).decode("utf-8", "replace")
+    return _read_number(frame, _SAID.get(name, name))
 
 
 def decode(frames: Sequence[bytes]) -> Message:
@@ -201,12 +156,30 @@ def decode(frames: Sequence[bytes]) -> Message:
         raise MalformedSession(f"not a session message (first frame "
                                f"{bytes(frames[0][:16]) if frames else b''!r}, not {PROTOCOL!r})")
     command = bytes(frames[1])
-    reader = _READERS.get(command)
-    if reader is None:
+    entry = _FIELDS.get(command)
+    if entry is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")
-    read, counts = reader
+    kind, names = entry
     rest = frames[2:]
-    if len(rest) not in counts and (counts or len(rest) < 2):
+    if kind is Data:
+        if len(rest) < 2:
+            raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")
+        message: Message = Data(_read_number(rest[0], "seq"), _read_number(rest[1], "ack"),
+                                tuple(bytes(f) for f in rest[2:]))
+    else:
+        message = _fields(command, kind, names, rest)
+    if getattr(message, "seq", 1) == 0:
+        raise MalformedSession(f"{command.decode()} numbered 0 (numbers start at 1)")
+    return message
+
+
+def _fields(command: bytes, kind: Any, names: tuple[str, ...], rest: Sequence[bytes]) -> Message:
+    """A message of *kind* other than DATA from its frames *rest*."""
+    # a HELLO or WELCOME without its limits (another make) says none
+    if len(rest) != len(names) and not (names[-1] == "maxFrames" and len(rest) == len(names) - 2):
         raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
-                               f"not {counts[-1] if counts else 'at least 2'}")
-    return read(rest)
+                               f"not {len(names)}")
+    message = kind(*map(_read, names, rest))
+    if kind is Welcome and message.epoch == 0:
+        raise MalformedSession("WELCOME with epoch 0")
+    return message

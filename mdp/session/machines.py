@@ -1,51 +1,8 @@
 """CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`).
 
-A *session* outlives connections: the client says HELLO with its session id on each one.
-Each side keeps what it sent until acknowledged, and resends it after a re-attach.
-
-:class:`ClientSessionMachine`:
-
-=======================  =============================================================
-event                    what happens
-=======================  =============================================================
-connected                HELLO (session id, what we have received)
-WELCOME                  attached: everything not acknowledged goes again, in order
-WELCOME, new epoch       the server's session for us was renewed: its numbering
-                         starts afresh; :class:`Renewed`
-no WELCOME               HELLO again after a ping interval
-send(payload)            numbered, kept, sent if attached; beyond *maxQueued*:
-                         :class:`SessionQueueFull`
-DATA                     the next: delivered; an old one: dropped; a gap: HELLO again
-DATA, SKIP before the    dropped, not acknowledged (its epoch is not known yet); the
-WELCOME                  server resends it after the WELCOME
-DATA over our limits,    the next number: :class:`Dropped` and acknowledged (else it
-SKIP                     would hold back all after it)
-UNKNOWN                  HELLO again
-REFUSED                  :class:`Refusal`; HELLO again after a ping interval
-tick, idle               PING, at most *liveness* unanswered
-tick, silent server      nothing heard for interval x liveness: :class:`Reconnect`
-disconnected             detached; sends go on into the queue
-=======================  =============================================================
-
-:class:`ServerSessionMachine`:
-
-=======================  =============================================================
-event                    what happens
-=======================  =============================================================
-HELLO, new id            a session with the next routing id; WELCOME; one session per
-                         connection (one it held ends); at maxSessions: REFUSED
-HELLO, known id          attached here (a previous connection is closed); WELCOME;
-                         everything not acknowledged goes again
-DATA, PING, ACK, SKIP    as the client does; PING gets PING-OK; with no session, or
-                         DATA after a gap: UNKNOWN
-not a session message    its connection closed (:class:`DropPeer`)
-reply(routingId, ...)    numbered, kept, sent if the session is attached
-peer gone                detached, kept until it expires
-tick                     sessions silent for *expiry* end (:class:`Expired`), and
-                         connections without a session for *expiry* close
-=======================  =============================================================
-
-A connection closed here holds no slot of the inner transport's ``maxConnections``.
+A session outlives connections: the client says HELLO with its session id on
+each one, and each side keeps what it sent until acknowledged and resends it
+after a re-attach.  docs/sessions.md tells the rules.
 """
 
 from __future__ import annotations
@@ -53,6 +10,8 @@ from __future__ import annotations
 import os
 from collections import OrderedDict, deque
 from typing import Any, Hashable, Optional
+
+import attrs
 
 from mdp.errors import MDPError
 from mdp.machine import Machine, action_class
@@ -312,11 +271,12 @@ class _Sequenced:
         self.ackPending += 1
         return "next"
 
-    def ackDue(self, force: bool) -> Optional[codec.Ack]:
+    def ackDue(self, force: bool) -> tuple[codec.Ack, ...]:
+        """The ACK to send now, if one is due (*force*: any DATA is unacknowledged)."""
         if self.ackPending >= ACK_EVERY or (force and self.ackPending):
             self.ackPending = 0
-            return codec.Ack(self.received)
-        return None
+            return (codec.Ack(self.received),)
+        return ()
 
 
 class ClientSessionMachine(Machine):
@@ -345,7 +305,6 @@ class ClientSessionMachine(Machine):
         #: "detached", "attaching" or "attached"
         self.state = "detached"
         self.lastHeard = now
-        self.lastSent = now
         self.pings = 0
         #: for each PING in flight, what we had sent before it
         self.sentAtPing: deque[int] = deque()
@@ -361,7 +320,6 @@ class ClientSessionMachine(Machine):
         return min(self.pingInterval, 1.0)
 
     def _send(self, message: codec.Message) -> None:
-        self.lastSent = self.now
         self._emit(Send(codec.encode(message)))
         if self.seq.skips:
             self._outbox.extend(self.seq.reportSkips())
@@ -448,8 +406,7 @@ class ClientSessionMachine(Machine):
         verdict = self.seq.accept(message)
         if verdict == "next":
             self._emit(delivery(message, refused))
-            ack = self.seq.ackDue(force=False)
-            if ack is not None:
+            for ack in self.seq.ackDue(force=False):
                 self._send(ack)
         elif verdict == "gap":
             self._lost(message.seq)
@@ -475,40 +432,36 @@ class ClientSessionMachine(Machine):
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
         if self.state == "detached":
-            return self._drain()
-        if now - self.lastHeard >= self.deadAfter:
+            pass
+        elif now - self.lastHeard >= self.deadAfter:
             self.state = "detached"
             self._emit(Reconnect(f"nothing from the server in {now - self.lastHeard:.1f} s"))
-            return self._drain()
-        if self.state == "attaching":
+        elif self.state == "attaching":
             if now - self.helloAt >= self.pingInterval:
                 self._hello()
-            return self._drain()
         # a PING every interval, busy or idle: its answer finds losses no later message shows
-        if now - self.lastPing >= self.pingInterval and self.pings < self.liveness:
+        elif now - self.lastPing >= self.pingInterval and self.pings < self.liveness:
             self.pings += 1
             self.lastPing = now
             self.sentAtPing.append(self.seq.sent)
             self.seq.ackPending = 0
             self._send(codec.Ping(self.seq.received))
-            return self._drain()
-        ack = self.seq.ackDue(force=True)
-        if ack is not None:
-            self._send(ack)
+        else:
+            for ack in self.seq.ackDue(force=True):
+                self._send(ack)
         return self._drain()
 
 
+@attrs.define(eq=False)
 class _Session:
-    def __init__(self, session: bytes, routingId: int, epoch: int, maxQueued: int,
-                 maxQueuedBytes: int, now: float) -> None:
-        self.session = session
-        self.routingId = routingId
-        self.epoch = epoch
-        self.peer: Optional[Hashable] = None
-        #: the connection that opened it
-        self.openedBy: Optional[Hashable] = None
-        self.seq = _Sequenced(maxQueued, maxQueuedBytes)
-        self.lastHeard = now
+    session: bytes
+    routingId: int
+    epoch: int
+    seq: _Sequenced
+    lastHeard: float
+    #: the connection that opened it
+    openedBy: Optional[Hashable]
+    peer: Optional[Hashable] = None
 
 
 class ServerSessionMachine(Machine):
@@ -553,19 +506,18 @@ class ServerSessionMachine(Machine):
         except MalformedSession as e:
             self._drop(peer, f"not a session message: {e}")
             return self._drain()
+        session = self.byPeer.get(peer)
         if isinstance(message, codec.Hello):
             self._attach(peer, message)
-            return self._drain()
-        session = self.byPeer.get(peer)
-        if session is None:
+        elif session is None:
             self._withoutSession(peer)
             if self._mayTell(peer):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
-            return self._drain()
-        session.lastHeard = now
-        handler = self._handlers.get(type(message))
-        if handler is not None:  # (a client never says WELCOME, UNKNOWN or REFUSED)
-            handler(self, session, message, refused)
+        else:
+            session.lastHeard = now
+            handler = self._handlers.get(type(message))
+            if handler is not None:  # (a client never says WELCOME, UNKNOWN or REFUSED)
+                handler(self, session, message, refused)
         return self._drain()
 
     def _onAck(self, session: _Session, message: Any, refused: Optional[str]) -> None:
@@ -581,8 +533,7 @@ class ServerSessionMachine(Machine):
         verdict = session.seq.accept(message)
         if verdict == "next":
             self._emit(delivery(message, refused, session.routingId))
-            ack = session.seq.ackDue(force=False)
-            if ack is not None:
+            for ack in session.seq.ackDue(force=False):
                 self._sendTo(session, ack)
         elif verdict == "gap" and self._mayTell(session.peer):
             self._sendTo(session, codec.Unknown())
@@ -690,9 +641,8 @@ class ServerSessionMachine(Machine):
                     f"the server holds {len(self.sessions)} sessions, all it may "
                     f"(maxSessions)"))))
             return None
-        session = _Session(hello.session, self._newRoutingId(), _epoch(), self.maxQueued,
-                           self.maxQueuedBytes, self.now)
-        session.openedBy = peer
+        session = _Session(hello.session, self._newRoutingId(), _epoch(),
+                           _Sequenced(self.maxQueued, self.maxQueuedBytes), self.now, peer)
         self._opened[peer] = session
         # the client numbers on from its earlier session (with a server that is gone)
         session.seq.received = hello.since
@@ -731,7 +681,6 @@ class ServerSessionMachine(Machine):
             if now - session.lastHeard >= self.expiry:
                 self._end(session, f"silent for {self.expiry:g}s")
                 continue
-            ack = session.seq.ackDue(force=True)
-            if ack is not None:
+            for ack in session.seq.ackDue(force=True):
                 self._sendTo(session, ack)
         return self._drain()

@@ -49,7 +49,6 @@ class SessionClient:
         self.reactor = default_reactor(reactor)
         self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
-        self._isAttached = False
         self._closed = False
         self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
@@ -61,7 +60,7 @@ class SessionClient:
         :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
         if self._closed:
             return defer.fail(ClientClosed("the session client is closed"))
-        if self._isAttached:
+        if self.dealer.madeOnce:
             return defer.succeed(None)
         return self._waiting.wait()
 
@@ -79,9 +78,7 @@ class SessionClient:
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
         return self.dealer.close()
 
-    # IDealerReceiver, for the session dealer
     def connectionMade(self) -> None:
-        self._isAttached = True
         self._waiting.fire()
 
     def sessionRefused(self, reason: str) -> None:
@@ -147,7 +144,6 @@ class SessionServer:
         router, self.router = self.router, None
         return router.close() if router is not None else defer.succeed(None)
 
-    # IRouterReceiver, for the session router
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         self.handler(routing_id(peer), frames)
 

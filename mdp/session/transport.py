@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import attrs
 from twisted.internet import defer, task
@@ -57,15 +57,11 @@ def inner_endpoint(endpoint: str) -> str:
     return endpoint[len(PREFIX):]
 
 
-#: inner endpoint types whose connection attempt takes a ``timeout=``
-_TIMED = ("tcp",)
-
-
 def bounded_attempts(endpoint: str, seconds: float) -> str:
     """*endpoint* with each connection attempt bounded by *seconds*, unless it says
     its own ``timeout``: Twisted's 30 s would outlast the session expiry."""
     kind, _, rest = endpoint.partition(":")
-    if kind not in _TIMED or any(part.startswith("timeout=") for part in rest.split(":")):
+    if kind != "tcp" or any(part.startswith("timeout=") for part in rest.split(":")):
         return endpoint
     return f"{endpoint}:timeout={max(1, math.ceil(seconds))}"
 
@@ -105,14 +101,31 @@ def routing_id(peer: bytes) -> int:
 class _End:
     """What both ends share: a tick, an inner transport, limits and logging."""
 
-    tick: task.LoopingCall
-    inner: Any
-    limits: Limits
-    throttle: LogThrottle
-    endpoint: str
+    machine: Any
+    _performers: dict[type, Any]
     #: messages lost as over our limits, and ours sent as SKIPs
     dropped = 0
     skipped = 0
+
+    def __init__(self, receiver: Any, reactor: Any, limits: Limits, endpoint: str) -> None:
+        self.receiver = receiver
+        self.reactor = reactor
+        self.limits = limits
+        self.endpoint = endpoint
+        self.inner: Any = None
+        self.throttle = LogThrottle(reactor)
+        self.tick = task.LoopingCall(self._tick)
+        self.tick.clock = reactor
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    def _tick(self) -> None:
+        self._perform(self.machine.handleTick(self._now()))
+
+    def _perform(self, actions: list[Any]) -> None:
+        for action in actions:
+            self._performers[type(action)](self, action)
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
         """Why the DATA message *frames* is over our limits (None if not, or no DATA)."""
@@ -129,13 +142,15 @@ class _End:
             reason = None if why is None else f"{other} takes no message of {why}"
         return reason
 
-    def _safely(self, what: str, call: Callable[..., Any], *args: Any) -> None:
-        """Call the application's *call*, logging what it raises."""
+    def _tell(self, method: str, *args: Any) -> None:
+        """Call the receiver's *method*, if it has one, logging what it raises."""
+        call = getattr(self.receiver, method, None)
+        if call is None:
+            return
         try:
             call(*args)
         except Exception:
-            log.failure("{end} {endpoint}: {what} raised", end=type(self).__name__,
-                        endpoint=self.endpoint, what=what)
+            log.failure("{end}: {what} raised", end=self._name(), what=method)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
@@ -162,6 +177,9 @@ class _End:
     def _shutdown(self) -> defer.Deferred[None]:
         if self.tick.running:
             self.tick.stop()
+        return self._closeInner()
+
+    def _closeInner(self) -> defer.Deferred[None]:
         inner, self.inner = self.inner, None
         return inner.close() if inner is not None else defer.succeed(None)
 
@@ -173,21 +191,14 @@ class SessionRouter(_End):
     def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
                  expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
                  maxSessions: int = DEFAULT_MAX_SESSIONS) -> None:
-        self.receiver = receiver
-        self.reactor = reactor
-        self.limits = limits
+        super().__init__(receiver, reactor, limits, "")
         self.machine = ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
             maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
             now=reactor.seconds())
-        self.throttle = LogThrottle(reactor)
-        self.inner: Any = None
-        self.endpoint = ""
         #: HELLOs that attached, and those refused at maxSessions
         self.attaches = 0
         self.refused = 0
-        self.tick = task.LoopingCall(self._tick)
-        self.tick.clock = reactor
 
     @classmethod
     @defer.inlineCallbacks
@@ -203,30 +214,21 @@ class SessionRouter(_End):
         return self
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self._perform(self.machine.handleMessage(peer, frames, self.reactor.seconds(),
+        self._perform(self.machine.handleMessage(peer, frames, self._now(),
                                                  refused=self._overLimits(frames)))
 
     def peerDisconnected(self, peer: bytes) -> None:
-        self._perform(self.machine.handlePeerGone(peer, self.reactor.seconds()))
-
-    def _tick(self) -> None:
-        self._perform(self.machine.handleTick(self.reactor.seconds()))
-
-    def _perform(self, actions: list[Any]) -> None:
-        for action in actions:
-            self._performers[type(action)](self, action)
+        self._perform(self.machine.handlePeerGone(peer, self._now()))
 
     def _sendTo(self, action: machines.SendTo) -> None:
         if self.inner is not None:
             self.inner.sendMessage(action.peer, action.frames)
 
     def _deliver(self, action: machines.Deliver) -> None:
-        self._safely("messageReceived", self.receiver.messageReceived,
-                     routing_bytes(action.routingId), list(action.payload))
+        self._tell("messageReceived", routing_bytes(action.routingId), list(action.payload))
 
     def _expired(self, action: machines.Expired) -> None:
-        self._safely("peerDisconnected", self.receiver.peerDisconnected,
-                     routing_bytes(action.routingId))
+        self._tell("peerDisconnected", routing_bytes(action.routingId))
 
     def _dropPeer(self, action: machines.DropPeer) -> None:
         if self.inner is not None:
@@ -258,7 +260,7 @@ class SessionRouter(_End):
         reason = self._refusal(frames, peerLimits, "the session's client")
         if reason is not None:
             raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
-        self._perform(self.machine.reply(routingId, kept_frames(frames), self.reactor.seconds()))
+        self._perform(self.machine.reply(routingId, kept_frames(frames), self._now()))
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         try:
@@ -274,7 +276,7 @@ class SessionRouter(_End):
             self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
                                "{error}", endpoint=self.endpoint,
                                id=routing_id(peer), error=e)
-            actions = self.machine.end(routing_id(peer), self.reactor.seconds())
+            actions = self.machine.end(routing_id(peer), self._now())
             self._perform([a for a in actions if not isinstance(a, Expired)])
             reports = [a for a in actions if isinstance(a, Expired)]
             if reports:
@@ -302,29 +304,21 @@ class SessionDealer(_End):
                  limits: Limits = Limits(), retryPolicy: Any = None,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
                  maxQueued: int = DEFAULT_MAX_QUEUED, backoff: Backoff = PIRATE) -> None:
-        self.endpoint = endpoint
-        self.innerEndpoint = inner_endpoint(endpoint)
-        self.receiver = receiver
-        self.reactor = reactor
-        self.limits = limits
+        super().__init__(receiver, reactor, limits, endpoint)
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
             maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
             now=reactor.seconds())
-        self.innerEndpoint = bounded_attempts(self.innerEndpoint, self.machine.deadAfter)
+        self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
         self.backoff = backoff
         self.attempts = 0
         #: attaches that ended on a message over our limits since one came through
         self.oversizedLosses = 0
         self.reopening: Any = None
         self._waiters = DrainWaiters()
-        self.throttle = LogThrottle(reactor)
         self.madeOnce = False
         self.closed = False
-        self.inner: Any = None
-        self.tick = task.LoopingCall(self._tick)
-        self.tick.clock = reactor
         self._open()
         self.tick.start(pingInterval / 4, now=False)
 
@@ -365,12 +359,10 @@ class SessionDealer(_End):
                            "attach, so nothing after it can be received until the limits agree; "
                            "attaching again in {delay:g}s", endpoint=self.endpoint, reason=why,
                            delay=delay)
-        inner, self.inner = self.inner, None
-        if inner is not None:
-            inner.close()
+        self._closeInner()
         self._perform(self.machine.handleDisconnected(self._now()))
         if not self.closed:
-            self.reopening = cancel_call(self.reopening)
+            cancel_call(self.reopening)
             self.reopening = self.reactor.callLater(delay, self._open)
 
     def _reopen(self) -> None:
@@ -395,22 +387,13 @@ class SessionDealer(_End):
             return defer.succeed(None)
         return self._waiters.wait()
 
-    def _now(self) -> float:
-        return self.reactor.seconds()
-
-    def _tick(self) -> None:
-        self._perform(self.machine.handleTick(self._now()))
-        if self.writable:
-            self._waiters.fire()
-
     def _perform(self, actions: list[Any]) -> None:
-        for action in actions:
-            self._performers[type(action)](self, action)
+        super()._perform(actions)
         if self.machine.state == "attached":
             self.attempts = 0
             if not self.madeOnce and not self.closed:
                 self.madeOnce = True
-                self._safely("connectionMade", self.receiver.connectionMade)
+                self._tell("connectionMade")
         if self.writable:
             self._waiters.fire()
 
@@ -420,15 +403,13 @@ class SessionDealer(_End):
 
     def _deliver(self, action: machines.Deliver) -> None:
         self.oversizedLosses = 0
-        self._safely("messageReceived", self.receiver.messageReceived, list(action.payload))
+        self._tell("messageReceived", list(action.payload))
 
     def _refused(self, action: machines.Refusal) -> None:
         self.throttle.warn(log, "refused", "session dealer to {endpoint}: the server refused "
                            "the session: {reason}; asking again", endpoint=self.endpoint,
                            reason=action.reason)
-        refused = getattr(self.receiver, "sessionRefused", None)
-        if refused is not None:
-            self._safely("sessionRefused", refused, action.reason)
+        self._tell("sessionRefused", action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
         log.warn("session dealer to {endpoint}: the server's session for this client ended "
@@ -436,16 +417,12 @@ class SessionDealer(_End):
                  "began: messages the server held for this client and had not delivered are "
                  "lost; those this client sent that the server had not acknowledged are sent "
                  "again, so the server may get one twice", endpoint=self.endpoint)
-        renewed = getattr(self.receiver, "sessionRenewed", None)
-        if renewed is not None:
-            self._safely("sessionRenewed", renewed)
+        self._tell("sessionRenewed")
 
     def _reconnect(self, action: machines.Reconnect) -> None:
         log.info("session dealer to {endpoint}: {reason}; connecting again",
                  endpoint=self.endpoint, reason=action.reason)
-        inner, self.inner = self.inner, None
-        if inner is not None:
-            inner.close()
+        self._closeInner()
         if not self.closed and self.reopening is None:
             self._reopen()
 
@@ -504,9 +481,7 @@ class SessionDealer(_End):
                      "acknowledged by the server", endpoint=self.endpoint,
                      count=len(self.machine.seq.unacked))
         self.closed = True
-        if self.reopening is not None and self.reopening.active():
-            self.reopening.cancel()
-        self.reopening = None
+        self.reopening = cancel_call(self.reopening)
         self._waiters.fire()
         return self._shutdown()
 

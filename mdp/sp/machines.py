@@ -1,34 +1,8 @@
-"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`).  A *channel*
-is one connection to a peer.
-
-:class:`ReqMachine` (end to end, and hop by hop):
-
-=====================  =================================================================
-event                  what happens
-=====================  =================================================================
-request(payload)       a new request id (+1 with wrap, top bit set); sent on the next
-                       channel round-robin, or held until one is up
-channel up             held requests go out, round-robin
-channel down           its requests go out again at once on other channels (or wait)
-reply on a channel     completes the request its first word names; else dropped
-resend interval over   the request goes out again, on the next channel
-cancel                 the request is forgotten; a late reply is dropped
-=====================  =================================================================
-
-:class:`RepMachine` (end to end; :class:`DeviceMachine` is the hop-by-hop REP
-side of a device):
-
-=====================  =================================================================
-event                  what happens
-=====================  =================================================================
-channel up             gets a 31-bit channel id (the first random per start, then +1)
-request on a channel   the backtrace is split off; none, over the hop limit, or a
-                       resend of one in hand: dropped; at maxPending or
-                       maxPendingBytes: dropped (Overloaded; it is resent later);
-                       else the handler runs
-reply from handler     sent back with the backtrace, if its channel is still up
-handler cancels        no reply; a resend may run it again
-=====================  =================================================================
+"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`); a *channel*
+is one connection to a peer.  :class:`ReqMachine` sends each request on the
+next channel, round-robin, and again until its reply comes; :class:`RepMachine`
+runs each request once per backtrace and channel, within maxPending;
+:class:`DeviceMachine` forwards with the channel's id pushed on the backtrace.
 """
 
 from __future__ import annotations
@@ -37,6 +11,8 @@ import heapq
 import itertools
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
+
+import attrs
 
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_class
@@ -101,18 +77,16 @@ class WakeAt:
     when: Optional[float]
 
 
+@attrs.define(eq=False)
 class _Request:
-    __slots__ = ("requestId", "body", "channel", "resendAt", "serial", "entry")
-
-    def __init__(self, requestId: int, body: bytes, serial: int) -> None:
-        self.requestId = requestId
-        self.body = body
-        self.channel: Optional[Channel] = None
-        self.resendAt = 0.0
-        #: resends due together go in this order
-        self.serial = serial
-        #: the order of its deadline entry that counts (-1: none)
-        self.entry = -1
+    requestId: int
+    body: bytes
+    #: resends due together go in this order
+    serial: int
+    channel: Optional[Channel] = None
+    resendAt: float = 0.0
+    #: the order of its deadline entry that counts (-1: none)
+    entry: int = -1
 
 
 class ReqMachine(Machine):
@@ -163,13 +137,10 @@ class ReqMachine(Machine):
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
-            self.channels.remove(channel)
+            del self.channels[index]
             if index < self._turn:
                 self._turn -= 1
-            if self.channels:
-                self._turn %= len(self.channels)
-            else:
-                self._turn = 0
+            self._turn %= max(len(self.channels), 1)
         for request in list(self.requests.values()):
             if request.channel == channel:
                 request.channel = None
@@ -182,27 +153,27 @@ class ReqMachine(Machine):
         try:
             requestId, payload = pop_word(body)
         except ProtocolError as e:
-            self._emit(Dropped(channel, str(e)))
-            return self._drain()
-        request = self.requests.pop(requestId, None)
-        if request is None:
-            self._emit(Dropped(channel, f"reply to request 0x{requestId:08x}, which is not "
-                                        "in flight (late, duplicate or stray)"))
-            return self._drain()
-        self._held.pop(requestId, None)
-        request.entry = -1
+            return [Dropped(channel, str(e))]
+        if not self._forget(requestId):
+            return [Dropped(channel, f"reply to request 0x{requestId:08x}, which is not "
+                                     "in flight (late, duplicate or stray)")]
         self._emit(Complete(requestId, payload))
         self._rearm()
         return self._drain()
 
     def handleCancel(self, requestId: int, now: float) -> list[Any]:
         self.now = now
-        request = self.requests.pop(requestId, None)
-        if request is not None:
-            self._held.pop(requestId, None)
-            request.entry = -1
+        self._forget(requestId)
         self._rearm()
         return self._drain()
+
+    def _forget(self, requestId: int) -> bool:
+        request = self.requests.pop(requestId, None)
+        if request is None:
+            return False
+        self._held.pop(requestId, None)
+        request.entry = -1
+        return True
 
     def handleWake(self, now: float) -> list[Any]:
         """Resend the requests whose resend interval is over, oldest first."""
@@ -285,12 +256,12 @@ class _ChannelMachine(Machine):
     def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
         self.channels.up(channel)
-        return self._drain()
+        return []
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
         self.channels.down(channel)
-        return self._drain()
+        return []
 
 
 class RepMachine(_ChannelMachine):
@@ -315,25 +286,21 @@ class RepMachine(_ChannelMachine):
         try:
             backtrace, payload = split_backtrace(body, self.maxHops)
         except ProtocolError as e:
-            self._emit(Dropped(channel, str(e)))
-            return self._drain()
+            return [Dropped(channel, str(e))]
         token = (channel, backtrace)
         if token in self.inHand:
-            self._emit(Dropped(channel, "a resent copy of a request in hand"))
-            return self._drain()
+            return [Dropped(channel, "a resent copy of a request in hand")]
         size = len(payload)
         # one request always gets in, however large: it would never get in otherwise
         if len(self.inHand) >= self.maxPending or (
                 self.inHand and self.pendingBytes + size > self.maxPendingBytes):
-            self._emit(Overloaded(channel, (
+            return [Overloaded(channel, (
                 f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as "
                 f"many as allowed (maxPending {self.maxPending}, maxPendingBytes "
-                f"{self.maxPendingBytes}); its requester sends it again later")))
-            return self._drain()
+                f"{self.maxPendingBytes}); its requester sends it again later"))]
         self.inHand[token] = size
         self.pendingBytes += size
-        self._emit(Serve(token, payload))
-        return self._drain()
+        return [Serve(token, payload)]
 
     def handleReply(self, token: tuple[Channel, bytes], payload: Optional[bytes],
                     now: float) -> list[Any]:
@@ -341,16 +308,14 @@ class RepMachine(_ChannelMachine):
         self.now = now
         size = self.inHand.pop(token, None)
         if size is None:
-            return self._drain()
+            return []
         self.pendingBytes -= size
         channel, backtrace = token
         if payload is None:
-            return self._drain()
+            return []
         if channel not in self.channels.byChannel:
-            self._emit(Dropped(channel, "reply for a channel that is gone"))
-            return self._drain()
-        self._emit(SendOn(channel, backtrace + payload))
-        return self._drain()
+            return [Dropped(channel, "reply for a channel that is gone")]
+        return [SendOn(channel, backtrace + payload)]
 
 
 class DeviceMachine(_ChannelMachine):
@@ -364,22 +329,16 @@ class DeviceMachine(_ChannelMachine):
         try:
             split_backtrace(upstream, self.maxHops)
         except ProtocolError as e:
-            self._emit(Dropped(channel, str(e)))
-            return self._drain()
-        self._emit(Forward(upstream))
-        return self._drain()
+            return [Dropped(channel, str(e))]
+        return [Forward(upstream)]
 
     def handleReply(self, body: bytes, now: float) -> list[Any]:
         self.now = now
         try:
             number, rest = pop_word(body)
         except ProtocolError as e:
-            self._emit(Dropped(None, str(e)))
-            return self._drain()
+            return [Dropped(None, str(e))]
         channel = self.channels.byId.get(number & ID_MASK) if not number & BOTTOM else None
         if channel is None:
-            self._emit(Dropped(None, f"reply for channel 0x{number:08x}, which is not "
-                                     "one of ours"))
-            return self._drain()
-        self._emit(SendOn(channel, rest))
-        return self._drain()
+            return [Dropped(None, f"reply for channel 0x{number:08x}, which is not one of ours")]
+        return [SendOn(channel, rest)]

@@ -23,6 +23,7 @@ from mdp.policy import (
     Backoff,
     Limits,
     LogThrottle,
+    call_at,
     cancel_call,
     default_reactor,
 )
@@ -39,53 +40,87 @@ def random_id() -> int:
     return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
 
 
-def _dial(endpoints: Union[str, Sequence[str]], make: Callable[[str], Any], none: str,
-          reactor: Any, limits: Limits, backoff: Backoff) -> list[Any]:
-    """A receiver *make(url)* for each of *endpoints*, its ``transport`` a REQ
-    connection dialing it; ``ValueError(none)`` for no endpoint."""
+def _dial(owner: Union[SPClient, SPDevice], endpoints: Union[str, Sequence[str]], none: str,
+          limits: Limits, backoff: Backoff) -> list[_Pipe]:
+    """A :class:`_Pipe` of *owner* for each of *endpoints*, dialing it as a REQ;
+    ``ValueError(none)`` for no endpoint."""
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     if not urls:
         raise ValueError(none)
     dials = [(url, endpoint_of(url, listen=False)) for url in urls]
-    ends = []
+    pipes = []
     for url, dial in dials:
-        end = make(url)
-        end.transport = StreamDealer(dial, end, reactor, limits=limits, framing=SPFraming(REQ),
-                                     retryPolicy=backoff.retryPolicy())
-        ends.append(end)
-    return ends
-
-
-def _listen(endpoint: str, listener: Any, reactor: Any, limits: Limits,
-            routers: list[StreamRouter], what: str, then: str = "") -> defer.Deferred[StreamRouter]:
-    """Listen on *endpoint* as a REP side for *listener*; fires with the router."""
-
-    def bound(router: StreamRouter) -> StreamRouter:
-        listener.transport = router
-        routers.append(router)
-        log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint,
-                 then=then)
-        return router
-
-    return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, reactor,
-                               limits=limits, framing=SPFraming(REP)).addCallback(bound)
+        pipe = _Pipe(owner, url)
+        pipe.transport = StreamDealer(dial, pipe, owner.reactor, limits=limits,
+                                      framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
+        pipes.append(pipe)
+    return pipes
 
 
 @implementer(IDealerReceiver)
 class _Pipe:
-    def __init__(self, client: SPClient, url: str) -> None:
-        self.client = client
+    """One connection a REQ side dials, of an :class:`SPClient` or an :class:`SPDevice`."""
+
+    def __init__(self, owner: Union[SPClient, SPDevice], url: str) -> None:
+        self.owner = owner
         self.url = url
         self.transport: Any = None
+        self.up = False
 
     def connectionMade(self) -> None:
-        self.client._perform(self.client.machine.handleChannelUp(self, self.client._now()))
+        self.up = True
+        self.owner._channel(self, True)
 
     def connectionLost(self, reason: object) -> None:
-        self.client._perform(self.client.machine.handleChannelDown(self, self.client._now()))
+        self.up = False
+        self.owner._channel(self, False)
 
     def messageReceived(self, frames: list[bytes]) -> None:
-        self.client._perform(self.client.machine.handleReply(self, frames[0], self.client._now()))
+        self.owner._reply(self, frames[0])
+
+
+@implementer(IRouterReceiver)
+class _Listener:
+    """One listening endpoint of an :class:`SPServer` or an :class:`SPDevice`."""
+
+    def __init__(self, owner: _RepSide) -> None:
+        self.owner = owner
+        self.transport: Any = None
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.owner._request(self, peer, frames[0])
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        self.owner.machine.handleChannelDown((self, peer), self.owner._now())
+
+
+class _RepSide:
+    """What a REP side (:class:`SPServer`, :class:`SPDevice`) shares: its listeners."""
+
+    machine: Any
+    reactor: Any
+    limits: Limits
+    routers: list[StreamRouter]
+
+    def _now(self) -> float:
+        return self.reactor.seconds()
+
+    def _listen(self, endpoint: str, what: str, then: str = "") -> defer.Deferred[StreamRouter]:
+        """Listen on *endpoint*; fires with the router."""
+        listener = _Listener(self)
+
+        def bound(router: StreamRouter) -> StreamRouter:
+            listener.transport = router
+            self.routers.append(router)
+            log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint,
+                     then=then)
+            return router
+
+        return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
+                                   limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
+
+    def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
+        raise NotImplementedError
 
 
 class SPClient:
@@ -101,8 +136,8 @@ class SPClient:
         self._waiting: dict[int, defer.Deferred[bytes]] = {}
         self._timer: Any = None
         self._closed = False
-        self.pipes = _dial(endpoints, lambda url: _Pipe(self, url),
-                           "an SPClient needs at least one endpoint", self.reactor, limits, backoff)
+        self.pipes = _dial(self, endpoints, "an SPClient needs at least one endpoint", limits,
+                           backoff)
 
     def _now(self) -> float:
         return self.reactor.seconds()
@@ -126,6 +161,14 @@ class SPClient:
         self._perform(actions)
         return d
 
+    def _channel(self, pipe: _Pipe, up: bool) -> None:
+        machine = self.machine
+        handle = machine.handleChannelUp if up else machine.handleChannelDown
+        self._perform(handle(pipe, self._now()))
+
+    def _reply(self, pipe: _Pipe, body: bytes) -> None:
+        self._perform(self.machine.handleReply(pipe, body, self._now()))
+
     def _perform(self, actions: list[Any]) -> None:
         """Sends and the timer first, then the replies, whose callbacks may call us."""
         replies = []
@@ -144,9 +187,8 @@ class SPClient:
             action.channel.transport.sendMessage([action.body])
 
     def _wakeAt(self, action: machines.WakeAt) -> None:
-        self._timer = cancel_call(self._timer)
-        if action.when is not None and not self._closed:
-            self._timer = self.reactor.callLater(max(0.0, action.when - self._now()), self._wake)
+        when = None if self._closed else action.when
+        self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
@@ -169,21 +211,7 @@ class SPClient:
         return transport.close_all([p.transport for p in self.pipes], "an SP client connection")
 
 
-@implementer(IRouterReceiver)
-class _Listener:
-    def __init__(self, server: SPServer) -> None:
-        self.server = server
-        self.transport: Any = None
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.server._request(self, peer, frames[0])
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        self.server._perform(self, self.server.machine.handleChannelDown(
-            (self, peer), self.server._now()))
-
-
-class SPServer:
+class SPServer(_RepSide):
     """An SP REP socket: *handler* takes a request's payload and returns bytes, a
     Deferred or a coroutine (None or a cancelled Deferred: no reply)."""
 
@@ -202,26 +230,22 @@ class SPServer:
         #: requests dropped at maxPending or maxPendingBytes
         self.overloaded = 0
 
-    def _now(self) -> float:
-        return self.reactor.seconds()
-
     def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
         """Listen on *endpoint*; fires with the router (its ``endpoint`` reaches it)."""
-        return _listen(endpoint, _Listener(self), self.reactor, self.limits, self.routers,
-                       "SP REP")
+        return self._listen(endpoint, "SP REP")
 
     def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
-        self._perform(listener, self.machine.handleRequest((listener, peer), body, self._now()))
+        self._perform(self.machine.handleRequest((listener, peer), body, self._now()))
 
-    def _perform(self, listener: _Listener, actions: list[Any]) -> None:
+    def _perform(self, actions: list[Any]) -> None:
         for action in actions:
             kind = type(action)
             if kind is machines.Serve:
                 self._serve(action.token, action.payload)
             elif kind is machines.SendOn:
-                owner, peer = action.channel
-                if owner.transport is not None:
-                    owner.transport.sendMessage(peer, [action.body])
+                listener, peer = action.channel
+                if listener.transport is not None:
+                    listener.transport.sendMessage(peer, [action.body])
                     self.served += 1
             elif kind is machines.Dropped:
                 self.throttle.info(log, "dropped", "SP server dropped a request from {peer}: "
@@ -250,13 +274,13 @@ class SPServer:
                 log.error("SP handler returned {kind}, not bytes; no reply",
                           kind=type(reply).__name__)
                 reply = None
-            self._perform(token[0], self.machine.handleReply(
+            self._perform(self.machine.handleReply(
                 token, bytes(reply) if reply is not None else None, self._now()))
 
         def failed(failure: Any) -> None:
             if not failure.check(defer.CancelledError):
                 log.failure("SP handler failed; no reply", failure)
-            self._perform(token[0], self.machine.handleReply(token, None, self._now()))
+            self._perform(self.machine.handleReply(token, None, self._now()))
 
         defer.maybeDeferred(run).addCallbacks(done, failed)
 
@@ -272,38 +296,7 @@ def peer_label(owner: Any, peer: bytes) -> str:
     return f"{address or 'a peer gone'} (id {peer.hex()})"
 
 
-@implementer(IRouterReceiver)
-class _DeviceFront:
-    def __init__(self, device: SPDevice) -> None:
-        self.device = device
-        self.transport: Any = None
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.device._request(self, peer, frames[0])
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        self.device.machine.handleChannelDown((self, peer), self.device._now())
-
-
-@implementer(IDealerReceiver)
-class _DeviceBack:
-    def __init__(self, device: SPDevice, url: str) -> None:
-        self.device = device
-        self.url = url
-        self.transport: Any = None
-        self.up = False
-
-    def connectionMade(self) -> None:
-        self.up = True
-
-    def connectionLost(self, reason: object) -> None:
-        self.up = False
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        self.device._reply(frames[0], self.url)
-
-
-class SPDevice:
+class SPDevice(_RepSide):
     """A device: a REP side listening on *front*, a REQ side dialing *back*.  It keeps
     no state of its own: the requesters resend."""
 
@@ -316,23 +309,19 @@ class SPDevice:
         self.throttle = LogThrottle(self.reactor)
         self.routers: list[StreamRouter] = []
         self._turn = 0
-        self.backs = _dial(back, lambda url: _DeviceBack(self, url),
-                           "an SPDevice needs at least one endpoint to forward to", self.reactor,
+        self.backs = _dial(self, back, "an SPDevice needs at least one endpoint to forward to",
                            limits, backoff)
 
-    def _now(self) -> float:
-        return self.reactor.seconds()
-
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
-        return _listen(front, _DeviceFront(self), self.reactor, self.limits, self.routers,
-                       "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
+        return self._listen(front, "SP device",
+                            f", forwarding to {', '.join(b.url for b in self.backs)}")
 
-    def _request(self, front: _DeviceFront, peer: bytes, body: bytes) -> None:
-        for action in self.machine.handleRequest((front, peer), body, self._now()):
+    def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
+        for action in self.machine.handleRequest((listener, peer), body, self._now()):
             if type(action) is machines.Forward:
                 self._forward(action.body)
             else:
-                self._log([action], f"request from {peer_label(front, peer)}")
+                self._dropped(action, f"request from {peer_label(listener, peer)}")
 
     def _forward(self, body: bytes) -> None:
         """Send *body* upstream, on the next connection that is up."""
@@ -345,20 +334,21 @@ class SPDevice:
         self._turn += 1
         end.transport.sendMessage([body])
 
-    def _reply(self, body: bytes, url: str = "?") -> None:
+    def _channel(self, pipe: _Pipe, up: bool) -> None:
+        """An upstream connection came or went: :meth:`_forward` reads ``pipe.up``."""
+
+    def _reply(self, pipe: _Pipe, body: bytes) -> None:
         for action in self.machine.handleReply(body, self._now()):
             if type(action) is machines.SendOn:
-                front, peer = action.channel
-                if front.transport is not None:
-                    front.transport.sendMessage(peer, [action.body])
+                listener, peer = action.channel
+                if listener.transport is not None:
+                    listener.transport.sendMessage(peer, [action.body])
             else:
-                self._log([action], f"reply from upstream {url}")
+                self._dropped(action, f"reply from upstream {pipe.url}")
 
-    def _log(self, actions: list[Any], what: str) -> None:
-        for action in actions:
-            if type(action) is machines.Dropped:
-                self.throttle.info(log, "dropped", "SP device dropped a {what}: {reason}",
-                                   what=what, reason=action.reason)
+    def _dropped(self, action: machines.Dropped, what: str) -> None:
+        self.throttle.info(log, "dropped", "SP device dropped a {what}: {reason}", what=what,
+                           reason=action.reason)
 
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []
