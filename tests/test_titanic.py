@@ -459,8 +459,7 @@ async def test_a_streamed_reply_larger_than_a_reply_may_be_is_answered_413_not_k
             yield b"x" * 1000
         yield Final(b"end")
 
-    broker, client, endpoint, node = await whole(clocknet, Recorded(),
-                                                 limits=Limits(maxMessageBytes=10_000))
+    broker, client, endpoint, node = await whole(clocknet, limits=Limits(maxMessageBytes=10_000))
     start_worker(clocknet, endpoint, "endless", endless)
     start_worker(clocknet, endpoint, "echo", echo)
     kept: list[int] = []
