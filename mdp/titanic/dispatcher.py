@@ -71,9 +71,6 @@ class _Service:
     workers: Optional[int] = None
 
 
-# --- actions ----------------------------------------------------------------------
-
-
 @action_class
 class LoadPending:
     """Read up to *limit* pending requests, oldest first, without these."""
@@ -179,8 +176,6 @@ class DispatchMachine(Machine):
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
-
-    # --- events -----------------------------------------------------------------------
 
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
@@ -307,8 +302,6 @@ class DispatchMachine(Machine):
         self._forgetAll()
         self._setWake(None)
         return self._drain()
-
-    # --- decisions --------------------------------------------------------------------
 
     def _pumped(self) -> list[Action]:
         self._pump()
@@ -540,11 +533,10 @@ class Dispatcher:
         self._timer: Any = None
         self._performers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, StoreReply: self._storeReply, LoadPending: self._load,
-            CheckService: self._check, Purge: self._purge, Parked: self._logParked,
-            WakeAt: self._wakeAt}
+            CheckService: lambda action: defer.ensureDeferred(self._check(action.service)),
+            Purge: self._purge, Parked: self._logParked, WakeAt: self._wakeAt}
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
-        self._calls: set[defer.Deferred[Any]] = set()
         #: bumped by stop: results of what an earlier run asked are ignored
         self._generation = 0
         self._warnedNoMMI = False
@@ -574,14 +566,11 @@ class Dispatcher:
         self._feed(self.machine.handleClosed, requestId)
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop sending; requests out stay pending in the store."""
+        """Stop sending; requests out stay pending in the store (closing the client
+        fails them, and the new generation ignores that)."""
         self._generation += 1
         self._feed(self.machine.handleStop)
-        for d in list(self._calls):
-            d.cancel()
         return self.client.close()
-
-    # --- the driver ---------------------------------------------------------------------
 
     def _feed(self, handler: Any, *args: Any) -> None:
         """Handle events one at a time, in order, even when a result arrives synchronously."""
@@ -606,10 +595,6 @@ class Dispatcher:
 
         return feed
 
-    def _track(self, d: defer.Deferred[Any]) -> defer.Deferred[Any]:
-        self._calls.add(d)
-        return d.addBoth(lambda result: (self._calls.discard(d), result)[1])
-
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
             self._performers[type(action)](action)
@@ -620,11 +605,8 @@ class Dispatcher:
                  reason=action.reason)
 
     def _wakeAt(self, action: WakeAt) -> None:
-        self._timer = call_at(self._timer, self.reactor, action.when, self._wakeUp)
-
-    def _wakeUp(self) -> None:
-        self._timer = None
-        self._feed(self.machine.handleWake)
+        self._timer = call_at(self._timer, self.reactor, action.when,
+                              lambda: self._feed(self.machine.handleWake))
 
     def _load(self, action: LoadPending) -> None:
         loaded, failed = self._then(self.machine.handleLoaded), self._then(self.machine.handleLoadFailed)
@@ -636,10 +618,7 @@ class Dispatcher:
         self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
             lambda requests: loaded(requests, action.limit), trouble)
 
-    def _check(self, action: CheckService) -> None:
-        self._track(defer.ensureDeferred(self._checkService(action.service)))
-
-    async def _checkService(self, service: bytes) -> None:
+    async def _check(self, service: bytes) -> None:
         """``mmi.workers`` counts the workers; none counted, or no listing (a broker
         without it, a listing over this client's limits), ``mmi.service`` says
         whether the broker knows the service."""
@@ -650,8 +629,6 @@ class Dispatcher:
         try:
             workers = mmi.workers_listed(await self.client.request(
                 b"mmi.workers", service, timeout=timeout))
-        except defer.CancelledError:
-            return
         except RETRY as e:  # the broker away: ask again later
             checked(service, False, f"mmi.workers failed: {e}")
             return
@@ -662,8 +639,6 @@ class Dispatcher:
             return
         try:
             answer = (await self.client.request(b"mmi.service", service, timeout=timeout))[:1]
-        except defer.CancelledError:
-            return
         except Exception as e:
             if workers == 0:
                 counted(service, 0)
@@ -727,7 +702,7 @@ class Dispatcher:
                 replied(request.id, parts + body)
 
         def failed(failure: Failure) -> None:
-            if over or failure.check(defer.CancelledError):
+            if over:
                 return
             body = final_error_body(failure.value)
             if body is not None:
@@ -743,7 +718,7 @@ class Dispatcher:
                 STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))
             return
         calls.append(d)
-        self._track(d).addCallbacks(final, failed)
+        d.addCallbacks(final, failed)
 
     def _storeReply(self, action: StoreReply) -> None:
         requestId, frames = action.requestId, action.frames
