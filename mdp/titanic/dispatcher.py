@@ -637,27 +637,27 @@ class Dispatcher:
         if workers:
             counted(service, workers)
             return
+        reason = "no worker (mmi.service)"
         try:
             answer = (await self.client.request(b"mmi.service", service, timeout=timeout))[:1]
         except Exception as e:
-            if workers == 0:
-                counted(service, 0)
-            else:
-                checked(service, False, f"mmi.service failed: {e}")
-            return
+            answer, reason = [], f"mmi.service failed: {e}"
         if workers == 0 and answer == [mmi.FOUND]:  # known: its worker restarting
             lingering(service)
         elif workers == 0:
             counted(service, 0)
         elif answer == [b"501"]:  # a broker without MMI: send, and see
-            if not self._warnedNoMMI:
-                self._warnedNoMMI = True
-                log.warn("Titanic: the broker does not answer mmi.service (501); "
-                         "sending requests without asking")
+            self._warnNoMMI()
             checked(service, True, "")
         else:
             available = answer == [mmi.FOUND]
-            checked(service, available, "" if available else "no worker (mmi.service)")
+            checked(service, available, "" if available else reason)
+
+    def _warnNoMMI(self) -> None:
+        if not self._warnedNoMMI:
+            self._warnedNoMMI = True
+            log.warn("Titanic: the broker does not answer mmi.service (501); "
+                     "sending requests without asking")
 
     def _dispatch(self, action: Dispatch) -> None:
         """Send a stored request.  A stream that outgrows what one ``titanic.reply``

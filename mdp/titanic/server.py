@@ -30,8 +30,8 @@ DEFAULT_SERVICE_WORKERS = 4
 
 
 class _ServiceWorker(Worker):
-    """A Titanic service worker whose "sent READY" line is debug: Titanic runs
-    several per service and says once what it serves."""
+    """Its "sent READY" line is debug: Titanic runs several per service and says
+    once what it serves."""
 
     readyLogLevel = LogLevel.debug
 
@@ -188,13 +188,12 @@ class Titanic:
         self._started = True
         self.server.start()
         self.dispatcher.start()
-        where = getattr(self.store, "path", None)
         log.info("Titanic started: services {services} ({workers} workers each) via {broker}; "
                  "store {store}, {concurrency} request(s) out at once",
                  services=", ".join(name.decode("ascii") for name in protocol.SERVICES),
                  workers=len(self.server.workers) // len(protocol.SERVICES),
                  broker=" or ".join(self.dispatcher.endpoints),
-                 store=where or type(self.store).__name__,
+                 store=getattr(self.store, "path", None) or type(self.store).__name__,
                  concurrency=self.dispatcher.concurrency)
 
     def start(self) -> defer.Deferred[None]:
@@ -210,9 +209,7 @@ class Titanic:
         self._stopping = True
         starting = self._starting
         if starting is not None and not starting.called:
-            done: defer.Deferred[None] = defer.Deferred()
-            starting.addBoth(lambda result: (done.callback(None), result)[1])
-            await done  # undone below; its failure is start's
+            await defer.DeferredList([starting])  # undone below; its failure is start's
         if self._started:
             self._started = False
             await self.dispatcher.stop()

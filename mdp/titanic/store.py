@@ -1,14 +1,10 @@
 """Where Titanic keeps requests and replies: the store interface and two stores.
 
-* :class:`SQLiteStore` (the default): :mod:`sqlite3` in WAL mode with
-  ``synchronous=FULL``, so a request is on disk when :meth:`~ITitanicStore.add`
-  fires; writes that arrive during a commit share the next one.  A file that is
-  damaged or another application's refuses to open (:class:`~mdp.errors.StoreError`).
-* :class:`MemoryStore`: the Guide's "faster and less reliable" mode.
-
-Request and reply frames are one record blob each, with a CRC-32 (SQLite does
-not check inside values, and a changed byte could misroute a request); a value
-that fails it reads back as damaged.  Rows without checksums are read unchecked.
+:class:`SQLiteStore` (the default) has a request on disk (WAL, ``synchronous=FULL``)
+before :meth:`~ITitanicStore.add` fires; writes arriving during a commit share the
+next one.  :class:`MemoryStore` is the Guide's "faster and less reliable" mode.
+Frames are stored as one record blob with a CRC-32 (SQLite does not check inside
+values); a value that fails it reads back as damaged.
 """
 
 from __future__ import annotations
@@ -86,11 +82,6 @@ class ITitanicStore(Interface):
         """Release the storage."""
 
 
-def new_id() -> str:
-    """A fresh request id: an RFC 4122 UUID (version 4) as text."""
-    return str(uuid.uuid4())
-
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     seq       INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -146,18 +137,6 @@ def _columns(db: sqlite3.Connection) -> tuple[str, ...]:
     return tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
 
 
-def _foreign(db: sqlite3.Connection) -> Optional[str]:
-    """Why the database *db* is not a Titanic store (None if it is, or is empty)."""
-    names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
-             if not name.startswith("sqlite_")]
-    others = sorted(set(names) - set(_OURS))
-    if others:
-        return f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
-    if "requests" in names and _columns(db) not in (_COLUMNS, _UNCHECKED_COLUMNS):
-        return f"its requests table is not Titanic's (columns {', '.join(_columns(db))})"
-    return None
-
-
 #: Stored frames are read back whatever the current limits.
 _UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
 
@@ -172,12 +151,18 @@ def report_failure(logger: Logger, failure: Failure, format: str, **fields: Any)
         logger.failure(format, failure, **fields)
 
 
+def _identity(file: Any) -> Optional[tuple[int, int]]:
+    """A file (a path or a descriptor) as (device, inode), or None if it is gone."""
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _checksum(*blobs: bytes) -> int:
     """The CRC-32 stored beside a request (its id, service and record) or a reply."""
-    crc = 0
-    for blob in blobs:
-        crc = zlib.crc32(blob, crc)
-    return crc
+    return zlib.crc32(b"".join(blobs))
 
 
 def _intact(crc: Any, *values: Any) -> bool:
@@ -242,7 +227,6 @@ class SQLiteStore:
         return StoreError(f"Titanic store {self.path} is closed")
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
-        """Run *work* on the store's thread."""
         if self._pool is None:
             return defer.fail(self._closed())
         return threads.deferToThreadPool(self.reactor, self._pool, work, *args)
@@ -269,7 +253,14 @@ class SQLiteStore:
         check = db.execute("PRAGMA quick_check").fetchone()
         if not check or check[0] != "ok":
             raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
-        why = _foreign(db)
+        names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
+                 if not name.startswith("sqlite_")]
+        others = sorted(set(names) - set(_OURS))
+        why = None
+        if others:
+            why = f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
+        elif "requests" in names and _columns(db) not in (_COLUMNS, _UNCHECKED_COLUMNS):
+            why = f"its requests table is not Titanic's (columns {', '.join(_columns(db))})"
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
@@ -299,14 +290,7 @@ class SQLiteStore:
         names = {self.path: real, "its WAL": real + "-wal"}
         if self._lockPath is not None:
             names["its lock"] = self._lockPath
-        found: dict[str, Optional[tuple[int, int]]] = {}
-        for what, name in names.items():
-            try:
-                st = os.stat(name)
-                found[what] = (st.st_dev, st.st_ino)
-            except OSError:
-                found[what] = None
-        return found
+        return {what: _identity(name) for what, name in names.items()}
 
     def _moved(self) -> Optional[str]:
         """Why the store's files are no longer those its names lead to (deleted or
@@ -333,8 +317,7 @@ class SQLiteStore:
         if self._lock is not None:
             os.close(self._lock)
         self._lock = fd
-        st = os.fstat(fd)
-        self._files["its lock"] = (st.st_dev, st.st_ino)
+        self._files["its lock"] = _identity(fd)
         log.warn("Titanic store {path}: its lock file {lock} was deleted while in use; taken "
                  "again", path=self.path, lock=path)
         return True
@@ -420,10 +403,8 @@ class SQLiteStore:
         def committed(results: Any) -> None:
             for index, (_, _, d) in enumerate(batch):
                 outcome = results if isinstance(results, Failure) else results[index]
-                if isinstance(outcome, Failure):
+                if isinstance(outcome, (Failure, BaseException)):
                     d.errback(outcome)
-                elif isinstance(outcome, BaseException):
-                    d.errback(Failure(outcome))
                 else:
                     d.callback(outcome)
             self._nextCommit()
@@ -499,7 +480,7 @@ class SQLiteStore:
         return self._run(self._connect).addErrback(failed)
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
-        requestId = new_id()
+        requestId = str(uuid.uuid4())
         service = bytes(service)
         record = encode_record(frames)
         d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
