@@ -2,16 +2,13 @@
 
 :class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
 drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
-Pending requests are read oldest first, a window at a time; a service with no
-worker, or whose request failed, is **parked** and asked again after a backoff.
-At most *concurrency* requests are out, and of one service at most as many as it
-has workers.  A failed attempt is retried until the request is closed.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections import Counter
 from typing import Any, Callable, Optional, Sequence, Union
 
 import attrs
@@ -39,8 +36,8 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT = 30.0
 #: Wait before asking again about a parked service.
 DEFAULT_BACKOFF = Backoff(1.0, 32.0)
-#: What a ``titanic.reply`` answer adds to a stored reply (status, headers, service,
-#: routing id): a streamed reply is kept only while it fits the limits less this.
+#: What a ``titanic.reply`` answer adds to a stored reply: a streamed reply is kept
+#: only while it fits the limits less this.
 REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
 #: Seconds an answer that a service has workers is trusted.
@@ -170,8 +167,7 @@ class DispatchMachine(Machine):
         self._dirty = False  # the store may hold pending requests we have not read
         #: services holding as many requests as they may; read more once one is done
         self._full: set[bytes] = set()
-        #: requests read beyond their service's share, oldest first, at most a
-        #: window: the next to go when a place of theirs frees
+        #: read beyond their service's share (at most a window): the next to go
         self._spare: list[StoredRequest] = []
         self._loading = False
         self._storeFailures = 0
@@ -223,7 +219,7 @@ class DispatchMachine(Machine):
 
     def handleLingering(self, service: bytes, now: float) -> list[Action]:
         """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
-        restarting): one request goes out at a time rather than none."""
+        restarting): one request at a time goes out."""
         return self._checked(service, 0, True, "", now)
 
     def _checked(self, service: bytes, workers: Optional[int], available: bool, reason: str,
@@ -283,11 +279,10 @@ class DispatchMachine(Machine):
 
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
         self.now = now
-        for request in self.queue:
-            if request.id == requestId:
-                self.queue.remove(request)
-                self._freed(request.service)
-                break
+        request = next((r for r in self.queue if r.id == requestId), None)
+        if request is not None:
+            self.queue.remove(request)
+            self._freed(request.service)
         self._spare = [r for r in self._spare if r.id != requestId]
         return self._pumped()
 
@@ -308,10 +303,7 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        entry = self.services.get(name)
-        if entry is None:
-            entry = self.services[name] = _Service(name)
-        return entry
+        return self.services.setdefault(name, _Service(name))
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -355,8 +347,7 @@ class DispatchMachine(Machine):
         self._pump()
 
     def _forgetIdleServices(self) -> None:
-        """Drop services nothing is held for that are unasked or long unparked (the
-        table must not grow with every name ever submitted)."""
+        """Drop idle services: the table must not grow with every name ever submitted."""
         held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
             if name not in held and self._forgettable(entry):
@@ -382,20 +373,18 @@ class DispatchMachine(Machine):
             self._readPending(held)
         self._setWake(self._nextWake())
 
-    def _placeQueue(self) -> dict[bytes, int]:
+    def _placeQueue(self) -> Counter[bytes]:
         """Send, keep, set aside or leave in the store each waiting request; returns held by service."""
         if self._spare:
             self.queue = sorted(self.queue + self._spare, key=lambda r: r.created)
             self._spare = []
-        out: dict[bytes, int] = {}
-        for request in self.inflight.values():
-            out[request.service] = out.get(request.service, 0) + 1
-        held = dict(out)
+        out = Counter(r.service for r in self.inflight.values())
+        held = Counter(out)
         self.queue = [request for request in self.queue if self._placeRequest(request, out, held)]
         return held
 
-    def _placeRequest(self, request: StoredRequest, out: dict[bytes, int],
-                      held: dict[bytes, int]) -> bool:
+    def _placeRequest(self, request: StoredRequest, out: Counter[bytes],
+                      held: Counter[bytes]) -> bool:
         """Send *request* if it may go out; True if it waits in the queue."""
         if not request.frames:
             # no frames could be read back: the driver answers it with an error
@@ -404,14 +393,13 @@ class DispatchMachine(Machine):
         if entry.state is ServiceState.PARKED:
             return False  # back to the store's keeping; read again once unparked
         service = request.service
-        count = held.get(service, 0)
-        if (entry.state is ServiceState.AVAILABLE and out.get(service, 0) < self._mostOut(entry)
+        if (entry.state is ServiceState.AVAILABLE and out[service] < self._mostOut(entry)
                 and self._send(request)):
-            out[service] = out.get(service, 0) + 1
-            held[service] = count + 1
+            out[service] += 1
+            held[service] += 1
             return False
-        if count < 2 * self._mostOut(entry):
-            held[service] = count + 1
+        if held[service] < 2 * self._mostOut(entry):
+            held[service] += 1
             return True
         if len(self._spare) < self.window:  # kept aside, the next of its to go
             self._spare.append(request)
@@ -451,21 +439,19 @@ class DispatchMachine(Machine):
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
 
-    def _readPending(self, held: dict[bytes, int]) -> None:
+    def _readPending(self, held: Counter[bytes]) -> None:
         self._dirty = False
         self._loading = True
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
-                and held.get(e.name, 0) >= 2 * self._mostOut(e)]
+                and held[e.name] >= 2 * self._mostOut(e)]
         self._full.update(full)
         parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
         skip = sorted(parked | set(full) | {r.service for r in self._spare})
-        ids = [r.id for r in self.queue] + list(self.inflight) + [r.id for r in self._spare]
-        self._emit(LoadPending(self._room(), skip, ids))
+        self._emit(LoadPending(self._room(), skip, [r.id for r in self._heldRequests()]))
 
     def _mostOut(self, entry: _Service) -> int:
-        """As many requests out as workers; one if none but the broker still knows
-        the service (it waits in the broker's queue); not known: the window.  Twice
-        as many may be held (out and waiting)."""
+        """As many out as workers (one if none, but the service is known; the window if
+        not counted); twice as many may be held."""
         if entry.workers is None:
             return self.window
         return max(entry.workers, 1)
@@ -500,8 +486,7 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 
 class Dispatcher:
     """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
-    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events.
-    A streamed reply is stored as all its PARTIALs' frames then the FINAL's."""
+    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events."""
 
     def __init__(
         self,

@@ -15,13 +15,7 @@ from mdp.majordomo.worker import Worker
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import (
-    ITitanicStore,
-    MemoryStore,
-    ReplyStatus,
-    SQLiteStore,
-    report_failure,
-)
+from mdp.titanic.store import ITitanicStore, MemoryStore, ReplyStatus, SQLiteStore, report_failure
 
 log = Logger()
 

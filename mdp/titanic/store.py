@@ -216,10 +216,9 @@ class SQLiteStore:
         #: the files in use, as opened (see _moved)
         self._files: dict[str, Optional[tuple[int, int]]] = {}
         self._db: Optional[sqlite3.Connection] = None
-        #: writes waiting for the next transaction (reactor thread only)
+        #: writes waiting for the next transaction, which follows the last one asked for
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
-        self._committing = False
-        self._drained: list[defer.Deferred[None]] = []
+        self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
 
@@ -386,19 +385,12 @@ class SQLiteStore:
         """Run one statement in the next transaction; fires with its row count."""
         d: defer.Deferred[int] = defer.Deferred()
         self._writes.append((sql, args, d))
-        if not self._committing:
-            self._nextCommit()
+        if len(self._writes) == 1:
+            self._lastCommit.addBoth(self._commitWrites)
         return d
 
-    def _nextCommit(self) -> None:
+    def _commitWrites(self, _: object) -> defer.Deferred[None]:
         batch, self._writes = self._writes, []
-        if not batch:
-            self._committing = False
-            drained, self._drained = self._drained, []
-            for d in drained:
-                d.callback(None)
-            return
-        self._committing = True
 
         def committed(results: Any) -> None:
             for index, (_, _, d) in enumerate(batch):
@@ -407,9 +399,8 @@ class SQLiteStore:
                     d.errback(outcome)
                 else:
                     d.callback(outcome)
-            self._nextCommit()
 
-        self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
+        return self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
         """Lock ``PATH.lock``: two Titanics on one file would run every request twice;
@@ -550,11 +541,9 @@ class SQLiteStore:
         self._rows.clear()
         if self._pool is None:
             return defer.succeed(None)
-        drained: defer.Deferred[None] = defer.succeed(None)
-        if self._committing:  # the writes already asked for are committed first
-            drained = defer.Deferred()
-            self._drained.append(drained)
-        d = drained.addCallback(lambda _: self._run(shut))
+        written: defer.Deferred[None] = defer.Deferred()
+        self._lastCommit.chainDeferred(written)  # the writes asked for are committed first
+        d = written.addCallback(lambda _: self._run(shut))
         return d.addBoth(lambda result: (self._release(), result)[1])
 
 
