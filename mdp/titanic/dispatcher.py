@@ -531,10 +531,6 @@ class Dispatcher:
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
                       maxConnections=self.machine.concurrency + 2, limits=self.limits, **self._curve)
 
-    @property
-    def concurrency(self) -> int:
-        return self.machine.concurrency
-
     def start(self) -> None:
         if self.machine.running:
             return

@@ -175,8 +175,7 @@ class Titanic:
         self._starting: Optional[defer.Deferred[None]] = None
         self._stopping = False
 
-    async def _start(self) -> None:
-        await self.store.open()
+    def _opened(self, _: None) -> None:
         if self._stopping:  # stopped while opening: stop closes it
             return
         self._started = True
@@ -188,7 +187,7 @@ class Titanic:
                  workers=len(self.server.workers) // len(protocol.SERVICES),
                  broker=" or ".join(self.dispatcher.endpoints),
                  store=getattr(self.store, "path", None) or type(self.store).__name__,
-                 concurrency=self.dispatcher.concurrency)
+                 concurrency=self.dispatcher.machine.concurrency)
 
     def start(self) -> defer.Deferred[None]:
         """Open the store (failing with :class:`~mdp.errors.StoreError` if it
@@ -196,7 +195,7 @@ class Titanic:
         if self._started or (self._starting is not None and not self._starting.called):
             raise RuntimeError("Titanic is already started")
         self._stopping = False
-        self._starting = defer.ensureDeferred(self._start())
+        self._starting = self.store.open().addCallback(self._opened)
         return self._starting
 
     async def _stop(self) -> None:

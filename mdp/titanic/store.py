@@ -222,15 +222,17 @@ class SQLiteStore:
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
 
-    def _closed(self) -> StoreError:
-        return StoreError(f"Titanic store {self.path} is closed")
-
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         if self._pool is None:
-            return defer.fail(self._closed())
+            return defer.fail(StoreError(f"Titanic store {self.path} is closed"))
         return threads.deferToThreadPool(self.reactor, self._pool, work, *args)
 
     # --- on the store's thread ------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError(f"Titanic store {self.path} is closed")
+        return self._db
 
     def _connect(self) -> None:
         db: Optional[sqlite3.Connection] = None
@@ -324,12 +326,10 @@ class SQLiteStore:
     def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Commit *statements* in one transaction, or if that fails each alone; returns
         each row count or exception.  Nothing is written once the files moved."""
-        db = self._db
-        if db is None:
-            return [self._closed()] * len(statements)
+        db = self._connection()
         moved = self._moved()
         if moved is not None:
-            return [StoreError(moved)] * len(statements)
+            raise StoreError(moved)
 
         def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
             with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
@@ -349,18 +349,11 @@ class SQLiteStore:
                 results.append(e)
         return results
 
-    def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if self._db is None:
-            raise self._closed()
-        return self._db.execute(sql, args).fetchall()
-
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
         """The *limit* oldest pending rows of services not skipped: one scan by age, or
         past :data:`SCAN_BUDGET` steps, service by service through the service index."""
-        db = self._db
-        if db is None:
-            raise self._closed()
+        db = self._connection()
         args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
         left = [SCAN_BUDGET]
 
@@ -463,12 +456,7 @@ class SQLiteStore:
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
-
-        def failed(failure: Failure) -> Failure:
-            self._release()
-            return failure
-
-        return self._run(self._connect).addErrback(failed)
+        return self._run(self._connect).addErrback(lambda failure: (self._release(), failure)[1])
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
         requestId = str(uuid.uuid4())
@@ -505,23 +493,25 @@ class SQLiteStore:
                            ).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
-        def status(rows: list[tuple[Any, ...]]) -> tuple[ReplyStatus, list[bytes]]:
-            if not rows:
-                return ReplyStatus.UNKNOWN, []
-            record, crc = rows[0]
-            if record is None:
-                return ReplyStatus.PENDING, []
-            why = "its checksum does not match"
-            if crc is None or _intact(crc, record):
-                try:
-                    return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
-                except (ProtocolError, ValueError, TypeError) as e:
-                    why = str(e)
-            raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
-                             f"is damaged: {why}")
+        return self._run(self._reply, requestId)
 
-        return self._run(self._read, "SELECT reply, reply_crc FROM requests WHERE id = ?",
-                         (requestId,)).addCallback(status)
+    def _reply(self, requestId: str) -> tuple[ReplyStatus, list[bytes]]:
+        """:meth:`reply` on the store's thread."""
+        row = self._connection().execute(
+            "SELECT reply, reply_crc FROM requests WHERE id = ?", (requestId,)).fetchone()
+        if row is None:
+            return ReplyStatus.UNKNOWN, []
+        record, crc = row
+        if record is None:
+            return ReplyStatus.PENDING, []
+        why = "its checksum does not match"
+        if crc is None or _intact(crc, record):
+            try:
+                return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
+            except (ProtocolError, ValueError, TypeError) as e:
+                why = str(e)
+        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
+                         f"is damaged: {why}")
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._rows.pop(requestId, None)
