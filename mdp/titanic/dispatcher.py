@@ -86,13 +86,11 @@ class CheckService:
 
 @action_class
 class Dispatch:
-
     request: StoredRequest
 
 
 @action_class
 class StoreReply:
-
     requestId: str
     frames: list[bytes]
 

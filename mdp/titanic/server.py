@@ -109,6 +109,7 @@ class TitanicServer:
             requestId = protocol.parse_id(body, protocol.CLOSE)
         except protocol.MalformedTitanicRequest as e:
             return protocol.failed(str(e))
+
         def forgotten(_: None) -> list[bytes]:
             self._tell(self.onClosed, requestId)
             return [protocol.OK]
