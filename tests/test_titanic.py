@@ -14,7 +14,7 @@ from mdp.errors import TitanicError, UnknownRequest, WorkerError
 from mdp.policy import Backoff
 from mdp.titanic import Titanic, TitanicClient, protocol
 from mdp.titanic.server import TitanicServer
-from mdp.titanic.store import MemoryStore
+from mdp.titanic.store import MemoryStore, ReplyStatus
 from tests.conftest import LoopbackNet
 from tests.test_mdp_behaviour import echo, make_client, start_broker, start_worker
 
@@ -153,7 +153,19 @@ async def test_call_is_submit_result_close(clocknet: LoopbackNet) -> None:
     assert await clocknet.wait(client.call("echo", b"a", "b")) == [b"a", b"b"]
 
 
-class ForgetFails(MemoryStore):
+class Recorded(MemoryStore):
+    """Keeps the ids it gave out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+
+    def add(self, service: bytes, frames: list[bytes], now: float) -> Any:
+        return super().add(service, frames, now).addCallback(
+            lambda requestId: (self.ids.append(requestId), requestId)[1])
+
+
+class ForgetFails(Recorded):
     def forget(self, requestId: str) -> Any:
         return defer.fail(OSError("database or disk is full"))
 
@@ -172,7 +184,8 @@ async def test_call_returns_the_reply_in_hand_when_the_close_fails(
     with warnings_logged() as warnings:
         assert await clocknet.wait(client.call("charge", b"$10")) == [b"charged $10"]
     assert runs == [[b"$10"]]
-    (requestId,) = node.store._entries  # left to Titanic's keep time
+    (requestId,) = node.store.ids
+    assert (await clocknet.wait(node.store.reply(requestId)))[0] is ReplyStatus.DONE  # kept
     assert any("titanic.close failed" in str(e.get("log_format"))
                and e.get("requestId") == requestId for e in warnings)
 
@@ -186,12 +199,14 @@ async def test_call_keeps_a_stored_reply_that_titanic_reply_cannot_carry(
     from mdp import Limits
 
     runs: list[int] = []
-    broker, client, endpoint, node = await whole(clocknet, limits=Limits(maxMessageBytes=10_000))
+    broker, client, endpoint, node = await whole(clocknet, Recorded(),
+                                                 limits=Limits(maxMessageBytes=10_000))
     start_worker(clocknet, endpoint, "report", lambda f: (runs.append(1), [b"r" * 9_985])[1])
     with pytest.raises(TitanicError, match="stays in Titanic's store"):
         await clocknet.wait(client.call("report", b"go"))
-    (requestId,) = node.store._entries
-    assert runs == [1] and node.store._done.get(requestId) is not None
+    (requestId,) = node.store.ids
+    assert runs == [1]
+    assert (await clocknet.wait(node.store.reply(requestId)))[0] is ReplyStatus.DONE
 
 
 @pytest_twisted.ensureDeferred

@@ -109,15 +109,14 @@ class TitanicClient:
                 # titanic.reply itself refused (413): the reply stays in the store
                 raise TitanicError(f"titanic.reply could not fetch the reply to {requestId} "
                                    f"({e}); it stays in Titanic's store") from e
-            if not reply:
-                raise TitanicError("titanic.reply answered with no status frame")
-            if reply[0] == protocol.PENDING:
+            status = reply[:1]
+            if status == [protocol.PENDING]:
                 return None
-            if reply[0] == protocol.UNKNOWN:
+            if status == [protocol.UNKNOWN]:
                 raise UnknownRequest(f"Titanic knows no request {requestId} "
                                      f"(never stored, closed, or purged)")
-            if reply[0] != protocol.OK:
-                raise TitanicError(f"titanic.reply answered {reply[0]!r}")
+            if status != [protocol.OK]:
+                raise TitanicError(f"titanic.reply answered {status or 'no status frame'}")
             frames = reply[1:]
             error = remote_error(self._services.get(requestId, b"titanic.reply"), frames)
             if error is not None:

@@ -2,42 +2,27 @@
 
 :class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
 drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
-Pending requests are read oldest first, a window at a time.  A service with no
-worker that the broker does not know, or whose request failed, is **parked**
-and asked again after a backoff.  At most *concurrency* requests are out, and of
-one service at most as many as it has workers (more would time out in the
-broker's queue and be sent twice).  A failed attempt is retried until the
-request is closed: delivery is at-least-once.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections import Counter
 from typing import Any, Callable, Optional, Sequence, Union
 
+import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from mdp import transport
-from mdp.errors import (
-    ClientClosed,
-    RemoteError,
-    ReplyTooLarge,
-    RequestTooLarge,
-)
+from mdp.errors import ClientClosed, RemoteError, ReplyTooLarge, RequestTooLarge
 from mdp.machine import Machine, action_class
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import (
-    Backoff,
-    Limits,
-    call_at,
-    default_reactor,
-    positive_seconds,
-)
+from mdp.policy import Backoff, Limits, call_at, default_reactor, positive_seconds
 from mdp.titanic.client import TRANSIENT
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
@@ -51,11 +36,10 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT = 30.0
 #: Wait before asking again about a parked service.
 DEFAULT_BACKOFF = Backoff(1.0, 32.0)
-#: What a ``titanic.reply`` answer adds to a stored reply (status, headers, service,
-#: routing id): a streamed reply is kept only while it fits the limits less this.
+#: What a ``titanic.reply`` answer adds to a stored reply: a streamed reply is kept
+#: only while it fits the limits less this.
 REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
-
 #: Seconds an answer that a service has workers is trusted.
 DEFAULT_RECHECK = 5.0
 
@@ -72,22 +56,16 @@ class ServiceState(enum.Enum):
     PARKED = "parked"
 
 
+@attrs.define
 class _Service:
-    __slots__ = ("name", "state", "failures", "until", "reason", "workers")
-
-    def __init__(self, name: bytes) -> None:
-        self.name = name
-        self.state = ServiceState.UNKNOWN
-        #: parks since the last stored reply (the backoff step)
-        self.failures = 0
-        #: AVAILABLE: trusted until; PARKED: parked until
-        self.until = 0.0
-        self.reason = ""
-        #: as the broker last said (None: not known; 0: none, but still known)
-        self.workers: Optional[int] = None
-
-
-# --- actions ----------------------------------------------------------------------
+    name: bytes
+    state: ServiceState = ServiceState.UNKNOWN
+    #: parks since the last stored reply (the backoff step)
+    failures: int = 0
+    #: AVAILABLE: trusted until; PARKED: parked until
+    until: float = 0.0
+    #: as the broker last said (None: not known; 0: none, but still known)
+    workers: Optional[int] = None
 
 
 @action_class
@@ -108,13 +86,11 @@ class CheckService:
 
 @action_class
 class Dispatch:
-
     request: StoredRequest
 
 
 @action_class
 class StoreReply:
-
     requestId: str
     frames: list[bytes]
 
@@ -189,14 +165,11 @@ class DispatchMachine(Machine):
         self._dirty = False  # the store may hold pending requests we have not read
         #: services holding as many requests as they may; read more once one is done
         self._full: set[bytes] = set()
-        #: requests read beyond their service's share, oldest first, at most a
-        #: window: the next to go when a place of theirs frees
+        #: read beyond their service's share (at most a window): the next to go
         self._spare: list[StoredRequest] = []
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
-
-    # --- events -----------------------------------------------------------------------
 
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
@@ -209,8 +182,7 @@ class DispatchMachine(Machine):
     def handleStored(self, requestId: str, now: float) -> list[Action]:
         self.now = now
         self._dirty = True
-        self._pump()
-        return self._drain()
+        return self._pumped()
 
     def handleLoaded(self, requests: Sequence[StoredRequest], limit: int,
                      now: float) -> list[Action]:
@@ -225,8 +197,7 @@ class DispatchMachine(Machine):
             held = {r.id for r in self._heldRequests()}
             self.queue.extend(r for r in requests if r.id not in held)
             self.queue.sort(key=lambda r: r.created)
-        self._pump()
-        return self._drain()
+        return self._pumped()
 
     def handleLoadFailed(self, reason: str, now: float) -> list[Action]:
         self.now = now
@@ -237,42 +208,32 @@ class DispatchMachine(Machine):
     def handleChecked(self, service: bytes, available: bool, reason: str,
                       now: float) -> list[Action]:
         """No worker count (``mmi.service``, or a failure): bound by *concurrency* alone."""
-        entry = self.services.get(service)
-        if entry is not None and entry.workers is not None:
-            self._setWorkers(service, None)
-        return self._checked(service, available, reason, now)
+        return self._checked(service, None, available, reason, now)
 
-    def _setWorkers(self, service: bytes, workers: Optional[int]) -> None:
-        entry = self.services.get(service)
-        if entry is not None and entry.state is ServiceState.CHECKING:
-            entry.workers = workers
-            if service in self._full:
-                self._dirty = True  # it may take more now
+    def handleCounted(self, service: bytes, workers: int, now: float) -> list[Action]:
+        """``mmi.workers`` counted *workers* (none: parked); as many may be out at once."""
+        return self._checked(service, workers, workers > 0,
+                             "" if workers > 0 else "no worker (mmi.workers)", now)
 
-    def _checked(self, service: bytes, available: bool, reason: str,
+    def handleLingering(self, service: bytes, now: float) -> list[Action]:
+        """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
+        restarting): one request at a time goes out."""
+        return self._checked(service, 0, True, "", now)
+
+    def _checked(self, service: bytes, workers: Optional[int], available: bool, reason: str,
                  now: float) -> list[Action]:
         self.now = now
         entry = self.services.get(service)
         if entry is not None and entry.state is ServiceState.CHECKING:
+            if service in self._full and (workers is not None or entry.workers is not None):
+                self._dirty = True  # it may take more now
+            entry.workers = workers
             if available:
                 entry.state = ServiceState.AVAILABLE
                 entry.until = now + self.recheck
             else:
                 self._park(entry, reason)
-        self._pump()
-        return self._drain()
-
-    def handleCounted(self, service: bytes, workers: int, now: float) -> list[Action]:
-        """``mmi.workers`` counted *workers* (none: parked); as many may be out at once."""
-        self._setWorkers(service, workers)
-        return self._checked(service, workers > 0, "" if workers > 0
-                             else "no worker (mmi.workers)", now)
-
-    def handleLingering(self, service: bytes, now: float) -> list[Action]:
-        """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
-        restarting): one request goes out at a time rather than none."""
-        self._setWorkers(service, 0)
-        return self._checked(service, True, "", now)
+        return self._pumped()
 
     def handleReply(self, requestId: str, frames: list[bytes], now: float) -> list[Action]:
         """A request's final reply (or final error reply) arrived."""
@@ -290,8 +251,7 @@ class DispatchMachine(Machine):
             self._park(self._service(request.service), reason)
             self._dirty = True
             self._full.discard(request.service)
-        self._pump()
-        return self._drain()
+        return self._pumped()
 
     def handleReplyStored(self, requestId: str, now: float) -> list[Action]:
         self.now = now
@@ -305,8 +265,7 @@ class DispatchMachine(Machine):
                 entry.state = ServiceState.UNKNOWN
             self._freed(request.service)
         self._storeFailures = 0
-        self._pump()
-        return self._drain()
+        return self._pumped()
 
     def handleStoreFailed(self, requestId: str, reason: str, now: float) -> list[Action]:
         """Keep the reply (the request stays out, not run again); store it again after a backoff."""
@@ -318,14 +277,12 @@ class DispatchMachine(Machine):
 
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
         self.now = now
-        for request in self.queue:
-            if request.id == requestId:
-                self.queue.remove(request)
-                self._freed(request.service)
-                break
+        request = next((r for r in self.queue if r.id == requestId), None)
+        if request is not None:
+            self.queue.remove(request)
+            self._freed(request.service)
         self._spare = [r for r in self._spare if r.id != requestId]
-        self._pump()
-        return self._drain()
+        return self._pumped()
 
     def handleWake(self, now: float) -> list[Action]:
         self.now = now
@@ -339,13 +296,12 @@ class DispatchMachine(Machine):
         self._setWake(None)
         return self._drain()
 
-    # --- decisions --------------------------------------------------------------------
+    def _pumped(self) -> list[Action]:
+        self._pump()
+        return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        entry = self.services.get(name)
-        if entry is None:
-            entry = self.services[name] = _Service(name)
-        return entry
+        return self.services.setdefault(name, _Service(name))
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -359,9 +315,8 @@ class DispatchMachine(Machine):
         delay = self.backoff.delay(entry.failures)
         entry.failures += 1
         entry.state = ServiceState.PARKED
-            # on a whole second: services parked together are read again in one go
+        # on a whole second: services parked together are read again in one go
         entry.until = float(math.ceil(self.now + delay))
-        entry.reason = reason
         self._emit(Parked(entry.name, delay, reason))
 
     def _storeTrouble(self) -> None:
@@ -390,8 +345,7 @@ class DispatchMachine(Machine):
         self._pump()
 
     def _forgetIdleServices(self) -> None:
-        """Drop services nothing is held for that are unasked or long unparked (the
-        table must not grow with every name ever submitted)."""
+        """Drop idle services: the table must not grow with every name ever submitted."""
         held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
             if name not in held and self._forgettable(entry):
@@ -417,20 +371,18 @@ class DispatchMachine(Machine):
             self._readPending(held)
         self._setWake(self._nextWake())
 
-    def _placeQueue(self) -> dict[bytes, int]:
+    def _placeQueue(self) -> Counter[bytes]:
         """Send, keep, set aside or leave in the store each waiting request; returns held by service."""
         if self._spare:
             self.queue = sorted(self.queue + self._spare, key=lambda r: r.created)
             self._spare = []
-        out: dict[bytes, int] = {}
-        for request in self.inflight.values():
-            out[request.service] = out.get(request.service, 0) + 1
-        held = dict(out)
+        out = Counter(r.service for r in self.inflight.values())
+        held = Counter(out)
         self.queue = [request for request in self.queue if self._placeRequest(request, out, held)]
         return held
 
-    def _placeRequest(self, request: StoredRequest, out: dict[bytes, int],
-                  held: dict[bytes, int]) -> bool:
+    def _placeRequest(self, request: StoredRequest, out: Counter[bytes],
+                      held: Counter[bytes]) -> bool:
         """Send *request* if it may go out; True if it waits in the queue."""
         if not request.frames:
             # no frames could be read back: the driver answers it with an error
@@ -439,14 +391,13 @@ class DispatchMachine(Machine):
         if entry.state is ServiceState.PARKED:
             return False  # back to the store's keeping; read again once unparked
         service = request.service
-        count = held.get(service, 0)
-        if (entry.state is ServiceState.AVAILABLE and out.get(service, 0) < self._mostOut(entry)
+        if (entry.state is ServiceState.AVAILABLE and out[service] < self._mostOut(entry)
                 and self._send(request)):
-            out[service] = out.get(service, 0) + 1
-            held[service] = count + 1
+            out[service] += 1
+            held[service] += 1
             return False
-        if count < self._mostHeld(entry):
-            held[service] = count + 1
+        if held[service] < 2 * self._mostOut(entry):
+            held[service] += 1
             return True
         if len(self._spare) < self.window:  # kept aside, the next of its to go
             self._spare.append(request)
@@ -486,27 +437,22 @@ class DispatchMachine(Machine):
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
 
-    def _readPending(self, held: dict[bytes, int]) -> None:
+    def _readPending(self, held: Counter[bytes]) -> None:
         self._dirty = False
         self._loading = True
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
-                and held.get(e.name, 0) >= self._mostHeld(e)]
+                and held[e.name] >= 2 * self._mostOut(e)]
         self._full.update(full)
         parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
         skip = sorted(parked | set(full) | {r.service for r in self._spare})
-        ids = [r.id for r in self.queue] + list(self.inflight) + [r.id for r in self._spare]
-        self._emit(LoadPending(self._room(), skip, ids))
+        self._emit(LoadPending(self._room(), skip, [r.id for r in self._heldRequests()]))
 
     def _mostOut(self, entry: _Service) -> int:
-        """As many requests out as workers; one if none but the broker still knows
-        the service (it waits in the broker's queue); not known: *concurrency*."""
+        """As many out as workers (one if none, but the service is known; the window if
+        not counted); twice as many may be held."""
         if entry.workers is None:
             return self.window
         return max(entry.workers, 1)
-
-    def _mostHeld(self, entry: _Service) -> int:
-        """Requests held at most (out and waiting): twice as many as may be out."""
-        return 2 * self._mostOut(entry)
 
     def _nextWake(self) -> Optional[float]:
         times = [e.until for e in self.services.values() if e.state is ServiceState.PARKED]
@@ -538,8 +484,7 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 
 class Dispatcher:
     """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
-    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events.
-    A streamed reply is stored as all its PARTIALs' frames then the FINAL's."""
+    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events."""
 
     def __init__(
         self,
@@ -571,30 +516,24 @@ class Dispatcher:
         self._timer: Any = None
         self._performers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, StoreReply: self._storeReply, LoadPending: self._load,
-            CheckService: self._check, Purge: self._purge, Parked: self._logParked,
-            WakeAt: self._wakeAt}
+            CheckService: lambda action: defer.ensureDeferred(self._check(action.service)),
+            Purge: self._purge, Parked: self._logParked, WakeAt: self._wakeAt}
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
-        self._calls: set[defer.Deferred[Any]] = set()
         #: bumped by stop: results of what an earlier run asked are ignored
         self._generation = 0
         self._warnedNoMMI = False
-        self._clientClosed = False
 
     def _newClient(self) -> Client:
         # every request out, and room for the service checks beside them
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
                       maxConnections=self.machine.concurrency + 2, limits=self.limits, **self._curve)
 
-    @property
-    def concurrency(self) -> int:
-        return self.machine.concurrency
-
     def start(self) -> None:
         if self.machine.running:
             return
-        if self._clientClosed:
-            self.client, self._clientClosed = self._newClient(), False
+        if self._generation:  # stopped before: its client is closed
+            self.client = self._newClient()
         self._feed(self.machine.handleStart)
 
     def stored(self, requestId: str) -> None:
@@ -606,15 +545,11 @@ class Dispatcher:
         self._feed(self.machine.handleClosed, requestId)
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop sending; requests out stay pending in the store."""
+        """Stop sending; requests out stay pending in the store (closing the client
+        fails them, and the new generation ignores that)."""
         self._generation += 1
         self._feed(self.machine.handleStop)
-        for d in list(self._calls):
-            d.cancel()
-        self._clientClosed = True
         return self.client.close()
-
-    # --- the driver ---------------------------------------------------------------------
 
     def _feed(self, handler: Any, *args: Any) -> None:
         """Handle events one at a time, in order, even when a result arrives synchronously."""
@@ -639,10 +574,6 @@ class Dispatcher:
 
         return feed
 
-    def _track(self, d: defer.Deferred[Any]) -> defer.Deferred[Any]:
-        self._calls.add(d)
-        return d.addBoth(lambda result: (self._calls.discard(d), result)[1])
-
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:
             self._performers[type(action)](action)
@@ -653,11 +584,8 @@ class Dispatcher:
                  reason=action.reason)
 
     def _wakeAt(self, action: WakeAt) -> None:
-        self._timer = call_at(self._timer, self.reactor, action.when, self._wakeUp)
-
-    def _wakeUp(self) -> None:
-        self._timer = None
-        self._feed(self.machine.handleWake)
+        self._timer = call_at(self._timer, self.reactor, action.when,
+                              lambda: self._feed(self.machine.handleWake))
 
     def _load(self, action: LoadPending) -> None:
         loaded, failed = self._then(self.machine.handleLoaded), self._then(self.machine.handleLoadFailed)
@@ -669,89 +597,66 @@ class Dispatcher:
         self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
             lambda requests: loaded(requests, action.limit), trouble)
 
-    def _ask(self, mmiService: bytes, service: bytes, answered: Callable[[list[bytes]], None],
-             failed: Callable[[Failure], None]) -> None:
-        d = self._track(self.client.request(mmiService, service, timeout=min(self.timeout, 5.0)))
-        d.addCallbacks(answered, failed)
+    async def _check(self, service: bytes) -> None:
+        """``mmi.workers`` counts the workers; none counted, or no listing (a broker
+        without it, a listing over this client's limits), ``mmi.service`` says
+        whether the broker knows the service."""
+        machine = self.machine
+        counted, checked = self._then(machine.handleCounted), self._then(machine.handleChecked)
+        lingering = self._then(machine.handleLingering)
+        timeout = min(self.timeout, 5.0)
+        try:
+            workers = mmi.workers_listed(await self.client.request(
+                b"mmi.workers", service, timeout=timeout))
+        except RETRY as e:  # the broker away: ask again later
+            checked(service, False, f"mmi.workers failed: {e}")
+            return
+        except Exception:  # refused, over this client's limits, ...: ask the short way
+            workers = None
+        if workers:
+            counted(service, workers)
+            return
+        reason = "no worker (mmi.service)"
+        try:
+            answer = (await self.client.request(b"mmi.service", service, timeout=timeout))[:1]
+        except Exception as e:
+            answer, reason = [], f"mmi.service failed: {e}"
+        if workers == 0 and answer == [mmi.FOUND]:  # known: its worker restarting
+            lingering(service)
+        elif workers == 0:
+            counted(service, 0)
+        elif answer == [b"501"]:  # a broker without MMI: send, and see
+            self._warnNoMMI()
+            checked(service, True, "")
+        else:
+            available = answer == [mmi.FOUND]
+            checked(service, available, "" if available else reason)
 
-    def _check(self, action: CheckService) -> None:
-        """See :class:`CheckService`; without ``mmi.workers``, *concurrency* alone bounds."""
-        service = action.service
-        counted, checked = self._then(self.machine.handleCounted), self._then(self.machine.handleChecked)
-
-        def answered(reply: list[bytes]) -> None:
-            workers = mmi.workers_listed(reply)
-            if workers is None:
-                self._checkAvailable(service)
-            elif workers == 0:
-                self._checkLingering(service)
-            else:
-                counted(service, workers)
-
-        def failed(failure: Failure) -> None:
-            if failure.check(defer.CancelledError):
-                return
-            if failure.check(*RETRY):  # the broker away: ask again later
-                checked(service, False, f"mmi.workers failed: {failure.getErrorMessage()}")
-            else:  # a listing over this client's limits, refused, ...: ask the short way
-                self._checkAvailable(service)
-
-        self._ask(b"mmi.workers", service, answered, failed)
-
-    def _checkLingering(self, service: bytes) -> None:
-        """No worker counted: a ``200`` from ``mmi.service`` lets one request out, else park."""
-        lingering, counted = self._then(self.machine.handleLingering), self._then(self.machine.handleCounted)
-
-        def answered(reply: list[bytes]) -> None:
-            if reply[:1] == [mmi.FOUND]:
-                lingering(service)
-            else:
-                counted(service, 0)
-
-        def failed(failure: Failure) -> None:
-            if not failure.check(defer.CancelledError):
-                counted(service, 0)
-
-        self._ask(b"mmi.service", service, answered, failed)
-
-    def _checkAvailable(self, service: bytes) -> None:
-        checked = self._then(self.machine.handleChecked)
-
-        def answered(reply: list[bytes]) -> None:
-            if reply[:1] == [b"501"]:  # a broker without MMI: send, and see
-                if not self._warnedNoMMI:
-                    self._warnedNoMMI = True
-                    log.warn("Titanic: the broker does not answer mmi.service (501); "
-                             "sending requests without asking")
-                checked(service, True, "")
-                return
-            available = reply[:1] == [b"200"]
-            checked(service, available, "" if available else "no worker (mmi.service)")
-
-        def failed(failure: Failure) -> None:
-            if not failure.check(defer.CancelledError):
-                checked(service, False, f"mmi.service failed: {failure.getErrorMessage()}")
-
-        self._ask(b"mmi.service", service, answered, failed)
+    def _warnNoMMI(self) -> None:
+        if not self._warnedNoMMI:
+            self._warnedNoMMI = True
+            log.warn("Titanic: the broker does not answer mmi.service (501); "
+                     "sending requests without asking")
 
     def _dispatch(self, action: Dispatch) -> None:
+        """Send a stored request.  A stream that outgrows what one ``titanic.reply``
+        can carry is answered 413 and abandoned (cancelled a turn later: this runs
+        inside the client's handler)."""
         request = action.request
         replied, failedFor = self._then(self.machine.handleReply), self._then(self.machine.handleFailed)
-        parts: list[bytes] = []
-        held = 0  # bytes in parts
-        over = False  # the stream outgrew what a reply may be: answered 413, abandoned
         mostBytes = max(1, self.limits.maxMessageBytes - REPLY_RESERVE_BYTES)
         mostFrames = max(1, self.limits.maxFrames - REPLY_RESERVE_FRAMES)
+        parts: list[bytes] = []
+        held = 0  # bytes in parts
+        over = False  # answered 413 and abandoned
         calls: list[defer.Deferred[Any]] = []
 
-        def overLimits(body: list[bytes]) -> bool:
-            """*body* would take the stream beyond one ``titanic.reply``: answer 413
-            and abandon it (a turn later: this runs inside the client's handler)."""
+        def fits(body: list[bytes]) -> bool:
             nonlocal held, over
             size = held + sum(map(len, body))
             if size <= mostBytes and len(parts) + len(body) <= mostFrames:
                 held = size
-                return False
+                return True
             over = True
             parts.clear()
             replied(request.id, error_body(
@@ -760,10 +665,10 @@ class Dispatcher:
                 f"can carry"))
             if calls:
                 self.reactor.callLater(0, calls[0].cancel)
-            return True
+            return False
 
         def partial(body: list[bytes]) -> None:
-            if not over and not overLimits(body):
+            if not over and fits(body):
                 parts.extend(body)
 
         def restart() -> None:
@@ -772,12 +677,11 @@ class Dispatcher:
             held = 0
 
         def final(body: list[bytes]) -> None:
-            if over or (parts and overLimits(body)):
-                return
-            replied(request.id, parts + body)
+            if not over and (not parts or fits(body)):
+                replied(request.id, parts + body)
 
         def failed(failure: Failure) -> None:
-            if over or failure.check(defer.CancelledError):
+            if over:
                 return
             body = final_error_body(failure.value)
             if body is not None:
@@ -788,20 +692,17 @@ class Dispatcher:
         try:
             d = self.client.request(request.service, *request.frames,
                                     onPartial=partial, onRestart=restart)
-        except RequestTooLarge as e:  # over this client's limits: it never will fit
-            replied(request.id, error_body(STATUS_TOO_LARGE, str(e)))
-            return
-        except (ValueError, TypeError) as e:  # a stored request that cannot be sent
-            replied(request.id, error_body(STATUS_WORKER_ERROR,
-                                           f"the stored request cannot be sent: {e}"))
+        except (ValueError, TypeError) as e:  # over this client's limits, or cannot be sent
+            replied(request.id, final_error_body(e) or error_body(
+                STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))
             return
         calls.append(d)
-        self._track(d).addCallbacks(final, failed)
+        d.addCallbacks(final, failed)
 
     def _storeReply(self, action: StoreReply) -> None:
         requestId, frames = action.requestId, action.frames
-        machine = self.machine
-        stored, failed = self._then(machine.handleReplyStored), self._then(machine.handleStoreFailed)
+        stored = self._then(self.machine.handleReplyStored)
+        failed = self._then(self.machine.handleStoreFailed)
 
         def trouble(failure: Failure) -> None:
             report_failure(log, failure, "Titanic could not store the reply to {id}", id=requestId)

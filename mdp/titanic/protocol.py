@@ -1,20 +1,11 @@
 """The Titanic Service Protocol (ZeroMQ RFC 9) as pure functions: no I/O.
 
-Three MDP services, each answered with a status frame first:
-
-=====================  ===========================  ==========================================
-service                request body                 reply
-=====================  ===========================  ==========================================
-``titanic.request``    service name, frame, ...     ``200`` + request id, once it is stored
-``titanic.reply``      request id                   ``200`` + the reply frames; ``300`` while
-                                                    pending; ``400`` unknown or closed id
-``titanic.close``      request id                   ``200`` (also for an unknown id)
-=====================  ===========================  ==========================================
-
-A request id is an RFC 4122 UUID as text.  A malformed body (bad or missing
-service name, Titanic's own or an ``mmi.*`` service, no request frame, an id
-that is not a UUID, extra frames) is answered ``500`` + a message frame; so is
-a failing store.
+Three MDP services, each answered with a status frame first (docs/titanic.md,
+"The protocol"): ``titanic.request`` (service name, frames: ``200`` + the request
+id once stored), ``titanic.reply`` (request id: ``200`` + the reply frames,
+``300`` pending, ``400`` unknown or closed) and ``titanic.close`` (request id:
+``200``).  A request id is an RFC 4122 UUID as text.  A malformed body is
+answered ``500`` + a message frame; so is a failing store.
 """
 
 from __future__ import annotations

@@ -15,13 +15,7 @@ from mdp.majordomo.worker import Worker
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import (
-    ITitanicStore,
-    MemoryStore,
-    ReplyStatus,
-    SQLiteStore,
-    report_failure,
-)
+from mdp.titanic.store import ITitanicStore, MemoryStore, ReplyStatus, SQLiteStore, report_failure
 
 log = Logger()
 
@@ -30,8 +24,8 @@ DEFAULT_SERVICE_WORKERS = 4
 
 
 class _ServiceWorker(Worker):
-    """A Titanic service worker whose "sent READY" line is debug: Titanic runs
-    several per service and says once what it serves."""
+    """Its "sent READY" line is debug: Titanic runs several per service and says
+    once what it serves."""
 
     readyLogLevel = LogLevel.debug
 
@@ -115,6 +109,7 @@ class TitanicServer:
             requestId = protocol.parse_id(body, protocol.CLOSE)
         except protocol.MalformedTitanicRequest as e:
             return protocol.failed(str(e))
+
         def forgotten(_: None) -> list[bytes]:
             self._tell(self.onClosed, requestId)
             return [protocol.OK]
@@ -181,21 +176,19 @@ class Titanic:
         self._starting: Optional[defer.Deferred[None]] = None
         self._stopping = False
 
-    async def _start(self) -> None:
-        await self.store.open()
+    def _opened(self, _: None) -> None:
         if self._stopping:  # stopped while opening: stop closes it
             return
         self._started = True
         self.server.start()
         self.dispatcher.start()
-        where = getattr(self.store, "path", None)
         log.info("Titanic started: services {services} ({workers} workers each) via {broker}; "
                  "store {store}, {concurrency} request(s) out at once",
                  services=", ".join(name.decode("ascii") for name in protocol.SERVICES),
                  workers=len(self.server.workers) // len(protocol.SERVICES),
                  broker=" or ".join(self.dispatcher.endpoints),
-                 store=where or type(self.store).__name__,
-                 concurrency=self.dispatcher.concurrency)
+                 store=getattr(self.store, "path", None) or type(self.store).__name__,
+                 concurrency=self.dispatcher.machine.concurrency)
 
     def start(self) -> defer.Deferred[None]:
         """Open the store (failing with :class:`~mdp.errors.StoreError` if it
@@ -203,16 +196,14 @@ class Titanic:
         if self._started or (self._starting is not None and not self._starting.called):
             raise RuntimeError("Titanic is already started")
         self._stopping = False
-        self._starting = defer.ensureDeferred(self._start())
+        self._starting = self.store.open().addCallback(self._opened)
         return self._starting
 
     async def _stop(self) -> None:
         self._stopping = True
         starting = self._starting
         if starting is not None and not starting.called:
-            done: defer.Deferred[None] = defer.Deferred()
-            starting.addBoth(lambda result: (done.callback(None), result)[1])
-            await done  # undone below; its failure is start's
+            await defer.DeferredList([starting])  # undone below; its failure is start's
         if self._started:
             self._started = False
             await self.dispatcher.stop()

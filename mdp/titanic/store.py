@@ -1,21 +1,16 @@
 """Where Titanic keeps requests and replies: the store interface and two stores.
 
-* :class:`SQLiteStore` (the default): :mod:`sqlite3` in WAL mode with
-  ``synchronous=FULL``, so a request is on disk when :meth:`~ITitanicStore.add`
-  fires; writes that arrive during a commit share the next one.  A file that is
-  damaged or another application's refuses to open (:class:`~mdp.errors.StoreError`).
-* :class:`MemoryStore`: the Guide's "faster and less reliable" mode.
-
-Request and reply frames are one record blob each, with a CRC-32 (SQLite does
-not check inside values, and a changed byte could misroute a request); a value
-that fails it reads back as damaged.  Rows without checksums are read unchecked.
+:class:`SQLiteStore` (the default) has a request on disk (WAL, ``synchronous=FULL``)
+before :meth:`~ITitanicStore.add` fires; writes arriving during a commit share the
+next one.  :class:`MemoryStore` is the Guide's "faster and less reliable" mode.
+Frames are stored as one record blob with a CRC-32 (SQLite does not check inside
+values); a value that fails it reads back as damaged.
 """
 
 from __future__ import annotations
 
 import enum
 import fcntl
-import heapq
 import json
 import os
 import sqlite3
@@ -29,7 +24,7 @@ from twisted.internet import defer, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
-from zope.interface import Interface, implementer
+from zope.interface import Interface, implementer, implementer_only
 
 from mdp.errors import ProtocolError, StoreError
 from mdp.policy import Limits, default_reactor
@@ -87,97 +82,6 @@ class ITitanicStore(Interface):
         """Release the storage."""
 
 
-def new_id() -> str:
-    """A fresh request id: an RFC 4122 UUID (version 4) as text."""
-    return str(uuid.uuid4())
-
-
-@implementer(ITitanicStore)
-class MemoryStore:
-    """Everything in memory: fast, and lost with the process."""
-
-    def __init__(self) -> None:
-        #: id -> [service, frames, created, reply or None, completed]
-        self._entries: dict[str, list[Any]] = {}
-        #: ids without a reply by service, oldest first, with their order number
-        self._pending: dict[bytes, dict[str, int]] = {}
-        self._stored = 0
-        #: ids with a reply, in the order they got it (purged first)
-        self._done: dict[str, float] = {}
-
-    def open(self) -> defer.Deferred[None]:
-        return defer.succeed(None)
-
-    def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
-        requestId = new_id()
-        service = bytes(service)
-        self._entries[requestId] = [service, list(frames), now, None, None]
-        self._stored += 1
-        self._pending.setdefault(service, {})[requestId] = self._stored
-        return defer.succeed(requestId)
-
-    def pending(self, limit: int, skipServices: Collection[bytes] = (),
-                skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        skipServices, skipIds = set(skipServices), set(skipIds)
-        oldest: list[tuple[int, str]] = []
-        for service, ids in self._pending.items():
-            if service in skipServices:
-                continue
-            taken = 0
-            for requestId, number in ids.items():
-                if taken >= limit:
-                    break
-                if requestId not in skipIds:
-                    oldest.append((number, requestId))
-                    taken += 1
-        found = []
-        for _, requestId in heapq.nsmallest(limit, oldest):
-            service, frames, created, _, _ = self._entries[requestId]
-            found.append(StoredRequest(requestId, service, list(frames), created))
-        return defer.succeed(found)
-
-    def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
-        entry = self._entries.get(requestId)
-        if entry is not None and entry[3] is None:
-            entry[3], entry[4] = list(reply), now
-            self._unpend(entry[0], requestId)
-            self._done[requestId] = now
-        return defer.succeed(None)
-
-    def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
-        entry = self._entries.get(requestId)
-        if entry is None:
-            return defer.succeed((ReplyStatus.UNKNOWN, []))
-        if entry[3] is None:
-            return defer.succeed((ReplyStatus.PENDING, []))
-        return defer.succeed((ReplyStatus.DONE, list(entry[3])))
-
-    def forget(self, requestId: str) -> defer.Deferred[None]:
-        entry = self._entries.pop(requestId, None)
-        if entry is not None:
-            self._unpend(entry[0], requestId)
-        self._done.pop(requestId, None)
-        return defer.succeed(None)
-
-    def _unpend(self, service: bytes, requestId: str) -> None:
-        ids = self._pending.get(service)
-        if ids is not None and ids.pop(requestId, None) is not None and not ids:
-            del self._pending[service]
-
-    def purge(self, before: float) -> defer.Deferred[int]:
-        old = []
-        for requestId, completed in self._done.items():
-            if completed >= before:
-                break  # in time order: the rest are younger
-            old.append(requestId)
-        for requestId in old:
-            del self._done[requestId], self._entries[requestId]
-        return defer.succeed(len(old))
-
-    def close(self) -> defer.Deferred[None]:
-        return defer.succeed(None)
-
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     seq       INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -196,28 +100,28 @@ CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
-#: Pending requests, oldest first, except some services (by hex: JSON holds text) and ids.
+#: A pending row read back, and what makes a row one: no reply, an id that can be
+#: answered, not among the ids left out (?2, JSON).
+_ROW = "seq, id, service, request, created, request_crc"
+_PENDING = "reply IS NULL AND typeof(id) = 'text' AND id NOT IN (SELECT value FROM json_each(?2))"
+#: Pending requests, oldest first, except some services (?1, by hex: JSON holds text).
 _PENDING_BY_AGE = (
-    "SELECT seq, id, service, request, created, request_crc FROM requests "
-    "WHERE reply IS NULL AND typeof(id) = 'text' "
-    "AND hex(service) NOT IN (SELECT value FROM json_each(?1)) "
-    "AND id NOT IN (SELECT value FROM json_each(?2)) ORDER BY seq LIMIT ?3")
+    f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
+    "AND hex(service) NOT IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
 #: The same, by a skip scan of the index: at most ?3 of each service not left out.
 _PENDING_BY_SERVICE = (
-    "WITH RECURSIVE pending(service) AS ("
+    "WITH RECURSIVE pending(name) AS ("
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
     "         WHERE reply IS NULL ORDER BY service LIMIT 1)"
     " UNION ALL"
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
-    "         WHERE reply IS NULL AND service > pending.service ORDER BY service LIMIT 1)"
-    " FROM pending WHERE pending.service IS NOT NULL) "
-    "SELECT r.seq, r.id, r.service, r.request, r.created, r.request_crc "
-    "FROM pending p JOIN requests r ON r.seq IN ("
-    " SELECT q.seq FROM requests q INDEXED BY requests_pending_service"
-    " WHERE q.reply IS NULL AND q.service = p.service AND typeof(q.id) = 'text'"
-    " AND q.id NOT IN (SELECT value FROM json_each(?2)) ORDER BY q.seq LIMIT ?3) "
-    "WHERE p.service IS NOT NULL AND hex(p.service) NOT IN (SELECT value FROM json_each(?1)) "
-    "ORDER BY r.seq LIMIT ?3")
+    "         WHERE reply IS NULL AND service > pending.name ORDER BY service LIMIT 1)"
+    " FROM pending WHERE pending.name IS NOT NULL) "
+    f"SELECT {_ROW} FROM pending JOIN requests ON seq IN ("
+    " SELECT seq FROM requests INDEXED BY requests_pending_service"
+    f" WHERE {_PENDING} AND service = pending.name ORDER BY seq LIMIT ?3) "
+    "WHERE pending.name IS NOT NULL AND hex(pending.name) NOT IN (SELECT value FROM json_each(?1)) "
+    "ORDER BY seq LIMIT ?3")
 #: Steps (of 1000 SQLite instructions) an age-order read may take before going by service.
 SCAN_BUDGET = 200
 
@@ -229,18 +133,8 @@ _UNCHECKED_COLUMNS = _COLUMNS[:7]
 _OURS = ("requests", "requests_pending", "requests_completed", "requests_pending_service")
 
 
-def _foreign(db: sqlite3.Connection) -> Optional[str]:
-    """Why the database *db* is not a Titanic store (None if it is, or is empty)."""
-    names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
-             if not name.startswith("sqlite_")]
-    others = sorted(set(names) - set(_OURS))
-    if others:
-        return f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
-    if "requests" in names:
-        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
-        if columns not in (_COLUMNS, _UNCHECKED_COLUMNS):
-            return f"its requests table is not Titanic's (columns {', '.join(columns)})"
-    return None
+def _columns(db: sqlite3.Connection) -> tuple[str, ...]:
+    return tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
 
 
 #: Stored frames are read back whatever the current limits.
@@ -257,37 +151,40 @@ def report_failure(logger: Logger, failure: Failure, format: str, **fields: Any)
         logger.failure(format, failure, **fields)
 
 
+def _identity(file: Any) -> Optional[tuple[int, int]]:
+    """A file (a path or a descriptor) as (device, inode), or None if it is gone."""
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _checksum(*blobs: bytes) -> int:
-    """The CRC-32 stored beside a request (its service and record) or a reply."""
-    crc = 0
-    for blob in blobs:
-        crc = zlib.crc32(blob, crc)
-    return crc
+    """The CRC-32 stored beside a request (its id, service and record) or a reply."""
+    return zlib.crc32(b"".join(blobs))
 
 
 def _intact(crc: Any, *values: Any) -> bool:
-    """Do *values* match *crc* (None: a row without checksums, taken as it is)?"""
-    if crc is None:
-        return True
     return all(isinstance(v, bytes) for v in values) and _checksum(*values) == crc
 
 
-def _frames(blob: Any) -> list[bytes]:
-    """The frames of a stored record, or ``[]`` if unreadable (answered with an error)."""
+def _request_frames(requestId: Any, service: Any, blob: Any,
+                    crc: Any) -> tuple[list[bytes], Optional[str]]:
+    """The frames of a stored request, or ``[]`` and (if known) why not.  A row
+    without a checksum is taken as it is; older rows' checksums leave out the id."""
+    if crc is not None and not (isinstance(requestId, str) and requestId.isascii() and (
+            _intact(crc, requestId.encode("ascii"), service, blob) or _intact(crc, service, blob))):
+        return [], "its checksum does not match"
     try:
-        return decode_record(memoryview(blob)[4:], _UNBOUNDED)
+        frames = decode_record(memoryview(blob)[4:], _UNBOUNDED)
+        if frames and isinstance(service, bytes):
+            parse_request([service, *frames])  # a file can hold anything
+    except MalformedTitanicRequest as e:
+        return [], str(e)
     except (ProtocolError, ValueError, TypeError):  # TypeError: not a blob
-        return []
-
-
-def _requestIntact(crc: Any, requestId: Any, service: Any, blob: Any) -> bool:
-    """Does a stored request match its checksum (with its id, or for older rows without)?"""
-    if crc is None:
-        return True
-    if not (isinstance(requestId, str) and requestId.isascii()):
-        return False
-    return (_intact(crc, requestId.encode("ascii"), service, blob)
-            or _intact(crc, service, blob))
+        return [], None
+    return frames, None
 
 
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
@@ -302,20 +199,6 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
                          created if isinstance(created, (int, float)) else 0.0)
 
 
-def _request_frames(requestId: Any, service: Any, blob: Any,
-                    crc: Any) -> tuple[list[bytes], Optional[str]]:
-    """The frames of a stored request, or ``[]`` and (if known) why not."""
-    if not _requestIntact(crc, requestId, service, blob):
-        return [], "its checksum does not match"
-    frames = _frames(blob)
-    if isinstance(service, bytes) and frames:
-        try:  # a file can hold anything
-            parse_request([service, *frames])
-        except MalformedTitanicRequest as e:
-            return [], str(e)
-    return frames, None
-
-
 @implementer(ITitanicStore)
 class SQLiteStore:
     """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open`
@@ -325,7 +208,7 @@ class SQLiteStore:
 
     def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
         self.path = path
-        self.reactor = default_reactor(reactor)
+        self.reactor = reactor
         self._pool: Optional[ThreadPool] = None
         self._trigger: Any = None
         self._lock: Optional[int] = None
@@ -333,10 +216,9 @@ class SQLiteStore:
         #: the files in use, as opened (see _moved)
         self._files: dict[str, Optional[tuple[int, int]]] = {}
         self._db: Optional[sqlite3.Connection] = None
-        #: writes waiting for the next transaction (reactor thread only)
+        #: writes waiting for the next transaction, which follows the last one asked for
         self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
-        self._committing = False
-        self._drained: list[defer.Deferred[None]] = []
+        self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
 
@@ -345,11 +227,14 @@ class SQLiteStore:
             return defer.fail(StoreError(f"Titanic store {self.path} is closed"))
         return threads.deferToThreadPool(self.reactor, self._pool, work, *args)
 
-    # --- on the writer thread -------------------------------------------------------
+    # --- on the store's thread ------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError(f"Titanic store {self.path} is closed")
+        return self._db
 
     def _connect(self) -> None:
-        if self.path != ":memory:" and os.path.exists(self.path) and not os.path.isfile(self.path):
-            raise StoreError(f"Titanic store {self.path}: not a file")
         db: Optional[sqlite3.Connection] = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -369,7 +254,14 @@ class SQLiteStore:
         check = db.execute("PRAGMA quick_check").fetchone()
         if not check or check[0] != "ok":
             raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
-        why = _foreign(db)
+        names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
+                 if not name.startswith("sqlite_")]
+        others = sorted(set(names) - set(_OURS))
+        why = None
+        if others:
+            why = f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
+        elif "requests" in names and _columns(db) not in (_COLUMNS, _UNCHECKED_COLUMNS):
+            why = f"its requests table is not Titanic's (columns {', '.join(_columns(db))})"
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
@@ -383,8 +275,7 @@ class SQLiteStore:
                 raise StoreError(f"Titanic store {self.path}: cannot use WAL (got {mode})")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
-        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(requests)"))
-        if columns == _UNCHECKED_COLUMNS:
+        if _columns(db) == _UNCHECKED_COLUMNS:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
@@ -400,14 +291,7 @@ class SQLiteStore:
         names = {self.path: real, "its WAL": real + "-wal"}
         if self._lockPath is not None:
             names["its lock"] = self._lockPath
-        found: dict[str, Optional[tuple[int, int]]] = {}
-        for what, name in names.items():
-            try:
-                st = os.stat(name)
-                found[what] = (st.st_dev, st.st_ino)
-            except OSError:
-                found[what] = None
-        return found
+        return {what: _identity(name) for what, name in names.items()}
 
     def _moved(self) -> Optional[str]:
         """Why the store's files are no longer those its names lead to (deleted or
@@ -434,8 +318,7 @@ class SQLiteStore:
         if self._lock is not None:
             os.close(self._lock)
         self._lock = fd
-        st = os.fstat(fd)
-        self._files["its lock"] = (st.st_dev, st.st_ino)
+        self._files["its lock"] = _identity(fd)
         log.warn("Titanic store {path}: its lock file {lock} was deleted while in use; taken "
                  "again", path=self.path, lock=path)
         return True
@@ -443,12 +326,10 @@ class SQLiteStore:
     def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Commit *statements* in one transaction, or if that fails each alone; returns
         each row count or exception.  Nothing is written once the files moved."""
-        db = self._db
-        if db is None:
-            return [StoreError(f"Titanic store {self.path} is closed")] * len(statements)
+        db = self._connection()
         moved = self._moved()
         if moved is not None:
-            return [StoreError(moved)] * len(statements)
+            raise StoreError(moved)
 
         def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
             with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
@@ -468,75 +349,55 @@ class SQLiteStore:
                 results.append(e)
         return results
 
-    def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if self._db is None:
-            raise StoreError(f"Titanic store {self.path} is closed")
-        return self._db.execute(sql, args).fetchall()
-
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
         """The *limit* oldest pending rows of services not skipped: one scan by age, or
         past :data:`SCAN_BUDGET` steps, service by service through the service index."""
-        db = self._db
-        if db is None:
-            raise StoreError(f"Titanic store {self.path} is closed")
-        services = json.dumps([bytes(s).hex().upper() for s in skipServices])
-        if not skipServices:
-            return db.execute(_PENDING_BY_AGE, (services, skipIds, limit)).fetchall()
+        db = self._connection()
+        args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
         left = [SCAN_BUDGET]
 
         def spent() -> bool:
             left[0] -= 1
             return left[0] < 0  # true: SQLite interrupts the statement
 
-        db.set_progress_handler(spent, 1000)
+        if skipServices:  # their backlog may lie in the way
+            db.set_progress_handler(spent, 1000)
         try:
-            return db.execute(_PENDING_BY_AGE, (services, skipIds, limit)).fetchall()
+            return db.execute(_PENDING_BY_AGE, args).fetchall()
         except sqlite3.OperationalError:
             if left[0] >= 0:
                 raise
         finally:
             db.set_progress_handler(None, 0)
-        return db.execute(_PENDING_BY_SERVICE, (services, skipIds, limit)).fetchall()
+        return db.execute(_PENDING_BY_SERVICE, args).fetchall()
 
     # --- on the reactor thread ------------------------------------------------------
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> defer.Deferred[int]:
         """Run one statement in the next transaction; fires with its row count."""
-        if self._pool is None:
-            return defer.fail(StoreError(f"Titanic store {self.path} is closed"))
         d: defer.Deferred[int] = defer.Deferred()
         self._writes.append((sql, args, d))
-        if not self._committing:
-            self._nextCommit()
+        if len(self._writes) == 1:
+            self._lastCommit.addBoth(self._commitWrites)
         return d
 
-    def _nextCommit(self) -> None:
+    def _commitWrites(self, _: object) -> defer.Deferred[None]:
         batch, self._writes = self._writes, []
-        if not batch:
-            self._committing = False
-            drained, self._drained = self._drained, []
-            for d in drained:
-                d.callback(None)
-            return
-        self._committing = True
 
         def committed(results: Any) -> None:
             for index, (_, _, d) in enumerate(batch):
                 outcome = results if isinstance(results, Failure) else results[index]
-                if isinstance(outcome, Failure):
+                if isinstance(outcome, (Failure, BaseException)):
                     d.errback(outcome)
-                elif isinstance(outcome, BaseException):
-                    d.errback(Failure(outcome))
                 else:
                     d.callback(outcome)
-            self._nextCommit()
 
-        self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
+        return self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
-        """Lock ``PATH.lock`` (see the class docstring): two Titanics on one file would
-        run every request twice, and SQLite names its WAL after the name opened."""
+        """Lock ``PATH.lock``: two Titanics on one file would run every request twice;
+        a file with a second name is refused, as SQLite names its WAL after the name opened."""
         if self.path == ":memory:":
             return
         real = os.path.realpath(self.path)
@@ -550,9 +411,8 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path}: the file has {links} hard links; "
                              "SQLite keeps a database under one name only (its WAL is named "
                              "after it): give it one")
-        lockPath = real + ".lock"
-        self._lock = self._flock(lockPath)
-        self._lockPath = lockPath
+        self._lockPath = real + ".lock"
+        self._lock = self._flock(self._lockPath)
 
     def _flock(self, lockPath: str) -> int:
         """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
@@ -592,18 +452,14 @@ class SQLiteStore:
             self._takeLock()
         except StoreError:
             return defer.fail()
+        self.reactor = default_reactor(self.reactor)
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
-
-        def failed(failure: Failure) -> Failure:
-            self._release()
-            return failure
-
-        return self._run(self._connect).addErrback(failed)
+        return self._run(self._connect).addErrback(lambda failure: (self._release(), failure)[1])
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
-        requestId = new_id()
+        requestId = str(uuid.uuid4())
         service = bytes(service)
         record = encode_record(frames)
         d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
@@ -637,23 +493,25 @@ class SQLiteStore:
                            ).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
-        def status(rows: list[tuple[Any, ...]]) -> tuple[ReplyStatus, list[bytes]]:
-            if not rows:
-                return ReplyStatus.UNKNOWN, []
-            record, crc = rows[0]
-            if record is None:
-                return ReplyStatus.PENDING, []
-            if not _intact(crc, record):
-                raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
-                                 "is damaged: its checksum does not match")
+        return self._run(self._reply, requestId)
+
+    def _reply(self, requestId: str) -> tuple[ReplyStatus, list[bytes]]:
+        """:meth:`reply` on the store's thread."""
+        row = self._connection().execute(
+            "SELECT reply, reply_crc FROM requests WHERE id = ?", (requestId,)).fetchone()
+        if row is None:
+            return ReplyStatus.UNKNOWN, []
+        record, crc = row
+        if record is None:
+            return ReplyStatus.PENDING, []
+        why = "its checksum does not match"
+        if crc is None or _intact(crc, record):
             try:
                 return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
             except (ProtocolError, ValueError, TypeError) as e:
-                raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
-                                 f"is damaged: {e}") from e
-
-        return self._run(self._read, "SELECT reply, reply_crc FROM requests WHERE id = ?",
-                         (requestId,)).addCallback(status)
+                why = str(e)
+        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
+                         f"is damaged: {why}")
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._rows.pop(requestId, None)
@@ -673,9 +531,27 @@ class SQLiteStore:
         self._rows.clear()
         if self._pool is None:
             return defer.succeed(None)
-        drained: defer.Deferred[None] = defer.succeed(None)
-        if self._committing:  # the writes already asked for are committed first
-            drained = defer.Deferred()
-            self._drained.append(drained)
-        d = drained.addCallback(lambda _: self._run(shut))
+        written: defer.Deferred[None] = defer.Deferred()
+        self._lastCommit.chainDeferred(written)  # the writes asked for are committed first
+        d = written.addCallback(lambda _: self._run(shut))
         return d.addBoth(lambda result: (self._release(), result)[1])
+
+
+@implementer_only(ITitanicStore)
+class MemoryStore(SQLiteStore):
+    """Everything in a SQLite database in memory, used on the reactor thread: fast,
+    and lost with the process (not with :meth:`close`: started again, Titanic finds
+    its requests, as in a file)."""
+
+    def __init__(self) -> None:
+        super().__init__(":memory:")
+        self._connect()
+
+    def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
+        return defer.maybeDeferred(work, *args)
+
+    def open(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
+
+    def close(self) -> defer.Deferred[None]:
+        return defer.succeed(None)
