@@ -1,13 +1,6 @@
-"""Binary Star: a primary/backup pair of servers, one active at a time (the
-Guide's "Binary Star Pattern"); docs/binarystar.md describes it in full.
-
-:class:`BinaryStarMachine` is the Guide's state machine as its table
-(:data:`TABLE`), pure.  Beyond the Guide: a peer configured alike, heard as
-itself, or with another heartbeat stops the pair (:class:`Fatal`); a server
-stalled beyond the failover timeout opens a fresh state channel and, if it was
-active, serves nothing until it hears whether its peer took over.
-:class:`BinaryStar` drives it over a state channel (``local`` published,
-``remote`` read) and is a broker's ``admission``.
+"""Binary Star: a primary/backup pair of servers, one active at a time (the Guide's
+pattern; docs/binarystar.md).  :class:`BinaryStarMachine` is its table (:data:`TABLE`),
+pure; :class:`BinaryStar` drives it over a state channel and is a broker's ``admission``.
 """
 
 from __future__ import annotations
@@ -52,7 +45,6 @@ class Event(enum.IntEnum):
 
 
 class Role(enum.Enum):
-
     PRIMARY = "primary"
     BACKUP = "backup"
 
@@ -78,9 +70,6 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
         FATAL, "dual passives: the peer is passive too, no one would serve"),
     (State.PASSIVE, Event.CLIENT_REQUEST): (VOTE, "failover: a vote, the peer silent"),
 }
-
-
-# --- actions ----------------------------------------------------------------------
 
 
 @action_class
@@ -177,8 +166,6 @@ class BinaryStarMachine(Machine):
     def publishing(self) -> bool:
         """Whether this server tells its state (not while resuming from a stall)."""
         return self.stopped is None and not self.resuming
-
-    # --- events ---------------------------------------------------------------------
 
     def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float,
                         now: float, *, peerInstance: str = "",
@@ -307,8 +294,6 @@ class BinaryStarMachine(Machine):
             return True
         return False
 
-    # --- the table ------------------------------------------------------------------
-
     def _apply(self, event: Event) -> None:
         outcome, why = TABLE.get((self.state, event), (IGNORE, ""))
         if outcome == VOTE:
@@ -323,8 +308,6 @@ class BinaryStarMachine(Machine):
         self.stopped = reason
         self._emit(Fatal(reason))
 
-
-# --- the state channel's wire form ----------------------------------------------------
 
 #: warn of a peer silent this many failover timeouts, again every SILENT_PEER_REPEAT s
 SILENT_PEER_WARNING = 5
@@ -381,9 +364,6 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
     if not _INSTANCE.match(bytes(frames[5])):
         raise ProtocolError(f"bad run id in Binary Star state message: {frames[5]!r}")
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
-
-
-# --- the driver -----------------------------------------------------------------------
 
 
 @implementer(IRouterReceiver)
@@ -469,8 +449,6 @@ class BinaryStar:
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
 
-    # --- what servers ask -------------------------------------------------------------
-
     @property
     def role(self) -> Role:
         return self.machine.role
@@ -533,8 +511,6 @@ class BinaryStar:
         """Call *observer(reason)* when the pair is broken and this server must stop."""
         self._observers["fatal"].append(observer)
 
-    # --- lifecycle --------------------------------------------------------------------
-
     def start(self) -> defer.Deferred[None]:
         """Bind, subscribe, publish.  Each start is a fresh run: the role's first
         state, the peer unknown, the failover timeout counted from now."""
@@ -584,8 +560,6 @@ class BinaryStar:
                 end.transport = None
         self._publisher.subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
-
-    # --- the state channel --------------------------------------------------------------
 
     def _now(self, now: Optional[float]) -> float:
         return self.reactor.seconds() if now is None else now
@@ -705,10 +679,8 @@ class BinaryStar:
     def _changed(self, action: Changed) -> None:
         log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
                  old=action.old.name.lower(), new=action.new.name.lower(), reason=action.reason)
-        if action.new is State.ACTIVE:
-            self._notify("active", action.reason)
-        elif action.new is State.PASSIVE:
-            self._notify("passive", action.reason)
+        if action.new in (State.ACTIVE, State.PASSIVE):
+            self._notify(action.new.name.lower(), action.reason)
 
     def _stalled(self, action: Stalled) -> None:
         log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was "
