@@ -1,25 +1,8 @@
-"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the UDP beacon.
-
-A peer message is one ZeroMQ frame with the header and the fields, followed
-by the content frames of WHISPER and SHOUT::
-
-    signature  2 bytes  0xAAA1
-    id         1 byte   HELLO 1, WHISPER 2, SHOUT 3, JOIN 4, LEAVE 5, PING 6, PING-OK 7
-    version    1 byte   2
-    sequence   2 bytes  big-endian, per outgoing connection, 1 for HELLO
-    fields     HELLO:   endpoint string, groups strings, status u8, name string,
-                        headers hash
-               SHOUT:   group string;  JOIN, LEAVE: group string, status u8
-
-A *string* is a u8 length and that many bytes of UTF-8; a *long string* a u32
-length and the bytes; *strings* a u32 count of long strings; a *hash* a u32
-count of (string key, long string value).  Lengths are in bytes.
+"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the 22-byte UDP
+beacon (docs/harmony.md, "The wire").
 
 Strings that are not valid UTF-8 are read with U+FFFD for the bad bytes:
 zeromq-pyre cuts a non-ASCII string to its length in characters.
-
-The beacon is exactly 22 bytes: ``ZRE``, version 1, the sender's 16-byte
-UUID and its ROUTER port, big-endian; port 0 says the sender is leaving.
 """
 
 from __future__ import annotations
@@ -210,14 +193,11 @@ class _Reader:
     def u32(self, what: str) -> int:
         return int.from_bytes(self.take(4, what), "big")
 
-    def _text(self, length: int, what: str) -> str:
-        return self.take(length, what).decode("utf-8", "replace")
-
     def string(self, what: str) -> str:
-        return self._text(self.u8(what), what)
+        return self.take(self.u8(what), what).decode("utf-8", "replace")
 
     def long_string(self, what: str) -> str:
-        return self._text(self.u32(what), what)
+        return self.take(self.u32(what), what).decode("utf-8", "replace")
 
     def count(self, what: str, smallest: int, most: int) -> int:
         """A u32 count of items of at least *smallest* bytes, checked against what
@@ -241,7 +221,24 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
     else, or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
-    return _decode(frames, maxGroups, maxHeaders)
+    reader = _Reader(bytes(frames[0]))
+    signature = reader.u16("signature")
+    if signature != SIGNATURE:
+        raise MalformedZre(f"signature 0x{signature:04X} is not 0x{SIGNATURE:04X}")
+    command = reader.u8("message id")
+    version = reader.u8("version")
+    if version != VERSION:
+        raise MalformedZre(f"version {version} is not {VERSION}")
+    read = _READERS.get(command)
+    if read is None:
+        raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
+    sequence = reader.u16("sequence")
+    content = tuple(bytes(f) for f in frames[1:])
+    message = read(reader, sequence, content, maxGroups, maxHeaders)
+    reader.done()
+    if content and command not in (WHISPER, SHOUT):
+        raise MalformedZre(f"{COMMANDS[command]} carries {len(content)} content frames")
+    return message
 
 
 def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxGroups: int,
@@ -270,27 +267,6 @@ _READERS: dict[int, Callable[..., Message]] = {
     PING: lambda reader, sequence, content, *_: Ping(sequence),
     PING_OK: lambda reader, sequence, content, *_: PingOk(sequence),
 }
-
-
-def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message:
-    reader = _Reader(bytes(frames[0]))
-    signature = reader.u16("signature")
-    if signature != SIGNATURE:
-        raise MalformedZre(f"signature 0x{signature:04X} is not 0x{SIGNATURE:04X}")
-    command = reader.u8("message id")
-    version = reader.u8("version")
-    if version != VERSION:
-        raise MalformedZre(f"version {version} is not {VERSION}")
-    read = _READERS.get(command)
-    if read is None:
-        raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
-    sequence = reader.u16("sequence")
-    content = tuple(bytes(f) for f in frames[1:])
-    message = read(reader, sequence, content, maxGroups, maxHeaders)
-    reader.done()
-    if content and command not in (WHISPER, SHOUT):
-        raise MalformedZre(f"{COMMANDS[command]} carries {len(content)} content frames")
-    return message
 
 
 def encode_beacon(uuid: UUID, port: int) -> bytes:

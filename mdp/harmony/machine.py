@@ -2,23 +2,20 @@
 
 A *link* is one outgoing DEALER (identity ``0x01`` + our UUID) to one peer's
 ROUTER; everything a peer says arrives on our one ROUTER, tagged with its identity.
+docs/harmony.md says in full what drops a peer and how dials back off.
 
 ==========================  ================================================================
 event                       what happens
 ==========================  ================================================================
 beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first (a peer
-                            known there under another UUID restarted: EXIT); a known
-                            one is refreshed
-beacon with port 0          the peer is leaving: EXIT
-dial(endpoint)              a link to a listed endpoint, HELLO first; the peer is known
-                            once its HELLO names that endpoint; unanswered, dialled
-                            again after *expired*, then twice as long, up to 8 times
+                            known there under another UUID restarted: EXIT); a known one
+                            is refreshed; port 0: it is leaving, EXIT
+dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
+                            back-off until a HELLO names that endpoint
 HELLO from a new peer       a link back to the endpoint it names, ENTER, a JOIN per group
-HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*
-                            of its last HELLO, from the endpoint known, it made its link
-                            again: its sequence and groups start again, and our HELLO
-                            goes back on our link at most once an *evasive* (else each
-                            side would answer the other's answer for ever)
+HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
+                            from the endpoint known, it is its new link to us: its
+                            sequence and groups start again, and our HELLO goes back
 other message, no HELLO     dropped
 sequence gap, unknown or    the peer is dropped (EXIT), as its sequence is lost
 malformed
@@ -29,15 +26,12 @@ any message or beacon       the peer is alive: its evasive and expiry times move
 tick                        silent past *evasive*: PING it and one EVASIVE event;
                             silent past *expired*: EXIT
 ==========================  ================================================================
-
-Our status goes up by one (mod 256) on every JOIN and LEAVE we send
-(zeromq-pyre insists on it).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from uuid import UUID
 
 import attrs
@@ -228,10 +222,8 @@ class HarmonyMachine(Machine):
         """Close every link and forget every peer, with no events."""
         self.now = now
         self.running = False
-        for peer in self.peers.values():
-            self._emit(CloseLink(peer.link))
-        for dial in self.dials.values():
-            self._emit(CloseLink(dial.link))
+        for link in [*self.peers.values(), *self.dials.values()]:
+            self._emit(CloseLink(link.link))
         self.peers.clear()
         self.dials.clear()
         return self._drain()
@@ -245,8 +237,7 @@ class HarmonyMachine(Machine):
                 raise ValueError(f"cannot join {group!r}: in {len(self.ownGroups)} groups "
                                  f"already, the most peers take (maxGroups)")
             self.ownGroups[group] = None
-            self.status = (self.status + 1) & 0xFF
-            self._broadcast(codec.Join(0, group, self.status))
+            self._broadcastStatus(codec.Join, group)
         return self._drain()
 
     def leave(self, group: str, now: float) -> list[Any]:
@@ -255,8 +246,7 @@ class HarmonyMachine(Machine):
         codec.check_string(group, "group")
         if group in self.ownGroups:
             del self.ownGroups[group]
-            self.status = (self.status + 1) & 0xFF
-            self._broadcast(codec.Leave(0, group, self.status))
+            self._broadcastStatus(codec.Leave, group)
         return self._drain()
 
     def whisper(self, peer: UUID, frames: Iterable[bytes], now: float) -> list[Any]:
@@ -308,9 +298,8 @@ class HarmonyMachine(Machine):
             return
         if any(same_endpoint(endpoint, p.endpoint) for p in self.peers.values()):
             return
-        link = self._newLink(endpoint)
-        self._emit(SendOn(link, codec.encode(self._hello(1))))
-        self.dials[endpoint] = _Dial(link, endpoint, 1, self.now)
+        dial = self.dials[endpoint] = _Dial(self._newLink(endpoint), endpoint, 0, self.now)
+        self._send(dial, self._hello(0))
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
         """The link could not be opened: forget its peer; a dial stays for the tick to redo."""
@@ -412,11 +401,9 @@ class HarmonyMachine(Machine):
         self._refresh(peer)
 
     def _inSequence(self, peer: Peer, message: codec.Message) -> bool:
-        if isinstance(message, codec.Hello):
-            good = message.sequence == 1
-        else:
-            good = codec.next_sequence_ok(peer.received, message.sequence)
-        if not good:
+        """A HELLO is numbered 1 (:meth:`_greeted` checked it); the rest follow on."""
+        if not (isinstance(message, codec.Hello)
+                or codec.next_sequence_ok(peer.received, message.sequence)):
             self._emit(Notice(None, f"messages lost from {self._who(peer.uuid, peer)}: "
                                     f"{codec.COMMANDS[message.id]} numbered {message.sequence} "
                                     f"after {peer.received}; dropping the peer"))
@@ -578,18 +565,16 @@ class HarmonyMachine(Machine):
             if listed is not None:
                 self._dial(listed)
 
-    def _send(self, peer: Peer, message: codec.Message) -> None:
-        peer.sent = codec.next_sequence(peer.sent)
-        self._emit(SendOn(peer.link, codec.encode(codec.with_sequence(message, peer.sent))))
+    def _send(self, to: Union[Peer, _Dial], message: codec.Message) -> None:
+        to.sent = codec.next_sequence(to.sent)
+        self._emit(SendOn(to.link, codec.encode(codec.with_sequence(message, to.sent))))
 
-    def _broadcast(self, message: codec.Message) -> None:
-        for peer in self.peers.values():
-            self._send(peer, message)
-        for dial in self.dials.values():
-            if dial.failed:
-                continue
-            dial.sent = codec.next_sequence(dial.sent)
-            self._emit(SendOn(dial.link, codec.encode(codec.with_sequence(message, dial.sent))))
+    def _broadcastStatus(self, kind: type, group: str) -> None:
+        """Our status goes up by one on each JOIN or LEAVE we send, to peers and dials."""
+        self.status = (self.status + 1) & 0xFF
+        message = kind(0, group, self.status)
+        for to in [*self.peers.values(), *(d for d in self.dials.values() if not d.failed)]:
+            self._send(to, message)
 
     @staticmethod
     def _who(uuid: UUID, peer: Optional[Peer]) -> str:

@@ -6,6 +6,7 @@ discovery (:class:`~mdp.interfaces.IDiscovery`: UDP beacons, or a list of endpoi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid as uuidlib
 import weakref
@@ -154,7 +155,7 @@ class EventStream:
     def __init__(self, node: Node, size: int = 10_000) -> None:
         self.node = node
         self.size = size
-        self.queue: deque[Event] = deque()
+        self.queue: deque[Event] = deque(maxlen=size)
         self.waiting: Optional[defer.Deferred[Event]] = None
         self.ended = False
         self.dropped = 0
@@ -164,8 +165,7 @@ class EventStream:
             waiting, self.waiting = self.waiting, None
             waiting.callback(event)
             return
-        if len(self.queue) >= self.size:
-            self.queue.popleft()
+        if len(self.queue) == self.size:
             self.dropped += 1
             self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is "
                                     "{size} events behind; dropping the oldest ({dropped} so "
@@ -354,12 +354,8 @@ class Node:
         self._perform(self.machine.handleTick(self._now()))
 
     def beaconReceived(self, uuid: UUID, host: str, port: int) -> None:
-        endpoint = None
-        if port:
-            if self.endpoint.startswith("loopback:"):
-                endpoint = f"loopback:{host}:{port}"
-            else:
-                endpoint = f"tcp://{host}:{port}"
+        scheme = "loopback:" if self.endpoint.startswith("loopback:") else "tcp://"
+        endpoint = f"{scheme}{host}:{port}" if port else None
         self._perform(self.machine.handleBeacon(uuid, endpoint, self._now()))
 
     def dialPeer(self, endpoint: str) -> None:
@@ -437,7 +433,9 @@ class Node:
             while self._batches or self._failedLinks:
                 if self._batches:
                     generation, batch = self._batches.popleft()
-                    self._performAll(generation, batch)
+                    live = self._live(generation)
+                    for action in batch:  # of a run that has ended, only closes and notices
+                        self._performers[type(action)](self, action, generation, live)
                 else:  # after the batches, so their events keep their order
                     link = self._failedLinks.pop(0)
                     self._batches.append((self._generation,
@@ -470,12 +468,6 @@ class Node:
             return f"is not usable: {e}"
         return None
 
-    def _performAll(self, generation: int, actions: list[Any]) -> None:
-        """Perform *actions*; of a run that has ended, only closes and notices."""
-        live = self._live(generation)
-        for action in actions:
-            self._performers[type(action)](self, action, generation, live)
-
     def _sendOn(self, action: SendOn, generation: int, live: bool) -> None:
         link = self.links.get(action.link) if live else None
         if link is not None:
@@ -506,11 +498,10 @@ class Node:
     def _notice(self, action: Notice, generation: int, live: bool) -> None:
         if action.topic is None:
             emit = log.info if action.level == "info" else log.warn
-            emit("ZRE node {name}: {text}", name=self.name, text=action.text)
         else:
             throttled = self.throttle.info if action.level == "info" else self.throttle.warn
-            throttled(log, action.topic, "ZRE node {name}: {text}", name=self.name,
-                      text=action.text)
+            emit = functools.partial(throttled, log, action.topic)
+        emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
     _performers = {SendOn: _sendOn, Emit: _emitEvent, OpenLink: _openLink,
                    CloseLink: _closeLink, Notice: _notice}
