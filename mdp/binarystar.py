@@ -219,7 +219,7 @@ class BinaryStarMachine(Machine):
                                "the peer took over while this server was stalled"))
         else:
             self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
-        self._emit(self._publication())
+        self._emit(self.publication())
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
         """Both configured alike: the one started later stops (within a heartbeat, the run id
@@ -250,7 +250,7 @@ class BinaryStarMachine(Machine):
         self._wake(now)
         if self.stopped is None:
             if self._resumeIfSilent():
-                self._emit(self._publication())
+                self._emit(self.publication())
             self._apply(Event.CLIENT_REQUEST)
         return self.serving, self._drain()
 
@@ -265,10 +265,11 @@ class BinaryStarMachine(Machine):
         if self.stopped is None:
             self._resumeIfSilent()
             if not self.resuming:
-                self._emit(self._publication())
+                self._emit(self.publication())
         return self._drain()
 
-    def _publication(self) -> PublishState:
+    def publication(self) -> PublishState:
+        """What this server publishes now."""
         return PublishState(self.state, self.role, self.now - self.started, self.instance,
                             self.heartbeat)
 
@@ -353,16 +354,11 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
     try:
         state = State(int(frames[2]))
         role = _ROLES[bytes(frames[3])]
-        uptime = float(frames[4])
-        heartbeat = float(frames[6])
+        uptime, heartbeat = float(frames[4]), float(frames[6])
+        if not (uptime >= 0 and 0 < heartbeat < float("inf") and _INSTANCE.match(bytes(frames[5]))):
+            raise ValueError("a field out of range")  # (NaN is out of every range)
     except (ValueError, KeyError):
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
-    if not uptime >= 0:
-        raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
-    if not 0 < heartbeat < float("inf"):
-        raise ProtocolError(f"bad heartbeat in Binary Star state message: {frames[6]!r}")
-    if not _INSTANCE.match(bytes(frames[5])):
-        raise ProtocolError(f"bad run id in Binary Star state message: {frames[5]!r}")
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
 
 
@@ -553,11 +549,9 @@ class BinaryStar:
         self._running = False
         if self._ticker.running:
             self._ticker.stop()
-        closing = []
-        for end in (self._subscriber, self._publisher):
-            if end.transport is not None:
-                closing.append(end.transport)
-                end.transport = None
+        closing = [end.transport for end in (self._subscriber, self._publisher)
+                   if end.transport is not None]
+        self._subscriber.transport = self._publisher.transport = None
         self._publisher.subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
 
@@ -620,10 +614,8 @@ class BinaryStar:
             return
         publishing, actions = self.machine.handleSubscriber(now)
         self._perform(actions)
-        if publishing and self._running and self._publisher.transport is not None:
-            self._publisher.transport.sendMessage(peer, encode_state(
-                self.state, self.role, now - self.machine.started, self.machine.instance,
-                self.machine.heartbeat))
+        if publishing and self._running:
+            self._publish(self.machine.publication(), [peer])
 
     def _subscribed(self, peer: bytes, now: float) -> bool:
         """Count *peer* as a subscriber for a failover timeout; True if it was one."""
@@ -668,12 +660,13 @@ class BinaryStar:
         for action in actions:
             self._performers[type(action)](action)
 
-    def _publish(self, action: PublishState) -> None:
+    def _publish(self, action: PublishState, peers: Optional[list[bytes]] = None) -> None:
+        """Send *action*'s state to *peers* (default: every subscriber)."""
         router = self._publisher.transport
         if router is not None:
             message = encode_state(action.state, action.role, action.uptime, action.instance,
                                    action.heartbeat)
-            for peer in list(self._publisher.subscribers):
+            for peer in list(self._publisher.subscribers) if peers is None else peers:
                 router.sendMessage(peer, message)
 
     def _changed(self, action: Changed) -> None:
