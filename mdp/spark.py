@@ -164,6 +164,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
         reply_type = {"binary": pa.binary(), "string": pa.string(),
                       "frames": pa.list_(pa.binary())}[outputType]
+        reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
+                 "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
         for batch in batches:
             columns = [batch.column(name).to_pylist() for name in inputs]
             results = call_many(call, _frames_of_rows(columns)) if batch.num_rows else []
@@ -173,13 +175,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
                     replies.append(None)
                     errors.append(f"{type(result).__name__}: {result}")
                 else:
+                    replies.append(reply(result))
                     errors.append(None)
-                    if outputType == "frames":
-                        replies.append(result)
-                    elif outputType == "string":
-                        replies.append(result[0].decode("utf-8", "replace"))
-                    else:
-                        replies.append(result[0])
             arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
             names = list(batch.schema.names) + [outputCol]
             if errorCol is not None:
