@@ -699,7 +699,8 @@ class BinaryStar:
         self._running = False
         if self._ticker.running:
             self._ticker.stop()
-        self.reactor.callLater(0, self._stopAfterFatal)
+        self.reactor.callLater(0, lambda: self.stop().addErrback(
+            lambda f: log.failure("Binary Star could not close its state channel", f)))
         self._notify("fatal", action.reason)
 
     def _resubscribe(self, channel: int) -> None:
@@ -725,10 +726,6 @@ class BinaryStar:
             self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe "
                                "to {remote}: {error}", role=self.role.value, remote=self.remote,
                                error=repr(e))
-
-    def _stopAfterFatal(self) -> None:
-        self.stop().addErrback(lambda f: log.failure("Binary Star could not close its state "
-                                                     "channel", f))
 
     def _notify(self, kind: str, reason: str) -> None:
         for observer in list(self._observers[kind]):

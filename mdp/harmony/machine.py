@@ -291,14 +291,11 @@ class HarmonyMachine(Machine):
         self._dial(endpoint)
         return self._drain()
 
-    def _dial(self, endpoint: str) -> None:
-        if not self.running or same_endpoint(endpoint, self.endpoint):
+    def _dial(self, endpoint: str, tries: int = 0) -> None:
+        taken = [self.endpoint, *self.dials, *(p.endpoint for p in self.peers.values())]
+        if not self.running or any(same_endpoint(endpoint, e) for e in taken):
             return
-        if any(same_endpoint(endpoint, d) for d in self.dials):
-            return
-        if any(same_endpoint(endpoint, p.endpoint) for p in self.peers.values()):
-            return
-        dial = self.dials[endpoint] = _Dial(self._newLink(endpoint), endpoint, 0, self.now)
+        dial = self.dials[endpoint] = _Dial(self._newLink(endpoint), endpoint, 0, self.now, tries=tries)
         self._send(dial, self._hello(0))
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
@@ -480,10 +477,7 @@ class HarmonyMachine(Machine):
                                         f"{self._dialWait(dial.tries + 1):.0f} s", "info"))
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
-                self._dial(dial.endpoint)
-                again = self.dials.get(dial.endpoint)
-                if again is not None:
-                    again.tries = dial.tries + 1
+                self._dial(dial.endpoint, dial.tries + 1)
         for peer in list(self.peers.values()):
             if now >= peer.expiredAt:
                 self._remove(peer, f"it expired after {self.expired:.1f} s of silence")

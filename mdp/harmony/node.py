@@ -322,7 +322,7 @@ class Node:
             router, self.router = self.router, None
             yield router.close()
             raise
-        self._tick = task.LoopingCall(self._onTick)
+        self._tick = task.LoopingCall(lambda: self._perform(self.machine.handleTick(self._now())))
         self._tick.clock = self.reactor
         self._tick.start(self.interval, now=False)
         log.info("ZRE node {name} ({uuid}) at {endpoint}", name=self.name, uuid=self.uuid,
@@ -349,9 +349,6 @@ class Node:
         finally:
             for stream in streams:
                 stream._end()
-
-    def _onTick(self) -> None:
-        self._perform(self.machine.handleTick(self._now()))
 
     def beaconReceived(self, uuid: UUID, host: str, port: int) -> None:
         scheme = "loopback:" if self.endpoint.startswith("loopback:") else "tcp://"
