@@ -276,7 +276,6 @@ class Node:
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
         #: start() and stop() one at a time: a start right after a stop waits
         self._transition = defer.DeferredLock()
-        self._failedLinks: list[int] = []
         #: batches of actions, and events, each with its run (a stop ends a run)
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
@@ -427,16 +426,11 @@ class Node:
             return
         self._performing = True
         try:
-            while self._batches or self._failedLinks:
-                if self._batches:
-                    generation, batch = self._batches.popleft()
-                    live = self._live(generation)
-                    for action in batch:  # of a run that has ended, only closes and notices
-                        self._performers[type(action)](self, action, generation, live)
-                else:  # after the batches, so their events keep their order
-                    link = self._failedLinks.pop(0)
-                    self._batches.append((self._generation,
-                                          self.machine.handleLinkFailed(link, self._now())))
+            while self._batches:
+                generation, batch = self._batches.popleft()
+                live = self._live(generation)
+                for action in batch:  # of a run that has ended, only closes and notices
+                    self._performers[type(action)](self, action, generation, live)
         finally:
             self._performing = False
         if self._delivering:
@@ -485,7 +479,8 @@ class Node:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
                                "{endpoint}: {error}", name=self.name,
                                endpoint=action.endpoint, error=e)
-            self._failedLinks.append(action.link)
+            self._batches.append((generation, self.machine.handleLinkFailed(action.link,
+                                                                            self._now())))
 
     def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
         link = self.links.pop(action.link, None)
