@@ -530,9 +530,9 @@ class BinaryStar:
                      endpoint=router.endpoint, remote=self.remote)
             transport.warn_if_open(
                 self.local, None, f"Binary Star {self.role.value}'s state channel",
-                "anyone who can reach it may read this broker's state, and the peer's "
-                "endpoint is trusted alike: what answers there decides which broker is "
-                "active. Keep both on loopback or a private network")
+                "anyone who can reach it may read this broker's state, and the peer's endpoint is "
+                "trusted alike: what answers there decides which broker is active. Keep both on "
+                "loopback or a private network")
             self._subscriber = _Subscriber(self, self.machine.channel)
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
@@ -584,19 +584,16 @@ class BinaryStar:
             return
         self._silenceWarned = now
         if self.peerHeard is None:
-            log.warn("Binary Star {role}: no state heard from the peer at {remote} for "
-                     "{seconds:.0f} s (never, since this start): it is down, or that is not "
-                     "its state endpoint (remote must be the peer's local, --bstar-remote its "
-                     "--bstar-local); no failover until it is heard", role=self.role.value,
-                     remote=self.remote, seconds=silence)
+            log.warn("Binary Star {role}: no state heard from the peer at {remote} for {seconds:.0f} s "
+                     "(never, since this start): it is down, or that is not its state endpoint (remote "
+                     "must be the peer's local, --bstar-remote its --bstar-local); no failover until it "
+                     "is heard", role=self.role.value, remote=self.remote, seconds=silence)
             return
-        serving = machine.state is State.ACTIVE
         log.warn("Binary Star {role}: the peer at {remote} has been silent for {seconds:.0f} s "
                  "(it was heard before): it is down or cut off; this server is {state}{what}",
                  role=self.role.value, remote=self.remote, seconds=silence,
-                 state=machine.state.name.lower(),
-                 what=" and serves alone until the peer is back" if serving else
-                 " and becomes active at the next client's request")
+                 state=machine.state.name.lower(), what=" and serves alone until the peer is back"
+                 if machine.state is State.ACTIVE else " and becomes active at the next client's request")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport
@@ -638,9 +635,8 @@ class BinaryStar:
         try:
             peer = decode_state(frames)
         except ProtocolError as e:
-            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message "
-                               "from {remote}: {error}", role=self.role.value,
-                               remote=self.remote, error=str(e))
+            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message from "
+                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=str(e))
             return
         now = self.reactor.seconds()
         actions = self.machine.handlePeerState(
@@ -649,8 +645,7 @@ class BinaryStar:
         if channel >= self.machine.channel:  # not made stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
-                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at "
-                         "{remote}",
+                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at {remote}",
                          role=self.role.value, peerRole=peer.role.value,
                          peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
@@ -676,12 +671,11 @@ class BinaryStar:
             self._notify(action.new.name.lower(), action.reason)
 
     def _stalled(self, action: Stalled) -> None:
-        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was "
-                 "stopped or its reactor blocked); states received meanwhile are stale, the "
-                 "state channel to {remote} is opened again{serving}",
-                 role=self.role.value, seconds=action.seconds, remote=self.remote,
-                 serving=("; serving nothing until the peer is heard, in case it took over"
-                          if action.serving else ""))
+        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was stopped or "
+                 "its reactor blocked); states received meanwhile are stale, the state channel to "
+                 "{remote} is opened again{serving}", role=self.role.value, seconds=action.seconds,
+                 remote=self.remote, serving=("; serving nothing until the peer is heard, in case it "
+                                              "took over" if action.serving else ""))
         self._resubscribe(action.channel)
 
     def _resumed(self, action: Resumed) -> None:
@@ -720,12 +714,10 @@ class BinaryStar:
                         maximum=self.machine.heartbeat).retryPolicy()
         try:
             self._subscriber.transport = transport.connect(
-                self.remote, self._subscriber, self.reactor, retryPolicy=retry,
-                limits=self.limits)
+                self.remote, self._subscriber, self.reactor, retryPolicy=retry, limits=self.limits)
         except Exception as e:
-            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe "
-                               "to {remote}: {error}", role=self.role.value, remote=self.remote,
-                               error=repr(e))
+            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe to "
+                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=repr(e))
 
     def _notify(self, kind: str, reason: str) -> None:
         for observer in list(self._observers[kind]):
