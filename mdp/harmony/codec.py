@@ -148,8 +148,7 @@ def encode(message: Message) -> list[bytes]:
     head = _HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)
     content: Sequence[bytes] = ()
     if isinstance(message, Hello):
-        parts = [head, _string(message.endpoint, "endpoint"),
-                 struct.pack(">I", len(message.groups))]
+        parts = [head, _string(message.endpoint, "endpoint"), struct.pack(">I", len(message.groups))]
         parts += [_long_string(g) for g in message.groups]
         parts.append(bytes((message.status & 0xFF,)))
         parts.append(_string(message.name, "name"))
@@ -248,10 +247,8 @@ def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxG
                    for _ in range(reader.count("groups", 4, maxGroups)))
     status = reader.u8("status")
     name = reader.string("name")
-    headers = {}
-    for _ in range(reader.count("headers", 5, maxHeaders)):
-        key = reader.string("header name")
-        headers[key] = reader.long_string("header value")
+    headers = {reader.string("header name"): reader.long_string("header value")
+               for _ in range(reader.count("headers", 5, maxHeaders))}
     return Hello(sequence, endpoint, groups, status, name, headers)
 
 
@@ -260,12 +257,10 @@ _READERS: dict[int, Callable[..., Message]] = {
     HELLO: _read_hello,
     WHISPER: lambda reader, sequence, content, *_: Whisper(sequence, content),
     SHOUT: lambda reader, sequence, content, *_: Shout(sequence, reader.string("group"), content),
-    JOIN: lambda reader, sequence, content, *_: Join(sequence, reader.string("group"),
-                                                     reader.u8("status")),
-    LEAVE: lambda reader, sequence, content, *_: Leave(sequence, reader.string("group"),
-                                                       reader.u8("status")),
-    PING: lambda reader, sequence, content, *_: Ping(sequence),
-    PING_OK: lambda reader, sequence, content, *_: PingOk(sequence),
+    JOIN: lambda reader, sequence, *_: Join(sequence, reader.string("group"), reader.u8("status")),
+    LEAVE: lambda reader, sequence, *_: Leave(sequence, reader.string("group"), reader.u8("status")),
+    PING: lambda reader, sequence, *_: Ping(sequence),
+    PING_OK: lambda reader, sequence, *_: PingOk(sequence),
 }
 
 

@@ -172,8 +172,8 @@ class _Dial:
 class HarmonyMachine(Machine):
     """One ZRE node: its peers, their groups, ours, and the sequence numbers.
 
-    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None
-    if it can): such a peer is ignored."""
+    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None if it can):
+    such a peer is ignored."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
@@ -268,8 +268,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def handleBeacon(self, uuid: UUID, endpoint: Optional[str], now: float) -> list[Any]:
-        """A beacon from *uuid* whose ROUTER is at *endpoint* (None: port 0,
-        it is leaving)."""
+        """A beacon from *uuid* whose ROUTER is at *endpoint* (None: port 0, it is leaving)."""
         self.now = now
         if uuid == self.uuid or not self.running:
             return self._drain()
@@ -325,8 +324,7 @@ class HarmonyMachine(Machine):
                 return self._drain()
         elif peer is None or not peer.ready:
             self._emit(Notice("unready", f"dropped {codec.COMMANDS[message.id]} from "
-                                         f"{self._who(uuid, peer)}, which has not said HELLO",
-                              "info"))
+                                         f"{self._who(uuid, peer)}, which has not said HELLO", "info"))
             return self._drain()
         if self._inSequence(peer, message):
             self._handlers[type(message)](self, peer, message)
@@ -414,8 +412,7 @@ class HarmonyMachine(Machine):
         peer.headers = dict(message.headers)
         self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
                               endpoint=peer.endpoint)))
-        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}",
-                          "info"))
+        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}", "info"))
         for group in message.groups:
             self._peerJoins(peer, group)
         peer.status = message.status
@@ -447,10 +444,9 @@ class HarmonyMachine(Machine):
         """A JOIN or LEAVE adds one to the status; a peer that counts otherwise is believed."""
         peer.status = (peer.status + 1) & 0xFF
         if message.status != peer.status:
-            self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent "
-                                        f"{codec.COMMANDS[message.id]} with status "
-                                        f"{message.status}, expected {peer.status}; taking its "
-                                        "count"))
+            self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent {codec.COMMANDS[message.id]} "
+                                        f"with status {message.status}, expected {peer.status}; "
+                                        "taking its count"))
             peer.status = message.status
 
     _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout,
@@ -472,9 +468,8 @@ class HarmonyMachine(Machine):
         for dial in list(self.dials.values()):
             if now - dial.since >= self._dialWait(dial.tries):
                 self._emit(Notice(None, f"{'no link to' if dial.failed else 'no HELLO from'} "
-                                        f"{dial.endpoint} in {now - dial.since:.0f} s; dialling it "
-                                        f"again, then again after "
-                                        f"{self._dialWait(dial.tries + 1):.0f} s", "info"))
+                                        f"{dial.endpoint} in {now - dial.since:.0f} s; dialling it again, "
+                                        f"then again after {self._dialWait(dial.tries + 1):.0f} s", "info"))
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
                 self._dial(dial.endpoint, dial.tries + 1)

@@ -1,7 +1,5 @@
-"""The Twisted driver of a Harmony (ZRE) node, and its discovery mechanisms.
-
-:class:`Node` owns one bound ROUTER, one DEALER per peer, a tick and a
-discovery (:class:`~mdp.interfaces.IDiscovery`: UDP beacons, or a list of endpoints).
+"""The Twisted driver of a Harmony (ZRE) node: :class:`Node` owns one bound ROUTER, one
+DEALER per peer, a tick and a discovery (UDP beacons, or a list of endpoints).
 """
 
 from __future__ import annotations
@@ -167,10 +165,9 @@ class EventStream:
             return
         if len(self.queue) == self.size:
             self.dropped += 1
-            self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is "
-                                    "{size} events behind; dropping the oldest ({dropped} so "
-                                    "far)", name=self.node.name, size=self.size,
-                                    dropped=self.dropped)
+            self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is {size} events "
+                                    "behind; dropping the oldest ({dropped} so far)",
+                                    name=self.node.name, size=self.size, dropped=self.dropped)
         self.queue.append(event)
 
     def _end(self) -> None:
@@ -251,10 +248,9 @@ class Node:
                  limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
-        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive,
-                                      expired=expired, maxPeers=maxPeers, maxGroups=maxGroups,
-                                      maxHeaders=maxHeaders, reachable=self._unreachable,
-                                      now=self._now())
+        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
+                                      maxPeers=maxPeers, maxGroups=maxGroups, maxHeaders=maxHeaders,
+                                      reachable=self._unreachable, now=self._now())
         self.name = name
         self.discovery: IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))
@@ -472,9 +468,8 @@ class Node:
         if not live:
             return
         try:
-            self.links[action.link] = connect(
-                transport_endpoint(action.endpoint), _Link(), self.reactor,
-                limits=self.limits, identity=identity_of(self.uuid))
+            self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
+                                              limits=self.limits, identity=identity_of(self.uuid))
         except (TransportError, ValueError) as e:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
                                "{endpoint}: {error}", name=self.name,
