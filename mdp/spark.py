@@ -1,8 +1,6 @@
-"""Push Spark data through MDP services: one request per row, replies in a column.
-
-:func:`call_service` maps every Arrow batch through an MDP service
-(``DataFrame.mapInArrow``), keeping each reply on its row.  Executors use a
-blocking client cached per thread, or a running Twisted reactor (docs/spark.md).
+"""Push Spark data through MDP services: one request per row, each reply on its row
+(``DataFrame.mapInArrow``).  Executors use a blocking client cached per thread, or a
+running Twisted reactor (docs/spark.md).
 """
 
 from __future__ import annotations
