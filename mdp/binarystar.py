@@ -194,11 +194,7 @@ class BinaryStarMachine(Machine):
         """The event a peer's state stands for; None if stale, not a state, or fatal."""
         if self.stopped is not None or channel < self.channel:
             return None
-        try:
-            event = Event(peerState)
-        except ValueError:
-            return None  # the driver logs what it got
-        if event is Event.CLIENT_REQUEST:
+        if peerState not in list(State):  # not a state (CLIENT_REQUEST is no state either)
             return None
         if self.instance and peerInstance == self.instance:
             self._stop("this server hears its own state: its remote state endpoint leads "
@@ -208,7 +204,7 @@ class BinaryStarMachine(Machine):
             self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
                        f"{self.heartbeat:g} s: both must be the same")
             return None
-        return event
+        return Event(peerState)
 
     def _resumeOnPeer(self, event: Event) -> None:
         """Heard from the peer after a stall: PASSIVE if it took over, else serve again."""
