@@ -167,9 +167,8 @@ class BinaryStarMachine(Machine):
         """Whether this server tells its state (not while resuming from a stall)."""
         return self.stopped is None and not self.resuming
 
-    def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float,
-                        now: float, *, peerInstance: str = "",
-                        peerHeartbeat: Optional[float] = None,
+    def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float, now: float, *,
+                        peerInstance: str = "", peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
         """A state message from the peer, on state channel *channel* (default: the current)."""
         if channel is None:

@@ -135,7 +135,7 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
         return reply.addBoth(answered, index)
 
     for index, frames in enumerate(requests):
-        sent.append(window.run(send, index, frames).addErrback(lambda _: None))
+        sent.append(window.run(send, index, frames).addErrback(lambda f: f.trap(defer.CancelledError)))
     if not requests:
         done.callback(results)
     return done

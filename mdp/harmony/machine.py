@@ -177,8 +177,7 @@ class HarmonyMachine(Machine):
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
-                 maxPeers: int = DEFAULT_MAX_PEERS,
-                 maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
                  maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
                  reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
                  now: float = 0.0) -> None:

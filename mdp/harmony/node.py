@@ -239,13 +239,11 @@ class Node:
     dropped.  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
-                 headers: Optional[dict[str, str]] = None,
-                 discovery: Optional[IDiscovery] = None, endpoint: Optional[str] = None,
-                 evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
-                 interval: float = DEFAULT_INTERVAL, maxPeers: int = DEFAULT_MAX_PEERS,
-                 maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
-                 limits: Limits = Limits()) -> None:
+                 headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
+                 endpoint: Optional[str] = None, evasive: float = DEFAULT_EVASIVE,
+                 expired: float = DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
+                 maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
         self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
