@@ -420,8 +420,7 @@ class HarmonyMachine(Machine):
         self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))
 
     def _onShout(self, peer: Peer, message: codec.Shout) -> None:
-        self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group,
-                              frames=message.content)))
+        self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group, frames=message.content)))
 
     def _onPing(self, peer: Peer, message: codec.Ping) -> None:
         self._send(peer, codec.PingOk(0))
