@@ -584,11 +584,12 @@ class BinaryStar:
                      "must be the peer's local, --bstar-remote its --bstar-local); no failover until it "
                      "is heard", role=self.role.value, remote=self.remote, seconds=silence)
             return
+        serving = machine.state is State.ACTIVE
         log.warn("Binary Star {role}: the peer at {remote} has been silent for {seconds:.0f} s "
                  "(it was heard before): it is down or cut off; this server is {state}{what}",
-                 role=self.role.value, remote=self.remote, seconds=silence,
-                 state=machine.state.name.lower(), what=" and serves alone until the peer is back"
-                 if machine.state is State.ACTIVE else " and becomes active at the next client's request")
+                 role=self.role.value, remote=self.remote, seconds=silence, state=machine.state.name.lower(),
+                 what=" and serves alone until the peer is back" if serving else
+                 " and becomes active at the next client's request")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport

@@ -14,8 +14,8 @@ dial(endpoint)              a link to a listed endpoint, HELLO first, dialled ag
                             back-off until a HELLO names that endpoint
 HELLO from a new peer       a link back to the endpoint it names, ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
-                            from the endpoint known, it is its new link to us: its
-                            sequence and groups start again, and our HELLO goes back
+                            from the endpoint known, it is its new link to us: its sequence
+                            and groups start again; our HELLO goes back, once an *evasive*
 other message, no HELLO     dropped
 sequence gap, unknown or    the peer is dropped (EXIT), as its sequence is lost
 malformed
@@ -221,8 +221,8 @@ class HarmonyMachine(Machine):
         """Close every link and forget every peer, with no events."""
         self.now = now
         self.running = False
-        for link in [*self.peers.values(), *self.dials.values()]:
-            self._emit(CloseLink(link.link))
+        for end in [*self.peers.values(), *self.dials.values()]:
+            self._emit(CloseLink(end.link))
         self.peers.clear()
         self.dials.clear()
         return self._drain()
