@@ -1,13 +1,6 @@
-"""Binary Star: a primary/backup pair of servers, one active at a time (the
-Guide's "Binary Star Pattern"); docs/binarystar.md describes it in full.
-
-:class:`BinaryStarMachine` is the Guide's state machine as its table
-(:data:`TABLE`), pure.  Beyond the Guide: a peer configured alike, heard as
-itself, or with another heartbeat stops the pair (:class:`Fatal`); a server
-stalled beyond the failover timeout opens a fresh state channel and, if it was
-active, serves nothing until it hears whether its peer took over.
-:class:`BinaryStar` drives it over a state channel (``local`` published,
-``remote`` read) and is a broker's ``admission``.
+"""Binary Star: a primary/backup pair of servers, one active at a time (the Guide's
+pattern; docs/binarystar.md).  :class:`BinaryStarMachine` is its table (:data:`TABLE`),
+pure; :class:`BinaryStar` drives it over a state channel and is a broker's ``admission``.
 """
 
 from __future__ import annotations
@@ -52,7 +45,6 @@ class Event(enum.IntEnum):
 
 
 class Role(enum.Enum):
-
     PRIMARY = "primary"
     BACKUP = "backup"
 
@@ -78,9 +70,6 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
         FATAL, "dual passives: the peer is passive too, no one would serve"),
     (State.PASSIVE, Event.CLIENT_REQUEST): (VOTE, "failover: a vote, the peer silent"),
 }
-
-
-# --- actions ----------------------------------------------------------------------
 
 
 @action_class
@@ -178,11 +167,8 @@ class BinaryStarMachine(Machine):
         """Whether this server tells its state (not while resuming from a stall)."""
         return self.stopped is None and not self.resuming
 
-    # --- events ---------------------------------------------------------------------
-
-    def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float,
-                        now: float, *, peerInstance: str = "",
-                        peerHeartbeat: Optional[float] = None,
+    def handlePeerState(self, peerState: int, peerRole: Optional[Role], peerUptime: float, now: float, *,
+                        peerInstance: str = "", peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
         """A state message from the peer, on state channel *channel* (default: the current)."""
         if channel is None:
@@ -207,11 +193,7 @@ class BinaryStarMachine(Machine):
         """The event a peer's state stands for; None if stale, not a state, or fatal."""
         if self.stopped is not None or channel < self.channel:
             return None
-        try:
-            event = Event(peerState)
-        except ValueError:
-            return None  # the driver logs what it got
-        if event is Event.CLIENT_REQUEST:
+        if peerState not in list(State):  # not a state (CLIENT_REQUEST is no state either)
             return None
         if self.instance and peerInstance == self.instance:
             self._stop("this server hears its own state: its remote state endpoint leads "
@@ -221,7 +203,7 @@ class BinaryStarMachine(Machine):
             self._stop(f"the peer's state heartbeat is {peerHeartbeat:g} s, this one's "
                        f"{self.heartbeat:g} s: both must be the same")
             return None
-        return event
+        return Event(peerState)
 
     def _resumeOnPeer(self, event: Event) -> None:
         """Heard from the peer after a stall: PASSIVE if it took over, else serve again."""
@@ -232,7 +214,7 @@ class BinaryStarMachine(Machine):
                                "the peer took over while this server was stalled"))
         else:
             self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
-        self._emit(self._publication())
+        self._emit(self.publication())
 
     def _sameRole(self, peerUptime: float, peerInstance: str) -> None:
         """Both configured alike: the one started later stops (within a heartbeat, the run id
@@ -263,7 +245,7 @@ class BinaryStarMachine(Machine):
         self._wake(now)
         if self.stopped is None:
             if self._resumeIfSilent():
-                self._emit(self._publication())
+                self._emit(self.publication())
             self._apply(Event.CLIENT_REQUEST)
         return self.serving, self._drain()
 
@@ -278,10 +260,11 @@ class BinaryStarMachine(Machine):
         if self.stopped is None:
             self._resumeIfSilent()
             if not self.resuming:
-                self._emit(self._publication())
+                self._emit(self.publication())
         return self._drain()
 
-    def _publication(self) -> PublishState:
+    def publication(self) -> PublishState:
+        """What this server publishes now."""
         return PublishState(self.state, self.role, self.now - self.started, self.instance,
                             self.heartbeat)
 
@@ -307,8 +290,6 @@ class BinaryStarMachine(Machine):
             return True
         return False
 
-    # --- the table ------------------------------------------------------------------
-
     def _apply(self, event: Event) -> None:
         outcome, why = TABLE.get((self.state, event), (IGNORE, ""))
         if outcome == VOTE:
@@ -323,8 +304,6 @@ class BinaryStarMachine(Machine):
         self.stopped = reason
         self._emit(Fatal(reason))
 
-
-# --- the state channel's wire form ----------------------------------------------------
 
 #: warn of a peer silent this many failover timeouts, again every SILENT_PEER_REPEAT s
 SILENT_PEER_WARNING = 5
@@ -370,20 +349,12 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
     try:
         state = State(int(frames[2]))
         role = _ROLES[bytes(frames[3])]
-        uptime = float(frames[4])
-        heartbeat = float(frames[6])
+        uptime, heartbeat = float(frames[4]), float(frames[6])
+        if not (uptime >= 0 and 0 < heartbeat < float("inf") and _INSTANCE.match(bytes(frames[5]))):
+            raise ValueError("a field out of range")  # (NaN is out of every range)
     except (ValueError, KeyError):
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
-    if not uptime >= 0:
-        raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
-    if not 0 < heartbeat < float("inf"):
-        raise ProtocolError(f"bad heartbeat in Binary Star state message: {frames[6]!r}")
-    if not _INSTANCE.match(bytes(frames[5])):
-        raise ProtocolError(f"bad run id in Binary Star state message: {frames[5]!r}")
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
-
-
-# --- the driver -----------------------------------------------------------------------
 
 
 @implementer(IRouterReceiver)
@@ -469,8 +440,6 @@ class BinaryStar:
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
 
-    # --- what servers ask -------------------------------------------------------------
-
     @property
     def role(self) -> Role:
         return self.machine.role
@@ -533,8 +502,6 @@ class BinaryStar:
         """Call *observer(reason)* when the pair is broken and this server must stop."""
         self._observers["fatal"].append(observer)
 
-    # --- lifecycle --------------------------------------------------------------------
-
     def start(self) -> defer.Deferred[None]:
         """Bind, subscribe, publish.  Each start is a fresh run: the role's first
         state, the peer unknown, the failover timeout counted from now."""
@@ -558,9 +525,9 @@ class BinaryStar:
                      endpoint=router.endpoint, remote=self.remote)
             transport.warn_if_open(
                 self.local, None, f"Binary Star {self.role.value}'s state channel",
-                "anyone who can reach it may read this broker's state, and the peer's "
-                "endpoint is trusted alike: what answers there decides which broker is "
-                "active. Keep both on loopback or a private network")
+                "anyone who can reach it may read this broker's state, and the peer's endpoint is "
+                "trusted alike: what answers there decides which broker is active. Keep both on "
+                "loopback or a private network")
             self._subscriber = _Subscriber(self, self.machine.channel)
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
@@ -577,15 +544,11 @@ class BinaryStar:
         self._running = False
         if self._ticker.running:
             self._ticker.stop()
-        closing = []
-        for end in (self._subscriber, self._publisher):
-            if end.transport is not None:
-                closing.append(end.transport)
-                end.transport = None
+        closing = [end.transport for end in (self._subscriber, self._publisher)
+                   if end.transport is not None]
+        self._subscriber.transport = self._publisher.transport = None
         self._publisher.subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
-
-    # --- the state channel --------------------------------------------------------------
 
     def _now(self, now: Optional[float]) -> float:
         return self.reactor.seconds() if now is None else now
@@ -616,17 +579,15 @@ class BinaryStar:
             return
         self._silenceWarned = now
         if self.peerHeard is None:
-            log.warn("Binary Star {role}: no state heard from the peer at {remote} for "
-                     "{seconds:.0f} s (never, since this start): it is down, or that is not "
-                     "its state endpoint (remote must be the peer's local, --bstar-remote its "
-                     "--bstar-local); no failover until it is heard", role=self.role.value,
-                     remote=self.remote, seconds=silence)
+            log.warn("Binary Star {role}: no state heard from the peer at {remote} for {seconds:.0f} s "
+                     "(never, since this start): it is down, or that is not its state endpoint (remote "
+                     "must be the peer's local, --bstar-remote its --bstar-local); no failover until it "
+                     "is heard", role=self.role.value, remote=self.remote, seconds=silence)
             return
         serving = machine.state is State.ACTIVE
         log.warn("Binary Star {role}: the peer at {remote} has been silent for {seconds:.0f} s "
                  "(it was heard before): it is down or cut off; this server is {state}{what}",
-                 role=self.role.value, remote=self.remote, seconds=silence,
-                 state=machine.state.name.lower(),
+                 role=self.role.value, remote=self.remote, seconds=silence, state=machine.state.name.lower(),
                  what=" and serves alone until the peer is back" if serving else
                  " and becomes active at the next client's request")
 
@@ -646,10 +607,8 @@ class BinaryStar:
             return
         publishing, actions = self.machine.handleSubscriber(now)
         self._perform(actions)
-        if publishing and self._running and self._publisher.transport is not None:
-            self._publisher.transport.sendMessage(peer, encode_state(
-                self.state, self.role, now - self.machine.started, self.machine.instance,
-                self.machine.heartbeat))
+        if publishing and self._running:
+            self._publish(self.machine.publication(), [peer])
 
     def _subscribed(self, peer: bytes, now: float) -> bool:
         """Count *peer* as a subscriber for a failover timeout; True if it was one."""
@@ -672,9 +631,8 @@ class BinaryStar:
         try:
             peer = decode_state(frames)
         except ProtocolError as e:
-            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message "
-                               "from {remote}: {error}", role=self.role.value,
-                               remote=self.remote, error=str(e))
+            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message from "
+                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=str(e))
             return
         now = self.reactor.seconds()
         actions = self.machine.handlePeerState(
@@ -683,8 +641,7 @@ class BinaryStar:
         if channel >= self.machine.channel:  # not made stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
-                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at "
-                         "{remote}",
+                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at {remote}",
                          role=self.role.value, peerRole=peer.role.value,
                          peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
@@ -694,29 +651,27 @@ class BinaryStar:
         for action in actions:
             self._performers[type(action)](action)
 
-    def _publish(self, action: PublishState) -> None:
+    def _publish(self, action: PublishState, peers: Optional[list[bytes]] = None) -> None:
+        """Send *action*'s state to *peers* (default: every subscriber)."""
         router = self._publisher.transport
         if router is not None:
             message = encode_state(action.state, action.role, action.uptime, action.instance,
                                    action.heartbeat)
-            for peer in list(self._publisher.subscribers):
+            for peer in list(self._publisher.subscribers) if peers is None else peers:
                 router.sendMessage(peer, message)
 
     def _changed(self, action: Changed) -> None:
         log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
                  old=action.old.name.lower(), new=action.new.name.lower(), reason=action.reason)
-        if action.new is State.ACTIVE:
-            self._notify("active", action.reason)
-        elif action.new is State.PASSIVE:
-            self._notify("passive", action.reason)
+        if action.new in (State.ACTIVE, State.PASSIVE):
+            self._notify(action.new.name.lower(), action.reason)
 
     def _stalled(self, action: Stalled) -> None:
-        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was "
-                 "stopped or its reactor blocked); states received meanwhile are stale, the "
-                 "state channel to {remote} is opened again{serving}",
-                 role=self.role.value, seconds=action.seconds, remote=self.remote,
-                 serving=("; serving nothing until the peer is heard, in case it took over"
-                          if action.serving else ""))
+        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was stopped or "
+                 "its reactor blocked); states received meanwhile are stale, the state channel to "
+                 "{remote} is opened again{serving}", role=self.role.value, seconds=action.seconds,
+                 remote=self.remote, serving=("; serving nothing until the peer is heard, in case it "
+                                              "took over" if action.serving else ""))
         self._resubscribe(action.channel)
 
     def _resumed(self, action: Resumed) -> None:
@@ -734,7 +689,8 @@ class BinaryStar:
         self._running = False
         if self._ticker.running:
             self._ticker.stop()
-        self.reactor.callLater(0, self._stopAfterFatal)
+        self.reactor.callLater(0, lambda: self.stop().addErrback(
+            lambda f: log.failure("Binary Star could not close its state channel", f)))
         self._notify("fatal", action.reason)
 
     def _resubscribe(self, channel: int) -> None:
@@ -754,16 +710,10 @@ class BinaryStar:
                         maximum=self.machine.heartbeat).retryPolicy()
         try:
             self._subscriber.transport = transport.connect(
-                self.remote, self._subscriber, self.reactor, retryPolicy=retry,
-                limits=self.limits)
+                self.remote, self._subscriber, self.reactor, retryPolicy=retry, limits=self.limits)
         except Exception as e:
-            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe "
-                               "to {remote}: {error}", role=self.role.value, remote=self.remote,
-                               error=repr(e))
-
-    def _stopAfterFatal(self) -> None:
-        self.stop().addErrback(lambda f: log.failure("Binary Star could not close its state "
-                                                     "channel", f))
+            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe to "
+                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=repr(e))
 
     def _notify(self, kind: str, reason: str) -> None:
         for observer in list(self._observers[kind]):

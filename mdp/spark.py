@@ -1,8 +1,6 @@
-"""Push Spark data through MDP services: one request per row, replies in a column.
-
-:func:`call_service` maps every Arrow batch through an MDP service
-(``DataFrame.mapInArrow``), keeping each reply on its row.  Executors use a
-blocking client cached per thread, or a running Twisted reactor (docs/spark.md).
+"""Push Spark data through MDP services: one request per row, each reply on its row
+(``DataFrame.mapInArrow``).  Executors use a blocking client cached per thread, or a
+running Twisted reactor (docs/spark.md).
 """
 
 from __future__ import annotations
@@ -57,22 +55,12 @@ def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> l
     reactor = running_reactor()
     if reactor is None:
         return _call_many_blocking(call, requests)
-    return _call_many_in_reactor(call, requests, reactor)
+    from twisted.internet.threads import blockingCallFromThread
+
+    return blockingCallFromThread(reactor, _call_many, call, list(requests))
 
 
 _local = threading.local()
-
-
-def _blocking_client(call: ServiceCall) -> Any:
-    from mdp.blocking import Client
-
-    clients = getattr(_local, "clients", None)
-    if clients is None:
-        clients = _local.clients = {}
-    client = clients.get(call)
-    if client is None or client.forked:
-        client = clients[call] = _new_client(Client, call)
-    return client
 
 
 def _new_client(kind: Any, call: ServiceCall) -> Any:
@@ -81,7 +69,12 @@ def _new_client(kind: Any, call: ServiceCall) -> Any:
 
 
 def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
-    client = _blocking_client(call)
+    from mdp.blocking import Client
+
+    clients = _local.__dict__.setdefault("clients", {})
+    client = clients.get(call)
+    if client is None or client.forked:
+        client = clients[call] = _new_client(Client, call)
     replies = client.map(call.service, (r for r in requests if r is not None), window=call.window,
                          returnExceptions=True)
     results: list[Any] = []
@@ -96,38 +89,24 @@ def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[byte
     return results
 
 
-def _call_many_in_reactor(call: ServiceCall, requests: Sequence[Optional[list[bytes]]],
-                          reactor: Any) -> list[Any]:
-    from twisted.internet.threads import blockingCallFromThread
-
-    return blockingCallFromThread(reactor, _call_many, call, list(requests))
-
-
-def _client(call: ServiceCall) -> Any:
-    from mdp.majordomo.client import Client
-
-    client = _clients.get(call)
-    if client is None:
-        client = _clients[call] = _new_client(Client, call)
-    return client
-
-
 def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
     """In the reactor thread: at most ``window`` in flight (a request waiting for a free
     connection would spend its attempts); on a failure with ``onError="fail"``, cancel the rest."""
     from twisted.internet import defer
     from twisted.python.failure import Failure
 
-    client = _client(call)
-    count = len(requests)
-    results: list[Any] = [None] * count
-    inFlight: dict[int, defer.Deferred] = {}
-    done: defer.Deferred = defer.Deferred()
-    remaining = count
-    following = 0  # the next request to send
-    filling = False
+    from mdp.majordomo.client import Client
 
-    def settle(value: Any, index: int) -> None:
+    client = _clients.get(call)
+    if client is None:
+        client = _clients[call] = _new_client(Client, call)
+    window = defer.DeferredSemaphore(call.window)
+    results: list[Any] = [None] * len(requests)
+    sent: list[defer.Deferred] = []
+    done: defer.Deferred = defer.Deferred()
+    remaining = len(requests)
+
+    def answered(value: Any, index: int) -> None:
         nonlocal remaining
         if done.called:
             return
@@ -136,7 +115,7 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
         if isinstance(value, BaseException) and call.onError == "fail":
             # before cancelling the rest: each cancel comes back here
             done.errback(MDPSparkError(f"{call.describe()}: {value}"))
-            for d in list(inFlight.values()):
+            for d in sent:
                 d.cancel()
             return
         results[index] = value
@@ -144,34 +123,20 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
         if remaining == 0:
             done.callback(results)
 
-    def answered(value: Any, index: int) -> None:
-        inFlight.pop(index, None)
-        settle(value, index)
-        if not filling:  # (a reply that came at once: the loop below goes on)
-            fill()
-
-    def fill() -> None:
-        nonlocal following, filling
-        filling = True
+    def send(index: int, frames: Optional[list[bytes]]) -> Any:
+        if done.called:  # failed: nothing more is sent
+            return None
+        if frames is None:
+            return answered(ValueError("null input"), index)
         try:
-            while not done.called and following < count and len(inFlight) < call.window:
-                index, following = following, following + 1
-                frames = requests[index]
-                if frames is None:
-                    settle(ValueError("null input"), index)
-                    continue
-                try:
-                    d = client.request(call.service, *frames)
-                except Exception as e:  # over the limits (RequestTooLarge), ...
-                    settle(e, index)
-                    continue
-                inFlight[index] = d
-                d.addBoth(answered, index)
-        finally:
-            filling = False
+            reply = client.request(call.service, *frames)
+        except Exception as e:  # over the limits (RequestTooLarge), ...
+            return answered(e, index)
+        return reply.addBoth(answered, index)
 
-    fill()
-    if count == 0:
+    for index, frames in enumerate(requests):
+        sent.append(window.run(send, index, frames).addErrback(lambda f: f.trap(defer.CancelledError)))
+    if not requests:
         done.callback(results)
     return done
 
@@ -197,6 +162,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
         reply_type = {"binary": pa.binary(), "string": pa.string(),
                       "frames": pa.list_(pa.binary())}[outputType]
+        reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
+                 "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
         for batch in batches:
             columns = [batch.column(name).to_pylist() for name in inputs]
             results = call_many(call, _frames_of_rows(columns)) if batch.num_rows else []
@@ -206,13 +173,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
                     replies.append(None)
                     errors.append(f"{type(result).__name__}: {result}")
                 else:
+                    replies.append(reply(result))
                     errors.append(None)
-                    if outputType == "frames":
-                        replies.append(result)
-                    elif outputType == "string":
-                        replies.append(result[0].decode("utf-8", "replace"))
-                    else:
-                        replies.append(result[0])
             arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
             names = list(batch.schema.names) + [outputCol]
             if errorCol is not None:
@@ -225,6 +187,13 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
 # --- driver side -----------------------------------------------------------------
 
+def _check_count(option: str, value: Any, rule: str = "must be at least 1") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{option} is a whole number, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{option} {rule}, got {value}")
+
+
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
                   retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
     """Check every argument on the driver, so a mistake raises here rather than in
@@ -236,34 +205,19 @@ def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]],
     if onError not in ON_ERROR:
         raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
     positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
-    for option, value in (("retries", retries), ("window", window)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{option} is a whole number, not {type(value).__name__}")
-    if retries < 1:
-        raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
-    if window < 1:
-        raise ValueError(f"window must be at least 1, got {window}")
+    _check_count("retries", retries, "counts attempts and must be at least 1")
+    _check_count("window", window)
     codec.check_dialect(dialect)
     brokers = tuple(transport.endpoint_list(broker))
     name = codec.api_service_name(service).decode("ascii")
     return ServiceCall(name, brokers, timeout, retries, window, dialect, onError)
 
 
-def call_service(
-    df: Any,
-    service: Union[str, bytes],
-    broker: Union[str, Sequence[str]],
-    inputCol: Union[str, Sequence[str]] = "value",
-    outputCol: str = "reply",
-    *,
-    outputType: str = "binary",
-    onError: str = "fail",
-    errorCol: str = "error",
-    window: int = 64,
-    timeout: float = 2.5,
-    retries: int = 3,
-    dialect: str = "rfc",
-) -> Any:
+def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequence[str]],
+                 inputCol: Union[str, Sequence[str]] = "value", outputCol: str = "reply", *,
+                 outputType: str = "binary", onError: str = "fail", errorCol: str = "error",
+                 window: int = 64, timeout: float = 2.5, retries: int = 3,
+                 dialect: str = "rfc") -> Any:
     """One MDP request per row of *df*; returns *df* with the reply added.
 
     *inputCol*: a string or binary column, or a list of them (one frame each;
@@ -311,27 +265,15 @@ def _output_schema(df: Any, added: list[str], outputType: str) -> Any:
                       + [StructField(name, kind, True) for name, kind in zip(added, types)])
 
 
-def call_service_rdd(
-    rdd: Any,
-    service: Union[str, bytes],
-    broker: Union[str, Sequence[str]],
-    *,
-    batch: int = 1000,
-    onError: str = "fail",
-    window: int = 64,
-    timeout: float = 2.5,
-    retries: int = 3,
-    dialect: str = "rfc",
-) -> Any:
+def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Sequence[str]], *,
+                     batch: int = 1000, onError: str = "fail", window: int = 64,
+                     timeout: float = 2.5, retries: int = 3, dialect: str = "rfc") -> Any:
     """The RDD variant: each element (``bytes``, ``str`` or a sequence of them) is
     one request; the result holds each reply's frames in order.  With
     ``onError="null"`` a failure gives ``None``; ``"column"`` gives ``(frames or
     None, error or None)`` pairs."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
-    if isinstance(batch, bool) or not isinstance(batch, int):
-        raise TypeError(f"batch is a number of elements, not {type(batch).__name__}")
-    if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}")
+    _check_count("batch", batch)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         chunk: list[Any] = []

@@ -19,22 +19,7 @@ from mdp.harmony.machine import (
 from mdp.harmony.node import BeaconDiscovery, EndpointDiscovery, EventStream, Node
 
 __all__ = [
-    "DISCOVERY_PORT",
-    "ENTER",
-    "EVASIVE",
-    "EVENTS",
-    "EXIT",
-    "JOIN",
-    "LEAVE",
-    "SHOUT",
-    "WHISPER",
-    "BeaconDiscovery",
-    "EndpointDiscovery",
-    "Event",
-    "EventStream",
-    "HarmonyMachine",
-    "MalformedZre",
-    "Node",
-    "UnknownCommand",
-    "UnknownPeer",
+    "DISCOVERY_PORT", "ENTER", "EVASIVE", "EVENTS", "EXIT", "JOIN", "LEAVE", "SHOUT", "WHISPER",
+    "BeaconDiscovery", "EndpointDiscovery", "Event", "EventStream", "HarmonyMachine",
+    "MalformedZre", "Node", "UnknownCommand", "UnknownPeer",
 ]

@@ -1,25 +1,8 @@
-"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the UDP beacon.
-
-A peer message is one ZeroMQ frame with the header and the fields, followed
-by the content frames of WHISPER and SHOUT::
-
-    signature  2 bytes  0xAAA1
-    id         1 byte   HELLO 1, WHISPER 2, SHOUT 3, JOIN 4, LEAVE 5, PING 6, PING-OK 7
-    version    1 byte   2
-    sequence   2 bytes  big-endian, per outgoing connection, 1 for HELLO
-    fields     HELLO:   endpoint string, groups strings, status u8, name string,
-                        headers hash
-               SHOUT:   group string;  JOIN, LEAVE: group string, status u8
-
-A *string* is a u8 length and that many bytes of UTF-8; a *long string* a u32
-length and the bytes; *strings* a u32 count of long strings; a *hash* a u32
-count of (string key, long string value).  Lengths are in bytes.
+"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the 22-byte UDP
+beacon (docs/harmony.md, "The wire").
 
 Strings that are not valid UTF-8 are read with U+FFFD for the bad bytes:
 zeromq-pyre cuts a non-ASCII string to its length in characters.
-
-The beacon is exactly 22 bytes: ``ZRE``, version 1, the sender's 16-byte
-UUID and its ROUTER port, big-endian; port 0 says the sender is leaving.
 """
 
 from __future__ import annotations
@@ -165,8 +148,7 @@ def encode(message: Message) -> list[bytes]:
     head = _HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)
     content: Sequence[bytes] = ()
     if isinstance(message, Hello):
-        parts = [head, _string(message.endpoint, "endpoint"),
-                 struct.pack(">I", len(message.groups))]
+        parts = [head, _string(message.endpoint, "endpoint"), struct.pack(">I", len(message.groups))]
         parts += [_long_string(g) for g in message.groups]
         parts.append(bytes((message.status & 0xFF,)))
         parts.append(_string(message.name, "name"))
@@ -210,14 +192,11 @@ class _Reader:
     def u32(self, what: str) -> int:
         return int.from_bytes(self.take(4, what), "big")
 
-    def _text(self, length: int, what: str) -> str:
-        return self.take(length, what).decode("utf-8", "replace")
-
     def string(self, what: str) -> str:
-        return self._text(self.u8(what), what)
+        return self.take(self.u8(what), what).decode("utf-8", "replace")
 
     def long_string(self, what: str) -> str:
-        return self._text(self.u32(what), what)
+        return self.take(self.u32(what), what).decode("utf-8", "replace")
 
     def count(self, what: str, smallest: int, most: int) -> int:
         """A u32 count of items of at least *smallest* bytes, checked against what
@@ -241,38 +220,6 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
     else, or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
-    return _decode(frames, maxGroups, maxHeaders)
-
-
-def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxGroups: int,
-                maxHeaders: int) -> Hello:
-    endpoint = reader.string("endpoint")
-    groups = tuple(reader.long_string("group")
-                   for _ in range(reader.count("groups", 4, maxGroups)))
-    status = reader.u8("status")
-    name = reader.string("name")
-    headers = {}
-    for _ in range(reader.count("headers", 5, maxHeaders)):
-        key = reader.string("header name")
-        headers[key] = reader.long_string("header value")
-    return Hello(sequence, endpoint, groups, status, name, headers)
-
-
-#: each command's reader: (reader, sequence, content, maxGroups, maxHeaders) → message
-_READERS: dict[int, Callable[..., Message]] = {
-    HELLO: _read_hello,
-    WHISPER: lambda reader, sequence, content, *_: Whisper(sequence, content),
-    SHOUT: lambda reader, sequence, content, *_: Shout(sequence, reader.string("group"), content),
-    JOIN: lambda reader, sequence, content, *_: Join(sequence, reader.string("group"),
-                                                     reader.u8("status")),
-    LEAVE: lambda reader, sequence, content, *_: Leave(sequence, reader.string("group"),
-                                                       reader.u8("status")),
-    PING: lambda reader, sequence, content, *_: Ping(sequence),
-    PING_OK: lambda reader, sequence, content, *_: PingOk(sequence),
-}
-
-
-def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message:
     reader = _Reader(bytes(frames[0]))
     signature = reader.u16("signature")
     if signature != SIGNATURE:
@@ -291,6 +238,30 @@ def _decode(frames: Sequence[bytes], maxGroups: int, maxHeaders: int) -> Message
     if content and command not in (WHISPER, SHOUT):
         raise MalformedZre(f"{COMMANDS[command]} carries {len(content)} content frames")
     return message
+
+
+def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxGroups: int,
+                maxHeaders: int) -> Hello:
+    endpoint = reader.string("endpoint")
+    groups = tuple(reader.long_string("group")
+                   for _ in range(reader.count("groups", 4, maxGroups)))
+    status = reader.u8("status")
+    name = reader.string("name")
+    headers = {reader.string("header name"): reader.long_string("header value")
+               for _ in range(reader.count("headers", 5, maxHeaders))}
+    return Hello(sequence, endpoint, groups, status, name, headers)
+
+
+#: each command's reader: (reader, sequence, content, maxGroups, maxHeaders) → message
+_READERS: dict[int, Callable[..., Message]] = {
+    HELLO: _read_hello,
+    WHISPER: lambda reader, sequence, content, *_: Whisper(sequence, content),
+    SHOUT: lambda reader, sequence, content, *_: Shout(sequence, reader.string("group"), content),
+    JOIN: lambda reader, sequence, *_: Join(sequence, reader.string("group"), reader.u8("status")),
+    LEAVE: lambda reader, sequence, *_: Leave(sequence, reader.string("group"), reader.u8("status")),
+    PING: lambda reader, sequence, *_: Ping(sequence),
+    PING_OK: lambda reader, sequence, *_: PingOk(sequence),
+}
 
 
 def encode_beacon(uuid: UUID, port: int) -> bytes:

@@ -2,23 +2,20 @@
 
 A *link* is one outgoing DEALER (identity ``0x01`` + our UUID) to one peer's
 ROUTER; everything a peer says arrives on our one ROUTER, tagged with its identity.
+docs/harmony.md says in full what drops a peer and how dials back off.
 
 ==========================  ================================================================
 event                       what happens
 ==========================  ================================================================
 beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first (a peer
-                            known there under another UUID restarted: EXIT); a known
-                            one is refreshed
-beacon with port 0          the peer is leaving: EXIT
-dial(endpoint)              a link to a listed endpoint, HELLO first; the peer is known
-                            once its HELLO names that endpoint; unanswered, dialled
-                            again after *expired*, then twice as long, up to 8 times
+                            known there under another UUID restarted: EXIT); a known one
+                            is refreshed; port 0: it is leaving, EXIT
+dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
+                            back-off until a HELLO names that endpoint
 HELLO from a new peer       a link back to the endpoint it names, ENTER, a JOIN per group
-HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*
-                            of its last HELLO, from the endpoint known, it made its link
-                            again: its sequence and groups start again, and our HELLO
-                            goes back on our link at most once an *evasive* (else each
-                            side would answer the other's answer for ever)
+HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
+                            from the endpoint known, it is its new link to us: its sequence
+                            and groups start again; our HELLO goes back, once an *evasive*
 other message, no HELLO     dropped
 sequence gap, unknown or    the peer is dropped (EXIT), as its sequence is lost
 malformed
@@ -29,15 +26,12 @@ any message or beacon       the peer is alive: its evasive and expiry times move
 tick                        silent past *evasive*: PING it and one EVASIVE event;
                             silent past *expired*: EXIT
 ==========================  ================================================================
-
-Our status goes up by one (mod 256) on every JOIN and LEAVE we send
-(zeromq-pyre insists on it).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from uuid import UUID
 
 import attrs
@@ -178,13 +172,12 @@ class _Dial:
 class HarmonyMachine(Machine):
     """One ZRE node: its peers, their groups, ours, and the sequence numbers.
 
-    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None
-    if it can): such a peer is ignored."""
+    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None if it can):
+    such a peer is ignored."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
-                 maxPeers: int = DEFAULT_MAX_PEERS,
-                 maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
                  maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
                  reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
                  now: float = 0.0) -> None:
@@ -228,10 +221,8 @@ class HarmonyMachine(Machine):
         """Close every link and forget every peer, with no events."""
         self.now = now
         self.running = False
-        for peer in self.peers.values():
-            self._emit(CloseLink(peer.link))
-        for dial in self.dials.values():
-            self._emit(CloseLink(dial.link))
+        for end in [*self.peers.values(), *self.dials.values()]:
+            self._emit(CloseLink(end.link))
         self.peers.clear()
         self.dials.clear()
         return self._drain()
@@ -245,8 +236,7 @@ class HarmonyMachine(Machine):
                 raise ValueError(f"cannot join {group!r}: in {len(self.ownGroups)} groups "
                                  f"already, the most peers take (maxGroups)")
             self.ownGroups[group] = None
-            self.status = (self.status + 1) & 0xFF
-            self._broadcast(codec.Join(0, group, self.status))
+            self._broadcastStatus(codec.Join, group)
         return self._drain()
 
     def leave(self, group: str, now: float) -> list[Any]:
@@ -255,8 +245,7 @@ class HarmonyMachine(Machine):
         codec.check_string(group, "group")
         if group in self.ownGroups:
             del self.ownGroups[group]
-            self.status = (self.status + 1) & 0xFF
-            self._broadcast(codec.Leave(0, group, self.status))
+            self._broadcastStatus(codec.Leave, group)
         return self._drain()
 
     def whisper(self, peer: UUID, frames: Iterable[bytes], now: float) -> list[Any]:
@@ -278,8 +267,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def handleBeacon(self, uuid: UUID, endpoint: Optional[str], now: float) -> list[Any]:
-        """A beacon from *uuid* whose ROUTER is at *endpoint* (None: port 0,
-        it is leaving)."""
+        """A beacon from *uuid* whose ROUTER is at *endpoint* (None: port 0, it is leaving)."""
         self.now = now
         if uuid == self.uuid or not self.running:
             return self._drain()
@@ -301,16 +289,12 @@ class HarmonyMachine(Machine):
         self._dial(endpoint)
         return self._drain()
 
-    def _dial(self, endpoint: str) -> None:
-        if not self.running or same_endpoint(endpoint, self.endpoint):
+    def _dial(self, endpoint: str, tries: int = 0) -> None:
+        taken = [self.endpoint, *self.dials, *(p.endpoint for p in self.peers.values())]
+        if not self.running or any(same_endpoint(endpoint, e) for e in taken):
             return
-        if any(same_endpoint(endpoint, d) for d in self.dials):
-            return
-        if any(same_endpoint(endpoint, p.endpoint) for p in self.peers.values()):
-            return
-        link = self._newLink(endpoint)
-        self._emit(SendOn(link, codec.encode(self._hello(1))))
-        self.dials[endpoint] = _Dial(link, endpoint, 1, self.now)
+        dial = self.dials[endpoint] = _Dial(self._newLink(endpoint), endpoint, 0, self.now, tries=tries)
+        self._send(dial, self._hello(0))
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
         """The link could not be opened: forget its peer; a dial stays for the tick to redo."""
@@ -339,8 +323,7 @@ class HarmonyMachine(Machine):
                 return self._drain()
         elif peer is None or not peer.ready:
             self._emit(Notice("unready", f"dropped {codec.COMMANDS[message.id]} from "
-                                         f"{self._who(uuid, peer)}, which has not said HELLO",
-                              "info"))
+                                         f"{self._who(uuid, peer)}, which has not said HELLO", "info"))
             return self._drain()
         if self._inSequence(peer, message):
             self._handlers[type(message)](self, peer, message)
@@ -412,11 +395,9 @@ class HarmonyMachine(Machine):
         self._refresh(peer)
 
     def _inSequence(self, peer: Peer, message: codec.Message) -> bool:
-        if isinstance(message, codec.Hello):
-            good = message.sequence == 1
-        else:
-            good = codec.next_sequence_ok(peer.received, message.sequence)
-        if not good:
+        """A HELLO is numbered 1 (:meth:`_greeted` checked it); the rest follow on."""
+        if not (isinstance(message, codec.Hello)
+                or codec.next_sequence_ok(peer.received, message.sequence)):
             self._emit(Notice(None, f"messages lost from {self._who(peer.uuid, peer)}: "
                                     f"{codec.COMMANDS[message.id]} numbered {message.sequence} "
                                     f"after {peer.received}; dropping the peer"))
@@ -430,8 +411,7 @@ class HarmonyMachine(Machine):
         peer.headers = dict(message.headers)
         self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
                               endpoint=peer.endpoint)))
-        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}",
-                          "info"))
+        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}", "info"))
         for group in message.groups:
             self._peerJoins(peer, group)
         peer.status = message.status
@@ -440,8 +420,7 @@ class HarmonyMachine(Machine):
         self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))
 
     def _onShout(self, peer: Peer, message: codec.Shout) -> None:
-        self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group,
-                              frames=message.content)))
+        self._emit(Emit(Event(SHOUT, peer.uuid, peer.name, group=message.group, frames=message.content)))
 
     def _onPing(self, peer: Peer, message: codec.Ping) -> None:
         self._send(peer, codec.PingOk(0))
@@ -463,10 +442,9 @@ class HarmonyMachine(Machine):
         """A JOIN or LEAVE adds one to the status; a peer that counts otherwise is believed."""
         peer.status = (peer.status + 1) & 0xFF
         if message.status != peer.status:
-            self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent "
-                                        f"{codec.COMMANDS[message.id]} with status "
-                                        f"{message.status}, expected {peer.status}; taking its "
-                                        "count"))
+            self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent {codec.COMMANDS[message.id]} "
+                                        f"with status {message.status}, expected {peer.status}; "
+                                        "taking its count"))
             peer.status = message.status
 
     _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout,
@@ -488,15 +466,11 @@ class HarmonyMachine(Machine):
         for dial in list(self.dials.values()):
             if now - dial.since >= self._dialWait(dial.tries):
                 self._emit(Notice(None, f"{'no link to' if dial.failed else 'no HELLO from'} "
-                                        f"{dial.endpoint} in {now - dial.since:.0f} s; dialling it "
-                                        f"again, then again after "
-                                        f"{self._dialWait(dial.tries + 1):.0f} s", "info"))
+                                        f"{dial.endpoint} in {now - dial.since:.0f} s; dialling it again, "
+                                        f"then again after {self._dialWait(dial.tries + 1):.0f} s", "info"))
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
-                self._dial(dial.endpoint)
-                again = self.dials.get(dial.endpoint)
-                if again is not None:
-                    again.tries = dial.tries + 1
+                self._dial(dial.endpoint, dial.tries + 1)
         for peer in list(self.peers.values()):
             if now >= peer.expiredAt:
                 self._remove(peer, f"it expired after {self.expired:.1f} s of silence")
@@ -578,18 +552,16 @@ class HarmonyMachine(Machine):
             if listed is not None:
                 self._dial(listed)
 
-    def _send(self, peer: Peer, message: codec.Message) -> None:
-        peer.sent = codec.next_sequence(peer.sent)
-        self._emit(SendOn(peer.link, codec.encode(codec.with_sequence(message, peer.sent))))
+    def _send(self, to: Union[Peer, _Dial], message: codec.Message) -> None:
+        to.sent = codec.next_sequence(to.sent)
+        self._emit(SendOn(to.link, codec.encode(codec.with_sequence(message, to.sent))))
 
-    def _broadcast(self, message: codec.Message) -> None:
-        for peer in self.peers.values():
-            self._send(peer, message)
-        for dial in self.dials.values():
-            if dial.failed:
-                continue
-            dial.sent = codec.next_sequence(dial.sent)
-            self._emit(SendOn(dial.link, codec.encode(codec.with_sequence(message, dial.sent))))
+    def _broadcastStatus(self, kind: type, group: str) -> None:
+        """Our status goes up by one on each JOIN or LEAVE we send, to peers and dials."""
+        self.status = (self.status + 1) & 0xFF
+        message = kind(0, group, self.status)
+        for to in [*self.peers.values(), *(d for d in self.dials.values() if not d.failed)]:
+            self._send(to, message)
 
     @staticmethod
     def _who(uuid: UUID, peer: Optional[Peer]) -> str:

@@ -1,11 +1,10 @@
-"""The Twisted driver of a Harmony (ZRE) node, and its discovery mechanisms.
-
-:class:`Node` owns one bound ROUTER, one DEALER per peer, a tick and a
-discovery (:class:`~mdp.interfaces.IDiscovery`: UDP beacons, or a list of endpoints).
+"""The Twisted driver of a Harmony (ZRE) node: :class:`Node` owns one bound ROUTER, one
+DEALER per peer, a tick and a discovery (UDP beacons, or a list of endpoints).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid as uuidlib
 import weakref
@@ -154,7 +153,7 @@ class EventStream:
     def __init__(self, node: Node, size: int = 10_000) -> None:
         self.node = node
         self.size = size
-        self.queue: deque[Event] = deque()
+        self.queue: deque[Event] = deque(maxlen=size)
         self.waiting: Optional[defer.Deferred[Event]] = None
         self.ended = False
         self.dropped = 0
@@ -164,13 +163,11 @@ class EventStream:
             waiting, self.waiting = self.waiting, None
             waiting.callback(event)
             return
-        if len(self.queue) >= self.size:
-            self.queue.popleft()
+        if len(self.queue) == self.size:
             self.dropped += 1
-            self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is "
-                                    "{size} events behind; dropping the oldest ({dropped} so "
-                                    "far)", name=self.node.name, size=self.size,
-                                    dropped=self.dropped)
+            self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is {size} events "
+                                    "behind; dropping the oldest ({dropped} so far)",
+                                    name=self.node.name, size=self.size, dropped=self.dropped)
         self.queue.append(event)
 
     def _end(self) -> None:
@@ -242,19 +239,16 @@ class Node:
     dropped.  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
-                 headers: Optional[dict[str, str]] = None,
-                 discovery: Optional[IDiscovery] = None, endpoint: Optional[str] = None,
-                 evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
-                 interval: float = DEFAULT_INTERVAL, maxPeers: int = DEFAULT_MAX_PEERS,
-                 maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
-                 limits: Limits = Limits()) -> None:
+                 headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
+                 endpoint: Optional[str] = None, evasive: float = DEFAULT_EVASIVE,
+                 expired: float = DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
+                 maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
-        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive,
-                                      expired=expired, maxPeers=maxPeers, maxGroups=maxGroups,
-                                      maxHeaders=maxHeaders, reachable=self._unreachable,
-                                      now=self._now())
+        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
+                                      maxPeers=maxPeers, maxGroups=maxGroups, maxHeaders=maxHeaders,
+                                      reachable=self._unreachable, now=self._now())
         self.name = name
         self.discovery: IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))
@@ -276,7 +270,6 @@ class Node:
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
         #: start() and stop() one at a time: a start right after a stop waits
         self._transition = defer.DeferredLock()
-        self._failedLinks: list[int] = []
         #: batches of actions, and events, each with its run (a stop ends a run)
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
@@ -322,7 +315,7 @@ class Node:
             router, self.router = self.router, None
             yield router.close()
             raise
-        self._tick = task.LoopingCall(self._onTick)
+        self._tick = task.LoopingCall(lambda: self._perform(self.machine.handleTick(self._now())))
         self._tick.clock = self.reactor
         self._tick.start(self.interval, now=False)
         log.info("ZRE node {name} ({uuid}) at {endpoint}", name=self.name, uuid=self.uuid,
@@ -350,16 +343,9 @@ class Node:
             for stream in streams:
                 stream._end()
 
-    def _onTick(self) -> None:
-        self._perform(self.machine.handleTick(self._now()))
-
     def beaconReceived(self, uuid: UUID, host: str, port: int) -> None:
-        endpoint = None
-        if port:
-            if self.endpoint.startswith("loopback:"):
-                endpoint = f"loopback:{host}:{port}"
-            else:
-                endpoint = f"tcp://{host}:{port}"
+        scheme = "loopback:" if self.endpoint.startswith("loopback:") else "tcp://"
+        endpoint = f"{scheme}{host}:{port}" if port else None
         self._perform(self.machine.handleBeacon(uuid, endpoint, self._now()))
 
     def dialPeer(self, endpoint: str) -> None:
@@ -434,14 +420,11 @@ class Node:
             return
         self._performing = True
         try:
-            while self._batches or self._failedLinks:
-                if self._batches:
-                    generation, batch = self._batches.popleft()
-                    self._performAll(generation, batch)
-                else:  # after the batches, so their events keep their order
-                    link = self._failedLinks.pop(0)
-                    self._batches.append((self._generation,
-                                          self.machine.handleLinkFailed(link, self._now())))
+            while self._batches:
+                generation, batch = self._batches.popleft()
+                live = self._live(generation)
+                for action in batch:  # of a run that has ended, only closes and notices
+                    self._performers[type(action)](self, action, generation, live)
         finally:
             self._performing = False
         if self._delivering:
@@ -470,12 +453,6 @@ class Node:
             return f"is not usable: {e}"
         return None
 
-    def _performAll(self, generation: int, actions: list[Any]) -> None:
-        """Perform *actions*; of a run that has ended, only closes and notices."""
-        live = self._live(generation)
-        for action in actions:
-            self._performers[type(action)](self, action, generation, live)
-
     def _sendOn(self, action: SendOn, generation: int, live: bool) -> None:
         link = self.links.get(action.link) if live else None
         if link is not None:
@@ -489,14 +466,14 @@ class Node:
         if not live:
             return
         try:
-            self.links[action.link] = connect(
-                transport_endpoint(action.endpoint), _Link(), self.reactor,
-                limits=self.limits, identity=identity_of(self.uuid))
+            self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
+                                              limits=self.limits, identity=identity_of(self.uuid))
         except (TransportError, ValueError) as e:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
                                "{endpoint}: {error}", name=self.name,
                                endpoint=action.endpoint, error=e)
-            self._failedLinks.append(action.link)
+            self._batches.append((generation, self.machine.handleLinkFailed(action.link,
+                                                                            self._now())))
 
     def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
         link = self.links.pop(action.link, None)
@@ -506,11 +483,10 @@ class Node:
     def _notice(self, action: Notice, generation: int, live: bool) -> None:
         if action.topic is None:
             emit = log.info if action.level == "info" else log.warn
-            emit("ZRE node {name}: {text}", name=self.name, text=action.text)
         else:
             throttled = self.throttle.info if action.level == "info" else self.throttle.warn
-            throttled(log, action.topic, "ZRE node {name}: {text}", name=self.name,
-                      text=action.text)
+            emit = functools.partial(throttled, log, action.topic)
+        emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
     _performers = {SendOn: _sendOn, Emit: _emitEvent, OpenLink: _openLink,
                    CloseLink: _closeLink, Notice: _notice}
