@@ -1,11 +1,7 @@
-"""ZeroMQ ROUTER/DEALER transports over txzmq: ``zmq:tcp://…``, ``zmq:ipc://…``.
-
-Thin adapters around txzmq's connections, with bounded high-water marks
-(txzmq's default 0 is unbounded), ``ZMQ_MAXMSGSIZE`` and a short linger; a
-message over the limits is read off and discarded.  ZeroMQ hides connection
-state, so no disconnects are reported except of a peer a ROUTER cuts off for
-not reading; MDP heartbeats cover the rest.  ``import txzmq`` installs the
-default reactor: it is imported only when a ``zmq:`` endpoint is used.
+"""ZeroMQ ROUTER/DEALER transports over txzmq (``zmq:tcp://…``, ``zmq:ipc://…``),
+with bounded high-water marks and message sizes.  ZeroMQ hides connection
+state: no disconnects are reported but of a peer a ROUTER cuts off for not
+reading (MDP heartbeats cover the rest).
 """
 
 from __future__ import annotations
@@ -189,18 +185,13 @@ class _RoutedSocket:
                            "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
                            peer=peer.hex(), held=backlog.bytes, limit=self.limits.maxOutputBytes,
                            count=self.overflows)
-        self._peerCut(peer)
+        if not self.connects:
+            # a turn later: the receiver may be in the middle of sending
+            self.reactor.callLater(0, self._reportCut, peer)
 
-    def _peerCut(self, peer: bytes) -> None:
-        pass
-
-    def delivered(self, peer: bytes, frames: list[bytes]) -> None:
-        if self.cut:
-            self.cut.pop(peer, None)  # it speaks again: no longer cut off
-        self._deliver(peer, frames)
-
-    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
-        raise NotImplementedError
+    def _reportCut(self, peer: bytes) -> None:
+        if peer in self.cut:
+            self.receiver.peerDisconnected(peer)
 
     def oversized(self, peer: Optional[bytes], count: int, size: int) -> None:
         self.oversizedCount += 1
@@ -265,7 +256,6 @@ class ZmqRouter(_RoutedSocket):
     uncopied (:func:`kept_frame_type`), which :meth:`sendMessage` takes back."""
 
     acceptsBuffers = True
-
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
@@ -351,23 +341,11 @@ class ZmqRouter(_RoutedSocket):
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
-            self.cut.pop(peer, None)
-        if not self._closing:
-            self.receiver.messageReceived(peer, frames)
-
-    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+            self.cut.pop(peer, None)  # it speaks again: no longer cut off
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
 
     sendMessage = _RoutedSocket._send
-
-    def _peerCut(self, peer: bytes) -> None:
-        # a turn later: the receiver may be in the middle of sending
-        self.reactor.callLater(0, self._reportCut, peer)
-
-    def _reportCut(self, peer: bytes) -> None:
-        if peer in self.cut:
-            self.receiver.peerDisconnected(peer)
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
@@ -616,7 +594,9 @@ class ZmqPeerRouter(_RoutedSocket):
             self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
         self._setup(default_reactor(reactor), limits)
 
-    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+    def delivered(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.cut:
+            self.cut.pop(peer, None)
         self.receiver.messageReceived(peer.decode("utf-8", "replace"), frames)
 
     def connect(self, endpoint: str) -> None:
@@ -629,8 +609,6 @@ class ZmqPeerRouter(_RoutedSocket):
         self.endpoints.add(endpoint)
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
-        if self.connection.socket is None:
-            return
         self._send(endpoint.encode(), frames)
 
     def close(self) -> defer.Deferred[None]:
