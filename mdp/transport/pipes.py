@@ -299,30 +299,16 @@ class _StreamPipe:
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
-        #: a channel's request has left once ``sentBytes`` passed its end
-        self.queuedBytes = 0
-        self.sentBytes = 0
-        self.decoder = self._decoder()
-        self.up = False
-        self.connecting = False
         self.failures = 0
         self.retryAt: Optional[float] = None
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
         self.candidates: list[tuple[int, Any]] = []
-        #: a record begun before a discard, to drop once whole (on channels:
-        #: the channels discarded)
-        self.skip: Any = 0
-        self.broken: Optional[BaseException] = None
+        self._closeSocket()  # (the state of no connection)
 
     @property
     def backlogged(self) -> bool:
         return bool(self.out)
-
-    def _decoder(self) -> RecordDecoder:
-        decoder = RecordDecoder(self.loop.limits)
-        decoder.channels = self.channels
-        return decoder
 
     def start(self) -> None:
         self.open(monotonic())
@@ -562,10 +548,14 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        self.skip = 0
-        self.broken = None
+        #: a record begun before a discard, to drop once whole (on channels:
+        #: the channels discarded)
+        self.skip: Any = 0
+        self.broken: Optional[BaseException] = None
+        #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
-        self.decoder = self._decoder()
+        self.decoder = RecordDecoder(self.loop.limits)
+        self.decoder.channels = self.channels
         self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
@@ -750,18 +740,12 @@ class _LinkPipe(Channel):
 
     __slots__ = ("link", "owner", "tag", "retryAt")
 
-    backlog = ()
-
     def __init__(self, link: _StreamLink, owner: Any, tag: Any) -> None:
         super().__init__()
         self.link = link
         self.owner = owner
         self.tag = tag
         self.retryAt: Optional[float] = None
-
-    @property
-    def backlogged(self) -> bool:
-        return self.link.stream.backlogged
 
     def start(self) -> None:
         self.link.start()
@@ -772,9 +756,6 @@ class _LinkPipe(Channel):
 
     def discardReceived(self) -> int:
         return self.link.discard(self.id)
-
-    def check(self, now: float) -> bool:
-        return False  # (its link's connection is what the loop asks)
 
     def wake(self, now: float) -> None:
         if self.retryAt is not None and now >= self.retryAt:
