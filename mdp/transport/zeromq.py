@@ -99,9 +99,13 @@ class _RoutedSocket:
 
     connects = False
 
-    def _setup(self, reactor: Any, limits: Limits) -> None:
+    def _setup(self, reactor: Any, limits: Limits, identity: Optional[bytes] = None) -> None:
+        """Open the socket (``connection``) with what both kinds set."""
         import zmq
 
+        router_class, _ = _connection_classes()
+        self.connection = router_class(zmq_factory(), identity=identity)
+        self.connection.owner = self
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
@@ -262,7 +266,6 @@ class ZmqRouter(_RoutedSocket):
         import txzmq
         import zmq
 
-        router_class, _ = _connection_classes()
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
@@ -273,15 +276,13 @@ class ZmqRouter(_RoutedSocket):
         # bind after construction: an error inside txzmq's would leak the socket
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
         identity = address.encode() if "*" not in address else None
-        self.connection = router_class(zmq_factory(), identity=identity)
-        self.connection.owner = self
+        self._setup(default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
         if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
         # handover, but not under CURVE: one key would take over another's peer id
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
-        self._setup(default_reactor(reactor), limits)
         if not address.startswith("inproc://"):
             # before the bind (ROUTER_SEND_WATER_MARK); on inproc the reading end's half is not ours
             self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
@@ -583,16 +584,13 @@ class ZmqPeerRouter(_RoutedSocket):
 
     def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits(),
                  curve: Optional[CurveClient] = None) -> None:
-        router_class, _ = _connection_classes()
         self.receiver = receiver
         self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
-        self.connection = router_class(zmq_factory())
-        self.connection.owner = self
+        self._setup(default_reactor(reactor), limits)
         if curve is not None:
             curve.apply(self.connection.socket)
             self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
-        self._setup(default_reactor(reactor), limits)
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
