@@ -446,8 +446,7 @@ class _StreamPipe:
             self._lost(e, now)
             return
         if not data:
-            self._lost(self.broken or ConnectionError("connection closed by the broker"),
-                       now)
+            self._lost(ConnectionError("connection closed by the broker"), now)
             return
         try:
             messages = self.decoder.feed(data)
