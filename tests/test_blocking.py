@@ -282,26 +282,18 @@ async def test_a_wide_map_asks_only_the_sockets_that_were_signalled_or_used(
     asked = 0
     # every EVENTS query, in C or through pyzmq (the pipe's class is not
     # patched: compiled, it is an extension type)
-    if blocking._frames is not None:
-        name, events = "_eventsC", blocking._eventsC
+    events = blocking._events
 
-        def counting(handle: Any) -> int:
-            nonlocal asked
-            asked += 1
-            return events(handle)  # type: ignore[no-any-return]
-    else:
-        name, events = "_get", blocking._get
-
-        def counting(socket: Any, option: int) -> int:  # type: ignore[misc]
-            nonlocal asked
-            asked += option == blocking._EVENTS
-            return events(socket, option)  # type: ignore[no-any-return]
+    def counting(handle: Any) -> int:
+        nonlocal asked
+        asked += 1
+        return events(handle)
 
     try:
         def work() -> list[list[bytes]]:
             with Client(cluster.endpoint, timeout=10, retries=2, maxConnections=64) as client:
                 list(client.map("work", [b"warm"] * 200, window=64))
-                monkeypatch.setattr(blocking, name, counting)
+                monkeypatch.setattr(blocking, "_events", counting)
                 return list(client.map("work", [f"r{n}" for n in range(2000)], window=64))
 
         replies = await run(work)

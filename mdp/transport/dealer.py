@@ -236,17 +236,9 @@ class StreamDealer(_OneConnection):
     """The connecting side: one :class:`ClientService`-managed connection;
     what is sent while it is down goes out after the next ``connectionMade``."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        receiver: IDealerReceiver,
-        reactor: Any,
-        *,
-        retryPolicy: Optional[Callable[[int], float]] = None,
-        limits: Limits = Limits(),
-        framing: IFraming = RECORDS,
-        identity: Optional[bytes] = None,
-    ) -> None:
+    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
+                 retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
+                 framing: IFraming = RECORDS, identity: Optional[bytes] = None) -> None:
         self.endpoint = endpoint
         self.receiver = receiver
         self.reactor = reactor

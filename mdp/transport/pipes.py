@@ -23,7 +23,13 @@ from mdp.transport.channellink import Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zmqio import ZERO_COPY_BYTES, random_identity, zmq_frames
+from mdp.transport.zmqio import (
+    ZERO_COPY_BYTES,
+    _zmq,
+    random_identity,
+    socket_calls,
+    socket_handle,
+)
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -34,12 +40,6 @@ STREAM_SCHEMES = ("tcp", "unix")
 
 #: the longest wait one poll takes (its timeout is a C int of milliseconds)
 _MAX_WAIT_MS = 2**31 - 1
-
-
-def _zmq() -> Any:
-    import zmq
-
-    return zmq
 
 
 def timeout_ms(when: Optional[float], now: float) -> int:
@@ -117,13 +117,15 @@ class _ZmqPipe:
                 self.curve.apply(sock)
                 sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
             sock.connect(self.address)
-            fd = _get(sock, _FD)
+            fd = sock.get(zmq.FD)
+            handle = socket_handle(sock, _native)
             self.loop.poller.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
         except BaseException:
             sock.close(0)
             raise
+        # (no call from here on: an interrupt cannot leave it half set)
         self.socket = sock
-        self.handle = sock.underlying  # its address in libzmq, for _frames
+        self.handle = handle
         self.fd = fd
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
@@ -144,17 +146,9 @@ class _ZmqPipe:
         self.loop.unchecked.add(self)
 
     def _trySend(self, frames: list[bytes]) -> bool:
-        send = _send
-        sock = self.socket
-        last = len(frames) - 1
         try:
-            if _frames is not None:
-                _sendC(self.handle, frames, ZERO_COPY_BYTES, send, sock)
-                return True
-            for i, frame in enumerate(frames):
-                send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
-                     len(frame) < ZERO_COPY_BYTES)  # (copy: positional is cheaper)
-        except _zmq().Again:
+            _send(self.handle, frames, ZERO_COPY_BYTES, _pysend, self.socket)
+        except _Again:
             return False  # only the first frame can be refused (a full pipe)
         return True
 
@@ -163,10 +157,9 @@ class _ZmqPipe:
 
     def check(self, now: float) -> bool:
         """Send what waits and read what came, per ``EVENTS``; whether anything was read."""
-        sock = self.socket
-        if sock is None:
+        if self.socket is None:
             return False
-        events = self._events()
+        events = _events(self.handle)
         if events & _ZMQ_POLLOUT and self.backlog:
             while self.backlog and self._trySend(self.backlog[0]):
                 self.core.sent()
@@ -180,7 +173,7 @@ class _ZmqPipe:
         """The loop's only socket: block in ``recv`` for at most *timeout* ms
         (-1: no limit) instead of polling; handle what came."""
         sock = self.socket
-        if _frames is None:
+        if not _native:
             # pyzmq's recv waits its whole RCVTIMEO again after each signal
             # (EINTR); its poll waits for what is left
             if sock.poll(timeout, _ZMQ_POLLIN):
@@ -194,28 +187,21 @@ class _ZmqPipe:
             self.waitMs = current = timeout
         try:
             frames = self._message(0)
-        except _zmq().Again:
+        except _Again:
             return
         # one message a wake-up: the next recv takes what else is queued at once
         self.loop.unchecked.add(self)
         self._take(frames, monotonic())
 
-    def _events(self) -> int:
-        """The open socket's ``EVENTS`` bits."""
-        if _frames is not None:
-            return _eventsC(self.handle)  # type: ignore[no-any-return]
-        return _get(self.socket, _EVENTS)  # type: ignore[no-any-return]
-
     def discardReceived(self) -> int:
         """Read off and drop the messages waiting on the socket; how many."""
-        sock = self.socket
         dropped = 0
-        if sock is None:
+        if self.socket is None:
             return 0
         for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
-            if not self._events() & _ZMQ_POLLIN:
+            if not _events(self.handle) & _ZMQ_POLLIN:
                 break
-            self._message(_NOBLOCK, False)
+            _read(self.handle, _NOBLOCK, _NEVER, 0, _NEVER, _NEVER, False)
             dropped += 1
         return dropped
 
@@ -229,54 +215,25 @@ class _ZmqPipe:
             self._take(self._message(_NOBLOCK), now)
             if self.socket is not sock:
                 return
-            if not self._events() & _ZMQ_POLLIN:
+            if not _events(self.handle) & _ZMQ_POLLIN:
                 # its signal is armed again: no need to ask before waiting
                 if not self.backlog:
                     loop.unchecked.discard(self)
                 return
 
-    def _message(self, flags: int, limited: bool = True) -> Any:
-        """Receive a whole message (or raise ``Again``): its frames; or, *limited*
-        and over the limits, ``(bytes, frames)`` read so far (the caller
-        replaces the socket)."""
-        if limited:
-            limits = self.loop.limits
-            maxFrames, maxBytes = limits.maxFrames, limits.maxMessageBytes
-        else:
-            maxFrames = maxBytes = _NEVER
-        if _frames is not None:
-            got = _readC(self.handle, flags, _NEVER, 0, maxFrames, maxBytes, False)
-            if got.__class__ is list:
-                return got
-            _, count, size, _ = got[1]
-            return size, count
-        sock = self.socket
-        frame = _recv(sock, flags, copy=False)
-        count = 1
-        size = len(frame)
-        if size > maxBytes:
-            return size, count
-        frames = [frame.bytes]
-        while frame.more:
-            frame = _recv(sock, _NOBLOCK, copy=False)
-            count += 1
-            size += len(frame)
-            if count > maxFrames or size > maxBytes:
-                return size, count
-            frames.append(frame.bytes)
-        return frames
+    def _message(self, flags: int) -> Any:
+        """Receive a whole message (or raise ``Again``), as :func:`socket_calls` read it."""
+        limits = self.loop.limits
+        return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes,
+                     False)
 
     def _take(self, frames: Any, now: float) -> None:
-        """Hand *frames* to the owner; or, over the limits, drop it with its socket."""
-        if frames.__class__ is not list:
-            size, count = frames
-            self._oversized(now, size, count)
+        """Hand *frames* to the owner; or, over the limits, drop it with its
+        socket, and tell the owner the pipe was lost, then up again."""
+        if frames.__class__ is list:
+            self.owner._pipeMessage(self.tag, frames, now)
             return
-        self.owner._pipeMessage(self.tag, frames, now)
-
-    def _oversized(self, now: float, size: int, count: int) -> None:
-        """As the Twisted dealer: drop the message and its socket, and tell
-        the owner the pipe was lost, then up again."""
+        _, count, size, _ = frames[1]
         why = self.core.oversized(size, count)
         self.close()
         self._reopen(now)
@@ -342,30 +299,16 @@ class _StreamPipe:
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
-        #: a channel's request has left once ``sentBytes`` passed its end
-        self.queuedBytes = 0
-        self.sentBytes = 0
-        self.decoder = self._decoder()
-        self.up = False
-        self.connecting = False
         self.failures = 0
         self.retryAt: Optional[float] = None
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
         self.candidates: list[tuple[int, Any]] = []
-        #: a record begun before a discard, to drop once whole (on channels:
-        #: the channels discarded)
-        self.skip: Any = 0
-        self.broken: Optional[BaseException] = None
+        self._closeSocket()  # (the state of no connection)
 
     @property
     def backlogged(self) -> bool:
         return bool(self.out)
-
-    def _decoder(self) -> RecordDecoder:
-        decoder = RecordDecoder(self.loop.limits)
-        decoder.channels = self.channels
-        return decoder
 
     def start(self) -> None:
         self.open(monotonic())
@@ -503,8 +446,7 @@ class _StreamPipe:
             self._lost(e, now)
             return
         if not data:
-            self._lost(self.broken or ConnectionError("connection closed by the broker"),
-                       now)
+            self._lost(ConnectionError("connection closed by the broker"), now)
             return
         try:
             messages = self.decoder.feed(data)
@@ -605,10 +547,14 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        self.skip = 0
-        self.broken = None
+        #: a record begun before a discard, to drop once whole (on channels:
+        #: the channels discarded)
+        self.skip: Any = 0
+        self.broken: Optional[BaseException] = None
+        #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
-        self.decoder = self._decoder()
+        self.decoder = RecordDecoder(self.loop.limits)
+        self.decoder.channels = self.channels
         self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
@@ -793,18 +739,12 @@ class _LinkPipe(Channel):
 
     __slots__ = ("link", "owner", "tag", "retryAt")
 
-    backlog = ()
-
     def __init__(self, link: _StreamLink, owner: Any, tag: Any) -> None:
         super().__init__()
         self.link = link
         self.owner = owner
         self.tag = tag
         self.retryAt: Optional[float] = None
-
-    @property
-    def backlogged(self) -> bool:
-        return self.link.stream.backlogged
 
     def start(self) -> None:
         self.link.start()
@@ -816,9 +756,6 @@ class _LinkPipe(Channel):
     def discardReceived(self) -> int:
         return self.link.discard(self.id)
 
-    def check(self, now: float) -> bool:
-        return False  # (its link's connection is what the loop asks)
-
     def wake(self, now: float) -> None:
         if self.retryAt is not None and now >= self.retryAt:
             self.retryAt = None
@@ -829,38 +766,29 @@ class _LinkPipe(Channel):
     def close(self) -> None:
         self.link.forget(self)
 
-def _bind_zmq() -> None:
-    """Bind pyzmq's compiled socket methods (below its IntEnum wrappers) and
-    ``_frames``'s C functions, where built."""
-    global _send, _recv, _get, _set, _frames, _readC, _sendC, _eventsC
-    global _RCVTIMEO, _NOBLOCK, _NOBLOCK_SNDMORE, _EVENTS, _FD, _ZMQ_POLLIN, _ZMQ_POLLOUT
+
+def _bind(native: bool = True) -> None:
+    """Bind the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`)."""
+    global _read, _send, _events, _native, _pysend, _set, _Again
+    global _RCVTIMEO, _NOBLOCK, _ZMQ_POLLIN, _ZMQ_POLLOUT
+    _read, _send, _events, _native = socket_calls(native)
     zmq = _zmq()
-    backend = zmq.backend.Socket
-    _send, _recv, _get, _set = backend.send, backend.recv, backend.get, backend.set
-    _RCVTIMEO = int(zmq.RCVTIMEO)
-    _NOBLOCK = int(zmq.NOBLOCK)
-    _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-    _EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
+    _pysend, _set, _Again = zmq.backend.Socket.send, zmq.backend.Socket.set, zmq.Again
+    _RCVTIMEO, _NOBLOCK = int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
     _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
-    _frames = zmq_frames()
-    if _frames is not None:
-        _readC, _sendC, _eventsC = _frames.read, _frames.send, _frames.events
 
 
+_read: Callable[..., Any]
 _send: Callable[..., Any]
-_recv: Callable[..., Any]
-_get: Callable[..., Any]
+_events: Callable[[Any], int]
+_pysend: Callable[..., Any]
 _set: Callable[..., Any]
-_RCVTIMEO = 0
-#: mdp.transport._zmqframes (see zmq_frames), or None
-_frames: Any = None
-_readC: Callable[..., Any]
-_sendC: Callable[..., Any]
-_eventsC: Callable[..., Any]
+_Again: Any = None
+_native = False
+_RCVTIMEO = _NOBLOCK = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
 #: no limit
 _NEVER = sys.maxsize
-_NOBLOCK = _NOBLOCK_SNDMORE = _EVENTS = _FD = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
 # a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
 _POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
 _POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)
-_bind_zmq()
+_bind()

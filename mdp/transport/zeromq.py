@@ -1,11 +1,7 @@
-"""ZeroMQ ROUTER/DEALER transports over txzmq: ``zmq:tcp://…``, ``zmq:ipc://…``.
-
-Thin adapters around txzmq's connections, with bounded high-water marks
-(txzmq's default 0 is unbounded), ``ZMQ_MAXMSGSIZE`` and a short linger; a
-message over the limits is read off and discarded.  ZeroMQ hides connection
-state, so no disconnects are reported except of a peer a ROUTER cuts off for
-not reading; MDP heartbeats cover the rest.  ``import txzmq`` installs the
-default reactor: it is imported only when a ``zmq:`` endpoint is used.
+"""ZeroMQ ROUTER/DEALER transports over txzmq (``zmq:tcp://…``, ``zmq:ipc://…``),
+with bounded high-water marks and message sizes.  ZeroMQ hides connection
+state: no disconnects are reported but of a peer a ROUTER cuts off for not
+reading (MDP heartbeats cover the rest).
 """
 
 from __future__ import annotations
@@ -103,9 +99,13 @@ class _RoutedSocket:
 
     connects = False
 
-    def _setup(self, reactor: Any, limits: Limits) -> None:
+    def _setup(self, reactor: Any, limits: Limits, identity: Optional[bytes] = None) -> None:
+        """Open the socket (``connection``) with what both kinds set."""
         import zmq
 
+        router_class, _ = _connection_classes()
+        self.connection = router_class(zmq_factory(), identity=identity)
+        self.connection.owner = self
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
@@ -189,18 +189,13 @@ class _RoutedSocket:
                            "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
                            peer=peer.hex(), held=backlog.bytes, limit=self.limits.maxOutputBytes,
                            count=self.overflows)
-        self._peerCut(peer)
+        if not self.connects:
+            # a turn later: the receiver may be in the middle of sending
+            self.reactor.callLater(0, self._reportCut, peer)
 
-    def _peerCut(self, peer: bytes) -> None:
-        pass
-
-    def delivered(self, peer: bytes, frames: list[bytes]) -> None:
-        if self.cut:
-            self.cut.pop(peer, None)  # it speaks again: no longer cut off
-        self._deliver(peer, frames)
-
-    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
-        raise NotImplementedError
+    def _reportCut(self, peer: bytes) -> None:
+        if peer in self.cut:
+            self.receiver.peerDisconnected(peer)
 
     def oversized(self, peer: Optional[bytes], count: int, size: int) -> None:
         self.oversizedCount += 1
@@ -266,13 +261,11 @@ class ZmqRouter(_RoutedSocket):
 
     acceptsBuffers = True
 
-
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
         import txzmq
         import zmq
 
-        router_class, _ = _connection_classes()
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
@@ -283,15 +276,13 @@ class ZmqRouter(_RoutedSocket):
         # bind after construction: an error inside txzmq's would leak the socket
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
         identity = address.encode() if "*" not in address else None
-        self.connection = router_class(zmq_factory(), identity=identity)
-        self.connection.owner = self
+        self._setup(default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
         if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
         # handover, but not under CURVE: one key would take over another's peer id
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
-        self._setup(default_reactor(reactor), limits)
         if not address.startswith("inproc://"):
             # before the bind (ROUTER_SEND_WATER_MARK); on inproc the reading end's half is not ours
             self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
@@ -351,23 +342,11 @@ class ZmqRouter(_RoutedSocket):
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
-            self.cut.pop(peer, None)
-        if not self._closing:
-            self.receiver.messageReceived(peer, frames)
-
-    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+            self.cut.pop(peer, None)  # it speaks again: no longer cut off
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
 
     sendMessage = _RoutedSocket._send
-
-    def _peerCut(self, peer: bytes) -> None:
-        # a turn later: the receiver may be in the middle of sending
-        self.reactor.callLater(0, self._reportCut, peer)
-
-    def _reportCut(self, peer: bytes) -> None:
-        if peer in self.cut:
-            self.receiver.peerDisconnected(peer)
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
@@ -605,18 +584,17 @@ class ZmqPeerRouter(_RoutedSocket):
 
     def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits(),
                  curve: Optional[CurveClient] = None) -> None:
-        router_class, _ = _connection_classes()
         self.receiver = receiver
         self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
-        self.connection = router_class(zmq_factory())
-        self.connection.owner = self
+        self._setup(default_reactor(reactor), limits)
         if curve is not None:
             curve.apply(self.connection.socket)
             self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
-        self._setup(default_reactor(reactor), limits)
 
-    def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
+    def delivered(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.cut:
+            self.cut.pop(peer, None)
         self.receiver.messageReceived(peer.decode("utf-8", "replace"), frames)
 
     def connect(self, endpoint: str) -> None:
@@ -629,8 +607,6 @@ class ZmqPeerRouter(_RoutedSocket):
         self.endpoints.add(endpoint)
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
-        if self.connection.socket is None:
-            return
         self._send(endpoint.encode(), frames)
 
     def close(self) -> defer.Deferred[None]:

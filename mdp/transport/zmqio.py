@@ -1,12 +1,14 @@
 """The ZeroMQ sockets under the ``zmq:`` transports: the process's txzmq
-factory, the socket options, and txzmq's connections with faster read and send
-paths (``FastIO``).  txzmq is imported only when a ``zmq:`` endpoint is used.
+factory, the socket options, and the loop-free calls that read and send a
+whole message (:func:`socket_calls`), which txzmq's connections here
+(``FastIO``) and the blocking pipes share.  txzmq is imported only when used.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from twisted.logger import Logger
@@ -91,8 +93,7 @@ def zmq_frames() -> Any:
         if module is not None:
             import sys
 
-            import zmq
-
+            zmq = _zmq()
             try:
                 backend = sys.modules[zmq.backend.Socket.__module__]
                 module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
@@ -109,29 +110,91 @@ def kept_frame_type() -> type:
     return frames.Held if frames is not None else _zmq().Frame
 
 
+# pyzmq's compiled socket methods (below its IntEnum wrappers) and int flags
+_recv: Any = None
+_pysend: Any = None
+_get: Any = None
+NOBLOCK = NOBLOCK_SNDMORE = EVENTS = POLLIN = POLLOUT = 0
+#: :func:`read_pyzmq`'s answer for a message over the limits, as ``_zmqframes.read``'s
+OVER = 1
+
+
+def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
+    """``(read, send, events, native)``: how the Twisted and the blocking
+    shells read a whole message from a ZeroMQ socket, send one and ask its
+    ``EVENTS``, given its *handle* (:func:`socket_handle`).  In C
+    (:func:`zmq_frames`) where built and *native*; else through pyzmq
+    (:func:`read_pyzmq`, :func:`send_pyzmq`, :func:`events_pyzmq`)."""
+    global _recv, _pysend, _get, NOBLOCK, NOBLOCK_SNDMORE, EVENTS, POLLIN, POLLOUT
+    if _recv is None:
+        zmq = _zmq()
+        backend = zmq.backend.Socket
+        _recv, _pysend, _get = backend.recv, backend.send, backend.get
+        NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+        EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+    frames = zmq_frames() if native else None
+    if frames is None:
+        return read_pyzmq, send_pyzmq, events_pyzmq, False
+    return frames.read, frames.send, frames.events, True
+
+
+def socket_handle(socket: Any, native: bool) -> Any:
+    """What :func:`socket_calls` take for *socket*: its address in libzmq
+    (*native*), or the socket."""
+    return socket.underlying if native else socket
+
+
+def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrames: int,
+               maxBytes: int, envelope: bool,
+               identified: Optional[Callable[[bytes, Optional[str]], None]] = None) -> Any:
+    """``_zmqframes.read`` through pyzmq: a message's frames (those past
+    *keepAfter* of *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first
+    frame or b"", frames, bytes, more follow])`` once over the limits.  With
+    *identified*, ``identified(first frame, User-Id)`` before it returns."""
+    frame = _recv(socket, flags, False)
+    size = 0 if envelope else len(frame)
+    if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
+        return OVER, [b"", 1, size, frame.more]
+    frames = [frame.bytes]
+    count = 1
+    while frame.more:
+        frame = _recv(socket, NOBLOCK, False)
+        count += 1
+        length = len(frame)
+        size += length
+        if count > maxFrames or size > maxBytes:
+            return OVER, [frames[0], count, size, frame.more]
+        frames.append(frame if length >= keepBytes and count > keepAfter else frame.bytes)
+    if identified is not None and count > 1:
+        # the routing id a ROUTER adds carries no metadata
+        identified(frames[0], frame.get("User-Id"))
+    return frames
+
+
+def send_pyzmq(socket: Any, frames: list[bytes], copyBelow: int, send: Any, _: Any) -> None:
+    """``_zmqframes.send`` through pyzmq's *send*."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE, len(frame) < copyBelow)
+
+
+def events_pyzmq(socket: Any) -> int:
+    return _get(socket, EVENTS)  # type: ignore[no-any-return]
+
+
 def _connection_classes() -> tuple[type, type]:
     global _classes
     if _classes is None:
         import txzmq
-        import zmq
 
-        NOBLOCK = int(zmq.NOBLOCK)
-        NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-        EVENTS = int(zmq.EVENTS)
-        POLLIN = int(zmq.POLLIN)
-        backend = zmq.backend.Socket
-        recv, send, get = backend.recv, backend.send, backend.get
-        Again = zmq.Again
-        inC = zmq_frames()
-        readFrames = sendFrames = eventsOf = None
-        if inC is not None:
-            readFrames, sendFrames, eventsOf = inC.read, inC.send, inC.events
+        read, send, events, native = socket_calls()
+        Again = _zmq().Again
 
         class FastIO:
-            """Replaces txzmq's read and send paths: pyzmq's compiled methods
-            with int flags, at most READ_BATCH messages a turn, and a read
-            after a send only when EVENTS says input is pending (the FD is
-            edge-triggered).  Frames over the limits are dropped uncopied."""
+            """Replaces txzmq's read and send paths (:func:`socket_calls`): at
+            most READ_BATCH messages a turn, and a read after a send only
+            when EVENTS says input is pending (the FD is edge-triggered).
+            Frames over the limits are dropped uncopied."""
 
             read_scheduled: Any
             socket: Any
@@ -145,16 +208,16 @@ def _connection_classes() -> tuple[type, type]:
             identify = False
             maxBytes = Limits().maxMessageBytes
             maxFrames = Limits().maxFrames
-
             #: a message over the limits being read off: [first frame, frames, bytes, more]
             skipping: Any = None
-
             #: messages the last doRead delivered (see BUSY_BATCH)
             lastBatch = 0
             owner: Any = None
             #: frames after this many (routing id included) of KEEP_FRAME_BYTES
             #: or more are delivered uncopied
             keepAfter = 1 << 62
+            #: what :func:`socket_calls` take (:func:`socket_handle`); 0 once closed
+            handle: Any = 0
 
             def doRead(self) -> None:
                 """Read at most READ_BATCH messages.  Raises nothing but
@@ -174,9 +237,10 @@ def _connection_classes() -> tuple[type, type]:
                         if self.socket is None:
                             return
                     deliver = self.deliver
-                    handle = 0
-                    if eventsOf is not None:
-                        handle = self.handle or self._handle(socket)
+                    handle = self.handle or self._handle(socket)
+                    reader, source = self._reader(socket, handle)
+                    keepAfter, envelope = self.keepAfter, self.envelope
+                    maxFrames, maxBytes = self.maxFrames + envelope, self.maxBytes
                     budget = FRAMES_PER_TURN
                     busy = self.lastBatch >= BUSY_BATCH
                     delivered = 0
@@ -185,17 +249,14 @@ def _connection_classes() -> tuple[type, type]:
                     try:
                         for _ in range(READ_BATCH):
                             if self.skipping is None:
-                                if busy and delivered:
-                                    try:
-                                        frames = self._readMessage(socket)
-                                    except Again:
-                                        return
-                                else:
-                                    events = eventsOf(handle) if handle else get(socket, EVENTS)
-                                    if not events & POLLIN:
-                                        return
-                                    frames = self._readMessage(socket)
-                                if frames is not None:
+                                if not (busy and delivered) and not events(handle) & POLLIN:
+                                    return
+                                try:
+                                    frames = reader(source, NOBLOCK, keepAfter, KEEP_FRAME_BYTES,
+                                                    maxFrames, maxBytes, envelope)
+                                except Again:
+                                    return
+                                if frames.__class__ is list:
                                     delivered += 1
                                     try:
                                         deliver(frames)
@@ -204,6 +265,7 @@ def _connection_classes() -> tuple[type, type]:
                                     if self.socket is None:
                                         return
                                     continue
+                                self.skipping = frames[1]
                             budget = self._skip(socket, budget)
                             if self.skipping is not None:
                                 break  # the rest next turn
@@ -219,49 +281,11 @@ def _connection_classes() -> tuple[type, type]:
 
             readNow = doRead
 
-            #: the libzmq socket's address
-            handle = 0
-
-            def _readMessage(self, socket: Any) -> Optional[list[bytes]]:
-                """Read one message; None if over the limits (then ``skipping``)."""
-                maxBytes = self.maxBytes
-                maxFrames = self.maxFrames + self.envelope
-                keepAfter = self.keepAfter
-                if readFrames is not None and not self.identify:
-                    handle = self.handle
-                    if not handle or socket is None:
-                        handle = self._handle(socket)
-                    got = readFrames(handle, NOBLOCK, keepAfter, KEEP_FRAME_BYTES, maxFrames,
-                                     maxBytes, self.envelope)
-                    if got.__class__ is list:
-                        return got
-                    self.skipping = got[1]
-                    return None
-                frame = recv(socket, NOBLOCK, False)
-                frames = [frame.bytes]
-                size = 0 if self.envelope else len(frames[0])
-                more = frame.more
-                if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
-                    self.skipping = [b"", 1, size, more]
-                    return None
-                count = len(frames)
-                while more:
-                    frame = recv(socket, NOBLOCK, False)
-                    count += 1
-                    length = len(frame)
-                    size += length
-                    if count > maxFrames or size > maxBytes:
-                        self.skipping = [frames[0], count, size, frame.more]
-                        return None
-                    if length >= KEEP_FRAME_BYTES and count > keepAfter:
-                        frames.append(frame)
-                    else:
-                        frames.append(frame.bytes)
-                    more = frame.more
-                if self.identify and count > 1:
-                    # the routing id a ROUTER adds carries no metadata
-                    self.owner.identified(frames[0], frame.get("User-Id"))
-                return frames
+            def _reader(self, socket: Any, handle: Any) -> tuple[Any, Any]:
+                """The read call and what it takes (C cannot see a message's User-Id)."""
+                if self.identify:
+                    return partial(read_pyzmq, identified=self.owner.identified), socket
+                return read, handle
 
             def discardQueued(self) -> int:
                 """Drop up to READ_BATCH waiting messages; how many.  Not while
@@ -270,14 +294,15 @@ def _connection_classes() -> tuple[type, type]:
                 dropped = 0
                 if socket is None or self.skipping is not None:
                     return 0
-                handle = 0
-                if eventsOf is not None:
-                    handle = self.handle or self._handle(socket)
+                handle = self.handle or self._handle(socket)
+                reader, source = self._reader(socket, handle)
                 for _ in range(READ_BATCH):
-                    events = eventsOf(handle) if handle else get(socket, EVENTS)
-                    if not events & POLLIN:
+                    if not events(handle) & POLLIN:
                         break
-                    if self._readMessage(socket) is None:
+                    frames = reader(source, NOBLOCK, self.keepAfter, KEEP_FRAME_BYTES,
+                                    self.maxFrames + self.envelope, self.maxBytes, self.envelope)
+                    if frames.__class__ is not list:
+                        self.skipping = frames[1]
                         if not self.reading and self.read_scheduled is None:
                             self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
                         break
@@ -289,7 +314,7 @@ def _connection_classes() -> tuple[type, type]:
                 the budget left."""
                 head, count, size, more = self.skipping
                 while more and budget > 0:
-                    frame = recv(socket, NOBLOCK, False)
+                    frame = _recv(socket, NOBLOCK, False)
                     count += 1
                     size += len(frame)
                     more = frame.more
@@ -307,40 +332,26 @@ def _connection_classes() -> tuple[type, type]:
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
-            def _events(self, socket: Any) -> int:
-                """The socket's ``EVENTS`` bits."""
-                if eventsOf is not None:
-                    handle = self.handle
-                    if not handle:
-                        handle = self._handle(socket)
-                    return eventsOf(handle)  # type: ignore[no-any-return]
-                return get(socket, EVENTS)  # type: ignore[no-any-return]
-
-            def _handle(self, socket: Any) -> int:
-                """The address of *socket* in libzmq (a closed one has none)."""
+            def _handle(self, socket: Any) -> Any:
                 if socket is None:
-                    raise zmq.ZMQError(errno.ENOTSOCK)
-                self.handle = handle = socket.underlying
+                    raise _zmq().ZMQError(errno.ENOTSOCK)
+                self.handle = handle = socket_handle(socket, native)
                 return handle
 
             def send(self, frames: list[bytes]) -> None:
                 socket = self.socket
-                last = len(frames) - 1
                 try:
-                    if sendFrames is not None:
-                        handle = self.handle
-                        if not handle or socket is None:
-                            handle = self._handle(socket)
-                        sendFrames(handle, frames, ZERO_COPY_BYTES, send, socket)
-                        return
-                    for i, frame in enumerate(frames):
-                        send(socket, frame, NOBLOCK if i == last else NOBLOCK_SNDMORE,
-                             len(frame) < ZERO_COPY_BYTES)
+                    send(self.handle or self._handle(socket), frames, ZERO_COPY_BYTES, _pysend,
+                         socket)
                 finally:
                     # a send may have taken the edge-triggered signal of pending input
                     if (not self.reading and self.read_scheduled is None
-                            and self.socket is not None and self._events(socket) & POLLIN):
+                            and self.socket is not None and events(self.handle) & POLLIN):
                         self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+
+            def shutdown(self) -> None:
+                self.handle = 0  # (libzmq frees the socket: its address is no longer one)
+                super().shutdown()  # type: ignore[misc]
 
         class Router(FastIO, txzmq.ZmqRouterConnection):
             highWaterMark = ROUTER_HIGH_WATER_MARK
