@@ -124,9 +124,8 @@ class StreamChannels(_OneConnection):
 
     kind = "stream channels"
 
-    def __init__(self, endpoint: str, reactor: Any, *,
-                 retryPolicy: Optional[Callable[[int], float]] = None,
-                 limits: Limits = Limits()) -> None:
+    def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
+                 retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.endpoint = endpoint
         self.reactor = reactor
         self.limits = limits

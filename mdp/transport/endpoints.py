@@ -127,17 +127,6 @@ def server_endpoint(reactor: Any, description: str) -> Any:
     return tls.server_endpoint(reactor, *args, **kwargs)
 
 
-def _check_authorities(endpoint: str, args: list[str], kwargs: dict[str, str]) -> None:
-    """Check a mutual TLS listener: its options, and its files load."""
-    from twisted.internet.task import Clock
-
-    tls.check_mutual(endpoint, args, kwargs)
-    ca = kwargs[tls.CA_CERTS]
-    if not os.path.isfile(ca):
-        raise TransportError(f"bad endpoint {endpoint!r}: {tls.CA_CERTS}={ca}: no such file")
-    tls.server_endpoint(Clock(), *args, **kwargs)
-
-
 #: The longest path a local socket can have (``sun_path``).
 UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
 
@@ -196,16 +185,13 @@ def _check_path(endpoint: str, path: Optional[str]) -> None:
 
 
 def _check_with_twisted(endpoint: str, role: str) -> None:
-    """Have Twisted's parsers (or the mutual TLS one) build the endpoint."""
+    """Have Twisted's parsers (or the mutual TLS one, which loads its files)
+    build the endpoint."""
     from twisted.internet.task import Clock
 
     try:
         if role == LISTEN:
-            mutual = tls.parse_mutual(server_description(endpoint))
-            if mutual is not None:
-                _check_authorities(endpoint, *mutual)
-            else:
-                serverFromString(Clock(), server_description(endpoint))
+            server_endpoint(Clock(), server_description(endpoint))
         else:
             clientFromString(Clock(), endpoint)
     except TransportError:

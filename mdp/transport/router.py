@@ -1,11 +1,9 @@
 """The listening side of the stream transport (:class:`StreamRouter`).
 
-Each accepted connection gets an opaque peer id (or the identity its
-greeting announces: a newer connection with it takes it over).  Defences
-(:class:`~mdp.policy.Limits`): ``handshakeTimeout`` for a first message,
-``recordTimeout`` per record, ``maxConnections`` (the oldest silent
-connection makes room, or the newcomer is refused), and ``maxOutputBytes``
-unread per peer.  A connection may carry many peers as channels.
+Each accepted connection (or channel of one) is a peer: an opaque id, or the
+identity its greeting announces, which a newer connection takes over.
+:class:`~mdp.policy.Limits` bound the wait for a first message and for each
+record, the connections (the oldest silent one makes room) and what is unread.
 """
 
 from __future__ import annotations
@@ -90,13 +88,10 @@ class _RouterConnection(FramedProtocol):
 
     def subject(self) -> Optional[str]:
         """Its TLS client certificate's subject, or None."""
-        identity = self.tlsSubject
-        if identity is False:
-            getPeerCertificate = getattr(self.transport, "getPeerCertificate", None)
-            certificate = getPeerCertificate() if getPeerCertificate is not None else None
-            identity = self.tlsSubject = (
-                subject(certificate) if certificate is not None else None)
-        return identity  # type: ignore[no-any-return]
+        if self.tlsSubject is False:
+            certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
+            self.tlsSubject = subject(certificate) if certificate is not None else None
+        return self.tlsSubject  # type: ignore[no-any-return]
 
     def _rename(self, identity: bytes) -> None:
         """The peer announced *identity*: an older connection with it is dropped."""
@@ -427,13 +422,12 @@ class StreamRouter:
 
     def _full(self) -> Optional[str]:
         """Why no connection may be added now (a cap is reached), or None."""
-        if self._peers() >= self.limits.maxConnections:
-            return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
+        full = self._fullOfChannels()
         budget = self.descriptorBudget()
-        if budget is not None and StreamRouter.accepted >= budget:
+        if full is None and budget is not None and StreamRouter.accepted >= budget:
             return (f"{StreamRouter.accepted} connections open in the process, all that its "
                     f"descriptor limit leaves room for (raise it: ulimit -n)")
-        return None
+        return full
 
     def _fullOfChannels(self) -> Optional[str]:
         """Why a connection may not open one more channel now, or None."""
@@ -474,7 +468,7 @@ class StreamRouter:
 
     @classmethod
     def listen(
-        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
+        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(), *,
         framing: IFraming = RECORDS,
     ) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
@@ -513,10 +507,7 @@ class StreamRouter:
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
         """The connection *peer* is or is carried by (None: gone)."""
-        connection = self.connections.get(peer)
-        if connection is None:
-            connection, _ = self.channels.get(peer, (None, None))
-        return connection
+        return self.connections.get(peer) or self.channels.get(peer, (None, b""))[0]
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)

@@ -24,12 +24,6 @@ MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey", CA_CERTS
 _BACKLOG = 1024
 
 
-def mutual(description: str) -> bool:
-    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
-    kind, _, rest = description.partition(":")
-    return kind == "ssl" and CA_CERTS in split_description(rest)[1]
-
-
 def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> None:
     """Refuse what an ``ssl:`` listener with ``caCerts=`` would not honour."""
     other = sorted(set(kwargs) - MUTUAL_KEYS)
@@ -93,6 +87,6 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
 
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
     """The arguments of ``ssl:`` server *description* with ``caCerts=``, or None."""
-    if not mutual(description):
-        return None
-    return split_description(description.partition(":")[2])
+    kind, _, rest = description.partition(":")
+    args, kwargs = split_description(rest)
+    return (args, kwargs) if kind == "ssl" and CA_CERTS in kwargs else None
