@@ -1,16 +1,9 @@
-"""Message transports, chosen by the scheme of an endpoint string.
-
-==================================  ===========================================
-``zmq:tcp://127.0.0.1:5555``        ZeroMQ ROUTER/DEALER (also ``ipc://``,
-                                    ``inproc://``; port ``*``: the OS picks)
-``tcp:host=127.0.0.1:port=5555``    records over a Twisted stream endpoint
-                                    (``tcp6``, ``ssl``, ``unix``, plugins)
-``loopback:NAME``                   in memory, for deterministic tests
-==================================  ===========================================
-
-A new transport registers itself with :func:`register`.  A malformed endpoint
-raises :class:`~mdp.errors.TransportError` at once.
-"""
+"""Message transports, chosen by the scheme of an endpoint string
+(``docs/transports.md``): ``zmq:tcp://127.0.0.1:5555`` (ZeroMQ),
+``tcp:host=127.0.0.1:port=5555`` (records over a Twisted stream endpoint) or
+``loopback:NAME`` (in memory, for deterministic tests).  A new transport
+registers itself with :func:`register`; a malformed endpoint raises
+:class:`~mdp.errors.TransportError` at once."""
 
 from __future__ import annotations
 
@@ -298,8 +291,6 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
 
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
 
-
-# --- the built-in schemes -----------------------------------------------------
 
 
 _ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")

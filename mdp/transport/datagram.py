@@ -1,17 +1,7 @@
-"""Datagram transports, for discovery beacons: ``udp:`` and ``loopback:``.
-
-=================================  ==================================================
-``udp:5670``                       the first non-loopback interface, to its subnet's
-                                   broadcast address (none: 127.0.0.1, multicast)
-``udp:5670:interface=eth0``        that interface (a name or an address)
-``udp:5670:group=239.1.2.3``       multicast to that group
-``udp:5670:broadcast=10.0.0.255``  broadcast to that address
-``loopback:NAME:host=10.0.0.1``    in memory: every socket on NAME hears every datagram
-=================================  ==================================================
-
-The port is shared (``SO_REUSEPORT``) by every node on the machine; multicast
-has TTL 1 and loops back.
-"""
+"""Datagram transports, for discovery beacons: ``udp:PORT`` (options
+``interface=``, ``group=``, ``broadcast=``) and ``loopback:NAME:host=ADDRESS``
+(``docs/transports.md``).  The port is shared (``SO_REUSEPORT``) by every node
+on the machine; multicast has TTL 1 and loops back."""
 
 from __future__ import annotations
 

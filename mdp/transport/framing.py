@@ -1,23 +1,8 @@
 """Multi-frame messages as length-prefixed records on a byte stream, without
-I/O.  The wire form (``docs/transports.md``)::
-
-    stream   = [ greeting ] *record
-    greeting = %xFF.FF.FF.FF  id-length:uint8  id-bytes   ; connecting side only
-    record   = length:uint32be  payload          ; length = len(payload)
-    payload  = *( frame-length:uint32be  frame-bytes )
-
-The optional greeting carries the identity a connecting peer chose (1-255
-bytes, no leading zero byte).  With an empty identity, the connection carries
-*channels*, and every record in both directions names its channel::
-
-    greeting = %xFF.FF.FF.FF  %x00           ; channels follow
-    record   = channel:uint32be  length:uint32be  payload
-                                             ; length 0: the channel is closed
-
-No record can have the length ``0xFFFFFFFF`` (over every limit), so a decoder
-that does not know the greeting refuses it.  Limits are enforced before
-anything is buffered: an oversized record is refused from its header.
-"""
+I/O (the wire form: ``docs/transports.md``): an optional greeting announces
+the connecting side's identity, or that channels follow; each record is a
+length, then each frame's length and bytes.  Limits are enforced before
+anything is buffered: an oversized record is refused from its header."""
 
 from __future__ import annotations
 
@@ -94,14 +79,8 @@ def decode_record(payload: Buffer, limits: Limits = Limits()) -> list[bytes]:
     return decode_payload(payload, 0, len(payload), limits)
 
 
-GREETING_MARK = b"\xff\xff\xff\xff"
 #: the greeting of a connection that carries channels (an empty identity)
-CHANNELS_GREETING = GREETING_MARK + b"\x00"
-
-
-def encode_greeting(identity: bytes) -> bytes:
-    """The greeting that announces *identity*."""
-    return GREETING_MARK + bytes([len(identity)]) + identity
+CHANNELS_GREETING = b"\xff\xff\xff\xff\x00"
 
 
 @implementer(IStreamDecoder)
@@ -223,7 +202,6 @@ class RecordDecoder:
             raise
         return messages
 
-
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
         """Take the record in progress from *pos*; where it ends."""
         frames = self._frames
@@ -303,7 +281,7 @@ class LengthPrefixedFraming:
     acceptsBuffers = True
 
     def greeting(self, identity: Optional[bytes]) -> bytes:
-        return encode_greeting(identity) if identity else b""
+        return b"\xff\xff\xff\xff" + bytes([len(identity)]) + identity if identity else b""
 
     def encode(self, frames: list[bytes]) -> bytes:
         return encode_record(frames)

@@ -1,15 +1,8 @@
-"""The scalability protocols' TCP mapping (nanomsg/nng), as a stream framing.
-
-No I/O.  Each side sends a header, then messages::
-
-    header  = %x00 "SP" %x00  protocol:uint16be  %x00.00
-    message = length:uint64be  body
-
-*protocol* is the sender's (nng's numbers); a peer must send the counterpart
-of ours (:data:`COUNTERPART`).  A bad header, or a message over
-``Limits.maxMessageBytes``, raises :class:`~mdp.errors.ProtocolError`.  Each
-message is delivered as one frame: ``[body]``.
-"""
+"""The scalability protocols' TCP mapping (nanomsg/nng) as a stream framing,
+without I/O (``docs/sp.md``): each side sends an 8-byte header naming its
+protocol, which must be the counterpart of ours, then messages of a 64-bit
+length and a body, each delivered as one frame.  A bad header, or a message
+over ``Limits.maxMessageBytes``, raises :class:`~mdp.errors.ProtocolError`."""
 
 from __future__ import annotations
 
@@ -79,8 +72,7 @@ class SPDecoder:
         return not self._headerDone or self._need >= 0 or bool(self._length)
 
     @property
-    def handshaken(self) -> bool:
-        """The peer's header came, and is its counterpart's."""
+    def handshaken(self) -> bool:  # the peer's header came, and is our counterpart's
         return self._headerDone
 
     @property

@@ -48,8 +48,6 @@ def private_class(module: str, name: str) -> Any:
         return None
 
 
-# --- writing a batch straight to a socket --------------------------------------
-
 
 def direct_capable(transport: Any) -> bool:
     """*transport* is a plain TCP or UNIX connection (:func:`write_direct` works)."""
@@ -72,19 +70,10 @@ def write_direct(transport: Any, out: list[bytes]) -> bool:
     return True
 
 
-# --- reads past wrappers that only forward them --------------------------------
 
-
-def _forwarders() -> dict[type, str]:
-    found = {}
-    for module, name, inner, _ in (PRIVATE[2], PRIVATE[3]):
-        cls = private_class(module, name)
-        if cls is not None:
-            found[cls] = inner
-    return found
-
-
-_FORWARDERS = _forwarders()
+#: wrappers that only pass reads on -> the attribute holding what they wrap
+#: (a class this Twisted lacks is None, which no wrapper's type is)
+_FORWARDERS = {private_class(module, name): inner for module, name, inner, _ in PRIVATE[2:4]}
 
 
 def shortcut_reads(protocol: Any) -> None:
@@ -100,8 +89,6 @@ def shortcut_reads(protocol: Any) -> None:
         outer.dataReceived = protocol.dataReceived
 
 
-# --- logging ------------------------------------------------------------------
-
 
 def logging_begun() -> bool:
     """Whether something began Twisted's global logging (until then events
@@ -110,8 +97,6 @@ def logging_begun() -> bool:
 
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
 
-
-# --- Twisted's asyncio reactor -------------------------------------------------
 
 
 def asyncio_loop(reactor: Any) -> Any:
@@ -122,7 +107,7 @@ def asyncio_loop(reactor: Any) -> Any:
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` at the end of this turn, as ``callLater(0)``, with the
     loop's ``call_soon`` on an asyncio reactor; the handle's ``cancel()`` cancels it."""
-    loop = getattr(reactor, "_asyncioEventloop", None)
+    loop = asyncio_loop(reactor)
     if loop is not None:
         return loop.call_soon(fn, *args)
     return reactor.callLater(0, fn, *args)
