@@ -52,11 +52,7 @@ class ChannelLink:
         self._next = 0
 
     def open(self, channel: Channel) -> None:
-        """Name the new *channel*, down until ``comeUp``."""
-        self._name(channel)
-
-    def _name(self, channel: Channel) -> None:
-        """Give *channel* a name no open channel has."""
+        """Give the new *channel* a name no open channel has; down until ``comeUp``."""
         channels = self.channels
         while True:
             self._next = self._next % 0xFFFFFFFF + 1
@@ -98,7 +94,7 @@ class ChannelLink:
         record = channel.id + END
         del self.channels[channel.id]
         self.unsent.pop(channel.id, None)
-        self._name(channel)
+        self.open(channel)
         channel.ends += 1
         channel.waiting = True
         was, channel.up = channel.up, False

@@ -28,13 +28,6 @@ DESCRIPTOR_RESERVE = 64
 SELECT_LIMIT = 1024
 
 
-def _select_based() -> bool:
-    """Whether the installed reactor waits with select() (bounded by SELECT_LIMIT)."""
-    installed = sys.modules.get("twisted.internet.reactor")
-    module = sys.modules.get("twisted.internet.selectreactor")
-    return module is not None and isinstance(installed, module.SelectReactor)
-
-
 def descriptor_budget() -> Optional[int]:
     """How many accepted stream connections the descriptor limit leaves room
     for: all but an eighth (at least :data:`DESCRIPTOR_RESERVE`); None: no limit."""
@@ -43,7 +36,9 @@ def descriptor_budget() -> Optional[int]:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY:
             limit = soft
-    if _select_based():
+    select = sys.modules.get("twisted.internet.selectreactor")
+    if select is not None and isinstance(sys.modules.get("twisted.internet.reactor"),
+                                         select.SelectReactor):  # it waits with select()
         limit = SELECT_LIMIT if limit is None else min(limit, SELECT_LIMIT)
     if limit is None:
         return None

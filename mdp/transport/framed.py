@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 from twisted.internet.protocol import Protocol
@@ -25,13 +26,8 @@ FLUSH_BYTES = 65536
 def _no_delay(transport: Any) -> None:
     """Set ``TCP_NODELAY`` where the transport has it, as ZeroMQ does: Nagle
     would hold a reply until the peer's delayed acknowledgment."""
-    setTcpNoDelay = getattr(transport, "setTcpNoDelay", None)
-    if setTcpNoDelay is None:
-        return
-    try:
-        setTcpNoDelay(True)
-    except (OSError, AttributeError, NotImplementedError):
-        pass
+    with contextlib.suppress(OSError, AttributeError, NotImplementedError):
+        transport.setTcpNoDelay(True)
 
 
 class FramedProtocol(Protocol):
