@@ -233,18 +233,13 @@ def _connecting(endpoint: str, make: Callable[..., Any], *args: Any, **kwargs: A
 class _Separately:
     """Pipes over a scheme without channels: each connects alone."""
 
-    def __init__(self, endpoint: str, reactor: Any, retryPolicy: Optional[Callable[[int], float]],
-                 limits: Limits, security: Any) -> None:
+    def __init__(self, endpoint: str, **options: Any) -> None:
         self.endpoint = endpoint
-        self.reactor = reactor
-        self.retryPolicy = retryPolicy
-        self.limits = limits
-        self.security = security
+        self.options = options  # connect()'s
         self.pipes: weakref.WeakSet[IDealerTransport] = weakref.WeakSet()
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        pipe = connect(self.endpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
-                       limits=self.limits, security=self.security)
+        pipe = connect(self.endpoint, receiver, **self.options)
         self.pipes.add(pipe)
         return pipe
 
@@ -255,8 +250,7 @@ class _Separately:
 
 
 def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
-    """Close each of *closables*; fires once all are closed (a failure is
-    logged as *what*)."""
+    """Close each of *closables*; fires once all are closed (a failure logged as *what*)."""
     closing = [defer.maybeDeferred(each.close) for each in closables]
 
     def closed(results: list[tuple[bool, Any]]) -> None:
@@ -279,7 +273,8 @@ def connect_channels(
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security)
     if scheme.channels is None:
-        return _Separately(endpoint, reactor, retryPolicy, limits, security)
+        return _Separately(endpoint, reactor=reactor, retryPolicy=retryPolicy, limits=limits,
+                           security=security)
     return _connecting(endpoint, scheme.channels, reactor, limits, retryPolicy)  # type: ignore[no-any-return]
 
 
@@ -290,7 +285,6 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
     from mdp.transport.peers import PeerRouter
 
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
-
 
 
 _ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")

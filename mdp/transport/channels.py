@@ -31,9 +31,7 @@ class _ChannelsFraming(LengthPrefixedFraming):
         return CHANNELS_GREETING
 
     def decoder(self, limits: Limits) -> RecordDecoder:
-        decoder = RecordDecoder(limits)
-        decoder.channels = True
-        return decoder
+        return RecordDecoder(limits, channels=True)
 
 
 _CHANNELS = _ChannelsFraming()

@@ -14,6 +14,7 @@ from twisted.internet.interfaces import IListeningPort
 from mdp.errors import TransportError
 from mdp.transport import tls
 from mdp.transport.registry import LISTEN, check_port, split_description
+from mdp.transport.tls import LISTEN_BACKLOG
 
 try:
     import resource
@@ -68,9 +69,6 @@ def raise_descriptor_limit() -> int:
             continue
         return target
     return soft
-
-#: the listen queue unless the endpoint names one (Twisted's 50 drops a burst's SYNs)
-LISTEN_BACKLOG = 1024
 
 
 def server_description(endpoint: str) -> str:

@@ -91,7 +91,7 @@ class RecordDecoder:
     :attr:`channels`, each message is a ``(channel, frames)`` pair (``frames``
     empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = Limits(), channels: bool = False) -> None:
         self.limits = limits
         self.maxRecord = limits.maxMessageBytes + 4 * limits.maxFrames
         self.records = 0
@@ -107,7 +107,7 @@ class RecordDecoder:
         #: the identity the peer's greeting announced, if any
         self.identity: Optional[bytes] = None
         self._greeting: Optional[bytearray] = None
-        self.channels = False
+        self.channels = channels
         self._channel = b""  # the channel of the record in progress
 
     @property

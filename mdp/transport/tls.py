@@ -1,11 +1,7 @@
-"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=FILE``.
-
-``caCerts=CA.pem`` names the authorities whose client certificates the
-listener accepts (others are refused at the handshake); it knows each peer by
-its certificate's subject.  Clients use Twisted's own ``ssl:`` or ``tls:``
-syntax.  The package's dropin also offers :func:`server_endpoint` as the
-``mtls:`` endpoint parser.
-"""
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``,
+the authorities whose client certificates the listener accepts (others are
+refused at the handshake); it knows each peer by its certificate's subject.
+The package's dropin offers :func:`server_endpoint` as the ``mtls:`` parser."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ CA_CERTS = "caCerts"
 #: what an ``ssl:`` listener with ``caCerts=`` takes
 MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey", CA_CERTS}
 
-#: as endpoints.LISTEN_BACKLOG
-_BACKLOG = 1024
+#: the listen queue unless the endpoint names one (Twisted's 50 drops a burst's SYNs)
+LISTEN_BACKLOG = 1024
 
 
 def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> None:
@@ -81,7 +77,7 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
     # options with a trust root: OpenSSL requires a client certificate it signed
     return SSL4ServerEndpoint(reactor, int(kwargs.get("port", args[0] if args else 0)),
                               own.options(*trusted),
-                              backlog=int(kwargs.get("backlog", _BACKLOG)),
+                              backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
                               interface=kwargs.get("interface", ""))
 
 
