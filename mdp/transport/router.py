@@ -63,6 +63,7 @@ class _RouterConnection(FramedProtocol):
     paused = False
     makingRoom = False
     tlsSubject: Any = False
+    _timer: Any = None
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -82,9 +83,7 @@ class _RouterConnection(FramedProtocol):
         router.connections[self.peer] = self
         router.ungreeted[self.peer] = self
         self.transport.registerProducer(self, True)
-        self._timer: Any = router.reactor.callLater(
-            self.limits.handshakeTimeout, self._timedOut,
-            "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
+        self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
     def subject(self) -> Optional[str]:
         """Its TLS client certificate's subject, or None."""
@@ -229,14 +228,16 @@ class _RouterConnection(FramedProtocol):
         decoder = self.decoder
         if decoder.inRecord:
             if self._timer is None or self._recordsAtArm != decoder.records:
-                self._cancelTimer()
                 self._recordsAtArm = decoder.records
-                self._timer = self.router.reactor.callLater(
-                    self.limits.recordTimeout, self._timedOut,
-                    "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)",
-                    self.limits.recordTimeout)
+                self._arm(self.limits.recordTimeout,
+                          "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)")
         elif self._timer is not None:
             self._cancelTimer()
+
+    def _arm(self, seconds: float, why: str) -> None:
+        """Drop the connection for *why* in *seconds*, unless told otherwise."""
+        self._cancelTimer()
+        self._timer = self.router.reactor.callLater(seconds, self._timedOut, why, seconds)
 
     def _timedOut(self, why: str, seconds: float) -> None:
         self._timer = None
@@ -272,8 +273,7 @@ class _RouterConnection(FramedProtocol):
             self.router.overflows += 1
             self.drop("it reads slower than it is sent to ({held} bytes unsent, over the limit "
                       "of {limit})", held=self.backlogBytes, limit=self.limits.maxOutputBytes)
-            self.backlog.clear()
-            self.backlogBytes = 0
+            self.stopProducing()
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -300,11 +300,8 @@ class _RouterConnection(FramedProtocol):
         self.stopProducing()
         super().closeGracefully()
         if not self.dropped:
-            self._cancelTimer()
-            self._timer = self.router.reactor.callLater(
-                self.limits.recordTimeout, self._timedOut,
-                "it did not take what was sent to it within {seconds:g}s of being disconnected",
-                self.limits.recordTimeout)
+            self._arm(self.limits.recordTimeout, "it did not take what was sent to it within "
+                      "{seconds:g}s of being disconnected")
 
     def connectionLost(self, reason: object = None) -> None:
         StreamRouter.accepted -= 1
