@@ -2,8 +2,7 @@
 :class:`~mdp.transport.channels.StreamChannels` and the blocking client's
 link are its shells.  A channel, named by four bytes, is up while the
 connection is, unless the far side ended it (an empty record): it comes up
-again under a new name after the delay.  What it sends while down is held.
-"""
+again under a new name after the delay.  What it sends while down is held."""
 
 from __future__ import annotations
 

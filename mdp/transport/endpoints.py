@@ -1,6 +1,5 @@
 """Stream endpoint strings (Twisted's, plus the client forms for listening
-and ``ssl:`` with ``caCerts=``) and the process's descriptor budget.
-"""
+and ``ssl:`` with ``caCerts=``) and the process's descriptor budget."""
 
 from __future__ import annotations
 

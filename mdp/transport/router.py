@@ -3,8 +3,7 @@
 Each accepted connection (or channel of one) is a peer: an opaque id, or the
 identity its greeting announces, which a newer connection takes over.
 :class:`~mdp.policy.Limits` bound the wait for a first message and for each
-record, the connections (the oldest silent one makes room) and what is unread.
-"""
+record, the connections (the oldest silent one makes room) and what is unread."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Every private attribute of Twisted the library uses, in one place.
 
 Each is named in :data:`PRIVATE` with its class and why it is used;
-``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one.
-"""
+``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one."""
 
 from __future__ import annotations
 
