@@ -98,12 +98,8 @@ def connect_description(kind: str, port: IListeningPort) -> str:
         kind = "ssl"
     address = port.getHost()
     if kind == "unix":
-        return f"unix:path={address.name.decode() if isinstance(address.name, bytes) else address.name}"
-    host = address.host
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
+        return f"unix:path={os.fsdecode(address.name)}"
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(address.host, address.host)
     if ":" in host:  # IPv6
         host = host.replace(":", r"\:")
         kind = "tcp" if kind == "tcp6" else kind

@@ -47,7 +47,6 @@ def private_class(module: str, name: str) -> Any:
         return None
 
 
-
 def direct_capable(transport: Any) -> bool:
     """*transport* is a plain TCP or UNIX connection (:func:`write_direct` works)."""
     return (isinstance(transport, tcp.Connection) and not getattr(transport, "TLS", False)
@@ -69,7 +68,6 @@ def write_direct(transport: Any, out: list[bytes]) -> bool:
     return True
 
 
-
 #: wrappers that only pass reads on -> the attribute holding what they wrap
 #: (a class this Twisted lacks is None, which no wrapper's type is)
 _FORWARDERS = {private_class(module, name): inner for module, name, inner, _ in PRIVATE[2:4]}
@@ -88,14 +86,12 @@ def shortcut_reads(protocol: Any) -> None:
         outer.dataReceived = protocol.dataReceived
 
 
-
 def logging_begun() -> bool:
     """Whether something began Twisted's global logging (until then events
     are buffered unseen)."""
     from twisted.logger import globalLogBeginner
 
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
-
 
 
 def asyncio_loop(reactor: Any) -> Any:
@@ -131,11 +127,9 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
                 return super().addReader(reader)  # type: ignore[no-any-return]
             fd = reader.fileno()
             readNow = getattr(reader, "readNow", None)
+            read = (readNow,) if readNow is not None else (self._readDirect, reader)
             try:
-                if readNow is not None:
-                    self._asyncioEventloop.add_reader(fd, readNow)
-                else:
-                    self._asyncioEventloop.add_reader(fd, self._readDirect, reader)
+                self._asyncioEventloop.add_reader(fd, *read)
             except OSError:  # not pollable: Twisted polls it
                 self._unregisterFDInAsyncio(fd)
                 return super().addReader(reader)  # type: ignore[no-any-return]
