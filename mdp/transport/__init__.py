@@ -190,11 +190,10 @@ def listen(
     assert scheme.listen is not None
     extra = _security(scheme, endpoint, security)
     try:
-        return scheme.listen(endpoint, receiver, default_reactor(reactor), limits, **extra)
+        return _opening("listen on", endpoint, scheme.listen, receiver, default_reactor(reactor),
+                        limits, **extra)
     except TransportError as e:
         return defer.fail(e)
-    except Exception as e:
-        return defer.fail(TransportError(f"cannot listen on {endpoint!r}: {e}"))
 
 
 def connect(
@@ -215,18 +214,18 @@ def connect(
         if not scheme.identities:
             raise TransportError(f"{scheme.name}: endpoints cannot choose their identity")
     assert scheme.connect is not None
-    return _connecting(endpoint, scheme.connect, receiver, default_reactor(reactor), limits,
-                       retryPolicy, identity, **extra)
+    return _opening("connect to", endpoint, scheme.connect, receiver, default_reactor(reactor),
+                    limits, retryPolicy, identity, **extra)
 
 
-def _connecting(endpoint: str, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _opening(doing: str, endpoint: str, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``make(endpoint, ...)``, any failure but a :class:`TransportError` as one."""
     try:
         return make(endpoint, *args, **kwargs)
     except TransportError:
         raise
     except Exception as e:
-        raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
+        raise TransportError(f"cannot {doing} {endpoint!r}: {e}") from e
 
 
 @implementer(IDealerChannels)
@@ -275,7 +274,7 @@ def connect_channels(
     if scheme.channels is None:
         return _Separately(endpoint, reactor=reactor, retryPolicy=retryPolicy, limits=limits,
                            security=security)
-    return _connecting(endpoint, scheme.channels, reactor, limits, retryPolicy)  # type: ignore[no-any-return]
+    return _opening("connect to", endpoint, scheme.channels, reactor, limits, retryPolicy)  # type: ignore[no-any-return]
 
 
 def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, *,
