@@ -274,7 +274,7 @@ def connect_channels(
     if scheme.channels is None:
         return _Separately(endpoint, reactor=reactor, retryPolicy=retryPolicy, limits=limits,
                            security=security)
-    return _opening("connect to", endpoint, scheme.channels, reactor, limits, retryPolicy)  # type: ignore[no-any-return]
+    return _opening("connect to", endpoint, scheme.channels, reactor, limits, retryPolicy)
 
 
 def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, *,

@@ -166,6 +166,8 @@ class LoopbackDealer(_End):
         return defer.succeed(None)
 
     def _attach(self) -> None:
+        if self.router is not None or self.supplanted or self.closed:
+            return
         router = self.network.listeners.get(self.name)
         if router is None:
             self.network.wait(self.name, self)
@@ -246,11 +248,7 @@ class LoopbackDealer(_End):
             return
         self.receiver.connectionLost(Failure(why))
         if self.router is None and not self.supplanted:
-            self.reactor.callLater(self.reconnectDelay, self._reattach)
-
-    def _reattach(self) -> None:
-        if self.router is None and not self.supplanted and not self.closed:
-            self._attach()
+            self.reactor.callLater(self.reconnectDelay, self._attach)
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
