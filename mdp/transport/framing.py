@@ -121,27 +121,24 @@ class RecordDecoder:
         return self._held + len(self._header)
 
     def _feedGreeting(self, data: bytes, pos: int) -> int:
-        """Take the greeting from *pos*; where it ends."""
+        """Take the greeting (the identity's length, then the identity) from
+        *pos*; where it ends.  No identity: channels follow."""
         greeting = self._greeting
         assert greeting is not None
         if not greeting and pos < len(data):
             greeting.append(data[pos])
             pos += 1
-            if greeting[0] == 0:  # no identity: channels follow
-                self.channels = True
-                self._greeting = None
-                return pos
         if greeting:
             take = min(greeting[0] + 1 - len(greeting), len(data) - pos)
             greeting += data[pos:pos + take]
             pos += take
             if len(greeting) == greeting[0] + 1:
-                identity = bytes(greeting[1:])
-                if identity[0] == 0:
+                if greeting[0] and greeting[1] == 0:
                     raise ProtocolError("greeting announces an identity starting with a zero byte "
                                         "(those are the router's own)")
-                self.identity = identity
                 self._greeting = None
+                self.identity = bytes(greeting[1:]) or None
+                self.channels = self.identity is None
         return pos
 
     def feed(self, data: bytes) -> list[list[bytes]]:
