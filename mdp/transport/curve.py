@@ -24,12 +24,6 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 
 
-def _zmq() -> Any:
-    import zmq
-
-    return zmq
-
-
 def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
     """The keys in certificate *path*, with errors that name the file."""
     import zmq.auth
@@ -78,7 +72,8 @@ class CurveServer:
 
     def apply(self, socket: Any, domain: str) -> None:
         """Make *socket* (before it binds) a CURVE server checked by ZAP under *domain*."""
-        zmq = _zmq()
+        import zmq
+
         socket.setsockopt(zmq.CURVE_SERVER, 1)
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
@@ -98,9 +93,11 @@ class CurveClient:
 
     @classmethod
     def fromFiles(cls, serverPublicFile: str, secretFile: Optional[str] = None) -> CurveClient:
+        import zmq
+
         serverKey, _ = _load(serverPublicFile, secret=False)
         if secretFile is None:
-            public, secret = _zmq().curve_keypair()
+            public, secret = zmq.curve_keypair()
         else:
             public, secret = _load(secretFile, secret=True)  # type: ignore[assignment]
         assert secret is not None
@@ -108,7 +105,8 @@ class CurveClient:
 
     def apply(self, socket: Any) -> None:
         """Make *socket* (before it connects) a CURVE client."""
-        zmq = _zmq()
+        import zmq
+
         socket.setsockopt(zmq.CURVE_SERVERKEY, self.serverKey)
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
