@@ -291,15 +291,18 @@ _ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-
 
 
 def _check_zmq(endpoint: str, role: str) -> None:
-    address = endpoint.partition(":")[2]
-    kind, sep, rest = address.partition("://")
+    kind, sep, rest = endpoint.partition(":")[2].partition("://")
     if not sep or kind not in _ZMQ_TRANSPORTS:
         raise TransportError(f"bad endpoint {endpoint!r}: ZeroMQ endpoints are "
                              "zmq:tcp://HOST:PORT, zmq:ipc://PATH or zmq:inproc://NAME")
-    if kind != "tcp":
-        if not rest:
-            raise TransportError(f"bad endpoint {endpoint!r}: no {kind} name")
-        return
+    if kind == "tcp":
+        _check_zmq_tcp(endpoint, rest, role)
+    elif not rest:
+        raise TransportError(f"bad endpoint {endpoint!r}: no {kind} name")
+
+
+def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
+    """The ``HOST:PORT`` of a ``zmq:tcp://`` endpoint."""
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
         raise TransportError(f"bad endpoint {endpoint!r}: no port; did you mean "
                              f"zmq:tcp://{rest or '127.0.0.1'}:5555"
