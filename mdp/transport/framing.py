@@ -280,8 +280,7 @@ class LengthPrefixedFraming:
     def greeting(self, identity: Optional[bytes]) -> bytes:
         return b"\xff\xff\xff\xff" + bytes([len(identity)]) + identity if identity else b""
 
-    def encode(self, frames: list[bytes]) -> bytes:
-        return encode_record(frames)
+    encode = staticmethod(encode_record)
 
     def decoder(self, limits: Limits) -> RecordDecoder:
         return RecordDecoder(limits)
