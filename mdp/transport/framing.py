@@ -79,8 +79,14 @@ def decode_record(payload: Buffer, limits: Limits = Limits()) -> list[bytes]:
     return decode_payload(payload, 0, len(payload), limits)
 
 
+GREETING_MARK = b"\xff\xff\xff\xff"
 #: the greeting of a connection that carries channels (an empty identity)
-CHANNELS_GREETING = b"\xff\xff\xff\xff\x00"
+CHANNELS_GREETING = GREETING_MARK + b"\x00"
+
+
+def encode_greeting(identity: bytes) -> bytes:
+    """The greeting that announces *identity*."""
+    return GREETING_MARK + bytes([len(identity)]) + identity
 
 
 @implementer(IStreamDecoder)
@@ -278,7 +284,7 @@ class LengthPrefixedFraming:
     acceptsBuffers = True
 
     def greeting(self, identity: Optional[bytes]) -> bytes:
-        return b"\xff\xff\xff\xff" + bytes([len(identity)]) + identity if identity else b""
+        return encode_greeting(identity) if identity else b""
 
     encode = staticmethod(encode_record)
 
