@@ -309,7 +309,6 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.dealer.StreamDealer": _stream_dealer,
     "mdp.transport.channels.StreamChannels": _stream_channels,
     "mdp.transport.channels._StreamChannel": _stream_channel,
-    "mdp.transport.channels._ChannelsFraming": _bare("mdp.transport.channels._ChannelsFraming"),
     "mdp.transport._Separately": _separately,
     "mdp.transport.router._RouterConnection": _bare("mdp.transport.router._RouterConnection"),
     "mdp.transport.dealer._DealerConnection": _bare("mdp.transport.dealer._DealerConnection"),

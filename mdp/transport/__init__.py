@@ -1,19 +1,14 @@
-"""Message transports, chosen by the scheme of an endpoint string.
-
-==================================  ===========================================
-``zmq:tcp://127.0.0.1:5555``        ZeroMQ ROUTER/DEALER (also ``ipc://``,
-                                    ``inproc://``; port ``*``: the OS picks)
-``tcp:host=127.0.0.1:port=5555``    records over a Twisted stream endpoint
-                                    (``tcp6``, ``ssl``, ``unix``, plugins)
-``loopback:NAME``                   in memory, for deterministic tests
-==================================  ===========================================
-
-A new transport registers itself with :func:`register`.  A malformed endpoint
-raises :class:`~mdp.errors.TransportError` at once.
-"""
+"""Message transports, chosen by the scheme of an endpoint string
+(``docs/transports.md``): ``zmq:tcp://127.0.0.1:5555`` (ZeroMQ),
+``tcp:host=127.0.0.1:port=5555`` (records over a Twisted stream endpoint) or
+``loopback:NAME`` (in memory, for deterministic tests).  A new transport
+registers itself with :func:`register`; a malformed endpoint raises
+:class:`~mdp.errors.TransportError` at once."""
 
 from __future__ import annotations
 
+import importlib
+import ipaddress
 import re
 import weakref
 from typing import Any, Callable, Iterable, Optional
@@ -33,6 +28,7 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.policy import Limits, default_reactor
+from mdp.transport.loopback import LoopbackDealer, LoopbackRouter
 from mdp.transport.registry import (
     CONNECT,
     LISTEN,
@@ -49,27 +45,10 @@ from mdp.transport.registry import (
 _log = Logger()
 
 __all__ = [
-    "CONNECT",
-    "LISTEN",
-    "Scheme",
-    "authenticated",
-    "beyond_loopback",
-    "check",
-    "check_curve_client",
-    "close_all",
-    "connect",
-    "connect_channels",
-    "connect_peers",
-    "curve_client_for",
-    "curve_for",
-    "curve_listen_for",
-    "endpoint_list",
-    "listen",
-    "lookup",
-    "register",
-    "schemes",
-    "unregister",
-    "warn_if_open",
+    "CONNECT", "LISTEN", "Scheme", "authenticated", "beyond_loopback", "check",
+    "check_curve_client", "close_all", "connect", "connect_channels", "connect_peers",
+    "curve_client_for", "curve_for", "curve_listen_for", "endpoint_list", "listen", "lookup",
+    "register", "schemes", "unregister", "warn_if_open",
 ]
 
 
@@ -124,14 +103,9 @@ def check_curve_client(endpoints: list[str], curve: Any) -> None:
         curve_for(endpoint, curve)
 
 
-_LOOPBACK_NAMES = ("localhost", "ip6-localhost")
-
-
 def _loopback_host(host: str) -> bool:
-    import ipaddress
-
     host = host.strip("[]").partition("%")[0]
-    if host in _LOOPBACK_NAMES:
+    if host in ("localhost", "ip6-localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -216,22 +190,16 @@ def listen(
     assert scheme.listen is not None
     extra = _security(scheme, endpoint, security)
     try:
-        return scheme.listen(endpoint, receiver, default_reactor(reactor), limits, **extra)
+        return _opening("listen on", endpoint, scheme.listen, receiver, default_reactor(reactor),
+                        limits, **extra)
     except TransportError as e:
         return defer.fail(e)
-    except Exception as e:
-        return defer.fail(TransportError(f"cannot listen on {endpoint!r}: {e}"))
 
 
 def connect(
-    endpoint: str,
-    receiver: IDealerReceiver,
-    reactor: Optional[Any] = None,
-    *,
-    retryPolicy: Optional[Callable[[int], float]] = None,
-    limits: Limits = Limits(),
-    identity: Optional[bytes] = None,
-    security: Any = None,
+    endpoint: str, receiver: IDealerReceiver, reactor: Optional[Any] = None, *,
+    retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
+    identity: Optional[bytes] = None, security: Any = None,
 ) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade``
     once usable).  *retryPolicy* (attempt -> seconds) paces reconnection;
@@ -246,31 +214,31 @@ def connect(
         if not scheme.identities:
             raise TransportError(f"{scheme.name}: endpoints cannot choose their identity")
     assert scheme.connect is not None
+    return _opening("connect to", endpoint, scheme.connect, receiver, default_reactor(reactor),
+                    limits, retryPolicy, identity, **extra)
+
+
+def _opening(doing: str, endpoint: str, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``make(endpoint, ...)``, any failure but a :class:`TransportError` as one."""
     try:
-        return scheme.connect(endpoint, receiver, default_reactor(reactor), limits, retryPolicy,
-                              identity, **extra)
+        return make(endpoint, *args, **kwargs)
     except TransportError:
         raise
     except Exception as e:
-        raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
+        raise TransportError(f"cannot {doing} {endpoint!r}: {e}") from e
 
 
 @implementer(IDealerChannels)
 class _Separately:
     """Pipes over a scheme without channels: each connects alone."""
 
-    def __init__(self, endpoint: str, reactor: Any, retryPolicy: Optional[Callable[[int], float]],
-                 limits: Limits, security: Any) -> None:
+    def __init__(self, endpoint: str, **options: Any) -> None:
         self.endpoint = endpoint
-        self.reactor = reactor
-        self.retryPolicy = retryPolicy
-        self.limits = limits
-        self.security = security
+        self.options = options  # connect()'s
         self.pipes: weakref.WeakSet[IDealerTransport] = weakref.WeakSet()
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        pipe = connect(self.endpoint, receiver, self.reactor, retryPolicy=self.retryPolicy,
-                       limits=self.limits, security=self.security)
+        pipe = connect(self.endpoint, receiver, **self.options)
         self.pipes.add(pipe)
         return pipe
 
@@ -281,8 +249,7 @@ class _Separately:
 
 
 def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
-    """Close each of *closables*; fires once all are closed (a failure is
-    logged as *what*)."""
+    """Close each of *closables*; fires once all are closed (a failure logged as *what*)."""
     closing = [defer.maybeDeferred(each.close) for each in closables]
 
     def closed(results: list[tuple[bool, Any]]) -> None:
@@ -294,11 +261,8 @@ def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
 
 
 def connect_channels(
-    endpoint: str,
-    reactor: Optional[Any] = None,
-    *,
-    retryPolicy: Optional[Callable[[int], float]] = None,
-    limits: Limits = Limits(),
+    endpoint: str, reactor: Optional[Any] = None, *,
+    retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     security: Any = None,
 ) -> IDealerChannels:
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`): over
@@ -308,13 +272,9 @@ def connect_channels(
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security)
     if scheme.channels is None:
-        return _Separately(endpoint, reactor, retryPolicy, limits, security)
-    try:
-        return scheme.channels(endpoint, reactor, limits, retryPolicy)  # type: ignore[no-any-return]
-    except TransportError:
-        raise
-    except Exception as e:
-        raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
+        return _Separately(endpoint, reactor=reactor, retryPolicy=retryPolicy, limits=limits,
+                           security=security)
+    return _opening("connect to", endpoint, scheme.channels, reactor, limits, retryPolicy)
 
 
 def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, *,
@@ -326,23 +286,23 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
 
 
-# --- the built-in schemes -----------------------------------------------------
-
-
 _ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
 _ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-Za-z0-9._-]*)$")
 
 
 def _check_zmq(endpoint: str, role: str) -> None:
-    address = endpoint.partition(":")[2]
-    kind, sep, rest = address.partition("://")
+    kind, sep, rest = endpoint.partition(":")[2].partition("://")
     if not sep or kind not in _ZMQ_TRANSPORTS:
         raise TransportError(f"bad endpoint {endpoint!r}: ZeroMQ endpoints are "
                              "zmq:tcp://HOST:PORT, zmq:ipc://PATH or zmq:inproc://NAME")
-    if kind != "tcp":
-        if not rest:
-            raise TransportError(f"bad endpoint {endpoint!r}: no {kind} name")
-        return
+    if kind == "tcp":
+        _check_zmq_tcp(endpoint, rest, role)
+    elif not rest:
+        raise TransportError(f"bad endpoint {endpoint!r}: no {kind} name")
+
+
+def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
+    """The ``HOST:PORT`` of a ``zmq:tcp://`` endpoint."""
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
         raise TransportError(f"bad endpoint {endpoint!r}: no port; did you mean "
                              f"zmq:tcp://{rest or '127.0.0.1'}:5555"
@@ -359,27 +319,31 @@ def _check_zmq(endpoint: str, role: str) -> None:
     check_port(endpoint, port, role, wildcard=True)
 
 
+def _curve_of(endpoint: str, security: Any, side: str, kind: str) -> Any:
+    """*security*, if None or the :mod:`~mdp.transport.curve` class *kind*."""
+    from mdp.transport import curve
+
+    if security is not None and not isinstance(security, getattr(curve, kind)):
+        raise TransportError(f"{endpoint!r}: a ZeroMQ {side}'s security is a {kind}, "
+                             f"not {type(security).__name__}")
+    return security
+
+
 def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                 security: Any = None) -> Any:
-    from mdp.transport.curve import CurveServer
     from mdp.transport.zeromq import ZmqRouter
 
-    if security is not None and not isinstance(security, CurveServer):
-        raise TransportError(f"{endpoint!r}: a ZeroMQ server's security is a CurveServer, "
-                             f"not {type(security).__name__}")
-    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=security))
+    curve = _curve_of(endpoint, security, "server", "CurveServer")
+    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=curve))
 
 
 def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                  retryPolicy: Any, identity: Optional[bytes], security: Any = None) -> Any:
-    from mdp.transport.curve import CurveClient
     from mdp.transport.zeromq import ZmqDealer
 
-    if security is not None and not isinstance(security, CurveClient):
-        raise TransportError(f"{endpoint!r}: a ZeroMQ peer's security is a CurveClient, "
-                             f"not {type(security).__name__}")
     return ZmqDealer(endpoint, receiver, reactor, limits=limits, identity=identity,
-                     curve=security, retryPolicy=retryPolicy)
+                     curve=_curve_of(endpoint, security, "peer", "CurveClient"),
+                     retryPolicy=retryPolicy)
 
 
 def _check_loopback(endpoint: str, role: str) -> None:
@@ -388,18 +352,12 @@ def _check_loopback(endpoint: str, role: str) -> None:
 
 
 def _listen_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
-    from mdp.transport.loopback import LoopbackRouter
-
-    return defer.succeed(LoopbackRouter(endpoint.partition(":")[2], receiver, reactor,
-                                        limits=limits))
+    return defer.succeed(LoopbackRouter(endpoint.partition(":")[2], receiver, reactor, limits=limits))
 
 
 def _connect_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                       retryPolicy: Any, identity: Optional[bytes]) -> Any:
-    from mdp.transport.loopback import LoopbackDealer
-
-    return LoopbackDealer(endpoint.partition(":")[2], receiver, reactor, limits=limits,
-                          identity=identity)
+    return LoopbackDealer(endpoint.partition(":")[2], receiver, reactor, limits=limits, identity=identity)
 
 
 register(Scheme("zmq", _check_zmq, _listen_zmq, _connect_zmq,
@@ -409,39 +367,22 @@ register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback
                 "in memory, for deterministic tests: loopback:NAME", identities=True))
 
 
-def _register_streams() -> None:
+def _register_more() -> None:
+    """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:`` and
+    ``loopback:`` (:mod:`mdp.session.transport`, imported at first use)."""
     from mdp.transport import stream
 
     for name in stream.STREAM_SCHEMES:
         register(stream.scheme(name))
 
-
-_register_streams()
-
-
-def _register_sessions() -> None:
-    """``session+zmq:``, ``session+tcp:``, ``session+loopback:``."""
-
-    def check(endpoint: str, role: str) -> None:
-        from mdp.session import transport as session
-
-        session.check(endpoint, role)
-
-    def listen(*args: Any) -> Any:
-        from mdp.session import transport as session
-
-        return session.listen(*args)
-
-    def connect(*args: Any) -> Any:
-        from mdp.session import transport as session
-
-        return session.connect(*args)
+    def session(name: str) -> Callable[..., Any]:
+        return lambda *args: getattr(importlib.import_module("mdp.session.transport"), name)(*args)
 
     for inner in ("zmq", "tcp", "loopback"):
-        register(Scheme(f"session+{inner}", check, listen, connect,
+        register(Scheme(f"session+{inner}", session("check"), session("listen"), session("connect"),
                         f"sessions over {inner}: heartbeats and invisible reconnects, "
                         f"session+{inner}:<a {inner}: endpoint without the scheme>",
                         connections=False))
 
 
-_register_sessions()
+_register_more()

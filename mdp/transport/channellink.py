@@ -2,8 +2,7 @@
 :class:`~mdp.transport.channels.StreamChannels` and the blocking client's
 link are its shells.  A channel, named by four bytes, is up while the
 connection is, unless the far side ended it (an empty record): it comes up
-again under a new name after the delay.  What it sends while down is held.
-"""
+again under a new name after the delay.  What it sends while down is held."""
 
 from __future__ import annotations
 
@@ -52,11 +51,7 @@ class ChannelLink:
         self._next = 0
 
     def open(self, channel: Channel) -> None:
-        """Name the new *channel*, down until ``comeUp``."""
-        self._name(channel)
-
-    def _name(self, channel: Channel) -> None:
-        """Give *channel* a name no open channel has."""
+        """Give the new *channel* a name no open channel has; down until ``comeUp``."""
         channels = self.channels
         while True:
             self._next = self._next % 0xFFFFFFFF + 1
@@ -98,7 +93,7 @@ class ChannelLink:
         record = channel.id + END
         del self.channels[channel.id]
         self.unsent.pop(channel.id, None)
-        self._name(channel)
+        self.open(channel)
         channel.ends += 1
         channel.waiting = True
         was, channel.up = channel.up, False

@@ -12,33 +12,26 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IFraming
+from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
 from mdp.transport.channellink import Channel, ChannelLink
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
 from mdp.transport.flow import DrainWaiters, after
-from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
+from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 
-@implementer(IFraming)
-class _ChannelsFraming:
-    """The record framing of a connection that carries channels."""
+class _ChannelsFraming(LengthPrefixedFraming):
+    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
 
     name = "records32-channels"
-    acceptsBuffers = True
 
     def greeting(self, identity: Optional[bytes]) -> bytes:
         return CHANNELS_GREETING
 
-    def encode(self, frames: list[bytes]) -> bytes:
-        return encode_record(frames)
-
     def decoder(self, limits: Limits) -> RecordDecoder:
-        decoder = RecordDecoder(limits)
-        decoder.channels = True
-        return decoder
+        return RecordDecoder(limits, channels=True)
 
 
 _CHANNELS = _ChannelsFraming()
@@ -124,9 +117,8 @@ class StreamChannels(_OneConnection):
 
     kind = "stream channels"
 
-    def __init__(self, endpoint: str, reactor: Any, *,
-                 retryPolicy: Optional[Callable[[int], float]] = None,
-                 limits: Limits = Limits()) -> None:
+    def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
+                 retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.endpoint = endpoint
         self.reactor = reactor
         self.limits = limits

@@ -1,12 +1,8 @@
 """CURVE on the ZeroMQ transport: encrypted links, and servers that know who
-their peers are.
-
-A server has a key pair and usually an allow-list: a directory of peers'
-public-key certificates (``mdp keygen NAME``), read when it starts listening.
-A ZAP handler (pyzmq's :mod:`zmq.auth`, one thread per process) checks each
-peer's key in the handshake; an accepted peer's identity, for an access
-policy, is its public key in Z85.
-"""
+their peers are: a server's allow-list is a directory of public-key
+certificates (``mdp keygen NAME``), checked in each handshake by a ZAP
+handler (pyzmq's :mod:`zmq.auth`, one thread per context).  An accepted
+peer's identity, for an access policy, is its public key in Z85."""
 
 from __future__ import annotations
 
@@ -26,12 +22,6 @@ log = Logger()
 #: pyzmq's key file names, as ``mdp keygen`` writes them.
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
-
-
-def _zmq() -> Any:
-    import zmq
-
-    return zmq
 
 
 def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
@@ -82,7 +72,8 @@ class CurveServer:
 
     def apply(self, socket: Any, domain: str) -> None:
         """Make *socket* (before it binds) a CURVE server checked by ZAP under *domain*."""
-        zmq = _zmq()
+        import zmq
+
         socket.setsockopt(zmq.CURVE_SERVER, 1)
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
@@ -102,9 +93,11 @@ class CurveClient:
 
     @classmethod
     def fromFiles(cls, serverPublicFile: str, secretFile: Optional[str] = None) -> CurveClient:
+        import zmq
+
         serverKey, _ = _load(serverPublicFile, secret=False)
         if secretFile is None:
-            public, secret = _zmq().curve_keypair()
+            public, secret = zmq.curve_keypair()
         else:
             public, secret = _load(secretFile, secret=True)  # type: ignore[assignment]
         assert secret is not None
@@ -112,7 +105,8 @@ class CurveClient:
 
     def apply(self, socket: Any) -> None:
         """Make *socket* (before it connects) a CURVE client."""
-        zmq = _zmq()
+        import zmq
+
         socket.setsockopt(zmq.CURVE_SERVERKEY, self.serverKey)
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
@@ -173,30 +167,9 @@ class _DenyAll:
 _DENY_ALL = _DenyAll()
 
 
-class _ZapHandler:
-    """The ZAP handler of one ZeroMQ context, with a domain per CURVE server."""
-
-    def __init__(self, context: Any) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self.authenticator = ThreadAuthenticator(context)
-        self.authenticator.start()
-        self.domains = itertools.count(1)
-
-    def add(self, gate: _Gate) -> str:
-        domain = f"mdp-{next(self.domains)}"
-        self.authenticator.configure_curve_callback(domain, gate)
-        return domain
-
-    def remove(self, domain: str) -> None:
-        # replaced, not removed: the ZAP thread may be using the lookup
-        self.authenticator.credentials_providers[domain] = _DENY_ALL
-
-    def stop(self) -> None:
-        self.authenticator.stop()
-
-
-_zaps: dict[int, _ZapHandler] = {}
+#: per ZeroMQ context (by id), its ZAP handler: pyzmq's ThreadAuthenticator
+_zaps: dict[int, Any] = {}
+_domains = itertools.count(1)
 _lock = threading.Lock()
 
 
@@ -208,7 +181,10 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
     with _lock:
         zap = _zaps.get(id(context))
         if zap is None:
-            zap = _zaps[id(context)] = _ZapHandler(context)
+            from zmq.auth.thread import ThreadAuthenticator
+
+            zap = _zaps[id(context)] = ThreadAuthenticator(context)
+            zap.start()
 
             def stop() -> None:
                 with _lock:
@@ -218,13 +194,16 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
 
             if beforeTerm is not None:
                 beforeTerm.add(stop)
-        return zap.add(_Gate(server, endpoint, reactor, refused))
+        domain = f"mdp-{next(_domains)}"
+        zap.configure_curve_callback(domain, _Gate(server, endpoint, reactor, refused))
+        return domain
 
 
 def forget_domain(context: Any, domain: str) -> None:
     zap = _zaps.get(id(context))
     if zap is not None:
-        zap.remove(domain)
+        # replaced, not removed: the ZAP thread may be using the lookup
+        zap.credentials_providers[domain] = _DENY_ALL
 
 
 def keygen(name: str, directory: str = ".") -> tuple[str, str]:

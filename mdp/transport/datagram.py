@@ -1,17 +1,7 @@
-"""Datagram transports, for discovery beacons: ``udp:`` and ``loopback:``.
-
-=================================  ==================================================
-``udp:5670``                       the first non-loopback interface, to its subnet's
-                                   broadcast address (none: 127.0.0.1, multicast)
-``udp:5670:interface=eth0``        that interface (a name or an address)
-``udp:5670:group=239.1.2.3``       multicast to that group
-``udp:5670:broadcast=10.0.0.255``  broadcast to that address
-``loopback:NAME:host=10.0.0.1``    in memory: every socket on NAME hears every datagram
-=================================  ==================================================
-
-The port is shared (``SO_REUSEPORT``) by every node on the machine; multicast
-has TTL 1 and loops back.
-"""
+"""Datagram transports, for discovery beacons: ``udp:PORT`` (options
+``interface=``, ``group=``, ``broadcast=``) and ``loopback:NAME:host=ADDRESS``
+(``docs/transports.md``).  The port is shared (``SO_REUSEPORT``) by every node
+on the machine; multicast has TTL 1 and loops back."""
 
 from __future__ import annotations
 
@@ -153,19 +143,12 @@ def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
     return UDPDatagrams.open(spec, receiver, reactor)
 
 
-class _UDPProtocol(DatagramProtocol):
-    noisy = False
-
-    def __init__(self, owner: UDPDatagrams) -> None:
-        self.owner = owner
-
-    def datagramReceived(self, data: bytes, addr: Any) -> None:
-        self.owner.receiver.datagramReceived(data, addr[0])
-
-
 @implementer(IDatagramTransport)
-class UDPDatagrams:
-    """A shared UDP socket sending to a broadcast address or a group."""
+class UDPDatagrams(DatagramProtocol):
+    """A shared UDP socket sending to a broadcast address or a group (the
+    protocol of its own port)."""
+
+    noisy = False
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any) -> None:
         self.spec = spec
@@ -173,18 +156,20 @@ class UDPDatagrams:
         self.receiver = receiver
         self.reactor = reactor
         self.throttle = LogThrottle(reactor, interval=10.0)
-        self.protocol = _UDPProtocol(self)
         self.port: Any = None
+
+    def datagramReceived(self, data: bytes, addr: Any) -> None:
+        self.receiver.datagramReceived(data, addr[0])
 
     @classmethod
     def open(cls, spec: DatagramSpec, receiver: IDatagramReceiver,
              reactor: Any) -> defer.Deferred[IDatagramTransport]:
         self = cls(spec, receiver, reactor)
         try:
-            self.port = reactor.listenMulticast(spec.port, self.protocol, listenMultiple=True)
+            self.port = reactor.listenMulticast(spec.port, self, listenMultiple=True)
         except Exception as e:
             return defer.fail(TransportError(f"cannot listen on {spec.endpoint}: {e}"))
-        transport = self.protocol.transport
+        transport = self.transport
         if not spec.multicast:
             transport.setBroadcastAllowed(True)
             return defer.succeed(self)
@@ -205,13 +190,13 @@ class UDPDatagrams:
     def send(self, data: bytes) -> None:
         if self.port is None:
             return
-        if self.protocol.transport is None:
+        if self.transport is None:
             self.throttle.warn(log, "send", "cannot send a datagram to {to}:{port}: the reactor "
                                "closed the socket (stop the node before the reactor stops)",
                                to=self.spec.destination, port=self.spec.port)
             return
         try:
-            self.protocol.transport.write(data, (self.spec.destination, self.spec.port))
+            self.transport.write(data, (self.spec.destination, self.spec.port))
         except Exception as e:  # the network is down: try again next time
             self.throttle.warn(log, "send", "cannot send a datagram to {to}:{port} from {host}: "
                                "{error}", to=self.spec.destination, port=self.spec.port,

@@ -1,6 +1,5 @@
 """Stream endpoint strings (Twisted's, plus the client forms for listening
-and ``ssl:`` with ``caCerts=``) and the process's descriptor budget.
-"""
+and ``ssl:`` with ``caCerts=``) and the process's descriptor budget."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from twisted.internet.interfaces import IListeningPort
 from mdp.errors import TransportError
 from mdp.transport import tls
 from mdp.transport.registry import LISTEN, check_port, split_description
+from mdp.transport.tls import LISTEN_BACKLOG
 
 try:
     import resource
@@ -28,13 +28,6 @@ DESCRIPTOR_RESERVE = 64
 SELECT_LIMIT = 1024
 
 
-def _select_based() -> bool:
-    """Whether the installed reactor waits with select() (bounded by SELECT_LIMIT)."""
-    installed = sys.modules.get("twisted.internet.reactor")
-    module = sys.modules.get("twisted.internet.selectreactor")
-    return module is not None and isinstance(installed, module.SelectReactor)
-
-
 def descriptor_budget() -> Optional[int]:
     """How many accepted stream connections the descriptor limit leaves room
     for: all but an eighth (at least :data:`DESCRIPTOR_RESERVE`); None: no limit."""
@@ -43,7 +36,9 @@ def descriptor_budget() -> Optional[int]:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY:
             limit = soft
-    if _select_based():
+    select = sys.modules.get("twisted.internet.selectreactor")
+    if select is not None and isinstance(sys.modules.get("twisted.internet.reactor"),
+                                         select.SelectReactor):  # it waits with select()
         limit = SELECT_LIMIT if limit is None else min(limit, SELECT_LIMIT)
     if limit is None:
         return None
@@ -74,9 +69,6 @@ def raise_descriptor_limit() -> int:
         return target
     return soft
 
-#: the listen queue unless the endpoint names one (Twisted's 50 drops a burst's SYNs)
-LISTEN_BACKLOG = 1024
-
 
 def server_description(endpoint: str) -> str:
     """A server description, accepting the client forms too, with
@@ -106,12 +98,8 @@ def connect_description(kind: str, port: IListeningPort) -> str:
         kind = "ssl"
     address = port.getHost()
     if kind == "unix":
-        return f"unix:path={address.name.decode() if isinstance(address.name, bytes) else address.name}"
-    host = address.host
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
+        return f"unix:path={os.fsdecode(address.name)}"
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(address.host, address.host)
     if ":" in host:  # IPv6
         host = host.replace(":", r"\:")
         kind = "tcp" if kind == "tcp6" else kind
@@ -125,17 +113,6 @@ def server_endpoint(reactor: Any, description: str) -> Any:
         return serverFromString(reactor, description)
     args, kwargs = mutual
     return tls.server_endpoint(reactor, *args, **kwargs)
-
-
-def _check_authorities(endpoint: str, args: list[str], kwargs: dict[str, str]) -> None:
-    """Check a mutual TLS listener: its options, and its files load."""
-    from twisted.internet.task import Clock
-
-    tls.check_mutual(endpoint, args, kwargs)
-    ca = kwargs[tls.CA_CERTS]
-    if not os.path.isfile(ca):
-        raise TransportError(f"bad endpoint {endpoint!r}: {tls.CA_CERTS}={ca}: no such file")
-    tls.server_endpoint(Clock(), *args, **kwargs)
 
 
 #: The longest path a local socket can have (``sun_path``).
@@ -196,16 +173,13 @@ def _check_path(endpoint: str, path: Optional[str]) -> None:
 
 
 def _check_with_twisted(endpoint: str, role: str) -> None:
-    """Have Twisted's parsers (or the mutual TLS one) build the endpoint."""
+    """Have Twisted's parsers (or the mutual TLS one, which loads its files)
+    build the endpoint."""
     from twisted.internet.task import Clock
 
     try:
         if role == LISTEN:
-            mutual = tls.parse_mutual(server_description(endpoint))
-            if mutual is not None:
-                _check_authorities(endpoint, *mutual)
-            else:
-                serverFromString(Clock(), server_description(endpoint))
+            server_endpoint(Clock(), server_description(endpoint))
         else:
             clientFromString(Clock(), endpoint)
     except TransportError:

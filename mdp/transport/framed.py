@@ -1,9 +1,9 @@
 """What the listening and the connecting side of a stream connection share
-(:class:`FramedProtocol`), over a pluggable :class:`~mdp.interfaces.IFraming`.
-"""
+(:class:`FramedProtocol`), over a pluggable :class:`~mdp.interfaces.IFraming`."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 from twisted.internet.protocol import Protocol
@@ -20,18 +20,6 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 #: A batch is handed to the transport at this many bytes, so that a long
 #: burst meets its flow control.
 FLUSH_BYTES = 65536
-
-
-def _no_delay(transport: Any) -> None:
-    """Set ``TCP_NODELAY`` where the transport has it, as ZeroMQ does: Nagle
-    would hold a reply until the peer's delayed acknowledgment."""
-    setTcpNoDelay = getattr(transport, "setTcpNoDelay", None)
-    if setTcpNoDelay is None:
-        return
-    try:
-        setTcpNoDelay(True)
-    except (OSError, AttributeError, NotImplementedError):
-        pass
 
 
 class FramedProtocol(Protocol):
@@ -60,7 +48,10 @@ class FramedProtocol(Protocol):
         self.encode = self.framing.encode
         self._out = []
         self._direct = direct_capable(self.transport)
-        _no_delay(self.transport)
+        # TCP_NODELAY where there is TCP, as ZeroMQ does: Nagle would hold a
+        # reply until the peer's delayed acknowledgment
+        with contextlib.suppress(OSError, AttributeError, NotImplementedError):
+            self.transport.setTcpNoDelay(True)
         greeting = self.framing.greeting(self.identity)
         if greeting:
             self.transport.write(greeting)

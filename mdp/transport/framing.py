@@ -1,23 +1,8 @@
 """Multi-frame messages as length-prefixed records on a byte stream, without
-I/O.  The wire form (``docs/transports.md``)::
-
-    stream   = [ greeting ] *record
-    greeting = %xFF.FF.FF.FF  id-length:uint8  id-bytes   ; connecting side only
-    record   = length:uint32be  payload          ; length = len(payload)
-    payload  = *( frame-length:uint32be  frame-bytes )
-
-The optional greeting carries the identity a connecting peer chose (1-255
-bytes, no leading zero byte).  With an empty identity, the connection carries
-*channels*, and every record in both directions names its channel::
-
-    greeting = %xFF.FF.FF.FF  %x00           ; channels follow
-    record   = channel:uint32be  length:uint32be  payload
-                                             ; length 0: the channel is closed
-
-No record can have the length ``0xFFFFFFFF`` (over every limit), so a decoder
-that does not know the greeting refuses it.  Limits are enforced before
-anything is buffered: an oversized record is refused from its header.
-"""
+I/O (the wire form: ``docs/transports.md``): an optional greeting announces
+the connecting side's identity, or that channels follow; each record is a
+length, then each frame's length and bytes.  Limits are enforced before
+anything is buffered: an oversized record is refused from its header."""
 
 from __future__ import annotations
 
@@ -112,7 +97,7 @@ class RecordDecoder:
     :attr:`channels`, each message is a ``(channel, frames)`` pair (``frames``
     empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = Limits(), channels: bool = False) -> None:
         self.limits = limits
         self.maxRecord = limits.maxMessageBytes + 4 * limits.maxFrames
         self.records = 0
@@ -128,7 +113,7 @@ class RecordDecoder:
         #: the identity the peer's greeting announced, if any
         self.identity: Optional[bytes] = None
         self._greeting: Optional[bytearray] = None
-        self.channels = False
+        self.channels = channels
         self._channel = b""  # the channel of the record in progress
 
     @property
@@ -142,27 +127,24 @@ class RecordDecoder:
         return self._held + len(self._header)
 
     def _feedGreeting(self, data: bytes, pos: int) -> int:
-        """Take the greeting from *pos*; where it ends."""
+        """Take the greeting (the identity's length, then the identity) from
+        *pos*; where it ends.  No identity: channels follow."""
         greeting = self._greeting
         assert greeting is not None
         if not greeting and pos < len(data):
             greeting.append(data[pos])
             pos += 1
-            if greeting[0] == 0:  # no identity: channels follow
-                self.channels = True
-                self._greeting = None
-                return pos
         if greeting:
             take = min(greeting[0] + 1 - len(greeting), len(data) - pos)
             greeting += data[pos:pos + take]
             pos += take
             if len(greeting) == greeting[0] + 1:
-                identity = bytes(greeting[1:])
-                if identity[0] == 0:
+                if greeting[0] and greeting[1] == 0:
                     raise ProtocolError("greeting announces an identity starting with a zero byte "
                                         "(those are the router's own)")
-                self.identity = identity
                 self._greeting = None
+                self.identity = bytes(greeting[1:]) or None
+                self.channels = self.identity is None
         return pos
 
     def feed(self, data: bytes) -> list[list[bytes]]:
@@ -222,7 +204,6 @@ class RecordDecoder:
             e.decoded = messages
             raise
         return messages
-
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
         """Take the record in progress from *pos*; where it ends."""
@@ -305,8 +286,7 @@ class LengthPrefixedFraming:
     def greeting(self, identity: Optional[bytes]) -> bytes:
         return encode_greeting(identity) if identity else b""
 
-    def encode(self, frames: list[bytes]) -> bytes:
-        return encode_record(frames)
+    encode = staticmethod(encode_record)
 
     def decoder(self, limits: Limits) -> RecordDecoder:
         return RecordDecoder(limits)

@@ -3,14 +3,13 @@
 Every event is scheduled with ``callLater(0)``, so nothing is re-entrant and
 a test's ``clock.advance(0)`` delivers everything pending, in order.  An
 oversized message ends its pipe, as on streams.  A dealer waits for its
-listener, as a ZeroMQ DEALER does, and again after the listener closes.
-"""
+listener, as a ZeroMQ DEALER does, and again after the listener closes."""
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Optional
+from typing import Any, Optional
 
 from twisted.internet import defer
 from twisted.internet.error import ConnectionDone
@@ -20,21 +19,12 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.errors import OversizedMessage, TransportError
-from mdp.interfaces import (
-    IDealerReceiver,
-    IDealerTransport,
-    IRouterReceiver,
-    IRouterTransport,
-)
+from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
 from mdp.policy import Limits, LogThrottle, held_bytes
 
 log = Logger()
 
 _ids = itertools.count(1)
-
-
-def _new_peer_id() -> bytes:
-    return b"\x00" + next(_ids).to_bytes(4, "big")
 
 
 class LoopbackNetwork:
@@ -70,20 +60,11 @@ class LoopbackNetwork:
 network = LoopbackNetwork()
 
 
-@implementer(IRouterTransport)
-class LoopbackRouter:
-    """The bound side: many dealers, each known by an opaque peer id."""
+class _End:
+    """What either end of ``loopback:NAME`` knows."""
 
-
-    def __init__(
-        self,
-        name: str,
-        receiver: IRouterReceiver,
-        reactor: IReactorTime,
-        *,
-        net: LoopbackNetwork = network,
-        limits: Limits = Limits(),
-    ) -> None:
+    def __init__(self, name: str, receiver: Any, reactor: IReactorTime, net: LoopbackNetwork,
+                 limits: Limits) -> None:
         self.name = name
         self.endpoint = f"loopback:{name}"
         self.receiver = receiver
@@ -91,10 +72,19 @@ class LoopbackRouter:
         self.network = net
         self.limits = limits
         self.throttle = LogThrottle(reactor)
+        self.closed = False
+
+
+@implementer(IRouterTransport)
+class LoopbackRouter(_End):
+    """The bound side: many dealers, each known by an opaque peer id."""
+
+    def __init__(self, name: str, receiver: IRouterReceiver, reactor: IReactorTime, *,
+                 net: LoopbackNetwork = network, limits: Limits = Limits()) -> None:
+        super().__init__(name, receiver, reactor, net, limits)
         self.peers: dict[bytes, LoopbackDealer] = {}
         #: peers whose pipe an oversized message ended: nothing more is delivered
         self.ending: set[bytes] = set()
-        self.closed = False
         net.bind(name, self)
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
@@ -149,35 +139,21 @@ class LoopbackRouter:
 
 
 @implementer(IDealerTransport)
-class LoopbackDealer:
+class LoopbackDealer(_End):
     """The connecting side: one pipe to the router bound under *name*."""
 
     #: Messages kept while no listener exists
     maxQueued = 1000
 
-    def __init__(
-        self,
-        name: str,
-        receiver: IDealerReceiver,
-        reactor: IReactorTime,
-        *,
-        net: LoopbackNetwork = network,
-        limits: Limits = Limits(),
-        identity: Optional[bytes] = None,
-    ) -> None:
-        self.name = name
-        self.endpoint = f"loopback:{name}"
-        self.receiver = receiver
-        self.reactor = reactor
-        self.network = net
-        self.limits = limits
+    def __init__(self, name: str, receiver: IDealerReceiver, reactor: IReactorTime, *,
+                 net: LoopbackNetwork = network, limits: Limits = Limits(),
+                 identity: Optional[bytes] = None) -> None:
+        super().__init__(name, receiver, reactor, net, limits)
         self.identity = identity
-        self.throttle = LogThrottle(reactor)
         self.router: Optional[LoopbackRouter] = None
         self.peer: Optional[bytes] = None
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
-        self.closed = False
         self._attach()
 
     writable = True
@@ -190,12 +166,14 @@ class LoopbackDealer:
         return defer.succeed(None)
 
     def _attach(self) -> None:
+        if self.router is not None or self.supplanted or self.closed:
+            return
         router = self.network.listeners.get(self.name)
         if router is None:
             self.network.wait(self.name, self)
             return
         self.router = router
-        self.peer = self.identity or _new_peer_id()
+        self.peer = self.identity or b"\x00" + next(_ids).to_bytes(4, "big")
         router._connect(self.peer, self)
         self.reactor.callLater(0, self._made, self.peer)
 
@@ -270,11 +248,7 @@ class LoopbackDealer:
             return
         self.receiver.connectionLost(Failure(why))
         if self.router is None and not self.supplanted:
-            self.reactor.callLater(self.reconnectDelay, self._reattach)
-
-    def _reattach(self) -> None:
-        if self.router is None and not self.supplanted and not self.closed:
-            self._attach()
+            self.reactor.callLater(self.reconnectDelay, self._attach)
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:

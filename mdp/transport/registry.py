@@ -1,11 +1,7 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``unix:``, ``loopback:``, ...) and the
-transports behind them.
-
-Each scheme is one :class:`Scheme`: a synchronous ``check`` and factories
-that listen or connect; a new transport is one :func:`register` call.  Any
-mistake in an endpoint raises a :class:`~mdp.errors.TransportError` naming
-it and, where it helps, what was probably meant.
-"""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...): each is one
+:class:`Scheme`, a synchronous ``check`` and factories that listen or connect.
+A mistake in an endpoint raises a :class:`~mdp.errors.TransportError` naming
+it and, where it helps, what was probably meant."""
 
 from __future__ import annotations
 
@@ -69,7 +65,6 @@ _URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE
 
 
 def _split_host_port(rest: str) -> tuple[str, str]:
-    """``host:port`` (or ``[v6]:port``, or a bare host) into its parts."""
     if rest.startswith("["):
         host, _, tail = rest[1:].partition("]")
         return host, tail[1:] if tail.startswith(":") else ""
@@ -110,8 +105,7 @@ def _tcp_hint(rest: str, role: str) -> str:
 
 #: ``HOST:PORT`` with no scheme (host: a name, IPv4, ``*`` or ``[IPv6]``)
 _BARE_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
-                   r":(?:\d+|\*)$")
-
+                           r":(?:\d+|\*)$")
 
 #: ZeroMQ's transports, which a ``zmq:`` endpoint names
 _ZMQ_TRANSPORTS = frozenset({"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "udp", "vmci"})
@@ -163,14 +157,12 @@ def _twisted_plugin_scheme(name: str) -> Optional[Scheme]:
     from twisted.internet import endpoints
     from twisted.plugin import getPlugins
 
-    interfaces = (endpoints.IStreamClientEndpointStringParserWithReactor,
-                  endpoints.IStreamServerEndpointStringParser)
-    for interface in interfaces:
-        for plugin in getPlugins(interface):
-            if plugin.prefix == name:
-                from mdp.transport import stream
+    for interface in (endpoints.IStreamClientEndpointStringParserWithReactor,
+                      endpoints.IStreamServerEndpointStringParser):
+        if any(plugin.prefix == name for plugin in getPlugins(interface)):
+            from mdp.transport import stream
 
-                return stream.scheme(name)
+            return stream.scheme(name)
     return None
 
 
@@ -205,5 +197,4 @@ def check_port(endpoint: str, port: Optional[str], role: str, wildcard: bool = F
         raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number")
     low = 0 if role == LISTEN else 1
     if not low <= int(port) <= 65535:
-        raise TransportError(f"bad endpoint {endpoint!r}: port {int(port)} is out of range "
-                             f"({low}..65535)")
+        raise TransportError(f"bad endpoint {endpoint!r}: port {int(port)} is out of range ({low}..65535)")

@@ -1,12 +1,9 @@
 """The listening side of the stream transport (:class:`StreamRouter`).
 
-Each accepted connection gets an opaque peer id (or the identity its
-greeting announces: a newer connection with it takes it over).  Defences
-(:class:`~mdp.policy.Limits`): ``handshakeTimeout`` for a first message,
-``recordTimeout`` per record, ``maxConnections`` (the oldest silent
-connection makes room, or the newcomer is refused), and ``maxOutputBytes``
-unread per peer.  A connection may carry many peers as channels.
-"""
+Each accepted connection (or channel of one) is a peer: an opaque id, or the
+identity its greeting announces, which a newer connection takes over.
+:class:`~mdp.policy.Limits` bound the wait for a first message and for each
+record, the connections (the oldest silent one makes room) and what is unread."""
 
 from __future__ import annotations
 
@@ -65,6 +62,7 @@ class _RouterConnection(FramedProtocol):
     paused = False
     makingRoom = False
     tlsSubject: Any = False
+    _timer: Any = None
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -84,19 +82,14 @@ class _RouterConnection(FramedProtocol):
         router.connections[self.peer] = self
         router.ungreeted[self.peer] = self
         self.transport.registerProducer(self, True)
-        self._timer: Any = router.reactor.callLater(
-            self.limits.handshakeTimeout, self._timedOut,
-            "sent no message within {seconds:g}s of connecting", self.limits.handshakeTimeout)
+        self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
     def subject(self) -> Optional[str]:
         """Its TLS client certificate's subject, or None."""
-        identity = self.tlsSubject
-        if identity is False:
-            getPeerCertificate = getattr(self.transport, "getPeerCertificate", None)
-            certificate = getPeerCertificate() if getPeerCertificate is not None else None
-            identity = self.tlsSubject = (
-                subject(certificate) if certificate is not None else None)
-        return identity  # type: ignore[no-any-return]
+        if self.tlsSubject is False:
+            certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
+            self.tlsSubject = subject(certificate) if certificate is not None else None
+        return self.tlsSubject  # type: ignore[no-any-return]
 
     def _rename(self, identity: bytes) -> None:
         """The peer announced *identity*: an older connection with it is dropped."""
@@ -234,14 +227,16 @@ class _RouterConnection(FramedProtocol):
         decoder = self.decoder
         if decoder.inRecord:
             if self._timer is None or self._recordsAtArm != decoder.records:
-                self._cancelTimer()
                 self._recordsAtArm = decoder.records
-                self._timer = self.router.reactor.callLater(
-                    self.limits.recordTimeout, self._timedOut,
-                    "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)",
-                    self.limits.recordTimeout)
+                self._arm(self.limits.recordTimeout,
+                          "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)")
         elif self._timer is not None:
             self._cancelTimer()
+
+    def _arm(self, seconds: float, why: str) -> None:
+        """Drop the connection for *why* in *seconds*, unless told otherwise."""
+        self._cancelTimer()
+        self._timer = self.router.reactor.callLater(seconds, self._timedOut, why, seconds)
 
     def _timedOut(self, why: str, seconds: float) -> None:
         self._timer = None
@@ -277,8 +272,7 @@ class _RouterConnection(FramedProtocol):
             self.router.overflows += 1
             self.drop("it reads slower than it is sent to ({held} bytes unsent, over the limit "
                       "of {limit})", held=self.backlogBytes, limit=self.limits.maxOutputBytes)
-            self.backlog.clear()
-            self.backlogBytes = 0
+            self.stopProducing()
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -305,11 +299,8 @@ class _RouterConnection(FramedProtocol):
         self.stopProducing()
         super().closeGracefully()
         if not self.dropped:
-            self._cancelTimer()
-            self._timer = self.router.reactor.callLater(
-                self.limits.recordTimeout, self._timedOut,
-                "it did not take what was sent to it within {seconds:g}s of being disconnected",
-                self.limits.recordTimeout)
+            self._arm(self.limits.recordTimeout, "it did not take what was sent to it within "
+                      "{seconds:g}s of being disconnected")
 
     def connectionLost(self, reason: object = None) -> None:
         StreamRouter.accepted -= 1
@@ -427,13 +418,12 @@ class StreamRouter:
 
     def _full(self) -> Optional[str]:
         """Why no connection may be added now (a cap is reached), or None."""
-        if self._peers() >= self.limits.maxConnections:
-            return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
+        full = self._fullOfChannels()
         budget = self.descriptorBudget()
-        if budget is not None and StreamRouter.accepted >= budget:
+        if full is None and budget is not None and StreamRouter.accepted >= budget:
             return (f"{StreamRouter.accepted} connections open in the process, all that its "
                     f"descriptor limit leaves room for (raise it: ulimit -n)")
-        return None
+        return full
 
     def _fullOfChannels(self) -> Optional[str]:
         """Why a connection may not open one more channel now, or None."""
@@ -474,7 +464,7 @@ class StreamRouter:
 
     @classmethod
     def listen(
-        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
+        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(), *,
         framing: IFraming = RECORDS,
     ) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
@@ -513,10 +503,7 @@ class StreamRouter:
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
         """The connection *peer* is or is carried by (None: gone)."""
-        connection = self.connections.get(peer)
-        if connection is None:
-            connection, _ = self.channels.get(peer, (None, None))
-        return connection
+        return self.connections.get(peer) or self.channels.get(peer, (None, b""))[0]
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         connection = self.connections.get(peer)

@@ -1,15 +1,8 @@
-"""The scalability protocols' TCP mapping (nanomsg/nng), as a stream framing.
-
-No I/O.  Each side sends a header, then messages::
-
-    header  = %x00 "SP" %x00  protocol:uint16be  %x00.00
-    message = length:uint64be  body
-
-*protocol* is the sender's (nng's numbers); a peer must send the counterpart
-of ours (:data:`COUNTERPART`).  A bad header, or a message over
-``Limits.maxMessageBytes``, raises :class:`~mdp.errors.ProtocolError`.  Each
-message is delivered as one frame: ``[body]``.
-"""
+"""The scalability protocols' TCP mapping (nanomsg/nng) as a stream framing,
+without I/O (``docs/sp.md``): each side sends an 8-byte header naming its
+protocol, which must be the counterpart of ours, then messages of a 64-bit
+length and a body, each delivered as one frame.  A bad header, or a message
+over ``Limits.maxMessageBytes``, raises :class:`~mdp.errors.ProtocolError`."""
 
 from __future__ import annotations
 
@@ -68,60 +61,44 @@ class SPDecoder:
         self.expected = expected
         self.limits = limits
         self.records = 0
-        self._header = bytearray()
-        self._headerDone = False
-        self._length = bytearray()
-        self._need = -1
+        #: the peer's header came, and is our counterpart's
+        self.handshaken = False
         self._buf = bytearray()
 
     @property
     def inRecord(self) -> bool:
-        return not self._headerDone or self._need >= 0 or bool(self._length)
-
-    @property
-    def handshaken(self) -> bool:
-        """The peer's header came, and is its counterpart's."""
-        return self._headerDone
+        return not self.handshaken or bool(self._buf)
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) + len(self._length) + len(self._header)
+        return len(self._buf)
 
     def feed(self, data: bytes) -> list[list[bytes]]:
+        buf = self._buf
+        buf += data
+        if not self.handshaken:
+            head = bytes(buf[:HEADER_SIZE])
+            if len(head) < HEADER_SIZE:
+                if not MAGIC.startswith(head[:4]):
+                    check_header(head + bytes(HEADER_SIZE), self.expected)
+                return []
+            check_header(head, self.expected)
+            self.handshaken = True
+            del buf[:HEADER_SIZE]
         messages: list[list[bytes]] = []
-        pos, end = 0, len(data)
-        if not self._headerDone:
-            take = min(HEADER_SIZE - len(self._header), end)
-            self._header += data[:take]
-            pos = take
-            if len(self._header) < HEADER_SIZE:
-                if self._header[:4] != MAGIC[:len(self._header[:4])]:
-                    check_header(bytes(self._header) + b"\x00" * 8, self.expected)
-                return messages
-            check_header(bytes(self._header), self.expected)
-            self._headerDone = True
-        view = memoryview(data)
-        while pos < end:
-            if self._need < 0:
-                take = min(8 - len(self._length), end - pos)
-                self._length += data[pos:pos + take]
-                pos += take
-                if len(self._length) < 8:
-                    break
-                (length,) = _length.unpack(self._length)
-                self._length = bytearray()
+        pos = 0
+        with memoryview(buf) as view:
+            while len(buf) - pos >= 8:
+                (length,) = _length.unpack_from(buf, pos)
                 if length > self.limits.maxMessageBytes:
                     raise RecordTooLarge(f"SP message of {length} bytes announced, over the "
                                          f"limit of {self.limits.maxMessageBytes}")
-                self._need = length
-            take = min(self._need - len(self._buf), end - pos)
-            self._buf += view[pos:pos + take]
-            pos += take
-            if len(self._buf) == self._need:
-                messages.append([bytes(self._buf)])
-                self._buf = bytearray()
-                self._need = -1
-                self.records += 1
+                if len(buf) - pos - 8 < length:
+                    break
+                messages.append([bytes(view[pos + 8:pos + 8 + length])])
+                pos += 8 + length
+        del buf[:pos]
+        self.records += len(messages)
         return messages
 
 

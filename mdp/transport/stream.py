@@ -1,16 +1,11 @@
-"""Multi-frame messages over any Twisted stream endpoint (tcp, tls, unix).
-
-This module names the parts (:mod:`~mdp.transport.endpoints`,
-:mod:`~mdp.transport.tls`, :mod:`~mdp.transport.framed`,
-:mod:`~mdp.transport.router`, :mod:`~mdp.transport.dealer`,
-:mod:`~mdp.transport.channels`) and the registry's schemes.
-"""
+"""Multi-frame messages over any Twisted stream endpoint (tcp, tls, unix): the
+public names of the modules that make it, and the registry's schemes."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.interfaces import IDealerReceiver
 from mdp.policy import RECONNECT, Limits
 from mdp.transport.channels import StreamChannels, _ChannelsFraming, _StreamChannel
 from mdp.transport.dealer import PROVEN_AFTER, StreamDealer, _DealerConnection
@@ -43,24 +38,15 @@ __all__ = [
 ]
 
 
-def _listen(endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits) -> Any:
-    return StreamRouter.listen(endpoint, receiver, reactor, limits=limits)
-
-
 def _connect(endpoint: str, receiver: IDealerReceiver, reactor: Any, limits: Limits,
              retryPolicy: Optional[Callable[[int], float]], identity: Optional[bytes]) -> Any:
     return StreamDealer(endpoint, receiver, reactor, retryPolicy=retryPolicy, limits=limits,
                         identity=identity)
 
 
-def _channels(endpoint: str, reactor: Any, limits: Limits,
-              retryPolicy: Optional[Callable[[int], float]]) -> StreamChannels:
-    return StreamChannels(endpoint, reactor, retryPolicy=retryPolicy, limits=limits)
-
-
 def scheme(name: str) -> Scheme:
     """The registry entry for the Twisted stream endpoint type *name*."""
-    return Scheme(name, check_endpoint, _listen if name != "tls" else None,
+    return Scheme(name, check_endpoint, StreamRouter.listen if name != "tls" else None,
                   _connect if name != "tcp6" else None,
                   f"length-prefixed records over Twisted's {name}: endpoints", identities=True,
-                  channels=_channels if name != "tcp6" else None)
+                  channels=StreamChannels if name != "tcp6" else None)

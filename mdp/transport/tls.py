@@ -1,11 +1,7 @@
-"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=FILE``.
-
-``caCerts=CA.pem`` names the authorities whose client certificates the
-listener accepts (others are refused at the handshake); it knows each peer by
-its certificate's subject.  Clients use Twisted's own ``ssl:`` or ``tls:``
-syntax.  The package's dropin also offers :func:`server_endpoint` as the
-``mtls:`` endpoint parser.
-"""
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``,
+the authorities whose client certificates the listener accepts (others are
+refused at the handshake); it knows each peer by its certificate's subject.
+The package's dropin offers :func:`server_endpoint` as the ``mtls:`` parser."""
 
 from __future__ import annotations
 
@@ -20,14 +16,8 @@ CA_CERTS = "caCerts"
 #: what an ``ssl:`` listener with ``caCerts=`` takes
 MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey", CA_CERTS}
 
-#: as endpoints.LISTEN_BACKLOG
-_BACKLOG = 1024
-
-
-def mutual(description: str) -> bool:
-    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
-    kind, _, rest = description.partition(":")
-    return kind == "ssl" and CA_CERTS in split_description(rest)[1]
+#: the listen queue unless the endpoint names one (Twisted's 50 drops a burst's SYNs)
+LISTEN_BACKLOG = 1024
 
 
 def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> None:
@@ -87,12 +77,17 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
     # options with a trust root: OpenSSL requires a client certificate it signed
     return SSL4ServerEndpoint(reactor, int(kwargs.get("port", args[0] if args else 0)),
                               own.options(*trusted),
-                              backlog=int(kwargs.get("backlog", _BACKLOG)),
+                              backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
                               interface=kwargs.get("interface", ""))
+
+
+def mutual(description: str) -> bool:
+    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
+    return parse_mutual(description) is not None
 
 
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
     """The arguments of ``ssl:`` server *description* with ``caCerts=``, or None."""
-    if not mutual(description):
-        return None
-    return split_description(description.partition(":")[2])
+    kind, _, rest = description.partition(":")
+    args, kwargs = split_description(rest)
+    return (args, kwargs) if kind == "ssl" and CA_CERTS in kwargs else None

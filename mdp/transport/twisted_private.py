@@ -1,8 +1,7 @@
 """Every private attribute of Twisted the library uses, in one place.
 
 Each is named in :data:`PRIVATE` with its class and why it is used;
-``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one.
-"""
+``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one."""
 
 from __future__ import annotations
 
@@ -48,9 +47,6 @@ def private_class(module: str, name: str) -> Any:
         return None
 
 
-# --- writing a batch straight to a socket --------------------------------------
-
-
 def direct_capable(transport: Any) -> bool:
     """*transport* is a plain TCP or UNIX connection (:func:`write_direct` works)."""
     return (isinstance(transport, tcp.Connection) and not getattr(transport, "TLS", False)
@@ -72,19 +68,9 @@ def write_direct(transport: Any, out: list[bytes]) -> bool:
     return True
 
 
-# --- reads past wrappers that only forward them --------------------------------
-
-
-def _forwarders() -> dict[type, str]:
-    found = {}
-    for module, name, inner, _ in (PRIVATE[2], PRIVATE[3]):
-        cls = private_class(module, name)
-        if cls is not None:
-            found[cls] = inner
-    return found
-
-
-_FORWARDERS = _forwarders()
+#: wrappers that only pass reads on -> the attribute holding what they wrap
+#: (a class this Twisted lacks is None, which no wrapper's type is)
+_FORWARDERS = {private_class(module, name): inner for module, name, inner, _ in PRIVATE[2:4]}
 
 
 def shortcut_reads(protocol: Any) -> None:
@@ -100,18 +86,12 @@ def shortcut_reads(protocol: Any) -> None:
         outer.dataReceived = protocol.dataReceived
 
 
-# --- logging ------------------------------------------------------------------
-
-
 def logging_begun() -> bool:
     """Whether something began Twisted's global logging (until then events
     are buffered unseen)."""
     from twisted.logger import globalLogBeginner
 
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
-
-
-# --- Twisted's asyncio reactor -------------------------------------------------
 
 
 def asyncio_loop(reactor: Any) -> Any:
@@ -122,7 +102,7 @@ def asyncio_loop(reactor: Any) -> Any:
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` at the end of this turn, as ``callLater(0)``, with the
     loop's ``call_soon`` on an asyncio reactor; the handle's ``cancel()`` cancels it."""
-    loop = getattr(reactor, "_asyncioEventloop", None)
+    loop = asyncio_loop(reactor)
     if loop is not None:
         return loop.call_soon(fn, *args)
     return reactor.callLater(0, fn, *args)
@@ -147,11 +127,9 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
                 return super().addReader(reader)  # type: ignore[no-any-return]
             fd = reader.fileno()
             readNow = getattr(reader, "readNow", None)
+            read = (readNow,) if readNow is not None else (self._readDirect, reader)
             try:
-                if readNow is not None:
-                    self._asyncioEventloop.add_reader(fd, readNow)
-                else:
-                    self._asyncioEventloop.add_reader(fd, self._readDirect, reader)
+                self._asyncioEventloop.add_reader(fd, *read)
             except OSError:  # not pollable: Twisted polls it
                 self._unregisterFDInAsyncio(fd)
                 return super().addReader(reader)  # type: ignore[no-any-return]
