@@ -33,19 +33,15 @@ from twisted.logger import Logger
 from mdp.errors import ClientClosed, TransportError
 from mdp.handlers import reply_frames
 from mdp.majordomo import codec
-from mdp.majordomo.client import report_stale, tell
+from mdp.majordomo.client import ClientDriver, report_stale
 from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     Action,
-    ClientMachine,
-    CloseChannel,
     Complete,
     Fail,
-    OpenChannel,
     SendOn,
-    WakeAt,
     _Call,
     _Channel,
     _check_attempts,
@@ -63,8 +59,8 @@ from mdp.majordomo.worker import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, LogThrottle
-from mdp.transport import curve_client_for, curve_for, endpoint_list
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
+from mdp.transport import curve_for, endpoint_list
 from mdp.transport.pipes import (
     STREAM_SCHEMES,
     _check_schemes,
@@ -282,7 +278,7 @@ class _Refused:
         self.result = error
 
 
-class Client:
+class Client(ClientDriver):
     """A blocking MDP/0.2 client of a broker (or a failover list of them).
 
     :meth:`request` returns the reply's frames or raises what the Twisted
@@ -306,32 +302,17 @@ class Client:
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        endpoints = endpoint_list(endpoint)
-        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
-        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
-                                     maxConnections=maxConnections, dialect=dialect,
-                                     stamp=stamp, limits=limits, now=monotonic())
-        _check_schemes(endpoints)
+        super().__init__(endpoint, _CLOCK, timeout=timeout, retries=retries,
+                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
+                         limits=limits, curveServerPublic=curveServerPublic,
+                         curveSecret=curveSecret)
+        _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
-        self.limits = limits
-        self.throttle = LogThrottle(_CLOCK)
         self._loop = _Loop(limits, context)
         self._pipes: dict[Any, _Channel] = {}
-        self._wakeTime: Optional[float] = None
-        self._closed = False
         #: the result of a request of the current machine not answered yet
         self._unanswered = _Unanswered()
         self._forks = _forks
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self.machine.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
-        return self.machine.endpoint
 
     @property
     def forked(self) -> bool:
@@ -533,8 +514,7 @@ class Client:
         report_stale(self.throttle, channel)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order."""
-        closed = False
+        """Do what the machine asked, in order; close the links left unused."""
         for action in actions:
             kind = type(action)
             if kind is SendOn:
@@ -544,25 +524,14 @@ class Client:
                 if call.result is self._unanswered:
                     call.result = action.body if kind is Complete else action.error
                 call.onPartial = call.onRestart = None
-            elif kind is CloseChannel:
-                closed = self._close(action.channel) or closed
             else:
                 self._act(action)
-        if closed:
+        if self._loop.idle:
             self._loop.closeIdle()
 
-    def _act(self, action: Action) -> None:
-        kind = type(action)
-        if kind is WakeAt:
-            when = action.when
-            if when is None or self._wakeTime is None or when < self._wakeTime:
-                self._wakeTime = when
-        elif kind is OpenChannel:
-            # (an earlier action's callback may have closed the client)
-            if not self._closed and self.machine.holds(action.channel):
-                self._open(action.channel)
-        else:
-            tell(self.throttle, action)
+    def _wakeBy(self, when: Optional[float]) -> None:
+        if when is None or self._wakeTime is None or when < self._wakeTime:
+            self._wakeTime = when
 
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
@@ -572,14 +541,11 @@ class Client:
                 report_stale(self.throttle, channel)
             pipe.send(frames)
 
-    def _close(self, channel: _Channel) -> bool:
-        """Close the pipe of *channel*; whether there was one."""
+    def _close(self, channel: _Channel) -> None:
         pipe, channel.pipe = channel.pipe, None
-        if pipe is None:
-            return False
-        self._pipes.pop(pipe, None)
-        self._loop.close(pipe)
-        return True
+        if pipe is not None:
+            self._pipes.pop(pipe, None)
+            self._loop.close(pipe)
 
     def _open(self, channel: _Channel) -> None:
         pipe = None
