@@ -215,31 +215,23 @@ class SendOn:
 
 @action_class
 class Partial:
-    """Call ``onPartial`` of *call*."""
-
     call: _Call
     body: list[bytes]
 
 
 @action_class
 class Restarted:
-    """Call ``onRestart`` of *call*."""
-
     call: _Call
 
 
 @action_class
 class Complete:
-    """Fire the Deferred of *call* with the FINAL body."""
-
     call: _Call
     body: list[bytes]
 
 
 @action_class
 class Fail:
-    """Fail the Deferred of *call* with *error*."""
-
     call: _Call
     error: BaseException
 
@@ -253,16 +245,12 @@ class WakeAt:
 
 @action_class
 class Dropped:
-    """For the log: a message from *endpoint* was dropped."""
-
     endpoint: str
     reason: str
 
 
 @action_class
 class Retrying:
-    """For the log: *call* starts attempt *attempt*."""
-
     call: _Call
     attempt: int
 

@@ -127,15 +127,11 @@ class _Job:
 
 @action_class
 class SendToBroker:
-    """Send *frames* on the pipe."""
-
     frames: list[bytes]
 
 
 @action_class
 class OpenPipe:
-    """Open a pipe to *endpoint*."""
-
     endpoint: str
 
 
@@ -164,16 +160,12 @@ class Serve:
 
 @action_class
 class StoreReply:
-    """Keep *frames* as the reply to stamp *key*."""
-
     key: idempotence.StampKey
     frames: list[bytes]
 
 
 @action_class
 class Dropped:
-    """For the log: a message from the broker was dropped."""
-
     reason: str
 
 
@@ -187,16 +179,12 @@ class Refused:
 
 @action_class
 class Lost:
-    """For the log: the registered pipe was lost."""
-
     endpoint: str
     why: str
 
 
 @action_class
 class ConnectFailed:
-    """For the log: the pipe cannot connect; the transport tries again."""
-
     endpoint: str
     why: str
 
@@ -475,10 +463,11 @@ class WorkerDriver:
     #: the level of the READY line (a process of many workers lowers it)
     readyLogLevel = LogLevel.info
 
-    def __init__(self, endpoints: list[str], service: Union[str, bytes], handler: Handler,
-                 clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff, dialect: str,
-                 limits: Limits, curveServerPublic: Optional[str],
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Handler, clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff,
+                 dialect: str, limits: Limits, curveServerPublic: Optional[str],
                  curveSecret: Optional[str]) -> None:
+        endpoints = transport.endpoint_list(endpoint)
         self.handler = checked_handler(handler)
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
@@ -561,7 +550,7 @@ class Worker(WorkerDriver):
         curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
-        super().__init__(transport.endpoint_list(endpoint), service, handler, reactor,
+        super().__init__(endpoint, service, handler, reactor,
                          heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         self.reactor = reactor
