@@ -517,17 +517,13 @@ class Client(ClientDriver):
             self._loop.close(pipe)
 
     def _open(self, channel: _Channel) -> None:
-        pipe = None
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
             self._pipes[pipe] = channel
             pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
-            if pipe is not None:
-                channel.pipe = None
-                self._pipes.pop(pipe, None)
-                self._loop.close(pipe)
+            self._close(channel)
             error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
             error.__cause__ = e
             self._perform(self.machine.handleOpenFailed(channel, error, monotonic()))
