@@ -344,22 +344,10 @@ class Client(ClientDriver):
              timeout: Optional[float], retries: Optional[int],
              returnExceptions: bool) -> Iterator[Any]:
         pending: deque[Any] = deque()
-        broken: Optional[Exception] = None
         try:
-            while True:
-                while len(pending) < window and broken is None:
-                    try:
-                        item = next(items, _PENDING)
-                    except Exception as e:
-                        broken = e
-                        break
-                    if item is _PENDING:
-                        break
-                    pending.append(self._submitItem(service, item, timeout, retries))
-                if not pending:
-                    if broken is not None:
-                        raise broken
-                    return
+            # what reading the items raised, raised after the replies before it
+            broken = self._fill(pending, window, service, items, timeout, retries)
+            while pending:
                 call = pending[0]
                 if call.__class__ is not _Refused:
                     self._waitFor(call)
@@ -368,25 +356,37 @@ class Client(ClientDriver):
                 if isinstance(result, BaseException) and not returnExceptions:
                     raise result
                 yield result
+                if broken is None:
+                    broken = self._fill(pending, window, service, items, timeout, retries)
+            if broken is not None:
+                raise broken
         except BaseException as e:
             if not isinstance(e, (Exception, GeneratorExit)):
                 self._drop()  # an interrupt anywhere in a map, as in a call
             raise
         finally:
             for call in pending:
-                if call.__class__ is not _Refused:
-                    self._cancel(call)
+                self._cancel(call)  # (a _Refused one is answered)
 
-    def _submitItem(self, service: Union[str, bytes], item: Any, timeout: Optional[float],
-                    retries: Optional[int]) -> Any:
-        single = isinstance(item, (bytes, str, bytearray, memoryview))
-        try:
-            return self._submit(service, (item,) if single else tuple(item), timeout, retries,
-                                None, None)
-        except ClientClosed:
-            raise
-        except Exception as e:
-            return _Refused(e)
+    def _fill(self, pending: deque[Any], window: int, service: Union[str, bytes],
+              items: Iterator[Any], timeout: Optional[float],
+              retries: Optional[int]) -> Optional[Exception]:
+        """Send items until *window* are pending; what reading them raised, if anything."""
+        while len(pending) < window:
+            try:
+                item = next(items, _PENDING)
+            except Exception as e:
+                return e
+            if item is _PENDING:
+                break
+            frames = (item,) if isinstance(item, (bytes, str, bytearray, memoryview)) else item
+            try:
+                pending.append(self._submit(service, tuple(frames), timeout, retries, None, None))
+            except ClientClosed:
+                raise
+            except Exception as e:  # this item's own error, in its place
+                pending.append(_Refused(e))
+        return None
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed`; close the sockets."""
