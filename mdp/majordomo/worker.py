@@ -62,6 +62,7 @@ from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
+from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
     RFC,
     W_REQUEST,
@@ -297,8 +298,6 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleConnectFailed(self, error: object, now: float) -> list[Action]:
-        from mdp.majordomo.client_machine import unreachable
-
         self.now = now
         value = getattr(error, "value", error)
         why = (unreachable(value) if isinstance(value, BaseException) else None) or _why(value)
