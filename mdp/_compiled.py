@@ -50,7 +50,7 @@ CIMPORTS = {
     "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
     "mdp.majordomo.broker_machine": ("mdp.machine", "mdp.majordomo.broker_records"),
-    "mdp.blocking": ("mdp.majordomo.client_machine",),
+    "mdp.blocking": ("mdp.majordomo.client", "mdp.majordomo.client_machine"),
 }
 
 #: set (not "" or "0"): install compiles nothing, and imports run the sources

@@ -2,7 +2,8 @@
 # majordomo/client.pxd); the client keeps an instance dictionary and weak
 # references, as a class of the source would.
 
-from mdp.majordomo.client_machine cimport ClientMachine, _Call, _Channel
+from mdp.majordomo.client cimport ClientDriver
+from mdp.majordomo.client_machine cimport _Call, _Channel
 
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller
@@ -15,12 +16,11 @@ cdef class _Loop:
     cdef _soonest(self, when)
     cdef _wakeDue(self, now)
 
-cdef class Client:
+cdef class Client(ClientDriver):
     cdef dict __dict__
     cdef object __weakref__
-    cdef public ClientMachine machine
     cdef public _Loop _loop
-    cdef public object curve, limits, throttle, _wakeTime, _closed, _unanswered, _forks
+    cdef public object _unanswered, _forks
     cdef public dict _pipes
 
     cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)

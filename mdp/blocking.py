@@ -1,21 +1,10 @@
 """The MDP/0.2 client and worker without a reactor, for scripts, notebooks and
 Spark executors (docs/blocking.md).
 
-:class:`Client` drives the Twisted :class:`mdp.Client`'s state machine (same
-attempts, failover and typed errors) over plain pyzmq sockets (``zmq:``) or
-stream sockets (``tcp:``, ``unix:``) and one poller.  It works only inside its
-calls, in the calling thread, and never starts a Twisted reactor.
-
-::
-
-    from mdp.blocking import Client
-
-    with Client("zmq:tcp://127.0.0.1:5555", timeout=2.5, retries=3) as client:
-        reply = client.request("echo", b"hello")          # [b"hello"]
-        for reply in client.map("echo", rows, window=16):  # in order, 16 in flight
-            ...
-
-A client belongs to one thread at a time (as a ZeroMQ socket does).
+They drive the Twisted client's and worker's state machines over plain pyzmq
+sockets (``zmq:``) or stream sockets (``tcp:``, ``unix:``) and one poller,
+only inside their calls, in the calling thread.  A client belongs to one
+thread at a time (as a ZeroMQ socket does).
 """
 
 from __future__ import annotations
@@ -33,22 +22,19 @@ from twisted.logger import Logger
 from mdp.errors import ClientClosed, TransportError
 from mdp.handlers import reply_frames
 from mdp.majordomo import codec
-from mdp.majordomo.client import report_stale, tell
+from mdp.majordomo.client import ClientDriver, report_stale
 from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     Action,
-    ClientMachine,
-    CloseChannel,
     Complete,
     Fail,
-    OpenChannel,
     SendOn,
-    WakeAt,
     _Call,
     _Channel,
     _check_attempts,
+    check_count,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
@@ -63,8 +49,8 @@ from mdp.majordomo.worker import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, LogThrottle
-from mdp.transport import curve_client_for, curve_for, endpoint_list
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
+from mdp.transport import curve_for
 from mdp.transport.pipes import (
     STREAM_SCHEMES,
     _check_schemes,
@@ -87,7 +73,7 @@ _PENDING: Any = object()  # the end of map()'s items
 #: what a handler returns that is certainly not a generator
 _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
 
-_forks = 0  # how many times this process is a fork's child (clients do not cross a fork)
+_forks = 0  # how many times this process is a fork's child
 
 
 def _forked() -> None:
@@ -99,8 +85,7 @@ os.register_at_fork(after_in_child=_forked)
 
 
 def _log_to_stdlib() -> None:
-    """Where nothing has begun Twisted's logging (a plain script), send the
-    library's log events to :mod:`logging` instead of Twisted's unseen buffer."""
+    """Where nothing has begun Twisted's logging, send it to :mod:`logging`."""
     from twisted.logger import STDLibLogObserver, globalLogBeginner
 
     from mdp.transport.twisted_private import logging_begun
@@ -110,8 +95,7 @@ def _log_to_stdlib() -> None:
 
 
 class _Poller:
-    """``select.epoll`` (or ``select.poll``) that skips the system call when a
-    descriptor is watched for the same flags again."""
+    """``select.epoll`` (or ``select.poll``), watching each descriptor once per flags."""
 
     __slots__ = ("_poller", "_flags", "_seconds", "closed")
 
@@ -123,7 +107,6 @@ class _Poller:
         self.closed = False
 
     def watch(self, fd: int, flags: int) -> None:
-        """Watch *fd* for *flags* (``POLLIN``/``POLLOUT``) instead of what it was."""
         current = self._flags.get(fd)
         if current == flags:
             return
@@ -138,7 +121,7 @@ class _Poller:
             self._poller.unregister(fd)
 
     def poll(self, timeout: int) -> list[tuple[int, int]]:
-        """Ready descriptors and their flags, waiting at most *timeout* ms (-1: no limit)."""
+        """Ready descriptors and their flags within *timeout* ms (-1: no limit)."""
         if self._seconds:
             return self._poller.poll(timeout / 1000 if timeout >= 0 else -1)
         return self._poller.poll(timeout if timeout >= 0 else None)
@@ -151,8 +134,7 @@ class _Poller:
 
 
 class _Loop:
-    """What a blocking node waits on: one poller over its pipes' descriptors,
-    and the pipes' reconnection times.
+    """One poller over a blocking node's pipes, and their reconnection times.
 
     A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``" and a send or receive may
     consume that signal, so a pipe that used its socket, or a stream pipe
@@ -163,15 +145,11 @@ class _Loop:
         self._zmqContext = context
         self.poller = _Poller()
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
-        #: pipes that may have a connection attempt due
-        self.timed: set[Any] = set()
+        self.timed: set[Any] = set()  # pipes that may have a connection attempt due
         self.unchecked: set[Any] = set()
-        #: the stream connections that carry a client's pipes, by endpoint
-        self.links: dict[str, _StreamLink] = {}
-        #: stream pipes to flush before the loop waits
-        self.unflushed: set[Any] = set()
-        #: links whose last pipe closed, closed later unless reused (closeIdle)
-        self.idle: set[Any] = set()
+        self.links: dict[str, _StreamLink] = {}  # the stream connections, by endpoint
+        self.unflushed: set[Any] = set()  # stream pipes to flush before the loop waits
+        self.idle: set[Any] = set()  # links whose last pipe closed (closeIdle)
 
     def context(self) -> Any:
         if self._zmqContext is None:
@@ -236,7 +214,6 @@ class _Loop:
         return when
 
     def closeIdle(self) -> None:
-        """Close the links whose last pipe closed, unless one opened since."""
         idle, self.idle = self.idle, set()
         for link in idle:
             if not link.pipes:
@@ -266,7 +243,6 @@ class _Loop:
         self.poller.forget(fd)
 
     def shutdown(self) -> None:
-        """Close the links the last pipes left, and the poller's descriptor."""
         for link in list(self.links.values()):
             link.close()
         self.idle.clear()
@@ -274,7 +250,7 @@ class _Loop:
 
 
 class _Refused:
-    """An item of :meth:`Client.map` that could not be sent: its error."""
+    """An item of :meth:`Client.map` that could not be sent."""
 
     __slots__ = ("result",)
 
@@ -282,13 +258,11 @@ class _Refused:
         self.result = error
 
 
-class Client:
+class Client(ClientDriver):
     """A blocking MDP/0.2 client of a broker (or a failover list of them).
 
     :meth:`request` returns the reply's frames or raises what the Twisted
-    :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.
-    *endpoint*: ``zmq:``, ``tcp:`` or ``unix:`` (one, or a list); *timeout* is
-    the seconds of **one attempt**, *retries* the attempts in all.  An
+    :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.  An
     exception that interrupts a call (Ctrl-C) drops every connection and
     request in flight; the next call starts clean (docs/blocking.md)."""
 
@@ -306,32 +280,16 @@ class Client:
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        endpoints = endpoint_list(endpoint)
-        self.curve = curve_client_for(endpoints, curveServerPublic, curveSecret)
-        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
-                                     maxConnections=maxConnections, dialect=dialect,
-                                     stamp=stamp, limits=limits, now=monotonic())
-        _check_schemes(endpoints)
+        super().__init__(endpoint, _CLOCK, timeout=timeout, retries=retries,
+                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
+                         limits=limits, curveServerPublic=curveServerPublic,
+                         curveSecret=curveSecret)
+        _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
-        self.limits = limits
-        self.throttle = LogThrottle(_CLOCK)
         self._loop = _Loop(limits, context)
         self._pipes: dict[Any, _Channel] = {}
-        self._wakeTime: Optional[float] = None
-        self._closed = False
-        #: the result of a request of the current machine not answered yet
         self._unanswered = _Unanswered()
         self._forks = _forks
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self.machine.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
-        return self.machine.endpoint
 
     @property
     def forked(self) -> bool:
@@ -370,14 +328,9 @@ class Client:
     ) -> Iterator[Any]:
         """One request per item (``bytes``/``str``: one frame; a sequence: its
         frames), up to *window* in flight; yield the replies **in order**.
-
-        The first failure (an item that cannot be sent included) raises, or
-        with *returnExceptions* is yielded in its place.  Items are read only
-        as the window allows; stopping early abandons what is in flight."""
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"window is a number of requests, not {type(window).__name__}")
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+        The first failure raises, or with *returnExceptions* is yielded in its
+        place; stopping early abandons what is in flight."""
+        check_count("window", window, "requests")
         if window > self.machine.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
@@ -391,23 +344,10 @@ class Client:
              timeout: Optional[float], retries: Optional[int],
              returnExceptions: bool) -> Iterator[Any]:
         pending: deque[Any] = deque()
-        #: what reading *items* raised, raised after the replies before it
-        broken: Optional[Exception] = None
         try:
-            while True:
-                while len(pending) < window and broken is None:
-                    try:
-                        item = next(items, _PENDING)
-                    except Exception as e:
-                        broken = e
-                        break
-                    if item is _PENDING:
-                        break
-                    pending.append(self._submitItem(service, item, timeout, retries))
-                if not pending:
-                    if broken is not None:
-                        raise broken
-                    return
+            # what reading the items raised, raised after the replies before it
+            broken = self._fill(pending, window, service, items, timeout, retries)
+            while pending:
                 call = pending[0]
                 if call.__class__ is not _Refused:
                     self._waitFor(call)
@@ -416,26 +356,37 @@ class Client:
                 if isinstance(result, BaseException) and not returnExceptions:
                     raise result
                 yield result
+                if broken is None:
+                    broken = self._fill(pending, window, service, items, timeout, retries)
+            if broken is not None:
+                raise broken
         except BaseException as e:
             if not isinstance(e, (Exception, GeneratorExit)):
                 self._drop()  # an interrupt anywhere in a map, as in a call
             raise
         finally:
             for call in pending:
-                if call.__class__ is not _Refused:
-                    self._cancel(call)
+                self._cancel(call)  # (a _Refused one is answered)
 
-    def _submitItem(self, service: Union[str, bytes], item: Any, timeout: Optional[float],
-                    retries: Optional[int]) -> Any:
-        """The request of one item of :meth:`map`, or its error."""
-        single = isinstance(item, (bytes, str, bytearray, memoryview))
-        try:
-            return self._submit(service, (item,) if single else tuple(item), timeout, retries,
-                                None, None)
-        except ClientClosed:
-            raise
-        except Exception as e:
-            return _Refused(e)
+    def _fill(self, pending: deque[Any], window: int, service: Union[str, bytes],
+              items: Iterator[Any], timeout: Optional[float],
+              retries: Optional[int]) -> Optional[Exception]:
+        """Send items until *window* are pending; what reading them raised, if anything."""
+        while len(pending) < window:
+            try:
+                item = next(items, _PENDING)
+            except Exception as e:
+                return e
+            if item is _PENDING:
+                break
+            frames = (item,) if isinstance(item, (bytes, str, bytearray, memoryview)) else item
+            try:
+                pending.append(self._submit(service, tuple(frames), timeout, retries, None, None))
+            except ClientClosed:
+                raise
+            except Exception as e:  # this item's own error, in its place
+                pending.append(_Refused(e))
+        return None
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed`; close the sockets."""
@@ -474,7 +425,6 @@ class Client:
         return call
 
     def _waitFor(self, call: _Call) -> None:
-        """Run the sockets and the timers until *call* is done."""
         loop = self._loop
         try:
             while call.result is self._unanswered:
@@ -504,7 +454,7 @@ class Client:
 
     def _drop(self) -> None:
         """A call was interrupted: close every connection and go on with a
-        fresh machine, so no reply to the abandoned requests reaches a later one."""
+        fresh machine, so no reply to an abandoned request reaches a later one."""
         self.machine = self.machine.fresh(monotonic())
         self._unanswered = _Unanswered()
         self._wakeTime = None
@@ -533,8 +483,7 @@ class Client:
         report_stale(self.throttle, channel)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order."""
-        closed = False
+        """Do what the machine asked, in order; close the links left unused."""
         for action in actions:
             kind = type(action)
             if kind is SendOn:
@@ -544,25 +493,14 @@ class Client:
                 if call.result is self._unanswered:
                     call.result = action.body if kind is Complete else action.error
                 call.onPartial = call.onRestart = None
-            elif kind is CloseChannel:
-                closed = self._close(action.channel) or closed
             else:
                 self._act(action)
-        if closed:
+        if self._loop.idle:
             self._loop.closeIdle()
 
-    def _act(self, action: Action) -> None:
-        kind = type(action)
-        if kind is WakeAt:
-            when = action.when
-            if when is None or self._wakeTime is None or when < self._wakeTime:
-                self._wakeTime = when
-        elif kind is OpenChannel:
-            # (an earlier action's callback may have closed the client)
-            if not self._closed and self.machine.holds(action.channel):
-                self._open(action.channel)
-        else:
-            tell(self.throttle, action)
+    def _wakeBy(self, when: Optional[float]) -> None:
+        if when is None or self._wakeTime is None or when < self._wakeTime:
+            self._wakeTime = when
 
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
@@ -572,27 +510,20 @@ class Client:
                 report_stale(self.throttle, channel)
             pipe.send(frames)
 
-    def _close(self, channel: _Channel) -> bool:
-        """Close the pipe of *channel*; whether there was one."""
+    def _close(self, channel: _Channel) -> None:
         pipe, channel.pipe = channel.pipe, None
-        if pipe is None:
-            return False
-        self._pipes.pop(pipe, None)
-        self._loop.close(pipe)
-        return True
+        if pipe is not None:
+            self._pipes.pop(pipe, None)
+            self._loop.close(pipe)
 
     def _open(self, channel: _Channel) -> None:
-        pipe = None
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
             self._pipes[pipe] = channel
             pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
-            if pipe is not None:
-                channel.pipe = None
-                self._pipes.pop(pipe, None)
-                self._loop.close(pipe)
+            self._close(channel)
             error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
             error.__cause__ = e
             self._perform(self.machine.handleOpenFailed(channel, error, monotonic()))
@@ -611,14 +542,10 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
 class Worker(WorkerDriver):
-    """A blocking MDP/0.2 worker for one *service*: :class:`mdp.Worker`'s state
-    machine driven in the thread that calls :meth:`run`.
-
-    *handler* takes the body frames and returns the reply (``bytes``, ``str``
-    or a list of them), or yields PARTIAL bodies and optionally a
-    :class:`~mdp.Final`; one that raises is answered with a 500.  Nothing else
-    runs meanwhile, so a handler slower than the broker's heartbeat expiry
-    loses its broker (use :class:`mdp.Worker` with ``deferToThread``)."""
+    """A blocking MDP/0.2 worker for one *service*, run in the thread that
+    calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
+    Nothing else runs meanwhile, so a handler slower than the broker's
+    heartbeat expiry loses its broker (use :class:`mdp.Worker` then)."""
 
     def __init__(
         self,
@@ -634,14 +561,12 @@ class Worker(WorkerDriver):
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        endpoints = endpoint_list(endpoint)
-        _check_schemes(endpoints)
-        super().__init__(endpoints, service, handler, _CLOCK, heartbeat=heartbeat,
+        super().__init__(endpoint, service, handler, _CLOCK, heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits,
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
         self._context = context
-        #: made by :meth:`run`, released when it returns
         self._loop: Any = None
         self._pipe: Any = None
         self._reopenAt: Optional[float] = None
@@ -649,8 +574,7 @@ class Worker(WorkerDriver):
         self._stopping = False
 
     def stop(self) -> None:
-        """Make :meth:`run` return once the current request is answered; from
-        another thread it takes effect within half a heartbeat interval."""
+        """Make :meth:`run` return once the current request is answered."""
         self._stopping = True
 
     def run(self, until: Optional[Callable[[], bool]] = None) -> None:
@@ -767,8 +691,8 @@ class Worker(WorkerDriver):
         self.requestsServed += 1
 
     def _betweenParts(self, job: Any) -> None:
-        """Between parts, serve the broker's traffic and heartbeats, and wait
-        while the broker takes PARTIALs slower than the handler makes them."""
+        """Serve the broker's traffic and heartbeats, and wait while the broker
+        takes PARTIALs slower than the handler makes them."""
         loop = self._loop
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
@@ -782,8 +706,7 @@ class Worker(WorkerDriver):
             self._tickDue(monotonic())
 
     def _tickDue(self, now: float) -> None:
-        """The machine's tick; one late by over an interval was held up by a
-        handler, so the broker's silence is ours."""
+        """The machine's tick; one late by over an interval was held up by a handler."""
         if now - self._nextTick > self.machine.heartbeat.interval:
             self._perform(self.machine.handleBlocked(now))
         self._nextTick = now + self.machine.wakeEvery

@@ -42,7 +42,6 @@ def _frame(item: Any) -> bytes:
 
 
 def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:
-    """*handler*, or ``TypeError`` at once if it is not callable."""
     if not callable(handler):
         raise TypeError(f"a handler is a callable taking the request body, "
                         f"not {type(handler).__name__}: {handler!r}")
@@ -95,7 +94,6 @@ def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
 
 
 def _import_from_cwd(name: str) -> Any:
-    """Import module *name* with the current directory first on ``sys.path``."""
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:

@@ -122,6 +122,8 @@ def test_a_module_is_stale_when_a_declarations_file_it_cimports_changed(tree: Pa
     source, not against the new client's classes."""
     assert "mdp.majordomo.client_machine" in _compiled.cimported("mdp.blocking")
     assert _compiled.cimported("mdp.blocking")[-1] == "mdp.machine"  # (through the client)
+    (tree / "majordomo" / "client.py").write_text("")  # (the blocking client's base)
+    (tree / "majordomo" / ("client" + EXTENSION_SUFFIXES[0])).write_bytes(b"compiled")
     (tree / "blocking.py").write_text("")
     blocking = tree / ("blocking" + EXTENSION_SUFFIXES[0])
     blocking.write_bytes(b"compiled")

@@ -1,20 +1,10 @@
 """The MDP/0.2 client: Deferred-returning requests, many in flight at once.
 
-Correlation
------------
-MDP/0.2 replies carry no request id and go to the connection the request
-came from, so the client keeps a pool of connections (DEALER sockets, or
-channels of one stream connection) and each carries **one request at a
-time**.  A request takes an idle connection, opens one below
-``maxConnections``, or waits in a local FIFO.
-
-A connection sends its request only while its pipe is up, and again after the
-pipe came back, so a request goes out at most once per pipe.  A reply on a
-connection carrying nothing is discarded and the connection replaced, so it
-cannot complete a later request.
-
-:class:`Client` drives :class:`~mdp.majordomo.client_machine.ClientMachine`
-(the state tables) over real transports; the caller's view is in docs/mdp.md.
+MDP/0.2 replies carry no request id, so the client keeps a pool of
+connections (DEALER sockets, or channels of one stream connection), each
+carrying **one request at a time**.  :class:`Client` drives
+:class:`~mdp.majordomo.client_machine.ClientMachine` (the state tables) over
+real transports; the caller's view is in docs/mdp.md.
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ from mdp import transport
 from mdp.errors import ClientClosed, StreamRestarted
 from mdp.interfaces import IClient, IDealerReceiver
 from mdp.majordomo import client_machine, codec
-from mdp.majordomo.client_machine import (  # (re-exported)
+from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
@@ -64,16 +54,14 @@ Action = Any  # an action of ClientMachine
 
 
 def __getattr__(name: str) -> Any:
-    """The machine's classes under this module's name too (compiled, a class
-    the .pxd cimports is no attribute)."""
+    """The machine's classes (compiled, a class the .pxd cimports is no attribute)."""
     if name in ("ClientMachine", "_Call", "_Channel"):
         return getattr(client_machine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tell(throttle: LogThrottle, action: Action) -> None:
-    """What both drivers do alike: call ``onPartial``/``onRestart`` unless the
-    request is done (one that raises is logged), or log, throttled."""
+    """Call ``onPartial``/``onRestart`` unless the request is done, or log, throttled."""
     kind = type(action)
     if kind is Partial or kind is Restarted:
         _callBack(action)
@@ -104,7 +92,6 @@ def _callBack(action: Union[Partial, Restarted]) -> None:
 
 
 def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
-    """Log that messages came on *channel* before its request."""
     throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
                   "request: no request was in flight there to answer",
                   endpoint=channel.endpoint)
@@ -142,9 +129,51 @@ class _ChannelPipe:
 classImplements(_ChannelPipe, IDealerReceiver)
 
 
-class Client:
-    """An MDP/0.2 client of a broker (or a failover list of them): the
-    :class:`ClientMachine` (``machine``) driven over real transports.
+class ClientDriver:
+    """What :class:`Client` and :class:`mdp.blocking.Client` share: the
+    :class:`ClientMachine` (``machine``), its options and the actions both
+    perform alike; *clock* has ``seconds()``."""
+
+    def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, timeout: float,
+                 retries: int, maxConnections: int, dialect: str, stamp: bool, limits: Limits,
+                 curveServerPublic: Optional[str], curveSecret: Optional[str]) -> None:
+        endpoints = transport.endpoint_list(endpoint)
+        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
+        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
+                                     maxConnections=maxConnections, dialect=dialect,
+                                     stamp=stamp, limits=limits, now=clock.seconds())
+        self.limits = limits
+        self.throttle = LogThrottle(clock)
+        self._closed = False
+        self._wakeTime: Optional[float] = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The broker endpoints, in failover order."""
+        return self.machine.endpoints
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint new connections go to."""
+        return self.machine.endpoint
+
+    def _act(self, action: Action) -> None:
+        kind = type(action)
+        if kind is WakeAt:
+            self._wakeBy(action.when)
+        elif kind is OpenChannel:
+            # (an earlier action's callback may have closed the client)
+            if not self._closed and self.machine.holds(action.channel):
+                self._open(action.channel)
+        elif kind is CloseChannel:
+            self._close(action.channel)
+        else:
+            tell(self.throttle, action)
+
+
+class Client(ClientDriver):
+    """An MDP/0.2 client of a broker (or a failover list of them) over real
+    transports.
 
     *endpoint* is checked at once (:class:`~mdp.errors.TransportError`).
     *timeout* is the seconds of **one attempt**, *retries* the attempts in
@@ -166,29 +195,14 @@ class Client:
         curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
-        endpoints = transport.endpoint_list(endpoint)
-        self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
-        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
-                                     maxConnections=maxConnections, dialect=dialect,
-                                     stamp=stamp, limits=limits, now=reactor.seconds())
+        super().__init__(endpoint, reactor, timeout=timeout, retries=retries,
+                         maxConnections=maxConnections, dialect=dialect, stamp=stamp,
+                         limits=limits, curveServerPublic=curveServerPublic,
+                         curveSecret=curveSecret)
         self.reactor = reactor
-        self.limits = limits
-        self.throttle = LogThrottle(reactor)
-        self._closed = False
         self._timer: Any = None
-        self._wakeTime: Optional[float] = None
         #: the connections its pipes share, by endpoint
         self._links: dict[str, Any] = {}
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self.machine.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
-        return self.machine.endpoint
 
     # --- public API ----------------------------------------------------------
 
@@ -204,18 +218,12 @@ class Client:
         """Send a request; the Deferred fires with the FINAL body frames.
 
         *timeout* is the seconds of **one attempt**, *retries* the attempts in
-        all (defaults: the client's): :class:`RequestTimeout` comes after at
-        most ``timeout × retries`` seconds.  *onPartial* gets each PARTIAL
-        body, *onRestart* is called when the reply starts over.  A ``str``
-        frame is sent UTF-8 encoded.
-
-        Caller mistakes raise at once: ``TypeError`` (not ``bytes``/``str``),
-        ``ValueError`` (no frame outside ``mmi.*``, a bad service name,
-        timeout or retries), :class:`RequestTooLarge`.  Everything else fails
-        the Deferred: :class:`RequestTimeout`, :class:`WorkerError`,
-        :class:`ServiceUnavailable`, :class:`ServiceOverloaded`,
-        :class:`MessageTooLarge`, :class:`ReplyTooLarge` (over this client's
-        limits), :class:`StreamRestarted`, :class:`ClientClosed`.  Cancelling
+        all (defaults: the client's).  *onPartial* gets each PARTIAL body,
+        *onRestart* is called when the reply starts over.  A ``str`` frame is
+        sent UTF-8 encoded.  Caller mistakes raise at once (``TypeError``,
+        ``ValueError``, :class:`RequestTooLarge`); everything else fails the
+        Deferred (:class:`RequestTimeout`, :class:`WorkerError`,
+        :class:`ServiceUnavailable`, :class:`ReplyTooLarge`, ...).  Cancelling
         the Deferred abandons the request.
         """
         now = self.reactor.seconds()
@@ -249,7 +257,6 @@ class Client:
     # --- the driver ------------------------------------------------------------
 
     def _cancel(self, call: _Call) -> None:
-        """The canceller of every request's Deferred: never raises."""
         self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
         call.onPartial = call.onRestart = None
 
@@ -258,10 +265,8 @@ class Client:
         self._perform(self.machine.handleWake(self.reactor.seconds()))
 
     def _wakeBy(self, when: Optional[float]) -> None:
-        """Arm the timer for a :class:`WakeAt`; an earlier one stays (a nested
-        event may have asked for it, and waking early is harmless).  Once
-        closed, none is armed: a callback may close the client while the
-        actions of the event that ran it still hold a wake-up."""
+        """Arm the timer for a :class:`WakeAt`; an earlier one stays (waking
+        early is harmless).  Once closed, none is armed."""
         if when is None or self._closed:
             self._timer = cancel_call(self._timer)
             self._wakeTime = None
@@ -270,8 +275,7 @@ class Client:
             self._timer = call_at(self._timer, self.reactor, when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
-        """Do what the machine asked, in order; what a callback does meanwhile
-        is a new event, handled at once."""
+        """Do what the machine asked, in order."""
         for action in actions:
             kind = type(action)
             if kind is SendOn:
@@ -289,20 +293,10 @@ class Client:
             else:
                 self._act(action)
 
-    def _act(self, action: Action) -> None:
-        kind = type(action)
-        if kind is WakeAt:
-            self._wakeBy(action.when)
-        elif kind is OpenChannel:
-            # (an earlier action's callback may have closed the client)
-            if not self._closed and self.machine.holds(action.channel):
-                self._open(action.channel)
-        elif kind is CloseChannel:
-            pipe, action.channel.pipe = action.channel.pipe, None
-            if pipe is not None:
-                pipe.close()
-        else:
-            tell(self.throttle, action)
+    def _close(self, channel: _Channel) -> None:
+        pipe, channel.pipe = channel.pipe, None
+        if pipe is not None:
+            pipe.close()
 
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
@@ -334,20 +328,10 @@ _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 class ReplyStream:
     """Async iterator over the reply parts of one request
     (:meth:`Client.stream`).  Given a *reactor*, a waiting consumer is woken
-    once a reactor turn for all the parts that came meanwhile.
-
-    If the reply starts over after parts were taken, the next ``__anext__``
-    raises :class:`~mdp.errors.StreamRestarted`; iterating again yields the
-    new attempt's parts from the beginning::
-
-        while True:
-            try:
-                async for part in stream:
-                    handle(part)
-                break
-            except StreamRestarted:
-                start_over()
-    """
+    once a reactor turn for all the parts that came meanwhile.  If the reply
+    starts over after parts were taken, the next ``__anext__`` raises
+    :class:`~mdp.errors.StreamRestarted`; iterating again yields the new
+    attempt's parts from the beginning."""
 
     def __init__(self, reactor: Any = None) -> None:
         self._parts: deque[Any] = deque()

@@ -1,11 +1,8 @@
-"""The MDP/0.2 client's decisions: :class:`ClientMachine`, pure (no reactor,
-transport, Deferred or log), driven by :class:`mdp.majordomo.client.Client` and
-:class:`mdp.blocking.Client`, which own the transports, the one timer, the
-Deferreds, the log and the callbacks.
+"""The MDP/0.2 client's decisions: :class:`ClientMachine`, driven by
+:class:`mdp.majordomo.client.Client` and :class:`mdp.blocking.Client`.
 
-Theory of operation: the machine takes events with their time and returns
-actions.  Each request (``_Call``) is in a :class:`CallState`, each connection
-of the pool (``_Channel``) in a :class:`ChannelState`.  A request's states:
+Theory of operation: each request (``_Call``) is in a :class:`CallState`, each
+connection of the pool (``_Channel``) in a :class:`ChannelState`.  A request's states:
 
 ===========  ==========================  ==========  ==============================================
 state        event                       next        actions
@@ -48,7 +45,7 @@ SENT
 A reply on a connection carrying nothing, or one whose request timed out,
 discards that connection.  With ``stamp=True`` each request carries the
 client's id and a sequence number, the same on each retry
-(:mod:`mdp.majordomo.idempotence`).  The caller's view is in docs/mdp.md.
+(:mod:`mdp.majordomo.idempotence`).
 """
 
 from __future__ import annotations
@@ -96,17 +93,24 @@ def _check_attempts(timeout: float, retries: int) -> None:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
 
 
+def check_count(name: str, value: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} is a number of {what}, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _not_queued(call: _Call) -> bool:
+    return call.state is not QUEUED
+
+
 class CallState(enum.Enum):
     """Where one request stands (the module's table)."""
 
-    #: waiting in the client's FIFO for a connection
     QUEUED = "queued"
-    #: carried by a connection, which sends it (again) whenever its pipe is up
     IN_FLIGHT = "in flight"
-    #: in flight, and PARTIALs of the current attempt were delivered
-    STREAMING = "streaming"
-    #: answered, failed or cancelled (maybe still carried, abandoned)
-    DONE = "done"
+    STREAMING = "streaming"  # PARTIALs of the current attempt were delivered
+    DONE = "done"  # answered, failed or cancelled (maybe still carried, abandoned)
 
 
 QUEUED, IN_FLIGHT, STREAMING, DONE = (
@@ -114,16 +118,17 @@ QUEUED, IN_FLIGHT, STREAMING, DONE = (
 
 
 class ChannelState(enum.Enum):
-    """Where one connection of the pool stands."""
+    """Where one connection of the pool stands (the module's table)."""
 
     DOWN = "down"
-    #: its pipe is up; its request, if it has one, is not sent on it yet
     UP = "up"
-    #: its pipe is up and its request went out on it
     SENT = "sent"
 
 
 DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
+
+
+_UNREACHABLE = {errno.ENOENT: "no such socket", errno.ECONNREFUSED: "connection refused"}
 
 
 def unreachable(error: BaseException) -> Optional[str]:
@@ -135,13 +140,11 @@ def unreachable(error: BaseException) -> Optional[str]:
         return "connection refused"
     if isinstance(error, net.DNSLookupError):
         return "host not found"
-    if isinstance(error, net.ConnectError) and getattr(error, "osError", None) in (
-            errno.ENOENT, errno.ECONNREFUSED):
-        return "no such socket" if error.osError == errno.ENOENT else "connection refused"
-    # the blocking driver's plain sockets
-    if isinstance(error, OSError) and error.errno in (errno.ENOENT, errno.ECONNREFUSED):
-        return "no such socket" if error.errno == errno.ENOENT else "connection refused"
-    return None
+    if isinstance(error, net.ConnectError):
+        code = getattr(error, "osError", None)
+    else:  # the blocking driver's plain sockets
+        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+    return _UNREACHABLE.get(code)
 
 
 class _Call:
@@ -164,12 +167,10 @@ class _Call:
         self.attempts = 1
         self.deadline = startedAt + timeout  # of the current attempt
         self.channel: Optional[_Channel] = None
-        #: QUEUED while in the client's FIFO (a DONE one may linger there)
-        self.state = QUEUED
+        self.state = QUEUED  # (a DONE one may linger in the FIFO)
         self.tried: list[str] = []
         self.deferred: Any = None
-        #: the blocking driver's reply frames or error
-        self.result: Any = None
+        self.result: Any = None  # the blocking driver's reply frames or error
 
     @property
     def done(self) -> bool:
@@ -184,8 +185,7 @@ class _Channel:
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        #: the request in flight; a done one is abandoned, its reply still due
-        self.call: Optional[_Call] = None
+        self.call: Optional[_Call] = None  # a done one is abandoned, its reply due
         self.state = DOWN
         self.pipe: Any = None
 
@@ -219,31 +219,23 @@ class SendOn:
 
 @action_class
 class Partial:
-    """Call ``onPartial`` of *call*."""
-
     call: _Call
     body: list[bytes]
 
 
 @action_class
 class Restarted:
-    """Call ``onRestart`` of *call*."""
-
     call: _Call
 
 
 @action_class
 class Complete:
-    """Fire the Deferred of *call* with the FINAL body."""
-
     call: _Call
     body: list[bytes]
 
 
 @action_class
 class Fail:
-    """Fail the Deferred of *call* with *error*."""
-
     call: _Call
     error: BaseException
 
@@ -257,16 +249,12 @@ class WakeAt:
 
 @action_class
 class Dropped:
-    """For the log: a message from *endpoint* was dropped."""
-
     endpoint: str
     reason: str
 
 
 @action_class
 class Retrying:
-    """For the log: *call* starts attempt *attempt*."""
-
     call: _Call
     attempt: int
 
@@ -276,9 +264,8 @@ Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Comp
 
 
 class ClientMachine(Machine):
-    """The client's decisions (the module's tables): each ``handle*`` takes an
-    event with its time and returns the actions to do, in order.  Bad options
-    raise ``TypeError``/``ValueError`` at once."""
+    """The client's decisions (the module's tables); bad options raise
+    ``TypeError``/``ValueError`` at once."""
 
     def __init__(self, endpoints: list[str], *, timeout: float = DEFAULT_TIMEOUT,
                  retries: int = DEFAULT_RETRIES,
@@ -286,11 +273,7 @@ class ClientMachine(Machine):
                  stamp: bool = False, limits: Limits = Limits(), now: float = 0.0) -> None:
         super().__init__(now)
         _check_attempts(timeout, retries)
-        if isinstance(maxConnections, bool) or not isinstance(maxConnections, int):
-            raise TypeError(f"maxConnections is a number of connections, "
-                            f"not {type(maxConnections).__name__}")
-        if maxConnections < 1:
-            raise ValueError(f"maxConnections must be at least 1, got {maxConnections}")
+        check_count("maxConnections", maxConnections, "connections")
         self._rotation = EndpointRotation(endpoints)
         self.timeout = timeout
         self.retries = retries
@@ -298,7 +281,6 @@ class ClientMachine(Machine):
         self.dialect = codec.check_dialect(dialect)
         self.stamp = stamp
         self.limits = limits
-        #: the stamp of this client's requests, with self._sequence
         self.clientId = uuid.uuid4().bytes
         self._sequence = itertools.count(1)
         self._names: dict[Union[str, bytes], bytes] = {}  # caller's name -> wire bytes
@@ -308,14 +290,12 @@ class ClientMachine(Machine):
         self._waitingDone = 0  # done calls still in _waiting
         self._live = 0
         self._closed = False
-        #: at least the connections kept for a done request's reply (_reclaim)
-        self._abandoned = 0
+        self._abandoned = 0  # at least the connections kept for a done request's reply
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
         self._order = itertools.count()
         self._wakeAt: Optional[float] = None
         self._everUp = False
-        #: why the last connection attempt to each endpoint failed
         self._failures: dict[str, str] = {}
         self._unreachable: dict[str, str] = {}
 
@@ -416,8 +396,7 @@ class ClientMachine(Machine):
                             now: float) -> list[Action]:
         """A connection attempt failed.  Until some broker was reached, an
         endpoint nobody is at is left at once, and when all are so, pending
-        requests fail with :class:`BrokerUnreachable`; later the transport
-        retries and the reason is named on a timeout."""
+        requests fail with :class:`BrokerUnreachable`."""
         self.now = now
         if channel in self._channels:
             self._connectFailed(channel, error)
@@ -444,7 +423,6 @@ class ClientMachine(Machine):
 
     def handleOpenFailed(self, channel: _Channel, error: BaseException,
                          now: float) -> list[Action]:
-        """The transport could not open *channel*."""
         self.now = now
         call = channel.call
         self._channels.discard(channel)
@@ -479,7 +457,6 @@ class ClientMachine(Machine):
         return self._drain()
 
     def handleWake(self, now: float) -> list[Action]:
-        """End the attempts whose deadline has come."""
         self.now = now
         self._wakeAt = None
         self._sweep()
@@ -658,13 +635,7 @@ class ClientMachine(Machine):
         # the blocking driver waits inside a callback that makes a request
         self._wakeByHead()
         # queued ones first, so that a freed connection goes to no expired request
-        later = []
-        for call in due:
-            if call.state is QUEUED:
-                self._expired(call)
-            else:
-                later.append(call)
-        for call in later:
+        for call in sorted(due, key=_not_queued):
             self._expired(call)
         self._wakeByHead()
 

@@ -1,16 +1,12 @@
-"""Opt-in duplicate filtering for non-idempotent services (Guide: "Idempotent
-Services").
-
-MDP re-sends requests, so a service that must not run one twice has clients
-**stamp** requests (``Client(..., stamp=True)``) and gives its workers a
-**reply store** (``Worker(..., replies=MemoryReplyStore())``).  A stamped body,
-the same on every retry::
+"""Opt-in duplicate filtering for non-idempotent services: clients **stamp**
+requests (``Client(..., stamp=True)``), workers keep a **reply store**
+(``Worker(..., replies=MemoryReplyStore())``) and answer a stamped request
+whose FINAL is stored from it.  A stamped body, the same on every retry::
 
     [STAMP_MARKER, client id (16 bytes), sequence number (ASCII digits), body...]
 
-A worker strips the stamp before the handler runs; with a store, a request
-whose FINAL is stored is answered from it.  The store knows only *finished*
-requests: share one between workers to filter across them.
+The store knows only *finished* requests: share one between workers to filter
+across them.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ MAX_SEQUENCE_DIGITS = 20
 
 def unstamp(body: Sequence[bytes]) -> tuple[Optional[StampKey], list[bytes]]:
     """Split a request body into ``(stamp key or None, handler frames)``;
-    ``ValueError`` for a malformed stamp (so no key collides or grows unbounded)."""
+    ``ValueError`` for a malformed stamp."""
     if not body or body[0] != STAMP_MARKER:
         return None, list(body)
     if len(body) < 4:

@@ -11,7 +11,6 @@ cdef class WorkerMachine(Machine):
     cpdef list handleMessage(self, frames, now)
     cpdef tuple handleReply(self, job, kind, frames, now, store=*)
     # a request's path: C calls (only the machine calls these)
-    cdef _received(self, frames)
     cdef _command(self, kind, client, body)
     cdef _request(self, client, body)
     cdef bint _replyPart(self, job, kind, frames, store) except -1

@@ -9,18 +9,14 @@ The handler receives the request body (``list[bytes]``) and may return:
 
 Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first; with
 a reply store (``replies=``) one already answered is answered from it.  A
-handler exception is answered with a 500 error FINAL
-(:class:`~mdp.errors.WorkerError`); a reply part over the message limits with
-a 413 (:class:`~mdp.errors.MessageTooLarge`), so it never costs the connection.
+handler exception is answered with a 500, a reply part over the limits with a 413.
 
 Theory of operation
 -------------------
-:class:`WorkerMachine` decides (no reactor, transport, Deferred or handler):
-it takes events with their time and returns actions.  :class:`Worker` drives
-it: it owns the pipe, the timers and the log, and runs the handler and the
-reply store.  The connection is one pipe to the current endpoint of a failover
-list; silence is judged by a :class:`~mdp.policy.Liveness`, and opening a pipe
-counts as hearing the broker, so a pipe that never comes up fails over too.
+:class:`WorkerMachine` decides; :class:`Worker` drives it (pipe, timers, log,
+handler, reply store).  The connection is one pipe to the current endpoint of
+a failover list; opening a pipe counts as hearing the broker, so a pipe that
+never comes up fails over too.
 
 =============  ==========================  ============  ==================================================
 state          event                       next          actions
@@ -41,12 +37,11 @@ BACKING_OFF    the delay is over           CONNECTING    open a fresh pipe
 any            ``stop()``                  STOPPED       DISCONNECT if READY; close
 =============  ==========================  ============  ==================================================
 
-Every message from the broker resets ``failures`` (the backoff of silence);
-HEARTBEAT and REQUEST also reset ``refusals`` (the backoff of DISCONNECTs: a
-broker refusing READY sends DISCONNECT before anything else).  Messages while
-STOPPED or BACKING_OFF are ignored.  Every new or lost pipe bumps the
-*generation*: a reply for an older one is dropped (the broker re-queued it).
-This is the Guide's Paranoid Pirate.
+Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also
+reset ``refusals`` (a broker refusing READY sends DISCONNECT before anything
+else).  Messages while STOPPED or BACKING_OFF are ignored.  Every new or lost
+pipe bumps the *generation*: a reply for an older one is dropped (the broker
+re-queued it).  This is the Guide's Paranoid Pirate.
 """
 
 from __future__ import annotations
@@ -67,6 +62,7 @@ from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_class
 from mdp.majordomo import codec, idempotence
+from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
     RFC,
     W_REQUEST,
@@ -103,13 +99,9 @@ _REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 class WorkerState(enum.Enum):
     """Where a worker's connection to the broker stands (the module's table)."""
 
-    #: not started, or stopped: no pipe, no timer
     STOPPED = "stopped"
-    #: a pipe is open and not up (yet, or again)
     CONNECTING = "connecting"
-    #: the pipe is up and READY went out on it
     READY = "ready"
-    #: the pipe was closed; a fresh one opens after the backoff delay
     BACKING_OFF = "backing off"
 
 
@@ -126,8 +118,7 @@ class Final:
 
 @action_class
 class _Job:
-    """One request being served: where its reply goes and whether it still may.
-    Never changed (not frozen: that costs on every request)."""
+    """One request being served: where its reply goes and whether it still may."""
 
     client: bytes
     generation: int  # the connection it arrived on
@@ -137,15 +128,11 @@ class _Job:
 
 @action_class
 class SendToBroker:
-    """Send *frames* on the pipe."""
-
     frames: list[bytes]
 
 
 @action_class
 class OpenPipe:
-    """Open a pipe to *endpoint*."""
-
     endpoint: str
 
 
@@ -156,8 +143,8 @@ class ClosePipe:
 
 @action_class
 class ReopenAfter:
-    """Call :meth:`WorkerMachine.handleReopen` after *delay* (replacing a pending
-    call), having left *endpoint*, *silent* that long (``None``: DISCONNECT)."""
+    """Call :meth:`WorkerMachine.handleReopen` after *delay*, having left
+    *endpoint*, *silent* that long (``None``: DISCONNECT)."""
 
     delay: float
     endpoint: str
@@ -174,16 +161,12 @@ class Serve:
 
 @action_class
 class StoreReply:
-    """Keep *frames* as the reply to stamp *key*."""
-
     key: idempotence.StampKey
     frames: list[bytes]
 
 
 @action_class
 class Dropped:
-    """For the log: a message from the broker was dropped."""
-
     reason: str
 
 
@@ -197,16 +180,12 @@ class Refused:
 
 @action_class
 class Lost:
-    """For the log: the registered pipe was lost."""
-
     endpoint: str
     why: str
 
 
 @action_class
 class ConnectFailed:
-    """For the log: the pipe cannot connect; the transport tries again."""
-
     endpoint: str
     why: str
 
@@ -216,7 +195,6 @@ Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | Stor
 
 
 def _why(reason: object) -> str:
-    """A connection's loss or failure (a Failure or an exception), in words."""
     value = getattr(reason, "value", reason)
     if value is None:
         return "no reason given"
@@ -224,8 +202,7 @@ def _why(reason: object) -> str:
 
 
 class WorkerMachine(Machine):
-    """The worker's decisions (the module's table): each ``handle*`` takes an
-    event with its time and returns the actions to do, in order."""
+    """The worker's decisions (the module's table)."""
 
     def __init__(
         self,
@@ -245,7 +222,6 @@ class WorkerMachine(Machine):
         self.backoff = backoff
         self.dialect = codec.check_dialect(dialect)
         self.limits = limits
-        #: the last reason a connection attempt failed, and when it was logged
         self.connectWhy: Optional[str] = None
         self.connectSaidAt = 0.0
         self.state = STOPPED
@@ -274,13 +250,12 @@ class WorkerMachine(Machine):
 
     @property
     def registered(self) -> bool:
-        """READY went out and the broker has answered since (on ZeroMQ a pipe
-        is "up" whether or not anyone listens)."""
+        """READY went out and the broker has answered since (a ZeroMQ pipe is
+        "up" whether or not anyone listens)."""
         return self.state is READY and self.answered
 
     @property
     def wakeEvery(self) -> float:
-        """How often :meth:`handleTick` wants to run: half a heartbeat interval."""
         return self.heartbeat.interval / 2
 
     def isCurrent(self, job: _Job) -> bool:
@@ -323,9 +298,6 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handleConnectFailed(self, error: object, now: float) -> list[Action]:
-        """A connection attempt failed (logged when the reason changes, or per expiry)."""
-        from mdp.majordomo.client_machine import unreachable
-
         self.now = now
         value = getattr(error, "value", error)
         why = (unreachable(value) if isinstance(value, BaseException) else None) or _why(value)
@@ -336,7 +308,6 @@ class WorkerMachine(Machine):
         return self._drain()
 
     def handlePipeLost(self, now: float, why: object = None) -> list[Action]:
-        """The connection was lost, for *why* (a Failure or an exception)."""
         self.now = now
         if self.state is READY:
             self._outbox.append(Lost(self.endpoint, _why(why)))
@@ -347,14 +318,27 @@ class WorkerMachine(Machine):
 
     def handleMessage(self, frames: list[bytes], now: float) -> list[Action]:
         self.now = now
-        self._received(frames)
+        if self.state is STOPPED or self.state is BACKING_OFF:
+            pass
+        elif (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
+                and frames[3] == b"" and self.dialect == RFC):
+            self._command(WorkerRequest, frames[2], frames[4:])
+        else:
+            try:
+                command = codec.decode_worker(codec.expect(frames, self.dialect))
+            except ProtocolError as e:
+                self._outbox.append(Dropped(f"invalid message: {e}"))
+                return self._drain()
+            if type(command) is WorkerRequest:
+                self._command(WorkerRequest, command.client, list(command.body))
+            else:
+                self._command(type(command), b"", [])
         return self._drain()
 
     def handleReply(self, job: _Job, kind: type, frames: list[bytes], now: float,
                     store: bool = True) -> tuple[bool, list[Action]]:
-        """A PARTIAL or FINAL for *job*: sent unless its pipe is gone (a stamped
-        FINAL is stored either way), a part over the limits replaced by a 413.
-        Returns whether the part went out as itself, and the actions."""
+        """A PARTIAL or FINAL for *job*: whether it went out as itself (not
+        replaced by a 413), and the actions."""
         self.now = now
         sent = self._replyPart(job, kind, frames, store)
         outbox = self._outbox
@@ -364,7 +348,19 @@ class WorkerMachine(Machine):
     def handleTick(self, now: float) -> list[Action]:
         """Detect a dead broker; send HEARTBEAT when due."""
         self.now = now
-        self._tick(now)
+        state = self.state
+        liveness = self.liveness
+        if state is not CONNECTING and state is not READY:
+            pass
+        elif liveness.dead(now):
+            if self.failures or len(self._rotation.endpoints) == 1:
+                delay = self.backoff.delay(self.failures - (len(self._rotation.endpoints) > 1))
+            else:
+                delay = 0.0  # another broker to try: at once
+            self.failures += 1
+            self._reconnect(delay, liveness.silence(now))
+        elif state is READY and liveness.due(now, 0.75):
+            self._send(codec.HEARTBEAT)
         return self._drain()
 
     def handleBlocked(self, now: float) -> list[Action]:
@@ -382,7 +378,6 @@ class WorkerMachine(Machine):
         self._outbox.append(OpenPipe(self.endpoint))
 
     def _reconnect(self, delay: float, silent: Optional[float] = None) -> None:
-        """Close the pipe and open a fresh one to the next endpoint after *delay*."""
         self.state = BACKING_OFF
         self.current = None
         self.generation += 1
@@ -390,23 +385,6 @@ class WorkerMachine(Machine):
         left = self.endpoint
         self._rotation.advance()
         self._outbox.append(ReopenAfter(delay, left, silent))
-
-    def _received(self, frames: list[bytes]) -> None:
-        if self.state is STOPPED or self.state is BACKING_OFF:
-            return
-        if (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
-                and frames[3] == b"" and self.dialect == RFC):
-            self._command(WorkerRequest, frames[2], frames[4:])
-            return
-        try:
-            command = codec.decode_worker(codec.expect(frames, self.dialect))
-        except ProtocolError as e:
-            self._outbox.append(Dropped(f"invalid message: {e}"))
-            return
-        if type(command) is WorkerRequest:
-            self._command(WorkerRequest, command.client, list(command.body))
-        else:
-            self._command(type(command), b"", [])
 
     def _command(self, kind: type, client: bytes, body: list[bytes]) -> None:
         self.liveness.heard(self.now)
@@ -468,24 +446,14 @@ class WorkerMachine(Machine):
         if kind is WorkerFinal and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
 
-    def _tick(self, now: float) -> None:
-        state = self.state
-        if state is not CONNECTING and state is not READY:
-            return
-        liveness = self.liveness
-        if liveness.dead(now):
-            if self.failures or len(self._rotation.endpoints) == 1:
-                delay = self.backoff.delay(self.failures - (len(self._rotation.endpoints) > 1))
-            else:
-                delay = 0.0  # another broker to try: at once
-            self.failures += 1
-            self._reconnect(delay, liveness.silence(now))
-        elif state is READY and liveness.due(now, 0.75):
-            self._send(codec.HEARTBEAT)
-
     def _send(self, command: Any) -> None:
         self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
         self.liveness.sent(self.now)
+
+
+def _of_machine(name: str, doc: str) -> Any:
+    """A driver's read-only view of its machine's attribute *name*."""
+    return property(lambda self: getattr(self.machine, name), doc=doc)
 
 
 class WorkerDriver:
@@ -494,10 +462,11 @@ class WorkerDriver:
     #: the level of the READY line (a process of many workers lowers it)
     readyLogLevel = LogLevel.info
 
-    def __init__(self, endpoints: list[str], service: Union[str, bytes], handler: Handler,
-                 clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff, dialect: str,
-                 limits: Limits, curveServerPublic: Optional[str],
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Handler, clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff,
+                 dialect: str, limits: Limits, curveServerPublic: Optional[str],
                  curveSecret: Optional[str]) -> None:
+        endpoints = transport.endpoint_list(endpoint)
         self.handler = checked_handler(handler)
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
@@ -506,48 +475,15 @@ class WorkerDriver:
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
-    @property
-    def service(self) -> bytes:
-        return self.machine.service
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self.machine.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint in use (or next to be tried)."""
-        return self.machine.endpoint
-
-    @property
-    def state(self) -> WorkerState:
-        return self.machine.state
-
-    @property
-    def connected(self) -> bool:
-        """The pipe is up and READY went out on it."""
-        return self.machine.state is READY
-
-    @property
-    def started(self) -> bool:
-        """Started and not stopped since."""
-        return self.machine.state is not STOPPED
-
-    @property
-    def registered(self) -> bool:
-        """READY went out and the broker has answered since."""
-        return self.machine.registered
-
-    @property
-    def current(self) -> Optional[bytes]:
-        """The address of the client being served, if one is."""
-        return self.machine.current
-
-    @property
-    def generation(self) -> int:
-        """Bumped on every new or lost pipe."""
-        return self.machine.generation
+    service = _of_machine("service", "The service name, as sent.")
+    endpoints = _of_machine("endpoints", "The broker endpoints, in failover order.")
+    endpoint = _of_machine("endpoint", "The broker endpoint in use (or next to be tried).")
+    state = _of_machine("state", "Where the connection stands (:class:`WorkerState`).")
+    connected = _of_machine("connected", "The pipe is up and READY went out on it.")
+    started = _of_machine("started", "Started and not stopped since.")
+    registered = _of_machine("registered", "READY went out and the broker has answered since.")
+    current = _of_machine("current", "The address of the client being served, if one is.")
+    generation = _of_machine("generation", "Bumped on every new or lost pipe.")
 
     def _ready(self) -> None:
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
@@ -613,7 +549,7 @@ class Worker(WorkerDriver):
         curveSecret: Optional[str] = None,
     ) -> None:
         reactor = default_reactor(reactor)
-        super().__init__(transport.endpoint_list(endpoint), service, handler, reactor,
+        super().__init__(endpoint, service, handler, reactor,
                          heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         self.reactor = reactor
