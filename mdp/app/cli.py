@@ -28,7 +28,6 @@ from mdp.app.tap import (
     EXIT_USAGE,
     BrokerListOptions,
     VersionedOptions,
-    _dialect,
     checked_curve_client,
     checked_endpoints,
     checked_sp_endpoint,
@@ -56,7 +55,7 @@ from mdp.handlers import echo
 from mdp.majordomo import mmi
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
-from mdp.majordomo.codec import api_service_name
+from mdp.majordomo.codec import api_service_name, check_dialect
 from mdp.majordomo.worker import Worker
 from mdp.titanic.client import TRANSIENT, TitanicClient
 from mdp.transport import curve
@@ -126,7 +125,7 @@ class CallOptions(_RequestOptions):
     longdesc = ("Send one request through a broker; print each reply frame on its own line.  "
                 "At least one FRAME, except for mmi.* queries.")
     optParameters: list[Any] = [
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
     ]
 
 

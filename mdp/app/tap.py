@@ -10,27 +10,36 @@ from typing import Any, Callable, Optional, Sequence
 
 import attrs
 from twisted.application.service import IServiceMaker, MultiService
+from twisted.logger import LogLevel
 from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
 from mdp import transport
+from mdp.app import service
 from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
+from mdp.binarystar import BinaryStar
 from mdp.errors import MDPError, TransportError
+from mdp.handlers import load_handler
 from mdp.majordomo import broker
+from mdp.majordomo.codec import api_service_name, check_dialect
+from mdp.majordomo.idempotence import MemoryReplyStore
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_PENDING_BYTES,
     FRAME_OVERHEAD,
     MAX_SECONDS,
     PIRATE,
+    AccessPolicy,
     Backoff,
     HeartbeatPolicy,
     Limits,
 )
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
+from mdp.transport.curve import curve_server
 from mdp.transport.endpoints import raise_descriptor_limit
+from mdp.transport.registry import bare_address
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
@@ -111,12 +120,6 @@ def _whole(option: str, least: int) -> Callable[[str], int]:
 
     coerce.coerceDoc = f"A whole number, at least {least}."  # type: ignore[attr-defined]
     return coerce
-
-
-def _dialect(value: str) -> str:
-    from mdp.majordomo.codec import check_dialect
-
-    return check_dialect(value)
 
 
 def program_name() -> str:
@@ -338,8 +341,6 @@ CURVE_CLIENT_OPTIONS: list[Any] = [
 def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[str]]) -> None:
     """Check --curve-secret and --curve-allow, and each of *listeners* (option:
     endpoint) against them (:func:`mdp.transport.curve_listen_for`)."""
-    from mdp.transport.curve import curve_server
-
     try:
         curve = curve_server(options["curve-secret"], options["curve-allow"])
     except (TransportError, ValueError) as e:
@@ -411,11 +412,7 @@ class _ServiceOptions(VersionedOptions):
             raise usage.UsageError(f"--heartbeat {self['heartbeat']} --liveness "
                                    f"{self['liveness']}: {e}") from None
 
-    @staticmethod
-    def loadHandler(spec: str) -> Any:
-        from mdp.handlers import load_handler
-
-        return load_handler(spec)
+    loadHandler = staticmethod(load_handler)
 
     def loadedHandler(self) -> Any:
         """--handler, loaded once; a failure is one line on stderr and exit
@@ -514,8 +511,6 @@ class BrokerOptions(_HeartbeatOptions):
         if self["access"] is None:
             return None
         if "access-policy" not in self:
-            from mdp.policy import AccessPolicy
-
             try:
                 self["access-policy"] = AccessPolicy.load(self["access"])
             except OSError as e:
@@ -540,7 +535,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
         ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.",
          _seconds("backoff-max", MIN_INTERVAL)],
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
         ["reply-store", None, 0,
          "Remember the replies to this many stamped requests and answer their retries "
          "from memory (0: off).", _whole("reply-store", 0)],
@@ -551,8 +546,6 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is required")
         if not self["service"]:
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
-        from mdp.majordomo.codec import api_service_name
-
         try:
             api_service_name(self["service"])
         except ValueError as e:
@@ -582,7 +575,6 @@ class FreelanceServerOptions(_ServiceOptions):
 def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
     """*value*, checked as an SP endpoint (nng URL or ours) to listen on or connect to."""
     from mdp.sp.codec import endpoint_of
-    from mdp.transport.registry import bare_address
 
     if not value.strip():
         raise usage.UsageError(f"--{option} is empty: give an nng URL, e.g. tcp://127.0.0.1:5555")
@@ -618,7 +610,7 @@ class SPRepOptions(_ServiceOptions):
         """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
         if spec == "echo":
             return lambda payload: payload
-        return _ServiceOptions.loadHandler(spec)
+        return load_handler(spec)
 
 
 class SPDeviceOptions(_ServiceOptions):
@@ -684,8 +676,6 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
 
 def debug_logging(options: usage.Options) -> bool:
     """``twist --log-level debug`` was asked for (the parent's option)."""
-    from twisted.logger import LogLevel
-
     parent = getattr(options, "parent", None)
     return parent is not None and parent.get("logLevel") == LogLevel.debug
 
@@ -706,17 +696,17 @@ class _Plugin:
         if self.serves:
             raise_descriptor_limit()
         if not options.get("metrics"):
-            return self.service(options, None)
+            return self.serviceOf(options, None)
         import mdp.metrics
-        from mdp.app.service import MetricsService
 
         metrics = getattr(mdp.metrics, self.metrics)()
         parent = MultiService()
-        self.service(options, metrics).setServiceParent(parent)
-        MetricsService(options["metrics"], metrics.registry, exitOnFailure=True).setServiceParent(parent)
+        self.serviceOf(options, metrics).setServiceParent(parent)
+        service.MetricsService(options["metrics"], metrics.registry,
+                               exitOnFailure=True).setServiceParent(parent)
         return parent
 
-    def service(self, options: Any, metrics: Any) -> Any:
+    def serviceOf(self, options: Any, metrics: Any) -> Any:
         """The service of *options*, counting with *metrics* (None: no --metrics)."""
         raise NotImplementedError
 
@@ -728,17 +718,13 @@ class BrokerServiceMaker(_Plugin):
     options = BrokerOptions
     metrics = "BrokerMetrics"
 
-    def service(self, options: BrokerOptions, metrics: Any) -> Any:
-        from mdp.app.service import BrokerService
-
+    def serviceOf(self, options: BrokerOptions, metrics: Any) -> Any:
         binaryStar = None
         if options["bstar"] is not None:
-            from mdp.binarystar import BinaryStar
-
             binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
                                     options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
                                     limits=limits_of(options))
-        return BrokerService(
+        return service.BrokerService(
             options["endpoint"], options["backend"], metrics=metrics, binaryStar=binaryStar,
             logRequests=debug_logging(options), heartbeat=options.heartbeatPolicy(),
             limits=limits_of(options), access=options.accessPolicy(), exitOnFailure=True,
@@ -753,11 +739,8 @@ class WorkerServiceMaker(_Plugin):
     metrics = "WorkerMetrics"
     serves = False
 
-    def service(self, options: WorkerOptions, metrics: Any) -> Any:
-        from mdp.app.service import WorkerService
-        from mdp.majordomo.idempotence import MemoryReplyStore
-
-        return WorkerService(
+    def serviceOf(self, options: WorkerOptions, metrics: Any) -> Any:
+        return service.WorkerService(
             options["brokers"], options["service"], options.loadedHandler(),
             heartbeat=options.heartbeatPolicy(),
             backoff=attrs.evolve(PIRATE, maximum=options["backoff-max"]),
@@ -773,10 +756,8 @@ class FreelanceServerServiceMaker(_Plugin):
     options = FreelanceServerOptions
     metrics = "FreelanceMetrics"
 
-    def service(self, options: FreelanceServerOptions, metrics: Any) -> Any:
-        from mdp.app.service import FreelanceServerService
-
-        return FreelanceServerService(
+    def serviceOf(self, options: FreelanceServerOptions, metrics: Any) -> Any:
+        return service.FreelanceServerService(
             options["endpoint"], options.loadedHandler(), exitOnFailure=True,
             limits=limits_of(options), metrics=metrics,
             **keywords(options, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
@@ -788,10 +769,8 @@ class SPRepServiceMaker(_Plugin):
     description = "SP (nng) REP server running a handler."
     options = SPRepOptions
 
-    def service(self, options: SPRepOptions, metrics: Any) -> Any:
-        from mdp.app.service import SPServerService
-
-        return SPServerService(options["endpoint"], options.loadedHandler(), exitOnFailure=True,
+    def serviceOf(self, options: SPRepOptions, metrics: Any) -> Any:
+        return service.SPServerService(options["endpoint"], options.loadedHandler(), exitOnFailure=True,
                                limits=limits_of(options),
                                **keywords(options, "max-pending", "max-pending-bytes"))
 
@@ -802,10 +781,8 @@ class SPDeviceServiceMaker(_Plugin):
     description = "SP (nng) REQ/REP device forwarding requests upstream."
     options = SPDeviceOptions
 
-    def service(self, options: SPDeviceOptions, metrics: Any) -> Any:
-        from mdp.app.service import SPDeviceService
-
-        return SPDeviceService(options["front"], options["back"], exitOnFailure=True,
+    def serviceOf(self, options: SPDeviceOptions, metrics: Any) -> Any:
+        return service.SPDeviceService(options["front"], options["back"], exitOnFailure=True,
                                limits=limits_of(options))
 
 
@@ -816,11 +793,9 @@ class TitanicServiceMaker(_Plugin):
     options = TitanicOptions
     serves = False
 
-    def service(self, options: TitanicOptions, metrics: Any) -> Any:
-        from mdp.app.service import TitanicService
-
+    def serviceOf(self, options: TitanicOptions, metrics: Any) -> Any:
         initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
-        return TitanicService(
+        return service.TitanicService(
             options["brokers"], options["db"], workers=options["service-workers"],
             backoff=Backoff(initial, max(options["backoff-max"], initial)),
             heartbeat=options.heartbeatPolicy(), limits=limits_of(options), exitOnFailure=True,
