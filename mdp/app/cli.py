@@ -32,6 +32,7 @@ from mdp.app.tap import (
     checked_endpoints,
     checked_sp_endpoint,
     curve_client_of,
+    repeated,
     usage_line,
 )
 from mdp.app.terminal import (
@@ -190,15 +191,9 @@ class FreelanceCallOptions(VersionedOptions):
          "30 s for model 1, 3 s for model 3].", _seconds("deadline")],
     ] + CURVE_CLIENT_OPTIONS
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["server"] = []
-
-    def opt_server(self, endpoint: str) -> None:
-        """Freelance server endpoint; once per server (or commas) [default: zmq:tcp://127.0.0.1:5556]"""
-        self["server"].append(endpoint)
-
-    opt_s = opt_server
+    repeatable = ("server",)
+    opt_server = opt_s = repeated("server", "Freelance server endpoint; once per server (or "
+                                  "commas) [default: zmq:tcp://127.0.0.1:5556]")
 
     def parseArgs(self, *frames: str) -> None:
         if not frames:
@@ -251,7 +246,14 @@ def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
         raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
 
 
-class TitanicResultOptions(_ClientOptions):
+class TitanicCloseOptions(_ClientOptions):
+    synopsis = f"{_BROKERS} ID"
+
+    def parseArgs(self, *args: str) -> None:
+        self["id"] = _request_id(self, args)
+
+
+class TitanicResultOptions(TitanicCloseOptions):
     synopsis = f"{_BROKERS} [--wait] [--poll SECONDS] ID"
     longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 "
                 "with the reply; 3 while the request is pending (without --wait; a line on "
@@ -262,16 +264,6 @@ class TitanicResultOptions(_ClientOptions):
     optParameters: list[Any] = [
         ["poll", "p", 1.0, "Seconds between polls with --wait.", _seconds("poll")],
     ]
-
-    def parseArgs(self, *args: str) -> None:
-        self["id"] = _request_id(self, args)
-
-
-class TitanicCloseOptions(_ClientOptions):
-    synopsis = f"{_BROKERS} ID"
-
-    def parseArgs(self, *args: str) -> None:
-        self["id"] = _request_id(self, args)
 
 
 class TitanicOptions(_CommandChoice):
@@ -316,13 +308,8 @@ class ChatOptions(VersionedOptions):
          "beacons' interface]."],
     ]
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["peer"] = []
-
-    def opt_peer(self, endpoint: str) -> None:
-        """A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then"""
-        self["peer"].append(endpoint)
+    repeatable = ("peer",)
+    opt_peer = repeated("peer", "A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then")
 
     def postOptions(self) -> None:
         from mdp.harmony import BeaconDiscovery, EndpointDiscovery
@@ -510,32 +497,26 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
     command, sub = options.subCommand, options.subOptions
     client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
                            retries=sub["retries"], **curve_client_of(sub))
-    status = 0
     try:
         if command == "submit":
             emit(await client.submit(sub["service"], *sub["frames"]))
-        elif command == "result":
-            if sub["wait"]:
-                reply = await _wait_for_reply(reactor, client, sub)
-            else:
-                reply = await client.poll(sub["id"])
+        elif command == "close":
+            await client.close(sub["id"])
+        else:
+            reply = await (_wait_for_reply(reactor, client, sub) if sub["wait"]
+                           else client.poll(sub["id"]))
             if reply is None:
                 error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
-                       "ask again later, or wait for it with --wait")
-                status = EXIT_PENDING
-            else:
-                print_frames(reply)
-        else:
-            await client.close(sub["id"])
+                      "ask again later, or wait for it with --wait")
+                raise SystemExit(EXIT_PENDING)
+            print_frames(reply)
     except MDPError as e:
         hint = (await _missing_titanic(client, command, min(2.0, sub["timeout"]))
                 if isinstance(e, RequestTimeout) else "")
         error(f"mdp titanic {command}: {e}{hint}")
-        status = 1
+        raise SystemExit(1) from None
     finally:
         await client.disconnect()
-    if status:
-        raise SystemExit(status)
 
 
 async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:

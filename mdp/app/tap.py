@@ -153,8 +153,15 @@ class VersionedOptions(usage.Options):
 
     #: what the usage line of a parser with no parent starts with
     programName: Optional[str] = None
+    #: options that may be given more than once (see :func:`repeated`)
+    repeatable: tuple[str, ...] = ()
 
     opt_h = usage.Options.opt_help
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in self.repeatable:
+            self[name] = []
 
     def _chain(self) -> tuple[usage.Options, list[str]]:
         """The parser with no parent, and the sub-commands from it to this one."""
@@ -203,6 +210,16 @@ class VersionedOptions(usage.Options):
         sys.exit(0)
 
 
+def repeated(name: str, doc: str) -> Callable[[VersionedOptions, str], None]:
+    """The ``opt_`` handler of *name*, an option in ``repeatable``: each value
+    is added to the list ``self[name]``."""
+    def add(self: VersionedOptions, value: str) -> None:
+        self[name].append(value)
+
+    add.__doc__ = doc
+    return add
+
+
 def checked_endpoints(value: Optional[str], role: str, option: str,
                       example: str = DEFAULT_ENDPOINT) -> list[str]:
     """The comma-separated endpoints of *option*, checked for *role* (None: none).
@@ -232,15 +249,9 @@ def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[s
 class BrokerListOptions(VersionedOptions):
     """``--broker``/``-b``, repeatable for failover; parsed into ``self["brokers"]``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["broker"] = []
-
-    def opt_broker(self, endpoint: str) -> None:
-        """Broker endpoint; once per broker (or commas) for failover [default: zmq:tcp://127.0.0.1:5555]"""
-        self["broker"].append(endpoint)
-
-    opt_b = opt_broker
+    repeatable = ("broker",)
+    opt_broker = opt_b = repeated("broker", "Broker endpoint; once per broker (or commas) for "
+                                  "failover [default: zmq:tcp://127.0.0.1:5555]")
 
     def postOptions(self) -> None:
         self["brokers"] = [endpoint for value in self["broker"] or [DEFAULT_ENDPOINT]
@@ -622,13 +633,8 @@ class SPDeviceOptions(_ServiceOptions):
         ["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."],
     ]
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["back"] = []
-
-    def opt_back(self, endpoint: str) -> None:
-        """Where to forward requests (once per REP peer or device)."""
-        self["back"].append(endpoint)
+    repeatable = ("back",)
+    opt_back = repeated("back", "Where to forward requests (once per REP peer or device).")
 
     def checkRole(self) -> dict[str, Optional[str]]:
         checked_sp_endpoint(self["front"], True, "front")
