@@ -122,6 +122,12 @@ def _whole(option: str, least: int) -> Callable[[str], int]:
     return coerce
 
 
+def _option(name: str, default: Any, doc: str, coercer: Callable[..., Callable[[str], Any]],
+            *bounds: Any) -> list[Any]:
+    """The usage.Options row of the parameter *name*, coerced by ``coercer(name, *bounds)``."""
+    return [name, None, default, doc, coercer(name, *bounds)]
+
+
 def program_name() -> str:
     """The name the program was started by: ``twist``, ``python -m twisted``, ..."""
     name = os.path.basename(sys.argv[0])
@@ -266,25 +272,21 @@ def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
 
 _DEFAULT_LIMITS = Limits()
 _MESSAGE_OPTIONS: list[Any] = [
-    ["max-message-bytes", None, _DEFAULT_LIMITS.maxMessageBytes,
-     "Largest message sent or received, in bytes of frames (the same on every node); with "
-     "4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
-     _bytes("max-message-bytes", 64)],
-    ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.",
-     _whole("max-frames", 8)],
+    _option("max-message-bytes", _DEFAULT_LIMITS.maxMessageBytes,
+            "Largest message sent or received, in bytes of frames (the same on every node); "
+            "with 4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
+            _bytes, 64),
+    _option("max-frames", _DEFAULT_LIMITS.maxFrames, "Most frames in one message.", _whole, 8),
 ]
 _PEER_OPTIONS: list[Any] = [
-    ["max-output-bytes", None, _DEFAULT_LIMITS.maxOutputBytes,
-     "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.",
-     _bytes("max-output-bytes", 64)],
-    ["max-connections", None, _DEFAULT_LIMITS.maxConnections,
-     "Most open connections per stream endpoint (tcp, tls, unix).", _whole("max-connections", 1)],
-    ["handshake-timeout", None, _DEFAULT_LIMITS.handshakeTimeout,
-     "Seconds a new stream connection has to send its first message.",
-     _seconds("handshake-timeout", 0.001)],
-    ["record-timeout", None, _DEFAULT_LIMITS.recordTimeout,
-     "Seconds a stream peer has to complete a message it started.",
-     _seconds("record-timeout", 0.001)],
+    _option("max-output-bytes", _DEFAULT_LIMITS.maxOutputBytes,
+            "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.", _bytes, 64),
+    _option("max-connections", _DEFAULT_LIMITS.maxConnections,
+            "Most open connections per stream endpoint (tcp, tls, unix).", _whole, 1),
+    _option("handshake-timeout", _DEFAULT_LIMITS.handshakeTimeout,
+            "Seconds a new stream connection has to send its first message.", _seconds, 0.001),
+    _option("record-timeout", _DEFAULT_LIMITS.recordTimeout,
+            "Seconds a stream peer has to complete a message it started.", _seconds, 0.001),
 ]
 
 
@@ -381,12 +383,10 @@ def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
 def _pending_options(beyond: str) -> list[Any]:
     """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
     return [
-        ["max-pending", None, DEFAULT_MAX_PENDING,
-         f"Most requests being handled at once; beyond, requests are {beyond}.",
-         _whole("max-pending", 1)],
-        ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
-         f"Most bytes of requests being handled at once; beyond, {beyond}.",
-         _bytes("max-pending-bytes", 1)],
+        _option("max-pending", DEFAULT_MAX_PENDING,
+                f"Most requests being handled at once; beyond, requests are {beyond}.", _whole, 1),
+        _option("max-pending-bytes", DEFAULT_MAX_PENDING_BYTES,
+                f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1),
     ]
 
 
@@ -439,40 +439,34 @@ class _ServiceOptions(VersionedOptions):
 
 class _HeartbeatOptions(_ServiceOptions):
     optParameters: list[Any] = [
-        ["heartbeat", None, 2.5, "Heartbeat interval in seconds.",
-         _seconds("heartbeat", MIN_INTERVAL)],
-        ["liveness", None, 3, "Missed heartbeats before a peer is dead.", _whole("liveness", 1)],
+        _option("heartbeat", 2.5, "Heartbeat interval in seconds.", _seconds, MIN_INTERVAL),
+        _option("liveness", 3, "Missed heartbeats before a peer is dead.", _whole, 1),
     ]
 
 
 #: the broker's bounds, passed on to it as keyword arguments
 _BROKER_BOUNDS: list[Any] = [
-    ["request-expiry", None, broker.DEFAULT_REQUEST_EXPIRY,
-     "Seconds a request waits for a worker of its service to be free.",
-     _seconds("request-expiry")],
-    ["unknown-service-expiry", None, broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
-     "Seconds the requests for a service no worker has registered wait (from its first "
-     "request), then 503.", _seconds("unknown-service-expiry")],
-    ["service-linger", None, broker.DEFAULT_SERVICE_LINGER,
-     "Seconds a service stays known (mmi.service 200) after its last worker left.",
-     _seconds("service-linger")],
-    ["max-queue", None, broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.",
-     _whole("max-queue", 1)],
-    ["max-service-queue", None, broker.DEFAULT_MAX_SERVICE_QUEUE,
-     "Most requests queued for one service.", _whole("max-service-queue", 1)],
-    ["max-queue-bytes", None, broker.DEFAULT_MAX_QUEUE_BYTES,
-     f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
-     _bytes("max-queue-bytes", FRAME_OVERHEAD)],
-    ["max-service-queue-bytes", None, broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
-     f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
-     _bytes("max-service-queue-bytes", FRAME_OVERHEAD)],
-    ["max-workers", None, broker.DEFAULT_MAX_WORKERS, "Most registered workers.",
-     _whole("max-workers", 1)],
-    ["max-service-workers", None, broker.DEFAULT_MAX_SERVICE_WORKERS,
-     "Most registered workers for one service.", _whole("max-service-workers", 1)],
-    ["max-deliveries", None, broker.DEFAULT_MAX_DELIVERIES,
-     "Times a request is given to a worker that is then lost, before it fails.",
-     _whole("max-deliveries", 1)],
+    _option("request-expiry", broker.DEFAULT_REQUEST_EXPIRY,
+            "Seconds a request waits for a worker of its service to be free.", _seconds),
+    _option("unknown-service-expiry", broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
+            "Seconds the requests for a service no worker has registered wait (from its first "
+            "request), then 503.", _seconds),
+    _option("service-linger", broker.DEFAULT_SERVICE_LINGER,
+            "Seconds a service stays known (mmi.service 200) after its last worker left.", _seconds),
+    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", _whole, 1),
+    _option("max-service-queue", broker.DEFAULT_MAX_SERVICE_QUEUE,
+            "Most requests queued for one service.", _whole, 1),
+    _option("max-queue-bytes", broker.DEFAULT_MAX_QUEUE_BYTES,
+            f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
+            _bytes, FRAME_OVERHEAD),
+    _option("max-service-queue-bytes", broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+            f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
+            _bytes, FRAME_OVERHEAD),
+    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", _whole, 1),
+    _option("max-service-workers", broker.DEFAULT_MAX_SERVICE_WORKERS,
+            "Most registered workers for one service.", _whole, 1),
+    _option("max-deliveries", broker.DEFAULT_MAX_DELIVERIES,
+            "Times a request is given to a worker that is then lost, before it fails.", _whole, 1),
 ]
 
 
@@ -495,9 +489,8 @@ class BrokerOptions(_HeartbeatOptions):
          "--bstar-remote)."],
         ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
-        ["bstar-heartbeat", None, DEFAULT_BSTAR_HEARTBEAT,
-         "Binary Star: seconds between state messages; the peer is gone after twice this.",
-         _seconds("bstar-heartbeat", MIN_INTERVAL)],
+        _option("bstar-heartbeat", DEFAULT_BSTAR_HEARTBEAT, "Binary Star: seconds between state "
+                "messages; the peer is gone after twice this.", _seconds, MIN_INTERVAL),
         ["access", None, None, "Access policy file (TOML): which peers may call and serve "
          "which services (docs/security.md)."],
     ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _PEER_OPTIONS
@@ -544,12 +537,10 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-        ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.",
-         _seconds("backoff-max", MIN_INTERVAL)],
+        _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", _seconds, MIN_INTERVAL),
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
-        ["reply-store", None, 0,
-         "Remember the replies to this many stamped requests and answer their retries "
-         "from memory (0: off).", _whole("reply-store", 0)],
+        _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
+                "their retries from memory (0: off).", _whole, 0),
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
 
     def checkRole(self) -> dict[str, Optional[str]]:
@@ -663,14 +654,13 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
          "Seconds one attempt of a stored request may take before it is tried again.",
          _seconds("timeout")],
-        ["backoff-max", None, titanic_dispatcher.DEFAULT_BACKOFF.maximum,
-         "Longest wait before asking again about a service with no worker.",
-         _seconds("backoff-max", MIN_INTERVAL)],
-        ["keep", None, titanic_dispatcher.DEFAULT_KEEP,
-         "Seconds a reply is kept after it is stored, then purged.", _seconds("keep")],
-        ["service-workers", None, titanic_server.DEFAULT_SERVICE_WORKERS,
-         "MDP workers per Titanic service (requests stored at once).",
-         _whole("service-workers", 1)],
+        _option("backoff-max", titanic_dispatcher.DEFAULT_BACKOFF.maximum,
+                "Longest wait before asking again about a service with no worker.",
+                _seconds, MIN_INTERVAL),
+        _option("keep", titanic_dispatcher.DEFAULT_KEEP,
+                "Seconds a reply is kept after it is stored, then purged.", _seconds),
+        _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
+                "MDP workers per Titanic service (requests stored at once).", _whole, 1),
     ] + CURVE_CLIENT_OPTIONS
 
     def checkRole(self) -> dict[str, Optional[str]]:
