@@ -8,6 +8,7 @@ one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -740,11 +741,8 @@ def _main(argv: Optional[Sequence[str]]) -> None:
 
     def run(reactor: Any) -> defer.Deferred[None]:
         def stop() -> None:
-            if reactor.running:  # (a second Ctrl-C, or the command ended meanwhile)
-                try:
-                    reactor.stop()
-                except ReactorNotRunning:
-                    pass
+            with contextlib.suppress(ReactorNotRunning):  # a second Ctrl-C, or the command ended
+                reactor.stop()
 
         def onInterrupt(number: int, frame: Any) -> None:
             interrupted.append(number)

@@ -83,16 +83,9 @@ class BrokerService(_FailableService):
     With a *binaryStar* it serves only while active; a fatal error of the pair
     closes it.  A malformed endpoint raises :class:`~mdp.errors.TransportError`."""
 
-    def __init__(
-        self,
-        endpoint: Optional[str] = None,
-        backend: Optional[str] = None,
-        reactor: Optional[Any] = None,
-        *,
-        exitOnFailure: Optional[bool] = None,
-        binaryStar: Optional[BinaryStar] = None,
-        **brokerOptions: Any,
-    ) -> None:
+    def __init__(self, endpoint: Optional[str] = None, backend: Optional[str] = None,
+                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
+                 binaryStar: Optional[BinaryStar] = None, **brokerOptions: Any) -> None:
         if endpoint is None and backend is None:
             raise ValueError("BrokerService needs an endpoint, a backend or both")
         for bound in (endpoint, backend):
@@ -134,8 +127,7 @@ class BrokerService(_FailableService):
             listening.append(defer.maybeDeferred(self.broker.listen, self.backend,
                                                  clients=self.endpoint is None, workers=True))
         return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
-            self._listening, self._failed
-        )
+            self._listening, self._failed)
 
     def _listening(self, transports: list[Any]) -> None:
         self.transports = transports

@@ -192,12 +192,11 @@ class VersionedOptions(usage.Options):
         return " ".join(["Usage:", program, *words, synopsis])
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
-        if self.parent is None or getattr(self._chain()[0], "programName", None) is not None:
-            super().parseOptions(options)  # alone, or under mdp: the caller reports it
-            return
         try:
             super().parseOptions(options)
         except usage.UsageError as e:
+            if self.parent is None or getattr(self._chain()[0], "programName", None) is not None:
+                raise  # alone, or under mdp: the caller reports it
             print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
 
