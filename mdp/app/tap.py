@@ -765,9 +765,9 @@ class SPRepServiceMaker(_Plugin):
     options = SPRepOptions
 
     def serviceOf(self, options: SPRepOptions, metrics: Any) -> Any:
-        return service.SPServerService(options["endpoint"], options.loadedHandler(), exitOnFailure=True,
-                               limits=limits_of(options),
-                               **keywords(options, "max-pending", "max-pending-bytes"))
+        return service.SPServerService(
+            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
+            limits=limits_of(options), **keywords(options, "max-pending", "max-pending-bytes"))
 
 
 @implementer(IServiceMaker, IPlugin)
@@ -778,7 +778,7 @@ class SPDeviceServiceMaker(_Plugin):
 
     def serviceOf(self, options: SPDeviceOptions, metrics: Any) -> Any:
         return service.SPDeviceService(options["front"], options["back"], exitOnFailure=True,
-                               limits=limits_of(options))
+                                       limits=limits_of(options))
 
 
 @implementer(IServiceMaker, IPlugin)
