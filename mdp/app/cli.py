@@ -682,10 +682,8 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
     stdio.StandardIO(Typed(), reactor=reactor)
     await done
-    try:
+    with contextlib.suppress(ValueError):  # Ctrl-C: the shutdown ran it already (and ended the input)
         reactor.removeSystemEventTrigger(trigger)
-    except ValueError:
-        pass  # Ctrl-C: the reactor's shutdown ran it already (and ended the input)
     await node.stop()
 
 

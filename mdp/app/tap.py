@@ -169,25 +169,25 @@ class VersionedOptions(usage.Options):
         for name in self.repeatable:
             self[name] = []
 
-    def _chain(self) -> tuple[usage.Options, list[str]]:
-        """The parser with no parent, and the sub-commands from it to this one."""
+    def _chain(self) -> tuple[Optional[str], list[str]]:
+        """The programName of the parser with no parent (None under twist), and
+        the sub-commands from it to this one."""
         words = []
         node: usage.Options = self
         while node.parent is not None:
             words.insert(0, node.parent.subCommand)
             node = node.parent
-        return node, words
+        return getattr(node, "programName", None), words
 
     def commandName(self) -> str:
         """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
-        root, words = self._chain()
-        return " ".join([getattr(root, "programName", None) or program_name(), *words])
+        program, words = self._chain()
+        return " ".join([program or program_name(), *words])
 
     def getSynopsis(self) -> str:
-        root, words = self._chain()
-        program = getattr(root, "programName", None)
+        program, words = self._chain()
         if program is None:  # twist (or twistd): the program's own options come first
-            program = program_name() + ("" if root is self else " [options]")
+            program = program_name() + (" [options]" if words else "")
         synopsis = getattr(self, "synopsis", "[options]").rstrip()
         return " ".join(["Usage:", program, *words, synopsis])
 
@@ -195,7 +195,7 @@ class VersionedOptions(usage.Options):
         try:
             super().parseOptions(options)
         except usage.UsageError as e:
-            if self.parent is None or getattr(self._chain()[0], "programName", None) is not None:
+            if self.parent is None or self._chain()[0] is not None:
                 raise  # alone, or under mdp: the caller reports it
             print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
