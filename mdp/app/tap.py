@@ -396,9 +396,9 @@ class _ServiceOptions(VersionedOptions):
 
     optParameters: list[Any] = _MESSAGE_OPTIONS
 
-    def checkRole(self) -> dict[str, Optional[str]]:
-        """Check the options of this role; return its listeners (option: endpoint)."""
-        return {}
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
+        """Check the options of this role; a server returns its listeners
+        (option: endpoint) for the CURVE check."""
 
     def postOptions(self) -> None:
         if "heartbeat" in self:
@@ -408,7 +408,7 @@ class _ServiceOptions(VersionedOptions):
         if "metrics" in self:
             checked_metrics(self)
         if "curve-allow" in self:
-            checked_curve_server(self, listeners)
+            checked_curve_server(self, listeners or {})
         elif "curve-server-public" in self:
             checked_curve_client(self, self["brokers"])
         if "handler" in self:
@@ -494,7 +494,7 @@ class BrokerOptions(_HeartbeatOptions):
          "which services (docs/security.md)."],
     ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _PEER_OPTIONS
 
-    def checkRole(self) -> dict[str, Optional[str]]:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
                      "backend": checked_endpoint(self["backend"], transport.LISTEN, "backend")}
         self.accessPolicy()
@@ -542,7 +542,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
                 "their retries from memory (0: off).", _whole, 0),
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
 
-    def checkRole(self) -> dict[str, Optional[str]]:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if self["service"] is None:
             raise usage.UsageError("--service is required")
         if not self["service"]:
@@ -552,7 +552,6 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         except ValueError as e:
             raise usage.UsageError(f"--service: {e}") from None
         BrokerListOptions.postOptions(self)
-        return {}
 
 
 class FreelanceServerOptions(_ServiceOptions):
@@ -569,7 +568,7 @@ class FreelanceServerOptions(_ServiceOptions):
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
          + _PEER_OPTIONS)
 
-    def checkRole(self) -> dict[str, Optional[str]]:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
 
 
@@ -602,9 +601,8 @@ class SPRepOptions(_ServiceOptions):
         ["handler", None, "echo", "'echo' or 'module:callable' taking the payload bytes."],
     ] + _pending_options("dropped (the requester resends)")
 
-    def checkRole(self) -> dict[str, Optional[str]]:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         checked_sp_endpoint(self["endpoint"], True, "endpoint")
-        return {}
 
     @staticmethod
     def loadHandler(spec: str) -> Any:
@@ -626,13 +624,12 @@ class SPDeviceOptions(_ServiceOptions):
     repeatable = ("back",)
     opt_back = repeated("back", "Where to forward requests (once per REP peer or device).")
 
-    def checkRole(self) -> dict[str, Optional[str]]:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         checked_sp_endpoint(self["front"], True, "front")
         if not self["back"]:
             raise usage.UsageError("--back is required")
         for back in self["back"]:
             checked_sp_endpoint(back, False, "back")
-        return {}
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
@@ -662,11 +659,10 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
                 "MDP workers per Titanic service (requests stored at once).", _whole, 1),
     ] + CURVE_CLIENT_OPTIONS
 
-    def checkRole(self) -> dict[str, Optional[str]]:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
-        return {}
 
 
 def debug_logging(options: usage.Options) -> bool:
