@@ -498,13 +498,12 @@ class BrokerOptions(_HeartbeatOptions):
         listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
                      "backend": checked_endpoint(self["backend"], transport.LISTEN, "backend")}
         self.accessPolicy()
-        bstar = [value is not None for value in
-                 (self["bstar"], self["bstar-local"], self["bstar-remote"])]
-        if any(bstar) and not all(bstar):
+        given = [self[name] is not None for name in ("bstar", "bstar-local", "bstar-remote")]
+        if any(given) and not all(given):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
-        if self["bstar"] is not None and self["bstar"] not in ("primary", "backup"):
-            raise usage.UsageError(f"--bstar is primary or backup, not {self['bstar']!r}")
-        if self["bstar"] is not None:
+        if all(given):
+            if self["bstar"] not in ("primary", "backup"):
+                raise usage.UsageError(f"--bstar is primary or backup, not {self['bstar']!r}")
             checked_endpoint(self["bstar-local"], transport.LISTEN, "bstar-local")
             checked_endpoint(self["bstar-remote"], transport.CONNECT, "bstar-remote")
         return listeners
