@@ -8,10 +8,12 @@ one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
-from typing import Any, Optional, Sequence
+import uuid
+from typing import Any, Callable, Optional, Sequence
 
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
@@ -27,10 +29,11 @@ from mdp.app.tap import (
     EXIT_USAGE,
     BrokerListOptions,
     VersionedOptions,
-    _dialect,
     checked_curve_client,
     checked_endpoints,
+    checked_sp_endpoint,
     curve_client_of,
+    repeated,
     usage_line,
 )
 from mdp.app.terminal import (
@@ -43,30 +46,48 @@ from mdp.app.terminal import (
     printable,
     show,
 )
-from mdp.errors import MDPError, RequestTimeout
-from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT
+from mdp.errors import (
+    MDPError,
+    NoServerAvailable,
+    RequestTimeout,
+    ServiceOverloaded,
+    ServiceUnavailable,
+)
+from mdp.handlers import echo
+from mdp.majordomo import mmi
+from mdp.majordomo.broker import Broker
+from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
+from mdp.majordomo.codec import api_service_name, check_dialect
+from mdp.majordomo.worker import Worker
+from mdp.titanic.client import TRANSIENT, TitanicClient
+from mdp.transport import curve
+from mdp.transport.registry import bare_address, schemes
 
 EXIT_PENDING = 3
 
 
-def _check_seconds(value: Optional[float], option: str) -> None:
-    """Refuse seconds that are not finite and positive; None is "not given"."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise usage.UsageError(f"--{option} must be a positive number of seconds, not {value}")
+def _seconds(option: str) -> Callable[[str], float]:
+    """The coercer of --*option*: a finite, positive number of seconds."""
+    def coerce(value: str) -> float:
+        seconds = float(value)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise usage.UsageError(f"--{option} must be a positive number of seconds, not {seconds}")
+        return seconds
+
+    return coerce
 
 
 class _ClientOptions(BrokerListOptions):
     """What every command that talks to a broker takes."""
 
     optParameters: list[Any] = [
-        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", float],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", _seconds("timeout")],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
     ] + CURVE_CLIENT_OPTIONS
 
     def postOptions(self) -> None:
-        BrokerListOptions.postOptions(self)
+        super().postOptions()
         checked_curve_client(self, self["brokers"])
-        _check_seconds(self["timeout"], "timeout")
         if self["retries"] < 1:
             raise usage.UsageError("--retries must be at least 1")
 
@@ -75,8 +96,6 @@ class _RequestOptions(_ClientOptions):
     """A service and its request frames, as arguments."""
 
     def parseArgs(self, *args: str) -> None:
-        from mdp.majordomo.codec import api_service_name
-
         if not args:
             raise usage.UsageError(f"give a SERVICE and at least one FRAME, e.g. "
                                    f"'{self.commandName()} echo hello'")
@@ -108,7 +127,7 @@ class CallOptions(_RequestOptions):
     longdesc = ("Send one request through a broker; print each reply frame on its own line.  "
                 "At least one FRAME, except for mmi.* queries.")
     optParameters: list[Any] = [
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
     ]
 
 
@@ -129,10 +148,9 @@ class StatusOptions(_ClientOptions):
     def opt_watch(self, seconds: str) -> None:
         """Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch alone]"""
         try:
-            self["watch"] = float(seconds)
+            self["watch"] = _seconds("watch")(seconds)
         except ValueError:
             raise usage.UsageError(f"--watch: {seconds!r} is not a number of seconds") from None
-        _check_seconds(self["watch"], "watch")
 
     opt_w = opt_watch
 
@@ -169,20 +187,14 @@ class FreelanceCallOptions(VersionedOptions):
         ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all "
          "at once) or 3 (an agent: heartbeats, the first live server).", int],
         ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; "
-         "3 s for model 2].", float],
+         "3 s for model 2].", _seconds("timeout")],
         ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
-         "30 s for model 1, 3 s for model 3].", float],
+         "30 s for model 1, 3 s for model 3].", _seconds("deadline")],
     ] + CURVE_CLIENT_OPTIONS
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["server"] = []
-
-    def opt_server(self, endpoint: str) -> None:
-        """Freelance server endpoint; once per server (or commas) [default: zmq:tcp://127.0.0.1:5556]"""
-        self["server"].append(endpoint)
-
-    opt_s = opt_server
+    repeatable = ("server",)
+    opt_server = opt_s = repeated("server", "Freelance server endpoint; once per server (or "
+                                  "commas) [default: zmq:tcp://127.0.0.1:5556]")
 
     def parseArgs(self, *frames: str) -> None:
         if not frames:
@@ -197,8 +209,6 @@ class FreelanceCallOptions(VersionedOptions):
                                                              example=default)]
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
-        for name in ("timeout", "deadline"):
-            _check_seconds(self[name], name)
         checked_curve_client(self, self["servers"])
 
 
@@ -229,8 +239,6 @@ def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str =
 
 def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
     """The one request id (a UUID) of *args*, or a usage error."""
-    import uuid
-
     value = _single_argument(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
                  f"e.g. '{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
     try:
@@ -239,7 +247,14 @@ def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
         raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
 
 
-class TitanicResultOptions(_ClientOptions):
+class TitanicCloseOptions(_ClientOptions):
+    synopsis = f"{_BROKERS} ID"
+
+    def parseArgs(self, *args: str) -> None:
+        self["id"] = _request_id(self, args)
+
+
+class TitanicResultOptions(TitanicCloseOptions):
     synopsis = f"{_BROKERS} [--wait] [--poll SECONDS] ID"
     longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 "
                 "with the reply; 3 while the request is pending (without --wait; a line on "
@@ -248,22 +263,8 @@ class TitanicResultOptions(_ClientOptions):
                 "for (the reply, Titanic, the broker) is said on stderr.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [
-        ["poll", "p", 1.0, "Seconds between polls with --wait.", float],
+        ["poll", "p", 1.0, "Seconds between polls with --wait.", _seconds("poll")],
     ]
-
-    def parseArgs(self, *args: str) -> None:
-        self["id"] = _request_id(self, args)
-
-    def postOptions(self) -> None:
-        super().postOptions()
-        _check_seconds(self["poll"], "poll")
-
-
-class TitanicCloseOptions(_ClientOptions):
-    synopsis = f"{_BROKERS} ID"
-
-    def parseArgs(self, *args: str) -> None:
-        self["id"] = _request_id(self, args)
 
 
 class TitanicOptions(_CommandChoice):
@@ -279,8 +280,8 @@ class SPRequestOptions(VersionedOptions):
     synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
-        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", float],
-        ["resend", None, 60.0, "Seconds before the request is sent again.", float],
+        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", _seconds("timeout")],
+        ["resend", None, 60.0, "Seconds before the request is sent again.", _seconds("resend")],
     ]
 
     def parseArgs(self, *args: str) -> None:
@@ -289,11 +290,7 @@ class SPRequestOptions(VersionedOptions):
             ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
-        from mdp.app.tap import checked_sp_endpoint
-
         checked_sp_endpoint(self["endpoint"], False, "endpoint")
-        _check_seconds(self["timeout"], "timeout")
-        _check_seconds(self["resend"], "resend")
 
 
 class ChatOptions(VersionedOptions):
@@ -312,13 +309,8 @@ class ChatOptions(VersionedOptions):
          "beacons' interface]."],
     ]
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["peer"] = []
-
-    def opt_peer(self, endpoint: str) -> None:
-        """A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then"""
-        self["peer"].append(endpoint)
+    repeatable = ("peer",)
+    opt_peer = repeated("peer", "A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then")
 
     def postOptions(self) -> None:
         from mdp.harmony import BeaconDiscovery, EndpointDiscovery
@@ -356,7 +348,6 @@ _PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
 def _check_peer(endpoint: str) -> None:
     """A usage error unless ``--peer`` takes *endpoint*, saying what was meant."""
     from mdp.harmony.node import transport_endpoint
-    from mdp.transport.registry import bare_address, schemes
 
     if not endpoint.strip():
         raise usage.UsageError(f"--peer is empty; {_PEER_FORM}, e.g. tcp://127.0.0.1:7002")
@@ -407,10 +398,8 @@ class Options(_CommandChoice):
 
 
 def keygen(options: KeygenOptions) -> None:
-    from mdp.transport.curve import keygen as write
-
     try:
-        public, secret = write(options["name"], options["dir"])
+        public, secret = curve.keygen(options["name"], options["dir"])
     except ValueError as e:
         error(f"mdp keygen: {e}")
         raise SystemExit(1) from None
@@ -418,8 +407,6 @@ def keygen(options: KeygenOptions) -> None:
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
-    from mdp.majordomo.client import Client
-
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
                     retries=options["retries"], dialect=options["dialect"], **curve_client_of(options))
 
@@ -460,8 +447,6 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
 
 def _freelance_failure(failure: MDPError, options: FreelanceCallOptions, elapsed: float) -> str:
     """Why ``mdp freelance-call`` got no reply, in words true of the model used."""
-    from mdp.errors import NoServerAvailable
-
     servers = options["servers"]
     named = ", ".join(servers)
     these = (f"the Freelance server at {named}" if len(servers) == 1
@@ -510,37 +495,29 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
 
 
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
-    from mdp.titanic import TitanicClient
-
     command, sub = options.subCommand, options.subOptions
     client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
                            retries=sub["retries"], **curve_client_of(sub))
-    status = 0
     try:
         if command == "submit":
             emit(await client.submit(sub["service"], *sub["frames"]))
-        elif command == "result":
-            if sub["wait"]:
-                reply = await _wait_for_reply(reactor, client, sub)
-            else:
-                reply = await client.poll(sub["id"])
+        elif command == "close":
+            await client.close(sub["id"])
+        else:
+            reply = await (_wait_for_reply(reactor, client, sub) if sub["wait"]
+                           else client.poll(sub["id"]))
             if reply is None:
                 error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
-                       "ask again later, or wait for it with --wait")
-                status = EXIT_PENDING
-            else:
-                print_frames(reply)
-        else:
-            await client.close(sub["id"])
+                      "ask again later, or wait for it with --wait")
+                raise SystemExit(EXIT_PENDING)
+            print_frames(reply)
     except MDPError as e:
         hint = (await _missing_titanic(client, command, min(2.0, sub["timeout"]))
                 if isinstance(e, RequestTimeout) else "")
         error(f"mdp titanic {command}: {e}{hint}")
-        status = 1
+        raise SystemExit(1) from None
     finally:
         await client.disconnect()
-    if status:
-        raise SystemExit(status)
 
 
 async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:
@@ -562,9 +539,6 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
 
 async def _poll(client: Any, notes: _WaitNotes, every: float) -> Optional[list[bytes]]:
     """One poll of ``--wait``: the reply, or None once *notes* has the reason."""
-    from mdp.errors import ServiceOverloaded, ServiceUnavailable
-    from mdp.titanic.client import TRANSIENT
-
     try:
         reply = await client.poll(notes.requestId)
     except ServiceUnavailable as e:
@@ -610,8 +584,6 @@ class _WaitNotes:
 async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
     """Why a Titanic request timed out, if MMI shows no Titanic worker; else ""."""
     service = {"submit": "titanic.request", "result": "titanic.reply"}.get(command, "titanic.close")
-    from mdp.majordomo import mmi
-
     try:
         listing = await client.client.request("mmi.workers", service, timeout=timeout, retries=1)
     except MDPError:
@@ -623,11 +595,6 @@ async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
 
 
 async def demo(reactor: Any, options: DemoOptions) -> None:
-    from mdp.handlers import echo
-    from mdp.majordomo.broker import Broker
-    from mdp.majordomo.client import Client
-    from mdp.majordomo.worker import Worker
-
     broker = Broker(reactor)
     try:
         bound = await broker.listen(options["endpoint"])
@@ -715,10 +682,8 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
     stdio.StandardIO(Typed(), reactor=reactor)
     await done
-    try:
+    with contextlib.suppress(ValueError):  # Ctrl-C: the shutdown ran it already (and ended the input)
         reactor.removeSystemEventTrigger(trigger)
-    except ValueError:
-        pass  # Ctrl-C: the reactor's shutdown ran it already (and ended the input)
     await node.stop()
 
 
@@ -774,11 +739,8 @@ def _main(argv: Optional[Sequence[str]]) -> None:
 
     def run(reactor: Any) -> defer.Deferred[None]:
         def stop() -> None:
-            if reactor.running:  # (a second Ctrl-C, or the command ended meanwhile)
-                try:
-                    reactor.stop()
-                except ReactorNotRunning:
-                    pass
+            with contextlib.suppress(ReactorNotRunning):  # a second Ctrl-C, or the command ended
+                reactor.stop()
 
         def onInterrupt(number: int, frame: Any) -> None:
             interrupted.append(number)

@@ -16,6 +16,7 @@ from mdp import transport
 from mdp.binarystar import BinaryStar
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.worker import Handler, Worker
+from mdp.policy import default_reactor
 
 log = Logger()
 
@@ -23,45 +24,57 @@ log = Logger()
 class _FailableService(Service):
     """A service that can fail to start (a port taken, a store unreadable).  The
     failure is logged; with *exitOnFailure* the process exits 1 and later
-    services do not start, else ``startService`` returns the failure."""
+    services do not start, else ``startService`` returns the failure.  A
+    subclass starts and stops its server in ``_start`` and ``_stop``."""
 
     #: a failure to start exits 1: True, False, or None for "when twistd runs it"
     exitOnFailure: Optional[bool] = None
     #: started by a runner that calls privilegedStartService first (twistd)
     _twistd = False
+    reactor: Any
 
     def privilegedStartService(self) -> None:
         self._twistd = True
         super().privilegedStartService()
+
+    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
+        super().startService()
+        if _exiting(self.reactor):
+            return defer.succeed(None)
+        return self._start()
+
+    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return self._stop()
 
     def _endsProcess(self) -> bool:
         """A failure to start ends the process: *exitOnFailure*, or if None,
         under ``twistd`` (which drops what ``startService`` returns)."""
         return self._twistd if self.exitOnFailure is None else self.exitOnFailure
 
-    def _failedToStart(self, reactor: Any, failure: Failure, message: str,
-                       **fields: Any) -> Optional[Failure]:
-        """Log *message* (a format of *fields*) once; return *failure*, or end
-        the process: at once before the reactor runs, else after shutdown."""
+    def _failedToStart(self, failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
+        """Log *message* (a format of *fields* and ``error``) once; return
+        *failure*, or end the process: at once before the reactor runs, else
+        after shutdown."""
+        if isinstance(failure.value, defer.FirstError):
+            failure = failure.value.subFailure
+        fields["error"] = failure.getErrorMessage()
         if not self._endsProcess():
             log.error(message, **fields)
             return failure
-        if not reactor.running and not self._twistd:
+        if not self.reactor.running and not self._twistd:
             log.critical(message, **fields)
             _exit(1)
         log.error(message, **fields)
-        _stop_and_exit(reactor, 1)
+        _stop_and_exit(self.reactor, 1)
         return None
 
-    def _cannotListen(self, what: str, endpoint: str, reactor: Any,
-                      failure: Failure) -> Optional[Failure]:
+    def _cannotListen(self, what: str, endpoint: str, failure: Failure) -> Optional[Failure]:
         """This service's server could not bind *endpoint* (see :meth:`_failedToStart`)."""
-        if isinstance(failure.value, defer.FirstError):
-            failure = failure.value.subFailure
         if not self.running:
             return None  # stopped while binding
-        return self._failedToStart(reactor, failure, "{what} cannot listen on {endpoint}: {error}",
-                                   what=what, endpoint=endpoint, error=failure.getErrorMessage())
+        return self._failedToStart(failure, "{what} cannot listen on {endpoint}: {error}",
+                                   what=what, endpoint=endpoint)
 
 
 class BrokerService(_FailableService):
@@ -70,16 +83,9 @@ class BrokerService(_FailableService):
     With a *binaryStar* it serves only while active; a fatal error of the pair
     closes it.  A malformed endpoint raises :class:`~mdp.errors.TransportError`."""
 
-    def __init__(
-        self,
-        endpoint: Optional[str] = None,
-        backend: Optional[str] = None,
-        reactor: Optional[Any] = None,
-        *,
-        exitOnFailure: Optional[bool] = None,
-        binaryStar: Optional[BinaryStar] = None,
-        **brokerOptions: Any,
-    ) -> None:
+    def __init__(self, endpoint: Optional[str] = None, backend: Optional[str] = None,
+                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
+                 binaryStar: Optional[BinaryStar] = None, **brokerOptions: Any) -> None:
         if endpoint is None and backend is None:
             raise ValueError("BrokerService needs an endpoint, a backend or both")
         for bound in (endpoint, backend):
@@ -94,13 +100,11 @@ class BrokerService(_FailableService):
             binaryStar.onActive(self._admissionChanged)
             binaryStar.onPassive(self._admissionChanged)
         self.broker = Broker(reactor, **brokerOptions)
+        self.reactor = self.broker.reactor
         self.exitOnFailure = exitOnFailure
         self.transports: list[Any] = []
 
-    def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().startService()
-        if _exiting(self.broker.reactor):
-            return defer.succeed(None)
+    def _start(self) -> defer.Deferred[None]:
         if self.binaryStar is None:
             return self._listen()
         return self.binaryStar.start().addCallbacks(lambda _: self._listen(), self._failed)
@@ -112,7 +116,7 @@ class BrokerService(_FailableService):
         """The Binary Star pair is broken: this broker stops."""
         self.broker.close()
         if self._endsProcess():
-            _stop_and_exit(self.broker.reactor, 1)
+            _stop_and_exit(self.reactor, 1)
 
     def _listen(self) -> defer.Deferred[None]:
         listening = []
@@ -123,15 +127,13 @@ class BrokerService(_FailableService):
             listening.append(defer.maybeDeferred(self.broker.listen, self.backend,
                                                  clients=self.endpoint is None, workers=True))
         return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
-            self._listening, self._failed
-        )
+            self._listening, self._failed)
 
     def _listening(self, transports: list[Any]) -> None:
         self.transports = transports
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
+    def _stop(self) -> defer.Deferred[None]:
         """Unbind every endpoint and stop the broker's heartbeat tick."""
-        super().stopService()
         self.transports = []
         closing = [self.broker.close()]
         if self.binaryStar is not None:
@@ -139,15 +141,12 @@ class BrokerService(_FailableService):
         return defer.gatherResults(closing).addCallback(lambda _: None)
 
     def _failed(self, failure: Failure) -> Optional[Failure]:
-        if isinstance(failure.value, defer.FirstError):
-            failure = failure.value.subFailure
         if self.binaryStar is not None:
             # a broker that does not serve must not tell its peer it is there
             self.binaryStar.stop()
         if self._endsProcess():
             self.broker.close()
-        return self._failedToStart(self.broker.reactor, failure, "MDP broker cannot listen: {error}",
-                                   error=failure.getErrorMessage())
+        return self._failedToStart(failure, "MDP broker cannot listen: {error}")
 
 
 def _exiting(reactor: Any) -> bool:
@@ -196,20 +195,15 @@ class MetricsService(_FailableService):
 
     def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None) -> None:
-        from mdp.policy import default_reactor
-
         self.endpoint = endpoint
         self.registry = registry
         self.reactor = default_reactor(reactor)
         self.exitOnFailure = exitOnFailure
         self.port: Optional[Any] = None
 
-    def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
+    def _start(self) -> defer.Deferred[None]:
         from mdp.metrics import serve_metrics
 
-        super().startService()
-        if _exiting(self.reactor):
-            return defer.succeed(None)
         return serve_metrics(self.endpoint, self.registry, self.reactor).addCallbacks(
             self._listening, self._failed)
 
@@ -222,33 +216,30 @@ class MetricsService(_FailableService):
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if not self.running:
             return None
-        return self._failedToStart(self.reactor, failure, "cannot serve metrics on {endpoint}: {error}",
-                                   endpoint=self.endpoint, error=failure.getErrorMessage())
+        return self._failedToStart(failure, "cannot serve metrics on {endpoint}: {error}",
+                                   endpoint=self.endpoint)
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
+    def _stop(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
+        return defer.maybeDeferred(port.stopListening) if port else defer.succeed(None)
 
 
 class _ServerService(_FailableService):
     """A server object (``listen(endpoint)``, ``close()``) on one endpoint."""
 
-    endpoint: str
-    server: Any
     what = "server"
 
-    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
-        super().startService()
-        if _exiting(self.server.reactor):
-            return defer.succeed(None)
-        return self.server.listen(self.endpoint).addErrback(
-            lambda f: self._cannotListen(self.what, self.endpoint, self.server.reactor, f))
+    def __init__(self, endpoint: str, server: Any, exitOnFailure: Optional[bool]) -> None:
+        self.endpoint = endpoint
+        self.server = server
+        self.reactor = server.reactor
+        self.exitOnFailure = exitOnFailure
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
+    def _start(self) -> defer.Deferred[Any]:
+        return self.server.listen(self.endpoint).addErrback(
+            lambda f: self._cannotListen(self.what, self.endpoint, f))
+
+    def _stop(self) -> defer.Deferred[None]:
         return self.server.close()
 
 
@@ -262,9 +253,7 @@ class FreelanceServerService(_ServerService):
         from mdp.freelance import FreelanceServer
 
         transport.check(endpoint, transport.LISTEN)
-        self.endpoint = endpoint
-        self.exitOnFailure = exitOnFailure
-        self.server = FreelanceServer(handler, reactor, **serverOptions)
+        super().__init__(endpoint, FreelanceServer(handler, reactor, **serverOptions), exitOnFailure)
 
 
 class SPServerService(_ServerService):
@@ -278,41 +267,34 @@ class SPServerService(_ServerService):
         from mdp.sp.peers import SPServer
 
         transport.check(endpoint_of(endpoint, listen=True), transport.LISTEN)
-        self.endpoint = endpoint
-        self.exitOnFailure = exitOnFailure
-        self.server = SPServer(handler, reactor, **serverOptions)
+        super().__init__(endpoint, SPServer(handler, reactor, **serverOptions), exitOnFailure)
 
 
 class SPDeviceService(_FailableService):
-    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*."""
+    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*, made
+    when the service starts."""
 
     def __init__(self, front: str, back: Union[str, Sequence[str]],
                  reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
                  **deviceOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
-        from mdp.sp.peers import SPDevice
 
         transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         self.front = front
-        self.exitOnFailure = exitOnFailure
         self.back = back
-        self.reactor = reactor
+        self.reactor = default_reactor(reactor)
+        self.exitOnFailure = exitOnFailure
         self.deviceOptions = deviceOptions
-        self.device: Optional[SPDevice] = None
-        self._make = SPDevice
+        self.device: Optional[Any] = None
 
-    def startService(self) -> defer.Deferred[Any]:  # type: ignore[override]
-        from mdp.policy import default_reactor
+    def _start(self) -> defer.Deferred[Any]:
+        from mdp.sp.peers import SPDevice
 
-        super().startService()
-        if _exiting(default_reactor(self.reactor)):
-            return defer.succeed(None)
-        device = self.device = self._make(self.back, self.reactor, **self.deviceOptions)
-        return device.listen(self.front).addErrback(
-            lambda f: self._cannotListen("SP device", self.front, device.reactor, f))
+        self.device = SPDevice(self.back, self.reactor, **self.deviceOptions)
+        return self.device.listen(self.front).addErrback(
+            lambda f: self._cannotListen("SP device", self.front, f))
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
+    def _stop(self) -> defer.Deferred[None]:
         device, self.device = self.device, None
         return device.close() if device is not None else defer.succeed(None)
 
@@ -326,19 +308,15 @@ class TitanicService(_FailableService):
         from mdp.titanic import Titanic
 
         self.titanic = Titanic(broker, store, reactor, **titanicOptions)
+        self.reactor = self.titanic.reactor
         self.exitOnFailure = exitOnFailure
 
-    def startService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().startService()
-        if _exiting(self.titanic.reactor):
-            return defer.succeed(None)
+    def _start(self) -> defer.Deferred[None]:
         return self.titanic.start().addErrback(self._failed)
 
     def _failed(self, failure: Failure) -> None:
         # logged, not returned: a parent service would drop the failure unseen
-        self._failedToStart(self.titanic.reactor, failure, "Titanic cannot start: {error}",
-                            error=failure.getErrorMessage())
+        self._failedToStart(failure, "Titanic cannot start: {error}")
 
-    def stopService(self) -> defer.Deferred[None]:  # type: ignore[override]
-        super().stopService()
+    def _stop(self) -> defer.Deferred[None]:
         return self.titanic.stop()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from twisted.internet import task
 
 from mdp.app.tap import curve_client_of
 from mdp.app.terminal import emit, error, table
 from mdp.errors import BrokerUnreachable, MDPError, RequestTimeout
+from mdp.majordomo.client import Client
 
 #: seconds to wait for ``mmi.binarystar``, which a broker may not answer
 BSTAR_PROBE = 1.0
@@ -38,54 +39,43 @@ def _excerpt(frames: list[bytes]) -> str:
     return f"{text[:EXCERPT]}... ({size} bytes in {len(frames)} frame{'s' * (len(frames) != 1)})"
 
 
-def _listing(reply: list[bytes], what: str) -> tuple[Any, str]:
-    """The JSON of an MMI listing, and a note when the broker cut it short."""
-    note = ""
-    if len(reply) > 1:
-        extra = json.loads(reply[1])
-        if extra.get("truncated"):
-            note = f"(the first {{shown}} of {extra['total']} {what})"
-    return json.loads(reply[0]), note
-
-
 def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
     """The two tables of ``mdp status``; raises :class:`UndescribedReply`."""
+    return (_table(services, "mmi.services", ["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"],
+                   (1, 2, 3, 4), _service_rows)
+            + [""] + _table(workers, "mmi.workers", ["WORKER", "SERVICE", "STATE", "DIALECT",
+                                                     "SILENCE (s)"], (4,), _worker_rows))
+
+
+def _table(reply: list[bytes], query: str, headings: list[str], right: tuple[int, ...],
+           rows: Callable[[Any], list[tuple[Any, ...]]]) -> list[str]:
+    """The table of an MMI listing, with a note when the broker cut it short."""
+    what = query.partition(".")[2]
     try:
-        lines = _services_lines(services)
+        listed = json.loads(reply[0])
+        lines = table(headings, rows(listed), right) if listed else [f"no {what}"]
+        extra = json.loads(reply[1]) if len(reply) > 1 else {}
+        if extra.get("truncated"):
+            lines.append(f"(the first {len(listed)} of {extra['total']} {what})")
     except _MALFORMED:
-        raise UndescribedReply("mmi.services", services) from None
-    try:
-        return lines + [""] + _workers_lines(workers)
-    except _MALFORMED:
-        raise UndescribedReply("mmi.workers", workers) from None
+        raise UndescribedReply(query, reply) from None
+    return lines
 
 
-def _services_lines(services: list[bytes]) -> list[str]:
-    listed, note = _listing(services, "services")
-    lines = ["no services"]
-    if listed:
-        rows = [(name, entry["workers"], entry["idle"], entry["workers"] - entry["idle"],
-                 entry["queued"]) for name, entry in sorted(listed.items())]
-        lines = table(["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"], rows, (1, 2, 3, 4))
-    return lines + [note.format(shown=len(listed))] if note else lines
+def _service_rows(listed: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(name, entry["workers"], entry["idle"], entry["workers"] - entry["idle"],
+             entry["queued"]) for name, entry in sorted(listed.items())]
 
 
-def _workers_lines(workers: list[bytes]) -> list[str]:
-    listed, note = _listing(workers, "workers")
-    lines = ["no workers"]
-    if listed:
-        # a broker with an access policy leaves the peer ids out
-        rows = [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
-                 f"{w['silence']:.1f}")
-                for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
-        lines = table(["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"], rows, (4,))
-    return lines + [note.format(shown=len(listed))] if note else lines
+def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
+    # a broker with an access policy leaves the peer ids out
+    return [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
+             f"{w['silence']:.1f}")
+            for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
 
 
 async def status(reactor: Any, options: Any) -> None:
     """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
-    from mdp.majordomo.client import Client
-
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
                     retries=options["retries"], **curve_client_of(options))
     watch = options["watch"]

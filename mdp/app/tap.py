@@ -3,32 +3,43 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import attrs
-from twisted.application.service import IServiceMaker
+from twisted.application.service import IServiceMaker, MultiService
+from twisted.logger import LogLevel
 from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
 from mdp import transport
+from mdp.app import service
 from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
-from mdp.errors import TransportError
+from mdp.binarystar import BinaryStar
+from mdp.errors import MDPError, TransportError
+from mdp.handlers import load_handler
 from mdp.majordomo import broker
+from mdp.majordomo.codec import api_service_name, check_dialect
+from mdp.majordomo.idempotence import MemoryReplyStore
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_PENDING_BYTES,
     FRAME_OVERHEAD,
     MAX_SECONDS,
     PIRATE,
+    AccessPolicy,
     Backoff,
     HeartbeatPolicy,
     Limits,
 )
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
-from mdp.transport.stream import raise_descriptor_limit
+from mdp.transport.curve import curve_server
+from mdp.transport.endpoints import raise_descriptor_limit
+from mdp.transport.registry import bare_address
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
@@ -55,9 +66,6 @@ def byte_size(value: str) -> int:
     if size > MAX_BYTE_SIZE:
         raise ValueError(f"byte size too large: {value.strip()} (at most {MAX_BYTE_SIZE} bytes)")
     return size
-
-
-byte_size.coerceDoc = "Bytes; K/KiB, M/MiB and G/GiB suffixes allowed."  # type: ignore[attr-defined]
 
 
 def _bytes(option: str, least: int) -> Callable[[str], int]:
@@ -114,17 +122,14 @@ def _whole(option: str, least: int) -> Callable[[str], int]:
     return coerce
 
 
-def _dialect(value: str) -> str:
-    from mdp.majordomo.codec import check_dialect
-
-    return check_dialect(value)
+def _option(name: str, default: Any, doc: str, coercer: Callable[..., Callable[[str], Any]],
+            *bounds: Any) -> list[Any]:
+    """The usage.Options row of the parameter *name*, coerced by ``coercer(name, *bounds)``."""
+    return [name, None, default, doc, coercer(name, *bounds)]
 
 
 def program_name() -> str:
     """The name the program was started by: ``twist``, ``python -m twisted``, ..."""
-    import os
-    import sys
-
     name = os.path.basename(sys.argv[0])
     if name == "__main__.py":
         package = os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0])))
@@ -138,18 +143,13 @@ EXIT_USAGE = 2
 _COERCE_FAILED = "Parameter type enforcement failed: "
 
 
-def usage_text(error: usage.UsageError) -> str:
-    """*error*'s text, without usage.Options' prefix when the message names its option."""
-    text = str(error)
-    if text.startswith(_COERCE_FAILED) and text[len(_COERCE_FAILED):].startswith("--"):
-        return text[len(_COERCE_FAILED):]
-    return text
-
-
 def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
-    """A usage mistake in one line: the command, what is wrong, where the help is."""
-    command = options.commandName()
-    return f"{command}: {usage_text(error)} (see {command} --help)"
+    """A usage mistake in one line: the command, what is wrong, where the help is.
+    usage.Options' prefix goes when the message names its option."""
+    command, text = options.commandName(), str(error)
+    if text.startswith(_COERCE_FAILED + "--"):
+        text = text[len(_COERCE_FAILED):]
+    return f"{command}: {text} (see {command} --help)"
 
 
 class VersionedOptions(usage.Options):
@@ -159,40 +159,44 @@ class VersionedOptions(usage.Options):
 
     #: what the usage line of a parser with no parent starts with
     programName: Optional[str] = None
+    #: options that may be given more than once (see :func:`repeated`)
+    repeatable: tuple[str, ...] = ()
 
     opt_h = usage.Options.opt_help
 
-    def _chain(self) -> tuple[usage.Options, list[str]]:
-        """The parser with no parent, and the sub-commands from it to this one."""
+    def __init__(self) -> None:
+        super().__init__()
+        for name in self.repeatable:
+            self[name] = []
+
+    def _chain(self) -> tuple[Optional[str], list[str]]:
+        """The programName of the parser with no parent (None under twist), and
+        the sub-commands from it to this one."""
         words = []
         node: usage.Options = self
         while node.parent is not None:
             words.insert(0, node.parent.subCommand)
             node = node.parent
-        return node, words
+        return getattr(node, "programName", None), words
 
     def commandName(self) -> str:
         """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
-        root, words = self._chain()
-        return " ".join([getattr(root, "programName", None) or program_name(), *words])
+        program, words = self._chain()
+        return " ".join([program or program_name(), *words])
 
     def getSynopsis(self) -> str:
-        root, words = self._chain()
-        program = getattr(root, "programName", None)
+        program, words = self._chain()
         if program is None:  # twist (or twistd): the program's own options come first
-            program = program_name() + ("" if root is self else " [options]")
+            program = program_name() + (" [options]" if words else "")
         synopsis = getattr(self, "synopsis", "[options]").rstrip()
         return " ".join(["Usage:", program, *words, synopsis])
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
-        if self.parent is None or getattr(self._chain()[0], "programName", None) is not None:
-            super().parseOptions(options)  # alone, or under mdp: the caller reports it
-            return
         try:
             super().parseOptions(options)
         except usage.UsageError as e:
-            import sys
-
+            if self.parent is None or self._chain()[0] is not None:
+                raise  # alone, or under mdp: the caller reports it
             print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
 
@@ -204,8 +208,6 @@ class VersionedOptions(usage.Options):
 
     def opt_version(self) -> None:
         """Display txmajordomo's version and exit"""
-        import sys
-
         import twisted
         from mdp import __version__
 
@@ -213,45 +215,14 @@ class VersionedOptions(usage.Options):
         sys.exit(0)
 
 
-class _HeartbeatOptions(VersionedOptions):
-    optParameters: list[Any] = [
-        ["heartbeat", None, 2.5, "Heartbeat interval in seconds.",
-         _seconds("heartbeat", MIN_INTERVAL)],
-        ["liveness", None, 3, "Missed heartbeats before a peer is dead.", _whole("liveness", 1)],
-    ]
+def repeated(name: str, doc: str) -> Callable[[VersionedOptions, str], None]:
+    """The ``opt_`` handler of *name*, an option in ``repeatable``: each value
+    is added to the list ``self[name]``."""
+    def add(self: VersionedOptions, value: str) -> None:
+        self[name].append(value)
 
-    def heartbeatPolicy(self) -> HeartbeatPolicy:
-        """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
-        try:
-            return HeartbeatPolicy(self["heartbeat"], self["liveness"])
-        except ValueError as e:
-            raise usage.UsageError(f"--heartbeat {self['heartbeat']} --liveness "
-                                   f"{self['liveness']}: {e}") from None
-
-
-_DEFAULT_LIMITS = Limits()
-
-_MESSAGE_OPTIONS: list[Any] = [
-    ["max-message-bytes", None, _DEFAULT_LIMITS.maxMessageBytes,
-     "Largest message sent or received, in bytes of frames (the same on every node); with "
-     "4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
-     _bytes("max-message-bytes", 64)],
-    ["max-frames", None, _DEFAULT_LIMITS.maxFrames, "Most frames in one message.",
-     _whole("max-frames", 8)],
-]
-_PEER_OPTIONS: list[Any] = [
-    ["max-output-bytes", None, _DEFAULT_LIMITS.maxOutputBytes,
-     "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.",
-     _bytes("max-output-bytes", 64)],
-    ["max-connections", None, _DEFAULT_LIMITS.maxConnections,
-     "Most open connections per stream endpoint (tcp, tls, unix).", _whole("max-connections", 1)],
-    ["handshake-timeout", None, _DEFAULT_LIMITS.handshakeTimeout,
-     "Seconds a new stream connection has to send its first message.",
-     _seconds("handshake-timeout", 0.001)],
-    ["record-timeout", None, _DEFAULT_LIMITS.recordTimeout,
-     "Seconds a stream peer has to complete a message it started.",
-     _seconds("record-timeout", 0.001)],
-]
+    add.__doc__ = doc
+    return add
 
 
 def checked_endpoints(value: Optional[str], role: str, option: str,
@@ -283,34 +254,47 @@ def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[s
 class BrokerListOptions(VersionedOptions):
     """``--broker``/``-b``, repeatable for failover; parsed into ``self["brokers"]``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["broker"] = []
-
-    def opt_broker(self, endpoint: str) -> None:
-        """Broker endpoint; once per broker (or commas) for failover [default: zmq:tcp://127.0.0.1:5555]"""
-        self["broker"].append(endpoint)
-
-    opt_b = opt_broker
+    repeatable = ("broker",)
+    opt_broker = opt_b = repeated("broker", "Broker endpoint; once per broker (or commas) for "
+                                  "failover [default: zmq:tcp://127.0.0.1:5555]")
 
     def postOptions(self) -> None:
-        given = [checked_endpoints(value, transport.CONNECT, "broker") for value in self["broker"]]
-        self["brokers"] = ([e for endpoints in given for e in endpoints] if given
-                           else checked_endpoints(DEFAULT_ENDPOINT, transport.CONNECT, "broker"))
+        self["brokers"] = [endpoint for value in self["broker"] or [DEFAULT_ENDPOINT]
+                           for endpoint in checked_endpoints(value, transport.CONNECT, "broker")]
 
 
-_LIMIT_OPTIONS = {"max-message-bytes": "maxMessageBytes", "max-frames": "maxFrames",
-                  "max-output-bytes": "maxOutputBytes", "max-connections": "maxConnections",
-                  "handshake-timeout": "handshakeTimeout", "record-timeout": "recordTimeout"}
+def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
+    """The options *names* as keyword arguments: ``max-queue`` as ``maxQueue``."""
+    return {re.sub(r"-(\w)", lambda m: m.group(1).upper(), name): options[name]
+            for name in names}
+
+
+_DEFAULT_LIMITS = Limits()
+_MESSAGE_OPTIONS: list[Any] = [
+    _option("max-message-bytes", _DEFAULT_LIMITS.maxMessageBytes,
+            "Largest message sent or received, in bytes of frames (the same on every node); "
+            "with 4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
+            _bytes, 64),
+    _option("max-frames", _DEFAULT_LIMITS.maxFrames, "Most frames in one message.", _whole, 8),
+]
+_PEER_OPTIONS: list[Any] = [
+    _option("max-output-bytes", _DEFAULT_LIMITS.maxOutputBytes,
+            "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.", _bytes, 64),
+    _option("max-connections", _DEFAULT_LIMITS.maxConnections,
+            "Most open connections per stream endpoint (tcp, tls, unix).", _whole, 1),
+    _option("handshake-timeout", _DEFAULT_LIMITS.handshakeTimeout,
+            "Seconds a new stream connection has to send its first message.", _seconds, 0.001),
+    _option("record-timeout", _DEFAULT_LIMITS.recordTimeout,
+            "Seconds a stream peer has to complete a message it started.", _seconds, 0.001),
+]
 
 
 def limits_of(options: usage.Options) -> Limits:
     """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or
     too large for a stream record."""
-    given = {field: options[option] for option, field in _LIMIT_OPTIONS.items()
-             if option in options}
     try:
-        limits = Limits(**given)
+        limits = Limits(**keywords(options, *(row[0] for row in _MESSAGE_OPTIONS + _PEER_OPTIONS
+                                               if row[0] in options)))
     except ValueError as e:
         raise usage.UsageError(str(e)) from None
     prefixes = 4 * limits.maxFrames
@@ -325,22 +309,6 @@ def limits_of(options: usage.Options) -> Limits:
             f"4 a frame for its length, so --max-message-bytes is at most "
             f"{MAX_RECORD_PAYLOAD - prefixes}")
     return limits
-
-
-def loaded_handler(options: usage.Options, command: str, load: Any) -> Any:
-    """``load(options["handler"])``, once, kept as ``options["handler-callable"]``.
-    A failure is one line on stderr and exit status 2, before anything starts."""
-    if "handler-callable" not in options:
-        from mdp.errors import MDPError
-
-        try:
-            options["handler-callable"] = load(options["handler"])
-        except MDPError as e:
-            import sys
-
-            print(f"{command}: --handler: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-    return options["handler-callable"]
 
 
 _METRICS_OPTIONS: list[Any] = [
@@ -368,29 +336,6 @@ def checked_metrics(options: usage.Options) -> None:
         raise usage.UsageError(f"--metrics: {options['metrics']!r}: {e}") from None
 
 
-def metrics_of(options: usage.Options, kind: str) -> Any:
-    """A fresh ``mdp.metrics.<kind>`` when --metrics was given, else None."""
-    if not options["metrics"]:
-        return None
-    import mdp.metrics
-
-    return getattr(mdp.metrics, kind)()
-
-
-def with_metrics(service: Any, options: usage.Options, metrics: Any) -> Any:
-    """*service*, under one parent with a :class:`~mdp.app.service.MetricsService` if asked."""
-    if metrics is None:
-        return service
-    from twisted.application.service import MultiService
-
-    from mdp.app.service import MetricsService
-
-    parent = MultiService()
-    service.setServiceParent(parent)
-    MetricsService(options["metrics"], metrics.registry, exitOnFailure=True).setServiceParent(parent)
-    return parent
-
-
 _CURVE_SERVER_OPTIONS: list[Any] = [
     ["curve-secret", None, None, "CURVE: this server's secret key file (NAME.key_secret, "
      "from 'mdp keygen NAME'); zmq: endpoints become encrypted."],
@@ -408,8 +353,6 @@ CURVE_CLIENT_OPTIONS: list[Any] = [
 def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[str]]) -> None:
     """Check --curve-secret and --curve-allow, and each of *listeners* (option:
     endpoint) against them (:func:`mdp.transport.curve_listen_for`)."""
-    from mdp.transport.curve import curve_server
-
     try:
         curve = curve_server(options["curve-secret"], options["curve-allow"])
     except (TransportError, ValueError) as e:
@@ -424,8 +367,7 @@ def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[s
 
 def curve_client_of(options: usage.Options) -> dict[str, Any]:
     """--curve-server-public and --curve-secret, as a peer's keyword arguments."""
-    return {"curveServerPublic": options["curve-server-public"],
-            "curveSecret": options["curve-secret"]}
+    return keywords(options, "curve-server-public", "curve-secret")
 
 
 def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
@@ -437,29 +379,94 @@ def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
         raise usage.UsageError(str(e)) from None
 
 
-def access_of(options: usage.Options) -> Any:
-    """The --access policy file, loaded (None without one)."""
-    if options["access"] is None:
-        return None
-    if "access-policy" not in options:
-        from mdp.policy import AccessPolicy
+def _pending_options(beyond: str) -> list[Any]:
+    """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
+    return [
+        _option("max-pending", DEFAULT_MAX_PENDING,
+                f"Most requests being handled at once; beyond, requests are {beyond}.", _whole, 1),
+        _option("max-pending-bytes", DEFAULT_MAX_PENDING_BYTES,
+                f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1),
+    ]
 
+
+class _ServiceOptions(VersionedOptions):
+    """Options of a ``twist`` plugin.  :meth:`postOptions` checks each group of
+    options the plugin has (limits, metrics, CURVE, handler), so a mistake is a
+    usage error before anything starts."""
+
+    optParameters: list[Any] = _MESSAGE_OPTIONS
+
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
+        """Check the options of this role; a server returns its listeners
+        (option: endpoint) for the CURVE check."""
+
+    def postOptions(self) -> None:
+        if "heartbeat" in self:
+            self.heartbeatPolicy()
+        limits_of(self)
+        listeners = self.checkRole()
+        if "metrics" in self:
+            checked_metrics(self)
+        if "curve-allow" in self:
+            checked_curve_server(self, listeners or {})
+        elif "curve-server-public" in self:
+            checked_curve_client(self, self["brokers"])
+        if "handler" in self:
+            self.loadedHandler()
+
+    def heartbeatPolicy(self) -> HeartbeatPolicy:
+        """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
         try:
-            options["access-policy"] = AccessPolicy.load(options["access"])
-        except OSError as e:
-            raise usage.UsageError(f"--access: cannot read {options['access']}: "
-                                   f"{e.strerror}") from None
+            return HeartbeatPolicy(self["heartbeat"], self["liveness"])
         except ValueError as e:
-            raise usage.UsageError(f"--access: {e}") from None
-    return options["access-policy"]
+            raise usage.UsageError(f"--heartbeat {self['heartbeat']} --liveness "
+                                   f"{self['liveness']}: {e}") from None
+
+    loadHandler = staticmethod(load_handler)
+
+    def loadedHandler(self) -> Any:
+        """--handler, loaded once; a failure is one line on stderr and exit
+        status 2, before anything starts."""
+        if "handler-callable" not in self:
+            try:
+                self["handler-callable"] = self.loadHandler(self["handler"])
+            except MDPError as e:
+                print(f"{self.commandName()}: --handler: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+        return self["handler-callable"]
 
 
-def debug_logging(options: usage.Options) -> bool:
-    """``twist --log-level debug`` was asked for (the parent's option)."""
-    from twisted.logger import LogLevel
+class _HeartbeatOptions(_ServiceOptions):
+    optParameters: list[Any] = [
+        _option("heartbeat", 2.5, "Heartbeat interval in seconds.", _seconds, MIN_INTERVAL),
+        _option("liveness", 3, "Missed heartbeats before a peer is dead.", _whole, 1),
+    ]
 
-    parent = getattr(options, "parent", None)
-    return parent is not None and parent.get("logLevel") == LogLevel.debug
+
+#: the broker's bounds, passed on to it as keyword arguments
+_BROKER_BOUNDS: list[Any] = [
+    _option("request-expiry", broker.DEFAULT_REQUEST_EXPIRY,
+            "Seconds a request waits for a worker of its service to be free.", _seconds),
+    _option("unknown-service-expiry", broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
+            "Seconds the requests for a service no worker has registered wait (from its first "
+            "request), then 503.", _seconds),
+    _option("service-linger", broker.DEFAULT_SERVICE_LINGER,
+            "Seconds a service stays known (mmi.service 200) after its last worker left.", _seconds),
+    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", _whole, 1),
+    _option("max-service-queue", broker.DEFAULT_MAX_SERVICE_QUEUE,
+            "Most requests queued for one service.", _whole, 1),
+    _option("max-queue-bytes", broker.DEFAULT_MAX_QUEUE_BYTES,
+            f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
+            _bytes, FRAME_OVERHEAD),
+    _option("max-service-queue-bytes", broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
+            f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
+            _bytes, FRAME_OVERHEAD),
+    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", _whole, 1),
+    _option("max-service-workers", broker.DEFAULT_MAX_SERVICE_WORKERS,
+            "Most registered workers for one service.", _whole, 1),
+    _option("max-deliveries", broker.DEFAULT_MAX_DELIVERIES,
+            "Times a request is given to a worker that is then lost, before it fails.", _whole, 1),
+]
 
 
 class BrokerOptions(_HeartbeatOptions):
@@ -472,65 +479,48 @@ class BrokerOptions(_HeartbeatOptions):
         "Run an MDP/0.2 broker.  Endpoints: zmq:tcp://HOST:PORT (port * lets the "
         "OS choose), tcp:host=HOST:port=PORT (any Twisted endpoint), loopback:NAME."
     )
-    optParameters: list[Any] = _HeartbeatOptions.optParameters + [
+    optParameters: list[Any] = [
         ["endpoint", "e", DEFAULT_ENDPOINT,
          "Endpoint for clients (and workers, unless --backend is given)."],
         ["backend", "b", None, "Separate endpoint for workers."],
-        ["request-expiry", None, broker.DEFAULT_REQUEST_EXPIRY,
-         "Seconds a request waits for a worker of its service to be free.",
-         _seconds("request-expiry")],
-        ["unknown-service-expiry", None, broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
-         "Seconds the requests for a service no worker has registered wait (from its first "
-         "request), then 503.", _seconds("unknown-service-expiry")],
-        ["service-linger", None, broker.DEFAULT_SERVICE_LINGER,
-         "Seconds a service stays known (mmi.service 200) after its last worker left.",
-         _seconds("service-linger")],
-        ["max-queue", None, broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.",
-         _whole("max-queue", 1)],
-        ["max-service-queue", None, broker.DEFAULT_MAX_SERVICE_QUEUE,
-         "Most requests queued for one service.", _whole("max-service-queue", 1)],
-        ["max-queue-bytes", None, broker.DEFAULT_MAX_QUEUE_BYTES,
-         f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
-         _bytes("max-queue-bytes", FRAME_OVERHEAD)],
-        ["max-service-queue-bytes", None, broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
-         f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
-         _bytes("max-service-queue-bytes", FRAME_OVERHEAD)],
-        ["max-workers", None, broker.DEFAULT_MAX_WORKERS, "Most registered workers.",
-         _whole("max-workers", 1)],
-        ["max-service-workers", None, broker.DEFAULT_MAX_SERVICE_WORKERS,
-         "Most registered workers for one service.", _whole("max-service-workers", 1)],
-        ["max-deliveries", None, broker.DEFAULT_MAX_DELIVERIES,
-         "Times a request is given to a worker that is then lost, before it fails.",
-         _whole("max-deliveries", 1)],
         ["bstar", None, None,
          "Run as one of a Binary Star pair: primary or backup (needs --bstar-local and "
          "--bstar-remote)."],
         ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
-        ["bstar-heartbeat", None, DEFAULT_BSTAR_HEARTBEAT,
-         "Binary Star: seconds between state messages; the peer is gone after twice this.",
-         _seconds("bstar-heartbeat", MIN_INTERVAL)],
+        _option("bstar-heartbeat", DEFAULT_BSTAR_HEARTBEAT, "Binary Star: seconds between state "
+                "messages; the peer is gone after twice this.", _seconds, MIN_INTERVAL),
         ["access", None, None, "Access policy file (TOML): which peers may call and serve "
          "which services (docs/security.md)."],
-    ] + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS + _PEER_OPTIONS
+    ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _PEER_OPTIONS
 
-    def postOptions(self) -> None:
-        self.heartbeatPolicy()
-        limits_of(self)
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
                      "backend": checked_endpoint(self["backend"], transport.LISTEN, "backend")}
-        checked_metrics(self)
-        access_of(self)
-        bstar = [value is not None for value in
-                 (self["bstar"], self["bstar-local"], self["bstar-remote"])]
-        if any(bstar) and not all(bstar):
+        self.accessPolicy()
+        given = [self[name] is not None for name in ("bstar", "bstar-local", "bstar-remote")]
+        if any(given) and not all(given):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
-        if self["bstar"] is not None and self["bstar"] not in ("primary", "backup"):
-            raise usage.UsageError(f"--bstar is primary or backup, not {self['bstar']!r}")
-        if self["bstar"] is not None:
+        if all(given):
+            if self["bstar"] not in ("primary", "backup"):
+                raise usage.UsageError(f"--bstar is primary or backup, not {self['bstar']!r}")
             checked_endpoint(self["bstar-local"], transport.LISTEN, "bstar-local")
             checked_endpoint(self["bstar-remote"], transport.CONNECT, "bstar-remote")
-        checked_curve_server(self, listeners)
+        return listeners
+
+    def accessPolicy(self) -> Any:
+        """The --access policy file, loaded once (None without one)."""
+        if self["access"] is None:
+            return None
+        if "access-policy" not in self:
+            try:
+                self["access-policy"] = AccessPolicy.load(self["access"])
+            except OSError as e:
+                raise usage.UsageError(f"--access: cannot read {self['access']}: "
+                                       f"{e.strerror}") from None
+            except ValueError as e:
+                raise usage.UsageError(f"--access: {e}") from None
+        return self["access-policy"]
 
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
@@ -542,127 +532,28 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
                 "module:callable is imported at start (the current directory is searched "
                 "too); it takes the request frames and returns the reply.")
-    optParameters: list[Any] = _HeartbeatOptions.optParameters + [
+    optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-        ["backoff-max", None, 32.0, "Longest reconnect delay in seconds.",
-         _seconds("backoff-max", MIN_INTERVAL)],
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", _dialect],
-        ["reply-store", None, 0,
-         "Remember the replies to this many stamped requests and answer their retries "
-         "from memory (0: off).", _whole("reply-store", 0)],
-    ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS + _MESSAGE_OPTIONS
+        _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", _seconds, MIN_INTERVAL),
+        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
+        _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
+                "their retries from memory (0: off).", _whole, 0),
+    ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
 
-    def postOptions(self) -> None:
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if self["service"] is None:
             raise usage.UsageError("--service is required")
         if not self["service"]:
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
-        from mdp.majordomo.codec import api_service_name
-
         try:
             api_service_name(self["service"])
         except ValueError as e:
             raise usage.UsageError(f"--service: {e}") from None
-        self.heartbeatPolicy()
-        limits_of(self)
         BrokerListOptions.postOptions(self)
-        checked_metrics(self)
-        checked_curve_client(self, self["brokers"])
-        from mdp.handlers import load_handler
-
-        loaded_handler(self, "twist mdp-worker", load_handler)
 
 
-@implementer(IServiceMaker, IPlugin)
-class BrokerServiceMaker:
-    tapname = "mdp-broker"
-    description = "MDP/0.2 (Majordomo) broker."
-    options = BrokerOptions
-
-    def makeService(self, options: BrokerOptions) -> Any:
-        from mdp.app.service import BrokerService
-
-        raise_descriptor_limit()
-        binaryStar = None
-        if options["bstar"] is not None:
-            from mdp.binarystar import BinaryStar
-
-            binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
-                                    options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
-                                    limits=limits_of(options))
-        metrics = metrics_of(options, "BrokerMetrics")
-        return with_metrics(BrokerService(
-            options["endpoint"],
-            metrics=metrics,
-            logRequests=debug_logging(options),
-            unknownServiceExpiry=options["unknown-service-expiry"],
-            binaryStar=binaryStar,
-            backend=options["backend"],
-            heartbeat=options.heartbeatPolicy(),
-            requestExpiry=options["request-expiry"],
-            serviceLinger=options["service-linger"],
-            maxQueue=options["max-queue"],
-            maxServiceQueue=options["max-service-queue"],
-            maxQueueBytes=options["max-queue-bytes"],
-            maxServiceQueueBytes=options["max-service-queue-bytes"],
-            maxWorkers=options["max-workers"],
-            maxServiceWorkers=options["max-service-workers"],
-            maxDeliveries=options["max-deliveries"],
-            limits=limits_of(options),
-            access=access_of(options),
-            curveSecret=options["curve-secret"],
-            curveAllow=options["curve-allow"],
-            exitOnFailure=True,
-        ), options, metrics)
-
-
-@implementer(IServiceMaker, IPlugin)
-class WorkerServiceMaker:
-    tapname = "mdp-worker"
-    description = "MDP/0.2 (Majordomo) worker running a handler."
-    options = WorkerOptions
-
-    def makeService(self, options: WorkerOptions) -> Any:
-        from mdp.app.service import WorkerService
-        from mdp.handlers import load_handler
-        from mdp.majordomo.idempotence import MemoryReplyStore
-
-        metrics = metrics_of(options, "WorkerMetrics")
-        return with_metrics(WorkerService(
-            options["brokers"],
-            options["service"],
-            loaded_handler(options, "twist mdp-worker", load_handler),
-            heartbeat=options.heartbeatPolicy(),
-            backoff=attrs.evolve(PIRATE, maximum=options["backoff-max"]),
-            dialect=options["dialect"],
-            replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
-            limits=limits_of(options),
-            metrics=metrics,
-            **curve_client_of(options),
-        ), options, metrics)
-
-
-def _pending_options(beyond: str) -> list[Any]:
-    """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
-    return [
-        ["max-pending", None, DEFAULT_MAX_PENDING,
-         f"Most requests being handled at once; beyond, requests are {beyond}.",
-         _whole("max-pending", 1)],
-        ["max-pending-bytes", None, DEFAULT_MAX_PENDING_BYTES,
-         f"Most bytes of requests being handled at once; beyond, {beyond}.",
-         _bytes("max-pending-bytes", 1)],
-    ]
-
-
-def checked_pending(options: usage.Options) -> None:
-    """``--max-pending`` and ``--max-pending-bytes`` are at least 1."""
-    for name in ("max-pending", "max-pending-bytes"):
-        if options[name] < 1:
-            raise usage.UsageError(f"--{name} must be at least 1, got {options[name]}")
-
-
-class FreelanceServerOptions(VersionedOptions):
+class FreelanceServerOptions(_ServiceOptions):
     """Options of ``twist mdp-freelance-server``."""
 
     synopsis = ("[--endpoint ENDPOINT] [--handler echo|module:callable] [--max-pending N] "
@@ -674,43 +565,15 @@ class FreelanceServerOptions(VersionedOptions):
         ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
-         + _MESSAGE_OPTIONS + _PEER_OPTIONS)
+         + _PEER_OPTIONS)
 
-    def postOptions(self) -> None:
-        limits_of(self)
-        endpoint = checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")
-        checked_metrics(self)
-        checked_curve_server(self, {"endpoint": endpoint})
-        checked_pending(self)
-        from mdp.handlers import load_handler
-
-        loaded_handler(self, "twist mdp-freelance-server", load_handler)
-
-
-@implementer(IServiceMaker, IPlugin)
-class FreelanceServerServiceMaker:
-    tapname = "mdp-freelance-server"
-    description = "Freelance (brokerless) request-reply server, answering PING with PONG."
-    options = FreelanceServerOptions
-
-    def makeService(self, options: FreelanceServerOptions) -> Any:
-        from mdp.app.service import FreelanceServerService
-        from mdp.handlers import load_handler
-
-        raise_descriptor_limit()
-        handler = loaded_handler(options, "twist mdp-freelance-server", load_handler)
-        metrics = metrics_of(options, "FreelanceMetrics")
-        return with_metrics(FreelanceServerService(
-            options["endpoint"], handler, exitOnFailure=True, limits=limits_of(options),
-            maxPending=options["max-pending"], maxPendingBytes=options["max-pending-bytes"],
-            metrics=metrics, curveSecret=options["curve-secret"],
-            curveAllow=options["curve-allow"]), options, metrics)
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
+        return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
 
 
 def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
     """*value*, checked as an SP endpoint (nng URL or ours) to listen on or connect to."""
     from mdp.sp.codec import endpoint_of
-    from mdp.transport.registry import bare_address
 
     if not value.strip():
         raise usage.UsageError(f"--{option} is empty: give an nng URL, e.g. tcp://127.0.0.1:5555")
@@ -724,16 +587,7 @@ def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
     return value
 
 
-def sp_handler(spec: str) -> Any:
-    """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
-    if spec == "echo":
-        return lambda payload: payload
-    from mdp.handlers import load_handler
-
-    return load_handler(spec)
-
-
-class SPRepOptions(VersionedOptions):
+class SPRepOptions(_ServiceOptions):
     """Options of ``twist sp-rep``."""
 
     synopsis = ("[--endpoint URL] [--handler echo|module:callable] [--max-pending N] "
@@ -744,70 +598,37 @@ class SPRepOptions(VersionedOptions):
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "nng URL or Twisted endpoint to listen on."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the payload bytes."],
-    ] + _pending_options("dropped (the requester resends)") + _MESSAGE_OPTIONS
+    ] + _pending_options("dropped (the requester resends)")
 
-    def postOptions(self) -> None:
-        limits_of(self)
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         checked_sp_endpoint(self["endpoint"], True, "endpoint")
-        checked_pending(self)
-        loaded_handler(self, "twist sp-rep", sp_handler)
+
+    @staticmethod
+    def loadHandler(spec: str) -> Any:
+        """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
+        if spec == "echo":
+            return lambda payload: payload
+        return load_handler(spec)
 
 
-class SPDeviceOptions(VersionedOptions):
+class SPDeviceOptions(_ServiceOptions):
     """Options of ``twist sp-device``."""
 
     synopsis = "[--front URL] --back URL [--back URL...] [options]"
     longdesc = "Forward SP (nng) requests from --front to the REP peers at --back, replies back."
     optParameters: list[Any] = [
         ["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."],
-    ] + _MESSAGE_OPTIONS
+    ]
 
-    def __init__(self) -> None:
-        super().__init__()
-        self["back"] = []
+    repeatable = ("back",)
+    opt_back = repeated("back", "Where to forward requests (once per REP peer or device).")
 
-    def opt_back(self, endpoint: str) -> None:
-        """Where to forward requests (once per REP peer or device)."""
-        self["back"].append(endpoint)
-
-    def postOptions(self) -> None:
-        limits_of(self)
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         checked_sp_endpoint(self["front"], True, "front")
         if not self["back"]:
             raise usage.UsageError("--back is required")
         for back in self["back"]:
             checked_sp_endpoint(back, False, "back")
-
-
-@implementer(IServiceMaker, IPlugin)
-class SPRepServiceMaker:
-    tapname = "sp-rep"
-    description = "SP (nng) REP server running a handler."
-    options = SPRepOptions
-
-    def makeService(self, options: SPRepOptions) -> Any:
-        from mdp.app.service import SPServerService
-
-        raise_descriptor_limit()
-        return SPServerService(options["endpoint"],
-                               loaded_handler(options, "twist sp-rep", sp_handler),
-                               exitOnFailure=True, limits=limits_of(options),
-                               maxPending=options["max-pending"],
-                               maxPendingBytes=options["max-pending-bytes"])
-
-
-@implementer(IServiceMaker, IPlugin)
-class SPDeviceServiceMaker:
-    tapname = "sp-device"
-    description = "SP (nng) REQ/REP device forwarding requests upstream."
-    options = SPDeviceOptions
-
-    def makeService(self, options: SPDeviceOptions) -> Any:
-        from mdp.app.service import SPDeviceService
-
-        raise_descriptor_limit()
-        return SPDeviceService(options["front"], options["back"], exitOnFailure=True,
-                               limits=limits_of(options))
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
@@ -821,52 +642,151 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         "SQLite file (made if missing; WAL, synchronous=FULL) or :memory: (fast, lost "
         "with the process)."
     )
-    optParameters: list[Any] = _HeartbeatOptions.optParameters + [
+    optParameters: list[Any] = [
         ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
          "Stored requests out to their services at once.", _whole("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
          "Seconds one attempt of a stored request may take before it is tried again.",
          _seconds("timeout")],
-        ["backoff-max", None, titanic_dispatcher.DEFAULT_BACKOFF.maximum,
-         "Longest wait before asking again about a service with no worker.",
-         _seconds("backoff-max", MIN_INTERVAL)],
-        ["keep", None, titanic_dispatcher.DEFAULT_KEEP,
-         "Seconds a reply is kept after it is stored, then purged.", _seconds("keep")],
-        ["service-workers", None, titanic_server.DEFAULT_SERVICE_WORKERS,
-         "MDP workers per Titanic service (requests stored at once).",
-         _whole("service-workers", 1)],
-    ] + CURVE_CLIENT_OPTIONS + _MESSAGE_OPTIONS
+        _option("backoff-max", titanic_dispatcher.DEFAULT_BACKOFF.maximum,
+                "Longest wait before asking again about a service with no worker.",
+                _seconds, MIN_INTERVAL),
+        _option("keep", titanic_dispatcher.DEFAULT_KEEP,
+                "Seconds a reply is kept after it is stored, then purged.", _seconds),
+        _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
+                "MDP workers per Titanic service (requests stored at once).", _whole, 1),
+    ] + CURVE_CLIENT_OPTIONS
 
-    def postOptions(self) -> None:
-        self.heartbeatPolicy()
-        limits_of(self)
+    def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
-        checked_curve_client(self, self["brokers"])
+
+
+def debug_logging(options: usage.Options) -> bool:
+    """``twist --log-level debug`` was asked for (the parent's option)."""
+    parent = getattr(options, "parent", None)
+    return parent is not None and parent.get("logLevel") == LogLevel.debug
+
+
+class _Plugin:
+    """What the ``twist`` plugins share: a plugin that serves raises the open
+    file limit first, and --metrics adds a metrics server beside the service."""
+
+    tapname: str
+    description: str
+    options: type[_ServiceOptions]
+    #: the :mod:`mdp.metrics` class that --metrics counts with
+    metrics = ""
+    #: it accepts connections: raise the open file limit
+    serves = True
+
+    def makeService(self, options: Any) -> Any:
+        if self.serves:
+            raise_descriptor_limit()
+        if not options.get("metrics"):
+            return self.serviceOf(options, None)
+        import mdp.metrics
+
+        metrics = getattr(mdp.metrics, self.metrics)()
+        parent = MultiService()
+        self.serviceOf(options, metrics).setServiceParent(parent)
+        service.MetricsService(options["metrics"], metrics.registry,
+                               exitOnFailure=True).setServiceParent(parent)
+        return parent
+
+    def serviceOf(self, options: Any, metrics: Any) -> Any:
+        """The service of *options*, counting with *metrics* (None: no --metrics)."""
+        raise NotImplementedError
 
 
 @implementer(IServiceMaker, IPlugin)
-class TitanicServiceMaker:
+class BrokerServiceMaker(_Plugin):
+    tapname = "mdp-broker"
+    description = "MDP/0.2 (Majordomo) broker."
+    options = BrokerOptions
+    metrics = "BrokerMetrics"
+
+    def serviceOf(self, options: BrokerOptions, metrics: Any) -> Any:
+        binaryStar = None
+        if options["bstar"] is not None:
+            binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
+                                    options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
+                                    limits=limits_of(options))
+        return service.BrokerService(
+            options["endpoint"], options["backend"], metrics=metrics, binaryStar=binaryStar,
+            logRequests=debug_logging(options), heartbeat=options.heartbeatPolicy(),
+            limits=limits_of(options), access=options.accessPolicy(), exitOnFailure=True,
+            **keywords(options, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
+
+
+@implementer(IServiceMaker, IPlugin)
+class WorkerServiceMaker(_Plugin):
+    tapname = "mdp-worker"
+    description = "MDP/0.2 (Majordomo) worker running a handler."
+    options = WorkerOptions
+    metrics = "WorkerMetrics"
+    serves = False
+
+    def serviceOf(self, options: WorkerOptions, metrics: Any) -> Any:
+        return service.WorkerService(
+            options["brokers"], options["service"], options.loadedHandler(),
+            heartbeat=options.heartbeatPolicy(),
+            backoff=attrs.evolve(PIRATE, maximum=options["backoff-max"]),
+            dialect=options["dialect"],
+            replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
+            limits=limits_of(options), metrics=metrics, **curve_client_of(options))
+
+
+@implementer(IServiceMaker, IPlugin)
+class FreelanceServerServiceMaker(_Plugin):
+    tapname = "mdp-freelance-server"
+    description = "Freelance (brokerless) request-reply server, answering PING with PONG."
+    options = FreelanceServerOptions
+    metrics = "FreelanceMetrics"
+
+    def serviceOf(self, options: FreelanceServerOptions, metrics: Any) -> Any:
+        return service.FreelanceServerService(
+            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
+            limits=limits_of(options), metrics=metrics,
+            **keywords(options, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
+
+
+@implementer(IServiceMaker, IPlugin)
+class SPRepServiceMaker(_Plugin):
+    tapname = "sp-rep"
+    description = "SP (nng) REP server running a handler."
+    options = SPRepOptions
+
+    def serviceOf(self, options: SPRepOptions, metrics: Any) -> Any:
+        return service.SPServerService(
+            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
+            limits=limits_of(options), **keywords(options, "max-pending", "max-pending-bytes"))
+
+
+@implementer(IServiceMaker, IPlugin)
+class SPDeviceServiceMaker(_Plugin):
+    tapname = "sp-device"
+    description = "SP (nng) REQ/REP device forwarding requests upstream."
+    options = SPDeviceOptions
+
+    def serviceOf(self, options: SPDeviceOptions, metrics: Any) -> Any:
+        return service.SPDeviceService(options["front"], options["back"], exitOnFailure=True,
+                                       limits=limits_of(options))
+
+
+@implementer(IServiceMaker, IPlugin)
+class TitanicServiceMaker(_Plugin):
     tapname = "mdp-titanic"
     description = "Titanic: disk-backed, disconnected requests through an MDP broker."
     options = TitanicOptions
+    serves = False
 
-    def makeService(self, options: TitanicOptions) -> Any:
-        from mdp.app.service import TitanicService
-
-        return TitanicService(
-            options["brokers"],
-            options["db"],
-            concurrency=options["concurrency"],
-            timeout=options["timeout"],
-            backoff=Backoff(titanic_dispatcher.DEFAULT_BACKOFF.initial,
-                            max(options["backoff-max"], titanic_dispatcher.DEFAULT_BACKOFF.initial)),
-            keep=options["keep"],
-            workers=options["service-workers"],
-            heartbeat=options.heartbeatPolicy(),
-            limits=limits_of(options),
-            **curve_client_of(options),
-            exitOnFailure=True,
-        )
+    def serviceOf(self, options: TitanicOptions, metrics: Any) -> Any:
+        initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
+        return service.TitanicService(
+            options["brokers"], options["db"], workers=options["service-workers"],
+            backoff=Backoff(initial, max(options["backoff-max"], initial)),
+            heartbeat=options.heartbeatPolicy(), limits=limits_of(options), exitOnFailure=True,
+            **keywords(options, "concurrency", "timeout", "keep"), **curve_client_of(options))
