@@ -350,10 +350,13 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
         state = State(int(frames[2]))
         role = _ROLES[bytes(frames[3])]
         uptime, heartbeat = float(frames[4]), float(frames[6])
-        if not (uptime >= 0 and 0 < heartbeat < float("inf") and _INSTANCE.match(bytes(frames[5]))):
-            raise ValueError("a field out of range")  # (NaN is out of every range)
     except (ValueError, KeyError):
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
+    for bad, field, index in ((not uptime >= 0, "uptime", 4),  # NaN is out of every range
+                              (not 0 < heartbeat < float("inf"), "heartbeat", 6),
+                              (not _INSTANCE.match(bytes(frames[5])), "run id", 5)):
+        if bad:
+            raise ProtocolError(f"bad {field} in Binary Star state message: {frames[index]!r}")
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
 
 

@@ -100,13 +100,15 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
     client = _clients.get(call)
     if client is None:
         client = _clients[call] = _new_client(Client, call)
-    window = defer.DeferredSemaphore(call.window)
-    results: list[Any] = [None] * len(requests)
-    sent: list[defer.Deferred] = []
+    count = len(requests)
+    results: list[Any] = [None] * count
+    inFlight: dict[int, defer.Deferred] = {}
     done: defer.Deferred = defer.Deferred()
-    remaining = len(requests)
+    remaining = count
+    following = 0  # the next request to send
+    filling = False
 
-    def answered(value: Any, index: int) -> None:
+    def settle(value: Any, index: int) -> None:
         nonlocal remaining
         if done.called:
             return
@@ -115,7 +117,7 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
         if isinstance(value, BaseException) and call.onError == "fail":
             # before cancelling the rest: each cancel comes back here
             done.errback(MDPSparkError(f"{call.describe()}: {value}"))
-            for d in sent:
+            for d in list(inFlight.values()):
                 d.cancel()
             return
         results[index] = value
@@ -123,20 +125,36 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
         if remaining == 0:
             done.callback(results)
 
-    def send(index: int, frames: Optional[list[bytes]]) -> Any:
-        if done.called:  # failed: nothing more is sent
-            return None
-        if frames is None:
-            return answered(ValueError("null input"), index)
-        try:
-            reply = client.request(call.service, *frames)
-        except Exception as e:  # over the limits (RequestTooLarge), ...
-            return answered(e, index)
-        return reply.addBoth(answered, index)
+    def answered(value: Any, index: int) -> None:
+        inFlight.pop(index, None)
+        settle(value, index)
+        if not filling:  # a reply that came at once: the loop below goes on
+            fill()
 
-    for index, frames in enumerate(requests):
-        sent.append(window.run(send, index, frames).addErrback(lambda f: f.trap(defer.CancelledError)))
-    if not requests:
+    def fill() -> None:
+        """Send while the window has room: a loop, so rows that finish at once
+        (a null input, a request over the limits) cost no recursion."""
+        nonlocal following, filling
+        filling = True
+        try:
+            while not done.called and following < count and len(inFlight) < call.window:
+                index, following = following, following + 1
+                frames = requests[index]
+                if frames is None:
+                    settle(ValueError("null input"), index)
+                    continue
+                try:
+                    d = client.request(call.service, *frames)
+                except Exception as e:  # over the limits (RequestTooLarge), ...
+                    settle(e, index)
+                    continue
+                inFlight[index] = d
+                d.addBoth(answered, index)
+        finally:
+            filling = False
+
+    fill()
+    if count == 0:
         done.callback(results)
     return done
 

@@ -481,6 +481,36 @@ async def test_spark_batches_go_through_a_reactor_already_running() -> None:
         await cluster.stop()
 
 
+def test_spark_rows_that_finish_at_once_behind_a_full_window_do_not_recurse() -> None:
+    """Rows that fail before they are sent (a null input) queued behind a full
+    window finish in one loop when a reply frees it: the batch completes,
+    however many there are."""
+    from twisted.internet import defer
+
+    from mdp import spark
+
+    call = spark.ServiceCall("echo", ("tcp://127.0.0.1:1",), onError="column", window=4)
+    pending: list[defer.Deferred] = []
+
+    class Unanswered:
+        def request(self, service: str, *frames: bytes) -> defer.Deferred:
+            pending.append(defer.Deferred())
+            return pending[-1]
+
+    spark._clients[call] = Unanswered()
+    try:
+        done = spark._call_many(call, [[b"x"]] * 4 + [None] * 5000)
+        results: list[Any] = []
+        done.addBoth(results.append)
+        for d in list(pending):
+            d.callback([b"reply"])
+        assert len(results) == 1 and len(results[0]) == 5004
+        assert results[0][:4] == [[b"reply"]] * 4
+        assert all(isinstance(r, ValueError) for r in results[0][4:])
+    finally:
+        spark._clients.pop(call, None)
+
+
 def slow_echo(peer: bytes, body: list[bytes]) -> list[Any]:
     """A worker that takes 0.2 s a request (in the scripted broker's thread)."""
     import time

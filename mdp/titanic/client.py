@@ -116,7 +116,8 @@ class TitanicClient:
                 raise UnknownRequest(f"Titanic knows no request {requestId} "
                                      f"(never stored, closed, or purged)")
             if status != [protocol.OK]:
-                raise TitanicError(f"titanic.reply answered {status or 'no status frame'}")
+                raise TitanicError(f"titanic.reply answered {status[0]!r}" if status
+                                   else "titanic.reply answered with no status frame")
             frames = reply[1:]
             error = remote_error(self._services.get(requestId, b"titanic.reply"), frames)
             if error is not None:

@@ -301,7 +301,10 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        return self.services.setdefault(name, _Service(name))
+        service = self.services.get(name)
+        if service is None:
+            service = self.services[name] = _Service(name)
+        return service
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -528,6 +531,10 @@ class Dispatcher:
         # every request out, and room for the service checks beside them
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
                       maxConnections=self.machine.concurrency + 2, limits=self.limits, **self._curve)
+
+    @property
+    def concurrency(self) -> int:
+        return self.machine.concurrency
 
     def start(self) -> None:
         if self.machine.running:

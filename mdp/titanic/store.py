@@ -32,6 +32,12 @@ from mdp.titanic.protocol import MalformedTitanicRequest, parse_request
 from mdp.transport.framing import decode_record, encode_record
 
 
+def new_id() -> str:
+    """A fresh request id: an RFC 4122 UUID (version 4) as text."""
+    return str(uuid.uuid4())
+
+
+
 class ReplyStatus(enum.Enum):
     """What the store knows of a request's reply."""
 
@@ -459,7 +465,7 @@ class SQLiteStore:
         return self._run(self._connect).addErrback(lambda failure: (self._release(), failure)[1])
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
-        requestId = str(uuid.uuid4())
+        requestId = new_id()
         service = bytes(service)
         record = encode_record(frames)
         d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
