@@ -294,3 +294,37 @@ def test_what_a_failing_tick_decided_is_still_done() -> None:
         broker.tick()
     assert broker._wakeCall is not None and broker._wakeCall.getTime() == 5
     assert [event["log_format"] for event in events] == ["broker tick failed"]
+
+
+def test_a_send_that_raises_in_a_tick_does_not_stop_the_ticks() -> None:
+    """A transport that raises once while the tick's heartbeat goes out is
+    logged; the ticks go on, so a silent worker still expires."""
+    from twisted.internet.task import Clock
+
+    from mdp.majordomo.broker import Binding
+
+    class FlakyRouter:
+        endpoint = ""
+
+        def __init__(self) -> None:
+            self.failOnce = True
+
+        def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
+            if frames[-1] == codec.W_HEARTBEAT and self.failOnce:
+                self.failOnce = False
+                raise RuntimeError("transport hiccup")
+
+        def disconnectPeer(self, peer: bytes) -> None:
+            pass
+
+    clock = Clock()
+    broker = Broker(clock)
+    binding = Binding(broker, True, True)
+    broker._bind(binding, FlakyRouter())
+    binding.messageReceived(b"w1", [codec.WORKER_HEADER, codec.W_READY, b"echo"])
+    with logged_at(()) as events:
+        for _ in range(40):
+            clock.advance(0.5)
+    assert broker._ticker.running
+    assert (binding, b"w1") not in broker.machine.workers
+    assert "broker tick failed" in [event["log_format"] for event in events]

@@ -149,6 +149,7 @@ def test_codec_round_trip_and_refusals() -> None:
                            ([b"SESS01", b"WELCOME", bytes(8), bytes(8)], "epoch 0"),
                            ([b"SESS01", b"ACK", b"\x01"], "8 bytes, not 1"),
                            ([b"SESS01", b"PING"], "not 1"),
+                           ([b"SESS01", b"UNKNOWN", b"x"], "not 0"),
                            ([b"SESS01", b"REFUSED", b"x" * 256], "at most 255 bytes")]:
         with pytest.raises(MalformedSession, match=reason):
             codec.decode(frames)

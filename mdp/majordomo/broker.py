@@ -183,13 +183,13 @@ class Broker:
         self._handle(self.machine.handleWake, "broker wake-up failed")
 
     def _handle(self, event: Callable[[float], list[Action]], failed: str) -> None:
-        """Perform what *event* decided, also when it raised part-way (the tick must go on)."""
+        """Perform what *event* decided, also when it or a send raised part-way: the
+        tick must go on (heartbeats and expiries depend on it)."""
         try:
-            actions = event(self.reactor.seconds())
+            self._perform(event(self.reactor.seconds()))
         except Exception:
             log.failure(failed)
-            actions = self.machine.actionsSoFar()
-        self._perform(actions)
+            self._perform(self.machine.actionsSoFar())
 
     def _perform(self, actions: list[Action]) -> None:
         for action in actions:

@@ -176,7 +176,7 @@ def decode(frames: Sequence[bytes]) -> Message:
 def _fields(command: bytes, kind: Any, names: tuple[str, ...], rest: Sequence[bytes]) -> Message:
     """A message of *kind* other than DATA from its frames *rest*."""
     # a HELLO or WELCOME without its limits (another make) says none
-    if len(rest) != len(names) and not (names[-1] == "maxFrames" and len(rest) == len(names) - 2):
+    if len(rest) != len(names) and not (names[-1:] == ("maxFrames",) and len(rest) == len(names) - 2):
         raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
                                f"not {len(names)}")
     message = kind(*map(_read, names, rest))
