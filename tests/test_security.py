@@ -662,3 +662,54 @@ def test_a_key_pair_that_cannot_be_written_is_a_value_error_leaving_nothing(
     with pytest.raises(ValueError, match="cannot write the key pair k1 in .*Permission denied"):
         keygen("k1", str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_zap_handler_that_failed_to_start_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure to start a context's ZAP handler (e.g. out of descriptors) is
+    raised; the next CURVE listener starts one of its own instead of registering
+    its allow-list with one that is not running."""
+    import zmq
+    from twisted.internet import reactor
+    from zmq.auth.thread import ThreadAuthenticator
+
+    from mdp.transport import curve
+
+    start = ThreadAuthenticator.start
+    calls: list[int] = []
+
+    def flaky(self: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise zmq.ZMQError(24)
+        start(self)
+
+    monkeypatch.setattr(ThreadAuthenticator, "start", flaky)
+    context = zmq.Context()
+    public, secret = zmq.curve_keypair()
+    server = CurveServer(public, secret, frozenset())
+    try:
+        with pytest.raises(zmq.ZMQError):
+            curve.zap_domain(context, server, "zmq:tcp://127.0.0.1:1", reactor)
+        assert id(context) not in curve._zaps
+        curve.zap_domain(context, server, "zmq:tcp://127.0.0.1:1", reactor)
+        assert curve._zaps[id(context)].thread.is_alive()
+    finally:
+        zap = curve._zaps.pop(id(context), None)
+        if zap is not None:
+            zap.stop()
+        context.term()
+
+
+def test_a_mutual_tls_listener_is_checked_as_written(tmp_path: Path) -> None:
+    """The errors of an ``ssl:`` listener with ``caCerts=`` quote the endpoint
+    as the user wrote it (no option added on the way) and name a missing file."""
+    from mdp import transport
+
+    missing = tmp_path / "missing.pem"
+    endpoint = f"ssl:5555:privateKey={tmp_path / 'k.pem'}:caCerts={missing}"
+    with pytest.raises(TransportError, match=re.escape(f"bad endpoint {endpoint!r}: "
+                                                       f"caCerts={missing}: no such file")):
+        transport.check(endpoint, transport.LISTEN)
+    bare = f"ssl:5555:caCerts={missing}"
+    with pytest.raises(TransportError, match=re.escape(f"bad endpoint {bare!r}: ")):
+        transport.check(bare, transport.LISTEN)

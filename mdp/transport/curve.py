@@ -183,8 +183,13 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
         if zap is None:
             from zmq.auth.thread import ThreadAuthenticator
 
-            zap = _zaps[id(context)] = ThreadAuthenticator(context)
-            zap.start()
+            zap = ThreadAuthenticator(context)
+            try:
+                zap.start()
+            except BaseException:  # never cache one that is not running
+                zap.stop()
+                raise
+            _zaps[id(context)] = zap
 
             def stop() -> None:
                 with _lock:

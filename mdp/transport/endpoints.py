@@ -179,7 +179,15 @@ def _check_with_twisted(endpoint: str, role: str) -> None:
 
     try:
         if role == LISTEN:
-            server_endpoint(Clock(), server_description(endpoint))
+            description = server_description(endpoint)
+            mutual = tls.parse_mutual(description)
+            if mutual is not None:  # its errors name the endpoint as written
+                tls.check_mutual(endpoint, *mutual)
+                ca = mutual[1][tls.CA_CERTS]
+                if not os.path.isfile(ca):
+                    raise TransportError(f"bad endpoint {endpoint!r}: {tls.CA_CERTS}={ca}: "
+                                         "no such file")
+            server_endpoint(Clock(), description)
         else:
             clientFromString(Clock(), endpoint)
     except TransportError:
