@@ -50,7 +50,7 @@ from mdp.majordomo.worker import (
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
-from mdp.transport import curve_for
+from mdp.transport import curve_for, endpoint_list
 from mdp.transport.pipes import (
     STREAM_SCHEMES,
     _check_schemes,
@@ -561,10 +561,10 @@ class Worker(WorkerDriver):
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
+        _check_schemes(endpoint_list(endpoint))  # before the other checks, as the client
         super().__init__(endpoint, service, handler, _CLOCK, heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits,
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
-        _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
         self._context = context
         self._loop: Any = None

@@ -24,7 +24,7 @@ import pytest_twisted
 from twisted.internet import defer, task, threads
 
 from mdp import errors
-from mdp.blocking import Client
+from mdp.blocking import Client, Worker
 from mdp.errors import TransportError
 from mdp.policy import Limits
 from tests.procs import ENV, ROOT, Cluster, bounded, reactor, wait_until
@@ -409,6 +409,9 @@ def test_endpoints_it_cannot_speak_are_refused_at_once() -> None:
         Client("zmq:nonsense")
     with pytest.raises(ValueError):
         Client("zmq:tcp://127.0.0.1:1", timeout=0)
+    # the scheme is checked first, whatever else is wrong
+    with pytest.raises(TransportError, match="blocking nodes speak"):
+        Worker("loopback:x", "echo", 42)  # type: ignore[arg-type]
 
 
 def test_close_releases_the_clients_descriptors() -> None:
