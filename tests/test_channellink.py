@@ -11,12 +11,13 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mdp.errors import RecordTooLarge
 from mdp.policy import Limits, held_bytes
-from mdp.transport.channellink import END, Channel, ChannelLink
+from mdp.transport.channellink import DELIVER, END, ENDED, IGNORE, STALE, Channel, ChannelLink
 
 EVENTS = st.lists(st.tuples(
-    st.sampled_from(["open", "made", "lost", "refused", "ended", "comeUp", "hold", "release",
-                     "close", "closeAll"]),
+    st.sampled_from(["open", "made", "lost", "refused", "ended", "message", "comeUp", "hold",
+                     "release", "close", "closeAll"]),
     st.integers(0, 7)), max_size=60)
 
 
@@ -47,20 +48,28 @@ def test_any_run_of_events_keeps_the_rules_of_the_channels(events: list[tuple[st
             link.open(pipe)
             pipes.append(pipe)
         elif kind == "made":
-            for channel in link.made():
-                assert not channel.up and not channel.closed and not channel.waiting
-                link.comeUp(channel)
+            down = [channel for channel in link.channels.values()
+                    if not channel.up and not channel.closed and not channel.waiting]
+            assert list(link.made()) == down and all(channel.up for channel in down)
         elif kind in ("lost", "refused"):
-            refused = pipe.id if kind == "refused" else None
+            why = RecordTooLarge("over")
+            if kind == "refused":
+                why.channel = pipe.id  # type: ignore[attr-defined]
             up = {channel.id for channel in link.channels.values() if channel.up}
-            down = link.lost(refused)
-            assert {channel.id for channel, _ in down} == up  # each told once
-            assert all(own == (refused is None or channel.id == refused) for channel, own in down)
+            lost = link.lost(why)
+            assert {channel.id for channel, _ in lost} == up  # each told once
+            assert all((reason is why) == (kind == "lost" or channel is pipe)
+                       for channel, reason in lost)
         elif kind == "ended" and link.channels.get(pipe.id) is pipe:
             old, was = pipe.id, pipe.up
-            record, told = link.endedThere(pipe)
-            assert record == old + END and told == was
+            assert link.received(pipe, []) == ENDED
+            record, why, delay = link.endedThere(pipe)
+            assert record == old + END and (why is not None) == was and delay > 0
             assert pipe.id != old and not pipe.up and pipe.waiting
+        elif kind == "message" and link.channels.get(pipe.id) is pipe:
+            pipe.ends = which
+            what = link.received(pipe, [b"x"])
+            assert what == (DELIVER if pipe.up else IGNORE) and pipe.ends == (0 if pipe.up else which)
         elif kind == "comeUp":
             link.comeUp(pipe)
         elif kind == "hold" and not pipe.closed:
@@ -84,6 +93,11 @@ def test_stale_is_what_comes_before_a_channels_message_left_whole() -> None:
     assert link.stale(pipe.id, 99)
     assert not link.stale(pipe.id, 100)
     assert not link.stale(pipe.id, 0)  # (known to have left: no longer tracked)
+    link.connected = True
+    link.comeUp(pipe)
+    link.sending(pipe.id, 100)
+    assert link.received(pipe, [b"early"], 99) == STALE
+    assert link.received(pipe, [b"reply"], 100) == DELIVER
 
 
 def test_the_twisted_and_the_blocking_shells_hold_the_same_core() -> None:
@@ -153,7 +167,8 @@ class _TwistedShell:
     def made(self) -> None:
         from types import SimpleNamespace
 
-        self.proto = SimpleNamespace(closing=False, closedHere=False, refusal=None, paused=False,
+        self.proto = SimpleNamespace(closing=False, dropped=False, closedHere=False, refusal=None,
+                                     transport=SimpleNamespace(disconnecting=False), paused=False,
                                      encode=lambda frames: b"", beforeStop=lambda: None,
                                      _queueOn=lambda name, record: None)
         self.links._made(self.proto)

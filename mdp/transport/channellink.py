@@ -7,13 +7,19 @@ again under a new name after the delay.  What it sends while down is held."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from collections.abc import Iterator
+from typing import Callable, Optional
 
-from mdp.policy import Limits, held_bytes
+from twisted.internet.error import ConnectionDone, ConnectionLost
+
+from mdp.policy import RECONNECT, Limits, held_bytes
 from mdp.transport.framing import encode_record
 
 #: what ends a channel: a record of no frames
 END = encode_record([])
+
+#: what a record on a channel means (:meth:`ChannelLink.received`)
+DELIVER, IGNORE, STALE, ENDED = range(4)
 
 
 class Channel:
@@ -38,9 +44,12 @@ class ChannelLink:
     """The channels of one connection and what the connection's events do
     to them; each method returns what its shell must do (write, tell)."""
 
-    def __init__(self, limits: Limits, maxQueued: int = 1000) -> None:
+    def __init__(self, limits: Limits, maxQueued: int = 1000,
+                 retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.limits = limits
         self.maxQueued = maxQueued
+        #: times in a row a channel was ended -> seconds before it comes up again
+        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
         self.channels: dict[bytes, Channel] = {}
         self.connected = False
         #: what the channels hold, bounded together
@@ -61,11 +70,20 @@ class ChannelLink:
         channel.id = name
         channels[name] = channel
 
-    def made(self) -> list[Channel]:
-        """The connection is made: the channels to bring up (``comeUp`` each)."""
+    def made(self) -> Iterator[Channel]:
+        """The connection is made: each channel up now, to tell (a channel
+        told may lose the connection, and the rest stay down)."""
         self.connected = True
-        return [channel for channel in self.channels.values()
-                if not channel.up and not channel.closed and not channel.waiting]
+        for channel in [channel for channel in self.channels.values()
+                        if not channel.up and not channel.closed and not channel.waiting]:
+            if self.comeUp(channel):
+                yield channel
+
+    def failed(self) -> Iterator[Channel]:
+        """A connection attempt failed: each channel to tell, as long as it is open."""
+        for channel in list(self.channels.values()):
+            if not channel.closed:
+                yield channel
 
     def comeUp(self, channel: Channel) -> bool:
         """*channel*'s delay is over, or it is new: whether it is up now."""
@@ -76,20 +94,40 @@ class ChannelLink:
         channel.up = True
         return True
 
-    def lost(self, refused: Optional[bytes]) -> list[tuple[Channel, bool]]:
-        """The connection is lost (for an oversized record on *refused*, if
-        any): the channels that were up, each with whether the loss is its own."""
+    def lost(self, why: object) -> list[tuple[Channel, object]]:
+        """The connection is lost for *why*: the channels that were up, all
+        down now, each with its reason.  A record refused for its size (*why*
+        names its ``channel``) was one channel's: the others only lost the
+        connection."""
         self.connected = False
         self.unsent.clear()
-        down = [(channel, refused is None or refused == channel.id)
+        refused = getattr(why, "channel", None)
+        others = why if refused is None else ConnectionLost(
+            f"the connection was dropped for another channel's record: {why}")
+        down = [(channel, why if refused is None or refused == channel.id else others)
                 for channel in self.channels.values() if channel.up]
         for channel, _ in down:
             channel.up = False
         return down
 
-    def endedThere(self, channel: Channel) -> tuple[bytes, bool]:
-        """The far side ended *channel*: the acknowledging record to write, and
-        whether it was up.  Renamed, down until ``comeUp``."""
+    def received(self, channel: Channel, frames: list[bytes], sent: int = 0) -> int:
+        """What a record of *frames* on open *channel* means, *sent* bytes
+        having left: :data:`DELIVER`; :data:`IGNORE` (not up); :data:`STALE`
+        (it came before the channel's message left: no reply to it); or
+        :data:`ENDED` (the far side ended it: ``endedThere``)."""
+        if not frames:
+            return ENDED
+        if not channel.up:
+            return IGNORE
+        if self.unsent and self.stale(channel.id, sent):
+            return STALE
+        channel.ends = 0
+        return DELIVER
+
+    def endedThere(self, channel: Channel) -> tuple[bytes, Optional[ConnectionDone], float]:
+        """The far side ended *channel*: the acknowledging record to write, the
+        loss to tell (None: it was not up), and the seconds before ``comeUp``.
+        Renamed, down until then."""
         record = channel.id + END
         del self.channels[channel.id]
         self.unsent.pop(channel.id, None)
@@ -97,7 +135,8 @@ class ChannelLink:
         channel.ends += 1
         channel.waiting = True
         was, channel.up = channel.up, False
-        return record, was
+        why = ConnectionDone("the far side ended this channel") if was else None
+        return record, why, self.retryPolicy(channel.ends)
 
     def hold(self, channel: Channel, frames: list[bytes]) -> bool:
         """Keep what *channel* sent while not up; False if over the bounds."""

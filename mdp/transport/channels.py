@@ -7,14 +7,13 @@ from typing import Any, Callable, Optional
 
 from twisted.application.internet import ClientService
 from twisted.internet import defer
-from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
-from mdp.transport.channellink import Channel, ChannelLink
+from mdp.transport.channellink import DELIVER, ENDED, Channel, ChannelLink
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
 from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder
@@ -125,7 +124,7 @@ class StreamChannels(_OneConnection):
         self.framing = _CHANNELS
         self.identity = None
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
-        self.core = ChannelLink(limits, self.maxQueued)
+        self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)
         self.protocol: Optional[_ChannelsConnection] = None
         self.service: Optional[ClientService] = None
         self._closing: Optional[defer.Deferred[None]] = None
@@ -171,20 +170,17 @@ class StreamChannels(_OneConnection):
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto  # type: ignore[assignment]
         for channel in self.core.made():
-            if self.protocol is not proto:
-                return
             channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
-            if self.core.comeUp(channel):
-                channel._made()  # type: ignore[attr-defined]
+            channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
         """A connection attempt failed: tell the receivers' ``connectionFailed``."""
         if self.service is None or not self.service.running or isinstance(
                 reason, defer.CancelledError):  # (a stopped service's attempt)
             return
-        for channel in list(self.core.channels.values()):
+        for channel in self.core.failed():
             report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
-            if report is not None and not channel.closed:
+            if report is not None:
                 report(reason)
 
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
@@ -192,19 +188,17 @@ class StreamChannels(_OneConnection):
             return
         self.protocol = None
         self._waiters.fire()
-        # a record refused for its size was one pipe's: the others only lost the connection
-        refused = getattr(proto.refusal, "channel", None)
-        others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
-                                        f"record: {proto.refusal}")) if refused else reason
         # all down before any receiver hears it (one may send on another)
-        for channel, own in self.core.lost(refused):
+        for channel, why in self.core.lost(reason if proto.refusal is None else proto.refusal):
             if not channel.closed:
                 channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
-                channel.receiver.connectionLost(reason if own else others)  # type: ignore[attr-defined]
+                channel.receiver.connectionLost(  # type: ignore[attr-defined]
+                    why if why is reason else Failure(why))
 
     def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
         self._pending = messages
-        channels = self.core.channels
+        core = self.core
+        channels = core.channels
         # messages still to come in this read, by channel
         waiting = self._waiting = {}
         for item in messages:
@@ -219,14 +213,13 @@ class StreamChannels(_OneConnection):
                 channel = channels.get(item[0])
                 if channel is None:
                     continue
-                frames = item[1]
-                if not frames:
+                what = core.received(channel, item[1])
+                if what == DELIVER:
+                    channel.receiver.messageReceived(item[1])  # type: ignore[attr-defined]
+                elif what == ENDED:
                     self._endedThere(channel)  # type: ignore[arg-type]
-                elif channel.up:
-                    if channel.ends:
-                        channel.ends = 0
-                    channel.receiver.messageReceived(frames)  # type: ignore[attr-defined]
-                if proto.closing or self.protocol is not proto:
+                # (``proto.closing``, without a call a message)
+                if proto.dropped or proto.transport.disconnecting or self.protocol is not proto:
                     return
         finally:
             self._pending = None
@@ -247,14 +240,14 @@ class StreamChannels(_OneConnection):
     def _endedThere(self, channel: _StreamChannel) -> None:
         """The far side ended *channel*: acknowledge, and bring it up again
         under a new channel after the delay."""
-        record, was = self.core.endedThere(channel)
+        record, why, delay = self.core.endedThere(channel)
         if self.protocol is not None:
             self.protocol._queueOn(record[:4], record[4:])
         channel._call = cancel_call(channel._call)
-        if was:
-            channel.receiver.connectionLost(Failure(ConnectionDone("the far side ended this channel")))
+        if why is not None:
+            channel.receiver.connectionLost(Failure(why))
         if not channel.closed:
-            channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
+            channel._call = self.reactor.callLater(delay, channel._up)
 
     def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
         """Keep what *channel* sent while not up, within the bounds."""

@@ -19,7 +19,7 @@ from twisted.logger import Logger
 
 from mdp.errors import TransportError
 from mdp.policy import RECONNECT
-from mdp.transport.channellink import Channel, ChannelLink
+from mdp.transport.channellink import DELIVER, ENDED, STALE, Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
 from mdp.transport.registry import split_description
@@ -683,19 +683,12 @@ class _StreamLink:
 
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._tellLost(now)
-        core = self.core
-        for pipe in core.made():
-            if self.stream.up and core.comeUp(pipe):
-                pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
+        for pipe in self.core.made():
+            pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        # a record refused for its size was one pipe's: the others only lost the connection
-        refused = getattr(why, "channel", None)
-        others = ConnectionError(f"the connection was dropped for another channel's record: "
-                                 f"{why}") if refused is not None else why
         # every pipe is down before any is told (one may send on another)
-        for pipe, own in self.core.lost(refused):
-            self.lossesToTell.append((pipe, why if own else others))  # type: ignore[arg-type]
+        self.lossesToTell.extend(self.core.lost(why))  # type: ignore[arg-type]
         self._tellLost(now)
 
     def _tellLost(self, now: float) -> None:
@@ -706,32 +699,26 @@ class _StreamLink:
                 pipe.owner._pipeLost(pipe.tag, why, now)
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
-        for pipe in list(self.core.channels.values()):
-            if not pipe.closed:
-                pipe.owner._pipeFailed(pipe.tag, error, now)  # type: ignore[attr-defined]
+        for pipe in self.core.failed():
+            pipe.owner._pipeFailed(pipe.tag, error, now)  # type: ignore[attr-defined]
 
     def _pipeMessage(self, tag: Any, item: Any, now: float) -> None:
         name, frames = item
-        core = self.core
-        pipe: Any = core.channels.get(name)
+        pipe: Any = self.core.channels.get(name)
         if pipe is None:
             return  # ended here: what came before the broker knew, or its acknowledgment
-        if frames:
-            if not pipe.up:
-                return
-            if core.stale(name, self.stream.sentBytes):  # (before its request left)
-                self._dropped(name)
-                return
-            pipe.ends = 0
+        what = self.core.received(pipe, frames, self.stream.sentBytes)
+        if what == DELIVER:
             pipe.owner._pipeMessage(pipe.tag, frames, now)
-            return
-        # the broker ended this channel: up again under a new one after the delay
-        record, was = core.endedThere(pipe)
-        self.stream.sendRecord(record)
-        pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)
-        self.loop.timed.add(pipe)
-        if was:
-            pipe.owner._pipeLost(pipe.tag, ConnectionError("the broker ended this channel"), now)
+        elif what == STALE:
+            pipe.owner._stale(pipe.tag)
+        elif what == ENDED:
+            record, why, delay = self.core.endedThere(pipe)
+            self.stream.sendRecord(record)
+            pipe.retryAt = now + delay
+            self.loop.timed.add(pipe)
+            if why is not None:
+                pipe.owner._pipeLost(pipe.tag, why, now)
 
 
 class _LinkPipe(Channel):
