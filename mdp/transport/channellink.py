@@ -13,13 +13,33 @@ from typing import Callable, Optional
 from twisted.internet.error import ConnectionDone, ConnectionLost
 
 from mdp.policy import RECONNECT, Limits, held_bytes
-from mdp.transport.framing import encode_record
+from mdp.transport.framing import (
+    CHANNELS_GREETING,
+    LengthPrefixedFraming,
+    RecordDecoder,
+    encode_record,
+)
 
 #: what ends a channel: a record of no frames
 END = encode_record([])
 
 #: what a record on a channel means (:meth:`ChannelLink.received`)
 DELIVER, IGNORE, STALE, ENDED = range(4)
+
+
+class ChannelsFraming(LengthPrefixedFraming):
+    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
+
+    name = "records32-channels"
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        return CHANNELS_GREETING
+
+    def decoder(self, limits: Limits) -> RecordDecoder:
+        return RecordDecoder(limits, channels=True)
+
+
+CHANNELS = ChannelsFraming()
 
 
 class Channel:

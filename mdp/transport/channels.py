@@ -13,27 +13,12 @@ from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
-from mdp.transport.channellink import DELIVER, ENDED, Channel, ChannelLink
+from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
+from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
 from mdp.transport.flow import DrainWaiters, after
-from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
-
-
-class _ChannelsFraming(LengthPrefixedFraming):
-    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
-
-    name = "records32-channels"
-
-    def greeting(self, identity: Optional[bytes]) -> bytes:
-        return CHANNELS_GREETING
-
-    def decoder(self, limits: Limits) -> RecordDecoder:
-        return RecordDecoder(limits, channels=True)
-
-
-_CHANNELS = _ChannelsFraming()
 
 
 class _ChannelsConnection(_DealerConnection):
@@ -121,7 +106,7 @@ class StreamChannels(_OneConnection):
         self.endpoint = endpoint
         self.reactor = reactor
         self.limits = limits
-        self.framing = _CHANNELS
+        self.framing = CHANNELS
         self.identity = None
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
         self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)

@@ -1,8 +1,6 @@
-"""The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER sockets and
-stream sockets, driven by the blocking loop's poller.  A pipe reports to its
-*owner* through ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``,
-each with the *tag* it was opened with.
-"""
+"""The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER and stream
+sockets under the blocking loop's poller.  A pipe reports to its *owner*
+(``_pipeUp``, ``_pipeLost``, ``_pipeFailed``, ``_pipeMessage``) with its *tag*."""
 
 from __future__ import annotations
 
@@ -19,9 +17,9 @@ from twisted.logger import Logger
 
 from mdp.errors import TransportError
 from mdp.policy import RECONNECT
-from mdp.transport.channellink import DELIVER, ENDED, STALE, Channel, ChannelLink
+from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
-from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
+from mdp.transport.framing import RECORDS, encode_record
 from mdp.transport.registry import split_description
 from mdp.transport.zmqio import (
     ZERO_COPY_BYTES,
@@ -43,8 +41,7 @@ _MAX_WAIT_MS = 2**31 - 1
 
 
 def timeout_ms(when: Optional[float], now: float) -> int:
-    """A poll's timeout until *when* (None: -1), in milliseconds rounded up
-    (ending early would be a wasted wake-up)."""
+    """A poll's timeout until *when* (None: -1), in milliseconds rounded up."""
     if when is None:
         return -1
     ms = (when - now) * 1000.0
@@ -136,7 +133,7 @@ class _ZmqPipe:
         return bool(self.backlog)
 
     def start(self) -> None:
-        pass  # connected already: ZeroMQ connects in the background
+        pass  # ZeroMQ connects in the background
 
     def send(self, frames: list[bytes]) -> None:
         if self.socket is None:
@@ -171,7 +168,7 @@ class _ZmqPipe:
 
     def wait(self, timeout: int) -> None:
         """The loop's only socket: block in ``recv`` for at most *timeout* ms
-        (-1: no limit) instead of polling; handle what came."""
+        (-1: no limit); handle what came."""
         sock = self.socket
         if not _native:
             # pyzmq's recv waits its whole RCVTIMEO again after each signal
@@ -228,8 +225,8 @@ class _ZmqPipe:
                      False)
 
     def _take(self, frames: Any, now: float) -> None:
-        """Hand *frames* to the owner; or, over the limits, drop it with its
-        socket, and tell the owner the pipe was lost, then up again."""
+        """Hand *frames* to the owner; over the limits, replace the socket
+        (the owner hears the pipe lost, then up)."""
         if frames.__class__ is list:
             self.owner._pipeMessage(self.tag, frames, now)
             return
@@ -242,8 +239,7 @@ class _ZmqPipe:
             self.owner._pipeUp(self.tag, now)
 
     def _reopen(self, now: float) -> bool:
-        """A fresh socket; if none can be had, try again after
-        :data:`RECONNECT`'s delay, down meanwhile."""
+        """A fresh socket; if none can be had, down until the core's delay is over."""
         try:
             self._connect()
         except Exception as e:
@@ -278,9 +274,8 @@ class _ZmqPipe:
 
 class _StreamPipe:
     """One stream socket with the stream transport's records, reconnecting
-    with :data:`RECONNECT`'s backoff.  With *channels*, the connection of a
-    :class:`_StreamLink`: messages are ``(channel, frames)`` pairs, and what is
-    sent goes out in one write when the loop next waits."""
+    with :data:`RECONNECT`'s backoff.  With *channels*, a :class:`_StreamLink`'s
+    connection: messages are ``(channel, frames)``, sent when the loop next waits."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
@@ -375,8 +370,8 @@ class _StreamPipe:
         self._flush()
 
     def sendRecord(self, record: bytes) -> int:
-        """Send a wire *record* when the loop next waits; where it ends in
-        this connection's bytes (0: not up, not sent)."""
+        """Send *record* when the loop next waits; where it ends in the
+        connection's bytes (0: not sent)."""
         if not self.up:
             return 0
         return self._queue(record)
@@ -427,7 +422,7 @@ class _StreamPipe:
             self._next(now, OSError(code, os.strerror(code)))
             return
         if self.channels:  # (first, before what the pipes send; and before it is up)
-            self._queue(CHANNELS_GREETING)
+            self._queue(CHANNELS.greeting(None))
         self.connecting = False
         self.up = True
         self.failures = 0
@@ -474,16 +469,14 @@ class _StreamPipe:
         self._deliverReceived(now)
 
     def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a discard saw begun, now whole (it cannot answer
-        the request sent after it)."""
+        """Drop the record a discard saw begun, now whole: no reply to a later request."""
         if not self.channels or messages[0][0] in self.skip:
             del messages[0]
         self.skip = 0
 
     def _deliverReceived(self, now: float) -> None:
-        """Hand on the messages read, in order.  A callback that waits on the
-        loop hands on the rest first (the pipe stays ``unchecked``), so a
-        reply among them is not held back."""
+        """Hand on the messages read, in order (a callback that waits on the
+        loop hands on the rest first: the pipe stays ``unchecked``)."""
         received = self.received
         owner, tag, loop = self.owner, self.tag, self.loop
         while received:  # (a loss meanwhile clears it)
@@ -500,8 +493,8 @@ class _StreamPipe:
         return True
 
     def discardReceived(self) -> int:
-        """Drop the messages read and those waiting in the socket; how many.
-        A record begun is dropped once complete."""
+        """Drop the messages read and waiting in the socket (a record begun:
+        once whole); how many."""
         dropped = len(self.received) + len(self._drain())
         self.received.clear()
         if self.broken is not None:
@@ -511,8 +504,8 @@ class _StreamPipe:
         return dropped + self.skip
 
     def _drain(self) -> list[Any]:
-        """Read and decode what waits in the socket now: the messages it
-        completes.  Errors are left for the next read to report."""
+        """The messages what waits in the socket completes (errors are left
+        for the next read)."""
         sock = self.socket
         messages: list[Any] = []
         if sock is None or not self.up or self.broken is not None:
@@ -553,8 +546,7 @@ class _StreamPipe:
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
-        self.decoder = RecordDecoder(self.loop.limits)
-        self.decoder.channels = self.channels
+        self.decoder = (CHANNELS if self.channels else RECORDS).decoder(self.loop.limits)
         self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
@@ -578,11 +570,9 @@ class _StreamPipe:
 
 
 class _StreamLink:
-    """The one stream connection a client keeps to an endpoint, carrying its
-    pipes as channels: the blocking shell of a
-    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
-    pipe, closed with the last.  What comes on a channel before its request
-    has left is dropped: it is no reply."""
+    """A client's one stream connection to an endpoint, its pipes on channels:
+    the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`.
+    Opened with the first pipe, closed with the last."""
 
     __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
 
@@ -617,8 +607,7 @@ class _StreamLink:
             self.core.sending(pipe.id, at)
 
     def discard(self, name: bytes) -> int:
-        """A request is about to go on channel *name*: drop what was read on
-        it (how many; an end is kept)."""
+        """Drop what was read on channel *name* but an end; how many."""
         received = self.stream.received
         if not received:
             return 0
@@ -639,7 +628,7 @@ class _StreamLink:
 
     def dropStale(self) -> None:
         """Before the pipes' requests go out: read the socket, and drop what
-        came on their channels (it cannot answer them)."""
+        came on their channels."""
         stream = self.stream
         core = self.core
         waiting = {name for name in list(core.unsent) if core.stale(name, stream.sentBytes)}
@@ -660,8 +649,7 @@ class _StreamLink:
             pipe.owner._stale(pipe.tag)  # type: ignore[attr-defined]
 
     def forget(self, pipe: _LinkPipe) -> None:
-        """*pipe* was closed: end its channel; the connection closes after the
-        client's actions if no pipe is left."""
+        """*pipe* was closed: end its channel (the last closes the connection)."""
         if pipe.retryAt is not None:
             pipe.retryAt = None
             self.loop.timed.discard(pipe)
@@ -678,8 +666,6 @@ class _StreamLink:
             self.loop.timed.discard(pipe)
         self.lossesToTell.clear()
         self.loop.close(self.stream)
-
-    # --- what the connection reports ---------------------------------------------
 
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._tellLost(now)
