@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Optional
 
-from twisted.application.internet import ClientService
 from twisted.internet import defer
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -16,9 +14,7 @@ from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
 from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
-from mdp.transport.flow import DrainWaiters, after
-
-log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
+from mdp.transport.flow import DrainWaiters
 
 
 class _ChannelsConnection(_DealerConnection):
@@ -83,11 +79,7 @@ class _StreamChannel(Channel):
 
     def _made(self) -> None:
         """It is up: tell its receiver, then send what it held."""
-        try:
-            self.receiver.connectionMade()
-        except Exception:
-            log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
-                        endpoint=self.link.endpoint)
+        self.link._tellMade(self.receiver)
         for frames in self.link.core.release(self):
             self.sendMessage(frames)
 
@@ -111,8 +103,6 @@ class StreamChannels(_OneConnection):
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
         self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)
         self.protocol: Optional[_ChannelsConnection] = None
-        self.service: Optional[ClientService] = None
-        self._closing: Optional[defer.Deferred[None]] = None
         self._throttle = LogThrottle(reactor)
         self._waiters = DrainWaiters()
         self._pending: Optional[list[Any]] = None
@@ -248,24 +238,8 @@ class StreamChannels(_OneConnection):
             self._stop()
 
     def _stop(self) -> defer.Deferred[None]:
-        service, self.service = self.service, None
-        proto, self.protocol = self.protocol, None
         self.core.connected = False
-        self._waiters.fire()
-        if service is None:
-            return after(self._closing)
-        if proto is not None:
-            proto.beforeStop()
-        stopped: defer.Deferred[None] = defer.Deferred()
-        self._closing = stopped
-
-        def done(result: object) -> None:
-            if self._closing is stopped:
-                self._closing = None
-            stopped.callback(None)
-
-        service.stopService().addBoth(done)
-        return after(stopped)
+        return super()._stop()
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the connection."""

@@ -17,7 +17,7 @@ from zope.interface import implementer
 from mdp.errors import ProtocolError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IFraming
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, held_bytes
-from mdp.transport.flow import DrainWaiters
+from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
 from mdp.transport.twisted_private import shortcut_reads
@@ -187,15 +187,17 @@ def _connection(owner: Any, endpoint: str,
 
 
 class _OneConnection:
-    """Flow control of a connecting side's one connection (``protocol``, None
-    while down); what is sent meanwhile waits, within ``maxQueued`` messages
-    and ``limits.maxOutputBytes``."""
+    """A connecting side's one connection (``protocol``, None while down) and
+    its flow control; what is sent meanwhile waits, within ``maxQueued``
+    messages and ``limits.maxOutputBytes``."""
 
     maxQueued = 1000
     kind = "stream dealer"
     #: connections in a row lost before they were proven
     _unproven = 0
     protocol: Optional[_DealerConnection]
+    service: Optional[ClientService] = None
+    _closing: Optional[defer.Deferred[None]] = None
     _waiters: DrainWaiters
     endpoint: str
     limits: Limits
@@ -230,6 +232,34 @@ class _OneConnection:
         if proto is self.protocol:
             self._waiters.fire()
 
+    def _tellMade(self, receiver: IDealerReceiver) -> None:
+        try:
+            receiver.connectionMade()
+        except Exception:
+            # raised, it would leave the connection half made
+            log.failure("{kind} to {endpoint}: its receiver's connectionMade failed",
+                        kind=self.kind, endpoint=self.endpoint)
+
+    def _stop(self) -> defer.Deferred[None]:
+        """Stop the service and its connection (flushed first); fired once stopped."""
+        service, self.service = self.service, None
+        proto, self.protocol = self.protocol, None
+        self._waiters.fire()
+        if service is None:
+            return after(self._closing)
+        if proto is not None:
+            proto.beforeStop()
+        stopped: defer.Deferred[None] = defer.Deferred()
+        self._closing = stopped
+
+        def done(result: object) -> None:
+            if self._closing is stopped:
+                self._closing = None
+            stopped.callback(None)
+
+        service.stopService().addBoth(done)
+        return after(stopped)
+
 
 @implementer(IDealerTransport)
 class StreamDealer(_OneConnection):
@@ -245,7 +275,7 @@ class StreamDealer(_OneConnection):
         self.limits = limits
         self.framing = framing
         self.identity = identity
-        self.protocol: Optional[_DealerConnection] = None
+        self.protocol = None
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
         self._throttle = LogThrottle(reactor)
@@ -268,12 +298,7 @@ class StreamDealer(_OneConnection):
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto
         proto.onMessage = self.receiver.messageReceived
-        try:
-            self.receiver.connectionMade()
-        except Exception:
-            # raised, it would leave the connection half made
-            log.failure("stream dealer to {endpoint}: its receiver's connectionMade failed",
-                        endpoint=self.endpoint)
+        self._tellMade(self.receiver)
         while self.queue and self.protocol is proto:
             proto.sendFrames(self.queue.popleft())
         if not self.queue:
@@ -282,14 +307,14 @@ class StreamDealer(_OneConnection):
     def _failed(self, reason: Any) -> None:
         """A connection attempt failed: tell the receiver's ``connectionFailed``, if any."""
         report = getattr(self.receiver, "connectionFailed", None)
-        if report is not None and self.service.running:
+        if report is not None and self.service is not None:
             report(reason)
 
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
         if self.protocol is proto:
             self.protocol = None
             self._waiters.fire()
-        if not self.service.running:
+        if self.service is None:
             return
         if proto._early is not None:
             # its greeting never came: a failed attempt
@@ -301,23 +326,14 @@ class StreamDealer(_OneConnection):
         if self.protocol is not None:
             self.protocol.sendFrames(frames)
             return
-        if not self.service.running:
+        if self.service is None:
             return
         size = self._admit(frames, len(self.queue))
         if size is not None:
             self.queue.append(list(frames))
             self.queuedBytes += size
 
-    _closing: Optional[defer.Deferred[None]] = None
-
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()
         self.queuedBytes = 0
-        self._waiters.fire()
-        if self._closing is None:
-            if self.protocol is not None:
-                self.protocol.beforeStop()
-            self._closing = self.service.stopService()
-        closed: defer.Deferred[None] = defer.Deferred()
-        self._closing.addBoth(lambda result: (closed.callback(None), result)[1])
-        return closed
+        return self._stop()
