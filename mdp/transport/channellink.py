@@ -13,12 +13,7 @@ from typing import Callable, Optional
 from twisted.internet.error import ConnectionDone, ConnectionLost
 
 from mdp.policy import RECONNECT, Limits, held_bytes
-from mdp.transport.framing import (
-    CHANNELS_GREETING,
-    LengthPrefixedFraming,
-    RecordDecoder,
-    encode_record,
-)
+from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder, encode_record
 
 #: what ends a channel: a record of no frames
 END = encode_record([])

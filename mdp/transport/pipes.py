@@ -21,13 +21,7 @@ from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, 
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RECORDS, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zmqio import (
-    ZERO_COPY_BYTES,
-    _zmq,
-    random_identity,
-    socket_calls,
-    socket_handle,
-)
+from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls, socket_handle
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -255,9 +249,8 @@ class _ZmqPipe:
         return True
 
     def wake(self, now: float) -> None:
-        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
-            if self._reopen(now):
-                self.owner._pipeUp(self.tag, now)
+        if self.retryAt is not None and self.socket is None and self._reopen(now):
+            self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
         sock, self.socket = self.socket, None
@@ -553,7 +546,7 @@ class _StreamPipe:
             sock.close()
 
     def wake(self, now: float) -> None:
-        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
+        if self.retryAt is not None and self.socket is None:
             self.open(now)
 
     def close(self) -> None:
@@ -601,20 +594,6 @@ class _StreamLink:
         if stream.socket is None and stream.retryAt is None:
             stream.open(monotonic())
 
-    def send(self, pipe: _LinkPipe, frames: list[bytes]) -> None:
-        at = self.stream.sendRecord(pipe.id + encode_record(frames))
-        if at:
-            self.core.sending(pipe.id, at)
-
-    def discard(self, name: bytes) -> int:
-        """Drop what was read on channel *name* but an end; how many."""
-        received = self.stream.received
-        if not received:
-            return 0
-        items = list(received)
-        received.clear()
-        return len(self._keepBut(items, {name}))
-
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
         """Put back *items* but the messages on *names*; their channels."""
         received = self.stream.received
@@ -641,23 +620,9 @@ class _StreamLink:
         if stream.received:
             self.loop.unchecked.add(stream)  # handed on before the loop waits
         for name in stale:
-            self._dropped(name)
-
-    def _dropped(self, name: bytes) -> None:
-        pipe = self.core.channels.get(name)
-        if pipe is not None and pipe.up:
-            pipe.owner._stale(pipe.tag)  # type: ignore[attr-defined]
-
-    def forget(self, pipe: _LinkPipe) -> None:
-        """*pipe* was closed: end its channel (the last closes the connection)."""
-        if pipe.retryAt is not None:
-            pipe.retryAt = None
-            self.loop.timed.discard(pipe)
-        record = self.core.close(pipe)
-        if record is not None:
-            self.stream.sendRecord(record)
-        if not self.core.channels:
-            self.loop.idle.add(self)  # closed after the actions, if still unused
+            pipe: Any = self.core.channels.get(name)
+            if pipe is not None and pipe.up:
+                pipe.owner._stale(pipe.tag)
 
     def close(self) -> None:
         if self.loop.links.get(self.endpoint) is self:
@@ -724,20 +689,36 @@ class _LinkPipe(Channel):
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
-            self.link.send(self, frames)
+            link = self.link
+            at = link.stream.sendRecord(self.id + encode_record(frames))
+            if at:
+                link.core.sending(self.id, at)
 
     def discardReceived(self) -> int:
-        return self.link.discard(self.id)
+        """Drop what was read on its channel but an end; how many."""
+        received = self.link.stream.received
+        if not received:
+            return 0
+        items = list(received)
+        received.clear()
+        return len(self.link._keepBut(items, {self.id}))
 
     def wake(self, now: float) -> None:
-        if self.retryAt is not None and now >= self.retryAt:
-            self.retryAt = None
-            self.link.loop.timed.discard(self)
-            if self.link.core.comeUp(self):  # (else up with the connection)
-                self.owner._pipeUp(self.tag, now)
+        self.retryAt = None
+        self.link.loop.timed.discard(self)
+        if self.link.core.comeUp(self):  # (else up with the connection)
+            self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
-        self.link.forget(self)
+        """End its channel (the last closes the connection, after the client's actions)."""
+        link = self.link
+        self.retryAt = None
+        link.loop.timed.discard(self)
+        record = link.core.close(self)
+        if record is not None:
+            link.stream.sendRecord(record)
+        if not link.core.channels:
+            link.loop.idle.add(link)
 
 
 def _bind(native: bool = True) -> None:
