@@ -1,8 +1,6 @@
-"""The channels of one stream connection, without I/O (``docs/transports.md``);
-:class:`~mdp.transport.channels.StreamChannels` and the blocking client's
-link are its shells.  A channel, named by four bytes, is up while the
-connection is, unless the far side ended it (an empty record): it comes up
-again under a new name after the delay.  What it sends while down is held."""
+"""The channels of one stream connection, without I/O (``docs/transports.md``):
+the one core of :class:`~mdp.transport.channels.StreamChannels` and of the
+blocking client's link."""
 
 from __future__ import annotations
 
@@ -56,8 +54,9 @@ class Channel:
 
 
 class ChannelLink:
-    """The channels of one connection and what the connection's events do
-    to them; each method returns what its shell must do (write, tell)."""
+    """The channels of one connection.  A channel is up while the connection
+    is, unless the far side ended it: then it comes up again under a new name
+    after a delay.  Each method returns what its shell must do."""
 
     def __init__(self, limits: Limits, maxQueued: int = 1000,
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
@@ -86,8 +85,7 @@ class ChannelLink:
         channels[name] = channel
 
     def made(self) -> Iterator[Channel]:
-        """The connection is made: each channel up now, to tell (a channel
-        told may lose the connection, and the rest stay down)."""
+        """The connection is made: each channel up now, to tell (lazily: one told may lose it)."""
         self.connected = True
         for channel in [channel for channel in self.channels.values()
                         if not channel.up and not channel.closed and not channel.waiting]:
@@ -110,10 +108,8 @@ class ChannelLink:
         return True
 
     def lost(self, why: object) -> list[tuple[Channel, object]]:
-        """The connection is lost for *why*: the channels that were up, all
-        down now, each with its reason.  A record refused for its size (*why*
-        names its ``channel``) was one channel's: the others only lost the
-        connection."""
+        """The connection is lost for *why*: the channels that were up, each
+        with its reason (a record refused for its size was one ``channel``'s)."""
         self.connected = False
         self.unsent.clear()
         refused = getattr(why, "channel", None)
@@ -126,10 +122,9 @@ class ChannelLink:
         return down
 
     def received(self, channel: Channel, frames: list[bytes], sent: int = 0) -> int:
-        """What a record of *frames* on open *channel* means, *sent* bytes
-        having left: :data:`DELIVER`; :data:`IGNORE` (not up); :data:`STALE`
-        (it came before the channel's message left: no reply to it); or
-        :data:`ENDED` (the far side ended it: ``endedThere``)."""
+        """What *frames* on open *channel* mean, *sent* bytes having left:
+        :data:`DELIVER`, :data:`IGNORE` (down), :data:`STALE` (before its
+        message left) or :data:`ENDED` (see ``endedThere``)."""
         if not frames:
             return ENDED
         if not channel.up:
@@ -140,9 +135,8 @@ class ChannelLink:
         return DELIVER
 
     def endedThere(self, channel: Channel) -> tuple[bytes, Optional[ConnectionDone], float]:
-        """The far side ended *channel*: the acknowledging record to write, the
-        loss to tell (None: it was not up), and the seconds before ``comeUp``.
-        Renamed, down until then."""
+        """The far side ended *channel*: the record acknowledging it, the loss
+        to tell (None: was down), and the seconds before ``comeUp`` (renamed)."""
         record = channel.id + END
         del self.channels[channel.id]
         self.unsent.pop(channel.id, None)

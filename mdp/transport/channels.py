@@ -51,19 +51,37 @@ class _StreamChannel(Channel):
 
     def discardReceived(self) -> int:
         """Drop its messages of the current read not delivered yet; how many."""
-        return self.link._discard(self.id)
+        link, name = self.link, self.id
+        pending = link._pending
+        if pending is None or not link._waiting.get(name):
+            return 0
+        link._waiting[name] = 0
+        count = 0
+        for i in range(link._at, len(pending)):
+            item = pending[i]
+            if item is not None and item[0] == name:
+                pending[i] = None
+                count += 1
+        return count
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        proto = self.link.protocol
+        link = self.link
+        proto = link.protocol
         if self.up and proto is not None:
             proto._queueOn(self.id, proto.encode(frames))
-        elif not self.closed:
-            self.link._hold(self, frames)
+        elif not self.closed and link._admit(frames, link.core.queued) is not None:
+            link.core.hold(self, frames)  # (sent once it is up)
 
     def close(self) -> defer.Deferred[None]:
+        """End its channel; the last closes the connection."""
+        link = self.link
         if not self.closed:
             self._call = cancel_call(self._call)
-            self.link._forget(self)
+            record = link.core.close(self)
+            if record is not None and link.protocol is not None:
+                link.protocol._queueOn(record[:4], record[4:])
+            if not link.core.channels:
+                link._stop()
         return defer.succeed(None)
 
     def _up(self) -> None:
@@ -86,10 +104,10 @@ class _StreamChannel(Channel):
 
 @implementer(IDealerChannels)
 class StreamChannels(_OneConnection):
-    """The connecting side of one :class:`ClientService`-managed connection
-    carrying many pipes (:meth:`open`), each behaving as a connection of its
-    own (state: :class:`~mdp.transport.channellink.ChannelLink`).  Opened with
-    the first pipe, closed with the last."""
+    """One :class:`ClientService`-managed connection carrying many pipes
+    (:meth:`open`), each as a connection of its own: the Twisted shell of a
+    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
+    pipe, closed with the last."""
 
     kind = "stream channels"
 
@@ -199,22 +217,8 @@ class StreamChannels(_OneConnection):
         finally:
             self._pending = None
 
-    def _discard(self, name: bytes) -> int:
-        pending = self._pending
-        if pending is None or not self._waiting.get(name):
-            return 0
-        self._waiting[name] = 0
-        count = 0
-        for i in range(self._at, len(pending)):
-            item = pending[i]
-            if item is not None and item[0] == name:
-                pending[i] = None
-                count += 1
-        return count
-
     def _endedThere(self, channel: _StreamChannel) -> None:
-        """The far side ended *channel*: acknowledge, and bring it up again
-        under a new channel after the delay."""
+        """The far side ended *channel*: acknowledge; up again after the delay."""
         record, why, delay = self.core.endedThere(channel)
         if self.protocol is not None:
             self.protocol._queueOn(record[:4], record[4:])
@@ -223,19 +227,6 @@ class StreamChannels(_OneConnection):
             channel.receiver.connectionLost(Failure(why))
         if not channel.closed:
             channel._call = self.reactor.callLater(delay, channel._up)
-
-    def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
-        """Keep what *channel* sent while not up, within the bounds."""
-        if self._admit(frames, self.core.queued) is not None:
-            self.core.hold(channel, frames)
-
-    def _forget(self, channel: _StreamChannel) -> None:
-        """*channel* was closed: tell the far side; the last closes the connection."""
-        record = self.core.close(channel)
-        if record is not None and self.protocol is not None:
-            self.protocol._queueOn(record[:4], record[4:])
-        if not self.core.channels:
-            self._stop()
 
     def _stop(self) -> defer.Deferred[None]:
         self.core.connected = False

@@ -135,8 +135,7 @@ class _DealerConnection(FramedProtocol):
         self.dealer._resumed(self)
 
     def beforeStop(self) -> None:
-        """Its ClientService is about to close it: flush, and unregister the
-        producer that would keep it open."""
+        """About to be closed: flush, and unregister the producer that would keep it open."""
         self.closedHere = True
         self.flushWrites()
         self.transport.unregisterProducer()
@@ -146,8 +145,8 @@ class _DealerConnection(FramedProtocol):
 
 
 class _ReportingEndpoint:
-    """A client endpoint that reports each failed attempt, and names itself
-    by its endpoint string in ClientService's log lines."""
+    """A client endpoint that reports each failed attempt, named by its
+    string in ClientService's log."""
 
     def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
         self.endpoint = endpoint
@@ -169,9 +168,8 @@ class _ReportingEndpoint:
 
 def _connection(owner: Any, endpoint: str,
                 retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping one connection to *endpoint*
-    for *owner*.  A connection lost before it was proven counts as a failed
-    attempt (``owner._unproven``), so the backoff keeps growing."""
+    """A started :class:`ClientService` keeping *owner*'s connection; one lost
+    before it was proven counts as a failed attempt (``owner._unproven``)."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
@@ -206,9 +204,8 @@ class _OneConnection:
     framing: Any
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
-        """What *frames* cost held if they may wait, or None (warned) past the
-        bounds.  A message that cannot be encoded raises here, not at the next
-        connection's start."""
+        """What *frames* cost held, or None (warned) past the bounds; raises
+        here for a message that cannot be encoded."""
         size = held_bytes(frames)
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
