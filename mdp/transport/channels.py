@@ -10,11 +10,10 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
-from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
+from mdp.policy import RECONNECT, Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
 from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
-from mdp.transport.flow import DrainWaiters
 
 
 class _ChannelsConnection(_DealerConnection):
@@ -110,26 +109,17 @@ class StreamChannels(_OneConnection):
     pipe, closed with the last."""
 
     kind = "stream channels"
+    connectionClass = _ChannelsConnection
+    protocol: Optional[_ChannelsConnection]
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
-        self.endpoint = endpoint
-        self.reactor = reactor
-        self.limits = limits
-        self.framing = CHANNELS
-        self.identity = None
+        super().__init__(endpoint, reactor, limits, CHANNELS, None)
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
         self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)
-        self.protocol: Optional[_ChannelsConnection] = None
-        self._throttle = LogThrottle(reactor)
-        self._waiters = DrainWaiters()
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
-
-    @property
-    def channels(self) -> dict[bytes, Channel]:
-        return self.core.channels
 
     @property
     def queued(self) -> int:
@@ -154,11 +144,6 @@ class StreamChannels(_OneConnection):
         elif self.protocol is not None:
             channel._call = self.reactor.callLater(0, channel._up)
         return channel
-
-    def _buildProtocol(self, addr: object) -> _ChannelsConnection:
-        proto = _ChannelsConnection()
-        proto.dealer = self  # type: ignore[assignment]
-        return proto
 
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto  # type: ignore[assignment]

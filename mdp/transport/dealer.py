@@ -193,15 +193,27 @@ class _OneConnection:
     kind = "stream dealer"
     #: connections in a row lost before they were proven
     _unproven = 0
-    protocol: Optional[_DealerConnection]
     service: Optional[ClientService] = None
     _closing: Optional[defer.Deferred[None]] = None
-    _waiters: DrainWaiters
-    endpoint: str
-    limits: Limits
     queuedBytes: int
-    _throttle: LogThrottle
-    framing: Any
+    #: the class of its connections
+    connectionClass: type[_DealerConnection] = _DealerConnection
+
+    def __init__(self, endpoint: str, reactor: Any, limits: Limits, framing: Any,
+                 identity: Optional[bytes]) -> None:
+        self.endpoint = endpoint
+        self.reactor = reactor
+        self.limits = limits
+        self.framing = framing
+        self.identity = identity
+        self.protocol: Optional[_DealerConnection] = None
+        self._throttle = LogThrottle(reactor)
+        self._waiters = DrainWaiters()
+
+    def _buildProtocol(self, addr: object) -> _DealerConnection:
+        proto = self.connectionClass()
+        proto.dealer = self  # type: ignore[assignment]
+        return proto
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
         """What *frames* cost held, or None (warned) past the bounds; raises
@@ -266,23 +278,11 @@ class StreamDealer(_OneConnection):
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
                  framing: IFraming = RECORDS, identity: Optional[bytes] = None) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint, reactor, limits, framing, identity)
         self.receiver = receiver
-        self.reactor = reactor
-        self.limits = limits
-        self.framing = framing
-        self.identity = identity
-        self.protocol = None
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
-        self._throttle = LogThrottle(reactor)
-        self._waiters = DrainWaiters()
         self.service = _connection(self, endpoint, retryPolicy)
-
-    def _buildProtocol(self, addr: object) -> _DealerConnection:
-        proto = _DealerConnection()
-        proto.dealer = self
-        return proto
 
     @property
     def connected(self) -> bool:
