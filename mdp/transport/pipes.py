@@ -4,6 +4,7 @@ sockets under the blocking loop's poller.  A pipe reports to its *owner*
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -11,7 +12,7 @@ import socket
 import sys
 from collections import deque
 from time import monotonic
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from twisted.logger import Logger
 
@@ -450,10 +451,8 @@ class _StreamPipe:
     def _break(self, error: BaseException) -> None:
         """Stop reading; the next read reports *error* as the loss."""
         self.broken = error
-        try:
+        with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-        except OSError:
-            pass
 
     def _take(self, messages: list[Any], now: float) -> None:
         if self.skip and messages:
@@ -553,11 +552,9 @@ class _StreamPipe:
         """Close, after a moment's try to send what waits (a worker's DISCONNECT)."""
         sock = self.socket
         if sock is not None and self.up and self.out:
-            try:
+            with contextlib.suppress(OSError):
                 sock.settimeout(0.2)
                 sock.sendall(self.out)
-            except OSError:
-                pass
         self.retryAt = None
         self._closeSocket()
 
@@ -721,28 +718,13 @@ class _LinkPipe(Channel):
             link.loop.idle.add(link)
 
 
-def _bind(native: bool = True) -> None:
-    """Bind the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`)."""
-    global _read, _send, _events, _native, _pysend, _set, _Again
-    global _RCVTIMEO, _NOBLOCK, _ZMQ_POLLIN, _ZMQ_POLLOUT
-    _read, _send, _events, _native = socket_calls(native)
-    zmq = _zmq()
-    _pysend, _set, _Again = zmq.backend.Socket.send, zmq.backend.Socket.set, zmq.Again
-    _RCVTIMEO, _NOBLOCK = int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
-    _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
-
-
-_read: Callable[..., Any]
-_send: Callable[..., Any]
-_events: Callable[[Any], int]
-_pysend: Callable[..., Any]
-_set: Callable[..., Any]
-_Again: Any = None
-_native = False
-_RCVTIMEO = _NOBLOCK = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
+# the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`) and constants
+_read, _send, _events, _native = socket_calls(True)
+_pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _zmq().Again
+_RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
+_ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
 #: no limit
 _NEVER = sys.maxsize
 # a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
 _POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
 _POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)
-_bind()
