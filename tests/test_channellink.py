@@ -89,13 +89,13 @@ def test_stale_is_what_comes_before_a_channels_message_left_whole() -> None:
     link = ChannelLink(Limits())
     pipe = Channel()
     link.open(pipe)
-    link.sending(pipe.id, 100)
+    link.unsent[pipe.id] = 100
     assert link.stale(pipe.id, 99)
     assert not link.stale(pipe.id, 100)
     assert not link.stale(pipe.id, 0)  # (known to have left: no longer tracked)
     link.connected = True
     link.comeUp(pipe)
-    link.sending(pipe.id, 100)
+    link.unsent[pipe.id] = 100
     assert link.received(pipe, [b"early"], 99) == STALE
     assert link.received(pipe, [b"reply"], 100) == DELIVER
 

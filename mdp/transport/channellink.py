@@ -87,8 +87,7 @@ class ChannelLink:
     def made(self) -> Iterator[Channel]:
         """The connection is made: each channel up now, to tell (lazily: one told may lose it)."""
         self.connected = True
-        for channel in [channel for channel in self.channels.values()
-                        if not channel.up and not channel.closed and not channel.waiting]:
+        for channel in [channel for channel in self.channels.values() if not channel.waiting]:
             if self.comeUp(channel):
                 yield channel
 
@@ -188,10 +187,6 @@ class ChannelLink:
         for channel in closed:
             self.close(channel)
         return closed
-
-    def sending(self, name: bytes, until: int) -> None:
-        """Channel *name*'s message ends at byte *until* of what is sent."""
-        self.unsent[name] = until
 
     def stale(self, name: bytes, sent: int) -> bool:
         """Whether what comes on *name* now, *sent* bytes having left, is stale."""

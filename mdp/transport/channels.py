@@ -152,7 +152,6 @@ class StreamChannels(_OneConnection):
             channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
-        """A connection attempt failed: tell the receivers' ``connectionFailed``."""
         if self.service is None or not self.service.running or isinstance(
                 reason, defer.CancelledError):  # (a stopped service's attempt)
             return

@@ -302,7 +302,6 @@ class StreamDealer(_OneConnection):
             self.queuedBytes = 0
 
     def _failed(self, reason: Any) -> None:
-        """A connection attempt failed: tell the receiver's ``connectionFailed``, if any."""
         report = getattr(self.receiver, "connectionFailed", None)
         if report is not None and self.service is not None:
             report(reason)

@@ -689,7 +689,7 @@ class _LinkPipe(Channel):
             link = self.link
             at = link.stream.sendRecord(self.id + encode_record(frames))
             if at:
-                link.core.sending(self.id, at)
+                link.core.unsent[self.id] = at
 
     def discardReceived(self) -> int:
         """Drop what was read on its channel but an end; how many."""
