@@ -169,7 +169,7 @@ class _TwistedShell:
 
         self.proto = SimpleNamespace(closing=False, dropped=False, closedHere=False, refusal=None,
                                      transport=SimpleNamespace(disconnecting=False), paused=False,
-                                     encode=lambda frames: b"", beforeStop=lambda: None,
+                                     encode=lambda frames: b"", closeGracefully=lambda: None,
                                      _queueOn=lambda name, record: None)
         self.links._made(self.proto)
 

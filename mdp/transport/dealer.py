@@ -134,12 +134,6 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
         self.dealer._resumed(self)
 
-    def beforeStop(self) -> None:
-        """About to be closed: flush, and unregister the producer that would keep it open."""
-        self.closedHere = True
-        self.flushWrites()
-        self.transport.unregisterProducer()
-
     def stopProducing(self) -> None:
         self.paused = False
 
@@ -257,7 +251,7 @@ class _OneConnection:
         if service is None:
             return after(self._closing)
         if proto is not None:
-            proto.beforeStop()
+            proto.closeGracefully()
         stopped: defer.Deferred[None] = defer.Deferred()
         self._closing = stopped
 
