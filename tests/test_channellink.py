@@ -115,7 +115,7 @@ def test_the_twisted_and_the_blocking_shells_hold_the_same_core() -> None:
 # --- the two shells, driven alike, tell their pipes the same ----------------------
 
 SHELL_EVENTS = st.lists(st.tuples(
-    st.sampled_from(["made", "lost", "refused", "message", "end", "wait", "close"]),
+    st.sampled_from(["made", "failed", "lost", "refused", "message", "end", "wait", "close"]),
     st.integers(0, 2)), max_size=40)
 
 
@@ -155,6 +155,9 @@ class _TwistedShell:
             def connectionLost(self, reason: Any) -> None:
                 heard.lost(index, reason)
 
+            def connectionFailed(self, reason: Any) -> None:
+                heard.events.append(("failed", index))
+
             def messageReceived(self, frames: list[bytes]) -> None:
                 heard.events.append(("message", index, frames))
 
@@ -181,6 +184,9 @@ class _TwistedShell:
         if refused is not None:
             proto.refusal = refused
         self.links._lost(proto, Failure(refused or ConnectionLost("gone")))
+
+    def failed(self) -> None:
+        self.links._failed(ConnectionRefusedError("refused"))
 
     def receive(self, index: int, frames: list[bytes]) -> None:
         self.links._dispatch(self.proto, [(self.pipes[index].id, frames)])
@@ -213,6 +219,9 @@ class _BlockingShell:
             def _pipeLost(self, index: int, why: Any, now: float) -> None:
                 heard.lost(index, why)
 
+            def _pipeFailed(self, index: int, error: Any, now: float) -> None:
+                heard.events.append(("failed", index))
+
             def _pipeMessage(self, index: int, frames: list[bytes], now: float) -> None:
                 heard.events.append(("message", index, frames))
 
@@ -229,6 +238,9 @@ class _BlockingShell:
     def lost(self, refused: Any) -> None:
         self.link.stream.up = False
         self.link._pipeLost(None, refused or ConnectionError("gone"), self.now)
+
+    def failed(self) -> None:
+        self.link._pipeFailed(None, ConnectionRefusedError("refused"), self.now)
 
     def receive(self, index: int, frames: list[bytes]) -> None:
         self.link._pipeMessage(None, (self.pipes[index].id, frames), self.now)
@@ -251,6 +263,8 @@ def _drive(shell: Any, events: list[tuple[str, int]]) -> None:
         pipe = shell.pipes[index]
         if kind == "made" and not shell.connected:
             shell.made()
+        elif kind == "failed" and not shell.connected:
+            shell.failed()
         elif kind in ("lost", "refused") and shell.connected:
             refused = None
             if kind == "refused":
@@ -270,9 +284,9 @@ def _drive(shell: Any, events: list[tuple[str, int]]) -> None:
 @given(SHELL_EVENTS)
 def test_the_twisted_and_the_blocking_shells_tell_their_pipes_the_same(
         events: list[tuple[str, int]]) -> None:
-    """The same run of a connection's events (made, lost, lost for one
-    channel's record, a message, the far side ending a channel, the
-    reconnection delay passing, a pipe closed) through StreamChannels and
+    """The same run of a connection's events (made, an attempt failed, lost,
+    lost for one channel's record, a message, the far side ending a channel,
+    the reconnection delay passing, a pipe closed) through StreamChannels and
     through the blocking link: each pipe hears the same, in the same order."""
     twisted, blocking = _Heard(), _Heard()
     _drive(_TwistedShell(twisted), events)
