@@ -187,15 +187,13 @@ class _ZmqPipe:
 
     def discardReceived(self) -> int:
         """Read off and drop the messages waiting on the socket; how many."""
-        dropped = 0
         if self.socket is None:
             return 0
-        for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
+        for dropped in range(_HIGH_WATER_MARK):  # what the socket holds at most
             if not _events(self.handle) & _ZMQ_POLLIN:
-                break
+                return dropped
             _read(self.handle, _NOBLOCK, _NEVER, 0, _NEVER, _NEVER, False)
-            dropped += 1
-        return dropped
+        return _HIGH_WATER_MARK
 
     def _read(self, now: float) -> None:
         """Read at most a few messages a wake-up: the loop comes back for the rest."""
