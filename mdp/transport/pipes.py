@@ -60,16 +60,13 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
     """The socket family and address of stream *endpoint* (``tcp:``, ``unix:``)."""
     scheme, _, rest = endpoint.partition(":")
     args, kwargs = split_description(rest)
-    if scheme == "unix":
-        path = kwargs.get("path") or (args[0] if args else None)
-        if not path:
-            raise TransportError(f"bad endpoint {endpoint!r}: no path")
-        return socket.AF_UNIX, path
-    host = kwargs.get("host") or (args[0] if args else None)
-    port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
-    if not host or not port:
-        raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
-    return socket.AF_UNSPEC, (host, int(port))
+    unix = scheme == "unix"
+    # each by its name, or else by its place
+    given = [kwargs.get(name) or (args[i] if i < len(args) else None)
+             for i, name in enumerate(("path",) if unix else ("host", "port"))]
+    if not all(given):
+        raise TransportError(f"bad endpoint {endpoint!r}: {'no path' if unix else 'give host and port'}")
+    return (socket.AF_UNIX, given[0]) if unix else (socket.AF_UNSPEC, (given[0], int(given[1])))
 
 
 #: Messages a DEALER of a blocking node queues each way (its HWMs).
@@ -498,15 +495,13 @@ class _StreamPipe:
         for the next read)."""
         sock = self.socket
         messages: list[Any] = []
-        if sock is None or not self.up or self.broken is not None:
+        if not self.up or self.broken is not None:  # (up: it has a socket)
             return messages
         for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
             try:
-                data = sock.recv(_READ_SIZE)
-            except (BlockingIOError, InterruptedError):
-                break
+                data = sock.recv(_READ_SIZE)  # type: ignore[union-attr]
             except OSError:
-                break  # the poller reports the loss
+                break  # nothing more now, or a loss the poller reports
             if not data:
                 break  # the same: the next read sees the end again
             try:
