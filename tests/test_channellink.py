@@ -11,12 +11,13 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mdp.errors import RecordTooLarge
 from mdp.policy import Limits, held_bytes
-from mdp.transport.channellink import END, Channel, ChannelLink
+from mdp.transport.channellink import DELIVER, END, ENDED, IGNORE, STALE, Channel, ChannelLink
 
 EVENTS = st.lists(st.tuples(
-    st.sampled_from(["open", "made", "lost", "refused", "ended", "comeUp", "hold", "release",
-                     "close", "closeAll"]),
+    st.sampled_from(["open", "made", "lost", "refused", "ended", "message", "comeUp", "hold",
+                     "release", "close", "closeAll"]),
     st.integers(0, 7)), max_size=60)
 
 
@@ -47,20 +48,28 @@ def test_any_run_of_events_keeps_the_rules_of_the_channels(events: list[tuple[st
             link.open(pipe)
             pipes.append(pipe)
         elif kind == "made":
-            for channel in link.made():
-                assert not channel.up and not channel.closed and not channel.waiting
-                link.comeUp(channel)
+            down = [channel for channel in link.channels.values()
+                    if not channel.up and not channel.closed and not channel.waiting]
+            assert list(link.made()) == down and all(channel.up for channel in down)
         elif kind in ("lost", "refused"):
-            refused = pipe.id if kind == "refused" else None
+            why = RecordTooLarge("over")
+            if kind == "refused":
+                why.channel = pipe.id  # type: ignore[attr-defined]
             up = {channel.id for channel in link.channels.values() if channel.up}
-            down = link.lost(refused)
-            assert {channel.id for channel, _ in down} == up  # each told once
-            assert all(own == (refused is None or channel.id == refused) for channel, own in down)
+            lost = link.lost(why)
+            assert {channel.id for channel, _ in lost} == up  # each told once
+            assert all((reason is why) == (kind == "lost" or channel is pipe)
+                       for channel, reason in lost)
         elif kind == "ended" and link.channels.get(pipe.id) is pipe:
             old, was = pipe.id, pipe.up
-            record, told = link.endedThere(pipe)
-            assert record == old + END and told == was
+            assert link.received(pipe, []) == ENDED
+            record, why, delay = link.endedThere(pipe)
+            assert record == old + END and (why is not None) == was and delay > 0
             assert pipe.id != old and not pipe.up and pipe.waiting
+        elif kind == "message" and link.channels.get(pipe.id) is pipe:
+            pipe.ends = which
+            what = link.received(pipe, [b"x"])
+            assert what == (DELIVER if pipe.up else IGNORE) and pipe.ends == (0 if pipe.up else which)
         elif kind == "comeUp":
             link.comeUp(pipe)
         elif kind == "hold" and not pipe.closed:
@@ -80,10 +89,15 @@ def test_stale_is_what_comes_before_a_channels_message_left_whole() -> None:
     link = ChannelLink(Limits())
     pipe = Channel()
     link.open(pipe)
-    link.sending(pipe.id, 100)
+    link.unsent[pipe.id] = 100
     assert link.stale(pipe.id, 99)
     assert not link.stale(pipe.id, 100)
     assert not link.stale(pipe.id, 0)  # (known to have left: no longer tracked)
+    link.connected = True
+    link.comeUp(pipe)
+    link.unsent[pipe.id] = 100
+    assert link.received(pipe, [b"early"], 99) == STALE
+    assert link.received(pipe, [b"reply"], 100) == DELIVER
 
 
 def test_the_twisted_and_the_blocking_shells_hold_the_same_core() -> None:
@@ -101,7 +115,7 @@ def test_the_twisted_and_the_blocking_shells_hold_the_same_core() -> None:
 # --- the two shells, driven alike, tell their pipes the same ----------------------
 
 SHELL_EVENTS = st.lists(st.tuples(
-    st.sampled_from(["made", "lost", "refused", "message", "end", "wait", "close"]),
+    st.sampled_from(["made", "failed", "lost", "refused", "message", "end", "wait", "close"]),
     st.integers(0, 2)), max_size=40)
 
 
@@ -141,6 +155,9 @@ class _TwistedShell:
             def connectionLost(self, reason: Any) -> None:
                 heard.lost(index, reason)
 
+            def connectionFailed(self, reason: Any) -> None:
+                heard.events.append(("failed", index))
+
             def messageReceived(self, frames: list[bytes]) -> None:
                 heard.events.append(("message", index, frames))
 
@@ -153,8 +170,9 @@ class _TwistedShell:
     def made(self) -> None:
         from types import SimpleNamespace
 
-        self.proto = SimpleNamespace(closing=False, closedHere=False, refusal=None, paused=False,
-                                     encode=lambda frames: b"", beforeStop=lambda: None,
+        self.proto = SimpleNamespace(closing=False, dropped=False, closedHere=False, refusal=None,
+                                     transport=SimpleNamespace(disconnecting=False), paused=False,
+                                     encode=lambda frames: b"", closeGracefully=lambda: None,
                                      _queueOn=lambda name, record: None)
         self.links._made(self.proto)
 
@@ -166,6 +184,9 @@ class _TwistedShell:
         if refused is not None:
             proto.refusal = refused
         self.links._lost(proto, Failure(refused or ConnectionLost("gone")))
+
+    def failed(self) -> None:
+        self.links._failed(ConnectionRefusedError("refused"))
 
     def receive(self, index: int, frames: list[bytes]) -> None:
         self.links._dispatch(self.proto, [(self.pipes[index].id, frames)])
@@ -198,6 +219,9 @@ class _BlockingShell:
             def _pipeLost(self, index: int, why: Any, now: float) -> None:
                 heard.lost(index, why)
 
+            def _pipeFailed(self, index: int, error: Any, now: float) -> None:
+                heard.events.append(("failed", index))
+
             def _pipeMessage(self, index: int, frames: list[bytes], now: float) -> None:
                 heard.events.append(("message", index, frames))
 
@@ -214,6 +238,9 @@ class _BlockingShell:
     def lost(self, refused: Any) -> None:
         self.link.stream.up = False
         self.link._pipeLost(None, refused or ConnectionError("gone"), self.now)
+
+    def failed(self) -> None:
+        self.link._pipeFailed(None, ConnectionRefusedError("refused"), self.now)
 
     def receive(self, index: int, frames: list[bytes]) -> None:
         self.link._pipeMessage(None, (self.pipes[index].id, frames), self.now)
@@ -236,6 +263,8 @@ def _drive(shell: Any, events: list[tuple[str, int]]) -> None:
         pipe = shell.pipes[index]
         if kind == "made" and not shell.connected:
             shell.made()
+        elif kind == "failed" and not shell.connected:
+            shell.failed()
         elif kind in ("lost", "refused") and shell.connected:
             refused = None
             if kind == "refused":
@@ -255,9 +284,9 @@ def _drive(shell: Any, events: list[tuple[str, int]]) -> None:
 @given(SHELL_EVENTS)
 def test_the_twisted_and_the_blocking_shells_tell_their_pipes_the_same(
         events: list[tuple[str, int]]) -> None:
-    """The same run of a connection's events (made, lost, lost for one
-    channel's record, a message, the far side ending a channel, the
-    reconnection delay passing, a pipe closed) through StreamChannels and
+    """The same run of a connection's events (made, an attempt failed, lost,
+    lost for one channel's record, a message, the far side ending a channel,
+    the reconnection delay passing, a pipe closed) through StreamChannels and
     through the blocking link: each pipe hears the same, in the same order."""
     twisted, blocking = _Heard(), _Heard()
     _drive(_TwistedShell(twisted), events)

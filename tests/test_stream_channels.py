@@ -241,7 +241,8 @@ async def test_pipes_discard_only_their_own_stale_messages(net: Net) -> None:
 
     pipes["a"] = links.open(Pipe("a", onMessage=received))
     pipes["b"] = links.open(Pipe("b", onMessage=received))
-    proto: Any = type("P", (), {"closing": False})()
+    transport = type("T", (), {"disconnecting": False})()
+    proto: Any = type("P", (), {"dropped": False, "transport": transport})()
     links.protocol = proto
     pipes["a"].up = pipes["b"].up = True
     a, b = pipes["a"].id, pipes["b"].id

@@ -1,19 +1,38 @@
-"""The channels of one stream connection, without I/O (``docs/transports.md``);
-:class:`~mdp.transport.channels.StreamChannels` and the blocking client's
-link are its shells.  A channel, named by four bytes, is up while the
-connection is, unless the far side ended it (an empty record): it comes up
-again under a new name after the delay.  What it sends while down is held."""
+"""The channels of one stream connection, without I/O (``docs/transports.md``):
+the one core of :class:`~mdp.transport.channels.StreamChannels` and of the
+blocking client's link."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from collections.abc import Iterator
+from typing import Callable, Optional
 
-from mdp.policy import Limits, held_bytes
-from mdp.transport.framing import encode_record
+from twisted.internet.error import ConnectionDone, ConnectionLost
+
+from mdp.policy import RECONNECT, Limits, held_bytes
+from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder, encode_record
 
 #: what ends a channel: a record of no frames
 END = encode_record([])
+
+#: what a record on a channel means (:meth:`ChannelLink.received`)
+DELIVER, IGNORE, STALE, ENDED = range(4)
+
+
+class ChannelsFraming(LengthPrefixedFraming):
+    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
+
+    name = "records32-channels"
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        return CHANNELS_GREETING
+
+    def decoder(self, limits: Limits) -> RecordDecoder:
+        return RecordDecoder(limits, channels=True)
+
+
+CHANNELS = ChannelsFraming()
 
 
 class Channel:
@@ -35,12 +54,16 @@ class Channel:
 
 
 class ChannelLink:
-    """The channels of one connection and what the connection's events do
-    to them; each method returns what its shell must do (write, tell)."""
+    """The channels of one connection.  A channel is up while the connection
+    is, unless the far side ended it: then it comes up again under a new name
+    after a delay.  Each method returns what its shell must do."""
 
-    def __init__(self, limits: Limits, maxQueued: int = 1000) -> None:
+    def __init__(self, limits: Limits, maxQueued: int = 1000,
+                 retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.limits = limits
         self.maxQueued = maxQueued
+        #: times in a row a channel was ended -> seconds before it comes up again
+        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
         self.channels: dict[bytes, Channel] = {}
         self.connected = False
         #: what the channels hold, bounded together
@@ -61,11 +84,18 @@ class ChannelLink:
         channel.id = name
         channels[name] = channel
 
-    def made(self) -> list[Channel]:
-        """The connection is made: the channels to bring up (``comeUp`` each)."""
+    def made(self) -> Iterator[Channel]:
+        """The connection is made: each channel up now, to tell (lazily: one told may lose it)."""
         self.connected = True
-        return [channel for channel in self.channels.values()
-                if not channel.up and not channel.closed and not channel.waiting]
+        for channel in [channel for channel in self.channels.values() if not channel.waiting]:
+            if self.comeUp(channel):
+                yield channel
+
+    def failed(self) -> Iterator[Channel]:
+        """A connection attempt failed: each channel to tell, as long as it is open."""
+        for channel in list(self.channels.values()):
+            if not channel.closed:
+                yield channel
 
     def comeUp(self, channel: Channel) -> bool:
         """*channel*'s delay is over, or it is new: whether it is up now."""
@@ -76,20 +106,36 @@ class ChannelLink:
         channel.up = True
         return True
 
-    def lost(self, refused: Optional[bytes]) -> list[tuple[Channel, bool]]:
-        """The connection is lost (for an oversized record on *refused*, if
-        any): the channels that were up, each with whether the loss is its own."""
+    def lost(self, why: object) -> list[tuple[Channel, object]]:
+        """The connection is lost for *why*: the channels that were up, each
+        with its reason (a record refused for its size was one ``channel``'s)."""
         self.connected = False
         self.unsent.clear()
-        down = [(channel, refused is None or refused == channel.id)
+        refused = getattr(why, "channel", None)
+        others = why if refused is None else ConnectionLost(
+            f"the connection was dropped for another channel's record: {why}")
+        down = [(channel, why if refused is None or refused == channel.id else others)
                 for channel in self.channels.values() if channel.up]
         for channel, _ in down:
             channel.up = False
         return down
 
-    def endedThere(self, channel: Channel) -> tuple[bytes, bool]:
-        """The far side ended *channel*: the acknowledging record to write, and
-        whether it was up.  Renamed, down until ``comeUp``."""
+    def received(self, channel: Channel, frames: list[bytes], sent: int = 0) -> int:
+        """What *frames* on open *channel* mean, *sent* bytes having left:
+        :data:`DELIVER`, :data:`IGNORE` (down), :data:`STALE` (before its
+        message left) or :data:`ENDED` (see ``endedThere``)."""
+        if not frames:
+            return ENDED
+        if not channel.up:
+            return IGNORE
+        if self.unsent and self.stale(channel.id, sent):
+            return STALE
+        channel.ends = 0
+        return DELIVER
+
+    def endedThere(self, channel: Channel) -> tuple[bytes, Optional[ConnectionDone], float]:
+        """The far side ended *channel*: the record acknowledging it, the loss
+        to tell (None: was down), and the seconds before ``comeUp`` (renamed)."""
         record = channel.id + END
         del self.channels[channel.id]
         self.unsent.pop(channel.id, None)
@@ -97,7 +143,8 @@ class ChannelLink:
         channel.ends += 1
         channel.waiting = True
         was, channel.up = channel.up, False
-        return record, was
+        why = ConnectionDone("the far side ended this channel") if was else None
+        return record, why, self.retryPolicy(channel.ends)
 
     def hold(self, channel: Channel, frames: list[bytes]) -> bool:
         """Keep what *channel* sent while not up; False if over the bounds."""
@@ -140,10 +187,6 @@ class ChannelLink:
         for channel in closed:
             self.close(channel)
         return closed
-
-    def sending(self, name: bytes, until: int) -> None:
-        """Channel *name*'s message ends at byte *until* of what is sent."""
-        self.unsent[name] = until
 
     def stale(self, name: bytes, sent: int) -> bool:
         """Whether what comes on *name* now, *sent* bytes having left, is stale."""

@@ -5,36 +5,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Optional
 
-from twisted.application.internet import ClientService
 from twisted.internet import defer
-from twisted.internet.error import ConnectionDone, ConnectionLost
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
-from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call
-from mdp.transport.channellink import Channel, ChannelLink
+from mdp.policy import RECONNECT, Limits, cancel_call
+from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
+from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
-from mdp.transport.flow import DrainWaiters, after
-from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder
-
-log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
-
-
-class _ChannelsFraming(LengthPrefixedFraming):
-    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
-
-    name = "records32-channels"
-
-    def greeting(self, identity: Optional[bytes]) -> bytes:
-        return CHANNELS_GREETING
-
-    def decoder(self, limits: Limits) -> RecordDecoder:
-        return RecordDecoder(limits, channels=True)
-
-
-_CHANNELS = _ChannelsFraming()
 
 
 class _ChannelsConnection(_DealerConnection):
@@ -71,19 +50,37 @@ class _StreamChannel(Channel):
 
     def discardReceived(self) -> int:
         """Drop its messages of the current read not delivered yet; how many."""
-        return self.link._discard(self.id)
+        link, name = self.link, self.id
+        pending = link._pending
+        if pending is None or not link._waiting.get(name):
+            return 0
+        link._waiting[name] = 0
+        count = 0
+        for i in range(link._at, len(pending)):
+            item = pending[i]
+            if item is not None and item[0] == name:
+                pending[i] = None
+                count += 1
+        return count
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        proto = self.link.protocol
+        link = self.link
+        proto = link.protocol
         if self.up and proto is not None:
             proto._queueOn(self.id, proto.encode(frames))
-        elif not self.closed:
-            self.link._hold(self, frames)
+        elif not self.closed and link._admit(frames, link.core.queued) is not None:
+            link.core.hold(self, frames)  # (sent once it is up)
 
     def close(self) -> defer.Deferred[None]:
+        """End its channel; the last closes the connection."""
+        link = self.link
         if not self.closed:
             self._call = cancel_call(self._call)
-            self.link._forget(self)
+            record = link.core.close(self)
+            if record is not None and link.protocol is not None:
+                link.protocol._queueOn(record[:4], record[4:])
+            if not link.core.channels:
+                link._stop()
         return defer.succeed(None)
 
     def _up(self) -> None:
@@ -99,45 +96,30 @@ class _StreamChannel(Channel):
 
     def _made(self) -> None:
         """It is up: tell its receiver, then send what it held."""
-        try:
-            self.receiver.connectionMade()
-        except Exception:
-            log.failure("stream channel to {endpoint}: its receiver's connectionMade failed",
-                        endpoint=self.link.endpoint)
+        self.link._tellMade(self.receiver)
         for frames in self.link.core.release(self):
             self.sendMessage(frames)
 
 
 @implementer(IDealerChannels)
 class StreamChannels(_OneConnection):
-    """The connecting side of one :class:`ClientService`-managed connection
-    carrying many pipes (:meth:`open`), each behaving as a connection of its
-    own (state: :class:`~mdp.transport.channellink.ChannelLink`).  Opened with
-    the first pipe, closed with the last."""
+    """One :class:`ClientService`-managed connection carrying many pipes
+    (:meth:`open`), each as a connection of its own: the Twisted shell of a
+    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
+    pipe, closed with the last."""
 
     kind = "stream channels"
+    connectionClass = _ChannelsConnection
+    protocol: Optional[_ChannelsConnection]
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
-        self.endpoint = endpoint
-        self.reactor = reactor
-        self.limits = limits
-        self.framing = _CHANNELS
-        self.identity = None
+        super().__init__(endpoint, reactor, limits, CHANNELS, None)
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
-        self.core = ChannelLink(limits, self.maxQueued)
-        self.protocol: Optional[_ChannelsConnection] = None
-        self.service: Optional[ClientService] = None
-        self._closing: Optional[defer.Deferred[None]] = None
-        self._throttle = LogThrottle(reactor)
-        self._waiters = DrainWaiters()
+        self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
-
-    @property
-    def channels(self) -> dict[bytes, Channel]:
-        return self.core.channels
 
     @property
     def queued(self) -> int:
@@ -163,28 +145,19 @@ class StreamChannels(_OneConnection):
             channel._call = self.reactor.callLater(0, channel._up)
         return channel
 
-    def _buildProtocol(self, addr: object) -> _ChannelsConnection:
-        proto = _ChannelsConnection()
-        proto.dealer = self  # type: ignore[assignment]
-        return proto
-
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto  # type: ignore[assignment]
         for channel in self.core.made():
-            if self.protocol is not proto:
-                return
             channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
-            if self.core.comeUp(channel):
-                channel._made()  # type: ignore[attr-defined]
+            channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
-        """A connection attempt failed: tell the receivers' ``connectionFailed``."""
         if self.service is None or not self.service.running or isinstance(
                 reason, defer.CancelledError):  # (a stopped service's attempt)
             return
-        for channel in list(self.core.channels.values()):
+        for channel in self.core.failed():
             report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
-            if report is not None and not channel.closed:
+            if report is not None:
                 report(reason)
 
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
@@ -192,19 +165,17 @@ class StreamChannels(_OneConnection):
             return
         self.protocol = None
         self._waiters.fire()
-        # a record refused for its size was one pipe's: the others only lost the connection
-        refused = getattr(proto.refusal, "channel", None)
-        others = Failure(ConnectionLost(f"the connection was dropped for another channel's "
-                                        f"record: {proto.refusal}")) if refused else reason
         # all down before any receiver hears it (one may send on another)
-        for channel, own in self.core.lost(refused):
+        for channel, why in self.core.lost(reason if proto.refusal is None else proto.refusal):
             if not channel.closed:
                 channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
-                channel.receiver.connectionLost(reason if own else others)  # type: ignore[attr-defined]
+                channel.receiver.connectionLost(  # type: ignore[attr-defined]
+                    why if why is reason else Failure(why))
 
     def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
         self._pending = messages
-        channels = self.core.channels
+        core = self.core
+        channels = core.channels
         # messages still to come in this read, by channel
         waiting = self._waiting = {}
         for item in messages:
@@ -219,75 +190,31 @@ class StreamChannels(_OneConnection):
                 channel = channels.get(item[0])
                 if channel is None:
                     continue
-                frames = item[1]
-                if not frames:
+                what = core.received(channel, item[1])
+                if what == DELIVER:
+                    channel.receiver.messageReceived(item[1])  # type: ignore[attr-defined]
+                elif what == ENDED:
                     self._endedThere(channel)  # type: ignore[arg-type]
-                elif channel.up:
-                    if channel.ends:
-                        channel.ends = 0
-                    channel.receiver.messageReceived(frames)  # type: ignore[attr-defined]
-                if proto.closing or self.protocol is not proto:
+                # (``proto.closing``, without a call a message)
+                if proto.dropped or proto.transport.disconnecting or self.protocol is not proto:
                     return
         finally:
             self._pending = None
 
-    def _discard(self, name: bytes) -> int:
-        pending = self._pending
-        if pending is None or not self._waiting.get(name):
-            return 0
-        self._waiting[name] = 0
-        count = 0
-        for i in range(self._at, len(pending)):
-            item = pending[i]
-            if item is not None and item[0] == name:
-                pending[i] = None
-                count += 1
-        return count
-
     def _endedThere(self, channel: _StreamChannel) -> None:
-        """The far side ended *channel*: acknowledge, and bring it up again
-        under a new channel after the delay."""
-        record, was = self.core.endedThere(channel)
+        """The far side ended *channel*: acknowledge; up again after the delay."""
+        record, why, delay = self.core.endedThere(channel)
         if self.protocol is not None:
             self.protocol._queueOn(record[:4], record[4:])
         channel._call = cancel_call(channel._call)
-        if was:
-            channel.receiver.connectionLost(Failure(ConnectionDone("the far side ended this channel")))
+        if why is not None:
+            channel.receiver.connectionLost(Failure(why))
         if not channel.closed:
-            channel._call = self.reactor.callLater(self.retryPolicy(channel.ends), channel._up)
-
-    def _hold(self, channel: _StreamChannel, frames: list[bytes]) -> None:
-        """Keep what *channel* sent while not up, within the bounds."""
-        if self._admit(frames, self.core.queued) is not None:
-            self.core.hold(channel, frames)
-
-    def _forget(self, channel: _StreamChannel) -> None:
-        """*channel* was closed: tell the far side; the last closes the connection."""
-        record = self.core.close(channel)
-        if record is not None and self.protocol is not None:
-            self.protocol._queueOn(record[:4], record[4:])
-        if not self.core.channels:
-            self._stop()
+            channel._call = self.reactor.callLater(delay, channel._up)
 
     def _stop(self) -> defer.Deferred[None]:
-        service, self.service = self.service, None
-        proto, self.protocol = self.protocol, None
         self.core.connected = False
-        self._waiters.fire()
-        if service is None:
-            return after(self._closing)
-        if proto is not None:
-            proto.beforeStop()
-        stopped: defer.Deferred[None] = defer.Deferred()
-        self._closing = stopped
-
-        def done(result: object) -> None:
-            if self._closing is stopped:
-                self._closing = None
-            stopped.callback(None)
-
-        service.stopService().addBoth(done)
-        return after(stopped)
+        return super()._stop()
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the connection."""

@@ -17,7 +17,7 @@ from zope.interface import implementer
 from mdp.errors import ProtocolError
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IFraming
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, held_bytes
-from mdp.transport.flow import DrainWaiters
+from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
 from mdp.transport.twisted_private import shortcut_reads
@@ -134,20 +134,13 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
         self.dealer._resumed(self)
 
-    def beforeStop(self) -> None:
-        """Its ClientService is about to close it: flush, and unregister the
-        producer that would keep it open."""
-        self.closedHere = True
-        self.flushWrites()
-        self.transport.unregisterProducer()
-
     def stopProducing(self) -> None:
         self.paused = False
 
 
 class _ReportingEndpoint:
-    """A client endpoint that reports each failed attempt, and names itself
-    by its endpoint string in ClientService's log lines."""
+    """A client endpoint that reports each failed attempt, named by its
+    string in ClientService's log."""
 
     def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
         self.endpoint = endpoint
@@ -169,9 +162,8 @@ class _ReportingEndpoint:
 
 def _connection(owner: Any, endpoint: str,
                 retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping one connection to *endpoint*
-    for *owner*.  A connection lost before it was proven counts as a failed
-    attempt (``owner._unproven``), so the backoff keeps growing."""
+    """A started :class:`ClientService` keeping *owner*'s connection; one lost
+    before it was proven counts as a failed attempt (``owner._unproven``)."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
@@ -187,26 +179,39 @@ def _connection(owner: Any, endpoint: str,
 
 
 class _OneConnection:
-    """Flow control of a connecting side's one connection (``protocol``, None
-    while down); what is sent meanwhile waits, within ``maxQueued`` messages
-    and ``limits.maxOutputBytes``."""
+    """A connecting side's one connection (``protocol``, None while down) and
+    its flow control; what is sent meanwhile waits, within ``maxQueued``
+    messages and ``limits.maxOutputBytes``."""
 
     maxQueued = 1000
     kind = "stream dealer"
     #: connections in a row lost before they were proven
     _unproven = 0
-    protocol: Optional[_DealerConnection]
-    _waiters: DrainWaiters
-    endpoint: str
-    limits: Limits
+    service: Optional[ClientService] = None
+    _closing: Optional[defer.Deferred[None]] = None
     queuedBytes: int
-    _throttle: LogThrottle
-    framing: Any
+    #: the class of its connections
+    connectionClass: type[_DealerConnection] = _DealerConnection
+
+    def __init__(self, endpoint: str, reactor: Any, limits: Limits, framing: Any,
+                 identity: Optional[bytes]) -> None:
+        self.endpoint = endpoint
+        self.reactor = reactor
+        self.limits = limits
+        self.framing = framing
+        self.identity = identity
+        self.protocol: Optional[_DealerConnection] = None
+        self._throttle = LogThrottle(reactor)
+        self._waiters = DrainWaiters()
+
+    def _buildProtocol(self, addr: object) -> _DealerConnection:
+        proto = self.connectionClass()
+        proto.dealer = self  # type: ignore[assignment]
+        return proto
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
-        """What *frames* cost held if they may wait, or None (warned) past the
-        bounds.  A message that cannot be encoded raises here, not at the next
-        connection's start."""
+        """What *frames* cost held, or None (warned) past the bounds; raises
+        here for a message that cannot be encoded."""
         size = held_bytes(frames)
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
@@ -230,6 +235,34 @@ class _OneConnection:
         if proto is self.protocol:
             self._waiters.fire()
 
+    def _tellMade(self, receiver: IDealerReceiver) -> None:
+        try:
+            receiver.connectionMade()
+        except Exception:
+            # raised, it would leave the connection half made
+            log.failure("{kind} to {endpoint}: its receiver's connectionMade failed",
+                        kind=self.kind, endpoint=self.endpoint)
+
+    def _stop(self) -> defer.Deferred[None]:
+        """Stop the service and its connection (flushed first); fired once stopped."""
+        service, self.service = self.service, None
+        proto, self.protocol = self.protocol, None
+        self._waiters.fire()
+        if service is None:
+            return after(self._closing)
+        if proto is not None:
+            proto.closeGracefully()
+        stopped: defer.Deferred[None] = defer.Deferred()
+        self._closing = stopped
+
+        def done(result: object) -> None:
+            if self._closing is stopped:
+                self._closing = None
+            stopped.callback(None)
+
+        service.stopService().addBoth(done)
+        return after(stopped)
+
 
 @implementer(IDealerTransport)
 class StreamDealer(_OneConnection):
@@ -239,23 +272,11 @@ class StreamDealer(_OneConnection):
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
                  framing: IFraming = RECORDS, identity: Optional[bytes] = None) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint, reactor, limits, framing, identity)
         self.receiver = receiver
-        self.reactor = reactor
-        self.limits = limits
-        self.framing = framing
-        self.identity = identity
-        self.protocol: Optional[_DealerConnection] = None
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
-        self._throttle = LogThrottle(reactor)
-        self._waiters = DrainWaiters()
         self.service = _connection(self, endpoint, retryPolicy)
-
-    def _buildProtocol(self, addr: object) -> _DealerConnection:
-        proto = _DealerConnection()
-        proto.dealer = self
-        return proto
 
     @property
     def connected(self) -> bool:
@@ -268,28 +289,22 @@ class StreamDealer(_OneConnection):
     def _made(self, proto: _DealerConnection) -> None:
         self.protocol = proto
         proto.onMessage = self.receiver.messageReceived
-        try:
-            self.receiver.connectionMade()
-        except Exception:
-            # raised, it would leave the connection half made
-            log.failure("stream dealer to {endpoint}: its receiver's connectionMade failed",
-                        endpoint=self.endpoint)
+        self._tellMade(self.receiver)
         while self.queue and self.protocol is proto:
             proto.sendFrames(self.queue.popleft())
         if not self.queue:
             self.queuedBytes = 0
 
     def _failed(self, reason: Any) -> None:
-        """A connection attempt failed: tell the receiver's ``connectionFailed``, if any."""
         report = getattr(self.receiver, "connectionFailed", None)
-        if report is not None and self.service.running:
+        if report is not None and self.service is not None:
             report(reason)
 
     def _lost(self, proto: _DealerConnection, reason: object) -> None:
         if self.protocol is proto:
             self.protocol = None
             self._waiters.fire()
-        if not self.service.running:
+        if self.service is None:
             return
         if proto._early is not None:
             # its greeting never came: a failed attempt
@@ -301,23 +316,14 @@ class StreamDealer(_OneConnection):
         if self.protocol is not None:
             self.protocol.sendFrames(frames)
             return
-        if not self.service.running:
+        if self.service is None:
             return
         size = self._admit(frames, len(self.queue))
         if size is not None:
             self.queue.append(list(frames))
             self.queuedBytes += size
 
-    _closing: Optional[defer.Deferred[None]] = None
-
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()
         self.queuedBytes = 0
-        self._waiters.fire()
-        if self._closing is None:
-            if self.protocol is not None:
-                self.protocol.beforeStop()
-            self._closing = self.service.stopService()
-        closed: defer.Deferred[None] = defer.Deferred()
-        self._closing.addBoth(lambda result: (closed.callback(None), result)[1])
-        return closed
+        return self._stop()

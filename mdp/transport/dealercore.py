@@ -1,7 +1,5 @@
-"""What a connecting ZeroMQ DEALER decides, without its socket or a loop;
-:class:`~mdp.transport.zeromq.ZmqDealer` and the blocking
-:class:`~mdp.transport.pipes._ZmqPipe` are its shells.
-"""
+"""What a connecting ZeroMQ DEALER decides, without its socket or a loop: the
+core of :class:`~mdp.transport.zeromq.ZmqDealer` and the blocking ``_ZmqPipe``."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ class DealerCore:
         self.backlogBytes = 0
 
     def oversized(self, size: int, count: int) -> OversizedMessage:
-        """A message is over the limits: the caller replaces the socket and
-        reports the returned loss."""
+        """A message is over the limits: the loss to report with a new socket."""
         self.clear()
         self.failures = 0
         return OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")

@@ -147,8 +147,7 @@ class FramedProtocol(Protocol):
             log.warn(why, **fields)
 
     def closeGracefully(self) -> None:
-        """Close once what is written is sent (unregistering the producer,
-        which would keep it open for good)."""
+        """Close once what is written is sent (unregistering the producer that keeps it open)."""
         self.closedHere = True
         self.flushWrites()
         self.transport.unregisterProducer()

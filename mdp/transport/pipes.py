@@ -1,11 +1,10 @@
-"""The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER sockets and
-stream sockets, driven by the blocking loop's poller.  A pipe reports to its
-*owner* through ``_pipeUp``, ``_pipeLost``, ``_pipeFailed`` and ``_pipeMessage``,
-each with the *tag* it was opened with.
-"""
+"""The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER and stream
+sockets under the blocking loop's poller.  A pipe reports to its *owner*
+(``_pipeUp``, ``_pipeLost``, ``_pipeFailed``, ``_pipeMessage``) with its *tag*."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -13,23 +12,17 @@ import socket
 import sys
 from collections import deque
 from time import monotonic
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from twisted.logger import Logger
 
 from mdp.errors import TransportError
 from mdp.policy import RECONNECT
-from mdp.transport.channellink import Channel, ChannelLink
+from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
-from mdp.transport.framing import CHANNELS_GREETING, RecordDecoder, encode_record
+from mdp.transport.framing import RECORDS, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zmqio import (
-    ZERO_COPY_BYTES,
-    _zmq,
-    random_identity,
-    socket_calls,
-    socket_handle,
-)
+from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls, socket_handle
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -43,8 +36,7 @@ _MAX_WAIT_MS = 2**31 - 1
 
 
 def timeout_ms(when: Optional[float], now: float) -> int:
-    """A poll's timeout until *when* (None: -1), in milliseconds rounded up
-    (ending early would be a wasted wake-up)."""
+    """A poll's timeout until *when* (None: -1), in milliseconds rounded up."""
     if when is None:
         return -1
     ms = (when - now) * 1000.0
@@ -68,16 +60,13 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
     """The socket family and address of stream *endpoint* (``tcp:``, ``unix:``)."""
     scheme, _, rest = endpoint.partition(":")
     args, kwargs = split_description(rest)
-    if scheme == "unix":
-        path = kwargs.get("path") or (args[0] if args else None)
-        if not path:
-            raise TransportError(f"bad endpoint {endpoint!r}: no path")
-        return socket.AF_UNIX, path
-    host = kwargs.get("host") or (args[0] if args else None)
-    port = kwargs.get("port") or (args[1] if len(args) > 1 else None)
-    if not host or not port:
-        raise TransportError(f"bad endpoint {endpoint!r}: give host and port")
-    return socket.AF_UNSPEC, (host, int(port))
+    unix = scheme == "unix"
+    # each by its name, or else by its place
+    given = [kwargs.get(name) or (args[i] if i < len(args) else None)
+             for i, name in enumerate(("path",) if unix else ("host", "port"))]
+    if not all(given):
+        raise TransportError(f"bad endpoint {endpoint!r}: {'no path' if unix else 'give host and port'}")
+    return (socket.AF_UNIX, given[0]) if unix else (socket.AF_UNSPEC, (given[0], int(given[1])))
 
 
 #: Messages a DEALER of a blocking node queues each way (its HWMs).
@@ -136,7 +125,7 @@ class _ZmqPipe:
         return bool(self.backlog)
 
     def start(self) -> None:
-        pass  # connected already: ZeroMQ connects in the background
+        pass  # ZeroMQ connects in the background
 
     def send(self, frames: list[bytes]) -> None:
         if self.socket is None:
@@ -171,7 +160,7 @@ class _ZmqPipe:
 
     def wait(self, timeout: int) -> None:
         """The loop's only socket: block in ``recv`` for at most *timeout* ms
-        (-1: no limit) instead of polling; handle what came."""
+        (-1: no limit); handle what came."""
         sock = self.socket
         if not _native:
             # pyzmq's recv waits its whole RCVTIMEO again after each signal
@@ -195,15 +184,13 @@ class _ZmqPipe:
 
     def discardReceived(self) -> int:
         """Read off and drop the messages waiting on the socket; how many."""
-        dropped = 0
         if self.socket is None:
             return 0
-        for _ in range(_HIGH_WATER_MARK):  # what the socket holds at most
+        for dropped in range(_HIGH_WATER_MARK):  # what the socket holds at most
             if not _events(self.handle) & _ZMQ_POLLIN:
-                break
+                return dropped
             _read(self.handle, _NOBLOCK, _NEVER, 0, _NEVER, _NEVER, False)
-            dropped += 1
-        return dropped
+        return _HIGH_WATER_MARK
 
     def _read(self, now: float) -> None:
         """Read at most a few messages a wake-up: the loop comes back for the rest."""
@@ -228,8 +215,8 @@ class _ZmqPipe:
                      False)
 
     def _take(self, frames: Any, now: float) -> None:
-        """Hand *frames* to the owner; or, over the limits, drop it with its
-        socket, and tell the owner the pipe was lost, then up again."""
+        """Hand *frames* to the owner; over the limits, replace the socket
+        (the owner hears the pipe lost, then up)."""
         if frames.__class__ is list:
             self.owner._pipeMessage(self.tag, frames, now)
             return
@@ -242,8 +229,7 @@ class _ZmqPipe:
             self.owner._pipeUp(self.tag, now)
 
     def _reopen(self, now: float) -> bool:
-        """A fresh socket; if none can be had, try again after
-        :data:`RECONNECT`'s delay, down meanwhile."""
+        """A fresh socket; if none can be had, down until the core's delay is over."""
         try:
             self._connect()
         except Exception as e:
@@ -259,9 +245,8 @@ class _ZmqPipe:
         return True
 
     def wake(self, now: float) -> None:
-        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
-            if self._reopen(now):
-                self.owner._pipeUp(self.tag, now)
+        if self.retryAt is not None and self.socket is None and self._reopen(now):
+            self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
         sock, self.socket = self.socket, None
@@ -278,9 +263,8 @@ class _ZmqPipe:
 
 class _StreamPipe:
     """One stream socket with the stream transport's records, reconnecting
-    with :data:`RECONNECT`'s backoff.  With *channels*, the connection of a
-    :class:`_StreamLink`: messages are ``(channel, frames)`` pairs, and what is
-    sent goes out in one write when the loop next waits."""
+    with :data:`RECONNECT`'s backoff.  With *channels*, a :class:`_StreamLink`'s
+    connection: messages are ``(channel, frames)``, sent when the loop next waits."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
@@ -375,8 +359,8 @@ class _StreamPipe:
         self._flush()
 
     def sendRecord(self, record: bytes) -> int:
-        """Send a wire *record* when the loop next waits; where it ends in
-        this connection's bytes (0: not up, not sent)."""
+        """Send *record* when the loop next waits; where it ends in the
+        connection's bytes (0: not sent)."""
         if not self.up:
             return 0
         return self._queue(record)
@@ -427,7 +411,7 @@ class _StreamPipe:
             self._next(now, OSError(code, os.strerror(code)))
             return
         if self.channels:  # (first, before what the pipes send; and before it is up)
-            self._queue(CHANNELS_GREETING)
+            self._queue(CHANNELS.greeting(None))
         self.connecting = False
         self.up = True
         self.failures = 0
@@ -462,10 +446,8 @@ class _StreamPipe:
     def _break(self, error: BaseException) -> None:
         """Stop reading; the next read reports *error* as the loss."""
         self.broken = error
-        try:
+        with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-        except OSError:
-            pass
 
     def _take(self, messages: list[Any], now: float) -> None:
         if self.skip and messages:
@@ -474,16 +456,14 @@ class _StreamPipe:
         self._deliverReceived(now)
 
     def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a discard saw begun, now whole (it cannot answer
-        the request sent after it)."""
+        """Drop the record a discard saw begun, now whole: no reply to a later request."""
         if not self.channels or messages[0][0] in self.skip:
             del messages[0]
         self.skip = 0
 
     def _deliverReceived(self, now: float) -> None:
-        """Hand on the messages read, in order.  A callback that waits on the
-        loop hands on the rest first (the pipe stays ``unchecked``), so a
-        reply among them is not held back."""
+        """Hand on the messages read, in order (a callback that waits on the
+        loop hands on the rest first: the pipe stays ``unchecked``)."""
         received = self.received
         owner, tag, loop = self.owner, self.tag, self.loop
         while received:  # (a loss meanwhile clears it)
@@ -500,8 +480,8 @@ class _StreamPipe:
         return True
 
     def discardReceived(self) -> int:
-        """Drop the messages read and those waiting in the socket; how many.
-        A record begun is dropped once complete."""
+        """Drop the messages read and waiting in the socket (a record begun:
+        once whole); how many."""
         dropped = len(self.received) + len(self._drain())
         self.received.clear()
         if self.broken is not None:
@@ -511,19 +491,17 @@ class _StreamPipe:
         return dropped + self.skip
 
     def _drain(self) -> list[Any]:
-        """Read and decode what waits in the socket now: the messages it
-        completes.  Errors are left for the next read to report."""
+        """The messages what waits in the socket completes (errors are left
+        for the next read)."""
         sock = self.socket
         messages: list[Any] = []
-        if sock is None or not self.up or self.broken is not None:
+        if not self.up or self.broken is not None:  # (up: it has a socket)
             return messages
         for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
             try:
-                data = sock.recv(_READ_SIZE)
-            except (BlockingIOError, InterruptedError):
-                break
+                data = sock.recv(_READ_SIZE)  # type: ignore[union-attr]
             except OSError:
-                break  # the poller reports the loss
+                break  # nothing more now, or a loss the poller reports
             if not data:
                 break  # the same: the next read sees the end again
             try:
@@ -553,36 +531,31 @@ class _StreamPipe:
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
-        self.decoder = RecordDecoder(self.loop.limits)
-        self.decoder.channels = self.channels
+        self.decoder = (CHANNELS if self.channels else RECORDS).decoder(self.loop.limits)
         self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
             sock.close()
 
     def wake(self, now: float) -> None:
-        if self.retryAt is not None and now >= self.retryAt and self.socket is None:
+        if self.retryAt is not None and self.socket is None:
             self.open(now)
 
     def close(self) -> None:
         """Close, after a moment's try to send what waits (a worker's DISCONNECT)."""
         sock = self.socket
         if sock is not None and self.up and self.out:
-            try:
+            with contextlib.suppress(OSError):
                 sock.settimeout(0.2)
                 sock.sendall(self.out)
-            except OSError:
-                pass
         self.retryAt = None
         self._closeSocket()
 
 
 class _StreamLink:
-    """The one stream connection a client keeps to an endpoint, carrying its
-    pipes as channels: the blocking shell of a
-    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
-    pipe, closed with the last.  What comes on a channel before its request
-    has left is dropped: it is no reply."""
+    """A client's one stream connection to an endpoint, its pipes on channels:
+    the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`.
+    Opened with the first pipe, closed with the last."""
 
     __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
 
@@ -611,21 +584,6 @@ class _StreamLink:
         if stream.socket is None and stream.retryAt is None:
             stream.open(monotonic())
 
-    def send(self, pipe: _LinkPipe, frames: list[bytes]) -> None:
-        at = self.stream.sendRecord(pipe.id + encode_record(frames))
-        if at:
-            self.core.sending(pipe.id, at)
-
-    def discard(self, name: bytes) -> int:
-        """A request is about to go on channel *name*: drop what was read on
-        it (how many; an end is kept)."""
-        received = self.stream.received
-        if not received:
-            return 0
-        items = list(received)
-        received.clear()
-        return len(self._keepBut(items, {name}))
-
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
         """Put back *items* but the messages on *names*; their channels."""
         received = self.stream.received
@@ -639,7 +597,7 @@ class _StreamLink:
 
     def dropStale(self) -> None:
         """Before the pipes' requests go out: read the socket, and drop what
-        came on their channels (it cannot answer them)."""
+        came on their channels."""
         stream = self.stream
         core = self.core
         waiting = {name for name in list(core.unsent) if core.stale(name, stream.sentBytes)}
@@ -652,24 +610,9 @@ class _StreamLink:
         if stream.received:
             self.loop.unchecked.add(stream)  # handed on before the loop waits
         for name in stale:
-            self._dropped(name)
-
-    def _dropped(self, name: bytes) -> None:
-        pipe = self.core.channels.get(name)
-        if pipe is not None and pipe.up:
-            pipe.owner._stale(pipe.tag)  # type: ignore[attr-defined]
-
-    def forget(self, pipe: _LinkPipe) -> None:
-        """*pipe* was closed: end its channel; the connection closes after the
-        client's actions if no pipe is left."""
-        if pipe.retryAt is not None:
-            pipe.retryAt = None
-            self.loop.timed.discard(pipe)
-        record = self.core.close(pipe)
-        if record is not None:
-            self.stream.sendRecord(record)
-        if not self.core.channels:
-            self.loop.idle.add(self)  # closed after the actions, if still unused
+            pipe: Any = self.core.channels.get(name)
+            if pipe is not None and pipe.up:
+                pipe.owner._stale(pipe.tag)
 
     def close(self) -> None:
         if self.loop.links.get(self.endpoint) is self:
@@ -679,23 +622,14 @@ class _StreamLink:
         self.lossesToTell.clear()
         self.loop.close(self.stream)
 
-    # --- what the connection reports ---------------------------------------------
-
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._tellLost(now)
-        core = self.core
-        for pipe in core.made():
-            if self.stream.up and core.comeUp(pipe):
-                pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
+        for pipe in self.core.made():
+            pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
 
     def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        # a record refused for its size was one pipe's: the others only lost the connection
-        refused = getattr(why, "channel", None)
-        others = ConnectionError(f"the connection was dropped for another channel's record: "
-                                 f"{why}") if refused is not None else why
         # every pipe is down before any is told (one may send on another)
-        for pipe, own in self.core.lost(refused):
-            self.lossesToTell.append((pipe, why if own else others))  # type: ignore[arg-type]
+        self.lossesToTell.extend(self.core.lost(why))  # type: ignore[arg-type]
         self._tellLost(now)
 
     def _tellLost(self, now: float) -> None:
@@ -706,32 +640,26 @@ class _StreamLink:
                 pipe.owner._pipeLost(pipe.tag, why, now)
 
     def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
-        for pipe in list(self.core.channels.values()):
-            if not pipe.closed:
-                pipe.owner._pipeFailed(pipe.tag, error, now)  # type: ignore[attr-defined]
+        for pipe in self.core.failed():
+            pipe.owner._pipeFailed(pipe.tag, error, now)  # type: ignore[attr-defined]
 
     def _pipeMessage(self, tag: Any, item: Any, now: float) -> None:
         name, frames = item
-        core = self.core
-        pipe: Any = core.channels.get(name)
+        pipe: Any = self.core.channels.get(name)
         if pipe is None:
             return  # ended here: what came before the broker knew, or its acknowledgment
-        if frames:
-            if not pipe.up:
-                return
-            if core.stale(name, self.stream.sentBytes):  # (before its request left)
-                self._dropped(name)
-                return
-            pipe.ends = 0
+        what = self.core.received(pipe, frames, self.stream.sentBytes)
+        if what == DELIVER:
             pipe.owner._pipeMessage(pipe.tag, frames, now)
-            return
-        # the broker ended this channel: up again under a new one after the delay
-        record, was = core.endedThere(pipe)
-        self.stream.sendRecord(record)
-        pipe.retryAt = now + RECONNECT.delay(pipe.ends - 1)
-        self.loop.timed.add(pipe)
-        if was:
-            pipe.owner._pipeLost(pipe.tag, ConnectionError("the broker ended this channel"), now)
+        elif what == STALE:
+            pipe.owner._stale(pipe.tag)
+        elif what == ENDED:
+            record, why, delay = self.core.endedThere(pipe)
+            self.stream.sendRecord(record)
+            pipe.retryAt = now + delay
+            self.loop.timed.add(pipe)
+            if why is not None:
+                pipe.owner._pipeLost(pipe.tag, why, now)
 
 
 class _LinkPipe(Channel):
@@ -751,44 +679,45 @@ class _LinkPipe(Channel):
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
-            self.link.send(self, frames)
+            link = self.link
+            at = link.stream.sendRecord(self.id + encode_record(frames))
+            if at:
+                link.core.unsent[self.id] = at
 
     def discardReceived(self) -> int:
-        return self.link.discard(self.id)
+        """Drop what was read on its channel but an end; how many."""
+        received = self.link.stream.received
+        if not received:
+            return 0
+        items = list(received)
+        received.clear()
+        return len(self.link._keepBut(items, {self.id}))
 
     def wake(self, now: float) -> None:
-        if self.retryAt is not None and now >= self.retryAt:
-            self.retryAt = None
-            self.link.loop.timed.discard(self)
-            if self.link.core.comeUp(self):  # (else up with the connection)
-                self.owner._pipeUp(self.tag, now)
+        self.retryAt = None
+        self.link.loop.timed.discard(self)
+        if self.link.core.comeUp(self):  # (else up with the connection)
+            self.owner._pipeUp(self.tag, now)
 
     def close(self) -> None:
-        self.link.forget(self)
+        """End its channel (the last closes the connection, after the client's actions)."""
+        link = self.link
+        self.retryAt = None
+        link.loop.timed.discard(self)
+        record = link.core.close(self)
+        if record is not None:
+            link.stream.sendRecord(record)
+        if not link.core.channels:
+            link.loop.idle.add(link)
 
 
-def _bind(native: bool = True) -> None:
-    """Bind the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`)."""
-    global _read, _send, _events, _native, _pysend, _set, _Again
-    global _RCVTIMEO, _NOBLOCK, _ZMQ_POLLIN, _ZMQ_POLLOUT
-    _read, _send, _events, _native = socket_calls(native)
-    zmq = _zmq()
-    _pysend, _set, _Again = zmq.backend.Socket.send, zmq.backend.Socket.set, zmq.Again
-    _RCVTIMEO, _NOBLOCK = int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
-    _ZMQ_POLLIN, _ZMQ_POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # EVENTS bits
-
-
-_read: Callable[..., Any]
-_send: Callable[..., Any]
-_events: Callable[[Any], int]
-_pysend: Callable[..., Any]
-_set: Callable[..., Any]
-_Again: Any = None
-_native = False
-_RCVTIMEO = _NOBLOCK = _ZMQ_POLLIN = _ZMQ_POLLOUT = 0
+# the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`) and constants
+_read, _send, _events, _native = socket_calls(True)
+_pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _zmq().Again
+_RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
+_ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
 #: no limit
 _NEVER = sys.maxsize
 # a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
 _POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
 _POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)
-_bind()
