@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mdp"
 
 #: lines in all of mdp/ (every feature included): a ceiling lowered as the
 #: package shrinks, never raised (the aim is 20,000)
-PACKAGE_LINES = 24_200
+PACKAGE_LINES = 22_700
 #: lines in any one module
 MODULE_LINES = 1_000
 #: the blocking client and worker: a poller loop and the API, over the shared cores
