@@ -34,6 +34,7 @@ MODULES = (
     "mdp.transport.framed",
     "mdp.transport.router",
     "mdp.transport.dealer",
+    "mdp.transport.channellink",
     "mdp.transport.channels",
     "mdp.transport.pipes",
     "mdp.transport.zeromq",

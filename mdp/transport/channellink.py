@@ -56,11 +56,17 @@ class Channel:
 class ChannelLink:
     """The channels of one connection.  A channel is up while the connection
     is, unless the far side ended it: then it comes up again under a new name
-    after a delay.  Each method returns what its shell must do."""
+    after a delay.  Each method returns what its shell must do; a loss's reasons
+    are *ended* (the far side ended a channel) and *dropped* (the connection went
+    for another channel's record), exception classes of the shell's world."""
 
     def __init__(self, limits: Limits, maxQueued: int = 1000,
-                 retryPolicy: Optional[Callable[[int], float]] = None) -> None:
+                 retryPolicy: Optional[Callable[[int], float]] = None,
+                 ended: type[BaseException] = ConnectionDone,
+                 dropped: type[BaseException] = ConnectionLost) -> None:
         self.limits = limits
+        self.ended = ended
+        self.dropped = dropped
         self.maxQueued = maxQueued
         #: times in a row a channel was ended -> seconds before it comes up again
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
@@ -112,7 +118,7 @@ class ChannelLink:
         self.connected = False
         self.unsent.clear()
         refused = getattr(why, "channel", None)
-        others = why if refused is None else ConnectionLost(
+        others = why if refused is None else self.dropped(
             f"the connection was dropped for another channel's record: {why}")
         down = [(channel, why if refused is None or refused == channel.id else others)
                 for channel in self.channels.values() if channel.up]
@@ -128,12 +134,12 @@ class ChannelLink:
             return ENDED
         if not channel.up:
             return IGNORE
-        if self.unsent and self.stale(channel.id, sent):
+        if channel.id in self.unsent and self.stale(channel.id, sent):
             return STALE
         channel.ends = 0
         return DELIVER
 
-    def endedThere(self, channel: Channel) -> tuple[bytes, Optional[ConnectionDone], float]:
+    def endedThere(self, channel: Channel) -> tuple[bytes, Optional[BaseException], float]:
         """The far side ended *channel*: the record acknowledging it, the loss
         to tell (None: was down), and the seconds before ``comeUp`` (renamed)."""
         record = channel.id + END
@@ -143,7 +149,7 @@ class ChannelLink:
         channel.ends += 1
         channel.waiting = True
         was, channel.up = channel.up, False
-        why = ConnectionDone("the far side ended this channel") if was else None
+        why = self.ended("the far side ended this channel") if was else None
         return record, why, self.retryPolicy(channel.ends)
 
     def hold(self, channel: Channel, frames: list[bytes]) -> bool:

@@ -96,7 +96,7 @@ class _StreamChannel(Channel):
 
     def _made(self) -> None:
         """It is up: tell its receiver, then send what it held."""
-        self.link._tellMade(self.receiver)
+        self.link._tellMade(self.receiver, "stream channel")
         for frames in self.link.core.release(self):
             self.sendMessage(frames)
 
@@ -120,6 +120,10 @@ class StreamChannels(_OneConnection):
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
+
+    @property
+    def channels(self) -> dict[bytes, Channel]:
+        return self.core.channels
 
     @property
     def queued(self) -> int:

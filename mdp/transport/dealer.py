@@ -235,13 +235,13 @@ class _OneConnection:
         if proto is self.protocol:
             self._waiters.fire()
 
-    def _tellMade(self, receiver: IDealerReceiver) -> None:
+    def _tellMade(self, receiver: IDealerReceiver, kind: Optional[str] = None) -> None:
         try:
             receiver.connectionMade()
         except Exception:
             # raised, it would leave the connection half made
             log.failure("{kind} to {endpoint}: its receiver's connectionMade failed",
-                        kind=self.kind, endpoint=self.endpoint)
+                        kind=kind or self.kind, endpoint=self.endpoint)
 
     def _stop(self) -> defer.Deferred[None]:
         """Stop the service and its connection (flushed first); fired once stopped."""

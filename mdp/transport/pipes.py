@@ -564,7 +564,7 @@ class _StreamLink:
         self.endpoint = endpoint
         self.stream = _StreamPipe(loop, self, None, family, address, channels=True)
         loop.timed.add(self.stream)
-        self.core = ChannelLink(loop.limits)
+        self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
         #: pipes still to be told of the loss (before any reconnection)
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
 
