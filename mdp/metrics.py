@@ -333,7 +333,7 @@ class MetricsResource(Resource):
         return generate_latest(self.registry)
 
 
-#: Connections the metrics endpoint keeps open at once; more are closed at once.
+#: Connections the metrics endpoint keeps open at once (see ``_MetricsSite.buildProtocol``).
 MAX_CONNECTIONS = 64
 #: Seconds a connection has for a whole request, and for a response to be taken.
 REQUEST_TIMEOUT = 10.0
@@ -372,13 +372,15 @@ class _MetricsChannel(HTTPChannel):
     _refused = False
     #: closed when idle at the deadline; aborted if it does not end in time
     _closing = False
+    #: requests answered: a connection that has none gives way to a newcomer
+    served = 0
 
     def connectionMade(self) -> None:
-        self.site.channels.add(self)
+        self.site.channels[self] = None
         super().connectionMade()
 
     def connectionLost(self, reason: Any) -> None:
-        self.site.channels.discard(self)
+        self.site.channels.pop(self, None)
         if self._parked is not None:  # answered: nothing to tell it
             self.requests.remove(self._parked)
             self._parked = None
@@ -410,6 +412,7 @@ class _MetricsChannel(HTTPChannel):
         super().allHeadersReceived()
 
     def requestDone(self, request: Request) -> None:
+        self.served += 1
         if self._outputFull and self.persistent:
             self._parked = request  # handled on resumeProducing
             self._networkProducer.pauseProducing()
@@ -463,12 +466,27 @@ class _MetricsSite(Site):
         self.maxBodyBytes = maxBodyBytes
         self.displayTracebacks = False
         self.throttle = LogThrottle(reactor)
-        self.channels: set[_MetricsChannel] = set()
-        #: connections refused at maxConnections
+        #: open connections, oldest first
+        self.channels: dict[_MetricsChannel, None] = {}
+        #: connections refused at maxConnections, and closed there to admit a newcomer
         self.refused = 0
+        self.evicted = 0
 
     def buildProtocol(self, addr: Any) -> Any:
+        """At maxConnections, the oldest connection that has had no answer (a
+        slow or silent client) is closed to admit the newcomer; if every one
+        has had an answer, the newcomer is refused."""
         if len(self.channels) >= self.maxConnections:
+            idle = next((channel for channel in self.channels if not channel.served), None)
+            if idle is not None:
+                del self.channels[idle]
+                self.evicted += 1
+                self.throttle.info(log, "evicted", "metrics endpoint closed the connection from "
+                                   "{peer}, which had no answer yet, to admit {newcomer}: {limit} "
+                                   "open (maxConnections)", peer=_peer(idle.transport.getPeer()),
+                                   newcomer=_peer(addr), limit=self.maxConnections)
+                idle.transport.abortConnection()
+                return super().buildProtocol(addr)
             self.refused += 1
             self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
                                "{peer}: {limit} open (maxConnections)", peer=_peer(addr),

@@ -524,6 +524,93 @@ async def test_connections_beyond_max_connections_are_closed_at_once() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_full_endpoint_closes_a_connection_that_had_no_answer_for_a_newcomer() -> None:
+    """At maxConnections, the oldest connection with no answer yet (a slow
+    or silent client) is closed to admit a newcomer; the one that was answered
+    stays."""
+    from mdp.metrics import metrics_site
+
+    site = metrics_site(BrokerMetrics().registry, maxConnections=2)
+    port = reactor().listenTCP(0, site, interface="127.0.0.1")
+    peers: list[HTTPPeer] = []
+    try:
+        answered = await connect(port, HTTPPeer())
+        answered.transport.write(GET)
+        await bounded(answered.until(lambda p: responses(p.received) == [200]), 30)
+        slow = await connect(port, HTTPPeer())
+        slow.transport.write(b"GET /metr")
+        await wait_until(lambda: len(site.channels) == 2, 30)
+        newcomer = await connect(port, HTTPPeer())
+        peers += [answered, slow, newcomer]
+        newcomer.transport.write(GET)
+        await bounded(newcomer.until(lambda p: responses(p.received) == [200]), 30)
+        await bounded(slow.closed, 30)
+        assert slow.received == b"" and (site.evicted, site.refused) == (1, 0)
+        answered.transport.write(GET)
+        await bounded(answered.until(lambda p: responses(p.received) == [200, 200]), 30)
+    finally:
+        for peer in peers:
+            peer.transport.loseConnection()
+        await port.stopListening()
+
+
+SLOW_CLIENTS = """
+import socket, sys
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def slow():
+    s = socket.create_connection((host, port))
+    s.sendall(b"GET /metr")  # never more
+    s.setblocking(False)
+    return s
+held = [slow() for _ in range(count)]
+print("holding", count, flush=True)
+import selectors
+selector = selectors.DefaultSelector()
+for s in held:
+    selector.register(s, selectors.EVENT_READ)
+for _ in range(100000):  # reopen each connection the server closes, until killed
+    for key, _ in selector.select(timeout=1.0):
+        selector.unregister(key.fileobj)
+        key.fileobj.close()
+        try:
+            selector.register(slow(), selectors.EVENT_READ)
+        except OSError:
+            pass
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_slow_clients_holding_every_connection_keep_no_scrape_out() -> None:
+    """``twist mdp-broker --metrics``: another process holds as many slow
+    connections as the endpoint takes (64) and reopens each one it loses;
+    each of 50 scrapes is still answered within 2 s."""
+    import re
+    import time
+
+    from tests.procs import python
+
+    broker = Process(reactor(), [script("twist"), "--log-format", "text", "mdp-broker",
+                                 "--endpoint", "tcp:0:interface=127.0.0.1",
+                                 "--metrics", "tcp:0:interface=127.0.0.1"], env=ENV)
+    attacker: Optional[Process] = None
+    try:
+        await broker.waitFor("metrics at", timeout=60)
+        url = re.search(r"metrics at (http://\S+/metrics)", broker.output.decode()).group(1)
+        host, port = re.match(r"http://([^:/]+):(\d+)/", url).groups()
+        attacker = Process(reactor(), python("-c", SLOW_CLIENTS, host, port, "64"), env=ENV)
+        await attacker.waitFor("holding 64", timeout=60)
+        for _ in range(50):
+            started = time.monotonic()
+            samples = await bounded(defer.ensureDeferred(scrape(url)), 2.0)
+            assert time.monotonic() - started < 2.0 and "mdp_broker_peers" in samples
+        assert "closed the connection from" in broker.output.decode()
+    finally:
+        if attacker is not None:
+            await attacker.stop()
+        await broker.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_request_must_arrive_whole_within_the_deadline() -> None:
     """A byte every few seconds does not put the deadline off: the connection
     is closed requestTimeout after it opened, or after the previous response."""
