@@ -352,11 +352,12 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
         uptime, heartbeat = float(frames[4]), float(frames[6])
     except (ValueError, KeyError):
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
-    for bad, field, index in ((not uptime >= 0, "uptime", 4),  # NaN is out of every range
-                              (not 0 < heartbeat < float("inf"), "heartbeat", 6),
-                              (not _INSTANCE.match(bytes(frames[5])), "run id", 5)):
-        if bad:
-            raise ProtocolError(f"bad {field} in Binary Star state message: {frames[index]!r}")
+    if not uptime >= 0:  # NaN is out of every range
+        raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
+    if not 0 < heartbeat < float("inf"):
+        raise ProtocolError(f"bad heartbeat in Binary Star state message: {frames[6]!r}")
+    if not _INSTANCE.match(bytes(frames[5])):
+        raise ProtocolError(f"bad run id in Binary Star state message: {frames[5]!r}")
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
 
 

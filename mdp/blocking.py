@@ -561,7 +561,7 @@ class Worker(WorkerDriver):
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        _check_schemes(endpoint_list(endpoint))  # before the other checks, as the client
+        _check_schemes(endpoint_list(endpoint))  # before the handler and CURVE checks
         super().__init__(endpoint, service, handler, _CLOCK, heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits,
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
