@@ -241,8 +241,7 @@ async def test_pipes_discard_only_their_own_stale_messages(net: Net) -> None:
 
     pipes["a"] = links.open(Pipe("a", onMessage=received))
     pipes["b"] = links.open(Pipe("b", onMessage=received))
-    transport = type("T", (), {"disconnecting": False})()
-    proto: Any = type("P", (), {"dropped": False, "transport": transport})()
+    proto: Any = type("P", (), {"closing": False})()
     links.protocol = proto
     pipes["a"].up = pipes["b"].up = True
     a, b = pipes["a"].id, pipes["b"].id

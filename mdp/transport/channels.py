@@ -199,8 +199,7 @@ class StreamChannels(_OneConnection):
                     channel.receiver.messageReceived(item[1])  # type: ignore[attr-defined]
                 elif what == ENDED:
                     self._endedThere(channel)  # type: ignore[arg-type]
-                # (``proto.closing``, without a call a message)
-                if proto.dropped or proto.transport.disconnecting or self.protocol is not proto:
+                if proto.closing or self.protocol is not proto:
                     return
         finally:
             self._pending = None
