@@ -275,3 +275,31 @@ def test_the_pyzmq_path_holds_too() -> None:
                f"'-p', 'no:randomly', *{PYZMQ_PATH_TESTS!r}]))",
                timeout=280, **{_compiled.PURE_ENV: "1"})
     assert " passed" in out and " failed" not in out, out
+
+
+@pytest.mark.parametrize("kind", [pytest.param("c", marks=needs_c), "pyzmq"])
+@settings(max_examples=100, deadline=None)
+@given(message=st.lists(st.binary(max_size=20), min_size=2, max_size=40),
+       budget=st.integers(1, 12))
+def test_a_message_over_the_limits_is_read_off_a_budget_at_a_time(
+        pair: tuple[Any, Any], kind: str, message: list[bytes], budget: int) -> None:
+    """What is left of a message after its first frame is read off in slices
+    of at most *budget* frames, counted in frames and bytes; the next message
+    is whole."""
+    from mdp.transport.zmqio import skip_pyzmq
+
+    receiver, sender = pair
+    socket_calls(native=False)
+    skip = (lambda: C.skip(receiver.underlying, budget)) if kind == "c" else (
+        lambda: skip_pyzmq(receiver, budget))
+    sender.send_multipart(message)
+    sender.send(b"next")
+    assert receiver.recv() == message[0]
+    frames = size = 0
+    more = True
+    while more:
+        count, length, more = skip()
+        assert 1 <= count <= budget and (more is False or count == budget)
+        frames, size = frames + count, size + length
+    assert (frames, size) == (len(message) - 1, sum(map(len, message[1:])))
+    assert receiver.recv_multipart() == [b"next"]

@@ -290,3 +290,31 @@ def send(uintptr_t socket, list frames, Py_ssize_t copyBelow, fallback, pysocket
                     raise
         else:
             fallback(pysocket, frame, flags, len(frame) < copyBelow)
+
+
+def skip(uintptr_t socket, Py_ssize_t budget):
+    """Read off and drop up to *budget* frames of the message being read from
+    the libzmq socket at address *socket*, into one reused message, in C:
+    ``(frames, bytes, more follow)``.  Raises as :func:`read`."""
+    cdef mdp_zmq_msg_t msg
+    cdef int rc = 0, error = 0
+    cdef Py_ssize_t count = 0, size = 0
+    cdef bint more = True
+    msg_init(&msg)
+    try:
+        while more and count < budget:
+            with nogil:
+                while more and count < budget:
+                    rc = msg_recv(&msg, <void *>socket, DONTWAIT)
+                    if rc < 0:
+                        error = zmq_errno()
+                        break
+                    count += 1
+                    size += rc
+                    more = msg_more(&msg)
+            if rc < 0:
+                rc = 0
+                _failed(error)
+    finally:
+        msg_close(&msg)
+    return count, size, more

@@ -68,7 +68,8 @@ READ_BATCH = 64
 BUSY_BATCH = 8
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead (no long stall).
+#: Frames of a message over the limits read off per doRead: a few ms in C
+#: (``_zmqframes.skip``), tens through pyzmq.
 FRAMES_PER_TURN = 10_000
 #: Frames at least this long are sent without copying (below, a copy is
 #: cheaper than pyzmq's release of a zero-copy frame).
@@ -182,6 +183,19 @@ def events_pyzmq(socket: Any) -> int:
     return _get(socket, EVENTS)  # type: ignore[no-any-return]
 
 
+def skip_pyzmq(socket: Any, budget: int) -> tuple[int, int, bool]:
+    """``_zmqframes.skip`` through pyzmq: read off up to *budget* frames of the
+    message being read; ``(frames, bytes, more follow)``."""
+    count = size = 0
+    more = True
+    while more and count < budget:
+        frame = _recv(socket, NOBLOCK, False)
+        count += 1
+        size += len(frame)
+        more = frame.more
+    return count, size, more
+
+
 def _connection_classes() -> tuple[type, type]:
     global _classes
     if _classes is None:
@@ -189,6 +203,7 @@ def _connection_classes() -> tuple[type, type]:
 
         read, send, events, native = socket_calls()
         Again = _zmq().Again
+        skip = zmq_frames().skip if native else skip_pyzmq
 
         class FastIO:
             """Replaces txzmq's read and send paths (:func:`socket_calls`): at
@@ -313,12 +328,9 @@ def _connection_classes() -> tuple[type, type]:
                 """Read off up to *budget* frames of the message over the limits;
                 the budget left."""
                 head, count, size, more = self.skipping
-                while more and budget > 0:
-                    frame = _recv(socket, NOBLOCK, False)
-                    count += 1
-                    size += len(frame)
-                    more = frame.more
-                    budget -= 1
+                if more:
+                    frames, length, more = skip(self.handle or self._handle(socket), budget)
+                    count, size, budget = count + frames, size + length, budget - frames
                 if more:
                     self.skipping = [head, count, size, more]
                     return 0
