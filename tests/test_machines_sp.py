@@ -268,7 +268,7 @@ def test_channel_ids_start_where_told_wrap_and_skip_those_in_use() -> None:
     rep = RepMachine(0x7FFFFFFE)
     for channel in "abc":
         rep.handleChannelUp(channel, 0.0)
-    assert rep.channels.byChannel == {"a": 0x7FFFFFFE, "b": 0x7FFFFFFF, "c": 0}
+    assert rep.byChannel == {"a": 0x7FFFFFFE, "b": 0x7FFFFFFF, "c": 0}
 
 
 # --- device -------------------------------------------------------------------------------

@@ -219,49 +219,40 @@ class ReqMachine(Machine):
             self._emit(WakeAt(when))
 
 
-class _Channels:
-    """31-bit ids for the channels of a REP side, never one in use."""
-
-    def __init__(self, firstId: int) -> None:
-        self.ids = IdSequence(firstId)
-        self.byChannel: dict[Channel, int] = {}
-        self.byId: dict[int, Channel] = {}
-
-    def up(self, channel: Channel) -> int:
-        known = self.byChannel.get(channel)
-        if known is not None:
-            return known
-        number = self.ids.next()
-        while number in self.byId:
-            number = self.ids.next()
-        self.byChannel[channel] = number
-        self.byId[number] = channel
-        return number
-
-    def down(self, channel: Channel) -> None:
-        number = self.byChannel.pop(channel, None)
-        if number is not None:
-            del self.byId[number]
-
-
 class _ChannelMachine(Machine):
-    """What a REP side and a device share: the channels' ids and the hop limit."""
+    """What a REP side and a device share: the hop limit, and a 31-bit id for
+    each channel, never one in use."""
 
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
                  now: float = 0.0) -> None:
         super().__init__(now)
         self.maxHops = maxHops
-        self.channels = _Channels(firstChannelId)
+        self.channelIds = IdSequence(firstChannelId)
+        self.byChannel: dict[Channel, int] = {}
+        self.byId: dict[int, Channel] = {}
 
     def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
-        self.channels.up(channel)
+        self._idOf(channel)
         return []
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
-        self.channels.down(channel)
+        number = self.byChannel.pop(channel, None)
+        if number is not None:
+            del self.byId[number]
         return []
+
+    def _idOf(self, channel: Channel) -> int:
+        known = self.byChannel.get(channel)
+        if known is not None:
+            return known
+        number = self.channelIds.next()
+        while number in self.byId:
+            number = self.channelIds.next()
+        self.byChannel[channel] = number
+        self.byId[number] = channel
+        return number
 
 
 class RepMachine(_ChannelMachine):
@@ -282,7 +273,7 @@ class RepMachine(_ChannelMachine):
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
         self.now = now
-        self.channels.up(channel)
+        self._idOf(channel)
         try:
             backtrace, payload = split_backtrace(body, self.maxHops)
         except ProtocolError as e:
@@ -313,7 +304,7 @@ class RepMachine(_ChannelMachine):
         channel, backtrace = token
         if payload is None:
             return []
-        if channel not in self.channels.byChannel:
+        if channel not in self.byChannel:
             return [Dropped(channel, "reply for a channel that is gone")]
         return [SendOn(channel, backtrace + payload)]
 
@@ -325,7 +316,7 @@ class DeviceMachine(_ChannelMachine):
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
         """:class:`Forward`, or :class:`Dropped` over the hop limit (counting ours)."""
         self.now = now
-        upstream = word(self.channels.up(channel)) + body
+        upstream = word(self._idOf(channel)) + body
         try:
             split_backtrace(upstream, self.maxHops)
         except ProtocolError as e:
@@ -338,7 +329,7 @@ class DeviceMachine(_ChannelMachine):
             number, rest = pop_word(body)
         except ProtocolError as e:
             return [Dropped(None, str(e))]
-        channel = self.channels.byId.get(number & ID_MASK) if not number & BOTTOM else None
+        channel = self.byId.get(number & ID_MASK) if not number & BOTTOM else None
         if channel is None:
             return [Dropped(None, f"reply for channel 0x{number:08x}, which is not one of ours")]
         return [SendOn(channel, rest)]
