@@ -135,14 +135,16 @@ class _End:
             return self.limits.refuse(frames[4:])
         return None
 
-    def _refusal(self, frames: Any, peerLimits: Optional[tuple[int, int]],
-                 other: str) -> Optional[str]:
-        """Why *frames* are over our limits or *peerLimits* (None if they go)."""
+    def _sendable(self, frames: Any, peerLimits: Optional[tuple[int, int]], other: str,
+                  error: type[Exception], where: str) -> tuple[bytes, ...]:
+        """*frames* to keep and send to *where*; *error* if over our limits or *peerLimits*."""
         reason = self.limits.refuse(frames)
         if reason is None:
             why = over_limits(frames, peerLimits)
             reason = None if why is None else f"{other} takes no message of {why}"
-        return reason
+        if reason is not None:
+            raise error(f"not sent to {where}: {reason}")
+        return kept_frames(frames)
 
     def _tell(self, method: str, *args: Any) -> None:
         """Call the receiver's *method*, if it has one, logging what it raises."""
@@ -259,11 +261,9 @@ class SessionRouter(_End):
         """Send *frames* to *routingId*; :class:`ReplyTooLarge`, :class:`UnknownSession`,
         :class:`SessionQueueFull`."""
         session = self.machine.byRouting.get(routingId)
-        peerLimits = None if session is None else session.seq.peerLimits
-        reason = self._refusal(frames, peerLimits, "the session's client")
-        if reason is not None:
-            raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
-        self._perform(self.machine.reply(routingId, kept_frames(frames), self._now()))
+        kept = self._sendable(frames, None if session is None else session.seq.peerLimits,
+                              "the session's client", ReplyTooLarge, f"session {routingId}")
+        self._perform(self.machine.reply(routingId, kept, self._now()))
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         try:
@@ -432,10 +432,9 @@ class SessionDealer(_End):
         :class:`RequestTooLarge` or ``TypeError``, and nothing is queued."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
-        reason = self._refusal(frames, self.machine.seq.peerLimits, "the server")
-        if reason is not None:
-            raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
-        self._perform(self.machine.send(kept_frames(frames), self._now()))
+        kept = self._sendable(frames, self.machine.seq.peerLimits, "the server", RequestTooLarge,
+                              self.endpoint)
+        self._perform(self.machine.send(kept, self._now()))
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.closed:
@@ -525,8 +524,7 @@ def check(endpoint: str, role: str) -> None:
     transport.check(inner, role)
 
 
-def listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
-    return SessionRouter.listen(endpoint, receiver, reactor, limits)
+listen = SessionRouter.listen
 
 
 def connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
