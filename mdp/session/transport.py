@@ -103,6 +103,8 @@ class _End:
 
     machine: Any
     _performers: dict[type, Any]
+    #: how its log lines name it, before its endpoint
+    title = ""
     #: messages lost as over our limits, and ours sent as SKIPs
     dropped = 0
     skipped = 0
@@ -133,14 +135,16 @@ class _End:
             return self.limits.refuse(frames[4:])
         return None
 
-    def _refusal(self, frames: Any, peerLimits: Optional[tuple[int, int]],
-                 other: str) -> Optional[str]:
-        """Why *frames* are over our limits or *peerLimits* (None if they go)."""
+    def _sendable(self, frames: Any, peerLimits: Optional[tuple[int, int]], other: str,
+                  error: type[Exception], where: str) -> tuple[bytes, ...]:
+        """*frames* to keep and send to *where*; *error* if over our limits or *peerLimits*."""
         reason = self.limits.refuse(frames)
         if reason is None:
             why = over_limits(frames, peerLimits)
             reason = None if why is None else f"{other} takes no message of {why}"
-        return reason
+        if reason is not None:
+            raise error(f"not sent to {where}: {reason}")
+        return kept_frames(frames)
 
     def _tell(self, method: str, *args: Any) -> None:
         """Call the receiver's *method*, if it has one, logging what it raises."""
@@ -152,27 +156,29 @@ class _End:
         except Exception:
             log.failure("{end}: {what} raised", end=self._name(), what=method)
 
+    def _say(self, topic: str, text: str, level: str = "warn") -> None:
+        """Log *text*, throttled by *topic*."""
+        emit = self.throttle.info if level == "info" else self.throttle.warn
+        emit(log, topic, "{end}: {text}", end=self._name(), text=text)
+
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
-        self.throttle.warn(log, "dropped", "{end}: message {seq}{of} from the other side is lost: "
-                           "{reason}", end=self._name(), seq=action.seq,
-                           of=f" of session {action.routingId}" if action.routingId else "",
-                           reason=action.reason)
+        of = f" of session {action.routingId}" if action.routingId else ""
+        self._say("dropped", f"message {action.seq}{of} from the other side is lost: "
+                             f"{action.reason}")
 
     def _skipped(self, action: machines.Skipped) -> None:
         self.skipped += 1
-        self.throttle.warn(log, "skipped", "{end}: message {seq}{to} is over the limits the other "
-                           "side said ({reason}); a SKIP goes in its place: it is lost, and what "
-                           "follows it goes through", end=self._name(), seq=action.seq,
-                           to=f" to session {action.routingId}" if action.routingId else "",
-                           reason=action.reason)
+        to = f" to session {action.routingId}" if action.routingId else ""
+        self._say("skipped", f"message {action.seq}{to} is over the limits the other side said "
+                             f"({action.reason}); a SKIP goes in its place: it is lost, and "
+                             "what follows it goes through")
 
     def _notice(self, action: machines.Notice) -> None:
-        emit = self.throttle.info if action.level == "info" else self.throttle.warn
-        emit(log, action.topic, "{end}: {text}", end=self._name(), text=action.text)
+        self._say(action.topic, action.text, action.level)
 
     def _name(self) -> str:
-        return f"{type(self).__name__} {self.endpoint}"
+        return f"{self.title} {self.endpoint}"
 
     def _shutdown(self) -> defer.Deferred[None]:
         if self.tick.running:
@@ -187,6 +193,8 @@ class _End:
 @implementer(IRouterReceiver, IRouterTransport)
 class SessionRouter(_End):
     """A bound session server: connections come and go, sessions stay until they expire."""
+
+    title = "session router at"
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
                  expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
@@ -232,9 +240,7 @@ class SessionRouter(_End):
 
     def _dropPeer(self, action: machines.DropPeer) -> None:
         if self.inner is not None:
-            self.throttle.info(log, "drop", "session router at {endpoint}: closed a "
-                               "connection: {reason}", endpoint=self.endpoint,
-                               reason=action.reason)
+            self._say("drop", f"closed a connection: {action.reason}", "info")
             self.inner.disconnectPeer(action.peer)
 
     def _attached(self, action: machines.Attached) -> None:
@@ -242,9 +248,8 @@ class SessionRouter(_End):
 
     def _full(self, action: machines.Full) -> None:
         self.refused += 1
-        self.throttle.warn(log, "full", "session router at {endpoint}: refused a new session "
-                           "from {peer!r}: {count} already (maxSessions)",
-                           endpoint=self.endpoint, peer=action.peer, count=action.sessions)
+        self._say("full", f"refused a new session from {action.peer!r}: {action.sessions} "
+                          "already (maxSessions)")
 
     _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver,
                    machines.Expired: _expired, machines.DropPeer: _dropPeer,
@@ -256,26 +261,21 @@ class SessionRouter(_End):
         """Send *frames* to *routingId*; :class:`ReplyTooLarge`, :class:`UnknownSession`,
         :class:`SessionQueueFull`."""
         session = self.machine.byRouting.get(routingId)
-        peerLimits = None if session is None else session.seq.peerLimits
-        reason = self._refusal(frames, peerLimits, "the session's client")
-        if reason is not None:
-            raise ReplyTooLarge(f"not sent to session {routingId}: {reason}")
-        self._perform(self.machine.reply(routingId, kept_frames(frames), self._now()))
+        kept = self._sendable(frames, None if session is None else session.seq.peerLimits,
+                              "the session's client", ReplyTooLarge, f"session {routingId}")
+        self._perform(self.machine.reply(routingId, kept, self._now()))
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         try:
             self.reply(routing_id(peer), frames)
         except ReplyTooLarge as e:
-            self.throttle.warn(log, "too large", "session router at {endpoint}: {error}",
-                               endpoint=self.endpoint, error=e)
+            self._say("too large", str(e))
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
             # a hole in what the client gets would be worse: the session ends;
             # its report waits a turn, as the application is in this call
-            self.throttle.warn(log, "full", "session router at {endpoint}: session {id} ends: "
-                               "{error}", endpoint=self.endpoint,
-                               id=routing_id(peer), error=e)
+            self._say("full", f"session {routing_id(peer)} ends: {e}")
             actions = self.machine.end(routing_id(peer), self._now())
             self._perform([a for a in actions if not isinstance(a, Expired)])
             reports = [a for a in actions if isinstance(a, Expired)]
@@ -287,18 +287,19 @@ class SessionRouter(_End):
 
     def close(self) -> defer.Deferred[None]:
         """Stop listening; the sessions end, and what they hold is lost (warned about)."""
-        if self.inner is not None:
-            held = [len(s.seq.unacked) for s in self.machine.sessions.values() if s.seq.unacked]
-            if held:
-                log.warn("session router at {endpoint} closed with {count} message(s) to "
-                         "{sessions} session(s) not acknowledged by their clients: they are lost",
-                         endpoint=self.endpoint, count=sum(held), sessions=len(held))
+        held = [len(s.seq.unacked) for s in self.machine.sessions.values() if s.seq.unacked]
+        if self.inner is not None and held:
+            log.warn("{end} closed with {count} message(s) to {sessions} session(s) not "
+                     "acknowledged by their clients: they are lost", end=self._name(),
+                     count=sum(held), sessions=len(held))
         return self._shutdown()
 
 
 @implementer(IDealerTransport)
 class SessionDealer(_End):
     """The client end of a session; it re-attaches after every break."""
+
+    title = "session dealer to"
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), retryPolicy: Any = None,
@@ -338,8 +339,7 @@ class SessionDealer(_End):
                 self.innerEndpoint, receiver, self.reactor, retryPolicy=self._innerRetry,
                 limits=inner_limits(self.limits))
         except Exception as e:  # out of sockets, ...: try again later, never stop
-            self.throttle.warn(log, "open", "session dealer to {endpoint}: cannot connect: "
-                               "{error}", endpoint=self.endpoint, error=e)
+            self._say("open", f"cannot connect: {e}")
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
@@ -354,22 +354,21 @@ class SessionDealer(_End):
         attach: attach again after the backoff, not in a tight loop."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
-        self.throttle.warn(log, "oversized", "session dealer to {endpoint}: a message from the "
-                           "server is over this side's limits ({reason}); it is resent at each "
-                           "attach, so nothing after it can be received until the limits agree; "
-                           "attaching again in {delay:g}s", endpoint=self.endpoint, reason=why,
-                           delay=delay)
+        self.throttle.warn(log, "oversized", "{end}: a message from the server is over this "
+                           "side's limits ({reason}); it is resent at each attach, so nothing "
+                           "after it can be received until the limits agree; attaching again "
+                           "in {delay:g}s", end=self._name(), reason=why, delay=delay)
         self._closeInner()
         self._perform(self.machine.handleDisconnected(self._now()))
-        if not self.closed:
-            cancel_call(self.reopening)
-            self.reopening = self.reactor.callLater(delay, self._open)
+        cancel_call(self.reopening)
+        self._reopen(delay)
 
-    def _reopen(self) -> None:
-        """A new connection after a backoff of at most ``pingInterval * liveness``."""
-        delay = self.backoff.delay(self.attempts, self.machine.deadAfter)
-        self.attempts += 1
-        self.reopening = self.reactor.callLater(delay, self._open)
+    def _reopen(self, delay: Optional[float] = None) -> None:
+        """A new connection after *delay*, or a backoff of at most ``pingInterval * liveness``."""
+        if delay is None:
+            delay = self.backoff.delay(self.attempts, self.machine.deadAfter)
+            self.attempts += 1
+        self.reopening = None if self.closed else self.reactor.callLater(delay, self._open)
 
     @property
     def writable(self) -> bool:
@@ -406,24 +405,21 @@ class SessionDealer(_End):
         self._tell("messageReceived", list(action.payload))
 
     def _refused(self, action: machines.Refusal) -> None:
-        self.throttle.warn(log, "refused", "session dealer to {endpoint}: the server refused "
-                           "the session: {reason}; asking again", endpoint=self.endpoint,
-                           reason=action.reason)
+        self._say("refused", f"the server refused the session: {action.reason}; asking again")
         self._tell("sessionRefused", action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
-        log.warn("session dealer to {endpoint}: the server's session for this client ended "
-                 "(it expired, was ended as full, or the server restarted) and a new one "
-                 "began: messages the server held for this client and had not delivered are "
-                 "lost; those this client sent that the server had not acknowledged are sent "
-                 "again, so the server may get one twice", endpoint=self.endpoint)
+        log.warn("{end}: the server's session for this client ended (it expired, was ended as "
+                 "full, or the server restarted) and a new one began: messages the server held "
+                 "for this client and had not delivered are lost; those this client sent that "
+                 "the server had not acknowledged are sent again, so the server may get one "
+                 "twice", end=self._name())
         self._tell("sessionRenewed")
 
     def _reconnect(self, action: machines.Reconnect) -> None:
-        log.info("session dealer to {endpoint}: {reason}; connecting again",
-                 endpoint=self.endpoint, reason=action.reason)
+        log.info("{end}: {reason}; connecting again", end=self._name(), reason=action.reason)
         self._closeInner()
-        if not self.closed and self.reopening is None:
+        if self.reopening is None:
             self._reopen()
 
     _performers = {machines.Send: _send, machines.Deliver: _deliver,
@@ -436,10 +432,9 @@ class SessionDealer(_End):
         :class:`RequestTooLarge` or ``TypeError``, and nothing is queued."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
-        reason = self._refusal(frames, self.machine.seq.peerLimits, "the server")
-        if reason is not None:
-            raise RequestTooLarge(f"not sent to {self.endpoint}: {reason}")
-        self._perform(self.machine.send(kept_frames(frames), self._now()))
+        kept = self._sendable(frames, self.machine.seq.peerLimits, "the server", RequestTooLarge,
+                              self.endpoint)
+        self._perform(self.machine.send(kept, self._now()))
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.closed:
@@ -447,8 +442,7 @@ class SessionDealer(_End):
         try:
             self.send(frames)
         except (SessionQueueFull, RequestTooLarge) as e:
-            self.throttle.warn(log, "full", "session dealer to {endpoint} refused a message: "
-                               "{error}", endpoint=self.endpoint, error=e)
+            self._say("full", f"refused a message: {e}")
 
     #: seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
     CLOSE_GRACE = 1.0
@@ -477,9 +471,8 @@ class SessionDealer(_End):
 
     def _close(self, warn: bool = True) -> defer.Deferred[None]:
         if warn and self.machine.seq.unacked:
-            log.warn("session dealer to {endpoint} closed with {count} messages not "
-                     "acknowledged by the server", endpoint=self.endpoint,
-                     count=len(self.machine.seq.unacked))
+            log.warn("{end} closed with {count} messages not acknowledged by the server",
+                     end=self._name(), count=len(self.machine.seq.unacked))
         self.closed = True
         self.reopening = cancel_call(self.reopening)
         self._waiters.fire()
@@ -531,8 +524,7 @@ def check(endpoint: str, role: str) -> None:
     transport.check(inner, role)
 
 
-def listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
-    return SessionRouter.listen(endpoint, receiver, reactor, limits)
+listen = SessionRouter.listen
 
 
 def connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,

@@ -7,7 +7,6 @@ runs each request once per backtrace and channel, within maxPending;
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
@@ -85,17 +84,13 @@ class _Request:
     serial: int
     channel: Optional[Channel] = None
     resendAt: float = 0.0
-    #: the order of its deadline entry that counts (-1: none)
-    entry: int = -1
 
 
 class ReqMachine(Machine):
     """The requesting side; *firstId* seeds the request ids.
 
-    Resend deadlines live in a heap; stale entries are skipped at the head, and
-    dropped all at once when they outnumber the rest."""
-
-    _slack = 1024
+    Every request waits the same resend interval, so those sent fall due in
+    the order they went: ``_sent`` keeps that order, its first the next due."""
 
     def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
                  now: float = 0.0) -> None:
@@ -107,16 +102,16 @@ class ReqMachine(Machine):
         self.channels: list[Channel] = []
         self._turn = 0
         self.requests: dict[int, _Request] = {}
+        #: requests waiting for a channel, and those on one, each in the order they went
         self._held: OrderedDict[int, _Request] = OrderedDict()
+        self._sent: OrderedDict[int, _Request] = OrderedDict()
         self.wakeAt: Optional[float] = None
-        #: (resendAt, order, request): stale unless order is the request's ``entry``
-        self._deadlines: list[tuple[float, int, _Request]] = []
-        self._order = itertools.count()
+        self._serials = itertools.count()
 
     def handleRequest(self, payload: bytes, now: float) -> tuple[int, list[Any]]:
         self.now = now
         requestId = self.ids.next() | BOTTOM
-        request = _Request(requestId, word(requestId) + payload, next(self._order))
+        request = _Request(requestId, word(requestId) + payload, next(self._serials))
         self.requests[requestId] = request
         self._send(request)
         self._rearm()
@@ -168,23 +163,21 @@ class ReqMachine(Machine):
         return self._drain()
 
     def _forget(self, requestId: int) -> bool:
-        request = self.requests.pop(requestId, None)
-        if request is None:
+        if self.requests.pop(requestId, None) is None:
             return False
         self._held.pop(requestId, None)
-        request.entry = -1
+        self._sent.pop(requestId, None)
         return True
 
     def handleWake(self, now: float) -> list[Any]:
         """Resend the requests whose resend interval is over, oldest first."""
         self.now = now
         self.wakeAt = None
-        heap = self._deadlines
         due = []
-        while heap and heap[0][0] <= now:
-            _, order, request = heapq.heappop(heap)
-            if request.entry == order:
-                due.append(request)
+        for request in self._sent.values():
+            if request.resendAt > now:
+                break
+            due.append(request)
         due.sort(key=lambda request: request.serial)
         for request in due:
             self._send(request)
@@ -192,76 +185,60 @@ class ReqMachine(Machine):
         return self._drain()
 
     def _send(self, request: _Request) -> None:
+        self._sent.pop(request.requestId, None)
         if not self.channels:
             request.channel = None
-            request.entry = -1
             self._held[request.requestId] = request
             return
         channel = self.channels[self._turn % len(self.channels)]
         self._turn = (self._turn + 1) % len(self.channels)
         request.channel = channel
         request.resendAt = self.now + self.resend
-        request.entry = order = next(self._order)
-        heapq.heappush(self._deadlines, (request.resendAt, order, request))
+        self._sent[request.requestId] = request
         self._emit(SendOn(channel, request.body))
 
     def _rearm(self) -> None:
-        """Ask for a wake-up at the earliest resend deadline, if it changed."""
-        heap = self._deadlines
-        if len(heap) > 2 * (len(self.requests) - len(self._held)) + self._slack:
-            heap[:] = [e for e in heap if e[2].entry == e[1]]
-            heapq.heapify(heap)
-        while heap and heap[0][2].entry != heap[0][1]:
-            heapq.heappop(heap)
-        when = heap[0][0] if heap else None
+        """Ask for a wake-up at the first resend deadline, if it changed."""
+        when = next(iter(self._sent.values())).resendAt if self._sent else None
         if when != self.wakeAt:
             self.wakeAt = when
             self._emit(WakeAt(when))
 
 
-class _Channels:
-    """31-bit ids for the channels of a REP side, never one in use."""
-
-    def __init__(self, firstId: int) -> None:
-        self.ids = IdSequence(firstId)
-        self.byChannel: dict[Channel, int] = {}
-        self.byId: dict[int, Channel] = {}
-
-    def up(self, channel: Channel) -> int:
-        known = self.byChannel.get(channel)
-        if known is not None:
-            return known
-        number = self.ids.next()
-        while number in self.byId:
-            number = self.ids.next()
-        self.byChannel[channel] = number
-        self.byId[number] = channel
-        return number
-
-    def down(self, channel: Channel) -> None:
-        number = self.byChannel.pop(channel, None)
-        if number is not None:
-            del self.byId[number]
-
-
 class _ChannelMachine(Machine):
-    """What a REP side and a device share: the channels' ids and the hop limit."""
+    """What a REP side and a device share: the hop limit, and a 31-bit id for
+    each channel, never one in use."""
 
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
                  now: float = 0.0) -> None:
         super().__init__(now)
         self.maxHops = maxHops
-        self.channels = _Channels(firstChannelId)
+        self.channelIds = IdSequence(firstChannelId)
+        self.byChannel: dict[Channel, int] = {}
+        self.byId: dict[int, Channel] = {}
 
     def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
-        self.channels.up(channel)
+        self._idOf(channel)
         return []
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
-        self.channels.down(channel)
+        number = self.byChannel.pop(channel, None)
+        if number is not None:
+            del self.byId[number]
         return []
+
+    def _idOf(self, channel: Channel) -> int:
+        known = self.byChannel.get(channel)
+        if known is not None:
+            return known
+        number = self.channelIds.next()
+        while number in self.byId:
+            number = self.channelIds.next()
+        self.byChannel[channel] = number
+        self.byId[number] = channel
+        return number
 
 
 class RepMachine(_ChannelMachine):
@@ -282,7 +259,7 @@ class RepMachine(_ChannelMachine):
 
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
         self.now = now
-        self.channels.up(channel)
+        self._idOf(channel)
         try:
             backtrace, payload = split_backtrace(body, self.maxHops)
         except ProtocolError as e:
@@ -313,7 +290,7 @@ class RepMachine(_ChannelMachine):
         channel, backtrace = token
         if payload is None:
             return []
-        if channel not in self.channels.byChannel:
+        if channel not in self.byChannel:
             return [Dropped(channel, "reply for a channel that is gone")]
         return [SendOn(channel, backtrace + payload)]
 
@@ -325,7 +302,7 @@ class DeviceMachine(_ChannelMachine):
     def handleRequest(self, channel: Channel, body: bytes, now: float) -> list[Any]:
         """:class:`Forward`, or :class:`Dropped` over the hop limit (counting ours)."""
         self.now = now
-        upstream = word(self.channels.up(channel)) + body
+        upstream = word(self._idOf(channel)) + body
         try:
             split_backtrace(upstream, self.maxHops)
         except ProtocolError as e:
@@ -338,7 +315,7 @@ class DeviceMachine(_ChannelMachine):
             number, rest = pop_word(body)
         except ProtocolError as e:
             return [Dropped(None, str(e))]
-        channel = self.channels.byId.get(number & ID_MASK) if not number & BOTTOM else None
+        channel = self.byId.get(number & ID_MASK) if not number & BOTTOM else None
         if channel is None:
             return [Dropped(None, f"reply for channel 0x{number:08x}, which is not one of ours")]
         return [SendOn(channel, rest)]
