@@ -9,11 +9,10 @@ one line on stderr, never a traceback.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
@@ -34,6 +33,7 @@ from mdp.app.tap import (
     checked_sp_endpoint,
     curve_client_of,
     repeated,
+    seconds_option,
     usage_line,
 )
 from mdp.app.terminal import (
@@ -66,22 +66,11 @@ from mdp.transport.registry import bare_address, schemes
 EXIT_PENDING = 3
 
 
-def _seconds(option: str) -> Callable[[str], float]:
-    """The coercer of --*option*: a finite, positive number of seconds."""
-    def coerce(value: str) -> float:
-        seconds = float(value)
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise usage.UsageError(f"--{option} must be a positive number of seconds, not {seconds}")
-        return seconds
-
-    return coerce
-
-
 class _ClientOptions(BrokerListOptions):
     """What every command that talks to a broker takes."""
 
     optParameters: list[Any] = [
-        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", _seconds("timeout")],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", seconds_option("timeout")],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
     ] + CURVE_CLIENT_OPTIONS
 
@@ -140,19 +129,10 @@ class StatusOptions(_ClientOptions):
     longdesc = ("The broker's services (workers idle and busy, requests queued) and workers "
                 "(service, state, seconds since last heard from), from mmi.services and "
                 "mmi.workers.  --watch refreshes every SECONDS (default 2) until Ctrl-C.")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self["watch"] = None
-
-    def opt_watch(self, seconds: str) -> None:
-        """Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch alone]"""
-        try:
-            self["watch"] = _seconds("watch")(seconds)
-        except ValueError:
-            raise usage.UsageError(f"--watch: {seconds!r} is not a number of seconds") from None
-
-    opt_w = opt_watch
+    optParameters: list[Any] = [
+        ["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch "
+         "alone]", seconds_option("watch")],
+    ]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
@@ -163,10 +143,6 @@ class StatusOptions(_ClientOptions):
             if arg in ("--watch", "-w") and not _is_number(args[n + 1] if n + 1 < len(args) else ""):
                 given.append(str(DEFAULT_WATCH))
         super().parseOptions(given)
-
-    def parseArgs(self, *extra: str) -> None:
-        if extra:
-            raise usage.UsageError(f"unexpected argument {extra[0]!r} (status takes options only)")
 
 
 def _is_number(text: str) -> bool:
@@ -187,9 +163,9 @@ class FreelanceCallOptions(VersionedOptions):
         ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all "
          "at once) or 3 (an agent: heartbeats, the first live server).", int],
         ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; "
-         "3 s for model 2].", _seconds("timeout")],
+         "3 s for model 2]", seconds_option("timeout")],
         ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
-         "30 s for model 1, 3 s for model 3].", _seconds("deadline")],
+         "30 s for model 1, 3 s for model 3]", seconds_option("deadline")],
     ] + CURVE_CLIENT_OPTIONS
 
     repeatable = ("server",)
@@ -263,7 +239,7 @@ class TitanicResultOptions(TitanicCloseOptions):
                 "for (the reply, Titanic, the broker) is said on stderr.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [
-        ["poll", "p", 1.0, "Seconds between polls with --wait.", _seconds("poll")],
+        ["poll", "p", 1.0, "Seconds between polls with --wait.", seconds_option("poll")],
     ]
 
 
@@ -280,8 +256,8 @@ class SPRequestOptions(VersionedOptions):
     synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
-        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", _seconds("timeout")],
-        ["resend", None, 60.0, "Seconds before the request is sent again.", _seconds("resend")],
+        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", seconds_option("timeout")],
+        ["resend", None, 60.0, "Seconds before the request is sent again.", seconds_option("resend")],
     ]
 
     def parseArgs(self, *args: str) -> None:

@@ -85,7 +85,7 @@ def _bytes(option: str, least: int) -> Callable[[str], int]:
     return coerce
 
 
-def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], float]:
+def seconds_option(option: str, least: Optional[float] = None) -> Callable[[str], float]:
     """The coercer of the seconds option *option*: finite, positive or at least *least*."""
     def coerce(value: str) -> float:
         try:
@@ -93,7 +93,7 @@ def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], floa
         except ValueError:
             raise ValueError(f"--{option}: not a number of seconds: {value!r}") from None
         if least is None and not (math.isfinite(number) and number > 0):
-            raise ValueError(f"--{option} must be a positive number of seconds, got {value}")
+            raise ValueError(f"--{option} must be a positive number of seconds, not {value}")
         if number > MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
             raise ValueError(f"--{option} must be at most {MAX_SECONDS:g} seconds, got {value}")
         if least is not None and not (math.isfinite(number) and number >= least):
@@ -269,32 +269,43 @@ def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
             for name in names}
 
 
-_DEFAULT_LIMITS = Limits()
-_MESSAGE_OPTIONS: list[Any] = [
-    _option("max-message-bytes", _DEFAULT_LIMITS.maxMessageBytes,
-            "Largest message sent or received, in bytes of frames (the same on every node); "
-            "with 4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
-            _bytes, 64),
-    _option("max-frames", _DEFAULT_LIMITS.maxFrames, "Most frames in one message.", _whole, 8),
-]
-_PEER_OPTIONS: list[Any] = [
-    _option("max-output-bytes", _DEFAULT_LIMITS.maxOutputBytes,
-            "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.", _bytes, 64),
-    _option("max-connections", _DEFAULT_LIMITS.maxConnections,
-            "Most open connections per stream endpoint (tcp, tls, unix).", _whole, 1),
-    _option("handshake-timeout", _DEFAULT_LIMITS.handshakeTimeout,
-            "Seconds a new stream connection has to send its first message.", _seconds, 0.001),
-    _option("record-timeout", _DEFAULT_LIMITS.recordTimeout,
-            "Seconds a stream peer has to complete a message it started.", _seconds, 0.001),
-]
+def dashed(name: str) -> str:
+    """The option of the keyword argument *name*: ``maxQueue`` as ``max-queue``."""
+    return re.sub(r"[A-Z]", lambda m: "-" + m.group().lower(), name)
+
+
+#: the option of each :class:`~mdp.policy.Limits` field: its coercer, least value and help
+LIMIT_OPTIONS: dict[str, tuple[Callable[..., Any], float, str]] = {
+    "maxMessageBytes": (_bytes, 64, "Largest message sent or received, in bytes of frames (the "
+                        "same on every node); with 4 bytes per --max-frames frame it fits a "
+                        "stream record: 4 GiB less 2 bytes."),
+    "maxFrames": (_whole, 8, "Most frames in one message."),
+    "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, "
+                       "it is disconnected."),
+    "maxConnections": (_whole, 1, "Most open connections per stream endpoint (tcp, tls, unix)."),
+    "handshakeTimeout": (seconds_option, 0.001, "Seconds a new stream connection has to send "
+                         "its first message."),
+    "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message "
+                      "it started."),
+}
+#: the limits every plugin takes; the others bind a listening side
+_MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames")
+
+
+def _limit_options(listening: bool) -> list[Any]:
+    """The options of the message limits, or (*listening*) of the other limits."""
+    defaults = Limits()
+    return [_option(dashed(field), getattr(defaults, field), doc, coercer, least)
+            for field, (coercer, least, doc) in LIMIT_OPTIONS.items()
+            if (field not in _MESSAGE_LIMITS) == listening]
 
 
 def limits_of(options: usage.Options) -> Limits:
     """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or
     too large for a stream record."""
     try:
-        limits = Limits(**keywords(options, *(row[0] for row in _MESSAGE_OPTIONS + _PEER_OPTIONS
-                                               if row[0] in options)))
+        limits = Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
+                           if dashed(field) in options})
     except ValueError as e:
         raise usage.UsageError(str(e)) from None
     prefixes = 4 * limits.maxFrames
@@ -394,7 +405,7 @@ class _ServiceOptions(VersionedOptions):
     options the plugin has (limits, metrics, CURVE, handler), so a mistake is a
     usage error before anything starts."""
 
-    optParameters: list[Any] = _MESSAGE_OPTIONS
+    optParameters: list[Any] = _limit_options(listening=False)
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         """Check the options of this role; a server returns its listeners
@@ -438,7 +449,7 @@ class _ServiceOptions(VersionedOptions):
 
 class _HeartbeatOptions(_ServiceOptions):
     optParameters: list[Any] = [
-        _option("heartbeat", 2.5, "Heartbeat interval in seconds.", _seconds, MIN_INTERVAL),
+        _option("heartbeat", 2.5, "Heartbeat interval in seconds.", seconds_option, MIN_INTERVAL),
         _option("liveness", 3, "Missed heartbeats before a peer is dead.", _whole, 1),
     ]
 
@@ -446,12 +457,12 @@ class _HeartbeatOptions(_ServiceOptions):
 #: the broker's bounds, passed on to it as keyword arguments
 _BROKER_BOUNDS: list[Any] = [
     _option("request-expiry", broker.DEFAULT_REQUEST_EXPIRY,
-            "Seconds a request waits for a worker of its service to be free.", _seconds),
+            "Seconds a request waits for a worker of its service to be free.", seconds_option),
     _option("unknown-service-expiry", broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
             "Seconds the requests for a service no worker has registered wait (from its first "
-            "request), then 503.", _seconds),
+            "request), then 503.", seconds_option),
     _option("service-linger", broker.DEFAULT_SERVICE_LINGER,
-            "Seconds a service stays known (mmi.service 200) after its last worker left.", _seconds),
+            "Seconds a service stays known (mmi.service 200) after its last worker left.", seconds_option),
     _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", _whole, 1),
     _option("max-service-queue", broker.DEFAULT_MAX_SERVICE_QUEUE,
             "Most requests queued for one service.", _whole, 1),
@@ -489,10 +500,10 @@ class BrokerOptions(_HeartbeatOptions):
         ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
         _option("bstar-heartbeat", DEFAULT_BSTAR_HEARTBEAT, "Binary Star: seconds between state "
-                "messages; the peer is gone after twice this.", _seconds, MIN_INTERVAL),
+                "messages; the peer is gone after twice this.", seconds_option, MIN_INTERVAL),
         ["access", None, None, "Access policy file (TOML): which peers may call and serve "
          "which services (docs/security.md)."],
-    ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _PEER_OPTIONS
+    ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _limit_options(listening=True)
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
@@ -535,7 +546,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-        _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", _seconds, MIN_INTERVAL),
+        _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", seconds_option, MIN_INTERVAL),
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
         _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
                 "their retries from memory (0: off).", _whole, 0),
@@ -565,7 +576,7 @@ class FreelanceServerOptions(_ServiceOptions):
         ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
-         + _PEER_OPTIONS)
+         + _limit_options(listening=True))
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
@@ -648,12 +659,12 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
          "Stored requests out to their services at once.", _whole("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
          "Seconds one attempt of a stored request may take before it is tried again.",
-         _seconds("timeout")],
+         seconds_option("timeout")],
         _option("backoff-max", titanic_dispatcher.DEFAULT_BACKOFF.maximum,
                 "Longest wait before asking again about a service with no worker.",
-                _seconds, MIN_INTERVAL),
+                seconds_option, MIN_INTERVAL),
         _option("keep", titanic_dispatcher.DEFAULT_KEEP,
-                "Seconds a reply is kept after it is stored, then purged.", _seconds),
+                "Seconds a reply is kept after it is stored, then purged.", seconds_option),
         _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
                 "MDP workers per Titanic service (requests stored at once).", _whole, 1),
     ] + CURVE_CLIENT_OPTIONS
