@@ -406,10 +406,18 @@ class _ServiceOptions(VersionedOptions):
     usage error before anything starts."""
 
     optParameters: list[Any] = _limit_options(listening=False)
+    #: the :mod:`mdp.metrics` class that --metrics counts with
+    metrics = ""
+    #: the role accepts connections: the plugin raises the open file limit
+    listens = True
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         """Check the options of this role; a server returns its listeners
         (option: endpoint) for the CURVE check."""
+
+    def newService(self, metrics: Any) -> Any:
+        """The service these options ask for, counting with *metrics* (None: no --metrics)."""
+        raise NotImplementedError
 
     def postOptions(self) -> None:
         if "heartbeat" in self:
@@ -504,6 +512,7 @@ class BrokerOptions(_HeartbeatOptions):
         ["access", None, None, "Access policy file (TOML): which peers may call and serve "
          "which services (docs/security.md)."],
     ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _limit_options(listening=True)
+    metrics = "BrokerMetrics"
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
@@ -518,6 +527,17 @@ class BrokerOptions(_HeartbeatOptions):
             checked_endpoint(self["bstar-local"], transport.LISTEN, "bstar-local")
             checked_endpoint(self["bstar-remote"], transport.CONNECT, "bstar-remote")
         return listeners
+
+    def newService(self, metrics: Any) -> Any:
+        binaryStar = None
+        if self["bstar"] is not None:
+            binaryStar = BinaryStar(self["bstar"], self["bstar-local"], self["bstar-remote"],
+                                    heartbeat=self["bstar-heartbeat"], limits=limits_of(self))
+        return service.BrokerService(
+            self["endpoint"], self["backend"], metrics=metrics, binaryStar=binaryStar,
+            logRequests=debug_logging(self), heartbeat=self.heartbeatPolicy(),
+            limits=limits_of(self), access=self.accessPolicy(), exitOnFailure=True,
+            **keywords(self, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
 
     def accessPolicy(self) -> Any:
         """The --access policy file, loaded once (None without one)."""
@@ -551,6 +571,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
                 "their retries from memory (0: off).", _whole, 0),
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
+    metrics = "WorkerMetrics"
+    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if self["service"] is None:
@@ -562,6 +584,13 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         except ValueError as e:
             raise usage.UsageError(f"--service: {e}") from None
         BrokerListOptions.postOptions(self)
+
+    def newService(self, metrics: Any) -> Any:
+        return service.WorkerService(
+            self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
+            backoff=attrs.evolve(PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
+            replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
+            limits=limits_of(self), metrics=metrics, **curve_client_of(self))
 
 
 class FreelanceServerOptions(_ServiceOptions):
@@ -577,9 +606,16 @@ class FreelanceServerOptions(_ServiceOptions):
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
          + _limit_options(listening=True))
+    metrics = "FreelanceMetrics"
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
+
+    def newService(self, metrics: Any) -> Any:
+        return service.FreelanceServerService(
+            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
+            metrics=metrics,
+            **keywords(self, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
 
 
 def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
@@ -614,6 +650,11 @@ class SPRepOptions(_ServiceOptions):
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         checked_sp_endpoint(self["endpoint"], True, "endpoint")
 
+    def newService(self, metrics: Any) -> Any:
+        return service.SPServerService(
+            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
+            **keywords(self, "max-pending", "max-pending-bytes"))
+
     @staticmethod
     def loadHandler(spec: str) -> Any:
         """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
@@ -640,6 +681,10 @@ class SPDeviceOptions(_ServiceOptions):
             raise usage.UsageError("--back is required")
         for back in self["back"]:
             checked_sp_endpoint(back, False, "back")
+
+    def newService(self, metrics: Any) -> Any:
+        return service.SPDeviceService(self["front"], self["back"], exitOnFailure=True,
+                                       limits=limits_of(self))
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
@@ -668,11 +713,20 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
                 "MDP workers per Titanic service (requests stored at once).", _whole, 1),
     ] + CURVE_CLIENT_OPTIONS
+    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
+
+    def newService(self, metrics: Any) -> Any:
+        initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
+        return service.TitanicService(
+            self["brokers"], self["db"], workers=self["service-workers"],
+            backoff=Backoff(initial, max(self["backoff-max"], initial)),
+            heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
+            **keywords(self, "concurrency", "timeout", "keep"), **curve_client_of(self))
 
 
 def debug_logging(options: usage.Options) -> bool:
@@ -682,122 +736,45 @@ def debug_logging(options: usage.Options) -> bool:
 
 
 class _Plugin:
-    """What the ``twist`` plugins share: a plugin that serves raises the open
-    file limit first, and --metrics adds a metrics server beside the service."""
+    """What the ``twist`` plugins share: a plugin whose role accepts connections
+    raises the open file limit first, and --metrics adds a metrics server beside
+    the service."""
 
     tapname: str
     description: str
     options: type[_ServiceOptions]
-    #: the :mod:`mdp.metrics` class that --metrics counts with
-    metrics = ""
-    #: it accepts connections: raise the open file limit
-    serves = True
 
     def makeService(self, options: Any) -> Any:
-        if self.serves:
+        if options.listens:
             raise_descriptor_limit()
         if not options.get("metrics"):
-            return self.serviceOf(options, None)
+            return options.newService(None)
         import mdp.metrics
 
-        metrics = getattr(mdp.metrics, self.metrics)()
+        metrics = getattr(mdp.metrics, options.metrics)()
         parent = MultiService()
-        self.serviceOf(options, metrics).setServiceParent(parent)
+        options.newService(metrics).setServiceParent(parent)
         service.MetricsService(options["metrics"], metrics.registry,
                                exitOnFailure=True).setServiceParent(parent)
         return parent
 
-    def serviceOf(self, options: Any, metrics: Any) -> Any:
-        """The service of *options*, counting with *metrics* (None: no --metrics)."""
-        raise NotImplementedError
+
+def _plugin(tapname: str, description: str, options: type[_ServiceOptions]) -> type[_Plugin]:
+    """The ``twist`` plugin *tapname*, running the service of *options*."""
+    name = options.__name__.replace("Options", "ServiceMaker")
+    attributes = {"tapname": tapname, "description": description, "options": options}
+    return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
 
 
-@implementer(IServiceMaker, IPlugin)
-class BrokerServiceMaker(_Plugin):
-    tapname = "mdp-broker"
-    description = "MDP/0.2 (Majordomo) broker."
-    options = BrokerOptions
-    metrics = "BrokerMetrics"
-
-    def serviceOf(self, options: BrokerOptions, metrics: Any) -> Any:
-        binaryStar = None
-        if options["bstar"] is not None:
-            binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
-                                    options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
-                                    limits=limits_of(options))
-        return service.BrokerService(
-            options["endpoint"], options["backend"], metrics=metrics, binaryStar=binaryStar,
-            logRequests=debug_logging(options), heartbeat=options.heartbeatPolicy(),
-            limits=limits_of(options), access=options.accessPolicy(), exitOnFailure=True,
-            **keywords(options, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
-
-
-@implementer(IServiceMaker, IPlugin)
-class WorkerServiceMaker(_Plugin):
-    tapname = "mdp-worker"
-    description = "MDP/0.2 (Majordomo) worker running a handler."
-    options = WorkerOptions
-    metrics = "WorkerMetrics"
-    serves = False
-
-    def serviceOf(self, options: WorkerOptions, metrics: Any) -> Any:
-        return service.WorkerService(
-            options["brokers"], options["service"], options.loadedHandler(),
-            heartbeat=options.heartbeatPolicy(),
-            backoff=attrs.evolve(PIRATE, maximum=options["backoff-max"]),
-            dialect=options["dialect"],
-            replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
-            limits=limits_of(options), metrics=metrics, **curve_client_of(options))
-
-
-@implementer(IServiceMaker, IPlugin)
-class FreelanceServerServiceMaker(_Plugin):
-    tapname = "mdp-freelance-server"
-    description = "Freelance (brokerless) request-reply server, answering PING with PONG."
-    options = FreelanceServerOptions
-    metrics = "FreelanceMetrics"
-
-    def serviceOf(self, options: FreelanceServerOptions, metrics: Any) -> Any:
-        return service.FreelanceServerService(
-            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
-            limits=limits_of(options), metrics=metrics,
-            **keywords(options, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
-
-
-@implementer(IServiceMaker, IPlugin)
-class SPRepServiceMaker(_Plugin):
-    tapname = "sp-rep"
-    description = "SP (nng) REP server running a handler."
-    options = SPRepOptions
-
-    def serviceOf(self, options: SPRepOptions, metrics: Any) -> Any:
-        return service.SPServerService(
-            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
-            limits=limits_of(options), **keywords(options, "max-pending", "max-pending-bytes"))
-
-
-@implementer(IServiceMaker, IPlugin)
-class SPDeviceServiceMaker(_Plugin):
-    tapname = "sp-device"
-    description = "SP (nng) REQ/REP device forwarding requests upstream."
-    options = SPDeviceOptions
-
-    def serviceOf(self, options: SPDeviceOptions, metrics: Any) -> Any:
-        return service.SPDeviceService(options["front"], options["back"], exitOnFailure=True,
-                                       limits=limits_of(options))
-
-
-@implementer(IServiceMaker, IPlugin)
-class TitanicServiceMaker(_Plugin):
-    tapname = "mdp-titanic"
-    description = "Titanic: disk-backed, disconnected requests through an MDP broker."
-    options = TitanicOptions
-    serves = False
-
-    def serviceOf(self, options: TitanicOptions, metrics: Any) -> Any:
-        initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
-        return service.TitanicService(
-            options["brokers"], options["db"], workers=options["service-workers"],
-            backoff=Backoff(initial, max(options["backoff-max"], initial)),
-            heartbeat=options.heartbeatPolicy(), limits=limits_of(options), exitOnFailure=True,
-            **keywords(options, "concurrency", "timeout", "keep"), **curve_client_of(options))
+BrokerServiceMaker = _plugin("mdp-broker", "MDP/0.2 (Majordomo) broker.", BrokerOptions)
+WorkerServiceMaker = _plugin("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
+                             WorkerOptions)
+FreelanceServerServiceMaker = _plugin(
+    "mdp-freelance-server", "Freelance (brokerless) request-reply server, answering PING with PONG.",
+    FreelanceServerOptions)
+SPRepServiceMaker = _plugin("sp-rep", "SP (nng) REP server running a handler.", SPRepOptions)
+SPDeviceServiceMaker = _plugin("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
+                               SPDeviceOptions)
+TitanicServiceMaker = _plugin(
+    "mdp-titanic", "Titanic: disk-backed, disconnected requests through an MDP broker.",
+    TitanicOptions)
