@@ -31,6 +31,7 @@ from mdp.app.tap import (
     checked_curve_client,
     checked_endpoints,
     checked_sp_endpoint,
+    connect_endpoints,
     curve_client_of,
     repeated,
     seconds_option,
@@ -179,10 +180,7 @@ class FreelanceCallOptions(VersionedOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
-        default = DEFAULT_FREELANCE_ENDPOINT
-        self["servers"] = [endpoint for value in self["server"] or [default]
-                           for endpoint in checked_endpoints(value, transport.CONNECT, "server",
-                                                             example=default)]
+        self["servers"] = connect_endpoints(self["server"], "server", DEFAULT_FREELANCE_ENDPOINT)
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
         checked_curve_client(self, self["servers"])
@@ -396,9 +394,6 @@ async def call(reactor: Any, options: CallOptions) -> None:
         reply = await request
     except defer.CancelledError:
         return
-    except MDPError as e:
-        error(f"mdp call: {e}")
-        raise SystemExit(1) from None
     finally:
         await client.close()
     print_frames(reply)
@@ -574,10 +569,9 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
     broker = Broker(reactor)
     try:
         bound = await broker.listen(options["endpoint"])
-    except MDPError as e:  # cannot bind (the port is taken, ...): one line, no traceback
+    except MDPError:  # cannot bind (the port is taken, ...)
         await broker.close()
-        error(f"mdp demo: {e}")
-        raise SystemExit(1) from None
+        raise
     worker = Worker(bound.endpoint, "echo", echo, reactor)
     client = Client(bound.endpoint, reactor)
     try:
@@ -590,9 +584,6 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
             reply = await client.request("echo", f"hello {n}")
             if not emit(f"echo replied: {' | '.join(show(f) for f in reply)}"):
                 return
-    except MDPError as e:
-        error(f"mdp demo: {e}")
-        raise SystemExit(1) from None
     finally:
         await client.close()
         await worker.stop()
@@ -649,11 +640,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 
     node.subscribe(heard)
     node.join(group)
-    try:
-        await node.start()
-    except MDPError as e:
-        error(f"mdp chat: {e}")
-        raise SystemExit(1) from None
+    await node.start()
     say(f"* {options['name']} in {group} at {node.endpoint}; Ctrl-D leaves")
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
     stdio.StandardIO(Typed(), reactor=reactor)
@@ -710,6 +697,9 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     async def guarded(reactor: Any) -> None:
         try:
             await command(reactor, options.subOptions)
+        except MDPError as e:  # a failure the command does not explain further
+            error(f"mdp {options.subCommand}: {e}")
+            raise SystemExit(1) from None
         except BrokenPipeError:  # written to outside _emit
             divert_output()
 

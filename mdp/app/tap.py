@@ -243,6 +243,12 @@ def checked_endpoints(value: Optional[str], role: str, option: str,
         raise usage.UsageError(f"--{option}: {e}") from None
 
 
+def connect_endpoints(values: list[str], option: str, default: str) -> list[str]:
+    """The endpoints to connect to of the repeated *option* (*default* if not given), checked."""
+    return [endpoint for value in values or [default]
+            for endpoint in checked_endpoints(value, transport.CONNECT, option, example=default)]
+
+
 def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[str]:
     """The one endpoint of *option*, checked for *role*; a list is a usage error."""
     endpoints = checked_endpoints(value, role, option)
@@ -259,8 +265,7 @@ class BrokerListOptions(VersionedOptions):
                                   "failover [default: zmq:tcp://127.0.0.1:5555]")
 
     def postOptions(self) -> None:
-        self["brokers"] = [endpoint for value in self["broker"] or [DEFAULT_ENDPOINT]
-                           for endpoint in checked_endpoints(value, transport.CONNECT, "broker")]
+        self["brokers"] = connect_endpoints(self["broker"], "broker", DEFAULT_ENDPOINT)
 
 
 def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
