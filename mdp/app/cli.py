@@ -36,6 +36,7 @@ from mdp.app.tap import (
     repeated,
     seconds_option,
     usage_line,
+    whole_option,
 )
 from mdp.app.terminal import (
     EXIT_BROKEN_PIPE,
@@ -72,14 +73,13 @@ class _ClientOptions(BrokerListOptions):
 
     optParameters: list[Any] = [
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", seconds_option("timeout")],
-        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
+        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.",
+         whole_option("retries", 1)],
     ] + CURVE_CLIENT_OPTIONS
 
     def postOptions(self) -> None:
         super().postOptions()
         checked_curve_client(self, self["brokers"])
-        if self["retries"] < 1:
-            raise usage.UsageError("--retries must be at least 1")
 
 
 class _RequestOptions(_ClientOptions):

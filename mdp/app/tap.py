@@ -107,7 +107,7 @@ def seconds_option(option: str, least: Optional[float] = None) -> Callable[[str]
     return coerce
 
 
-def _whole(option: str, least: int) -> Callable[[str], int]:
+def whole_option(option: str, least: int) -> Callable[[str], int]:
     """The coercer of the whole number option *option*: at least *least*."""
     def coerce(value: str) -> int:
         try:
@@ -284,10 +284,10 @@ LIMIT_OPTIONS: dict[str, tuple[Callable[..., Any], float, str]] = {
     "maxMessageBytes": (_bytes, 64, "Largest message sent or received, in bytes of frames (the "
                         "same on every node); with 4 bytes per --max-frames frame it fits a "
                         "stream record: 4 GiB less 2 bytes."),
-    "maxFrames": (_whole, 8, "Most frames in one message."),
+    "maxFrames": (whole_option, 8, "Most frames in one message."),
     "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, "
                        "it is disconnected."),
-    "maxConnections": (_whole, 1, "Most open connections per stream endpoint (tcp, tls, unix)."),
+    "maxConnections": (whole_option, 1, "Most open connections per stream endpoint (tcp, tls, unix)."),
     "handshakeTimeout": (seconds_option, 0.001, "Seconds a new stream connection has to send "
                          "its first message."),
     "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message "
@@ -399,7 +399,7 @@ def _pending_options(beyond: str) -> list[Any]:
     """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
     return [
         _option("max-pending", DEFAULT_MAX_PENDING,
-                f"Most requests being handled at once; beyond, requests are {beyond}.", _whole, 1),
+                f"Most requests being handled at once; beyond, requests are {beyond}.", whole_option, 1),
         _option("max-pending-bytes", DEFAULT_MAX_PENDING_BYTES,
                 f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1),
     ]
@@ -463,7 +463,7 @@ class _ServiceOptions(VersionedOptions):
 class _HeartbeatOptions(_ServiceOptions):
     optParameters: list[Any] = [
         _option("heartbeat", 2.5, "Heartbeat interval in seconds.", seconds_option, MIN_INTERVAL),
-        _option("liveness", 3, "Missed heartbeats before a peer is dead.", _whole, 1),
+        _option("liveness", 3, "Missed heartbeats before a peer is dead.", whole_option, 1),
     ]
 
 
@@ -476,20 +476,20 @@ _BROKER_BOUNDS: list[Any] = [
             "request), then 503.", seconds_option),
     _option("service-linger", broker.DEFAULT_SERVICE_LINGER,
             "Seconds a service stays known (mmi.service 200) after its last worker left.", seconds_option),
-    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", _whole, 1),
+    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", whole_option, 1),
     _option("max-service-queue", broker.DEFAULT_MAX_SERVICE_QUEUE,
-            "Most requests queued for one service.", _whole, 1),
+            "Most requests queued for one service.", whole_option, 1),
     _option("max-queue-bytes", broker.DEFAULT_MAX_QUEUE_BYTES,
             f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
             _bytes, FRAME_OVERHEAD),
     _option("max-service-queue-bytes", broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
             f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
             _bytes, FRAME_OVERHEAD),
-    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", _whole, 1),
+    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", whole_option, 1),
     _option("max-service-workers", broker.DEFAULT_MAX_SERVICE_WORKERS,
-            "Most registered workers for one service.", _whole, 1),
+            "Most registered workers for one service.", whole_option, 1),
     _option("max-deliveries", broker.DEFAULT_MAX_DELIVERIES,
-            "Times a request is given to a worker that is then lost, before it fails.", _whole, 1),
+            "Times a request is given to a worker that is then lost, before it fails.", whole_option, 1),
 ]
 
 
@@ -538,9 +538,10 @@ class BrokerOptions(_HeartbeatOptions):
         if self["bstar"] is not None:
             binaryStar = BinaryStar(self["bstar"], self["bstar-local"], self["bstar-remote"],
                                     heartbeat=self["bstar-heartbeat"], limits=limits_of(self))
+        debug = self.parent is not None and self.parent.get("logLevel") == LogLevel.debug
         return service.BrokerService(
             self["endpoint"], self["backend"], metrics=metrics, binaryStar=binaryStar,
-            logRequests=debug_logging(self), heartbeat=self.heartbeatPolicy(),
+            logRequests=debug, heartbeat=self.heartbeatPolicy(),
             limits=limits_of(self), access=self.accessPolicy(), exitOnFailure=True,
             **keywords(self, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
 
@@ -574,7 +575,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", seconds_option, MIN_INTERVAL),
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
         _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
-                "their retries from memory (0: off).", _whole, 0),
+                "their retries from memory (0: off).", whole_option, 0),
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
     metrics = "WorkerMetrics"
     listens = False
@@ -706,7 +707,7 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = [
         ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
-         "Stored requests out to their services at once.", _whole("concurrency", 1)],
+         "Stored requests out to their services at once.", whole_option("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
          "Seconds one attempt of a stored request may take before it is tried again.",
          seconds_option("timeout")],
@@ -716,7 +717,7 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         _option("keep", titanic_dispatcher.DEFAULT_KEEP,
                 "Seconds a reply is kept after it is stored, then purged.", seconds_option),
         _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
-                "MDP workers per Titanic service (requests stored at once).", _whole, 1),
+                "MDP workers per Titanic service (requests stored at once).", whole_option, 1),
     ] + CURVE_CLIENT_OPTIONS
     listens = False
 
@@ -732,12 +733,6 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
             backoff=Backoff(initial, max(self["backoff-max"], initial)),
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
             **keywords(self, "concurrency", "timeout", "keep"), **curve_client_of(self))
-
-
-def debug_logging(options: usage.Options) -> bool:
-    """``twist --log-level debug`` was asked for (the parent's option)."""
-    parent = getattr(options, "parent", None)
-    return parent is not None and parent.get("logLevel") == LogLevel.debug
 
 
 class _Plugin:
