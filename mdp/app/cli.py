@@ -211,21 +211,17 @@ def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str =
     return args[0]
 
 
-def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
-    """The one request id (a UUID) of *args*, or a usage error."""
-    value = _single_argument(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
-                 f"e.g. '{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
-
-
 class TitanicCloseOptions(_ClientOptions):
     synopsis = f"{_BROKERS} ID"
 
     def parseArgs(self, *args: str) -> None:
-        self["id"] = _request_id(self, args)
+        value = _single_argument(args, "request ID", "give the request ID that 'mdp titanic "
+                                 f"submit' printed, e.g. '{self.commandName()} "
+                                 "0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
+        try:
+            self["id"] = str(uuid.UUID(value))
+        except ValueError:
+            raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
 
 
 class TitanicResultOptions(TitanicCloseOptions):
