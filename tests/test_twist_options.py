@@ -127,6 +127,13 @@ def test_the_defaults_are_accepted() -> None:
         parse(options)
 
 
+def test_every_limit_is_an_option_with_the_limits_default() -> None:
+    import attrs
+
+    assert set(tap.LIMIT_OPTIONS) == {field.name for field in attrs.fields(Limits)}
+    assert tap.limits_of(parse(BrokerOptions)) == Limits()
+
+
 def test_a_message_and_its_frame_lengths_must_fit_a_stream_record() -> None:
     most = 0xFFFFFFFE - 4 * 10_000
     assert tap.limits_of(parse(BrokerOptions, "--max-message-bytes", str(most))).maxMessageBytes \

@@ -9,11 +9,10 @@ one line on stderr, never a traceback.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
@@ -32,9 +31,12 @@ from mdp.app.tap import (
     checked_curve_client,
     checked_endpoints,
     checked_sp_endpoint,
+    connect_endpoints,
     curve_client_of,
     repeated,
+    seconds_option,
     usage_line,
+    whole_option,
 )
 from mdp.app.terminal import (
     EXIT_BROKEN_PIPE,
@@ -66,30 +68,18 @@ from mdp.transport.registry import bare_address, schemes
 EXIT_PENDING = 3
 
 
-def _seconds(option: str) -> Callable[[str], float]:
-    """The coercer of --*option*: a finite, positive number of seconds."""
-    def coerce(value: str) -> float:
-        seconds = float(value)
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise usage.UsageError(f"--{option} must be a positive number of seconds, not {seconds}")
-        return seconds
-
-    return coerce
-
-
 class _ClientOptions(BrokerListOptions):
     """What every command that talks to a broker takes."""
 
     optParameters: list[Any] = [
-        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", _seconds("timeout")],
-        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.", int],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", seconds_option("timeout")],
+        ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.",
+         whole_option("retries", 1)],
     ] + CURVE_CLIENT_OPTIONS
 
     def postOptions(self) -> None:
         super().postOptions()
         checked_curve_client(self, self["brokers"])
-        if self["retries"] < 1:
-            raise usage.UsageError("--retries must be at least 1")
 
 
 class _RequestOptions(_ClientOptions):
@@ -140,19 +130,10 @@ class StatusOptions(_ClientOptions):
     longdesc = ("The broker's services (workers idle and busy, requests queued) and workers "
                 "(service, state, seconds since last heard from), from mmi.services and "
                 "mmi.workers.  --watch refreshes every SECONDS (default 2) until Ctrl-C.")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self["watch"] = None
-
-    def opt_watch(self, seconds: str) -> None:
-        """Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch alone]"""
-        try:
-            self["watch"] = _seconds("watch")(seconds)
-        except ValueError:
-            raise usage.UsageError(f"--watch: {seconds!r} is not a number of seconds") from None
-
-    opt_w = opt_watch
+    optParameters: list[Any] = [
+        ["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch "
+         "alone]", seconds_option("watch")],
+    ]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
@@ -163,10 +144,6 @@ class StatusOptions(_ClientOptions):
             if arg in ("--watch", "-w") and not _is_number(args[n + 1] if n + 1 < len(args) else ""):
                 given.append(str(DEFAULT_WATCH))
         super().parseOptions(given)
-
-    def parseArgs(self, *extra: str) -> None:
-        if extra:
-            raise usage.UsageError(f"unexpected argument {extra[0]!r} (status takes options only)")
 
 
 def _is_number(text: str) -> bool:
@@ -187,9 +164,9 @@ class FreelanceCallOptions(VersionedOptions):
         ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all "
          "at once) or 3 (an agent: heartbeats, the first live server).", int],
         ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; "
-         "3 s for model 2].", _seconds("timeout")],
+         "3 s for model 2]", seconds_option("timeout")],
         ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
-         "30 s for model 1, 3 s for model 3].", _seconds("deadline")],
+         "30 s for model 1, 3 s for model 3]", seconds_option("deadline")],
     ] + CURVE_CLIENT_OPTIONS
 
     repeatable = ("server",)
@@ -203,10 +180,7 @@ class FreelanceCallOptions(VersionedOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
-        default = DEFAULT_FREELANCE_ENDPOINT
-        self["servers"] = [endpoint for value in self["server"] or [default]
-                           for endpoint in checked_endpoints(value, transport.CONNECT, "server",
-                                                             example=default)]
+        self["servers"] = connect_endpoints(self["server"], "server", DEFAULT_FREELANCE_ENDPOINT)
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
         checked_curve_client(self, self["servers"])
@@ -237,21 +211,17 @@ def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str =
     return args[0]
 
 
-def _request_id(options: VersionedOptions, args: Sequence[str]) -> str:
-    """The one request id (a UUID) of *args*, or a usage error."""
-    value = _single_argument(args, "request ID", f"give the request ID that 'mdp titanic submit' printed, "
-                 f"e.g. '{options.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
-
-
 class TitanicCloseOptions(_ClientOptions):
     synopsis = f"{_BROKERS} ID"
 
     def parseArgs(self, *args: str) -> None:
-        self["id"] = _request_id(self, args)
+        value = _single_argument(args, "request ID", "give the request ID that 'mdp titanic "
+                                 f"submit' printed, e.g. '{self.commandName()} "
+                                 "0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
+        try:
+            self["id"] = str(uuid.UUID(value))
+        except ValueError:
+            raise usage.UsageError(f"{value!r} is not a request id (a UUID)") from None
 
 
 class TitanicResultOptions(TitanicCloseOptions):
@@ -263,7 +233,7 @@ class TitanicResultOptions(TitanicCloseOptions):
                 "for (the reply, Titanic, the broker) is said on stderr.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [
-        ["poll", "p", 1.0, "Seconds between polls with --wait.", _seconds("poll")],
+        ["poll", "p", 1.0, "Seconds between polls with --wait.", seconds_option("poll")],
     ]
 
 
@@ -280,8 +250,8 @@ class SPRequestOptions(VersionedOptions):
     synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
-        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", _seconds("timeout")],
-        ["resend", None, 60.0, "Seconds before the request is sent again.", _seconds("resend")],
+        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", seconds_option("timeout")],
+        ["resend", None, 60.0, "Seconds before the request is sent again.", seconds_option("resend")],
     ]
 
     def parseArgs(self, *args: str) -> None:
@@ -420,9 +390,6 @@ async def call(reactor: Any, options: CallOptions) -> None:
         reply = await request
     except defer.CancelledError:
         return
-    except MDPError as e:
-        error(f"mdp call: {e}")
-        raise SystemExit(1) from None
     finally:
         await client.close()
     print_frames(reply)
@@ -598,10 +565,9 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
     broker = Broker(reactor)
     try:
         bound = await broker.listen(options["endpoint"])
-    except MDPError as e:  # cannot bind (the port is taken, ...): one line, no traceback
+    except MDPError:  # cannot bind (the port is taken, ...)
         await broker.close()
-        error(f"mdp demo: {e}")
-        raise SystemExit(1) from None
+        raise
     worker = Worker(bound.endpoint, "echo", echo, reactor)
     client = Client(bound.endpoint, reactor)
     try:
@@ -614,9 +580,6 @@ async def demo(reactor: Any, options: DemoOptions) -> None:
             reply = await client.request("echo", f"hello {n}")
             if not emit(f"echo replied: {' | '.join(show(f) for f in reply)}"):
                 return
-    except MDPError as e:
-        error(f"mdp demo: {e}")
-        raise SystemExit(1) from None
     finally:
         await client.close()
         await worker.stop()
@@ -673,11 +636,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 
     node.subscribe(heard)
     node.join(group)
-    try:
-        await node.start()
-    except MDPError as e:
-        error(f"mdp chat: {e}")
-        raise SystemExit(1) from None
+    await node.start()
     say(f"* {options['name']} in {group} at {node.endpoint}; Ctrl-D leaves")
     trigger = reactor.addSystemEventTrigger("before", "shutdown", node.stop)
     stdio.StandardIO(Typed(), reactor=reactor)
@@ -734,6 +693,9 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     async def guarded(reactor: Any) -> None:
         try:
             await command(reactor, options.subOptions)
+        except MDPError as e:  # a failure the command does not explain further
+            error(f"mdp {options.subCommand}: {e}")
+            raise SystemExit(1) from None
         except BrokenPipeError:  # written to outside _emit
             divert_output()
 

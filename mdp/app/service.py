@@ -27,11 +27,13 @@ class _FailableService(Service):
     services do not start, else ``startService`` returns the failure.  A
     subclass starts and stops its server in ``_start`` and ``_stop``."""
 
-    #: a failure to start exits 1: True, False, or None for "when twistd runs it"
-    exitOnFailure: Optional[bool] = None
     #: started by a runner that calls privilegedStartService first (twistd)
     _twistd = False
-    reactor: Any
+
+    def __init__(self, reactor: Any, exitOnFailure: Optional[bool]) -> None:
+        self.reactor = reactor
+        #: a failure to start exits 1: True, False, or None for "when twistd runs it"
+        self.exitOnFailure = exitOnFailure
 
     def privilegedStartService(self) -> None:
         self._twistd = True
@@ -69,12 +71,11 @@ class _FailableService(Service):
         _stop_and_exit(self.reactor, 1)
         return None
 
-    def _cannotListen(self, what: str, endpoint: str, failure: Failure) -> Optional[Failure]:
-        """This service's server could not bind *endpoint* (see :meth:`_failedToStart`)."""
+    def _cannotListen(self, failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
+        """This service's server could not bind (see :meth:`_failedToStart`)."""
         if not self.running:
             return None  # stopped while binding
-        return self._failedToStart(failure, "{what} cannot listen on {endpoint}: {error}",
-                                   what=what, endpoint=endpoint)
+        return self._failedToStart(failure, message, **fields)
 
 
 class BrokerService(_FailableService):
@@ -100,8 +101,7 @@ class BrokerService(_FailableService):
             binaryStar.onActive(self._admissionChanged)
             binaryStar.onPassive(self._admissionChanged)
         self.broker = Broker(reactor, **brokerOptions)
-        self.reactor = self.broker.reactor
-        self.exitOnFailure = exitOnFailure
+        super().__init__(self.broker.reactor, exitOnFailure)
         self.transports: list[Any] = []
 
     def _start(self) -> defer.Deferred[None]:
@@ -195,29 +195,24 @@ class MetricsService(_FailableService):
 
     def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None) -> None:
+        super().__init__(default_reactor(reactor), exitOnFailure)
         self.endpoint = endpoint
         self.registry = registry
-        self.reactor = default_reactor(reactor)
-        self.exitOnFailure = exitOnFailure
         self.port: Optional[Any] = None
 
     def _start(self) -> defer.Deferred[None]:
         from mdp.metrics import serve_metrics
 
         return serve_metrics(self.endpoint, self.registry, self.reactor).addCallbacks(
-            self._listening, self._failed)
+            self._listening, self._cannotListen,
+            errbackArgs=("cannot serve metrics on {endpoint}: {error}",),
+            errbackKeywords={"endpoint": self.endpoint})
 
     def _listening(self, port: Any) -> Optional[defer.Deferred[None]]:
         if not self.running:  # stopped while it was binding
             return defer.maybeDeferred(port.stopListening)
         self.port = port
         return None
-
-    def _failed(self, failure: Failure) -> Optional[Failure]:
-        if not self.running:
-            return None
-        return self._failedToStart(failure, "cannot serve metrics on {endpoint}: {error}",
-                                   endpoint=self.endpoint)
 
     def _stop(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
@@ -230,14 +225,14 @@ class _ServerService(_FailableService):
     what = "server"
 
     def __init__(self, endpoint: str, server: Any, exitOnFailure: Optional[bool]) -> None:
+        super().__init__(server.reactor, exitOnFailure)
         self.endpoint = endpoint
         self.server = server
-        self.reactor = server.reactor
-        self.exitOnFailure = exitOnFailure
 
     def _start(self) -> defer.Deferred[Any]:
         return self.server.listen(self.endpoint).addErrback(
-            lambda f: self._cannotListen(self.what, self.endpoint, f))
+            self._cannotListen, "{what} cannot listen on {endpoint}: {error}", what=self.what,
+            endpoint=self.endpoint)
 
     def _stop(self) -> defer.Deferred[None]:
         return self.server.close()
@@ -280,10 +275,9 @@ class SPDeviceService(_FailableService):
         from mdp.sp.codec import endpoint_of
 
         transport.check(endpoint_of(front, listen=True), transport.LISTEN)
+        super().__init__(default_reactor(reactor), exitOnFailure)
         self.front = front
         self.back = back
-        self.reactor = default_reactor(reactor)
-        self.exitOnFailure = exitOnFailure
         self.deviceOptions = deviceOptions
         self.device: Optional[Any] = None
 
@@ -292,7 +286,7 @@ class SPDeviceService(_FailableService):
 
         self.device = SPDevice(self.back, self.reactor, **self.deviceOptions)
         return self.device.listen(self.front).addErrback(
-            lambda f: self._cannotListen("SP device", self.front, f))
+            self._cannotListen, "SP device cannot listen on {endpoint}: {error}", endpoint=self.front)
 
     def _stop(self) -> defer.Deferred[None]:
         device, self.device = self.device, None
@@ -308,8 +302,7 @@ class TitanicService(_FailableService):
         from mdp.titanic import Titanic
 
         self.titanic = Titanic(broker, store, reactor, **titanicOptions)
-        self.reactor = self.titanic.reactor
-        self.exitOnFailure = exitOnFailure
+        super().__init__(self.titanic.reactor, exitOnFailure)
 
     def _start(self) -> defer.Deferred[None]:
         return self.titanic.start().addErrback(self._failed)

@@ -85,7 +85,7 @@ def _bytes(option: str, least: int) -> Callable[[str], int]:
     return coerce
 
 
-def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], float]:
+def seconds_option(option: str, least: Optional[float] = None) -> Callable[[str], float]:
     """The coercer of the seconds option *option*: finite, positive or at least *least*."""
     def coerce(value: str) -> float:
         try:
@@ -93,7 +93,7 @@ def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], floa
         except ValueError:
             raise ValueError(f"--{option}: not a number of seconds: {value!r}") from None
         if least is None and not (math.isfinite(number) and number > 0):
-            raise ValueError(f"--{option} must be a positive number of seconds, got {value}")
+            raise ValueError(f"--{option} must be a positive number of seconds, not {value}")
         if number > MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
             raise ValueError(f"--{option} must be at most {MAX_SECONDS:g} seconds, got {value}")
         if least is not None and not (math.isfinite(number) and number >= least):
@@ -107,7 +107,7 @@ def _seconds(option: str, least: Optional[float] = None) -> Callable[[str], floa
     return coerce
 
 
-def _whole(option: str, least: int) -> Callable[[str], int]:
+def whole_option(option: str, least: int) -> Callable[[str], int]:
     """The coercer of the whole number option *option*: at least *least*."""
     def coerce(value: str) -> int:
         try:
@@ -243,6 +243,12 @@ def checked_endpoints(value: Optional[str], role: str, option: str,
         raise usage.UsageError(f"--{option}: {e}") from None
 
 
+def connect_endpoints(values: list[str], option: str, default: str) -> list[str]:
+    """The endpoints to connect to of the repeated *option* (*default* if not given), checked."""
+    return [endpoint for value in values or [default]
+            for endpoint in checked_endpoints(value, transport.CONNECT, option, example=default)]
+
+
 def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[str]:
     """The one endpoint of *option*, checked for *role*; a list is a usage error."""
     endpoints = checked_endpoints(value, role, option)
@@ -259,8 +265,7 @@ class BrokerListOptions(VersionedOptions):
                                   "failover [default: zmq:tcp://127.0.0.1:5555]")
 
     def postOptions(self) -> None:
-        self["brokers"] = [endpoint for value in self["broker"] or [DEFAULT_ENDPOINT]
-                           for endpoint in checked_endpoints(value, transport.CONNECT, "broker")]
+        self["brokers"] = connect_endpoints(self["broker"], "broker", DEFAULT_ENDPOINT)
 
 
 def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
@@ -269,32 +274,43 @@ def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
             for name in names}
 
 
-_DEFAULT_LIMITS = Limits()
-_MESSAGE_OPTIONS: list[Any] = [
-    _option("max-message-bytes", _DEFAULT_LIMITS.maxMessageBytes,
-            "Largest message sent or received, in bytes of frames (the same on every node); "
-            "with 4 bytes per --max-frames frame it fits a stream record: 4 GiB less 2 bytes.",
-            _bytes, 64),
-    _option("max-frames", _DEFAULT_LIMITS.maxFrames, "Most frames in one message.", _whole, 8),
-]
-_PEER_OPTIONS: list[Any] = [
-    _option("max-output-bytes", _DEFAULT_LIMITS.maxOutputBytes,
-            "Unsent bytes kept for a peer that does not read; beyond, it is disconnected.", _bytes, 64),
-    _option("max-connections", _DEFAULT_LIMITS.maxConnections,
-            "Most open connections per stream endpoint (tcp, tls, unix).", _whole, 1),
-    _option("handshake-timeout", _DEFAULT_LIMITS.handshakeTimeout,
-            "Seconds a new stream connection has to send its first message.", _seconds, 0.001),
-    _option("record-timeout", _DEFAULT_LIMITS.recordTimeout,
-            "Seconds a stream peer has to complete a message it started.", _seconds, 0.001),
-]
+def dashed(name: str) -> str:
+    """The option of the keyword argument *name*: ``maxQueue`` as ``max-queue``."""
+    return re.sub(r"[A-Z]", lambda m: "-" + m.group().lower(), name)
+
+
+#: the option of each :class:`~mdp.policy.Limits` field: its coercer, least value and help
+LIMIT_OPTIONS: dict[str, tuple[Callable[..., Any], float, str]] = {
+    "maxMessageBytes": (_bytes, 64, "Largest message sent or received, in bytes of frames (the "
+                        "same on every node); with 4 bytes per --max-frames frame it fits a "
+                        "stream record: 4 GiB less 2 bytes."),
+    "maxFrames": (whole_option, 8, "Most frames in one message."),
+    "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, "
+                       "it is disconnected."),
+    "maxConnections": (whole_option, 1, "Most open connections per stream endpoint (tcp, tls, unix)."),
+    "handshakeTimeout": (seconds_option, 0.001, "Seconds a new stream connection has to send "
+                         "its first message."),
+    "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message "
+                      "it started."),
+}
+#: the limits every plugin takes; the others bind a listening side
+_MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames")
+
+
+def _limit_options(listening: bool) -> list[Any]:
+    """The options of the message limits, or (*listening*) of the other limits."""
+    defaults = Limits()
+    return [_option(dashed(field), getattr(defaults, field), doc, coercer, least)
+            for field, (coercer, least, doc) in LIMIT_OPTIONS.items()
+            if (field not in _MESSAGE_LIMITS) == listening]
 
 
 def limits_of(options: usage.Options) -> Limits:
     """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or
     too large for a stream record."""
     try:
-        limits = Limits(**keywords(options, *(row[0] for row in _MESSAGE_OPTIONS + _PEER_OPTIONS
-                                               if row[0] in options)))
+        limits = Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
+                           if dashed(field) in options})
     except ValueError as e:
         raise usage.UsageError(str(e)) from None
     prefixes = 4 * limits.maxFrames
@@ -383,7 +399,7 @@ def _pending_options(beyond: str) -> list[Any]:
     """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
     return [
         _option("max-pending", DEFAULT_MAX_PENDING,
-                f"Most requests being handled at once; beyond, requests are {beyond}.", _whole, 1),
+                f"Most requests being handled at once; beyond, requests are {beyond}.", whole_option, 1),
         _option("max-pending-bytes", DEFAULT_MAX_PENDING_BYTES,
                 f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1),
     ]
@@ -394,11 +410,19 @@ class _ServiceOptions(VersionedOptions):
     options the plugin has (limits, metrics, CURVE, handler), so a mistake is a
     usage error before anything starts."""
 
-    optParameters: list[Any] = _MESSAGE_OPTIONS
+    optParameters: list[Any] = _limit_options(listening=False)
+    #: the :mod:`mdp.metrics` class that --metrics counts with
+    metrics = ""
+    #: the role accepts connections: the plugin raises the open file limit
+    listens = True
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         """Check the options of this role; a server returns its listeners
         (option: endpoint) for the CURVE check."""
+
+    def newService(self, metrics: Any) -> Any:
+        """The service these options ask for, counting with *metrics* (None: no --metrics)."""
+        raise NotImplementedError
 
     def postOptions(self) -> None:
         if "heartbeat" in self:
@@ -438,34 +462,34 @@ class _ServiceOptions(VersionedOptions):
 
 class _HeartbeatOptions(_ServiceOptions):
     optParameters: list[Any] = [
-        _option("heartbeat", 2.5, "Heartbeat interval in seconds.", _seconds, MIN_INTERVAL),
-        _option("liveness", 3, "Missed heartbeats before a peer is dead.", _whole, 1),
+        _option("heartbeat", 2.5, "Heartbeat interval in seconds.", seconds_option, MIN_INTERVAL),
+        _option("liveness", 3, "Missed heartbeats before a peer is dead.", whole_option, 1),
     ]
 
 
 #: the broker's bounds, passed on to it as keyword arguments
 _BROKER_BOUNDS: list[Any] = [
     _option("request-expiry", broker.DEFAULT_REQUEST_EXPIRY,
-            "Seconds a request waits for a worker of its service to be free.", _seconds),
+            "Seconds a request waits for a worker of its service to be free.", seconds_option),
     _option("unknown-service-expiry", broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
             "Seconds the requests for a service no worker has registered wait (from its first "
-            "request), then 503.", _seconds),
+            "request), then 503.", seconds_option),
     _option("service-linger", broker.DEFAULT_SERVICE_LINGER,
-            "Seconds a service stays known (mmi.service 200) after its last worker left.", _seconds),
-    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", _whole, 1),
+            "Seconds a service stays known (mmi.service 200) after its last worker left.", seconds_option),
+    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", whole_option, 1),
     _option("max-service-queue", broker.DEFAULT_MAX_SERVICE_QUEUE,
-            "Most requests queued for one service.", _whole, 1),
+            "Most requests queued for one service.", whole_option, 1),
     _option("max-queue-bytes", broker.DEFAULT_MAX_QUEUE_BYTES,
             f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
             _bytes, FRAME_OVERHEAD),
     _option("max-service-queue-bytes", broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
             f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
             _bytes, FRAME_OVERHEAD),
-    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", _whole, 1),
+    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", whole_option, 1),
     _option("max-service-workers", broker.DEFAULT_MAX_SERVICE_WORKERS,
-            "Most registered workers for one service.", _whole, 1),
+            "Most registered workers for one service.", whole_option, 1),
     _option("max-deliveries", broker.DEFAULT_MAX_DELIVERIES,
-            "Times a request is given to a worker that is then lost, before it fails.", _whole, 1),
+            "Times a request is given to a worker that is then lost, before it fails.", whole_option, 1),
 ]
 
 
@@ -489,10 +513,11 @@ class BrokerOptions(_HeartbeatOptions):
         ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
         _option("bstar-heartbeat", DEFAULT_BSTAR_HEARTBEAT, "Binary Star: seconds between state "
-                "messages; the peer is gone after twice this.", _seconds, MIN_INTERVAL),
+                "messages; the peer is gone after twice this.", seconds_option, MIN_INTERVAL),
         ["access", None, None, "Access policy file (TOML): which peers may call and serve "
          "which services (docs/security.md)."],
-    ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _PEER_OPTIONS
+    ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _limit_options(listening=True)
+    metrics = "BrokerMetrics"
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
@@ -507,6 +532,18 @@ class BrokerOptions(_HeartbeatOptions):
             checked_endpoint(self["bstar-local"], transport.LISTEN, "bstar-local")
             checked_endpoint(self["bstar-remote"], transport.CONNECT, "bstar-remote")
         return listeners
+
+    def newService(self, metrics: Any) -> Any:
+        binaryStar = None
+        if self["bstar"] is not None:
+            binaryStar = BinaryStar(self["bstar"], self["bstar-local"], self["bstar-remote"],
+                                    heartbeat=self["bstar-heartbeat"], limits=limits_of(self))
+        debug = self.parent is not None and self.parent.get("logLevel") == LogLevel.debug
+        return service.BrokerService(
+            self["endpoint"], self["backend"], metrics=metrics, binaryStar=binaryStar,
+            logRequests=debug, heartbeat=self.heartbeatPolicy(),
+            limits=limits_of(self), access=self.accessPolicy(), exitOnFailure=True,
+            **keywords(self, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
 
     def accessPolicy(self) -> Any:
         """The --access policy file, loaded once (None without one)."""
@@ -535,11 +572,13 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
-        _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", _seconds, MIN_INTERVAL),
+        _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", seconds_option, MIN_INTERVAL),
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
         _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
-                "their retries from memory (0: off).", _whole, 0),
+                "their retries from memory (0: off).", whole_option, 0),
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
+    metrics = "WorkerMetrics"
+    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if self["service"] is None:
@@ -551,6 +590,13 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         except ValueError as e:
             raise usage.UsageError(f"--service: {e}") from None
         BrokerListOptions.postOptions(self)
+
+    def newService(self, metrics: Any) -> Any:
+        return service.WorkerService(
+            self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
+            backoff=attrs.evolve(PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
+            replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
+            limits=limits_of(self), metrics=metrics, **curve_client_of(self))
 
 
 class FreelanceServerOptions(_ServiceOptions):
@@ -565,10 +611,17 @@ class FreelanceServerOptions(_ServiceOptions):
         ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
-         + _PEER_OPTIONS)
+         + _limit_options(listening=True))
+    metrics = "FreelanceMetrics"
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
+
+    def newService(self, metrics: Any) -> Any:
+        return service.FreelanceServerService(
+            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
+            metrics=metrics,
+            **keywords(self, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
 
 
 def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
@@ -603,6 +656,11 @@ class SPRepOptions(_ServiceOptions):
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         checked_sp_endpoint(self["endpoint"], True, "endpoint")
 
+    def newService(self, metrics: Any) -> Any:
+        return service.SPServerService(
+            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
+            **keywords(self, "max-pending", "max-pending-bytes"))
+
     @staticmethod
     def loadHandler(spec: str) -> Any:
         """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
@@ -630,6 +688,10 @@ class SPDeviceOptions(_ServiceOptions):
         for back in self["back"]:
             checked_sp_endpoint(back, False, "back")
 
+    def newService(self, metrics: Any) -> Any:
+        return service.SPDeviceService(self["front"], self["back"], exitOnFailure=True,
+                                       limits=limits_of(self))
+
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     """Options of ``twist mdp-titanic``."""
@@ -645,148 +707,74 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     optParameters: list[Any] = [
         ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
-         "Stored requests out to their services at once.", _whole("concurrency", 1)],
+         "Stored requests out to their services at once.", whole_option("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
          "Seconds one attempt of a stored request may take before it is tried again.",
-         _seconds("timeout")],
+         seconds_option("timeout")],
         _option("backoff-max", titanic_dispatcher.DEFAULT_BACKOFF.maximum,
                 "Longest wait before asking again about a service with no worker.",
-                _seconds, MIN_INTERVAL),
+                seconds_option, MIN_INTERVAL),
         _option("keep", titanic_dispatcher.DEFAULT_KEEP,
-                "Seconds a reply is kept after it is stored, then purged.", _seconds),
+                "Seconds a reply is kept after it is stored, then purged.", seconds_option),
         _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
-                "MDP workers per Titanic service (requests stored at once).", _whole, 1),
+                "MDP workers per Titanic service (requests stored at once).", whole_option, 1),
     ] + CURVE_CLIENT_OPTIONS
+    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
 
-
-def debug_logging(options: usage.Options) -> bool:
-    """``twist --log-level debug`` was asked for (the parent's option)."""
-    parent = getattr(options, "parent", None)
-    return parent is not None and parent.get("logLevel") == LogLevel.debug
+    def newService(self, metrics: Any) -> Any:
+        initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
+        return service.TitanicService(
+            self["brokers"], self["db"], workers=self["service-workers"],
+            backoff=Backoff(initial, max(self["backoff-max"], initial)),
+            heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
+            **keywords(self, "concurrency", "timeout", "keep"), **curve_client_of(self))
 
 
 class _Plugin:
-    """What the ``twist`` plugins share: a plugin that serves raises the open
-    file limit first, and --metrics adds a metrics server beside the service."""
+    """What the ``twist`` plugins share: a plugin whose role accepts connections
+    raises the open file limit first, and --metrics adds a metrics server beside
+    the service."""
 
     tapname: str
     description: str
     options: type[_ServiceOptions]
-    #: the :mod:`mdp.metrics` class that --metrics counts with
-    metrics = ""
-    #: it accepts connections: raise the open file limit
-    serves = True
 
     def makeService(self, options: Any) -> Any:
-        if self.serves:
+        if options.listens:
             raise_descriptor_limit()
         if not options.get("metrics"):
-            return self.serviceOf(options, None)
+            return options.newService(None)
         import mdp.metrics
 
-        metrics = getattr(mdp.metrics, self.metrics)()
+        metrics = getattr(mdp.metrics, options.metrics)()
         parent = MultiService()
-        self.serviceOf(options, metrics).setServiceParent(parent)
+        options.newService(metrics).setServiceParent(parent)
         service.MetricsService(options["metrics"], metrics.registry,
                                exitOnFailure=True).setServiceParent(parent)
         return parent
 
-    def serviceOf(self, options: Any, metrics: Any) -> Any:
-        """The service of *options*, counting with *metrics* (None: no --metrics)."""
-        raise NotImplementedError
+
+def _plugin(tapname: str, description: str, options: type[_ServiceOptions]) -> type[_Plugin]:
+    """The ``twist`` plugin *tapname*, running the service of *options*."""
+    name = options.__name__.replace("Options", "ServiceMaker")
+    attributes = {"tapname": tapname, "description": description, "options": options}
+    return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
 
 
-@implementer(IServiceMaker, IPlugin)
-class BrokerServiceMaker(_Plugin):
-    tapname = "mdp-broker"
-    description = "MDP/0.2 (Majordomo) broker."
-    options = BrokerOptions
-    metrics = "BrokerMetrics"
-
-    def serviceOf(self, options: BrokerOptions, metrics: Any) -> Any:
-        binaryStar = None
-        if options["bstar"] is not None:
-            binaryStar = BinaryStar(options["bstar"], options["bstar-local"],
-                                    options["bstar-remote"], heartbeat=options["bstar-heartbeat"],
-                                    limits=limits_of(options))
-        return service.BrokerService(
-            options["endpoint"], options["backend"], metrics=metrics, binaryStar=binaryStar,
-            logRequests=debug_logging(options), heartbeat=options.heartbeatPolicy(),
-            limits=limits_of(options), access=options.accessPolicy(), exitOnFailure=True,
-            **keywords(options, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
-
-
-@implementer(IServiceMaker, IPlugin)
-class WorkerServiceMaker(_Plugin):
-    tapname = "mdp-worker"
-    description = "MDP/0.2 (Majordomo) worker running a handler."
-    options = WorkerOptions
-    metrics = "WorkerMetrics"
-    serves = False
-
-    def serviceOf(self, options: WorkerOptions, metrics: Any) -> Any:
-        return service.WorkerService(
-            options["brokers"], options["service"], options.loadedHandler(),
-            heartbeat=options.heartbeatPolicy(),
-            backoff=attrs.evolve(PIRATE, maximum=options["backoff-max"]),
-            dialect=options["dialect"],
-            replies=MemoryReplyStore(options["reply-store"]) if options["reply-store"] else None,
-            limits=limits_of(options), metrics=metrics, **curve_client_of(options))
-
-
-@implementer(IServiceMaker, IPlugin)
-class FreelanceServerServiceMaker(_Plugin):
-    tapname = "mdp-freelance-server"
-    description = "Freelance (brokerless) request-reply server, answering PING with PONG."
-    options = FreelanceServerOptions
-    metrics = "FreelanceMetrics"
-
-    def serviceOf(self, options: FreelanceServerOptions, metrics: Any) -> Any:
-        return service.FreelanceServerService(
-            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
-            limits=limits_of(options), metrics=metrics,
-            **keywords(options, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
-
-
-@implementer(IServiceMaker, IPlugin)
-class SPRepServiceMaker(_Plugin):
-    tapname = "sp-rep"
-    description = "SP (nng) REP server running a handler."
-    options = SPRepOptions
-
-    def serviceOf(self, options: SPRepOptions, metrics: Any) -> Any:
-        return service.SPServerService(
-            options["endpoint"], options.loadedHandler(), exitOnFailure=True,
-            limits=limits_of(options), **keywords(options, "max-pending", "max-pending-bytes"))
-
-
-@implementer(IServiceMaker, IPlugin)
-class SPDeviceServiceMaker(_Plugin):
-    tapname = "sp-device"
-    description = "SP (nng) REQ/REP device forwarding requests upstream."
-    options = SPDeviceOptions
-
-    def serviceOf(self, options: SPDeviceOptions, metrics: Any) -> Any:
-        return service.SPDeviceService(options["front"], options["back"], exitOnFailure=True,
-                                       limits=limits_of(options))
-
-
-@implementer(IServiceMaker, IPlugin)
-class TitanicServiceMaker(_Plugin):
-    tapname = "mdp-titanic"
-    description = "Titanic: disk-backed, disconnected requests through an MDP broker."
-    options = TitanicOptions
-    serves = False
-
-    def serviceOf(self, options: TitanicOptions, metrics: Any) -> Any:
-        initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
-        return service.TitanicService(
-            options["brokers"], options["db"], workers=options["service-workers"],
-            backoff=Backoff(initial, max(options["backoff-max"], initial)),
-            heartbeat=options.heartbeatPolicy(), limits=limits_of(options), exitOnFailure=True,
-            **keywords(options, "concurrency", "timeout", "keep"), **curve_client_of(options))
+BrokerServiceMaker = _plugin("mdp-broker", "MDP/0.2 (Majordomo) broker.", BrokerOptions)
+WorkerServiceMaker = _plugin("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
+                             WorkerOptions)
+FreelanceServerServiceMaker = _plugin(
+    "mdp-freelance-server", "Freelance (brokerless) request-reply server, answering PING with PONG.",
+    FreelanceServerOptions)
+SPRepServiceMaker = _plugin("sp-rep", "SP (nng) REP server running a handler.", SPRepOptions)
+SPDeviceServiceMaker = _plugin("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
+                               SPDeviceOptions)
+TitanicServiceMaker = _plugin(
+    "mdp-titanic", "Titanic: disk-backed, disconnected requests through an MDP broker.",
+    TitanicOptions)
