@@ -93,7 +93,7 @@ def test_nothing_counts_before_hello() -> None:
     whisper = codec.encode(codec.Whisper(1, (b"early",)))
     assert events(machine.handleMessage(identity_of(PEER), whisper, 0.1)) == []
     assert events(machine.handleMessage(identity_of(OTHER), whisper, 0.1)) == []
-    assert machine.peers[PEER].ready is False
+    assert PEER not in machine.peers and machine.strangers[PEER].ready is False
 
 
 def test_whisper_shout_and_ping_in_sequence() -> None:
@@ -326,11 +326,15 @@ def test_a_forged_hello_naming_a_peers_endpoint_does_not_set_off_a_loop() -> Non
     assert net.run() < 20 and not net.queue
 
 
-def test_a_new_uuid_at_a_known_endpoint_replaces_the_old_peer() -> None:
+def test_a_new_uuid_at_a_known_endpoint_replaces_the_old_peer_once_it_says_hello() -> None:
+    """Its beacon alone (which anyone may forge) changes nothing: no EXIT, no
+    second link there; its HELLO (it heard our beacon) replaces the old peer."""
     machine = started()
     greeted(machine)
-    actions = machine.handleBeacon(OTHER, PEER_EP, 3)
-    assert events(actions) == [("EXIT", None)]
+    assert quiet(machine.handleBeacon(OTHER, PEER_EP, 3)) == []
+    assert list(machine.peers) == [PEER] and machine.strangers == {}
+    actions = greeted(machine, OTHER, now=3.5)
+    assert events(actions) == [("EXIT", None), ("ENTER", None)]
     assert list(machine.peers) == [OTHER]
 
 
@@ -377,8 +381,10 @@ def test_dial_skips_ourselves_and_endpoints_known() -> None:
 def test_the_peer_table_is_bounded() -> None:
     machine = started(maxPeers=2)
     for n in range(10):
-        machine.handleBeacon(uuid.UUID(int=100 + n), f"tcp://10.0.1.{n}:1", 0)
+        machine.handleMessage(identity_of(uuid.UUID(int=100 + n)),
+                              hello(endpoint=f"tcp://10.0.1.{n}:1"), 0)
     assert len(machine.peers) == 2
+    assert "(maxPeers)" in greeted(machine, uuid.UUID(int=99))[0].text
 
 
 def test_what_one_peer_may_make_us_keep_is_bounded() -> None:
