@@ -7,15 +7,13 @@ docs/harmony.md says in full what drops a peer and how dials back off.
 ==========================  ================================================================
 event                       what happens
 ==========================  ================================================================
-beacon (uuid, endpoint)     an unknown peer is a *stranger*: a link to its endpoint, HELLO
-                            first, unless a link goes there already; at most *maxStrangers*
-                            (the oldest goes), each *helloWait* after its last beacon; a
-                            known one is refreshed; port 0: it is leaving, EXIT
+beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
+                            till *helloWait* after its beacon): a link there, HELLO first,
+                            unless a link goes there already; a peer: refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
-HELLO from a new peer       it enters the table (at most *maxPeers*) on the link of its
-                            stranger or dial, else a link back to the endpoint it names
-                            (a peer known there under another UUID restarted: EXIT);
+HELLO from a new peer       a peer (at most *maxPeers*) on its stranger's or dial's link, else
+                            one to the endpoint it names (a peer known there restarted: EXIT);
                             ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
                             from the endpoint known, it is its new link to us: its sequence
@@ -307,8 +305,7 @@ class HarmonyMachine(Machine):
         return self._drain()
 
     def _stranger(self, uuid: UUID, endpoint: str) -> None:
-        """Our HELLO to *uuid*, heard only by its beacon, on a link of its own, unless a
-        link goes to *endpoint* already (a new UUID there says HELLO when it hears us)."""
+        """Our HELLO to *uuid* unless a link goes to *endpoint* (a new UUID there hears us)."""
         stranger = self.strangers.get(uuid)
         if stranger is not None:
             stranger.expiredAt = self.now + self.helloWait
@@ -320,9 +317,8 @@ class HarmonyMachine(Machine):
             return
         if len(self.strangers) >= self.maxStrangers:
             oldest = next(iter(self.strangers.values()))
-            self._emit(Notice("strangers", f"{len(self.strangers)} peers heard only by their "
-                                           f"beacons (maxStrangers): forgetting the oldest, "
-                                           f"{oldest.uuid} at {oldest.endpoint}, for {uuid} at {endpoint}"))
+            self._emit(Notice("strangers", f"{len(self.strangers)} peers heard only by beacons "
+                                           f"(maxStrangers): forgetting {oldest.uuid} at {oldest.endpoint}"))
             self._forget(oldest)
         stranger = Peer(uuid, endpoint, self._newLink(endpoint), expiredAt=self.now + self.helloWait)
         self.strangers[uuid] = stranger
@@ -536,9 +532,8 @@ class HarmonyMachine(Machine):
                     self._emit(Emit(Event(EVASIVE, peer.uuid, peer.name)))
         for stranger in list(self.strangers.values()):
             if now >= stranger.expiredAt:
-                self._emit(Notice("strangers", f"no HELLO from {stranger.uuid} at {stranger.endpoint} "
-                                               f"within {self.helloWait:g} s of its beacon; "
-                                               "forgetting it", "info"))
+                self._emit(Notice("unanswered", f"no HELLO from {stranger.uuid} at {stranger.endpoint} "
+                                                f"within {self.helloWait:g} s of its beacon", "info"))
                 self._forget(stranger)
         return self._drain()
 

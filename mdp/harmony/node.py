@@ -238,9 +238,8 @@ class Node:
 
     *endpoint* is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
     discovery's).  A peer silent for *evasive* seconds is PINGed, for *expired*
-    dropped.  A peer heard only by its beacons (a *stranger*) waits for its HELLO apart,
-    at most *maxStrangers* of them, each *helloWait* seconds after its last beacon.
-    Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
+    dropped; one heard only by its beacons waits for its HELLO apart (*maxStrangers*,
+    *helloWait*).  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
                  headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
