@@ -679,3 +679,9 @@ def test_strangers_and_peers_stay_bounded_apart_and_no_link_is_lost(
         assert all(p.ready for p in machine.peers.values())
         assert opened == {p.link for p in [*machine.peers.values(), *machine.strangers.values()]}
         assert sorted(machine._strangerAt.values()) == sorted(machine.strangers)
+
+
+@pytest.mark.parametrize("options", [{"evasive": 30.0}, {"maxStrangers": 0}, {"helloWait": 0.0}])
+def test_bad_timing_or_bounds_are_a_clear_error(options: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="need 0 < evasive < expired, maxStrangers >= 1"):
+        HarmonyMachine(US, "us", **options)  # type: ignore[arg-type]

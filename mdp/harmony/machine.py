@@ -195,10 +195,9 @@ class HarmonyMachine(Machine):
                  reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
                  now: float = 0.0) -> None:
         super().__init__(now)
-        if not 0 < evasive < expired:
-            raise ValueError(f"need 0 < evasive < expired, got evasive={evasive} expired={expired}")
-        if maxStrangers < 1 or not helloWait > 0:
-            raise ValueError(f"need maxStrangers >= 1 and helloWait > 0, got {maxStrangers}, {helloWait}")
+        if not (0 < evasive < expired and maxStrangers >= 1 and helloWait > 0):
+            raise ValueError(f"need 0 < evasive < expired, maxStrangers >= 1 and helloWait > 0, got evasive="
+                             f"{evasive} expired={expired} maxStrangers={maxStrangers} helloWait={helloWait}")
         self.uuid = uuid
         self.name = codec.check_string(name, "node name")
         self.headers = dict(headers or {})
@@ -206,13 +205,9 @@ class HarmonyMachine(Machine):
             codec.check_string(key, "header name")
             if not isinstance(value, str):
                 raise TypeError(f"header {key!r}: a value is a str, not {type(value).__name__}")
-        self.evasive = evasive
-        self.expired = expired
-        self.maxPeers = maxPeers
-        self.maxGroups = maxGroups
-        self.maxHeaders = maxHeaders
-        self.maxStrangers = maxStrangers
-        self.helloWait = helloWait
+        self.evasive, self.expired, self.helloWait = evasive, expired, helloWait
+        self.maxPeers, self.maxStrangers = maxPeers, maxStrangers
+        self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
         if len(self.headers) > maxHeaders:
             raise ValueError(f"{len(self.headers)} headers, more than peers take "
                              f"(maxHeaders {maxHeaders})")
@@ -234,15 +229,12 @@ class HarmonyMachine(Machine):
         self.running = False
 
     def handleStart(self, endpoint: str, now: float) -> list[Any]:
-        self.now = now
-        self.endpoint = endpoint
-        self.running = True
+        self.now, self.endpoint, self.running = now, endpoint, True
         return self._drain()
 
     def handleStop(self, now: float) -> list[Any]:
         """Close every link and forget every peer, with no events."""
-        self.now = now
-        self.running = False
+        self.now, self.running = now, False
         for end in [*self.peers.values(), *self.strangers.values(), *self.dials.values()]:
             self._emit(CloseLink(end.link))
         for table in (self.peers, self._peerAt, self.strangers, self._strangerAt, self.dials):
@@ -306,8 +298,7 @@ class HarmonyMachine(Machine):
 
     def _stranger(self, uuid: UUID, endpoint: str) -> None:
         """Our HELLO to *uuid* unless a link goes to *endpoint* (a new UUID there hears us)."""
-        stranger = self.strangers.get(uuid)
-        if stranger is not None:
+        if (stranger := self.strangers.get(uuid)) is not None:
             stranger.expiredAt = self.now + self.helloWait
             return
         key = endpoint_key(endpoint)
@@ -320,20 +311,16 @@ class HarmonyMachine(Machine):
             self._emit(Notice("strangers", f"{len(self.strangers)} peers heard only by beacons "
                                            f"(maxStrangers): forgetting {oldest.uuid} at {oldest.endpoint}"))
             self._forget(oldest)
-        stranger = Peer(uuid, endpoint, self._newLink(endpoint), expiredAt=self.now + self.helloWait)
-        self.strangers[uuid] = stranger
+        self.strangers[uuid] = stranger = Peer(uuid, endpoint, self._newLink(endpoint),
+                                               expiredAt=self.now + self.helloWait)
         self._strangerAt[key] = uuid
         self._send(stranger, self._hello(0))
 
     def _forget(self, stranger: Optional[Peer], close: bool = True) -> None:
-        if stranger is None or self.strangers.get(stranger.uuid) is not stranger:
-            return
-        del self.strangers[stranger.uuid]
-        key = endpoint_key(stranger.endpoint)
-        if self._strangerAt.get(key) == stranger.uuid:
-            del self._strangerAt[key]
-        if close:
-            self._emit(CloseLink(stranger.link))
+        if stranger is not None and self.strangers.pop(stranger.uuid, None) is not None:
+            self._strangerAt.pop(endpoint_key(stranger.endpoint), None)
+            if close:
+                self._emit(CloseLink(stranger.link))
 
     def handleDial(self, endpoint: str, now: float) -> list[Any]:
         """Reach the node at *endpoint* without a beacon, and again whenever it goes."""
@@ -357,9 +344,7 @@ class HarmonyMachine(Machine):
         for peer in list(self.peers.values()):
             if peer.link == link:
                 self._remove(peer, "its endpoint cannot be reached")
-        for stranger in list(self.strangers.values()):
-            if stranger.link == link:
-                self._forget(stranger)
+        self._forget(next((s for s in self.strangers.values() if s.link == link), None))
         for dial in self.dials.values():
             if dial.link == link:
                 dial.since = now
@@ -567,8 +552,7 @@ class HarmonyMachine(Machine):
                                       "already (maxPeers)"))
             return None
         key = endpoint_key(endpoint)
-        other = self._peerAt.get(key)
-        if other is not None:
+        if (other := self._peerAt.get(key)) is not None:
             self._remove(self.peers[other], f"{uuid} now answers at its endpoint", redial=False)
         stranger = self.strangers.get(uuid) or self.strangers.get(self._strangerAt.get(key, uuid))
         dial = self._answeredDial(endpoint)
@@ -609,8 +593,7 @@ class HarmonyMachine(Machine):
         if self.peers.get(peer.uuid) is not peer:
             return
         del self.peers[peer.uuid]
-        key = endpoint_key(peer.endpoint)
-        if self._peerAt.get(key) == peer.uuid:
+        if self._peerAt.get(key := endpoint_key(peer.endpoint)) == peer.uuid:
             del self._peerAt[key]
         self._emit(CloseLink(peer.link))
         self._emit(Notice(None, f"{self._who(peer.uuid, peer)} left: {reason}", "info"))
