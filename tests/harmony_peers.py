@@ -6,12 +6,15 @@
 Both speak the same line protocol.  Commands come on stdin, one JSON object a
 line: ``{"op": "join"|"leave", "group": G}``, ``{"op": "whisper", "peer": HEX,
 "frames": [TEXT, ...]}``, ``{"op": "shout", "group": G, "frames": [...]}``,
-``{"op": "stop"}``.  Each event goes to stdout as ``EVENT {json}`` with
-``kind``, ``peer`` (hex UUID), ``name``, ``group`` and ``frames`` (text); the
-node announces itself with ``READY {"uuid": HEX, "endpoint": EP}``.
+``{"op": "stop"}``, and for ours ``{"op": "stats"}``: ``STATS {"peers": N,
+"strangers": N, "most": N}`` (*most*: the most strangers it ever kept).  Each
+event goes to stdout as ``EVENT {json}`` with ``kind``, ``peer`` (hex UUID),
+``name``, ``group`` and ``frames`` (text); the node announces itself with
+``READY {"uuid": HEX, "endpoint": EP}``.
 
 Timing comes from the environment: ``HARMONY_EVASIVE`` and ``HARMONY_EXPIRED``
-(seconds; pyre's are class constants of ``PyrePeer``, set here).
+(seconds; pyre's are class constants of ``PyrePeer``, set here); ours takes
+``HARMONY_MAX_PEERS``, ``HARMONY_MAX_STRANGERS`` and ``HARMONY_HELLO_WAIT`` too.
 """
 
 from __future__ import annotations
@@ -64,8 +67,20 @@ def ours(name: str, *groups: str) -> None:
     from mdp.harmony import BeaconDiscovery, Node
 
     beacon = os.environ.get("HARMONY_BEACON", "udp:5670")
+    bounds = {option: kind(os.environ[variable]) for option, variable, kind in (
+        ("maxPeers", "HARMONY_MAX_PEERS", int), ("maxStrangers", "HARMONY_MAX_STRANGERS", int),
+        ("helloWait", "HARMONY_HELLO_WAIT", float)) if variable in os.environ}
     node = Node(name, reactor, headers={"X-ROLE": "ours"}, evasive=EVASIVE, expired=EXPIRED,
-                discovery=BeaconDiscovery(beacon, reactor=reactor))
+                discovery=BeaconDiscovery(beacon, reactor=reactor), **bounds)
+    most = [0]
+    handleBeacon = node.machine.handleBeacon
+
+    def counted(*args: Any) -> Any:
+        actions = handleBeacon(*args)
+        most[0] = max(most[0], len(getattr(node.machine, "strangers", node.machine.peers)))
+        return actions
+
+    node.machine.handleBeacon = counted  # type: ignore[method-assign]
     node.subscribe(lambda e: event(e.kind, e.peer, e.name, e.group, e.frames))
     for group in groups:
         node.join(group)
@@ -74,7 +89,10 @@ def ours(name: str, *groups: str) -> None:
         delimiter = b"\n"
 
         def lineReceived(self, line: bytes) -> None:
-            if not carry_out(line, node.join, node.leave, lambda p, f: node.whisper(p, *f),
+            if json.loads(line)["op"] == "stats":
+                emit("STATS", {"peers": len(node.peers()), "most": most[0],
+                               "strangers": len(getattr(node.machine, "strangers", ()))})
+            elif not carry_out(line, node.join, node.leave, lambda p, f: node.whisper(p, *f),
                              lambda g, f: node.shout(g, *f)):
                 stop()
 

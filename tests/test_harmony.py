@@ -609,3 +609,47 @@ async def test_a_stop_and_a_start_from_an_exit_callback_tell_only_the_new_run(la
     assert kinds(alice, bob) == [("ENTER", None), ("JOIN", "g"), ("EVASIVE", None),
                                  ("EXIT", None), ("ENTER", None), ("JOIN", "g")]
     assert list(alice.links) == [alice.machine.peers[bob.uuid].link]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_real_peer_is_heard_at_once_during_and_after_a_flood_of_spoofed_beacons(
+        lan: Lan) -> None:
+    """1,200 beacons a second, each from a new UUID that never says HELLO:
+    a node keeps at most maxStrangers of them, none in its peer table (they
+    used to fill it, and a real newcomer was refused for as long), and
+    meets a new real peer within a beacon interval, during the flood and
+    after it; the strangers are gone helloWait after it."""
+    import uuid
+
+    alice = await lan.node("alice", maxPeers=100, maxStrangers=16, helloWait=2.0)
+    spoofer = await lan.net.wait(datagram.open_datagrams(f"loopback:{lan.name}:host=10.9.9.9",
+                                                         _Deaf(), lan.net.reactor))
+    lan.net.addCleanup(spoofer.close)
+    ports = itertools.count(20000)
+    newcomers: list[Node] = []
+    most, intruders = [0], set()
+
+    def flood() -> None:
+        for _ in range(12):
+            spoofer.send(codec.encode_beacon(uuid.uuid4(), next(ports)))
+        intruders.update(alice.machine.peers.keys() - {p.uuid for p in newcomers})
+        most[0] = max(most[0], len(getattr(alice.machine, "strangers", ())))
+
+    loop = task.LoopingCall(flood)
+    loop.clock = lan.net.reactor
+    loop.start(0.01)
+    for name in ("bob", "carol"):
+        lan.net.advance(3)
+        started = lan.net.reactor.seconds()
+        newcomers.append(await lan.node(name))
+        await lan.net.until(lambda: newcomers[-1].uuid in alice.peers(), timeout=1.5)
+        assert alice.uuid in newcomers[-1].peers()
+        assert lan.net.reactor.seconds() - started < 1.0
+    assert most[0] == 16 and not intruders and next(ports) > 20000 + 12 * 500
+    loop.stop()
+    dave = await lan.node("dave")
+    await lan.net.until(lambda: dave.uuid in alice.peers(), timeout=1.5)
+    lan.net.advance(3)
+    assert alice.machine.strangers == {} and sorted(alice.peers()) == sorted(
+        p.uuid for p in (*newcomers, dave))
+    assert [e.kind for e in alice.seen] == ["ENTER"] * 3

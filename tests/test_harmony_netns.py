@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer
+from twisted.internet import defer, task
 
 from tests.procs import ENV, Process, python, reactor, wait_until
 
@@ -181,9 +181,9 @@ class Netns:
         self.peers: list[Peer] = []
 
     def spawn(self, kind: str, name: str, *groups: str, evasive: int = EVASIVE,
-              expired: int = EXPIRED) -> Peer:
+              expired: int = EXPIRED, **environ: str) -> Peer:
         env = {**ENV, "HARMONY_EVASIVE": str(evasive), "HARMONY_EXPIRED": str(expired),
-               "PYTHONUTF8": "1"}
+               "PYTHONUTF8": "1", **environ}
         peer = Peer(self.name, kind, name, groups, env)
         self.peers.append(peer)
         return peer
@@ -482,3 +482,92 @@ async def test_two_mdp_chats_find_each_other_by_beacons_and_a_pyre_node_hears_th
         for chat in chats:
             await chat.stop()
         await ns.close()
+
+
+# --- a flood of spoofed beacons ---------------------------------------------------------
+
+#: Beacons from a new random UUID each, *RATE* a second until its stdin closes
+#: (at most *SECONDS*), as ZRE nodes in the namespace hear them (multicast from
+#: 127.0.0.1), each naming a port nobody listens on; prints FLOODING, then DONE.
+SPOOFER = """
+import os, select, socket, sys, time
+rate, seconds = int(sys.argv[1]), float(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+print("FLOODING", flush=True)
+start = time.monotonic()
+sent = 0
+while time.monotonic() - start < seconds and not select.select([sys.stdin], [], [], 0)[0]:
+    while sent < rate * (time.monotonic() - start):
+        s.sendto(b"ZRE\x01" + os.urandom(16) + (40000 + sent % 20000).to_bytes(2, "big"),
+                 ("225.25.25.25", 5670))
+        sent += 1
+    time.sleep(0.005)
+print("DONE", sent, flush=True)
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_real_peer_is_heard_during_and_after_a_flood_of_spoofed_beacons(
+        netns: Netns) -> None:
+    """A process sends 500 spoofed beacons a second (a new UUID each, never
+    a HELLO); alice (peer table 100, strangers 16) meets bob, who starts
+    during the flood, within 10 s and hears his WHISPER; once the flood has
+    ended she meets carol within 2 s; she never keeps more than 16 strangers,
+    nor a peer that has not said HELLO."""
+    bounds = {"HARMONY_MAX_PEERS": "100", "HARMONY_MAX_STRANGERS": "16",
+              "HARMONY_HELLO_WAIT": "2"}
+    alice = netns.spawn("ours", "alice", **bounds)
+    await alice.ready()
+    ip = shutil.which("ip")
+    assert ip is not None
+    spoofer = Process(reactor(), [ip, "netns", "exec", netns.name,
+                                  *python("-c", SPOOFER, "500", "60")], env=ENV)
+    try:
+        await spoofer.waitFor("FLOODING", 30)
+        await stats_until(alice, lambda found: found["most"] >= 16, 5)  # her strangers are full
+        bob = netns.spawn("ours", "bob", **bounds)
+        await bob.ready()
+        started = reactor().seconds()
+        await alice.expect("ENTER", peer=bob.uuid, timeout=10)
+        bob.send(op="whisper", peer=alice.uuid, frames=["through the flood"])
+        await alice.expect("WHISPER", peer=bob.uuid, frames=["through the flood"], timeout=10)
+        took = reactor().seconds() - started
+        assert took < 10, f"alice heard bob {took:.1f}s after he started, during the flood"
+        during = took
+        spoofer.transport.closeStdin()
+        await spoofer.waitFor(r"DONE \d+", 30)
+        carol = netns.spawn("ours", "carol", **bounds)
+        await carol.ready()
+        started = reactor().seconds()
+        await alice.expect("ENTER", peer=carol.uuid, timeout=10)
+        took = reactor().seconds() - started
+        assert took < 2, f"alice heard carol {took:.1f}s after she started, after the flood"
+        print(f"\nflood of {spoofer.output.split()[-1].decode()} spoofed beacons: bob heard "
+              f"{during:.2f}s after his start during it, carol {took:.2f}s after hers after it")
+        found = await stats_until(alice, lambda found: found["strangers"] == 0, 5)
+        assert found == {"peers": 2, "strangers": 0, "most": 16}
+        assert {e["peer"] for e in alice.events("ENTER")} == {bob.uuid, carol.uuid}
+        no_exits(alice, bob, carol)
+    finally:
+        await spoofer.stop()
+
+
+_STATS = re.compile(rb"STATS (\{.*\})\n")
+
+
+async def stats(peer: Peer) -> dict[str, int]:
+    """What *peer* (ours) says of its tables when asked now."""
+    count = len(_STATS.findall(peer.proc.output))
+    peer.send(op="stats")
+    await wait_until(lambda: len(_STATS.findall(peer.proc.output)) > count, 10)
+    return json.loads(_STATS.findall(peer.proc.output)[-1])
+
+
+async def stats_until(peer: Peer, predicate: Any, seconds: float) -> dict[str, int]:
+    deadline = reactor().seconds() + seconds
+    while not predicate(found := await stats(peer)):
+        assert reactor().seconds() < deadline, f"{peer}: {found} after {seconds}s"
+        await task.deferLater(reactor(), 0.1)
+    return found

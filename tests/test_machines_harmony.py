@@ -93,7 +93,7 @@ def test_nothing_counts_before_hello() -> None:
     whisper = codec.encode(codec.Whisper(1, (b"early",)))
     assert events(machine.handleMessage(identity_of(PEER), whisper, 0.1)) == []
     assert events(machine.handleMessage(identity_of(OTHER), whisper, 0.1)) == []
-    assert machine.peers[PEER].ready is False
+    assert PEER not in machine.peers and machine.strangers[PEER].ready is False
 
 
 def test_whisper_shout_and_ping_in_sequence() -> None:
@@ -326,11 +326,15 @@ def test_a_forged_hello_naming_a_peers_endpoint_does_not_set_off_a_loop() -> Non
     assert net.run() < 20 and not net.queue
 
 
-def test_a_new_uuid_at_a_known_endpoint_replaces_the_old_peer() -> None:
+def test_a_new_uuid_at_a_known_endpoint_replaces_the_old_peer_once_it_says_hello() -> None:
+    """Its beacon alone (which anyone may forge) changes nothing: no EXIT, no
+    second link there; its HELLO (it heard our beacon) replaces the old peer."""
     machine = started()
     greeted(machine)
-    actions = machine.handleBeacon(OTHER, PEER_EP, 3)
-    assert events(actions) == [("EXIT", None)]
+    assert quiet(machine.handleBeacon(OTHER, PEER_EP, 3)) == []
+    assert list(machine.peers) == [PEER] and machine.strangers == {}
+    actions = greeted(machine, OTHER, now=3.5)
+    assert events(actions) == [("EXIT", None), ("ENTER", None)]
     assert list(machine.peers) == [OTHER]
 
 
@@ -377,8 +381,10 @@ def test_dial_skips_ourselves_and_endpoints_known() -> None:
 def test_the_peer_table_is_bounded() -> None:
     machine = started(maxPeers=2)
     for n in range(10):
-        machine.handleBeacon(uuid.UUID(int=100 + n), f"tcp://10.0.1.{n}:1", 0)
+        machine.handleMessage(identity_of(uuid.UUID(int=100 + n)),
+                              hello(endpoint=f"tcp://10.0.1.{n}:1"), 0)
     assert len(machine.peers) == 2
+    assert "(maxPeers)" in greeted(machine, uuid.UUID(int=99))[0].text
 
 
 def test_what_one_peer_may_make_us_keep_is_bounded() -> None:
@@ -529,3 +535,153 @@ def test_an_unanswered_dial_is_made_again_less_and_less_often() -> None:
     assert machine.peers[PEER].link == link and machine.dials == {}
     machine.handleMessage(identity_of(PEER), [b"garbage"], 92.0)   # dropped: dialled again
     assert machine.dials["tcp://bob.lan:40002"].tries == 0
+
+
+# --- strangers: peers heard only by their beacons ----------------------------------------
+
+
+def spoofed(n: int) -> tuple[uuid.UUID, str]:
+    return uuid.UUID(int=1000 + n), f"tcp://10.0.9.{n % 250}:{20000 + n}"
+
+
+def test_a_beacon_makes_a_stranger_and_its_hello_a_peer_on_the_same_link() -> None:
+    machine = started()
+    link = machine.handleBeacon(PEER, PEER_EP, 0)[0].link
+    assert machine.peers == {} and list(machine.strangers) == [PEER]
+    actions = greeted(machine, now=0.1)
+    assert events(actions) == [("ENTER", None)]
+    assert not [a for a in actions if isinstance(a, (OpenLink, CloseLink))]
+    assert machine.peers[PEER].link == link and machine.strangers == {}
+    assert [m.sequence for m in sent(machine.whisper(PEER, [b"x"], 0.2))] == [2]
+
+
+def test_strangers_are_bounded_apart_and_the_oldest_goes_with_its_link() -> None:
+    machine = started(maxStrangers=3, maxPeers=2)
+    links = []
+    for n in range(10):
+        actions = machine.handleBeacon(*spoofed(n), n / 100)
+        links.append(next(a.link for a in actions if isinstance(a, OpenLink)))
+        assert len(machine.strangers) == min(n + 1, 3)
+        if n >= 3:  # the oldest is forgotten, its link closed, and that is logged
+            assert CloseLink(links[n - 3]) in actions
+            assert [a.topic for a in actions if isinstance(a, Notice)] == ["strangers"]
+    assert list(machine.strangers) == [spoofed(n)[0] for n in (7, 8, 9)]
+    assert machine.peers == {}  # beacons never take a place in the table
+    # a HELLO is heard whatever the strangers, up to maxPeers
+    assert events(greeted(machine, PEER, now=0.2)) == [("ENTER", None)]
+    machine.handleMessage(identity_of(OTHER), hello(endpoint="tcp://10.0.0.3:1"), 0.3)
+    assert len(machine.peers) == 2 and len(machine.strangers) == 3
+
+
+def test_a_stranger_is_forgotten_hello_wait_after_its_last_beacon() -> None:
+    machine = started(helloWait=3.0)
+    link = machine.handleBeacon(PEER, PEER_EP, 0)[0].link
+    machine.handleBeacon(OTHER, "tcp://10.0.0.3:1", 0)
+    assert machine.handleBeacon(PEER, PEER_EP, 2.0) == []  # refreshed: no second link, no HELLO
+    assert machine.handleTick(2.9) == []
+    actions = quiet(machine.handleTick(3.0))
+    assert actions == [CloseLink(link + 1)] and list(machine.strangers) == [PEER]
+    assert machine.handleTick(4.9) == []
+    assert quiet(machine.handleTick(5.0)) == [CloseLink(link)] and machine.strangers == {}
+    # a port-0 beacon forgets one at once, silently
+    machine.handleBeacon(PEER, PEER_EP, 6)
+    assert quiet(machine.handleBeacon(PEER, None, 6.1)) == [CloseLink(link + 2)]
+
+
+def test_a_beacon_naming_an_endpoint_a_link_goes_to_opens_no_other() -> None:
+    """One stranger per endpoint (spoofed UUIDs on one port cost one link),
+    none at a peer's endpoint or a listed one; a HELLO from there adopts the
+    stranger's link, whatever UUID its beacon had."""
+    machine = started()
+    machine.handleBeacon(OTHER, PEER_EP, 0)
+    for n in range(5):
+        assert quiet(machine.handleBeacon(uuid.UUID(int=500 + n), PEER_EP, 0)) == []
+    machine.handleDial("tcp://10.0.0.7:7", 0)
+    assert quiet(machine.handleBeacon(PEER, "tcp://10.0.0.7:7", 0)) == []
+    link = machine.strangers[OTHER].link
+    actions = greeted(machine, PEER, now=0.5)
+    assert not [a for a in actions if isinstance(a, OpenLink)]
+    assert machine.peers[PEER].link == link and machine.strangers == {}
+    assert quiet(machine.handleBeacon(OTHER, PEER_EP, 1)) == []
+
+
+def test_our_status_reaches_strangers_so_it_counts_on_when_they_meet_us() -> None:
+    """zeromq-pyre asserts each JOIN carries its last status + 1: a stranger
+    had our HELLO, so it hears our JOINs too."""
+    machine = started()
+    machine.handleBeacon(PEER, PEER_EP, 0)
+    joined = sent(machine.join("chat", 0.1))
+    assert joined == [codec.Join(2, "chat", 1)]
+    greeted(machine, now=0.2)
+    assert sent(machine.join("ops", 0.3)) == [codec.Join(3, "ops", 2)]
+
+
+def test_a_real_peer_meets_us_during_a_flood_of_spoofed_beacons() -> None:
+    """1,200 spoofed beacons a second to both nodes, 64 strangers each at
+    most: each node's beacon reaches the other within a second and its
+    HELLO goes out before its stranger is pushed out, so they meet."""
+    net = Net()
+    a = net.add("A", "tcp://10.0.0.1:40001")
+    b = net.add("B", "tcp://10.0.0.2:40002")
+    for tenth in range(30):
+        net.now = tenth / 10
+        for n in range(120):
+            for machine in (a, b):
+                net.perform(machine, machine.handleBeacon(*spoofed(tenth * 120 + n), net.now))
+                assert len(machine.strangers) <= 64 and not machine.peers
+        if tenth == 5:
+            net.perform(a, a.handleBeacon(b.uuid, "tcp://10.0.0.2:40002", net.now))
+        net.run(limit=10_000)
+        if tenth == 5:
+            break
+    assert ("A", "ENTER", "B") in net.events and ("B", "ENTER", "A") in net.events
+    assert list(a.peers) == [b.uuid] and list(b.peers) == [a.uuid]
+
+
+ops = st.lists(st.tuples(st.sampled_from(["beacon", "leaving", "hello", "ping", "tick", "join"]),
+                         st.integers(0, 7), st.integers(0, 4), st.floats(0, 2)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_strangers_and_peers_stay_bounded_apart_and_no_link_is_lost(
+        inputs: list[tuple[str, int, int, float]]) -> None:
+    """Whatever beacons, HELLOs and ticks come: at most maxStrangers strangers
+    and maxPeers peers, never both for one UUID, every stranger gone
+    helloWait after its last beacon, and the links open are exactly theirs."""
+    machine = started(maxStrangers=3, maxPeers=4, helloWait=1.0)
+    opened: set[int] = set()
+    now, lastBeacon = 0.0, {}
+    for op, who, where, step in inputs:
+        now += step
+        peer, endpoint = uuid.UUID(int=200 + who), f"tcp://10.0.2.{where}:9"
+        if op == "beacon":
+            actions = machine.handleBeacon(peer, endpoint, now)
+            lastBeacon[peer] = now
+        elif op == "leaving":
+            actions = machine.handleBeacon(peer, None, now)
+        elif op == "hello":
+            actions = machine.handleMessage(identity_of(peer), hello(endpoint=endpoint), now)
+        elif op == "ping":
+            actions = machine.handleMessage(identity_of(peer), codec.encode(codec.Ping(2)), now)
+        elif op == "join":
+            actions = machine.join(f"g{who}", now)
+        else:
+            actions = machine.handleTick(now)
+            assert all(now - lastBeacon[s] < 1.0 for s in machine.strangers)
+        for action in actions:
+            if isinstance(action, OpenLink):
+                opened.add(action.link)
+            elif isinstance(action, CloseLink):
+                opened.discard(action.link)
+        assert len(machine.strangers) <= 3 and len(machine.peers) <= 4
+        assert not set(machine.strangers) & set(machine.peers)
+        assert all(p.ready for p in machine.peers.values())
+        assert opened == {p.link for p in [*machine.peers.values(), *machine.strangers.values()]}
+        assert sorted(machine._strangerAt.values()) == sorted(machine.strangers)
+
+
+@pytest.mark.parametrize("options", [{"evasive": 30.0}, {"maxStrangers": 0}, {"helloWait": 0.0}])
+def test_bad_timing_or_bounds_are_a_clear_error(options: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="need 0 < evasive < expired, maxStrangers >= 1"):
+        HarmonyMachine(US, "us", **options)  # type: ignore[arg-type]

@@ -7,12 +7,14 @@ docs/harmony.md says in full what drops a peer and how dials back off.
 ==========================  ================================================================
 event                       what happens
 ==========================  ================================================================
-beacon (uuid, endpoint)     an unknown peer: a link to its endpoint, HELLO first (a peer
-                            known there under another UUID restarted: EXIT); a known one
-                            is refreshed; port 0: it is leaving, EXIT
+beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
+                            till *helloWait* after its beacon): a link there, HELLO first,
+                            unless a link goes there already; a peer: refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
-HELLO from a new peer       a link back to the endpoint it names, ENTER, a JOIN per group
+HELLO from a new peer       a peer (at most *maxPeers*) on its stranger's or dial's link, else
+                            one to the endpoint it names (a peer known there restarted: EXIT);
+                            ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
                             from the endpoint known, it is its new link to us: its sequence
                             and groups start again; our HELLO goes back, once an *evasive*
@@ -44,8 +46,12 @@ from mdp.machine import Machine, action_class
 DEFAULT_EVASIVE = 5.0
 #: Silence (seconds) after which a peer is dropped (EXIT).
 DEFAULT_EXPIRED = 30.0
-#: Peers a node keeps; beacons or HELLOs beyond are ignored.
+#: Peers a node keeps that have said HELLO; HELLOs beyond are ignored.
 DEFAULT_MAX_PEERS = 1000
+#: Strangers (peers heard only by their beacons, our HELLO sent) a node keeps; beyond, the oldest goes.
+DEFAULT_MAX_STRANGERS = 64
+#: Seconds a stranger has, after its last beacon, to say HELLO before it is forgotten.
+DEFAULT_HELLO_WAIT = 3.0
 #: Redials back off up to this many times *expired*: each new HELLO looks like our restart.
 DIAL_BACKOFF_LIMIT = 8
 
@@ -130,6 +136,12 @@ def same_endpoint(one: str, other: str) -> bool:
                 and a["host"] in _LOCAL_HOSTS and b["host"] in _LOCAL_HOSTS)
 
 
+def endpoint_key(endpoint: str) -> str:
+    """*endpoint*, the same for any two that are :func:`same_endpoint`."""
+    match = _TCP.match(endpoint)
+    return f"tcp://*:{match['port']}" if match and match["host"] in _LOCAL_HOSTS else endpoint
+
+
 def endpoint_port(endpoint: str) -> Optional[str]:
     match = _TCP.match(endpoint)
     return match["port"] if match else None
@@ -179,11 +191,13 @@ class HarmonyMachine(Machine):
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
                  maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
                  maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
+                 maxStrangers: int = DEFAULT_MAX_STRANGERS, helloWait: float = DEFAULT_HELLO_WAIT,
                  reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
                  now: float = 0.0) -> None:
         super().__init__(now)
-        if not 0 < evasive < expired:
-            raise ValueError(f"need 0 < evasive < expired, got evasive={evasive} expired={expired}")
+        if not (0 < evasive < expired and maxStrangers >= 1 and helloWait > 0):
+            raise ValueError(f"need 0 < evasive < expired, maxStrangers >= 1 and helloWait > 0, got evasive="
+                             f"{evasive} expired={expired} maxStrangers={maxStrangers} helloWait={helloWait}")
         self.uuid = uuid
         self.name = codec.check_string(name, "node name")
         self.headers = dict(headers or {})
@@ -191,11 +205,9 @@ class HarmonyMachine(Machine):
             codec.check_string(key, "header name")
             if not isinstance(value, str):
                 raise TypeError(f"header {key!r}: a value is a str, not {type(value).__name__}")
-        self.evasive = evasive
-        self.expired = expired
-        self.maxPeers = maxPeers
-        self.maxGroups = maxGroups
-        self.maxHeaders = maxHeaders
+        self.evasive, self.expired, self.helloWait = evasive, expired, helloWait
+        self.maxPeers, self.maxStrangers = maxPeers, maxStrangers
+        self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
         if len(self.headers) > maxHeaders:
             raise ValueError(f"{len(self.headers)} headers, more than peers take "
                              f"(maxHeaders {maxHeaders})")
@@ -203,7 +215,12 @@ class HarmonyMachine(Machine):
         self.endpoint = ""
         self.status = 0
         self.ownGroups: dict[str, None] = {}
+        #: the peers that have said HELLO, and the endpoint key of each
         self.peers: dict[UUID, Peer] = {}
+        self._peerAt: dict[str, UUID] = {}
+        #: peers heard only by their beacons, oldest first, and the endpoint key of each
+        self.strangers: dict[UUID, Peer] = {}
+        self._strangerAt: dict[str, UUID] = {}
         #: links to listed endpoints not yet known as a peer, by endpoint
         self.dials: dict[str, _Dial] = {}
         #: endpoints dialled again when the peer there goes
@@ -212,19 +229,16 @@ class HarmonyMachine(Machine):
         self.running = False
 
     def handleStart(self, endpoint: str, now: float) -> list[Any]:
-        self.now = now
-        self.endpoint = endpoint
-        self.running = True
+        self.now, self.endpoint, self.running = now, endpoint, True
         return self._drain()
 
     def handleStop(self, now: float) -> list[Any]:
         """Close every link and forget every peer, with no events."""
-        self.now = now
-        self.running = False
-        for end in [*self.peers.values(), *self.dials.values()]:
+        self.now, self.running = now, False
+        for end in [*self.peers.values(), *self.strangers.values(), *self.dials.values()]:
             self._emit(CloseLink(end.link))
-        self.peers.clear()
-        self.dials.clear()
+        for table in (self.peers, self._peerAt, self.strangers, self._strangerAt, self.dials):
+            table.clear()
         return self._drain()
 
     def join(self, group: str, now: float) -> list[Any]:
@@ -271,15 +285,42 @@ class HarmonyMachine(Machine):
         self.now = now
         if uuid == self.uuid or not self.running:
             return self._drain()
+        peer = self.peers.get(uuid)
         if endpoint is None:
-            peer = self.peers.get(uuid)
             if peer is not None:
                 self._remove(peer, "it is leaving (beacon with port 0)")
-            return self._drain()
-        peer = self._require(uuid, endpoint)
-        if peer is not None:
+            self._forget(self.strangers.get(uuid))
+        elif peer is not None:
             self._refresh(peer)
+        else:
+            self._stranger(uuid, endpoint)
         return self._drain()
+
+    def _stranger(self, uuid: UUID, endpoint: str) -> None:
+        """Our HELLO to *uuid* unless a link goes to *endpoint* (a new UUID there hears us)."""
+        if (stranger := self.strangers.get(uuid)) is not None:
+            stranger.expiredAt = self.now + self.helloWait
+            return
+        key = endpoint_key(endpoint)
+        if (key in self._peerAt or key in self._strangerAt
+                or any(same_endpoint(endpoint, e) for e in self.dials)
+                or not self._reachable(uuid, endpoint)):
+            return
+        if len(self.strangers) >= self.maxStrangers:
+            oldest = next(iter(self.strangers.values()))
+            self._emit(Notice("strangers", f"{len(self.strangers)} peers heard only by beacons "
+                                           f"(maxStrangers): forgetting {oldest.uuid} at {oldest.endpoint}"))
+            self._forget(oldest)
+        self.strangers[uuid] = stranger = Peer(uuid, endpoint, self._newLink(endpoint),
+                                               expiredAt=self.now + self.helloWait)
+        self._strangerAt[key] = uuid
+        self._send(stranger, self._hello(0))
+
+    def _forget(self, stranger: Optional[Peer], close: bool = True) -> None:
+        if stranger is not None and self.strangers.pop(stranger.uuid, None) is not None:
+            self._strangerAt.pop(endpoint_key(stranger.endpoint), None)
+            if close:
+                self._emit(CloseLink(stranger.link))
 
     def handleDial(self, endpoint: str, now: float) -> list[Any]:
         """Reach the node at *endpoint* without a beacon, and again whenever it goes."""
@@ -293,6 +334,7 @@ class HarmonyMachine(Machine):
         taken = [self.endpoint, *self.dials, *(p.endpoint for p in self.peers.values())]
         if not self.running or any(same_endpoint(endpoint, e) for e in taken):
             return
+        self._forget(self.strangers.get(self._strangerAt.get(endpoint_key(endpoint))))
         dial = self.dials[endpoint] = _Dial(self._newLink(endpoint), endpoint, 0, self.now, tries=tries)
         self._send(dial, self._hello(0))
 
@@ -302,6 +344,7 @@ class HarmonyMachine(Machine):
         for peer in list(self.peers.values()):
             if peer.link == link:
                 self._remove(peer, "its endpoint cannot be reached")
+        self._forget(next((s for s in self.strangers.values() if s.link == link), None))
         for dial in self.dials.values():
             if dial.link == link:
                 dial.since = now
@@ -321,7 +364,7 @@ class HarmonyMachine(Machine):
             peer = self._greeted(uuid, peer, message)
             if peer is None:
                 return self._drain()
-        elif peer is None or not peer.ready:
+        elif peer is None:
             self._emit(Notice("unready", f"dropped {codec.COMMANDS[message.id]} from "
                                          f"{self._who(uuid, peer)}, which has not said HELLO", "info"))
             return self._drain()
@@ -363,20 +406,13 @@ class HarmonyMachine(Machine):
         if peer is not None and self._saidAgain(peer, hello):
             self._helloAgain(peer, hello)
             return None
-        if peer is not None and peer.ready:
-            self._remove(peer, "it said HELLO again (restarted)")
-        elif peer is not None and same_endpoint(peer.endpoint, self.endpoint):
-            return None
-        peer = self._require(uuid, hello.endpoint)
         if peer is not None:
-            peer.ready = True
-            peer.received = 0
-            peer.helloAt = self.now
-        return peer
+            self._remove(peer, "it said HELLO again (restarted)")
+        return self._admit(uuid, hello.endpoint)
 
     def _saidAgain(self, peer: Peer, hello: codec.Hello) -> bool:
         """Whether *hello* is the peer's HELLO again in the same run (see the table)."""
-        return (peer.ready and self.now - peer.helloAt < self.evasive
+        return (self.now - peer.helloAt < self.evasive
                 and same_endpoint(hello.endpoint, peer.endpoint))
 
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
@@ -476,9 +512,14 @@ class HarmonyMachine(Machine):
                 self._remove(peer, f"it expired after {self.expired:.1f} s of silence")
             elif now >= peer.evasiveAt:
                 self._send(peer, codec.Ping(0))
-                if not peer.evasive and peer.ready:
+                if not peer.evasive:
                     peer.evasive = True
                     self._emit(Emit(Event(EVASIVE, peer.uuid, peer.name)))
+        for stranger in list(self.strangers.values()):
+            if now >= stranger.expiredAt:
+                self._emit(Notice("unanswered", f"no HELLO from {stranger.uuid} at {stranger.endpoint} "
+                                                f"within {self.helloWait:g} s of its beacon", "info"))
+                self._forget(stranger)
         return self._drain()
 
     def _dialWait(self, tries: int) -> float:
@@ -493,31 +534,40 @@ class HarmonyMachine(Machine):
         self._emit(OpenLink(self._links, endpoint))
         return self._links
 
-    def _require(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
-        """The peer *uuid*, new ones linked; None if it cannot be reached or the table is full."""
-        peer = self.peers.get(uuid)
-        if peer is not None:
-            return peer
+    def _reachable(self, uuid: UUID, endpoint: str) -> bool:
         why = self.reachable(endpoint)
         if why is None and self.endpoint and same_endpoint(endpoint, self.endpoint):
             why = "is this node's own (another peer cannot answer there)"
         if why is not None:
             self._emit(Notice("unreachable", f"ignoring {uuid}: its endpoint {endpoint!r} {why}"))
+        return why is None
+
+    def _admit(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
+        """*uuid*, which said HELLO, as a peer on the link of its stranger or dial, else a
+        new one; None if *endpoint* cannot be reached or the table is full."""
+        if not self._reachable(uuid, endpoint):
             return None
         if len(self.peers) >= self.maxPeers:
             self._emit(Notice("full", f"ignoring {uuid} at {endpoint}: {len(self.peers)} peers "
                                       "already (maxPeers)"))
             return None
-        for other in list(self.peers.values()):
-            if same_endpoint(other.endpoint, endpoint):
-                self._remove(other, f"{uuid} now answers at its endpoint", redial=False)
+        key = endpoint_key(endpoint)
+        if (other := self._peerAt.get(key)) is not None:
+            self._remove(self.peers[other], f"{uuid} now answers at its endpoint", redial=False)
+        stranger = self.strangers.get(uuid) or self.strangers.get(self._strangerAt.get(key, uuid))
         dial = self._answeredDial(endpoint)
         if dial is not None:
+            self._forget(stranger)
             peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)
+        elif stranger is not None:
+            self._forget(stranger, close=False)
+            peer = Peer(uuid, stranger.endpoint, stranger.link, sent=stranger.sent)
         else:
             peer = Peer(uuid, endpoint, self._newLink(endpoint))
             self._send(peer, self._hello(0))
+        peer.ready, peer.helloAt = True, self.now
         self.peers[uuid] = peer
+        self._peerAt[endpoint_key(peer.endpoint)] = uuid
         self._refresh(peer)
         return peer
 
@@ -543,10 +593,11 @@ class HarmonyMachine(Machine):
         if self.peers.get(peer.uuid) is not peer:
             return
         del self.peers[peer.uuid]
+        if self._peerAt.get(key := endpoint_key(peer.endpoint)) == peer.uuid:
+            del self._peerAt[key]
         self._emit(CloseLink(peer.link))
-        if peer.ready:
-            self._emit(Notice(None, f"{self._who(peer.uuid, peer)} left: {reason}", "info"))
-            self._emit(Emit(Event(EXIT, peer.uuid, peer.name, endpoint=peer.endpoint)))
+        self._emit(Notice(None, f"{self._who(peer.uuid, peer)} left: {reason}", "info"))
+        self._emit(Emit(Event(EXIT, peer.uuid, peer.name, endpoint=peer.endpoint)))
         if redial:
             listed = next((e for e in self.listed if same_endpoint(e, peer.endpoint)), None)
             if listed is not None:
@@ -560,7 +611,8 @@ class HarmonyMachine(Machine):
         """Our status goes up by one on each JOIN or LEAVE we send, to peers and dials."""
         self.status = (self.status + 1) & 0xFF
         message = kind(0, group, self.status)
-        for to in [*self.peers.values(), *(d for d in self.dials.values() if not d.failed)]:
+        for to in [*self.peers.values(), *self.strangers.values(),
+                   *(d for d in self.dials.values() if not d.failed)]:
             self._send(to, message)
 
     @staticmethod

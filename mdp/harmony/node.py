@@ -21,7 +21,9 @@ from mdp.harmony import codec
 from mdp.harmony.machine import (
     DEFAULT_EVASIVE,
     DEFAULT_EXPIRED,
+    DEFAULT_HELLO_WAIT,
     DEFAULT_MAX_PEERS,
+    DEFAULT_MAX_STRANGERS,
     CloseLink,
     Emit,
     Event,
@@ -236,18 +238,21 @@ class Node:
 
     *endpoint* is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
     discovery's).  A peer silent for *evasive* seconds is PINGed, for *expired*
-    dropped.  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
+    dropped; one heard only by its beacons waits for its HELLO apart (*maxStrangers*,
+    *helloWait*).  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
                  headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
                  endpoint: Optional[str] = None, evasive: float = DEFAULT_EVASIVE,
                  expired: float = DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
                  maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, limits: Limits = Limits()) -> None:
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = DEFAULT_MAX_STRANGERS,
+                 helloWait: float = DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
         self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
                                       maxPeers=maxPeers, maxGroups=maxGroups, maxHeaders=maxHeaders,
+                                      maxStrangers=maxStrangers, helloWait=helloWait,
                                       reachable=self._unreachable, now=self._now())
         self.name = name
         self.discovery: IDiscovery = (discovery if discovery is not None
