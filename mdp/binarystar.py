@@ -111,15 +111,18 @@ class Resumed:
     reason: str
 
 
-@action_class
-class PublishState:
-    """Send our state (and role, uptime, run id and heartbeat) to the peer."""
+class PeerState(NamedTuple):
+    """A STATE message: what a server publishes (the machine's action) and what
+    the peer's says."""
 
     state: State
     role: Role
     uptime: float
     instance: str = ""
     heartbeat: float = DEFAULT_HEARTBEAT
+
+
+PublishState = PeerState
 
 
 Action = Union[Changed, Fatal, Conflict, PublishState, Stalled, Resumed]
@@ -316,16 +319,6 @@ STATE = b"STATE"
 MAX_SUBSCRIBERS = 16
 
 _ROLES = {role.value.encode(): role for role in Role}
-
-
-class PeerState(NamedTuple):
-    """What a STATE message says."""
-
-    state: State
-    role: Role
-    uptime: float
-    instance: str
-    heartbeat: float
 
 
 _INSTANCE = re.compile(rb"^[0-9a-f]{16}$")
@@ -659,8 +652,7 @@ class BinaryStar:
         """Send *action*'s state to *peers* (default: every subscriber)."""
         router = self._publisher.transport
         if router is not None:
-            message = encode_state(action.state, action.role, action.uptime, action.instance,
-                                   action.heartbeat)
+            message = encode_state(*action)
             for peer in list(self._publisher.subscribers) if peers is None else peers:
                 router.sendMessage(peer, message)
 
