@@ -248,48 +248,31 @@ def remove_compiled(package: str) -> None:
 
 
 class SourceFirst:
-    """A meta path finder for :data:`MODULES`: the source where :func:`kind` says
-    ``pure`` or ``stale``; else None, leaving it to the usual finder."""
+    """A meta path finder that runs a package module's source where :func:`kind`
+    says ``pure`` or ``stale``, or where it is no longer listed and an earlier
+    build left its compiled file beside it; else None, leaving it to the usual finder."""
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
                   target: object = None) -> Optional[ModuleSpec]:
-        if not path:
+        if not path or not name.startswith("mdp.") or name in ACCELERATORS:
             return None
-        if name not in _LISTED:
-            return _unlisted(name, path)
         leaf = name.rpartition(".")[2]
-        depth = name.count(".")
         for directory in path:
             source = os.path.join(directory, leaf + ".py")
             if not os.path.isfile(source):
                 continue
-            package = os.path.normpath(os.path.join(directory, *[os.pardir] * (depth - 1)))
-            if kind(package, name, _record_of(package)) in ("pure", "stale"):
+            if name in _LISTED:
+                package = os.path.normpath(os.path.join(directory, *[os.pardir] * (name.count(".") - 1)))
+                runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
+            else:
+                runSource = compiled_file(directory, leaf) is not None
+            if runSource:
                 from importlib.util import spec_from_file_location
 
                 return spec_from_file_location(name, source)
             return None
         return None
-
-
-def _unlisted(name: str, path: Sequence[str]) -> Optional[ModuleSpec]:
-    """A module of the package no longer compiled, whose compiled file an
-    earlier build left beside its source (a working tree that was updated):
-    the source runs, not that older code."""
-    if not name.startswith("mdp.") or name in ACCELERATORS:
-        return None
-    leaf = name.rpartition(".")[2]
-    for directory in path:
-        source = os.path.join(directory, leaf + ".py")
-        if os.path.isfile(source):
-            if any(os.path.isfile(os.path.join(directory, leaf + suffix))
-                   for suffix in EXTENSION_SUFFIXES):
-                from importlib.util import spec_from_file_location
-
-                return spec_from_file_location(name, source)
-            return None
-    return None
 
 
 def install() -> None:
