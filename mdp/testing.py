@@ -180,7 +180,6 @@ class Script:
         self._counts: dict[str, itertools.count] = {}
         self.id = str(next(_ids))
         _scripts[self.id] = self
-        _ensure_registered()
 
     def endpoint(self, name: str) -> str:
         """An endpoint string of this script (``script:ID/NAME``)."""
@@ -229,18 +228,16 @@ class Script:
                 self.elapse(event.seconds)
             elif isinstance(event, Connected):
                 self._up(self.pipe(event.pipe))
+            elif isinstance(event, Receive) and isinstance(event.source, bytes):
+                self._router(via).receiver.messageReceived(event.source, list(event.frames))
             elif isinstance(event, Receive):
-                if isinstance(event.source, bytes):
-                    self._router(via).receiver.messageReceived(event.source, list(event.frames))
-                else:
-                    self.pipe(event.source).receiver.messageReceived(list(event.frames))
+                self.pipe(event.source).receiver.messageReceived(list(event.frames))
+            elif isinstance(event, Lost) and isinstance(event.source, bytes):
+                self._router(via).receiver.peerDisconnected(event.source)
             elif isinstance(event, Lost):
-                if isinstance(event.source, bytes):
-                    self._router(via).receiver.peerDisconnected(event.source)
-                else:
-                    pipe = self.pipe(event.source)
-                    pipe.connected = False
-                    pipe.receiver.connectionLost(Failure(ConnectionError("pipe broke")))
+                pipe = self.pipe(event.source)
+                pipe.connected = False
+                pipe.receiver.connectionLost(Failure(ConnectionError("pipe broke")))
             else:
                 raise TypeError(f"not an event: {event!r}")
             self.clock.advance(0)
@@ -270,15 +267,12 @@ class Script:
         _scripts.pop(self.id, None)
 
 
-def _owner(endpoint: str) -> Script:
+def _owner(endpoint: str, role: str = "") -> Script:
+    """The script of *endpoint* (also the scheme's check, whatever the *role*)."""
     script = _scripts.get(endpoint.partition(":")[2].partition("/")[0])
     if script is None:
         raise TransportError(f"bad endpoint {endpoint!r}: no such script")
     return script
-
-
-def _check(endpoint: str, role: str) -> None:
-    _owner(endpoint)
 
 
 def _listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
@@ -290,11 +284,9 @@ def _connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPo
     return _owner(endpoint)._connect(endpoint, receiver)
 
 
-def _ensure_registered() -> None:
-    if not any(s.name == "script" for s in transport.schemes()):
-        transport.register(transport.Scheme(
-            "script", _check, _listen, _connect,
-            "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
+transport.register(transport.Scheme(
+    "script", _owner, _listen, _connect,
+    "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
 
 
 def _certificate_name(common: str, organization: Optional[str]) -> Any:
