@@ -397,13 +397,10 @@ Observer = Callable[[str], Any]
 
 @implementer(IAdmission)
 class BinaryStar:
-    """One server of a Binary Star pair, over real transports.
-
-    It publishes its state on *local* and reads the peer's from *remote* (the
-    peer's *local*).  :meth:`admitClient` and :meth:`admitWorker` are the votes:
-    serve only on True.  After a fatal error (split brain, dual passive, same
-    role; see :meth:`onFatal`) nothing more is admitted and the server should
-    close.  Bad endpoints raise :class:`~mdp.errors.TransportError` at once."""
+    """One server of a Binary Star pair: publishes its state on *local*, reads the
+    peer's from *remote* (the peer's *local*).  :meth:`admitClient` and
+    :meth:`admitWorker` are the votes; after a fatal error (:meth:`onFatal`)
+    nothing more is admitted and the server should close."""
 
     def __init__(self, role: Union[Role, str], local: str, remote: str,
                  reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
