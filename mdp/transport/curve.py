@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import types
 from typing import Any, Optional
 
 import attrs
@@ -157,14 +158,8 @@ class _Gate:
             self.refused()
 
 
-class _DenyAll:
-    """The gate of a server that closed: nobody."""
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return False
-
-
-_DENY_ALL = _DenyAll()
+#: the gate of a server that closed: nobody
+_DENY_ALL = types.SimpleNamespace(callback=lambda domain, key: False)
 
 
 #: per ZeroMQ context (by id), its ZAP handler: pyzmq's ThreadAuthenticator
