@@ -1,11 +1,6 @@
-"""The modules ``setup.py`` compiles with Cython where it can, and the import
-hook that decides, module by module, whether the compiled one runs.
-
-The compiled build is optional.  In a working tree a compiled module would
-shadow its edited source, so the build records (:data:`RECORD`) each file's
-size and time, and a module that no longer matches runs from source; a wheel
-has no record.  Imports nothing of the package: ``setup.py`` runs it first.
-"""
+"""The modules ``setup.py`` compiles with Cython where it can, and the import hook
+that runs a module's source where its compiled file no longer matches it (the
+build's :data:`RECORD` of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Prometheus metrics for brokers, workers and Freelance servers (docs/metrics.md).
-
-A node given a metrics object (``Broker(metrics=BrokerMetrics())``) counts
-events as they happen; state (queue depths, workers, peers) is read from the
-node at scrape time.  Clients choose service names, so at most
-``maxServices`` become label values; the rest count under ``_other``.
-"""
+"""Prometheus metrics for brokers, workers and Freelance servers (docs/metrics.md):
+a node counts events as they happen; its state is read at scrape time."""
 
 from __future__ import annotations
 

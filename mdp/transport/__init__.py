@@ -1,9 +1,6 @@
-"""Message transports, chosen by the scheme of an endpoint string
-(``docs/transports.md``): ``zmq:tcp://127.0.0.1:5555`` (ZeroMQ),
-``tcp:host=127.0.0.1:port=5555`` (records over a Twisted stream endpoint) or
-``loopback:NAME`` (in memory, for deterministic tests).  A new transport
-registers itself with :func:`register`; a malformed endpoint raises
-:class:`~mdp.errors.TransportError` at once."""
+"""Message transports, chosen by the scheme of an endpoint string (``zmq:``,
+``tcp:``, ``loopback:``, ...; ``docs/transports.md``).  A new transport registers
+itself with :func:`register`; a malformed endpoint raises ``TransportError`` at once."""
 
 from __future__ import annotations
 

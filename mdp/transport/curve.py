@@ -1,8 +1,6 @@
-"""CURVE on the ZeroMQ transport: encrypted links, and servers that know who
-their peers are: a server's allow-list is a directory of public-key
-certificates (``mdp keygen NAME``), checked in each handshake by a ZAP
-handler (pyzmq's :mod:`zmq.auth`, one thread per context).  An accepted
-peer's identity, for an access policy, is its public key in Z85."""
+"""CURVE on the ZeroMQ transport: encrypted links, and a server's allow-list (a
+directory of public-key certificates, ``mdp keygen NAME``) checked in each handshake
+by a ZAP handler.  An accepted peer's identity is its public key in Z85."""
 
 from __future__ import annotations
 

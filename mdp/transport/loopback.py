@@ -1,9 +1,6 @@
-"""In-memory transport for deterministic tests: ``loopback:NAME``.
-
-Every event is scheduled with ``callLater(0)``, so nothing is re-entrant and
-a test's ``clock.advance(0)`` delivers everything pending, in order.  An
-oversized message ends its pipe, as on streams.  A dealer waits for its
-listener, as a ZeroMQ DEALER does, and again after the listener closes."""
+"""In-memory transport for deterministic tests: ``loopback:NAME``.  Every event is
+scheduled with ``callLater(0)``, so nothing is re-entrant; a dealer waits for its
+listener, as a ZeroMQ DEALER does."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...): each is one
-:class:`Scheme`, a synchronous ``check`` and factories that listen or connect.
-A mistake in an endpoint raises a :class:`~mdp.errors.TransportError` naming
-it and, where it helps, what was probably meant."""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`: a
+``check`` and factories that listen or connect.  A bad endpoint's error says what
+was probably meant."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``,
-the authorities whose client certificates the listener accepts (others are
-refused at the handshake); it knows each peer by its certificate's subject.
-The package's dropin offers :func:`server_endpoint` as the ``mtls:`` parser."""
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``, the
+authorities whose client certificates it accepts; the dropin's ``mtls:`` parser."""
 
 from __future__ import annotations
 
