@@ -509,11 +509,10 @@ class BinaryStar:
         run = self.machine
 
         def bound(router: Any) -> None:
-            self._publisher.transport = router
-            if not self._running or self.machine is not run:
-                self._publisher.transport = None
+            if not self._running or self.machine is not run:  # stopped, or started again
                 router.close()
                 return
+            self._publisher.transport = router
             log.info("Binary Star {role}: state published on {endpoint}, the peer's read from "
                      "{remote}; starts {state}", role=self.role.value, state=self.state.name.lower(),
                      endpoint=router.endpoint, remote=self.remote)
