@@ -5,6 +5,7 @@ running Twisted reactor (docs/spark.md).
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
@@ -288,13 +289,8 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     _check_count("batch", batch)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
-        chunk: list[Any] = []
-        for element in elements:
-            chunk.append(element)
-            if len(chunk) >= batch:
-                yield from _rdd_chunk(call, chunk)
-                chunk = []
-        if chunk:
+        elements = iter(elements)
+        while chunk := list(itertools.islice(elements, batch)):
             yield from _rdd_chunk(call, chunk)
 
     return rdd.mapPartitions(partition)
