@@ -4,6 +4,7 @@ by a ZAP handler.  An accepted peer's identity is its public key in Z85."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -217,10 +218,8 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
         os.chmod(public, 0o644)
     except OSError as e:  # no half pair left behind
         for path in paths:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         raise ValueError(f"cannot write the key pair {name} in {directory!r}: "
                          f"{e.strerror or e}") from None
     finally:
