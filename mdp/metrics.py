@@ -186,12 +186,10 @@ class BrokerMetrics:
                                 "Bytes of request bodies waiting, in all.", value=snapshot.queuedBytes)
         yield GaugeMetricFamily("mdp_broker_services", "Services the broker knows.",
                                 value=snapshot.serviceCount)
-        peers = GaugeMetricFamily("mdp_broker_peers", "Peers the broker deals with: registered "
-                                  "workers, and clients with a request in the broker.",
-                                  labels=["role"])
-        peers.add_metric(["worker"], snapshot.workerCount)
-        peers.add_metric(["client"], broker.clientCount())
-        yield peers
+        yield _samples(GaugeMetricFamily("mdp_broker_peers", "Peers the broker deals with: "
+                                         "registered workers, and clients with a request in the "
+                                         "broker.", labels=["role"]),
+                       {("worker",): snapshot.workerCount, ("client",): broker.clientCount()})
         yield from transport_metrics("mdp_broker",
                                      [b.transport for b in getattr(broker, "bindings", ())])
 

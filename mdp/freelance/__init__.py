@@ -388,9 +388,7 @@ class _FreelanceClient:
 
     def _closePipe(self, action: machines.ClosePipe) -> Optional[defer.Deferred[None]]:
         pipe = self.pipes.pop(action.key, None)
-        if pipe is None:
-            return None
-        return transport.close_all([pipe], "a Freelance client connection")
+        return None if pipe is None else transport.close_all([pipe], "a Freelance client connection")
 
     def _connectPeer(self, action: machines.ConnectPeer) -> None:
         if not self.machine.closed:
