@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp import messages, transport
@@ -147,33 +148,32 @@ class FreelanceServer:
         self.pending += 1
         self.pendingBytes += size
         started = self.reactor.seconds()
-        outcome: list[str] = []
 
-        def failed(failure: Any) -> list[bytes]:
-            log.failure("Freelance handler failed", failure)
-            outcome.append("error")
-            return error_body(STATUS_WORKER_ERROR, f"{failure.type.__name__}: {failure.getErrorMessage()}")
-
-        def reply(replyFrames: list[bytes]) -> None:
+        def reply(result: Any) -> None:
             self.pending -= 1
             self.pendingBytes -= size
-            message = [sequence, *replyFrames]
+            outcome = None  # why the client gets an error, if it does
+            if isinstance(result, Failure):
+                log.failure("Freelance handler failed", result)
+                outcome, result = "error", error_body(
+                    STATUS_WORKER_ERROR, f"{result.type.__name__}: {result.getErrorMessage()}")
+            message = [sequence, *result]
             tooLarge = self.limits.refuse(message)
             if tooLarge is not None:
                 self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
                                    "too large ({reason})", reason=tooLarge)
                 message = [sequence, *error_body(STATUS_TOO_LARGE,
                                                  f"reply too large to send: {tooLarge}")]
-                outcome.append("too-large")
+                outcome = "too-large"
             self.served += 1
             metrics = self.metrics
             if metrics is not None:
                 metrics.handlerSeconds.observe(self.reactor.seconds() - started)
-                if outcome:  # one reason per request: what the client got
-                    metrics.failures.labels(outcome[-1]).inc()
+                if outcome is not None:
+                    metrics.failures.labels(outcome).inc()
             routerTransport.sendMessage(peer, message)
 
-        call_handler(self.handler, body).addErrback(failed).addCallback(reply)
+        call_handler(self.handler, body).addBoth(reply)
 
     def _count(self, counter: str) -> None:
         if self.metrics is not None:
