@@ -24,7 +24,6 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp import transport
-from mdp.errors import TransportError
 from mdp.interfaces import (
     IAuthenticatedRouter,
     IDealerReceiver,
@@ -33,6 +32,7 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.policy import Limits
+from mdp.transport.registry import bad_endpoint
 
 Frames = tuple[bytes, ...]
 
@@ -265,7 +265,7 @@ def _owner(endpoint: str, role: str = "") -> Script:
     """The script of *endpoint* (also the scheme's check, whatever the *role*)."""
     script = _scripts.get(endpoint.partition(":")[2].partition("/")[0])
     if script is None:
-        raise TransportError(f"bad endpoint {endpoint!r}: no such script")
+        raise bad_endpoint(endpoint, "no such script")
     return script
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mdp.errors import TransportError
-from mdp.transport.registry import split_description
+from mdp.transport.registry import bad_endpoint, split_description
 
 #: the authorities' option, our addition to Twisted's ``ssl:`` server syntax
 CA_CERTS = "caCerts"
@@ -22,12 +22,12 @@ def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> N
     """Refuse what an ``ssl:`` listener with ``caCerts=`` would not honour."""
     other = sorted(set(kwargs) - MUTUAL_KEYS)
     if other or len(args) > 1:
-        raise TransportError(f"bad endpoint {description!r}: with {CA_CERTS}= an ssl: listener "
-                             f"takes only port, interface, backlog, privateKey and certKey "
-                             f"(not {', '.join(other) or args[1]})")
+        raise bad_endpoint(description, f"with {CA_CERTS}= an ssl: listener takes only port, "
+                                        f"interface, backlog, privateKey and certKey "
+                                        f"(not {', '.join(other) or args[1]})")
     if "privateKey" not in kwargs:
-        raise TransportError(f"bad endpoint {description!r}: an ssl: listener needs "
-                             "privateKey=KEY.pem (and certKey=CERT.pem)")
+        raise bad_endpoint(description, "an ssl: listener needs privateKey=KEY.pem (and "
+                                        "certKey=CERT.pem)")
 
 
 def authorities(path: str) -> list[Any]:
@@ -60,8 +60,7 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
     description = f"ssl:{':'.join([*args, *(f'{k}={v}' for k, v in kwargs.items())])}"
     check_mutual(description, list(args), kwargs)
     if CA_CERTS not in kwargs:
-        raise TransportError(f"bad endpoint {description!r}: a mutual TLS listener needs "
-                             f"{CA_CERTS}=CA.pem")
+        raise bad_endpoint(description, f"a mutual TLS listener needs {CA_CERTS}=CA.pem")
     trusted = authorities(kwargs[CA_CERTS])
     try:
         with open(kwargs["privateKey"], "rb") as f:
