@@ -319,21 +319,16 @@ class SequentialMachine(FreelanceMachine):
 
 
 class ShotgunMachine(FreelanceMachine):
-    """Model 2's rules: one pipe per server, every request to all."""
-
-    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
-        super().__init__(timeout, deadline, now)
-        self.linked: list[str] = []  # servers with a pipe open
+    """Model 2's rules: one pipe per server (keyed by its endpoint), every request to all."""
 
     def _connected(self, endpoint: str) -> None:
-        self.linked.append(endpoint)
         self._outbox.append(OpenPipe(endpoint, endpoint))
 
     def _start(self, call: _Call) -> None:
-        call.attempts = len(self.linked)
+        call.attempts = len(self.endpoints)
         call.refusals = set()
         call.state = RequestState.SENT
-        for endpoint in self.linked:
+        for endpoint in self.endpoints:
             self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
@@ -348,9 +343,8 @@ class ShotgunMachine(FreelanceMachine):
             self._fail(call, error)
 
     def handleClose(self, now: float) -> list[Action]:
-        actions = super().handleClose(now)
-        linked, self.linked = self.linked, []
-        return actions + [ClosePipe(endpoint) for endpoint in linked]
+        pipes = [] if self.closed else [ClosePipe(endpoint) for endpoint in self.endpoints]
+        return super().handleClose(now) + pipes
 
 
 @attrs.define(eq=False)
