@@ -283,30 +283,30 @@ transport.register(transport.Scheme(
     "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
 
 
-def _certificate_name(common: str, organization: Optional[str]) -> Any:
+def _key_and_certificate(common: str, organization: Optional[str] = None,
+                         issuer: Optional[CertificateAuthority] = None) -> tuple[Any, Any]:
+    """A new key and its certificate for *common*, valid for 30 days: signed by
+    *issuer*, or else a self-signed authority's."""
     from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
+    key = ec.generate_private_key(ec.SECP256R1())
     parts = [x509.NameAttribute(NameOID.COMMON_NAME, common)]
     if organization is not None:
         parts.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
-    return x509.Name(parts)
-
-
-def _signed(subject: Any, issuer: Any, key: Any, signer: Any, ca: bool = False) -> Any:
-    """A certificate of *subject* for *key*, signed by *signer*, valid for 30 days."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-
+    subject = x509.Name(parts)
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+    builder = (x509.CertificateBuilder().subject_name(subject)
+               .issuer_name(subject if issuer is None else issuer.name)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(days=1))
                .not_valid_after(now + datetime.timedelta(days=30)))
-    if ca:
+    if issuer is None:
         builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None),
                                         critical=True)
-    return builder.sign(signer, hashes.SHA256())
+    return key, builder.sign(key if issuer is None else issuer.key, hashes.SHA256())
 
 
 class CertificateAuthority:
@@ -314,15 +314,13 @@ class CertificateAuthority:
     *directory*.  Needs ``cryptography``."""
 
     def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.hazmat.primitives.serialization import Encoding
 
         self.directory = Path(directory)
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        self.name = _certificate_name(name, None)
-        self.certificate = _signed(self.name, self.name, self.key, self.key, ca=True)
+        self.key, self.certificate = _key_and_certificate(name)
+        self.name = self.certificate.subject
         self.pem = self.write("ca.pem" if name == "Test CA" else f"{name}.pem",
-                              self.certificate.public_bytes(serialization.Encoding.PEM))
+                              self.certificate.public_bytes(Encoding.PEM))
 
     def write(self, name: str, data: bytes) -> Path:
         path = self.directory / name
@@ -333,10 +331,8 @@ class CertificateAuthority:
         """Issue a certificate for *common*; the paths of ``FILE.pem`` and
         ``FILE-key.pem`` (``.key`` names CURVE public keys)."""
         from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
 
-        key = ec.generate_private_key(ec.SECP256R1())
-        certificate = _signed(_certificate_name(common, organization), self.name, key, self.key)
+        key, certificate = _key_and_certificate(common, organization, self)
         cert = self.write(f"{file}.pem", certificate.public_bytes(serialization.Encoding.PEM))
         private = self.write(f"{file}-key.pem", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
