@@ -338,7 +338,7 @@ _TOO_LARGE = (b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n"
 
 
 def _peer(address: Any) -> str:
-    """*address* as ``host:port`` (or as Twisted prints it)."""
+    """*address* as ``host:port`` (or as Twisted prints it, a local socket's)."""
     host, port = getattr(address, "host", None), getattr(address, "port", None)
     return f"{host}:{port}" if host is not None and port is not None else str(address)
 
@@ -536,9 +536,7 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
                                            serverFromString(reactor, endpoint).listen, site)
 
     def listened(port: IListeningPort) -> IListeningPort:
-        address = port.getHost()
-        where = f"{address.host}:{address.port}" if hasattr(address, "port") else str(address)
-        log.info("metrics at http://{where}/metrics", where=where)
+        log.info("metrics at http://{where}/metrics", where=_peer(port.getHost()))
         warn_if_open(endpoint, None, "the metrics endpoint",
                      "anyone who can reach it may read the counters (service names, peers, "
                      "load). Keep it on loopback (tcp:9464:interface=127.0.0.1) or a private "
