@@ -168,8 +168,7 @@ def current(package: str, name: str, compiled: str,
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure``
     (:data:`PURE_ENV`) or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
-    directory, leaf = _paths(package, name)
-    compiled = compiled_file(directory, leaf)
+    compiled = compiled_file(*_paths(package, name))
     if compiled is None:
         return "source"
     if pure_requested():
@@ -192,8 +191,7 @@ def reusable(package: str, name: str, build: str) -> Optional[str]:
     from the current sources: ``setup.py`` reuses it."""
     if recorded_build(package) != build:
         return None
-    directory, leaf = _paths(package, name)
-    compiled = compiled_file(directory, leaf)
+    compiled = compiled_file(*_paths(package, name))
     record = read_record(package)
     if compiled is None or record is None or not current(package, name, compiled, record):
         return None
@@ -206,8 +204,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
-        directory, leaf = _paths(package, name)
-        compiled = compiled_file(directory, leaf)
+        compiled = compiled_file(*_paths(package, name))
         if compiled is None:
             continue
         signature = _signature(compiled)
@@ -232,8 +229,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
 def remove_compiled(package: str) -> None:
     """Remove the compiled modules and the record of *package*."""
     for name in _RECORDED:
-        directory, leaf = _paths(package, name)
-        compiled = compiled_file(directory, leaf)
+        compiled = compiled_file(*_paths(package, name))
         if compiled is not None:
             os.remove(compiled)
     try:
