@@ -3,6 +3,7 @@ authorities whose client certificates it accepts; the dropin's ``mtls:`` parser.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from mdp.errors import TransportError
@@ -35,8 +36,7 @@ def authorities(path: str) -> list[Any]:
     from twisted.internet import ssl
 
     try:
-        with open(path, "rb") as f:
-            pem = f.read()
+        pem = Path(path).read_bytes()
     except OSError as e:
         raise TransportError(f"{CA_CERTS}={path}: cannot read the authorities' certificates: "
                              f"{e.strerror}") from None
@@ -63,10 +63,8 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
         raise bad_endpoint(description, f"a mutual TLS listener needs {CA_CERTS}=CA.pem")
     trusted = authorities(kwargs[CA_CERTS])
     try:
-        with open(kwargs["privateKey"], "rb") as f:
-            key = f.read()
-        with open(kwargs.get("certKey", kwargs["privateKey"]), "rb") as f:
-            cert = f.read()
+        key = Path(kwargs["privateKey"]).read_bytes()
+        cert = Path(kwargs.get("certKey", kwargs["privateKey"])).read_bytes()
         own = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
     except Exception as e:
         raise TransportError(f"{description}: cannot load the server's certificate and key: "
