@@ -45,53 +45,27 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_HOMES = {
-    "BrokerService": "mdp.app.service",
-    "WorkerService": "mdp.app.service",
-    "BinaryStar": "mdp.binarystar",
-    "Broker": "mdp.majordomo.broker",
-    "Client": "mdp.majordomo.client",
-    "ReplyStream": "mdp.majordomo.client",
-    "MemoryReplyStore": "mdp.majordomo.idempotence",
-    "Final": "mdp.majordomo.worker",
-    "Worker": "mdp.majordomo.worker",
-    "Backoff": "mdp.policy",
-    "HeartbeatPolicy": "mdp.policy",
-    "Limits": "mdp.policy",
-    **{name: "mdp.errors" for name in (
-        "BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge",
-        "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge", "RequestTimeout",
-        "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted",
-        "TransportError", "WorkerError")},
-}
+#: each public name's module
+_HOMES = {name: home for home, names in {
+    "mdp.app.service": ("BrokerService", "WorkerService"),
+    "mdp.binarystar": ("BinaryStar",),
+    "mdp.majordomo.broker": ("Broker",),
+    "mdp.majordomo.client": ("Client", "ReplyStream"),
+    "mdp.majordomo.idempotence": ("MemoryReplyStore",),
+    "mdp.majordomo.worker": ("Final", "Worker"),
+    "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"),
+    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge",
+                   "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge",
+                   "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
+                   "StreamRestarted", "TransportError", "WorkerError"),
+}.items() for name in names}
 
 __all__ = [
-    "Backoff",
-    "BinaryStar",
-    "Broker",
-    "BrokerService",
-    "BrokerUnreachable",
-    "Client",
-    "ClientClosed",
-    "Final",
-    "HeartbeatPolicy",
-    "Limits",
-    "MDPError",
-    "MemoryReplyStore",
-    "MessageTooLarge",
-    "NoServerAvailable",
-    "ProtocolError",
-    "RemoteError",
-    "ReplyStream",
-    "ReplyTooLarge",
-    "RequestTimeout",
-    "RequestTooLarge",
-    "ServiceOverloaded",
-    "ServiceUnavailable",
-    "StreamRestarted",
-    "TransportError",
-    "Worker",
-    "WorkerError",
+    "Backoff", "BinaryStar", "Broker", "BrokerService", "BrokerUnreachable", "Client",
+    "ClientClosed", "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore",
+    "MessageTooLarge", "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream",
+    "ReplyTooLarge", "RequestTimeout", "RequestTooLarge", "ServiceOverloaded",
+    "ServiceUnavailable", "StreamRestarted", "TransportError", "Worker", "WorkerError",
     "WorkerService",
 ]
 

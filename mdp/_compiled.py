@@ -1,11 +1,6 @@
-"""The modules ``setup.py`` compiles with Cython where it can, and the import
-hook that decides, module by module, whether the compiled one runs.
-
-The compiled build is optional.  In a working tree a compiled module would
-shadow its edited source, so the build records (:data:`RECORD`) each file's
-size and time, and a module that no longer matches runs from source; a wheel
-has no record.  Imports nothing of the package: ``setup.py`` runs it first.
-"""
+"""The modules ``setup.py`` compiles with Cython where it can, and the import hook
+that runs a module's source where its compiled file no longer matches it (the
+build's :data:`RECORD` of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -173,8 +168,7 @@ def current(package: str, name: str, compiled: str,
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure``
     (:data:`PURE_ENV`) or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
-    directory, leaf = _paths(package, name)
-    compiled = compiled_file(directory, leaf)
+    compiled = compiled_file(*_paths(package, name))
     if compiled is None:
         return "source"
     if pure_requested():
@@ -197,8 +191,7 @@ def reusable(package: str, name: str, build: str) -> Optional[str]:
     from the current sources: ``setup.py`` reuses it."""
     if recorded_build(package) != build:
         return None
-    directory, leaf = _paths(package, name)
-    compiled = compiled_file(directory, leaf)
+    compiled = compiled_file(*_paths(package, name))
     record = read_record(package)
     if compiled is None or record is None or not current(package, name, compiled, record):
         return None
@@ -211,8 +204,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
-        directory, leaf = _paths(package, name)
-        compiled = compiled_file(directory, leaf)
+        compiled = compiled_file(*_paths(package, name))
         if compiled is None:
             continue
         signature = _signature(compiled)
@@ -237,8 +229,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
 def remove_compiled(package: str) -> None:
     """Remove the compiled modules and the record of *package*."""
     for name in _RECORDED:
-        directory, leaf = _paths(package, name)
-        compiled = compiled_file(directory, leaf)
+        compiled = compiled_file(*_paths(package, name))
         if compiled is not None:
             os.remove(compiled)
     try:
@@ -248,48 +239,31 @@ def remove_compiled(package: str) -> None:
 
 
 class SourceFirst:
-    """A meta path finder for :data:`MODULES`: the source where :func:`kind` says
-    ``pure`` or ``stale``; else None, leaving it to the usual finder."""
+    """A meta path finder that runs a package module's source where :func:`kind`
+    says ``pure`` or ``stale``, or where it is no longer listed and an earlier
+    build left its compiled file beside it; else None, leaving it to the usual finder."""
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
                   target: object = None) -> Optional[ModuleSpec]:
-        if not path:
+        if not path or not name.startswith("mdp.") or name in ACCELERATORS:
             return None
-        if name not in _LISTED:
-            return _unlisted(name, path)
         leaf = name.rpartition(".")[2]
-        depth = name.count(".")
         for directory in path:
             source = os.path.join(directory, leaf + ".py")
             if not os.path.isfile(source):
                 continue
-            package = os.path.normpath(os.path.join(directory, *[os.pardir] * (depth - 1)))
-            if kind(package, name, _record_of(package)) in ("pure", "stale"):
+            if name in _LISTED:
+                package = os.path.normpath(os.path.join(directory, *[os.pardir] * (name.count(".") - 1)))
+                runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
+            else:
+                runSource = compiled_file(directory, leaf) is not None
+            if runSource:
                 from importlib.util import spec_from_file_location
 
                 return spec_from_file_location(name, source)
             return None
         return None
-
-
-def _unlisted(name: str, path: Sequence[str]) -> Optional[ModuleSpec]:
-    """A module of the package no longer compiled, whose compiled file an
-    earlier build left beside its source (a working tree that was updated):
-    the source runs, not that older code."""
-    if not name.startswith("mdp.") or name in ACCELERATORS:
-        return None
-    leaf = name.rpartition(".")[2]
-    for directory in path:
-        source = os.path.join(directory, leaf + ".py")
-        if os.path.isfile(source):
-            if any(os.path.isfile(os.path.join(directory, leaf + suffix))
-                   for suffix in EXTENSION_SUFFIXES):
-                from importlib.util import spec_from_file_location
-
-                return spec_from_file_location(name, source)
-            return None
-    return None
 
 
 def install() -> None:

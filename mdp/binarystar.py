@@ -111,15 +111,18 @@ class Resumed:
     reason: str
 
 
-@action_class
-class PublishState:
-    """Send our state (and role, uptime, run id and heartbeat) to the peer."""
+class PeerState(NamedTuple):
+    """A STATE message: what a server publishes (the machine's action) and what
+    the peer's says."""
 
     state: State
     role: Role
     uptime: float
     instance: str = ""
     heartbeat: float = DEFAULT_HEARTBEAT
+
+
+PublishState = PeerState
 
 
 Action = Union[Changed, Fatal, Conflict, PublishState, Stalled, Resumed]
@@ -318,16 +321,6 @@ MAX_SUBSCRIBERS = 16
 _ROLES = {role.value.encode(): role for role in Role}
 
 
-class PeerState(NamedTuple):
-    """What a STATE message says."""
-
-    state: State
-    role: Role
-    uptime: float
-    instance: str
-    heartbeat: float
-
-
 _INSTANCE = re.compile(rb"^[0-9a-f]{16}$")
 
 
@@ -404,13 +397,10 @@ Observer = Callable[[str], Any]
 
 @implementer(IAdmission)
 class BinaryStar:
-    """One server of a Binary Star pair, over real transports.
-
-    It publishes its state on *local* and reads the peer's from *remote* (the
-    peer's *local*).  :meth:`admitClient` and :meth:`admitWorker` are the votes:
-    serve only on True.  After a fatal error (split brain, dual passive, same
-    role; see :meth:`onFatal`) nothing more is admitted and the server should
-    close.  Bad endpoints raise :class:`~mdp.errors.TransportError` at once."""
+    """One server of a Binary Star pair: publishes its state on *local*, reads the
+    peer's from *remote* (the peer's *local*).  :meth:`admitClient` and
+    :meth:`admitWorker` are the votes; after a fatal error (:meth:`onFatal`)
+    nothing more is admitted and the server should close."""
 
     def __init__(self, role: Union[Role, str], local: str, remote: str,
                  reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
@@ -519,11 +509,10 @@ class BinaryStar:
         run = self.machine
 
         def bound(router: Any) -> None:
-            self._publisher.transport = router
-            if not self._running or self.machine is not run:
-                self._publisher.transport = None
+            if not self._running or self.machine is not run:  # stopped, or started again
                 router.close()
                 return
+            self._publisher.transport = router
             log.info("Binary Star {role}: state published on {endpoint}, the peer's read from "
                      "{remote}; starts {state}", role=self.role.value, state=self.state.name.lower(),
                      endpoint=router.endpoint, remote=self.remote)
@@ -659,8 +648,7 @@ class BinaryStar:
         """Send *action*'s state to *peers* (default: every subscriber)."""
         router = self._publisher.transport
         if router is not None:
-            message = encode_state(action.state, action.role, action.uptime, action.instance,
-                                   action.heartbeat)
+            message = encode_state(*action)
             for peer in list(self._publisher.subscribers) if peers is None else peers:
                 router.sendMessage(peer, message)
 

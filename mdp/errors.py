@@ -1,9 +1,5 @@
 """Every exception the library raises (catch :class:`MDPError` for any of them).
-
-Caller mistakes raise at once (``TypeError``/``ValueError``, :class:`TransportError`
-for a malformed endpoint); what happens later fails the returned Deferred.  A
-:class:`RemoteError` (a subclass per status code) carries a peer's error reply; a
-:class:`ProtocolError` is a peer breaking the wire protocol."""
+Caller mistakes raise at once; what happens later fails the returned Deferred."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The contracts between transports, the protocols they drive, and roles.
-
-A *message* is a ``list`` of ``bytes`` frames.  A transport moves messages
-and knows nothing of MDP; a state machine implements a receiver interface and
-sends through the matching transport, never importing zmq or socket.
-"""
+"""The contracts between transports, the protocols they drive, and roles.  A
+*message* is a ``list`` of ``bytes`` frames; a transport moves messages and knows
+nothing of MDP."""
 
 from __future__ import annotations
 
@@ -13,30 +10,24 @@ from zope.interface import Attribute, Interface
 
 
 class IRouterReceiver(Interface):
-    """The protocol side of a bound, ROUTER-like transport (e.g. a broker).
-
-    With ``keepFramesFrom`` (an index) a transport may deliver the long frames
-    from there on as uncopied buffers (``len``, ``bytes()``, buffer protocol)."""
+    """The protocol side of a bound, ROUTER-like transport (e.g. a broker).  With
+    ``keepFramesFrom`` (an index) the long frames from there on may come as buffers."""
 
     def messageReceived(peer: bytes, frames: list[bytes]) -> None:
         """A message arrived from the peer identified by *peer*."""
 
     def peerDisconnected(peer: bytes) -> None:
-        """*peer* went away or was cut off (over the limits); ZeroMQ reports only
-        the latter.  Never called from inside ``sendMessage``."""
+        """*peer* went away or was cut off (ZeroMQ reports only the latter); never
+        called from inside ``sendMessage``."""
 
 
 class IRouterTransport(Interface):
     """A bound socket that addresses many peers by opaque id (ZeroMQ ROUTER)."""
 
-    endpoint = Attribute(
-        "An endpoint string a peer can connect to; with port 0 or ``*`` it "
-        "names the port the OS picked."
-    )
+    endpoint = Attribute("An endpoint string a peer can connect to (with the port the OS picked).")
 
     def sendMessage(peer: bytes, frames: list[bytes]) -> None:
-        """Send *frames* to *peer*; dropped for an unknown peer.  Beyond
-        ``Limits.maxOutputBytes`` unread, that peer is disconnected."""
+        """Send *frames* to *peer* (dropped if unknown; cut off beyond ``maxOutputBytes`` unread)."""
 
     def disconnectPeer(peer: bytes) -> None:
         """Close the connection to *peer* once its output is sent (a no-op on ZeroMQ)."""
@@ -46,8 +37,8 @@ class IRouterTransport(Interface):
 
 
 class IDealerReceiver(Interface):
-    """The protocol side of a connecting, DEALER-like transport.  It may have
-    ``connectionFailed(reason)``, which stream transports call before a retry."""
+    """The protocol side of a connecting, DEALER-like transport (optionally with
+    ``connectionFailed(reason)``, called before a retry)."""
 
     def connectionMade() -> None:
         """A pipe to the far side is ready; called again after each reconnection."""
@@ -56,8 +47,7 @@ class IDealerReceiver(Interface):
         """A message arrived from the far side."""
 
     def connectionLost(reason: object) -> None:
-        """The pipe broke; a reconnection and connectionMade follow.  ZeroMQ
-        calls it only when it dropped the pipe itself (over the limits)."""
+        """The pipe broke; a reconnection and connectionMade follow."""
 
 
 class IDealerTransport(Interface):
@@ -65,31 +55,25 @@ class IDealerTransport(Interface):
 
     endpoint = Attribute("The endpoint string this transport connects to.")
     connected = Attribute("True while the pipe is believed usable.")
-    writable = Attribute(
-        "False while the medium takes no more (its queue is full): what is sent "
-        "meanwhile waits, in order, in a local backlog.  Senders of bursts "
-        "(streaming handlers) wait on drained() instead of growing it."
-    )
+    writable = Attribute("False while the medium's queue is full: what is sent meanwhile "
+                         "waits in a local backlog (senders of bursts wait on drained()).")
 
     def sendMessage(frames: list[bytes]) -> None:
-        """Send *frames*; while disconnected they wait (bounded; beyond, refused
-        with a warning) for the next connectionMade.  Never dropped for a full
-        queue (see ``writable``)."""
+        """Send *frames*; while disconnected they wait (bounded) for the next
+        connectionMade; never dropped for a full queue (see ``writable``)."""
 
     def drained():
         """A Deferred that fires once writable (at once if it is) or the pipe is dropped."""
 
     def discardReceived() -> int:
-        """Drop the messages not delivered yet and return how many (a client
-        does before a request: MDP replies carry no request id)."""
+        """Drop the messages not delivered yet and return how many."""
 
     def close():
         """Close for good.  Returns a Deferred."""
 
 
 class IDealerChannels(Interface):
-    """Many pipes to one bound peer over one shared connection; each is its own
-    peer at the far side, with its own loss, stale messages and close."""
+    """Many pipes to one bound peer over one shared connection, each its own peer."""
 
     def open(receiver: object) -> IDealerTransport:
         """A new pipe whose events go to *receiver*, an :class:`IDealerReceiver`."""
@@ -99,35 +83,28 @@ class IDealerChannels(Interface):
 
 
 class IStreamDecoder(Interface):
-    """Turns the bytes of one stream connection into messages (no I/O).
-
-    With a greeting both sides check (SP), it also has ``handshaken``: until
-    true a connecting side holds its output, and a peer past
-    ``handshakeTimeout`` is dropped."""
+    """Turns the bytes of one stream connection into messages (no I/O).  With a
+    greeting (SP) it has ``handshaken``: until true a connecting side holds its output."""
 
     records = Attribute("Messages completed so far.")
     inRecord = Attribute("True while a message has begun and is not complete.")
     buffered = Attribute("Bytes held for the message in progress.")
     identity = Attribute("The identity the peer announced in its greeting, or None.")
-    channels = Attribute(
-        "True once the stream carries channels: each message is then a "
-        "``(channel, frames)`` pair (docs/transports.md); False for a framing "
-        "that has none.")
+    channels = Attribute("True once the stream carries channels: each message is then a "
+                         "``(channel, frames)`` pair (docs/transports.md).")
 
     def feed(data: bytes) -> list[list[bytes]]:
-        """The messages completed by *data*.  Raises :class:`~mdp.errors.ProtocolError`
-        (``OversizedMessage`` for a limit) whose ``decoded`` holds those before it."""
+        """The messages completed by *data*; a :class:`~mdp.errors.ProtocolError`'s
+        ``decoded`` holds those before it."""
 
 
 class IFraming(Interface):
-    """How messages become bytes on a stream, apart from connection handling,
-    so a new wire mapping is one small class."""
+    """How messages become bytes on a stream, apart from connection handling."""
 
     name = Attribute("A short name for logs and docs.")
 
     def greeting(identity: object) -> bytes:
-        """What a connection sends first (``b""``: nothing); *identity* is what a
-        connecting side wants the far side to see, else None."""
+        """What a connection sends first (``b""``: nothing), announcing *identity* or None."""
 
     def encode(frames: list[bytes]) -> bytes:
         """One message as bytes (with ``acceptsBuffers``, frames may be any buffer)."""
@@ -137,8 +114,7 @@ class IFraming(Interface):
 
 
 class IAdmission(Interface):
-    """Whether a broker serves just now (Binary Star, :class:`mdp.binarystar.BinaryStar`);
-    a refusal is silent, and the peer retries elsewhere."""
+    """Whether a broker serves just now (:class:`mdp.binarystar.BinaryStar`); a refusal is silent."""
 
     def admitClient(now: float) -> bool:
         """A client request arrived (a failover vote); serve it?"""
@@ -152,7 +128,7 @@ class IAdmission(Interface):
 
 class IAccess(Interface):
     """Who may call and serve which services, by authenticated identity (``None``:
-    unauthenticated link); see :class:`mdp.policy.AccessPolicy`."""
+    unauthenticated); see :class:`mdp.policy.AccessPolicy`."""
 
     def mayCall(identity: Optional[str], service: bytes) -> bool:
         """May this peer call *service* (and learn of it through MMI)?"""
@@ -165,8 +141,7 @@ class IAuthenticatedRouter(Interface):
     """A router transport that knows who its peers are (CURVE, mutual TLS)."""
 
     def peerIdentity(peer: bytes) -> Optional[str]:
-        """*peer*'s authenticated identity (a CURVE key in Z85, a TLS subject) or
-        ``None``; valid at least while its message is being delivered."""
+        """*peer*'s authenticated identity (a CURVE key in Z85, a TLS subject) or ``None``."""
 
 
 class IBroker(Interface):
@@ -201,8 +176,7 @@ class IClient(Interface):
     """An MDP/0.2 client."""
 
     def request(service, *frames, timeout=None, retries=None, onPartial=None, onRestart=None):
-        """A Deferred of the FINAL body; *onPartial* gets each PARTIAL body,
-        *onRestart* is called when the reply starts over."""
+        """A Deferred of the FINAL body; *onPartial* gets each PARTIAL body."""
 
     def stream(service, *frames, timeout=None):
         """An async iterator over every PARTIAL body and then the FINAL body."""

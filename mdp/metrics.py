@@ -1,10 +1,5 @@
-"""Prometheus metrics for brokers, workers and Freelance servers (docs/metrics.md).
-
-A node given a metrics object (``Broker(metrics=BrokerMetrics())``) counts
-events as they happen; state (queue depths, workers, peers) is read from the
-node at scrape time.  Clients choose service names, so at most
-``maxServices`` become label values; the rest count under ``_other``.
-"""
+"""Prometheus metrics for brokers, workers and Freelance servers (docs/metrics.md):
+a node counts events as they happen; its state is read at scrape time."""
 
 from __future__ import annotations
 
@@ -191,12 +186,10 @@ class BrokerMetrics:
                                 "Bytes of request bodies waiting, in all.", value=snapshot.queuedBytes)
         yield GaugeMetricFamily("mdp_broker_services", "Services the broker knows.",
                                 value=snapshot.serviceCount)
-        peers = GaugeMetricFamily("mdp_broker_peers", "Peers the broker deals with: registered "
-                                  "workers, and clients with a request in the broker.",
-                                  labels=["role"])
-        peers.add_metric(["worker"], snapshot.workerCount)
-        peers.add_metric(["client"], broker.clientCount())
-        yield peers
+        yield _samples(GaugeMetricFamily("mdp_broker_peers", "Peers the broker deals with: "
+                                         "registered workers, and clients with a request in the "
+                                         "broker.", labels=["role"]),
+                       {("worker",): snapshot.workerCount, ("client",): broker.clientCount()})
         yield from transport_metrics("mdp_broker",
                                      [b.transport for b in getattr(broker, "bindings", ())])
 
@@ -345,7 +338,7 @@ _TOO_LARGE = (b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n"
 
 
 def _peer(address: Any) -> str:
-    """*address* as ``host:port`` (or as Twisted prints it)."""
+    """*address* as ``host:port`` (or as Twisted prints it, a local socket's)."""
     host, port = getattr(address, "host", None), getattr(address, "port", None)
     return f"{host}:{port}" if host is not None and port is not None else str(address)
 
@@ -543,9 +536,7 @@ def serve_metrics(endpoint: str, registry: CollectorRegistry,
                                            serverFromString(reactor, endpoint).listen, site)
 
     def listened(port: IListeningPort) -> IListeningPort:
-        address = port.getHost()
-        where = f"{address.host}:{address.port}" if hasattr(address, "port") else str(address)
-        log.info("metrics at http://{where}/metrics", where=where)
+        log.info("metrics at http://{where}/metrics", where=_peer(port.getHost()))
         warn_if_open(endpoint, None, "the metrics endpoint",
                      "anyone who can reach it may read the counters (service names, peers, "
                      "load). Keep it on loopback (tcp:9464:interface=127.0.0.1) or a private "

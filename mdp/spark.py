@@ -5,6 +5,7 @@ running Twisted reactor (docs/spark.md).
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
@@ -159,18 +160,11 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
     return done
 
 
-def _encode(value: Any) -> Optional[bytes]:
-    if value is None:
+def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
+    """A row's frames (str sent UTF-8); None if it has none or a null."""
+    if not values or any(v is None for v in values):
         return None
-    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
-
-
-def _frames_of_rows(columns: list[list[Any]]) -> list[Optional[list[bytes]]]:
-    requests: list[Optional[list[bytes]]] = []
-    for row in zip(*columns):
-        frames = [_encode(v) for v in row]
-        requests.append(None if any(f is None for f in frames) else frames)  # type: ignore[misc]
-    return requests
+    return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
 def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
@@ -184,7 +178,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
                  "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
         for batch in batches:
             columns = [batch.column(name).to_pylist() for name in inputs]
-            results = call_many(call, _frames_of_rows(columns)) if batch.num_rows else []
+            requests = [_request(row) for row in zip(*columns)]
+            results = call_many(call, requests) if batch.num_rows else []
             replies, errors = [], []
             for result in results:
                 if isinstance(result, BaseException):
@@ -294,13 +289,8 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     _check_count("batch", batch)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
-        chunk: list[Any] = []
-        for element in elements:
-            chunk.append(element)
-            if len(chunk) >= batch:
-                yield from _rdd_chunk(call, chunk)
-                chunk = []
-        if chunk:
+        elements = iter(elements)
+        while chunk := list(itertools.islice(elements, batch)):
             yield from _rdd_chunk(call, chunk)
 
     return rdd.mapPartitions(partition)
@@ -310,8 +300,7 @@ def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
     requests = []
     for element in chunk:
         single = isinstance(element, (str, bytes, bytearray)) or element is None
-        row = [element] if single else list(element)
-        requests.append(_frames_of_rows([[v] for v in row])[0] if row else None)
+        requests.append(_request([element] if single else list(element)))
     for result in call_many(call, requests):
         failed = isinstance(result, BaseException)
         if call.onError == "column":

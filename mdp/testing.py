@@ -1,19 +1,13 @@
-"""Drive a node's state machine by a list of events, with no transport.
-
-Feed a node events (a message, a peer gone, a pipe up, time passing) and
-read back the actions it takes; its transports are recording stand-ins and
-its clock a :class:`~twisted.internet.task.Clock`::
+"""Drive a node by a list of events (a message, a peer gone, a pipe up, time
+passing) and read back its actions; its transports are recording stand-ins
+on ``script:`` endpoints, its clock a :class:`~twisted.internet.task.Clock`::
 
     script = Script()
     broker = Broker(reactor=script.clock)
     broker.listen(script.endpoint("b"))
-    actions = script.feed(Receive(b"W", [b"", b"MDPW02", b"\\x01", b"echo"]),
-                          Receive(b"C", [b"MDPC02", b"\\x01", b"echo", b"hi"]))
-    assert Send(b"W", ...) in actions
+    actions = script.feed(Receive(b"C", [b"MDPC02", b"\\x01", b"echo", b"hi"]))
 
-:meth:`Script.endpoint` gives ``script:`` endpoints.  A listening node gets a
-router recording by peer id; a connecting node gets pipes named
-``ENDPOINT#N`` (the Nth pipe to that endpoint).
+A connecting node's pipes are named ``ENDPOINT#N`` (the Nth pipe to that endpoint).
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp import transport
-from mdp.errors import TransportError
 from mdp.interfaces import (
     IAuthenticatedRouter,
     IDealerReceiver,
@@ -39,6 +32,7 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.policy import Limits
+from mdp.transport.registry import bad_endpoint
 
 Frames = tuple[bytes, ...]
 
@@ -180,7 +174,6 @@ class Script:
         self._counts: dict[str, itertools.count] = {}
         self.id = str(next(_ids))
         _scripts[self.id] = self
-        _ensure_registered()
 
     def endpoint(self, name: str) -> str:
         """An endpoint string of this script (``script:ID/NAME``)."""
@@ -229,18 +222,16 @@ class Script:
                 self.elapse(event.seconds)
             elif isinstance(event, Connected):
                 self._up(self.pipe(event.pipe))
+            elif isinstance(event, Receive) and isinstance(event.source, bytes):
+                self._router(via).receiver.messageReceived(event.source, list(event.frames))
             elif isinstance(event, Receive):
-                if isinstance(event.source, bytes):
-                    self._router(via).receiver.messageReceived(event.source, list(event.frames))
-                else:
-                    self.pipe(event.source).receiver.messageReceived(list(event.frames))
+                self.pipe(event.source).receiver.messageReceived(list(event.frames))
+            elif isinstance(event, Lost) and isinstance(event.source, bytes):
+                self._router(via).receiver.peerDisconnected(event.source)
             elif isinstance(event, Lost):
-                if isinstance(event.source, bytes):
-                    self._router(via).receiver.peerDisconnected(event.source)
-                else:
-                    pipe = self.pipe(event.source)
-                    pipe.connected = False
-                    pipe.receiver.connectionLost(Failure(ConnectionError("pipe broke")))
+                pipe = self.pipe(event.source)
+                pipe.connected = False
+                pipe.receiver.connectionLost(Failure(ConnectionError("pipe broke")))
             else:
                 raise TypeError(f"not an event: {event!r}")
             self.clock.advance(0)
@@ -270,15 +261,12 @@ class Script:
         _scripts.pop(self.id, None)
 
 
-def _owner(endpoint: str) -> Script:
+def _owner(endpoint: str, role: str = "") -> Script:
+    """The script of *endpoint* (also the scheme's check, whatever the *role*)."""
     script = _scripts.get(endpoint.partition(":")[2].partition("/")[0])
     if script is None:
-        raise TransportError(f"bad endpoint {endpoint!r}: no such script")
+        raise bad_endpoint(endpoint, "no such script")
     return script
-
-
-def _check(endpoint: str, role: str) -> None:
-    _owner(endpoint)
 
 
 def _listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
@@ -290,37 +278,35 @@ def _connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPo
     return _owner(endpoint)._connect(endpoint, receiver)
 
 
-def _ensure_registered() -> None:
-    if not any(s.name == "script" for s in transport.schemes()):
-        transport.register(transport.Scheme(
-            "script", _check, _listen, _connect,
-            "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
+transport.register(transport.Scheme(
+    "script", _owner, _listen, _connect,
+    "recording stand-ins for driving a node by events (mdp.testing)", identities=True))
 
 
-def _certificate_name(common: str, organization: Optional[str]) -> Any:
+def _key_and_certificate(common: str, organization: Optional[str] = None,
+                         issuer: Optional[CertificateAuthority] = None) -> tuple[Any, Any]:
+    """A new key and its certificate for *common*, valid for 30 days: signed by
+    *issuer*, or else a self-signed authority's."""
     from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
+    key = ec.generate_private_key(ec.SECP256R1())
     parts = [x509.NameAttribute(NameOID.COMMON_NAME, common)]
     if organization is not None:
         parts.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
-    return x509.Name(parts)
-
-
-def _signed(subject: Any, issuer: Any, key: Any, signer: Any, ca: bool = False) -> Any:
-    """A certificate of *subject* for *key*, signed by *signer*, valid for 30 days."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-
+    subject = x509.Name(parts)
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+    builder = (x509.CertificateBuilder().subject_name(subject)
+               .issuer_name(subject if issuer is None else issuer.name)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(days=1))
                .not_valid_after(now + datetime.timedelta(days=30)))
-    if ca:
+    if issuer is None:
         builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None),
                                         critical=True)
-    return builder.sign(signer, hashes.SHA256())
+    return key, builder.sign(key if issuer is None else issuer.key, hashes.SHA256())
 
 
 class CertificateAuthority:
@@ -328,15 +314,13 @@ class CertificateAuthority:
     *directory*.  Needs ``cryptography``."""
 
     def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.hazmat.primitives.serialization import Encoding
 
         self.directory = Path(directory)
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        self.name = _certificate_name(name, None)
-        self.certificate = _signed(self.name, self.name, self.key, self.key, ca=True)
+        self.key, self.certificate = _key_and_certificate(name)
+        self.name = self.certificate.subject
         self.pem = self.write("ca.pem" if name == "Test CA" else f"{name}.pem",
-                              self.certificate.public_bytes(serialization.Encoding.PEM))
+                              self.certificate.public_bytes(Encoding.PEM))
 
     def write(self, name: str, data: bytes) -> Path:
         path = self.directory / name
@@ -347,10 +331,8 @@ class CertificateAuthority:
         """Issue a certificate for *common*; the paths of ``FILE.pem`` and
         ``FILE-key.pem`` (``.key`` names CURVE public keys)."""
         from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
 
-        key = ec.generate_private_key(ec.SECP256R1())
-        certificate = _signed(_certificate_name(common, organization), self.name, key, self.key)
+        key, certificate = _key_and_certificate(common, organization, self)
         cert = self.write(f"{file}.pem", certificate.public_bytes(serialization.Encoding.PEM))
         private = self.write(f"{file}-key.pem", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,

@@ -1,15 +1,10 @@
-"""Brokerless reliable request-reply: the Guide's Freelance pattern, models 1-3.
+"""Brokerless reliable request-reply: the Guide's Freelance pattern, models 1-3
+(:class:`SequentialClient`, :class:`ShotgunClient`, :class:`AgentClient`, each
+driving its machine in :mod:`mdp.freelance.machines`) and :class:`FreelanceServer`.
 
-Wire protocol (the Guide's model 3): ``[b"PING"]`` is answered ``[b"PONG"]``,
-``[sequence, body...]`` with ``[sequence, reply...]``.  Errors use MDP's error
-body, so both patterns raise the same errors: 500 :class:`~mdp.errors.WorkerError`,
-429 :class:`~mdp.errors.ServiceOverloaded` (``maxPending``/``maxPendingBytes``
-in hand), 413 :class:`~mdp.errors.MessageTooLarge`.
-
-``timeout`` bounds **one attempt** and ``deadline`` the **whole request**.  Models
-1-3 are :class:`SequentialClient`, :class:`ShotgunClient` and :class:`AgentClient`,
-each driving its pure machine (:mod:`mdp.freelance.machines`; docs/freelance.md
-tables the transitions).
+``[b"PING"]`` is answered ``[b"PONG"]``, ``[sequence, body...]`` with ``[sequence,
+reply...]``; errors use MDP's error body (500, 429, 413), so both patterns raise
+the same errors.  ``timeout`` bounds one attempt, ``deadline`` the whole request.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp import messages, transport
@@ -68,7 +64,7 @@ Handler = Callable[[list[bytes]], Any]
 
 class FreelanceServer:
     """Answers PING with PONG and ``[sequence, body...]`` with ``[sequence, handler(body)...]``
-    (a worker's handler); each endpoint it listens on gets its own ``_Binding``."""
+    (a worker's handler)."""
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
@@ -94,8 +90,7 @@ class FreelanceServer:
             metrics.watch(self)
 
     def listen(self, endpoint: str) -> defer.Deferred:
-        """Bind *endpoint*; fires with the transport.  A malformed endpoint raises
-        :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
+        """Bind *endpoint*; fires with the transport."""
         binding = _Binding(self)
 
         def bound(routerTransport: Any) -> Any:
@@ -113,10 +108,8 @@ class FreelanceServer:
         return routerTransport
 
     def streamFactory(self) -> IProtocolFactory:
-        """This server as a Twisted :class:`IProtocolFactory` in the stream framing,
-        to listen on an endpoint or TLS wrapper of one's own (clients use ``tcp:``,
-        ``unix:``, ``tls:``...).  :meth:`close` drops its connections; stopping
-        the listening port is the caller's."""
+        """This server as a Twisted :class:`IProtocolFactory` in the stream framing, to
+        listen with on an endpoint of one's own (stopping that port is the caller's)."""
         from mdp.transport.stream import StreamRouter
 
         binding = _Binding(self)
@@ -155,33 +148,32 @@ class FreelanceServer:
         self.pending += 1
         self.pendingBytes += size
         started = self.reactor.seconds()
-        outcome: list[str] = []
 
-        def failed(failure: Any) -> list[bytes]:
-            log.failure("Freelance handler failed", failure)
-            outcome.append("error")
-            return error_body(STATUS_WORKER_ERROR, f"{failure.type.__name__}: {failure.getErrorMessage()}")
-
-        def reply(replyFrames: list[bytes]) -> None:
+        def reply(result: Any) -> None:
             self.pending -= 1
             self.pendingBytes -= size
-            message = [sequence, *replyFrames]
+            outcome = None  # why the client gets an error, if it does
+            if isinstance(result, Failure):
+                log.failure("Freelance handler failed", result)
+                outcome, result = "error", error_body(
+                    STATUS_WORKER_ERROR, f"{result.type.__name__}: {result.getErrorMessage()}")
+            message = [sequence, *result]
             tooLarge = self.limits.refuse(message)
             if tooLarge is not None:
                 self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
                                    "too large ({reason})", reason=tooLarge)
                 message = [sequence, *error_body(STATUS_TOO_LARGE,
                                                  f"reply too large to send: {tooLarge}")]
-                outcome.append("too-large")
+                outcome = "too-large"
             self.served += 1
             metrics = self.metrics
             if metrics is not None:
                 metrics.handlerSeconds.observe(self.reactor.seconds() - started)
-                if outcome:  # one reason per request: what the client got
-                    metrics.failures.labels(outcome[-1]).inc()
+                if outcome is not None:
+                    metrics.failures.labels(outcome).inc()
             routerTransport.sendMessage(peer, message)
 
-        call_handler(self.handler, body).addErrback(failed).addCallback(reply)
+        call_handler(self.handler, body).addBoth(reply)
 
     def _count(self, counter: str) -> None:
         if self.metrics is not None:
@@ -212,9 +204,8 @@ AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
 @implementer(IDealerReceiver)
 class _Pipe:
-    """A connection to one server, replies to the client's machine (model 1: one
-    per attempt; model 2: one per server).  With no socket to be had it logs and
-    retries at the next send; meanwhile the server looks down."""
+    """A connection to one server (model 1: one per attempt; model 2: one per
+    server); failing to open, it logs and tries again at the next send."""
 
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
         self.client = client
@@ -259,8 +250,7 @@ class _Pipe:
 
 class _FreelanceClient:
     """The driver the three models share: it owns the Deferreds, timers and
-    connections, and does what the machine asks.  *limits* bound its messages
-    (RequestTooLarge at once); the CURVE keys serve all its ``zmq:`` servers."""
+    connections, and does what the machine asks."""
 
     def __init__(self, machine: FreelanceMachine, endpoints: Union[str, Sequence[str]],
                  reactor: Optional[Any], curveServerPublic: Optional[str],
@@ -288,8 +278,7 @@ class _FreelanceClient:
             self._add(endpoint)
 
     def _connectRouter(self) -> Any:
-        """The connecting router of model 3 (the others have none)."""
-        return None
+        return None  # model 3's connecting router
 
     @property
     def added(self) -> list[str]:
@@ -307,8 +296,7 @@ class _FreelanceClient:
         return self.machine.deadline
 
     def connect(self, endpoint: str) -> None:
-        """Add a server (:class:`~mdp.errors.TransportError` for a malformed endpoint;
-        ``ValueError`` for CURVE keys and no ``zmq:`` server to use them)."""
+        """Add a server (:class:`~mdp.errors.TransportError` for a malformed endpoint)."""
         if self.machine.closed:
             raise ClientClosed("client is closed")
         transport.check(endpoint, transport.CONNECT)
@@ -320,13 +308,9 @@ class _FreelanceClient:
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
                 deadline: Optional[float] = None) -> defer.Deferred:
-        """Send a request; the Deferred fires with the reply body frames.
-
-        *timeout* and *deadline* override the client's for this request.  Errors:
-        :class:`~mdp.errors.RequestTimeout`, :class:`~mdp.errors.NoServerAvailable`,
-        a server's remote errors, :class:`~mdp.errors.ClientClosed`; cancelling
-        abandons the request.  Frames are bytes or str (UTF-8), else TypeError;
-        no frame: ValueError."""
+        """Send a request (frames: bytes or str); the Deferred fires with the reply
+        body frames.  *timeout* and *deadline* override the client's; cancelling
+        abandons the request."""
         body = messages.request_frames(frames)
         # the sequence frame at its longest: one over would cost the connection
         tooLarge = self.limits.refuse([b"0" * 20, *body])
@@ -358,12 +342,11 @@ class _FreelanceClient:
         self._perform(self.machine.handleTimer(call, kind, self.reactor.seconds()))
 
     def _stale(self, call: Optional[machines._Call]) -> bool:
-        """Is an action for *call* (None: no request) void?  A caller's callback run
-        by an earlier action may have cancelled it, or closed the client."""
+        """Is an action for *call* void (cancelled, or the client closed, by a callback)?"""
         return self.machine.closed or (call is not None and call.state is RequestState.DONE)
 
     def _perform(self, actions: list[machines.Action]) -> list[defer.Deferred[None]]:
-        """Do what the machine asked, in order, skipping :meth:`_stale` ones; returns pipe closings."""
+        """Do what the machine asked, in order; returns the pipes' closings."""
         closing = []
         for action in actions:
             closed = self._performers[type(action)](action)
@@ -405,9 +388,7 @@ class _FreelanceClient:
 
     def _closePipe(self, action: machines.ClosePipe) -> Optional[defer.Deferred[None]]:
         pipe = self.pipes.pop(action.key, None)
-        if pipe is None:
-            return None
-        return transport.close_all([pipe], "a Freelance client connection")
+        return None if pipe is None else transport.close_all([pipe], "a Freelance client connection")
 
     def _connectPeer(self, action: machines.ConnectPeer) -> None:
         if not self.machine.closed:

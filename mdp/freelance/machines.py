@@ -183,7 +183,7 @@ class FreelanceMachine(Machine):
         self.now = now
         if endpoint not in self.endpoints:
             self.endpoints.append(endpoint)
-        self._connected(endpoint)
+            self._connected(endpoint)
         return self._drain()
 
     def handleRequest(self, call: _Call, now: float) -> list[Action]:
@@ -225,7 +225,7 @@ class FreelanceMachine(Machine):
         return self._drain()
 
     def _connected(self, endpoint: str) -> None:
-        """A model's own work for a new server."""
+        """A model's own work for a server added."""
 
     def _start(self, call: _Call) -> None:
         raise NotImplementedError
@@ -274,11 +274,8 @@ class FreelanceMachine(Machine):
 
 
 class SequentialMachine(FreelanceMachine):
-    """Model 1's rules: each server in turn, each attempt on a fresh pipe."""
-
-    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
-        super().__init__(timeout, deadline, now)
-        self.attempts: dict[bytes, str] = {}  # the open pipe of each request
+    """Model 1's rules: each server in turn, each attempt on a fresh pipe (open
+    while ``call.server`` is set)."""
 
     def _start(self, call: _Call) -> None:
         call.rotation = EndpointRotation(self.endpoints)
@@ -306,13 +303,13 @@ class SequentialMachine(FreelanceMachine):
         call.attempts += 1
         call.server = endpoint
         call.state = RequestState.SENT
-        self.attempts[call.sequence] = endpoint
         self._outbox.append(OpenPipe(call.sequence, endpoint, call))
         self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body], call))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _drop(self, call: _Call) -> None:
-        if self.attempts.pop(call.sequence, None) is not None:
+        if call.server is not None:
+            call.server = None
             self._outbox.append(ClosePipe(call.sequence))
 
     def _finish(self, call: _Call) -> bool:
@@ -322,22 +319,16 @@ class SequentialMachine(FreelanceMachine):
 
 
 class ShotgunMachine(FreelanceMachine):
-    """Model 2's rules: one pipe per server, every request to all."""
-
-    def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
-        super().__init__(timeout, deadline, now)
-        self.linked: list[str] = []  # servers with a pipe open
+    """Model 2's rules: one pipe per server (keyed by its endpoint), every request to all."""
 
     def _connected(self, endpoint: str) -> None:
-        if endpoint not in self.linked:
-            self.linked.append(endpoint)
-            self._outbox.append(OpenPipe(endpoint, endpoint))
+        self._outbox.append(OpenPipe(endpoint, endpoint))
 
     def _start(self, call: _Call) -> None:
-        call.attempts = len(self.linked)
+        call.attempts = len(self.endpoints)
         call.refusals = set()
         call.state = RequestState.SENT
-        for endpoint in self.linked:
+        for endpoint in self.endpoints:
             self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
@@ -352,9 +343,8 @@ class ShotgunMachine(FreelanceMachine):
             self._fail(call, error)
 
     def handleClose(self, now: float) -> list[Action]:
-        actions = super().handleClose(now)
-        linked, self.linked = self.linked, []
-        return actions + [ClosePipe(endpoint) for endpoint in linked]
+        pipes = [] if self.closed else [ClosePipe(endpoint) for endpoint in self.endpoints]
+        return super().handleClose(now) + pipes
 
 
 @attrs.define(eq=False)
@@ -422,11 +412,9 @@ class AgentMachine(FreelanceMachine):
         return self._drain()
 
     def _connected(self, endpoint: str) -> None:
-        if endpoint not in self.servers:
-            server = self.servers[endpoint] = KnownServer(endpoint,
-                                                          Liveness(self.heartbeat, self.now))
-            self._outbox.append(ConnectPeer(endpoint))
-            self._ping(server)
+        server = self.servers[endpoint] = KnownServer(endpoint, Liveness(self.heartbeat, self.now))
+        self._outbox.append(ConnectPeer(endpoint))
+        self._ping(server)
 
     def _ping(self, server: KnownServer) -> None:
         self._outbox.append(SendPeer(server.endpoint, [PING]))

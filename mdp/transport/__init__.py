@@ -1,9 +1,6 @@
-"""Message transports, chosen by the scheme of an endpoint string
-(``docs/transports.md``): ``zmq:tcp://127.0.0.1:5555`` (ZeroMQ),
-``tcp:host=127.0.0.1:port=5555`` (records over a Twisted stream endpoint) or
-``loopback:NAME`` (in memory, for deterministic tests).  A new transport
-registers itself with :func:`register`; a malformed endpoint raises
-:class:`~mdp.errors.TransportError` at once."""
+"""Message transports, chosen by the scheme of an endpoint string (``zmq:``,
+``tcp:``, ``loopback:``, ...; ``docs/transports.md``).  A new transport registers
+itself with :func:`register`; a malformed endpoint raises ``TransportError`` at once."""
 
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ from mdp.transport.registry import (
     CONNECT,
     LISTEN,
     Scheme,
+    bad_endpoint,
     check,
     check_port,
     lookup,
@@ -293,29 +291,26 @@ _ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-
 def _check_zmq(endpoint: str, role: str) -> None:
     kind, sep, rest = endpoint.partition(":")[2].partition("://")
     if not sep or kind not in _ZMQ_TRANSPORTS:
-        raise TransportError(f"bad endpoint {endpoint!r}: ZeroMQ endpoints are "
-                             "zmq:tcp://HOST:PORT, zmq:ipc://PATH or zmq:inproc://NAME")
+        raise bad_endpoint(endpoint, "ZeroMQ endpoints are zmq:tcp://HOST:PORT, zmq:ipc://PATH "
+                           "or zmq:inproc://NAME")
     if kind == "tcp":
         _check_zmq_tcp(endpoint, rest, role)
     elif not rest:
-        raise TransportError(f"bad endpoint {endpoint!r}: no {kind} name")
+        raise bad_endpoint(endpoint, f"no {kind} name")
 
 
 def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
     """The ``HOST:PORT`` of a ``zmq:tcp://`` endpoint."""
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
-        raise TransportError(f"bad endpoint {endpoint!r}: no port; did you mean "
-                             f"zmq:tcp://{rest or '127.0.0.1'}:5555"
-                             f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")
+        raise bad_endpoint(endpoint, f"no port; did you mean zmq:tcp://{rest or '127.0.0.1'}:5555"
+                                     f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")
     host, _, port = rest.rpartition(":")
     if not host:
-        raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. zmq:tcp://127.0.0.1:{port}")
+        raise bad_endpoint(endpoint, f"no host; e.g. zmq:tcp://127.0.0.1:{port}")
     if not _ZMQ_HOST.match(host):
-        raise TransportError(f"bad endpoint {endpoint!r}: {host!r} is not a host name, an "
-                             "address, [an IPv6 address] or *")
+        raise bad_endpoint(endpoint, f"{host!r} is not a host name, an address, [an IPv6 address] or *")
     if host == "*" and role == CONNECT:
-        raise TransportError(f"bad endpoint {endpoint!r}: cannot connect to host '*'; "
-                             "did you mean zmq:tcp://127.0.0.1:" + port + "?")
+        raise bad_endpoint(endpoint, f"cannot connect to host '*'; did you mean zmq:tcp://127.0.0.1:{port}?")
     check_port(endpoint, port, role, wildcard=True)
 
 
@@ -348,7 +343,7 @@ def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
 
 def _check_loopback(endpoint: str, role: str) -> None:
     if not endpoint.partition(":")[2]:
-        raise TransportError(f"bad endpoint {endpoint!r}: no name; e.g. loopback:broker")
+        raise bad_endpoint(endpoint, "no name; e.g. loopback:broker")
 
 
 def _listen_loopback(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:

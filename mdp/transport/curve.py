@@ -1,14 +1,14 @@
-"""CURVE on the ZeroMQ transport: encrypted links, and servers that know who
-their peers are: a server's allow-list is a directory of public-key
-certificates (``mdp keygen NAME``), checked in each handshake by a ZAP
-handler (pyzmq's :mod:`zmq.auth`, one thread per context).  An accepted
-peer's identity, for an access policy, is its public key in Z85."""
+"""CURVE on the ZeroMQ transport: encrypted links, and a server's allow-list (a
+directory of public-key certificates, ``mdp keygen NAME``) checked in each handshake
+by a ZAP handler.  An accepted peer's identity is its public key in Z85."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
+import types
 from typing import Any, Optional
 
 import attrs
@@ -157,14 +157,8 @@ class _Gate:
             self.refused()
 
 
-class _DenyAll:
-    """The gate of a server that closed: nobody."""
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return False
-
-
-_DENY_ALL = _DenyAll()
+#: the gate of a server that closed: nobody
+_DENY_ALL = types.SimpleNamespace(callback=lambda domain, key: False)
 
 
 #: per ZeroMQ context (by id), its ZAP handler: pyzmq's ThreadAuthenticator
@@ -224,10 +218,8 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
         os.chmod(public, 0o644)
     except OSError as e:  # no half pair left behind
         for path in paths:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         raise ValueError(f"cannot write the key pair {name} in {directory!r}: "
                          f"{e.strerror or e}") from None
     finally:

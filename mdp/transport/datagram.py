@@ -6,7 +6,6 @@ on the machine; multicast has TTL 1 and loops back."""
 from __future__ import annotations
 
 import ipaddress
-from collections import defaultdict
 from typing import Any, Optional
 
 import attrs
@@ -18,6 +17,8 @@ from zope.interface import implementer
 from mdp.errors import TransportError
 from mdp.interfaces import IDatagramReceiver, IDatagramTransport
 from mdp.policy import LogThrottle, default_reactor
+from mdp.transport.loopback import LoopbackNetwork as LoopbackDatagramNetwork
+from mdp.transport.loopback import network
 from mdp.transport.registry import check_port, split_description
 
 log = Logger()
@@ -207,16 +208,6 @@ class UDPDatagrams(DatagramProtocol):
         if port is None:
             return defer.succeed(None)
         return defer.maybeDeferred(port.stopListening)
-
-
-class LoopbackDatagramNetwork:
-    """Named in-memory datagram networks (most code uses :data:`network`)."""
-
-    def __init__(self) -> None:
-        self.members: dict[str, list[LoopbackDatagrams]] = defaultdict(list)
-
-
-network = LoopbackDatagramNetwork()
 
 
 @implementer(IDatagramTransport)

@@ -12,7 +12,7 @@ from twisted.internet.interfaces import IListeningPort
 
 from mdp.errors import TransportError
 from mdp.transport import tls
-from mdp.transport.registry import LISTEN, check_port, split_description
+from mdp.transport.registry import LISTEN, bad_endpoint, check_port, split_description
 from mdp.transport.tls import LISTEN_BACKLOG
 
 try:
@@ -138,8 +138,8 @@ def check_endpoint(endpoint: str, role: str) -> None:
 
 def _listen_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
     if endpoint.startswith("tls:"):
-        raise TransportError(f"bad endpoint {endpoint!r}: tls: endpoints only connect; "
-                             "listen with ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
+        raise bad_endpoint(endpoint, "tls: endpoints only connect; listen with "
+                           "ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
     port = kwargs.get("port", args[0] if args else None)
     if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
         port = args[1]  # the client form tcp:HOST:PORT
@@ -151,25 +151,23 @@ def _connect_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Opt
     host = kwargs.get("host", args[0] if args else None)
     if not host:
         if "::" in rest or "=[" in rest:
-            raise TransportError(f"bad endpoint {endpoint!r}: escape the colons of an "
-                                 f"IPv6 address, e.g. {name}:host=\\:\\:1:port=5555")
-        raise TransportError(f"bad endpoint {endpoint!r}: no host; e.g. "
-                             f"{name}:host=127.0.0.1:port=5555")
+            raise bad_endpoint(endpoint, f"escape the colons of an IPv6 address, e.g. "
+                                         f"{name}:host=\\:\\:1:port=5555")
+        raise bad_endpoint(endpoint, f"no host; e.g. {name}:host=127.0.0.1:port=5555")
     try:
         host.encode("idna")
     except UnicodeError as e:
-        raise TransportError(f"bad endpoint {endpoint!r}: not a host name: {host!r} "
-                             f"({e})") from None
+        raise bad_endpoint(endpoint, f"not a host name: {host!r} ({e})") from None
     return kwargs.get("port", args[1] if len(args) > 1 else None)
 
 
 def _check_path(endpoint: str, path: Optional[str]) -> None:
     if not path:
-        raise TransportError(f"bad endpoint {endpoint!r}: no path; e.g. unix:path=/tmp/mdp.sock")
+        raise bad_endpoint(endpoint, "no path; e.g. unix:path=/tmp/mdp.sock")
     length = len(os.fsencode(path))
     if length > UNIX_PATH_MAX:
-        raise TransportError(f"bad endpoint {endpoint!r}: a socket's path is at most "
-                             f"{UNIX_PATH_MAX} bytes here, not {length}")
+        raise bad_endpoint(endpoint, f"a socket's path is at most {UNIX_PATH_MAX} bytes here, "
+                                     f"not {length}")
 
 
 def _check_with_twisted(endpoint: str, role: str) -> None:
@@ -185,16 +183,14 @@ def _check_with_twisted(endpoint: str, role: str) -> None:
                 tls.check_mutual(endpoint, *mutual)
                 ca = mutual[1][tls.CA_CERTS]
                 if not os.path.isfile(ca):
-                    raise TransportError(f"bad endpoint {endpoint!r}: {tls.CA_CERTS}={ca}: "
-                                         "no such file")
+                    raise bad_endpoint(endpoint, f"{tls.CA_CERTS}={ca}: no such file")
             server_endpoint(Clock(), description)
         else:
             clientFromString(Clock(), endpoint)
     except TransportError:
         raise
     except (NameError, ImportError) as e:
-        raise TransportError(f"bad endpoint {endpoint!r}: {endpoint.partition(':')[0]}: needs "
-                             f"pyOpenSSL and service_identity (pip install 'twisted[tls]'): "
-                             f"{e}") from None
+        raise bad_endpoint(endpoint, f"{endpoint.partition(':')[0]}: needs pyOpenSSL and "
+                                     f"service_identity (pip install 'twisted[tls]'): {e}") from None
     except Exception as e:
-        raise TransportError(f"bad endpoint {endpoint!r}: {e}") from None
+        raise bad_endpoint(endpoint, str(e)) from None

@@ -1,14 +1,11 @@
-"""In-memory transport for deterministic tests: ``loopback:NAME``.
-
-Every event is scheduled with ``callLater(0)``, so nothing is re-entrant and
-a test's ``clock.advance(0)`` delivers everything pending, in order.  An
-oversized message ends its pipe, as on streams.  A dealer waits for its
-listener, as a ZeroMQ DEALER does, and again after the listener closes."""
+"""In-memory transport for deterministic tests: ``loopback:NAME``.  Every event is
+scheduled with ``callLater(0)``, so nothing is re-entrant; a dealer waits for its
+listener, as a ZeroMQ DEALER does."""
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import defaultdict, deque
 from typing import Any, Optional
 
 from twisted.internet import defer
@@ -28,11 +25,13 @@ _ids = itertools.count(1)
 
 
 class LoopbackNetwork:
-    """A namespace of loopback listeners.  Most code uses :data:`network`."""
+    """A namespace of loopback listeners and datagram networks (``members``, by
+    name).  Most code uses :data:`network`."""
 
     def __init__(self) -> None:
         self.listeners: dict[str, LoopbackRouter] = {}
         self.waiting: dict[str, list[LoopbackDealer]] = {}
+        self.members: defaultdict[str, list[Any]] = defaultdict(list)
 
     def bind(self, name: str, router: LoopbackRouter) -> None:
         if name in self.listeners:

@@ -1,7 +1,6 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...): each is one
-:class:`Scheme`, a synchronous ``check`` and factories that listen or connect.
-A mistake in an endpoint raises a :class:`~mdp.errors.TransportError` naming
-it and, where it helps, what was probably meant."""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`: a
+``check`` and factories that listen or connect.  A bad endpoint's error says what
+was probably meant."""
 
 from __future__ import annotations
 
@@ -43,6 +42,11 @@ class Scheme:
 
 
 _schemes: dict[str, Scheme] = {}
+
+
+def bad_endpoint(endpoint: object, why: str) -> TransportError:
+    """The error for a malformed *endpoint*, saying *why*."""
+    return TransportError(f"bad endpoint {endpoint!r}: {why}")
 
 
 def register(scheme: Scheme, *, replace: bool = False) -> None:
@@ -124,16 +128,15 @@ def lookup(endpoint: object, role: str) -> Scheme:
     if not isinstance(endpoint, str):
         raise TransportError(f"an endpoint is a string, not {type(endpoint).__name__}: {endpoint!r}")
     if _URL.match(endpoint) and endpoint.partition(":")[0] not in ("zmq", "loopback"):
-        raise TransportError(f"bad endpoint {endpoint!r}: this is a URL, not an endpoint; "
-                             + _hint_for_url(endpoint, role))
+        raise bad_endpoint(endpoint, "this is a URL, not an endpoint; " + _hint_for_url(endpoint, role))
     name, colon, _ = endpoint.partition(":")
     if not colon or not name:
-        raise TransportError(f"bad endpoint {endpoint!r}: no scheme (zmq:, tcp:, unix:, loopback:, ...)")
+        raise bad_endpoint(endpoint, "no scheme (zmq:, tcp:, unix:, loopback:, ...)")
     scheme = _schemes.get(name) or _twisted_plugin_scheme(name)
     if scheme is None:
-        raise TransportError(f"bad endpoint {endpoint!r}: {_unknown_scheme(endpoint, name, role)}")
+        raise bad_endpoint(endpoint, _unknown_scheme(endpoint, name, role))
     if (scheme.listen if role == LISTEN else scheme.connect) is None:
-        raise TransportError(f"bad endpoint {endpoint!r}: {name}: endpoints cannot {role}")
+        raise bad_endpoint(endpoint, f"{name}: endpoints cannot {role}")
     scheme.check(endpoint, role)
     return scheme
 
@@ -187,14 +190,14 @@ def check_port(endpoint: str, port: Optional[str], role: str, wildcard: bool = F
     """A port is 1..65535; listening, also 0 (or ``*`` with *wildcard*): the OS picks."""
     if not port:
         pick = "" if role == CONNECT else " (0 lets the OS pick one)"
-        raise TransportError(f"bad endpoint {endpoint!r}: no port; add one, e.g. :port=5555{pick}")
+        raise bad_endpoint(endpoint, f"no port; add one, e.g. :port=5555{pick}")
     if wildcard and port == "*":
         if role == LISTEN:
             return
-        raise TransportError(f"bad endpoint {endpoint!r}: '*' picks a port when binding; "
-                             "to connect, give the port the server is bound to")
+        raise bad_endpoint(endpoint, "'*' picks a port when binding; to connect, give the port "
+                           "the server is bound to")
     if not (port.isascii() and port.isdigit()):
-        raise TransportError(f"bad endpoint {endpoint!r}: port {port!r} is not a number")
+        raise bad_endpoint(endpoint, f"port {port!r} is not a number")
     low = 0 if role == LISTEN else 1
     if not low <= int(port) <= 65535:
-        raise TransportError(f"bad endpoint {endpoint!r}: port {int(port)} is out of range ({low}..65535)")
+        raise bad_endpoint(endpoint, f"port {int(port)} is out of range ({low}..65535)")

@@ -1,8 +1,5 @@
-"""The scalability protocols' TCP mapping (nanomsg/nng) as a stream framing,
-without I/O (``docs/sp.md``): each side sends an 8-byte header naming its
-protocol, which must be the counterpart of ours, then messages of a 64-bit
-length and a body, each delivered as one frame.  A bad header, or a message
-over ``Limits.maxMessageBytes``, raises :class:`~mdp.errors.ProtocolError`."""
+"""The scalability protocols' TCP mapping (nng) as a stream framing (``docs/sp.md``):
+an 8-byte header naming the protocol, then messages of a 64-bit length and a body."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``,
-the authorities whose client certificates the listener accepts (others are
-refused at the handshake); it knows each peer by its certificate's subject.
-The package's dropin offers :func:`server_endpoint` as the ``mtls:`` parser."""
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``, the
+authorities whose client certificates it accepts; the dropin's ``mtls:`` parser."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from mdp.errors import TransportError
-from mdp.transport.registry import split_description
+from mdp.transport.registry import bad_endpoint, split_description
 
 #: the authorities' option, our addition to Twisted's ``ssl:`` server syntax
 CA_CERTS = "caCerts"
@@ -24,12 +23,12 @@ def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> N
     """Refuse what an ``ssl:`` listener with ``caCerts=`` would not honour."""
     other = sorted(set(kwargs) - MUTUAL_KEYS)
     if other or len(args) > 1:
-        raise TransportError(f"bad endpoint {description!r}: with {CA_CERTS}= an ssl: listener "
-                             f"takes only port, interface, backlog, privateKey and certKey "
-                             f"(not {', '.join(other) or args[1]})")
+        raise bad_endpoint(description, f"with {CA_CERTS}= an ssl: listener takes only port, "
+                                        f"interface, backlog, privateKey and certKey "
+                                        f"(not {', '.join(other) or args[1]})")
     if "privateKey" not in kwargs:
-        raise TransportError(f"bad endpoint {description!r}: an ssl: listener needs "
-                             "privateKey=KEY.pem (and certKey=CERT.pem)")
+        raise bad_endpoint(description, "an ssl: listener needs privateKey=KEY.pem (and "
+                                        "certKey=CERT.pem)")
 
 
 def authorities(path: str) -> list[Any]:
@@ -37,8 +36,7 @@ def authorities(path: str) -> list[Any]:
     from twisted.internet import ssl
 
     try:
-        with open(path, "rb") as f:
-            pem = f.read()
+        pem = Path(path).read_bytes()
     except OSError as e:
         raise TransportError(f"{CA_CERTS}={path}: cannot read the authorities' certificates: "
                              f"{e.strerror}") from None
@@ -62,14 +60,11 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
     description = f"ssl:{':'.join([*args, *(f'{k}={v}' for k, v in kwargs.items())])}"
     check_mutual(description, list(args), kwargs)
     if CA_CERTS not in kwargs:
-        raise TransportError(f"bad endpoint {description!r}: a mutual TLS listener needs "
-                             f"{CA_CERTS}=CA.pem")
+        raise bad_endpoint(description, f"a mutual TLS listener needs {CA_CERTS}=CA.pem")
     trusted = authorities(kwargs[CA_CERTS])
     try:
-        with open(kwargs["privateKey"], "rb") as f:
-            key = f.read()
-        with open(kwargs.get("certKey", kwargs["privateKey"]), "rb") as f:
-            cert = f.read()
+        key = Path(kwargs["privateKey"]).read_bytes()
+        cert = Path(kwargs.get("certKey", kwargs["privateKey"])).read_bytes()
         own = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
     except Exception as e:
         raise TransportError(f"{description}: cannot load the server's certificate and key: "
@@ -79,11 +74,6 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
                               own.options(*trusted),
                               backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
                               interface=kwargs.get("interface", ""))
-
-
-def mutual(description: str) -> bool:
-    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
-    return parse_mutual(description) is not None
 
 
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
