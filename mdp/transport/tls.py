@@ -76,6 +76,11 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
                               interface=kwargs.get("interface", ""))
 
 
+def mutual(description: str) -> bool:
+    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
+    return parse_mutual(description) is not None
+
+
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
     """The arguments of ``ssl:`` server *description* with ``caCerts=``, or None."""
     kind, _, rest = description.partition(":")
