@@ -1,0 +1,118 @@
+"""Start-up checks of a Titanic SQLite store that SQLite itself leaves out.
+
+* :func:`check_wal`: a ``-wal`` file SQLite would silently cut short (a damaged
+  frame followed by committed transactions) or a ``-wal`` gone from a database
+  whose last run did not close it (its committed requests would vanish);
+* :func:`check_and_repair`: ``PRAGMA integrity_check`` (``quick_check`` does not
+  compare indexes with their table); damage confined to Titanic's indexes is
+  repaired by rebuilding them, as an index holds nothing its table does not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import struct
+from typing import Callable, Optional
+
+from mdp.errors import StoreError
+
+_WAL_MAGIC = {0x377F0682: "<", 0x377F0683: ">"}  # checksums little- or big-endian words
+_WAL_HEADER = 32
+_FRAME_HEADER = 24
+#: What the lock file says while a store is open (a run that did not close it leaves it).
+OPEN_MARK = b"open\n"
+
+
+def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, int]:
+    """SQLite's WAL checksum of *data* (a multiple of 8 bytes), continuing (s1, s2)."""
+    words = struct.unpack(f"{order}{len(data) // 4}I", data)
+    mask = 0xFFFFFFFF
+    for i in range(0, len(words), 2):
+        s1 = (s1 + words[i] + s2) & mask
+        s2 = (s2 + words[i + 1] + s1) & mask
+    return s1, s2
+
+
+def wal_damage(wal: bytes) -> Optional[str]:
+    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
+    A torn last transaction (a crash while it was written: never acknowledged) is no
+    damage; a bad frame followed by a commit of the same WAL generation is."""
+    if len(wal) < _WAL_HEADER:
+        return None if not wal else "it is shorter than its header"
+    magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
+    order = _WAL_MAGIC.get(magic)
+    if order is None or pageSize < 512 or pageSize & (pageSize - 1):
+        return "its header is not a WAL header"
+    frameSize = _FRAME_HEADER + pageSize
+    frames = (len(wal) - _WAL_HEADER) // frameSize
+    if _checksum(wal[:24], order) != (c1, c2):
+        return f"its header checksum is wrong ({frames} frames would be ignored)" if frames else None
+    sums, broken = (c1, c2), None
+    for n in range(frames):
+        at = _WAL_HEADER + n * frameSize
+        _, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
+        if (s1, s2) != (salt1, salt2):
+            if broken is None:
+                return None  # the rest is left over from an earlier generation
+            continue
+        if broken is None:
+            sums = _checksum(wal[at:at + 8] + wal[at + _FRAME_HEADER:at + frameSize], order, *sums)
+            if sums != (f1, f2):
+                broken = n
+        elif commit:
+            return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and "
+                    f"a committed transaction follows it")
+    return None
+
+
+def check_wal(path: str, mark: bytes) -> None:
+    """Refuse to open *path* if its WAL is damaged, or gone although the lock file's
+    *mark* says the last run did not close the store (StoreError saying what to do)."""
+    wal = path + "-wal"
+    lock = path + ".lock"
+    try:
+        with open(wal, "rb") as f:
+            content = f.read()
+    except FileNotFoundError:
+        if mark == OPEN_MARK and os.path.exists(path):
+            raise StoreError(
+                f"Titanic store {path}: its WAL {wal} is missing, but the last run did not "
+                f"close the store: requests it acknowledged may be lost. Restore {wal} if "
+                f"it was moved; to start with what {path} holds, delete {lock}") from None
+        return
+    except OSError as e:
+        raise StoreError(f"Titanic store {path}: cannot read its WAL {wal}: {e}") from e
+    why = wal_damage(content)
+    if why is not None:
+        raise StoreError(
+            f"Titanic store {path}: its WAL {wal} is damaged ({why}); SQLite would drop "
+            f"acknowledged requests without a word. Restore {wal} from a backup; to start "
+            f"with what {path} holds, move {wal} aside and delete {lock}")
+
+
+_INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
+                            r"non-unique entry in index) (\S+)")
+_ROW = re.compile(r"^row (\d+) missing from index")
+
+
+def check_and_repair(db: sqlite3.Connection, path: str,
+                     rowIntact: Callable[[int], bool]) -> list[str]:
+    """``PRAGMA integrity_check``: returns the indexes rebuilt, when the damage is
+    only indexes disagreeing with rows whose checksums hold (*rowIntact*); raises
+    StoreError for any other damage.  A row whose checksum fails may be the side
+    that changed: its index is left as it is (the row is answered as damaged)."""
+    problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
+    if problems == ["ok"]:
+        return []
+    found = [_INDEX_PROBLEM.search(p) for p in problems]
+    if not all(found):
+        raise StoreError(f"Titanic store {path} is damaged: {problems[0]}"
+                         + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                         + "; restore it from a backup")
+    rows = [int(m.group(1)) for m in map(_ROW.match, problems) if m]
+    if not all(map(rowIntact, rows)):
+        return []
+    db.execute("REINDEX requests")
+    return sorted({m.group(2) for m in found if m})
