@@ -72,9 +72,10 @@ class ITitanicStore(Interface):
         """Store a request; fires with its id (RFC 4122 text) once committed."""
 
     def pending(limit: int, skipServices: Collection[bytes] = (),
-                skipIds: Collection[str] = ()):
+                skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None):
         """Up to *limit* requests without a reply, oldest first, except those for
-        *skipServices* and those in *skipIds*."""
+        *skipServices* and those in *skipIds*; if *onlyServices* is given, only
+        requests for those services."""
 
     def complete(requestId: str, reply: list[bytes], now: float):
         """Store the reply of a request (ignored if it was closed meanwhile)."""
@@ -132,6 +133,12 @@ _PENDING_BY_SERVICE = (
     f" WHERE {_PENDING} AND service = pending.name ORDER BY seq LIMIT ?3) "
     "WHERE pending.name IS NOT NULL AND hex(pending.name) NOT IN (SELECT value FROM json_each(?1)) "
     "ORDER BY seq LIMIT ?3")
+#: The same, of one service (?1), through its index.
+_PENDING_OF = (f"SELECT {_ROW} FROM requests INDEXED BY requests_pending_service "
+               f"WHERE {_PENDING} AND service = ?1 ORDER BY seq LIMIT ?3")
+#: The same, of some rows (?1, JSON).
+_PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
+                 "AND seq IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
 #: Steps (of 1000 SQLite instructions) an age-order read may take before going by service.
 SCAN_BUDGET = 200
 
@@ -247,6 +254,8 @@ class SQLiteStore:
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
+        #: pending rows found damaged by the first read by service (None: not looked yet)
+        self._damaged: Optional[list[int]] = None
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         if self._pool is None:
@@ -410,6 +419,22 @@ class SQLiteStore:
                 results.append(e)
         return results
 
+    def _pendingOf(self, limit: int, services: Collection[bytes],
+                   skipIds: str) -> list[tuple[Any, ...]]:
+        """The *limit* oldest pending rows of *services*, service by service, and of
+        those found damaged (whatever their service now says) at the first such read."""
+        db = self._connection()
+        if self._damaged is None:
+            self._damaged = [seq for seq, requestId, service, blob, _, crc in db.execute(
+                f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text'")
+                if not _request_frames(requestId, service, blob, crc)[0]]
+        rows = {row[0]: row for service in services
+                for row in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))}
+        if self._damaged:
+            rows.update((row[0], row) for row in db.execute(
+                _PENDING_ROWS, (json.dumps(self._damaged), skipIds, limit)))
+        return [rows[seq] for seq in sorted(rows)[:limit]]
+
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
         """The *limit* oldest pending rows of services not skipped: one scan by age, or
@@ -523,6 +548,7 @@ class SQLiteStore:
         except StoreError:
             return defer.fail()
         self.reactor = default_reactor(self.reactor)
+        self._damaged = None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
@@ -540,8 +566,15 @@ class SQLiteStore:
         return d.addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
-                skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        d = self._run(self._pending, limit, list(skipServices), json.dumps(list(skipIds)))
+                skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None
+                ) -> defer.Deferred[list[StoredRequest]]:
+        ids = json.dumps(list(skipIds))
+        if onlyServices is not None:
+            skip = set(skipServices)
+            wanted = [s for s in onlyServices if s not in skip]
+            d = self._run(self._pendingOf, limit, wanted, ids)
+        else:
+            d = self._run(self._pending, limit, list(skipServices), ids)
 
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
             requests = []
