@@ -99,20 +99,26 @@ _ROW = re.compile(r"^row (\d+) missing from index")
 
 def check_and_repair(db: sqlite3.Connection, path: str,
                      rowIntact: Callable[[int], bool]) -> list[str]:
-    """``PRAGMA integrity_check``: returns the indexes rebuilt, when the damage is
-    only indexes disagreeing with rows whose checksums hold (*rowIntact*); raises
-    StoreError for any other damage.  A row whose checksum fails may be the side
-    that changed: its index is left as it is (the row is answered as damaged)."""
+    """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
+    disagree with it (returns their names), raises StoreError for any other damage.
+    An index is left as it is where a row it misses fails its checksum (*rowIntact*):
+    the row may be the side that changed, and is answered as damaged."""
     problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
     if problems == ["ok"]:
         return []
+    ours = {name for (name,) in db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")}
     found = [_INDEX_PROBLEM.search(p) for p in problems]
-    if not all(found):
+    if not all(m and m.group(2) in ours for m in found):
         raise StoreError(f"Titanic store {path} is damaged: {problems[0]}"
                          + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                          + "; restore it from a backup")
-    rows = [int(m.group(1)) for m in map(_ROW.match, problems) if m]
-    if not all(map(rowIntact, rows)):
-        return []
-    db.execute("REINDEX requests")
-    return sorted({m.group(2) for m in found if m})
+    rows: dict[str, list[int]] = {m.group(2): [] for m in found if m}
+    for problem, m in zip(problems, found):
+        row = _ROW.match(problem)
+        if m and row:
+            rows[m.group(2)].append(int(row.group(1)))
+    rebuilt = sorted(index for index, missing in rows.items() if all(map(rowIntact, missing)))
+    for index in rebuilt:
+        db.execute(f'REINDEX "{index}"')
+    return rebuilt

@@ -205,11 +205,12 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
 
 
 def _row_intact(db: sqlite3.Connection, seq: int) -> bool:
-    """Whether row *seq*'s checksum vouches for its id, service and request."""
+    """Whether row *seq* has no checksum, or one that vouches for its id, service and
+    request."""
     row = db.execute("SELECT id, service, request, request_crc FROM requests WHERE seq = ?",
                      (seq,)).fetchone()
-    return row is not None and isinstance(row[0], str) and row[0].isascii() and _intact(
-        row[3], row[0].encode("ascii"), row[1], row[2])
+    return row is not None and (row[3] is None or isinstance(row[0], str) and row[0].isascii()
+                                and _intact(row[3], row[0].encode("ascii"), row[1], row[2]))
 
 
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
