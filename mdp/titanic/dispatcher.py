@@ -215,19 +215,23 @@ class DispatchMachine(Machine):
         self.now = now
         if not self.running or self.listEvery is None:
             return self._drain()
-        old, self.listing = self.listing, listing
+        old, self.listing = self.listing or {}, listing
         self._unlisted = False
         self._nextList = now + (self.listEvery if listing is not None else self.backoff.maximum)
         if listing != old:
-            self._dirty = True
-            self._full = {name for name in self._full
-                          if listing and old and listing.get(name) == old.get(name)}
-            for name, entry in self.services.items():
-                appeared = listing and listing.get(name) and not (old or {}).get(name)
-                if entry.state is ServiceState.AVAILABLE or (
-                        appeared and entry.state is ServiceState.PARKED):
-                    entry.state = ServiceState.UNKNOWN  # as the listing now says
+            self._relisted(old, listing or {})
         return self._pumped()
+
+    def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
+        """The listing changed: what it says now holds, and a service that has
+        workers again is no longer parked."""
+        self._dirty = True
+        self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
+        for name, entry in self.services.items():
+            appeared = new.get(name) and not old.get(name)
+            if entry.state is ServiceState.AVAILABLE or (
+                    appeared and entry.state is ServiceState.PARKED):
+                entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
         """No listing this time (the broker away): keep the last, ask again soon."""
@@ -405,11 +409,14 @@ class DispatchMachine(Machine):
         if self._nextPurge <= self.now:
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
+        self._listIfDue()
+        self._pump()
+
+    def _listIfDue(self) -> None:
         if self._nextList is not None and self._nextList <= self.now:
             self._nextList = None
             self._listedAt = self.now
             self._emit(ListServices())
-        self._pump()
 
     def _forgetIdleServices(self) -> None:
         """Drop idle services: the table must not grow with every name ever submitted."""
@@ -502,8 +509,7 @@ class DispatchMachine(Machine):
         """Read only for half a window at least, unless nothing waiting goes out
         soon while there is room to send: one read for many, not one each."""
         room = self._room()
-        if (not self._dirty or self._loading or self._storeRetryAt is not None or room <= 0
-                or self._unlisted):
+        if self._readHeld() or room <= 0:
             return False
         if room >= self.window // 2 or not self.queue:
             return True
@@ -511,22 +517,31 @@ class DispatchMachine(Machine):
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
 
+    def _readHeld(self) -> bool:
+        """Nothing new to read, a read under way, the store failing, or no listing yet."""
+        return (not self._dirty or self._loading or self._storeRetryAt is not None
+                or self._unlisted)
+
     def _readPending(self, held: Counter[bytes]) -> None:
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
                 and held[e.name] >= 2 * self._mostOut(e)]
         self._full.update(full)
         parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
         skip = parked | set(full) | {r.service for r in self._spare}
-        only = None
-        if self.listing is not None:
-            only = sorted(name for name in self.listing if name not in skip
-                          and not name.startswith((b"titanic.", b"mmi.")))
-            if not only:
-                return  # nothing listed may take more: read once a listing changes
+        only = self._listedFor(skip)
+        if only == []:
+            return  # nothing listed may take more: read once a listing changes
         self._dirty = False
         self._loading = True
         self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()],
                                only))
+
+    def _listedFor(self, skip: set[bytes]) -> Optional[list[bytes]]:
+        """The listed services whose requests to read (None: no listing, read any)."""
+        if self.listing is None:
+            return None
+        return sorted(name for name in self.listing if name not in skip
+                      and not name.startswith((b"titanic.", b"mmi.")))
 
     def _mostOut(self, entry: _Service) -> int:
         """As many out as workers (one if none, but the service is known; the window if

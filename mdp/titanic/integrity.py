@@ -35,35 +35,51 @@ def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, i
     return s1, s2
 
 
+def _header(wal: bytes) -> tuple[str, int, tuple[int, int], tuple[int, int]]:
+    """A WAL's word order, frame size, salts and checksum; ValueError if it is none."""
+    magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
+    order = _WAL_MAGIC.get(magic)
+    if order is None or pageSize < 512 or pageSize & (pageSize - 1):
+        raise ValueError("its header is not a WAL header")
+    return order, _FRAME_HEADER + pageSize, (salt1, salt2), (c1, c2)
+
+
 def wal_damage(wal: bytes) -> Optional[str]:
     """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
     A torn last transaction (a crash while it was written: never acknowledged) is no
     damage; a bad frame followed by a commit of the same WAL generation is."""
     if len(wal) < _WAL_HEADER:
-        return None if not wal else "it is shorter than its header"
-    magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
-    order = _WAL_MAGIC.get(magic)
-    if order is None or pageSize < 512 or pageSize & (pageSize - 1):
-        return "its header is not a WAL header"
-    frameSize = _FRAME_HEADER + pageSize
+        return "it is shorter than its header" if wal else None
+    try:
+        order, frameSize, salts, sums = _header(wal)
+    except ValueError as e:
+        return str(e)
     frames = (len(wal) - _WAL_HEADER) // frameSize
-    if _checksum(wal[:24], order) != (c1, c2):
+    if _checksum(wal[:24], order) != sums:
         return f"its header checksum is wrong ({frames} frames would be ignored)" if frames else None
-    sums, broken = (c1, c2), None
-    for n in range(frames):
+    broken = _cut(wal, order, frameSize, salts, sums)
+    if broken is None:
+        return None
+    return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and a "
+            "committed transaction follows it")
+
+
+def _cut(wal: bytes, order: str, frameSize: int, salts: tuple[int, int],
+         sums: tuple[int, int]) -> Optional[int]:
+    """The first frame SQLite would not read, if a commit of this generation follows it."""
+    broken = None
+    for n in range((len(wal) - _WAL_HEADER) // frameSize):
         at = _WAL_HEADER + n * frameSize
         _, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
-        if (s1, s2) != (salt1, salt2):
-            if broken is None:
-                return None  # the rest is left over from an earlier generation
+        ours = (s1, s2) == salts  # not left over from an earlier generation
+        if broken is not None:
+            if ours and commit:
+                return broken
             continue
-        if broken is None:
+        if ours:
             sums = _checksum(wal[at:at + 8] + wal[at + _FRAME_HEADER:at + frameSize], order, *sums)
-            if sums != (f1, f2):
-                broken = n
-        elif commit:
-            return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and "
-                    f"a committed transaction follows it")
+        if not ours or sums != (f1, f2):
+            broken = n  # SQLite reads no further
     return None
 
 
@@ -97,6 +113,18 @@ _INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
 _ROW = re.compile(r"^row (\d+) missing from index")
 
 
+def _index_rows(problems: list[str], indexes: set[str]) -> Optional[dict[str, list[int]]]:
+    """The rows each of *indexes* misses, by index, if every problem is one of theirs."""
+    rows: dict[str, list[int]] = {}
+    for problem in problems:
+        found = _INDEX_PROBLEM.search(problem)
+        if found is None or found.group(2) not in indexes:
+            return None
+        row = _ROW.match(problem)
+        rows.setdefault(found.group(2), []).extend([int(row.group(1))] if row else [])
+    return rows
+
+
 def check_and_repair(db: sqlite3.Connection, path: str,
                      rowIntact: Callable[[int], bool]) -> list[str]:
     """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
@@ -106,18 +134,12 @@ def check_and_repair(db: sqlite3.Connection, path: str,
     problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
     if problems == ["ok"]:
         return []
-    ours = {name for (name,) in db.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")}
-    found = [_INDEX_PROBLEM.search(p) for p in problems]
-    if not all(m and m.group(2) in ours for m in found):
-        raise StoreError(f"Titanic store {path} is damaged: {problems[0]}"
-                         + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                         + "; restore it from a backup")
-    rows: dict[str, list[int]] = {m.group(2): [] for m in found if m}
-    for problem, m in zip(problems, found):
-        row = _ROW.match(problem)
-        if m and row:
-            rows[m.group(2)].append(int(row.group(1)))
+    rows = _index_rows(problems, {name for (name,) in db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")})
+    if rows is None:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise StoreError(f"Titanic store {path} is damaged: {problems[0]}{more}; "
+                         "restore it from a backup")
     rebuilt = sorted(index for index, missing in rows.items() if all(map(rowIntact, missing)))
     for index in rebuilt:
         db.execute(f'REINDEX "{index}"')

@@ -184,6 +184,7 @@ class Titanic:
         backoff: Backoff = dispatcher.DEFAULT_BACKOFF,
         keep: float = dispatcher.DEFAULT_KEEP,
         purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
+        listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
         workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         limits: Limits = Limits(),
@@ -198,7 +199,8 @@ class Titanic:
         curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
                                      timeout=timeout, backoff=backoff, keep=keep,
-                                     purgeEvery=purgeEvery, limits=limits, **curve)
+                                     purgeEvery=purgeEvery, listEvery=listEvery,
+                                     limits=limits, **curve)
         self.server = TitanicServer(broker, self.store, self.reactor,
                                     onStored=self.dispatcher.stored,
                                     onClosed=self.dispatcher.closed, workers=workers,
