@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 import sqlite3
@@ -89,8 +91,7 @@ def check_wal(path: str, mark: bytes) -> None:
     wal = path + "-wal"
     lock = path + ".lock"
     try:
-        with open(wal, "rb") as f:
-            content = f.read()
+        file = open(wal, "rb")
     except FileNotFoundError:
         if mark == OPEN_MARK and os.path.exists(path):
             raise StoreError(
@@ -100,7 +101,9 @@ def check_wal(path: str, mark: bytes) -> None:
         return
     except OSError as e:
         raise StoreError(f"Titanic store {path}: cannot read its WAL {wal}: {e}") from e
-    why = wal_damage(content)
+    with file, (mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # a WAL may be large
+                if os.fstat(file.fileno()).st_size else contextlib.nullcontext(b"")) as content:
+        why = wal_damage(content)
     if why is not None:
         raise StoreError(
             f"Titanic store {path}: its WAL {wal} is damaged ({why}); SQLite would drop "
