@@ -134,7 +134,7 @@ _PENDING_BY_SERVICE = (
     "WHERE pending.name IS NOT NULL AND hex(pending.name) NOT IN (SELECT value FROM json_each(?1)) "
     "ORDER BY seq LIMIT ?3")
 #: The same, of one service (?1), through its index.
-_PENDING_OF = (f"SELECT {_ROW} FROM requests INDEXED BY requests_pending_service "
+_PENDING_OF = ("SELECT seq FROM requests INDEXED BY requests_pending_service "
                f"WHERE {_PENDING} AND service = ?1 ORDER BY seq LIMIT ?3")
 #: The same, of some rows (?1, JSON).
 _PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
@@ -429,12 +429,13 @@ class SQLiteStore:
             self._damaged = [seq for seq, requestId, service, blob, _, crc in db.execute(
                 f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text'")
                 if not _request_frames(requestId, service, blob, crc)[0]]
-        rows = {row[0]: row for service in services
-                for row in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))}
-        if self._damaged:
-            rows.update((row[0], row) for row in db.execute(
-                _PENDING_ROWS, (json.dumps(self._damaged), skipIds, limit)))
-        return [rows[seq] for seq in sorted(rows)[:limit]]
+        if self._damaged:  # those still pending
+            self._damaged = [seq for (seq, *_) in db.execute(
+                _PENDING_ROWS, (json.dumps(self._damaged), skipIds, len(self._damaged)))]
+        seqs = {seq for service in services
+                for (seq,) in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))}
+        chosen = sorted(seqs.union(self._damaged))[:limit]  # then read: no blob read for nothing
+        return db.execute(_PENDING_ROWS, (json.dumps(chosen), skipIds, limit)).fetchall()
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
