@@ -6,18 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mdp.policy import Backoff
 from mdp.titanic.dispatcher import (
     CheckService,
     Dispatch,
     DispatchMachine,
+    ListServices,
     LoadPending,
     Parked,
     Purge,
     ServiceState,
     StoreReply,
     WakeAt,
+    services_listed,
 )
 from mdp.titanic.store import StoredRequest
 
@@ -338,3 +342,105 @@ def test_a_stale_zero_count_does_not_hold_a_service_to_one_request() -> None:
     # answered by mmi.service (the mmi.workers answer was no listing this time)
     actions = machine.handleChecked(b"echo", True, "", 2.1)
     assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-2", "id-3", "id-4"]
+
+
+# --- with the broker's listing (mmi.services) ------------------------------------------
+
+
+def listing_started(**options: Any) -> DispatchMachine:
+    options.setdefault("keep", 100.0)
+    options.setdefault("purgeEvery", 60.0)
+    machine = DispatchMachine(backoff=Backoff(1.0, 8.0), listEvery=1.0, **options)
+    actions = machine.handleStart(0.0)
+    assert kinds(actions, ListServices) == [ListServices()]
+    assert kinds(actions, LoadPending) == []  # nothing is read before the first listing
+    return machine
+
+
+def test_only_the_requests_of_listed_services_are_read_and_none_is_asked_about() -> None:
+    machine = listing_started(concurrency=4, window=8)
+    actions = machine.handleListed({b"echo": 2, b"titanic.request": 4, b"mmi.x": 1}, 0.1)
+    assert kinds(actions, LoadPending) == [LoadPending(8, [], [], [b"echo"])]
+    actions = machine.handleLoaded([req(1), req(2, b"nobody"), req(3), req(4)], 8, 0.2)
+    assert kinds(actions, CheckService) == [] and kinds(actions, Parked) == []
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-3"]  # 2 workers
+    # the unlisted one went back to the store's keeping: no entry, no timer
+    assert b"nobody" not in machine.services and [r.id for r in machine.queue] == ["id-4"]
+
+
+def test_a_service_a_listing_names_is_read_at_once_and_a_parked_one_woken() -> None:
+    machine = listing_started(concurrency=4)
+    machine.handleListed({b"late": 0}, 0.1)  # known, no worker: asked about
+    actions = machine.handleLoaded([req(1, b"late")], 16, 0.2)
+    assert kinds(actions, CheckService) == [CheckService(b"late")]
+    actions = machine.handleCounted(b"late", 0, 0.3)
+    assert kinds(actions, Parked) == [Parked(b"late", 1.0, "no worker (mmi.workers)")]
+    actions = machine.handleListed({b"late": 1, b"new": 3}, 1.1)  # both appear
+    assert machine.services[b"late"].state is ServiceState.UNKNOWN
+    (load,) = kinds(actions, LoadPending)
+    assert load.onlyServices == [b"late", b"new"]
+    actions = machine.handleLoaded([req(1, b"late"), req(2, b"new")], load.limit, 1.2)
+    assert [a.request.id for a in kinds(actions, Dispatch)] == ["id-1", "id-2"]
+
+
+def test_the_listing_is_asked_every_interval_and_soon_after_a_submit() -> None:
+    machine = listing_started(concurrency=1)
+    actions = machine.handleListed({}, 0.1)
+    assert kinds(actions, LoadPending) == [] and kinds(actions, WakeAt) == [WakeAt(1.1)]
+    assert kinds(machine.handleWake(1.1), ListServices) == [ListServices()]
+    actions = machine.handleListed({}, 1.15)
+    actions = machine.handleStored("id-1", 1.2)  # its service may be new: list soon
+    assert kinds(actions, WakeAt) == [WakeAt(1.35)]  # a quarter interval after the last
+    assert kinds(machine.handleWake(1.35), ListServices) == [ListServices()]
+    actions = machine.handleListFailed("timed out", 6.35)  # broker away: keep the last
+    assert kinds(actions, WakeAt) == [WakeAt(7.35)]
+
+
+def test_without_a_full_listing_each_service_is_asked_about() -> None:
+    machine = listing_started(concurrency=1)
+    actions = machine.handleListed(None, 0.1)  # a 501, or a truncated listing
+    (load,) = kinds(actions, LoadPending)
+    assert load.onlyServices is None
+    actions = machine.handleLoaded([req(1)], load.limit, 0.2)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    assert kinds(machine.handleWake(8.1), ListServices) == [ListServices()]  # the longest backoff
+
+
+@pytest.mark.parametrize("reply, listed", [
+    ([b'{"echo": {"workers": 2, "idle": 1, "queued": 0}}'], {b"echo": 2}),
+    ([b"{}"], {}),
+    ([b"501"], None),
+    ([b'{"echo": {"workers": 2}}', b'{"truncated": true, "total": 1001}'], None),
+    ([b'{"echo": {}}'], None),
+    ([], None),
+])
+def test_an_mmi_services_reply_is_a_listing_only_when_whole(reply: list[bytes],
+                                                            listed: Any) -> None:
+    assert services_listed(reply) == listed
+
+
+NAMES = st.sampled_from([b"a", b"b", b"c", b"d"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(NAMES, st.integers(0, 3)),
+       st.lists(NAMES, min_size=1, max_size=12), st.integers(1, 4))
+def test_with_a_listing_only_listed_services_are_read_sent_or_asked_about(
+        listing: dict[bytes, int], services: list[bytes], concurrency: int) -> None:
+    """Whatever the store holds: requests go out only to services listed with
+    workers (at most that many each), the broker is asked only about services
+    listed with none, and nothing unlisted is parked or kept."""
+    machine = listing_started(concurrency=concurrency)
+    actions = machine.handleListed(listing, 0.1)
+    loads = kinds(actions, LoadPending)
+    assert all(set(load.onlyServices) <= set(listing) for load in loads)
+    requests = [req(n, service) for n, service in enumerate(services)]
+    actions = machine.handleLoaded(requests, 16, 0.2)
+    sent = [a.request.service for a in kinds(actions, Dispatch)]
+    assert all(listing.get(s) for s in sent)
+    assert all(sent.count(s) <= listing[s] for s in sent) and len(sent) <= concurrency
+    assert {a.service for a in kinds(actions, CheckService)} <= {
+        s for s, workers in listing.items() if workers == 0}
+    assert kinds(actions, Parked) == []
+    held = [r.service for r in machine.queue + machine._spare]
+    assert all(s in listing for s in held) and set(machine.services) <= set(listing)

@@ -6,11 +6,17 @@
 ``python -m tests.titanic_clients collect ENDPOINT IDS_FILE``
     Collect the reply of every id in IDS_FILE; print ``collected N ok`` if
     each reply is ``[pid, body]`` for its own body, else what is wrong (exit 1).
+``python -m tests.titanic_clients flood ENDPOINT COUNT SIZE``
+    Submit COUNT requests of SIZE bytes, each for its own service nobody serves
+    (``parked-0`` ...), 50 at a time; print ``flooded {outcome: count}`` (JSON:
+    ``stored`` or the error's class name) and exit.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from collections import Counter
 from typing import Any
 
 from twisted.internet import defer, task
@@ -46,9 +52,30 @@ async def collect(reactor: Any, endpoint: str, path: str) -> None:
     print(f"collected {len(wanted)} ok", flush=True)
 
 
+async def flood(reactor: Any, endpoint: str, count: int, size: int) -> None:
+    client = TitanicClient(endpoint, reactor, timeout=10.0, retries=3)
+    outcomes: Counter[str] = Counter()
+
+    async def one(n: int) -> None:
+        try:
+            await client.submit(f"parked-{n}", b"x" * size)
+            outcomes["stored"] += 1
+        except Exception as e:
+            outcomes[type(e).__name__] += 1
+
+    for start in range(0, count, 50):
+        await defer.gatherResults([defer.ensureDeferred(one(n))
+                                   for n in range(start, min(count, start + 50))])
+    print(f"flooded {json.dumps(dict(outcomes), sort_keys=True)}", flush=True)
+    await client.disconnect()
+
+
 def main() -> None:
     command, *args = sys.argv[1:]
-    if command == "submit":
+    if command == "flood":
+        endpoint, count, size = args
+        run = lambda reactor: flood(reactor, endpoint, int(count), int(size))  # noqa: E731
+    elif command == "submit":
         endpoint, service, count, path = args
         run = lambda reactor: submit(reactor, endpoint, service, int(count), path)  # noqa: E731
     else:

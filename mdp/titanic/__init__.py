@@ -8,8 +8,10 @@ it changes neither the broker nor ordinary workers.
 """
 
 from mdp.titanic.client import TitanicClient
+from mdp.titanic.protocol import TitanicRefused, TitanicRequestTooLarge, TitanicStoreFull
 from mdp.titanic.server import Titanic, TitanicServer, open_store
 from mdp.titanic.store import ITitanicStore, MemoryStore, SQLiteStore
 
 __all__ = ["ITitanicStore", "MemoryStore", "SQLiteStore", "Titanic", "TitanicClient",
-           "TitanicServer", "open_store"]
+           "TitanicRefused", "TitanicRequestTooLarge", "TitanicServer", "TitanicStoreFull",
+           "open_store"]

@@ -72,6 +72,9 @@ class TitanicClient:
 
     async def _titanic(self, service: bytes, *body: bytes) -> list[bytes]:
         reply = await self.client.request(service, *body)
+        refusal = protocol.REFUSALS.get(reply[2]) if len(reply) == 3 else None
+        if refusal is not None and reply[0] == refusal.status:
+            raise refusal(reply[1].decode("utf-8", "replace"))
         if reply[:1] == [protocol.FAILED]:
             message = b" ".join(reply[1:]).decode("utf-8", "replace")
             raise TitanicError(f"{service.decode()} failed: {message}")

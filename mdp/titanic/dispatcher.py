@@ -7,6 +7,7 @@ drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence, Union
@@ -42,6 +43,9 @@ REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
 #: Seconds an answer that a service has workers is trusted.
 DEFAULT_RECHECK = 5.0
+#: Seconds between two ``mmi.services`` listings: a service that appears is
+#: served within this, however many requests wait for services nobody serves.
+DEFAULT_LIST_EVERY = 1.0
 
 
 class ServiceState(enum.Enum):
@@ -70,11 +74,18 @@ class _Service:
 
 @action_class
 class LoadPending:
-    """Read up to *limit* pending requests, oldest first, without these."""
+    """Read up to *limit* pending requests, oldest first, without these (and, if
+    *onlyServices* is given, of those services alone)."""
 
     limit: int
     skipServices: list[bytes]
     skipIds: list[str]
+    onlyServices: Optional[list[bytes]] = None
+
+
+@action_class
+class ListServices:
+    """Ask the broker which services it knows (``mmi.services``)."""
 
 
 @action_class
@@ -118,11 +129,18 @@ class WakeAt:
     when: Optional[float]
 
 
-Action = Union[LoadPending, CheckService, Dispatch, StoreReply, Purge, Parked, WakeAt]
+Action = Union[LoadPending, ListServices, CheckService, Dispatch, StoreReply, Purge, Parked,
+               WakeAt]
 
 
 class DispatchMachine(Machine):
-    """Which stored request goes out when, with no store, client or reactor."""
+    """Which stored request goes out when, with no store, client or reactor.
+
+    With *listEvery*, the broker's listing of services (asked that often) says
+    which services have workers, and only their requests are read: requests for
+    services it does not list stay in the store and cost nothing.  Without it,
+    or while the broker gives no full listing, each service is asked about
+    (``mmi.workers``, ``mmi.service``) and parked with a backoff of its own."""
 
     def __init__(
         self,
@@ -133,11 +151,13 @@ class DispatchMachine(Machine):
         purgeEvery: float = DEFAULT_PURGE_EVERY,
         recheck: float = DEFAULT_RECHECK,
         window: Optional[int] = None,
+        listEvery: Optional[float] = None,
         now: float = 0.0,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a whole number of at least 1, got {concurrency!r}")
-        for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck)):
+        for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck),
+                            ("listEvery", 1.0 if listEvery is None else listEvery)):
             positive_seconds(name, value)
         super().__init__(now)
         self.concurrency = concurrency
@@ -145,6 +165,7 @@ class DispatchMachine(Machine):
         self.keep = keep
         self.purgeEvery = purgeEvery
         self.recheck = recheck
+        self.listEvery = listEvery
         #: most requests held at once (out + waiting)
         self.window = window if window is not None else max(2 * concurrency, 16)
         self._nextPurge = now
@@ -170,18 +191,61 @@ class DispatchMachine(Machine):
         self._loading = False
         self._storeFailures = 0
         self._storeRetryAt: Optional[float] = None
+        #: services the broker lists, with their workers (None: no full listing, ask each)
+        self.listing: Optional[dict[bytes, int]] = None
+        #: when to list next (None: a listing is asked for, or listing is off)
+        self._nextList: Optional[float] = None
+        #: no answer to the first listing yet: read nothing before it
+        self._unlisted = self.listEvery is not None
+        self._listedAt = -math.inf  # when the last listing was asked for
 
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
         self.running = True
         self._dirty = True
         self._nextPurge = now
+        if self.listEvery is not None:
+            self._nextList = now
         self._tick()
         return self._drain()
 
+    def handleListed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
+        """The broker's listing: each service it knows, with its workers (``None``:
+        it gives none in full; each service is asked about until the next listing)."""
+        self.now = now
+        if not self.running or self.listEvery is None:
+            return self._drain()
+        old, self.listing = self.listing or {}, listing
+        self._unlisted = False
+        self._nextList = now + (self.listEvery if listing is not None else self.backoff.maximum)
+        if listing != old:
+            self._relisted(old, listing or {})
+        return self._pumped()
+
+    def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
+        """The listing changed: what it says now holds, and a service that has
+        workers again is no longer parked."""
+        self._dirty = True
+        self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
+        for name, entry in self.services.items():
+            appeared = new.get(name) and not old.get(name)
+            if entry.state is ServiceState.AVAILABLE or (
+                    appeared and entry.state is ServiceState.PARKED):
+                entry.state = ServiceState.UNKNOWN
+
+    def handleListFailed(self, reason: str, now: float) -> list[Action]:
+        """No listing this time (the broker away): keep the last, ask again soon."""
+        self.now = now
+        if self.running and self.listEvery is not None:
+            self._nextList = now + self.listEvery
+        return self._pumped()
+
     def handleStored(self, requestId: str, now: float) -> list[Action]:
+        """A request was stored: read it, and list soon (its service may be new)."""
         self.now = now
         self._dirty = True
+        if self.listEvery is not None and self._nextList is not None:
+            self._nextList = min(self._nextList, max(now, self._listedAt + self.listEvery / 4))
         return self._pumped()
 
     def handleLoaded(self, requests: Sequence[StoredRequest], limit: int,
@@ -345,7 +409,14 @@ class DispatchMachine(Machine):
         if self._nextPurge <= self.now:
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
+        self._listIfDue()
         self._pump()
+
+    def _listIfDue(self) -> None:
+        if self._nextList is not None and self._nextList <= self.now:
+            self._nextList = None
+            self._listedAt = self.now
+            self._emit(ListServices())
 
     def _forgetIdleServices(self) -> None:
         """Drop idle services: the table must not grow with every name ever submitted."""
@@ -390,6 +461,8 @@ class DispatchMachine(Machine):
         if not request.frames:
             # no frames could be read back: the driver answers it with an error
             return not self._send(request)
+        if self.listing is not None and request.service not in self.listing:
+            return False  # back to the store's keeping until a listing names its service
         entry = self._entryFor(request.service)
         if entry.state is ServiceState.PARKED:
             return False  # back to the store's keeping; read again once unparked
@@ -413,7 +486,11 @@ class DispatchMachine(Machine):
         entry = self._service(service)
         if entry.state is ServiceState.AVAILABLE and entry.until <= self.now:
             entry.state = ServiceState.UNKNOWN
-        if entry.state is ServiceState.UNKNOWN:
+        if entry.state is ServiceState.UNKNOWN and self.listing and self.listing.get(service):
+            entry.workers = self.listing[service]  # as many out as it has workers
+            entry.state = ServiceState.AVAILABLE
+            entry.until = self.now + self.recheck
+        elif entry.state is ServiceState.UNKNOWN:  # listed with no worker: restarting, or not
             entry.state = ServiceState.CHECKING
             self._emit(CheckService(entry.name))
         return entry
@@ -432,7 +509,7 @@ class DispatchMachine(Machine):
         """Read only for half a window at least, unless nothing waiting goes out
         soon while there is room to send: one read for many, not one each."""
         room = self._room()
-        if not self._dirty or self._loading or self._storeRetryAt is not None or room <= 0:
+        if self._readHeld() or room <= 0:
             return False
         if room >= self.window // 2 or not self.queue:
             return True
@@ -440,15 +517,31 @@ class DispatchMachine(Machine):
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
 
+    def _readHeld(self) -> bool:
+        """Nothing new to read, a read under way, the store failing, or no listing yet."""
+        return (not self._dirty or self._loading or self._storeRetryAt is not None
+                or self._unlisted)
+
     def _readPending(self, held: Counter[bytes]) -> None:
-        self._dirty = False
-        self._loading = True
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
                 and held[e.name] >= 2 * self._mostOut(e)]
         self._full.update(full)
         parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
-        skip = sorted(parked | set(full) | {r.service for r in self._spare})
-        self._emit(LoadPending(self._room(), skip, [r.id for r in self._heldRequests()]))
+        skip = parked | set(full) | {r.service for r in self._spare}
+        only = self._listedFor(skip)
+        if only == []:
+            return  # nothing listed may take more: read once a listing changes
+        self._dirty = False
+        self._loading = True
+        self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()],
+                               only))
+
+    def _listedFor(self, skip: set[bytes]) -> Optional[list[bytes]]:
+        """The listed services whose requests to read (None: no listing, read any)."""
+        if self.listing is None:
+            return None
+        return sorted(name for name in self.listing if name not in skip
+                      and not name.startswith((b"titanic.", b"mmi.")))
 
     def _mostOut(self, entry: _Service) -> int:
         """As many out as workers (one if none, but the service is known; the window if
@@ -461,6 +554,8 @@ class DispatchMachine(Machine):
         times = [e.until for e in self.services.values() if e.state is ServiceState.PARKED]
         if self._storeRetryAt is not None:
             times.append(self._storeRetryAt)
+        if self._nextList is not None:
+            times.append(self._nextList)
         times.append(self._nextPurge)
         return min(times)
 
@@ -468,6 +563,16 @@ class DispatchMachine(Machine):
         if when != self._wake:
             self._wake = when
             self._emit(WakeAt(when))
+
+
+def services_listed(reply: Sequence[bytes]) -> Optional[dict[bytes, int]]:
+    """Each service an ``mmi.services`` *reply* lists, with its workers; None if it
+    is no listing (a ``501``, say) or not the whole one (truncated)."""
+    try:
+        listing = json.loads(reply[0]) if len(reply) == 1 else None
+        return {name.encode("ascii"): int(entry["workers"]) for name, entry in listing.items()}
+    except (ValueError, IndexError, AttributeError, TypeError, KeyError, UnicodeError):
+        return None
 
 
 #: Errors after which a request is tried again later.
@@ -501,6 +606,7 @@ class Dispatcher:
         keep: float = DEFAULT_KEEP,
         purgeEvery: float = DEFAULT_PURGE_EVERY,
         recheck: float = DEFAULT_RECHECK,
+        listEvery: Optional[float] = DEFAULT_LIST_EVERY,
         limits: Limits = Limits(),
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
@@ -509,7 +615,7 @@ class Dispatcher:
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.machine = DispatchMachine(concurrency=concurrency, backoff=backoff, keep=keep,
                                        purgeEvery=purgeEvery, recheck=recheck,
-                                       now=reactor.seconds())
+                                       listEvery=listEvery, now=reactor.seconds())
         self.reactor = reactor
         self.store = store
         self.timeout = timeout
@@ -520,6 +626,7 @@ class Dispatcher:
         self._performers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, StoreReply: self._storeReply, LoadPending: self._load,
             CheckService: lambda action: defer.ensureDeferred(self._check(action.service)),
+            ListServices: lambda action: defer.ensureDeferred(self._list()),
             Purge: self._purge, Parked: self._logParked, WakeAt: self._wakeAt}
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
@@ -601,8 +708,22 @@ class Dispatcher:
             report_failure(log, failure, "Titanic could not read pending requests")
             failed(failure.getErrorMessage())
 
-        self.store.pending(action.limit, action.skipServices, action.skipIds).addCallbacks(
+        only = {} if action.onlyServices is None else {"onlyServices": action.onlyServices}
+        self.store.pending(action.limit, action.skipServices, action.skipIds, **only).addCallbacks(
             lambda requests: loaded(requests, action.limit), trouble)
+
+    async def _list(self) -> None:
+        """``mmi.services``: the services the broker knows and their workers."""
+        listed = self._then(self.machine.handleListed)
+        failed = self._then(self.machine.handleListFailed)
+        try:
+            reply = await self.client.request(b"mmi.services", timeout=min(self.timeout, 5.0))
+        except RETRY as e:  # the broker away: keep the last listing
+            failed(str(e))
+            return
+        except Exception:  # refused, over this client's limits, ...: ask each service
+            reply = []
+        listed(services_listed(reply))
 
     async def _check(self, service: bytes) -> None:
         """``mmi.workers`` counts the workers; none counted, or no listing (a broker

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Sequence
 
-from mdp.errors import ProtocolError
+from mdp.errors import ProtocolError, TitanicError
 
 REQUEST = b"titanic.request"
 REPLY = b"titanic.reply"
@@ -25,12 +25,47 @@ PENDING = b"300"
 UNKNOWN = b"400"
 FAILED = b"500"
 
+#: the third frame of a refusal, saying which limit: too large, the store full
+TOO_LARGE = b"413"
+STORE_FULL = b"507"
+
 #: longest service name a stored request may name (MDP's own bound)
 MAX_SERVICE_NAME = 255
 
 
 class MalformedTitanicRequest(ProtocolError):
     """A Titanic request body that breaks the protocol (answered ``500``)."""
+
+
+class TitanicRefused(TitanicError):
+    """``titanic.request`` refused a request at one of Titanic's limits; nothing of
+    it was stored.  Answered *status*, the message, then *code*."""
+
+    status = FAILED
+    code = b""
+
+
+class TitanicRequestTooLarge(TitanicRefused):
+    """A request over Titanic's per-request size limit (``400``, the caller's
+    mistake, then ``413``): it is never stored, as it is."""
+
+    status = UNKNOWN
+    code = TOO_LARGE
+
+
+class TitanicStoreFull(TitanicRefused):
+    """Titanic's store is at its size limit (``500``, then ``507``): submit again
+    once replies are collected, closed or purged."""
+
+    code = STORE_FULL
+
+
+REFUSALS = {cls.code: cls for cls in (TitanicRequestTooLarge, TitanicStoreFull)}
+
+
+def refused(error: TitanicRefused) -> list[bytes]:
+    """The reply refusing a request for *error*."""
+    return [error.status, str(error).encode("utf-8", "replace"), error.code]
 
 
 def parse_request(body: Sequence[bytes]) -> tuple[bytes, list[bytes]]:

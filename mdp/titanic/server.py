@@ -12,15 +12,24 @@ from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
 
 from mdp.majordomo.worker import Worker
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, LogThrottle, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import ITitanicStore, MemoryStore, ReplyStatus, SQLiteStore, report_failure
+from mdp.titanic.store import (
+    DEFAULT_MAX_STORE_BYTES,
+    ITitanicStore,
+    MemoryStore,
+    ReplyStatus,
+    SQLiteStore,
+    report_failure,
+)
 
 log = Logger()
 
 #: MDP workers per Titanic service: concurrent submissions share one commit
 DEFAULT_SERVICE_WORKERS = 4
+#: Most bytes of request frames one ``titanic.request`` may store.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024**2
 
 
 class _ServiceWorker(Worker):
@@ -47,12 +56,16 @@ class TitanicServer:
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         backoff: Backoff = PIRATE,
         limits: Limits = Limits(),
+        maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a whole number of at least 1, got {workers!r}")
+        for name, value in (("workers", workers), ("maxRequestBytes", maxRequestBytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+        self.maxRequestBytes = maxRequestBytes
         self.reactor = default_reactor(reactor)
+        self._throttle = LogThrottle(self.reactor, 10.0)
         self.store = store
         self.onStored = onStored
         self.onClosed = onClosed
@@ -84,8 +97,17 @@ class TitanicServer:
             self._tell(self.onStored, requestId)
             return [protocol.OK, requestId.encode("ascii")]
 
-        d = self.store.add(service, frames, self.reactor.seconds())
-        return d.addCallbacks(stored, self._storeFailed, errbackArgs=("store",))
+        def failed(failure: Any) -> list[bytes]:
+            if failure.check(protocol.TitanicRefused):
+                return self._refuse(service, failure.value)
+            return self._storeFailed(failure, "store")
+
+        size = sum(map(len, frames))
+        if size > self.maxRequestBytes:
+            return self._refuse(service, protocol.TitanicRequestTooLarge(
+                f"a request of {size} bytes is over Titanic's limit of {self.maxRequestBytes} "
+                f"bytes a request"))
+        return self.store.add(service, frames, self.reactor.seconds()).addCallbacks(stored, failed)
 
     def reply(self, body: list[bytes]) -> Any:
         """``titanic.reply``: ``200`` + the reply, ``300`` pending, ``400`` unknown."""
@@ -117,6 +139,11 @@ class TitanicServer:
         return self.store.forget(requestId).addCallbacks(forgotten, self._storeFailed,
                                                          errbackArgs=("forget",))
 
+    def _refuse(self, service: bytes, error: protocol.TitanicRefused) -> list[bytes]:
+        self._throttle.warn(log, type(error).__name__, "Titanic refused a request for {service}: "
+                            "{reason}", service=service.decode("ascii"), reason=error)
+        return protocol.refused(error)
+
     @staticmethod
     def _tell(hook: Optional[Callable[[str], Any]], requestId: str) -> None:
         if hook is not None:
@@ -130,14 +157,15 @@ class TitanicServer:
         return protocol.failed(f"the store failed to {what}: {failure.getErrorMessage()}")
 
 
-def open_store(db: str, reactor: Optional[Any] = None) -> ITitanicStore:
+def open_store(db: str, reactor: Optional[Any] = None, *,
+               maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> ITitanicStore:
     """The store for *db*: ``":memory:"`` is the memory store, anything else a
-    SQLite file path (made if missing)."""
+    SQLite file path (made if missing); either holds at most *maxBytes*."""
     if db == ":memory:":
-        return MemoryStore()
+        return MemoryStore(maxBytes=maxBytes)
     if not db:
         raise ValueError("the Titanic database path is empty (give a file, or :memory:)")
-    return SQLiteStore(db, reactor)
+    return SQLiteStore(db, reactor, maxBytes=maxBytes)
 
 
 class Titanic:
@@ -156,22 +184,28 @@ class Titanic:
         backoff: Backoff = dispatcher.DEFAULT_BACKOFF,
         keep: float = dispatcher.DEFAULT_KEEP,
         purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
+        listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
         workers: int = DEFAULT_SERVICE_WORKERS,
         heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
         limits: Limits = Limits(),
+        maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES,
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
     ) -> None:
         self.reactor = default_reactor(reactor)
-        self.store = open_store(store, self.reactor) if isinstance(store, str) else store
+        self.store = (open_store(store, self.reactor, maxBytes=maxStoreBytes)
+                      if isinstance(store, str) else store)
         curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
                                      timeout=timeout, backoff=backoff, keep=keep,
-                                     purgeEvery=purgeEvery, limits=limits, **curve)
+                                     purgeEvery=purgeEvery, listEvery=listEvery,
+                                     limits=limits, **curve)
         self.server = TitanicServer(broker, self.store, self.reactor,
                                     onStored=self.dispatcher.stored,
                                     onClosed=self.dispatcher.closed, workers=workers,
-                                    heartbeat=heartbeat, limits=limits, **curve)
+                                    heartbeat=heartbeat, limits=limits,
+                                    maxRequestBytes=maxRequestBytes, **curve)
         self._started = False
         self._starting: Optional[defer.Deferred[None]] = None
         self._stopping = False

@@ -28,8 +28,12 @@ from zope.interface import Interface, implementer, implementer_only
 
 from mdp.errors import ProtocolError, StoreError
 from mdp.policy import Limits, default_reactor
-from mdp.titanic.protocol import MalformedTitanicRequest, parse_request
+from mdp.titanic import integrity
+from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request
 from mdp.transport.framing import decode_record, encode_record
+
+#: Bytes a store may hold (its pages in use) before new requests are refused.
+DEFAULT_MAX_STORE_BYTES = 1024**3
 
 
 def new_id() -> str:
@@ -68,9 +72,10 @@ class ITitanicStore(Interface):
         """Store a request; fires with its id (RFC 4122 text) once committed."""
 
     def pending(limit: int, skipServices: Collection[bytes] = (),
-                skipIds: Collection[str] = ()):
+                skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None):
         """Up to *limit* requests without a reply, oldest first, except those for
-        *skipServices* and those in *skipIds*."""
+        *skipServices* and those in *skipIds*; if *onlyServices* is given, only
+        requests for those services."""
 
     def complete(requestId: str, reply: list[bytes], now: float):
         """Store the reply of a request (ignored if it was closed meanwhile)."""
@@ -128,6 +133,12 @@ _PENDING_BY_SERVICE = (
     f" WHERE {_PENDING} AND service = pending.name ORDER BY seq LIMIT ?3) "
     "WHERE pending.name IS NOT NULL AND hex(pending.name) NOT IN (SELECT value FROM json_each(?1)) "
     "ORDER BY seq LIMIT ?3")
+#: The same, of one service (?1), through its index.
+_PENDING_OF = ("SELECT seq FROM requests INDEXED BY requests_pending_service "
+               f"WHERE {_PENDING} AND service = ?1 ORDER BY seq LIMIT ?3")
+#: The same, of some rows (?1, JSON).
+_PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
+                 "AND seq IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
 #: Steps (of 1000 SQLite instructions) an age-order read may take before going by service.
 SCAN_BUDGET = 200
 
@@ -193,6 +204,15 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
     return frames, None
 
 
+def _row_intact(db: sqlite3.Connection, seq: int) -> bool:
+    """Whether row *seq* has no checksum, or one that vouches for its id, service and
+    request."""
+    row = db.execute("SELECT id, service, request, request_crc FROM requests WHERE seq = ?",
+                     (seq,)).fetchone()
+    return row is not None and (row[3] is None or isinstance(row[0], str) and row[0].isascii()
+                                and _intact(row[3], row[0].encode("ascii"), row[1], row[2]))
+
+
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
     """A pending row for the dispatcher; a damaged one has no frames, so it gets an error reply."""
     requestId, service, blob, created, crc = row
@@ -212,21 +232,31 @@ class SQLiteStore:
     (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until
     :meth:`open` again."""
 
-    def __init__(self, path: str, reactor: Optional[Any] = None) -> None:
+    def __init__(self, path: str, reactor: Optional[Any] = None, *,
+                 maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
+        if isinstance(maxBytes, bool) or not isinstance(maxBytes, int) or maxBytes < 1:
+            raise ValueError(f"maxBytes must be a whole number of at least 1, got {maxBytes!r}")
         self.path = path
+        #: a request that would take the pages in use beyond this is refused (TitanicStoreFull)
+        self.maxBytes = maxBytes
         self.reactor = reactor
         self._pool: Optional[ThreadPool] = None
         self._trigger: Any = None
         self._lock: Optional[int] = None
         self._lockPath: Optional[str] = None
+        #: what the lock file said when taken (integrity.OPEN_MARK: not closed last time)
+        self._mark = b""
         #: the files in use, as opened (see _moved)
         self._files: dict[str, Optional[tuple[int, int]]] = {}
         self._db: Optional[sqlite3.Connection] = None
-        #: writes waiting for the next transaction, which follows the last one asked for
-        self._writes: list[tuple[str, tuple[Any, ...], defer.Deferred[int]]] = []
+        #: writes waiting for the next transaction, which follows the last one asked
+        #: for, with the bytes each adds if it must fit maxBytes (0: it need not)
+        self._writes: list[tuple[str, tuple[Any, ...], int, defer.Deferred[int]]] = []
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
+        #: pending rows found damaged by the first read by service (None: not looked yet)
+        self._damaged: Optional[list[int]] = None
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         if self._pool is None:
@@ -242,6 +272,8 @@ class SQLiteStore:
 
     def _connect(self) -> None:
         db: Optional[sqlite3.Connection] = None
+        if self._lockPath is not None:
+            integrity.check_wal(os.path.realpath(self.path), self._mark)
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._refuseOthers(db)
@@ -254,12 +286,11 @@ class SQLiteStore:
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
         self._db = db
         self._files = self._identities()
+        self._setMark(integrity.OPEN_MARK)
 
     def _refuseOthers(self, db: sqlite3.Connection) -> None:
-        """Refuse a damaged file, or another application's, before writing to it."""
-        check = db.execute("PRAGMA quick_check").fetchone()
-        if not check or check[0] != "ok":
-            raise StoreError(f"Titanic store {self.path} is damaged: {check[0] if check else '?'}")
+        """Refuse a damaged file, or another application's, before writing to it;
+        rebuild Titanic's indexes if only they are damaged."""
         names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
                  if not name.startswith("sqlite_")]
         others = sorted(set(names) - set(_OURS))
@@ -271,6 +302,10 @@ class SQLiteStore:
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
+        rebuilt = integrity.check_and_repair(db, self.path, lambda seq: _row_intact(db, seq))
+        if rebuilt:
+            log.warn("Titanic store {path}: damaged indexes rebuilt from their table: {indexes}",
+                     path=self.path, indexes=", ".join(rebuilt))
 
     def _prepare(self, db: sqlite3.Connection) -> None:
         """WAL, full sync, the schema (adding checksum columns to an older table),
@@ -324,18 +359,48 @@ class SQLiteStore:
         if self._lock is not None:
             os.close(self._lock)
         self._lock = fd
+        self._setMark(integrity.OPEN_MARK)
         self._files["its lock"] = _identity(fd)
         log.warn("Titanic store {path}: its lock file {lock} was deleted while in use; taken "
                  "again", path=self.path, lock=path)
         return True
 
-    def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        """Commit *statements* in one transaction, or if that fails each alone; returns
-        each row count or exception.  Nothing is written once the files moved."""
+    def _inUse(self, db: sqlite3.Connection) -> int:
+        """Bytes of the database's pages in use (free pages are reused first)."""
+        (pages,), (free,), (size,) = (db.execute(f"PRAGMA {name}").fetchone() for name in
+                                      ("page_count", "freelist_count", "page_size"))
+        return (pages - free) * size
+
+    def _fitting(self, db: sqlite3.Connection, statements: list[tuple[str, tuple[Any, ...], int]]
+                 ) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[int, Exception]]:
+        """The statements that fit :attr:`maxBytes`, and the refusal of each other by index."""
+        used = self._inUse(db)
+        fitting, refused = [], {}
+        for index, (sql, args, size) in enumerate(statements):
+            if size and used + size > self.maxBytes:
+                refused[index] = TitanicStoreFull(
+                    f"Titanic's store is full: {used} bytes in use, a request of {size} "
+                    f"bytes would pass its limit of {self.maxBytes}; try again later")
+            else:
+                used += size
+                fitting.append((sql, args))
+        return fitting, refused
+
+    def _commit(self, sized: list[tuple[str, tuple[Any, ...], int]]) -> list[Any]:
+        """Commit the statements that fit in one transaction, or if that fails each alone;
+        returns each row count or exception.  Nothing is written once the files moved."""
         db = self._connection()
         moved = self._moved()
         if moved is not None:
             raise StoreError(moved)
+        statements, refused = self._fitting(db, sized)
+        results = iter(self._transactions(db, statements))
+        return [refused[i] if i in refused else next(results) for i in range(len(sized))]
+
+    def _transactions(self, db: sqlite3.Connection,
+                      statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        if not statements:
+            return []
 
         def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
             with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
@@ -354,6 +419,23 @@ class SQLiteStore:
             except sqlite3.Error as e:
                 results.append(e)
         return results
+
+    def _pendingOf(self, limit: int, services: Collection[bytes],
+                   skipIds: str) -> list[tuple[Any, ...]]:
+        """The *limit* oldest pending rows of *services*, service by service, and of
+        those found damaged (whatever their service now says) at the first such read."""
+        db = self._connection()
+        if self._damaged is None:
+            self._damaged = [seq for seq, requestId, service, blob, _, crc in db.execute(
+                f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text'")
+                if not _request_frames(requestId, service, blob, crc)[0]]
+        if self._damaged:  # those still pending
+            self._damaged = [seq for (seq, *_) in db.execute(
+                _PENDING_ROWS, (json.dumps(self._damaged), skipIds, len(self._damaged)))]
+        seqs = {seq for service in services
+                for (seq,) in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))}
+        chosen = sorted(seqs.union(self._damaged))[:limit]  # then read: no blob read for nothing
+        return db.execute(_PENDING_ROWS, (json.dumps(chosen), skipIds, limit)).fetchall()
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
@@ -380,10 +462,11 @@ class SQLiteStore:
 
     # --- on the reactor thread ------------------------------------------------------
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> defer.Deferred[int]:
-        """Run one statement in the next transaction; fires with its row count."""
+    def _write(self, sql: str, args: tuple[Any, ...], size: int = 0) -> defer.Deferred[int]:
+        """Run one statement in the next transaction (refused if it adds *size* bytes
+        beyond :attr:`maxBytes`); fires with its row count."""
         d: defer.Deferred[int] = defer.Deferred()
-        self._writes.append((sql, args, d))
+        self._writes.append((sql, args, size, d))
         if len(self._writes) == 1:
             self._lastCommit.addBoth(self._commitWrites)
         return d
@@ -392,14 +475,15 @@ class SQLiteStore:
         batch, self._writes = self._writes, []
 
         def committed(results: Any) -> None:
-            for index, (_, _, d) in enumerate(batch):
+            for index, (_, _, _, d) in enumerate(batch):
                 outcome = results if isinstance(results, Failure) else results[index]
                 if isinstance(outcome, (Failure, BaseException)):
                     d.errback(outcome)
                 else:
                     d.callback(outcome)
 
-        return self._run(self._commit, [(sql, args) for sql, args, _ in batch]).addBoth(committed)
+        return self._run(self._commit, [(sql, args, size) for sql, args, size, _ in batch]
+                         ).addBoth(committed)
 
     def _takeLock(self) -> None:
         """Lock ``PATH.lock``: two Titanics on one file would run every request twice;
@@ -419,6 +503,13 @@ class SQLiteStore:
                              "after it): give it one")
         self._lockPath = real + ".lock"
         self._lock = self._flock(self._lockPath)
+        self._mark = os.pread(self._lock, 16, 0)
+
+    def _setMark(self, mark: bytes) -> None:
+        """Say in the lock file whether the store is open (read back by the next open)."""
+        if self._lock is not None:
+            os.ftruncate(self._lock, 0)
+            os.pwrite(self._lock, mark, 0)
 
     def _flock(self, lockPath: str) -> int:
         """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
@@ -459,6 +550,7 @@ class SQLiteStore:
         except StoreError:
             return defer.fail()
         self.reactor = default_reactor(self.reactor)
+        self._damaged = None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
@@ -471,12 +563,20 @@ class SQLiteStore:
         d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
                         "VALUES (?, ?, ?, ?, ?)",
                         (requestId, service, record, now,
-                         _checksum(requestId.encode("ascii"), service, record)))
+                         _checksum(requestId.encode("ascii"), service, record)),
+                        len(record) + len(service) + 128)
         return d.addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
-                skipIds: Collection[str] = ()) -> defer.Deferred[list[StoredRequest]]:
-        d = self._run(self._pending, limit, list(skipServices), json.dumps(list(skipIds)))
+                skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None
+                ) -> defer.Deferred[list[StoredRequest]]:
+        ids = json.dumps(list(skipIds))
+        if onlyServices is not None:
+            skip = set(skipServices)
+            wanted = [s for s in onlyServices if s not in skip]
+            d = self._run(self._pendingOf, limit, wanted, ids)
+        else:
+            d = self._run(self._pending, limit, list(skipServices), ids)
 
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
             requests = []
@@ -531,8 +631,9 @@ class SQLiteStore:
     def close(self) -> defer.Deferred[None]:
         def shut() -> None:
             if self._db is not None:
-                self._db.close()
+                self._db.close()  # checkpoints, and removes the WAL
                 self._db = None
+                self._setMark(b"")
 
         self._rows.clear()
         if self._pool is None:
@@ -549,8 +650,8 @@ class MemoryStore(SQLiteStore):
     and lost with the process (not with :meth:`close`: started again, Titanic finds
     its requests, as in a file)."""
 
-    def __init__(self) -> None:
-        super().__init__(":memory:")
+    def __init__(self, *, maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
+        super().__init__(":memory:", maxBytes=maxBytes)
         self._connect()
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:

@@ -1,0 +1,149 @@
+"""Start-up checks of a Titanic SQLite store that SQLite itself leaves out.
+
+* :func:`check_wal`: a ``-wal`` file SQLite would silently cut short (a damaged
+  frame followed by committed transactions) or a ``-wal`` gone from a database
+  whose last run did not close it (its committed requests would vanish);
+* :func:`check_and_repair`: ``PRAGMA integrity_check`` (``quick_check`` does not
+  compare indexes with their table); damage confined to Titanic's indexes is
+  repaired by rebuilding them, as an index holds nothing its table does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import sqlite3
+import struct
+from typing import Callable, Optional
+
+from mdp.errors import StoreError
+
+_WAL_MAGIC = {0x377F0682: "<", 0x377F0683: ">"}  # checksums little- or big-endian words
+_WAL_HEADER = 32
+_FRAME_HEADER = 24
+#: What the lock file says while a store is open (a run that did not close it leaves it).
+OPEN_MARK = b"open\n"
+
+
+def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, int]:
+    """SQLite's WAL checksum of *data* (a multiple of 8 bytes), continuing (s1, s2)."""
+    words = struct.unpack(f"{order}{len(data) // 4}I", data)
+    mask = 0xFFFFFFFF
+    for i in range(0, len(words), 2):
+        s1 = (s1 + words[i] + s2) & mask
+        s2 = (s2 + words[i + 1] + s1) & mask
+    return s1, s2
+
+
+def _header(wal: bytes) -> tuple[str, int, tuple[int, int], tuple[int, int]]:
+    """A WAL's word order, frame size, salts and checksum; ValueError if it is none."""
+    magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
+    order = _WAL_MAGIC.get(magic)
+    if order is None or pageSize < 512 or pageSize & (pageSize - 1):
+        raise ValueError("its header is not a WAL header")
+    return order, _FRAME_HEADER + pageSize, (salt1, salt2), (c1, c2)
+
+
+def wal_damage(wal: bytes) -> Optional[str]:
+    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
+    A torn last transaction (a crash while it was written: never acknowledged) is no
+    damage; a bad frame followed by a commit of the same WAL generation is."""
+    if len(wal) < _WAL_HEADER:
+        return "it is shorter than its header" if wal else None
+    try:
+        order, frameSize, salts, sums = _header(wal)
+    except ValueError as e:
+        return str(e)
+    frames = (len(wal) - _WAL_HEADER) // frameSize
+    if _checksum(wal[:24], order) != sums:
+        return f"its header checksum is wrong ({frames} frames would be ignored)" if frames else None
+    broken = _cut(wal, order, frameSize, salts, sums)
+    if broken is None:
+        return None
+    return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and a "
+            "committed transaction follows it")
+
+
+def _cut(wal: bytes, order: str, frameSize: int, salts: tuple[int, int],
+         sums: tuple[int, int]) -> Optional[int]:
+    """The first frame SQLite would not read, if a commit of this generation follows it."""
+    broken = None
+    for n in range((len(wal) - _WAL_HEADER) // frameSize):
+        at = _WAL_HEADER + n * frameSize
+        _, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
+        ours = (s1, s2) == salts  # not left over from an earlier generation
+        if broken is not None:
+            if ours and commit:
+                return broken
+            continue
+        if ours:
+            sums = _checksum(wal[at:at + 8] + wal[at + _FRAME_HEADER:at + frameSize], order, *sums)
+        if not ours or sums != (f1, f2):
+            broken = n  # SQLite reads no further
+    return None
+
+
+def check_wal(path: str, mark: bytes) -> None:
+    """Refuse to open *path* if its WAL is damaged, or gone although the lock file's
+    *mark* says the last run did not close the store (StoreError saying what to do)."""
+    wal = path + "-wal"
+    lock = path + ".lock"
+    try:
+        file = open(wal, "rb")
+    except FileNotFoundError:
+        if mark == OPEN_MARK and os.path.exists(path):
+            raise StoreError(
+                f"Titanic store {path}: its WAL {wal} is missing, but the last run did not "
+                f"close the store: requests it acknowledged may be lost. Restore {wal} if "
+                f"it was moved; to start with what {path} holds, delete {lock}") from None
+        return
+    except OSError as e:
+        raise StoreError(f"Titanic store {path}: cannot read its WAL {wal}: {e}") from e
+    with file, (mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # a WAL may be large
+                if os.fstat(file.fileno()).st_size else contextlib.nullcontext(b"")) as content:
+        why = wal_damage(content)
+    if why is not None:
+        raise StoreError(
+            f"Titanic store {path}: its WAL {wal} is damaged ({why}); SQLite would drop "
+            f"acknowledged requests without a word. Restore {wal} from a backup; to start "
+            f"with what {path} holds, move {wal} aside and delete {lock}")
+
+
+_INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
+                            r"non-unique entry in index) (\S+)")
+_ROW = re.compile(r"^row (\d+) missing from index")
+
+
+def _index_rows(problems: list[str], indexes: set[str]) -> Optional[dict[str, list[int]]]:
+    """The rows each of *indexes* misses, by index, if every problem is one of theirs."""
+    rows: dict[str, list[int]] = {}
+    for problem in problems:
+        found = _INDEX_PROBLEM.search(problem)
+        if found is None or found.group(2) not in indexes:
+            return None
+        row = _ROW.match(problem)
+        rows.setdefault(found.group(2), []).extend([int(row.group(1))] if row else [])
+    return rows
+
+
+def check_and_repair(db: sqlite3.Connection, path: str,
+                     rowIntact: Callable[[int], bool]) -> list[str]:
+    """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
+    disagree with it (returns their names), raises StoreError for any other damage.
+    An index is left as it is where a row it misses fails its checksum (*rowIntact*):
+    the row may be the side that changed, and is answered as damaged."""
+    problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
+    if problems == ["ok"]:
+        return []
+    rows = _index_rows(problems, {name for (name,) in db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")})
+    if rows is None:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise StoreError(f"Titanic store {path} is damaged: {problems[0]}{more}; "
+                         "restore it from a backup")
+    rebuilt = sorted(index for index, missing in rows.items() if all(map(rowIntact, missing)))
+    for index in rebuilt:
+        db.execute(f'REINDEX "{index}"')
+    return rebuilt
