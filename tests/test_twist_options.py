@@ -175,6 +175,12 @@ def test_services_are_made_from_the_bounds() -> None:
     worker = WorkerServiceMaker().makeService(parse(
         WorkerOptions, "--reply-store", "1", "--backoff-max", "0.01", "--heartbeat", "0.01"))
     assert worker is not None
+    titanic = TitanicOptions()
+    titanic.parseOptions(["--db", ":memory:", "--max-store-bytes", "1MiB",
+                          "--max-request-bytes", "64KiB", "--list-every", "0.5"])
+    made = titanic.newService(None).titanic
+    assert made.store.maxBytes == 1 << 20 and made.server.maxRequestBytes == 64 << 10
+    assert made.dispatcher.machine.listEvery == 0.5
 
 
 # --- twist itself -----------------------------------------------------------------------

@@ -718,6 +718,15 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
                 "Seconds a reply is kept after it is stored, then purged.", seconds_option),
         _option("service-workers", titanic_server.DEFAULT_SERVICE_WORKERS,
                 "MDP workers per Titanic service (requests stored at once).", whole_option, 1),
+        _option("max-store-bytes", titanic_server.DEFAULT_MAX_STORE_BYTES,
+                "Bytes of database pages the store may hold; a submit beyond is refused (500, 507).",
+                _bytes, 1),
+        _option("max-request-bytes", titanic_server.DEFAULT_MAX_REQUEST_BYTES,
+                "Most bytes of request frames one submit may store; beyond, refused (400, 413).",
+                _bytes, 1),
+        _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY,
+                "Seconds between two mmi.services listings: how soon a service that appears "
+                "is served.", seconds_option, MIN_INTERVAL),
     ] + CURVE_CLIENT_OPTIONS
     listens = False
 
@@ -732,7 +741,8 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
             self["brokers"], self["db"], workers=self["service-workers"],
             backoff=Backoff(initial, max(self["backoff-max"], initial)),
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
-            **keywords(self, "concurrency", "timeout", "keep"), **curve_client_of(self))
+            **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes",
+                       "max-request-bytes", "list-every"), **curve_client_of(self))
 
 
 class _Plugin:

@@ -12,7 +12,15 @@ from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
 
 from mdp.majordomo.worker import Worker
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, LogThrottle, default_reactor
+from mdp.policy import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PIRATE,
+    Backoff,
+    HeartbeatPolicy,
+    Limits,
+    LogThrottle,
+    default_reactor,
+)
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
 from mdp.titanic.store import (
@@ -28,8 +36,9 @@ log = Logger()
 
 #: MDP workers per Titanic service: concurrent submissions share one commit
 DEFAULT_SERVICE_WORKERS = 4
-#: Most bytes of request frames one ``titanic.request`` may store.
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024**2
+#: Most bytes of request frames one ``titanic.request`` may store: as many as
+#: an MDP message may carry, so that only the store's limit bounds it by default.
+DEFAULT_MAX_REQUEST_BYTES = DEFAULT_MAX_MESSAGE_BYTES
 
 
 class _ServiceWorker(Worker):
