@@ -94,45 +94,6 @@ def _log_to_stdlib() -> None:
         globalLogBeginner.beginLoggingTo([STDLibLogObserver()], redirectStandardIO=False)
 
 
-class _Poller:
-    """``select.epoll`` (or ``select.poll``), watching each descriptor once per flags."""
-
-    __slots__ = ("_poller", "_flags", "_seconds", "closed")
-
-    def __init__(self) -> None:
-        epoll = getattr(select, "epoll", None)
-        self._poller: Any = epoll() if epoll is not None else select.poll()
-        self._seconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
-        self._flags: dict[int, int] = {}
-        self.closed = False
-
-    def watch(self, fd: int, flags: int) -> None:
-        current = self._flags.get(fd)
-        if current == flags:
-            return
-        if current is None:
-            self._poller.register(fd, flags)
-        else:
-            self._poller.modify(fd, flags)
-        self._flags[fd] = flags
-
-    def forget(self, fd: int) -> None:
-        if self._flags.pop(fd, None) is not None:
-            self._poller.unregister(fd)
-
-    def poll(self, timeout: int) -> list[tuple[int, int]]:
-        """Ready descriptors and their flags within *timeout* ms (-1: no limit)."""
-        if self._seconds:
-            return self._poller.poll(timeout / 1000 if timeout >= 0 else -1)
-        return self._poller.poll(timeout if timeout >= 0 else None)
-
-    def close(self) -> None:
-        self.closed = True
-        if self._seconds:
-            self._poller.close()
-        self._flags.clear()
-
-
 class _Loop:
     """One poller over a blocking node's pipes, and their reconnection times.
 
@@ -143,8 +104,12 @@ class _Loop:
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
         self._zmqContext = context
-        self.poller = _Poller()
+        epoll = getattr(select, "epoll", None)
+        self.poller: Any = epoll() if epoll is not None else select.poll()
+        self.pollSeconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
+        self.closed = False
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
+        self.watched: dict[int, int] = {}  # descriptor -> the poll flags it is watched for
         self.timed: set[Any] = set()  # pipes that may have a connection attempt due
         self.unchecked: set[Any] = set()
         self.links: dict[str, _StreamLink] = {}  # the stream connections, by endpoint
@@ -160,7 +125,7 @@ class _Loop:
              shared: bool = False) -> Any:
         """A pipe to *endpoint*, to ``start()`` once its owner holds it.
         *shared*: a stream pipe is a channel of this loop's one connection there."""
-        if self.poller.closed:
+        if self.closed:
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
             return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger,
@@ -175,10 +140,6 @@ class _Loop:
         stream = _StreamPipe(self, owner, tag, family, address)
         self.timed.add(stream)
         return stream
-
-    def close(self, pipe: Any) -> None:
-        self.timed.discard(pipe)
-        pipe.close()
 
     def turn(self, when: Optional[float]) -> None:
         """Wait for a socket or until *when* (or a pipe's retry); handle what came."""
@@ -216,7 +177,7 @@ class _Loop:
     def closeIdle(self) -> None:
         idle, self.idle = self.idle, set()
         for link in idle:
-            if not link.pipes:
+            if not link.core.channels:
                 link.close()
 
     def _poll(self, timeout: int, now: float) -> None:
@@ -227,10 +188,12 @@ class _Loop:
                     timeout = 0
             if self.unchecked:
                 timeout = 0
-        poller = self.poller
-        if poller.closed:  # a callback above closed the client
+        if self.closed:  # a callback above closed the client
             return
-        events = poller.poll(timeout)
+        if self.pollSeconds:
+            events = self.poller.poll(timeout / 1000 if timeout >= 0 else -1)
+        else:
+            events = self.poller.poll(timeout if timeout >= 0 else None)
         now = monotonic()
         pipes = self.pipes
         for fd, flags in events:
@@ -238,15 +201,32 @@ class _Loop:
             if pipe is not None:
                 pipe.ready(flags, now)
 
+    def watch(self, fd: int, flags: int) -> None:
+        current = self.watched.get(fd)
+        if current == flags:
+            return
+        if current is None:
+            self.poller.register(fd, flags)
+        else:
+            self.poller.modify(fd, flags)
+        self.watched[fd] = flags
+
     def forget(self, fd: int) -> None:
         self.pipes.pop(fd, None)
-        self.poller.forget(fd)
+        if self.watched.pop(fd, None) is not None:
+            self.poller.unregister(fd)
 
     def shutdown(self) -> None:
+        """Close every connection, then the poller."""
         for link in list(self.links.values()):
             link.close()
+        for pipe in [*self.pipes.values(), *self.timed]:
+            pipe.close()
         self.idle.clear()
-        self.poller.close()
+        self.closed = True
+        if self.pollSeconds:
+            self.poller.close()
+        self.watched.clear()
 
 
 class _Refused:
@@ -287,7 +267,6 @@ class Client(ClientDriver):
         _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
         self._loop = _Loop(limits, context)
-        self._pipes: dict[Any, _Channel] = {}
         self._unanswered = _Unanswered()
         self._forks = _forks
 
@@ -392,7 +371,6 @@ class Client(ClientDriver):
         """Fail every pending request with :class:`ClientClosed`; close the sockets."""
         if self._forks != _forks:  # the sockets are the parent's: left alone
             self.machine = self.machine.fresh(monotonic())
-            self._pipes = {}
             self._loop = _Loop(self.limits, None)
         self._closed = True
         self._perform(self.machine.handleClose(monotonic()))
@@ -458,12 +436,10 @@ class Client(ClientDriver):
         self.machine = self.machine.fresh(monotonic())
         self._unanswered = _Unanswered()
         self._wakeTime = None
-        pipes = self._pipes
-        while pipes:
-            pipe, channel = pipes.popitem()
-            channel.pipe = None
-            self._loop.close(pipe)
-        self._loop.closeIdle()
+        loop = self._loop
+        loop.shutdown()
+        if not self._closed:
+            self._loop = _Loop(self.limits, loop._zmqContext)
 
     # --- what the pipes report -------------------------------------------------
 
@@ -510,17 +486,10 @@ class Client(ClientDriver):
                 report_stale(self.throttle, channel)
             pipe.send(frames)
 
-    def _close(self, channel: _Channel) -> None:
-        pipe, channel.pipe = channel.pipe, None
-        if pipe is not None:
-            self._pipes.pop(pipe, None)
-            self._loop.close(pipe)
-
     def _open(self, channel: _Channel) -> None:
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
-            self._pipes[pipe] = channel
             pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
             self._close(channel)
@@ -635,7 +604,7 @@ class Worker(WorkerDriver):
             elif kind is ClosePipe:
                 pipe, self._pipe = self._pipe, None
                 if pipe is not None:
-                    self._loop.close(pipe)
+                    pipe.close()
             elif kind is ReopenAfter:
                 self._report(action)
                 self._reopenAt = monotonic() + action.delay
@@ -696,7 +665,7 @@ class Worker(WorkerDriver):
         loop = self._loop
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
-            while pipe.backlogged and self.machine.isCurrent(job) and not loop.poller.closed:
+            while pipe.backlogged and self.machine.isCurrent(job) and not loop.closed:
                 loop.turn(self._nextTick)
                 now = monotonic()
                 if now >= self._nextTick:

@@ -170,6 +170,11 @@ class ClientDriver:
         else:
             tell(self.throttle, action)
 
+    def _close(self, channel: _Channel) -> None:
+        pipe, channel.pipe = channel.pipe, None
+        if pipe is not None:
+            pipe.close()
+
 
 class Client(ClientDriver):
     """An MDP/0.2 client of a broker (or a failover list of them) over real
@@ -292,11 +297,6 @@ class Client(ClientDriver):
                     deferred.errback(action.error)
             else:
                 self._act(action)
-
-    def _close(self, channel: _Channel) -> None:
-        pipe, channel.pipe = channel.pipe, None
-        if pipe is not None:
-            pipe.close()
 
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe

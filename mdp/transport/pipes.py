@@ -108,7 +108,7 @@ class _ZmqPipe:
             sock.connect(self.address)
             fd = sock.get(zmq.FD)
             handle = socket_handle(sock, _native)
-            self.loop.poller.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
+            self.loop.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
         except BaseException:
             sock.close(0)
             raise
@@ -336,7 +336,7 @@ class _StreamPipe:
             self.socket = sock
             self.key = sock.fileno()
             self.connecting = True
-            self.loop.poller.watch(self.key, _POLLOUT)
+            self.loop.watch(self.key, _POLLOUT)
             self.loop.pipes[self.key] = self
             return
         self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"),
@@ -385,7 +385,7 @@ class _StreamPipe:
             return  # the poller reports the loss
         del self.out[:sent]
         self.sentBytes += sent
-        self.loop.poller.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+        self.loop.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
 
     def ready(self, events: int, now: float) -> None:
         sock = self.socket
@@ -415,45 +415,21 @@ class _StreamPipe:
         self.connecting = False
         self.up = True
         self.failures = 0
-        self.loop.poller.watch(self.key, _POLLIN)
+        self.loop.watch(self.key, _POLLIN)
         self.owner._pipeUp(self.tag, now)
 
     def _read(self, sock: socket.socket, now: float) -> None:
-        if self.broken is not None:  # (a discard, or a read below, found it unusable)
+        # what came whole before a loss is handed on first, as in Twisted
+        self.received.extend(self._drain(1))
+        self._deliverReceived(now)
+        if self.broken is not None and self.socket is sock:
             self._lost(self.broken, now)
-            return
-        try:
-            data = sock.recv(_READ_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._lost(e, now)
-            return
-        if not data:
-            self._lost(ConnectionError("connection closed by the broker"), now)
-            return
-        try:
-            messages = self.decoder.feed(data)
-        except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
-            # what came whole before it is handed on first, as in Twisted
-            self._break(e)
-            self._take(getattr(e, "decoded", None) or [], now)
-            if self.socket is sock:
-                self._lost(e, now)
-            return
-        self._take(messages, now)
 
     def _break(self, error: BaseException) -> None:
         """Stop reading; the next read reports *error* as the loss."""
         self.broken = error
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-
-    def _take(self, messages: list[Any], now: float) -> None:
-        if self.skip and messages:
-            self._skipBegun(messages)
-        self.received.extend(messages)
-        self._deliverReceived(now)
 
     def _skipBegun(self, messages: list[Any]) -> None:
         """Drop the record a discard saw begun, now whole: no reply to a later request."""
@@ -490,23 +466,27 @@ class _StreamPipe:
         self.skip = 1 if self.decoder.inRecord else 0
         return dropped + self.skip
 
-    def _drain(self) -> list[Any]:
-        """The messages what waits in the socket completes (errors are left
-        for the next read)."""
+    def _drain(self, reads: int = 64) -> list[Any]:
+        """The messages what waits in the socket completes, in at most *reads*
+        reads; a loss found is kept (``broken``) for the next read to report."""
         sock = self.socket
         messages: list[Any] = []
         if not self.up or self.broken is not None:  # (up: it has a socket)
             return messages
-        for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
+        for _ in range(reads):  # bounded: a peer sending without pause cannot hold us here
             try:
                 data = sock.recv(_READ_SIZE)  # type: ignore[union-attr]
-            except OSError:
-                break  # nothing more now, or a loss the poller reports
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._break(e)
+                break
             if not data:
-                break  # the same: the next read sees the end again
+                self._break(ConnectionError("connection closed by the broker"))
+                break
             try:
                 messages += self.decoder.feed(data)
-            except Exception as e:  # the stream is unusable: the next read reports it
+            except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 messages += getattr(e, "decoded", None) or []
                 self._break(e)
                 break
@@ -549,6 +529,7 @@ class _StreamPipe:
                 sock.settimeout(0.2)
                 sock.sendall(self.out)
         self.retryAt = None
+        self.loop.timed.discard(self)
         self._closeSocket()
 
 
@@ -567,10 +548,6 @@ class _StreamLink:
         self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
         #: pipes still to be told of the loss (before any reconnection)
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
-
-    @property
-    def pipes(self) -> dict[bytes, Any]:
-        return self.core.channels
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
         pipe = _LinkPipe(self, owner, tag)
@@ -620,7 +597,7 @@ class _StreamLink:
         for pipe in self.core.closeAll():
             self.loop.timed.discard(pipe)
         self.lossesToTell.clear()
-        self.loop.close(self.stream)
+        self.stream.close()
 
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._tellLost(now)
