@@ -8,7 +8,7 @@ from mdp.majordomo.client_machine cimport _Call, _Channel
 cdef class _Loop:
     cdef public object limits, _zmqContext, poller, pollSeconds, closed
     cdef public dict pipes, watched, links
-    cdef public set timed, unchecked, unflushed, idle
+    cdef public set timed, unchecked, idle
 
     cpdef turn(self, when)
     cpdef closeIdle(self)

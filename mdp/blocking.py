@@ -99,7 +99,8 @@ class _Loop:
 
     A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``" and a send or receive may
     consume that signal, so a pipe that used its socket, or a stream pipe
-    holding unread messages, is asked before the next wait (``unchecked``)."""
+    holding unread messages or unsent records, is asked before the next
+    wait (``unchecked``)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
@@ -113,7 +114,6 @@ class _Loop:
         self.timed: set[Any] = set()  # pipes that may have a connection attempt due
         self.unchecked: set[Any] = set()
         self.links: dict[str, _StreamLink] = {}  # the stream connections, by endpoint
-        self.unflushed: set[Any] = set()  # stream pipes to flush before the loop waits
         self.idle: set[Any] = set()  # links whose last pipe closed (closeIdle)
 
     def context(self) -> Any:
@@ -145,10 +145,6 @@ class _Loop:
         """Wait for a socket or until *when* (or a pipe's retry); handle what came."""
         if self.idle:
             self.closeIdle()
-        if self.unflushed:
-            unflushed, self.unflushed = self.unflushed, set()
-            for stream in unflushed:
-                stream._flush()
         now = monotonic()
         timed = self.timed
         timeout = timeout_ms(self._soonest(when) if timed else when, now)

@@ -24,6 +24,7 @@ from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
+    Action,
     CallState,
     ChannelState,
     ClientMachine,
@@ -50,8 +51,6 @@ __all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState"
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-Action = Any  # an action of ClientMachine
-
 
 def __getattr__(name: str) -> Any:
     """The machine's classes (compiled, a class the .pxd cimports is no attribute)."""
@@ -61,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
 
 def tell(throttle: LogThrottle, action: Action) -> None:
-    """Call ``onPartial``/``onRestart`` unless the request is done, or log, throttled."""
+    """What a callback or a log (throttled) tells of *action*."""
     kind = type(action)
     if kind is Partial or kind is Restarted:
         _callBack(action)
@@ -76,6 +75,7 @@ def tell(throttle: LogThrottle, action: Action) -> None:
 
 
 def _callBack(action: Union[Partial, Restarted]) -> None:
+    """Call ``onPartial``/``onRestart`` unless the request is done."""
     call = action.call
     partial = type(action) is Partial
     callback = call.onPartial if partial else call.onRestart

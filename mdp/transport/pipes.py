@@ -368,7 +368,7 @@ class _StreamPipe:
     def _queue(self, record: bytes) -> int:
         self.out += record
         self.queuedBytes += len(record)
-        self.loop.unflushed.add(self)
+        self.loop.unchecked.add(self)  # sent before the loop waits
         return self.queuedBytes
 
     def _flush(self) -> None:
@@ -449,7 +449,10 @@ class _StreamPipe:
             owner._pipeMessage(tag, frames, now)
 
     def check(self, now: float) -> bool:
-        """Hand on what was read and not handed on yet; whether there was any."""
+        """Send what was queued; hand on what was read and not handed on yet,
+        whether there was any."""
+        if self.out:
+            self._flush()
         if not self.received:
             return False
         self._deliverReceived(now)
@@ -512,7 +515,6 @@ class _StreamPipe:
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
         self.decoder = (CHANNELS if self.channels else RECORDS).decoder(self.loop.limits)
-        self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
             sock.close()
