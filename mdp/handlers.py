@@ -11,6 +11,7 @@ from typing import Any, Callable
 from twisted.internet import defer
 
 from mdp.errors import MDPError
+from mdp.messages import as_frame
 
 
 def reply_frames(value: Any) -> list[bytes]:
@@ -20,25 +21,13 @@ def reply_frames(value: Any) -> list[bytes]:
     if value is None:
         return [b""]
     if isinstance(value, (bytes, bytearray, memoryview, str)):
-        return [_frame(value)]
+        return [as_frame(value, "a reply")]
     if not isinstance(value, (list, tuple)):
         # a dict, a set or a Future would iterate into a wrong reply
         raise TypeError(f"a reply is bytes, str, None or a list of them, not "
                         f"{type(value).__name__}")
-    return [_frame(item) for item in value] or [b""]
-
-
-def _frame(item: Any) -> bytes:
-    if type(item) is bytes:
-        return item
-    if isinstance(item, str):
-        try:
-            return item.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of bad bytes)
-            raise TypeError(f"a reply str must be encodable as UTF-8: {e}") from None
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return bytes(item)
-    raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
+    return [item if type(item) is bytes else as_frame(item, "a reply frame")
+            for item in value] or [b""]
 
 
 def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:
