@@ -552,16 +552,7 @@ class Worker(WorkerDriver):
         self._perform(self.machine.handleStart(now))
         try:
             while not self._stopping and (until is None or not until()):
-                when = self._nextTick
-                if self._reopenAt is not None and self._reopenAt < when:
-                    when = self._reopenAt
-                self._loop.turn(when)
-                now = monotonic()
-                if self._reopenAt is not None and now >= self._reopenAt:
-                    self._reopenAt = None
-                    self._perform(self.machine.handleReopen(now))
-                if now >= self._nextTick:
-                    self._tickDue(now)
+                self._turn()
         finally:
             self._reopenAt = None
             try:
@@ -658,17 +649,23 @@ class Worker(WorkerDriver):
     def _betweenParts(self, job: Any) -> None:
         """Serve the broker's traffic and heartbeats, and wait while the broker
         takes PARTIALs slower than the handler makes them."""
-        loop = self._loop
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
-            while pipe.backlogged and self.machine.isCurrent(job) and not loop.closed:
-                loop.turn(self._nextTick)
-                now = monotonic()
-                if now >= self._nextTick:
-                    self._tickDue(now)
+            while pipe.backlogged and self.machine.isCurrent(job) and not self._loop.closed:
+                self._turn()
         elif monotonic() >= self._nextTick:
-            loop.turn(monotonic())
-            self._tickDue(monotonic())
+            self._turn()
+
+    def _turn(self) -> None:
+        """One turn of the loop, until the next tick or reopening at most; then what is due."""
+        reopenAt = self._reopenAt
+        self._loop.turn(self._nextTick if reopenAt is None else min(reopenAt, self._nextTick))
+        now = monotonic()
+        if self._reopenAt is not None and now >= self._reopenAt:
+            self._reopenAt = None
+            self._perform(self.machine.handleReopen(now))
+        if now >= self._nextTick:
+            self._tickDue(now)
 
     def _tickDue(self, now: float) -> None:
         """The machine's tick; one late by over an interval was held up by a handler."""

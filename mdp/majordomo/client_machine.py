@@ -100,10 +100,6 @@ def check_count(name: str, value: int, what: str) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
-def _not_queued(call: _Call) -> bool:
-    return call.state is not QUEUED
-
-
 class CallState(enum.Enum):
     """Where one request stands (the module's table)."""
 
@@ -635,7 +631,7 @@ class ClientMachine(Machine):
         # the blocking driver waits inside a callback that makes a request
         self._wakeByHead()
         # queued ones first, so that a freed connection goes to no expired request
-        for call in sorted(due, key=_not_queued):
+        for call in sorted(due, key=lambda call: call.state is not QUEUED):
             self._expired(call)
         self._wakeByHead()
 

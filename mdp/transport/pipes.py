@@ -46,19 +46,16 @@ def timeout_ms(when: Optional[float], now: float) -> int:
 def _check_schemes(endpoints: list[str]) -> None:
     """Refuse (at once) an endpoint whose scheme has no blocking transport."""
     for each in endpoints:
-        scheme = each.partition(":")[0]
-        if scheme == "zmq":
-            continue
-        if scheme not in STREAM_SCHEMES:
-            raise TransportError(
-                f"blocking nodes speak zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
-                f"endpoints, not {each!r}")
-        stream_address(each)
+        if not each.startswith("zmq:"):
+            stream_address(each)
 
 
 def stream_address(endpoint: str) -> tuple[int, Any]:
     """The socket family and address of stream *endpoint* (``tcp:``, ``unix:``)."""
     scheme, _, rest = endpoint.partition(":")
+    if scheme not in STREAM_SCHEMES:
+        raise TransportError(f"blocking nodes speak zmq:, "
+                             f"{', '.join(s + ':' for s in STREAM_SCHEMES)} endpoints, not {endpoint!r}")
     args, kwargs = split_description(rest)
     unix = scheme == "unix"
     # each by its name, or else by its place
@@ -558,11 +555,6 @@ class _StreamLink:
             self.core.comeUp(pipe)  # up at once: its owner tells itself
         return pipe
 
-    def start(self) -> None:
-        stream = self.stream
-        if stream.socket is None and stream.retryAt is None:
-            stream.open(monotonic())
-
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
         """Put back *items* but the messages on *names*; their channels."""
         received = self.stream.received
@@ -654,7 +646,9 @@ class _LinkPipe(Channel):
         self.retryAt: Optional[float] = None
 
     def start(self) -> None:
-        self.link.start()
+        stream = self.link.stream
+        if stream.socket is None and stream.retryAt is None:
+            stream.open(monotonic())
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
