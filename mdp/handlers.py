@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
+import pkgutil
 import sys
 from typing import Any, Callable
 
@@ -67,31 +67,20 @@ def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
             f"handler {spec!r} is neither a built-in ({', '.join(BUILTIN)}) "
             "nor 'module:callable'"
         )
-    try:
-        target: Any = _import_from_cwd(module_name)
-    except Exception as e:  # whatever the module's import raised
-        raise MDPError(f"cannot load handler {spec!r}: {_one_line(e)}") from e
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise MDPError(f"cannot load handler {spec!r}: {module_name} has no "
-                           f"attribute {attribute!r}") from None
-    if not callable(target):
-        raise MDPError(f"handler {spec!r} is not callable (it is a {type(target).__name__})")
-    return target
-
-
-def _import_from_cwd(name: str) -> Any:
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
         sys.path.insert(0, cwd)
     try:
-        return importlib.import_module(name)
+        target = pkgutil.resolve_name(spec)
+    except Exception as e:  # whatever the module's import raised, or no such attribute
+        raise MDPError(f"cannot load handler {spec!r}: {_one_line(e)}") from e
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
+    if not callable(target):
+        raise MDPError(f"handler {spec!r} is not callable (it is a {type(target).__name__})")
+    return target
 
 
 def _one_line(error: BaseException) -> str:
