@@ -267,8 +267,6 @@ class _StreamPipe:
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
                  "broken", "channels", "queuedBytes", "sentBytes")
 
-    backlog = ()  # never waits in recv alone (see _Loop.turn)
-
     def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any,
                  channels: bool = False) -> None:
         self.loop = loop
