@@ -343,13 +343,10 @@ class ReplyStream:
         self._wakeCall: Any = None
 
     def _wake(self) -> None:
+        self._wakeCall = None
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.callback(None)
-
-    def _wakeLater(self) -> None:
-        self._wakeCall = None
-        self._wake()
 
     def _put(self, frames: list[bytes]) -> None:
         self._parts.append(frames)
@@ -358,7 +355,7 @@ class ReplyStream:
         if self._reactor is None:
             self._wake()
         else:
-            self._wakeCall = self._reactor.callLater(0, self._wakeLater)
+            self._wakeCall = self._reactor.callLater(0, self._wake)
 
     def _restart(self) -> None:
         while self._parts and self._parts[-1] is not _RESTARTED:

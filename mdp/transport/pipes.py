@@ -427,8 +427,9 @@ class _StreamPipe:
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
     def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a discard saw begun, now whole: no reply to a later request."""
-        if not self.channels or messages[0][0] in self.skip:
+        """Drop the record a stale discard saw begun, now whole, if on a
+        channel it discarded: no reply to a later request."""
+        if messages[0][0] in self.skip:
             del messages[0]
         self.skip = 0
 
@@ -452,17 +453,6 @@ class _StreamPipe:
             return False
         self._deliverReceived(now)
         return True
-
-    def discardReceived(self) -> int:
-        """Drop the messages read and waiting in the socket (a record begun:
-        once whole); how many."""
-        dropped = len(self.received) + len(self._drain())
-        self.received.clear()
-        if self.broken is not None:
-            return dropped
-        # (what an earlier discard saw begun has come whole meanwhile)
-        self.skip = 1 if self.decoder.inRecord else 0
-        return dropped + self.skip
 
     def _drain(self, reads: int = 64) -> list[Any]:
         """The messages what waits in the socket completes, in at most *reads*
@@ -503,8 +493,7 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        #: a record begun before a discard, to drop once whole (on channels:
-        #: the channels discarded)
+        #: the channels of a stale discard that saw a record begun (dropped once whole)
         self.skip: Any = 0
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
