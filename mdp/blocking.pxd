@@ -6,7 +6,7 @@ from mdp.majordomo.client cimport ClientDriver
 from mdp.majordomo.client_machine cimport _Call, _Channel
 
 cdef class _Loop:
-    cdef public object limits, _zmqContext, poller, pollSeconds, closed
+    cdef public object limits, _zmqContext, poller, pollUnit, closed
     cdef public dict pipes, watched, links
     cdef public set timed, unchecked, idle
 

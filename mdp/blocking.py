@@ -107,7 +107,8 @@ class _Loop:
         self._zmqContext = context
         epoll = getattr(select, "epoll", None)
         self.poller: Any = epoll() if epoll is not None else select.poll()
-        self.pollSeconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
+        #: ms to a poll's timeout: epoll's is in seconds, poll's in ms (negative: no limit)
+        self.pollUnit = 0.001 if epoll is not None else 1
         self.closed = False
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
         self.watched: dict[int, int] = {}  # descriptor -> the poll flags it is watched for
@@ -186,10 +187,7 @@ class _Loop:
                 timeout = 0
         if self.closed:  # a callback above closed the client
             return
-        if self.pollSeconds:
-            events = self.poller.poll(timeout / 1000 if timeout >= 0 else -1)
-        else:
-            events = self.poller.poll(timeout if timeout >= 0 else None)
+        events = self.poller.poll(timeout * self.pollUnit)
         now = monotonic()
         pipes = self.pipes
         for fd, flags in events:
@@ -220,7 +218,7 @@ class _Loop:
             pipe.close()
         self.idle.clear()
         self.closed = True
-        if self.pollSeconds:
+        if self.pollUnit != 1:  # (an epoll object holds a descriptor)
             self.poller.close()
         self.watched.clear()
 

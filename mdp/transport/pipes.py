@@ -429,9 +429,10 @@ class _StreamPipe:
     def _skipBegun(self, messages: list[Any]) -> None:
         """Drop the record a stale discard saw begun, now whole, if on a
         channel it discarded: no reply to a later request."""
-        if messages[0][0] in self.skip:
-            del messages[0]
-        self.skip = 0
+        if messages:
+            if messages[0][0] in self.skip:
+                del messages[0]
+            self.skip = 0
 
     def _deliverReceived(self, now: float) -> None:
         """Hand on the messages read, in order (a callback that waits on the
@@ -459,7 +460,7 @@ class _StreamPipe:
         reads; a loss found is kept (``broken``) for the next read to report."""
         sock = self.socket
         messages: list[Any] = []
-        if not self.up or self.broken is not None:  # (up: it has a socket)
+        if self.broken is not None:
             return messages
         for _ in range(reads):  # bounded: a peer sending without pause cannot hold us here
             try:
@@ -478,7 +479,7 @@ class _StreamPipe:
                 messages += getattr(e, "decoded", None) or []
                 self._break(e)
                 break
-        if self.skip and messages:
+        if self.skip:
             self._skipBegun(messages)
         return messages
 
