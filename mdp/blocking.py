@@ -223,15 +223,6 @@ class _Loop:
         self.watched.clear()
 
 
-class _Refused:
-    """An item of :meth:`Client.map` that could not be sent."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, error: Exception) -> None:
-        self.result = error
-
-
 class Client(ClientDriver):
     """A blocking MDP/0.2 client of a broker (or a failover list of them).
 
@@ -322,8 +313,7 @@ class Client(ClientDriver):
             broken = self._fill(pending, window, service, items, timeout, retries)
             while pending:
                 call = pending[0]
-                if call.__class__ is not _Refused:
-                    self._waitFor(call)
+                self._waitFor(call)
                 pending.popleft()
                 result = call.result
                 if isinstance(result, BaseException) and not returnExceptions:
@@ -339,7 +329,7 @@ class Client(ClientDriver):
             raise
         finally:
             for call in pending:
-                self._cancel(call)  # (a _Refused one is answered)
+                self._cancel(call)
 
     def _fill(self, pending: deque[Any], window: int, service: Union[str, bytes],
               items: Iterator[Any], timeout: Optional[float],
@@ -357,8 +347,10 @@ class Client(ClientDriver):
                 pending.append(self._submit(service, tuple(frames), timeout, retries, None, None))
             except ClientClosed:
                 raise
-            except Exception as e:  # this item's own error, in its place
-                pending.append(_Refused(e))
+            except Exception as e:  # this item's own error, in its place: a call answered
+                refused = _Call(b"", [], 0.0, 0, None, None, 0.0)
+                refused.result = e
+                pending.append(refused)
         return None
 
     def close(self) -> None:
