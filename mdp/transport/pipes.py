@@ -358,9 +358,6 @@ class _StreamPipe:
         connection's bytes (0: not sent)."""
         if not self.up:
             return 0
-        return self._queue(record)
-
-    def _queue(self, record: bytes) -> int:
         self.out += record
         self.queuedBytes += len(record)
         self.loop.unchecked.add(self)  # sent before the loop waits
@@ -405,11 +402,11 @@ class _StreamPipe:
             self._closeSocket()
             self._next(now, OSError(code, os.strerror(code)))
             return
-        if self.channels:  # (first, before what the pipes send; and before it is up)
-            self._queue(CHANNELS.greeting(None))
         self.connecting = False
         self.up = True
         self.failures = 0
+        if self.channels:  # (first, before what the pipes send)
+            self.sendRecord(CHANNELS.greeting(None))
         self.loop.watch(self.key, _POLLIN)
         self.owner._pipeUp(self.tag, now)
 
