@@ -318,15 +318,13 @@ class _StreamPipe:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setblocking(False)
                 code = sock.connect_ex(target)
-            except OSError as e:  # no descriptor, a path too long, ...
+                # (EAGAIN: a full listen backlog, which a later attempt may find free)
+                if code not in (0, errno.EINPROGRESS):
+                    raise OSError(code, os.strerror(code))
+            except OSError as e:  # no descriptor, a path too long, refused, ...
                 if sock is not None:
                     sock.close()
                 error = e
-                continue
-            # (EAGAIN: a full listen backlog, which a later attempt may find free)
-            if code not in (0, errno.EINPROGRESS):
-                sock.close()
-                error = OSError(code, os.strerror(code))
                 continue
             self.socket = sock
             self.key = sock.fileno()
