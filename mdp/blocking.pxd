@@ -6,9 +6,9 @@ from mdp.majordomo.client cimport ClientDriver
 from mdp.majordomo.client_machine cimport _Call, _Channel
 
 cdef class _Loop:
-    cdef public object limits, _zmqContext, poller
-    cdef public dict pipes, links
-    cdef public set timed, unchecked, unflushed, idle
+    cdef public object limits, _zmqContext, poller, pollUnit, closed
+    cdef public dict pipes, watched, links
+    cdef public set timed, unchecked, idle
 
     cpdef turn(self, when)
     cpdef closeIdle(self)
@@ -21,7 +21,6 @@ cdef class Client(ClientDriver):
     cdef object __weakref__
     cdef public _Loop _loop
     cdef public object _unanswered, _forks
-    cdef public dict _pipes
 
     cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
     cdef _waitFor(self, _Call call)

@@ -94,61 +94,27 @@ def _log_to_stdlib() -> None:
         globalLogBeginner.beginLoggingTo([STDLibLogObserver()], redirectStandardIO=False)
 
 
-class _Poller:
-    """``select.epoll`` (or ``select.poll``), watching each descriptor once per flags."""
-
-    __slots__ = ("_poller", "_flags", "_seconds", "closed")
-
-    def __init__(self) -> None:
-        epoll = getattr(select, "epoll", None)
-        self._poller: Any = epoll() if epoll is not None else select.poll()
-        self._seconds = epoll is not None  # epoll's timeout is in seconds, poll's in ms
-        self._flags: dict[int, int] = {}
-        self.closed = False
-
-    def watch(self, fd: int, flags: int) -> None:
-        current = self._flags.get(fd)
-        if current == flags:
-            return
-        if current is None:
-            self._poller.register(fd, flags)
-        else:
-            self._poller.modify(fd, flags)
-        self._flags[fd] = flags
-
-    def forget(self, fd: int) -> None:
-        if self._flags.pop(fd, None) is not None:
-            self._poller.unregister(fd)
-
-    def poll(self, timeout: int) -> list[tuple[int, int]]:
-        """Ready descriptors and their flags within *timeout* ms (-1: no limit)."""
-        if self._seconds:
-            return self._poller.poll(timeout / 1000 if timeout >= 0 else -1)
-        return self._poller.poll(timeout if timeout >= 0 else None)
-
-    def close(self) -> None:
-        self.closed = True
-        if self._seconds:
-            self._poller.close()
-        self._flags.clear()
-
-
 class _Loop:
     """One poller over a blocking node's pipes, and their reconnection times.
 
     A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``" and a send or receive may
     consume that signal, so a pipe that used its socket, or a stream pipe
-    holding unread messages, is asked before the next wait (``unchecked``)."""
+    holding unread messages or unsent records, is asked before the next
+    wait (``unchecked``)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
         self._zmqContext = context
-        self.poller = _Poller()
+        epoll = getattr(select, "epoll", None)
+        self.poller: Any = epoll() if epoll is not None else select.poll()
+        #: ms to a poll's timeout: epoll's is in seconds, poll's in ms (negative: no limit)
+        self.pollUnit = 0.001 if epoll is not None else 1
+        self.closed = False
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
+        self.watched: dict[int, int] = {}  # descriptor -> the poll flags it is watched for
         self.timed: set[Any] = set()  # pipes that may have a connection attempt due
         self.unchecked: set[Any] = set()
         self.links: dict[str, _StreamLink] = {}  # the stream connections, by endpoint
-        self.unflushed: set[Any] = set()  # stream pipes to flush before the loop waits
         self.idle: set[Any] = set()  # links whose last pipe closed (closeIdle)
 
     def context(self) -> Any:
@@ -160,7 +126,7 @@ class _Loop:
              shared: bool = False) -> Any:
         """A pipe to *endpoint*, to ``start()`` once its owner holds it.
         *shared*: a stream pipe is a channel of this loop's one connection there."""
-        if self.poller.closed:
+        if self.closed:
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
             return _ZmqPipe(self, owner, tag, endpoint[len("zmq:"):], linger,
@@ -176,18 +142,10 @@ class _Loop:
         self.timed.add(stream)
         return stream
 
-    def close(self, pipe: Any) -> None:
-        self.timed.discard(pipe)
-        pipe.close()
-
     def turn(self, when: Optional[float]) -> None:
         """Wait for a socket or until *when* (or a pipe's retry); handle what came."""
         if self.idle:
             self.closeIdle()
-        if self.unflushed:
-            unflushed, self.unflushed = self.unflushed, set()
-            for stream in unflushed:
-                stream._flush()
         now = monotonic()
         timed = self.timed
         timeout = timeout_ms(self._soonest(when) if timed else when, now)
@@ -216,7 +174,7 @@ class _Loop:
     def closeIdle(self) -> None:
         idle, self.idle = self.idle, set()
         for link in idle:
-            if not link.pipes:
+            if not link.core.channels:
                 link.close()
 
     def _poll(self, timeout: int, now: float) -> None:
@@ -227,10 +185,9 @@ class _Loop:
                     timeout = 0
             if self.unchecked:
                 timeout = 0
-        poller = self.poller
-        if poller.closed:  # a callback above closed the client
+        if self.closed:  # a callback above closed the client
             return
-        events = poller.poll(timeout)
+        events = self.poller.poll(timeout * self.pollUnit)
         now = monotonic()
         pipes = self.pipes
         for fd, flags in events:
@@ -238,24 +195,32 @@ class _Loop:
             if pipe is not None:
                 pipe.ready(flags, now)
 
+    def watch(self, fd: int, flags: int) -> None:
+        current = self.watched.get(fd)
+        if current == flags:
+            return
+        if current is None:
+            self.poller.register(fd, flags)
+        else:
+            self.poller.modify(fd, flags)
+        self.watched[fd] = flags
+
     def forget(self, fd: int) -> None:
         self.pipes.pop(fd, None)
-        self.poller.forget(fd)
+        if self.watched.pop(fd, None) is not None:
+            self.poller.unregister(fd)
 
     def shutdown(self) -> None:
+        """Close every connection, then the poller."""
         for link in list(self.links.values()):
             link.close()
+        for pipe in [*self.pipes.values(), *self.timed]:
+            pipe.close()
         self.idle.clear()
-        self.poller.close()
-
-
-class _Refused:
-    """An item of :meth:`Client.map` that could not be sent."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, error: Exception) -> None:
-        self.result = error
+        self.closed = True
+        if self.pollUnit != 1:  # (an epoll object holds a descriptor)
+            self.poller.close()
+        self.watched.clear()
 
 
 class Client(ClientDriver):
@@ -287,7 +252,6 @@ class Client(ClientDriver):
         _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
         self._loop = _Loop(limits, context)
-        self._pipes: dict[Any, _Channel] = {}
         self._unanswered = _Unanswered()
         self._forks = _forks
 
@@ -349,8 +313,7 @@ class Client(ClientDriver):
             broken = self._fill(pending, window, service, items, timeout, retries)
             while pending:
                 call = pending[0]
-                if call.__class__ is not _Refused:
-                    self._waitFor(call)
+                self._waitFor(call)
                 pending.popleft()
                 result = call.result
                 if isinstance(result, BaseException) and not returnExceptions:
@@ -366,7 +329,7 @@ class Client(ClientDriver):
             raise
         finally:
             for call in pending:
-                self._cancel(call)  # (a _Refused one is answered)
+                self._cancel(call)
 
     def _fill(self, pending: deque[Any], window: int, service: Union[str, bytes],
               items: Iterator[Any], timeout: Optional[float],
@@ -384,15 +347,16 @@ class Client(ClientDriver):
                 pending.append(self._submit(service, tuple(frames), timeout, retries, None, None))
             except ClientClosed:
                 raise
-            except Exception as e:  # this item's own error, in its place
-                pending.append(_Refused(e))
+            except Exception as e:  # this item's own error, in its place: a call answered
+                refused = _Call(b"", [], 0.0, 0, None, None, 0.0)
+                refused.result = e
+                pending.append(refused)
         return None
 
     def close(self) -> None:
         """Fail every pending request with :class:`ClientClosed`; close the sockets."""
         if self._forks != _forks:  # the sockets are the parent's: left alone
             self.machine = self.machine.fresh(monotonic())
-            self._pipes = {}
             self._loop = _Loop(self.limits, None)
         self._closed = True
         self._perform(self.machine.handleClose(monotonic()))
@@ -458,12 +422,10 @@ class Client(ClientDriver):
         self.machine = self.machine.fresh(monotonic())
         self._unanswered = _Unanswered()
         self._wakeTime = None
-        pipes = self._pipes
-        while pipes:
-            pipe, channel = pipes.popitem()
-            channel.pipe = None
-            self._loop.close(pipe)
-        self._loop.closeIdle()
+        loop = self._loop
+        loop.shutdown()
+        if not self._closed:
+            self._loop = _Loop(self.limits, loop._zmqContext)
 
     # --- what the pipes report -------------------------------------------------
 
@@ -510,17 +472,10 @@ class Client(ClientDriver):
                 report_stale(self.throttle, channel)
             pipe.send(frames)
 
-    def _close(self, channel: _Channel) -> None:
-        pipe, channel.pipe = channel.pipe, None
-        if pipe is not None:
-            self._pipes.pop(pipe, None)
-            self._loop.close(pipe)
-
     def _open(self, channel: _Channel) -> None:
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
-            self._pipes[pipe] = channel
             pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
             self._close(channel)
@@ -587,16 +542,7 @@ class Worker(WorkerDriver):
         self._perform(self.machine.handleStart(now))
         try:
             while not self._stopping and (until is None or not until()):
-                when = self._nextTick
-                if self._reopenAt is not None and self._reopenAt < when:
-                    when = self._reopenAt
-                self._loop.turn(when)
-                now = monotonic()
-                if self._reopenAt is not None and now >= self._reopenAt:
-                    self._reopenAt = None
-                    self._perform(self.machine.handleReopen(now))
-                if now >= self._nextTick:
-                    self._tickDue(now)
+                self._turn()
         finally:
             self._reopenAt = None
             try:
@@ -635,7 +581,7 @@ class Worker(WorkerDriver):
             elif kind is ClosePipe:
                 pipe, self._pipe = self._pipe, None
                 if pipe is not None:
-                    self._loop.close(pipe)
+                    pipe.close()
             elif kind is ReopenAfter:
                 self._report(action)
                 self._reopenAt = monotonic() + action.delay
@@ -693,17 +639,23 @@ class Worker(WorkerDriver):
     def _betweenParts(self, job: Any) -> None:
         """Serve the broker's traffic and heartbeats, and wait while the broker
         takes PARTIALs slower than the handler makes them."""
-        loop = self._loop
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
-            while pipe.backlogged and self.machine.isCurrent(job) and not loop.poller.closed:
-                loop.turn(self._nextTick)
-                now = monotonic()
-                if now >= self._nextTick:
-                    self._tickDue(now)
+            while pipe.backlogged and self.machine.isCurrent(job) and not self._loop.closed:
+                self._turn()
         elif monotonic() >= self._nextTick:
-            loop.turn(monotonic())
-            self._tickDue(monotonic())
+            self._turn()
+
+    def _turn(self) -> None:
+        """One turn of the loop, until the next tick or reopening at most; then what is due."""
+        reopenAt = self._reopenAt
+        self._loop.turn(self._nextTick if reopenAt is None else min(reopenAt, self._nextTick))
+        now = monotonic()
+        if self._reopenAt is not None and now >= self._reopenAt:
+            self._reopenAt = None
+            self._perform(self.machine.handleReopen(now))
+        if now >= self._nextTick:
+            self._tickDue(now)
 
     def _tickDue(self, now: float) -> None:
         """The machine's tick; one late by over an interval was held up by a handler."""

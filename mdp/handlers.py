@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
+import pkgutil
 import sys
 from typing import Any, Callable
 
 from twisted.internet import defer
 
 from mdp.errors import MDPError
+from mdp.messages import as_frame
 
 
 def reply_frames(value: Any) -> list[bytes]:
@@ -20,25 +21,13 @@ def reply_frames(value: Any) -> list[bytes]:
     if value is None:
         return [b""]
     if isinstance(value, (bytes, bytearray, memoryview, str)):
-        return [_frame(value)]
+        return [as_frame(value, "a reply")]
     if not isinstance(value, (list, tuple)):
         # a dict, a set or a Future would iterate into a wrong reply
         raise TypeError(f"a reply is bytes, str, None or a list of them, not "
                         f"{type(value).__name__}")
-    return [_frame(item) for item in value] or [b""]
-
-
-def _frame(item: Any) -> bytes:
-    if type(item) is bytes:
-        return item
-    if isinstance(item, str):
-        try:
-            return item.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of bad bytes)
-            raise TypeError(f"a reply str must be encodable as UTF-8: {e}") from None
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return bytes(item)
-    raise TypeError(f"a reply frame must be bytes or str, not {type(item).__name__}")
+    return [item if type(item) is bytes else as_frame(item, "a reply frame")
+            for item in value] or [b""]
 
 
 def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:
@@ -78,31 +67,20 @@ def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
             f"handler {spec!r} is neither a built-in ({', '.join(BUILTIN)}) "
             "nor 'module:callable'"
         )
-    try:
-        target: Any = _import_from_cwd(module_name)
-    except Exception as e:  # whatever the module's import raised
-        raise MDPError(f"cannot load handler {spec!r}: {_one_line(e)}") from e
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise MDPError(f"cannot load handler {spec!r}: {module_name} has no "
-                           f"attribute {attribute!r}") from None
-    if not callable(target):
-        raise MDPError(f"handler {spec!r} is not callable (it is a {type(target).__name__})")
-    return target
-
-
-def _import_from_cwd(name: str) -> Any:
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
         sys.path.insert(0, cwd)
     try:
-        return importlib.import_module(name)
+        target = pkgutil.resolve_name(spec)
+    except Exception as e:  # whatever the module's import raised, or no such attribute
+        raise MDPError(f"cannot load handler {spec!r}: {_one_line(e)}") from e
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
+    if not callable(target):
+        raise MDPError(f"handler {spec!r} is not callable (it is a {type(target).__name__})")
+    return target
 
 
 def _one_line(error: BaseException) -> str:

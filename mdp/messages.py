@@ -71,7 +71,8 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
 def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
     """Normalise request body frames (``str`` is UTF-8 encoded): ``TypeError``
     for another type, ``ValueError`` for none unless *empty*."""
-    body = [f if type(f) is bytes else _frame(i, f) for i, f in enumerate(frames)]
+    body = [f if type(f) is bytes else as_frame(f, f"request frame {i}")
+            for i, f in enumerate(frames)]
     if not body and not empty:
         raise ValueError("a request needs at least one body frame")
     return body
@@ -85,9 +86,14 @@ def bytes_frames(frames: Sequence[object]) -> list[bytes]:
     return list(frames)  # type: ignore[arg-type]
 
 
-def _frame(index: int, frame: object) -> bytes:
-    if isinstance(frame, str):
-        return frame.encode("utf-8")
-    if isinstance(frame, (bytes, bytearray, memoryview)):
-        return bytes(frame)
-    raise TypeError(f"request frame {index} is {type(frame).__name__}, not bytes or str")
+def as_frame(item: object, what: str) -> bytes:
+    """*item* as ``bytes`` (a ``str`` UTF-8 encoded): ``TypeError`` naming it
+    *what* for another type."""
+    if isinstance(item, str):
+        try:
+            return item.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of bad bytes)
+            raise TypeError(f"{what} must be encodable as UTF-8: {e}") from None
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    raise TypeError(f"{what} is {type(item).__name__}, not bytes or str")

@@ -24,6 +24,7 @@ from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
+    Action,
     CallState,
     ChannelState,
     ClientMachine,
@@ -50,8 +51,6 @@ __all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState"
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-Action = Any  # an action of ClientMachine
-
 
 def __getattr__(name: str) -> Any:
     """The machine's classes (compiled, a class the .pxd cimports is no attribute)."""
@@ -61,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
 
 def tell(throttle: LogThrottle, action: Action) -> None:
-    """Call ``onPartial``/``onRestart`` unless the request is done, or log, throttled."""
+    """What a callback or a log (throttled) tells of *action*."""
     kind = type(action)
     if kind is Partial or kind is Restarted:
         _callBack(action)
@@ -76,6 +75,7 @@ def tell(throttle: LogThrottle, action: Action) -> None:
 
 
 def _callBack(action: Union[Partial, Restarted]) -> None:
+    """Call ``onPartial``/``onRestart`` unless the request is done."""
     call = action.call
     partial = type(action) is Partial
     callback = call.onPartial if partial else call.onRestart
@@ -169,6 +169,11 @@ class ClientDriver:
             self._close(action.channel)
         else:
             tell(self.throttle, action)
+
+    def _close(self, channel: _Channel) -> None:
+        pipe, channel.pipe = channel.pipe, None
+        if pipe is not None:
+            pipe.close()
 
 
 class Client(ClientDriver):
@@ -293,11 +298,6 @@ class Client(ClientDriver):
             else:
                 self._act(action)
 
-    def _close(self, channel: _Channel) -> None:
-        pipe, channel.pipe = channel.pipe, None
-        if pipe is not None:
-            pipe.close()
-
     def _send(self, channel: _Channel, frames: list[bytes]) -> None:
         pipe = channel.pipe
         call = channel.call
@@ -343,13 +343,10 @@ class ReplyStream:
         self._wakeCall: Any = None
 
     def _wake(self) -> None:
+        self._wakeCall = None
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.callback(None)
-
-    def _wakeLater(self) -> None:
-        self._wakeCall = None
-        self._wake()
 
     def _put(self, frames: list[bytes]) -> None:
         self._parts.append(frames)
@@ -358,7 +355,7 @@ class ReplyStream:
         if self._reactor is None:
             self._wake()
         else:
-            self._wakeCall = self._reactor.callLater(0, self._wakeLater)
+            self._wakeCall = self._reactor.callLater(0, self._wake)
 
     def _restart(self) -> None:
         while self._parts and self._parts[-1] is not _RESTARTED:

@@ -58,6 +58,8 @@ from collections import deque
 from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional, Sequence, Union
 
+import attrs
+
 from mdp.errors import (
     BrokerUnreachable,
     ClientClosed,
@@ -68,7 +70,7 @@ from mdp.errors import (
     RequestTooLarge,
     StreamRestarted,
 )
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
@@ -100,10 +102,6 @@ def check_count(name: str, value: int, what: str) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
-def _not_queued(call: _Call) -> bool:
-    return call.state is not QUEUED
-
-
 class CallState(enum.Enum):
     """Where one request stands (the module's table)."""
 
@@ -113,8 +111,7 @@ class CallState(enum.Enum):
     DONE = "done"  # answered, failed or cancelled (maybe still carried, abandoned)
 
 
-QUEUED, IN_FLIGHT, STREAMING, DONE = (
-    CallState.QUEUED, CallState.IN_FLIGHT, CallState.STREAMING, CallState.DONE)
+QUEUED, IN_FLIGHT, STREAMING, DONE = CallState
 
 
 class ChannelState(enum.Enum):
@@ -125,7 +122,7 @@ class ChannelState(enum.Enum):
     SENT = "sent"
 
 
-DOWN, UP, SENT = ChannelState.DOWN, ChannelState.UP, ChannelState.SENT
+DOWN, UP, SENT = ChannelState
 
 
 _UNREACHABLE = {errno.ENOENT: "no such socket", errno.ECONNREFUSED: "connection refused"}
@@ -201,66 +198,26 @@ class _Channel:
 
 # --- what the machine asks its driver to do -------------------------------------------
 
-@action_class
-class OpenChannel:
-    channel: _Channel
+def _action(name: str, *fields: str) -> Any:
+    """An action class with *fields*, as :data:`~mdp.machine.action_class` makes one."""
+    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False)
+    kind.__module__ = __name__
+    return kind
 
 
-@action_class
-class CloseChannel:
-    channel: _Channel
+OpenChannel = _action("OpenChannel", "channel")
+CloseChannel = _action("CloseChannel", "channel")
+SendOn = _action("SendOn", "channel", "frames")
+Partial = _action("Partial", "call", "body")
+Restarted = _action("Restarted", "call")
+Complete = _action("Complete", "call", "body")
+Fail = _action("Fail", "call", "error")
+#: call :meth:`ClientMachine.handleWake` by *when* (``None``: no need)
+WakeAt = _action("WakeAt", "when")
+Dropped = _action("Dropped", "endpoint", "reason")
+Retrying = _action("Retrying", "call", "attempt")
 
-
-@action_class
-class SendOn:
-    channel: _Channel
-    frames: list[bytes]
-
-
-@action_class
-class Partial:
-    call: _Call
-    body: list[bytes]
-
-
-@action_class
-class Restarted:
-    call: _Call
-
-
-@action_class
-class Complete:
-    call: _Call
-    body: list[bytes]
-
-
-@action_class
-class Fail:
-    call: _Call
-    error: BaseException
-
-
-@action_class
-class WakeAt:
-    """Call :meth:`ClientMachine.handleWake` by *when* (``None``: no need)."""
-
-    when: Optional[float]
-
-
-@action_class
-class Dropped:
-    endpoint: str
-    reason: str
-
-
-@action_class
-class Retrying:
-    call: _Call
-    attempt: int
-
-
-Action = Any  # OpenChannel | CloseChannel | SendOn | Partial | Restarted | Complete | Fail
-#               | WakeAt | Dropped | Retrying
+Action = Any  # one of the above
 
 
 class ClientMachine(Machine):
@@ -635,7 +592,7 @@ class ClientMachine(Machine):
         # the blocking driver waits inside a callback that makes a request
         self._wakeByHead()
         # queued ones first, so that a freed connection goes to no expired request
-        for call in sorted(due, key=_not_queued):
+        for call in sorted(due, key=lambda call: call.state is not QUEUED):
             self._expired(call)
         self._wakeByHead()
 

@@ -46,19 +46,16 @@ def timeout_ms(when: Optional[float], now: float) -> int:
 def _check_schemes(endpoints: list[str]) -> None:
     """Refuse (at once) an endpoint whose scheme has no blocking transport."""
     for each in endpoints:
-        scheme = each.partition(":")[0]
-        if scheme == "zmq":
-            continue
-        if scheme not in STREAM_SCHEMES:
-            raise TransportError(
-                f"blocking nodes speak zmq:, {', '.join(s + ':' for s in STREAM_SCHEMES)} "
-                f"endpoints, not {each!r}")
-        stream_address(each)
+        if not each.startswith("zmq:"):
+            stream_address(each)
 
 
 def stream_address(endpoint: str) -> tuple[int, Any]:
     """The socket family and address of stream *endpoint* (``tcp:``, ``unix:``)."""
     scheme, _, rest = endpoint.partition(":")
+    if scheme not in STREAM_SCHEMES:
+        raise TransportError(f"blocking nodes speak zmq:, "
+                             f"{', '.join(s + ':' for s in STREAM_SCHEMES)} endpoints, not {endpoint!r}")
     args, kwargs = split_description(rest)
     unix = scheme == "unix"
     # each by its name, or else by its place
@@ -108,7 +105,7 @@ class _ZmqPipe:
             sock.connect(self.address)
             fd = sock.get(zmq.FD)
             handle = socket_handle(sock, _native)
-            self.loop.poller.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
+            self.loop.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
         except BaseException:
             sock.close(0)
             raise
@@ -270,8 +267,6 @@ class _StreamPipe:
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
                  "broken", "channels", "queuedBytes", "sentBytes")
 
-    backlog = ()  # never waits in recv alone (see _Loop.turn)
-
     def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any,
                  channels: bool = False) -> None:
         self.loop = loop
@@ -323,20 +318,18 @@ class _StreamPipe:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setblocking(False)
                 code = sock.connect_ex(target)
-            except OSError as e:  # no descriptor, a path too long, ...
+                # (EAGAIN: a full listen backlog, which a later attempt may find free)
+                if code not in (0, errno.EINPROGRESS):
+                    raise OSError(code, os.strerror(code))
+            except OSError as e:  # no descriptor, a path too long, refused, ...
                 if sock is not None:
                     sock.close()
                 error = e
                 continue
-            # (EAGAIN: a full listen backlog, which a later attempt may find free)
-            if code not in (0, errno.EINPROGRESS):
-                sock.close()
-                error = OSError(code, os.strerror(code))
-                continue
             self.socket = sock
             self.key = sock.fileno()
             self.connecting = True
-            self.loop.poller.watch(self.key, _POLLOUT)
+            self.loop.watch(self.key, _POLLOUT)
             self.loop.pipes[self.key] = self
             return
         self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"),
@@ -363,12 +356,9 @@ class _StreamPipe:
         connection's bytes (0: not sent)."""
         if not self.up:
             return 0
-        return self._queue(record)
-
-    def _queue(self, record: bytes) -> int:
         self.out += record
         self.queuedBytes += len(record)
-        self.loop.unflushed.add(self)
+        self.loop.unchecked.add(self)  # sent before the loop waits
         return self.queuedBytes
 
     def _flush(self) -> None:
@@ -385,7 +375,7 @@ class _StreamPipe:
             return  # the poller reports the loss
         del self.out[:sent]
         self.sentBytes += sent
-        self.loop.poller.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
+        self.loop.watch(self.key, _POLLIN | (_POLLOUT if self.out else 0))
 
     def ready(self, events: int, now: float) -> None:
         sock = self.socket
@@ -410,38 +400,20 @@ class _StreamPipe:
             self._closeSocket()
             self._next(now, OSError(code, os.strerror(code)))
             return
-        if self.channels:  # (first, before what the pipes send; and before it is up)
-            self._queue(CHANNELS.greeting(None))
         self.connecting = False
         self.up = True
         self.failures = 0
-        self.loop.poller.watch(self.key, _POLLIN)
+        if self.channels:  # (first, before what the pipes send)
+            self.sendRecord(CHANNELS.greeting(None))
+        self.loop.watch(self.key, _POLLIN)
         self.owner._pipeUp(self.tag, now)
 
     def _read(self, sock: socket.socket, now: float) -> None:
-        if self.broken is not None:  # (a discard, or a read below, found it unusable)
+        # what came whole before a loss is handed on first, as in Twisted
+        self.received.extend(self._drain(1))
+        self._deliverReceived(now)
+        if self.broken is not None and self.socket is sock:
             self._lost(self.broken, now)
-            return
-        try:
-            data = sock.recv(_READ_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._lost(e, now)
-            return
-        if not data:
-            self._lost(ConnectionError("connection closed by the broker"), now)
-            return
-        try:
-            messages = self.decoder.feed(data)
-        except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
-            # what came whole before it is handed on first, as in Twisted
-            self._break(e)
-            self._take(getattr(e, "decoded", None) or [], now)
-            if self.socket is sock:
-                self._lost(e, now)
-            return
-        self._take(messages, now)
 
     def _break(self, error: BaseException) -> None:
         """Stop reading; the next read reports *error* as the loss."""
@@ -449,17 +421,13 @@ class _StreamPipe:
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
-    def _take(self, messages: list[Any], now: float) -> None:
-        if self.skip and messages:
-            self._skipBegun(messages)
-        self.received.extend(messages)
-        self._deliverReceived(now)
-
     def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a discard saw begun, now whole: no reply to a later request."""
-        if not self.channels or messages[0][0] in self.skip:
-            del messages[0]
-        self.skip = 0
+        """Drop the record a stale discard saw begun, now whole, if on a
+        channel it discarded: no reply to a later request."""
+        if messages:
+            if messages[0][0] in self.skip:
+                del messages[0]
+            self.skip = 0
 
     def _deliverReceived(self, now: float) -> None:
         """Hand on the messages read, in order (a callback that waits on the
@@ -473,44 +441,40 @@ class _StreamPipe:
             owner._pipeMessage(tag, frames, now)
 
     def check(self, now: float) -> bool:
-        """Hand on what was read and not handed on yet; whether there was any."""
+        """Send what was queued; hand on what was read and not handed on yet,
+        whether there was any."""
+        if self.out:
+            self._flush()
         if not self.received:
             return False
         self._deliverReceived(now)
         return True
 
-    def discardReceived(self) -> int:
-        """Drop the messages read and waiting in the socket (a record begun:
-        once whole); how many."""
-        dropped = len(self.received) + len(self._drain())
-        self.received.clear()
-        if self.broken is not None:
-            return dropped
-        # (what an earlier discard saw begun has come whole meanwhile)
-        self.skip = 1 if self.decoder.inRecord else 0
-        return dropped + self.skip
-
-    def _drain(self) -> list[Any]:
-        """The messages what waits in the socket completes (errors are left
-        for the next read)."""
+    def _drain(self, reads: int = 64) -> list[Any]:
+        """The messages what waits in the socket completes, in at most *reads*
+        reads; a loss found is kept (``broken``) for the next read to report."""
         sock = self.socket
         messages: list[Any] = []
-        if not self.up or self.broken is not None:  # (up: it has a socket)
+        if self.broken is not None:
             return messages
-        for _ in range(64):  # bounded: a peer sending without pause cannot hold us here
+        for _ in range(reads):  # bounded: a peer sending without pause cannot hold us here
             try:
                 data = sock.recv(_READ_SIZE)  # type: ignore[union-attr]
-            except OSError:
-                break  # nothing more now, or a loss the poller reports
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._break(e)
+                break
             if not data:
-                break  # the same: the next read sees the end again
+                self._break(ConnectionError("connection closed by the broker"))
+                break
             try:
                 messages += self.decoder.feed(data)
-            except Exception as e:  # the stream is unusable: the next read reports it
+            except Exception as e:  # ProtocolError (RecordTooLarge): the stream is unusable
                 messages += getattr(e, "decoded", None) or []
                 self._break(e)
                 break
-        if self.skip and messages:
+        if self.skip:
             self._skipBegun(messages)
         return messages
 
@@ -525,14 +489,12 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        #: a record begun before a discard, to drop once whole (on channels:
-        #: the channels discarded)
+        #: the channels of a stale discard that saw a record begun (dropped once whole)
         self.skip: Any = 0
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
         self.decoder = (CHANNELS if self.channels else RECORDS).decoder(self.loop.limits)
-        self.loop.unflushed.discard(self)
         if sock is not None:
             self.loop.forget(self.key)
             sock.close()
@@ -549,6 +511,7 @@ class _StreamPipe:
                 sock.settimeout(0.2)
                 sock.sendall(self.out)
         self.retryAt = None
+        self.loop.timed.discard(self)
         self._closeSocket()
 
 
@@ -568,21 +531,12 @@ class _StreamLink:
         #: pipes still to be told of the loss (before any reconnection)
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
 
-    @property
-    def pipes(self) -> dict[bytes, Any]:
-        return self.core.channels
-
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
         pipe = _LinkPipe(self, owner, tag)
         self.core.open(pipe)
         if self.stream.up:
             self.core.comeUp(pipe)  # up at once: its owner tells itself
         return pipe
-
-    def start(self) -> None:
-        stream = self.stream
-        if stream.socket is None and stream.retryAt is None:
-            stream.open(monotonic())
 
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
         """Put back *items* but the messages on *names*; their channels."""
@@ -620,7 +574,7 @@ class _StreamLink:
         for pipe in self.core.closeAll():
             self.loop.timed.discard(pipe)
         self.lossesToTell.clear()
-        self.loop.close(self.stream)
+        self.stream.close()
 
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._tellLost(now)
@@ -675,7 +629,9 @@ class _LinkPipe(Channel):
         self.retryAt: Optional[float] = None
 
     def start(self) -> None:
-        self.link.start()
+        stream = self.link.stream
+        if stream.socket is None and stream.retryAt is None:
+            stream.open(monotonic())
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
