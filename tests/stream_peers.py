@@ -1,11 +1,15 @@
 """Peers of the tests of bounded streams (tests/test_worker_streams.py,
-tests/test_framing_budget.py): a handler that streams without end, and a
-peer that opens stream records it never completes.
+tests/test_framing_budget.py): a handler that streams without end, a peer
+that opens stream records it never completes, and a broker to attack.
 
-Run as a script, ``python -m tests.stream_peers HOST PORT COUNT BYTES``
-opens COUNT connections, starts on each a record announcing BYTES bytes of
-frames, sends all of it but its last byte, prints ``held N`` (N connections
-still open), then waits for a line on stdin and exits (closing them all)."""
+``python -m tests.stream_peers HOST PORT COUNT BYTES`` opens COUNT
+connections, starts on each a record of BYTES bytes of frames and sends all
+of it but its last byte; then, for each line on stdin, prints ``held N`` (N
+connections still open), and at the line ``close`` closes them and exits.
+
+``python -m tests.stream_peers broker BUDGET`` runs a broker on a TCP port of
+127.0.0.1 with ``maxBufferedBytes`` BUDGET and an ``echo`` worker, logs to
+stdout, and prints ``listening on PORT``."""
 
 from __future__ import annotations
 
@@ -57,7 +61,28 @@ def _still_open(sock: socket.socket) -> bool:
         return False
 
 
-if __name__ == "__main__":
+def broker(budget: int) -> None:
+    from twisted.internet import reactor
+    from twisted.logger import globalLogBeginner, textFileLogObserver
+
+    globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout)])
+
+    from mdp import Broker, Worker
+    from mdp.policy import Limits
+
+    def listening(router: object) -> None:
+        endpoint = router.endpoint  # type: ignore[attr-defined]
+        Worker(endpoint, "echo", lambda frames: frames, reactor).start()
+        print("listening on", endpoint.rpartition("port=")[2], flush=True)
+
+    limits = Limits(maxBufferedBytes=budget)
+    Broker(reactor, limits=limits).listen("tcp:host=127.0.0.1:port=0").addCallback(listening)
+    reactor.run()
+
+
+if __name__ == "__main__" and sys.argv[1] == "broker":
+    broker(int(sys.argv[2]))
+elif __name__ == "__main__":
     host, port, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     socks = partial_records(host, port, count, size)
     print("sent", len(socks), flush=True)
