@@ -37,12 +37,8 @@ class _Tracker:
 
 def test_in_flight_counts_bytes_up_to_the_oldest_tracker_not_done() -> None:
     window = InFlight(1000)
-    assert window.step == 250
     first, second = _Tracker(), _Tracker()
-    window.sent = 300
-    window.mark(first)
-    window.sent = 600
-    window.mark(second)
+    window.marks.extend([(first, 300), (second, 600)])
     window.sent = 700  # untracked tail
     assert window.held() == 700
     first.done = True

@@ -41,43 +41,25 @@ class InputBudget:
     connections together (RabbitMQ's memory watermark): a record that spans
     reads is charged as its bytes come, against its decoder's
     ``limits.maxBufferedBytes``, and given back when it completes or its
-    connection goes.  A record that completes within one read costs nothing.
-    After :attr:`TRIM_BYTES` of dropped records, the C allocator is asked to
-    return its free pages (glibc's ``malloc_trim``, about 0.1 ms: the pieces
-    of 64 KiB reads are not returned otherwise)."""
-
-    TRIM_BYTES = 1024 * 1024
+    connection goes; one read whole costs nothing.  After 1 MiB of dropped
+    records the C heap gives its free pages back (glibc's ``malloc_trim``,
+    about 0.1 ms: the 64 KiB pieces of reads are not returned otherwise)."""
 
     def __init__(self) -> None:
-        self.held = 0
-        self.refused = 0  # records refused over the budget
-        self._dropped = 0  # bytes given back by dropped records since the last trim
+        self.held = self.refused = self.dropped = 0
 
     def give(self, size: int, dropped: bool) -> None:
         self.held -= size
-        if dropped:
-            self._dropped += size
-            if self._dropped >= self.TRIM_BYTES:
-                self._dropped = 0
-                _trim()
+        self.dropped += size if dropped else 0
+        if self.dropped >= 1 << 20:
+            self.dropped = 0
+            try:
+                import ctypes
 
+                ctypes.CDLL(None).malloc_trim(0)
+            except (OSError, AttributeError, TypeError):  # no glibc
+                pass
 
-def _trim() -> None:
-    """Return the C heap's free pages to the system, where glibc can."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-        except (OSError, AttributeError, TypeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 #: The process's budget for unfinished stream records.
 BUFFERED = InputBudget()
@@ -261,23 +243,18 @@ class RecordDecoder:
         return messages
 
     def _feedSpanning(self, data: bytes, pos: int, end: int) -> int:
-        """:meth:`_feedRecord`, charging what it keeps for a later read."""
+        """:meth:`_feedRecord`, charging to :data:`BUFFERED` what it keeps for a later read."""
         start = pos
         pos = self._feedRecord(data, pos, end)
         if self._need:
-            self._charge(pos - start)
+            if BUFFERED.held + pos - start > self.limits.maxBufferedBytes:
+                BUFFERED.refused += 1
+                raise OverBudget(f"unfinished records already hold {BUFFERED.held} bytes in this "
+                                 f"process; {self._held} bytes of this one would pass the limit "
+                                 f"of {self.limits.maxBufferedBytes} (max buffered bytes)")
+            BUFFERED.held += pos - start
+            self._charged += pos - start
         return pos
-
-    def _charge(self, size: int) -> None:
-        """Charge *size* more bytes of the record in progress to :data:`BUFFERED`."""
-        limit = self.limits.maxBufferedBytes
-        if BUFFERED.held + size > limit:
-            BUFFERED.refused += 1
-            raise OverBudget(f"unfinished records already hold {BUFFERED.held} bytes in this "
-                             f"process; {self._held} bytes of this one would pass the limit of "
-                             f"{limit} (max buffered bytes)")
-        BUFFERED.held += size
-        self._charged += size
 
     def release(self) -> None:
         """The connection is gone: give back the record in progress, its
@@ -352,9 +329,8 @@ class RecordDecoder:
         return pos
 
     def _completed(self) -> list[bytes]:
-        if self._charged:
-            BUFFERED.give(self._charged, False)
-            self._charged = 0
+        BUFFERED.give(self._charged, False)
+        self._charged = 0
         frames, self._frames = self._frames, []
         content = self._held - 4 * len(frames)
         self._need = -1

@@ -404,32 +404,22 @@ class ZmqRouter(_RoutedSocket):
 
 
 class InFlight:
-    """What a DEALER has handed libzmq and libzmq still holds, in bytes: libzmq
-    counts a pipe's messages, not their bytes, so every *step* bytes one
-    message goes tracked, and once libzmq lets go of it (on the wire) so has
-    it of every message before it.  Over *bound* the socket is not writable."""
+    """What a DEALER has handed libzmq and libzmq may still hold, in bytes
+    (libzmq bounds a pipe in messages): every quarter *bound* one message goes
+    tracked, and once libzmq lets go of it, it has of those before it too."""
 
-    __slots__ = ("bound", "step", "sent", "released", "marked", "marks")
+    __slots__ = ("bound", "sent", "released", "marked", "marks")
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
-        self.step = max(1, bound // 4)
-        self.sent = 0  # bytes handed to libzmq
-        self.released = 0  # of them, known to be let go of
-        self.marked = 0  # ``sent`` when the last tracked message went
-        #: (tracker, ``sent`` after its message), oldest first
-        self.marks: deque[tuple[Any, int]] = deque()
+        self.sent = self.released = self.marked = 0  # bytes handed over, let go of, at the last mark
+        self.marks: deque[tuple[Any, int]] = deque()  # (tracker, ``sent`` after it), oldest first
 
     def held(self) -> int:
-        """Bytes libzmq may still hold (those sent since the last tracked one, at most)."""
         marks = self.marks
         while marks and marks[0][0].done:
             self.released = marks.popleft()[1]
         return self.sent - self.released
-
-    def mark(self, tracker: Any) -> None:
-        self.marked = self.sent
-        self.marks.append((tracker, self.sent))
 
 
 @implementer(IDealerTransport)
@@ -466,7 +456,6 @@ class ZmqDealer:
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
-        self.inFlight = InFlight(limits.maxOutputBytes)
         self._watch: Any = None  # polls inFlight while a waiter waits on it
         self._open()
 
@@ -518,7 +507,7 @@ class ZmqDealer:
         inFlight = self.inFlight
         size = held_bytes(frames)
         tracker = None
-        if inFlight.sent + size - inFlight.marked >= inFlight.step and type(frames[-1]) is bytes:
+        if inFlight.sent + size - inFlight.marked >= inFlight.bound // 4 and type(frames[-1]) is bytes:
             last = _zmq().Frame(frames[-1], track=True, copy=False)
             tracker = last.tracker
             frames = [*frames[:-1], last]
@@ -531,7 +520,8 @@ class ZmqDealer:
             return True
         inFlight.sent += size
         if tracker is not None:
-            inFlight.mark(tracker)
+            inFlight.marked = inFlight.sent
+            inFlight.marks.append((tracker, inFlight.sent))
         return True
 
     def _open(self) -> None:
