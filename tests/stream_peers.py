@@ -22,13 +22,13 @@ from typing import Iterator
 
 def endless(frames: list[bytes]) -> Iterator[bytes]:
     """Stream PARTIALs of int(frames[0]) bytes without end, writing how many
-    it has yielded to the file frames[1] every 256."""
+    it has yielded to the file frames[1] every 16 (past 4,096: every 256)."""
     part = b"x" * int(frames[0])
     count = 0
     while True:
         yield part
         count += 1
-        if count % 256 == 0:
+        if count % (16 if count < 4096 else 256) == 0:
             with open(frames[1] + b".new", "w") as f:
                 f.write(str(count))
             os.replace(frames[1] + b".new", frames[1])
