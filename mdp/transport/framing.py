@@ -57,7 +57,7 @@ class InputBudget:
                 import ctypes
 
                 ctypes.CDLL(None).malloc_trim(0)
-            except (OSError, AttributeError, TypeError):  # no glibc
+            except (ImportError, OSError, AttributeError, TypeError):  # no glibc
                 pass
 
 
