@@ -227,6 +227,8 @@ DEFAULT_MAX_OUTPUT_BYTES = 64 * MiB
 DEFAULT_MAX_CONNECTIONS = 10_000
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_RECORD_TIMEOUT = 30.0
+#: What a process holds at most of stream records that span reads, in all.
+DEFAULT_MAX_BUFFERED_BYTES = 256 * MiB
 
 
 #: What a frame costs held in memory beyond its bytes (empty frames are not free).
@@ -262,6 +264,8 @@ class Limits:
     maxConnections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least(1))
     handshakeTimeout: float = attrs.field(default=DEFAULT_HANDSHAKE_TIMEOUT, validator=_at_least(0.001))
     recordTimeout: float = attrs.field(default=DEFAULT_RECORD_TIMEOUT, validator=_at_least(0.001))
+    #: bytes of unfinished stream records the whole process holds (``framing.BUFFERED``)
+    maxBufferedBytes: int = attrs.field(default=DEFAULT_MAX_BUFFERED_BYTES, validator=_at_least(64))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
         """Why a message of *size* bytes in *frames* frames is refused, or None."""

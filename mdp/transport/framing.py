@@ -2,7 +2,8 @@
 I/O (the wire form: ``docs/transports.md``): an optional greeting announces
 the connecting side's identity, or that channels follow; each record is a
 length, then each frame's length and bytes.  Limits are enforced before
-anything is buffered: an oversized record is refused from its header."""
+anything is buffered: an oversized record is refused from its header, and
+the records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,40 @@ _inC: Any = _compiled.accelerator("mdp.transport._records")
 #: Pieces of a frame at least this long are kept as views (copied once, into
 #: the frame); shorter ones are gathered in one buffer.
 _PIECE_BYTES = 4096
+
+
+class OverBudget(ProtocolError):
+    """A stream record that spans reads would take the process's unfinished
+    records past ``Limits.maxBufferedBytes``: its connection is closed."""
+
+
+class InputBudget:
+    """The bytes of unfinished stream records the process holds, all
+    connections together (RabbitMQ's memory watermark): a record that spans
+    reads is charged as its bytes come, against its decoder's
+    ``limits.maxBufferedBytes``, and given back when it completes or its
+    connection goes; one read whole costs nothing.  After 1 MiB of dropped
+    records the C heap gives its free pages back (glibc's ``malloc_trim``,
+    about 0.1 ms: the 64 KiB pieces of reads are not returned otherwise)."""
+
+    def __init__(self) -> None:
+        self.held = self.refused = self.dropped = 0
+
+    def give(self, size: int, dropped: bool) -> None:
+        self.held -= size
+        self.dropped += size if dropped else 0
+        if self.dropped >= 1 << 20:
+            self.dropped = 0
+            try:
+                import ctypes
+
+                ctypes.CDLL(None).malloc_trim(0)
+            except (ImportError, OSError, AttributeError, TypeError):  # no glibc
+                pass
+
+
+#: The process's budget for unfinished stream records.
+BUFFERED = InputBudget()
 
 
 def encode_record(frames: list[bytes]) -> bytes:
@@ -115,6 +150,7 @@ class RecordDecoder:
         self._greeting: Optional[bytearray] = None
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
+        self._charged = 0  # bytes of the record in progress charged to BUFFERED
 
     @property
     def inRecord(self) -> bool:
@@ -193,17 +229,46 @@ class RecordDecoder:
                     self._need = length
                     self._held = 0
                 # a record that spans pieces: frame by frame, each copied once
-                pos = self._feedRecord(data, pos, end)
+                pos = self._feedSpanning(data, pos, end)
                 if self._need == 0:
                     frames = self._completed()
                     messages.append((self._channel, frames) if self.channels else frames)
         except ProtocolError as e:
+            self.release()  # the stream is unusable
             if self.channels and isinstance(e, RecordTooLarge):
                 e.channel = self._channel
             # the whole messages before it, to deliver before the connection ends
             e.decoded = messages
             raise
         return messages
+
+    def _feedSpanning(self, data: bytes, pos: int, end: int) -> int:
+        """:meth:`_feedRecord`, charging to :data:`BUFFERED` what it keeps for a later read."""
+        start = pos
+        pos = self._feedRecord(data, pos, end)
+        if self._need:
+            if BUFFERED.held + pos - start > self.limits.maxBufferedBytes:
+                BUFFERED.refused += 1
+                raise OverBudget(f"unfinished records already hold {BUFFERED.held} bytes in this "
+                                 f"process; {self._held} bytes of this one would pass the limit "
+                                 f"of {self.limits.maxBufferedBytes} (max buffered bytes)")
+            BUFFERED.held += pos - start
+            self._charged += pos - start
+        return pos
+
+    def release(self) -> None:
+        """The connection is gone: give back the record in progress, its
+        budget and its buffers."""
+        if self._charged:
+            BUFFERED.give(self._charged, True)
+            self._charged = 0
+        self._frames = []
+        self._pieces = []
+        self._buf = bytearray()
+
+    def __del__(self) -> None:
+        if getattr(self, "_charged", 0):
+            self.release()
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
         """Take the record in progress from *pos*; where it ends."""
@@ -264,6 +329,8 @@ class RecordDecoder:
         return pos
 
     def _completed(self) -> list[bytes]:
+        BUFFERED.give(self._charged, False)
+        self._charged = 0
         frames, self._frames = self._frames, []
         content = self._held - 4 * len(frames)
         self._need = -1

@@ -403,12 +403,32 @@ class ZmqRouter(_RoutedSocket):
         return closed
 
 
+class InFlight:
+    """What a DEALER has handed libzmq and libzmq may still hold, in bytes
+    (libzmq bounds a pipe in messages): every quarter *bound* one message goes
+    tracked, and once libzmq lets go of it, it has of those before it too."""
+
+    __slots__ = ("bound", "sent", "released", "marked", "marks")
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.sent = self.released = self.marked = 0  # bytes handed over, let go of, at the last mark
+        self.marks: deque[tuple[Any, int]] = deque()  # (tracker, ``sent`` after it), oldest first
+
+    def held(self) -> int:
+        marks = self.marks
+        while marks and marks[0][0].done:
+            self.released = marks.popleft()[1]
+        return self.sent - self.released
+
+
 @implementer(IDealerTransport)
 class ZmqDealer:
     """A connecting ZeroMQ DEALER socket: the Twisted shell of a
     :class:`~mdp.transport.dealercore.DealerCore`.  Messages refused at the
-    high-water mark wait in its backlog (``writable`` is false meanwhile),
-    up to ``limits.maxOutputBytes``."""
+    high-water mark wait in its backlog, up to ``limits.maxOutputBytes``;
+    ``writable`` is false while they do, or while libzmq holds more than
+    ``limits.maxOutputBytes`` unsent (:class:`InFlight`), until half of that."""
 
     connected = True
 
@@ -436,20 +456,37 @@ class ZmqDealer:
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
+        self._watch: Any = None  # polls inFlight while a waiter waits on it
         self._open()
 
     @property
     def writable(self) -> bool:
-        return not self.core.backlog
+        return not self.core.backlog and self.inFlight.held() <= self.inFlight.bound
 
     @property
     def backlogged(self) -> bool:
         return bool(self.core.backlog)
 
     def drained(self) -> defer.Deferred[None]:
-        if not self.core.backlog:
+        if self.writable:
             return defer.succeed(None)
-        return self._waiters.wait()
+        waiting = self._waiters.wait()
+        if not self.core.backlog and self._watch is None:
+            self._watch = self.reactor.callLater(self._pacer.next(True), self._watchInFlight)
+        return waiting
+
+    def _watchInFlight(self) -> None:
+        """Wake the waiters once libzmq holds at most half the bound (libzmq
+        tells nobody when it lets go of a message: polled, backing off)."""
+        self._watch = cancel_call(self._watch)
+        if self.core.backlog:
+            return  # _flush wakes them
+        before = self.inFlight.released
+        if self.inFlight.held() <= self.inFlight.bound // 2 or self.connection is None:
+            self._waiters.fire()
+        else:
+            progressed = self.inFlight.released != before
+            self._watch = self.reactor.callLater(self._pacer.next(progressed), self._watchInFlight)
 
     def _flush(self) -> None:
         self._retry = cancel_call(self._retry)
@@ -463,16 +500,28 @@ class ZmqDealer:
                 return
             core.sent()
             progressed = True
-        self._waiters.fire()
+        self._watchInFlight()
 
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
+        inFlight = self.inFlight
+        size = held_bytes(frames)
+        tracker = None
+        if inFlight.sent + size - inFlight.marked >= inFlight.bound // 4 and type(frames[-1]) is bytes:
+            last = _zmq().Frame(frames[-1], track=True, copy=False)
+            tracker = last.tracker
+            frames = [*frames[:-1], last]
         try:
             self.connection.send(frames)
         except _zmq().ZMQError as e:
             if isinstance(e, _zmq().Again):
                 return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
+            return True
+        inFlight.sent += size
+        if tracker is not None:
+            inFlight.marked = inFlight.sent
+            inFlight.marks.append((tracker, inFlight.sent))
         return True
 
     def _open(self) -> None:
@@ -492,6 +541,7 @@ class ZmqDealer:
             raise
         self.connection = connection
         self.core.opened()
+        self.inFlight = InFlight(self.limits.maxOutputBytes)
         self.reactor.callLater(0, self._made, connection)
 
     def _made(self, connection: Any) -> None:
@@ -545,15 +595,8 @@ class ZmqDealer:
         if connection is None:
             return
         core = self.core
-        if not core.backlog:
-            try:
-                connection.send(frames)
-                return
-            except _zmq().ZMQError as e:
-                if not isinstance(e, _zmq().Again):
-                    log.warn("zmq dealer to {endpoint} could not send: {error}",
-                             endpoint=self.endpoint, error=e)
-                    return
+        if not core.backlog and self._trySend(frames):
+            return
         if not core.hold(frames):
             self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
                                "bytes already wait for its pipe to drain", endpoint=self.endpoint,
@@ -567,6 +610,7 @@ class ZmqDealer:
         self.core.clear()
         self._retry = cancel_call(self._retry)
         self._reopening = cancel_call(self._reopening)
+        self._watch = cancel_call(self._watch)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()

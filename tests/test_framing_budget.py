@@ -1,0 +1,187 @@
+"""One process-wide budget for the stream records that span reads
+(:data:`mdp.transport.framing.BUFFERED`, ``Limits.maxBufferedBytes``): a
+record that would pass it is refused (its connection closed, with the
+reason), and what a record held is given back when it completes or goes
+(a peer holding 60 unfinished 16 MiB records used to keep 1 GB)."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Optional
+
+import pytest
+import pytest_twisted
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mdp import Client
+from mdp.policy import Limits
+from mdp.transport import framing
+from mdp.transport.framing import InputBudget, OverBudget, RecordDecoder, encode_record
+from tests.procs import ENV, Process, bounded, python, reactor, wait_until
+from tests.test_hostile_processes import rss
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def budget(monkeypatch: pytest.MonkeyPatch) -> InputBudget:
+    """A budget of the test's own (other tests' connections may hold some)."""
+    fresh = InputBudget()
+    monkeypatch.setattr(framing, "BUFFERED", fresh)
+    return fresh
+
+
+def test_a_record_within_one_read_costs_nothing(budget: InputBudget) -> None:
+    decoder = RecordDecoder(Limits(maxBufferedBytes=64))
+    record = encode_record([b"x" * 1000, b"y"])
+    assert decoder.feed(record * 3) == [[b"x" * 1000, b"y"]] * 3
+    assert budget.held == 0
+
+
+def test_a_record_across_reads_is_charged_until_complete(budget: InputBudget) -> None:
+    decoder = RecordDecoder(Limits())
+    record = encode_record([b"x" * 10_000])
+    assert decoder.feed(record[:6000]) == []
+    assert budget.held == 5996  # (not the record's length prefix)
+    assert decoder.feed(record[6000:9000]) == []
+    assert budget.held == 8996
+    assert decoder.feed(record[9000:]) == [[b"x" * 10_000]]
+    assert budget.held == 0
+
+
+def test_a_record_over_the_budget_is_refused_and_given_back(budget: InputBudget) -> None:
+    holder = RecordDecoder(Limits(maxBufferedBytes=10_000))
+    holder.feed(encode_record([b"a" * 20_000])[:8000])
+    other = RecordDecoder(Limits(maxBufferedBytes=10_000))
+    other.feed(encode_record([b"b" * 5000])[:1000])
+    assert budget.held == 7996 + 996
+    with pytest.raises(OverBudget, match="pass the limit of 10000"):
+        other.feed(b"b" * 1009)
+    assert budget.held == 7996 and budget.refused == 1
+    holder.release()  # its connection goes
+    assert budget.held == 0
+    holder.release()
+    assert budget.held == 0
+
+
+def test_a_decoder_let_go_of_gives_back(budget: InputBudget) -> None:
+    decoder: Optional[RecordDecoder] = RecordDecoder(Limits())
+    assert decoder is not None
+    decoder.feed(encode_record([b"x" * 5000])[:3000])
+    assert budget.held == 2996
+    decoder = None
+    gc.collect()
+    assert budget.held == 0
+
+
+def test_dropped_records_trim_the_heap(budget: InputBudget, monkeypatch: Any) -> None:
+    trims: list[None] = []
+    import ctypes
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: type("C", (), {
+        "malloc_trim": staticmethod(lambda pad: trims.append(None))}))
+    decoders = [RecordDecoder(Limits()) for _ in range(3)]
+    for decoder in decoders:
+        decoder.feed(encode_record([b"x" * MiB])[:MiB // 2 + 8])
+    decoders[0].release()
+    assert trims == []
+    decoders[1].release()
+    assert len(trims) == 1
+    budget.give(0, True)  # nothing dropped since
+    assert len(trims) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+       cuts=st.lists(st.integers(1, 4000), max_size=10))
+def test_any_split_gives_everything_back(sizes: list[int], cuts: list[int]) -> None:
+    """However the stream is cut into reads, the messages are the same, and
+    once they are all out nothing is held."""
+    budget = framing.BUFFERED
+    before = budget.held
+    messages = [[bytes([i % 251]) * size, b"t"] for i, size in enumerate(sizes)]
+    stream = b"".join(encode_record(m) for m in messages)
+    decoder = RecordDecoder(Limits())
+    out: list[list[bytes]] = []
+    pos = 0
+    for cut in [*cuts, len(stream)]:
+        out += decoder.feed(stream[pos:pos + cut])
+        # at most what it holds (a length prefix split across reads is free)
+        assert 0 <= budget.held - before <= (decoder.buffered if decoder.inRecord else 0)
+        pos += cut
+    out += decoder.feed(stream[pos:])
+    assert out == messages
+    assert budget.held == before
+
+
+def _released_at_connection_lost() -> bool:
+    """Whether a stream connection lost gives back its unfinished record
+    (``FramedProtocol.reportUnfinished`` calls ``decoder.release()``)."""
+    from mdp.transport.framed import FramedProtocol
+
+    connection = FramedProtocol()
+    connection.decoder = RecordDecoder(Limits())
+    connection.decoder.feed(encode_record([b"x" * 100])[:50])
+    before = framing.BUFFERED.held
+    connection.reportUnfinished()
+    return framing.BUFFERED.held < before
+
+
+# --- a process holding unfinished records against a broker process ----------
+
+BUDGET = 12 * MiB
+RECORD = 2 * MiB
+ATTACKERS = 20
+
+
+@pytest_twisted.ensureDeferred
+async def test_unfinished_records_over_the_budget_are_refused_and_memory_comes_back() -> None:
+    """20 connections each start a 2 MiB record and stop a byte short; the
+    broker's budget is 12 MiB: at most 6 stay open, the rest are closed with
+    the reason logged, a client still gets replies, and once the attacker
+    closes its connections the broker's RSS comes back to where it was."""
+    broker = Process(reactor(), python("-m", "tests.stream_peers", "broker", str(BUDGET)), ENV)
+    attacker: Optional[Process] = None
+    client: Optional[Client] = None
+    try:
+        port = int((await broker.waitFor(r"listening on (\d+)", timeout=30)).group(1))
+        pid = broker.transport.pid
+        client = Client(f"tcp:host=127.0.0.1:port={port}", reactor(), timeout=10, retries=1)
+        assert await bounded(client.request("echo", "warm"), 15) == [b"warm"]
+        base = rss(pid)
+        attacker = Process(reactor(), python("-m", "tests.stream_peers", "127.0.0.1", str(port),
+                                             str(ATTACKERS), str(RECORD)), ENV)
+        await attacker.waitFor(r"sent \d+", timeout=30)
+        held: list[int] = []
+
+        async def count() -> int:
+            attacker.transport.write(b"count\n")
+            seen = attacker.output.count(b"held ")
+            await wait_until(lambda: attacker.output.count(b"held ") > seen, 10)
+            return int(attacker.output.rsplit(b"held ", 1)[1].split()[0])
+
+        # (the broker may still be reading the last ones)
+        deadline = reactor().seconds() + 10
+        while not held or held[-1] > BUDGET // RECORD and reactor().seconds() < deadline:
+            held.append(await count())
+        assert held[-1] <= BUDGET // RECORD, held
+        assert b"unfinished records already hold" in broker.output
+        during = rss(pid)
+        assert await bounded(client.request("echo", "still", "here"), 15) == [b"still", b"here"]
+        assert during > base + BUDGET // 2, (base, during)  # it did hold them
+        attacker.transport.write(b"close\n")
+        await attacker.waitFor("closed", timeout=10)
+        if not _released_at_connection_lost():
+            pytest.xfail("FramedProtocol.reportUnfinished does not call decoder.release() yet")
+        # the broker lets go of what they held (RSS back within 4 MiB)
+        await wait_until(lambda: rss(pid) < base + 4 * MiB, 10, step=0.05)
+        print(f"\nbroker RSS base {base / MiB:.0f} MiB, under attack {during / MiB:.0f} MiB, "
+              f"after {rss(pid) / MiB:.0f} MiB; {held[-1]} of {ATTACKERS} records held")
+        assert await bounded(client.request("echo", "after"), 15) == [b"after"]
+    finally:
+        if client is not None:
+            await client.close()
+        if attacker is not None:
+            await attacker.stop()
+        await broker.stop()
