@@ -285,16 +285,18 @@ LIMIT_OPTIONS: dict[str, tuple[Callable[..., Any], float, str]] = {
                         "same on every node); with 4 bytes per --max-frames frame it fits a "
                         "stream record: 4 GiB less 2 bytes."),
     "maxFrames": (whole_option, 8, "Most frames in one message."),
-    "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, "
-                       "it is disconnected."),
+    "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, a "
+                       "listening side disconnects it and a streaming worker waits."),
     "maxConnections": (whole_option, 1, "Most open connections per stream endpoint (tcp, tls, unix)."),
     "handshakeTimeout": (seconds_option, 0.001, "Seconds a new stream connection has to send "
                          "its first message."),
     "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message "
                       "it started."),
+    "maxBufferedBytes": (_bytes, 64, "Bytes of unfinished stream records the whole process "
+                         "holds; a record that would pass it closes its connection."),
 }
 #: the limits every plugin takes; the others bind a listening side
-_MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames")
+_MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames", "maxOutputBytes", "maxBufferedBytes")
 
 
 def _limit_options(listening: bool) -> list[Any]:
