@@ -227,6 +227,8 @@ DEFAULT_MAX_OUTPUT_BYTES = 64 * MiB
 DEFAULT_MAX_CONNECTIONS = 10_000
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_RECORD_TIMEOUT = 30.0
+#: connections from one address on a stream listener (0: as many as ``maxConnections``)
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 0
 
 
 #: What a frame costs held in memory beyond its bytes (empty frames are not free).
@@ -253,7 +255,8 @@ class Limits:
     every message received (before it is buffered) and sent (a 413 instead).
     The rest bind a listening side: *maxOutputBytes* unsent per peer, and on
     streams *maxConnections*, *handshakeTimeout* (seconds to a first message)
-    and *recordTimeout* (to complete a record).  Use the same message limits
+    and *recordTimeout* (to complete a record), and *maxConnectionsPerAddress*
+    from one IP address (0: ``maxConnections``).  Use the same message limits
     on every node."""
 
     maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_at_least(64))
@@ -262,6 +265,8 @@ class Limits:
     maxConnections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least(1))
     handshakeTimeout: float = attrs.field(default=DEFAULT_HANDSHAKE_TIMEOUT, validator=_at_least(0.001))
     recordTimeout: float = attrs.field(default=DEFAULT_RECORD_TIMEOUT, validator=_at_least(0.001))
+    maxConnectionsPerAddress: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+                                                validator=_at_least(0))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
         """Why a message of *size* bytes in *frames* frames is refused, or None."""

@@ -80,6 +80,8 @@ class Binding:
     this transport takes only ``bytes`` while another delivers buffers."""
 
     keepFramesFrom = 3
+    #: it tells its transport which peers are useful (kept when it is full)
+    marksUseful = True
 
     def __init__(self, broker: Broker, clients: bool, workers: bool) -> None:
         self.broker = broker
@@ -107,6 +109,12 @@ class Binding:
         """*peer* as its transport authenticated it (CURVE key, TLS subject), or None."""
         peerIdentity = getattr(self.transport, "peerIdentity", None)
         return None if peerIdentity is None else peerIdentity(peer)
+
+    def useful(self, peer: bytes) -> None:
+        """Tell the transport that *peer* does useful work: kept when it is full."""
+        markUseful = getattr(self.transport, "markUseful", None)
+        if markUseful is not None:
+            markUseful(peer)
 
     def disconnect(self, peer: bytes) -> None:
         """Close *peer*'s connection once its output is sent (no-op on ZeroMQ)."""
@@ -206,6 +214,14 @@ class Broker:
                 self._wakeAt(action.time)
             else:
                 self._reporters[kind](action)
+        if self.machine.usefulPeers:
+            self._useful()
+
+    def _useful(self) -> None:
+        """Tell the transports of the peers the machine found useful."""
+        useful, self.machine.usefulPeers = self.machine.usefulPeers, []
+        for binding, peer in useful:
+            binding.useful(peer)
 
     def _wakeAt(self, when: float) -> None:
         call = self._wakeCall

@@ -3,7 +3,14 @@
 Each accepted connection (or channel of one) is a peer: an opaque id, or the
 identity its greeting announces, which a newer connection takes over.
 :class:`~mdp.policy.Limits` bound the wait for a first message and for each
-record, the connections (the oldest silent one makes room) and what is unread."""
+record, the connections (in all and from one address) and what is unread.
+
+A full listener admits a newcomer by closing the peer that has done least: one
+that has sent no message (oldest first); else, if its receiver judges (its
+``marksUseful`` is true), one that has sent messages but that the receiver has
+not called useful (:meth:`StreamRouter.markUseful`), least recently heard
+first.  A useful peer is never closed to make room; without a judging receiver
+every peer that has sent a message is useful."""
 
 from __future__ import annotations
 
@@ -58,7 +65,12 @@ class _RouterConnection(FramedProtocol):
 
     router: StreamRouter
     peer: bytes
+    #: its handshake is done (a message, or its framing's own)
     greeted = False
+    #: its receiver called it useful: never closed to make room
+    useful = False
+    #: the IP address it connects from (None: not IP)
+    host: Optional[str] = None
     paused = False
     makingRoom = False
     tlsSubject: Any = False
@@ -80,7 +92,8 @@ class _RouterConnection(FramedProtocol):
         #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
-        router.ungreeted[self.peer] = self
+        router.ungreeted[self] = None
+        router._countHost(self.host, 1)
         self.transport.registerProducer(self, True)
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
@@ -100,16 +113,11 @@ class _RouterConnection(FramedProtocol):
                 self.drop("it announced identity {identity}, held by a connection with another "
                           "TLS certificate", identity=identity.hex())
                 return
-            # the old one's loss is not the peer's
-            if router.ungreeted.get(identity) is old:
-                del router.ungreeted[identity]
+            # (the old one's loss is not the peer's)
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
         router.connections.pop(self.peer, None)
-        ungreeted = router.ungreeted.pop(self.peer, None) is not None
         self.peer = identity
         router.connections[identity] = self
-        if ungreeted:
-            router.ungreeted[identity] = self
 
     def _deliver(self, frames: list[bytes]) -> None:
         if type(frames) is tuple:  # a (channel, frames) pair: it carries channels
@@ -119,15 +127,44 @@ class _RouterConnection(FramedProtocol):
             self._rename(self.decoder.identity)
             if self.closing:
                 return  # refused the identity
-        if not self.greeted:
-            self._greet()
+        if not self.useful:
+            self._spoke()
         self.router.receiver.messageReceived(self.peer, frames)
 
     def _greet(self) -> None:
-        """No more handshake deadline, and never crowded out."""
+        """Its handshake is done: no more handshake deadline."""
         self.greeted = True
-        self.router.ungreeted.pop(self.peer, None)
         self._cancelTimer()
+
+    def _spoke(self) -> None:
+        """A message from a peer not useful yet: of those, the last to make room
+        (without a receiver that judges, useful now)."""
+        if self.dropped:
+            return
+        if not self.greeted:
+            self._greet()
+        router = self.router
+        router.ungreeted.pop(self, None)
+        if not router.judged:
+            self.useful = True
+            return
+        router.spoken.pop(self, None)
+        router.spoken[self] = None
+
+    def markUseful(self) -> None:
+        """Never closed to make room from now on."""
+        if not self.dropped:
+            self.useful = True
+            self._unrank()
+
+    def _unrank(self) -> None:
+        """Not a candidate to make room (any more)."""
+        self.router.ungreeted.pop(self, None)
+        self.router.spoken.pop(self, None)
+
+    def drop(self, why: str, **fields: Any) -> None:
+        self._unrank()
+        super().drop(why, **fields)
 
     def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
         channel, frames = item
@@ -154,8 +191,8 @@ class _RouterConnection(FramedProtocol):
                 router.carriers += 1
             peer = self.channels[channel] = self.peer + channel
             router.channels[peer] = (self, channel)
-        if not self.greeted:  # (a message, not an end, greets)
-            self._greet()
+        if not self.useful:  # (a message, not an end, counts)
+            self._spoke()
         router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
@@ -220,7 +257,8 @@ class _RouterConnection(FramedProtocol):
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            # its framing's handshake is done (SP's header): a peer, as nng's are
+            # its framing's handshake is done (SP's header): a peer, as nng's
+            # are, but the first to make room until it sends a message
             self._greet()
         if not self.greeted or self.closing:
             return
@@ -302,6 +340,16 @@ class _RouterConnection(FramedProtocol):
             self._arm(self.limits.recordTimeout, "it did not take what was sent to it within "
                       "{seconds:g}s of being disconnected")
 
+    def releaseChannels(self) -> None:
+        """Its channels are closed: each one's peer is reported lost."""
+        router = self.router
+        channels, self.channels = self.channels, {}
+        if channels and not router.closed:
+            router.carriers -= 1
+        for peer in channels.values():
+            if router.channels.pop(peer, None) is not None:
+                router.receiver.peerDisconnected(peer)
+
     def connectionLost(self, reason: object = None) -> None:
         StreamRouter.accepted -= 1
         if self.makingRoom:
@@ -313,14 +361,9 @@ class _RouterConnection(FramedProtocol):
         self._outBytes = 0
         self.backlog.clear()
         router = self.router
-        if router.ungreeted.get(self.peer) is self:
-            del router.ungreeted[self.peer]
-        channels, self.channels = self.channels, {}
-        if channels and not router.closed:
-            router.carriers -= 1
-        for peer in channels.values():
-            if router.channels.pop(peer, None) is not None:
-                router.receiver.peerDisconnected(peer)
+        self._unrank()
+        router._countHost(self.host, -1)
+        self.releaseChannels()
         if router.connections.get(self.peer) is self:
             del router.connections[self.peer]
             if not getattr(self.decoder, "channels", False):
@@ -339,6 +382,19 @@ class _Refused(Protocol):
         StreamRouter.accepted -= 1
 
 
+def _leastUseful(routers: list[StreamRouter], host: Optional[str] = None,
+                 ) -> Optional[_RouterConnection]:
+    """Of *routers*' connections (from *host* if given), the one to close to
+    admit a newcomer: one that has sent no message, oldest first, else one
+    not useful yet, least recently heard first; None if every one is useful."""
+    for rank in ("ungreeted", "spoken"):
+        for router in routers:
+            for connection in getattr(router, rank):
+                if host is None or connection.host == host:
+                    return connection  # type: ignore[no-any-return]
+    return None
+
+
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
     """The bound side over a Twisted server endpoint: :meth:`listen` binds an
@@ -351,6 +407,8 @@ class StreamRouter:
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
+        #: its receiver calls peers useful (see the module's docstring)
+        self.judged = bool(getattr(receiver, "marksUseful", False))
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.framing = framing
@@ -363,11 +421,17 @@ class StreamRouter:
         self.carriers = 0
         self.closed = False
         #: connections that have not yet sent a message, oldest first
-        self.ungreeted: OrderedDict[bytes, _RouterConnection] = OrderedDict()
+        self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
+        #: connections that have, not yet useful, least recently heard first
+        self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
+        #: connections open by IP address
+        self.hosts: dict[str, int] = {}
         self.port: Optional[IListeningPort] = None
         self.endpoint = ""
         self.overflows = 0
         self.refused = 0
+        #: connections closed to admit a newcomer
+        self.evicted = 0
         #: input being handled (depth): what is sent meanwhile is flushed after
         self.reading = 0
         self.dirty: list[_RouterConnection] = []
@@ -387,20 +451,11 @@ class StreamRouter:
                 connection.flushWrites()
 
     def buildProtocol(self, addr: object) -> Optional[Protocol]:
-        full = self._full()
+        host = getattr(addr, "host", None)
+        full, victim = self._crowded(host)
         if full is not None:
-            # make room: the oldest silent connection, here or (at the
-            # process's cap) on any listener
-            routers = [self] if self._peers() >= self.limits.maxConnections else [
-                self, *(router for router in _routers if router is not self)]
-            idle = next((router for router in routers if router.ungreeted), None)
-            if idle is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
-                _, connection = idle.ungreeted.popitem(last=False)
-                connection.makingRoom = True
-                StreamRouter.makingRoom += 1
-                connection.drop("making room for a new connection ({full}) before it sent a message",
-                                full=full)
-                idle._forget(connection)
+            if victim is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
+                self._makeRoom(victim, full, addr)
             else:
                 self.refused += 1
                 self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
@@ -409,7 +464,51 @@ class StreamRouter:
                 return _Refused() if self.wrapped else None
         proto = _RouterConnection()
         proto.router = self
+        proto.host = host
         return proto
+
+    def _crowded(self, host: Optional[str]) -> tuple[Optional[str], Optional[_RouterConnection]]:
+        """Why a connection from *host* may not be added now (None: it may),
+        and the one to close to admit it (None: refuse it): of the same
+        address at ``maxConnectionsPerAddress``; at the process's cap, of any
+        listener."""
+        perAddress = self.limits.maxConnectionsPerAddress
+        if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
+            return (f"{perAddress} connections from {host} open (maxConnectionsPerAddress)",
+                    _leastUseful([self], host))
+        full = self._full()
+        if full is None:
+            return None, None
+        routers = [self] if self._peers() >= self.limits.maxConnections else [
+            self, *(router for router in _routers if router is not self)]
+        return full, _leastUseful(routers)
+
+    def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
+        """Close *connection* to admit a newcomer from *addr*."""
+        router = connection.router
+        did = "its messages have not been useful yet" if connection in router.spoken else (
+            "it has sent no message")
+        router.evicted += 1
+        connection.makingRoom = True
+        StreamRouter.makingRoom += 1
+        connection.drop("closed to admit a new connection from {address} ({full}): {did}",
+                        address=str(addr), full=full, did=did)
+        router._forget(connection)
+
+    def markUseful(self, peer: bytes) -> None:
+        """*peer* does useful work, as its receiver judges: its connection is
+        never closed to make room for a newcomer."""
+        connection = self._connectionOf(peer)
+        if connection is not None and not connection.useful:
+            connection.markUseful()
+
+    def _countHost(self, host: Optional[str], by: int) -> None:
+        if host is not None:
+            count = self.hosts.get(host, 0) + by
+            if count > 0:
+                self.hosts[host] = count
+            else:
+                self.hosts.pop(host, None)
 
     def _peers(self) -> int:
         """The peers counted against ``maxConnections`` (a first channel takes
@@ -450,6 +549,7 @@ class StreamRouter:
 
     def _forget(self, connection: _RouterConnection) -> None:
         """Stop counting an aborted connection at once."""
+        connection.releaseChannels()
         if self.connections.get(connection.peer) is connection:
             del self.connections[connection.peer]
             self.receiver.peerDisconnected(connection.peer)
@@ -537,6 +637,7 @@ class StreamRouter:
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()
+        self.spoken.clear()
         if port is None:
             return defer.succeed(None)
         return defer.maybeDeferred(port.stopListening)
