@@ -139,7 +139,7 @@ class _RouterConnection(FramedProtocol):
     def _spoke(self) -> None:
         """A message from a peer not useful yet: of those, the last to make room
         (without a receiver that judges, useful now)."""
-        if self.dropped:
+        if self.dropped or self.useful:
             return
         if not self.greeted:
             self._greet()
