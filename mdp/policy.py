@@ -227,8 +227,7 @@ DEFAULT_MAX_OUTPUT_BYTES = 64 * MiB
 DEFAULT_MAX_CONNECTIONS = 10_000
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_RECORD_TIMEOUT = 30.0
-#: connections from one address on a stream listener (0: as many as ``maxConnections``)
-DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 0
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 0  # (0: as ``maxConnections``)
 
 
 #: What a frame costs held in memory beyond its bytes (empty frames are not free).

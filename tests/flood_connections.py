@@ -52,6 +52,7 @@ def main(kind: str, port: int, count: int, rate: float) -> None:
             socks[sock] = n
     print(f"holding {len(socks)}", flush=True)
     reopened, last, n = 0, time.monotonic(), count
+    allowed, tick = 0.0, time.monotonic()
     while True:
         readable, _, _ = select.select(list(socks), [], [], 0.05)
         closed = []
@@ -64,9 +65,10 @@ def main(kind: str, port: int, count: int, rate: float) -> None:
         for sock in closed:
             del socks[sock]
             sock.close()
-        budget = max(1, int(rate * 0.05))
-        while len(socks) < count and budget:
-            budget -= 1
+        now = time.monotonic()
+        allowed, tick = min(allowed + (now - tick) * rate, rate / 10), now
+        while len(socks) < count and allowed >= 1:
+            allowed -= 1
             n += 1
             sock = open_one(port, kind, n)
             if sock is not None:

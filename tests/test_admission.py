@@ -74,8 +74,9 @@ class JudgingRouter(RawRouter):
 def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
         events: list[tuple[str, int]]) -> None:
     """Whatever the peers did, in whatever order: none that is useful is
-    chosen; one that sent no message (oldest first) goes before one that
-    did (least recently heard first)."""
+    chosen; one that has sent no message for a second (oldest first) goes
+    before one that has spoken (least recently heard first), and that one
+    before one just connected.  (Event *i* happens at *i*/8 s.)"""
     router = stream.StreamRouter(JudgingRouter(), Clock())
     connections: dict[int, _RouterConnection] = {}
     model: dict[int, tuple[int, int]] = {}  # open connection -> (rank, when it last did something)
@@ -85,13 +86,14 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
             if connection is not None:
                 continue
             connection = connections[n] = _RouterConnection()
-            connection.router = router
+            connection.router, connection.since = router, when / 8
             router.ungreeted[connection] = None
             model[n] = (0, when)
         elif connection is None or n not in model:
             continue
         elif event == "message":
-            connection._spoke()
+            if not connection.useful:  # (as a message is delivered)
+                connection._spoke()
             if model[n][0] < 2:
                 model[n] = (1, when)
         elif event == "useful":
@@ -101,8 +103,10 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
             connection._unrank()  # (what drop does first)
             connection.dropped = True
             del model[n]
-    chosen = _leastUseful([router])
-    candidates = [(rank, when, n) for n, (rank, when) in model.items() if rank < 2]
+    now = len(events) / 8
+    chosen = _leastUseful([router], now)
+    candidates = [(rank if rank or when <= len(events) - 8 else 1.5, when, n)
+                  for n, (rank, when) in model.items() if rank < 2]
     if not candidates:
         assert chosen is None
     else:
@@ -122,13 +126,13 @@ async def test_a_full_broker_closes_the_peers_that_did_least_to_admit_newcomers(
     await net.until(lambda: len(broker.workers) == 2)
     silent = await raw_stream(net, endpoint)
     await net.until(lambda: len(bound.connections) == 4)
-    newcomer = make_client(net, endpoint)  # the one that sent nothing goes first
+    newcomer = make_client(net, endpoint)  # the one whose READY no client wants goes
     assert await net.wait(newcomer.request("echo", b"new")) == [b"new"]
-    await net.wait(silent.lost)
-    assert not junk.lost.called
-    late = make_client(net, endpoint)  # then the one whose READY no client wants
-    assert await net.wait(late.request("echo", b"late")) == [b"late"]
     await net.wait(junk.lost)
+    assert not silent.lost.called  # (it has had no time to speak)
+    late = make_client(net, endpoint)  # then the one that sent nothing
+    assert await net.wait(late.request("echo", b"late")) == [b"late"]
+    await net.wait(silent.lost)
     assert bound.evicted == 2 and bound.refused == 0 and len(broker.workers) == 1
     last = await raw_stream(net, endpoint)  # every peer useful: refused
     await net.wait(last.lost)

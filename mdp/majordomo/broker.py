@@ -110,12 +110,6 @@ class Binding:
         peerIdentity = getattr(self.transport, "peerIdentity", None)
         return None if peerIdentity is None else peerIdentity(peer)
 
-    def useful(self, peer: bytes) -> None:
-        """Tell the transport that *peer* does useful work: kept when it is full."""
-        markUseful = getattr(self.transport, "markUseful", None)
-        if markUseful is not None:
-            markUseful(peer)
-
     def disconnect(self, peer: bytes) -> None:
         """Close *peer*'s connection once its output is sent (no-op on ZeroMQ)."""
         if self.transport is not None:
@@ -214,14 +208,12 @@ class Broker:
                 self._wakeAt(action.time)
             else:
                 self._reporters[kind](action)
-        if self.machine.usefulPeers:
-            self._useful()
-
-    def _useful(self) -> None:
-        """Tell the transports of the peers the machine found useful."""
-        useful, self.machine.usefulPeers = self.machine.usefulPeers, []
-        for binding, peer in useful:
-            binding.useful(peer)
+        if self.machine.usefulPeers:  # (kept when their listener is full)
+            useful, self.machine.usefulPeers = self.machine.usefulPeers, []
+            for binding, peer in useful:
+                markUseful = getattr(binding.transport, "markUseful", None)
+                if markUseful is not None:
+                    markUseful(peer)
 
     def _wakeAt(self, when: float) -> None:
         call = self._wakeCall

@@ -225,13 +225,10 @@ class BrokerMachine(Machine):
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
         #: workers told DISCONNECT or that said it, by when: all but READY dropped for an expiry
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
-        #: clients reported in ``usefulPeers``, oldest first
-        self._usefulClients: dict[PeerKey, None] = {}
-        #: peers found to do useful work since the driver last took this list
-        #: (once each): a worker handed a request, or of a service that has
-        #: been; a client of a service with workers.  A full listener keeps
-        #: them over peers that have done less.
+        #: peers found useful since the driver took this list, once each (a
+        #: worker of a service a request went to, a client of one with workers)
         self.usefulPeers: list[PeerKey] = []
+        self._usefulClients: dict[PeerKey, None] = {}  # listed, oldest first
         self._outbox = []
 
     @property
@@ -456,11 +453,11 @@ class BrokerMachine(Machine):
             del useful[next(iter(useful))]
         self.usefulPeers.append(key)
 
-    def _usefulWorkers(self, service: ServiceQueue, worker: Optional[WorkerRef] = None) -> None:
+    def _usefulWorkers(self, service: ServiceQueue, worker: WorkerRef) -> None:
         """*service* is wanted: *worker* and its idle ones in ``usefulPeers``, once each."""
         service.wanted = True
-        for each in [worker, *service.idle.values()]:
-            if each is not None and not each.useful:
+        for each in (worker, *service.idle.values()):
+            if not each.useful:
                 each.useful = True
                 self.usefulPeers.append(each.key)
 

@@ -158,8 +158,7 @@ class WorkerRef:
         self.current = current  # the request it serves while BUSY
         #: the assignment it finished last (a second FINAL for it is dropped)
         self.lastEnvelope = lastEnvelope
-        #: it has been handed a request, or serves a service that has been (see ``Useful``)
-        self.useful = useful
+        self.useful = useful  # handed a request, or of a service that was
 
     def __repr__(self) -> str:
         return _fields_repr(self)
@@ -197,8 +196,7 @@ class ServiceQueue:
         self.unknownUntil = 0.0
         #: when a request first asked for it while unregistered
         self.askedAt = 0.0
-        #: a request for it has gone to a worker: its workers are useful
-        self.wanted = False
+        self.wanted = False  # a request for it went to a worker: its workers are useful
 
     def _dropClientQueue(self, client: PeerKey) -> None:
         del self.pending[client]

@@ -4,13 +4,8 @@ Each accepted connection (or channel of one) is a peer: an opaque id, or the
 identity its greeting announces, which a newer connection takes over.
 :class:`~mdp.policy.Limits` bound the wait for a first message and for each
 record, the connections (in all and from one address) and what is unread.
-
-A full listener admits a newcomer by closing the peer that has done least: one
-that has sent no message (oldest first); else, if its receiver judges (its
-``marksUseful`` is true), one that has sent messages but that the receiver has
-not called useful (:meth:`StreamRouter.markUseful`), least recently heard
-first.  A useful peer is never closed to make room; without a judging receiver
-every peer that has sent a message is useful."""
+A full listener closes the connection that has done least to admit a newcomer
+(:func:`_leastUseful`; docs/transports.md)."""
 
 from __future__ import annotations
 
@@ -55,6 +50,10 @@ MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 #: channels ended here and not acknowledged before the connection is dropped
 MAX_UNACKNOWLEDGED = 64
 
+#: seconds a new connection has to send its first message before it makes
+#: room for a newcomer ahead of one that has spoken (a round trip, or TLS's)
+NEWCOMER_GRACE = 1.0
+
 
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
@@ -65,12 +64,9 @@ class _RouterConnection(FramedProtocol):
 
     router: StreamRouter
     peer: bytes
-    #: its handshake is done (a message, or its framing's own)
-    greeted = False
-    #: its receiver called it useful: never closed to make room
-    useful = False
-    #: the IP address it connects from (None: not IP)
-    host: Optional[str] = None
+    greeted = False  # its handshake is done (a message, or its framing's own)
+    useful = False  # never closed to make room
+    host: Optional[str] = None  # its IP address
     paused = False
     makingRoom = False
     tlsSubject: Any = False
@@ -94,6 +90,7 @@ class _RouterConnection(FramedProtocol):
         router.connections[self.peer] = self
         router.ungreeted[self] = None
         router._countHost(self.host, 1)
+        self.since = router.reactor.seconds()
         self.transport.registerProducer(self, True)
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
@@ -113,7 +110,6 @@ class _RouterConnection(FramedProtocol):
                 self.drop("it announced identity {identity}, held by a connection with another "
                           "TLS certificate", identity=identity.hex())
                 return
-            # (the old one's loss is not the peer's)
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
         router.connections.pop(self.peer, None)
         self.peer = identity
@@ -137,28 +133,22 @@ class _RouterConnection(FramedProtocol):
         self._cancelTimer()
 
     def _spoke(self) -> None:
-        """A message from a peer not useful yet: of those, the last to make room
-        (without a receiver that judges, useful now)."""
-        if self.dropped or self.useful:
-            return
+        """A message from a peer not useful yet: the last of those to make room
+        (useful now if its receiver does not judge)."""
         if not self.greeted:
             self._greet()
-        router = self.router
-        router.ungreeted.pop(self, None)
-        if not router.judged:
+        self._unrank()
+        if not self.router.judged:
             self.useful = True
-            return
-        router.spoken.pop(self, None)
-        router.spoken[self] = None
+        elif not self.dropped:
+            self.router.spoken[self] = None
 
     def markUseful(self) -> None:
-        """Never closed to make room from now on."""
-        if not self.dropped:
-            self.useful = True
-            self._unrank()
+        self.useful = True
+        self._unrank()
 
     def _unrank(self) -> None:
-        """Not a candidate to make room (any more)."""
+        """Not a candidate to make room (till it speaks again)."""
         self.router.ungreeted.pop(self, None)
         self.router.spoken.pop(self, None)
 
@@ -257,8 +247,7 @@ class _RouterConnection(FramedProtocol):
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            # its framing's handshake is done (SP's header): a peer, as nng's
-            # are, but the first to make room until it sends a message
+            # its framing's handshake is done (SP's header): a peer, as nng's are
             self._greet()
         if not self.greeted or self.closing:
             return
@@ -340,16 +329,6 @@ class _RouterConnection(FramedProtocol):
             self._arm(self.limits.recordTimeout, "it did not take what was sent to it within "
                       "{seconds:g}s of being disconnected")
 
-    def releaseChannels(self) -> None:
-        """Its channels are closed: each one's peer is reported lost."""
-        router = self.router
-        channels, self.channels = self.channels, {}
-        if channels and not router.closed:
-            router.carriers -= 1
-        for peer in channels.values():
-            if router.channels.pop(peer, None) is not None:
-                router.receiver.peerDisconnected(peer)
-
     def connectionLost(self, reason: object = None) -> None:
         StreamRouter.accepted -= 1
         if self.makingRoom:
@@ -363,7 +342,12 @@ class _RouterConnection(FramedProtocol):
         router = self.router
         self._unrank()
         router._countHost(self.host, -1)
-        self.releaseChannels()
+        channels, self.channels = self.channels, {}
+        if channels and not router.closed:
+            router.carriers -= 1
+        for peer in channels.values():
+            if router.channels.pop(peer, None) is not None:
+                router.receiver.peerDisconnected(peer)
         if router.connections.get(self.peer) is self:
             del router.connections[self.peer]
             if not getattr(self.decoder, "channels", False):
@@ -382,14 +366,17 @@ class _Refused(Protocol):
         StreamRouter.accepted -= 1
 
 
-def _leastUseful(routers: list[StreamRouter], host: Optional[str] = None,
+def _leastUseful(routers: list[StreamRouter], now: float, host: Optional[str] = None,
                  ) -> Optional[_RouterConnection]:
     """Of *routers*' connections (from *host* if given), the one to close to
-    admit a newcomer: one that has sent no message, oldest first, else one
-    not useful yet, least recently heard first; None if every one is useful."""
-    for rank in ("ungreeted", "spoken"):
+    admit a newcomer: one that has sent no message for ``NEWCOMER_GRACE``,
+    oldest first; else (if its receiver judges) one not useful yet, least
+    recently heard first; else one that has sent no message yet."""
+    for rank in (0, 1, 2):
         for router in routers:
-            for connection in getattr(router, rank):
+            for connection in router.spoken if rank == 1 else router.ungreeted:
+                if rank == 0 and connection.since > now - NEWCOMER_GRACE:
+                    break  # (and all after it)
                 if host is None or connection.host == host:
                     return connection  # type: ignore[no-any-return]
     return None
@@ -407,7 +394,7 @@ class StreamRouter:
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
-        #: its receiver calls peers useful (see the module's docstring)
+        #: its receiver calls peers useful: others that spoke may make room
         self.judged = bool(getattr(receiver, "marksUseful", False))
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -424,14 +411,12 @@ class StreamRouter:
         self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
         #: connections that have, not yet useful, least recently heard first
         self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
-        #: connections open by IP address
-        self.hosts: dict[str, int] = {}
+        self.hosts: dict[Optional[str], int] = {}  # connections by IP address
         self.port: Optional[IListeningPort] = None
         self.endpoint = ""
         self.overflows = 0
         self.refused = 0
-        #: connections closed to admit a newcomer
-        self.evicted = 0
+        self.evicted = 0  # connections closed to admit a newcomer
         #: input being handled (depth): what is sent meanwhile is flushed after
         self.reading = 0
         self.dirty: list[_RouterConnection] = []
@@ -468,47 +453,40 @@ class StreamRouter:
         return proto
 
     def _crowded(self, host: Optional[str]) -> tuple[Optional[str], Optional[_RouterConnection]]:
-        """Why a connection from *host* may not be added now (None: it may),
-        and the one to close to admit it (None: refuse it): of the same
-        address at ``maxConnectionsPerAddress``; at the process's cap, of any
-        listener."""
+        """Why a connection from *host* may not be added now (None: it may), and
+        the one to close to admit it (None: refuse it); at the process's cap, of
+        any listener."""
         perAddress = self.limits.maxConnectionsPerAddress
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
             return (f"{perAddress} connections from {host} open (maxConnectionsPerAddress)",
-                    _leastUseful([self], host))
+                    _leastUseful([self], self.reactor.seconds(), host))
         full = self._full()
         if full is None:
             return None, None
         routers = [self] if self._peers() >= self.limits.maxConnections else [
             self, *(router for router in _routers if router is not self)]
-        return full, _leastUseful(routers)
+        return full, _leastUseful(routers, self.reactor.seconds())
 
     def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
         """Close *connection* to admit a newcomer from *addr*."""
-        router = connection.router
-        did = "its messages have not been useful yet" if connection in router.spoken else (
-            "it has sent no message")
+        router, connection.makingRoom = connection.router, True
+        did = "nothing useful yet" if connection in router.spoken else "no message"
         router.evicted += 1
-        connection.makingRoom = True
         StreamRouter.makingRoom += 1
-        connection.drop("closed to admit a new connection from {address} ({full}): {did}",
-                        address=str(addr), full=full, did=did)
+        connection.drop("closed to admit a new connection from {address} ({full}): it had sent "
+                        "{did}", address=str(addr), full=full, did=did)
         router._forget(connection)
 
     def markUseful(self, peer: bytes) -> None:
-        """*peer* does useful work, as its receiver judges: its connection is
-        never closed to make room for a newcomer."""
+        """*peer* does useful work, its receiver says: never closed to make room."""
         connection = self._connectionOf(peer)
-        if connection is not None and not connection.useful:
+        if connection is not None:
             connection.markUseful()
 
     def _countHost(self, host: Optional[str], by: int) -> None:
-        if host is not None:
-            count = self.hosts.get(host, 0) + by
-            if count > 0:
-                self.hosts[host] = count
-            else:
-                self.hosts.pop(host, None)
+        count = self.hosts[host] = self.hosts.get(host, 0) + by
+        if count <= 0:
+            del self.hosts[host]
 
     def _peers(self) -> int:
         """The peers counted against ``maxConnections`` (a first channel takes
@@ -549,7 +527,6 @@ class StreamRouter:
 
     def _forget(self, connection: _RouterConnection) -> None:
         """Stop counting an aborted connection at once."""
-        connection.releaseChannels()
         if self.connections.get(connection.peer) is connection:
             del self.connections[connection.peer]
             self.receiver.peerDisconnected(connection.peer)
