@@ -44,7 +44,8 @@ _ids = itertools.count(1)
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
 #: connections dropped to make room, not closed yet, before newcomers are
-#: refused instead (bounds what a burst spends of the descriptor reserve)
+#: refused instead, at the descriptor budget (bounds what a burst spends of
+#: the reserve; below it, at maxConnections, a burst costs none of it)
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
 #: channels ended here and not acknowledged before the connection is dropped
@@ -439,7 +440,9 @@ class StreamRouter:
         host = getattr(addr, "host", None)
         full, victim = self._crowded(host)
         if full is not None:
-            if victim is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
+            budget = self.descriptorBudget()
+            if victim is not None and (StreamRouter.makingRoom < MAX_MAKING_ROOM or budget is None
+                                       or StreamRouter.accepted < budget):
                 self._makeRoom(victim, full, addr)
             else:
                 self.refused += 1
