@@ -476,7 +476,7 @@ class StreamRouter:
         did = "nothing useful yet" if connection in router.spoken else "no message"
         router.evicted += 1
         StreamRouter.makingRoom += 1
-        connection.drop("closed to admit a new connection from {address} ({full}): it had sent "
+        connection.drop("making room for a new connection from {address} ({full}): it had sent "
                         "{did}", address=str(addr), full=full, did=did)
         router._forget(connection)
 
