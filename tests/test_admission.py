@@ -19,7 +19,7 @@ from mdp.majordomo import codec
 from mdp.majordomo.broker_machine import BrokerMachine
 from mdp.sp.peers import SPClient, SPServer
 from mdp.transport import stream
-from mdp.transport.router import _leastUseful, _RouterConnection
+from mdp.transport.router import _leastUseful, _RouterConnection, _routers
 from mdp.transport.spframing import REP, REQ, SPFraming, encode_message, header
 from tests.conftest import Net, RawRouter
 from tests.procs import ENV, Process, bounded, python, reactor, wait_until
@@ -78,6 +78,7 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
     before one that has spoken (least recently heard first), and that one
     before one just connected.  (Event *i* happens at *i*/8 s.)"""
     router = stream.StreamRouter(JudgingRouter(), Clock())
+    _routers.discard(router)  # (its connections have no transport: no other listener's room)
     connections: dict[int, _RouterConnection] = {}
     model: dict[int, tuple[int, int]] = {}  # open connection -> (rank, when it last did something)
     for when, (event, n) in enumerate(events):
