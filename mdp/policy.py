@@ -229,6 +229,7 @@ DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_RECORD_TIMEOUT = 30.0
 #: What a process holds at most of stream records that span reads, in all.
 DEFAULT_MAX_BUFFERED_BYTES = 256 * MiB
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 0  # (0: as ``maxConnections``)
 
 
 #: What a frame costs held in memory beyond its bytes (empty frames are not free).
@@ -255,7 +256,8 @@ class Limits:
     every message received (before it is buffered) and sent (a 413 instead).
     The rest bind a listening side: *maxOutputBytes* unsent per peer, and on
     streams *maxConnections*, *handshakeTimeout* (seconds to a first message)
-    and *recordTimeout* (to complete a record).  Use the same message limits
+    and *recordTimeout* (to complete a record), and *maxConnectionsPerAddress*
+    from one IP address (0: ``maxConnections``).  Use the same message limits
     on every node."""
 
     maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_at_least(64))
@@ -266,6 +268,8 @@ class Limits:
     recordTimeout: float = attrs.field(default=DEFAULT_RECORD_TIMEOUT, validator=_at_least(0.001))
     #: bytes of unfinished stream records the whole process holds (``framing.BUFFERED``)
     maxBufferedBytes: int = attrs.field(default=DEFAULT_MAX_BUFFERED_BYTES, validator=_at_least(64))
+    maxConnectionsPerAddress: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+                                                validator=_at_least(0))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
         """Why a message of *size* bytes in *frames* frames is refused, or None."""

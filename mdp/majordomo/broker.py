@@ -80,6 +80,8 @@ class Binding:
     this transport takes only ``bytes`` while another delivers buffers."""
 
     keepFramesFrom = 3
+    #: it tells its transport which peers are useful (kept when it is full)
+    marksUseful = True
 
     def __init__(self, broker: Broker, clients: bool, workers: bool) -> None:
         self.broker = broker
@@ -206,6 +208,12 @@ class Broker:
                 self._wakeAt(action.time)
             else:
                 self._reporters[kind](action)
+        if self.machine.usefulPeers:  # (kept when their listener is full)
+            useful, self.machine.usefulPeers = self.machine.usefulPeers, []
+            for binding, peer in useful:
+                markUseful = getattr(binding.transport, "markUseful", None)
+                if markUseful is not None:
+                    markUseful(peer)
 
     def _wakeAt(self, when: float) -> None:
         call = self._wakeCall

@@ -81,6 +81,8 @@ MAX_GONE = 10_000
 MAX_TAKEN_BACK = 1024
 #: empty unregistered services kept so that retries share one expiry window
 MAX_UNKNOWN_KEPT = 10_000
+#: clients remembered as useful (a transport that reports no loss forgets none)
+MAX_USEFUL_CLIENTS = 100_000
 
 
 def _who(identity: Optional[str]) -> str:
@@ -223,6 +225,12 @@ class BrokerMachine(Machine):
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
         #: workers told DISCONNECT or that said it, by when: all but READY dropped for an expiry
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
+        #: peers found useful since the driver took this list, once each (a
+        #: worker of a service a request went to, a client of one with workers)
+        self.usefulPeers: list[PeerKey] = []
+        #: the peer ids of clients listed, oldest first (a peer id keeps its hash;
+        #: one on two routes is listed once, at worst, each time it is forgotten)
+        self._usefulClients: dict[bytes, None] = {}
         self._outbox = []
 
     @property
@@ -270,6 +278,7 @@ class BrokerMachine(Machine):
         for service in list(self._ledger.byClient.get(key, ())):
             service.dropClient(key)
             self._forgetIfEmpty(service)
+        self._usefulClients.pop(key[1], None)
         return self._drain()
 
     def handleAdmissionChange(self, now: float) -> list[Action]:
@@ -434,7 +443,25 @@ class BrokerMachine(Machine):
                 self._emit(WakeAt(deadline))
             self._unknown.append((deadline, service))
         service.enqueue(request)
+        if service.registered and request.client[1] not in self._usefulClients:
+            self._usefulClient(request.client)
         self._dispatch(service)
+
+    def _usefulClient(self, key: PeerKey) -> None:
+        """Client *key* asked for a service with workers: in ``usefulPeers``, once."""
+        useful = self._usefulClients
+        useful[key[1]] = None
+        if len(useful) > MAX_USEFUL_CLIENTS:
+            del useful[next(iter(useful))]
+        self.usefulPeers.append(key)
+
+    def _usefulWorkers(self, service: ServiceQueue, worker: WorkerRef) -> None:
+        """*service* is wanted: *worker* and its idle ones in ``usefulPeers``, once each."""
+        service.wanted = True
+        for each in (worker, *service.idle.values()):
+            if not each.useful:
+                each.useful = True
+                self.usefulPeers.append(each.key)
 
     def _unknownDeadline(self) -> float:
         """When an unknown service's requests are given up: ``unknownServiceExpiry``
@@ -607,6 +634,8 @@ class BrokerMachine(Machine):
             service.abandonedAt = None
             service.registered = True
             self._emit(WorkerChanged(key[1], name, "ready"))
+            if service.wanted:
+                self._usefulWorkers(service, worker)
             service.idle[key] = worker
             self._dispatch(service)
             return
@@ -628,6 +657,10 @@ class BrokerMachine(Machine):
             self._assign(worker, service.nextRequest())
 
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
+        if not worker.useful:
+            self._usefulWorkers(worker.service, worker)
+        if request.client[1] not in self._usefulClients:
+            self._usefulClient(request.client)
         worker.state = BUSY
         worker.current = request
         request.state = ASSIGNED

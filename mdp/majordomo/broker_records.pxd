@@ -8,7 +8,7 @@ cdef class PendingRequest:
 cdef class ServiceQueue
 
 cdef class WorkerRef:
-    cdef public object key, dialect, liveness, state, lastEnvelope
+    cdef public object key, dialect, liveness, state, lastEnvelope, useful
     cdef public ServiceQueue service
     cdef public PendingRequest current
 
@@ -18,5 +18,5 @@ cdef class QueueLedger:
 
 cdef class ServiceQueue:
     cdef public object name, pending, idle, workers, size, bytes
-    cdef public object abandonedAt, registered, unknownUntil, askedAt
+    cdef public object abandonedAt, registered, unknownUntil, askedAt, wanted
     cdef public QueueLedger ledger

@@ -144,11 +144,12 @@ class PendingRequest:
 class WorkerRef:
     """The broker's view of one registered worker (a plain class, as :class:`PendingRequest`)."""
 
-    __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "lastEnvelope")
+    __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "useful",
+                 "lastEnvelope")
 
     def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness,
                  state: WorkerState = IDLE, current: Optional[PendingRequest] = None,
-                 lastEnvelope: bytes = b"") -> None:
+                 lastEnvelope: bytes = b"", useful: bool = False) -> None:
         self.key = key
         self.service = service
         self.dialect = dialect
@@ -157,6 +158,7 @@ class WorkerRef:
         self.current = current  # the request it serves while BUSY
         #: the assignment it finished last (a second FINAL for it is dropped)
         self.lastEnvelope = lastEnvelope
+        self.useful = useful  # handed a request, or of a service that was
 
     def __repr__(self) -> str:
         return _fields_repr(self)
@@ -194,6 +196,7 @@ class ServiceQueue:
         self.unknownUntil = 0.0
         #: when a request first asked for it while unregistered
         self.askedAt = 0.0
+        self.wanted = False  # a request for it went to a worker: its workers are useful
 
     def _dropClientQueue(self, client: PeerKey) -> None:
         del self.pending[client]

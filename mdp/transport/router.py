@@ -3,7 +3,9 @@
 Each accepted connection (or channel of one) is a peer: an opaque id, or the
 identity its greeting announces, which a newer connection takes over.
 :class:`~mdp.policy.Limits` bound the wait for a first message and for each
-record, the connections (the oldest silent one makes room) and what is unread."""
+record, the connections (in all and from one address) and what is unread.
+A full listener closes the connection that has done least to admit a newcomer
+(:func:`_leastUseful`; docs/transports.md)."""
 
 from __future__ import annotations
 
@@ -42,11 +44,16 @@ _ids = itertools.count(1)
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
 #: connections dropped to make room, not closed yet, before newcomers are
-#: refused instead (bounds what a burst spends of the descriptor reserve)
+#: refused instead, at the descriptor budget (bounds what a burst spends of
+#: the reserve; below it, at maxConnections, a burst costs none of it)
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
 #: channels ended here and not acknowledged before the connection is dropped
 MAX_UNACKNOWLEDGED = 64
+
+#: seconds a new connection has to send its first message before it makes
+#: room for a newcomer ahead of one that has spoken (a round trip, or TLS's)
+NEWCOMER_GRACE = 1.0
 
 
 @implementer(IPushProducer)
@@ -58,7 +65,9 @@ class _RouterConnection(FramedProtocol):
 
     router: StreamRouter
     peer: bytes
-    greeted = False
+    greeted = False  # its handshake is done (a message, or its framing's own)
+    useful = False  # never closed to make room
+    host: Optional[str] = None  # its IP address
     paused = False
     makingRoom = False
     tlsSubject: Any = False
@@ -80,7 +89,9 @@ class _RouterConnection(FramedProtocol):
         #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
-        router.ungreeted[self.peer] = self
+        router.ungreeted[self] = None
+        router._countHost(self.host, 1)
+        self.since = router.reactor.seconds()
         self.transport.registerProducer(self, True)
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
@@ -100,16 +111,10 @@ class _RouterConnection(FramedProtocol):
                 self.drop("it announced identity {identity}, held by a connection with another "
                           "TLS certificate", identity=identity.hex())
                 return
-            # the old one's loss is not the peer's
-            if router.ungreeted.get(identity) is old:
-                del router.ungreeted[identity]
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
         router.connections.pop(self.peer, None)
-        ungreeted = router.ungreeted.pop(self.peer, None) is not None
         self.peer = identity
         router.connections[identity] = self
-        if ungreeted:
-            router.ungreeted[identity] = self
 
     def _deliver(self, frames: list[bytes]) -> None:
         if type(frames) is tuple:  # a (channel, frames) pair: it carries channels
@@ -119,15 +124,38 @@ class _RouterConnection(FramedProtocol):
             self._rename(self.decoder.identity)
             if self.closing:
                 return  # refused the identity
-        if not self.greeted:
-            self._greet()
+        if not self.useful:
+            self._spoke()
         self.router.receiver.messageReceived(self.peer, frames)
 
     def _greet(self) -> None:
-        """No more handshake deadline, and never crowded out."""
+        """Its handshake is done: no more handshake deadline."""
         self.greeted = True
-        self.router.ungreeted.pop(self.peer, None)
         self._cancelTimer()
+
+    def _spoke(self) -> None:
+        """A message from a peer not useful yet: the last of those to make room
+        (useful now if its receiver does not judge)."""
+        if not self.greeted:
+            self._greet()
+        self._unrank()
+        if not self.router.judged:
+            self.useful = True
+        elif not self.dropped:
+            self.router.spoken[self] = None
+
+    def markUseful(self) -> None:
+        self.useful = True
+        self._unrank()
+
+    def _unrank(self) -> None:
+        """Not a candidate to make room (till it speaks again)."""
+        self.router.ungreeted.pop(self, None)
+        self.router.spoken.pop(self, None)
+
+    def drop(self, why: str, **fields: Any) -> None:
+        self._unrank()
+        super().drop(why, **fields)
 
     def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
         channel, frames = item
@@ -154,8 +182,8 @@ class _RouterConnection(FramedProtocol):
                 router.carriers += 1
             peer = self.channels[channel] = self.peer + channel
             router.channels[peer] = (self, channel)
-        if not self.greeted:  # (a message, not an end, greets)
-            self._greet()
+        if not self.useful:  # (a message, not an end, counts)
+            self._spoke()
         router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
@@ -313,8 +341,8 @@ class _RouterConnection(FramedProtocol):
         self._outBytes = 0
         self.backlog.clear()
         router = self.router
-        if router.ungreeted.get(self.peer) is self:
-            del router.ungreeted[self.peer]
+        self._unrank()
+        router._countHost(self.host, -1)
         channels, self.channels = self.channels, {}
         if channels and not router.closed:
             router.carriers -= 1
@@ -339,6 +367,22 @@ class _Refused(Protocol):
         StreamRouter.accepted -= 1
 
 
+def _leastUseful(routers: list[StreamRouter], now: float, host: Optional[str] = None,
+                 ) -> Optional[_RouterConnection]:
+    """Of *routers*' connections (from *host* if given), the one to close to
+    admit a newcomer: one that has sent no message for ``NEWCOMER_GRACE``,
+    oldest first; else (if its receiver judges) one not useful yet, least
+    recently heard first; else one that has sent no message yet."""
+    for rank in (0, 1, 2):
+        for router in routers:
+            for connection in router.spoken if rank == 1 else router.ungreeted:
+                if rank == 0 and connection.since > now - NEWCOMER_GRACE:
+                    break  # (and all after it)
+                if host is None or connection.host == host:
+                    return connection  # type: ignore[no-any-return]
+    return None
+
+
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
     """The bound side over a Twisted server endpoint: :meth:`listen` binds an
@@ -351,6 +395,8 @@ class StreamRouter:
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
+        #: its receiver calls peers useful: others that spoke may make room
+        self.judged = bool(getattr(receiver, "marksUseful", False))
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.framing = framing
@@ -363,11 +409,15 @@ class StreamRouter:
         self.carriers = 0
         self.closed = False
         #: connections that have not yet sent a message, oldest first
-        self.ungreeted: OrderedDict[bytes, _RouterConnection] = OrderedDict()
+        self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
+        #: connections that have, not yet useful, least recently heard first
+        self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
+        self.hosts: dict[Optional[str], int] = {}  # connections by IP address
         self.port: Optional[IListeningPort] = None
         self.endpoint = ""
         self.overflows = 0
         self.refused = 0
+        self.evicted = 0  # connections closed to admit a newcomer
         #: input being handled (depth): what is sent meanwhile is flushed after
         self.reading = 0
         self.dirty: list[_RouterConnection] = []
@@ -387,20 +437,13 @@ class StreamRouter:
                 connection.flushWrites()
 
     def buildProtocol(self, addr: object) -> Optional[Protocol]:
-        full = self._full()
+        host = getattr(addr, "host", None)
+        full, victim = self._crowded(host)
         if full is not None:
-            # make room: the oldest silent connection, here or (at the
-            # process's cap) on any listener
-            routers = [self] if self._peers() >= self.limits.maxConnections else [
-                self, *(router for router in _routers if router is not self)]
-            idle = next((router for router in routers if router.ungreeted), None)
-            if idle is not None and StreamRouter.makingRoom < MAX_MAKING_ROOM:
-                _, connection = idle.ungreeted.popitem(last=False)
-                connection.makingRoom = True
-                StreamRouter.makingRoom += 1
-                connection.drop("making room for a new connection ({full}) before it sent a message",
-                                full=full)
-                idle._forget(connection)
+            budget = self.descriptorBudget()
+            if victim is not None and (StreamRouter.makingRoom < MAX_MAKING_ROOM or budget is None
+                                       or StreamRouter.accepted < budget):
+                self._makeRoom(victim, full, addr)
             else:
                 self.refused += 1
                 self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
@@ -409,7 +452,44 @@ class StreamRouter:
                 return _Refused() if self.wrapped else None
         proto = _RouterConnection()
         proto.router = self
+        proto.host = host
         return proto
+
+    def _crowded(self, host: Optional[str]) -> tuple[Optional[str], Optional[_RouterConnection]]:
+        """Why a connection from *host* may not be added now (None: it may), and
+        the one to close to admit it (None: refuse it); at the process's cap, of
+        any listener."""
+        perAddress = self.limits.maxConnectionsPerAddress
+        if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
+            return (f"{perAddress} connections from {host} open (maxConnectionsPerAddress)",
+                    _leastUseful([self], self.reactor.seconds(), host))
+        full = self._full()
+        if full is None:
+            return None, None
+        routers = [self] if self._peers() >= self.limits.maxConnections else [
+            self, *(router for router in _routers if router is not self)]
+        return full, _leastUseful(routers, self.reactor.seconds())
+
+    def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
+        """Close *connection* to admit a newcomer from *addr*."""
+        router, connection.makingRoom = connection.router, True
+        did = "nothing useful yet" if connection in router.spoken else "no message"
+        router.evicted += 1
+        StreamRouter.makingRoom += 1
+        connection.drop("making room for a new connection from {address} ({full}): it had sent "
+                        "{did}", address=str(addr), full=full, did=did)
+        router._forget(connection)
+
+    def markUseful(self, peer: bytes) -> None:
+        """*peer* does useful work, its receiver says: never closed to make room."""
+        connection = self._connectionOf(peer)
+        if connection is not None:
+            connection.markUseful()
+
+    def _countHost(self, host: Optional[str], by: int) -> None:
+        count = self.hosts[host] = self.hosts.get(host, 0) + by
+        if count <= 0:
+            del self.hosts[host]
 
     def _peers(self) -> int:
         """The peers counted against ``maxConnections`` (a first channel takes
@@ -537,6 +617,7 @@ class StreamRouter:
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()
+        self.spoken.clear()
         if port is None:
             return defer.succeed(None)
         return defer.maybeDeferred(port.stopListening)
