@@ -292,6 +292,9 @@ LIMIT_OPTIONS: dict[str, tuple[Callable[..., Any], float, str]] = {
                          "its first message."),
     "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message "
                       "it started."),
+    "maxConnectionsPerAddress": (whole_option, 0, "Most open connections from one IP address per "
+                                 "stream endpoint (0: as --max-connections); at it, that address's "
+                                 "connection that has done least is closed to admit a new one."),
     "maxBufferedBytes": (_bytes, 64, "Bytes of unfinished stream records the whole process "
                          "holds; a record that would pass it closes its connection."),
 }

@@ -156,11 +156,13 @@ class FramedProtocol(Protocol):
     def reportUnfinished(self) -> None:
         """At connectionLost: warn if the peer closed in the middle of a message."""
         decoder = getattr(self, "decoder", None)
-        if self.dropped or self.closedHere or decoder is None or not decoder.inRecord:
+        if decoder is None:
             return
-        self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
-                   "message ({held} bytes of it received): that message is lost",
-                   held=decoder.buffered)
+        if not (self.dropped or self.closedHere) and decoder.inRecord:
+            self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
+                       "message ({held} bytes of it received): that message is lost",
+                       held=decoder.buffered)
+        getattr(decoder, "release", int)()  # what an unfinished record held, at once
 
     def peerName(self) -> str:
         try:
