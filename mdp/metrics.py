@@ -194,10 +194,25 @@ class BrokerMetrics:
                                      [b.transport for b in getattr(broker, "bindings", ())])
 
 
+#: the counters bound transports keep themselves: attribute, metric name and help
+_TRANSPORT_COUNTERS = {
+    "dropped": ("undelivered_messages", "Messages a transport could not deliver: the peer was "
+                "gone, or cut off for not reading."),
+    "overflows": ("slow_peers_cut", "Peers cut off for reading slower than they were sent to."),
+    "oversizedCount": ("oversized_messages", "Messages dropped on arrival for exceeding the "
+                       "message limits."),
+    "handshakesRefused": ("handshakes_refused", "CURVE handshakes refused: a peer key not in "
+                          "the allow-list."),
+    "evicted": ("connections_evicted", "Connections closed to admit a newcomer at a full "
+                "stream listener: those that had done least."),
+    "refused": ("connections_refused", "Newcomers refused at a full stream listener (or "
+                "sessions at maxSessions)."),
+}
+
+
 def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric]:
-    """The counters bound transports keep themselves (undelivered, cut off, oversized)."""
-    counted: dict[str, dict[tuple[str, ...], float]] = {
-        "dropped": {}, "overflows": {}, "oversizedCount": {}, "handshakesRefused": {}}
+    """The counters bound transports keep themselves (:data:`_TRANSPORT_COUNTERS`)."""
+    counted: dict[str, dict[tuple[str, ...], float]] = {name: {} for name in _TRANSPORT_COUNTERS}
     for bound in transports:
         if bound is None:
             continue
@@ -206,18 +221,9 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
             count = getattr(bound, attribute, None)
             if count is not None:
                 totals[endpoint,] = totals.get((endpoint,), 0) + count
-    yield _samples(CounterMetricFamily(
-        f"{prefix}_undelivered_messages", "Messages a transport could not deliver: the peer was "
-        "gone, or cut off for not reading.", labels=["endpoint"]), counted["dropped"])
-    yield _samples(CounterMetricFamily(f"{prefix}_slow_peers_cut", "Peers cut off for reading slower "
-                                   "than they were sent to.", labels=["endpoint"]),
-               counted["overflows"])
-    yield _samples(CounterMetricFamily(f"{prefix}_oversized_messages", "Messages dropped on "
-                                   "arrival for exceeding the message limits.",
-                                   labels=["endpoint"]), counted["oversizedCount"])
-    yield _samples(CounterMetricFamily(f"{prefix}_handshakes_refused", "CURVE handshakes refused: "
-                                   "a peer key not in the allow-list.", labels=["endpoint"]),
-               counted["handshakesRefused"])
+    for attribute, (name, doc) in _TRANSPORT_COUNTERS.items():
+        yield _samples(CounterMetricFamily(f"{prefix}_{name}", doc, labels=["endpoint"]),
+                       counted[attribute])
 
 
 class WorkerMetrics:

@@ -755,3 +755,17 @@ async def test_a_metrics_endpoint_other_machines_can_reach_is_warned_about() -> 
     warnings = [line for line in lines if "reachable from other machines" in line]
     assert len(warnings) == 1 and "the metrics endpoint listens on tcp:9464," in warnings[0]
     assert "tcp:9464:interface=127.0.0.1" in warnings[0]  # the way out
+
+
+def test_a_full_listener_s_evictions_and_refusals_are_exported() -> None:
+    """The counters a stream listener keeps at its connection caps become
+    ``_connections_evicted_total`` and ``_connections_refused_total``."""
+    from types import SimpleNamespace
+
+    from mdp.metrics import transport_metrics
+
+    listener = SimpleNamespace(endpoint="tcp:port=1", evicted=3, refused=2, dropped=0)
+    families = {family.name: family for family in transport_metrics("mdp_broker", [listener, None])}
+    assert families["mdp_broker_connections_evicted"].samples[0].value == 3
+    assert families["mdp_broker_connections_refused"].samples[0].value == 2
+    assert families["mdp_broker_connections_evicted"].samples[0].labels == {"endpoint": "tcp:port=1"}
