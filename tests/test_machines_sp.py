@@ -152,6 +152,15 @@ def test_the_wake_up_after_many_replies_and_cancels_is_the_earliest_live_one() -
     assert wake is None and not req._sent
 
 
+def test_a_request_sent_after_the_clock_went_back_is_resent_at_its_own_deadline() -> None:
+    machine = ReqMachine(1, resend=60.0, now=1000.0)
+    machine.handleChannelUp("ch", 1000.0)
+    machine.handleRequest(b"A", 1000.0)  # due at 1060
+    machine.handleRequest(b"B", 400.0)  # the clock stepped back: due at 460
+    assert machine.wakeAt == 460.0
+    assert [a.body[4:] for a in machine.handleWake(460.0) if isinstance(a, SendOn)] == [b"B"]
+
+
 def test_a_late_wake_resends_all_that_is_due_oldest_request_first() -> None:
     """Requests due at one wake-up go out in the order they were made, not
     the order their deadlines fall in; what is not due stays put."""

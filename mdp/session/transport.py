@@ -156,26 +156,26 @@ class _End:
         except Exception:
             log.failure("{end}: {what} raised", end=self._name(), what=method)
 
-    def _say(self, topic: str, text: str, level: str = "warn") -> None:
-        """Log *text*, throttled by *topic*."""
+    def _say(self, topic: str, format: str, level: str = "warn", **fields: Any) -> None:
+        """Log *format* with *fields* (and ``end``, naming this end), throttled by *topic*."""
         emit = self.throttle.info if level == "info" else self.throttle.warn
-        emit(log, topic, "{end}: {text}", end=self._name(), text=text)
+        emit(log, topic, "{end}: " + format, end=self._name(), **fields)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
-        of = f" of session {action.routingId}" if action.routingId else ""
-        self._say("dropped", f"message {action.seq}{of} from the other side is lost: "
-                             f"{action.reason}")
+        self._say("dropped", "message {seq}{of} from the other side is lost: {reason}",
+                  seq=action.seq, reason=action.reason,
+                  of=f" of session {action.routingId}" if action.routingId else "")
 
     def _skipped(self, action: machines.Skipped) -> None:
         self.skipped += 1
-        to = f" to session {action.routingId}" if action.routingId else ""
-        self._say("skipped", f"message {action.seq}{to} is over the limits the other side said "
-                             f"({action.reason}); a SKIP goes in its place: it is lost, and "
-                             "what follows it goes through")
+        self._say("skipped", "message {seq}{to} is over the limits the other side said "
+                  "({reason}); a SKIP goes in its place: it is lost, and what follows it goes "
+                  "through", seq=action.seq, reason=action.reason,
+                  to=f" to session {action.routingId}" if action.routingId else "")
 
     def _notice(self, action: machines.Notice) -> None:
-        self._say(action.topic, action.text, action.level)
+        self._say(action.topic, "{text}", action.level, text=action.text)
 
     def _name(self) -> str:
         return f"{self.title} {self.endpoint}"
@@ -240,7 +240,7 @@ class SessionRouter(_End):
 
     def _dropPeer(self, action: machines.DropPeer) -> None:
         if self.inner is not None:
-            self._say("drop", f"closed a connection: {action.reason}", "info")
+            self._say("drop", "closed a connection: {reason}", "info", reason=action.reason)
             self.inner.disconnectPeer(action.peer)
 
     def _attached(self, action: machines.Attached) -> None:
@@ -248,8 +248,8 @@ class SessionRouter(_End):
 
     def _full(self, action: machines.Full) -> None:
         self.refused += 1
-        self._say("full", f"refused a new session from {action.peer!r}: {action.sessions} "
-                          "already (maxSessions)")
+        self._say("full", "refused a new session from {peer!r}: {count} already (maxSessions)",
+                  peer=action.peer, count=action.sessions)
 
     _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver,
                    machines.Expired: _expired, machines.DropPeer: _dropPeer,
@@ -269,13 +269,13 @@ class SessionRouter(_End):
         try:
             self.reply(routing_id(peer), frames)
         except ReplyTooLarge as e:
-            self._say("too large", str(e))
+            self._say("too large", "{error}", error=e)
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
             # a hole in what the client gets would be worse: the session ends;
             # its report waits a turn, as the application is in this call
-            self._say("full", f"session {routing_id(peer)} ends: {e}")
+            self._say("full", "session {session} ends: {error}", session=routing_id(peer), error=e)
             actions = self.machine.end(routing_id(peer), self._now())
             self._perform([a for a in actions if not isinstance(a, Expired)])
             reports = [a for a in actions if isinstance(a, Expired)]
@@ -339,7 +339,7 @@ class SessionDealer(_End):
                 self.innerEndpoint, receiver, self.reactor, retryPolicy=self._innerRetry,
                 limits=inner_limits(self.limits))
         except Exception as e:  # out of sockets, ...: try again later, never stop
-            self._say("open", f"cannot connect: {e}")
+            self._say("open", "cannot connect: {error}", error=e)
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
@@ -405,7 +405,8 @@ class SessionDealer(_End):
         self._tell("messageReceived", list(action.payload))
 
     def _refused(self, action: machines.Refusal) -> None:
-        self._say("refused", f"the server refused the session: {action.reason}; asking again")
+        self._say("refused", "the server refused the session: {reason}; asking again",
+                  reason=action.reason)
         self._tell("sessionRefused", action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
@@ -442,7 +443,7 @@ class SessionDealer(_End):
         try:
             self.send(frames)
         except (SessionQueueFull, RequestTooLarge) as e:
-            self._say("full", f"refused a message: {e}")
+            self._say("full", "refused a message: {error}", error=e)
 
     #: seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
     CLOSE_GRACE = 1.0

@@ -90,7 +90,8 @@ class ReqMachine(Machine):
     """The requesting side; *firstId* seeds the request ids.
 
     Every request waits the same resend interval, so those sent fall due in
-    the order they went: ``_sent`` keeps that order, its first the next due."""
+    the order they went: ``_sent`` keeps that order (sorted again if the
+    clock goes back), its first the next due."""
 
     def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
                  now: float = 0.0) -> None:
@@ -194,7 +195,13 @@ class ReqMachine(Machine):
         self._turn = (self._turn + 1) % len(self.channels)
         request.channel = channel
         request.resendAt = self.now + self.resend
-        self._sent[request.requestId] = request
+        sent = self._sent
+        if sent and next(reversed(sent.values())).resendAt > request.resendAt:
+            # the clock went back: keep the deadlines in order
+            sent[request.requestId] = request
+            self._sent = OrderedDict(sorted(sent.items(), key=lambda item: item[1].resendAt))
+        else:
+            sent[request.requestId] = request
         self._emit(SendOn(channel, request.body))
 
     def _rearm(self) -> None:
