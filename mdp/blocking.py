@@ -423,9 +423,9 @@ class Client(ClientDriver):
         self._unanswered = _Unanswered()
         self._wakeTime = None
         loop = self._loop
-        loop.shutdown()
-        if not self._closed:
+        if not self._closed:  # first: a second interrupt below still leaves a usable loop
             self._loop = _Loop(self.limits, loop._zmqContext)
+        loop.shutdown()
 
     # --- what the pipes report -------------------------------------------------
 

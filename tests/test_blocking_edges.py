@@ -1295,6 +1295,28 @@ def test_after_an_interrupt_anywhere_in_a_request_the_next_call_starts_clean(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("broker", [echo], indirect=True)
+def test_a_second_interrupt_during_the_clean_up_of_the_first_leaves_the_client_usable(
+        broker: ScriptedBroker) -> None:
+    """A Ctrl-C at any step of what the client does after an interrupt
+    (``_drop``: close every connection, a fresh machine and loop): the next
+    calls are still answered at once."""
+    points = 0
+    for n in range(1, 400):
+        with Client(broker.endpoint, timeout=2.0, retries=1) as client:
+            assert client.request("s", b"first") == [b"first"]
+            try:
+                with interrupt_at(n):
+                    client._drop()
+            except KeyboardInterrupt:
+                points += 1
+                answers_at_once(client, b"after%d" % n)
+            else:
+                break  # past its last step
+    assert points >= 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("broker", [echo], indirect=True)
 def test_after_an_interrupt_anywhere_in_a_map_the_next_call_starts_clean(
         broker: ScriptedBroker) -> None:
     """A Ctrl-C at any step of a ``map()``: the map raises it, none of its
