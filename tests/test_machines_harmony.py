@@ -590,8 +590,8 @@ def test_a_stranger_is_forgotten_hello_wait_after_its_last_beacon() -> None:
 
 def test_a_beacon_naming_an_endpoint_a_link_goes_to_opens_no_other() -> None:
     """One stranger per endpoint (spoofed UUIDs on one port cost one link),
-    none at a peer's endpoint or a listed one; a HELLO from there adopts the
-    stranger's link, whatever UUID its beacon had."""
+    none at a peer's endpoint or a listed one; a HELLO from there by another
+    UUID closes the stranger's link and gets our HELLO on a new one."""
     machine = started()
     machine.handleBeacon(OTHER, PEER_EP, 0)
     for n in range(5):
@@ -600,9 +600,61 @@ def test_a_beacon_naming_an_endpoint_a_link_goes_to_opens_no_other() -> None:
     assert quiet(machine.handleBeacon(PEER, "tcp://10.0.0.7:7", 0)) == []
     link = machine.strangers[OTHER].link
     actions = greeted(machine, PEER, now=0.5)
-    assert not [a for a in actions if isinstance(a, OpenLink)]
-    assert machine.peers[PEER].link == link and machine.strangers == {}
+    assert [a for a in actions if isinstance(a, (OpenLink, CloseLink))] == [
+        CloseLink(link), OpenLink(link + 2, PEER_EP)]
+    assert [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert machine.peers[PEER].link == link + 2 and machine.strangers == {}
     assert quiet(machine.handleBeacon(OTHER, PEER_EP, 1)) == []
+
+
+FORGED_EP = "tcp://10.6.6.6:6666"
+
+
+def link_of_whisper(machine: HarmonyMachine, opened: dict[int, str], now: float) -> str:
+    return opened[next(a.link for a in machine.whisper(PEER, [b"x"], now) if isinstance(a, SendOn))]
+
+
+@pytest.mark.parametrize("flood", [0, 64])
+def test_a_beacon_forged_with_a_peers_uuid_does_not_take_its_link(flood: int) -> None:
+    """Forged before its real beacon, or after a flood pushed its stranger out:
+    its HELLO names its endpoint, so it gets a link there and our HELLO again."""
+    machine, opened = started(), {}
+
+    def do(actions: list[Any]) -> list[Any]:
+        opened.update((a.link, a.endpoint) for a in actions if isinstance(a, OpenLink))
+        return actions
+    if flood:
+        do(machine.handleBeacon(PEER, PEER_EP, 0))
+        for n in range(flood):
+            do(machine.handleBeacon(*spoofed(n), 0.01))
+    do(machine.handleBeacon(PEER, FORGED_EP, 0.02))
+    do(machine.handleBeacon(PEER, PEER_EP, 0.5))
+    actions = do(greeted(machine, now=0.6))
+    assert [a.endpoint for a in actions if isinstance(a, OpenLink)] == [PEER_EP]
+    assert [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert FORGED_EP not in [opened[s.link] for s in machine.strangers.values()]
+    for t in range(1, 40):
+        do(machine.handleBeacon(PEER, PEER_EP, t))
+        do(machine.handleTick(t + 0.1))
+    assert link_of_whisper(machine, opened, 41) == PEER_EP
+
+
+def test_a_node_restarted_on_its_port_before_it_answered_gets_our_hello() -> None:
+    """B1 had our HELLO and was killed before its own left; B2, on its port
+    under a new UUID, says HELLO: it must get ours too, on a new link."""
+    net = Net()
+    a = net.add("A", OUR_EP)
+    b1 = net.add("B1", PEER_EP)
+    net.perform(a, a.handleBeacon(b1.uuid, PEER_EP, net.now))
+    net.run(limit=1)            # B1 gets our HELLO ...
+    net.queue.clear()           # ... and is killed before its HELLO leaves
+    net.now = 1.0
+    b2 = net.add("B2", PEER_EP)
+    net.perform(b2, b2.handleBeacon(a.uuid, OUR_EP, net.now))
+    net.perform(a, a.handleBeacon(b2.uuid, PEER_EP, net.now))
+    net.run()
+    assert list(a.peers) == [b2.uuid] and list(b2.peers) == [a.uuid]
+    assert ("B2", "ENTER", "A") in net.events
 
 
 def test_our_status_reaches_strangers_so_it_counts_on_when_they_meet_us() -> None:

@@ -12,8 +12,9 @@ beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest
                             unless a link goes there already; a peer: refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
-HELLO from a new peer       a peer (at most *maxPeers*) on its stranger's or dial's link, else
-                            one to the endpoint it names (a peer known there restarted: EXIT);
+HELLO from a new peer       a peer (at most *maxPeers*) on its dial's link, or its stranger's if
+                            that has its UUID and endpoint, else a new link there and our HELLO
+                            (a peer known there restarted: EXIT);
                             ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
                             from the endpoint known, it is its new link to us: its sequence
@@ -543,8 +544,8 @@ class HarmonyMachine(Machine):
         return why is None
 
     def _admit(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
-        """*uuid*, which said HELLO, as a peer on the link of its stranger or dial, else a
-        new one; None if *endpoint* cannot be reached or the table is full."""
+        """*uuid*, which said HELLO, as a peer on the link of its dial or of its stranger at
+        *endpoint*, else a new one; None if *endpoint* cannot be reached or the table is full."""
         if not self._reachable(uuid, endpoint):
             return None
         if len(self.peers) >= self.maxPeers:
@@ -554,14 +555,16 @@ class HarmonyMachine(Machine):
         key = endpoint_key(endpoint)
         if (other := self._peerAt.get(key)) is not None:
             self._remove(self.peers[other], f"{uuid} now answers at its endpoint", redial=False)
-        stranger = self.strangers.get(uuid) or self.strangers.get(self._strangerAt.get(key, uuid))
-        dial = self._answeredDial(endpoint)
-        if dial is not None:
+        stranger = self.strangers.get(uuid)
+        if stranger is None or endpoint_key(stranger.endpoint) != key:
+            # our HELLO went elsewhere, or to another UUID's node (forged, or gone): say it again
             self._forget(stranger)
-            peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)
-        elif stranger is not None:
-            self._forget(stranger, close=False)
-            peer = Peer(uuid, stranger.endpoint, stranger.link, sent=stranger.sent)
+            self._forget(self.strangers.get(self._strangerAt.get(key)))
+            stranger = None
+        via = self._answeredDial(endpoint)
+        self._forget(stranger, close=via is not None)
+        if (via := via or stranger) is not None:
+            peer = Peer(uuid, via.endpoint, via.link, sent=via.sent)
         else:
             peer = Peer(uuid, endpoint, self._newLink(endpoint))
             self._send(peer, self._hello(0))
