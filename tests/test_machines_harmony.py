@@ -617,11 +617,13 @@ def link_of_whisper(machine: HarmonyMachine, opened: dict[int, str], now: float)
 @pytest.mark.parametrize("flood", [0, 64])
 def test_a_beacon_forged_with_a_peers_uuid_does_not_take_its_link(flood: int) -> None:
     """Forged before its real beacon, or after a flood pushed its stranger out:
-    its HELLO names its endpoint, so it gets a link there and our HELLO again."""
-    machine, opened = started(), {}
+    its HELLO names its endpoint: it gets our HELLO on a link there."""
+    machine, opened, hellos = started(), {}, []
 
     def do(actions: list[Any]) -> list[Any]:
         opened.update((a.link, a.endpoint) for a in actions if isinstance(a, OpenLink))
+        hellos.extend(opened[a.link] for a in actions
+                      if isinstance(a, SendOn) and isinstance(codec.decode(a.frames), codec.Hello))
         return actions
     if flood:
         do(machine.handleBeacon(PEER, PEER_EP, 0))
@@ -629,14 +631,25 @@ def test_a_beacon_forged_with_a_peers_uuid_does_not_take_its_link(flood: int) ->
             do(machine.handleBeacon(*spoofed(n), 0.01))
     do(machine.handleBeacon(PEER, FORGED_EP, 0.02))
     do(machine.handleBeacon(PEER, PEER_EP, 0.5))
-    actions = do(greeted(machine, now=0.6))
-    assert [a.endpoint for a in actions if isinstance(a, OpenLink)] == [PEER_EP]
-    assert [m.id for m in sent(actions)] == [codec.Hello.id]
-    assert FORGED_EP not in [opened[s.link] for s in machine.strangers.values()]
+    do(greeted(machine, now=0.6))
+    assert hellos[-1] == PEER_EP and opened[machine.peers[PEER].link] == PEER_EP
+    assert FORGED_EP not in [stranger.endpoint for stranger in machine.strangers.values()]
     for t in range(1, 40):
         do(machine.handleBeacon(PEER, PEER_EP, t))
         do(machine.handleTick(t + 0.1))
     assert link_of_whisper(machine, opened, 41) == PEER_EP
+
+
+def test_a_peers_own_beacon_after_a_forged_one_brings_it_our_hello() -> None:
+    """Its beacons name two endpoints: the stranger goes, and the one its last
+    beacon names gets our HELLO (it may not hear our beacons to say HELLO)."""
+    machine = started()
+    forged = machine.handleBeacon(PEER, FORGED_EP, 0)[0].link
+    actions = machine.handleBeacon(PEER, PEER_EP, 0.5)
+    assert quiet(actions)[:2] == [CloseLink(forged), OpenLink(forged + 1, PEER_EP)]
+    assert [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert machine.strangers[PEER].endpoint == PEER_EP
+    assert machine.handleBeacon(PEER, PEER_EP, 1.0) == []  # the same endpoint: refreshed only
 
 
 def test_a_node_restarted_on_its_port_before_it_answered_gets_our_hello() -> None:

@@ -9,7 +9,8 @@ event                       what happens
 ==========================  ================================================================
 beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
                             till *helloWait* after its beacon): a link there, HELLO first,
-                            unless a link goes there already; a peer: refreshed; port 0: EXIT
+                            unless a link goes there already; a stranger at another endpoint:
+                            forgotten first; a peer: refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
 HELLO from a new peer       a peer (at most *maxPeers*) on its dial's link, or its stranger's if
@@ -299,10 +300,12 @@ class HarmonyMachine(Machine):
 
     def _stranger(self, uuid: UUID, endpoint: str) -> None:
         """Our HELLO to *uuid* unless a link goes to *endpoint* (a new UUID there hears us)."""
-        if (stranger := self.strangers.get(uuid)) is not None:
-            stranger.expiredAt = self.now + self.helloWait
-            return
         key = endpoint_key(endpoint)
+        if (stranger := self.strangers.get(uuid)) is not None:
+            if endpoint_key(stranger.endpoint) == key:
+                stranger.expiredAt = self.now + self.helloWait
+                return
+            self._forget(stranger)  # its beacons name two endpoints: one is forged, trust neither
         if (key in self._peerAt or key in self._strangerAt
                 or any(same_endpoint(endpoint, e) for e in self.dials)
                 or not self._reachable(uuid, endpoint)):
