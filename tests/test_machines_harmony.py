@@ -670,6 +670,43 @@ def test_a_node_restarted_on_its_port_before_it_answered_gets_our_hello() -> Non
     assert ("B2", "ENTER", "A") in net.events
 
 
+def test_a_node_restarted_on_a_silent_peers_port_is_met_though_it_cannot_hear_us() -> None:
+    """B1 is killed; B2, on its port under a new UUID, hears none of our
+    beacons (one-way UDP): B2's beacon drops B1, silent past evasive, and
+    brings B2 our HELLO, not 30 s later when B1 expires."""
+    net = Net()
+    a = net.add("A", OUR_EP)
+    b1 = net.add("B1", PEER_EP)
+    net.perform(a, a.handleBeacon(b1.uuid, PEER_EP, net.now))
+    net.run()
+    assert list(a.peers) == [b1.uuid] and list(b1.peers) == [a.uuid]
+    net.now = 10.0
+    b2 = net.add("B2", PEER_EP)
+    for t in range(10, 13):
+        net.now = t + 0.1
+        net.perform(a, a.handleBeacon(b2.uuid, PEER_EP, net.now))
+        net.run()
+        net.now = t + 0.5
+        net.perform(a, a.handleTick(net.now))
+        net.perform(b2, b2.handleTick(net.now))
+        net.run()
+    assert list(a.peers) == [b2.uuid] and list(b2.peers) == [a.uuid]
+    assert ("A", "EXIT", "B1") in net.events and ("B2", "ENTER", "A") in net.events
+
+
+def test_a_beacon_from_a_new_uuid_drops_the_peer_there_only_once_it_is_evasive() -> None:
+    machine = started(evasive=5.0)
+    link = greeted(machine)[0].link
+    machine.handleTick(4.9)
+    assert quiet(machine.handleBeacon(OTHER, PEER_EP, 4.95)) == []
+    assert list(machine.peers) == [PEER] and machine.strangers == {}
+    machine.handleTick(5.0)
+    actions = machine.handleBeacon(OTHER, PEER_EP, 5.1)
+    assert events(actions) == [("EXIT", None)] and CloseLink(link) in actions
+    assert OpenLink(link + 1, PEER_EP) in actions and [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert machine.peers == {} and list(machine.strangers) == [OTHER]
+
+
 def test_our_status_reaches_strangers_so_it_counts_on_when_they_meet_us() -> None:
     """zeromq-pyre asserts each JOIN carries its last status + 1: a stranger
     had our HELLO, so it hears our JOINs too."""

@@ -10,7 +10,8 @@ event                       what happens
 beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
                             till *helloWait* after its beacon): a link there, HELLO first,
                             unless a link goes there already; a stranger at another endpoint:
-                            forgotten first; a peer: refreshed; port 0: EXIT
+                            forgotten first; an evasive peer there: EXIT first; a peer:
+                            refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
 HELLO from a new peer       a peer (at most *maxPeers*) on its dial's link, or its stranger's if
@@ -306,6 +307,8 @@ class HarmonyMachine(Machine):
                 stranger.expiredAt = self.now + self.helloWait
                 return
             self._forget(stranger)  # its beacons name two endpoints: one is forged, trust neither
+        if (old := self.peers.get(self._peerAt.get(key))) is not None and old.evasive:
+            self._remove(old, f"it is silent and {uuid} beacons from its endpoint", redial=False)
         if (key in self._peerAt or key in self._strangerAt
                 or any(same_endpoint(endpoint, e) for e in self.dials)
                 or not self._reachable(uuid, endpoint)):
