@@ -93,7 +93,7 @@ def test_nothing_counts_before_hello() -> None:
     whisper = codec.encode(codec.Whisper(1, (b"early",)))
     assert events(machine.handleMessage(identity_of(PEER), whisper, 0.1)) == []
     assert events(machine.handleMessage(identity_of(OTHER), whisper, 0.1)) == []
-    assert PEER not in machine.peers and machine.strangers[PEER].ready is False
+    assert PEER not in machine.peers and PEER in machine.strangers
 
 
 def test_whisper_shout_and_ping_in_sequence() -> None:
@@ -310,8 +310,7 @@ def test_peers_listed_under_other_names_meet_once(routes: dict[str, str]) -> Non
         net.perform(a, a.handleDial(listed, net.now))
     assert net.run() < 50 and not net.queue
     assert not [e for e in net.events if e[1] == "EXIT"]
-    assert all(machine.peers and all(p.ready for p in machine.peers.values())
-               for machine in net.machines.values())
+    assert all(machine.peers for machine in net.machines.values())
 
 
 def test_a_forged_hello_naming_a_peers_endpoint_does_not_set_off_a_loop() -> None:
@@ -503,13 +502,13 @@ def test_a_peer_that_lost_us_soon_after_meeting_is_greeted_back() -> None:
     b = net.add("B", "tcp://10.0.0.2:40002")
     net.perform(a, a.handleBeacon(b.uuid, "tcp://10.0.0.2:40002", net.now))
     net.run()
-    assert a.peers[b.uuid].ready and b.peers[a.uuid].ready
+    assert b.uuid in a.peers and a.uuid in b.peers
     net.now = 1.0
     net.perform(b, b.handleMessage(identity_of(a.uuid), [b"garbage"], net.now))
     assert a.uuid not in b.peers
     net.perform(b, b.handleBeacon(a.uuid, "tcp://10.0.0.1:40001", net.now))
     net.run()
-    assert b.peers[a.uuid].ready
+    assert a.uuid in b.peers
     net.perform(a, a.whisper(b.uuid, [b"still there?"], net.now))
     net.run()
     assert ("B", "WHISPER", "A") in net.events
@@ -778,7 +777,6 @@ def test_strangers_and_peers_stay_bounded_apart_and_no_link_is_lost(
                 opened.discard(action.link)
         assert len(machine.strangers) <= 3 and len(machine.peers) <= 4
         assert not set(machine.strangers) & set(machine.peers)
-        assert all(p.ready for p in machine.peers.values())
         assert opened == {p.link for p in [*machine.peers.values(), *machine.strangers.values()]}
         assert sorted(machine._strangerAt.values()) == sorted(machine.strangers)
 

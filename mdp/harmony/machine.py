@@ -132,11 +132,7 @@ _TCP = re.compile(r"^tcp://(?P<host>\[[^]]*\]|[^:]*):(?P<port>\d+)$")
 
 def same_endpoint(one: str, other: str) -> bool:
     """Whether two ZRE endpoints are equal, or the same port on two names of this machine."""
-    if one == other:
-        return True
-    a, b = _TCP.match(one), _TCP.match(other)
-    return bool(a and b and a["port"] == b["port"]
-                and a["host"] in _LOCAL_HOSTS and b["host"] in _LOCAL_HOSTS)
+    return one == other or endpoint_key(one) == endpoint_key(other)
 
 
 def endpoint_key(endpoint: str) -> str:
@@ -158,8 +154,6 @@ class Peer:
     name: str = ""
     headers: Mapping[str, str] = attrs.field(factory=dict)
     groups: set[str] = attrs.field(factory=set)
-    #: it has sent its HELLO: it may talk, and the application knows it
-    ready: bool = False
     status: int = 0
     sent: int = 0
     received: int = 0
@@ -295,6 +289,8 @@ class HarmonyMachine(Machine):
             self._forget(self.strangers.get(uuid))
         elif peer is not None:
             self._refresh(peer)
+        elif (known := self.strangers.get(uuid)) and same_endpoint(known.endpoint, endpoint):
+            known.expiredAt = now + self.helloWait  # a stranger: refreshed
         else:
             self._stranger(uuid, endpoint)
         return self._drain()
@@ -302,11 +298,7 @@ class HarmonyMachine(Machine):
     def _stranger(self, uuid: UUID, endpoint: str) -> None:
         """Our HELLO to *uuid* unless a link goes to *endpoint* (a new UUID there hears us)."""
         key = endpoint_key(endpoint)
-        if (stranger := self.strangers.get(uuid)) is not None:
-            if endpoint_key(stranger.endpoint) == key:
-                stranger.expiredAt = self.now + self.helloWait
-                return
-            self._forget(stranger)  # its beacons name two endpoints: one is forged, trust neither
+        self._forget(self.strangers.get(uuid))  # its beacons name two endpoints: one is forged
         if (old := self.peers.get(self._peerAt.get(key))) is not None and old.evasive:
             self._remove(old, f"it is silent and {uuid} beacons from its endpoint", redial=False)
         if (key in self._peerAt or key in self._strangerAt
@@ -574,7 +566,7 @@ class HarmonyMachine(Machine):
         else:
             peer = Peer(uuid, endpoint, self._newLink(endpoint))
             self._send(peer, self._hello(0))
-        peer.ready, peer.helloAt = True, self.now
+        peer.helloAt = self.now
         self.peers[uuid] = peer
         self._peerAt[endpoint_key(peer.endpoint)] = uuid
         self._refresh(peer)
