@@ -386,6 +386,43 @@ def test_the_peer_table_is_bounded() -> None:
     assert "(maxPeers)" in greeted(machine, uuid.UUID(int=99))[0].text
 
 
+def test_a_node_refused_while_the_table_is_full_is_met_once_there_is_room() -> None:
+    """Its HELLO was refused, but it has ours: its beacons make no stranger
+    while the table is full, and the first once there is room brings it our
+    HELLO again, so it says HELLO again."""
+    net = Net()
+    a = net.add("A", OUR_EP)
+    a.maxPeers = 1
+    net.perform(a, a.handleMessage(identity_of(OTHER), hello(endpoint="tcp://10.0.0.3:1"), 0))
+    b = net.add("B", PEER_EP)
+    for t in range(1, 40):
+        net.now = float(t)
+        net.perform(a, a.handleBeacon(b.uuid, PEER_EP, net.now))
+        net.perform(b, b.handleBeacon(a.uuid, OUR_EP, net.now))
+        net.run()
+        net.now = t + 0.5
+        net.perform(a, a.handleTick(net.now))
+        net.perform(b, b.handleTick(net.now))
+        net.run()
+        assert len(a.strangers) <= (OTHER not in a.peers)
+    assert list(a.peers) == [b.uuid] and list(b.peers) == [a.uuid]
+    assert net.events.count(("B", "ENTER", "A")) - net.events.count(("B", "EXIT", "A")) == 1
+
+
+def test_a_strangers_hello_refused_by_a_full_table_forgets_it() -> None:
+    """Our HELLO went before the table filled: the stranger goes with its
+    refused HELLO, no stranger comes while full, and once there is room its
+    beacon brings it our HELLO again."""
+    machine = started(maxPeers=1)
+    link = machine.handleBeacon(PEER, PEER_EP, 0)[0].link
+    machine.handleMessage(identity_of(OTHER), hello(endpoint="tcp://10.0.0.3:1"), 0.1)
+    actions = greeted(machine, now=0.2)
+    assert quiet(actions) == [CloseLink(link)] and machine.strangers == {}
+    assert quiet(machine.handleBeacon(PEER, PEER_EP, 1)) == [] and machine.strangers == {}
+    machine.handleBeacon(OTHER, None, 2)
+    assert [m.id for m in sent(machine.handleBeacon(PEER, PEER_EP, 3))] == [codec.Hello.id]
+
+
 def test_what_one_peer_may_make_us_keep_is_bounded() -> None:
     """A HELLO listing more than maxGroups groups (or maxHeaders headers)
     is refused before it is read further; a peer whose JOINs go beyond

@@ -9,13 +9,15 @@ event                       what happens
 ==========================  ================================================================
 beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
                             till *helloWait* after its beacon): a link there, HELLO first,
-                            unless a link goes there already; a stranger at another endpoint:
+                            unless a link goes there already or the peer table is full;
+                            a stranger at another endpoint:
                             forgotten first; an evasive peer there: EXIT first; a peer:
                             refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
-HELLO from a new peer       a peer (at most *maxPeers*) on its dial's link, or its stranger's if
-                            that has its UUID and endpoint, else a new link there and our HELLO
+HELLO from a new peer       a peer (at most *maxPeers*; beyond, its stranger goes) on its dial's
+                            link, or its stranger's if that has its UUID and endpoint and our
+                            HELLO went within *helloWait*, else a new link there and our HELLO
                             (a peer known there restarted: EXIT);
                             ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
@@ -160,6 +162,7 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
+    #: when it said HELLO; for a stranger, when ours went
     helloAt: float = 0.0
     answeredAt: float = float("-inf")
 
@@ -301,7 +304,7 @@ class HarmonyMachine(Machine):
         self._forget(self.strangers.get(uuid))  # its beacons name two endpoints: one is forged
         if (old := self.peers.get(self._peerAt.get(key))) is not None and old.evasive:
             self._remove(old, f"it is silent and {uuid} beacons from its endpoint", redial=False)
-        if (key in self._peerAt or key in self._strangerAt
+        if (key in self._peerAt or key in self._strangerAt or len(self.peers) >= self.maxPeers
                 or any(same_endpoint(endpoint, e) for e in self.dials)
                 or not self._reachable(uuid, endpoint)):
             return
@@ -310,7 +313,7 @@ class HarmonyMachine(Machine):
             self._emit(Notice("strangers", f"{len(self.strangers)} peers heard only by beacons "
                                            f"(maxStrangers): forgetting {oldest.uuid} at {oldest.endpoint}"))
             self._forget(oldest)
-        self.strangers[uuid] = stranger = Peer(uuid, endpoint, self._newLink(endpoint),
+        self.strangers[uuid] = stranger = Peer(uuid, endpoint, self._newLink(endpoint), helloAt=self.now,
                                                expiredAt=self.now + self.helloWait)
         self._strangerAt[key] = uuid
         self._send(stranger, self._hello(0))
@@ -549,13 +552,16 @@ class HarmonyMachine(Machine):
         if len(self.peers) >= self.maxPeers:
             self._emit(Notice("full", f"ignoring {uuid} at {endpoint}: {len(self.peers)} peers "
                                       "already (maxPeers)"))
+            self._forget(self.strangers.get(uuid))  # once there is room, its beacon brings our HELLO
             return None
         key = endpoint_key(endpoint)
         if (other := self._peerAt.get(key)) is not None:
             self._remove(self.peers[other], f"{uuid} now answers at its endpoint", redial=False)
         stranger = self.strangers.get(uuid)
-        if stranger is None or endpoint_key(stranger.endpoint) != key:
-            # our HELLO went elsewhere, or to another UUID's node (forged, or gone): say it again
+        if (stranger is None or endpoint_key(stranger.endpoint) != key
+                or self.now - stranger.helloAt >= self.helloWait):
+            # our HELLO went elsewhere, to another UUID's node (forged, or gone), or so long ago
+            # that it may have been refused (a full table): say it again
             self._forget(stranger)
             self._forget(self.strangers.get(self._strangerAt.get(key)))
             stranger = None
