@@ -9,9 +9,8 @@ event                       what happens
 ==========================  ================================================================
 beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
                             till *helloWait* after its beacon): a link there, HELLO first,
-                            unless a link goes there already or the peer table is full;
-                            a stranger at another endpoint:
-                            forgotten first; an evasive peer there: EXIT first; a peer:
+                            unless a link goes there already or the table is full (first its
+                            stranger elsewhere goes, an evasive peer there EXITs); a peer:
                             refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
@@ -560,8 +559,7 @@ class HarmonyMachine(Machine):
         stranger = self.strangers.get(uuid)
         if (stranger is None or endpoint_key(stranger.endpoint) != key
                 or self.now - stranger.helloAt >= self.helloWait):
-            # our HELLO went elsewhere, to another UUID's node (forged, or gone), or so long ago
-            # that it may have been refused (a full table): say it again
+            # ours went elsewhere, to another UUID's node, or long ago (refused by a full table?)
             self._forget(stranger)
             self._forget(self.strangers.get(self._strangerAt.get(key)))
             stranger = None
