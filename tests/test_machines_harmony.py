@@ -743,6 +743,20 @@ def test_a_beacon_from_a_new_uuid_drops_the_peer_there_only_once_it_is_evasive()
     assert machine.peers == {} and list(machine.strangers) == [OTHER]
 
 
+def test_a_beacon_that_drops_an_evasive_listed_peer_leaves_its_endpoint_dialled() -> None:
+    """The dial takes the stranger's place, and goes on if nobody answers."""
+    machine = started(evasive=5.0)
+    link = machine.handleDial(PEER_EP, 0)[0].link
+    greeted(machine)
+    machine.handleTick(5.0)
+    actions = quiet(machine.handleBeacon(OTHER, PEER_EP, 5.1))
+    assert events(actions) == [("EXIT", None)] and CloseLink(link) in actions
+    assert OpenLink(link + 1, PEER_EP) in actions and [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert list(machine.dials) == [PEER_EP] and machine.strangers == {}
+    assert events(greeted(machine, OTHER, now=5.2)) == [("ENTER", None)]
+    assert machine.peers[OTHER].link == link + 1 and machine.dials == {}
+
+
 def test_our_status_reaches_strangers_so_it_counts_on_when_they_meet_us() -> None:
     """zeromq-pyre asserts each JOIN carries its last status + 1: a stranger
     had our HELLO, so it hears our JOINs too."""

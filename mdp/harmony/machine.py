@@ -302,7 +302,7 @@ class HarmonyMachine(Machine):
         key = endpoint_key(endpoint)
         self._forget(self.strangers.get(uuid))  # its beacons name two endpoints: one is forged
         if (old := self.peers.get(self._peerAt.get(key))) is not None and old.evasive:
-            self._remove(old, f"it is silent and {uuid} beacons from its endpoint", redial=False)
+            self._remove(old, f"it is silent and {uuid} beacons from its endpoint")
         if (key in self._peerAt or key in self._strangerAt or len(self.peers) >= self.maxPeers
                 or any(same_endpoint(endpoint, e) for e in self.dials)
                 or not self._reachable(uuid, endpoint)):
