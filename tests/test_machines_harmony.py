@@ -93,7 +93,7 @@ def test_nothing_counts_before_hello() -> None:
     whisper = codec.encode(codec.Whisper(1, (b"early",)))
     assert events(machine.handleMessage(identity_of(PEER), whisper, 0.1)) == []
     assert events(machine.handleMessage(identity_of(OTHER), whisper, 0.1)) == []
-    assert PEER not in machine.peers and machine.strangers[PEER].ready is False
+    assert PEER not in machine.peers and PEER in machine.strangers
 
 
 def test_whisper_shout_and_ping_in_sequence() -> None:
@@ -310,8 +310,7 @@ def test_peers_listed_under_other_names_meet_once(routes: dict[str, str]) -> Non
         net.perform(a, a.handleDial(listed, net.now))
     assert net.run() < 50 and not net.queue
     assert not [e for e in net.events if e[1] == "EXIT"]
-    assert all(machine.peers and all(p.ready for p in machine.peers.values())
-               for machine in net.machines.values())
+    assert all(machine.peers for machine in net.machines.values())
 
 
 def test_a_forged_hello_naming_a_peers_endpoint_does_not_set_off_a_loop() -> None:
@@ -385,6 +384,43 @@ def test_the_peer_table_is_bounded() -> None:
                               hello(endpoint=f"tcp://10.0.1.{n}:1"), 0)
     assert len(machine.peers) == 2
     assert "(maxPeers)" in greeted(machine, uuid.UUID(int=99))[0].text
+
+
+def test_a_node_refused_while_the_table_is_full_is_met_once_there_is_room() -> None:
+    """Its HELLO was refused, but it has ours: its beacons make no stranger
+    while the table is full, and the first once there is room brings it our
+    HELLO again, so it says HELLO again."""
+    net = Net()
+    a = net.add("A", OUR_EP)
+    a.maxPeers = 1
+    net.perform(a, a.handleMessage(identity_of(OTHER), hello(endpoint="tcp://10.0.0.3:1"), 0))
+    b = net.add("B", PEER_EP)
+    for t in range(1, 40):
+        net.now = float(t)
+        net.perform(a, a.handleBeacon(b.uuid, PEER_EP, net.now))
+        net.perform(b, b.handleBeacon(a.uuid, OUR_EP, net.now))
+        net.run()
+        net.now = t + 0.5
+        net.perform(a, a.handleTick(net.now))
+        net.perform(b, b.handleTick(net.now))
+        net.run()
+        assert len(a.strangers) <= (OTHER not in a.peers)
+    assert list(a.peers) == [b.uuid] and list(b.peers) == [a.uuid]
+    assert net.events.count(("B", "ENTER", "A")) - net.events.count(("B", "EXIT", "A")) == 1
+
+
+def test_a_strangers_hello_refused_by_a_full_table_forgets_it() -> None:
+    """Our HELLO went before the table filled: the stranger goes with its
+    refused HELLO, no stranger comes while full, and once there is room its
+    beacon brings it our HELLO again."""
+    machine = started(maxPeers=1)
+    link = machine.handleBeacon(PEER, PEER_EP, 0)[0].link
+    machine.handleMessage(identity_of(OTHER), hello(endpoint="tcp://10.0.0.3:1"), 0.1)
+    actions = greeted(machine, now=0.2)
+    assert quiet(actions) == [CloseLink(link)] and machine.strangers == {}
+    assert quiet(machine.handleBeacon(PEER, PEER_EP, 1)) == [] and machine.strangers == {}
+    machine.handleBeacon(OTHER, None, 2)
+    assert [m.id for m in sent(machine.handleBeacon(PEER, PEER_EP, 3))] == [codec.Hello.id]
 
 
 def test_what_one_peer_may_make_us_keep_is_bounded() -> None:
@@ -503,13 +539,13 @@ def test_a_peer_that_lost_us_soon_after_meeting_is_greeted_back() -> None:
     b = net.add("B", "tcp://10.0.0.2:40002")
     net.perform(a, a.handleBeacon(b.uuid, "tcp://10.0.0.2:40002", net.now))
     net.run()
-    assert a.peers[b.uuid].ready and b.peers[a.uuid].ready
+    assert b.uuid in a.peers and a.uuid in b.peers
     net.now = 1.0
     net.perform(b, b.handleMessage(identity_of(a.uuid), [b"garbage"], net.now))
     assert a.uuid not in b.peers
     net.perform(b, b.handleBeacon(a.uuid, "tcp://10.0.0.1:40001", net.now))
     net.run()
-    assert b.peers[a.uuid].ready
+    assert a.uuid in b.peers
     net.perform(a, a.whisper(b.uuid, [b"still there?"], net.now))
     net.run()
     assert ("B", "WHISPER", "A") in net.events
@@ -590,8 +626,8 @@ def test_a_stranger_is_forgotten_hello_wait_after_its_last_beacon() -> None:
 
 def test_a_beacon_naming_an_endpoint_a_link_goes_to_opens_no_other() -> None:
     """One stranger per endpoint (spoofed UUIDs on one port cost one link),
-    none at a peer's endpoint or a listed one; a HELLO from there adopts the
-    stranger's link, whatever UUID its beacon had."""
+    none at a peer's endpoint or a listed one; a HELLO from there by another
+    UUID closes the stranger's link and gets our HELLO on a new one."""
     machine = started()
     machine.handleBeacon(OTHER, PEER_EP, 0)
     for n in range(5):
@@ -600,9 +636,125 @@ def test_a_beacon_naming_an_endpoint_a_link_goes_to_opens_no_other() -> None:
     assert quiet(machine.handleBeacon(PEER, "tcp://10.0.0.7:7", 0)) == []
     link = machine.strangers[OTHER].link
     actions = greeted(machine, PEER, now=0.5)
-    assert not [a for a in actions if isinstance(a, OpenLink)]
-    assert machine.peers[PEER].link == link and machine.strangers == {}
+    assert [a for a in actions if isinstance(a, (OpenLink, CloseLink))] == [
+        CloseLink(link), OpenLink(link + 2, PEER_EP)]
+    assert [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert machine.peers[PEER].link == link + 2 and machine.strangers == {}
     assert quiet(machine.handleBeacon(OTHER, PEER_EP, 1)) == []
+
+
+FORGED_EP = "tcp://10.6.6.6:6666"
+
+
+def link_of_whisper(machine: HarmonyMachine, opened: dict[int, str], now: float) -> str:
+    return opened[next(a.link for a in machine.whisper(PEER, [b"x"], now) if isinstance(a, SendOn))]
+
+
+@pytest.mark.parametrize("flood", [0, 64])
+def test_a_beacon_forged_with_a_peers_uuid_does_not_take_its_link(flood: int) -> None:
+    """Forged before its real beacon, or after a flood pushed its stranger out:
+    its HELLO names its endpoint: it gets our HELLO on a link there."""
+    machine, opened, hellos = started(), {}, []
+
+    def do(actions: list[Any]) -> list[Any]:
+        opened.update((a.link, a.endpoint) for a in actions if isinstance(a, OpenLink))
+        hellos.extend(opened[a.link] for a in actions
+                      if isinstance(a, SendOn) and isinstance(codec.decode(a.frames), codec.Hello))
+        return actions
+    if flood:
+        do(machine.handleBeacon(PEER, PEER_EP, 0))
+        for n in range(flood):
+            do(machine.handleBeacon(*spoofed(n), 0.01))
+    do(machine.handleBeacon(PEER, FORGED_EP, 0.02))
+    do(machine.handleBeacon(PEER, PEER_EP, 0.5))
+    do(greeted(machine, now=0.6))
+    assert hellos[-1] == PEER_EP and opened[machine.peers[PEER].link] == PEER_EP
+    assert FORGED_EP not in [stranger.endpoint for stranger in machine.strangers.values()]
+    for t in range(1, 40):
+        do(machine.handleBeacon(PEER, PEER_EP, t))
+        do(machine.handleTick(t + 0.1))
+    assert link_of_whisper(machine, opened, 41) == PEER_EP
+
+
+def test_a_peers_own_beacon_after_a_forged_one_brings_it_our_hello() -> None:
+    """Its beacons name two endpoints: the stranger goes, and the one its last
+    beacon names gets our HELLO (it may not hear our beacons to say HELLO)."""
+    machine = started()
+    forged = machine.handleBeacon(PEER, FORGED_EP, 0)[0].link
+    actions = machine.handleBeacon(PEER, PEER_EP, 0.5)
+    assert quiet(actions)[:2] == [CloseLink(forged), OpenLink(forged + 1, PEER_EP)]
+    assert [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert machine.strangers[PEER].endpoint == PEER_EP
+    assert machine.handleBeacon(PEER, PEER_EP, 1.0) == []  # the same endpoint: refreshed only
+
+
+def test_a_node_restarted_on_its_port_before_it_answered_gets_our_hello() -> None:
+    """B1 had our HELLO and was killed before its own left; B2, on its port
+    under a new UUID, says HELLO: it must get ours too, on a new link."""
+    net = Net()
+    a = net.add("A", OUR_EP)
+    b1 = net.add("B1", PEER_EP)
+    net.perform(a, a.handleBeacon(b1.uuid, PEER_EP, net.now))
+    net.run(limit=1)            # B1 gets our HELLO ...
+    net.queue.clear()           # ... and is killed before its HELLO leaves
+    net.now = 1.0
+    b2 = net.add("B2", PEER_EP)
+    net.perform(b2, b2.handleBeacon(a.uuid, OUR_EP, net.now))
+    net.perform(a, a.handleBeacon(b2.uuid, PEER_EP, net.now))
+    net.run()
+    assert list(a.peers) == [b2.uuid] and list(b2.peers) == [a.uuid]
+    assert ("B2", "ENTER", "A") in net.events
+
+
+def test_a_node_restarted_on_a_silent_peers_port_is_met_though_it_cannot_hear_us() -> None:
+    """B1 is killed; B2, on its port under a new UUID, hears none of our
+    beacons (one-way UDP): B2's beacon drops B1, silent past evasive, and
+    brings B2 our HELLO, not 30 s later when B1 expires."""
+    net = Net()
+    a = net.add("A", OUR_EP)
+    b1 = net.add("B1", PEER_EP)
+    net.perform(a, a.handleBeacon(b1.uuid, PEER_EP, net.now))
+    net.run()
+    assert list(a.peers) == [b1.uuid] and list(b1.peers) == [a.uuid]
+    net.now = 10.0
+    b2 = net.add("B2", PEER_EP)
+    for t in range(10, 13):
+        net.now = t + 0.1
+        net.perform(a, a.handleBeacon(b2.uuid, PEER_EP, net.now))
+        net.run()
+        net.now = t + 0.5
+        net.perform(a, a.handleTick(net.now))
+        net.perform(b2, b2.handleTick(net.now))
+        net.run()
+    assert list(a.peers) == [b2.uuid] and list(b2.peers) == [a.uuid]
+    assert ("A", "EXIT", "B1") in net.events and ("B2", "ENTER", "A") in net.events
+
+
+def test_a_beacon_from_a_new_uuid_drops_the_peer_there_only_once_it_is_evasive() -> None:
+    machine = started(evasive=5.0)
+    link = greeted(machine)[0].link
+    machine.handleTick(4.9)
+    assert quiet(machine.handleBeacon(OTHER, PEER_EP, 4.95)) == []
+    assert list(machine.peers) == [PEER] and machine.strangers == {}
+    machine.handleTick(5.0)
+    actions = machine.handleBeacon(OTHER, PEER_EP, 5.1)
+    assert events(actions) == [("EXIT", None)] and CloseLink(link) in actions
+    assert OpenLink(link + 1, PEER_EP) in actions and [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert machine.peers == {} and list(machine.strangers) == [OTHER]
+
+
+def test_a_beacon_that_drops_an_evasive_listed_peer_leaves_its_endpoint_dialled() -> None:
+    """The dial takes the stranger's place, and goes on if nobody answers."""
+    machine = started(evasive=5.0)
+    link = machine.handleDial(PEER_EP, 0)[0].link
+    greeted(machine)
+    machine.handleTick(5.0)
+    actions = quiet(machine.handleBeacon(OTHER, PEER_EP, 5.1))
+    assert events(actions) == [("EXIT", None)] and CloseLink(link) in actions
+    assert OpenLink(link + 1, PEER_EP) in actions and [m.id for m in sent(actions)] == [codec.Hello.id]
+    assert list(machine.dials) == [PEER_EP] and machine.strangers == {}
+    assert events(greeted(machine, OTHER, now=5.2)) == [("ENTER", None)]
+    assert machine.peers[OTHER].link == link + 1 and machine.dials == {}
 
 
 def test_our_status_reaches_strangers_so_it_counts_on_when_they_meet_us() -> None:
@@ -676,7 +828,6 @@ def test_strangers_and_peers_stay_bounded_apart_and_no_link_is_lost(
                 opened.discard(action.link)
         assert len(machine.strangers) <= 3 and len(machine.peers) <= 4
         assert not set(machine.strangers) & set(machine.peers)
-        assert all(p.ready for p in machine.peers.values())
         assert opened == {p.link for p in [*machine.peers.values(), *machine.strangers.values()]}
         assert sorted(machine._strangerAt.values()) == sorted(machine.strangers)
 

@@ -9,11 +9,15 @@ event                       what happens
 ==========================  ================================================================
 beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
                             till *helloWait* after its beacon): a link there, HELLO first,
-                            unless a link goes there already; a peer: refreshed; port 0: EXIT
+                            unless a link goes there already or the table is full (first its
+                            stranger elsewhere goes, an evasive peer there EXITs); a peer:
+                            refreshed; port 0: EXIT
 dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
                             back-off until a HELLO names that endpoint
-HELLO from a new peer       a peer (at most *maxPeers*) on its stranger's or dial's link, else
-                            one to the endpoint it names (a peer known there restarted: EXIT);
+HELLO from a new peer       a peer (at most *maxPeers*; beyond, its stranger goes) on its dial's
+                            link, or its stranger's if that has its UUID and endpoint and our
+                            HELLO went within *helloWait*, else a new link there and our HELLO
+                            (a peer known there restarted: EXIT);
                             ENTER, a JOIN per group
 HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
                             from the endpoint known, it is its new link to us: its sequence
@@ -129,11 +133,7 @@ _TCP = re.compile(r"^tcp://(?P<host>\[[^]]*\]|[^:]*):(?P<port>\d+)$")
 
 def same_endpoint(one: str, other: str) -> bool:
     """Whether two ZRE endpoints are equal, or the same port on two names of this machine."""
-    if one == other:
-        return True
-    a, b = _TCP.match(one), _TCP.match(other)
-    return bool(a and b and a["port"] == b["port"]
-                and a["host"] in _LOCAL_HOSTS and b["host"] in _LOCAL_HOSTS)
+    return one == other or endpoint_key(one) == endpoint_key(other)
 
 
 def endpoint_key(endpoint: str) -> str:
@@ -155,14 +155,13 @@ class Peer:
     name: str = ""
     headers: Mapping[str, str] = attrs.field(factory=dict)
     groups: set[str] = attrs.field(factory=set)
-    #: it has sent its HELLO: it may talk, and the application knows it
-    ready: bool = False
     status: int = 0
     sent: int = 0
     received: int = 0
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
+    #: when it said HELLO; for a stranger, when ours went
     helloAt: float = 0.0
     answeredAt: float = float("-inf")
 
@@ -292,17 +291,19 @@ class HarmonyMachine(Machine):
             self._forget(self.strangers.get(uuid))
         elif peer is not None:
             self._refresh(peer)
+        elif (known := self.strangers.get(uuid)) and same_endpoint(known.endpoint, endpoint):
+            known.expiredAt = now + self.helloWait  # a stranger: refreshed
         else:
             self._stranger(uuid, endpoint)
         return self._drain()
 
     def _stranger(self, uuid: UUID, endpoint: str) -> None:
         """Our HELLO to *uuid* unless a link goes to *endpoint* (a new UUID there hears us)."""
-        if (stranger := self.strangers.get(uuid)) is not None:
-            stranger.expiredAt = self.now + self.helloWait
-            return
         key = endpoint_key(endpoint)
-        if (key in self._peerAt or key in self._strangerAt
+        self._forget(self.strangers.get(uuid))  # its beacons name two endpoints: one is forged
+        if (old := self.peers.get(self._peerAt.get(key))) is not None and old.evasive:
+            self._remove(old, f"it is silent and {uuid} beacons from its endpoint")
+        if (key in self._peerAt or key in self._strangerAt or len(self.peers) >= self.maxPeers
                 or any(same_endpoint(endpoint, e) for e in self.dials)
                 or not self._reachable(uuid, endpoint)):
             return
@@ -311,7 +312,7 @@ class HarmonyMachine(Machine):
             self._emit(Notice("strangers", f"{len(self.strangers)} peers heard only by beacons "
                                            f"(maxStrangers): forgetting {oldest.uuid} at {oldest.endpoint}"))
             self._forget(oldest)
-        self.strangers[uuid] = stranger = Peer(uuid, endpoint, self._newLink(endpoint),
+        self.strangers[uuid] = stranger = Peer(uuid, endpoint, self._newLink(endpoint), helloAt=self.now,
                                                expiredAt=self.now + self.helloWait)
         self._strangerAt[key] = uuid
         self._send(stranger, self._hello(0))
@@ -543,29 +544,33 @@ class HarmonyMachine(Machine):
         return why is None
 
     def _admit(self, uuid: UUID, endpoint: str) -> Optional[Peer]:
-        """*uuid*, which said HELLO, as a peer on the link of its stranger or dial, else a
-        new one; None if *endpoint* cannot be reached or the table is full."""
+        """*uuid*, which said HELLO, as a peer on the link of its dial or of its stranger at
+        *endpoint*, else a new one; None if *endpoint* cannot be reached or the table is full."""
         if not self._reachable(uuid, endpoint):
             return None
         if len(self.peers) >= self.maxPeers:
             self._emit(Notice("full", f"ignoring {uuid} at {endpoint}: {len(self.peers)} peers "
                                       "already (maxPeers)"))
+            self._forget(self.strangers.get(uuid))  # once there is room, its beacon brings our HELLO
             return None
         key = endpoint_key(endpoint)
         if (other := self._peerAt.get(key)) is not None:
             self._remove(self.peers[other], f"{uuid} now answers at its endpoint", redial=False)
-        stranger = self.strangers.get(uuid) or self.strangers.get(self._strangerAt.get(key, uuid))
-        dial = self._answeredDial(endpoint)
-        if dial is not None:
+        stranger = self.strangers.get(uuid)
+        if (stranger is None or endpoint_key(stranger.endpoint) != key
+                or self.now - stranger.helloAt >= self.helloWait):
+            # ours went elsewhere, to another UUID's node, or long ago (refused by a full table?)
             self._forget(stranger)
-            peer = Peer(uuid, dial.endpoint, dial.link, sent=dial.sent)
-        elif stranger is not None:
-            self._forget(stranger, close=False)
-            peer = Peer(uuid, stranger.endpoint, stranger.link, sent=stranger.sent)
+            self._forget(self.strangers.get(self._strangerAt.get(key)))
+            stranger = None
+        via = self._answeredDial(endpoint)
+        self._forget(stranger, close=via is not None)
+        if (via := via or stranger) is not None:
+            peer = Peer(uuid, via.endpoint, via.link, sent=via.sent)
         else:
             peer = Peer(uuid, endpoint, self._newLink(endpoint))
             self._send(peer, self._hello(0))
-        peer.ready, peer.helloAt = True, self.now
+        peer.helloAt = self.now
         self.peers[uuid] = peer
         self._peerAt[endpoint_key(peer.endpoint)] = uuid
         self._refresh(peer)

@@ -389,11 +389,10 @@ class Node:
 
     def peers(self) -> list[UUID]:
         """The peers that have said HELLO."""
-        return [p.uuid for p in self.machine.peers.values() if p.ready]
+        return list(self.machine.peers)
 
     def _peer(self, peer: UUID) -> Any:
-        found = self.machine.peers.get(peer)
-        if found is None or not found.ready:
+        if (found := self.machine.peers.get(peer)) is None:
             raise UnknownPeer(peer)
         return found
 
@@ -408,10 +407,10 @@ class Node:
 
     def peerGroups(self) -> list[str]:
         """The groups our peers are in (sorted)."""
-        return sorted({g for p in self.machine.peers.values() if p.ready for g in p.groups})
+        return sorted({g for p in self.machine.peers.values() for g in p.groups})
 
     def peersByGroup(self, group: str) -> list[UUID]:
-        return [p.uuid for p in self.machine.peers.values() if p.ready and group in p.groups]
+        return [p.uuid for p in self.machine.peers.values() if group in p.groups]
 
     def ownGroups(self) -> list[str]:
         """The groups we are in, in the order we joined them."""
