@@ -247,8 +247,8 @@ async def test_a_damaged_wal_is_refused_saying_what_to_do(tmp_path: Any) -> None
         original = wal.read(8)
         wal.seek(32 + 24 + 100)
         wal.write(bytes(b ^ 0xFF for b in original))
-    with pytest.raises(StoreError, match=f"its WAL {path}-wal is damaged .*committed "
-                                         f"transaction follows it.*Restore"):
+    with pytest.raises(StoreError, match=f"its WAL {path}-wal is damaged .*a later committed "
+                                         f"transaction .*follows it.*Restore"):
         await SQLiteStore(path, reactor()).open()
     with open(path + "-wal", "r+b") as wal:
         wal.seek(32 + 24 + 100)

@@ -37,51 +37,42 @@ def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, i
     return s1, s2
 
 
-def _header(wal: bytes) -> tuple[str, int, tuple[int, int], tuple[int, int]]:
-    """A WAL's word order, frame size, salts and checksum; ValueError if it is none."""
+def wal_damage(wal: bytes) -> Optional[str]:
+    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
+    SQLite reads frames up to the first that fails its cumulative checksum.  The last
+    transaction torn by a crash (its frames reach the disk in any order, its commit
+    frame perhaps first) was never acknowledged: damage is a broken frame followed
+    by the commit of a later transaction of the same WAL generation."""
+    if len(wal) < _WAL_HEADER:
+        return None  # SQLite takes it as empty
     magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
     order = _WAL_MAGIC.get(magic)
     if order is None or pageSize < 512 or pageSize & (pageSize - 1):
-        raise ValueError("its header is not a WAL header")
-    return order, _FRAME_HEADER + pageSize, (salt1, salt2), (c1, c2)
-
-
-def wal_damage(wal: bytes) -> Optional[str]:
-    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
-    A torn last transaction (a crash while it was written: never acknowledged) is no
-    damage; a bad frame followed by a commit of the same WAL generation is."""
-    if len(wal) < _WAL_HEADER:
-        return "it is shorter than its header" if wal else None
-    try:
-        order, frameSize, salts, sums = _header(wal)
-    except ValueError as e:
-        return str(e)
+        return None  # not a WAL header: SQLite takes it as empty
+    frameSize = _FRAME_HEADER + pageSize
     frames = (len(wal) - _WAL_HEADER) // frameSize
-    if _checksum(wal[:24], order) != sums:
+    sums = _checksum(wal[:24], order)
+    if sums != (c1, c2):
         return f"its header checksum is wrong ({frames} frames would be ignored)" if frames else None
-    broken = _cut(wal, order, frameSize, salts, sums)
-    if broken is None:
-        return None
-    return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and a "
-            "committed transaction follows it")
-
-
-def _cut(wal: bytes, order: str, frameSize: int, salts: tuple[int, int],
-         sums: tuple[int, int]) -> Optional[int]:
-    """The first frame SQLite would not read, if a commit of this generation follows it."""
-    broken = None
-    for n in range((len(wal) - _WAL_HEADER) // frameSize):
+    broken: Optional[int] = None  # the first frame SQLite does not read
+    end: Optional[tuple[int, int]] = None  # the commit ending its transaction
+    for n in range(frames):
         at = _WAL_HEADER + n * frameSize
-        _, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
-        ours = (s1, s2) == salts  # not left over from an earlier generation
-        if broken is not None:
-            if ours and commit:
-                return broken
-            continue
-        if ours:
+        page, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
+        ours = (s1, s2) == (salt1, salt2)  # not left over from an earlier generation
+        if broken is None and ours:
             sums = _checksum(wal[at:at + 8] + wal[at + _FRAME_HEADER:at + frameSize], order, *sums)
-        if not ours or sums != (f1, f2):
-            broken = n  # SQLite reads no further
+        if broken is None and (not ours or sums != (f1, f2)):
+            broken = n
+        if broken is None or not ours or (page, commit) == end:
+            continue  # (copies of a commit frame after it pad a sector)
+        if end is None:
+            end = (page, commit) if commit else None
+        elif commit:
+            return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and "
+                    f"a later committed transaction (ending at frame {n}) follows it")
+        else:
+            end = (0, 0)  # a later transaction began
     return None
 
 
@@ -97,7 +88,9 @@ def check_wal(path: str, mark: bytes) -> None:
             raise StoreError(
                 f"Titanic store {path}: its WAL {wal} is missing, but the last run did not "
                 f"close the store: requests it acknowledged may be lost. Restore {wal} if "
-                f"it was moved; to start with what {path} holds, delete {lock}") from None
+                f"it was moved. If a SQLite program opened {path} since, it moved them into "
+                f"{path} (nothing lost); either way, to start with what {path} holds, delete "
+                f"{lock}") from None
         return
     except OSError as e:
         raise StoreError(f"Titanic store {path}: cannot read its WAL {wal}: {e}") from e
@@ -107,8 +100,9 @@ def check_wal(path: str, mark: bytes) -> None:
     if why is not None:
         raise StoreError(
             f"Titanic store {path}: its WAL {wal} is damaged ({why}); SQLite would drop "
-            f"acknowledged requests without a word. Restore {wal} from a backup; to start "
-            f"with what {path} holds, move {wal} aside and delete {lock}")
+            f"acknowledged requests without a word. Restore {wal} from a backup; to keep "
+            f"what SQLite reads of it, open {path} once with sqlite3 and run "
+            f"`PRAGMA wal_checkpoint`, then delete {lock}")
 
 
 _INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
