@@ -16,7 +16,7 @@ import os
 import re
 import sqlite3
 import struct
-from typing import Callable, Optional
+from typing import Optional
 
 from mdp.errors import StoreError
 
@@ -107,37 +107,24 @@ def check_wal(path: str, mark: bytes) -> None:
 
 _INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
                             r"non-unique entry in index) (\S+)")
-_ROW = re.compile(r"^row (\d+) missing from index")
 
 
-def _index_rows(problems: list[str], indexes: set[str]) -> Optional[dict[str, list[int]]]:
-    """The rows each of *indexes* misses, by index, if every problem is one of theirs."""
-    rows: dict[str, list[int]] = {}
-    for problem in problems:
-        found = _INDEX_PROBLEM.search(problem)
-        if found is None or found.group(2) not in indexes:
-            return None
-        row = _ROW.match(problem)
-        rows.setdefault(found.group(2), []).extend([int(row.group(1))] if row else [])
-    return rows
-
-
-def check_and_repair(db: sqlite3.Connection, path: str,
-                     rowIntact: Callable[[int], bool]) -> list[str]:
+def check_and_repair(db: sqlite3.Connection, path: str) -> list[str]:
     """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
     disagree with it (returns their names), raises StoreError for any other damage.
-    An index is left as it is where a row it misses fails its checksum (*rowIntact*):
-    the row may be the side that changed, and is answered as damaged."""
+    An index that misses a row must be rebuilt even where the row is the side that
+    changed: SQLite cannot update or delete a row its index misses."""
     problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
     if problems == ["ok"]:
         return []
-    rows = _index_rows(problems, {name for (name,) in db.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")})
-    if rows is None:
+    indexes = {name for (name,) in db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")}
+    found = [_INDEX_PROBLEM.search(problem) for problem in problems]
+    if not all(match and match.group(2) in indexes for match in found):
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise StoreError(f"Titanic store {path} is damaged: {problems[0]}{more}; "
                          "restore it from a backup")
-    rebuilt = sorted(index for index, missing in rows.items() if all(map(rowIntact, missing)))
+    rebuilt = sorted({match.group(2) for match in found if match})
     for index in rebuilt:
         db.execute(f'REINDEX "{index}"')
     return rebuilt

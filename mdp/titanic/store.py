@@ -204,15 +204,6 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
     return frames, None
 
 
-def _row_intact(db: sqlite3.Connection, seq: int) -> bool:
-    """Whether row *seq* has no checksum, or one that vouches for its id, service and
-    request."""
-    row = db.execute("SELECT id, service, request, request_crc FROM requests WHERE seq = ?",
-                     (seq,)).fetchone()
-    return row is not None and (row[3] is None or isinstance(row[0], str) and row[0].isascii()
-                                and _intact(row[3], row[0].encode("ascii"), row[1], row[2]))
-
-
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
     """A pending row for the dispatcher; a damaged one has no frames, so it gets an error reply."""
     requestId, service, blob, created, crc = row
@@ -302,7 +293,7 @@ class SQLiteStore:
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
-        rebuilt = integrity.check_and_repair(db, self.path, lambda seq: _row_intact(db, seq))
+        rebuilt = integrity.check_and_repair(db, self.path)
         if rebuilt:
             log.warn("Titanic store {path}: damaged indexes rebuilt from their table: {indexes}",
                      path=self.path, indexes=", ".join(rebuilt))
