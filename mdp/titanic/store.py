@@ -271,7 +271,7 @@ class SQLiteStore:
             self._prepare(db)
         except (sqlite3.Error, StoreError) as e:
             if db is not None:
-                db.close()
+                self._closeDb(db)
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
@@ -499,8 +499,15 @@ class SQLiteStore:
     def _setMark(self, mark: bytes) -> None:
         """Say in the lock file whether the store is open (read back by the next open)."""
         if self._lock is not None:
-            os.ftruncate(self._lock, 0)
             os.pwrite(self._lock, mark, 0)
+            os.ftruncate(self._lock, len(mark))
+
+    def _closeDb(self, db: sqlite3.Connection) -> None:
+        """Close *db*; the last connection closed checkpoints and removes the WAL, and
+        then the lock file says the store is closed."""
+        db.close()
+        if not os.path.exists(os.path.realpath(self.path) + "-wal"):
+            self._setMark(b"")
 
     def _flock(self, lockPath: str) -> int:
         """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
@@ -521,6 +528,9 @@ class SQLiteStore:
             if self._pool.started:
                 self._pool.stop()
             self._pool = None
+        if self._db is not None:  # not closed (the reactor stopped first)
+            self._closeDb(self._db)
+            self._db = None
         if self._trigger is not None:
             try:
                 self.reactor.removeSystemEventTrigger(self._trigger)
@@ -622,9 +632,8 @@ class SQLiteStore:
     def close(self) -> defer.Deferred[None]:
         def shut() -> None:
             if self._db is not None:
-                self._db.close()  # checkpoints, and removes the WAL
+                self._closeDb(self._db)
                 self._db = None
-                self._setMark(b"")
 
         self._rows.clear()
         if self._pool is None:
