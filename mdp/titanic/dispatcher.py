@@ -7,6 +7,7 @@ drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 import math
 from collections import Counter
@@ -575,6 +576,15 @@ def services_listed(reply: Sequence[bytes]) -> Optional[dict[bytes, int]]:
         return None
 
 
+def _reads_by_service(store: ITitanicStore) -> bool:
+    """Whether *store*'s ``pending`` takes ``onlyServices`` (a store written before it did not)."""
+    try:
+        parameters = inspect.signature(store.pending).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "onlyServices" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 #: Errors after which a request is tried again later.
 RETRY = (*TRANSIENT, ClientClosed)
 
@@ -613,6 +623,10 @@ class Dispatcher:
     ) -> None:
         reactor = default_reactor(reactor)
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
+        if listEvery is not None and not _reads_by_service(store):
+            log.warn("Titanic: the store's pending() takes no onlyServices: every pending "
+                     "request is read, not only those of the services the broker lists")
+            listEvery = None
         self.machine = DispatchMachine(concurrency=concurrency, backoff=backoff, keep=keep,
                                        purgeEvery=purgeEvery, recheck=recheck,
                                        listEvery=listEvery, now=reactor.seconds())
@@ -709,7 +723,8 @@ class Dispatcher:
             failed(failure.getErrorMessage())
 
         only = {} if action.onlyServices is None else {"onlyServices": action.onlyServices}
-        self.store.pending(action.limit, action.skipServices, action.skipIds, **only).addCallbacks(
+        defer.maybeDeferred(self.store.pending, action.limit, action.skipServices,
+                            action.skipIds, **only).addCallbacks(
             lambda requests: loaded(requests, action.limit), trouble)
 
     async def _list(self) -> None:
