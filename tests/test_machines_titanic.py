@@ -411,10 +411,13 @@ def test_without_a_full_listing_each_service_is_asked_about() -> None:
     ([b"{}"], {}),
     ([b"501"], None),
     ([b'{"echo": {"workers": 2}}', b'{"truncated": true, "total": 1001}'], None),
+    # truncated, but naming one without workers: every one with workers is in it
+    ([b'{"echo": {"workers": 2}, "x": {"workers": 0}}', b'{"truncated": true, "total": 1001}'],
+     {b"echo": 2, b"x": 0}),
     ([b'{"echo": {}}'], None),
     ([], None),
 ])
-def test_an_mmi_services_reply_is_a_listing_only_when_whole(reply: list[bytes],
+def test_an_mmi_services_reply_is_a_listing_only_when_it_names_every_served_one(reply: list[bytes],
                                                             listed: Any) -> None:
     assert services_listed(reply) == listed
 

@@ -568,12 +568,14 @@ class DispatchMachine(Machine):
 
 def services_listed(reply: Sequence[bytes]) -> Optional[dict[bytes, int]]:
     """Each service an ``mmi.services`` *reply* lists, with its workers; None if it
-    is no listing (a ``501``, say) or not the whole one (truncated)."""
+    is no listing (a ``501``, say) or may leave out a service with workers (truncated,
+    naming none without: the broker lists those with workers first)."""
     try:
-        listing = json.loads(reply[0]) if len(reply) == 1 else None
-        return {name.encode("ascii"): int(entry["workers"]) for name, entry in listing.items()}
+        listing = {name.encode("ascii"): int(entry["workers"])
+                   for name, entry in json.loads(reply[0]).items()}
     except (ValueError, IndexError, AttributeError, TypeError, KeyError, UnicodeError):
         return None
+    return listing if len(reply) == 1 or not all(listing.values()) else None
 
 
 def _reads_by_service(store: ITitanicStore) -> bool:
