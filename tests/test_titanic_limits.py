@@ -77,6 +77,27 @@ async def test_a_read_by_service_finds_those_services_and_damaged_rows_of_any() 
         ids[3], damaged]
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_request_larger_than_the_store_may_hold_is_answered_400_413() -> None:
+    """Not 507 "try again later": it would never fit."""
+    server = TitanicServer("zmq:tcp://127.0.0.1:1", MemoryStore(maxBytes=50_000))
+    status, message, code = server.request([b"echo", b"x" * 60_000])
+    assert (status, code) == (protocol.UNKNOWN, protocol.TOO_LARGE)
+    assert b"over Titanic's limit of 50000" in message
+
+
+@pytest_twisted.ensureDeferred
+async def test_only_a_new_request_costs_the_store_size_check() -> None:
+    """Replies, closes and purges are never refused: no size is read for them."""
+    store = MemoryStore()
+    requestId = await store.add(b"echo", [b"x"], 1.0)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    await store.complete(requestId, [b"y"], 2.0)
+    await store.forget(requestId)
+    assert statements and not [s for s in statements if "PRAGMA" in s]
+
+
 # --- the WAL check ---------------------------------------------------------------------
 
 

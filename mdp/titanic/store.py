@@ -29,7 +29,7 @@ from zope.interface import Interface, implementer, implementer_only
 from mdp.errors import ProtocolError, StoreError
 from mdp.policy import Limits, default_reactor
 from mdp.titanic import integrity
-from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request
+from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request, whole_number
 from mdp.transport.framing import decode_record, encode_record
 
 #: Bytes a store may hold (its pages in use) before new requests are refused.
@@ -225,8 +225,7 @@ class SQLiteStore:
 
     def __init__(self, path: str, reactor: Optional[Any] = None, *,
                  maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
-        if isinstance(maxBytes, bool) or not isinstance(maxBytes, int) or maxBytes < 1:
-            raise ValueError(f"maxBytes must be a whole number of at least 1, got {maxBytes!r}")
+        whole_number("maxBytes", maxBytes)
         self.path = path
         #: a request that would take the pages in use beyond this is refused (TitanicStoreFull)
         self.maxBytes = maxBytes
@@ -365,7 +364,7 @@ class SQLiteStore:
     def _fitting(self, db: sqlite3.Connection, statements: list[tuple[str, tuple[Any, ...], int]]
                  ) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[int, Exception]]:
         """The statements that fit :attr:`maxBytes`, and the refusal of each other by index."""
-        used = self._inUse(db)
+        used = self._inUse(db) if any(size for _, _, size in statements) else 0
         fitting, refused = [], {}
         for index, (sql, args, size) in enumerate(statements):
             if size and used + size > self.maxBytes:
