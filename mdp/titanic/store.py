@@ -384,31 +384,20 @@ class SQLiteStore:
         if moved is not None:
             raise StoreError(moved)
         statements, refused = self._fitting(db, sized)
-        results = iter(self._transactions(db, statements))
-        return [refused[i] if i in refused else next(results) for i in range(len(sized))]
 
-    def _transactions(self, db: sqlite3.Connection,
-                      statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        if not statements:
-            return []
-
-        def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
-            with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
-                db.execute("BEGIN IMMEDIATE")
-                return [db.execute(sql, args).rowcount for sql, args in group]
-
-        try:
-            return transaction(statements)
-        except sqlite3.Error as e:
-            if len(statements) == 1:
-                return [e]
-        results: list[Any] = []
-        for statement in statements:
+        def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
             try:
-                results.extend(transaction([statement]))
+                with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
+                    db.execute("BEGIN IMMEDIATE")
+                    return [db.execute(sql, args).rowcount for sql, args in group]
             except sqlite3.Error as e:
-                results.append(e)
-        return results
+                return [e] * len(group)
+
+        results = transaction(statements)  # if that fails, each alone
+        if len(statements) > 1 and isinstance(results[0], sqlite3.Error):
+            results = [result for statement in statements for result in transaction([statement])]
+        done = iter(results)
+        return [refused[i] if i in refused else next(done) for i in range(len(sized))]
 
     def _pendingOf(self, limit: int, services: Collection[bytes],
                    skipIds: str) -> list[tuple[Any, ...]]:
