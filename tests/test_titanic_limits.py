@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from twisted.internet import defer
 
@@ -131,7 +131,7 @@ def zeroed(wal: bytes, size: int, frames: Any) -> bytes:
     return wal
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_changed_byte_before_the_last_transaction_is_damage_a_torn_last_one_is_not(
         data: Any) -> None:

@@ -522,14 +522,18 @@ class DispatchMachine(Machine):
         """Read only for half a window at least, unless nothing waiting goes out
         soon while there is room to send: one read for many, not one each."""
         room = self._room()
-        if (not self._dirty or self._loading or self._storeRetryAt is not None
-                or self._unlisted or room <= 0):  # nothing new, a read under way, no listing yet
+        if self._readHeld() or room <= 0:
             return False
         if room >= self.window // 2 or not self.queue:
             return True
         return len(self.inflight) < self.concurrency and not any(
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
+
+    def _readHeld(self) -> bool:
+        """Nothing new to read, a read under way, the store failing, or no listing yet."""
+        return (not self._dirty or self._loading or self._storeRetryAt is not None
+                or self._unlisted)
 
     def _readPending(self, held: Counter[bytes]) -> None:
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import re
@@ -49,31 +50,36 @@ def wal_damage(wal: bytes) -> Optional[str]:
     order = _WAL_MAGIC.get(magic)
     if order is None or pageSize < 512 or pageSize & (pageSize - 1):
         return None  # not a WAL header: SQLite takes it as empty
-    frameSize = _FRAME_HEADER + pageSize
-    frames = (len(wal) - _WAL_HEADER) // frameSize
+    size = _FRAME_HEADER + pageSize
+    heads = [struct.unpack_from(">6I", wal, at) for at in range(_WAL_HEADER, len(wal) - size + 1, size)]
     sums = _checksum(wal[:24], order)
     if sums != (c1, c2):
-        return f"its header checksum is wrong ({frames} frames would be ignored)" if frames else None
-    broken: Optional[int] = None  # the first frame SQLite does not read
-    end: Optional[tuple[int, int]] = None  # the commit ending its transaction
-    for n in range(frames):
-        at = _WAL_HEADER + n * frameSize
-        page, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
-        ours = (s1, s2) == (salt1, salt2)  # not left over from an earlier generation
-        if broken is None and ours:
-            sums = _checksum(wal[at:at + 8] + wal[at + _FRAME_HEADER:at + frameSize], order, *sums)
-        if broken is None and (not ours or sums != (f1, f2)):
-            broken = n
-        if broken is None or not ours or (page, commit) == end:
-            continue  # (copies of a commit frame after it pad a sector)
-        if end is None:
-            end = (page, commit) if commit else None
-        elif commit:
-            return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and "
-                    f"a later committed transaction (ending at frame {n}) follows it")
-        else:
-            end = (0, 0)  # a later transaction began
+        return f"its header checksum is wrong ({len(heads)} frames would be ignored)" if heads else None
+    broken = _first_broken(wal, order, size, heads, (salt1, salt2), sums)
+    if broken is None or not _later_commit(heads[broken:], (salt1, salt2)):
+        return None
+    return (f"frame {broken} (byte {_WAL_HEADER + broken * size}) is damaged and a later "
+            "committed transaction follows it")
+
+
+def _first_broken(wal: bytes, order: str, size: int, heads: list[tuple[int, ...]],
+                  salts: tuple[int, int], sums: tuple[int, int]) -> Optional[int]:
+    """The first frame SQLite does not read: of an earlier generation, or failing its checksum."""
+    for n, (_, _, s1, s2, f1, f2) in enumerate(heads):
+        at = _WAL_HEADER + n * size  # the checksum covers the page number, commit mark and page
+        if (s1, s2) != salts or (sums := _checksum(
+                wal[at:at + 8] + wal[at + _FRAME_HEADER:at + size], order, *sums)) != (f1, f2):
+            return n
     return None
+
+
+def _later_commit(heads: list[tuple[int, ...]], salts: tuple[int, int]) -> bool:
+    """Whether the frame *heads* from a broken one hold a commit of this generation
+    after the one ending its transaction (and the copies of it that pad a sector)."""
+    ours = [(page, commit) for page, commit, s1, s2, _, _ in heads if (s1, s2) == salts]
+    ends = [n for n, (_, commit) in enumerate(ours) if commit]
+    later = itertools.dropwhile(ours[ends[0]].__eq__, ours[ends[0] + 1:]) if ends else ()
+    return any(commit for _, commit in later)
 
 
 def check_wal(path: str, mark: bytes) -> None:
@@ -119,12 +125,11 @@ def check_and_repair(db: sqlite3.Connection, path: str) -> list[str]:
         return []
     indexes = {name for (name,) in db.execute(
         "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")}
-    found = [_INDEX_PROBLEM.search(problem) for problem in problems]
-    if not all(match and match.group(2) in indexes for match in found):
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise StoreError(f"Titanic store {path} is damaged: {problems[0]}{more}; "
-                         "restore it from a backup")
-    rebuilt = sorted({match.group(2) for match in found if match})
+    found = [match.group(2) for match in map(_INDEX_PROBLEM.search, problems) if match]
+    if len(found) < len(problems) or not indexes.issuperset(found):
+        raise StoreError(f"Titanic store {path} is damaged: {problems[0]} (of {len(problems)} "
+                         "problems); restore it from a backup")
+    rebuilt = sorted(set(found))
     for index in rebuilt:
         db.execute(f'REINDEX "{index}"')
     return rebuilt
