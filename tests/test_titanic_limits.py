@@ -191,3 +191,33 @@ def test_a_middle_frame_of_the_last_transaction_lost_keeps_every_earlier_commit(
     db = sqlite3.connect(copy)
     assert db.execute("SELECT x FROM t").fetchall() == [(b"kept",)]
     db.close()
+
+
+# --- the cost of reads by service -----------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_reads_by_service_look_for_damaged_rows_a_chunk_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first read after a start does not check every pending row (a parked flood
+    of them would hold up acknowledgements): each read checks the next chunk."""
+    from mdp.titanic import store as module
+
+    monkeypatch.setattr(module, "DAMAGE_CHUNK", 2)
+    store = MemoryStore()
+    for n in range(4):
+        await store.add(b"down", [b"%d" % n], float(n))
+    damaged = await store.add(b"gone", [], 9.0)  # no frames: read back as damaged
+    reads = [[p.id for p in await store.pending(10, onlyServices=[b"echo"])] for _ in range(3)]
+    assert reads == [[], [], [damaged]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_read_of_many_listed_services_is_one_scan_by_age() -> None:
+    store = MemoryStore()
+    names = [b"svc%04d" % n for n in range(500)]
+    ids = [await store.add(names[n * 7], [b"x"], float(n)) for n in range(20)]
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    assert [p.id for p in await store.pending(10, onlyServices=names)] == ids[:10]
+    assert len(statements) < 10

@@ -564,7 +564,8 @@ async def test_both_ways_of_reading_pending_requests_find_the_same(
     async with opened(path) as store:
         ids = [p.id for p in await store.pending(100)]
         cases = [(16, [b"svc-1", b"svc-4"], ids[:5]), (100, [b"svc-0"], []),
-                 (3, [b"svc-%d" % n for n in range(7)], []), (8, [b"svc-6"], ids[10:40])]
+                 (3, [b"svc-%d" % n for n in range(7)], []), (8, [b"svc-6"], ids[10:40]),
+                 (9, [b"svc-2"], ids[:20], [b"svc-2", b"svc-3", b"svc-5"]), (4, [], [], [b"svc-6"])]
         found = [[p.id for p in await store.pending(*case)] for case in cases]
         monkeypatch.setattr(module, "SCAN_BUDGET", 0)  # always service by service
         assert [[p.id for p in await store.pending(*case)] for case in cases] == found

@@ -136,6 +136,13 @@ _PENDING_BY_SERVICE = (
 #: The same, of one service (?1), through its index.
 _PENDING_OF = ("SELECT seq FROM requests INDEXED BY requests_pending_service "
                f"WHERE {_PENDING} AND service = ?1 ORDER BY seq LIMIT ?3")
+#: The same, of some services (?1, by hex), by age.
+_PENDING_LISTED = (f"SELECT seq FROM requests WHERE {_PENDING} "
+                   "AND hex(service) IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
+#: Pending rows after ?1 in age order, to check for damage; ?2 at a time.
+_UNSCANNED = (f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text' "
+              "AND seq > ?1 ORDER BY seq LIMIT ?2")
+DAMAGE_CHUNK = 5000
 #: The same, of some rows (?1, JSON).
 _PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
                  "AND seq IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
@@ -245,8 +252,10 @@ class SQLiteStore:
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
-        #: pending rows found damaged by the first read by service (None: not looked yet)
-        self._damaged: Optional[list[int]] = None
+        #: pending rows found damaged by reads by service, and the row after which to look
+        #: on (None: all looked at)
+        self._damaged: list[int] = []
+        self._unscanned: Optional[int] = 0
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         if self._pool is None:
@@ -401,20 +410,29 @@ class SQLiteStore:
 
     def _pendingOf(self, limit: int, services: Collection[bytes],
                    skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of *services*, service by service, and of
-        those found damaged (whatever their service now says) at the first such read."""
+        """The *limit* oldest pending rows of *services* (by age within :data:`SCAN_BUDGET`
+        steps, else service by service), and of those found damaged whatever their service
+        now says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
         db = self._connection()
-        if self._damaged is None:
-            self._damaged = [seq for seq, requestId, service, blob, _, crc in db.execute(
-                f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text'")
-                if not _request_frames(requestId, service, blob, crc)[0]]
-        if self._damaged:  # those still pending
-            self._damaged = [seq for (seq, *_) in db.execute(
-                _PENDING_ROWS, (json.dumps(self._damaged), skipIds, len(self._damaged)))]
-        seqs = {seq for service in services
-                for (seq,) in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))}
-        chosen = sorted(seqs.union(self._damaged))[:limit]  # then read: no blob read for nothing
+        self._lookForDamage(db)
+        listed = json.dumps([bytes(s).hex().upper() for s in services])
+        found = self._budgeted(db, _PENDING_LISTED, (listed, skipIds, limit))
+        if found is None:  # a backlog of others in the way
+            found = [row for service in services
+                     for row in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))]
+        chosen = sorted({seq for (seq,) in found}.union(self._damaged))[:limit]
         return db.execute(_PENDING_ROWS, (json.dumps(chosen), skipIds, limit)).fetchall()
+
+    def _lookForDamage(self, db: sqlite3.Connection) -> None:
+        """Check the next :data:`DAMAGE_CHUNK` pending rows; keep those damaged still pending."""
+        if self._unscanned is not None:
+            rows = db.execute(_UNSCANNED, (self._unscanned, DAMAGE_CHUNK)).fetchall()
+            self._damaged += [seq for seq, requestId, service, blob, _, crc in rows
+                              if not _request_frames(requestId, service, blob, crc)[0]]
+            self._unscanned = rows[-1][0] if len(rows) == DAMAGE_CHUNK else None
+        if self._damaged:
+            self._damaged = [seq for (seq, *_) in db.execute(
+                _PENDING_ROWS, (json.dumps(self._damaged), "[]", len(self._damaged)))]
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
@@ -422,22 +440,29 @@ class SQLiteStore:
         past :data:`SCAN_BUDGET` steps, service by service through the service index."""
         db = self._connection()
         args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
+        if not skipServices:
+            return db.execute(_PENDING_BY_AGE, args).fetchall()
+        found = self._budgeted(db, _PENDING_BY_AGE, args)  # their backlog may lie in the way
+        return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
+
+    def _budgeted(self, db: sqlite3.Connection, sql: str,
+                  args: tuple[Any, ...]) -> Optional[list[tuple[Any, ...]]]:
+        """The rows of *sql*, or None past :data:`SCAN_BUDGET` steps."""
         left = [SCAN_BUDGET]
 
         def spent() -> bool:
             left[0] -= 1
             return left[0] < 0  # true: SQLite interrupts the statement
 
-        if skipServices:  # their backlog may lie in the way
-            db.set_progress_handler(spent, 1000)
+        db.set_progress_handler(spent, 1000)
         try:
-            return db.execute(_PENDING_BY_AGE, args).fetchall()
+            return db.execute(sql, args).fetchall()
         except sqlite3.OperationalError:
             if left[0] >= 0:
                 raise
+            return None
         finally:
             db.set_progress_handler(None, 0)
-        return db.execute(_PENDING_BY_SERVICE, args).fetchall()
 
     # --- on the reactor thread ------------------------------------------------------
 
@@ -539,7 +564,7 @@ class SQLiteStore:
         except StoreError:
             return defer.fail()
         self.reactor = default_reactor(self.reactor)
-        self._damaged = None
+        self._damaged, self._unscanned = [], 0
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
