@@ -48,8 +48,7 @@ DEFAULT_RECHECK = 5.0
 #: Seconds between two ``mmi.services`` listings: a service that appears is
 #: served within this, however many requests wait for services nobody serves.
 DEFAULT_LIST_EVERY = 1.0
-#: ``mmi.services`` unanswered this many times in a row (a broker that queues it as a
-#: service nobody serves): go on as without a listing, asking every backoff maximum.
+#: ``mmi.services`` unanswered this many times in a row: go on as without a listing.
 LIST_TRIES = 3
 
 
@@ -217,11 +216,9 @@ class DispatchMachine(Machine):
     def handleListed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
         """The broker's listing: each service it knows, with its workers (``None``:
         it gives none in full; each service is asked about until the next listing)."""
-        self._listFailures = 0
-        return self._listed(listing, now)
-
-    def _listed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
         self.now = now
+        if listing is not None:
+            self._listFailures = 0
         if not self.running or self.listEvery is None:
             return self._drain()
         old, self.listing = self.listing, listing
@@ -248,7 +245,7 @@ class DispatchMachine(Machine):
         self.now = now
         self._listFailures += 1
         if self._listFailures >= LIST_TRIES:
-            return self._listed(None, now)
+            return self.handleListed(None, now)
         if self.running and self.listEvery is not None:
             self._nextList = now + self.listEvery
         return self._pumped()
@@ -638,8 +635,7 @@ class Dispatcher:
         reactor = default_reactor(reactor)
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         if listEvery is not None and not _reads_by_service(store):
-            log.warn("Titanic: the store's pending() takes no onlyServices: every pending "
-                     "request is read, not only those of the services the broker lists")
+            log.warn("Titanic: the store's pending() takes no onlyServices: reading every request")
             listEvery = None
         self.machine = DispatchMachine(concurrency=concurrency, backoff=backoff, keep=keep,
                                        purgeEvery=purgeEvery, recheck=recheck,

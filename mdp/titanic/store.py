@@ -252,8 +252,7 @@ class SQLiteStore:
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
-        #: pending rows found damaged by reads by service, and the row after which to look
-        #: on (None: all looked at)
+        #: pending rows found damaged by reads by service; the row to look on after (None: done)
         self._damaged: list[int] = []
         self._unscanned: Optional[int] = 0
 
@@ -440,9 +439,7 @@ class SQLiteStore:
         past :data:`SCAN_BUDGET` steps, service by service through the service index."""
         db = self._connection()
         args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
-        if not skipServices:
-            return db.execute(_PENDING_BY_AGE, args).fetchall()
-        found = self._budgeted(db, _PENDING_BY_AGE, args)  # their backlog may lie in the way
+        found = self._budgeted(db, _PENDING_BY_AGE, args)  # a skipped backlog may lie in the way
         return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
 
     def _budgeted(self, db: sqlite3.Connection, sql: str,
