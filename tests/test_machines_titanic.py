@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mdp.policy import Backoff
 from mdp.titanic.dispatcher import (
+    LIST_TRIES,
     CheckService,
     Dispatch,
     DispatchMachine,
@@ -406,15 +407,35 @@ def test_without_a_full_listing_each_service_is_asked_about() -> None:
     assert kinds(machine.handleWake(8.1), ListServices) == [ListServices()]  # the longest backoff
 
 
+def test_a_broker_that_never_answers_the_listing_is_gone_on_without() -> None:
+    """A broker that queues ``mmi.services`` as a service nobody serves: after
+    LIST_TRIES failures in a row the requests are read and each service asked
+    about, and the listing asked for every backoff maximum."""
+    machine = listing_started(concurrency=1)
+    for n in range(1, LIST_TRIES):
+        actions = machine.handleListFailed("timed out", float(n))
+        assert kinds(actions, LoadPending) == []  # a broker away a moment: wait for it
+        assert kinds(machine.handleWake(n + 1.0), ListServices) == [ListServices()]
+    actions = machine.handleListFailed("timed out", float(LIST_TRIES))
+    (load,) = kinds(actions, LoadPending)
+    assert load.onlyServices is None
+    actions = machine.handleLoaded([req(1)], load.limit, LIST_TRIES + 0.1)
+    assert kinds(actions, CheckService) == [CheckService(b"echo")]
+    assert kinds(machine.handleWake(LIST_TRIES + 8.0), ListServices) == [ListServices()]
+
+
 @pytest.mark.parametrize("reply, listed", [
     ([b'{"echo": {"workers": 2, "idle": 1, "queued": 0}}'], {b"echo": 2}),
     ([b"{}"], {}),
     ([b"501"], None),
     ([b'{"echo": {"workers": 2}}', b'{"truncated": true, "total": 1001}'], None),
+    # truncated, but naming one without workers: every one with workers is in it
+    ([b'{"echo": {"workers": 2}, "x": {"workers": 0}}', b'{"truncated": true, "total": 1001}'],
+     {b"echo": 2, b"x": 0}),
     ([b'{"echo": {}}'], None),
     ([], None),
 ])
-def test_an_mmi_services_reply_is_a_listing_only_when_whole(reply: list[bytes],
+def test_an_mmi_services_reply_is_a_listing_only_when_it_names_every_served_one(reply: list[bytes],
                                                             listed: Any) -> None:
     assert services_listed(reply) == listed
 

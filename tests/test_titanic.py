@@ -502,3 +502,41 @@ async def test_result_polls_on_while_titanic_is_away(clocknet: LoopbackNet) -> N
     await clocknet.wait(node.start())
     start_worker(clocknet, endpoint, "echo", echo)
     assert await clocknet.wait(result) == [b"x"]
+
+
+class EarlierStore(MemoryStore):
+    """A store written to the interface before ``pending`` took ``onlyServices``."""
+
+    def pending(self, limit: int, skipServices: Any = (), skipIds: Any = ()) -> Any:
+        return super().pending(limit, skipServices, skipIds)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_store_whose_pending_takes_no_only_services_is_read_whole(
+        clocknet: LoopbackNet) -> None:
+    broker, client, endpoint, node = await whole(clocknet, EarlierStore())
+    assert node.dispatcher.machine.listEvery is None
+    start_worker(clocknet, endpoint, "echo", echo)
+    assert await clocknet.wait(client.call("echo", b"served")) == [b"served"]
+
+
+class RaisingStore(MemoryStore):
+    """A store whose ``pending`` raises once, before it returns a Deferred."""
+
+    raised = False
+
+    def pending(self, *args: Any, **options: Any) -> Any:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("the store's own bug")
+        return super().pending(*args, **options)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_read_raising_at_once_is_a_failed_read_tried_again(
+        clocknet: LoopbackNet) -> None:
+    store = RaisingStore()
+    broker, client, endpoint, node = await whole(clocknet, store, backoff=Backoff(1.0, 2.0))
+    start_worker(clocknet, endpoint, "echo", echo)
+    assert await clocknet.wait(client.call("echo", b"served")) == [b"served"]
+    assert store.raised

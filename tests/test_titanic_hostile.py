@@ -226,12 +226,70 @@ async def test_a_wal_gone_from_a_store_left_open_is_refused_saying_what_to_do(
     await left_open(path)
     os.remove(path + "-wal")
     with pytest.raises(StoreError, match=f"its WAL {path}-wal is missing, but the last run "
-                                         f"did not close the store.*delete {path}.lock"):
+                                         f"did not close the store.*If a SQLite program opened "
+                                         f".*delete {path}.lock"):
         await SQLiteStore(path, reactor()).open()
     os.remove(path + ".lock")  # the operator accepts what the database holds
     store = SQLiteStore(path, reactor())
     await store.open()
     await store.close()
+
+
+NO_CLOSE = """
+import sys
+from twisted.internet import defer, task
+from mdp.titanic.store import SQLiteStore
+
+async def main(reactor):
+    store = SQLiteStore(sys.argv[1], reactor)
+    await store.open()
+    for n in range(3):
+        print(await store.add(b"echo", [b"%d" % n], float(n)), flush=True)
+    # the program ends (its reactor stops) without closing the store
+
+task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_store_its_program_did_not_close_opens_again_with_everything(
+        tmp_path: Any) -> None:
+    path = str(tmp_path / "titanic.db")
+    proc = await finished(python("-c", NO_CLOSE, path))
+    ids = proc.output.decode().split()
+    assert len(ids) == 3, proc.output
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        assert [p.id for p in await store.pending(10)] == ids
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_start_failing_after_a_crash_leaves_the_store_to_open_next_time(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first start after a crash fails once connected (a full disk, say);
+    closing the connection moved the WAL into the database: the next start
+    opens it with every request."""
+    path = str(tmp_path / "titanic.db")
+    ids = await left_open(path)
+
+    def full(self: SQLiteStore, db: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(SQLiteStore, "_prepare", full)
+        with pytest.raises(StoreError, match="disk is full"):
+            await SQLiteStore(path, reactor()).open()
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        assert [p.id for p in await store.pending(10)] == ids
+    finally:
+        await store.close()
 
 
 @pytest.mark.timeout(60)
@@ -247,8 +305,8 @@ async def test_a_damaged_wal_is_refused_saying_what_to_do(tmp_path: Any) -> None
         original = wal.read(8)
         wal.seek(32 + 24 + 100)
         wal.write(bytes(b ^ 0xFF for b in original))
-    with pytest.raises(StoreError, match=f"its WAL {path}-wal is damaged .*committed "
-                                         f"transaction follows it.*Restore"):
+    with pytest.raises(StoreError, match=f"its WAL {path}-wal is damaged .*a later committed "
+                                         f"transaction .*follows it.*Restore"):
         await SQLiteStore(path, reactor()).open()
     with open(path + "-wal", "r+b") as wal:
         wal.seek(32 + 24 + 100)

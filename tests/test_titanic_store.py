@@ -452,13 +452,13 @@ async def test_a_store_whose_database_is_replaced_while_it_runs_writes_no_more(
 
 @pytest.mark.timeout(30)
 @pytest_twisted.ensureDeferred
-async def test_a_byte_changed_in_a_request_id_is_caught_and_the_answer_reaches_its_id(
+async def test_a_byte_changed_in_a_request_id_is_caught_and_its_row_answered_and_purged(
         tmp_path: Any) -> None:
     """The id in a request's row changes (its index entry does not): the
     checksum covers the id, so the request is answered with an error, not
-    run; the answer is stored in that row, where a client asking by the
-    real id finds it, and the request is pending no more (else it would run
-    again and again under an id nobody asks for)."""
+    run; the answer is stored in that row, and the request is pending no
+    more (else it would run again and again under an id nobody asks for).
+    The id index is rebuilt: SQLite could not delete the row otherwise."""
     path = str(tmp_path / "titanic.db")
     async with opened(path) as store:
         requestId = await store.add(b"charge", [b"$10"], 1.0)
@@ -468,7 +468,46 @@ async def test_a_byte_changed_in_a_request_id_is_caught_and_the_answer_reaches_i
         assert damaged.id != requestId and damaged.frames == []
         await store.complete(damaged.id, [b"error"], 2.0)
         assert await store.pending(10) == []
-        assert await store.reply(requestId) == (ReplyStatus.DONE, [b"error"])
+        assert await store.reply(damaged.id) == (ReplyStatus.DONE, [b"error"])
+        assert await store.purge(3.0) == 1
+
+
+def unindex(path: str, seq: int) -> None:
+    """Make the pending-by-service index miss row *seq* (as a changed index page
+    would), and change a byte of that row's request: both sides damaged."""
+    import sqlite3
+
+    db = sqlite3.connect(path, isolation_level=None)
+    name = "requests_pending_service"
+    (sql,) = db.execute("SELECT sql FROM sqlite_master WHERE name = ?", (name,)).fetchone()
+    for narrowed in (sql.replace("WHERE reply IS NULL", f"WHERE reply IS NULL AND seq <> {seq}"),
+                     sql):
+        db.execute("PRAGMA writable_schema = ON")
+        db.execute("UPDATE sqlite_master SET sql = ? WHERE name = ?", (narrowed, name))
+        db.close()
+        db = sqlite3.connect(path, isolation_level=None)
+        if narrowed != sql:
+            db.execute(f"REINDEX {name}")
+    db.execute("UPDATE requests SET request = request || x'00' WHERE seq = ?", (seq,))
+    db.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
+async def test_a_damaged_row_its_index_misses_is_answered_as_damaged(tmp_path: Any) -> None:
+    """The index is rebuilt at start even though the row failing its checksum
+    may be the side that changed: else the answer could not be stored (SQLite
+    cannot update a row its index misses) and the request would wait for ever."""
+    path = str(tmp_path / "titanic.db")
+    async with opened(path) as store:
+        ids = [await store.add(b"echo", [b"%d" % n], float(n)) for n in range(3)]
+    unindex(path, 2)
+    async with opened(path) as store:
+        read = await store.pending(10, onlyServices=[b"echo"])
+        assert [(p.id, bool(p.frames)) for p in read] == [(ids[0], True), (ids[1], False),
+                                                          (ids[2], True)]
+        await store.complete(ids[1], [b"500", b"damaged"], 9.0)
+        assert await store.reply(ids[1]) == (ReplyStatus.DONE, [b"500", b"damaged"])
 
 
 async def backlogged(path: str, backlog: int) -> str:
@@ -525,7 +564,8 @@ async def test_both_ways_of_reading_pending_requests_find_the_same(
     async with opened(path) as store:
         ids = [p.id for p in await store.pending(100)]
         cases = [(16, [b"svc-1", b"svc-4"], ids[:5]), (100, [b"svc-0"], []),
-                 (3, [b"svc-%d" % n for n in range(7)], []), (8, [b"svc-6"], ids[10:40])]
+                 (3, [b"svc-%d" % n for n in range(7)], []), (8, [b"svc-6"], ids[10:40]),
+                 (9, [b"svc-2"], ids[:20], [b"svc-2", b"svc-3", b"svc-5"]), (4, [], [], [b"svc-6"])]
         found = [[p.id for p in await store.pending(*case)] for case in cases]
         monkeypatch.setattr(module, "SCAN_BUDGET", 0)  # always service by service
         assert [[p.id for p in await store.pending(*case)] for case in cases] == found

@@ -14,8 +14,8 @@ any other ``mmi.*``       ``501``
 
 Under an access policy every peer may ask but hears only of the services it may
 call (others are ``404`` or absent; workers are listed without peer ids).
-Listings hold at most :data:`MAX_ENTRIES`; a second frame
-``{"truncated": true, "total": n}`` says when there were more.
+Listings hold at most :data:`MAX_ENTRIES` (``mmi.services``: those with workers
+first); a second frame ``{"truncated": true, "total": n}`` says when there were more.
 """
 
 from __future__ import annotations
@@ -76,11 +76,17 @@ def _service(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> 
 
 
 def _services(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
-    snapshot = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0, visible=visible)
+    """Those with workers first: a truncated listing naming one without holds every
+    one with (requests for names nobody serves cannot push a served one out)."""
+    served = {w.service for w in broker.snapshot(serviceLimit=0, visible=visible).workers}
+    first = broker.snapshot(serviceLimit=MAX_ENTRIES, workerLimit=0, visible=served.__contains__)
+    room = MAX_ENTRIES - len(first.services)
+    rest = broker.snapshot(serviceLimit=max(room, 1), workerLimit=0, visible=lambda name: (
+        name not in served and (visible is None or visible(name))))
     table = {each.name.decode("ascii"): {"workers": each.workers, "idle": each.idle,
                                          "queued": each.queued}
-             for each in snapshot.services}
-    return _listing(table, snapshot.serviceCount)
+             for each in first.services + rest.services[:room]}
+    return _listing(table, first.serviceCount + rest.serviceCount)
 
 
 def _workers(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:

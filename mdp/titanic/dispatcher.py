@@ -7,6 +7,7 @@ drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 import math
 from collections import Counter
@@ -25,6 +26,7 @@ from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import Backoff, Limits, call_at, default_reactor, positive_seconds
 from mdp.titanic.client import TRANSIENT
+from mdp.titanic.protocol import whole_number
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
 log = Logger()
@@ -46,6 +48,8 @@ DEFAULT_RECHECK = 5.0
 #: Seconds between two ``mmi.services`` listings: a service that appears is
 #: served within this, however many requests wait for services nobody serves.
 DEFAULT_LIST_EVERY = 1.0
+#: ``mmi.services`` unanswered this many times in a row: go on as without a listing.
+LIST_TRIES = 3
 
 
 class ServiceState(enum.Enum):
@@ -154,8 +158,7 @@ class DispatchMachine(Machine):
         listEvery: Optional[float] = None,
         now: float = 0.0,
     ) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be a whole number of at least 1, got {concurrency!r}")
+        whole_number("concurrency", concurrency)
         for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck),
                             ("listEvery", 1.0 if listEvery is None else listEvery)):
             positive_seconds(name, value)
@@ -198,6 +201,7 @@ class DispatchMachine(Machine):
         #: no answer to the first listing yet: read nothing before it
         self._unlisted = self.listEvery is not None
         self._listedAt = -math.inf  # when the last listing was asked for
+        self._listFailures = 0  # in a row
 
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
@@ -213,13 +217,15 @@ class DispatchMachine(Machine):
         """The broker's listing: each service it knows, with its workers (``None``:
         it gives none in full; each service is asked about until the next listing)."""
         self.now = now
+        if listing is not None:
+            self._listFailures = 0
         if not self.running or self.listEvery is None:
             return self._drain()
-        old, self.listing = self.listing or {}, listing
+        old, self.listing = self.listing, listing
         self._unlisted = False
         self._nextList = now + (self.listEvery if listing is not None else self.backoff.maximum)
         if listing != old:
-            self._relisted(old, listing or {})
+            self._relisted(old or {}, listing or {})
         return self._pumped()
 
     def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
@@ -234,8 +240,12 @@ class DispatchMachine(Machine):
                 entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
-        """No listing this time (the broker away): keep the last, ask again soon."""
+        """No listing this time (the broker away): keep the last, ask again soon; after
+        :data:`LIST_TRIES` in a row, go on as without a listing."""
         self.now = now
+        self._listFailures += 1
+        if self._listFailures >= LIST_TRIES:
+            return self.handleListed(None, now)
         if self.running and self.listEvery is not None:
             self._nextList = now + self.listEvery
         return self._pumped()
@@ -567,12 +577,23 @@ class DispatchMachine(Machine):
 
 def services_listed(reply: Sequence[bytes]) -> Optional[dict[bytes, int]]:
     """Each service an ``mmi.services`` *reply* lists, with its workers; None if it
-    is no listing (a ``501``, say) or not the whole one (truncated)."""
+    is no listing (a ``501``, say) or may leave out a service with workers (truncated,
+    naming none without: the broker lists those with workers first)."""
     try:
-        listing = json.loads(reply[0]) if len(reply) == 1 else None
-        return {name.encode("ascii"): int(entry["workers"]) for name, entry in listing.items()}
+        listing = {name.encode("ascii"): int(entry["workers"])
+                   for name, entry in json.loads(reply[0]).items()}
     except (ValueError, IndexError, AttributeError, TypeError, KeyError, UnicodeError):
         return None
+    return listing if len(reply) == 1 or not all(listing.values()) else None
+
+
+def _reads_by_service(store: ITitanicStore) -> bool:
+    """Whether *store*'s ``pending`` takes ``onlyServices`` (a store written before it did not)."""
+    try:
+        parameters = inspect.signature(store.pending).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "onlyServices" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 #: Errors after which a request is tried again later.
@@ -613,6 +634,9 @@ class Dispatcher:
     ) -> None:
         reactor = default_reactor(reactor)
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
+        if listEvery is not None and not _reads_by_service(store):
+            log.warn("Titanic: the store's pending() takes no onlyServices: reading every request")
+            listEvery = None
         self.machine = DispatchMachine(concurrency=concurrency, backoff=backoff, keep=keep,
                                        purgeEvery=purgeEvery, recheck=recheck,
                                        listEvery=listEvery, now=reactor.seconds())
@@ -632,7 +656,7 @@ class Dispatcher:
         self._busy = False
         #: bumped by stop: results of what an earlier run asked are ignored
         self._generation = 0
-        self._warnedNoMMI = False
+        self._warned: set[str] = set()
 
     def _newClient(self) -> Client:
         # every request out, and room for the service checks beside them
@@ -709,7 +733,8 @@ class Dispatcher:
             failed(failure.getErrorMessage())
 
         only = {} if action.onlyServices is None else {"onlyServices": action.onlyServices}
-        self.store.pending(action.limit, action.skipServices, action.skipIds, **only).addCallbacks(
+        defer.maybeDeferred(self.store.pending, action.limit, action.skipServices,
+                            action.skipIds, **only).addCallbacks(
             lambda requests: loaded(requests, action.limit), trouble)
 
     async def _list(self) -> None:
@@ -719,6 +744,8 @@ class Dispatcher:
         try:
             reply = await self.client.request(b"mmi.services", timeout=min(self.timeout, 5.0))
         except RETRY as e:  # the broker away: keep the last listing
+            self._warnOnce("Titanic: no answer to mmi.services ({reason}); after {tries} in a "
+                           "row, each service is asked about instead", reason=e, tries=LIST_TRIES)
             failed(str(e))
             return
         except Exception:  # refused, over this client's limits, ...: ask each service
@@ -754,17 +781,17 @@ class Dispatcher:
         elif workers == 0:
             counted(service, 0)
         elif answer == [b"501"]:  # a broker without MMI: send, and see
-            self._warnNoMMI()
+            self._warnOnce("Titanic: the broker does not answer mmi.service (501); "
+                           "sending requests without asking")
             checked(service, True, "")
         else:
             available = answer == [mmi.FOUND]
             checked(service, available, "" if available else reason)
 
-    def _warnNoMMI(self) -> None:
-        if not self._warnedNoMMI:
-            self._warnedNoMMI = True
-            log.warn("Titanic: the broker does not answer mmi.service (501); "
-                     "sending requests without asking")
+    def _warnOnce(self, format: str, **fields: Any) -> None:
+        if format not in self._warned:
+            self._warned.add(format)
+            log.warn(format, **fields)
 
     def _dispatch(self, action: Dispatch) -> None:
         """Send a stored request.  A stream that outgrows what one ``titanic.reply``

@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import re
 import sqlite3
 import struct
-from typing import Callable, Optional
+from typing import Optional
 
 from mdp.errors import StoreError
 
@@ -37,52 +38,48 @@ def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, i
     return s1, s2
 
 
-def _header(wal: bytes) -> tuple[str, int, tuple[int, int], tuple[int, int]]:
-    """A WAL's word order, frame size, salts and checksum; ValueError if it is none."""
+def wal_damage(wal: bytes) -> Optional[str]:
+    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
+    SQLite reads frames up to the first that fails its cumulative checksum.  The last
+    transaction torn by a crash (its frames reach the disk in any order, its commit
+    frame perhaps first) was never acknowledged: damage is a broken frame followed
+    by the commit of a later transaction of the same WAL generation."""
+    if len(wal) < _WAL_HEADER:
+        return None  # SQLite takes it as empty
     magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
     order = _WAL_MAGIC.get(magic)
     if order is None or pageSize < 512 or pageSize & (pageSize - 1):
-        raise ValueError("its header is not a WAL header")
-    return order, _FRAME_HEADER + pageSize, (salt1, salt2), (c1, c2)
-
-
-def wal_damage(wal: bytes) -> Optional[str]:
-    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
-    A torn last transaction (a crash while it was written: never acknowledged) is no
-    damage; a bad frame followed by a commit of the same WAL generation is."""
-    if len(wal) < _WAL_HEADER:
-        return "it is shorter than its header" if wal else None
-    try:
-        order, frameSize, salts, sums = _header(wal)
-    except ValueError as e:
-        return str(e)
-    frames = (len(wal) - _WAL_HEADER) // frameSize
-    if _checksum(wal[:24], order) != sums:
-        return f"its header checksum is wrong ({frames} frames would be ignored)" if frames else None
-    broken = _cut(wal, order, frameSize, salts, sums)
-    if broken is None:
+        return None  # not a WAL header: SQLite takes it as empty
+    size = _FRAME_HEADER + pageSize
+    heads = [struct.unpack_from(">6I", wal, at) for at in range(_WAL_HEADER, len(wal) - size + 1, size)]
+    sums = _checksum(wal[:24], order)
+    if sums != (c1, c2):
+        return f"its header checksum is wrong ({len(heads)} frames would be ignored)" if heads else None
+    broken = _first_broken(wal, order, size, heads, (salt1, salt2), sums)
+    if broken is None or not _later_commit(heads[broken:], (salt1, salt2)):
         return None
-    return (f"frame {broken} (byte {_WAL_HEADER + broken * frameSize}) is damaged and a "
+    return (f"frame {broken} (byte {_WAL_HEADER + broken * size}) is damaged and a later "
             "committed transaction follows it")
 
 
-def _cut(wal: bytes, order: str, frameSize: int, salts: tuple[int, int],
-         sums: tuple[int, int]) -> Optional[int]:
-    """The first frame SQLite would not read, if a commit of this generation follows it."""
-    broken = None
-    for n in range((len(wal) - _WAL_HEADER) // frameSize):
-        at = _WAL_HEADER + n * frameSize
-        _, commit, s1, s2, f1, f2 = struct.unpack(">6I", wal[at:at + _FRAME_HEADER])
-        ours = (s1, s2) == salts  # not left over from an earlier generation
-        if broken is not None:
-            if ours and commit:
-                return broken
-            continue
-        if ours:
-            sums = _checksum(wal[at:at + 8] + wal[at + _FRAME_HEADER:at + frameSize], order, *sums)
-        if not ours or sums != (f1, f2):
-            broken = n  # SQLite reads no further
+def _first_broken(wal: bytes, order: str, size: int, heads: list[tuple[int, ...]],
+                  salts: tuple[int, int], sums: tuple[int, int]) -> Optional[int]:
+    """The first frame SQLite does not read: of an earlier generation, or failing its checksum."""
+    for n, (_, _, s1, s2, f1, f2) in enumerate(heads):
+        at = _WAL_HEADER + n * size  # the checksum covers the page number, commit mark and page
+        if (s1, s2) != salts or (sums := _checksum(
+                wal[at:at + 8] + wal[at + _FRAME_HEADER:at + size], order, *sums)) != (f1, f2):
+            return n
     return None
+
+
+def _later_commit(heads: list[tuple[int, ...]], salts: tuple[int, int]) -> bool:
+    """Whether the frame *heads* from a broken one hold a commit of this generation
+    after the one ending its transaction (and the copies of it that pad a sector)."""
+    ours = [(page, commit) for page, commit, s1, s2, _, _ in heads if (s1, s2) == salts]
+    ends = [n for n, (_, commit) in enumerate(ours) if commit]
+    later = itertools.dropwhile(ours[ends[0]].__eq__, ours[ends[0] + 1:]) if ends else ()
+    return any(commit for _, commit in later)
 
 
 def check_wal(path: str, mark: bytes) -> None:
@@ -97,7 +94,9 @@ def check_wal(path: str, mark: bytes) -> None:
             raise StoreError(
                 f"Titanic store {path}: its WAL {wal} is missing, but the last run did not "
                 f"close the store: requests it acknowledged may be lost. Restore {wal} if "
-                f"it was moved; to start with what {path} holds, delete {lock}") from None
+                f"it was moved. If a SQLite program opened {path} since, it moved them into "
+                f"{path} (nothing lost); either way, to start with what {path} holds, delete "
+                f"{lock}") from None
         return
     except OSError as e:
         raise StoreError(f"Titanic store {path}: cannot read its WAL {wal}: {e}") from e
@@ -107,43 +106,30 @@ def check_wal(path: str, mark: bytes) -> None:
     if why is not None:
         raise StoreError(
             f"Titanic store {path}: its WAL {wal} is damaged ({why}); SQLite would drop "
-            f"acknowledged requests without a word. Restore {wal} from a backup; to start "
-            f"with what {path} holds, move {wal} aside and delete {lock}")
+            f"acknowledged requests without a word. Restore {wal} from a backup; to keep "
+            f"what SQLite reads of it, open {path} once with sqlite3 and run "
+            f"`PRAGMA wal_checkpoint`, then delete {lock}")
 
 
 _INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
                             r"non-unique entry in index) (\S+)")
-_ROW = re.compile(r"^row (\d+) missing from index")
 
 
-def _index_rows(problems: list[str], indexes: set[str]) -> Optional[dict[str, list[int]]]:
-    """The rows each of *indexes* misses, by index, if every problem is one of theirs."""
-    rows: dict[str, list[int]] = {}
-    for problem in problems:
-        found = _INDEX_PROBLEM.search(problem)
-        if found is None or found.group(2) not in indexes:
-            return None
-        row = _ROW.match(problem)
-        rows.setdefault(found.group(2), []).extend([int(row.group(1))] if row else [])
-    return rows
-
-
-def check_and_repair(db: sqlite3.Connection, path: str,
-                     rowIntact: Callable[[int], bool]) -> list[str]:
+def check_and_repair(db: sqlite3.Connection, path: str) -> list[str]:
     """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
     disagree with it (returns their names), raises StoreError for any other damage.
-    An index is left as it is where a row it misses fails its checksum (*rowIntact*):
-    the row may be the side that changed, and is answered as damaged."""
+    An index that misses a row must be rebuilt even where the row is the side that
+    changed: SQLite cannot update or delete a row its index misses."""
     problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
     if problems == ["ok"]:
         return []
-    rows = _index_rows(problems, {name for (name,) in db.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")})
-    if rows is None:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise StoreError(f"Titanic store {path} is damaged: {problems[0]}{more}; "
-                         "restore it from a backup")
-    rebuilt = sorted(index for index, missing in rows.items() if all(map(rowIntact, missing)))
+    indexes = {name for (name,) in db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'requests'")}
+    found = [match.group(2) for match in map(_INDEX_PROBLEM.search, problems) if match]
+    if len(found) < len(problems) or not indexes.issuperset(found):
+        raise StoreError(f"Titanic store {path} is damaged: {problems[0]} (of {len(problems)} "
+                         "problems); restore it from a backup")
+    rebuilt = sorted(set(found))
     for index in rebuilt:
         db.execute(f'REINDEX "{index}"')
     return rebuilt

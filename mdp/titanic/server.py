@@ -70,9 +70,9 @@ class TitanicServer:
         curveSecret: Optional[str] = None,
     ) -> None:
         for name, value in (("workers", workers), ("maxRequestBytes", maxRequestBytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
-        self.maxRequestBytes = maxRequestBytes
+            protocol.whole_number(name, value)
+        #: at most the store's own limit: a larger request would be refused for ever
+        self.maxRequestBytes = min(maxRequestBytes, getattr(store, "maxBytes", maxRequestBytes))
         self.reactor = default_reactor(reactor)
         self._throttle = LogThrottle(self.reactor, 10.0)
         self.store = store
@@ -180,7 +180,8 @@ def open_store(db: str, reactor: Optional[Any] = None, *,
 class Titanic:
     """A whole Titanic: the three services, the dispatcher and the store.  *store*
     is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
-    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`."""
+    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`;
+    *maxStoreBytes* applies to a path (a store object has its own ``maxBytes``)."""
 
     def __init__(
         self,

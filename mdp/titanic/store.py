@@ -29,7 +29,7 @@ from zope.interface import Interface, implementer, implementer_only
 from mdp.errors import ProtocolError, StoreError
 from mdp.policy import Limits, default_reactor
 from mdp.titanic import integrity
-from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request
+from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request, whole_number
 from mdp.transport.framing import decode_record, encode_record
 
 #: Bytes a store may hold (its pages in use) before new requests are refused.
@@ -136,6 +136,13 @@ _PENDING_BY_SERVICE = (
 #: The same, of one service (?1), through its index.
 _PENDING_OF = ("SELECT seq FROM requests INDEXED BY requests_pending_service "
                f"WHERE {_PENDING} AND service = ?1 ORDER BY seq LIMIT ?3")
+#: The same, of some services (?1, by hex), by age.
+_PENDING_LISTED = (f"SELECT seq FROM requests WHERE {_PENDING} "
+                   "AND hex(service) IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
+#: Pending rows after ?1 in age order, to check for damage; ?2 at a time.
+_UNSCANNED = (f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text' "
+              "AND seq > ?1 ORDER BY seq LIMIT ?2")
+DAMAGE_CHUNK = 5000
 #: The same, of some rows (?1, JSON).
 _PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
                  "AND seq IN (SELECT value FROM json_each(?1)) ORDER BY seq LIMIT ?3")
@@ -204,15 +211,6 @@ def _request_frames(requestId: Any, service: Any, blob: Any,
     return frames, None
 
 
-def _row_intact(db: sqlite3.Connection, seq: int) -> bool:
-    """Whether row *seq* has no checksum, or one that vouches for its id, service and
-    request."""
-    row = db.execute("SELECT id, service, request, request_crc FROM requests WHERE seq = ?",
-                     (seq,)).fetchone()
-    return row is not None and (row[3] is None or isinstance(row[0], str) and row[0].isascii()
-                                and _intact(row[3], row[0].encode("ascii"), row[1], row[2]))
-
-
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
     """A pending row for the dispatcher; a damaged one has no frames, so it gets an error reply."""
     requestId, service, blob, created, crc = row
@@ -234,8 +232,7 @@ class SQLiteStore:
 
     def __init__(self, path: str, reactor: Optional[Any] = None, *,
                  maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
-        if isinstance(maxBytes, bool) or not isinstance(maxBytes, int) or maxBytes < 1:
-            raise ValueError(f"maxBytes must be a whole number of at least 1, got {maxBytes!r}")
+        whole_number("maxBytes", maxBytes)
         self.path = path
         #: a request that would take the pages in use beyond this is refused (TitanicStoreFull)
         self.maxBytes = maxBytes
@@ -255,8 +252,9 @@ class SQLiteStore:
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
         self._rows: dict[str, int] = {}
-        #: pending rows found damaged by the first read by service (None: not looked yet)
-        self._damaged: Optional[list[int]] = None
+        #: pending rows found damaged by reads by service; the row to look on after (None: done)
+        self._damaged: list[int] = []
+        self._unscanned: Optional[int] = 0
 
     def _run(self, work: Any, *args: Any) -> defer.Deferred[Any]:
         if self._pool is None:
@@ -280,7 +278,7 @@ class SQLiteStore:
             self._prepare(db)
         except (sqlite3.Error, StoreError) as e:
             if db is not None:
-                db.close()
+                self._closeDb(db)
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
@@ -302,7 +300,7 @@ class SQLiteStore:
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
-        rebuilt = integrity.check_and_repair(db, self.path, lambda seq: _row_intact(db, seq))
+        rebuilt = integrity.check_and_repair(db, self.path)
         if rebuilt:
             log.warn("Titanic store {path}: damaged indexes rebuilt from their table: {indexes}",
                      path=self.path, indexes=", ".join(rebuilt))
@@ -374,7 +372,7 @@ class SQLiteStore:
     def _fitting(self, db: sqlite3.Connection, statements: list[tuple[str, tuple[Any, ...], int]]
                  ) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[int, Exception]]:
         """The statements that fit :attr:`maxBytes`, and the refusal of each other by index."""
-        used = self._inUse(db)
+        used = self._inUse(db) if any(size for _, _, size in statements) else 0
         fitting, refused = [], {}
         for index, (sql, args, size) in enumerate(statements):
             if size and used + size > self.maxBytes:
@@ -394,48 +392,46 @@ class SQLiteStore:
         if moved is not None:
             raise StoreError(moved)
         statements, refused = self._fitting(db, sized)
-        results = iter(self._transactions(db, statements))
-        return [refused[i] if i in refused else next(results) for i in range(len(sized))]
 
-    def _transactions(self, db: sqlite3.Connection,
-                      statements: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        if not statements:
-            return []
-
-        def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
-            with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
-                db.execute("BEGIN IMMEDIATE")
-                return [db.execute(sql, args).rowcount for sql, args in group]
-
-        try:
-            return transaction(statements)
-        except sqlite3.Error as e:
-            if len(statements) == 1:
-                return [e]
-        results: list[Any] = []
-        for statement in statements:
+        def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
             try:
-                results.extend(transaction([statement]))
+                with db:  # BEGIN ... COMMIT (or ROLLBACK on an error)
+                    db.execute("BEGIN IMMEDIATE")
+                    return [db.execute(sql, args).rowcount for sql, args in group]
             except sqlite3.Error as e:
-                results.append(e)
-        return results
+                return [e] * len(group)
+
+        results = transaction(statements)  # if that fails, each alone
+        if len(statements) > 1 and isinstance(results[0], sqlite3.Error):
+            results = [result for statement in statements for result in transaction([statement])]
+        done = iter(results)
+        return [refused[i] if i in refused else next(done) for i in range(len(sized))]
 
     def _pendingOf(self, limit: int, services: Collection[bytes],
                    skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of *services*, service by service, and of
-        those found damaged (whatever their service now says) at the first such read."""
+        """The *limit* oldest pending rows of *services* (by age within :data:`SCAN_BUDGET`
+        steps, else service by service), and of those found damaged whatever their service
+        now says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
         db = self._connection()
-        if self._damaged is None:
-            self._damaged = [seq for seq, requestId, service, blob, _, crc in db.execute(
-                f"SELECT {_ROW} FROM requests WHERE reply IS NULL AND typeof(id) = 'text'")
-                if not _request_frames(requestId, service, blob, crc)[0]]
-        if self._damaged:  # those still pending
-            self._damaged = [seq for (seq, *_) in db.execute(
-                _PENDING_ROWS, (json.dumps(self._damaged), skipIds, len(self._damaged)))]
-        seqs = {seq for service in services
-                for (seq,) in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))}
-        chosen = sorted(seqs.union(self._damaged))[:limit]  # then read: no blob read for nothing
+        self._lookForDamage(db)
+        listed = json.dumps([bytes(s).hex().upper() for s in services])
+        found = self._budgeted(db, _PENDING_LISTED, (listed, skipIds, limit))
+        if found is None:  # a backlog of others in the way
+            found = [row for service in services
+                     for row in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))]
+        chosen = sorted({seq for (seq,) in found}.union(self._damaged))[:limit]
         return db.execute(_PENDING_ROWS, (json.dumps(chosen), skipIds, limit)).fetchall()
+
+    def _lookForDamage(self, db: sqlite3.Connection) -> None:
+        """Check the next :data:`DAMAGE_CHUNK` pending rows; keep those damaged still pending."""
+        if self._unscanned is not None:
+            rows = db.execute(_UNSCANNED, (self._unscanned, DAMAGE_CHUNK)).fetchall()
+            self._damaged += [seq for seq, requestId, service, blob, _, crc in rows
+                              if not _request_frames(requestId, service, blob, crc)[0]]
+            self._unscanned = rows[-1][0] if len(rows) == DAMAGE_CHUNK else None
+        if self._damaged:
+            self._damaged = [seq for (seq, *_) in db.execute(
+                _PENDING_ROWS, (json.dumps(self._damaged), "[]", len(self._damaged)))]
 
     def _pending(self, limit: int, skipServices: Collection[bytes],
                  skipIds: str) -> list[tuple[Any, ...]]:
@@ -443,22 +439,27 @@ class SQLiteStore:
         past :data:`SCAN_BUDGET` steps, service by service through the service index."""
         db = self._connection()
         args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
+        found = self._budgeted(db, _PENDING_BY_AGE, args)  # a skipped backlog may lie in the way
+        return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
+
+    def _budgeted(self, db: sqlite3.Connection, sql: str,
+                  args: tuple[Any, ...]) -> Optional[list[tuple[Any, ...]]]:
+        """The rows of *sql*, or None past :data:`SCAN_BUDGET` steps."""
         left = [SCAN_BUDGET]
 
         def spent() -> bool:
             left[0] -= 1
             return left[0] < 0  # true: SQLite interrupts the statement
 
-        if skipServices:  # their backlog may lie in the way
-            db.set_progress_handler(spent, 1000)
+        db.set_progress_handler(spent, 1000)
         try:
-            return db.execute(_PENDING_BY_AGE, args).fetchall()
+            return db.execute(sql, args).fetchall()
         except sqlite3.OperationalError:
             if left[0] >= 0:
                 raise
+            return None
         finally:
             db.set_progress_handler(None, 0)
-        return db.execute(_PENDING_BY_SERVICE, args).fetchall()
 
     # --- on the reactor thread ------------------------------------------------------
 
@@ -508,8 +509,15 @@ class SQLiteStore:
     def _setMark(self, mark: bytes) -> None:
         """Say in the lock file whether the store is open (read back by the next open)."""
         if self._lock is not None:
-            os.ftruncate(self._lock, 0)
             os.pwrite(self._lock, mark, 0)
+            os.ftruncate(self._lock, len(mark))
+
+    def _closeDb(self, db: sqlite3.Connection) -> None:
+        """Close *db*; the last connection closed checkpoints and removes the WAL, and
+        then the lock file says the store is closed."""
+        db.close()
+        if not os.path.exists(os.path.realpath(self.path) + "-wal"):
+            self._setMark(b"")
 
     def _flock(self, lockPath: str) -> int:
         """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
@@ -530,6 +538,9 @@ class SQLiteStore:
             if self._pool.started:
                 self._pool.stop()
             self._pool = None
+        if self._db is not None:  # not closed (the reactor stopped first)
+            self._closeDb(self._db)
+            self._db = None
         if self._trigger is not None:
             try:
                 self.reactor.removeSystemEventTrigger(self._trigger)
@@ -550,7 +561,7 @@ class SQLiteStore:
         except StoreError:
             return defer.fail()
         self.reactor = default_reactor(self.reactor)
-        self._damaged = None
+        self._damaged, self._unscanned = [], 0
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._release)
@@ -631,9 +642,8 @@ class SQLiteStore:
     def close(self) -> defer.Deferred[None]:
         def shut() -> None:
             if self._db is not None:
-                self._db.close()  # checkpoints, and removes the WAL
+                self._closeDb(self._db)
                 self._db = None
-                self._setMark(b"")
 
         self._rows.clear()
         if self._pool is None:
