@@ -72,7 +72,7 @@ async def titanic_up(broker: Process, titanic: Process) -> None:
     await wait_until(lambda: broker.output.count(b"ready for titanic.request") > ready, 30)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_requests_for_services_nobody_serves_cost_a_served_service_nothing(
         tmp_path: Any) -> None:
