@@ -17,9 +17,9 @@ from twisted.internet import task
 from mdp.blocking import _Loop
 from mdp.policy import Limits
 from mdp.transport.framing import RecordDecoder
-from tests.procs import ENV, Process, python, reactor, wait_until
-from tests.test_hostile_processes import rss
-from tests.test_worker_streams import BINDS, PART, FakeBroker, _count
+from tests.procs import ENV, Cluster, Process, python, reactor, wait_until
+from tests.test_hostile_processes import NonReader, mdp_request, rss
+from tests.test_worker_streams import BINDS, PART, RSS_BOUND, FakeBroker, _count, _stop_if_over
 
 MiB = 1024 * 1024
 #: the worker's bound (its limits.maxOutputBytes), well under 1,000 parts
@@ -89,6 +89,54 @@ def _read_to_heartbeat(broker: FakeBroker) -> int:
                 return parts
             parts += frames[:2] == [b"MDPW02", b"\x03"]
     raise AssertionError(f"no heartbeat from the worker after {parts} parts")
+
+
+#: a blocking worker of fresh parts (libzmq does not copy a part of 1 MiB:
+#: the same one yielded again would cost nothing), fast heartbeats as the broker's
+FRESH_WORKER = """
+import sys
+from mdp.blocking import Worker
+from mdp.policy import HeartbeatPolicy
+from tests.stream_peers import endless
+
+Worker(sys.argv[1], "endless", lambda frames: (part[1:] + b"y" for part in endless(frames)),
+       heartbeat=HeartbeatPolicy(0.25, 4)).run()
+"""
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_blocking_worker_rss_bounded_while_client_does_not_read(kind: str,
+                                                                      tmp_path: Any) -> None:
+    """Case: a client calls a blocking worker's streaming service and never
+    reads.  The worker's RSS stays under RSS_BOUND for 4 s of 1 MiB parts
+    (it passed 1 GB: libzmq held 1,000 of them)."""
+    cluster = Cluster("--max-output-bytes", str(16 * MiB))
+    reader: Optional[NonReader] = None
+    sampler: Optional[task.LoopingCall] = None
+    counts = str(tmp_path / "count")
+    try:
+        broker = await cluster.startBroker(BINDS[kind])
+        worker = Process(reactor(), python("-c", FRESH_WORKER, cluster.endpoint), ENV)
+        cluster.workers.append(worker)
+        await wait_until(lambda: b"ready for endless" in broker.output or not worker.running, 30)
+        reader = NonReader(kind, cluster.endpoint,
+                           mdp_request(b"endless", str(MiB).encode(), counts.encode()))
+        await wait_until(lambda: _count(counts) > 0 or not worker.running, 30)
+        samples: list[int] = []
+        sampler = task.LoopingCall(_stop_if_over, worker, samples, RSS_BOUND)
+        sampler.start(0.05)
+        started = reactor().seconds()
+        await wait_until(lambda: reactor().seconds() - started > 4 or not worker.running, 10)
+        print(f"\n{kind}: blocking worker RSS max {max(samples) / MiB:.0f} MiB, "
+              f"{_count(counts)} parts")
+        assert worker.running and max(samples) < RSS_BOUND, (max(samples), worker.output)
+    finally:
+        if sampler is not None and sampler.running:
+            sampler.stop()
+        if reader is not None:
+            reader.close()
+        await cluster.stop()
 
 
 @pytest.mark.parametrize("kind", sorted(BINDS))
