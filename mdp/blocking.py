@@ -61,6 +61,7 @@ from mdp.transport.pipes import (
     stream_address,
     timeout_ms,
 )
+from mdp.transport.zmqio import FlushPacer
 
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 
@@ -638,18 +639,23 @@ class Worker(WorkerDriver):
 
     def _betweenParts(self, job: Any) -> None:
         """Serve the broker's traffic and heartbeats, and wait while the broker
-        takes PARTIALs slower than the handler makes them."""
+        takes PARTIALs slower than the handler makes them: until what waits
+        for it has drained (half, of what libzmq holds; polled: libzmq tells
+        nobody when it lets go of a message)."""
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
-            while pipe.backlogged and self.machine.isCurrent(job) and not self._loop.closed:
-                self._turn()
+            pacer = FlushPacer()
+            while pipe.draining and self.machine.isCurrent(job) and not self._loop.closed:
+                self._turn(monotonic() + pacer.next(False))
         elif monotonic() >= self._nextTick:
             self._turn()
 
-    def _turn(self) -> None:
-        """One turn of the loop, until the next tick or reopening at most; then what is due."""
+    def _turn(self, until: float = float("inf")) -> None:
+        """One turn of the loop, until the next tick, reopening or *until* at
+        most; then what is due."""
+        when = min(until, self._nextTick)
         reopenAt = self._reopenAt
-        self._loop.turn(self._nextTick if reopenAt is None else min(reopenAt, self._nextTick))
+        self._loop.turn(when if reopenAt is None else min(when, reopenAt))
         now = monotonic()
         if self._reopenAt is not None and now >= self._reopenAt:
             self._reopenAt = None

@@ -17,11 +17,12 @@ from typing import Any, Optional
 from twisted.logger import Logger
 
 from mdp.errors import TransportError
-from mdp.policy import RECONNECT
+from mdp.policy import RECONNECT, held_bytes
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RECORDS, encode_record
 from mdp.transport.registry import split_description
+from mdp.transport.zeromq import InFlight
 from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls, socket_handle
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
@@ -71,10 +72,13 @@ _HIGH_WATER_MARK = 1000
 
 
 class _ZmqPipe:
-    """One DEALER socket: up from the start (ZeroMQ reconnects by itself)."""
+    """One DEALER socket: up from the start (ZeroMQ reconnects by itself).
+    ``backlogged`` while messages wait for room, or while libzmq holds over
+    ``limits.maxOutputBytes`` of them (:class:`InFlight`); ``draining``
+    until it holds half of that."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
-                 "address", "linger", "curve", "core", "retryAt")
+                 "address", "linger", "curve", "core", "retryAt", "inFlight")
 
     def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int,
                  curve: Any = None) -> None:
@@ -115,11 +119,16 @@ class _ZmqPipe:
         self.fd = fd
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
+        self.inFlight = InFlight(self.loop.limits.maxOutputBytes)
         self.loop.pipes[fd] = self
 
     @property
     def backlogged(self) -> bool:
-        return bool(self.backlog)
+        return bool(self.backlog) or self.inFlight.held() > self.inFlight.bound
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.backlog) or self.inFlight.held() > self.inFlight.bound // 2
 
     def start(self) -> None:
         pass  # ZeroMQ connects in the background
@@ -132,10 +141,21 @@ class _ZmqPipe:
         self.loop.unchecked.add(self)
 
     def _trySend(self, frames: list[bytes]) -> bool:
+        inFlight = self.inFlight
+        size = held_bytes(frames)
+        tracker = None
+        if inFlight.sent + size - inFlight.marked >= inFlight.bound >> 2 and type(frames[-1]) is bytes:
+            last = _Frame(frames[-1], track=True, copy=False)  # (see ZmqDealer._trySend)
+            tracker = last.tracker
+            frames = [*frames[:-1], last]
         try:
             _send(self.handle, frames, ZERO_COPY_BYTES, _pysend, self.socket)
         except _Again:
             return False  # only the first frame can be refused (a full pipe)
+        inFlight.sent += size
+        if tracker is not None:
+            inFlight.marked = inFlight.sent
+            inFlight.marks.append((tracker, inFlight.sent))
         return True
 
     def ready(self, flags: int, now: float) -> None:
@@ -251,6 +271,7 @@ class _ZmqPipe:
         self.up = False
         self.retryAt = None
         self.core.clear()
+        self.inFlight = InFlight(self.inFlight.bound)  # (what libzmq held goes with the socket)
         self.loop.unchecked.discard(self)
         self.loop.timed.discard(self)
         if sock is not None:
@@ -288,6 +309,8 @@ class _StreamPipe:
     @property
     def backlogged(self) -> bool:
         return bool(self.out)
+
+    draining = backlogged
 
     def start(self) -> None:
         self.open(monotonic())
@@ -670,6 +693,7 @@ class _LinkPipe(Channel):
 # the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`) and constants
 _read, _send, _events, _native = socket_calls(True)
 _pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _zmq().Again
+_Frame = _zmq().Frame
 _RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
 _ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
 #: no limit
