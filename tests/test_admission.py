@@ -19,6 +19,7 @@ from mdp.majordomo import codec
 from mdp.majordomo.broker_machine import BrokerMachine
 from mdp.sp.peers import SPClient, SPServer
 from mdp.transport import stream
+from mdp.transport.framing import encode_greeting, encode_record
 from mdp.transport.router import _leastUseful, _RouterConnection, _routers
 from mdp.transport.spframing import REP, REQ, SPFraming, encode_message, header
 from tests.conftest import Net, RawRouter
@@ -139,6 +140,43 @@ async def test_a_full_broker_closes_the_peers_that_did_least_to_admit_newcomers(
     await net.wait(last.lost)
     assert bound.refused == 1
     assert await net.wait(client.request("echo", b"still")) == [b"still"]
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_client_reconnecting_with_its_identity_stays_useful(net: Net) -> None:
+    """A newer connection that takes over a useful client's identity is
+    useful at once (the broker hears of no new peer): a newcomer closes the
+    junk, not the client."""
+    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=3))
+    bound = binding_of(broker)
+    start_worker(net, endpoint, "echo", echo)
+    await net.until(lambda: b"echo" in broker.services)
+    ask = encode_greeting(b"ME") + encode_record([C, codec.C_REQUEST, b"echo", b"x"])
+    first = await raw_stream(net, endpoint)
+    first.transport.write(ask)
+    await net.until(lambda: first.received)
+    second = await raw_stream(net, endpoint)  # the same client, reconnected
+    second.transport.write(ask)
+    await net.wait(first.lost)
+    await net.until(lambda: second.received)
+    assert bound.connections[b"ME"].useful
+    junk = await raw_stream(net, endpoint)
+    junk.sendFrames(W, codec.W_READY, b"junk")
+    await net.until(lambda: len(broker.workers) == 2)
+    await raw_stream(net, endpoint)  # the newcomer
+    await net.wait(junk.lost)
+    assert not second.lost.called and bound.evicted == 1
+
+
+def test_a_peer_id_on_two_routes_is_two_useful_clients() -> None:
+    machine = BrokerMachine(heartbeat=FAST)
+    for route in ("zeromq", "stream"):
+        machine.handleMessage((route, b"W"), [W, codec.W_READY, b"echo"], 0.0)
+    machine.usefulPeers = []
+    for route in ("zeromq", "stream"):
+        machine.handleMessage((route, b"C"), [C, codec.C_REQUEST, b"echo", b"x"], 0.0)
+    assert ("stream", b"C") in machine.usefulPeers
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)

@@ -228,9 +228,8 @@ class BrokerMachine(Machine):
         #: peers found useful since the driver took this list, once each (a
         #: worker of a service a request went to, a client of one with workers)
         self.usefulPeers: list[PeerKey] = []
-        #: the peer ids of clients listed, oldest first (a peer id keeps its hash;
-        #: one on two routes is listed once, at worst, each time it is forgotten)
-        self._usefulClients: dict[bytes, None] = {}
+        #: the clients listed, oldest first
+        self._usefulClients: dict[PeerKey, None] = {}
         self._outbox = []
 
     @property
@@ -278,7 +277,7 @@ class BrokerMachine(Machine):
         for service in list(self._ledger.byClient.get(key, ())):
             service.dropClient(key)
             self._forgetIfEmpty(service)
-        self._usefulClients.pop(key[1], None)
+        self._usefulClients.pop(key, None)
         return self._drain()
 
     def handleAdmissionChange(self, now: float) -> list[Action]:
@@ -443,14 +442,14 @@ class BrokerMachine(Machine):
                 self._emit(WakeAt(deadline))
             self._unknown.append((deadline, service))
         service.enqueue(request)
-        if service.registered and request.client[1] not in self._usefulClients:
+        if service.registered and request.client not in self._usefulClients:
             self._usefulClient(request.client)
         self._dispatch(service)
 
     def _usefulClient(self, key: PeerKey) -> None:
         """Client *key* asked for a service with workers: in ``usefulPeers``, once."""
         useful = self._usefulClients
-        useful[key[1]] = None
+        useful[key] = None
         if len(useful) > MAX_USEFUL_CLIENTS:
             del useful[next(iter(useful))]
         self.usefulPeers.append(key)
@@ -659,7 +658,7 @@ class BrokerMachine(Machine):
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
         if not worker.useful:
             self._usefulWorkers(worker.service, worker)
-        if request.client[1] not in self._usefulClients:
+        if request.client not in self._usefulClients:
             self._usefulClient(request.client)
         worker.state = BUSY
         worker.current = request

@@ -112,6 +112,8 @@ class _RouterConnection(FramedProtocol):
                           "TLS certificate", identity=identity.hex())
                 return
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
+            if old.useful:  # (the receiver hears of no new peer: nothing marks it again)
+                self.markUseful()
         router.connections.pop(self.peer, None)
         self.peer = identity
         router.connections[identity] = self
