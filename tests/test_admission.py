@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from mdp import Broker, Client, Limits, Worker
-from mdp.majordomo import codec
+from mdp.majordomo import broker_machine, codec
 from mdp.majordomo.broker_machine import BrokerMachine
 from mdp.sp.peers import SPClient, SPServer
 from mdp.transport import stream
@@ -63,6 +63,41 @@ def test_the_broker_machine_lists_the_peers_that_do_useful_work_once_each() -> N
     assert useful(restarted, [W, codec.W_READY, b"echo"], 1.5) == [restarted]
 
 
+def test_a_client_is_useful_while_it_has_a_request_and_a_grace_after() -> None:
+    """Unlisted (``idlePeers``) between ``USEFUL_GRACE`` and twice that (and a
+    tick) after its last request left the broker, never while one is queued
+    or served; a worker once it is removed; listed again when it asks again."""
+    machine = BrokerMachine(heartbeat=FAST)
+    grace = broker_machine.USEFUL_GRACE
+    worker, quick, slow = (("route", name) for name in (b"W", b"C", b"S"))
+    machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 0.0)
+    machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"1"], 0.0)  # served at once
+    machine.handleMessage(slow, [C, codec.C_REQUEST, b"echo", b"2"], 0.0)  # queued
+    assert {quick, slow, worker} == set(machine.usefulPeers)
+    left = {quick: 1.0, slow: 21.0}  # when their last request leaves
+    unlisted: dict[Any, float] = {}
+    for now in range(1, 50):
+        if now == 1:
+            machine.handleMessage(worker, [W, codec.W_FINAL, b"C" + (1).to_bytes(8, "big"),
+                                           b"", b"1"], now)
+        if now == 21:  # served for 20 s
+            machine.handleMessage(worker, [W, codec.W_FINAL, b"S" + (2).to_bytes(8, "big"),
+                                           b"", b"2"], now)
+        if now <= 40:
+            machine.handleMessage(worker, [W, codec.W_HEARTBEAT], now)
+        machine.handleTick(now)
+        for key in machine.idlePeers:
+            unlisted.setdefault(key, now)
+        machine.idlePeers = []
+    for key in left:
+        assert left[key] + grace <= unlisted[key] <= left[key] + 2 * grace + 1
+    assert 40 < unlisted[worker] < 42  # silent: removed
+    machine.usefulPeers = []
+    machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 50.0)
+    machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"3"], 50.0)
+    assert set(machine.usefulPeers) == {quick, worker}
+
+
 # --- the listener's ranking ------------------------------------------------------------
 
 class JudgingRouter(RawRouter):
@@ -70,7 +105,7 @@ class JudgingRouter(RawRouter):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["connect", "message", "useful", "drop"]),
+@given(st.lists(st.tuples(st.sampled_from(["connect", "message", "useful", "idle", "drop"]),
                           st.integers(0, 5)), max_size=40))
 def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
         events: list[tuple[str, int]]) -> None:
@@ -101,6 +136,10 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
         elif event == "useful":
             connection.markUseful()
             model[n] = (2, when)
+        elif event == "idle":  # (the broker unmarks only what it marked)
+            if connection.useful:
+                connection.markUseful(False)
+                model[n] = (1, when)
         else:
             connection._unrank()  # (what drop does first)
             connection.dropped = True
@@ -271,6 +310,34 @@ async def test_a_flood_of_cheap_connections_keeps_no_client_or_restarting_worker
         stoppers.append(restarted.stop)
         assert await bounded(waiting, 5) == [b"waiting"]
         assert attacker.running and len(bound.connections) >= 150  # the flood went on
+    finally:
+        for stop in reversed(stoppers):
+            await stop()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_connections_that_asked_once_make_room_once_idle(monkeypatch: Any) -> None:
+    """60 connections, each with one real request to a served service, then
+    idle, reopened as they are closed, against a broker capped at 40: once
+    their grace is over, a new client is answered."""
+    monkeypatch.setattr(broker_machine, "USEFUL_GRACE", 0.5)
+    r = reactor()
+    broker = Broker(r, heartbeat=FAST, limits=Limits(maxConnections=40))
+    stoppers: list[Any] = [broker.close]
+    try:
+        bound = await broker.listen("tcp:host=127.0.0.1:port=0")
+        worker = Worker(bound.endpoint, "echo", echo, r, heartbeat=FAST)
+        worker.start()
+        stoppers.append(worker.stop)
+        await wait_until(lambda: b"echo" in broker.services, 5)
+        attacker = await flood("echo", bound.port.getHost().port, 60)
+        stoppers.append(attacker.stop)
+        await attacker.waitFor("reopened [1-9]", 10)  # the cap is reached
+        newcomer = Client(bound.endpoint, r)
+        stoppers.append(newcomer.close)
+        assert await bounded(newcomer.request("echo", b"new"), 8) == [b"new"]
+        assert attacker.running and len(bound.connections) >= 30  # the flood went on
     finally:
         for stop in reversed(stoppers):
             await stop()

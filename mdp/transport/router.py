@@ -146,9 +146,11 @@ class _RouterConnection(FramedProtocol):
         elif not self.dropped:
             self.router.spoken[self] = None
 
-    def markUseful(self) -> None:
-        self.useful = True
+    def markUseful(self, useful: bool = True) -> None:
+        self.useful = useful
         self._unrank()
+        if not useful and not self.dropped:  # as if heard now
+            self.router.spoken[self] = None
 
     def _unrank(self) -> None:
         """Not a candidate to make room (till it speaks again)."""
@@ -482,11 +484,12 @@ class StreamRouter:
                         "{did}", address=str(addr), full=full, did=did)
         router._forget(connection)
 
-    def markUseful(self, peer: bytes) -> None:
-        """*peer* does useful work, its receiver says: never closed to make room."""
-        connection = self._connectionOf(peer)
+    def markUseful(self, peer: bytes, useful: bool = True) -> None:
+        """*peer* does useful work, its receiver says: never closed to make room;
+        or (*useful* false) no longer does (a channel's connection stays useful)."""
+        connection = self._connectionOf(peer) if useful else self.connections.get(peer)
         if connection is not None:
-            connection.markUseful()
+            connection.markUseful(useful)
 
     def _countHost(self, host: Optional[str], by: int) -> None:
         count = self.hosts[host] = self.hosts.get(host, 0) + by
