@@ -6,13 +6,16 @@ own (tests/flood_connections.py)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import pytest
 import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 
 from mdp import Broker, Client, Limits, Worker
 from mdp.majordomo import broker_machine, codec
@@ -124,7 +127,8 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
                 continue
             connection = connections[n] = _RouterConnection()
             connection.router, connection.since = router, when / 8
-            router.ungreeted[connection] = None
+            connection.hostRanks = router.hostRanks.setdefault(None, ({}, {}))
+            router.ungreeted[connection] = connection.hostRanks[0][connection] = None
             model[n] = (0, when)
         elif connection is None or n not in model:
             continue
@@ -145,13 +149,54 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
             connection.dropped = True
             del model[n]
     now = len(events) / 8
-    chosen = _leastUseful([router], now)
+    chosen = _leastUseful([router.ranks], now)
+    if connections:  # the address's ranking is the same (all from one here)
+        assert _leastUseful([router.hostRanks[None]], now) is chosen
     candidates = [(rank if rank or when <= len(events) - 8 else 1.5, when, n)
                   for n, (rank, when) in model.items() if rank < 2]
     if not candidates:
         assert chosen is None
     else:
         assert chosen is connections[min(candidates)[2]]
+
+
+class Counted(OrderedDict):  # type: ignore[type-arg]
+    """An ordered dict that counts the times it is walked."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        Counted.walks += 1
+        return super().__iter__()
+
+
+def test_at_an_address_cap_only_that_address_connections_are_looked_at() -> None:
+    """Making room for a newcomer from an address at its cap walks that
+    address's candidates, not every connection of the listener."""
+    receiver = JudgingRouter()
+    receiver.clock = clock = Clock()
+    router = stream.StreamRouter(receiver, clock, limits=Limits(maxConnectionsPerAddress=2))
+    _routers.discard(router)
+    router.ungreeted, router.spoken = Counted(), Counted()
+    router.ranks = (router.ungreeted, router.spoken)
+    opened = []
+    for n in range(202):
+        connection = router.buildProtocol(IPv4Address("TCP", f"10.1.0.{n}" if n < 200 else "10.2.0.1", 5))
+        connection.makeConnection(StringTransport())
+        connection.dataReceived(encode_record([b"hello"]))
+        opened.append(connection)
+    crowded = opened[-1].host
+    router.markUseful(opened[-1].peer)
+    assert router._crowded(crowded) == (f"2 connections from {crowded} open "
+                                        "(maxConnectionsPerAddress)", opened[-2])
+    router.markUseful(opened[-2].peer)
+    Counted.walks = 0
+    assert router._crowded(crowded)[1] is None
+    assert Counted.walks == 0
+    for connection in opened:
+        connection.transport.loseConnection()
+        connection.connectionLost(None)
+    assert router.hostRanks == {} and router.hosts == {}
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)
