@@ -89,10 +89,7 @@ class _RouterConnection(FramedProtocol):
         #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
-        ranks = router.hostRanks.get(self.host)
-        if ranks is None:
-            ranks = router.hostRanks[self.host] = ({}, {})
-        self.hostRanks = ranks
+        self.hostRanks = ranks = router.hostRanks.setdefault(self.host, ({}, {}))
         router.ungreeted[self] = ranks[0][self] = None
         router._countHost(self.host, 1)
         self.since = router.reactor.seconds()
@@ -158,11 +155,8 @@ class _RouterConnection(FramedProtocol):
 
     def _unrank(self) -> None:
         """Not a candidate to make room (till it speaks again)."""
-        router, ranks = self.router, self.hostRanks
-        router.ungreeted.pop(self, None)
-        router.spoken.pop(self, None)
-        ranks[0].pop(self, None)
-        ranks[1].pop(self, None)
+        for ranked in (*self.router.ranks, *self.hostRanks):
+            ranked.pop(self, None)
 
     def drop(self, why: str, **fields: Any) -> None:
         self._unrank()
