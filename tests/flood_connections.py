@@ -5,6 +5,7 @@ it is killed.  KIND says what it sends:
 
 * ``mdp``: a READY for a service nobody calls, or a REQUEST for a service
   nobody serves (every other connection);
+* ``echo``: one REQUEST for ``echo``, a service that is served;
 * ``sp``: only the 8-byte SP header of a REQ peer.
 
 ``python -m tests.flood_connections KIND PORT COUNT [RATE]``; prints
@@ -26,6 +27,8 @@ from mdp.transport.spframing import REQ, header
 def payload(kind: str, n: int) -> bytes:
     if kind == "sp":
         return header(REQ)
+    if kind == "echo":
+        return encode_record([codec.CLIENT_HEADER, codec.C_REQUEST, b"echo", b"x"])
     if n % 2:
         return encode_record([codec.CLIENT_HEADER, codec.C_REQUEST, b"nobody-%d" % n, b"x"])
     return encode_record([codec.WORKER_HEADER, codec.W_READY, b"junk-%d" % n])

@@ -6,19 +6,23 @@ own (tests/flood_connections.py)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import pytest
 import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 
 from mdp import Broker, Client, Limits, Worker
-from mdp.majordomo import codec
+from mdp.majordomo import broker_machine, codec
 from mdp.majordomo.broker_machine import BrokerMachine
 from mdp.sp.peers import SPClient, SPServer
 from mdp.transport import stream
+from mdp.transport.framing import encode_greeting, encode_record
 from mdp.transport.router import _leastUseful, _RouterConnection, _routers
 from mdp.transport.spframing import REP, REQ, SPFraming, encode_message, header
 from tests.conftest import Net, RawRouter
@@ -62,6 +66,41 @@ def test_the_broker_machine_lists_the_peers_that_do_useful_work_once_each() -> N
     assert useful(restarted, [W, codec.W_READY, b"echo"], 1.5) == [restarted]
 
 
+def test_a_client_is_useful_while_it_has_a_request_and_a_grace_after() -> None:
+    """Unlisted (``idlePeers``) between ``USEFUL_GRACE`` and twice that (and a
+    tick) after its last request left the broker, never while one is queued
+    or served; a worker once it is removed; listed again when it asks again."""
+    machine = BrokerMachine(heartbeat=FAST)
+    grace = broker_machine.USEFUL_GRACE
+    worker, quick, slow = (("route", name) for name in (b"W", b"C", b"S"))
+    machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 0.0)
+    machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"1"], 0.0)  # served at once
+    machine.handleMessage(slow, [C, codec.C_REQUEST, b"echo", b"2"], 0.0)  # queued
+    assert {quick, slow, worker} == set(machine.usefulPeers)
+    left = {quick: 1.0, slow: 21.0}  # when their last request leaves
+    unlisted: dict[Any, float] = {}
+    for now in range(1, 50):
+        if now == 1:
+            machine.handleMessage(worker, [W, codec.W_FINAL, b"C" + (1).to_bytes(8, "big"),
+                                           b"", b"1"], now)
+        if now == 21:  # served for 20 s
+            machine.handleMessage(worker, [W, codec.W_FINAL, b"S" + (2).to_bytes(8, "big"),
+                                           b"", b"2"], now)
+        if now <= 40:
+            machine.handleMessage(worker, [W, codec.W_HEARTBEAT], now)
+        machine.handleTick(now)
+        for key in machine.idlePeers:
+            unlisted.setdefault(key, now)
+        machine.idlePeers = []
+    for key in left:
+        assert left[key] + grace <= unlisted[key] <= left[key] + 2 * grace + 1
+    assert 40 < unlisted[worker] < 42  # silent: removed
+    machine.usefulPeers = []
+    machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 50.0)
+    machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"3"], 50.0)
+    assert set(machine.usefulPeers) == {quick, worker}
+
+
 # --- the listener's ranking ------------------------------------------------------------
 
 class JudgingRouter(RawRouter):
@@ -69,7 +108,7 @@ class JudgingRouter(RawRouter):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["connect", "message", "useful", "drop"]),
+@given(st.lists(st.tuples(st.sampled_from(["connect", "message", "useful", "idle", "drop"]),
                           st.integers(0, 5)), max_size=40))
 def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
         events: list[tuple[str, int]]) -> None:
@@ -88,7 +127,8 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
                 continue
             connection = connections[n] = _RouterConnection()
             connection.router, connection.since = router, when / 8
-            router.ungreeted[connection] = None
+            connection.hostRanks = router.hostRanks.setdefault(None, ({}, {}))
+            router.ungreeted[connection] = connection.hostRanks[0][connection] = None
             model[n] = (0, when)
         elif connection is None or n not in model:
             continue
@@ -100,18 +140,63 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
         elif event == "useful":
             connection.markUseful()
             model[n] = (2, when)
+        elif event == "idle":  # (the broker unmarks only what it marked)
+            if connection.useful:
+                connection.markUseful(False)
+                model[n] = (1, when)
         else:
             connection._unrank()  # (what drop does first)
             connection.dropped = True
             del model[n]
     now = len(events) / 8
-    chosen = _leastUseful([router], now)
+    chosen = _leastUseful([router.ranks], now)
+    if connections:  # the address's ranking is the same (all from one here)
+        assert _leastUseful([router.hostRanks[None]], now) is chosen
     candidates = [(rank if rank or when <= len(events) - 8 else 1.5, when, n)
                   for n, (rank, when) in model.items() if rank < 2]
     if not candidates:
         assert chosen is None
     else:
         assert chosen is connections[min(candidates)[2]]
+
+
+class Counted(OrderedDict):  # type: ignore[type-arg]
+    """An ordered dict that counts the times it is walked."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        Counted.walks += 1
+        return super().__iter__()
+
+
+def test_at_an_address_cap_only_that_address_connections_are_looked_at() -> None:
+    """Making room for a newcomer from an address at its cap walks that
+    address's candidates, not every connection of the listener."""
+    receiver = JudgingRouter()
+    receiver.clock = clock = Clock()
+    router = stream.StreamRouter(receiver, clock, limits=Limits(maxConnectionsPerAddress=2))
+    _routers.discard(router)
+    router.ungreeted, router.spoken = Counted(), Counted()
+    router.ranks = (router.ungreeted, router.spoken)
+    opened = []
+    for n in range(202):
+        connection = router.buildProtocol(IPv4Address("TCP", f"10.1.0.{n}" if n < 200 else "10.2.0.1", 5))
+        connection.makeConnection(StringTransport())
+        connection.dataReceived(encode_record([b"hello"]))
+        opened.append(connection)
+    crowded = opened[-1].host
+    router.markUseful(opened[-1].peer)
+    assert router._crowded(crowded) == (f"2 connections from {crowded} open "
+                                        "(maxConnectionsPerAddress)", opened[-2])
+    router.markUseful(opened[-2].peer)
+    Counted.walks = 0
+    assert router._crowded(crowded)[1] is None
+    assert Counted.walks == 0
+    for connection in opened:
+        connection.transport.loseConnection()
+        connection.connectionLost(None)
+    assert router.hostRanks == {} and router.hosts == {}
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)
@@ -139,6 +224,43 @@ async def test_a_full_broker_closes_the_peers_that_did_least_to_admit_newcomers(
     await net.wait(last.lost)
     assert bound.refused == 1
     assert await net.wait(client.request("echo", b"still")) == [b"still"]
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_client_reconnecting_with_its_identity_stays_useful(net: Net) -> None:
+    """A newer connection that takes over a useful client's identity is
+    useful at once (the broker hears of no new peer): a newcomer closes the
+    junk, not the client."""
+    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=3))
+    bound = binding_of(broker)
+    start_worker(net, endpoint, "echo", echo)
+    await net.until(lambda: b"echo" in broker.services)
+    ask = encode_greeting(b"ME") + encode_record([C, codec.C_REQUEST, b"echo", b"x"])
+    first = await raw_stream(net, endpoint)
+    first.transport.write(ask)
+    await net.until(lambda: first.received)
+    second = await raw_stream(net, endpoint)  # the same client, reconnected
+    second.transport.write(ask)
+    await net.wait(first.lost)
+    await net.until(lambda: second.received)
+    assert bound.connections[b"ME"].useful
+    junk = await raw_stream(net, endpoint)
+    junk.sendFrames(W, codec.W_READY, b"junk")
+    await net.until(lambda: len(broker.workers) == 2)
+    await raw_stream(net, endpoint)  # the newcomer
+    await net.wait(junk.lost)
+    assert not second.lost.called and bound.evicted == 1
+
+
+def test_a_peer_id_on_two_routes_is_two_useful_clients() -> None:
+    machine = BrokerMachine(heartbeat=FAST)
+    for route in ("zeromq", "stream"):
+        machine.handleMessage((route, b"W"), [W, codec.W_READY, b"echo"], 0.0)
+    machine.usefulPeers = []
+    for route in ("zeromq", "stream"):
+        machine.handleMessage((route, b"C"), [C, codec.C_REQUEST, b"echo", b"x"], 0.0)
+    assert ("stream", b"C") in machine.usefulPeers
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)
@@ -233,6 +355,34 @@ async def test_a_flood_of_cheap_connections_keeps_no_client_or_restarting_worker
         stoppers.append(restarted.stop)
         assert await bounded(waiting, 5) == [b"waiting"]
         assert attacker.running and len(bound.connections) >= 150  # the flood went on
+    finally:
+        for stop in reversed(stoppers):
+            await stop()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_connections_that_asked_once_make_room_once_idle(monkeypatch: Any) -> None:
+    """60 connections, each with one real request to a served service, then
+    idle, reopened as they are closed, against a broker capped at 40: once
+    their grace is over, a new client is answered."""
+    monkeypatch.setattr(broker_machine, "USEFUL_GRACE", 0.5)
+    r = reactor()
+    broker = Broker(r, heartbeat=FAST, limits=Limits(maxConnections=40))
+    stoppers: list[Any] = [broker.close]
+    try:
+        bound = await broker.listen("tcp:host=127.0.0.1:port=0")
+        worker = Worker(bound.endpoint, "echo", echo, r, heartbeat=FAST)
+        worker.start()
+        stoppers.append(worker.stop)
+        await wait_until(lambda: b"echo" in broker.services, 5)
+        attacker = await flood("echo", bound.port.getHost().port, 60)
+        stoppers.append(attacker.stop)
+        await attacker.waitFor("reopened [1-9]", 10)  # the cap is reached
+        newcomer = Client(bound.endpoint, r)
+        stoppers.append(newcomer.close)
+        assert await bounded(newcomer.request("echo", b"new"), 8) == [b"new"]
+        assert attacker.running and len(bound.connections) >= 30  # the flood went on
     finally:
         for stop in reversed(stoppers):
             await stop()

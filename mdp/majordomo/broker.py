@@ -208,12 +208,20 @@ class Broker:
                 self._wakeAt(action.time)
             else:
                 self._reporters[kind](action)
-        if self.machine.usefulPeers:  # (kept when their listener is full)
-            useful, self.machine.usefulPeers = self.machine.usefulPeers, []
-            for binding, peer in useful:
+        if self.machine.usefulPeers or self.machine.idlePeers:
+            self._markUseful()
+
+    def _markUseful(self) -> None:
+        """Tell transports which peers are useful (kept when their listener is
+        full), and, first, which are no longer."""
+        machine = self.machine
+        marks = ((machine.idlePeers, False), (machine.usefulPeers, True))
+        machine.idlePeers, machine.usefulPeers = [], []
+        for peers, useful in marks:
+            for binding, peer in peers:
                 markUseful = getattr(binding.transport, "markUseful", None)
                 if markUseful is not None:
-                    markUseful(peer)
+                    markUseful(peer, useful)
 
     def _wakeAt(self, when: float) -> None:
         call = self._wakeCall

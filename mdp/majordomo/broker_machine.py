@@ -81,8 +81,11 @@ MAX_GONE = 10_000
 MAX_TAKEN_BACK = 1024
 #: empty unregistered services kept so that retries share one expiry window
 MAX_UNKNOWN_KEPT = 10_000
-#: clients remembered as useful (a transport that reports no loss forgets none)
+#: clients remembered as useful (more: the idle are forgotten early)
 MAX_USEFUL_CLIENTS = 100_000
+#: seconds a client stays useful after its last request left the broker (at
+#: most twice that and a tick): an idle connection may make room again
+USEFUL_GRACE = 10.0
 
 
 def _who(identity: Optional[str]) -> str:
@@ -228,9 +231,13 @@ class BrokerMachine(Machine):
         #: peers found useful since the driver took this list, once each (a
         #: worker of a service a request went to, a client of one with workers)
         self.usefulPeers: list[PeerKey] = []
-        #: the peer ids of clients listed, oldest first (a peer id keeps its hash;
-        #: one on two routes is listed once, at worst, each time it is forgotten)
-        self._usefulClients: dict[bytes, None] = {}
+        #: peers listed that are useful no more (the driver applies them first)
+        self.idlePeers: list[PeerKey] = []
+        #: the clients listed: heard (or holding a request) this round, and in
+        #: the round before; when the next round begins (:meth:`_sweepClients`)
+        self._usefulClients: dict[PeerKey, None] = {}
+        self._usefulBefore: dict[PeerKey, None] = {}
+        self._sweepAt = self.now + USEFUL_GRACE
         self._outbox = []
 
     @property
@@ -278,7 +285,8 @@ class BrokerMachine(Machine):
         for service in list(self._ledger.byClient.get(key, ())):
             service.dropClient(key)
             self._forgetIfEmpty(service)
-        self._usefulClients.pop(key[1], None)
+        self._usefulClients.pop(key, None)
+        self._usefulBefore.pop(key, None)
         return self._drain()
 
     def handleAdmissionChange(self, now: float) -> list[Action]:
@@ -443,17 +451,34 @@ class BrokerMachine(Machine):
                 self._emit(WakeAt(deadline))
             self._unknown.append((deadline, service))
         service.enqueue(request)
-        if service.registered and request.client[1] not in self._usefulClients:
+        if service.registered and request.client not in self._usefulClients:
             self._usefulClient(request.client)
         self._dispatch(service)
 
     def _usefulClient(self, key: PeerKey) -> None:
-        """Client *key* asked for a service with workers: in ``usefulPeers``, once."""
+        """Client *key* asked for a service with workers: in ``usefulPeers``
+        unless still listed."""
         useful = self._usefulClients
-        useful[key[1]] = None
+        useful[key] = None
+        if key not in self._usefulBefore:
+            self.usefulPeers.append(key)
         if len(useful) > MAX_USEFUL_CLIENTS:
-            del useful[next(iter(useful))]
-        self.usefulPeers.append(key)
+            self._sweepAt = self.now  # (at the next tick: the idle are forgotten sooner)
+
+    def _sweepClients(self) -> None:
+        """Once a round (``USEFUL_GRACE``): clients neither heard nor holding a
+        request in this round and the one before go to ``idlePeers``; those
+        holding one stay another round."""
+        if self.now < self._sweepAt:
+            return
+        self._sweepAt = self.now + USEFUL_GRACE
+        old, recent, workers = self._usefulBefore, self._usefulClients, self.workers
+        busy = set(self._ledger.byClient)
+        busy.update(w.current.client for w in workers.values() if w.current is not None)
+        self.idlePeers += [key for key in old if key not in busy and key not in recent
+                           and key not in workers]
+        self._usefulBefore = recent
+        self._usefulClients = dict.fromkeys(key for key in (*old, *recent) if key in busy)
 
     def _usefulWorkers(self, service: ServiceQueue, worker: WorkerRef) -> None:
         """*service* is wanted: *worker* and its idle ones in ``usefulPeers``, once each."""
@@ -659,7 +684,7 @@ class BrokerMachine(Machine):
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
         if not worker.useful:
             self._usefulWorkers(worker.service, worker)
-        if request.client[1] not in self._usefulClients:
+        if request.client not in self._usefulClients:
             self._usefulClient(request.client)
         worker.state = BUSY
         worker.current = request
@@ -677,6 +702,8 @@ class BrokerMachine(Machine):
         """Forget *worker*; re-queue its request unless handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
+        if worker.useful:
+            self.idlePeers.append(worker.key)
         worker.state = GONE
         service = worker.service
         service.idle.pop(worker.key, None)
@@ -757,6 +784,7 @@ class BrokerMachine(Machine):
             gone.popitem(last=False)
         self._expire(now - self.requestExpiry)
         self._giveUpUnknown(now)
+        self._sweepClients()
         if self._takenBack:
             # no late reply can answer requests that left the queue: drop their bodies
             self._takenBack = OrderedDict(

@@ -89,7 +89,8 @@ class _RouterConnection(FramedProtocol):
         #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
-        router.ungreeted[self] = None
+        self.hostRanks = ranks = router.hostRanks.setdefault(self.host, ({}, {}))
+        router.ungreeted[self] = ranks[0][self] = None
         router._countHost(self.host, 1)
         self.since = router.reactor.seconds()
         self.transport.registerProducer(self, True)
@@ -112,6 +113,8 @@ class _RouterConnection(FramedProtocol):
                           "TLS certificate", identity=identity.hex())
                 return
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
+            if old.useful:  # (the receiver hears of no new peer: nothing marks it again)
+                self.markUseful()
         router.connections.pop(self.peer, None)
         self.peer = identity
         router.connections[identity] = self
@@ -142,16 +145,18 @@ class _RouterConnection(FramedProtocol):
         if not self.router.judged:
             self.useful = True
         elif not self.dropped:
-            self.router.spoken[self] = None
+            self.router.spoken[self] = self.hostRanks[1][self] = None
 
-    def markUseful(self) -> None:
-        self.useful = True
+    def markUseful(self, useful: bool = True) -> None:
+        self.useful = useful
         self._unrank()
+        if not useful and not self.dropped:  # as if heard now
+            self.router.spoken[self] = self.hostRanks[1][self] = None
 
     def _unrank(self) -> None:
         """Not a candidate to make room (till it speaks again)."""
-        self.router.ungreeted.pop(self, None)
-        self.router.spoken.pop(self, None)
+        for ranked in (*self.router.ranks, *self.hostRanks):
+            ranked.pop(self, None)
 
     def drop(self, why: str, **fields: Any) -> None:
         self._unrank()
@@ -367,19 +372,18 @@ class _Refused(Protocol):
         StreamRouter.accepted -= 1
 
 
-def _leastUseful(routers: list[StreamRouter], now: float, host: Optional[str] = None,
-                 ) -> Optional[_RouterConnection]:
-    """Of *routers*' connections (from *host* if given), the one to close to
-    admit a newcomer: one that has sent no message for ``NEWCOMER_GRACE``,
-    oldest first; else (if its receiver judges) one not useful yet, least
-    recently heard first; else one that has sent no message yet."""
+def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_RouterConnection]:
+    """Of the connections *ranks* hold (a router's or an address's: those not
+    greeted, and those that spoke, not useful), the one to close to admit a
+    newcomer: one that has sent no message for ``NEWCOMER_GRACE``, oldest
+    first; else (if its receiver judges) one not useful yet, least recently
+    heard first; else one that has sent no message yet."""
     for rank in (0, 1, 2):
-        for router in routers:
-            for connection in router.spoken if rank == 1 else router.ungreeted:
+        for ungreeted, spoken in ranks:
+            for connection in spoken if rank == 1 else ungreeted:
                 if rank == 0 and connection.since > now - NEWCOMER_GRACE:
                     break  # (and all after it)
-                if host is None or connection.host == host:
-                    return connection  # type: ignore[no-any-return]
+                return connection  # type: ignore[no-any-return]
     return None
 
 
@@ -412,6 +416,9 @@ class StreamRouter:
         self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
         #: connections that have, not yet useful, least recently heard first
         self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
+        self.ranks = (self.ungreeted, self.spoken)
+        #: the same, of each IP address's connections
+        self.hostRanks: dict[Optional[str], tuple[dict, dict]] = {}
         self.hosts: dict[Optional[str], int] = {}  # connections by IP address
         self.port: Optional[IListeningPort] = None
         self.endpoint = ""
@@ -462,13 +469,13 @@ class StreamRouter:
         perAddress = self.limits.maxConnectionsPerAddress
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
             return (f"{perAddress} connections from {host} open (maxConnectionsPerAddress)",
-                    _leastUseful([self], self.reactor.seconds(), host))
+                    _leastUseful([self.hostRanks[host]], self.reactor.seconds()))
         full = self._full()
         if full is None:
             return None, None
         routers = [self] if self._peers() >= self.limits.maxConnections else [
             self, *(router for router in _routers if router is not self)]
-        return full, _leastUseful(routers, self.reactor.seconds())
+        return full, _leastUseful([router.ranks for router in routers], self.reactor.seconds())
 
     def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
         """Close *connection* to admit a newcomer from *addr*."""
@@ -480,16 +487,18 @@ class StreamRouter:
                         "{did}", address=str(addr), full=full, did=did)
         router._forget(connection)
 
-    def markUseful(self, peer: bytes) -> None:
-        """*peer* does useful work, its receiver says: never closed to make room."""
-        connection = self._connectionOf(peer)
+    def markUseful(self, peer: bytes, useful: bool = True) -> None:
+        """*peer* does useful work, its receiver says: never closed to make room;
+        or (*useful* false) no longer does (a channel's connection stays useful)."""
+        connection = self._connectionOf(peer) if useful else self.connections.get(peer)
         if connection is not None:
-            connection.markUseful()
+            connection.markUseful(useful)
 
     def _countHost(self, host: Optional[str], by: int) -> None:
         count = self.hosts[host] = self.hosts.get(host, 0) + by
         if count <= 0:
             del self.hosts[host]
+            del self.hostRanks[host]
 
     def _peers(self) -> int:
         """The peers counted against ``maxConnections`` (a first channel takes
