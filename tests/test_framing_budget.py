@@ -50,18 +50,40 @@ def test_a_record_across_reads_is_charged_until_complete(budget: InputBudget) ->
     assert budget.held == 0
 
 
-def test_a_record_over_the_budget_is_refused_and_given_back(budget: InputBudget) -> None:
+def test_past_the_budget_the_oldest_record_is_dropped_not_the_newcomer(
+        budget: InputBudget) -> None:
+    """A peer holding a record open cannot make the records that flow fail:
+    the oldest unfinished record goes (its owner told at once, its buffers
+    given back), and its decoder takes nothing more."""
+    evicted: list[Exception] = []
     holder = RecordDecoder(Limits(maxBufferedBytes=10_000))
+    holder.onEvicted = evicted.append
     holder.feed(encode_record([b"a" * 20_000])[:8000])
     other = RecordDecoder(Limits(maxBufferedBytes=10_000))
     other.feed(encode_record([b"b" * 5000])[:1000])
-    assert budget.held == 7996 + 996
-    with pytest.raises(OverBudget, match="pass the limit of 10000"):
-        other.feed(b"b" * 1009)
-    assert budget.held == 7996 and budget.refused == 1
-    holder.release()  # its connection goes
+    assert budget.held == 7996 + 996 and not evicted
+    assert other.feed(b"b" * 1009) == []  # past the budget: the holder goes
+    assert [type(e) for e in evicted] == [OverBudget]
+    assert "the oldest, of 7996 bytes, is dropped" in str(evicted[0])
+    assert budget.held == 996 + 1009 and budget.refused == 1
+    assert holder._pieces == [] and holder._frames == []  # its buffers went
+    with pytest.raises(OverBudget):
+        holder.feed(b"a" * 10)
+    assert other.feed(b"b" * 3000) == [[b"b" * 5000]]  # it completes
     assert budget.held == 0
     holder.release()
+    assert budget.held == 0
+
+
+def test_a_record_is_refused_only_when_it_is_the_oldest(budget: InputBudget) -> None:
+    first = RecordDecoder(Limits(maxBufferedBytes=10_000))
+    first.feed(encode_record([b"a" * 20_000])[:6000])
+    second = RecordDecoder(Limits(maxBufferedBytes=10_000))
+    second.feed(encode_record([b"b" * 20_000])[:3000])
+    with pytest.raises(OverBudget, match="pass the limit of 10000"):
+        first.feed(b"a" * 2000)  # the oldest: it goes, the younger one stays
+    assert budget.held == 2996 and budget.refused == 1
+    second.release()
     assert budget.held == 0
 
 
@@ -88,7 +110,7 @@ def test_dropped_records_trim_the_heap(budget: InputBudget, monkeypatch: Any) ->
     assert trims == []
     decoders[1].release()
     assert len(trims) == 1
-    budget.give(0, True)  # nothing dropped since
+    budget.give(decoders[1], True)  # nothing dropped since
     assert len(trims) == 1
 
 
@@ -178,6 +200,46 @@ async def test_unfinished_records_over_the_budget_are_refused_and_memory_comes_b
         print(f"\nbroker RSS base {base / MiB:.0f} MiB, under attack {during / MiB:.0f} MiB, "
               f"after {rss(pid) / MiB:.0f} MiB; {held[-1]} of {ATTACKERS} records held")
         assert await bounded(client.request("echo", "after"), 15) == [b"after"]
+    finally:
+        if client is not None:
+            await client.close()
+        if attacker is not None:
+            await attacker.stop()
+        await broker.stop()
+
+
+def _all_read(port: int) -> bool:
+    """Nothing is in flight to the listener on *port* of 127.0.0.1, nor
+    waits to be read by it (``/proc/net/tcp``: tx and rx queues)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in list(table)[1:]]
+    mine = f":{port:04X}"
+    return all(int(row[4].split(":")[row[1].endswith(mine)], 16) == 0
+               for row in rows if row[1].endswith(mine) or row[2].endswith(mine))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_record_held_open_does_not_make_a_large_request_fail() -> None:
+    """A peer keeps a record of nearly the whole budget (2 MiB) unfinished: a
+    client's 300 KB request (it spans reads, in and out through the broker)
+    is still answered, and the holder's connection is the one closed."""
+    broker = Process(reactor(), python("-m", "tests.stream_peers", "broker", str(2 * MiB)), ENV)
+    attacker: Optional[Process] = None
+    client: Optional[Client] = None
+    try:
+        port = int((await broker.waitFor(r"listening on (\d+)", timeout=30)).group(1))
+        client = Client(f"tcp:host=127.0.0.1:port={port}", reactor(), timeout=10, retries=1)
+        assert await bounded(client.request("echo", "warm"), 15) == [b"warm"]
+        size = 2 * MiB - 50_000
+        attacker = Process(reactor(), python("-m", "tests.stream_peers", "127.0.0.1", str(port),
+                                             "1", str(size)), ENV)
+        await attacker.waitFor(r"sent 1", timeout=30)
+        await wait_until(lambda: _all_read(port), 10)  # the broker holds all of it
+        body = b"b" * 300_000
+        assert await bounded(client.request("echo", body), 15) == [body]
+        assert b"the oldest, of" in broker.output
+        attacker.transport.write(b"count\n")
+        await attacker.waitFor(r"held 0", timeout=10)
     finally:
         if client is not None:
             await client.close()

@@ -8,7 +8,8 @@ the records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional, Union
+import weakref
+from typing import Any, Callable, Optional, Union
 
 from zope.interface import implementer
 
@@ -41,16 +42,44 @@ class InputBudget:
     connections together (RabbitMQ's memory watermark): a record that spans
     reads is charged as its bytes come, against its decoder's
     ``limits.maxBufferedBytes``, and given back when it completes or its
-    connection goes; one read whole costs nothing.  After 1 MiB of dropped
-    records the C heap gives its free pages back (glibc's ``malloc_trim``,
-    about 0.1 ms: the 64 KiB pieces of reads are not returned otherwise)."""
+    connection goes; one read whole costs nothing.  Past the limit the oldest
+    unfinished records are dropped, their connections closed (a peer holding
+    records open cannot starve the ones that flow); a record is refused only
+    when it is the oldest.  After 1 MiB of dropped records the C heap gives
+    its free pages back (glibc's ``malloc_trim``, about 0.1 ms: the 64 KiB
+    pieces of reads are not returned otherwise)."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
+        #: the decoders holding an unfinished record, oldest record first
+        self.holders: Any = weakref.WeakKeyDictionary()
 
-    def give(self, size: int, dropped: bool) -> None:
+    def charge(self, decoder: Any, size: int, limit: int) -> None:
+        """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
+        the oldest others (or refuse this one, the oldest)."""
+        holders = self.holders
+        if not decoder._charged:
+            holders[decoder] = None
+        while self.held + size > limit:
+            oldest = next(iter(holders))
+            why = OverBudget(f"unfinished records already hold {self.held} bytes in this process; "
+                             f"{size} more would pass the limit of {limit} (max buffered bytes): "
+                             f"the oldest, of {oldest._charged} bytes, is dropped")
+            self.refused += 1
+            if oldest is decoder:
+                raise why
+            oldest.evict(why)
+        self.held += size
+        decoder._charged += size
+
+    def give(self, decoder: Any, dropped: bool) -> None:
+        """*decoder*'s record completed, or went (*dropped*)."""
+        size, decoder._charged = decoder._charged, 0
+        self.holders.pop(decoder, None)
         self.held -= size
-        self.dropped += size if dropped else 0
+        if not dropped:
+            return
+        self.dropped += size
         if self.dropped >= 1 << 20:
             self.dropped = 0
             try:
@@ -247,21 +276,28 @@ class RecordDecoder:
         start = pos
         pos = self._feedRecord(data, pos, end)
         if self._need:
-            if BUFFERED.held + pos - start > self.limits.maxBufferedBytes:
-                BUFFERED.refused += 1
-                raise OverBudget(f"unfinished records already hold {BUFFERED.held} bytes in this "
-                                 f"process; {self._held} bytes of this one would pass the limit "
-                                 f"of {self.limits.maxBufferedBytes} (max buffered bytes)")
-            BUFFERED.held += pos - start
-            self._charged += pos - start
+            BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
         return pos
+
+    #: called with the :class:`OverBudget` when the budget drops this record
+    onEvicted: Optional[Callable[[ProtocolError], None]] = None
+
+    def evict(self, why: OverBudget) -> None:
+        """The budget drops the record in progress: the stream is unusable."""
+        self.release()
+
+        def refused(data: bytes) -> list[list[bytes]]:
+            raise why
+
+        self.feed = refused  # type: ignore[method-assign]
+        if self.onEvicted is not None:
+            self.onEvicted(why)
 
     def release(self) -> None:
         """The connection is gone: give back the record in progress, its
         budget and its buffers."""
         if self._charged:
-            BUFFERED.give(self._charged, True)
-            self._charged = 0
+            BUFFERED.give(self, True)
         self._frames = []
         self._pieces = []
         self._buf = bytearray()
@@ -329,8 +365,7 @@ class RecordDecoder:
         return pos
 
     def _completed(self) -> list[bytes]:
-        BUFFERED.give(self._charged, False)
-        self._charged = 0
+        BUFFERED.give(self, False)
         frames, self._frames = self._frames, []
         content = self._held - 4 * len(frames)
         self._need = -1
