@@ -97,21 +97,39 @@ def test_a_decoder_let_go_of_gives_back(budget: InputBudget) -> None:
     assert budget.held == 0
 
 
-def test_dropped_records_trim_the_heap(budget: InputBudget, monkeypatch: Any) -> None:
+def test_dropped_records_trim_the_heap_at_most_once_a_second(
+        budget: InputBudget, monkeypatch: Any) -> None:
+    """``malloc_trim`` (0.5 ms on a large heap) is looked up once, and runs
+    after a MiB dropped at most once a second, or once nothing is held."""
     trims: list[None] = []
+    lookups: list[None] = []
     import ctypes
 
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: type("C", (), {
-        "malloc_trim": staticmethod(lambda pad: trims.append(None))}))
-    decoders = [RecordDecoder(Limits()) for _ in range(3)]
+    def cdll(name: Any) -> Any:
+        lookups.append(None)
+        return type("C", (), {"malloc_trim": staticmethod(lambda pad: trims.append(None))})
+
+    now = [100.0]
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(framing.time, "monotonic", lambda: now[0])
+    decoders = [RecordDecoder(Limits()) for _ in range(7)]
     for decoder in decoders:
         decoder.feed(encode_record([b"x" * MiB])[:MiB // 2 + 8])
     decoders[0].release()
     assert trims == []
     decoders[1].release()
     assert len(trims) == 1
-    budget.give(decoders[1], True)  # nothing dropped since
-    assert len(trims) == 1
+    decoders[2].release()
+    decoders[3].release()
+    assert len(trims) == 1  # within the second
+    now[0] += 1
+    decoders[4].release()
+    assert len(trims) == 2
+    budget.give(decoders[4], True)  # nothing dropped since
+    assert len(trims) == 2
+    decoders[5].release()
+    decoders[6].release()  # the last: nothing held (within the second)
+    assert len(trims) == 3 and len(lookups) == 1
 
 
 @settings(max_examples=60, deadline=None)

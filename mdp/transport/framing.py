@@ -8,6 +8,7 @@ the records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 from __future__ import annotations
 
 import struct
+import time
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -45,14 +46,17 @@ class InputBudget:
     connection goes; one read whole costs nothing.  Past the limit the oldest
     unfinished records are dropped, their connections closed (a peer holding
     records open cannot starve the ones that flow); a record is refused only
-    when it is the oldest.  After 1 MiB of dropped records the C heap gives
-    its free pages back (glibc's ``malloc_trim``, about 0.1 ms: the 64 KiB
-    pieces of reads are not returned otherwise)."""
+    when it is the oldest.  Dropped records give the C heap's free pages back
+    (glibc's ``malloc_trim``, about 0.5 ms on a large heap: the 64 KiB pieces
+    of reads are not returned otherwise), after each MiB at most once a
+    second, and once nothing is held."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
         #: the decoders holding an unfinished record, oldest record first
         self.holders: Any = weakref.WeakKeyDictionary()
+        self._trim: Any = None
+        self._trimmed = 0.0
 
     def charge(self, decoder: Any, size: int, limit: int) -> None:
         """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
@@ -80,14 +84,18 @@ class InputBudget:
         if not dropped:
             return
         self.dropped += size
-        if self.dropped >= 1 << 20:
+        now = time.monotonic()
+        if self.dropped >= 1 << 20 and (now >= self._trimmed + 1.0 or not self.held):
             self.dropped = 0
-            try:
-                import ctypes
+            self._trimmed = now
+            if self._trim is None:
+                try:
+                    import ctypes
 
-                ctypes.CDLL(None).malloc_trim(0)
-            except (ImportError, OSError, AttributeError, TypeError):  # no glibc
-                pass
+                    self._trim = ctypes.CDLL(None).malloc_trim
+                except (ImportError, OSError, AttributeError, TypeError):  # no glibc
+                    self._trim = int
+            self._trim(0)
 
 
 #: The process's budget for unfinished stream records.
