@@ -132,6 +132,32 @@ def test_dropped_records_trim_the_heap_at_most_once_a_second(
     assert len(trims) == 3 and len(lookups) == 1
 
 
+def test_an_sp_message_across_reads_is_charged_too(budget: InputBudget) -> None:
+    """The SP framing's messages share the budget: charged as they come,
+    given back whole, and the oldest dropped past it."""
+    from mdp.transport.spframing import REP, REQ, SPDecoder, encode_message, header
+
+    evicted: list[Exception] = []
+    decoder = SPDecoder(REQ, Limits(maxBufferedBytes=10_000))
+    decoder.onEvicted = evicted.append
+    stream = header(REQ) + encode_message(b"a" * 6000) + encode_message(b"b" * 100)
+    assert decoder.feed(stream[:4000]) == []
+    assert budget.held == 3992
+    assert decoder.feed(stream[4000:6018]) == [[b"a" * 6000]]
+    assert budget.held == 2  # the next one's first bytes
+    assert decoder.feed(stream[6018:]) == [[b"b" * 100]]
+    assert budget.held == 0
+    assert decoder.feed(encode_message(b"c" * 9000)[:8000]) == []
+    newer = RecordDecoder(Limits(maxBufferedBytes=10_000))
+    newer.feed(encode_record([b"d" * 5000])[:3000])  # past the budget: the SP message goes
+    assert [type(e) for e in evicted] == [OverBudget] and budget.held == 2996
+    with pytest.raises(OverBudget):
+        decoder.feed(b"c")
+    assert SPDecoder(REP).feed(header(REP) + encode_message(b"x")) == [[b"x"]]
+    newer.release()
+    assert budget.held == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
        cuts=st.lists(st.integers(1, 4000), max_size=10))

@@ -63,6 +63,8 @@ class InputBudget:
         the oldest others (or refuse this one, the oldest)."""
         holders = self.holders
         if not decoder._charged:
+            if not size:
+                return  # (a holder holds something: it is dropped for room)
             holders[decoder] = None
         while self.held + size > limit:
             oldest = next(iter(holders))
@@ -161,8 +163,41 @@ def encode_greeting(identity: bytes) -> bytes:
     return GREETING_MARK + bytes([len(identity)]) + identity
 
 
+class ChargedDecoder:
+    """A stream decoder whose unfinished record is charged to :data:`BUFFERED`."""
+
+    _charged = 0  # bytes of the record in progress charged to BUFFERED
+    #: called with the :class:`OverBudget` when the budget drops this record
+    onEvicted: Optional[Callable[[ProtocolError], None]] = None
+
+    def evict(self, why: OverBudget) -> None:
+        """The budget drops the record in progress: the stream is unusable."""
+        self.release()
+
+        def refused(data: bytes) -> list[list[bytes]]:
+            raise why
+
+        self.feed = refused  # type: ignore[attr-defined]
+        if self.onEvicted is not None:
+            self.onEvicted(why)
+
+    def release(self) -> None:
+        """The connection is gone: give back the record in progress, its
+        budget and its buffers."""
+        if self._charged:
+            BUFFERED.give(self, True)
+        self._clear()
+
+    def _clear(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        if self._charged:
+            self.release()
+
+
 @implementer(IStreamDecoder)
-class RecordDecoder:
+class RecordDecoder(ChargedDecoder):
     """Turns a byte stream into messages.  :meth:`feed` returns the messages a
     piece completes, or raises :class:`~mdp.errors.ProtocolError`
     (:class:`RecordTooLarge` for a limit): the stream is then unusable.  With
@@ -187,7 +222,6 @@ class RecordDecoder:
         self._greeting: Optional[bytearray] = None
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
-        self._charged = 0  # bytes of the record in progress charged to BUFFERED
 
     @property
     def inRecord(self) -> bool:
@@ -287,32 +321,10 @@ class RecordDecoder:
             BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
         return pos
 
-    #: called with the :class:`OverBudget` when the budget drops this record
-    onEvicted: Optional[Callable[[ProtocolError], None]] = None
-
-    def evict(self, why: OverBudget) -> None:
-        """The budget drops the record in progress: the stream is unusable."""
-        self.release()
-
-        def refused(data: bytes) -> list[list[bytes]]:
-            raise why
-
-        self.feed = refused  # type: ignore[method-assign]
-        if self.onEvicted is not None:
-            self.onEvicted(why)
-
-    def release(self) -> None:
-        """The connection is gone: give back the record in progress, its
-        budget and its buffers."""
-        if self._charged:
-            BUFFERED.give(self, True)
+    def _clear(self) -> None:
         self._frames = []
         self._pieces = []
         self._buf = bytearray()
-
-    def __del__(self) -> None:
-        if getattr(self, "_charged", 0):
-            self.release()
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
         """Take the record in progress from *pos*; where it ends."""
