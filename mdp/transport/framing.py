@@ -34,8 +34,8 @@ _PIECE_BYTES = 4096
 
 
 class OverBudget(ProtocolError):
-    """A stream record that spans reads would take the process's unfinished
-    records past ``Limits.maxBufferedBytes``: its connection is closed."""
+    """The process's unfinished stream records would pass
+    ``Limits.maxBufferedBytes``: the oldest one's connection is closed."""
 
 
 class InputBudget:
