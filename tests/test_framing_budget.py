@@ -181,6 +181,42 @@ def test_any_split_gives_everything_back(sizes: list[int], cuts: list[int]) -> N
     assert budget.held == before
 
 
+@settings(max_examples=80, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3000)), max_size=40))
+def test_the_budget_holds_and_only_the_oldest_goes(steps: list[tuple[int, int]]) -> None:
+    """Four connections feed records of 6,000 bytes in any order against a
+    10,000-byte budget: what is held never passes it and is what the live
+    decoders hold; a record that is dropped or refused was the oldest."""
+    budget = framing.BUFFERED
+    before = budget.held
+    limits = Limits(maxBufferedBytes=10_000)
+    stream = encode_record([b"r" * 6000]) * 4
+    decoders = [RecordDecoder(limits) for _ in range(4)]
+    gone: list[RecordDecoder] = []
+    for decoder in decoders:
+        decoder.onEvicted = lambda why, decoder=decoder: gone.append(decoder)
+    sent = [0] * 4
+    for index, size in steps:
+        decoder = decoders[index]
+        if decoder in gone:
+            continue
+        order, already = list(budget.holders), len(gone)
+        try:
+            decoder.feed(stream[sent[index]:sent[index] + size])
+        except OverBudget:
+            assert decoder in order  # (a record's first bytes always fit)
+            assert gone[already:] == order[:order.index(decoder)]  # then it was the oldest
+            gone.append(decoder)
+        else:
+            assert gone[already:] == order[:len(gone) - already]  # the oldest went
+        sent[index] += size
+        assert budget.held - before == sum(d._charged for d in decoders) <= 10_000
+        assert set(budget.holders) == {d for d in decoders if d._charged}
+    for decoder in decoders:
+        decoder.release()
+    assert budget.held == before
+
+
 def test_a_connection_lost_gives_back_its_unfinished_record_at_once() -> None:
     """``FramedProtocol.reportUnfinished`` releases the decoder: no wait for
     the garbage collector to free a protocol in a reference cycle."""
