@@ -108,8 +108,7 @@ class FramedProtocol(Protocol):
         if messages:
             self._deliverAll(messages)
 
-    def refuse(self, e: ProtocolError) -> None:
-        """End the connection for input that cannot be taken."""
+    def refuse(self, e: ProtocolError) -> None:  # (input that cannot be taken)
         self.refusal = e
         self.drop("{reason}", reason=e)
 

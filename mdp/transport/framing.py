@@ -43,13 +43,10 @@ class InputBudget:
     connections together (RabbitMQ's memory watermark): a record that spans
     reads is charged as its bytes come, against its decoder's
     ``limits.maxBufferedBytes``, and given back when it completes or its
-    connection goes; one read whole costs nothing.  Past the limit the oldest
-    unfinished records are dropped, their connections closed (a peer holding
-    records open cannot starve the ones that flow); a record is refused only
-    when it is the oldest.  Dropped records give the C heap's free pages back
-    (glibc's ``malloc_trim``, about 0.5 ms on a large heap: the 64 KiB pieces
-    of reads are not returned otherwise), after each MiB at most once a
-    second, and once nothing is held."""
+    connection goes; one read whole costs nothing.  Past it the oldest are
+    dropped (records held open cannot starve those that flow).  The C heap's
+    free pages go back (``malloc_trim``, 0.5 ms on a large heap) after a MiB
+    dropped, at most once a second, and once nothing is held."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
@@ -169,6 +166,7 @@ class ChargedDecoder:
     _charged = 0  # bytes of the record in progress charged to BUFFERED
     #: called with the :class:`OverBudget` when the budget drops this record
     onEvicted: Optional[Callable[[ProtocolError], None]] = None
+    _clear: Callable[[], None]  # (the subclass's: let go of the record's buffers)
 
     def evict(self, why: OverBudget) -> None:
         """The budget drops the record in progress: the stream is unusable."""
@@ -187,9 +185,6 @@ class ChargedDecoder:
         if self._charged:
             BUFFERED.give(self, True)
         self._clear()
-
-    def _clear(self) -> None:
-        raise NotImplementedError
 
     def __del__(self) -> None:
         if self._charged:

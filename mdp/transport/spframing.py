@@ -50,9 +50,8 @@ def encode_message(body: bytes) -> bytes:
 
 @implementer(IStreamDecoder)
 class SPDecoder(framing.ChargedDecoder):
-    """The peer's header, then its messages, each as ``[body]``; a message
-    that spans reads is charged to the process's budget of unfinished records
-    (``Limits.maxBufferedBytes``, :class:`~mdp.transport.framing.InputBudget`)."""
+    """The peer's header, then its messages, each as ``[body]``; one that
+    spans reads is charged to ``Limits.maxBufferedBytes`` (``framing.BUFFERED``)."""
 
     identity = None
     channels = False
