@@ -84,3 +84,29 @@ def test_a_lost_socket_wakes_the_waiters(pair: tuple[ZmqDealer, Any, Clock]) -> 
     drained = dealer.drained()
     dealer.close()
     assert drained.called
+
+
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+def test_messages_ending_in_any_buffer_are_let_go_of(
+        pair: tuple[ZmqDealer, Any, Clock], kind: Any) -> None:
+    """A last frame that is not ``bytes`` is tracked too: the dealer is
+    writable again once the peer has read (it used to stay paused for good)."""
+    dealer, router, clock = pair
+    part = [b"head", kind(b"p" * 16 * 1024)]
+    sent = 0
+    while dealer.writable:
+        dealer.sendMessage(part)
+        sent += 1
+        assert sent * 16 * 1024 < 8 * BOUND, "never paused"
+    drained = dealer.drained()
+    taken = 0
+
+    def read() -> bool:
+        nonlocal taken
+        while router.poll(0):
+            assert router.recv_multipart()[1:] == [b"head", b"p" * 16 * 1024]
+            taken += 1
+        return drained.called
+
+    _wait(lambda: read() and taken == sent, clock)
+    assert dealer.writable and dealer.inFlight.held() <= BOUND // 2

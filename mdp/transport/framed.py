@@ -45,6 +45,7 @@ class FramedProtocol(Protocol):
 
     def connectionMade(self) -> None:
         self.decoder = self.framing.decoder(self.limits)
+        self.decoder.onEvicted = self.refuse  # (the budget of unfinished records dropped it)
         self.encode = self.framing.encode
         self._out = []
         self._direct = direct_capable(self.transport)
@@ -102,11 +103,14 @@ class FramedProtocol(Protocol):
             before = getattr(e, "decoded", None)
             if before:  # whole messages that came before it
                 self._deliverAll(before)
-            self.refusal = e
-            self.drop("{reason}", reason=e)
+            self.refuse(e)
             return
         if messages:
             self._deliverAll(messages)
+
+    def refuse(self, e: ProtocolError) -> None:  # (input that cannot be taken)
+        self.refusal = e
+        self.drop("{reason}", reason=e)
 
     def _deliverAll(self, messages: list[Any]) -> None:
         """Hand the messages of one read on until the connection closes."""

@@ -8,7 +8,9 @@ the records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional, Union
+import time
+import weakref
+from typing import Any, Callable, Optional, Union
 
 from zope.interface import implementer
 
@@ -32,8 +34,8 @@ _PIECE_BYTES = 4096
 
 
 class OverBudget(ProtocolError):
-    """A stream record that spans reads would take the process's unfinished
-    records past ``Limits.maxBufferedBytes``: its connection is closed."""
+    """The process's unfinished stream records would pass
+    ``Limits.maxBufferedBytes``: the oldest one's connection is closed."""
 
 
 class InputBudget:
@@ -41,24 +43,58 @@ class InputBudget:
     connections together (RabbitMQ's memory watermark): a record that spans
     reads is charged as its bytes come, against its decoder's
     ``limits.maxBufferedBytes``, and given back when it completes or its
-    connection goes; one read whole costs nothing.  After 1 MiB of dropped
-    records the C heap gives its free pages back (glibc's ``malloc_trim``,
-    about 0.1 ms: the 64 KiB pieces of reads are not returned otherwise)."""
+    connection goes; one read whole costs nothing.  Past it the oldest are
+    dropped (records held open cannot starve those that flow).  The C heap's
+    free pages go back (``malloc_trim``, 0.5 ms on a large heap) after a MiB
+    dropped, at most once a second, and once nothing is held."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
+        #: the decoders holding an unfinished record, oldest record first
+        self.holders: Any = weakref.WeakKeyDictionary()
+        self._trim: Any = None
+        self._trimmed = 0.0
 
-    def give(self, size: int, dropped: bool) -> None:
+    def charge(self, decoder: Any, size: int, limit: int) -> None:
+        """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
+        the oldest others (or refuse this one, the oldest)."""
+        holders = self.holders
+        if not decoder._charged:
+            if not size:
+                return  # (a holder holds something: it is dropped for room)
+            holders[decoder] = None
+        while self.held + size > limit:
+            oldest = next(iter(holders))
+            why = OverBudget(f"unfinished records already hold {self.held} bytes in this process; "
+                             f"{size} more would pass the limit of {limit} (max buffered bytes): "
+                             f"the oldest, of {oldest._charged} bytes, is dropped")
+            self.refused += 1
+            if oldest is decoder:
+                raise why
+            oldest.evict(why)
+        self.held += size
+        decoder._charged += size
+
+    def give(self, decoder: Any, dropped: bool) -> None:
+        """*decoder*'s record completed, or went (*dropped*)."""
+        size, decoder._charged = decoder._charged, 0
+        self.holders.pop(decoder, None)
         self.held -= size
-        self.dropped += size if dropped else 0
-        if self.dropped >= 1 << 20:
+        if not dropped:
+            return
+        self.dropped += size
+        now = time.monotonic()
+        if self.dropped >= 1 << 20 and (now >= self._trimmed + 1.0 or not self.held):
             self.dropped = 0
-            try:
-                import ctypes
+            self._trimmed = now
+            if self._trim is None:
+                try:
+                    import ctypes
 
-                ctypes.CDLL(None).malloc_trim(0)
-            except (ImportError, OSError, AttributeError, TypeError):  # no glibc
-                pass
+                    self._trim = ctypes.CDLL(None).malloc_trim
+                except (ImportError, OSError, AttributeError, TypeError):  # no glibc
+                    self._trim = int
+            self._trim(0)
 
 
 #: The process's budget for unfinished stream records.
@@ -124,8 +160,39 @@ def encode_greeting(identity: bytes) -> bytes:
     return GREETING_MARK + bytes([len(identity)]) + identity
 
 
+class ChargedDecoder:
+    """A stream decoder whose unfinished record is charged to :data:`BUFFERED`."""
+
+    _charged = 0  # bytes of the record in progress charged to BUFFERED
+    #: called with the :class:`OverBudget` when the budget drops this record
+    onEvicted: Optional[Callable[[ProtocolError], None]] = None
+    _clear: Callable[[], None]  # (the subclass's: let go of the record's buffers)
+
+    def evict(self, why: OverBudget) -> None:
+        """The budget drops the record in progress: the stream is unusable."""
+        self.release()
+
+        def refused(data: bytes) -> list[list[bytes]]:
+            raise why
+
+        self.feed = refused  # type: ignore[attr-defined]
+        if self.onEvicted is not None:
+            self.onEvicted(why)
+
+    def release(self) -> None:
+        """The connection is gone: give back the record in progress, its
+        budget and its buffers."""
+        if self._charged:
+            BUFFERED.give(self, True)
+        self._clear()
+
+    def __del__(self) -> None:
+        if self._charged:
+            self.release()
+
+
 @implementer(IStreamDecoder)
-class RecordDecoder:
+class RecordDecoder(ChargedDecoder):
     """Turns a byte stream into messages.  :meth:`feed` returns the messages a
     piece completes, or raises :class:`~mdp.errors.ProtocolError`
     (:class:`RecordTooLarge` for a limit): the stream is then unusable.  With
@@ -150,7 +217,6 @@ class RecordDecoder:
         self._greeting: Optional[bytearray] = None
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
-        self._charged = 0  # bytes of the record in progress charged to BUFFERED
 
     @property
     def inRecord(self) -> bool:
@@ -247,28 +313,13 @@ class RecordDecoder:
         start = pos
         pos = self._feedRecord(data, pos, end)
         if self._need:
-            if BUFFERED.held + pos - start > self.limits.maxBufferedBytes:
-                BUFFERED.refused += 1
-                raise OverBudget(f"unfinished records already hold {BUFFERED.held} bytes in this "
-                                 f"process; {self._held} bytes of this one would pass the limit "
-                                 f"of {self.limits.maxBufferedBytes} (max buffered bytes)")
-            BUFFERED.held += pos - start
-            self._charged += pos - start
+            BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
         return pos
 
-    def release(self) -> None:
-        """The connection is gone: give back the record in progress, its
-        budget and its buffers."""
-        if self._charged:
-            BUFFERED.give(self._charged, True)
-            self._charged = 0
+    def _clear(self) -> None:
         self._frames = []
         self._pieces = []
         self._buf = bytearray()
-
-    def __del__(self) -> None:
-        if getattr(self, "_charged", 0):
-            self.release()
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
         """Take the record in progress from *pos*; where it ends."""
@@ -329,8 +380,7 @@ class RecordDecoder:
         return pos
 
     def _completed(self) -> list[bytes]:
-        BUFFERED.give(self._charged, False)
-        self._charged = 0
+        BUFFERED.give(self, False)
         frames, self._frames = self._frames, []
         content = self._held - 4 * len(frames)
         self._need = -1

@@ -11,6 +11,7 @@ from zope.interface import implementer
 from mdp.errors import ProtocolError, RecordTooLarge
 from mdp.interfaces import IFraming, IStreamDecoder
 from mdp.policy import Limits
+from mdp.transport import framing
 
 #: Protocol numbers, as nng uses them on the wire.
 REQ = 0x30
@@ -48,8 +49,9 @@ def encode_message(body: bytes) -> bytes:
 
 
 @implementer(IStreamDecoder)
-class SPDecoder:
-    """The peer's header, then its messages, each as ``[body]``."""
+class SPDecoder(framing.ChargedDecoder):
+    """The peer's header, then its messages, each as ``[body]``; one that
+    spans reads is charged to ``Limits.maxBufferedBytes`` (``framing.BUFFERED``)."""
 
     identity = None
     channels = False
@@ -96,7 +98,20 @@ class SPDecoder:
                 pos += 8 + length
         del buf[:pos]
         self.records += len(messages)
+        if len(buf) != self._charged:  # a message in progress, or one completed
+            budget = framing.BUFFERED
+            if len(buf) < self._charged:
+                budget.give(self, False)
+            try:  # (nothing, if nothing is left)
+                budget.charge(self, len(buf) - self._charged, self.limits.maxBufferedBytes)
+            except ProtocolError as e:
+                self.release()
+                e.decoded = messages  # type: ignore[attr-defined]
+                raise
         return messages
+
+    def _clear(self) -> None:
+        self._buf = bytearray()
 
 
 @implementer(IFraming)

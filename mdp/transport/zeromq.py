@@ -24,6 +24,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
@@ -505,10 +506,13 @@ class ZmqDealer:
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
         inFlight = self.inFlight
-        size = held_bytes(frames)
+        size = _OVERHEAD * len(frames)  # (held_bytes, without its call)
+        for frame in frames:
+            size += len(frame)
         tracker = None
-        if inFlight.sent + size - inFlight.marked >= inFlight.bound // 4 and type(frames[-1]) is bytes:
-            last = _zmq().Frame(frames[-1], track=True, copy=False)
+        if inFlight.sent + size - inFlight.marked >= inFlight.bound >> 2:
+            last = frames[-1]  # (any buffer: one untracked would never be let go of)
+            last = _zmq().Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
             tracker = last.tracker
             frames = [*frames[:-1], last]
         try:
