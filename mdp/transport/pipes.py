@@ -17,7 +17,7 @@ from typing import Any, Optional
 from twisted.logger import Logger
 
 from mdp.errors import TransportError
-from mdp.policy import RECONNECT, held_bytes
+from mdp.policy import RECONNECT
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, ChannelLink
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RECORDS, encode_record
@@ -141,21 +141,12 @@ class _ZmqPipe:
         self.loop.unchecked.add(self)
 
     def _trySend(self, frames: list[bytes]) -> bool:
-        inFlight = self.inFlight
-        size = held_bytes(frames)
-        tracker = None
-        if inFlight.sent + size - inFlight.marked >= inFlight.bound >> 2 and type(frames[-1]) is bytes:
-            last = _Frame(frames[-1], track=True, copy=False)  # (see ZmqDealer._trySend)
-            tracker = last.tracker
-            frames = [*frames[:-1], last]
+        frames, size, tracker = self.inFlight.track(frames)
         try:
             _send(self.handle, frames, ZERO_COPY_BYTES, _pysend, self.socket)
         except _Again:
             return False  # only the first frame can be refused (a full pipe)
-        inFlight.sent += size
-        if tracker is not None:
-            inFlight.marked = inFlight.sent
-            inFlight.marks.append((tracker, inFlight.sent))
+        self.inFlight.went(size, tracker)
         return True
 
     def ready(self, flags: int, now: float) -> None:
@@ -693,7 +684,6 @@ class _LinkPipe(Channel):
 # the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`) and constants
 _read, _send, _events, _native = socket_calls(True)
 _pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _zmq().Again
-_Frame = _zmq().Frame
 _RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
 _ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
 #: no limit

@@ -422,6 +422,26 @@ class InFlight:
             self.released = marks.popleft()[1]
         return self.sent - self.released
 
+    def track(self, frames: list[Any]) -> tuple[list[Any], int, Any]:
+        """*frames* to send (the last one tracked where a quarter of the bound
+        went since the last mark), their size as :func:`~mdp.policy.held_bytes`
+        counts it, and the tracker or None."""
+        size = _OVERHEAD * len(frames)
+        for frame in frames:
+            size += len(frame)
+        if self.sent + size - self.marked < self.bound >> 2:
+            return frames, size, None
+        last = frames[-1]  # (any buffer: one untracked would never be let go of)
+        last = _zmq().Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
+        return [*frames[:-1], last], size, last.tracker
+
+    def went(self, size: int, tracker: Any) -> None:
+        """The message :meth:`track` returned is libzmq's now."""
+        self.sent += size
+        if tracker is not None:
+            self.marked = self.sent
+            self.marks.append((tracker, self.sent))
+
 
 @implementer(IDealerTransport)
 class ZmqDealer:
@@ -505,16 +525,7 @@ class ZmqDealer:
 
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
-        inFlight = self.inFlight
-        size = _OVERHEAD * len(frames)  # (held_bytes, without its call)
-        for frame in frames:
-            size += len(frame)
-        tracker = None
-        if inFlight.sent + size - inFlight.marked >= inFlight.bound >> 2:
-            last = frames[-1]  # (any buffer: one untracked would never be let go of)
-            last = _zmq().Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
-            tracker = last.tracker
-            frames = [*frames[:-1], last]
+        frames, size, tracker = self.inFlight.track(frames)
         try:
             self.connection.send(frames)
         except _zmq().ZMQError as e:
@@ -522,10 +533,7 @@ class ZmqDealer:
                 return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
             return True
-        inFlight.sent += size
-        if tracker is not None:
-            inFlight.marked = inFlight.sent
-            inFlight.marks.append((tracker, inFlight.sent))
+        self.inFlight.went(size, tracker)
         return True
 
     def _open(self) -> None:
