@@ -19,7 +19,15 @@ from mdp.policy import Limits
 from mdp.transport.framing import RecordDecoder
 from tests.procs import ENV, Cluster, Process, python, reactor, wait_until
 from tests.test_hostile_processes import NonReader, mdp_request, rss
-from tests.test_worker_streams import BINDS, PART, RSS_BOUND, FakeBroker, _count, _stop_if_over
+from tests.test_worker_streams import (
+    BINDS,
+    PART,
+    RSS_BOUND,
+    FakeBroker,
+    _count,
+    _stop_if_over,
+    pulled_until_paused,
+)
 
 MiB = 1024 * 1024
 #: the worker's bound (its limits.maxOutputBytes), well under 1,000 parts
@@ -151,31 +159,9 @@ async def test_blocking_streaming_handler_paused_while_broker_does_not_read(
     counts = str(tmp_path / "count")
     worker = Process(reactor(), python("-c", WORKER, broker.endpoint, str(BOUND)), ENV)
     cap = (BOUND + SLACK) // PART
-    beats: Optional[task.LoopingCall] = None
+    beats = task.LoopingCall(broker.send, b"MDPW02", b"\x05")
     try:
-        ready: list[Optional[list[bytes]]] = [None]
-
-        def came() -> bool:
-            ready[0] = broker.ready()
-            return ready[0] is not None or not worker.running
-
-        await wait_until(came, 30)
-        assert ready[0] is not None and ready[0][:2] == [b"MDPW02", b"\x01"], worker.output
-        broker.send(b"MDPW02", b"\x02", b"client", b"", str(PART).encode(), counts.encode())
-        beats = task.LoopingCall(broker.send, b"MDPW02", b"\x05")
-        beats.start(0.25)
-        seen: list[int] = []
-
-        def settled() -> bool:
-            seen.append(_count(counts))
-            if seen[-1] > cap:
-                worker.signalProcess(9)
-                raise AssertionError(f"the handler yielded {seen[-1]} parts of {PART} "
-                                     f"bytes; at most {cap} may be out unread")
-            return len(seen) > 10 and seen[-1] == seen[-11] > 0
-
-        await wait_until(settled, 15, step=0.1)
-        paused = seen[-1]
+        paused = await pulled_until_paused(broker, worker, counts, cap, beats)
         held = rss(worker.transport.pid)
         # the broker reads: behind the parts, the heartbeats sent while paused
         taken = _read_to_heartbeat(broker)
@@ -183,7 +169,7 @@ async def test_blocking_streaming_handler_paused_while_broker_does_not_read(
         print(f"\n{kind}: paused at {paused} parts (cap {cap}), RSS {held / MiB:.0f} MiB; "
               f"a heartbeat after {taken} parts read")
     finally:
-        if beats is not None and beats.running:
+        if beats.running:
             beats.stop()
         broker.close()
         await worker.stop()

@@ -170,6 +170,36 @@ class FakeBroker:
             self.sock.close()
 
 
+async def pulled_until_paused(broker: FakeBroker, worker: Process, counts: str, cap: int,
+                              beats: task.LoopingCall) -> int:
+    """Wait for *worker*'s READY, hand it a REQUEST for PART-byte parts counted
+    in the file *counts*, start *beats* (heartbeats) and wait until the handler
+    stops being pulled: the parts it yielded (past *cap*, the worker is killed
+    and this fails)."""
+    ready: list[Optional[list[bytes]]] = [None]
+
+    def came() -> bool:
+        ready[0] = broker.ready()
+        return ready[0] is not None or not worker.running
+
+    await wait_until(came, 30)
+    assert ready[0] is not None and ready[0][:2] == [b"MDPW02", b"\x01"], worker.output
+    broker.send(b"MDPW02", b"\x02", b"client", b"", str(PART).encode(), counts.encode())
+    beats.start(0.25)
+    seen: list[int] = []
+
+    def settled() -> bool:
+        seen.append(_count(counts))
+        if seen[-1] > cap:
+            worker.signalProcess(9)
+            raise AssertionError(f"the handler yielded {seen[-1]} parts of {PART} "
+                                 f"bytes; at most {cap} may be out unread")
+        return len(seen) > 10 and seen[-1] == seen[-11] > 0
+
+    await wait_until(settled, 15, step=0.1)
+    return seen[-1]
+
+
 @pytest.mark.parametrize("kind", sorted(BINDS))
 @pytest_twisted.ensureDeferred
 async def test_streaming_handler_paused_while_broker_does_not_read(kind: str,
@@ -182,38 +212,16 @@ async def test_streaming_handler_paused_while_broker_does_not_read(kind: str,
     worker = twist_worker(reactor(), broker.endpoint, "endless", "tests.stream_peers:endless",
                           "--heartbeat", "0.5", "--liveness", "20")
     cap = (BOUND + SLACK) // PART
-    beats: Optional[task.LoopingCall] = None
+    beats = task.LoopingCall(broker.send, b"MDPW02", b"\x05")
     try:
-        ready: list[Optional[list[bytes]]] = [None]
-
-        def came() -> bool:
-            ready[0] = broker.ready()
-            return ready[0] is not None
-
-        await wait_until(came, 30)
-        assert ready[0] is not None and ready[0][:2] == [b"MDPW02", b"\x01"], ready
-        broker.send(b"MDPW02", b"\x02", b"client", b"", str(PART).encode(), counts.encode())
-        beats = task.LoopingCall(broker.send, b"MDPW02", b"\x05")
-        beats.start(0.25)
-        seen: list[int] = []
-
-        def settled() -> bool:
-            seen.append(_count(counts))
-            if seen[-1] > cap:
-                worker.signalProcess(9)
-                raise AssertionError(f"the handler yielded {seen[-1]} parts of {PART} "
-                                     f"bytes; at most {cap} may be out unread")
-            return len(seen) > 10 and seen[-1] == seen[-11] > 0
-
-        await wait_until(settled, 15, step=0.1)
-        paused = seen[-1]
+        paused = await pulled_until_paused(broker, worker, counts, cap, beats)
         assert rss(worker.transport.pid) < RSS_BOUND
         # the broker reads: the handler is pulled again
         taken = broker.read(2 * paused)
         await wait_until(lambda: _count(counts) > paused, 10)
         print(f"\n{kind}: paused at {paused} parts (cap {cap}); resumed after {taken} were read")
     finally:
-        if beats is not None and beats.running:
+        if beats.running:
             beats.stop()
         broker.close()
         await worker.stop()
