@@ -194,6 +194,9 @@ async def test_bytes_flipped_in_index_pages_while_stopped_are_repaired_at_start(
         await again.close()
 
 
+#: stores three requests in the store argv[1], printing their ids, then with
+#: argv[2] "kill" dies as if killed (the WAL left, not checkpointed), with
+#: "end" ends (its reactor stops) without closing the store
 LEAVE_OPEN = """
 import os, sys
 from twisted.internet import defer, task
@@ -204,7 +207,8 @@ async def main(reactor):
     await store.open()
     for n in range(3):
         print(await store.add(b"echo", [b"%d" % n], float(n)), flush=True)
-    os._exit(0)  # as if killed: the WAL is left, not checkpointed
+    if sys.argv[2] == "kill":
+        os._exit(0)
 
 task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
 """
@@ -212,7 +216,7 @@ task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
 
 async def left_open(path: str) -> list[str]:
     """A process that stores three requests and dies without closing the store."""
-    proc = await finished(python("-c", LEAVE_OPEN, path))
+    proc = await finished(python("-c", LEAVE_OPEN, path, "kill"))
     ids = proc.output.decode().split()
     assert len(ids) == 3 and os.path.getsize(path + "-wal") > 0, proc.output
     return ids
@@ -235,28 +239,12 @@ async def test_a_wal_gone_from_a_store_left_open_is_refused_saying_what_to_do(
     await store.close()
 
 
-NO_CLOSE = """
-import sys
-from twisted.internet import defer, task
-from mdp.titanic.store import SQLiteStore
-
-async def main(reactor):
-    store = SQLiteStore(sys.argv[1], reactor)
-    await store.open()
-    for n in range(3):
-        print(await store.add(b"echo", [b"%d" % n], float(n)), flush=True)
-    # the program ends (its reactor stops) without closing the store
-
-task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
-"""
-
-
 @pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_a_store_its_program_did_not_close_opens_again_with_everything(
         tmp_path: Any) -> None:
     path = str(tmp_path / "titanic.db")
-    proc = await finished(python("-c", NO_CLOSE, path))
+    proc = await finished(python("-c", LEAVE_OPEN, path, "end"))
     ids = proc.output.decode().split()
     assert len(ids) == 3, proc.output
     store = SQLiteStore(path, reactor())
