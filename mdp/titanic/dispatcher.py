@@ -1,8 +1,6 @@
 """Titanic's dispatcher: stored requests to their services, replies to the store.
-
-:class:`DispatchMachine` holds every decision and no I/O; :class:`Dispatcher`
-drives it with a store and an MDP client (docs/titanic.md, "The dispatcher").
-"""
+:class:`DispatchMachine` decides, :class:`Dispatcher` drives it with a store and
+an MDP client (docs/titanic.md, "The dispatcher")."""
 
 from __future__ import annotations
 
@@ -138,13 +136,10 @@ Action = Union[LoadPending, ListServices, CheckService, Dispatch, StoreReply, Pu
 
 
 class DispatchMachine(Machine):
-    """Which stored request goes out when, with no store, client or reactor.
-
-    With *listEvery*, the broker's listing of services (asked that often) says
-    which services have workers, and only their requests are read: requests for
-    services it does not list stay in the store and cost nothing.  Without it,
-    or while the broker gives no full listing, each service is asked about
-    (``mmi.workers``, ``mmi.service``) and parked with a backoff of its own."""
+    """Which stored request goes out when.  With *listEvery*, only the requests of
+    the services the broker lists (asked that often) are read; without it, or
+    without a full listing, each service is asked about (``mmi.workers``,
+    ``mmi.service``) and parked with a backoff of its own."""
 
     def __init__(
         self,
@@ -375,10 +370,9 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        service = self.services.get(name)
-        if service is None:
-            service = self.services[name] = _Service(name)
-        return service
+        if name not in self.services:
+            self.services[name] = _Service(name)
+        return self.services[name]
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -560,14 +554,10 @@ class DispatchMachine(Machine):
             return self.window
         return max(entry.workers, 1)
 
-    def _nextWake(self) -> Optional[float]:
-        times = [e.until for e in self.services.values() if e.state is ServiceState.PARKED]
-        if self._storeRetryAt is not None:
-            times.append(self._storeRetryAt)
-        if self._nextList is not None:
-            times.append(self._nextList)
-        times.append(self._nextPurge)
-        return min(times)
+    def _nextWake(self) -> float:
+        due = (self._storeRetryAt, self._nextList, self._nextPurge)
+        parked = (e.until for e in self.services.values() if e.state is ServiceState.PARKED)
+        return min([*parked, *(when for when in due if when is not None)])
 
     def _setWake(self, when: Optional[float]) -> None:
         if when != self._wake:

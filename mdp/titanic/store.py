@@ -41,7 +41,6 @@ def new_id() -> str:
     return str(uuid.uuid4())
 
 
-
 class ReplyStatus(enum.Enum):
     """What the store knows of a request's reply."""
 
@@ -590,12 +589,8 @@ class SQLiteStore:
             d = self._run(self._pending, limit, list(skipServices), ids)
 
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
-            requests = []
-            for seq, *row in rows:
-                request = _stored(tuple(row))
-                self._rows[request.id] = seq
-                requests.append(request)
-            return requests
+            self._rows.update((requestId, seq) for seq, requestId, *_ in rows)
+            return [_stored(row[1:]) for row in rows]
 
         return d.addCallback(read)
 
