@@ -1,11 +1,7 @@
-"""The MDP/0.2 broker's decisions, as a pure state machine.
-
-:class:`BrokerMachine` is fed events with their time and returns what it wants
-done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what a driver logs
-and counts (the other actions); states and transitions are tabled in
-:mod:`mdp.majordomo.broker_records`.  An ``admission`` (e.g. Binary Star) votes
-on each request and READY: a passive broker answers only ``mmi.binarystar``.
-"""
+"""The MDP/0.2 broker's decisions: :class:`BrokerMachine` takes events with their
+time and returns actions (states and transitions: :mod:`mdp.majordomo.broker_records`).
+An ``admission`` (e.g. Binary Star) votes on each request and READY: a passive
+broker answers only ``mmi.binarystar``."""
 
 from __future__ import annotations
 
@@ -349,19 +345,15 @@ class BrokerMachine(Machine):
             shown = [name for name in self.services if visible(name)]
         names = sorted(shown) if serviceLimit is None else heapq.nsmallest(serviceLimit, shown)
         queues = [self.services[name] for name in names]
-        chosen = self._chosenWorkers(service, visible)
+        chosen = [w for w in self.workers.values()
+                  if (service is None or w.service.name == service)
+                  and (visible is None or visible(w.service.name))]
         return BrokerSnapshot(
             at, tuple(ServiceSnapshot(q.name, len(q.idle), q.workers - len(q.idle), q.size, q.bytes)
                       for q in queues),
             tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect, w.state is BUSY,
                                  w.liveness.silence(at)) for w in chosen[:workerLimit]),
             len(shown), len(chosen), self._ledger.count, self._ledger.bytes)
-
-    def _chosenWorkers(self, service: Optional[bytes],
-                       visible: Optional[Callable[[bytes], bool]]) -> list[WorkerRef]:
-        return [w for w in self.workers.values()
-                if (service is None or w.service.name == service)
-                and (visible is None or visible(w.service.name))]
 
     # --- clients ------------------------------------------------------------
 
@@ -373,7 +365,9 @@ class BrokerMachine(Machine):
                                  content + FRAME_OVERHEAD * len(body), arrivedAt=now)
         if self.observed:
             self._emit(Requested(name))
-        if not self._admitted(request, identity):
+        if self.admission is not None and not self._admitClient(request):
+            return
+        if self.access is not None and not self._mayCall(request, identity):
             return
         if name.startswith(_MMI_PREFIX):
             self._answerManagement(request, identity)
@@ -398,10 +392,6 @@ class BrokerMachine(Machine):
         if self.observed:
             self._emit(Replied(request.service, None, request.client[1]))
 
-    def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
-        return ((self.admission is None or self._admitClient(request))
-                and (self.access is None or self._mayCall(request, identity)))
-
     def _admitClient(self, request: PendingRequest) -> bool:
         """The admission's vote on *request* (``mmi.binarystar`` always passes)."""
         if request.service == mmi.BINARYSTAR:
@@ -409,9 +399,8 @@ class BrokerMachine(Machine):
         now = self.now
         if not self.admission.admitClient(now):
             self._activeSince = None
-            request.state = DONE
             # not serving: the client times out and tries another broker
-            self._emit(Refused(request.client[1], request.service, None, "passive", "this broker is passive"))
+            self._refuse(request, None, "passive", "this broker is passive")
             return False
         if self._activeSince is None:
             self._activeSince = now
@@ -498,11 +487,12 @@ class BrokerMachine(Machine):
             deadline = max(deadline, min(learning, self.now + self.requestExpiry))
         return deadline
 
-    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str,
+    def _refuse(self, request: PendingRequest, code: Optional[bytes], kind: str, message: str,
                 state: RequestState = DONE) -> None:
-        """Answer *request* at once with an error reply (and leave it in *state*)."""
+        """Answer *request* at once with error reply *code* (None: none), leaving it in *state*."""
         request.state = state
-        self._reply(request, codec.error_body(code, message), final=True)
+        if code is not None:
+            self._reply(request, codec.error_body(code, message), final=True)
         self._emit(Refused(request.client[1], request.service, code, kind, message))
 
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
@@ -536,7 +526,8 @@ class BrokerMachine(Machine):
             self._removeWorker(worker)
             self._markGone(worker.key)
         elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
-            self._unexpected(worker, f"{kind.__name__} from a registered worker")
+            self._invalid(worker.key, "unexpected",
+                          f"unexpected {kind.__name__} from a registered worker: sending DISCONNECT")
 
     def _misdirected(self, worker: WorkerRef, kind: type, envelope: bytes) -> None:
         """A worker's PARTIAL or FINAL not for its request (or with the restart marker)."""
@@ -547,7 +538,7 @@ class BrokerMachine(Machine):
         elif envelope == worker.lastEnvelope:
             self._emit(Dropped(worker.key[1], "stale", f"a second {what} for a request it already answered"))
         elif request is None:
-            self._unexpected(worker, f"{what} while idle")
+            self._invalid(worker.key, "unexpected", f"unexpected {what} while idle: sending DISCONNECT")
         else:
             self._invalid(worker.key, "not-serving", f"{what} for a request it does not serve")
 
@@ -644,7 +635,7 @@ class BrokerMachine(Machine):
         kind = "ready"
         if self.access is not None and not self.access.mayServe(identity, name):
             kind, why = "serve-forbidden", f"{_who(identity)} may not serve it"
-        elif self.admission is not None and not self._admitWorker():
+        elif self.admission is not None and not self.admission.admitWorker(self.now):
             why = "this broker is not the active one of its Binary Star pair"
         elif len(self.workers) >= self.maxWorkers:
             why = f"{len(self.workers)} workers already registered"
@@ -655,6 +646,7 @@ class BrokerMachine(Machine):
                 service = self.services[name] = ServiceQueue(name, self._ledger)
             worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
             self.workers[key] = worker
+            self._passive = False  # admitted: active now, even before a tick says so
             service.workers += 1
             service.abandonedAt = None
             service.registered = True
@@ -666,12 +658,6 @@ class BrokerMachine(Machine):
             return
         self._emit(Refused(key[1], name, None, kind, f"READY refused: {why}"))
         self._sendDisconnect(key, dialect)
-
-    def _admitWorker(self) -> bool:
-        if not self.admission.admitWorker(self.now):
-            return False
-        self._passive = False  # admitted: active now, even before a tick says so
-        return True
 
     def _dispatch(self, service: ServiceQueue) -> None:
         """Hand queued requests to idle workers, least recently used first (none if passive)."""
@@ -739,10 +725,6 @@ class BrokerMachine(Machine):
         request.queuedAt = self.now
         service.enqueue(request, first=True)
         self._dispatch(service)
-
-    def _unexpected(self, worker: WorkerRef, what: str) -> None:
-        self._emit(Dropped(worker.key[1], "unexpected", f"unexpected {what}: sending DISCONNECT"))
-        self._release(worker)
 
     def _invalid(self, key: PeerKey, kind: str, reason: str) -> None:
         """Drop an invalid message, and the peer's connection if it has its own; a
@@ -827,10 +809,8 @@ class BrokerMachine(Machine):
         on the active broker) and sends idle workers DISCONNECT so they move there."""
         for service in list(self.services.values()):
             while service.size:
-                request = service.nextRequest()
-                request.state = DONE
-                self._emit(Refused(request.client[1], request.service, None, "passive",
-                                   "dropped from the queue of a passive broker"))
+                self._refuse(service.nextRequest(), None, "passive",
+                             "dropped from the queue of a passive broker")
             self._forgetIfEmpty(service)
         for worker in [w for w in self.workers.values() if w.current is None]:
             self._emit(WorkerChanged(worker.key[1], worker.service.name, "released"))
