@@ -102,6 +102,15 @@ class DropPeer:
 
 
 @action_class
+class MarkUseful:
+    """Peer *key* is useful (its connection is kept when its listener is full), or
+    no more: a worker of a service a request went to, a client of one with workers."""
+
+    key: PeerKey
+    useful: bool = True
+
+
+@action_class
 class WakeAt:
     """Call :meth:`BrokerMachine.handleWake` at *time*."""
 
@@ -224,13 +233,8 @@ class BrokerMachine(Machine):
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
         #: workers told DISCONNECT or that said it, by when: all but READY dropped for an expiry
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
-        #: peers found useful since the driver took this list, once each (a
-        #: worker of a service a request went to, a client of one with workers)
-        self.usefulPeers: list[PeerKey] = []
-        #: peers listed that are useful no more (the driver applies them first)
-        self.idlePeers: list[PeerKey] = []
-        #: the clients listed: heard (or holding a request) this round, and in
-        #: the round before; when the next round begins (:meth:`_sweepClients`)
+        #: the clients marked useful: heard (or holding a request) this round, and
+        #: in the round before; when the next round begins (:meth:`_sweepClients`)
         self._usefulClients: dict[PeerKey, None] = {}
         self._usefulBefore: dict[PeerKey, None] = {}
         self._sweepAt = self.now + USEFUL_GRACE
@@ -312,9 +316,12 @@ class BrokerMachine(Machine):
 
     def clientCount(self) -> int:
         """Clients with a request in the broker (queued or with a worker)."""
+        return len(self._clientsWithRequests())
+
+    def _clientsWithRequests(self) -> set[PeerKey]:
         clients = set(self._ledger.byClient)
         clients.update(w.current.client for w in self.workers.values() if w.current is not None)
-        return len(clients)
+        return clients
 
     def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
         """True if *name* has a live worker, or lost its last within ``serviceLinger`` of *now*."""
@@ -445,37 +452,35 @@ class BrokerMachine(Machine):
         self._dispatch(service)
 
     def _usefulClient(self, key: PeerKey) -> None:
-        """Client *key* asked for a service with workers: in ``usefulPeers``
-        unless still listed."""
+        """Client *key* asked for a service with workers: marked useful unless it still is."""
         useful = self._usefulClients
         useful[key] = None
         if key not in self._usefulBefore:
-            self.usefulPeers.append(key)
+            self._emit(MarkUseful(key))
         if len(useful) > MAX_USEFUL_CLIENTS:
             self._sweepAt = self.now  # (at the next tick: the idle are forgotten sooner)
 
     def _sweepClients(self) -> None:
         """Once a round (``USEFUL_GRACE``): clients neither heard nor holding a
-        request in this round and the one before go to ``idlePeers``; those
-        holding one stay another round."""
+        request in this round and the one before are useful no more; those holding
+        one stay another round."""
         if self.now < self._sweepAt:
             return
         self._sweepAt = self.now + USEFUL_GRACE
-        old, recent, workers = self._usefulBefore, self._usefulClients, self.workers
-        busy = set(self._ledger.byClient)
-        busy.update(w.current.client for w in workers.values() if w.current is not None)
-        self.idlePeers += [key for key in old if key not in busy and key not in recent
-                           and key not in workers]
+        old, recent, busy = self._usefulBefore, self._usefulClients, self._clientsWithRequests()
+        for key in old:
+            if key not in busy and key not in recent and key not in self.workers:
+                self._emit(MarkUseful(key, False))
         self._usefulBefore = recent
         self._usefulClients = dict.fromkeys(key for key in (*old, *recent) if key in busy)
 
     def _usefulWorkers(self, service: ServiceQueue, worker: WorkerRef) -> None:
-        """*service* is wanted: *worker* and its idle ones in ``usefulPeers``, once each."""
+        """*service* is wanted: *worker* and its idle ones marked useful, once each."""
         service.wanted = True
         for each in (worker, *service.idle.values()):
             if not each.useful:
                 each.useful = True
-                self.usefulPeers.append(each.key)
+                self._emit(MarkUseful(each.key))
 
     def _unknownDeadline(self) -> float:
         """When an unknown service's requests are given up: ``unknownServiceExpiry``
@@ -689,7 +694,7 @@ class BrokerMachine(Machine):
         if self.workers.pop(worker.key, None) is None:
             return
         if worker.useful:
-            self.idlePeers.append(worker.key)
+            self._emit(MarkUseful(worker.key, False))
         worker.state = GONE
         service = worker.service
         service.idle.pop(worker.key, None)
