@@ -22,6 +22,7 @@ cdef class BrokerMachine(Machine):
     # the request's path, in C (only the machine calls these)
     @cython.locals(request=PendingRequest, service=ServiceQueue)
     cdef _request(self, key, name, body, dialect, identity)
+    cdef bint _admitted(self, PendingRequest request, identity) except -1
     @cython.locals(ledger=QueueLedger)
     cdef bint _queueHasRoom(self, ServiceQueue service, PendingRequest request) except -1
     cdef _enqueue(self, ServiceQueue service, PendingRequest request)

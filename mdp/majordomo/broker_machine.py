@@ -352,15 +352,19 @@ class BrokerMachine(Machine):
             shown = [name for name in self.services if visible(name)]
         names = sorted(shown) if serviceLimit is None else heapq.nsmallest(serviceLimit, shown)
         queues = [self.services[name] for name in names]
-        chosen = [w for w in self.workers.values()
-                  if (service is None or w.service.name == service)
-                  and (visible is None or visible(w.service.name))]
+        chosen = self._chosenWorkers(service, visible)
         return BrokerSnapshot(
             at, tuple(ServiceSnapshot(q.name, len(q.idle), q.workers - len(q.idle), q.size, q.bytes)
                       for q in queues),
             tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect, w.state is BUSY,
                                  w.liveness.silence(at)) for w in chosen[:workerLimit]),
             len(shown), len(chosen), self._ledger.count, self._ledger.bytes)
+
+    def _chosenWorkers(self, service: Optional[bytes],
+                       visible: Optional[Callable[[bytes], bool]]) -> list[WorkerRef]:
+        return [w for w in self.workers.values()
+                if (service is None or w.service.name == service)
+                and (visible is None or visible(w.service.name))]
 
     # --- clients ------------------------------------------------------------
 
@@ -372,9 +376,7 @@ class BrokerMachine(Machine):
                                  content + FRAME_OVERHEAD * len(body), arrivedAt=now)
         if self.observed:
             self._emit(Requested(name))
-        if self.admission is not None and not self._admitClient(request):
-            return
-        if self.access is not None and not self._mayCall(request, identity):
+        if not self._admitted(request, identity):
             return
         if name.startswith(_MMI_PREFIX):
             self._answerManagement(request, identity)
@@ -398,6 +400,10 @@ class BrokerMachine(Machine):
         self._reply(request, mmi.answer(self, request.service, request.body, visible), True)
         if self.observed:
             self._emit(Replied(request.service, None, request.client[1]))
+
+    def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
+        return ((self.admission is None or self._admitClient(request))
+                and (self.access is None or self._mayCall(request, identity)))
 
     def _admitClient(self, request: PendingRequest) -> bool:
         """The admission's vote on *request* (``mmi.binarystar`` always passes)."""
