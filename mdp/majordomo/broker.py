@@ -51,7 +51,7 @@ from mdp.majordomo.broker_records import (  # noqa: F401  (re-exported, as above
     peer_label,
 )
 from mdp.messages import text as label
-from mdp.policy import LogThrottle, default_reactor
+from mdp.policy import LogThrottle, call_at, cancel_call, default_reactor
 from mdp.transport.curve import curve_server
 from mdp.transport.stream import StreamRouter
 
@@ -215,11 +215,8 @@ class Broker:
 
     def _wakeAt(self, when: float) -> None:
         call = self._wakeCall
-        if call is not None and call.active():
-            if call.getTime() <= when:
-                return
-            call.cancel()
-        self._wakeCall = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._wake)
+        if call is None or not call.active() or call.getTime() > when:
+            self._wakeCall = call_at(call, self.reactor, when, self._wake)
 
     def _dropped(self, dropped: Dropped) -> None:
         kind, metrics = dropped.kind, self.metrics
@@ -336,9 +333,7 @@ class Broker:
         """Unbind every endpoint and stop the heartbeat tick."""
         if self._ticker.running:
             self._ticker.stop()
-        if self._wakeCall is not None and self._wakeCall.active():
-            self._wakeCall.cancel()
-        self._wakeCall = None
+        self._wakeCall = cancel_call(self._wakeCall)
         bindings, self.bindings = self.bindings, []
         closing = [b.transport for b in bindings if b.transport is not None]
         self.machine.reset()
