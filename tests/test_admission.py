@@ -19,7 +19,7 @@ from twisted.internet.testing import StringTransport
 
 from mdp import Broker, Client, Limits, Worker
 from mdp.majordomo import broker_machine, codec
-from mdp.majordomo.broker_machine import BrokerMachine
+from mdp.majordomo.broker_machine import BrokerMachine, MarkUseful
 from mdp.sp.peers import SPClient, SPServer
 from mdp.transport import stream
 from mdp.transport.framing import encode_greeting, encode_record
@@ -33,6 +33,11 @@ from tests.test_mdp_behaviour import FAST, echo, make_client, start_broker, star
 C, W = codec.CLIENT_HEADER, codec.WORKER_HEADER
 
 
+def marked(actions: list[Any], useful: bool = True) -> list[Any]:
+    """The peers *actions* mark useful (or, with *useful* false, useful no more)."""
+    return [a.key for a in actions if type(a) is MarkUseful and a.useful is useful]
+
+
 # --- the broker's judgement: which peers are useful ------------------------------------
 
 def test_the_broker_machine_lists_the_peers_that_do_useful_work_once_each() -> None:
@@ -41,9 +46,7 @@ def test_the_broker_machine_lists_the_peers_that_do_useful_work_once_each() -> N
     junk, stranger, worker, client = ((route, name) for name in (b"J", b"S", b"W", b"C"))
 
     def useful(key: Any, frames: list[bytes], now: float = 0.0) -> list[Any]:
-        machine.handleMessage(key, frames, now)
-        listed, machine.usefulPeers = machine.usefulPeers, []
-        return listed
+        return marked(machine.handleMessage(key, frames, now))
 
     assert useful(junk, [W, codec.W_READY, b"junk"]) == []  # a READY for a service nobody calls
     assert useful(stranger, [C, codec.C_REQUEST, b"nobody", b"x"]) == []  # no one serves it
@@ -56,8 +59,7 @@ def test_the_broker_machine_lists_the_peers_that_do_useful_work_once_each() -> N
     assert useful(second, [W, codec.W_READY, b"echo"]) == [second]  # its service has clients
     # the workers go; a client waiting for a service that has had workers is useful
     for key in (worker, second):
-        machine.handlePeerGone(key, 1.0)
-    machine.usefulPeers = []
+        assert marked(machine.handlePeerGone(key, 1.0), False) == [key]
     waiting = (route, b"C2")
     assert useful(waiting, [C, codec.C_REQUEST, b"echo", b"3"], 1.0) == [waiting]
     machine.handlePeerGone(client, 1.0)  # forgotten with its connection
@@ -67,38 +69,36 @@ def test_the_broker_machine_lists_the_peers_that_do_useful_work_once_each() -> N
 
 
 def test_a_client_is_useful_while_it_has_a_request_and_a_grace_after() -> None:
-    """Unlisted (``idlePeers``) between ``USEFUL_GRACE`` and twice that (and a
+    """Marked useful no more between ``USEFUL_GRACE`` and twice that (and a
     tick) after its last request left the broker, never while one is queued
     or served; a worker once it is removed; listed again when it asks again."""
     machine = BrokerMachine(heartbeat=FAST)
     grace = broker_machine.USEFUL_GRACE
     worker, quick, slow = (("route", name) for name in (b"W", b"C", b"S"))
-    machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 0.0)
-    machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"1"], 0.0)  # served at once
-    machine.handleMessage(slow, [C, codec.C_REQUEST, b"echo", b"2"], 0.0)  # queued
-    assert {quick, slow, worker} == set(machine.usefulPeers)
+    listed = marked(machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 0.0))
+    listed += marked(machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"1"], 0.0))  # served
+    listed += marked(machine.handleMessage(slow, [C, codec.C_REQUEST, b"echo", b"2"], 0.0))  # queued
+    assert {quick, slow, worker} == set(listed)
     left = {quick: 1.0, slow: 21.0}  # when their last request leaves
     unlisted: dict[Any, float] = {}
     for now in range(1, 50):
+        actions = []
         if now == 1:
-            machine.handleMessage(worker, [W, codec.W_FINAL, b"C" + (1).to_bytes(8, "big"),
-                                           b"", b"1"], now)
+            actions += machine.handleMessage(worker, [W, codec.W_FINAL, b"C" + (1).to_bytes(8, "big"),
+                                                      b"", b"1"], now)
         if now == 21:  # served for 20 s
-            machine.handleMessage(worker, [W, codec.W_FINAL, b"S" + (2).to_bytes(8, "big"),
-                                           b"", b"2"], now)
+            actions += machine.handleMessage(worker, [W, codec.W_FINAL, b"S" + (2).to_bytes(8, "big"),
+                                                      b"", b"2"], now)
         if now <= 40:
-            machine.handleMessage(worker, [W, codec.W_HEARTBEAT], now)
-        machine.handleTick(now)
-        for key in machine.idlePeers:
+            actions += machine.handleMessage(worker, [W, codec.W_HEARTBEAT], now)
+        for key in marked(actions + machine.handleTick(now), False):
             unlisted.setdefault(key, now)
-        machine.idlePeers = []
     for key in left:
         assert left[key] + grace <= unlisted[key] <= left[key] + 2 * grace + 1
     assert 40 < unlisted[worker] < 42  # silent: removed
-    machine.usefulPeers = []
-    machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 50.0)
-    machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"3"], 50.0)
-    assert set(machine.usefulPeers) == {quick, worker}
+    listed = marked(machine.handleMessage(worker, [W, codec.W_READY, b"echo"], 50.0))
+    listed += marked(machine.handleMessage(quick, [C, codec.C_REQUEST, b"echo", b"3"], 50.0))
+    assert set(listed) == {quick, worker}
 
 
 # --- the listener's ranking ------------------------------------------------------------
@@ -257,10 +257,10 @@ def test_a_peer_id_on_two_routes_is_two_useful_clients() -> None:
     machine = BrokerMachine(heartbeat=FAST)
     for route in ("zeromq", "stream"):
         machine.handleMessage((route, b"W"), [W, codec.W_READY, b"echo"], 0.0)
-    machine.usefulPeers = []
+    listed = []
     for route in ("zeromq", "stream"):
-        machine.handleMessage((route, b"C"), [C, codec.C_REQUEST, b"echo", b"x"], 0.0)
-    assert ("stream", b"C") in machine.usefulPeers
+        listed += marked(machine.handleMessage((route, b"C"), [C, codec.C_REQUEST, b"echo", b"x"], 0.0))
+    assert ("stream", b"C") in listed
 
 
 @pytest.mark.parametrize("net", ["tcp"], indirect=True)

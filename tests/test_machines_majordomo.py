@@ -396,7 +396,7 @@ def test_client_timeout_is_per_attempt(timeout: float, retries: int) -> None:
 def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
     from mdp.majordomo.broker import BrokerMachine, DropPeer
     from mdp.majordomo.broker import Send as BrokerSend
-    from mdp.majordomo.broker_machine import Dropped, Refused, WorkerChanged
+    from mdp.majordomo.broker_machine import Dropped, MarkUseful, Refused, WorkerChanged
 
     machine = BrokerMachine(heartbeat=HB, requestExpiry=5.0)
     route = "binding"  # the driver's: opaque to the machine
@@ -404,11 +404,14 @@ def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
     assert machine.wakeEvery == 1.0
     assert machine.handleMessage(worker, [b"", *READY], now=0.0) == [
         WorkerChanged(b"W", b"echo", "ready")]
+    # the first request served marks its worker and client useful (kept by a full listener)
     assert machine.handleMessage(client, [C, codec.C_REQUEST, b"echo", b"hi"], now=0.5) == [
+        MarkUseful(worker), MarkUseful(client),
         BrokerSend(worker, [b"", W, codec.W_REQUEST, envelope(b"C", 1), b"", b"hi"])]
     # silent past 3 s: at the tick after, the worker is gone; its request waits
     assert machine.handleTick(now=1.0) == [BrokerSend(worker, [b"", *HEARTBEAT])]
-    assert machine.handleTick(now=4.0) == [WorkerChanged(b"W", b"echo", "silent", 4.0)]
+    assert machine.handleTick(now=4.0) == [WorkerChanged(b"W", b"echo", "silent", 4.0),
+                                           MarkUseful(worker, False)]
     assert machine.workers == {} and machine.queued == 1
     # queued since 4.0 with no worker: a 503 at the first tick past 9.0
     assert machine.handleTick(now=8.0) == []

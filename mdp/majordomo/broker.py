@@ -30,6 +30,7 @@ from mdp.majordomo.broker_machine import (  # noqa: F401  (re-exported: the brok
     BrokerMachine,
     Dropped,
     DropPeer,
+    MarkUseful,
     Refused,
     Replied,
     Requested,
@@ -50,7 +51,7 @@ from mdp.majordomo.broker_records import (  # noqa: F401  (re-exported, as above
     peer_label,
 )
 from mdp.messages import text as label
-from mdp.policy import LogThrottle, default_reactor
+from mdp.policy import LogThrottle, call_at, cancel_call, default_reactor
 from mdp.transport.curve import curve_server
 from mdp.transport.stream import StreamRouter
 
@@ -110,11 +111,6 @@ class Binding:
         peerIdentity = getattr(self.transport, "peerIdentity", None)
         return None if peerIdentity is None else peerIdentity(peer)
 
-    def disconnect(self, peer: bytes) -> None:
-        """Close *peer*'s connection once its output is sent (no-op on ZeroMQ)."""
-        if self.transport is not None:
-            self.transport.disconnectPeer(peer)
-
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Binding, IRouterReceiver)
@@ -144,7 +140,8 @@ class Broker:
         self._wakeCall: Any = None
         self._reporters: dict[type, Callable[[Any], None]] = {
             Dropped: self._dropped, Refused: self._refused, WorkerChanged: self._workerChanged,
-            Replied: self._replied, Requested: lambda requested: None, Assigned: lambda assigned: None}
+            Replied: self._replied, MarkUseful: self._markUseful,
+            Requested: lambda requested: None, Assigned: lambda assigned: None}
         if metrics is not None:
             self._reporters[Requested] = lambda requested: metrics.request(requested.service)
             self._reporters[Assigned] = lambda assigned: metrics.assigned(assigned.service, assigned.waited)
@@ -203,33 +200,23 @@ class Broker:
                     frames = action.frames
                     transport.sendMessage(peer, as_bytes(frames) if binding.copyOut else frames)
             elif kind is DropPeer:
-                action.key[0].disconnect(action.key[1])
+                binding, peer = action.key
+                if binding.transport is not None:
+                    binding.transport.disconnectPeer(peer)
             elif kind is WakeAt:
                 self._wakeAt(action.time)
             else:
                 self._reporters[kind](action)
-        if self.machine.usefulPeers or self.machine.idlePeers:
-            self._markUseful()
 
-    def _markUseful(self) -> None:
-        """Tell transports which peers are useful (kept when their listener is
-        full), and, first, which are no longer."""
-        machine = self.machine
-        marks = ((machine.idlePeers, False), (machine.usefulPeers, True))
-        machine.idlePeers, machine.usefulPeers = [], []
-        for peers, useful in marks:
-            for binding, peer in peers:
-                markUseful = getattr(binding.transport, "markUseful", None)
-                if markUseful is not None:
-                    markUseful(peer, useful)
+    def _markUseful(self, mark: MarkUseful) -> None:
+        markUseful = getattr(mark.key[0].transport, "markUseful", None)
+        if markUseful is not None:
+            markUseful(mark.key[1], mark.useful)
 
     def _wakeAt(self, when: float) -> None:
         call = self._wakeCall
-        if call is not None and call.active():
-            if call.getTime() <= when:
-                return
-            call.cancel()
-        self._wakeCall = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._wake)
+        if call is None or not call.active() or call.getTime() > when:
+            self._wakeCall = call_at(call, self.reactor, when, self._wake)
 
     def _dropped(self, dropped: Dropped) -> None:
         kind, metrics = dropped.kind, self.metrics
@@ -346,9 +333,7 @@ class Broker:
         """Unbind every endpoint and stop the heartbeat tick."""
         if self._ticker.running:
             self._ticker.stop()
-        if self._wakeCall is not None and self._wakeCall.active():
-            self._wakeCall.cancel()
-        self._wakeCall = None
+        self._wakeCall = cancel_call(self._wakeCall)
         bindings, self.bindings = self.bindings, []
         closing = [b.transport for b in bindings if b.transport is not None]
         self.machine.reset()

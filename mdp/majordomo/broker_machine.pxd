@@ -14,7 +14,6 @@ cdef class BrokerMachine(Machine):
     cdef public object observed, _assignments, _abandoned, _unknown, _activeSince, _passive
     cdef public object _takenBack, _gone
     cdef public dict _usefulClients, _usefulBefore
-    cdef public list usefulPeers, idlePeers
     cdef public object _sweepAt
     cdef public QueueLedger _ledger
     cdef public dict services, workers

@@ -1,11 +1,7 @@
-"""The MDP/0.2 broker's decisions, as a pure state machine.
-
-:class:`BrokerMachine` is fed events with their time and returns what it wants
-done (:class:`Send`, :class:`DropPeer`, :class:`WakeAt`) and what a driver logs
-and counts (the other actions); states and transitions are tabled in
-:mod:`mdp.majordomo.broker_records`.  An ``admission`` (e.g. Binary Star) votes
-on each request and READY: a passive broker answers only ``mmi.binarystar``.
-"""
+"""The MDP/0.2 broker's decisions: :class:`BrokerMachine` takes events with their
+time and returns actions (states and transitions: :mod:`mdp.majordomo.broker_records`).
+An ``admission`` (e.g. Binary Star) votes on each request and READY: a passive
+broker answers only ``mmi.binarystar``."""
 
 from __future__ import annotations
 
@@ -103,6 +99,15 @@ class DropPeer:
     """Close peer *key*'s connection once its output is sent (if it has one)."""
 
     key: PeerKey
+
+
+@action_class
+class MarkUseful:
+    """Peer *key* is useful (its connection is kept when its listener is full), or
+    no more: a worker of a service a request went to, a client of one with workers."""
+
+    key: PeerKey
+    useful: bool = True
 
 
 @action_class
@@ -228,13 +233,8 @@ class BrokerMachine(Machine):
         self._takenBack: OrderedDict[bytes, tuple[PeerKey, PendingRequest]] = OrderedDict()
         #: workers told DISCONNECT or that said it, by when: all but READY dropped for an expiry
         self._gone: OrderedDict[PeerKey, float] = OrderedDict()
-        #: peers found useful since the driver took this list, once each (a
-        #: worker of a service a request went to, a client of one with workers)
-        self.usefulPeers: list[PeerKey] = []
-        #: peers listed that are useful no more (the driver applies them first)
-        self.idlePeers: list[PeerKey] = []
-        #: the clients listed: heard (or holding a request) this round, and in
-        #: the round before; when the next round begins (:meth:`_sweepClients`)
+        #: the clients marked useful: heard (or holding a request) this round, and
+        #: in the round before; when the next round begins (:meth:`_sweepClients`)
         self._usefulClients: dict[PeerKey, None] = {}
         self._usefulBefore: dict[PeerKey, None] = {}
         self._sweepAt = self.now + USEFUL_GRACE
@@ -316,9 +316,12 @@ class BrokerMachine(Machine):
 
     def clientCount(self) -> int:
         """Clients with a request in the broker (queued or with a worker)."""
+        return len(self._clientsWithRequests())
+
+    def _clientsWithRequests(self) -> set[PeerKey]:
         clients = set(self._ledger.byClient)
         clients.update(w.current.client for w in self.workers.values() if w.current is not None)
-        return len(clients)
+        return clients
 
     def isServiceAvailable(self, name: bytes, now: Optional[float] = None) -> bool:
         """True if *name* has a live worker, or lost its last within ``serviceLinger`` of *now*."""
@@ -409,9 +412,8 @@ class BrokerMachine(Machine):
         now = self.now
         if not self.admission.admitClient(now):
             self._activeSince = None
-            request.state = DONE
             # not serving: the client times out and tries another broker
-            self._emit(Refused(request.client[1], request.service, None, "passive", "this broker is passive"))
+            self._refuse(request, None, "passive", "this broker is passive")
             return False
         if self._activeSince is None:
             self._activeSince = now
@@ -456,37 +458,35 @@ class BrokerMachine(Machine):
         self._dispatch(service)
 
     def _usefulClient(self, key: PeerKey) -> None:
-        """Client *key* asked for a service with workers: in ``usefulPeers``
-        unless still listed."""
+        """Client *key* asked for a service with workers: marked useful unless it still is."""
         useful = self._usefulClients
         useful[key] = None
         if key not in self._usefulBefore:
-            self.usefulPeers.append(key)
+            self._emit(MarkUseful(key))
         if len(useful) > MAX_USEFUL_CLIENTS:
             self._sweepAt = self.now  # (at the next tick: the idle are forgotten sooner)
 
     def _sweepClients(self) -> None:
         """Once a round (``USEFUL_GRACE``): clients neither heard nor holding a
-        request in this round and the one before go to ``idlePeers``; those
-        holding one stay another round."""
+        request in this round and the one before are useful no more; those holding
+        one stay another round."""
         if self.now < self._sweepAt:
             return
         self._sweepAt = self.now + USEFUL_GRACE
-        old, recent, workers = self._usefulBefore, self._usefulClients, self.workers
-        busy = set(self._ledger.byClient)
-        busy.update(w.current.client for w in workers.values() if w.current is not None)
-        self.idlePeers += [key for key in old if key not in busy and key not in recent
-                           and key not in workers]
+        old, recent, busy = self._usefulBefore, self._usefulClients, self._clientsWithRequests()
+        for key in old:
+            if key not in busy and key not in recent and key not in self.workers:
+                self._emit(MarkUseful(key, False))
         self._usefulBefore = recent
         self._usefulClients = dict.fromkeys(key for key in (*old, *recent) if key in busy)
 
     def _usefulWorkers(self, service: ServiceQueue, worker: WorkerRef) -> None:
-        """*service* is wanted: *worker* and its idle ones in ``usefulPeers``, once each."""
+        """*service* is wanted: *worker* and its idle ones marked useful, once each."""
         service.wanted = True
         for each in (worker, *service.idle.values()):
             if not each.useful:
                 each.useful = True
-                self.usefulPeers.append(each.key)
+                self._emit(MarkUseful(each.key))
 
     def _unknownDeadline(self) -> float:
         """When an unknown service's requests are given up: ``unknownServiceExpiry``
@@ -498,11 +498,12 @@ class BrokerMachine(Machine):
             deadline = max(deadline, min(learning, self.now + self.requestExpiry))
         return deadline
 
-    def _refuse(self, request: PendingRequest, code: bytes, kind: str, message: str,
+    def _refuse(self, request: PendingRequest, code: Optional[bytes], kind: str, message: str,
                 state: RequestState = DONE) -> None:
-        """Answer *request* at once with an error reply (and leave it in *state*)."""
+        """Answer *request* at once with error reply *code* (None: none), leaving it in *state*."""
         request.state = state
-        self._reply(request, codec.error_body(code, message), final=True)
+        if code is not None:
+            self._reply(request, codec.error_body(code, message), final=True)
         self._emit(Refused(request.client[1], request.service, code, kind, message))
 
     def _forgetIfEmpty(self, service: ServiceQueue) -> None:
@@ -536,7 +537,8 @@ class BrokerMachine(Machine):
             self._removeWorker(worker)
             self._markGone(worker.key)
         elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
-            self._unexpected(worker, f"{kind.__name__} from a registered worker")
+            self._invalid(worker.key, "unexpected",
+                          f"unexpected {kind.__name__} from a registered worker: sending DISCONNECT")
 
     def _misdirected(self, worker: WorkerRef, kind: type, envelope: bytes) -> None:
         """A worker's PARTIAL or FINAL not for its request (or with the restart marker)."""
@@ -547,7 +549,7 @@ class BrokerMachine(Machine):
         elif envelope == worker.lastEnvelope:
             self._emit(Dropped(worker.key[1], "stale", f"a second {what} for a request it already answered"))
         elif request is None:
-            self._unexpected(worker, f"{what} while idle")
+            self._invalid(worker.key, "unexpected", f"unexpected {what} while idle: sending DISCONNECT")
         else:
             self._invalid(worker.key, "not-serving", f"{what} for a request it does not serve")
 
@@ -644,7 +646,7 @@ class BrokerMachine(Machine):
         kind = "ready"
         if self.access is not None and not self.access.mayServe(identity, name):
             kind, why = "serve-forbidden", f"{_who(identity)} may not serve it"
-        elif self.admission is not None and not self._admitWorker():
+        elif self.admission is not None and not self.admission.admitWorker(self.now):
             why = "this broker is not the active one of its Binary Star pair"
         elif len(self.workers) >= self.maxWorkers:
             why = f"{len(self.workers)} workers already registered"
@@ -655,6 +657,7 @@ class BrokerMachine(Machine):
                 service = self.services[name] = ServiceQueue(name, self._ledger)
             worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
             self.workers[key] = worker
+            self._passive = False  # admitted: active now, even before a tick says so
             service.workers += 1
             service.abandonedAt = None
             service.registered = True
@@ -666,12 +669,6 @@ class BrokerMachine(Machine):
             return
         self._emit(Refused(key[1], name, None, kind, f"READY refused: {why}"))
         self._sendDisconnect(key, dialect)
-
-    def _admitWorker(self) -> bool:
-        if not self.admission.admitWorker(self.now):
-            return False
-        self._passive = False  # admitted: active now, even before a tick says so
-        return True
 
     def _dispatch(self, service: ServiceQueue) -> None:
         """Hand queued requests to idle workers, least recently used first (none if passive)."""
@@ -703,7 +700,7 @@ class BrokerMachine(Machine):
         if self.workers.pop(worker.key, None) is None:
             return
         if worker.useful:
-            self.idlePeers.append(worker.key)
+            self._emit(MarkUseful(worker.key, False))
         worker.state = GONE
         service = worker.service
         service.idle.pop(worker.key, None)
@@ -739,10 +736,6 @@ class BrokerMachine(Machine):
         request.queuedAt = self.now
         service.enqueue(request, first=True)
         self._dispatch(service)
-
-    def _unexpected(self, worker: WorkerRef, what: str) -> None:
-        self._emit(Dropped(worker.key[1], "unexpected", f"unexpected {what}: sending DISCONNECT"))
-        self._release(worker)
 
     def _invalid(self, key: PeerKey, kind: str, reason: str) -> None:
         """Drop an invalid message, and the peer's connection if it has its own; a
@@ -827,10 +820,8 @@ class BrokerMachine(Machine):
         on the active broker) and sends idle workers DISCONNECT so they move there."""
         for service in list(self.services.values()):
             while service.size:
-                request = service.nextRequest()
-                request.state = DONE
-                self._emit(Refused(request.client[1], request.service, None, "passive",
-                                   "dropped from the queue of a passive broker"))
+                self._refuse(service.nextRequest(), None, "passive",
+                             "dropped from the queue of a passive broker")
             self._forgetIfEmpty(service)
         for worker in [w for w in self.workers.values() if w.current is None]:
             self._emit(WorkerChanged(worker.key[1], worker.service.name, "released"))

@@ -66,8 +66,7 @@ PeerKey = tuple[Hashable, bytes]
 
 
 def as_bytes(frames: Sequence[Any]) -> list[bytes]:
-    """*frames* with every non-``bytes`` frame (an uncopied ZeroMQ frame) copied;
-    *frames* itself if all are ``bytes``."""
+    """*frames* with every non-``bytes`` frame (an uncopied ZeroMQ frame) copied."""
     for frame in frames:
         if type(frame) is not bytes:
             return [f if type(f) is bytes else bytes(f) for f in frames]
@@ -180,9 +179,9 @@ class ServiceQueue:
     """Requests waiting for one service and the workers able to serve it;
     every change is also counted in the broker-wide *ledger*."""
 
-    def __init__(self, name: bytes, ledger: Optional[QueueLedger] = None) -> None:
+    def __init__(self, name: bytes, ledger: QueueLedger) -> None:
         self.name = name
-        self.ledger = ledger if ledger is not None else QueueLedger()
+        self.ledger = ledger
         self.pending: OrderedDict[PeerKey, deque[PendingRequest]] = OrderedDict()
         self.idle: OrderedDict[PeerKey, WorkerRef] = OrderedDict()
         self.workers = 0
@@ -200,11 +199,10 @@ class ServiceQueue:
 
     def _dropClientQueue(self, client: PeerKey) -> None:
         del self.pending[client]
-        services = self.ledger.byClient.get(client)
-        if services is not None:
-            services.discard(self)
-            if not services:
-                del self.ledger.byClient[client]
+        services = self.ledger.byClient[client]
+        services.discard(self)
+        if not services:
+            del self.ledger.byClient[client]
 
     def enqueue(self, request: PendingRequest, first: bool = False) -> None:
         """Queue *request* after its client's others, or *first* of all (it has waited longest)."""

@@ -63,10 +63,6 @@ class IReplyStore(Interface):
 ENTRY_OVERHEAD = 256
 
 
-def _held(key: StampKey, reply: Sequence[bytes]) -> int:
-    return ENTRY_OVERHEAD + len(key[0]) + len(key[1]) + sum(len(f) + 64 for f in reply)
-
-
 @implementer(IReplyStore)
 class MemoryReplyStore:
     """In-memory LRU store of at most *maxEntries* replies and *maxBytes* in
@@ -97,7 +93,7 @@ class MemoryReplyStore:
         old = replies.pop(key, None)
         if old is not None:
             self.heldBytes -= old[1]
-        size = _held(key, reply)
+        size = ENTRY_OVERHEAD + len(key[0]) + len(key[1]) + sum(len(f) + 64 for f in reply)
         if size > self.maxBytes:
             return
         replies[key] = (list(reply), size)
