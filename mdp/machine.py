@@ -15,6 +15,13 @@ import attrs
 action_class = attrs.define(slots=True, weakref_slot=False)
 
 
+def action_type(module: str, name: str, *fields: str) -> Any:
+    """An action class of *module* with *fields*, as :data:`action_class` makes one."""
+    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False)
+    kind.__module__ = module
+    return kind
+
+
 class Machine:
     """The current event's time and the outbox of actions."""
 

@@ -52,13 +52,12 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import itertools
 import uuid
 from collections import deque
 from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional, Sequence, Union
-
-import attrs
 
 from mdp.errors import (
     BrokerUnreachable,
@@ -70,7 +69,7 @@ from mdp.errors import (
     RequestTooLarge,
     StreamRestarted,
 )
-from mdp.machine import Machine
+from mdp.machine import Machine, action_type
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
@@ -198,13 +197,7 @@ class _Channel:
 
 # --- what the machine asks its driver to do -------------------------------------------
 
-def _action(name: str, *fields: str) -> Any:
-    """An action class with *fields*, as :data:`~mdp.machine.action_class` makes one."""
-    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False)
-    kind.__module__ = __name__
-    return kind
-
-
+_action = functools.partial(action_type, __name__)
 OpenChannel = _action("OpenChannel", "channel")
 CloseChannel = _action("CloseChannel", "channel")
 SendOn = _action("SendOn", "channel", "frames")

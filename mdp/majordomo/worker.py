@@ -47,6 +47,7 @@ re-queued it).  This is the Guide's Paranoid Pirate.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import AsyncGenerator, Coroutine, Generator
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -60,7 +61,7 @@ from mdp import transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
@@ -116,79 +117,25 @@ class Final:
     frames: Any
 
 
-@action_class
-class _Job:
-    """One request being served: where its reply goes and whether it still may."""
-
-    client: bytes
-    generation: int  # the connection it arrived on
-    key: Optional[idempotence.StampKey]
-    startedAt: float = 0.0
-
-
-@action_class
-class SendToBroker:
-    frames: list[bytes]
-
-
-@action_class
-class OpenPipe:
-    endpoint: str
-
-
-@action_class
-class ClosePipe:
-    """Close the pipe (what was sent on it goes first)."""
-
-
-@action_class
-class ReopenAfter:
-    """Call :meth:`WorkerMachine.handleReopen` after *delay*, having left
-    *endpoint*, *silent* that long (``None``: DISCONNECT)."""
-
-    delay: float
-    endpoint: str
-    silent: Optional[float]
-
-
-@action_class
-class Serve:
-    """Answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`."""
-
-    job: _Job
-    body: list[bytes]
-
-
-@action_class
-class StoreReply:
-    key: idempotence.StampKey
-    frames: list[bytes]
-
-
-@action_class
-class Dropped:
-    reason: str
-
-
-@action_class
-class Refused:
-    """For the log: a request is answered with the error *status* instead."""
-
-    status: bytes
-    reason: str
-
-
-@action_class
-class Lost:
-    endpoint: str
-    why: str
-
-
-@action_class
-class ConnectFailed:
-    endpoint: str
-    why: str
-
+_action = functools.partial(action_type, __name__)
+#: one request being served: its client, the generation of the pipe it came on, its
+#: stamp's key and when it came; whether its reply may still go is the machine's
+_Job = _action("_Job", "client", "generation", "key", "startedAt")
+SendToBroker = _action("SendToBroker", "frames")
+OpenPipe = _action("OpenPipe", "endpoint")
+#: close the pipe (what was sent on it goes first)
+ClosePipe = _action("ClosePipe")
+#: call :meth:`WorkerMachine.handleReopen` after *delay*, having left *endpoint*,
+#: *silent* that long (``None``: DISCONNECT)
+ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
+#: answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`
+Serve = _action("Serve", "job", "body")
+StoreReply = _action("StoreReply", "key", "frames")
+Dropped = _action("Dropped", "reason")
+#: for the log: a request is answered with the error *status* instead
+Refused = _action("Refused", "status", "reason")
+Lost = _action("Lost", "endpoint", "why")
+ConnectFailed = _action("ConnectFailed", "endpoint", "why")
 
 Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
 #               | Dropped | Refused | Lost | ConnectFailed
