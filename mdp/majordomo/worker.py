@@ -61,7 +61,7 @@ from mdp import transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
-from mdp.machine import Machine, action_type
+from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
@@ -106,8 +106,7 @@ class WorkerState(enum.Enum):
     BACKING_OFF = "backing off"
 
 
-STOPPED, CONNECTING, READY, BACKING_OFF = (
-    WorkerState.STOPPED, WorkerState.CONNECTING, WorkerState.READY, WorkerState.BACKING_OFF)
+STOPPED, CONNECTING, READY, BACKING_OFF = WorkerState
 
 
 @attrs.frozen
@@ -367,40 +366,33 @@ class WorkerMachine(Machine):
         self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
 
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
-        if job.generation != self.generation or self.state is not READY or self.current != job.client:
-            self._store(job, kind, frames, store)
-            return False
-        size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
-        limits = self.limits
+        """Send a part of *job*'s reply if it is still in hand (over the limits, a
+        413 FINAL instead); whether it went out as itself.  A FINAL is stored either way."""
+        live = job.generation == self.generation and self.state is READY and self.current == job.client
         tooLarge = None
-        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
-            tooLarge = limits.oversize(size, len(frames) + 5)
-            self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
-                                        f"its {kind.__name__} is too large ({tooLarge})"))
-            kind, store = WorkerFinal, False
-            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
+        if live:
+            size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
+            limits = self.limits
+            if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
+                tooLarge = limits.oversize(size, len(frames) + 5)
+                self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
+                                            f"its {kind.__name__} is too large ({tooLarge})"))
+                kind, store = WorkerFinal, False
+                frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
         final = kind is WorkerFinal
         if final and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
-        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final,
-                                                                   self.dialect)))
+        if not live:
+            return False
+        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
         return tooLarge is None
 
-    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
-        if kind is WorkerFinal and store and job.key is not None:
-            self._outbox.append(StoreReply(job.key, frames))
-
     def _send(self, command: Any) -> None:
         self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
         self.liveness.sent(self.now)
-
-
-def _of_machine(name: str, doc: str) -> Any:
-    """A driver's read-only view of its machine's attribute *name*."""
-    return property(lambda self: getattr(self.machine, name), doc=doc)
 
 
 class WorkerDriver:
@@ -422,15 +414,15 @@ class WorkerDriver:
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
-    service = _of_machine("service", "The service name, as sent.")
-    endpoints = _of_machine("endpoints", "The broker endpoints, in failover order.")
-    endpoint = _of_machine("endpoint", "The broker endpoint in use (or next to be tried).")
-    state = _of_machine("state", "Where the connection stands (:class:`WorkerState`).")
-    connected = _of_machine("connected", "The pipe is up and READY went out on it.")
-    started = _of_machine("started", "Started and not stopped since.")
-    registered = _of_machine("registered", "READY went out and the broker has answered since.")
-    current = _of_machine("current", "The address of the client being served, if one is.")
-    generation = _of_machine("generation", "Bumped on every new or lost pipe.")
+    service = machine_view("service", "The service name, as sent.")
+    endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
+    endpoint = machine_view("endpoint", "The broker endpoint in use (or next to be tried).")
+    state = machine_view("state", "Where the connection stands (:class:`WorkerState`).")
+    connected = machine_view("connected", "The pipe is up and READY went out on it.")
+    started = machine_view("started", "Started and not stopped since.")
+    registered = machine_view("registered", "READY went out and the broker has answered since.")
+    current = machine_view("current", "The address of the client being served, if one is.")
+    generation = machine_view("generation", "Bumped on every new or lost pipe.")
 
     def _ready(self) -> None:
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
