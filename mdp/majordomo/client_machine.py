@@ -189,11 +189,6 @@ class _Channel:
     def up(self) -> bool:
         return self.state is not DOWN
 
-    @property
-    def sent(self) -> bool:
-        """Its request went out on the current pipe."""
-        return self.state is SENT
-
 
 # --- what the machine asks its driver to do -------------------------------------------
 
@@ -399,7 +394,7 @@ class ClientMachine(Machine):
         self.now = now
         if self._done(call):
             channel = call.channel
-            if channel is not None and channel.call is call and not channel.sent:
+            if channel is not None and channel.call is call and channel.state is not SENT:
                 self._release(channel)
             elif self._abandon(call) and len(self._waiting) > self._waitingDone:
                 # (at the next wake-up: a batch cancel would hand it round in turn)
@@ -716,7 +711,7 @@ class ClientMachine(Machine):
     def _abandon(self, call: _Call) -> bool:
         """*call* just became DONE: whether its connection is kept for the reply."""
         channel = call.channel
-        if channel is not None and channel.call is call and channel.sent:
+        if channel is not None and channel.call is call and channel.state is SENT:
             self._abandoned += 1
             return True
         return False

@@ -530,16 +530,19 @@ class Worker(WorkerDriver):
     def tick(self) -> None:
         now = self.reactor.seconds()
         last, self._lastTick = self._lastTick, now
-        if last is not None and now - last > self.machine.wakeEvery + self.machine.heartbeat.interval:
-            blocked = now - last - self.machine.wakeEvery
+        wakeEvery = self.machine.wakeEvery
+        if last is not None and now - last > wakeEvery + self.machine.heartbeat.interval:
             if self._handlerBlockEnded < last:  # not a handler's, already logged
-                self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f} s "
-                                   "(worker for {service}): the broker's silence meanwhile is not "
-                                   "held against it", blocked=blocked, service=label(self.service))
-                if self.metrics is not None:
-                    self.metrics.blockedReactor(self.service)
+                self._reactorBlocked("the reactor was blocked for {blocked:.1f} s (worker for "
+                                     "{service}): the broker's silence meanwhile is not held "
+                                     "against it", now - last - wakeEvery)
             self._perform(self.machine.handleBlocked(now))
         self._perform(self.machine.handleTick(now))
+
+    def _reactorBlocked(self, message: str, blocked: float) -> None:
+        self.throttle.warn(log, "blocked", message, blocked=blocked, service=label(self.service))
+        if self.metrics is not None:
+            self.metrics.blockedReactor(self.service)
 
     def _perform(self, actions: list[Action]) -> Optional[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns a pipe's closing, if any."""
@@ -654,13 +657,9 @@ class Worker(WorkerDriver):
         broker's silence meanwhile is not held against it."""
         if blocked < self.machine.heartbeat.interval:
             return
-        now = self.reactor.seconds()
-        self._handlerBlockEnded = now
-        self.throttle.warn(log, "blocked", "handler for {service} blocked the reactor for "
-                           "{blocked:.1f} s; run blocking work with deferToThread",
-                           service=label(self.service), blocked=blocked)
-        if self.metrics is not None:
-            self.metrics.blockedReactor(self.service)
+        now = self._handlerBlockEnded = self.reactor.seconds()
+        self._reactorBlocked("handler for {service} blocked the reactor for {blocked:.1f} s; "
+                             "run blocking work with deferToThread", blocked)
         self._perform(self.machine.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
