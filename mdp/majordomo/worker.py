@@ -672,9 +672,8 @@ class Worker(WorkerDriver):
             except (StopIteration, StopAsyncIteration):
                 self._finish(None, job)
                 return
-            current = self.machine.isCurrent(job)
-            final = current and isinstance(item, Final)
-            if not current or final or not self._reply(job, WorkerPartial, reply_frames(item)):
+            final = isinstance(item, Final)
+            if final or not self._reply(job, WorkerPartial, reply_frames(item)):
                 await _close(parts)
                 if final:
                     self._finish(item.frames, job)
@@ -708,8 +707,7 @@ class Worker(WorkerDriver):
         sent, actions = self.machine.handleReply(job, kind, frames, now, store)
         self._perform(actions)
         if current and (kind is WorkerFinal or not sent):
-            metrics.replied(self.service, now - job.startedAt,
-                            failure if sent else "too-large")
+            metrics.replied(self.service, now - job.startedAt, failure if sent else "too-large")
         return sent
 
 
