@@ -7,10 +7,9 @@ gives MDP/Client commands the worker codes (0x02, 0x03, 0x04); its PARTIAL and
 FINAL carry no service frame (decoded with ``service == b""``).  :func:`split`
 tells the dialect by the leading empty frame, so a broker answers each peer in its own.
 
-A failed request gets a FINAL of ``[ERROR_MARKER, status code, message]``
-(:mod:`mdp.messages`), raised by our client as :class:`~mdp.errors.RemoteError`.
-A streamed reply that starts over on another worker is preceded by a PARTIAL of
-exactly ``[RESTART_MARKER]``, so that a client discards what it had.
+A failed request gets a FINAL error body (:mod:`mdp.messages`).  A streamed reply
+that starts over on another worker is preceded by a PARTIAL of exactly
+``[RESTART_MARKER]``, so that a client discards what it had.
 """
 
 from __future__ import annotations
