@@ -366,29 +366,30 @@ class WorkerMachine(Machine):
         self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
 
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
-        """Send a part of *job*'s reply if it is still in hand (over the limits, a
-        413 FINAL instead); whether it went out as itself.  A FINAL is stored either way."""
-        live = job.generation == self.generation and self.state is READY and self.current == job.client
+        if job.generation != self.generation or self.state is not READY or self.current != job.client:
+            self._store(job, kind, frames, store)
+            return False
+        size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
+        limits = self.limits
         tooLarge = None
-        if live:
-            size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
-            limits = self.limits
-            if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
-                tooLarge = limits.oversize(size, len(frames) + 5)
-                self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
-                                            f"its {kind.__name__} is too large ({tooLarge})"))
-                kind, store = WorkerFinal, False
-                frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
+        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
+            tooLarge = limits.oversize(size, len(frames) + 5)
+            self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
+                                        f"its {kind.__name__} is too large ({tooLarge})"))
+            kind, store = WorkerFinal, False
+            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
         final = kind is WorkerFinal
         if final and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
-        if not live:
-            return False
         self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
         return tooLarge is None
+
+    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
+        if kind is WorkerFinal and store and job.key is not None:
+            self._outbox.append(StoreReply(job.key, frames))
 
     def _send(self, command: Any) -> None:
         self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
