@@ -612,7 +612,7 @@ class ClientMachine(Machine):
                                         "with no request in flight (connection replaced)"))
             self._discard(channel)
             return
-        self._reply(channel, call, kind is ClientFinal, list(command.body))
+        self._reply(channel, call, kind is ClientFinal, command.body)
 
     def _reply(self, channel: _Channel, call: _Call, final: bool, body: list[bytes]) -> None:
         """The FINAL or a PARTIAL of *call* (discarded if it is done)."""

@@ -276,7 +276,7 @@ class WorkerMachine(Machine):
                 self._outbox.append(Dropped(f"invalid message: {e}"))
                 return self._drain()
             if type(command) is WorkerRequest:
-                self._command(WorkerRequest, command.client, list(command.body))
+                self._command(WorkerRequest, command.client, command.body)
             else:
                 self._command(type(command), b"", [])
         return self._drain()
