@@ -15,6 +15,18 @@ import attrs
 action_class = attrs.define(slots=True, weakref_slot=False)
 
 
+def action_type(module: str, name: str, *fields: str) -> Any:
+    """An action class of *module* with *fields*, as :data:`action_class` makes one."""
+    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False)
+    kind.__module__ = module
+    return kind
+
+
+def machine_view(name: str, doc: str) -> Any:
+    """A driver's read-only property: its ``machine``'s attribute *name*."""
+    return property(lambda self: getattr(self.machine, name), doc=doc)
+
+
 class Machine:
     """The current event's time and the outbox of actions."""
 
@@ -22,10 +34,6 @@ class Machine:
         #: the time of the event being handled (or the last one)
         self.now = now
         self._outbox: list[Any] = []
-
-    def seconds(self) -> float:
-        """The machine's clock: the current event's time."""
-        return self.now
 
     def _emit(self, action: Any) -> None:
         self._outbox.append(action)

@@ -19,6 +19,7 @@ from zope.interface import classImplements
 from mdp import transport
 from mdp.errors import ClientClosed, StreamRestarted
 from mdp.interfaces import IClient, IDealerReceiver
+from mdp.machine import machine_view
 from mdp.majordomo import client_machine, codec
 from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
@@ -44,7 +45,7 @@ from mdp.majordomo.client_machine import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import Limits, LogThrottle, call_at, cancel_call, default_reactor
+from mdp.policy import Limits, LogThrottle, call_at, default_reactor
 
 __all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState",
            "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "DEFAULT_MAX_CONNECTIONS", "unreachable"]
@@ -57,21 +58,6 @@ def __getattr__(name: str) -> Any:
     if name in ("ClientMachine", "_Call", "_Channel"):
         return getattr(client_machine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def tell(throttle: LogThrottle, action: Action) -> None:
-    """What a callback or a log (throttled) tells of *action*."""
-    kind = type(action)
-    if kind is Partial or kind is Restarted:
-        _callBack(action)
-    elif kind is Dropped:
-        throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
-                      endpoint=action.endpoint, reason=action.reason)
-    elif kind is Retrying:
-        call = action.call
-        throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
-                      "({attempt}/{retries})", service=label(call.service),
-                      timeout=call.timeout, attempt=action.attempt, retries=call.retries)
 
 
 def _callBack(action: Union[Partial, Restarted]) -> None:
@@ -147,15 +133,8 @@ class ClientDriver:
         self._closed = False
         self._wakeTime: Optional[float] = None
 
-    @property
-    def endpoints(self) -> list[str]:
-        """The broker endpoints, in failover order."""
-        return self.machine.endpoints
-
-    @property
-    def endpoint(self) -> str:
-        """The broker endpoint new connections go to."""
-        return self.machine.endpoint
+    endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
+    endpoint = machine_view("endpoint", "The broker endpoint new connections go to.")
 
     def _act(self, action: Action) -> None:
         kind = type(action)
@@ -167,8 +146,16 @@ class ClientDriver:
                 self._open(action.channel)
         elif kind is CloseChannel:
             self._close(action.channel)
-        else:
-            tell(self.throttle, action)
+        elif kind is Dropped:
+            self.throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
+                               endpoint=action.endpoint, reason=action.reason)
+        elif kind is Retrying:
+            call = action.call
+            self.throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
+                               "({attempt}/{retries})", service=label(call.service),
+                               timeout=call.timeout, attempt=action.attempt, retries=call.retries)
+        else:  # Partial, Restarted
+            _callBack(action)
 
     def _close(self, channel: _Channel) -> None:
         pipe, channel.pipe = channel.pipe, None
@@ -266,18 +253,13 @@ class Client(ClientDriver):
         call.onPartial = call.onRestart = None
 
     def _wake(self) -> None:
-        self._timer = self._wakeTime = None
+        self._timer = None
         self._perform(self.machine.handleWake(self.reactor.seconds()))
 
     def _wakeBy(self, when: Optional[float]) -> None:
-        """Arm the timer for a :class:`WakeAt`; an earlier one stays (waking
-        early is harmless).  Once closed, none is armed."""
-        if when is None or self._closed:
-            self._timer = cancel_call(self._timer)
-            self._wakeTime = None
-        elif self._wakeTime is None or when < self._wakeTime:
-            self._wakeTime = when
-            self._timer = call_at(self._timer, self.reactor, when, self._wake)
+        """Arm the timer for a :class:`WakeAt` (the machine asks only for an
+        earlier one); once closed, none is armed."""
+        self._timer = call_at(self._timer, self.reactor, None if self._closed else when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order."""

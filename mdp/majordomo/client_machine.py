@@ -52,13 +52,12 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import itertools
 import uuid
 from collections import deque
 from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional, Sequence, Union
-
-import attrs
 
 from mdp.errors import (
     BrokerUnreachable,
@@ -70,7 +69,7 @@ from mdp.errors import (
     RequestTooLarge,
     StreamRestarted,
 )
-from mdp.machine import Machine
+from mdp.machine import Machine, action_type
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
@@ -190,21 +189,10 @@ class _Channel:
     def up(self) -> bool:
         return self.state is not DOWN
 
-    @property
-    def sent(self) -> bool:
-        """Its request went out on the current pipe."""
-        return self.state is SENT
-
 
 # --- what the machine asks its driver to do -------------------------------------------
 
-def _action(name: str, *fields: str) -> Any:
-    """An action class with *fields*, as :data:`~mdp.machine.action_class` makes one."""
-    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False)
-    kind.__module__ = __name__
-    return kind
-
-
+_action = functools.partial(action_type, __name__)
 OpenChannel = _action("OpenChannel", "channel")
 CloseChannel = _action("CloseChannel", "channel")
 SendOn = _action("SendOn", "channel", "frames")
@@ -406,7 +394,7 @@ class ClientMachine(Machine):
         self.now = now
         if self._done(call):
             channel = call.channel
-            if channel is not None and channel.call is call and not channel.sent:
+            if channel is not None and channel.call is call and channel.state is not SENT:
                 self._release(channel)
             elif self._abandon(call) and len(self._waiting) > self._waitingDone:
                 # (at the next wake-up: a batch cancel would hand it round in turn)
@@ -624,7 +612,7 @@ class ClientMachine(Machine):
                                         "with no request in flight (connection replaced)"))
             self._discard(channel)
             return
-        self._reply(channel, call, kind is ClientFinal, list(command.body))
+        self._reply(channel, call, kind is ClientFinal, command.body)
 
     def _reply(self, channel: _Channel, call: _Call, final: bool, body: list[bytes]) -> None:
         """The FINAL or a PARTIAL of *call* (discarded if it is done)."""
@@ -723,7 +711,7 @@ class ClientMachine(Machine):
     def _abandon(self, call: _Call) -> bool:
         """*call* just became DONE: whether its connection is kept for the reply."""
         channel = call.channel
-        if channel is not None and channel.call is call and channel.sent:
+        if channel is not None and channel.call is call and channel.state is SENT:
             self._abandoned += 1
             return True
         return False

@@ -7,16 +7,15 @@ gives MDP/Client commands the worker codes (0x02, 0x03, 0x04); its PARTIAL and
 FINAL carry no service frame (decoded with ``service == b""``).  :func:`split`
 tells the dialect by the leading empty frame, so a broker answers each peer in its own.
 
-A failed request gets a FINAL of ``[ERROR_MARKER, status code, message]``
-(:mod:`mdp.messages`), raised by our client as :class:`~mdp.errors.RemoteError`.
-A streamed reply that starts over on another worker is preceded by a PARTIAL of
-exactly ``[RESTART_MARKER]``, so that a client discards what it had.
+A failed request gets a FINAL error body (:mod:`mdp.messages`).  A streamed reply
+that starts over on another worker is preceded by a PARTIAL of exactly
+``[RESTART_MARKER]``, so that a client discards what it had.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import attrs
 
@@ -63,70 +62,27 @@ MAX_SERVICE_LENGTH = 255
 Frames = list[bytes]
 
 
-@attrs.frozen(slots=True)
-class ClientRequest:
-    """MDP/Client REQUEST: client to broker."""
-
-    service: bytes
-    body: Sequence[bytes]
-
-
-@attrs.frozen(slots=True)
-class ClientPartial:
-    """MDP/Client PARTIAL: broker to client, zero or more per request."""
-
-    service: bytes
-    body: Sequence[bytes]
+def _command_class(name: str, *fields: str) -> Any:
+    """A frozen command class with *fields*."""
+    kind = attrs.make_class(name, list(fields), frozen=True, slots=True)
+    kind.__module__ = __name__
+    return kind
 
 
-@attrs.frozen(slots=True)
-class ClientFinal:
-    """MDP/Client FINAL: broker to client, exactly one per request."""
-
-    service: bytes
-    body: Sequence[bytes]
-
-
-@attrs.frozen(slots=True)
-class Ready:
-    """MDP/Worker READY: a worker registers for one service."""
-
-    service: bytes
-
-
-@attrs.frozen(slots=True)
-class WorkerRequest:
-    """MDP/Worker REQUEST: broker hands a request to a worker."""
-
-    client: bytes
-    body: Sequence[bytes]
-
-
-@attrs.frozen(slots=True)
-class WorkerPartial:
-    """MDP/Worker PARTIAL: part of a reply, worker to broker."""
-
-    client: bytes
-    body: Sequence[bytes]
-
-
-@attrs.frozen(slots=True)
-class WorkerFinal:
-    """MDP/Worker FINAL: last part of a reply, worker to broker."""
-
-    client: bytes
-    body: Sequence[bytes]
-
-
-@attrs.frozen(slots=True)
-class Heartbeat:
-    """MDP/Worker HEARTBEAT, both directions."""
-
-
-@attrs.frozen(slots=True)
-class Disconnect:
-    """MDP/Worker DISCONNECT, both directions."""
-
+#: MDP/Client REQUEST (client to broker); PARTIAL, zero or more per request, and
+#: FINAL, exactly one (broker to client)
+ClientRequest = _command_class("ClientRequest", "service", "body")
+ClientPartial = _command_class("ClientPartial", "service", "body")
+ClientFinal = _command_class("ClientFinal", "service", "body")
+#: MDP/Worker READY: a worker registers for one service
+Ready = _command_class("Ready", "service")
+#: MDP/Worker REQUEST (broker to worker); PARTIAL and FINAL, its reply (worker to broker)
+WorkerRequest = _command_class("WorkerRequest", "client", "body")
+WorkerPartial = _command_class("WorkerPartial", "client", "body")
+WorkerFinal = _command_class("WorkerFinal", "client", "body")
+#: MDP/Worker HEARTBEAT and DISCONNECT, both directions
+Heartbeat = _command_class("Heartbeat")
+Disconnect = _command_class("Disconnect")
 
 ClientCommand = Union[ClientRequest, ClientPartial, ClientFinal]
 WorkerCommand = Union[Ready, WorkerRequest, WorkerPartial, WorkerFinal, Heartbeat, Disconnect]
@@ -145,9 +101,9 @@ _WORKER_TYPES = {W_READY: Ready, W_REQUEST: WorkerRequest, W_PARTIAL: WorkerPart
                  W_FINAL: WorkerFinal, W_HEARTBEAT: Heartbeat, W_DISCONNECT: Disconnect}
 #: how many frames a worker command without a body takes
 _WORKER_FRAMES = {Ready: 3, Heartbeat: 2, Disconnect: 2}
-_NAMES = {ClientRequest: "REQUEST", ClientPartial: "PARTIAL", ClientFinal: "FINAL",
-          Ready: "READY", WorkerRequest: "REQUEST", WorkerPartial: "PARTIAL",
-          WorkerFinal: "FINAL", Heartbeat: "HEARTBEAT", Disconnect: "DISCONNECT"}
+#: a command's name in the RFC: REQUEST, READY, ...
+_NAMES = {kind: kind.__name__.removeprefix("Client").removeprefix("Worker").upper()
+          for kind in (*_CLIENT_CODES[RFC], *_WORKER_TYPES.values())}
 
 
 _PRINTABLE_NAME = re.compile(rb"[\x20-\x7e]{1,%d}\Z" % MAX_SERVICE_LENGTH).match

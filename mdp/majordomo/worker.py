@@ -47,6 +47,7 @@ re-queued it).  This is the Guide's Paranoid Pirate.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import AsyncGenerator, Coroutine, Generator
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -60,7 +61,7 @@ from mdp import transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import checked_handler, reply_frames
 from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
@@ -105,8 +106,7 @@ class WorkerState(enum.Enum):
     BACKING_OFF = "backing off"
 
 
-STOPPED, CONNECTING, READY, BACKING_OFF = (
-    WorkerState.STOPPED, WorkerState.CONNECTING, WorkerState.READY, WorkerState.BACKING_OFF)
+STOPPED, CONNECTING, READY, BACKING_OFF = WorkerState
 
 
 @attrs.frozen
@@ -116,79 +116,25 @@ class Final:
     frames: Any
 
 
-@action_class
-class _Job:
-    """One request being served: where its reply goes and whether it still may."""
-
-    client: bytes
-    generation: int  # the connection it arrived on
-    key: Optional[idempotence.StampKey]
-    startedAt: float = 0.0
-
-
-@action_class
-class SendToBroker:
-    frames: list[bytes]
-
-
-@action_class
-class OpenPipe:
-    endpoint: str
-
-
-@action_class
-class ClosePipe:
-    """Close the pipe (what was sent on it goes first)."""
-
-
-@action_class
-class ReopenAfter:
-    """Call :meth:`WorkerMachine.handleReopen` after *delay*, having left
-    *endpoint*, *silent* that long (``None``: DISCONNECT)."""
-
-    delay: float
-    endpoint: str
-    silent: Optional[float]
-
-
-@action_class
-class Serve:
-    """Answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`."""
-
-    job: _Job
-    body: list[bytes]
-
-
-@action_class
-class StoreReply:
-    key: idempotence.StampKey
-    frames: list[bytes]
-
-
-@action_class
-class Dropped:
-    reason: str
-
-
-@action_class
-class Refused:
-    """For the log: a request is answered with the error *status* instead."""
-
-    status: bytes
-    reason: str
-
-
-@action_class
-class Lost:
-    endpoint: str
-    why: str
-
-
-@action_class
-class ConnectFailed:
-    endpoint: str
-    why: str
-
+_action = functools.partial(action_type, __name__)
+#: one request being served: its client, the generation of the pipe it came on, its
+#: stamp's key and when it came; whether its reply may still go is the machine's
+_Job = _action("_Job", "client", "generation", "key", "startedAt")
+SendToBroker = _action("SendToBroker", "frames")
+OpenPipe = _action("OpenPipe", "endpoint")
+#: close the pipe (what was sent on it goes first)
+ClosePipe = _action("ClosePipe")
+#: call :meth:`WorkerMachine.handleReopen` after *delay*, having left *endpoint*,
+#: *silent* that long (``None``: DISCONNECT)
+ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
+#: answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`
+Serve = _action("Serve", "job", "body")
+StoreReply = _action("StoreReply", "key", "frames")
+Dropped = _action("Dropped", "reason")
+#: for the log: a request is answered with the error *status* instead
+Refused = _action("Refused", "status", "reason")
+Lost = _action("Lost", "endpoint", "why")
+ConnectFailed = _action("ConnectFailed", "endpoint", "why")
 
 Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
 #               | Dropped | Refused | Lost | ConnectFailed
@@ -330,7 +276,7 @@ class WorkerMachine(Machine):
                 self._outbox.append(Dropped(f"invalid message: {e}"))
                 return self._drain()
             if type(command) is WorkerRequest:
-                self._command(WorkerRequest, command.client, list(command.body))
+                self._command(WorkerRequest, command.client, command.body)
             else:
                 self._command(type(command), b"", [])
         return self._drain()
@@ -435,8 +381,7 @@ class WorkerMachine(Machine):
         final = kind is WorkerFinal
         if final and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
-        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final,
-                                                                   self.dialect)))
+        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
@@ -449,11 +394,6 @@ class WorkerMachine(Machine):
     def _send(self, command: Any) -> None:
         self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
         self.liveness.sent(self.now)
-
-
-def _of_machine(name: str, doc: str) -> Any:
-    """A driver's read-only view of its machine's attribute *name*."""
-    return property(lambda self: getattr(self.machine, name), doc=doc)
 
 
 class WorkerDriver:
@@ -475,15 +415,15 @@ class WorkerDriver:
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
-    service = _of_machine("service", "The service name, as sent.")
-    endpoints = _of_machine("endpoints", "The broker endpoints, in failover order.")
-    endpoint = _of_machine("endpoint", "The broker endpoint in use (or next to be tried).")
-    state = _of_machine("state", "Where the connection stands (:class:`WorkerState`).")
-    connected = _of_machine("connected", "The pipe is up and READY went out on it.")
-    started = _of_machine("started", "Started and not stopped since.")
-    registered = _of_machine("registered", "READY went out and the broker has answered since.")
-    current = _of_machine("current", "The address of the client being served, if one is.")
-    generation = _of_machine("generation", "Bumped on every new or lost pipe.")
+    service = machine_view("service", "The service name, as sent.")
+    endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
+    endpoint = machine_view("endpoint", "The broker endpoint in use (or next to be tried).")
+    state = machine_view("state", "Where the connection stands (:class:`WorkerState`).")
+    connected = machine_view("connected", "The pipe is up and READY went out on it.")
+    started = machine_view("started", "Started and not stopped since.")
+    registered = machine_view("registered", "READY went out and the broker has answered since.")
+    current = machine_view("current", "The address of the client being served, if one is.")
+    generation = machine_view("generation", "Bumped on every new or lost pipe.")
 
     def _ready(self) -> None:
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
@@ -591,16 +531,19 @@ class Worker(WorkerDriver):
     def tick(self) -> None:
         now = self.reactor.seconds()
         last, self._lastTick = self._lastTick, now
-        if last is not None and now - last > self.machine.wakeEvery + self.machine.heartbeat.interval:
-            blocked = now - last - self.machine.wakeEvery
+        wakeEvery = self.machine.wakeEvery
+        if last is not None and now - last > wakeEvery + self.machine.heartbeat.interval:
             if self._handlerBlockEnded < last:  # not a handler's, already logged
-                self.throttle.warn(log, "blocked", "the reactor was blocked for {blocked:.1f} s "
-                                   "(worker for {service}): the broker's silence meanwhile is not "
-                                   "held against it", blocked=blocked, service=label(self.service))
-                if self.metrics is not None:
-                    self.metrics.blockedReactor(self.service)
+                self._reactorBlocked("the reactor was blocked for {blocked:.1f} s (worker for "
+                                     "{service}): the broker's silence meanwhile is not held "
+                                     "against it", now - last - wakeEvery)
             self._perform(self.machine.handleBlocked(now))
         self._perform(self.machine.handleTick(now))
+
+    def _reactorBlocked(self, message: str, blocked: float) -> None:
+        self.throttle.warn(log, "blocked", message, blocked=blocked, service=label(self.service))
+        if self.metrics is not None:
+            self.metrics.blockedReactor(self.service)
 
     def _perform(self, actions: list[Action]) -> Optional[defer.Deferred[None]]:
         """Do what the machine asked, in order; returns a pipe's closing, if any."""
@@ -715,13 +658,9 @@ class Worker(WorkerDriver):
         broker's silence meanwhile is not held against it."""
         if blocked < self.machine.heartbeat.interval:
             return
-        now = self.reactor.seconds()
-        self._handlerBlockEnded = now
-        self.throttle.warn(log, "blocked", "handler for {service} blocked the reactor for "
-                           "{blocked:.1f} s; run blocking work with deferToThread",
-                           service=label(self.service), blocked=blocked)
-        if self.metrics is not None:
-            self.metrics.blockedReactor(self.service)
+        now = self._handlerBlockEnded = self.reactor.seconds()
+        self._reactorBlocked("handler for {service} blocked the reactor for {blocked:.1f} s; "
+                             "run blocking work with deferToThread", blocked)
         self._perform(self.machine.handleBlocked(now))
 
     async def _stream(self, parts: Any, job: _Job) -> None:
@@ -734,9 +673,8 @@ class Worker(WorkerDriver):
             except (StopIteration, StopAsyncIteration):
                 self._finish(None, job)
                 return
-            current = self.machine.isCurrent(job)
-            final = current and isinstance(item, Final)
-            if not current or final or not self._reply(job, WorkerPartial, reply_frames(item)):
+            final = isinstance(item, Final)
+            if final or not self._reply(job, WorkerPartial, reply_frames(item)):
                 await _close(parts)
                 if final:
                     self._finish(item.frames, job)
@@ -770,8 +708,7 @@ class Worker(WorkerDriver):
         sent, actions = self.machine.handleReply(job, kind, frames, now, store)
         self._perform(actions)
         if current and (kind is WorkerFinal or not sent):
-            metrics.replied(self.service, now - job.startedAt,
-                            failure if sent else "too-large")
+            metrics.replied(self.service, now - job.startedAt, failure if sent else "too-large")
         return sent
 
 
