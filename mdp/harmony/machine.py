@@ -419,12 +419,7 @@ class HarmonyMachine(Machine):
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
         peer.received = 1
         peer.helloAt = self.now
-        peer.name, peer.headers = hello.name, dict(hello.headers)
-        for group in sorted(peer.groups - set(hello.groups)):
-            self._peerLeaves(peer, group)
-        for group in hello.groups:
-            self._peerJoins(peer, group)
-        peer.status = hello.status
+        self._takeHello(peer, hello)
         if self.now - peer.answeredAt >= self.evasive:
             peer.answeredAt = self.now
             peer.sent = 0
@@ -444,14 +439,19 @@ class HarmonyMachine(Machine):
         return True
 
     def _onHello(self, peer: Peer, message: codec.Hello) -> None:
-        peer.name = message.name
-        peer.headers = dict(message.headers)
-        self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
+        self._emit(Emit(Event(ENTER, peer.uuid, message.name, headers=dict(message.headers),
                               endpoint=peer.endpoint)))
-        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}", "info"))
-        for group in message.groups:
+        self._emit(Notice(None, f"{message.name} ({peer.uuid}) entered from {peer.endpoint}", "info"))
+        self._takeHello(peer, message)
+
+    def _takeHello(self, peer: Peer, hello: codec.Hello) -> None:
+        """The name, headers, groups and status *hello* says."""
+        peer.name, peer.headers = hello.name, dict(hello.headers)
+        for group in sorted(peer.groups - set(hello.groups)):
+            self._peerLeaves(peer, group)
+        for group in hello.groups:
             self._peerJoins(peer, group)
-        peer.status = message.status
+        peer.status = hello.status
 
     def _onWhisper(self, peer: Peer, message: codec.Whisper) -> None:
         self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))

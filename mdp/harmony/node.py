@@ -188,11 +188,8 @@ class EventStream:
             return defer.fail(StopAsyncIteration())
         if self.waiting is not None:
             raise RuntimeError("one reader at a time: this stream is already awaited")
-        self.waiting = defer.Deferred(lambda _: self._cancelled())
+        self.waiting = defer.Deferred(lambda _: setattr(self, "waiting", None))
         return self.waiting
-
-    def _cancelled(self) -> None:
-        self.waiting = None
 
     def close(self) -> None:
         self.node._streams.discard(self)
