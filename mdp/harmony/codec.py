@@ -110,10 +110,6 @@ Message = Union[Hello, Whisper, Shout, Join, Leave, Ping, PingOk]
 _HEADER = struct.Struct(">HBBH")
 
 
-def with_sequence(message: Message, sequence: int) -> Message:
-    return attrs.evolve(message, sequence=sequence)
-
-
 def next_sequence(sent: int) -> int:
     return (sent + 1) % SEQUENCE_MODULUS
 

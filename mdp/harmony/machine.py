@@ -261,13 +261,16 @@ class HarmonyMachine(Machine):
             self._broadcastStatus(codec.Leave, group)
         return self._drain()
 
+    def peer(self, uuid: UUID) -> Peer:
+        """The peer *uuid*; :class:`UnknownPeer` if there is none."""
+        if (found := self.peers.get(uuid)) is None:
+            raise UnknownPeer(uuid)
+        return found
+
     def whisper(self, peer: UUID, frames: Iterable[bytes], now: float) -> list[Any]:
         """Send *frames* to *peer*; :class:`UnknownPeer` if there is none."""
         self.now = now
-        found = self.peers.get(peer)
-        if found is None:
-            raise UnknownPeer(peer)
-        self._send(found, codec.Whisper(0, tuple(frames)))
+        self._send(self.peer(peer), codec.Whisper(0, tuple(frames)))
         return self._drain()
 
     def shout(self, group: str, frames: Iterable[bytes], now: float) -> list[Any]:
@@ -610,7 +613,7 @@ class HarmonyMachine(Machine):
 
     def _send(self, to: Union[Peer, _Dial], message: codec.Message) -> None:
         to.sent = codec.next_sequence(to.sent)
-        self._emit(SendOn(to.link, codec.encode(codec.with_sequence(message, to.sent))))
+        self._emit(SendOn(to.link, codec.encode(attrs.evolve(message, sequence=to.sent))))
 
     def _broadcastStatus(self, kind: type, group: str) -> None:
         """Our status goes up by one on each JOIN or LEAVE we send, to peers and dials."""

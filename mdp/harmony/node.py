@@ -388,19 +388,14 @@ class Node:
         """The peers that have said HELLO."""
         return list(self.machine.peers)
 
-    def _peer(self, peer: UUID) -> Any:
-        if (found := self.machine.peers.get(peer)) is None:
-            raise UnknownPeer(peer)
-        return found
-
     def peerName(self, peer: UUID) -> str:
-        return self._peer(peer).name
+        return self.machine.peer(peer).name
 
     def peerEndpoint(self, peer: UUID) -> str:
-        return self._peer(peer).endpoint
+        return self.machine.peer(peer).endpoint
 
     def peerHeaders(self, peer: UUID) -> dict[str, str]:
-        return dict(self._peer(peer).headers)
+        return dict(self.machine.peer(peer).headers)
 
     def peerGroups(self) -> list[str]:
         """The groups our peers are in (sorted)."""
