@@ -318,9 +318,6 @@ STATE = b"STATE"
 #: the peer and a few monitors
 MAX_SUBSCRIBERS = 16
 
-_ROLES = {role.value.encode(): role for role in Role}
-
-
 _INSTANCE = re.compile(rb"^[0-9a-f]{16}$")
 
 
@@ -341,9 +338,9 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
         raise ProtocolError(f"not a Binary Star state message: {list(frames)[:3]!r}")
     try:
         state = State(int(frames[2]))
-        role = _ROLES[bytes(frames[3])]
+        role = Role(bytes(frames[3]).decode("ascii"))
         uptime, heartbeat = float(frames[4]), float(frames[6])
-    except (ValueError, KeyError):
+    except ValueError:
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
     if not uptime >= 0:  # NaN is out of every range
         raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
@@ -465,9 +462,8 @@ class BinaryStar:
                                role=self.role.value, state=self.state.name.lower())
         return served
 
-    def admitWorker(self, now: Optional[float] = None) -> bool:
-        """A worker's READY votes as a client's request does (the Guide says so)."""
-        return self.admitClient(now)
+    #: a worker's READY votes as a client's request does (the Guide says so)
+    admitWorker = admitClient
 
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
         """Role, state and what is known of the peer (``mmi.binarystar``)."""
