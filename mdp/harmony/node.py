@@ -87,18 +87,14 @@ class BeaconDiscovery:
     def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> Any:
         self.listener, self.uuid = listener, uuid
         self.beacon = codec.encode_beacon(uuid, port)
-        self.socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
+        self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
         log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})",
                  interval=self.interval, host=self.host,
                  to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port
                  else self.spec.network, endpoint=self.endpoint)
-        self.loop = task.LoopingCall(self._send)
+        self.loop = task.LoopingCall(socket.send, self.beacon)
         self.loop.clock = self.reactor
         self.loop.start(self.interval, now=True)
-
-    def _send(self) -> None:
-        if self.socket is not None:
-            self.socket.send(self.beacon)
 
     def datagramReceived(self, data: bytes, host: str) -> None:
         if not data.startswith(codec.BEACON_PREFIX[:3]) or self.listener is None:
