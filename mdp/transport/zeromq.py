@@ -226,15 +226,14 @@ class _RoutedSocket:
 def _check_ipc_free(address: str, endpoint: str) -> None:
     """:class:`TransportError` if another process listens on the ``ipc://``
     *address*, or the path is no socket: libzmq would unlink it and take the
-    name over.  A socket nobody listens on was left behind: libzmq replaces it."""
-    if not address.startswith("ipc://"):
+    name over.  A socket nobody listens on was left behind: libzmq replaces it.
+    (The kernel refuses an abstract ``@name`` that is taken.)"""
+    path = address[len("ipc://"):]
+    if not address.startswith("ipc://") or path.startswith("@"):
         return
     import socket
     import stat
 
-    path = address[len("ipc://"):]
-    if path.startswith("@"):
-        return  # an abstract name: the kernel refuses it if taken
     try:
         mode = os.lstat(path).st_mode
     except OSError:
@@ -399,8 +398,8 @@ class ZmqRouter(_RoutedSocket):
             socket.unbind(self._bound)
         except zmq.ZMQError:
             done()
-            return closed
-        poll()
+        else:
+            poll()
         return closed
 
 
@@ -477,7 +476,6 @@ class ZmqDealer:
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
-        self._watch: Any = None  # polls inFlight while a waiter waits on it
         self._open()
 
     @property
@@ -491,37 +489,31 @@ class ZmqDealer:
     def drained(self) -> defer.Deferred[None]:
         if self.writable:
             return defer.succeed(None)
-        waiting = self._waiters.wait()
-        if not self.core.backlog and self._watch is None:
-            self._watch = self.reactor.callLater(self._pacer.next(True), self._watchInFlight)
-        return waiting
-
-    def _watchInFlight(self) -> None:
-        """Wake the waiters once libzmq holds at most half the bound (libzmq
-        tells nobody when it lets go of a message: polled, backing off)."""
-        self._watch = cancel_call(self._watch)
-        if self.core.backlog:
-            return  # _flush wakes them
-        before = self.inFlight.released
-        if self.inFlight.held() <= self.inFlight.bound // 2 or self.connection is None:
-            self._waiters.fire()
-        else:
-            progressed = self.inFlight.released != before
-            self._watch = self.reactor.callLater(self._pacer.next(progressed), self._watchInFlight)
+        if self._retry is None:
+            self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
+        return self._waiters.wait()
 
     def _flush(self) -> None:
+        """Send what waits in the backlog, then wake the waiters once libzmq
+        holds at most half the bound (libzmq tells nobody when it lets go of
+        a message: polled, backing off)."""
         self._retry = cancel_call(self._retry)
         if self.connection is None:
             return
-        core = self.core
+        core, inFlight = self.core, self.inFlight
         progressed = False
         while core.backlog:
             if not self._trySend(core.backlog[0]):
-                self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
-                return
+                break
             core.sent()
             progressed = True
-        self._watchInFlight()
+        else:
+            released = inFlight.released
+            if inFlight.held() <= inFlight.bound // 2:
+                self._waiters.fire()
+                return
+            progressed = inFlight.released != released
+        self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
@@ -561,10 +553,6 @@ class ZmqDealer:
             self.receiver.connectionMade()
             if connection.socket is not None:
                 connection.attached()  # nothing is delivered before connectionMade
-
-    def _received(self, connection: Any, frames: list[bytes]) -> None:
-        if connection is self.connection:
-            self.receiver.messageReceived(frames)
 
     def discardReceived(self) -> int:
         connection = self.connection
@@ -622,7 +610,6 @@ class ZmqDealer:
         self.core.clear()
         self._retry = cancel_call(self._retry)
         self._reopening = cancel_call(self._reopening)
-        self._watch = cancel_call(self._watch)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()

@@ -1,23 +1,18 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports: the process's txzmq
-factory, the socket options, and the loop-free calls that read and send a
-whole message (:func:`socket_calls`), which txzmq's connections here
-(``FastIO``) and the blocking pipes share.  txzmq is imported only when used.
-"""
+"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, the
+socket options, and the loop-free calls that read and send a whole message
+(:func:`socket_calls`), shared by the txzmq connections and the blocking pipes."""
 
 from __future__ import annotations
 
 import errno
 import os
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from mdp.policy import Limits, cancel_call
-
-if TYPE_CHECKING:
-    from mdp.transport.zeromq import ZmqDealer
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -121,11 +116,9 @@ OVER = 1
 
 
 def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
-    """``(read, send, events, native)``: how the Twisted and the blocking
-    shells read a whole message from a ZeroMQ socket, send one and ask its
-    ``EVENTS``, given its *handle* (:func:`socket_handle`).  In C
-    (:func:`zmq_frames`) where built and *native*; else through pyzmq
-    (:func:`read_pyzmq`, :func:`send_pyzmq`, :func:`events_pyzmq`)."""
+    """``(read, send, events, native)``: the calls that read a whole message,
+    send one and ask ``EVENTS``, given a :func:`socket_handle`; in C
+    (:func:`zmq_frames`) where built and *native*, else through pyzmq."""
     global _recv, _pysend, _get, NOBLOCK, NOBLOCK_SNDMORE, EVENTS, POLLIN, POLLOUT
     if _recv is None:
         zmq = _zmq()
@@ -140,8 +133,7 @@ def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
 
 
 def socket_handle(socket: Any, native: bool) -> Any:
-    """What :func:`socket_calls` take for *socket*: its address in libzmq
-    (*native*), or the socket."""
+    """What :func:`socket_calls` take: the libzmq address (*native*), or the socket."""
     return socket.underlying if native else socket
 
 
@@ -150,8 +142,8 @@ def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrame
                identified: Optional[Callable[[bytes, Optional[str]], None]] = None) -> Any:
     """``_zmqframes.read`` through pyzmq: a message's frames (those past
     *keepAfter* of *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first
-    frame or b"", frames, bytes, more follow])`` once over the limits.  With
-    *identified*, ``identified(first frame, User-Id)`` before it returns."""
+    frame or b"", frames, bytes, more follow])`` once over the limits; with
+    *identified*, ``identified(first frame, User-Id)`` first."""
     frame = _recv(socket, flags, False)
     size = 0 if envelope else len(frame)
     if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
@@ -206,10 +198,9 @@ def _connection_classes() -> tuple[type, type]:
         skip = zmq_frames().skip if native else skip_pyzmq
 
         class FastIO:
-            """Replaces txzmq's read and send paths (:func:`socket_calls`): at
-            most READ_BATCH messages a turn, and a read after a send only
-            when EVENTS says input is pending (the FD is edge-triggered).
-            Frames over the limits are dropped uncopied."""
+            """txzmq's read and send paths through :func:`socket_calls`: at most
+            READ_BATCH messages a turn, a read after a send only when EVENTS
+            says input is pending (the FD is edge-triggered)."""
 
             read_scheduled: Any
             socket: Any
@@ -235,10 +226,9 @@ def _connection_classes() -> tuple[type, type]:
             handle: Any = 0
 
             def doRead(self) -> None:
-                """Read at most READ_BATCH messages.  Raises nothing but
-                KeyboardInterrupt: a failed read is logged and ends the reading
-                (``connectionLost``), as Twisted's reactor does.  Also
-                ``readNow``, which :mod:`mdp.uvreactor` calls directly."""
+                """Read at most READ_BATCH messages (also ``readNow``, for
+                :mod:`mdp.uvreactor`).  A failed read is logged and ends the
+                reading (``connectionLost``), as Twisted's reactor does."""
                 try:
                     if self.read_scheduled is not None:
                         self.read_scheduled = cancel_call(self.read_scheduled)
@@ -339,8 +329,8 @@ def _connection_classes() -> tuple[type, type]:
                 return budget
 
             def attached(self) -> None:
-                """After a bind or connect, look for input a turn later: an
-                inproc pipe attached within the call signals nothing."""
+                """Look for input a turn after a bind or connect (an inproc
+                pipe attached within the call signals nothing)."""
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
@@ -368,26 +358,23 @@ def _connection_classes() -> tuple[type, type]:
         class Router(FastIO, txzmq.ZmqRouterConnection):
             highWaterMark = ROUTER_HIGH_WATER_MARK
             envelope = 1
-            owner: Any
 
             def deliver(self, frames: list[bytes]) -> None:
                 self.owner.delivered(frames[0], frames[1:])
 
         class Dealer(FastIO, txzmq.ZmqDealerConnection):
             highWaterMark = HIGH_WATER_MARK
-            owner: ZmqDealer
 
             def deliver(self, frames: list[bytes]) -> None:
-                self.owner._received(self, frames)
+                self.owner.receiver.messageReceived(frames)
 
         _classes = (Router, Dealer)
     return _classes
 
 
 class FlushPacer:
-    """When to try a full pipe again: libzmq's edge-triggered drain signal may
-    be consumed elsewhere, so backlogs are retried on a timer, backing off
-    (doubling up to ``longest`` seconds) while they do not drain."""
+    """When to try a full pipe again (libzmq's edge-triggered drain signal may
+    be consumed elsewhere): backing off, doubling up to ``longest`` seconds."""
 
     shortest = 0.0005
     longest = 0.05
@@ -396,7 +383,6 @@ class FlushPacer:
         self.delay = 0.0
 
     def next(self, progressed: bool) -> float:
-        """The delay before the next try."""
         self.delay = 0.0 if progressed else min(self.longest, max(self.shortest, self.delay * 2))
         return self.delay
 
@@ -407,7 +393,6 @@ def random_identity() -> bytes:
 
 
 def _zmq() -> Any:
-    """The zmq module, imported late."""
     import zmq
 
     return zmq
