@@ -1,5 +1,5 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`: a
-``check`` and factories that listen or connect.  A bad endpoint's error says what
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`:
+a ``check`` and factories that listen or connect; a bad endpoint's error says what
 was probably meant."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from mdp.errors import TransportError
 LISTEN = "listen"
 CONNECT = "connect"
 
+#: ``check(endpoint, role)`` raises :class:`TransportError` unless *endpoint* suits *role*
 Check = Callable[[str, str], None]
-"""``check(endpoint, role)`` raises :class:`TransportError` if *endpoint* is
-not usable for *role* (:data:`LISTEN` or :data:`CONNECT`)."""
 
 
 @attrs.frozen
@@ -68,19 +67,10 @@ def schemes() -> Iterator[Scheme]:
 _URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
 
 
-def _split_host_port(rest: str) -> tuple[str, str]:
-    if rest.startswith("["):
-        host, _, tail = rest[1:].partition("]")
-        return host, tail[1:] if tail.startswith(":") else ""
-    host, colon, port = rest.rpartition(":")
-    return (host, port) if colon else (rest, "")
-
-
 def _hint_for_url(endpoint: str, role: str) -> str:
     """What a pyzmq/nng-style URL was probably meant to be."""
-    match = _URL.match(endpoint)
-    assert match is not None
-    kind, rest = match.group("kind").lower(), match.group("rest")
+    kind, _, rest = endpoint.partition("://")
+    kind = kind.lower()
     if kind == "tcp":
         return _tcp_hint(rest, role)
     if kind in ("ipc", "inproc"):
@@ -90,7 +80,13 @@ def _hint_for_url(endpoint: str, role: str) -> str:
 
 def _tcp_hint(rest: str, role: str) -> str:
     """The two endpoints a ``tcp://HOST:PORT`` URL may have meant, for *role*."""
-    host, port = _split_host_port(rest)
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port[1:] if port.startswith(":") else ""
+    else:
+        host, colon, port = rest.rpartition(":")
+        if not colon:
+            host, port = rest, ""
     port = port or "PORT"
     wildcard = host in ("*", "0.0.0.0", "")
     if role == CONNECT and wildcard:

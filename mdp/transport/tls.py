@@ -1,5 +1,5 @@
-"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``, the
-authorities whose client certificates it accepts; the dropin's ``mtls:`` parser."""
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``
+(the authorities of the client certificates accepted), and ``mtls:``."""
 
 from __future__ import annotations
 
@@ -74,11 +74,6 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
                               own.options(*trusted),
                               backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
                               interface=kwargs.get("interface", ""))
-
-
-def mutual(description: str) -> bool:
-    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
-    return parse_mutual(description) is not None
 
 
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:
