@@ -11,6 +11,7 @@ import os
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import zmq
 from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -38,7 +39,6 @@ from mdp.transport.zmqio import (
     ZERO_COPY_BYTES,
     FlushPacer,
     _connection_classes,
-    _zmq,
     kept_frame_type,
     random_identity,
     zmq_factory,
@@ -67,8 +67,6 @@ def _limit(connection: Any, limits: Limits, native: bool = True) -> None:
     """Apply the limits to a socket before it binds or connects.  Only a bound
     (*native*) socket sets ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq
     never reconnects the pipe after an oversized message."""
-    import zmq
-
     connection.maxBytes = limits.maxMessageBytes
     connection.maxFrames = limits.maxFrames
     if native:
@@ -102,8 +100,6 @@ class _RoutedSocket:
 
     def _setup(self, reactor: Any, limits: Limits, identity: Optional[bytes] = None) -> None:
         """Open the socket (``connection``) with what both kinds set."""
-        import zmq
-
         router_class, _ = _connection_classes()
         self.connection = router_class(zmq_factory(), identity=identity)
         self.connection.owner = self
@@ -134,7 +130,7 @@ class _RoutedSocket:
                 return
         try:
             self.connection.send([peer, *frames])
-        except _zmq().ZMQError as e:
+        except zmq.ZMQError as e:
             if e.errno == errno.EAGAIN:
                 backlog = self.backlogs[peer] = _Backlog()
                 self._hold(peer, backlog, frames)
@@ -159,7 +155,7 @@ class _RoutedSocket:
         if self.connection.socket is None:
             return
         send = self.connection.send
-        Again = _zmq().Again
+        Again = zmq.Again
         progressed = False
         for peer, backlog in list(self.backlogs.items()):
             messages = backlog.messages
@@ -170,7 +166,7 @@ class _RoutedSocket:
                     progressed = True
             except Again:
                 continue
-            except _zmq().ZMQError as e:
+            except zmq.ZMQError as e:
                 messages.popleft()
                 self._refused(peer, e)
                 self.dropped += len(messages)
@@ -264,7 +260,6 @@ class ZmqRouter(_RoutedSocket):
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
         import txzmq
-        import zmq
 
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
@@ -365,7 +360,6 @@ class ZmqRouter(_RoutedSocket):
         if not self._bound.startswith(("tcp://", "ipc://")):
             self._shutdown()
             return defer.succeed(None)
-        zmq = _zmq()
         from zmq.utils.monitor import recv_monitor_message
 
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
@@ -431,7 +425,7 @@ class InFlight:
         if self.sent + size - self.marked < self.bound >> 2:
             return frames, size, None
         last = frames[-1]  # (any buffer: one untracked would never be let go of)
-        last = _zmq().Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
+        last = zmq.Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
         return [*frames[:-1], last], size, last.tracker
 
     def went(self, size: int, tracker: Any) -> None:
@@ -520,8 +514,8 @@ class ZmqDealer:
         frames, size, tracker = self.inFlight.track(frames)
         try:
             self.connection.send(frames)
-        except _zmq().ZMQError as e:
-            if isinstance(e, _zmq().Again):
+        except zmq.ZMQError as e:
+            if isinstance(e, zmq.Again):
                 return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
             return True
@@ -633,7 +627,7 @@ class ZmqPeerRouter(_RoutedSocket):
         self._setup(default_reactor(reactor), limits)
         if curve is not None:
             curve.apply(self.connection.socket)
-            self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
+            self.connection.socket.setsockopt(zmq.ROUTING_ID, random_identity())
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
@@ -641,8 +635,6 @@ class ZmqPeerRouter(_RoutedSocket):
         self.receiver.messageReceived(peer.decode("utf-8", "replace"), frames)
 
     def connect(self, endpoint: str) -> None:
-        import zmq
-
         socket = self.connection.socket
         socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.encode())
         socket.connect(_address(endpoint))

@@ -9,6 +9,7 @@ import os
 from functools import partial
 from typing import Any, Callable, Optional
 
+import zmq
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -89,7 +90,6 @@ def zmq_frames() -> Any:
         if module is not None:
             import sys
 
-            zmq = _zmq()
             try:
                 backend = sys.modules[zmq.backend.Socket.__module__]
                 module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
@@ -103,7 +103,7 @@ def zmq_frames() -> Any:
 def kept_frame_type() -> type:
     """The type of a frame a ROUTER passes on uncopied: ``Held`` or ``zmq.Frame``."""
     frames = zmq_frames()
-    return frames.Held if frames is not None else _zmq().Frame
+    return frames.Held if frames is not None else zmq.Frame
 
 
 # pyzmq's compiled socket methods (below its IntEnum wrappers) and int flags
@@ -121,7 +121,6 @@ def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
     (:func:`zmq_frames`) where built and *native*, else through pyzmq."""
     global _recv, _pysend, _get, NOBLOCK, NOBLOCK_SNDMORE, EVENTS, POLLIN, POLLOUT
     if _recv is None:
-        zmq = _zmq()
         backend = zmq.backend.Socket
         _recv, _pysend, _get = backend.recv, backend.send, backend.get
         NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -194,7 +193,7 @@ def _connection_classes() -> tuple[type, type]:
         import txzmq
 
         read, send, events, native = socket_calls()
-        Again = _zmq().Again
+        Again = zmq.Again
         skip = zmq_frames().skip if native else skip_pyzmq
 
         class FastIO:
@@ -336,7 +335,7 @@ def _connection_classes() -> tuple[type, type]:
 
             def _handle(self, socket: Any) -> Any:
                 if socket is None:
-                    raise _zmq().ZMQError(errno.ENOTSOCK)
+                    raise zmq.ZMQError(errno.ENOTSOCK)
                 self.handle = handle = socket_handle(socket, native)
                 return handle
 
@@ -393,6 +392,4 @@ def random_identity() -> bytes:
 
 
 def _zmq() -> Any:
-    import zmq
-
     return zmq
