@@ -63,14 +63,19 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
-def _limit(connection: Any, limits: Limits, native: bool = True) -> None:
-    """Apply the limits to a socket before it binds or connects.  Only a bound
-    (*native*) socket sets ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq
-    never reconnects the pipe after an oversized message."""
+def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[bytes],
+                     bound: bool = False) -> Any:
+    """A txzmq connection of the :func:`_connection_classes` *kind* (0: ROUTER,
+    1: DEALER) for *owner*, limited.  Only a *bound* socket sets
+    ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq never reconnects the pipe
+    after an oversized message."""
+    connection = _connection_classes()[kind](zmq_factory(), identity=identity)
+    connection.owner = owner
     connection.maxBytes = limits.maxMessageBytes
     connection.maxFrames = limits.maxFrames
-    if native:
+    if bound:
         connection.socket.set(zmq.MAXMSGSIZE, limits.maxMessageBytes)
+    return connection
 
 
 class _Backlog:
@@ -100,9 +105,7 @@ class _RoutedSocket:
 
     def _setup(self, reactor: Any, limits: Limits, identity: Optional[bytes] = None) -> None:
         """Open the socket (``connection``) with what both kinds set."""
-        router_class, _ = _connection_classes()
-        self.connection = router_class(zmq_factory(), identity=identity)
-        self.connection.owner = self
+        self.connection = _open_connection(self, 0, limits, identity, bound=not self.connects)
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
@@ -114,7 +117,6 @@ class _RoutedSocket:
         self.oversizedCount = 0
         self._flushCall: Any = None
         self._pacer = FlushPacer()
-        _limit(self.connection, limits, native=not self.connects)
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
@@ -259,8 +261,6 @@ class ZmqRouter(_RoutedSocket):
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
-        import txzmq
-
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
@@ -292,7 +292,7 @@ class ZmqRouter(_RoutedSocket):
             # without an allow-list any key gets in, and is nobody
             self.connection.identify = curve.allow is not None
         try:
-            self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
+            self.connection.socket.bind(address)
         except zmq.ZMQError as e:
             self.connection.shutdown()
             self._forgetDomain()
@@ -523,17 +523,11 @@ class ZmqDealer:
         return True
 
     def _open(self) -> None:
-        import txzmq
-
-        _, dealer_class = _connection_classes()
-        connection = dealer_class(zmq_factory(), identity=self.identity)
+        connection = _open_connection(self, 1, self.limits, self.identity)
         try:
-            connection.owner = self
-            _limit(connection, self.limits, native=False)
             if self.curve is not None:
                 self.curve.apply(connection.socket)
-            connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect,
-                                                       self.address)])
+            connection.socket.connect(self.address)
         except BaseException:
             connection.shutdown()
             raise
