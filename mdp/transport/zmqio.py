@@ -107,10 +107,9 @@ def kept_frame_type() -> type:
 
 
 # pyzmq's compiled socket methods (below its IntEnum wrappers) and int flags
-_recv: Any = None
-_pysend: Any = None
-_get: Any = None
-NOBLOCK = NOBLOCK_SNDMORE = EVENTS = POLLIN = POLLOUT = 0
+_recv, _pysend, _get = zmq.backend.Socket.recv, zmq.backend.Socket.send, zmq.backend.Socket.get
+NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 #: :func:`read_pyzmq`'s answer for a message over the limits, as ``_zmqframes.read``'s
 OVER = 1
 
@@ -119,12 +118,6 @@ def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
     """``(read, send, events, native)``: the calls that read a whole message,
     send one and ask ``EVENTS``, given a :func:`socket_handle`; in C
     (:func:`zmq_frames`) where built and *native*, else through pyzmq."""
-    global _recv, _pysend, _get, NOBLOCK, NOBLOCK_SNDMORE, EVENTS, POLLIN, POLLOUT
-    if _recv is None:
-        backend = zmq.backend.Socket
-        _recv, _pysend, _get = backend.recv, backend.send, backend.get
-        NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-        EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
     frames = zmq_frames() if native else None
     if frames is None:
         return read_pyzmq, send_pyzmq, events_pyzmq, False
