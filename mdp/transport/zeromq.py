@@ -1,20 +1,19 @@
 """ZeroMQ ROUTER/DEALER transports over txzmq (``zmq:tcp://…``, ``zmq:ipc://…``),
-with bounded high-water marks and message sizes.  ZeroMQ hides connection
-state: no disconnects are reported but of a peer a ROUTER cuts off for not
-reading (MDP heartbeats cover the rest).
-"""
+with bounded high-water marks and message sizes.  ZeroMQ hides connection state:
+only a peer a ROUTER cuts off for not reading is reported gone."""
 
 from __future__ import annotations
 
 import errno
 import os
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zmq.utils.monitor import recv_monitor_message
 from zope.interface import implementer
 
 from mdp.errors import TransportError
@@ -27,6 +26,7 @@ from mdp.interfaces import (
 )
 from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
+from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_domain
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.zmqio import (
@@ -44,9 +44,6 @@ from mdp.transport.zmqio import (
     zmq_factory,
     zmq_frames,
 )
-
-if TYPE_CHECKING:
-    from mdp.transport.curve import CurveClient, CurveServer
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -89,9 +86,8 @@ class _Backlog:
 
 
 class _RoutedSocket:
-    """What a bound and a connecting ROUTER share: with
-    ``ZMQ_ROUTER_MANDATORY``, a message for a peer whose pipe is full waits in
-    that peer's byte-bounded backlog (other peers are never held back).  Past
+    """A bound or connecting ROUTER: a message for a peer whose pipe is full
+    waits in that peer's backlog (others are never held back).  Past
     ``maxOutputBytes`` the peer is cut off: its messages are discarded until it
     sends again, and a bound ROUTER reports ``peerDisconnected``."""
 
@@ -220,6 +216,10 @@ class _RoutedSocket:
         if self.connection.socket is not None:
             self.connection.shutdown()
 
+    def close(self) -> defer.Deferred[None]:
+        self._shutdown()
+        return defer.succeed(None)
+
 
 def _check_ipc_free(address: str, endpoint: str) -> None:
     """:class:`TransportError` if another process listens on the ``ipc://``
@@ -282,12 +282,10 @@ class ZmqRouter(_RoutedSocket):
             # before the bind (ROUTER_SEND_WATER_MARK); on inproc the reading end's half is not ours
             self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
         if curve is not None:
-            from mdp.transport import curve as curves
-
             factory = zmq_factory()
             self.handshakesRefused = 0
-            self._zapDomain = curves.zap_domain(factory.context, curve, endpoint, self.reactor,
-                                                factory.beforeTerm, self._handshakeRefused)
+            self._zapDomain = zap_domain(factory.context, curve, endpoint, self.reactor,
+                                          factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
             # without an allow-list any key gets in, and is nobody
             self.connection.identify = curve.allow is not None
@@ -330,9 +328,7 @@ class ZmqRouter(_RoutedSocket):
 
     def _forgetDomain(self) -> None:
         if self._zapDomain is not None:
-            from mdp.transport import curve as curves
-
-            curves.forget_domain(zmq_factory().context, self._zapDomain)
+            forget_domain(zmq_factory().context, self._zapDomain)
             self._zapDomain = None
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
@@ -360,8 +356,6 @@ class ZmqRouter(_RoutedSocket):
         if not self._bound.startswith(("tcp://", "ipc://")):
             self._shutdown()
             return defer.succeed(None)
-        from zmq.utils.monitor import recv_monitor_message
-
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
         closed: defer.Deferred[None] = defer.Deferred()
         deadline = self.reactor.seconds() + self.unbindTimeout
@@ -438,11 +432,10 @@ class InFlight:
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER socket: the Twisted shell of a
-    :class:`~mdp.transport.dealercore.DealerCore`.  Messages refused at the
-    high-water mark wait in its backlog, up to ``limits.maxOutputBytes``;
-    ``writable`` is false while they do, or while libzmq holds more than
-    ``limits.maxOutputBytes`` unsent (:class:`InFlight`), until half of that."""
+    """A connecting ZeroMQ DEALER, the Twisted shell of a
+    :class:`~mdp.transport.dealercore.DealerCore`.  ``writable`` is false while
+    messages refused at the high-water mark wait, or while libzmq holds more
+    than ``limits.maxOutputBytes`` unsent (:class:`InFlight`), until half that."""
 
     connected = True
 
@@ -547,9 +540,8 @@ class ZmqDealer:
         return 0 if connection is None else connection.discardQueued()
 
     def oversized(self, peer: None, count: int, size: int) -> None:
-        """A message over the limits came: drop it with its socket, as stream
-        transports do (the receiver hears ``connectionLost``); a fresh socket
-        replaces it."""
+        """Drop a message over the limits with its socket, as stream transports
+        do (``connectionLost``); a fresh socket replaces it."""
         self.throttle.warn(log, "oversized", "zmq dealer to {endpoint} dropped a message of "
                            "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
                            "{frames} frames, and opens a new connection", endpoint=self.endpoint,
@@ -566,8 +558,7 @@ class ZmqDealer:
         self.receiver.connectionLost(Failure(why))
 
     def _reopen(self) -> None:
-        """Open a fresh socket; if none can be had, try again after the core's
-        delay, down meanwhile."""
+        """Open a fresh socket, or try again after the core's delay."""
         self._reopening = None
         try:
             self._open()
@@ -579,8 +570,7 @@ class ZmqDealer:
             self._reopening = self.reactor.callLater(delay, self._reopen)
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        connection = self.connection
-        if connection is None:
+        if self.connection is None:
             return
         core = self.core
         if not core.backlog and self._trySend(frames):
@@ -637,8 +627,4 @@ class ZmqPeerRouter(_RoutedSocket):
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
         self._send(endpoint.encode(), frames)
-
-    def close(self) -> defer.Deferred[None]:
-        self._shutdown()
-        return defer.succeed(None)
 
