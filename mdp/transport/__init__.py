@@ -297,10 +297,13 @@ def _check_zmq(endpoint: str, role: str) -> None:
     if not sep or kind not in ("tcp", "ipc", "inproc"):
         raise bad_endpoint(endpoint, "ZeroMQ endpoints are zmq:tcp://HOST:PORT, zmq:ipc://PATH "
                            "or zmq:inproc://NAME")
-    if kind != "tcp":
-        if not rest:
-            raise bad_endpoint(endpoint, f"no {kind} name")
-        return
+    if kind == "tcp":
+        _check_zmq_tcp(endpoint, rest, role)
+    elif not rest:
+        raise bad_endpoint(endpoint, f"no {kind} name")
+
+
+def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
         raise bad_endpoint(endpoint, f"no port; did you mean zmq:tcp://{rest or '127.0.0.1'}:5555"
                                      f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")

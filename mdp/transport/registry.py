@@ -67,6 +67,14 @@ def schemes() -> Iterator[Scheme]:
 _URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
 
 
+def _split_host_port(rest: str) -> tuple[str, str]:
+    if rest.startswith("["):
+        host, _, tail = rest[1:].partition("]")
+        return host, tail[1:] if tail.startswith(":") else ""
+    host, colon, port = rest.rpartition(":")
+    return (host, port) if colon else (rest, "")
+
+
 def _hint_for_url(endpoint: str, role: str) -> str:
     """What a pyzmq/nng-style URL was probably meant to be."""
     kind, _, rest = endpoint.partition("://")
@@ -80,13 +88,7 @@ def _hint_for_url(endpoint: str, role: str) -> str:
 
 def _tcp_hint(rest: str, role: str) -> str:
     """The two endpoints a ``tcp://HOST:PORT`` URL may have meant, for *role*."""
-    if rest.startswith("["):
-        host, _, port = rest[1:].partition("]")
-        port = port[1:] if port.startswith(":") else ""
-    else:
-        host, colon, port = rest.rpartition(":")
-        if not colon:
-            host, port = rest, ""
+    host, port = _split_host_port(rest)
     port = port or "PORT"
     wildcard = host in ("*", "0.0.0.0", "")
     if role == CONNECT and wildcard:
