@@ -190,10 +190,9 @@ def listen(
     endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
     limits: Limits = Limits(), security: Any = None,
 ) -> defer.Deferred[IRouterTransport]:
-    """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing
-    *limits*.  *security*: ZeroMQ's :class:`~mdp.transport.curve.CurveServer`.
-    A malformed endpoint raises :class:`TransportError`; a failure to bind
-    fails the Deferred with one."""
+    """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing *limits*
+    (*security*: a :class:`~mdp.transport.curve.CurveServer`).  A malformed
+    endpoint raises :class:`TransportError`; a failure to bind fails with one."""
     scheme = lookup(endpoint, LISTEN)
     extra = _security(scheme, endpoint, security, LISTEN)
     return defer.maybeDeferred(_opening, "listen on", endpoint, scheme.listen, receiver,
@@ -205,10 +204,9 @@ def connect(
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     identity: Optional[bytes] = None, security: Any = None,
 ) -> IDealerTransport:
-    """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade``
-    once usable).  *retryPolicy* (attempt -> seconds) paces reconnection;
-    *identity* (1-255 bytes, no leading zero byte) is the peer id the far
-    side sees; *security*: ZeroMQ's :class:`~mdp.transport.curve.CurveClient`."""
+    """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade`` once
+    usable); *retryPolicy* (attempt -> seconds) paces reconnection, *identity*
+    is the peer id the far side sees, *security* a ``CurveClient``."""
     scheme = lookup(endpoint, CONNECT)
     extra = _security(scheme, endpoint, security, CONNECT)
     if identity is not None:
@@ -268,9 +266,8 @@ def connect_channels(
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     security: Any = None,
 ) -> IDealerChannels:
-    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`): over
-    one connection where the scheme has channels, else each alone.  The
-    arguments are :func:`connect`'s."""
+    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one
+    connection where the scheme has channels; the arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security, CONNECT)

@@ -268,7 +268,6 @@ class ZmqRouter(_RoutedSocket):
         self.endpoint = endpoint
         address = _address(endpoint)
         _check_ipc_free(address, endpoint)
-        # bind after construction: an error inside txzmq's would leak the socket
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
         identity = address.encode() if "*" not in address else None
         self._setup(default_reactor(reactor), limits, identity)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -13,6 +14,7 @@ import zmq
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from mdp import _compiled
 from mdp.policy import Limits, cancel_call
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
@@ -84,12 +86,8 @@ def zmq_frames() -> Any:
     global _frames
     if _frames is None:
         _frames = False
-        from mdp import _compiled
-
         module: Any = _compiled.accelerator("mdp.transport._zmqframes")
         if module is not None:
-            import sys
-
             try:
                 backend = sys.modules[zmq.backend.Socket.__module__]
                 module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
