@@ -91,17 +91,14 @@ class _RoutedSocket:
     ``maxOutputBytes`` the peer is cut off: its messages are discarded until it
     sends again, and a bound ROUTER reports ``peerDisconnected``."""
 
-    connection: Any
-    endpoint: str
-    reactor: Any
-    limits: Limits
-    receiver: Any
-
     connects = False
 
-    def _setup(self, reactor: Any, limits: Limits, identity: Optional[bytes] = None) -> None:
+    def _setup(self, endpoint: str, receiver: Any, reactor: Any, limits: Limits,
+               identity: Optional[bytes] = None) -> None:
         """Open the socket (``connection``) with what both kinds set."""
         self.connection = _open_connection(self, 0, limits, identity, bound=not self.connects)
+        self.endpoint = endpoint
+        self.receiver = receiver
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
@@ -264,13 +261,11 @@ class ZmqRouter(_RoutedSocket):
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
-        self.receiver = receiver
-        self.endpoint = endpoint
         address = _address(endpoint)
         _check_ipc_free(address, endpoint)
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
         identity = address.encode() if "*" not in address else None
-        self._setup(default_reactor(reactor), limits, identity)
+        self._setup(endpoint, receiver, default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
         if self.deliversBuffers:
@@ -604,10 +599,8 @@ class ZmqPeerRouter(_RoutedSocket):
 
     def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits(),
                  curve: Optional[CurveClient] = None) -> None:
-        self.receiver = receiver
-        self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
-        self._setup(default_reactor(reactor), limits)
+        self._setup("(connecting router)", receiver, default_reactor(reactor), limits)
         if curve is not None:
             curve.apply(self.connection.socket)
             self.connection.socket.setsockopt(zmq.ROUTING_ID, random_identity())
