@@ -66,8 +66,7 @@ READ_BATCH = 64
 BUSY_BATCH = 8
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead: a few ms in C
-#: (``_zmqframes.skip``), tens through pyzmq.
+#: Frames of a message over the limits read off per doRead.
 FRAMES_PER_TURN = 10_000
 #: Frames at least this long are sent without copying (below, a copy is
 #: cheaper than pyzmq's release of a zero-copy frame).
