@@ -477,9 +477,10 @@ class ZmqDealer:
     def _flush(self) -> None:
         """Send what waits in the backlog, then wake the waiters once libzmq
         holds at most half the bound (libzmq tells nobody when it lets go of
-        a message: polled, backing off)."""
+        a message: polled, backing off); at once without a socket."""
         self._retry = cancel_call(self._retry)
         if self.connection is None:
+            self._waiters.fire()
             return
         core, inFlight = self.core, self.inFlight
         progressed = False
