@@ -81,9 +81,8 @@ def curve_for(endpoint: str, curve: Any) -> Any:
 
 def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
                      secretFile: Optional[str]) -> Any:
-    """A connecting node's CURVE arguments as a
-    :class:`~mdp.transport.curve.CurveClient` (None without a server key),
-    checked now by :func:`check_curve_client`."""
+    """A connecting node's :class:`~mdp.transport.curve.CurveClient` (None
+    without a server key), checked now by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
@@ -137,9 +136,8 @@ def authenticated(endpoint: str, security: Any = None) -> bool:
 
 
 def curve_listen_for(endpoint: str, curve: Any) -> Any:
-    """A listening node's CURVE settings for *endpoint*;
-    :class:`TransportError` if the node has them and *endpoint* would take
-    unauthenticated peers from other machines."""
+    """A listening node's CURVE settings for *endpoint*; :class:`TransportError`
+    if it has them and *endpoint* takes unauthenticated peers from elsewhere."""
     security = curve_for(endpoint, curve)
     if curve is not None and security is None and beyond_loopback(endpoint) \
             and not authenticated(endpoint):

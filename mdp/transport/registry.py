@@ -14,18 +14,16 @@ from mdp.errors import TransportError
 LISTEN = "listen"
 CONNECT = "connect"
 
-#: ``check(endpoint, role)`` raises :class:`TransportError` unless *endpoint* suits *role*
-Check = Callable[[str, str], None]
-
 
 @attrs.frozen
 class Scheme:
-    """One endpoint scheme.  *listen* is ``(endpoint, receiver, reactor, limits)
-    -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
+    """One endpoint scheme.  ``check(endpoint, role)`` raises :class:`TransportError`
+    unless *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor,
+    limits) -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
     reactor, limits, retryPolicy, identity) -> IDealerTransport``; or None."""
 
     name: str
-    check: Check
+    check: Callable[[str, str], None]
     listen: Optional[Callable[..., Any]] = None
     connect: Optional[Callable[..., Any]] = None
     #: one line: what the scheme is and how its endpoints look

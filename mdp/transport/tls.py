@@ -51,9 +51,8 @@ def authorities(path: str) -> list[Any]:
 
 
 def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
-    """The SSL server endpoint of
-    ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA`` (and ``interface=``,
-    ``backlog=``), requiring a client certificate ``caCerts`` signed."""
+    """The SSL server endpoint of ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA``
+    (``interface=``, ``backlog=``): only client certificates ``caCerts`` signed."""
     from twisted.internet import ssl
     from twisted.internet.endpoints import SSL4ServerEndpoint
 

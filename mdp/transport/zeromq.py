@@ -219,10 +219,9 @@ class _RoutedSocket:
 
 
 def _check_ipc_free(address: str, endpoint: str) -> None:
-    """:class:`TransportError` if another process listens on the ``ipc://``
-    *address*, or the path is no socket: libzmq would unlink it and take the
-    name over.  A socket nobody listens on was left behind: libzmq replaces it.
-    (The kernel refuses an abstract ``@name`` that is taken.)"""
+    """:class:`TransportError` if the ``ipc://`` *address* is no socket or a process
+    listens on it (libzmq would unlink it and take the name over); a socket left
+    behind is libzmq's to replace, a taken abstract ``@name`` the kernel's to refuse."""
     path = address[len("ipc://"):]
     if not address.startswith("ipc://") or path.startswith("@"):
         return
