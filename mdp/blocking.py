@@ -139,9 +139,7 @@ class _Loop:
                 link = self.links[endpoint] = _StreamLink(self, endpoint, family, address)
             self.idle.discard(link)
             return link.open(owner, tag)
-        stream = _StreamPipe(self, owner, tag, family, address)
-        self.timed.add(stream)
-        return stream
+        return _StreamPipe(self, owner, tag, family, address)
 
     def turn(self, when: Optional[float]) -> None:
         """Wait for a socket or until *when* (or a pipe's retry); handle what came."""

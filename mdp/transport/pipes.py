@@ -272,21 +272,21 @@ class _ZmqPipe:
 
 class _StreamPipe:
     """One stream socket with the stream transport's records, reconnecting
-    with :data:`RECONNECT`'s backoff.  With *channels*, a :class:`_StreamLink`'s
-    connection: messages are ``(channel, frames)``, sent when the loop next waits."""
+    with :data:`RECONNECT`'s backoff."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
-                 "broken", "channels", "queuedBytes", "sentBytes")
+                 "broken", "queuedBytes", "sentBytes")
 
-    def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any,
-                 channels: bool = False) -> None:
+    #: what its records are
+    framing: Any = RECORDS
+
+    def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any) -> None:
         self.loop = loop
         self.owner = owner
         self.tag = tag
         self.family = family
         self.address = address
-        self.channels = channels
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
@@ -296,6 +296,7 @@ class _StreamPipe:
         self.received: deque[list[bytes]] = deque()
         self.candidates: list[tuple[int, Any]] = []
         self._closeSocket()  # (the state of no connection)
+        loop.timed.add(self)
 
     @property
     def backlogged(self) -> bool:
@@ -304,9 +305,9 @@ class _StreamPipe:
     draining = backlogged
 
     def start(self) -> None:
-        self.open(monotonic())
+        self.connect(monotonic())
 
-    def open(self, now: float) -> None:
+    def connect(self, now: float) -> None:
         """Start a connection attempt, to each address of the host in turn."""
         self.retryAt = None
         if self.family == socket.AF_UNIX:
@@ -365,22 +366,10 @@ class _StreamPipe:
         self.out += encode_record(frames)
         self._flush()
 
-    def sendRecord(self, record: bytes) -> int:
-        """Send *record* when the loop next waits; where it ends in the
-        connection's bytes (0: not sent)."""
-        if not self.up:
-            return 0
-        self.out += record
-        self.queuedBytes += len(record)
-        self.loop.unchecked.add(self)  # sent before the loop waits
-        return self.queuedBytes
-
     def _flush(self) -> None:
         sock = self.socket
         if sock is None or not self.up:
             return
-        if self.channels and self.owner.core.unsent:
-            self.owner.dropStale()  # (what came before the requests about to go)
         try:
             sent = sock.send(self.out)
         except (BlockingIOError, InterruptedError):
@@ -417,8 +406,6 @@ class _StreamPipe:
         self.connecting = False
         self.up = True
         self.failures = 0
-        if self.channels:  # (first, before what the pipes send)
-            self.sendRecord(CHANNELS.greeting(None))
         self.loop.watch(self.key, _POLLIN)
         self.owner._pipeUp(self.tag, now)
 
@@ -508,14 +495,14 @@ class _StreamPipe:
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
-        self.decoder = (CHANNELS if self.channels else RECORDS).decoder(self.loop.limits)
+        self.decoder = self.framing.decoder(self.loop.limits)
         if sock is not None:
             self.loop.forget(self.key)
             sock.close()
 
     def wake(self, now: float) -> None:
         if self.retryAt is not None and self.socket is None:
-            self.open(now)
+            self.connect(now)
 
     def close(self) -> None:
         """Close, after a moment's try to send what waits (a worker's DISCONNECT)."""
@@ -529,18 +516,18 @@ class _StreamPipe:
         self._closeSocket()
 
 
-class _StreamLink:
+class _StreamLink(_StreamPipe):
     """A client's one stream connection to an endpoint, its pipes on channels:
     the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`.
     Opened with the first pipe, closed with the last."""
 
-    __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
+    __slots__ = ("endpoint", "core", "lossesToTell")
+
+    framing = CHANNELS
 
     def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
-        self.loop = loop
+        super().__init__(loop, self, None, family, address)
         self.endpoint = endpoint
-        self.stream = _StreamPipe(loop, self, None, family, address, channels=True)
-        loop.timed.add(self.stream)
         self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
         #: pipes still to be told of the loss (before any reconnection)
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
@@ -548,13 +535,28 @@ class _StreamLink:
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
         pipe = _LinkPipe(self, owner, tag)
         self.core.open(pipe)
-        if self.stream.up:
+        if self.up:
             self.core.comeUp(pipe)  # up at once: its owner tells itself
         return pipe
 
+    def sendRecord(self, record: bytes) -> int:
+        """Send *record* when the loop next waits; where it ends in the
+        connection's bytes (0: not sent)."""
+        if not self.up:
+            return 0
+        self.out += record
+        self.queuedBytes += len(record)
+        self.loop.unchecked.add(self)  # sent before the loop waits
+        return self.queuedBytes
+
+    def _flush(self) -> None:
+        if self.up and self.core.unsent:
+            self.dropStale()  # (what came before the requests about to go)
+        _StreamPipe._flush(self)
+
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
         """Put back *items* but the messages on *names*; their channels."""
-        received = self.stream.received
+        received = self.received
         dropped = []
         for item in items:
             if item[0] in names and item[1]:
@@ -566,19 +568,18 @@ class _StreamLink:
     def dropStale(self) -> None:
         """Before the pipes' requests go out: read the socket, and drop what
         came on their channels."""
-        stream = self.stream
         core = self.core
-        waiting = {name for name in list(core.unsent) if core.stale(name, stream.sentBytes)}
+        waiting = {name for name in list(core.unsent) if core.stale(name, self.sentBytes)}
         if not waiting:
             return
-        items = stream._drain()
-        if stream.decoder.inRecord:
-            stream.skip = waiting | (stream.skip or set())
+        items = self._drain()
+        if self.decoder.inRecord:
+            self.skip = waiting | (self.skip or set())
         stale = set(self._keepBut(items, waiting))
-        if stream.received:
-            self.loop.unchecked.add(stream)  # handed on before the loop waits
+        if self.received:
+            self.loop.unchecked.add(self)  # handed on before the loop waits
         for name in stale:
-            pipe: Any = self.core.channels.get(name)
+            pipe: Any = core.channels.get(name)
             if pipe is not None and pipe.up:
                 pipe.owner._stale(pipe.tag)
 
@@ -588,9 +589,10 @@ class _StreamLink:
         for pipe in self.core.closeAll():
             self.loop.timed.discard(pipe)
         self.lossesToTell.clear()
-        self.stream.close()
+        _StreamPipe.close(self)
 
     def _pipeUp(self, tag: Any, now: float) -> None:
+        self.sendRecord(CHANNELS.greeting(None))  # (first, before what the pipes send)
         self._tellLost(now)
         for pipe in self.core.made():
             pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
@@ -616,14 +618,14 @@ class _StreamLink:
         pipe: Any = self.core.channels.get(name)
         if pipe is None:
             return  # ended here: what came before the broker knew, or its acknowledgment
-        what = self.core.received(pipe, frames, self.stream.sentBytes)
+        what = self.core.received(pipe, frames, self.sentBytes)
         if what == DELIVER:
             pipe.owner._pipeMessage(pipe.tag, frames, now)
         elif what == STALE:
             pipe.owner._stale(pipe.tag)
         elif what == ENDED:
             record, why, delay = self.core.endedThere(pipe)
-            self.stream.sendRecord(record)
+            self.sendRecord(record)
             pipe.retryAt = now + delay
             self.loop.timed.add(pipe)
             if why is not None:
@@ -643,20 +645,20 @@ class _LinkPipe(Channel):
         self.retryAt: Optional[float] = None
 
     def start(self) -> None:
-        stream = self.link.stream
-        if stream.socket is None and stream.retryAt is None:
-            stream.open(monotonic())
+        link = self.link
+        if link.socket is None and link.retryAt is None:
+            link.connect(monotonic())
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
             link = self.link
-            at = link.stream.sendRecord(self.id + encode_record(frames))
+            at = link.sendRecord(self.id + encode_record(frames))
             if at:
                 link.core.unsent[self.id] = at
 
     def discardReceived(self) -> int:
         """Drop what was read on its channel but an end; how many."""
-        received = self.link.stream.received
+        received = self.link.received
         if not received:
             return 0
         items = list(received)
@@ -676,7 +678,7 @@ class _LinkPipe(Channel):
         link.loop.timed.discard(self)
         record = link.core.close(self)
         if record is not None:
-            link.stream.sendRecord(record)
+            link.sendRecord(record)
         if not link.core.channels:
             link.loop.idle.add(link)
 
