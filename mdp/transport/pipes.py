@@ -1,6 +1,6 @@
 """The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER and stream
-sockets under the blocking loop's poller.  A pipe reports to its *owner*
-(``_pipeUp``, ``_pipeLost``, ``_pipeFailed``, ``_pipeMessage``) with its *tag*."""
+sockets under the blocking loop's poller, reporting to their *owner*
+(``_pipeUp``, ``_pipeLost``, ``_pipeFailed``, ``_pipeMessage``) with a *tag*."""
 
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
                              f"{', '.join(s + ':' for s in STREAM_SCHEMES)} endpoints, not {endpoint!r}")
     args, kwargs = split_description(rest)
     unix = scheme == "unix"
-    # each by its name, or else by its place
     given = [kwargs.get(name) or (args[i] if i < len(args) else None)
              for i, name in enumerate(("path",) if unix else ("host", "port"))]
     if not all(given):
@@ -67,15 +66,14 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
     return (socket.AF_UNIX, given[0]) if unix else (socket.AF_UNSPEC, (given[0], int(given[1])))
 
 
-#: Messages a DEALER of a blocking node queues each way (its HWMs).
+#: messages a DEALER queues each way (its HWMs)
 _HIGH_WATER_MARK = 1000
 
 
 class _ZmqPipe:
-    """One DEALER socket: up from the start (ZeroMQ reconnects by itself).
-    ``backlogged`` while messages wait for room, or while libzmq holds over
-    ``limits.maxOutputBytes`` of them (:class:`InFlight`); ``draining``
-    until it holds half of that."""
+    """One DEALER socket, up from the start (ZeroMQ reconnects by itself);
+    ``backlogged`` while messages wait for room or libzmq holds over
+    ``limits.maxOutputBytes`` (:class:`InFlight`), ``draining`` until half."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
                  "address", "linger", "curve", "core", "retryAt", "inFlight")
@@ -94,7 +92,6 @@ class _ZmqPipe:
         self._connect()
 
     def _connect(self) -> None:
-        """A fresh socket, connected (a fresh routing id)."""
         zmq = _zmq()
         self.socket = None
         self.up = False
@@ -113,7 +110,6 @@ class _ZmqPipe:
         except BaseException:
             sock.close(0)
             raise
-        # (no call from here on: an interrupt cannot leave it half set)
         self.socket = sock
         self.handle = handle
         self.fd = fd
@@ -153,7 +149,7 @@ class _ZmqPipe:
         self.check(now)
 
     def check(self, now: float) -> bool:
-        """Send what waits and read what came, per ``EVENTS``; whether anything was read."""
+        """Send what waits, read what came; whether anything was read."""
         if self.socket is None:
             return False
         events = _events(self.handle)
@@ -167,8 +163,7 @@ class _ZmqPipe:
         return False
 
     def wait(self, timeout: int) -> None:
-        """The loop's only socket: block in ``recv`` for at most *timeout* ms
-        (-1: no limit); handle what came."""
+        """The loop's only socket: wait in ``recv`` at most *timeout* ms (-1: no limit)."""
         sock = self.socket
         if not _native:
             # pyzmq's recv waits its whole RCVTIMEO again after each signal
@@ -186,7 +181,6 @@ class _ZmqPipe:
             frames = self._message(0)
         except _Again:
             return
-        # one message a wake-up: the next recv takes what else is queued at once
         self.loop.unchecked.add(self)
         self._take(frames, monotonic())
 
@@ -201,7 +195,7 @@ class _ZmqPipe:
         return _HIGH_WATER_MARK
 
     def _read(self, now: float) -> None:
-        """Read at most a few messages a wake-up: the loop comes back for the rest."""
+        """Read a few messages at most: the loop comes back for the rest."""
         sock = self.socket
         loop = self.loop
         for _ in range(64):
@@ -217,14 +211,12 @@ class _ZmqPipe:
                 return
 
     def _message(self, flags: int) -> Any:
-        """Receive a whole message (or raise ``Again``), as :func:`socket_calls` read it."""
         limits = self.loop.limits
         return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes,
                      False)
 
     def _take(self, frames: Any, now: float) -> None:
-        """Hand *frames* to the owner; over the limits, replace the socket
-        (the owner hears the pipe lost, then up)."""
+        """Hand *frames* on; over the limits, a new socket (lost, then up)."""
         if frames.__class__ is list:
             self.owner._pipeMessage(self.tag, frames, now)
             return
@@ -237,7 +229,7 @@ class _ZmqPipe:
             self.owner._pipeUp(self.tag, now)
 
     def _reopen(self, now: float) -> bool:
-        """A fresh socket; if none can be had, down until the core's delay is over."""
+        """A new socket; if none can be had, down until the core's delay is over."""
         try:
             self._connect()
         except Exception as e:
@@ -262,7 +254,7 @@ class _ZmqPipe:
         self.up = False
         self.retryAt = None
         self.core.clear()
-        self.inFlight = InFlight(self.inFlight.bound)  # (what libzmq held goes with the socket)
+        self.inFlight = InFlight(self.inFlight.bound)
         self.loop.unchecked.discard(self)
         self.loop.timed.discard(self)
         if sock is not None:
@@ -278,7 +270,6 @@ class _StreamPipe:
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
                  "broken", "queuedBytes", "sentBytes")
 
-    #: what its records are
     framing: Any = RECORDS
 
     def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any) -> None:
@@ -295,7 +286,7 @@ class _StreamPipe:
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
         self.candidates: list[tuple[int, Any]] = []
-        self._closeSocket()  # (the state of no connection)
+        self._closeSocket()
         loop.timed.add(self)
 
     @property
@@ -410,7 +401,6 @@ class _StreamPipe:
         self.owner._pipeUp(self.tag, now)
 
     def _read(self, sock: socket.socket, now: float) -> None:
-        # what came whole before a loss is handed on first, as in Twisted
         self.received.extend(self._drain(1))
         self._deliverReceived(now)
         if self.broken is not None and self.socket is sock:
@@ -422,17 +412,9 @@ class _StreamPipe:
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
-    def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a stale discard saw begun, now whole, if on a
-        channel it discarded: no reply to a later request."""
-        if messages:
-            if messages[0][0] in self.skip:
-                del messages[0]
-            self.skip = 0
-
     def _deliverReceived(self, now: float) -> None:
         """Hand on the messages read, in order (a callback that waits on the
-        loop hands on the rest first: the pipe stays ``unchecked``)."""
+        loop hands on the rest first)."""
         received = self.received
         owner, tag, loop = self.owner, self.tag, self.loop
         while received:  # (a loss meanwhile clears it)
@@ -442,8 +424,7 @@ class _StreamPipe:
             owner._pipeMessage(tag, frames, now)
 
     def check(self, now: float) -> bool:
-        """Send what was queued; hand on what was read and not handed on yet,
-        whether there was any."""
+        """Send what was queued; hand on what was read, whether there was any."""
         if self.out:
             self._flush()
         if not self.received:
@@ -452,13 +433,13 @@ class _StreamPipe:
         return True
 
     def _drain(self, reads: int = 64) -> list[Any]:
-        """The messages what waits in the socket completes, in at most *reads*
-        reads; a loss found is kept (``broken``) for the next read to report."""
+        """The messages read whole in at most *reads* reads; a loss found is
+        kept (``broken``) for the next read to report."""
         sock = self.socket
         messages: list[Any] = []
         if self.broken is not None:
             return messages
-        for _ in range(reads):  # bounded: a peer sending without pause cannot hold us here
+        for _ in range(reads):  # (a peer sending without pause cannot hold us here)
             try:
                 data = sock.recv(_READ_SIZE)  # type: ignore[union-attr]
             except (BlockingIOError, InterruptedError):
@@ -475,8 +456,11 @@ class _StreamPipe:
                 messages += getattr(e, "decoded", None) or []
                 self._break(e)
                 break
-        if self.skip:
-            self._skipBegun(messages)
+        if self.skip and messages:
+            # the record a stale discard saw begun: no reply to a later request
+            if messages[0][0] in self.skip:
+                del messages[0]
+            self.skip = 0
         return messages
 
     def _lost(self, why: BaseException, now: float) -> None:
@@ -490,7 +474,7 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        #: the channels of a stale discard that saw a record begun (dropped once whole)
+        #: the channels of a stale discard that saw a record begun
         self.skip: Any = 0
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
@@ -517,9 +501,8 @@ class _StreamPipe:
 
 
 class _StreamLink(_StreamPipe):
-    """A client's one stream connection to an endpoint, its pipes on channels:
-    the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`.
-    Opened with the first pipe, closed with the last."""
+    """A client's one stream connection to an endpoint, its pipes on channels
+    (the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`)."""
 
     __slots__ = ("endpoint", "core", "lossesToTell")
 
@@ -529,7 +512,7 @@ class _StreamLink(_StreamPipe):
         super().__init__(loop, self, None, family, address)
         self.endpoint = endpoint
         self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
-        #: pipes still to be told of the loss (before any reconnection)
+        #: pipes to tell of the loss before any reconnection
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
@@ -555,7 +538,7 @@ class _StreamLink(_StreamPipe):
         _StreamPipe._flush(self)
 
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
-        """Put back *items* but the messages on *names*; their channels."""
+        """Put back *items* but the messages on *names*; the channels dropped."""
         received = self.received
         dropped = []
         for item in items:
@@ -566,8 +549,7 @@ class _StreamLink(_StreamPipe):
         return dropped
 
     def dropStale(self) -> None:
-        """Before the pipes' requests go out: read the socket, and drop what
-        came on their channels."""
+        """Before the pipes' requests go out: read, and drop what came on their channels."""
         core = self.core
         waiting = {name for name in list(core.unsent) if core.stale(name, self.sentBytes)}
         if not waiting:
@@ -617,7 +599,7 @@ class _StreamLink(_StreamPipe):
         name, frames = item
         pipe: Any = self.core.channels.get(name)
         if pipe is None:
-            return  # ended here: what came before the broker knew, or its acknowledgment
+            return  # ended here
         what = self.core.received(pipe, frames, self.sentBytes)
         if what == DELIVER:
             pipe.owner._pipeMessage(pipe.tag, frames, now)
@@ -683,13 +665,11 @@ class _LinkPipe(Channel):
             link.loop.idle.add(link)
 
 
-# the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`) and constants
 _read, _send, _events, _native = socket_calls(True)
 _pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _zmq().Again
 _RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
 _ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
-#: no limit
 _NEVER = sys.maxsize
-# a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
+# poll(2)'s and epoll's bits
 _POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
 _POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)
