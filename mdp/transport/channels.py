@@ -49,7 +49,7 @@ class _StreamChannel(Channel):
         return self.link.drained()
 
     def discardReceived(self) -> int:
-        """Drop its messages of the current read not delivered yet; how many."""
+        """Drop its messages of this read not delivered yet; how many."""
         link, name = self.link, self.id
         pending = link._pending
         if pending is None or not link._waiting.get(name):
@@ -105,8 +105,7 @@ class _StreamChannel(Channel):
 class StreamChannels(_OneConnection):
     """One :class:`ClientService`-managed connection carrying many pipes
     (:meth:`open`), each as a connection of its own: the Twisted shell of a
-    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
-    pipe, closed with the last."""
+    :class:`~mdp.transport.channellink.ChannelLink`."""
 
     kind = "stream channels"
     connectionClass = _ChannelsConnection
@@ -120,10 +119,6 @@ class StreamChannels(_OneConnection):
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
-
-    @property
-    def channels(self) -> dict[bytes, Channel]:
-        return self.core.channels
 
     @property
     def queued(self) -> int:
@@ -180,7 +175,7 @@ class StreamChannels(_OneConnection):
         self._pending = messages
         core = self.core
         channels = core.channels
-        # messages still to come in this read, by channel
+        # by channel, its messages still to come in this read
         waiting = self._waiting = {}
         for item in messages:
             waiting[item[0]] = waiting.get(item[0], 0) + 1
