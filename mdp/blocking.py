@@ -118,8 +118,8 @@ class _Loop:
 
     def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None,
              shared: bool = False) -> Any:
-        """A pipe to *endpoint*, to ``start()`` once its owner holds it;
-        *shared*, a channel of this loop's one stream connection there."""
+        """A pipe to *endpoint* (a stream connects at the next turn); *shared*,
+        a channel of this loop's one stream connection there."""
         if self.closed:
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
@@ -461,7 +461,6 @@ class Client(ClientDriver):
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
-            pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
             self._close(channel)
             error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
@@ -577,7 +576,6 @@ class Worker(WorkerDriver):
             self._openFailed(error)
             return
         self._pipe = pipe
-        pipe.start()  # (a stream pipe may say at once that it is up)
         if pipe.up and not self.machine.connected and self._pipe is pipe:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 

@@ -126,9 +126,6 @@ class _ZmqPipe:
     def draining(self) -> bool:
         return bool(self.backlog) or self.inFlight.held() > self.inFlight.bound // 2
 
-    def start(self) -> None:
-        pass  # ZeroMQ connects in the background
-
     def send(self, frames: list[bytes]) -> None:
         if self.socket is None:
             return
@@ -282,7 +279,7 @@ class _StreamPipe:
         self.key: Any = None
         self.out = bytearray()
         self.failures = 0
-        self.retryAt: Optional[float] = None
+        self.retryAt: Optional[float] = 0.0  # (the first attempt: at the loop's next turn)
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
         self.candidates: list[tuple[int, Any]] = []
@@ -294,9 +291,6 @@ class _StreamPipe:
         return bool(self.out)
 
     draining = backlogged
-
-    def start(self) -> None:
-        self.connect(monotonic())
 
     def connect(self, now: float) -> None:
         """Start a connection attempt, to each address of the host in turn."""
@@ -625,11 +619,6 @@ class _LinkPipe(Channel):
         self.owner = owner
         self.tag = tag
         self.retryAt: Optional[float] = None
-
-    def start(self) -> None:
-        link = self.link
-        if link.socket is None and link.retryAt is None:
-            link.connect(monotonic())
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
