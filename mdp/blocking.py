@@ -66,6 +66,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 LINGER_MS = 200
 
 _PENDING: Any = object()  # the end of map()'s items
+_NEVER = float("inf")
 #: what a handler returns that is certainly not a generator
 _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
 
@@ -507,7 +508,7 @@ class Worker(WorkerDriver):
         self._context = context
         self._loop: Any = None
         self._pipe: Any = None
-        self._reopenAt: Optional[float] = None
+        self._reopenAt = _NEVER
         self._nextTick = 0.0
         self._stopping = False
 
@@ -527,7 +528,7 @@ class Worker(WorkerDriver):
             while not self._stopping and (until is None or not until()):
                 self._turn()
         finally:
-            self._reopenAt = None
+            self._reopenAt = _NEVER
             try:
                 self._perform(self.machine.handleStop(monotonic()))
             finally:
@@ -626,14 +627,12 @@ class Worker(WorkerDriver):
         elif monotonic() >= self._nextTick:
             self._turn()
 
-    def _turn(self, until: float = float("inf")) -> None:
+    def _turn(self, until: float = _NEVER) -> None:
         """One turn of the loop, until the next tick, reopening or *until*; then what is due."""
-        when = min(until, self._nextTick)
-        reopenAt = self._reopenAt
-        self._loop.turn(when if reopenAt is None else min(when, reopenAt))
+        self._loop.turn(min(until, self._nextTick, self._reopenAt))
         now = monotonic()
-        if self._reopenAt is not None and now >= self._reopenAt:
-            self._reopenAt = None
+        if now >= self._reopenAt:
+            self._reopenAt = _NEVER
             self._perform(self.machine.handleReopen(now))
         if now >= self._nextTick:
             self._tickDue(now)

@@ -10,7 +10,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
-from mdp.policy import RECONNECT, Limits, cancel_call
+from mdp.policy import Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
 from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
@@ -114,8 +114,7 @@ class StreamChannels(_OneConnection):
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         super().__init__(endpoint, reactor, limits, CHANNELS, None)
-        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
-        self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)
+        self.core = ChannelLink(limits, self.maxQueued, retryPolicy)
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
@@ -139,7 +138,7 @@ class StreamChannels(_OneConnection):
         channel = _StreamChannel(self, receiver)
         self.core.open(channel)
         if self.service is None:
-            self.service = _connection(self, self.endpoint, self.retryPolicy)
+            self.service = _connection(self, self.endpoint, self.core.retryPolicy)
         elif self.protocol is not None:
             channel._call = self.reactor.callLater(0, channel._up)
         return channel

@@ -450,12 +450,17 @@ class _StreamPipe:
                 messages += getattr(e, "decoded", None) or []
                 self._break(e)
                 break
-        if self.skip and messages:
-            # the record a stale discard saw begun: no reply to a later request
+        if self.skip:
+            self._skipBegun(messages)
+        return messages
+
+    def _skipBegun(self, messages: list[Any]) -> None:
+        """Drop the record a stale discard saw begun, now whole, if on a
+        channel it discarded: no reply to a later request."""
+        if messages:
             if messages[0][0] in self.skip:
                 del messages[0]
             self.skip = 0
-        return messages
 
     def _lost(self, why: BaseException, now: float) -> None:
         self._closeSocket()
