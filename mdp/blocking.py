@@ -463,12 +463,11 @@ class Client(ClientDriver):
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
         except Exception as e:  # no socket to be had (out of descriptors)
-            self._close(channel)
             error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
             error.__cause__ = e
             self._perform(self.machine.handleOpenFailed(channel, error, monotonic()))
             return
-        if pipe.up and not channel.up and channel.pipe is pipe:  # ZeroMQ: up at once
+        if pipe.up:  # ZeroMQ, or a channel of a connection that is up
             self._perform(self.machine.handlePipeUp(channel, monotonic()))
 
 
@@ -577,7 +576,7 @@ class Worker(WorkerDriver):
             self._openFailed(error)
             return
         self._pipe = pipe
-        if pipe.up and not self.machine.connected and self._pipe is pipe:  # ZeroMQ: up at once
+        if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 
     def _serve(self, job: Any, body: list[bytes]) -> None:

@@ -93,8 +93,6 @@ class _ZmqPipe:
 
     def _connect(self) -> None:
         zmq = _zmq()
-        self.socket = None
-        self.up = False
         sock = self.loop.context().socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, self.linger)
