@@ -1,6 +1,7 @@
 """The MDP/0.2 client and worker without a reactor (docs/blocking.md): the
 Twisted drivers' machines over pyzmq (``zmq:``) or stream sockets (``tcp:``,
-``unix:``) and one poller, only inside their calls, in the calling thread."""
+``unix:``) and one poller, only inside their calls, in the calling thread.  A
+client belongs to one thread at a time (as a ZeroMQ socket does)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ LINGER_MS = 200
 
 _PENDING: Any = object()  # the end of map()'s items
 _NEVER = float("inf")
+
 #: what a handler returns that is certainly not a generator
 _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
 
@@ -483,7 +485,8 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*, run in the thread that
     calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-    A handler slower than the broker's heartbeat expiry loses its broker."""
+    A handler slower than the broker's heartbeat expiry loses its broker (use
+    :class:`mdp.Worker` then)."""
 
     def __init__(
         self,

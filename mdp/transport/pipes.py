@@ -59,6 +59,7 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
                              f"{', '.join(s + ':' for s in STREAM_SCHEMES)} endpoints, not {endpoint!r}")
     args, kwargs = split_description(rest)
     unix = scheme == "unix"
+    # each by its name, or else by its place
     given = [kwargs.get(name) or (args[i] if i < len(args) else None)
              for i, name in enumerate(("path",) if unix else ("host", "port"))]
     if not all(given):
@@ -108,6 +109,7 @@ class _ZmqPipe:
         except BaseException:
             sock.close(0)
             raise
+        # (no call from here on: an interrupt cannot leave it half set)
         self.socket = sock
         self.handle = handle
         self.fd = fd
@@ -176,7 +178,7 @@ class _ZmqPipe:
             frames = self._message(0)
         except _Again:
             return
-        self.loop.unchecked.add(self)
+        self.loop.unchecked.add(self)  # (the next recv takes what else is queued at once)
         self._take(frames, monotonic())
 
     def discardReceived(self) -> int:
@@ -206,6 +208,7 @@ class _ZmqPipe:
                 return
 
     def _message(self, flags: int) -> Any:
+        """A whole message (or raise ``Again``), as :func:`socket_calls` read it."""
         limits = self.loop.limits
         return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes,
                      False)
@@ -249,7 +252,7 @@ class _ZmqPipe:
         self.up = False
         self.retryAt = None
         self.core.clear()
-        self.inFlight = InFlight(self.inFlight.bound)
+        self.inFlight = InFlight(self.inFlight.bound)  # (what libzmq held goes with the socket)
         self.loop.unchecked.discard(self)
         self.loop.timed.discard(self)
         if sock is not None:
@@ -393,6 +396,7 @@ class _StreamPipe:
         self.owner._pipeUp(self.tag, now)
 
     def _read(self, sock: socket.socket, now: float) -> None:
+        # what came whole before a loss is handed on first, as in Twisted
         self.received.extend(self._drain(1))
         self._deliverReceived(now)
         if self.broken is not None and self.socket is sock:
