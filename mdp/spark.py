@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import attrs
 
 from mdp.errors import MDPSparkError
+from mdp.policy import positive_seconds, whole_number
 
 ON_ERROR = ("fail", "null", "column")
 OUTPUT_TYPES = ("binary", "string", "frames")
@@ -167,6 +168,11 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
+def _failure(result: Any) -> Optional[str]:
+    """What went wrong, if *result* is an exception."""
+    return f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else None
+
+
 def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
                   errorCol: Optional[str]) -> Any:
     def mapper(batches: Iterable[Any]) -> Iterator[Any]:
@@ -180,18 +186,11 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
             columns = [batch.column(name).to_pylist() for name in inputs]
             requests = [_request(row) for row in zip(*columns)]
             results = call_many(call, requests) if batch.num_rows else []
-            replies, errors = [], []
-            for result in results:
-                if isinstance(result, BaseException):
-                    replies.append(None)
-                    errors.append(f"{type(result).__name__}: {result}")
-                else:
-                    replies.append(reply(result))
-                    errors.append(None)
+            replies = [None if _failure(r) else reply(r) for r in results]
             arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
             names = list(batch.schema.names) + [outputCol]
             if errorCol is not None:
-                arrays.append(pa.array(errors, type=pa.string()))
+                arrays.append(pa.array([_failure(r) for r in results], type=pa.string()))
                 names.append(errorCol)
             yield pa.RecordBatch.from_arrays(arrays, names=names)
 
@@ -200,26 +199,18 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
 # --- driver side -----------------------------------------------------------------
 
-def _check_count(option: str, value: Any, rule: str = "must be at least 1") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{option} is a whole number, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{option} {rule}, got {value}")
-
-
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
                   retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
     """Check every argument on the driver, so a mistake raises here rather than in
     each task: ``TransportError`` for a bad endpoint, ``TypeError``/``ValueError``."""
     from mdp import transport
     from mdp.majordomo import codec
-    from mdp.policy import positive_seconds
 
     if onError not in ON_ERROR:
         raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
     positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
-    _check_count("retries", retries, "counts attempts and must be at least 1")
-    _check_count("window", window)
+    whole_number("retries", retries, rule="counts attempts and must be")
+    whole_number("window", window)
     codec.check_dialect(dialect)
     brokers = tuple(transport.endpoint_list(broker))
     name = codec.api_service_name(service).decode("ascii")
@@ -286,7 +277,7 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     ``onError="null"`` a failure gives ``None``; ``"column"`` gives ``(frames or
     None, error or None)`` pairs."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
-    _check_count("batch", batch)
+    whole_number("batch", batch)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         elements = iter(elements)
@@ -302,8 +293,6 @@ def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
         single = isinstance(element, (str, bytes, bytearray)) or element is None
         requests.append(_request([element] if single else list(element)))
     for result in call_many(call, requests):
-        failed = isinstance(result, BaseException)
-        if call.onError == "column":
-            yield (None, f"{type(result).__name__}: {result}") if failed else (result, None)
-        else:
-            yield None if failed else result
+        failure = _failure(result)
+        reply = None if failure else result
+        yield (reply, failure) if call.onError == "column" else reply
