@@ -35,12 +35,17 @@ class HeartbeatPolicy:
     Guide's Paranoid Pirate: 2.5 s × 3."""
 
     interval: float = attrs.field(default=2.5)
-    liveness: int = attrs.field(default=3, validator=_at_least(1))
+    liveness: int = attrs.field(default=3)
 
     @interval.validator
     def _check_interval(self, attribute: object, value: float) -> None:
         if not (_finite(value) and value > 0):
             raise ValueError(f"heartbeat interval must be a finite positive number, got {value}")
+
+    @liveness.validator
+    def _check_liveness(self, attribute: object, value: int) -> None:
+        if not (_finite(value) and value >= 1):
+            raise ValueError(f"heartbeat liveness must be at least 1, got {value}")
 
     def __attrs_post_init__(self) -> None:
         try:

@@ -40,6 +40,7 @@ from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
 from mdp.transport.endpoints import raise_descriptor_limit
 from mdp.transport.registry import bare_address
+from twisted.plugins import mdp_plugins as dropin
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
@@ -774,22 +775,17 @@ class _Plugin:
         return parent
 
 
-def _plugin(tapname: str, description: str, options: type[_ServiceOptions]) -> type[_Plugin]:
-    """The ``twist`` plugin *tapname*, running the service of *options*."""
+def _plugin(entry: Any, options: type[_ServiceOptions]) -> type[_Plugin]:
+    """The ``twist`` plugin of the dropin's *entry* (its name and description),
+    running the service of *options*."""
     name = options.__name__.replace("Options", "ServiceMaker")
-    attributes = {"tapname": tapname, "description": description, "options": options}
+    attributes = {"tapname": entry.tapname, "description": entry.description, "options": options}
     return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
 
 
-BrokerServiceMaker = _plugin("mdp-broker", "MDP/0.2 (Majordomo) broker.", BrokerOptions)
-WorkerServiceMaker = _plugin("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
-                             WorkerOptions)
-FreelanceServerServiceMaker = _plugin(
-    "mdp-freelance-server", "Freelance (brokerless) request-reply server, answering PING with PONG.",
-    FreelanceServerOptions)
-SPRepServiceMaker = _plugin("sp-rep", "SP (nng) REP server running a handler.", SPRepOptions)
-SPDeviceServiceMaker = _plugin("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
-                               SPDeviceOptions)
-TitanicServiceMaker = _plugin(
-    "mdp-titanic", "Titanic: disk-backed, disconnected requests through an MDP broker.",
-    TitanicOptions)
+BrokerServiceMaker = _plugin(dropin.mdpBroker, BrokerOptions)
+WorkerServiceMaker = _plugin(dropin.mdpWorker, WorkerOptions)
+FreelanceServerServiceMaker = _plugin(dropin.mdpFreelanceServer, FreelanceServerOptions)
+SPRepServiceMaker = _plugin(dropin.spRep, SPRepOptions)
+SPDeviceServiceMaker = _plugin(dropin.spDevice, SPDeviceOptions)
+TitanicServiceMaker = _plugin(dropin.mdpTitanic, TitanicOptions)
