@@ -170,8 +170,6 @@ class Script:
         self.routers: dict[str, _Router] = {}
         self.identities: dict[bytes, str] = {}
         self.pipes: dict[str, _Pipe] = {}
-        self._latest: dict[str, _Pipe] = {}
-        self._counts: dict[str, itertools.count] = {}
         self.id = str(next(_ids))
         _scripts[self.id] = self
 
@@ -179,15 +177,9 @@ class Script:
         """An endpoint string of this script (``script:ID/NAME``)."""
         return f"script:{self.id}/{name}"
 
-    def _listen(self, endpoint: str, receiver: IRouterReceiver) -> _Router:
-        router = _Router(self, endpoint, receiver)
-        self.routers[endpoint] = router
-        return router
-
     def _connect(self, endpoint: str, receiver: IDealerReceiver) -> _Pipe:
-        count = self._counts.setdefault(endpoint, itertools.count(1))
-        pipe = _Pipe(self, endpoint, f"{endpoint}#{next(count)}", receiver)
-        self.pipes[pipe.name] = self._latest[endpoint] = pipe
+        name = f"{endpoint}#{sum(pipe.endpoint == endpoint for pipe in self.pipes.values()) + 1}"
+        pipe = self.pipes[name] = _Pipe(self, endpoint, name, receiver)
         self.actions.append(Open(pipe.name))
         if self.autoConnect:
             self.clock.callLater(0, self._up, pipe)
@@ -200,7 +192,8 @@ class Script:
 
     def pipe(self, name: str) -> _Pipe:
         """The pipe called *name*, or the latest pipe to endpoint *name*."""
-        pipe = self.pipes.get(name) or self._latest.get(name)
+        latest = [pipe for pipe in self.pipes.values() if pipe.endpoint == name]
+        pipe = self.pipes.get(name) or (latest[-1] if latest else None)
         if pipe is None:
             raise KeyError(f"no pipe {name!r}; open ones: {sorted(self.pipes)}")
         return pipe
@@ -270,7 +263,9 @@ def _owner(endpoint: str, role: str = "") -> Script:
 
 
 def _listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
-    return defer.succeed(_owner(endpoint)._listen(endpoint, receiver))
+    script = _owner(endpoint)
+    script.routers[endpoint] = _Router(script, endpoint, receiver)
+    return defer.succeed(script.routers[endpoint])
 
 
 def _connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
