@@ -37,68 +37,31 @@ from mdp.transport.registry import bad_endpoint
 Frames = tuple[bytes, ...]
 
 
-@attrs.frozen
-class Receive:
-    """A message arrives: from router peer *source* (bytes) or on pipe
-    *source* (a pipe name, or an endpoint for its latest pipe)."""
-
-    source: Union[bytes, str]
-    frames: Frames = attrs.field(converter=tuple)
-
-
-@attrs.frozen
-class Connected:
-    """The pipe *pipe* (or the latest pipe to an endpoint) is up."""
-
-    pipe: str
+def _record(name: str, doc: str, /, **fields: Any) -> Any:
+    """A frozen attrs class of *fields* (name: type); ``frames`` is kept as a tuple."""
+    made = attrs.make_class(name, {
+        field: attrs.field(type=kind, converter=tuple if field == "frames" else None)
+        for field, kind in fields.items()}, frozen=True)
+    made.__doc__, made.__module__ = doc, __name__
+    return made
 
 
-@attrs.frozen
-class Lost:
-    """Router peer *source* went away, or pipe *source* broke."""
-
-    source: Union[bytes, str]
-
-
-@attrs.frozen
-class Elapse:
-    """*seconds* of time pass; timers fire in order as they come due."""
-
-    seconds: float
-
-
+Receive = _record("Receive", "A message arrives: from router peer *source* (bytes) or on pipe "
+                  "*source* (a pipe name, or an endpoint for its latest pipe).",
+                  source=Union[bytes, str], frames=Frames)
+Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.",
+                    pipe=str)
+Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.",
+               source=Union[bytes, str])
+Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.",
+                 seconds=float)
 Event = Union[Receive, Connected, Lost, Elapse]
 
-
-@attrs.frozen
-class Send:
-    """The node sends *frames* to router peer *to* (bytes) or on pipe *to*."""
-
-    to: Union[bytes, str]
-    frames: Frames = attrs.field(converter=tuple)
-
-
-@attrs.frozen
-class Disconnect:
-    """The node drops router peer *peer*."""
-
-    peer: bytes
-
-
-@attrs.frozen
-class Open:
-    """The node opened pipe *pipe* (a connecting transport)."""
-
-    pipe: str
-
-
-@attrs.frozen
-class Close:
-    """The node closed pipe or listening endpoint *name*."""
-
-    name: str
-
-
+Send = _record("Send", "The node sends *frames* to router peer *to* (bytes) or on pipe *to*.",
+               to=Union[bytes, str], frames=Frames)
+Disconnect = _record("Disconnect", "The node drops router peer *peer*.", peer=bytes)
+Open = _record("Open", "The node opened pipe *pipe* (a connecting transport).", pipe=str)
+Close = _record("Close", "The node closed pipe or listening endpoint *name*.", name=str)
 Action = Union[Send, Disconnect, Open, Close]
 
 _scripts: weakref.WeakValueDictionary[str, Script] = weakref.WeakValueDictionary()
