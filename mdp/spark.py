@@ -92,73 +92,50 @@ def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[byte
 
 
 def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
-    """In the reactor thread: at most ``window`` in flight (a request waiting for a free
-    connection would spend its attempts); on a failure with ``onError="fail"``, cancel the rest."""
+    """In the reactor thread: ``window`` senders, each sending its next row once the
+    last is answered (a request waiting for a free connection would spend its
+    attempts); on a failure with ``onError="fail"``, cancel the rest, send no more."""
     from twisted.internet import defer
-    from twisted.python.failure import Failure
 
     from mdp.majordomo.client import Client
 
     client = _clients.get(call)
     if client is None:
         client = _clients[call] = _new_client(Client, call)
-    count = len(requests)
-    results: list[Any] = [None] * count
-    inFlight: dict[int, defer.Deferred] = {}
-    done: defer.Deferred = defer.Deferred()
-    remaining = count
-    following = 0  # the next request to send
-    filling = False
+    results: list[Any] = [None] * len(requests)
+    rows = iter(enumerate(requests))
+    inFlight: set[defer.Deferred] = set()
+    failures: list[MDPSparkError] = []
 
-    def settle(value: Any, index: int) -> None:
-        nonlocal remaining
-        if done.called:
-            return
-        if isinstance(value, Failure):
-            value = value.value
-        if isinstance(value, BaseException) and call.onError == "fail":
-            # before cancelling the rest: each cancel comes back here
-            done.errback(MDPSparkError(f"{call.describe()}: {value}"))
-            for d in list(inFlight.values()):
-                d.cancel()
-            return
-        results[index] = value
-        remaining -= 1
-        if remaining == 0:
-            done.callback(results)
-
-    def answered(value: Any, index: int) -> None:
-        inFlight.pop(index, None)
-        settle(value, index)
-        if not filling:  # a reply that came at once: the loop below goes on
-            fill()
-
-    def fill() -> None:
-        """Send while the window has room: a loop, so rows that finish at once
-        (a null input, a request over the limits) cost no recursion."""
-        nonlocal following, filling
-        filling = True
-        try:
-            while not done.called and following < count and len(inFlight) < call.window:
-                index, following = following, following + 1
-                frames = requests[index]
+    async def sender() -> None:
+        # a loop: rows that finish at once (a null input, a request over the limits) cost no recursion
+        for index, frames in rows:
+            if failures:
+                return
+            try:
                 if frames is None:
-                    settle(ValueError("null input"), index)
-                    continue
+                    raise ValueError("null input")
+                request = client.request(call.service, *frames)
+                inFlight.add(request)
                 try:
-                    d = client.request(call.service, *frames)
-                except Exception as e:  # over the limits (RequestTooLarge), ...
-                    settle(e, index)
-                    continue
-                inFlight[index] = d
-                d.addBoth(answered, index)
-        finally:
-            filling = False
+                    results[index] = await request
+                finally:
+                    inFlight.discard(request)
+            except Exception as e:
+                if call.onError != "fail":
+                    results[index] = e
+                elif not failures:  # the first: the requests it cancels come back here
+                    failures.append(MDPSparkError(f"{call.describe()}: {e}"))
+                    for other in list(inFlight):
+                        other.cancel()
 
-    fill()
-    if count == 0:
-        done.callback(results)
-    return done
+    def finished(_: object) -> list[Any]:
+        if failures:
+            raise failures[0]
+        return results
+
+    return defer.gatherResults([defer.ensureDeferred(sender()) for _ in range(call.window)]
+                               ).addCallback(finished)
 
 
 def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
