@@ -138,12 +138,10 @@ class StatusOptions(_ClientOptions):
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
         args = list(sys.argv[1:] if options is None else options)
-        given: list[str] = []
-        for n, arg in enumerate(args):
-            given.append(arg)
-            if arg in ("--watch", "-w") and not _is_number(args[n + 1] if n + 1 < len(args) else ""):
-                given.append(str(DEFAULT_WATCH))
-        super().parseOptions(given)
+        for n in reversed(range(len(args))):
+            if args[n] in ("--watch", "-w") and not _is_number(next(iter(args[n + 1:]), "")):
+                args.insert(n + 1, str(DEFAULT_WATCH))
+        super().parseOptions(args)
 
 
 def _is_number(text: str) -> bool:
