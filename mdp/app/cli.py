@@ -35,6 +35,7 @@ from mdp.app.tap import (
     curve_client_of,
     repeated,
     seconds_option,
+    usage_errors,
     usage_line,
     whole_option,
 )
@@ -90,10 +91,8 @@ class _RequestOptions(_ClientOptions):
             raise usage.UsageError(f"give a SERVICE and at least one FRAME, e.g. "
                                    f"'{self.commandName()} echo hello'")
         service, *frames = args
-        try:
+        with usage_errors(errors=(TypeError, ValueError)):
             self["service"] = api_service_name(service)
-        except (TypeError, ValueError) as e:
-            raise usage.UsageError(str(e)) from None
         if not frames and not self["service"].startswith(b"mmi."):
             raise usage.UsageError("give at least one request frame (only mmi.* queries "
                                    "may have none)")
@@ -286,16 +285,14 @@ class ChatOptions(VersionedOptions):
 
         if not self["name"]:
             raise usage.UsageError("--name is required")
-        try:
+        with usage_errors():
             check_string(self["name"], "name")
             check_string(self["group"], "group")
-        except ValueError as e:
-            raise usage.UsageError(str(e)) from None
         for endpoint in self["peer"]:
             _check_peer(endpoint)
         if self["endpoint"] is not None:
             checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
-        try:
+        with usage_errors(errors=(MDPError,)):
             if self["peer"]:
                 from mdp.transport.datagram import pick_interface
 
@@ -306,8 +303,6 @@ class ChatOptions(VersionedOptions):
                 if self["interface"]:
                     beacon += ":interface=" + self["interface"].replace(":", "\\:")
                 self["discovery"] = BeaconDiscovery(beacon)
-        except MDPError as e:
-            raise usage.UsageError(str(e)) from None
 
 
 _PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
