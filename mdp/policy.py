@@ -397,14 +397,13 @@ class AccessPolicy:
             raise ValueError(f"{source}: peers are [[peer]] tables")
         for n, entry in enumerate(entries, 1):
             where = f"{source}: peer {n}"
-            if not isinstance(entry, dict):
-                raise ValueError(f"{where}: not a table")
+            rule = _rule(entry, where, {"identity", "name"})
             identity = entry.get("identity")
             if not isinstance(identity, str) or not identity:
                 raise ValueError(f"{where}: no identity (a CURVE public key or a TLS subject)")
             if identity in peers:
                 raise ValueError(f"{where}: identity {identity!r} is listed twice")
-            peers[identity] = _rule(entry, where, {"identity", "name"})
+            peers[identity] = rule
         default = _rule(data.get("default", {}), f"{source}: [default]")
         anonymous = _rule(data.get("anonymous", {}), f"{source}: [anonymous]")
         return cls(peers, default=default, anonymous=anonymous)

@@ -397,9 +397,8 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
     started = reactor.seconds()
     try:
         reply = await client.request(*options["frames"])
-    except MDPError as e:
-        error(f"mdp freelance-call: {_freelance_failure(e, options, reactor.seconds() - started)}")
-        raise SystemExit(1) from None
+    except MDPError as e:  # said by _main, in words true of the model
+        raise MDPError(_freelance_failure(e, options, reactor.seconds() - started)) from None
     finally:
         await client.close()
     print_frames(reply)
@@ -446,9 +445,7 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
     try:
         reply = await client.request(options["payload"]).addTimeout(options["timeout"], reactor)
     except defer.TimeoutError:
-        error(f"mdp sp-request: no reply from {options['endpoint']} within "
-               f"{options['timeout']:g} s")
-        raise SystemExit(1) from None
+        raise MDPError(f"no reply from {options['endpoint']} within {options['timeout']:g} s") from None
     finally:
         await client.close()
     print_frames([reply])
