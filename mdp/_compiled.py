@@ -265,13 +265,8 @@ def install() -> None:
 
 def in_use() -> dict[str, bool]:
     """For each listed module that is imported: whether it runs compiled."""
-    loaded = {}
-    for name in MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            origin = getattr(module, "__file__", None) or ""
-            loaded[name] = not origin.endswith(".py")
-    return loaded
+    return {name: not (getattr(sys.modules[name], "__file__", None) or "").endswith(".py")
+            for name in MODULES if sys.modules.get(name) is not None}
 
 
 def status(package: str = _HERE) -> dict[str, str]:
