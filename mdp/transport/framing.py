@@ -1,9 +1,8 @@
 """Multi-frame messages as length-prefixed records on a byte stream, without
-I/O (the wire form: ``docs/transports.md``): an optional greeting announces
-the connecting side's identity, or that channels follow; each record is a
-length, then each frame's length and bytes.  Limits are enforced before
-anything is buffered: an oversized record is refused from its header, and
-the records that span reads share one process-wide budget (:data:`BUFFERED`)."""
+I/O (``docs/transports.md``): an optional greeting announces the connecting
+side's identity, or that channels follow; each record is a length, then each
+frame's length and bytes.  An oversized record is refused from its header, and
+records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 
 from __future__ import annotations
 
@@ -40,13 +39,11 @@ class OverBudget(ProtocolError):
 
 class InputBudget:
     """The bytes of unfinished stream records the process holds, all
-    connections together (RabbitMQ's memory watermark): a record that spans
-    reads is charged as its bytes come, against its decoder's
-    ``limits.maxBufferedBytes``, and given back when it completes or its
-    connection goes; one read whole costs nothing.  Past it the oldest are
-    dropped (records held open cannot starve those that flow).  The C heap's
-    free pages go back (``malloc_trim``, 0.5 ms on a large heap) after a MiB
-    dropped, at most once a second, and once nothing is held."""
+    connections together: a record that spans reads is charged as its bytes
+    come, against ``limits.maxBufferedBytes``, and given back when it completes
+    or goes.  Past it the oldest are dropped (records held open cannot starve
+    those that flow).  After a MiB dropped, at most once a second, the C heap's
+    free pages go back (``malloc_trim``)."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
@@ -57,7 +54,7 @@ class InputBudget:
 
     def charge(self, decoder: Any, size: int, limit: int) -> None:
         """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
-        the oldest others (or refuse this one, the oldest)."""
+        the oldest (raise if that is this one)."""
         holders = self.holders
         if not decoder._charged:
             if not size:
@@ -193,11 +190,10 @@ class ChargedDecoder:
 
 @implementer(IStreamDecoder)
 class RecordDecoder(ChargedDecoder):
-    """Turns a byte stream into messages.  :meth:`feed` returns the messages a
-    piece completes, or raises :class:`~mdp.errors.ProtocolError`
-    (:class:`RecordTooLarge` for a limit): the stream is then unusable.  With
-    :attr:`channels`, each message is a ``(channel, frames)`` pair (``frames``
-    empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
+    """Turns a byte stream into messages: :meth:`feed` returns those a piece
+    completes, or raises :class:`~mdp.errors.ProtocolError` and the stream is
+    unusable.  With :attr:`channels`, each message is a ``(channel, frames)``
+    pair (``frames`` empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
 
     def __init__(self, limits: Limits = Limits(), channels: bool = False) -> None:
         self.limits = limits
@@ -295,7 +291,7 @@ class RecordDecoder(ChargedDecoder):
                     self._need = length
                     self._held = 0
                 # a record that spans pieces: frame by frame, each copied once
-                pos = self._feedSpanning(data, pos, end)
+                pos = self._feedRecord(data, pos, end)
                 if self._need == 0:
                     frames = self._completed()
                     messages.append((self._channel, frames) if self.channels else frames)
@@ -308,21 +304,15 @@ class RecordDecoder(ChargedDecoder):
             raise
         return messages
 
-    def _feedSpanning(self, data: bytes, pos: int, end: int) -> int:
-        """:meth:`_feedRecord`, charging to :data:`BUFFERED` what it keeps for a later read."""
-        start = pos
-        pos = self._feedRecord(data, pos, end)
-        if self._need:
-            BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
-        return pos
-
     def _clear(self) -> None:
         self._frames = []
         self._pieces = []
         self._buf = bytearray()
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
-        """Take the record in progress from *pos*; where it ends."""
+        """Take the record in progress from *pos*; where it ends.  What it keeps
+        for a later read is charged to :data:`BUFFERED`."""
+        start = pos
         frames = self._frames
         while pos < end and self._need > 0:
             if self._fneed < 0:  # a frame's length
@@ -377,6 +367,8 @@ class RecordDecoder(ChargedDecoder):
                 self._pieces = []
                 self._buf = bytearray()
                 self._fneed = -1
+        if self._need:
+            BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
         return pos
 
     def _completed(self) -> list[bytes]:
