@@ -16,6 +16,7 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.messages import as_frame
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_PENDING_BYTES,
@@ -258,19 +259,13 @@ class SPServer(_Side):
             return defer.ensureDeferred(result) if inspect.iscoroutine(result) else result
 
         def done(reply: Any) -> None:
-            if isinstance(reply, str):
-                try:
-                    reply = reply.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    log.error("SP handler returned a str UTF-8 cannot encode ({error}); no reply",
-                              error=e)
-                    reply = None
-            if reply is not None and not isinstance(reply, (bytes, bytearray)):
-                log.error("SP handler returned {kind}, not bytes; no reply",
-                          kind=type(reply).__name__)
+            try:
+                reply = None if reply is None else as_frame(reply, "the SP handler's reply")
+            except TypeError as e:
+                log.error("SP handler's reply is not bytes, or is a str UTF-8 cannot encode "
+                          "({error}); no reply", error=e)
                 reply = None
-            self._perform(self.machine.handleReply(
-                token, bytes(reply) if reply is not None else None, self._now()))
+            self._perform(self.machine.handleReply(token, reply, self._now()))
 
         def failed(failure: Any) -> None:
             if not failure.check(defer.CancelledError):
