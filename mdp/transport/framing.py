@@ -199,7 +199,8 @@ class RecordDecoder(ChargedDecoder):
         self.limits = limits
         self.maxRecord = limits.maxMessageBytes + 4 * limits.maxFrames
         self.records = 0
-        self._header = b""  # the first bytes of a length prefix split across pieces
+        #: the first bytes of a length prefix (or a greeting) split across pieces
+        self._header = b""
         self._need = -1  # payload bytes of the record in progress still to come; -1 between records
         self._held = 0  # payload bytes of the record in progress taken so far
         self._frames: list[bytes] = []  # its complete frames
@@ -210,72 +211,59 @@ class RecordDecoder(ChargedDecoder):
         self._buf = bytearray()
         #: the identity the peer's greeting announced, if any
         self.identity: Optional[bytes] = None
-        self._greeting: Optional[bytearray] = None
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
 
     @property
     def inRecord(self) -> bool:
         """A record has begun and is not complete."""
-        return self._need >= 0 or bool(self._header) or self._greeting is not None
+        return self._need >= 0 or bool(self._header)
 
     @property
     def buffered(self) -> int:
         """Bytes held for the record in progress."""
         return self._held + len(self._header)
 
-    def _feedGreeting(self, data: bytes, pos: int) -> int:
-        """Take the greeting (the identity's length, then the identity) from
-        *pos*; where it ends.  No identity: channels follow."""
-        greeting = self._greeting
-        assert greeting is not None
-        if not greeting and pos < len(data):
-            greeting.append(data[pos])
-            pos += 1
-        if greeting:
-            take = min(greeting[0] + 1 - len(greeting), len(data) - pos)
-            greeting += data[pos:pos + take]
-            pos += take
-            if len(greeting) == greeting[0] + 1:
-                if greeting[0] and greeting[1] == 0:
-                    raise ProtocolError("greeting announces an identity starting with a zero byte "
-                                        "(those are the router's own)")
-                self._greeting = None
-                self.identity = bytes(greeting[1:]) or None
-                self.channels = self.identity is None
-        return pos
+    def _readGreeting(self, data: bytes, pos: int) -> int:
+        """Read the greeting from *pos*, after its mark: the identity's length,
+        then the identity (none: channels follow).  Where it ends, or -1 if it
+        is not all here."""
+        if pos >= len(data) or pos + 1 + data[pos] > len(data):
+            return -1
+        identity = bytes(data[pos + 1:pos + 1 + data[pos]])
+        if identity[:1] == b"\x00":
+            raise ProtocolError("greeting announces an identity starting with a zero byte "
+                                "(those are the router's own)")
+        self.identity = identity or None
+        self.channels = self.identity is None
+        return pos + 1 + len(identity)
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         messages: list[list[bytes]] = []
+        if self._header:  # the last piece ended in a length prefix or a greeting
+            data = self._header + data
+            self._header = b""
         pos = 0
         end = len(data)
-        if self._greeting is not None:
-            pos = self._feedGreeting(data, pos)
         try:
             while pos < end:
                 if self._need < 0:
                     channels = self.channels
-                    header = 8 if channels else 4
-                    if self._header or end - pos < header:
-                        take = min(header - len(self._header), end - pos)
-                        self._header += data[pos:pos + take]
-                        pos += take
-                        if len(self._header) < header:
-                            break
-                        (length,) = _unpack_from(self._header, header - 4)
-                        if channels:
-                            self._channel = self._header[:4]
-                        self._header = b""
-                    else:
-                        if channels:
-                            self._channel = data[pos:pos + 4]
-                            pos += 4
-                        (length,) = _unpack_from(data, pos)
+                    if end - pos < (8 if channels else 4):
+                        self._header = bytes(data[pos:])
+                        break
+                    if channels:
+                        self._channel = data[pos:pos + 4]
                         pos += 4
+                    (length,) = _unpack_from(data, pos)
+                    pos += 4
                     if (length == 0xFFFFFFFF and self.records == 0 and self.identity is None
                             and not channels):
-                        self._greeting = bytearray()
-                        pos = self._feedGreeting(data, pos)
+                        greeted = self._readGreeting(data, pos)
+                        if greeted < 0:
+                            self._header = bytes(data[pos - 4:])
+                            break
+                        pos = greeted
                         continue
                     if length > self.maxRecord:
                         limits = self.limits

@@ -459,15 +459,19 @@ class StreamRouter:
         the one to close to admit it (None: refuse it); at the process's cap, of
         any listener."""
         perAddress = self.limits.maxConnectionsPerAddress
+        now = self.reactor.seconds()
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
             return (f"{perAddress} connections from {host} open (maxConnectionsPerAddress)",
-                    _leastUseful([self.hostRanks[host]], self.reactor.seconds()))
-        full = self._full()
-        if full is None:
+                    _leastUseful([self.hostRanks[host]], now))
+        full = self._fullOfChannels()
+        if full is not None:
+            return full, _leastUseful([self.ranks], now)
+        budget = self.descriptorBudget()
+        if budget is None or StreamRouter.accepted < budget:
             return None, None
-        routers = [self] if self._peers() >= self.limits.maxConnections else [
-            self, *(router for router in _routers if router is not self)]
-        return full, _leastUseful([router.ranks for router in routers], self.reactor.seconds())
+        return (f"{StreamRouter.accepted} connections open in the process, all that its "
+                f"descriptor limit leaves room for (raise it: ulimit -n)",
+                _leastUseful([router.ranks for router in (self, *_routers - {self})], now))
 
     def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
         """Close *connection* to admit a newcomer from *addr*."""
@@ -492,23 +496,10 @@ class StreamRouter:
             del self.hosts[host]
             del self.hostRanks[host]
 
-    def _peers(self) -> int:
-        """The peers counted against ``maxConnections`` (a first channel takes
-        its connection's place)."""
-        return len(self.connections) + len(self.channels) - self.carriers
-
-    def _full(self) -> Optional[str]:
-        """Why no connection may be added now (a cap is reached), or None."""
-        full = self._fullOfChannels()
-        budget = self.descriptorBudget()
-        if full is None and budget is not None and StreamRouter.accepted >= budget:
-            return (f"{StreamRouter.accepted} connections open in the process, all that its "
-                    f"descriptor limit leaves room for (raise it: ulimit -n)")
-        return full
-
     def _fullOfChannels(self) -> Optional[str]:
-        """Why a connection may not open one more channel now, or None."""
-        if self._peers() >= self.limits.maxConnections:
+        """Why no connection or channel may be added now, or None (a first
+        channel takes its connection's place)."""
+        if len(self.connections) + len(self.channels) - self.carriers >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
 
