@@ -201,10 +201,9 @@ class RecordDecoder(ChargedDecoder):
         self.records = 0
         #: the first bytes of a length prefix (or a greeting) split across pieces
         self._header = b""
-        self._need = -1  # payload bytes of the record in progress still to come; -1 between records
-        self._held = 0  # payload bytes of the record in progress taken so far
+        self._length = 0  # the payload bytes of the record in progress
+        self._need = -1  # those still to come; -1 between records
         self._frames: list[bytes] = []  # its complete frames
-        self._flen = b""  # the first bytes of a frame's length split across pieces
         self._fneed = -1  # bytes of the frame in progress still to come; -1 while its length is read
         #: the frame in progress: large pieces as views, small ones in ``_buf``
         self._pieces: list[Buffer] = []
@@ -222,7 +221,7 @@ class RecordDecoder(ChargedDecoder):
     @property
     def buffered(self) -> int:
         """Bytes held for the record in progress."""
-        return self._held + len(self._header)
+        return (self._length - self._need if self._need >= 0 else 0) + len(self._header)
 
     def _readGreeting(self, data: bytes, pos: int) -> int:
         """Read the greeting from *pos*, after its mark: the identity's length,
@@ -276,8 +275,7 @@ class RecordDecoder(ChargedDecoder):
                         pos += length
                         self.records += 1
                         continue
-                    self._need = length
-                    self._held = 0
+                    self._need = self._length = length
                 # a record that spans pieces: frame by frame, each copied once
                 pos = self._feedRecord(data, pos, end)
                 if self._need == 0:
@@ -304,39 +302,31 @@ class RecordDecoder(ChargedDecoder):
         frames = self._frames
         while pos < end and self._need > 0:
             if self._fneed < 0:  # a frame's length
-                if not self._flen:
-                    if len(frames) == self.limits.maxFrames:
-                        raise RecordTooLarge(f"record holds more than {self.limits.maxFrames} frames")
-                    if self._need < 4:
-                        raise ProtocolError("truncated frame length in stream record")
-                take = min(4 - len(self._flen), end - pos)
-                self._flen += data[pos:pos + take]
-                pos += take
-                self._need -= take
-                self._held += take
-                if len(self._flen) < 4:
+                if len(frames) == self.limits.maxFrames:
+                    raise RecordTooLarge(f"record holds more than {self.limits.maxFrames} frames")
+                if self._need < 4:
+                    raise ProtocolError("truncated frame length in stream record")
+                if end - pos < 4:  # read again in front of the next piece
+                    self._header = bytes(data[pos:end])
+                    pos = end
                     break
-                (size,) = _length.unpack(self._flen)
-                self._flen = b""
+                (size,) = _unpack_from(data, pos)
+                pos += 4
+                self._need -= 4
                 if size > self._need:
                     raise ProtocolError(
                         f"frame of {size} bytes overruns its record ({self._need} left)")
                 if size == 0:
                     frames.append(b"")
-                    continue
-                self._fneed = size
+                else:
+                    self._fneed = size
                 continue
             take = min(self._fneed, end - pos)
             if take == self._fneed and not self._pieces and not self._buf:
                 # the whole frame is in this piece: one copy, or none
                 frame = data if not pos and take == end else data[pos:pos + take]
                 frames.append(frame if type(frame) is bytes else bytes(frame))
-                pos += take
-                self._need -= take
-                self._held += take
-                self._fneed = -1
-                continue
-            if take >= _PIECE_BYTES:
+            elif take >= _PIECE_BYTES:
                 if self._buf:
                     self._pieces.append(self._buf)
                     self._buf = bytearray()
@@ -345,15 +335,13 @@ class RecordDecoder(ChargedDecoder):
                 self._buf += memoryview(data)[pos:pos + take]
             pos += take
             self._need -= take
-            self._held += take
             self._fneed -= take
             if not self._fneed:
-                pieces = self._pieces
-                if self._buf:
-                    pieces.append(self._buf)
-                frames.append(b"".join(pieces))
-                self._pieces = []
-                self._buf = bytearray()
+                if self._pieces or self._buf:
+                    self._pieces.append(self._buf)
+                    frames.append(b"".join(self._pieces))
+                    self._pieces = []
+                    self._buf = bytearray()
                 self._fneed = -1
         if self._need:
             BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
@@ -362,9 +350,8 @@ class RecordDecoder(ChargedDecoder):
     def _completed(self) -> list[bytes]:
         BUFFERED.give(self, False)
         frames, self._frames = self._frames, []
-        content = self._held - 4 * len(frames)
+        content = self._length - 4 * len(frames)
         self._need = -1
-        self._held = 0
         if content > self.limits.maxMessageBytes:
             raise RecordTooLarge(
                 f"record holds {content} bytes of frames, over the limit of "
