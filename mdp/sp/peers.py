@@ -36,7 +36,6 @@ log = Logger()
 
 
 def random_id() -> int:
-    """A random 31-bit start for ids."""
     return secrets.randbits(31)
 
 
@@ -132,7 +131,6 @@ class _Side:
         return True
 
     def close(self) -> defer.Deferred[None]:
-        """Close every listener and connection."""
         routers, self.routers = self.routers, []
         return transport.close_all([*routers, *(pipe.transport for pipe in self.pipes)],
                                    f"an {type(self).__name__} connection")

@@ -574,7 +574,6 @@ class StreamRouter:
         return None if connection is None else connection.subject()
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
-        """The connection *peer* is or is carried by (None: gone)."""
         return self.connections.get(peer) or self.channels.get(peer, (None, b""))[0]
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
