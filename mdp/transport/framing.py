@@ -323,9 +323,8 @@ class RecordDecoder(ChargedDecoder):
                 continue
             take = min(self._fneed, end - pos)
             if take == self._fneed and not self._pieces and not self._buf:
-                # the whole frame is in this piece: one copy, or none
-                frame = data if not pos and take == end else data[pos:pos + take]
-                frames.append(frame if type(frame) is bytes else bytes(frame))
+                # the whole frame is in this piece: one copy, or none (all of a bytes piece)
+                frames.append(bytes(data[pos:pos + take]))
             elif take >= _PIECE_BYTES:
                 if self._buf:
                     self._pieces.append(self._buf)
