@@ -407,6 +407,7 @@ class SessionDealer(_End):
                  "for this client and had not delivered are lost; those this client sent that "
                  "the server had not acknowledged are sent again, so the server may get one "
                  "twice", end=self._name())
+        self.oversizedLosses = 0  # what stalled the old session is gone with it
         self._tell("sessionRenewed")
 
     def _reconnect(self, action: machines.Reconnect) -> None:
@@ -490,12 +491,8 @@ class _Inner:
     def messageReceived(self, frames: list[bytes]) -> None:
         if self._current():
             owner = self.owner
-            epoch = owner.machine.epoch
-            actions = owner.machine.handleMessage(frames, owner._now(),
-                                                  refused=owner._overLimits(frames))
-            if owner.machine.epoch != epoch:  # a new session: what stalled the old one is gone
-                owner.oversizedLosses = 0
-            owner._perform(actions)
+            owner._perform(owner.machine.handleMessage(frames, owner._now(),
+                                                       refused=owner._overLimits(frames)))
 
     def connectionLost(self, reason: object) -> None:
         if self._current():
