@@ -131,12 +131,6 @@ def encode(message: Message) -> list[bytes]:
     return frames
 
 
-def _read_number(frame: bytes, what: str) -> int:
-    if len(frame) != 8:
-        raise MalformedSession(f"{what} is 8 bytes, not {len(frame)}")
-    return int.from_bytes(frame, "big")
-
-
 def _read(name: str, frame: bytes) -> Any:
     """The field *name* in *frame*."""
     if name == "session":
@@ -147,7 +141,9 @@ def _read(name: str, frame: bytes) -> Any:
         if len(frame) > MAX_REASON_BYTES:
             raise MalformedSession(f"REFUSED carries a reason of at most {MAX_REASON_BYTES} bytes")
         return bytes(frame).decode("utf-8", "replace")
-    return _read_number(frame, _SAID.get(name, name))
+    if len(frame) != 8:
+        raise MalformedSession(f"{_SAID.get(name, name)} is 8 bytes, not {len(frame)}")
+    return int.from_bytes(frame, "big")
 
 
 def decode(frames: Sequence[bytes]) -> Message:
@@ -160,26 +156,25 @@ def decode(frames: Sequence[bytes]) -> Message:
     if entry is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")
     kind, names = entry
-    rest = frames[2:]
-    if kind is Data:
-        if len(rest) < 2:
-            raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")
-        message: Message = Data(_read_number(rest[0], "seq"), _read_number(rest[1], "ack"),
-                                tuple(bytes(f) for f in rest[2:]))
-    else:
-        message = _fields(command, kind, names, rest)
+    names, rest, payload = _fields(command, kind, names, frames[2:])
+    message = kind(*map(_read, names, rest), *payload)
     if getattr(message, "seq", 1) == 0:
         raise MalformedSession(f"{command.decode()} numbered 0 (numbers start at 1)")
+    if kind is Welcome and message.epoch == 0:
+        raise MalformedSession("WELCOME with epoch 0")
     return message
 
 
-def _fields(command: bytes, kind: Any, names: tuple[str, ...], rest: Sequence[bytes]) -> Message:
-    """A message of *kind* other than DATA from its frames *rest*."""
+def _fields(command: bytes, kind: Any, names: tuple[str, ...],
+            rest: Sequence[bytes]) -> tuple[tuple[str, ...], Sequence[bytes], tuple]:
+    """The names of *kind*'s fields, the frames of *rest* that hold them, and
+    DATA's payload after them."""
+    if kind is Data:
+        if len(rest) < 2:
+            raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")
+        return names[:2], rest[:2], (tuple(bytes(f) for f in rest[2:]),)
     # a HELLO or WELCOME without its limits (another make) says none
     if len(rest) != len(names) and not (names[-1:] == ("maxFrames",) and len(rest) == len(names) - 2):
         raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
                                f"not {len(names)}")
-    message = kind(*map(_read, names, rest))
-    if kind is Welcome and message.epoch == 0:
-        raise MalformedSession("WELCOME with epoch 0")
-    return message
+    return names, rest, ()

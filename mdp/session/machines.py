@@ -36,7 +36,6 @@ MAX_UNATTACHED = 4096
 
 
 def _epoch() -> int:
-    """A random, non-zero incarnation number."""
     return int.from_bytes(os.urandom(8), "big") or 1
 
 
@@ -176,9 +175,7 @@ def check_bounds(maxQueued: int, maxQueuedBytes: int) -> None:
 
 def said_limits(message: Any) -> Optional[tuple[int, int]]:
     """The limits a HELLO or WELCOME says (None: it says none)."""
-    if not message.maxBytes and not message.maxFrames:
-        return None
-    return message.maxBytes, message.maxFrames
+    return (message.maxBytes, message.maxFrames) if message.maxBytes or message.maxFrames else None
 
 
 def delivery(message: Any, refused: Optional[str], routingId: int = 0) -> Any:
@@ -214,6 +211,7 @@ class _Sequenced:
         self._skipped: set[int] = set()
 
     def number(self, payload: tuple[bytes, ...]) -> codec.Message:
+        """Number *payload*, kept until acknowledged; :class:`SessionQueueFull` past the bounds."""
         size = sum(len(f) for f in payload)
         if len(self.unacked) >= self.maxQueued or (
                 self.unacked and self.queuedBytes + size > self.maxQueuedBytes):
@@ -432,8 +430,8 @@ class ClientSessionMachine(Machine):
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
         if self.state == "detached":
-            pass
-        elif now - self.lastHeard >= self.deadAfter:
+            return self._drain()
+        if now - self.lastHeard >= self.deadAfter:
             self.state = "detached"
             self._emit(Reconnect(f"nothing from the server in {now - self.lastHeard:.1f} s"))
         elif self.state == "attaching":

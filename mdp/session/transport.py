@@ -1,12 +1,11 @@
 """Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
 
-:class:`SessionRouter` and :class:`SessionDealer` provide the router and
-dealer interfaces, so MDP runs over sessions unchanged.  The dealer reports
-``connectionMade`` once, at the first attach, and never ``connectionLost`` for a
-break: it re-attaches by itself.  The router names each session by a 4-byte routing
-id and reports ``peerDisconnected`` when it expires.  A dealer's receiver
-may have ``sessionRenewed()`` and ``sessionRefused(reason)``.
-"""
+:class:`SessionRouter` and :class:`SessionDealer` provide the router and dealer
+interfaces, so MDP runs over sessions unchanged.  The dealer reports
+``connectionMade`` once, at the first attach, and re-attaches by itself after a
+break; its receiver may have ``sessionRenewed()`` and ``sessionRefused(reason)``.
+The router names each session by a 4-byte routing id and reports
+``peerDisconnected`` when it expires."""
 
 from __future__ import annotations
 
@@ -76,14 +75,10 @@ def inner_limits(limits: Limits) -> Limits:
 
 def kept_frames(frames: Any) -> tuple[bytes, ...]:
     """*frames* copied to bytes, to keep for resending; ``TypeError`` for a non-bytes frame."""
-    kept = []
     for index, frame in enumerate(frames):
-        if frame.__class__ is not bytes:
-            if not isinstance(frame, (bytes, bytearray, memoryview)):
-                raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
-            frame = bytes(frame)
-        kept.append(frame)
-    return tuple(kept)
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
+    return tuple(frame if frame.__class__ is bytes else bytes(frame) for frame in frames)
 
 
 def payload_limits(limits: Limits) -> tuple[int, int]:
@@ -130,7 +125,7 @@ class _End:
             self._performers[type(action)](self, action)
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
-        """Why the DATA message *frames* is over our limits (None if not, or no DATA)."""
+        """Why the DATA message *frames* is over our limits (None if not, or not DATA)."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
@@ -148,11 +143,8 @@ class _End:
 
     def _tell(self, method: str, *args: Any) -> None:
         """Call the receiver's *method*, if it has one, logging what it raises."""
-        call = getattr(self.receiver, method, None)
-        if call is None:
-            return
         try:
-            call(*args)
+            getattr(self.receiver, method, lambda *args: None)(*args)
         except Exception:
             log.failure("{end}: {what} raised", end=self._name(), what=method)
 
@@ -415,6 +407,7 @@ class SessionDealer(_End):
                  "for this client and had not delivered are lost; those this client sent that "
                  "the server had not acknowledged are sent again, so the server may get one "
                  "twice", end=self._name())
+        self.oversizedLosses = 0  # what stalled the old session is gone with it
         self._tell("sessionRenewed")
 
     def _reconnect(self, action: machines.Reconnect) -> None:
@@ -498,12 +491,8 @@ class _Inner:
     def messageReceived(self, frames: list[bytes]) -> None:
         if self._current():
             owner = self.owner
-            epoch = owner.machine.epoch
-            actions = owner.machine.handleMessage(frames, owner._now(),
-                                                  refused=owner._overLimits(frames))
-            if owner.machine.epoch != epoch:  # a new session: what stalled the old one is gone
-                owner.oversizedLosses = 0
-            owner._perform(actions)
+            owner._perform(owner.machine.handleMessage(frames, owner._now(),
+                                                       refused=owner._overLimits(frames)))
 
     def connectionLost(self, reason: object) -> None:
         if self._current():

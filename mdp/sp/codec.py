@@ -77,15 +77,10 @@ def endpoint_of(url: str, listen: bool) -> str:
     host, port = match.group("host"), int(match.group("port"))
     if port > 65535:
         raise TransportError(f"bad SP URL {url!r}: port {port} is out of range")
-    v6 = host.startswith("[")
-    host = host.strip("[]")
+    kind = "tcp6" if host.startswith("[") else "tcp"
+    host = host.strip("[]").replace(":", "\\:")  # (an IPv6 address, escaped for Twisted)
     if listen:
-        kind = "tcp6" if v6 else "tcp"
-        if host in ("", "*"):
-            return f"{kind}:{port}"
-        return f"{kind}:{port}:interface={host.replace(':', chr(92) + ':')}"
+        return f"{kind}:{port}" if host in ("", "*") else f"{kind}:{port}:interface={host}"
     if host in ("", "*"):
         raise TransportError(f"bad SP URL {url!r}: a dialer needs a host")
-    if v6:
-        return f"tcp6:host={host.replace(':', chr(92) + ':')}:port={port}"
-    return f"tcp:host={host}:port={port}"
+    return f"{kind}:host={host}:port={port}"

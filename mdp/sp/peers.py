@@ -6,8 +6,7 @@
 from __future__ import annotations
 
 import inspect
-import os
-import struct
+import secrets
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
@@ -17,6 +16,7 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.messages import as_frame
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_PENDING_BYTES,
@@ -36,25 +36,7 @@ log = Logger()
 
 
 def random_id() -> int:
-    """A random 31-bit start for ids."""
-    return struct.unpack(">I", os.urandom(4))[0] & 0x7FFFFFFF
-
-
-def _dial(owner: Union[SPClient, SPDevice], endpoints: Union[str, Sequence[str]], none: str,
-          limits: Limits, backoff: Backoff) -> list[_Pipe]:
-    """A :class:`_Pipe` of *owner* for each of *endpoints*, dialing it as a REQ;
-    ``ValueError(none)`` for no endpoint."""
-    urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-    if not urls:
-        raise ValueError(none)
-    dials = [(url, endpoint_of(url, listen=False)) for url in urls]
-    pipes = []
-    for url, dial in dials:
-        pipe = _Pipe(owner, url)
-        pipe.transport = StreamDealer(dial, pipe, owner.reactor, limits=limits,
-                                      framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
-        pipes.append(pipe)
-    return pipes
+    return secrets.randbits(31)
 
 
 @implementer(IDealerReceiver)
@@ -83,27 +65,48 @@ class _Pipe:
 class _Listener:
     """One listening endpoint of an :class:`SPServer` or an :class:`SPDevice`."""
 
-    def __init__(self, owner: _RepSide) -> None:
+    def __init__(self, owner: _Side) -> None:
         self.owner = owner
         self.transport: Any = None
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.owner._request(self, peer, frames[0])
+        owner = self.owner
+        owner._perform(owner.machine.handleRequest((self, peer), frames[0], owner._now()))
 
     def peerDisconnected(self, peer: bytes) -> None:
         self.owner.machine.handleChannelDown((self, peer), self.owner._now())
 
 
-class _RepSide:
-    """What a REP side (:class:`SPServer`, :class:`SPDevice`) shares: its listeners."""
+class _Side:
+    """What the SP peers share: a machine, its clock, listeners and dialed pipes."""
 
     machine: Any
-    reactor: Any
-    limits: Limits
-    routers: list[StreamRouter]
+    pipes: list[_Pipe]
+
+    def __init__(self, reactor: Any, limits: Limits) -> None:
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.throttle = LogThrottle(self.reactor)
+        self.routers: list[StreamRouter] = []
+        self.pipes = []
 
     def _now(self) -> float:
         return self.reactor.seconds()
+
+    def _perform(self, actions: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _dial(self, endpoints: Union[str, Sequence[str]], none: str, backoff: Backoff) -> None:
+        """A :class:`_Pipe` dialing each of *endpoints* as a REQ; ``ValueError(none)`` for none."""
+        urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not urls:
+            raise ValueError(none)
+        for url, dial in [(url, endpoint_of(url, listen=False)) for url in urls]:
+            pipe = _Pipe(self, url)  # type: ignore[arg-type]
+            pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=self.limits,
+                                          framing=SPFraming(REQ),
+                                          retryPolicy=backoff.retryPolicy())
+            self.pipes.append(pipe)
 
     def _listen(self, endpoint: str, what: str, then: str = "") -> defer.Deferred[StreamRouter]:
         """Listen on *endpoint*; fires with the router."""
@@ -119,28 +122,33 @@ class _RepSide:
         return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
                                    limits=self.limits, framing=SPFraming(REP)).addCallback(bound)
 
-    def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
-        raise NotImplementedError
+    def _sendBack(self, action: machines.SendOn) -> bool:
+        """Send a reply on the listener's channel *action* names, if it is still there."""
+        listener, peer = action.channel
+        if listener.transport is None:
+            return False
+        listener.transport.sendMessage(peer, [action.body])
+        return True
+
+    def close(self) -> defer.Deferred[None]:
+        routers, self.routers = self.routers, []
+        return transport.close_all([*routers, *(pipe.transport for pipe in self.pipes)],
+                                   f"an {type(self).__name__} connection")
 
 
-class SPClient:
+class SPClient(_Side):
     """An SP REQ socket dialing *endpoints*; a request is sent again every *resend*
     seconds until a reply comes or its Deferred is cancelled."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  resend: float = machines.DEFAULT_RESEND, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        self.reactor = default_reactor(reactor)
+        super().__init__(reactor, limits)
         self.machine = machines.ReqMachine(random_id(), resend=resend, now=self._now())
-        self.throttle = LogThrottle(self.reactor)
         self._waiting: dict[int, defer.Deferred[bytes]] = {}
         self._timer: Any = None
         self._closed = False
-        self.pipes = _dial(self, endpoints, "an SPClient needs at least one endpoint", limits,
-                           backoff)
-
-    def _now(self) -> float:
-        return self.reactor.seconds()
+        self._dial(endpoints, "an SPClient needs at least one endpoint", backoff)
 
     def request(self, payload: bytes) -> defer.Deferred[bytes]:
         """Send *payload*; the Deferred fires with the reply's payload."""
@@ -173,29 +181,23 @@ class SPClient:
         """Sends and the timer first, then the replies, whose callbacks may call us."""
         replies = []
         for action in actions:
-            if type(action) is machines.Complete:
+            kind = type(action)
+            if kind is machines.Complete:
                 replies.append(action)
+            elif kind is machines.SendOn:
+                if not self._closed:
+                    action.channel.transport.sendMessage([action.body])
+            elif kind is machines.WakeAt:
+                when = None if self._closed else action.when
+                self._timer = call_at(self._timer, self.reactor, when, self._wake)
             else:
-                self._performers[type(action)](self, action)
+                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
+                                   "{reason}", url=getattr(action.channel, "url", "?"),
+                                   reason=action.reason)
         for action in replies:
             d = self._waiting.pop(action.requestId, None)
             if d is not None:
                 d.callback(action.payload)
-
-    def _sendOn(self, action: machines.SendOn) -> None:
-        if not self._closed:
-            action.channel.transport.sendMessage([action.body])
-
-    def _wakeAt(self, action: machines.WakeAt) -> None:
-        when = None if self._closed else action.when
-        self._timer = call_at(self._timer, self.reactor, when, self._wake)
-
-    def _dropped(self, action: machines.Dropped) -> None:
-        self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
-                           url=getattr(action.channel, "url", "?"), reason=action.reason)
-
-    _performers = {machines.SendOn: _sendOn, machines.WakeAt: _wakeAt,
-                   machines.Dropped: _dropped}
 
     def _wake(self) -> None:
         self._timer = None
@@ -208,10 +210,10 @@ class SPClient:
         waiting, self._waiting = self._waiting, {}
         for d in waiting.values():
             d.errback(ClientClosed("SPClient closed"))
-        return transport.close_all([p.transport for p in self.pipes], "an SP client connection")
+        return super().close()
 
 
-class SPServer(_RepSide):
+class SPServer(_Side):
     """An SP REP socket: *handler* takes a request's payload and returns bytes, a
     Deferred or a coroutine (None or a cancelled Deferred: no reply)."""
 
@@ -219,13 +221,10 @@ class SPServer(_RepSide):
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
                  maxPending: int = DEFAULT_MAX_PENDING,
                  maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+        super().__init__(reactor, limits)
         self.handler = handler
-        self.reactor = default_reactor(reactor)
-        self.limits = limits
         self.machine = machines.RepMachine(random_id(), maxHops=maxHops, maxPending=maxPending,
                                            maxPendingBytes=maxPendingBytes, now=self._now())
-        self.throttle = LogThrottle(self.reactor)
-        self.routers: list[StreamRouter] = []
         self.served = 0
         #: requests dropped at maxPending or maxPendingBytes
         self.overloaded = 0
@@ -234,28 +233,23 @@ class SPServer(_RepSide):
         """Listen on *endpoint*; fires with the router (its ``endpoint`` reaches it)."""
         return self._listen(endpoint, "SP REP")
 
-    def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
-        self._perform(self.machine.handleRequest((listener, peer), body, self._now()))
-
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
             kind = type(action)
             if kind is machines.Serve:
                 self._serve(action.token, action.payload)
             elif kind is machines.SendOn:
-                listener, peer = action.channel
-                if listener.transport is not None:
-                    listener.transport.sendMessage(peer, [action.body])
+                if self._sendBack(action):
                     self.served += 1
-            elif kind is machines.Dropped:
-                self.throttle.info(log, "dropped", "SP server dropped a request from {peer}: "
-                                   "{reason}", peer=peer_label(*action.channel),
-                                   reason=action.reason)
             elif kind is machines.Overloaded:
                 self.overloaded += 1
-                self.throttle.warn(log, "overloaded", "SP server dropped a request from {peer}: "
-                                   "{reason}", peer=peer_label(*action.channel),
-                                   reason=action.reason)
+                self._dropped(self.throttle.warn, "overloaded", action)
+            else:
+                self._dropped(self.throttle.info, "dropped", action)
+
+    def _dropped(self, say: Callable[..., None], topic: str, action: Any) -> None:
+        say(log, topic, "SP server dropped a request from {peer}: {reason}",
+            peer=peer_label(*action.channel), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
         def run() -> Any:
@@ -263,19 +257,13 @@ class SPServer(_RepSide):
             return defer.ensureDeferred(result) if inspect.iscoroutine(result) else result
 
         def done(reply: Any) -> None:
-            if isinstance(reply, str):
-                try:
-                    reply = reply.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    log.error("SP handler returned a str UTF-8 cannot encode ({error}); no reply",
-                              error=e)
-                    reply = None
-            if reply is not None and not isinstance(reply, (bytes, bytearray)):
-                log.error("SP handler returned {kind}, not bytes; no reply",
-                          kind=type(reply).__name__)
+            try:
+                reply = None if reply is None else as_frame(reply, "the SP handler's reply")
+            except TypeError as e:
+                log.error("SP handler's reply is not bytes, or is a str UTF-8 cannot encode "
+                          "({error}); no reply", error=e)
                 reply = None
-            self._perform(self.machine.handleReply(
-                token, bytes(reply) if reply is not None else None, self._now()))
+            self._perform(self.machine.handleReply(token, reply, self._now()))
 
         def failed(failure: Any) -> None:
             if not failure.check(defer.CancelledError):
@@ -283,10 +271,6 @@ class SPServer(_RepSide):
             self._perform(self.machine.handleReply(token, None, self._now()))
 
         defer.maybeDeferred(run).addCallbacks(done, failed)
-
-    def close(self) -> defer.Deferred[None]:
-        routers, self.routers = self.routers, []
-        return transport.close_all(routers, "an SP server listener")
 
 
 def peer_label(owner: Any, peer: bytes) -> str:
@@ -296,32 +280,35 @@ def peer_label(owner: Any, peer: bytes) -> str:
     return f"{address or 'a peer gone'} (id {peer.hex()})"
 
 
-class SPDevice(_RepSide):
+class SPDevice(_Side):
     """A device: a REP side listening on *front*, a REQ side dialing *back*.  It keeps
     no state of its own: the requesters resend."""
 
     def __init__(self, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
                  backoff: Backoff = Backoff(initial=0.1, maximum=2.0)) -> None:
-        self.reactor = default_reactor(reactor)
-        self.limits = limits
+        super().__init__(reactor, limits)
         self.machine = machines.DeviceMachine(random_id(), maxHops=maxHops, now=self._now())
-        self.throttle = LogThrottle(self.reactor)
-        self.routers: list[StreamRouter] = []
         self._turn = 0
-        self.backs = _dial(self, back, "an SPDevice needs at least one endpoint to forward to",
-                           limits, backoff)
+        self._dial(back, "an SPDevice needs at least one endpoint to forward to", backoff)
+        self.backs = self.pipes
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
         return self._listen(front, "SP device",
                             f", forwarding to {', '.join(b.url for b in self.backs)}")
 
-    def _request(self, listener: _Listener, peer: bytes, body: bytes) -> None:
-        for action in self.machine.handleRequest((listener, peer), body, self._now()):
-            if type(action) is machines.Forward:
+    def _perform(self, actions: list[Any], what: str = "request from a peer") -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is machines.Forward:
                 self._forward(action.body)
-            else:
-                self._dropped(action, f"request from {peer_label(listener, peer)}")
+            elif kind is machines.SendOn:
+                self._sendBack(action)
+            else:  # dropped
+                if action.channel is not None:
+                    what = f"request from {peer_label(*action.channel)}"
+                self.throttle.info(log, "dropped", "SP device dropped a {what}: {reason}",
+                                   what=what, reason=action.reason)
 
     def _forward(self, body: bytes) -> None:
         """Send *body* upstream, on the next connection that is up."""
@@ -338,19 +325,4 @@ class SPDevice(_RepSide):
         """An upstream connection came or went: :meth:`_forward` reads ``pipe.up``."""
 
     def _reply(self, pipe: _Pipe, body: bytes) -> None:
-        for action in self.machine.handleReply(body, self._now()):
-            if type(action) is machines.SendOn:
-                listener, peer = action.channel
-                if listener.transport is not None:
-                    listener.transport.sendMessage(peer, [action.body])
-            else:
-                self._dropped(action, f"reply from upstream {pipe.url}")
-
-    def _dropped(self, action: machines.Dropped, what: str) -> None:
-        self.throttle.info(log, "dropped", "SP device dropped a {what}: {reason}", what=what,
-                           reason=action.reason)
-
-    def close(self) -> defer.Deferred[None]:
-        routers, self.routers = self.routers, []
-        return transport.close_all([*routers, *(b.transport for b in self.backs)],
-                                   "an SP device connection")
+        self._perform(self.machine.handleReply(body, self._now()), f"reply from upstream {pipe.url}")

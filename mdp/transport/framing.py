@@ -1,9 +1,8 @@
 """Multi-frame messages as length-prefixed records on a byte stream, without
-I/O (the wire form: ``docs/transports.md``): an optional greeting announces
-the connecting side's identity, or that channels follow; each record is a
-length, then each frame's length and bytes.  Limits are enforced before
-anything is buffered: an oversized record is refused from its header, and
-the records that span reads share one process-wide budget (:data:`BUFFERED`)."""
+I/O (``docs/transports.md``): an optional greeting announces the connecting
+side's identity, or that channels follow; each record is a length, then each
+frame's length and bytes.  An oversized record is refused from its header, and
+records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 
 from __future__ import annotations
 
@@ -40,13 +39,11 @@ class OverBudget(ProtocolError):
 
 class InputBudget:
     """The bytes of unfinished stream records the process holds, all
-    connections together (RabbitMQ's memory watermark): a record that spans
-    reads is charged as its bytes come, against its decoder's
-    ``limits.maxBufferedBytes``, and given back when it completes or its
-    connection goes; one read whole costs nothing.  Past it the oldest are
-    dropped (records held open cannot starve those that flow).  The C heap's
-    free pages go back (``malloc_trim``, 0.5 ms on a large heap) after a MiB
-    dropped, at most once a second, and once nothing is held."""
+    connections together: a record that spans reads is charged as its bytes
+    come, against ``limits.maxBufferedBytes``, and given back when it completes
+    or goes.  Past it the oldest are dropped (records held open cannot starve
+    those that flow).  After a MiB dropped, at most once a second, the C heap's
+    free pages go back (``malloc_trim``)."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
@@ -57,7 +54,7 @@ class InputBudget:
 
     def charge(self, decoder: Any, size: int, limit: int) -> None:
         """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
-        the oldest others (or refuse this one, the oldest)."""
+        the oldest (raise if that is this one)."""
         holders = self.holders
         if not decoder._charged:
             if not size:
@@ -193,93 +190,79 @@ class ChargedDecoder:
 
 @implementer(IStreamDecoder)
 class RecordDecoder(ChargedDecoder):
-    """Turns a byte stream into messages.  :meth:`feed` returns the messages a
-    piece completes, or raises :class:`~mdp.errors.ProtocolError`
-    (:class:`RecordTooLarge` for a limit): the stream is then unusable.  With
-    :attr:`channels`, each message is a ``(channel, frames)`` pair (``frames``
-    empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
+    """Turns a byte stream into messages: :meth:`feed` returns those a piece
+    completes, or raises :class:`~mdp.errors.ProtocolError` and the stream is
+    unusable.  With :attr:`channels`, each message is a ``(channel, frames)``
+    pair (``frames`` empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
 
     def __init__(self, limits: Limits = Limits(), channels: bool = False) -> None:
         self.limits = limits
         self.maxRecord = limits.maxMessageBytes + 4 * limits.maxFrames
         self.records = 0
-        self._header = b""  # the first bytes of a length prefix split across pieces
-        self._need = -1  # payload bytes of the record in progress still to come; -1 between records
-        self._held = 0  # payload bytes of the record in progress taken so far
+        #: the first bytes of a length prefix (or a greeting) split across pieces
+        self._header = b""
+        self._length = 0  # the payload bytes of the record in progress
+        self._need = -1  # those still to come; -1 between records
         self._frames: list[bytes] = []  # its complete frames
-        self._flen = b""  # the first bytes of a frame's length split across pieces
         self._fneed = -1  # bytes of the frame in progress still to come; -1 while its length is read
         #: the frame in progress: large pieces as views, small ones in ``_buf``
         self._pieces: list[Buffer] = []
         self._buf = bytearray()
         #: the identity the peer's greeting announced, if any
         self.identity: Optional[bytes] = None
-        self._greeting: Optional[bytearray] = None
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
 
     @property
     def inRecord(self) -> bool:
         """A record has begun and is not complete."""
-        return self._need >= 0 or bool(self._header) or self._greeting is not None
+        return self._need >= 0 or bool(self._header)
 
     @property
     def buffered(self) -> int:
         """Bytes held for the record in progress."""
-        return self._held + len(self._header)
+        return (self._length - self._need if self._need >= 0 else 0) + len(self._header)
 
-    def _feedGreeting(self, data: bytes, pos: int) -> int:
-        """Take the greeting (the identity's length, then the identity) from
-        *pos*; where it ends.  No identity: channels follow."""
-        greeting = self._greeting
-        assert greeting is not None
-        if not greeting and pos < len(data):
-            greeting.append(data[pos])
-            pos += 1
-        if greeting:
-            take = min(greeting[0] + 1 - len(greeting), len(data) - pos)
-            greeting += data[pos:pos + take]
-            pos += take
-            if len(greeting) == greeting[0] + 1:
-                if greeting[0] and greeting[1] == 0:
-                    raise ProtocolError("greeting announces an identity starting with a zero byte "
-                                        "(those are the router's own)")
-                self._greeting = None
-                self.identity = bytes(greeting[1:]) or None
-                self.channels = self.identity is None
-        return pos
+    def _readGreeting(self, data: bytes, pos: int) -> int:
+        """Read the greeting from *pos*, after its mark: the identity's length,
+        then the identity (none: channels follow).  Where it ends, or -1 if it
+        is not all here."""
+        if pos >= len(data) or pos + 1 + data[pos] > len(data):
+            return -1
+        identity = bytes(data[pos + 1:pos + 1 + data[pos]])
+        if identity[:1] == b"\x00":
+            raise ProtocolError("greeting announces an identity starting with a zero byte "
+                                "(those are the router's own)")
+        self.identity = identity or None
+        self.channels = self.identity is None
+        return pos + 1 + len(identity)
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         messages: list[list[bytes]] = []
+        if self._header:  # the last piece ended in a length prefix or a greeting
+            data = self._header + data
+            self._header = b""
         pos = 0
         end = len(data)
-        if self._greeting is not None:
-            pos = self._feedGreeting(data, pos)
         try:
             while pos < end:
                 if self._need < 0:
                     channels = self.channels
-                    header = 8 if channels else 4
-                    if self._header or end - pos < header:
-                        take = min(header - len(self._header), end - pos)
-                        self._header += data[pos:pos + take]
-                        pos += take
-                        if len(self._header) < header:
-                            break
-                        (length,) = _unpack_from(self._header, header - 4)
-                        if channels:
-                            self._channel = self._header[:4]
-                        self._header = b""
-                    else:
-                        if channels:
-                            self._channel = data[pos:pos + 4]
-                            pos += 4
-                        (length,) = _unpack_from(data, pos)
+                    if end - pos < (8 if channels else 4):
+                        self._header = bytes(data[pos:])
+                        break
+                    if channels:
+                        self._channel = data[pos:pos + 4]
                         pos += 4
+                    (length,) = _unpack_from(data, pos)
+                    pos += 4
                     if (length == 0xFFFFFFFF and self.records == 0 and self.identity is None
                             and not channels):
-                        self._greeting = bytearray()
-                        pos = self._feedGreeting(data, pos)
+                        greeted = self._readGreeting(data, pos)
+                        if greeted < 0:
+                            self._header = bytes(data[pos - 4:])
+                            break
+                        pos = greeted
                         continue
                     if length > self.maxRecord:
                         limits = self.limits
@@ -292,10 +275,9 @@ class RecordDecoder(ChargedDecoder):
                         pos += length
                         self.records += 1
                         continue
-                    self._need = length
-                    self._held = 0
+                    self._need = self._length = length
                 # a record that spans pieces: frame by frame, each copied once
-                pos = self._feedSpanning(data, pos, end)
+                pos = self._feedRecord(data, pos, end)
                 if self._need == 0:
                     frames = self._completed()
                     messages.append((self._channel, frames) if self.channels else frames)
@@ -308,57 +290,42 @@ class RecordDecoder(ChargedDecoder):
             raise
         return messages
 
-    def _feedSpanning(self, data: bytes, pos: int, end: int) -> int:
-        """:meth:`_feedRecord`, charging to :data:`BUFFERED` what it keeps for a later read."""
-        start = pos
-        pos = self._feedRecord(data, pos, end)
-        if self._need:
-            BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
-        return pos
-
     def _clear(self) -> None:
         self._frames = []
         self._pieces = []
         self._buf = bytearray()
 
     def _feedRecord(self, data: bytes, pos: int, end: int) -> int:
-        """Take the record in progress from *pos*; where it ends."""
+        """Take the record in progress from *pos*; where it ends.  What it keeps
+        for a later read is charged to :data:`BUFFERED`."""
+        start = pos
         frames = self._frames
         while pos < end and self._need > 0:
             if self._fneed < 0:  # a frame's length
-                if not self._flen:
-                    if len(frames) == self.limits.maxFrames:
-                        raise RecordTooLarge(f"record holds more than {self.limits.maxFrames} frames")
-                    if self._need < 4:
-                        raise ProtocolError("truncated frame length in stream record")
-                take = min(4 - len(self._flen), end - pos)
-                self._flen += data[pos:pos + take]
-                pos += take
-                self._need -= take
-                self._held += take
-                if len(self._flen) < 4:
+                if len(frames) == self.limits.maxFrames:
+                    raise RecordTooLarge(f"record holds more than {self.limits.maxFrames} frames")
+                if self._need < 4:
+                    raise ProtocolError("truncated frame length in stream record")
+                if end - pos < 4:  # read again in front of the next piece
+                    self._header = bytes(data[pos:end])
+                    pos = end
                     break
-                (size,) = _length.unpack(self._flen)
-                self._flen = b""
+                (size,) = _unpack_from(data, pos)
+                pos += 4
+                self._need -= 4
                 if size > self._need:
                     raise ProtocolError(
                         f"frame of {size} bytes overruns its record ({self._need} left)")
                 if size == 0:
                     frames.append(b"")
-                    continue
-                self._fneed = size
+                else:
+                    self._fneed = size
                 continue
             take = min(self._fneed, end - pos)
             if take == self._fneed and not self._pieces and not self._buf:
-                # the whole frame is in this piece: one copy, or none
-                frame = data if not pos and take == end else data[pos:pos + take]
-                frames.append(frame if type(frame) is bytes else bytes(frame))
-                pos += take
-                self._need -= take
-                self._held += take
-                self._fneed = -1
-                continue
-            if take >= _PIECE_BYTES:
+                # the whole frame is in this piece: one copy, or none (all of a bytes piece)
+                frames.append(bytes(data[pos:pos + take]))
+            elif take >= _PIECE_BYTES:
                 if self._buf:
                     self._pieces.append(self._buf)
                     self._buf = bytearray()
@@ -367,24 +334,23 @@ class RecordDecoder(ChargedDecoder):
                 self._buf += memoryview(data)[pos:pos + take]
             pos += take
             self._need -= take
-            self._held += take
             self._fneed -= take
             if not self._fneed:
-                pieces = self._pieces
-                if self._buf:
-                    pieces.append(self._buf)
-                frames.append(b"".join(pieces))
-                self._pieces = []
-                self._buf = bytearray()
+                if self._pieces or self._buf:
+                    self._pieces.append(self._buf)
+                    frames.append(b"".join(self._pieces))
+                    self._pieces = []
+                    self._buf = bytearray()
                 self._fneed = -1
+        if self._need:
+            BUFFERED.charge(self, pos - start, self.limits.maxBufferedBytes)
         return pos
 
     def _completed(self) -> list[bytes]:
         BUFFERED.give(self, False)
         frames, self._frames = self._frames, []
-        content = self._held - 4 * len(frames)
+        content = self._length - 4 * len(frames)
         self._need = -1
-        self._held = 0
         if content > self.limits.maxMessageBytes:
             raise RecordTooLarge(
                 f"record holds {content} bytes of frames, over the limit of "

@@ -1,11 +1,9 @@
 """The listening side of the stream transport (:class:`StreamRouter`).
 
 Each accepted connection (or channel of one) is a peer: an opaque id, or the
-identity its greeting announces, which a newer connection takes over.
-:class:`~mdp.policy.Limits` bound the wait for a first message and for each
-record, the connections (in all and from one address) and what is unread.
-A full listener closes the connection that has done least to admit a newcomer
-(:func:`_leastUseful`; docs/transports.md)."""
+identity its greeting announces.  :class:`~mdp.policy.Limits` bound the waits,
+the connections and what is unread; a full listener closes the connection that
+has done least to admit a newcomer (:func:`_leastUseful`; docs/transports.md)."""
 
 from __future__ import annotations
 
@@ -43,25 +41,22 @@ _ids = itertools.count(1)
 #: every listening side of the process (they share the descriptor budget)
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
-#: connections dropped to make room, not closed yet, before newcomers are
-#: refused instead, at the descriptor budget (bounds what a burst spends of
-#: the reserve; below it, at maxConnections, a burst costs none of it)
+#: connections dropped to make room and not closed yet, past which newcomers
+#: are refused at the descriptor budget (a burst spends at most this of the reserve)
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
 #: channels ended here and not acknowledged before the connection is dropped
 MAX_UNACKNOWLEDGED = 64
 
-#: seconds a new connection has to send its first message before it makes
-#: room for a newcomer ahead of one that has spoken (a round trip, or TLS's)
+#: seconds before a silent new connection makes room ahead of one that spoke
 NEWCOMER_GRACE = 1.0
 
 
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
-    """An accepted connection, push producer of its transport (a backlog
-    while Twisted's buffer is full).  With channels, each channel is a peer
-    (id: the connection's and the channel's), opened by its first message and
-    ended by an empty record from either side."""
+    """An accepted connection, push producer of its transport.  With channels,
+    each channel is a peer (the connection's id and the channel's), opened by
+    its first message and ended by an empty record from either side."""
 
     router: StreamRouter
     peer: bytes
@@ -154,7 +149,6 @@ class _RouterConnection(FramedProtocol):
             self.router.spoken[self] = self.hostRanks[1][self] = None
 
     def _unrank(self) -> None:
-        """Not a candidate to make room (till it speaks again)."""
         for ranked in (*self.router.ranks, *self.hostRanks):
             ranked.pop(self, None)
 
@@ -192,7 +186,7 @@ class _RouterConnection(FramedProtocol):
         router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
-        """*channel* is no longer open: its peer id (None: it was not)."""
+        """*channel* is no longer open: its peer id (None: it was not open)."""
         peer = self.channels.pop(channel, None)
         if peer is not None:
             self.router.channels.pop(peer, None)
@@ -213,10 +207,9 @@ class _RouterConnection(FramedProtocol):
         peer = self._forgetChannel(channel)
         if peer is None:
             return
-        router = self.router
         if not self.closing:
             self._end(channel)
-        router.reactor.callLater(0, router._channelEnded, peer)
+        self.router.reactor.callLater(0, self.router._channelEnded, peer)
 
     _turnCall: Any = None
 
@@ -253,8 +246,7 @@ class _RouterConnection(FramedProtocol):
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            # its framing's handshake is done (SP's header): a peer, as nng's are
-            self._greet()
+            self._greet()  # its framing's handshake (SP's header) makes it a peer, as in nng
         if not self.greeted or self.closing:
             return
         decoder = self.decoder
@@ -389,8 +381,8 @@ def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_Router
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
-    """The bound side over a Twisted server endpoint: :meth:`listen` binds an
-    endpoint string; :meth:`factory` serves a port of one's own."""
+    """The bound side: :meth:`listen` binds an endpoint string; :meth:`factory`
+    serves a port of one's own."""
 
     #: accepted connections open in the process, and those dropped to make room
     accepted = 0
@@ -467,15 +459,19 @@ class StreamRouter:
         the one to close to admit it (None: refuse it); at the process's cap, of
         any listener."""
         perAddress = self.limits.maxConnectionsPerAddress
+        now = self.reactor.seconds()
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
             return (f"{perAddress} connections from {host} open (maxConnectionsPerAddress)",
-                    _leastUseful([self.hostRanks[host]], self.reactor.seconds()))
-        full = self._full()
-        if full is None:
+                    _leastUseful([self.hostRanks[host]], now))
+        full = self._fullOfChannels()
+        if full is not None:
+            return full, _leastUseful([self.ranks], now)
+        budget = self.descriptorBudget()
+        if budget is None or StreamRouter.accepted < budget:
             return None, None
-        routers = [self] if self._peers() >= self.limits.maxConnections else [
-            self, *(router for router in _routers if router is not self)]
-        return full, _leastUseful([router.ranks for router in routers], self.reactor.seconds())
+        return (f"{StreamRouter.accepted} connections open in the process, all that its "
+                f"descriptor limit leaves room for (raise it: ulimit -n)",
+                _leastUseful([router.ranks for router in (self, *_routers - {self})], now))
 
     def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
         """Close *connection* to admit a newcomer from *addr*."""
@@ -500,23 +496,10 @@ class StreamRouter:
             del self.hosts[host]
             del self.hostRanks[host]
 
-    def _peers(self) -> int:
-        """The peers counted against ``maxConnections`` (a first channel takes
-        its connection's place)."""
-        return len(self.connections) + len(self.channels) - self.carriers
-
-    def _full(self) -> Optional[str]:
-        """Why no connection may be added now (a cap is reached), or None."""
-        full = self._fullOfChannels()
-        budget = self.descriptorBudget()
-        if full is None and budget is not None and StreamRouter.accepted >= budget:
-            return (f"{StreamRouter.accepted} connections open in the process, all that its "
-                    f"descriptor limit leaves room for (raise it: ulimit -n)")
-        return full
-
     def _fullOfChannels(self) -> Optional[str]:
-        """Why a connection may not open one more channel now, or None."""
-        if self._peers() >= self.limits.maxConnections:
+        """Why no connection or channel may be added now, or None (a first
+        channel takes its connection's place)."""
+        if len(self.connections) + len(self.channels) - self.carriers >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
 
@@ -591,7 +574,6 @@ class StreamRouter:
         return None if connection is None else connection.subject()
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
-        """The connection *peer* is or is carried by (None: gone)."""
         return self.connections.get(peer) or self.channels.get(peer, (None, b""))[0]
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:

@@ -44,7 +44,6 @@ def check_header(data: bytes, expected: int) -> None:
 
 
 def encode_message(body: bytes) -> bytes:
-    """One message on the wire."""
     return _length.pack(len(body)) + body
 
 
