@@ -699,9 +699,9 @@ def reference_stacks(smoke: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     for kind in PEER_STACKS:
         why = peers.missing(kind)
         if smoke:
-            notes[kind] = (f"reference rows ({', '.join(PEER_STACKS)}): left out of a smoke run "
-                           "(RabbitMQ takes 5-30 s to start); "
-                           f"--only {' '.join(PEER_STACKS)} runs them")
+            notes[kind] = (f"reference rows ({', '.join(PEER_STACKS)}): left out of a smoke run, "
+                           "which stays short (RabbitMQ takes 5-30 s to start); a run without "
+                           f"--smoke has them (--only {' '.join(PEER_STACKS)}: those alone)")
         elif why:
             notes[kind] = f"reference rows / {kind}: skipped, {why}"
         else:

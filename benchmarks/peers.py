@@ -112,7 +112,8 @@ class Server:
             self.endpoint, env, argv = start()
             self.proc = subprocess.Popen(argv, cwd=self.directory, env=env,
                                          stdin=subprocess.DEVNULL, stdout=self.log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_end_with_parent)
             self._wait_ready(timeout)
             self.pid = self._measured_pid()
         except BaseException:
@@ -135,7 +136,7 @@ class Server:
         self.helpers.append(subprocess.Popen(
             [_which("epmd") or "epmd", "-port", str(epmd_port)], env=epmd_env, cwd=d,
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True))
+            start_new_session=True, preexec_fn=_end_with_parent))
         deadline = time.monotonic() + 10
         while not _accepts(epmd_port):
             if time.monotonic() > deadline or self.helpers[0].poll() is not None:
@@ -201,6 +202,16 @@ class Server:
             _stop_session(proc)
         self.log.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _end_with_parent() -> None:
+    """In the child, before it runs the server: SIGTERM when the suite dies
+    without stopping it (Linux's PR_SET_PDEATHSIG; RabbitMQ's script then
+    stops its node), so that a suite killed outright leaves no server behind."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _session(sid: int) -> list[int]:
