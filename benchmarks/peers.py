@@ -46,7 +46,7 @@ RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 #: what a missing piece is installed with
 INSTALL = {"nats": "apt-get install nats-server; pip install '.[bench]'",
            "rabbitmq": "apt-get install rabbitmq-server; pip install '.[bench]'"}
-#: (name, how to start the server) of each reference stack
+#: each reference stack's server, as the report names it (the broker column's CPU)
 SERVER_NAMES = {"nats": "nats-server", "rabbitmq": "RabbitMQ (beam.smp)"}
 
 
@@ -105,7 +105,7 @@ class Server:
         self.directory = tempfile.mkdtemp(prefix=f"mdp-bench-{kind}-")
         self.helpers: list[subprocess.Popen] = []
         self.proc: Optional[subprocess.Popen] = None
-        self.log = open(os.path.join(self.directory, "output.log"), "wb")  # noqa: SIM115
+        self.log = open(os.path.join(self.directory, "output.log"), "wb")
         try:
             self.port = free_port()
             start = self._nats if kind == "nats" else self._rabbitmq
