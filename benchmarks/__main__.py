@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from benchmarks import security
+from benchmarks import peers, security
 from benchmarks.harness import (
     REACTOR_ENV,
     REACTORS,
@@ -48,6 +48,11 @@ BINDS = {"zmq": "zmq:tcp://127.0.0.1:*", "tcp": "tcp:host=127.0.0.1:port=0"}
 # (broker, workers, clients, dialect of our peers).  In this order, the stacks
 # a goal compares run next to each other in every round (cases())
 STACKS = {
+    # the reference stacks, what users would pick instead (benchmarks.peers):
+    # their server where our broker is; run in the cases PEER_SHAPES names,
+    # next to ours, where installed
+    "rabbitmq": ("rabbitmq", "rabbitmq", "rabbitmq", None),
+    "nats": ("nats", "nats", "nats", None),
     # our broker and Twisted peers, then the same peers on the bare forwarder
     # (goal 6) and the ceiling (goal 1)
     "bare+ours": ("bare", "ours", "ours", "rfc"),
@@ -65,6 +70,11 @@ STACKS = {
     "majortomo-broker+our-peers": ("majortomo", "ours", "ours", "majortomo"),
     "ours-broker+bare-peers": ("ours", "bare", "bare", None),
 }
+
+#: the reference stacks (benchmarks.peers), and the cases they run: a
+#: ratio "ours / nats" and "ours / rabbitmq" each (references)
+PEER_STACKS = ("nats", "rabbitmq")
+PEER_SHAPES = ("sync 1x1", "sync 4x4", "pipelined w100 x4")
 
 #: the same stacks run from the plain source (``MDP_PURE_PYTHON=1``), where the
 #: install compiled the hot modules (mdp/_compiled.py): what compiling buys
@@ -169,6 +179,14 @@ def _start_servers(procs: Processes, stack: str, transport: str, mode: str,
     """*stack*'s broker and *workers* workers, ready: [broker, workers...] and
     the endpoint clients connect to."""
     broker_impl, worker_impl, _, dialect = STACKS[stack]
+    if broker_impl in PEER_STACKS:  # nats-server or RabbitMQ, stopped with procs
+        server = peers.Server(broker_impl)
+        procs.children.append(server)
+        servers = [server] + [procs.start("worker", worker_impl, server.endpoint)
+                              for _ in range(workers)]
+        for worker in servers[1:]:
+            worker.ready()
+        return servers, server.endpoint
     if transport == "tls":
         bind = security.tls_bind()
     else:
@@ -219,6 +237,10 @@ def _timed_clients(procs: Processes, servers: list[Any], endpoint: str, stack: s
     # what the clients' Twisted code ran on (none: they ran no Twisted)
     row["client_reactors"] = sorted({r["reactor"] for r in results if r.get("reactor")})
     row["server_reactors"] = server_reactors
+    if all("replies" in r for r in results):  # counted and checked by the clients
+        row["replies"] = sum(r["replies"] for r in results)
+        if row["replies"] != count:
+            raise RuntimeError(f"{stack}: {row['replies']} replies to {count} requests")
     return row
 
 
@@ -375,10 +397,11 @@ CLIENT_PAIRS = 4
 
 
 def cases(smoke: bool, earlier: Optional[str] = None,
-          revision: str = BEFORE_ROUND_TWO) -> list[Entry]:
+          revision: str = BEFORE_ROUND_TWO, references: tuple[str, ...] = ()) -> list[Entry]:
     """An entry per case, baselines included, or per group of cases run
     together (goal 2's clients); with *earlier* (*revision*'s tree, from
-    earlier_tree), the stream case of that code too."""
+    earlier_tree), the stream case of that code too; with *references*
+    (of PEER_STACKS), those stacks' cases (PEER_SHAPES)."""
     n_sync = 200 if smoke else 16000
     n_pipe = 400 if smoke else 10000
     warm = 20 if smoke else 300
@@ -401,6 +424,8 @@ def cases(smoke: bool, earlier: Optional[str] = None,
                                         kw["workers"], kw["n"], warmup, kw.get("size", 16),
                                         kw.get("window", 1), root=kw.get("root", ROOT))]}
         described = {k: v for k, v in kw.items() if k != "root"}
+        if stack in PEER_STACKS:  # whose CPU the broker's column counts
+            described["server"] = peers.SERVER_NAMES[stack]
         out.append(((name,), {name: {"stack": stack, "transport": transport, **described}},
                     thunk))
 
@@ -427,11 +452,14 @@ def cases(smoke: bool, earlier: Optional[str] = None,
         for stack in stacks:
             if stack == CLIENT_PAIR[0]:
                 add_clients(shape, clients, clients, n)
+            elif stack in PEER_STACKS and stack not in references:
+                continue
             elif stack not in CLIENT_PAIR:
                 add(f"sync {shape} / {stack}", stack=stack, mode="sync", clients=clients,
                     workers=clients, n=n)
-    for stack in ("bare+ours", "ours", "ours over tcp", "majortomo-broker+our-peers",
-                  "ours+blocking-client", "ours+blocking-client over tcp"):
+    for stack in (*(s for s in STACKS if s in PEER_STACKS and s in references), "bare+ours",
+                  "ours", "ours over tcp", "majortomo-broker+our-peers", "ours+blocking-client",
+                  "ours+blocking-client over tcp"):
         if stack == "ours over tcp":  # goal 5: against the row before it
             add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
@@ -585,6 +613,14 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
     ]
     out = [{"reference": name, "value": ratio(table, a, b)} for name, a, b in rows
            if ratio(table, a, b) is not None]
+    # what users would pick instead (benchmarks.peers): rate, then CPU per request
+    for shape in PEER_SHAPES:
+        for peer in PEER_STACKS:
+            ours, theirs = f"{shape} / ours", f"{shape} / {peer}"
+            for what, key in (("", "rate"), ("CPU per request, ", "cpu_s_per_1k")):
+                value = ratio(table, ours, theirs, key)
+                if value is not None:
+                    out.append({"reference": f"{shape}: {what}ours / {peer}", "value": value})
     heartbeat = (scale or {}).get("heartbeat")
     if heartbeat and heartbeat.get("bare", {}).get("busy"):
         out.append({"reference": f"{heartbeat['idle_workers']} idle workers: our broker's CPU / "
@@ -638,6 +674,11 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
         lines.append(f"\nQueue: {dr['queued']:,} requests queued grew the broker's RSS by "
                      f"{dr['rss_growth_mb']:.1f} MB; 4 workers drained them at "
                      f"{dr['drain_rate']:,.0f} req/s.")
+    reference_rows = [name for name in table if name.rsplit(" / ", 1)[-1] in PEER_STACKS]
+    if reference_rows:
+        lines.append("\nThe `/ nats` and `/ rabbitmq` rows are what users would pick instead "
+                     "(benchmarks/peers.py): their broker column is the server's CPU "
+                     f"({', '.join(peers.SERVER_NAMES.values())}), their clients Python.")
     lines.append("\n| target | value | goal | met |\n|---|---:|---:|---|")
     for c in checks:
         value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
@@ -647,6 +688,26 @@ def markdown(table: dict[str, Any], scale: dict[str, Any], checks: list[dict[str
         lines.append("\n| reference (same run) | ratio |\n|---|---:|")
         lines.extend(f"| {r['reference']} | {r['value']:.3f} |" for r in refs)
     return "\n".join(lines)
+
+
+def reference_stacks(smoke: bool) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The reference stacks (PEER_STACKS) this run runs, and a line on each:
+    what runs, or why not (not installed; left out of a smoke run, which stays
+    short where RabbitMQ takes 5-30 s to start)."""
+    run: list[str] = []
+    notes: dict[str, str] = {}
+    for kind in PEER_STACKS:
+        why = peers.missing(kind)
+        if smoke:
+            notes[kind] = (f"reference rows ({', '.join(PEER_STACKS)}): left out of a smoke run, "
+                           "which stays short (RabbitMQ takes 5-30 s to start); a run without "
+                           f"--smoke has them (--only {' '.join(PEER_STACKS)}: those alone)")
+        elif why:
+            notes[kind] = f"reference rows / {kind}: skipped, {why}"
+        else:
+            run.append(kind)
+            notes[kind] = f"reference rows / {kind}: {peers.versions(kind)}"
+    return tuple(run), notes
 
 
 def part_of(text: str) -> tuple[int, int]:
@@ -693,7 +754,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     with earlier_tree() as (earlier, earlier_note):
         print(f"… goals 4 and 6's baseline, the code before this round: {earlier_note}",
               file=sys.stderr, flush=True)
-        selected = in_part([entry for entry in cases(args.smoke, earlier)
+        references_run, reference_notes = reference_stacks(args.smoke)
+        for line in sorted(set(reference_notes.values())):
+            print(f"… {line}", file=sys.stderr, flush=True)
+        selected = in_part([entry for entry in cases(args.smoke, earlier,
+                                                     references=references_run)
                             if not args.only or any(word in name for name in entry[0]
                                                     for word in args.only)], args.part)
         scaled = not args.no_scale and not args.only and (args.part is None
@@ -743,6 +808,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "before_round_two": {"revision": BEFORE_ROUND_TWO, "available": earlier is not None,
                              "note": earlier_note},
         "cases": {name: {**described[name], **row} for name, row in table.items()},
+        # NATS and RabbitMQ: run, or why not (benchmarks.peers)
+        "reference_stacks": {kind: {"run": kind in references_run,
+                                    "note": reference_notes[kind]} for kind in PEER_STACKS},
         "scale": scale,
         "targets": checks,
         "references": refs,

@@ -8,9 +8,11 @@ seconds they used while timed.
 Roles:
   broker  ours|majortomo|bare  BIND           (prints READY <endpoint>)
   worker  ours|majortomo|bare|blocking  ENDPOINT [--dialect D] [--service echo|stream]
+  worker  nats|rabbitmq  URL                  (the reference stacks: benchmarks.peers)
   farm    ENDPOINT COUNT SERVICES             (COUNT idle workers of ours in one process)
   client  ours|majortomo|bare|blocking  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
           MODE: sync | pipelined | stream
+  client  nats|rabbitmq  URL MODE N WARMUP SIZE [WINDOW]  (MODE: sync | pipelined)
   filler  ENDPOINT N                          (queues N requests on one raw socket; after
                                                GO, reads the N replies)
   inproc  MODE N WARMUP SIZE CLIENTS WORKERS [WINDOW] (everything over loopback, one process)
@@ -625,7 +627,11 @@ def main(argv: list[str]) -> None:
     if role == "broker":
         {"ours": broker_ours, "majortomo": broker_majortomo, "bare": broker_bare}[args[0]](args[1])
     elif role == "worker":
-        if args[0] == "ours":
+        if args[0] in ("nats", "rabbitmq"):
+            from benchmarks import peers
+
+            peers.worker(args[0], args[1])
+        elif args[0] == "ours":
             worker_ours(args[1], options.get("dialect", "rfc"), options.get("service", "echo"))
         elif args[0] == "bare":
             worker_bare(args[1])
@@ -638,7 +644,11 @@ def main(argv: list[str]) -> None:
     elif role == "client":
         impl, endpoint, mode = args[0], args[1], args[2]
         n, warmup, size = int(args[3]), int(args[4]), int(args[5])
-        if impl == "ours":
+        if impl in ("nats", "rabbitmq"):
+            from benchmarks import peers
+
+            peers.client(impl, endpoint, mode, n, warmup, size, int(args[6]) if len(args) > 6 else 1)
+        elif impl == "ours":
             window = int(args[6]) if len(args) > 6 else 1
             client_ours(endpoint, mode, n, warmup, size, window, options.get("dialect", "rfc"))
         elif impl == "bare":
