@@ -163,7 +163,7 @@ class BinaryStarMachine(Machine):
     @property
     def serving(self) -> bool:
         """Whether clients are served now."""
-        return self.state is State.ACTIVE and self.stopped is None and not self.resuming
+        return self.state is State.ACTIVE and self.publishing
 
     @property
     def publishing(self) -> bool:
@@ -183,11 +183,11 @@ class BinaryStarMachine(Machine):
         self.peerExpiry = now + self.failoverTimeout
         if peerRole is self.role:
             self._sameRole(peerUptime, peerInstance)
-        elif self.resuming:
-            self.conflictSince = None
+            return self._drain()
+        self.conflictSince = None
+        if self.resuming:
             self._resumeOnPeer(event)
         else:
-            self.conflictSince = None
             self._apply(event)
         return self._drain()
 
@@ -318,9 +318,6 @@ STATE = b"STATE"
 #: the peer and a few monitors
 MAX_SUBSCRIBERS = 16
 
-_ROLES = {role.value.encode(): role for role in Role}
-
-
 _INSTANCE = re.compile(rb"^[0-9a-f]{16}$")
 
 
@@ -341,9 +338,9 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
         raise ProtocolError(f"not a Binary Star state message: {list(frames)[:3]!r}")
     try:
         state = State(int(frames[2]))
-        role = _ROLES[bytes(frames[3])]
+        role = Role(bytes(frames[3]).decode("ascii"))
         uptime, heartbeat = float(frames[4]), float(frames[6])
-    except (ValueError, KeyError):
+    except ValueError:
         raise ProtocolError(f"bad Binary Star state message {list(frames)!r}") from None
     if not uptime >= 0:  # NaN is out of every range
         raise ProtocolError(f"bad uptime in Binary Star state message: {frames[4]!r}")
@@ -373,11 +370,10 @@ class _Publisher:
 
 @implementer(IDealerReceiver)
 class _Subscriber:
-    """The pipe to the peer's endpoint, for state channel *channel*."""
+    """The pipe to the peer's endpoint, for the machine's current state channel."""
 
-    def __init__(self, star: BinaryStar, channel: int = 0) -> None:
+    def __init__(self, star: BinaryStar) -> None:
         self.star = star
-        self.channel = channel
         self.transport: Any = None
 
     def connectionMade(self) -> None:
@@ -386,7 +382,7 @@ class _Subscriber:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         if self.star._subscriber is self:
-            self.star._stateFrom(frames, self.channel)
+            self.star._stateFrom(frames)
 
     def connectionLost(self, reason: object) -> None:
         pass  # the transport reconnects; silence is what counts
@@ -466,9 +462,8 @@ class BinaryStar:
                                role=self.role.value, state=self.state.name.lower())
         return served
 
-    def admitWorker(self, now: Optional[float] = None) -> bool:
-        """A worker's READY votes as a client's request does (the Guide says so)."""
-        return self.admitClient(now)
+    #: a worker's READY votes as a client's request does (the Guide says so)
+    admitWorker = admitClient
 
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
         """Role, state and what is known of the peer (``mmi.binarystar``)."""
@@ -501,12 +496,10 @@ class BinaryStar:
         state, the peer unknown, the failover timeout counted from now."""
         if self._running:
             raise RuntimeError("this BinaryStar is running already")
-        machine = self.machine
-        self.machine = BinaryStarMachine(machine.role, heartbeat=machine.heartbeat,
-                                         instance=new_instance(), now=self.reactor.seconds())
+        run = self.machine = BinaryStarMachine(self.role, heartbeat=self.machine.heartbeat,
+                                               instance=new_instance(), now=self.reactor.seconds())
         self.peerState = self.peerHeard = self._silenceWarned = None
         self._running = True
-        run = self.machine
 
         def bound(router: Any) -> None:
             if not self._running or self.machine is not run:  # stopped, or started again
@@ -521,7 +514,7 @@ class BinaryStar:
                 "anyone who can reach it may read this broker's state, and the peer's endpoint is "
                 "trusted alike: what answers there decides which broker is active. Keep both on "
                 "loopback or a private network")
-            self._subscriber = _Subscriber(self, self.machine.channel)
+            self._subscriber = _Subscriber(self)
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
 
@@ -618,8 +611,8 @@ class BinaryStar:
         subscribers[peer] = now + self.machine.failoverTimeout
         return known
 
-    def _stateFrom(self, frames: list[bytes], channel: int) -> None:
-        if not self._running or channel < self.machine.channel:
+    def _stateFrom(self, frames: list[bytes]) -> None:
+        if not self._running:
             return
         try:
             peer = decode_state(frames)
@@ -627,11 +620,10 @@ class BinaryStar:
             self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message from "
                                "{remote}: {error}", role=self.role.value, remote=self.remote, error=str(e))
             return
-        now = self.reactor.seconds()
-        actions = self.machine.handlePeerState(
-            peer.state, peer.role, peer.uptime, now, peerInstance=peer.instance,
-            peerHeartbeat=peer.heartbeat, channel=channel)
-        if channel >= self.machine.channel:  # not made stale by a stall it revealed
+        now, channel = self.reactor.seconds(), self.machine.channel
+        actions = self.machine.handlePeerState(peer.state, peer.role, peer.uptime, now,
+                                               peerInstance=peer.instance, peerHeartbeat=peer.heartbeat)
+        if channel == self.machine.channel:  # not made stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
                 log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at {remote}",
@@ -664,7 +656,7 @@ class BinaryStar:
                  "{remote} is opened again{serving}", role=self.role.value, seconds=action.seconds,
                  remote=self.remote, serving=("; serving nothing until the peer is heard, in case it "
                                               "took over" if action.serving else ""))
-        self._resubscribe(action.channel)
+        self._resubscribe()
 
     def _resumed(self, action: Resumed) -> None:
         log.info("Binary Star {role}: active again after the stall ({reason})",
@@ -685,10 +677,10 @@ class BinaryStar:
             lambda f: log.failure("Binary Star could not close its state channel", f)))
         self._notify("fatal", action.reason)
 
-    def _resubscribe(self, channel: int) -> None:
+    def _resubscribe(self) -> None:
         """Replace the pipe to the peer: what waits on the old one is stale."""
         old = self._subscriber
-        self._subscriber = _Subscriber(self, channel)
+        self._subscriber = _Subscriber(self)
         if old.transport is not None:
             defer.maybeDeferred(old.transport.close).addErrback(
                 lambda f: log.failure("Binary Star could not close its stale state pipe", f))

@@ -1,11 +1,7 @@
-"""The MDP/0.2 client and worker without a reactor, for scripts, notebooks and
-Spark executors (docs/blocking.md).
-
-They drive the Twisted client's and worker's state machines over plain pyzmq
-sockets (``zmq:``) or stream sockets (``tcp:``, ``unix:``) and one poller,
-only inside their calls, in the calling thread.  A client belongs to one
-thread at a time (as a ZeroMQ socket does).
-"""
+"""The MDP/0.2 client and worker without a reactor (docs/blocking.md): the
+Twisted drivers' machines over pyzmq (``zmq:``) or stream sockets (``tcp:``,
+``unix:``) and one poller, only inside their calls, in the calling thread.  A
+client belongs to one thread at a time (as a ZeroMQ socket does)."""
 
 from __future__ import annotations
 
@@ -66,10 +62,12 @@ from mdp.transport.zmqio import FlushPacer
 __all__ = ["Client", "Worker", "STREAM_SCHEMES"]
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
+
 #: how long closing a worker's socket may take to send its DISCONNECT (ms)
 LINGER_MS = 200
 
 _PENDING: Any = object()  # the end of map()'s items
+_NEVER = float("inf")
 
 #: what a handler returns that is certainly not a generator
 _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
@@ -97,11 +95,9 @@ def _log_to_stdlib() -> None:
 
 class _Loop:
     """One poller over a blocking node's pipes, and their reconnection times.
-
-    A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``" and a send or receive may
-    consume that signal, so a pipe that used its socket, or a stream pipe
-    holding unread messages or unsent records, is asked before the next
-    wait (``unchecked``)."""
+    A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``", and a send or receive may
+    consume it: a pipe that used its socket, or holds unread messages or
+    unsent records, is asked before the next wait (``unchecked``)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
@@ -112,11 +108,11 @@ class _Loop:
         self.pollUnit = 0.001 if epoll is not None else 1
         self.closed = False
         self.pipes: dict[int, Any] = {}  # descriptor -> pipe
-        self.watched: dict[int, int] = {}  # descriptor -> the poll flags it is watched for
+        self.watched: dict[int, int] = {}  # descriptor -> its poll flags
         self.timed: set[Any] = set()  # pipes that may have a connection attempt due
         self.unchecked: set[Any] = set()
-        self.links: dict[str, _StreamLink] = {}  # the stream connections, by endpoint
-        self.idle: set[Any] = set()  # links whose last pipe closed (closeIdle)
+        self.links: dict[str, _StreamLink] = {}  # by endpoint
+        self.idle: set[Any] = set()  # links whose last pipe closed
 
     def context(self) -> Any:
         if self._zmqContext is None:
@@ -125,8 +121,8 @@ class _Loop:
 
     def open(self, endpoint: str, owner: Any, tag: Any, linger: int = 0, curve: Any = None,
              shared: bool = False) -> Any:
-        """A pipe to *endpoint*, to ``start()`` once its owner holds it.
-        *shared*: a stream pipe is a channel of this loop's one connection there."""
+        """A pipe to *endpoint* (a stream connects at the next turn); *shared*,
+        a channel of this loop's one stream connection there."""
         if self.closed:
             raise TransportError(f"cannot open a connection to {endpoint}: closed")
         if endpoint.startswith("zmq:"):
@@ -139,9 +135,7 @@ class _Loop:
                 link = self.links[endpoint] = _StreamLink(self, endpoint, family, address)
             self.idle.discard(link)
             return link.open(owner, tag)
-        stream = _StreamPipe(self, owner, tag, family, address)
-        self.timed.add(stream)
-        return stream
+        return _StreamPipe(self, owner, tag, family, address)
 
     def turn(self, when: Optional[float]) -> None:
         """Wait for a socket or until *when* (or a pipe's retry); handle what came."""
@@ -225,12 +219,11 @@ class _Loop:
 
 
 class Client(ClientDriver):
-    """A blocking MDP/0.2 client of a broker (or a failover list of them).
-
-    :meth:`request` returns the reply's frames or raises what the Twisted
+    """A blocking MDP/0.2 client of a broker (or a failover list of them):
+    :meth:`request` returns the reply's frames or raises what
     :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.  An
-    exception that interrupts a call (Ctrl-C) drops every connection and
-    request in flight; the next call starts clean (docs/blocking.md)."""
+    interrupt (Ctrl-C) drops every connection and request in flight; the next
+    call starts clean."""
 
     def __init__(
         self,
@@ -260,8 +253,6 @@ class Client(ClientDriver):
     def forked(self) -> bool:
         """This process is a fork's child of the one that made the client."""
         return self._forks != _forks
-
-    # --- public API ----------------------------------------------------------
 
     def request(
         self,
@@ -369,8 +360,6 @@ class Client(ClientDriver):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- the driver ------------------------------------------------------------
-
     def _submit(self, service: Union[str, bytes], frames: Sequence[Frame],
                 timeout: Optional[float], retries: Optional[int],
                 onPartial: Optional[Callable[[list[bytes]], Any]],
@@ -418,8 +407,8 @@ class Client(ClientDriver):
                 raise
 
     def _drop(self) -> None:
-        """A call was interrupted: close every connection and go on with a
-        fresh machine, so no reply to an abandoned request reaches a later one."""
+        """A call was interrupted: close every connection, and a fresh machine
+        (no reply to an abandoned request reaches a later one)."""
         self.machine = self.machine.fresh(monotonic())
         self._unanswered = _Unanswered()
         self._wakeTime = None
@@ -427,8 +416,6 @@ class Client(ClientDriver):
         if not self._closed:  # first: a second interrupt below still leaves a usable loop
             self._loop = _Loop(self.limits, loop._zmqContext)
         loop.shutdown()
-
-    # --- what the pipes report -------------------------------------------------
 
     def _pipeUp(self, channel: _Channel, now: float) -> None:
         self._perform(self.machine.handlePipeUp(channel, now))
@@ -477,14 +464,12 @@ class Client(ClientDriver):
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
                                                   curve=self.curve, shared=True)
-            pipe.start()
         except Exception as e:  # no socket to be had (out of descriptors)
-            self._close(channel)
             error = TransportError(f"cannot open a connection to {channel.endpoint}: {e}")
             error.__cause__ = e
             self._perform(self.machine.handleOpenFailed(channel, error, monotonic()))
             return
-        if pipe.up and not channel.up and channel.pipe is pipe:  # ZeroMQ: up at once
+        if pipe.up:  # ZeroMQ, or a channel of a connection that is up
             self._perform(self.machine.handlePipeUp(channel, monotonic()))
 
 
@@ -500,8 +485,8 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*, run in the thread that
     calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-    Nothing else runs meanwhile, so a handler slower than the broker's
-    heartbeat expiry loses its broker (use :class:`mdp.Worker` then)."""
+    A handler slower than the broker's heartbeat expiry loses its broker (use
+    :class:`mdp.Worker` then)."""
 
     def __init__(
         self,
@@ -525,7 +510,7 @@ class Worker(WorkerDriver):
         self._context = context
         self._loop: Any = None
         self._pipe: Any = None
-        self._reopenAt: Optional[float] = None
+        self._reopenAt = _NEVER
         self._nextTick = 0.0
         self._stopping = False
 
@@ -545,14 +530,12 @@ class Worker(WorkerDriver):
             while not self._stopping and (until is None or not until()):
                 self._turn()
         finally:
-            self._reopenAt = None
+            self._reopenAt = _NEVER
             try:
                 self._perform(self.machine.handleStop(monotonic()))
             finally:
                 loop, self._loop = self._loop, None
                 loop.shutdown()
-
-    # --- what the pipe reports -------------------------------------------------
 
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._perform(self.machine.handlePipeUp(now))
@@ -566,8 +549,6 @@ class Worker(WorkerDriver):
 
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
         self._perform(self.machine.handleMessage(frames, now))
-
-    # --- the driver ------------------------------------------------------------
 
     def _perform(self, actions: list[Any]) -> None:
         for action in actions:
@@ -598,8 +579,7 @@ class Worker(WorkerDriver):
             self._openFailed(error)
             return
         self._pipe = pipe
-        pipe.start()  # (a stream pipe may say at once that it is up)
-        if pipe.up and not self.machine.connected and self._pipe is pipe:  # ZeroMQ: up at once
+        if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 
     def _serve(self, job: Any, body: list[bytes]) -> None:
@@ -638,10 +618,9 @@ class Worker(WorkerDriver):
         self.requestsServed += 1
 
     def _betweenParts(self, job: Any) -> None:
-        """Serve the broker's traffic and heartbeats, and wait while the broker
-        takes PARTIALs slower than the handler makes them: until what waits
-        for it has drained (half, of what libzmq holds; polled: libzmq tells
-        nobody when it lets go of a message)."""
+        """Serve the broker's traffic and heartbeats; while the broker takes
+        PARTIALs slower than they come, wait until what waits has drained
+        (polled: libzmq tells nobody when it lets go of a message)."""
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
             pacer = FlushPacer()
@@ -650,15 +629,12 @@ class Worker(WorkerDriver):
         elif monotonic() >= self._nextTick:
             self._turn()
 
-    def _turn(self, until: float = float("inf")) -> None:
-        """One turn of the loop, until the next tick, reopening or *until* at
-        most; then what is due."""
-        when = min(until, self._nextTick)
-        reopenAt = self._reopenAt
-        self._loop.turn(when if reopenAt is None else min(when, reopenAt))
+    def _turn(self, until: float = _NEVER) -> None:
+        """One turn of the loop, until the next tick, reopening or *until*; then what is due."""
+        self._loop.turn(min(until, self._nextTick, self._reopenAt))
         now = monotonic()
-        if self._reopenAt is not None and now >= self._reopenAt:
-            self._reopenAt = None
+        if now >= self._reopenAt:
+            self._reopenAt = _NEVER
             self._perform(self.machine.handleReopen(now))
         if now >= self._nextTick:
             self._tickDue(now)

@@ -622,7 +622,7 @@ def test_an_end_waiting_in_the_socket_is_no_stale_reply() -> None:
             server.end.set()
             assert server.sent.wait(5)
             (link,) = client._loop.links.values()
-            assert select.select([link.stream.socket], [], [], 5)[0]  # the end is there, unread
+            assert select.select([link.socket], [], [], 5)[0]  # the end is there, unread
             assert client.request("echo", b"second") == [b"second"]
         (first, _), (second, _) = server.requests
         assert first != second and server.ends[0] == first  # (then, maybe, the close's)

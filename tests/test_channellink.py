@@ -229,14 +229,14 @@ class _BlockingShell:
 
     @property
     def connected(self) -> bool:
-        return bool(self.link.stream.up)
+        return bool(self.link.up)
 
     def made(self) -> None:
-        self.link.stream.up = True
+        self.link.up = True
         self.link._pipeUp(None, self.now)
 
     def lost(self, refused: Any) -> None:
-        self.link.stream.up = False
+        self.link.up = False
         self.link._pipeLost(None, refused or ConnectionError("gone"), self.now)
 
     def failed(self) -> None:
@@ -248,7 +248,7 @@ class _BlockingShell:
     def wait(self) -> None:
         self.now += 1000
         for pipe in list(self.loop.timed):
-            if pipe is not self.link.stream and pipe.retryAt is not None:
+            if pipe is not self.link and pipe.retryAt is not None:
                 pipe.wake(self.now)
 
     def close(self, index: int) -> None:

@@ -212,7 +212,6 @@ class _Pipe:
         self.endpoint = endpoint
         self.security = transport.curve_for(endpoint, client.curve)
         self.transport: Any = None
-        self.closed = False
         self._open()
 
     def _open(self) -> bool:
@@ -228,12 +227,11 @@ class _Pipe:
         return True
 
     def send(self, frames: list[bytes]) -> None:
-        if self.transport is not None or (not self.closed and self._open()):
+        if self.transport is not None or self._open():
             self.transport.sendMessage(frames)
 
     def close(self) -> defer.Deferred[None]:
         closing, self.transport = self.transport, None
-        self.closed = True
         return defer.succeed(None) if closing is None else closing.close()
 
     def connectionMade(self) -> None:

@@ -14,7 +14,7 @@ import attrs
 from mdp import messages
 from mdp.errors import ClientClosed, NoServerAvailable, RemoteError, RequestTimeout, ServiceOverloaded
 from mdp.machine import Machine, action_class
-from mdp.policy import EndpointRotation, HeartbeatPolicy, Liveness, positive_seconds
+from mdp.policy import HeartbeatPolicy, Liveness, positive_seconds
 
 PING = b"PING"
 PONG = b"PONG"
@@ -63,7 +63,7 @@ class _Call:
     attempts: int = 0
     tried: list[str] = attrs.Factory(list)  # model 3: servers tried in this round
     server: Optional[str] = None  # where the current attempt went
-    rotation: Optional[EndpointRotation] = None  # model 1
+    round: list[str] = attrs.Factory(list)  # model 1: the servers it goes to, in turn
     refusals: set[Any] = attrs.Factory(set)  # model 2: servers that answered 429 this round
 
 
@@ -278,7 +278,7 @@ class SequentialMachine(FreelanceMachine):
     while ``call.server`` is set)."""
 
     def _start(self, call: _Call) -> None:
-        call.rotation = EndpointRotation(self.endpoints)
+        call.round = list(self.endpoints)
         self._next(call)
 
     def _attemptOver(self, call: _Call) -> None:
@@ -286,20 +286,17 @@ class SequentialMachine(FreelanceMachine):
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:
-        rotation = call.rotation
-        if rotation is not None and call.attempts < len(rotation):
+        if call.attempts < len(call.round):
             self._next(call)  # the next server, at once
         else:
             self._fail(call, error)
 
     def _next(self, call: _Call) -> None:
         self._drop(call)
-        rotation = call.rotation
-        assert rotation is not None
-        if call.attempts >= len(rotation):
+        if call.attempts >= len(call.round):
             self._expired(call)
             return
-        endpoint = rotation.current if call.attempts == 0 else rotation.advance()
+        endpoint = call.round[call.attempts]
         call.attempts += 1
         call.server = endpoint
         call.state = RequestState.SENT
@@ -326,7 +323,6 @@ class ShotgunMachine(FreelanceMachine):
 
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.endpoints)
-        call.refusals = set()
         call.state = RequestState.SENT
         for endpoint in self.endpoints:
             self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))

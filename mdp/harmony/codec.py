@@ -8,7 +8,7 @@ zeromq-pyre cuts a non-ASCII string to its length in characters.
 from __future__ import annotations
 
 import struct
-from typing import Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 from uuid import UUID
 
 import attrs
@@ -110,10 +110,6 @@ Message = Union[Hello, Whisper, Shout, Join, Leave, Ping, PingOk]
 _HEADER = struct.Struct(">HBBH")
 
 
-def with_sequence(message: Message, sequence: int) -> Message:
-    return attrs.evolve(message, sequence=sequence)
-
-
 def next_sequence(sent: int) -> int:
     return (sent + 1) % SEQUENCE_MODULUS
 
@@ -143,36 +139,40 @@ def check_string(value: object, what: str) -> str:
     return value
 
 
+def _groups(groups: Sequence[str], what: str) -> bytes:
+    return struct.pack(">I", len(groups)) + b"".join(_long_string(g) for g in groups)
+
+
+def _headers(headers: Mapping[str, str], what: str) -> bytes:
+    return struct.pack(">I", len(headers)) + b"".join(
+        _string(key, "header name") + _long_string(value) for key, value in headers.items())
+
+
+#: how each field is written, and the reader's method for it; a message's fields are on the wire
+#: in its class's order, after the sequence (``content`` goes in the frames after the first)
+_FIELDS: dict[str, tuple[Callable[[Any, str], bytes], str]] = {
+    "endpoint": (_string, "string"), "name": (_string, "string"), "group": (_string, "string"),
+    "groups": (_groups, "groups"), "headers": (_headers, "headers"),
+    "status": (lambda status, what: bytes((status & 0xFF,)), "u8")}
+_MESSAGES = {kind.id: (kind, [f.name for f in attrs.fields(kind)[1:] if f.name != "content"])
+             for kind in (Hello, Whisper, Shout, Join, Leave, Ping, PingOk)}
+
+
 def encode(message: Message) -> list[bytes]:
     """The frames of *message*: the ZRE frame, then any content frames."""
-    head = _HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)
-    content: Sequence[bytes] = ()
-    if isinstance(message, Hello):
-        parts = [head, _string(message.endpoint, "endpoint"), struct.pack(">I", len(message.groups))]
-        parts += [_long_string(g) for g in message.groups]
-        parts.append(bytes((message.status & 0xFF,)))
-        parts.append(_string(message.name, "name"))
-        parts.append(struct.pack(">I", len(message.headers)))
-        for key, value in message.headers.items():
-            parts += [_string(key, "header name"), _long_string(value)]
-        body = b"".join(parts)
-    elif isinstance(message, Whisper):
-        body, content = head, message.content
-    elif isinstance(message, Shout):
-        body, content = head + _string(message.group, "group"), message.content
-    elif isinstance(message, (Join, Leave)):
-        body = head + _string(message.group, "group") + bytes((message.status & 0xFF,))
-    else:
-        body = head
-    return [body, *content]
+    parts = [_HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)]
+    for name in _MESSAGES[message.id][1]:
+        parts.append(_FIELDS[name][0](getattr(message, name), name))
+    return [b"".join(parts), *getattr(message, "content", ())]
 
 
 class _Reader:
     """Reads the fields of one frame, in order."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, maxGroups: int, maxHeaders: int) -> None:
         self.data = data
         self.at = 0
+        self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
 
     def take(self, size: int, what: str) -> bytes:
         end = self.at + size
@@ -186,28 +186,32 @@ class _Reader:
     def u8(self, what: str) -> int:
         return self.take(1, what)[0]
 
-    def u16(self, what: str) -> int:
-        return int.from_bytes(self.take(2, what), "big")
-
-    def u32(self, what: str) -> int:
-        return int.from_bytes(self.take(4, what), "big")
+    def uint(self, size: int, what: str) -> int:
+        return int.from_bytes(self.take(size, what), "big")
 
     def string(self, what: str) -> str:
         return self.take(self.u8(what), what).decode("utf-8", "replace")
 
     def long_string(self, what: str) -> str:
-        return self.take(self.u32(what), what).decode("utf-8", "replace")
+        return self.take(self.uint(4, what), what).decode("utf-8", "replace")
 
     def count(self, what: str, smallest: int, most: int) -> int:
         """A u32 count of items of at least *smallest* bytes, checked against what
         is left and against *most*."""
-        number = self.u32(what)
+        number = self.uint(4, what)
         if number * smallest > len(self.data) - self.at:
             raise MalformedZre(f"{what}: {number} items cannot fit in the "
                                f"{len(self.data) - self.at} bytes left")
         if number > most:
             raise MalformedZre(f"{what}: {number} items, more than the {most} allowed")
         return number
+
+    def groups(self, what: str) -> tuple[str, ...]:
+        return tuple(self.long_string("group") for _ in range(self.count(what, 4, self.maxGroups)))
+
+    def headers(self, what: str) -> dict[str, str]:
+        return {self.string("header name"): self.long_string("header value")
+                for _ in range(self.count(what, 5, self.maxHeaders))}
 
     def done(self) -> None:
         if self.at != len(self.data):
@@ -220,48 +224,27 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
     else, or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
-    reader = _Reader(bytes(frames[0]))
-    signature = reader.u16("signature")
+    reader = _Reader(bytes(frames[0]), maxGroups, maxHeaders)
+    signature = reader.uint(2, "signature")
     if signature != SIGNATURE:
         raise MalformedZre(f"signature 0x{signature:04X} is not 0x{SIGNATURE:04X}")
     command = reader.u8("message id")
     version = reader.u8("version")
     if version != VERSION:
         raise MalformedZre(f"version {version} is not {VERSION}")
-    read = _READERS.get(command)
-    if read is None:
+    if command not in _MESSAGES:
         raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
-    sequence = reader.u16("sequence")
-    content = tuple(bytes(f) for f in frames[1:])
-    message = read(reader, sequence, content, maxGroups, maxHeaders)
+    kind, names = _MESSAGES[command]
+    fields: dict[str, Any] = {"sequence": reader.uint(2, "sequence")}
+    for name in names:
+        fields[name] = getattr(reader, _FIELDS[name][1])(name)
     reader.done()
-    if content and command not in (WHISPER, SHOUT):
+    content = tuple(bytes(f) for f in frames[1:])
+    if command in (WHISPER, SHOUT):
+        fields["content"] = content
+    elif content:
         raise MalformedZre(f"{COMMANDS[command]} carries {len(content)} content frames")
-    return message
-
-
-def _read_hello(reader: _Reader, sequence: int, content: tuple[bytes, ...], maxGroups: int,
-                maxHeaders: int) -> Hello:
-    endpoint = reader.string("endpoint")
-    groups = tuple(reader.long_string("group")
-                   for _ in range(reader.count("groups", 4, maxGroups)))
-    status = reader.u8("status")
-    name = reader.string("name")
-    headers = {reader.string("header name"): reader.long_string("header value")
-               for _ in range(reader.count("headers", 5, maxHeaders))}
-    return Hello(sequence, endpoint, groups, status, name, headers)
-
-
-#: each command's reader: (reader, sequence, content, maxGroups, maxHeaders) → message
-_READERS: dict[int, Callable[..., Message]] = {
-    HELLO: _read_hello,
-    WHISPER: lambda reader, sequence, content, *_: Whisper(sequence, content),
-    SHOUT: lambda reader, sequence, content, *_: Shout(sequence, reader.string("group"), content),
-    JOIN: lambda reader, sequence, *_: Join(sequence, reader.string("group"), reader.u8("status")),
-    LEAVE: lambda reader, sequence, *_: Leave(sequence, reader.string("group"), reader.u8("status")),
-    PING: lambda reader, sequence, *_: Ping(sequence),
-    PING_OK: lambda reader, sequence, *_: PingOk(sequence),
-}
+    return kind(**fields)
 
 
 def encode_beacon(uuid: UUID, port: int) -> bytes:

@@ -261,13 +261,16 @@ class HarmonyMachine(Machine):
             self._broadcastStatus(codec.Leave, group)
         return self._drain()
 
+    def peer(self, uuid: UUID) -> Peer:
+        """The peer *uuid*; :class:`UnknownPeer` if there is none."""
+        if (found := self.peers.get(uuid)) is None:
+            raise UnknownPeer(uuid)
+        return found
+
     def whisper(self, peer: UUID, frames: Iterable[bytes], now: float) -> list[Any]:
         """Send *frames* to *peer*; :class:`UnknownPeer` if there is none."""
         self.now = now
-        found = self.peers.get(peer)
-        if found is None:
-            raise UnknownPeer(peer)
-        self._send(found, codec.Whisper(0, tuple(frames)))
+        self._send(self.peer(peer), codec.Whisper(0, tuple(frames)))
         return self._drain()
 
     def shout(self, group: str, frames: Iterable[bytes], now: float) -> list[Any]:
@@ -419,12 +422,7 @@ class HarmonyMachine(Machine):
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
         peer.received = 1
         peer.helloAt = self.now
-        peer.name, peer.headers = hello.name, dict(hello.headers)
-        for group in sorted(peer.groups - set(hello.groups)):
-            self._peerLeaves(peer, group)
-        for group in hello.groups:
-            self._peerJoins(peer, group)
-        peer.status = hello.status
+        self._takeHello(peer, hello)
         if self.now - peer.answeredAt >= self.evasive:
             peer.answeredAt = self.now
             peer.sent = 0
@@ -444,14 +442,19 @@ class HarmonyMachine(Machine):
         return True
 
     def _onHello(self, peer: Peer, message: codec.Hello) -> None:
-        peer.name = message.name
-        peer.headers = dict(message.headers)
-        self._emit(Emit(Event(ENTER, peer.uuid, peer.name, headers=dict(peer.headers),
+        self._emit(Emit(Event(ENTER, peer.uuid, message.name, headers=dict(message.headers),
                               endpoint=peer.endpoint)))
-        self._emit(Notice(None, f"{peer.name} ({peer.uuid}) entered from {peer.endpoint}", "info"))
-        for group in message.groups:
+        self._emit(Notice(None, f"{message.name} ({peer.uuid}) entered from {peer.endpoint}", "info"))
+        self._takeHello(peer, message)
+
+    def _takeHello(self, peer: Peer, hello: codec.Hello) -> None:
+        """The name, headers, groups and status *hello* says."""
+        peer.name, peer.headers = hello.name, dict(hello.headers)
+        for group in sorted(peer.groups - set(hello.groups)):
+            self._peerLeaves(peer, group)
+        for group in hello.groups:
             self._peerJoins(peer, group)
-        peer.status = message.status
+        peer.status = hello.status
 
     def _onWhisper(self, peer: Peer, message: codec.Whisper) -> None:
         self._emit(Emit(Event(WHISPER, peer.uuid, peer.name, frames=message.content)))
@@ -610,7 +613,7 @@ class HarmonyMachine(Machine):
 
     def _send(self, to: Union[Peer, _Dial], message: codec.Message) -> None:
         to.sent = codec.next_sequence(to.sent)
-        self._emit(SendOn(to.link, codec.encode(codec.with_sequence(message, to.sent))))
+        self._emit(SendOn(to.link, codec.encode(attrs.evolve(message, sequence=to.sent))))
 
     def _broadcastStatus(self, kind: type, group: str) -> None:
         """Our status goes up by one on each JOIN or LEAVE we send, to peers and dials."""

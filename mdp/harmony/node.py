@@ -87,18 +87,14 @@ class BeaconDiscovery:
     def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> Any:
         self.listener, self.uuid = listener, uuid
         self.beacon = codec.encode_beacon(uuid, port)
-        self.socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
+        self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
         log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})",
                  interval=self.interval, host=self.host,
                  to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port
                  else self.spec.network, endpoint=self.endpoint)
-        self.loop = task.LoopingCall(self._send)
+        self.loop = task.LoopingCall(socket.send, self.beacon)
         self.loop.clock = self.reactor
         self.loop.start(self.interval, now=True)
-
-    def _send(self) -> None:
-        if self.socket is not None:
-            self.socket.send(self.beacon)
 
     def datagramReceived(self, data: bytes, host: str) -> None:
         if not data.startswith(codec.BEACON_PREFIX[:3]) or self.listener is None:
@@ -188,11 +184,8 @@ class EventStream:
             return defer.fail(StopAsyncIteration())
         if self.waiting is not None:
             raise RuntimeError("one reader at a time: this stream is already awaited")
-        self.waiting = defer.Deferred(lambda _: self._cancelled())
+        self.waiting = defer.Deferred(lambda _: setattr(self, "waiting", None))
         return self.waiting
-
-    def _cancelled(self) -> None:
-        self.waiting = None
 
     def close(self) -> None:
         self.node._streams.discard(self)
@@ -391,19 +384,14 @@ class Node:
         """The peers that have said HELLO."""
         return list(self.machine.peers)
 
-    def _peer(self, peer: UUID) -> Any:
-        if (found := self.machine.peers.get(peer)) is None:
-            raise UnknownPeer(peer)
-        return found
-
     def peerName(self, peer: UUID) -> str:
-        return self._peer(peer).name
+        return self.machine.peer(peer).name
 
     def peerEndpoint(self, peer: UUID) -> str:
-        return self._peer(peer).endpoint
+        return self.machine.peer(peer).endpoint
 
     def peerHeaders(self, peer: UUID) -> dict[str, str]:
-        return dict(self._peer(peer).headers)
+        return dict(self.machine.peer(peer).headers)
 
     def peerGroups(self) -> list[str]:
         """The groups our peers are in (sorted)."""

@@ -81,9 +81,8 @@ def curve_for(endpoint: str, curve: Any) -> Any:
 
 def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
                      secretFile: Optional[str]) -> Any:
-    """A connecting node's CURVE arguments as a
-    :class:`~mdp.transport.curve.CurveClient` (None without a server key),
-    checked now by :func:`check_curve_client`."""
+    """A connecting node's :class:`~mdp.transport.curve.CurveClient` (None
+    without a server key), checked now by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
@@ -137,9 +136,8 @@ def authenticated(endpoint: str, security: Any = None) -> bool:
 
 
 def curve_listen_for(endpoint: str, curve: Any) -> Any:
-    """A listening node's CURVE settings for *endpoint*;
-    :class:`TransportError` if the node has them and *endpoint* would take
-    unauthenticated peers from other machines."""
+    """A listening node's CURVE settings for *endpoint*; :class:`TransportError`
+    if it has them and *endpoint* takes unauthenticated peers from elsewhere."""
     security = curve_for(endpoint, curve)
     if curve is not None and security is None and beyond_loopback(endpoint) \
             and not authenticated(endpoint):
@@ -166,13 +164,23 @@ def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) 
     return True
 
 
-def _security(scheme: Scheme, endpoint: str, security: Any) -> dict[str, Any]:
+#: the security a secure scheme takes, by role: ZeroMQ's CURVE classes
+_SECURITY = {LISTEN: ("server", "CurveServer"), CONNECT: ("peer", "CurveClient")}
+
+
+def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[str, Any]:
     if security is None:
         return {}
     if not scheme.secure:
         raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no "
                              f"{type(security).__name__} (CURVE is for zmq: endpoints; "
                              "TLS is an ssl: endpoint)")
+    from mdp.transport import curve
+
+    side, kind = _SECURITY[role]
+    if not isinstance(security, getattr(curve, kind)):
+        raise TransportError(f"{endpoint!r}: a ZeroMQ {side}'s security is a {kind}, "
+                             f"not {type(security).__name__}")
     return {"security": security}
 
 
@@ -180,18 +188,13 @@ def listen(
     endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
     limits: Limits = Limits(), security: Any = None,
 ) -> defer.Deferred[IRouterTransport]:
-    """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing
-    *limits*.  *security*: ZeroMQ's :class:`~mdp.transport.curve.CurveServer`.
-    A malformed endpoint raises :class:`TransportError`; a failure to bind
-    fails the Deferred with one."""
+    """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing *limits*
+    (*security*: a :class:`~mdp.transport.curve.CurveServer`).  A malformed
+    endpoint raises :class:`TransportError`; a failure to bind fails with one."""
     scheme = lookup(endpoint, LISTEN)
-    assert scheme.listen is not None
-    extra = _security(scheme, endpoint, security)
-    try:
-        return _opening("listen on", endpoint, scheme.listen, receiver, default_reactor(reactor),
-                        limits, **extra)
-    except TransportError as e:
-        return defer.fail(e)
+    extra = _security(scheme, endpoint, security, LISTEN)
+    return defer.maybeDeferred(_opening, "listen on", endpoint, scheme.listen, receiver,
+                               default_reactor(reactor), limits, **extra)
 
 
 def connect(
@@ -199,19 +202,17 @@ def connect(
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     identity: Optional[bytes] = None, security: Any = None,
 ) -> IDealerTransport:
-    """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade``
-    once usable).  *retryPolicy* (attempt -> seconds) paces reconnection;
-    *identity* (1-255 bytes, no leading zero byte) is the peer id the far
-    side sees; *security*: ZeroMQ's :class:`~mdp.transport.curve.CurveClient`."""
+    """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade`` once
+    usable); *retryPolicy* (attempt -> seconds) paces reconnection, *identity*
+    is the peer id the far side sees, *security* a ``CurveClient``."""
     scheme = lookup(endpoint, CONNECT)
-    extra = _security(scheme, endpoint, security)
+    extra = _security(scheme, endpoint, security, CONNECT)
     if identity is not None:
         if not isinstance(identity, bytes) or not 0 < len(identity) < 256 or identity[0] == 0:
             raise ValueError("an identity is 1 to 255 bytes and does not start with a zero byte, "
                              f"got {identity!r}")
         if not scheme.identities:
             raise TransportError(f"{scheme.name}: endpoints cannot choose their identity")
-    assert scheme.connect is not None
     return _opening("connect to", endpoint, scheme.connect, receiver, default_reactor(reactor),
                     limits, retryPolicy, identity, **extra)
 
@@ -263,12 +264,11 @@ def connect_channels(
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     security: Any = None,
 ) -> IDealerChannels:
-    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`): over
-    one connection where the scheme has channels, else each alone.  The
-    arguments are :func:`connect`'s."""
+    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one
+    connection where the scheme has channels; the arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
-    _security(scheme, endpoint, security)
+    _security(scheme, endpoint, security, CONNECT)
     if scheme.channels is None:
         return _Separately(endpoint, reactor=reactor, retryPolicy=retryPolicy, limits=limits,
                            security=security)
@@ -284,13 +284,12 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
 
 
-_ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
 _ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-Za-z0-9._-]*)$")
 
 
 def _check_zmq(endpoint: str, role: str) -> None:
     kind, sep, rest = endpoint.partition(":")[2].partition("://")
-    if not sep or kind not in _ZMQ_TRANSPORTS:
+    if not sep or kind not in ("tcp", "ipc", "inproc"):
         raise bad_endpoint(endpoint, "ZeroMQ endpoints are zmq:tcp://HOST:PORT, zmq:ipc://PATH "
                            "or zmq:inproc://NAME")
     if kind == "tcp":
@@ -300,7 +299,6 @@ def _check_zmq(endpoint: str, role: str) -> None:
 
 
 def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
-    """The ``HOST:PORT`` of a ``zmq:tcp://`` endpoint."""
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
         raise bad_endpoint(endpoint, f"no port; did you mean zmq:tcp://{rest or '127.0.0.1'}:5555"
                                      f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")
@@ -314,22 +312,11 @@ def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
     check_port(endpoint, port, role, wildcard=True)
 
 
-def _curve_of(endpoint: str, security: Any, side: str, kind: str) -> Any:
-    """*security*, if None or the :mod:`~mdp.transport.curve` class *kind*."""
-    from mdp.transport import curve
-
-    if security is not None and not isinstance(security, getattr(curve, kind)):
-        raise TransportError(f"{endpoint!r}: a ZeroMQ {side}'s security is a {kind}, "
-                             f"not {type(security).__name__}")
-    return security
-
-
 def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                 security: Any = None) -> Any:
     from mdp.transport.zeromq import ZmqRouter
 
-    curve = _curve_of(endpoint, security, "server", "CurveServer")
-    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=curve))
+    return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=security))
 
 
 def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
@@ -337,8 +324,7 @@ def _connect_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
     from mdp.transport.zeromq import ZmqDealer
 
     return ZmqDealer(endpoint, receiver, reactor, limits=limits, identity=identity,
-                     curve=_curve_of(endpoint, security, "peer", "CurveClient"),
-                     retryPolicy=retryPolicy)
+                     curve=security, retryPolicy=retryPolicy)
 
 
 def _check_loopback(endpoint: str, role: str) -> None:

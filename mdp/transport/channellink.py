@@ -1,6 +1,5 @@
-"""The channels of one stream connection, without I/O (``docs/transports.md``):
-the one core of :class:`~mdp.transport.channels.StreamChannels` and of the
-blocking client's link."""
+"""The channels of one stream connection, without I/O: the core of
+:class:`~mdp.transport.channels.StreamChannels` and of the blocking client's link."""
 
 from __future__ import annotations
 
@@ -56,9 +55,9 @@ class Channel:
 class ChannelLink:
     """The channels of one connection.  A channel is up while the connection
     is, unless the far side ended it: then it comes up again under a new name
-    after a delay.  Each method returns what its shell must do; a loss's reasons
-    are *ended* (the far side ended a channel) and *dropped* (the connection went
-    for another channel's record), exception classes of the shell's world."""
+    after a delay.  Each method returns what its shell must do; *ended* (the
+    far side ended a channel) and *dropped* (the connection went for another
+    channel's record) are the shell's exception classes for a loss."""
 
     def __init__(self, limits: Limits, maxQueued: int = 1000,
                  retryPolicy: Optional[Callable[[int], float]] = None,
@@ -91,14 +90,14 @@ class ChannelLink:
         channels[name] = channel
 
     def made(self) -> Iterator[Channel]:
-        """The connection is made: each channel up now, to tell (lazily: one told may lose it)."""
+        """The connection is made: each channel up now (lazily: one told may lose it)."""
         self.connected = True
         for channel in [channel for channel in self.channels.values() if not channel.waiting]:
             if self.comeUp(channel):
                 yield channel
 
     def failed(self) -> Iterator[Channel]:
-        """A connection attempt failed: each channel to tell, as long as it is open."""
+        """A connection attempt failed: each channel to tell, while open."""
         for channel in list(self.channels.values()):
             if not channel.closed:
                 yield channel

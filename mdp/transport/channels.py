@@ -10,7 +10,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
-from mdp.policy import RECONNECT, Limits, cancel_call
+from mdp.policy import Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
 from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
@@ -49,7 +49,7 @@ class _StreamChannel(Channel):
         return self.link.drained()
 
     def discardReceived(self) -> int:
-        """Drop its messages of the current read not delivered yet; how many."""
+        """Drop its messages of this read not delivered yet; how many."""
         link, name = self.link, self.id
         pending = link._pending
         if pending is None or not link._waiting.get(name):
@@ -105,8 +105,7 @@ class _StreamChannel(Channel):
 class StreamChannels(_OneConnection):
     """One :class:`ClientService`-managed connection carrying many pipes
     (:meth:`open`), each as a connection of its own: the Twisted shell of a
-    :class:`~mdp.transport.channellink.ChannelLink`.  Opened with the first
-    pipe, closed with the last."""
+    :class:`~mdp.transport.channellink.ChannelLink`."""
 
     kind = "stream channels"
     connectionClass = _ChannelsConnection
@@ -115,15 +114,10 @@ class StreamChannels(_OneConnection):
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         super().__init__(endpoint, reactor, limits, CHANNELS, None)
-        self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
-        self.core = ChannelLink(limits, self.maxQueued, self.retryPolicy)
+        self.core = ChannelLink(limits, self.maxQueued, retryPolicy)
         self._pending: Optional[list[Any]] = None
         self._at = 0
         self._waiting: dict[bytes, int] = {}
-
-    @property
-    def channels(self) -> dict[bytes, Channel]:
-        return self.core.channels
 
     @property
     def queued(self) -> int:
@@ -144,7 +138,7 @@ class StreamChannels(_OneConnection):
         channel = _StreamChannel(self, receiver)
         self.core.open(channel)
         if self.service is None:
-            self.service = _connection(self, self.endpoint, self.retryPolicy)
+            self.service = _connection(self, self.endpoint, self.core.retryPolicy)
         elif self.protocol is not None:
             channel._call = self.reactor.callLater(0, channel._up)
         return channel
@@ -180,7 +174,7 @@ class StreamChannels(_OneConnection):
         self._pending = messages
         core = self.core
         channels = core.channels
-        # messages still to come in this read, by channel
+        # by channel, its messages still to come in this read
         waiting = self._waiting = {}
         for item in messages:
             waiting[item[0]] = waiting.get(item[0], 0) + 1

@@ -1,6 +1,6 @@
 """CURVE on the ZeroMQ transport: encrypted links, and a server's allow-list (a
-directory of public-key certificates, ``mdp keygen NAME``) checked in each handshake
-by a ZAP handler.  An accepted peer's identity is its public key in Z85."""
+directory of ``mdp keygen`` public keys) checked by a ZAP handler; an accepted
+peer's identity is its public key in Z85."""
 
 from __future__ import annotations
 
@@ -67,8 +67,7 @@ class CurveServer:
             if not allow:
                 log.warn("the CURVE allow-list {dir} holds no certificate: no peer will get "
                          "through", dir=allowDir)
-        assert secret is not None
-        return cls(public, secret, allow, allowDir)
+        return cls(public, secret, allow, allowDir)  # type: ignore[arg-type]
 
     def apply(self, socket: Any, domain: str) -> None:
         """Make *socket* (before it binds) a CURVE server checked by ZAP under *domain*."""
@@ -96,12 +95,8 @@ class CurveClient:
         import zmq
 
         serverKey, _ = _load(serverPublicFile, secret=False)
-        if secretFile is None:
-            public, secret = zmq.curve_keypair()
-        else:
-            public, secret = _load(secretFile, secret=True)  # type: ignore[assignment]
-        assert secret is not None
-        return cls(serverKey, public, secret)
+        public, secret = zmq.curve_keypair() if secretFile is None else _load(secretFile, True)
+        return cls(serverKey, public, secret)  # type: ignore[arg-type]
 
     def apply(self, socket: Any) -> None:
         """Make *socket* (before it connects) a CURVE client."""
@@ -159,8 +154,6 @@ class _Gate:
 
 #: the gate of a server that closed: nobody
 _DENY_ALL = types.SimpleNamespace(callback=lambda domain, key: False)
-
-
 #: per ZeroMQ context (by id), its ZAP handler: pyzmq's ThreadAuthenticator
 _zaps: dict[int, Any] = {}
 _domains = itertools.count(1)
@@ -169,8 +162,8 @@ _lock = threading.Lock()
 
 def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
                beforeTerm: Optional[set[Any]] = None, refused: Optional[Any] = None) -> str:
-    """Register *server*'s allow-list as a new domain of *context*'s ZAP handler,
-    started the first time and stopped by a callable added to *beforeTerm*.
+    """Register *server*'s allow-list as a new domain of *context*'s ZAP handler
+    (started the first time, stopped by a callable added to *beforeTerm*);
     *refused()* is called in the reactor's thread for each key refused."""
     with _lock:
         zap = _zaps.get(id(context))

@@ -1,7 +1,6 @@
-"""Datagram transports, for discovery beacons: ``udp:PORT`` (options
-``interface=``, ``group=``, ``broadcast=``) and ``loopback:NAME:host=ADDRESS``
-(``docs/transports.md``).  The port is shared (``SO_REUSEPORT``) by every node
-on the machine; multicast has TTL 1 and loops back."""
+"""Datagram transports for discovery beacons: ``udp:PORT`` (``interface=``,
+``group=``, ``broadcast=``), its port shared by every node on the machine, and
+``loopback:NAME:host=ADDRESS`` (``docs/transports.md``)."""
 
 from __future__ import annotations
 
@@ -90,7 +89,6 @@ def resolve(endpoint: str) -> DatagramSpec:
 
 
 def _udp(endpoint: str, args: list[str], kwargs: dict[str, str]) -> DatagramSpec:
-    """The spec of the udp: *endpoint*, from its arguments."""
     unknown = set(kwargs) - {"interface", "group", "broadcast", "port"}
     if unknown or len(args) > 1:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: unknown "
@@ -115,14 +113,13 @@ def _destination(endpoint: str, kwargs: dict[str, str],
             raise TransportError(f"bad datagram endpoint {endpoint!r}: {group!r} "
                                  "is not an IPv4 multicast group (224.0.0.0/4)")
         return group, True
-    if "broadcast" in kwargs:
-        if not _is_ipv4(kwargs["broadcast"]):
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: {kwargs['broadcast']!r} "
-                                 "is not an IPv4 address")
-        return kwargs["broadcast"], False
-    if address.is_loopback:
+    broadcast = kwargs.get("broadcast", str(address.network.broadcast_address))
+    if not _is_ipv4(broadcast):
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: {broadcast!r} "
+                             "is not an IPv4 address")
+    if address.is_loopback and "broadcast" not in kwargs:
         return DEFAULT_GROUP, True
-    return str(address.network.broadcast_address), False
+    return broadcast, False
 
 
 def _is_ipv4(text: str) -> bool:

@@ -24,7 +24,6 @@ from mdp.transport.twisted_private import shortcut_reads
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-
 #: seconds a silent connection must stay up to count as made: one lost sooner
 #: (a listener at its cap closes at once) is a failed attempt, so the backoff grows
 PROVEN_AFTER = 1.0
@@ -41,7 +40,7 @@ class _DealerConnection(FramedProtocol):
     #: something came from the far side, or it stayed up :data:`PROVEN_AFTER`
     proven = False
 
-    #: (a framing with a handshake) the greeting's timer, and what came meanwhile
+    #: (a framing with a greeting) its timer, and what came meanwhile
     _awaiting: Any = None
     _early: Optional[list[Any]] = None
 
@@ -139,8 +138,7 @@ class _DealerConnection(FramedProtocol):
 
 
 class _ReportingEndpoint:
-    """A client endpoint that reports each failed attempt, named by its
-    string in ClientService's log."""
+    """A client endpoint that reports each failed attempt, named by its string in logs."""
 
     def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
         self.endpoint = endpoint
@@ -185,12 +183,10 @@ class _OneConnection:
 
     maxQueued = 1000
     kind = "stream dealer"
-    #: connections in a row lost before they were proven
-    _unproven = 0
+    _unproven = 0  # connections in a row lost before they were proven
     service: Optional[ClientService] = None
     _closing: Optional[defer.Deferred[None]] = None
     queuedBytes: int
-    #: the class of its connections
     connectionClass: type[_DealerConnection] = _DealerConnection
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits, framing: Any,
@@ -211,7 +207,7 @@ class _OneConnection:
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
         """What *frames* cost held, or None (warned) past the bounds; raises
-        here for a message that cannot be encoded."""
+        for a message that cannot be encoded."""
         size = held_bytes(frames)
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
@@ -238,8 +234,7 @@ class _OneConnection:
     def _tellMade(self, receiver: IDealerReceiver, kind: Optional[str] = None) -> None:
         try:
             receiver.connectionMade()
-        except Exception:
-            # raised, it would leave the connection half made
+        except Exception:  # (raised, it would leave the connection half made)
             log.failure("{kind} to {endpoint}: its receiver's connectionMade failed",
                         kind=kind or self.kind, endpoint=self.endpoint)
 

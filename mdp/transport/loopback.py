@@ -30,29 +30,20 @@ class LoopbackNetwork:
 
     def __init__(self) -> None:
         self.listeners: dict[str, LoopbackRouter] = {}
-        self.waiting: dict[str, list[LoopbackDealer]] = {}
+        #: dealers waiting for a listener, by name, in the order they came
+        self.waiting: defaultdict[str, dict[LoopbackDealer, None]] = defaultdict(dict)
         self.members: defaultdict[str, list[Any]] = defaultdict(list)
 
     def bind(self, name: str, router: LoopbackRouter) -> None:
         if name in self.listeners:
             raise TransportError(f"loopback:{name} is already bound")
         self.listeners[name] = router
-        for dealer in self.waiting.pop(name, []):
+        for dealer in self.waiting.pop(name, {}):
             dealer._attach()
 
     def unbind(self, name: str, router: LoopbackRouter) -> None:
         if self.listeners.get(name) is router:
             del self.listeners[name]
-
-    def wait(self, name: str, dealer: LoopbackDealer) -> None:
-        self.waiting.setdefault(name, []).append(dealer)
-
-    def stopWaiting(self, name: str, dealer: LoopbackDealer) -> None:
-        waiting = self.waiting.get(name, [])
-        if dealer in waiting:
-            waiting.remove(dealer)
-        if not waiting:
-            self.waiting.pop(name, None)
 
 
 #: The process-wide loopback namespace used by ``loopback:NAME`` strings.
@@ -169,7 +160,7 @@ class LoopbackDealer(_End):
             return
         router = self.network.listeners.get(self.name)
         if router is None:
-            self.network.wait(self.name, self)
+            self.network.waiting[self.name][self] = None
             return
         self.router = router
         self.peer = self.identity or b"\x00" + next(_ids).to_bytes(4, "big")
@@ -252,6 +243,6 @@ class LoopbackDealer(_End):
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
             self.closed = True
-            self.network.stopWaiting(self.name, self)
+            self.network.waiting[self.name].pop(self, None)
             self._detach()
         return defer.succeed(None)

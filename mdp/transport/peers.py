@@ -61,7 +61,18 @@ class PeerRouter:
             return
         zmq = transport.lookup(endpoint, transport.CONNECT).name == "zmq"  # (bad ones raise)
         try:
-            self._connect(endpoint, zmq)
+            if zmq:
+                if self.zmq is None:
+                    from mdp.transport.zeromq import ZmqPeerRouter
+
+                    self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits,
+                                             curve=self.curve)
+                self.zmq.connect(endpoint)
+            else:
+                pipe = _Pipe(self, endpoint)
+                self.pipes[endpoint] = (pipe, transport.connect(
+                    endpoint, pipe, self.reactor, retryPolicy=RECONNECT.retryPolicy(),
+                    limits=self.limits))
         except Exception as e:
             self.unconnected.add(endpoint)
             self.throttle.warn(log, f"connect {endpoint}", "connecting router: cannot connect "
@@ -69,19 +80,6 @@ class PeerRouter:
                                endpoint=endpoint, error=e)
         else:
             self.unconnected.discard(endpoint)
-
-    def _connect(self, endpoint: str, zmq: bool) -> None:
-        if zmq:
-            if self.zmq is None:
-                from mdp.transport.zeromq import ZmqPeerRouter
-
-                self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits,
-                                         curve=self.curve)
-            self.zmq.connect(endpoint)
-            return
-        pipe = _Pipe(self, endpoint)
-        self.pipes[endpoint] = (pipe, transport.connect(
-            endpoint, pipe, self.reactor, retryPolicy=RECONNECT.retryPolicy(), limits=self.limits))
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
         if endpoint in self.unconnected:

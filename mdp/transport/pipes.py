@@ -1,6 +1,6 @@
 """The blocking nodes' pipes (:mod:`mdp.blocking`): pyzmq DEALER and stream
-sockets under the blocking loop's poller.  A pipe reports to its *owner*
-(``_pipeUp``, ``_pipeLost``, ``_pipeFailed``, ``_pipeMessage``) with its *tag*."""
+sockets under the blocking loop's poller, reporting to their *owner*
+(``_pipeUp``, ``_pipeLost``, ``_pipeFailed``, ``_pipeMessage``) with a *tag*."""
 
 from __future__ import annotations
 
@@ -67,15 +67,14 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
     return (socket.AF_UNIX, given[0]) if unix else (socket.AF_UNSPEC, (given[0], int(given[1])))
 
 
-#: Messages a DEALER of a blocking node queues each way (its HWMs).
+#: messages a DEALER queues each way (its HWMs)
 _HIGH_WATER_MARK = 1000
 
 
 class _ZmqPipe:
-    """One DEALER socket: up from the start (ZeroMQ reconnects by itself).
-    ``backlogged`` while messages wait for room, or while libzmq holds over
-    ``limits.maxOutputBytes`` of them (:class:`InFlight`); ``draining``
-    until it holds half of that."""
+    """One DEALER socket, up from the start (ZeroMQ reconnects by itself);
+    ``backlogged`` while messages wait for room or libzmq holds over
+    ``limits.maxOutputBytes`` (:class:`InFlight`), ``draining`` until half."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
                  "address", "linger", "curve", "core", "retryAt", "inFlight")
@@ -94,10 +93,7 @@ class _ZmqPipe:
         self._connect()
 
     def _connect(self) -> None:
-        """A fresh socket, connected (a fresh routing id)."""
         zmq = _zmq()
-        self.socket = None
-        self.up = False
         sock = self.loop.context().socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, self.linger)
@@ -130,9 +126,6 @@ class _ZmqPipe:
     def draining(self) -> bool:
         return bool(self.backlog) or self.inFlight.held() > self.inFlight.bound // 2
 
-    def start(self) -> None:
-        pass  # ZeroMQ connects in the background
-
     def send(self, frames: list[bytes]) -> None:
         if self.socket is None:
             return
@@ -153,7 +146,7 @@ class _ZmqPipe:
         self.check(now)
 
     def check(self, now: float) -> bool:
-        """Send what waits and read what came, per ``EVENTS``; whether anything was read."""
+        """Send what waits, read what came; whether anything was read."""
         if self.socket is None:
             return False
         events = _events(self.handle)
@@ -167,8 +160,7 @@ class _ZmqPipe:
         return False
 
     def wait(self, timeout: int) -> None:
-        """The loop's only socket: block in ``recv`` for at most *timeout* ms
-        (-1: no limit); handle what came."""
+        """The loop's only socket: wait in ``recv`` at most *timeout* ms (-1: no limit)."""
         sock = self.socket
         if not _native:
             # pyzmq's recv waits its whole RCVTIMEO again after each signal
@@ -186,8 +178,7 @@ class _ZmqPipe:
             frames = self._message(0)
         except _Again:
             return
-        # one message a wake-up: the next recv takes what else is queued at once
-        self.loop.unchecked.add(self)
+        self.loop.unchecked.add(self)  # (the next recv takes what else is queued at once)
         self._take(frames, monotonic())
 
     def discardReceived(self) -> int:
@@ -201,7 +192,7 @@ class _ZmqPipe:
         return _HIGH_WATER_MARK
 
     def _read(self, now: float) -> None:
-        """Read at most a few messages a wake-up: the loop comes back for the rest."""
+        """Read a few messages at most: the loop comes back for the rest."""
         sock = self.socket
         loop = self.loop
         for _ in range(64):
@@ -217,14 +208,13 @@ class _ZmqPipe:
                 return
 
     def _message(self, flags: int) -> Any:
-        """Receive a whole message (or raise ``Again``), as :func:`socket_calls` read it."""
+        """A whole message (or raise ``Again``), as :func:`socket_calls` read it."""
         limits = self.loop.limits
         return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes,
                      False)
 
     def _take(self, frames: Any, now: float) -> None:
-        """Hand *frames* to the owner; over the limits, replace the socket
-        (the owner hears the pipe lost, then up)."""
+        """Hand *frames* on; over the limits, a new socket (lost, then up)."""
         if frames.__class__ is list:
             self.owner._pipeMessage(self.tag, frames, now)
             return
@@ -237,7 +227,7 @@ class _ZmqPipe:
             self.owner._pipeUp(self.tag, now)
 
     def _reopen(self, now: float) -> bool:
-        """A fresh socket; if none can be had, down until the core's delay is over."""
+        """A new socket; if none can be had, down until the core's delay is over."""
         try:
             self._connect()
         except Exception as e:
@@ -272,30 +262,30 @@ class _ZmqPipe:
 
 class _StreamPipe:
     """One stream socket with the stream transport's records, reconnecting
-    with :data:`RECONNECT`'s backoff.  With *channels*, a :class:`_StreamLink`'s
-    connection: messages are ``(channel, frames)``, sent when the loop next waits."""
+    with :data:`RECONNECT`'s backoff."""
 
     __slots__ = ("loop", "owner", "tag", "family", "address", "socket", "key", "out", "decoder",
                  "up", "connecting", "failures", "retryAt", "received", "candidates", "skip",
-                 "broken", "channels", "queuedBytes", "sentBytes")
+                 "broken", "queuedBytes", "sentBytes")
 
-    def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any,
-                 channels: bool = False) -> None:
+    framing: Any = RECORDS
+
+    def __init__(self, loop: Any, owner: Any, tag: Any, family: int, address: Any) -> None:
         self.loop = loop
         self.owner = owner
         self.tag = tag
         self.family = family
         self.address = address
-        self.channels = channels
         self.socket: Optional[socket.socket] = None
         self.key: Any = None
         self.out = bytearray()
         self.failures = 0
-        self.retryAt: Optional[float] = None
+        self.retryAt: Optional[float] = 0.0  # (the first attempt: at the loop's next turn)
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
         self.candidates: list[tuple[int, Any]] = []
-        self._closeSocket()  # (the state of no connection)
+        self._closeSocket()
+        loop.timed.add(self)
 
     @property
     def backlogged(self) -> bool:
@@ -303,10 +293,7 @@ class _StreamPipe:
 
     draining = backlogged
 
-    def start(self) -> None:
-        self.open(monotonic())
-
-    def open(self, now: float) -> None:
+    def connect(self, now: float) -> None:
         """Start a connection attempt, to each address of the host in turn."""
         self.retryAt = None
         if self.family == socket.AF_UNIX:
@@ -365,22 +352,10 @@ class _StreamPipe:
         self.out += encode_record(frames)
         self._flush()
 
-    def sendRecord(self, record: bytes) -> int:
-        """Send *record* when the loop next waits; where it ends in the
-        connection's bytes (0: not sent)."""
-        if not self.up:
-            return 0
-        self.out += record
-        self.queuedBytes += len(record)
-        self.loop.unchecked.add(self)  # sent before the loop waits
-        return self.queuedBytes
-
     def _flush(self) -> None:
         sock = self.socket
         if sock is None or not self.up:
             return
-        if self.channels and self.owner.core.unsent:
-            self.owner.dropStale()  # (what came before the requests about to go)
         try:
             sent = sock.send(self.out)
         except (BlockingIOError, InterruptedError):
@@ -417,8 +392,6 @@ class _StreamPipe:
         self.connecting = False
         self.up = True
         self.failures = 0
-        if self.channels:  # (first, before what the pipes send)
-            self.sendRecord(CHANNELS.greeting(None))
         self.loop.watch(self.key, _POLLIN)
         self.owner._pipeUp(self.tag, now)
 
@@ -435,17 +408,9 @@ class _StreamPipe:
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
-    def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a stale discard saw begun, now whole, if on a
-        channel it discarded: no reply to a later request."""
-        if messages:
-            if messages[0][0] in self.skip:
-                del messages[0]
-            self.skip = 0
-
     def _deliverReceived(self, now: float) -> None:
         """Hand on the messages read, in order (a callback that waits on the
-        loop hands on the rest first: the pipe stays ``unchecked``)."""
+        loop hands on the rest first)."""
         received = self.received
         owner, tag, loop = self.owner, self.tag, self.loop
         while received:  # (a loss meanwhile clears it)
@@ -455,8 +420,7 @@ class _StreamPipe:
             owner._pipeMessage(tag, frames, now)
 
     def check(self, now: float) -> bool:
-        """Send what was queued; hand on what was read and not handed on yet,
-        whether there was any."""
+        """Send what was queued; hand on what was read, whether there was any."""
         if self.out:
             self._flush()
         if not self.received:
@@ -465,13 +429,13 @@ class _StreamPipe:
         return True
 
     def _drain(self, reads: int = 64) -> list[Any]:
-        """The messages what waits in the socket completes, in at most *reads*
-        reads; a loss found is kept (``broken``) for the next read to report."""
+        """The messages read whole in at most *reads* reads; a loss found is
+        kept (``broken``) for the next read to report."""
         sock = self.socket
         messages: list[Any] = []
         if self.broken is not None:
             return messages
-        for _ in range(reads):  # bounded: a peer sending without pause cannot hold us here
+        for _ in range(reads):  # (a peer sending without pause cannot hold us here)
             try:
                 data = sock.recv(_READ_SIZE)  # type: ignore[union-attr]
             except (BlockingIOError, InterruptedError):
@@ -492,6 +456,14 @@ class _StreamPipe:
             self._skipBegun(messages)
         return messages
 
+    def _skipBegun(self, messages: list[Any]) -> None:
+        """Drop the record a stale discard saw begun, now whole, if on a
+        channel it discarded: no reply to a later request."""
+        if messages:
+            if messages[0][0] in self.skip:
+                del messages[0]
+            self.skip = 0
+
     def _lost(self, why: BaseException, now: float) -> None:
         self._closeSocket()
         self.retryAt = now + RECONNECT.delay(0)
@@ -503,19 +475,19 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        #: the channels of a stale discard that saw a record begun (dropped once whole)
+        #: the channels of a stale discard that saw a record begun
         self.skip: Any = 0
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
-        self.decoder = (CHANNELS if self.channels else RECORDS).decoder(self.loop.limits)
+        self.decoder = self.framing.decoder(self.loop.limits)
         if sock is not None:
             self.loop.forget(self.key)
             sock.close()
 
     def wake(self, now: float) -> None:
         if self.retryAt is not None and self.socket is None:
-            self.open(now)
+            self.connect(now)
 
     def close(self) -> None:
         """Close, after a moment's try to send what waits (a worker's DISCONNECT)."""
@@ -529,32 +501,46 @@ class _StreamPipe:
         self._closeSocket()
 
 
-class _StreamLink:
-    """A client's one stream connection to an endpoint, its pipes on channels:
-    the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`.
-    Opened with the first pipe, closed with the last."""
+class _StreamLink(_StreamPipe):
+    """A client's one stream connection to an endpoint, its pipes on channels
+    (the blocking shell of a :class:`~mdp.transport.channellink.ChannelLink`)."""
 
-    __slots__ = ("loop", "endpoint", "stream", "core", "lossesToTell")
+    __slots__ = ("endpoint", "core", "lossesToTell")
+
+    framing = CHANNELS
 
     def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
-        self.loop = loop
+        super().__init__(loop, self, None, family, address)
         self.endpoint = endpoint
-        self.stream = _StreamPipe(loop, self, None, family, address, channels=True)
-        loop.timed.add(self.stream)
         self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
-        #: pipes still to be told of the loss (before any reconnection)
+        #: pipes to tell of the loss before any reconnection
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
         pipe = _LinkPipe(self, owner, tag)
         self.core.open(pipe)
-        if self.stream.up:
+        if self.up:
             self.core.comeUp(pipe)  # up at once: its owner tells itself
         return pipe
 
+    def sendRecord(self, record: bytes) -> int:
+        """Send *record* when the loop next waits; where it ends in the
+        connection's bytes (0: not sent)."""
+        if not self.up:
+            return 0
+        self.out += record
+        self.queuedBytes += len(record)
+        self.loop.unchecked.add(self)  # sent before the loop waits
+        return self.queuedBytes
+
+    def _flush(self) -> None:
+        if self.up and self.core.unsent:
+            self.dropStale()  # (what came before the requests about to go)
+        _StreamPipe._flush(self)
+
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
-        """Put back *items* but the messages on *names*; their channels."""
-        received = self.stream.received
+        """Put back *items* but the messages on *names*; the channels dropped."""
+        received = self.received
         dropped = []
         for item in items:
             if item[0] in names and item[1]:
@@ -564,21 +550,19 @@ class _StreamLink:
         return dropped
 
     def dropStale(self) -> None:
-        """Before the pipes' requests go out: read the socket, and drop what
-        came on their channels."""
-        stream = self.stream
+        """Before the pipes' requests go out: read, and drop what came on their channels."""
         core = self.core
-        waiting = {name for name in list(core.unsent) if core.stale(name, stream.sentBytes)}
+        waiting = {name for name in list(core.unsent) if core.stale(name, self.sentBytes)}
         if not waiting:
             return
-        items = stream._drain()
-        if stream.decoder.inRecord:
-            stream.skip = waiting | (stream.skip or set())
+        items = self._drain()
+        if self.decoder.inRecord:
+            self.skip = waiting | (self.skip or set())
         stale = set(self._keepBut(items, waiting))
-        if stream.received:
-            self.loop.unchecked.add(stream)  # handed on before the loop waits
+        if self.received:
+            self.loop.unchecked.add(self)  # handed on before the loop waits
         for name in stale:
-            pipe: Any = self.core.channels.get(name)
+            pipe: Any = core.channels.get(name)
             if pipe is not None and pipe.up:
                 pipe.owner._stale(pipe.tag)
 
@@ -588,9 +572,10 @@ class _StreamLink:
         for pipe in self.core.closeAll():
             self.loop.timed.discard(pipe)
         self.lossesToTell.clear()
-        self.stream.close()
+        _StreamPipe.close(self)
 
     def _pipeUp(self, tag: Any, now: float) -> None:
+        self.sendRecord(CHANNELS.greeting(None))  # (first, before what the pipes send)
         self._tellLost(now)
         for pipe in self.core.made():
             pipe.owner._pipeUp(pipe.tag, now)  # type: ignore[attr-defined]
@@ -615,15 +600,15 @@ class _StreamLink:
         name, frames = item
         pipe: Any = self.core.channels.get(name)
         if pipe is None:
-            return  # ended here: what came before the broker knew, or its acknowledgment
-        what = self.core.received(pipe, frames, self.stream.sentBytes)
+            return  # ended here
+        what = self.core.received(pipe, frames, self.sentBytes)
         if what == DELIVER:
             pipe.owner._pipeMessage(pipe.tag, frames, now)
         elif what == STALE:
             pipe.owner._stale(pipe.tag)
         elif what == ENDED:
             record, why, delay = self.core.endedThere(pipe)
-            self.stream.sendRecord(record)
+            self.sendRecord(record)
             pipe.retryAt = now + delay
             self.loop.timed.add(pipe)
             if why is not None:
@@ -642,21 +627,16 @@ class _LinkPipe(Channel):
         self.tag = tag
         self.retryAt: Optional[float] = None
 
-    def start(self) -> None:
-        stream = self.link.stream
-        if stream.socket is None and stream.retryAt is None:
-            stream.open(monotonic())
-
     def send(self, frames: list[bytes]) -> None:
         if self.up:
             link = self.link
-            at = link.stream.sendRecord(self.id + encode_record(frames))
+            at = link.sendRecord(self.id + encode_record(frames))
             if at:
                 link.core.unsent[self.id] = at
 
     def discardReceived(self) -> int:
         """Drop what was read on its channel but an end; how many."""
-        received = self.link.stream.received
+        received = self.link.received
         if not received:
             return 0
         items = list(received)
@@ -676,18 +656,16 @@ class _LinkPipe(Channel):
         link.loop.timed.discard(self)
         record = link.core.close(self)
         if record is not None:
-            link.stream.sendRecord(record)
+            link.sendRecord(record)
         if not link.core.channels:
             link.loop.idle.add(link)
 
 
-# the ZeroMQ socket calls (:func:`~mdp.transport.zmqio.socket_calls`) and constants
 _read, _send, _events, _native = socket_calls(True)
 _pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _zmq().Again
 _RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
 _ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
-#: no limit
 _NEVER = sys.maxsize
-# a descriptor's (poll(2)'s and epoll's bits, not ZeroMQ's EVENTS bits)
+# poll(2)'s and epoll's bits
 _POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
 _POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)

@@ -1,5 +1,5 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`: a
-``check`` and factories that listen or connect.  A bad endpoint's error says what
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`:
+a ``check`` and factories that listen or connect; a bad endpoint's error says what
 was probably meant."""
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ from mdp.errors import TransportError
 LISTEN = "listen"
 CONNECT = "connect"
 
-Check = Callable[[str, str], None]
-"""``check(endpoint, role)`` raises :class:`TransportError` if *endpoint* is
-not usable for *role* (:data:`LISTEN` or :data:`CONNECT`)."""
-
 
 @attrs.frozen
 class Scheme:
-    """One endpoint scheme.  *listen* is ``(endpoint, receiver, reactor, limits)
-    -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
+    """One endpoint scheme.  ``check(endpoint, role)`` raises :class:`TransportError`
+    unless *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor,
+    limits) -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
     reactor, limits, retryPolicy, identity) -> IDealerTransport``; or None."""
 
     name: str
-    check: Check
+    check: Callable[[str, str], None]
     listen: Optional[Callable[..., Any]] = None
     connect: Optional[Callable[..., Any]] = None
     #: one line: what the scheme is and how its endpoints look
@@ -78,9 +75,8 @@ def _split_host_port(rest: str) -> tuple[str, str]:
 
 def _hint_for_url(endpoint: str, role: str) -> str:
     """What a pyzmq/nng-style URL was probably meant to be."""
-    match = _URL.match(endpoint)
-    assert match is not None
-    kind, rest = match.group("kind").lower(), match.group("rest")
+    kind, _, rest = endpoint.partition("://")
+    kind = kind.lower()
     if kind == "tcp":
         return _tcp_hint(rest, role)
     if kind in ("ipc", "inproc"):

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 from mdp.interfaces import IDealerReceiver
 from mdp.policy import RECONNECT, Limits
-from mdp.transport.channels import StreamChannels, _ChannelsFraming, _StreamChannel
-from mdp.transport.dealer import PROVEN_AFTER, StreamDealer, _DealerConnection
+from mdp.transport.channels import StreamChannels
+from mdp.transport.dealer import PROVEN_AFTER, StreamDealer
 from mdp.transport.endpoints import (
     DESCRIPTOR_RESERVE,
     LISTEN_BACKLOG,
@@ -25,7 +25,7 @@ from mdp.transport.endpoints import (
 )
 from mdp.transport.framed import FLUSH_BYTES, FramedProtocol
 from mdp.transport.registry import Scheme
-from mdp.transport.router import MAX_UNACKNOWLEDGED, StreamRouter, _RouterConnection
+from mdp.transport.router import MAX_UNACKNOWLEDGED, StreamRouter
 from mdp.transport.tls import CA_CERTS
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "FramedProtocol", "StreamChannels", "StreamDealer", "StreamRouter", "check_endpoint",
     "connect_description", "descriptor_budget", "raise_descriptor_limit", "scheme",
     "server_description", "server_endpoint", "subject",
-    "_ChannelsFraming", "_DealerConnection", "_RouterConnection", "_StreamChannel",
 ]
 
 

@@ -1,5 +1,5 @@
-"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``, the
-authorities whose client certificates it accepts; the dropin's ``mtls:`` parser."""
+"""Mutual TLS listeners: Twisted's ``ssl:`` server syntax plus ``caCerts=CA.pem``
+(the authorities of the client certificates accepted), and ``mtls:``."""
 
 from __future__ import annotations
 
@@ -51,9 +51,8 @@ def authorities(path: str) -> list[Any]:
 
 
 def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
-    """The SSL server endpoint of
-    ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA`` (and ``interface=``,
-    ``backlog=``), requiring a client certificate ``caCerts`` signed."""
+    """The SSL server endpoint of ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA``
+    (``interface=``, ``backlog=``): only client certificates ``caCerts`` signed."""
     from twisted.internet import ssl
     from twisted.internet.endpoints import SSL4ServerEndpoint
 
@@ -74,11 +73,6 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
                               own.options(*trusted),
                               backlog=int(kwargs.get("backlog", LISTEN_BACKLOG)),
                               interface=kwargs.get("interface", ""))
-
-
-def mutual(description: str) -> bool:
-    """Whether server *description* is an ``ssl:`` one with ``caCerts=``."""
-    return parse_mutual(description) is not None
 
 
 def parse_mutual(description: str) -> Optional[tuple[list[str], dict[str, str]]]:

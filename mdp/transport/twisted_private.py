@@ -1,7 +1,6 @@
-"""Every private attribute of Twisted the library uses, in one place.
-
-Each is named in :data:`PRIVATE` with its class and why it is used;
-``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one."""
+"""Every private attribute of Twisted the library uses, each named in
+:data:`PRIVATE` with its class and why (``tests/test_twisted_private.py``
+fails if a Twisted upgrade removes one)."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def shortcut_reads(protocol: Any) -> None:
 
 
 def logging_begun() -> bool:
-    """Whether something began Twisted's global logging (until then events
-    are buffered unseen)."""
+    """Whether Twisted's global logging began (until then events are buffered unseen)."""
     from twisted.logger import globalLogBeginner
 
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
@@ -100,8 +98,8 @@ def asyncio_loop(reactor: Any) -> Any:
 
 
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` at the end of this turn, as ``callLater(0)``, with the
-    loop's ``call_soon`` on an asyncio reactor; the handle's ``cancel()`` cancels it."""
+    """``callLater(0, fn, *args)``, through the loop's ``call_soon`` on an
+    asyncio reactor; the handle's ``cancel()`` cancels it."""
     loop = asyncio_loop(reactor)
     if loop is not None:
         return loop.call_soon(fn, *args)
@@ -113,8 +111,6 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
     from twisted.internet.asyncioreactor import AsyncioSelectorReactor
 
     class UVLoopReactor(AsyncioSelectorReactor):
-        """Twisted's asyncio reactor, for a uvloop loop."""
-
         def timeout(self) -> Any:
             wait = super().timeout()
             if wait is None or wait <= 0:

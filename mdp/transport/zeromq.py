@@ -1,19 +1,19 @@
 """ZeroMQ ROUTER/DEALER transports over txzmq (``zmq:tcp://…``, ``zmq:ipc://…``),
-with bounded high-water marks and message sizes.  ZeroMQ hides connection
-state: no disconnects are reported but of a peer a ROUTER cuts off for not
-reading (MDP heartbeats cover the rest).
-"""
+with bounded high-water marks and message sizes.  ZeroMQ hides connection state:
+only a peer a ROUTER cuts off for not reading is reported gone."""
 
 from __future__ import annotations
 
 import errno
 import os
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
+import zmq
 from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zmq.utils.monitor import recv_monitor_message
 from zope.interface import implementer
 
 from mdp.errors import TransportError
@@ -26,6 +26,7 @@ from mdp.interfaces import (
 )
 from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
+from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_domain
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.zmqio import (
@@ -38,15 +39,11 @@ from mdp.transport.zmqio import (
     ZERO_COPY_BYTES,
     FlushPacer,
     _connection_classes,
-    _zmq,
     kept_frame_type,
     random_identity,
     zmq_factory,
     zmq_frames,
 )
-
-if TYPE_CHECKING:
-    from mdp.transport.curve import CurveClient, CurveServer
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -63,16 +60,19 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
-def _limit(connection: Any, limits: Limits, native: bool = True) -> None:
-    """Apply the limits to a socket before it binds or connects.  Only a bound
-    (*native*) socket sets ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq
-    never reconnects the pipe after an oversized message."""
-    import zmq
-
+def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[bytes],
+                     bound: bool = False) -> Any:
+    """A txzmq connection of the :func:`_connection_classes` *kind* (0: ROUTER,
+    1: DEALER) for *owner*, limited.  Only a *bound* socket sets
+    ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq never reconnects the pipe
+    after an oversized message."""
+    connection = _connection_classes()[kind](zmq_factory(), identity=identity)
+    connection.owner = owner
     connection.maxBytes = limits.maxMessageBytes
     connection.maxFrames = limits.maxFrames
-    if native:
+    if bound:
         connection.socket.set(zmq.MAXMSGSIZE, limits.maxMessageBytes)
+    return connection
 
 
 class _Backlog:
@@ -86,27 +86,19 @@ class _Backlog:
 
 
 class _RoutedSocket:
-    """What a bound and a connecting ROUTER share: with
-    ``ZMQ_ROUTER_MANDATORY``, a message for a peer whose pipe is full waits in
-    that peer's byte-bounded backlog (other peers are never held back).  Past
+    """A bound or connecting ROUTER: a message for a peer whose pipe is full
+    waits in that peer's backlog (others are never held back).  Past
     ``maxOutputBytes`` the peer is cut off: its messages are discarded until it
     sends again, and a bound ROUTER reports ``peerDisconnected``."""
 
-    connection: Any
-    endpoint: str
-    reactor: Any
-    limits: Limits
-    receiver: Any
-
     connects = False
 
-    def _setup(self, reactor: Any, limits: Limits, identity: Optional[bytes] = None) -> None:
+    def _setup(self, endpoint: str, receiver: Any, reactor: Any, limits: Limits,
+               identity: Optional[bytes] = None) -> None:
         """Open the socket (``connection``) with what both kinds set."""
-        import zmq
-
-        router_class, _ = _connection_classes()
-        self.connection = router_class(zmq_factory(), identity=identity)
-        self.connection.owner = self
+        self.connection = _open_connection(self, 0, limits, identity, bound=not self.connects)
+        self.endpoint = endpoint
+        self.receiver = receiver
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
@@ -118,7 +110,6 @@ class _RoutedSocket:
         self.oversizedCount = 0
         self._flushCall: Any = None
         self._pacer = FlushPacer()
-        _limit(self.connection, limits, native=not self.connects)
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
@@ -134,7 +125,7 @@ class _RoutedSocket:
                 return
         try:
             self.connection.send([peer, *frames])
-        except _zmq().ZMQError as e:
+        except zmq.ZMQError as e:
             if e.errno == errno.EAGAIN:
                 backlog = self.backlogs[peer] = _Backlog()
                 self._hold(peer, backlog, frames)
@@ -159,7 +150,7 @@ class _RoutedSocket:
         if self.connection.socket is None:
             return
         send = self.connection.send
-        Again = _zmq().Again
+        Again = zmq.Again
         progressed = False
         for peer, backlog in list(self.backlogs.items()):
             messages = backlog.messages
@@ -170,7 +161,7 @@ class _RoutedSocket:
                     progressed = True
             except Again:
                 continue
-            except _zmq().ZMQError as e:
+            except zmq.ZMQError as e:
                 messages.popleft()
                 self._refused(peer, e)
                 self.dropped += len(messages)
@@ -222,19 +213,21 @@ class _RoutedSocket:
         if self.connection.socket is not None:
             self.connection.shutdown()
 
+    def close(self) -> defer.Deferred[None]:
+        self._shutdown()
+        return defer.succeed(None)
+
 
 def _check_ipc_free(address: str, endpoint: str) -> None:
-    """:class:`TransportError` if another process listens on the ``ipc://``
-    *address*, or the path is no socket: libzmq would unlink it and take the
-    name over.  A socket nobody listens on was left behind: libzmq replaces it."""
-    if not address.startswith("ipc://"):
+    """:class:`TransportError` if the ``ipc://`` *address* is no socket or a process
+    listens on it (libzmq would unlink it and take the name over); a socket left
+    behind is libzmq's to replace, a taken abstract ``@name`` the kernel's to refuse."""
+    path = address[len("ipc://"):]
+    if not address.startswith("ipc://") or path.startswith("@"):
         return
     import socket
     import stat
 
-    path = address[len("ipc://"):]
-    if path.startswith("@"):
-        return  # an abstract name: the kernel refuses it if taken
     try:
         mode = os.lstat(path).st_mode
     except OSError:
@@ -264,20 +257,14 @@ class ZmqRouter(_RoutedSocket):
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
-        import txzmq
-        import zmq
-
         #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
         self._zapDomain: Optional[str] = None
-        self.receiver = receiver
-        self.endpoint = endpoint
         address = _address(endpoint)
         _check_ipc_free(address, endpoint)
-        # bind after construction: an error inside txzmq's would leak the socket
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
         identity = address.encode() if "*" not in address else None
-        self._setup(default_reactor(reactor), limits, identity)
+        self._setup(endpoint, receiver, default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
         if self.deliversBuffers:
@@ -288,17 +275,15 @@ class ZmqRouter(_RoutedSocket):
             # before the bind (ROUTER_SEND_WATER_MARK); on inproc the reading end's half is not ours
             self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
         if curve is not None:
-            from mdp.transport import curve as curves
-
             factory = zmq_factory()
             self.handshakesRefused = 0
-            self._zapDomain = curves.zap_domain(factory.context, curve, endpoint, self.reactor,
-                                                factory.beforeTerm, self._handshakeRefused)
+            self._zapDomain = zap_domain(factory.context, curve, endpoint, self.reactor,
+                                          factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
             # without an allow-list any key gets in, and is nobody
             self.connection.identify = curve.allow is not None
         try:
-            self.connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.bind, address)])
+            self.connection.socket.bind(address)
         except zmq.ZMQError as e:
             self.connection.shutdown()
             self._forgetDomain()
@@ -336,9 +321,7 @@ class ZmqRouter(_RoutedSocket):
 
     def _forgetDomain(self) -> None:
         if self._zapDomain is not None:
-            from mdp.transport import curve as curves
-
-            curves.forget_domain(zmq_factory().context, self._zapDomain)
+            forget_domain(zmq_factory().context, self._zapDomain)
             self._zapDomain = None
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
@@ -366,9 +349,6 @@ class ZmqRouter(_RoutedSocket):
         if not self._bound.startswith(("tcp://", "ipc://")):
             self._shutdown()
             return defer.succeed(None)
-        zmq = _zmq()
-        from zmq.utils.monitor import recv_monitor_message
-
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
         closed: defer.Deferred[None] = defer.Deferred()
         deadline = self.reactor.seconds() + self.unbindTimeout
@@ -399,8 +379,8 @@ class ZmqRouter(_RoutedSocket):
             socket.unbind(self._bound)
         except zmq.ZMQError:
             done()
-            return closed
-        poll()
+        else:
+            poll()
         return closed
 
 
@@ -432,7 +412,7 @@ class InFlight:
         if self.sent + size - self.marked < self.bound >> 2:
             return frames, size, None
         last = frames[-1]  # (any buffer: one untracked would never be let go of)
-        last = _zmq().Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
+        last = zmq.Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
         return [*frames[:-1], last], size, last.tracker
 
     def went(self, size: int, tracker: Any) -> None:
@@ -445,11 +425,10 @@ class InFlight:
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER socket: the Twisted shell of a
-    :class:`~mdp.transport.dealercore.DealerCore`.  Messages refused at the
-    high-water mark wait in its backlog, up to ``limits.maxOutputBytes``;
-    ``writable`` is false while they do, or while libzmq holds more than
-    ``limits.maxOutputBytes`` unsent (:class:`InFlight`), until half of that."""
+    """A connecting ZeroMQ DEALER, the Twisted shell of a
+    :class:`~mdp.transport.dealercore.DealerCore`.  ``writable`` is false while
+    messages refused at the high-water mark wait, or while libzmq holds more
+    than ``limits.maxOutputBytes`` unsent (:class:`InFlight`), until half that."""
 
     connected = True
 
@@ -477,7 +456,6 @@ class ZmqDealer:
         self._waiters = DrainWaiters()
         self._retry: Any = None
         self._pacer = FlushPacer()
-        self._watch: Any = None  # polls inFlight while a waiter waits on it
         self._open()
 
     @property
@@ -491,45 +469,40 @@ class ZmqDealer:
     def drained(self) -> defer.Deferred[None]:
         if self.writable:
             return defer.succeed(None)
-        waiting = self._waiters.wait()
-        if not self.core.backlog and self._watch is None:
-            self._watch = self.reactor.callLater(self._pacer.next(True), self._watchInFlight)
-        return waiting
-
-    def _watchInFlight(self) -> None:
-        """Wake the waiters once libzmq holds at most half the bound (libzmq
-        tells nobody when it lets go of a message: polled, backing off)."""
-        self._watch = cancel_call(self._watch)
-        if self.core.backlog:
-            return  # _flush wakes them
-        before = self.inFlight.released
-        if self.inFlight.held() <= self.inFlight.bound // 2 or self.connection is None:
-            self._waiters.fire()
-        else:
-            progressed = self.inFlight.released != before
-            self._watch = self.reactor.callLater(self._pacer.next(progressed), self._watchInFlight)
+        if self._retry is None:
+            self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
+        return self._waiters.wait()
 
     def _flush(self) -> None:
+        """Send what waits in the backlog, then wake the waiters once libzmq
+        holds at most half the bound (libzmq tells nobody when it lets go of
+        a message: polled, backing off); at once without a socket."""
         self._retry = cancel_call(self._retry)
         if self.connection is None:
+            self._waiters.fire()
             return
-        core = self.core
+        core, inFlight = self.core, self.inFlight
         progressed = False
         while core.backlog:
             if not self._trySend(core.backlog[0]):
-                self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
-                return
+                break
             core.sent()
             progressed = True
-        self._watchInFlight()
+        else:
+            released = inFlight.released
+            if inFlight.held() <= inFlight.bound // 2:
+                self._waiters.fire()
+                return
+            progressed = inFlight.released != released
+        self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
         frames, size, tracker = self.inFlight.track(frames)
         try:
             self.connection.send(frames)
-        except _zmq().ZMQError as e:
-            if isinstance(e, _zmq().Again):
+        except zmq.ZMQError as e:
+            if isinstance(e, zmq.Again):
                 return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
             return True
@@ -537,17 +510,11 @@ class ZmqDealer:
         return True
 
     def _open(self) -> None:
-        import txzmq
-
-        _, dealer_class = _connection_classes()
-        connection = dealer_class(zmq_factory(), identity=self.identity)
+        connection = _open_connection(self, 1, self.limits, self.identity)
         try:
-            connection.owner = self
-            _limit(connection, self.limits, native=False)
             if self.curve is not None:
                 self.curve.apply(connection.socket)
-            connection.addEndpoints([txzmq.ZmqEndpoint(txzmq.ZmqEndpointType.connect,
-                                                       self.address)])
+            connection.socket.connect(self.address)
         except BaseException:
             connection.shutdown()
             raise
@@ -562,18 +529,13 @@ class ZmqDealer:
             if connection.socket is not None:
                 connection.attached()  # nothing is delivered before connectionMade
 
-    def _received(self, connection: Any, frames: list[bytes]) -> None:
-        if connection is self.connection:
-            self.receiver.messageReceived(frames)
-
     def discardReceived(self) -> int:
         connection = self.connection
         return 0 if connection is None else connection.discardQueued()
 
     def oversized(self, peer: None, count: int, size: int) -> None:
-        """A message over the limits came: drop it with its socket, as stream
-        transports do (the receiver hears ``connectionLost``); a fresh socket
-        replaces it."""
+        """Drop a message over the limits with its socket, as stream transports
+        do (``connectionLost``); a fresh socket replaces it."""
         self.throttle.warn(log, "oversized", "zmq dealer to {endpoint} dropped a message of "
                            "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
                            "{frames} frames, and opens a new connection", endpoint=self.endpoint,
@@ -590,8 +552,7 @@ class ZmqDealer:
         self.receiver.connectionLost(Failure(why))
 
     def _reopen(self) -> None:
-        """Open a fresh socket; if none can be had, try again after the core's
-        delay, down meanwhile."""
+        """Open a fresh socket, or try again after the core's delay."""
         self._reopening = None
         try:
             self._open()
@@ -603,8 +564,7 @@ class ZmqDealer:
             self._reopening = self.reactor.callLater(delay, self._reopen)
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        connection = self.connection
-        if connection is None:
+        if self.connection is None:
             return
         core = self.core
         if not core.backlog and self._trySend(frames):
@@ -622,7 +582,6 @@ class ZmqDealer:
         self.core.clear()
         self._retry = cancel_call(self._retry)
         self._reopening = cancel_call(self._reopening)
-        self._watch = cancel_call(self._watch)
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
@@ -640,13 +599,11 @@ class ZmqPeerRouter(_RoutedSocket):
 
     def __init__(self, receiver: Any, reactor: Any = None, *, limits: Limits = Limits(),
                  curve: Optional[CurveClient] = None) -> None:
-        self.receiver = receiver
-        self.endpoint = "(connecting router)"
         self.endpoints: set[str] = set()
-        self._setup(default_reactor(reactor), limits)
+        self._setup("(connecting router)", receiver, default_reactor(reactor), limits)
         if curve is not None:
             curve.apply(self.connection.socket)
-            self.connection.socket.setsockopt(_zmq().ROUTING_ID, random_identity())
+            self.connection.socket.setsockopt(zmq.ROUTING_ID, random_identity())
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
@@ -654,8 +611,6 @@ class ZmqPeerRouter(_RoutedSocket):
         self.receiver.messageReceived(peer.decode("utf-8", "replace"), frames)
 
     def connect(self, endpoint: str) -> None:
-        import zmq
-
         socket = self.connection.socket
         socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.encode())
         socket.connect(_address(endpoint))
@@ -664,8 +619,4 @@ class ZmqPeerRouter(_RoutedSocket):
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
         self._send(endpoint.encode(), frames)
-
-    def close(self) -> defer.Deferred[None]:
-        self._shutdown()
-        return defer.succeed(None)
 

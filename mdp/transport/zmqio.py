@@ -1,23 +1,21 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports: the process's txzmq
-factory, the socket options, and the loop-free calls that read and send a
-whole message (:func:`socket_calls`), which txzmq's connections here
-(``FastIO``) and the blocking pipes share.  txzmq is imported only when used.
-"""
+"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, the
+socket options, and the loop-free calls that read and send a whole message
+(:func:`socket_calls`), shared by the txzmq connections and the blocking pipes."""
 
 from __future__ import annotations
 
 import errno
 import os
+import sys
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
+import zmq
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from mdp import _compiled
 from mdp.policy import Limits, cancel_call
-
-if TYPE_CHECKING:
-    from mdp.transport.zeromq import ZmqDealer
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -68,8 +66,7 @@ READ_BATCH = 64
 BUSY_BATCH = 8
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead: a few ms in C
-#: (``_zmqframes.skip``), tens through pyzmq.
+#: Frames of a message over the limits read off per doRead.
 FRAMES_PER_TURN = 10_000
 #: Frames at least this long are sent without copying (below, a copy is
 #: cheaper than pyzmq's release of a zero-copy frame).
@@ -88,13 +85,8 @@ def zmq_frames() -> Any:
     global _frames
     if _frames is None:
         _frames = False
-        from mdp import _compiled
-
         module: Any = _compiled.accelerator("mdp.transport._zmqframes")
         if module is not None:
-            import sys
-
-            zmq = _zmq()
             try:
                 backend = sys.modules[zmq.backend.Socket.__module__]
                 module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
@@ -108,31 +100,21 @@ def zmq_frames() -> Any:
 def kept_frame_type() -> type:
     """The type of a frame a ROUTER passes on uncopied: ``Held`` or ``zmq.Frame``."""
     frames = zmq_frames()
-    return frames.Held if frames is not None else _zmq().Frame
+    return frames.Held if frames is not None else zmq.Frame
 
 
 # pyzmq's compiled socket methods (below its IntEnum wrappers) and int flags
-_recv: Any = None
-_pysend: Any = None
-_get: Any = None
-NOBLOCK = NOBLOCK_SNDMORE = EVENTS = POLLIN = POLLOUT = 0
+_recv, _pysend, _get = zmq.backend.Socket.recv, zmq.backend.Socket.send, zmq.backend.Socket.get
+NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 #: :func:`read_pyzmq`'s answer for a message over the limits, as ``_zmqframes.read``'s
 OVER = 1
 
 
 def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
-    """``(read, send, events, native)``: how the Twisted and the blocking
-    shells read a whole message from a ZeroMQ socket, send one and ask its
-    ``EVENTS``, given its *handle* (:func:`socket_handle`).  In C
-    (:func:`zmq_frames`) where built and *native*; else through pyzmq
-    (:func:`read_pyzmq`, :func:`send_pyzmq`, :func:`events_pyzmq`)."""
-    global _recv, _pysend, _get, NOBLOCK, NOBLOCK_SNDMORE, EVENTS, POLLIN, POLLOUT
-    if _recv is None:
-        zmq = _zmq()
-        backend = zmq.backend.Socket
-        _recv, _pysend, _get = backend.recv, backend.send, backend.get
-        NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-        EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+    """``(read, send, events, native)``: the calls that read a whole message,
+    send one and ask ``EVENTS``, given a :func:`socket_handle`; in C
+    (:func:`zmq_frames`) where built and *native*, else through pyzmq."""
     frames = zmq_frames() if native else None
     if frames is None:
         return read_pyzmq, send_pyzmq, events_pyzmq, False
@@ -140,8 +122,7 @@ def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
 
 
 def socket_handle(socket: Any, native: bool) -> Any:
-    """What :func:`socket_calls` take for *socket*: its address in libzmq
-    (*native*), or the socket."""
+    """What :func:`socket_calls` take: the libzmq address (*native*), or the socket."""
     return socket.underlying if native else socket
 
 
@@ -150,8 +131,8 @@ def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrame
                identified: Optional[Callable[[bytes, Optional[str]], None]] = None) -> Any:
     """``_zmqframes.read`` through pyzmq: a message's frames (those past
     *keepAfter* of *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first
-    frame or b"", frames, bytes, more follow])`` once over the limits.  With
-    *identified*, ``identified(first frame, User-Id)`` before it returns."""
+    frame or b"", frames, bytes, more follow])`` once over the limits; with
+    *identified*, ``identified(first frame, User-Id)`` first."""
     frame = _recv(socket, flags, False)
     size = 0 if envelope else len(frame)
     if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
@@ -202,14 +183,13 @@ def _connection_classes() -> tuple[type, type]:
         import txzmq
 
         read, send, events, native = socket_calls()
-        Again = _zmq().Again
+        Again = zmq.Again
         skip = zmq_frames().skip if native else skip_pyzmq
 
         class FastIO:
-            """Replaces txzmq's read and send paths (:func:`socket_calls`): at
-            most READ_BATCH messages a turn, and a read after a send only
-            when EVENTS says input is pending (the FD is edge-triggered).
-            Frames over the limits are dropped uncopied."""
+            """txzmq's read and send paths through :func:`socket_calls`: at most
+            READ_BATCH messages a turn, a read after a send only when EVENTS
+            says input is pending (the FD is edge-triggered)."""
 
             read_scheduled: Any
             socket: Any
@@ -235,10 +215,9 @@ def _connection_classes() -> tuple[type, type]:
             handle: Any = 0
 
             def doRead(self) -> None:
-                """Read at most READ_BATCH messages.  Raises nothing but
-                KeyboardInterrupt: a failed read is logged and ends the reading
-                (``connectionLost``), as Twisted's reactor does.  Also
-                ``readNow``, which :mod:`mdp.uvreactor` calls directly."""
+                """Read at most READ_BATCH messages (also ``readNow``, for
+                :mod:`mdp.uvreactor`).  A failed read is logged and ends the
+                reading (``connectionLost``), as Twisted's reactor does."""
                 try:
                     if self.read_scheduled is not None:
                         self.read_scheduled = cancel_call(self.read_scheduled)
@@ -339,14 +318,14 @@ def _connection_classes() -> tuple[type, type]:
                 return budget
 
             def attached(self) -> None:
-                """After a bind or connect, look for input a turn later: an
-                inproc pipe attached within the call signals nothing."""
+                """Look for input a turn after a bind or connect (an inproc
+                pipe attached within the call signals nothing)."""
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
             def _handle(self, socket: Any) -> Any:
                 if socket is None:
-                    raise _zmq().ZMQError(errno.ENOTSOCK)
+                    raise zmq.ZMQError(errno.ENOTSOCK)
                 self.handle = handle = socket_handle(socket, native)
                 return handle
 
@@ -368,26 +347,23 @@ def _connection_classes() -> tuple[type, type]:
         class Router(FastIO, txzmq.ZmqRouterConnection):
             highWaterMark = ROUTER_HIGH_WATER_MARK
             envelope = 1
-            owner: Any
 
             def deliver(self, frames: list[bytes]) -> None:
                 self.owner.delivered(frames[0], frames[1:])
 
         class Dealer(FastIO, txzmq.ZmqDealerConnection):
             highWaterMark = HIGH_WATER_MARK
-            owner: ZmqDealer
 
             def deliver(self, frames: list[bytes]) -> None:
-                self.owner._received(self, frames)
+                self.owner.receiver.messageReceived(frames)
 
         _classes = (Router, Dealer)
     return _classes
 
 
 class FlushPacer:
-    """When to try a full pipe again: libzmq's edge-triggered drain signal may
-    be consumed elsewhere, so backlogs are retried on a timer, backing off
-    (doubling up to ``longest`` seconds) while they do not drain."""
+    """When to try a full pipe again (libzmq's edge-triggered drain signal may
+    be consumed elsewhere): backing off, doubling up to ``longest`` seconds."""
 
     shortest = 0.0005
     longest = 0.05
@@ -396,7 +372,6 @@ class FlushPacer:
         self.delay = 0.0
 
     def next(self, progressed: bool) -> float:
-        """The delay before the next try."""
         self.delay = 0.0 if progressed else min(self.longest, max(self.shortest, self.delay * 2))
         return self.delay
 
@@ -407,7 +382,4 @@ def random_identity() -> bytes:
 
 
 def _zmq() -> Any:
-    """The zmq module, imported late."""
-    import zmq
-
     return zmq
