@@ -58,7 +58,6 @@ RECORD = "_compiled.record"
 #: the record's line "build FINGERPRINT" names the build's settings
 _BUILD = "build"
 
-_LISTED = frozenset(MODULES)
 _RECORDED = (*MODULES, *ACCELERATORS)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,11 +84,6 @@ def _signature(path: str) -> tuple[int, int]:
     return info.st_size, info.st_mtime_ns
 
 
-def source_of(name: str) -> str:
-    """The suffix of module *name*'s source."""
-    return ".pyx" if name in ACCELERATORS else ".py"
-
-
 def cimported(name: str) -> list[str]:
     """The modules *name* cimports (:data:`CIMPORTS`), transitively, nearest first."""
     found: list[str] = []
@@ -104,7 +98,7 @@ def source_signature(package: str, name: str) -> tuple[int, int]:
     """Sizes and times, summed, of module *name*'s source and the ``.pxd`` files
     it and its cimports have: any of them changed changes it."""
     directory, leaf = _paths(package, name)
-    size, mtime = _signature(os.path.join(directory, leaf + source_of(name)))
+    size, mtime = _signature(os.path.join(directory, leaf + (".pyx" if name in ACCELERATORS else ".py")))
     for module in (name, *cimported(name)):
         where, last = _paths(package, module)
         declarations = os.path.join(where, last + ".pxd")
@@ -134,14 +128,8 @@ def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     lines = _record_lines(package)
     if lines is None:
         return None
-    record = {}
-    for fields in lines:
-        if len(fields) == 5 and fields[0] in _RECORDED:
-            try:
-                record[fields[0]] = tuple(int(x) for x in fields[1:])
-            except ValueError:
-                continue
-    return record
+    return {fields[0]: tuple(map(int, fields[1:])) for fields in lines
+            if len(fields) == 5 and fields[0] in _RECORDED and all(x.isdigit() for x in fields[1:])}
 
 
 def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
@@ -253,7 +241,7 @@ class SourceFirst:
             source = os.path.join(directory, leaf + ".py")
             if not os.path.isfile(source):
                 continue
-            if name in _LISTED:
+            if name in MODULES:
                 package = os.path.normpath(os.path.join(directory, *[os.pardir] * (name.count(".") - 1)))
                 runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
             else:
@@ -277,13 +265,8 @@ def install() -> None:
 
 def in_use() -> dict[str, bool]:
     """For each listed module that is imported: whether it runs compiled."""
-    loaded = {}
-    for name in MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            origin = getattr(module, "__file__", None) or ""
-            loaded[name] = not origin.endswith(".py")
-    return loaded
+    return {name: not (getattr(sys.modules[name], "__file__", None) or "").endswith(".py")
+            for name in MODULES if sys.modules.get(name) is not None}
 
 
 def status(package: str = _HERE) -> dict[str, str]:

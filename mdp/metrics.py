@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from mdp.messages import text as label
-from mdp.policy import LogThrottle, default_reactor, positive_seconds
+from mdp.policy import LogThrottle, default_reactor, positive_seconds, whole_number
 
 log = Logger()
 
@@ -73,53 +73,49 @@ class _Collector:
         return []  # not known before a scrape: never checked for duplicates
 
 
+def _instruments(owner: Any, prefix: str, rows: list[tuple[str, str, str, list[str]]]) -> None:
+    """Set on *owner* a counter, or a histogram for a ``*_seconds`` name, for
+    each row: attribute, name after *prefix*, help and labels."""
+    for attribute, name, doc, labels in rows:
+        if name.endswith("_seconds"):
+            instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
+                                        registry=owner.registry)
+        else:
+            instrument = Counter(f"{prefix}_{name}", doc, labels, registry=owner.registry)
+        setattr(owner, attribute, instrument)
+
+
 class BrokerMetrics:
     """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry* (default: a fresh one)."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, *,
                  maxServices: int = MAX_SERVICES) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
         self._labels = _ServiceLabels(maxServices)
-        self.requests = Counter("mdp_broker_requests", "Client requests received, by service.",
-                                ["service"], registry=r)
-        self.replies = Counter("mdp_broker_replies",
-                               "Replies (FINAL) passed from workers to clients, by service.",
-                               ["service"], registry=r)
-        self.errorReplies = Counter(
-            "mdp_broker_error_replies",
-            "Error replies to clients (the broker's own and workers'), by service and status code.",
-            ["service", "code"], registry=r)
-        self.refused = Counter(
-            "mdp_broker_requests_refused",
-            "Requests refused at once: queues full (overloaded, 429), or this broker is the "
-            "passive one of a Binary Star pair (passive).",
-            ["service", "reason"], registry=r)
-        self.denied = Counter(
-            "mdp_broker_access_denied",
-            "Calls (403) and READYs (DISCONNECT) the access policy refused, by service and "
-            "what was asked (call, serve).",
-            ["service", "what"], registry=r)
-        self.queueSeconds = Histogram(
-            "mdp_broker_queue_seconds", "Time a request waited before a worker took it.",
-            ["service"], buckets=SECONDS_BUCKETS, registry=r)
-        self.workerSeconds = Histogram(
-            "mdp_broker_worker_seconds",
-            "Time from handing a request to a worker until its FINAL came back.",
-            ["service"], buckets=SECONDS_BUCKETS, registry=r)
-        self.expiries = Counter("mdp_broker_heartbeat_expiries",
-                                "Workers removed after a silence of heartbeat x liveness.",
-                                ["service"], registry=r)
-        self.droppedReplies = Counter(
-            "mdp_broker_dropped_replies",
-            "Worker replies not passed on, by reason: stale (a second FINAL), void (the rest "
-            "of a reply already answered with an error), orphaned (a late reply of a worker "
-            "given up, for a request that went elsewhere).",
-            ["reason"], registry=r)
-        self.rejected = Counter(
-            "mdp_broker_rejected_messages",
-            "Messages rejected as malformed or out of place, by reason.",
-            ["reason"], registry=r)
+        _instruments(self, "mdp_broker", [
+            ("requests", "requests", "Client requests received, by service.", ["service"]),
+            ("replies", "replies", "Replies (FINAL) passed from workers to clients, by service.",
+             ["service"]),
+            ("errorReplies", "error_replies", "Error replies to clients (the broker's own and "
+             "workers'), by service and status code.", ["service", "code"]),
+            ("refused", "requests_refused", "Requests refused at once: queues full (overloaded, "
+             "429), or this broker is the passive one of a Binary Star pair (passive).",
+             ["service", "reason"]),
+            ("denied", "access_denied", "Calls (403) and READYs (DISCONNECT) the access policy "
+             "refused, by service and what was asked (call, serve).", ["service", "what"]),
+            ("queueSeconds", "queue_seconds", "Time a request waited before a worker took it.",
+             ["service"]),
+            ("workerSeconds", "worker_seconds", "Time from handing a request to a worker until "
+             "its FINAL came back.", ["service"]),
+            ("expiries", "heartbeat_expiries", "Workers removed after a silence of heartbeat x "
+             "liveness.", ["service"]),
+            ("droppedReplies", "dropped_replies", "Worker replies not passed on, by reason: stale "
+             "(a second FINAL), void (the rest of a reply already answered with an error), "
+             "orphaned (a late reply of a worker given up, for a request that went elsewhere).",
+             ["reason"]),
+            ("rejected", "rejected_messages", "Messages rejected as malformed or out of place, "
+             "by reason.", ["reason"]),
+        ])
         self._broker: Any = None
         self.registry.register(_Collector(self._collect))
 
@@ -231,23 +227,17 @@ class WorkerMetrics:
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("mdp_worker_requests", "Requests handed to the handler.",
-                                ["service"], registry=r)
-        self.failures = Counter(
-            "mdp_worker_failures",
-            "Requests answered with an error: the handler raised (error), or its reply was "
-            "over the message limits (too-large).", ["service", "reason"], registry=r)
-        self.handlerSeconds = Histogram(
-            "mdp_worker_handler_seconds", "Time from a request to its FINAL.", ["service"],
-            buckets=SECONDS_BUCKETS, registry=r)
-        self.reconnects = Counter(
-            "mdp_worker_reconnects", "Times the worker gave up a broker connection (silence or "
-            "DISCONNECT) and opened a new one.", ["service"], registry=r)
-        self.blocked = Counter(
-            "mdp_worker_reactor_blocked",
-            "Times the reactor was blocked (by a handler) longer than a heartbeat interval.",
-            ["service"], registry=r)
+        _instruments(self, "mdp_worker", [
+            ("requests", "requests", "Requests handed to the handler.", ["service"]),
+            ("failures", "failures", "Requests answered with an error: the handler raised "
+             "(error), or its reply was over the message limits (too-large).",
+             ["service", "reason"]),
+            ("handlerSeconds", "handler_seconds", "Time from a request to its FINAL.", ["service"]),
+            ("reconnects", "reconnects", "Times the worker gave up a broker connection (silence "
+             "or DISCONNECT) and opened a new one.", ["service"]),
+            ("blocked", "reactor_blocked", "Times the reactor was blocked (by a handler) longer "
+             "than a heartbeat interval.", ["service"]),
+        ])
         self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.registry.register(_Collector(self._collect))
 
@@ -291,19 +281,15 @@ class FreelanceMetrics:
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("mdp_freelance_requests", "Requests received.", registry=r)
-        self.pings = Counter("mdp_freelance_pings", "PINGs answered with PONG.", registry=r)
-        self.refused = Counter("mdp_freelance_requests_refused",
-                               "Requests refused (429): too many in hand.", registry=r)
-        self.failures = Counter(
-            "mdp_freelance_failures", "Requests answered with an error: the handler raised "
-            "(error), or its reply was over the limits (too-large).", ["reason"], registry=r)
-        self.rejected = Counter("mdp_freelance_rejected_messages",
-                                "Messages rejected as malformed.", registry=r)
-        self.handlerSeconds = Histogram("mdp_freelance_handler_seconds",
-                                        "Time from a request to its reply.",
-                                        buckets=SECONDS_BUCKETS, registry=r)
+        _instruments(self, "mdp_freelance", [
+            ("requests", "requests", "Requests received.", []),
+            ("pings", "pings", "PINGs answered with PONG.", []),
+            ("refused", "requests_refused", "Requests refused (429): too many in hand.", []),
+            ("failures", "failures", "Requests answered with an error: the handler raised "
+             "(error), or its reply was over the limits (too-large).", ["reason"]),
+            ("rejected", "rejected_messages", "Messages rejected as malformed.", []),
+            ("handlerSeconds", "handler_seconds", "Time from a request to its reply.", []),
+        ])
         self._server: Any = None
         self.registry.register(_Collector(self._collect))
 
@@ -500,15 +486,6 @@ class _MetricsSite(Site):
         return "Metrics"
 
 
-def _whole_number(name: str, value: Any, least: int) -> int:
-    """*value* as a count of at least *least*, or TypeError / ValueError naming *name*."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} is a whole number, not {type(value).__name__}")
-    if value < least:
-        raise ValueError(f"{name} must be at least {least}, got {value!r}")
-    return value
-
-
 def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                  maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
                  maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
@@ -519,9 +496,9 @@ def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),
-                        maxConnections=_whole_number("maxConnections", maxConnections, 1),
+                        maxConnections=whole_number("maxConnections", maxConnections),
                         requestTimeout=positive_seconds("requestTimeout", requestTimeout),
-                        maxBodyBytes=_whole_number("maxBodyBytes", maxBodyBytes, 0))
+                        maxBodyBytes=whole_number("maxBodyBytes", maxBodyBytes, 0))
 
 
 def serve_metrics(endpoint: str, registry: CollectorRegistry,

@@ -19,6 +19,15 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int) or math.isfinite(value)
 
 
+def _at_least(minimum: float) -> object:
+    """An attrs validator: a finite number, at least *minimum*."""
+    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
+        if not (_finite(value) and value >= minimum):
+            raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
+
+    return check
+
+
 @attrs.frozen
 class HeartbeatPolicy:
     """Send a heartbeat every *interval* seconds; a peer silent for
@@ -82,7 +91,6 @@ class Liveness:
         return now - self.lastSent >= self.policy.interval * fraction
 
 
-
 class EndpointRotation:
     """The endpoints of a failover list and which one is in use
     (:meth:`advance`: round-robin)."""
@@ -110,16 +118,15 @@ class EndpointRotation:
         return len(self.endpoints)
 
 
-
 def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
     """*initial* finite and positive, *maximum* positive (``inf``: no cap),
     *factor* finite and at least 1."""
-    least = 1 if attribute.name == "factor" else 0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-            or (math.isinf(value) and attribute.name != "maximum") \
-            or value < least or (least == 0 and value == 0):
+    factor = attribute.name == "factor"
+    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    if not (number and (value >= 1 if factor else value > 0)
+            and (math.isfinite(value) or attribute.name == "maximum")):
         raise ValueError(f"backoff {attribute.name} must be a number "
-                         f"{'of at least 1' if least else 'above 0'}, got {value!r}")
+                         f"{'of at least 1' if factor else 'above 0'}, got {value!r}")
 
 
 def _check_jitter(instance: Any, attribute: Any, value: Any) -> None:
@@ -196,6 +203,16 @@ def positive_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def whole_number(name: str, value: Any, least: int = 1, rule: str = "") -> int:
+    """*value* as a count: ``TypeError`` if no int, ``ValueError`` (naming
+    *name*, and *rule* if given) below *least*."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} is a whole number, not {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{name} {rule or 'must be'} at least {least}, got {value!r}")
+    return value
+
+
 def call_at(call: Any, reactor: Any, when: Optional[float], fn: Any) -> Any:
     """Replace the delayed call *call* with one of *fn* at *when* (None:
     none): a machine's ``WakeAt``.  Store the result back."""
@@ -222,14 +239,6 @@ DEFAULT_MAX_PENDING_BYTES = 256 * MiB
 #: What one message may weigh, in bytes of frame content and in frames.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MiB
 DEFAULT_MAX_FRAMES = 10_000
-#: What a bound transport keeps for one peer that does not read.
-DEFAULT_MAX_OUTPUT_BYTES = 64 * MiB
-DEFAULT_MAX_CONNECTIONS = 10_000
-DEFAULT_HANDSHAKE_TIMEOUT = 10.0
-DEFAULT_RECORD_TIMEOUT = 30.0
-#: What a process holds at most of stream records that span reads, in all.
-DEFAULT_MAX_BUFFERED_BYTES = 256 * MiB
-DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 0  # (0: as ``maxConnections``)
 
 
 #: What a frame costs held in memory beyond its bytes (empty frames are not free).
@@ -239,15 +248,6 @@ FRAME_OVERHEAD = 64
 def held_bytes(frames: Sequence[bytes]) -> int:
     """What holding *frames* costs: their bytes plus FRAME_OVERHEAD each."""
     return sum(map(len, frames)) + FRAME_OVERHEAD * len(frames)
-
-
-def _at_least(minimum: float) -> object:
-    """An attrs validator: a finite number, at least *minimum*."""
-    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
-        if not (_finite(value) and value >= minimum):
-            raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
-
-    return check
 
 
 @attrs.frozen
@@ -262,14 +262,13 @@ class Limits:
 
     maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_at_least(64))
     maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_at_least(8))
-    maxOutputBytes: int = attrs.field(default=DEFAULT_MAX_OUTPUT_BYTES, validator=_at_least(64))
-    maxConnections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least(1))
-    handshakeTimeout: float = attrs.field(default=DEFAULT_HANDSHAKE_TIMEOUT, validator=_at_least(0.001))
-    recordTimeout: float = attrs.field(default=DEFAULT_RECORD_TIMEOUT, validator=_at_least(0.001))
+    maxOutputBytes: int = attrs.field(default=64 * MiB, validator=_at_least(64))
+    maxConnections: int = attrs.field(default=10_000, validator=_at_least(1))
+    handshakeTimeout: float = attrs.field(default=10.0, validator=_at_least(0.001))
+    recordTimeout: float = attrs.field(default=30.0, validator=_at_least(0.001))
     #: bytes of unfinished stream records the whole process holds (``framing.BUFFERED``)
-    maxBufferedBytes: int = attrs.field(default=DEFAULT_MAX_BUFFERED_BYTES, validator=_at_least(64))
-    maxConnectionsPerAddress: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
-                                                validator=_at_least(0))
+    maxBufferedBytes: int = attrs.field(default=256 * MiB, validator=_at_least(64))
+    maxConnectionsPerAddress: int = attrs.field(default=0, validator=_at_least(0))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
         """Why a message of *size* bytes in *frames* frames is refused, or None."""
@@ -372,24 +371,10 @@ class AccessPolicy:
 
     @classmethod
     def load(cls, path: str) -> AccessPolicy:
-        """Read a policy file (TOML)::
-
-            [[peer]]
-            identity = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a CURVE public key
-            call = ["echo", "billing.*"]
-
-            [[peer]]
-            identity = "CN=worker-1,O=Example"   # a TLS client certificate's subject
-            serve = ["echo"]
-
-            [default]     # authenticated peers not listed above
-            call = ["echo"]
-
-            [anonymous]   # peers of links without authentication
-            call = []
-
-        Raises ``ValueError`` naming the file and the mistake; ``OSError``
-        if it cannot be read."""
+        """Read a policy file (TOML: ``[[peer]]`` tables with an ``identity``,
+        ``[default]``, ``[anonymous]``, each with ``call`` and ``serve`` lists;
+        docs/security.md).  Raises ``ValueError`` naming the file and the
+        mistake; ``OSError`` if it cannot be read."""
         import tomllib
 
         with open(path, "rb") as f:
@@ -412,14 +397,13 @@ class AccessPolicy:
             raise ValueError(f"{source}: peers are [[peer]] tables")
         for n, entry in enumerate(entries, 1):
             where = f"{source}: peer {n}"
-            if not isinstance(entry, dict):
-                raise ValueError(f"{where}: not a table")
+            rule = _rule(entry, where, {"identity", "name"})
             identity = entry.get("identity")
             if not isinstance(identity, str) or not identity:
                 raise ValueError(f"{where}: no identity (a CURVE public key or a TLS subject)")
             if identity in peers:
                 raise ValueError(f"{where}: identity {identity!r} is listed twice")
-            peers[identity] = _rule(entry, where, {"identity", "name"})
+            peers[identity] = rule
         default = _rule(data.get("default", {}), f"{source}: [default]")
         anonymous = _rule(data.get("anonymous", {}), f"{source}: [anonymous]")
         return cls(peers, default=default, anonymous=anonymous)

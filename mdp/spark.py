@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import attrs
 
 from mdp.errors import MDPSparkError
+from mdp.policy import positive_seconds, whole_number
 
 ON_ERROR = ("fail", "null", "column")
 OUTPUT_TYPES = ("binary", "string", "frames")
@@ -91,73 +92,50 @@ def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[byte
 
 
 def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
-    """In the reactor thread: at most ``window`` in flight (a request waiting for a free
-    connection would spend its attempts); on a failure with ``onError="fail"``, cancel the rest."""
+    """In the reactor thread: ``window`` senders, each sending its next row once the
+    last is answered (a request waiting for a free connection would spend its
+    attempts); on a failure with ``onError="fail"``, cancel the rest, send no more."""
     from twisted.internet import defer
-    from twisted.python.failure import Failure
 
     from mdp.majordomo.client import Client
 
     client = _clients.get(call)
     if client is None:
         client = _clients[call] = _new_client(Client, call)
-    count = len(requests)
-    results: list[Any] = [None] * count
-    inFlight: dict[int, defer.Deferred] = {}
-    done: defer.Deferred = defer.Deferred()
-    remaining = count
-    following = 0  # the next request to send
-    filling = False
+    results: list[Any] = [None] * len(requests)
+    rows = iter(enumerate(requests))
+    inFlight: set[defer.Deferred] = set()
+    failures: list[MDPSparkError] = []
 
-    def settle(value: Any, index: int) -> None:
-        nonlocal remaining
-        if done.called:
-            return
-        if isinstance(value, Failure):
-            value = value.value
-        if isinstance(value, BaseException) and call.onError == "fail":
-            # before cancelling the rest: each cancel comes back here
-            done.errback(MDPSparkError(f"{call.describe()}: {value}"))
-            for d in list(inFlight.values()):
-                d.cancel()
-            return
-        results[index] = value
-        remaining -= 1
-        if remaining == 0:
-            done.callback(results)
-
-    def answered(value: Any, index: int) -> None:
-        inFlight.pop(index, None)
-        settle(value, index)
-        if not filling:  # a reply that came at once: the loop below goes on
-            fill()
-
-    def fill() -> None:
-        """Send while the window has room: a loop, so rows that finish at once
-        (a null input, a request over the limits) cost no recursion."""
-        nonlocal following, filling
-        filling = True
-        try:
-            while not done.called and following < count and len(inFlight) < call.window:
-                index, following = following, following + 1
-                frames = requests[index]
+    async def sender() -> None:
+        # a loop: rows that finish at once (a null input, a request over the limits) cost no recursion
+        for index, frames in rows:
+            if failures:
+                return
+            try:
                 if frames is None:
-                    settle(ValueError("null input"), index)
-                    continue
+                    raise ValueError("null input")
+                request = client.request(call.service, *frames)
+                inFlight.add(request)
                 try:
-                    d = client.request(call.service, *frames)
-                except Exception as e:  # over the limits (RequestTooLarge), ...
-                    settle(e, index)
-                    continue
-                inFlight[index] = d
-                d.addBoth(answered, index)
-        finally:
-            filling = False
+                    results[index] = await request
+                finally:
+                    inFlight.discard(request)
+            except Exception as e:
+                if call.onError != "fail":
+                    results[index] = e
+                elif not failures:  # the first: the requests it cancels come back here
+                    failures.append(MDPSparkError(f"{call.describe()}: {e}"))
+                    for other in list(inFlight):
+                        other.cancel()
 
-    fill()
-    if count == 0:
-        done.callback(results)
-    return done
+    def finished(_: object) -> list[Any]:
+        if failures:
+            raise failures[0]
+        return results
+
+    return defer.gatherResults([defer.ensureDeferred(sender()) for _ in range(call.window)]
+                               ).addCallback(finished)
 
 
 def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
@@ -165,6 +143,11 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     if not values or any(v is None for v in values):
         return None
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+
+
+def _failure(result: Any) -> Optional[str]:
+    """What went wrong, if *result* is an exception."""
+    return f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else None
 
 
 def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
@@ -180,18 +163,11 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
             columns = [batch.column(name).to_pylist() for name in inputs]
             requests = [_request(row) for row in zip(*columns)]
             results = call_many(call, requests) if batch.num_rows else []
-            replies, errors = [], []
-            for result in results:
-                if isinstance(result, BaseException):
-                    replies.append(None)
-                    errors.append(f"{type(result).__name__}: {result}")
-                else:
-                    replies.append(reply(result))
-                    errors.append(None)
+            replies = [None if _failure(r) else reply(r) for r in results]
             arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
             names = list(batch.schema.names) + [outputCol]
             if errorCol is not None:
-                arrays.append(pa.array(errors, type=pa.string()))
+                arrays.append(pa.array([_failure(r) for r in results], type=pa.string()))
                 names.append(errorCol)
             yield pa.RecordBatch.from_arrays(arrays, names=names)
 
@@ -200,26 +176,18 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 
 # --- driver side -----------------------------------------------------------------
 
-def _check_count(option: str, value: Any, rule: str = "must be at least 1") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{option} is a whole number, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{option} {rule}, got {value}")
-
-
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
                   retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
     """Check every argument on the driver, so a mistake raises here rather than in
     each task: ``TransportError`` for a bad endpoint, ``TypeError``/``ValueError``."""
     from mdp import transport
     from mdp.majordomo import codec
-    from mdp.policy import positive_seconds
 
     if onError not in ON_ERROR:
         raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
     positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
-    _check_count("retries", retries, "counts attempts and must be at least 1")
-    _check_count("window", window)
+    whole_number("retries", retries, rule="counts attempts and must be")
+    whole_number("window", window)
     codec.check_dialect(dialect)
     brokers = tuple(transport.endpoint_list(broker))
     name = codec.api_service_name(service).decode("ascii")
@@ -286,7 +254,7 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     ``onError="null"`` a failure gives ``None``; ``"column"`` gives ``(frames or
     None, error or None)`` pairs."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
-    _check_count("batch", batch)
+    whole_number("batch", batch)
 
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         elements = iter(elements)
@@ -302,8 +270,6 @@ def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
         single = isinstance(element, (str, bytes, bytearray)) or element is None
         requests.append(_request([element] if single else list(element)))
     for result in call_many(call, requests):
-        failed = isinstance(result, BaseException)
-        if call.onError == "column":
-            yield (None, f"{type(result).__name__}: {result}") if failed else (result, None)
-        else:
-            yield None if failed else result
+        failure = _failure(result)
+        reply = None if failure else result
+        yield (reply, failure) if call.onError == "column" else reply

@@ -37,68 +37,31 @@ from mdp.transport.registry import bad_endpoint
 Frames = tuple[bytes, ...]
 
 
-@attrs.frozen
-class Receive:
-    """A message arrives: from router peer *source* (bytes) or on pipe
-    *source* (a pipe name, or an endpoint for its latest pipe)."""
-
-    source: Union[bytes, str]
-    frames: Frames = attrs.field(converter=tuple)
-
-
-@attrs.frozen
-class Connected:
-    """The pipe *pipe* (or the latest pipe to an endpoint) is up."""
-
-    pipe: str
+def _record(name: str, doc: str, /, **fields: Any) -> Any:
+    """A frozen attrs class of *fields* (name: type); ``frames`` is kept as a tuple."""
+    made = attrs.make_class(name, {
+        field: attrs.field(type=kind, converter=tuple if field == "frames" else None)
+        for field, kind in fields.items()}, frozen=True)
+    made.__doc__, made.__module__ = doc, __name__
+    return made
 
 
-@attrs.frozen
-class Lost:
-    """Router peer *source* went away, or pipe *source* broke."""
-
-    source: Union[bytes, str]
-
-
-@attrs.frozen
-class Elapse:
-    """*seconds* of time pass; timers fire in order as they come due."""
-
-    seconds: float
-
-
+Receive = _record("Receive", "A message arrives: from router peer *source* (bytes) or on pipe "
+                  "*source* (a pipe name, or an endpoint for its latest pipe).",
+                  source=Union[bytes, str], frames=Frames)
+Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.",
+                    pipe=str)
+Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.",
+               source=Union[bytes, str])
+Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.",
+                 seconds=float)
 Event = Union[Receive, Connected, Lost, Elapse]
 
-
-@attrs.frozen
-class Send:
-    """The node sends *frames* to router peer *to* (bytes) or on pipe *to*."""
-
-    to: Union[bytes, str]
-    frames: Frames = attrs.field(converter=tuple)
-
-
-@attrs.frozen
-class Disconnect:
-    """The node drops router peer *peer*."""
-
-    peer: bytes
-
-
-@attrs.frozen
-class Open:
-    """The node opened pipe *pipe* (a connecting transport)."""
-
-    pipe: str
-
-
-@attrs.frozen
-class Close:
-    """The node closed pipe or listening endpoint *name*."""
-
-    name: str
-
-
+Send = _record("Send", "The node sends *frames* to router peer *to* (bytes) or on pipe *to*.",
+               to=Union[bytes, str], frames=Frames)
+Disconnect = _record("Disconnect", "The node drops router peer *peer*.", peer=bytes)
+Open = _record("Open", "The node opened pipe *pipe* (a connecting transport).", pipe=str)
+Close = _record("Close", "The node closed pipe or listening endpoint *name*.", name=str)
 Action = Union[Send, Disconnect, Open, Close]
 
 _scripts: weakref.WeakValueDictionary[str, Script] = weakref.WeakValueDictionary()
@@ -170,8 +133,6 @@ class Script:
         self.routers: dict[str, _Router] = {}
         self.identities: dict[bytes, str] = {}
         self.pipes: dict[str, _Pipe] = {}
-        self._latest: dict[str, _Pipe] = {}
-        self._counts: dict[str, itertools.count] = {}
         self.id = str(next(_ids))
         _scripts[self.id] = self
 
@@ -179,15 +140,9 @@ class Script:
         """An endpoint string of this script (``script:ID/NAME``)."""
         return f"script:{self.id}/{name}"
 
-    def _listen(self, endpoint: str, receiver: IRouterReceiver) -> _Router:
-        router = _Router(self, endpoint, receiver)
-        self.routers[endpoint] = router
-        return router
-
     def _connect(self, endpoint: str, receiver: IDealerReceiver) -> _Pipe:
-        count = self._counts.setdefault(endpoint, itertools.count(1))
-        pipe = _Pipe(self, endpoint, f"{endpoint}#{next(count)}", receiver)
-        self.pipes[pipe.name] = self._latest[endpoint] = pipe
+        name = f"{endpoint}#{sum(pipe.endpoint == endpoint for pipe in self.pipes.values()) + 1}"
+        pipe = self.pipes[name] = _Pipe(self, endpoint, name, receiver)
         self.actions.append(Open(pipe.name))
         if self.autoConnect:
             self.clock.callLater(0, self._up, pipe)
@@ -200,7 +155,8 @@ class Script:
 
     def pipe(self, name: str) -> _Pipe:
         """The pipe called *name*, or the latest pipe to endpoint *name*."""
-        pipe = self.pipes.get(name) or self._latest.get(name)
+        latest = [pipe for pipe in self.pipes.values() if pipe.endpoint == name]
+        pipe = self.pipes.get(name) or (latest[-1] if latest else None)
         if pipe is None:
             raise KeyError(f"no pipe {name!r}; open ones: {sorted(self.pipes)}")
         return pipe
@@ -270,7 +226,9 @@ def _owner(endpoint: str, role: str = "") -> Script:
 
 
 def _listen(endpoint: str, receiver: Any, reactor: Any, limits: Limits) -> Any:
-    return defer.succeed(_owner(endpoint)._listen(endpoint, receiver))
+    script = _owner(endpoint)
+    script.routers[endpoint] = _Router(script, endpoint, receiver)
+    return defer.succeed(script.routers[endpoint])
 
 
 def _connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,

@@ -31,13 +31,10 @@ def new_loop() -> Any:
 
 
 def reactor_class() -> type:
-    """:class:`twisted.internet.asyncioreactor.AsyncioSelectorReactor` with
-    its timer waits rounded up to whole milliseconds (uvloop rounds to the
-    nearest, so a timer would fire early and spin until due).
-
-    A reader that needs no legacy log context (``needsLogContext`` false,
-    or its protocol's) is called without ``callWithLogger``; one with a
-    ``readNow()``, which never raises, is the loop's callback itself."""
+    """:class:`twisted.internet.asyncioreactor.AsyncioSelectorReactor` with timer
+    waits rounded up to whole milliseconds (uvloop rounds to the nearest: a timer
+    would fire early and spin), and readers called without a legacy log context
+    where they need none (:func:`_needsLogContext`)."""
     from mdp.transport.twisted_private import uvloop_reactor_class
 
     return uvloop_reactor_class(_needsLogContext)

@@ -35,6 +35,7 @@ from mdp.app.tap import (
     curve_client_of,
     repeated,
     seconds_option,
+    usage_errors,
     usage_line,
     whole_option,
 )
@@ -90,10 +91,8 @@ class _RequestOptions(_ClientOptions):
             raise usage.UsageError(f"give a SERVICE and at least one FRAME, e.g. "
                                    f"'{self.commandName()} echo hello'")
         service, *frames = args
-        try:
+        with usage_errors(errors=(TypeError, ValueError)):
             self["service"] = api_service_name(service)
-        except (TypeError, ValueError) as e:
-            raise usage.UsageError(str(e)) from None
         if not frames and not self["service"].startswith(b"mmi."):
             raise usage.UsageError("give at least one request frame (only mmi.* queries "
                                    "may have none)")
@@ -138,12 +137,10 @@ class StatusOptions(_ClientOptions):
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
         args = list(sys.argv[1:] if options is None else options)
-        given: list[str] = []
-        for n, arg in enumerate(args):
-            given.append(arg)
-            if arg in ("--watch", "-w") and not _is_number(args[n + 1] if n + 1 < len(args) else ""):
-                given.append(str(DEFAULT_WATCH))
-        super().parseOptions(given)
+        for n in reversed(range(len(args))):
+            if args[n] in ("--watch", "-w") and not _is_number(next(iter(args[n + 1:]), "")):
+                args.insert(n + 1, str(DEFAULT_WATCH))
+        super().parseOptions(args)
 
 
 def _is_number(text: str) -> bool:
@@ -288,16 +285,14 @@ class ChatOptions(VersionedOptions):
 
         if not self["name"]:
             raise usage.UsageError("--name is required")
-        try:
+        with usage_errors():
             check_string(self["name"], "name")
             check_string(self["group"], "group")
-        except ValueError as e:
-            raise usage.UsageError(str(e)) from None
         for endpoint in self["peer"]:
             _check_peer(endpoint)
         if self["endpoint"] is not None:
             checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
-        try:
+        with usage_errors(errors=(MDPError,)):
             if self["peer"]:
                 from mdp.transport.datagram import pick_interface
 
@@ -308,8 +303,6 @@ class ChatOptions(VersionedOptions):
                 if self["interface"]:
                     beacon += ":interface=" + self["interface"].replace(":", "\\:")
                 self["discovery"] = BeaconDiscovery(beacon)
-        except MDPError as e:
-            raise usage.UsageError(str(e)) from None
 
 
 _PEER_FORM = "--peer takes a peer's ZRE endpoint, tcp://HOST:PORT"
@@ -404,9 +397,8 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
     started = reactor.seconds()
     try:
         reply = await client.request(*options["frames"])
-    except MDPError as e:
-        error(f"mdp freelance-call: {_freelance_failure(e, options, reactor.seconds() - started)}")
-        raise SystemExit(1) from None
+    except MDPError as e:  # said by _main, in words true of the model
+        raise MDPError(_freelance_failure(e, options, reactor.seconds() - started)) from None
     finally:
         await client.close()
     print_frames(reply)
@@ -453,9 +445,7 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
     try:
         reply = await client.request(options["payload"]).addTimeout(options["timeout"], reactor)
     except defer.TimeoutError:
-        error(f"mdp sp-request: no reply from {options['endpoint']} within "
-               f"{options['timeout']:g} s")
-        raise SystemExit(1) from None
+        raise MDPError(f"no reply from {options['endpoint']} within {options['timeout']:g} s") from None
     finally:
         await client.close()
     print_frames([reply])

@@ -22,10 +22,9 @@ log = Logger()
 
 
 class _FailableService(Service):
-    """A service that can fail to start (a port taken, a store unreadable).  The
+    """A service that can fail to start (a port taken, a store unreadable): the
     failure is logged; with *exitOnFailure* the process exits 1 and later
-    services do not start, else ``startService`` returns the failure.  A
-    subclass starts and stops its server in ``_start`` and ``_stop``."""
+    services do not start, else ``startService`` returns the failure."""
 
     #: started by a runner that calls privilegedStartService first (twistd)
     _twistd = False
@@ -50,14 +49,12 @@ class _FailableService(Service):
         return self._stop()
 
     def _endsProcess(self) -> bool:
-        """A failure to start ends the process: *exitOnFailure*, or if None,
-        under ``twistd`` (which drops what ``startService`` returns)."""
+        """*exitOnFailure*, or if None, run by ``twistd`` (which drops what ``startService`` returns)."""
         return self._twistd if self.exitOnFailure is None else self.exitOnFailure
 
     def _failedToStart(self, failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
-        """Log *message* (a format of *fields* and ``error``) once; return
-        *failure*, or end the process: at once before the reactor runs, else
-        after shutdown."""
+        """Log *message* (a format of *fields* and ``error``); return *failure*,
+        or end the process: at once before the reactor runs, else after shutdown."""
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
         fields["error"] = failure.getErrorMessage()
@@ -72,7 +69,6 @@ class _FailableService(Service):
         return None
 
     def _cannotListen(self, failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
-        """This service's server could not bind (see :meth:`_failedToStart`)."""
         if not self.running:
             return None  # stopped while binding
         return self._failedToStart(failure, message, **fields)
@@ -119,13 +115,9 @@ class BrokerService(_FailableService):
             _stop_and_exit(self.reactor, 1)
 
     def _listen(self) -> defer.Deferred[None]:
-        listening = []
-        if self.endpoint is not None:
-            listening.append(defer.maybeDeferred(self.broker.listen, self.endpoint, clients=True,
-                                                 workers=self.backend is None))
-        if self.backend is not None:
-            listening.append(defer.maybeDeferred(self.broker.listen, self.backend,
-                                                 clients=self.endpoint is None, workers=True))
+        roles = [(self.endpoint, True, self.backend is None), (self.backend, self.endpoint is None, True)]
+        listening = [defer.maybeDeferred(self.broker.listen, bound, clients=clients, workers=workers)
+                     for bound, clients, workers in roles if bound is not None]
         return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
             self._listening, self._failed)
 
@@ -133,7 +125,6 @@ class BrokerService(_FailableService):
         self.transports = transports
 
     def _stop(self) -> defer.Deferred[None]:
-        """Unbind every endpoint and stop the broker's heartbeat tick."""
         self.transports = []
         closing = [self.broker.close()]
         if self.binaryStar is not None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import attrs
 from twisted.application.service import IServiceMaker, MultiService
@@ -40,6 +41,7 @@ from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
 from mdp.transport.endpoints import raise_descriptor_limit
 from mdp.transport.registry import bare_address
+from twisted.plugins import mdp_plugins as dropin
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
@@ -225,6 +227,16 @@ def repeated(name: str, doc: str) -> Callable[[VersionedOptions, str], None]:
     return add
 
 
+@contextlib.contextmanager
+def usage_errors(option: str = "", errors: tuple[type[Exception], ...] = (TransportError, ValueError)
+                 ) -> Iterator[None]:
+    """Raise the *errors* raised inside as a usage error, after ``--option:`` if given."""
+    try:
+        yield
+    except errors as e:
+        raise usage.UsageError(f"--{option}: {e}" if option else str(e)) from None
+
+
 def checked_endpoints(value: Optional[str], role: str, option: str,
                       example: str = DEFAULT_ENDPOINT) -> list[str]:
     """The comma-separated endpoints of *option*, checked for *role* (None: none).
@@ -237,10 +249,8 @@ def checked_endpoints(value: Optional[str], role: str, option: str,
     if not all(endpoints):
         raise usage.UsageError(f"--{option}: an empty endpoint in {value!r} (a comma too many, "
                                "or a variable that was not set?)")
-    try:
+    with usage_errors(option):
         return transport.endpoint_list(endpoints, role)
-    except (TransportError, ValueError) as e:
-        raise usage.UsageError(f"--{option}: {e}") from None
 
 
 def connect_endpoints(values: list[str], option: str, default: str) -> list[str]:
@@ -313,11 +323,9 @@ def _limit_options(listening: bool) -> list[Any]:
 def limits_of(options: usage.Options) -> Limits:
     """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or
     too large for a stream record."""
-    try:
+    with usage_errors():
         limits = Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
                            if dashed(field) in options})
-    except ValueError as e:
-        raise usage.UsageError(str(e)) from None
     prefixes = 4 * limits.maxFrames
     if prefixes >= MAX_RECORD_PAYLOAD:
         raise usage.UsageError(
@@ -374,16 +382,12 @@ CURVE_CLIENT_OPTIONS: list[Any] = [
 def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[str]]) -> None:
     """Check --curve-secret and --curve-allow, and each of *listeners* (option:
     endpoint) against them (:func:`mdp.transport.curve_listen_for`)."""
-    try:
+    with usage_errors():
         curve = curve_server(options["curve-secret"], options["curve-allow"])
-    except (TransportError, ValueError) as e:
-        raise usage.UsageError(str(e)) from None
     for option, endpoint in listeners.items():
         if endpoint is not None:
-            try:
+            with usage_errors(option):
                 transport.curve_listen_for(endpoint, curve)
-            except TransportError as e:
-                raise usage.UsageError(f"--{option}: {e}") from None
 
 
 def curve_client_of(options: usage.Options) -> dict[str, Any]:
@@ -393,11 +397,9 @@ def curve_client_of(options: usage.Options) -> dict[str, Any]:
 
 def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
     """Check the client CURVE keys for *endpoints* (:func:`mdp.transport.curve_client_for`)."""
-    try:
+    with usage_errors():
         transport.curve_client_for(endpoints, options["curve-server-public"],
                                    options["curve-secret"])
-    except (TransportError, ValueError) as e:
-        raise usage.UsageError(str(e)) from None
 
 
 def _pending_options(beyond: str) -> list[Any]:
@@ -445,11 +447,8 @@ class _ServiceOptions(VersionedOptions):
 
     def heartbeatPolicy(self) -> HeartbeatPolicy:
         """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
-        try:
+        with usage_errors(f"heartbeat {self['heartbeat']} --liveness {self['liveness']}"):
             return HeartbeatPolicy(self["heartbeat"], self["liveness"])
-        except ValueError as e:
-            raise usage.UsageError(f"--heartbeat {self['heartbeat']} --liveness "
-                                   f"{self['liveness']}: {e}") from None
 
     loadHandler = staticmethod(load_handler)
 
@@ -590,10 +589,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is required")
         if not self["service"]:
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
-        try:
+        with usage_errors("service"):
             api_service_name(self["service"])
-        except ValueError as e:
-            raise usage.UsageError(f"--service: {e}") from None
         BrokerListOptions.postOptions(self)
 
     def newService(self, metrics: Any) -> Any:
@@ -638,10 +635,8 @@ def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
     if bare_address(value) is not None:
         raise usage.UsageError(f"--{option}: bad endpoint {value!r}: no scheme; did you mean "
                                f"tcp://{value}?")
-    try:
+    with usage_errors(option):
         transport.check(endpoint_of(value, listen), transport.LISTEN if listen else transport.CONNECT)
-    except TransportError as e:
-        raise usage.UsageError(f"--{option}: {e}") from None
     return value
 
 
@@ -774,22 +769,17 @@ class _Plugin:
         return parent
 
 
-def _plugin(tapname: str, description: str, options: type[_ServiceOptions]) -> type[_Plugin]:
-    """The ``twist`` plugin *tapname*, running the service of *options*."""
+def _plugin(entry: Any, options: type[_ServiceOptions]) -> type[_Plugin]:
+    """The ``twist`` plugin of the dropin's *entry* (its name and description),
+    running the service of *options*."""
     name = options.__name__.replace("Options", "ServiceMaker")
-    attributes = {"tapname": tapname, "description": description, "options": options}
+    attributes = {"tapname": entry.tapname, "description": entry.description, "options": options}
     return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
 
 
-BrokerServiceMaker = _plugin("mdp-broker", "MDP/0.2 (Majordomo) broker.", BrokerOptions)
-WorkerServiceMaker = _plugin("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
-                             WorkerOptions)
-FreelanceServerServiceMaker = _plugin(
-    "mdp-freelance-server", "Freelance (brokerless) request-reply server, answering PING with PONG.",
-    FreelanceServerOptions)
-SPRepServiceMaker = _plugin("sp-rep", "SP (nng) REP server running a handler.", SPRepOptions)
-SPDeviceServiceMaker = _plugin("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
-                               SPDeviceOptions)
-TitanicServiceMaker = _plugin(
-    "mdp-titanic", "Titanic: disk-backed, disconnected requests through an MDP broker.",
-    TitanicOptions)
+BrokerServiceMaker = _plugin(dropin.mdpBroker, BrokerOptions)
+WorkerServiceMaker = _plugin(dropin.mdpWorker, WorkerOptions)
+FreelanceServerServiceMaker = _plugin(dropin.mdpFreelanceServer, FreelanceServerOptions)
+SPRepServiceMaker = _plugin(dropin.spRep, SPRepOptions)
+SPDeviceServiceMaker = _plugin(dropin.spDevice, SPDeviceOptions)
+TitanicServiceMaker = _plugin(dropin.mdpTitanic, TitanicOptions)
