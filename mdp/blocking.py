@@ -17,6 +17,7 @@ from twisted.logger import Logger
 
 from mdp.errors import ClientClosed, TransportError
 from mdp.handlers import reply_frames
+from mdp.handlerthreads import PACED_POLL, HandlerThreads
 from mdp.majordomo import codec
 from mdp.majordomo.client import ClientDriver, report_stale
 from mdp.majordomo.client_machine import (
@@ -34,6 +35,7 @@ from mdp.majordomo.client_machine import (
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
+    STOPPED,
     ClosePipe,
     Final,
     OpenPipe,
@@ -485,8 +487,15 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*, run in the thread that
     calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-    A handler slower than the broker's heartbeat expiry loses its broker (use
-    :class:`mdp.Worker` then)."""
+
+    With *concurrency* 1 the handler runs in that thread, and one slower than
+    the broker's heartbeat expiry loses its broker.  With *concurrency* N the
+    worker registers N sessions (as :class:`mdp.Worker` does) and runs the
+    handler in a pool of N threads, while the calling thread keeps the
+    connections and heartbeats."""
+
+    #: what the broker sends is a new request, never a stale reply
+    dropsStale = False
 
     def __init__(
         self,
@@ -501,8 +510,10 @@ class Worker(WorkerDriver):
         context: Any = None,
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
+        concurrency: int = 1,
     ) -> None:
         _check_schemes(endpoint_list(endpoint))  # before the handler and CURVE checks
+        check_count("concurrency", concurrency, "requests served at once")
         super().__init__(endpoint, service, handler, _CLOCK, heartbeat=heartbeat,
                          backoff=backoff, dialect=dialect, limits=limits,
                          curveServerPublic=curveServerPublic, curveSecret=curveSecret)
@@ -513,29 +524,64 @@ class Worker(WorkerDriver):
         self._reopenAt = _NEVER
         self._nextTick = 0.0
         self._stopping = False
+        self._threads: Optional[HandlerThreads] = None
+        #: the worker sessions of this process, this one first
+        self.sessions = [self] + [
+            Worker(endpoint, service, handler, heartbeat=heartbeat, backoff=backoff,
+                   dialect=dialect, limits=limits, context=context,
+                   curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+            for _ in range(concurrency - 1)]
+
+    @property
+    def concurrency(self) -> int:
+        """How many requests this worker serves at once (its sessions)."""
+        return len(self.sessions)
+
+    @property
+    def busy(self) -> int:
+        """How many of its sessions are serving a request."""
+        return sum(session.machine.current is not None for session in self.sessions)
 
     def stop(self) -> None:
-        """Make :meth:`run` return once the current request is answered."""
+        """Make :meth:`run` return once the requests in hand are answered."""
         self._stopping = True
 
     def run(self, until: Optional[Callable[[], bool]] = None) -> None:
         """Serve until :meth:`stop`, *until()* is true (checked at each
-        wake-up) or an exception; then say DISCONNECT and close."""
+        wake-up) or an exception; then answer what is in hand (unless an
+        exception), say DISCONNECT and close."""
         self._stopping = False
-        self._loop = _Loop(self.machine.limits, self._context)
+        loop = _Loop(self.machine.limits, self._context)
+        threads = HandlerThreads(loop, len(self.sessions)) if len(self.sessions) > 1 else None
         now = monotonic()
-        self._nextTick = now + self.machine.wakeEvery
-        self._perform(self.machine.handleStart(now))
+        for session in self.sessions:
+            session._loop, session._threads = loop, threads
+            session._nextTick = now + session.machine.wakeEvery
+            session._perform(session.machine.handleStart(now))
         try:
             while not self._stopping and (until is None or not until()):
                 self._turn()
+            while not self._stopIdle():  # the requests in hand are answered first
+                self._turn()
         finally:
-            self._reopenAt = _NEVER
             try:
-                self._perform(self.machine.handleStop(monotonic()))
+                for session in self.sessions:
+                    session._reopenAt = _NEVER
+                    session._perform(session.machine.handleStop(monotonic()))
             finally:
-                loop, self._loop = self._loop, None
+                for session in self.sessions:
+                    session._loop = session._threads = None
+                if threads is not None:
+                    threads.close()
                 loop.shutdown()
+
+    def _stopIdle(self) -> bool:
+        """Stop the sessions serving nothing; True once all are stopped."""
+        for session in self.sessions:
+            if session.machine.current is None and session.machine.state is not STOPPED:
+                session._reopenAt = _NEVER
+                session._perform(session.machine.handleStop(monotonic()))
+        return all(session.machine.state is STOPPED for session in self.sessions)
 
     def _pipeUp(self, tag: Any, now: float) -> None:
         self._perform(self.machine.handlePipeUp(now))
@@ -572,7 +618,8 @@ class Worker(WorkerDriver):
 
     def _open(self, endpoint: str) -> None:
         try:
-            pipe = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve)
+            pipe = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
+                                   shared=self._threads is not None)
         except Exception as e:  # no socket to be had (out of descriptors)
             error = TransportError(f"cannot connect to {endpoint!r}: {e}")
             error.__cause__ = e
@@ -583,6 +630,9 @@ class Worker(WorkerDriver):
             self._pipeUp(None, monotonic())
 
     def _serve(self, job: Any, body: list[bytes]) -> None:
+        if self._threads is not None:
+            self._threads.serve(self, job, body)
+            return
         started = monotonic()
         try:
             result = self.handler(body)
@@ -630,14 +680,24 @@ class Worker(WorkerDriver):
             self._turn()
 
     def _turn(self, until: float = _NEVER) -> None:
-        """One turn of the loop, until the next tick, reopening or *until*; then what is due."""
-        self._loop.turn(min(until, self._nextTick, self._reopenAt))
+        """One turn of the loop, until a session's next tick or reopening, or
+        *until*; then what is due."""
+        threads = self._threads
+        if threads is not None and threads.paced:
+            until = min(until, monotonic() + PACED_POLL)
+        sessions = self.sessions
+        for session in sessions:
+            until = min(until, session._nextTick, session._reopenAt)
+        self._loop.turn(until)
         now = monotonic()
-        if now >= self._reopenAt:
-            self._reopenAt = _NEVER
-            self._perform(self.machine.handleReopen(now))
-        if now >= self._nextTick:
-            self._tickDue(now)
+        for session in sessions:
+            if now >= session._reopenAt:
+                session._reopenAt = _NEVER
+                session._perform(session.machine.handleReopen(now))
+            if now >= session._nextTick:
+                session._tickDue(now)
+        if threads is not None and threads.paced:
+            threads.release()
 
     def _tickDue(self, now: float) -> None:
         """The machine's tick; one late by over an interval was held up by a handler."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import majortomo  # noqa: F401  (a missing majortomo must fail, not skip)
 import pytest_twisted
-from twisted.internet import defer, threads
+from twisted.internet import defer, task, threads
 
 from mdp import Broker, Client, Final, HeartbeatPolicy, Worker
 from tests.procs import Process, python
@@ -117,3 +117,39 @@ async def test_mixed_framings_on_one_broker() -> None:
         await ours.stop()
         await mt_worker.stop()
         await broker.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_majortomo_broker_serves_a_concurrent_worker_as_many_workers() -> None:
+    mt_broker = Process(reactor(), python(PEERS, "broker"))
+    worker = client = None
+    try:
+        match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
+        endpoint = "zmq:" + match.group(1).decode()
+        held: list[defer.Deferred[None]] = []
+
+        def handler(frames: list[bytes]) -> defer.Deferred[list[bytes]]:
+            d: defer.Deferred[None] = defer.Deferred()
+            held.append(d)
+            return d.addCallback(lambda _: [b"ok"] + frames)
+
+        worker = Worker(endpoint, "together", handler, reactor(), heartbeat=HB,
+                        dialect="majortomo", concurrency=3)
+        worker.start()
+        client = Client(endpoint, reactor(), timeout=10, retries=1, dialect="majortomo")
+        replies = [client.request("together", str(n)) for n in range(3)]
+        for _ in range(1000):  # all three in hand at once (at most 10 s)
+            if len(held) == 3:
+                break
+            await task.deferLater(reactor(), 0.01)
+        assert len(held) == 3 and worker.busy == 3
+        for d in held:
+            d.callback(None)
+        assert [await with_timeout(r) for r in replies] == [[b"ok", str(n).encode()]
+                                                            for n in range(3)]
+    finally:
+        if client is not None:
+            await client.close()
+        if worker is not None:
+            await worker.stop()
+        await mt_broker.stop()

@@ -84,6 +84,7 @@ BAD = (
     + cases([TitanicOptions], "concurrency", NOT_COUNTS)
     + cases([TitanicOptions], "service-workers", NOT_COUNTS)
     + cases([WorkerOptions], "reply-store", ["-1", "nan", "x"])
+    + cases([WorkerOptions], "concurrency", NOT_COUNTS)
     + cases(ALL, "max-frames", NOT_COUNTS + ["7"])
     + cases(ALL, "max-message-bytes", NOT_SIZES + ["4GiB"])
     + cases(PEERS, "max-output-bytes", NOT_SIZES)
@@ -109,7 +110,7 @@ def test_a_bad_value_is_a_usage_error_naming_the_option(options: type, option: s
                      "--record-timeout", "0.001", "--max-message-bytes", "64",
                      "--max-frames", "8", "--max-output-bytes", "64"]),
     (WorkerOptions, ["--heartbeat", "0.25", "--liveness", "4", "--backoff-max", "0.01",
-                     "--reply-store", "0"]),
+                     "--reply-store", "0", "--concurrency", "1"]),
     (TitanicOptions, ["--timeout", "0.5", "--keep", "1e9", "--backoff-max", "0.01",
                       "--concurrency", "1", "--service-workers", "1"]),
     (FreelanceServerOptions, ["--max-pending", "1", "--max-pending-bytes", "1"]),
@@ -173,8 +174,9 @@ def test_services_are_made_from_the_bounds() -> None:
         "--unknown-service-expiry", "0.001", "--handshake-timeout", "0.001"))
     assert broker.broker.heartbeat == HeartbeatPolicy(0.01, 1)
     worker = WorkerServiceMaker().makeService(parse(
-        WorkerOptions, "--reply-store", "1", "--backoff-max", "0.01", "--heartbeat", "0.01"))
-    assert worker is not None
+        WorkerOptions, "--reply-store", "1", "--backoff-max", "0.01", "--heartbeat", "0.01",
+        "--concurrency", "8"))
+    assert worker.worker.concurrency == 8 and len(worker.worker.sessions) == 8
     titanic = TitanicOptions()
     titanic.parseOptions(["--db", ":memory:", "--max-store-bytes", "1MiB",
                           "--max-request-bytes", "64KiB", "--list-every", "0.5"])

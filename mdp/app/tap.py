@@ -569,10 +569,12 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
 
     synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] "
                 "[--handler echo|module:callable] [--heartbeat SECONDS] [--liveness N] "
-                "[--dialect rfc|majortomo] [options]")
+                "[--dialect rfc|majortomo] [--concurrency N] [options]")
     longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
                 "module:callable is imported at start (the current directory is searched "
-                "too); it takes the request frames and returns the reply.")
+                "too); it takes the request frames and returns the reply.  --concurrency N "
+                "registers N worker sessions, so a handler returning a Deferred or a "
+                "coroutine serves N requests at once.")
     optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
@@ -580,6 +582,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
         _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
                 "their retries from memory (0: off).", whole_option, 0),
+        _option("concurrency", 1, "Requests served at once (worker sessions of this process).",
+                whole_option, 1),
     ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
     metrics = "WorkerMetrics"
     listens = False
@@ -598,7 +602,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
             backoff=attrs.evolve(PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
             replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
-            limits=limits_of(self), metrics=metrics, **curve_client_of(self))
+            limits=limits_of(self), metrics=metrics, concurrency=self["concurrency"],
+            **curve_client_of(self))
 
 
 class FreelanceServerOptions(_ServiceOptions):

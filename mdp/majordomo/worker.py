@@ -60,10 +60,10 @@ from zope.interface import classImplements
 from mdp import transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import checked_handler, reply_frames
-from mdp.interfaces import IDealerReceiver, IDealerTransport, IWorker
+from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
-from mdp.majordomo.client_machine import unreachable
+from mdp.majordomo.client_machine import check_count, unreachable
 from mdp.majordomo.codec import (
     RFC,
     W_REQUEST,
@@ -470,7 +470,14 @@ class Worker(WorkerDriver):
 
     *endpoint* (one, or a failover list) is checked at once
     (:class:`~mdp.errors.TransportError`); a handler not callable raises
-    ``TypeError``."""
+    ``TypeError``.
+
+    With *concurrency* N the worker registers N MDP worker sessions (the
+    first is this object, the rest are in :attr:`sessions`), so the broker
+    hands it up to N requests at once and a handler returning a Deferred,
+    coroutine or generator runs up to N times at once.  Over a stream
+    endpoint the sessions share one connection (a channel each); over ZeroMQ
+    each is a DEALER socket.  To any broker they are N ordinary workers."""
 
     def __init__(
         self,
@@ -487,7 +494,9 @@ class Worker(WorkerDriver):
         metrics: Optional[Any] = None,
         curveServerPublic: Optional[str] = None,
         curveSecret: Optional[str] = None,
+        concurrency: int = 1,
     ) -> None:
+        check_count("concurrency", concurrency, "requests served at once")
         reactor = default_reactor(reactor)
         super().__init__(endpoint, service, handler, reactor,
                          heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
@@ -505,18 +514,59 @@ class Worker(WorkerDriver):
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(self)
+        #: each broker endpoint's shared connection (None: one session, its own pipe)
+        self.links: Optional[dict[str, IDealerChannels]] = None
+        #: the worker sessions of this process, this one first
+        self.sessions: list[Worker] = [self]
+        if concurrency > 1:
+            self.links = {}
+            for _ in range(concurrency - 1):
+                session = Worker(endpoint, service, handler, reactor, heartbeat=heartbeat,
+                                 backoff=backoff, dialect=dialect, replies=replies,
+                                 limits=limits, metrics=metrics,
+                                 curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+                session.links = self.links
+                session.readyLogLevel = LogLevel.debug
+                self.sessions.append(session)
+
+    @property
+    def concurrency(self) -> int:
+        """How many requests this worker serves at once (its sessions)."""
+        return len(self.sessions)
+
+    @property
+    def busy(self) -> int:
+        """How many of its sessions are serving a request."""
+        return sum(session.machine.current is not None for session in self.sessions)
 
     # --- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
-        """Connect to the broker; READY is sent once the pipe is up."""
+        """Connect to the broker; READY is sent once the pipe is up (each session's)."""
+        for session in self.sessions:
+            session._start()
+
+    def _start(self) -> None:
         if self.machine.state is not STOPPED:
             return
         self._perform(self.machine.handleStart(self.reactor.seconds()))
         self._ticker.start(self.machine.wakeEvery, now=False)
 
     def stop(self) -> defer.Deferred[None]:
-        """Say DISCONNECT to the broker (if registered) and close."""
+        """Say DISCONNECT to the broker (if registered) and close (every session)."""
+        if self.links is None:
+            return self._stop()
+        links = self.links
+        stopping = [session._stop() for session in self.sessions]
+
+        def stopped(_: object) -> defer.Deferred[None]:
+            shared = list(links.values())
+            links.clear()
+            return transport.close_all(shared, "a worker's broker connection")
+
+        return defer.gatherResults(stopping, consumeErrors=True).addBoth(stopped)
+
+    def _stop(self) -> defer.Deferred[None]:
         if self._ticker.running:
             self._ticker.stop()
         self._lastTick = None
@@ -585,10 +635,17 @@ class Worker(WorkerDriver):
         return None
 
     def _open(self, endpoint: str) -> None:
+        options = dict(retryPolicy=self.machine.backoff.retryPolicy(), limits=self.machine.limits,
+                       security=transport.curve_for(endpoint, self.curve))
         try:
-            self.transport = transport.connect(
-                endpoint, self, self.reactor, retryPolicy=self.machine.backoff.retryPolicy(),
-                limits=self.machine.limits, security=transport.curve_for(endpoint, self.curve))
+            if self.links is None:
+                self.transport = transport.connect(endpoint, self, self.reactor, **options)
+                return
+            link = self.links.get(endpoint)
+            if link is None:
+                link = self.links[endpoint] = transport.connect_channels(
+                    endpoint, self.reactor, **options)
+            self.transport = link.open(self)
         except TransportError as e:  # (out of descriptors)
             self._openFailed(e)
 

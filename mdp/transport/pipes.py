@@ -618,7 +618,7 @@ class _StreamLink(_StreamPipe):
 class _LinkPipe(Channel):
     """One pipe of a :class:`_StreamLink`, on its channel."""
 
-    __slots__ = ("link", "owner", "tag", "retryAt")
+    __slots__ = ("link", "owner", "tag", "retryAt", "dropsStale")
 
     def __init__(self, link: _StreamLink, owner: Any, tag: Any) -> None:
         super().__init__()
@@ -626,12 +626,22 @@ class _LinkPipe(Channel):
         self.owner = owner
         self.tag = tag
         self.retryAt: Optional[float] = None
+        #: what comes before its last message left answers an earlier one (a
+        #: client's; a worker's messages from the broker are new requests)
+        self.dropsStale: bool = getattr(owner, "dropsStale", True)
+
+    @property
+    def backlogged(self) -> bool:
+        """Its connection's (shared by the link's channels)."""
+        return self.link.backlogged
+
+    draining = backlogged
 
     def send(self, frames: list[bytes]) -> None:
         if self.up:
             link = self.link
             at = link.sendRecord(self.id + encode_record(frames))
-            if at:
+            if at and self.dropsStale:
                 link.core.unsent[self.id] = at
 
     def discardReceived(self) -> int:
