@@ -80,6 +80,16 @@ PEER_SHAPES = ("sync 1x1", "sync 4x4", "pipelined w100 x4")
 #: install compiled the hot modules (mdp/_compiled.py): what compiling buys
 SOURCE_STACKS = {f"{stack} (source)": stack for stack in ("ours", "ours-blocking")}
 
+#: our Twisted stack with workers of several sessions each, and with a handler
+#: that waits (an async 10 ms): (the stack, sessions per worker, handler ms)
+CONCURRENT_STACKS = {
+    "ours (concurrency 4)": ("ours", 4, 0),
+    "ours (10 ms handler)": ("ours", 1, 10),
+    "ours (10 ms handler, concurrency 32)": ("ours", 32, 10),
+}
+#: what benchmarks.roles' workers read them from
+CONCURRENCY_ENV, HANDLER_MS_ENV = "MDP_BENCH_CONCURRENCY", "MDP_BENCH_HANDLER_MS"
+
 #: our Twisted stack on Twisted's default reactor, whatever the run's (--reactor):
 #: what the reactor buys (benchmarks/NOTES.md, round two, item 25)
 EPOLL_STACKS = {"ours (epoll reactor)": "ours"}
@@ -139,12 +149,16 @@ def run_case(stack: str, transport: str, mode: str, clients: int, workers: int, 
     """One repetition of one case; returns throughput, latency and CPU.  The
     processes run *root*'s roles and ``mdp``: this checkout's, or an earlier
     revision's (earlier_tree)."""
-    base = SOURCE_STACKS.get(stack) or EPOLL_STACKS.get(stack) or stack
+    concurrent = CONCURRENT_STACKS.get(stack)
+    base = (SOURCE_STACKS.get(stack) or EPOLL_STACKS.get(stack)
+            or (concurrent[0] if concurrent else stack))
     curve = security.directory() if transport == "curve" else None
     pure = "1" if stack in SOURCE_STACKS else None
     reactor = "epoll" if stack in EPOLL_STACKS else None
+    sessions, handlerMs = (str(concurrent[1]), str(concurrent[2])) if concurrent else (None, None)
     with Processes(root) as procs, environ("MDP_BENCH_CURVE", curve), \
-            environ(_compiled.PURE_ENV, pure), environ(REACTOR_ENV, reactor):
+            environ(_compiled.PURE_ENV, pure), environ(REACTOR_ENV, reactor), \
+            environ(CONCURRENCY_ENV, sessions), environ(HANDLER_MS_ENV, handlerMs):
         servers, endpoint = _start_servers(procs, base, transport, mode, workers)
         return _timed_clients(procs, servers, endpoint, base, mode, clients, n, warmup, size,
                               window)
@@ -458,8 +472,8 @@ def cases(smoke: bool, earlier: Optional[str] = None,
                 add(f"sync {shape} / {stack}", stack=stack, mode="sync", clients=clients,
                     workers=clients, n=n)
     for stack in (*(s for s in STACKS if s in PEER_STACKS and s in references), "bare+ours",
-                  "ours", "ours over tcp", "majortomo-broker+our-peers", "ours+blocking-client",
-                  "ours+blocking-client over tcp"):
+                  "ours", "ours (concurrency 4)", "ours over tcp", "majortomo-broker+our-peers",
+                  "ours+blocking-client", "ours+blocking-client over tcp"):
         if stack == "ours over tcp":  # goal 5: against the row before it
             add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
@@ -472,6 +486,11 @@ def cases(smoke: bool, earlier: Optional[str] = None,
         else:
             add(f"pipelined w100 x4 / {stack}", stack=stack, mode="pipelined", clients=1,
                 workers=4, n=n_pipe, window=100)
+    # a handler that waits 10 ms: one worker, one session, then 32
+    for stack, count in (("ours (10 ms handler)", 2 if smoke else 300),
+                         ("ours (10 ms handler, concurrency 32)", 20 if smoke else 3000)):
+        add(f"pipelined w100 x1 / {stack}", stack=stack, mode="pipelined", clients=1,
+            workers=1, n=count, window=100)
     for stack in ("ours", "majortomo", "ours-blocking", "bare+ours"):
         add(f"sync 4x4 64KiB / {stack}", stack=stack, mode="sync", clients=4, workers=4,
             n=n_sync // 4, size=big)
@@ -616,11 +635,18 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
     # what users would pick instead (benchmarks.peers): rate, then CPU per request
     for shape in PEER_SHAPES:
         for peer in PEER_STACKS:
-            ours, theirs = f"{shape} / ours", f"{shape} / {peer}"
-            for what, key in (("", "rate"), ("CPU per request, ", "cpu_s_per_1k")):
-                value = ratio(table, ours, theirs, key)
-                if value is not None:
-                    out.append({"reference": f"{shape}: {what}ours / {peer}", "value": value})
+            for stack in ("ours", "ours (concurrency 4)"):
+                ours, theirs = f"{shape} / {stack}", f"{shape} / {peer}"
+                for what, key in (("", "rate"), ("CPU per request, ", "cpu_s_per_1k")):
+                    value = ratio(table, ours, theirs, key)
+                    if value is not None:
+                        out.append({"reference": f"{shape}: {what}{stack} / {peer}",
+                                    "value": value})
+    value = ratio(table, "pipelined w100 x1 / ours (10 ms handler, concurrency 32)",
+                  "pipelined w100 x1 / ours (10 ms handler)")
+    if value is not None:
+        out.append({"reference": "10 ms async handler, 1 worker: concurrency 32 / 1 (rate)",
+                    "value": value})
     heartbeat = (scale or {}).get("heartbeat")
     if heartbeat and heartbeat.get("bare", {}).get("busy"):
         out.append({"reference": f"{heartbeat['idle_workers']} idle workers: our broker's CPU / "

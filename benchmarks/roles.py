@@ -178,7 +178,7 @@ def broker_bare(bind: str) -> None:
 def worker_ours(endpoint: str, dialect: str = "rfc", service: str = "echo") -> None:
     """An echo worker, or with service "stream" one answering N PARTIALs + FINAL
     (N from the second request frame)."""
-    from twisted.internet import reactor
+    from twisted.internet import reactor, task
 
     from mdp import Final, Worker
 
@@ -187,8 +187,15 @@ def worker_ours(endpoint: str, dialect: str = "rfc", service: str = "echo") -> N
             yield frames[:1]
         yield Final(frames[:1])
 
-    handler = stream if service == "stream" else (lambda frames: frames)
-    Worker(endpoint, service, handler, reactor, dialect=dialect, **curve_client()).start()
+    async def waits(frames: list[bytes]) -> list[bytes]:
+        await task.deferLater(reactor, wait)
+        return frames
+
+    wait = int(os.environ.get("MDP_BENCH_HANDLER_MS") or 0) / 1000
+    handler = stream if service == "stream" else waits if wait else (lambda frames: frames)
+    Worker(endpoint, service, handler, reactor, dialect=dialect,
+           concurrency=int(os.environ.get("MDP_BENCH_CONCURRENCY") or 1),
+           **curve_client()).start()
     emit("READY")
     reactor.run()
 
