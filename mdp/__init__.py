@@ -71,9 +71,9 @@ __all__ = [
 
 
 #: submodules also loaded when first used as ``mdp.NAME``
-_MODULES = ("app", "binarystar", "blocking", "errors", "freelance", "handlers", "harmony",
-            "interfaces", "machine", "majordomo", "messages", "metrics", "policy", "session",
-            "sp", "spark", "testing", "titanic", "transport", "uvreactor")
+_MODULES = ("app", "binarystar", "blocking", "errors", "freelance", "handlers", "handlerthreads",
+            "harmony", "interfaces", "machine", "majordomo", "messages", "metrics", "policy",
+            "session", "sp", "spark", "testing", "titanic", "transport", "uvreactor")
 
 
 def __getattr__(name: str) -> Any:

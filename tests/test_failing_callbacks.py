@@ -207,21 +207,25 @@ async def test_an_agent_connects_again_to_a_server_it_had_no_socket_for(
 
     import zmq
 
+    from mdp import transport
     from mdp.freelance import freelance_client
-    from mdp.transport.peers import PeerRouter
+    from mdp.transport.zeromq import ZmqPeerRouter
     from tests.test_freelance import FAST, start_server
 
     server = await start_server(net, "a")
-    opened = PeerRouter._connect
     refused: list[str] = []
+    # what opens the connection: a ZeroMQ router's connect, or a stream dealer
+    owner, name, at = (ZmqPeerRouter, "connect", 1) if net.kind == "zmq" else (
+        transport, "connect", 0)
+    opened = getattr(owner, name)
 
-    def flaky(self: PeerRouter, endpoint: str, zmq_: bool) -> None:
+    def flaky(*args: Any, **kwargs: Any) -> Any:
         if not refused:
-            refused.append(endpoint)
+            refused.append(args[at])
             raise zmq.ZMQError(errno.EMFILE)
-        opened(self, endpoint, zmq_)
+        return opened(*args, **kwargs)
 
-    monkeypatch.setattr(PeerRouter, "_connect", flaky)
+    monkeypatch.setattr(owner, name, flaky)
     with warnings_logged() as warnings:
         client = freelance_client([server.endpoint], 3, net.reactor, **FAST)
         net.addCleanup(client.close)
