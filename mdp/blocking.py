@@ -684,7 +684,10 @@ class Worker(WorkerDriver):
         *until*; then what is due."""
         threads = self._threads
         if threads is not None and threads.paced:
-            until = min(until, monotonic() + PACED_POLL)
+            self._loop.turn(monotonic())  # what waits goes out, without waiting
+            threads.release()
+            if threads.paced:
+                until = min(until, monotonic() + PACED_POLL)
         sessions = self.sessions
         for session in sessions:
             until = min(until, session._nextTick, session._reopenAt)

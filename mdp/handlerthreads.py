@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 from twisted.logger import Logger
 
@@ -31,15 +31,23 @@ _PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
 
 class HandlerThreads:
     """The handlers of a worker with several sessions, run in as many threads;
-    what they return reaches the loop's thread through a wake-up pipe."""
+    what they return reaches the loop's thread through a wake-up pipe.  A
+    handler that raises ``SystemExit`` or ``KeyboardInterrupt`` is answered
+    with a 500, and the exception is raised again in the loop's thread."""
+
+    #: (for the loop's one-socket wait: nothing of it waits to be sent)
+    backlog = ()
 
     def __init__(self, loop: Any, threads: int) -> None:
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="mdp-handler")
-        self.done: deque[tuple[Any, Any, type, list[bytes], Any, bool]] = deque()
-        #: PARTIALs sent while their connection was backlogged: (session, job, ack)
+        #: reply parts handed back: (session, job, kind, frames, ack, served, raised)
+        self.done: deque[tuple[Any, Any, type, list[bytes], Any, bool, Any]] = deque()
+        #: PARTIALs sent, their handlers waiting for the connection: (session, job, ack)
         self.paced: list[tuple[Any, Any, Any]] = []
         self.loop = loop
         self.closed = False
+        #: guards ``done``, ``closed`` and the pipe against ``close()``
+        self.lock = threading.Lock()
         self.wakeFd, self.writeFd = os.pipe()
         os.set_blocking(self.wakeFd, False)
         os.set_blocking(self.writeFd, False)
@@ -51,7 +59,7 @@ class HandlerThreads:
 
     def _call(self, session: Any, job: Any, body: list[bytes]) -> None:
         """In a handler thread: run the handler, hand each reply part back."""
-        served = True
+        served, raised = True, None
         try:
             result = session.handler(body)
             if type(result) not in _PLAIN_REPLIES and isinstance(result, Generator):
@@ -67,28 +75,39 @@ class HandlerThreads:
                     frames = [b""]
             else:
                 frames = reply_frames(result)
-        except Exception as e:
+        except BaseException as e:
             log.failure("handler for {service} failed", service=label(session.machine.service))
             frames = codec.error_body(codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}")
             served = False
-        self._handBack(session, job, WorkerFinal, frames, served)
+            if not isinstance(e, Exception):
+                raised = e
+        self._handBack(session, job, WorkerFinal, frames, served, raised)
 
     def _handBack(self, session: Any, job: Any, kind: type, frames: list[bytes],
-                  served: bool = False) -> bool:
+                  served: bool = False, raised: Optional[BaseException] = None) -> bool:
         """Give a reply part to the loop; a PARTIAL waits until it is on its
         way (paced by its connection): True if it went out."""
         ack = SimpleNamespace(event=threading.Event(), sent=False) if kind is WorkerPartial else None
-        self.done.append((session, job, kind, frames, ack, served))
-        try:
-            os.write(self.writeFd, b"!")
-        except OSError:  # full (the loop wakes anyway), or closed
-            pass
+        with self.lock:
+            if self.closed:
+                return False
+            self.done.append((session, job, kind, frames, ack, served, raised))
+            try:
+                os.write(self.writeFd, b"!")
+            except BlockingIOError:  # full: the loop wakes anyway
+                pass
         if ack is None:
             return True
         while not ack.event.wait(1.0):
             if self.closed:
                 return False
         return ack.sent
+
+    def wait(self, timeout: int) -> None:
+        """The loop's only descriptor (every session between connections):
+        wait for a handler at most *timeout* ms (-1: no limit)."""
+        if select.select([self.wakeFd], [], [], None if timeout < 0 else timeout / 1000)[0]:
+            self.ready(select.POLLIN, 0.0)
 
     def ready(self, flags: int, now: float) -> None:
         """In the loop's thread: send what the handlers gave back."""
@@ -97,42 +116,49 @@ class HandlerThreads:
                 pass
         except BlockingIOError:
             pass
-        while self.done:
-            session, job, kind, frames, ack, served = self.done.popleft()
+        while True:
+            with self.lock:
+                if not self.done:
+                    break
+                session, job, kind, frames, ack, served, raised = self.done.popleft()
             sent = session._reply(job, kind, frames)
             if served and sent:
                 session.requestsServed += 1
             if ack is not None:
                 ack.sent = sent
-                pipe = session._pipe
-                if sent and pipe is not None and pipe.backlogged:
+                if sent:  # let go once its connection has taken it (release)
                     self.paced.append((session, job, ack))
                 else:
                     ack.event.set()
+            if raised is not None:  # (as with one session: out of run())
+                raise raised
 
     def release(self) -> None:
-        """Let go the handlers whose connections have drained (or whose request went)."""
+        """After a turn of the loop: let go the handlers whose connections
+        have drained (or whose requests went)."""
         waiting = []
         for session, job, ack in self.paced:
             pipe = session._pipe
-            if pipe is not None and pipe.draining and session.machine.isCurrent(job):
+            current = session.machine.isCurrent(job)
+            if current and pipe is not None and pipe.draining:
                 waiting.append((session, job, ack))
             else:
-                ack.sent = session.machine.isCurrent(job)
+                ack.sent = current
                 ack.event.set()
         self.paced = waiting
 
     def close(self) -> None:
         """Stop handing work out; a handler still running finds its request void."""
-        if self.closed:
-            return
-        self.closed = True
-        self.loop.forget(self.wakeFd)
-        for item in self.done:
-            if item[4] is not None:
-                item[4].event.set()
-        for _, _, ack in self.paced:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.loop.forget(self.wakeFd)
+            waiting = [item[4] for item in self.done if item[4] is not None]
+            self.done.clear()
+            os.close(self.wakeFd)
+            os.close(self.writeFd)
+        for ack in waiting + [ack for _, _, ack in self.paced]:
             ack.event.set()
+        self.paced = []
         self.executor.shutdown(wait=False)
-        os.close(self.wakeFd)
-        os.close(self.writeFd)

@@ -119,3 +119,33 @@ def test_concurrency_is_checked_at_once() -> None:
         Worker("tcp:host=127.0.0.1:port=1", "svc", lambda f: f, concurrency=2.0)
     assert Worker("tcp:host=127.0.0.1:port=1", "svc", lambda f: f, concurrency=4).concurrency == 4
 
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+def test_sessions_all_reconnecting_at_once_keep_running(kind: str) -> None:
+    """No broker: every session waits to connect again at the same time, and
+    the worker keeps trying until told to stop."""
+    from time import monotonic
+
+    endpoint = ("zmq:tcp://127.0.0.1:1" if kind == "zmq" else "tcp:host=127.0.0.1:port=1")
+    worker = Worker(endpoint, "svc", lambda f: f, heartbeat=HB, backoff=Backoff(0.05, 0.1),
+                    concurrency=3)
+    ends = monotonic() + 1.0
+    worker.run(until=lambda: monotonic() > ends)
+    assert not any(s.registered for s in worker.sessions)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_handler_that_exits_is_answered_and_ends_run() -> None:
+    def exits(frames: list[bytes]) -> Any:
+        raise SystemExit(3)
+
+    broker, worker, client, done = await running("tcp", exits, 2)
+    try:
+        with pytest.raises(errors.WorkerError, match="SystemExit"):
+            await bounded(client.request("gated", "x"), 20)
+        with pytest.raises(SystemExit):
+            await bounded(done, 20)
+    finally:
+        await client.close()
+        await broker.close()

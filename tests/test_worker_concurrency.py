@@ -194,3 +194,33 @@ def test_concurrency_is_a_whole_number_of_one_or_more() -> None:
     for bad in (1.5, "4", True):
         with pytest.raises(TypeError, match="concurrency"):
             Worker("loopback:x", "svc", lambda f: f, concurrency=bad)
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_session_stopped_leaves_the_others_serving(clocknet: LoopbackNet) -> None:
+    endpoint = await broker_on(clocknet)
+    worker = started(clocknet, endpoint, lambda f: [b"ok"] + f, concurrency=3)
+    await clocknet.until(lambda: all(s.registered for s in worker.sessions))
+    await clocknet.wait(worker.sessions[1].stop())
+    clocknet.advance(HB.interval * HB.liveness * 2)
+    assert [s.registered for s in worker.sessions] == [True, False, True]
+    client = client_of(clocknet, endpoint)
+    assert await clocknet.wait(client.request("svc", "x")) == [b"ok", b"x"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_blocked_reactor_is_counted_once_for_all_sessions(clocknet: LoopbackNet) -> None:
+    router = await raw_router(clocknet)
+    metrics = WorkerMetrics()
+
+    def blocks(frames: list[bytes]) -> list[bytes]:
+        clocknet.reactor.rightNow += 5.0  # the handler held the reactor for 5 s
+        return frames
+
+    started(clocknet, router.transport.endpoint, blocks, concurrency=3, metrics=metrics)
+    clocknet.advance(0.1)
+    peer = next(peer for _, peer, f in router.received if f[1] == codec.W_READY)
+    router.transport.sendMessage(peer, [codec.WORKER_HEADER, codec.W_REQUEST, b"c", b"", b"x"])
+    clocknet.advance(3.0)
+    assert metrics.registry.get_sample_value("mdp_worker_reactor_blocked_total",
+                                             {"service": "svc"}) == 1

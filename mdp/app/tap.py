@@ -573,8 +573,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
                 "module:callable is imported at start (the current directory is searched "
                 "too); it takes the request frames and returns the reply.  --concurrency N "
-                "registers N worker sessions, so a handler returning a Deferred or a "
-                "coroutine serves N requests at once.")
+                "registers N worker sessions, so a handler returning a Deferred, a "
+                "coroutine or a generator serves N requests at once.")
     optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],

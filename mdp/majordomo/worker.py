@@ -518,6 +518,8 @@ class Worker(WorkerDriver):
         self.links: Optional[dict[str, IDealerChannels]] = None
         #: the worker sessions of this process, this one first
         self.sessions: list[Worker] = [self]
+        #: the first session: it alone logs and counts a blocked reactor
+        self.owner = self
         if concurrency > 1:
             self.links = {}
             for _ in range(concurrency - 1):
@@ -525,7 +527,7 @@ class Worker(WorkerDriver):
                                  backoff=backoff, dialect=dialect, replies=replies,
                                  limits=limits, metrics=metrics,
                                  curveServerPublic=curveServerPublic, curveSecret=curveSecret)
-                session.links = self.links
+                session.links, session.owner = self.links, self
                 session.readyLogLevel = LogLevel.debug
                 self.sessions.append(session)
 
@@ -553,8 +555,9 @@ class Worker(WorkerDriver):
         self._ticker.start(self.machine.wakeEvery, now=False)
 
     def stop(self) -> defer.Deferred[None]:
-        """Say DISCONNECT to the broker (if registered) and close (every session)."""
-        if self.links is None:
+        """Say DISCONNECT to the broker (if registered) and close (every
+        session; one of another's sessions: that one alone)."""
+        if self.links is None or self.owner is not self:
             return self._stop()
         links = self.links
         stopping = [session._stop() for session in self.sessions]
@@ -583,7 +586,8 @@ class Worker(WorkerDriver):
         last, self._lastTick = self._lastTick, now
         wakeEvery = self.machine.wakeEvery
         if last is not None and now - last > wakeEvery + self.machine.heartbeat.interval:
-            if self._handlerBlockEnded < last:  # not a handler's, already logged
+            # not a handler's (already logged), and once for all the sessions
+            if self.owner is self and self._handlerBlockEnded < last:
                 self._reactorBlocked("the reactor was blocked for {blocked:.1f} s (worker for "
                                      "{service}): the broker's silence meanwhile is not held "
                                      "against it", now - last - wakeEvery)
@@ -715,7 +719,7 @@ class Worker(WorkerDriver):
         broker's silence meanwhile is not held against it."""
         if blocked < self.machine.heartbeat.interval:
             return
-        now = self._handlerBlockEnded = self.reactor.seconds()
+        now = self.owner._handlerBlockEnded = self.reactor.seconds()
         self._reactorBlocked("handler for {service} blocked the reactor for {blocked:.1f} s; "
                              "run blocking work with deferToThread", blocked)
         self._perform(self.machine.handleBlocked(now))
