@@ -308,10 +308,11 @@ async def test_an_sp_peer_that_sent_only_its_header_makes_room_first(net: Net) -
 
 # --- floods from another process -------------------------------------------------------
 
-async def flood(kind: str, port: int, count: int) -> Process:
-    """The flooding process, once it has opened *count* connections."""
+async def flood(kind: str, port: int, count: int, rate: float = 200.0) -> Process:
+    """The flooding process, once it has opened *count* connections (reopening
+    at most *rate* a second)."""
     attacker = Process(reactor(), python("-m", "tests.flood_connections", kind, str(port),
-                                         str(count)), ENV)
+                                         str(count), str(rate)), ENV)
     try:
         await attacker.waitFor("holding", timeout=30)
     except BaseException:
@@ -364,8 +365,9 @@ async def test_a_flood_of_cheap_connections_keeps_no_client_or_restarting_worker
 @pytest_twisted.ensureDeferred
 async def test_connections_that_asked_once_make_room_once_idle(monkeypatch: Any) -> None:
     """60 connections, each with one real request to a served service, then
-    idle, reopened as they are closed, against a broker capped at 40: once
-    their grace is over, a new client is answered."""
+    idle, reopened as they are closed (20 a second: a client in a reconnect
+    loop, not a stream of real requests, which is useful traffic), against a
+    broker capped at 40: once their grace is over, a new client is answered."""
     monkeypatch.setattr(broker_machine, "USEFUL_GRACE", 0.5)
     r = reactor()
     broker = Broker(r, heartbeat=FAST, limits=Limits(maxConnections=40))
@@ -376,7 +378,7 @@ async def test_connections_that_asked_once_make_room_once_idle(monkeypatch: Any)
         worker.start()
         stoppers.append(worker.stop)
         await wait_until(lambda: b"echo" in broker.services, 5)
-        attacker = await flood("echo", bound.port.getHost().port, 60)
+        attacker = await flood("echo", bound.port.getHost().port, 60, rate=20.0)
         stoppers.append(attacker.stop)
         await attacker.waitFor("reopened [1-9]", 10)  # the cap is reached
         newcomer = Client(bound.endpoint, r)
