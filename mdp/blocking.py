@@ -532,16 +532,6 @@ class Worker(WorkerDriver):
                    curveServerPublic=curveServerPublic, curveSecret=curveSecret)
             for _ in range(concurrency - 1)]
 
-    @property
-    def concurrency(self) -> int:
-        """How many requests this worker serves at once (its sessions)."""
-        return len(self.sessions)
-
-    @property
-    def busy(self) -> int:
-        """How many of its sessions are serving a request."""
-        return sum(session.machine.current is not None for session in self.sessions)
-
     def stop(self) -> None:
         """Make :meth:`run` return once the requests in hand are answered."""
         self._stopping = True

@@ -415,6 +415,16 @@ class WorkerDriver:
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
+    @property
+    def concurrency(self) -> int:
+        """How many requests this worker serves at once (its sessions)."""
+        return len(self.sessions)
+
+    @property
+    def busy(self) -> int:
+        """How many of its sessions are serving a request."""
+        return sum(session.machine.current is not None for session in self.sessions)
+
     service = machine_view("service", "The service name, as sent.")
     endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
     endpoint = machine_view("endpoint", "The broker endpoint in use (or next to be tried).")
@@ -530,16 +540,6 @@ class Worker(WorkerDriver):
                 session.links, session.owner = self.links, self
                 session.readyLogLevel = LogLevel.debug
                 self.sessions.append(session)
-
-    @property
-    def concurrency(self) -> int:
-        """How many requests this worker serves at once (its sessions)."""
-        return len(self.sessions)
-
-    @property
-    def busy(self) -> int:
-        """How many of its sessions are serving a request."""
-        return sum(session.machine.current is not None for session in self.sessions)
 
     # --- lifecycle -----------------------------------------------------------
 
