@@ -13,10 +13,10 @@ from typing import Any
 
 import majortomo  # noqa: F401  (a missing majortomo must fail, not skip)
 import pytest_twisted
-from twisted.internet import defer, task, threads
+from twisted.internet import defer, threads
 
 from mdp import Broker, Client, Final, HeartbeatPolicy, Worker
-from tests.procs import Process, python
+from tests.procs import Process, python, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = os.path.join(HERE, "majortomo_peers.py")
@@ -48,6 +48,12 @@ async def with_timeout(d: defer.Deferred, seconds: float = 30) -> Any:
     return await d.addTimeout(seconds, reactor())
 
 
+async def bound_endpoint(mt_broker: Process) -> str:
+    """The endpoint a majortomo broker process says it bound."""
+    match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
+    return "zmq:" + match.group(1).decode()
+
+
 @pytest_twisted.ensureDeferred
 async def test_majortomo_client_through_our_broker_to_majortomo_worker() -> None:
     broker, endpoint = await our_broker()
@@ -71,8 +77,7 @@ async def test_our_client_through_majortomo_broker_to_our_worker() -> None:
     mt_broker = Process(reactor(), python(PEERS, "broker"))
     worker = client = None
     try:
-        match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
-        endpoint = "zmq:" + match.group(1).decode()
+        endpoint = await bound_endpoint(mt_broker)
 
         async def stream(frames: list[bytes]) -> Any:
             yield [b"partial"] + frames
@@ -124,8 +129,7 @@ async def test_majortomo_broker_serves_a_concurrent_worker_as_many_workers() -> 
     mt_broker = Process(reactor(), python(PEERS, "broker"))
     worker = client = None
     try:
-        match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
-        endpoint = "zmq:" + match.group(1).decode()
+        endpoint = await bound_endpoint(mt_broker)
         held: list[defer.Deferred[None]] = []
 
         def handler(frames: list[bytes]) -> defer.Deferred[list[bytes]]:
@@ -138,11 +142,8 @@ async def test_majortomo_broker_serves_a_concurrent_worker_as_many_workers() -> 
         worker.start()
         client = Client(endpoint, reactor(), timeout=10, retries=1, dialect="majortomo")
         replies = [client.request("together", str(n)) for n in range(3)]
-        for _ in range(1000):  # all three in hand at once (at most 10 s)
-            if len(held) == 3:
-                break
-            await task.deferLater(reactor(), 0.01)
-        assert len(held) == 3 and worker.busy == 3
+        await wait_until(lambda: len(held) == 3, 10)  # all three in hand at once
+        assert worker.busy == 3
         for d in held:
             d.callback(None)
         assert [await with_timeout(r) for r in replies] == [[b"ok", str(n).encode()]

@@ -222,6 +222,16 @@ async def left_open(path: str) -> list[str]:
     return ids
 
 
+async def pending_ids(path: str) -> list[str]:
+    """The ids of the requests pending in the store at *path*, opened and closed again."""
+    store = SQLiteStore(path, reactor())
+    await store.open()
+    try:
+        return [p.id for p in await store.pending(10)]
+    finally:
+        await store.close()
+
+
 @pytest.mark.timeout(60)
 @pytest_twisted.ensureDeferred
 async def test_a_wal_gone_from_a_store_left_open_is_refused_saying_what_to_do(
@@ -247,12 +257,7 @@ async def test_a_store_its_program_did_not_close_opens_again_with_everything(
     proc = await finished(python("-c", LEAVE_OPEN, path, "end"))
     ids = proc.output.decode().split()
     assert len(ids) == 3, proc.output
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    try:
-        assert [p.id for p in await store.pending(10)] == ids
-    finally:
-        await store.close()
+    assert await pending_ids(path) == ids
 
 
 @pytest.mark.timeout(60)
@@ -272,12 +277,7 @@ async def test_a_start_failing_after_a_crash_leaves_the_store_to_open_next_time(
         patched.setattr(SQLiteStore, "_prepare", full)
         with pytest.raises(StoreError, match="disk is full"):
             await SQLiteStore(path, reactor()).open()
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    try:
-        assert [p.id for p in await store.pending(10)] == ids
-    finally:
-        await store.close()
+    assert await pending_ids(path) == ids
 
 
 @pytest.mark.timeout(60)
@@ -299,9 +299,4 @@ async def test_a_damaged_wal_is_refused_saying_what_to_do(tmp_path: Any) -> None
     with open(path + "-wal", "r+b") as wal:
         wal.seek(32 + 24 + 100)
         wal.write(original)
-    store = SQLiteStore(path, reactor())
-    await store.open()
-    try:
-        assert [p.id for p in await store.pending(10)] == ids
-    finally:
-        await store.close()
+    assert await pending_ids(path) == ids
