@@ -15,9 +15,10 @@ import attrs
 action_class = attrs.define(slots=True, weakref_slot=False)
 
 
-def action_type(module: str, name: str, *fields: str) -> Any:
-    """An action class of *module* with *fields*, as :data:`action_class` makes one."""
-    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False)
+def action_type(module: str, name: str, *fields: str, frozen: bool = False) -> Any:
+    """An action (or, *frozen*, a hashable message) class of *module* with
+    *fields*, as :data:`action_class` makes one."""
+    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False, frozen=frozen)
     kind.__module__ = module
     return kind
 

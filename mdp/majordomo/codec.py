@@ -14,12 +14,14 @@ that starts over on another worker is preceded by a PARTIAL of exactly
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import attrs
 
 from mdp.errors import ProtocolError
+from mdp.machine import action_type
 
 # re-exported from mdp.messages: every pattern shares error replies
 from mdp.messages import ERROR_MARKER as ERROR_MARKER
@@ -62,11 +64,8 @@ MAX_SERVICE_LENGTH = 255
 Frames = list[bytes]
 
 
-def _command_class(name: str, *fields: str) -> Any:
-    """A frozen command class with *fields*."""
-    kind = attrs.make_class(name, list(fields), frozen=True, slots=True)
-    kind.__module__ = __name__
-    return kind
+#: a frozen command class with its fields
+_command_class = functools.partial(action_type, __name__, frozen=True)
 
 
 #: MDP/Client REQUEST (client to broker); PARTIAL, zero or more per request, and
