@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 from twisted.logger import Logger
 
 from mdp.errors import ClientClosed, TransportError
-from mdp.handlers import reply_frames
+from mdp.handlers import PLAIN_REPLIES, reply_frames
 from mdp.handlerthreads import PACED_POLL, HandlerThreads
 from mdp.majordomo import codec
 from mdp.majordomo.client import ClientDriver, report_stale
@@ -70,9 +70,6 @@ LINGER_MS = 200
 
 _PENDING: Any = object()  # the end of map()'s items
 _NEVER = float("inf")
-
-#: what a handler returns that is certainly not a generator
-_PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
 
 _forks = 0  # how many times this process is a fork's child
 
@@ -626,7 +623,7 @@ class Worker(WorkerDriver):
         started = monotonic()
         try:
             result = self.handler(body)
-            if type(result) not in _PLAIN_REPLIES and isinstance(result, Generator):
+            if type(result) not in PLAIN_REPLIES and isinstance(result, Generator):
                 self._stream(result, job)
             else:
                 self._reply(job, WorkerFinal, reply_frames(result))

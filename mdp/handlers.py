@@ -13,6 +13,9 @@ from twisted.internet import defer
 from mdp.errors import MDPError
 from mdp.messages import as_frame
 
+#: the types of a plain reply, told from a generator without an isinstance check
+PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
+
 
 def reply_frames(value: Any) -> list[bytes]:
     """A handler's reply (``bytes``, ``str``, or a list or tuple of them) as a

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from twisted.logger import Logger
 
-from mdp.handlers import reply_frames
+from mdp.handlers import PLAIN_REPLIES, reply_frames
 from mdp.majordomo import codec
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import Final
@@ -25,8 +25,6 @@ log = Logger(namespace="mdp.blocking")
 
 #: how often the loop looks whether a backlogged connection has drained (s)
 PACED_POLL = 0.005
-#: what a handler may return that is no generator, at a glance
-_PLAIN_REPLIES = frozenset((bytes, list, tuple, str, type(None)))
 
 
 class HandlerThreads:
@@ -62,7 +60,7 @@ class HandlerThreads:
         served, raised = True, None
         try:
             result = session.handler(body)
-            if type(result) not in _PLAIN_REPLIES and isinstance(result, Generator):
+            if type(result) not in PLAIN_REPLIES and isinstance(result, Generator):
                 for item in result:
                     final = isinstance(item, Final)
                     frames = reply_frames(item.frames if final else item)
