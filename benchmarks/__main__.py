@@ -472,7 +472,8 @@ def cases(smoke: bool, earlier: Optional[str] = None,
                 add(f"sync {shape} / {stack}", stack=stack, mode="sync", clients=clients,
                     workers=clients, n=n)
     for stack in (*(s for s in STACKS if s in PEER_STACKS and s in references), "bare+ours",
-                  "ours", "ours (concurrency 4)", "ours over tcp", "majortomo-broker+our-peers",
+                  "ours", "ours (concurrency 4)", "ours over tcp", "ours (concurrency 4) over tcp",
+                  "majortomo-broker+our-peers",
                   "ours+blocking-client", "ours+blocking-client over tcp"):
         if stack == "ours over tcp":  # goal 5: against the row before it
             add(f"pipelined w100 x4 / {stack}", transport="tcp", mode="pipelined", clients=1,
@@ -480,7 +481,7 @@ def cases(smoke: bool, earlier: Optional[str] = None,
             # what compiling buys the stream transport's modules
             add(f"pipelined w100 x4 / {stack} (source)", stack="ours (source)", transport="tcp",
                 mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
-        elif stack.endswith(" over tcp"):  # the blocking client's channels (NOTES.md, item 34)
+        elif stack.endswith(" over tcp"):  # channels on one connection (NOTES.md, item 34)
             add(f"pipelined w100 x4 / {stack}", stack=stack.removesuffix(" over tcp"),
                 transport="tcp", mode="pipelined", clients=1, workers=4, n=n_pipe, window=100)
         else:
@@ -635,7 +636,7 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
     # what users would pick instead (benchmarks.peers): rate, then CPU per request
     for shape in PEER_SHAPES:
         for peer in PEER_STACKS:
-            for stack in ("ours", "ours (concurrency 4)"):
+            for stack in ("ours", "ours (concurrency 4)", "ours (concurrency 4) over tcp"):
                 ours, theirs = f"{shape} / {stack}", f"{shape} / {peer}"
                 for what, key in (("", "rate"), ("CPU per request, ", "cpu_s_per_1k")):
                     value = ratio(table, ours, theirs, key)
