@@ -211,6 +211,7 @@ def worker_blocking(endpoint: str, service: str = "echo") -> None:
         yield Final(frames[:1])
 
     worker = Worker(endpoint, service, stream if service == "stream" else (lambda frames: frames),
+                    concurrency=int(os.environ.get("MDP_BENCH_CONCURRENCY") or 1),
                     **curve_client())
     emit("READY")
     worker.run()

@@ -114,7 +114,7 @@ def measure(stack: str, transport: str, mode: str, n: int, window: int, workers:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.syscalls",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stack", default="ours", choices=("ours", "nats"))
+    parser.add_argument("--stack", default="ours", choices=tuple(STACKS))
     parser.add_argument("--transport", default="zmq", choices=tuple(BINDS))
     parser.add_argument("--mode", default="pipelined", choices=("pipelined", "sync"))
     parser.add_argument("--n", type=int, default=20_000)

@@ -89,11 +89,12 @@ class HandlerThreads:
         with self.lock:
             if self.closed:
                 return False
+            # one wake-up for parts handed back together: the loop takes
+            # every part there is once woken (ready)
+            wake = not self.done
             self.done.append((session, job, kind, frames, ack, served, raised))
-            try:
-                os.write(self.writeFd, b"!")
-            except BlockingIOError:  # full: the loop wakes anyway
-                pass
+            if wake:
+                self._wake()
         if ack is None:
             return True
         while not ack.event.wait(1.0):
@@ -129,7 +130,17 @@ class HandlerThreads:
                 else:
                     ack.event.set()
             if raised is not None:  # (as with one session: out of run())
+                with self.lock:
+                    if self.done:  # the rest, for a run() called again
+                        self._wake()
                 raise raised
+
+    def _wake(self) -> None:
+        """Wake the loop (with the lock held)."""
+        try:
+            os.write(self.writeFd, b"!")
+        except BlockingIOError:  # full: the loop wakes anyway
+            pass
 
     def release(self) -> None:
         """After a turn of the loop: let go the handlers whose connections
