@@ -636,7 +636,8 @@ def references(table: dict[str, Any], scale: Optional[dict[str, Any]] = None
     # what users would pick instead (benchmarks.peers): rate, then CPU per request
     for shape in PEER_SHAPES:
         for peer in PEER_STACKS:
-            for stack in ("ours", "ours (concurrency 4)", "ours (concurrency 4) over tcp"):
+            for stack in ("ours", "ours over tcp", "ours (concurrency 4)",
+                          "ours (concurrency 4) over tcp"):
                 ours, theirs = f"{shape} / {stack}", f"{shape} / {peer}"
                 for what, key in (("", "rate"), ("CPU per request, ", "cpu_s_per_1k")):
                     value = ratio(table, ours, theirs, key)
