@@ -32,7 +32,7 @@ def _perf_reads_tracepoints() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(not _perf_reads_tracepoints(), reason="perf cannot read tracepoints here")
 def test_a_pipelined_case_over_tcp_is_counted_per_role() -> None:
     from benchmarks.syscalls import measure

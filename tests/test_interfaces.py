@@ -145,6 +145,20 @@ def _separately() -> Any:
     return transport.connect_channels("loopback:verify-channels", _clock())
 
 
+def _zmq_channels() -> Any:
+    from mdp.transport.zmqchannels import ZmqChannels
+
+    return ZmqChannels("zmq:inproc://verify-router", _clock(), [b"probe"])
+
+
+def _zmq_channel() -> Any:
+    channels = _zmq_channels()
+    channels.open(_Receiver())
+    pipe = channels.open(_Receiver())  # (a second at once: waits for the probe's answer)
+    channels.close()
+    return pipe
+
+
 def _zmq_router() -> Any:
     from mdp.transport.zeromq import ZmqRouter
 
@@ -314,6 +328,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.dealer._DealerConnection": _bare("mdp.transport.dealer._DealerConnection"),
     "mdp.transport.zeromq.ZmqRouter": _zmq_router,
     "mdp.transport.zeromq.ZmqDealer": _zmq_dealer,
+    "mdp.transport.zmqchannels.ZmqChannels": _zmq_channels,
+    "mdp.transport.zmqchannels.ZmqChannel": _zmq_channel,
     "mdp.transport.peers.PeerRouter": _peer_router,
     "mdp.testing._Router": _script_router,
     "mdp.testing._Pipe": _script_pipe,
@@ -361,7 +377,8 @@ async def test_declared_interfaces_are_provided(path: str) -> None:
             assert verifyObject(interface, obj)
     finally:
         close = getattr(obj, "close", None)
-        if close is not None and path.startswith("mdp.transport.zeromq"):
+        if close is not None and path.startswith(("mdp.transport.zeromq",
+                                                  "mdp.transport.zmqchannels")):
             await close()
 
 

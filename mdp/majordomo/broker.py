@@ -14,6 +14,7 @@ from zope.interface import classImplements
 
 from mdp import transport
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
+from mdp.majordomo import codec
 from mdp.majordomo.broker_machine import (  # noqa: F401  (re-exported: the broker's names)
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_QUEUE,
@@ -83,6 +84,9 @@ class Binding:
     keepFramesFrom = 3
     #: it tells its transport which peers are useful (kept when it is full)
     marksUseful = True
+    #: what MDP messages begin with: a ZeroMQ ROUTER takes any other first frame
+    #: for a relay hop, and the peer behind it for a peer of its own
+    relayHeaders = frozenset({b"", codec.CLIENT_HEADER, codec.WORKER_HEADER})
 
     def __init__(self, broker: Broker, clients: bool, workers: bool) -> None:
         self.broker = broker

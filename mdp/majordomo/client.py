@@ -294,7 +294,8 @@ class Client(ClientDriver):
             if link is None:
                 link = self._links[channel.endpoint] = transport.connect_channels(
                     channel.endpoint, self.reactor, limits=self.limits,
-                    security=transport.curve_for(channel.endpoint, self.curve))
+                    security=transport.curve_for(channel.endpoint, self.curve),
+                    relayProbe=codec.RELAY_PROBE)
             channel.pipe = link.open(_ChannelPipe(self, channel))
         except Exception as e:
             self._perform(self.machine.handleOpenFailed(channel, e, self.reactor.seconds()))

@@ -54,6 +54,10 @@ W_FINAL = b"\x04"
 W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
 
+#: What a client or worker asks, on a relay hop, of a ZeroMQ broker to learn
+#: whether it relays (mdp.transport.zmqchannels): any answer says it does
+RELAY_PROBE = [CLIENT_HEADER, C_REQUEST, b"mmi.service", b"mmi.service"]
+
 #: Body of the PARTIAL that says a streamed reply starts over
 #: (:class:`~mdp.errors.StreamRestarted`).
 RESTART_MARKER = b"\x00MDP-RESTART"

@@ -648,7 +648,7 @@ class Worker(WorkerDriver):
             link = self.links.get(endpoint)
             if link is None:
                 link = self.links[endpoint] = transport.connect_channels(
-                    endpoint, self.reactor, **options)
+                    endpoint, self.reactor, relayProbe=codec.RELAY_PROBE, **options)
             self.transport = link.open(self)
         except TransportError as e:  # (out of descriptors)
             self._openFailed(e)

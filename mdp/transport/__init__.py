@@ -262,13 +262,19 @@ def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
 def connect_channels(
     endpoint: str, reactor: Optional[Any] = None, *,
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
-    security: Any = None,
+    security: Any = None, relayProbe: Optional[list[bytes]] = None,
 ) -> IDealerChannels:
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one
-    connection where the scheme has channels; the arguments are :func:`connect`'s."""
+    connection where the scheme has channels, or on ``zmq:`` given *relayProbe*,
+    as relay hops on one DEALER if the server answers it (:mod:`.zmqchannels`);
+    the other arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security, CONNECT)
+    if scheme.name == "zmq" and relayProbe is not None:
+        from mdp.transport.zmqchannels import ZmqChannels
+
+        return ZmqChannels(endpoint, reactor, relayProbe, limits, retryPolicy, security)
     if scheme.channels is None:
         return _Separately(endpoint, reactor=reactor, retryPolicy=retryPolicy, limits=limits,
                            security=security)

@@ -51,6 +51,7 @@ __all__ = [
     "HIGH_WATER_MARK", "KEEP_FRAME_BYTES", "LINGER_MS", "ROUTER_HIGH_WATER_MARK",
     "ROUTER_SEND_WATER_MARK", "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter",
     "kept_frame_type", "random_identity", "zmq_factory", "zmq_frames", "_connection_classes",
+    "RELAYED", "envelope", "is_relayed", "relayed_peer", "routing_id",
 ]
 
 
@@ -58,6 +59,35 @@ def _address(endpoint: str) -> str:
     if not endpoint.startswith("zmq:"):
         raise TransportError(f"not a zmq endpoint: {endpoint!r}")
     return endpoint[len("zmq:"):]
+
+
+#: how a relayed peer's key begins (:func:`relayed_peer`): no routing id libzmq
+#: makes (five bytes) or a peer may set (never a leading zero byte) does so
+RELAYED = b"\x00\x00\x00"
+
+
+def relayed_peer(routingId: bytes, hop: bytes) -> bytes:
+    """The key of the peer behind relay *hop* of the connection *routingId*
+    (docs/mdp.md, "Relayed peers"): one bytes value, as a routing id is."""
+    return RELAYED + bytes((len(routingId),)) + routingId + hop
+
+
+def is_relayed(peer: bytes) -> bool:
+    return len(peer) > 5 and peer[:3] == RELAYED
+
+
+def envelope(peer: bytes, frames: list[Any]) -> list[Any]:
+    """The message for *peer* as a ROUTER sends it: its routing id first, and
+    for a relayed peer its hop after."""
+    if len(peer) > 5 and peer[:3] == RELAYED:
+        end = peer[3] + 4
+        return [peer[4:end], peer[end:], *frames]
+    return [peer, *frames]
+
+
+def routing_id(peer: bytes) -> bytes:
+    """The connection's routing id of *peer*, relayed or not."""
+    return peer[4:peer[3] + 4] if is_relayed(peer) else peer
 
 
 def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[bytes],
@@ -124,7 +154,7 @@ class _RoutedSocket:
                 self._hold(peer, backlog, frames)
                 return
         try:
-            self.connection.send([peer, *frames])
+            self.connection.send(envelope(peer, frames))
         except zmq.ZMQError as e:
             if e.errno == errno.EAGAIN:
                 backlog = self.backlogs[peer] = _Backlog()
@@ -156,7 +186,7 @@ class _RoutedSocket:
             messages = backlog.messages
             try:
                 while messages:
-                    send([peer, *messages[0]])
+                    send(envelope(peer, messages[0]))
                     backlog.bytes -= held_bytes(messages.popleft())
                     progressed = True
             except Again:
@@ -267,6 +297,10 @@ class ZmqRouter(_RoutedSocket):
         self._setup(endpoint, receiver, default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
+        # the first frames of the receiver's messages: any other first frame is a relay hop
+        relays = getattr(receiver, "relayHeaders", None)
+        self.relays = relays if isinstance(relays, frozenset) else None
+        self.hostileIds = 0
         if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
         # handover, but not under CURVE: one key would take over another's peer id
@@ -315,9 +349,9 @@ class ZmqRouter(_RoutedSocket):
         self.handshakesRefused += 1
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The CURVE public key (Z85) *peer*'s last message came with; None
-        without CURVE and an allow-list."""
-        return self._keys.get(peer)
+        """The CURVE public key (Z85) *peer*'s last message came with (a
+        relayed peer's: its connection's); None without CURVE and an allow-list."""
+        return self._keys.get(routing_id(peer))
 
     def _forgetDomain(self) -> None:
         if self._zapDomain is not None:
@@ -325,6 +359,17 @@ class ZmqRouter(_RoutedSocket):
             self._zapDomain = None
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
+        relays = self.relays
+        if relays is not None:
+            if is_relayed(peer):  # a routing id set to pass for a relayed peer
+                self.hostileIds += 1
+                self.throttle.warn(log, "hostile-id", "zmq router {endpoint} dropped a message "
+                                   "from a peer whose routing id {peer} begins as only relayed "
+                                   "peers' keys do", endpoint=self.endpoint, peer=peer.hex())
+                return
+            if len(frames) > 1 and frames[0] not in relays and 0 < len(frames[0]) < 256:
+                peer = relayed_peer(peer, bytes(frames[0]))
+                frames = frames[1:]
         if self.cut:
             self.cut.pop(peer, None)  # it speaks again: no longer cut off
         if not self._closing:

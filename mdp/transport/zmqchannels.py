@@ -1,0 +1,244 @@
+"""Many pipes over one ZeroMQ DEALER: each pipe is a *relay hop*, a four-byte
+frame before its messages, the way a ROUTER-DEALER proxy in front of a server
+adds one (for MDP: docs/mdp.md, "Relayed peers").  What one wake-up brings for
+many pipes is one read, and what they send together one write.
+
+Only a server that relays answers a relayed message, so once a second pipe is
+open at once, a link sends its *probe* (a request any answer to which will do)
+on a relay hop.  The first pipe never waits for the answer; one opened while
+the probe is out waits up to :data:`PROBE_WAIT` seconds, then goes alone, as
+does every pipe until an answer comes: a DEALER of its own, what a server
+without relays (majortomo's MDP broker, say) expects."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
+from mdp.policy import Limits, LogThrottle, cancel_call
+from mdp.transport.zeromq import ZmqDealer
+
+log = Logger(namespace=__name__)
+
+#: the probe's hop; pipes' hops count up from 1
+PROBE_HOP = b"\x00\x00\x00\x00"
+#: seconds a pipe opened while the probe is out waits for its answer
+PROBE_WAIT = 0.5
+#: messages a waiting pipe holds until it is up or goes alone
+MAX_HELD = 1000
+
+#: a link's states: one pipe at most so far; the probe is out; its wait is over,
+#: unanswered; answered
+ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relaying"
+
+
+@implementer(IDealerTransport)
+class ZmqChannel:
+    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER,
+    or (``alone``) a DEALER of its own; until the link knows which, a waiting
+    pipe holds what is sent."""
+
+    def __init__(self, link: ZmqChannels, receiver: IDealerReceiver) -> None:
+        self.link = link
+        self.receiver = receiver
+        self.hop: Optional[bytes] = None
+        self.alone: Optional[ZmqDealer] = None
+        self.closed = False
+        self.held: list[list[bytes]] = []
+
+    @property
+    def endpoint(self) -> str:
+        return self.link.endpoint
+
+    @property
+    def connected(self) -> bool:
+        if self.alone is not None:
+            return bool(self.alone.connected)
+        return self.hop is not None and self.link.up and not self.closed
+
+    @property
+    def writable(self) -> bool:
+        return bool((self.alone or self.link.dealer).writable)
+
+    def drained(self) -> defer.Deferred[None]:
+        return (self.alone or self.link.dealer).drained()
+
+    def discardReceived(self) -> int:
+        """A relayed pipe's messages are delivered as they come: none wait."""
+        return self.alone.discardReceived() if self.alone is not None else 0
+
+    def sendMessage(self, frames: list[bytes]) -> None:
+        if self.alone is not None:
+            self.alone.sendMessage(frames)
+        elif self.closed:
+            return
+        elif self.hop is not None:
+            self.link.dealer.sendMessage([self.hop, *frames])
+        elif len(self.held) < MAX_HELD:
+            self.held.append(list(frames))
+        else:
+            self.link.throttle.warn(log, "held", "zmq pipe to {endpoint} refused a message: "
+                                    "{count} wait for the broker's answer to the probe",
+                                    endpoint=self.endpoint, count=len(self.held))
+
+    def close(self) -> defer.Deferred[None]:
+        self.closed = True
+        self.held = []
+        self.link.forget(self)
+        if self.alone is not None:
+            return self.alone.close()
+        return defer.succeed(None)
+
+
+@implementer(IDealerChannels, IDealerReceiver)
+class ZmqChannels:
+    """The pipes to one ZeroMQ endpoint: relay hops on one DEALER where the
+    server answers the *probe* (frames, sent after a hop), DEALERs of their own
+    where it does not."""
+
+    def __init__(self, endpoint: str, reactor: Any, probe: list[bytes],
+                 limits: Limits = Limits(),
+                 retryPolicy: Optional[Callable[[int], float]] = None,
+                 security: Any = None) -> None:
+        self.endpoint = endpoint
+        self.probe = probe
+        self.reactor = reactor
+        self.limits = limits
+        self.retryPolicy = retryPolicy
+        self.security = security
+        self.throttle = LogThrottle(reactor)
+        self.state = ALONE
+        #: relayed pipes by hop; pipes waiting for the probe's answer; the
+        #: DEALERs of the pipes alone
+        self.relayed: dict[bytes, ZmqChannel] = {}
+        self.waiting: list[ZmqChannel] = []
+        self.alone: weakref.WeakSet[ZmqDealer] = weakref.WeakSet()
+        self.up = False
+        self.closed = False
+        #: messages for hops no pipe has (closed, or never opened): dropped
+        self.stale = 0
+        self._next = 0
+        self._waitCall: Any = None
+        #: the DEALER of the relay hops, once a second pipe is open
+        self.dealer: Any = None
+
+    def _dealer(self, receiver: Any) -> ZmqDealer:
+        return ZmqDealer(self.endpoint, receiver, self.reactor, limits=self.limits,
+                         curve=self.security, retryPolicy=self.retryPolicy)
+
+    def open(self, receiver: IDealerReceiver) -> IDealerTransport:
+        """A relayed pipe; or, while no other is open or the probe went
+        unanswered, a DEALER of its own; else a pipe that waits for the answer."""
+        if self.closed:
+            raise RuntimeError(f"the pipes to {self.endpoint} are closed")
+        if self.state is not RELAYING and (self.state is UNANSWERED or not (
+                self.relayed or self.waiting or any(d.connection for d in self.alone))):
+            dealer = self._dealer(receiver)
+            self.alone.add(dealer)
+            return dealer
+        pipe = ZmqChannel(self, receiver)
+        if self.state is RELAYING:
+            self._relay(pipe)
+            return pipe
+        if self.state is ALONE:  # a second pipe at once: ask whether the server relays
+            self.state = PROBING
+            self.dealer = self._dealer(self)
+            self.dealer.sendMessage([PROBE_HOP, *self.probe])
+            self._waitCall = self.reactor.callLater(PROBE_WAIT, self._unanswered)
+        self.waiting.append(pipe)
+        return pipe
+
+    def _relay(self, pipe: ZmqChannel) -> None:
+        while True:
+            self._next = self._next % 0xFFFFFFFF + 1
+            hop = self._next.to_bytes(4, "big")
+            if hop not in self.relayed:
+                break
+        pipe.hop = hop
+        self.relayed[hop] = pipe
+        held, pipe.held = pipe.held, []
+        for frames in held:  # (the DEALER keeps them while it connects)
+            pipe.sendMessage(frames)
+        if self.up:
+            self.reactor.callLater(0, self._made, pipe)
+
+    def _made(self, pipe: ZmqChannel) -> None:
+        if self.relayed.get(pipe.hop) is pipe and self.up:
+            pipe.receiver.connectionMade()
+
+    def _goAlone(self, pipe: ZmqChannel) -> None:
+        pipe.alone = self._dealer(pipe.receiver)
+        self.alone.add(pipe.alone)
+        held, pipe.held = pipe.held, []
+        for frames in held:
+            pipe.alone.sendMessage(frames)
+
+    def _unanswered(self) -> None:
+        """The probe's wait is over: the waiting pipes go alone (a later answer
+        still relays the pipes opened after it)."""
+        self._waitCall = None
+        if self.state is PROBING:
+            self.state = UNANSWERED
+            log.info("zmq: the broker at {endpoint} did not answer a relayed probe within "
+                     "{wait}s: a DEALER per pipe", endpoint=self.endpoint, wait=PROBE_WAIT)
+        waiting, self.waiting = self.waiting, []
+        for pipe in waiting:
+            if not pipe.closed:
+                self._goAlone(pipe)
+
+    def forget(self, pipe: ZmqChannel) -> None:
+        if pipe.hop is not None and self.relayed.get(pipe.hop) is pipe:
+            del self.relayed[pipe.hop]
+        if pipe in self.waiting:
+            self.waiting.remove(pipe)
+
+    # --- the shared DEALER's receiver ------------------------------------
+
+    def connectionMade(self) -> None:
+        self.up = True
+        for pipe in list(self.relayed.values()):
+            self._made(pipe)
+
+    def connectionLost(self, reason: object) -> None:
+        self.up = False
+        for pipe in list(self.relayed.values()):
+            pipe.receiver.connectionLost(reason)
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        hop = frames[0] if len(frames) > 1 else None
+        pipe = self.relayed.get(hop) if hop is not None else None
+        if pipe is not None:
+            pipe.receiver.messageReceived(frames[1:])
+        elif hop == PROBE_HOP:
+            self._answered()
+        else:
+            self.stale += 1
+
+    def _answered(self) -> None:
+        if self.state is RELAYING:
+            return
+        self.state = RELAYING
+        self._waitCall = cancel_call(self._waitCall)
+        waiting, self.waiting = self.waiting, []
+        for pipe in waiting:
+            if not pipe.closed:
+                self._relay(pipe)
+
+    def close(self) -> defer.Deferred[None]:
+        """Close every pipe and the DEALER; fires once all are."""
+        from mdp.transport import close_all
+
+        self.closed = True
+        self._waitCall = cancel_call(self._waitCall)
+        pipes: list[Any] = list(self.alone)
+        self.relayed.clear()
+        self.alone = weakref.WeakSet()
+        self.waiting = []
+        if self.dealer is not None:
+            pipes.append(self.dealer)
+        return close_all(pipes, "a pipe to " + self.endpoint)
