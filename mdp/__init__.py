@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from mdp.majordomo.idempotence import MemoryReplyStore
     from mdp.majordomo.worker import Final, Worker
     from mdp.policy import Backoff, HeartbeatPolicy, Limits
+    from mdp.uvreactor import react
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ _HOMES = {name: home for home, names in {
     "mdp.majordomo.idempotence": ("MemoryReplyStore",),
     "mdp.majordomo.worker": ("Final", "Worker"),
     "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"),
+    "mdp.uvreactor": ("react",),
     "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge",
                    "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge",
                    "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
@@ -66,7 +68,7 @@ __all__ = [
     "MessageTooLarge", "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream",
     "ReplyTooLarge", "RequestTimeout", "RequestTooLarge", "ServiceOverloaded",
     "ServiceUnavailable", "StreamRestarted", "TransportError", "Worker", "WorkerError",
-    "WorkerService",
+    "WorkerService", "react",
 ]
 
 

@@ -1,20 +1,24 @@
-"""Twisted's asyncio reactor over a uvloop event loop, for throughput (every
-node runs on any reactor).  Install it before anything imports
-``twisted.internet.reactor``::
+"""Twisted's asyncio reactor over a uvloop event loop: what ``twist mdp-broker``
+(and the other plugins), the ``mdp`` command and :func:`react` run on when no
+reactor is installed yet and uvloop imports (txmajordomo installs it, except on
+Windows and PyPy: there, Twisted's default).  Every node runs on any reactor.
+A program of its own installs it before anything imports
+``twisted.internet.reactor``, or runs its main in :func:`react`::
 
     from mdp import uvreactor
     uvreactor.install()
 
-or ``twist --reactor=uvloop mdp-broker``.  uvloop is the ``speed`` extra.
+``twist --reactor=epoll`` (or ``--reactor=default``) opts out.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Callable, NoReturn, Sequence
 
 from twisted.python.usage import UsageError
 
-INSTALL_HINT = "pip install 'txmajordomo[speed]' (or pip install uvloop; not on Windows)"
+INSTALL_HINT = "pip install uvloop (txmajordomo installs it, except on Windows and PyPy)"
 
 
 class UVLoopMissing(ImportError, UsageError):
@@ -53,7 +57,6 @@ def install() -> Any:
     current one) and return the reactor.  Raises :class:`UVLoopMissing` or
     ``ReactorAlreadyInstalledError``, installing nothing."""
     import asyncio
-    import sys
 
     if "twisted.internet.reactor" in sys.modules:
         from twisted.internet.error import ReactorAlreadyInstalledError
@@ -72,4 +75,31 @@ def install() -> Any:
     return reactor
 
 
-__all__ = ["INSTALL_HINT", "UVLoopMissing", "install", "new_loop", "reactor_class"]
+def install_default() -> Any:
+    """The reactor: :func:`install`'s if no reactor is installed yet and uvloop
+    imports, else the installed one (Twisted's default if none was)."""
+    if "twisted.internet.reactor" not in sys.modules:
+        try:
+            return install()
+        except UVLoopMissing as e:
+            from twisted.logger import Logger
+
+            Logger(namespace=__name__).info("reactor: Twisted's default, as uvloop does not "
+                                            "import ({error})", error=e.__cause__ or e)
+    from twisted.internet import reactor
+
+    return reactor
+
+
+def react(main: Callable[..., Any], argv: Sequence[Any] = ()) -> NoReturn:
+    """:func:`twisted.internet.task.react` on :func:`install_default`'s reactor:
+    run ``main(reactor, *argv)`` (a Deferred or a coroutine) until it is done,
+    then exit (status 0, 1 on a failure, a ``SystemExit``'s own code)."""
+    from twisted.internet import defer, task
+
+    install_default()
+    task.react(lambda reactor, *args: defer.ensureDeferred(main(reactor, *args)), argv)
+
+
+__all__ = ["INSTALL_HINT", "UVLoopMissing", "install", "install_default", "new_loop", "react",
+           "reactor_class"]

@@ -18,7 +18,7 @@ from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
 
-from mdp import transport
+from mdp import transport, uvreactor
 from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
 from mdp.app.status import status
@@ -703,7 +703,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         return defer.ensureDeferred(guarded(reactor))
 
     try:
-        task.react(run)
+        uvreactor.react(run)
     except SystemExit:
         if interrupted:
             raise SystemExit(EXIT_INTERRUPTED) from None

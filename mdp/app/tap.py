@@ -16,7 +16,7 @@ from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
-from mdp import transport
+from mdp import transport, uvreactor
 from mdp.app import service
 from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
 from mdp.binarystar import BinaryStar
@@ -432,6 +432,8 @@ class _ServiceOptions(VersionedOptions):
         raise NotImplementedError
 
     def postOptions(self) -> None:
+        # ours unless twist installed --reactor's; before a check or handler imports one
+        uvreactor.install_default()
         if "heartbeat" in self:
             self.heartbeatPolicy()
         limits_of(self)

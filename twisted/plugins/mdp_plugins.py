@@ -53,9 +53,10 @@ spRep = _Maker("sp-rep", "SP (nng) REP server running a handler.", "SPRepService
 spDevice = _Maker("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
                   "SPDeviceServiceMaker")
 
-# ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor)
+# ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor),
+# what the plugins above install anyway when no --reactor is given
 uvloopReactor = Reactor("uvloop", "mdp.uvreactor",
-                        "Twisted's asyncio reactor over uvloop (pip install 'txmajordomo[speed]')")
+                        "Twisted's asyncio reactor over uvloop (txmajordomo's plugins' default)")
 
 
 @implementer(IStreamServerEndpointStringParser, IPlugin)
