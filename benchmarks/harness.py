@@ -22,7 +22,8 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def default_reactor() -> str:
-    """uvloop where it is installed (the ``speed`` extra): the reactor
+    """uvloop where it is installed (as the package requires but on Windows and
+    PyPy): the reactor
     docs/performance.md recommends for throughput; else Twisted's default."""
     try:
         import uvloop  # noqa: F401

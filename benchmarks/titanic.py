@@ -110,7 +110,7 @@ def run_titanic(store: str, n: int, warmup: int) -> tuple[dict[str, Any], dict[s
         worker.ready()
         db = os.path.join(tmp, "titanic.db") if store == "sqlite" else ":memory:"
         # Titanic on the run's reactor too (benchmarks.harness.use_reactor)
-        reactor = ["--reactor=uvloop"] if on_uvloop() else []
+        reactor = ["--reactor=uvloop" if on_uvloop() else "--reactor=epoll"]
         titanic = procs.start(argv=[twist, *reactor, "--log-format", "text", "mdp-titanic",
                                     "--broker", endpoint, "--db", db,
                                     "--concurrency", str(CONCURRENCY)])
