@@ -22,9 +22,8 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def default_reactor() -> str:
-    """uvloop where it is installed (as the package requires but on Windows and
-    PyPy): the reactor
-    docs/performance.md recommends for throughput; else Twisted's default."""
+    """uvloop where it is installed (a dependency but on Windows and PyPy):
+    the reactor our nodes run on by default; else Twisted's default."""
     try:
         import uvloop  # noqa: F401
     except ImportError:
