@@ -578,9 +578,13 @@ class ZmqDealer:
         connection = self.connection
         return 0 if connection is None else connection.discardQueued()
 
-    def oversized(self, peer: None, count: int, size: int) -> None:
+    def oversized(self, head: Any, count: int, size: int) -> None:
         """Drop a message over the limits with its socket, as stream transports
-        do (``connectionLost``); a fresh socket replaces it."""
+        do (``connectionLost``); a fresh socket replaces it (for relay hops, the
+        pipe of the message's first frame alone: ``hopOversized``)."""
+        onHop = getattr(self.receiver, "hopOversized", None)
+        if onHop is not None and head and onHop(bytes(head), count, size):
+            return
         self.throttle.warn(log, "oversized", "zmq dealer to {endpoint} dropped a message of "
                            "{size}+ bytes in {count} frames, over the limit of {limit} bytes in "
                            "{frames} frames, and opens a new connection", endpoint=self.endpoint,

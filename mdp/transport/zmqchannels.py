@@ -17,8 +17,10 @@ from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from mdp.errors import OversizedMessage
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import Limits, LogThrottle, cancel_call
 from mdp.transport.zeromq import ZmqDealer
@@ -218,6 +220,22 @@ class ZmqChannels:
             self._answered()
         else:
             self.stale += 1
+
+    def hopOversized(self, hop: bytes, count: int, size: int) -> bool:
+        """A message over the limits came on *hop* (read off): its pipe alone
+        goes on as a new hop, as a DEALER of its own is replaced, and hears
+        ``connectionLost``; the other pipes are not touched."""
+        pipe = self.relayed.get(hop)
+        if pipe is not None:
+            why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")
+            self.reactor.callLater(0, self._hopReplaced, pipe, hop, why)
+        return True
+
+    def _hopReplaced(self, pipe: ZmqChannel, hop: bytes, why: Exception) -> None:
+        if self.relayed.get(hop) is pipe:
+            del self.relayed[hop]
+            self._relay(pipe)  # (what still comes on the old hop is stale)
+            pipe.receiver.connectionLost(Failure(why))
 
     def _answered(self) -> None:
         if self.state is RELAYING:

@@ -314,7 +314,8 @@ def _connection_classes() -> tuple[type, type]:
                     self.skipping = [head, count, size, more]
                     return 0
                 self.skipping = None
-                self.owner.oversized(head if self.envelope else None, count - self.envelope, size)
+                # (a ROUTER's head is the peer; a DEALER's, its first frame: a relay hop)
+                self.owner.oversized(head, count - self.envelope, size)
                 return budget
 
             def attached(self) -> None:
