@@ -120,7 +120,15 @@ class HandlerThreads:
                 if not self.done:
                     break
                 session, job, kind, frames, ack, served, raised = self.done.popleft()
-            sent = session._reply(job, kind, frames)
+            try:
+                sent = session._reply(job, kind, frames)
+            except BaseException:
+                if ack is not None:  # (its handler waits for it: not sent)
+                    ack.event.set()
+                with self.lock:
+                    if self.done:  # the rest, for the loop's next turn
+                        self._wake()
+                raise
             if served and sent:
                 session.requestsServed += 1
             if ack is not None:

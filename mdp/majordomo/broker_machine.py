@@ -577,10 +577,15 @@ class BrokerMachine(Machine):
         """A *worker*'s PARTIAL or FINAL for its *request*: on to the client,
         unless already answered (413) or too large for the link back (413)."""
         tooLarge = None
-        if len(request.service) > len(request.envelope):
-            # the client's frames outgrow the worker's only by a service name longer than the envelope
-            size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service)
-            tooLarge = self.limits.oversize(size, len(body) + 4)
+        client = request.client[1]
+        # a relayed client's hop (mdp.transport.zeromq.relayed_peer) goes with its reply
+        hop = (len(client) - 4 - client[3] if type(client) is bytes and len(client) > 5
+               and client[:3] == b"\0\0\0" else 0)
+        if len(request.service) + hop > len(request.envelope):
+            # the client's frames outgrow the worker's only by a service name (and a
+            # hop) longer than the envelope
+            size = sum(map(len, body)) + len(codec.CLIENT_HEADER) + 1 + len(request.service) + hop
+            tooLarge = self.limits.oversize(size, len(body) + 4 + (hop > 0))
         if request.state is ANSWERED:  # the worker's rest is void
             self._emit(Dropped(worker.key[1], "void", "the rest of a reply already answered"))
             if final:

@@ -56,7 +56,8 @@ W_DISCONNECT = b"\x06"
 
 #: What a client or worker asks, on a relay hop, of a ZeroMQ broker to learn
 #: whether it relays (mdp.transport.zmqchannels): any answer says it does
-RELAY_PROBE = [CLIENT_HEADER, C_REQUEST, b"mmi.service", b"mmi.service"]
+#: (``mmi.binarystar``: a passive broker of a pair answers it too)
+RELAY_PROBE = [CLIENT_HEADER, C_REQUEST, b"mmi.binarystar", b""]
 
 #: Body of the PARTIAL that says a streamed reply starts over
 #: (:class:`~mdp.errors.StreamRestarted`).

@@ -487,7 +487,8 @@ class Worker(WorkerDriver):
     hands it up to N requests at once and a handler returning a Deferred,
     coroutine or generator runs up to N times at once.  Over a stream
     endpoint the sessions share one connection (a channel each); over ZeroMQ
-    each is a DEALER socket.  To any broker they are N ordinary workers."""
+    one DEALER socket as relay hops where the broker relays, else a DEALER
+    each.  To any broker they are N ordinary workers."""
 
     def __init__(
         self,

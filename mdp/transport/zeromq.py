@@ -66,6 +66,10 @@ def _address(endpoint: str) -> str:
 RELAYED = b"\x00\x00\x00"
 
 
+#: relayed peers one connection may have: past it, the least recently heard is gone
+MAX_RELAYED = 4096
+
+
 def relayed_peer(routingId: bytes, hop: bytes) -> bytes:
     """The key of the peer behind relay *hop* of the connection *routingId*
     (docs/mdp.md, "Relayed peers"): one bytes value, as a routing id is."""
@@ -106,20 +110,22 @@ def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[b
 
 
 class _Backlog:
-    """Messages a ROUTER keeps for one peer whose pipe is full, in order."""
+    """Messages a ROUTER keeps for one connection whose pipe is full, in order:
+    each as sent (routing id and hop first) with its size as counted."""
 
     __slots__ = ("messages", "bytes")
 
     def __init__(self) -> None:
-        self.messages: deque[list[bytes]] = deque()
+        self.messages: deque[tuple[list[Any], int]] = deque()
         self.bytes = 0
 
 
 class _RoutedSocket:
-    """A bound or connecting ROUTER: a message for a peer whose pipe is full
-    waits in that peer's backlog (others are never held back).  Past
-    ``maxOutputBytes`` the peer is cut off: its messages are discarded until it
-    sends again, and a bound ROUTER reports ``peerDisconnected``."""
+    """A bound or connecting ROUTER: a message for a connection whose pipe is
+    full waits in that connection's backlog (others are never held back).  Past
+    ``maxOutputBytes`` the connection is cut off: its messages are discarded
+    until it sends again, and a bound ROUTER reports ``peerDisconnected`` for
+    it and for each relayed peer behind it."""
 
     connects = False
 
@@ -132,9 +138,12 @@ class _RoutedSocket:
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
+        #: by connection (routing id)
         self.backlogs: dict[bytes, _Backlog] = {}
-        #: peers cut off, oldest first (a bounded, ordered set)
+        #: connections cut off, oldest first (a bounded, ordered set)
         self.cut: dict[bytes, None] = {}
+        #: the relayed peers heard from each connection, least recently first
+        self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}
         self.dropped = 0
         self.overflows = 0
         self.oversizedCount = 0
@@ -145,20 +154,22 @@ class _RoutedSocket:
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
         if self.connection.socket is None:
             return
+        message = envelope(peer, frames)
         if self.backlogs or self.cut:
-            if peer in self.cut:
+            connection = message[0]
+            if connection in self.cut:
                 self.dropped += 1
                 return
-            backlog = self.backlogs.get(peer)
+            backlog = self.backlogs.get(connection)
             if backlog is not None:
-                self._hold(peer, backlog, frames)
+                self._hold(connection, backlog, message, held_bytes(frames))
                 return
         try:
-            self.connection.send(envelope(peer, frames))
+            self.connection.send(message)
         except zmq.ZMQError as e:
             if e.errno == errno.EAGAIN:
-                backlog = self.backlogs[peer] = _Backlog()
-                self._hold(peer, backlog, frames)
+                backlog = self.backlogs[message[0]] = _Backlog()
+                self._hold(message[0], backlog, message, held_bytes(frames))
             else:
                 self._refused(peer, e)
 
@@ -166,11 +177,11 @@ class _RoutedSocket:
     def backlogged(self) -> bool:
         return bool(self.backlogs)
 
-    def _hold(self, peer: bytes, backlog: _Backlog, frames: list[bytes]) -> None:
-        backlog.messages.append(frames)
-        backlog.bytes += held_bytes(frames)
+    def _hold(self, connection: bytes, backlog: _Backlog, message: list[Any], size: int) -> None:
+        backlog.messages.append((message, size))
+        backlog.bytes += size
         if backlog.bytes > self.limits.maxOutputBytes:
-            self._cutOff(peer, backlog)
+            self._cutOff(connection, backlog)
         elif self._flushCall is None:
             self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
 
@@ -182,24 +193,25 @@ class _RoutedSocket:
         send = self.connection.send
         Again = zmq.Again
         progressed = False
-        for peer, backlog in list(self.backlogs.items()):
+        for connection, backlog in list(self.backlogs.items()):
             messages = backlog.messages
             try:
                 while messages:
-                    send(envelope(peer, messages[0]))
-                    backlog.bytes -= held_bytes(messages.popleft())
+                    send(messages[0][0])
+                    backlog.bytes -= messages.popleft()[1]
                     progressed = True
             except Again:
                 continue
             except zmq.ZMQError as e:
                 messages.popleft()
-                self._refused(peer, e)
+                self._refused(connection, e)
                 self.dropped += len(messages)
-            del self.backlogs[peer]
+            del self.backlogs[connection]
         if self.backlogs:
             self._flushCall = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
+        """Cut off the connection *peer* (a routing id)."""
         del self.backlogs[peer]
         self.cut[peer] = None
         if len(self.cut) > MAX_CUT_OFF:
@@ -217,7 +229,13 @@ class _RoutedSocket:
 
     def _reportCut(self, peer: bytes) -> None:
         if peer in self.cut:
-            self.receiver.peerDisconnected(peer)
+            self._gone(peer)
+
+    def _gone(self, connection: bytes) -> None:
+        """Report the connection gone, and each relayed peer heard from it."""
+        self.receiver.peerDisconnected(connection)
+        for relayed in self.relayedOf.pop(connection, ()):
+            self.receiver.peerDisconnected(relayed)
 
     def oversized(self, peer: Optional[bytes], count: int, size: int) -> None:
         self.oversizedCount += 1
@@ -339,7 +357,7 @@ class ZmqRouter(_RoutedSocket):
                 self.throttle.warn(log, "claimed", "peer id {peer} of {endpoint} now speaks with "
                                    "another CURVE key: the peer that had it is gone",
                                    peer=peer.hex(), endpoint=self.endpoint)
-                self.receiver.peerDisconnected(peer)
+                self._gone(peer)
             return
         keys[peer] = userId
         if len(keys) > MAX_CUT_OFF * 10:
@@ -367,13 +385,32 @@ class ZmqRouter(_RoutedSocket):
                                    "from a peer whose routing id {peer} begins as only relayed "
                                    "peers' keys do", endpoint=self.endpoint, peer=peer.hex())
                 return
+            if self.cut:
+                self.cut.pop(peer, None)  # it speaks again: no longer cut off
             if len(frames) > 1 and frames[0] not in relays and 0 < len(frames[0]) < 256:
-                peer = relayed_peer(peer, bytes(frames[0]))
+                peer = self._relayed(peer, bytes(frames[0]))
                 frames = frames[1:]
-        if self.cut:
-            self.cut.pop(peer, None)  # it speaks again: no longer cut off
+        elif self.cut:
+            self.cut.pop(peer, None)
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
+
+    def _relayed(self, connection: bytes, hop: bytes) -> bytes:
+        """The key of the peer behind *hop*, heard from now; past
+        :data:`MAX_RELAYED` on one connection, the least recently heard is gone."""
+        peer = relayed_peer(connection, hop)
+        known = self.relayedOf.get(connection)
+        if known is None:
+            known = self.relayedOf[connection] = OrderedDict()
+            if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (connections ZeroMQ never says went)
+                del self.relayedOf[next(iter(self.relayedOf))]
+        if peer in known:
+            known.move_to_end(peer)
+        else:
+            known[peer] = None
+            if len(known) > MAX_RELAYED:
+                self.receiver.peerDisconnected(known.popitem(last=False)[0])
+        return peer
 
     sendMessage = _RoutedSocket._send
 

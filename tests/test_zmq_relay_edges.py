@@ -139,8 +139,6 @@ class RelayRecorder:
         self.events.append(("gone", peer))
 
 
-@pytest.mark.xfail(strict=True, reason="identified() reports only the routing id gone, not "
-                   "the relayed peers behind it")
 @pytest_twisted.ensureDeferred
 async def test_under_curve_a_claimed_id_takes_over_no_relayed_peer_of_another_key(
         tmp_path: Path) -> None:
@@ -215,8 +213,6 @@ def _slow_reader(address: str, hops: int) -> None:
     return socket  # (kept open by the caller)
 
 
-@pytest.mark.xfail(strict=True, reason="backlogs and cut-offs are per relayed peer, not per "
-                   "connection")
 @pytest_twisted.ensureDeferred
 async def test_one_connection_cannot_make_the_broker_hold_more_than_max_output_bytes() -> None:
     limit = 256 * 1024
@@ -261,8 +257,6 @@ class Passive:
         return {"state": "active" if self.active else "passive", "serving": self.active}
 
 
-@pytest.mark.xfail(strict=True, reason="a passive broker drops the mmi.service probe, and it "
-                   "is never sent again")
 @pytest_twisted.ensureDeferred
 async def test_a_broker_passive_when_probed_relays_once_active() -> None:
     admission = Passive()
