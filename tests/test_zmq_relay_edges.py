@@ -277,3 +277,41 @@ async def test_a_broker_passive_when_probed_relays_once_active() -> None:
     finally:
         await worker.stop()
         await broker.close()
+
+
+def _sized_reply(address: str, service: bytes, body: int) -> list[bytes]:
+    """In a thread: a raw worker of *service* answering with *body* bytes, and
+    a raw client on relay hop ``HOP1``; what the client gets."""
+    context = zmq.Context.instance()
+    worker, client = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    try:
+        for socket in (worker, client):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+        worker.send_multipart([codec.WORKER_HEADER, codec.W_READY, service])
+        client.send_multipart([b"HOP1", codec.CLIENT_HEADER, codec.C_REQUEST, service, b"go"])
+        if not worker.poll(10_000):
+            raise TimeoutError("no request within 10 s")
+        _, _, envelope, empty, _ = worker.recv_multipart()
+        worker.send_multipart([codec.WORKER_HEADER, codec.W_FINAL, envelope, empty, b"r" * body])
+        if not client.poll(10_000):
+            raise TimeoutError("no reply within 10 s")
+        return client.recv_multipart()
+    finally:
+        worker.close()
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reply_that_fits_a_worker_but_not_a_relayed_client_is_refused() -> None:
+    """The hop goes with the reply: a FINAL that fits the worker's link but not
+    the client's (service name and hop) is a 413, as for any client."""
+    broker = Broker(reactor(), heartbeat=HB, limits=Limits(maxMessageBytes=4096))
+    bound = await broker.listen("zmq:tcp://127.0.0.1:*")
+    service = b"s" * 20  # shorter than the relayed client's envelope; with the hop, longer
+    try:
+        reply = await threads.deferToThread(_sized_reply, bound.endpoint[4:], service, 4068)
+        assert reply[:4] == [b"HOP1", codec.CLIENT_HEADER, codec.C_FINAL, service]
+        assert reply[4:6] == [b"\x00MDP-ERROR", codec.STATUS_TOO_LARGE], reply[4:6]
+    finally:
+        await broker.close()
