@@ -107,6 +107,21 @@ def test_errors_as_null_or_column(spark: Any, cluster: dict) -> None:
     assert column[0].error is None and column[1].error == "ValueError: null input"
 
 
+def test_a_column_function_in_with_column_and_in_select(spark: Any, cluster: dict) -> None:
+    from mdp.spark import service_column
+
+    df = spark.createDataFrame([(f"r{i}", f"x{i}") for i in range(300)] + [(None, "z")],
+                               "name string, other string")
+    enrich = service_column("upper", cluster["endpoint"], outputType="string", onError="null")
+    rows = df.withColumn("reply", enrich(df.name)).collect()
+    assert [r.reply for r in rows] == [f"R{i}" for i in range(300)] + [None]
+    # several columns are one frame each; errors in a struct beside the reply
+    both = service_column("upper", cluster["endpoint"], outputType="frames", onError="column")
+    out = df.select(both(df.name, df.other).alias("r")).collect()
+    assert [r.r.reply for r in out[:2]] == [[b"R0", b"X0"], [b"R1", b"X1"]]
+    assert (out[-1].r.reply, out[-1].r.error) == (None, "ValueError: null input")
+
+
 def test_worker_killed_mid_job_loses_and_duplicates_nothing(spark: Any, cluster: dict) -> None:
     from mdp.spark import call_service
 
@@ -181,7 +196,7 @@ class _Untouchable:
 def test_arguments_are_checked_on_the_driver_before_any_task(kwargs: dict, error: Any,
                                                              says: str) -> None:
     """Not only inside each executor task, once Spark has started the job."""
-    from mdp.spark import call_service, call_service_rdd
+    from mdp.spark import call_service, call_service_rdd, service_column
 
     arguments = {"service": "upper", "broker": "zmq:tcp://127.0.0.1:5555", **kwargs}
     service, broker = arguments.pop("service"), arguments.pop("broker")
@@ -189,6 +204,8 @@ def test_arguments_are_checked_on_the_driver_before_any_task(kwargs: dict, error
         call_service(_Untouchable(), service, broker, **arguments)
     with pytest.raises(error, match=says):
         call_service_rdd(_Untouchable(), service, broker, **arguments)
+    with pytest.raises(error, match=says):
+        service_column(service, broker, **arguments)
 
 
 @pytest.mark.parametrize("batch, error", [(0, ValueError), (-1, ValueError), ("9", TypeError)])
