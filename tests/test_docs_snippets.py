@@ -182,6 +182,10 @@ EXCLUDED: dict[str, str] = {
         "a call on the DataFrame `df` of a Spark job, with a broker at broker:5555: "
         "examples/spark_enrich.py is a whole job, run by tests/test_docs_commands.py "
         "(test_the_spark_call_takes_call_services_arguments: its keywords are the API's)",
+    "docs/spark.md: enrich = service_column(":
+        "calls on the DataFrame `df` of a Spark job, whose session must exist (arrow_udf), with "
+        "a broker at broker:5555: tests/test_spark.py makes the same calls "
+        "(test_a_column_function_in_with_column_and_in_select)",
 }
 
 
