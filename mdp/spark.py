@@ -263,6 +263,7 @@ def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]]
     def several(batches):  # type: ignore[no-untyped-def]
         return replies(batches)
 
+    one.__name__ = several.__name__ = call.service  # (the column's name: "enrich(name)")
     # (Spark reads the iterator forms from the hints, evaluated: not strings)
     one.__annotations__ = {"batches": Iterator[pa.Array], "return": Iterator[pa.Array]}
     several.__annotations__ = {"batches": Iterator[tuple[pa.Array, ...]],
