@@ -12,7 +12,7 @@ raise the :class:`~mdp.errors.RemoteError` subclass for the code.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from mdp.errors import (
     Forbidden,
@@ -97,3 +97,39 @@ def as_frame(item: object, what: str) -> bytes:
     if isinstance(item, (bytes, bytearray, memoryview)):
         return bytes(item)
     raise TypeError(f"{what} is {type(item).__name__}, not bytes or str")
+
+
+# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's
+# peers behind relay hops, each known by one bytes key, as a routing id is
+
+#: how a relayed peer's key begins: no routing id libzmq makes (five bytes) or
+#: a peer may set (never a leading zero byte) does so
+RELAYED = b"\x00\x00\x00"
+
+
+def relayed_peer(routingId: bytes, hop: bytes) -> bytes:
+    """The key of the peer behind relay *hop* of the connection *routingId*."""
+    return RELAYED + bytes((len(routingId),)) + routingId + hop
+
+
+def is_relayed(peer: object) -> bool:
+    return type(peer) is bytes and len(peer) > 5 and peer[:3] == RELAYED
+
+
+def relay_hop(peer: object) -> bytes:
+    """A relayed peer's hop (``b""`` for any other peer)."""
+    return peer[peer[3] + 4:] if is_relayed(peer) else b""  # type: ignore[index]
+
+
+def routing_id(peer: bytes) -> bytes:
+    """The connection's routing id of *peer*, relayed or not."""
+    return peer[4:peer[3] + 4] if is_relayed(peer) else peer
+
+
+def envelope(peer: bytes, frames: list[Any]) -> list[Any]:
+    """The message for *peer* as a ROUTER sends it: its routing id first, and
+    for a relayed peer its hop after."""
+    if len(peer) > 5 and peer[:3] == RELAYED:
+        end = peer[3] + 4
+        return [peer[4:end], peer[end:], *frames]
+    return [peer, *frames]

@@ -50,6 +50,7 @@ from mdp.majordomo.codec import (
     parse,
     split,
 )
+from mdp.messages import relay_hop
 from mdp.messages import text as label
 from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, Liveness, MiB
 
@@ -577,10 +578,7 @@ class BrokerMachine(Machine):
         """A *worker*'s PARTIAL or FINAL for its *request*: on to the client,
         unless already answered (413) or too large for the link back (413)."""
         tooLarge = None
-        client = request.client[1]
-        # a relayed client's hop (mdp.transport.zeromq.relayed_peer) goes with its reply
-        hop = (len(client) - 4 - client[3] if type(client) is bytes and len(client) > 5
-               and client[:3] == b"\0\0\0" else 0)
+        hop = len(relay_hop(request.client[1]))  # (a relayed client's hop goes with its reply)
         if len(request.service) + hop > len(request.envelope):
             # the client's frames outgrow the worker's only by a service name (and a
             # hop) longer than the envelope

@@ -24,6 +24,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
+from mdp.messages import RELAYED, envelope, is_relayed, relayed_peer, routing_id
 from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_domain
@@ -61,37 +62,8 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
-#: how a relayed peer's key begins (:func:`relayed_peer`): no routing id libzmq
-#: makes (five bytes) or a peer may set (never a leading zero byte) does so
-RELAYED = b"\x00\x00\x00"
-
-
 #: relayed peers one connection may have: past it, the least recently heard is gone
 MAX_RELAYED = 4096
-
-
-def relayed_peer(routingId: bytes, hop: bytes) -> bytes:
-    """The key of the peer behind relay *hop* of the connection *routingId*
-    (docs/mdp.md, "Relayed peers"): one bytes value, as a routing id is."""
-    return RELAYED + bytes((len(routingId),)) + routingId + hop
-
-
-def is_relayed(peer: bytes) -> bool:
-    return len(peer) > 5 and peer[:3] == RELAYED
-
-
-def envelope(peer: bytes, frames: list[Any]) -> list[Any]:
-    """The message for *peer* as a ROUTER sends it: its routing id first, and
-    for a relayed peer its hop after."""
-    if len(peer) > 5 and peer[:3] == RELAYED:
-        end = peer[3] + 4
-        return [peer[4:end], peer[end:], *frames]
-    return [peer, *frames]
-
-
-def routing_id(peer: bytes) -> bytes:
-    """The connection's routing id of *peer*, relayed or not."""
-    return peer[4:peer[3] + 4] if is_relayed(peer) else peer
 
 
 def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[bytes],
