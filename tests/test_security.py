@@ -21,6 +21,7 @@ from mdp.testing import CertificateAuthority as Authority
 from mdp.transport import authenticated, beyond_loopback
 from mdp.transport.curve import CurveServer, keygen
 from tests.conftest import warnings_logged
+from tests.curve_router import Recorder, claim, curve_router
 from tests.procs import (
     BROKER_HB,
     ENV,
@@ -358,52 +359,10 @@ async def refused_freelance(client: Any, body: bytes) -> BaseException:
     raise AssertionError(f"{body!r} got through: {reply!r}")
 
 
-class Recorder:
-    """A router receiver keeping what its transport reported, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-        self.transport: Any = None
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.events.append(("message", peer, frames[-1], self.transport.peerIdentity(peer)))
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        self.events.append(("gone", peer))
-
-
 @pytest_twisted.ensureDeferred
 async def test_under_curve_a_peer_id_cannot_be_taken_over_by_another_key(tmp_path: Path) -> None:
-    import zmq
-
-    from mdp import transport
-    from mdp.transport.curve import CurveClient, CurveServer
-
-    for name in ("server", "alice", "mallory"):
-        keygen(name, str(tmp_path))
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    for name in ("alice", "mallory"):  # both may connect: the policy tells them apart
-        (allowed / f"{name}.key").write_text((tmp_path / f"{name}.key").read_text())
     recorder = Recorder()
-    router = await transport.listen(
-        "zmq:tcp://127.0.0.1:*", recorder, reactor(),
-        security=CurveServer.fromFiles(str(tmp_path / "server.key_secret"), str(allowed)))
-    recorder.transport = router
-    context = zmq.Context()
-    sockets: list[Any] = []
-
-    def dealer(name: str, routingId: bytes) -> Any:
-        sock = context.socket(zmq.DEALER)
-        sock.linger = 0
-        CurveClient.fromFiles(str(tmp_path / "server.key"),
-                              str(tmp_path / f"{name}.key_secret")).apply(sock)
-        sock.routing_id = routingId
-        sock.connect(router.endpoint[len("zmq:"):])
-        sockets.append(sock)
-        return sock
-
-    try:
+    async with curve_router(tmp_path, recorder, reactor()) as (router, dealer):
         alice = dealer("alice", b"worker-1")
         alice.send(b"from alice")
         await wait_until(lambda: len(recorder.events) == 1, 10)
@@ -417,22 +376,8 @@ async def test_under_curve_a_peer_id_cannot_be_taken_over_by_another_key(tmp_pat
         assert await task_poll(lambda: alice.poll(0)) and alice.recv() == b"for alice"
         # alice leaves; mallory claims the freed id anew: alice is reported gone first
         alice.close()
-        claimer = [dealer("mallory", b"worker-1"), 0]  # the connection, tries on it
-
-        def claimed() -> bool:
-            if len(recorder.events) > 1:
-                return True
-            if claimer[1] == 10:
-                # a connection made while the id was still alice's is parked
-                # by libzmq, and not looked at again once it holds a message:
-                # connect anew, as a refused peer would
-                claimer[0].close()
-                claimer[:] = [dealer("mallory", b"worker-1"), 0]
-            claimer[0].send(b"from mallory")  # until the id is free and this gets through
-            claimer[1] += 1
-            return False
-
-        await wait_until(claimed, 20, step=0.05)
+        await claim(dealer, b"worker-1", lambda sock: sock.send(b"from mallory"),
+                    lambda: len(recorder.events) > 1)
         # only alice spoke as worker-1 until she was reported gone; mallory
         # after (her early message too, if libzmq kept it: but never as alice)
         mallory_id = public_key(str(tmp_path / "mallory.key"))
@@ -440,11 +385,6 @@ async def test_under_curve_a_peer_id_cannot_be_taken_over_by_another_key(tmp_pat
         assert recorder.events[:gone] == [("message", b"worker-1", b"from alice", alice_id)]
         after = recorder.events[gone + 1:]
         assert after and all(e[0] == "message" and e[3] == mallory_id for e in after), after
-    finally:
-        for sock in sockets:
-            sock.close()
-        context.term()
-        await router.close()
 
 
 async def task_poll(predicate: Any, seconds: float = 10) -> bool:

@@ -6,7 +6,6 @@ DEALER each where it does not (majortomo's broker)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -19,11 +18,10 @@ from mdp.majordomo import codec
 from mdp.transport import zmqchannels
 from mdp.transport.zeromq import RELAYED, envelope, is_relayed, relayed_peer, routing_id
 from tests.procs import Process, python, wait_until
+from tests.test_interop_majortomo import PEERS, bound_endpoint
 
 pytestmark = pytest.mark.timeout(60)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.path.join(HERE, "majortomo_peers.py")
 HB = HeartbeatPolicy(interval=0.5, liveness=6)
 
 
@@ -173,8 +171,7 @@ async def test_against_majortomo_each_pipe_is_a_dealer_of_its_own() -> None:
     mt_broker = Process(reactor(), python(PEERS, "broker"))
     worker = client = None
     try:
-        match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
-        endpoint = "zmq:" + match.group(1).decode()
+        endpoint = await bound_endpoint(mt_broker)
         worker = Worker(endpoint, "up", lambda frames: [f.upper() for f in frames], reactor(),
                         heartbeat=HB, dialect="majortomo", concurrency=2)
         worker.start()

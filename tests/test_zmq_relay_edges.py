@@ -19,6 +19,7 @@ from mdp.policy import Limits
 from mdp.transport import zmqchannels
 from mdp.transport.curve import keygen
 from mdp.transport.zeromq import relayed_peer
+from tests.curve_router import Recorder, claim, curve_router
 from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,80 +124,33 @@ async def test_under_curve_no_reply_goes_to_the_next_request_on_a_reused_pipe(
     assert outcome["later"] == [[b"reply to later0"], [b"reply to later1"]], outcome
 
 
-class RelayRecorder:
+class RelayRecorder(Recorder):
     """A router receiver that relays, keeping what its transport reported."""
 
     relayHeaders = frozenset({b"", codec.CLIENT_HEADER, codec.WORKER_HEADER})
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-        self.transport: Any = None
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.events.append(("message", peer, frames[-1], self.transport.peerIdentity(peer)))
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        self.events.append(("gone", peer))
 
 
 @pytest_twisted.ensureDeferred
 async def test_under_curve_a_claimed_id_takes_over_no_relayed_peer_of_another_key(
         tmp_path: Path) -> None:
-    from mdp import transport
-    from mdp.transport.curve import CurveClient, CurveServer
-
-    for name in ("server", "alice", "mallory"):
-        keygen(name, str(tmp_path))
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    for name in ("alice", "mallory"):
-        (allowed / f"{name}.key").write_text((tmp_path / f"{name}.key").read_text())
     recorder = RelayRecorder()
-    router = await transport.listen(
-        "zmq:tcp://127.0.0.1:*", recorder, reactor(),
-        security=CurveServer.fromFiles(str(tmp_path / "server.key_secret"), str(allowed)))
-    recorder.transport = router
-    context = zmq.Context()
-    sockets: list[Any] = []
-
-    def dealer(name: str, routingId: bytes) -> Any:
-        sock = context.socket(zmq.DEALER)
-        sock.linger = 0
-        CurveClient.fromFiles(str(tmp_path / "server.key"),
-                              str(tmp_path / f"{name}.key_secret")).apply(sock)
-        sock.routing_id = routingId
-        sock.connect(router.endpoint[len("zmq:"):])
-        sockets.append(sock)
-        return sock
-
     alice_peer = relayed_peer(b"conn-1", b"hop1")
-    try:
+    async with curve_router(tmp_path, recorder, reactor()) as (_, dealer):
         alice = dealer("alice", b"conn-1")
         alice.send_multipart([b"hop1", codec.WORKER_HEADER, b"from alice"])
         await wait_until(lambda: len(recorder.events) == 1, 10)
         alice.close()
-        claimer = [dealer("mallory", b"conn-1"), 0]
 
-        def claimed() -> bool:
-            if any(e[0] == "message" and e[2] == b"from mallory" for e in recorder.events):
-                return True
-            if claimer[1] == 10:
-                claimer[0].close()
-                claimer[:] = [dealer("mallory", b"conn-1"), 0]
-            claimer[0].send_multipart([b"hop1", codec.WORKER_HEADER, b"from mallory"])
-            claimer[1] += 1
-            return False
+        def mallory_spoke() -> bool:
+            return any(e[0] == "message" and e[2] == b"from mallory" for e in recorder.events)
 
-        await wait_until(claimed, 20, step=0.05)
+        await claim(dealer, b"conn-1",
+                    lambda sock: sock.send_multipart([b"hop1", codec.WORKER_HEADER,
+                                                      b"from mallory"]), mallory_spoke)
         first = next(i for i, e in enumerate(recorder.events)
                      if e[0] == "message" and e[2] == b"from mallory")
         # alice's relayed peer must be reported gone before another key speaks as it
         assert ("gone", alice_peer) in recorder.events[:first], recorder.events
-    finally:
-        for sock in sockets:
-            sock.close()
-        context.term()
-        await router.close()
 
 
 def _slow_reader(address: str, hops: int) -> None:
