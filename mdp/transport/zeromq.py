@@ -349,6 +349,8 @@ class ZmqRouter(_RoutedSocket):
             self._zapDomain = None
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
+        if self.cut:
+            self.cut.pop(peer, None)  # the connection speaks again: no longer cut off
         relays = self.relays
         if relays is not None:
             if is_relayed(peer):  # a routing id set to pass for a relayed peer
@@ -357,13 +359,9 @@ class ZmqRouter(_RoutedSocket):
                                    "from a peer whose routing id {peer} begins as only relayed "
                                    "peers' keys do", endpoint=self.endpoint, peer=peer.hex())
                 return
-            if self.cut:
-                self.cut.pop(peer, None)  # it speaks again: no longer cut off
             if len(frames) > 1 and frames[0] not in relays and 0 < len(frames[0]) < 256:
                 peer = self._relayed(peer, bytes(frames[0]))
                 frames = frames[1:]
-        elif self.cut:
-            self.cut.pop(peer, None)
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
 
