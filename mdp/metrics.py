@@ -501,19 +501,16 @@ def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                         maxBodyBytes=whole_number("maxBodyBytes", maxBodyBytes, 0))
 
 
-def serve_metrics(endpoint: str, registry: CollectorRegistry,
-                  reactor: Optional[Any] = None, *, maxConnections: int = MAX_CONNECTIONS,
-                  requestTimeout: float = REQUEST_TIMEOUT,
-                  maxBodyBytes: int = MAX_BODY_BYTES) -> defer.Deferred[IListeningPort]:
-    """Serve :func:`metrics_site` on the Twisted server *endpoint*
-    (``tcp:9464:interface=127.0.0.1``); fires with the listening port."""
+def serve_metrics(endpoint: str, registry: CollectorRegistry, reactor: Optional[Any] = None,
+                  **bounds: Any) -> defer.Deferred[IListeningPort]:
+    """Serve :func:`metrics_site` (with its keyword *bounds*) on the Twisted server
+    *endpoint* (``tcp:9464:interface=127.0.0.1``); fires with the listening port."""
     from twisted.internet.endpoints import serverFromString
 
     from mdp.transport import warn_if_open
 
     reactor = default_reactor(reactor)
-    site = metrics_site(registry, reactor, maxConnections=maxConnections,
-                        requestTimeout=requestTimeout, maxBodyBytes=maxBodyBytes)
+    site = metrics_site(registry, reactor, **bounds)
     # the port's own "starting on" line is debug: the line below says where
     listening = legacy_log.callWithContext({"log_level": LogLevel.debug},
                                            serverFromString(reactor, endpoint).listen, site)

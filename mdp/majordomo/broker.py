@@ -98,7 +98,10 @@ class Binding:
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         broker = self.broker
         machine = broker.machine
-        identity = self.identity(peer) if machine.access is not None else None
+        identity = None
+        if machine.access is not None:  # the peer as its transport authenticated it (CURVE key, TLS subject)
+            peerIdentity = getattr(self.transport, "peerIdentity", None)
+            identity = None if peerIdentity is None else peerIdentity(peer)
         try:
             actions = machine.handleMessage((self, peer), frames, broker.reactor.seconds(),
                                             self.clients, self.workers, identity)
@@ -109,11 +112,6 @@ class Binding:
 
     def peerDisconnected(self, peer: bytes) -> None:
         self.broker.peerGone((self, peer))
-
-    def identity(self, peer: bytes) -> Optional[str]:
-        """*peer* as its transport authenticated it (CURVE key, TLS subject), or None."""
-        peerIdentity = getattr(self.transport, "peerIdentity", None)
-        return None if peerIdentity is None else peerIdentity(peer)
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)

@@ -215,8 +215,7 @@ class BrokerMachine(Machine):
         self.now = now
         worker = self.workers.get(key)
         if worker is not None:
-            self._emit(WorkerChanged(key[1], worker.service.name, "disconnected", 0.0))
-            self._removeWorker(worker)
+            self._removeWorker(worker, "disconnected")
         for service in list(self._ledger.byClient.get(key, ())):
             service.dropClient(key)
             self._forgetIfEmpty(service)
@@ -448,8 +447,7 @@ class BrokerMachine(Machine):
             else:
                 self._misdirected(worker, kind, address)
         elif kind is Disconnect:
-            self._emit(WorkerChanged(worker.key[1], worker.service.name, "disconnected", 0.0))
-            self._removeWorker(worker)
+            self._removeWorker(worker, "disconnected")
             self._markGone(worker.key)
         elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
             self._invalid(worker.key, "unexpected",
@@ -612,10 +610,13 @@ class BrokerMachine(Machine):
         self._outbox.append(Send(worker.key, frames))
         worker.liveness.lastSent = now
 
-    def _removeWorker(self, worker: WorkerRef) -> None:
-        """Forget *worker*; re-queue its request unless handed out ``maxDeliveries`` times."""
+    def _removeWorker(self, worker: WorkerRef, change: Optional[str] = None, silence: float = 0.0) -> None:
+        """Forget *worker* (a :class:`WorkerChanged` if *change*); re-queue its request
+        unless handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
+        if change is not None:
+            self._emit(WorkerChanged(worker.key[1], worker.service.name, change, silence))
         if worker.useful:
             self._emit(MarkUseful(worker.key, False))
         worker.state = GONE
@@ -664,8 +665,8 @@ class BrokerMachine(Machine):
         else:
             self._emit(DropPeer(key))
 
-    def _release(self, worker: WorkerRef) -> None:
-        self._removeWorker(worker)
+    def _release(self, worker: WorkerRef, change: Optional[str] = None) -> None:
+        self._removeWorker(worker, change)
         self._sendDisconnect(worker.key, worker.dialect)
 
     def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
@@ -711,8 +712,7 @@ class BrokerMachine(Machine):
         for worker in list(self.workers.values()):
             liveness = worker.liveness
             if liveness.dead(now):
-                self._emit(WorkerChanged(worker.key[1], worker.service.name, "silent", liveness.silence(now)))
-                self._removeWorker(worker)
+                self._removeWorker(worker, "silent", liveness.silence(now))
             elif liveness.due(now, 0.5):
                 self._emit(Send(worker.key, codec.encode(codec.HEARTBEAT, worker.dialect)))
                 liveness.sent(now)
@@ -741,8 +741,7 @@ class BrokerMachine(Machine):
                              "dropped from the queue of a passive broker")
             self._forgetIfEmpty(service)
         for worker in [w for w in self.workers.values() if w.current is None]:
-            self._emit(WorkerChanged(worker.key[1], worker.service.name, "released", 0.0))
-            self._release(worker)
+            self._release(worker, "released")
 
     def _expire(self, deadline: float) -> None:
         """Answer 503 to every request queued at or before *deadline*."""
