@@ -155,14 +155,9 @@ class Broker:
             raise AttributeError(name)
         return getattr(self.machine, name)
 
-    @property
-    def admission(self) -> Any:
-        """The machine's ``admission`` (settable: a Binary Star started later)."""
-        return self.machine.admission
-
-    @admission.setter
-    def admission(self, admission: Any) -> None:
-        self.machine.admission = admission
+    admission = property(lambda self: self.machine.admission,
+                         lambda self, admission: setattr(self.machine, "admission", admission),
+                         doc="The machine's ``admission`` (settable: a Binary Star started later).")
 
     def received(self, key: PeerKey, frames: list[bytes]) -> None:
         """A message from peer *key*, a (binding, peer id)."""
