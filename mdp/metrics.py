@@ -122,12 +122,7 @@ class BrokerMetrics:
     def watch(self, broker: Any) -> None:
         """Read *broker*'s state at each scrape."""
         self._broker = broker
-
-        def registered(name: bytes) -> bool:
-            service = broker.services.get(name)
-            return service is not None and service.registered
-
-        self._labels.registered = registered
+        self._labels.registered = lambda name: getattr(broker.services.get(name), "registered", False)
 
     def request(self, service: bytes) -> None:
         self.requests.labels(self._labels(service)).inc()
