@@ -5,6 +5,7 @@ counts what they report."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer, task
@@ -167,8 +168,7 @@ class Broker:
         self._perform(self.machine.handlePeerGone(key, self.reactor.seconds()))
 
     def admissionChanged(self) -> None:
-        """Its admission changed state: a broker gone passive lets go at once, not
-        at its next tick."""
+        """Its admission changed state: a broker gone passive lets go now, not at its next tick."""
         self._perform(self.machine.handleAdmissionChange(self.reactor.seconds()))
 
     def tick(self) -> None:
@@ -287,15 +287,10 @@ class Broker:
         """Bind *endpoint* for clients, workers or both.  A malformed endpoint raises
         :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
         binding = Binding(self, clients, workers)
-
-        def bound(routerTransport: IRouterTransport) -> IRouterTransport:
-            self._bind(binding, routerTransport)
-            return routerTransport
-
         security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "MDP broker")
         return transport.listen(endpoint, binding, self.reactor, limits=self.machine.limits,
-                                security=security).addCallback(bound)
+                                security=security).addCallback(partial(self._bind, binding))
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
         """An :class:`IProtocolFactory` served by this broker in the stream framing,
@@ -310,7 +305,7 @@ class Broker:
         self._bind(binding, router)
         return router.factory()
 
-    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
+    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> IRouterTransport:
         binding.transport = routerTransport
         self.bindings.append(binding)
         # frames delivered uncopied go out as bytes where a transport takes nothing else
@@ -325,6 +320,7 @@ class Broker:
             log.info("MDP broker serving {roles} through a protocol factory", roles=roles)
         if not self._ticker.running:
             self._ticker.start(self.machine.wakeEvery, now=False)
+        return routerTransport
 
     def close(self) -> defer.Deferred[None]:
         """Unbind every endpoint and stop the heartbeat tick."""
