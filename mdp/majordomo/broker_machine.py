@@ -300,10 +300,8 @@ class BrokerMachine(Machine):
 
     def _request(self, key: PeerKey, name: bytes, body: Sequence[bytes], dialect: str,
                  identity: Optional[str]) -> None:
-        now = self.now
         content = sum(map(len, body))
-        request = PendingRequest(key, name, body, dialect, now,
-                                 content + FRAME_OVERHEAD * len(body), arrivedAt=now)
+        request = PendingRequest(key, name, body, dialect, self.now, content + FRAME_OVERHEAD * len(body))
         if self.observed:
             self._emit(Requested(name))
         if not self._admitted(request, identity):
