@@ -122,12 +122,7 @@ class BrokerMetrics:
     def watch(self, broker: Any) -> None:
         """Read *broker*'s state at each scrape."""
         self._broker = broker
-
-        def registered(name: bytes) -> bool:
-            service = broker.services.get(name)
-            return service is not None and service.registered
-
-        self._labels.registered = registered
+        self._labels.registered = lambda name: getattr(broker.services.get(name), "registered", False)
 
     def request(self, service: bytes) -> None:
         self.requests.labels(self._labels(service)).inc()
@@ -501,19 +496,16 @@ def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                         maxBodyBytes=whole_number("maxBodyBytes", maxBodyBytes, 0))
 
 
-def serve_metrics(endpoint: str, registry: CollectorRegistry,
-                  reactor: Optional[Any] = None, *, maxConnections: int = MAX_CONNECTIONS,
-                  requestTimeout: float = REQUEST_TIMEOUT,
-                  maxBodyBytes: int = MAX_BODY_BYTES) -> defer.Deferred[IListeningPort]:
-    """Serve :func:`metrics_site` on the Twisted server *endpoint*
-    (``tcp:9464:interface=127.0.0.1``); fires with the listening port."""
+def serve_metrics(endpoint: str, registry: CollectorRegistry, reactor: Optional[Any] = None,
+                  **bounds: Any) -> defer.Deferred[IListeningPort]:
+    """Serve :func:`metrics_site` (with its keyword *bounds*) on the Twisted server
+    *endpoint* (``tcp:9464:interface=127.0.0.1``); fires with the listening port."""
     from twisted.internet.endpoints import serverFromString
 
     from mdp.transport import warn_if_open
 
     reactor = default_reactor(reactor)
-    site = metrics_site(registry, reactor, maxConnections=maxConnections,
-                        requestTimeout=requestTimeout, maxBodyBytes=maxBodyBytes)
+    site = metrics_site(registry, reactor, **bounds)
     # the port's own "starting on" line is debug: the line below says where
     listening = legacy_log.callWithContext({"log_level": LogLevel.debug},
                                            serverFromString(reactor, endpoint).listen, site)

@@ -203,8 +203,9 @@ def test_its_records_show_their_fields() -> None:
     assert repr(request) == (
         f"PendingRequest(client=('binding', b'peer'), service=b'echo', body=[b'x'], "
         f"dialect={codec.RFC!r}, queuedAt=1.5, size=10, state={NEW!r}, envelope=b'', "
-        "deliveries=0, partials=0, arrivedAt=0.0, assignedAt=0.0)")
-    worker = WorkerRef(("binding", b"w"), None, codec.RFC, None, current=request)  # type: ignore[arg-type]
+        "deliveries=0, partials=0, arrivedAt=1.5, assignedAt=0.0)")
+    worker = WorkerRef(("binding", b"w"), None, codec.RFC, None)  # type: ignore[arg-type]
+    worker.current = request
     assert repr(worker).startswith(f"WorkerRef(key=('binding', b'w'), service=None, "
                                    f"dialect={codec.RFC!r}, liveness=None, state={IDLE!r}, "
                                    "current=PendingRequest(client=")

@@ -403,10 +403,10 @@ def test_broker_machine_is_a_function_of_events_and_their_times() -> None:
     worker, client = (route, b"W"), (route, b"C")
     assert machine.wakeEvery == 1.0
     assert machine.handleMessage(worker, [b"", *READY], now=0.0) == [
-        WorkerChanged(b"W", b"echo", "ready")]
+        WorkerChanged(b"W", b"echo", "ready", 0.0)]
     # the first request served marks its worker and client useful (kept by a full listener)
     assert machine.handleMessage(client, [C, codec.C_REQUEST, b"echo", b"hi"], now=0.5) == [
-        MarkUseful(worker), MarkUseful(client),
+        MarkUseful(worker, True), MarkUseful(client, True),
         BrokerSend(worker, [b"", W, codec.W_REQUEST, envelope(b"C", 1), b"", b"hi"])]
     # silent past 3 s: at the tick after, the worker is gone; its request waits
     assert machine.handleTick(now=1.0) == [BrokerSend(worker, [b"", *HEARTBEAT])]

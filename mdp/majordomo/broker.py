@@ -5,6 +5,7 @@ counts what they report."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer, task
@@ -98,7 +99,10 @@ class Binding:
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         broker = self.broker
         machine = broker.machine
-        identity = self.identity(peer) if machine.access is not None else None
+        identity = None
+        if machine.access is not None:  # the peer as its transport authenticated it (CURVE key, TLS subject)
+            peerIdentity = getattr(self.transport, "peerIdentity", None)
+            identity = None if peerIdentity is None else peerIdentity(peer)
         try:
             actions = machine.handleMessage((self, peer), frames, broker.reactor.seconds(),
                                             self.clients, self.workers, identity)
@@ -109,11 +113,6 @@ class Binding:
 
     def peerDisconnected(self, peer: bytes) -> None:
         self.broker.peerGone((self, peer))
-
-    def identity(self, peer: bytes) -> Optional[str]:
-        """*peer* as its transport authenticated it (CURVE key, TLS subject), or None."""
-        peerIdentity = getattr(self.transport, "peerIdentity", None)
-        return None if peerIdentity is None else peerIdentity(peer)
 
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
@@ -157,14 +156,9 @@ class Broker:
             raise AttributeError(name)
         return getattr(self.machine, name)
 
-    @property
-    def admission(self) -> Any:
-        """The machine's ``admission`` (settable: a Binary Star started later)."""
-        return self.machine.admission
-
-    @admission.setter
-    def admission(self, admission: Any) -> None:
-        self.machine.admission = admission
+    admission = property(lambda self: self.machine.admission,
+                         lambda self, admission: setattr(self.machine, "admission", admission),
+                         doc="The machine's ``admission`` (settable: a Binary Star started later).")
 
     def received(self, key: PeerKey, frames: list[bytes]) -> None:
         """A message from peer *key*, a (binding, peer id)."""
@@ -174,8 +168,7 @@ class Broker:
         self._perform(self.machine.handlePeerGone(key, self.reactor.seconds()))
 
     def admissionChanged(self) -> None:
-        """Its admission changed state: a broker gone passive lets go at once, not
-        at its next tick."""
+        """Its admission changed state: a broker gone passive lets go now, not at its next tick."""
         self._perform(self.machine.handleAdmissionChange(self.reactor.seconds()))
 
     def tick(self) -> None:
@@ -294,15 +287,10 @@ class Broker:
         """Bind *endpoint* for clients, workers or both.  A malformed endpoint raises
         :class:`~mdp.errors.TransportError` at once; a failure to bind fails the Deferred."""
         binding = Binding(self, clients, workers)
-
-        def bound(routerTransport: IRouterTransport) -> IRouterTransport:
-            self._bind(binding, routerTransport)
-            return routerTransport
-
         security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "MDP broker")
         return transport.listen(endpoint, binding, self.reactor, limits=self.machine.limits,
-                                security=security).addCallback(bound)
+                                security=security).addCallback(partial(self._bind, binding))
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
         """An :class:`IProtocolFactory` served by this broker in the stream framing,
@@ -317,7 +305,7 @@ class Broker:
         self._bind(binding, router)
         return router.factory()
 
-    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> None:
+    def _bind(self, binding: Binding, routerTransport: IRouterTransport) -> IRouterTransport:
         binding.transport = routerTransport
         self.bindings.append(binding)
         # frames delivered uncopied go out as bytes where a transport takes nothing else
@@ -332,6 +320,7 @@ class Broker:
             log.info("MDP broker serving {roles} through a protocol factory", roles=roles)
         if not self._ticker.running:
             self._ticker.start(self.machine.wakeEvery, now=False)
+        return routerTransport
 
     def close(self) -> defer.Deferred[None]:
         """Unbind every endpoint and stop the heartbeat tick."""

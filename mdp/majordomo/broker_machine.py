@@ -5,15 +5,15 @@ broker answers only ``mmi.binarystar``."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import OrderedDict, deque
-from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 from mdp.errors import ProtocolError
 from mdp.interfaces import IAccess, IAdmission
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 from mdp.majordomo import codec, mmi
 from mdp.majordomo.broker_records import (
     ANSWERED,
@@ -52,7 +52,7 @@ from mdp.majordomo.codec import (
 )
 from mdp.messages import relay_hop
 from mdp.messages import text as label
-from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, Liveness, MiB
+from mdp.policy import FRAME_OVERHEAD, HeartbeatPolicy, Limits, Liveness, MiB, whole_number
 
 DEFAULT_REQUEST_EXPIRY = 30.0
 DEFAULT_SERVICE_LINGER = 10.0
@@ -89,93 +89,29 @@ def _who(identity: Optional[str]) -> str:
     return "an unauthenticated peer" if identity is None else f"peer {identity!r}"
 
 
-@action_class
-class Send:
-    key: PeerKey
-    frames: list[bytes]
-
-
-@action_class
-class DropPeer:
-    """Close peer *key*'s connection once its output is sent (if it has one)."""
-
-    key: PeerKey
-
-
-@action_class
-class MarkUseful:
-    """Peer *key* is useful (its connection is kept when its listener is full), or
-    no more: a worker of a service a request went to, a client of one with workers."""
-
-    key: PeerKey
-    useful: bool = True
-
-
-@action_class
-class WakeAt:
-    """Call :meth:`BrokerMachine.handleWake` at *time*."""
-
-    time: float
-
-
-@action_class
-class Dropped:
-    """A message from *peer* was not acted on: *kind* (a metric label) and *reason* say why."""
-
-    peer: bytes
-    kind: str
-    reason: str
-
-
-@action_class
-class Refused:
-    """A request (or READY) of *peer* for *service* was refused with error
-    reply *code* (None: no reply); *kind* says why in a word."""
-
-    peer: bytes
-    service: bytes
-    code: Optional[bytes]
-    kind: str
-    reason: str
-
-
-@action_class
-class WorkerChanged:
-    """A worker is ``"ready"``, ``"disconnected"``, ``"silent"`` (after *silence*
-    seconds), ``"released"`` (passive broker) or ``"answered-late"``."""
-
-    peer: bytes
-    service: bytes
-    change: str
-    silence: float = 0.0
-
-
-@action_class
-class Requested:
-    service: bytes
-
-
-@action_class
-class Assigned:
-    """A request for *service* went to a worker after *waited* seconds (while ``observed``)."""
-
-    service: bytes
-    waited: float
-
-
-@action_class
-class Replied:
-    """A FINAL went to *client* (while ``observed``): *code* its error status or None;
-    *served* seconds by *worker* after *queued* seconds (None, None: the broker's own)."""
-
-    service: bytes
-    code: Optional[bytes]
-    client: bytes
-    worker: Optional[bytes] = None
-    served: Optional[float] = None
-    queued: float = 0.0
-
-
+_action = functools.partial(action_type, __name__)
+Send = _action("Send", "key", "frames")
+#: close peer *key*'s connection once its output is sent (if it has one)
+DropPeer = _action("DropPeer", "key")
+#: peer *key* is *useful* (its connection is kept when its listener is full), or no
+#: more: a worker of a service a request went to, a client of one with workers
+MarkUseful = _action("MarkUseful", "key", "useful")
+#: call :meth:`BrokerMachine.handleWake` at *time*
+WakeAt = _action("WakeAt", "time")
+#: a message from *peer* was not acted on: *kind* (a metric label) and *reason* say why
+Dropped = _action("Dropped", "peer", "kind", "reason")
+#: a request (or READY) of *peer* for *service* was refused with error reply *code*
+#: (None: no reply); *kind* says why in a word
+Refused = _action("Refused", "peer", "service", "code", "kind", "reason")
+#: a worker is "ready", "disconnected", "silent" (after *silence* seconds),
+#: "released" (passive broker) or "answered-late"
+WorkerChanged = _action("WorkerChanged", "peer", "service", "change", "silence")
+#: while ``observed``: a request for *service* came; it went to a worker after *waited* s
+Requested = _action("Requested", "service")
+Assigned = _action("Assigned", "service", "waited")
+#: while ``observed``: a FINAL went to *client*, *code* its error status or None;
+#: *served* seconds by *worker* after *queued* seconds (None, None: the broker's own)
+Replied = _action("Replied", "service", "code", "client", "worker", "served", "queued")
 Action = Any  # one of the classes above
 
 
@@ -193,8 +129,6 @@ class BrokerMachine(Machine):
                  unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
                  limits: Limits = Limits(), admission: Optional[IAdmission] = None,
                  access: Optional[IAccess] = None, observed: bool = False, now: float = 0.0) -> None:
-        if maxDeliveries < 1:
-            raise ValueError(f"maxDeliveries must be at least 1, got {maxDeliveries}")
         if not unknownServiceExpiry > 0:
             raise ValueError(f"unknownServiceExpiry must be positive, got {unknownServiceExpiry}")
         super().__init__(now)
@@ -208,7 +142,7 @@ class BrokerMachine(Machine):
         self.maxServiceQueueBytes = maxServiceQueueBytes
         self.maxWorkers = maxWorkers
         self.maxServiceWorkers = maxServiceWorkers
-        self.maxDeliveries = maxDeliveries
+        self.maxDeliveries = whole_number("maxDeliveries", maxDeliveries)
         self.limits = limits
         self.admission = admission
         #: who may call and serve what (None: anyone, anything)
@@ -281,8 +215,7 @@ class BrokerMachine(Machine):
         self.now = now
         worker = self.workers.get(key)
         if worker is not None:
-            self._emit(WorkerChanged(key[1], worker.service.name, "disconnected"))
-            self._removeWorker(worker)
+            self._removeWorker(worker, "disconnected")
         for service in list(self._ledger.byClient.get(key, ())):
             service.dropClient(key)
             self._forgetIfEmpty(service)
@@ -353,7 +286,9 @@ class BrokerMachine(Machine):
             shown = [name for name in self.services if visible(name)]
         names = sorted(shown) if serviceLimit is None else heapq.nsmallest(serviceLimit, shown)
         queues = [self.services[name] for name in names]
-        chosen = self._chosenWorkers(service, visible)
+        chosen = [w for w in self.workers.values()
+                  if (service is None or w.service.name == service)
+                  and (visible is None or visible(w.service.name))]
         return BrokerSnapshot(
             at, tuple(ServiceSnapshot(q.name, len(q.idle), q.workers - len(q.idle), q.size, q.bytes)
                       for q in queues),
@@ -361,26 +296,22 @@ class BrokerMachine(Machine):
                                  w.liveness.silence(at)) for w in chosen[:workerLimit]),
             len(shown), len(chosen), self._ledger.count, self._ledger.bytes)
 
-    def _chosenWorkers(self, service: Optional[bytes],
-                       visible: Optional[Callable[[bytes], bool]]) -> list[WorkerRef]:
-        return [w for w in self.workers.values()
-                if (service is None or w.service.name == service)
-                and (visible is None or visible(w.service.name))]
-
     # --- clients ------------------------------------------------------------
 
     def _request(self, key: PeerKey, name: bytes, body: Sequence[bytes], dialect: str,
                  identity: Optional[str]) -> None:
-        now = self.now
         content = sum(map(len, body))
-        request = PendingRequest(key, name, body, dialect, now,
-                                 content + FRAME_OVERHEAD * len(body), arrivedAt=now)
+        request = PendingRequest(key, name, body, dialect, self.now, content + FRAME_OVERHEAD * len(body))
         if self.observed:
             self._emit(Requested(name))
         if not self._admitted(request, identity):
             return
-        if name.startswith(_MMI_PREFIX):
-            self._answerManagement(request, identity)
+        if name.startswith(_MMI_PREFIX):  # (about the services *identity* may call)
+            visible = None if self.access is None else functools.partial(self.access.mayCall, identity)
+            request.state = DONE
+            self._reply(request, mmi.answer(self, name, body, visible), True)
+            if self.observed:
+                self._emit(Replied(name, None, key[1], None, None, 0.0))
             return
         tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
                                         len(body) + _REQUEST_FRAMES)
@@ -394,37 +325,20 @@ class BrokerMachine(Machine):
         elif self._queueHasRoom(service, request):
             self._enqueue(service, request)
 
-    def _answerManagement(self, request: PendingRequest, identity: Optional[str]) -> None:
-        """Answer an ``mmi.*`` request, about the services *identity* may call."""
-        visible = None if self.access is None else partial(self.access.mayCall, identity)
-        request.state = DONE
-        self._reply(request, mmi.answer(self, request.service, request.body, visible), True)
-        if self.observed:
-            self._emit(Replied(request.service, None, request.client[1]))
-
     def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
-        return ((self.admission is None or self._admitClient(request))
-                and (self.access is None or self._mayCall(request, identity)))
-
-    def _admitClient(self, request: PendingRequest) -> bool:
-        """The admission's vote on *request* (``mmi.binarystar`` always passes)."""
-        if request.service == mmi.BINARYSTAR:
-            return True
-        now = self.now
-        if not self.admission.admitClient(now):
-            self._activeSince = None
-            # not serving: the client times out and tries another broker
-            self._refuse(request, None, "passive", "this broker is passive")
-            return False
-        if self._activeSince is None:
-            self._activeSince = now
-        self._passive = False  # admitted: active now, even before a tick says so
-        return True
-
-    def _mayCall(self, request: PendingRequest, identity: Optional[str]) -> bool:
-        """The access policy lets *identity* call the service (every peer may ask ``mmi.*``)."""
-        name = request.service
-        if name.startswith(_MMI_PREFIX) or self.access.mayCall(identity, name):
+        """The admission's vote (not serving, the client times out and tries another
+        broker; ``mmi.binarystar`` always passes), then the access policy's (every
+        peer may ask ``mmi.*``)."""
+        name, now = request.service, self.now
+        if self.admission is not None and name != mmi.BINARYSTAR:
+            if not self.admission.admitClient(now):
+                self._activeSince = None
+                self._refuse(request, None, "passive", "this broker is passive")
+                return False
+            if self._activeSince is None:
+                self._activeSince = now
+            self._passive = False  # admitted: active now, even before a tick says so
+        if self.access is None or name.startswith(_MMI_PREFIX) or self.access.mayCall(identity, name):
             return True
         self._refuse(request, codec.STATUS_FORBIDDEN, "forbidden",
                      f"{_who(identity)} may not call {name.decode('ascii')!r}")
@@ -448,7 +362,14 @@ class BrokerMachine(Machine):
     def _enqueue(self, service: Optional[ServiceQueue], request: PendingRequest) -> None:
         if service is None:
             service = self.services[request.service] = ServiceQueue(request.service, self._ledger)
-            service.unknownUntil = deadline = self._unknownDeadline()
+            # in ``unknownServiceExpiry``, but not before the workers of a broker just
+            # become active (Binary Star failover) can find it: interval × (liveness + 1)
+            deadline = self.now + min(self.unknownServiceExpiry, self.requestExpiry)
+            if self._activeSince is not None:
+                beat = self.heartbeat
+                learning = self._activeSince + beat.interval * (beat.liveness + 1)
+                deadline = max(deadline, min(learning, self.now + self.requestExpiry))
+            service.unknownUntil = deadline
             service.askedAt = self.now
             if not self._unknown:
                 self._emit(WakeAt(deadline))
@@ -463,7 +384,7 @@ class BrokerMachine(Machine):
         useful = self._usefulClients
         useful[key] = None
         if key not in self._usefulBefore:
-            self._emit(MarkUseful(key))
+            self._emit(MarkUseful(key, True))
         if len(useful) > MAX_USEFUL_CLIENTS:
             self._sweepAt = self.now  # (at the next tick: the idle are forgotten sooner)
 
@@ -487,17 +408,7 @@ class BrokerMachine(Machine):
         for each in (worker, *service.idle.values()):
             if not each.useful:
                 each.useful = True
-                self._emit(MarkUseful(each.key))
-
-    def _unknownDeadline(self) -> float:
-        """When an unknown service's requests are given up: ``unknownServiceExpiry``
-        from now, but not before the workers of a broker just become active (Binary
-        Star failover) can find it, ``interval × (liveness + 1)`` after it did."""
-        deadline = self.now + min(self.unknownServiceExpiry, self.requestExpiry)
-        if self._activeSince is not None:
-            learning = self._activeSince + self.heartbeat.interval * (self.heartbeat.liveness + 1)
-            deadline = max(deadline, min(learning, self.now + self.requestExpiry))
-        return deadline
+                self._emit(MarkUseful(each.key, True))
 
     def _refuse(self, request: PendingRequest, code: Optional[bytes], kind: str, message: str,
                 state: RequestState = DONE) -> None:
@@ -534,8 +445,7 @@ class BrokerMachine(Machine):
             else:
                 self._misdirected(worker, kind, address)
         elif kind is Disconnect:
-            self._emit(WorkerChanged(worker.key[1], worker.service.name, "disconnected"))
-            self._removeWorker(worker)
+            self._removeWorker(worker, "disconnected")
             self._markGone(worker.key)
         elif kind is not Heartbeat:  # READY again, or REQUEST: valid but unexpected
             self._invalid(worker.key, "unexpected",
@@ -637,7 +547,7 @@ class BrokerMachine(Machine):
             return True
         service = self.services[request.service]
         service.remove(request)
-        self._emit(WorkerChanged(key[1], request.service, "answered-late"))
+        self._emit(WorkerChanged(key[1], request.service, "answered-late", 0.0))
         self._reply(request, body, final=True)
         if self.observed:
             self._emitReplied(request, body, key)
@@ -664,7 +574,7 @@ class BrokerMachine(Machine):
             service.workers += 1
             service.abandonedAt = None
             service.registered = True
-            self._emit(WorkerChanged(key[1], name, "ready"))
+            self._emit(WorkerChanged(key[1], name, "ready", 0.0))
             if service.wanted:
                 self._usefulWorkers(service, worker)
             service.idle[key] = worker
@@ -698,10 +608,13 @@ class BrokerMachine(Machine):
         self._outbox.append(Send(worker.key, frames))
         worker.liveness.lastSent = now
 
-    def _removeWorker(self, worker: WorkerRef) -> None:
-        """Forget *worker*; re-queue its request unless handed out ``maxDeliveries`` times."""
+    def _removeWorker(self, worker: WorkerRef, change: Optional[str] = None, silence: float = 0.0) -> None:
+        """Forget *worker* (a :class:`WorkerChanged` if *change*); re-queue its request
+        unless handed out ``maxDeliveries`` times."""
         if self.workers.pop(worker.key, None) is None:
             return
+        if change is not None:
+            self._emit(WorkerChanged(worker.key[1], worker.service.name, change, silence))
         if worker.useful:
             self._emit(MarkUseful(worker.key, False))
         worker.state = GONE
@@ -750,8 +663,8 @@ class BrokerMachine(Machine):
         else:
             self._emit(DropPeer(key))
 
-    def _release(self, worker: WorkerRef) -> None:
-        self._removeWorker(worker)
+    def _release(self, worker: WorkerRef, change: Optional[str] = None) -> None:
+        self._removeWorker(worker, change)
         self._sendDisconnect(worker.key, worker.dialect)
 
     def _sendDisconnect(self, key: PeerKey, dialect: str) -> None:
@@ -797,8 +710,7 @@ class BrokerMachine(Machine):
         for worker in list(self.workers.values()):
             liveness = worker.liveness
             if liveness.dead(now):
-                self._emit(WorkerChanged(worker.key[1], worker.service.name, "silent", liveness.silence(now)))
-                self._removeWorker(worker)
+                self._removeWorker(worker, "silent", liveness.silence(now))
             elif liveness.due(now, 0.5):
                 self._emit(Send(worker.key, codec.encode(codec.HEARTBEAT, worker.dialect)))
                 liveness.sent(now)
@@ -827,8 +739,7 @@ class BrokerMachine(Machine):
                              "dropped from the queue of a passive broker")
             self._forgetIfEmpty(service)
         for worker in [w for w in self.workers.values() if w.current is None]:
-            self._emit(WorkerChanged(worker.key[1], worker.service.name, "released"))
-            self._release(worker)
+            self._release(worker, "released")
 
     def _expire(self, deadline: float) -> None:
         """Answer 503 to every request queued at or before *deadline*."""

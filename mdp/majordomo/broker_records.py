@@ -120,21 +120,19 @@ class PendingRequest:
                  "deliveries", "partials", "arrivedAt", "assignedAt")
 
     def __init__(self, client: PeerKey, service: bytes, body: Sequence[bytes], dialect: str,
-                 queuedAt: float, size: int, state: RequestState = NEW, envelope: bytes = b"",
-                 deliveries: int = 0, partials: int = 0, arrivedAt: float = 0.0,
-                 assignedAt: float = 0.0) -> None:
+                 arrivedAt: float, size: int) -> None:
         self.client = client
         self.service = service
         self.body = body
         self.dialect = dialect
-        self.queuedAt = queuedAt  # when it arrived, or was queued again
+        self.queuedAt = arrivedAt  # when it arrived, or was queued again
         self.size = size  # what holding its body costs (policy.held_bytes)
-        self.state = state
-        self.envelope = envelope  # of its current assignment
-        self.deliveries = deliveries  # times handed to a worker
-        self.partials = partials  # PARTIALs forwarded to the client by its current worker
+        self.state = NEW
+        self.envelope = b""  # of its current assignment
+        self.deliveries = 0  # times handed to a worker
+        self.partials = 0  # PARTIALs forwarded to the client by its current worker
         self.arrivedAt = arrivedAt
-        self.assignedAt = assignedAt  # when its current assignment began
+        self.assignedAt = 0.0  # when its current assignment began
 
     def __repr__(self) -> str:
         return _fields_repr(self)
@@ -146,18 +144,16 @@ class WorkerRef:
     __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "useful",
                  "lastEnvelope")
 
-    def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness,
-                 state: WorkerState = IDLE, current: Optional[PendingRequest] = None,
-                 lastEnvelope: bytes = b"", useful: bool = False) -> None:
+    def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness) -> None:
         self.key = key
         self.service = service
         self.dialect = dialect
         self.liveness = liveness
-        self.state = state
-        self.current = current  # the request it serves while BUSY
+        self.state = IDLE
+        self.current: Optional[PendingRequest] = None  # the request it serves while BUSY
         #: the assignment it finished last (a second FINAL for it is dropped)
-        self.lastEnvelope = lastEnvelope
-        self.useful = useful  # handed a request, or of a service that was
+        self.lastEnvelope = b""
+        self.useful = False  # handed a request, or of a service that was
 
     def __repr__(self) -> str:
         return _fields_repr(self)

@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 
 from zope.interface import Interface, implementer
 
+from mdp.policy import whole_number
+
 STAMP_MARKER = b"\x00MDP-ID"
 
 StampKey = tuple[bytes, bytes]
@@ -69,12 +71,8 @@ class MemoryReplyStore:
     all; a reply larger than *maxBytes* alone is not kept."""
 
     def __init__(self, maxEntries: int = 10_000, maxBytes: int = 256 * 1024 * 1024) -> None:
-        if maxEntries < 1:
-            raise ValueError("maxEntries must be at least 1")
-        if maxBytes < 1:
-            raise ValueError("maxBytes must be at least 1")
-        self.maxEntries = maxEntries
-        self.maxBytes = maxBytes
+        self.maxEntries = whole_number("maxEntries", maxEntries)
+        self.maxBytes = whole_number("maxBytes", maxBytes)
         self.heldBytes = 0
         self._replies: OrderedDict[StampKey, tuple[list[bytes], int]] = OrderedDict()
 

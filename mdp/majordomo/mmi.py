@@ -58,24 +58,29 @@ def workers_listed(reply: Sequence[bytes]) -> Optional[int]:
     return count
 
 
-def _worker(worker: Any, withId: bool = True) -> dict[str, Any]:
-    entry = {"service": worker.service.decode("ascii"), "busy": worker.busy,
-             "dialect": worker.dialect, "silence": round(worker.silence, 3)}
-    if withId:
-        entry["id"] = worker.peer
-    return entry
+def answer(broker: BrokerMachine, service: bytes, body: Sequence[bytes],
+           visible: Optional[Callable[[bytes], bool]] = None) -> list[bytes]:
+    """The FINAL body answering an ``mmi.*`` request; with *visible*, services it
+    does not allow are answered as if they did not exist."""
+    if service == b"mmi.service":
+        name = bytes(body[0])
+        return [FOUND if (visible is None or visible(name)) and broker.isServiceAvailable(name)
+                else NOT_FOUND]
+    if service == b"mmi.services":
+        return _services(broker, visible)
+    if service == b"mmi.workers":
+        wanted = bytes(body[0]) if body and body[0] else None
+        snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted,
+                                   visible=visible)
+        # under a policy, without their peer ids: under ZeroMQ a freed id can be claimed
+        return _listing([{"service": w.service.decode("ascii"), "busy": w.busy, "dialect": w.dialect,
+                          "silence": round(w.silence, 3), **({"id": w.peer} if visible is None else {})}
+                         for w in snapshot.workers], snapshot.workerCount)
+    status = broker.admissionStatus() if service == BINARYSTAR else None
+    return [NOT_IMPLEMENTED] if status is None else [json.dumps(status, sort_keys=True).encode()]
 
 
-Visible = Optional[Callable[[bytes], bool]]
-
-
-def _service(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
-    name = bytes(body[0])
-    found = (visible is None or visible(name)) and broker.isServiceAvailable(name)
-    return [FOUND if found else NOT_FOUND]
-
-
-def _services(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
+def _services(broker: BrokerMachine, visible: Optional[Callable[[bytes], bool]]) -> list[bytes]:
     """Those with workers first: a truncated listing naming one without holds every
     one with (requests for names nobody serves cannot push a served one out)."""
     served = {w.service for w in broker.snapshot(serviceLimit=0, visible=visible).workers}
@@ -87,27 +92,3 @@ def _services(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) ->
                                          "queued": each.queued}
              for each in first.services + rest.services[:room]}
     return _listing(table, first.serviceCount + rest.serviceCount)
-
-
-def _workers(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
-    wanted = bytes(body[0]) if body and body[0] else None
-    snapshot = broker.snapshot(serviceLimit=0, workerLimit=MAX_ENTRIES, service=wanted, visible=visible)
-    # under a policy, without their peer ids: under ZeroMQ a freed id can be claimed
-    return _listing([_worker(w, visible is None) for w in snapshot.workers], snapshot.workerCount)
-
-
-def _binarystar(broker: BrokerMachine, body: Sequence[bytes], visible: Visible) -> list[bytes]:
-    status = broker.admissionStatus()
-    return [NOT_IMPLEMENTED] if status is None else [json.dumps(status, sort_keys=True).encode()]
-
-
-_ANSWERS = {b"mmi.service": _service, b"mmi.services": _services, b"mmi.workers": _workers,
-            BINARYSTAR: _binarystar}
-
-
-def answer(broker: BrokerMachine, service: bytes, body: Sequence[bytes],
-           visible: Visible = None) -> list[bytes]:
-    """The FINAL body answering an ``mmi.*`` request; with *visible*, services it
-    does not allow are answered as if they did not exist."""
-    answering = _ANSWERS.get(service)
-    return [NOT_IMPLEMENTED] if answering is None else answering(broker, body, visible)
