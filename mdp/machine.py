@@ -15,10 +15,12 @@ import attrs
 action_class = attrs.define(slots=True, weakref_slot=False)
 
 
-def action_type(module: str, name: str, *fields: str, frozen: bool = False) -> Any:
+def action_type(module: str, name: str, *fields: str, frozen: bool = False, **defaults: Any) -> Any:
     """An action (or, *frozen*, a hashable message) class of *module* with
-    *fields*, as :data:`action_class` makes one."""
-    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False, frozen=frozen)
+    *fields*, then those with *defaults*, as :data:`action_class` makes one."""
+    made = {**{field: attrs.field() for field in fields},
+            **{field: attrs.field(default=value) for field, value in defaults.items()}}
+    kind = attrs.make_class(name, made, slots=True, weakref_slot=False, frozen=frozen)
     kind.__module__ = module
     return kind
 

@@ -14,6 +14,7 @@ from uuid import UUID
 import attrs
 
 from mdp.errors import ProtocolError
+from mdp.machine import action_type
 
 SIGNATURE = 0xAAA1
 VERSION = 2
@@ -49,61 +50,21 @@ class UnknownCommand(MalformedZre):
     """A well-formed header with a message id ZRE v2 does not have."""
 
 
-@attrs.frozen
-class Hello:
-    """Greets a peer so it connects back to us: the Harmony pattern's OHAI."""
-
-    sequence: int
-    endpoint: str
-    groups: tuple[str, ...]
-    status: int
-    name: str
-    headers: Mapping[str, str] = attrs.field(factory=dict)
-    id = HELLO
+def _message(id: int, name: str, *fields: str, **defaults: Any) -> Any:
+    """A frozen message class: *sequence*, then *fields*; ``id`` is its message id."""
+    kind = action_type(__name__, name, "sequence", *fields, frozen=True, **defaults)
+    kind.id = id
+    return kind
 
 
-@attrs.frozen
-class Whisper:
-    sequence: int
-    content: tuple[bytes, ...] = ()
-    id = WHISPER
-
-
-@attrs.frozen
-class Shout:
-    sequence: int
-    group: str
-    content: tuple[bytes, ...] = ()
-    id = SHOUT
-
-
-@attrs.frozen
-class Join:
-    sequence: int
-    group: str
-    status: int
-    id = JOIN
-
-
-@attrs.frozen
-class Leave:
-    sequence: int
-    group: str
-    status: int
-    id = LEAVE
-
-
-@attrs.frozen
-class Ping:
-    sequence: int
-    id = PING
-
-
-@attrs.frozen
-class PingOk:
-    sequence: int
-    id = PING_OK
-
+#: greets a peer so it connects back to us: the Harmony pattern's OHAI
+Hello = _message(HELLO, "Hello", "endpoint", "groups", "status", "name", headers=attrs.Factory(dict))
+Whisper = _message(WHISPER, "Whisper", content=())
+Shout = _message(SHOUT, "Shout", "group", content=())
+Join = _message(JOIN, "Join", "group", "status")
+Leave = _message(LEAVE, "Leave", "group", "status")
+Ping = _message(PING, "Ping")
+PingOk = _message(PING_OK, "PingOk")
 
 Message = Union[Hello, Whisper, Shout, Join, Leave, Ping, PingOk]
 

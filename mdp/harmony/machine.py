@@ -2,40 +2,15 @@
 
 A *link* is one outgoing DEALER (identity ``0x01`` + our UUID) to one peer's
 ROUTER; everything a peer says arrives on our one ROUTER, tagged with its identity.
-docs/harmony.md says in full what drops a peer and how dials back off.
-
-==========================  ================================================================
-event                       what happens
-==========================  ================================================================
-beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
-                            till *helloWait* after its beacon): a link there, HELLO first,
-                            unless a link goes there already or the table is full (first its
-                            stranger elsewhere goes, an evasive peer there EXITs); a peer:
-                            refreshed; port 0: EXIT
-dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
-                            back-off until a HELLO names that endpoint
-HELLO from a new peer       a peer (at most *maxPeers*; beyond, its stranger goes) on its dial's
-                            link, or its stranger's if that has its UUID and endpoint and our
-                            HELLO went within *helloWait*, else a new link there and our HELLO
-                            (a peer known there restarted: EXIT);
-                            ENTER, a JOIN per group
-HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
-                            from the endpoint known, it is its new link to us: its sequence
-                            and groups start again; our HELLO goes back, once an *evasive*
-other message, no HELLO     dropped
-sequence gap, unknown or    the peer is dropped (EXIT), as its sequence is lost
-malformed
-WHISPER, SHOUT              an event to the application
-JOIN, LEAVE                 the peer's group set and status (+1) change; an event
-PING                        PING-OK back
-any message or beacon       the peer is alive: its evasive and expiry times move on
-tick                        silent past *evasive*: PING it and one EVASIVE event;
-                            silent past *expired*: EXIT
-==========================  ================================================================
+A beacon from an unknown UUID makes a *stranger* (our HELLO sent, its HELLO awaited
+for *helloWait*); a HELLO makes a peer (ENTER); a sequence gap, an unknown or a
+malformed message, or silence past *expired* drops it (EXIT); silence past *evasive*
+PINGs it.  docs/harmony.md says in full what drops a peer and how dials back off.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from uuid import UUID
@@ -44,7 +19,7 @@ import attrs
 
 from mdp.harmony import codec
 from mdp.harmony.codec import MalformedZre, UnknownCommand
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 
 #: Silence (seconds) after which a peer is PINGed and reported EVASIVE.
 DEFAULT_EVASIVE = 5.0
@@ -86,37 +61,14 @@ class Event:
     endpoint: str = ""
 
 
-@action_class
-class OpenLink:
-    """Connect a new link to the ZRE *endpoint*, with our identity."""
-
-    link: int
-    endpoint: str
-
-
-@action_class
-class CloseLink:
-    link: int
-
-
-@action_class
-class SendOn:
-    link: int
-    frames: list
-
-
-@action_class
-class Emit:
-    event: Event
-
-
-@action_class
-class Notice:
-    """Something the driver logs, throttled by *topic* (None: not throttled)."""
-
-    topic: Optional[str]
-    text: str
-    level: str = "warn"
+_action = functools.partial(action_type, __name__)
+#: connect a new link to the ZRE *endpoint*, with our identity
+OpenLink = _action("OpenLink", "link", "endpoint")
+CloseLink = _action("CloseLink", "link")
+SendOn = _action("SendOn", "link", "frames")
+Emit = _action("Emit", "event")
+#: something the driver logs, throttled by *topic* (None: not throttled)
+Notice = _action("Notice", "topic", "text", level="warn")
 
 
 class UnknownPeer(KeyError):

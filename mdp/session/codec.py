@@ -9,11 +9,13 @@ across any number of connections.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence, Union
 
 import attrs
 
 from mdp.errors import ProtocolError
+from mdp.machine import action_type
 
 PROTOCOL = b"SESS01"
 SESSION_ID_BYTES = 16
@@ -35,74 +37,23 @@ class MalformedSession(ProtocolError):
     """A message that is not of the session protocol (the reason says why)."""
 
 
-@attrs.frozen
-class Hello:
-    """Client → server: attach; *since*: its last DATA it no longer holds; *epoch*:
-    the server incarnation *ack* is of."""
-
-    session: bytes
-    ack: int
-    since: int = 0
-    epoch: int = 0
-    maxBytes: int = 0
-    maxFrames: int = 0
-
-
-@attrs.frozen
-class Welcome:
-    """Attached; a new *epoch* (random, never 0: the server forgot the session)
-    numbers afresh."""
-
-    ack: int
-    epoch: int = 1
-    maxBytes: int = 0
-    maxFrames: int = 0
-
-
-@attrs.frozen
-class Data:
-    seq: int
-    ack: int
-    payload: tuple[bytes, ...]
-
-
-@attrs.frozen
-class Skip:
-    """DATA *seq* is not sent: its payload is over the receiver's limits."""
-
-    seq: int
-    ack: int
-
-
-@attrs.frozen
-class Ack:
-    ack: int
-
-
-@attrs.frozen
-class Ping:
-    ack: int
-
-
-@attrs.frozen
-class PingOk:
-    """*sent*: the last DATA the server numbered."""
-
-    ack: int
-    sent: int = 0
-
-
-@attrs.frozen
-class Unknown:
-    """No such session, or messages lost: say HELLO."""
-
-
-@attrs.frozen
-class Refused:
-    """The server holds all the sessions it may."""
-
-    reason: str
-
+_message = functools.partial(action_type, __name__, frozen=True)
+#: client → server: attach; *since*: its last DATA it no longer holds; *epoch*:
+#: the server incarnation *ack* is of
+Hello = _message("Hello", "session", "ack", since=0, epoch=0, maxBytes=0, maxFrames=0)
+#: attached; a new *epoch* (random, never 0: the server forgot the session) numbers afresh
+Welcome = _message("Welcome", "ack", epoch=1, maxBytes=0, maxFrames=0)
+Data = _message("Data", "seq", "ack", "payload")
+#: DATA *seq* is not sent: its payload is over the receiver's limits
+Skip = _message("Skip", "seq", "ack")
+Ack = _message("Ack", "ack")
+Ping = _message("Ping", "ack")
+#: *sent*: the last DATA the server numbered
+PingOk = _message("PingOk", "ack", sent=0)
+#: no such session, or messages lost: say HELLO
+Unknown = _message("Unknown")
+#: the server holds all the sessions it may
+Refused = _message("Refused", "reason")
 
 Message = Union[Hello, Welcome, Data, Skip, Ack, Ping, PingOk, Unknown, Refused]
 

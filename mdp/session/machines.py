@@ -7,6 +7,7 @@ after a re-attach.  docs/sessions.md tells the rules.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict, deque
 from typing import Any, Hashable, Optional
@@ -14,7 +15,7 @@ from typing import Any, Hashable, Optional
 import attrs
 
 from mdp.errors import MDPError
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 from mdp.session import codec
 from mdp.session.codec import MalformedSession
 
@@ -51,105 +52,32 @@ class SessionRefused(MDPError):
     """The server holds all the sessions it may; the client goes on asking."""
 
 
-@action_class
-class Send:
-    frames: list
-
-
-@action_class
-class SendTo:
-    peer: Any
-    frames: list
-
-
-@action_class
-class Deliver:
-    """Hand *payload* to the application (from *routingId*, on a server)."""
-
-    payload: tuple
-    routingId: int = 0
-
-
-@action_class
-class Dropped:
-    """Message *seq* from the other side is lost: over this side's limits."""
-
-    seq: int
-    reason: str
-    routingId: int = 0
-
-
-@action_class
-class Skipped:
-    """Our message *seq* went as a SKIP: it is over the other side's limits."""
-
-    seq: int
-    reason: str
-    routingId: int = 0
-
-
-@action_class
-class Notice:
-    """Something the driver logs, throttled by *topic*, at *level*."""
-
-    topic: str
-    text: str
-    level: str = "warn"
-
-
-@action_class
-class Refusal:
-    """Client: the server refused to open our session."""
-
-    reason: str
-
-
-@action_class
-class Renewed:
-    """Client: the server's session for us ended and a new one began (what it
-    held for us is lost; ours goes again, so it may get one twice)."""
-
-    reason: str
-
-
-@action_class
-class Reconnect:
-    """Client: replace the connection (with the driver's backoff); the session goes on."""
-
-    reason: str
-
-
-@action_class
-class Opened:
-    routingId: int
-
-
-@action_class
-class Attached:
-    routingId: int
-
-
-@action_class
-class Full:
-    """Server: a HELLO from *peer* opened no session: *sessions* are open, the most allowed."""
-
-    peer: Any
-    sessions: int
-
-
-@action_class
-class Expired:
-    """Server: the session *routingId* ended (silent for the expiry)."""
-
-    routingId: int
-
-
-@action_class
-class DropPeer:
-    """Server: close the connection *peer*: it must not hold a connection slot."""
-
-    peer: Any
-    reason: str
+_action = functools.partial(action_type, __name__)
+Send = _action("Send", "frames")
+SendTo = _action("SendTo", "peer", "frames")
+#: hand *payload* to the application (from *routingId*, on a server)
+Deliver = _action("Deliver", "payload", routingId=0)
+#: message *seq* from the other side is lost: over this side's limits
+Dropped = _action("Dropped", "seq", "reason", routingId=0)
+#: our message *seq* went as a SKIP: it is over the other side's limits
+Skipped = _action("Skipped", "seq", "reason", routingId=0)
+#: something the driver logs, throttled by *topic*, at *level*
+Notice = _action("Notice", "topic", "text", level="warn")
+#: client: the server refused to open our session
+Refusal = _action("Refusal", "reason")
+#: client: the server's session for us ended and a new one began (what it held
+#: for us is lost; ours goes again, so it may get one twice)
+Renewed = _action("Renewed", "reason")
+#: client: replace the connection (with the driver's backoff); the session goes on
+Reconnect = _action("Reconnect", "reason")
+Opened = _action("Opened", "routingId")
+Attached = _action("Attached", "routingId")
+#: server: a HELLO from *peer* opened no session: *sessions* are open, the most allowed
+Full = _action("Full", "peer", "sessions")
+#: server: the session *routingId* ended (silent for the expiry)
+Expired = _action("Expired", "routingId")
+#: server: close the connection *peer*: it must not hold a connection slot
+DropPeer = _action("DropPeer", "peer", "reason")
 
 
 def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -> Optional[str]:
