@@ -1,8 +1,5 @@
-"""txmajordomo: reliable service-oriented request-reply for Twisted.
-
-Names are imported when first used (PEP 562), so ``import mdp.x`` costs only
-what ``mdp.x`` needs.
-"""
+"""txmajordomo: reliable service-oriented request-reply for Twisted.  Names are imported
+when first used (PEP 562), so ``import mdp.x`` costs only what ``mdp.x`` needs."""
 
 from __future__ import annotations
 
@@ -10,11 +7,9 @@ import importlib
 
 from mdp import _compiled
 
-# before any module it lists is imported
-_compiled.install()
+_compiled.install()  # before any module it lists is imported
 
-#: not typing's, which is slow to import
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # not typing's, which is slow to import
 if TYPE_CHECKING:
     from typing import Any
 

@@ -1,6 +1,6 @@
-"""The modules ``setup.py`` compiles with Cython where it can, and the import hook
-that runs a module's source where its compiled file no longer matches it (the
-build's :data:`RECORD` of sizes and times).  Imports nothing of the package."""
+"""The modules ``setup.py`` compiles with Cython where it can, and the import hook that runs
+a module's source where its compiled file no longer matches it (the build's :data:`RECORD`
+of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -49,13 +49,10 @@ CIMPORTS = {
     "mdp.blocking": ("mdp.majordomo.client", "mdp.majordomo.client_machine"),
 }
 
-#: set (not "" or "0"): install compiles nothing, and imports run the sources
-PURE_ENV = "MDP_PURE_PYTHON"
-
-#: the build's record in a working tree, one line a module:
-#: "name source-size source-mtime-ns compiled-size compiled-mtime-ns"
+PURE_ENV = "MDP_PURE_PYTHON"  # set (not "" or "0"): install compiles nothing, imports run the sources
+#: the build's record in a working tree, one line a module ("name source-size source-mtime-ns
+#: compiled-size compiled-mtime-ns"), and a line "build FINGERPRINT" naming its settings
 RECORD = "_compiled.record"
-#: the record's line "build FINGERPRINT" names the build's settings
 _BUILD = "build"
 
 _RECORDED = (*MODULES, *ACCELERATORS)
@@ -95,8 +92,7 @@ def cimported(name: str) -> list[str]:
 
 
 def source_signature(package: str, name: str) -> tuple[int, int]:
-    """Sizes and times, summed, of module *name*'s source and the ``.pxd`` files
-    it and its cimports have: any of them changed changes it."""
+    """Sizes and times, summed, of *name*'s source and its and its cimports' ``.pxd`` files."""
     directory, leaf = _paths(package, name)
     size, mtime = _signature(os.path.join(directory, leaf + (".pyx" if name in ACCELERATORS else ".py")))
     for module in (name, *cimported(name)):
@@ -154,8 +150,8 @@ def current(package: str, name: str, compiled: str,
 
 
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
-    """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure``
-    (:data:`PURE_ENV`) or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
+    """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure`` (:data:`PURE_ENV`)
+    or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
     compiled = compiled_file(*_paths(package, name))
     if compiled is None:
         return "source"
@@ -175,8 +171,7 @@ def recorded_build(package: str) -> Optional[str]:
 
 
 def reusable(package: str, name: str, build: str) -> Optional[str]:
-    """The compiled module *name*, if a build with fingerprint *build* made it
-    from the current sources: ``setup.py`` reuses it."""
+    """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
     if recorded_build(package) != build:
         return None
     compiled = compiled_file(*_paths(package, name))
@@ -187,8 +182,7 @@ def reusable(package: str, name: str, build: str) -> Optional[str]:
 
 
 def write_record(package: str, builtSince: float, build: Optional[str] = None) -> None:
-    """Record the compiled modules written since *builtSince*, keep those an
-    earlier build made, forget the rest; and the fingerprint *build*."""
+    """Record the modules compiled since *builtSince* (and by an earlier build) and *build*."""
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
@@ -220,16 +214,14 @@ def remove_compiled(package: str) -> None:
         compiled = compiled_file(*_paths(package, name))
         if compiled is not None:
             os.remove(compiled)
-    try:
+    if os.path.exists(os.path.join(package, RECORD)):
         os.remove(os.path.join(package, RECORD))
-    except FileNotFoundError:
-        pass
 
 
 class SourceFirst:
-    """A meta path finder that runs a package module's source where :func:`kind`
-    says ``pure`` or ``stale``, or where it is no longer listed and an earlier
-    build left its compiled file beside it; else None, leaving it to the usual finder."""
+    """A meta path finder: a module's source where :func:`kind` says ``pure`` or ``stale``, or
+    where it is no longer listed and a compiled file is beside it; else the usual finder's."""
+
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,

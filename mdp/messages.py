@@ -1,14 +1,8 @@
-"""What every pattern agrees on about message bodies: frames from a caller's
-arguments, and error replies with their status codes.
-
-MDP/0.2 and Freelance have no error command: a failed request gets an
-ordinary reply of exactly three frames::
-
-    [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
-
-The marker starts with a NUL byte, so it is no printable payload; our clients
-raise the :class:`~mdp.errors.RemoteError` subclass for the code.
-"""
+"""What every pattern agrees on about message bodies: frames from a caller's arguments,
+and error replies.  MDP/0.2 and Freelance have no error command: a failed request gets
+a reply of three frames, ``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]``
+(the marker starts with a NUL byte); our clients raise the :class:`~mdp.errors.RemoteError`
+subclass for the code."""
 
 from __future__ import annotations
 
@@ -87,8 +81,7 @@ def bytes_frames(frames: Sequence[object]) -> list[bytes]:
 
 
 def as_frame(item: object, what: str) -> bytes:
-    """*item* as ``bytes`` (a ``str`` UTF-8 encoded): ``TypeError`` naming it
-    *what* for another type."""
+    """*item* as ``bytes`` (a ``str`` UTF-8 encoded): ``TypeError`` naming it *what* for another type."""
     if isinstance(item, str):
         try:
             return item.encode("utf-8")
@@ -99,11 +92,9 @@ def as_frame(item: object, what: str) -> bytes:
     raise TypeError(f"{what} is {type(item).__name__}, not bytes or str")
 
 
-# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's
-# peers behind relay hops, each known by one bytes key, as a routing id is
-
-#: how a relayed peer's key begins: no routing id libzmq makes (five bytes) or
-#: a peer may set (never a leading zero byte) does so
+# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's peers behind
+# relay hops, each known by one bytes key that begins as no routing id does (libzmq's
+# are five bytes, a peer's own never start with a zero byte)
 RELAYED = b"\x00\x00\x00"
 
 
@@ -127,8 +118,8 @@ def routing_id(peer: bytes) -> bytes:
 
 
 def envelope(peer: bytes, frames: list[Any]) -> list[Any]:
-    """The message for *peer* as a ROUTER sends it: its routing id first, and
-    for a relayed peer its hop after."""
+    """The message for *peer* as a ROUTER sends it: its routing id, then a relayed peer's hop."""
+
     if len(peer) > 5 and peer[:3] == RELAYED:
         end = peer[3] + 4
         return [peer[4:end], peer[end:], *frames]

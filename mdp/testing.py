@@ -1,14 +1,12 @@
-"""Drive a node by a list of events (a message, a peer gone, a pipe up, time
-passing) and read back its actions; its transports are recording stand-ins
-on ``script:`` endpoints, its clock a :class:`~twisted.internet.task.Clock`::
+"""Drive a node by events (a message, a peer gone, a pipe up, time passing) and read back its
+actions; its transports are recorders on ``script:`` endpoints, its clock a ``task.Clock``::
 
     script = Script()
     broker = Broker(reactor=script.clock)
     broker.listen(script.endpoint("b"))
     actions = script.feed(Receive(b"C", [b"MDPC02", b"\\x01", b"echo", b"hi"]))
 
-A connecting node's pipes are named ``ENDPOINT#N`` (the Nth pipe to that endpoint).
-"""
+A connecting node's pipes are named ``ENDPOINT#N`` (the Nth pipe to that endpoint)."""
 
 from __future__ import annotations
 
@@ -121,9 +119,8 @@ class _Pipe:
 
 
 class Script:
-    """A fake world for one node: a clock, recorded actions, scripted events.
-    With *autoConnect* pipes come up by themselves (as a ZeroMQ DEALER's do);
-    ``identities`` maps peer ids to their authenticated identity."""
+    """A fake world for one node: a clock, recorded actions, scripted events; with *autoConnect*
+    pipes come up by themselves; ``identities`` maps peer ids to authenticated identities."""
 
     def __init__(self, autoConnect: bool = False, start: float = 0.0) -> None:
         self.clock = task.Clock()
@@ -169,8 +166,7 @@ class Script:
         return next(iter(self.routers.values()))
 
     def feed(self, *events: Event, via: Optional[str] = None) -> list[Action]:
-        """Apply *events* in order; return the actions they caused.  *via*
-        picks the listening endpoint for router events when there are several."""
+        """Apply *events*; the actions they caused.  *via*: the listening endpoint of router events."""
         mark = len(self.actions)
         self.clock.advance(0)
         for event in events:
@@ -243,8 +239,7 @@ transport.register(transport.Scheme(
 
 def _key_and_certificate(common: str, organization: Optional[str] = None,
                          issuer: Optional[CertificateAuthority] = None) -> tuple[Any, Any]:
-    """A new key and its certificate for *common*, valid for 30 days: signed by
-    *issuer*, or else a self-signed authority's."""
+    """A new key and its certificate for *common*, valid 30 days, signed by *issuer* or itself."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -268,8 +263,7 @@ def _key_and_certificate(common: str, organization: Optional[str] = None,
 
 
 class CertificateAuthority:
-    """A TLS certificate authority for tests, writing PEM files into
-    *directory*.  Needs ``cryptography``."""
+    """A TLS certificate authority for tests, writing PEM files into *directory* (``cryptography``)."""
 
     def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
         from cryptography.hazmat.primitives.serialization import Encoding
@@ -286,8 +280,8 @@ class CertificateAuthority:
         return path
 
     def issue(self, file: str, common: str, organization: Optional[str] = None) -> tuple[Path, Path]:
-        """Issue a certificate for *common*; the paths of ``FILE.pem`` and
-        ``FILE-key.pem`` (``.key`` names CURVE public keys)."""
+        """Issue a certificate for *common*: the paths of ``FILE.pem`` and ``FILE-key.pem``."""
+
         from cryptography.hazmat.primitives import serialization
 
         key, certificate = _key_and_certificate(common, organization, self)

@@ -21,36 +21,24 @@ from mdp.harmony import codec
 from mdp.harmony.codec import MalformedZre, UnknownCommand
 from mdp.machine import Machine, action_type
 
-#: Silence (seconds) after which a peer is PINGed and reported EVASIVE.
-DEFAULT_EVASIVE = 5.0
-#: Silence (seconds) after which a peer is dropped (EXIT).
-DEFAULT_EXPIRED = 30.0
-#: Peers a node keeps that have said HELLO; HELLOs beyond are ignored.
-DEFAULT_MAX_PEERS = 1000
-#: Strangers (peers heard only by their beacons, our HELLO sent) a node keeps; beyond, the oldest goes.
-DEFAULT_MAX_STRANGERS = 64
-#: Seconds a stranger has, after its last beacon, to say HELLO before it is forgotten.
-DEFAULT_HELLO_WAIT = 3.0
+DEFAULT_EVASIVE = 5.0  # seconds of silence: the peer is PINGed and reported EVASIVE
+DEFAULT_EXPIRED = 30.0  # seconds of silence: the peer is dropped (EXIT)
+DEFAULT_MAX_PEERS = 1000  # peers that said HELLO; HELLOs beyond are ignored
+DEFAULT_MAX_STRANGERS = 64  # peers heard only by their beacons (our HELLO sent); beyond, the oldest goes
+DEFAULT_HELLO_WAIT = 3.0  # seconds a stranger has, after its last beacon, to say HELLO
 #: Redials back off up to this many times *expired*: each new HELLO looks like our restart.
 DIAL_BACKOFF_LIMIT = 8
 
 IDENTITY_PREFIX = b"\x01"
 
-ENTER = "ENTER"
-EXIT = "EXIT"
-JOIN = "JOIN"
-LEAVE = "LEAVE"
-WHISPER = "WHISPER"
-SHOUT = "SHOUT"
-EVASIVE = "EVASIVE"
-EVENTS = (ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE)
+EVENTS = ("ENTER", "EXIT", "JOIN", "LEAVE", "WHISPER", "SHOUT", "EVASIVE")
+ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE = EVENTS
 
 
 @attrs.frozen
 class Event:
-    """What the application hears about a peer: *kind* is one of :data:`EVENTS`; *group*
-    is set for JOIN, LEAVE, SHOUT, *frames* for WHISPER, SHOUT, *headers* and *endpoint*
-    for ENTER."""
+    """What the application hears of a peer: *kind* is one of :data:`EVENTS`; *group* is set
+    for JOIN, LEAVE, SHOUT, *frames* for WHISPER, SHOUT, *headers* and *endpoint* for ENTER."""
 
     kind: str
     peer: UUID
@@ -113,8 +101,7 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
-    #: when it said HELLO; for a stranger, when ours went
-    helloAt: float = 0.0
+    helloAt: float = 0.0  # when it said HELLO; for a stranger, when ours went
     answeredAt: float = float("-inf")
 
 
@@ -125,18 +112,14 @@ class _Dial:
     link: int
     endpoint: str
     sent: int
-    #: when the HELLO went
-    since: float = 0.0
+    since: float = 0.0  # when the HELLO went
     failed: bool = False
-    #: unanswered dials before this one
-    tries: int = 0
+    tries: int = 0  # unanswered dials before this one
 
 
 class HarmonyMachine(Machine):
-    """One ZRE node: its peers, their groups, ours, and the sequence numbers.
-
-    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None if it can):
-    such a peer is ignored."""
+    """One ZRE node: its peers, their groups, ours, and the sequence numbers; *reachable(endpoint)*
+    says why a peer's endpoint cannot be dialled (None if it can): such a peer is ignored."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
@@ -166,16 +149,15 @@ class HarmonyMachine(Machine):
         self.endpoint = ""
         self.status = 0
         self.ownGroups: dict[str, None] = {}
-        #: the peers that have said HELLO, and the endpoint key of each
+        #: the peers that said HELLO, and those heard only by their beacons (oldest first),
+        #: each with a table of endpoint keys
         self.peers: dict[UUID, Peer] = {}
         self._peerAt: dict[str, UUID] = {}
-        #: peers heard only by their beacons, oldest first, and the endpoint key of each
         self.strangers: dict[UUID, Peer] = {}
         self._strangerAt: dict[str, UUID] = {}
-        #: links to listed endpoints not yet known as a peer, by endpoint
-        self.dials: dict[str, _Dial] = {}
-        #: endpoints dialled again when the peer there goes
-        self.listed: list[str] = []
+        self.dials: dict[str, _Dial] = {}  # links to listed endpoints not yet known as a peer
+        self.listed: list[str] = []  # endpoints dialled again when the peer there goes
+
         self._links = 0
         self.running = False
 

@@ -1,6 +1,5 @@
 """The Twisted driver of a Harmony (ZRE) node: :class:`Node` owns one bound ROUTER, one
-DEALER per peer, a tick and a discovery (UDP beacons, or a list of endpoints).
-"""
+DEALER per peer, a tick and a discovery (UDP beacons, or a list of endpoints)."""
 
 from __future__ import annotations
 
@@ -47,9 +46,7 @@ from mdp.policy import Limits, LogThrottle, default_reactor
 from mdp.transport import check, connect, datagram, listen
 
 log = Logger()
-
-#: Seconds between beacons, and between checks of the peers' silence.
-DEFAULT_INTERVAL = 1.0
+DEFAULT_INTERVAL = 1.0  # seconds between beacons, and between checks of the peers' silence
 
 
 def wire_endpoint(endpoint: str) -> str:
@@ -66,8 +63,7 @@ def transport_endpoint(endpoint: str) -> str:
 
 @implementer(IDiscovery, IDatagramReceiver)
 class BeaconDiscovery:
-    """ZRE's UDP beacons, every *interval* seconds, to the datagram *endpoint*
-    (:mod:`mdp.transport.datagram`)."""
+    """ZRE's UDP beacons, every *interval* seconds, to the datagram *endpoint* (mdp.transport.datagram)."""
 
     def __init__(self, endpoint: str = f"udp:{codec.DISCOVERY_PORT}", *,
                  interval: float = DEFAULT_INTERVAL, reactor: Optional[Any] = None) -> None:
@@ -122,8 +118,8 @@ class BeaconDiscovery:
 
 @implementer(IDiscovery)
 class EndpointDiscovery:
-    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), and again whenever
-    the peer there goes.  *host* is the address our ROUTER binds to and announces."""
+    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), again whenever the peer
+    there goes.  *host* is the address our ROUTER binds to and announces."""
 
     def __init__(self, endpoints: Union[str, Iterable[str]] = (), *,
                  host: str = "127.0.0.1") -> None:
@@ -222,17 +218,16 @@ class _Link:
         pass
 
 
+
+
 _loopbackPorts = itertools.count(49152)
 
 
 @implementer(IDiscoveryListener)
 class Node:
-    """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).
-
-    *endpoint* is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
-    discovery's).  A peer silent for *evasive* seconds is PINGed, for *expired*
-    dropped; one heard only by its beacons waits for its HELLO apart (*maxStrangers*,
-    *helloWait*).  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
+    """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).  *endpoint* is where our
+    ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's).  Events go to
+    :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
                  headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
@@ -264,10 +259,8 @@ class Node:
         self.endpoint = ""
         self.port = 0
         self._subscribers: list[Callable[[Event], Any]] = []
-        #: weak: a reader that breaks out of ``async for`` goes
-        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
-        #: start() and stop() one at a time: a start right after a stop waits
-        self._transition = defer.DeferredLock()
+        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()  # a reader may break out
+        self._transition = defer.DeferredLock()  # start() and stop() one at a time
         #: batches of actions, and events, each with its run (a stop ends a run)
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
@@ -286,8 +279,7 @@ class Node:
         return self._transition.run(self._start)
 
     def stop(self) -> defer.Deferred[None]:
-        """Say we are leaving, close everything and end the event streams; from the
-        call on, no event is told and nothing more is sent."""
+        """Say we are leaving, close everything, end the event streams; no event or message after."""
         return self._transition.run(self._stop)
 
     @defer.inlineCallbacks
@@ -405,8 +397,7 @@ class Node:
         return list(self.machine.ownGroups)
 
     def _perform(self, actions: list[Any]) -> None:
-        """Perform a batch of *actions*, then deliver its events.  Batches that come
-        meanwhile wait their turn, so what is sent keeps the order ZRE numbers it in."""
+        """Perform *actions*, then deliver their events; batches meanwhile wait (ZRE's order)."""
         self._batches.append((self._generation, actions))
         if self._performing:
             return

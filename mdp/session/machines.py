@@ -1,9 +1,6 @@
-"""CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`).
-
-A session outlives connections: the client says HELLO with its session id on
-each one, and each side keeps what it sent until acknowledged and resends it
-after a re-attach.  docs/sessions.md tells the rules.
-"""
+"""CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`): the client
+says HELLO with its session id on each connection, and each side resends what is not
+acknowledged after a re-attach.  docs/sessions.md tells the rules."""
 
 from __future__ import annotations
 
@@ -34,10 +31,6 @@ ROUTING_ID_BYTES = 4
 MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
 #: Most connections without a session a server tracks (beyond, the oldest close).
 MAX_UNATTACHED = 4096
-
-
-def _epoch() -> int:
-    return int.from_bytes(os.urandom(8), "big") or 1
 
 
 class SessionQueueFull(MDPError):
@@ -107,8 +100,7 @@ def said_limits(message: Any) -> Optional[tuple[int, int]]:
 
 
 def delivery(message: Any, refused: Optional[str], routingId: int = 0) -> Any:
-    """The next DATA or SKIP in order: :class:`Deliver`, or :class:`Dropped` (a SKIP,
-    or a DATA *refused* as over our limits)."""
+    """The next DATA or SKIP: :class:`Deliver`, or :class:`Dropped` (a SKIP, or *refused*)."""
     if isinstance(message, codec.Skip):
         return Dropped(message.seq, "over this side's limits, the other side did not send it",
                        routingId)
@@ -129,13 +121,10 @@ class _Sequenced:
         self.sent = 0
         self.received = 0
         self.unacked: deque[tuple[int, tuple[bytes, ...]]] = deque()
-        #: DATA delivered since our last message to the other side
-        self.ackPending = 0
-        #: the payload the other side takes in one DATA (None: not said)
-        self.peerLimits: Optional[tuple[int, int]] = None
-        #: our DATA sent as SKIP, not yet reported: (seq, why)
+        self.ackPending = 0  # DATA delivered since our last message to the other side
+        self.peerLimits: Optional[tuple[int, int]] = None  # what the other side takes in one DATA
+        #: our DATA sent as SKIP, not yet reported: (seq, why); and those reported, until acked
         self.skips: list[tuple[int, str]] = []
-        #: the numbers of those reported, until acknowledged
         self._skipped: set[int] = set()
 
     def number(self, payload: tuple[bytes, ...]) -> codec.Message:
@@ -225,15 +214,12 @@ class ClientSessionMachine(Machine):
         self.liveness = liveness
         self.limits = limits or (0, 0)
         self.seq = _Sequenced(maxQueued, maxQueuedBytes)
-        #: the server incarnation our received count is of (0: none yet)
-        self.epoch = 0
+        self.epoch = 0  # the server incarnation our received count is of (0: none yet)
         self.lastPing = now
-        #: "detached", "attaching" or "attached"
-        self.state = "detached"
+        self.state = "detached"  # or "attaching", "attached"
         self.lastHeard = now
         self.pings = 0
-        #: for each PING in flight, what we had sent before it
-        self.sentAtPing: deque[int] = deque()
+        self.sentAtPing: deque[int] = deque()  # for each PING in flight, what we had sent before it
         self.helloAt = now
 
     @property
@@ -385,8 +371,8 @@ class _Session:
     epoch: int
     seq: _Sequenced
     lastHeard: float
-    #: the connection that opened it
-    openedBy: Optional[Hashable]
+    openedBy: Optional[Hashable]  # the connection that opened it
+
     peer: Optional[Hashable] = None
 
 
@@ -410,12 +396,9 @@ class ServerSessionMachine(Machine):
         self.byPeer: dict[Hashable, _Session] = {}
         self.byRouting: dict[int, _Session] = {}
         self._routingIds = 0
-        #: when each connection was last told UNKNOWN
-        self._told: OrderedDict[Hashable, float] = OrderedDict()
-        #: the session each connection opened, while it lasts
-        self._opened: dict[Hashable, _Session] = {}
-        #: connections heard from without a session, since when
-        self._unattached: OrderedDict[Hashable, float] = OrderedDict()
+        self._told: OrderedDict[Hashable, float] = OrderedDict()  # when each was last told UNKNOWN
+        self._opened: dict[Hashable, _Session] = {}  # the session each connection opened
+        self._unattached: OrderedDict[Hashable, float] = OrderedDict()  # since when, without one
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
         if session.peer is not None:
@@ -567,7 +550,7 @@ class ServerSessionMachine(Machine):
                     f"the server holds {len(self.sessions)} sessions, all it may "
                     f"(maxSessions)"))))
             return None
-        session = _Session(hello.session, self._newRoutingId(), _epoch(),
+        session = _Session(hello.session, self._newRoutingId(), int.from_bytes(os.urandom(8), "big") or 1,
                            _Sequenced(self.maxQueued, self.maxQueuedBytes), self.now, peer)
         self._opened[peer] = session
         # the client numbers on from its earlier session (with a server that is gone)

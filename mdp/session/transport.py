@@ -1,11 +1,9 @@
 """Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
 
-:class:`SessionRouter` and :class:`SessionDealer` provide the router and dealer
-interfaces, so MDP runs over sessions unchanged.  The dealer reports
-``connectionMade`` once, at the first attach, and re-attaches by itself after a
-break; its receiver may have ``sessionRenewed()`` and ``sessionRefused(reason)``.
-The router names each session by a 4-byte routing id and reports
-``peerDisconnected`` when it expires."""
+:class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and
+re-attaches by itself (its receiver may have ``sessionRenewed()`` and
+``sessionRefused(reason)``); :class:`SessionRouter` names each session by a 4-byte
+routing id and reports ``peerDisconnected`` when it expires."""
 
 from __future__ import annotations
 
@@ -57,8 +55,7 @@ def inner_endpoint(endpoint: str) -> str:
 
 
 def bounded_attempts(endpoint: str, seconds: float) -> str:
-    """*endpoint* with each connection attempt bounded by *seconds*, unless it says
-    its own ``timeout``: Twisted's 30 s would outlast the session expiry."""
+    """*endpoint* with attempts bounded by *seconds* unless it says a ``timeout`` (30 s outlasts expiry)."""
     kind, _, rest = endpoint.partition(":")
     if kind != "tcp" or any(part.startswith("timeout=") for part in rest.split(":")):
         return endpoint
@@ -66,8 +63,7 @@ def bounded_attempts(endpoint: str, seconds: float) -> str:
 
 
 def inner_limits(limits: Limits) -> Limits:
-    """The inner transport's limits: room for the session's own frames, and twice
-    the output room, so a full resend after a re-attach always fits."""
+    """Room for the session's frames, and twice the output room: a full resend always fits."""
     return attrs.evolve(limits, maxMessageBytes=limits.maxMessageBytes + OVERHEAD_BYTES,
                         maxFrames=limits.maxFrames + OVERHEAD_FRAMES,
                         maxOutputBytes=2 * limits.maxOutputBytes + OVERHEAD_BYTES)
@@ -79,10 +75,6 @@ def kept_frames(frames: Any) -> tuple[bytes, ...]:
         if not isinstance(frame, (bytes, bytearray, memoryview)):
             raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
     return tuple(frame if frame.__class__ is bytes else bytes(frame) for frame in frames)
-
-
-def payload_limits(limits: Limits) -> tuple[int, int]:
-    return limits.maxMessageBytes, limits.maxFrames
 
 
 def routing_bytes(routingId: int) -> bytes:
@@ -98,7 +90,6 @@ class _End:
 
     machine: Any
     _performers: dict[type, Any]
-    #: how its log lines name it, before its endpoint
     title = ""
     #: messages lost as over our limits, and ours sent as SKIPs
     dropped = 0
@@ -125,7 +116,7 @@ class _End:
             self._performers[type(action)](self, action)
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
-        """Why the DATA message *frames* is over our limits (None if not, or not DATA)."""
+        """Why the DATA *frames* is over our limits (None if not, or not DATA)."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
@@ -149,7 +140,7 @@ class _End:
             log.failure("{end}: {what} raised", end=self._name(), what=method)
 
     def _say(self, topic: str, format: str, level: str = "warn", **fields: Any) -> None:
-        """Log *format* with *fields* (and ``end``, naming this end), throttled by *topic*."""
+        """Log *format* with *fields* (and ``end``), throttled by *topic*."""
         emit = self.throttle.info if level == "info" else self.throttle.warn
         emit(log, topic, "{end}: " + format, end=self._name(), **fields)
 
@@ -193,9 +184,8 @@ class SessionRouter(_End):
                  maxSessions: int = DEFAULT_MAX_SESSIONS) -> None:
         super().__init__(receiver, reactor, limits, "")
         self.machine = ServerSessionMachine(
-            expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
-            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
-            now=reactor.seconds())
+            expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions, maxQueuedBytes=limits.maxOutputBytes,
+            limits=(limits.maxMessageBytes, limits.maxFrames), now=reactor.seconds())
         #: HELLOs that attached, and those refused at maxSessions
         self.attaches = 0
         self.refused = 0
@@ -250,8 +240,7 @@ class SessionRouter(_End):
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     def reply(self, routingId: int, frames: Any) -> None:
-        """Send *frames* to *routingId*; :class:`ReplyTooLarge`, :class:`UnknownSession`,
-        :class:`SessionQueueFull`."""
+        """Send *frames* to *routingId*; ReplyTooLarge, UnknownSession, SessionQueueFull."""
         session = self.machine.byRouting.get(routingId)
         kept = self._sendable(frames, None if session is None else session.seq.peerLimits,
                               "the session's client", ReplyTooLarge, f"session {routingId}")
@@ -265,8 +254,7 @@ class SessionRouter(_End):
         except UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except SessionQueueFull as e:
-            # a hole in what the client gets would be worse: the session ends;
-            # its report waits a turn, as the application is in this call
+            # a hole would be worse: the session ends, reported a turn later (we are in the app's call)
             self._say("full", "session {session} ends: {error}", session=routing_id(peer), error=e)
             actions = self.machine.end(routing_id(peer), self._now())
             self._perform([a for a in actions if not isinstance(a, Expired)])
@@ -301,7 +289,7 @@ class SessionDealer(_End):
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
+            maxQueuedBytes=limits.maxOutputBytes, limits=(limits.maxMessageBytes, limits.maxFrames),
             now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
         self.backoff = backoff
@@ -335,15 +323,13 @@ class SessionDealer(_End):
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
-        """The delay before *attempt*, at most ``pingInterval * liveness`` (so a
-        cut shorter than the server's expiry does not outlast the session)."""
+        """The delay before *attempt*, at most ``pingInterval * liveness`` (within the expiry)."""
         if self.retryPolicy is None:
             return RECONNECT.delay(max(attempt - 1, 0), self.machine.deadAfter)
         return min(self.retryPolicy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
-        """The connection closed on a message far over our limits, resent at each
-        attach: attach again after the backoff, not in a tight loop."""
+        """The connection closed on a message over our limits, resent at each attach: back off."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "{end}: a message from the server is over this "
@@ -422,8 +408,8 @@ class SessionDealer(_End):
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     def send(self, frames: list[bytes]) -> None:
-        """Send *frames* in the session; :class:`SessionQueueFull`,
-        :class:`RequestTooLarge` or ``TypeError``, and nothing is queued."""
+        """Send *frames*; SessionQueueFull, RequestTooLarge or ``TypeError``: nothing queued."""
+
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
         kept = self._sendable(frames, self.machine.seq.peerLimits, "the server", RequestTooLarge,
