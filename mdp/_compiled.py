@@ -62,13 +62,11 @@ _records: dict[str, Optional[dict[str, tuple[int, ...]]]] = {}
 
 
 def pure_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether the environment asks for the plain sources."""
     value = (os.environ if environ is None else environ).get(PURE_ENV, "")
     return value not in ("", "0")
 
 
 def compiled_file(directory: str, leaf: str) -> Optional[str]:
-    """The compiled module *leaf* in *directory*, if there is one."""
     for suffix in EXTENSION_SUFFIXES:
         candidate = os.path.join(directory, leaf + suffix)
         if os.path.isfile(candidate):
@@ -105,13 +103,12 @@ def source_signature(package: str, name: str) -> tuple[int, int]:
 
 
 def _paths(package: str, name: str) -> tuple[str, str]:
-    """The directory of module *name* under *package* and its last name."""
+    """The directory of module *name* under *package*, and its last name."""
     parts = name.split(".")[1:]
     return os.path.join(package, *parts[:-1]), parts[-1]
 
 
 def _record_lines(package: str) -> Optional[list[list[str]]]:
-    """The fields of each line of *package*'s build record, if it has one."""
     try:
         with open(os.path.join(package, RECORD), encoding="ascii") as f:
             return [line.split() for line in f.read().splitlines()]
@@ -120,7 +117,6 @@ def _record_lines(package: str) -> Optional[list[list[str]]]:
 
 
 def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
-    """The build record of the package directory *package*, if it has one."""
     lines = _record_lines(package)
     if lines is None:
         return None
@@ -165,7 +161,6 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
 
 
 def recorded_build(package: str) -> Optional[str]:
-    """The build fingerprint the record of *package* names, if any."""
     return next((fields[1] for fields in _record_lines(package) or ()
                  if len(fields) == 2 and fields[0] == _BUILD), None)
 
@@ -209,7 +204,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
 
 
 def remove_compiled(package: str) -> None:
-    """Remove the compiled modules and the record of *package*."""
+
     for name in _RECORDED:
         compiled = compiled_file(*_paths(package, name))
         if compiled is not None:

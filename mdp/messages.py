@@ -42,12 +42,12 @@ Frame = Union[bytes, str]
 
 
 def error_body(code: bytes, message: str) -> list[bytes]:
-    """The reply body that signals an error."""
     return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
 
 
 def parse_error_body(body: Sequence[bytes]) -> Optional[tuple[bytes, str]]:
-    """Return ``(code, message)`` if *body* is an error reply, else ``None``."""
+    """``(code, message)`` if *body* is an error reply, else ``None``."""
+
     if len(body) == 3 and body[0] == ERROR_MARKER:
         return bytes(body[1]), bytes(body[2]).decode("utf-8", "replace")
     return None

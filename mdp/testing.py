@@ -210,6 +210,7 @@ class Script:
 
     def forget(self) -> None:
         """Unregister this script's endpoints."""
+
         _scripts.pop(self.id, None)
 
 

@@ -121,10 +121,9 @@ _MESSAGES = {kind.id: (kind, [f.name for f in attrs.fields(kind)[1:] if f.name !
 
 def encode(message: Message) -> list[bytes]:
     """The frames of *message*: the ZRE frame, then any content frames."""
-    parts = [_HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)]
-    for name in _MESSAGES[message.id][1]:
-        parts.append(_FIELDS[name][0](getattr(message, name), name))
-    return [b"".join(parts), *getattr(message, "content", ())]
+    parts = [_FIELDS[name][0](getattr(message, name), name) for name in _MESSAGES[message.id][1]]
+    header = _HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)
+    return [b"".join([header, *parts]), *getattr(message, "content", ())]
 
 
 class _Reader:
@@ -150,15 +149,12 @@ class _Reader:
     def uint(self, size: int, what: str) -> int:
         return int.from_bytes(self.take(size, what), "big")
 
-    def string(self, what: str) -> str:
-        return self.take(self.u8(what), what).decode("utf-8", "replace")
-
-    def long_string(self, what: str) -> str:
-        return self.take(self.uint(4, what), what).decode("utf-8", "replace")
+    def string(self, what: str, size: int = 1) -> str:
+        """A string after its length in *size* bytes (4: a long string)."""
+        return self.take(self.uint(size, what), what).decode("utf-8", "replace")
 
     def count(self, what: str, smallest: int, most: int) -> int:
-        """A u32 count of items of at least *smallest* bytes, checked against what
-        is left and against *most*."""
+        """A u32 count of items of at least *smallest* bytes, checked against what is left and *most*."""
         number = self.uint(4, what)
         if number * smallest > len(self.data) - self.at:
             raise MalformedZre(f"{what}: {number} items cannot fit in the "
@@ -168,10 +164,10 @@ class _Reader:
         return number
 
     def groups(self, what: str) -> tuple[str, ...]:
-        return tuple(self.long_string("group") for _ in range(self.count(what, 4, self.maxGroups)))
+        return tuple(self.string("group", 4) for _ in range(self.count(what, 4, self.maxGroups)))
 
     def headers(self, what: str) -> dict[str, str]:
-        return {self.string("header name"): self.long_string("header value")
+        return {self.string("header name"): self.string("header value", 4)
                 for _ in range(self.count(what, 5, self.maxHeaders))}
 
     def done(self) -> None:
@@ -181,8 +177,8 @@ class _Reader:
 
 def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
            maxHeaders: int = DEFAULT_MAX_HEADERS) -> Message:
-    """The message in *frames* (after the identity); :class:`MalformedZre` for anything
-    else, or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
+    """The message in *frames* (after the identity); :class:`MalformedZre` for anything else,
+    or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
     reader = _Reader(bytes(frames[0]), maxGroups, maxHeaders)
@@ -197,9 +193,9 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
         raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
     kind, names = _MESSAGES[command]
     fields: dict[str, Any] = {"sequence": reader.uint(2, "sequence")}
-    for name in names:
-        fields[name] = getattr(reader, _FIELDS[name][1])(name)
+    fields.update((name, getattr(reader, _FIELDS[name][1])(name)) for name in names)
     reader.done()
+
     content = tuple(bytes(f) for f in frames[1:])
     if command in (WHISPER, SHOUT):
         fields["content"] = content

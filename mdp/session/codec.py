@@ -1,11 +1,8 @@
-"""The session protocol's messages: frames in, typed commands out.
+"""The session protocol's messages: ``SESS01``, a command frame and its fields, numbers 8-byte
+big-endian (docs/sessions.md tables them).  *ack*, in every message, is the last DATA received
+in order; *max bytes* and *max frames* are the payload a side takes in one DATA (0: not said).
+DATA is numbered from 1 each way, across any number of connections."""
 
-Each message is ``SESS01``, a command frame and its fields, numbers 8-byte
-big-endian (docs/sessions.md tables them).  *ack* is the last DATA received in
-order; every message carries it.  *max bytes* and *max frames* are the payload
-a side takes in one DATA (0: not said).  DATA is numbered from 1 each way,
-across any number of connections.
-"""
 
 from __future__ import annotations
 
@@ -71,7 +68,6 @@ def _number(value: int) -> bytes:
 
 
 def encode(message: Message) -> list[bytes]:
-    """The frames of *message*."""
     if type(message) is Data:
         return [PROTOCOL, DATA, _number(message.seq), _number(message.ack), *message.payload]
     frames = [PROTOCOL, _COMMANDS[type(message)]]
@@ -83,7 +79,6 @@ def encode(message: Message) -> list[bytes]:
 
 
 def _read(name: str, frame: bytes) -> Any:
-    """The field *name* in *frame*."""
     if name == "session":
         if len(frame) != SESSION_ID_BYTES:
             raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(frame)}")
@@ -118,8 +113,7 @@ def decode(frames: Sequence[bytes]) -> Message:
 
 def _fields(command: bytes, kind: Any, names: tuple[str, ...],
             rest: Sequence[bytes]) -> tuple[tuple[str, ...], Sequence[bytes], tuple]:
-    """The names of *kind*'s fields, the frames of *rest* that hold them, and
-    DATA's payload after them."""
+    """The names of *kind*'s fields, the frames of *rest* that hold them, and DATA's payload."""
     if kind is Data:
         if len(rest) < 2:
             raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")

@@ -72,7 +72,7 @@ class SessionClient:
         self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
-        """Close the session's connection."""
+
         if not self._closed:
             self._closed = True
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
