@@ -4,6 +4,7 @@ of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec, PathFinder
@@ -233,12 +234,13 @@ class SourceFirst:
                 runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
             else:
                 runSource = compiled_file(directory, leaf) is not None
-            if runSource:
-                from importlib.util import spec_from_file_location
+            if not runSource:
+                return None
+            from importlib.util import spec_from_file_location
 
-                return spec_from_file_location(name, source)
-            return None
+            return spec_from_file_location(name, source)
         return None
+
 
 
 def install() -> None:
@@ -266,9 +268,8 @@ def accelerator(name: str) -> Optional[object]:
     """The accelerator *name*, imported, if :func:`kind` says ``compiled``; else None."""
     if kind(_HERE, name, _record_of(_HERE)) != "compiled":
         return None
-    import importlib
-
     try:
+
         return importlib.import_module(name)
     except ImportError:
         return None

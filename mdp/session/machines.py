@@ -267,16 +267,14 @@ class ClientSessionMachine(Machine):
             return self._drain()
         self.lastHeard = now
         self.pings = 0
+        if hasattr(message, "ack"):
+            self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
         handler = self._handlers.get(type(message))
-        if handler is not None:  # (a server never says HELLO)
+        if handler is not None:
             handler(self, message, refused)
         return self._drain()
 
-    def _onAck(self, message: Any, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
-
     def _onPingOk(self, message: codec.PingOk, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)
         if not self.sentAtPing:
             return
         before = self.sentAtPing.popleft()
@@ -296,7 +294,6 @@ class ClientSessionMachine(Machine):
             self._emit(Refusal(message.reason))
 
     def _onWelcome(self, message: codec.Welcome, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)
         renewed = False
         if message.epoch != self.epoch:
             renewed = bool(self.epoch)
@@ -311,7 +308,6 @@ class ClientSessionMachine(Machine):
             self._emit(Renewed("the server's session for this client ended; a new one began"))
 
     def _onData(self, message: Any, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)
         if self.state != "attached":
             # numbered in an epoch we do not know yet: resent after the WELCOME
             return
@@ -323,8 +319,7 @@ class ClientSessionMachine(Machine):
         elif verdict == "gap":
             self._lost(message.seq)
 
-    _handlers = {codec.Ack: _onAck, codec.Ping: _onAck, codec.PingOk: _onPingOk,
-                 codec.Unknown: _onUnknown, codec.Refused: _onRefused,
+    _handlers = {codec.PingOk: _onPingOk, codec.Unknown: _onUnknown, codec.Refused: _onRefused,
                  codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData}
 
     def _lost(self, seq: int) -> None:
@@ -424,21 +419,18 @@ class ServerSessionMachine(Machine):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
         else:
             session.lastHeard = now
+            if hasattr(message, "ack"):
+                session.seq.acked(message.ack)
             handler = self._handlers.get(type(message))
-            if handler is not None:  # (a client never says WELCOME, UNKNOWN or REFUSED)
+            if handler is not None:
                 handler(self, session, message, refused)
         return self._drain()
 
-    def _onAck(self, session: _Session, message: Any, refused: Optional[str]) -> None:
-        session.seq.acked(message.ack)
-
     def _onPing(self, session: _Session, message: codec.Ping, refused: Optional[str]) -> None:
-        session.seq.acked(message.ack)
         self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
         session.seq.ackPending = 0
 
     def _onData(self, session: _Session, message: Any, refused: Optional[str]) -> None:
-        session.seq.acked(message.ack)
         verdict = session.seq.accept(message)
         if verdict == "next":
             self._emit(delivery(message, refused, session.routingId))
@@ -447,8 +439,8 @@ class ServerSessionMachine(Machine):
         elif verdict == "gap" and self._mayTell(session.peer):
             self._sendTo(session, codec.Unknown())
 
-    _handlers = {codec.Ack: _onAck, codec.PingOk: _onAck, codec.Ping: _onPing,
-                 codec.Data: _onData, codec.Skip: _onData}
+    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData}
+
 
     def _withoutSession(self, peer: Hashable) -> None:
         """Track *peer*, which has no session (the tick closes it after the expiry)."""

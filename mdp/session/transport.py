@@ -69,12 +69,8 @@ def inner_limits(limits: Limits) -> Limits:
                         maxOutputBytes=2 * limits.maxOutputBytes + OVERHEAD_BYTES)
 
 
-def kept_frames(frames: Any) -> tuple[bytes, ...]:
-    """*frames* copied to bytes, to keep for resending; ``TypeError`` for a non-bytes frame."""
-    for index, frame in enumerate(frames):
-        if not isinstance(frame, (bytes, bytearray, memoryview)):
-            raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
-    return tuple(frame if frame.__class__ is bytes else bytes(frame) for frame in frames)
+def payload_limits(limits: Limits) -> tuple[int, int]:
+    return limits.maxMessageBytes, limits.maxFrames
 
 
 def routing_bytes(routingId: int) -> bytes:
@@ -123,14 +119,17 @@ class _End:
 
     def _sendable(self, frames: Any, peerLimits: Optional[tuple[int, int]], other: str,
                   error: type[Exception], where: str) -> tuple[bytes, ...]:
-        """*frames* to keep and send to *where*; *error* if over our limits or *peerLimits*."""
+        """*frames* copied, to keep and send to *where*; *error* if over our limits or *peerLimits*."""
         reason = self.limits.refuse(frames)
         if reason is None:
             why = over_limits(frames, peerLimits)
             reason = None if why is None else f"{other} takes no message of {why}"
         if reason is not None:
             raise error(f"not sent to {where}: {reason}")
-        return kept_frames(frames)
+        for index, frame in enumerate(frames):
+            if not isinstance(frame, (bytes, bytearray, memoryview)):
+                raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
+        return tuple(frame if frame.__class__ is bytes else bytes(frame) for frame in frames)
 
     def _tell(self, method: str, *args: Any) -> None:
         """Call the receiver's *method*, if it has one, logging what it raises."""
@@ -184,8 +183,8 @@ class SessionRouter(_End):
                  maxSessions: int = DEFAULT_MAX_SESSIONS) -> None:
         super().__init__(receiver, reactor, limits, "")
         self.machine = ServerSessionMachine(
-            expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions, maxQueuedBytes=limits.maxOutputBytes,
-            limits=(limits.maxMessageBytes, limits.maxFrames), now=reactor.seconds())
+            expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
         #: HELLOs that attached, and those refused at maxSessions
         self.attaches = 0
         self.refused = 0
@@ -289,8 +288,7 @@ class SessionDealer(_End):
         self.retryPolicy = retryPolicy
         self.machine = ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=limits.maxOutputBytes, limits=(limits.maxMessageBytes, limits.maxFrames),
-            now=reactor.seconds())
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
         self.backoff = backoff
         self.attempts = 0
