@@ -161,15 +161,11 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
     return "compiled"
 
 
-def recorded_build(package: str) -> Optional[str]:
-    return next((fields[1] for fields in _record_lines(package) or ()
-                 if len(fields) == 2 and fields[0] == _BUILD), None)
-
-
 def reusable(package: str, name: str, build: str) -> Optional[str]:
     """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
-    if recorded_build(package) != build:
+    if [_BUILD, build] not in (_record_lines(package) or []):
         return None
+
     compiled = compiled_file(*_paths(package, name))
     record = read_record(package)
     if compiled is None or record is None or not current(package, name, compiled, record):

@@ -54,10 +54,8 @@ class RequestTimeout(MDPError):
                 f"{e} ({self.failures[e]})" if e in self.failures else e for e in self.endpoints)
             where = f" from {peer if len(self.endpoints) == 1 else peer + 's'} at {named}"
         tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
-        super().__init__(
-            f"no reply{where} after {tries} ({elapsed:.1f} s) to a request for service "
-            f"{service.decode('ascii', 'replace')!r}"
-        )
+        super().__init__(f"no reply{where} after {tries} ({elapsed:.1f} s) to a request for service "
+                         f"{service.decode('ascii', 'replace')!r}")
 
 
 class BrokerUnreachable(MDPError):
@@ -79,10 +77,9 @@ class RemoteError(MDPError):
         self.service = service
         self.code = code
         self.message = message
-        super().__init__(
-            f"service {service.decode('ascii', 'replace')!r} answered "
-            f"{code.decode('ascii', 'replace')}: {message}"
-        )
+        super().__init__(f"service {service.decode('ascii', 'replace')!r} answered "
+                         f"{code.decode('ascii', 'replace')}: {message}")
+
 
 
 class WorkerError(RemoteError):

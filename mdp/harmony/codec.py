@@ -1,9 +1,7 @@
-"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the 22-byte UDP
-beacon (docs/harmony.md, "The wire").
+"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the 22-byte UDP beacon
+(docs/harmony.md, "The wire").  Strings that are not valid UTF-8 are read with U+FFFD for
+the bad bytes: zeromq-pyre cuts a non-ASCII string to its length in characters."""
 
-Strings that are not valid UTF-8 are read with U+FFFD for the bad bytes:
-zeromq-pyre cuts a non-ASCII string to its length in characters.
-"""
 
 from __future__ import annotations
 

@@ -195,10 +195,9 @@ class _Sequenced:
 
 
 class ClientSessionMachine(Machine):
-    """The client end of one session, across any number of connections.
+    """The client end of one session, across any number of connections: the server is dead after
+    ``pingInterval * liveness`` of silence; *limits*: what this side takes in one DATA (bytes, frames)."""
 
-    The server is dead after ``pingInterval * liveness`` of silence; *limits*:
-    the payload this side takes in one DATA (bytes, frames)."""
 
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,

@@ -36,11 +36,9 @@ def session_endpoint(endpoint: str) -> str:
 @implementer(IDealerReceiver)
 class SessionClient:
     """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
-
-    ``send(*frames)`` never waits: while the connection is down the message
-    waits in the session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).
-    *onRenewed()* hears when the server's session for us was renewed (what it
-    held for us is lost)."""
+    ``send(*frames)`` never waits: while the connection is down the message waits in the
+    session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
+    hears when the server's session for us was renewed (what it held for us is lost)."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
@@ -132,9 +130,9 @@ class SessionServer:
         return self.router.endpoint
 
     def reply(self, routingId: int, *frames: bytes) -> None:
-        """Send *frames* to *routingId* (kept until the client has it);
-        :class:`~mdp.session.UnknownSession`, :class:`~mdp.session.SessionQueueFull`,
-        :class:`~mdp.errors.ReplyTooLarge`."""
+        """Send *frames* to *routingId* (kept until the client has it); UnknownSession,
+        SessionQueueFull, ReplyTooLarge."""
+
         if self.router is None:
             raise UnknownSession(routingId)
         self.router.reply(routingId, bytes_frames(frames))
