@@ -131,8 +131,7 @@ def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     return _records[package]
 
 
-def current(package: str, name: str, compiled: str,
-            record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
+def current(package: str, name: str, compiled: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
     """Whether *compiled* was built from *name*'s current source (True without a record)."""
     if record is None:
         return True
@@ -140,8 +139,7 @@ def current(package: str, name: str, compiled: str,
     if entry is None:
         return False
     try:
-        return (source_signature(package, name) == entry[:2]
-                and _signature(compiled) == entry[2:])
+        return source_signature(package, name) == entry[:2] and _signature(compiled) == entry[2:]
     except OSError:
         return False
 
@@ -165,7 +163,6 @@ def reusable(package: str, name: str, build: str) -> Optional[str]:
     """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
     if [_BUILD, build] not in (_record_lines(package) or []):
         return None
-
     compiled = compiled_file(*_paths(package, name))
     record = read_record(package)
     if compiled is None or record is None or not current(package, name, compiled, record):
@@ -201,7 +198,6 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
 
 
 def remove_compiled(package: str) -> None:
-
     for name in _RECORDED:
         compiled = compiled_file(*_paths(package, name))
         if compiled is not None:
@@ -213,7 +209,6 @@ def remove_compiled(package: str) -> None:
 class SourceFirst:
     """A meta path finder: a module's source where :func:`kind` says ``pure`` or ``stale``, or
     where it is no longer listed and a compiled file is beside it; else the usual finder's."""
-
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
@@ -238,13 +233,11 @@ class SourceFirst:
         return None
 
 
-
 def install() -> None:
     """Put :class:`SourceFirst` just ahead of the path finder (once)."""
     if any(finder is SourceFirst for finder in sys.meta_path):
         return
-    where = next((i for i, finder in enumerate(sys.meta_path) if finder is PathFinder),
-                 len(sys.meta_path))
+    where = next((i for i, finder in enumerate(sys.meta_path) if finder is PathFinder), len(sys.meta_path))
     sys.meta_path.insert(where, SourceFirst)  # type: ignore[arg-type]
 
 
@@ -265,7 +258,6 @@ def accelerator(name: str) -> Optional[object]:
     if kind(_HERE, name, _record_of(_HERE)) != "compiled":
         return None
     try:
-
         return importlib.import_module(name)
     except ImportError:
         return None

@@ -81,7 +81,6 @@ class RemoteError(MDPError):
                          f"{code.decode('ascii', 'replace')}: {message}")
 
 
-
 class WorkerError(RemoteError):
     """The worker's handler raised an exception while serving the request (500)."""
 
@@ -104,7 +103,6 @@ class MessageTooLarge(RemoteError):
 
 class StreamRestarted(MDPError):
     """The reply stream started over (its PARTIALs were an abandoned attempt); without ``onRestart``."""
-
 
 
 class ClientClosed(MDPError):

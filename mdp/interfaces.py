@@ -120,7 +120,6 @@ class IAdmission(Interface):
 class IAccess(Interface):
     """Who may call and serve which services, by authenticated identity (None: unauthenticated)."""
 
-
     def mayCall(identity: Optional[str], service: bytes) -> bool:
         """May this peer call *service* (and learn of it through MMI)?"""
 

@@ -39,7 +39,6 @@ class Machine:
 
     def actionsSoFar(self) -> list[Any]:
         """After a handler raised: the actions it decided before, which its driver still performs."""
-
         return self._drain()
 
     def _drain(self) -> list[Any]:

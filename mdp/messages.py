@@ -47,7 +47,6 @@ def error_body(code: bytes, message: str) -> list[bytes]:
 
 def parse_error_body(body: Sequence[bytes]) -> Optional[tuple[bytes, str]]:
     """``(code, message)`` if *body* is an error reply, else ``None``."""
-
     if len(body) == 3 and body[0] == ERROR_MARKER:
         return bytes(body[1]), bytes(body[2]).decode("utf-8", "replace")
     return None
@@ -65,8 +64,7 @@ def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]
 def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
     """Normalise request body frames (``str`` is UTF-8 encoded): ``TypeError``
     for another type, ``ValueError`` for none unless *empty*."""
-    body = [f if type(f) is bytes else as_frame(f, f"request frame {i}")
-            for i, f in enumerate(frames)]
+    body = [f if type(f) is bytes else as_frame(f, f"request frame {i}") for i, f in enumerate(frames)]
     if not body and not empty:
         raise ValueError("a request needs at least one body frame")
     return body
@@ -119,7 +117,6 @@ def routing_id(peer: bytes) -> bytes:
 
 def envelope(peer: bytes, frames: list[Any]) -> list[Any]:
     """The message for *peer* as a ROUTER sends it: its routing id, then a relayed peer's hop."""
-
     if len(peer) > 5 and peer[:3] == RELAYED:
         end = peer[3] + 4
         return [peer[4:end], peer[end:], *frames]

@@ -47,12 +47,9 @@ def _record(name: str, doc: str, /, **fields: Any) -> Any:
 Receive = _record("Receive", "A message arrives: from router peer *source* (bytes) or on pipe "
                   "*source* (a pipe name, or an endpoint for its latest pipe).",
                   source=Union[bytes, str], frames=Frames)
-Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.",
-                    pipe=str)
-Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.",
-               source=Union[bytes, str])
-Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.",
-                 seconds=float)
+Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.", pipe=str)
+Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.", source=Union[bytes, str])
+Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.", seconds=float)
 Event = Union[Receive, Connected, Lost, Elapse]
 
 Send = _record("Send", "The node sends *frames* to router peer *to* (bytes) or on pipe *to*.",
@@ -192,17 +189,13 @@ class Script:
     def elapse(self, seconds: float) -> None:
         """Let *seconds* pass, firing each timer at its own time."""
         end = self.clock.seconds() + seconds
-        while True:
-            wake = self.nextWake()
-            if wake is None or wake > end:
-                break
+        while (wake := self.nextWake()) is not None and wake <= end:
             self.clock.advance(max(wake - self.clock.seconds(), 0))
         self.clock.advance(max(end - self.clock.seconds(), 0))
 
     def nextWake(self) -> Optional[float]:
         """When the node next needs the clock (an absolute time), if ever."""
-        calls = self.clock.getDelayedCalls()
-        return min((c.getTime() for c in calls), default=None)
+        return min((call.getTime() for call in self.clock.getDelayedCalls()), default=None)
 
     def sent(self, actions: Optional[list[Action]] = None) -> list[Send]:
         """Only the :class:`Send` actions (of *actions*, or of all so far)."""
@@ -210,7 +203,6 @@ class Script:
 
     def forget(self) -> None:
         """Unregister this script's endpoints."""
-
         _scripts.pop(self.id, None)
 
 
@@ -258,8 +250,7 @@ def _key_and_certificate(common: str, organization: Optional[str] = None,
                .not_valid_before(now - datetime.timedelta(days=1))
                .not_valid_after(now + datetime.timedelta(days=30)))
     if issuer is None:
-        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None),
-                                        critical=True)
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
     return key, builder.sign(key if issuer is None else issuer.key, hashes.SHA256())
 
 
@@ -282,7 +273,6 @@ class CertificateAuthority:
 
     def issue(self, file: str, common: str, organization: Optional[str] = None) -> tuple[Path, Path]:
         """Issue a certificate for *common*: the paths of ``FILE.pem`` and ``FILE-key.pem``."""
-
         from cryptography.hazmat.primitives import serialization
 
         key, certificate = _key_and_certificate(common, organization, self)

@@ -85,7 +85,6 @@ def install_default() -> Any:
 def react(main: Callable[..., Any], argv: Sequence[Any] = ()) -> NoReturn:
     """``task.react`` on :func:`install_default`'s reactor: ``main(reactor, *argv)`` (a Deferred
     or a coroutine) runs until done, then exit (0, 1 on a failure, a ``SystemExit``'s code)."""
-
     from twisted.internet import defer, task
 
     install_default()

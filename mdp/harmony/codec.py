@@ -193,7 +193,6 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
     fields: dict[str, Any] = {"sequence": reader.uint(2, "sequence")}
     fields.update((name, getattr(reader, _FIELDS[name][1])(name)) for name in names)
     reader.done()
-
     content = tuple(bytes(f) for f in frames[1:])
     if command in (WHISPER, SHOUT):
         fields["content"] = content

@@ -157,7 +157,6 @@ class HarmonyMachine(Machine):
         self._strangerAt: dict[str, UUID] = {}
         self.dials: dict[str, _Dial] = {}  # links to listed endpoints not yet known as a peer
         self.listed: list[str] = []  # endpoints dialled again when the peer there goes
-
         self._links = 0
         self.running = False
 
@@ -350,8 +349,7 @@ class HarmonyMachine(Machine):
 
     def _saidAgain(self, peer: Peer, hello: codec.Hello) -> bool:
         """Whether *hello* is the peer's HELLO again in the same run (see the table)."""
-        return (self.now - peer.helloAt < self.evasive
-                and same_endpoint(hello.endpoint, peer.endpoint))
+        return self.now - peer.helloAt < self.evasive and same_endpoint(hello.endpoint, peer.endpoint)
 
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
         peer.received = 1
@@ -365,8 +363,7 @@ class HarmonyMachine(Machine):
 
     def _inSequence(self, peer: Peer, message: codec.Message) -> bool:
         """A HELLO is numbered 1 (:meth:`_greeted` checked it); the rest follow on."""
-        if not (isinstance(message, codec.Hello)
-                or codec.next_sequence_ok(peer.received, message.sequence)):
+        if not (isinstance(message, codec.Hello) or codec.next_sequence_ok(peer.received, message.sequence)):
             self._emit(Notice(None, f"messages lost from {self._who(peer.uuid, peer)}: "
                                     f"{codec.COMMANDS[message.id]} numbered {message.sequence} "
                                     f"after {peer.received}; dropping the peer"))

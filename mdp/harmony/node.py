@@ -98,8 +98,7 @@ class BeaconDiscovery:
         try:
             uuid, port = codec.decode_beacon(data)
         except codec.MalformedZre as e:
-            self.throttle.warn(log, "beacon", "ignoring a beacon from {host}: {reason}",
-                               host=host, reason=e)
+            self.throttle.warn(log, "beacon", "ignoring a beacon from {host}: {reason}", host=host, reason=e)
             return
         if uuid != self.uuid:
             self.listener.beaconReceived(uuid, host, port)
@@ -121,8 +120,7 @@ class EndpointDiscovery:
     """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), again whenever the peer
     there goes.  *host* is the address our ROUTER binds to and announces."""
 
-    def __init__(self, endpoints: Union[str, Iterable[str]] = (), *,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(self, endpoints: Union[str, Iterable[str]] = (), *, host: str = "127.0.0.1") -> None:
         listed = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         for endpoint in listed:
             if not isinstance(endpoint, str):
@@ -216,8 +214,6 @@ class _Link:
 
     def connectionLost(self, reason: object) -> None:
         pass
-
-
 
 
 _loopbackPorts = itertools.count(49152)
@@ -455,8 +451,7 @@ class Node:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
                                "{endpoint}: {error}", name=self.name,
                                endpoint=action.endpoint, error=e)
-            self._batches.append((generation, self.machine.handleLinkFailed(action.link,
-                                                                            self._now())))
+            self._batches.append((generation, self.machine.handleLinkFailed(action.link, self._now())))
 
     def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
         link = self.links.pop(action.link, None)

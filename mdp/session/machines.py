@@ -102,8 +102,7 @@ def said_limits(message: Any) -> Optional[tuple[int, int]]:
 def delivery(message: Any, refused: Optional[str], routingId: int = 0) -> Any:
     """The next DATA or SKIP: :class:`Deliver`, or :class:`Dropped` (a SKIP, or *refused*)."""
     if isinstance(message, codec.Skip):
-        return Dropped(message.seq, "over this side's limits, the other side did not send it",
-                       routingId)
+        return Dropped(message.seq, "over this side's limits, the other side did not send it", routingId)
     if refused is None:
         return Deliver(message.payload, routingId)
     return Dropped(message.seq, f"over this side's limits ({refused}); dropped, and "
@@ -198,7 +197,6 @@ class ClientSessionMachine(Machine):
     """The client end of one session, across any number of connections: the server is dead after
     ``pingInterval * liveness`` of silence; *limits*: what this side takes in one DATA (bytes, frames)."""
 
-
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
                  maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
@@ -255,8 +253,7 @@ class ClientSessionMachine(Machine):
             self._send(message)
         return self._drain()
 
-    def handleMessage(self, frames: list[bytes], now: float,
-                      refused: Optional[str] = None) -> list[Any]:
+    def handleMessage(self, frames: list[bytes], now: float, refused: Optional[str] = None) -> list[Any]:
         """A message from the server; *refused*: why a DATA is over our limits."""
         self.now = now
         try:
@@ -332,8 +329,7 @@ class ClientSessionMachine(Machine):
         self.state = "attaching"
         self.sentAtPing.clear()
         self.helloAt = self.now
-        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch,
-                               *self.limits))
+        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch, *self.limits))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
@@ -366,7 +362,6 @@ class _Session:
     seq: _Sequenced
     lastHeard: float
     openedBy: Optional[Hashable]  # the connection that opened it
-
     peer: Optional[Hashable] = None
 
 
@@ -439,7 +434,6 @@ class ServerSessionMachine(Machine):
             self._sendTo(session, codec.Unknown())
 
     _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData}
-
 
     def _withoutSession(self, peer: Hashable) -> None:
         """Track *peer*, which has no session (the tick closes it after the expiry)."""

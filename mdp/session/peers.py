@@ -70,7 +70,6 @@ class SessionClient:
         self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
-
         if not self._closed:
             self._closed = True
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
@@ -125,14 +124,12 @@ class SessionServer:
 
         full = session_endpoint(endpoint)
         transport.check(full, transport.LISTEN)
-        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits,
-                                                 **self.options)
+        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits, **self.options)
         return self.router.endpoint
 
     def reply(self, routingId: int, *frames: bytes) -> None:
         """Send *frames* to *routingId* (kept until the client has it); UnknownSession,
         SessionQueueFull, ReplyTooLarge."""
-
         if self.router is None:
             raise UnknownSession(routingId)
         self.router.reply(routingId, bytes_frames(frames))

@@ -203,8 +203,7 @@ class SessionRouter(_End):
         return self
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self._perform(self.machine.handleMessage(peer, frames, self._now(),
-                                                 refused=self._overLimits(frames)))
+        self._perform(self.machine.handleMessage(peer, frames, self._now(), refused=self._overLimits(frames)))
 
     def peerDisconnected(self, peer: bytes) -> None:
         self._perform(self.machine.handlePeerGone(peer, self._now()))
@@ -381,8 +380,7 @@ class SessionDealer(_End):
         self._tell("messageReceived", list(action.payload))
 
     def _refused(self, action: machines.Refusal) -> None:
-        self._say("refused", "the server refused the session: {reason}; asking again",
-                  reason=action.reason)
+        self._say("refused", "the server refused the session: {reason}; asking again", reason=action.reason)
         self._tell("sessionRefused", action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
@@ -407,7 +405,6 @@ class SessionDealer(_End):
 
     def send(self, frames: list[bytes]) -> None:
         """Send *frames*; SessionQueueFull, RequestTooLarge or ``TypeError``: nothing queued."""
-
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
         kept = self._sendable(frames, self.machine.seq.peerLimits, "the server", RequestTooLarge,
@@ -439,8 +436,7 @@ class SessionDealer(_End):
         deadline = self._now() + self.CLOSE_GRACE
 
         def check() -> Any:
-            if (self.machine.seq.unacked and self.machine.state == "attached"
-                    and self._now() < deadline):
+            if self.machine.seq.unacked and self.machine.state == "attached" and self._now() < deadline:
                 return task.deferLater(self.reactor, 0.05, check)
             return self._close()
 
