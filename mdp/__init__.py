@@ -58,13 +58,11 @@ _HOMES = {name: home for home, names in {
 }.items() for name in names}
 
 __all__ = [
-    "Backoff", "BinaryStar", "Broker", "BrokerService", "BrokerUnreachable", "Client",
-    "ClientClosed", "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore",
-    "MessageTooLarge", "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream",
-    "ReplyTooLarge", "RequestTimeout", "RequestTooLarge", "ServiceOverloaded",
-    "ServiceUnavailable", "StreamRestarted", "TransportError", "Worker", "WorkerError",
-    "WorkerService", "react",
-]
+    "Backoff", "BinaryStar", "Broker", "BrokerService", "BrokerUnreachable", "Client", "ClientClosed",
+    "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore", "MessageTooLarge",
+    "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream", "ReplyTooLarge", "RequestTimeout",
+    "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted", "TransportError",
+    "Worker", "WorkerError", "WorkerService", "react"]
 
 
 #: submodules also loaded when first used as ``mdp.NAME``

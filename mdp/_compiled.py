@@ -15,25 +15,11 @@ if TYPE_CHECKING:
     from typing import Optional
 
 MODULES = (
-    "mdp.machine",
-    "mdp.messages",
-    "mdp.policy",
-    "mdp.blocking",
-    "mdp.majordomo.broker",
-    "mdp.majordomo.broker_machine",
-    "mdp.majordomo.broker_records",
-    "mdp.majordomo.client",
-    "mdp.majordomo.client_machine",
-    "mdp.majordomo.codec",
-    "mdp.majordomo.worker",
-    "mdp.transport.framing",
-    "mdp.transport.framed",
-    "mdp.transport.router",
-    "mdp.transport.dealer",
-    "mdp.transport.channellink",
-    "mdp.transport.channels",
-    "mdp.transport.pipes",
-    "mdp.transport.zeromq",
+    "mdp.machine", "mdp.messages", "mdp.policy", "mdp.blocking",
+    "mdp.majordomo.broker", "mdp.majordomo.broker_machine", "mdp.majordomo.broker_records",
+    "mdp.majordomo.client", "mdp.majordomo.client_machine", "mdp.majordomo.codec", "mdp.majordomo.worker",
+    "mdp.transport.framing", "mdp.transport.framed", "mdp.transport.router", "mdp.transport.dealer",
+    "mdp.transport.channellink", "mdp.transport.channels", "mdp.transport.pipes", "mdp.transport.zeromq",
     "mdp.transport.zmqio",
 )
 

@@ -64,8 +64,7 @@ class BrokerUnreachable(MDPError):
     def __init__(self, failures: Mapping[str, str]) -> None:
         self.failures = dict(failures)
         named = "; ".join(f"{e}: {why}" for e, why in self.failures.items())
-        super().__init__(f"cannot reach {'broker' if len(self.failures) == 1 else 'any broker'} "
-                         f"at {named}")
+        super().__init__(f"cannot reach {'broker' if len(self.failures) == 1 else 'any broker'} at {named}")
 
 
 class RemoteError(MDPError):

@@ -31,12 +31,8 @@ def text(name: bytes) -> str:
 
 
 _ERRORS: dict[bytes, type[RemoteError]] = {
-    STATUS_WORKER_ERROR: WorkerError,
-    STATUS_UNAVAILABLE: ServiceUnavailable,
-    STATUS_OVERLOADED: ServiceOverloaded,
-    STATUS_TOO_LARGE: MessageTooLarge,
-    STATUS_FORBIDDEN: Forbidden,
-}
+    STATUS_WORKER_ERROR: WorkerError, STATUS_UNAVAILABLE: ServiceUnavailable,
+    STATUS_OVERLOADED: ServiceOverloaded, STATUS_TOO_LARGE: MessageTooLarge, STATUS_FORBIDDEN: Forbidden}
 
 Frame = Union[bytes, str]
 

@@ -17,19 +17,11 @@ from mdp.machine import action_type
 SIGNATURE = 0xAAA1
 VERSION = 2
 
-HELLO = 1
-WHISPER = 2
-SHOUT = 3
-JOIN = 4
-LEAVE = 5
-PING = 6
-PING_OK = 7
-
+HELLO, WHISPER, SHOUT, JOIN, LEAVE, PING, PING_OK = range(1, 8)
 COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LEAVE: "LEAVE",
             PING: "PING", PING_OK: "PING-OK"}
 
-#: A sender counts 1, 2, ... 65534, then 0 again (as zeromq-pyre does).
-SEQUENCE_MODULUS = 65535
+SEQUENCE_MODULUS = 65535  # a sender counts 1, 2, ... 65534, then 0 again (as zeromq-pyre does)
 
 #: The most groups a peer may be in, and headers it may send: each costs far more than its bytes.
 DEFAULT_MAX_GROUPS = 1024

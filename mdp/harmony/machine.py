@@ -50,13 +50,11 @@ class Event:
 
 
 _action = functools.partial(action_type, __name__)
-#: connect a new link to the ZRE *endpoint*, with our identity
-OpenLink = _action("OpenLink", "link", "endpoint")
+OpenLink = _action("OpenLink", "link", "endpoint")  # a new link to the ZRE *endpoint*, with our identity
 CloseLink = _action("CloseLink", "link")
 SendOn = _action("SendOn", "link", "frames")
 Emit = _action("Emit", "event")
-#: something the driver logs, throttled by *topic* (None: not throttled)
-Notice = _action("Notice", "topic", "text", level="warn")
+Notice = _action("Notice", "topic", "text", level="warn")  # for the log, throttled by *topic* (or None)
 
 
 class UnknownPeer(KeyError):
@@ -143,8 +141,7 @@ class HarmonyMachine(Machine):
         self.maxPeers, self.maxStrangers = maxPeers, maxStrangers
         self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
         if len(self.headers) > maxHeaders:
-            raise ValueError(f"{len(self.headers)} headers, more than peers take "
-                             f"(maxHeaders {maxHeaders})")
+            raise ValueError(f"{len(self.headers)} headers, more than peers take (maxHeaders {maxHeaders})")
         self.reachable = reachable
         self.endpoint = ""
         self.status = 0

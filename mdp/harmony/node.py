@@ -124,8 +124,7 @@ class EndpointDiscovery:
         listed = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         for endpoint in listed:
             if not isinstance(endpoint, str):
-                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}: "
-                                f"{endpoint!r}")
+                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}: {endpoint!r}")
             check(transport_endpoint(endpoint))
         self.endpoints = [wire_endpoint(e) for e in listed]
         self.host = host

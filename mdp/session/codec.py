@@ -17,17 +17,9 @@ from mdp.machine import action_type
 PROTOCOL = b"SESS01"
 SESSION_ID_BYTES = 16
 
-HELLO = b"HELLO"
-WELCOME = b"WELCOME"
-DATA = b"DATA"
-ACK = b"ACK"
-PING = b"PING"
-PING_OK = b"PING-OK"
-UNKNOWN = b"UNKNOWN"
-REFUSED = b"REFUSED"
-SKIP = b"SKIP"
-#: the longest reason a REFUSED carries, in bytes
-MAX_REASON_BYTES = 255
+HELLO, WELCOME, DATA, ACK, PING, PING_OK, UNKNOWN, REFUSED, SKIP = (
+    b"HELLO", b"WELCOME", b"DATA", b"ACK", b"PING", b"PING-OK", b"UNKNOWN", b"REFUSED", b"SKIP")
+MAX_REASON_BYTES = 255  # the longest reason a REFUSED carries, in bytes
 
 
 class MalformedSession(ProtocolError):
@@ -41,16 +33,12 @@ Hello = _message("Hello", "session", "ack", since=0, epoch=0, maxBytes=0, maxFra
 #: attached; a new *epoch* (random, never 0: the server forgot the session) numbers afresh
 Welcome = _message("Welcome", "ack", epoch=1, maxBytes=0, maxFrames=0)
 Data = _message("Data", "seq", "ack", "payload")
-#: DATA *seq* is not sent: its payload is over the receiver's limits
-Skip = _message("Skip", "seq", "ack")
+Skip = _message("Skip", "seq", "ack")  # DATA *seq* not sent: over the receiver's limits
 Ack = _message("Ack", "ack")
 Ping = _message("Ping", "ack")
-#: *sent*: the last DATA the server numbered
-PingOk = _message("PingOk", "ack", sent=0)
-#: no such session, or messages lost: say HELLO
-Unknown = _message("Unknown")
-#: the server holds all the sessions it may
-Refused = _message("Refused", "reason")
+PingOk = _message("PingOk", "ack", sent=0)  # *sent*: the last DATA the server numbered
+Unknown = _message("Unknown")  # no such session, or messages lost: say HELLO
+Refused = _message("Refused", "reason")  # the server holds all the sessions it may
 
 Message = Union[Hello, Welcome, Data, Skip, Ack, Ping, PingOk, Unknown, Refused]
 
@@ -59,8 +47,7 @@ _COMMANDS: dict[type, bytes] = {Hello: HELLO, Welcome: WELCOME, Data: DATA, Skip
 #: each command's message class and its fields, in their frames' order
 _FIELDS = {command: (kind, tuple(field.name for field in attrs.fields(kind)))
            for kind, command in _COMMANDS.items()}
-#: a field's name in an error
-_SAID = {"maxBytes": "max bytes", "maxFrames": "max frames"}
+_SAID = {"maxBytes": "max bytes", "maxFrames": "max frames"}  # a field's name in an error
 
 
 def _number(value: int) -> bytes:

@@ -19,18 +19,14 @@ from mdp.session.codec import MalformedSession
 DEFAULT_PING_INTERVAL = 1.0
 DEFAULT_LIVENESS = 3
 DEFAULT_EXPIRY = 30.0
-#: Messages a side keeps for resending (sent, not yet acknowledged).
-DEFAULT_MAX_QUEUED = 10_000
-#: An ACK goes after this many DATA received with nothing to carry the ack.
-ACK_EVERY = 32
+DEFAULT_MAX_QUEUED = 10_000  # messages a side keeps for resending (sent, not yet acknowledged)
+ACK_EVERY = 32  # an ACK goes after this many DATA received with nothing to carry the ack
 DEFAULT_MAX_SESSIONS = 10_000
 #: Bytes a side keeps for resending (the transports use ``Limits.maxOutputBytes``).
 DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
-#: Routing ids fit this many bytes; they run from 1 and wrap, skipping those in use.
-ROUTING_ID_BYTES = 4
+ROUTING_ID_BYTES = 4  # routing ids run from 1 and wrap, skipping those in use
 MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
-#: Most connections without a session a server tracks (beyond, the oldest close).
-MAX_UNATTACHED = 4096
+MAX_UNATTACHED = 4096  # connections without a session a server tracks (beyond, the oldest close)
 
 
 class SessionQueueFull(MDPError):
@@ -48,16 +44,11 @@ class SessionRefused(MDPError):
 _action = functools.partial(action_type, __name__)
 Send = _action("Send", "frames")
 SendTo = _action("SendTo", "peer", "frames")
-#: hand *payload* to the application (from *routingId*, on a server)
-Deliver = _action("Deliver", "payload", routingId=0)
-#: message *seq* from the other side is lost: over this side's limits
-Dropped = _action("Dropped", "seq", "reason", routingId=0)
-#: our message *seq* went as a SKIP: it is over the other side's limits
-Skipped = _action("Skipped", "seq", "reason", routingId=0)
-#: something the driver logs, throttled by *topic*, at *level*
-Notice = _action("Notice", "topic", "text", level="warn")
-#: client: the server refused to open our session
-Refusal = _action("Refusal", "reason")
+Deliver = _action("Deliver", "payload", routingId=0)  # to the application (from *routingId*, on a server)
+Dropped = _action("Dropped", "seq", "reason", routingId=0)  # from the other side: over our limits
+Skipped = _action("Skipped", "seq", "reason", routingId=0)  # ours went as a SKIP: over the other's limits
+Notice = _action("Notice", "topic", "text", level="warn")  # for the driver's log, throttled by *topic*
+Refusal = _action("Refusal", "reason")  # client: the server refused to open our session
 #: client: the server's session for us ended and a new one began (what it held
 #: for us is lost; ours goes again, so it may get one twice)
 Renewed = _action("Renewed", "reason")
@@ -67,10 +58,8 @@ Opened = _action("Opened", "routingId")
 Attached = _action("Attached", "routingId")
 #: server: a HELLO from *peer* opened no session: *sessions* are open, the most allowed
 Full = _action("Full", "peer", "sessions")
-#: server: the session *routingId* ended (silent for the expiry)
-Expired = _action("Expired", "routingId")
-#: server: close the connection *peer*: it must not hold a connection slot
-DropPeer = _action("DropPeer", "peer", "reason")
+Expired = _action("Expired", "routingId")  # server: the session ended (silent for the expiry)
+DropPeer = _action("DropPeer", "peer", "reason")  # server: close the connection (it must not hold a slot)
 
 
 def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -> Optional[str]:
@@ -305,8 +294,7 @@ class ClientSessionMachine(Machine):
 
     def _onData(self, message: Any, refused: Optional[str]) -> None:
         if self.state != "attached":
-            # numbered in an epoch we do not know yet: resent after the WELCOME
-            return
+            return  # numbered in an epoch we do not know yet: resent after the WELCOME
         verdict = self.seq.accept(message)
         if verdict == "next":
             self._emit(delivery(message, refused))
@@ -500,8 +488,7 @@ class ServerSessionMachine(Machine):
                 return
         if session.peer is not None and session.peer != peer:
             self.byPeer.pop(session.peer, None)
-            self._drop(session.peer, f"its session {session.routingId} moved to another "
-                                     "connection")
+            self._drop(session.peer, f"its session {session.routingId} moved to another connection")
         self._unattached.pop(peer, None)
         session.peer = peer
         session.lastHeard = self.now

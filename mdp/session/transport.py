@@ -291,8 +291,7 @@ class SessionDealer(_End):
         self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
         self.backoff = backoff
         self.attempts = 0
-        #: attaches that ended on a message over our limits since one came through
-        self.oversizedLosses = 0
+        self.oversizedLosses = 0  # attaches that ended on a message over our limits since one came through
         self.reopening: Any = None
         self._waiters = DrainWaiters()
         self.madeOnce = False
@@ -419,8 +418,7 @@ class SessionDealer(_End):
         except (SessionQueueFull, RequestTooLarge) as e:
             self._say("full", "refused a message: {error}", error=e)
 
-    #: seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
-    CLOSE_GRACE = 1.0
+    CLOSE_GRACE = 1.0  # seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
 
     _closing: Optional[defer.Deferred[None]] = None
 
