@@ -86,9 +86,8 @@ def as_frame(item: object, what: str) -> bytes:
     raise TypeError(f"{what} is {type(item).__name__}, not bytes or str")
 
 
-# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's peers behind
-# relay hops, each known by one bytes key that begins as no routing id does (libzmq's
-# are five bytes, a peer's own never start with a zero byte)
+# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's peers behind relay hops,
+# each known by a key that begins as no routing id does (libzmq's are 5 bytes, a peer's not 0-led)
 RELAYED = b"\x00\x00\x00"
 
 

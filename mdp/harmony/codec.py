@@ -99,8 +99,7 @@ def _headers(headers: Mapping[str, str], what: str) -> bytes:
         _string(key, "header name") + _long_string(value) for key, value in headers.items())
 
 
-#: how each field is written, and the reader's method for it; a message's fields are on the wire
-#: in its class's order, after the sequence (``content`` goes in the frames after the first)
+#: how each field is written and read; on the wire in the class's order (``content``: in later frames)
 _FIELDS: dict[str, tuple[Callable[[Any, str], bytes], str]] = {
     "endpoint": (_string, "string"), "name": (_string, "string"), "group": (_string, "string"),
     "groups": (_groups, "groups"), "headers": (_headers, "headers"),

@@ -146,8 +146,7 @@ class HarmonyMachine(Machine):
         self.endpoint = ""
         self.status = 0
         self.ownGroups: dict[str, None] = {}
-        #: the peers that said HELLO, and those heard only by their beacons (oldest first),
-        #: each with a table of endpoint keys
+        #: the peers that said HELLO, those heard only by beacons (oldest first), each by endpoint key
         self.peers: dict[UUID, Peer] = {}
         self._peerAt: dict[str, UUID] = {}
         self.strangers: dict[UUID, Peer] = {}

@@ -17,22 +17,8 @@ from zope.interface import implementer
 
 from mdp.errors import TransportError
 from mdp.harmony import codec
-from mdp.harmony.machine import (
-    DEFAULT_EVASIVE,
-    DEFAULT_EXPIRED,
-    DEFAULT_HELLO_WAIT,
-    DEFAULT_MAX_PEERS,
-    DEFAULT_MAX_STRANGERS,
-    CloseLink,
-    Emit,
-    Event,
-    HarmonyMachine,
-    Notice,
-    OpenLink,
-    SendOn,
-    UnknownPeer,
-    identity_of,
-)
+from mdp.harmony import machine as zre
+from mdp.harmony.machine import Event, HarmonyMachine, UnknownPeer
 from mdp.interfaces import (
     IDatagramReceiver,
     IDatagramTransport,
@@ -226,11 +212,11 @@ class Node:
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
                  headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
-                 endpoint: Optional[str] = None, evasive: float = DEFAULT_EVASIVE,
-                 expired: float = DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
-                 maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = DEFAULT_MAX_STRANGERS,
-                 helloWait: float = DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
+                 endpoint: Optional[str] = None, evasive: float = zre.DEFAULT_EVASIVE,
+                 expired: float = zre.DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
+                 maxPeers: int = zre.DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = zre.DEFAULT_MAX_STRANGERS,
+                 helloWait: float = zre.DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
         self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
@@ -431,33 +417,33 @@ class Node:
             return f"is not usable: {e}"
         return None
 
-    def _sendOn(self, action: SendOn, generation: int, live: bool) -> None:
+    def _sendOn(self, action: zre.SendOn, generation: int, live: bool) -> None:
         link = self.links.get(action.link) if live else None
         if link is not None:
             link.sendMessage(action.frames)
 
-    def _emitEvent(self, action: Emit, generation: int, live: bool) -> None:
+    def _emitEvent(self, action: zre.Emit, generation: int, live: bool) -> None:
         if live:
             self._pending.append((generation, action.event))
 
-    def _openLink(self, action: OpenLink, generation: int, live: bool) -> None:
+    def _openLink(self, action: zre.OpenLink, generation: int, live: bool) -> None:
         if not live:
             return
         try:
             self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
-                                              limits=self.limits, identity=identity_of(self.uuid))
+                                              limits=self.limits, identity=zre.identity_of(self.uuid))
         except (TransportError, ValueError) as e:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
                                "{endpoint}: {error}", name=self.name,
                                endpoint=action.endpoint, error=e)
             self._batches.append((generation, self.machine.handleLinkFailed(action.link, self._now())))
 
-    def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
+    def _closeLink(self, action: zre.CloseLink, generation: int, live: bool) -> None:
         link = self.links.pop(action.link, None)
         if link is not None:
             link.close()
 
-    def _notice(self, action: Notice, generation: int, live: bool) -> None:
+    def _notice(self, action: zre.Notice, generation: int, live: bool) -> None:
         if action.topic is None:
             emit = log.info if action.level == "info" else log.warn
         else:
@@ -465,8 +451,8 @@ class Node:
             emit = functools.partial(throttled, log, action.topic)
         emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
-    _performers = {SendOn: _sendOn, Emit: _emitEvent, OpenLink: _openLink,
-                   CloseLink: _closeLink, Notice: _notice}
+    _performers = {zre.SendOn: _sendOn, zre.Emit: _emitEvent, zre.OpenLink: _openLink,
+                   zre.CloseLink: _closeLink, zre.Notice: _notice}
 
     def _deliver(self, event: Event) -> None:
         for callback in list(self._subscribers):

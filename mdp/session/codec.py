@@ -27,8 +27,7 @@ class MalformedSession(ProtocolError):
 
 
 _message = functools.partial(action_type, __name__, frozen=True)
-#: client → server: attach; *since*: its last DATA it no longer holds; *epoch*:
-#: the server incarnation *ack* is of
+#: client → server: attach; *since*: its last DATA it no longer holds; *epoch*: that of *ack*
 Hello = _message("Hello", "session", "ack", since=0, epoch=0, maxBytes=0, maxFrames=0)
 #: attached; a new *epoch* (random, never 0: the server forgot the session) numbers afresh
 Welcome = _message("Welcome", "ack", epoch=1, maxBytes=0, maxFrames=0)

@@ -49,15 +49,12 @@ Dropped = _action("Dropped", "seq", "reason", routingId=0)  # from the other sid
 Skipped = _action("Skipped", "seq", "reason", routingId=0)  # ours went as a SKIP: over the other's limits
 Notice = _action("Notice", "topic", "text", level="warn")  # for the driver's log, throttled by *topic*
 Refusal = _action("Refusal", "reason")  # client: the server refused to open our session
-#: client: the server's session for us ended and a new one began (what it held
-#: for us is lost; ours goes again, so it may get one twice)
+#: client: the server's session for us ended, a new one began (what it held is lost; ours goes again)
 Renewed = _action("Renewed", "reason")
-#: client: replace the connection (with the driver's backoff); the session goes on
-Reconnect = _action("Reconnect", "reason")
+Reconnect = _action("Reconnect", "reason")  # client: replace the connection; the session goes on
 Opened = _action("Opened", "routingId")
 Attached = _action("Attached", "routingId")
-#: server: a HELLO from *peer* opened no session: *sessions* are open, the most allowed
-Full = _action("Full", "peer", "sessions")
+Full = _action("Full", "peer", "sessions")  # server: a HELLO opened none: *sessions*, the most, are open
 Expired = _action("Expired", "routingId")  # server: the session ended (silent for the expiry)
 DropPeer = _action("DropPeer", "peer", "reason")  # server: close the connection (it must not hold a slot)
 

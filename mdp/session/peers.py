@@ -12,16 +12,7 @@ from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
-from mdp.session.machines import (
-    DEFAULT_EXPIRY,
-    DEFAULT_LIVENESS,
-    DEFAULT_MAX_QUEUED,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PING_INTERVAL,
-    SessionRefused,
-    UnknownSession,
-    check_bounds,
-)
+from mdp.session import machines
 from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
 from mdp.transport.flow import DrainWaiters
 
@@ -41,9 +32,9 @@ class SessionClient:
     hears when the server's session for us was renewed (what it held for us is lost)."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
-                 pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, limits: Limits = Limits(),
-                 onRenewed: Optional[Callable[[], Any]] = None) -> None:
+                 pingInterval: float = machines.DEFAULT_PING_INTERVAL,
+                 liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 limits: Limits = Limits(), onRenewed: Optional[Callable[[], Any]] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
@@ -79,7 +70,7 @@ class SessionClient:
         self._waiting.fire()
 
     def sessionRefused(self, reason: str) -> None:
-        self._waiting.fail(SessionRefused(reason))
+        self._waiting.fail(machines.SessionRefused(reason))
 
     def sessionRenewed(self) -> None:
         if self.onRenewed is not None:
@@ -104,13 +95,12 @@ class SessionServer:
     *onExpired(routingId)* hears of sessions silent for *expiry* seconds."""
 
     def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
-                 *, expiry: float = DEFAULT_EXPIRY,
-                 onExpired: Optional[Callable[[int], Any]] = None,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, maxSessions: int = DEFAULT_MAX_SESSIONS,
-                 limits: Limits = Limits()) -> None:
+                 *, expiry: float = machines.DEFAULT_EXPIRY, onExpired: Optional[Callable[[int], Any]] = None,
+                 maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 maxSessions: int = machines.DEFAULT_MAX_SESSIONS, limits: Limits = Limits()) -> None:
         if expiry <= 0:
             raise ValueError(f"expiry must be positive, got {expiry}")
-        check_bounds(maxQueued, limits.maxOutputBytes)
+        machines.check_bounds(maxQueued, limits.maxOutputBytes)
         self.reactor = default_reactor(reactor)
         self.handler = handler
         self.onExpired = onExpired
@@ -131,7 +121,7 @@ class SessionServer:
         """Send *frames* to *routingId* (kept until the client has it); UnknownSession,
         SessionQueueFull, ReplyTooLarge."""
         if self.router is None:
-            raise UnknownSession(routingId)
+            raise machines.UnknownSession(routingId)
         self.router.reply(routingId, bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:

@@ -22,20 +22,6 @@ from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_c
 from mdp.session import machines
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
-from mdp.session.machines import (
-    DEFAULT_EXPIRY,
-    DEFAULT_LIVENESS,
-    DEFAULT_MAX_QUEUED,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PING_INTERVAL,
-    ROUTING_ID_BYTES,
-    ClientSessionMachine,
-    Expired,
-    ServerSessionMachine,
-    SessionQueueFull,
-    UnknownSession,
-    over_limits,
-)
 from mdp.transport.flow import DrainWaiters, after
 
 log = Logger()
@@ -74,7 +60,7 @@ def payload_limits(limits: Limits) -> tuple[int, int]:
 
 
 def routing_bytes(routingId: int) -> bytes:
-    return routingId.to_bytes(ROUTING_ID_BYTES, "big")
+    return routingId.to_bytes(machines.ROUTING_ID_BYTES, "big")
 
 
 def routing_id(peer: bytes) -> int:
@@ -122,7 +108,7 @@ class _End:
         """*frames* copied, to keep and send to *where*; *error* if over our limits or *peerLimits*."""
         reason = self.limits.refuse(frames)
         if reason is None:
-            why = over_limits(frames, peerLimits)
+            why = machines.over_limits(frames, peerLimits)
             reason = None if why is None else f"{other} takes no message of {why}"
         if reason is not None:
             raise error(f"not sent to {where}: {reason}")
@@ -179,10 +165,10 @@ class SessionRouter(_End):
     title = "session router at"
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
-                 expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 maxSessions: int = DEFAULT_MAX_SESSIONS) -> None:
+                 expiry: float = machines.DEFAULT_EXPIRY, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 maxSessions: int = machines.DEFAULT_MAX_SESSIONS) -> None:
         super().__init__(receiver, reactor, limits, "")
-        self.machine = ServerSessionMachine(
+        self.machine = machines.ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
             maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
         #: HELLOs that attached, and those refused at maxSessions
@@ -249,14 +235,14 @@ class SessionRouter(_End):
             self.reply(routing_id(peer), frames)
         except ReplyTooLarge as e:
             self._say("too large", "{error}", error=e)
-        except UnknownSession:
+        except machines.UnknownSession:
             pass  # as a ROUTER drops what it cannot route
-        except SessionQueueFull as e:
+        except machines.SessionQueueFull as e:
             # a hole would be worse: the session ends, reported a turn later (we are in the app's call)
             self._say("full", "session {session} ends: {error}", session=routing_id(peer), error=e)
             actions = self.machine.end(routing_id(peer), self._now())
-            self._perform([a for a in actions if not isinstance(a, Expired)])
-            reports = [a for a in actions if isinstance(a, Expired)]
+            self._perform([a for a in actions if not isinstance(a, machines.Expired)])
+            reports = [a for a in actions if isinstance(a, machines.Expired)]
             if reports:
                 self.reactor.callLater(0, self._perform, reports)
 
@@ -281,11 +267,12 @@ class SessionDealer(_End):
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), retryPolicy: Any = None,
-                 pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, backoff: Backoff = PIRATE) -> None:
+                 pingInterval: float = machines.DEFAULT_PING_INTERVAL,
+                 liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 backoff: Backoff = PIRATE) -> None:
         super().__init__(receiver, reactor, limits, endpoint)
         self.retryPolicy = retryPolicy
-        self.machine = ClientSessionMachine(
+        self.machine = machines.ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
             maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
@@ -415,7 +402,7 @@ class SessionDealer(_End):
             return
         try:
             self.send(frames)
-        except (SessionQueueFull, RequestTooLarge) as e:
+        except (machines.SessionQueueFull, RequestTooLarge) as e:
             self._say("full", "refused a message: {error}", error=e)
 
     CLOSE_GRACE = 1.0  # seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
