@@ -8,14 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from mdp.errors import (
-    Forbidden,
-    MessageTooLarge,
-    RemoteError,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    WorkerError,
-)
+from mdp import errors
 
 ERROR_MARKER = b"\x00MDP-ERROR"
 STATUS_WORKER_ERROR = b"500"
@@ -30,9 +23,10 @@ def text(name: bytes) -> str:
     return name.decode("utf-8", "backslashreplace")
 
 
-_ERRORS: dict[bytes, type[RemoteError]] = {
-    STATUS_WORKER_ERROR: WorkerError, STATUS_UNAVAILABLE: ServiceUnavailable,
-    STATUS_OVERLOADED: ServiceOverloaded, STATUS_TOO_LARGE: MessageTooLarge, STATUS_FORBIDDEN: Forbidden}
+_ERRORS: dict[bytes, type[errors.RemoteError]] = {
+    STATUS_WORKER_ERROR: errors.WorkerError, STATUS_UNAVAILABLE: errors.ServiceUnavailable,
+    STATUS_OVERLOADED: errors.ServiceOverloaded, STATUS_TOO_LARGE: errors.MessageTooLarge,
+    STATUS_FORBIDDEN: errors.Forbidden}
 
 Frame = Union[bytes, str]
 
@@ -48,13 +42,13 @@ def parse_error_body(body: Sequence[bytes]) -> Optional[tuple[bytes, str]]:
     return None
 
 
-def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]:
+def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[errors.RemoteError]:
     """The typed exception an error reply stands for, or ``None``."""
     parsed = parse_error_body(body)
     if parsed is None:
         return None
     code, message = parsed
-    return _ERRORS.get(code, RemoteError)(service, code, message)
+    return _ERRORS.get(code, errors.RemoteError)(service, code, message)
 
 
 def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:

@@ -21,14 +21,7 @@ from twisted.internet import defer, task
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp import transport
-from mdp.interfaces import (
-    IAuthenticatedRouter,
-    IDealerReceiver,
-    IDealerTransport,
-    IRouterReceiver,
-    IRouterTransport,
-)
+from mdp import interfaces, transport
 from mdp.policy import Limits
 from mdp.transport.registry import bad_endpoint
 
@@ -63,9 +56,9 @@ _scripts: weakref.WeakValueDictionary[str, Script] = weakref.WeakValueDictionary
 _ids = itertools.count(1)
 
 
-@implementer(IRouterTransport, IAuthenticatedRouter)
+@implementer(interfaces.IRouterTransport, interfaces.IAuthenticatedRouter)
 class _Router:
-    def __init__(self, script: Script, endpoint: str, receiver: IRouterReceiver) -> None:
+    def __init__(self, script: Script, endpoint: str, receiver: interfaces.IRouterReceiver) -> None:
         self.script = script
         self.endpoint = endpoint
         self.receiver = receiver
@@ -85,11 +78,12 @@ class _Router:
         return defer.succeed(None)
 
 
-@implementer(IDealerTransport)
+@implementer(interfaces.IDealerTransport)
 class _Pipe:
     writable = True
 
-    def __init__(self, script: Script, endpoint: str, name: str, receiver: IDealerReceiver) -> None:
+    def __init__(self, script: Script, endpoint: str, name: str,
+                 receiver: interfaces.IDealerReceiver) -> None:
         self.script = script
         self.endpoint = endpoint
         self.name = name
@@ -134,7 +128,7 @@ class Script:
         """An endpoint string of this script (``script:ID/NAME``)."""
         return f"script:{self.id}/{name}"
 
-    def _connect(self, endpoint: str, receiver: IDealerReceiver) -> _Pipe:
+    def _connect(self, endpoint: str, receiver: interfaces.IDealerReceiver) -> _Pipe:
         name = f"{endpoint}#{sum(pipe.endpoint == endpoint for pipe in self.pipes.values()) + 1}"
         pipe = self.pipes[name] = _Pipe(self, endpoint, name, receiver)
         self.actions.append(Open(pipe.name))

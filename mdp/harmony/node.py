@@ -15,18 +15,11 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from mdp import interfaces
 from mdp.errors import TransportError
 from mdp.harmony import codec
 from mdp.harmony import machine as zre
 from mdp.harmony.machine import Event, HarmonyMachine, UnknownPeer
-from mdp.interfaces import (
-    IDatagramReceiver,
-    IDatagramTransport,
-    IDealerReceiver,
-    IDiscovery,
-    IDiscoveryListener,
-    IRouterReceiver,
-)
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, LogThrottle, default_reactor
 from mdp.transport import check, connect, datagram, listen
@@ -47,7 +40,7 @@ def transport_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-@implementer(IDiscovery, IDatagramReceiver)
+@implementer(interfaces.IDiscovery, interfaces.IDatagramReceiver)
 class BeaconDiscovery:
     """ZRE's UDP beacons, every *interval* seconds, to the datagram *endpoint* (mdp.transport.datagram)."""
 
@@ -59,14 +52,14 @@ class BeaconDiscovery:
         self.interval = interval
         self.reactor = default_reactor(reactor)
         self.throttle = LogThrottle(self.reactor, interval=10.0)
-        self.socket: Optional[IDatagramTransport] = None
-        self.listener: Optional[IDiscoveryListener] = None
+        self.socket: Optional[interfaces.IDatagramTransport] = None
+        self.listener: Optional[interfaces.IDiscoveryListener] = None
         self.beacon = b""
         self.uuid: Optional[UUID] = None
         self.loop: Optional[task.LoopingCall] = None
 
     @defer.inlineCallbacks
-    def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> Any:
+    def start(self, listener: interfaces.IDiscoveryListener, uuid: UUID, port: int) -> Any:
         self.listener, self.uuid = listener, uuid
         self.beacon = codec.encode_beacon(uuid, port)
         self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
@@ -101,7 +94,7 @@ class BeaconDiscovery:
         self.listener = None
 
 
-@implementer(IDiscovery)
+@implementer(interfaces.IDiscovery)
 class EndpointDiscovery:
     """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), again whenever the peer
     there goes.  *host* is the address our ROUTER binds to and announces."""
@@ -115,7 +108,7 @@ class EndpointDiscovery:
         self.endpoints = [wire_endpoint(e) for e in listed]
         self.host = host
 
-    def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> defer.Deferred[None]:
+    def start(self, listener: interfaces.IDiscoveryListener, uuid: UUID, port: int) -> defer.Deferred[None]:
         for endpoint in self.endpoints:
             listener.dialPeer(endpoint)
         return defer.succeed(None)
@@ -175,7 +168,7 @@ class EventStream:
         return defer.succeed(None)
 
 
-@implementer(IRouterReceiver)
+@implementer(interfaces.IRouterReceiver)
 class _Inbox:
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -187,7 +180,7 @@ class _Inbox:
         """ZRE knows peers by their messages."""
 
 
-@implementer(IDealerReceiver)
+@implementer(interfaces.IDealerReceiver)
 class _Link:
     """The receiving side of a link: a ZRE peer never answers on it."""
 
@@ -204,14 +197,14 @@ class _Link:
 _loopbackPorts = itertools.count(49152)
 
 
-@implementer(IDiscoveryListener)
+@implementer(interfaces.IDiscoveryListener)
 class Node:
     """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).  *endpoint* is where our
     ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's).  Events go to
     :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
-                 headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
+                 headers: Optional[dict[str, str]] = None, discovery: Optional[interfaces.IDiscovery] = None,
                  endpoint: Optional[str] = None, evasive: float = zre.DEFAULT_EVASIVE,
                  expired: float = zre.DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
                  maxPeers: int = zre.DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
@@ -224,7 +217,7 @@ class Node:
                                       maxStrangers=maxStrangers, helloWait=helloWait,
                                       reachable=self._unreachable, now=self._now())
         self.name = name
-        self.discovery: IDiscovery = (discovery if discovery is not None
+        self.discovery: interfaces.IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))
         self.bindEndpoint = endpoint or f"zmq:tcp://{self.discovery.host}:*"
         if not self.bindEndpoint.startswith(("zmq:tcp://", "loopback:")):
