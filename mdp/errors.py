@@ -40,9 +40,8 @@ class ReplyTooLarge(MDPError):
 class RequestTimeout(MDPError):
     """No FINAL reply within the timeout; the message names the *endpoints* tried and failures."""
 
-    def __init__(self, service: bytes, attempts: int, elapsed: float,
-                 endpoints: Sequence[str] = (), peer: str = "broker",
-                 failures: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, service: bytes, attempts: int, elapsed: float, endpoints: Sequence[str] = (),
+                 peer: str = "broker", failures: Optional[Mapping[str, str]] = None) -> None:
         self.service = service
         self.attempts = attempts
         self.elapsed = elapsed

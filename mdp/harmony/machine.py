@@ -122,10 +122,9 @@ class HarmonyMachine(Machine):
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
                  maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
-                 maxStrangers: int = DEFAULT_MAX_STRANGERS, helloWait: float = DEFAULT_HELLO_WAIT,
-                 reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
-                 now: float = 0.0) -> None:
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = DEFAULT_MAX_STRANGERS,
+                 helloWait: float = DEFAULT_HELLO_WAIT,
+                 reachable: Callable[[str], Optional[str]] = lambda endpoint: None, now: float = 0.0) -> None:
         super().__init__(now)
         if not (0 < evasive < expired and maxStrangers >= 1 and helloWait > 0):
             raise ValueError(f"need 0 < evasive < expired, maxStrangers >= 1 and helloWait > 0, got evasive="

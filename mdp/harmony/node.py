@@ -426,9 +426,8 @@ class Node:
             self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
                                               limits=self.limits, identity=zre.identity_of(self.uuid))
         except (TransportError, ValueError) as e:
-            self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
-                               "{endpoint}: {error}", name=self.name,
-                               endpoint=action.endpoint, error=e)
+            self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at {endpoint}: {error}",
+                               name=self.name, endpoint=action.endpoint, error=e)
             self._batches.append((generation, self.machine.handleLinkFailed(action.link, self._now())))
 
     def _closeLink(self, action: zre.CloseLink, generation: int, live: bool) -> None:

@@ -266,9 +266,8 @@ class ClientSessionMachine(Machine):
 
     def _onUnknown(self, message: codec.Unknown, refused: Optional[str]) -> None:
         if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO is on its way)
-            self._emit(Notice("reattach", "the server does not know this connection (it "
-                              "restarted, or the connection was replaced); attaching again",
-                              "info"))
+            self._emit(Notice("reattach", "the server does not know this connection (it restarted, or "
+                              "the connection was replaced); attaching again", "info"))
             self._hello()
 
     def _onRefused(self, message: codec.Refused, refused: Optional[str]) -> None:
@@ -354,8 +353,7 @@ class ServerSessionMachine(Machine):
     """The server's sessions, by session id, by connection and by routing id."""
 
     def __init__(self, *, expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
-                 maxSessions: int = DEFAULT_MAX_SESSIONS,
+                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES, maxSessions: int = DEFAULT_MAX_SESSIONS,
                  limits: Optional[tuple[int, int]] = None, now: float = 0.0) -> None:
         super().__init__(now)
         if expiry <= 0:
@@ -516,8 +514,7 @@ class ServerSessionMachine(Machine):
             self._withoutSession(peer)
             if self._mayTell(peer):
                 self._emit(SendTo(peer, codec.encode(codec.Refused(
-                    f"the server holds {len(self.sessions)} sessions, all it may "
-                    f"(maxSessions)"))))
+                    f"the server holds {len(self.sessions)} sessions, all it may (maxSessions)"))))
             return None
         session = _Session(hello.session, self._newRoutingId(), int.from_bytes(os.urandom(8), "big") or 1,
                            _Sequenced(self.maxQueued, self.maxQueuedBytes), self.now, peer)

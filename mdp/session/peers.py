@@ -41,8 +41,7 @@ class SessionClient:
         self._closed = False
         self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
-                                    pingInterval=pingInterval, liveness=liveness,
-                                    maxQueued=maxQueued)
+                                    pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued)
 
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached; fails with

@@ -131,9 +131,8 @@ class _End:
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
-        self._say("dropped", "message {seq}{of} from the other side is lost: {reason}",
-                  seq=action.seq, reason=action.reason,
-                  of=f" of session {action.routingId}" if action.routingId else "")
+        self._say("dropped", "message {seq}{of} from the other side is lost: {reason}", seq=action.seq,
+                  reason=action.reason, of=f" of session {action.routingId}" if action.routingId else "")
 
     def _skipped(self, action: machines.Skipped) -> None:
         self.skipped += 1
@@ -217,10 +216,9 @@ class SessionRouter(_End):
         self._say("full", "refused a new session from {peer!r}: {count} already (maxSessions)",
                   peer=action.peer, count=action.sessions)
 
-    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver,
-                   machines.Expired: _expired, machines.DropPeer: _dropPeer,
-                   machines.Opened: lambda self, action: None, machines.Attached: _attached,
-                   machines.Full: _full, machines.Dropped: _End._dropped,
+    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver, machines.Expired: _expired,
+                   machines.DropPeer: _dropPeer, machines.Opened: lambda self, action: None,
+                   machines.Attached: _attached, machines.Full: _full, machines.Dropped: _End._dropped,
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     def reply(self, routingId: int, frames: Any) -> None:
@@ -265,9 +263,8 @@ class SessionDealer(_End):
 
     title = "session dealer to"
 
-    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
-                 limits: Limits = Limits(), retryPolicy: Any = None,
-                 pingInterval: float = machines.DEFAULT_PING_INTERVAL,
+    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *, limits: Limits = Limits(),
+                 retryPolicy: Any = None, pingInterval: float = machines.DEFAULT_PING_INTERVAL,
                  liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
                  backoff: Backoff = PIRATE) -> None:
         super().__init__(receiver, reactor, limits, endpoint)
