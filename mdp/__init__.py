@@ -43,18 +43,14 @@ __version__ = "0.1.0"
 
 #: each public name's module
 _HOMES = {name: home for home, names in {
-    "mdp.app.service": ("BrokerService", "WorkerService"),
-    "mdp.binarystar": ("BinaryStar",),
-    "mdp.majordomo.broker": ("Broker",),
-    "mdp.majordomo.client": ("Client", "ReplyStream"),
-    "mdp.majordomo.idempotence": ("MemoryReplyStore",),
-    "mdp.majordomo.worker": ("Final", "Worker"),
-    "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"),
-    "mdp.uvreactor": ("react",),
-    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge",
-                   "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge",
-                   "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
-                   "StreamRestarted", "TransportError", "WorkerError"),
+    "mdp.app.service": ("BrokerService", "WorkerService"), "mdp.binarystar": ("BinaryStar",),
+    "mdp.majordomo.broker": ("Broker",), "mdp.majordomo.client": ("Client", "ReplyStream"),
+    "mdp.majordomo.idempotence": ("MemoryReplyStore",), "mdp.majordomo.worker": ("Final", "Worker"),
+    "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"), "mdp.uvreactor": ("react",),
+    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge", "NoServerAvailable",
+                   "ProtocolError", "RemoteError", "ReplyTooLarge", "RequestTimeout", "RequestTooLarge",
+                   "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted", "TransportError",
+                   "WorkerError"),
 }.items() for name in names}
 
 __all__ = [

@@ -28,13 +28,11 @@ ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 
 #: modules whose ``.pxd`` cimports others': they run compiled only if those do
 CIMPORTS = {
-    "mdp.majordomo.client_machine": ("mdp.machine",),
+    "mdp.majordomo.client_machine": ("mdp.machine",), "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.client": ("mdp.majordomo.client_machine",),
-    "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
     "mdp.majordomo.broker_machine": ("mdp.machine", "mdp.majordomo.broker_records"),
-    "mdp.blocking": ("mdp.majordomo.client", "mdp.majordomo.client_machine"),
-}
+    "mdp.blocking": ("mdp.majordomo.client", "mdp.majordomo.client_machine")}
 
 PURE_ENV = "MDP_PURE_PYTHON"  # set (not "" or "0"): install compiles nothing, imports run the sources
 #: the build's record in a working tree, one line a module ("name source-size source-mtime-ns

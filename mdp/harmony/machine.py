@@ -335,18 +335,16 @@ class HarmonyMachine(Machine):
             if peer is not None:
                 self._remove(peer, "its HELLO was out of sequence")
             return None
-        if peer is not None and self._saidAgain(peer, hello):
+        if peer is not None and self.now - peer.helloAt < self.evasive and same_endpoint(
+                hello.endpoint, peer.endpoint):  # its new link to us, in the same run
             self._helloAgain(peer, hello)
             return None
         if peer is not None:
             self._remove(peer, "it said HELLO again (restarted)")
         return self._admit(uuid, hello.endpoint)
 
-    def _saidAgain(self, peer: Peer, hello: codec.Hello) -> bool:
-        """Whether *hello* is the peer's HELLO again in the same run (see the table)."""
-        return self.now - peer.helloAt < self.evasive and same_endpoint(hello.endpoint, peer.endpoint)
-
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
+        """Its sequence and groups start again; our HELLO goes back, once an *evasive*."""
         peer.received = 1
         peer.helloAt = self.now
         self._takeHello(peer, hello)

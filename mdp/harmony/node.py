@@ -47,9 +47,7 @@ class BeaconDiscovery:
     def __init__(self, endpoint: str = f"udp:{codec.DISCOVERY_PORT}", *,
                  interval: float = DEFAULT_INTERVAL, reactor: Optional[Any] = None) -> None:
         self.spec = datagram.resolve(endpoint)
-        self.endpoint = endpoint
-        self.host = self.spec.host
-        self.interval = interval
+        self.endpoint, self.host, self.interval = endpoint, self.spec.host, interval
         self.reactor = default_reactor(reactor)
         self.throttle = LogThrottle(self.reactor, interval=10.0)
         self.socket: Optional[interfaces.IDatagramTransport] = None
@@ -121,8 +119,7 @@ class EventStream:
     """The node's events, for ``async for``: at most *size* unread (beyond, the oldest go)."""
 
     def __init__(self, node: Node, size: int = 10_000) -> None:
-        self.node = node
-        self.size = size
+        self.node, self.size = node, size
         self.queue: deque[Event] = deque(maxlen=size)
         self.waiting: Optional[defer.Deferred[Event]] = None
         self.ended = False

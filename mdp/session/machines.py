@@ -100,11 +100,8 @@ class _Sequenced:
 
     def __init__(self, maxQueued: int, maxQueuedBytes: int) -> None:
         check_bounds(maxQueued, maxQueuedBytes)
-        self.maxQueued = maxQueued
-        self.maxQueuedBytes = maxQueuedBytes
-        self.queuedBytes = 0
-        self.sent = 0
-        self.received = 0
+        self.maxQueued, self.maxQueuedBytes = maxQueued, maxQueuedBytes
+        self.queuedBytes = self.sent = self.received = 0
         self.unacked: deque[tuple[int, tuple[bytes, ...]]] = deque()
         self.ackPending = 0  # DATA delivered since our last message to the other side
         self.peerLimits: Optional[tuple[int, int]] = None  # what the other side takes in one DATA
@@ -192,18 +189,14 @@ class ClientSessionMachine(Machine):
             raise ValueError(f"a session id is {codec.SESSION_ID_BYTES} bytes")
         if pingInterval <= 0 or liveness < 1:
             raise ValueError("pingInterval must be positive and liveness at least 1")
-        self.session = session
-        self.pingInterval = pingInterval
-        self.liveness = liveness
+        self.session, self.pingInterval, self.liveness = session, pingInterval, liveness
         self.limits = limits or (0, 0)
         self.seq = _Sequenced(maxQueued, maxQueuedBytes)
         self.epoch = 0  # the server incarnation our received count is of (0: none yet)
-        self.lastPing = now
         self.state = "detached"  # or "attaching", "attached"
-        self.lastHeard = now
+        self.lastPing = self.lastHeard = self.helloAt = now
         self.pings = 0
         self.sentAtPing: deque[int] = deque()  # for each PING in flight, what we had sent before it
-        self.helloAt = now
 
     @property
     def deadAfter(self) -> float:
@@ -359,11 +352,9 @@ class ServerSessionMachine(Machine):
         if expiry <= 0:
             raise ValueError("expiry must be positive")
         check_bounds(maxQueued, maxQueuedBytes)
-        self.expiry = expiry
+        self.expiry, self.maxSessions = expiry, maxSessions
         self.limits = limits or (0, 0)
-        self.maxQueued = maxQueued
-        self.maxQueuedBytes = maxQueuedBytes
-        self.maxSessions = maxSessions
+        self.maxQueued, self.maxQueuedBytes = maxQueued, maxQueuedBytes
         self.sessions: dict[bytes, _Session] = {}
         self.byPeer: dict[Hashable, _Session] = {}
         self.byRouting: dict[int, _Session] = {}

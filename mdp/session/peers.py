@@ -101,8 +101,7 @@ class SessionServer:
             raise ValueError(f"expiry must be positive, got {expiry}")
         machines.check_bounds(maxQueued, limits.maxOutputBytes)
         self.reactor = default_reactor(reactor)
-        self.handler = handler
-        self.onExpired = onExpired
+        self.handler, self.onExpired = handler, onExpired
         self.options = {"expiry": expiry, "maxQueued": maxQueued, "maxSessions": maxSessions}
         self.limits = limits
         self.router: Optional[SessionRouter] = None

@@ -78,10 +78,7 @@ class _End:
     skipped = 0
 
     def __init__(self, receiver: Any, reactor: Any, limits: Limits, endpoint: str) -> None:
-        self.receiver = receiver
-        self.reactor = reactor
-        self.limits = limits
-        self.endpoint = endpoint
+        self.receiver, self.reactor, self.limits, self.endpoint = receiver, reactor, limits, endpoint
         self.inner: Any = None
         self.throttle = LogThrottle(reactor)
         self.tick = task.LoopingCall(self._tick)
@@ -170,9 +167,7 @@ class SessionRouter(_End):
         self.machine = machines.ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
             maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
-        #: HELLOs that attached, and those refused at maxSessions
-        self.attaches = 0
-        self.refused = 0
+        self.attaches = self.refused = 0  # HELLOs that attached, and those refused at maxSessions
 
     @classmethod
     @defer.inlineCallbacks
@@ -278,8 +273,7 @@ class SessionDealer(_End):
         self.oversizedLosses = 0  # attaches that ended on a message over our limits since one came through
         self.reopening: Any = None
         self._waiters = DrainWaiters()
-        self.madeOnce = False
-        self.closed = False
+        self.madeOnce = self.closed = False
         self._open()
         self.tick.start(pingInterval / 4, now=False)
 
