@@ -66,12 +66,8 @@ def _signature(path: str) -> tuple[int, int]:
 
 def cimported(name: str) -> list[str]:
     """The modules *name* cimports (:data:`CIMPORTS`), transitively, nearest first."""
-    found: list[str] = []
-    for other in CIMPORTS.get(name, ()):
-        for module in (other, *cimported(other)):
-            if module not in found:
-                found.append(module)
-    return found
+    return list(dict.fromkeys(module for other in CIMPORTS.get(name, ())
+                              for module in (other, *cimported(other))))
 
 
 def source_signature(package: str, name: str) -> tuple[int, int]:
@@ -136,9 +132,8 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
         return "source"
     if pure_requested():
         return "pure"
-    if not current(package, name, compiled, record):
-        return "stale"
-    if any(kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
+    if not current(package, name, compiled, record) or any(
+            kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
         return "stale"
     return "compiled"
 
@@ -171,14 +166,12 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")
     path = os.path.join(package, RECORD)
-    if lines and build:
-        lines.insert(0, f"{_BUILD} {build}\n")
     if not lines:
         if os.path.exists(path):
             os.remove(path)
         return
     with open(path, "w", encoding="ascii") as f:
-        f.writelines(lines)
+        f.writelines(([f"{_BUILD} {build}\n"] if build else []) + lines)
 
 
 def remove_compiled(package: str) -> None:

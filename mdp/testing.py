@@ -59,9 +59,7 @@ _ids = itertools.count(1)
 @implementer(interfaces.IRouterTransport, interfaces.IAuthenticatedRouter)
 class _Router:
     def __init__(self, script: Script, endpoint: str, receiver: interfaces.IRouterReceiver) -> None:
-        self.script = script
-        self.endpoint = endpoint
-        self.receiver = receiver
+        self.script, self.endpoint, self.receiver = script, endpoint, receiver
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         self.script.actions.append(Send(peer, frames))
@@ -84,12 +82,8 @@ class _Pipe:
 
     def __init__(self, script: Script, endpoint: str, name: str,
                  receiver: interfaces.IDealerReceiver) -> None:
-        self.script = script
-        self.endpoint = endpoint
-        self.name = name
-        self.receiver = receiver
-        self.connected = False
-        self.closed = False
+        self.script, self.endpoint, self.name, self.receiver = script, endpoint, name, receiver
+        self.connected = self.closed = False
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if not self.closed:

@@ -119,8 +119,7 @@ class _Reader:
     """Reads the fields of one frame, in order."""
 
     def __init__(self, data: bytes, maxGroups: int, maxHeaders: int) -> None:
-        self.data = data
-        self.at = 0
+        self.data, self.at = data, 0
         self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
 
     def take(self, size: int, what: str) -> bytes:
@@ -128,8 +127,7 @@ class _Reader:
         if end > len(self.data):
             raise MalformedZre(f"{what} runs past the end of the frame "
                                f"({size} bytes at offset {self.at} of {len(self.data)})")
-        chunk = self.data[self.at:end]
-        self.at = end
+        chunk, self.at = self.data[self.at:end], end
         return chunk
 
     def u8(self, what: str) -> int:

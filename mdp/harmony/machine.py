@@ -141,9 +141,8 @@ class HarmonyMachine(Machine):
         self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
         if len(self.headers) > maxHeaders:
             raise ValueError(f"{len(self.headers)} headers, more than peers take (maxHeaders {maxHeaders})")
-        self.reachable = reachable
-        self.endpoint = ""
-        self.status = 0
+        self.reachable, self.endpoint, self.running = reachable, "", False
+        self.status = self._links = 0
         self.ownGroups: dict[str, None] = {}
         #: the peers that said HELLO, those heard only by beacons (oldest first), each by endpoint key
         self.peers: dict[UUID, Peer] = {}
@@ -152,8 +151,6 @@ class HarmonyMachine(Machine):
         self._strangerAt: dict[str, UUID] = {}
         self.dials: dict[str, _Dial] = {}  # links to listed endpoints not yet known as a peer
         self.listed: list[str] = []  # endpoints dialled again when the peer there goes
-        self._links = 0
-        self.running = False
 
     def handleStart(self, endpoint: str, now: float) -> list[Any]:
         self.now, self.endpoint, self.running = now, endpoint, True
@@ -549,6 +546,5 @@ class HarmonyMachine(Machine):
 
     @staticmethod
     def _who(uuid: UUID, peer: Optional[Peer]) -> str:
-        if peer is None:
-            return f"unknown peer {uuid}"
-        return f"{peer.name or 'peer'} ({uuid}) at {peer.endpoint}"
+        return (f"unknown peer {uuid}" if peer is None
+                else f"{peer.name or 'peer'} ({uuid}) at {peer.endpoint}")

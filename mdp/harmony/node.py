@@ -222,25 +222,20 @@ class Node:
                                  "zmq:tcp://HOST:PORT (or *) or loopback:HOST:PORT (or *)")
         if not self.bindEndpoint.endswith(":*"):
             check(self.bindEndpoint, "listen")
-        self.interval = interval
-        self.limits = limits
+        self.interval, self.limits = interval, limits
         self.throttle = LogThrottle(self.reactor)
         self.router: Any = None
         self.links: dict[int, Any] = {}
-        self.endpoint = ""
-        self.port = 0
+        self.endpoint, self.port = "", 0
         self._subscribers: list[Callable[[Event], Any]] = []
         self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()  # a reader may break out
         self._transition = defer.DeferredLock()  # start() and stop() one at a time
         #: batches of actions, and events, each with its run (a stop ends a run)
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
-        self._performing = False
-        self._delivering = False
+        self._performing = self._delivering = self._stopped = self.running = False
         self._generation = 0
-        self._stopped = False
         self._tick: Optional[task.LoopingCall] = None
-        self.running = False
 
     def _now(self) -> float:
         return self.reactor.seconds()

@@ -84,8 +84,7 @@ def decode(frames: Sequence[bytes]) -> Message:
         raise MalformedSession(f"not a session message (first frame "
                                f"{bytes(frames[0][:16]) if frames else b''!r}, not {PROTOCOL!r})")
     command = bytes(frames[1])
-    entry = _FIELDS.get(command)
-    if entry is None:
+    if (entry := _FIELDS.get(command)) is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")
     kind, names = entry
     names, rest, payload = _fields(command, kind, names, frames[2:])

@@ -213,8 +213,7 @@ class ClientSessionMachine(Machine):
             self._outbox.extend(self.seq.reportSkips())
 
     def handleConnected(self, now: float) -> list[Any]:
-        self.now = now
-        self.lastHeard = now
+        self.now = self.lastHeard = now
         self.pings = 0
         self._hello()
         return self._drain()
@@ -426,8 +425,7 @@ class ServerSessionMachine(Machine):
 
     def _mayTell(self, peer: Hashable) -> bool:
         """At most one UNKNOWN or REFUSED a second to a connection (each draws a HELLO)."""
-        last = self._told.get(peer)
-        if last is not None and self.now - last < 1.0:
+        if self.now - self._told.get(peer, float("-inf")) < 1.0:
             return False
         self._told[peer] = self.now
         self._told.move_to_end(peer)

@@ -268,8 +268,7 @@ class SessionDealer(_End):
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
             maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
-        self.backoff = backoff
-        self.attempts = 0
+        self.backoff, self.attempts = backoff, 0
         self.oversizedLosses = 0  # attaches that ended on a message over our limits since one came through
         self.reopening: Any = None
         self._waiters = DrainWaiters()
@@ -325,8 +324,7 @@ class SessionDealer(_End):
     @property
     def writable(self) -> bool:
         """False while half the session's bounds are unacknowledged: wait on :meth:`drained`."""
-        inner = self.inner
-        return self.machine.seq.hasRoom and (inner is None or getattr(inner, "writable", True))
+        return self.machine.seq.hasRoom and getattr(self.inner, "writable", True)  # (None: True)
 
     @property
     def connected(self) -> bool:
@@ -334,9 +332,7 @@ class SessionDealer(_End):
         return self.madeOnce and not self.closed
 
     def drained(self) -> defer.Deferred[None]:
-        if self.writable or self.closed:
-            return defer.succeed(None)
-        return self._waiters.wait()
+        return defer.succeed(None) if self.writable or self.closed else self._waiters.wait()
 
     def _perform(self, actions: list[Any]) -> None:
         super()._perform(actions)
