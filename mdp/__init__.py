@@ -1,8 +1,5 @@
-"""txmajordomo: reliable service-oriented request-reply for Twisted.
-
-Names are imported when first used (PEP 562), so ``import mdp.x`` costs only
-what ``mdp.x`` needs.
-"""
+"""txmajordomo: reliable service-oriented request-reply for Twisted.  Names are imported
+when first used (PEP 562), so ``import mdp.x`` costs only what ``mdp.x`` needs."""
 
 from __future__ import annotations
 
@@ -10,11 +7,9 @@ import importlib
 
 from mdp import _compiled
 
-# before any module it lists is imported
-_compiled.install()
+_compiled.install()  # before any module it lists is imported
 
-#: not typing's, which is slow to import
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # not typing's, which is slow to import
 if TYPE_CHECKING:
     from typing import Any
 
@@ -48,28 +43,22 @@ __version__ = "0.1.0"
 
 #: each public name's module
 _HOMES = {name: home for home, names in {
-    "mdp.app.service": ("BrokerService", "WorkerService"),
-    "mdp.binarystar": ("BinaryStar",),
-    "mdp.majordomo.broker": ("Broker",),
-    "mdp.majordomo.client": ("Client", "ReplyStream"),
-    "mdp.majordomo.idempotence": ("MemoryReplyStore",),
-    "mdp.majordomo.worker": ("Final", "Worker"),
-    "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"),
-    "mdp.uvreactor": ("react",),
-    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge",
-                   "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge",
-                   "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
-                   "StreamRestarted", "TransportError", "WorkerError"),
+    "mdp.app.service": ("BrokerService", "WorkerService"), "mdp.binarystar": ("BinaryStar",),
+    "mdp.majordomo.broker": ("Broker",), "mdp.majordomo.client": ("Client", "ReplyStream"),
+    "mdp.majordomo.idempotence": ("MemoryReplyStore",), "mdp.majordomo.worker": ("Final", "Worker"),
+    "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"), "mdp.uvreactor": ("react",),
+    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge", "NoServerAvailable",
+                   "ProtocolError", "RemoteError", "ReplyTooLarge", "RequestTimeout", "RequestTooLarge",
+                   "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted", "TransportError",
+                   "WorkerError"),
 }.items() for name in names}
 
 __all__ = [
-    "Backoff", "BinaryStar", "Broker", "BrokerService", "BrokerUnreachable", "Client",
-    "ClientClosed", "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore",
-    "MessageTooLarge", "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream",
-    "ReplyTooLarge", "RequestTimeout", "RequestTooLarge", "ServiceOverloaded",
-    "ServiceUnavailable", "StreamRestarted", "TransportError", "Worker", "WorkerError",
-    "WorkerService", "react",
-]
+    "Backoff", "BinaryStar", "Broker", "BrokerService", "BrokerUnreachable", "Client", "ClientClosed",
+    "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore", "MessageTooLarge",
+    "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream", "ReplyTooLarge", "RequestTimeout",
+    "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted", "TransportError",
+    "Worker", "WorkerError", "WorkerService", "react"]
 
 
 #: submodules also loaded when first used as ``mdp.NAME``

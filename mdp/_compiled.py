@@ -1,9 +1,10 @@
-"""The modules ``setup.py`` compiles with Cython where it can, and the import hook
-that runs a module's source where its compiled file no longer matches it (the
-build's :data:`RECORD` of sizes and times).  Imports nothing of the package."""
+"""The modules ``setup.py`` compiles with Cython where it can, and the import hook that runs
+a module's source where its compiled file no longer matches it (the build's :data:`RECORD`
+of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec, PathFinder
@@ -14,25 +15,11 @@ if TYPE_CHECKING:
     from typing import Optional
 
 MODULES = (
-    "mdp.machine",
-    "mdp.messages",
-    "mdp.policy",
-    "mdp.blocking",
-    "mdp.majordomo.broker",
-    "mdp.majordomo.broker_machine",
-    "mdp.majordomo.broker_records",
-    "mdp.majordomo.client",
-    "mdp.majordomo.client_machine",
-    "mdp.majordomo.codec",
-    "mdp.majordomo.worker",
-    "mdp.transport.framing",
-    "mdp.transport.framed",
-    "mdp.transport.router",
-    "mdp.transport.dealer",
-    "mdp.transport.channellink",
-    "mdp.transport.channels",
-    "mdp.transport.pipes",
-    "mdp.transport.zeromq",
+    "mdp.machine", "mdp.messages", "mdp.policy", "mdp.blocking",
+    "mdp.majordomo.broker", "mdp.majordomo.broker_machine", "mdp.majordomo.broker_records",
+    "mdp.majordomo.client", "mdp.majordomo.client_machine", "mdp.majordomo.codec", "mdp.majordomo.worker",
+    "mdp.transport.framing", "mdp.transport.framed", "mdp.transport.router", "mdp.transport.dealer",
+    "mdp.transport.channellink", "mdp.transport.channels", "mdp.transport.pipes", "mdp.transport.zeromq",
     "mdp.transport.zmqio",
 )
 
@@ -41,21 +28,16 @@ ACCELERATORS = ("mdp.transport._zmqframes", "mdp.transport._records")
 
 #: modules whose ``.pxd`` cimports others': they run compiled only if those do
 CIMPORTS = {
-    "mdp.majordomo.client_machine": ("mdp.machine",),
+    "mdp.majordomo.client_machine": ("mdp.machine",), "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.client": ("mdp.majordomo.client_machine",),
-    "mdp.majordomo.worker": ("mdp.machine",),
     "mdp.majordomo.broker": ("mdp.majordomo.broker_machine",),
     "mdp.majordomo.broker_machine": ("mdp.machine", "mdp.majordomo.broker_records"),
-    "mdp.blocking": ("mdp.majordomo.client", "mdp.majordomo.client_machine"),
-}
+    "mdp.blocking": ("mdp.majordomo.client", "mdp.majordomo.client_machine")}
 
-#: set (not "" or "0"): install compiles nothing, and imports run the sources
-PURE_ENV = "MDP_PURE_PYTHON"
-
-#: the build's record in a working tree, one line a module:
-#: "name source-size source-mtime-ns compiled-size compiled-mtime-ns"
+PURE_ENV = "MDP_PURE_PYTHON"  # set (not "" or "0"): install compiles nothing, imports run the sources
+#: the build's record in a working tree, one line a module ("name source-size source-mtime-ns
+#: compiled-size compiled-mtime-ns"), and a line "build FINGERPRINT" naming its settings
 RECORD = "_compiled.record"
-#: the record's line "build FINGERPRINT" names the build's settings
 _BUILD = "build"
 
 _RECORDED = (*MODULES, *ACCELERATORS)
@@ -65,13 +47,11 @@ _records: dict[str, Optional[dict[str, tuple[int, ...]]]] = {}
 
 
 def pure_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether the environment asks for the plain sources."""
     value = (os.environ if environ is None else environ).get(PURE_ENV, "")
     return value not in ("", "0")
 
 
 def compiled_file(directory: str, leaf: str) -> Optional[str]:
-    """The compiled module *leaf* in *directory*, if there is one."""
     for suffix in EXTENSION_SUFFIXES:
         candidate = os.path.join(directory, leaf + suffix)
         if os.path.isfile(candidate):
@@ -86,17 +66,12 @@ def _signature(path: str) -> tuple[int, int]:
 
 def cimported(name: str) -> list[str]:
     """The modules *name* cimports (:data:`CIMPORTS`), transitively, nearest first."""
-    found: list[str] = []
-    for other in CIMPORTS.get(name, ()):
-        for module in (other, *cimported(other)):
-            if module not in found:
-                found.append(module)
-    return found
+    return list(dict.fromkeys(module for other in CIMPORTS.get(name, ())
+                              for module in (other, *cimported(other))))
 
 
 def source_signature(package: str, name: str) -> tuple[int, int]:
-    """Sizes and times, summed, of module *name*'s source and the ``.pxd`` files
-    it and its cimports have: any of them changed changes it."""
+    """Sizes and times, summed, of *name*'s source and its and its cimports' ``.pxd`` files."""
     directory, leaf = _paths(package, name)
     size, mtime = _signature(os.path.join(directory, leaf + (".pyx" if name in ACCELERATORS else ".py")))
     for module in (name, *cimported(name)):
@@ -109,13 +84,12 @@ def source_signature(package: str, name: str) -> tuple[int, int]:
 
 
 def _paths(package: str, name: str) -> tuple[str, str]:
-    """The directory of module *name* under *package* and its last name."""
+    """The directory of module *name* under *package*, and its last name."""
     parts = name.split(".")[1:]
     return os.path.join(package, *parts[:-1]), parts[-1]
 
 
 def _record_lines(package: str) -> Optional[list[list[str]]]:
-    """The fields of each line of *package*'s build record, if it has one."""
     try:
         with open(os.path.join(package, RECORD), encoding="ascii") as f:
             return [line.split() for line in f.read().splitlines()]
@@ -124,7 +98,6 @@ def _record_lines(package: str) -> Optional[list[list[str]]]:
 
 
 def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
-    """The build record of the package directory *package*, if it has one."""
     lines = _record_lines(package)
     if lines is None:
         return None
@@ -138,8 +111,7 @@ def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     return _records[package]
 
 
-def current(package: str, name: str, compiled: str,
-            record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
+def current(package: str, name: str, compiled: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
     """Whether *compiled* was built from *name*'s current source (True without a record)."""
     if record is None:
         return True
@@ -147,37 +119,28 @@ def current(package: str, name: str, compiled: str,
     if entry is None:
         return False
     try:
-        return (source_signature(package, name) == entry[:2]
-                and _signature(compiled) == entry[2:])
+        return source_signature(package, name) == entry[:2] and _signature(compiled) == entry[2:]
     except OSError:
         return False
 
 
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
-    """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure``
-    (:data:`PURE_ENV`) or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
+    """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure`` (:data:`PURE_ENV`)
+    or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
     compiled = compiled_file(*_paths(package, name))
     if compiled is None:
         return "source"
     if pure_requested():
         return "pure"
-    if not current(package, name, compiled, record):
-        return "stale"
-    if any(kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
+    if not current(package, name, compiled, record) or any(
+            kind(package, other, record) != "compiled" for other in CIMPORTS.get(name, ())):
         return "stale"
     return "compiled"
 
 
-def recorded_build(package: str) -> Optional[str]:
-    """The build fingerprint the record of *package* names, if any."""
-    return next((fields[1] for fields in _record_lines(package) or ()
-                 if len(fields) == 2 and fields[0] == _BUILD), None)
-
-
 def reusable(package: str, name: str, build: str) -> Optional[str]:
-    """The compiled module *name*, if a build with fingerprint *build* made it
-    from the current sources: ``setup.py`` reuses it."""
-    if recorded_build(package) != build:
+    """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
+    if [_BUILD, build] not in (_record_lines(package) or []):
         return None
     compiled = compiled_file(*_paths(package, name))
     record = read_record(package)
@@ -187,8 +150,7 @@ def reusable(package: str, name: str, build: str) -> Optional[str]:
 
 
 def write_record(package: str, builtSince: float, build: Optional[str] = None) -> None:
-    """Record the compiled modules written since *builtSince*, keep those an
-    earlier build made, forget the rest; and the fingerprint *build*."""
+    """Record the modules compiled since *builtSince* (and by an earlier build) and *build*."""
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
@@ -204,32 +166,26 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")
     path = os.path.join(package, RECORD)
-    if lines and build:
-        lines.insert(0, f"{_BUILD} {build}\n")
     if not lines:
         if os.path.exists(path):
             os.remove(path)
         return
     with open(path, "w", encoding="ascii") as f:
-        f.writelines(lines)
+        f.writelines(([f"{_BUILD} {build}\n"] if build else []) + lines)
 
 
 def remove_compiled(package: str) -> None:
-    """Remove the compiled modules and the record of *package*."""
     for name in _RECORDED:
         compiled = compiled_file(*_paths(package, name))
         if compiled is not None:
             os.remove(compiled)
-    try:
+    if os.path.exists(os.path.join(package, RECORD)):
         os.remove(os.path.join(package, RECORD))
-    except FileNotFoundError:
-        pass
 
 
 class SourceFirst:
-    """A meta path finder that runs a package module's source where :func:`kind`
-    says ``pure`` or ``stale``, or where it is no longer listed and an earlier
-    build left its compiled file beside it; else None, leaving it to the usual finder."""
+    """A meta path finder: a module's source where :func:`kind` says ``pure`` or ``stale``, or
+    where it is no longer listed and a compiled file is beside it; else the usual finder's."""
 
     @staticmethod
     def find_spec(name: str, path: Optional[Sequence[str]] = None,
@@ -246,11 +202,11 @@ class SourceFirst:
                 runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
             else:
                 runSource = compiled_file(directory, leaf) is not None
-            if runSource:
-                from importlib.util import spec_from_file_location
+            if not runSource:
+                return None
+            from importlib.util import spec_from_file_location
 
-                return spec_from_file_location(name, source)
-            return None
+            return spec_from_file_location(name, source)
         return None
 
 
@@ -258,8 +214,7 @@ def install() -> None:
     """Put :class:`SourceFirst` just ahead of the path finder (once)."""
     if any(finder is SourceFirst for finder in sys.meta_path):
         return
-    where = next((i for i, finder in enumerate(sys.meta_path) if finder is PathFinder),
-                 len(sys.meta_path))
+    where = next((i for i, finder in enumerate(sys.meta_path) if finder is PathFinder), len(sys.meta_path))
     sys.meta_path.insert(where, SourceFirst)  # type: ignore[arg-type]
 
 
@@ -279,8 +234,6 @@ def accelerator(name: str) -> Optional[object]:
     """The accelerator *name*, imported, if :func:`kind` says ``compiled``; else None."""
     if kind(_HERE, name, _record_of(_HERE)) != "compiled":
         return None
-    import importlib
-
     try:
         return importlib.import_module(name)
     except ImportError:

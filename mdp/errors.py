@@ -15,15 +15,13 @@ class ProtocolError(MDPError):
 
 
 class OversizedMessage(ProtocolError):
-    """A transport refused a message over its limits (``mdp.policy.Limits``);
-    also the ``connectionLost`` reason when it ends a connection for one."""
+    """A message over a transport's ``Limits``; also the ``connectionLost`` reason for one."""
 
 
 class RecordTooLarge(OversizedMessage):
     """A stream record exceeds the limits (refused from its header, unbuffered)."""
 
-    #: on a connection that carries channels, the channel it came on
-    channel: Optional[bytes] = None
+    channel: Optional[bytes] = None  # on a connection that carries channels, the one it came on
 
 
 class TransportError(MDPError):
@@ -35,17 +33,15 @@ class RequestTooLarge(MDPError, ValueError):
 
 
 class ReplyTooLarge(MDPError):
-    """A reply was over this client's own message limits and was dropped; the
-    request fails at once (a 413 from a peer is :class:`MessageTooLarge`)."""
+    """A reply over this client's own limits was dropped; the request fails (a peer's 413 is
+    :class:`MessageTooLarge`)."""
 
 
 class RequestTimeout(MDPError):
-    """No FINAL reply arrived within the request's timeout; the message names
-    the *endpoints* tried and why a connection to one failed."""
+    """No FINAL reply within the timeout; the message names the *endpoints* tried and failures."""
 
-    def __init__(self, service: bytes, attempts: int, elapsed: float,
-                 endpoints: Sequence[str] = (), peer: str = "broker",
-                 failures: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, service: bytes, attempts: int, elapsed: float, endpoints: Sequence[str] = (),
+                 peer: str = "broker", failures: Optional[Mapping[str, str]] = None) -> None:
         self.service = service
         self.attempts = attempts
         self.elapsed = elapsed
@@ -57,37 +53,30 @@ class RequestTimeout(MDPError):
                 f"{e} ({self.failures[e]})" if e in self.failures else e for e in self.endpoints)
             where = f" from {peer if len(self.endpoints) == 1 else peer + 's'} at {named}"
         tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
-        super().__init__(
-            f"no reply{where} after {tries} ({elapsed:.1f} s) to a request for service "
-            f"{service.decode('ascii', 'replace')!r}"
-        )
+        super().__init__(f"no reply{where} after {tries} ({elapsed:.1f} s) to a request for service "
+                         f"{service.decode('ascii', 'replace')!r}")
 
 
 class BrokerUnreachable(MDPError):
-    """No broker of a client's list was ever reached (refused, no such host):
-    failed at once.  Once one was reached, refusals are retried instead."""
+    """No broker of a client's list was ever reached (refused, no such host); once one was, retried."""
 
     def __init__(self, failures: Mapping[str, str]) -> None:
         self.failures = dict(failures)
         named = "; ".join(f"{e}: {why}" for e, why in self.failures.items())
-        super().__init__(f"cannot reach {'broker' if len(self.failures) == 1 else 'any broker'} "
-                         f"at {named}")
+        super().__init__(f"cannot reach {'broker' if len(self.failures) == 1 else 'any broker'} at {named}")
 
 
 class RemoteError(MDPError):
     """The broker or a worker answered the request with an error reply."""
 
-    #: The status code carried by the error reply (for example ``b"500"``).
-    code: bytes = b"500"
+    code: bytes = b"500"  # the error reply's status code
 
     def __init__(self, service: bytes, code: bytes, message: str) -> None:
         self.service = service
         self.code = code
         self.message = message
-        super().__init__(
-            f"service {service.decode('ascii', 'replace')!r} answered "
-            f"{code.decode('ascii', 'replace')}: {message}"
-        )
+        super().__init__(f"service {service.decode('ascii', 'replace')!r} answered "
+                         f"{code.decode('ascii', 'replace')}: {message}")
 
 
 class WorkerError(RemoteError):
@@ -111,8 +100,7 @@ class MessageTooLarge(RemoteError):
 
 
 class StreamRestarted(MDPError):
-    """The reply stream started over: the PARTIALs so far belong to an
-    abandoned attempt.  Raised only when the caller gave no ``onRestart``."""
+    """The reply stream started over (its PARTIALs were an abandoned attempt); without ``onRestart``."""
 
 
 class ClientClosed(MDPError):

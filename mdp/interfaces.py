@@ -1,6 +1,5 @@
-"""The contracts between transports, the protocols they drive, and roles.  A
-*message* is a ``list`` of ``bytes`` frames; a transport moves messages and knows
-nothing of MDP."""
+"""The contracts between transports, the protocols they drive, and roles.  A *message* is
+a ``list`` of ``bytes`` frames; a transport moves messages and knows nothing of MDP."""
 
 from __future__ import annotations
 
@@ -10,15 +9,13 @@ from zope.interface import Attribute, Interface
 
 
 class IRouterReceiver(Interface):
-    """The protocol side of a bound, ROUTER-like transport (e.g. a broker).  With
-    ``keepFramesFrom`` (an index) the long frames from there on may come as buffers."""
+    """The protocol side of a bound, ROUTER-like transport (a broker); with ``keepFramesFrom``."""
 
     def messageReceived(peer: bytes, frames: list[bytes]) -> None:
         """A message arrived from the peer identified by *peer*."""
 
     def peerDisconnected(peer: bytes) -> None:
-        """*peer* went away or was cut off (ZeroMQ reports only the latter); never
-        called from inside ``sendMessage``."""
+        """*peer* went away or was cut off (ZeroMQ: only that); never inside ``sendMessage``."""
 
 
 class IRouterTransport(Interface):
@@ -37,8 +34,7 @@ class IRouterTransport(Interface):
 
 
 class IDealerReceiver(Interface):
-    """The protocol side of a connecting, DEALER-like transport (optionally with
-    ``connectionFailed(reason)``, called before a retry)."""
+    """The protocol side of a connecting, DEALER-like transport (maybe ``connectionFailed(reason)``)."""
 
     def connectionMade() -> None:
         """A pipe to the far side is ready; called again after each reconnection."""
@@ -55,12 +51,10 @@ class IDealerTransport(Interface):
 
     endpoint = Attribute("The endpoint string this transport connects to.")
     connected = Attribute("True while the pipe is believed usable.")
-    writable = Attribute("False while the medium's queue is full: what is sent meanwhile "
-                         "waits in a local backlog (senders of bursts wait on drained()).")
+    writable = Attribute("False while the medium's queue is full (a local backlog; wait on drained()).")
 
     def sendMessage(frames: list[bytes]) -> None:
-        """Send *frames*; while disconnected they wait (bounded) for the next
-        connectionMade; never dropped for a full queue (see ``writable``)."""
+        """Send *frames*; while disconnected they wait (bounded); never dropped for a full queue."""
 
     def drained():
         """A Deferred that fires once writable (at once if it is) or the pipe is dropped."""
@@ -83,19 +77,16 @@ class IDealerChannels(Interface):
 
 
 class IStreamDecoder(Interface):
-    """Turns the bytes of one stream connection into messages (no I/O).  With a
-    greeting (SP) it has ``handshaken``: until true a connecting side holds its output."""
+    """Turns a stream connection's bytes into messages (no I/O); with a greeting, ``handshaken``."""
 
     records = Attribute("Messages completed so far.")
     inRecord = Attribute("True while a message has begun and is not complete.")
     buffered = Attribute("Bytes held for the message in progress.")
     identity = Attribute("The identity the peer announced in its greeting, or None.")
-    channels = Attribute("True once the stream carries channels: each message is then a "
-                         "``(channel, frames)`` pair (docs/transports.md).")
+    channels = Attribute("True once each message is a ``(channel, frames)`` pair (docs/transports.md).")
 
     def feed(data: bytes) -> list[list[bytes]]:
-        """The messages completed by *data*; a :class:`~mdp.errors.ProtocolError`'s
-        ``decoded`` holds those before it."""
+        """The messages completed by *data*; a ``ProtocolError``'s ``decoded`` holds those before it."""
 
 
 class IFraming(Interface):
@@ -127,8 +118,7 @@ class IAdmission(Interface):
 
 
 class IAccess(Interface):
-    """Who may call and serve which services, by authenticated identity (``None``:
-    unauthenticated); see :class:`mdp.policy.AccessPolicy`."""
+    """Who may call and serve which services, by authenticated identity (None: unauthenticated)."""
 
     def mayCall(identity: Optional[str], service: bytes) -> bool:
         """May this peer call *service* (and learn of it through MMI)?"""

@@ -1,9 +1,6 @@
-"""What every pure state machine of the library shares.
-
-A machine knows no reactor, transport or Deferred: each ``handle*`` method
-takes an event and its time and returns the actions to do, in order.  A driver
-performs them; a test reads them back.
-"""
+"""What every pure state machine of the library shares.  A machine knows no reactor,
+transport or Deferred: each ``handle*`` method takes an event and its time and returns
+the actions to do, in order, for a driver to perform (or a test to read back)."""
 
 from __future__ import annotations
 
@@ -15,10 +12,12 @@ import attrs
 action_class = attrs.define(slots=True, weakref_slot=False)
 
 
-def action_type(module: str, name: str, *fields: str, frozen: bool = False) -> Any:
+def action_type(module: str, name: str, *fields: str, frozen: bool = False, **defaults: Any) -> Any:
     """An action (or, *frozen*, a hashable message) class of *module* with
-    *fields*, as :data:`action_class` makes one."""
-    kind = attrs.make_class(name, list(fields), slots=True, weakref_slot=False, frozen=frozen)
+    *fields*, then those with *defaults*, as :data:`action_class` makes one."""
+    made = {**{field: attrs.field() for field in fields},
+            **{field: attrs.field(default=value) for field, value in defaults.items()}}
+    kind = attrs.make_class(name, made, slots=True, weakref_slot=False, frozen=frozen)
     kind.__module__ = module
     return kind
 
@@ -32,16 +31,14 @@ class Machine:
     """The current event's time and the outbox of actions."""
 
     def __init__(self, now: float = 0.0) -> None:
-        #: the time of the event being handled (or the last one)
-        self.now = now
+        self.now = now  # the time of the event being handled (or the last one)
         self._outbox: list[Any] = []
 
     def _emit(self, action: Any) -> None:
         self._outbox.append(action)
 
     def actionsSoFar(self) -> list[Any]:
-        """An event's handler raised: the actions it decided before the error,
-        which its driver still performs."""
+        """After a handler raised: the actions it decided before, which its driver still performs."""
         return self._drain()
 
     def _drain(self) -> list[Any]:

@@ -1,27 +1,14 @@
-"""What every pattern agrees on about message bodies: frames from a caller's
-arguments, and error replies with their status codes.
-
-MDP/0.2 and Freelance have no error command: a failed request gets an
-ordinary reply of exactly three frames::
-
-    [ERROR_MARKER, status code (ASCII digits), UTF-8 message]
-
-The marker starts with a NUL byte, so it is no printable payload; our clients
-raise the :class:`~mdp.errors.RemoteError` subclass for the code.
-"""
+"""What every pattern agrees on about message bodies: frames from a caller's arguments,
+and error replies.  MDP/0.2 and Freelance have no error command: a failed request gets
+a reply of three frames, ``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]``
+(the marker starts with a NUL byte); our clients raise the :class:`~mdp.errors.RemoteError`
+subclass for the code."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from mdp.errors import (
-    Forbidden,
-    MessageTooLarge,
-    RemoteError,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    WorkerError,
-)
+from mdp import errors
 
 ERROR_MARKER = b"\x00MDP-ERROR"
 STATUS_WORKER_ERROR = b"500"
@@ -36,43 +23,38 @@ def text(name: bytes) -> str:
     return name.decode("utf-8", "backslashreplace")
 
 
-_ERRORS: dict[bytes, type[RemoteError]] = {
-    STATUS_WORKER_ERROR: WorkerError,
-    STATUS_UNAVAILABLE: ServiceUnavailable,
-    STATUS_OVERLOADED: ServiceOverloaded,
-    STATUS_TOO_LARGE: MessageTooLarge,
-    STATUS_FORBIDDEN: Forbidden,
-}
+_ERRORS: dict[bytes, type[errors.RemoteError]] = {
+    STATUS_WORKER_ERROR: errors.WorkerError, STATUS_UNAVAILABLE: errors.ServiceUnavailable,
+    STATUS_OVERLOADED: errors.ServiceOverloaded, STATUS_TOO_LARGE: errors.MessageTooLarge,
+    STATUS_FORBIDDEN: errors.Forbidden}
 
 Frame = Union[bytes, str]
 
 
 def error_body(code: bytes, message: str) -> list[bytes]:
-    """The reply body that signals an error."""
     return [ERROR_MARKER, code, message.encode("utf-8", "replace")]
 
 
 def parse_error_body(body: Sequence[bytes]) -> Optional[tuple[bytes, str]]:
-    """Return ``(code, message)`` if *body* is an error reply, else ``None``."""
+    """``(code, message)`` if *body* is an error reply, else ``None``."""
     if len(body) == 3 and body[0] == ERROR_MARKER:
         return bytes(body[1]), bytes(body[2]).decode("utf-8", "replace")
     return None
 
 
-def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[RemoteError]:
+def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[errors.RemoteError]:
     """The typed exception an error reply stands for, or ``None``."""
     parsed = parse_error_body(body)
     if parsed is None:
         return None
     code, message = parsed
-    return _ERRORS.get(code, RemoteError)(service, code, message)
+    return _ERRORS.get(code, errors.RemoteError)(service, code, message)
 
 
 def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:
     """Normalise request body frames (``str`` is UTF-8 encoded): ``TypeError``
     for another type, ``ValueError`` for none unless *empty*."""
-    body = [f if type(f) is bytes else as_frame(f, f"request frame {i}")
-            for i, f in enumerate(frames)]
+    body = [f if type(f) is bytes else as_frame(f, f"request frame {i}") for i, f in enumerate(frames)]
     if not body and not empty:
         raise ValueError("a request needs at least one body frame")
     return body
@@ -87,8 +69,7 @@ def bytes_frames(frames: Sequence[object]) -> list[bytes]:
 
 
 def as_frame(item: object, what: str) -> bytes:
-    """*item* as ``bytes`` (a ``str`` UTF-8 encoded): ``TypeError`` naming it
-    *what* for another type."""
+    """*item* as ``bytes`` (a ``str`` UTF-8 encoded): ``TypeError`` naming it *what* for another type."""
     if isinstance(item, str):
         try:
             return item.encode("utf-8")
@@ -99,11 +80,8 @@ def as_frame(item: object, what: str) -> bytes:
     raise TypeError(f"{what} is {type(item).__name__}, not bytes or str")
 
 
-# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's
-# peers behind relay hops, each known by one bytes key, as a routing id is
-
-#: how a relayed peer's key begins: no routing id libzmq makes (five bytes) or
-#: a peer may set (never a leading zero byte) does so
+# --- relayed peers (docs/mdp.md, "Relayed peers"): a ZeroMQ connection's peers behind relay hops,
+# each known by a key that begins as no routing id does (libzmq's are 5 bytes, a peer's not 0-led)
 RELAYED = b"\x00\x00\x00"
 
 
@@ -127,8 +105,7 @@ def routing_id(peer: bytes) -> bytes:
 
 
 def envelope(peer: bytes, frames: list[Any]) -> list[Any]:
-    """The message for *peer* as a ROUTER sends it: its routing id first, and
-    for a relayed peer its hop after."""
+    """The message for *peer* as a ROUTER sends it: its routing id, then a relayed peer's hop."""
     if len(peer) > 5 and peer[:3] == RELAYED:
         end = peer[3] + 4
         return [peer[4:end], peer[end:], *frames]

@@ -1,14 +1,12 @@
-"""Drive a node by a list of events (a message, a peer gone, a pipe up, time
-passing) and read back its actions; its transports are recording stand-ins
-on ``script:`` endpoints, its clock a :class:`~twisted.internet.task.Clock`::
+"""Drive a node by events (a message, a peer gone, a pipe up, time passing) and read back its
+actions; its transports are recorders on ``script:`` endpoints, its clock a ``task.Clock``::
 
     script = Script()
     broker = Broker(reactor=script.clock)
     broker.listen(script.endpoint("b"))
     actions = script.feed(Receive(b"C", [b"MDPC02", b"\\x01", b"echo", b"hi"]))
 
-A connecting node's pipes are named ``ENDPOINT#N`` (the Nth pipe to that endpoint).
-"""
+A connecting node's pipes are named ``ENDPOINT#N`` (the Nth pipe to that endpoint)."""
 
 from __future__ import annotations
 
@@ -23,14 +21,7 @@ from twisted.internet import defer, task
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp import transport
-from mdp.interfaces import (
-    IAuthenticatedRouter,
-    IDealerReceiver,
-    IDealerTransport,
-    IRouterReceiver,
-    IRouterTransport,
-)
+from mdp import interfaces, transport
 from mdp.policy import Limits
 from mdp.transport.registry import bad_endpoint
 
@@ -49,12 +40,9 @@ def _record(name: str, doc: str, /, **fields: Any) -> Any:
 Receive = _record("Receive", "A message arrives: from router peer *source* (bytes) or on pipe "
                   "*source* (a pipe name, or an endpoint for its latest pipe).",
                   source=Union[bytes, str], frames=Frames)
-Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.",
-                    pipe=str)
-Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.",
-               source=Union[bytes, str])
-Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.",
-                 seconds=float)
+Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.", pipe=str)
+Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.", source=Union[bytes, str])
+Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.", seconds=float)
 Event = Union[Receive, Connected, Lost, Elapse]
 
 Send = _record("Send", "The node sends *frames* to router peer *to* (bytes) or on pipe *to*.",
@@ -68,12 +56,10 @@ _scripts: weakref.WeakValueDictionary[str, Script] = weakref.WeakValueDictionary
 _ids = itertools.count(1)
 
 
-@implementer(IRouterTransport, IAuthenticatedRouter)
+@implementer(interfaces.IRouterTransport, interfaces.IAuthenticatedRouter)
 class _Router:
-    def __init__(self, script: Script, endpoint: str, receiver: IRouterReceiver) -> None:
-        self.script = script
-        self.endpoint = endpoint
-        self.receiver = receiver
+    def __init__(self, script: Script, endpoint: str, receiver: interfaces.IRouterReceiver) -> None:
+        self.script, self.endpoint, self.receiver = script, endpoint, receiver
 
     def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         self.script.actions.append(Send(peer, frames))
@@ -90,17 +76,14 @@ class _Router:
         return defer.succeed(None)
 
 
-@implementer(IDealerTransport)
+@implementer(interfaces.IDealerTransport)
 class _Pipe:
     writable = True
 
-    def __init__(self, script: Script, endpoint: str, name: str, receiver: IDealerReceiver) -> None:
-        self.script = script
-        self.endpoint = endpoint
-        self.name = name
-        self.receiver = receiver
-        self.connected = False
-        self.closed = False
+    def __init__(self, script: Script, endpoint: str, name: str,
+                 receiver: interfaces.IDealerReceiver) -> None:
+        self.script, self.endpoint, self.name, self.receiver = script, endpoint, name, receiver
+        self.connected = self.closed = False
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if not self.closed:
@@ -121,9 +104,8 @@ class _Pipe:
 
 
 class Script:
-    """A fake world for one node: a clock, recorded actions, scripted events.
-    With *autoConnect* pipes come up by themselves (as a ZeroMQ DEALER's do);
-    ``identities`` maps peer ids to their authenticated identity."""
+    """A fake world for one node: a clock, recorded actions, scripted events; with *autoConnect*
+    pipes come up by themselves; ``identities`` maps peer ids to authenticated identities."""
 
     def __init__(self, autoConnect: bool = False, start: float = 0.0) -> None:
         self.clock = task.Clock()
@@ -140,7 +122,7 @@ class Script:
         """An endpoint string of this script (``script:ID/NAME``)."""
         return f"script:{self.id}/{name}"
 
-    def _connect(self, endpoint: str, receiver: IDealerReceiver) -> _Pipe:
+    def _connect(self, endpoint: str, receiver: interfaces.IDealerReceiver) -> _Pipe:
         name = f"{endpoint}#{sum(pipe.endpoint == endpoint for pipe in self.pipes.values()) + 1}"
         pipe = self.pipes[name] = _Pipe(self, endpoint, name, receiver)
         self.actions.append(Open(pipe.name))
@@ -169,8 +151,7 @@ class Script:
         return next(iter(self.routers.values()))
 
     def feed(self, *events: Event, via: Optional[str] = None) -> list[Action]:
-        """Apply *events* in order; return the actions they caused.  *via*
-        picks the listening endpoint for router events when there are several."""
+        """Apply *events*; the actions they caused.  *via*: the listening endpoint of router events."""
         mark = len(self.actions)
         self.clock.advance(0)
         for event in events:
@@ -196,17 +177,13 @@ class Script:
     def elapse(self, seconds: float) -> None:
         """Let *seconds* pass, firing each timer at its own time."""
         end = self.clock.seconds() + seconds
-        while True:
-            wake = self.nextWake()
-            if wake is None or wake > end:
-                break
+        while (wake := self.nextWake()) is not None and wake <= end:
             self.clock.advance(max(wake - self.clock.seconds(), 0))
         self.clock.advance(max(end - self.clock.seconds(), 0))
 
     def nextWake(self) -> Optional[float]:
         """When the node next needs the clock (an absolute time), if ever."""
-        calls = self.clock.getDelayedCalls()
-        return min((c.getTime() for c in calls), default=None)
+        return min((call.getTime() for call in self.clock.getDelayedCalls()), default=None)
 
     def sent(self, actions: Optional[list[Action]] = None) -> list[Send]:
         """Only the :class:`Send` actions (of *actions*, or of all so far)."""
@@ -243,8 +220,7 @@ transport.register(transport.Scheme(
 
 def _key_and_certificate(common: str, organization: Optional[str] = None,
                          issuer: Optional[CertificateAuthority] = None) -> tuple[Any, Any]:
-    """A new key and its certificate for *common*, valid for 30 days: signed by
-    *issuer*, or else a self-signed authority's."""
+    """A new key and its certificate for *common*, valid 30 days, signed by *issuer* or itself."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -262,14 +238,12 @@ def _key_and_certificate(common: str, organization: Optional[str] = None,
                .not_valid_before(now - datetime.timedelta(days=1))
                .not_valid_after(now + datetime.timedelta(days=30)))
     if issuer is None:
-        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None),
-                                        critical=True)
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
     return key, builder.sign(key if issuer is None else issuer.key, hashes.SHA256())
 
 
 class CertificateAuthority:
-    """A TLS certificate authority for tests, writing PEM files into
-    *directory*.  Needs ``cryptography``."""
+    """A TLS certificate authority for tests, writing PEM files into *directory* (``cryptography``)."""
 
     def __init__(self, directory: Union[str, Path], name: str = "Test CA") -> None:
         from cryptography.hazmat.primitives.serialization import Encoding
@@ -286,8 +260,7 @@ class CertificateAuthority:
         return path
 
     def issue(self, file: str, common: str, organization: Optional[str] = None) -> tuple[Path, Path]:
-        """Issue a certificate for *common*; the paths of ``FILE.pem`` and
-        ``FILE-key.pem`` (``.key`` names CURVE public keys)."""
+        """Issue a certificate for *common*: the paths of ``FILE.pem`` and ``FILE-key.pem``."""
         from cryptography.hazmat.primitives import serialization
 
         key, certificate = _key_and_certificate(common, organization, self)

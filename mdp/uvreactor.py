@@ -1,15 +1,8 @@
-"""Twisted's asyncio reactor over a uvloop event loop: what ``twist mdp-broker``
-(and the other plugins), the ``mdp`` command and :func:`react` run on when no
-reactor is installed yet and uvloop imports (txmajordomo installs it, except on
-Windows and PyPy: there, Twisted's default).  Every node runs on any reactor.
-A program of its own installs it before anything imports
-``twisted.internet.reactor``, or runs its main in :func:`react`::
-
-    from mdp import uvreactor
-    uvreactor.install()
-
-``twist --reactor=epoll`` (or ``--reactor=default``) opts out.
-"""
+"""Twisted's asyncio reactor over a uvloop event loop: what the ``twist`` plugins, the
+``mdp`` command and :func:`react` run on when no reactor is installed yet and uvloop
+imports (else Twisted's default).  A program installs it (``uvreactor.install()``)
+before anything imports ``twisted.internet.reactor``, or runs its main in
+:func:`react`; ``twist --reactor=epoll`` (or ``default``) opts out."""
 
 from __future__ import annotations
 
@@ -35,10 +28,9 @@ def new_loop() -> Any:
 
 
 def reactor_class() -> type:
-    """:class:`twisted.internet.asyncioreactor.AsyncioSelectorReactor` with timer
-    waits rounded up to whole milliseconds (uvloop rounds to the nearest: a timer
-    would fire early and spin), and readers called without a legacy log context
-    where they need none (:func:`_needsLogContext`)."""
+    """Twisted's ``AsyncioSelectorReactor`` with timer waits rounded up to whole milliseconds
+    (uvloop rounds to the nearest: a timer would fire early and spin), and readers called
+    without a legacy log context where they need none."""
     from mdp.transport.twisted_private import uvloop_reactor_class
 
     return uvloop_reactor_class(_needsLogContext)
@@ -53,9 +45,8 @@ def _needsLogContext(reader: Any) -> bool:
 
 
 def install() -> Any:
-    """Install :func:`reactor_class` over a new uvloop loop (the thread's
-    current one) and return the reactor.  Raises :class:`UVLoopMissing` or
-    ``ReactorAlreadyInstalledError``, installing nothing."""
+    """Install :func:`reactor_class` over a new uvloop loop (the thread's current one) and
+    return it; :class:`UVLoopMissing` or ``ReactorAlreadyInstalledError``, installing nothing."""
     import asyncio
 
     if "twisted.internet.reactor" in sys.modules:
@@ -92,9 +83,8 @@ def install_default() -> Any:
 
 
 def react(main: Callable[..., Any], argv: Sequence[Any] = ()) -> NoReturn:
-    """:func:`twisted.internet.task.react` on :func:`install_default`'s reactor:
-    run ``main(reactor, *argv)`` (a Deferred or a coroutine) until it is done,
-    then exit (status 0, 1 on a failure, a ``SystemExit``'s own code)."""
+    """``task.react`` on :func:`install_default`'s reactor: ``main(reactor, *argv)`` (a Deferred
+    or a coroutine) runs until done, then exit (0, 1 on a failure, a ``SystemExit``'s code)."""
     from twisted.internet import defer, task
 
     install_default()

@@ -1,9 +1,7 @@
-"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the 22-byte UDP
-beacon (docs/harmony.md, "The wire").
+"""ZRE v2 (ZeroMQ RFC 36), byte for byte: the peer messages and the 22-byte UDP beacon
+(docs/harmony.md, "The wire").  Strings that are not valid UTF-8 are read with U+FFFD for
+the bad bytes: zeromq-pyre cuts a non-ASCII string to its length in characters."""
 
-Strings that are not valid UTF-8 are read with U+FFFD for the bad bytes:
-zeromq-pyre cuts a non-ASCII string to its length in characters.
-"""
 
 from __future__ import annotations
 
@@ -14,23 +12,16 @@ from uuid import UUID
 import attrs
 
 from mdp.errors import ProtocolError
+from mdp.machine import action_type
 
 SIGNATURE = 0xAAA1
 VERSION = 2
 
-HELLO = 1
-WHISPER = 2
-SHOUT = 3
-JOIN = 4
-LEAVE = 5
-PING = 6
-PING_OK = 7
-
+HELLO, WHISPER, SHOUT, JOIN, LEAVE, PING, PING_OK = range(1, 8)
 COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LEAVE: "LEAVE",
             PING: "PING", PING_OK: "PING-OK"}
 
-#: A sender counts 1, 2, ... 65534, then 0 again (as zeromq-pyre does).
-SEQUENCE_MODULUS = 65535
+SEQUENCE_MODULUS = 65535  # a sender counts 1, 2, ... 65534, then 0 again (as zeromq-pyre does)
 
 #: The most groups a peer may be in, and headers it may send: each costs far more than its bytes.
 DEFAULT_MAX_GROUPS = 1024
@@ -49,61 +40,21 @@ class UnknownCommand(MalformedZre):
     """A well-formed header with a message id ZRE v2 does not have."""
 
 
-@attrs.frozen
-class Hello:
-    """Greets a peer so it connects back to us: the Harmony pattern's OHAI."""
-
-    sequence: int
-    endpoint: str
-    groups: tuple[str, ...]
-    status: int
-    name: str
-    headers: Mapping[str, str] = attrs.field(factory=dict)
-    id = HELLO
+def _message(id: int, name: str, *fields: str, **defaults: Any) -> Any:
+    """A frozen message class: *sequence*, then *fields*; ``id`` is its message id."""
+    kind = action_type(__name__, name, "sequence", *fields, frozen=True, **defaults)
+    kind.id = id
+    return kind
 
 
-@attrs.frozen
-class Whisper:
-    sequence: int
-    content: tuple[bytes, ...] = ()
-    id = WHISPER
-
-
-@attrs.frozen
-class Shout:
-    sequence: int
-    group: str
-    content: tuple[bytes, ...] = ()
-    id = SHOUT
-
-
-@attrs.frozen
-class Join:
-    sequence: int
-    group: str
-    status: int
-    id = JOIN
-
-
-@attrs.frozen
-class Leave:
-    sequence: int
-    group: str
-    status: int
-    id = LEAVE
-
-
-@attrs.frozen
-class Ping:
-    sequence: int
-    id = PING
-
-
-@attrs.frozen
-class PingOk:
-    sequence: int
-    id = PING_OK
-
+#: greets a peer so it connects back to us: the Harmony pattern's OHAI
+Hello = _message(HELLO, "Hello", "endpoint", "groups", "status", "name", headers=attrs.Factory(dict))
+Whisper = _message(WHISPER, "Whisper", content=())
+Shout = _message(SHOUT, "Shout", "group", content=())
+Join = _message(JOIN, "Join", "group", "status")
+Leave = _message(LEAVE, "Leave", "group", "status")
+Ping = _message(PING, "Ping")
+PingOk = _message(PING_OK, "PingOk")
 
 Message = Union[Hello, Whisper, Shout, Join, Leave, Ping, PingOk]
 
@@ -148,8 +99,7 @@ def _headers(headers: Mapping[str, str], what: str) -> bytes:
         _string(key, "header name") + _long_string(value) for key, value in headers.items())
 
 
-#: how each field is written, and the reader's method for it; a message's fields are on the wire
-#: in its class's order, after the sequence (``content`` goes in the frames after the first)
+#: how each field is written and read; on the wire in the class's order (``content``: in later frames)
 _FIELDS: dict[str, tuple[Callable[[Any, str], bytes], str]] = {
     "endpoint": (_string, "string"), "name": (_string, "string"), "group": (_string, "string"),
     "groups": (_groups, "groups"), "headers": (_headers, "headers"),
@@ -160,18 +110,16 @@ _MESSAGES = {kind.id: (kind, [f.name for f in attrs.fields(kind)[1:] if f.name !
 
 def encode(message: Message) -> list[bytes]:
     """The frames of *message*: the ZRE frame, then any content frames."""
-    parts = [_HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)]
-    for name in _MESSAGES[message.id][1]:
-        parts.append(_FIELDS[name][0](getattr(message, name), name))
-    return [b"".join(parts), *getattr(message, "content", ())]
+    parts = [_FIELDS[name][0](getattr(message, name), name) for name in _MESSAGES[message.id][1]]
+    header = _HEADER.pack(SIGNATURE, message.id, VERSION, message.sequence & 0xFFFF)
+    return [b"".join([header, *parts]), *getattr(message, "content", ())]
 
 
 class _Reader:
     """Reads the fields of one frame, in order."""
 
     def __init__(self, data: bytes, maxGroups: int, maxHeaders: int) -> None:
-        self.data = data
-        self.at = 0
+        self.data, self.at = data, 0
         self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
 
     def take(self, size: int, what: str) -> bytes:
@@ -179,8 +127,7 @@ class _Reader:
         if end > len(self.data):
             raise MalformedZre(f"{what} runs past the end of the frame "
                                f"({size} bytes at offset {self.at} of {len(self.data)})")
-        chunk = self.data[self.at:end]
-        self.at = end
+        chunk, self.at = self.data[self.at:end], end
         return chunk
 
     def u8(self, what: str) -> int:
@@ -189,15 +136,12 @@ class _Reader:
     def uint(self, size: int, what: str) -> int:
         return int.from_bytes(self.take(size, what), "big")
 
-    def string(self, what: str) -> str:
-        return self.take(self.u8(what), what).decode("utf-8", "replace")
-
-    def long_string(self, what: str) -> str:
-        return self.take(self.uint(4, what), what).decode("utf-8", "replace")
+    def string(self, what: str, size: int = 1) -> str:
+        """A string after its length in *size* bytes (4: a long string)."""
+        return self.take(self.uint(size, what), what).decode("utf-8", "replace")
 
     def count(self, what: str, smallest: int, most: int) -> int:
-        """A u32 count of items of at least *smallest* bytes, checked against what
-        is left and against *most*."""
+        """A u32 count of items of at least *smallest* bytes, checked against what is left and *most*."""
         number = self.uint(4, what)
         if number * smallest > len(self.data) - self.at:
             raise MalformedZre(f"{what}: {number} items cannot fit in the "
@@ -207,10 +151,10 @@ class _Reader:
         return number
 
     def groups(self, what: str) -> tuple[str, ...]:
-        return tuple(self.long_string("group") for _ in range(self.count(what, 4, self.maxGroups)))
+        return tuple(self.string("group", 4) for _ in range(self.count(what, 4, self.maxGroups)))
 
     def headers(self, what: str) -> dict[str, str]:
-        return {self.string("header name"): self.long_string("header value")
+        return {self.string("header name"): self.string("header value", 4)
                 for _ in range(self.count(what, 5, self.maxHeaders))}
 
     def done(self) -> None:
@@ -220,8 +164,8 @@ class _Reader:
 
 def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
            maxHeaders: int = DEFAULT_MAX_HEADERS) -> Message:
-    """The message in *frames* (after the identity); :class:`MalformedZre` for anything
-    else, or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
+    """The message in *frames* (after the identity); :class:`MalformedZre` for anything else,
+    or a HELLO with more than *maxGroups* groups or *maxHeaders* headers."""
     if not frames:
         raise MalformedZre("no frames")
     reader = _Reader(bytes(frames[0]), maxGroups, maxHeaders)
@@ -236,8 +180,7 @@ def decode(frames: Sequence[bytes], *, maxGroups: int = DEFAULT_MAX_GROUPS,
         raise UnknownCommand(f"message id {command} is not a ZRE v2 command")
     kind, names = _MESSAGES[command]
     fields: dict[str, Any] = {"sequence": reader.uint(2, "sequence")}
-    for name in names:
-        fields[name] = getattr(reader, _FIELDS[name][1])(name)
+    fields.update((name, getattr(reader, _FIELDS[name][1])(name)) for name in names)
     reader.done()
     content = tuple(bytes(f) for f in frames[1:])
     if command in (WHISPER, SHOUT):

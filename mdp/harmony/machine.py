@@ -2,40 +2,15 @@
 
 A *link* is one outgoing DEALER (identity ``0x01`` + our UUID) to one peer's
 ROUTER; everything a peer says arrives on our one ROUTER, tagged with its identity.
-docs/harmony.md says in full what drops a peer and how dials back off.
-
-==========================  ================================================================
-event                       what happens
-==========================  ================================================================
-beacon (uuid, endpoint)     a new *stranger* (at most *maxStrangers*, the oldest goes, each
-                            till *helloWait* after its beacon): a link there, HELLO first,
-                            unless a link goes there already or the table is full (first its
-                            stranger elsewhere goes, an evasive peer there EXITs); a peer:
-                            refreshed; port 0: EXIT
-dial(endpoint)              a link to a listed endpoint, HELLO first, dialled again with
-                            back-off until a HELLO names that endpoint
-HELLO from a new peer       a peer (at most *maxPeers*; beyond, its stranger goes) on its dial's
-                            link, or its stranger's if that has its UUID and endpoint and our
-                            HELLO went within *helloWait*, else a new link there and our HELLO
-                            (a peer known there restarted: EXIT);
-                            ENTER, a JOIN per group
-HELLO from a known peer     it restarted: EXIT, then as a new peer; but within *evasive*,
-                            from the endpoint known, it is its new link to us: its sequence
-                            and groups start again; our HELLO goes back, once an *evasive*
-other message, no HELLO     dropped
-sequence gap, unknown or    the peer is dropped (EXIT), as its sequence is lost
-malformed
-WHISPER, SHOUT              an event to the application
-JOIN, LEAVE                 the peer's group set and status (+1) change; an event
-PING                        PING-OK back
-any message or beacon       the peer is alive: its evasive and expiry times move on
-tick                        silent past *evasive*: PING it and one EVASIVE event;
-                            silent past *expired*: EXIT
-==========================  ================================================================
+A beacon from an unknown UUID makes a *stranger* (our HELLO sent, its HELLO awaited
+for *helloWait*); a HELLO makes a peer (ENTER); a sequence gap, an unknown or a
+malformed message, or silence past *expired* drops it (EXIT); silence past *evasive*
+PINGs it.  docs/harmony.md says in full what drops a peer and how dials back off.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from uuid import UUID
@@ -44,38 +19,26 @@ import attrs
 
 from mdp.harmony import codec
 from mdp.harmony.codec import MalformedZre, UnknownCommand
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 
-#: Silence (seconds) after which a peer is PINGed and reported EVASIVE.
-DEFAULT_EVASIVE = 5.0
-#: Silence (seconds) after which a peer is dropped (EXIT).
-DEFAULT_EXPIRED = 30.0
-#: Peers a node keeps that have said HELLO; HELLOs beyond are ignored.
-DEFAULT_MAX_PEERS = 1000
-#: Strangers (peers heard only by their beacons, our HELLO sent) a node keeps; beyond, the oldest goes.
-DEFAULT_MAX_STRANGERS = 64
-#: Seconds a stranger has, after its last beacon, to say HELLO before it is forgotten.
-DEFAULT_HELLO_WAIT = 3.0
+DEFAULT_EVASIVE = 5.0  # seconds of silence: the peer is PINGed and reported EVASIVE
+DEFAULT_EXPIRED = 30.0  # seconds of silence: the peer is dropped (EXIT)
+DEFAULT_MAX_PEERS = 1000  # peers that said HELLO; HELLOs beyond are ignored
+DEFAULT_MAX_STRANGERS = 64  # peers heard only by their beacons (our HELLO sent); beyond, the oldest goes
+DEFAULT_HELLO_WAIT = 3.0  # seconds a stranger has, after its last beacon, to say HELLO
 #: Redials back off up to this many times *expired*: each new HELLO looks like our restart.
 DIAL_BACKOFF_LIMIT = 8
 
 IDENTITY_PREFIX = b"\x01"
 
-ENTER = "ENTER"
-EXIT = "EXIT"
-JOIN = "JOIN"
-LEAVE = "LEAVE"
-WHISPER = "WHISPER"
-SHOUT = "SHOUT"
-EVASIVE = "EVASIVE"
-EVENTS = (ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE)
+EVENTS = ("ENTER", "EXIT", "JOIN", "LEAVE", "WHISPER", "SHOUT", "EVASIVE")
+ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE = EVENTS
 
 
 @attrs.frozen
 class Event:
-    """What the application hears about a peer: *kind* is one of :data:`EVENTS`; *group*
-    is set for JOIN, LEAVE, SHOUT, *frames* for WHISPER, SHOUT, *headers* and *endpoint*
-    for ENTER."""
+    """What the application hears of a peer: *kind* is one of :data:`EVENTS`; *group* is set
+    for JOIN, LEAVE, SHOUT, *frames* for WHISPER, SHOUT, *headers* and *endpoint* for ENTER."""
 
     kind: str
     peer: UUID
@@ -86,37 +49,12 @@ class Event:
     endpoint: str = ""
 
 
-@action_class
-class OpenLink:
-    """Connect a new link to the ZRE *endpoint*, with our identity."""
-
-    link: int
-    endpoint: str
-
-
-@action_class
-class CloseLink:
-    link: int
-
-
-@action_class
-class SendOn:
-    link: int
-    frames: list
-
-
-@action_class
-class Emit:
-    event: Event
-
-
-@action_class
-class Notice:
-    """Something the driver logs, throttled by *topic* (None: not throttled)."""
-
-    topic: Optional[str]
-    text: str
-    level: str = "warn"
+_action = functools.partial(action_type, __name__)
+OpenLink = _action("OpenLink", "link", "endpoint")  # a new link to the ZRE *endpoint*, with our identity
+CloseLink = _action("CloseLink", "link")
+SendOn = _action("SendOn", "link", "frames")
+Emit = _action("Emit", "event")
+Notice = _action("Notice", "topic", "text", level="warn")  # for the log, throttled by *topic* (or None)
 
 
 class UnknownPeer(KeyError):
@@ -161,8 +99,7 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
-    #: when it said HELLO; for a stranger, when ours went
-    helloAt: float = 0.0
+    helloAt: float = 0.0  # when it said HELLO; for a stranger, when ours went
     answeredAt: float = float("-inf")
 
 
@@ -173,26 +110,21 @@ class _Dial:
     link: int
     endpoint: str
     sent: int
-    #: when the HELLO went
-    since: float = 0.0
+    since: float = 0.0  # when the HELLO went
     failed: bool = False
-    #: unanswered dials before this one
-    tries: int = 0
+    tries: int = 0  # unanswered dials before this one
 
 
 class HarmonyMachine(Machine):
-    """One ZRE node: its peers, their groups, ours, and the sequence numbers.
-
-    *reachable(endpoint)* says why a peer's endpoint cannot be dialled (None if it can):
-    such a peer is ignored."""
+    """One ZRE node: its peers, their groups, ours, and the sequence numbers; *reachable(endpoint)*
+    says why a peer's endpoint cannot be dialled (None if it can): such a peer is ignored."""
 
     def __init__(self, uuid: UUID, name: str, *, headers: Optional[Mapping[str, str]] = None,
                  evasive: float = DEFAULT_EVASIVE, expired: float = DEFAULT_EXPIRED,
                  maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS,
-                 maxStrangers: int = DEFAULT_MAX_STRANGERS, helloWait: float = DEFAULT_HELLO_WAIT,
-                 reachable: Callable[[str], Optional[str]] = lambda endpoint: None,
-                 now: float = 0.0) -> None:
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = DEFAULT_MAX_STRANGERS,
+                 helloWait: float = DEFAULT_HELLO_WAIT,
+                 reachable: Callable[[str], Optional[str]] = lambda endpoint: None, now: float = 0.0) -> None:
         super().__init__(now)
         if not (0 < evasive < expired and maxStrangers >= 1 and helloWait > 0):
             raise ValueError(f"need 0 < evasive < expired, maxStrangers >= 1 and helloWait > 0, got evasive="
@@ -208,24 +140,17 @@ class HarmonyMachine(Machine):
         self.maxPeers, self.maxStrangers = maxPeers, maxStrangers
         self.maxGroups, self.maxHeaders = maxGroups, maxHeaders
         if len(self.headers) > maxHeaders:
-            raise ValueError(f"{len(self.headers)} headers, more than peers take "
-                             f"(maxHeaders {maxHeaders})")
-        self.reachable = reachable
-        self.endpoint = ""
-        self.status = 0
+            raise ValueError(f"{len(self.headers)} headers, more than peers take (maxHeaders {maxHeaders})")
+        self.reachable, self.endpoint, self.running = reachable, "", False
+        self.status = self._links = 0
         self.ownGroups: dict[str, None] = {}
-        #: the peers that have said HELLO, and the endpoint key of each
+        #: the peers that said HELLO, those heard only by beacons (oldest first), each by endpoint key
         self.peers: dict[UUID, Peer] = {}
         self._peerAt: dict[str, UUID] = {}
-        #: peers heard only by their beacons, oldest first, and the endpoint key of each
         self.strangers: dict[UUID, Peer] = {}
         self._strangerAt: dict[str, UUID] = {}
-        #: links to listed endpoints not yet known as a peer, by endpoint
-        self.dials: dict[str, _Dial] = {}
-        #: endpoints dialled again when the peer there goes
-        self.listed: list[str] = []
-        self._links = 0
-        self.running = False
+        self.dials: dict[str, _Dial] = {}  # links to listed endpoints not yet known as a peer
+        self.listed: list[str] = []  # endpoints dialled again when the peer there goes
 
     def handleStart(self, endpoint: str, now: float) -> list[Any]:
         self.now, self.endpoint, self.running = now, endpoint, True
@@ -407,19 +332,16 @@ class HarmonyMachine(Machine):
             if peer is not None:
                 self._remove(peer, "its HELLO was out of sequence")
             return None
-        if peer is not None and self._saidAgain(peer, hello):
+        if peer is not None and self.now - peer.helloAt < self.evasive and same_endpoint(
+                hello.endpoint, peer.endpoint):  # its new link to us, in the same run
             self._helloAgain(peer, hello)
             return None
         if peer is not None:
             self._remove(peer, "it said HELLO again (restarted)")
         return self._admit(uuid, hello.endpoint)
 
-    def _saidAgain(self, peer: Peer, hello: codec.Hello) -> bool:
-        """Whether *hello* is the peer's HELLO again in the same run (see the table)."""
-        return (self.now - peer.helloAt < self.evasive
-                and same_endpoint(hello.endpoint, peer.endpoint))
-
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
+        """Its sequence and groups start again; our HELLO goes back, once an *evasive*."""
         peer.received = 1
         peer.helloAt = self.now
         self._takeHello(peer, hello)
@@ -431,8 +353,7 @@ class HarmonyMachine(Machine):
 
     def _inSequence(self, peer: Peer, message: codec.Message) -> bool:
         """A HELLO is numbered 1 (:meth:`_greeted` checked it); the rest follow on."""
-        if not (isinstance(message, codec.Hello)
-                or codec.next_sequence_ok(peer.received, message.sequence)):
+        if not (isinstance(message, codec.Hello) or codec.next_sequence_ok(peer.received, message.sequence)):
             self._emit(Notice(None, f"messages lost from {self._who(peer.uuid, peer)}: "
                                     f"{codec.COMMANDS[message.id]} numbered {message.sequence} "
                                     f"after {peer.received}; dropping the peer"))
@@ -625,6 +546,5 @@ class HarmonyMachine(Machine):
 
     @staticmethod
     def _who(uuid: UUID, peer: Optional[Peer]) -> str:
-        if peer is None:
-            return f"unknown peer {uuid}"
-        return f"{peer.name or 'peer'} ({uuid}) at {peer.endpoint}"
+        return (f"unknown peer {uuid}" if peer is None
+                else f"{peer.name or 'peer'} ({uuid}) at {peer.endpoint}")

@@ -1,6 +1,5 @@
 """The Twisted driver of a Harmony (ZRE) node: :class:`Node` owns one bound ROUTER, one
-DEALER per peer, a tick and a discovery (UDP beacons, or a list of endpoints).
-"""
+DEALER per peer, a tick and a discovery (UDP beacons, or a list of endpoints)."""
 
 from __future__ import annotations
 
@@ -16,40 +15,17 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from mdp import interfaces
 from mdp.errors import TransportError
 from mdp.harmony import codec
-from mdp.harmony.machine import (
-    DEFAULT_EVASIVE,
-    DEFAULT_EXPIRED,
-    DEFAULT_HELLO_WAIT,
-    DEFAULT_MAX_PEERS,
-    DEFAULT_MAX_STRANGERS,
-    CloseLink,
-    Emit,
-    Event,
-    HarmonyMachine,
-    Notice,
-    OpenLink,
-    SendOn,
-    UnknownPeer,
-    identity_of,
-)
-from mdp.interfaces import (
-    IDatagramReceiver,
-    IDatagramTransport,
-    IDealerReceiver,
-    IDiscovery,
-    IDiscoveryListener,
-    IRouterReceiver,
-)
+from mdp.harmony import machine as zre
+from mdp.harmony.machine import Event, HarmonyMachine, UnknownPeer
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, LogThrottle, default_reactor
 from mdp.transport import check, connect, datagram, listen
 
 log = Logger()
-
-#: Seconds between beacons, and between checks of the peers' silence.
-DEFAULT_INTERVAL = 1.0
+DEFAULT_INTERVAL = 1.0  # seconds between beacons, and between checks of the peers' silence
 
 
 def wire_endpoint(endpoint: str) -> str:
@@ -64,27 +40,24 @@ def transport_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-@implementer(IDiscovery, IDatagramReceiver)
+@implementer(interfaces.IDiscovery, interfaces.IDatagramReceiver)
 class BeaconDiscovery:
-    """ZRE's UDP beacons, every *interval* seconds, to the datagram *endpoint*
-    (:mod:`mdp.transport.datagram`)."""
+    """ZRE's UDP beacons, every *interval* seconds, to the datagram *endpoint* (mdp.transport.datagram)."""
 
     def __init__(self, endpoint: str = f"udp:{codec.DISCOVERY_PORT}", *,
                  interval: float = DEFAULT_INTERVAL, reactor: Optional[Any] = None) -> None:
         self.spec = datagram.resolve(endpoint)
-        self.endpoint = endpoint
-        self.host = self.spec.host
-        self.interval = interval
+        self.endpoint, self.host, self.interval = endpoint, self.spec.host, interval
         self.reactor = default_reactor(reactor)
         self.throttle = LogThrottle(self.reactor, interval=10.0)
-        self.socket: Optional[IDatagramTransport] = None
-        self.listener: Optional[IDiscoveryListener] = None
+        self.socket: Optional[interfaces.IDatagramTransport] = None
+        self.listener: Optional[interfaces.IDiscoveryListener] = None
         self.beacon = b""
         self.uuid: Optional[UUID] = None
         self.loop: Optional[task.LoopingCall] = None
 
     @defer.inlineCallbacks
-    def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> Any:
+    def start(self, listener: interfaces.IDiscoveryListener, uuid: UUID, port: int) -> Any:
         self.listener, self.uuid = listener, uuid
         self.beacon = codec.encode_beacon(uuid, port)
         self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
@@ -102,8 +75,7 @@ class BeaconDiscovery:
         try:
             uuid, port = codec.decode_beacon(data)
         except codec.MalformedZre as e:
-            self.throttle.warn(log, "beacon", "ignoring a beacon from {host}: {reason}",
-                               host=host, reason=e)
+            self.throttle.warn(log, "beacon", "ignoring a beacon from {host}: {reason}", host=host, reason=e)
             return
         if uuid != self.uuid:
             self.listener.beaconReceived(uuid, host, port)
@@ -120,23 +92,21 @@ class BeaconDiscovery:
         self.listener = None
 
 
-@implementer(IDiscovery)
+@implementer(interfaces.IDiscovery)
 class EndpointDiscovery:
-    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), and again whenever
-    the peer there goes.  *host* is the address our ROUTER binds to and announces."""
+    """No beacons: dial each of *endpoints* (``tcp://HOST:PORT``), again whenever the peer
+    there goes.  *host* is the address our ROUTER binds to and announces."""
 
-    def __init__(self, endpoints: Union[str, Iterable[str]] = (), *,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(self, endpoints: Union[str, Iterable[str]] = (), *, host: str = "127.0.0.1") -> None:
         listed = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         for endpoint in listed:
             if not isinstance(endpoint, str):
-                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}: "
-                                f"{endpoint!r}")
+                raise TypeError(f"an endpoint is a str, not {type(endpoint).__name__}: {endpoint!r}")
             check(transport_endpoint(endpoint))
         self.endpoints = [wire_endpoint(e) for e in listed]
         self.host = host
 
-    def start(self, listener: IDiscoveryListener, uuid: UUID, port: int) -> defer.Deferred[None]:
+    def start(self, listener: interfaces.IDiscoveryListener, uuid: UUID, port: int) -> defer.Deferred[None]:
         for endpoint in self.endpoints:
             listener.dialPeer(endpoint)
         return defer.succeed(None)
@@ -149,8 +119,7 @@ class EventStream:
     """The node's events, for ``async for``: at most *size* unread (beyond, the oldest go)."""
 
     def __init__(self, node: Node, size: int = 10_000) -> None:
-        self.node = node
-        self.size = size
+        self.node, self.size = node, size
         self.queue: deque[Event] = deque(maxlen=size)
         self.waiting: Optional[defer.Deferred[Event]] = None
         self.ended = False
@@ -196,7 +165,7 @@ class EventStream:
         return defer.succeed(None)
 
 
-@implementer(IRouterReceiver)
+@implementer(interfaces.IRouterReceiver)
 class _Inbox:
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -208,7 +177,7 @@ class _Inbox:
         """ZRE knows peers by their messages."""
 
 
-@implementer(IDealerReceiver)
+@implementer(interfaces.IDealerReceiver)
 class _Link:
     """The receiving side of a link: a ZRE peer never answers on it."""
 
@@ -225,22 +194,19 @@ class _Link:
 _loopbackPorts = itertools.count(49152)
 
 
-@implementer(IDiscoveryListener)
+@implementer(interfaces.IDiscoveryListener)
 class Node:
-    """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).
-
-    *endpoint* is where our ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the
-    discovery's).  A peer silent for *evasive* seconds is PINGed, for *expired*
-    dropped; one heard only by its beacons waits for its HELLO apart (*maxStrangers*,
-    *helloWait*).  Events go to :meth:`subscribe` callbacks and ``async for event in node``."""
+    """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).  *endpoint* is where our
+    ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's).  Events go to
+    :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
-                 headers: Optional[dict[str, str]] = None, discovery: Optional[IDiscovery] = None,
-                 endpoint: Optional[str] = None, evasive: float = DEFAULT_EVASIVE,
-                 expired: float = DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
-                 maxPeers: int = DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = DEFAULT_MAX_STRANGERS,
-                 helloWait: float = DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
+                 headers: Optional[dict[str, str]] = None, discovery: Optional[interfaces.IDiscovery] = None,
+                 endpoint: Optional[str] = None, evasive: float = zre.DEFAULT_EVASIVE,
+                 expired: float = zre.DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
+                 maxPeers: int = zre.DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
+                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = zre.DEFAULT_MAX_STRANGERS,
+                 helloWait: float = zre.DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
         self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
@@ -248,7 +214,7 @@ class Node:
                                       maxStrangers=maxStrangers, helloWait=helloWait,
                                       reachable=self._unreachable, now=self._now())
         self.name = name
-        self.discovery: IDiscovery = (discovery if discovery is not None
+        self.discovery: interfaces.IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))
         self.bindEndpoint = endpoint or f"zmq:tcp://{self.discovery.host}:*"
         if not self.bindEndpoint.startswith(("zmq:tcp://", "loopback:")):
@@ -256,27 +222,20 @@ class Node:
                                  "zmq:tcp://HOST:PORT (or *) or loopback:HOST:PORT (or *)")
         if not self.bindEndpoint.endswith(":*"):
             check(self.bindEndpoint, "listen")
-        self.interval = interval
-        self.limits = limits
+        self.interval, self.limits = interval, limits
         self.throttle = LogThrottle(self.reactor)
         self.router: Any = None
         self.links: dict[int, Any] = {}
-        self.endpoint = ""
-        self.port = 0
+        self.endpoint, self.port = "", 0
         self._subscribers: list[Callable[[Event], Any]] = []
-        #: weak: a reader that breaks out of ``async for`` goes
-        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
-        #: start() and stop() one at a time: a start right after a stop waits
-        self._transition = defer.DeferredLock()
+        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()  # a reader may break out
+        self._transition = defer.DeferredLock()  # start() and stop() one at a time
         #: batches of actions, and events, each with its run (a stop ends a run)
         self._batches: deque[tuple[int, list[Any]]] = deque()
         self._pending: deque[tuple[int, Event]] = deque()
-        self._performing = False
-        self._delivering = False
+        self._performing = self._delivering = self._stopped = self.running = False
         self._generation = 0
-        self._stopped = False
         self._tick: Optional[task.LoopingCall] = None
-        self.running = False
 
     def _now(self) -> float:
         return self.reactor.seconds()
@@ -286,8 +245,7 @@ class Node:
         return self._transition.run(self._start)
 
     def stop(self) -> defer.Deferred[None]:
-        """Say we are leaving, close everything and end the event streams; from the
-        call on, no event is told and nothing more is sent."""
+        """Say we are leaving, close everything, end the event streams; no event or message after."""
         return self._transition.run(self._stop)
 
     @defer.inlineCallbacks
@@ -405,8 +363,7 @@ class Node:
         return list(self.machine.ownGroups)
 
     def _perform(self, actions: list[Any]) -> None:
-        """Perform a batch of *actions*, then deliver its events.  Batches that come
-        meanwhile wait their turn, so what is sent keeps the order ZRE numbers it in."""
+        """Perform *actions*, then deliver their events; batches meanwhile wait (ZRE's order)."""
         self._batches.append((self._generation, actions))
         if self._performing:
             return
@@ -445,34 +402,32 @@ class Node:
             return f"is not usable: {e}"
         return None
 
-    def _sendOn(self, action: SendOn, generation: int, live: bool) -> None:
+    def _sendOn(self, action: zre.SendOn, generation: int, live: bool) -> None:
         link = self.links.get(action.link) if live else None
         if link is not None:
             link.sendMessage(action.frames)
 
-    def _emitEvent(self, action: Emit, generation: int, live: bool) -> None:
+    def _emitEvent(self, action: zre.Emit, generation: int, live: bool) -> None:
         if live:
             self._pending.append((generation, action.event))
 
-    def _openLink(self, action: OpenLink, generation: int, live: bool) -> None:
+    def _openLink(self, action: zre.OpenLink, generation: int, live: bool) -> None:
         if not live:
             return
         try:
             self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
-                                              limits=self.limits, identity=identity_of(self.uuid))
+                                              limits=self.limits, identity=zre.identity_of(self.uuid))
         except (TransportError, ValueError) as e:
-            self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at "
-                               "{endpoint}: {error}", name=self.name,
-                               endpoint=action.endpoint, error=e)
-            self._batches.append((generation, self.machine.handleLinkFailed(action.link,
-                                                                            self._now())))
+            self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at {endpoint}: {error}",
+                               name=self.name, endpoint=action.endpoint, error=e)
+            self._batches.append((generation, self.machine.handleLinkFailed(action.link, self._now())))
 
-    def _closeLink(self, action: CloseLink, generation: int, live: bool) -> None:
+    def _closeLink(self, action: zre.CloseLink, generation: int, live: bool) -> None:
         link = self.links.pop(action.link, None)
         if link is not None:
             link.close()
 
-    def _notice(self, action: Notice, generation: int, live: bool) -> None:
+    def _notice(self, action: zre.Notice, generation: int, live: bool) -> None:
         if action.topic is None:
             emit = log.info if action.level == "info" else log.warn
         else:
@@ -480,8 +435,8 @@ class Node:
             emit = functools.partial(throttled, log, action.topic)
         emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
-    _performers = {SendOn: _sendOn, Emit: _emitEvent, OpenLink: _openLink,
-                   CloseLink: _closeLink, Notice: _notice}
+    _performers = {zre.SendOn: _sendOn, zre.Emit: _emitEvent, zre.OpenLink: _openLink,
+                   zre.CloseLink: _closeLink, zre.Notice: _notice}
 
     def _deliver(self, event: Event) -> None:
         for callback in list(self._subscribers):

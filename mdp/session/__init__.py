@@ -12,13 +12,5 @@ from mdp.session.machines import (
 )
 from mdp.session.peers import SessionClient, SessionServer
 
-__all__ = [
-    "ClientSessionMachine",
-    "MalformedSession",
-    "ServerSessionMachine",
-    "SessionClient",
-    "SessionServer",
-    "SessionQueueFull",
-    "SessionRefused",
-    "UnknownSession",
-]
+__all__ = ["ClientSessionMachine", "MalformedSession", "ServerSessionMachine", "SessionClient",
+           "SessionServer", "SessionQueueFull", "SessionRefused", "UnknownSession"]

@@ -1,108 +1,43 @@
-"""The session protocol's messages: frames in, typed commands out.
+"""The session protocol's messages: ``SESS01``, a command frame and its fields, numbers 8-byte
+big-endian (docs/sessions.md tables them).  *ack*, in every message, is the last DATA received
+in order; *max bytes* and *max frames* are the payload a side takes in one DATA (0: not said).
+DATA is numbered from 1 each way, across any number of connections."""
 
-Each message is ``SESS01``, a command frame and its fields, numbers 8-byte
-big-endian (docs/sessions.md tables them).  *ack* is the last DATA received in
-order; every message carries it.  *max bytes* and *max frames* are the payload
-a side takes in one DATA (0: not said).  DATA is numbered from 1 each way,
-across any number of connections.
-"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence, Union
 
 import attrs
 
 from mdp.errors import ProtocolError
+from mdp.machine import action_type
 
 PROTOCOL = b"SESS01"
 SESSION_ID_BYTES = 16
 
-HELLO = b"HELLO"
-WELCOME = b"WELCOME"
-DATA = b"DATA"
-ACK = b"ACK"
-PING = b"PING"
-PING_OK = b"PING-OK"
-UNKNOWN = b"UNKNOWN"
-REFUSED = b"REFUSED"
-SKIP = b"SKIP"
-#: the longest reason a REFUSED carries, in bytes
-MAX_REASON_BYTES = 255
+HELLO, WELCOME, DATA, ACK, PING, PING_OK, UNKNOWN, REFUSED, SKIP = (
+    b"HELLO", b"WELCOME", b"DATA", b"ACK", b"PING", b"PING-OK", b"UNKNOWN", b"REFUSED", b"SKIP")
+MAX_REASON_BYTES = 255  # the longest reason a REFUSED carries, in bytes
 
 
 class MalformedSession(ProtocolError):
     """A message that is not of the session protocol (the reason says why)."""
 
 
-@attrs.frozen
-class Hello:
-    """Client → server: attach; *since*: its last DATA it no longer holds; *epoch*:
-    the server incarnation *ack* is of."""
-
-    session: bytes
-    ack: int
-    since: int = 0
-    epoch: int = 0
-    maxBytes: int = 0
-    maxFrames: int = 0
-
-
-@attrs.frozen
-class Welcome:
-    """Attached; a new *epoch* (random, never 0: the server forgot the session)
-    numbers afresh."""
-
-    ack: int
-    epoch: int = 1
-    maxBytes: int = 0
-    maxFrames: int = 0
-
-
-@attrs.frozen
-class Data:
-    seq: int
-    ack: int
-    payload: tuple[bytes, ...]
-
-
-@attrs.frozen
-class Skip:
-    """DATA *seq* is not sent: its payload is over the receiver's limits."""
-
-    seq: int
-    ack: int
-
-
-@attrs.frozen
-class Ack:
-    ack: int
-
-
-@attrs.frozen
-class Ping:
-    ack: int
-
-
-@attrs.frozen
-class PingOk:
-    """*sent*: the last DATA the server numbered."""
-
-    ack: int
-    sent: int = 0
-
-
-@attrs.frozen
-class Unknown:
-    """No such session, or messages lost: say HELLO."""
-
-
-@attrs.frozen
-class Refused:
-    """The server holds all the sessions it may."""
-
-    reason: str
-
+_message = functools.partial(action_type, __name__, frozen=True)
+#: client → server: attach; *since*: its last DATA it no longer holds; *epoch*: that of *ack*
+Hello = _message("Hello", "session", "ack", since=0, epoch=0, maxBytes=0, maxFrames=0)
+#: attached; a new *epoch* (random, never 0: the server forgot the session) numbers afresh
+Welcome = _message("Welcome", "ack", epoch=1, maxBytes=0, maxFrames=0)
+Data = _message("Data", "seq", "ack", "payload")
+Skip = _message("Skip", "seq", "ack")  # DATA *seq* not sent: over the receiver's limits
+Ack = _message("Ack", "ack")
+Ping = _message("Ping", "ack")
+PingOk = _message("PingOk", "ack", sent=0)  # *sent*: the last DATA the server numbered
+Unknown = _message("Unknown")  # no such session, or messages lost: say HELLO
+Refused = _message("Refused", "reason")  # the server holds all the sessions it may
 
 Message = Union[Hello, Welcome, Data, Skip, Ack, Ping, PingOk, Unknown, Refused]
 
@@ -111,8 +46,7 @@ _COMMANDS: dict[type, bytes] = {Hello: HELLO, Welcome: WELCOME, Data: DATA, Skip
 #: each command's message class and its fields, in their frames' order
 _FIELDS = {command: (kind, tuple(field.name for field in attrs.fields(kind)))
            for kind, command in _COMMANDS.items()}
-#: a field's name in an error
-_SAID = {"maxBytes": "max bytes", "maxFrames": "max frames"}
+_SAID = {"maxBytes": "max bytes", "maxFrames": "max frames"}  # a field's name in an error
 
 
 def _number(value: int) -> bytes:
@@ -120,7 +54,6 @@ def _number(value: int) -> bytes:
 
 
 def encode(message: Message) -> list[bytes]:
-    """The frames of *message*."""
     if type(message) is Data:
         return [PROTOCOL, DATA, _number(message.seq), _number(message.ack), *message.payload]
     frames = [PROTOCOL, _COMMANDS[type(message)]]
@@ -132,7 +65,6 @@ def encode(message: Message) -> list[bytes]:
 
 
 def _read(name: str, frame: bytes) -> Any:
-    """The field *name* in *frame*."""
     if name == "session":
         if len(frame) != SESSION_ID_BYTES:
             raise MalformedSession(f"a session id is {SESSION_ID_BYTES} bytes, not {len(frame)}")
@@ -152,8 +84,7 @@ def decode(frames: Sequence[bytes]) -> Message:
         raise MalformedSession(f"not a session message (first frame "
                                f"{bytes(frames[0][:16]) if frames else b''!r}, not {PROTOCOL!r})")
     command = bytes(frames[1])
-    entry = _FIELDS.get(command)
-    if entry is None:
+    if (entry := _FIELDS.get(command)) is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")
     kind, names = entry
     names, rest, payload = _fields(command, kind, names, frames[2:])
@@ -167,8 +98,7 @@ def decode(frames: Sequence[bytes]) -> Message:
 
 def _fields(command: bytes, kind: Any, names: tuple[str, ...],
             rest: Sequence[bytes]) -> tuple[tuple[str, ...], Sequence[bytes], tuple]:
-    """The names of *kind*'s fields, the frames of *rest* that hold them, and
-    DATA's payload after them."""
+    """The names of *kind*'s fields, the frames of *rest* that hold them, and DATA's payload."""
     if kind is Data:
         if len(rest) < 2:
             raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")

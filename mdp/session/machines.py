@@ -1,12 +1,10 @@
-"""CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`).
-
-A session outlives connections: the client says HELLO with its session id on
-each one, and each side keeps what it sent until acknowledged and resends it
-after a re-attach.  docs/sessions.md tells the rules.
-"""
+"""CLIENT/SERVER sessions as pure state machines (see :mod:`mdp.machine`): the client
+says HELLO with its session id on each connection, and each side resends what is not
+acknowledged after a re-attach.  docs/sessions.md tells the rules."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict, deque
 from typing import Any, Hashable, Optional
@@ -14,29 +12,21 @@ from typing import Any, Hashable, Optional
 import attrs
 
 from mdp.errors import MDPError
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 from mdp.session import codec
 from mdp.session.codec import MalformedSession
 
 DEFAULT_PING_INTERVAL = 1.0
 DEFAULT_LIVENESS = 3
 DEFAULT_EXPIRY = 30.0
-#: Messages a side keeps for resending (sent, not yet acknowledged).
-DEFAULT_MAX_QUEUED = 10_000
-#: An ACK goes after this many DATA received with nothing to carry the ack.
-ACK_EVERY = 32
+DEFAULT_MAX_QUEUED = 10_000  # messages a side keeps for resending (sent, not yet acknowledged)
+ACK_EVERY = 32  # an ACK goes after this many DATA received with nothing to carry the ack
 DEFAULT_MAX_SESSIONS = 10_000
 #: Bytes a side keeps for resending (the transports use ``Limits.maxOutputBytes``).
 DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
-#: Routing ids fit this many bytes; they run from 1 and wrap, skipping those in use.
-ROUTING_ID_BYTES = 4
+ROUTING_ID_BYTES = 4  # routing ids run from 1 and wrap, skipping those in use
 MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
-#: Most connections without a session a server tracks (beyond, the oldest close).
-MAX_UNATTACHED = 4096
-
-
-def _epoch() -> int:
-    return int.from_bytes(os.urandom(8), "big") or 1
+MAX_UNATTACHED = 4096  # connections without a session a server tracks (beyond, the oldest close)
 
 
 class SessionQueueFull(MDPError):
@@ -51,105 +41,22 @@ class SessionRefused(MDPError):
     """The server holds all the sessions it may; the client goes on asking."""
 
 
-@action_class
-class Send:
-    frames: list
-
-
-@action_class
-class SendTo:
-    peer: Any
-    frames: list
-
-
-@action_class
-class Deliver:
-    """Hand *payload* to the application (from *routingId*, on a server)."""
-
-    payload: tuple
-    routingId: int = 0
-
-
-@action_class
-class Dropped:
-    """Message *seq* from the other side is lost: over this side's limits."""
-
-    seq: int
-    reason: str
-    routingId: int = 0
-
-
-@action_class
-class Skipped:
-    """Our message *seq* went as a SKIP: it is over the other side's limits."""
-
-    seq: int
-    reason: str
-    routingId: int = 0
-
-
-@action_class
-class Notice:
-    """Something the driver logs, throttled by *topic*, at *level*."""
-
-    topic: str
-    text: str
-    level: str = "warn"
-
-
-@action_class
-class Refusal:
-    """Client: the server refused to open our session."""
-
-    reason: str
-
-
-@action_class
-class Renewed:
-    """Client: the server's session for us ended and a new one began (what it
-    held for us is lost; ours goes again, so it may get one twice)."""
-
-    reason: str
-
-
-@action_class
-class Reconnect:
-    """Client: replace the connection (with the driver's backoff); the session goes on."""
-
-    reason: str
-
-
-@action_class
-class Opened:
-    routingId: int
-
-
-@action_class
-class Attached:
-    routingId: int
-
-
-@action_class
-class Full:
-    """Server: a HELLO from *peer* opened no session: *sessions* are open, the most allowed."""
-
-    peer: Any
-    sessions: int
-
-
-@action_class
-class Expired:
-    """Server: the session *routingId* ended (silent for the expiry)."""
-
-    routingId: int
-
-
-@action_class
-class DropPeer:
-    """Server: close the connection *peer*: it must not hold a connection slot."""
-
-    peer: Any
-    reason: str
+_action = functools.partial(action_type, __name__)
+Send = _action("Send", "frames")
+SendTo = _action("SendTo", "peer", "frames")
+Deliver = _action("Deliver", "payload", routingId=0)  # to the application (from *routingId*, on a server)
+Dropped = _action("Dropped", "seq", "reason", routingId=0)  # from the other side: over our limits
+Skipped = _action("Skipped", "seq", "reason", routingId=0)  # ours went as a SKIP: over the other's limits
+Notice = _action("Notice", "topic", "text", level="warn")  # for the driver's log, throttled by *topic*
+Refusal = _action("Refusal", "reason")  # client: the server refused to open our session
+#: client: the server's session for us ended, a new one began (what it held is lost; ours goes again)
+Renewed = _action("Renewed", "reason")
+Reconnect = _action("Reconnect", "reason")  # client: replace the connection; the session goes on
+Opened = _action("Opened", "routingId")
+Attached = _action("Attached", "routingId")
+Full = _action("Full", "peer", "sessions")  # server: a HELLO opened none: *sessions*, the most, are open
+Expired = _action("Expired", "routingId")  # server: the session ended (silent for the expiry)
+DropPeer = _action("DropPeer", "peer", "reason")  # server: close the connection (it must not hold a slot)
 
 
 def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -> Optional[str]:
@@ -179,11 +86,9 @@ def said_limits(message: Any) -> Optional[tuple[int, int]]:
 
 
 def delivery(message: Any, refused: Optional[str], routingId: int = 0) -> Any:
-    """The next DATA or SKIP in order: :class:`Deliver`, or :class:`Dropped` (a SKIP,
-    or a DATA *refused* as over our limits)."""
+    """The next DATA or SKIP: :class:`Deliver`, or :class:`Dropped` (a SKIP, or *refused*)."""
     if isinstance(message, codec.Skip):
-        return Dropped(message.seq, "over this side's limits, the other side did not send it",
-                       routingId)
+        return Dropped(message.seq, "over this side's limits, the other side did not send it", routingId)
     if refused is None:
         return Deliver(message.payload, routingId)
     return Dropped(message.seq, f"over this side's limits ({refused}); dropped, and "
@@ -195,19 +100,13 @@ class _Sequenced:
 
     def __init__(self, maxQueued: int, maxQueuedBytes: int) -> None:
         check_bounds(maxQueued, maxQueuedBytes)
-        self.maxQueued = maxQueued
-        self.maxQueuedBytes = maxQueuedBytes
-        self.queuedBytes = 0
-        self.sent = 0
-        self.received = 0
+        self.maxQueued, self.maxQueuedBytes = maxQueued, maxQueuedBytes
+        self.queuedBytes = self.sent = self.received = 0
         self.unacked: deque[tuple[int, tuple[bytes, ...]]] = deque()
-        #: DATA delivered since our last message to the other side
-        self.ackPending = 0
-        #: the payload the other side takes in one DATA (None: not said)
-        self.peerLimits: Optional[tuple[int, int]] = None
-        #: our DATA sent as SKIP, not yet reported: (seq, why)
+        self.ackPending = 0  # DATA delivered since our last message to the other side
+        self.peerLimits: Optional[tuple[int, int]] = None  # what the other side takes in one DATA
+        #: our DATA sent as SKIP, not yet reported: (seq, why); and those reported, until acked
         self.skips: list[tuple[int, str]] = []
-        #: the numbers of those reported, until acknowledged
         self._skipped: set[int] = set()
 
     def number(self, payload: tuple[bytes, ...]) -> codec.Message:
@@ -278,10 +177,8 @@ class _Sequenced:
 
 
 class ClientSessionMachine(Machine):
-    """The client end of one session, across any number of connections.
-
-    The server is dead after ``pingInterval * liveness`` of silence; *limits*:
-    the payload this side takes in one DATA (bytes, frames)."""
+    """The client end of one session, across any number of connections: the server is dead after
+    ``pingInterval * liveness`` of silence; *limits*: what this side takes in one DATA (bytes, frames)."""
 
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
@@ -292,21 +189,14 @@ class ClientSessionMachine(Machine):
             raise ValueError(f"a session id is {codec.SESSION_ID_BYTES} bytes")
         if pingInterval <= 0 or liveness < 1:
             raise ValueError("pingInterval must be positive and liveness at least 1")
-        self.session = session
-        self.pingInterval = pingInterval
-        self.liveness = liveness
+        self.session, self.pingInterval, self.liveness = session, pingInterval, liveness
         self.limits = limits or (0, 0)
         self.seq = _Sequenced(maxQueued, maxQueuedBytes)
-        #: the server incarnation our received count is of (0: none yet)
-        self.epoch = 0
-        self.lastPing = now
-        #: "detached", "attaching" or "attached"
-        self.state = "detached"
-        self.lastHeard = now
+        self.epoch = 0  # the server incarnation our received count is of (0: none yet)
+        self.state = "detached"  # or "attaching", "attached"
+        self.lastPing = self.lastHeard = self.helloAt = now
         self.pings = 0
-        #: for each PING in flight, what we had sent before it
-        self.sentAtPing: deque[int] = deque()
-        self.helloAt = now
+        self.sentAtPing: deque[int] = deque()  # for each PING in flight, what we had sent before it
 
     @property
     def deadAfter(self) -> float:
@@ -323,8 +213,7 @@ class ClientSessionMachine(Machine):
             self._outbox.extend(self.seq.reportSkips())
 
     def handleConnected(self, now: float) -> list[Any]:
-        self.now = now
-        self.lastHeard = now
+        self.now = self.lastHeard = now
         self.pings = 0
         self._hello()
         return self._drain()
@@ -342,8 +231,7 @@ class ClientSessionMachine(Machine):
             self._send(message)
         return self._drain()
 
-    def handleMessage(self, frames: list[bytes], now: float,
-                      refused: Optional[str] = None) -> list[Any]:
+    def handleMessage(self, frames: list[bytes], now: float, refused: Optional[str] = None) -> list[Any]:
         """A message from the server; *refused*: why a DATA is over our limits."""
         self.now = now
         try:
@@ -353,16 +241,14 @@ class ClientSessionMachine(Machine):
             return self._drain()
         self.lastHeard = now
         self.pings = 0
+        if hasattr(message, "ack"):
+            self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
         handler = self._handlers.get(type(message))
-        if handler is not None:  # (a server never says HELLO)
+        if handler is not None:
             handler(self, message, refused)
         return self._drain()
 
-    def _onAck(self, message: Any, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
-
     def _onPingOk(self, message: codec.PingOk, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)
         if not self.sentAtPing:
             return
         before = self.sentAtPing.popleft()
@@ -372,9 +258,8 @@ class ClientSessionMachine(Machine):
 
     def _onUnknown(self, message: codec.Unknown, refused: Optional[str]) -> None:
         if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO is on its way)
-            self._emit(Notice("reattach", "the server does not know this connection (it "
-                              "restarted, or the connection was replaced); attaching again",
-                              "info"))
+            self._emit(Notice("reattach", "the server does not know this connection (it restarted, or "
+                              "the connection was replaced); attaching again", "info"))
             self._hello()
 
     def _onRefused(self, message: codec.Refused, refused: Optional[str]) -> None:
@@ -382,7 +267,6 @@ class ClientSessionMachine(Machine):
             self._emit(Refusal(message.reason))
 
     def _onWelcome(self, message: codec.Welcome, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)
         renewed = False
         if message.epoch != self.epoch:
             renewed = bool(self.epoch)
@@ -397,10 +281,8 @@ class ClientSessionMachine(Machine):
             self._emit(Renewed("the server's session for this client ended; a new one began"))
 
     def _onData(self, message: Any, refused: Optional[str]) -> None:
-        self.seq.acked(message.ack)
         if self.state != "attached":
-            # numbered in an epoch we do not know yet: resent after the WELCOME
-            return
+            return  # numbered in an epoch we do not know yet: resent after the WELCOME
         verdict = self.seq.accept(message)
         if verdict == "next":
             self._emit(delivery(message, refused))
@@ -409,8 +291,7 @@ class ClientSessionMachine(Machine):
         elif verdict == "gap":
             self._lost(message.seq)
 
-    _handlers = {codec.Ack: _onAck, codec.Ping: _onAck, codec.PingOk: _onPingOk,
-                 codec.Unknown: _onUnknown, codec.Refused: _onRefused,
+    _handlers = {codec.PingOk: _onPingOk, codec.Unknown: _onUnknown, codec.Refused: _onRefused,
                  codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData}
 
     def _lost(self, seq: int) -> None:
@@ -424,8 +305,7 @@ class ClientSessionMachine(Machine):
         self.state = "attaching"
         self.sentAtPing.clear()
         self.helloAt = self.now
-        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch,
-                               *self.limits))
+        self._send(codec.Hello(self.session, self.seq.received, self.seq.since, self.epoch, *self.limits))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
@@ -457,8 +337,7 @@ class _Session:
     epoch: int
     seq: _Sequenced
     lastHeard: float
-    #: the connection that opened it
-    openedBy: Optional[Hashable]
+    openedBy: Optional[Hashable]  # the connection that opened it
     peer: Optional[Hashable] = None
 
 
@@ -466,28 +345,22 @@ class ServerSessionMachine(Machine):
     """The server's sessions, by session id, by connection and by routing id."""
 
     def __init__(self, *, expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
-                 maxSessions: int = DEFAULT_MAX_SESSIONS,
+                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES, maxSessions: int = DEFAULT_MAX_SESSIONS,
                  limits: Optional[tuple[int, int]] = None, now: float = 0.0) -> None:
         super().__init__(now)
         if expiry <= 0:
             raise ValueError("expiry must be positive")
         check_bounds(maxQueued, maxQueuedBytes)
-        self.expiry = expiry
+        self.expiry, self.maxSessions = expiry, maxSessions
         self.limits = limits or (0, 0)
-        self.maxQueued = maxQueued
-        self.maxQueuedBytes = maxQueuedBytes
-        self.maxSessions = maxSessions
+        self.maxQueued, self.maxQueuedBytes = maxQueued, maxQueuedBytes
         self.sessions: dict[bytes, _Session] = {}
         self.byPeer: dict[Hashable, _Session] = {}
         self.byRouting: dict[int, _Session] = {}
         self._routingIds = 0
-        #: when each connection was last told UNKNOWN
-        self._told: OrderedDict[Hashable, float] = OrderedDict()
-        #: the session each connection opened, while it lasts
-        self._opened: dict[Hashable, _Session] = {}
-        #: connections heard from without a session, since when
-        self._unattached: OrderedDict[Hashable, float] = OrderedDict()
+        self._told: OrderedDict[Hashable, float] = OrderedDict()  # when each was last told UNKNOWN
+        self._opened: dict[Hashable, _Session] = {}  # the session each connection opened
+        self._unattached: OrderedDict[Hashable, float] = OrderedDict()  # since when, without one
 
     def _sendTo(self, session: _Session, message: codec.Message) -> None:
         if session.peer is not None:
@@ -513,21 +386,18 @@ class ServerSessionMachine(Machine):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
         else:
             session.lastHeard = now
+            if hasattr(message, "ack"):
+                session.seq.acked(message.ack)
             handler = self._handlers.get(type(message))
-            if handler is not None:  # (a client never says WELCOME, UNKNOWN or REFUSED)
+            if handler is not None:
                 handler(self, session, message, refused)
         return self._drain()
 
-    def _onAck(self, session: _Session, message: Any, refused: Optional[str]) -> None:
-        session.seq.acked(message.ack)
-
     def _onPing(self, session: _Session, message: codec.Ping, refused: Optional[str]) -> None:
-        session.seq.acked(message.ack)
         self._sendTo(session, codec.PingOk(session.seq.received, session.seq.sent))
         session.seq.ackPending = 0
 
     def _onData(self, session: _Session, message: Any, refused: Optional[str]) -> None:
-        session.seq.acked(message.ack)
         verdict = session.seq.accept(message)
         if verdict == "next":
             self._emit(delivery(message, refused, session.routingId))
@@ -536,8 +406,7 @@ class ServerSessionMachine(Machine):
         elif verdict == "gap" and self._mayTell(session.peer):
             self._sendTo(session, codec.Unknown())
 
-    _handlers = {codec.Ack: _onAck, codec.PingOk: _onAck, codec.Ping: _onPing,
-                 codec.Data: _onData, codec.Skip: _onData}
+    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData}
 
     def _withoutSession(self, peer: Hashable) -> None:
         """Track *peer*, which has no session (the tick closes it after the expiry)."""
@@ -556,8 +425,7 @@ class ServerSessionMachine(Machine):
 
     def _mayTell(self, peer: Hashable) -> bool:
         """At most one UNKNOWN or REFUSED a second to a connection (each draws a HELLO)."""
-        last = self._told.get(peer)
-        if last is not None and self.now - last < 1.0:
+        if self.now - self._told.get(peer, float("-inf")) < 1.0:
             return False
         self._told[peer] = self.now
         self._told.move_to_end(peer)
@@ -604,8 +472,7 @@ class ServerSessionMachine(Machine):
                 return
         if session.peer is not None and session.peer != peer:
             self.byPeer.pop(session.peer, None)
-            self._drop(session.peer, f"its session {session.routingId} moved to another "
-                                     "connection")
+            self._drop(session.peer, f"its session {session.routingId} moved to another connection")
         self._unattached.pop(peer, None)
         session.peer = peer
         session.lastHeard = self.now
@@ -636,10 +503,9 @@ class ServerSessionMachine(Machine):
             self._withoutSession(peer)
             if self._mayTell(peer):
                 self._emit(SendTo(peer, codec.encode(codec.Refused(
-                    f"the server holds {len(self.sessions)} sessions, all it may "
-                    f"(maxSessions)"))))
+                    f"the server holds {len(self.sessions)} sessions, all it may (maxSessions)"))))
             return None
-        session = _Session(hello.session, self._newRoutingId(), _epoch(),
+        session = _Session(hello.session, self._newRoutingId(), int.from_bytes(os.urandom(8), "big") or 1,
                            _Sequenced(self.maxQueued, self.maxQueuedBytes), self.now, peer)
         self._opened[peer] = session
         # the client numbers on from its earlier session (with a server that is gone)

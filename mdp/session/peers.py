@@ -12,16 +12,7 @@ from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
-from mdp.session.machines import (
-    DEFAULT_EXPIRY,
-    DEFAULT_LIVENESS,
-    DEFAULT_MAX_QUEUED,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PING_INTERVAL,
-    SessionRefused,
-    UnknownSession,
-    check_bounds,
-)
+from mdp.session import machines
 from mdp.session.transport import PREFIX, SessionDealer, SessionRouter, routing_id
 from mdp.transport.flow import DrainWaiters
 
@@ -36,24 +27,21 @@ def session_endpoint(endpoint: str) -> str:
 @implementer(IDealerReceiver)
 class SessionClient:
     """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
-
-    ``send(*frames)`` never waits: while the connection is down the message
-    waits in the session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).
-    *onRenewed()* hears when the server's session for us was renewed (what it
-    held for us is lost)."""
+    ``send(*frames)`` never waits: while the connection is down the message waits in the
+    session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
+    hears when the server's session for us was renewed (what it held for us is lost)."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
-                 pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, limits: Limits = Limits(),
-                 onRenewed: Optional[Callable[[], Any]] = None) -> None:
+                 pingInterval: float = machines.DEFAULT_PING_INTERVAL,
+                 liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 limits: Limits = Limits(), onRenewed: Optional[Callable[[], Any]] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._closed = False
         self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
-                                    pingInterval=pingInterval, liveness=liveness,
-                                    maxQueued=maxQueued)
+                                    pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued)
 
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached; fails with
@@ -72,7 +60,6 @@ class SessionClient:
         self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
-        """Close the session's connection."""
         if not self._closed:
             self._closed = True
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
@@ -82,7 +69,7 @@ class SessionClient:
         self._waiting.fire()
 
     def sessionRefused(self, reason: str) -> None:
-        self._waiting.fail(SessionRefused(reason))
+        self._waiting.fail(machines.SessionRefused(reason))
 
     def sessionRenewed(self) -> None:
         if self.onRenewed is not None:
@@ -107,16 +94,14 @@ class SessionServer:
     *onExpired(routingId)* hears of sessions silent for *expiry* seconds."""
 
     def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
-                 *, expiry: float = DEFAULT_EXPIRY,
-                 onExpired: Optional[Callable[[int], Any]] = None,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, maxSessions: int = DEFAULT_MAX_SESSIONS,
-                 limits: Limits = Limits()) -> None:
+                 *, expiry: float = machines.DEFAULT_EXPIRY, onExpired: Optional[Callable[[int], Any]] = None,
+                 maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 maxSessions: int = machines.DEFAULT_MAX_SESSIONS, limits: Limits = Limits()) -> None:
         if expiry <= 0:
             raise ValueError(f"expiry must be positive, got {expiry}")
-        check_bounds(maxQueued, limits.maxOutputBytes)
+        machines.check_bounds(maxQueued, limits.maxOutputBytes)
         self.reactor = default_reactor(reactor)
-        self.handler = handler
-        self.onExpired = onExpired
+        self.handler, self.onExpired = handler, onExpired
         self.options = {"expiry": expiry, "maxQueued": maxQueued, "maxSessions": maxSessions}
         self.limits = limits
         self.router: Optional[SessionRouter] = None
@@ -127,16 +112,14 @@ class SessionServer:
 
         full = session_endpoint(endpoint)
         transport.check(full, transport.LISTEN)
-        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits,
-                                                 **self.options)
+        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits, **self.options)
         return self.router.endpoint
 
     def reply(self, routingId: int, *frames: bytes) -> None:
-        """Send *frames* to *routingId* (kept until the client has it);
-        :class:`~mdp.session.UnknownSession`, :class:`~mdp.session.SessionQueueFull`,
-        :class:`~mdp.errors.ReplyTooLarge`."""
+        """Send *frames* to *routingId* (kept until the client has it); UnknownSession,
+        SessionQueueFull, ReplyTooLarge."""
         if self.router is None:
-            raise UnknownSession(routingId)
+            raise machines.UnknownSession(routingId)
         self.router.reply(routingId, bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:

@@ -1,11 +1,9 @@
 """Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
 
-:class:`SessionRouter` and :class:`SessionDealer` provide the router and dealer
-interfaces, so MDP runs over sessions unchanged.  The dealer reports
-``connectionMade`` once, at the first attach, and re-attaches by itself after a
-break; its receiver may have ``sessionRenewed()`` and ``sessionRefused(reason)``.
-The router names each session by a 4-byte routing id and reports
-``peerDisconnected`` when it expires."""
+:class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and
+re-attaches by itself (its receiver may have ``sessionRenewed()`` and
+``sessionRefused(reason)``); :class:`SessionRouter` names each session by a 4-byte
+routing id and reports ``peerDisconnected`` when it expires."""
 
 from __future__ import annotations
 
@@ -24,20 +22,6 @@ from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_c
 from mdp.session import machines
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
-from mdp.session.machines import (
-    DEFAULT_EXPIRY,
-    DEFAULT_LIVENESS,
-    DEFAULT_MAX_QUEUED,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PING_INTERVAL,
-    ROUTING_ID_BYTES,
-    ClientSessionMachine,
-    Expired,
-    ServerSessionMachine,
-    SessionQueueFull,
-    UnknownSession,
-    over_limits,
-)
 from mdp.transport.flow import DrainWaiters, after
 
 log = Logger()
@@ -57,8 +41,7 @@ def inner_endpoint(endpoint: str) -> str:
 
 
 def bounded_attempts(endpoint: str, seconds: float) -> str:
-    """*endpoint* with each connection attempt bounded by *seconds*, unless it says
-    its own ``timeout``: Twisted's 30 s would outlast the session expiry."""
+    """*endpoint* with attempts bounded by *seconds* unless it says a ``timeout`` (30 s outlasts expiry)."""
     kind, _, rest = endpoint.partition(":")
     if kind != "tcp" or any(part.startswith("timeout=") for part in rest.split(":")):
         return endpoint
@@ -66,19 +49,10 @@ def bounded_attempts(endpoint: str, seconds: float) -> str:
 
 
 def inner_limits(limits: Limits) -> Limits:
-    """The inner transport's limits: room for the session's own frames, and twice
-    the output room, so a full resend after a re-attach always fits."""
+    """Room for the session's frames, and twice the output room: a full resend always fits."""
     return attrs.evolve(limits, maxMessageBytes=limits.maxMessageBytes + OVERHEAD_BYTES,
                         maxFrames=limits.maxFrames + OVERHEAD_FRAMES,
                         maxOutputBytes=2 * limits.maxOutputBytes + OVERHEAD_BYTES)
-
-
-def kept_frames(frames: Any) -> tuple[bytes, ...]:
-    """*frames* copied to bytes, to keep for resending; ``TypeError`` for a non-bytes frame."""
-    for index, frame in enumerate(frames):
-        if not isinstance(frame, (bytes, bytearray, memoryview)):
-            raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
-    return tuple(frame if frame.__class__ is bytes else bytes(frame) for frame in frames)
 
 
 def payload_limits(limits: Limits) -> tuple[int, int]:
@@ -86,7 +60,7 @@ def payload_limits(limits: Limits) -> tuple[int, int]:
 
 
 def routing_bytes(routingId: int) -> bytes:
-    return routingId.to_bytes(ROUTING_ID_BYTES, "big")
+    return routingId.to_bytes(machines.ROUTING_ID_BYTES, "big")
 
 
 def routing_id(peer: bytes) -> int:
@@ -98,17 +72,13 @@ class _End:
 
     machine: Any
     _performers: dict[type, Any]
-    #: how its log lines name it, before its endpoint
     title = ""
     #: messages lost as over our limits, and ours sent as SKIPs
     dropped = 0
     skipped = 0
 
     def __init__(self, receiver: Any, reactor: Any, limits: Limits, endpoint: str) -> None:
-        self.receiver = receiver
-        self.reactor = reactor
-        self.limits = limits
-        self.endpoint = endpoint
+        self.receiver, self.reactor, self.limits, self.endpoint = receiver, reactor, limits, endpoint
         self.inner: Any = None
         self.throttle = LogThrottle(reactor)
         self.tick = task.LoopingCall(self._tick)
@@ -125,21 +95,24 @@ class _End:
             self._performers[type(action)](self, action)
 
     def _overLimits(self, frames: list[bytes]) -> Optional[str]:
-        """Why the DATA message *frames* is over our limits (None if not, or not DATA)."""
+        """Why the DATA *frames* is over our limits (None if not, or not DATA)."""
         if len(frames) >= 4 and frames[1] == DATA_COMMAND and frames[0] == PROTOCOL:
             return self.limits.refuse(frames[4:])
         return None
 
     def _sendable(self, frames: Any, peerLimits: Optional[tuple[int, int]], other: str,
                   error: type[Exception], where: str) -> tuple[bytes, ...]:
-        """*frames* to keep and send to *where*; *error* if over our limits or *peerLimits*."""
+        """*frames* copied, to keep and send to *where*; *error* if over our limits or *peerLimits*."""
         reason = self.limits.refuse(frames)
         if reason is None:
-            why = over_limits(frames, peerLimits)
+            why = machines.over_limits(frames, peerLimits)
             reason = None if why is None else f"{other} takes no message of {why}"
         if reason is not None:
             raise error(f"not sent to {where}: {reason}")
-        return kept_frames(frames)
+        for index, frame in enumerate(frames):
+            if not isinstance(frame, (bytes, bytearray, memoryview)):
+                raise TypeError(f"frame {index} is {type(frame).__name__}, not bytes")
+        return tuple(frame if frame.__class__ is bytes else bytes(frame) for frame in frames)
 
     def _tell(self, method: str, *args: Any) -> None:
         """Call the receiver's *method*, if it has one, logging what it raises."""
@@ -149,15 +122,14 @@ class _End:
             log.failure("{end}: {what} raised", end=self._name(), what=method)
 
     def _say(self, topic: str, format: str, level: str = "warn", **fields: Any) -> None:
-        """Log *format* with *fields* (and ``end``, naming this end), throttled by *topic*."""
+        """Log *format* with *fields* (and ``end``), throttled by *topic*."""
         emit = self.throttle.info if level == "info" else self.throttle.warn
         emit(log, topic, "{end}: " + format, end=self._name(), **fields)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
-        self._say("dropped", "message {seq}{of} from the other side is lost: {reason}",
-                  seq=action.seq, reason=action.reason,
-                  of=f" of session {action.routingId}" if action.routingId else "")
+        self._say("dropped", "message {seq}{of} from the other side is lost: {reason}", seq=action.seq,
+                  reason=action.reason, of=f" of session {action.routingId}" if action.routingId else "")
 
     def _skipped(self, action: machines.Skipped) -> None:
         self.skipped += 1
@@ -189,16 +161,13 @@ class SessionRouter(_End):
     title = "session router at"
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
-                 expiry: float = DEFAULT_EXPIRY, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 maxSessions: int = DEFAULT_MAX_SESSIONS) -> None:
+                 expiry: float = machines.DEFAULT_EXPIRY, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 maxSessions: int = machines.DEFAULT_MAX_SESSIONS) -> None:
         super().__init__(receiver, reactor, limits, "")
-        self.machine = ServerSessionMachine(
+        self.machine = machines.ServerSessionMachine(
             expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions,
-            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
-            now=reactor.seconds())
-        #: HELLOs that attached, and those refused at maxSessions
-        self.attaches = 0
-        self.refused = 0
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
+        self.attaches = self.refused = 0  # HELLOs that attached, and those refused at maxSessions
 
     @classmethod
     @defer.inlineCallbacks
@@ -214,8 +183,7 @@ class SessionRouter(_End):
         return self
 
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self._perform(self.machine.handleMessage(peer, frames, self._now(),
-                                                 refused=self._overLimits(frames)))
+        self._perform(self.machine.handleMessage(peer, frames, self._now(), refused=self._overLimits(frames)))
 
     def peerDisconnected(self, peer: bytes) -> None:
         self._perform(self.machine.handlePeerGone(peer, self._now()))
@@ -243,15 +211,13 @@ class SessionRouter(_End):
         self._say("full", "refused a new session from {peer!r}: {count} already (maxSessions)",
                   peer=action.peer, count=action.sessions)
 
-    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver,
-                   machines.Expired: _expired, machines.DropPeer: _dropPeer,
-                   machines.Opened: lambda self, action: None, machines.Attached: _attached,
-                   machines.Full: _full, machines.Dropped: _End._dropped,
+    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver, machines.Expired: _expired,
+                   machines.DropPeer: _dropPeer, machines.Opened: lambda self, action: None,
+                   machines.Attached: _attached, machines.Full: _full, machines.Dropped: _End._dropped,
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     def reply(self, routingId: int, frames: Any) -> None:
-        """Send *frames* to *routingId*; :class:`ReplyTooLarge`, :class:`UnknownSession`,
-        :class:`SessionQueueFull`."""
+        """Send *frames* to *routingId*; ReplyTooLarge, UnknownSession, SessionQueueFull."""
         session = self.machine.byRouting.get(routingId)
         kept = self._sendable(frames, None if session is None else session.seq.peerLimits,
                               "the session's client", ReplyTooLarge, f"session {routingId}")
@@ -262,15 +228,14 @@ class SessionRouter(_End):
             self.reply(routing_id(peer), frames)
         except ReplyTooLarge as e:
             self._say("too large", "{error}", error=e)
-        except UnknownSession:
+        except machines.UnknownSession:
             pass  # as a ROUTER drops what it cannot route
-        except SessionQueueFull as e:
-            # a hole in what the client gets would be worse: the session ends;
-            # its report waits a turn, as the application is in this call
+        except machines.SessionQueueFull as e:
+            # a hole would be worse: the session ends, reported a turn later (we are in the app's call)
             self._say("full", "session {session} ends: {error}", session=routing_id(peer), error=e)
             actions = self.machine.end(routing_id(peer), self._now())
-            self._perform([a for a in actions if not isinstance(a, Expired)])
-            reports = [a for a in actions if isinstance(a, Expired)]
+            self._perform([a for a in actions if not isinstance(a, machines.Expired)])
+            reports = [a for a in actions if isinstance(a, machines.Expired)]
             if reports:
                 self.reactor.callLater(0, self._perform, reports)
 
@@ -293,25 +258,21 @@ class SessionDealer(_End):
 
     title = "session dealer to"
 
-    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
-                 limits: Limits = Limits(), retryPolicy: Any = None,
-                 pingInterval: float = DEFAULT_PING_INTERVAL, liveness: int = DEFAULT_LIVENESS,
-                 maxQueued: int = DEFAULT_MAX_QUEUED, backoff: Backoff = PIRATE) -> None:
+    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *, limits: Limits = Limits(),
+                 retryPolicy: Any = None, pingInterval: float = machines.DEFAULT_PING_INTERVAL,
+                 liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 backoff: Backoff = PIRATE) -> None:
         super().__init__(receiver, reactor, limits, endpoint)
         self.retryPolicy = retryPolicy
-        self.machine = ClientSessionMachine(
+        self.machine = machines.ClientSessionMachine(
             os.urandom(16), pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued,
-            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits),
-            now=reactor.seconds())
+            maxQueuedBytes=limits.maxOutputBytes, limits=payload_limits(limits), now=reactor.seconds())
         self.innerEndpoint = bounded_attempts(inner_endpoint(endpoint), self.machine.deadAfter)
-        self.backoff = backoff
-        self.attempts = 0
-        #: attaches that ended on a message over our limits since one came through
-        self.oversizedLosses = 0
+        self.backoff, self.attempts = backoff, 0
+        self.oversizedLosses = 0  # attaches that ended on a message over our limits since one came through
         self.reopening: Any = None
         self._waiters = DrainWaiters()
-        self.madeOnce = False
-        self.closed = False
+        self.madeOnce = self.closed = False
         self._open()
         self.tick.start(pingInterval / 4, now=False)
 
@@ -335,15 +296,13 @@ class SessionDealer(_End):
             self._reopen()
 
     def _innerRetry(self, attempt: int) -> float:
-        """The delay before *attempt*, at most ``pingInterval * liveness`` (so a
-        cut shorter than the server's expiry does not outlast the session)."""
+        """The delay before *attempt*, at most ``pingInterval * liveness`` (within the expiry)."""
         if self.retryPolicy is None:
             return RECONNECT.delay(max(attempt - 1, 0), self.machine.deadAfter)
         return min(self.retryPolicy(attempt), self.machine.deadAfter)
 
     def _oversized(self, why: OversizedMessage) -> None:
-        """The connection closed on a message far over our limits, resent at each
-        attach: attach again after the backoff, not in a tight loop."""
+        """The connection closed on a message over our limits, resent at each attach: back off."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
         self.throttle.warn(log, "oversized", "{end}: a message from the server is over this "
@@ -365,8 +324,7 @@ class SessionDealer(_End):
     @property
     def writable(self) -> bool:
         """False while half the session's bounds are unacknowledged: wait on :meth:`drained`."""
-        inner = self.inner
-        return self.machine.seq.hasRoom and (inner is None or getattr(inner, "writable", True))
+        return self.machine.seq.hasRoom and getattr(self.inner, "writable", True)  # (None: True)
 
     @property
     def connected(self) -> bool:
@@ -374,9 +332,7 @@ class SessionDealer(_End):
         return self.madeOnce and not self.closed
 
     def drained(self) -> defer.Deferred[None]:
-        if self.writable or self.closed:
-            return defer.succeed(None)
-        return self._waiters.wait()
+        return defer.succeed(None) if self.writable or self.closed else self._waiters.wait()
 
     def _perform(self, actions: list[Any]) -> None:
         super()._perform(actions)
@@ -397,8 +353,7 @@ class SessionDealer(_End):
         self._tell("messageReceived", list(action.payload))
 
     def _refused(self, action: machines.Refusal) -> None:
-        self._say("refused", "the server refused the session: {reason}; asking again",
-                  reason=action.reason)
+        self._say("refused", "the server refused the session: {reason}; asking again", reason=action.reason)
         self._tell("sessionRefused", action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
@@ -422,8 +377,7 @@ class SessionDealer(_End):
                    machines.Skipped: _End._skipped, machines.Notice: _End._notice}
 
     def send(self, frames: list[bytes]) -> None:
-        """Send *frames* in the session; :class:`SessionQueueFull`,
-        :class:`RequestTooLarge` or ``TypeError``, and nothing is queued."""
+        """Send *frames*; SessionQueueFull, RequestTooLarge or ``TypeError``: nothing queued."""
         if self.closed:
             raise TransportError(f"the session to {self.endpoint} is closed")
         kept = self._sendable(frames, self.machine.seq.peerLimits, "the server", RequestTooLarge,
@@ -435,11 +389,10 @@ class SessionDealer(_End):
             return
         try:
             self.send(frames)
-        except (SessionQueueFull, RequestTooLarge) as e:
+        except (machines.SessionQueueFull, RequestTooLarge) as e:
             self._say("full", "refused a message: {error}", error=e)
 
-    #: seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
-    CLOSE_GRACE = 1.0
+    CLOSE_GRACE = 1.0  # seconds a close waits for the server's acknowledgement (of a worker's DISCONNECT)
 
     _closing: Optional[defer.Deferred[None]] = None
 
@@ -455,8 +408,7 @@ class SessionDealer(_End):
         deadline = self._now() + self.CLOSE_GRACE
 
         def check() -> Any:
-            if (self.machine.seq.unacked and self.machine.state == "attached"
-                    and self._now() < deadline):
+            if self.machine.seq.unacked and self.machine.state == "attached" and self._now() < deadline:
                 return task.deferLater(self.reactor, 0.05, check)
             return self._close()
 
