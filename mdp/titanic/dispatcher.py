@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 
 from mdp import transport
 from mdp.errors import ClientClosed, RemoteError, ReplyTooLarge, RequestTooLarge
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_class, action_type
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
@@ -85,54 +85,19 @@ class LoadPending:
     onlyServices: Optional[list[bytes]] = None
 
 
-@action_class
-class ListServices:
-    """Ask the broker which services it knows (``mmi.services``)."""
-
-
-@action_class
-class CheckService:
-    """Ask the broker how many workers *service* has, or whether it knows it."""
-
-    service: bytes
-
-
-@action_class
-class Dispatch:
-    request: StoredRequest
-
-
-@action_class
-class StoreReply:
-    requestId: str
-    frames: list[bytes]
-
-
-@action_class
-class Purge:
-    """Drop replies stored before *before*."""
-
-    before: float
-
-
-@action_class
-class Parked:
-    """A service was parked for *delay* seconds (for the log)."""
-
-    service: bytes
-    delay: float
-    reason: str
-
-
-@action_class
-class WakeAt:
-    """Call :meth:`DispatchMachine.handleWake` at *when* (``None``: never)."""
-
-    when: Optional[float]
-
-
-Action = Union[LoadPending, ListServices, CheckService, Dispatch, StoreReply, Purge, Parked,
-               WakeAt]
+#: Ask the broker which services it knows (``mmi.services``).
+ListServices = action_type(__name__, "ListServices")
+#: Ask the broker how many workers *service* has, or whether it knows it.
+CheckService = action_type(__name__, "CheckService", "service")
+Dispatch = action_type(__name__, "Dispatch", "request")
+StoreReply = action_type(__name__, "StoreReply", "requestId", "frames")
+#: Drop replies stored before *before*.
+Purge = action_type(__name__, "Purge", "before")
+#: A service was parked for *delay* seconds (for the log).
+Parked = action_type(__name__, "Parked", "service", "delay", "reason")
+#: Call :meth:`DispatchMachine.handleWake` at *when* (``None``: never).
+WakeAt = action_type(__name__, "WakeAt", "when")
+Action = Any
 
 
 class DispatchMachine(Machine):
@@ -224,8 +189,7 @@ class DispatchMachine(Machine):
         return self._pumped()
 
     def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
-        """The listing changed: what it says now holds, and a service that has
-        workers again is no longer parked."""
+        """What the listing says now holds; a service with workers again is unparked."""
         self._dirty = True
         self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
         for name, entry in self.services.items():
@@ -409,34 +373,23 @@ class DispatchMachine(Machine):
             for requestId in sorted(self._unsaved):
                 self._emit(StoreReply(requestId, self._storing[requestId]))
             self._unsaved.clear()
-        self._forgetIdleServices()
+        # drop idle services: the table must not grow with every name ever submitted
+        held = {r.service for r in self._heldRequests()}
+        for name, entry in list(self.services.items()):
+            if name in held or entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
+                continue
+            if entry.until < self.now - 2 * self.backoff.maximum or entry.failures == 0 and (
+                    entry.state is ServiceState.UNKNOWN or entry.until <= self.now):
+                del self.services[name]
+                self._full.discard(name)
         if self._nextPurge <= self.now:
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
-        self._listIfDue()
-        self._pump()
-
-    def _listIfDue(self) -> None:
         if self._nextList is not None and self._nextList <= self.now:
             self._nextList = None
             self._listedAt = self.now
             self._emit(ListServices())
-
-    def _forgetIdleServices(self) -> None:
-        """Drop idle services: the table must not grow with every name ever submitted."""
-        held = {r.service for r in self._heldRequests()}
-        for name, entry in list(self.services.items()):
-            if name not in held and self._forgettable(entry):
-                del self.services[name]
-                self._full.discard(name)
-
-    def _forgettable(self, entry: _Service) -> bool:
-        if entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
-            return False
-        if entry.until < self.now - 2 * self.backoff.maximum:
-            return True
-        return entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
-                                        or entry.until <= self.now)
+        self._pump()
 
     def _heldRequests(self) -> list[StoredRequest]:
         return [*self.queue, *self.inflight.values(), *self._spare]
@@ -513,18 +466,14 @@ class DispatchMachine(Machine):
         """Read only for half a window at least, unless nothing waiting goes out
         soon while there is room to send: one read for many, not one each."""
         room = self._room()
-        if self._readHeld() or room <= 0:
-            return False
+        if (not self._dirty or self._loading or self._storeRetryAt is not None
+                or self._unlisted or room <= 0):
+            return False  # nothing new, a read under way, the store failing, or no listing yet
         if room >= self.window // 2 or not self.queue:
             return True
         return len(self.inflight) < self.concurrency and not any(
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
-
-    def _readHeld(self) -> bool:
-        """Nothing new to read, a read under way, the store failing, or no listing yet."""
-        return (not self._dirty or self._loading or self._storeRetryAt is not None
-                or self._unlisted)
 
     def _readPending(self, held: Counter[bytes]) -> None:
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
@@ -532,20 +481,16 @@ class DispatchMachine(Machine):
         self._full.update(full)
         parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
         skip = parked | set(full) | {r.service for r in self._spare}
-        only = self._listedFor(skip)
+        # the listed services whose requests to read (None: no listing, read any)
+        only = None if self.listing is None else sorted(
+            name for name in self.listing
+            if name not in skip and not name.startswith((b"titanic.", b"mmi.")))
         if only == []:
             return  # nothing listed may take more: read once a listing changes
         self._dirty = False
         self._loading = True
         self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()],
                                only))
-
-    def _listedFor(self, skip: set[bytes]) -> Optional[list[bytes]]:
-        """The listed services whose requests to read (None: no listing, read any)."""
-        if self.listing is None:
-            return None
-        return sorted(name for name in self.listing if name not in skip
-                      and not name.startswith((b"titanic.", b"mmi.")))
 
     def _mostOut(self, entry: _Service) -> int:
         """As many out as workers (one if none, but the service is known; the window if
