@@ -41,13 +41,6 @@ DEFAULT_SERVICE_WORKERS = 4
 DEFAULT_MAX_REQUEST_BYTES = DEFAULT_MAX_MESSAGE_BYTES
 
 
-class _ServiceWorker(Worker):
-    """Its "sent READY" line is debug: Titanic runs several per service and says
-    once what it serves."""
-
-    readyLogLevel = LogLevel.debug
-
-
 class TitanicServer:
     """The Titanic services of one store, registered with *broker* (one endpoint
     or a failover list), each served by *workers* MDP workers.  The store is the
@@ -81,10 +74,11 @@ class TitanicServer:
         handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
                     protocol.CLOSE: self.close}
         self.workers: list[Worker] = [
-            _ServiceWorker(broker, name, handler, self.reactor, heartbeat=heartbeat,
-                           backoff=backoff, limits=limits, curveServerPublic=curveServerPublic,
-                           curveSecret=curveSecret)
+            Worker(broker, name, handler, self.reactor, heartbeat=heartbeat, backoff=backoff,
+                   limits=limits, curveServerPublic=curveServerPublic, curveSecret=curveSecret)
             for name, handler in handlers.items() for _ in range(workers)]
+        for worker in self.workers:  # several per service: Titanic says once what it serves
+            worker.readyLogLevel = LogLevel.debug
 
     def start(self) -> None:
         for worker in self.workers:

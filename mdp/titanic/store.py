@@ -3,14 +3,15 @@
 :class:`SQLiteStore` (the default) has a request on disk (WAL, ``synchronous=FULL``)
 before :meth:`~ITitanicStore.add` fires; writes arriving during a commit share the
 next one.  :class:`MemoryStore` is the Guide's "faster and less reliable" mode.
-Frames are stored as one record blob with a CRC-32 (SQLite does not check inside
-values); a value that fails it reads back as damaged.
+Frames are stored as one record blob with a CRC-32; one that fails it reads back as damaged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
+import itertools
 import json
 import os
 import sqlite3
@@ -34,11 +35,6 @@ from mdp.transport.framing import decode_record, encode_record
 
 #: Bytes a store may hold (its pages in use) before new requests are refused.
 DEFAULT_MAX_STORE_BYTES = 1024**3
-
-
-def new_id() -> str:
-    """A fresh request id: an RFC 4122 UUID (version 4) as text."""
-    return str(uuid.uuid4())
 
 
 class ReplyStatus(enum.Enum):
@@ -288,14 +284,12 @@ class SQLiteStore:
     def _refuseOthers(self, db: sqlite3.Connection) -> None:
         """Refuse a damaged file, or another application's, before writing to it;
         rebuild Titanic's indexes if only they are damaged."""
-        names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
-                 if not name.startswith("sqlite_")]
-        others = sorted(set(names) - set(_OURS))
-        why = None
-        if others:
-            why = f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
-        elif "requests" in names and _columns(db) not in (_COLUMNS, _UNCHECKED_COLUMNS):
-            why = f"its requests table is not Titanic's (columns {', '.join(_columns(db))})"
+        others = sorted({name for (name,) in db.execute("SELECT name FROM sqlite_master")
+                         if not name.startswith("sqlite_")} - set(_OURS))
+        columns = _columns(db)  # none: no requests table yet
+        why = (f"it holds tables that are not Titanic's ({', '.join(others[:5])})" if others
+               else f"its requests table is not Titanic's (columns {', '.join(columns)})"
+               if columns not in ((), _COLUMNS, _UNCHECKED_COLUMNS) else None)
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
@@ -314,12 +308,9 @@ class SQLiteStore:
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
         if _columns(db) == _UNCHECKED_COLUMNS:
-            with db:
-                db.execute("BEGIN IMMEDIATE")
-                db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
-                db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
-        (version,) = db.execute("PRAGMA user_version").fetchone()
-        db.execute(f"PRAGMA user_version = {int(version)}")
+            db.executescript("BEGIN IMMEDIATE; ALTER TABLE requests ADD COLUMN request_crc INTEGER;"
+                             " ALTER TABLE requests ADD COLUMN reply_crc INTEGER; COMMIT")
+        db.execute(f"PRAGMA user_version = {int(db.execute('PRAGMA user_version').fetchone()[0])}")
 
     def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
         """The database, its WAL and the lock as (device, inode) now (None: gone)."""
@@ -362,35 +353,28 @@ class SQLiteStore:
                  "again", path=self.path, lock=path)
         return True
 
-    def _inUse(self, db: sqlite3.Connection) -> int:
-        """Bytes of the database's pages in use (free pages are reused first)."""
-        (pages,), (free,), (size,) = (db.execute(f"PRAGMA {name}").fetchone() for name in
-                                      ("page_count", "freelist_count", "page_size"))
-        return (pages - free) * size
-
-    def _fitting(self, db: sqlite3.Connection, statements: list[tuple[str, tuple[Any, ...], int]]
-                 ) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[int, Exception]]:
-        """The statements that fit :attr:`maxBytes`, and the refusal of each other by index."""
-        used = self._inUse(db) if any(size for _, _, size in statements) else 0
-        fitting, refused = [], {}
-        for index, (sql, args, size) in enumerate(statements):
+    def _commit(self, sized: list[tuple[str, tuple[Any, ...], int]]) -> list[Any]:
+        """Commit the statements that fit :attr:`maxBytes` in one transaction, or if that
+        fails each alone; returns each row count or exception (TitanicStoreFull for one
+        that does not fit).  Nothing is written once the files moved."""
+        db = self._connection()
+        moved = self._moved()
+        if moved is not None:
+            raise StoreError(moved)
+        used = 0
+        if any(size for _, _, size in sized):  # bytes of the pages in use (free ones are reused)
+            (used,) = db.execute("SELECT (p.page_count - f.freelist_count) * s.page_size FROM "
+                                 "pragma_page_count p, pragma_freelist_count f, pragma_page_size s"
+                                 ).fetchone()
+        statements, refused = [], {}
+        for index, (sql, args, size) in enumerate(sized):
             if size and used + size > self.maxBytes:
                 refused[index] = TitanicStoreFull(
                     f"Titanic's store is full: {used} bytes in use, a request of {size} "
                     f"bytes would pass its limit of {self.maxBytes}; try again later")
             else:
                 used += size
-                fitting.append((sql, args))
-        return fitting, refused
-
-    def _commit(self, sized: list[tuple[str, tuple[Any, ...], int]]) -> list[Any]:
-        """Commit the statements that fit in one transaction, or if that fails each alone;
-        returns each row count or exception.  Nothing is written once the files moved."""
-        db = self._connection()
-        moved = self._moved()
-        if moved is not None:
-            raise StoreError(moved)
-        statements, refused = self._fitting(db, sized)
+                statements.append((sql, args))
 
         def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
             try:
@@ -444,17 +428,12 @@ class SQLiteStore:
     def _budgeted(self, db: sqlite3.Connection, sql: str,
                   args: tuple[Any, ...]) -> Optional[list[tuple[Any, ...]]]:
         """The rows of *sql*, or None past :data:`SCAN_BUDGET` steps."""
-        left = [SCAN_BUDGET]
-
-        def spent() -> bool:
-            left[0] -= 1
-            return left[0] < 0  # true: SQLite interrupts the statement
-
-        db.set_progress_handler(spent, 1000)
+        steps = itertools.count()
+        db.set_progress_handler(lambda: next(steps) >= SCAN_BUDGET, 1000)  # true: interrupt
         try:
             return db.execute(sql, args).fetchall()
         except sqlite3.OperationalError:
-            if left[0] >= 0:
+            if next(steps) <= SCAN_BUDGET:  # not interrupted for the budget
                 raise
             return None
         finally:
@@ -475,12 +454,9 @@ class SQLiteStore:
         batch, self._writes = self._writes, []
 
         def committed(results: Any) -> None:
-            for index, (_, _, _, d) in enumerate(batch):
-                outcome = results if isinstance(results, Failure) else results[index]
-                if isinstance(outcome, (Failure, BaseException)):
-                    d.errback(outcome)
-                else:
-                    d.callback(outcome)
+            outcomes = [results] * len(batch) if isinstance(results, Failure) else results
+            for (*_, d), outcome in zip(batch, outcomes):
+                (d.errback if isinstance(outcome, (Failure, BaseException)) else d.callback)(outcome)
 
         return self._run(self._commit, [(sql, args, size) for sql, args, size, _ in batch]
                          ).addBoth(committed)
@@ -493,10 +469,7 @@ class SQLiteStore:
         real = os.path.realpath(self.path)
         if os.path.exists(real) and not os.path.isfile(real):
             raise StoreError(f"Titanic store {self.path}: not a file")
-        try:
-            links = os.stat(real).st_nlink
-        except OSError:
-            links = 1  # not there yet: SQLite makes it
+        links = os.stat(real).st_nlink if os.path.exists(real) else 1  # none yet: SQLite makes it
         if links > 1:
             raise StoreError(f"Titanic store {self.path}: the file has {links} hard links; "
                              "SQLite keeps a database under one name only (its WAL is named "
@@ -534,17 +507,14 @@ class SQLiteStore:
 
     def _release(self) -> None:
         if self._pool is not None:
-            if self._pool.started:
-                self._pool.stop()
+            self._pool.stop()
             self._pool = None
         if self._db is not None:  # not closed (the reactor stopped first)
             self._closeDb(self._db)
             self._db = None
         if self._trigger is not None:
-            try:
+            with contextlib.suppress(ValueError, KeyError):
                 self.reactor.removeSystemEventTrigger(self._trigger)
-            except (ValueError, KeyError):
-                pass
             self._trigger = None
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
@@ -567,7 +537,7 @@ class SQLiteStore:
         return self._run(self._connect).addErrback(lambda failure: (self._release(), failure)[1])
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
-        requestId = new_id()
+        requestId = str(uuid.uuid4())  # an RFC 4122 UUID (version 4) as text
         service = bytes(service)
         record = encode_record(frames)
         d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
@@ -583,8 +553,7 @@ class SQLiteStore:
         ids = json.dumps(list(skipIds))
         if onlyServices is not None:
             skip = set(skipServices)
-            wanted = [s for s in onlyServices if s not in skip]
-            d = self._run(self._pendingOf, limit, wanted, ids)
+            d = self._run(self._pendingOf, limit, [s for s in onlyServices if s not in skip], ids)
         else:
             d = self._run(self._pending, limit, list(skipServices), ids)
 
@@ -608,7 +577,6 @@ class SQLiteStore:
         return self._run(self._reply, requestId)
 
     def _reply(self, requestId: str) -> tuple[ReplyStatus, list[bytes]]:
-        """:meth:`reply` on the store's thread."""
         row = self._connection().execute(
             "SELECT reply, reply_crc FROM requests WHERE id = ?", (requestId,)).fetchone()
         if row is None:
