@@ -334,9 +334,7 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        if name not in self.services:
-            self.services[name] = _Service(name)
-        return self.services[name]
+        return self.services.setdefault(name, _Service(name))
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -400,7 +398,9 @@ class DispatchMachine(Machine):
         held = self._placeQueue()
         if self._timeToRead():
             self._readPending(held)
-        self._setWake(self._nextWake())
+        due = (self._storeRetryAt, self._nextList, self._nextPurge)
+        parked = (e.until for e in self.services.values() if e.state is ServiceState.PARKED)
+        self._setWake(min([*parked, *(when for when in due if when is not None)]))
 
     def _placeQueue(self) -> Counter[bytes]:
         """Send, keep, set aside or leave in the store each waiting request; returns held by service."""
@@ -498,11 +498,6 @@ class DispatchMachine(Machine):
         if entry.workers is None:
             return self.window
         return max(entry.workers, 1)
-
-    def _nextWake(self) -> float:
-        due = (self._storeRetryAt, self._nextList, self._nextPurge)
-        parked = (e.until for e in self.services.values() if e.state is ServiceState.PARKED)
-        return min([*parked, *(when for when in due if when is not None)])
 
     def _setWake(self, when: Optional[float]) -> None:
         if when != self._wake:
@@ -633,23 +628,26 @@ class Dispatcher:
         try:
             while self._events:
                 handler, args = self._events.pop(0)
-                self._perform(handler(*args, self.reactor.seconds()))
+                for action in handler(*args, self.reactor.seconds()):
+                    self._performers[type(action)](action)
         finally:
             self._busy = False
 
-    def _then(self, handler: Any) -> Any:
-        """A callback feeding *handler*, unless the dispatcher stopped since."""
+    def _then(self) -> Callable[..., None]:
+        """Feeds a handler its event, unless the dispatcher stopped since this was made."""
         generation = self._generation
 
-        def feed(*args: Any) -> None:
+        def feed(handler: Any, *args: Any) -> None:
             if generation == self._generation:
                 self._feed(handler, *args)
 
         return feed
 
-    def _perform(self, actions: list[Action]) -> None:
-        for action in actions:
-            self._performers[type(action)](action)
+    def _troubled(self, handler: Any, format: str, *args: Any, **fields: Any) -> Any:
+        """An errback that logs the store's failure and feeds *handler* (*args*, its reason)."""
+        feed = self._then()
+        return lambda failure: (report_failure(log, failure, format, **fields),
+                                feed(handler, *args, failure.getErrorMessage()))
 
     def _logParked(self, action: Parked) -> None:
         log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
@@ -661,67 +659,57 @@ class Dispatcher:
                               lambda: self._feed(self.machine.handleWake))
 
     def _load(self, action: LoadPending) -> None:
-        loaded, failed = self._then(self.machine.handleLoaded), self._then(self.machine.handleLoadFailed)
-
-        def trouble(failure: Failure) -> None:
-            report_failure(log, failure, "Titanic could not read pending requests")
-            failed(failure.getErrorMessage())
-
+        feed = self._then()
         only = {} if action.onlyServices is None else {"onlyServices": action.onlyServices}
         defer.maybeDeferred(self.store.pending, action.limit, action.skipServices,
                             action.skipIds, **only).addCallbacks(
-            lambda requests: loaded(requests, action.limit), trouble)
+            lambda requests: feed(self.machine.handleLoaded, requests, action.limit),
+            self._troubled(self.machine.handleLoadFailed, "Titanic could not read pending requests"))
 
     async def _list(self) -> None:
         """``mmi.services``: the services the broker knows and their workers."""
-        listed = self._then(self.machine.handleListed)
-        failed = self._then(self.machine.handleListFailed)
+        feed = self._then()
         try:
             reply = await self.client.request(b"mmi.services", timeout=min(self.timeout, 5.0))
         except RETRY as e:  # the broker away: keep the last listing
             self._warnOnce("Titanic: no answer to mmi.services ({reason}); after {tries} in a "
                            "row, each service is asked about instead", reason=e, tries=LIST_TRIES)
-            failed(str(e))
-            return
+            return feed(self.machine.handleListFailed, str(e))
         except Exception:  # refused, over this client's limits, ...: ask each service
             reply = []
-        listed(services_listed(reply))
+        feed(self.machine.handleListed, services_listed(reply))
 
     async def _check(self, service: bytes) -> None:
         """``mmi.workers`` counts the workers; none counted, or no listing (a broker
         without it, a listing over this client's limits), ``mmi.service`` says
         whether the broker knows the service."""
-        machine = self.machine
-        counted, checked = self._then(machine.handleCounted), self._then(machine.handleChecked)
-        lingering = self._then(machine.handleLingering)
+        feed, machine = self._then(), self.machine
         timeout = min(self.timeout, 5.0)
         try:
             workers = mmi.workers_listed(await self.client.request(
                 b"mmi.workers", service, timeout=timeout))
         except RETRY as e:  # the broker away: ask again later
-            checked(service, False, f"mmi.workers failed: {e}")
-            return
+            return feed(machine.handleChecked, service, False, f"mmi.workers failed: {e}")
         except Exception:  # refused, over this client's limits, ...: ask the short way
             workers = None
         if workers:
-            counted(service, workers)
-            return
+            return feed(machine.handleCounted, service, workers)
         reason = "no worker (mmi.service)"
         try:
             answer = (await self.client.request(b"mmi.service", service, timeout=timeout))[:1]
         except Exception as e:
             answer, reason = [], f"mmi.service failed: {e}"
         if workers == 0 and answer == [mmi.FOUND]:  # known: its worker restarting
-            lingering(service)
+            feed(machine.handleLingering, service)
         elif workers == 0:
-            counted(service, 0)
+            feed(machine.handleCounted, service, 0)
         elif answer == [b"501"]:  # a broker without MMI: send, and see
             self._warnOnce("Titanic: the broker does not answer mmi.service (501); "
                            "sending requests without asking")
-            checked(service, True, "")
+            feed(machine.handleChecked, service, True, "")
         else:
             available = answer == [mmi.FOUND]
-            checked(service, available, "" if available else reason)
+            feed(machine.handleChecked, service, available, "" if available else reason)
 
     def _warnOnce(self, format: str, **fields: Any) -> None:
         if format not in self._warned:
@@ -732,14 +720,16 @@ class Dispatcher:
         """Send a stored request.  A stream that outgrows what one ``titanic.reply``
         can carry is answered 413 and abandoned (cancelled a turn later: this runs
         inside the client's handler)."""
-        request = action.request
-        replied, failedFor = self._then(self.machine.handleReply), self._then(self.machine.handleFailed)
+        request, feed = action.request, self._then()
         mostBytes = max(1, self.limits.maxMessageBytes - REPLY_RESERVE_BYTES)
         mostFrames = max(1, self.limits.maxFrames - REPLY_RESERVE_FRAMES)
         parts: list[bytes] = []
         held = 0  # bytes in parts
         over = False  # answered 413 and abandoned
         calls: list[defer.Deferred[Any]] = []
+
+        def replied(body: list[bytes]) -> None:
+            feed(self.machine.handleReply, request.id, body)
 
         def fits(body: list[bytes]) -> bool:
             nonlocal held, over
@@ -749,10 +739,9 @@ class Dispatcher:
                 return True
             over = True
             parts.clear()
-            replied(request.id, error_body(
-                STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more than "
-                f"{mostBytes} bytes or {mostFrames} frames in all, the most a titanic.reply "
-                f"can carry"))
+            replied(error_body(STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more "
+                               f"than {mostBytes} bytes or {mostFrames} frames in all, the most "
+                               "a titanic.reply can carry"))
             if calls:
                 self.reactor.callLater(0, calls[0].cancel)
             return False
@@ -768,38 +757,32 @@ class Dispatcher:
 
         def final(body: list[bytes]) -> None:
             if not over and (not parts or fits(body)):
-                replied(request.id, parts + body)
+                replied(parts + body)
 
         def failed(failure: Failure) -> None:
+            body = final_error_body(failure.value)
             if over:
                 return
-            body = final_error_body(failure.value)
-            if body is not None:
-                replied(request.id, body)
+            if body is None:
+                feed(self.machine.handleFailed, request.id, failure.getErrorMessage())
             else:
-                failedFor(request.id, failure.getErrorMessage())
+                replied(body)
 
         try:
             d = self.client.request(request.service, *request.frames,
                                     onPartial=partial, onRestart=restart)
         except (ValueError, TypeError) as e:  # over this client's limits, or cannot be sent
-            replied(request.id, final_error_body(e) or error_body(
+            return replied(final_error_body(e) or error_body(
                 STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))
-            return
         calls.append(d)
         d.addCallbacks(final, failed)
 
     def _storeReply(self, action: StoreReply) -> None:
-        requestId, frames = action.requestId, action.frames
-        stored = self._then(self.machine.handleReplyStored)
-        failed = self._then(self.machine.handleStoreFailed)
-
-        def trouble(failure: Failure) -> None:
-            report_failure(log, failure, "Titanic could not store the reply to {id}", id=requestId)
-            failed(requestId, failure.getErrorMessage())
-
-        self.store.complete(requestId, frames, self.reactor.seconds()).addCallbacks(
-            lambda _: stored(requestId), trouble)
+        feed = self._then()
+        self.store.complete(action.requestId, action.frames, self.reactor.seconds()).addCallbacks(
+            lambda _: feed(self.machine.handleReplyStored, action.requestId),
+            self._troubled(self.machine.handleStoreFailed, "Titanic could not store the reply to "
+                           "{id}", action.requestId, id=action.requestId))
 
     def _purge(self, action: Purge) -> None:
         def purged(count: int) -> None:
