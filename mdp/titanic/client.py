@@ -51,18 +51,10 @@ class TitanicClient:
     """Titanic's services through *broker* (one endpoint or a failover list).
     *timeout* and *retries* are those of each call to Titanic itself."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        reactor: Optional[Any] = None,
-        *,
-        pollInterval: float = DEFAULT_POLL_INTERVAL,
-        timeout: float = DEFAULT_TIMEOUT,
-        retries: int = DEFAULT_RETRIES,
-        limits: Limits = Limits(),
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 pollInterval: float = DEFAULT_POLL_INTERVAL, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = DEFAULT_RETRIES, limits: Limits = Limits(),
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.pollInterval = positive_seconds("pollInterval", pollInterval)
         self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
@@ -129,8 +121,7 @@ class TitanicClient:
 
         return defer.ensureDeferred(poll())
 
-    def result(self, requestId: str, *,
-               pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
+    def result(self, requestId: str, *, pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
         """The reply frames, polling every *pollInterval* seconds (default: the
         client's) until done; :data:`TRANSIENT` failures are logged and polled
         again.  Cancel the Deferred to stop polling."""

@@ -106,18 +106,10 @@ class DispatchMachine(Machine):
     without a full listing, each service is asked about (``mmi.workers``,
     ``mmi.service``) and parked with a backoff of its own."""
 
-    def __init__(
-        self,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        keep: float = DEFAULT_KEEP,
-        purgeEvery: float = DEFAULT_PURGE_EVERY,
-        recheck: float = DEFAULT_RECHECK,
-        window: Optional[int] = None,
-        listEvery: Optional[float] = None,
-        now: float = 0.0,
-    ) -> None:
+    def __init__(self, *, concurrency: int = DEFAULT_CONCURRENCY, backoff: Backoff = DEFAULT_BACKOFF,
+                 keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
+                 recheck: float = DEFAULT_RECHECK, window: Optional[int] = None,
+                 listEvery: Optional[float] = None, now: float = 0.0) -> None:
         whole_number("concurrency", concurrency)
         for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck),
                             ("listEvery", 1.0 if listEvery is None else listEvery)):
@@ -194,8 +186,7 @@ class DispatchMachine(Machine):
         self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
         for name, entry in self.services.items():
             appeared = new.get(name) and not old.get(name)
-            if entry.state is ServiceState.AVAILABLE or (
-                    appeared and entry.state is ServiceState.PARKED):
+            if entry.state is ServiceState.AVAILABLE or (appeared and entry.state is ServiceState.PARKED):
                 entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
@@ -217,8 +208,7 @@ class DispatchMachine(Machine):
             self._nextList = min(self._nextList, max(now, self._listedAt + self.listEvery / 4))
         return self._pumped()
 
-    def handleLoaded(self, requests: Sequence[StoredRequest], limit: int,
-                     now: float) -> list[Action]:
+    def handleLoaded(self, requests: Sequence[StoredRequest], limit: int, now: float) -> list[Action]:
         """The answer to LoadPending(*limit*)."""
         self.now = now
         self._loading = False
@@ -238,8 +228,7 @@ class DispatchMachine(Machine):
         self._storeTrouble()
         return self._drain()
 
-    def handleChecked(self, service: bytes, available: bool, reason: str,
-                      now: float) -> list[Action]:
+    def handleChecked(self, service: bytes, available: bool, reason: str, now: float) -> list[Action]:
         """No worker count (``mmi.service``, or a failure): bound by *concurrency* alone."""
         return self._checked(service, None, available, reason, now)
 
@@ -412,8 +401,7 @@ class DispatchMachine(Machine):
         self.queue = [request for request in self.queue if self._placeRequest(request, out, held)]
         return held
 
-    def _placeRequest(self, request: StoredRequest, out: Counter[bytes],
-                      held: Counter[bytes]) -> bool:
+    def _placeRequest(self, request: StoredRequest, out: Counter[bytes], held: Counter[bytes]) -> bool:
         """Send *request* if it may go out; True if it waits in the queue."""
         if not request.frames:
             # no frames could be read back: the driver answers it with an error
@@ -489,8 +477,7 @@ class DispatchMachine(Machine):
             return  # nothing listed may take more: read once a listing changes
         self._dirty = False
         self._loading = True
-        self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()],
-                               only))
+        self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()], only))
 
     def _mostOut(self, entry: _Service) -> int:
         """As many out as workers (one if none, but the service is known; the window if
@@ -545,23 +532,13 @@ class Dispatcher:
     """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
     endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        store: ITitanicStore,
-        reactor: Optional[Any] = None,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        timeout: float = DEFAULT_TIMEOUT,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        keep: float = DEFAULT_KEEP,
-        purgeEvery: float = DEFAULT_PURGE_EVERY,
-        recheck: float = DEFAULT_RECHECK,
-        listEvery: Optional[float] = DEFAULT_LIST_EVERY,
-        limits: Limits = Limits(),
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
+                 reactor: Optional[Any] = None, *, concurrency: int = DEFAULT_CONCURRENCY,
+                 timeout: float = DEFAULT_TIMEOUT, backoff: Backoff = DEFAULT_BACKOFF,
+                 keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
+                 recheck: float = DEFAULT_RECHECK, listEvery: Optional[float] = DEFAULT_LIST_EVERY,
+                 limits: Limits = Limits(), curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         reactor = default_reactor(reactor)
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         if listEvery is not None and not _reads_by_service(store):
@@ -592,10 +569,6 @@ class Dispatcher:
         # every request out, and room for the service checks beside them
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
                       maxConnections=self.machine.concurrency + 2, limits=self.limits, **self._curve)
-
-    @property
-    def concurrency(self) -> int:
-        return self.machine.concurrency
 
     def start(self) -> None:
         if self.machine.running:
@@ -686,8 +659,7 @@ class Dispatcher:
         feed, machine = self._then(), self.machine
         timeout = min(self.timeout, 5.0)
         try:
-            workers = mmi.workers_listed(await self.client.request(
-                b"mmi.workers", service, timeout=timeout))
+            workers = mmi.workers_listed(await self.client.request(b"mmi.workers", service, timeout=timeout))
         except RETRY as e:  # the broker away: ask again later
             return feed(machine.handleChecked, service, False, f"mmi.workers failed: {e}")
         except Exception:  # refused, over this client's limits, ...: ask the short way
@@ -769,8 +741,7 @@ class Dispatcher:
                 replied(body)
 
         try:
-            d = self.client.request(request.service, *request.frames,
-                                    onPartial=partial, onRestart=restart)
+            d = self.client.request(request.service, *request.frames, onPartial=partial, onRestart=restart)
         except (ValueError, TypeError) as e:  # over this client's limits, or cannot be sent
             return replied(final_error_body(e) or error_body(
                 STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))

@@ -46,22 +46,13 @@ class TitanicServer:
     or a failover list), each served by *workers* MDP workers.  The store is the
     caller's to open and close."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        store: ITitanicStore,
-        reactor: Optional[Any] = None,
-        *,
-        onStored: Optional[Callable[[str], Any]] = None,
-        onClosed: Optional[Callable[[str], Any]] = None,
-        workers: int = DEFAULT_SERVICE_WORKERS,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        limits: Limits = Limits(),
-        maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
+                 reactor: Optional[Any] = None, *, onStored: Optional[Callable[[str], Any]] = None,
+                 onClosed: Optional[Callable[[str], Any]] = None,
+                 workers: int = DEFAULT_SERVICE_WORKERS, heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+                 backoff: Backoff = PIRATE, limits: Limits = Limits(),
+                 maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         for name, value in (("workers", workers), ("maxRequestBytes", maxRequestBytes)):
             protocol.whole_number(name, value)
         #: at most the store's own limit: a larger request would be refused for ever
@@ -71,8 +62,7 @@ class TitanicServer:
         self.store = store
         self.onStored = onStored
         self.onClosed = onClosed
-        handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
-                    protocol.CLOSE: self.close}
+        handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply, protocol.CLOSE: self.close}
         self.workers: list[Worker] = [
             Worker(broker, name, handler, self.reactor, heartbeat=heartbeat, backoff=backoff,
                    limits=limits, curveServerPublic=curveServerPublic, curveSecret=curveSecret)
@@ -125,8 +115,7 @@ class TitanicServer:
                 return [protocol.OK, *frames]
             return [protocol.PENDING if status is ReplyStatus.PENDING else protocol.UNKNOWN]
 
-        return self.store.reply(requestId).addCallbacks(answer, self._storeFailed,
-                                                        errbackArgs=("read",))
+        return self.store.reply(requestId).addCallbacks(answer, self._storeFailed, errbackArgs=("read",))
 
     def close(self, body: list[bytes]) -> Any:
         """``titanic.close``: forget the request and its reply; ``200``."""
@@ -177,26 +166,16 @@ class Titanic:
     (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`;
     *maxStoreBytes* applies to a path (a store object has its own ``maxBytes``)."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        store: Union[str, ITitanicStore],
-        reactor: Optional[Any] = None,
-        *,
-        concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
-        timeout: float = dispatcher.DEFAULT_TIMEOUT,
-        backoff: Backoff = dispatcher.DEFAULT_BACKOFF,
-        keep: float = dispatcher.DEFAULT_KEEP,
-        purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
-        listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
-        workers: int = DEFAULT_SERVICE_WORKERS,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        limits: Limits = Limits(),
-        maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: Union[str, ITitanicStore],
+                 reactor: Optional[Any] = None, *, concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
+                 timeout: float = dispatcher.DEFAULT_TIMEOUT,
+                 backoff: Backoff = dispatcher.DEFAULT_BACKOFF, keep: float = dispatcher.DEFAULT_KEEP,
+                 purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
+                 listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
+                 workers: int = DEFAULT_SERVICE_WORKERS, heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+                 limits: Limits = Limits(), maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.store = (open_store(store, self.reactor, maxBytes=maxStoreBytes)
                       if isinstance(store, str) else store)

@@ -145,8 +145,7 @@ _PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
 SCAN_BUDGET = 200
 
 #: the columns of Titanic's requests table (another table is left as it is)
-_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
-            "request_crc", "reply_crc")
+_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed", "request_crc", "reply_crc")
 #: before the checksums: such a table gets them at open
 _UNCHECKED_COLUMNS = _COLUMNS[:7]
 _OURS = ("requests", "requests_pending", "requests_completed", "requests_pending_service")
@@ -188,8 +187,7 @@ def _intact(crc: Any, *values: Any) -> bool:
     return all(isinstance(v, bytes) for v in values) and _checksum(*values) == crc
 
 
-def _request_frames(requestId: Any, service: Any, blob: Any,
-                    crc: Any) -> tuple[list[bytes], Optional[str]]:
+def _request_frames(requestId: Any, service: Any, blob: Any, crc: Any) -> tuple[list[bytes], Optional[str]]:
     """The frames of a stored request, or ``[]`` and (if known) why not.  A row
     without a checksum is taken as it is; older rows' checksums leave out the id."""
     if crc is not None and not (isinstance(requestId, str) and requestId.isascii() and (
@@ -390,8 +388,7 @@ class SQLiteStore:
         done = iter(results)
         return [refused[i] if i in refused else next(done) for i in range(len(sized))]
 
-    def _pendingOf(self, limit: int, services: Collection[bytes],
-                   skipIds: str) -> list[tuple[Any, ...]]:
+    def _pendingOf(self, limit: int, services: Collection[bytes], skipIds: str) -> list[tuple[Any, ...]]:
         """The *limit* oldest pending rows of *services* (by age within :data:`SCAN_BUDGET`
         steps, else service by service), and of those found damaged whatever their service
         now says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
@@ -416,8 +413,7 @@ class SQLiteStore:
             self._damaged = [seq for (seq, *_) in db.execute(
                 _PENDING_ROWS, (json.dumps(self._damaged), "[]", len(self._damaged)))]
 
-    def _pending(self, limit: int, skipServices: Collection[bytes],
-                 skipIds: str) -> list[tuple[Any, ...]]:
+    def _pending(self, limit: int, skipServices: Collection[bytes], skipIds: str) -> list[tuple[Any, ...]]:
         """The *limit* oldest pending rows of services not skipped: one scan by age, or
         past :data:`SCAN_BUDGET` steps, service by service through the service index."""
         db = self._connection()
@@ -458,8 +454,7 @@ class SQLiteStore:
             for (*_, d), outcome in zip(batch, outcomes):
                 (d.errback if isinstance(outcome, (Failure, BaseException)) else d.callback)(outcome)
 
-        return self._run(self._commit, [(sql, args, size) for sql, args, size, _ in batch]
-                         ).addBoth(committed)
+        return self._run(self._commit, [(sql, args, size) for sql, args, size, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
         """Lock ``PATH.lock``: two Titanics on one file would run every request twice;
@@ -595,8 +590,7 @@ class SQLiteStore:
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._rows.pop(requestId, None)
-        return self._write("DELETE FROM requests WHERE id = ?",
-                           (requestId,)).addCallback(lambda _: None)
+        return self._write("DELETE FROM requests WHERE id = ?", (requestId,)).addCallback(lambda _: None)
 
     def purge(self, before: float) -> defer.Deferred[int]:
         return self._write("DELETE FROM requests WHERE reply IS NOT NULL "
