@@ -9,8 +9,8 @@ it changes neither the broker nor ordinary workers.
 
 from mdp.titanic.client import TitanicClient
 from mdp.titanic.protocol import TitanicRefused, TitanicRequestTooLarge, TitanicStoreFull
-from mdp.titanic.server import Titanic, TitanicServer, open_store
-from mdp.titanic.store import ITitanicStore, MemoryStore, SQLiteStore
+from mdp.titanic.server import Titanic, TitanicServer
+from mdp.titanic.store import ITitanicStore, MemoryStore, SQLiteStore, open_store
 
 __all__ = ["ITitanicStore", "MemoryStore", "SQLiteStore", "Titanic", "TitanicClient",
            "TitanicRefused", "TitanicRequestTooLarge", "TitanicServer", "TitanicStoreFull",

@@ -13,15 +13,8 @@ from typing import Any, Optional, Sequence, Union
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from mdp.errors import (
-    RemoteError,
-    RequestTimeout,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    TitanicError,
-    TransportError,
-    UnknownRequest,
-)
+from mdp import errors
+from mdp.errors import RemoteError, TitanicError, UnknownRequest
 from mdp.majordomo import codec
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
 from mdp.messages import Frame, remote_error, request_frames
@@ -35,7 +28,8 @@ DEFAULT_POLL_INTERVAL = 1.0
 #: Requests submitted here whose service is remembered (to name it in errors).
 _REMEMBERED = 10_000
 #: Poll failures meaning only that Titanic (or the broker) is away for a while.
-TRANSIENT = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError)
+TRANSIENT = (errors.RequestTimeout, errors.ServiceUnavailable, errors.ServiceOverloaded,
+             errors.TransportError)
 
 
 def _check_id(requestId: str) -> bytes:

@@ -1,8 +1,6 @@
-"""Titanic's three MDP services over a store (:class:`TitanicServer`), and
-:class:`Titanic`: those services, the dispatcher and the store in one.  A request
-is acknowledged only once the store committed it; the dispatcher learns of it
-through *onStored*.
-"""
+"""Titanic's three MDP services over a store (:class:`TitanicServer`), and :class:`Titanic`:
+those services, the dispatcher and the store in one.  A request is acknowledged only once
+the store committed it; the dispatcher learns of it through *onStored*."""
 
 from __future__ import annotations
 
@@ -11,26 +9,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
 
+from mdp import policy
 from mdp.majordomo.worker import Worker
-from mdp.policy import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    PIRATE,
-    Backoff,
-    HeartbeatPolicy,
-    Limits,
-    LogThrottle,
-    default_reactor,
-)
+from mdp.policy import DEFAULT_MAX_MESSAGE_BYTES, PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import (
-    DEFAULT_MAX_STORE_BYTES,
-    ITitanicStore,
-    MemoryStore,
-    ReplyStatus,
-    SQLiteStore,
-    report_failure,
-)
+from mdp.titanic.store import DEFAULT_MAX_STORE_BYTES, ITitanicStore, ReplyStatus, open_store, report_failure
 
 log = Logger()
 
@@ -58,7 +42,7 @@ class TitanicServer:
         #: at most the store's own limit: a larger request would be refused for ever
         self.maxRequestBytes = min(maxRequestBytes, getattr(store, "maxBytes", maxRequestBytes))
         self.reactor = default_reactor(reactor)
-        self._throttle = LogThrottle(self.reactor, 10.0)
+        self._throttle = policy.LogThrottle(self.reactor, 10.0)
         self.store = store
         self.onStored = onStored
         self.onClosed = onClosed
@@ -149,17 +133,6 @@ class TitanicServer:
         return protocol.failed(f"the store failed to {what}: {failure.getErrorMessage()}")
 
 
-def open_store(db: str, reactor: Optional[Any] = None, *,
-               maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> ITitanicStore:
-    """The store for *db*: ``":memory:"`` is the memory store, anything else a
-    SQLite file path (made if missing); either holds at most *maxBytes*."""
-    if db == ":memory:":
-        return MemoryStore(maxBytes=maxBytes)
-    if not db:
-        raise ValueError("the Titanic database path is empty (give a file, or :memory:)")
-    return SQLiteStore(db, reactor, maxBytes=maxBytes)
-
-
 class Titanic:
     """A whole Titanic: the three services, the dispatcher and the store.  *store*
     is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
@@ -181,14 +154,11 @@ class Titanic:
                       if isinstance(store, str) else store)
         curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
-                                     timeout=timeout, backoff=backoff, keep=keep,
-                                     purgeEvery=purgeEvery, listEvery=listEvery,
-                                     limits=limits, **curve)
-        self.server = TitanicServer(broker, self.store, self.reactor,
-                                    onStored=self.dispatcher.stored,
-                                    onClosed=self.dispatcher.closed, workers=workers,
-                                    heartbeat=heartbeat, limits=limits,
-                                    maxRequestBytes=maxRequestBytes, **curve)
+                                     timeout=timeout, backoff=backoff, keep=keep, purgeEvery=purgeEvery,
+                                     listEvery=listEvery, limits=limits, **curve)
+        self.server = TitanicServer(broker, self.store, self.reactor, onStored=self.dispatcher.stored,
+                                    onClosed=self.dispatcher.closed, workers=workers, heartbeat=heartbeat,
+                                    limits=limits, maxRequestBytes=maxRequestBytes, **curve)
         self._started = False
         self._starting: Optional[defer.Deferred[None]] = None
         self._stopping = False

@@ -262,20 +262,17 @@ class SQLiteStore:
         return self._db
 
     def _connect(self) -> None:
-        db: Optional[sqlite3.Connection] = None
         if self._lockPath is not None:
             integrity.check_wal(os.path.realpath(self.path), self._mark)
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._refuseOthers(db)
-            self._prepare(db)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._refuseOthers(self._db)
+            self._prepare(self._db)
         except (sqlite3.Error, StoreError) as e:
-            if db is not None:
-                self._closeDb(db)
+            self._shut()
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
-        self._db = db
         self._files = self._identities()
         self._setMark(integrity.OPEN_MARK)
 
@@ -312,12 +309,10 @@ class SQLiteStore:
 
     def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
         """The database, its WAL and the lock as (device, inode) now (None: gone)."""
-        if self.path == ":memory:":
+        if self._lockPath is None:  # in memory
             return {}
         real = os.path.realpath(self.path)  # SQLite names the WAL after the file a link leads to
-        names = {self.path: real, "its WAL": real + "-wal"}
-        if self._lockPath is not None:
-            names["its lock"] = self._lockPath
+        names = {self.path: real, "its WAL": real + "-wal", "its lock": self._lockPath}
         return {what: _identity(name) for what, name in names.items()}
 
     def _moved(self) -> Optional[str]:
@@ -479,12 +474,14 @@ class SQLiteStore:
             os.pwrite(self._lock, mark, 0)
             os.ftruncate(self._lock, len(mark))
 
-    def _closeDb(self, db: sqlite3.Connection) -> None:
-        """Close *db*; the last connection closed checkpoints and removes the WAL, and
-        then the lock file says the store is closed."""
-        db.close()
-        if not os.path.exists(os.path.realpath(self.path) + "-wal"):
-            self._setMark(b"")
+    def _shut(self) -> None:
+        """Close the database; the last connection closed checkpoints and removes the
+        WAL, and then the lock file says the store is closed."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+            if not os.path.exists(os.path.realpath(self.path) + "-wal"):
+                self._setMark(b"")
 
     def _flock(self, lockPath: str) -> int:
         """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
@@ -504,9 +501,7 @@ class SQLiteStore:
         if self._pool is not None:
             self._pool.stop()
             self._pool = None
-        if self._db is not None:  # not closed (the reactor stopped first)
-            self._closeDb(self._db)
-            self._db = None
+        self._shut()  # if not closed yet (the reactor stopped first)
         if self._trigger is not None:
             with contextlib.suppress(ValueError, KeyError):
                 self.reactor.removeSystemEventTrigger(self._trigger)
@@ -597,18 +592,13 @@ class SQLiteStore:
                            "AND completed < ?", (before,))
 
     def close(self) -> defer.Deferred[None]:
-        def shut() -> None:
-            if self._db is not None:
-                self._closeDb(self._db)
-                self._db = None
-
         self._rows.clear()
         if self._pool is None:
             return defer.succeed(None)
         written: defer.Deferred[None] = defer.Deferred()
         self._lastCommit.chainDeferred(written)  # the writes asked for are committed first
-        d = written.addCallback(lambda _: self._run(shut))
-        return d.addBoth(lambda result: (self._release(), result)[1])
+        return written.addCallback(lambda _: self._run(self._shut)).addBoth(
+            lambda result: (self._release(), result)[1])
 
 
 @implementer_only(ITitanicStore)
@@ -629,3 +619,14 @@ class MemoryStore(SQLiteStore):
 
     def close(self) -> defer.Deferred[None]:
         return defer.succeed(None)
+
+
+def open_store(db: str, reactor: Optional[Any] = None, *,
+               maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> ITitanicStore:
+    """The store for *db*: ``":memory:"`` is the memory store, anything else a
+    SQLite file path (made if missing); either holds at most *maxBytes*."""
+    if db == ":memory:":
+        return MemoryStore(maxBytes=maxBytes)
+    if not db:
+        raise ValueError("the Titanic database path is empty (give a file, or :memory:)")
+    return SQLiteStore(db, reactor, maxBytes=maxBytes)
