@@ -37,14 +37,12 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT = 30.0
 #: Wait before asking again about a parked service.
 DEFAULT_BACKOFF = Backoff(1.0, 32.0)
-#: What a ``titanic.reply`` answer adds to a stored reply: a streamed reply is kept
-#: only while it fits the limits less this.
+#: What a ``titanic.reply`` answer adds to a stored reply (a stream must fit the limits less this).
 REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
 #: Seconds an answer that a service has workers is trusted.
 DEFAULT_RECHECK = 5.0
-#: Seconds between two ``mmi.services`` listings: a service that appears is
-#: served within this, however many requests wait for services nobody serves.
+#: Seconds between two ``mmi.services`` listings: how soon a service that appears is served.
 DEFAULT_LIST_EVERY = 1.0
 #: ``mmi.services`` unanswered this many times in a row: go on as without a listing.
 LIST_TRIES = 3
@@ -76,8 +74,7 @@ class _Service:
 
 @action_class
 class LoadPending:
-    """Read up to *limit* pending requests, oldest first, without these (and, if
-    *onlyServices* is given, of those services alone)."""
+    """Read up to *limit* pending requests, oldest first, without these (or only *onlyServices*')."""
 
     limit: int
     skipServices: list[bytes]
@@ -166,8 +163,7 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def handleListed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
-        """The broker's listing: each service it knows, with its workers (``None``:
-        it gives none in full; each service is asked about until the next listing)."""
+        """The services the broker knows, with their workers (``None``: no full listing)."""
         self.now = now
         if listing is not None:
             self._listFailures = 0
@@ -190,8 +186,7 @@ class DispatchMachine(Machine):
                 entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
-        """No listing this time (the broker away): keep the last, ask again soon; after
-        :data:`LIST_TRIES` in a row, go on as without a listing."""
+        """No listing (the broker away): keep the last; after :data:`LIST_TRIES`, go without."""
         self.now = now
         self._listFailures += 1
         if self._listFailures >= LIST_TRIES:
@@ -225,8 +220,7 @@ class DispatchMachine(Machine):
     def handleLoadFailed(self, reason: str, now: float) -> list[Action]:
         self.now = now
         self._loading = False
-        self._storeTrouble()
-        return self._drain()
+        return self._storeTrouble()
 
     def handleChecked(self, service: bytes, available: bool, reason: str, now: float) -> list[Action]:
         """No worker count (``mmi.service``, or a failure): bound by *concurrency* alone."""
@@ -238,8 +232,7 @@ class DispatchMachine(Machine):
                              "" if workers > 0 else "no worker (mmi.workers)", now)
 
     def handleLingering(self, service: bytes, now: float) -> list[Action]:
-        """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
-        restarting): one request at a time goes out."""
+        """No worker counted but ``mmi.service`` says ``200`` (restarting): one out at a time."""
         return self._checked(service, 0, True, "", now)
 
     def _checked(self, service: bytes, workers: Optional[int], available: bool, reason: str,
@@ -294,8 +287,7 @@ class DispatchMachine(Machine):
         self.now = now
         if self.running and requestId in self._storing:
             self._unsaved.add(requestId)
-        self._storeTrouble()
-        return self._drain()
+        return self._storeTrouble()
 
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
         self.now = now
@@ -341,11 +333,11 @@ class DispatchMachine(Machine):
         entry.until = float(math.ceil(self.now + delay))
         self._emit(Parked(entry.name, delay, reason))
 
-    def _storeTrouble(self) -> None:
+    def _storeTrouble(self) -> list[Action]:
         self._storeRetryAt = self.now + self.backoff.delay(self._storeFailures)
         self._storeFailures += 1
         self._dirty = True
-        self._pump()
+        return self._pumped()
 
     def _tick(self) -> None:
         """What is due at :attr:`now`: unpark, retry the store, purge."""
@@ -451,8 +443,7 @@ class DispatchMachine(Machine):
         return self.window - len(self.queue) - len(self.inflight)
 
     def _timeToRead(self) -> bool:
-        """Read only for half a window at least, unless nothing waiting goes out
-        soon while there is room to send: one read for many, not one each."""
+        """One read for many: for half a window at least, unless nothing waiting goes out soon."""
         room = self._room()
         if (not self._dirty or self._loading or self._storeRetryAt is not None
                 or self._unlisted or room <= 0):
@@ -480,11 +471,8 @@ class DispatchMachine(Machine):
         self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()], only))
 
     def _mostOut(self, entry: _Service) -> int:
-        """As many out as workers (one if none, but the service is known; the window if
-        not counted); twice as many may be held."""
-        if entry.workers is None:
-            return self.window
-        return max(entry.workers, 1)
+        """As many out as workers (one if none but known; the window if not counted)."""
+        return self.window if entry.workers is None else max(entry.workers, 1)
 
     def _setWake(self, when: Optional[float]) -> None:
         if when != self._wake:
@@ -529,8 +517,8 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 
 
 class Dispatcher:
-    """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
-    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events."""
+    """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one endpoint
+    or a failover list); :meth:`stored` and :meth:`closed` are its events."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
                  reactor: Optional[Any] = None, *, concurrency: int = DEFAULT_CONCURRENCY,
@@ -586,8 +574,7 @@ class Dispatcher:
         self._feed(self.machine.handleClosed, requestId)
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop sending; requests out stay pending in the store (closing the client
-        fails them, and the new generation ignores that)."""
+        """Stop sending; requests out stay pending in the store (a new generation ignores them)."""
         self._generation += 1
         self._feed(self.machine.handleStop)
         return self.client.close()
