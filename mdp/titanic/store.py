@@ -57,8 +57,8 @@ class StoredRequest:
 
 
 class ITitanicStore(Interface):
-    """Durable (or not) storage of requests and replies.  Every method returns
-    a Deferred; each fires once the change is committed."""
+    """Durable (or not) storage of requests and replies.  Every method returns a Deferred;
+    each fires once the change is committed."""
 
     def open():
         """Open (and check) the storage; fails with StoreError if unusable."""
@@ -68,9 +68,8 @@ class ITitanicStore(Interface):
 
     def pending(limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None):
-        """Up to *limit* requests without a reply, oldest first, except those for
-        *skipServices* and those in *skipIds*; if *onlyServices* is given, only
-        requests for those services."""
+        """Up to *limit* requests without a reply, oldest first, except those for *skipServices*
+        and those in *skipIds*; if *onlyServices* is given, only requests for those services."""
 
     def complete(requestId: str, reply: list[bytes], now: float):
         """Store the reply of a request (ignored if it was closed meanwhile)."""
@@ -90,19 +89,11 @@ class ITitanicStore(Interface):
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
-    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
-    id        TEXT NOT NULL UNIQUE,
-    service   BLOB NOT NULL,
-    request   BLOB NOT NULL,
-    created   REAL NOT NULL,
-    reply     BLOB,
-    completed REAL,
-    request_crc INTEGER,
-    reply_crc INTEGER
-);
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, service BLOB NOT NULL,
+    request BLOB NOT NULL, created REAL NOT NULL, reply BLOB, completed REAL,
+    request_crc INTEGER, reply_crc INTEGER);
 CREATE INDEX IF NOT EXISTS requests_pending ON requests (seq) WHERE reply IS NULL;
-CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
-    WHERE reply IS NULL;
+CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq) WHERE reply IS NULL;
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
@@ -118,8 +109,7 @@ _PENDING_BY_AGE = (
 _PENDING_BY_SERVICE = (
     "WITH RECURSIVE pending(name) AS ("
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
-    "         WHERE reply IS NULL ORDER BY service LIMIT 1)"
-    " UNION ALL"
+    "         WHERE reply IS NULL ORDER BY service LIMIT 1) UNION ALL"
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
     "         WHERE reply IS NULL AND service > pending.name ORDER BY service LIMIT 1)"
     " FROM pending WHERE pending.name IS NOT NULL) "
@@ -188,8 +178,8 @@ def _intact(crc: Any, *values: Any) -> bool:
 
 
 def _request_frames(requestId: Any, service: Any, blob: Any, crc: Any) -> tuple[list[bytes], Optional[str]]:
-    """The frames of a stored request, or ``[]`` and (if known) why not.  A row
-    without a checksum is taken as it is; older rows' checksums leave out the id."""
+    """The frames of a stored request, or ``[]`` and (if known) why not.  A row without
+    a checksum is taken as it is; older rows' checksums leave out the id."""
     if crc is not None and not (isinstance(requestId, str) and requestId.isascii() and (
             _intact(crc, requestId.encode("ascii"), service, blob) or _intact(crc, service, blob))):
         return [], "its checksum does not match"
@@ -218,10 +208,9 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
 
 @implementer(ITitanicStore)
 class SQLiteStore:
-    """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open`
-    takes an exclusive lock (``PATH.lock``) and refuses a file with several hard links
-    (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until
-    :meth:`open` again."""
+    """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open` takes
+    an exclusive lock (``PATH.lock``) and refuses a file with several hard links
+    (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until :meth:`open`."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None, *,
                  maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
@@ -239,8 +228,7 @@ class SQLiteStore:
         #: the files in use, as opened (see _moved)
         self._files: dict[str, Optional[tuple[int, int]]] = {}
         self._db: Optional[sqlite3.Connection] = None
-        #: writes waiting for the next transaction, which follows the last one asked
-        #: for, with the bytes each adds if it must fit maxBytes (0: it need not)
+        #: writes for the next transaction, with the bytes each adds against maxBytes (0: none)
         self._writes: list[tuple[str, tuple[Any, ...], int, defer.Deferred[int]]] = []
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
@@ -383,15 +371,22 @@ class SQLiteStore:
         done = iter(results)
         return [refused[i] if i in refused else next(done) for i in range(len(sized))]
 
-    def _pendingOf(self, limit: int, services: Collection[bytes], skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of *services* (by age within :data:`SCAN_BUDGET`
-        steps, else service by service), and of those found damaged whatever their service
-        now says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
+    def _pending(self, limit: int, skipServices: set[bytes], skipIds: str,
+                 services: Optional[list[bytes]]) -> list[tuple[Any, ...]]:
+        """The *limit* oldest pending rows of services not skipped, or of *services* and those
+        found damaged whatever their service now says (looked for :data:`DAMAGE_CHUNK` rows a
+        read, from the first such read): by age within :data:`SCAN_BUDGET` steps, else service
+        by service through the service index (a backlog of others may lie in the way)."""
         db = self._connection()
+        if services is None:
+            args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
+            found = self._budgeted(db, _PENDING_BY_AGE, args)
+            return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
         self._lookForDamage(db)
+        services = [s for s in services if s not in skipServices]
         listed = json.dumps([bytes(s).hex().upper() for s in services])
         found = self._budgeted(db, _PENDING_LISTED, (listed, skipIds, limit))
-        if found is None:  # a backlog of others in the way
+        if found is None:
             found = [row for service in services
                      for row in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))]
         chosen = sorted({seq for (seq,) in found}.union(self._damaged))[:limit]
@@ -407,14 +402,6 @@ class SQLiteStore:
         if self._damaged:
             self._damaged = [seq for (seq, *_) in db.execute(
                 _PENDING_ROWS, (json.dumps(self._damaged), "[]", len(self._damaged)))]
-
-    def _pending(self, limit: int, skipServices: Collection[bytes], skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of services not skipped: one scan by age, or
-        past :data:`SCAN_BUDGET` steps, service by service through the service index."""
-        db = self._connection()
-        args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
-        found = self._budgeted(db, _PENDING_BY_AGE, args)  # a skipped backlog may lie in the way
-        return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
 
     def _budgeted(self, db: sqlite3.Connection, sql: str,
                   args: tuple[Any, ...]) -> Optional[list[tuple[Any, ...]]]:
@@ -540,18 +527,12 @@ class SQLiteStore:
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None
                 ) -> defer.Deferred[list[StoredRequest]]:
-        ids = json.dumps(list(skipIds))
-        if onlyServices is not None:
-            skip = set(skipServices)
-            d = self._run(self._pendingOf, limit, [s for s in onlyServices if s not in skip], ids)
-        else:
-            d = self._run(self._pending, limit, list(skipServices), ids)
-
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
             self._rows.update((requestId, seq) for seq, requestId, *_ in rows)
             return [_stored(row[1:]) for row in rows]
 
-        return d.addCallback(read)
+        return self._run(self._pending, limit, set(skipServices), json.dumps(list(skipIds)),
+                         None if onlyServices is None else list(onlyServices)).addCallback(read)
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         record = encode_record(reply)
