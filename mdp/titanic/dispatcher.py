@@ -120,7 +120,6 @@ class DispatchMachine(Machine):
         self.listEvery = listEvery
         #: most requests held at once (out + waiting)
         self.window = window if window is not None else max(2 * concurrency, 16)
-        self._nextPurge = now
         self._wake: Optional[float] = None
         self._forgetAll()
 
@@ -157,8 +156,7 @@ class DispatchMachine(Machine):
         self.running = True
         self._dirty = True
         self._nextPurge = now
-        if self.listEvery is not None:
-            self._nextList = now
+        self._nextList = None if self.listEvery is None else now
         self._tick()
         return self._drain()
 
@@ -172,18 +170,15 @@ class DispatchMachine(Machine):
         old, self.listing = self.listing, listing
         self._unlisted = False
         self._nextList = now + (self.listEvery if listing is not None else self.backoff.maximum)
-        if listing != old:
-            self._relisted(old or {}, listing or {})
+        if listing != old:  # what it says now holds; a service with workers again is unparked
+            old, new = old or {}, listing or {}
+            self._dirty = True
+            self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
+            for name, entry in self.services.items():
+                appeared = new.get(name) and not old.get(name)
+                if entry.state is ServiceState.AVAILABLE or (appeared and entry.state is ServiceState.PARKED):
+                    entry.state = ServiceState.UNKNOWN
         return self._pumped()
-
-    def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
-        """What the listing says now holds; a service with workers again is unparked."""
-        self._dirty = True
-        self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
-        for name, entry in self.services.items():
-            appeared = new.get(name) and not old.get(name)
-            if entry.state is ServiceState.AVAILABLE or (appeared and entry.state is ServiceState.PARKED):
-                entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
         """No listing (the broker away): keep the last; after :data:`LIST_TRIES`, go without."""
