@@ -1,9 +1,6 @@
-"""A client of Titanic: submit a request now, collect its reply later.
-
-A request id outlives the process that got it: any process can ask for the
-reply.  A worker's error reply is raised as the same typed error as from
-:meth:`Client.request <mdp.majordomo.client.Client.request>`.
-"""
+"""A client of Titanic: submit a request now, collect its reply later, from any process.
+A worker's error reply is raised as the same typed error as from
+:meth:`Client.request <mdp.majordomo.client.Client.request>`."""
 
 from __future__ import annotations
 
@@ -51,9 +48,8 @@ class TitanicClient:
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.pollInterval = positive_seconds("pollInterval", pollInterval)
-        self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
-                             limits=limits, curveServerPublic=curveServerPublic,
-                             curveSecret=curveSecret)
+        self.client = Client(broker, self.reactor, timeout=timeout, retries=retries, limits=limits,
+                             curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         self._services: dict[str, bytes] = {}
 
     async def _titanic(self, service: bytes, *body: bytes) -> list[bytes]:
@@ -67,8 +63,8 @@ class TitanicClient:
         return reply
 
     def submit(self, service: Union[str, bytes], *frames: Frame) -> defer.Deferred[str]:
-        """Store a request for *service*; fires with its id (UUID text) once
-        committed.  Arguments are checked at once, as by ``Client.request``."""
+        """Store a request for *service*; fires with its id (UUID text) once committed.
+        Arguments are checked at once, as by ``Client.request``."""
         name = codec.api_service_name(service)
         body = request_frames(frames)
 
@@ -94,8 +90,7 @@ class TitanicClient:
                 reply = await self._titanic(protocol.REPLY, wire)
             except TRANSIENT:
                 raise
-            except RemoteError as e:
-                # titanic.reply itself refused (413): the reply stays in the store
+            except RemoteError as e:  # titanic.reply itself refused (413)
                 raise TitanicError(f"titanic.reply could not fetch the reply to {requestId} "
                                    f"({e}); it stays in Titanic's store") from e
             status = reply[:1]

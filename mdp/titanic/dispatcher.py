@@ -22,7 +22,7 @@ from mdp.machine import Machine, action_class, action_type
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import Backoff, Limits, call_at, default_reactor, positive_seconds
+from mdp.policy import Backoff, Limits, LogThrottle, call_at, default_reactor, positive_seconds
 from mdp.titanic.client import TRANSIENT
 from mdp.titanic.protocol import whole_number
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
@@ -546,7 +546,7 @@ class Dispatcher:
         self._busy = False
         #: bumped by stop: results of what an earlier run asked are ignored
         self._generation = 0
-        self._warned: set[str] = set()
+        self._once = LogThrottle(reactor, math.inf)  # warnings given once
 
     def _newClient(self) -> Client:
         # every request out, and room for the service checks beside them
@@ -627,8 +627,9 @@ class Dispatcher:
         try:
             reply = await self.client.request(b"mmi.services", timeout=min(self.timeout, 5.0))
         except RETRY as e:  # the broker away: keep the last listing
-            self._warnOnce("Titanic: no answer to mmi.services ({reason}); after {tries} in a "
-                           "row, each service is asked about instead", reason=e, tries=LIST_TRIES)
+            self._once.warn(log, "list", "Titanic: no answer to mmi.services ({reason}); after "
+                            "{tries} in a row, each service is asked about instead", reason=e,
+                            tries=LIST_TRIES)
             return feed(self.machine.handleListFailed, str(e))
         except Exception:  # refused, over this client's limits, ...: ask each service
             reply = []
@@ -658,17 +659,12 @@ class Dispatcher:
         elif workers == 0:
             feed(machine.handleCounted, service, 0)
         elif answer == [b"501"]:  # a broker without MMI: send, and see
-            self._warnOnce("Titanic: the broker does not answer mmi.service (501); "
-                           "sending requests without asking")
+            self._once.warn(log, "501", "Titanic: the broker does not answer mmi.service (501); "
+                            "sending requests without asking")
             feed(machine.handleChecked, service, True, "")
         else:
             available = answer == [mmi.FOUND]
             feed(machine.handleChecked, service, available, "" if available else reason)
-
-    def _warnOnce(self, format: str, **fields: Any) -> None:
-        if format not in self._warned:
-            self._warned.add(format)
-            log.warn(format, **fields)
 
     def _dispatch(self, action: Dispatch) -> None:
         """Send a stored request.  A stream that outgrows what one ``titanic.reply``

@@ -20,15 +20,13 @@ log = Logger()
 
 #: MDP workers per Titanic service: concurrent submissions share one commit
 DEFAULT_SERVICE_WORKERS = 4
-#: Most bytes of request frames one ``titanic.request`` may store: as many as
-#: an MDP message may carry, so that only the store's limit bounds it by default.
+#: Most bytes of request frames one ``titanic.request`` may store (by default, what MDP carries).
 DEFAULT_MAX_REQUEST_BYTES = DEFAULT_MAX_MESSAGE_BYTES
 
 
 class TitanicServer:
-    """The Titanic services of one store, registered with *broker* (one endpoint
-    or a failover list), each served by *workers* MDP workers.  The store is the
-    caller's to open and close."""
+    """The Titanic services of one store, registered with *broker* (one endpoint or a
+    failover list), each served by *workers* MDP workers; the caller opens and closes the store."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
                  reactor: Optional[Any] = None, *, onStored: Optional[Callable[[str], Any]] = None,
@@ -134,10 +132,9 @@ class TitanicServer:
 
 
 class Titanic:
-    """A whole Titanic: the three services, the dispatcher and the store.  *store*
-    is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
-    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`;
-    *maxStoreBytes* applies to a path (a store object has its own ``maxBytes``)."""
+    """A whole Titanic: the three services, the dispatcher and the store.  *store* is an
+    :class:`~mdp.titanic.store.ITitanicStore` or a database path (:func:`open_store`, with
+    *maxStoreBytes*), opened in :meth:`start` and closed in :meth:`stop`."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: Union[str, ITitanicStore],
                  reactor: Optional[Any] = None, *, concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
@@ -178,8 +175,8 @@ class Titanic:
                  concurrency=self.dispatcher.machine.concurrency)
 
     def start(self) -> defer.Deferred[None]:
-        """Open the store (failing with :class:`~mdp.errors.StoreError` if it
-        is damaged, unreadable or in use), then serve and dispatch."""
+        """Open the store (:class:`~mdp.errors.StoreError` if damaged, unreadable or in use),
+        then serve and dispatch."""
         if self._started or (self._starting is not None and not self._starting.called):
             raise RuntimeError("Titanic is already started")
         self._stopping = False
