@@ -157,8 +157,7 @@ class DispatchMachine(Machine):
         self._dirty = True
         self._nextPurge = now
         self._nextList = None if self.listEvery is None else now
-        self._tick()
-        return self._drain()
+        return self._tick()
 
     def handleListed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
         """The services the broker knows, with their workers (``None``: no full listing)."""
@@ -296,8 +295,7 @@ class DispatchMachine(Machine):
     def handleWake(self, now: float) -> list[Action]:
         self.now = now
         self._wake = None
-        self._tick()
-        return self._drain()
+        return self._tick()
 
     def handleStop(self, now: float) -> list[Action]:
         self.now = now
@@ -334,10 +332,10 @@ class DispatchMachine(Machine):
         self._dirty = True
         return self._pumped()
 
-    def _tick(self) -> None:
-        """What is due at :attr:`now`: unpark, retry the store, purge."""
+    def _tick(self) -> list[Action]:
+        """What is due at :attr:`now`: unpark, retry the store, purge, list."""
         if not self.running:
-            return
+            return self._drain()
         for entry in self.services.values():
             if entry.state is ServiceState.PARKED and entry.until <= self.now:
                 entry.state = ServiceState.UNKNOWN
@@ -363,7 +361,7 @@ class DispatchMachine(Machine):
             self._nextList = None
             self._listedAt = self.now
             self._emit(ListServices())
-        self._pump()
+        return self._pumped()
 
     def _heldRequests(self) -> list[StoredRequest]:
         return [*self.queue, *self.inflight.values(), *self._spare]

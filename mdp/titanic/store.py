@@ -319,19 +319,16 @@ class SQLiteStore:
 
     def _relock(self) -> bool:
         """The lock file went: take the lock on a new one, unless another Titanic has it."""
-        path = self._lockPath
-        assert path is not None
         try:
-            fd = self._flock(path)
+            fd = self._flock(self._lockPath)
         except StoreError:
             return False
-        if self._lock is not None:
-            os.close(self._lock)
+        os.close(self._lock)  # open while the store is: this runs in a commit
         self._lock = fd
         self._setMark(integrity.OPEN_MARK)
         self._files["its lock"] = _identity(fd)
         log.warn("Titanic store {path}: its lock file {lock} was deleted while in use; taken "
-                 "again", path=self.path, lock=path)
+                 "again", path=self.path, lock=self._lockPath)
         return True
 
     def _commit(self, sized: list[tuple[str, tuple[Any, ...], int]]) -> list[Any]:
