@@ -111,9 +111,8 @@ class TitanicClient:
         return defer.ensureDeferred(poll())
 
     def result(self, requestId: str, *, pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """The reply frames, polling every *pollInterval* seconds (default: the
-        client's) until done; :data:`TRANSIENT` failures are logged and polled
-        again.  Cancel the Deferred to stop polling."""
+        """The reply frames, polling every *pollInterval* seconds (default: the client's) until done;
+        :data:`TRANSIENT` failures are logged and polled again.  Cancel the Deferred to stop polling."""
         _check_id(requestId)
         interval = (self.pollInterval if pollInterval is None
                     else positive_seconds("pollInterval", pollInterval))

@@ -98,10 +98,9 @@ Action = Any
 
 
 class DispatchMachine(Machine):
-    """Which stored request goes out when.  With *listEvery*, only the requests of
-    the services the broker lists (asked that often) are read; without it, or
-    without a full listing, each service is asked about (``mmi.workers``,
-    ``mmi.service``) and parked with a backoff of its own."""
+    """Which stored request goes out when.  With *listEvery*, only the requests of the services the broker
+    lists (asked that often) are read; without it, or without a full listing, each service is asked about
+    (``mmi.workers``, ``mmi.service``) and parked with a backoff of its own."""
 
     def __init__(self, *, concurrency: int = DEFAULT_CONCURRENCY, backoff: Backoff = DEFAULT_BACKOFF,
                  keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
@@ -634,9 +633,8 @@ class Dispatcher:
         feed(self.machine.handleListed, services_listed(reply))
 
     async def _check(self, service: bytes) -> None:
-        """``mmi.workers`` counts the workers; none counted, or no listing (a broker
-        without it, a listing over this client's limits), ``mmi.service`` says
-        whether the broker knows the service."""
+        """``mmi.workers`` counts the workers; none counted, or no listing (a broker without it, a listing
+        over this client's limits), ``mmi.service`` says whether the broker knows the service."""
         feed, machine = self._then(), self.machine
         timeout = min(self.timeout, 5.0)
         try:
@@ -665,9 +663,8 @@ class Dispatcher:
             feed(machine.handleChecked, service, available, "" if available else reason)
 
     def _dispatch(self, action: Dispatch) -> None:
-        """Send a stored request.  A stream that outgrows what one ``titanic.reply``
-        can carry is answered 413 and abandoned (cancelled a turn later: this runs
-        inside the client's handler)."""
+        """Send a stored request.  A stream that outgrows what one ``titanic.reply`` can carry is answered
+        413 and abandoned (cancelled a turn later: this runs inside the client's handler)."""
         request, feed = action.request, self._then()
         mostBytes = max(1, self.limits.maxMessageBytes - REPLY_RESERVE_BYTES)
         mostFrames = max(1, self.limits.maxFrames - REPLY_RESERVE_FRAMES)

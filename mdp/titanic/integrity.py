@@ -39,11 +39,10 @@ def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, i
 
 
 def wal_damage(wal: bytes) -> Optional[str]:
-    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
-    SQLite reads frames up to the first that fails its cumulative checksum.  The last
-    transaction torn by a crash (its frames reach the disk in any order, its commit
-    frame perhaps first) was never acknowledged: damage is a broken frame followed
-    by the commit of a later transaction of the same WAL generation."""
+    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.  SQLite reads frames
+    up to the first that fails its cumulative checksum.  The last transaction torn by a crash (its frames
+    reach the disk in any order, its commit frame perhaps first) was never acknowledged: damage is a broken
+    frame followed by the commit of a later transaction of the same WAL generation."""
     if len(wal) < _WAL_HEADER:
         return None  # SQLite takes it as empty
     magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
@@ -112,10 +111,9 @@ _INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
 
 
 def check_and_repair(db: sqlite3.Connection, path: str) -> list[str]:
-    """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
-    disagree with it (returns their names), raises StoreError for any other damage.
-    An index that misses a row must be rebuilt even where the row is the side that
-    changed: SQLite cannot update or delete a row its index misses."""
+    """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that disagree with it (returns
+    their names), raises StoreError for any other damage.  An index that misses a row must be rebuilt even
+    where the row is the side that changed: SQLite cannot update or delete a row its index misses."""
     problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
     if problems == ["ok"]:
         return []

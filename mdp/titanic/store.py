@@ -581,9 +581,8 @@ class SQLiteStore:
 
 @implementer_only(ITitanicStore)
 class MemoryStore(SQLiteStore):
-    """Everything in a SQLite database in memory, used on the reactor thread: fast,
-    and lost with the process (not with :meth:`close`: started again, Titanic finds
-    its requests, as in a file)."""
+    """Everything in a SQLite database in memory, used on the reactor thread: fast, and lost with the
+    process (not with :meth:`close`: started again, Titanic finds its requests, as in a file)."""
 
     def __init__(self, *, maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
         super().__init__(":memory:", maxBytes=maxBytes)
