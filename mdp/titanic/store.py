@@ -514,12 +514,10 @@ class SQLiteStore:
         requestId = str(uuid.uuid4())  # an RFC 4122 UUID (version 4) as text
         service = bytes(service)
         record = encode_record(frames)
-        d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
-                        "VALUES (?, ?, ?, ?, ?)",
-                        (requestId, service, record, now,
-                         _checksum(requestId.encode("ascii"), service, record)),
-                        len(record) + len(service) + 128)
-        return d.addCallback(lambda _: requestId)
+        crc = _checksum(requestId.encode("ascii"), service, record)
+        return self._write("INSERT INTO requests (id, service, request, created, request_crc) "
+                           "VALUES (?, ?, ?, ?, ?)", (requestId, service, record, now, crc),
+                           len(record) + len(service) + 128).addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None
@@ -533,12 +531,10 @@ class SQLiteStore:
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         record = encode_record(reply)
-        # by the row it was read from: its id there may be damaged
-        seq = self._rows.pop(requestId, None)
+        seq = self._rows.pop(requestId, None)  # by the row it was read from: its id there may be damaged
         where, key = ("seq", seq) if seq is not None else ("id", requestId)
-        return self._write(f"UPDATE requests SET reply = ?, completed = ?, reply_crc = ? "
-                           f"WHERE {where} = ? AND reply IS NULL",
-                           (record, now, _checksum(record), key)
+        return self._write(f"UPDATE requests SET reply = ?, completed = ?, reply_crc = ? WHERE {where} = ? "
+                           "AND reply IS NULL", (record, now, _checksum(record), key)
                            ).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
@@ -558,16 +554,14 @@ class SQLiteStore:
                 return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
             except (ProtocolError, ValueError, TypeError) as e:
                 why = str(e)
-        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
-                         f"is damaged: {why}")
+        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} is damaged: {why}")
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._rows.pop(requestId, None)
         return self._write("DELETE FROM requests WHERE id = ?", (requestId,)).addCallback(lambda _: None)
 
     def purge(self, before: float) -> defer.Deferred[int]:
-        return self._write("DELETE FROM requests WHERE reply IS NOT NULL "
-                           "AND completed < ?", (before,))
+        return self._write("DELETE FROM requests WHERE reply IS NOT NULL AND completed < ?", (before,))
 
     def close(self) -> defer.Deferred[None]:
         self._rows.clear()
