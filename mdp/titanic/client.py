@@ -121,13 +121,12 @@ class TitanicClient:
             while True:
                 try:
                     frames = await self.poll(requestId)
+                    if frames is not None:
+                        self._services.pop(requestId, None)
+                        return frames
                 except TRANSIENT as e:
                     log.warn("Titanic is not answering about {id} ({error}); polling on",
                              id=requestId, error=e)
-                    frames = None
-                if frames is not None:
-                    self._services.pop(requestId, None)
-                    return frames
                 await task.deferLater(self.reactor, interval, lambda: None)
 
         return defer.ensureDeferred(result())
@@ -144,9 +143,9 @@ class TitanicClient:
 
     def call(self, service: Union[str, bytes], *frames: Frame,
              pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.  The
-        request is closed once its reply (or error reply) is in hand; if cancelled,
-        or if the close fails (logged), it is left to Titanic's keep time."""
+        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.  The request is closed
+        once its reply (or error reply) is in hand; if cancelled, or if the close fails (logged),
+        it is left to Titanic's keep time."""
         submitted = self.submit(service, *frames)
 
         async def call() -> list[bytes]:
@@ -168,9 +167,8 @@ class TitanicClient:
         except defer.CancelledError:
             raise
         except Exception as e:
-            log.warn("titanic: request {requestId} answered, but titanic.close failed: "
-                     "{error}; Titanic keeps its reply until its keep time", requestId=requestId,
-                     error=e)
+            log.warn("titanic: request {requestId} answered, but titanic.close failed: {error}; "
+                     "Titanic keeps its reply until its keep time", requestId=requestId, error=e)
 
     def disconnect(self) -> defer.Deferred[None]:
         """Close the connection to the broker (pending calls fail with ClientClosed)."""

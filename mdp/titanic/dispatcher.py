@@ -168,15 +168,18 @@ class DispatchMachine(Machine):
         old, self.listing = self.listing, listing
         self._unlisted = False
         self._nextList = now + (self.listEvery if listing is not None else self.backoff.maximum)
-        if listing != old:  # what it says now holds; a service with workers again is unparked
-            old, new = old or {}, listing or {}
-            self._dirty = True
-            self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
-            for name, entry in self.services.items():
-                appeared = new.get(name) and not old.get(name)
-                if entry.state is ServiceState.AVAILABLE or (appeared and entry.state is ServiceState.PARKED):
-                    entry.state = ServiceState.UNKNOWN
+        if listing != old:
+            self._relisted(old or {}, listing or {})
         return self._pumped()
+
+    def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
+        """What the listing says now holds; a service with workers again is unparked."""
+        self._dirty = True
+        self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
+        for name, entry in self.services.items():
+            appeared = new.get(name) and not old.get(name)
+            if entry.state is ServiceState.AVAILABLE or (appeared and entry.state is ServiceState.PARKED):
+                entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
         """No listing (the broker away): keep the last; after :data:`LIST_TRIES`, go without."""
@@ -344,7 +347,21 @@ class DispatchMachine(Machine):
             for requestId in sorted(self._unsaved):
                 self._emit(StoreReply(requestId, self._storing[requestId]))
             self._unsaved.clear()
-        # drop idle services: the table must not grow with every name ever submitted
+        self._forgetIdleServices()
+        if self._nextPurge <= self.now:
+            self._emit(Purge(self.now - self.keep))
+            self._nextPurge = self.now + self.purgeEvery
+        self._listIfDue()
+        return self._pumped()
+
+    def _listIfDue(self) -> None:
+        if self._nextList is not None and self._nextList <= self.now:
+            self._nextList = None
+            self._listedAt = self.now
+            self._emit(ListServices())
+
+    def _forgetIdleServices(self) -> None:
+        """Drop idle services: the table must not grow with every name ever submitted."""
         held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
             if name in held or entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
@@ -353,14 +370,6 @@ class DispatchMachine(Machine):
                     entry.state is ServiceState.UNKNOWN or entry.until <= self.now):
                 del self.services[name]
                 self._full.discard(name)
-        if self._nextPurge <= self.now:
-            self._emit(Purge(self.now - self.keep))
-            self._nextPurge = self.now + self.purgeEvery
-        if self._nextList is not None and self._nextList <= self.now:
-            self._nextList = None
-            self._listedAt = self.now
-            self._emit(ListServices())
-        return self._pumped()
 
     def _heldRequests(self) -> list[StoredRequest]:
         return [*self.queue, *self.inflight.values(), *self._spare]
@@ -437,14 +446,17 @@ class DispatchMachine(Machine):
     def _timeToRead(self) -> bool:
         """One read for many: for half a window at least, unless nothing waiting goes out soon."""
         room = self._room()
-        if (not self._dirty or self._loading or self._storeRetryAt is not None
-                or self._unlisted or room <= 0):
-            return False  # nothing new, a read under way, the store failing, or no listing yet
+        if self._readHeld() or room <= 0:
+            return False
         if room >= self.window // 2 or not self.queue:
             return True
         return len(self.inflight) < self.concurrency and not any(
             self.services[r.service].state is ServiceState.CHECKING
             for r in self.queue if r.frames)
+
+    def _readHeld(self) -> bool:
+        """Nothing new to read, a read under way, the store failing, or no listing yet."""
+        return not self._dirty or self._loading or self._storeRetryAt is not None or self._unlisted
 
     def _readPending(self, held: Counter[bytes]) -> None:
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
@@ -452,15 +464,19 @@ class DispatchMachine(Machine):
         self._full.update(full)
         parked = {e.name for e in self.services.values() if e.state is ServiceState.PARKED}
         skip = parked | set(full) | {r.service for r in self._spare}
-        # the listed services whose requests to read (None: no listing, read any)
-        only = None if self.listing is None else sorted(
-            name for name in self.listing
-            if name not in skip and not name.startswith((b"titanic.", b"mmi.")))
+        only = self._listedFor(skip)
         if only == []:
             return  # nothing listed may take more: read once a listing changes
         self._dirty = False
         self._loading = True
         self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()], only))
+
+    def _listedFor(self, skip: set[bytes]) -> Optional[list[bytes]]:
+        """The listed services whose requests to read (None: no listing, read any)."""
+        if self.listing is None:
+            return None
+        return sorted(name for name in self.listing
+                      if name not in skip and not name.startswith((b"titanic.", b"mmi.")))
 
     def _mostOut(self, entry: _Service) -> int:
         """As many out as workers (one if none but known; the window if not counted)."""

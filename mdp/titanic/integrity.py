@@ -55,15 +55,19 @@ def wal_damage(wal: bytes) -> Optional[str]:
     if sums != (c1, c2):
         return f"its header checksum is wrong ({len(heads)} frames would be ignored)" if heads else None
     broken = _first_broken(wal, order, size, heads, (salt1, salt2), sums)
-    # from the broken frame: a commit of this generation after the one ending its
-    # transaction (and the copies of that one that pad a sector)?
-    ours = [(page, commit) for page, commit, s1, s2, _, _ in heads[broken:] if (s1, s2) == (salt1, salt2)]
-    ends = [n for n, (_, commit) in enumerate(ours) if commit]
-    later = itertools.dropwhile(ours[ends[0]].__eq__, ours[ends[0] + 1:]) if ends else ()
-    if broken is None or not any(commit for _, commit in later):
+    if broken is None or not _later_commit(heads[broken:], (salt1, salt2)):
         return None
     return (f"frame {broken} (byte {_WAL_HEADER + broken * size}) is damaged and a later "
             "committed transaction follows it")
+
+
+def _later_commit(heads: list[tuple[int, ...]], salts: tuple[int, int]) -> bool:
+    """Whether the frame *heads* from a broken one hold a commit of this generation
+    after the one ending its transaction (and the copies of it that pad a sector)."""
+    ours = [(page, commit) for page, commit, s1, s2, _, _ in heads if (s1, s2) == salts]
+    ends = [n for n, (_, commit) in enumerate(ours) if commit]
+    later = itertools.dropwhile(ours[ends[0]].__eq__, ours[ends[0] + 1:]) if ends else ()
+    return any(commit for _, commit in later)
 
 
 def _first_broken(wal: bytes, order: str, size: int, heads: list[tuple[int, ...]],

@@ -331,6 +331,25 @@ class SQLiteStore:
                  "again", path=self.path, lock=self._lockPath)
         return True
 
+    def _fitting(self, db: sqlite3.Connection, sized: list[tuple[str, tuple[Any, ...], int]]
+                 ) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[int, Exception]]:
+        """The statements that fit :attr:`maxBytes`, and the refusal of each other by index."""
+        used = 0
+        if any(size for _, _, size in sized):  # bytes of the pages in use (free ones are reused)
+            (used,) = db.execute("SELECT (p.page_count - f.freelist_count) * s.page_size FROM "
+                                 "pragma_page_count p, pragma_freelist_count f, pragma_page_size s"
+                                 ).fetchone()
+        fitting, refused = [], {}
+        for index, (sql, args, size) in enumerate(sized):
+            if size and used + size > self.maxBytes:
+                refused[index] = TitanicStoreFull(
+                    f"Titanic's store is full: {used} bytes in use, a request of {size} "
+                    f"bytes would pass its limit of {self.maxBytes}; try again later")
+            else:
+                used += size
+                fitting.append((sql, args))
+        return fitting, refused
+
     def _commit(self, sized: list[tuple[str, tuple[Any, ...], int]]) -> list[Any]:
         """Commit the statements that fit :attr:`maxBytes` in one transaction, or if that
         fails each alone; returns each row count or exception (TitanicStoreFull for one
@@ -339,20 +358,7 @@ class SQLiteStore:
         moved = self._moved()
         if moved is not None:
             raise StoreError(moved)
-        used = 0
-        if any(size for _, _, size in sized):  # bytes of the pages in use (free ones are reused)
-            (used,) = db.execute("SELECT (p.page_count - f.freelist_count) * s.page_size FROM "
-                                 "pragma_page_count p, pragma_freelist_count f, pragma_page_size s"
-                                 ).fetchone()
-        statements, refused = [], {}
-        for index, (sql, args, size) in enumerate(sized):
-            if size and used + size > self.maxBytes:
-                refused[index] = TitanicStoreFull(
-                    f"Titanic's store is full: {used} bytes in use, a request of {size} "
-                    f"bytes would pass its limit of {self.maxBytes}; try again later")
-            else:
-                used += size
-                statements.append((sql, args))
+        statements, refused = self._fitting(db, sized)
 
         def transaction(group: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
             try:
@@ -370,17 +376,21 @@ class SQLiteStore:
 
     def _pending(self, limit: int, skipServices: set[bytes], skipIds: str,
                  services: Optional[list[bytes]]) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of services not skipped, or of *services* and those
-        found damaged whatever their service now says (looked for :data:`DAMAGE_CHUNK` rows a
-        read, from the first such read): by age within :data:`SCAN_BUDGET` steps, else service
-        by service through the service index (a backlog of others may lie in the way)."""
+        """The *limit* oldest pending rows of services not skipped (or of *services*): by age
+        within :data:`SCAN_BUDGET` steps, else service by service through the service index
+        (a backlog of others may lie in the way)."""
         db = self._connection()
-        if services is None:
-            args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
-            found = self._budgeted(db, _PENDING_BY_AGE, args)
-            return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
+        if services is not None:
+            return self._pendingOf(db, limit, [s for s in services if s not in skipServices], skipIds)
+        args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
+        found = self._budgeted(db, _PENDING_BY_AGE, args)
+        return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
+
+    def _pendingOf(self, db: sqlite3.Connection, limit: int, services: list[bytes],
+                   skipIds: str) -> list[tuple[Any, ...]]:
+        """:meth:`_pending` of *services*, and of those found damaged whatever their service now
+        says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
         self._lookForDamage(db)
-        services = [s for s in services if s not in skipServices]
         listed = json.dumps([bytes(s).hex().upper() for s in services])
         found = self._budgeted(db, _PENDING_LISTED, (listed, skipIds, limit))
         if found is None:
