@@ -310,7 +310,10 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        return self.services.setdefault(name, _Service(name))
+        entry = self.services.get(name)
+        if entry is None:
+            entry = self.services[name] = _Service(name)
+        return entry
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -489,9 +492,8 @@ class DispatchMachine(Machine):
 
 
 def services_listed(reply: Sequence[bytes]) -> Optional[dict[bytes, int]]:
-    """Each service an ``mmi.services`` *reply* lists, with its workers; None if it
-    is no listing (a ``501``, say) or may leave out a service with workers (truncated,
-    naming none without: the broker lists those with workers first)."""
+    """Each service an ``mmi.services`` *reply* lists, with its workers; None if no listing (a ``501``)
+    or one that may leave out a service with workers (truncated, yet all listed have some)."""
     try:
         listing = {name.encode("ascii"): int(entry["workers"])
                    for name, entry in json.loads(reply[0]).items()}
@@ -721,9 +723,9 @@ class Dispatcher:
                 replied(parts + body)
 
         def failed(failure: Failure) -> None:
-            body = final_error_body(failure.value)
             if over:
                 return
+            body = final_error_body(failure.value)
             if body is None:
                 feed(self.machine.handleFailed, request.id, failure.getErrorMessage())
             else:

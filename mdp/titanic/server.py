@@ -195,6 +195,5 @@ class Titanic:
         await self.store.close()
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop dispatching and serving, and close the store; requests out stay
-        pending and go out again on the next start."""
+        """Stop dispatching and serving, and close the store; requests out go out again on the next start."""
         return defer.ensureDeferred(self._stop())
