@@ -1,9 +1,6 @@
-"""A client of Titanic: submit a request now, collect its reply later.
-
-A request id outlives the process that got it: any process can ask for the
-reply.  A worker's error reply is raised as the same typed error as from
-:meth:`Client.request <mdp.majordomo.client.Client.request>`.
-"""
+"""A client of Titanic: submit a request now, collect its reply later, from any process.
+A worker's error reply is raised as the same typed error as from
+:meth:`Client.request <mdp.majordomo.client.Client.request>`."""
 
 from __future__ import annotations
 
@@ -13,15 +10,8 @@ from typing import Any, Optional, Sequence, Union
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from mdp.errors import (
-    RemoteError,
-    RequestTimeout,
-    ServiceOverloaded,
-    ServiceUnavailable,
-    TitanicError,
-    TransportError,
-    UnknownRequest,
-)
+from mdp import errors
+from mdp.errors import RemoteError, TitanicError, UnknownRequest
 from mdp.majordomo import codec
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
 from mdp.messages import Frame, remote_error, request_frames
@@ -35,7 +25,8 @@ DEFAULT_POLL_INTERVAL = 1.0
 #: Requests submitted here whose service is remembered (to name it in errors).
 _REMEMBERED = 10_000
 #: Poll failures meaning only that Titanic (or the broker) is away for a while.
-TRANSIENT = (RequestTimeout, ServiceUnavailable, ServiceOverloaded, TransportError)
+TRANSIENT = (errors.RequestTimeout, errors.ServiceUnavailable, errors.ServiceOverloaded,
+             errors.TransportError)
 
 
 def _check_id(requestId: str) -> bytes:
@@ -51,23 +42,14 @@ class TitanicClient:
     """Titanic's services through *broker* (one endpoint or a failover list).
     *timeout* and *retries* are those of each call to Titanic itself."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        reactor: Optional[Any] = None,
-        *,
-        pollInterval: float = DEFAULT_POLL_INTERVAL,
-        timeout: float = DEFAULT_TIMEOUT,
-        retries: int = DEFAULT_RETRIES,
-        limits: Limits = Limits(),
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 pollInterval: float = DEFAULT_POLL_INTERVAL, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = DEFAULT_RETRIES, limits: Limits = Limits(),
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.pollInterval = positive_seconds("pollInterval", pollInterval)
-        self.client = Client(broker, self.reactor, timeout=timeout, retries=retries,
-                             limits=limits, curveServerPublic=curveServerPublic,
-                             curveSecret=curveSecret)
+        self.client = Client(broker, self.reactor, timeout=timeout, retries=retries, limits=limits,
+                             curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         self._services: dict[str, bytes] = {}
 
     async def _titanic(self, service: bytes, *body: bytes) -> list[bytes]:
@@ -81,8 +63,8 @@ class TitanicClient:
         return reply
 
     def submit(self, service: Union[str, bytes], *frames: Frame) -> defer.Deferred[str]:
-        """Store a request for *service*; fires with its id (UUID text) once
-        committed.  Arguments are checked at once, as by ``Client.request``."""
+        """Store a request for *service*; fires with its id (UUID text) once committed.
+        Arguments are checked at once, as by ``Client.request``."""
         name = codec.api_service_name(service)
         body = request_frames(frames)
 
@@ -108,8 +90,7 @@ class TitanicClient:
                 reply = await self._titanic(protocol.REPLY, wire)
             except TRANSIENT:
                 raise
-            except RemoteError as e:
-                # titanic.reply itself refused (413): the reply stays in the store
+            except RemoteError as e:  # titanic.reply itself refused (413)
                 raise TitanicError(f"titanic.reply could not fetch the reply to {requestId} "
                                    f"({e}); it stays in Titanic's store") from e
             status = reply[:1]
@@ -129,11 +110,9 @@ class TitanicClient:
 
         return defer.ensureDeferred(poll())
 
-    def result(self, requestId: str, *,
-               pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """The reply frames, polling every *pollInterval* seconds (default: the
-        client's) until done; :data:`TRANSIENT` failures are logged and polled
-        again.  Cancel the Deferred to stop polling."""
+    def result(self, requestId: str, *, pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
+        """The reply frames, polling every *pollInterval* seconds (default: the client's) until done;
+        :data:`TRANSIENT` failures are logged and polled again.  Cancel the Deferred to stop polling."""
         _check_id(requestId)
         interval = (self.pollInterval if pollInterval is None
                     else positive_seconds("pollInterval", pollInterval))
@@ -142,13 +121,12 @@ class TitanicClient:
             while True:
                 try:
                     frames = await self.poll(requestId)
+                    if frames is not None:
+                        self._services.pop(requestId, None)
+                        return frames
                 except TRANSIENT as e:
                     log.warn("Titanic is not answering about {id} ({error}); polling on",
                              id=requestId, error=e)
-                    frames = None
-                if frames is not None:
-                    self._services.pop(requestId, None)
-                    return frames
                 await task.deferLater(self.reactor, interval, lambda: None)
 
         return defer.ensureDeferred(result())
@@ -165,9 +143,9 @@ class TitanicClient:
 
     def call(self, service: Union[str, bytes], *frames: Frame,
              pollInterval: Optional[float] = None) -> defer.Deferred[list[bytes]]:
-        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.  The
-        request is closed once its reply (or error reply) is in hand; if cancelled,
-        or if the close fails (logged), it is left to Titanic's keep time."""
+        """:meth:`submit`, :meth:`result`, :meth:`close`: the reply frames.  The request is closed
+        once its reply (or error reply) is in hand; if cancelled, or if the close fails (logged),
+        it is left to Titanic's keep time."""
         submitted = self.submit(service, *frames)
 
         async def call() -> list[bytes]:
@@ -189,9 +167,8 @@ class TitanicClient:
         except defer.CancelledError:
             raise
         except Exception as e:
-            log.warn("titanic: request {requestId} answered, but titanic.close failed: "
-                     "{error}; Titanic keeps its reply until its keep time", requestId=requestId,
-                     error=e)
+            log.warn("titanic: request {requestId} answered, but titanic.close failed: {error}; "
+                     "Titanic keeps its reply until its keep time", requestId=requestId, error=e)
 
     def disconnect(self) -> defer.Deferred[None]:
         """Close the connection to the broker (pending calls fail with ClientClosed)."""

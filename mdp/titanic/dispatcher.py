@@ -18,11 +18,11 @@ from twisted.python.failure import Failure
 
 from mdp import transport
 from mdp.errors import ClientClosed, RemoteError, ReplyTooLarge, RequestTooLarge
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_class, action_type
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import Backoff, Limits, call_at, default_reactor, positive_seconds
+from mdp.policy import Backoff, Limits, LogThrottle, call_at, default_reactor, positive_seconds
 from mdp.titanic.client import TRANSIENT
 from mdp.titanic.protocol import whole_number
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
@@ -37,14 +37,12 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT = 30.0
 #: Wait before asking again about a parked service.
 DEFAULT_BACKOFF = Backoff(1.0, 32.0)
-#: What a ``titanic.reply`` answer adds to a stored reply: a streamed reply is kept
-#: only while it fits the limits less this.
+#: What a ``titanic.reply`` answer adds to a stored reply (a stream must fit the limits less this).
 REPLY_RESERVE_BYTES = 512
 REPLY_RESERVE_FRAMES = 8
 #: Seconds an answer that a service has workers is trusted.
 DEFAULT_RECHECK = 5.0
-#: Seconds between two ``mmi.services`` listings: a service that appears is
-#: served within this, however many requests wait for services nobody serves.
+#: Seconds between two ``mmi.services`` listings: how soon a service that appears is served.
 DEFAULT_LIST_EVERY = 1.0
 #: ``mmi.services`` unanswered this many times in a row: go on as without a listing.
 LIST_TRIES = 3
@@ -76,8 +74,7 @@ class _Service:
 
 @action_class
 class LoadPending:
-    """Read up to *limit* pending requests, oldest first, without these (and, if
-    *onlyServices* is given, of those services alone)."""
+    """Read up to *limit* pending requests, oldest first, without these (or only *onlyServices*')."""
 
     limit: int
     skipServices: list[bytes]
@@ -85,74 +82,30 @@ class LoadPending:
     onlyServices: Optional[list[bytes]] = None
 
 
-@action_class
-class ListServices:
-    """Ask the broker which services it knows (``mmi.services``)."""
-
-
-@action_class
-class CheckService:
-    """Ask the broker how many workers *service* has, or whether it knows it."""
-
-    service: bytes
-
-
-@action_class
-class Dispatch:
-    request: StoredRequest
-
-
-@action_class
-class StoreReply:
-    requestId: str
-    frames: list[bytes]
-
-
-@action_class
-class Purge:
-    """Drop replies stored before *before*."""
-
-    before: float
-
-
-@action_class
-class Parked:
-    """A service was parked for *delay* seconds (for the log)."""
-
-    service: bytes
-    delay: float
-    reason: str
-
-
-@action_class
-class WakeAt:
-    """Call :meth:`DispatchMachine.handleWake` at *when* (``None``: never)."""
-
-    when: Optional[float]
-
-
-Action = Union[LoadPending, ListServices, CheckService, Dispatch, StoreReply, Purge, Parked,
-               WakeAt]
+#: Ask the broker which services it knows (``mmi.services``).
+ListServices = action_type(__name__, "ListServices")
+#: Ask the broker how many workers *service* has, or whether it knows it.
+CheckService = action_type(__name__, "CheckService", "service")
+Dispatch = action_type(__name__, "Dispatch", "request")
+StoreReply = action_type(__name__, "StoreReply", "requestId", "frames")
+#: Drop replies stored before *before*.
+Purge = action_type(__name__, "Purge", "before")
+#: A service was parked for *delay* seconds (for the log).
+Parked = action_type(__name__, "Parked", "service", "delay", "reason")
+#: Call :meth:`DispatchMachine.handleWake` at *when* (``None``: never).
+WakeAt = action_type(__name__, "WakeAt", "when")
+Action = Any
 
 
 class DispatchMachine(Machine):
-    """Which stored request goes out when.  With *listEvery*, only the requests of
-    the services the broker lists (asked that often) are read; without it, or
-    without a full listing, each service is asked about (``mmi.workers``,
-    ``mmi.service``) and parked with a backoff of its own."""
+    """Which stored request goes out when.  With *listEvery*, only the requests of the services the broker
+    lists (asked that often) are read; without it, or without a full listing, each service is asked about
+    (``mmi.workers``, ``mmi.service``) and parked with a backoff of its own."""
 
-    def __init__(
-        self,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        keep: float = DEFAULT_KEEP,
-        purgeEvery: float = DEFAULT_PURGE_EVERY,
-        recheck: float = DEFAULT_RECHECK,
-        window: Optional[int] = None,
-        listEvery: Optional[float] = None,
-        now: float = 0.0,
-    ) -> None:
+    def __init__(self, *, concurrency: int = DEFAULT_CONCURRENCY, backoff: Backoff = DEFAULT_BACKOFF,
+                 keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
+                 recheck: float = DEFAULT_RECHECK, window: Optional[int] = None,
+                 listEvery: Optional[float] = None, now: float = 0.0) -> None:
         whole_number("concurrency", concurrency)
         for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck),
                             ("listEvery", 1.0 if listEvery is None else listEvery)):
@@ -166,7 +119,6 @@ class DispatchMachine(Machine):
         self.listEvery = listEvery
         #: most requests held at once (out + waiting)
         self.window = window if window is not None else max(2 * concurrency, 16)
-        self._nextPurge = now
         self._wake: Optional[float] = None
         self._forgetAll()
 
@@ -203,14 +155,11 @@ class DispatchMachine(Machine):
         self.running = True
         self._dirty = True
         self._nextPurge = now
-        if self.listEvery is not None:
-            self._nextList = now
-        self._tick()
-        return self._drain()
+        self._nextList = None if self.listEvery is None else now
+        return self._tick()
 
     def handleListed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
-        """The broker's listing: each service it knows, with its workers (``None``:
-        it gives none in full; each service is asked about until the next listing)."""
+        """The services the broker knows, with their workers (``None``: no full listing)."""
         self.now = now
         if listing is not None:
             self._listFailures = 0
@@ -224,19 +173,16 @@ class DispatchMachine(Machine):
         return self._pumped()
 
     def _relisted(self, old: dict[bytes, int], new: dict[bytes, int]) -> None:
-        """The listing changed: what it says now holds, and a service that has
-        workers again is no longer parked."""
+        """What the listing says now holds; a service with workers again is unparked."""
         self._dirty = True
         self._full = {name for name in self._full if name in new and new[name] == old.get(name)}
         for name, entry in self.services.items():
             appeared = new.get(name) and not old.get(name)
-            if entry.state is ServiceState.AVAILABLE or (
-                    appeared and entry.state is ServiceState.PARKED):
+            if entry.state is ServiceState.AVAILABLE or (appeared and entry.state is ServiceState.PARKED):
                 entry.state = ServiceState.UNKNOWN
 
     def handleListFailed(self, reason: str, now: float) -> list[Action]:
-        """No listing this time (the broker away): keep the last, ask again soon; after
-        :data:`LIST_TRIES` in a row, go on as without a listing."""
+        """No listing (the broker away): keep the last; after :data:`LIST_TRIES`, go without."""
         self.now = now
         self._listFailures += 1
         if self._listFailures >= LIST_TRIES:
@@ -253,8 +199,7 @@ class DispatchMachine(Machine):
             self._nextList = min(self._nextList, max(now, self._listedAt + self.listEvery / 4))
         return self._pumped()
 
-    def handleLoaded(self, requests: Sequence[StoredRequest], limit: int,
-                     now: float) -> list[Action]:
+    def handleLoaded(self, requests: Sequence[StoredRequest], limit: int, now: float) -> list[Action]:
         """The answer to LoadPending(*limit*)."""
         self.now = now
         self._loading = False
@@ -271,11 +216,9 @@ class DispatchMachine(Machine):
     def handleLoadFailed(self, reason: str, now: float) -> list[Action]:
         self.now = now
         self._loading = False
-        self._storeTrouble()
-        return self._drain()
+        return self._storeTrouble()
 
-    def handleChecked(self, service: bytes, available: bool, reason: str,
-                      now: float) -> list[Action]:
+    def handleChecked(self, service: bytes, available: bool, reason: str, now: float) -> list[Action]:
         """No worker count (``mmi.service``, or a failure): bound by *concurrency* alone."""
         return self._checked(service, None, available, reason, now)
 
@@ -285,8 +228,7 @@ class DispatchMachine(Machine):
                              "" if workers > 0 else "no worker (mmi.workers)", now)
 
     def handleLingering(self, service: bytes, now: float) -> list[Action]:
-        """``mmi.workers`` counted none but ``mmi.service`` says ``200`` (its worker
-        restarting): one request at a time goes out."""
+        """No worker counted but ``mmi.service`` says ``200`` (restarting): one out at a time."""
         return self._checked(service, 0, True, "", now)
 
     def _checked(self, service: bytes, workers: Optional[int], available: bool, reason: str,
@@ -341,8 +283,7 @@ class DispatchMachine(Machine):
         self.now = now
         if self.running and requestId in self._storing:
             self._unsaved.add(requestId)
-        self._storeTrouble()
-        return self._drain()
+        return self._storeTrouble()
 
     def handleClosed(self, requestId: str, now: float) -> list[Action]:
         self.now = now
@@ -356,8 +297,7 @@ class DispatchMachine(Machine):
     def handleWake(self, now: float) -> list[Action]:
         self.now = now
         self._wake = None
-        self._tick()
-        return self._drain()
+        return self._tick()
 
     def handleStop(self, now: float) -> list[Action]:
         self.now = now
@@ -370,9 +310,10 @@ class DispatchMachine(Machine):
         return self._drain()
 
     def _service(self, name: bytes) -> _Service:
-        if name not in self.services:
-            self.services[name] = _Service(name)
-        return self.services[name]
+        entry = self.services.get(name)
+        if entry is None:
+            entry = self.services[name] = _Service(name)
+        return entry
 
     def _freed(self, service: bytes) -> None:
         """One of *service*'s requests is held no more: read any left in the store."""
@@ -390,16 +331,16 @@ class DispatchMachine(Machine):
         entry.until = float(math.ceil(self.now + delay))
         self._emit(Parked(entry.name, delay, reason))
 
-    def _storeTrouble(self) -> None:
+    def _storeTrouble(self) -> list[Action]:
         self._storeRetryAt = self.now + self.backoff.delay(self._storeFailures)
         self._storeFailures += 1
         self._dirty = True
-        self._pump()
+        return self._pumped()
 
-    def _tick(self) -> None:
-        """What is due at :attr:`now`: unpark, retry the store, purge."""
+    def _tick(self) -> list[Action]:
+        """What is due at :attr:`now`: unpark, retry the store, purge, list."""
         if not self.running:
-            return
+            return self._drain()
         for entry in self.services.values():
             if entry.state is ServiceState.PARKED and entry.until <= self.now:
                 entry.state = ServiceState.UNKNOWN
@@ -414,7 +355,7 @@ class DispatchMachine(Machine):
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
         self._listIfDue()
-        self._pump()
+        return self._pumped()
 
     def _listIfDue(self) -> None:
         if self._nextList is not None and self._nextList <= self.now:
@@ -426,17 +367,12 @@ class DispatchMachine(Machine):
         """Drop idle services: the table must not grow with every name ever submitted."""
         held = {r.service for r in self._heldRequests()}
         for name, entry in list(self.services.items()):
-            if name not in held and self._forgettable(entry):
+            if name in held or entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
+                continue
+            if entry.until < self.now - 2 * self.backoff.maximum or entry.failures == 0 and (
+                    entry.state is ServiceState.UNKNOWN or entry.until <= self.now):
                 del self.services[name]
                 self._full.discard(name)
-
-    def _forgettable(self, entry: _Service) -> bool:
-        if entry.state in (ServiceState.PARKED, ServiceState.CHECKING):
-            return False
-        if entry.until < self.now - 2 * self.backoff.maximum:
-            return True
-        return entry.failures == 0 and (entry.state is ServiceState.UNKNOWN
-                                        or entry.until <= self.now)
 
     def _heldRequests(self) -> list[StoredRequest]:
         return [*self.queue, *self.inflight.values(), *self._spare]
@@ -447,7 +383,9 @@ class DispatchMachine(Machine):
         held = self._placeQueue()
         if self._timeToRead():
             self._readPending(held)
-        self._setWake(self._nextWake())
+        due = (self._storeRetryAt, self._nextList, self._nextPurge)
+        parked = (e.until for e in self.services.values() if e.state is ServiceState.PARKED)
+        self._setWake(min([*parked, *(when for when in due if when is not None)]))
 
     def _placeQueue(self) -> Counter[bytes]:
         """Send, keep, set aside or leave in the store each waiting request; returns held by service."""
@@ -459,8 +397,7 @@ class DispatchMachine(Machine):
         self.queue = [request for request in self.queue if self._placeRequest(request, out, held)]
         return held
 
-    def _placeRequest(self, request: StoredRequest, out: Counter[bytes],
-                      held: Counter[bytes]) -> bool:
+    def _placeRequest(self, request: StoredRequest, out: Counter[bytes], held: Counter[bytes]) -> bool:
         """Send *request* if it may go out; True if it waits in the queue."""
         if not request.frames:
             # no frames could be read back: the driver answers it with an error
@@ -510,8 +447,7 @@ class DispatchMachine(Machine):
         return self.window - len(self.queue) - len(self.inflight)
 
     def _timeToRead(self) -> bool:
-        """Read only for half a window at least, unless nothing waiting goes out
-        soon while there is room to send: one read for many, not one each."""
+        """One read for many: for half a window at least, unless nothing waiting goes out soon."""
         room = self._room()
         if self._readHeld() or room <= 0:
             return False
@@ -523,8 +459,7 @@ class DispatchMachine(Machine):
 
     def _readHeld(self) -> bool:
         """Nothing new to read, a read under way, the store failing, or no listing yet."""
-        return (not self._dirty or self._loading or self._storeRetryAt is not None
-                or self._unlisted)
+        return not self._dirty or self._loading or self._storeRetryAt is not None or self._unlisted
 
     def _readPending(self, held: Counter[bytes]) -> None:
         full = [e.name for e in self.services.values() if e.state is not ServiceState.PARKED
@@ -537,27 +472,18 @@ class DispatchMachine(Machine):
             return  # nothing listed may take more: read once a listing changes
         self._dirty = False
         self._loading = True
-        self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()],
-                               only))
+        self._emit(LoadPending(self._room(), sorted(skip), [r.id for r in self._heldRequests()], only))
 
     def _listedFor(self, skip: set[bytes]) -> Optional[list[bytes]]:
         """The listed services whose requests to read (None: no listing, read any)."""
         if self.listing is None:
             return None
-        return sorted(name for name in self.listing if name not in skip
-                      and not name.startswith((b"titanic.", b"mmi.")))
+        return sorted(name for name in self.listing
+                      if name not in skip and not name.startswith((b"titanic.", b"mmi.")))
 
     def _mostOut(self, entry: _Service) -> int:
-        """As many out as workers (one if none, but the service is known; the window if
-        not counted); twice as many may be held."""
-        if entry.workers is None:
-            return self.window
-        return max(entry.workers, 1)
-
-    def _nextWake(self) -> float:
-        due = (self._storeRetryAt, self._nextList, self._nextPurge)
-        parked = (e.until for e in self.services.values() if e.state is ServiceState.PARKED)
-        return min([*parked, *(when for when in due if when is not None)])
+        """As many out as workers (one if none but known; the window if not counted)."""
+        return self.window if entry.workers is None else max(entry.workers, 1)
 
     def _setWake(self, when: Optional[float]) -> None:
         if when != self._wake:
@@ -566,9 +492,8 @@ class DispatchMachine(Machine):
 
 
 def services_listed(reply: Sequence[bytes]) -> Optional[dict[bytes, int]]:
-    """Each service an ``mmi.services`` *reply* lists, with its workers; None if it
-    is no listing (a ``501``, say) or may leave out a service with workers (truncated,
-    naming none without: the broker lists those with workers first)."""
+    """Each service an ``mmi.services`` *reply* lists, with its workers; None if no listing (a ``501``)
+    or one that may leave out a service with workers (truncated, yet all listed have some)."""
     try:
         listing = {name.encode("ascii"): int(entry["workers"])
                    for name, entry in json.loads(reply[0]).items()}
@@ -602,26 +527,16 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
 
 
 class Dispatcher:
-    """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one
-    endpoint or a failover list); :meth:`stored` and :meth:`closed` are its events."""
+    """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one endpoint
+    or a failover list); :meth:`stored` and :meth:`closed` are its events."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        store: ITitanicStore,
-        reactor: Optional[Any] = None,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        timeout: float = DEFAULT_TIMEOUT,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        keep: float = DEFAULT_KEEP,
-        purgeEvery: float = DEFAULT_PURGE_EVERY,
-        recheck: float = DEFAULT_RECHECK,
-        listEvery: Optional[float] = DEFAULT_LIST_EVERY,
-        limits: Limits = Limits(),
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
+                 reactor: Optional[Any] = None, *, concurrency: int = DEFAULT_CONCURRENCY,
+                 timeout: float = DEFAULT_TIMEOUT, backoff: Backoff = DEFAULT_BACKOFF,
+                 keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
+                 recheck: float = DEFAULT_RECHECK, listEvery: Optional[float] = DEFAULT_LIST_EVERY,
+                 limits: Limits = Limits(), curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         reactor = default_reactor(reactor)
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         if listEvery is not None and not _reads_by_service(store):
@@ -646,16 +561,12 @@ class Dispatcher:
         self._busy = False
         #: bumped by stop: results of what an earlier run asked are ignored
         self._generation = 0
-        self._warned: set[str] = set()
+        self._once = LogThrottle(reactor, math.inf)  # warnings given once
 
     def _newClient(self) -> Client:
         # every request out, and room for the service checks beside them
         return Client(self.endpoints, self.reactor, timeout=self.timeout, retries=1,
                       maxConnections=self.machine.concurrency + 2, limits=self.limits, **self._curve)
-
-    @property
-    def concurrency(self) -> int:
-        return self.machine.concurrency
 
     def start(self) -> None:
         if self.machine.running:
@@ -673,8 +584,7 @@ class Dispatcher:
         self._feed(self.machine.handleClosed, requestId)
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop sending; requests out stay pending in the store (closing the client
-        fails them, and the new generation ignores that)."""
+        """Stop sending; requests out stay pending in the store (a new generation ignores them)."""
         self._generation += 1
         self._feed(self.machine.handleStop)
         return self.client.close()
@@ -688,23 +598,26 @@ class Dispatcher:
         try:
             while self._events:
                 handler, args = self._events.pop(0)
-                self._perform(handler(*args, self.reactor.seconds()))
+                for action in handler(*args, self.reactor.seconds()):
+                    self._performers[type(action)](action)
         finally:
             self._busy = False
 
-    def _then(self, handler: Any) -> Any:
-        """A callback feeding *handler*, unless the dispatcher stopped since."""
+    def _then(self) -> Callable[..., None]:
+        """Feeds a handler its event, unless the dispatcher stopped since this was made."""
         generation = self._generation
 
-        def feed(*args: Any) -> None:
+        def feed(handler: Any, *args: Any) -> None:
             if generation == self._generation:
                 self._feed(handler, *args)
 
         return feed
 
-    def _perform(self, actions: list[Action]) -> None:
-        for action in actions:
-            self._performers[type(action)](action)
+    def _troubled(self, handler: Any, format: str, *args: Any, **fields: Any) -> Any:
+        """An errback that logs the store's failure and feeds *handler* (*args*, its reason)."""
+        feed = self._then()
+        return lambda failure: (report_failure(log, failure, format, **fields),
+                                feed(handler, *args, failure.getErrorMessage()))
 
     def _logParked(self, action: Parked) -> None:
         log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
@@ -716,85 +629,70 @@ class Dispatcher:
                               lambda: self._feed(self.machine.handleWake))
 
     def _load(self, action: LoadPending) -> None:
-        loaded, failed = self._then(self.machine.handleLoaded), self._then(self.machine.handleLoadFailed)
-
-        def trouble(failure: Failure) -> None:
-            report_failure(log, failure, "Titanic could not read pending requests")
-            failed(failure.getErrorMessage())
-
+        feed = self._then()
         only = {} if action.onlyServices is None else {"onlyServices": action.onlyServices}
         defer.maybeDeferred(self.store.pending, action.limit, action.skipServices,
                             action.skipIds, **only).addCallbacks(
-            lambda requests: loaded(requests, action.limit), trouble)
+            lambda requests: feed(self.machine.handleLoaded, requests, action.limit),
+            self._troubled(self.machine.handleLoadFailed, "Titanic could not read pending requests"))
 
     async def _list(self) -> None:
         """``mmi.services``: the services the broker knows and their workers."""
-        listed = self._then(self.machine.handleListed)
-        failed = self._then(self.machine.handleListFailed)
+        feed = self._then()
         try:
             reply = await self.client.request(b"mmi.services", timeout=min(self.timeout, 5.0))
         except RETRY as e:  # the broker away: keep the last listing
-            self._warnOnce("Titanic: no answer to mmi.services ({reason}); after {tries} in a "
-                           "row, each service is asked about instead", reason=e, tries=LIST_TRIES)
-            failed(str(e))
-            return
+            self._once.warn(log, "list", "Titanic: no answer to mmi.services ({reason}); after "
+                            "{tries} in a row, each service is asked about instead", reason=e,
+                            tries=LIST_TRIES)
+            return feed(self.machine.handleListFailed, str(e))
         except Exception:  # refused, over this client's limits, ...: ask each service
             reply = []
-        listed(services_listed(reply))
+        feed(self.machine.handleListed, services_listed(reply))
 
     async def _check(self, service: bytes) -> None:
-        """``mmi.workers`` counts the workers; none counted, or no listing (a broker
-        without it, a listing over this client's limits), ``mmi.service`` says
-        whether the broker knows the service."""
-        machine = self.machine
-        counted, checked = self._then(machine.handleCounted), self._then(machine.handleChecked)
-        lingering = self._then(machine.handleLingering)
+        """``mmi.workers`` counts the workers; none counted, or no listing (a broker without it, a listing
+        over this client's limits), ``mmi.service`` says whether the broker knows the service."""
+        feed, machine = self._then(), self.machine
         timeout = min(self.timeout, 5.0)
         try:
-            workers = mmi.workers_listed(await self.client.request(
-                b"mmi.workers", service, timeout=timeout))
+            workers = mmi.workers_listed(await self.client.request(b"mmi.workers", service, timeout=timeout))
         except RETRY as e:  # the broker away: ask again later
-            checked(service, False, f"mmi.workers failed: {e}")
-            return
+            return feed(machine.handleChecked, service, False, f"mmi.workers failed: {e}")
         except Exception:  # refused, over this client's limits, ...: ask the short way
             workers = None
         if workers:
-            counted(service, workers)
-            return
+            return feed(machine.handleCounted, service, workers)
         reason = "no worker (mmi.service)"
         try:
             answer = (await self.client.request(b"mmi.service", service, timeout=timeout))[:1]
         except Exception as e:
             answer, reason = [], f"mmi.service failed: {e}"
         if workers == 0 and answer == [mmi.FOUND]:  # known: its worker restarting
-            lingering(service)
+            feed(machine.handleLingering, service)
         elif workers == 0:
-            counted(service, 0)
+            feed(machine.handleCounted, service, 0)
         elif answer == [b"501"]:  # a broker without MMI: send, and see
-            self._warnOnce("Titanic: the broker does not answer mmi.service (501); "
-                           "sending requests without asking")
-            checked(service, True, "")
+            self._once.warn(log, "501", "Titanic: the broker does not answer mmi.service (501); "
+                            "sending requests without asking")
+            feed(machine.handleChecked, service, True, "")
         else:
             available = answer == [mmi.FOUND]
-            checked(service, available, "" if available else reason)
-
-    def _warnOnce(self, format: str, **fields: Any) -> None:
-        if format not in self._warned:
-            self._warned.add(format)
-            log.warn(format, **fields)
+            feed(machine.handleChecked, service, available, "" if available else reason)
 
     def _dispatch(self, action: Dispatch) -> None:
-        """Send a stored request.  A stream that outgrows what one ``titanic.reply``
-        can carry is answered 413 and abandoned (cancelled a turn later: this runs
-        inside the client's handler)."""
-        request = action.request
-        replied, failedFor = self._then(self.machine.handleReply), self._then(self.machine.handleFailed)
+        """Send a stored request.  A stream that outgrows what one ``titanic.reply`` can carry is answered
+        413 and abandoned (cancelled a turn later: this runs inside the client's handler)."""
+        request, feed = action.request, self._then()
         mostBytes = max(1, self.limits.maxMessageBytes - REPLY_RESERVE_BYTES)
         mostFrames = max(1, self.limits.maxFrames - REPLY_RESERVE_FRAMES)
         parts: list[bytes] = []
         held = 0  # bytes in parts
         over = False  # answered 413 and abandoned
         calls: list[defer.Deferred[Any]] = []
+
+        def replied(body: list[bytes]) -> None:
+            feed(self.machine.handleReply, request.id, body)
 
         def fits(body: list[bytes]) -> bool:
             nonlocal held, over
@@ -804,10 +702,9 @@ class Dispatcher:
                 return True
             over = True
             parts.clear()
-            replied(request.id, error_body(
-                STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more than "
-                f"{mostBytes} bytes or {mostFrames} frames in all, the most a titanic.reply "
-                f"can carry"))
+            replied(error_body(STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more "
+                               f"than {mostBytes} bytes or {mostFrames} frames in all, the most "
+                               "a titanic.reply can carry"))
             if calls:
                 self.reactor.callLater(0, calls[0].cancel)
             return False
@@ -823,38 +720,31 @@ class Dispatcher:
 
         def final(body: list[bytes]) -> None:
             if not over and (not parts or fits(body)):
-                replied(request.id, parts + body)
+                replied(parts + body)
 
         def failed(failure: Failure) -> None:
             if over:
                 return
             body = final_error_body(failure.value)
-            if body is not None:
-                replied(request.id, body)
+            if body is None:
+                feed(self.machine.handleFailed, request.id, failure.getErrorMessage())
             else:
-                failedFor(request.id, failure.getErrorMessage())
+                replied(body)
 
         try:
-            d = self.client.request(request.service, *request.frames,
-                                    onPartial=partial, onRestart=restart)
+            d = self.client.request(request.service, *request.frames, onPartial=partial, onRestart=restart)
         except (ValueError, TypeError) as e:  # over this client's limits, or cannot be sent
-            replied(request.id, final_error_body(e) or error_body(
+            return replied(final_error_body(e) or error_body(
                 STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))
-            return
         calls.append(d)
         d.addCallbacks(final, failed)
 
     def _storeReply(self, action: StoreReply) -> None:
-        requestId, frames = action.requestId, action.frames
-        stored = self._then(self.machine.handleReplyStored)
-        failed = self._then(self.machine.handleStoreFailed)
-
-        def trouble(failure: Failure) -> None:
-            report_failure(log, failure, "Titanic could not store the reply to {id}", id=requestId)
-            failed(requestId, failure.getErrorMessage())
-
-        self.store.complete(requestId, frames, self.reactor.seconds()).addCallbacks(
-            lambda _: stored(requestId), trouble)
+        feed = self._then()
+        self.store.complete(action.requestId, action.frames, self.reactor.seconds()).addCallbacks(
+            lambda _: feed(self.machine.handleReplyStored, action.requestId),
+            self._troubled(self.machine.handleStoreFailed, "Titanic could not store the reply to "
+                           "{id}", action.requestId, id=action.requestId))
 
     def _purge(self, action: Purge) -> None:
         def purged(count: int) -> None:

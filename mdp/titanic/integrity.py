@@ -39,11 +39,10 @@ def _checksum(data: bytes, order: str, s1: int = 0, s2: int = 0) -> tuple[int, i
 
 
 def wal_damage(wal: bytes) -> Optional[str]:
-    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.
-    SQLite reads frames up to the first that fails its cumulative checksum.  The last
-    transaction torn by a crash (its frames reach the disk in any order, its commit
-    frame perhaps first) was never acknowledged: damage is a broken frame followed
-    by the commit of a later transaction of the same WAL generation."""
+    """Why SQLite would drop committed transactions of the WAL content *wal*, or None.  SQLite reads frames
+    up to the first that fails its cumulative checksum.  The last transaction torn by a crash (its frames
+    reach the disk in any order, its commit frame perhaps first) was never acknowledged: damage is a broken
+    frame followed by the commit of a later transaction of the same WAL generation."""
     if len(wal) < _WAL_HEADER:
         return None  # SQLite takes it as empty
     magic, _, pageSize, _, salt1, salt2, c1, c2 = struct.unpack(">8I", wal[:_WAL_HEADER])
@@ -62,6 +61,15 @@ def wal_damage(wal: bytes) -> Optional[str]:
             "committed transaction follows it")
 
 
+def _later_commit(heads: list[tuple[int, ...]], salts: tuple[int, int]) -> bool:
+    """Whether the frame *heads* from a broken one hold a commit of this generation
+    after the one ending its transaction (and the copies of it that pad a sector)."""
+    ours = [(page, commit) for page, commit, s1, s2, _, _ in heads if (s1, s2) == salts]
+    ends = [n for n, (_, commit) in enumerate(ours) if commit]
+    later = itertools.dropwhile(ours[ends[0]].__eq__, ours[ends[0] + 1:]) if ends else ()
+    return any(commit for _, commit in later)
+
+
 def _first_broken(wal: bytes, order: str, size: int, heads: list[tuple[int, ...]],
                   salts: tuple[int, int], sums: tuple[int, int]) -> Optional[int]:
     """The first frame SQLite does not read: of an earlier generation, or failing its checksum."""
@@ -71,15 +79,6 @@ def _first_broken(wal: bytes, order: str, size: int, heads: list[tuple[int, ...]
                 wal[at:at + 8] + wal[at + _FRAME_HEADER:at + size], order, *sums)) != (f1, f2):
             return n
     return None
-
-
-def _later_commit(heads: list[tuple[int, ...]], salts: tuple[int, int]) -> bool:
-    """Whether the frame *heads* from a broken one hold a commit of this generation
-    after the one ending its transaction (and the copies of it that pad a sector)."""
-    ours = [(page, commit) for page, commit, s1, s2, _, _ in heads if (s1, s2) == salts]
-    ends = [n for n, (_, commit) in enumerate(ours) if commit]
-    later = itertools.dropwhile(ours[ends[0]].__eq__, ours[ends[0] + 1:]) if ends else ()
-    return any(commit for _, commit in later)
 
 
 def check_wal(path: str, mark: bytes) -> None:
@@ -116,10 +115,9 @@ _INDEX_PROBLEM = re.compile(r"(missing from index|wrong # of entries in index|"
 
 
 def check_and_repair(db: sqlite3.Connection, path: str) -> list[str]:
-    """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that
-    disagree with it (returns their names), raises StoreError for any other damage.
-    An index that misses a row must be rebuilt even where the row is the side that
-    changed: SQLite cannot update or delete a row its index misses."""
+    """``PRAGMA integrity_check``: rebuilds the indexes of the requests table that disagree with it (returns
+    their names), raises StoreError for any other damage.  An index that misses a row must be rebuilt even
+    where the row is the side that changed: SQLite cannot update or delete a row its index misses."""
     problems = [row[0] for row in db.execute("PRAGMA integrity_check")]
     if problems == ["ok"]:
         return []

@@ -38,24 +38,21 @@ class MalformedTitanicRequest(ProtocolError):
 
 
 class TitanicRefused(TitanicError):
-    """``titanic.request`` refused a request at one of Titanic's limits; nothing of
-    it was stored.  Answered *status*, the message, then *code*."""
+    """A request refused at one of Titanic's limits, not stored: *status*, message, *code*."""
 
     status = FAILED
     code = b""
 
 
 class TitanicRequestTooLarge(TitanicRefused):
-    """A request over Titanic's per-request size limit (``400``, the caller's
-    mistake, then ``413``): it is never stored, as it is."""
+    """A request over Titanic's per-request size limit (``400``: the caller's mistake)."""
 
     status = UNKNOWN
     code = TOO_LARGE
 
 
 class TitanicStoreFull(TitanicRefused):
-    """Titanic's store is at its size limit (``500``, then ``507``): submit again
-    once replies are collected, closed or purged."""
+    """Titanic's store is at its size limit: submit again once replies are collected or purged."""
 
     code = STORE_FULL
 

@@ -1,8 +1,6 @@
-"""Titanic's three MDP services over a store (:class:`TitanicServer`), and
-:class:`Titanic`: those services, the dispatcher and the store in one.  A request
-is acknowledged only once the store committed it; the dispatcher learns of it
-through *onStored*.
-"""
+"""Titanic's three MDP services over a store (:class:`TitanicServer`), and :class:`Titanic`:
+those services, the dispatcher and the store in one.  A request is acknowledged only once
+the store committed it; the dispatcher learns of it through *onStored*."""
 
 from __future__ import annotations
 
@@ -11,80 +9,48 @@ from typing import Any, Callable, Optional, Sequence, Union
 from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
 
+from mdp import policy
 from mdp.majordomo.worker import Worker
-from mdp.policy import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    PIRATE,
-    Backoff,
-    HeartbeatPolicy,
-    Limits,
-    LogThrottle,
-    default_reactor,
-)
+from mdp.policy import DEFAULT_MAX_MESSAGE_BYTES, PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import (
-    DEFAULT_MAX_STORE_BYTES,
-    ITitanicStore,
-    MemoryStore,
-    ReplyStatus,
-    SQLiteStore,
-    report_failure,
-)
+from mdp.titanic.store import DEFAULT_MAX_STORE_BYTES, ITitanicStore, ReplyStatus, open_store, report_failure
 
 log = Logger()
 
 #: MDP workers per Titanic service: concurrent submissions share one commit
 DEFAULT_SERVICE_WORKERS = 4
-#: Most bytes of request frames one ``titanic.request`` may store: as many as
-#: an MDP message may carry, so that only the store's limit bounds it by default.
+#: Most bytes of request frames one ``titanic.request`` may store (by default, what MDP carries).
 DEFAULT_MAX_REQUEST_BYTES = DEFAULT_MAX_MESSAGE_BYTES
 
 
-class _ServiceWorker(Worker):
-    """Its "sent READY" line is debug: Titanic runs several per service and says
-    once what it serves."""
-
-    readyLogLevel = LogLevel.debug
-
-
 class TitanicServer:
-    """The Titanic services of one store, registered with *broker* (one endpoint
-    or a failover list), each served by *workers* MDP workers.  The store is the
-    caller's to open and close."""
+    """The Titanic services of one store, registered with *broker* (one endpoint or a
+    failover list), each served by *workers* MDP workers; the caller opens and closes the store."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        store: ITitanicStore,
-        reactor: Optional[Any] = None,
-        *,
-        onStored: Optional[Callable[[str], Any]] = None,
-        onClosed: Optional[Callable[[str], Any]] = None,
-        workers: int = DEFAULT_SERVICE_WORKERS,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        limits: Limits = Limits(),
-        maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
+                 reactor: Optional[Any] = None, *, onStored: Optional[Callable[[str], Any]] = None,
+                 onClosed: Optional[Callable[[str], Any]] = None,
+                 workers: int = DEFAULT_SERVICE_WORKERS, heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+                 backoff: Backoff = PIRATE, limits: Limits = Limits(),
+                 maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         for name, value in (("workers", workers), ("maxRequestBytes", maxRequestBytes)):
             protocol.whole_number(name, value)
         #: at most the store's own limit: a larger request would be refused for ever
         self.maxRequestBytes = min(maxRequestBytes, getattr(store, "maxBytes", maxRequestBytes))
         self.reactor = default_reactor(reactor)
-        self._throttle = LogThrottle(self.reactor, 10.0)
+        self._throttle = policy.LogThrottle(self.reactor, 10.0)
         self.store = store
         self.onStored = onStored
         self.onClosed = onClosed
-        handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply,
-                    protocol.CLOSE: self.close}
+        handlers = {protocol.REQUEST: self.request, protocol.REPLY: self.reply, protocol.CLOSE: self.close}
         self.workers: list[Worker] = [
-            _ServiceWorker(broker, name, handler, self.reactor, heartbeat=heartbeat,
-                           backoff=backoff, limits=limits, curveServerPublic=curveServerPublic,
-                           curveSecret=curveSecret)
+            Worker(broker, name, handler, self.reactor, heartbeat=heartbeat, backoff=backoff,
+                   limits=limits, curveServerPublic=curveServerPublic, curveSecret=curveSecret)
             for name, handler in handlers.items() for _ in range(workers)]
+        for worker in self.workers:  # several per service: Titanic says once what it serves
+            worker.readyLogLevel = LogLevel.debug
 
     def start(self) -> None:
         for worker in self.workers:
@@ -131,8 +97,7 @@ class TitanicServer:
                 return [protocol.OK, *frames]
             return [protocol.PENDING if status is ReplyStatus.PENDING else protocol.UNKNOWN]
 
-        return self.store.reply(requestId).addCallbacks(answer, self._storeFailed,
-                                                        errbackArgs=("read",))
+        return self.store.reply(requestId).addCallbacks(answer, self._storeFailed, errbackArgs=("read",))
 
     def close(self, body: list[bytes]) -> Any:
         """``titanic.close``: forget the request and its reply; ``200``."""
@@ -166,56 +131,31 @@ class TitanicServer:
         return protocol.failed(f"the store failed to {what}: {failure.getErrorMessage()}")
 
 
-def open_store(db: str, reactor: Optional[Any] = None, *,
-               maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> ITitanicStore:
-    """The store for *db*: ``":memory:"`` is the memory store, anything else a
-    SQLite file path (made if missing); either holds at most *maxBytes*."""
-    if db == ":memory:":
-        return MemoryStore(maxBytes=maxBytes)
-    if not db:
-        raise ValueError("the Titanic database path is empty (give a file, or :memory:)")
-    return SQLiteStore(db, reactor, maxBytes=maxBytes)
-
-
 class Titanic:
-    """A whole Titanic: the three services, the dispatcher and the store.  *store*
-    is an :class:`~mdp.titanic.store.ITitanicStore` or a database path
-    (:func:`open_store`), opened in :meth:`start` and closed in :meth:`stop`;
-    *maxStoreBytes* applies to a path (a store object has its own ``maxBytes``)."""
+    """A whole Titanic: the three services, the dispatcher and the store.  *store* is an
+    :class:`~mdp.titanic.store.ITitanicStore` or a database path (:func:`open_store`, with
+    *maxStoreBytes*), opened in :meth:`start` and closed in :meth:`stop`."""
 
-    def __init__(
-        self,
-        broker: Union[str, Sequence[str]],
-        store: Union[str, ITitanicStore],
-        reactor: Optional[Any] = None,
-        *,
-        concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
-        timeout: float = dispatcher.DEFAULT_TIMEOUT,
-        backoff: Backoff = dispatcher.DEFAULT_BACKOFF,
-        keep: float = dispatcher.DEFAULT_KEEP,
-        purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
-        listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
-        workers: int = DEFAULT_SERVICE_WORKERS,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        limits: Limits = Limits(),
-        maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: Union[str, ITitanicStore],
+                 reactor: Optional[Any] = None, *, concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
+                 timeout: float = dispatcher.DEFAULT_TIMEOUT,
+                 backoff: Backoff = dispatcher.DEFAULT_BACKOFF, keep: float = dispatcher.DEFAULT_KEEP,
+                 purgeEvery: float = dispatcher.DEFAULT_PURGE_EVERY,
+                 listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
+                 workers: int = DEFAULT_SERVICE_WORKERS, heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
+                 limits: Limits = Limits(), maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
         self.store = (open_store(store, self.reactor, maxBytes=maxStoreBytes)
                       if isinstance(store, str) else store)
         curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
-                                     timeout=timeout, backoff=backoff, keep=keep,
-                                     purgeEvery=purgeEvery, listEvery=listEvery,
-                                     limits=limits, **curve)
-        self.server = TitanicServer(broker, self.store, self.reactor,
-                                    onStored=self.dispatcher.stored,
-                                    onClosed=self.dispatcher.closed, workers=workers,
-                                    heartbeat=heartbeat, limits=limits,
-                                    maxRequestBytes=maxRequestBytes, **curve)
+                                     timeout=timeout, backoff=backoff, keep=keep, purgeEvery=purgeEvery,
+                                     listEvery=listEvery, limits=limits, **curve)
+        self.server = TitanicServer(broker, self.store, self.reactor, onStored=self.dispatcher.stored,
+                                    onClosed=self.dispatcher.closed, workers=workers, heartbeat=heartbeat,
+                                    limits=limits, maxRequestBytes=maxRequestBytes, **curve)
         self._started = False
         self._starting: Optional[defer.Deferred[None]] = None
         self._stopping = False
@@ -235,8 +175,8 @@ class Titanic:
                  concurrency=self.dispatcher.machine.concurrency)
 
     def start(self) -> defer.Deferred[None]:
-        """Open the store (failing with :class:`~mdp.errors.StoreError` if it
-        is damaged, unreadable or in use), then serve and dispatch."""
+        """Open the store (:class:`~mdp.errors.StoreError` if damaged, unreadable or in use),
+        then serve and dispatch."""
         if self._started or (self._starting is not None and not self._starting.called):
             raise RuntimeError("Titanic is already started")
         self._stopping = False
@@ -255,6 +195,5 @@ class Titanic:
         await self.store.close()
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop dispatching and serving, and close the store; requests out stay
-        pending and go out again on the next start."""
+        """Stop dispatching and serving, and close the store; requests out go out again on the next start."""
         return defer.ensureDeferred(self._stop())

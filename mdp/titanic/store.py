@@ -3,14 +3,15 @@
 :class:`SQLiteStore` (the default) has a request on disk (WAL, ``synchronous=FULL``)
 before :meth:`~ITitanicStore.add` fires; writes arriving during a commit share the
 next one.  :class:`MemoryStore` is the Guide's "faster and less reliable" mode.
-Frames are stored as one record blob with a CRC-32 (SQLite does not check inside
-values); a value that fails it reads back as damaged.
+Frames are stored as one record blob with a CRC-32; one that fails it reads back as damaged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
+import itertools
 import json
 import os
 import sqlite3
@@ -36,11 +37,6 @@ from mdp.transport.framing import decode_record, encode_record
 DEFAULT_MAX_STORE_BYTES = 1024**3
 
 
-def new_id() -> str:
-    """A fresh request id: an RFC 4122 UUID (version 4) as text."""
-    return str(uuid.uuid4())
-
-
 class ReplyStatus(enum.Enum):
     """What the store knows of a request's reply."""
 
@@ -61,8 +57,8 @@ class StoredRequest:
 
 
 class ITitanicStore(Interface):
-    """Durable (or not) storage of requests and replies.  Every method returns
-    a Deferred; each fires once the change is committed."""
+    """Durable (or not) storage of requests and replies.  Every method returns a Deferred;
+    each fires once the change is committed."""
 
     def open():
         """Open (and check) the storage; fails with StoreError if unusable."""
@@ -72,9 +68,8 @@ class ITitanicStore(Interface):
 
     def pending(limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None):
-        """Up to *limit* requests without a reply, oldest first, except those for
-        *skipServices* and those in *skipIds*; if *onlyServices* is given, only
-        requests for those services."""
+        """Up to *limit* requests without a reply, oldest first, except those for *skipServices*
+        and those in *skipIds*; if *onlyServices* is given, only requests for those services."""
 
     def complete(requestId: str, reply: list[bytes], now: float):
         """Store the reply of a request (ignored if it was closed meanwhile)."""
@@ -94,19 +89,11 @@ class ITitanicStore(Interface):
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
-    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
-    id        TEXT NOT NULL UNIQUE,
-    service   BLOB NOT NULL,
-    request   BLOB NOT NULL,
-    created   REAL NOT NULL,
-    reply     BLOB,
-    completed REAL,
-    request_crc INTEGER,
-    reply_crc INTEGER
-);
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, service BLOB NOT NULL,
+    request BLOB NOT NULL, created REAL NOT NULL, reply BLOB, completed REAL,
+    request_crc INTEGER, reply_crc INTEGER);
 CREATE INDEX IF NOT EXISTS requests_pending ON requests (seq) WHERE reply IS NULL;
-CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq)
-    WHERE reply IS NULL;
+CREATE INDEX IF NOT EXISTS requests_pending_service ON requests (service, seq) WHERE reply IS NULL;
 CREATE INDEX IF NOT EXISTS requests_completed ON requests (completed) WHERE reply IS NOT NULL;
 """
 
@@ -122,8 +109,7 @@ _PENDING_BY_AGE = (
 _PENDING_BY_SERVICE = (
     "WITH RECURSIVE pending(name) AS ("
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
-    "         WHERE reply IS NULL ORDER BY service LIMIT 1)"
-    " UNION ALL"
+    "         WHERE reply IS NULL ORDER BY service LIMIT 1) UNION ALL"
     " SELECT (SELECT service FROM requests INDEXED BY requests_pending_service"
     "         WHERE reply IS NULL AND service > pending.name ORDER BY service LIMIT 1)"
     " FROM pending WHERE pending.name IS NOT NULL) "
@@ -149,8 +135,7 @@ _PENDING_ROWS = (f"SELECT {_ROW} FROM requests WHERE {_PENDING} "
 SCAN_BUDGET = 200
 
 #: the columns of Titanic's requests table (another table is left as it is)
-_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed",
-            "request_crc", "reply_crc")
+_COLUMNS = ("seq", "id", "service", "request", "created", "reply", "completed", "request_crc", "reply_crc")
 #: before the checksums: such a table gets them at open
 _UNCHECKED_COLUMNS = _COLUMNS[:7]
 _OURS = ("requests", "requests_pending", "requests_completed", "requests_pending_service")
@@ -192,10 +177,9 @@ def _intact(crc: Any, *values: Any) -> bool:
     return all(isinstance(v, bytes) for v in values) and _checksum(*values) == crc
 
 
-def _request_frames(requestId: Any, service: Any, blob: Any,
-                    crc: Any) -> tuple[list[bytes], Optional[str]]:
-    """The frames of a stored request, or ``[]`` and (if known) why not.  A row
-    without a checksum is taken as it is; older rows' checksums leave out the id."""
+def _request_frames(requestId: Any, service: Any, blob: Any, crc: Any) -> tuple[list[bytes], Optional[str]]:
+    """The frames of a stored request, or ``[]`` and (if known) why not.  A row without
+    a checksum is taken as it is; older rows' checksums leave out the id."""
     if crc is not None and not (isinstance(requestId, str) and requestId.isascii() and (
             _intact(crc, requestId.encode("ascii"), service, blob) or _intact(crc, service, blob))):
         return [], "its checksum does not match"
@@ -224,10 +208,9 @@ def _stored(row: tuple[Any, ...]) -> StoredRequest:
 
 @implementer(ITitanicStore)
 class SQLiteStore:
-    """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open`
-    takes an exclusive lock (``PATH.lock``) and refuses a file with several hard links
-    (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until
-    :meth:`open` again."""
+    """Requests and replies in one SQLite file (``":memory:"``: for tests).  :meth:`open` takes
+    an exclusive lock (``PATH.lock``) and refuses a file with several hard links
+    (:class:`~mdp.errors.StoreError`); after :meth:`close` every call fails until :meth:`open`."""
 
     def __init__(self, path: str, reactor: Optional[Any] = None, *,
                  maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
@@ -245,8 +228,7 @@ class SQLiteStore:
         #: the files in use, as opened (see _moved)
         self._files: dict[str, Optional[tuple[int, int]]] = {}
         self._db: Optional[sqlite3.Connection] = None
-        #: writes waiting for the next transaction, which follows the last one asked
-        #: for, with the bytes each adds if it must fit maxBytes (0: it need not)
+        #: writes for the next transaction, with the bytes each adds against maxBytes (0: none)
         self._writes: list[tuple[str, tuple[Any, ...], int, defer.Deferred[int]]] = []
         self._lastCommit: defer.Deferred[None] = defer.succeed(None)
         #: the row of each request read by pending() and not yet completed or forgotten
@@ -268,34 +250,29 @@ class SQLiteStore:
         return self._db
 
     def _connect(self) -> None:
-        db: Optional[sqlite3.Connection] = None
         if self._lockPath is not None:
             integrity.check_wal(os.path.realpath(self.path), self._mark)
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._refuseOthers(db)
-            self._prepare(db)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._refuseOthers(self._db)
+            self._prepare(self._db)
         except (sqlite3.Error, StoreError) as e:
-            if db is not None:
-                self._closeDb(db)
+            self._shut()
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"Titanic store {self.path} cannot be opened: {e}") from e
-        self._db = db
         self._files = self._identities()
         self._setMark(integrity.OPEN_MARK)
 
     def _refuseOthers(self, db: sqlite3.Connection) -> None:
         """Refuse a damaged file, or another application's, before writing to it;
         rebuild Titanic's indexes if only they are damaged."""
-        names = [name for (name,) in db.execute("SELECT name FROM sqlite_master")
-                 if not name.startswith("sqlite_")]
-        others = sorted(set(names) - set(_OURS))
-        why = None
-        if others:
-            why = f"it holds tables that are not Titanic's ({', '.join(others[:5])})"
-        elif "requests" in names and _columns(db) not in (_COLUMNS, _UNCHECKED_COLUMNS):
-            why = f"its requests table is not Titanic's (columns {', '.join(_columns(db))})"
+        others = sorted({name for (name,) in db.execute("SELECT name FROM sqlite_master")
+                         if not name.startswith("sqlite_")} - set(_OURS))
+        columns = _columns(db)  # none: no requests table yet
+        why = (f"it holds tables that are not Titanic's ({', '.join(others[:5])})" if others
+               else f"its requests table is not Titanic's (columns {', '.join(columns)})"
+               if columns not in ((), _COLUMNS, _UNCHECKED_COLUMNS) else None)
         if why is not None:
             raise StoreError(f"Titanic store {self.path} is not a Titanic store: {why}; "
                              "left as it is")
@@ -314,21 +291,16 @@ class SQLiteStore:
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
         if _columns(db) == _UNCHECKED_COLUMNS:
-            with db:
-                db.execute("BEGIN IMMEDIATE")
-                db.execute("ALTER TABLE requests ADD COLUMN request_crc INTEGER")
-                db.execute("ALTER TABLE requests ADD COLUMN reply_crc INTEGER")
-        (version,) = db.execute("PRAGMA user_version").fetchone()
-        db.execute(f"PRAGMA user_version = {int(version)}")
+            db.executescript("BEGIN IMMEDIATE; ALTER TABLE requests ADD COLUMN request_crc INTEGER;"
+                             " ALTER TABLE requests ADD COLUMN reply_crc INTEGER; COMMIT")
+        db.execute(f"PRAGMA user_version = {int(db.execute('PRAGMA user_version').fetchone()[0])}")
 
     def _identities(self) -> dict[str, Optional[tuple[int, int]]]:
         """The database, its WAL and the lock as (device, inode) now (None: gone)."""
-        if self.path == ":memory:":
+        if self._lockPath is None:  # in memory
             return {}
         real = os.path.realpath(self.path)  # SQLite names the WAL after the file a link leads to
-        names = {self.path: real, "its WAL": real + "-wal"}
-        if self._lockPath is not None:
-            names["its lock"] = self._lockPath
+        names = {self.path: real, "its WAL": real + "-wal", "its lock": self._lockPath}
         return {what: _identity(name) for what, name in names.items()}
 
     def _moved(self) -> Optional[str]:
@@ -347,33 +319,28 @@ class SQLiteStore:
 
     def _relock(self) -> bool:
         """The lock file went: take the lock on a new one, unless another Titanic has it."""
-        path = self._lockPath
-        assert path is not None
         try:
-            fd = self._flock(path)
+            fd = self._flock(self._lockPath)
         except StoreError:
             return False
-        if self._lock is not None:
-            os.close(self._lock)
+        os.close(self._lock)  # open while the store is: this runs in a commit
         self._lock = fd
         self._setMark(integrity.OPEN_MARK)
         self._files["its lock"] = _identity(fd)
         log.warn("Titanic store {path}: its lock file {lock} was deleted while in use; taken "
-                 "again", path=self.path, lock=path)
+                 "again", path=self.path, lock=self._lockPath)
         return True
 
-    def _inUse(self, db: sqlite3.Connection) -> int:
-        """Bytes of the database's pages in use (free pages are reused first)."""
-        (pages,), (free,), (size,) = (db.execute(f"PRAGMA {name}").fetchone() for name in
-                                      ("page_count", "freelist_count", "page_size"))
-        return (pages - free) * size
-
-    def _fitting(self, db: sqlite3.Connection, statements: list[tuple[str, tuple[Any, ...], int]]
+    def _fitting(self, db: sqlite3.Connection, sized: list[tuple[str, tuple[Any, ...], int]]
                  ) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[int, Exception]]:
         """The statements that fit :attr:`maxBytes`, and the refusal of each other by index."""
-        used = self._inUse(db) if any(size for _, _, size in statements) else 0
+        used = 0
+        if any(size for _, _, size in sized):  # bytes of the pages in use (free ones are reused)
+            (used,) = db.execute("SELECT (p.page_count - f.freelist_count) * s.page_size FROM "
+                                 "pragma_page_count p, pragma_freelist_count f, pragma_page_size s"
+                                 ).fetchone()
         fitting, refused = [], {}
-        for index, (sql, args, size) in enumerate(statements):
+        for index, (sql, args, size) in enumerate(sized):
             if size and used + size > self.maxBytes:
                 refused[index] = TitanicStoreFull(
                     f"Titanic's store is full: {used} bytes in use, a request of {size} "
@@ -384,8 +351,9 @@ class SQLiteStore:
         return fitting, refused
 
     def _commit(self, sized: list[tuple[str, tuple[Any, ...], int]]) -> list[Any]:
-        """Commit the statements that fit in one transaction, or if that fails each alone;
-        returns each row count or exception.  Nothing is written once the files moved."""
+        """Commit the statements that fit :attr:`maxBytes` in one transaction, or if that
+        fails each alone; returns each row count or exception (TitanicStoreFull for one
+        that does not fit).  Nothing is written once the files moved."""
         db = self._connection()
         moved = self._moved()
         if moved is not None:
@@ -406,16 +374,26 @@ class SQLiteStore:
         done = iter(results)
         return [refused[i] if i in refused else next(done) for i in range(len(sized))]
 
-    def _pendingOf(self, limit: int, services: Collection[bytes],
-                   skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of *services* (by age within :data:`SCAN_BUDGET`
-        steps, else service by service), and of those found damaged whatever their service
-        now says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
+    def _pending(self, limit: int, skipServices: set[bytes], skipIds: str,
+                 services: Optional[list[bytes]]) -> list[tuple[Any, ...]]:
+        """The *limit* oldest pending rows of services not skipped (or of *services*): by age
+        within :data:`SCAN_BUDGET` steps, else service by service through the service index
+        (a backlog of others may lie in the way)."""
         db = self._connection()
+        if services is not None:
+            return self._pendingOf(db, limit, [s for s in services if s not in skipServices], skipIds)
+        args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
+        found = self._budgeted(db, _PENDING_BY_AGE, args)
+        return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
+
+    def _pendingOf(self, db: sqlite3.Connection, limit: int, services: list[bytes],
+                   skipIds: str) -> list[tuple[Any, ...]]:
+        """:meth:`_pending` of *services*, and of those found damaged whatever their service now
+        says (looked for :data:`DAMAGE_CHUNK` rows a read, from the first such read)."""
         self._lookForDamage(db)
         listed = json.dumps([bytes(s).hex().upper() for s in services])
         found = self._budgeted(db, _PENDING_LISTED, (listed, skipIds, limit))
-        if found is None:  # a backlog of others in the way
+        if found is None:
             found = [row for service in services
                      for row in db.execute(_PENDING_OF, (bytes(service), skipIds, limit))]
         chosen = sorted({seq for (seq,) in found}.union(self._damaged))[:limit]
@@ -432,29 +410,15 @@ class SQLiteStore:
             self._damaged = [seq for (seq, *_) in db.execute(
                 _PENDING_ROWS, (json.dumps(self._damaged), "[]", len(self._damaged)))]
 
-    def _pending(self, limit: int, skipServices: Collection[bytes],
-                 skipIds: str) -> list[tuple[Any, ...]]:
-        """The *limit* oldest pending rows of services not skipped: one scan by age, or
-        past :data:`SCAN_BUDGET` steps, service by service through the service index."""
-        db = self._connection()
-        args = (json.dumps([bytes(s).hex().upper() for s in skipServices]), skipIds, limit)
-        found = self._budgeted(db, _PENDING_BY_AGE, args)  # a skipped backlog may lie in the way
-        return found if found is not None else db.execute(_PENDING_BY_SERVICE, args).fetchall()
-
     def _budgeted(self, db: sqlite3.Connection, sql: str,
                   args: tuple[Any, ...]) -> Optional[list[tuple[Any, ...]]]:
         """The rows of *sql*, or None past :data:`SCAN_BUDGET` steps."""
-        left = [SCAN_BUDGET]
-
-        def spent() -> bool:
-            left[0] -= 1
-            return left[0] < 0  # true: SQLite interrupts the statement
-
-        db.set_progress_handler(spent, 1000)
+        steps = itertools.count()
+        db.set_progress_handler(lambda: next(steps) >= SCAN_BUDGET, 1000)  # true: interrupt
         try:
             return db.execute(sql, args).fetchall()
         except sqlite3.OperationalError:
-            if left[0] >= 0:
+            if next(steps) <= SCAN_BUDGET:  # not interrupted for the budget
                 raise
             return None
         finally:
@@ -475,15 +439,11 @@ class SQLiteStore:
         batch, self._writes = self._writes, []
 
         def committed(results: Any) -> None:
-            for index, (_, _, _, d) in enumerate(batch):
-                outcome = results if isinstance(results, Failure) else results[index]
-                if isinstance(outcome, (Failure, BaseException)):
-                    d.errback(outcome)
-                else:
-                    d.callback(outcome)
+            outcomes = [results] * len(batch) if isinstance(results, Failure) else results
+            for (*_, d), outcome in zip(batch, outcomes):
+                (d.errback if isinstance(outcome, (Failure, BaseException)) else d.callback)(outcome)
 
-        return self._run(self._commit, [(sql, args, size) for sql, args, size, _ in batch]
-                         ).addBoth(committed)
+        return self._run(self._commit, [(sql, args, size) for sql, args, size, _ in batch]).addBoth(committed)
 
     def _takeLock(self) -> None:
         """Lock ``PATH.lock``: two Titanics on one file would run every request twice;
@@ -493,10 +453,7 @@ class SQLiteStore:
         real = os.path.realpath(self.path)
         if os.path.exists(real) and not os.path.isfile(real):
             raise StoreError(f"Titanic store {self.path}: not a file")
-        try:
-            links = os.stat(real).st_nlink
-        except OSError:
-            links = 1  # not there yet: SQLite makes it
+        links = os.stat(real).st_nlink if os.path.exists(real) else 1  # none yet: SQLite makes it
         if links > 1:
             raise StoreError(f"Titanic store {self.path}: the file has {links} hard links; "
                              "SQLite keeps a database under one name only (its WAL is named "
@@ -511,12 +468,14 @@ class SQLiteStore:
             os.pwrite(self._lock, mark, 0)
             os.ftruncate(self._lock, len(mark))
 
-    def _closeDb(self, db: sqlite3.Connection) -> None:
-        """Close *db*; the last connection closed checkpoints and removes the WAL, and
-        then the lock file says the store is closed."""
-        db.close()
-        if not os.path.exists(os.path.realpath(self.path) + "-wal"):
-            self._setMark(b"")
+    def _shut(self) -> None:
+        """Close the database; the last connection closed checkpoints and removes the
+        WAL, and then the lock file says the store is closed."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+            if not os.path.exists(os.path.realpath(self.path) + "-wal"):
+                self._setMark(b"")
 
     def _flock(self, lockPath: str) -> int:
         """Lock *lockPath* (made if need be): its descriptor, or :class:`StoreError`."""
@@ -534,17 +493,12 @@ class SQLiteStore:
 
     def _release(self) -> None:
         if self._pool is not None:
-            if self._pool.started:
-                self._pool.stop()
+            self._pool.stop()
             self._pool = None
-        if self._db is not None:  # not closed (the reactor stopped first)
-            self._closeDb(self._db)
-            self._db = None
+        self._shut()  # if not closed yet (the reactor stopped first)
         if self._trigger is not None:
-            try:
+            with contextlib.suppress(ValueError, KeyError):
                 self.reactor.removeSystemEventTrigger(self._trigger)
-            except (ValueError, KeyError):
-                pass
             self._trigger = None
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
@@ -567,48 +521,36 @@ class SQLiteStore:
         return self._run(self._connect).addErrback(lambda failure: (self._release(), failure)[1])
 
     def add(self, service: bytes, frames: list[bytes], now: float) -> defer.Deferred[str]:
-        requestId = new_id()
+        requestId = str(uuid.uuid4())  # an RFC 4122 UUID (version 4) as text
         service = bytes(service)
         record = encode_record(frames)
-        d = self._write("INSERT INTO requests (id, service, request, created, request_crc) "
-                        "VALUES (?, ?, ?, ?, ?)",
-                        (requestId, service, record, now,
-                         _checksum(requestId.encode("ascii"), service, record)),
-                        len(record) + len(service) + 128)
-        return d.addCallback(lambda _: requestId)
+        crc = _checksum(requestId.encode("ascii"), service, record)
+        return self._write("INSERT INTO requests (id, service, request, created, request_crc) "
+                           "VALUES (?, ?, ?, ?, ?)", (requestId, service, record, now, crc),
+                           len(record) + len(service) + 128).addCallback(lambda _: requestId)
 
     def pending(self, limit: int, skipServices: Collection[bytes] = (),
                 skipIds: Collection[str] = (), onlyServices: Optional[Collection[bytes]] = None
                 ) -> defer.Deferred[list[StoredRequest]]:
-        ids = json.dumps(list(skipIds))
-        if onlyServices is not None:
-            skip = set(skipServices)
-            wanted = [s for s in onlyServices if s not in skip]
-            d = self._run(self._pendingOf, limit, wanted, ids)
-        else:
-            d = self._run(self._pending, limit, list(skipServices), ids)
-
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
             self._rows.update((requestId, seq) for seq, requestId, *_ in rows)
             return [_stored(row[1:]) for row in rows]
 
-        return d.addCallback(read)
+        return self._run(self._pending, limit, set(skipServices), json.dumps(list(skipIds)),
+                         None if onlyServices is None else list(onlyServices)).addCallback(read)
 
     def complete(self, requestId: str, reply: list[bytes], now: float) -> defer.Deferred[None]:
         record = encode_record(reply)
-        # by the row it was read from: its id there may be damaged
-        seq = self._rows.pop(requestId, None)
+        seq = self._rows.pop(requestId, None)  # by the row it was read from: its id there may be damaged
         where, key = ("seq", seq) if seq is not None else ("id", requestId)
-        return self._write(f"UPDATE requests SET reply = ?, completed = ?, reply_crc = ? "
-                           f"WHERE {where} = ? AND reply IS NULL",
-                           (record, now, _checksum(record), key)
+        return self._write(f"UPDATE requests SET reply = ?, completed = ?, reply_crc = ? WHERE {where} = ? "
+                           "AND reply IS NULL", (record, now, _checksum(record), key)
                            ).addCallback(lambda _: None)
 
     def reply(self, requestId: str) -> defer.Deferred[tuple[ReplyStatus, list[bytes]]]:
         return self._run(self._reply, requestId)
 
     def _reply(self, requestId: str) -> tuple[ReplyStatus, list[bytes]]:
-        """:meth:`reply` on the store's thread."""
         row = self._connection().execute(
             "SELECT reply, reply_crc FROM requests WHERE id = ?", (requestId,)).fetchone()
         if row is None:
@@ -622,38 +564,29 @@ class SQLiteStore:
                 return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
             except (ProtocolError, ValueError, TypeError) as e:
                 why = str(e)
-        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} "
-                         f"is damaged: {why}")
+        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} is damaged: {why}")
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._rows.pop(requestId, None)
-        return self._write("DELETE FROM requests WHERE id = ?",
-                           (requestId,)).addCallback(lambda _: None)
+        return self._write("DELETE FROM requests WHERE id = ?", (requestId,)).addCallback(lambda _: None)
 
     def purge(self, before: float) -> defer.Deferred[int]:
-        return self._write("DELETE FROM requests WHERE reply IS NOT NULL "
-                           "AND completed < ?", (before,))
+        return self._write("DELETE FROM requests WHERE reply IS NOT NULL AND completed < ?", (before,))
 
     def close(self) -> defer.Deferred[None]:
-        def shut() -> None:
-            if self._db is not None:
-                self._closeDb(self._db)
-                self._db = None
-
         self._rows.clear()
         if self._pool is None:
             return defer.succeed(None)
         written: defer.Deferred[None] = defer.Deferred()
         self._lastCommit.chainDeferred(written)  # the writes asked for are committed first
-        d = written.addCallback(lambda _: self._run(shut))
-        return d.addBoth(lambda result: (self._release(), result)[1])
+        return written.addCallback(lambda _: self._run(self._shut)).addBoth(
+            lambda result: (self._release(), result)[1])
 
 
 @implementer_only(ITitanicStore)
 class MemoryStore(SQLiteStore):
-    """Everything in a SQLite database in memory, used on the reactor thread: fast,
-    and lost with the process (not with :meth:`close`: started again, Titanic finds
-    its requests, as in a file)."""
+    """Everything in a SQLite database in memory, used on the reactor thread: fast, and lost with the
+    process (not with :meth:`close`: started again, Titanic finds its requests, as in a file)."""
 
     def __init__(self, *, maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
         super().__init__(":memory:", maxBytes=maxBytes)
@@ -667,3 +600,14 @@ class MemoryStore(SQLiteStore):
 
     def close(self) -> defer.Deferred[None]:
         return defer.succeed(None)
+
+
+def open_store(db: str, reactor: Optional[Any] = None, *,
+               maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> ITitanicStore:
+    """The store for *db*: ``":memory:"`` is the memory store, anything else a
+    SQLite file path (made if missing); either holds at most *maxBytes*."""
+    if db == ":memory:":
+        return MemoryStore(maxBytes=maxBytes)
+    if not db:
+        raise ValueError("the Titanic database path is empty (give a file, or :memory:)")
+    return SQLiteStore(db, reactor, maxBytes=maxBytes)
