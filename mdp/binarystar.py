@@ -26,12 +26,13 @@ DEFAULT_HEARTBEAT = 1.0
 
 
 class State(enum.IntEnum):
-    """Where a server is (the Guide's numbers, which travel on the wire)."""
+    """Where a server is (the Guide's numbers, which travel on the wire): PRIMARY and
+    BACKUP wait for the peer; ACTIVE serves clients, PASSIVE does not."""
 
-    PRIMARY = 1  # primary, waiting for the peer
-    BACKUP = 2  # backup, waiting for the peer
-    ACTIVE = 3  # serving clients
-    PASSIVE = 4  # not serving clients
+    PRIMARY = 1
+    BACKUP = 2
+    ACTIVE = 3
+    PASSIVE = 4
 
 
 class Event(enum.IntEnum):
@@ -425,18 +426,17 @@ class BinaryStar:
         self._ticker.clock = self.reactor
         self._performers: dict[type, Callable[[Any], None]] = {
             PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
-            Resumed: self._resumed, Conflict: self._conflict, Fatal: self._fatal}
+            Fatal: self._fatal,
+            Resumed: lambda a: log.info("Binary Star {role}: active again after the stall ({reason})",
+                                        role=self.role.value, reason=a.reason),
+            Conflict: lambda a: self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
+                                                   role=self.role.value, reason=a.reason)}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
 
-    @property
-    def role(self) -> Role:
-        return self.machine.role
-
-    @property
-    def state(self) -> State:
-        return self.machine.state
+    role = property(lambda self: self.machine.role)
+    state = property(lambda self: self.machine.state)
 
     @property
     def serving(self) -> bool:
@@ -527,14 +527,17 @@ class BinaryStar:
 
     def stop(self) -> defer.Deferred[None]:
         """Stop publishing and close both endpoints."""
-        self._running = False
-        if self._ticker.running:
-            self._ticker.stop()
+        self._halt()
         closing = [end.transport for end in (self._subscriber, self._publisher)
                    if end.transport is not None]
         self._subscriber.transport = self._publisher.transport = None
         self._publisher.subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
+
+    def _halt(self) -> None:
+        self._running = False
+        if self._ticker.running:
+            self._ticker.stop()
 
     def _now(self, now: Optional[float]) -> float:
         return self.reactor.seconds() if now is None else now
@@ -658,21 +661,11 @@ class BinaryStar:
                                               "took over" if action.serving else ""))
         self._resubscribe()
 
-    def _resumed(self, action: Resumed) -> None:
-        log.info("Binary Star {role}: active again after the stall ({reason})",
-                 role=self.role.value, reason=action.reason)
-
-    def _conflict(self, action: Conflict) -> None:
-        self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
-                           role=self.role.value, reason=action.reason)
-
     def _fatal(self, action: Fatal) -> None:
         log.critical("Binary Star {role}: fatal: {reason}; this server stops",
                      role=self.role.value, reason=action.reason)
         # close the channel outside the transport callback that brought the news
-        self._running = False
-        if self._ticker.running:
-            self._ticker.stop()
+        self._halt()
         self.reactor.callLater(0, lambda: self.stop().addErrback(
             lambda f: log.failure("Binary Star could not close its state channel", f)))
         self._notify("fatal", action.reason)
