@@ -591,17 +591,8 @@ class BinaryStar:
                                "that is not a subscription from {peer}: {frames!r}",
                                role=self.role.value, peer=peer.hex(), frames=frames[:3])
             return
-        now = self.reactor.seconds()
-        if self._subscribed(peer, now) or not self._running:
-            return
-        publishing, actions = self.machine.handleSubscriber(now)
-        self._perform(actions)
-        if publishing and self._running:
-            self._publish(self.machine.publication(), [peer])
-
-    def _subscribed(self, peer: bytes, now: float) -> bool:
-        """Count *peer* as a subscriber for a failover timeout; True if it was one."""
-        subscribers = self._publisher.subscribers
+        # a subscriber counts for a failover timeout; sent the state at once if new
+        now, subscribers = self.reactor.seconds(), self._publisher.subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
             # the least recently heard goes: the peer asks every heartbeat
@@ -612,7 +603,12 @@ class BinaryStar:
                                role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
                                peer=peer.hex())
         subscribers[peer] = now + self.machine.failoverTimeout
-        return known
+        if known or not self._running:
+            return
+        publishing, actions = self.machine.handleSubscriber(now)
+        self._perform(actions)
+        if publishing and self._running:
+            self._publish(self.machine.publication(), [peer])
 
     def _stateFrom(self, frames: list[bytes]) -> None:
         if not self._running:

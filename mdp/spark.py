@@ -313,17 +313,11 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
-            yield from _rdd_chunk(call, chunk)
+            requests = [_request([e] if isinstance(e, (str, bytes, bytearray)) or e is None
+                                 else list(e)) for e in chunk]
+            for result in call_many(call, requests):
+                failure = _failure(result)
+                reply = None if failure else result
+                yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)
-
-
-def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
-    requests = []
-    for element in chunk:
-        single = isinstance(element, (str, bytes, bytearray)) or element is None
-        requests.append(_request([element] if single else list(element)))
-    for result in call_many(call, requests):
-        failure = _failure(result)
-        reply = None if failure else result
-        yield (reply, failure) if call.onError == "column" else reply

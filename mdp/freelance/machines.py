@@ -22,26 +22,24 @@ SERVICE = b"freelance"  # what RequestTimeout names
 
 
 class RequestState(enum.Enum):
-    """Where a client's request is."""
+    """Where a client's request is: WAITING for a server (model 3 only), SENT (an attempt
+    and its timer run), DONE (answered, failed, timed out, cancelled or closed: a late
+    reply is dropped)."""
 
-    #: not sent: no server to send it to yet (model 3 only)
     WAITING = "waiting"
-    #: an attempt is out and its timer runs
     SENT = "sent"
-    #: answered, failed, timed out, cancelled or closed: a late reply is dropped
     DONE = "done"
 
 
 class ServerState(enum.Enum):
-    """What the agent (model 3) believes of one server."""
+    """What the agent (model 3) believes of one server: UNKNOWN (not heard from yet),
+    ALIVE (heard from within ``heartbeat.expiry``: gets requests), SUSPECT (let an attempt
+    time out or answered 429: no requests until it speaks again), DEAD (silent beyond
+    ``heartbeat.expiry``).  All are PINGed; only ALIVE ones get requests."""
 
-    #: not heard from yet: PINGed, gets no requests
     UNKNOWN = "unknown"
-    #: heard from within ``heartbeat.expiry``: gets requests
     ALIVE = "alive"
-    #: let an attempt time out or answered 429: no requests until it speaks again
     SUSPECT = "suspect"
-    #: silent beyond ``heartbeat.expiry``: still PINGed, no requests
     DEAD = "dead"
 
 
@@ -205,10 +203,7 @@ class FreelanceMachine(Machine):
     def handleTimer(self, call: _Call, kind: str, now: float) -> list[Action]:
         self.now = now
         if call.state is not RequestState.DONE:
-            if kind == DEADLINE:
-                self._expired(call)
-            else:
-                self._attemptOver(call)
+            (self._expired if kind == DEADLINE else self._attemptOver)(call)
         return self._drain()
 
     def handleCancel(self, call: _Call, now: float) -> list[Action]:
@@ -239,8 +234,7 @@ class FreelanceMachine(Machine):
             return False
         call.state = RequestState.DONE
         del self.pending[call.sequence]
-        self._outbox.append(Cancel(call, DEADLINE))
-        self._outbox.append(Cancel(call, ATTEMPT))
+        self._outbox += [Cancel(call, DEADLINE), Cancel(call, ATTEMPT)]
         return True
 
     def _expired(self, call: _Call) -> None:
@@ -296,13 +290,12 @@ class SequentialMachine(FreelanceMachine):
         if call.attempts >= len(call.round):
             self._expired(call)
             return
-        endpoint = call.round[call.attempts]
+        call.server = endpoint = call.round[call.attempts]
         call.attempts += 1
-        call.server = endpoint
         call.state = RequestState.SENT
-        self._outbox.append(OpenPipe(call.sequence, endpoint, call))
-        self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body], call))
-        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+        self._outbox += [OpenPipe(call.sequence, endpoint, call),
+                         SendPipe(call.sequence, [call.sequence, *call.body], call),
+                         Later(call, ATTEMPT, call.timeout)]
 
     def _drop(self, call: _Call) -> None:
         if call.server is not None:
@@ -324,8 +317,8 @@ class ShotgunMachine(FreelanceMachine):
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.endpoints)
         call.state = RequestState.SENT
-        for endpoint in self.endpoints:
-            self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
+        self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call)
+                         for endpoint in self.endpoints]
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _attemptOver(self, call: _Call) -> None:
@@ -365,9 +358,7 @@ class AgentMachine(FreelanceMachine):
         self.servers: OrderedDict[str, KnownServer] = OrderedDict()
         self.waiting: list[_Call] = []  # WAITING requests, oldest first
 
-    @property
-    def wakeEvery(self) -> float:
-        return self.heartbeat.interval
+    wakeEvery = property(lambda self: self.heartbeat.interval)
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""
@@ -445,13 +436,12 @@ class AgentMachine(FreelanceMachine):
         fresh = [e for e in live if e not in call.tried]
         if not fresh:
             call.tried = []
-        endpoint = (fresh or live)[0]
+        call.server = endpoint = (fresh or live)[0]
         call.tried.append(endpoint)
-        call.server = endpoint
         call.attempts += 1
         call.state = RequestState.SENT
-        self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body], call))
-        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+        self._outbox += [SendPeer(endpoint, [call.sequence, *call.body], call),
+                         Later(call, ATTEMPT, call.timeout)]
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:

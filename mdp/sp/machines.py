@@ -174,13 +174,8 @@ class ReqMachine(Machine):
         """Resend the requests whose resend interval is over, oldest first."""
         self.now = now
         self.wakeAt = None
-        due = []
-        for request in self._sent.values():
-            if request.resendAt > now:
-                break
-            due.append(request)
-        due.sort(key=lambda request: request.serial)
-        for request in due:
+        due = itertools.takewhile(lambda request: request.resendAt <= now, self._sent.values())
+        for request in sorted(due, key=lambda request: request.serial):
             self._send(request)
         self._rearm()
         return self._drain()
