@@ -9,7 +9,6 @@ the same errors.  ``timeout`` bounds one attempt, ``deadline`` the whole request
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer, task
@@ -278,20 +277,12 @@ class _FreelanceClient:
     def _connectRouter(self) -> Any:
         return None  # model 3's connecting router
 
-    @property
-    def added(self) -> list[str]:
-        """The servers' endpoints, in the order they were added."""
-        return self.machine.endpoints
-
-    @property
-    def timeout(self) -> float:
-        """Seconds one attempt may take (each request's default)."""
-        return self.machine.timeout
-
-    @property
-    def deadline(self) -> Optional[float]:
-        """Seconds a whole request may take (``None``: no bound beyond its attempts)."""
-        return self.machine.deadline
+    added = property(lambda self: self.machine.endpoints,
+                     doc="The servers' endpoints, in the order they were added.")
+    timeout = property(lambda self: self.machine.timeout,
+                       doc="Seconds one attempt may take (each request's default).")
+    deadline = property(lambda self: self.machine.deadline,
+                        doc="Seconds a whole request may take (None: no bound beyond its attempts).")
 
     def connect(self, endpoint: str) -> None:
         """Add a server (:class:`~mdp.errors.TransportError` for a malformed endpoint)."""
@@ -437,14 +428,9 @@ class AgentClient(_FreelanceClient):
         return transport.connect_peers(self, self.reactor, security=self.curve,
                                        limits=self.limits)
 
-    @property
-    def heartbeat(self) -> HeartbeatPolicy:
-        return self.machine.heartbeat
-
-    @property
-    def servers(self) -> OrderedDict[str, KnownServer]:
-        """What the agent knows of each server, by endpoint."""
-        return self.machine.servers
+    heartbeat = property(lambda self: self.machine.heartbeat)
+    servers = property(lambda self: self.machine.servers,
+                       doc="What the agent knows of each server (a KnownServer), by endpoint.")
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""
