@@ -17,7 +17,7 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.interfaces import IAdmission, IDealerReceiver, IRouterReceiver
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type, machine_view
 from mdp.policy import Backoff, Limits, LogThrottle, default_reactor, positive_seconds
 
 log = Logger()
@@ -73,43 +73,17 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
 }
 
 
-@action_class
-class Changed:
-    """The state changed (log it; on ACTIVE start serving, on PASSIVE stop)."""
-
-    old: State
-    new: State
-    reason: str
-
-
-@action_class
-class Fatal:
-    """Stop: carrying on would break the pair."""
-
-    reason: str
-
-
-@action_class
-class Conflict:
-    """The peer is configured as we are; it started later and will stop."""
-
-    reason: str
-
-
-@action_class
-class Stalled:
-    """No tick for *seconds* (a stall): open state channel *channel*; the old one is stale."""
-
-    seconds: float
-    channel: int
-    serving: bool  # whether it was active (it now waits to hear the peer)
-
-
-@action_class
-class Resumed:
-    """Active after a stall, and the peer did not take over: serve again."""
-
-    reason: str
+#: the state changed (log it; on ACTIVE start serving, on PASSIVE stop)
+Changed = action_type(__name__, "Changed", "old", "new", "reason")
+#: stop: carrying on would break the pair
+Fatal = action_type(__name__, "Fatal", "reason")
+#: the peer is configured as we are; it started later and will stop
+Conflict = action_type(__name__, "Conflict", "reason")
+#: no tick for *seconds* (a stall): open state channel *channel*, the old one is stale;
+#: *serving*: it was active (and now waits to hear the peer)
+Stalled = action_type(__name__, "Stalled", "seconds", "channel", "serving")
+#: active after a stall, and the peer did not take over: serve again
+Resumed = action_type(__name__, "Resumed", "reason")
 
 
 class PeerState(NamedTuple):
@@ -435,8 +409,8 @@ class BinaryStar:
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
 
-    role = property(lambda self: self.machine.role)
-    state = property(lambda self: self.machine.state)
+    role = machine_view("role", "PRIMARY or BACKUP.")
+    state = machine_view("state", "Where this server is (:class:`State`).")
 
     @property
     def serving(self) -> bool:

@@ -37,6 +37,7 @@ from mdp.freelance.machines import (
 )
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.machine import machine_view
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
@@ -277,12 +278,10 @@ class _FreelanceClient:
     def _connectRouter(self) -> Any:
         return None  # model 3's connecting router
 
-    added = property(lambda self: self.machine.endpoints,
-                     doc="The servers' endpoints, in the order they were added.")
-    timeout = property(lambda self: self.machine.timeout,
-                       doc="Seconds one attempt may take (each request's default).")
-    deadline = property(lambda self: self.machine.deadline,
-                        doc="Seconds a whole request may take (None: no bound beyond its attempts).")
+    added = machine_view("endpoints", "The servers' endpoints, in the order they were added.")
+    timeout = machine_view("timeout", "Seconds one attempt may take (each request's default).")
+    deadline = machine_view("deadline", "Seconds a whole request may take (None: no bound "
+                            "beyond its attempts).")
 
     def connect(self, endpoint: str) -> None:
         """Add a server (:class:`~mdp.errors.TransportError` for a malformed endpoint)."""
@@ -428,9 +427,9 @@ class AgentClient(_FreelanceClient):
         return transport.connect_peers(self, self.reactor, security=self.curve,
                                        limits=self.limits)
 
-    heartbeat = property(lambda self: self.machine.heartbeat)
-    servers = property(lambda self: self.machine.servers,
-                       doc="What the agent knows of each server (a KnownServer), by endpoint.")
+    heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
+    servers = machine_view("servers", "What the agent knows of each server (a KnownServer), "
+                           "by endpoint.")
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""

@@ -13,7 +13,7 @@ import attrs
 
 from mdp import messages
 from mdp.errors import ClientClosed, NoServerAvailable, RemoteError, RequestTimeout, ServiceOverloaded
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_class, action_type
 from mdp.policy import HeartbeatPolicy, Liveness, positive_seconds
 
 PING = b"PING"
@@ -68,21 +68,18 @@ class _Call:
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
 
 
-@action_class
-class Later:
-    """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing a pending one)."""
-
-    call: _Call
-    kind: str
-    delay: float
-
-
-@action_class
-class Cancel:
-    """Forget that timer of *call*, if pending."""
-
-    call: _Call
-    kind: str
+#: call ``handleTimer(call, kind)`` after *delay* seconds (replacing a pending one)
+Later = action_type(__name__, "Later", "call", "kind", "delay")
+#: forget that timer of *call*, if pending
+Cancel = action_type(__name__, "Cancel", "call", "kind")
+ClosePipe = action_type(__name__, "ClosePipe", "key")
+#: add *endpoint* to the connecting router (model 3)
+ConnectPeer = action_type(__name__, "ConnectPeer", "endpoint")
+#: the request's outcome: its reply's frames, or an error
+Resolve = action_type(__name__, "Resolve", "call", "frames")
+Reject = action_type(__name__, "Reject", "call", "error")
+#: the agent's view of the server at *endpoint* is now *state* (model 3)
+ServerChanged = action_type(__name__, "ServerChanged", "endpoint", "state")
 
 
 def _for_call() -> Any:
@@ -100,22 +97,10 @@ class OpenPipe:
 
 
 @action_class
-class ClosePipe:
-    key: Any
-
-
-@action_class
 class SendPipe:
     key: Any
     frames: list[bytes]
     call: Optional[_Call] = _for_call()
-
-
-@action_class
-class ConnectPeer:
-    """Add *endpoint* to the connecting router (model 3)."""
-
-    endpoint: str
 
 
 @action_class
@@ -126,26 +111,6 @@ class SendPeer:
     frames: list[bytes]
     #: None for a PING
     call: Optional[_Call] = _for_call()
-
-
-@action_class
-class Resolve:
-    call: _Call
-    frames: list[bytes]
-
-
-@action_class
-class Reject:
-    call: _Call
-    error: BaseException
-
-
-@action_class
-class ServerChanged:
-    """The agent's view of the server at *endpoint* is now *state* (model 3)."""
-
-    endpoint: str
-    state: ServerState
 
 
 Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
