@@ -195,9 +195,8 @@ class _ChannelMachine(Machine):
         return []
 
     def _idOf(self, channel: Channel) -> int:
-        known = self.byChannel.get(channel)
-        if known is not None:
-            return known
+        if channel in self.byChannel:
+            return self.byChannel[channel]
         number = self.channelIds.next()
         while number in self.byId:
             number = self.channelIds.next()

@@ -81,20 +81,16 @@ class _Side:
     """What the SP peers share: a machine, its clock, listeners and dialed pipes."""
 
     machine: Any
-    pipes: list[_Pipe]
 
     def __init__(self, reactor: Any, limits: Limits) -> None:
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.throttle = LogThrottle(self.reactor)
         self.routers: list[StreamRouter] = []
-        self.pipes = []
+        self.pipes: list[_Pipe] = []
 
     def _now(self) -> float:
         return self.reactor.seconds()
-
-    def _perform(self, actions: list[Any]) -> None:
-        raise NotImplementedError
 
     def _dial(self, endpoints: Union[str, Sequence[str]], none: str, backoff: Backoff) -> None:
         """A :class:`_Pipe` dialing each of *endpoints* as a REQ; ``ValueError(none)`` for none."""
@@ -125,10 +121,9 @@ class _Side:
     def _sendBack(self, action: machines.SendOn) -> bool:
         """Send a reply on the listener's channel *action* names, if it is still there."""
         listener, peer = action.channel
-        if listener.transport is None:
-            return False
-        listener.transport.sendMessage(peer, [action.body])
-        return True
+        if listener.transport is not None:
+            listener.transport.sendMessage(peer, [action.body])
+        return listener.transport is not None
 
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []
