@@ -217,10 +217,10 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
     call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
-    _check_columns(df, inputs, added)
+    schema = _output_schema(df, inputs, added, outputType)
     mapper = _arrow_mapper(call, inputs, outputCol, outputType,
                            errorCol if onError == "column" else None)
-    return df.mapInArrow(mapper, _output_schema(df, added, outputType))
+    return df.mapInArrow(mapper, schema)
 
 
 def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]], *,
@@ -272,9 +272,10 @@ def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]]
     return column
 
 
-def _check_columns(df: Any, inputs: list[str], added: list[str]) -> None:
-    """*inputs* are string or binary columns of *df*, and *added* are not its columns."""
-    from pyspark.sql.types import BinaryType, StringType
+def _output_schema(df: Any, inputs: list[str], added: list[str], outputType: str) -> Any:
+    """*df*'s schema with the *added* columns, once checked: *inputs* are string or binary
+    columns of *df*, and *added* are not its columns."""
+    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
     if not inputs:
         raise ValueError("give at least one input column")
@@ -288,11 +289,6 @@ def _check_columns(df: Any, inputs: list[str], added: list[str]) -> None:
     for name in added:
         if name in fields:
             raise ValueError(f"column {name!r} already exists")
-
-
-def _output_schema(df: Any, added: list[str], outputType: str) -> Any:
-    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
-
     reply_type = {"binary": BinaryType(), "string": StringType(),
                   "frames": ArrayType(BinaryType())}[outputType]
     types = [reply_type, StringType()]

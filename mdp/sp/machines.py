@@ -1,9 +1,5 @@
-"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`); a *channel*
-is one connection to a peer.  :class:`ReqMachine` sends each request on the
-next channel, round-robin, and again until its reply comes; :class:`RepMachine`
-runs each request once per backtrace and channel, within maxPending;
-:class:`DeviceMachine` forwards with the channel's id pushed on the backtrace.
-"""
+"""SP REQ, REP and device as pure state machines (see :mod:`mdp.machine`); a *channel*
+is one connection to a peer."""
 
 from __future__ import annotations
 
