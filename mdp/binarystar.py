@@ -5,10 +5,11 @@ pure; :class:`BinaryStar` drives it over a state channel and is a broker's ``adm
 
 from __future__ import annotations
 
+import collections
 import enum
 import os
 import re
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
@@ -35,14 +36,8 @@ class State(enum.IntEnum):
     PASSIVE = 4
 
 
-class Event(enum.IntEnum):
-    """What happens to a server: its peer's state, or a client's request."""
-
-    PEER_PRIMARY = 1
-    PEER_BACKUP = 2
-    PEER_ACTIVE = 3
-    PEER_PASSIVE = 4
-    CLIENT_REQUEST = 5
+#: what happens to a server: its peer's state (as State's numbers), or a client's request
+Event = enum.IntEnum("Event", "PEER_PRIMARY PEER_BACKUP PEER_ACTIVE PEER_PASSIVE CLIENT_REQUEST")
 
 
 class Role(enum.Enum):
@@ -86,18 +81,9 @@ Stalled = action_type(__name__, "Stalled", "seconds", "channel", "serving")
 Resumed = action_type(__name__, "Resumed", "reason")
 
 
-class PeerState(NamedTuple):
-    """A STATE message: what a server publishes (the machine's action) and what
-    the peer's says."""
-
-    state: State
-    role: Role
-    uptime: float
-    instance: str = ""
-    heartbeat: float = DEFAULT_HEARTBEAT
-
-
-PublishState = PeerState
+#: a STATE message: what a server publishes (the machine's action) and what the peer's says
+PeerState = PublishState = collections.namedtuple(
+    "PeerState", "state role uptime instance heartbeat", defaults=("", DEFAULT_HEARTBEAT))
 
 
 Action = Union[Changed, Fatal, Conflict, PublishState, Stalled, Resumed]

@@ -13,7 +13,7 @@ import attrs
 
 from mdp import messages
 from mdp.errors import ClientClosed, NoServerAvailable, RemoteError, RequestTimeout, ServiceOverloaded
-from mdp.machine import Machine, action_class, action_type
+from mdp.machine import Machine, action_type
 from mdp.policy import HeartbeatPolicy, Liveness, positive_seconds
 
 PING = b"PING"
@@ -82,35 +82,21 @@ Reject = action_type(__name__, "Reject", "call", "error")
 ServerChanged = action_type(__name__, "ServerChanged", "endpoint", "state")
 
 
-def _for_call() -> Any:
-    """The request an action is for (not compared): skipped if DONE by then."""
-    return attrs.field(default=None, eq=False, repr=False)
+def _call_action(name: str, *fields: str) -> Any:
+    """An action with *fields*, then the request it is for (``call``, not compared; None for
+    a PING): skipped if DONE by then."""
+    made = {**{field: attrs.field() for field in fields},
+            "call": attrs.field(default=None, eq=False, repr=False)}
+    kind = attrs.make_class(name, made, slots=True, weakref_slot=False)
+    kind.__module__ = __name__
+    return kind
 
 
-@action_class
-class OpenPipe:
-    """Open a connection to *endpoint*, known as *key*; replies go to ``handleReply``."""
-
-    key: Any
-    endpoint: str
-    call: Optional[_Call] = _for_call()
-
-
-@action_class
-class SendPipe:
-    key: Any
-    frames: list[bytes]
-    call: Optional[_Call] = _for_call()
-
-
-@action_class
-class SendPeer:
-    """Send *frames* to the server at *endpoint* through the router (model 3)."""
-
-    endpoint: str
-    frames: list[bytes]
-    #: None for a PING
-    call: Optional[_Call] = _for_call()
+#: open a connection to *endpoint*, known as *key*; replies go to ``handleReply``
+OpenPipe = _call_action("OpenPipe", "key", "endpoint")
+SendPipe = _call_action("SendPipe", "key", "frames")
+#: send *frames* to the server at *endpoint* through the router (model 3)
+SendPeer = _call_action("SendPeer", "endpoint", "frames")
 
 
 Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
