@@ -38,11 +38,7 @@ class State(enum.IntEnum):
 
 #: what happens to a server: its peer's state (as State's numbers), or a client's request
 Event = enum.IntEnum("Event", "PEER_PRIMARY PEER_BACKUP PEER_ACTIVE PEER_PASSIVE CLIENT_REQUEST")
-
-
-class Role(enum.Enum):
-    PRIMARY = "primary"
-    BACKUP = "backup"
+Role = enum.Enum("Role", {"PRIMARY": "primary", "BACKUP": "backup"})
 
 
 # outcomes in the table
