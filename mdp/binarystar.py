@@ -41,11 +41,8 @@ Event = enum.IntEnum("Event", "PEER_PRIMARY PEER_BACKUP PEER_ACTIVE PEER_PASSIVE
 Role = enum.Enum("Role", {"PRIMARY": "primary", "BACKUP": "backup"})
 
 
-# outcomes in the table
-IGNORE = "ignore"
-REFUSE = "refuse"
-FATAL = "fatal"
-VOTE = "vote"  # ACTIVE if the peer is silent beyond the failover timeout, else refuse
+# outcomes in the table; VOTE: ACTIVE if the peer is silent beyond the failover timeout, else refuse
+IGNORE, REFUSE, FATAL, VOTE = "ignore", "refuse", "fatal", "vote"
 
 #: (state, event) -> (outcome, why: what the log line says on a change)
 TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
@@ -269,9 +266,7 @@ class BinaryStarMachine(Machine):
 SILENT_PEER_WARNING = 5
 SILENT_PEER_REPEAT = 60.0
 
-HEADER = b"BSTAR01"
-SUBSCRIBE = b"SUB"
-STATE = b"STATE"
+HEADER, SUBSCRIBE, STATE = b"BSTAR01", b"SUB", b"STATE"
 #: the peer and a few monitors
 MAX_SUBSCRIBERS = 16
 

@@ -394,9 +394,8 @@ class AccessPolicy:
             if identity in peers:
                 raise ValueError(f"{where}: identity {identity!r} is listed twice")
             peers[identity] = rule
-        default = _rule(data.get("default", {}), f"{source}: [default]")
-        anonymous = _rule(data.get("anonymous", {}), f"{source}: [anonymous]")
-        return cls(peers, default=default, anonymous=anonymous)
+        return cls(peers, **{kind: _rule(data.get(kind, {}), f"{source}: [{kind}]")
+                             for kind in ("default", "anonymous")})
 
 
 def _rule(entry: Any, where: str, extra: frozenset[str] | set[str] = frozenset()) -> AccessRule:

@@ -21,26 +21,15 @@ PONG = b"PONG"
 SERVICE = b"freelance"  # what RequestTimeout names
 
 
-class RequestState(enum.Enum):
-    """Where a client's request is: WAITING for a server (model 3 only), SENT (an attempt
-    and its timer run), DONE (answered, failed, timed out, cancelled or closed: a late
-    reply is dropped)."""
-
-    WAITING = "waiting"
-    SENT = "sent"
-    DONE = "done"
-
-
-class ServerState(enum.Enum):
-    """What the agent (model 3) believes of one server: UNKNOWN (not heard from yet),
-    ALIVE (heard from within ``heartbeat.expiry``: gets requests), SUSPECT (let an attempt
-    time out or answered 429: no requests until it speaks again), DEAD (silent beyond
-    ``heartbeat.expiry``).  All are PINGed; only ALIVE ones get requests."""
-
-    UNKNOWN = "unknown"
-    ALIVE = "alive"
-    SUSPECT = "suspect"
-    DEAD = "dead"
+#: where a client's request is: WAITING for a server (model 3 only), SENT (an attempt and its
+#: timer run), DONE (answered, failed, timed out, cancelled or closed: a late reply is dropped)
+RequestState = enum.Enum("RequestState", {"WAITING": "waiting", "SENT": "sent", "DONE": "done"})
+#: what the agent (model 3) believes of one server: UNKNOWN (not heard from yet), ALIVE
+#: (heard from within ``heartbeat.expiry``: gets requests), SUSPECT (let an attempt time out
+#: or answered 429: no requests until it speaks again), DEAD (silent beyond
+#: ``heartbeat.expiry``).  All are PINGed; only ALIVE ones get requests.
+ServerState = enum.Enum("ServerState", {"UNKNOWN": "unknown", "ALIVE": "alive", "SUSPECT": "suspect",
+                                        "DEAD": "dead"})
 
 
 def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
