@@ -26,16 +26,9 @@ log = Logger()
 DEFAULT_HEARTBEAT = 1.0
 
 
-class State(enum.IntEnum):
-    """Where a server is (the Guide's numbers, which travel on the wire): PRIMARY and
-    BACKUP wait for the peer; ACTIVE serves clients, PASSIVE does not."""
-
-    PRIMARY = 1
-    BACKUP = 2
-    ACTIVE = 3
-    PASSIVE = 4
-
-
+#: where a server is, numbered 1-4 as in the Guide (the numbers travel on the wire): PRIMARY
+#: and BACKUP wait for the peer; ACTIVE serves clients, PASSIVE does not
+State = enum.IntEnum("State", "PRIMARY BACKUP ACTIVE PASSIVE")
 #: what happens to a server: its peer's state (as State's numbers), or a client's request
 Event = enum.IntEnum("Event", "PEER_PRIMARY PEER_BACKUP PEER_ACTIVE PEER_PASSIVE CLIENT_REQUEST")
 Role = enum.Enum("Role", {"PRIMARY": "primary", "BACKUP": "backup"})

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import secrets
 from typing import Any, Callable, Optional, Sequence, Union
@@ -35,8 +36,8 @@ from mdp.transport.stream import StreamDealer, StreamRouter
 log = Logger()
 
 
-def random_id() -> int:
-    return secrets.randbits(31)
+#: a random 31-bit id
+random_id = functools.partial(secrets.randbits, 31)
 
 
 @implementer(IDealerReceiver)
