@@ -5,10 +5,11 @@ pure; :class:`BinaryStar` drives it over a state channel and is a broker's ``adm
 
 from __future__ import annotations
 
+import collections
 import enum
 import os
 import re
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
@@ -17,7 +18,7 @@ from zope.interface import implementer
 from mdp import transport
 from mdp.errors import ProtocolError
 from mdp.interfaces import IAdmission, IDealerReceiver, IRouterReceiver
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type, machine_view
 from mdp.policy import Backoff, Limits, LogThrottle, default_reactor, positive_seconds
 
 log = Logger()
@@ -25,35 +26,16 @@ log = Logger()
 DEFAULT_HEARTBEAT = 1.0
 
 
-class State(enum.IntEnum):
-    """Where a server is (the Guide's numbers, which travel on the wire)."""
-
-    PRIMARY = 1  # primary, waiting for the peer
-    BACKUP = 2  # backup, waiting for the peer
-    ACTIVE = 3  # serving clients
-    PASSIVE = 4  # not serving clients
-
-
-class Event(enum.IntEnum):
-    """What happens to a server: its peer's state, or a client's request."""
-
-    PEER_PRIMARY = 1
-    PEER_BACKUP = 2
-    PEER_ACTIVE = 3
-    PEER_PASSIVE = 4
-    CLIENT_REQUEST = 5
+#: where a server is, numbered 1-4 as in the Guide (the numbers travel on the wire): PRIMARY
+#: and BACKUP wait for the peer; ACTIVE serves clients, PASSIVE does not
+State = enum.IntEnum("State", "PRIMARY BACKUP ACTIVE PASSIVE")
+#: what happens to a server: its peer's state (as State's numbers), or a client's request
+Event = enum.IntEnum("Event", "PEER_PRIMARY PEER_BACKUP PEER_ACTIVE PEER_PASSIVE CLIENT_REQUEST")
+Role = enum.Enum("Role", {"PRIMARY": "primary", "BACKUP": "backup"})
 
 
-class Role(enum.Enum):
-    PRIMARY = "primary"
-    BACKUP = "backup"
-
-
-# outcomes in the table
-IGNORE = "ignore"
-REFUSE = "refuse"
-FATAL = "fatal"
-VOTE = "vote"  # ACTIVE if the peer is silent beyond the failover timeout, else refuse
+# outcomes in the table; VOTE: ACTIVE if the peer is silent beyond the failover timeout, else refuse
+IGNORE, REFUSE, FATAL, VOTE = "ignore", "refuse", "fatal", "vote"
 
 #: (state, event) -> (outcome, why: what the log line says on a change)
 TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
@@ -72,57 +54,22 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
 }
 
 
-@action_class
-class Changed:
-    """The state changed (log it; on ACTIVE start serving, on PASSIVE stop)."""
-
-    old: State
-    new: State
-    reason: str
-
-
-@action_class
-class Fatal:
-    """Stop: carrying on would break the pair."""
-
-    reason: str
+#: the state changed (log it; on ACTIVE start serving, on PASSIVE stop)
+Changed = action_type(__name__, "Changed", "old", "new", "reason")
+#: stop: carrying on would break the pair
+Fatal = action_type(__name__, "Fatal", "reason")
+#: the peer is configured as we are; it started later and will stop
+Conflict = action_type(__name__, "Conflict", "reason")
+#: no tick for *seconds* (a stall): open state channel *channel*, the old one is stale;
+#: *serving*: it was active (and now waits to hear the peer)
+Stalled = action_type(__name__, "Stalled", "seconds", "channel", "serving")
+#: active after a stall, and the peer did not take over: serve again
+Resumed = action_type(__name__, "Resumed", "reason")
 
 
-@action_class
-class Conflict:
-    """The peer is configured as we are; it started later and will stop."""
-
-    reason: str
-
-
-@action_class
-class Stalled:
-    """No tick for *seconds* (a stall): open state channel *channel*; the old one is stale."""
-
-    seconds: float
-    channel: int
-    serving: bool  # whether it was active (it now waits to hear the peer)
-
-
-@action_class
-class Resumed:
-    """Active after a stall, and the peer did not take over: serve again."""
-
-    reason: str
-
-
-class PeerState(NamedTuple):
-    """A STATE message: what a server publishes (the machine's action) and what
-    the peer's says."""
-
-    state: State
-    role: Role
-    uptime: float
-    instance: str = ""
-    heartbeat: float = DEFAULT_HEARTBEAT
-
-
-PublishState = PeerState
+#: a STATE message: what a server publishes (the machine's action) and what the peer's says
+PeerState = PublishState = collections.namedtuple(
+    "PeerState", "state role uptime instance heartbeat", defaults=("", DEFAULT_HEARTBEAT))
 
 
 Action = Union[Changed, Fatal, Conflict, PublishState, Stalled, Resumed]
@@ -312,9 +259,7 @@ class BinaryStarMachine(Machine):
 SILENT_PEER_WARNING = 5
 SILENT_PEER_REPEAT = 60.0
 
-HEADER = b"BSTAR01"
-SUBSCRIBE = b"SUB"
-STATE = b"STATE"
+HEADER, SUBSCRIBE, STATE = b"BSTAR01", b"SUB", b"STATE"
 #: the peer and a few monitors
 MAX_SUBSCRIBERS = 16
 
@@ -425,18 +370,17 @@ class BinaryStar:
         self._ticker.clock = self.reactor
         self._performers: dict[type, Callable[[Any], None]] = {
             PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
-            Resumed: self._resumed, Conflict: self._conflict, Fatal: self._fatal}
+            Fatal: self._fatal,
+            Resumed: lambda a: log.info("Binary Star {role}: active again after the stall ({reason})",
+                                        role=self.role.value, reason=a.reason),
+            Conflict: lambda a: self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
+                                                   role=self.role.value, reason=a.reason)}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
 
-    @property
-    def role(self) -> Role:
-        return self.machine.role
-
-    @property
-    def state(self) -> State:
-        return self.machine.state
+    role = machine_view("role", "PRIMARY or BACKUP.")
+    state = machine_view("state", "Where this server is (:class:`State`).")
 
     @property
     def serving(self) -> bool:
@@ -527,14 +471,17 @@ class BinaryStar:
 
     def stop(self) -> defer.Deferred[None]:
         """Stop publishing and close both endpoints."""
-        self._running = False
-        if self._ticker.running:
-            self._ticker.stop()
+        self._halt()
         closing = [end.transport for end in (self._subscriber, self._publisher)
                    if end.transport is not None]
         self._subscriber.transport = self._publisher.transport = None
         self._publisher.subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
+
+    def _halt(self) -> None:
+        self._running = False
+        if self._ticker.running:
+            self._ticker.stop()
 
     def _now(self, now: Optional[float]) -> float:
         return self.reactor.seconds() if now is None else now
@@ -588,17 +535,8 @@ class BinaryStar:
                                "that is not a subscription from {peer}: {frames!r}",
                                role=self.role.value, peer=peer.hex(), frames=frames[:3])
             return
-        now = self.reactor.seconds()
-        if self._subscribed(peer, now) or not self._running:
-            return
-        publishing, actions = self.machine.handleSubscriber(now)
-        self._perform(actions)
-        if publishing and self._running:
-            self._publish(self.machine.publication(), [peer])
-
-    def _subscribed(self, peer: bytes, now: float) -> bool:
-        """Count *peer* as a subscriber for a failover timeout; True if it was one."""
-        subscribers = self._publisher.subscribers
+        # a subscriber counts for a failover timeout; sent the state at once if new
+        now, subscribers = self.reactor.seconds(), self._publisher.subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
             # the least recently heard goes: the peer asks every heartbeat
@@ -609,7 +547,12 @@ class BinaryStar:
                                role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
                                peer=peer.hex())
         subscribers[peer] = now + self.machine.failoverTimeout
-        return known
+        if known or not self._running:
+            return
+        publishing, actions = self.machine.handleSubscriber(now)
+        self._perform(actions)
+        if publishing and self._running:
+            self._publish(self.machine.publication(), [peer])
 
     def _stateFrom(self, frames: list[bytes]) -> None:
         if not self._running:
@@ -658,21 +601,11 @@ class BinaryStar:
                                               "took over" if action.serving else ""))
         self._resubscribe()
 
-    def _resumed(self, action: Resumed) -> None:
-        log.info("Binary Star {role}: active again after the stall ({reason})",
-                 role=self.role.value, reason=action.reason)
-
-    def _conflict(self, action: Conflict) -> None:
-        self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
-                           role=self.role.value, reason=action.reason)
-
     def _fatal(self, action: Fatal) -> None:
         log.critical("Binary Star {role}: fatal: {reason}; this server stops",
                      role=self.role.value, reason=action.reason)
         # close the channel outside the transport callback that brought the news
-        self._running = False
-        if self._ticker.running:
-            self._ticker.stop()
+        self._halt()
         self.reactor.callLater(0, lambda: self.stop().addErrback(
             lambda f: log.failure("Binary Star could not close its state channel", f)))
         self._notify("fatal", action.reason)

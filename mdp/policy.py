@@ -34,20 +34,14 @@ class HeartbeatPolicy:
     ``interval * liveness`` seconds is dead.  Defaults follow MDP/0.2 and the
     Guide's Paranoid Pirate: 2.5 s × 3."""
 
-    interval: float = attrs.field(default=2.5)
-    liveness: int = attrs.field(default=3)
-
-    @interval.validator
-    def _check_interval(self, attribute: object, value: float) -> None:
-        if not (_finite(value) and value > 0):
-            raise ValueError(f"heartbeat interval must be a finite positive number, got {value}")
-
-    @liveness.validator
-    def _check_liveness(self, attribute: object, value: int) -> None:
-        if not (_finite(value) and value >= 1):
-            raise ValueError(f"heartbeat liveness must be at least 1, got {value}")
+    interval: float = 2.5
+    liveness: int = 3
 
     def __attrs_post_init__(self) -> None:
+        if not (_finite(self.interval) and self.interval > 0):
+            raise ValueError(f"heartbeat interval must be a finite positive number, got {self.interval}")
+        if not (_finite(self.liveness) and self.liveness >= 1):
+            raise ValueError(f"heartbeat liveness must be at least 1, got {self.liveness}")
         try:
             expiry = self.interval * self.liveness
         except OverflowError:
@@ -152,11 +146,9 @@ class Backoff:
         """Delay before reconnection *attempt* (0 for the first); *most*
         caps it before the jitter."""
         try:
-            delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum)
+            delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum, MAX_SECONDS)
         except OverflowError:
-            delay = self.maximum
-        if delay > MAX_SECONDS:
-            delay = MAX_SECONDS
+            delay = min(self.maximum, MAX_SECONDS)
         if most is not None and most < delay:
             delay = most
         if self.jitter:
@@ -324,12 +316,10 @@ class AccessRule:
     call: tuple[str, ...] = ()
     serve: tuple[str, ...] = ()
     # each list as one compiled expression: a check is one match
-    _call: Any = attrs.field(init=False, repr=False, eq=False)
-    _serve: Any = attrs.field(init=False, repr=False, eq=False)
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "_call", _matcher(self.call))
-        object.__setattr__(self, "_serve", _matcher(self.serve))
+    _call: Any = attrs.field(init=False, repr=False, eq=False,
+                             default=attrs.Factory(lambda rule: _matcher(rule.call), takes_self=True))
+    _serve: Any = attrs.field(init=False, repr=False, eq=False,
+                              default=attrs.Factory(lambda rule: _matcher(rule.serve), takes_self=True))
 
     def mayCall(self, service: str) -> bool:
         return self._call(service) is not None
@@ -404,9 +394,8 @@ class AccessPolicy:
             if identity in peers:
                 raise ValueError(f"{where}: identity {identity!r} is listed twice")
             peers[identity] = rule
-        default = _rule(data.get("default", {}), f"{source}: [default]")
-        anonymous = _rule(data.get("anonymous", {}), f"{source}: [anonymous]")
-        return cls(peers, default=default, anonymous=anonymous)
+        return cls(peers, **{kind: _rule(data.get(kind, {}), f"{source}: [{kind}]")
+                             for kind in ("default", "anonymous")})
 
 
 def _rule(entry: Any, where: str, extra: frozenset[str] | set[str] = frozenset()) -> AccessRule:

@@ -18,7 +18,6 @@ from mdp.policy import positive_seconds, whole_number
 ON_ERROR = ("fail", "null", "column")
 OUTPUT_TYPES = ("binary", "string", "frames")
 
-
 @attrs.frozen
 class ServiceCall:
     """Everything an executor needs to call the service (picklable)."""
@@ -150,24 +149,29 @@ def _failure(result: Any) -> Optional[str]:
     return f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else None
 
 
+def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str) -> tuple[Any, Any]:
+    """One batch's request *columns* (Arrow arrays) sent: its reply and error arrays."""
+    import pyarrow as pa
+
+    requests = [_request(row) for row in zip(*(c.to_pylist() for c in columns))]
+    results = call_many(call, requests) if requests else []
+    kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
+    reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
+             "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
+    return (pa.array([None if _failure(r) else reply(r) for r in results], type=kind),
+            pa.array([_failure(r) for r in results], type=pa.string()))
+
+
 def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
                   errorCol: Optional[str]) -> Any:
     def mapper(batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        reply_type = {"binary": pa.binary(), "string": pa.string(),
-                      "frames": pa.list_(pa.binary())}[outputType]
-        reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
-                 "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
         for batch in batches:
-            columns = [batch.column(name).to_pylist() for name in inputs]
-            requests = [_request(row) for row in zip(*columns)]
-            results = call_many(call, requests) if batch.num_rows else []
-            replies = [None if _failure(r) else reply(r) for r in results]
-            arrays = list(batch.columns) + [pa.array(replies, type=reply_type)]
-            names = list(batch.schema.names) + [outputCol]
+            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
+            arrays, names = [*batch.columns, replies], [*batch.schema.names, outputCol]
             if errorCol is not None:
-                arrays.append(pa.array([_failure(r) for r in results], type=pa.string()))
+                arrays.append(errors)
                 names.append(errorCol)
             yield pa.RecordBatch.from_arrays(arrays, names=names)
 
@@ -177,7 +181,8 @@ def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputTy
 # --- driver side -----------------------------------------------------------------
 
 def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]], timeout: float,
-                  retries: int, window: int, dialect: str, onError: str) -> ServiceCall:
+                  retries: int, window: int, dialect: str, onError: str,
+                  outputType: str = "binary") -> ServiceCall:
     """Check every argument on the driver, so a mistake raises here rather than in
     each task: ``TransportError`` for a bad endpoint, ``TypeError``/``ValueError``."""
     from mdp import transport
@@ -185,6 +190,8 @@ def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]],
 
     if onError not in ON_ERROR:
         raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
+    if outputType not in OUTPUT_TYPES:
+        raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
     positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
     whole_number("retries", retries, rule="counts attempts and must be")
     whole_number("window", window)
@@ -207,15 +214,13 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
     ``"fail"`` fails the task, ``"null"`` leaves the reply null, ``"column"``
     also adds *errorCol* with the reason.  A null input is an error too.
     Arguments are checked at once, on the driver (:func:`_service_call`)."""
-    call = _service_call(service, broker, timeout, retries, window, dialect, onError)
-    if outputType not in OUTPUT_TYPES:
-        raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
+    call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
-    _check_columns(df, inputs, added)
+    schema = _output_schema(df, inputs, added, outputType)
     mapper = _arrow_mapper(call, inputs, outputCol, outputType,
                            errorCol if onError == "column" else None)
-    return df.mapInArrow(mapper, _output_schema(df, added, outputType))
+    return df.mapInArrow(mapper, schema)
 
 
 def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]], *,
@@ -234,41 +239,30 @@ def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]]
                             "arrow_udf); on older Spark use call_service") from e
     import pyarrow as pa
 
-    call = _service_call(service, broker, timeout, retries, window, dialect, onError)
-    if outputType not in OUTPUT_TYPES:
-        raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
+    call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     reply_type = {"binary": "binary", "string": "string", "frames": "array<binary>"}[outputType]
     returns = f"struct<reply: {reply_type}, error: string>" if onError == "column" else reply_type
-    arrow_type = {"binary": pa.binary(), "string": pa.string(),
-                  "frames": pa.list_(pa.binary())}[outputType]
-    reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
-             "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
 
     def replies(batches: Iterator[Any]) -> Iterator[Any]:
         for columns in batches:
-            columns = columns if isinstance(columns, tuple) else (columns,)
-            requests = [_request(row) for row in zip(*(c.to_pylist() for c in columns))]
-            results = call_many(call, requests) if requests else []
-            values = pa.array([None if _failure(r) else reply(r) for r in results],
-                              type=arrow_type)
+            values, errors = _reply_arrays(
+                call, columns if isinstance(columns, tuple) else (columns,), outputType)
             if onError == "column":
-                errors = pa.array([_failure(r) for r in results], type=pa.string())
                 yield pa.StructArray.from_arrays([values, errors], names=["reply", "error"])
             else:
                 yield values
 
-    def one(batches):  # type: ignore[no-untyped-def]
-        return replies(batches)
+    def udf(batches: Any) -> Any:
+        """*replies* as a function of its own, named for the column ("enrich(name)") and
+        with the iterator form Spark reads from the hints (evaluated: not strings)."""
+        def function(batches):  # type: ignore[no-untyped-def]
+            return replies(batches)
 
-    def several(batches):  # type: ignore[no-untyped-def]
-        return replies(batches)
+        function.__name__ = call.service
+        function.__annotations__ = {"batches": Iterator[batches], "return": Iterator[pa.Array]}
+        return arrow_udf(function, returns)
 
-    one.__name__ = several.__name__ = call.service  # (the column's name: "enrich(name)")
-    # (Spark reads the iterator forms from the hints, evaluated: not strings)
-    one.__annotations__ = {"batches": Iterator[pa.Array], "return": Iterator[pa.Array]}
-    several.__annotations__ = {"batches": Iterator[tuple[pa.Array, ...]],
-                               "return": Iterator[pa.Array]}
-    single, multiple = arrow_udf(one, returns), arrow_udf(several, returns)
+    single, multiple = udf(pa.Array), udf(tuple[pa.Array, ...])
 
     def column(*columns: Any) -> Any:
         if not columns:
@@ -278,9 +272,10 @@ def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]]
     return column
 
 
-def _check_columns(df: Any, inputs: list[str], added: list[str]) -> None:
-    """*inputs* are string or binary columns of *df*, and *added* are not its columns."""
-    from pyspark.sql.types import BinaryType, StringType
+def _output_schema(df: Any, inputs: list[str], added: list[str], outputType: str) -> Any:
+    """*df*'s schema with the *added* columns, once checked: *inputs* are string or binary
+    columns of *df*, and *added* are not its columns."""
+    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
     if not inputs:
         raise ValueError("give at least one input column")
@@ -294,11 +289,6 @@ def _check_columns(df: Any, inputs: list[str], added: list[str]) -> None:
     for name in added:
         if name in fields:
             raise ValueError(f"column {name!r} already exists")
-
-
-def _output_schema(df: Any, added: list[str], outputType: str) -> Any:
-    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
-
     reply_type = {"binary": BinaryType(), "string": StringType(),
                   "frames": ArrayType(BinaryType())}[outputType]
     types = [reply_type, StringType()]
@@ -319,17 +309,11 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
-            yield from _rdd_chunk(call, chunk)
+            requests = [_request([e] if isinstance(e, (str, bytes, bytearray)) or e is None
+                                 else list(e)) for e in chunk]
+            for result in call_many(call, requests):
+                failure = _failure(result)
+                reply = None if failure else result
+                yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)
-
-
-def _rdd_chunk(call: ServiceCall, chunk: list[Any]) -> Iterator[Any]:
-    requests = []
-    for element in chunk:
-        single = isinstance(element, (str, bytes, bytearray)) or element is None
-        requests.append(_request([element] if single else list(element)))
-    for result in call_many(call, requests):
-        failure = _failure(result)
-        reply = None if failure else result
-        yield (reply, failure) if call.onError == "column" else reply

@@ -9,7 +9,6 @@ the same errors.  ``timeout`` bounds one attempt, ``deadline`` the whole request
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer, task
@@ -38,6 +37,7 @@ from mdp.freelance.machines import (
 )
 from mdp.handlers import call_handler
 from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.machine import machine_view
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
     DEFAULT_MAX_PENDING,
@@ -95,17 +95,12 @@ class FreelanceServer:
 
         def bound(routerTransport: Any) -> Any:
             log.info("Freelance server listening on {endpoint}", endpoint=routerTransport.endpoint)
-            return self._bind(binding, routerTransport)
+            return binding.bind(routerTransport)
 
         security = transport.curve_listen_for(endpoint, self.curve)
         transport.warn_if_open(endpoint, security, "Freelance server")
         return transport.listen(endpoint, binding, self.reactor, limits=self.limits,
                                 security=security).addCallback(bound)
-
-    def _bind(self, binding: _Binding, routerTransport: Any) -> Any:
-        binding.transport = routerTransport
-        self.transports.append(routerTransport)
-        return routerTransport
 
     def streamFactory(self) -> IProtocolFactory:
         """This server as a Twisted :class:`IProtocolFactory` in the stream framing, to
@@ -113,7 +108,7 @@ class FreelanceServer:
         from mdp.transport.stream import StreamRouter
 
         binding = _Binding(self)
-        return self._bind(binding, StreamRouter(binding, self.reactor, limits=self.limits)).factory()
+        return binding.bind(StreamRouter(binding, self.reactor, limits=self.limits)).factory()
 
     def close(self) -> defer.Deferred:
         """Close every transport: stop listening, drop every client."""
@@ -166,11 +161,10 @@ class FreelanceServer:
                                                  f"reply too large to send: {tooLarge}")]
                 outcome = "too-large"
             self.served += 1
-            metrics = self.metrics
-            if metrics is not None:
-                metrics.handlerSeconds.observe(self.reactor.seconds() - started)
+            if self.metrics is not None:
+                self.metrics.handlerSeconds.observe(self.reactor.seconds() - started)
                 if outcome is not None:
-                    metrics.failures.labels(outcome).inc()
+                    self.metrics.failures.labels(outcome).inc()
             routerTransport.sendMessage(peer, message)
 
         call_handler(self.handler, body).addBoth(reply)
@@ -188,18 +182,17 @@ class _Binding:
         self.server = server
         self.transport: Any = None
 
+    def bind(self, routerTransport: Any) -> Any:
+        self.transport = routerTransport
+        self.server.transports.append(routerTransport)
+        return routerTransport
+
     def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
         if self.transport is not None:
             self.server.received(self.transport, peer, frames)
 
     def peerDisconnected(self, peer: bytes) -> None:
         pass
-
-
-#: Per model: seconds per attempt (``timeout``) and for the whole request (``deadline``).
-SEQUENTIAL_TIMEOUT, SEQUENTIAL_DEADLINE = 1.0, 30.0
-SHOTGUN_TIMEOUT = 3.0
-AGENT_TIMEOUT, AGENT_DEADLINE = 1.0, 3.0
 
 
 @implementer(IDealerReceiver)
@@ -214,7 +207,7 @@ class _Pipe:
         self.transport: Any = None
         self._open()
 
-    def _open(self) -> bool:
+    def _open(self) -> Any:
         client, endpoint = self.client, self.endpoint
         try:
             self.transport = transport.connect(endpoint, self, client.reactor,
@@ -223,11 +216,10 @@ class _Pipe:
             client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
                                  "it sends there goes unanswered until a connection opens",
                                  error=e)
-            return False
-        return True
+        return self.transport
 
     def send(self, frames: list[bytes]) -> None:
-        if self.transport is not None or self._open():
+        if self.transport is not None or self._open() is not None:
             self.transport.sendMessage(frames)
 
     def close(self) -> defer.Deferred[None]:
@@ -244,6 +236,11 @@ class _Pipe:
         client = self.client
         client._perform(client.machine.handleReply(frames, client.reactor.seconds(),
                                                    self.endpoint))
+
+
+#: actions void once the client is closed or their call is DONE
+_VOIDABLE = (machines.Later, machines.SendPeer, machines.SendPipe, machines.OpenPipe,
+             machines.ConnectPeer)
 
 
 class _FreelanceClient:
@@ -265,10 +262,13 @@ class _FreelanceClient:
         #: a closing pipe's performer returns the Deferred of its close
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
             machines.Later: self._arm, machines.Cancel: self._disarm,
-            machines.SendPeer: self._sendPeer, machines.SendPipe: self._sendPipe,
+            machines.SendPeer: lambda a: self.router.sendMessage(a.endpoint, a.frames),
+            machines.SendPipe: self._sendPipe,
             machines.Resolve: self._answer, machines.Reject: self._answer,
-            machines.OpenPipe: self._openPipe, machines.ClosePipe: self._closePipe,
-            machines.ConnectPeer: self._connectPeer, machines.ServerChanged: self._logServer}
+            machines.OpenPipe: lambda a: self.pipes.__setitem__(a.key, _Pipe(self, a.endpoint)),
+            machines.ClosePipe: self._closePipe,
+            machines.ConnectPeer: lambda a: self.router.connect(a.endpoint),
+            machines.ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
         if listed:  # as a whole: one zmq: server among them uses the keys
             transport.check_curve_client(listed, self.curve)
@@ -278,20 +278,10 @@ class _FreelanceClient:
     def _connectRouter(self) -> Any:
         return None  # model 3's connecting router
 
-    @property
-    def added(self) -> list[str]:
-        """The servers' endpoints, in the order they were added."""
-        return self.machine.endpoints
-
-    @property
-    def timeout(self) -> float:
-        """Seconds one attempt may take (each request's default)."""
-        return self.machine.timeout
-
-    @property
-    def deadline(self) -> Optional[float]:
-        """Seconds a whole request may take (``None``: no bound beyond its attempts)."""
-        return self.machine.deadline
+    added = machine_view("endpoints", "The servers' endpoints, in the order they were added.")
+    timeout = machine_view("timeout", "Seconds one attempt may take (each request's default).")
+    deadline = machine_view("deadline", "Seconds a whole request may take (None: no bound "
+                            "beyond its attempts).")
 
     def connect(self, endpoint: str) -> None:
         """Add a server (:class:`~mdp.errors.TransportError` for a malformed endpoint)."""
@@ -339,37 +329,32 @@ class _FreelanceClient:
         self._timers.pop((call.sequence, kind), None)
         self._perform(self.machine.handleTimer(call, kind, self.reactor.seconds()))
 
-    def _stale(self, call: Optional[machines._Call]) -> bool:
-        """Is an action for *call* void (cancelled, or the client closed, by a callback)?"""
-        return self.machine.closed or (call is not None and call.state is RequestState.DONE)
-
     def _perform(self, actions: list[machines.Action]) -> list[defer.Deferred[None]]:
-        """Do what the machine asked, in order; returns the pipes' closings."""
+        """Do what the machine asked, in order; returns the pipes' closings.  An action
+        made void by a callback (its call DONE, or the client closed) is skipped."""
         closing = []
         for action in actions:
+            if type(action) in _VOIDABLE:
+                call = getattr(action, "call", None)
+                if self.machine.closed or (call is not None and call.state is RequestState.DONE):
+                    continue
             closed = self._performers[type(action)](action)
             if closed is not None:
                 closing.append(closed)
         return closing
 
     def _arm(self, action: machines.Later) -> None:
-        call = action.call
-        if not self._stale(call):
-            key = (call.sequence, action.kind)
-            cancel_call(self._timers.get(key))
-            self._timers[key] = self.reactor.callLater(action.delay, self._fire, call,
-                                                       action.kind)
+        key = (action.call.sequence, action.kind)
+        cancel_call(self._timers.get(key))
+        self._timers[key] = self.reactor.callLater(action.delay, self._fire, action.call,
+                                                   action.kind)
 
     def _disarm(self, action: machines.Cancel) -> None:
         cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
 
-    def _sendPeer(self, action: machines.SendPeer) -> None:
-        if not self._stale(action.call):
-            self.router.sendMessage(action.endpoint, action.frames)
-
     def _sendPipe(self, action: machines.SendPipe) -> None:
         pipe = self.pipes.get(action.key)
-        if pipe is not None and not self._stale(action.call):
+        if pipe is not None:
             pipe.send(action.frames)
 
     def _answer(self, action: Union[machines.Resolve, machines.Reject]) -> None:
@@ -380,17 +365,9 @@ class _FreelanceClient:
             else:
                 d.errback(action.error)
 
-    def _openPipe(self, action: machines.OpenPipe) -> None:
-        if not self._stale(action.call):
-            self.pipes[action.key] = _Pipe(self, action.endpoint)
-
     def _closePipe(self, action: machines.ClosePipe) -> Optional[defer.Deferred[None]]:
         pipe = self.pipes.pop(action.key, None)
         return None if pipe is None else transport.close_all([pipe], "a Freelance client connection")
-
-    def _connectPeer(self, action: machines.ConnectPeer) -> None:
-        if not self.machine.closed:
-            self.router.connect(action.endpoint)
 
     def _logServer(self, action: machines.ServerChanged) -> None:
         if action.state is ServerState.ALIVE:
@@ -404,8 +381,7 @@ class SequentialClient(_FreelanceClient):
     *timeout* seconds; :class:`RequestTimeout` after one round or *deadline*."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = SEQUENTIAL_TIMEOUT,
-                 deadline: Optional[float] = SEQUENTIAL_DEADLINE,
+                 *, timeout: float = 1.0, deadline: Optional[float] = 30.0,
                  curveServerPublic: Optional[str] = None,
                  curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor,
@@ -417,7 +393,7 @@ class ShotgunClient(_FreelanceClient):
     :class:`RequestTimeout` after *timeout* (or a shorter *deadline*)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = SHOTGUN_TIMEOUT, deadline: Optional[float] = None,
+                 *, timeout: float = 3.0, deadline: Optional[float] = None,
                  curveServerPublic: Optional[str] = None,
                  curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor,
@@ -438,8 +414,7 @@ class AgentClient(_FreelanceClient):
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
-                 timeout: float = AGENT_TIMEOUT,
-                 deadline: Optional[float] = AGENT_DEADLINE,
+                 timeout: float = 1.0, deadline: Optional[float] = 3.0,
                  curveServerPublic: Optional[str] = None,
                  curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor,
@@ -452,14 +427,9 @@ class AgentClient(_FreelanceClient):
         return transport.connect_peers(self, self.reactor, security=self.curve,
                                        limits=self.limits)
 
-    @property
-    def heartbeat(self) -> HeartbeatPolicy:
-        return self.machine.heartbeat
-
-    @property
-    def servers(self) -> OrderedDict[str, KnownServer]:
-        """What the agent knows of each server, by endpoint."""
-        return self.machine.servers
+    heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
+    servers = machine_view("servers", "What the agent knows of each server (a KnownServer), "
+                           "by endpoint.")
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""

@@ -13,7 +13,7 @@ import attrs
 
 from mdp import messages
 from mdp.errors import ClientClosed, NoServerAvailable, RemoteError, RequestTimeout, ServiceOverloaded
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 from mdp.policy import HeartbeatPolicy, Liveness, positive_seconds
 
 PING = b"PING"
@@ -21,28 +21,15 @@ PONG = b"PONG"
 SERVICE = b"freelance"  # what RequestTimeout names
 
 
-class RequestState(enum.Enum):
-    """Where a client's request is."""
-
-    #: not sent: no server to send it to yet (model 3 only)
-    WAITING = "waiting"
-    #: an attempt is out and its timer runs
-    SENT = "sent"
-    #: answered, failed, timed out, cancelled or closed: a late reply is dropped
-    DONE = "done"
-
-
-class ServerState(enum.Enum):
-    """What the agent (model 3) believes of one server."""
-
-    #: not heard from yet: PINGed, gets no requests
-    UNKNOWN = "unknown"
-    #: heard from within ``heartbeat.expiry``: gets requests
-    ALIVE = "alive"
-    #: let an attempt time out or answered 429: no requests until it speaks again
-    SUSPECT = "suspect"
-    #: silent beyond ``heartbeat.expiry``: still PINGed, no requests
-    DEAD = "dead"
+#: where a client's request is: WAITING for a server (model 3 only), SENT (an attempt and its
+#: timer run), DONE (answered, failed, timed out, cancelled or closed: a late reply is dropped)
+RequestState = enum.Enum("RequestState", {"WAITING": "waiting", "SENT": "sent", "DONE": "done"})
+#: what the agent (model 3) believes of one server: UNKNOWN (not heard from yet), ALIVE
+#: (heard from within ``heartbeat.expiry``: gets requests), SUSPECT (let an attempt time out
+#: or answered 429: no requests until it speaks again), DEAD (silent beyond
+#: ``heartbeat.expiry``).  All are PINGed; only ALIVE ones get requests.
+ServerState = enum.Enum("ServerState", {"UNKNOWN": "unknown", "ALIVE": "alive", "SUSPECT": "suspect",
+                                        "DEAD": "dead"})
 
 
 def remote_error(body: Sequence[bytes]) -> Optional[RemoteError]:
@@ -70,84 +57,35 @@ class _Call:
 DEADLINE, ATTEMPT = "deadline", "attempt"  # the two timers of a request
 
 
-@action_class
-class Later:
-    """Call ``handleTimer(call, kind)`` after *delay* seconds (replacing a pending one)."""
-
-    call: _Call
-    kind: str
-    delay: float
-
-
-@action_class
-class Cancel:
-    """Forget that timer of *call*, if pending."""
-
-    call: _Call
-    kind: str
+#: call ``handleTimer(call, kind)`` after *delay* seconds (replacing a pending one)
+Later = action_type(__name__, "Later", "call", "kind", "delay")
+#: forget that timer of *call*, if pending
+Cancel = action_type(__name__, "Cancel", "call", "kind")
+ClosePipe = action_type(__name__, "ClosePipe", "key")
+#: add *endpoint* to the connecting router (model 3)
+ConnectPeer = action_type(__name__, "ConnectPeer", "endpoint")
+#: the request's outcome: its reply's frames, or an error
+Resolve = action_type(__name__, "Resolve", "call", "frames")
+Reject = action_type(__name__, "Reject", "call", "error")
+#: the agent's view of the server at *endpoint* is now *state* (model 3)
+ServerChanged = action_type(__name__, "ServerChanged", "endpoint", "state")
 
 
-def _for_call() -> Any:
-    """The request an action is for (not compared): skipped if DONE by then."""
-    return attrs.field(default=None, eq=False, repr=False)
+def _call_action(name: str, *fields: str) -> Any:
+    """An action with *fields*, then the request it is for (``call``, not compared; None for
+    a PING): skipped if DONE by then."""
+    made = {**{field: attrs.field() for field in fields},
+            "call": attrs.field(default=None, eq=False, repr=False)}
+    kind = attrs.make_class(name, made, slots=True, weakref_slot=False)
+    kind.__module__ = __name__
+    return kind
 
 
-@action_class
-class OpenPipe:
-    """Open a connection to *endpoint*, known as *key*; replies go to ``handleReply``."""
-
-    key: Any
-    endpoint: str
-    call: Optional[_Call] = _for_call()
-
-
-@action_class
-class ClosePipe:
-    key: Any
-
-
-@action_class
-class SendPipe:
-    key: Any
-    frames: list[bytes]
-    call: Optional[_Call] = _for_call()
-
-
-@action_class
-class ConnectPeer:
-    """Add *endpoint* to the connecting router (model 3)."""
-
-    endpoint: str
-
-
-@action_class
-class SendPeer:
-    """Send *frames* to the server at *endpoint* through the router (model 3)."""
-
-    endpoint: str
-    frames: list[bytes]
-    #: None for a PING
-    call: Optional[_Call] = _for_call()
-
-
-@action_class
-class Resolve:
-    call: _Call
-    frames: list[bytes]
-
-
-@action_class
-class Reject:
-    call: _Call
-    error: BaseException
-
-
-@action_class
-class ServerChanged:
-    """The agent's view of the server at *endpoint* is now *state* (model 3)."""
-
-    endpoint: str
-    state: ServerState
+#: open a connection to *endpoint*, known as *key*; replies go to ``handleReply``
+OpenPipe = _call_action("OpenPipe", "key", "endpoint")
+SendPipe = _call_action("SendPipe", "key", "frames")
+#: send *frames* to the server at *endpoint* through the router (model 3)
+SendPeer = _call_action("SendPeer", "endpoint", "frames")
 
 
 Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer | SendPeer | ...
@@ -205,10 +143,7 @@ class FreelanceMachine(Machine):
     def handleTimer(self, call: _Call, kind: str, now: float) -> list[Action]:
         self.now = now
         if call.state is not RequestState.DONE:
-            if kind == DEADLINE:
-                self._expired(call)
-            else:
-                self._attemptOver(call)
+            (self._expired if kind == DEADLINE else self._attemptOver)(call)
         return self._drain()
 
     def handleCancel(self, call: _Call, now: float) -> list[Action]:
@@ -239,8 +174,7 @@ class FreelanceMachine(Machine):
             return False
         call.state = RequestState.DONE
         del self.pending[call.sequence]
-        self._outbox.append(Cancel(call, DEADLINE))
-        self._outbox.append(Cancel(call, ATTEMPT))
+        self._outbox += [Cancel(call, DEADLINE), Cancel(call, ATTEMPT)]
         return True
 
     def _expired(self, call: _Call) -> None:
@@ -296,13 +230,12 @@ class SequentialMachine(FreelanceMachine):
         if call.attempts >= len(call.round):
             self._expired(call)
             return
-        endpoint = call.round[call.attempts]
+        call.server = endpoint = call.round[call.attempts]
         call.attempts += 1
-        call.server = endpoint
         call.state = RequestState.SENT
-        self._outbox.append(OpenPipe(call.sequence, endpoint, call))
-        self._outbox.append(SendPipe(call.sequence, [call.sequence, *call.body], call))
-        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+        self._outbox += [OpenPipe(call.sequence, endpoint, call),
+                         SendPipe(call.sequence, [call.sequence, *call.body], call),
+                         Later(call, ATTEMPT, call.timeout)]
 
     def _drop(self, call: _Call) -> None:
         if call.server is not None:
@@ -324,8 +257,8 @@ class ShotgunMachine(FreelanceMachine):
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.endpoints)
         call.state = RequestState.SENT
-        for endpoint in self.endpoints:
-            self._outbox.append(SendPipe(endpoint, [call.sequence, *call.body], call))
+        self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call)
+                         for endpoint in self.endpoints]
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _attemptOver(self, call: _Call) -> None:
@@ -365,9 +298,7 @@ class AgentMachine(FreelanceMachine):
         self.servers: OrderedDict[str, KnownServer] = OrderedDict()
         self.waiting: list[_Call] = []  # WAITING requests, oldest first
 
-    @property
-    def wakeEvery(self) -> float:
-        return self.heartbeat.interval
+    wakeEvery = property(lambda self: self.heartbeat.interval)
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""
@@ -445,13 +376,12 @@ class AgentMachine(FreelanceMachine):
         fresh = [e for e in live if e not in call.tried]
         if not fresh:
             call.tried = []
-        endpoint = (fresh or live)[0]
+        call.server = endpoint = (fresh or live)[0]
         call.tried.append(endpoint)
-        call.server = endpoint
         call.attempts += 1
         call.state = RequestState.SENT
-        self._outbox.append(SendPeer(endpoint, [call.sequence, *call.body], call))
-        self._outbox.append(Later(call, ATTEMPT, call.timeout))
+        self._outbox += [SendPeer(endpoint, [call.sequence, *call.body], call),
+                         Later(call, ATTEMPT, call.timeout)]
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded,
                     endpoint: Optional[str]) -> None:

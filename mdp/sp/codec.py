@@ -23,10 +23,8 @@ BOTTOM = 0x80000000
 ID_MASK = 0x7FFFFFFF
 
 _word = struct.Struct(">I")
-
-
-def word(value: int) -> bytes:
-    return _word.pack(value)
+#: a 32-bit word of the backtrace
+word = _word.pack
 
 
 def split_backtrace(message: bytes, maxHops: int = DEFAULT_MAX_HOPS) -> tuple[bytes, bytes]:

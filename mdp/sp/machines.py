@@ -1,9 +1,5 @@
-"""SP REQ and REP as pure state machines (see :mod:`mdp.machine`); a *channel*
-is one connection to a peer.  :class:`ReqMachine` sends each request on the
-next channel, round-robin, and again until its reply comes; :class:`RepMachine`
-runs each request once per backtrace and channel, within maxPending;
-:class:`DeviceMachine` forwards with the channel's id pushed on the backtrace.
-"""
+"""SP REQ, REP and device as pure state machines (see :mod:`mdp.machine`); a *channel*
+is one connection to a peer."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from typing import Any, Hashable, Optional
 import attrs
 
 from mdp.errors import ProtocolError
-from mdp.machine import Machine, action_class
+from mdp.machine import Machine, action_type
 from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, IdSequence, pop_word, split_backtrace, word
 
@@ -24,56 +20,19 @@ DEFAULT_RESEND = 60.0
 Channel = Hashable
 
 
-@action_class
-class SendOn:
-    channel: Any
-    body: bytes
-
-
-@action_class
-class Forward:
-    """A device: send *body* upstream."""
-
-    body: bytes
-
-
-@action_class
-class Complete:
-    """Request *requestId* has its reply."""
-
-    requestId: int
-    payload: bytes
-
-
-@action_class
-class Serve:
-    """Run the handler on *payload*; answer with *token*."""
-
-    token: Any
-    payload: bytes
-
-
-@action_class
-class Dropped:
-    """Something was dropped (the driver logs it)."""
-
-    channel: Any
-    reason: str
-
-
-@action_class
-class Overloaded:
-    """A request was dropped: as many as allowed are in hand."""
-
-    channel: Any
-    reason: str
-
-
-@action_class
-class WakeAt:
-    """Call ``handleWake`` at *when* (None: no timer needed)."""
-
-    when: Optional[float]
+SendOn = action_type(__name__, "SendOn", "channel", "body")
+#: a device: send *body* upstream
+Forward = action_type(__name__, "Forward", "body")
+#: request *requestId* has its reply
+Complete = action_type(__name__, "Complete", "requestId", "payload")
+#: run the handler on *payload*; answer with *token*
+Serve = action_type(__name__, "Serve", "token", "payload")
+#: something was dropped (the driver logs it)
+Dropped = action_type(__name__, "Dropped", "channel", "reason")
+#: a request was dropped: as many as allowed are in hand
+Overloaded = action_type(__name__, "Overloaded", "channel", "reason")
+#: call ``handleWake`` at *when* (None: no timer needed)
+WakeAt = action_type(__name__, "WakeAt", "when")
 
 
 @attrs.define(eq=False)
@@ -174,13 +133,8 @@ class ReqMachine(Machine):
         """Resend the requests whose resend interval is over, oldest first."""
         self.now = now
         self.wakeAt = None
-        due = []
-        for request in self._sent.values():
-            if request.resendAt > now:
-                break
-            due.append(request)
-        due.sort(key=lambda request: request.serial)
-        for request in due:
+        due = itertools.takewhile(lambda request: request.resendAt <= now, self._sent.values())
+        for request in sorted(due, key=lambda request: request.serial):
             self._send(request)
         self._rearm()
         return self._drain()
@@ -237,9 +191,8 @@ class _ChannelMachine(Machine):
         return []
 
     def _idOf(self, channel: Channel) -> int:
-        known = self.byChannel.get(channel)
-        if known is not None:
-            return known
+        if channel in self.byChannel:
+            return self.byChannel[channel]
         number = self.channelIds.next()
         while number in self.byId:
             number = self.channelIds.next()

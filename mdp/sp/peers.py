@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import secrets
 from typing import Any, Callable, Optional, Sequence, Union
@@ -35,8 +36,8 @@ from mdp.transport.stream import StreamDealer, StreamRouter
 log = Logger()
 
 
-def random_id() -> int:
-    return secrets.randbits(31)
+#: a random 31-bit id
+random_id = functools.partial(secrets.randbits, 31)
 
 
 @implementer(IDealerReceiver)
@@ -81,20 +82,16 @@ class _Side:
     """What the SP peers share: a machine, its clock, listeners and dialed pipes."""
 
     machine: Any
-    pipes: list[_Pipe]
 
     def __init__(self, reactor: Any, limits: Limits) -> None:
         self.reactor = default_reactor(reactor)
         self.limits = limits
         self.throttle = LogThrottle(self.reactor)
         self.routers: list[StreamRouter] = []
-        self.pipes = []
+        self.pipes: list[_Pipe] = []
 
     def _now(self) -> float:
         return self.reactor.seconds()
-
-    def _perform(self, actions: list[Any]) -> None:
-        raise NotImplementedError
 
     def _dial(self, endpoints: Union[str, Sequence[str]], none: str, backoff: Backoff) -> None:
         """A :class:`_Pipe` dialing each of *endpoints* as a REQ; ``ValueError(none)`` for none."""
@@ -125,10 +122,9 @@ class _Side:
     def _sendBack(self, action: machines.SendOn) -> bool:
         """Send a reply on the listener's channel *action* names, if it is still there."""
         listener, peer = action.channel
-        if listener.transport is None:
-            return False
-        listener.transport.sendMessage(peer, [action.body])
-        return True
+        if listener.transport is not None:
+            listener.transport.sendMessage(peer, [action.body])
+        return listener.transport is not None
 
     def close(self) -> defer.Deferred[None]:
         routers, self.routers = self.routers, []
@@ -156,22 +152,18 @@ class SPClient(_Side):
             raise TypeError(f"an SP request is bytes, not {type(payload).__name__}")
         if self._closed:
             return defer.fail(ClientClosed("this SPClient is closed"))
-        requestId: list[int] = []
+        requestId, actions = self.machine.handleRequest(bytes(payload), self._now())
 
         def cancel(d: defer.Deferred) -> None:
-            self._waiting.pop(requestId[0], None)
-            self._perform(self.machine.handleCancel(requestId[0], self._now()))
+            self._waiting.pop(requestId, None)
+            self._perform(self.machine.handleCancel(requestId, self._now()))
 
-        d: defer.Deferred[bytes] = defer.Deferred(cancel)
-        rid, actions = self.machine.handleRequest(bytes(payload), self._now())
-        requestId.append(rid)
-        self._waiting[rid] = d
+        d = self._waiting[requestId] = defer.Deferred(cancel)
         self._perform(actions)
         return d
 
     def _channel(self, pipe: _Pipe, up: bool) -> None:
-        machine = self.machine
-        handle = machine.handleChannelUp if up else machine.handleChannelDown
+        handle = self.machine.handleChannelUp if up else self.machine.handleChannelDown
         self._perform(handle(pipe, self._now()))
 
     def _reply(self, pipe: _Pipe, body: bytes) -> None:
@@ -241,15 +233,12 @@ class SPServer(_Side):
             elif kind is machines.SendOn:
                 if self._sendBack(action):
                     self.served += 1
-            elif kind is machines.Overloaded:
-                self.overloaded += 1
-                self._dropped(self.throttle.warn, "overloaded", action)
             else:
-                self._dropped(self.throttle.info, "dropped", action)
-
-    def _dropped(self, say: Callable[..., None], topic: str, action: Any) -> None:
-        say(log, topic, "SP server dropped a request from {peer}: {reason}",
-            peer=peer_label(*action.channel), reason=action.reason)
+                overloaded = kind is machines.Overloaded
+                self.overloaded += overloaded
+                say = self.throttle.warn if overloaded else self.throttle.info
+                say(log, "overloaded" if overloaded else "dropped", "SP server dropped a request "
+                    "from {peer}: {reason}", peer=peer_label(*action.channel), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
         def run() -> Any:
@@ -291,7 +280,7 @@ class SPDevice(_Side):
         self.machine = machines.DeviceMachine(random_id(), maxHops=maxHops, now=self._now())
         self._turn = 0
         self._dial(back, "an SPDevice needs at least one endpoint to forward to", backoff)
-        self.backs = self.pipes
+        self.backs = self.pipes  # the upstream connections
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
         return self._listen(front, "SP device",
