@@ -172,20 +172,11 @@ class Client(ClientDriver):
     all; at most *maxConnections* requests are in flight, more wait in a FIFO.
     :class:`mdp.blocking.Client` is the same client without a reactor."""
 
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        reactor: Optional[Any] = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        retries: int = DEFAULT_RETRIES,
-        maxConnections: int = DEFAULT_MAX_CONNECTIONS,
-        dialect: str = codec.RFC,
-        stamp: bool = False,
-        limits: Limits = Limits(),
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
+                 maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
+                 stamp: bool = False, limits: Limits = Limits(),
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         reactor = default_reactor(reactor)
         super().__init__(endpoint, reactor, timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
@@ -198,15 +189,10 @@ class Client(ClientDriver):
 
     # --- public API ----------------------------------------------------------
 
-    def request(
-        self,
-        service: Union[str, bytes],
-        *frames: Frame,
-        timeout: Optional[float] = None,
-        retries: Optional[int] = None,
-        onPartial: Optional[Callable[[list[bytes]], Any]] = None,
-        onRestart: Optional[Callable[[], Any]] = None,
-    ) -> defer.Deferred[list[bytes]]:
+    def request(self, service: Union[str, bytes], *frames: Frame, timeout: Optional[float] = None,
+                retries: Optional[int] = None,
+                onPartial: Optional[Callable[[list[bytes]], Any]] = None,
+                onRestart: Optional[Callable[[], Any]] = None) -> defer.Deferred[list[bytes]]:
         """Send a request; the Deferred fires with the FINAL body frames.
 
         *timeout* is the seconds of **one attempt**, *retries* the attempts in

@@ -150,17 +150,9 @@ def _why(reason: object) -> str:
 class WorkerMachine(Machine):
     """The worker's decisions (the module's table)."""
 
-    def __init__(
-        self,
-        endpoints: list[str],
-        service: bytes,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = codec.RFC,
-        limits: Limits = Limits(),
-        now: float = 0.0,
-    ) -> None:
+    def __init__(self, endpoints: list[str], service: bytes, *,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
+                 dialect: str = codec.RFC, limits: Limits = Limits(), now: float = 0.0) -> None:
         super().__init__(now)
         self._rotation = EndpointRotation(endpoints)
         self.service = service
@@ -287,8 +279,7 @@ class WorkerMachine(Machine):
         replaced by a 413), and the actions."""
         self.now = now
         sent = self._replyPart(job, kind, frames, store)
-        outbox = self._outbox
-        self._outbox = []
+        outbox, self._outbox = self._outbox, []
         return sent, outbox
 
     def handleTick(self, now: float) -> list[Action]:
@@ -366,30 +357,31 @@ class WorkerMachine(Machine):
         self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
 
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
-        if job.generation != self.generation or self.state is not READY or self.current != job.client:
-            self._store(job, kind, frames, store)
-            return False
-        size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
-        limits = self.limits
+        """Send a reply part if *job* is in hand (a 413 instead if too large); a FINAL
+        is stored either way."""
+        current = (job.generation == self.generation and self.state is READY
+                   and self.current == job.client)
         tooLarge = None
-        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
-            tooLarge = limits.oversize(size, len(frames) + 5)
-            self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
-                                        f"its {kind.__name__} is too large ({tooLarge})"))
-            kind, store = WorkerFinal, False
-            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
+        if current:
+            size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
+            limits = self.limits
+            if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
+                tooLarge = limits.oversize(size, len(frames) + 5)
+                self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
+                                            f"its {kind.__name__} is too large ({tooLarge})"))
+                kind, store = WorkerFinal, False
+                frames = codec.error_body(codec.STATUS_TOO_LARGE,
+                                          f"reply too large to send: {tooLarge}")
         final = kind is WorkerFinal
         if final and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
+        if not current:
+            return False
         self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
         return tooLarge is None
-
-    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
-        if kind is WorkerFinal and store and job.key is not None:
-            self._outbox.append(StoreReply(job.key, frames))
 
     def _send(self, command: Any) -> None:
         self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
@@ -490,28 +482,18 @@ class Worker(WorkerDriver):
     one DEALER socket as relay hops where the broker relays, else a DEALER
     each.  To any broker they are N ordinary workers."""
 
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        service: Union[str, bytes],
-        handler: Handler,
-        reactor: Optional[Any] = None,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = codec.RFC,
-        replies: Optional[idempotence.IReplyStore] = None,
-        limits: Limits = Limits(),
-        metrics: Optional[Any] = None,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-        concurrency: int = 1,
-    ) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Handler, reactor: Optional[Any] = None, *,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
+                 dialect: str = codec.RFC, replies: Optional[idempotence.IReplyStore] = None,
+                 limits: Limits = Limits(), metrics: Optional[Any] = None,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
+                 concurrency: int = 1) -> None:
         check_count("concurrency", concurrency, "requests served at once")
         reactor = default_reactor(reactor)
-        super().__init__(endpoint, service, handler, reactor,
-                         heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
-                         curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
+                       curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        super().__init__(endpoint, service, handler, reactor, **options)
         self.reactor = reactor
         self.replies = replies
         self.transport: Optional[IDealerTransport] = None
@@ -534,10 +516,8 @@ class Worker(WorkerDriver):
         if concurrency > 1:
             self.links = {}
             for _ in range(concurrency - 1):
-                session = Worker(endpoint, service, handler, reactor, heartbeat=heartbeat,
-                                 backoff=backoff, dialect=dialect, replies=replies,
-                                 limits=limits, metrics=metrics,
-                                 curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+                session = Worker(endpoint, service, handler, reactor, replies=replies,
+                                 metrics=metrics, **options)
                 session.links, session.owner = self.links, self
                 session.readyLogLevel = LogLevel.debug
                 self.sessions.append(session)
