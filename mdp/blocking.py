@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from mdp.errors import ClientClosed, TransportError
 from mdp.handlerthreads import PACED_POLL, HandlerThreads, run_handler
 from mdp.majordomo import codec
-from mdp.majordomo.client import ClientDriver, report_stale
+from mdp.majordomo.client import ClientDriver
 from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
@@ -28,7 +28,6 @@ from mdp.majordomo.client_machine import (
     SendOn,
     _Call,
     _Channel,
-    _check_attempts,
     check_count,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
@@ -266,9 +265,7 @@ class Client(ClientDriver):
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
         codec.api_service_name(service)
-        if timeout is not None or retries is not None:
-            _check_attempts(self.machine.timeout if timeout is None else timeout,
-                            self.machine.retries if retries is None else retries)
+        self.machine.attempts(timeout, retries)
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
@@ -404,9 +401,6 @@ class Client(ClientDriver):
     def _pipeMessage(self, channel: _Channel, frames: list[bytes], now: float) -> None:
         self._perform(self.machine.handleMessage(channel, frames, now))
 
-    def _stale(self, channel: _Channel) -> None:
-        report_stale(self.throttle, channel)
-
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order; close the links left unused."""
         for action in actions:
@@ -432,7 +426,7 @@ class Client(ClientDriver):
         call = channel.call
         if pipe is not None and pipe.up and call is not None and not call.done:
             if pipe.discardReceived():
-                report_stale(self.throttle, channel)
+                self._stale(channel)
             pipe.send(frames)
 
     def _open(self, channel: _Channel) -> None:

@@ -26,8 +26,6 @@ from mdp.majordomo.client_machine import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     Action,
-    CallState,
-    ChannelState,
     ClientMachine,
     CloseChannel,
     Complete,
@@ -35,20 +33,18 @@ from mdp.majordomo.client_machine import (
     Fail,
     OpenChannel,
     Partial,
-    Restarted,
     Retrying,
     SendOn,
     WakeAt,
     _Call,
     _Channel,
-    unreachable,
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import Limits, LogThrottle, call_at, default_reactor
 
-__all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState",
-           "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "DEFAULT_MAX_CONNECTIONS", "unreachable"]
+__all__ = ["Client", "ReplyStream", "ClientMachine", "DEFAULT_TIMEOUT", "DEFAULT_RETRIES",
+           "DEFAULT_MAX_CONNECTIONS"]
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -58,29 +54,6 @@ def __getattr__(name: str) -> Any:
     if name in ("ClientMachine", "_Call", "_Channel"):
         return getattr(client_machine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _callBack(action: Union[Partial, Restarted]) -> None:
-    """Call ``onPartial``/``onRestart`` unless the request is done."""
-    call = action.call
-    partial = type(action) is Partial
-    callback = call.onPartial if partial else call.onRestart
-    if callback is None or call.done:
-        return
-    try:
-        if partial:
-            callback(action.body)  # type: ignore[union-attr]
-        else:
-            callback()
-    except Exception:
-        log.failure("{name} callback for {service} failed", service=label(call.service),
-                    name="onPartial" if partial else "onRestart")
-
-
-def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
-    throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
-                  "request: no request was in flight there to answer",
-                  endpoint=channel.endpoint)
 
 
 class _ChannelPipe:
@@ -120,14 +93,11 @@ class ClientDriver:
     :class:`ClientMachine` (``machine``), its options and the actions both
     perform alike; *clock* has ``seconds()``."""
 
-    def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, timeout: float,
-                 retries: int, maxConnections: int, dialect: str, stamp: bool, limits: Limits,
-                 curveServerPublic: Optional[str], curveSecret: Optional[str]) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, limits: Limits,
+                 curveServerPublic: Optional[str], curveSecret: Optional[str], **options: Any) -> None:
         endpoints = transport.endpoint_list(endpoint)
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
-        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
-                                     maxConnections=maxConnections, dialect=dialect,
-                                     stamp=stamp, limits=limits, now=clock.seconds())
+        self.machine = ClientMachine(endpoints, limits=limits, now=clock.seconds(), **options)
         self.limits = limits
         self.throttle = LogThrottle(clock)
         self._closed = False
@@ -154,13 +124,31 @@ class ClientDriver:
             self.throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
                                "({attempt}/{retries})", service=label(call.service),
                                timeout=call.timeout, attempt=action.attempt, retries=call.retries)
-        else:  # Partial, Restarted
-            _callBack(action)
+        else:  # Partial, Restarted: the caller's callback, unless the request is done
+            call = action.call
+            partial = kind is Partial
+            callback = call.onPartial if partial else call.onRestart
+            if callback is None or call.done:
+                return
+            try:
+                if partial:
+                    callback(action.body)
+                else:
+                    callback()
+            except Exception:
+                log.failure("{name} callback for {service} failed", service=label(call.service),
+                            name="onPartial" if partial else "onRestart")
 
     def _close(self, channel: _Channel) -> None:
         pipe, channel.pipe = channel.pipe, None
         if pipe is not None:
             pipe.close()
+
+    def _stale(self, channel: _Channel) -> None:
+        """What came on *channel* before its request was dropped."""
+        self.throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
+                           "request: no request was in flight there to answer",
+                           endpoint=channel.endpoint)
 
 
 class Client(ClientDriver):
@@ -271,7 +259,7 @@ class Client(ClientDriver):
         call = channel.call
         if pipe is not None and pipe.connected and call is not None and not call.done:
             if pipe.discardReceived():
-                report_stale(self.throttle, channel)
+                self._stale(channel)
             pipe.sendMessage(frames)
 
     def _open(self, channel: _Channel) -> None:

@@ -257,18 +257,20 @@ class ClientMachine(Machine):
                 onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
         """A request for :meth:`handleRequest`; raises for caller mistakes and once closed."""
-        name = self._names.get(service) if type(service) in (str, bytes) else None
+        names = self._names
+        name = names.get(service) if type(service) in (str, bytes) else None
         if name is None:
-            name = self._serviceName(service)
+            name = codec.api_service_name(service)
+            if len(names) >= _NAMES_KEPT:
+                names.clear()
+            names[service] = name  # kept for the next requests
         mmi = name.startswith(b"mmi.")
         # MDP/0.2 wants a body: an MMI query without frames sends one empty frame
         body = request_frames(frames, empty=mmi) or [b""]
-        if timeout is not None or retries is not None:
-            timeout = self.timeout if timeout is None else timeout
-            retries = self.retries if retries is None else retries
-            _check_attempts(timeout, retries)
-        else:
+        if timeout is None and retries is None:
             timeout, retries = self.timeout, self.retries
+        else:
+            timeout, retries = self.attempts(timeout, retries)
         if self._closed:
             raise ClientClosed("client is closed")
         return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
@@ -289,13 +291,12 @@ class ClientMachine(Machine):
                                   f"{limits.oversize(size, len(message))}")
         return message
 
-    def _serviceName(self, service: Union[str, bytes]) -> bytes:
-        """*service* on the wire, checked, and kept for the next requests."""
-        name = codec.api_service_name(service)
-        if len(self._names) >= _NAMES_KEPT:
-            self._names.clear()
-        self._names[service] = name
-        return name
+    def attempts(self, timeout: Optional[float], retries: Optional[int]) -> tuple[float, int]:
+        """A request's *timeout* and *retries* (None: the client's), checked."""
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        _check_attempts(timeout, retries)
+        return timeout, retries
 
     def fresh(self, now: float) -> ClientMachine:
         """A machine with this one's options and stamps and nothing in flight
@@ -597,10 +598,10 @@ class ClientMachine(Machine):
     def _decoded(self, channel: _Channel, call: Optional[_Call], frames: list[bytes]) -> None:
         """A message not plainly a reply to the request in flight: decoded in full, or dropped."""
         try:
-            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
+            command = codec.decode(codec.expect(frames, self.dialect), self.dialect)
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
-                raise ProtocolError(f"broker sent a client {kind.__name__}")
+                raise ProtocolError(f"broker sent a {kind.__name__} to a client")
             if call is not None and command.service != call.service and self.dialect == _RFC:
                 raise ProtocolError(
                     f"reply for service {command.service!r} to a request for {call.service!r}")

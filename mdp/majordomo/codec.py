@@ -68,7 +68,6 @@ MAX_SERVICE_LENGTH = 255
 
 Frames = list[bytes]
 
-
 #: a frozen command class with its fields
 _command_class = functools.partial(action_type, __name__, frozen=True)
 
@@ -88,9 +87,8 @@ WorkerFinal = _command_class("WorkerFinal", "client", "body")
 Heartbeat = _command_class("Heartbeat")
 Disconnect = _command_class("Disconnect")
 
-ClientCommand = Union[ClientRequest, ClientPartial, ClientFinal]
-WorkerCommand = Union[Ready, WorkerRequest, WorkerPartial, WorkerFinal, Heartbeat, Disconnect]
-Command = Union[ClientCommand, WorkerCommand]
+Command = Union[ClientRequest, ClientPartial, ClientFinal, Ready, WorkerRequest, WorkerPartial,
+                WorkerFinal, Heartbeat, Disconnect]
 
 HEARTBEAT = Heartbeat()
 DISCONNECT = Disconnect()
@@ -190,19 +188,6 @@ def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
 def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
     """Decode one MDP/0.2 message from its header (:func:`parse`, as a command)."""
     return _command(*parse(frames, dialect))
-
-
-def decode_client(frames: Sequence[bytes], dialect: str = RFC) -> ClientCommand:
-    """Decode an MDP/Client command (REQUEST, PARTIAL or FINAL)."""
-    if not frames or frames[0] != CLIENT_HEADER:
-        raise ProtocolError("missing MDPC02 header")
-    return _command(*_parse_client(frames, dialect))  # type: ignore[return-value]
-
-
-def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
-    if not frames or frames[0] != WORKER_HEADER:
-        raise ProtocolError("missing MDPW02 header")
-    return _command(*_parse_worker(frames))  # type: ignore[return-value]
 
 
 def _command(kind: type, address: bytes, body: Sequence[bytes]) -> Command:

@@ -1,22 +1,14 @@
-"""The MDP/0.2 worker: serves one service through a broker.
-
-The handler receives the request body (``list[bytes]``) and may return:
-
-* ``bytes``/``str`` or a list of them: sent as one FINAL;
-* a Deferred or a coroutine: its result, sent as above;
-* a generator or async generator: each item is sent as a PARTIAL, and an item
-  wrapped in :class:`Final` ends the reply (else a FINAL of one empty frame).
-
-Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first; with
-a reply store (``replies=``) one already answered is answered from it.  A
-handler exception is answered with a 500, a reply part over the limits with a 413.
+"""The MDP/0.2 worker: serves one service through a broker.  What a handler
+may return is in docs/mdp.md ("Worker").  Stamped requests
+(:mod:`mdp.majordomo.idempotence`) are unstamped first; with a reply store
+(``replies=``) one already answered is answered from it.  A handler exception
+is answered with a 500, a reply part over the limits with a 413.
 
 Theory of operation
 -------------------
-:class:`WorkerMachine` decides; :class:`Worker` drives it (pipe, timers, log,
-handler, reply store).  The connection is one pipe to the current endpoint of
-a failover list; opening a pipe counts as hearing the broker, so a pipe that
-never comes up fails over too.
+:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is
+one pipe to the current endpoint of a failover list; opening a pipe counts as
+hearing the broker, so a pipe that never comes up fails over too.
 
 =============  ==========================  ============  ==================================================
 state          event                       next          actions
@@ -38,10 +30,9 @@ any            ``stop()``                  STOPPED       DISCONNECT if READY; cl
 =============  ==========================  ============  ==================================================
 
 Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also
-reset ``refusals`` (a broker refusing READY sends DISCONNECT before anything
-else).  Messages while STOPPED or BACKING_OFF are ignored.  Every new or lost
-pipe bumps the *generation*: a reply for an older one is dropped (the broker
-re-queued it).  This is the Guide's Paranoid Pirate.
+reset ``refusals``.  Messages while STOPPED or BACKING_OFF are ignored.  Every
+new or lost pipe bumps the *generation*: a reply for an older one is dropped
+(the broker re-queued it).
 """
 
 from __future__ import annotations
@@ -118,12 +109,11 @@ class Final:
 
 _action = functools.partial(action_type, __name__)
 #: one request being served: its client, the generation of the pipe it came on, its
-#: stamp's key and when it came; whether its reply may still go is the machine's
+#: stamp's key and when it came
 _Job = _action("_Job", "client", "generation", "key", "startedAt")
 SendToBroker = _action("SendToBroker", "frames")
 OpenPipe = _action("OpenPipe", "endpoint")
-#: close the pipe (what was sent on it goes first)
-ClosePipe = _action("ClosePipe")
+ClosePipe = _action("ClosePipe")  # (what was sent on it goes first)
 #: call :meth:`WorkerMachine.handleReopen` after *delay*, having left *endpoint*,
 #: *silent* that long (``None``: DISCONNECT)
 ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
@@ -131,13 +121,11 @@ ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
 Serve = _action("Serve", "job", "body")
 StoreReply = _action("StoreReply", "key", "frames")
 Dropped = _action("Dropped", "reason")
-#: for the log: a request is answered with the error *status* instead
-Refused = _action("Refused", "status", "reason")
+Refused = _action("Refused", "status", "reason")  # a request answered with an error instead
 Lost = _action("Lost", "endpoint", "why")
 ConnectFailed = _action("ConnectFailed", "endpoint", "why")
 
-Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
-#               | Dropped | Refused | Lost | ConnectFailed
+Action = Any  # one of the above
 
 
 def _why(reason: object) -> str:
@@ -177,20 +165,6 @@ class WorkerMachine(Machine):
     @property
     def endpoint(self) -> str:
         return self._rotation.current
-
-    @property
-    def connected(self) -> bool:
-        return self.state is READY
-
-    @property
-    def started(self) -> bool:
-        return self.state is not STOPPED
-
-    @property
-    def registered(self) -> bool:
-        """READY went out and the broker has answered since (a ZeroMQ pipe is
-        "up" whether or not anyone listens)."""
-        return self.state is READY and self.answered
 
     @property
     def wakeEvery(self) -> float:
@@ -263,7 +237,7 @@ class WorkerMachine(Machine):
             self._command(WorkerRequest, frames[2], frames[4:])
         else:
             try:
-                command = codec.decode_worker(codec.expect(frames, self.dialect))
+                command = codec.decode(codec.expect(frames, self.dialect))
             except ProtocolError as e:
                 self._outbox.append(Dropped(f"invalid message: {e}"))
                 return self._drain()
@@ -395,15 +369,13 @@ class WorkerDriver:
     readyLogLevel = LogLevel.info
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
-                 handler: Handler, clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff,
-                 dialect: str, limits: Limits, curveServerPublic: Optional[str],
-                 curveSecret: Optional[str]) -> None:
+                 handler: Handler, clock: Any, *, curveServerPublic: Optional[str],
+                 curveSecret: Optional[str], **options: Any) -> None:
         endpoints = transport.endpoint_list(endpoint)
         self.handler = checked_handler(handler)
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
-                                     heartbeat=heartbeat, backoff=backoff, dialect=dialect,
-                                     limits=limits, now=clock.seconds())
+                                     now=clock.seconds(), **options)
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
@@ -421,9 +393,13 @@ class WorkerDriver:
     endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
     endpoint = machine_view("endpoint", "The broker endpoint in use (or next to be tried).")
     state = machine_view("state", "Where the connection stands (:class:`WorkerState`).")
-    connected = machine_view("connected", "The pipe is up and READY went out on it.")
-    started = machine_view("started", "Started and not stopped since.")
-    registered = machine_view("registered", "READY went out and the broker has answered since.")
+    connected = property(lambda self: self.machine.state is READY,
+                         doc="The pipe is up and READY went out on it.")
+    started = property(lambda self: self.machine.state is not STOPPED,
+                       doc="Started and not stopped since.")
+    registered = property(lambda self: self.machine.state is READY and self.machine.answered,
+                          doc="READY went out and the broker has answered since (a ZeroMQ "
+                          "pipe is up whether or not anyone listens).")
     current = machine_view("current", "The address of the client being served, if one is.")
     generation = machine_view("generation", "Bumped on every new or lost pipe.")
 
