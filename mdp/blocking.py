@@ -265,7 +265,8 @@ class Client(ClientDriver):
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
         codec.api_service_name(service)
-        self.machine.attempts(timeout, retries)
+        if timeout is not None or retries is not None:
+            self.machine.attempts(timeout, retries)
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,

@@ -26,6 +26,7 @@ cdef class ClientMachine(Machine):
     cdef public set _channels
 
     cpdef _Call newCall(self, service, frames, timeout, retries, onPartial, onRestart, now)
+    cdef _serviceName(self, service)
     cdef list _encode(self, name, body, bint mmi)
     # the request's path: C calls between the machine's own methods (cdef:
     # only the machine calls them)

@@ -257,13 +257,9 @@ class ClientMachine(Machine):
                 onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
         """A request for :meth:`handleRequest`; raises for caller mistakes and once closed."""
-        names = self._names
-        name = names.get(service) if type(service) in (str, bytes) else None
+        name = self._names.get(service) if type(service) in (str, bytes) else None
         if name is None:
-            name = codec.api_service_name(service)
-            if len(names) >= _NAMES_KEPT:
-                names.clear()
-            names[service] = name  # kept for the next requests
+            name = self._serviceName(service)
         mmi = name.startswith(b"mmi.")
         # MDP/0.2 wants a body: an MMI query without frames sends one empty frame
         body = request_frames(frames, empty=mmi) or [b""]
@@ -290,6 +286,14 @@ class ClientMachine(Machine):
             raise RequestTooLarge(f"request to {name.decode()!r} not sent: "
                                   f"{limits.oversize(size, len(message))}")
         return message
+
+    def _serviceName(self, service: Union[str, bytes]) -> bytes:
+        """*service* on the wire, checked, and kept for the next requests."""
+        name = codec.api_service_name(service)
+        if len(self._names) >= _NAMES_KEPT:
+            self._names.clear()
+        self._names[service] = name
+        return name
 
     def attempts(self, timeout: Optional[float], retries: Optional[int]) -> tuple[float, int]:
         """A request's *timeout* and *retries* (None: the client's), checked."""
