@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from mdp import transport
@@ -209,7 +210,7 @@ class Client(ClientDriver):
         replies = ReplyStream(self.reactor)
         d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
                          onRestart=replies._restart)
-        d.addCallbacks(replies._final, replies._fail)
+        d.addBoth(replies._end)
         return replies
 
     def close(self) -> defer.Deferred[None]:
@@ -321,13 +322,12 @@ class ReplyStream:
             self._parts.append(_RESTARTED)
         self._wake()
 
-    def _final(self, frames: list[bytes]) -> None:
-        self._parts.append(frames)
-        self._done = True
-        self._wake()
-
-    def _fail(self, failure: Any) -> None:
-        self._error = failure
+    def _end(self, result: Any) -> None:
+        """The FINAL body, or the request's Failure."""
+        if isinstance(result, Failure):
+            self._error = result
+        else:
+            self._parts.append(result)
         self._done = True
         self._wake()
 

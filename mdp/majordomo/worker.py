@@ -50,7 +50,7 @@ from zope.interface import classImplements
 
 from mdp import transport
 from mdp.errors import ProtocolError, TransportError
-from mdp.handlers import checked_handler, reply_frames
+from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
@@ -372,7 +372,10 @@ class WorkerDriver:
                  handler: Handler, clock: Any, *, curveServerPublic: Optional[str],
                  curveSecret: Optional[str], **options: Any) -> None:
         endpoints = transport.endpoint_list(endpoint)
-        self.handler = checked_handler(handler)
+        if not callable(handler):
+            raise TypeError(f"a handler is a callable taking the request body, "
+                            f"not {type(handler).__name__}: {handler!r}")
+        self.handler = handler
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
                                      now=clock.seconds(), **options)
@@ -693,7 +696,10 @@ class Worker(WorkerDriver):
                 return
             final = isinstance(item, Final)
             if final or not self._reply(job, WorkerPartial, reply_frames(item)):
-                await _close(parts)
+                if sync:
+                    parts.close()
+                else:
+                    await parts.aclose()
                 if final:
                     self._finish(item.frames, job)
                 return
@@ -732,13 +738,6 @@ class Worker(WorkerDriver):
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Worker, IWorker, IDealerReceiver)
-
-
-async def _close(parts: Any) -> None:
-    if isinstance(parts, Generator):
-        parts.close()
-    else:
-        await parts.aclose()
 
 
 def _storeFailed(failure: Failure) -> None:
