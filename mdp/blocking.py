@@ -455,12 +455,8 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*, run in the thread that
     calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-
-    With *concurrency* 1 the handler runs in that thread, and one slower than
-    the broker's heartbeat expiry loses its broker.  With *concurrency* N the
-    worker registers N sessions (as :class:`mdp.Worker` does) and runs the
-    handler in a pool of N threads, while the calling thread keeps the
-    connections and heartbeats."""
+    With *concurrency* N it registers N sessions and runs the handler in N
+    threads, while the calling thread keeps the connections and heartbeats."""
 
     #: what the broker sends is a new request, never a stale reply
     dropsStale = False
@@ -511,9 +507,7 @@ class Worker(WorkerDriver):
                 self._turn()
         finally:
             try:
-                for session in self.sessions:
-                    session._reopenAt = _NEVER
-                    session._perform(session.machine.handleStop(monotonic()))
+                self._stopIdle(everyone=True)
             finally:
                 for session in self.sessions:
                     session._loop = session._threads = None
@@ -521,10 +515,10 @@ class Worker(WorkerDriver):
                     threads.close()
                 loop.shutdown()
 
-    def _stopIdle(self) -> bool:
-        """Stop the sessions serving nothing; True once all are stopped."""
+    def _stopIdle(self, everyone: bool = False) -> bool:
+        """Stop the sessions serving nothing (or all); True once all are stopped."""
         for session in self.sessions:
-            if session.machine.current is None and session.machine.state is not STOPPED:
+            if (everyone or session.machine.current is None) and session.machine.state is not STOPPED:
                 session._reopenAt = _NEVER
                 session._perform(session.machine.handleStop(monotonic()))
         return all(session.machine.state is STOPPED for session in self.sessions)

@@ -154,12 +154,8 @@ class ClientDriver:
 
 class Client(ClientDriver):
     """An MDP/0.2 client of a broker (or a failover list of them) over real
-    transports.
-
-    *endpoint* is checked at once (:class:`~mdp.errors.TransportError`).
-    *timeout* is the seconds of **one attempt**, *retries* the attempts in
-    all; at most *maxConnections* requests are in flight, more wait in a FIFO.
-    :class:`mdp.blocking.Client` is the same client without a reactor."""
+    transports; *endpoint* is checked at once (:class:`~mdp.errors.TransportError`).
+    At most *maxConnections* requests are in flight, more wait in a FIFO."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
@@ -183,16 +179,11 @@ class Client(ClientDriver):
                 onPartial: Optional[Callable[[list[bytes]], Any]] = None,
                 onRestart: Optional[Callable[[], Any]] = None) -> defer.Deferred[list[bytes]]:
         """Send a request; the Deferred fires with the FINAL body frames.
-
         *timeout* is the seconds of **one attempt**, *retries* the attempts in
         all (defaults: the client's).  *onPartial* gets each PARTIAL body,
-        *onRestart* is called when the reply starts over.  A ``str`` frame is
-        sent UTF-8 encoded.  Caller mistakes raise at once (``TypeError``,
-        ``ValueError``, :class:`RequestTooLarge`); everything else fails the
-        Deferred (:class:`RequestTimeout`, :class:`WorkerError`,
-        :class:`ServiceUnavailable`, :class:`ReplyTooLarge`, ...).  Cancelling
-        the Deferred abandons the request.
-        """
+        *onRestart* is called when the reply starts over.  Caller mistakes
+        raise at once; everything else fails the Deferred.  Cancelling the
+        Deferred abandons the request."""
         now = self.reactor.seconds()
         machine = self.machine
         try:

@@ -447,19 +447,11 @@ class WorkerDriver:
 
 class Worker(WorkerDriver):
     """An MDP/0.2 worker for one *service*: the :class:`WorkerMachine` driven
-    over a real transport, one broker at a time.
-
-    *endpoint* (one, or a failover list) is checked at once
-    (:class:`~mdp.errors.TransportError`); a handler not callable raises
-    ``TypeError``.
-
-    With *concurrency* N the worker registers N MDP worker sessions (the
-    first is this object, the rest are in :attr:`sessions`), so the broker
-    hands it up to N requests at once and a handler returning a Deferred,
-    coroutine or generator runs up to N times at once.  Over a stream
-    endpoint the sessions share one connection (a channel each); over ZeroMQ
-    one DEALER socket as relay hops where the broker relays, else a DEALER
-    each.  To any broker they are N ordinary workers."""
+    over a real transport, one broker at a time.  *endpoint* (one, or a
+    failover list) is checked at once (:class:`~mdp.errors.TransportError`).
+    With *concurrency* N it registers N worker sessions (this one first, in
+    :attr:`sessions`), sharing a connection where the transport allows
+    (docs/mdp.md, "Serving several requests at once")."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
                  handler: Handler, reactor: Optional[Any] = None, *,
