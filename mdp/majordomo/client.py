@@ -172,8 +172,6 @@ class Client(ClientDriver):
         #: the connections its pipes share, by endpoint
         self._links: dict[str, Any] = {}
 
-    # --- public API ----------------------------------------------------------
-
     def request(self, service: Union[str, bytes], *frames: Frame, timeout: Optional[float] = None,
                 retries: Optional[int] = None,
                 onPartial: Optional[Callable[[list[bytes]], Any]] = None,
@@ -211,8 +209,6 @@ class Client(ClientDriver):
         self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
         return transport.close_all(links.values(), "a client connection")
-
-    # --- the driver ------------------------------------------------------------
 
     def _cancel(self, call: _Call) -> None:
         self._perform(self.machine.handleCancel(call, self.reactor.seconds()))

@@ -316,8 +316,6 @@ class ClientMachine(Machine):
         """*channel* is one of the pool (not given up)."""
         return channel in self._channels
 
-    # --- events ----------------------------------------------------------------
-
     def handleRequest(self, call: _Call, now: float) -> list[Action]:
         self.now = now
         self._live += 1
@@ -455,8 +453,6 @@ class ClientMachine(Machine):
             self._fail(call, error())
         self._waitingDone = 0
 
-    # --- connections -------------------------------------------------------------
-
     def _assign(self, channel: _Channel, call: _Call) -> None:
         channel.call = call
         call.channel = channel
@@ -547,8 +543,6 @@ class ClientMachine(Machine):
         for channel in [c for c in self._idle if c.endpoint != current]:
             self._discard(channel)
 
-    # --- time ----------------------------------------------------------------
-
     def _schedule(self, call: _Call) -> None:
         deadline = call.deadline
         heap = self._deadlines
@@ -596,8 +590,6 @@ class ClientMachine(Machine):
             heappop(heap)
         if heap:
             self._wakeBy(heap[0][0])
-
-    # --- decisions -------------------------------------------------------------
 
     def _decoded(self, channel: _Channel, call: Optional[_Call], frames: list[bytes]) -> None:
         """A message not plainly a reply to the request in flight: decoded in full, or dropped."""

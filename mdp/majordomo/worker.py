@@ -174,8 +174,6 @@ class WorkerMachine(Machine):
         """*job* may still be answered: its pipe lives and it is in hand."""
         return job.generation == self.generation and self.current == job.client
 
-    # --- events ----------------------------------------------------------------
-
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
         if self.state is STOPPED:
@@ -280,8 +278,6 @@ class WorkerMachine(Machine):
         if self.state is READY or self.state is CONNECTING:
             self.liveness.heard(now)
         return self._drain()
-
-    # --- decisions -------------------------------------------------------------
 
     def _open(self) -> None:
         self.state = CONNECTING
@@ -493,8 +489,6 @@ class Worker(WorkerDriver):
                 session.readyLogLevel = LogLevel.debug
                 self.sessions.append(session)
 
-    # --- lifecycle -----------------------------------------------------------
-
     def start(self) -> None:
         """Connect to the broker; READY is sent once the pipe is up (each session's)."""
         for session in self.sessions:
@@ -605,8 +599,6 @@ class Worker(WorkerDriver):
         except TransportError as e:  # (out of descriptors)
             self._openFailed(e)
 
-    # --- IDealerReceiver ---------------------------------------------------
-
     def connectionMade(self) -> None:
         self._perform(self.machine.handlePipeUp(self.reactor.seconds()))
         self._ready()
@@ -619,8 +611,6 @@ class Worker(WorkerDriver):
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(frames, self.reactor.seconds()))
-
-    # --- serving -------------------------------------------------------------
 
     def _serve(self, job: _Job, body: list[bytes]) -> None:
         if self.metrics is not None:
