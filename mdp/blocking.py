@@ -270,8 +270,7 @@ class Client(ClientDriver):
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
-             timeout: Optional[float], retries: Optional[int],
-             returnExceptions: bool) -> Iterator[Any]:
+             timeout: Optional[float], retries: Optional[int], returnExceptions: bool) -> Iterator[Any]:
         pending: deque[Any] = deque()
         try:
             # what reading the items raised, raised after the replies before it
@@ -297,8 +296,7 @@ class Client(ClientDriver):
                 self._cancel(call)
 
     def _fill(self, pending: deque[Any], window: int, service: Union[str, bytes],
-              items: Iterator[Any], timeout: Optional[float],
-              retries: Optional[int]) -> Optional[Exception]:
+              items: Iterator[Any], timeout: Optional[float], retries: Optional[int]) -> Optional[Exception]:
         """Send items until *window* are pending; what reading them raised, if anything."""
         while len(pending) < window:
             try:
@@ -333,9 +331,8 @@ class Client(ClientDriver):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, service: Union[str, bytes], frames: Sequence[Frame],
-                timeout: Optional[float], retries: Optional[int],
-                onPartial: Optional[Callable[[list[bytes]], Any]],
+    def _submit(self, service: Union[str, bytes], frames: Sequence[Frame], timeout: Optional[float],
+                retries: Optional[int], onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]]) -> _Call:
         if self._forks != _forks:
             raise ClientClosed("this client belongs to the process it was made in; "

@@ -29,8 +29,7 @@ PACED_POLL = 0.005
 Answer = tuple[list[bytes], bool, Optional[BaseException]]
 
 
-def run_handler(session: Any, body: list[bytes],
-                part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
+def run_handler(session: Any, body: list[bytes], part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
     """Run *session*'s handler on *body*, each PARTIAL through *part* (False:
     the stream stops, and None is returned); else the FINAL's frames, whether
     the handler served it, and what to raise once it is answered (an exception
@@ -95,9 +94,7 @@ class HandlerThreads:
         with self.lock:
             if self.closed:
                 return False
-            # one wake-up for parts handed back together: the loop takes
-            # every part there is once woken (ready)
-            wake = not self.done
+            wake = not self.done  # (once woken, the loop takes every part there is)
             self.done.append((session, job, kind, frames, ack, served, raised))
             if wake:
                 self._wake()
@@ -126,28 +123,25 @@ class HandlerThreads:
                 if not self.done:
                     break
                 session, job, kind, frames, ack, served, raised = self.done.popleft()
+            sent = False
             try:
                 sent = session._reply(job, kind, frames)
+                if served and sent:
+                    session.requestsServed += 1
+                if raised is not None:  # (as with one session: out of run())
+                    raise raised
             except BaseException:
-                if ack is not None:  # (its handler waits for it: not sent)
-                    ack.event.set()
                 with self.lock:
-                    if self.done:  # the rest, for the loop's next turn
+                    if self.done:  # the rest, for the loop's next turn or run() called again
                         self._wake()
                 raise
-            if served and sent:
-                session.requestsServed += 1
-            if ack is not None:
-                ack.sent = sent
-                if sent:  # let go once its connection has taken it (release)
-                    self.paced.append((session, job, ack))
-                else:
-                    ack.event.set()
-            if raised is not None:  # (as with one session: out of run())
-                with self.lock:
-                    if self.done:  # the rest, for a run() called again
-                        self._wake()
-                raise raised
+            finally:
+                if ack is not None:  # its handler waits for it
+                    ack.sent = sent
+                    if sent:  # let go once its connection has taken it (release)
+                        self.paced.append((session, job, ack))
+                    else:
+                        ack.event.set()
 
     def _wake(self) -> None:
         """Wake the loop (with the lock held)."""

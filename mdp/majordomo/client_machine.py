@@ -252,9 +252,8 @@ class ClientMachine(Machine):
     def endpoint(self) -> str:
         return self._rotation.current
 
-    def newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
-                timeout: Optional[float], retries: Optional[int],
-                onPartial: Optional[Callable[[list[bytes]], Any]],
+    def newCall(self, service: Union[str, bytes], frames: Sequence[Frame], timeout: Optional[float],
+                retries: Optional[int], onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
         """A request for :meth:`handleRequest`; raises for caller mistakes and once closed."""
         name = self._names.get(service) if type(service) in (str, bytes) else None
@@ -340,14 +339,31 @@ class ClientMachine(Machine):
         self._sendOn(channel)
         return self._drain()
 
-    def handleConnectFailed(self, channel: _Channel, error: BaseException,
-                            now: float) -> list[Action]:
+    def handleConnectFailed(self, channel: _Channel, error: BaseException, now: float) -> list[Action]:
         """A connection attempt failed.  Until some broker was reached, an
         endpoint nobody is at is left at once, and when all are so, pending
         requests fail with :class:`BrokerUnreachable`."""
         self.now = now
-        if channel in self._channels:
-            self._connectFailed(channel, error)
+        if channel not in self._channels:
+            return self._drain()
+        why = unreachable(error)
+        self._failures[channel.endpoint] = why or str(error)
+        if self._everUp or why is None:
+            return self._drain()
+        self._unreachable[channel.endpoint] = why
+        if all(e in self._unreachable for e in self._rotation.endpoints):
+            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
+            self._failPending(lambda: BrokerUnreachable(failures))
+            self._failures.clear()
+            self._unreachable.clear()
+            return self._drain()
+        call = channel.call
+        self._discard(channel)
+        while self._rotation.current in self._unreachable:
+            self._moveOn()
+        if call is not None and not call.done:
+            self._enqueue(call, first=True)
+        self._pump()
         return self._drain()
 
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
@@ -369,8 +385,7 @@ class ClientMachine(Machine):
                 self._release(channel)
         return self._drain()
 
-    def handleOpenFailed(self, channel: _Channel, error: BaseException,
-                         now: float) -> list[Action]:
+    def handleOpenFailed(self, channel: _Channel, error: BaseException, now: float) -> list[Action]:
         self.now = now
         call = channel.call
         self._channels.discard(channel)
@@ -421,26 +436,6 @@ class ClientMachine(Machine):
         self._failPending(lambda: ClientClosed("client closed"))
         self._deadlines.clear()
         return self._drain()
-
-    def _connectFailed(self, channel: _Channel, error: BaseException) -> None:
-        why = unreachable(error)
-        self._failures[channel.endpoint] = why or str(error)
-        if self._everUp or why is None:
-            return
-        self._unreachable[channel.endpoint] = why
-        if all(e in self._unreachable for e in self._rotation.endpoints):
-            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
-            self._failPending(lambda: BrokerUnreachable(failures))
-            self._failures.clear()
-            self._unreachable.clear()
-            return
-        call = channel.call
-        self._discard(channel)
-        while self._rotation.current in self._unreachable:
-            self._moveOn()
-        if call is not None and not call.done:
-            self._enqueue(call, first=True)
-        self._pump()
 
     def _failPending(self, error: Callable[[], BaseException]) -> None:
         """Fail every request not done with its own *error()*; close every connection."""
