@@ -232,7 +232,8 @@ class Client(ClientDriver):
         _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
         self._loop = _Loop(limits, context)
-        self._unanswered = _Unanswered()
+        #: the result of a request not answered yet (a plain object, one per machine)
+        self._unanswered = object()
         self._forks = _forks
 
     @property
@@ -362,7 +363,7 @@ class Client(ClientDriver):
         except BaseException:
             self._drop()
             raise
-        if call.result.__class__ is _Unanswered:  # of a machine dropped since
+        if type(call.result) is object:  # unanswered by a machine dropped since
             call.result = ClientClosed("request abandoned: an interrupt dropped the "
                                        "client's connections")
 
@@ -380,7 +381,7 @@ class Client(ClientDriver):
         """A call was interrupted: close every connection, and a fresh machine
         (no reply to an abandoned request reaches a later one)."""
         self.machine = self.machine.fresh(monotonic())
-        self._unanswered = _Unanswered()
+        self._unanswered = object()
         self._wakeTime = None
         loop = self._loop
         if not self._closed:  # first: a second interrupt below still leaves a usable loop
@@ -438,12 +439,6 @@ class Client(ClientDriver):
             return
         if pipe.up:  # ZeroMQ, or a channel of a connection that is up
             self._perform(self.machine.handlePipeUp(channel, monotonic()))
-
-
-class _Unanswered:
-    """The result of a request not answered yet (one per machine)."""
-
-    __slots__ = ()
 
 
 _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads

@@ -235,14 +235,11 @@ class WorkerMachine(Machine):
             self._command(WorkerRequest, frames[2], frames[4:])
         else:
             try:
-                command = codec.decode(codec.expect(frames, self.dialect))
+                kind, client, body = codec.parse(codec.expect(frames, self.dialect))
             except ProtocolError as e:
                 self._outbox.append(Dropped(f"invalid message: {e}"))
                 return self._drain()
-            if type(command) is WorkerRequest:
-                self._command(WorkerRequest, command.client, command.body)
-            else:
-                self._command(type(command), b"", [])
+            self._command(kind, client, list(body))
         return self._drain()
 
     def handleReply(self, job: _Job, kind: type, frames: list[bytes], now: float,
