@@ -180,17 +180,10 @@ def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
 
 def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
     """Decode one MDP/0.2 message from its header (:func:`parse`, as a command)."""
-    return _command(*parse(frames, dialect))
-
-
-def _command(kind: type, address: bytes, body: Sequence[bytes]) -> Command:
-    if kind is Heartbeat:
-        return HEARTBEAT
-    if kind is Disconnect:
-        return DISCONNECT
-    if kind is Ready:
-        return Ready(address)
-    return kind(address, list(body))
+    kind, address, body = parse(frames, dialect)
+    if kind is Heartbeat or kind is Disconnect:
+        return HEARTBEAT if kind is Heartbeat else DISCONNECT
+    return Ready(address) if kind is Ready else kind(address, list(body))
 
 
 def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:
