@@ -136,11 +136,9 @@ def unreachable(error: BaseException) -> Optional[str]:
         return "connection refused"
     if isinstance(error, net.DNSLookupError):
         return "host not found"
-    if isinstance(error, net.ConnectError):
-        code = getattr(error, "osError", None)
-    else:  # the blocking driver's plain sockets
-        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
-    return _UNREACHABLE.get(code)
+    # (a ConnectError's code, or that of the blocking driver's plain sockets)
+    return _UNREACHABLE.get(getattr(error, "osError" if isinstance(error, net.ConnectError)
+                                    else "errno", None))
 
 
 class _Call:

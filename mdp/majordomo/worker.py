@@ -375,16 +375,10 @@ class WorkerDriver:
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
-    @property
-    def concurrency(self) -> int:
-        """How many requests this worker serves at once (its sessions)."""
-        return len(self.sessions)
-
-    @property
-    def busy(self) -> int:
-        """How many of its sessions are serving a request."""
-        return sum(session.machine.current is not None for session in self.sessions)
-
+    concurrency = property(lambda self: len(self.sessions),
+                           doc="How many requests this worker serves at once (its sessions).")
+    busy = property(lambda self: sum(session.machine.current is not None for session in self.sessions),
+                    doc="How many of its sessions are serving a request.")
     service = machine_view("service", "The service name, as sent.")
     endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
     endpoint = machine_view("endpoint", "The broker endpoint in use (or next to be tried).")
