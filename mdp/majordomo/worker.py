@@ -610,17 +610,16 @@ class Worker(WorkerDriver):
             self._run(job, body)
             return
 
-        def lookedUp(stored: Optional[list[bytes]]) -> None:
+        def lookedUp(stored: Union[None, list[bytes], Failure]) -> None:
+            if isinstance(stored, Failure):
+                log.failure("reply store lookup failed; running the request", stored)
+                stored = None
             if stored is None:
                 self._run(job, body)
             else:
                 self._reply(job, WorkerFinal, list(stored), store=False)
 
-        def storeFailed(failure: Failure) -> None:
-            log.failure("reply store lookup failed; running the request", failure)
-            self._run(job, body)
-
-        defer.maybeDeferred(self.replies.get, job.key).addCallbacks(lookedUp, storeFailed)
+        defer.maybeDeferred(self.replies.get, job.key).addBoth(lookedUp)
 
     def _run(self, job: _Job, body: list[bytes]) -> None:
         clock = self.reactor.seconds
