@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import select
 from collections import deque
-from collections.abc import Generator
 from time import monotonic
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -16,10 +15,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 from twisted.logger import Logger
 
 from mdp.errors import ClientClosed, TransportError
-from mdp.handlers import PLAIN_REPLIES, reply_frames
-from mdp.handlerthreads import PACED_POLL, HandlerThreads
+from mdp.handlerthreads import PACED_POLL, HandlerThreads, run_handler
 from mdp.majordomo import codec
-from mdp.majordomo.client import ClientDriver, report_stale
+from mdp.majordomo.client import ClientDriver
 from mdp.majordomo.client_machine import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_RETRIES,
@@ -30,14 +28,12 @@ from mdp.majordomo.client_machine import (
     SendOn,
     _Call,
     _Channel,
-    _check_attempts,
     check_count,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
     STOPPED,
     ClosePipe,
-    Final,
     OpenPipe,
     ReopenAfter,
     SendToBroker,
@@ -224,20 +220,11 @@ class Client(ClientDriver):
     interrupt (Ctrl-C) drops every connection and request in flight; the next
     call starts clean."""
 
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        timeout: float = DEFAULT_TIMEOUT,
-        retries: int = DEFAULT_RETRIES,
-        *,
-        maxConnections: int = DEFAULT_MAX_CONNECTIONS,
-        dialect: str = codec.RFC,
-        stamp: bool = False,
-        limits: Limits = Limits(),
-        context: Any = None,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = DEFAULT_RETRIES, *,
+                 maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
+                 stamp: bool = False, limits: Limits = Limits(), context: Any = None,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         super().__init__(endpoint, _CLOCK, timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
                          limits=limits, curveServerPublic=curveServerPublic,
@@ -245,7 +232,8 @@ class Client(ClientDriver):
         _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
         self._loop = _Loop(limits, context)
-        self._unanswered = _Unanswered()
+        #: the result of a request not answered yet (a plain object, one per machine)
+        self._unanswered = object()
         self._forks = _forks
 
     @property
@@ -253,15 +241,10 @@ class Client(ClientDriver):
         """This process is a fork's child of the one that made the client."""
         return self._forks != _forks
 
-    def request(
-        self,
-        service: Union[str, bytes],
-        *frames: Frame,
-        timeout: Optional[float] = None,
-        retries: Optional[int] = None,
-        onPartial: Optional[Callable[[list[bytes]], Any]] = None,
-        onRestart: Optional[Callable[[], Any]] = None,
-    ) -> list[bytes]:
+    def request(self, service: Union[str, bytes], *frames: Frame, timeout: Optional[float] = None,
+                retries: Optional[int] = None,
+                onPartial: Optional[Callable[[list[bytes]], Any]] = None,
+                onRestart: Optional[Callable[[], Any]] = None) -> list[bytes]:
         """Send a request and return its FINAL body frames; arguments and
         errors as :meth:`mdp.Client.request`, the errors raised."""
         call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
@@ -271,16 +254,9 @@ class Client(ClientDriver):
             raise result
         return result  # type: ignore[no-any-return]
 
-    def map(
-        self,
-        service: Union[str, bytes],
-        requests: Iterable[Union[Frame, Sequence[Frame]]],
-        window: int = 16,
-        *,
-        timeout: Optional[float] = None,
-        retries: Optional[int] = None,
-        returnExceptions: bool = False,
-    ) -> Iterator[Any]:
+    def map(self, service: Union[str, bytes], requests: Iterable[Union[Frame, Sequence[Frame]]],
+            window: int = 16, *, timeout: Optional[float] = None, retries: Optional[int] = None,
+            returnExceptions: bool = False) -> Iterator[Any]:
         """One request per item (``bytes``/``str``: one frame; a sequence: its
         frames), up to *window* in flight; yield the replies **in order**.
         The first failure raises, or with *returnExceptions* is yielded in its
@@ -291,13 +267,11 @@ class Client(ClientDriver):
                              "requests past it would wait, their attempts running")
         codec.api_service_name(service)
         if timeout is not None or retries is not None:
-            _check_attempts(self.machine.timeout if timeout is None else timeout,
-                            self.machine.retries if retries is None else retries)
+            self.machine.attempts(timeout, retries)
         return self._map(service, iter(requests), window, timeout, retries, returnExceptions)
 
     def _map(self, service: Union[str, bytes], items: Iterator[Any], window: int,
-             timeout: Optional[float], retries: Optional[int],
-             returnExceptions: bool) -> Iterator[Any]:
+             timeout: Optional[float], retries: Optional[int], returnExceptions: bool) -> Iterator[Any]:
         pending: deque[Any] = deque()
         try:
             # what reading the items raised, raised after the replies before it
@@ -323,8 +297,7 @@ class Client(ClientDriver):
                 self._cancel(call)
 
     def _fill(self, pending: deque[Any], window: int, service: Union[str, bytes],
-              items: Iterator[Any], timeout: Optional[float],
-              retries: Optional[int]) -> Optional[Exception]:
+              items: Iterator[Any], timeout: Optional[float], retries: Optional[int]) -> Optional[Exception]:
         """Send items until *window* are pending; what reading them raised, if anything."""
         while len(pending) < window:
             try:
@@ -359,9 +332,8 @@ class Client(ClientDriver):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, service: Union[str, bytes], frames: Sequence[Frame],
-                timeout: Optional[float], retries: Optional[int],
-                onPartial: Optional[Callable[[list[bytes]], Any]],
+    def _submit(self, service: Union[str, bytes], frames: Sequence[Frame], timeout: Optional[float],
+                retries: Optional[int], onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]]) -> _Call:
         if self._forks != _forks:
             raise ClientClosed("this client belongs to the process it was made in; "
@@ -391,7 +363,7 @@ class Client(ClientDriver):
         except BaseException:
             self._drop()
             raise
-        if call.result.__class__ is _Unanswered:  # of a machine dropped since
+        if type(call.result) is object:  # unanswered by a machine dropped since
             call.result = ClientClosed("request abandoned: an interrupt dropped the "
                                        "client's connections")
 
@@ -409,7 +381,7 @@ class Client(ClientDriver):
         """A call was interrupted: close every connection, and a fresh machine
         (no reply to an abandoned request reaches a later one)."""
         self.machine = self.machine.fresh(monotonic())
-        self._unanswered = _Unanswered()
+        self._unanswered = object()
         self._wakeTime = None
         loop = self._loop
         if not self._closed:  # first: a second interrupt below still leaves a usable loop
@@ -427,9 +399,6 @@ class Client(ClientDriver):
 
     def _pipeMessage(self, channel: _Channel, frames: list[bytes], now: float) -> None:
         self._perform(self.machine.handleMessage(channel, frames, now))
-
-    def _stale(self, channel: _Channel) -> None:
-        report_stale(self.throttle, channel)
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order; close the links left unused."""
@@ -456,7 +425,7 @@ class Client(ClientDriver):
         call = channel.call
         if pipe is not None and pipe.up and call is not None and not call.done:
             if pipe.discardReceived():
-                report_stale(self.throttle, channel)
+                self._stale(channel)
             pipe.send(frames)
 
     def _open(self, channel: _Channel) -> None:
@@ -472,48 +441,29 @@ class Client(ClientDriver):
             self._perform(self.machine.handlePipeUp(channel, monotonic()))
 
 
-class _Unanswered:
-    """The result of a request not answered yet (one per machine)."""
-
-    __slots__ = ()
-
-
 _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
 class Worker(WorkerDriver):
     """A blocking MDP/0.2 worker for one *service*, run in the thread that
     calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-
-    With *concurrency* 1 the handler runs in that thread, and one slower than
-    the broker's heartbeat expiry loses its broker.  With *concurrency* N the
-    worker registers N sessions (as :class:`mdp.Worker` does) and runs the
-    handler in a pool of N threads, while the calling thread keeps the
-    connections and heartbeats."""
+    With *concurrency* N it registers N sessions and runs the handler in N
+    threads, while the calling thread keeps the connections and heartbeats."""
 
     #: what the broker sends is a new request, never a stale reply
     dropsStale = False
 
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        service: Union[str, bytes],
-        handler: Callable[[list[bytes]], Any],
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = codec.RFC,
-        limits: Limits = Limits(),
-        context: Any = None,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-        concurrency: int = 1,
-    ) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Callable[[list[bytes]], Any], *,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
+                 dialect: str = codec.RFC, limits: Limits = Limits(), context: Any = None,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
+                 concurrency: int = 1) -> None:
         _check_schemes(endpoint_list(endpoint))  # before the handler and CURVE checks
         check_count("concurrency", concurrency, "requests served at once")
-        super().__init__(endpoint, service, handler, _CLOCK, heartbeat=heartbeat,
-                         backoff=backoff, dialect=dialect, limits=limits,
-                         curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
+                       curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        super().__init__(endpoint, service, handler, _CLOCK, **options)
         _log_to_stdlib()
         self._context = context
         self._loop: Any = None
@@ -523,11 +473,8 @@ class Worker(WorkerDriver):
         self._stopping = False
         self._threads: Optional[HandlerThreads] = None
         #: the worker sessions of this process, this one first
-        self.sessions = [self] + [
-            Worker(endpoint, service, handler, heartbeat=heartbeat, backoff=backoff,
-                   dialect=dialect, limits=limits, context=context,
-                   curveServerPublic=curveServerPublic, curveSecret=curveSecret)
-            for _ in range(concurrency - 1)]
+        self.sessions = [self] + [Worker(endpoint, service, handler, context=context, **options)
+                                  for _ in range(concurrency - 1)]
 
     def stop(self) -> None:
         """Make :meth:`run` return once the requests in hand are answered."""
@@ -552,9 +499,7 @@ class Worker(WorkerDriver):
                 self._turn()
         finally:
             try:
-                for session in self.sessions:
-                    session._reopenAt = _NEVER
-                    session._perform(session.machine.handleStop(monotonic()))
+                self._stopIdle(everyone=True)
             finally:
                 for session in self.sessions:
                     session._loop = session._threads = None
@@ -562,10 +507,10 @@ class Worker(WorkerDriver):
                     threads.close()
                 loop.shutdown()
 
-    def _stopIdle(self) -> bool:
-        """Stop the sessions serving nothing; True once all are stopped."""
+    def _stopIdle(self, everyone: bool = False) -> bool:
+        """Stop the sessions serving nothing (or all); True once all are stopped."""
         for session in self.sessions:
-            if session.machine.current is None and session.machine.state is not STOPPED:
+            if (everyone or session.machine.current is None) and session.machine.state is not STOPPED:
                 session._reopenAt = _NEVER
                 session._perform(session.machine.handleStop(monotonic()))
         return all(session.machine.state is STOPPED for session in self.sessions)
@@ -621,43 +566,23 @@ class Worker(WorkerDriver):
             self._threads.serve(self, job, body)
             return
         started = monotonic()
-        try:
-            result = self.handler(body)
-            if type(result) not in PLAIN_REPLIES and isinstance(result, Generator):
-                self._stream(result, job)
-            else:
-                self._reply(job, WorkerFinal, reply_frames(result))
+        answer = run_handler(self, body, lambda frames: self._part(job, frames))
+        if answer is not None:
+            frames, served, raised = answer
+            if raised is not None:
+                raise raised
+            if self._reply(job, WorkerFinal, frames) and served:
                 self.requestsServed += 1
-        except Exception as e:
-            log.failure("handler for {service} failed", service=label(self.machine.service))
-            self._reply(job, WorkerFinal, codec.error_body(
-                codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}"))
         if monotonic() - started > self.machine.heartbeat.interval:
             self._perform(self.machine.handleBlocked(monotonic()))
 
-    def _stream(self, parts: Any, job: Any) -> None:
-        for item in parts:
-            if isinstance(item, Final):
-                parts.close()
-                self._reply(job, WorkerFinal, reply_frames(item.frames))
-                self.requestsServed += 1
-                return
-            if not self._reply(job, WorkerPartial, reply_frames(item)):
-                parts.close()  # the request is void, or was answered (413)
-                return
-            self._betweenParts(job)
-            if not self.machine.isCurrent(job):
-                parts.close()  # its broker was lost meanwhile
-                log.info("worker for {service} stopped a stream: its request went with "
-                         "its broker", service=label(self.machine.service))
-                return
-        self._reply(job, WorkerFinal, [b""])
-        self.requestsServed += 1
-
-    def _betweenParts(self, job: Any) -> None:
-        """Serve the broker's traffic and heartbeats; while the broker takes
-        PARTIALs slower than they come, wait until what waits has drained
-        (polled: libzmq tells nobody when it lets go of a message)."""
+    def _part(self, job: Any, frames: list[bytes]) -> bool:
+        """Send a PARTIAL, then serve the broker's traffic and heartbeats; while
+        the broker takes PARTIALs slower than they come, wait until what waits
+        has drained (polled: libzmq tells nobody when it lets go of a message).
+        Whether the stream goes on (False: the request is void or was answered)."""
+        if not self._reply(job, WorkerPartial, frames):
+            return False
         pipe = self._pipe
         if pipe is not None and pipe.backlogged:
             pacer = FlushPacer()
@@ -665,6 +590,11 @@ class Worker(WorkerDriver):
                 self._turn(monotonic() + pacer.next(False))
         elif monotonic() >= self._nextTick:
             self._turn()
+        if self.machine.isCurrent(job):
+            return True
+        log.info("worker for {service} stopped a stream: its request went with its broker",
+                 service=label(self.machine.service))
+        return False
 
     def _turn(self, until: float = _NEVER) -> None:
         """One turn of the loop, until a session's next tick or reopening, or

@@ -33,13 +33,6 @@ def reply_frames(value: Any) -> list[bytes]:
             for item in value] or [b""]
 
 
-def checked_handler(handler: Any) -> Callable[[list[bytes]], Any]:
-    if not callable(handler):
-        raise TypeError(f"a handler is a callable taking the request body, "
-                        f"not {type(handler).__name__}: {handler!r}")
-    return handler
-
-
 def call_handler(handler: Callable[[list[bytes]], Any], frames: list[bytes]) -> defer.Deferred:
     """Run a non-streaming handler (value, Deferred or coroutine); a Deferred of its frames."""
 

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from twisted.logger import Logger
 
@@ -25,6 +25,30 @@ log = Logger(namespace="mdp.blocking")
 
 #: how often the loop looks whether a backlogged connection has drained (s)
 PACED_POLL = 0.005
+
+Answer = tuple[list[bytes], bool, Optional[BaseException]]
+
+
+def run_handler(session: Any, body: list[bytes], part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
+    """Run *session*'s handler on *body*, each PARTIAL through *part* (False:
+    the stream stops, and None is returned); else the FINAL's frames, whether
+    the handler served it, and what to raise once it is answered (an exception
+    not an ``Exception``).  A handler's exception is logged and answered with a 500."""
+    try:
+        result = session.handler(body)
+        if type(result) in PLAIN_REPLIES or not isinstance(result, Generator):
+            return reply_frames(result), True, None
+        for item in result:
+            final = isinstance(item, Final)
+            frames = reply_frames(item.frames if final else item)
+            if final or not part(frames):
+                result.close()
+                return (frames, True, None) if final else None
+        return [b""], True, None
+    except BaseException as e:
+        log.failure("handler for {service} failed", service=label(session.machine.service))
+        frames = codec.error_body(codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}")
+        return frames, False, None if isinstance(e, Exception) else e
 
 
 class HandlerThreads:
@@ -57,29 +81,10 @@ class HandlerThreads:
 
     def _call(self, session: Any, job: Any, body: list[bytes]) -> None:
         """In a handler thread: run the handler, hand each reply part back."""
-        served, raised = True, None
-        try:
-            result = session.handler(body)
-            if type(result) not in PLAIN_REPLIES and isinstance(result, Generator):
-                for item in result:
-                    final = isinstance(item, Final)
-                    frames = reply_frames(item.frames if final else item)
-                    if final or not self._handBack(session, job, WorkerPartial, frames):
-                        result.close()
-                        if not final:
-                            return
-                        break
-                else:
-                    frames = [b""]
-            else:
-                frames = reply_frames(result)
-        except BaseException as e:
-            log.failure("handler for {service} failed", service=label(session.machine.service))
-            frames = codec.error_body(codec.STATUS_WORKER_ERROR, f"{type(e).__name__}: {e}")
-            served = False
-            if not isinstance(e, Exception):
-                raised = e
-        self._handBack(session, job, WorkerFinal, frames, served, raised)
+        answer = run_handler(session, body,
+                             lambda frames: self._handBack(session, job, WorkerPartial, frames))
+        if answer is not None:
+            self._handBack(session, job, WorkerFinal, *answer)
 
     def _handBack(self, session: Any, job: Any, kind: type, frames: list[bytes],
                   served: bool = False, raised: Optional[BaseException] = None) -> bool:
@@ -89,9 +94,7 @@ class HandlerThreads:
         with self.lock:
             if self.closed:
                 return False
-            # one wake-up for parts handed back together: the loop takes
-            # every part there is once woken (ready)
-            wake = not self.done
+            wake = not self.done  # (once woken, the loop takes every part there is)
             self.done.append((session, job, kind, frames, ack, served, raised))
             if wake:
                 self._wake()
@@ -120,28 +123,25 @@ class HandlerThreads:
                 if not self.done:
                     break
                 session, job, kind, frames, ack, served, raised = self.done.popleft()
+            sent = False
             try:
                 sent = session._reply(job, kind, frames)
+                if served and sent:
+                    session.requestsServed += 1
+                if raised is not None:  # (as with one session: out of run())
+                    raise raised
             except BaseException:
-                if ack is not None:  # (its handler waits for it: not sent)
-                    ack.event.set()
                 with self.lock:
-                    if self.done:  # the rest, for the loop's next turn
+                    if self.done:  # the rest, for the loop's next turn or run() called again
                         self._wake()
                 raise
-            if served and sent:
-                session.requestsServed += 1
-            if ack is not None:
-                ack.sent = sent
-                if sent:  # let go once its connection has taken it (release)
-                    self.paced.append((session, job, ack))
-                else:
-                    ack.event.set()
-            if raised is not None:  # (as with one session: out of run())
-                with self.lock:
-                    if self.done:  # the rest, for a run() called again
-                        self._wake()
-                raise raised
+            finally:
+                if ack is not None:  # its handler waits for it
+                    ack.sent = sent
+                    if sent:  # let go once its connection has taken it (release)
+                        self.paced.append((session, job, ack))
+                    else:
+                        ack.event.set()
 
     def _wake(self) -> None:
         """Wake the loop (with the lock held)."""

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from mdp import transport
@@ -26,8 +27,6 @@ from mdp.majordomo.client_machine import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     Action,
-    CallState,
-    ChannelState,
     ClientMachine,
     CloseChannel,
     Complete,
@@ -35,20 +34,18 @@ from mdp.majordomo.client_machine import (
     Fail,
     OpenChannel,
     Partial,
-    Restarted,
     Retrying,
     SendOn,
     WakeAt,
     _Call,
     _Channel,
-    unreachable,
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import Limits, LogThrottle, call_at, default_reactor
 
-__all__ = ["Client", "ReplyStream", "ClientMachine", "CallState", "ChannelState",
-           "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "DEFAULT_MAX_CONNECTIONS", "unreachable"]
+__all__ = ["Client", "ReplyStream", "ClientMachine", "DEFAULT_TIMEOUT", "DEFAULT_RETRIES",
+           "DEFAULT_MAX_CONNECTIONS"]
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -58,29 +55,6 @@ def __getattr__(name: str) -> Any:
     if name in ("ClientMachine", "_Call", "_Channel"):
         return getattr(client_machine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _callBack(action: Union[Partial, Restarted]) -> None:
-    """Call ``onPartial``/``onRestart`` unless the request is done."""
-    call = action.call
-    partial = type(action) is Partial
-    callback = call.onPartial if partial else call.onRestart
-    if callback is None or call.done:
-        return
-    try:
-        if partial:
-            callback(action.body)  # type: ignore[union-attr]
-        else:
-            callback()
-    except Exception:
-        log.failure("{name} callback for {service} failed", service=label(call.service),
-                    name="onPartial" if partial else "onRestart")
-
-
-def report_stale(throttle: LogThrottle, channel: _Channel) -> None:
-    throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
-                  "request: no request was in flight there to answer",
-                  endpoint=channel.endpoint)
 
 
 class _ChannelPipe:
@@ -120,14 +94,11 @@ class ClientDriver:
     :class:`ClientMachine` (``machine``), its options and the actions both
     perform alike; *clock* has ``seconds()``."""
 
-    def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, timeout: float,
-                 retries: int, maxConnections: int, dialect: str, stamp: bool, limits: Limits,
-                 curveServerPublic: Optional[str], curveSecret: Optional[str]) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, limits: Limits,
+                 curveServerPublic: Optional[str], curveSecret: Optional[str], **options: Any) -> None:
         endpoints = transport.endpoint_list(endpoint)
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
-        self.machine = ClientMachine(endpoints, timeout=timeout, retries=retries,
-                                     maxConnections=maxConnections, dialect=dialect,
-                                     stamp=stamp, limits=limits, now=clock.seconds())
+        self.machine = ClientMachine(endpoints, limits=limits, now=clock.seconds(), **options)
         self.limits = limits
         self.throttle = LogThrottle(clock)
         self._closed = False
@@ -154,38 +125,43 @@ class ClientDriver:
             self.throttle.info(log, "retry", "no reply from {service} in {timeout:g}s; retrying "
                                "({attempt}/{retries})", service=label(call.service),
                                timeout=call.timeout, attempt=action.attempt, retries=call.retries)
-        else:  # Partial, Restarted
-            _callBack(action)
+        else:  # Partial, Restarted: the caller's callback, unless the request is done
+            call = action.call
+            partial = kind is Partial
+            callback = call.onPartial if partial else call.onRestart
+            if callback is None or call.done:
+                return
+            try:
+                if partial:
+                    callback(action.body)
+                else:
+                    callback()
+            except Exception:
+                log.failure("{name} callback for {service} failed", service=label(call.service),
+                            name="onPartial" if partial else "onRestart")
 
     def _close(self, channel: _Channel) -> None:
         pipe, channel.pipe = channel.pipe, None
         if pipe is not None:
             pipe.close()
 
+    def _stale(self, channel: _Channel) -> None:
+        """What came on *channel* before its request was dropped."""
+        self.throttle.warn(log, "stale", "client dropped what came from {endpoint} before its "
+                           "request: no request was in flight there to answer",
+                           endpoint=channel.endpoint)
+
 
 class Client(ClientDriver):
     """An MDP/0.2 client of a broker (or a failover list of them) over real
-    transports.
+    transports; *endpoint* is checked at once (:class:`~mdp.errors.TransportError`).
+    At most *maxConnections* requests are in flight, more wait in a FIFO."""
 
-    *endpoint* is checked at once (:class:`~mdp.errors.TransportError`).
-    *timeout* is the seconds of **one attempt**, *retries* the attempts in
-    all; at most *maxConnections* requests are in flight, more wait in a FIFO.
-    :class:`mdp.blocking.Client` is the same client without a reactor."""
-
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        reactor: Optional[Any] = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        retries: int = DEFAULT_RETRIES,
-        maxConnections: int = DEFAULT_MAX_CONNECTIONS,
-        dialect: str = codec.RFC,
-        stamp: bool = False,
-        limits: Limits = Limits(),
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-    ) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
+                 maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
+                 stamp: bool = False, limits: Limits = Limits(),
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         reactor = default_reactor(reactor)
         super().__init__(endpoint, reactor, timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
@@ -196,28 +172,16 @@ class Client(ClientDriver):
         #: the connections its pipes share, by endpoint
         self._links: dict[str, Any] = {}
 
-    # --- public API ----------------------------------------------------------
-
-    def request(
-        self,
-        service: Union[str, bytes],
-        *frames: Frame,
-        timeout: Optional[float] = None,
-        retries: Optional[int] = None,
-        onPartial: Optional[Callable[[list[bytes]], Any]] = None,
-        onRestart: Optional[Callable[[], Any]] = None,
-    ) -> defer.Deferred[list[bytes]]:
+    def request(self, service: Union[str, bytes], *frames: Frame, timeout: Optional[float] = None,
+                retries: Optional[int] = None,
+                onPartial: Optional[Callable[[list[bytes]], Any]] = None,
+                onRestart: Optional[Callable[[], Any]] = None) -> defer.Deferred[list[bytes]]:
         """Send a request; the Deferred fires with the FINAL body frames.
-
         *timeout* is the seconds of **one attempt**, *retries* the attempts in
         all (defaults: the client's).  *onPartial* gets each PARTIAL body,
-        *onRestart* is called when the reply starts over.  A ``str`` frame is
-        sent UTF-8 encoded.  Caller mistakes raise at once (``TypeError``,
-        ``ValueError``, :class:`RequestTooLarge`); everything else fails the
-        Deferred (:class:`RequestTimeout`, :class:`WorkerError`,
-        :class:`ServiceUnavailable`, :class:`ReplyTooLarge`, ...).  Cancelling
-        the Deferred abandons the request.
-        """
+        *onRestart* is called when the reply starts over.  Caller mistakes
+        raise at once; everything else fails the Deferred.  Cancelling the
+        Deferred abandons the request."""
         now = self.reactor.seconds()
         machine = self.machine
         try:
@@ -235,7 +199,7 @@ class Client(ClientDriver):
         replies = ReplyStream(self.reactor)
         d = self.request(service, *frames, timeout=timeout, onPartial=replies._put,
                          onRestart=replies._restart)
-        d.addCallbacks(replies._final, replies._fail)
+        d.addBoth(replies._end)
         return replies
 
     def close(self) -> defer.Deferred[None]:
@@ -245,8 +209,6 @@ class Client(ClientDriver):
         self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
         return transport.close_all(links.values(), "a client connection")
-
-    # --- the driver ------------------------------------------------------------
 
     def _cancel(self, call: _Call) -> None:
         self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
@@ -285,7 +247,7 @@ class Client(ClientDriver):
         call = channel.call
         if pipe is not None and pipe.connected and call is not None and not call.done:
             if pipe.discardReceived():
-                report_stale(self.throttle, channel)
+                self._stale(channel)
             pipe.sendMessage(frames)
 
     def _open(self, channel: _Channel) -> None:
@@ -347,13 +309,12 @@ class ReplyStream:
             self._parts.append(_RESTARTED)
         self._wake()
 
-    def _final(self, frames: list[bytes]) -> None:
-        self._parts.append(frames)
-        self._done = True
-        self._wake()
-
-    def _fail(self, failure: Any) -> None:
-        self._error = failure
+    def _end(self, result: Any) -> None:
+        """The FINAL body, or the request's Failure."""
+        if isinstance(result, Failure):
+            self._error = result
+        else:
+            self._parts.append(result)
         self._done = True
         self._wake()
 

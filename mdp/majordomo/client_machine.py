@@ -136,11 +136,9 @@ def unreachable(error: BaseException) -> Optional[str]:
         return "connection refused"
     if isinstance(error, net.DNSLookupError):
         return "host not found"
-    if isinstance(error, net.ConnectError):
-        code = getattr(error, "osError", None)
-    else:  # the blocking driver's plain sockets
-        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
-    return _UNREACHABLE.get(code)
+    # (a ConnectError's code, or that of the blocking driver's plain sockets)
+    return _UNREACHABLE.get(getattr(error, "osError" if isinstance(error, net.ConnectError)
+                                    else "errno", None))
 
 
 class _Call:
@@ -252,9 +250,8 @@ class ClientMachine(Machine):
     def endpoint(self) -> str:
         return self._rotation.current
 
-    def newCall(self, service: Union[str, bytes], frames: Sequence[Frame],
-                timeout: Optional[float], retries: Optional[int],
-                onPartial: Optional[Callable[[list[bytes]], Any]],
+    def newCall(self, service: Union[str, bytes], frames: Sequence[Frame], timeout: Optional[float],
+                retries: Optional[int], onPartial: Optional[Callable[[list[bytes]], Any]],
                 onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
         """A request for :meth:`handleRequest`; raises for caller mistakes and once closed."""
         name = self._names.get(service) if type(service) in (str, bytes) else None
@@ -263,12 +260,10 @@ class ClientMachine(Machine):
         mmi = name.startswith(b"mmi.")
         # MDP/0.2 wants a body: an MMI query without frames sends one empty frame
         body = request_frames(frames, empty=mmi) or [b""]
-        if timeout is not None or retries is not None:
-            timeout = self.timeout if timeout is None else timeout
-            retries = self.retries if retries is None else retries
-            _check_attempts(timeout, retries)
-        else:
+        if timeout is None and retries is None:
             timeout, retries = self.timeout, self.retries
+        else:
+            timeout, retries = self.attempts(timeout, retries)
         if self._closed:
             raise ClientClosed("client is closed")
         return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
@@ -297,6 +292,13 @@ class ClientMachine(Machine):
         self._names[service] = name
         return name
 
+    def attempts(self, timeout: Optional[float], retries: Optional[int]) -> tuple[float, int]:
+        """A request's *timeout* and *retries* (None: the client's), checked."""
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        _check_attempts(timeout, retries)
+        return timeout, retries
+
     def fresh(self, now: float) -> ClientMachine:
         """A machine with this one's options and stamps and nothing in flight
         (closed if this one is)."""
@@ -310,8 +312,6 @@ class ClientMachine(Machine):
     def holds(self, channel: _Channel) -> bool:
         """*channel* is one of the pool (not given up)."""
         return channel in self._channels
-
-    # --- events ----------------------------------------------------------------
 
     def handleRequest(self, call: _Call, now: float) -> list[Action]:
         self.now = now
@@ -337,14 +337,31 @@ class ClientMachine(Machine):
         self._sendOn(channel)
         return self._drain()
 
-    def handleConnectFailed(self, channel: _Channel, error: BaseException,
-                            now: float) -> list[Action]:
+    def handleConnectFailed(self, channel: _Channel, error: BaseException, now: float) -> list[Action]:
         """A connection attempt failed.  Until some broker was reached, an
         endpoint nobody is at is left at once, and when all are so, pending
         requests fail with :class:`BrokerUnreachable`."""
         self.now = now
-        if channel in self._channels:
-            self._connectFailed(channel, error)
+        if channel not in self._channels:
+            return self._drain()
+        why = unreachable(error)
+        self._failures[channel.endpoint] = why or str(error)
+        if self._everUp or why is None:
+            return self._drain()
+        self._unreachable[channel.endpoint] = why
+        if all(e in self._unreachable for e in self._rotation.endpoints):
+            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
+            self._failPending(lambda: BrokerUnreachable(failures))
+            self._failures.clear()
+            self._unreachable.clear()
+            return self._drain()
+        call = channel.call
+        self._discard(channel)
+        while self._rotation.current in self._unreachable:
+            self._moveOn()
+        if call is not None and not call.done:
+            self._enqueue(call, first=True)
+        self._pump()
         return self._drain()
 
     def handlePipeLost(self, channel: _Channel, why: object, now: float) -> list[Action]:
@@ -366,8 +383,7 @@ class ClientMachine(Machine):
                 self._release(channel)
         return self._drain()
 
-    def handleOpenFailed(self, channel: _Channel, error: BaseException,
-                         now: float) -> list[Action]:
+    def handleOpenFailed(self, channel: _Channel, error: BaseException, now: float) -> list[Action]:
         self.now = now
         call = channel.call
         self._channels.discard(channel)
@@ -419,26 +435,6 @@ class ClientMachine(Machine):
         self._deadlines.clear()
         return self._drain()
 
-    def _connectFailed(self, channel: _Channel, error: BaseException) -> None:
-        why = unreachable(error)
-        self._failures[channel.endpoint] = why or str(error)
-        if self._everUp or why is None:
-            return
-        self._unreachable[channel.endpoint] = why
-        if all(e in self._unreachable for e in self._rotation.endpoints):
-            failures = {e: self._unreachable[e] for e in self._rotation.endpoints}
-            self._failPending(lambda: BrokerUnreachable(failures))
-            self._failures.clear()
-            self._unreachable.clear()
-            return
-        call = channel.call
-        self._discard(channel)
-        while self._rotation.current in self._unreachable:
-            self._moveOn()
-        if call is not None and not call.done:
-            self._enqueue(call, first=True)
-        self._pump()
-
     def _failPending(self, error: Callable[[], BaseException]) -> None:
         """Fail every request not done with its own *error()*; close every connection."""
         calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
@@ -449,8 +445,6 @@ class ClientMachine(Machine):
             call.channel = None
             self._fail(call, error())
         self._waitingDone = 0
-
-    # --- connections -------------------------------------------------------------
 
     def _assign(self, channel: _Channel, call: _Call) -> None:
         channel.call = call
@@ -542,8 +536,6 @@ class ClientMachine(Machine):
         for channel in [c for c in self._idle if c.endpoint != current]:
             self._discard(channel)
 
-    # --- time ----------------------------------------------------------------
-
     def _schedule(self, call: _Call) -> None:
         deadline = call.deadline
         heap = self._deadlines
@@ -592,15 +584,13 @@ class ClientMachine(Machine):
         if heap:
             self._wakeBy(heap[0][0])
 
-    # --- decisions -------------------------------------------------------------
-
     def _decoded(self, channel: _Channel, call: Optional[_Call], frames: list[bytes]) -> None:
         """A message not plainly a reply to the request in flight: decoded in full, or dropped."""
         try:
-            command = codec.decode_client(codec.expect(frames, self.dialect), self.dialect)
+            command = codec.decode(codec.expect(frames, self.dialect), self.dialect)
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
-                raise ProtocolError(f"broker sent a client {kind.__name__}")
+                raise ProtocolError(f"broker sent a {kind.__name__} to a client")
             if call is not None and command.service != call.service and self.dialect == _RFC:
                 raise ProtocolError(
                     f"reply for service {command.service!r} to a request for {call.service!r}")

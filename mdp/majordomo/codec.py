@@ -1,15 +1,9 @@
 """MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back, as
 pure functions over ``bytes`` frames without the ROUTER routing-id frame.
 
-Dialects: ``"rfc"`` (:data:`RFC`) is RFC 18.  ``"majortomo"`` (:data:`MAJORTOMO`),
-as the ``majortomo`` package speaks, puts an empty frame before the header and
-gives MDP/Client commands the worker codes (0x02, 0x03, 0x04); its PARTIAL and
-FINAL carry no service frame (decoded with ``service == b""``).  :func:`split`
-tells the dialect by the leading empty frame, so a broker answers each peer in its own.
-
-A failed request gets a FINAL error body (:mod:`mdp.messages`).  A streamed reply
-that starts over on another worker is preceded by a PARTIAL of exactly
-``[RESTART_MARKER]``, so that a client discards what it had.
+Dialects (docs/mdp.md): ``"rfc"`` is RFC 18; ``"majortomo"`` puts an empty
+frame before the header, gives MDP/Client commands the worker codes and sends
+PARTIAL and FINAL without a service frame (decoded with ``service == b""``).
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import attrs
 from mdp.errors import ProtocolError
 from mdp.machine import action_type
 
-# re-exported from mdp.messages: every pattern shares error replies
+# every pattern shares error replies
 from mdp.messages import ERROR_MARKER as ERROR_MARKER
 from mdp.messages import STATUS_BAD_REQUEST as STATUS_BAD_REQUEST
 from mdp.messages import STATUS_FORBIDDEN as STATUS_FORBIDDEN
@@ -59,15 +53,13 @@ W_DISCONNECT = b"\x06"
 #: (``mmi.binarystar``: a passive broker of a pair answers it too)
 RELAY_PROBE = [CLIENT_HEADER, C_REQUEST, b"mmi.binarystar", b""]
 
-#: Body of the PARTIAL that says a streamed reply starts over
-#: (:class:`~mdp.errors.StreamRestarted`).
+#: Body of the PARTIAL that says a streamed reply starts over on another worker
 RESTART_MARKER = b"\x00MDP-RESTART"
 
 #: Longest service name accepted; the RFC sets none, 255 keeps tables sane.
 MAX_SERVICE_LENGTH = 255
 
 Frames = list[bytes]
-
 
 #: a frozen command class with its fields
 _command_class = functools.partial(action_type, __name__, frozen=True)
@@ -88,9 +80,8 @@ WorkerFinal = _command_class("WorkerFinal", "client", "body")
 Heartbeat = _command_class("Heartbeat")
 Disconnect = _command_class("Disconnect")
 
-ClientCommand = Union[ClientRequest, ClientPartial, ClientFinal]
-WorkerCommand = Union[Ready, WorkerRequest, WorkerPartial, WorkerFinal, Heartbeat, Disconnect]
-Command = Union[ClientCommand, WorkerCommand]
+Command = Union[ClientRequest, ClientPartial, ClientFinal, Ready, WorkerRequest, WorkerPartial,
+                WorkerFinal, Heartbeat, Disconnect]
 
 HEARTBEAT = Heartbeat()
 DISCONNECT = Disconnect()
@@ -189,30 +180,10 @@ def parse(frames: Sequence[bytes], dialect: str = RFC) -> Parsed:
 
 def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
     """Decode one MDP/0.2 message from its header (:func:`parse`, as a command)."""
-    return _command(*parse(frames, dialect))
-
-
-def decode_client(frames: Sequence[bytes], dialect: str = RFC) -> ClientCommand:
-    """Decode an MDP/Client command (REQUEST, PARTIAL or FINAL)."""
-    if not frames or frames[0] != CLIENT_HEADER:
-        raise ProtocolError("missing MDPC02 header")
-    return _command(*_parse_client(frames, dialect))  # type: ignore[return-value]
-
-
-def decode_worker(frames: Sequence[bytes]) -> WorkerCommand:
-    if not frames or frames[0] != WORKER_HEADER:
-        raise ProtocolError("missing MDPW02 header")
-    return _command(*_parse_worker(frames))  # type: ignore[return-value]
-
-
-def _command(kind: type, address: bytes, body: Sequence[bytes]) -> Command:
-    if kind is Heartbeat:
-        return HEARTBEAT
-    if kind is Disconnect:
-        return DISCONNECT
-    if kind is Ready:
-        return Ready(address)
-    return kind(address, list(body))
+    kind, address, body = parse(frames, dialect)
+    if kind is Heartbeat or kind is Disconnect:
+        return HEARTBEAT if kind is Heartbeat else DISCONNECT
+    return Ready(address) if kind is Ready else kind(address, list(body))
 
 
 def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:

@@ -1,22 +1,14 @@
-"""The MDP/0.2 worker: serves one service through a broker.
-
-The handler receives the request body (``list[bytes]``) and may return:
-
-* ``bytes``/``str`` or a list of them: sent as one FINAL;
-* a Deferred or a coroutine: its result, sent as above;
-* a generator or async generator: each item is sent as a PARTIAL, and an item
-  wrapped in :class:`Final` ends the reply (else a FINAL of one empty frame).
-
-Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first; with
-a reply store (``replies=``) one already answered is answered from it.  A
-handler exception is answered with a 500, a reply part over the limits with a 413.
+"""The MDP/0.2 worker: serves one service through a broker.  What a handler
+may return is in docs/mdp.md ("Worker").  Stamped requests
+(:mod:`mdp.majordomo.idempotence`) are unstamped first; with a reply store
+(``replies=``) one already answered is answered from it.  A handler exception
+is answered with a 500, a reply part over the limits with a 413.
 
 Theory of operation
 -------------------
-:class:`WorkerMachine` decides; :class:`Worker` drives it (pipe, timers, log,
-handler, reply store).  The connection is one pipe to the current endpoint of
-a failover list; opening a pipe counts as hearing the broker, so a pipe that
-never comes up fails over too.
+:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is
+one pipe to the current endpoint of a failover list; opening a pipe counts as
+hearing the broker, so a pipe that never comes up fails over too.
 
 =============  ==========================  ============  ==================================================
 state          event                       next          actions
@@ -38,10 +30,9 @@ any            ``stop()``                  STOPPED       DISCONNECT if READY; cl
 =============  ==========================  ============  ==================================================
 
 Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also
-reset ``refusals`` (a broker refusing READY sends DISCONNECT before anything
-else).  Messages while STOPPED or BACKING_OFF are ignored.  Every new or lost
-pipe bumps the *generation*: a reply for an older one is dropped (the broker
-re-queued it).  This is the Guide's Paranoid Pirate.
+reset ``refusals``.  Messages while STOPPED or BACKING_OFF are ignored.  Every
+new or lost pipe bumps the *generation*: a reply for an older one is dropped
+(the broker re-queued it).
 """
 
 from __future__ import annotations
@@ -59,7 +50,7 @@ from zope.interface import classImplements
 
 from mdp import transport
 from mdp.errors import ProtocolError, TransportError
-from mdp.handlers import checked_handler, reply_frames
+from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
@@ -118,12 +109,11 @@ class Final:
 
 _action = functools.partial(action_type, __name__)
 #: one request being served: its client, the generation of the pipe it came on, its
-#: stamp's key and when it came; whether its reply may still go is the machine's
+#: stamp's key and when it came
 _Job = _action("_Job", "client", "generation", "key", "startedAt")
 SendToBroker = _action("SendToBroker", "frames")
 OpenPipe = _action("OpenPipe", "endpoint")
-#: close the pipe (what was sent on it goes first)
-ClosePipe = _action("ClosePipe")
+ClosePipe = _action("ClosePipe")  # (what was sent on it goes first)
 #: call :meth:`WorkerMachine.handleReopen` after *delay*, having left *endpoint*,
 #: *silent* that long (``None``: DISCONNECT)
 ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
@@ -131,13 +121,11 @@ ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
 Serve = _action("Serve", "job", "body")
 StoreReply = _action("StoreReply", "key", "frames")
 Dropped = _action("Dropped", "reason")
-#: for the log: a request is answered with the error *status* instead
-Refused = _action("Refused", "status", "reason")
+Refused = _action("Refused", "status", "reason")  # a request answered with an error instead
 Lost = _action("Lost", "endpoint", "why")
 ConnectFailed = _action("ConnectFailed", "endpoint", "why")
 
-Action = Any  # SendToBroker | OpenPipe | ClosePipe | ReopenAfter | Serve | StoreReply
-#               | Dropped | Refused | Lost | ConnectFailed
+Action = Any  # one of the above
 
 
 def _why(reason: object) -> str:
@@ -150,17 +138,9 @@ def _why(reason: object) -> str:
 class WorkerMachine(Machine):
     """The worker's decisions (the module's table)."""
 
-    def __init__(
-        self,
-        endpoints: list[str],
-        service: bytes,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = codec.RFC,
-        limits: Limits = Limits(),
-        now: float = 0.0,
-    ) -> None:
+    def __init__(self, endpoints: list[str], service: bytes, *,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
+                 dialect: str = codec.RFC, limits: Limits = Limits(), now: float = 0.0) -> None:
         super().__init__(now)
         self._rotation = EndpointRotation(endpoints)
         self.service = service
@@ -187,28 +167,12 @@ class WorkerMachine(Machine):
         return self._rotation.current
 
     @property
-    def connected(self) -> bool:
-        return self.state is READY
-
-    @property
-    def started(self) -> bool:
-        return self.state is not STOPPED
-
-    @property
-    def registered(self) -> bool:
-        """READY went out and the broker has answered since (a ZeroMQ pipe is
-        "up" whether or not anyone listens)."""
-        return self.state is READY and self.answered
-
-    @property
     def wakeEvery(self) -> float:
         return self.heartbeat.interval / 2
 
     def isCurrent(self, job: _Job) -> bool:
         """*job* may still be answered: its pipe lives and it is in hand."""
         return job.generation == self.generation and self.current == job.client
-
-    # --- events ----------------------------------------------------------------
 
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
@@ -271,14 +235,11 @@ class WorkerMachine(Machine):
             self._command(WorkerRequest, frames[2], frames[4:])
         else:
             try:
-                command = codec.decode_worker(codec.expect(frames, self.dialect))
+                kind, client, body = codec.parse(codec.expect(frames, self.dialect))
             except ProtocolError as e:
                 self._outbox.append(Dropped(f"invalid message: {e}"))
                 return self._drain()
-            if type(command) is WorkerRequest:
-                self._command(WorkerRequest, command.client, command.body)
-            else:
-                self._command(type(command), b"", [])
+            self._command(kind, client, list(body))
         return self._drain()
 
     def handleReply(self, job: _Job, kind: type, frames: list[bytes], now: float,
@@ -287,8 +248,7 @@ class WorkerMachine(Machine):
         replaced by a 413), and the actions."""
         self.now = now
         sent = self._replyPart(job, kind, frames, store)
-        outbox = self._outbox
-        self._outbox = []
+        outbox, self._outbox = self._outbox, []
         return sent, outbox
 
     def handleTick(self, now: float) -> list[Action]:
@@ -315,8 +275,6 @@ class WorkerMachine(Machine):
         if self.state is READY or self.state is CONNECTING:
             self.liveness.heard(now)
         return self._drain()
-
-    # --- decisions -------------------------------------------------------------
 
     def _open(self) -> None:
         self.state = CONNECTING
@@ -366,30 +324,31 @@ class WorkerMachine(Machine):
         self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
 
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
-        if job.generation != self.generation or self.state is not READY or self.current != job.client:
-            self._store(job, kind, frames, store)
-            return False
-        size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
-        limits = self.limits
+        """Send a reply part if *job* is in hand (a 413 instead if too large); a FINAL
+        is stored either way."""
+        current = (job.generation == self.generation and self.state is READY
+                   and self.current == job.client)
         tooLarge = None
-        if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
-            tooLarge = limits.oversize(size, len(frames) + 5)
-            self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
-                                        f"its {kind.__name__} is too large ({tooLarge})"))
-            kind, store = WorkerFinal, False
-            frames = codec.error_body(codec.STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")
+        if current:
+            size = sum(map(len, frames)) + _REPLY_OVERHEAD + len(job.client)
+            limits = self.limits
+            if size > limits.maxMessageBytes or len(frames) + 5 > limits.maxFrames:
+                tooLarge = limits.oversize(size, len(frames) + 5)
+                self._outbox.append(Refused(codec.STATUS_TOO_LARGE,
+                                            f"its {kind.__name__} is too large ({tooLarge})"))
+                kind, store = WorkerFinal, False
+                frames = codec.error_body(codec.STATUS_TOO_LARGE,
+                                          f"reply too large to send: {tooLarge}")
         final = kind is WorkerFinal
         if final and store and job.key is not None:
             self._outbox.append(StoreReply(job.key, frames))
+        if not current:
+            return False
         self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
         return tooLarge is None
-
-    def _store(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> None:
-        if kind is WorkerFinal and store and job.key is not None:
-            self._outbox.append(StoreReply(job.key, frames))
 
     def _send(self, command: Any) -> None:
         self._outbox.append(SendToBroker(codec.encode(command, self.dialect)))
@@ -403,35 +362,34 @@ class WorkerDriver:
     readyLogLevel = LogLevel.info
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
-                 handler: Handler, clock: Any, *, heartbeat: HeartbeatPolicy, backoff: Backoff,
-                 dialect: str, limits: Limits, curveServerPublic: Optional[str],
-                 curveSecret: Optional[str]) -> None:
+                 handler: Handler, clock: Any, *, curveServerPublic: Optional[str],
+                 curveSecret: Optional[str], **options: Any) -> None:
         endpoints = transport.endpoint_list(endpoint)
-        self.handler = checked_handler(handler)
+        if not callable(handler):
+            raise TypeError(f"a handler is a callable taking the request body, "
+                            f"not {type(handler).__name__}: {handler!r}")
+        self.handler = handler
         self.curve = transport.curve_client_for(endpoints, curveServerPublic, curveSecret)
         self.machine = WorkerMachine(endpoints, codec.api_service_name(service),
-                                     heartbeat=heartbeat, backoff=backoff, dialect=dialect,
-                                     limits=limits, now=clock.seconds())
+                                     now=clock.seconds(), **options)
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
 
-    @property
-    def concurrency(self) -> int:
-        """How many requests this worker serves at once (its sessions)."""
-        return len(self.sessions)
-
-    @property
-    def busy(self) -> int:
-        """How many of its sessions are serving a request."""
-        return sum(session.machine.current is not None for session in self.sessions)
-
+    concurrency = property(lambda self: len(self.sessions),
+                           doc="How many requests this worker serves at once (its sessions).")
+    busy = property(lambda self: sum(session.machine.current is not None for session in self.sessions),
+                    doc="How many of its sessions are serving a request.")
     service = machine_view("service", "The service name, as sent.")
     endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
     endpoint = machine_view("endpoint", "The broker endpoint in use (or next to be tried).")
     state = machine_view("state", "Where the connection stands (:class:`WorkerState`).")
-    connected = machine_view("connected", "The pipe is up and READY went out on it.")
-    started = machine_view("started", "Started and not stopped since.")
-    registered = machine_view("registered", "READY went out and the broker has answered since.")
+    connected = property(lambda self: self.machine.state is READY,
+                         doc="The pipe is up and READY went out on it.")
+    started = property(lambda self: self.machine.state is not STOPPED,
+                       doc="Started and not stopped since.")
+    registered = property(lambda self: self.machine.state is READY and self.machine.answered,
+                          doc="READY went out and the broker has answered since (a ZeroMQ "
+                          "pipe is up whether or not anyone listens).")
     current = machine_view("current", "The address of the client being served, if one is.")
     generation = machine_view("generation", "Bumped on every new or lost pipe.")
 
@@ -476,42 +434,24 @@ class WorkerDriver:
 
 class Worker(WorkerDriver):
     """An MDP/0.2 worker for one *service*: the :class:`WorkerMachine` driven
-    over a real transport, one broker at a time.
+    over a real transport, one broker at a time.  *endpoint* (one, or a
+    failover list) is checked at once (:class:`~mdp.errors.TransportError`).
+    With *concurrency* N it registers N worker sessions (this one first, in
+    :attr:`sessions`), sharing a connection where the transport allows
+    (docs/mdp.md, "Serving several requests at once")."""
 
-    *endpoint* (one, or a failover list) is checked at once
-    (:class:`~mdp.errors.TransportError`); a handler not callable raises
-    ``TypeError``.
-
-    With *concurrency* N the worker registers N MDP worker sessions (the
-    first is this object, the rest are in :attr:`sessions`), so the broker
-    hands it up to N requests at once and a handler returning a Deferred,
-    coroutine or generator runs up to N times at once.  Over a stream
-    endpoint the sessions share one connection (a channel each); over ZeroMQ
-    one DEALER socket as relay hops where the broker relays, else a DEALER
-    each.  To any broker they are N ordinary workers."""
-
-    def __init__(
-        self,
-        endpoint: Union[str, Sequence[str]],
-        service: Union[str, bytes],
-        handler: Handler,
-        reactor: Optional[Any] = None,
-        *,
-        heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
-        backoff: Backoff = PIRATE,
-        dialect: str = codec.RFC,
-        replies: Optional[idempotence.IReplyStore] = None,
-        limits: Limits = Limits(),
-        metrics: Optional[Any] = None,
-        curveServerPublic: Optional[str] = None,
-        curveSecret: Optional[str] = None,
-        concurrency: int = 1,
-    ) -> None:
+    def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
+                 handler: Handler, reactor: Optional[Any] = None, *,
+                 heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
+                 dialect: str = codec.RFC, replies: Optional[idempotence.IReplyStore] = None,
+                 limits: Limits = Limits(), metrics: Optional[Any] = None,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
+                 concurrency: int = 1) -> None:
         check_count("concurrency", concurrency, "requests served at once")
         reactor = default_reactor(reactor)
-        super().__init__(endpoint, service, handler, reactor,
-                         heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
-                         curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
+                       curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+        super().__init__(endpoint, service, handler, reactor, **options)
         self.reactor = reactor
         self.replies = replies
         self.transport: Optional[IDealerTransport] = None
@@ -534,15 +474,11 @@ class Worker(WorkerDriver):
         if concurrency > 1:
             self.links = {}
             for _ in range(concurrency - 1):
-                session = Worker(endpoint, service, handler, reactor, heartbeat=heartbeat,
-                                 backoff=backoff, dialect=dialect, replies=replies,
-                                 limits=limits, metrics=metrics,
-                                 curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+                session = Worker(endpoint, service, handler, reactor, replies=replies,
+                                 metrics=metrics, **options)
                 session.links, session.owner = self.links, self
                 session.readyLogLevel = LogLevel.debug
                 self.sessions.append(session)
-
-    # --- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
         """Connect to the broker; READY is sent once the pipe is up (each session's)."""
@@ -654,8 +590,6 @@ class Worker(WorkerDriver):
         except TransportError as e:  # (out of descriptors)
             self._openFailed(e)
 
-    # --- IDealerReceiver ---------------------------------------------------
-
     def connectionMade(self) -> None:
         self._perform(self.machine.handlePipeUp(self.reactor.seconds()))
         self._ready()
@@ -669,8 +603,6 @@ class Worker(WorkerDriver):
     def messageReceived(self, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(frames, self.reactor.seconds()))
 
-    # --- serving -------------------------------------------------------------
-
     def _serve(self, job: _Job, body: list[bytes]) -> None:
         if self.metrics is not None:
             self.metrics.request(self.service)
@@ -678,17 +610,16 @@ class Worker(WorkerDriver):
             self._run(job, body)
             return
 
-        def lookedUp(stored: Optional[list[bytes]]) -> None:
+        def lookedUp(stored: Union[None, list[bytes], Failure]) -> None:
+            if isinstance(stored, Failure):
+                log.failure("reply store lookup failed; running the request", stored)
+                stored = None
             if stored is None:
                 self._run(job, body)
             else:
                 self._reply(job, WorkerFinal, list(stored), store=False)
 
-        def storeFailed(failure: Failure) -> None:
-            log.failure("reply store lookup failed; running the request", failure)
-            self._run(job, body)
-
-        defer.maybeDeferred(self.replies.get, job.key).addCallbacks(lookedUp, storeFailed)
+        defer.maybeDeferred(self.replies.get, job.key).addBoth(lookedUp)
 
     def _run(self, job: _Job, body: list[bytes]) -> None:
         clock = self.reactor.seconds
@@ -737,7 +668,10 @@ class Worker(WorkerDriver):
                 return
             final = isinstance(item, Final)
             if final or not self._reply(job, WorkerPartial, reply_frames(item)):
-                await _close(parts)
+                if sync:
+                    parts.close()
+                else:
+                    await parts.aclose()
                 if final:
                     self._finish(item.frames, job)
                 return
@@ -776,13 +710,6 @@ class Worker(WorkerDriver):
 
 # (not a class decorator: compiled, the class is an extension type, which takes none)
 classImplements(Worker, IWorker, IDealerReceiver)
-
-
-async def _close(parts: Any) -> None:
-    if isinstance(parts, Generator):
-        parts.close()
-    else:
-        await parts.aclose()
 
 
 def _storeFailed(failure: Failure) -> None:
