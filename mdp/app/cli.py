@@ -76,11 +76,7 @@ class _ClientOptions(BrokerListOptions):
         ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", seconds_option("timeout")],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.",
          whole_option("retries", 1)],
-    ] + CURVE_CLIENT_OPTIONS
-
-    def postOptions(self) -> None:
-        super().postOptions()
-        checked_curve_client(self, self["brokers"])
+    ]
 
 
 class _RequestOptions(_ClientOptions):
