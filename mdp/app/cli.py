@@ -111,9 +111,8 @@ class CallOptions(_RequestOptions):
     synopsis = f"{_BROKERS} [--dialect rfc|majortomo] SERVICE [FRAME...]"
     longdesc = ("Send one request through a broker; print each reply frame on its own line.  "
                 "At least one FRAME, except for mmi.* queries.")
-    optParameters: list[Any] = [
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
-    ]
+    optParameters: list[Any] = [["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.",
+                                 check_dialect]]
 
 
 #: seconds between refreshes of ``mdp status --watch`` given no number
@@ -122,44 +121,35 @@ DEFAULT_WATCH = 2.0
 
 class StatusOptions(_ClientOptions):
     synopsis = f"{_BROKERS} [--watch [SECONDS]]"
-    longdesc = ("The broker's services (workers idle and busy, requests queued) and workers "
-                "(service, state, seconds since last heard from), from mmi.services and "
-                "mmi.workers.  --watch refreshes every SECONDS (default 2) until Ctrl-C.")
-    optParameters: list[Any] = [
-        ["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch "
-         "alone]", seconds_option("watch")],
-    ]
+    longdesc = ("The broker's services (workers idle and busy, requests queued) and workers (service, "
+                "state, seconds since last heard from), from mmi.services and mmi.workers.")
+    optParameters: list[Any] = [["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; "
+                                 "2 with --watch alone]", seconds_option("watch")]]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
         args = list(sys.argv[1:] if options is None else options)
         for n in reversed(range(len(args))):
-            if args[n] in ("--watch", "-w") and not _is_number(next(iter(args[n + 1:]), "")):
-                args.insert(n + 1, str(DEFAULT_WATCH))
+            if args[n] in ("--watch", "-w"):
+                try:
+                    float(args[n + 1])
+                except (IndexError, ValueError):
+                    args.insert(n + 1, str(DEFAULT_WATCH))
         super().parseOptions(args)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 class FreelanceCallOptions(VersionedOptions):
     synopsis = ("[--server ENDPOINT [--server ENDPOINT...]] [--model 1|2|3] [--timeout S] "
                 "[--deadline S] FRAME [FRAME...]")
-    longdesc = ("Send one request to Freelance servers (twist mdp-freelance-server) with no "
-                "broker; print each reply frame on its own line.  A Freelance request has no "
-                "service name: the frames are the request.")
+    longdesc = ("Send one request, its FRAMEs (no service name), to Freelance servers (twist "
+                "mdp-freelance-server) with no broker; print each reply frame on its own line.")
     optParameters: list[Any] = [
-        ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all "
-         "at once) or 3 (an agent: heartbeats, the first live server).", int],
-        ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; "
-         "3 s for model 2]", seconds_option("timeout")],
-        ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
-         "30 s for model 1, 3 s for model 3]", seconds_option("deadline")],
+        ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all at once) or "
+         "3 (an agent: heartbeats, the first live server).", int],
+        ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; 3 s for "
+         "model 2]", seconds_option("timeout")],
+        ["deadline", "d", None, "Seconds the whole request may take [default: the model's: 30 s for "
+         "model 1, 3 s for model 3]", seconds_option("deadline")],
     ] + CURVE_CLIENT_OPTIONS
 
     repeatable = ("server",)
@@ -219,15 +209,12 @@ class TitanicCloseOptions(_ClientOptions):
 
 class TitanicResultOptions(TitanicCloseOptions):
     synopsis = f"{_BROKERS} [--wait] [--poll SECONDS] ID"
-    longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 "
-                "with the reply; 3 while the request is pending (without --wait; a line on "
-                "stderr says so); 1 for an unknown, closed or purged ID, an error reply, or "
-                "Titanic not answering; 2 for a usage mistake.  With --wait, what it waits "
-                "for (the reply, Titanic, the broker) is said on stderr.")
+    longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 with the "
+                "reply; 3 while the request is pending (without --wait); 1 for an unknown, closed or "
+                "purged ID, an error reply, or Titanic not answering; 2 for a usage mistake.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
-    optParameters: list[Any] = [
-        ["poll", "p", 1.0, "Seconds between polls with --wait.", seconds_option("poll")],
-    ]
+    optParameters: list[Any] = [["poll", "p", 1.0, "Seconds between polls with --wait.",
+                                 seconds_option("poll")]]
 
 
 class TitanicOptions(_CommandChoice):
@@ -259,17 +246,15 @@ class SPRequestOptions(VersionedOptions):
 class ChatOptions(VersionedOptions):
     synopsis = ("--name NAME [--group GROUP] [--interface IF] [--port PORT] [--endpoint ENDPOINT] "
                 "[--peer ENDPOINT]...")
-    longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; "
-                "'/w NAME TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or "
-                "Ctrl-C leaves.")
+    longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; '/w NAME "
+                "TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or Ctrl-C leaves.")
     optParameters: list[Any] = [
         ["name", "n", None, "Your name, as the others see it."],
         ["group", "g", "CHAT", "The group to talk in."],
-        ["interface", "i", None, "Network interface (name or address) for beacons "
-         "[default: the first that is not loopback]."],
+        ["interface", "i", None, "Network interface (name or address) for beacons [default: the "
+         "first that is not loopback]."],
         ["port", "p", 5670, "UDP port of the beacons.", int],
-        ["endpoint", "e", None, "Where to bind [default: zmq:tcp://ADDRESS:* on the "
-         "beacons' interface]."],
+        ["endpoint", "e", None, "Where to bind [default: zmq:tcp://ADDRESS:* on the beacons' interface]."],
     ]
 
     repeatable = ("peer",)
@@ -326,13 +311,9 @@ def _check_peer(endpoint: str) -> None:
 
 class KeygenOptions(VersionedOptions):
     synopsis = "[--dir DIRECTORY] NAME"
-    longdesc = ("Write a new CURVE key pair: NAME.key (the public key, for the peers' "
-                "allow-lists and --curve-server-public) and NAME.key_secret (keep it to "
-                "yourself: --curve-secret), in ZeroMQ's certificate format.  Existing files "
-                "are never overwritten.")
-    optParameters: list[Any] = [
-        ["dir", "d", ".", "Directory to write the two files in."],
-    ]
+    longdesc = ("Write a new CURVE key pair in ZeroMQ's certificate format: NAME.key (public, for "
+                "allow-lists and --curve-server-public) and NAME.key_secret (for --curve-secret).")
+    optParameters: list[Any] = [["dir", "d", ".", "Directory to write the two files in."]]
 
     def parseArgs(self, *args: str) -> None:
         self["name"] = _single_argument(args, "NAME", f"give a NAME for the key files, e.g. "
