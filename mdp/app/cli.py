@@ -19,43 +19,12 @@ from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
 
 from mdp import transport, uvreactor
+from mdp.app import tap, terminal
 from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
 from mdp.app.status import status
-from mdp.app.tap import (
-    CURVE_CLIENT_OPTIONS,
-    DEFAULT_FREELANCE_ENDPOINT,
-    EXIT_USAGE,
-    BrokerListOptions,
-    VersionedOptions,
-    checked_curve_client,
-    checked_endpoints,
-    checked_sp_endpoint,
-    connect_endpoints,
-    curve_client_of,
-    repeated,
-    seconds_option,
-    usage_errors,
-    usage_line,
-    whole_option,
-)
-from mdp.app.terminal import (
-    EXIT_BROKEN_PIPE,
-    Output,
-    divert_output,
-    emit,
-    error,
-    print_frames,
-    printable,
-    show,
-)
-from mdp.errors import (
-    MDPError,
-    NoServerAvailable,
-    RequestTimeout,
-    ServiceOverloaded,
-    ServiceUnavailable,
-)
+from mdp.app.terminal import emit, error, print_frames, show
+from mdp.errors import MDPError, NoServerAvailable, RequestTimeout, ServiceOverloaded, ServiceUnavailable
 from mdp.handlers import echo
 from mdp.majordomo import mmi
 from mdp.majordomo.broker import Broker
@@ -69,13 +38,13 @@ from mdp.transport.registry import bare_address, schemes
 EXIT_PENDING = 3
 
 
-class _ClientOptions(BrokerListOptions):
+class _ClientOptions(tap.BrokerListOptions):
     """What every command that talks to a broker takes."""
 
     optParameters: list[Any] = [
-        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", seconds_option("timeout")],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", tap.seconds_option("timeout")],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.",
-         whole_option("retries", 1)],
+         tap.whole_option("retries", 1)],
     ]
 
 
@@ -87,15 +56,14 @@ class _RequestOptions(_ClientOptions):
             raise usage.UsageError(f"give a SERVICE and at least one FRAME, e.g. "
                                    f"'{self.commandName()} echo hello'")
         service, *frames = args
-        with usage_errors(errors=(TypeError, ValueError)):
+        with tap.usage_errors(errors=(TypeError, ValueError)):
             self["service"] = api_service_name(service)
         if not frames and not self["service"].startswith(b"mmi."):
-            raise usage.UsageError("give at least one request frame (only mmi.* queries "
-                                   "may have none)")
+            raise usage.UsageError("give at least one request frame (only mmi.* queries may have none)")
         self["frames"] = [os.fsencode(f) for f in frames]
 
 
-class _CommandChoice(VersionedOptions):
+class _CommandChoice(tap.VersionedOptions):
     """Options that are only a choice of sub-command."""
 
     def postOptions(self) -> None:
@@ -124,7 +92,7 @@ class StatusOptions(_ClientOptions):
     longdesc = ("The broker's services (workers idle and busy, requests queued) and workers (service, "
                 "state, seconds since last heard from), from mmi.services and mmi.workers.")
     optParameters: list[Any] = [["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; "
-                                 "2 with --watch alone]", seconds_option("watch")]]
+                                 "2 with --watch alone]", tap.seconds_option("watch")]]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
@@ -138,7 +106,7 @@ class StatusOptions(_ClientOptions):
         super().parseOptions(args)
 
 
-class FreelanceCallOptions(VersionedOptions):
+class FreelanceCallOptions(tap.VersionedOptions):
     synopsis = ("[--server ENDPOINT [--server ENDPOINT...]] [--model 1|2|3] [--timeout S] "
                 "[--deadline S] FRAME [FRAME...]")
     longdesc = ("Send one request, its FRAMEs (no service name), to Freelance servers (twist "
@@ -147,29 +115,28 @@ class FreelanceCallOptions(VersionedOptions):
         ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all at once) or "
          "3 (an agent: heartbeats, the first live server).", int],
         ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; 3 s for "
-         "model 2]", seconds_option("timeout")],
+         "model 2]", tap.seconds_option("timeout")],
         ["deadline", "d", None, "Seconds the whole request may take [default: the model's: 30 s for "
-         "model 1, 3 s for model 3]", seconds_option("deadline")],
-    ] + CURVE_CLIENT_OPTIONS
+         "model 1, 3 s for model 3]", tap.seconds_option("deadline")],
+    ] + tap.CURVE_CLIENT_OPTIONS
 
     repeatable = ("server",)
-    opt_server = opt_s = repeated("server", "Freelance server endpoint; once per server (or "
+    opt_server = opt_s = tap.repeated("server", "Freelance server endpoint; once per server (or "
                                   "commas) [default: zmq:tcp://127.0.0.1:5556]")
 
     def parseArgs(self, *frames: str) -> None:
         if not frames:
-            raise usage.UsageError(f"give at least one request FRAME, e.g. "
-                                   f"'{self.commandName()} hello'")
+            raise usage.UsageError(f"give at least one request FRAME, e.g. '{self.commandName()} hello'")
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
-        self["servers"] = connect_endpoints(self["server"], "server", DEFAULT_FREELANCE_ENDPOINT)
+        self["servers"] = tap.connect_endpoints(self["server"], "server", tap.DEFAULT_FREELANCE_ENDPOINT)
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
-        checked_curve_client(self, self["servers"])
+        tap.checked_curve_client(self, self["servers"])
 
 
-class DemoOptions(VersionedOptions):
+class DemoOptions(tap.VersionedOptions):
     synopsis = "[--endpoint ENDPOINT] [--requests N]"
     optParameters: list[Any] = [
         ["endpoint", "e", "zmq:tcp://127.0.0.1:*",
@@ -178,7 +145,7 @@ class DemoOptions(VersionedOptions):
     ]
 
     def postOptions(self) -> None:
-        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
 
 
 class TitanicSubmitOptions(_RequestOptions):
@@ -214,7 +181,7 @@ class TitanicResultOptions(TitanicCloseOptions):
                 "purged ID, an error reply, or Titanic not answering; 2 for a usage mistake.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
     optParameters: list[Any] = [["poll", "p", 1.0, "Seconds between polls with --wait.",
-                                 seconds_option("poll")]]
+                                 tap.seconds_option("poll")]]
 
 
 class TitanicOptions(_CommandChoice):
@@ -226,12 +193,12 @@ class TitanicOptions(_CommandChoice):
     ]
 
 
-class SPRequestOptions(VersionedOptions):
+class SPRequestOptions(tap.VersionedOptions):
     synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
-        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", seconds_option("timeout")],
-        ["resend", None, 60.0, "Seconds before the request is sent again.", seconds_option("resend")],
+        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", tap.seconds_option("timeout")],
+        ["resend", None, 60.0, "Seconds before the request is sent again.", tap.seconds_option("resend")],
     ]
 
     def parseArgs(self, *args: str) -> None:
@@ -240,10 +207,10 @@ class SPRequestOptions(VersionedOptions):
             ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
-        checked_sp_endpoint(self["endpoint"], False, "endpoint")
+        tap.checked_sp_endpoint(self["endpoint"], False, "endpoint")
 
 
-class ChatOptions(VersionedOptions):
+class ChatOptions(tap.VersionedOptions):
     synopsis = ("--name NAME [--group GROUP] [--interface IF] [--port PORT] [--endpoint ENDPOINT] "
                 "[--peer ENDPOINT]...")
     longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; '/w NAME "
@@ -258,7 +225,7 @@ class ChatOptions(VersionedOptions):
     ]
 
     repeatable = ("peer",)
-    opt_peer = repeated("peer", "A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then")
+    opt_peer = tap.repeated("peer", "A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then")
 
     def postOptions(self) -> None:
         from mdp.harmony import BeaconDiscovery, EndpointDiscovery
@@ -266,14 +233,14 @@ class ChatOptions(VersionedOptions):
 
         if not self["name"]:
             raise usage.UsageError("--name is required")
-        with usage_errors():
+        with tap.usage_errors():
             check_string(self["name"], "name")
             check_string(self["group"], "group")
         for endpoint in self["peer"]:
             _check_peer(endpoint)
         if self["endpoint"] is not None:
-            checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
-        with usage_errors(errors=(MDPError,)):
+            tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        with tap.usage_errors(errors=(MDPError,)):
             if self["peer"]:
                 from mdp.transport.datagram import pick_interface
 
@@ -303,13 +270,12 @@ def _check_peer(endpoint: str) -> None:
         transport.check(converted)
     except MDPError as e:
         if converted.partition(":")[0] in {scheme.name for scheme in schemes()}:
-            raise usage.UsageError(f"--peer: {str(e).replace(repr(converted), repr(endpoint))}"
-                                   ) from None
+            raise usage.UsageError(f"--peer: {str(e).replace(repr(converted), repr(endpoint))}") from None
         raise usage.UsageError(f"--peer: bad peer endpoint {endpoint!r}: {_PEER_FORM} "
                                "(e.g. tcp://192.168.1.7:49152)") from None
 
 
-class KeygenOptions(VersionedOptions):
+class KeygenOptions(tap.VersionedOptions):
     synopsis = "[--dir DIRECTORY] NAME"
     longdesc = ("Write a new CURVE key pair in ZeroMQ's certificate format: NAME.key (public, for "
                 "allow-lists and --curve-server-public) and NAME.key_secret (for --curve-secret).")
@@ -348,7 +314,7 @@ def keygen(options: KeygenOptions) -> None:
 
 async def call(reactor: Any, options: CallOptions) -> None:
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], dialect=options["dialect"], **curve_client_of(options))
+                    retries=options["retries"], dialect=options["dialect"], **tap.curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
         if not print_frames(frames) and request is not None:
@@ -370,7 +336,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
 
     timing = {name: options[name] for name in ("timeout", "deadline") if options[name] is not None}
     client = freelance_client(options["servers"], options["model"], reactor, **timing,
-                              **curve_client_of(options))
+                              **tap.curve_client_of(options))
     started = reactor.seconds()
     try:
         reply = await client.request(*options["frames"])
@@ -431,15 +397,14 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
     command, sub = options.subCommand, options.subOptions
     client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
-                           retries=sub["retries"], **curve_client_of(sub))
+                           retries=sub["retries"], **tap.curve_client_of(sub))
     try:
         if command == "submit":
             emit(await client.submit(sub["service"], *sub["frames"]))
         elif command == "close":
             await client.close(sub["id"])
         else:
-            reply = await (_wait_for_reply(reactor, client, sub) if sub["wait"]
-                           else client.poll(sub["id"]))
+            reply = await (_wait_for_reply(reactor, client, sub) if sub["wait"] else client.poll(sub["id"]))
             if reply is None:
                 error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
                       "ask again later, or wait for it with --wait")
@@ -524,8 +489,7 @@ async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
         return ""
     if mmi.workers_listed(listing) != 0:
         return ""
-    return (f"; the broker answers, but no Titanic serves {service} there "
-            "(start one: twist mdp-titanic)")
+    return f"; the broker answers, but no Titanic serves {service} there (start one: twist mdp-titanic)"
 
 
 async def demo(reactor: Any, options: DemoOptions) -> None:
@@ -561,12 +525,11 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     from mdp.harmony import Event, Node
 
     group = options["group"]
-    node = Node(options["name"], reactor, discovery=options["discovery"],
-                endpoint=options["endpoint"])
+    node = Node(options["name"], reactor, discovery=options["discovery"], endpoint=options["endpoint"])
     done: defer.Deferred[None] = defer.Deferred()
 
     def say(line: str) -> None:
-        if not emit(printable(line)) and not done.called:
+        if not emit(terminal.printable(line)) and not done.called:
             done.callback(None)  # nobody reads: leave
 
     def heard(event: Event) -> None:
@@ -616,22 +579,22 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``mdp`` console script."""
     catch_interrupt(_interrupted)  # until the command starts
-    Output.gone = False
+    terminal.Output.gone = False
     try:
         try:
             _main(argv)
         finally:
-            if sys.stdout is not None and not Output.gone:
+            if sys.stdout is not None and not terminal.Output.gone:
                 sys.stdout.flush()  # where a broken pipe shows at the latest
     except KeyboardInterrupt:  # before the handler above was in place
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
-        divert_output()
+        terminal.divert_output()
     except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED or not Output.gone:
+        if e.code == EXIT_INTERRUPTED or not terminal.Output.gone:
             raise
-    if Output.gone:
-        raise SystemExit(EXIT_BROKEN_PIPE)
+    if terminal.Output.gone:
+        raise SystemExit(terminal.EXIT_BROKEN_PIPE)
 
 
 def _main(argv: Optional[Sequence[str]]) -> None:
@@ -645,10 +608,10 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     except usage.UsageError as e:
         parsing = options  # the command whose options were being read
         while getattr(parsing, "subCommand", None) and isinstance(
-                getattr(parsing, "subOptions", None), VersionedOptions):
+                getattr(parsing, "subOptions", None), tap.VersionedOptions):
             parsing = parsing.subOptions
-        error(usage_line(parsing, e))
-        raise SystemExit(EXIT_USAGE) from None
+        error(tap.usage_line(parsing, e))
+        raise SystemExit(tap.EXIT_USAGE) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)
         return
@@ -664,7 +627,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
             error(f"mdp {options.subCommand}: {e}")
             raise SystemExit(1) from None
         except BrokenPipeError:  # written to outside _emit
-            divert_output()
+            terminal.divert_output()
 
     def run(reactor: Any) -> defer.Deferred[None]:
         def stop() -> None:

@@ -111,8 +111,7 @@ class BrokerService(_FailableService):
         roles = [(self.endpoint, True, self.backend is None), (self.backend, self.endpoint is None, True)]
         listening = [defer.maybeDeferred(self.broker.listen, bound, clients=clients, workers=workers)
                      for bound, clients, workers in roles if bound is not None]
-        return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
-            self._listening, self._failed)
+        return defer.gatherResults(listening, consumeErrors=True).addCallbacks(self._listening, self._failed)
 
     def _listening(self, transports: list[Any]) -> None:
         self.transports = transports

@@ -79,12 +79,7 @@ def _bytes(option: str, least: int) -> Callable[[str], int]:
             raise ValueError(f"--{option} must be at least {least} byte{plural}, got {value.strip()}")
         return size
 
-    return _documented(coerce, f"Bytes, at least {least}; K/KiB, M/MiB and G/GiB suffixes allowed.")
-
-
-def _documented(coerce: Callable[[str], Any], doc: str) -> Callable[[str], Any]:
-    """*coerce*, with the *doc* that usage.Options adds to its option's help."""
-    coerce.coerceDoc = doc  # type: ignore[attr-defined]
+    coerce.coerceDoc = f"Bytes, at least {least}; K/KiB, M/MiB and G/GiB suffixes allowed."  # type: ignore
     return coerce
 
 
@@ -103,8 +98,8 @@ def seconds_option(option: str, least: Optional[float] = None) -> Callable[[str]
             raise ValueError(f"--{option} must be a number of seconds of at least {least:g}, got {value}")
         return number
 
-    return _documented(coerce, "A positive number of seconds." if least is None
-                       else f"Seconds, at least {least:g}.")
+    coerce.coerceDoc = f"Seconds, at least {least:g}." if least else "A positive number of seconds."  # type: ignore
+    return coerce
 
 
 def whole_option(option: str, least: int) -> Callable[[str], int]:
@@ -118,7 +113,8 @@ def whole_option(option: str, least: int) -> Callable[[str], int]:
             raise ValueError(f"--{option} must be at least {least}, got {number}")
         return number
 
-    return _documented(coerce, f"A whole number, at least {least}.")
+    coerce.coerceDoc = f"A whole number, at least {least}."  # type: ignore[attr-defined]
+    return coerce
 
 
 def _option(name: str, default: Any, doc: str, coercer: Callable[..., Callable[[str], Any]],
@@ -260,8 +256,7 @@ def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[s
 
 def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
     """The options *names* as keyword arguments: ``max-queue`` as ``maxQueue``."""
-    return {re.sub(r"-(\w)", lambda m: m.group(1).upper(), name): options[name]
-            for name in names}
+    return {re.sub(r"-(\w)", lambda m: m.group(1).upper(), name): options[name] for name in names}
 
 
 def dashed(name: str) -> str:
