@@ -14,6 +14,7 @@ import sys
 import uuid
 from typing import Any, Optional, Sequence
 
+import attrs
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
@@ -121,8 +122,8 @@ class FreelanceCallOptions(tap.VersionedOptions):
     ] + tap.CURVE_CLIENT_OPTIONS
 
     repeatable = ("server",)
-    opt_server = opt_s = tap.repeated("server", "Freelance server endpoint; once per server (or "
-                                  "commas) [default: zmq:tcp://127.0.0.1:5556]")
+    opt_server = opt_s = tap.repeated("server", "Freelance server endpoint; once per server (or commas) "
+                                      "[default: zmq:tcp://127.0.0.1:5556]")
 
     def parseArgs(self, *frames: str) -> None:
         if not frames:
@@ -139,8 +140,7 @@ class FreelanceCallOptions(tap.VersionedOptions):
 class DemoOptions(tap.VersionedOptions):
     synopsis = "[--endpoint ENDPOINT] [--requests N]"
     optParameters: list[Any] = [
-        ["endpoint", "e", "zmq:tcp://127.0.0.1:*",
-         "Where the demo broker binds (default: a free port on 127.0.0.1)."],
+        ["endpoint", "e", "zmq:tcp://127.0.0.1:*", "Where the demo broker binds (default: a free port)."],
         ["requests", "n", 3, "Requests to send.", int],
     ]
 
@@ -165,9 +165,8 @@ class TitanicCloseOptions(_ClientOptions):
     synopsis = f"{_BROKERS} ID"
 
     def parseArgs(self, *args: str) -> None:
-        value = _single_argument(args, "request ID", "give the request ID that 'mdp titanic "
-                                 f"submit' printed, e.g. '{self.commandName()} "
-                                 "0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
+        value = _single_argument(args, "request ID", "give the request ID that 'mdp titanic submit' "
+                                 f"printed, e.g. '{self.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
         try:
             self["id"] = str(uuid.UUID(value))
         except ValueError:
@@ -202,9 +201,9 @@ class SPRequestOptions(tap.VersionedOptions):
     ]
 
     def parseArgs(self, *args: str) -> None:
-        self["payload"] = os.fsencode(_single_argument(
-            args, "PAYLOAD", f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'",
-            ": quote a payload with spaces"))
+        missing = f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'"
+        self["payload"] = os.fsencode(_single_argument(args, "PAYLOAD", missing,
+                                                       ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
         tap.checked_sp_endpoint(self["endpoint"], False, "endpoint")
@@ -282,9 +281,9 @@ class KeygenOptions(tap.VersionedOptions):
     optParameters: list[Any] = [["dir", "d", ".", "Directory to write the two files in."]]
 
     def parseArgs(self, *args: str) -> None:
-        self["name"] = _single_argument(args, "NAME", f"give a NAME for the key files, e.g. "
-                            f"'{self.commandName()} broker', which writes broker.key and "
-                            "broker.key_secret")
+        self["name"] = _single_argument(args, "NAME", "give a NAME for the key files, e.g. "
+                                        f"'{self.commandName()} broker', which writes broker.key and "
+                                        "broker.key_secret")
 
 
 class Options(_CommandChoice):
@@ -293,8 +292,7 @@ class Options(_CommandChoice):
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
         ["status", None, StatusOptions, "A broker's services and workers (MMI)."],
-        ["freelance-call", None, FreelanceCallOptions,
-         "Send one request to Freelance servers (no broker)."],
+        ["freelance-call", None, FreelanceCallOptions, "Send one request to Freelance servers (no broker)."],
         ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
         ["sp-request", None, SPRequestOptions, "Send one SP (nng) request; print the reply."],
         ["chat", None, ChatOptions, "A terminal chat with Harmony (ZRE) peers."],
@@ -313,8 +311,8 @@ def keygen(options: KeygenOptions) -> None:
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
-    client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], dialect=options["dialect"], **tap.curve_client_of(options))
+    client = Client(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
+                    dialect=options["dialect"], **tap.curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
         if not print_frames(frames) and request is not None:
@@ -369,8 +367,7 @@ def _freelance_failure(failure: MDPError, options: FreelanceCallOptions, elapsed
 def _how_tried(model: int, servers: list[str], attempts: int) -> str:
     """How a Freelance client of *model* tried *servers* in *attempts*."""
     if model == 3:
-        return (f" (the request sent {attempts} time{'s' * (attempts != 1)} to "
-                "servers that answered a PING)")
+        return f" (the request sent {attempts} time{'s' * (attempts != 1)} to servers that answered a PING)"
     if len(servers) == 1:
         return ""
     if model == 2:
@@ -420,14 +417,13 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
 
 
 async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:
-    """Poll Titanic until the reply is there (``--wait``), saying on stderr
-    what it waits for each time that changes."""
+    """Poll Titanic until the reply is there (``--wait``), saying on stderr what it waits for."""
     brokers = options["brokers"]
-    notes = _WaitNotes(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
+    waiting = _Waiting(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
     while True:
-        slow = reactor.callLater(options["timeout"], notes.slowPoll)
+        slow = reactor.callLater(options["timeout"], waiting.slowPoll)
         try:
-            reply = await _poll(client, notes, options["poll"])
+            reply = await waiting.poll(client, options["poll"])
         finally:
             if slow.active():
                 slow.cancel()
@@ -436,34 +432,33 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
         await task.deferLater(reactor, options["poll"])
 
 
-async def _poll(client: Any, notes: _WaitNotes, every: float) -> Optional[list[bytes]]:
-    """One poll of ``--wait``: the reply, or None once *notes* has the reason."""
-    try:
-        reply = await client.poll(notes.requestId)
-    except ServiceUnavailable as e:
-        notes.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic "
-                                 f"running? Still trying, every {every:g} s")
-    except ServiceOverloaded as e:
-        notes.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
-    except RequestTimeout:
-        notes.say("silent", f"no reply from {notes.where} yet, still trying")
-    except TRANSIENT as e:
-        notes.say("transport", f"{e}; still trying")
-    else:
-        if reply is None:
-            notes.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
-        return reply
-    return None
+@attrs.define
+class _Waiting:
+    """``mdp titanic result --wait``: each reason it waits is said once while it holds."""
 
+    requestId: str
+    where: str
+    reason: str = ""
+    slow: bool = False
 
-class _WaitNotes:
-    """What ``mdp titanic result --wait`` said on stderr: each reason once while it holds."""
-
-    def __init__(self, requestId: str, where: str) -> None:
-        self.requestId = requestId
-        self.where = where
-        self.reason = ""
-        self.slow = False
+    async def poll(self, client: Any, every: float) -> Optional[list[bytes]]:
+        """One poll: the reply, or None once the reason is said."""
+        try:
+            reply = await client.poll(self.requestId)
+        except ServiceUnavailable as e:
+            self.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
+                                    f"Still trying, every {every:g} s")
+        except ServiceOverloaded as e:
+            self.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
+        except RequestTimeout:
+            self.say("silent", f"no reply from {self.where} yet, still trying")
+        except TRANSIENT as e:
+            self.say("transport", f"{e}; still trying")
+        else:
+            if reply is None:
+                self.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+            return reply
+        return None
 
     def note(self, why: str) -> None:
         error(f"mdp titanic result: waiting for request {self.requestId}: {why}")
@@ -606,18 +601,13 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
     except usage.UsageError as e:
-        parsing = options  # the command whose options were being read
-        while getattr(parsing, "subCommand", None) and isinstance(
-                getattr(parsing, "subOptions", None), tap.VersionedOptions):
-            parsing = parsing.subOptions
-        error(tap.usage_line(parsing, e))
+        error(tap.usage_line(e.parser, e))  # type: ignore[attr-defined]
         raise SystemExit(tap.EXIT_USAGE) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)
         return
-    command = {"call": call, "status": status, "freelance-call": freelance_call,
-               "titanic": titanic, "sp-request": sp_request, "chat": chat,
-               "demo": demo}[options.subCommand]
+    command = {"call": call, "status": status, "freelance-call": freelance_call, "titanic": titanic,
+               "sp-request": sp_request, "chat": chat, "demo": demo}[options.subCommand]
     interrupted: list[int] = []
 
     async def guarded(reactor: Any) -> None:
@@ -648,7 +638,3 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         if interrupted:
             raise SystemExit(EXIT_INTERRUPTED) from None
         raise
-
-
-if __name__ == "__main__":
-    main()

@@ -188,7 +188,8 @@ class VersionedOptions(usage.Options):
             super().parseOptions(options)
         except usage.UsageError as e:
             if self.parent is None or self._chain()[0] is not None:
-                raise  # alone, or under mdp: the caller reports it
+                e.parser = getattr(e, "parser", self)  # alone, or under mdp: the caller reports it
+                raise
             print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
 
