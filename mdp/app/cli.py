@@ -1,9 +1,8 @@
 """The ``mdp`` console script (docs/cli.md).
 
-Exit status: 0 done; 1 for a timeout or an error; 2 for a usage mistake
-(before anything is sent) or a closed stdout; 3 for ``mdp titanic result``
-while pending; 130 on Ctrl-C; 141 when stdout's reader has gone.  Errors are
-one line on stderr, never a traceback.
+Exit status: 0 done; 1 for a timeout or an error; 2 for a usage mistake (before anything is sent)
+or a closed stdout; 3 for ``mdp titanic result`` while pending; 130 on Ctrl-C; 141 when stdout's
+reader has gone.  Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations

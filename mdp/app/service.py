@@ -84,9 +84,7 @@ class BrokerService(_FailableService):
         for bound in (endpoint, backend):
             if bound is not None:
                 transport.check(bound, transport.LISTEN)
-        self.endpoint = endpoint
-        self.backend = backend
-        self.binaryStar = binaryStar
+        self.endpoint, self.backend, self.binaryStar = endpoint, backend, binaryStar
         if binaryStar is not None:
             brokerOptions["admission"] = binaryStar
             binaryStar.onFatal(self._fatal)
@@ -118,10 +116,8 @@ class BrokerService(_FailableService):
 
     def _stop(self) -> defer.Deferred[None]:
         self.transports = []
-        closing = [self.broker.close()]
-        if self.binaryStar is not None:
-            closing.append(self.binaryStar.stop())
-        return defer.gatherResults(closing).addCallback(lambda _: None)
+        stopping = [] if self.binaryStar is None else [self.binaryStar.stop()]
+        return defer.gatherResults([self.broker.close(), *stopping]).addCallback(lambda _: None)
 
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if self.binaryStar is not None:
@@ -177,8 +173,7 @@ class MetricsService(_FailableService):
     def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None) -> None:
         super().__init__(default_reactor(reactor), exitOnFailure)
-        self.endpoint = endpoint
-        self.registry = registry
+        self.endpoint, self.registry = endpoint, registry
         self.port: Optional[Any] = None
 
     def _start(self) -> defer.Deferred[None]:
@@ -207,8 +202,7 @@ class _ServerService(_FailableService):
 
     def __init__(self, endpoint: str, server: Any, exitOnFailure: Optional[bool]) -> None:
         super().__init__(server.reactor, exitOnFailure)
-        self.endpoint = endpoint
-        self.server = server
+        self.endpoint, self.server = endpoint, server
 
     def _start(self) -> defer.Deferred[Any]:
         return self.server.listen(self.endpoint).addErrback(
@@ -275,9 +269,8 @@ class SPDeviceService(_ServerService):
 class TitanicService(_FailableService):
     """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and store."""
 
-    def __init__(self, broker: Union[str, Sequence[str]], store: Any,
-                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
-                 **titanicOptions: Any) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: Any, reactor: Optional[Any] = None, *,
+                 exitOnFailure: Optional[bool] = None, **titanicOptions: Any) -> None:
         from mdp.titanic import Titanic
 
         self.titanic = Titanic(broker, store, reactor, **titanicOptions)

@@ -472,8 +472,6 @@ _BROKER_BOUNDS: list[Any] = [
 
 
 class BrokerOptions(_HeartbeatOptions):
-    """Options of ``twist mdp-broker``."""
-
     synopsis = ("[--endpoint ENDPOINT] [--backend ENDPOINT] [--heartbeat SECONDS] [--bstar primary|backup "
                 "--bstar-local ENDPOINT --bstar-remote ENDPOINT] [options]")
     longdesc = ("Run an MDP/0.2 broker.  Endpoints: zmq:tcp://HOST:PORT (port * lets the OS choose), "
@@ -529,8 +527,6 @@ class BrokerOptions(_HeartbeatOptions):
 
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
-    """Options of ``twist mdp-worker``."""
-
     synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] [--handler echo|module:callable] "
                 "[--dialect rfc|majortomo] [--concurrency N] [options]")
     longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
@@ -569,8 +565,6 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
 
 
 class FreelanceServerOptions(_ServiceOptions):
-    """Options of ``twist mdp-freelance-server``."""
-
     synopsis = "[--endpoint ENDPOINT] [--handler echo|module:callable] [--max-pending N] [options]"
     longdesc = ("Run a Freelance server: PING is answered PONG, [sequence, body...] with [sequence, "
                 "reply...].  Try it with mdp freelance-call.")
@@ -604,8 +598,6 @@ def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
 
 
 class SPRepOptions(_ServiceOptions):
-    """Options of ``twist sp-rep``."""
-
     synopsis = "[--endpoint URL] [--handler echo|module:callable] [--max-pending N] [options]"
     longdesc = "Answer SP (nng) REQ requests: the handler takes the payload bytes and returns bytes."
     optParameters: list[Any] = [
@@ -628,8 +620,6 @@ class SPRepOptions(_ServiceOptions):
 
 
 class SPDeviceOptions(_ServiceOptions):
-    """Options of ``twist sp-device``."""
-
     synopsis = "[--front URL] --back URL [--back URL...] [options]"
     longdesc = "Forward SP (nng) requests from --front to the REP peers at --back, replies back."
     optParameters: list[Any] = [["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."]]
@@ -649,8 +639,6 @@ class SPDeviceOptions(_ServiceOptions):
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
-    """Options of ``twist mdp-titanic``."""
-
     synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:] [--concurrency N] "
                 "[--timeout SECONDS] [--keep SECONDS] [options]")
     longdesc = ("Run Titanic: the titanic.request, titanic.reply and titanic.close services and the "
