@@ -64,8 +64,7 @@ def _service_rows(listed: dict[str, Any]) -> list[tuple[Any, ...]]:
 def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
     # a broker with an access policy leaves the peer ids out
     return [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
-             f"{w['silence']:.1f}")
-            for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
+             f"{w['silence']:.1f}") for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
 
 
 async def status(reactor: Any, options: Any) -> None:
@@ -135,8 +134,8 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
     if state.get("state") == "passive":
         return _passive(pair.format("passive broker") + ": it answers no requests", state)
     if state.get("state") == "backup":
-        return (pair.format("backup") + " and has not heard its primary yet: it serves nothing until "
-                "then; ask the primary (and check that this broker's --bstar-remote is the primary's "
+        return (pair.format("backup") + " and has not heard its primary yet: it serves nothing until then; "
+                "ask the primary (and check that this broker's --bstar-remote is the primary's "
                 "--bstar-local)")
     return None
 

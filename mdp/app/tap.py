@@ -16,26 +16,13 @@ from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
-from mdp import transport, uvreactor
+from mdp import binarystar, policy, transport, uvreactor
 from mdp.app import service
-from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
-from mdp.binarystar import BinaryStar
 from mdp.errors import MDPError, TransportError
 from mdp.handlers import load_handler
 from mdp.majordomo import broker
 from mdp.majordomo.codec import api_service_name, check_dialect
 from mdp.majordomo.idempotence import MemoryReplyStore
-from mdp.policy import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_BYTES,
-    FRAME_OVERHEAD,
-    MAX_SECONDS,
-    PIRATE,
-    AccessPolicy,
-    Backoff,
-    HeartbeatPolicy,
-    Limits,
-)
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
@@ -92,8 +79,8 @@ def seconds_option(option: str, least: Optional[float] = None) -> Callable[[str]
             raise ValueError(f"--{option}: not a number of seconds: {value!r}") from None
         if least is None and not (math.isfinite(number) and number > 0):
             raise ValueError(f"--{option} must be a positive number of seconds, not {value}")
-        if number > MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
-            raise ValueError(f"--{option} must be at most {MAX_SECONDS:g} seconds, got {value}")
+        if number > policy.MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
+            raise ValueError(f"--{option} must be at most {policy.MAX_SECONDS:g} seconds, got {value}")
         if least is not None and not (math.isfinite(number) and number >= least):
             raise ValueError(f"--{option} must be a number of seconds of at least {least:g}, got {value}")
         return number
@@ -288,22 +275,21 @@ _MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames", "maxOutputBytes", "maxBuffere
 
 def _limit_options(listening: bool) -> list[Any]:
     """The options of the message limits, or (*listening*) of the other limits."""
-    defaults = Limits()
+    defaults = policy.Limits()
     return [_option(dashed(field), getattr(defaults, field), doc, coercer, least)
             for field, (coercer, least, doc) in LIMIT_OPTIONS.items()
             if (field not in _MESSAGE_LIMITS) == listening]
 
 
-def limits_of(options: usage.Options) -> Limits:
+def limits_of(options: usage.Options) -> policy.Limits:
     """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or over a stream record."""
     with usage_errors():
-        limits = Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
+        limits = policy.Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
                            if dashed(field) in options})
     prefixes = 4 * limits.maxFrames
     if prefixes >= MAX_RECORD_PAYLOAD:
-        raise usage.UsageError(
-            f"--max-frames {limits.maxFrames} is too large: with 4 bytes of length each, "
-            f"the frames must fit a stream record of at most {MAX_RECORD_PAYLOAD} bytes")
+        raise usage.UsageError(f"--max-frames {limits.maxFrames} is too large: with 4 bytes of length each, "
+                               f"the frames must fit a stream record of at most {MAX_RECORD_PAYLOAD} bytes")
     if limits.maxMessageBytes + prefixes > MAX_RECORD_PAYLOAD:
         raise usage.UsageError(
             f"--max-message-bytes {limits.maxMessageBytes} is too large with --max-frames "
@@ -313,10 +299,8 @@ def limits_of(options: usage.Options) -> Limits:
     return limits
 
 
-_METRICS_OPTIONS: list[Any] = [
-    ["metrics", None, None, "Serve Prometheus metrics at /metrics on this Twisted endpoint "
-     "(e.g. tcp:9464:interface=127.0.0.1)."],
-]
+_METRICS_OPTIONS: list[Any] = [["metrics", None, None, "Serve Prometheus metrics at /metrics on this Twisted "
+                                 "endpoint (e.g. tcp:9464:interface=127.0.0.1)."]]
 
 
 def checked_metrics(endpoint: str) -> None:
@@ -384,9 +368,9 @@ class BrokerListOptions(VersionedOptions):
 
 def _pending_options(beyond: str) -> list[Any]:
     """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
-    return [_option("max-pending", DEFAULT_MAX_PENDING,
+    return [_option("max-pending", policy.DEFAULT_MAX_PENDING,
                     f"Most requests being handled at once; beyond, requests are {beyond}.", whole_option, 1),
-            _option("max-pending-bytes", DEFAULT_MAX_PENDING_BYTES,
+            _option("max-pending-bytes", policy.DEFAULT_MAX_PENDING_BYTES,
                     f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1)]
 
 
@@ -421,10 +405,10 @@ class _ServiceOptions(VersionedOptions):
         if "handler" in self:
             self.loadedHandler()
 
-    def heartbeatPolicy(self) -> HeartbeatPolicy:
+    def heartbeatPolicy(self) -> policy.HeartbeatPolicy:
         """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
         with usage_errors(f"heartbeat {self['heartbeat']} --liveness {self['liveness']}"):
-            return HeartbeatPolicy(self["heartbeat"], self["liveness"])
+            return policy.HeartbeatPolicy(self["heartbeat"], self["liveness"])
 
     loadHandler = staticmethod(load_handler)
 
@@ -459,10 +443,10 @@ _BROKER_BOUNDS: list[Any] = [
          seconds_option),
         ("max-queue", "Most requests queued in all.", whole_option, 1),
         ("max-service-queue", "Most requests queued for one service.", whole_option, 1),
-        ("max-queue-bytes", f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
-         _bytes, FRAME_OVERHEAD),
+        ("max-queue-bytes", f"Most bytes of request bodies queued in all ({policy.FRAME_OVERHEAD} more a "
+         "frame).", _bytes, policy.FRAME_OVERHEAD),
         ("max-service-queue-bytes", "Most bytes of request bodies queued for one service "
-         f"({FRAME_OVERHEAD} more a frame).", _bytes, FRAME_OVERHEAD),
+         f"({policy.FRAME_OVERHEAD} more a frame).", _bytes, policy.FRAME_OVERHEAD),
         ("max-workers", "Most registered workers.", whole_option, 1),
         ("max-service-workers", "Most registered workers for one service.", whole_option, 1),
         ("max-deliveries", "Times a request is given to a worker that is then lost, before it fails.",
@@ -483,8 +467,8 @@ class BrokerOptions(_HeartbeatOptions):
          "and --bstar-remote)."],
         ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
-        _option("bstar-heartbeat", DEFAULT_BSTAR_HEARTBEAT, "Binary Star: seconds between state messages; "
-                "the peer is gone after twice this.", seconds_option, MIN_INTERVAL),
+        _option("bstar-heartbeat", binarystar.DEFAULT_HEARTBEAT, "Binary Star: seconds between state "
+                "messages; the peer is gone after twice this.", seconds_option, MIN_INTERVAL),
         ["access", None, None, "Access policy file (TOML): which peers may call and serve which "
          "services (docs/security.md)."],
     ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _limit_options(listening=True)
@@ -505,7 +489,7 @@ class BrokerOptions(_HeartbeatOptions):
         return listeners
 
     def newService(self, metrics: Any) -> Any:
-        binaryStar = None if self["bstar"] is None else BinaryStar(
+        binaryStar = None if self["bstar"] is None else binarystar.BinaryStar(
             self["bstar"], self["bstar-local"], self["bstar-remote"], heartbeat=self["bstar-heartbeat"],
             limits=limits_of(self))
         debug = self.parent is not None and self.parent.get("logLevel") == LogLevel.debug
@@ -520,7 +504,7 @@ class BrokerOptions(_HeartbeatOptions):
         if self["access"] is not None and "access-policy" not in self:
             try:
                 with usage_errors("access", (ValueError,)):
-                    self["access-policy"] = AccessPolicy.load(self["access"])
+                    self["access-policy"] = policy.AccessPolicy.load(self["access"])
             except OSError as e:
                 raise usage.UsageError(f"--access: cannot read {self['access']}: {e.strerror}") from None
         return self.get("access-policy")
@@ -558,7 +542,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(
             self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
-            backoff=attrs.evolve(PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
+            backoff=attrs.evolve(policy.PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
             replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
             limits=limits_of(self), metrics=metrics, concurrency=self["concurrency"],
             **curve_client_of(self))
@@ -677,7 +661,7 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
         return service.TitanicService(
             self["brokers"], self["db"], workers=self["service-workers"],
-            backoff=Backoff(initial, max(self["backoff-max"], initial)),
+            backoff=policy.Backoff(initial, max(self["backoff-max"], initial)),
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
             **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes", "max-request-bytes",
                        "list-every"), **curve_client_of(self))
