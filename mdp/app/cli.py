@@ -63,15 +63,6 @@ class _RequestOptions(_ClientOptions):
         self["frames"] = [os.fsencode(f) for f in frames]
 
 
-class _CommandChoice(tap.VersionedOptions):
-    """Options that are only a choice of sub-command."""
-
-    def postOptions(self) -> None:
-        if self.subCommand is None:
-            names = [command[0] for command in self.subCommands]
-            raise usage.UsageError(f"choose a command: {', '.join(names[:-1])} or {names[-1]}")
-
-
 _BROKERS = "[--broker ENDPOINT [--broker ENDPOINT...]] [--timeout S] [--retries N]"
 
 
@@ -182,7 +173,7 @@ class TitanicResultOptions(TitanicCloseOptions):
                                  tap.seconds_option("poll")]]
 
 
-class TitanicOptions(_CommandChoice):
+class TitanicOptions(tap.VersionedOptions):
     synopsis = "submit|result|close [options]"
     subCommands = [
         ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
@@ -285,7 +276,7 @@ class KeygenOptions(tap.VersionedOptions):
                                         "broker.key_secret")
 
 
-class Options(_CommandChoice):
+class Options(tap.VersionedOptions):
     programName = "mdp"
     synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo|keygen [options]"
     subCommands = [

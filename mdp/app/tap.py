@@ -180,6 +180,11 @@ class VersionedOptions(usage.Options):
             print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
 
+    def postOptions(self) -> None:
+        if getattr(self, "subCommands", None) and self.subCommand is None:
+            names = [command[0] for command in self.subCommands]
+            raise usage.UsageError(f"choose a command: {', '.join(names[:-1])} or {names[-1]}")
+
     def parseArgs(self, *args: str) -> None:
         if args:
             raise usage.UsageError(f"unexpected argument {args[0]!r}: "
