@@ -1,9 +1,8 @@
 """The ``mdp`` console script (docs/cli.md).
 
-Exit status: 0 done; 1 for a timeout or an error; 2 for a usage mistake
-(before anything is sent) or a closed stdout; 3 for ``mdp titanic result``
-while pending; 130 on Ctrl-C; 141 when stdout's reader has gone.  Errors are
-one line on stderr, never a traceback.
+Exit status: 0 done; 1 for a timeout or an error; 2 for a usage mistake (before anything is sent)
+or a closed stdout; 3 for ``mdp titanic result`` while pending; 130 on Ctrl-C; 141 when stdout's
+reader has gone.  Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,48 +13,18 @@ import sys
 import uuid
 from typing import Any, Optional, Sequence
 
+import attrs
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
 
 from mdp import transport, uvreactor
+from mdp.app import tap, terminal
 from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
 from mdp.app.status import status
-from mdp.app.tap import (
-    CURVE_CLIENT_OPTIONS,
-    DEFAULT_FREELANCE_ENDPOINT,
-    EXIT_USAGE,
-    BrokerListOptions,
-    VersionedOptions,
-    checked_curve_client,
-    checked_endpoints,
-    checked_sp_endpoint,
-    connect_endpoints,
-    curve_client_of,
-    repeated,
-    seconds_option,
-    usage_errors,
-    usage_line,
-    whole_option,
-)
-from mdp.app.terminal import (
-    EXIT_BROKEN_PIPE,
-    Output,
-    divert_output,
-    emit,
-    error,
-    print_frames,
-    printable,
-    show,
-)
-from mdp.errors import (
-    MDPError,
-    NoServerAvailable,
-    RequestTimeout,
-    ServiceOverloaded,
-    ServiceUnavailable,
-)
+from mdp.app.terminal import emit, error, print_frames, show
+from mdp.errors import MDPError, NoServerAvailable, RequestTimeout, ServiceOverloaded, ServiceUnavailable
 from mdp.handlers import echo
 from mdp.majordomo import mmi
 from mdp.majordomo.broker import Broker
@@ -69,18 +38,14 @@ from mdp.transport.registry import bare_address, schemes
 EXIT_PENDING = 3
 
 
-class _ClientOptions(BrokerListOptions):
+class _ClientOptions(tap.BrokerListOptions):
     """What every command that talks to a broker takes."""
 
     optParameters: list[Any] = [
-        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", seconds_option("timeout")],
+        ["timeout", "t", DEFAULT_TIMEOUT, "Seconds to wait for each attempt.", tap.seconds_option("timeout")],
         ["retries", "r", DEFAULT_RETRIES, "Attempts in all before giving up.",
-         whole_option("retries", 1)],
-    ] + CURVE_CLIENT_OPTIONS
-
-    def postOptions(self) -> None:
-        super().postOptions()
-        checked_curve_client(self, self["brokers"])
+         tap.whole_option("retries", 1)],
+    ]
 
 
 class _RequestOptions(_ClientOptions):
@@ -91,21 +56,11 @@ class _RequestOptions(_ClientOptions):
             raise usage.UsageError(f"give a SERVICE and at least one FRAME, e.g. "
                                    f"'{self.commandName()} echo hello'")
         service, *frames = args
-        with usage_errors(errors=(TypeError, ValueError)):
+        with tap.usage_errors(errors=(TypeError, ValueError)):
             self["service"] = api_service_name(service)
         if not frames and not self["service"].startswith(b"mmi."):
-            raise usage.UsageError("give at least one request frame (only mmi.* queries "
-                                   "may have none)")
+            raise usage.UsageError("give at least one request frame (only mmi.* queries may have none)")
         self["frames"] = [os.fsencode(f) for f in frames]
-
-
-class _CommandChoice(VersionedOptions):
-    """Options that are only a choice of sub-command."""
-
-    def postOptions(self) -> None:
-        if self.subCommand is None:
-            names = [command[0] for command in self.subCommands]
-            raise usage.UsageError(f"choose a command: {', '.join(names[:-1])} or {names[-1]}")
 
 
 _BROKERS = "[--broker ENDPOINT [--broker ENDPOINT...]] [--timeout S] [--retries N]"
@@ -115,9 +70,8 @@ class CallOptions(_RequestOptions):
     synopsis = f"{_BROKERS} [--dialect rfc|majortomo] SERVICE [FRAME...]"
     longdesc = ("Send one request through a broker; print each reply frame on its own line.  "
                 "At least one FRAME, except for mmi.* queries.")
-    optParameters: list[Any] = [
-        ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
-    ]
+    optParameters: list[Any] = [["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.",
+                                 check_dialect]]
 
 
 #: seconds between refreshes of ``mdp status --watch`` given no number
@@ -126,73 +80,62 @@ DEFAULT_WATCH = 2.0
 
 class StatusOptions(_ClientOptions):
     synopsis = f"{_BROKERS} [--watch [SECONDS]]"
-    longdesc = ("The broker's services (workers idle and busy, requests queued) and workers "
-                "(service, state, seconds since last heard from), from mmi.services and "
-                "mmi.workers.  --watch refreshes every SECONDS (default 2) until Ctrl-C.")
-    optParameters: list[Any] = [
-        ["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; 2 with --watch "
-         "alone]", seconds_option("watch")],
-    ]
+    longdesc = ("The broker's services (workers idle and busy, requests queued) and workers (service, "
+                "state, seconds since last heard from), from mmi.services and mmi.workers.")
+    optParameters: list[Any] = [["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; "
+                                 "2 with --watch alone]", tap.seconds_option("watch")]]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
         args = list(sys.argv[1:] if options is None else options)
         for n in reversed(range(len(args))):
-            if args[n] in ("--watch", "-w") and not _is_number(next(iter(args[n + 1:]), "")):
-                args.insert(n + 1, str(DEFAULT_WATCH))
+            if args[n] in ("--watch", "-w"):
+                try:
+                    float(args[n + 1])
+                except (IndexError, ValueError):
+                    args.insert(n + 1, str(DEFAULT_WATCH))
         super().parseOptions(args)
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-class FreelanceCallOptions(VersionedOptions):
+class FreelanceCallOptions(tap.VersionedOptions):
     synopsis = ("[--server ENDPOINT [--server ENDPOINT...]] [--model 1|2|3] [--timeout S] "
                 "[--deadline S] FRAME [FRAME...]")
-    longdesc = ("Send one request to Freelance servers (twist mdp-freelance-server) with no "
-                "broker; print each reply frame on its own line.  A Freelance request has no "
-                "service name: the frames are the request.")
+    longdesc = ("Send one request, its FRAMEs (no service name), to Freelance servers (twist "
+                "mdp-freelance-server) with no broker; print each reply frame on its own line.")
     optParameters: list[Any] = [
-        ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all "
-         "at once) or 3 (an agent: heartbeats, the first live server).", int],
-        ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; "
-         "3 s for model 2]", seconds_option("timeout")],
-        ["deadline", "d", None, "Seconds the whole request may take [default: the model's: "
-         "30 s for model 1, 3 s for model 3]", seconds_option("deadline")],
-    ] + CURVE_CLIENT_OPTIONS
+        ["model", "m", 3, "The Guide's client model: 1 (one server after another), 2 (all at once) or "
+         "3 (an agent: heartbeats, the first live server).", int],
+        ["timeout", "t", None, "Seconds one attempt may take [default: the model's: 1 s; 3 s for "
+         "model 2]", tap.seconds_option("timeout")],
+        ["deadline", "d", None, "Seconds the whole request may take [default: the model's: 30 s for "
+         "model 1, 3 s for model 3]", tap.seconds_option("deadline")],
+    ] + tap.CURVE_CLIENT_OPTIONS
 
     repeatable = ("server",)
-    opt_server = opt_s = repeated("server", "Freelance server endpoint; once per server (or "
-                                  "commas) [default: zmq:tcp://127.0.0.1:5556]")
+    opt_server = opt_s = tap.repeated("server", "Freelance server endpoint; once per server (or commas) "
+                                      "[default: zmq:tcp://127.0.0.1:5556]")
 
     def parseArgs(self, *frames: str) -> None:
         if not frames:
-            raise usage.UsageError(f"give at least one request FRAME, e.g. "
-                                   f"'{self.commandName()} hello'")
+            raise usage.UsageError(f"give at least one request FRAME, e.g. '{self.commandName()} hello'")
         self["frames"] = [os.fsencode(f) for f in frames]
 
     def postOptions(self) -> None:
-        self["servers"] = connect_endpoints(self["server"], "server", DEFAULT_FREELANCE_ENDPOINT)
+        self["servers"] = tap.connect_endpoints(self["server"], "server", tap.DEFAULT_FREELANCE_ENDPOINT)
         if self["model"] not in (1, 2, 3):
             raise usage.UsageError(f"--model is 1, 2 or 3, not {self['model']}")
-        checked_curve_client(self, self["servers"])
+        tap.checked_curve_client(self, self["servers"])
 
 
-class DemoOptions(VersionedOptions):
+class DemoOptions(tap.VersionedOptions):
     synopsis = "[--endpoint ENDPOINT] [--requests N]"
     optParameters: list[Any] = [
-        ["endpoint", "e", "zmq:tcp://127.0.0.1:*",
-         "Where the demo broker binds (default: a free port on 127.0.0.1)."],
+        ["endpoint", "e", "zmq:tcp://127.0.0.1:*", "Where the demo broker binds (default: a free port)."],
         ["requests", "n", 3, "Requests to send.", int],
     ]
 
     def postOptions(self) -> None:
-        checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
 
 
 class TitanicSubmitOptions(_RequestOptions):
@@ -212,9 +155,8 @@ class TitanicCloseOptions(_ClientOptions):
     synopsis = f"{_BROKERS} ID"
 
     def parseArgs(self, *args: str) -> None:
-        value = _single_argument(args, "request ID", "give the request ID that 'mdp titanic "
-                                 f"submit' printed, e.g. '{self.commandName()} "
-                                 "0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
+        value = _single_argument(args, "request ID", "give the request ID that 'mdp titanic submit' "
+                                 f"printed, e.g. '{self.commandName()} 0b9a3c4e-5d6f-4a1b-8c2d-3e4f5a6b7c8d'")
         try:
             self["id"] = str(uuid.UUID(value))
         except ValueError:
@@ -223,18 +165,15 @@ class TitanicCloseOptions(_ClientOptions):
 
 class TitanicResultOptions(TitanicCloseOptions):
     synopsis = f"{_BROKERS} [--wait] [--poll SECONDS] ID"
-    longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 "
-                "with the reply; 3 while the request is pending (without --wait; a line on "
-                "stderr says so); 1 for an unknown, closed or purged ID, an error reply, or "
-                "Titanic not answering; 2 for a usage mistake.  With --wait, what it waits "
-                "for (the reply, Titanic, the broker) is said on stderr.")
+    longdesc = ("Print the reply frames of a stored request, one per line.  Exit status: 0 with the "
+                "reply; 3 while the request is pending (without --wait); 1 for an unknown, closed or "
+                "purged ID, an error reply, or Titanic not answering; 2 for a usage mistake.")
     optFlags = [["wait", "w", "Poll until the reply is there (instead of exit status 3)."]]
-    optParameters: list[Any] = [
-        ["poll", "p", 1.0, "Seconds between polls with --wait.", seconds_option("poll")],
-    ]
+    optParameters: list[Any] = [["poll", "p", 1.0, "Seconds between polls with --wait.",
+                                 tap.seconds_option("poll")]]
 
 
-class TitanicOptions(_CommandChoice):
+class TitanicOptions(tap.VersionedOptions):
     synopsis = "submit|result|close [options]"
     subCommands = [
         ["submit", None, TitanicSubmitOptions, "Store a request; print its id."],
@@ -243,41 +182,39 @@ class TitanicOptions(_CommandChoice):
     ]
 
 
-class SPRequestOptions(VersionedOptions):
+class SPRequestOptions(tap.VersionedOptions):
     synopsis = "[--endpoint URL] [--timeout S] [--resend S] PAYLOAD"
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "SP REP (or device) to ask: nng URL or endpoint."],
-        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", seconds_option("timeout")],
-        ["resend", None, 60.0, "Seconds before the request is sent again.", seconds_option("resend")],
+        ["timeout", "t", 10.0, "Seconds to wait for the reply in all.", tap.seconds_option("timeout")],
+        ["resend", None, 60.0, "Seconds before the request is sent again.", tap.seconds_option("resend")],
     ]
 
     def parseArgs(self, *args: str) -> None:
-        self["payload"] = os.fsencode(_single_argument(
-            args, "PAYLOAD", f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'",
-            ": quote a payload with spaces"))
+        missing = f"give the PAYLOAD to send, e.g. '{self.commandName()} hello'"
+        self["payload"] = os.fsencode(_single_argument(args, "PAYLOAD", missing,
+                                                       ": quote a payload with spaces"))
 
     def postOptions(self) -> None:
-        checked_sp_endpoint(self["endpoint"], False, "endpoint")
+        tap.checked_sp_endpoint(self["endpoint"], False, "endpoint")
 
 
-class ChatOptions(VersionedOptions):
+class ChatOptions(tap.VersionedOptions):
     synopsis = ("--name NAME [--group GROUP] [--interface IF] [--port PORT] [--endpoint ENDPOINT] "
                 "[--peer ENDPOINT]...")
-    longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; "
-                "'/w NAME TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or "
-                "Ctrl-C leaves.")
+    longdesc = ("A terminal chat on a Harmony (ZRE) node.  Lines you type go to the group; '/w NAME "
+                "TEXT' whispers to one peer, '/peers' lists them.  Ctrl-D or Ctrl-C leaves.")
     optParameters: list[Any] = [
         ["name", "n", None, "Your name, as the others see it."],
         ["group", "g", "CHAT", "The group to talk in."],
-        ["interface", "i", None, "Network interface (name or address) for beacons "
-         "[default: the first that is not loopback]."],
+        ["interface", "i", None, "Network interface (name or address) for beacons [default: the "
+         "first that is not loopback]."],
         ["port", "p", 5670, "UDP port of the beacons.", int],
-        ["endpoint", "e", None, "Where to bind [default: zmq:tcp://ADDRESS:* on the "
-         "beacons' interface]."],
+        ["endpoint", "e", None, "Where to bind [default: zmq:tcp://ADDRESS:* on the beacons' interface]."],
     ]
 
     repeatable = ("peer",)
-    opt_peer = repeated("peer", "A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then")
+    opt_peer = tap.repeated("peer", "A peer's endpoint (tcp://HOST:PORT), once per peer; no beacons then")
 
     def postOptions(self) -> None:
         from mdp.harmony import BeaconDiscovery, EndpointDiscovery
@@ -285,14 +222,14 @@ class ChatOptions(VersionedOptions):
 
         if not self["name"]:
             raise usage.UsageError("--name is required")
-        with usage_errors():
+        with tap.usage_errors():
             check_string(self["name"], "name")
             check_string(self["group"], "group")
         for endpoint in self["peer"]:
             _check_peer(endpoint)
         if self["endpoint"] is not None:
-            checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
-        with usage_errors(errors=(MDPError,)):
+            tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        with tap.usage_errors(errors=(MDPError,)):
             if self["peer"]:
                 from mdp.transport.datagram import pick_interface
 
@@ -322,36 +259,30 @@ def _check_peer(endpoint: str) -> None:
         transport.check(converted)
     except MDPError as e:
         if converted.partition(":")[0] in {scheme.name for scheme in schemes()}:
-            raise usage.UsageError(f"--peer: {str(e).replace(repr(converted), repr(endpoint))}"
-                                   ) from None
+            raise usage.UsageError(f"--peer: {str(e).replace(repr(converted), repr(endpoint))}") from None
         raise usage.UsageError(f"--peer: bad peer endpoint {endpoint!r}: {_PEER_FORM} "
                                "(e.g. tcp://192.168.1.7:49152)") from None
 
 
-class KeygenOptions(VersionedOptions):
+class KeygenOptions(tap.VersionedOptions):
     synopsis = "[--dir DIRECTORY] NAME"
-    longdesc = ("Write a new CURVE key pair: NAME.key (the public key, for the peers' "
-                "allow-lists and --curve-server-public) and NAME.key_secret (keep it to "
-                "yourself: --curve-secret), in ZeroMQ's certificate format.  Existing files "
-                "are never overwritten.")
-    optParameters: list[Any] = [
-        ["dir", "d", ".", "Directory to write the two files in."],
-    ]
+    longdesc = ("Write a new CURVE key pair in ZeroMQ's certificate format: NAME.key (public, for "
+                "allow-lists and --curve-server-public) and NAME.key_secret (for --curve-secret).")
+    optParameters: list[Any] = [["dir", "d", ".", "Directory to write the two files in."]]
 
     def parseArgs(self, *args: str) -> None:
-        self["name"] = _single_argument(args, "NAME", f"give a NAME for the key files, e.g. "
-                            f"'{self.commandName()} broker', which writes broker.key and "
-                            "broker.key_secret")
+        self["name"] = _single_argument(args, "NAME", "give a NAME for the key files, e.g. "
+                                        f"'{self.commandName()} broker', which writes broker.key and "
+                                        "broker.key_secret")
 
 
-class Options(_CommandChoice):
+class Options(tap.VersionedOptions):
     programName = "mdp"
     synopsis = "call|status|freelance-call|titanic|sp-request|chat|demo|keygen [options]"
     subCommands = [
         ["call", None, CallOptions, "Send one request through a broker."],
         ["status", None, StatusOptions, "A broker's services and workers (MMI)."],
-        ["freelance-call", None, FreelanceCallOptions,
-         "Send one request to Freelance servers (no broker)."],
+        ["freelance-call", None, FreelanceCallOptions, "Send one request to Freelance servers (no broker)."],
         ["titanic", None, TitanicOptions, "Disconnected requests through Titanic."],
         ["sp-request", None, SPRequestOptions, "Send one SP (nng) request; print the reply."],
         ["chat", None, ChatOptions, "A terminal chat with Harmony (ZRE) peers."],
@@ -370,8 +301,8 @@ def keygen(options: KeygenOptions) -> None:
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
-    client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], dialect=options["dialect"], **curve_client_of(options))
+    client = Client(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
+                    dialect=options["dialect"], **tap.curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
         if not print_frames(frames) and request is not None:
@@ -393,7 +324,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
 
     timing = {name: options[name] for name in ("timeout", "deadline") if options[name] is not None}
     client = freelance_client(options["servers"], options["model"], reactor, **timing,
-                              **curve_client_of(options))
+                              **tap.curve_client_of(options))
     started = reactor.seconds()
     try:
         reply = await client.request(*options["frames"])
@@ -426,8 +357,7 @@ def _freelance_failure(failure: MDPError, options: FreelanceCallOptions, elapsed
 def _how_tried(model: int, servers: list[str], attempts: int) -> str:
     """How a Freelance client of *model* tried *servers* in *attempts*."""
     if model == 3:
-        return (f" (the request sent {attempts} time{'s' * (attempts != 1)} to "
-                "servers that answered a PING)")
+        return f" (the request sent {attempts} time{'s' * (attempts != 1)} to servers that answered a PING)"
     if len(servers) == 1:
         return ""
     if model == 2:
@@ -454,15 +384,14 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
     command, sub = options.subCommand, options.subOptions
     client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
-                           retries=sub["retries"], **curve_client_of(sub))
+                           retries=sub["retries"], **tap.curve_client_of(sub))
     try:
         if command == "submit":
             emit(await client.submit(sub["service"], *sub["frames"]))
         elif command == "close":
             await client.close(sub["id"])
         else:
-            reply = await (_wait_for_reply(reactor, client, sub) if sub["wait"]
-                           else client.poll(sub["id"]))
+            reply = await (_wait_for_reply(reactor, client, sub) if sub["wait"] else client.poll(sub["id"]))
             if reply is None:
                 error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
                       "ask again later, or wait for it with --wait")
@@ -478,14 +407,13 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
 
 
 async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:
-    """Poll Titanic until the reply is there (``--wait``), saying on stderr
-    what it waits for each time that changes."""
+    """Poll Titanic until the reply is there (``--wait``), saying on stderr what it waits for."""
     brokers = options["brokers"]
-    notes = _WaitNotes(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
+    waiting = _Waiting(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
     while True:
-        slow = reactor.callLater(options["timeout"], notes.slowPoll)
+        slow = reactor.callLater(options["timeout"], waiting.slowPoll)
         try:
-            reply = await _poll(client, notes, options["poll"])
+            reply = await waiting.poll(client, options["poll"])
         finally:
             if slow.active():
                 slow.cancel()
@@ -494,34 +422,33 @@ async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptio
         await task.deferLater(reactor, options["poll"])
 
 
-async def _poll(client: Any, notes: _WaitNotes, every: float) -> Optional[list[bytes]]:
-    """One poll of ``--wait``: the reply, or None once *notes* has the reason."""
-    try:
-        reply = await client.poll(notes.requestId)
-    except ServiceUnavailable as e:
-        notes.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic "
-                                 f"running? Still trying, every {every:g} s")
-    except ServiceOverloaded as e:
-        notes.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
-    except RequestTimeout:
-        notes.say("silent", f"no reply from {notes.where} yet, still trying")
-    except TRANSIENT as e:
-        notes.say("transport", f"{e}; still trying")
-    else:
-        if reply is None:
-            notes.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
-        return reply
-    return None
+@attrs.define
+class _Waiting:
+    """``mdp titanic result --wait``: each reason it waits is said once while it holds."""
 
+    requestId: str
+    where: str
+    reason: str = ""
+    slow: bool = False
 
-class _WaitNotes:
-    """What ``mdp titanic result --wait`` said on stderr: each reason once while it holds."""
-
-    def __init__(self, requestId: str, where: str) -> None:
-        self.requestId = requestId
-        self.where = where
-        self.reason = ""
-        self.slow = False
+    async def poll(self, client: Any, every: float) -> Optional[list[bytes]]:
+        """One poll: the reply, or None once the reason is said."""
+        try:
+            reply = await client.poll(self.requestId)
+        except ServiceUnavailable as e:
+            self.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
+                                    f"Still trying, every {every:g} s")
+        except ServiceOverloaded as e:
+            self.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
+        except RequestTimeout:
+            self.say("silent", f"no reply from {self.where} yet, still trying")
+        except TRANSIENT as e:
+            self.say("transport", f"{e}; still trying")
+        else:
+            if reply is None:
+                self.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
+            return reply
+        return None
 
     def note(self, why: str) -> None:
         error(f"mdp titanic result: waiting for request {self.requestId}: {why}")
@@ -547,8 +474,7 @@ async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
         return ""
     if mmi.workers_listed(listing) != 0:
         return ""
-    return (f"; the broker answers, but no Titanic serves {service} there "
-            "(start one: twist mdp-titanic)")
+    return f"; the broker answers, but no Titanic serves {service} there (start one: twist mdp-titanic)"
 
 
 async def demo(reactor: Any, options: DemoOptions) -> None:
@@ -584,12 +510,11 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     from mdp.harmony import Event, Node
 
     group = options["group"]
-    node = Node(options["name"], reactor, discovery=options["discovery"],
-                endpoint=options["endpoint"])
+    node = Node(options["name"], reactor, discovery=options["discovery"], endpoint=options["endpoint"])
     done: defer.Deferred[None] = defer.Deferred()
 
     def say(line: str) -> None:
-        if not emit(printable(line)) and not done.called:
+        if not emit(terminal.printable(line)) and not done.called:
             done.callback(None)  # nobody reads: leave
 
     def heard(event: Event) -> None:
@@ -639,22 +564,22 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``mdp`` console script."""
     catch_interrupt(_interrupted)  # until the command starts
-    Output.gone = False
+    terminal.Output.gone = False
     try:
         try:
             _main(argv)
         finally:
-            if sys.stdout is not None and not Output.gone:
+            if sys.stdout is not None and not terminal.Output.gone:
                 sys.stdout.flush()  # where a broken pipe shows at the latest
     except KeyboardInterrupt:  # before the handler above was in place
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
-        divert_output()
+        terminal.divert_output()
     except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED or not Output.gone:
+        if e.code == EXIT_INTERRUPTED or not terminal.Output.gone:
             raise
-    if Output.gone:
-        raise SystemExit(EXIT_BROKEN_PIPE)
+    if terminal.Output.gone:
+        raise SystemExit(terminal.EXIT_BROKEN_PIPE)
 
 
 def _main(argv: Optional[Sequence[str]]) -> None:
@@ -666,18 +591,13 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
     except usage.UsageError as e:
-        parsing = options  # the command whose options were being read
-        while getattr(parsing, "subCommand", None) and isinstance(
-                getattr(parsing, "subOptions", None), VersionedOptions):
-            parsing = parsing.subOptions
-        error(usage_line(parsing, e))
-        raise SystemExit(EXIT_USAGE) from None
+        error(tap.usage_line(e.parser, e))  # type: ignore[attr-defined]
+        raise SystemExit(tap.EXIT_USAGE) from None
     if options.subCommand == "keygen":  # no reactor: two files and done
         keygen(options.subOptions)
         return
-    command = {"call": call, "status": status, "freelance-call": freelance_call,
-               "titanic": titanic, "sp-request": sp_request, "chat": chat,
-               "demo": demo}[options.subCommand]
+    command = {"call": call, "status": status, "freelance-call": freelance_call, "titanic": titanic,
+               "sp-request": sp_request, "chat": chat, "demo": demo}[options.subCommand]
     interrupted: list[int] = []
 
     async def guarded(reactor: Any) -> None:
@@ -687,7 +607,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
             error(f"mdp {options.subCommand}: {e}")
             raise SystemExit(1) from None
         except BrokenPipeError:  # written to outside _emit
-            divert_output()
+            terminal.divert_output()
 
     def run(reactor: Any) -> defer.Deferred[None]:
         def stop() -> None:
@@ -708,7 +628,3 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         if interrupted:
             raise SystemExit(EXIT_INTERRUPTED) from None
         raise
-
-
-if __name__ == "__main__":
-    main()

@@ -22,17 +22,15 @@ log = Logger()
 
 
 class _FailableService(Service):
-    """A service that can fail to start (a port taken, a store unreadable): the
-    failure is logged; with *exitOnFailure* the process exits 1 and later
-    services do not start, else ``startService`` returns the failure."""
+    """A service that can fail to start (a port taken, a store unreadable): the failure is logged;
+    with *exitOnFailure* the process exits 1, else ``startService`` returns the failure."""
 
     #: started by a runner that calls privilegedStartService first (twistd)
     _twistd = False
 
     def __init__(self, reactor: Any, exitOnFailure: Optional[bool]) -> None:
         self.reactor = reactor
-        #: a failure to start exits 1: True, False, or None for "when twistd runs it"
-        self.exitOnFailure = exitOnFailure
+        self.exitOnFailure = exitOnFailure  # None: when twistd runs it
 
     def privilegedStartService(self) -> None:
         self._twistd = True
@@ -49,12 +47,11 @@ class _FailableService(Service):
         return self._stop()
 
     def _endsProcess(self) -> bool:
-        """*exitOnFailure*, or if None, run by ``twistd`` (which drops what ``startService`` returns)."""
+        """*exitOnFailure*, or if None, run by ``twistd`` (which drops what startService returns)."""
         return self._twistd if self.exitOnFailure is None else self.exitOnFailure
 
     def _failedToStart(self, failure: Failure, message: str, **fields: Any) -> Optional[Failure]:
-        """Log *message* (a format of *fields* and ``error``); return *failure*,
-        or end the process: at once before the reactor runs, else after shutdown."""
+        """Log *message* (a format of *fields* and ``error``); return *failure*, or end the process."""
         if isinstance(failure.value, defer.FirstError):
             failure = failure.value.subFailure
         fields["error"] = failure.getErrorMessage()
@@ -75,10 +72,9 @@ class _FailableService(Service):
 
 
 class BrokerService(_FailableService):
-    """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and
-    workers) and/or *backend* (workers); other keyword arguments go to the broker.
-    With a *binaryStar* it serves only while active; a fatal error of the pair
-    closes it.  A malformed endpoint raises :class:`~mdp.errors.TransportError`."""
+    """Runs a :class:`~mdp.majordomo.broker.Broker` bound to *endpoint* (clients and workers) and/or
+    *backend* (workers); other keyword arguments go to the broker.  With a *binaryStar* it serves
+    only while active.  A malformed endpoint raises :class:`~mdp.errors.TransportError`."""
 
     def __init__(self, endpoint: Optional[str] = None, backend: Optional[str] = None,
                  reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
@@ -88,14 +84,12 @@ class BrokerService(_FailableService):
         for bound in (endpoint, backend):
             if bound is not None:
                 transport.check(bound, transport.LISTEN)
-        self.endpoint = endpoint
-        self.backend = backend
-        self.binaryStar = binaryStar
+        self.endpoint, self.backend, self.binaryStar = endpoint, backend, binaryStar
         if binaryStar is not None:
             brokerOptions["admission"] = binaryStar
             binaryStar.onFatal(self._fatal)
-            binaryStar.onActive(self._admissionChanged)
-            binaryStar.onPassive(self._admissionChanged)
+            binaryStar.onActive(lambda reason: self.broker.admissionChanged())
+            binaryStar.onPassive(lambda reason: self.broker.admissionChanged())
         self.broker = Broker(reactor, **brokerOptions)
         super().__init__(self.broker.reactor, exitOnFailure)
         self.transports: list[Any] = []
@@ -104,9 +98,6 @@ class BrokerService(_FailableService):
         if self.binaryStar is None:
             return self._listen()
         return self.binaryStar.start().addCallbacks(lambda _: self._listen(), self._failed)
-
-    def _admissionChanged(self, reason: str) -> None:
-        self.broker.admissionChanged()
 
     def _fatal(self, reason: str) -> None:
         """The Binary Star pair is broken: this broker stops."""
@@ -118,18 +109,15 @@ class BrokerService(_FailableService):
         roles = [(self.endpoint, True, self.backend is None), (self.backend, self.endpoint is None, True)]
         listening = [defer.maybeDeferred(self.broker.listen, bound, clients=clients, workers=workers)
                      for bound, clients, workers in roles if bound is not None]
-        return defer.gatherResults(listening, consumeErrors=True).addCallbacks(
-            self._listening, self._failed)
+        return defer.gatherResults(listening, consumeErrors=True).addCallbacks(self._listening, self._failed)
 
     def _listening(self, transports: list[Any]) -> None:
         self.transports = transports
 
     def _stop(self) -> defer.Deferred[None]:
         self.transports = []
-        closing = [self.broker.close()]
-        if self.binaryStar is not None:
-            closing.append(self.binaryStar.stop())
-        return defer.gatherResults(closing).addCallback(lambda _: None)
+        stopping = [] if self.binaryStar is None else [self.binaryStar.stop()]
+        return defer.gatherResults([self.broker.close(), *stopping]).addCallback(lambda _: None)
 
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if self.binaryStar is not None:
@@ -141,14 +129,13 @@ class BrokerService(_FailableService):
 
 
 def _exiting(reactor: Any) -> bool:
-    """A service failed to start and the process is exiting: later services do
-    nothing (a worker would register with whatever holds the broker's port)."""
+    """A service failed to start and the process is exiting: later services do nothing (a worker
+    would register with whatever holds the broker's port)."""
     return bool(getattr(reactor, "_mdpExiting", False))
 
 
 def _stop_and_exit(reactor: Any, status: int) -> None:
-    """Stop *reactor* and exit with *status* once it has shut down (``twist``
-    and ``twistd`` would exit 0); once, however many services fail."""
+    """Stop *reactor* and exit with *status* once it has shut down (twist would exit 0); once only."""
     if _exiting(reactor):
         return
     reactor._mdpExiting = True
@@ -181,14 +168,12 @@ class WorkerService(Service):
 
 
 class MetricsService(_FailableService):
-    """Serves a Prometheus *registry* at ``/metrics`` on *endpoint*, a Twisted
-    server endpoint string (``tcp:9464:interface=127.0.0.1``)."""
+    """Serves a Prometheus *registry* at ``/metrics`` on *endpoint*, a Twisted server endpoint string."""
 
     def __init__(self, endpoint: str, registry: Any, reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None) -> None:
         super().__init__(default_reactor(reactor), exitOnFailure)
-        self.endpoint = endpoint
-        self.registry = registry
+        self.endpoint, self.registry = endpoint, registry
         self.port: Optional[Any] = None
 
     def _start(self) -> defer.Deferred[None]:
@@ -217,8 +202,7 @@ class _ServerService(_FailableService):
 
     def __init__(self, endpoint: str, server: Any, exitOnFailure: Optional[bool]) -> None:
         super().__init__(server.reactor, exitOnFailure)
-        self.endpoint = endpoint
-        self.server = server
+        self.endpoint, self.server = endpoint, server
 
     def _start(self) -> defer.Deferred[Any]:
         return self.server.listen(self.endpoint).addErrback(
@@ -256,40 +240,37 @@ class SPServerService(_ServerService):
         super().__init__(endpoint, SPServer(handler, reactor, **serverOptions), exitOnFailure)
 
 
-class SPDeviceService(_FailableService):
-    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*, made
-    when the service starts."""
+class SPDeviceService(_ServerService):
+    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*, made when the service starts
+    (it dials *back* at once)."""
 
-    def __init__(self, front: str, back: Union[str, Sequence[str]],
-                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
-                 **deviceOptions: Any) -> None:
+    what = "SP device"
+
+    def __init__(self, front: str, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 exitOnFailure: Optional[bool] = None, **deviceOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
 
         transport.check(endpoint_of(front, listen=True), transport.LISTEN)
-        super().__init__(default_reactor(reactor), exitOnFailure)
-        self.front = front
-        self.back = back
-        self.deviceOptions = deviceOptions
-        self.device: Optional[Any] = None
+        _FailableService.__init__(self, default_reactor(reactor), exitOnFailure)
+        self.endpoint, self.server = front, None
+        self.back, self.deviceOptions = back, deviceOptions
 
     def _start(self) -> defer.Deferred[Any]:
         from mdp.sp.peers import SPDevice
 
-        self.device = SPDevice(self.back, self.reactor, **self.deviceOptions)
-        return self.device.listen(self.front).addErrback(
-            self._cannotListen, "SP device cannot listen on {endpoint}: {error}", endpoint=self.front)
+        self.server = SPDevice(self.back, self.reactor, **self.deviceOptions)
+        return super()._start()
 
     def _stop(self) -> defer.Deferred[None]:
-        device, self.device = self.device, None
+        device, self.server = self.server, None
         return device.close() if device is not None else defer.succeed(None)
 
 
 class TitanicService(_FailableService):
     """Runs a :class:`~mdp.titanic.Titanic`: its services, dispatcher and store."""
 
-    def __init__(self, broker: Union[str, Sequence[str]], store: Any,
-                 reactor: Optional[Any] = None, *, exitOnFailure: Optional[bool] = None,
-                 **titanicOptions: Any) -> None:
+    def __init__(self, broker: Union[str, Sequence[str]], store: Any, reactor: Optional[Any] = None, *,
+                 exitOnFailure: Optional[bool] = None, **titanicOptions: Any) -> None:
         from mdp.titanic import Titanic
 
         self.titanic = Titanic(broker, store, reactor, **titanicOptions)

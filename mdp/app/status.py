@@ -27,24 +27,18 @@ class UndescribedReply(ValueError):
 
     def __init__(self, query: str, reply: list[bytes]) -> None:
         self.query = query
-        super().__init__(f"{query} answered {_excerpt(reply)}")
-
-
-def _excerpt(frames: list[bytes]) -> str:
-    """*frames* as a bytes literal, cut after :data:`EXCERPT` characters."""
-    text = repr(frames)
-    if len(text) <= EXCERPT:
-        return text
-    size = sum(len(frame) for frame in frames)
-    return f"{text[:EXCERPT]}... ({size} bytes in {len(frames)} frame{'s' * (len(frames) != 1)})"
+        text, size = repr(reply), sum(len(frame) for frame in reply)
+        if len(text) > EXCERPT:
+            text = f"{text[:EXCERPT]}... ({size} bytes in {len(reply)} frame{'s' * (len(reply) != 1)})"
+        super().__init__(f"{query} answered {text}")
 
 
 def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
     """The two tables of ``mdp status``; raises :class:`UndescribedReply`."""
     return (_table(services, "mmi.services", ["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"],
                    (1, 2, 3, 4), _service_rows)
-            + [""] + _table(workers, "mmi.workers", ["WORKER", "SERVICE", "STATE", "DIALECT",
-                                                     "SILENCE (s)"], (4,), _worker_rows))
+            + [""] + _table(workers, "mmi.workers", ["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"],
+                            (4,), _worker_rows))
 
 
 def _table(reply: list[bytes], query: str, headings: list[str], right: tuple[int, ...],
@@ -70,8 +64,7 @@ def _service_rows(listed: dict[str, Any]) -> list[tuple[Any, ...]]:
 def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
     # a broker with an access policy leaves the peer ids out
     return [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
-             f"{w['silence']:.1f}")
-            for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
+             f"{w['silence']:.1f}") for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
 
 
 async def status(reactor: Any, options: Any) -> None:
@@ -84,22 +77,15 @@ async def status(reactor: Any, options: Any) -> None:
             lines = await _report(client, options)
             if lines is None and watch is None:
                 raise SystemExit(1)
-            if lines is not None and not emit(*_framed(lines, watch)):
+            if lines is not None and watch is not None:  # on a cleared screen, or after a blank line
+                lines = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
+            if lines is not None and not emit(*lines):
                 return
             if watch is None:
                 return
             await task.deferLater(reactor, watch)
     finally:
         await client.close()
-
-
-def _framed(lines: list[str], watch: Optional[float]) -> list[str]:
-    """*lines* on a cleared screen (a terminal) or followed by a blank line."""
-    if watch is None:
-        return lines
-    if sys.stdout.isatty():
-        return [_CLEAR + lines[0], *lines[1:]]
-    return [*lines, ""]
 
 
 async def _report(client: Any, options: Any) -> Optional[list[str]]:
@@ -135,9 +121,8 @@ class _NotServing(MDPError):
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:
-    """Why the broker serves nothing (a Binary Star broker that is passive or
-    has not heard its primary), else None.  Asks ``mmi.binarystar``: unlike
-    ``mmi.services`` it is answered in any state and is no failover vote."""
+    """Why a Binary Star broker serves nothing (passive, or a backup yet to hear its primary), else
+    None; ``mmi.binarystar``, unlike ``mmi.services``, is answered in any state and no failover vote."""
     try:
         reply = await client.request("mmi.binarystar", timeout=timeout, retries=1)
         state = json.loads(reply[0])
@@ -149,20 +134,18 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
     if state.get("state") == "passive":
         return _passive(pair.format("passive broker") + ": it answers no requests", state)
     if state.get("state") == "backup":
-        return (pair.format("backup") + " and has not heard its primary yet: it serves "
-                "nothing until then; ask the primary (and check that this broker's "
-                "--bstar-remote is the primary's --bstar-local)")
+        return (pair.format("backup") + " and has not heard its primary yet: it serves nothing until then; "
+                "ask the primary (and check that this broker's --bstar-remote is the primary's "
+                "--bstar-local)")
     return None
 
 
 def _passive(passive: str, state: dict[str, Any]) -> str:
     """What a passive broker's *state* means for a client."""
-    peer, silence = state.get("peer"), state.get("peerSilence")
-    failover = state.get("failoverTimeout")
-    numbers = all(isinstance(n, (int, float)) for n in (silence, failover))
-    if numbers and silence > failover:
-        return (f"{passive}, and its peer has been silent for {silence:g} s: the next "
-                "client request here makes it take over")
+    peer, silence, failover = state.get("peer"), state.get("peerSilence"), state.get("failoverTimeout")
+    if all(isinstance(n, (int, float)) for n in (silence, failover)) and silence > failover:
+        return (f"{passive}, and its peer has been silent for {silence:g} s: the next client request "
+                "here makes it take over")
     if peer == "active":
         return f"{passive} while its peer (active) serves them; ask the other broker of the pair"
     return f"{passive} (its peer is {peer or 'not heard yet'}); ask the other broker of the pair"

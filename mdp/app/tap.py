@@ -16,26 +16,13 @@ from twisted.plugin import IPlugin
 from twisted.python import usage
 from zope.interface import implementer
 
-from mdp import transport, uvreactor
+from mdp import binarystar, policy, transport, uvreactor
 from mdp.app import service
-from mdp.binarystar import DEFAULT_HEARTBEAT as DEFAULT_BSTAR_HEARTBEAT
-from mdp.binarystar import BinaryStar
 from mdp.errors import MDPError, TransportError
 from mdp.handlers import load_handler
 from mdp.majordomo import broker
 from mdp.majordomo.codec import api_service_name, check_dialect
 from mdp.majordomo.idempotence import MemoryReplyStore
-from mdp.policy import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_BYTES,
-    FRAME_OVERHEAD,
-    MAX_SECONDS,
-    PIRATE,
-    AccessPolicy,
-    Backoff,
-    HeartbeatPolicy,
-    Limits,
-)
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
@@ -47,10 +34,7 @@ DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
 DEFAULT_FREELANCE_ENDPOINT = "zmq:tcp://127.0.0.1:5556"
 
-_UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2,
-          "g": 1024 ** 3, "gib": 1024 ** 3}
-
-
+_UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3, "gib": 1024 ** 3}
 #: the largest byte size: a signed 64-bit size, as libzmq and the OS take
 MAX_BYTE_SIZE = (1 << 63) - 1
 #: the longest stream record payload (a uint32 length; 0xFFFFFFFF marks a greeting)
@@ -78,12 +62,11 @@ def _bytes(option: str, least: int) -> Callable[[str], int]:
         except ValueError as e:
             raise ValueError(f"--{option}: {e}") from None
         if size < least:
-            raise ValueError(f"--{option} must be at least {least} byte{'s' * (least != 1)}, "
-                             f"got {value.strip()}")
+            plural = "s" * (least != 1)
+            raise ValueError(f"--{option} must be at least {least} byte{plural}, got {value.strip()}")
         return size
 
-    coerce.coerceDoc = (  # type: ignore[attr-defined]
-        f"Bytes, at least {least}; K/KiB, M/MiB and G/GiB suffixes allowed.")
+    coerce.coerceDoc = f"Bytes, at least {least}; K/KiB, M/MiB and G/GiB suffixes allowed."  # type: ignore
     return coerce
 
 
@@ -96,16 +79,13 @@ def seconds_option(option: str, least: Optional[float] = None) -> Callable[[str]
             raise ValueError(f"--{option}: not a number of seconds: {value!r}") from None
         if least is None and not (math.isfinite(number) and number > 0):
             raise ValueError(f"--{option} must be a positive number of seconds, not {value}")
-        if number > MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
-            raise ValueError(f"--{option} must be at most {MAX_SECONDS:g} seconds, got {value}")
+        if number > policy.MAX_SECONDS:  # finite, but no timer (nor 2 x heartbeat) takes it
+            raise ValueError(f"--{option} must be at most {policy.MAX_SECONDS:g} seconds, got {value}")
         if least is not None and not (math.isfinite(number) and number >= least):
-            raise ValueError(f"--{option} must be a number of seconds of at least {least:g}, "
-                             f"got {value}")
+            raise ValueError(f"--{option} must be a number of seconds of at least {least:g}, got {value}")
         return number
 
-    coerce.coerceDoc = (  # type: ignore[attr-defined]
-        "A positive number of seconds." if least is None
-        else f"Seconds, at least {least:g}.")
+    coerce.coerceDoc = f"Seconds, at least {least:g}." if least else "A positive number of seconds."  # type: ignore
     return coerce
 
 
@@ -146,8 +126,7 @@ _COERCE_FAILED = "Parameter type enforcement failed: "
 
 
 def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
-    """A usage mistake in one line: the command, what is wrong, where the help is.
-    usage.Options' prefix goes when the message names its option."""
+    """A usage mistake in one line: the command, what is wrong, where the help is."""
     command, text = options.commandName(), str(error)
     if text.startswith(_COERCE_FAILED + "--"):
         text = text[len(_COERCE_FAILED):]
@@ -155,9 +134,8 @@ def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
 
 
 class VersionedOptions(usage.Options):
-    """The base of our option parsers: txmajordomo's ``--version``, ``-h``, a
-    usage line naming the command.  Under ``twist`` a usage mistake is one line
-    on stderr and exit status :data:`EXIT_USAGE`, not the whole help text."""
+    """Our option parsers: ``--version``, ``-h``, a usage line naming the command; under
+    ``twist`` a usage mistake is one line on stderr and exit status :data:`EXIT_USAGE`."""
 
     #: what the usage line of a parser with no parent starts with
     programName: Optional[str] = None
@@ -172,8 +150,7 @@ class VersionedOptions(usage.Options):
             self[name] = []
 
     def _chain(self) -> tuple[Optional[str], list[str]]:
-        """The programName of the parser with no parent (None under twist), and
-        the sub-commands from it to this one."""
+        """The root parser's programName (None under twist), and the sub-commands to this one."""
         words = []
         node: usage.Options = self
         while node.parent is not None:
@@ -198,12 +175,17 @@ class VersionedOptions(usage.Options):
             super().parseOptions(options)
         except usage.UsageError as e:
             if self.parent is None or self._chain()[0] is not None:
-                raise  # alone, or under mdp: the caller reports it
+                e.parser = getattr(e, "parser", self)  # alone, or under mdp: the caller reports it
+                raise
             print(usage_line(self, e), file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
 
+    def postOptions(self) -> None:
+        if getattr(self, "subCommands", None) and self.subCommand is None:
+            names = [command[0] for command in self.subCommands]
+            raise usage.UsageError(f"choose a command: {', '.join(names[:-1])} or {names[-1]}")
+
     def parseArgs(self, *args: str) -> None:
-        """Refuse arguments, naming the first one."""
         if args:
             raise usage.UsageError(f"unexpected argument {args[0]!r}: "
                                    f"{self.commandName()} takes options only")
@@ -218,8 +200,7 @@ class VersionedOptions(usage.Options):
 
 
 def repeated(name: str, doc: str) -> Callable[[VersionedOptions, str], None]:
-    """The ``opt_`` handler of *name*, an option in ``repeatable``: each value
-    is added to the list ``self[name]``."""
+    """The ``opt_`` handler of *name* (in ``repeatable``): each value goes on ``self[name]``."""
     def add(self: VersionedOptions, value: str) -> None:
         self[name].append(value)
 
@@ -239,8 +220,7 @@ def usage_errors(option: str = "", errors: tuple[type[Exception], ...] = (Transp
 
 def checked_endpoints(value: Optional[str], role: str, option: str,
                       example: str = DEFAULT_ENDPOINT) -> list[str]:
-    """The comma-separated endpoints of *option*, checked for *role* (None: none).
-    A bad or empty one (``--broker "$A,$B"`` with B unset) is a usage error."""
+    """The comma-separated endpoints of *option*, checked for *role* (None: none)."""
     if value is None:
         return []
     endpoints = [e.strip() for e in value.split(",")]
@@ -267,21 +247,9 @@ def checked_endpoint(value: Optional[str], role: str, option: str) -> Optional[s
     return endpoints[0] if endpoints else None
 
 
-class BrokerListOptions(VersionedOptions):
-    """``--broker``/``-b``, repeatable for failover; parsed into ``self["brokers"]``."""
-
-    repeatable = ("broker",)
-    opt_broker = opt_b = repeated("broker", "Broker endpoint; once per broker (or commas) for "
-                                  "failover [default: zmq:tcp://127.0.0.1:5555]")
-
-    def postOptions(self) -> None:
-        self["brokers"] = connect_endpoints(self["broker"], "broker", DEFAULT_ENDPOINT)
-
-
 def keywords(options: usage.Options, *names: str) -> dict[str, Any]:
     """The options *names* as keyword arguments: ``max-queue`` as ``maxQueue``."""
-    return {re.sub(r"-(\w)", lambda m: m.group(1).upper(), name): options[name]
-            for name in names}
+    return {re.sub(r"-(\w)", lambda m: m.group(1).upper(), name): options[name] for name in names}
 
 
 def dashed(name: str) -> str:
@@ -291,22 +259,20 @@ def dashed(name: str) -> str:
 
 #: the option of each :class:`~mdp.policy.Limits` field: its coercer, least value and help
 LIMIT_OPTIONS: dict[str, tuple[Callable[..., Any], float, str]] = {
-    "maxMessageBytes": (_bytes, 64, "Largest message sent or received, in bytes of frames (the "
-                        "same on every node); with 4 bytes per --max-frames frame it fits a "
-                        "stream record: 4 GiB less 2 bytes."),
+    "maxMessageBytes": (_bytes, 64, "Largest message sent or received, in bytes of frames (the same "
+                        "on every node); with 4 bytes a frame it fits a stream record: 4 GiB less 2 bytes."),
     "maxFrames": (whole_option, 8, "Most frames in one message."),
-    "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, a "
-                       "listening side disconnects it and a streaming worker waits."),
+    "maxOutputBytes": (_bytes, 64, "Unsent bytes kept for a peer that does not read; beyond, a listening "
+                       "side disconnects it and a streaming worker waits."),
     "maxConnections": (whole_option, 1, "Most open connections per stream endpoint (tcp, tls, unix)."),
-    "handshakeTimeout": (seconds_option, 0.001, "Seconds a new stream connection has to send "
-                         "its first message."),
-    "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message "
-                      "it started."),
-    "maxConnectionsPerAddress": (whole_option, 0, "Most open connections from one IP address per "
-                                 "stream endpoint (0: as --max-connections); at it, that address's "
-                                 "connection that has done least is closed to admit a new one."),
-    "maxBufferedBytes": (_bytes, 64, "Bytes of unfinished stream records the whole process "
-                         "holds; a record that would pass it closes its connection."),
+    "handshakeTimeout": (seconds_option, 0.001, "Seconds a new stream connection has to send its first "
+                         "message."),
+    "recordTimeout": (seconds_option, 0.001, "Seconds a stream peer has to complete a message it started."),
+    "maxConnectionsPerAddress": (whole_option, 0, "Most open connections from one IP address per stream "
+                                 "endpoint (0: as --max-connections); at it, that address's connection "
+                                 "that has done least is closed to admit a new one."),
+    "maxBufferedBytes": (_bytes, 64, "Bytes of unfinished stream records the whole process holds; a "
+                         "record that would pass it closes its connection."),
 }
 #: the limits every plugin takes; the others bind a listening side
 _MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames", "maxOutputBytes", "maxBufferedBytes")
@@ -314,23 +280,21 @@ _MESSAGE_LIMITS = ("maxMessageBytes", "maxFrames", "maxOutputBytes", "maxBuffere
 
 def _limit_options(listening: bool) -> list[Any]:
     """The options of the message limits, or (*listening*) of the other limits."""
-    defaults = Limits()
+    defaults = policy.Limits()
     return [_option(dashed(field), getattr(defaults, field), doc, coercer, least)
             for field, (coercer, least, doc) in LIMIT_OPTIONS.items()
             if (field not in _MESSAGE_LIMITS) == listening]
 
 
-def limits_of(options: usage.Options) -> Limits:
-    """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or
-    too large for a stream record."""
+def limits_of(options: usage.Options) -> policy.Limits:
+    """The :class:`~mdp.policy.Limits` of *options*; a usage error if invalid or over a stream record."""
     with usage_errors():
-        limits = Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
+        limits = policy.Limits(**{field: options[dashed(field)] for field in LIMIT_OPTIONS
                            if dashed(field) in options})
     prefixes = 4 * limits.maxFrames
     if prefixes >= MAX_RECORD_PAYLOAD:
-        raise usage.UsageError(
-            f"--max-frames {limits.maxFrames} is too large: with 4 bytes of length each, "
-            f"the frames must fit a stream record of at most {MAX_RECORD_PAYLOAD} bytes")
+        raise usage.UsageError(f"--max-frames {limits.maxFrames} is too large: with 4 bytes of length each, "
+                               f"the frames must fit a stream record of at most {MAX_RECORD_PAYLOAD} bytes")
     if limits.maxMessageBytes + prefixes > MAX_RECORD_PAYLOAD:
         raise usage.UsageError(
             f"--max-message-bytes {limits.maxMessageBytes} is too large with --max-frames "
@@ -340,48 +304,41 @@ def limits_of(options: usage.Options) -> Limits:
     return limits
 
 
-_METRICS_OPTIONS: list[Any] = [
-    ["metrics", None, None, "Serve Prometheus metrics at /metrics on this Twisted endpoint "
-     "(e.g. tcp:9464:interface=127.0.0.1)."],
-]
+_METRICS_OPTIONS: list[Any] = [["metrics", None, None, "Serve Prometheus metrics at /metrics on this Twisted "
+                                 "endpoint (e.g. tcp:9464:interface=127.0.0.1)."]]
 
 
-def checked_metrics(options: usage.Options) -> None:
-    """--metrics, if given, is a Twisted server endpoint string."""
-    if options["metrics"] is None:
-        return
-    if not options["metrics"].strip():
-        raise usage.UsageError("--metrics is empty: give a Twisted server endpoint, e.g. "
-                               "tcp:9464:interface=127.0.0.1")
+def checked_metrics(endpoint: str) -> None:
+    """--metrics is a Twisted server endpoint string."""
     from twisted.internet import reactor
     from twisted.internet.endpoints import serverFromString
 
+    if not endpoint.strip():
+        raise usage.UsageError("--metrics is empty: give a Twisted server endpoint, e.g. "
+                               "tcp:9464:interface=127.0.0.1")
     try:
-        serverFromString(reactor, options["metrics"])
+        serverFromString(reactor, endpoint)
     except (ValueError, KeyError, TypeError) as e:
-        raise usage.UsageError(f"--metrics: not a Twisted server endpoint: "
-                               f"{options['metrics']!r} ({e})") from None
+        raise usage.UsageError(f"--metrics: not a Twisted server endpoint: {endpoint!r} ({e})") from None
     except OSError as e:  # ssl: a key or certificate file it cannot read
-        raise usage.UsageError(f"--metrics: {options['metrics']!r}: {e}") from None
+        raise usage.UsageError(f"--metrics: {endpoint!r}: {e}") from None
 
 
 _CURVE_SERVER_OPTIONS: list[Any] = [
-    ["curve-secret", None, None, "CURVE: this server's secret key file (NAME.key_secret, "
-     "from 'mdp keygen NAME'); zmq: endpoints become encrypted."],
-    ["curve-allow", None, None, "CURVE: a directory of the public keys (*.key) of the peers "
-     "let in; without it any peer with a key is."],
+    ["curve-secret", None, None, "CURVE: this server's secret key file (NAME.key_secret, from "
+     "'mdp keygen NAME'); zmq: endpoints become encrypted."],
+    ["curve-allow", None, None, "CURVE: a directory of the public keys (*.key) of the peers let in; "
+     "without it any peer with a key is."],
 ]
 CURVE_CLIENT_OPTIONS: list[Any] = [
     ["curve-server-public", None, None, "CURVE: the broker's public key file (NAME.key)."],
-    ["curve-secret", None, None, "CURVE: this peer's secret key file (NAME.key_secret); "
-     "without it a key made up for this process (only a server without --curve-allow "
-     "lets it in)."],
+    ["curve-secret", None, None, "CURVE: this peer's secret key file (NAME.key_secret); without it a "
+     "key made up for this process (only a server without --curve-allow lets it in)."],
 ]
 
 
 def checked_curve_server(options: usage.Options, listeners: dict[str, Optional[str]]) -> None:
-    """Check --curve-secret and --curve-allow, and each of *listeners* (option:
-    endpoint) against them (:func:`mdp.transport.curve_listen_for`)."""
+    """Check --curve-secret, --curve-allow and *listeners* (option: endpoint) against them."""
     with usage_errors():
         curve = curve_server(options["curve-secret"], options["curve-allow"])
     for option, endpoint in listeners.items():
@@ -398,24 +355,33 @@ def curve_client_of(options: usage.Options) -> dict[str, Any]:
 def checked_curve_client(options: usage.Options, endpoints: list[str]) -> None:
     """Check the client CURVE keys for *endpoints* (:func:`mdp.transport.curve_client_for`)."""
     with usage_errors():
-        transport.curve_client_for(endpoints, options["curve-server-public"],
-                                   options["curve-secret"])
+        transport.curve_client_for(endpoints, options["curve-server-public"], options["curve-secret"])
+
+
+class BrokerListOptions(VersionedOptions):
+    """``--broker``/``-b``, repeatable for failover, into ``self["brokers"]``; CURVE keys for them."""
+
+    repeatable = ("broker",)
+    optParameters: list[Any] = CURVE_CLIENT_OPTIONS
+    opt_broker = opt_b = repeated("broker", "Broker endpoint; once per broker (or commas) for "
+                                  "failover [default: zmq:tcp://127.0.0.1:5555]")
+
+    def postOptions(self) -> None:
+        self["brokers"] = connect_endpoints(self["broker"], "broker", DEFAULT_ENDPOINT)
+        checked_curve_client(self, self["brokers"])
 
 
 def _pending_options(beyond: str) -> list[Any]:
     """``--max-pending`` and ``--max-pending-bytes``; *beyond*: what happens over them."""
-    return [
-        _option("max-pending", DEFAULT_MAX_PENDING,
-                f"Most requests being handled at once; beyond, requests are {beyond}.", whole_option, 1),
-        _option("max-pending-bytes", DEFAULT_MAX_PENDING_BYTES,
-                f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1),
-    ]
+    return [_option("max-pending", policy.DEFAULT_MAX_PENDING,
+                    f"Most requests being handled at once; beyond, requests are {beyond}.", whole_option, 1),
+            _option("max-pending-bytes", policy.DEFAULT_MAX_PENDING_BYTES,
+                    f"Most bytes of requests being handled at once; beyond, {beyond}.", _bytes, 1)]
 
 
 class _ServiceOptions(VersionedOptions):
-    """Options of a ``twist`` plugin.  :meth:`postOptions` checks each group of
-    options the plugin has (limits, metrics, CURVE, handler), so a mistake is a
-    usage error before anything starts."""
+    """Options of a ``twist`` plugin: :meth:`postOptions` checks each group of them, so a
+    mistake is a usage error before anything starts."""
 
     optParameters: list[Any] = _limit_options(listening=False)
     #: the :mod:`mdp.metrics` class that --metrics counts with
@@ -424,8 +390,7 @@ class _ServiceOptions(VersionedOptions):
     listens = True
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
-        """Check the options of this role; a server returns its listeners
-        (option: endpoint) for the CURVE check."""
+        """Check the options of this role; a server returns its listeners (option: endpoint)."""
 
     def newService(self, metrics: Any) -> Any:
         """The service these options ask for, counting with *metrics* (None: no --metrics)."""
@@ -438,25 +403,22 @@ class _ServiceOptions(VersionedOptions):
             self.heartbeatPolicy()
         limits_of(self)
         listeners = self.checkRole()
-        if "metrics" in self:
-            checked_metrics(self)
+        if self.get("metrics") is not None:
+            checked_metrics(self["metrics"])
         if "curve-allow" in self:
             checked_curve_server(self, listeners or {})
-        elif "curve-server-public" in self:
-            checked_curve_client(self, self["brokers"])
         if "handler" in self:
             self.loadedHandler()
 
-    def heartbeatPolicy(self) -> HeartbeatPolicy:
+    def heartbeatPolicy(self) -> policy.HeartbeatPolicy:
         """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
         with usage_errors(f"heartbeat {self['heartbeat']} --liveness {self['liveness']}"):
-            return HeartbeatPolicy(self["heartbeat"], self["liveness"])
+            return policy.HeartbeatPolicy(self["heartbeat"], self["liveness"])
 
     loadHandler = staticmethod(load_handler)
 
     def loadedHandler(self) -> Any:
-        """--handler, loaded once; a failure is one line on stderr and exit
-        status 2, before anything starts."""
+        """--handler, loaded once; a failure is one line on stderr and exit status 2."""
         if "handler-callable" not in self:
             try:
                 self["handler-callable"] = self.loadHandler(self["handler"])
@@ -473,61 +435,53 @@ class _HeartbeatOptions(_ServiceOptions):
     ]
 
 
-#: the broker's bounds, passed on to it as keyword arguments
+_HANDLER = ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."]
+
+#: the broker's bounds (defaults: its ``DEFAULT_`` constants), passed on to it as keyword arguments
 _BROKER_BOUNDS: list[Any] = [
-    _option("request-expiry", broker.DEFAULT_REQUEST_EXPIRY,
-            "Seconds a request waits for a worker of its service to be free.", seconds_option),
-    _option("unknown-service-expiry", broker.DEFAULT_UNKNOWN_SERVICE_EXPIRY,
-            "Seconds the requests for a service no worker has registered wait (from its first "
-            "request), then 503.", seconds_option),
-    _option("service-linger", broker.DEFAULT_SERVICE_LINGER,
-            "Seconds a service stays known (mmi.service 200) after its last worker left.", seconds_option),
-    _option("max-queue", broker.DEFAULT_MAX_QUEUE, "Most requests queued in all.", whole_option, 1),
-    _option("max-service-queue", broker.DEFAULT_MAX_SERVICE_QUEUE,
-            "Most requests queued for one service.", whole_option, 1),
-    _option("max-queue-bytes", broker.DEFAULT_MAX_QUEUE_BYTES,
-            f"Most bytes of request bodies queued in all ({FRAME_OVERHEAD} more a frame).",
-            _bytes, FRAME_OVERHEAD),
-    _option("max-service-queue-bytes", broker.DEFAULT_MAX_SERVICE_QUEUE_BYTES,
-            f"Most bytes of request bodies queued for one service ({FRAME_OVERHEAD} more a frame).",
-            _bytes, FRAME_OVERHEAD),
-    _option("max-workers", broker.DEFAULT_MAX_WORKERS, "Most registered workers.", whole_option, 1),
-    _option("max-service-workers", broker.DEFAULT_MAX_SERVICE_WORKERS,
-            "Most registered workers for one service.", whole_option, 1),
-    _option("max-deliveries", broker.DEFAULT_MAX_DELIVERIES,
-            "Times a request is given to a worker that is then lost, before it fails.", whole_option, 1),
+    _option(name, getattr(broker, "DEFAULT_" + name.upper().replace("-", "_")), doc, coercer, *least)
+    for name, doc, coercer, *least in [
+        ("request-expiry", "Seconds a request waits for a worker of its service to be free.", seconds_option),
+        ("unknown-service-expiry", "Seconds the requests for a service no worker has registered wait "
+         "(from its first request), then 503.", seconds_option),
+        ("service-linger", "Seconds a service stays known (mmi.service 200) after its last worker left.",
+         seconds_option),
+        ("max-queue", "Most requests queued in all.", whole_option, 1),
+        ("max-service-queue", "Most requests queued for one service.", whole_option, 1),
+        ("max-queue-bytes", f"Most bytes of request bodies queued in all ({policy.FRAME_OVERHEAD} more a "
+         "frame).", _bytes, policy.FRAME_OVERHEAD),
+        ("max-service-queue-bytes", "Most bytes of request bodies queued for one service "
+         f"({policy.FRAME_OVERHEAD} more a frame).", _bytes, policy.FRAME_OVERHEAD),
+        ("max-workers", "Most registered workers.", whole_option, 1),
+        ("max-service-workers", "Most registered workers for one service.", whole_option, 1),
+        ("max-deliveries", "Times a request is given to a worker that is then lost, before it fails.",
+         whole_option, 1),
+    ]
 ]
 
 
 class BrokerOptions(_HeartbeatOptions):
-    """Options of ``twist mdp-broker``."""
-
-    synopsis = ("[--endpoint ENDPOINT] [--backend ENDPOINT] [--heartbeat SECONDS] [--liveness N] "
-                "[--request-expiry SECONDS] [--bstar primary|backup --bstar-local ENDPOINT "
-                "--bstar-remote ENDPOINT] [options]")
-    longdesc = (
-        "Run an MDP/0.2 broker.  Endpoints: zmq:tcp://HOST:PORT (port * lets the "
-        "OS choose), tcp:host=HOST:port=PORT (any Twisted endpoint), loopback:NAME."
-    )
+    synopsis = ("[--endpoint ENDPOINT] [--backend ENDPOINT] [--heartbeat SECONDS] [--bstar primary|backup "
+                "--bstar-local ENDPOINT --bstar-remote ENDPOINT] [options]")
+    longdesc = ("Run an MDP/0.2 broker.  Endpoints: zmq:tcp://HOST:PORT (port * lets the OS choose), "
+                "tcp:host=HOST:port=PORT (any Twisted endpoint), loopback:NAME.")
     optParameters: list[Any] = [
-        ["endpoint", "e", DEFAULT_ENDPOINT,
-         "Endpoint for clients (and workers, unless --backend is given)."],
+        ["endpoint", "e", DEFAULT_ENDPOINT, "Endpoint for clients (and workers, unless --backend is given)."],
         ["backend", "b", None, "Separate endpoint for workers."],
-        ["bstar", None, None,
-         "Run as one of a Binary Star pair: primary or backup (needs --bstar-local and "
-         "--bstar-remote)."],
+        ["bstar", None, None, "Run as one of a Binary Star pair: primary or backup (needs --bstar-local "
+         "and --bstar-remote)."],
         ["bstar-local", None, None, "Binary Star: where this broker publishes its state."],
         ["bstar-remote", None, None, "Binary Star: the peer broker's --bstar-local."],
-        _option("bstar-heartbeat", DEFAULT_BSTAR_HEARTBEAT, "Binary Star: seconds between state "
+        _option("bstar-heartbeat", binarystar.DEFAULT_HEARTBEAT, "Binary Star: seconds between state "
                 "messages; the peer is gone after twice this.", seconds_option, MIN_INTERVAL),
-        ["access", None, None, "Access policy file (TOML): which peers may call and serve "
-         "which services (docs/security.md)."],
+        ["access", None, None, "Access policy file (TOML): which peers may call and serve which "
+         "services (docs/security.md)."],
     ] + _BROKER_BOUNDS + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS + _limit_options(listening=True)
     metrics = "BrokerMetrics"
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
-        listeners = {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint"),
-                     "backend": checked_endpoint(self["backend"], transport.LISTEN, "backend")}
+        listeners = {name: checked_endpoint(self[name], transport.LISTEN, name)
+                     for name in ("endpoint", "backend")}
         self.accessPolicy()
         given = [self[name] is not None for name in ("bstar", "bstar-local", "bstar-remote")]
         if any(given) and not all(given):
@@ -540,10 +494,9 @@ class BrokerOptions(_HeartbeatOptions):
         return listeners
 
     def newService(self, metrics: Any) -> Any:
-        binaryStar = None
-        if self["bstar"] is not None:
-            binaryStar = BinaryStar(self["bstar"], self["bstar-local"], self["bstar-remote"],
-                                    heartbeat=self["bstar-heartbeat"], limits=limits_of(self))
+        binaryStar = None if self["bstar"] is None else binarystar.BinaryStar(
+            self["bstar"], self["bstar-local"], self["bstar-remote"], heartbeat=self["bstar-heartbeat"],
+            limits=limits_of(self))
         debug = self.parent is not None and self.parent.get("logLevel") == LogLevel.debug
         return service.BrokerService(
             self["endpoint"], self["backend"], metrics=metrics, binaryStar=binaryStar,
@@ -553,40 +506,32 @@ class BrokerOptions(_HeartbeatOptions):
 
     def accessPolicy(self) -> Any:
         """The --access policy file, loaded once (None without one)."""
-        if self["access"] is None:
-            return None
-        if "access-policy" not in self:
+        if self["access"] is not None and "access-policy" not in self:
             try:
-                self["access-policy"] = AccessPolicy.load(self["access"])
+                with usage_errors("access", (ValueError,)):
+                    self["access-policy"] = policy.AccessPolicy.load(self["access"])
             except OSError as e:
-                raise usage.UsageError(f"--access: cannot read {self['access']}: "
-                                       f"{e.strerror}") from None
-            except ValueError as e:
-                raise usage.UsageError(f"--access: {e}") from None
-        return self["access-policy"]
+                raise usage.UsageError(f"--access: cannot read {self['access']}: {e.strerror}") from None
+        return self.get("access-policy")
 
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
-    """Options of ``twist mdp-worker``."""
-
-    synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] "
-                "[--handler echo|module:callable] [--heartbeat SECONDS] [--liveness N] "
+    synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] [--handler echo|module:callable] "
                 "[--dialect rfc|majortomo] [--concurrency N] [options]")
     longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
-                "module:callable is imported at start (the current directory is searched "
-                "too); it takes the request frames and returns the reply.  --concurrency N "
-                "registers N worker sessions, so a handler returning a Deferred, a "
-                "coroutine or a generator serves N requests at once.")
+                "module:callable (imported at start; the current directory is searched too) takes the "
+                "request frames and returns the reply, or a Deferred, coroutine or generator: "
+                "--concurrency N serves N requests at once.")
     optParameters: list[Any] = [
         ["service", "s", None, "Service name to register."],
-        ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
+        _HANDLER,
         _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", seconds_option, MIN_INTERVAL),
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
-        _option("reply-store", 0, "Remember the replies to this many stamped requests and answer "
-                "their retries from memory (0: off).", whole_option, 0),
+        _option("reply-store", 0, "Remember the replies to this many stamped requests and answer their "
+                "retries from memory (0: off).", whole_option, 0),
         _option("concurrency", 1, "Requests served at once (worker sessions of this process).",
                 whole_option, 1),
-    ] + CURVE_CLIENT_OPTIONS + _METRICS_OPTIONS
+    ] + _METRICS_OPTIONS
     metrics = "WorkerMetrics"
     listens = False
 
@@ -602,23 +547,18 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(
             self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
-            backoff=attrs.evolve(PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
+            backoff=attrs.evolve(policy.PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
             replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
             limits=limits_of(self), metrics=metrics, concurrency=self["concurrency"],
             **curve_client_of(self))
 
 
 class FreelanceServerOptions(_ServiceOptions):
-    """Options of ``twist mdp-freelance-server``."""
-
-    synopsis = ("[--endpoint ENDPOINT] [--handler echo|module:callable] [--max-pending N] "
-                "[--max-pending-bytes SIZE] [options]")
-    longdesc = ("Run a Freelance server: PING is answered PONG, [sequence, body...] with "
-                "[sequence, reply...].  --handler module:callable is imported at start (the "
-                "current directory is searched too).  Try it with mdp freelance-call.")
+    synopsis = "[--endpoint ENDPOINT] [--handler echo|module:callable] [--max-pending N] [options]"
+    longdesc = ("Run a Freelance server: PING is answered PONG, [sequence, body...] with [sequence, "
+                "reply...].  Try it with mdp freelance-call.")
     optParameters: list[Any] = [
-        ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."],
-        ["handler", None, "echo", "'echo' or 'module:callable' taking the request frames."],
+        ["endpoint", "e", DEFAULT_FREELANCE_ENDPOINT, "Where the server binds."], _HANDLER,
     ] + (_pending_options("refused (429)") + _CURVE_SERVER_OPTIONS + _METRICS_OPTIONS
          + _limit_options(listening=True))
     metrics = "FreelanceMetrics"
@@ -640,21 +580,15 @@ def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
     if not value.strip():
         raise usage.UsageError(f"--{option} is empty: give an nng URL, e.g. tcp://127.0.0.1:5555")
     if bare_address(value) is not None:
-        raise usage.UsageError(f"--{option}: bad endpoint {value!r}: no scheme; did you mean "
-                               f"tcp://{value}?")
+        raise usage.UsageError(f"--{option}: bad endpoint {value!r}: no scheme; did you mean tcp://{value}?")
     with usage_errors(option):
         transport.check(endpoint_of(value, listen), transport.LISTEN if listen else transport.CONNECT)
     return value
 
 
 class SPRepOptions(_ServiceOptions):
-    """Options of ``twist sp-rep``."""
-
-    synopsis = ("[--endpoint URL] [--handler echo|module:callable] [--max-pending N] "
-                "[--max-pending-bytes SIZE] [options]")
-    longdesc = ("Answer SP (nng) REQ requests: the handler takes the payload bytes and returns "
-                "bytes.  --handler module:callable is imported at start (the current directory "
-                "is searched too).")
+    synopsis = "[--endpoint URL] [--handler echo|module:callable] [--max-pending N] [options]"
+    longdesc = "Answer SP (nng) REQ requests: the handler takes the payload bytes and returns bytes."
     optParameters: list[Any] = [
         ["endpoint", "e", "tcp://127.0.0.1:5555", "nng URL or Twisted endpoint to listen on."],
         ["handler", None, "echo", "'echo' or 'module:callable' taking the payload bytes."],
@@ -664,27 +598,20 @@ class SPRepOptions(_ServiceOptions):
         checked_sp_endpoint(self["endpoint"], True, "endpoint")
 
     def newService(self, metrics: Any) -> Any:
-        return service.SPServerService(
-            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
-            **keywords(self, "max-pending", "max-pending-bytes"))
+        return service.SPServerService(self["endpoint"], self.loadedHandler(), exitOnFailure=True,
+                                       limits=limits_of(self),
+                                       **keywords(self, "max-pending", "max-pending-bytes"))
 
     @staticmethod
     def loadHandler(spec: str) -> Any:
         """``echo`` (the payload back) or ``module:callable`` taking the payload bytes."""
-        if spec == "echo":
-            return lambda payload: payload
-        return load_handler(spec)
+        return (lambda payload: payload) if spec == "echo" else load_handler(spec)
 
 
 class SPDeviceOptions(_ServiceOptions):
-    """Options of ``twist sp-device``."""
-
     synopsis = "[--front URL] --back URL [--back URL...] [options]"
     longdesc = "Forward SP (nng) requests from --front to the REP peers at --back, replies back."
-    optParameters: list[Any] = [
-        ["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."],
-    ]
-
+    optParameters: list[Any] = [["front", "f", "tcp://127.0.0.1:5555", "Where requesters connect."]]
     repeatable = ("back",)
     opt_back = repeated("back", "Where to forward requests (once per REP peer or device).")
 
@@ -701,18 +628,13 @@ class SPDeviceOptions(_ServiceOptions):
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
-    """Options of ``twist mdp-titanic``."""
-
-    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:] "
-                "[--concurrency N] [--timeout SECONDS] [--keep SECONDS] [options]")
-    longdesc = (
-        "Run Titanic: the titanic.request, titanic.reply and titanic.close services "
-        "and the dispatcher that sends stored requests to their services.  --db is a "
-        "SQLite file (made if missing; WAL, synchronous=FULL) or :memory: (fast, lost "
-        "with the process)."
-    )
+    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:] [--concurrency N] "
+                "[--timeout SECONDS] [--keep SECONDS] [options]")
+    longdesc = ("Run Titanic: the titanic.request, titanic.reply and titanic.close services and the "
+                "dispatcher that sends stored requests to their services.")
     optParameters: list[Any] = [
-        ["db", "d", "titanic.db", "SQLite database file, or :memory:."],
+        ["db", "d", "titanic.db", "SQLite database file (made if missing), or :memory: (lost with the "
+         "process)."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
          "Stored requests out to their services at once.", whole_option("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
@@ -729,12 +651,10 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
                 "Bytes of database pages the store may hold; a submit beyond is refused (500, 507).",
                 _bytes, 1),
         _option("max-request-bytes", titanic_server.DEFAULT_MAX_REQUEST_BYTES,
-                "Most bytes of request frames one submit may store; beyond, refused (400, 413).",
-                _bytes, 1),
-        _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY,
-                "Seconds between two mmi.services listings: how soon a service that appears "
-                "is served.", seconds_option, MIN_INTERVAL),
-    ] + CURVE_CLIENT_OPTIONS
+                "Most bytes of request frames one submit may store; beyond, refused (400, 413).", _bytes, 1),
+        _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY, "Seconds between two mmi.services "
+                "listings: how soon a service that appears is served.", seconds_option, MIN_INTERVAL),
+    ]
     listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
@@ -746,16 +666,15 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
         return service.TitanicService(
             self["brokers"], self["db"], workers=self["service-workers"],
-            backoff=Backoff(initial, max(self["backoff-max"], initial)),
+            backoff=policy.Backoff(initial, max(self["backoff-max"], initial)),
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
-            **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes",
-                       "max-request-bytes", "list-every"), **curve_client_of(self))
+            **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes", "max-request-bytes",
+                       "list-every"), **curve_client_of(self))
 
 
 class _Plugin:
-    """What the ``twist`` plugins share: a plugin whose role accepts connections
-    raises the open file limit first, and --metrics adds a metrics server beside
-    the service."""
+    """A ``twist`` plugin: a listening role raises the open file limit first; --metrics adds a
+    metrics server beside the service."""
 
     tapname: str
     description: str
@@ -777,8 +696,7 @@ class _Plugin:
 
 
 def _plugin(entry: Any, options: type[_ServiceOptions]) -> type[_Plugin]:
-    """The ``twist`` plugin of the dropin's *entry* (its name and description),
-    running the service of *options*."""
+    """The ``twist`` plugin of the dropin's *entry* (name, description), running *options*' service."""
     name = options.__name__.replace("Options", "ServiceMaker")
     attributes = {"tapname": entry.tapname, "description": entry.description, "options": options}
     return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
