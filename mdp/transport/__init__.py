@@ -264,10 +264,9 @@ def connect_channels(
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     security: Any = None, relayProbe: Optional[list[bytes]] = None,
 ) -> IDealerChannels:
-    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one
-    connection where the scheme has channels, or on ``zmq:`` given *relayProbe*,
-    as relay hops on one DEALER if the server answers it (:mod:`.zmqchannels`);
-    the other arguments are :func:`connect`'s."""
+    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one connection where the scheme
+    has channels, or on ``zmq:`` given *relayProbe*, as relay hops on one DEALER if the server answers it
+    (:mod:`.zmqchannels`); the other arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security, CONNECT)
@@ -298,13 +297,10 @@ def _check_zmq(endpoint: str, role: str) -> None:
     if not sep or kind not in ("tcp", "ipc", "inproc"):
         raise bad_endpoint(endpoint, "ZeroMQ endpoints are zmq:tcp://HOST:PORT, zmq:ipc://PATH "
                            "or zmq:inproc://NAME")
-    if kind == "tcp":
-        _check_zmq_tcp(endpoint, rest, role)
-    elif not rest:
-        raise bad_endpoint(endpoint, f"no {kind} name")
-
-
-def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
+    if kind != "tcp":
+        if not rest:
+            raise bad_endpoint(endpoint, f"no {kind} name")
+        return
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
         raise bad_endpoint(endpoint, f"no port; did you mean zmq:tcp://{rest or '127.0.0.1'}:5555"
                                      f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")

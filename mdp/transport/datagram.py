@@ -1,6 +1,5 @@
-"""Datagram transports for discovery beacons: ``udp:PORT`` (``interface=``,
-``group=``, ``broadcast=``), its port shared by every node on the machine, and
-``loopback:NAME:host=ADDRESS`` (``docs/transports.md``)."""
+"""Datagram transports for discovery beacons: ``udp:PORT`` (``interface=``, ``group=``, ``broadcast=``), its
+port shared by every node on the machine, and ``loopback:NAME:host=ADDRESS`` (``docs/transports.md``)."""
 
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ def pick_interface(interface: Optional[str] = None) -> ipaddress.IPv4Interface:
     for name, address in adapters:
         if interface in (name, str(address.ip)):
             return address
-    if _is_ipv4(interface) and ipaddress.IPv4Address(interface).is_loopback:
+    if getattr(_ipv4(interface), "is_loopback", False):
         return ipaddress.IPv4Interface(f"{interface}/8")
     names = ", ".join(f"{name} ({address.ip})" for name, address in adapters)
     raise TransportError(f"no IPv4 interface {interface!r} on this machine (there are: {names})")
@@ -85,10 +84,6 @@ def resolve(endpoint: str) -> DatagramSpec:
     if scheme != "udp":
         raise TransportError(f"bad datagram endpoint {endpoint!r}: udp:PORT[:interface=IF]"
                              "[:group=ADDRESS|:broadcast=ADDRESS] or loopback:NAME")
-    return _udp(endpoint, args, kwargs)
-
-
-def _udp(endpoint: str, args: list[str], kwargs: dict[str, str]) -> DatagramSpec:
     unknown = set(kwargs) - {"interface", "group", "broadcast", "port"}
     if unknown or len(args) > 1:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: unknown "
@@ -109,12 +104,12 @@ def _destination(endpoint: str, kwargs: dict[str, str],
     """Where a udp: endpoint sends from *address*, and whether it is a multicast group."""
     if "group" in kwargs:
         group = kwargs["group"]
-        if not _is_ipv4(group) or not ipaddress.IPv4Address(group).is_multicast:
+        if not getattr(_ipv4(group), "is_multicast", False):
             raise TransportError(f"bad datagram endpoint {endpoint!r}: {group!r} "
                                  "is not an IPv4 multicast group (224.0.0.0/4)")
         return group, True
     broadcast = kwargs.get("broadcast", str(address.network.broadcast_address))
-    if not _is_ipv4(broadcast):
+    if _ipv4(broadcast) is None:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: {broadcast!r} "
                              "is not an IPv4 address")
     if address.is_loopback and "broadcast" not in kwargs:
@@ -122,12 +117,11 @@ def _destination(endpoint: str, kwargs: dict[str, str],
     return broadcast, False
 
 
-def _is_ipv4(text: str) -> bool:
+def _ipv4(text: str) -> Optional[ipaddress.IPv4Address]:
     try:
-        ipaddress.IPv4Address(text)
+        return ipaddress.IPv4Address(text)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
@@ -143,8 +137,7 @@ def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
 
 @implementer(IDatagramTransport)
 class UDPDatagrams(DatagramProtocol):
-    """A shared UDP socket sending to a broadcast address or a group (the
-    protocol of its own port)."""
+    """A shared UDP socket sending to a broadcast address or a group (the protocol of its own port)."""
 
     noisy = False
 
