@@ -139,8 +139,7 @@ def curve_listen_for(endpoint: str, curve: Any) -> Any:
     """A listening node's CURVE settings for *endpoint*; :class:`TransportError`
     if it has them and *endpoint* takes unauthenticated peers from elsewhere."""
     security = curve_for(endpoint, curve)
-    if curve is not None and security is None and beyond_loopback(endpoint) \
-            and not authenticated(endpoint):
+    if curve is not None and security is None and beyond_loopback(endpoint) and not authenticated(endpoint):
         raise TransportError(f"{endpoint!r}: CURVE keys are for zmq: endpoints, and this one "
                              "would take peers from other machines without authenticating "
                              "them; listen with zmq: (or ssl: with caCerts=), or on a loopback "
@@ -164,10 +163,6 @@ def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) 
     return True
 
 
-#: the security a secure scheme takes, by role: ZeroMQ's CURVE classes
-_SECURITY = {LISTEN: ("server", "CurveServer"), CONNECT: ("peer", "CurveClient")}
-
-
 def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[str, Any]:
     if security is None:
         return {}
@@ -177,7 +172,7 @@ def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[s
                              "TLS is an ssl: endpoint)")
     from mdp.transport import curve
 
-    side, kind = _SECURITY[role]
+    side, kind = ("server", "CurveServer") if role == LISTEN else ("peer", "CurveClient")
     if not isinstance(security, getattr(curve, kind)):
         raise TransportError(f"{endpoint!r}: a ZeroMQ {side}'s security is a {kind}, "
                              f"not {type(security).__name__}")

@@ -111,8 +111,7 @@ def server_endpoint(reactor: Any, description: str) -> Any:
 #: The longest path a local socket can have (``sun_path``).
 UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
 
-#: The Twisted stream endpoint types registered (``tls:`` only connects,
-#: ``tcp6:`` only listens).
+#: The Twisted stream endpoint types registered (``tls:`` only connects, ``tcp6:`` only listens).
 STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
 
 

@@ -234,8 +234,7 @@ class RecordDecoder(ChargedDecoder):
                     pos += 4
                     if (length == 0xFFFFFFFF and self.records == 0 and self.identity is None
                             and not channels):
-                        # the greeting: the identity's length, then the identity
-                        # (none: channels follow)
+                        # the greeting: the identity's length, then the identity (none: channels follow)
                         if pos >= end or pos + 1 + data[pos] > end:
                             self._header = bytes(data[pos - 4:])
                             break
