@@ -10,7 +10,7 @@ from typing import Callable, Optional
 from twisted.internet.error import ConnectionDone, ConnectionLost
 
 from mdp.policy import RECONNECT, Limits, held_bytes
-from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder, encode_record
+from mdp.transport.framing import LengthPrefixedFraming, encode_record
 
 #: what ends a channel: a record of no frames
 END = encode_record([])
@@ -19,19 +19,8 @@ END = encode_record([])
 DELIVER, IGNORE, STALE, ENDED = range(4)
 
 
-class ChannelsFraming(LengthPrefixedFraming):
-    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
-
-    name = "records32-channels"
-
-    def greeting(self, identity: Optional[bytes]) -> bytes:
-        return CHANNELS_GREETING
-
-    def decoder(self, limits: Limits) -> RecordDecoder:
-        return RecordDecoder(limits, channels=True)
-
-
-CHANNELS = ChannelsFraming()
+#: the record framing of a connection that carries channels
+CHANNELS = LengthPrefixedFraming(channels=True)
 
 
 class Channel:

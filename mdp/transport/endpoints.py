@@ -120,8 +120,25 @@ def check_endpoint(endpoint: str, role: str) -> None:
     name, _, rest = endpoint.partition(":")
     args, kwargs = split_description(rest)
     if name in ("tcp", "tcp6", "ssl", "tls"):
-        port = _listen_port(endpoint, args, kwargs) if role == LISTEN else _connect_port(
-            endpoint, args, kwargs)
+        host = kwargs.get("host", args[0] if args else None)
+        if role == LISTEN:
+            if name == "tls":
+                raise bad_endpoint(endpoint, "tls: endpoints only connect; listen with "
+                                   "ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
+            port = kwargs.get("port", args[0] if args else None)
+            if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
+                port = args[1]  # the client form tcp:HOST:PORT
+        elif not host:
+            if "::" in rest or "=[" in rest:
+                raise bad_endpoint(endpoint, f"escape the colons of an IPv6 address, e.g. "
+                                             f"{name}:host=\\:\\:1:port=5555")
+            raise bad_endpoint(endpoint, f"no host; e.g. {name}:host=127.0.0.1:port=5555")
+        else:
+            try:
+                host.encode("idna")
+            except UnicodeError as e:
+                raise bad_endpoint(endpoint, f"not a host name: {host!r} ({e})") from None
+            port = kwargs.get("port", args[1] if len(args) > 1 else None)
         check_port(endpoint, port, role)
     elif name == "unix":
         path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
@@ -132,31 +149,6 @@ def check_endpoint(endpoint: str, role: str) -> None:
             raise bad_endpoint(endpoint, f"a socket's path is at most {UNIX_PATH_MAX} bytes here, "
                                          f"not {length}")
     _check_with_twisted(endpoint, role)
-
-
-def _listen_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
-    if endpoint.startswith("tls:"):
-        raise bad_endpoint(endpoint, "tls: endpoints only connect; listen with "
-                           "ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
-    port = kwargs.get("port", args[0] if args else None)
-    if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
-        port = args[1]  # the client form tcp:HOST:PORT
-    return port
-
-
-def _connect_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
-    name, _, rest = endpoint.partition(":")
-    host = kwargs.get("host", args[0] if args else None)
-    if not host:
-        if "::" in rest or "=[" in rest:
-            raise bad_endpoint(endpoint, f"escape the colons of an IPv6 address, e.g. "
-                                         f"{name}:host=\\:\\:1:port=5555")
-        raise bad_endpoint(endpoint, f"no host; e.g. {name}:host=127.0.0.1:port=5555")
-    try:
-        host.encode("idna")
-    except UnicodeError as e:
-        raise bad_endpoint(endpoint, f"not a host name: {host!r} ({e})") from None
-    return kwargs.get("port", args[1] if len(args) > 1 else None)
 
 
 def _check_with_twisted(endpoint: str, role: str) -> None:

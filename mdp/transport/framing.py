@@ -343,18 +343,23 @@ class RecordDecoder(ChargedDecoder):
 
 @implementer(IFraming)
 class LengthPrefixedFraming:
-    """32-bit length-prefixed multipart records, with the optional greeting."""
+    """32-bit length-prefixed multipart records, with the optional greeting; with *channels*, of a
+    connection that carries channels (which its greeting announces)."""
 
-    name = "records32"
     acceptsBuffers = True
-
-    def greeting(self, identity: Optional[bytes]) -> bytes:
-        return encode_greeting(identity) if identity else b""
-
     encode = staticmethod(encode_record)
 
+    def __init__(self, channels: bool = False) -> None:
+        self.channels = channels
+        self.name = "records32-channels" if channels else "records32"
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        if self.channels:
+            return CHANNELS_GREETING
+        return encode_greeting(identity) if identity else b""
+
     def decoder(self, limits: Limits) -> RecordDecoder:
-        return RecordDecoder(limits)
+        return RecordDecoder(limits, self.channels)
 
 
 #: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.
