@@ -79,8 +79,7 @@ def curve_for(endpoint: str, curve: Any) -> Any:
     return curve if endpoint.startswith("zmq:") else None
 
 
-def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
-                     secretFile: Optional[str]) -> Any:
+def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str], secretFile: Optional[str]) -> Any:
     """A connecting node's :class:`~mdp.transport.curve.CurveClient` (None
     without a server key), checked now by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
@@ -94,8 +93,7 @@ def check_curve_client(endpoints: list[str], curve: Any) -> None:
     """``ValueError`` if *curve* would be used by none of *endpoints* (talking
     in the clear), :class:`TransportError` if one cannot use it."""
     if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
-        raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
-                         "ssl: (TLS) instead")
+        raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use ssl: (TLS) instead")
     for endpoint in endpoints:
         curve_for(endpoint, curve)
 
@@ -309,8 +307,7 @@ def _check_zmq(endpoint: str, role: str) -> None:
     check_port(endpoint, port, role, wildcard=True)
 
 
-def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
-                security: Any = None) -> Any:
+def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits, security: Any = None) -> Any:
     from mdp.transport.zeromq import ZmqRouter
 
     return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=security))

@@ -77,8 +77,7 @@ def resolve(endpoint: str) -> DatagramSpec:
     args, kwargs = split_description(rest)
     if scheme == "loopback":
         if len(args) != 1 or not args[0] or set(kwargs) - {"host"}:
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: "
-                                 "loopback:NAME[:host=ADDRESS]")
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: loopback:NAME[:host=ADDRESS]")
         host = kwargs.get("host", "127.0.0.1")
         return DatagramSpec(endpoint, scheme, 0, host, "*", True, network=args[0])
     if scheme != "udp":
@@ -92,15 +91,13 @@ def resolve(endpoint: str) -> DatagramSpec:
     port = kwargs.get("port", args[0] if args else "")
     check_port(endpoint, port, "connect")
     if "group" in kwargs and "broadcast" in kwargs:
-        raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast "
-                             "address, not both")
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast address, not both")
     address = pick_interface(kwargs.get("interface"))
     destination, multicast = _destination(endpoint, kwargs, address)
     return DatagramSpec(endpoint, "udp", int(port), str(address.ip), destination, multicast)
 
 
-def _destination(endpoint: str, kwargs: dict[str, str],
-                 address: ipaddress.IPv4Interface) -> tuple[str, bool]:
+def _destination(endpoint: str, kwargs: dict[str, str], address: ipaddress.IPv4Interface) -> tuple[str, bool]:
     """Where a udp: endpoint sends from *address*, and whether it is a multicast group."""
     if "group" in kwargs:
         group = kwargs["group"]
@@ -110,8 +107,7 @@ def _destination(endpoint: str, kwargs: dict[str, str],
         return group, True
     broadcast = kwargs.get("broadcast", str(address.network.broadcast_address))
     if _ipv4(broadcast) is None:
-        raise TransportError(f"bad datagram endpoint {endpoint!r}: {broadcast!r} "
-                             "is not an IPv4 address")
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: {broadcast!r} is not an IPv4 address")
     if address.is_loopback and "broadcast" not in kwargs:
         return DEFAULT_GROUP, True
     return broadcast, False

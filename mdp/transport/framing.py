@@ -296,8 +296,7 @@ class RecordDecoder(ChargedDecoder):
                 pos += 4
                 self._need -= 4
                 if size > self._need:
-                    raise ProtocolError(
-                        f"frame of {size} bytes overruns its record ({self._need} left)")
+                    raise ProtocolError(f"frame of {size} bytes overruns its record ({self._need} left)")
                 if size == 0:
                     frames.append(b"")
                 else:

@@ -79,8 +79,7 @@ class _ZmqPipe:
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
                  "address", "linger", "curve", "core", "retryAt", "inFlight")
 
-    def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int,
-                 curve: Any = None) -> None:
+    def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int, curve: Any = None) -> None:
         self.loop = loop
         self.owner = owner
         self.tag = tag
@@ -210,8 +209,7 @@ class _ZmqPipe:
     def _message(self, flags: int) -> Any:
         """A whole message (or raise ``Again``), as :func:`socket_calls` read it."""
         limits = self.loop.limits
-        return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes,
-                     False)
+        return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes, False)
 
     def _take(self, frames: Any, now: float) -> None:
         """Hand *frames* on; over the limits, a new socket (lost, then up)."""
@@ -332,8 +330,7 @@ class _StreamPipe:
             self.loop.watch(self.key, _POLLOUT)
             self.loop.pipes[self.key] = self
             return
-        self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"),
-                     now)
+        self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"), now)
 
     def _failed(self, error: BaseException, now: float) -> None:
         if isinstance(error, socket.gaierror):
