@@ -138,10 +138,9 @@ def curve_listen_for(endpoint: str, curve: Any) -> Any:
     if it has them and *endpoint* takes unauthenticated peers from elsewhere."""
     security = curve_for(endpoint, curve)
     if curve is not None and security is None and beyond_loopback(endpoint) and not authenticated(endpoint):
-        raise TransportError(f"{endpoint!r}: CURVE keys are for zmq: endpoints, and this one "
-                             "would take peers from other machines without authenticating "
-                             "them; listen with zmq: (or ssl: with caCerts=), or on a loopback "
-                             "address")
+        raise TransportError(f"{endpoint!r}: CURVE keys are for zmq: endpoints, and this one would take "
+                             "peers from other machines without authenticating them; listen with zmq: "
+                             "(or ssl: with caCerts=), or on a loopback address")
     return security
 
 
@@ -155,9 +154,8 @@ def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) 
     (*risk*: what they may do, and the remedy); whether it did."""
     if not beyond_loopback(endpoint) or authenticated(endpoint, security):
         return False
-    _log.warn("{what} listens on {endpoint}, reachable from other machines, without "
-              "authentication: {risk}; see docs/security.md", what=what, endpoint=endpoint,
-              risk=risk)
+    _log.warn("{what} listens on {endpoint}, reachable from other machines, without authentication: "
+              "{risk}; see docs/security.md", what=what, endpoint=endpoint, risk=risk)
     return True
 
 
@@ -165,9 +163,8 @@ def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[s
     if security is None:
         return {}
     if not scheme.secure:
-        raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no "
-                             f"{type(security).__name__} (CURVE is for zmq: endpoints; "
-                             "TLS is an ssl: endpoint)")
+        raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no {type(security).__name__} "
+                             "(CURVE is for zmq: endpoints; TLS is an ssl: endpoint)")
     from mdp.transport import curve
 
     side, kind = ("server", "CurveServer") if role == LISTEN else ("peer", "CurveClient")

@@ -93,24 +93,18 @@ def resolve(endpoint: str) -> DatagramSpec:
     if "group" in kwargs and "broadcast" in kwargs:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast address, not both")
     address = pick_interface(kwargs.get("interface"))
-    destination, multicast = _destination(endpoint, kwargs, address)
-    return DatagramSpec(endpoint, "udp", int(port), str(address.ip), destination, multicast)
-
-
-def _destination(endpoint: str, kwargs: dict[str, str], address: ipaddress.IPv4Interface) -> tuple[str, bool]:
-    """Where a udp: endpoint sends from *address*, and whether it is a multicast group."""
     if "group" in kwargs:
-        group = kwargs["group"]
-        if not getattr(_ipv4(group), "is_multicast", False):
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: {group!r} "
+        destination = kwargs["group"]
+        if not getattr(_ipv4(destination), "is_multicast", False):
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} "
                                  "is not an IPv4 multicast group (224.0.0.0/4)")
-        return group, True
-    broadcast = kwargs.get("broadcast", str(address.network.broadcast_address))
-    if _ipv4(broadcast) is None:
-        raise TransportError(f"bad datagram endpoint {endpoint!r}: {broadcast!r} is not an IPv4 address")
-    if address.is_loopback and "broadcast" not in kwargs:
-        return DEFAULT_GROUP, True
-    return broadcast, False
+        return DatagramSpec(endpoint, "udp", int(port), str(address.ip), destination, True)
+    destination = kwargs.get("broadcast", str(address.network.broadcast_address))
+    if _ipv4(destination) is None:
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} is not an IPv4 address")
+    multicast = address.is_loopback and "broadcast" not in kwargs
+    return DatagramSpec(endpoint, "udp", int(port), str(address.ip),
+                        DEFAULT_GROUP if multicast else destination, multicast)
 
 
 def _ipv4(text: str) -> Optional[ipaddress.IPv4Address]:
@@ -165,9 +159,8 @@ class UDPDatagrams(DatagramProtocol):
 
         def failed(reason: Any) -> Any:
             self.port.stopListening()
-            return defer.fail(TransportError(f"cannot join multicast group {spec.destination} "
-                                             f"on {spec.host} ({spec.endpoint}): "
-                                             f"{reason.getErrorMessage()}"))
+            return defer.fail(TransportError(f"cannot join multicast group {spec.destination} on "
+                                             f"{spec.host} ({spec.endpoint}): {reason.getErrorMessage()}"))
 
         joined = transport.setOutgoingInterface(spec.host)
         joined.addCallback(lambda _: transport.joinGroup(spec.destination, spec.host))
