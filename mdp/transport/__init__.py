@@ -79,8 +79,7 @@ def curve_for(endpoint: str, curve: Any) -> Any:
     return curve if endpoint.startswith("zmq:") else None
 
 
-def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str],
-                     secretFile: Optional[str]) -> Any:
+def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str], secretFile: Optional[str]) -> Any:
     """A connecting node's :class:`~mdp.transport.curve.CurveClient` (None
     without a server key), checked now by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
@@ -94,8 +93,7 @@ def check_curve_client(endpoints: list[str], curve: Any) -> None:
     """``ValueError`` if *curve* would be used by none of *endpoints* (talking
     in the clear), :class:`TransportError` if one cannot use it."""
     if curve is not None and not any(e.startswith("zmq:") for e in endpoints):
-        raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use "
-                         "ssl: (TLS) instead")
+        raise ValueError("CURVE keys are for zmq: endpoints; for a stream endpoint use ssl: (TLS) instead")
     for endpoint in endpoints:
         curve_for(endpoint, curve)
 
@@ -139,12 +137,10 @@ def curve_listen_for(endpoint: str, curve: Any) -> Any:
     """A listening node's CURVE settings for *endpoint*; :class:`TransportError`
     if it has them and *endpoint* takes unauthenticated peers from elsewhere."""
     security = curve_for(endpoint, curve)
-    if curve is not None and security is None and beyond_loopback(endpoint) \
-            and not authenticated(endpoint):
-        raise TransportError(f"{endpoint!r}: CURVE keys are for zmq: endpoints, and this one "
-                             "would take peers from other machines without authenticating "
-                             "them; listen with zmq: (or ssl: with caCerts=), or on a loopback "
-                             "address")
+    if curve is not None and security is None and beyond_loopback(endpoint) and not authenticated(endpoint):
+        raise TransportError(f"{endpoint!r}: CURVE keys are for zmq: endpoints, and this one would take "
+                             "peers from other machines without authenticating them; listen with zmq: "
+                             "(or ssl: with caCerts=), or on a loopback address")
     return security
 
 
@@ -158,26 +154,20 @@ def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) 
     (*risk*: what they may do, and the remedy); whether it did."""
     if not beyond_loopback(endpoint) or authenticated(endpoint, security):
         return False
-    _log.warn("{what} listens on {endpoint}, reachable from other machines, without "
-              "authentication: {risk}; see docs/security.md", what=what, endpoint=endpoint,
-              risk=risk)
+    _log.warn("{what} listens on {endpoint}, reachable from other machines, without authentication: "
+              "{risk}; see docs/security.md", what=what, endpoint=endpoint, risk=risk)
     return True
-
-
-#: the security a secure scheme takes, by role: ZeroMQ's CURVE classes
-_SECURITY = {LISTEN: ("server", "CurveServer"), CONNECT: ("peer", "CurveClient")}
 
 
 def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[str, Any]:
     if security is None:
         return {}
     if not scheme.secure:
-        raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no "
-                             f"{type(security).__name__} (CURVE is for zmq: endpoints; "
-                             "TLS is an ssl: endpoint)")
+        raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no {type(security).__name__} "
+                             "(CURVE is for zmq: endpoints; TLS is an ssl: endpoint)")
     from mdp.transport import curve
 
-    side, kind = _SECURITY[role]
+    side, kind = ("server", "CurveServer") if role == LISTEN else ("peer", "CurveClient")
     if not isinstance(security, getattr(curve, kind)):
         raise TransportError(f"{endpoint!r}: a ZeroMQ {side}'s security is a {kind}, "
                              f"not {type(security).__name__}")
@@ -264,10 +254,9 @@ def connect_channels(
     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
     security: Any = None, relayProbe: Optional[list[bytes]] = None,
 ) -> IDealerChannels:
-    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one
-    connection where the scheme has channels, or on ``zmq:`` given *relayProbe*,
-    as relay hops on one DEALER if the server answers it (:mod:`.zmqchannels`);
-    the other arguments are :func:`connect`'s."""
+    """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one connection where the scheme
+    has channels, or on ``zmq:`` given *relayProbe*, as relay hops on one DEALER if the server answers it
+    (:mod:`.zmqchannels`); the other arguments are :func:`connect`'s."""
     scheme = lookup(endpoint, CONNECT)
     reactor = default_reactor(reactor)
     _security(scheme, endpoint, security, CONNECT)
@@ -298,13 +287,10 @@ def _check_zmq(endpoint: str, role: str) -> None:
     if not sep or kind not in ("tcp", "ipc", "inproc"):
         raise bad_endpoint(endpoint, "ZeroMQ endpoints are zmq:tcp://HOST:PORT, zmq:ipc://PATH "
                            "or zmq:inproc://NAME")
-    if kind == "tcp":
-        _check_zmq_tcp(endpoint, rest, role)
-    elif not rest:
-        raise bad_endpoint(endpoint, f"no {kind} name")
-
-
-def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
+    if kind != "tcp":
+        if not rest:
+            raise bad_endpoint(endpoint, f"no {kind} name")
+        return
     if ":" not in rest or (rest.startswith("[") and rest.endswith("]")):
         raise bad_endpoint(endpoint, f"no port; did you mean zmq:tcp://{rest or '127.0.0.1'}:5555"
                                      f"{' (or :* to let the OS pick)' if role == LISTEN else ''}?")
@@ -318,8 +304,7 @@ def _check_zmq_tcp(endpoint: str, rest: str, role: str) -> None:
     check_port(endpoint, port, role, wildcard=True)
 
 
-def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits,
-                security: Any = None) -> Any:
+def _listen_zmq(endpoint: str, receiver: Any, reactor: Any, limits: Limits, security: Any = None) -> Any:
     from mdp.transport.zeromq import ZmqRouter
 
     return defer.succeed(ZmqRouter(endpoint, receiver, reactor, limits=limits, curve=security))

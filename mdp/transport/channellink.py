@@ -10,7 +10,7 @@ from typing import Callable, Optional
 from twisted.internet.error import ConnectionDone, ConnectionLost
 
 from mdp.policy import RECONNECT, Limits, held_bytes
-from mdp.transport.framing import CHANNELS_GREETING, LengthPrefixedFraming, RecordDecoder, encode_record
+from mdp.transport.framing import LengthPrefixedFraming, encode_record
 
 #: what ends a channel: a record of no frames
 END = encode_record([])
@@ -19,19 +19,8 @@ END = encode_record([])
 DELIVER, IGNORE, STALE, ENDED = range(4)
 
 
-class ChannelsFraming(LengthPrefixedFraming):
-    """The record framing (an :class:`IFraming`) of a connection that carries channels."""
-
-    name = "records32-channels"
-
-    def greeting(self, identity: Optional[bytes]) -> bytes:
-        return CHANNELS_GREETING
-
-    def decoder(self, limits: Limits) -> RecordDecoder:
-        return RecordDecoder(limits, channels=True)
-
-
-CHANNELS = ChannelsFraming()
+#: the record framing of a connection that carries channels
+CHANNELS = LengthPrefixedFraming(channels=True)
 
 
 class Channel:
@@ -53,10 +42,8 @@ class Channel:
 
 
 class ChannelLink:
-    """The channels of one connection.  A channel is up while the connection
-    is, unless the far side ended it: then it comes up again under a new name
-    after a delay.  Each method returns what its shell must do; *ended* (the
-    far side ended a channel) and *dropped* (the connection went for another
+    """The channels of one connection: up while it is, unless the far side ended one (then up again under a
+    new name after a delay).  Methods return what the shell must do; *ended* and *dropped* (for another
     channel's record) are the shell's exception classes for a loss."""
 
     def __init__(self, limits: Limits, maxQueued: int = 1000,
@@ -126,9 +113,8 @@ class ChannelLink:
         return down
 
     def received(self, channel: Channel, frames: list[bytes], sent: int = 0) -> int:
-        """What *frames* on open *channel* mean, *sent* bytes having left:
-        :data:`DELIVER`, :data:`IGNORE` (down), :data:`STALE` (before its
-        message left) or :data:`ENDED` (see ``endedThere``)."""
+        """What *frames* on open *channel* mean, *sent* bytes having left: :data:`DELIVER`, :data:`IGNORE`
+        (down), :data:`STALE` (before its message left) or :data:`ENDED` (see ``endedThere``)."""
         if not frames:
             return ENDED
         if not channel.up:
@@ -166,9 +152,7 @@ class ChannelLink:
 
     def release(self, channel: Channel) -> deque[list[bytes]]:
         """What *channel* held, to send now."""
-        held, channel.held = channel.held, None
-        if held is None:
-            return deque()
+        held, channel.held = channel.held or deque(), None
         self.queued -= len(held)
         self.queuedBytes -= channel.heldBytes
         channel.heldBytes = 0
@@ -177,8 +161,7 @@ class ChannelLink:
     def close(self, channel: Channel) -> Optional[bytes]:
         """*channel* is closed here: the record that ends it, or None."""
         channel.closed = True
-        channel.up = False
-        channel.waiting = False
+        channel.up = channel.waiting = False
         self.release(channel)
         if self.channels.get(channel.id) is not channel:
             return None
@@ -196,9 +179,7 @@ class ChannelLink:
     def stale(self, name: bytes, sent: int) -> bool:
         """Whether what comes on *name* now, *sent* bytes having left, is stale."""
         until = self.unsent.get(name)
-        if until is None:
-            return False
-        if sent >= until:
+        if until is not None and sent >= until:
             del self.unsent[name]
             return False
-        return True
+        return until is not None

@@ -12,7 +12,6 @@ from zope.interface import implementer
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
-from mdp.transport.channellink import ChannelsFraming as _ChannelsFraming  # noqa: F401
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
 
 
@@ -103,9 +102,8 @@ class _StreamChannel(Channel):
 
 @implementer(IDealerChannels)
 class StreamChannels(_OneConnection):
-    """One :class:`ClientService`-managed connection carrying many pipes
-    (:meth:`open`), each as a connection of its own: the Twisted shell of a
-    :class:`~mdp.transport.channellink.ChannelLink`."""
+    """One :class:`ClientService`-managed connection carrying many pipes (:meth:`open`), each as a
+    connection of its own: the Twisted shell of a :class:`~mdp.transport.channellink.ChannelLink`."""
 
     kind = "stream channels"
     connectionClass = _ChannelsConnection
@@ -179,8 +177,7 @@ class StreamChannels(_OneConnection):
         for item in messages:
             waiting[item[0]] = waiting.get(item[0], 0) + 1
         try:
-            for i in range(len(messages)):
-                item = messages[i]
+            for i, item in enumerate(messages):
                 if item is None:
                     continue
                 self._at = i + 1

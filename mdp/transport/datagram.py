@@ -1,6 +1,5 @@
-"""Datagram transports for discovery beacons: ``udp:PORT`` (``interface=``,
-``group=``, ``broadcast=``), its port shared by every node on the machine, and
-``loopback:NAME:host=ADDRESS`` (``docs/transports.md``)."""
+"""Datagram transports for discovery beacons: ``udp:PORT`` (``interface=``, ``group=``, ``broadcast=``), its
+port shared by every node on the machine, and ``loopback:NAME:host=ADDRESS`` (``docs/transports.md``)."""
 
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ def pick_interface(interface: Optional[str] = None) -> ipaddress.IPv4Interface:
     for name, address in adapters:
         if interface in (name, str(address.ip)):
             return address
-    if _is_ipv4(interface) and ipaddress.IPv4Address(interface).is_loopback:
+    if getattr(_ipv4(interface), "is_loopback", False):
         return ipaddress.IPv4Interface(f"{interface}/8")
     names = ", ".join(f"{name} ({address.ip})" for name, address in adapters)
     raise TransportError(f"no IPv4 interface {interface!r} on this machine (there are: {names})")
@@ -78,17 +77,12 @@ def resolve(endpoint: str) -> DatagramSpec:
     args, kwargs = split_description(rest)
     if scheme == "loopback":
         if len(args) != 1 or not args[0] or set(kwargs) - {"host"}:
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: "
-                                 "loopback:NAME[:host=ADDRESS]")
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: loopback:NAME[:host=ADDRESS]")
         host = kwargs.get("host", "127.0.0.1")
         return DatagramSpec(endpoint, scheme, 0, host, "*", True, network=args[0])
     if scheme != "udp":
         raise TransportError(f"bad datagram endpoint {endpoint!r}: udp:PORT[:interface=IF]"
                              "[:group=ADDRESS|:broadcast=ADDRESS] or loopback:NAME")
-    return _udp(endpoint, args, kwargs)
-
-
-def _udp(endpoint: str, args: list[str], kwargs: dict[str, str]) -> DatagramSpec:
     unknown = set(kwargs) - {"interface", "group", "broadcast", "port"}
     if unknown or len(args) > 1:
         raise TransportError(f"bad datagram endpoint {endpoint!r}: unknown "
@@ -97,37 +91,27 @@ def _udp(endpoint: str, args: list[str], kwargs: dict[str, str]) -> DatagramSpec
     port = kwargs.get("port", args[0] if args else "")
     check_port(endpoint, port, "connect")
     if "group" in kwargs and "broadcast" in kwargs:
-        raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast "
-                             "address, not both")
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: a group or a broadcast address, not both")
     address = pick_interface(kwargs.get("interface"))
-    destination, multicast = _destination(endpoint, kwargs, address)
-    return DatagramSpec(endpoint, "udp", int(port), str(address.ip), destination, multicast)
-
-
-def _destination(endpoint: str, kwargs: dict[str, str],
-                 address: ipaddress.IPv4Interface) -> tuple[str, bool]:
-    """Where a udp: endpoint sends from *address*, and whether it is a multicast group."""
     if "group" in kwargs:
-        group = kwargs["group"]
-        if not _is_ipv4(group) or not ipaddress.IPv4Address(group).is_multicast:
-            raise TransportError(f"bad datagram endpoint {endpoint!r}: {group!r} "
+        destination = kwargs["group"]
+        if not getattr(_ipv4(destination), "is_multicast", False):
+            raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} "
                                  "is not an IPv4 multicast group (224.0.0.0/4)")
-        return group, True
-    broadcast = kwargs.get("broadcast", str(address.network.broadcast_address))
-    if not _is_ipv4(broadcast):
-        raise TransportError(f"bad datagram endpoint {endpoint!r}: {broadcast!r} "
-                             "is not an IPv4 address")
-    if address.is_loopback and "broadcast" not in kwargs:
-        return DEFAULT_GROUP, True
-    return broadcast, False
+        return DatagramSpec(endpoint, "udp", int(port), str(address.ip), destination, True)
+    destination = kwargs.get("broadcast", str(address.network.broadcast_address))
+    if _ipv4(destination) is None:
+        raise TransportError(f"bad datagram endpoint {endpoint!r}: {destination!r} is not an IPv4 address")
+    multicast = address.is_loopback and "broadcast" not in kwargs
+    return DatagramSpec(endpoint, "udp", int(port), str(address.ip),
+                        DEFAULT_GROUP if multicast else destination, multicast)
 
 
-def _is_ipv4(text: str) -> bool:
+def _ipv4(text: str) -> Optional[ipaddress.IPv4Address]:
     try:
-        ipaddress.IPv4Address(text)
+        return ipaddress.IPv4Address(text)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
@@ -143,8 +127,7 @@ def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
 
 @implementer(IDatagramTransport)
 class UDPDatagrams(DatagramProtocol):
-    """A shared UDP socket sending to a broadcast address or a group (the
-    protocol of its own port)."""
+    """A shared UDP socket sending to a broadcast address or a group (the protocol of its own port)."""
 
     noisy = False
 
@@ -176,9 +159,8 @@ class UDPDatagrams(DatagramProtocol):
 
         def failed(reason: Any) -> Any:
             self.port.stopListening()
-            return defer.fail(TransportError(f"cannot join multicast group {spec.destination} "
-                                             f"on {spec.host} ({spec.endpoint}): "
-                                             f"{reason.getErrorMessage()}"))
+            return defer.fail(TransportError(f"cannot join multicast group {spec.destination} on "
+                                             f"{spec.host} ({spec.endpoint}): {reason.getErrorMessage()}"))
 
         joined = transport.setOutgoingInterface(spec.host)
         joined.addCallback(lambda _: transport.joinGroup(spec.destination, spec.host))

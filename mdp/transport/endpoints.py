@@ -22,8 +22,6 @@ except ImportError:  # Windows
 
 #: descriptors kept back, at the least, for all else a process opens
 DESCRIPTOR_RESERVE = 64
-
-
 #: select() watches descriptors below this only (FD_SETSIZE)
 SELECT_LIMIT = 1024
 
@@ -33,9 +31,8 @@ def descriptor_budget() -> Optional[int]:
     for: all but an eighth (at least :data:`DESCRIPTOR_RESERVE`); None: no limit."""
     limit: Optional[int] = None
     if resource is not None:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY:
-            limit = soft
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = None if soft == resource.RLIM_INFINITY else soft
     select = sys.modules.get("twisted.internet.selectreactor")
     if select is not None and isinstance(sys.modules.get("twisted.internet.reactor"),
                                          select.SelectReactor):  # it waits with select()
@@ -57,11 +54,8 @@ def raise_descriptor_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return -1
-    if hard == resource.RLIM_INFINITY:
-        targets = [target for target in UNLIMITED_TARGETS if target > soft]
-    else:
-        targets = [hard] if hard > soft else []
-    for target in targets:
+    unlimited = hard == resource.RLIM_INFINITY
+    for target in [t for t in (UNLIMITED_TARGETS if unlimited else (hard,)) if t > soft]:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError):  # more than the kernel grants
@@ -111,15 +105,13 @@ def server_endpoint(reactor: Any, description: str) -> Any:
     mutual = tls.parse_mutual(description)
     if mutual is None:
         return serverFromString(reactor, description)
-    args, kwargs = mutual
-    return tls.server_endpoint(reactor, *args, **kwargs)
+    return tls.server_endpoint(reactor, *mutual[0], **mutual[1])
 
 
 #: The longest path a local socket can have (``sun_path``).
 UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
 
-#: The Twisted stream endpoint types registered (``tls:`` only connects,
-#: ``tcp6:`` only listens).
+#: The Twisted stream endpoint types registered (``tls:`` only connects, ``tcp6:`` only listens).
 STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
 
 
@@ -128,51 +120,39 @@ def check_endpoint(endpoint: str, role: str) -> None:
     name, _, rest = endpoint.partition(":")
     args, kwargs = split_description(rest)
     if name in ("tcp", "tcp6", "ssl", "tls"):
-        port = _listen_port(endpoint, args, kwargs) if role == LISTEN else _connect_port(
-            endpoint, args, kwargs)
+        host = kwargs.get("host", args[0] if args else None)
+        if role == LISTEN:
+            if name == "tls":
+                raise bad_endpoint(endpoint, "tls: endpoints only connect; listen with "
+                                   "ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
+            port = kwargs.get("port", args[0] if args else None)
+            if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
+                port = args[1]  # the client form tcp:HOST:PORT
+        elif not host:
+            if "::" in rest or "=[" in rest:
+                raise bad_endpoint(endpoint, f"escape the colons of an IPv6 address, e.g. "
+                                             f"{name}:host=\\:\\:1:port=5555")
+            raise bad_endpoint(endpoint, f"no host; e.g. {name}:host=127.0.0.1:port=5555")
+        else:
+            try:
+                host.encode("idna")
+            except UnicodeError as e:
+                raise bad_endpoint(endpoint, f"not a host name: {host!r} ({e})") from None
+            port = kwargs.get("port", args[1] if len(args) > 1 else None)
         check_port(endpoint, port, role)
     elif name == "unix":
-        _check_path(endpoint, kwargs.get("path", kwargs.get("address", args[0] if args else None)))
+        path = kwargs.get("path", kwargs.get("address", args[0] if args else None))
+        if not path:
+            raise bad_endpoint(endpoint, "no path; e.g. unix:path=/tmp/mdp.sock")
+        length = len(os.fsencode(path))
+        if length > UNIX_PATH_MAX:
+            raise bad_endpoint(endpoint, f"a socket's path is at most {UNIX_PATH_MAX} bytes here, "
+                                         f"not {length}")
     _check_with_twisted(endpoint, role)
 
 
-def _listen_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
-    if endpoint.startswith("tls:"):
-        raise bad_endpoint(endpoint, "tls: endpoints only connect; listen with "
-                           "ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem")
-    port = kwargs.get("port", args[0] if args else None)
-    if port is not None and not port.isdigit() and "host" not in kwargs and len(args) > 1:
-        port = args[1]  # the client form tcp:HOST:PORT
-    return port
-
-
-def _connect_port(endpoint: str, args: list[str], kwargs: dict[str, str]) -> Optional[str]:
-    name, _, rest = endpoint.partition(":")
-    host = kwargs.get("host", args[0] if args else None)
-    if not host:
-        if "::" in rest or "=[" in rest:
-            raise bad_endpoint(endpoint, f"escape the colons of an IPv6 address, e.g. "
-                                         f"{name}:host=\\:\\:1:port=5555")
-        raise bad_endpoint(endpoint, f"no host; e.g. {name}:host=127.0.0.1:port=5555")
-    try:
-        host.encode("idna")
-    except UnicodeError as e:
-        raise bad_endpoint(endpoint, f"not a host name: {host!r} ({e})") from None
-    return kwargs.get("port", args[1] if len(args) > 1 else None)
-
-
-def _check_path(endpoint: str, path: Optional[str]) -> None:
-    if not path:
-        raise bad_endpoint(endpoint, "no path; e.g. unix:path=/tmp/mdp.sock")
-    length = len(os.fsencode(path))
-    if length > UNIX_PATH_MAX:
-        raise bad_endpoint(endpoint, f"a socket's path is at most {UNIX_PATH_MAX} bytes here, "
-                                     f"not {length}")
-
-
 def _check_with_twisted(endpoint: str, role: str) -> None:
-    """Have Twisted's parsers (or the mutual TLS one, which loads its files)
-    build the endpoint."""
+    """Have Twisted's parsers (or the mutual TLS one, which loads its files) build the endpoint."""
     from twisted.internet.task import Clock
 
     try:

@@ -35,13 +35,13 @@ class DrainWaiters:
         self._waiting.append(d)
         return d
 
-    def fire(self) -> None:
+    def fire(self, error: Optional[BaseException] = None) -> None:
+        """Wake every waiter, or fail it with *error*; later ones wait afresh."""
         waiting, self._waiting = self._waiting, []
         for d in waiting:
-            d.callback(None)
+            if error is None:
+                d.callback(None)
+            else:
+                d.errback(error)
 
-    def fail(self, error: BaseException) -> None:
-        """Fail every waiter with *error*; later ones wait afresh."""
-        waiting, self._waiting = self._waiting, []
-        for d in waiting:
-            d.errback(error)
+    fail = fire

@@ -17,8 +17,7 @@ from mdp.transport.twisted_private import direct_capable, write_direct
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: A batch is handed to the transport at this many bytes, so that a long
-#: burst meets its flow control.
+#: A batch is handed to the transport at this many bytes, so that a long burst meets its flow control.
 FLUSH_BYTES = 65536
 
 
@@ -49,8 +48,7 @@ class FramedProtocol(Protocol):
         self.encode = self.framing.encode
         self._out = []
         self._direct = direct_capable(self.transport)
-        # TCP_NODELAY where there is TCP, as ZeroMQ does: Nagle would hold a
-        # reply until the peer's delayed acknowledgment
+        # as ZeroMQ does: Nagle would hold a reply until the peer's delayed ACK
         with contextlib.suppress(OSError, AttributeError, NotImplementedError):
             self.transport.setTcpNoDelay(True)
         greeting = self.framing.greeting(self.identity)

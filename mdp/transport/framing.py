@@ -1,8 +1,6 @@
-"""Multi-frame messages as length-prefixed records on a byte stream, without
-I/O (``docs/transports.md``): an optional greeting announces the connecting
-side's identity, or that channels follow; each record is a length, then each
-frame's length and bytes.  An oversized record is refused from its header, and
-records that span reads share one process-wide budget (:data:`BUFFERED`)."""
+"""Multi-frame messages as length-prefixed records on a byte stream, without I/O (``docs/transports.md``):
+an optional greeting (an identity, or channels follow), then records of a length, then each frame's length
+and bytes.  Records that span reads share one process-wide budget (:data:`BUFFERED`)."""
 
 from __future__ import annotations
 
@@ -38,12 +36,9 @@ class OverBudget(ProtocolError):
 
 
 class InputBudget:
-    """The bytes of unfinished stream records the process holds, all
-    connections together: a record that spans reads is charged as its bytes
-    come, against ``limits.maxBufferedBytes``, and given back when it completes
-    or goes.  Past it the oldest are dropped (records held open cannot starve
-    those that flow).  After a MiB dropped, at most once a second, the C heap's
-    free pages go back (``malloc_trim``)."""
+    """The bytes of unfinished stream records the process holds, charged as they come against
+    ``limits.maxBufferedBytes``; past it the oldest are dropped (held records cannot starve those that
+    flow).  After a MiB dropped, at most once a second, free heap pages go back (``malloc_trim``)."""
 
     def __init__(self) -> None:
         self.held = self.refused = self.dropped = 0
@@ -105,12 +100,9 @@ def encode_record(frames: list[bytes]) -> bytes:
         if record is not None:
             return record
     parts = [b""]
-    size = 0
     for frame in frames:
-        parts.append(_pack(len(frame)))
-        parts.append(frame)
-        size += 4 + len(frame)
-    parts[0] = _pack(size)
+        parts += (_pack(len(frame)), frame)
+    parts[0] = _pack(sum(map(len, parts)))
     return b"".join(parts)
 
 
@@ -177,8 +169,7 @@ class ChargedDecoder:
             self.onEvicted(why)
 
     def release(self) -> None:
-        """The connection is gone: give back the record in progress, its
-        budget and its buffers."""
+        """The connection is gone: give back the record in progress, its budget and its buffers."""
         if self._charged:
             BUFFERED.give(self, True)
         self._clear()
@@ -190,10 +181,9 @@ class ChargedDecoder:
 
 @implementer(IStreamDecoder)
 class RecordDecoder(ChargedDecoder):
-    """Turns a byte stream into messages: :meth:`feed` returns those a piece
-    completes, or raises :class:`~mdp.errors.ProtocolError` and the stream is
-    unusable.  With :attr:`channels`, each message is a ``(channel, frames)``
-    pair (``frames`` empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
+    """Turns a byte stream into messages: :meth:`feed` returns those a piece completes, or raises
+    :class:`~mdp.errors.ProtocolError` and the stream is unusable.  With :attr:`channels`, each message is a
+    ``(channel, frames)`` pair (``frames`` empty: closed), and a ``RecordTooLarge`` has its ``channel``."""
 
     def __init__(self, limits: Limits = Limits(), channels: bool = False) -> None:
         self.limits = limits
@@ -223,20 +213,6 @@ class RecordDecoder(ChargedDecoder):
         """Bytes held for the record in progress."""
         return (self._length - self._need if self._need >= 0 else 0) + len(self._header)
 
-    def _readGreeting(self, data: bytes, pos: int) -> int:
-        """Read the greeting from *pos*, after its mark: the identity's length,
-        then the identity (none: channels follow).  Where it ends, or -1 if it
-        is not all here."""
-        if pos >= len(data) or pos + 1 + data[pos] > len(data):
-            return -1
-        identity = bytes(data[pos + 1:pos + 1 + data[pos]])
-        if identity[:1] == b"\x00":
-            raise ProtocolError("greeting announces an identity starting with a zero byte "
-                                "(those are the router's own)")
-        self.identity = identity or None
-        self.channels = self.identity is None
-        return pos + 1 + len(identity)
-
     def feed(self, data: bytes) -> list[list[bytes]]:
         messages: list[list[bytes]] = []
         if self._header:  # the last piece ended in a length prefix or a greeting
@@ -258,11 +234,17 @@ class RecordDecoder(ChargedDecoder):
                     pos += 4
                     if (length == 0xFFFFFFFF and self.records == 0 and self.identity is None
                             and not channels):
-                        greeted = self._readGreeting(data, pos)
-                        if greeted < 0:
+                        # the greeting: the identity's length, then the identity (none: channels follow)
+                        if pos >= end or pos + 1 + data[pos] > end:
                             self._header = bytes(data[pos - 4:])
                             break
-                        pos = greeted
+                        identity = bytes(data[pos + 1:pos + 1 + data[pos]])
+                        if identity[:1] == b"\x00":
+                            raise ProtocolError("greeting announces an identity starting with a "
+                                                "zero byte (those are the router's own)")
+                        self.identity = identity or None
+                        self.channels = self.identity is None
+                        pos += 1 + len(identity)
                         continue
                     if length > self.maxRecord:
                         limits = self.limits
@@ -314,8 +296,7 @@ class RecordDecoder(ChargedDecoder):
                 pos += 4
                 self._need -= 4
                 if size > self._need:
-                    raise ProtocolError(
-                        f"frame of {size} bytes overruns its record ({self._need} left)")
+                    raise ProtocolError(f"frame of {size} bytes overruns its record ({self._need} left)")
                 if size == 0:
                     frames.append(b"")
                 else:
@@ -361,18 +342,23 @@ class RecordDecoder(ChargedDecoder):
 
 @implementer(IFraming)
 class LengthPrefixedFraming:
-    """32-bit length-prefixed multipart records, with the optional greeting."""
+    """32-bit length-prefixed multipart records, with the optional greeting; with *channels*, of a
+    connection that carries channels (which its greeting announces)."""
 
-    name = "records32"
     acceptsBuffers = True
-
-    def greeting(self, identity: Optional[bytes]) -> bytes:
-        return encode_greeting(identity) if identity else b""
-
     encode = staticmethod(encode_record)
 
+    def __init__(self, channels: bool = False) -> None:
+        self.channels = channels
+        self.name = "records32-channels" if channels else "records32"
+
+    def greeting(self, identity: Optional[bytes]) -> bytes:
+        if self.channels:
+            return CHANNELS_GREETING
+        return encode_greeting(identity) if identity else b""
+
     def decoder(self, limits: Limits) -> RecordDecoder:
-        return RecordDecoder(limits)
+        return RecordDecoder(limits, self.channels)
 
 
 #: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.

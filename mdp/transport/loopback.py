@@ -1,6 +1,5 @@
-"""In-memory transport for deterministic tests: ``loopback:NAME``.  Every event is
-scheduled with ``callLater(0)``, so nothing is re-entrant; a dealer waits for its
-listener, as a ZeroMQ DEALER does."""
+"""In-memory transport for deterministic tests: ``loopback:NAME``.  Every event is scheduled with
+``callLater(0)``, so nothing is re-entrant; a dealer waits for its listener, as a ZeroMQ DEALER does."""
 
 from __future__ import annotations
 
@@ -107,17 +106,16 @@ class LoopbackRouter(_End):
         self.peers[peer] = dealer
 
     def _deliver(self, peer: bytes, frames: list[bytes]) -> None:
-        if self.closed or peer in self.ending:
+        if self.closed or peer in self.ending or peer not in self.peers:
             return
-        if peer in self.peers:
-            reason = self.limits.refuse(frames)
-            if reason is not None:
-                self.throttle.warn(log, "oversized", "loopback:{name} dropping peer {peer}: {reason}",
-                                   name=self.name, peer=peer.hex(), reason=reason)
-                self.ending.add(peer)
-                self.disconnectPeer(peer)
-                return
-            self.receiver.messageReceived(peer, frames)
+        reason = self.limits.refuse(frames)
+        if reason is not None:
+            self.throttle.warn(log, "oversized", "loopback:{name} dropping peer {peer}: {reason}",
+                               name=self.name, peer=peer.hex(), reason=reason)
+            self.ending.add(peer)
+            self.disconnectPeer(peer)
+            return
+        self.receiver.messageReceived(peer, frames)
 
     def _peerGone(self, peer: bytes, dealer: LoopbackDealer) -> None:
         if self.peers.get(peer) is not dealer:
@@ -134,6 +132,13 @@ class LoopbackDealer(_End):
 
     #: Messages kept while no listener exists
     maxQueued = 1000
+    writable = True
+    #: messages on their way to this dealer; how many of those to drop
+    inbound = discarding = 0
+    #: a newer dealer took over our identity: we stay detached
+    supplanted = False
+    #: seconds before a dropped pipe attaches again (not in the same turn, for ever)
+    reconnectDelay = 0.1
 
     def __init__(self, name: str, receiver: IDealerReceiver, reactor: IReactorTime, *,
                  net: LoopbackNetwork = network, limits: Limits = Limits(),
@@ -145,8 +150,6 @@ class LoopbackDealer(_End):
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
         self._attach()
-
-    writable = True
 
     @property
     def connected(self) -> bool:
@@ -191,10 +194,6 @@ class LoopbackDealer(_End):
             return
         router.reactor.callLater(0, router._deliver, peer, list(frames))
 
-    #: messages on their way to this dealer; how many of those to drop
-    inbound = 0
-    discarding = 0
-
     def discardReceived(self) -> int:
         dropped = self.inbound - self.discarding
         self.discarding = self.inbound
@@ -215,8 +214,7 @@ class LoopbackDealer(_End):
             self.receiver.messageReceived(frames)
 
     def _detach(self) -> None:
-        router, peer = self.router, self.peer
-        self.router = self.peer = None
+        router, peer, self.router, self.peer = self.router, self.peer, None, None
         if router is not None and peer is not None:
             router.reactor.callLater(0, router._peerGone, peer, self)
 
@@ -226,12 +224,6 @@ class LoopbackDealer(_End):
             return
         self._detach()
         self.reactor.callLater(0, self._lost, why or ConnectionDone("loopback peer closed"))
-
-    #: a newer dealer took over our identity: we stay detached
-    supplanted = False
-
-    #: seconds before a dropped pipe attaches again (not in the same turn, for ever)
-    reconnectDelay = 0.1
 
     def _lost(self, why: Exception) -> None:
         if self.closed:

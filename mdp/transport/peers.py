@@ -39,8 +39,7 @@ RECONNECT = Backoff(initial=0.25, maximum=2.0, jitter=JITTER)
 
 @implementer(IPeerRouterTransport)
 class PeerRouter:
-    """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through
-    one pipe each."""
+    """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through one pipe each."""
 
     def __init__(self, receiver: IPeerRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Any = None) -> None:

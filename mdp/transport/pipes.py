@@ -79,8 +79,7 @@ class _ZmqPipe:
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
                  "address", "linger", "curve", "core", "retryAt", "inFlight")
 
-    def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int,
-                 curve: Any = None) -> None:
+    def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int, curve: Any = None) -> None:
         self.loop = loop
         self.owner = owner
         self.tag = tag
@@ -210,8 +209,7 @@ class _ZmqPipe:
     def _message(self, flags: int) -> Any:
         """A whole message (or raise ``Again``), as :func:`socket_calls` read it."""
         limits = self.loop.limits
-        return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes,
-                     False)
+        return _read(self.handle, flags, _NEVER, 0, limits.maxFrames, limits.maxMessageBytes, False)
 
     def _take(self, frames: Any, now: float) -> None:
         """Hand *frames* on; over the limits, a new socket (lost, then up)."""
@@ -299,9 +297,8 @@ class _StreamPipe:
         if self.family == socket.AF_UNIX:
             self.candidates = [(socket.AF_UNIX, self.address)]
         else:
-            host, port = self.address
             try:
-                found = socket.getaddrinfo(host, port, self.family, socket.SOCK_STREAM)
+                found = socket.getaddrinfo(*self.address, self.family, socket.SOCK_STREAM)
             except OSError as e:
                 self._failed(e, now)
                 return
@@ -333,8 +330,7 @@ class _StreamPipe:
             self.loop.watch(self.key, _POLLOUT)
             self.loop.pipes[self.key] = self
             return
-        self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"),
-                     now)
+        self._failed(error or OSError(errno.EADDRNOTAVAIL, f"{self.address!r} has no address"), now)
 
     def _failed(self, error: BaseException, now: float) -> None:
         if isinstance(error, socket.gaierror):
@@ -376,7 +372,14 @@ class _StreamPipe:
         if events & _POLLOUT:
             self._flush()
         if events & (_POLLIN | _POLLERR | _POLLHUP):
-            self._read(sock, now)
+            # what came whole before a loss is handed on first, as in Twisted
+            self.received.extend(self._drain(1))
+            self._deliverReceived(now)
+            why = self.broken
+            if why is not None and self.socket is sock:
+                self._closeSocket()
+                self.retryAt = now + RECONNECT.delay(0)
+                self.owner._pipeLost(self.tag, why, now)
 
     def _connected(self, sock: socket.socket, now: float) -> None:
         code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -395,13 +398,6 @@ class _StreamPipe:
         self.loop.watch(self.key, _POLLIN)
         self.owner._pipeUp(self.tag, now)
 
-    def _read(self, sock: socket.socket, now: float) -> None:
-        # what came whole before a loss is handed on first, as in Twisted
-        self.received.extend(self._drain(1))
-        self._deliverReceived(now)
-        if self.broken is not None and self.socket is sock:
-            self._lost(self.broken, now)
-
     def _break(self, error: BaseException) -> None:
         """Stop reading; the next read reports *error* as the loss."""
         self.broken = error
@@ -409,8 +405,7 @@ class _StreamPipe:
             self.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
     def _deliverReceived(self, now: float) -> None:
-        """Hand on the messages read, in order (a callback that waits on the
-        loop hands on the rest first)."""
+        """Hand on the messages read, in order (the rest first if a callback waits)."""
         received = self.received
         owner, tag, loop = self.owner, self.tag, self.loop
         while received:  # (a loss meanwhile clears it)
@@ -452,22 +447,13 @@ class _StreamPipe:
                 messages += getattr(e, "decoded", None) or []
                 self._break(e)
                 break
-        if self.skip:
-            self._skipBegun(messages)
-        return messages
-
-    def _skipBegun(self, messages: list[Any]) -> None:
-        """Drop the record a stale discard saw begun, now whole, if on a
-        channel it discarded: no reply to a later request."""
-        if messages:
+        if self.skip and messages:
+            # the record a stale discard saw begun, now whole: no reply to a
+            # later request if on a channel it discarded
             if messages[0][0] in self.skip:
                 del messages[0]
             self.skip = 0
-
-    def _lost(self, why: BaseException, now: float) -> None:
-        self._closeSocket()
-        self.retryAt = now + RECONNECT.delay(0)
-        self.owner._pipeLost(self.tag, why, now)
+        return messages
 
     def _closeSocket(self) -> None:
         sock, self.socket = self.socket, None
@@ -524,13 +510,12 @@ class _StreamLink(_StreamPipe):
         return pipe
 
     def sendRecord(self, record: bytes) -> int:
-        """Send *record* when the loop next waits; where it ends in the
-        connection's bytes (0: not sent)."""
+        """Send *record* before the loop waits; where it ends in the bytes sent (0: not)."""
         if not self.up:
             return 0
         self.out += record
         self.queuedBytes += len(record)
-        self.loop.unchecked.add(self)  # sent before the loop waits
+        self.loop.unchecked.add(self)
         return self.queuedBytes
 
     def _flush(self) -> None:
@@ -540,14 +525,8 @@ class _StreamLink(_StreamPipe):
 
     def _keepBut(self, items: list[Any], names: set[bytes]) -> list[bytes]:
         """Put back *items* but the messages on *names*; the channels dropped."""
-        received = self.received
-        dropped = []
-        for item in items:
-            if item[0] in names and item[1]:
-                dropped.append(item[0])
-            else:
-                received.append(item)
-        return dropped
+        self.received.extend(item for item in items if item[0] not in names or not item[1])
+        return [item[0] for item in items if item[0] in names and item[1]]
 
     def dropStale(self) -> None:
         """Before the pipes' requests go out: read, and drop what came on their channels."""

@@ -27,8 +27,7 @@ def check_mutual(description: str, args: list[str], kwargs: dict[str, str]) -> N
                                         f"interface, backlog, privateKey and certKey "
                                         f"(not {', '.join(other) or args[1]})")
     if "privateKey" not in kwargs:
-        raise bad_endpoint(description, "an ssl: listener needs privateKey=KEY.pem (and "
-                                        "certKey=CERT.pem)")
+        raise bad_endpoint(description, "an ssl: listener needs privateKey=KEY.pem (and certKey=CERT.pem)")
 
 
 def authorities(path: str) -> list[Any]:
@@ -66,8 +65,7 @@ def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
         cert = Path(kwargs.get("certKey", kwargs["privateKey"])).read_bytes()
         own = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
     except Exception as e:
-        raise TransportError(f"{description}: cannot load the server's certificate and key: "
-                             f"{e}") from None
+        raise TransportError(f"{description}: cannot load the server's certificate and key: {e}") from None
     # options with a trust root: OpenSSL requires a client certificate it signed
     return SSL4ServerEndpoint(reactor, int(kwargs.get("port", args[0] if args else 0)),
                               own.options(*trusted),

@@ -1,6 +1,5 @@
-"""Every private attribute of Twisted the library uses, each named in
-:data:`PRIVATE` with its class and why (``tests/test_twisted_private.py``
-fails if a Twisted upgrade removes one)."""
+"""Every private attribute of Twisted the library uses, each named in :data:`PRIVATE` with its class and why
+(``tests/test_twisted_private.py`` fails if a Twisted upgrade removes one)."""
 
 from __future__ import annotations
 
@@ -76,11 +75,8 @@ def shortcut_reads(protocol: Any) -> None:
     """Hand *protocol*'s ``dataReceived`` to the outermost wrapper, where every
     wrapper between only passes reads on."""
     outer = inner = getattr(protocol.transport, "protocol", None)
-    for _ in range(len(_FORWARDERS)):
-        attribute = _FORWARDERS.get(type(inner))
-        if attribute is None:
-            break
-        inner = getattr(inner, attribute, None)
+    while type(inner) in _FORWARDERS:
+        inner = getattr(inner, _FORWARDERS[type(inner)], None)
     if inner is protocol and outer is not protocol:
         outer.dataReceived = protocol.dataReceived
 
@@ -98,8 +94,8 @@ def asyncio_loop(reactor: Any) -> Any:
 
 
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``callLater(0, fn, *args)``, through the loop's ``call_soon`` on an
-    asyncio reactor; the handle's ``cancel()`` cancels it."""
+    """``callLater(0, fn, *args)``, through the loop's ``call_soon`` on an asyncio reactor; the handle's
+    ``cancel()`` cancels it."""
     loop = asyncio_loop(reactor)
     if loop is not None:
         return loop.call_soon(fn, *args)
