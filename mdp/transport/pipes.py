@@ -496,11 +496,13 @@ class _StreamLink(_StreamPipe):
     framing = CHANNELS
 
     def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
-        super().__init__(loop, self, None, family, address)
+        # whole before the base joins the loop's timed pipes: an interrupt
+        # there must leave a link the loop's shutdown can close
         self.endpoint = endpoint
         self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
         #: pipes to tell of the loss before any reconnection
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
+        super().__init__(loop, self, None, family, address)
 
     def open(self, owner: Any, tag: Any) -> _LinkPipe:
         pipe = _LinkPipe(self, owner, tag)
