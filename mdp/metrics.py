@@ -63,36 +63,35 @@ def _samples(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
     return family
 
 
-class _Collector:
-    """Calls *collect* at scrape time (the registry's custom-collector hook)."""
+class _Metrics:
+    """Counters, and a histogram for each ``*_seconds`` name, in *registry* (default: a fresh
+    one): one a row of attribute, name after *prefix*, help and labels; :meth:`collect`, the
+    registry's custom-collector hook, reads the node's state at scrape time."""
 
-    def __init__(self, collect: Any) -> None:
-        self.collect = collect
+    def __init__(self, registry: Optional[CollectorRegistry], prefix: str,
+                 rows: list[tuple[str, str, str, list[str]]]) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        for attribute, name, doc, labels in rows:
+            if name.endswith("_seconds"):
+                instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
+                                            registry=self.registry)
+            else:
+                instrument = Counter(f"{prefix}_{name}", doc, labels, registry=self.registry)
+            setattr(self, attribute, instrument)
+        self.registry.register(self)
 
     def describe(self) -> list[Metric]:
         return []  # not known before a scrape: never checked for duplicates
 
 
-def _instruments(owner: Any, prefix: str, rows: list[tuple[str, str, str, list[str]]]) -> None:
-    """Set on *owner* a counter, or a histogram for a ``*_seconds`` name, for
-    each row: attribute, name after *prefix*, help and labels."""
-    for attribute, name, doc, labels in rows:
-        if name.endswith("_seconds"):
-            instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
-                                        registry=owner.registry)
-        else:
-            instrument = Counter(f"{prefix}_{name}", doc, labels, registry=owner.registry)
-        setattr(owner, attribute, instrument)
-
-
-class BrokerMetrics:
+class BrokerMetrics(_Metrics):
     """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry* (default: a fresh one)."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, *,
                  maxServices: int = MAX_SERVICES) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
         self._labels = _ServiceLabels(maxServices)
-        _instruments(self, "mdp_broker", [
+        self._broker: Any = None
+        super().__init__(registry, "mdp_broker", [
             ("requests", "requests", "Client requests received, by service.", ["service"]),
             ("replies", "replies", "Replies (FINAL) passed from workers to clients, by service.",
              ["service"]),
@@ -116,8 +115,6 @@ class BrokerMetrics:
             ("rejected", "rejected_messages", "Messages rejected as malformed or out of place, "
              "by reason.", ["reason"]),
         ])
-        self._broker: Any = None
-        self.registry.register(_Collector(self._collect))
 
     def watch(self, broker: Any) -> None:
         """Read *broker*'s state at each scrape."""
@@ -156,7 +153,7 @@ class BrokerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         broker = self._broker
         if broker is None:
             return
@@ -217,12 +214,12 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
                        counted[attribute])
 
 
-class WorkerMetrics:
+class WorkerMetrics(_Metrics):
     """What a :class:`~mdp.majordomo.worker.Worker` counts; workers may share one."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        _instruments(self, "mdp_worker", [
+        self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
+        super().__init__(registry, "mdp_worker", [
             ("requests", "requests", "Requests handed to the handler.", ["service"]),
             ("failures", "failures", "Requests answered with an error: the handler raised "
              "(error), or its reply was over the message limits (too-large).",
@@ -233,8 +230,6 @@ class WorkerMetrics:
             ("blocked", "reactor_blocked", "Times the reactor was blocked (by a handler) longer "
              "than a heartbeat interval.", ["service"]),
         ])
-        self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.registry.register(_Collector(self._collect))
 
     def watch(self, worker: Any) -> None:
         self._workers.add(worker)
@@ -254,7 +249,7 @@ class WorkerMetrics:
     def blockedReactor(self, service: bytes) -> None:
         self.blocked.labels(label(service)).inc()
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         connected: dict[tuple[str, ...], float] = {}
         busy: dict[tuple[str, ...], float] = {}
         for worker in list(self._workers):
@@ -271,12 +266,12 @@ class WorkerMetrics:
                                      labels=["service"]), busy)
 
 
-class FreelanceMetrics:
+class FreelanceMetrics(_Metrics):
     """What a :class:`~mdp.freelance.FreelanceServer` counts."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        _instruments(self, "mdp_freelance", [
+        self._server: Any = None
+        super().__init__(registry, "mdp_freelance", [
             ("requests", "requests", "Requests received.", []),
             ("pings", "pings", "PINGs answered with PONG.", []),
             ("refused", "requests_refused", "Requests refused (429): too many in hand.", []),
@@ -285,13 +280,11 @@ class FreelanceMetrics:
             ("rejected", "rejected_messages", "Messages rejected as malformed.", []),
             ("handlerSeconds", "handler_seconds", "Time from a request to its reply.", []),
         ])
-        self._server: Any = None
-        self.registry.register(_Collector(self._collect))
 
     def watch(self, server: Any) -> None:
         self._server = server
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         server = self._server
         if server is None:
             return
@@ -369,12 +362,8 @@ class _MetricsChannel(HTTPChannel):
     def resetTimeout(self) -> None:
         """Input does not put the deadline off (trickled bytes would hold it for ever)."""
 
-    def dataReceived(self, data: bytes) -> None:
-        if not self._refused:
-            super().dataReceived(data)
-
     def rawDataReceived(self, data: bytes) -> None:
-        if not self._refused:
+        if not self._refused:  # (the headers are read in line mode: a refused body comes here)
             super().rawDataReceived(data)
 
     def allHeadersReceived(self) -> None:
@@ -396,11 +385,11 @@ class _MetricsChannel(HTTPChannel):
         if self._outputFull and self.persistent:
             self._parked = request  # handled on resumeProducing
             self._networkProducer.pauseProducing()
-            self.setTimeout(self.site.requestTimeout)
+            self.setTimeout(self.site.timeOut)
             return
         super().requestDone(request)
         if not self.persistent:  # closing once the last response is sent: in time
-            self.setTimeout(self.site.requestTimeout)
+            self.setTimeout(self.site.timeOut)
 
     def pauseProducing(self) -> None:
         self._outputFull = True
@@ -414,21 +403,17 @@ class _MetricsChannel(HTTPChannel):
             super().requestDone(parked)
 
     def timeoutConnection(self) -> None:
-        if self._parked is not None or self._outputFull:
-            why = "its responses were not taken"
-        elif self.requests or self._buffer:  # a request begun
-            why = "no whole request came"
-        elif not self._closing:  # idle between requests (a scraper keeping it open): close
-            self._closing = True
+        stuck = self._parked is not None or self._outputFull
+        if not (stuck or self.requests or self._buffer or self._closing):
+            self._closing = True  # idle between requests (a scraper keeping it open): close
             self.loseConnection()
-            self.setTimeout(self.site.requestTimeout)
+            self.setTimeout(self.site.timeOut)
             return
-        else:
-            why = "it did not close"
+        why = ("its responses were not taken" if stuck
+               else "no whole request came" if self.requests or self._buffer else "it did not close")
         self.site.throttle.info(log, "timeout", "metrics endpoint closed the connection from "
                                 "{peer}: {why} within {timeout:g}s (requestTimeout)",
-                                peer=_peer(self.transport.getPeer()), why=why,
-                                timeout=self.site.requestTimeout)
+                                peer=_peer(self.transport.getPeer()), why=why, timeout=self.site.timeOut)
         self.transport.abortConnection()
 
 
@@ -442,7 +427,6 @@ class _MetricsSite(Site):
                  requestTimeout: float, maxBodyBytes: int) -> None:
         super().__init__(resource, timeout=requestTimeout, reactor=reactor)
         self.maxConnections = maxConnections
-        self.requestTimeout = requestTimeout
         self.maxBodyBytes = maxBodyBytes
         self.displayTracebacks = False
         self.throttle = LogThrottle(reactor)
