@@ -332,15 +332,11 @@ class _RefusedConnection(Protocol):
 
 
 class _MetricsChannel(HTTPChannel):
-    """twisted.web's HTTP/1.1 channel within the bounds of :func:`metrics_site`.  A
-    request whose output is over the transport's buffer is *parked*: nothing
-    more is read until it is sent."""
+    """twisted.web's HTTP/1.1 channel within the bounds of :func:`metrics_site`.  While
+    the transport holds more output than its buffer size, ``paused`` (LineReceiver's):
+    no request waiting is handled, and nothing more is read, until it is sent."""
 
     site: _MetricsSite
-    #: the finished request whose response the transport has not yet sent
-    _parked: Optional[Request] = None
-    #: the transport asked us to pause: it holds more than its buffer size
-    _outputFull = False
     #: the request's body was refused (413): what still comes is dropped
     _refused = False
     #: closed when idle at the deadline; aborted if it does not end in time
@@ -354,9 +350,6 @@ class _MetricsChannel(HTTPChannel):
 
     def connectionLost(self, reason: Any) -> None:
         self.site.channels.pop(self, None)
-        if self._parked is not None:  # answered: nothing to tell it
-            self.requests.remove(self._parked)
-            self._parked = None
         super().connectionLost(reason)
 
     def resetTimeout(self) -> None:
@@ -382,34 +375,28 @@ class _MetricsChannel(HTTPChannel):
 
     def requestDone(self, request: Request) -> None:
         self.served += 1
-        if self._outputFull and self.persistent:
-            self._parked = request  # handled on resumeProducing
-            self._networkProducer.pauseProducing()
-            self.setTimeout(self.site.timeOut)
-            return
         super().requestDone(request)
+        if self.paused:  # no more read either
+            self._networkProducer.pauseProducing()
         if not self.persistent:  # closing once the last response is sent: in time
             self.setTimeout(self.site.timeOut)
 
     def pauseProducing(self) -> None:
-        self._outputFull = True
+        self.paused = True
         super().pauseProducing()
 
     def resumeProducing(self) -> None:
-        self._outputFull = False
+        self.paused = False
         super().resumeProducing()
-        parked, self._parked = self._parked, None
-        if parked is not None:
-            super().requestDone(parked)
+        self.dataReceived(b"")  # the requests that wait
 
     def timeoutConnection(self) -> None:
-        stuck = self._parked is not None or self._outputFull
-        if not (stuck or self.requests or self._buffer or self._closing):
+        if not (self.paused or self.requests or self._buffer or self._closing):
             self._closing = True  # idle between requests (a scraper keeping it open): close
             self.loseConnection()
             self.setTimeout(self.site.timeOut)
             return
-        why = ("its responses were not taken" if stuck
+        why = ("its responses were not taken" if self.paused
                else "no whole request came" if self.requests or self._buffer else "it did not close")
         self.site.throttle.info(log, "timeout", "metrics endpoint closed the connection from "
                                 "{peer}: {why} within {timeout:g}s (requestTimeout)",
