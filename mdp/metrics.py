@@ -32,25 +32,6 @@ MAX_SERVICES = 1000
 OTHER = "_other"
 
 
-class _ServiceLabels:
-    """Service names to label values, at most *limit*; unregistered names get
-    at most half, so they cannot crowd out real services."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.values: dict[bytes, str] = {}
-        self.registered: Any = lambda name: True
-
-    def __call__(self, name: bytes) -> str:
-        value = self.values.get(name)
-        if value is None:
-            count = len(self.values)
-            if count >= self.limit or (count >= self.limit // 2 and not self.registered(name)):
-                return OTHER
-            value = self.values[name] = label(name)
-        return value
-
-
 def _code_label(code: bytes) -> str:
     """A status code as a label value: three digits, or ``other``."""
     return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
@@ -89,7 +70,8 @@ class BrokerMetrics(_Metrics):
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, *,
                  maxServices: int = MAX_SERVICES) -> None:
-        self._labels = _ServiceLabels(maxServices)
+        self.maxServices = maxServices
+        self._values: dict[bytes, str] = {}  # service names given a label value of their own
         self._broker: Any = None
         super().__init__(registry, "mdp_broker", [
             ("requests", "requests", "Client requests received, by service.", ["service"]),
@@ -119,7 +101,18 @@ class BrokerMetrics(_Metrics):
     def watch(self, broker: Any) -> None:
         """Read *broker*'s state at each scrape."""
         self._broker = broker
-        self._labels.registered = lambda name: getattr(broker.services.get(name), "registered", False)
+
+    def _labels(self, name: bytes) -> str:
+        """*name*'s label value: :data:`OTHER` beyond ``maxServices`` names, and beyond half
+        for names no worker registered for (they cannot crowd out real services)."""
+        value = self._values.get(name)
+        if value is None:
+            count, broker = len(self._values), self._broker
+            unregistered = broker is not None and not getattr(broker.services.get(name), "registered", False)
+            if count >= self.maxServices or (count >= self.maxServices // 2 and unregistered):
+                return OTHER
+            value = self._values[name] = label(name)
+        return value
 
     def request(self, service: bytes) -> None:
         self.requests.labels(self._labels(service)).inc()
