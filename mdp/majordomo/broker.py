@@ -292,13 +292,9 @@ class Broker:
                                 security=security).addCallback(partial(self._bind, binding))
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
-        """An :class:`IProtocolFactory` served by this broker in the stream framing,
-        to listen on a Twisted endpoint or TLS wrapper of one's own::
-
-            port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
-                broker.streamFactory())
-
-        :meth:`close` drops its connections; stopping the port is the caller's."""
+        """An :class:`IProtocolFactory` served by this broker in the stream framing, to listen
+        on a Twisted endpoint or TLS wrapper of one's own (docs/cli.md); :meth:`close` drops
+        its connections, stopping the port is the caller's."""
         binding = Binding(self, clients, workers)
         router = StreamRouter(binding, self.reactor, limits=self.machine.limits)
         self._bind(binding, router)
