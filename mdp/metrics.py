@@ -402,19 +402,17 @@ class _MetricsSite(Site):
 
     noisy = False
     protocol = _MetricsChannel  # type: ignore[assignment]  # HTTP/1.1 only
+    #: connections refused at maxConnections, and closed there to admit a newcomer
+    refused = evicted = 0
 
     def __init__(self, resource: Resource, reactor: Any, *, maxConnections: int,
                  requestTimeout: float, maxBodyBytes: int) -> None:
         super().__init__(resource, timeout=requestTimeout, reactor=reactor)
         self.maxConnections = maxConnections
         self.maxBodyBytes = maxBodyBytes
-        self.displayTracebacks = False
         self.throttle = LogThrottle(reactor)
         #: open connections, oldest first
         self.channels: dict[_MetricsChannel, None] = {}
-        #: connections refused at maxConnections, and closed there to admit a newcomer
-        self.refused = 0
-        self.evicted = 0
 
     def buildProtocol(self, addr: Any) -> Any:
         """At maxConnections, the oldest connection that has had no answer (a
@@ -422,20 +420,19 @@ class _MetricsSite(Site):
         has had an answer, the newcomer is refused."""
         if len(self.channels) >= self.maxConnections:
             idle = next((channel for channel in self.channels if not channel.served), None)
-            if idle is not None:
-                del self.channels[idle]
-                self.evicted += 1
-                self.throttle.info(log, "evicted", "metrics endpoint closed the connection from "
-                                   "{peer}, which had no answer yet, to admit {newcomer}: {limit} "
-                                   "open (maxConnections)", peer=_peer(idle.transport.getPeer()),
-                                   newcomer=_peer(addr), limit=self.maxConnections)
-                idle.transport.abortConnection()
-                return super().buildProtocol(addr)
-            self.refused += 1
-            self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
-                               "{peer}: {limit} open (maxConnections)", peer=_peer(addr),
-                               limit=self.maxConnections)
-            return _RefusedConnection()
+            if idle is None:
+                self.refused += 1
+                self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
+                                   "{peer}: {limit} open (maxConnections)", peer=_peer(addr),
+                                   limit=self.maxConnections)
+                return _RefusedConnection()
+            del self.channels[idle]
+            self.evicted += 1
+            self.throttle.info(log, "evicted", "metrics endpoint closed the connection from {peer}, "
+                               "which had no answer yet, to admit {newcomer}: {limit} open "
+                               "(maxConnections)", peer=_peer(idle.transport.getPeer()),
+                               newcomer=_peer(addr), limit=self.maxConnections)
+            idle.transport.abortConnection()
         return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:
