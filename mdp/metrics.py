@@ -32,25 +32,6 @@ MAX_SERVICES = 1000
 OTHER = "_other"
 
 
-class _ServiceLabels:
-    """Service names to label values, at most *limit*; unregistered names get
-    at most half, so they cannot crowd out real services."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.values: dict[bytes, str] = {}
-        self.registered: Any = lambda name: True
-
-    def __call__(self, name: bytes) -> str:
-        value = self.values.get(name)
-        if value is None:
-            count = len(self.values)
-            if count >= self.limit or (count >= self.limit // 2 and not self.registered(name)):
-                return OTHER
-            value = self.values[name] = label(name)
-        return value
-
-
 def _code_label(code: bytes) -> str:
     """A status code as a label value: three digits, or ``other``."""
     return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
@@ -63,36 +44,36 @@ def _samples(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
     return family
 
 
-class _Collector:
-    """Calls *collect* at scrape time (the registry's custom-collector hook)."""
+class _Metrics:
+    """Counters, and a histogram for each ``*_seconds`` name, in *registry* (default: a fresh
+    one): one a row of attribute, name after *prefix*, help and labels; :meth:`collect`, the
+    registry's custom-collector hook, reads the node's state at scrape time."""
 
-    def __init__(self, collect: Any) -> None:
-        self.collect = collect
+    def __init__(self, registry: Optional[CollectorRegistry], prefix: str,
+                 rows: list[tuple[str, str, str, list[str]]]) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        for attribute, name, doc, labels in rows:
+            if name.endswith("_seconds"):
+                instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
+                                            registry=self.registry)
+            else:
+                instrument = Counter(f"{prefix}_{name}", doc, labels, registry=self.registry)
+            setattr(self, attribute, instrument)
+        self.registry.register(self)
 
     def describe(self) -> list[Metric]:
         return []  # not known before a scrape: never checked for duplicates
 
 
-def _instruments(owner: Any, prefix: str, rows: list[tuple[str, str, str, list[str]]]) -> None:
-    """Set on *owner* a counter, or a histogram for a ``*_seconds`` name, for
-    each row: attribute, name after *prefix*, help and labels."""
-    for attribute, name, doc, labels in rows:
-        if name.endswith("_seconds"):
-            instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
-                                        registry=owner.registry)
-        else:
-            instrument = Counter(f"{prefix}_{name}", doc, labels, registry=owner.registry)
-        setattr(owner, attribute, instrument)
-
-
-class BrokerMetrics:
+class BrokerMetrics(_Metrics):
     """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry* (default: a fresh one)."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, *,
                  maxServices: int = MAX_SERVICES) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self._labels = _ServiceLabels(maxServices)
-        _instruments(self, "mdp_broker", [
+        self.maxServices = maxServices
+        self._values: dict[bytes, str] = {}  # service names given a label value of their own
+        self._broker: Any = None
+        super().__init__(registry, "mdp_broker", [
             ("requests", "requests", "Client requests received, by service.", ["service"]),
             ("replies", "replies", "Replies (FINAL) passed from workers to clients, by service.",
              ["service"]),
@@ -116,13 +97,22 @@ class BrokerMetrics:
             ("rejected", "rejected_messages", "Messages rejected as malformed or out of place, "
              "by reason.", ["reason"]),
         ])
-        self._broker: Any = None
-        self.registry.register(_Collector(self._collect))
 
     def watch(self, broker: Any) -> None:
         """Read *broker*'s state at each scrape."""
         self._broker = broker
-        self._labels.registered = lambda name: getattr(broker.services.get(name), "registered", False)
+
+    def _labels(self, name: bytes) -> str:
+        """*name*'s label value: :data:`OTHER` beyond ``maxServices`` names, and beyond half
+        for names no worker registered for (they cannot crowd out real services)."""
+        value = self._values.get(name)
+        if value is None:
+            count, broker = len(self._values), self._broker
+            unregistered = broker is not None and not getattr(broker.services.get(name), "registered", False)
+            if count >= self.maxServices or (count >= self.maxServices // 2 and unregistered):
+                return OTHER
+            value = self._values[name] = label(name)
+        return value
 
     def request(self, service: bytes) -> None:
         self.requests.labels(self._labels(service)).inc()
@@ -156,7 +146,7 @@ class BrokerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         broker = self._broker
         if broker is None:
             return
@@ -217,12 +207,12 @@ def transport_metrics(prefix: str, transports: Iterable[Any]) -> Iterable[Metric
                        counted[attribute])
 
 
-class WorkerMetrics:
+class WorkerMetrics(_Metrics):
     """What a :class:`~mdp.majordomo.worker.Worker` counts; workers may share one."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        _instruments(self, "mdp_worker", [
+        self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
+        super().__init__(registry, "mdp_worker", [
             ("requests", "requests", "Requests handed to the handler.", ["service"]),
             ("failures", "failures", "Requests answered with an error: the handler raised "
              "(error), or its reply was over the message limits (too-large).",
@@ -233,8 +223,6 @@ class WorkerMetrics:
             ("blocked", "reactor_blocked", "Times the reactor was blocked (by a handler) longer "
              "than a heartbeat interval.", ["service"]),
         ])
-        self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.registry.register(_Collector(self._collect))
 
     def watch(self, worker: Any) -> None:
         self._workers.add(worker)
@@ -254,7 +242,7 @@ class WorkerMetrics:
     def blockedReactor(self, service: bytes) -> None:
         self.blocked.labels(label(service)).inc()
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         connected: dict[tuple[str, ...], float] = {}
         busy: dict[tuple[str, ...], float] = {}
         for worker in list(self._workers):
@@ -271,12 +259,12 @@ class WorkerMetrics:
                                      labels=["service"]), busy)
 
 
-class FreelanceMetrics:
+class FreelanceMetrics(_Metrics):
     """What a :class:`~mdp.freelance.FreelanceServer` counts."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        _instruments(self, "mdp_freelance", [
+        self._server: Any = None
+        super().__init__(registry, "mdp_freelance", [
             ("requests", "requests", "Requests received.", []),
             ("pings", "pings", "PINGs answered with PONG.", []),
             ("refused", "requests_refused", "Requests refused (429): too many in hand.", []),
@@ -285,13 +273,11 @@ class FreelanceMetrics:
             ("rejected", "rejected_messages", "Messages rejected as malformed.", []),
             ("handlerSeconds", "handler_seconds", "Time from a request to its reply.", []),
         ])
-        self._server: Any = None
-        self.registry.register(_Collector(self._collect))
 
     def watch(self, server: Any) -> None:
         self._server = server
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         server = self._server
         if server is None:
             return
@@ -339,15 +325,11 @@ class _RefusedConnection(Protocol):
 
 
 class _MetricsChannel(HTTPChannel):
-    """twisted.web's HTTP/1.1 channel within the bounds of :func:`metrics_site`.  A
-    request whose output is over the transport's buffer is *parked*: nothing
-    more is read until it is sent."""
+    """twisted.web's HTTP/1.1 channel within the bounds of :func:`metrics_site`.  While
+    the transport holds more output than its buffer size, ``paused`` (LineReceiver's):
+    no request waiting is handled, and nothing more is read, until it is sent."""
 
     site: _MetricsSite
-    #: the finished request whose response the transport has not yet sent
-    _parked: Optional[Request] = None
-    #: the transport asked us to pause: it holds more than its buffer size
-    _outputFull = False
     #: the request's body was refused (413): what still comes is dropped
     _refused = False
     #: closed when idle at the deadline; aborted if it does not end in time
@@ -361,20 +343,13 @@ class _MetricsChannel(HTTPChannel):
 
     def connectionLost(self, reason: Any) -> None:
         self.site.channels.pop(self, None)
-        if self._parked is not None:  # answered: nothing to tell it
-            self.requests.remove(self._parked)
-            self._parked = None
         super().connectionLost(reason)
 
     def resetTimeout(self) -> None:
         """Input does not put the deadline off (trickled bytes would hold it for ever)."""
 
-    def dataReceived(self, data: bytes) -> None:
-        if not self._refused:
-            super().dataReceived(data)
-
     def rawDataReceived(self, data: bytes) -> None:
-        if not self._refused:
+        if not self._refused:  # (the headers are read in line mode: a refused body comes here)
             super().rawDataReceived(data)
 
     def allHeadersReceived(self) -> None:
@@ -393,42 +368,32 @@ class _MetricsChannel(HTTPChannel):
 
     def requestDone(self, request: Request) -> None:
         self.served += 1
-        if self._outputFull and self.persistent:
-            self._parked = request  # handled on resumeProducing
-            self._networkProducer.pauseProducing()
-            self.setTimeout(self.site.requestTimeout)
-            return
         super().requestDone(request)
+        if self.paused:  # no more read either
+            self._networkProducer.pauseProducing()
         if not self.persistent:  # closing once the last response is sent: in time
-            self.setTimeout(self.site.requestTimeout)
+            self.setTimeout(self.site.timeOut)
 
     def pauseProducing(self) -> None:
-        self._outputFull = True
+        self.paused = True
         super().pauseProducing()
 
     def resumeProducing(self) -> None:
-        self._outputFull = False
+        self.paused = False
         super().resumeProducing()
-        parked, self._parked = self._parked, None
-        if parked is not None:
-            super().requestDone(parked)
+        self.dataReceived(b"")  # the requests that wait
 
     def timeoutConnection(self) -> None:
-        if self._parked is not None or self._outputFull:
-            why = "its responses were not taken"
-        elif self.requests or self._buffer:  # a request begun
-            why = "no whole request came"
-        elif not self._closing:  # idle between requests (a scraper keeping it open): close
-            self._closing = True
+        if not (self.paused or self.requests or self._buffer or self._closing):
+            self._closing = True  # idle between requests (a scraper keeping it open): close
             self.loseConnection()
-            self.setTimeout(self.site.requestTimeout)
+            self.setTimeout(self.site.timeOut)
             return
-        else:
-            why = "it did not close"
+        why = ("its responses were not taken" if self.paused
+               else "no whole request came" if self.requests or self._buffer else "it did not close")
         self.site.throttle.info(log, "timeout", "metrics endpoint closed the connection from "
                                 "{peer}: {why} within {timeout:g}s (requestTimeout)",
-                                peer=_peer(self.transport.getPeer()), why=why,
-                                timeout=self.site.requestTimeout)
+                                peer=_peer(self.transport.getPeer()), why=why, timeout=self.site.timeOut)
         self.transport.abortConnection()
 
 
@@ -437,20 +402,17 @@ class _MetricsSite(Site):
 
     noisy = False
     protocol = _MetricsChannel  # type: ignore[assignment]  # HTTP/1.1 only
+    #: connections refused at maxConnections, and closed there to admit a newcomer
+    refused = evicted = 0
 
     def __init__(self, resource: Resource, reactor: Any, *, maxConnections: int,
                  requestTimeout: float, maxBodyBytes: int) -> None:
         super().__init__(resource, timeout=requestTimeout, reactor=reactor)
         self.maxConnections = maxConnections
-        self.requestTimeout = requestTimeout
         self.maxBodyBytes = maxBodyBytes
-        self.displayTracebacks = False
         self.throttle = LogThrottle(reactor)
         #: open connections, oldest first
         self.channels: dict[_MetricsChannel, None] = {}
-        #: connections refused at maxConnections, and closed there to admit a newcomer
-        self.refused = 0
-        self.evicted = 0
 
     def buildProtocol(self, addr: Any) -> Any:
         """At maxConnections, the oldest connection that has had no answer (a
@@ -458,20 +420,19 @@ class _MetricsSite(Site):
         has had an answer, the newcomer is refused."""
         if len(self.channels) >= self.maxConnections:
             idle = next((channel for channel in self.channels if not channel.served), None)
-            if idle is not None:
-                del self.channels[idle]
-                self.evicted += 1
-                self.throttle.info(log, "evicted", "metrics endpoint closed the connection from "
-                                   "{peer}, which had no answer yet, to admit {newcomer}: {limit} "
-                                   "open (maxConnections)", peer=_peer(idle.transport.getPeer()),
-                                   newcomer=_peer(addr), limit=self.maxConnections)
-                idle.transport.abortConnection()
-                return super().buildProtocol(addr)
-            self.refused += 1
-            self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
-                               "{peer}: {limit} open (maxConnections)", peer=_peer(addr),
-                               limit=self.maxConnections)
-            return _RefusedConnection()
+            if idle is None:
+                self.refused += 1
+                self.throttle.warn(log, "refused", "metrics endpoint refused a connection from "
+                                   "{peer}: {limit} open (maxConnections)", peer=_peer(addr),
+                                   limit=self.maxConnections)
+                return _RefusedConnection()
+            del self.channels[idle]
+            self.evicted += 1
+            self.throttle.info(log, "evicted", "metrics endpoint closed the connection from {peer}, "
+                               "which had no answer yet, to admit {newcomer}: {limit} open "
+                               "(maxConnections)", peer=_peer(idle.transport.getPeer()),
+                               newcomer=_peer(addr), limit=self.maxConnections)
+            idle.transport.abortConnection()
         return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:

@@ -50,7 +50,6 @@ from mdp.majordomo.broker_records import (  # noqa: F401  (re-exported, as above
     WorkerRef,
     WorkerState,
     as_bytes,
-    peer_label,
 )
 from mdp.messages import text as label
 from mdp.policy import LogThrottle, call_at, cancel_call, default_reactor
@@ -107,7 +106,7 @@ class Binding:
             actions = machine.handleMessage((self, peer), frames, broker.reactor.seconds(),
                                             self.clients, self.workers, identity)
         except Exception:
-            log.failure("broker failed handling a message from {peer}", peer=peer_label(peer))
+            log.failure("broker failed handling a message from {peer}", peer=peer.hex())
             actions = machine.actionsSoFar()
         broker._perform(actions)
 
@@ -220,10 +219,10 @@ class Broker:
         if kind in _INVALID:
             self.invalid += 1
             self.throttle.warn(log, kind, "dropped invalid message from {peer}: {reason}",
-                               peer=peer_label(dropped.peer), reason=dropped.reason)
+                               peer=dropped.peer.hex(), reason=dropped.reason)
         else:
             self.throttle.info(log, kind, "dropped a message from worker {peer}: {reason}",
-                               peer=peer_label(dropped.peer), reason=dropped.reason)
+                               peer=dropped.peer.hex(), reason=dropped.reason)
         if metrics is not None:
             if kind in _REPLIES_DROPPED:
                 metrics.dropped(kind)
@@ -242,12 +241,12 @@ class Broker:
         if kind not in _QUIET_REFUSALS:
             self.throttle.warn(log, kind, "refused {what} for {service} from {peer}: {reason}",
                                what="READY" if kind in _READY_REFUSED else "a request",
-                               service=label(service), peer=peer_label(refused.peer),
+                               service=label(service), peer=refused.peer.hex(),
                                reason=refused.reason)
 
     def _workerChanged(self, changed: WorkerChanged) -> None:
         change = changed.change
-        fields = {"peer": peer_label(changed.peer), "service": label(changed.service),
+        fields = {"peer": changed.peer.hex(), "service": label(changed.service),
                   "silence": changed.silence}
         if change == "released":
             self.throttle.info(log, change, _WORKER_CHANGES[change], **fields)
@@ -264,7 +263,7 @@ class Broker:
         if self.logRequests and replied.worker is not None:
             log.debug("{service}: request from client {client} served by worker {worker} in "
                       "{served:.4f}s after {queued:.4f}s queued", service=label(replied.service),
-                      client=peer_label(replied.client), worker=peer_label(replied.worker),
+                      client=replied.client.hex(), worker=replied.worker.hex(),
                       served=replied.served, queued=replied.queued)
 
     def snapshot(self, serviceLimit: Optional[int] = None, workerLimit: Optional[int] = None,
@@ -293,13 +292,9 @@ class Broker:
                                 security=security).addCallback(partial(self._bind, binding))
 
     def streamFactory(self, clients: bool = True, workers: bool = True) -> IProtocolFactory:
-        """An :class:`IProtocolFactory` served by this broker in the stream framing,
-        to listen on a Twisted endpoint or TLS wrapper of one's own::
-
-            port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
-                broker.streamFactory())
-
-        :meth:`close` drops its connections; stopping the port is the caller's."""
+        """An :class:`IProtocolFactory` served by this broker in the stream framing, to listen
+        on a Twisted endpoint or TLS wrapper of one's own (docs/cli.md); :meth:`close` drops
+        its connections, stopping the port is the caller's."""
         binding = Binding(self, clients, workers)
         router = StreamRouter(binding, self.reactor, limits=self.machine.limits)
         self._bind(binding, router)

@@ -33,7 +33,6 @@ from mdp.majordomo.broker_records import (
     WorkerRef,
     WorkerSnapshot,
     as_bytes,
-    peer_label,
 )
 from mdp.majordomo.codec import (
     RFC,
@@ -292,7 +291,7 @@ class BrokerMachine(Machine):
         return BrokerSnapshot(
             at, tuple(ServiceSnapshot(q.name, len(q.idle), q.workers - len(q.idle), q.size, q.bytes)
                       for q in queues),
-            tuple(WorkerSnapshot(peer_label(w.key[1]), w.service.name, w.dialect, w.state is BUSY,
+            tuple(WorkerSnapshot(w.key[1].hex(), w.service.name, w.dialect, w.state is BUSY,
                                  w.liveness.silence(at)) for w in chosen[:workerLimit]),
             len(shown), len(chosen), self._ledger.count, self._ledger.bytes)
 

@@ -73,11 +73,6 @@ def as_bytes(frames: Sequence[Any]) -> list[bytes]:
     return frames  # type: ignore[return-value]
 
 
-def peer_label(peer: bytes) -> str:
-    """A printable form of an opaque peer id for logs."""
-    return peer.hex()
-
-
 class RequestState(enum.Enum):
     """What a client request is doing (see the table in the module docstring)."""
 

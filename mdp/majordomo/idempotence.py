@@ -1,13 +1,7 @@
-"""Opt-in duplicate filtering for non-idempotent services: clients **stamp**
-requests (``Client(..., stamp=True)``), workers keep a **reply store**
-(``Worker(..., replies=MemoryReplyStore())``) and answer a stamped request
-whose FINAL is stored from it.  A stamped body, the same on every retry::
-
-    [STAMP_MARKER, client id (16 bytes), sequence number (ASCII digits), body...]
-
-The store knows only *finished* requests: share one between workers to filter
-across them.
-"""
+"""Opt-in duplicate filtering for non-idempotent services (docs/mdp.md): clients **stamp** requests
+(``Client(..., stamp=True)``, :func:`stamp`: the same stamp on every retry) and workers keep the FINALs
+of stamped requests in a **reply store** (``Worker(..., replies=MemoryReplyStore())``) to answer a retry
+from it.  The store knows only *finished* requests: share one between workers to filter across them."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
-"""Majordomo Management Interface (ZeroMQ RFC 8): ``mmi.*`` services answered
-by the broker itself.
-
-========================  =====================================================
-``mmi.service`` NAME      ``200`` if NAME has a live worker (or lost its last
-                          within ``serviceLinger``), else ``404``
-``mmi.services``          JSON ``{"name": {"workers", "idle", "queued"}, ...}``
-``mmi.workers`` [NAME]    JSON ``[{"id", "service", "busy", "dialect",
-                          "silence"}, ...]``, only NAME's if NAME is given
-``mmi.binarystar``        JSON :meth:`mdp.binarystar.BinaryStar.status` (answered
-                          even when passive); ``501`` outside a pair
-any other ``mmi.*``       ``501``
-========================  =====================================================
-
-Under an access policy every peer may ask but hears only of the services it may
-call (others are ``404`` or absent; workers are listed without peer ids).
-Listings hold at most :data:`MAX_ENTRIES` (``mmi.services``: those with workers
-first); a second frame ``{"truncated": true, "total": n}`` says when there were more.
-"""
+"""Majordomo Management Interface (ZeroMQ RFC 8): the ``mmi.*`` services the broker answers
+itself, ``mmi.service``, ``mmi.services``, ``mmi.workers`` and ``mmi.binarystar``, any other
+``501`` (docs/mdp.md).  Under an access policy a peer hears only of the services it may call
+(workers are listed without peer ids).  Listings hold at most :data:`MAX_ENTRIES`
+(``mmi.services``: those with workers first); a second frame ``{"truncated": true, "total": n}``
+says when there were more."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 
 from mdp import transport
 from mdp.errors import ClientClosed, RemoteError, ReplyTooLarge, RequestTooLarge
-from mdp.machine import Machine, action_class, action_type
+from mdp.machine import Machine, action_type
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
@@ -72,16 +72,8 @@ class _Service:
     workers: Optional[int] = None
 
 
-@action_class
-class LoadPending:
-    """Read up to *limit* pending requests, oldest first, without these (or only *onlyServices*')."""
-
-    limit: int
-    skipServices: list[bytes]
-    skipIds: list[str]
-    onlyServices: Optional[list[bytes]] = None
-
-
+#: Read up to *limit* pending requests, oldest first, without these (or only *onlyServices*').
+LoadPending = action_type(__name__, "LoadPending", "limit", "skipServices", "skipIds", onlyServices=None)
 #: Ask the broker which services it knows (``mmi.services``).
 ListServices = action_type(__name__, "ListServices")
 #: Ask the broker how many workers *service* has, or whether it knows it.

@@ -1,12 +1,7 @@
-"""Start-up checks of a Titanic SQLite store that SQLite itself leaves out.
-
-* :func:`check_wal`: a ``-wal`` file SQLite would silently cut short (a damaged
-  frame followed by committed transactions) or a ``-wal`` gone from a database
-  whose last run did not close it (its committed requests would vanish);
-* :func:`check_and_repair`: ``PRAGMA integrity_check`` (``quick_check`` does not
-  compare indexes with their table); damage confined to Titanic's indexes is
-  repaired by rebuilding them, as an index holds nothing its table does not.
-"""
+"""Start-up checks of a Titanic SQLite store that SQLite itself leaves out: :func:`check_wal` (a WAL
+SQLite would silently cut short, or one gone that held commits) and :func:`check_and_repair` (``PRAGMA
+integrity_check``: ``quick_check`` does not compare indexes with their table; damage confined to
+Titanic's indexes is repaired by rebuilding them, as an index holds nothing its table does not)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The Titanic Service Protocol (ZeroMQ RFC 9) as pure functions: no I/O.
-
-Three MDP services, each answered with a status frame first (docs/titanic.md,
-"The protocol"): ``titanic.request`` (service name, frames: ``200`` + the request
-id once stored), ``titanic.reply`` (request id: ``200`` + the reply frames,
-``300`` pending, ``400`` unknown or closed) and ``titanic.close`` (request id:
-``200``).  A request id is an RFC 4122 UUID as text.  A malformed body is
-answered ``500`` + a message frame; so is a failing store.
-"""
+"""The Titanic Service Protocol (ZeroMQ RFC 9) as pure functions, no I/O: ``titanic.request``,
+``titanic.reply`` and ``titanic.close``, each answered with a status frame first (docs/titanic.md,
+"The protocol"); a malformed body, or a failing store, is answered ``500`` and a message."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Where Titanic keeps requests and replies: the store interface and two stores.
-
-:class:`SQLiteStore` (the default) has a request on disk (WAL, ``synchronous=FULL``)
-before :meth:`~ITitanicStore.add` fires; writes arriving during a commit share the
-next one.  :class:`MemoryStore` is the Guide's "faster and less reliable" mode.
-Frames are stored as one record blob with a CRC-32; one that fails it reads back as damaged.
-"""
+"""Where Titanic keeps requests and replies: the store interface and two stores (docs/titanic.md).
+:class:`SQLiteStore` (the default) has a request on disk (WAL, ``synchronous=FULL``) before
+:meth:`~ITitanicStore.add` fires; writes arriving during a commit share the next one.  :class:`MemoryStore`
+is the Guide's "faster and less reliable" mode.  Frames are stored as one record blob with a CRC-32;
+one that fails it reads back as damaged."""
 
 from __future__ import annotations
 
