@@ -20,6 +20,7 @@ from twisted.web.server import Site
 
 from mdp.messages import text as label
 from mdp.policy import LogThrottle, default_reactor, positive_seconds, whole_number
+from mdp.transport import twisted_private
 
 log = Logger()
 
@@ -370,7 +371,7 @@ class _MetricsChannel(HTTPChannel):
         self.served += 1
         super().requestDone(request)
         if self.paused:  # no more read either
-            self._networkProducer.pauseProducing()
+            twisted_private.pause_channel_reads(self)
         if not self.persistent:  # closing once the last response is sent: in time
             self.setTimeout(self.site.timeOut)
 
@@ -384,13 +385,14 @@ class _MetricsChannel(HTTPChannel):
         self.dataReceived(b"")  # the requests that wait
 
     def timeoutConnection(self) -> None:
-        if not (self.paused or self.requests or self._buffer or self._closing):
+        if not (self.paused or self.requests or twisted_private.line_buffered(self) or self._closing):
             self._closing = True  # idle between requests (a scraper keeping it open): close
             self.loseConnection()
             self.setTimeout(self.site.timeOut)
             return
         why = ("its responses were not taken" if self.paused
-               else "no whole request came" if self.requests or self._buffer else "it did not close")
+               else "no whole request came" if self.requests or twisted_private.line_buffered(self)
+               else "it did not close")
         self.site.throttle.info(log, "timeout", "metrics endpoint closed the connection from "
                                 "{peer}: {why} within {timeout:g}s (requestTimeout)",
                                 peer=_peer(self.transport.getPeer()), why=why, timeout=self.site.timeOut)

@@ -32,6 +32,10 @@ PRIVATE = (
      "undo a failed direct add_reader before Twisted's own path"),
     ("twisted.internet.asyncioreactor", "AsyncioSelectorReactor", "_readOrWrite",
      "a direct reader's read and its disconnect handling, as Twisted's"),
+    ("twisted.web.http", "HTTPChannel", "_networkProducer",
+     "the metrics endpoint stops reading while a client leaves its responses unread"),
+    ("twisted.protocols.basic", "LineReceiver", "_buffer",
+     "the metrics endpoint tells a half-sent request from an idle connection"),
     ("twisted.logger._global", "LogBeginner", "_temporaryObserver",
      "whether a program began Twisted's logging (a blocking node logs to stdlib if not)"),
 )
@@ -137,3 +141,14 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
                 log.failure("while reading from {reader!r}", reader=reader)
 
     return UVLoopReactor
+
+
+def pause_channel_reads(channel: Any) -> None:
+    """Stop reading from an ``HTTPChannel``'s connection (its network producer:
+    ``pauseProducing`` on the channel also stops its responses)."""
+    channel._networkProducer.pauseProducing()
+
+
+def line_buffered(receiver: Any) -> bool:
+    """A ``LineReceiver`` holds bytes of a line not yet whole."""
+    return bool(receiver._buffer)
