@@ -17,7 +17,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import ProtocolError
-from mdp.interfaces import IAdmission, IDealerReceiver, IRouterReceiver
+from mdp.interfaces import DealerReceiver, IAdmission, IRouterReceiver
 from mdp.machine import Machine, action_type, machine_view
 from mdp.policy import Backoff, Limits, LogThrottle, default_reactor, positive_seconds
 
@@ -121,10 +121,9 @@ class BinaryStarMachine(Machine):
                         peerInstance: str = "", peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
         """A state message from the peer, on state channel *channel* (default: the current)."""
-        if channel is None:
-            channel = self.channel
         self._wake(now)
-        event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
+        event = self._peerEvent(peerState, self.channel if channel is None else channel,
+                                peerInstance, peerHeartbeat)
         if event is None:
             return self._drain()
         self.peerExpiry = now + self.failoverTimeout
@@ -313,9 +312,9 @@ class _Publisher:
         self.subscribers.pop(peer, None)
 
 
-@implementer(IDealerReceiver)
-class _Subscriber:
-    """The pipe to the peer's endpoint, for the machine's current state channel."""
+class _Subscriber(DealerReceiver):
+    """The pipe to the peer's endpoint, for the machine's current state channel (its loss
+    counts for nothing: the transport reconnects, and silence is what counts)."""
 
     def __init__(self, star: BinaryStar) -> None:
         self.star = star
@@ -328,9 +327,6 @@ class _Subscriber:
     def messageReceived(self, frames: list[bytes]) -> None:
         if self.star._subscriber is self:
             self.star._stateFrom(frames)
-
-    def connectionLost(self, reason: object) -> None:
-        pass  # the transport reconnects; silence is what counts
 
 
 Observer = Callable[[str], Any]
@@ -371,10 +367,9 @@ class BinaryStar:
         self._performers: dict[type, Callable[[Any], None]] = {
             PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
             Fatal: self._fatal,
-            Resumed: lambda a: log.info("Binary Star {role}: active again after the stall ({reason})",
-                                        role=self.role.value, reason=a.reason),
-            Conflict: lambda a: self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
-                                                   role=self.role.value, reason=a.reason)}
+            Resumed: lambda a: self._say("info", "active again after the stall ({reason})",
+                                         reason=a.reason),
+            Conflict: lambda a: self._say("warn", "{reason}", "conflict", reason=a.reason)}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
@@ -450,9 +445,9 @@ class BinaryStar:
                 router.close()
                 return
             self._publisher.transport = router
-            log.info("Binary Star {role}: state published on {endpoint}, the peer's read from "
-                     "{remote}; starts {state}", role=self.role.value, state=self.state.name.lower(),
-                     endpoint=router.endpoint, remote=self.remote)
+            self._say("info", "state published on {endpoint}, the peer's read from {remote}; "
+                      "starts {state}", state=self.state.name.lower(), endpoint=router.endpoint,
+                      remote=self.remote)
             transport.warn_if_open(
                 self.local, None, f"Binary Star {self.role.value}'s state channel",
                 "anyone who can reach it may read this broker's state, and the peer's endpoint is "
@@ -512,17 +507,17 @@ class BinaryStar:
             return
         self._silenceWarned = now
         if self.peerHeard is None:
-            log.warn("Binary Star {role}: no state heard from the peer at {remote} for {seconds:.0f} s "
-                     "(never, since this start): it is down, or that is not its state endpoint (remote "
-                     "must be the peer's local, --bstar-remote its --bstar-local); no failover until it "
-                     "is heard", role=self.role.value, remote=self.remote, seconds=silence)
+            self._say("warn", "no state heard from the peer at {remote} for {seconds:.0f} s (never, "
+                      "since this start): it is down, or that is not its state endpoint (remote must "
+                      "be the peer's local, --bstar-remote its --bstar-local); no failover until it "
+                      "is heard", remote=self.remote, seconds=silence)
             return
         serving = machine.state is State.ACTIVE
-        log.warn("Binary Star {role}: the peer at {remote} has been silent for {seconds:.0f} s "
-                 "(it was heard before): it is down or cut off; this server is {state}{what}",
-                 role=self.role.value, remote=self.remote, seconds=silence, state=machine.state.name.lower(),
-                 what=" and serves alone until the peer is back" if serving else
-                 " and becomes active at the next client's request")
+        self._say("warn", "the peer at {remote} has been silent for {seconds:.0f} s (it was heard "
+                  "before): it is down or cut off; this server is {state}{what}", remote=self.remote,
+                  seconds=silence, state=machine.state.name.lower(),
+                  what=" and serves alone until the peer is back" if serving else
+                  " and becomes active at the next client's request")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport
@@ -531,9 +526,8 @@ class BinaryStar:
 
     def _subscribeFrom(self, peer: bytes, frames: list[bytes]) -> None:
         if len(frames) != 2 or frames[0] != HEADER or frames[1] != SUBSCRIBE:
-            self.throttle.warn(log, "bad-subscribe", "Binary Star {role}: dropped a message "
-                               "that is not a subscription from {peer}: {frames!r}",
-                               role=self.role.value, peer=peer.hex(), frames=frames[:3])
+            self._say("warn", "dropped a message that is not a subscription from {peer}: "
+                      "{frames!r}", "bad-subscribe", peer=peer.hex(), frames=frames[:3])
             return
         # a subscriber counts for a failover timeout; sent the state at once if new
         now, subscribers = self.reactor.seconds(), self._publisher.subscribers
@@ -542,10 +536,9 @@ class BinaryStar:
             # the least recently heard goes: the peer asks every heartbeat
             oldest = min(subscribers, key=subscribers.__getitem__)
             del subscribers[oldest]
-            self.throttle.warn(log, "subscribers", "Binary Star {role}: {count} subscribers; "
-                               "dropped {oldest}, the least recently heard, for {peer}",
-                               role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
-                               peer=peer.hex())
+            self._say("warn", "{count} subscribers; dropped {oldest}, the least recently heard, "
+                      "for {peer}", "subscribers", count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
+                      peer=peer.hex())
         subscribers[peer] = now + self.machine.failoverTimeout
         if known or not self._running:
             return
@@ -560,8 +553,8 @@ class BinaryStar:
         try:
             peer = decode_state(frames)
         except ProtocolError as e:
-            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message from "
-                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=str(e))
+            self._say("warn", "dropped a bad message from {remote}: {error}", "bad-state",
+                      remote=self.remote, error=str(e))
             return
         now, channel = self.reactor.seconds(), self.machine.channel
         actions = self.machine.handlePeerState(peer.state, peer.role, peer.uptime, now,
@@ -569,9 +562,9 @@ class BinaryStar:
         if channel == self.machine.channel:  # not made stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
-                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at {remote}",
-                         role=self.role.value, peerRole=peer.role.value,
-                         peerState=peer.state.name.lower(), remote=self.remote)
+                self._say("info", "the peer ({peerRole}, state {peerState}) heard at {remote}",
+                          peerRole=peer.role.value, peerState=peer.state.name.lower(),
+                          remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
         self._perform(actions)
 
@@ -588,22 +581,21 @@ class BinaryStar:
                 router.sendMessage(peer, message)
 
     def _changed(self, action: Changed) -> None:
-        log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
-                 old=action.old.name.lower(), new=action.new.name.lower(), reason=action.reason)
+        self._say("info", "{old} -> {new} ({reason})", old=action.old.name.lower(),
+                  new=action.new.name.lower(), reason=action.reason)
         if action.new in (State.ACTIVE, State.PASSIVE):
             self._notify(action.new.name.lower(), action.reason)
 
     def _stalled(self, action: Stalled) -> None:
-        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was stopped or "
-                 "its reactor blocked); states received meanwhile are stale, the state channel to "
-                 "{remote} is opened again{serving}", role=self.role.value, seconds=action.seconds,
-                 remote=self.remote, serving=("; serving nothing until the peer is heard, in case it "
-                                              "took over" if action.serving else ""))
+        self._say("warn", "heard nothing for {seconds:.3f} s (this process was stopped or its "
+                  "reactor blocked); states received meanwhile are stale, the state channel to "
+                  "{remote} is opened again{serving}", seconds=action.seconds, remote=self.remote,
+                  serving=("; serving nothing until the peer is heard, in case it took over"
+                           if action.serving else ""))
         self._resubscribe()
 
     def _fatal(self, action: Fatal) -> None:
-        log.critical("Binary Star {role}: fatal: {reason}; this server stops",
-                     role=self.role.value, reason=action.reason)
+        self._say("critical", "fatal: {reason}; this server stops", reason=action.reason)
         # close the channel outside the transport callback that brought the news
         self._halt()
         self.reactor.callLater(0, lambda: self.stop().addErrback(
@@ -629,8 +621,16 @@ class BinaryStar:
             self._subscriber.transport = transport.connect(
                 self.remote, self._subscriber, self.reactor, retryPolicy=retry, limits=self.limits)
         except Exception as e:
-            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe to "
-                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=repr(e))
+            self._say("warn", "cannot open its state pipe to {remote}: {error}", "connect",
+                      remote=self.remote, error=repr(e))
+
+    def _say(self, level: str, format: str, kind: str = "", **fields: Any) -> None:
+        """Log "Binary Star ROLE: *format*" at *level*; with *kind*, throttled by it."""
+        format, fields["role"] = "Binary Star {role}: " + format, self.role.value
+        if kind:
+            getattr(self.throttle, level)(log, kind, format, **fields)
+        else:
+            getattr(log, level)(format, **fields)
 
     def _notify(self, kind: str, reason: str) -> None:
         for observer in list(self._observers[kind]):

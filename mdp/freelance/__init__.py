@@ -36,7 +36,7 @@ from mdp.freelance.machines import (
     remote_error,
 )
 from mdp.handlers import call_handler
-from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.interfaces import DealerReceiver, IPeerRouterReceiver, IRouterReceiver
 from mdp.machine import machine_view
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import (
@@ -195,8 +195,7 @@ class _Binding:
         pass
 
 
-@implementer(IDealerReceiver)
-class _Pipe:
+class _Pipe(DealerReceiver):
     """A connection to one server (model 1: one per attempt; model 2: one per
     server); failing to open, it logs and tries again at the next send."""
 
@@ -226,12 +225,6 @@ class _Pipe:
         closing, self.transport = self.transport, None
         return defer.succeed(None) if closing is None else closing.close()
 
-    def connectionMade(self) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client
         client._perform(client.machine.handleReply(frames, client.reactor.seconds(),
@@ -244,12 +237,13 @@ _VOIDABLE = (machines.Later, machines.SendPeer, machines.SendPipe, machines.Open
 
 
 class _FreelanceClient:
-    """The driver the three models share: it owns the Deferreds, timers and
-    connections, and does what the machine asks."""
+    """The driver the three models share: it owns the Deferreds, timers and connections,
+    and does what the machine asks.  Each model's *options*: *curveServerPublic*,
+    *curveSecret* (docs/security.md) and *limits*."""
 
     def __init__(self, machine: FreelanceMachine, endpoints: Union[str, Sequence[str]],
-                 reactor: Optional[Any], curveServerPublic: Optional[str],
-                 curveSecret: Optional[str], limits: Limits) -> None:
+                 reactor: Optional[Any], *, curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         self.machine = machine
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -381,11 +375,8 @@ class SequentialClient(_FreelanceClient):
     *timeout* seconds; :class:`RequestTimeout` after one round or *deadline*."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = 1.0, deadline: Optional[float] = 30.0,
-                 curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor,
-                         curveServerPublic, curveSecret, limits)
+                 *, timeout: float = 1.0, deadline: Optional[float] = 30.0, **options: Any) -> None:
+        super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor, **options)
 
 
 class ShotgunClient(_FreelanceClient):
@@ -393,11 +384,8 @@ class ShotgunClient(_FreelanceClient):
     :class:`RequestTimeout` after *timeout* (or a shorter *deadline*)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = 3.0, deadline: Optional[float] = None,
-                 curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor,
-                         curveServerPublic, curveSecret, limits)
+                 *, timeout: float = 3.0, deadline: Optional[float] = None, **options: Any) -> None:
+        super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor, **options)
 
     @property
     def links(self) -> dict[str, _Pipe]:
@@ -414,11 +402,8 @@ class AgentClient(_FreelanceClient):
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
-                 timeout: float = 1.0, deadline: Optional[float] = 3.0,
-                 curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor,
-                         curveServerPublic, curveSecret, limits)
+                 timeout: float = 1.0, deadline: Optional[float] = 3.0, **options: Any) -> None:
+        super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor, **options)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = self.reactor
         self._ticker.start(self.machine.wakeEvery, now=False)

@@ -165,36 +165,10 @@ class EventStream:
         return defer.succeed(None)
 
 
-@implementer(interfaces.IRouterReceiver)
-class _Inbox:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.node._perform(self.node.machine.handleMessage(peer, frames, self.node._now()))
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        """ZRE knows peers by their messages."""
-
-
-@implementer(interfaces.IDealerReceiver)
-class _Link:
-    """The receiving side of a link: a ZRE peer never answers on it."""
-
-    def connectionMade(self) -> None:
-        pass
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
-
 _loopbackPorts = itertools.count(49152)
 
 
-@implementer(interfaces.IDiscoveryListener)
+@implementer(interfaces.IDiscoveryListener, interfaces.IRouterReceiver)
 class Node:
     """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).  *endpoint* is where our
     ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's).  Events go to
@@ -256,7 +230,7 @@ class Node:
         bind = self.bindEndpoint
         if bind.startswith("loopback:") and bind.endswith(":*"):
             bind = f"{bind[:-2]}:{next(_loopbackPorts)}"
-        self.router = yield listen(bind, _Inbox(self), self.reactor, limits=self.limits)
+        self.router = yield listen(bind, self, self.reactor, limits=self.limits)
         self.endpoint = wire_endpoint(self.router.endpoint)
         self.port = int(self.endpoint.rpartition(":")[2])
         if bind.startswith(("zmq:tcp://*:", "zmq:tcp://0.0.0.0:")):
@@ -306,6 +280,12 @@ class Node:
 
     def dialPeer(self, endpoint: str) -> None:
         self._perform(self.machine.handleDial(wire_endpoint(endpoint), self._now()))
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self._perform(self.machine.handleMessage(peer, frames, self._now()))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        """ZRE knows peers by their messages."""
 
     def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
         """Call *callback(event)* for every event; returns a function that unsubscribes."""
@@ -415,8 +395,9 @@ class Node:
         if not live:
             return
         try:
-            self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
-                                              limits=self.limits, identity=zre.identity_of(self.uuid))
+            self.links[action.link] = connect(
+                transport_endpoint(action.endpoint), interfaces.DealerReceiver(), self.reactor,
+                limits=self.limits, identity=zre.identity_of(self.uuid))
         except (TransportError, ValueError) as e:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at {endpoint}: {error}",
                                name=self.name, endpoint=action.endpoint, error=e)

@@ -9,7 +9,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from mdp.errors import ClientClosed
-from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.interfaces import DealerReceiver, IRouterReceiver
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
 from mdp.session import machines
@@ -24,8 +24,7 @@ def session_endpoint(endpoint: str) -> str:
     return endpoint if endpoint.startswith(PREFIX) else PREFIX + endpoint
 
 
-@implementer(IDealerReceiver)
-class SessionClient:
+class SessionClient(DealerReceiver):
     """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
     ``send(*frames)`` never waits: while the connection is down the message waits in the
     session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
@@ -82,9 +81,6 @@ class SessionClient:
             except Exception:
                 log.failure("session client to {endpoint}: the subscriber {callback!r} raised",
                             endpoint=self.dealer.endpoint, callback=callback)
-
-    def connectionLost(self, reason: object) -> None:
-        """A session does not lose its connection (it re-attaches)."""
 
 
 @implementer(IRouterReceiver)
