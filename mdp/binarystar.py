@@ -121,9 +121,9 @@ class BinaryStarMachine(Machine):
                         peerInstance: str = "", peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
         """A state message from the peer, on state channel *channel* (default: the current)."""
+        channel = self.channel if channel is None else channel  # before a stall it may reveal
         self._wake(now)
-        event = self._peerEvent(peerState, self.channel if channel is None else channel,
-                                peerInstance, peerHeartbeat)
+        event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
         if event is None:
             return self._drain()
         self.peerExpiry = now + self.failoverTimeout
@@ -295,23 +295,6 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
 
 
-@implementer(IRouterReceiver)
-class _Publisher:
-    """The local endpoint: who subscribed, and when they were last heard."""
-
-    def __init__(self, star: BinaryStar) -> None:
-        self.star = star
-        self.transport: Any = None
-        #: subscriber -> when it stops counting unless heard again
-        self.subscribers: dict[bytes, float] = {}
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.star._subscribeFrom(peer, frames)
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        self.subscribers.pop(peer, None)
-
-
 class _Subscriber(DealerReceiver):
     """The pipe to the peer's endpoint, for the machine's current state channel (its loss
     counts for nothing: the transport reconnects, and silence is what counts)."""
@@ -332,7 +315,7 @@ class _Subscriber(DealerReceiver):
 Observer = Callable[[str], Any]
 
 
-@implementer(IAdmission)
+@implementer(IAdmission, IRouterReceiver)
 class BinaryStar:
     """One server of a Binary Star pair: publishes its state on *local*, reads the
     peer's from *remote* (the peer's *local*).  :meth:`admitClient` and
@@ -360,7 +343,9 @@ class BinaryStar:
         self.peerState: Optional[State] = None
         self.peerHeard: Optional[float] = None
         self._observers: dict[str, list[Observer]] = {"active": [], "passive": [], "fatal": []}
-        self._publisher = _Publisher(self)
+        #: the local endpoint, and who subscribed there: when each stops counting unless heard again
+        self._router: Any = None
+        self._subscribers: dict[bytes, float] = {}
         self._subscriber = _Subscriber(self)
         self._ticker = task.LoopingCall(self._tick)
         self._ticker.clock = self.reactor
@@ -385,8 +370,7 @@ class BinaryStar:
     @property
     def endpoint(self) -> Optional[str]:
         """The bound state endpoint (with the port the OS picked), once started."""
-        bound = self._publisher.transport
-        return bound.endpoint if bound is not None else None
+        return self._router.endpoint if self._router is not None else None
 
     def admitClient(self, now: Optional[float] = None) -> bool:
         """The client's vote: True if it is to be served (this server is, or just became, active)."""
@@ -444,7 +428,7 @@ class BinaryStar:
             if not self._running or self.machine is not run:  # stopped, or started again
                 router.close()
                 return
-            self._publisher.transport = router
+            self._router = router
             self._say("info", "state published on {endpoint}, the peer's read from {remote}; "
                       "starts {state}", state=self.state.name.lower(), endpoint=router.endpoint,
                       remote=self.remote)
@@ -461,16 +445,15 @@ class BinaryStar:
             self.stop()
             return failure
 
-        return transport.listen(self.local, self._publisher, self.reactor,
+        return transport.listen(self.local, self, self.reactor,
                                 limits=self.limits).addCallback(bound).addErrback(failed)
 
     def stop(self) -> defer.Deferred[None]:
         """Stop publishing and close both endpoints."""
         self._halt()
-        closing = [end.transport for end in (self._subscriber, self._publisher)
-                   if end.transport is not None]
-        self._subscriber.transport = self._publisher.transport = None
-        self._publisher.subscribers.clear()
+        closing = [end for end in (self._subscriber.transport, self._router) if end is not None]
+        self._subscriber.transport = self._router = None
+        self._subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
 
     def _halt(self) -> None:
@@ -483,7 +466,7 @@ class BinaryStar:
 
     def _tick(self) -> None:
         now = self.reactor.seconds()
-        subscribers = self._publisher.subscribers
+        subscribers = self._subscribers
         for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
             del subscribers[peer]
         self._perform(self.machine.handleTick(now))
@@ -524,13 +507,17 @@ class BinaryStar:
         if self._running and pipe is not None and pipe.connected:
             pipe.sendMessage([HEADER, SUBSCRIBE])
 
-    def _subscribeFrom(self, peer: bytes, frames: list[bytes]) -> None:
+    def peerDisconnected(self, peer: bytes) -> None:
+        self._subscribers.pop(peer, None)
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        """A subscription to the local endpoint (the peer's, or a monitor's)."""
         if len(frames) != 2 or frames[0] != HEADER or frames[1] != SUBSCRIBE:
             self._say("warn", "dropped a message that is not a subscription from {peer}: "
                       "{frames!r}", "bad-subscribe", peer=peer.hex(), frames=frames[:3])
             return
         # a subscriber counts for a failover timeout; sent the state at once if new
-        now, subscribers = self.reactor.seconds(), self._publisher.subscribers
+        now, subscribers = self.reactor.seconds(), self._subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
             # the least recently heard goes: the peer asks every heartbeat
@@ -574,10 +561,10 @@ class BinaryStar:
 
     def _publish(self, action: PublishState, peers: Optional[list[bytes]] = None) -> None:
         """Send *action*'s state to *peers* (default: every subscriber)."""
-        router = self._publisher.transport
+        router = self._router
         if router is not None:
             message = encode_state(*action)
-            for peer in list(self._publisher.subscribers) if peers is None else peers:
+            for peer in list(self._subscribers) if peers is None else peers:
                 router.sendMessage(peer, message)
 
     def _changed(self, action: Changed) -> None:

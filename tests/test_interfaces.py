@@ -195,15 +195,6 @@ def _binarystar() -> Any:
     return BinaryStar("primary", "loopback:bstar-a", "loopback:bstar-b", _clock())
 
 
-def _bstar_end(name: str) -> Callable[[], Any]:
-    def make() -> Any:
-        from mdp import binarystar
-
-        return getattr(binarystar, name)(_binarystar())
-
-    return make
-
-
 def _sp_pipe() -> Any:
     from mdp.sp.peers import SPClient, _Pipe
 
@@ -320,7 +311,6 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.testing._Pipe": _script_pipe,
     "mdp.interfaces.DealerReceiver": _bare("mdp.interfaces.DealerReceiver"),
     "mdp.binarystar.BinaryStar": _binarystar,
-    "mdp.binarystar._Publisher": _bstar_end("_Publisher"),
     "mdp.sp.peers._Pipe": _sp_pipe,
     "mdp.sp.peers._Listener": _sp_listener,
     "mdp.harmony.node.Node": _harmony_node,

@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp import messages, transport
+from mdp import messages, policy, transport
 from mdp.errors import ClientClosed, RequestTooLarge, TransportError
 from mdp.freelance import machines
 from mdp.freelance.machines import (
@@ -39,17 +39,7 @@ from mdp.handlers import call_handler
 from mdp.interfaces import DealerReceiver, IPeerRouterReceiver, IRouterReceiver
 from mdp.machine import machine_view
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_BYTES,
-    HeartbeatPolicy,
-    Limits,
-    LogThrottle,
-    cancel_call,
-    default_reactor,
-    held_bytes,
-    positive_seconds,
-)
+from mdp.policy import HeartbeatPolicy, Limits, LogThrottle, cancel_call, default_reactor, positive_seconds
 from mdp.transport.curve import curve_client, curve_server
 
 __all__ = ["ATTEMPT", "DEADLINE", "PING", "PONG", "SERVICE", "AgentClient", "AgentMachine",
@@ -67,8 +57,8 @@ class FreelanceServer:
     (a worker's handler)."""
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
-                 maxPending: int = DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 maxPending: int = policy.DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = policy.DEFAULT_MAX_PENDING_BYTES,
                  metrics: Optional[Any] = None, curveSecret: Optional[str] = None,
                  curveAllow: Optional[str] = None) -> None:
         self.handler = handler
@@ -129,7 +119,7 @@ class FreelanceServer:
             routerTransport.disconnectPeer(peer)
             return
         sequence, body = frames[0], frames[1:]
-        size = held_bytes(body)
+        size = policy.held_bytes(body)
         self._count("requests")
         if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
             self.refused += 1

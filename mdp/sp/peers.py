@@ -14,20 +14,11 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import transport
+from mdp import policy, transport
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import as_frame
-from mdp.policy import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_BYTES,
-    Backoff,
-    Limits,
-    LogThrottle,
-    call_at,
-    cancel_call,
-    default_reactor,
-)
+from mdp.policy import Backoff, Limits, LogThrottle, call_at, cancel_call, default_reactor
 from mdp.sp import machines
 from mdp.sp.codec import DEFAULT_MAX_HOPS, endpoint_of
 from mdp.transport.spframing import REP, REQ, SPFraming
@@ -211,8 +202,8 @@ class SPServer(_Side):
 
     def __init__(self, handler: Callable[[bytes], Any], reactor: Optional[Any] = None, *,
                  maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
-                 maxPending: int = DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+                 maxPending: int = policy.DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = policy.DEFAULT_MAX_PENDING_BYTES) -> None:
         super().__init__(reactor, limits)
         self.handler = handler
         self.machine = machines.RepMachine(random_id(), maxHops=maxHops, maxPending=maxPending,
