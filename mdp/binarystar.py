@@ -159,8 +159,7 @@ class BinaryStarMachine(Machine):
         self.resuming = False
         if event is Event.PEER_ACTIVE:
             old, self.state = self.state, State.PASSIVE
-            self._emit(Changed(old, State.PASSIVE,
-                               "the peer took over while this server was stalled"))
+            self._emit(Changed(old, State.PASSIVE, "the peer took over while this server was stalled"))
         else:
             self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
         self._emit(self.publication())
@@ -214,8 +213,7 @@ class BinaryStarMachine(Machine):
 
     def publication(self) -> PublishState:
         """What this server publishes now."""
-        return PublishState(self.state, self.role, self.now - self.started, self.instance,
-                            self.heartbeat)
+        return PublishState(self.state, self.role, self.now - self.started, self.instance, self.heartbeat)
 
     def _wake(self, now: float) -> None:
         """A gap since the last tick beyond the failover timeout is a stall."""
@@ -270,8 +268,7 @@ def new_instance() -> str:
     return os.urandom(8).hex()
 
 
-def encode_state(state: State, role: Role, uptime: float, instance: str,
-                 heartbeat: float) -> list[bytes]:
+def encode_state(state: State, role: Role, uptime: float, instance: str, heartbeat: float) -> list[bytes]:
     return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.6f" % uptime,
             instance.encode("ascii"), repr(float(heartbeat)).encode("ascii")]
 

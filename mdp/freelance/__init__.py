@@ -147,8 +147,7 @@ class FreelanceServer:
             if tooLarge is not None:
                 self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
                                    "too large ({reason})", reason=tooLarge)
-                message = [sequence, *error_body(STATUS_TOO_LARGE,
-                                                 f"reply too large to send: {tooLarge}")]
+                message = [sequence, *error_body(STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")]
                 outcome = "too-large"
             self.served += 1
             if self.metrics is not None:
@@ -217,13 +216,11 @@ class _Pipe(DealerReceiver):
 
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client
-        client._perform(client.machine.handleReply(frames, client.reactor.seconds(),
-                                                   self.endpoint))
+        client._perform(client.machine.handleReply(frames, client.reactor.seconds(), self.endpoint))
 
 
 #: actions void once the client is closed or their call is DONE
-_VOIDABLE = (machines.Later, machines.SendPeer, machines.SendPipe, machines.OpenPipe,
-             machines.ConnectPeer)
+_VOIDABLE = (machines.Later, machines.SendPeer, machines.SendPipe, machines.OpenPipe, machines.ConnectPeer)
 
 
 class _FreelanceClient:
@@ -330,8 +327,7 @@ class _FreelanceClient:
     def _arm(self, action: machines.Later) -> None:
         key = (action.call.sequence, action.kind)
         cancel_call(self._timers.get(key))
-        self._timers[key] = self.reactor.callLater(action.delay, self._fire, action.call,
-                                                   action.kind)
+        self._timers[key] = self.reactor.callLater(action.delay, self._fire, action.call, action.kind)
 
     def _disarm(self, action: machines.Cancel) -> None:
         cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
@@ -399,8 +395,7 @@ class AgentClient(_FreelanceClient):
         self._ticker.start(self.machine.wakeEvery, now=False)
 
     def _connectRouter(self) -> Any:
-        return transport.connect_peers(self, self.reactor, security=self.curve,
-                                       limits=self.limits)
+        return transport.connect_peers(self, self.reactor, security=self.curve, limits=self.limits)
 
     heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
     servers = machine_view("servers", "What the agent knows of each server (a KnownServer), "

@@ -133,8 +133,7 @@ class FreelanceMachine(Machine):
         self._start(call)
         return self._drain()
 
-    def handleReply(self, frames: list[bytes], now: float,
-                    endpoint: Optional[str] = None) -> list[Action]:
+    def handleReply(self, frames: list[bytes], now: float, endpoint: Optional[str] = None) -> list[Action]:
         """A ``[sequence, reply...]`` from *endpoint* (if known); stale ones are dropped."""
         self.now = now
         self._reply(frames, endpoint)
@@ -201,8 +200,7 @@ class FreelanceMachine(Machine):
             self._outbox.append(Resolve(call, body) if error is None else Reject(call, error))
         return False
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         """A 429 for *call*: models with another server try it; here it is the answer."""
         self._fail(call, error)
 
@@ -218,8 +216,7 @@ class SequentialMachine(FreelanceMachine):
     def _attemptOver(self, call: _Call) -> None:
         self._next(call)
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         if call.attempts < len(call.round):
             self._next(call)  # the next server, at once
         else:
@@ -257,15 +254,13 @@ class ShotgunMachine(FreelanceMachine):
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.endpoints)
         call.state = RequestState.SENT
-        self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call)
-                         for endpoint in self.endpoints]
+        self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call) for endpoint in self.endpoints]
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _attemptOver(self, call: _Call) -> None:
         self._expired(call)
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         # fail once every server said 429, counted by server (unknown origin: alone)
         call.refusals.add(object() if endpoint is None else endpoint)
         if len(call.refusals) >= call.attempts:
@@ -305,8 +300,7 @@ class AgentMachine(FreelanceMachine):
         return [s.endpoint for s in self.servers.values() if s.state is ServerState.ALIVE]
 
     def _allDead(self) -> bool:
-        return bool(self.servers) and all(s.state is ServerState.DEAD
-                                          for s in self.servers.values())
+        return bool(self.servers) and all(s.state is ServerState.DEAD for s in self.servers.values())
 
     def refusal(self) -> Optional[Exception]:
         if not self.closed and self._allDead():
@@ -383,8 +377,7 @@ class AgentMachine(FreelanceMachine):
         self._outbox += [SendPeer(endpoint, [call.sequence, *call.body], call),
                          Later(call, ATTEMPT, call.timeout)]
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         """A 429: its server becomes SUSPECT and the request goes to a live server
         not tried this round; none: the 429 is the answer."""
         self._suspect(endpoint)

@@ -8,8 +8,6 @@ from mdp.harmony.node import BeaconDiscovery, EndpointDiscovery, EventStream, No
 
 ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE = EVENTS
 
-__all__ = [
-    "DISCOVERY_PORT", "ENTER", "EVASIVE", "EVENTS", "EXIT", "JOIN", "LEAVE", "SHOUT", "WHISPER",
-    "BeaconDiscovery", "EndpointDiscovery", "Event", "EventStream", "HarmonyMachine",
-    "MalformedZre", "Node", "UnknownCommand", "UnknownPeer",
-]
+__all__ = ["DISCOVERY_PORT", "ENTER", "EVASIVE", "EVENTS", "EXIT", "JOIN", "LEAVE", "SHOUT", "WHISPER",
+           "BeaconDiscovery", "EndpointDiscovery", "Event", "EventStream", "HarmonyMachine",
+           "MalformedZre", "Node", "UnknownCommand", "UnknownPeer"]

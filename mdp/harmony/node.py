@@ -61,10 +61,9 @@ class BeaconDiscovery:
         self.listener, self.uuid = listener, uuid
         self.beacon = codec.encode_beacon(uuid, port)
         self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
-        log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})",
-                 interval=self.interval, host=self.host,
-                 to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port
-                 else self.spec.network, endpoint=self.endpoint)
+        log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})", interval=self.interval,
+                 host=self.host, endpoint=self.endpoint,
+                 to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port else self.spec.network)
         self.loop = task.LoopingCall(socket.send, self.beacon)
         self.loop.clock = self.reactor
         self.loop.start(self.interval, now=True)

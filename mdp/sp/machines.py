@@ -52,8 +52,7 @@ class ReqMachine(Machine):
     the order they went: ``_sent`` keeps that order (sorted again if the
     clock goes back), its first the next due."""
 
-    def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
-                 now: float = 0.0) -> None:
+    def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND, now: float = 0.0) -> None:
         super().__init__(now)
         if not resend > 0:
             raise ValueError(f"resend must be positive seconds, got {resend!r}")
@@ -170,8 +169,7 @@ class _ChannelMachine(Machine):
     """What a REP side and a device share: the hop limit, and a 31-bit id for
     each channel, never one in use."""
 
-    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
-                 now: float = 0.0) -> None:
+    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS, now: float = 0.0) -> None:
         super().__init__(now)
         self.maxHops = maxHops
         self.channelIds = IdSequence(firstChannelId)
@@ -232,15 +230,14 @@ class RepMachine(_ChannelMachine):
         if len(self.inHand) >= self.maxPending or (
                 self.inHand and self.pendingBytes + size > self.maxPendingBytes):
             return [Overloaded(channel, (
-                f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as "
-                f"many as allowed (maxPending {self.maxPending}, maxPendingBytes "
-                f"{self.maxPendingBytes}); its requester sends it again later"))]
+                f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as many as "
+                f"allowed (maxPending {self.maxPending}, maxPendingBytes {self.maxPendingBytes}); its "
+                "requester sends it again later"))]
         self.inHand[token] = size
         self.pendingBytes += size
         return [Serve(token, payload)]
 
-    def handleReply(self, token: tuple[Channel, bytes], payload: Optional[bytes],
-                    now: float) -> list[Any]:
+    def handleReply(self, token: tuple[Channel, bytes], payload: Optional[bytes], now: float) -> list[Any]:
         """The handler's reply for *token* (None: it cancelled, no reply)."""
         self.now = now
         size = self.inHand.pop(token, None)

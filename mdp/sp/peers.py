@@ -92,8 +92,7 @@ class _Side:
         for url, dial in [(url, endpoint_of(url, listen=False)) for url in urls]:
             pipe = _Pipe(self, url)  # type: ignore[arg-type]
             pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=self.limits,
-                                          framing=SPFraming(REQ),
-                                          retryPolicy=backoff.retryPolicy())
+                                          framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
             self.pipes.append(pipe)
 
     def _listen(self, endpoint: str, what: str, then: str = "") -> defer.Deferred[StreamRouter]:
@@ -103,8 +102,7 @@ class _Side:
         def bound(router: StreamRouter) -> StreamRouter:
             listener.transport = router
             self.routers.append(router)
-            log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint,
-                     then=then)
+            log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint, then=then)
             return router
 
         return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
@@ -174,9 +172,8 @@ class SPClient(_Side):
                 when = None if self._closed else action.when
                 self._timer = call_at(self._timer, self.reactor, when, self._wake)
             else:
-                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
-                                   "{reason}", url=getattr(action.channel, "url", "?"),
-                                   reason=action.reason)
+                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
+                                   url=getattr(action.channel, "url", "?"), reason=action.reason)
         for action in replies:
             d = self._waiting.pop(action.requestId, None)
             if d is not None:
@@ -274,8 +271,7 @@ class SPDevice(_Side):
         self.backs = self.pipes  # the upstream connections
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
-        return self._listen(front, "SP device",
-                            f", forwarding to {', '.join(b.url for b in self.backs)}")
+        return self._listen(front, "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
 
     def _perform(self, actions: list[Any], what: str = "request from a peer") -> None:
         for action in actions:
