@@ -44,8 +44,7 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
     (State.PRIMARY, Event.CLIENT_REQUEST): (VOTE, "a vote, the backup silent"),
     (State.BACKUP, Event.PEER_ACTIVE): (State.PASSIVE, "connected to the primary (active)"),
     (State.BACKUP, Event.CLIENT_REQUEST): (REFUSE, "a backup waiting for its primary"),
-    (State.ACTIVE, Event.PEER_ACTIVE): (
-        FATAL, "dual actives: the peer is active too (split brain)"),
+    (State.ACTIVE, Event.PEER_ACTIVE): (FATAL, "dual actives: the peer is active too (split brain)"),
     (State.PASSIVE, Event.PEER_PRIMARY): (State.ACTIVE, "the primary (passive) restarts"),
     (State.PASSIVE, Event.PEER_BACKUP): (State.ACTIVE, "the backup (passive) restarts"),
     (State.PASSIVE, Event.PEER_PASSIVE): (
@@ -319,9 +318,8 @@ class BinaryStar:
     :meth:`admitWorker` are the votes; after a fatal error (:meth:`onFatal`)
     nothing more is admitted and the server should close."""
 
-    def __init__(self, role: Union[Role, str], local: str, remote: str,
-                 reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
-                 limits: Limits = Limits()) -> None:
+    def __init__(self, role: Union[Role, str], local: str, remote: str, reactor: Optional[Any] = None, *,
+                 heartbeat: float = DEFAULT_HEARTBEAT, limits: Limits = Limits()) -> None:
         if isinstance(role, str):
             try:
                 role = Role(role)
@@ -347,10 +345,8 @@ class BinaryStar:
         self._ticker = task.LoopingCall(self._tick)
         self._ticker.clock = self.reactor
         self._performers: dict[type, Callable[[Any], None]] = {
-            PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
-            Fatal: self._fatal,
-            Resumed: lambda a: self._say("info", "active again after the stall ({reason})",
-                                         reason=a.reason),
+            PublishState: self._publish, Changed: self._changed, Stalled: self._stalled, Fatal: self._fatal,
+            Resumed: lambda a: self._say("info", "active again after the stall ({reason})", reason=a.reason),
             Conflict: lambda a: self._say("warn", "{reason}", "conflict", reason=a.reason)}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
@@ -393,8 +389,7 @@ class BinaryStar:
             "state": self.state.name.lower(),
             "serving": self.serving,
             "peer": self.peerState.name.lower() if self.peerState is not None else None,
-            "peerSilence": (round(now - self.peerHeard, 3)
-                            if self.peerHeard is not None else None),
+            "peerSilence": round(now - self.peerHeard, 3) if self.peerHeard is not None else None,
             "failoverTimeout": self.machine.failoverTimeout,
             "stopped": self.machine.stopped,
         }
@@ -426,14 +421,12 @@ class BinaryStar:
                 router.close()
                 return
             self._router = router
-            self._say("info", "state published on {endpoint}, the peer's read from {remote}; "
-                      "starts {state}", state=self.state.name.lower(), endpoint=router.endpoint,
-                      remote=self.remote)
-            transport.warn_if_open(
-                self.local, None, f"Binary Star {self.role.value}'s state channel",
-                "anyone who can reach it may read this broker's state, and the peer's endpoint is "
-                "trusted alike: what answers there decides which broker is active. Keep both on "
-                "loopback or a private network")
+            self._say("info", "state published on {endpoint}, the peer's read from {remote}; starts "
+                      "{state}", state=self.state.name.lower(), endpoint=router.endpoint, remote=self.remote)
+            transport.warn_if_open(self.local, None, f"Binary Star {self.role.value}'s state channel",
+                                   "anyone who can reach it may read this broker's state, and the "
+                                   "peer's endpoint is trusted alike: what answers there decides which "
+                                   "broker is active. Keep both on loopback or a private network")
             self._subscriber = _Subscriber(self)
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
@@ -493,11 +486,10 @@ class BinaryStar:
                       "is heard", remote=self.remote, seconds=silence)
             return
         serving = machine.state is State.ACTIVE
-        self._say("warn", "the peer at {remote} has been silent for {seconds:.0f} s (it was heard "
-                  "before): it is down or cut off; this server is {state}{what}", remote=self.remote,
-                  seconds=silence, state=machine.state.name.lower(),
-                  what=" and serves alone until the peer is back" if serving else
-                  " and becomes active at the next client's request")
+        self._say("warn", "the peer at {remote} has been silent for {seconds:.0f} s (it was heard before): "
+                  "it is down or cut off; this server is {state}{what}", remote=self.remote, seconds=silence,
+                  state=machine.state.name.lower(), what=" and serves alone until the peer is back"
+                  if serving else " and becomes active at the next client's request")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport
@@ -520,9 +512,8 @@ class BinaryStar:
             # the least recently heard goes: the peer asks every heartbeat
             oldest = min(subscribers, key=subscribers.__getitem__)
             del subscribers[oldest]
-            self._say("warn", "{count} subscribers; dropped {oldest}, the least recently heard, "
-                      "for {peer}", "subscribers", count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
-                      peer=peer.hex())
+            self._say("warn", "{count} subscribers; dropped {oldest}, the least recently heard, for "
+                      "{peer}", "subscribers", count=MAX_SUBSCRIBERS, oldest=oldest.hex(), peer=peer.hex())
         subscribers[peer] = now + self.machine.failoverTimeout
         if known or not self._running:
             return
@@ -547,8 +538,7 @@ class BinaryStar:
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
                 self._say("info", "the peer ({peerRole}, state {peerState}) heard at {remote}",
-                          peerRole=peer.role.value, peerState=peer.state.name.lower(),
-                          remote=self.remote)
+                          peerRole=peer.role.value, peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
         self._perform(actions)
 
@@ -571,11 +561,11 @@ class BinaryStar:
             self._notify(action.new.name.lower(), action.reason)
 
     def _stalled(self, action: Stalled) -> None:
-        self._say("warn", "heard nothing for {seconds:.3f} s (this process was stopped or its "
-                  "reactor blocked); states received meanwhile are stale, the state channel to "
-                  "{remote} is opened again{serving}", seconds=action.seconds, remote=self.remote,
-                  serving=("; serving nothing until the peer is heard, in case it took over"
-                           if action.serving else ""))
+        self._say("warn", "heard nothing for {seconds:.3f} s (this process was stopped or its reactor "
+                  "blocked); states received meanwhile are stale, the state channel to {remote} is "
+                  "opened again{serving}", seconds=action.seconds, remote=self.remote,
+                  serving="; serving nothing until the peer is heard, in case it took over"
+                  if action.serving else "")
         self._resubscribe()
 
     def _fatal(self, action: Fatal) -> None:

@@ -43,9 +43,9 @@ from mdp.policy import HeartbeatPolicy, Limits, LogThrottle, cancel_call, defaul
 from mdp.transport.curve import curve_client, curve_server
 
 __all__ = ["ATTEMPT", "DEADLINE", "PING", "PONG", "SERVICE", "AgentClient", "AgentMachine",
-           "FreelanceMachine", "FreelanceServer", "KnownServer", "RequestState",
-           "SequentialClient", "SequentialMachine", "ServerState", "ShotgunClient",
-           "ShotgunMachine", "freelance_client", "remote_error"]
+           "FreelanceMachine", "FreelanceServer", "KnownServer", "RequestState", "SequentialClient",
+           "SequentialMachine", "ServerState", "ShotgunClient", "ShotgunMachine", "freelance_client",
+           "remote_error"]
 
 log = Logger()
 
@@ -58,9 +58,8 @@ class FreelanceServer:
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
                  maxPending: int = policy.DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = policy.DEFAULT_MAX_PENDING_BYTES,
-                 metrics: Optional[Any] = None, curveSecret: Optional[str] = None,
-                 curveAllow: Optional[str] = None) -> None:
+                 maxPendingBytes: int = policy.DEFAULT_MAX_PENDING_BYTES, metrics: Optional[Any] = None,
+                 curveSecret: Optional[str] = None, curveAllow: Optional[str] = None) -> None:
         self.handler = handler
         #: CURVE key pair and allow-list for zmq: endpoints (docs/security.md)
         self.curve = curve_server(curveSecret, curveAllow)
@@ -201,9 +200,8 @@ class _Pipe(DealerReceiver):
             self.transport = transport.connect(endpoint, self, client.reactor,
                                                security=self.security, limits=client.limits)
         except TransportError as e:
-            client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
-                                 "it sends there goes unanswered until a connection opens",
-                                 error=e)
+            client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what it sends "
+                                 "there goes unanswered until a connection opens", error=e)
         return self.transport
 
     def send(self, frames: list[bytes]) -> None:
@@ -242,12 +240,11 @@ class _FreelanceClient:
         self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
         #: a closing pipe's performer returns the Deferred of its close
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
-            machines.Later: self._arm, machines.Cancel: self._disarm,
+            machines.Later: self._arm, machines.Cancel: self._disarm, machines.SendPipe: self._sendPipe,
             machines.SendPeer: lambda a: self.router.sendMessage(a.endpoint, a.frames),
-            machines.SendPipe: self._sendPipe,
             machines.Resolve: self._answer, machines.Reject: self._answer,
-            machines.OpenPipe: lambda a: self.pipes.__setitem__(a.key, _Pipe(self, a.endpoint)),
             machines.ClosePipe: self._closePipe,
+            machines.OpenPipe: lambda a: self.pipes.__setitem__(a.key, _Pipe(self, a.endpoint)),
             machines.ConnectPeer: lambda a: self.router.connect(a.endpoint),
             machines.ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
@@ -398,8 +395,7 @@ class AgentClient(_FreelanceClient):
         return transport.connect_peers(self, self.reactor, security=self.curve, limits=self.limits)
 
     heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
-    servers = machine_view("servers", "What the agent knows of each server (a KnownServer), "
-                           "by endpoint.")
+    servers = machine_view("servers", "What the agent knows of each server (a KnownServer), by endpoint.")
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""
