@@ -408,9 +408,8 @@ class HarmonyMachine(Machine):
                                         "taking its count"))
             peer.status = message.status
 
-    _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout,
-                 codec.Ping: _onPing, codec.PingOk: lambda self, peer, message: None,
-                 codec.Join: _onJoin, codec.Leave: _onLeave}
+    _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout, codec.Ping: _onPing,
+                 codec.PingOk: lambda self, peer, message: None, codec.Join: _onJoin, codec.Leave: _onLeave}
 
     def _peerJoins(self, peer: Peer, group: str) -> None:
         if group not in peer.groups:

@@ -480,9 +480,9 @@ class ServerSessionMachine(Machine):
         if hello.epoch == session.epoch:
             session.seq.acked(hello.ack)  # an ack of another incarnation means nothing here
         if hello.since > session.seq.received:
-            self._emit(Notice("since", f"session {session.routingId} from {peer!r} holds "
-                                       f"nothing before {hello.since + 1}, but we have only "
-                                       f"{session.seq.received + 1}: those are lost"))
+            self._emit(Notice("since", f"session {session.routingId} from {peer!r} holds nothing before "
+                                       f"{hello.since + 1}, but we have only {session.seq.received + 1}: "
+                                       "those are lost"))
             session.seq.received = hello.since
         self._emit(Attached(session.routingId))
         self._sendTo(session, codec.Welcome(session.seq.received, session.epoch, *self.limits))

@@ -12,7 +12,7 @@ import attrs
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_type
 from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
-from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, IdSequence, pop_word, split_backtrace, word
+from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, id_sequence, pop_word, split_backtrace, word
 
 #: Seconds before a request without a reply is sent again (nng's default).
 DEFAULT_RESEND = 60.0
@@ -57,7 +57,7 @@ class ReqMachine(Machine):
         if not resend > 0:
             raise ValueError(f"resend must be positive seconds, got {resend!r}")
         self.resend = resend
-        self.ids = IdSequence(firstId)
+        self.ids = id_sequence(firstId)
         self.channels: list[Channel] = []
         self._turn = 0
         self.requests: dict[int, _Request] = {}
@@ -69,7 +69,7 @@ class ReqMachine(Machine):
 
     def handleRequest(self, payload: bytes, now: float) -> tuple[int, list[Any]]:
         self.now = now
-        requestId = self.ids.next() | BOTTOM
+        requestId = next(self.ids) | BOTTOM
         request = _Request(requestId, word(requestId) + payload, next(self._serials))
         self.requests[requestId] = request
         self._send(request)
@@ -172,7 +172,7 @@ class _ChannelMachine(Machine):
     def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS, now: float = 0.0) -> None:
         super().__init__(now)
         self.maxHops = maxHops
-        self.channelIds = IdSequence(firstChannelId)
+        self.channelIds = id_sequence(firstChannelId)
         self.byChannel: dict[Channel, int] = {}
         self.byId: dict[int, Channel] = {}
 
@@ -191,9 +191,9 @@ class _ChannelMachine(Machine):
     def _idOf(self, channel: Channel) -> int:
         if channel in self.byChannel:
             return self.byChannel[channel]
-        number = self.channelIds.next()
+        number = next(self.channelIds)
         while number in self.byId:
-            number = self.channelIds.next()
+            number = next(self.channelIds)
         self.byChannel[channel] = number
         self.byId[number] = channel
         return number
