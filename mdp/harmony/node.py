@@ -170,22 +170,17 @@ _loopbackPorts = itertools.count(49152)
 @implementer(interfaces.IDiscoveryListener, interfaces.IRouterReceiver)
 class Node:
     """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).  *endpoint* is where our
-    ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's).  Events go to
-    :meth:`subscribe` callbacks and ``async for event in node``."""
+    ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's); the other *options*
+    (*headers*, *evasive*, *expired*, *maxPeers*, ...) are :class:`HarmonyMachine`'s.  Events
+    go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
-                 headers: Optional[dict[str, str]] = None, discovery: Optional[interfaces.IDiscovery] = None,
-                 endpoint: Optional[str] = None, evasive: float = zre.DEFAULT_EVASIVE,
-                 expired: float = zre.DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
-                 maxPeers: int = zre.DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = zre.DEFAULT_MAX_STRANGERS,
-                 helloWait: float = zre.DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
+                 discovery: Optional[interfaces.IDiscovery] = None, endpoint: Optional[str] = None,
+                 interval: float = DEFAULT_INTERVAL, limits: Limits = Limits(), **options: Any) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
-        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
-                                      maxPeers=maxPeers, maxGroups=maxGroups, maxHeaders=maxHeaders,
-                                      maxStrangers=maxStrangers, helloWait=helloWait,
-                                      reachable=self._unreachable, now=self._now())
+        self.machine = HarmonyMachine(self.uuid, name, reachable=self._unreachable, now=self._now(),
+                                      **options)
         self.name = name
         self.discovery: interfaces.IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))

@@ -28,19 +28,17 @@ class SessionClient(DealerReceiver):
     """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
     ``send(*frames)`` never waits: while the connection is down the message waits in the
     session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
-    hears when the server's session for us was renewed (what it held for us is lost)."""
+    hears when the server's session for us was renewed (what it held for us is lost); the
+    other *options* (*pingInterval*, *liveness*, *maxQueued*, *limits*) are the dealer's."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
-                 pingInterval: float = machines.DEFAULT_PING_INTERVAL,
-                 liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
-                 limits: Limits = Limits(), onRenewed: Optional[Callable[[], Any]] = None) -> None:
+                 onRenewed: Optional[Callable[[], Any]] = None, **options: Any) -> None:
         self.reactor = default_reactor(reactor)
         self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._closed = False
         self._waiting = DrainWaiters()
-        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
-                                    pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued)
+        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, **options)
 
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached; fails with

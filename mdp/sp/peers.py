@@ -14,7 +14,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp import policy, transport
+from mdp import transport
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import as_frame
@@ -194,17 +194,15 @@ class SPClient(_Side):
 
 
 class SPServer(_Side):
-    """An SP REP socket: *handler* takes a request's payload and returns bytes, a
-    Deferred or a coroutine (None or a cancelled Deferred: no reply)."""
+    """An SP REP socket: *handler* takes a request's payload and returns bytes, a Deferred or a
+    coroutine (None or a cancelled Deferred: no reply); *options* (*maxHops*, *maxPending*,
+    *maxPendingBytes*) are :class:`~mdp.sp.machines.RepMachine`'s."""
 
     def __init__(self, handler: Callable[[bytes], Any], reactor: Optional[Any] = None, *,
-                 maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
-                 maxPending: int = policy.DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = policy.DEFAULT_MAX_PENDING_BYTES) -> None:
+                 limits: Limits = Limits(), **options: Any) -> None:
         super().__init__(reactor, limits)
         self.handler = handler
-        self.machine = machines.RepMachine(random_id(), maxHops=maxHops, maxPending=maxPending,
-                                           maxPendingBytes=maxPendingBytes, now=self._now())
+        self.machine = machines.RepMachine(random_id(), now=self._now(), **options)
         self.served = 0
         #: requests dropped at maxPending or maxPendingBytes
         self.overloaded = 0
