@@ -97,8 +97,7 @@ class _Pipe:
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
-            self.closed = True
-            self.connected = False
+            self.closed, self.connected = True, False
             self.script.actions.append(Close(self.name))
         return defer.succeed(None)
 

@@ -370,10 +370,6 @@ class ShotgunClient(_FreelanceClient):
                  *, timeout: float = 3.0, deadline: Optional[float] = None, **options: Any) -> None:
         super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor, **options)
 
-    @property
-    def links(self) -> dict[str, _Pipe]:
-        return dict(self.pipes)
-
 
 @implementer(IPeerRouterReceiver)
 class AgentClient(_FreelanceClient):
