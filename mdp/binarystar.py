@@ -602,7 +602,7 @@ class BinaryStar:
         """Log "Binary Star ROLE: *format*" at *level*; with *kind*, throttled by it."""
         format, fields["role"] = "Binary Star {role}: " + format, self.role.value
         if kind:
-            getattr(self.throttle, level)(log, kind, format, **fields)
+            self.throttle.log(level, log, kind, format, **fields)
         else:
             getattr(log, level)(format, **fields)
 

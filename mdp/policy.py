@@ -5,6 +5,7 @@ throttled warnings, and reactor and duration helpers."""
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import numbers
 import random as _random
@@ -285,15 +286,8 @@ class LogThrottle:
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def warn(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
-        """Log *format* at warn level unless throttled; True if logged."""
-        return self._emit(logger.warn, kind, format, fields)
-
-    def info(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
-        """As :meth:`warn`, at info level."""
-        return self._emit(logger.info, kind, format, fields)
-
-    def _emit(self, emit: Any, kind: str, format: str, fields: dict[str, Any]) -> bool:
+    def log(self, level: str, logger: Any, kind: str, format: str, **fields: Any) -> bool:
+        """Log *format* at *level* (``"warn"``, ``"info"``) unless throttled; True if logged."""
         now = self.clock.seconds()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval:
@@ -304,8 +298,11 @@ class LogThrottle:
         if held:
             format += " ({held} similar held back in the last {interval:g}s)"
             fields.update(held=held, interval=self.interval)
-        emit(format, **fields)
+        getattr(logger, level)(format, **fields)
         return True
+
+    warn = functools.partialmethod(log, "warn")
+    info = functools.partialmethod(log, "info")
 
 
 @attrs.frozen

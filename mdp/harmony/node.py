@@ -406,8 +406,7 @@ class Node:
         if action.topic is None:
             emit = log.info if action.level == "info" else log.warn
         else:
-            throttled = self.throttle.info if action.level == "info" else self.throttle.warn
-            emit = functools.partial(throttled, log, action.topic)
+            emit = functools.partial(self.throttle.log, action.level, log, action.topic)
         emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
     _performers = {zre.SendOn: _sendOn, zre.Emit: _emitEvent, zre.OpenLink: _openLink,

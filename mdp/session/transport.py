@@ -123,8 +123,7 @@ class _End:
 
     def _say(self, topic: str, format: str, level: str = "warn", **fields: Any) -> None:
         """Log *format* with *fields* (and ``end``), throttled by *topic*."""
-        emit = self.throttle.info if level == "info" else self.throttle.warn
-        emit(log, topic, "{end}: " + format, end=self._name(), **fields)
+        self.throttle.log(level, log, topic, "{end}: " + format, end=self._name(), **fields)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1

@@ -222,9 +222,9 @@ class SPServer(_Side):
             else:
                 overloaded = kind is machines.Overloaded
                 self.overloaded += overloaded
-                say = self.throttle.warn if overloaded else self.throttle.info
-                say(log, "overloaded" if overloaded else "dropped", "SP server dropped a request "
-                    "from {peer}: {reason}", peer=peer_label(*action.channel), reason=action.reason)
+                level, topic = ("warn", "overloaded") if overloaded else ("info", "dropped")
+                self.throttle.log(level, log, topic, "SP server dropped a request from {peer}: {reason}",
+                                  peer=peer_label(*action.channel), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
         def run() -> Any:
