@@ -456,9 +456,8 @@ class BinaryStar:
 
     def _tick(self) -> None:
         now = self.reactor.seconds()
-        subscribers = self._subscribers
-        for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
-            del subscribers[peer]
+        for peer in [p for p, expiry in self._subscribers.items() if expiry <= now]:
+            del self._subscribers[peer]
         self._perform(self.machine.handleTick(now))
         self._warnIfPeerSilent(now)
         if self._running and self._subscriber.transport is None:
@@ -466,8 +465,7 @@ class BinaryStar:
         self._subscribe()
 
     def _warnIfPeerSilent(self, now: float) -> None:
-        """Warn now and then of a silent peer (no failover without it): down, cut off,
-        or ``remote`` is not its state endpoint."""
+        """Warn now and then of a silent peer: there is no failover without it."""
         machine = self.machine
         if not self._running or machine.stopped is not None:
             return

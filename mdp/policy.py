@@ -210,9 +210,7 @@ def call_at(call: Any, reactor: Any, when: Optional[float], fn: Any) -> Any:
     """Replace the delayed call *call* with one of *fn* at *when* (None:
     none): a machine's ``WakeAt``.  Store the result back."""
     cancel_call(call)
-    if when is None:
-        return None
-    return reactor.callLater(max(0.0, when - reactor.seconds()), fn)
+    return None if when is None else reactor.callLater(max(0.0, when - reactor.seconds()), fn)
 
 
 def cancel_call(call: Any) -> None:
@@ -327,9 +325,7 @@ class AccessRule:
 
 def _matcher(patterns: tuple[str, ...]) -> Any:
     """A match function for any of *patterns* (None: no match)."""
-    if not patterns:
-        return lambda name: None
-    return re.compile("|".join(fnmatch.translate(p) for p in patterns)).match
+    return re.compile("|".join(map(fnmatch.translate, patterns))).match if patterns else lambda name: None
 
 
 class AccessPolicy:
@@ -346,9 +342,7 @@ class AccessPolicy:
         self.anonymous = anonymous
 
     def rule(self, identity: Optional[str]) -> AccessRule:
-        if identity is None:
-            return self.anonymous
-        return self.peers.get(identity, self.default)
+        return self.anonymous if identity is None else self.peers.get(identity, self.default)
 
     def mayCall(self, identity: Optional[str], service: bytes) -> bool:
         return self.rule(identity).mayCall(service.decode("utf-8", "replace"))

@@ -72,8 +72,7 @@ ServerChanged = action_type(__name__, "ServerChanged", "endpoint", "state")
 
 
 def _call_action(name: str, *fields: str) -> Any:
-    """An action with *fields*, then the request it is for (``call``, not compared; None for
-    a PING): skipped if DONE by then."""
+    """An action with *fields*, then its request (``call``: not compared, None for a PING)."""
     made = {**{field: attrs.field() for field in fields},
             "call": attrs.field(default=None, eq=False, repr=False)}
     kind = attrs.make_class(name, made, slots=True, weakref_slot=False)
@@ -92,8 +91,8 @@ Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer |
 
 
 class FreelanceMachine(Machine):
-    """What the three models decide alike (sequence numbers, pending requests,
-    the deadline, replies, close); the subclasses add each model's rules."""
+    """What the three models decide alike (sequence numbers, pending requests, the deadline,
+    replies, close); each model's subclass adds its rules: ``_start``, ``_attemptOver``, ..."""
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         super().__init__(now)
@@ -161,12 +160,6 @@ class FreelanceMachine(Machine):
     def _connected(self, endpoint: str) -> None:
         """A model's own work for a server added."""
 
-    def _start(self, call: _Call) -> None:
-        raise NotImplementedError
-
-    def _attemptOver(self, call: _Call) -> None:
-        raise NotImplementedError
-
     def _finish(self, call: _Call) -> bool:
         """*call* is DONE: forget it; False if it already was."""
         if call.state is RequestState.DONE:
@@ -184,8 +177,7 @@ class FreelanceMachine(Machine):
             self._outbox.append(Reject(call, error))
 
     def _reply(self, frames: list[bytes], endpoint: Optional[str] = None) -> bool:
-        """A reply; True if it was a 429 for a pending request (nothing ran, another
-        server may serve it)."""
+        """A reply; True if a 429 for a pending request (nothing ran: another server may)."""
         if len(frames) < 2:
             return False
         call = self.pending.get(frames[0])

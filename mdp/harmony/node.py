@@ -35,9 +35,7 @@ def wire_endpoint(endpoint: str) -> str:
 
 def transport_endpoint(endpoint: str) -> str:
     """A ZRE endpoint as one of our transport endpoints: ``tcp://h:p`` → ``zmq:tcp://h:p``."""
-    if endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        return "zmq:" + endpoint
-    return endpoint
+    return "zmq:" + endpoint if endpoint.startswith(("tcp://", "ipc://", "inproc://")) else endpoint
 
 
 @implementer(interfaces.IDiscovery, interfaces.IDatagramReceiver)
@@ -403,10 +401,8 @@ class Node:
             link.close()
 
     def _notice(self, action: zre.Notice, generation: int, live: bool) -> None:
-        if action.topic is None:
-            emit = log.info if action.level == "info" else log.warn
-        else:
-            emit = functools.partial(self.throttle.log, action.level, log, action.topic)
+        emit = (getattr(log, action.level) if action.topic is None
+                else functools.partial(self.throttle.log, action.level, log, action.topic))
         emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
     _performers = {zre.SendOn: _sendOn, zre.Emit: _emitEvent, zre.OpenLink: _openLink,

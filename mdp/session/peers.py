@@ -45,9 +45,7 @@ class SessionClient(DealerReceiver):
         :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
         if self._closed:
             return defer.fail(ClientClosed("the session client is closed"))
-        if self.dealer.madeOnce:
-            return defer.succeed(None)
-        return self._waiting.wait()
+        return defer.succeed(None) if self.dealer.madeOnce else self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
         """Call *callback(frames)* for every message from the server, in order, once."""
