@@ -169,10 +169,8 @@ class BinaryStarMachine(Machine):
         reason = f"both servers are configured {self.role.value}"
         now = self.now
         peerStarted = now - peerUptime
-        if abs(self.started - peerStarted) < self.heartbeat:
-            later = self.instance > peerInstance
-        else:
-            later = self.started > peerStarted
+        later = (self.instance > peerInstance if abs(self.started - peerStarted) < self.heartbeat
+                 else self.started > peerStarted)
         if later:
             self._stop(f"{reason}; this one started later and stops")
             return
@@ -384,15 +382,10 @@ class BinaryStar:
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
         """Role, state and what is known of the peer (``mmi.binarystar``)."""
         now = self._now(now)
-        return {
-            "role": self.role.value,
-            "state": self.state.name.lower(),
-            "serving": self.serving,
-            "peer": self.peerState.name.lower() if self.peerState is not None else None,
-            "peerSilence": round(now - self.peerHeard, 3) if self.peerHeard is not None else None,
-            "failoverTimeout": self.machine.failoverTimeout,
-            "stopped": self.machine.stopped,
-        }
+        return dict(role=self.role.value, state=self.state.name.lower(), serving=self.serving,
+                    peer=self.peerState.name.lower() if self.peerState is not None else None,
+                    peerSilence=round(now - self.peerHeard, 3) if self.peerHeard is not None else None,
+                    failoverTimeout=self.machine.failoverTimeout, stopped=self.machine.stopped)
 
     def onActive(self, observer: Observer) -> None:
         """Call *observer(reason)* when this server becomes active."""
@@ -564,7 +557,14 @@ class BinaryStar:
                   "opened again{serving}", seconds=action.seconds, remote=self.remote,
                   serving="; serving nothing until the peer is heard, in case it took over"
                   if action.serving else "")
-        self._resubscribe()
+        old = self._subscriber  # replaced: what waits on it is stale
+        self._subscriber = _Subscriber(self)
+        if old.transport is not None:
+            defer.maybeDeferred(old.transport.close).addErrback(
+                lambda f: log.failure("Binary Star could not close its stale state pipe", f))
+            old.transport = None
+            self._connectSubscriber()
+            self._subscribe()
 
     def _fatal(self, action: Fatal) -> None:
         self._say("critical", "fatal: {reason}; this server stops", reason=action.reason)
@@ -573,17 +573,6 @@ class BinaryStar:
         self.reactor.callLater(0, lambda: self.stop().addErrback(
             lambda f: log.failure("Binary Star could not close its state channel", f)))
         self._notify("fatal", action.reason)
-
-    def _resubscribe(self) -> None:
-        """Replace the pipe to the peer: what waits on the old one is stale."""
-        old = self._subscriber
-        self._subscriber = _Subscriber(self)
-        if old.transport is not None:
-            defer.maybeDeferred(old.transport.close).addErrback(
-                lambda f: log.failure("Binary Star could not close its stale state pipe", f))
-            old.transport = None
-            self._connectSubscriber()
-            self._subscribe()
 
     def _connectSubscriber(self) -> None:
         """Open the pipe to the peer; on failure the next tick tries again."""

@@ -109,9 +109,6 @@ class EndpointRotation:
         self.index = (self.index + 1) % len(self.endpoints)
         return self.endpoints[self.index]
 
-    def __len__(self) -> int:
-        return len(self.endpoints)
-
 
 def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
     """*initial* finite and positive, *maximum* positive (``inf``: no cap),

@@ -401,12 +401,11 @@ class AgentClient(_FreelanceClient):
         self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))
 
     def tick(self) -> None:
-        machine = self.machine
         try:
-            self._perform(machine.handleTick(self.reactor.seconds()))
+            self._perform(self.machine.handleTick(self.reactor.seconds()))
         except Exception:  # the heartbeat must go on
             log.failure("Freelance agent: its tick failed")
-            self._perform(machine.actionsSoFar())
+            self._perform(self.machine.actionsSoFar())
 
     def close(self) -> defer.Deferred:
         super().close()

@@ -149,12 +149,10 @@ class ReqMachine(Machine):
         request.channel = channel
         request.resendAt = self.now + self.resend
         sent = self._sent
-        if sent and next(reversed(sent.values())).resendAt > request.resendAt:
-            # the clock went back: keep the deadlines in order
-            sent[request.requestId] = request
+        late = sent and next(reversed(sent.values())).resendAt > request.resendAt
+        sent[request.requestId] = request
+        if late:  # the clock went back: keep the deadlines in order
             self._sent = OrderedDict(sorted(sent.items(), key=lambda item: item[1].resendAt))
-        else:
-            sent[request.requestId] = request
         self._emit(SendOn(channel, request.body))
 
     def _rearm(self) -> None:
