@@ -92,14 +92,11 @@ class BinaryStarMachine(Machine):
         self.peerExpiry = now + self.failoverTimeout
         #: since when a peer configured alike talks, which run, last heard when
         self.conflictSince: Optional[float] = None
-        self.conflictWith = ""
-        self.conflictHeard = 0.0
+        self.conflictWith, self.conflictHeard = "", 0.0
         self.stopped: Optional[str] = None
         #: the state channel's number (+1 per stall); a resuming server waits until resumeBy
         self.lastTick: Optional[float] = None
-        self.channel = 0
-        self.resuming = False
-        self.resumeBy = 0.0
+        self.channel, self.resuming, self.resumeBy = 0, False, 0.0
 
     @property
     def failoverTimeout(self) -> float:
@@ -326,9 +323,7 @@ class BinaryStar:
         transport.check(local, transport.LISTEN)
         transport.check(remote, transport.CONNECT)
         self.reactor = default_reactor(reactor)
-        self.local = local
-        self.remote = remote
-        self.limits = limits
+        self.local, self.remote, self.limits = local, remote, limits
         self.machine = BinaryStarMachine(role, heartbeat=heartbeat, instance=new_instance(),
                                          now=self.reactor.seconds())
         self.throttle = LogThrottle(self.reactor)

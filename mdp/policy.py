@@ -64,9 +64,7 @@ class Liveness:
     __slots__ = ("policy", "lastHeard", "lastSent")
 
     def __init__(self, policy: HeartbeatPolicy, now: float) -> None:
-        self.policy = policy
-        self.lastHeard = now
-        self.lastSent = now
+        self.policy, self.lastHeard, self.lastSent = policy, now, now
 
     def heard(self, now: float) -> None:
         self.lastHeard = now
@@ -276,8 +274,7 @@ class LogThrottle:
     event; the next line out says how many were held back."""
 
     def __init__(self, clock: Any, interval: float = 1.0) -> None:
-        self.clock = clock
-        self.interval = interval
+        self.clock, self.interval = clock, interval
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
@@ -335,8 +332,7 @@ class AccessPolicy:
     def __init__(self, peers: Optional[dict[str, AccessRule]] = None, *,
                  default: AccessRule = AccessRule(), anonymous: AccessRule = AccessRule()) -> None:
         self.peers = dict(peers or {})
-        self.default = default
-        self.anonymous = anonymous
+        self.default, self.anonymous = default, anonymous
 
     def rule(self, identity: Optional[str]) -> AccessRule:
         return self.anonymous if identity is None else self.peers.get(identity, self.default)

@@ -64,15 +64,11 @@ class FreelanceServer:
         #: CURVE key pair and allow-list for zmq: endpoints (docs/security.md)
         self.curve = curve_server(curveSecret, curveAllow)
         self.reactor = default_reactor(reactor)
-        self.limits = limits
-        self.maxPending = maxPending
-        self.maxPendingBytes = maxPendingBytes
+        self.limits, self.maxPending, self.maxPendingBytes = limits, maxPending, maxPendingBytes
         self.throttle = LogThrottle(self.reactor)
         self.transports: list[Any] = []
-        self.served = 0
-        self.refused = 0  # requests answered 429
-        self.pending = 0  # requests being handled
-        self.pendingBytes = 0
+        #: replies sent, requests answered 429, and those being handled and their bytes
+        self.served = self.refused = self.pending = self.pendingBytes = 0
         #: a :class:`mdp.metrics.FreelanceMetrics` (or None)
         self.metrics = metrics
         if metrics is not None:
@@ -188,8 +184,7 @@ class _Pipe(DealerReceiver):
     server); failing to open, it logs and tries again at the next send."""
 
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
-        self.client = client
-        self.endpoint = endpoint
+        self.client, self.endpoint = client, endpoint
         self.security = transport.curve_for(endpoint, client.curve)
         self.transport: Any = None
         self._open()

@@ -119,8 +119,7 @@ class EventStream:
         self.node, self.size = node, size
         self.queue: deque[Event] = deque(maxlen=size)
         self.waiting: Optional[defer.Deferred[Event]] = None
-        self.ended = False
-        self.dropped = 0
+        self.ended, self.dropped = False, 0
 
     def _put(self, event: Event) -> None:
         if self.waiting is not None:

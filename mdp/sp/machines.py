@@ -207,8 +207,7 @@ class RepMachine(_ChannelMachine):
         if maxPending < 1 or maxPendingBytes < 1:
             raise ValueError(f"maxPending and maxPendingBytes must be at least 1, got "
                              f"{maxPending} and {maxPendingBytes}")
-        self.maxPending = maxPending
-        self.maxPendingBytes = maxPendingBytes
+        self.maxPending, self.maxPendingBytes = maxPending, maxPendingBytes
         #: (channel, backtrace) of requests being handled: their payload's size
         self.inHand: dict[tuple[Channel, bytes], int] = {}
         self.pendingBytes = 0

@@ -36,8 +36,7 @@ class _Pipe:
     """One connection a REQ side dials, of an :class:`SPClient` or an :class:`SPDevice`."""
 
     def __init__(self, owner: Union[SPClient, SPDevice], url: str) -> None:
-        self.owner = owner
-        self.url = url
+        self.owner, self.url = owner, url
         self.transport: Any = None
         self.up = False
 
